@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -107,6 +108,11 @@ def _check_leaf(what: str, x, op: str, reproducible: bool):
                                  "cast to a float dtype or use op='sum'.")
 
 
+def _optional(name: str):
+  """A sibling module that other engineers own and may not have landed yet (ImportError then)."""
+  return importlib.import_module(name)
+
+
 # --- algorithm choice -----------------------------------------------------------------------------
 
 class AlgorithmChoice(NamedTuple):
@@ -155,8 +161,7 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Any, *,
   cands = sorted(set(candidates))
   if costmodel is None:
     try:
-      from dtenjax._src import costmodel as cm   # noqa: PLC0415 - optional, lands separately
-      costmodel = cm
+      costmodel = _optional("dtenjax._src.costmodel")
     except ImportError:
       costmodel = None
   if costmodel is not None and topology is not None:
@@ -180,14 +185,12 @@ def _group_and_topology(axes: tuple[str, ...]):
   n = alg.axis_size(axes)
   topo = None
   try:
-    from dtenjax._src import topology   # noqa: PLC0415
-    topo = topology.Topology.current()
+    topo = _optional("dtenjax._src.topology").Topology.current()
   except Exception:  # noqa: BLE001 - ImportError until it lands; any failure means "unknown"
     topo = None
   mesh = None
   try:
-    from dtenjax._src import mesh as mesh_mod   # noqa: PLC0415
-    mesh = mesh_mod.current_mesh()
+    mesh = _optional("dtenjax._src.mesh").current_mesh()
   except Exception:  # noqa: BLE001
     mesh = None
   if mesh is not None and all(a in mesh.axis_names for a in axes):
@@ -219,16 +222,14 @@ def choose(axes: tuple[str, ...], nbytes: int, op: str, dtype, deterministic: bo
 
 def _p2p_module():
   try:
-    from dtenjax._src import p2p   # noqa: PLC0415
-    return p2p
+    return _optional("dtenjax._src.p2p")
   except ImportError:
     return None
 
 
 def _hostcoll_module():
   try:
-    from dtenjax._src import hostcoll   # noqa: PLC0415
-    return hostcoll
+    return _optional("dtenjax._src.hostcoll")
   except ImportError:
     return None
 

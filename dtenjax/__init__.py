@@ -13,6 +13,18 @@ from dtenjax._src.errors import QuotaExceededError as QuotaExceededError
 from dtenjax._src.errors import TopologyError as TopologyError
 from dtenjax._src.errors import TransportError as TransportError
 from dtenjax._src.ffi import build_info as build_info
+from dtenjax._src.mesh import current_mesh as current_mesh
+from dtenjax._src.mesh import make_mesh as make_mesh
+from dtenjax._src.mesh import mesh_map as mesh_map
+from dtenjax._src.mesh import pmap as pmap
+from dtenjax._src.mesh import use_mesh as use_mesh
+from dtenjax._src.placement import Placement as Placement
+from dtenjax._src.placement import shard as shard
+from dtenjax._src.placement import tensor as tensor
+from dtenjax._src.planner import Plan as Plan
+from dtenjax._src.planner import Workload as Workload
+from dtenjax._src.topology import LinkSpec as LinkSpec
+from dtenjax._src.topology import Topology as Topology
 
 __all__ = [
     "CollectiveError",
@@ -25,5 +37,17 @@ __all__ = [
     "QuotaExceededError",
     "TopologyError",
     "TransportError",
+    "LinkSpec",
+    "Placement",
+    "Plan",
+    "Topology",
+    "Workload",
     "build_info",
+    "current_mesh",
+    "make_mesh",
+    "mesh_map",
+    "pmap",
+    "shard",
+    "tensor",
+    "use_mesh",
 ]

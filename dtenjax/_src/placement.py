@@ -1,0 +1,232 @@
+"""``Placement``: how an array is laid out over a mesh, and the functions that apply it.
+
+A placement is a frozen value: a strategy (``"auto"``, ``"replicate"``, ``"row"``, ``"col"``,
+``"2d"`` or a ``PartitionSpec``), a mesh (a ``Mesh`` or a shape such as ``(2, 4)``, laid out by
+:func:`dtenjax.make_mesh`) and a memory policy (``"device"``, ``"pinned"`` or ``"unpinned"``
+host memory). For a given array shape it resolves to a ``NamedSharding``; ``"auto"`` asks the
+planner (:mod:`dtenjax._src.planner`), and :meth:`Placement.explain` shows why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dtenjax._src import errors
+from dtenjax._src import mesh as mesh_lib
+from dtenjax._src import planner
+from dtenjax._src.topology import Topology
+
+STRATEGIES = ("auto", "replicate", "row", "col", "2d")
+MEMORY_KINDS = {"device": "device", "pinned": "pinned_host", "unpinned": "unpinned_host"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """How to lay an array out over a device mesh.
+
+  Attributes:
+    strategy: "auto" (the planner decides per array), "replicate", "row", "col", "2d", or a
+      ``PartitionSpec`` naming mesh axes.
+    mesh: a ``jax.sharding.Mesh``, a mesh shape such as ``(2, 4)`` (axes named by
+      ``axis_names``), or None for the enclosing ``use_mesh`` / all devices in 1D.
+    memory_policy: "device", "pinned" (page-locked host memory) or "unpinned" host memory.
+    axis_names: names for a mesh given as a shape; default ("x", "y", ...).
+    workload: what the planner assumes the tensor is used for (auto only).
+    topology: the topology the planner and mesh use; default ``Topology.current()``.
+  """
+  strategy: str | P = "auto"
+  mesh: Mesh | tuple[int, ...] | None = None
+  memory_policy: str = "device"
+  axis_names: tuple[str, ...] | None = None
+  workload: planner.Workload = planner.Workload()
+  topology: Topology | None = None
+
+  def __post_init__(self):
+    problems = []
+    if not isinstance(self.strategy, P) and self.strategy not in STRATEGIES:
+      problems.append(f"strategy={self.strategy!r} is not one of {STRATEGIES} or a "
+                      "PartitionSpec")
+    if self.memory_policy not in MEMORY_KINDS:
+      problems.append(f"memory_policy={self.memory_policy!r} is not one of "
+                      f"{tuple(MEMORY_KINDS)}")
+    if self.mesh is not None and not isinstance(self.mesh, Mesh):
+      try:
+        shape = tuple(int(s) for s in self.mesh)
+      except TypeError:
+        shape = None
+      if shape is None or not shape or any(s < 1 for s in shape):
+        problems.append(f"mesh={self.mesh!r} must be a jax.sharding.Mesh or a shape of "
+                        "positive ints such as (2, 4)")
+      else:
+        object.__setattr__(self, "mesh", shape)
+    if self.axis_names is not None:
+      object.__setattr__(self, "axis_names", tuple(self.axis_names))
+    if problems:
+      raise errors.PlacementError(errors.join_problems("invalid Placement:", problems))
+
+  # --- resolution ------------------------------------------------------------------------------
+
+  def resolved_mesh(self) -> Mesh:
+    if isinstance(self.mesh, Mesh):
+      return self.mesh
+    if self.mesh is None:
+      return mesh_lib.as_mesh(None)
+    names = self.axis_names or ("x", "y", "z", "w")[:len(self.mesh)]
+    return mesh_lib.make_mesh(self.mesh, names, topology=self._topology())
+
+  def _topology(self) -> Topology:
+    return self.topology if self.topology is not None else Topology.current()
+
+  def plan(self, shape: Sequence[int], dtype=jnp.float32) -> planner.Plan:
+    """The planner's decision for an array of ``shape``/``dtype`` on this placement's mesh."""
+    mesh = self.resolved_mesh()
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    topology = self._topology()
+    if not set(ids.ravel().tolist()) <= set(topology.device_ids):
+      topology = Topology.detect(list(mesh.devices.ravel()))
+    return planner.plan_tensor(shape, dtype, tuple(mesh.devices.shape), tuple(mesh.axis_names),
+                               ids, topology, self.workload)
+
+  def spec(self, shape: Sequence[int], dtype=jnp.float32) -> P:
+    """The PartitionSpec this placement gives an array of ``shape``, validated."""
+    mesh = self.resolved_mesh()
+    if isinstance(self.strategy, P):
+      spec = self.strategy
+    elif self.strategy == "auto":
+      spec = self.plan(shape, dtype).spec
+    else:
+      spec = _fixed_spec(self.strategy, len(shape), mesh)
+    check_divisible(shape, spec, mesh)
+    return spec
+
+  def sharding(self, shape: Sequence[int], dtype=jnp.float32) -> NamedSharding:
+    """The NamedSharding (with the memory kind of the policy) for an array of ``shape``."""
+    mesh = self.resolved_mesh()
+    return NamedSharding(mesh, self.spec(shape, dtype),
+                         memory_kind=MEMORY_KINDS[self.memory_policy])
+
+  def explain(self, shape: Sequence[int], dtype=jnp.float32) -> str:
+    """Why this placement lays out an array of ``shape`` the way it does: every candidate's
+    estimated cost for "auto", the fixed spec otherwise."""
+    mesh = self.resolved_mesh()
+    head = (f"Placement(strategy={self.strategy!r}, mesh={dict(mesh.shape)}, "
+            f"memory_policy={self.memory_policy!r}) for {tuple(shape)} "
+            f"{jnp.dtype(dtype).name}:")
+    if self.strategy == "auto":
+      return head + "\n" + self.plan(shape, dtype).table()
+    return head + f"\n=> {self.spec(shape, dtype)} (fixed strategy, no planning)"
+
+
+def _fixed_spec(strategy: str, ndim: int, mesh: Mesh) -> P:
+  names = tuple(mesh.axis_names)
+  outer, inner = (names[0], names[-1]) if len(names) > 1 else (None, names[0])
+  every = names if len(names) > 1 else names[0]
+  if strategy == "replicate" or ndim == 0:
+    return P()
+  pad = (None,) * max(0, ndim - 2)
+  if strategy == "row":
+    return P(*pad, every) if ndim == 1 else P(*pad, every, None)
+  if strategy == "col":
+    if ndim == 1:
+      raise errors.PlacementError(
+          "strategy='col' needs an array with at least 2 dimensions, got 1; use 'row' or "
+          "'replicate' for vectors.")
+    return P(*pad, None, every)
+  # 2d
+  if ndim < 2 or outer is None:
+    raise errors.PlacementError(
+        f"strategy='2d' needs a 2D mesh and an array with >= 2 dimensions; got mesh axes "
+        f"{names} and ndim={ndim}. Use mesh=(a, b) or strategy='row'.")
+  return P(*pad, outer, inner)
+
+
+def check_divisible(shape: Sequence[int], spec: P, mesh: Mesh) -> None:
+  """Raises PlacementError listing every dimension not divisible by its mesh axes."""
+  problems = []
+  if len(spec) > len(shape):
+    raise errors.PlacementError(
+        f"PartitionSpec {spec} has {len(spec)} entries but the array has {len(shape)} "
+        f"dimensions (shape {tuple(shape)}); drop the extra entries.")
+  sizes = dict(mesh.shape)
+  for dim, entry in enumerate(spec):
+    if entry is None:
+      continue
+    axes = entry if isinstance(entry, tuple) else (entry,)
+    unknown = [a for a in axes if a not in sizes]
+    if unknown:
+      problems.append(f"dimension {dim} names mesh axes {unknown} that the mesh does not have "
+                      f"(mesh axes: {tuple(sizes)}); check the spelling")
+      continue
+    k = int(np.prod([sizes[a] for a in axes]))
+    if shape[dim] % k:
+      up = -(-shape[dim] // k) * k
+      problems.append(
+          f"dimension {dim} has size {shape[dim]}, not divisible by mesh axis "
+          f"{entry!r} of size {k}: pad it to {up}, leave it unsharded (None), or use a mesh "
+          f"axis whose size divides {shape[dim]}")
+  if problems:
+    raise errors.PlacementError(errors.join_problems(
+        f"cannot place an array of shape {tuple(shape)} with {spec}:", problems))
+
+
+def _is_tracer(x) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def shard(x: Any, placement: Placement | NamedSharding) -> Any:
+  """Lays ``x`` (an array or a pytree of arrays, e.g. flax params or an optax state) out as
+  ``placement`` says: ``device_put`` outside jit, a sharding constraint inside jit. Each leaf is
+  planned on its own shape for "auto"."""
+  def one(leaf):
+    if not hasattr(leaf, "shape"):
+      return leaf
+    sharding = (placement if isinstance(placement, NamedSharding)
+                else placement.sharding(leaf.shape, leaf.dtype))
+    if _is_tracer(leaf):
+      if sharding.memory_kind not in (None, "device"):
+        return jax.device_put(leaf, sharding)
+      return jax.lax.with_sharding_constraint(leaf, sharding)
+    return jax.device_put(leaf, sharding)
+  return jax.tree.map(one, x)
+
+
+_INITS: dict[str, Callable] = {
+    "zeros": lambda key, shape, dtype: jnp.zeros(shape, dtype),
+    "ones": lambda key, shape, dtype: jnp.ones(shape, dtype),
+    "normal": lambda key, shape, dtype: jax.random.normal(key, shape, dtype),
+    "uniform": lambda key, shape, dtype: jax.random.uniform(key, shape, dtype),
+}
+
+
+def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None = None,
+           init: str | Callable = "zeros", key: jax.Array | None = None) -> jax.Array:
+  """Creates an array directly in its sharded layout: each device computes only its shard (the
+  initialiser runs under jit with ``out_shardings``), so the whole array never sits on one
+  device.
+
+  Args:
+    shape, dtype: of the array.
+    placement: default ``Placement()`` ("auto" over all devices).
+    init: "zeros", "ones", "normal", "uniform" or ``f(key, shape, dtype) -> array``.
+    key: PRNG key for random initialisers (default ``jax.random.key(0)``).
+  """
+  placement = placement or Placement()
+  shape = tuple(int(s) for s in shape)
+  if isinstance(init, str):
+    if init not in _INITS:
+      raise errors.PlacementError(f"init={init!r} is not one of {tuple(_INITS)} or a callable "
+                                  "f(key, shape, dtype)")
+    init_fn = _INITS[init]
+  else:
+    init_fn = init
+  sharding = placement.sharding(shape, dtype)
+  key = jax.random.key(0) if key is None else key
+  return jax.jit(lambda k: init_fn(k, shape, dtype), out_shardings=sharding)(key)

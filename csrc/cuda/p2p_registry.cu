@@ -1,0 +1,319 @@
+// Process-wide registry of symmetric regions and communicators (see p2p_registry.h).
+#include "csrc/cuda/p2p_registry.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+namespace dtenjax::p2p {
+namespace {
+
+#define P2P_CUDA(call)                                                                    \
+  do {                                                                                    \
+    const cudaError_t _e = (call);                                                        \
+    if (_e != cudaSuccess) {                                                              \
+      return DTENJAX_ERROR(Code::kInternal, std::string(#call) + " failed: " +            \
+                                                cudaGetErrorString(_e));                  \
+    }                                                                                     \
+  } while (0)
+
+struct Region {
+  char* base = nullptr;
+  size_t capacity = 0;
+  uint32_t* error_host = nullptr;
+  uint32_t* error_dev = nullptr;
+  Descriptor desc{};
+};
+
+struct Registry {
+  std::mutex mu;
+  std::map<int, Region> regions;                                 // by ordinal
+  std::map<std::pair<int, uint64_t>, Comm> comms;                 // by (ordinal, key)
+  std::map<std::pair<int, uint64_t>, std::string> comm_sig;       // descriptors connected
+  std::map<std::pair<int, int>, SimArena> arenas;                 // by (ordinal, world)
+  std::map<uint64_t, void*> ipc_opened;                           // by region base in peer, per pid
+};
+
+Registry& Reg() {
+  static Registry* r = new Registry();  // never destroyed: kernels may run until process exit
+  return *r;
+}
+
+uint64_t HostHash() {
+  char name[256] = {0};
+  gethostname(name, sizeof(name) - 1);
+  return std::hash<std::string>()(std::string(name));
+}
+
+// Runs fn with `ordinal` as the current device, restoring the previous one.
+template <typename F>
+Status OnDevice(int ordinal, F fn) {
+  int prev = 0;
+  P2P_CUDA(cudaGetDevice(&prev));
+  P2P_CUDA(cudaSetDevice(ordinal));
+  Status s = fn();
+  cudaSetDevice(prev);
+  return s;
+}
+
+Status AllocRegion(size_t capacity, char** base, uint32_t** err_host, uint32_t** err_dev) {
+  const size_t bytes = kHeaderBytes + 2 * capacity;
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return DTENJAX_ERROR(Code::kResourceExhausted,
+                         "p2p: cannot allocate the " + std::to_string(bytes) +
+                             "-byte symmetric region (" + cudaGetErrorString(e) +
+                             "); lower DTENJAX_P2P_BUFFER_BYTES");
+  }
+  P2P_CUDA(cudaMemset(p, 0, bytes));  // zero flags and counters once; never reset afterwards
+  void* h = nullptr;
+  P2P_CUDA(cudaHostAlloc(&h, kErrorWords * sizeof(uint32_t), cudaHostAllocMapped));
+  std::memset(h, 0, kErrorWords * sizeof(uint32_t));
+  void* d = nullptr;
+  P2P_CUDA(cudaHostGetDevicePointer(&d, h, 0));
+  P2P_CUDA(cudaDeviceSynchronize());
+  *base = static_cast<char*>(p);
+  *err_host = static_cast<uint32_t*>(h);
+  *err_dev = static_cast<uint32_t*>(d);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status RegisterRegion(int ordinal, size_t capacity, Descriptor* out) {
+  DTENJAX_CHECK_ARG(capacity > 0 && capacity % 16 == 0,
+                    "p2p: buffer bytes " + std::to_string(capacity) +
+                        " must be a positive multiple of 16 (DTENJAX_P2P_BUFFER_BYTES)");
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.regions.find(ordinal);
+  if (it != reg.regions.end()) {
+    if (it->second.capacity != capacity) {
+      return DTENJAX_ERROR(Code::kInvalidArgument,
+                           "p2p: device " + std::to_string(ordinal) + " already has a " +
+                               std::to_string(it->second.capacity) +
+                               "-byte registered buffer; asked for " + std::to_string(capacity) +
+                               " (DTENJAX_P2P_BUFFER_BYTES must not change within a process)");
+    }
+    *out = it->second.desc;
+    return Status::Ok();
+  }
+  Region r;
+  r.capacity = capacity;
+  DTENJAX_RETURN_IF_ERROR(OnDevice(ordinal, [&]() -> Status {
+    DTENJAX_RETURN_IF_ERROR(AllocRegion(capacity, &r.base, &r.error_host, &r.error_dev));
+    std::memset(&r.desc, 0, sizeof(r.desc));
+    r.desc.magic = kDescriptorMagic;
+    r.desc.pid = static_cast<int64_t>(getpid());
+    r.desc.host = HostHash();
+    r.desc.ordinal = ordinal;
+    r.desc.base = reinterpret_cast<uint64_t>(r.base);
+    r.desc.capacity = capacity;
+    r.desc.ipc_ok = cudaIpcGetMemHandle(&r.desc.handle, r.base) == cudaSuccess ? 1 : 0;
+    cudaGetLastError();  // an IPC failure only matters to other processes; Connect reports it
+    return Status::Ok();
+  }));
+  reg.regions[ordinal] = r;
+  *out = r.desc;
+  return Status::Ok();
+}
+
+Status Connect(int ordinal, uint64_t key, int rank, int world, const Descriptor* all) {
+  DTENJAX_CHECK_ARG(world >= 1 && world <= kMaxRanks,
+                    "p2p: world size " + std::to_string(world) + " is outside [1, 8]");
+  DTENJAX_CHECK_ARG(rank >= 0 && rank < world,
+                    "p2p: rank " + std::to_string(rank) + " is outside [0, " +
+                        std::to_string(world) + ")");
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  const auto id = std::make_pair(ordinal, key);
+  const std::string sig(reinterpret_cast<const char*>(all), sizeof(Descriptor) * world);
+  if (reg.comms.count(id)) {
+    if (reg.comm_sig[id] == sig) return Status::Ok();
+    return DTENJAX_ERROR(Code::kInvalidArgument,
+                         "p2p: communicator " + std::to_string(key) + " of device " +
+                             std::to_string(ordinal) + " was connected to other peers before");
+  }
+  auto rit = reg.regions.find(ordinal);
+  if (rit == reg.regions.end()) {
+    return DTENJAX_ERROR(Code::kUnavailable, "p2p: device " + std::to_string(ordinal) +
+                                                 " has no registered buffer; register it first");
+  }
+  const Region& mine = rit->second;
+  const int64_t pid = getpid();
+  const uint64_t host = HostHash();
+  Comm c;
+  c.world = world;
+  c.rank = rank;
+  c.capacity = mine.capacity;
+  c.error_host = mine.error_host;
+  c.error_dev = mine.error_dev;
+  for (int p = 0; p < world; ++p) {
+    const Descriptor& d = all[p];
+    DTENJAX_CHECK_ARG(d.magic == kDescriptorMagic,
+                      "p2p: descriptor of rank " + std::to_string(p) + " is corrupt");
+    DTENJAX_CHECK_ARG(d.capacity == mine.capacity,
+                      "p2p: rank " + std::to_string(p) + " registered " +
+                          std::to_string(d.capacity) + " bytes, this rank " +
+                          std::to_string(mine.capacity) +
+                          "; set the same DTENJAX_P2P_BUFFER_BYTES on every process");
+    if (d.host != host) {
+      return DTENJAX_ERROR(Code::kUnavailable,
+                           "p2p: rank " + std::to_string(p) +
+                               " is on another host; NVLink peer-to-peer needs one host "
+                               "(use algorithm='xla')");
+    }
+    if (d.pid == pid) {
+      if (d.ordinal != ordinal) {
+        int can = 0;
+        P2P_CUDA(cudaDeviceCanAccessPeer(&can, ordinal, d.ordinal));
+        if (!can) {
+          return DTENJAX_ERROR(Code::kUnavailable,
+                               "p2p: device " + std::to_string(ordinal) +
+                                   " cannot access device " + std::to_string(d.ordinal) +
+                                   " peer-to-peer (no NVLink/PCIe P2P path; use algorithm='xla')");
+        }
+        DTENJAX_RETURN_IF_ERROR(OnDevice(ordinal, [&]() -> Status {
+          const cudaError_t e = cudaDeviceEnablePeerAccess(d.ordinal, 0);
+          if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
+            cudaGetLastError();
+            return DTENJAX_ERROR(Code::kUnavailable,
+                                 std::string("p2p: cudaDeviceEnablePeerAccess failed: ") +
+                                     cudaGetErrorString(e));
+          }
+          cudaGetLastError();
+          return Status::Ok();
+        }));
+      }
+      c.peers.region[p] = reinterpret_cast<char*>(d.base);
+    } else {
+      if (!d.ipc_ok) {
+        return DTENJAX_ERROR(Code::kUnavailable,
+                             "p2p: rank " + std::to_string(p) +
+                                 " could not export a CUDA IPC handle for its buffer "
+                                 "(use algorithm='xla')");
+      }
+      void*& opened = reg.ipc_opened[d.base ^ static_cast<uint64_t>(d.pid) << 48];
+      if (opened == nullptr) {
+        DTENJAX_RETURN_IF_ERROR(OnDevice(ordinal, [&]() -> Status {
+          const cudaError_t e =
+              cudaIpcOpenMemHandle(&opened, d.handle, cudaIpcMemLazyEnablePeerAccess);
+          if (e != cudaSuccess) {
+            cudaGetLastError();
+            opened = nullptr;
+            return DTENJAX_ERROR(Code::kUnavailable,
+                                 "p2p: cudaIpcOpenMemHandle of rank " + std::to_string(p) +
+                                     " failed: " + cudaGetErrorString(e) +
+                                     " (use algorithm='xla')");
+          }
+          return Status::Ok();
+        }));
+      }
+      c.peers.region[p] = static_cast<char*>(opened);
+    }
+  }
+  DTENJAX_CHECK_ARG(c.peers.region[rank] == mine.base,
+                    "p2p: descriptor of rank " + std::to_string(rank) +
+                        " is not this device's buffer (ranks out of order?)");
+  reg.comms[id] = c;
+  reg.comm_sig[id] = sig;
+  return Status::Ok();
+}
+
+Status FindComm(int ordinal, uint64_t key, Comm* out) {
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.comms.find(std::make_pair(ordinal, key));
+  if (it == reg.comms.end()) {
+    return DTENJAX_ERROR(Code::kUnavailable,
+                         "p2p: device " + std::to_string(ordinal) + " has no communicator " +
+                             std::to_string(key) +
+                             "; call dtenjax's p2p.all_reduce (it connects before tracing)");
+  }
+  *out = it->second;
+  return Status::Ok();
+}
+
+Status CheckKernelError(const uint32_t* error_host, const char* what) {
+  if (error_host == nullptr) return Status::Ok();
+  const volatile uint32_t* e = error_host;
+  if (e[0] == 0) return Status::Ok();
+  return DTENJAX_ERROR(Code::kDeadlineExceeded,
+                       std::string(what) + ": an earlier kernel timed out: rank " +
+                           std::to_string(e[1]) + " waited for rank " + std::to_string(e[2]) +
+                           " to reach barrier " + std::to_string(e[3]) +
+                           " (a peer did not enter the collective; its result was NaN). Check "
+                           "that every rank runs the same collectives, or raise "
+                           "DTENJAX_COLLECTIVE_TIMEOUT");
+}
+
+Status GetSimArena(int ordinal, int world, size_t capacity, bool create, SimArena* out) {
+  DTENJAX_CHECK_ARG(world >= 1 && world <= kMaxRanks,
+                    "p2p harness: simulated ranks " + std::to_string(world) +
+                        " is outside [1, 8]");
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  const auto id = std::make_pair(ordinal, world);
+  auto it = reg.arenas.find(id);
+  if (it != reg.arenas.end()) {
+    *out = it->second;
+    return Status::Ok();
+  }
+  if (!create) {
+    return DTENJAX_ERROR(Code::kUnavailable,
+                         "p2p harness: no arena for " + std::to_string(world) +
+                             " simulated ranks on device " + std::to_string(ordinal) +
+                             "; run the non-graph selftest once first (it allocates)");
+  }
+  DTENJAX_CHECK_ARG(capacity > 0 && capacity % 16 == 0,
+                    "p2p harness: capacity must be a positive multiple of 16");
+  SimArena a;
+  a.world = world;
+  a.capacity = capacity;
+  DTENJAX_RETURN_IF_ERROR(OnDevice(ordinal, [&]() -> Status {
+    for (int r = 0; r < world; ++r) {
+      uint32_t *eh = nullptr, *ed = nullptr;
+      DTENJAX_RETURN_IF_ERROR(AllocRegion(capacity, &a.peers.region[r], &eh, &ed));
+      if (r == 0) {
+        a.error_host = eh;
+        a.error_dev = ed;
+      } else {
+        cudaFreeHost(eh);
+      }
+    }
+    // Every rank's blocks must be resident together or the barriers could never complete.
+    int resident = 1 << 30;
+    for (int alg = 0; alg < 2; ++alg) {
+      for (int dt = 0; dt < 3; ++dt) {
+        LaunchArgs la;
+        la.world = world;
+        la.algorithm = static_cast<Algorithm>(alg);
+        la.dtype = static_cast<DType>(dt);
+        int b = 0;
+        DTENJAX_RETURN_IF_ERROR(MaxResidentBlocks(la, ordinal, &b));
+        resident = b < resident ? b : resident;
+      }
+    }
+    a.blocks = resident / world;
+    if (a.blocks > kMaxBlocks) a.blocks = kMaxBlocks;
+    if (a.blocks < 1) {
+      return DTENJAX_ERROR(Code::kUnavailable,
+                           "p2p harness: " + std::to_string(world) +
+                               " simulated ranks cannot all be resident on device " +
+                               std::to_string(ordinal));
+    }
+    return Status::Ok();
+  }));
+  reg.arenas[id] = a;
+  *out = a;
+  return Status::Ok();
+}
+
+}  // namespace dtenjax::p2p

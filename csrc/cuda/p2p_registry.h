@@ -1,0 +1,70 @@
+// Process-wide registry of the peer-to-peer all-reduce's symmetric buffers: one region per device,
+// allocated once and never per call; communicators that map every rank's region into this process
+// (cudaDeviceEnablePeerAccess for devices of this process, CUDA IPC handles for other processes);
+// and arenas of N simulated ranks on one device for the single-GPU harness.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "csrc/common/status.h"
+#include "csrc/cuda/p2p_allreduce.h"
+
+namespace dtenjax::p2p {
+
+// What a rank publishes about its region (exchanged in-process or over jax.distributed's store).
+struct Descriptor {
+  uint64_t magic;        // kDescriptorMagic
+  int64_t pid;
+  uint64_t host;         // hash of the host name
+  int32_t ordinal;       // device ordinal in the owning process
+  int32_t ipc_ok;        // whether `handle` is valid
+  uint64_t base;         // region address in the owning process
+  uint64_t capacity;     // bytes of one stage buffer
+  cudaIpcMemHandle_t handle;
+  uint8_t reserved[16];
+};
+static_assert(sizeof(Descriptor) == 128, "Descriptor must be 128 bytes");
+constexpr uint64_t kDescriptorMagic = 0x64746a7032700001ull;  // "dtjp2p" v1
+
+// A communicator as seen by one device of this process.
+struct Comm {
+  int world = 0;
+  int rank = 0;
+  size_t capacity = 0;
+  Peers peers{};
+  uint32_t* error_host = nullptr;  // host-mapped error words of this device's region
+  uint32_t* error_dev = nullptr;
+};
+
+// Allocates (first call) the region of `ordinal` with `capacity` bytes per stage buffer and
+// returns its descriptor. Later calls return the same region; a different capacity is an error.
+Status RegisterRegion(int ordinal, size_t capacity, Descriptor* out);
+
+// Maps the regions of all `world` ranks (descriptors in rank order) for device `ordinal`, which is
+// rank `rank`, under communicator id `key`. Idempotent for the same key and descriptors.
+Status Connect(int ordinal, uint64_t key, int rank, int world, const Descriptor* all);
+
+// The communicator `key` of device `ordinal`, or kUnavailable saying how to set it up.
+Status FindComm(int ordinal, uint64_t key, Comm* out);
+
+// kDeadlineExceeded with what was waited for when a kernel of this region timed out.
+Status CheckKernelError(const uint32_t* error_host, const char* what);
+
+// N simulated ranks on one device (the harness): N regions, one error block, a block count per
+// rank such that all N ranks' blocks are resident at once.
+struct SimArena {
+  int world = 0;
+  int blocks = 0;
+  size_t capacity = 0;
+  Peers peers{};
+  uint32_t* error_host = nullptr;
+  uint32_t* error_dev = nullptr;
+};
+
+// Returns the arena of (ordinal, world); creates it with `capacity` when `create` (never inside
+// a CUDA graph: that is why the graph-compatible harness target passes create=false).
+Status GetSimArena(int ordinal, int world, size_t capacity, bool create, SimArena* out);
+
+}  // namespace dtenjax::p2p

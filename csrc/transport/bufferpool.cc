@@ -1,0 +1,231 @@
+#include "csrc/transport/bufferpool.h"
+
+#include <sys/mman.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace dtenjax::transport {
+
+const char* const kPoolStatNames[] = {
+    "registered_bytes", "registered_buffers", "in_use", "posted", "acquires", "releases",
+    "registrations", "deregistrations", "reg_failures", "reuse_hits", "rejected_transitions",
+    "pin_failures", "high_water_bytes", "allocated_bytes"};
+
+namespace {
+constexpr uint64_t kMinClass = 4096;
+uint64_t SizeClass(uint64_t bytes) {
+  uint64_t c = kMinClass;
+  while (c < bytes) c <<= 1;
+  return c;
+}
+}  // namespace
+
+BufferPool::BufferPool(PoolOptions opts) : opts_(std::move(opts)), tenant_(GetTenant(opts_.tenant)) {}
+
+BufferPool::~BufferPool() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < bufs_.size(); ++i) {
+    Buf& b = bufs_[i];
+    if (b.live && b.state != BufState::kPosted) FreeBuf(int(i));
+  }
+}
+
+Status BufferPool::Lookup(int id, Buf** b) {
+  if (id < 0 || size_t(id) >= bufs_.size() || !bufs_[id].live) {
+    ++st_.rejected_transitions;
+    return DTENJAX_ERROR(Code::kInvalidArgument,
+                         "buffer pool: no live buffer with id " + std::to_string(id));
+  }
+  *b = &bufs_[id];
+  return Status::Ok();
+}
+
+void BufferPool::FreeBuf(int id) {
+  Buf& b = bufs_[id];
+  if (opts_.hooks.dereg) opts_.hooks.dereg(opts_.hooks.ctx, b.handle);
+  if (b.pinned) munlock(b.ptr, b.bytes);
+  std::free(b.ptr);
+  st_.allocated_bytes -= b.bytes;
+  st_.registered_bytes -= b.bytes;
+  --st_.registered_buffers;
+  ++st_.deregistrations;
+  tenant_->UnchargeRegistered(int64_t(b.bytes));
+  b = Buf();
+  free_slots_.push_back(id);
+}
+
+Status BufferPool::RegisterNew(uint64_t bytes, int* id) {
+  const uint64_t cls = SizeClass(bytes);
+  // Make room under the pool limits by dropping idle buffers of other sizes first.
+  while ((st_.registered_bytes + cls > opts_.max_bytes ||
+          st_.registered_buffers + 1 > opts_.max_buffers) && !idle_.empty()) {
+    auto it = idle_.begin();
+    int victim = it->second;
+    idle_.erase(it);
+    FreeBuf(victim);
+  }
+  if (st_.registered_bytes + cls > opts_.max_bytes || st_.registered_buffers + 1 > opts_.max_buffers) {
+    return DTENJAX_ERROR(Code::kResourceExhausted,
+                         "buffer pool full: " + std::to_string(st_.registered_buffers) + " buffers, " +
+                             std::to_string(st_.registered_bytes) + " of " +
+                             std::to_string(opts_.max_bytes) + " bytes registered and in use; "
+                             "raise max_bytes/max_buffers or release buffers");
+  }
+  DTENJAX_RETURN_IF_ERROR(tenant_->ChargeRegistered(int64_t(cls), "a buffer pool buffer"));
+  ++reg_attempts_;
+  Buf b;
+  b.bytes = cls;
+  b.ptr = std::aligned_alloc(4096, cls);
+  if (b.ptr == nullptr) {
+    tenant_->UnchargeRegistered(int64_t(cls));
+    ++st_.reg_failures;
+    return DTENJAX_ERROR(Code::kResourceExhausted,
+                         "buffer pool: allocating " + std::to_string(cls) + " bytes failed");
+  }
+  std::memset(b.ptr, 0, cls);  // touch the pages so pinning and first use cost nothing later
+  Status s;
+  if (fail_every_ > 0 && reg_attempts_ % fail_every_ == 0) {
+    s = DTENJAX_ERROR(Code::kInternal, "buffer pool: injected registration failure");
+  } else if (opts_.hooks.reg) {
+    s = opts_.hooks.reg(opts_.hooks.ctx, b.ptr, cls, &b.handle);
+  }
+  if (!s.ok()) {
+    std::free(b.ptr);
+    tenant_->UnchargeRegistered(int64_t(cls));
+    ++st_.reg_failures;
+    return s;
+  }
+  if (opts_.pin) {
+    if (mlock(b.ptr, cls) == 0) b.pinned = true; else ++st_.pin_failures;
+  }
+  b.live = true;
+  st_.allocated_bytes += cls;
+  st_.registered_bytes += cls;
+  ++st_.registered_buffers;
+  ++st_.registrations;
+  if (st_.registered_bytes > st_.high_water_bytes) st_.high_water_bytes = st_.registered_bytes;
+  if (!free_slots_.empty()) {
+    *id = free_slots_.back();
+    free_slots_.pop_back();
+    bufs_[*id] = b;
+  } else {
+    *id = int(bufs_.size());
+    bufs_.push_back(b);
+  }
+  return Status::Ok();
+}
+
+Status BufferPool::Acquire(uint64_t bytes, int* id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (bytes == 0 || bytes > opts_.max_buffer_bytes) {
+    return DTENJAX_ERROR(Code::kInvalidArgument,
+                         "buffer pool: cannot acquire " + std::to_string(bytes) +
+                             " bytes (1 to max_buffer_bytes=" + std::to_string(opts_.max_buffer_bytes) +
+                             ")");
+  }
+  const uint64_t cls = SizeClass(bytes);
+  auto it = idle_.find(cls);
+  if (it != idle_.end()) {
+    *id = it->second;
+    idle_.erase(it);
+    ++st_.reuse_hits;
+  } else {
+    DTENJAX_RETURN_IF_ERROR(RegisterNew(bytes, id));
+  }
+  Buf& b = bufs_[*id];
+  b.refs = 1;
+  b.state = BufState::kIdle;
+  ++st_.in_use;
+  ++st_.acquires;
+  return Status::Ok();
+}
+
+Status BufferPool::Retain(int id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Buf* b;
+  DTENJAX_RETURN_IF_ERROR(Lookup(id, &b));
+  if (b->refs <= 0) {
+    ++st_.rejected_transitions;
+    return DTENJAX_ERROR(Code::kInvalidArgument, "buffer pool: retain of unreferenced buffer " +
+                                                     std::to_string(id));
+  }
+  ++b->refs;
+  return Status::Ok();
+}
+
+Status BufferPool::Transition(int id, BufState from, BufState to, const char* what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Buf* b;
+  DTENJAX_RETURN_IF_ERROR(Lookup(id, &b));
+  if (b->refs <= 0 || b->state != from) {
+    ++st_.rejected_transitions;
+    return DTENJAX_ERROR(Code::kInvalidArgument,
+                         std::string("buffer pool: cannot ") + what + " buffer " +
+                             std::to_string(id) + " in state " + std::to_string(int(b->state)) +
+                             " with " + std::to_string(b->refs) + " references");
+  }
+  if (to == BufState::kPosted) ++st_.posted;
+  if (from == BufState::kPosted) --st_.posted;
+  b->state = to;
+  return Status::Ok();
+}
+
+Status BufferPool::Post(int id) { return Transition(id, BufState::kIdle, BufState::kPosted, "post"); }
+Status BufferPool::Complete(int id) {
+  return Transition(id, BufState::kPosted, BufState::kCompleted, "complete");
+}
+
+Status BufferPool::Release(int id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Buf* b;
+  DTENJAX_RETURN_IF_ERROR(Lookup(id, &b));
+  if (b->refs <= 0 || (b->refs == 1 && b->state == BufState::kPosted)) {
+    ++st_.rejected_transitions;
+    return DTENJAX_ERROR(Code::kInvalidArgument,
+                         "buffer pool: cannot release buffer " + std::to_string(id) +
+                             (b->refs <= 0 ? " (not referenced)" : " while it is posted; complete it first"));
+  }
+  if (--b->refs == 0) {
+    b->state = BufState::kIdle;
+    --st_.in_use;
+    ++st_.releases;
+    idle_.emplace(b->bytes, id);
+  }
+  return Status::Ok();
+}
+
+void BufferPool::Trim() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [cls, id] : idle_) FreeBuf(id);
+  idle_.clear();
+}
+
+void* BufferPool::Data(int id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return (id >= 0 && size_t(id) < bufs_.size() && bufs_[id].live) ? bufs_[id].ptr : nullptr;
+}
+uint64_t BufferPool::Size(int id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return (id >= 0 && size_t(id) < bufs_.size() && bufs_[id].live) ? bufs_[id].bytes : 0;
+}
+uint64_t BufferPool::RegHandle(int id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return (id >= 0 && size_t(id) < bufs_.size() && bufs_[id].live) ? bufs_[id].handle : 0;
+}
+int BufferPool::State(int id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return (id >= 0 && size_t(id) < bufs_.size() && bufs_[id].live) ? int(bufs_[id].state) : -1;
+}
+
+PoolStats BufferPool::Stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return st_;
+}
+
+void BufferPool::InjectRegistrationFailures(uint32_t every_n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  fail_every_ = every_n;
+}
+
+}  // namespace dtenjax::transport

@@ -1,0 +1,203 @@
+#include "csrc/transport/tenancy.h"
+
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <thread>
+#include <vector>
+
+namespace dtenjax::transport {
+
+double NowSeconds() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+void TokenBucket::Configure(double rate, double burst) {
+  std::lock_guard<std::mutex> lock(mu_);
+  rate_ = rate > 0 ? rate : 0;
+  burst_ = burst > 0 ? burst : (rate_ > (1 << 20) ? rate_ : double(1 << 20));
+  tokens_ = burst_;
+  last_ = NowSeconds();
+}
+
+Status TokenBucket::Take(uint64_t bytes, double deadline, uint64_t* slept_ns) {
+  *slept_ns = 0;
+  double wait = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (rate_ <= 0) return Status::Ok();
+    double now = NowSeconds();
+    tokens_ += (now - last_) * rate_;
+    if (tokens_ > burst_) tokens_ = burst_;
+    last_ = now;
+    tokens_ -= double(bytes);  // take now, pay the debt by waiting: FIFO among senders
+    if (tokens_ < 0) wait = -tokens_ / rate_;
+    if (now + wait > deadline) {
+      tokens_ += double(bytes);
+      return DTENJAX_ERROR(Code::kDeadlineExceeded,
+                           "token bucket: sending " + std::to_string(bytes) + " bytes at " +
+                               std::to_string(rate_) + " B/s needs " + std::to_string(wait) +
+                               " s, past the collective timeout; raise the tenant's rate_bytes_per_s "
+                               "or DTENJAX_COLLECTIVE_TIMEOUT");
+    }
+  }
+  if (wait > 0) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(wait));
+    *slept_ns = uint64_t(wait * 1e9);
+  }
+  return Status::Ok();
+}
+
+void Tenant::SetQuota(const TenantQuota& q) {
+  std::lock_guard<std::mutex> lock(mu_);
+  quota_ = q;
+  bucket_.Configure(q.rate_bytes_per_s, q.burst_bytes);
+}
+
+TenantQuota Tenant::quota() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return quota_;
+}
+
+TenantUsage Tenant::usage() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return usage_;
+}
+
+void Tenant::SetOwnerContext(int64_t ctx) {
+  std::lock_guard<std::mutex> lock(mu_);
+  owner_context_ = ctx;
+}
+
+int64_t Tenant::owner_context() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return owner_context_;
+}
+
+Status Tenant::AcquireConnection(const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (quota_.max_connections >= 0 && usage_.connections + 1 > quota_.max_connections) {
+    ++usage_.quota_refusals;
+    return DTENJAX_ERROR(Code::kResourceExhausted,
+                         "tenant '" + name_ + "' would exceed its connection quota (" +
+                             std::to_string(quota_.max_connections) + ", " +
+                             std::to_string(usage_.connections) + " in use) opening " + what +
+                             "; raise max_connections or close communicators it no longer uses");
+  }
+  ++usage_.connections;
+  return Status::Ok();
+}
+
+void Tenant::ReleaseConnection() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (usage_.connections > 0) --usage_.connections;
+}
+
+Status Tenant::ChargeRegistered(int64_t bytes, const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (quota_.max_registered_bytes >= 0 &&
+      usage_.registered_bytes + bytes > quota_.max_registered_bytes) {
+    ++usage_.quota_refusals;
+    return DTENJAX_ERROR(Code::kResourceExhausted,
+                         "tenant '" + name_ + "' would exceed its registered-memory quota (" +
+                             std::to_string(quota_.max_registered_bytes) + " bytes, " +
+                             std::to_string(usage_.registered_bytes) + " registered) registering " +
+                             std::to_string(bytes) + " more bytes for " + what +
+                             "; raise max_registered_bytes or release buffers");
+  }
+  usage_.registered_bytes += bytes;
+  return Status::Ok();
+}
+
+void Tenant::UnchargeRegistered(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  usage_.registered_bytes -= bytes;
+  if (usage_.registered_bytes < 0) usage_.registered_bytes = 0;
+}
+
+namespace {
+
+std::mutex g_owner_mu;
+
+Status NoCudaOwner(const void*, uint64_t, int64_t*) {
+  return DTENJAX_ERROR(Code::kUnavailable,
+                       "this build has no CUDA, so device pointer ownership cannot be verified");
+}
+
+PointerOwnerFn g_owner_fn = &NoCudaOwner;
+
+struct FakeRange { uint64_t start, size; int64_t owner; };
+std::vector<FakeRange>& FakeTable() {
+  static std::vector<FakeRange> table;
+  return table;
+}
+
+Status FakeOwner(const void* ptr, uint64_t bytes, int64_t* owner) {
+  std::lock_guard<std::mutex> lock(g_owner_mu);
+  uint64_t p = reinterpret_cast<uint64_t>(ptr);
+  for (const auto& r : FakeTable()) {
+    if (p >= r.start && p < r.start + r.size) {
+      if (p + bytes > r.start + r.size) {
+        return DTENJAX_ERROR(Code::kPermissionDenied,
+                             "range [ptr, ptr+bytes) runs past the end of its allocation");
+      }
+      *owner = r.owner;
+      return Status::Ok();
+    }
+  }
+  return DTENJAX_ERROR(Code::kPermissionDenied, "pointer is not device memory of any known context");
+}
+
+}  // namespace
+
+void SetPointerOwnerFn(PointerOwnerFn fn) {
+  std::lock_guard<std::mutex> lock(g_owner_mu);
+  g_owner_fn = fn ? fn : &NoCudaOwner;
+}
+
+PointerOwnerFn GetPointerOwnerFn() {
+  std::lock_guard<std::mutex> lock(g_owner_mu);
+  return g_owner_fn;
+}
+
+void SetFakePointerOwners(const uint64_t* starts, const uint64_t* sizes, const int64_t* owners,
+                          int n) {
+  {
+    std::lock_guard<std::mutex> lock(g_owner_mu);
+    FakeTable().clear();
+    for (int i = 0; i < n; ++i) FakeTable().push_back({starts[i], sizes[i], owners[i]});
+  }
+  SetPointerOwnerFn(&FakeOwner);
+}
+
+Status Tenant::CheckDeviceMemory(const void* ptr, uint64_t bytes) {
+  int64_t owner = -1;
+  Status s = GetPointerOwnerFn()(ptr, bytes, &owner);
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%p", ptr);
+  int64_t mine = owner_context();
+  if (s.ok() && mine >= 0 && owner == mine) return Status::Ok();
+  std::lock_guard<std::mutex> lock(mu_);
+  ++usage_.ownership_refusals;
+  std::string why = !s.ok() ? s.message()
+                    : mine < 0 ? "tenant has no CUDA context set (call set_owner_context first)"
+                               : "it belongs to context " + std::to_string(owner) +
+                                     ", the tenant owns context " + std::to_string(mine);
+  return DTENJAX_ERROR(Code::kPermissionDenied,
+                       "tenant '" + name_ + "' may not register device memory " + buf + " (" +
+                           std::to_string(bytes) + " bytes): " + why +
+                           ". Register only memory this tenant allocated itself.");
+}
+
+Tenant* GetTenant(const std::string& name) {
+  static std::mutex mu;
+  static std::map<std::string, std::unique_ptr<Tenant>> tenants;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& t = tenants[name];
+  if (!t) t = std::make_unique<Tenant>(name);
+  return t.get();
+}
+
+}  // namespace dtenjax::transport

@@ -1,0 +1,93 @@
+// CPU FFI handler of the cross-process all-reduce (dtenjax/_src/hostcoll.py).
+//   dtenjax_host_all_reduce(x: T[...], slot: int32[]) -> T[...]
+//     attrs: comm_ids: int64[k] (one communicator per process-local device slot), op: int32
+// Asynchronous: the handler queues the collective on the communicator's own worker thread and
+// returns an xla::ffi::Future, so XLA's threads never block on the network. Collectives of one
+// communicator run in the order XLA issues them (the call has side effects, so XLA keeps program
+// order), and every frame carries a sequence number that catches processes that disagree.
+#include <cstring>
+
+#include "csrc/transport/comm.h"
+#include "custom_calls/registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+namespace tp = dtenjax::transport;
+
+namespace dtenjax::ffi {
+
+bool DTypeOf(xla::ffi::DataType t, tp::DType* out) {
+  switch (t) {
+    case xla::ffi::F32: *out = tp::DType::kF32; return true;
+    case xla::ffi::F64: *out = tp::DType::kF64; return true;
+    case xla::ffi::S32: *out = tp::DType::kS32; return true;
+    case xla::ffi::S64: *out = tp::DType::kS64; return true;
+    case xla::ffi::BF16: *out = tp::DType::kBF16; return true;
+    default: return false;
+  }
+}
+
+xla::ffi::Future FailedFuture(xla::ffi::Error e) {
+  xla::ffi::Promise p;
+  xla::ffi::Future f(p);
+  p.SetError(std::move(e));
+  return f;
+}
+
+}  // namespace dtenjax::ffi
+
+namespace {
+
+ffi::Future HostAllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slot,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
+                          int32_t op) {
+  tp::DType dt;
+  if (!dtenjax::ffi::DTypeOf(x.element_type(), &dt)) {
+    return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument(
+        "dtenjax_host_all_reduce supports float32, float64, bfloat16, int32 and int64"));
+  }
+  if (op < 0 || op > 3) {
+    return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument("dtenjax_host_all_reduce: bad op"));
+  }
+  const int32_t j = slot.element_count() == 1 ? slot.typed_data()[0] : -1;
+  if (j < 0 || size_t(j) >= comm_ids.size()) {
+    return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument(
+        "dtenjax_host_all_reduce: device slot " + std::to_string(j) + " has no communicator"));
+  }
+  std::shared_ptr<tp::Comm> comm = tp::FindComm(comm_ids[j]);
+  if (!comm) {
+    return dtenjax::ffi::FailedFuture(ffi::Error(
+        ffi::ErrorCode::kFailedPrecondition,
+        "dtenjax_host_all_reduce: communicator " + std::to_string(comm_ids[j]) +
+            " does not exist in this process (destroyed, or the executable was compiled in "
+            "another process); re-trace the function"));
+  }
+  const void* src = x.untyped_data();
+  void* dst = out->untyped_data();
+  const uint64_t count = x.element_count();
+  const size_t bytes = x.size_bytes();
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  comm->Submit([comm, src, dst, count, bytes, dt, op, promise]() mutable {
+    if (dst != src) std::memcpy(dst, src, bytes);
+    dtenjax::Status s = comm->AllReduce(dst, count, dt, static_cast<tp::ReduceOp>(op));
+    if (s.ok()) {
+      promise.SetAvailable();
+    } else {
+      promise.SetError(dtenjax::ffi::ToFfiError(s));
+    }
+  });
+  return future;
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostAllReduceCpu, HostAllReduce,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("comm_ids")
+                                  .Attr<int32_t>("op"));
+
+DTENJAX_REGISTER_FFI("dtenjax_host_all_reduce", "cpu", HostAllReduceCpu);

@@ -1,0 +1,37 @@
+"""Top-k error-feedback gradient compression (Deep Gradient Compression) for JAX.
+
+    tx = optax.chain(dtenjax.compression.topk_ef(0.001, axis_name="data", momentum=0.9),
+                     optax.sgd(0.1))
+
+See docs/compression.md.
+"""
+
+from dtenjax._src.compression import CompressionPlan as CompressionPlan
+from dtenjax._src.compression import LeafPlan as LeafPlan
+from dtenjax._src.compression import TopKConfig as TopKConfig
+from dtenjax._src.compression import TopKEFState as TopKEFState
+from dtenjax._src.compression import compressed_all_reduce as compressed_all_reduce
+from dtenjax._src.compression import compression_plan as compression_plan
+from dtenjax._src.compression import init_state as init_state
+from dtenjax._src.compression import state_specs as state_specs
+from dtenjax._src.compression import topk_ef as topk_ef
+from dtenjax._src.topk import exact_topk as exact_topk
+from dtenjax._src.topk import pack as pack
+from dtenjax._src.topk import sample_threshold as sample_threshold
+from dtenjax._src.topk import select as select
+
+__all__ = [
+    "CompressionPlan",
+    "LeafPlan",
+    "TopKConfig",
+    "TopKEFState",
+    "compressed_all_reduce",
+    "compression_plan",
+    "exact_topk",
+    "init_state",
+    "pack",
+    "sample_threshold",
+    "select",
+    "state_specs",
+    "topk_ef",
+]

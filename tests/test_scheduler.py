@@ -1,0 +1,216 @@
+"""Tests of dtenjax._src.scheduler on CPU, with real jitted steps and synthetic load.
+
+Timing-dependent tests scale everything to the step time measured at run time and assert counts
+and orderings (misses with vs without preemption), never absolute wall-clock numbers.
+"""
+
+import re
+import time
+import urllib.request
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dtenjax._src import errors
+from dtenjax._src import scheduler as S
+
+N = 384
+W = jnp.asarray(np.random.default_rng(0).standard_normal((N, N)) / np.sqrt(N), jnp.float32)
+SPEC = jax.ShapeDtypeStruct((N, N), jnp.float32)
+
+
+def step(batch):
+  x = batch
+  for _ in range(8):
+    x = jnp.tanh(x @ W)
+  return x.sum(axis=1)
+
+
+def reference(batch):
+  x = np.asarray(batch, np.float64)
+  w = np.asarray(W, np.float64)
+  for _ in range(8):
+    x = np.tanh(x @ w)
+  return x.sum(axis=1)
+
+
+def batch_of(seed):
+  return np.random.default_rng(seed).standard_normal((N, N)).astype(np.float32)
+
+
+# ---- pure decision functions ----------------------------------------------------------------
+
+def test_preemption_decision_seed_defaults():
+  p = S.PreemptionPolicy()
+  assert S.preemption_decision(p, 0, None) == 0.0
+  assert S.preemption_decision(p, 2, 0.100) == 0.0
+  assert S.preemption_decision(p, 3, None) == 0.25
+  assert S.preemption_decision(p, 0, 0.111) == 0.40
+  assert S.preemption_decision(p, 10, 0.5) == 0.40          # the larger release applies
+  assert S.preemption_decision(p, 2, 0.110) == 0.0          # strictly above 110 ms
+  off = S.PreemptionPolicy(enabled=False)
+  assert S.preemption_decision(off, 100, 9.0) == 0.0
+  custom = S.PreemptionPolicy(backlog_batches=1, backlog_release=0.5, p95_seconds=0.01,
+                              p95_release=0.1)
+  assert S.preemption_decision(custom, 1, 0.02) == 0.5
+
+
+def test_preemption_policy_validation_lists_every_problem():
+  with pytest.raises(errors.ConfigurationError) as e:
+    S.PreemptionPolicy(backlog_batches=0, backlog_release=1.5, p95_seconds=-1)
+  msg = str(e.value)
+  assert "backlog_batches=0" in msg and "backlog_release=1.5" in msg and "p95_seconds=-1" in msg
+
+
+def _slots(share, n=800):
+  credit, low = 0.0, 0
+  for _ in range(n):
+    q, credit = S.pick_queue(credit, share, True, True)
+    low += q == S.LOW_LATENCY
+  return low
+
+
+def test_pick_queue_shares_slots_by_weight_and_yields_idle_slots():
+  assert _slots(0.125) == 100
+  released = S.low_latency_slot_share(0.125, 0.40)
+  assert released == pytest.approx(0.475)
+  assert _slots(released) == pytest.approx(380, abs=1)
+  assert S.pick_queue(0.0, 0.125, True, False)[0] == S.LOW_LATENCY
+  assert S.pick_queue(5.0, 0.125, False, True)[0] == S.MAIN
+  assert S.pick_queue(0.0, 0.125, False, False)[0] is None
+
+
+def test_percentiles():
+  p = S.percentiles(list(range(101)))
+  assert p == {"p50": 50.0, "p95": 95.0, "p99": 99.0}
+  assert S.percentiles([]) == {"p50": None, "p95": None, "p99": None}
+
+
+# ---- the scheduler with a real jitted step ---------------------------------------------------
+
+def test_futures_carry_the_step_results():
+  with S.GraphScheduler(step, batch_spec=SPEC) as sch:
+    futs = [(s, sch.submit(batch_of(s))) for s in range(3)]
+    futs += [(s, sch.inject_micro_batch(batch_of(s))) for s in range(3, 6)]
+    for s, f in futs:
+      np.testing.assert_allclose(f.result(timeout=30), reference(batch_of(s)), rtol=2e-4,
+                                 atol=2e-4)
+  m = sch.metrics()
+  assert m[S.MAIN].completed == 3 and m[S.LOW_LATENCY].completed == 3
+  assert m[S.LOW_LATENCY].p50 is not None and m[S.LOW_LATENCY].p50 > 0
+
+
+def test_batches_that_do_not_fit_are_rejected_at_injection():
+  spec = {"x": SPEC, "mask": jax.ShapeDtypeStruct((N,), jnp.bool_)}
+  with S.GraphScheduler(lambda b: step(b["x"]) * b["mask"], batch_spec=spec) as sch:
+    with pytest.raises(errors.ConfigurationError) as e:
+      sch.inject_micro_batch({"x": np.ones((N, N + 1), np.float32),
+                              "mask": np.ones((N,), np.int32)})
+    msg = str(e.value)
+    assert "['x']" in msg and "float32[384, 385]" in msg
+    assert "['mask']" in msg and "int32" in msg and "bool" in msg
+    with pytest.raises(errors.ConfigurationError, match="structure"):
+      sch.submit(np.ones((N, N), np.float32))
+    ok = sch.submit({"x": batch_of(1), "mask": np.ones((N,), bool)})
+    np.testing.assert_allclose(ok.result(timeout=30), reference(batch_of(1)), rtol=2e-4,
+                               atol=2e-4)
+  assert sch.metrics()[S.MAIN].completed == 1
+
+
+def test_constructor_validation():
+  with pytest.raises(errors.ConfigurationError) as e:
+    S.GraphScheduler(step, batch_spec=SPEC, latency_sla=0, low_latency_share=1.5, max_queue=0)
+  msg = str(e.value)
+  assert "latency_sla=0" in msg and "low_latency_share=1.5" in msg and "max_queue=0" in msg
+
+
+def test_shutdown_runs_every_accepted_batch_then_refuses_work():
+  sch = S.GraphScheduler(step, batch_spec=SPEC)
+  b = batch_of(0)
+  futs = [sch.submit(b) for _ in range(60)] + [sch.inject_micro_batch(b) for _ in range(15)]
+  sch.shutdown(timeout=120)
+  assert all(f.done() and f.exception() is None for f in futs)
+  m = sch.metrics()
+  assert m[S.MAIN].completed == 60 and m[S.LOW_LATENCY].completed == 15
+  assert m[S.MAIN].depth == 0 and m[S.LOW_LATENCY].depth == 0
+  with pytest.raises(S.SchedulerClosedError):
+    sch.submit(b)
+
+
+def test_full_queue_raises_after_its_timeout():
+  with S.GraphScheduler(step, batch_spec=SPEC, max_queue=1) as sch:
+    b = batch_of(0)
+    with pytest.raises(S.QueueFullError, match="max_queue=1"):
+      for _ in range(200):
+        sch.submit(b, timeout=0.0)
+
+
+def _wait_for_steps(sch, k, timeout=120.0):
+  end = time.monotonic() + timeout
+  while sch.steps_run < k:
+    if time.monotonic() > end:
+      raise TimeoutError(f"the dispatcher ran {sch.steps_run} steps in {timeout} s; wanted {k}")
+    time.sleep(0.0005)
+
+
+def _flood(preempt: bool, n_low: int = 40, gap: int = 5, sla_steps: int = 20):
+  """Main queue flooded; a low-latency batch every `gap` steps. Returns (metrics, episodes).
+
+  Time is virtual: the scheduler's clock counts finished steps (1 ms each), so the outcome does
+  not depend on how fast or loaded the machine is, while every step is a real jitted run.
+  """
+  dt = 1e-3
+  holder = {}
+  clock = lambda: holder["s"].steps_run * dt if "s" in holder else 0.0
+  policy = S.PreemptionPolicy(enabled=preempt, p95_seconds=0.9 * sla_steps * dt)
+  sch = S.GraphScheduler(step, batch_spec=SPEC, latency_sla=sla_steps * dt, preemption=policy,
+                         cuda_graphs="off", clock=clock)
+  holder["s"] = sch
+  b = batch_of(0)
+  mains = [sch.submit(b) for _ in range(n_low * gap + 60)]
+  lows = []
+  for i in range(n_low):
+    _wait_for_steps(sch, i * gap)
+    lows.append(sch.inject_micro_batch(b))
+  sch.shutdown(timeout=120)
+  assert all(f.exception() is None for f in mains + lows)
+  return sch.metrics(), sch.preemption_episodes
+
+
+def test_low_latency_queue_meets_deadlines_with_preemption_and_misses_without():
+  n = 40
+  without, episodes_off = _flood(False, n)
+  with_p, episodes_on = _flood(True, n)
+  low_off, low_on = without[S.LOW_LATENCY], with_p[S.LOW_LATENCY]
+  assert low_off.completed == low_on.completed == n
+  # Without preemption the low-latency queue has only its 1/8 base share of a flooded device
+  # while batches arrive at 1/5 of its rate: its backlog grows and deadlines are missed.
+  assert episodes_off == 0 and low_off.preemptions == 0
+  assert low_off.deadline_misses >= n // 2, low_off
+  # With it, main-queue capacity is released and (nearly) every deadline is met.
+  assert episodes_on >= 1 and low_on.preemptions > 0 and with_p[S.MAIN].preemptions > 0
+  assert low_on.deadline_misses <= n // 10, low_on
+  assert low_on.p95 < low_off.p95
+
+
+def test_prometheus_endpoint_exports_per_queue_metrics_from_a_private_registry():
+  a = S.GraphScheduler(step, batch_spec=SPEC, metrics_port=0, latency_sla=1e-6)
+  b = S.GraphScheduler(step, batch_spec=SPEC, metrics_port=0)   # own registry: no clash
+  try:
+    for _ in range(3):
+      a.inject_micro_batch(batch_of(0)).result(timeout=30)   # a 1 us SLA: every one misses
+    a.submit(batch_of(0)).result(timeout=30)
+    host, port = a.metrics_address
+    assert host == "127.0.0.1"
+    body = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+    misses = re.search(r'dtenjax_sched_deadline_misses_total\{queue="low_latency"\} (\S+)', body)
+    assert misses and float(misses.group(1)) == a.metrics()[S.LOW_LATENCY].deadline_misses == 3
+    assert re.search(r'dtenjax_sched_latency_seconds\{quantile="0.95",queue="low_latency"\}',
+                     body)
+    assert 'dtenjax_sched_batches_total{queue="main",status="ok"} 1.0' in body
+    assert b.metrics_address[1] != port
+  finally:
+    a.shutdown()
+    b.shutdown()

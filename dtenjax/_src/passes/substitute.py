@@ -7,8 +7,8 @@ nested ``jit`` calls (inlined) and into ``shard_map`` (rebuilt with ``check_vma=
 dtenjax results are per-device values). Other higher-order primitives (``scan``, ``while``,
 ``cond``, custom derivatives) are bound unchanged: psums inside them stay XLA's.
 
-With ``bucket_bytes > 0`` psums are deferred until a result is read and then reduced in buckets
-(the fusion pass, ``fusion.py``).
+With ``bucket_bytes > 0`` psums are deferred: everything that does not need their results runs
+first, then the ready psums are reduced together in buckets (the fusion pass, ``fusion.py``).
 """
 
 from __future__ import annotations
@@ -66,61 +66,75 @@ def _reduce(vals, axes, opts: _Options):
 
 
 def _eval_jaxpr(jaxpr, consts, args, opts: _Options):
-  env: dict = {}
-  pending: list = []          # (outvars, invals, axes) of deferred psums
-  pending_vars: set = set()
+  """Evaluates ``jaxpr`` with psums rewritten.
 
-  def flush():
-    if not pending:
-      return
-    by_axes: dict = {}
-    for outvars, vals, axes in pending:
-      by_axes.setdefault(axes, []).append((outvars, vals))
-    for axes, items in by_axes.items():
-      flat_vals = [v for _, vals in items for v in vals]
-      flat_out = [ov for outvars, _ in items for ov in outvars]
-      for ov, r in zip(flat_out, _reduce(flat_vals, axes, opts)):
-        env[ov] = r
-    pending.clear()
-    pending_vars.clear()
+  With bucketing on, evaluation goes in rounds: every equation that does not depend on a
+  not-yet-reduced psum runs first (in program order), then all psums ready in that round are
+  reduced together (bucketed), then the round repeats for the equations that waited. Equations
+  are pure, so running them in any order that respects data dependencies gives the same values.
+  """
+  env: dict = {}
 
   def read(v):
-    if isinstance(v, jex_core.Literal):
-      return v.val
-    if v in pending_vars:
-      flush()
-    return env[v]
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
 
   for v, c in zip(jaxpr.constvars, consts):
     env[v] = c
   for v, a in zip(jaxpr.invars, args):
     env[v] = a
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    name = eqn.primitive.name
-    if _eligible(eqn):
-      axes = tuple(eqn.params["axes"])
-      if opts.bucket_bytes > 0:
-        pending.append((list(eqn.outvars), invals, axes))
-        pending_vars.update(eqn.outvars)
+  remaining = list(jaxpr.eqns)
+  while remaining:
+    waiting, ready, blocked = [], [], set()
+    for eqn in remaining:
+      ins = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
+      if opts.bucket_bytes > 0 and any(v in blocked for v in ins):
+        waiting.append(eqn)
+        blocked.update(eqn.outvars)
         continue
-      outs = _reduce(invals, axes, opts)
-    elif name in _IDENTITY:
-      outs = invals
-    elif name in _CALLS and ("jaxpr" in eqn.params or "call_jaxpr" in eqn.params):
-      inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-      closed = inner if hasattr(inner, "consts") else jex_core.ClosedJaxpr(inner, ())
-      outs = _eval_jaxpr(closed.jaxpr, closed.consts, invals, opts)
-    elif name == "shard_map":
-      outs = _shard_map(eqn, invals, opts)
-    else:
-      subfuns, params = eqn.primitive.get_bind_params(eqn.params)
-      outs = eqn.primitive.bind(*subfuns, *invals, **params)
-      if not eqn.primitive.multiple_results:
-        outs = [outs]
-    for v, o in zip(eqn.outvars, outs):
-      env[v] = o
+      if _eligible(eqn) and opts.bucket_bytes > 0:
+        ready.append(eqn)
+        blocked.update(eqn.outvars)
+        continue
+      outs = _run_eqn(eqn, [read(v) for v in eqn.invars], opts)
+      for v, o in zip(eqn.outvars, outs):
+        env[v] = o
+    by_axes: dict = {}
+    for eqn in ready:
+      by_axes.setdefault(tuple(eqn.params["axes"]), []).append(eqn)
+    for axes, eqns in by_axes.items():
+      vals = [read(v) for e in eqns for v in e.invars]
+      outvars = [v for e in eqns for v in e.outvars]
+      for v, r in zip(outvars, _reduce(vals, axes, opts)):
+        env[v] = r
+    remaining = waiting
   return [read(v) for v in jaxpr.outvars]
+
+
+def _run_eqn(eqn, invals, opts: _Options):
+  name = eqn.primitive.name
+  if _eligible(eqn):
+    return _reduce(invals, tuple(eqn.params["axes"]), opts)
+  if name in _IDENTITY:
+    return invals
+  if name in _CALLS and ("jaxpr" in eqn.params or "call_jaxpr" in eqn.params):
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    closed = inner if hasattr(inner, "consts") else jex_core.ClosedJaxpr(inner, ())
+    return _eval_jaxpr(closed.jaxpr, closed.consts, invals, opts)
+  if name == "shard_map":
+    return _shard_map(eqn, invals, opts)
+  outs = _bind(eqn, invals)
+  return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _bind(eqn, invals):
+  """Binds ``eqn`` unchanged, across jax versions (get_bind_params returns a dict or a pair)."""
+  got = eqn.primitive.get_bind_params(eqn.params)
+  subfuns, params = got if isinstance(got, tuple) else ((), got)
+  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+  if ctx is None:
+    return eqn.primitive.bind(*subfuns, *invals, **params)
+  with ctx:
+    return eqn.primitive.bind(*subfuns, *invals, **params)
 
 
 def _shard_map(eqn, invals, opts: _Options):

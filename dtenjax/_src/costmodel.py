@@ -147,6 +147,8 @@ def crossover_bytes(alg_small: str, alg_large: str, group: Sequence[int], topolo
             collective_time(kind, nb, group, topology, alg_small))
   if not better(hi):
     return None
+  if better(0):
+    return 0
   lo_b, hi_b = 0, hi
   while hi_b - lo_b > 1:
     mid = (lo_b + hi_b) // 2

@@ -4,7 +4,8 @@ Sources, each optional, each recorded in ``Topology.notes`` when it was missing:
 * jax: devices, platforms, kinds, memory, process indices (``jax.distributed`` when initialised);
 * cuda-python: peer access between local GPUs; NVML (pynvml or cuda-python's nvml) for NVLink;
 * pyverbs through :mod:`dtenjax._src.rdma`: RDMA NICs ("no device" means no RDMA);
-* sysfs: NUMA nodes and their CPUs, the NUMA node of each GPU's PCI device.
+* sysfs: NUMA nodes and their CPUs (devices are recorded on NUMA node 0; jax does not expose
+  a GPU's PCI address).
 """
 
 from __future__ import annotations
@@ -97,6 +98,16 @@ def _gpu_links(local_gpus: list[Any], notes: list[str]) -> dict[tuple[int, int],
   return links
 
 
+def exchange_hostnames(host: str, rank: int, size: int, store: Any = None) -> dict[int, str]:
+  """Every process's host name, by process index, through the coordination key-value store
+  (:mod:`dtenjax._src.kvstore`). Raises if the store is missing or a peer does not answer."""
+  if store is None:
+    from dtenjax._src import kvstore  # pylint: disable=g-import-not-at-top
+    store = kvstore.default()
+  names = store.exchange("topology-hosts", rank, size, host)
+  return {p: str(n) for p, n in enumerate(names)}
+
+
 def detect(devices: Sequence[Any] | None = None) -> topo.Topology:
   devices = list(jax.devices() if devices is None else devices)
   notes: list[str] = []
@@ -106,8 +117,7 @@ def detect(devices: Sequence[Any] | None = None) -> topo.Topology:
   hosts = {p: (host if p == me else f"process{p}") for p in range(n_proc)}
   if n_proc > 1:
     try:
-      from dtenjax._src import kvstore  # pylint: disable=g-import-not-at-top
-      hosts.update(kvstore.exchange_hostnames(host))
+      hosts.update(exchange_hostnames(host, me, n_proc))
     except Exception as e:  # pylint: disable=broad-except
       notes.append(f"host names of other processes unknown ({type(e).__name__}: {e}); each "
                    "process is treated as its own host")
@@ -125,9 +135,11 @@ def detect(devices: Sequence[Any] | None = None) -> topo.Topology:
                                bandwidth_gbps=float(nic.get("bandwidth_gbps", 12.5)),
                                numa_node=int(nic.get("numa_node", 0))))
     if not nics:
-      notes.append("no RDMA NIC: " + rdma.unavailable_reason())
+      notes.append("no RDMA NIC: " + str(rdma.unavailable_reason()))
   except ImportError:
     notes.append("no RDMA NIC: dtenjax._src.rdma is not available")
+  except Exception as e:  # pylint: disable=broad-except  (pyverbs errors mean "no RDMA")
+    notes.append(f"no RDMA NIC: discovery failed ({type(e).__name__}: {e})")
   active = [n for n in nics if n.state.upper().startswith("ACTIVE")]
   inter = "tcp"
   if active:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -85,6 +86,14 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str], topology: Topolog
         f"{len(devices)}, or pass devices=[...] with {math.prod(shape)} devices.{hint}")
   if topology is None:
     topology = Topology.current()
+  return _make_mesh_cached(shape, axis_names, topology, tuple(devices))
+
+
+@functools.lru_cache(maxsize=256)
+def _make_mesh_cached(shape: tuple[int, ...], axis_names: tuple[str, ...], topology: Topology,
+                      devices: tuple[Any, ...]) -> Mesh:
+  # make_mesh is a pure function of its arguments; placements resolve their mesh once per leaf,
+  # so caching it keeps planning a large pytree cheap (bench/planner.py).
   ordered = order_devices(devices, topology)
   return Mesh(np.asarray(ordered, dtype=object).reshape(shape), axis_names)
 
@@ -132,15 +141,23 @@ def _spec_axes(spec) -> set[str]:
   return out
 
 
+def suggest_axis(name: Any, axis_names: Sequence[str]) -> str:
+  """' (did you mean 'x'?)' when ``name`` looks like a misspelling of one of ``axis_names``."""
+  close = difflib.get_close_matches(str(name), [str(a) for a in axis_names], n=1, cutoff=0.5)
+  return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _check_specs(mesh: Mesh, specs, what: str) -> None:
   bad = set()
   for leaf in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P) or s is None):
     if isinstance(leaf, P):
       bad |= _spec_axes(leaf) - set(mesh.axis_names)
   if bad:
-    raise errors.MeshError(
-        f"{what} name mesh axes {sorted(bad)} that mesh {dict(mesh.shape)} does not have; use "
-        f"the mesh's axis names {tuple(mesh.axis_names)} (check the spelling).")
+    problems = [f"{a!r} is not an axis of the mesh{suggest_axis(a, mesh.axis_names)}"
+                for a in sorted(bad, key=str)]
+    raise errors.MeshError(errors.join_problems(
+        f"{what} name mesh axes that mesh {dict(mesh.shape)} does not have; use its axis names "
+        f"{tuple(mesh.axis_names)}:", problems))
 
 
 def mesh_map(f: Callable, mesh: Mesh | Sequence[int] | None = None, in_specs: Any = P(),

@@ -10,6 +10,7 @@ planner (:mod:`dtenjax._src.planner`), and :meth:`Placement.explain` shows why.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,6 +76,8 @@ class Placement:
   # --- resolution ------------------------------------------------------------------------------
 
   def resolved_mesh(self) -> Mesh:
+    """The concrete mesh: this placement's Mesh, a topology-ordered mesh of its shape, or the
+    enclosing ``use_mesh`` / all devices in 1D (``mesh=None``). Meshes are cached."""
     if isinstance(self.mesh, Mesh):
       return self.mesh
     if self.mesh is None:
@@ -87,31 +90,32 @@ class Placement:
 
   def plan(self, shape: Sequence[int], dtype=jnp.float32) -> planner.Plan:
     """The planner's decision for an array of ``shape``/``dtype`` on this placement's mesh."""
-    mesh = self.resolved_mesh()
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    topology = self._topology()
-    if not set(ids.ravel().tolist()) <= set(topology.device_ids):
-      topology = Topology.detect(list(mesh.devices.ravel()))
+    return self._plan(self.resolved_mesh(), shape, dtype)
+
+  def _plan(self, mesh: Mesh, shape: Sequence[int], dtype) -> planner.Plan:
+    ids, topology = _planning_inputs(mesh, self._topology())
     return planner.plan_tensor(shape, dtype, tuple(mesh.devices.shape), tuple(mesh.axis_names),
                                ids, topology, self.workload)
 
-  def spec(self, shape: Sequence[int], dtype=jnp.float32) -> P:
-    """The PartitionSpec this placement gives an array of ``shape``, validated."""
-    mesh = self.resolved_mesh()
+  def _spec(self, mesh: Mesh, shape: Sequence[int], dtype) -> P:
     if isinstance(self.strategy, P):
       spec = self.strategy
     elif self.strategy == "auto":
-      spec = self.plan(shape, dtype).spec
+      spec = self._plan(mesh, shape, dtype).spec
     else:
       spec = _fixed_spec(self.strategy, len(shape), mesh)
     check_divisible(shape, spec, mesh)
     return spec
 
+  def spec(self, shape: Sequence[int], dtype=jnp.float32) -> P:
+    """The PartitionSpec this placement gives an array of ``shape``, validated."""
+    return self._spec(self.resolved_mesh(), tuple(shape), dtype)
+
   def sharding(self, shape: Sequence[int], dtype=jnp.float32) -> NamedSharding:
     """The NamedSharding (with the memory kind of the policy) for an array of ``shape``."""
     mesh = self.resolved_mesh()
-    return NamedSharding(mesh, self.spec(shape, dtype),
-                         memory_kind=MEMORY_KINDS[self.memory_policy])
+    return _named_sharding(mesh, self._spec(mesh, tuple(shape), dtype),
+                           MEMORY_KINDS[self.memory_policy])
 
   def explain(self, shape: Sequence[int], dtype=jnp.float32) -> str:
     """Why this placement lays out an array of ``shape`` the way it does: every candidate's
@@ -121,31 +125,42 @@ class Placement:
             f"memory_policy={self.memory_policy!r}) for {tuple(shape)} "
             f"{jnp.dtype(dtype).name}:")
     if self.strategy == "auto":
-      return head + "\n" + self.plan(shape, dtype).table()
-    return head + f"\n=> {self.spec(shape, dtype)} (fixed strategy, no planning)"
+      return head + "\n" + self._plan(mesh, shape, dtype).table()
+    return head + f"\n=> {self._spec(mesh, tuple(shape), dtype)} (fixed strategy, no planning)"
+
+
+@functools.lru_cache(maxsize=256)
+def _planning_inputs(mesh: Mesh, topology: Topology) -> tuple[tuple[int, ...], Topology]:
+  """Device ids of ``mesh`` (row-major) and the topology describing them: ``topology`` when it
+  has those ids, else the detected topology of the mesh's devices."""
+  ids = tuple(int(d.id) for d in mesh.devices.flat)
+  if not set(ids) <= set(topology.device_ids):
+    topology = Topology.detect(list(mesh.devices.flat))
+  return ids, topology
+
+
+@functools.lru_cache(maxsize=4096)
+def _named_sharding(mesh: Mesh, spec: P, memory_kind: str) -> NamedSharding:
+  return NamedSharding(mesh, spec, memory_kind=memory_kind)
 
 
 def _fixed_spec(strategy: str, ndim: int, mesh: Mesh) -> P:
+  """A named strategy's spec: the same one the planner costs (see planner.strategy_spec):
+  "row"/"col" shard over the innermost (fastest) mesh axis and replicate over the others
+  (data parallel), "2d" shards rows over the outer axes and columns over the inner one."""
   names = tuple(mesh.axis_names)
-  outer, inner = (names[0], names[-1]) if len(names) > 1 else (None, names[0])
-  every = names if len(names) > 1 else names[0]
-  if strategy == "replicate" or ndim == 0:
-    return P()
-  pad = (None,) * max(0, ndim - 2)
-  if strategy == "row":
-    return P(*pad, every) if ndim == 1 else P(*pad, every, None)
-  if strategy == "col":
-    if ndim == 1:
-      raise errors.PlacementError(
-          "strategy='col' needs an array with at least 2 dimensions, got 1; use 'row' or "
-          "'replicate' for vectors.")
-    return P(*pad, None, every)
-  # 2d
-  if ndim < 2 or outer is None:
+  inner = names[-1]
+  outer = None if len(names) == 1 else (names[0] if len(names) == 2 else names[:-1])
+  if strategy == "col" and ndim == 1:
+    raise errors.PlacementError(
+        "strategy='col' needs an array with at least 2 dimensions, got 1; use 'row' or "
+        "'replicate' for vectors.")
+  if strategy == "2d" and (ndim < 2 or outer is None):
     raise errors.PlacementError(
         f"strategy='2d' needs a 2D mesh and an array with >= 2 dimensions; got mesh axes "
         f"{names} and ndim={ndim}. Use mesh=(a, b) or strategy='row'.")
-  return P(*pad, outer, inner)
+  spec = planner.strategy_spec(strategy, ndim, outer, inner)
+  return P() if spec is None else spec
 
 
 def check_divisible(shape: Sequence[int], spec: P, mesh: Mesh) -> None:
@@ -162,8 +177,9 @@ def check_divisible(shape: Sequence[int], spec: P, mesh: Mesh) -> None:
     axes = entry if isinstance(entry, tuple) else (entry,)
     unknown = [a for a in axes if a not in sizes]
     if unknown:
+      hints = "".join(mesh_lib.suggest_axis(a, tuple(sizes)) for a in unknown)
       problems.append(f"dimension {dim} names mesh axes {unknown} that the mesh does not have "
-                      f"(mesh axes: {tuple(sizes)}); check the spelling")
+                      f"(mesh axes: {tuple(sizes)}){hints}; check the spelling")
       continue
     k = int(np.prod([sizes[a] for a in axes]))
     if shape[dim] % k:

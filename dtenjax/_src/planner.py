@@ -122,6 +122,28 @@ def _axes(mesh_shape: Sequence[int], axis_names: Sequence[str]):
       "mesh (e.g. (hosts, devices_per_host)) or give an explicit PartitionSpec.")
 
 
+def strategy_spec(strategy: str, ndim: int, outer: str | tuple[str, ...] | None,
+                  inner: str) -> P | None:
+  """The PartitionSpec of a named strategy for an array of ``ndim`` dimensions on a mesh whose
+  fast (inner) axis is ``inner`` and whose other axes are ``outer`` (None on a 1D mesh); None
+  when the strategy does not apply. Shared by the planner and fixed-strategy placements, so
+  ``Placement("row")`` and an ``"auto"`` placement that picks ``"row"`` agree."""
+  if strategy == "replicate":
+    return P()
+  if ndim == 0:
+    return None
+  if ndim == 1:
+    return P(inner) if strategy == "row" else None
+  pad = (None,) * (ndim - 2)
+  if strategy == "row":
+    return P(*pad, inner, None)
+  if strategy == "col":
+    return P(*pad, None, inner)
+  if strategy == "2d":
+    return P(*pad, outer, inner) if outer is not None else None
+  raise errors.PlacementError(f"unknown strategy {strategy!r}; use one of {STRATEGIES}")
+
+
 class _Groups:
   """Device-id groups of a mesh laid out by rows: inner = one row, outer = one column."""
 
@@ -166,26 +188,12 @@ def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, wor
   mb = w.microbatches
   flops = 6.0 * w.tokens * lead * m * n
   compute = flops / ndev / topology.peak_flops()
-  pad = (None,) * max(0, len(shape) - 2)
   state = nbytes * w.state_factor
   mem_limit = min((d.memory_bytes for d in topology.devices if d.memory_bytes), default=0)
 
-  def spec_for(strategy):
-    if strategy == "replicate":
-      return P()
-    if len(shape) == 0:
-      return None
-    if len(shape) == 1:
-      return P(inner) if strategy == "row" else None
-    if strategy == "row":
-      return P(*pad, inner, None)
-    if strategy == "col":
-      return P(*pad, None, inner)
-    return P(*pad, outer, inner) if outer is not None else None
-
   cands = []
   for strategy in STRATEGIES:
-    spec = spec_for(strategy)
+    spec = strategy_spec(strategy, len(shape), outer, inner)
     if spec is None:
       continue
     note = ""

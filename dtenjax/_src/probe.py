@@ -56,11 +56,15 @@ def probe(topology: topo.Topology, small_bytes: int = 8, large_bytes: int | None
     raise errors.ConfigurationError(
         f"probe needs 0 < small_bytes < large_bytes, got {small_bytes} and {large_bytes}")
   local = {d.id: d for d in jax.local_devices()}
-  ids = [i for i in topology.device_ids if i in local]
+  # A device counts only if it is this process's device of the same platform: a GPU fixture's
+  # ids 0..7 must not be "measured" on CPU devices that happen to share the ids.
+  ids = [i for i in topology.device_ids
+         if i in local and local[i].platform == topology.device(i).platform]
   if not ids:
     raise errors.TopologyError(
-        f"none of topology {topology.name!r}'s devices are local to this process; probe the "
-        "topology of the devices you run on (Topology.detect().probe()).")
+        f"none of topology {topology.name!r}'s devices are local to this process (local: "
+        f"{len(local)} {next(iter(local.values())).platform if local else 'no'} devices); probe "
+        "the topology of the devices you run on (Topology.detect().probe()).")
   platform = local[ids[0]].platform
   if large_bytes is None:
     large_bytes = (64 << 20) if platform != "cpu" else (8 << 20)

@@ -117,6 +117,10 @@ class NumaNode:
 
 
 def _freeze_links(links: Mapping[str, LinkSpec]) -> tuple[tuple[str, LinkSpec], ...]:
+  unknown = sorted(k for k in links if k not in LINK_ORDER)
+  if unknown:
+    raise errors.TopologyError(f"links name unknown link classes {unknown}; use classes from "
+                               f"{LINK_ORDER}")
   return tuple(sorted(links.items(), key=lambda kv: LINK_ORDER.index(kv[0])))
 
 
@@ -144,6 +148,10 @@ class Topology:
     ids = [d.id for d in self.devices]
     if len(set(ids)) != n:
       problems.append(f"device ids are not unique: {ids}")
+    bad_links = [k for k, v in self.links if k not in LINK_ORDER or not isinstance(v, LinkSpec)]
+    if bad_links:
+      problems.append(f"links has unknown classes or non-LinkSpec values: {bad_links}; use "
+                      f"classes from {LINK_ORDER}")
     if len(self.link_matrix) != n or any(len(row) != n for row in self.link_matrix):
       problems.append(f"link_matrix must be {n} x {n}, got "
                       f"{len(self.link_matrix)} x {[len(r) for r in self.link_matrix]}")
@@ -156,20 +164,48 @@ class Topology:
                             f"{LINK_ORDER}")
           elif cls not in specs:
             problems.append(f"link class {cls!r} (link_matrix[{i}][{j}]) has no LinkSpec in links")
-          if self.link_matrix[j][i] != cls:
-            problems.append(f"link_matrix is not symmetric at [{i}][{j}]")
-            break
+          if j > i and self.link_matrix[j][i] != cls:
+            problems.append(f"link_matrix is not symmetric: [{i}][{j}] = {cls!r} but "
+                            f"[{j}][{i}] = {self.link_matrix[j][i]!r}; a link has one class "
+                            "in both directions")
+          if i == j and cls != "local":
+            problems.append(f"link_matrix[{i}][{i}] = {cls!r}; a device's link to itself must "
+                            "be 'local'")
         if len(problems) > 8:
           break
     if problems:
       raise errors.TopologyError(errors.join_problems(
           f"Topology {self.name!r} is invalid:", problems))
 
+  def __hash__(self) -> int:
+    # Topologies key the planner's caches; hashing every device pair on each lookup would
+    # dominate planning time, so the hash is computed once (the value is frozen).
+    h = self.__dict__.get("_hash")
+    if h is None:
+      h = hash((self.name, self.devices, self.link_matrix, self.links, self.nics,
+                self.numa_nodes, self.source, self.notes))
+      object.__setattr__(self, "_hash", h)
+    return h
+
+  def __getstate__(self) -> dict[str, Any]:
+    # Only the fields: the memoised hash (string hashes differ between processes) and derived
+    # groupings must not travel with a pickled copy.
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
   # --- lookups -------------------------------------------------------------------------------
 
   @functools.cached_property
   def _pos(self) -> dict[int, int]:
     return {d.id: i for i, d in enumerate(self.devices)}
+
+  @functools.cached_property
+  def _specs(self) -> dict[str, LinkSpec]:
+    return dict(self.links)
+
+  @functools.cached_property
+  def _derived(self) -> dict[Any, Any]:
+    """Memo of derived groupings (islands per level, hosts, hierarchy keys)."""
+    return {}
 
   @property
   def device_ids(self) -> tuple[int, ...]:
@@ -196,10 +232,15 @@ class Topology:
     return self.link_matrix[self.position(a)][self.position(b)]
 
   def link(self, a: int, b: int) -> LinkSpec:
-    return dict(self.links)[self.link_class(a, b)]
+    return self.spec(self.link_class(a, b))
 
   def spec(self, link_class: str) -> LinkSpec:
-    return dict(self.links)[link_class]
+    try:
+      return self._specs[link_class]
+    except KeyError:
+      raise errors.TopologyError(
+          f"topology {self.name!r} has no LinkSpec for link class {link_class!r}; it has "
+          f"{tuple(self._specs)}") from None
 
   def slowest_link(self, group: Sequence[int]) -> tuple[str, LinkSpec]:
     """The slowest class between any two members of ``group`` (the ring's bottleneck)."""
@@ -211,10 +252,13 @@ class Topology:
 
   def hosts(self) -> tuple[tuple[int, ...], ...]:
     """Device ids grouped by host, hosts in order of first appearance."""
-    groups: dict[str, list[int]] = {}
-    for d in self.devices:
-      groups.setdefault(d.host, []).append(d.id)
-    return tuple(tuple(g) for g in groups.values())
+    memo = self._derived
+    if "hosts" not in memo:
+      groups: dict[str, list[int]] = {}
+      for d in self.devices:
+        groups.setdefault(d.host, []).append(d.id)
+      memo["hosts"] = tuple(tuple(g) for g in groups.values())
+    return memo["hosts"]
 
   def islands(self, within: str = "nvlink") -> tuple[tuple[int, ...], ...]:
     """Connected groups of devices whose links are at least as fast as ``within``.
@@ -222,7 +266,13 @@ class Topology:
     With the default, an island is a set of GPUs joined by NVLink/NVSwitch; CPU devices of one
     process (joined by shared memory) are one island when ``within="shared_memory"``.
     """
+    if within not in LINK_ORDER:
+      raise errors.TopologyError(f"islands(within={within!r}): use a class from {LINK_ORDER}")
+    memo = self._derived
+    if ("islands", within) in memo:
+      return memo[("islands", within)]
     limit = LINK_ORDER.index(within)
+    rank = {c: LINK_ORDER.index(c) for c in LINK_ORDER}
     seen: set[int] = set()
     out = []
     for d in self.devices:
@@ -233,28 +283,46 @@ class Topology:
       while todo:
         a = todo.pop()
         comp.append(a)
-        for b in self.device_ids:
-          if b not in seen and LINK_ORDER.index(self.link_class(a, b)) <= limit:
+        row = self.link_matrix[self.position(a)]
+        for q, b in enumerate(self.device_ids):
+          if b not in seen and rank[row[q]] <= limit:
             seen.add(b)
             todo.append(b)
       out.append(tuple(sorted(comp, key=self.position)))
-    return tuple(out)
+    memo[("islands", within)] = tuple(out)
+    return memo[("islands", within)]
 
   def fast_islands(self) -> tuple[tuple[int, ...], ...]:
-    """The natural first level of a hierarchy: NVLink islands on GPUs, a host's shared memory
-    on CPUs, otherwise whole hosts."""
-    for level in ("nvlink", "shared_memory", "numa_cross"):
-      isl = self.islands(level)
-      if len(isl) < self.num_devices:
-        return isl
-    return tuple((i,) for i in self.device_ids)
+    """The natural first level of a hierarchy: NVLink/NVSwitch islands on GPUs, a process's
+    shared memory on CPUs, a PCIe switch / NUMA node on PCIe-only boxes, otherwise whole hosts.
+
+    The first level (fastest first) at which some devices group together wins; a topology whose
+    devices are all joined at that level is one island.
+    """
+    memo = self._derived
+    if "fast_islands" not in memo:
+      memo["fast_islands"] = tuple((i,) for i in self.device_ids)
+      for level in ("nvlink", "shared_memory", "pcie", "numa_cross"):
+        isl = self.islands(level)
+        if len(isl) < self.num_devices:
+          memo["fast_islands"] = isl
+          break
+    return memo["fast_islands"]
 
   def hierarchy_key(self, device_id: int) -> tuple:
-    """Sort key that puts devices sharing faster links next to each other."""
-    d = self.device(device_id)
-    island = next(i for i, isl in enumerate(self.fast_islands()) if device_id in isl)
-    host = next(i for i, h in enumerate(self.hosts()) if device_id in h)
-    return (host, island, d.numa_node, self.position(device_id))
+    """Sort key that puts devices sharing faster links next to each other:
+    (host, fast island, NUMA node, position)."""
+    memo = self._derived
+    if "hkey" not in memo:
+      island_of = {i: k for k, isl in enumerate(self.fast_islands()) for i in isl}
+      host_of = {i: k for k, h in enumerate(self.hosts()) for i in h}
+      memo["hkey"] = {d.id: (host_of[d.id], island_of[d.id], d.numa_node, p)
+                      for p, d in enumerate(self.devices)}
+    try:
+      return memo["hkey"][device_id]
+    except KeyError:
+      self.position(device_id)   # raises the helpful error
+      raise
 
   def peak_flops(self) -> float:
     return min(d.peak_flops for d in self.devices)
@@ -293,38 +361,94 @@ class Topology:
 
   @classmethod
   def from_dict(cls, data: Mapping[str, Any], origin: str = "<dict>") -> Topology:
+    """Builds a topology from :meth:`to_dict` output; every problem found is listed at once."""
+    hint = ("Expected keys name, devices, link_matrix and optionally links, nics, numa_nodes, "
+            "source, notes; see dtenjax/fixtures/*.json or Topology.to_json().")
+    if not isinstance(data, Mapping):
+      raise errors.TopologyError(
+          f"{origin} does not describe a topology: expected a JSON object, got "
+          f"{type(data).__name__}. {hint}")
+    problems = [f"missing key {k!r}" for k in ("name", "devices", "link_matrix") if k not in data]
+    known = {"name", "devices", "link_matrix", "links", "nics", "numa_nodes", "source", "notes"}
+    problems += [f"unknown key {k!r}" for k in sorted(set(data) - known)]
+
+    def records(key, kind, required):
+      out = []
+      items = data.get(key, [])
+      if not isinstance(items, list):
+        problems.append(f"{key!r} must be a list, got {type(items).__name__}")
+        return out
+      fields = {f.name for f in dataclasses.fields(kind)}
+      for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+          problems.append(f"{key}[{i}] must be an object, got {item!r}")
+          continue
+        missing = sorted(set(required) - set(item))
+        extra = sorted(set(item) - fields)
+        if missing:
+          problems.append(f"{key}[{i}] is missing {missing}")
+        if extra:
+          problems.append(f"{key}[{i}] has unknown fields {extra}")
+        if not missing and not extra:
+          try:
+            out.append(kind(**item))
+          except (TypeError, ValueError) as e:
+            problems.append(f"{key}[{i}]: {e}")
+      return out
+
+    devices = records("devices", DeviceInfo,
+                      ("id", "platform", "kind", "memory_bytes", "process_index", "host"))
+    nics = records("nics", NicInfo, ("name", "host"))
+    numa = records("numa_nodes", NumaNode, ("host", "id"))
+    links = dict(DEFAULT_LINKS)
+    raw_links = data.get("links", {})
+    if not isinstance(raw_links, Mapping):
+      problems.append(f"'links' must be an object, got {type(raw_links).__name__}")
+      raw_links = {}
+    for k, v in raw_links.items():
+      if k not in LINK_ORDER:
+        problems.append(f"links has unknown class {k!r}; use one of {LINK_ORDER}")
+        continue
+      try:
+        links[k] = LinkSpec(**v)
+      except (TypeError, errors.TopologyError) as e:
+        problems.append(f"links[{k!r}]: {e}")
+    matrix = data.get("link_matrix", [])
+    if not isinstance(matrix, list) or not all(isinstance(r, list) for r in matrix):
+      problems.append("'link_matrix' must be a list of lists of link class names")
+      matrix = []
+    if problems:
+      raise errors.TopologyError(errors.join_problems(
+          f"{origin} does not describe a topology. {hint}", problems))
     try:
-      links = dict(DEFAULT_LINKS)
-      links.update({k: LinkSpec(**v) for k, v in data.get("links", {}).items()})
       return cls(
-          name=data["name"],
-          devices=tuple(DeviceInfo(**d) for d in data["devices"]),
-          link_matrix=tuple(tuple(r) for r in data["link_matrix"]),
+          name=str(data["name"]),
+          devices=tuple(devices),
+          link_matrix=tuple(tuple(r) for r in matrix),
           links=_freeze_links(links),
-          nics=tuple(NicInfo(**n) for n in data.get("nics", [])),
-          numa_nodes=tuple(NumaNode(**n) for n in data.get("numa_nodes", [])),
+          nics=tuple(nics),
+          numa_nodes=tuple(numa),
           source=data.get("source", "json"),
           notes=tuple(data.get("notes", [])),
       )
     except errors.TopologyError as e:
       raise errors.TopologyError(f"{origin}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-      raise errors.TopologyError(
-          f"{origin} does not describe a topology ({type(e).__name__}: {e}). Expected keys "
-          "name, devices, link_matrix and optionally links, nics, numa_nodes; see "
-          "dtenjax/fixtures/*.json or Topology.to_json().") from None
 
   @classmethod
   def from_json(cls, text_or_path: str | os.PathLike) -> Topology:
-    origin = "<json string>"
-    text = str(text_or_path)
-    if not text.lstrip().startswith("{"):
+    """Parses JSON text, or reads a file when given a path."""
+    text = os.fspath(text_or_path)
+    if isinstance(text_or_path, os.PathLike) or not text.lstrip()[:1] in ("{", "["):
       origin = text
       try:
         with open(text, encoding="utf-8") as f:
           text = f.read()
       except OSError as e:
-        raise errors.TopologyError(f"cannot read topology file {origin!r}: {e}") from None
+        raise errors.TopologyError(
+            f"cannot read topology file {origin!r}: {e.strerror or e}. Pass JSON text or the "
+            "path of a file written by Topology.to_json().") from None
+    else:
+      origin = "<json string>"
     return cls._parse(text, origin)
 
   @classmethod

@@ -1,0 +1,43 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dtenjax import __main__ as cli
+from dtenjax._src import demo
+
+
+def test_demo_trains_places_explains_and_is_bit_identical(capsys):
+  assert demo.main(["--steps", "60", "--no-progress"]) == 0
+  out = capsys.readouterr().out
+  assert "== plan: Placement(strategy='auto')" in out
+  for name in ("w0", "w1", "w2", "b0"):
+    assert f"  {name} " in out
+  assert "== explain(train_step) ==" in out and "total predicted communication" in out
+  assert "losses bit-identical across runs: True" in out
+  loss_line = next(l for l in out.splitlines() if l.startswith("loss "))
+  first, last = (float(v) for v in loss_line.split(";")[0][5:].split(" -> "))
+  assert last < 0.5 * first          # it actually trains
+
+
+def test_cli_help_info_and_unknown(capsys):
+  assert cli.main([]) == 0
+  assert "demo" in capsys.readouterr().out
+  assert cli.main(["info"]) == 0
+  info = json.loads(capsys.readouterr().out)
+  assert {"built", "cuda", "verbs", "targets"} <= set(info)
+  assert cli.main(["no-such-command"]) == 2
+  assert cli.main(["bench", "no-such-bench"]) == 2
+
+
+@pytest.mark.slow
+def test_python_dash_m_runs_on_8_simulated_devices():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env["JAX_PLATFORMS"] = "cpu"
+  r = subprocess.run([sys.executable, "-m", "dtenjax", "demo", "--steps", "20", "--no-progress"],
+                     capture_output=True, text=True, timeout=240, env=env, check=False)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "8 cpu device(s)" in r.stdout and "bit-identical across runs: True" in r.stdout

@@ -4,7 +4,7 @@
 //   dtenjax_p2p_connect(key, rank, world, descriptors)   -> s32[1]   maps every rank's region
 //   dtenjax_p2p_all_reduce(x; key, algorithm, timeout_ms) -> like x   (instantiate + execute stages,
 //                                                                    command-buffer compatible)
-//   dtenjax_p2p_selftest(x[N, n]; algorithm, iters, mode, capacity, timeout_ms) -> [N, n]
+//   dtenjax_p2p_selftest(x[N, n]; count, algorithm, iters, mode, capacity, timeout_ms) -> [N, n]
 //       N simulated ranks on one GPU running the same kernels (allocates its arena once; not
 //       command-buffer compatible). dtenjax_p2p_selftest_graph: the same, command-buffer
 //       compatible, needs the arena made by an earlier dtenjax_p2p_selftest call.
@@ -171,8 +171,8 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, P2PState* stat
 // --- the simulated-rank harness ----------------------------------------------------------------
 
 ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                    ffi::Result<ffi::AnyBuffer> out, int64_t algorithm, int64_t iters,
-                    int64_t mode, int64_t capacity, int64_t timeout_ms) {
+                    ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm,
+                    int64_t iters, int64_t mode, int64_t capacity, int64_t timeout_ms) {
   auto dtype = ToDType(x.element_type(), "dtenjax_p2p_selftest");
   if (dtype.has_error()) return dtype.error();
   auto alg = ToAlgorithm(algorithm, "dtenjax_p2p_selftest");
@@ -183,8 +183,9 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
     return ffi::Error::InvalidArgument(
         "dtenjax_p2p_selftest: input must be [ranks, n] and the output the same");
   }
-  if (iters < 1 || mode < 0 || mode > 2) {
-    return ffi::Error::InvalidArgument("dtenjax_p2p_selftest: iters must be >= 1, mode 0..2");
+  if (iters < 1 || mode < 0 || mode > 2 || count < 0 || count > dims[1]) {
+    return ffi::Error::InvalidArgument(
+        "dtenjax_p2p_selftest: iters must be >= 1, mode 0..2 and 0 <= count <= n");
   }
   const int world = static_cast<int>(dims[0]);
   const int64_t n = dims[1];
@@ -207,11 +208,12 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
       p2p::GetSimArena(ordinal, world, static_cast<size_t>(capacity), create, &arena);
   if (s.ok()) s = p2p::CheckKernelError(arena.error_host, "dtenjax_p2p_selftest");
   if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
-  if (row % 16 != 0 && world > 1) {
-    // Each rank's row must start 16-byte aligned; pad n on the Python side otherwise.
+  if (row % 16 != 0) {
+    // Each simulated rank's row must start 16-byte aligned: the row stride n is padded, and
+    // `count` (any value <= n) is what the kernels reduce, so odd sizes are still exercised.
     return ffi::Error::InvalidArgument(
-        "dtenjax_p2p_selftest: n * itemsize must be a multiple of 16 (rows are 16-byte aligned "
-        "ranks); the Python wrapper pads rows for this");
+        "dtenjax_p2p_selftest: n * itemsize must be a multiple of 16 (pad the rows; reduce "
+        "fewer elements with `count`)");
   }
   p2p::LaunchArgs a;
   a.peers = arena.peers;
@@ -219,7 +221,7 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
   a.rank0 = 0;
   a.local_ranks = world;
   a.blocks = arena.blocks;
-  a.count = n;
+  a.count = count;
   a.capacity = arena.capacity;
   a.dtype = dtype.value();
   a.algorithm = alg.value();
@@ -240,15 +242,17 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
 }
 
 ffi::Error SelftestAlloc(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t algorithm, int64_t iters,
-                         int64_t mode, int64_t capacity, int64_t timeout_ms) {
-  return Selftest(true, stream, ordinal, x, out, algorithm, iters, mode, capacity, timeout_ms);
+                         ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm,
+                         int64_t iters, int64_t mode, int64_t capacity, int64_t timeout_ms) {
+  return Selftest(true, stream, ordinal, x, out, count, algorithm, iters, mode, capacity,
+                  timeout_ms);
 }
 
 ffi::Error SelftestGraph(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t algorithm, int64_t iters,
-                         int64_t mode, int64_t capacity, int64_t timeout_ms) {
-  return Selftest(false, stream, ordinal, x, out, algorithm, iters, mode, capacity, timeout_ms);
+                         ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm,
+                         int64_t iters, int64_t mode, int64_t capacity, int64_t timeout_ms) {
+  return Selftest(false, stream, ordinal, x, out, count, algorithm, iters, mode, capacity,
+                  timeout_ms);
 }
 
 }  // namespace
@@ -294,6 +298,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PAllReduceExecute, AllReduceExecute,
       .Ctx<ffi::DeviceOrdinal>()                      \
       .Arg<ffi::AnyBuffer>()                          \
       .Ret<ffi::AnyBuffer>()                          \
+      .Attr<int64_t>("count")                         \
       .Attr<int64_t>("algorithm")                     \
       .Attr<int64_t>("iters")                         \
       .Attr<int64_t>("mode")                          \

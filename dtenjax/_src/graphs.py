@@ -465,8 +465,10 @@ def report_from_hlo(text: str, policy: CudaGraphPolicy, platform: str) -> GraphR
       segments.append(GraphSegment(tuple(run), captured, reason))
       run.clear()
 
+    # With graphs off, group by what any policy could record, so only real splitters are listed.
+    rules = policy.commands if policy.enabled else ALL_COMMANDS
     for op in ops:
-      status, why = classify(op, comps, policy.commands)
+      status, why = classify(op, comps, rules)
       if status == "noop":
         continue
       if status == "command":

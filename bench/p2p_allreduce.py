@@ -1,0 +1,89 @@
+"""Benchmark of the p2p all-reduce kernels with N simulated ranks on one GPU.
+
+Every rank's kernel runs on the same GPU (the harness of tests/test_p2p.py), so the number that
+means something is the fraction of the GPU's memory bandwidth the kernel reaches, against a
+device-to-device copy measured in the same run. Per rank and message of n bytes, the fewest
+bytes through HBM are: one-shot 4n (read input, write stage, read stage, write output; the other
+ranks' reads of a stage hit L2 at best), two-shot 5n (+ the in-place write of the reduced
+segment and the gather). `hbm_GB/s` uses those counts; `ratio` = hbm_GB/s / copy GB/s (goal
+>= 0.85 for one-shot). `algbw` is n / time (nccl-tests style, per rank).
+
+Timing: jit calls that launch the kernel K1 and K2 times; (t(K2) - t(K1)) / (K2 - K1), medians
+of several calls, so dispatch overhead cancels.
+
+  python bench/p2p_allreduce.py [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dtenjax._src import p2p
+
+K1, K2 = 2, 12
+
+
+def _time(fn, x, reps: int) -> float:
+  fn(x).block_until_ready()
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn(x).block_until_ready()
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts)
+
+
+def per_launch(x, *, algorithm: str, mode: int, reps: int) -> float:
+  f1 = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, iters=K1, mode=mode))
+  f2 = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, iters=K2, mode=mode))
+  return max((_time(f2, x, reps) - _time(f1, x, reps)) / (K2 - K1), 1e-9)
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--reps", type=int, default=7)
+  args = ap.parse_args()
+  worlds = (2, 8) if args.quick else (2, 4, 8)
+  sizes = (1 << 20, 16 << 20, 64 << 20) if not args.quick else (16 << 20, 64 << 20)
+  dtypes = (jnp.bfloat16, jnp.float32)
+  rows = []
+  for world in worlds:
+    for dtype in dtypes:
+      for nbytes in sizes:
+        itemsize = jnp.dtype(dtype).itemsize
+        n = nbytes // itemsize
+        x = jax.device_put(jnp.asarray(
+            np.random.default_rng(0).standard_normal((world, n)).astype(np.float32), dtype))
+        # The arena of W ranks is created by the first (validation) call.
+        jax.jit(lambda v: p2p.selftest(v, iters=1))(x).block_until_ready()
+        t_copy = per_launch(x, algorithm="one_shot", mode=2, reps=args.reps)
+        copy_bw = 2 * world * nbytes / t_copy / 1e9
+        for alg, hbm_bytes in (("one_shot", 4), ("two_shot", 5)):
+          t = per_launch(x, algorithm=alg, mode=1, reps=args.reps)
+          hbm = hbm_bytes * world * nbytes / t / 1e9
+          rows.append(dict(world=world, dtype=jnp.dtype(dtype).name, bytes=nbytes,
+                           algorithm=alg, time_us=t * 1e6, algbw_GBps=nbytes / t / 1e9,
+                           hbm_GBps=hbm, copy_GBps=copy_bw, ratio=hbm / copy_bw))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, f,
+                indent=1)
+  print(f"{'W':>2} {'dtype':>8} {'bytes/rank':>11} {'algorithm':>9} {'time_us':>9} "
+        f"{'algbw':>8} {'hbm_GB/s':>9} {'copy_GB/s':>9} {'ratio':>6}")
+  for r in rows:
+    print(f"{r['world']:>2} {r['dtype']:>8} {r['bytes']:>11} {r['algorithm']:>9} "
+          f"{r['time_us']:>9.1f} {r['algbw_GBps']:>8.1f} {r['hbm_GBps']:>9.1f} "
+          f"{r['copy_GBps']:>9.1f} {r['ratio']:>6.2f}")
+
+
+if __name__ == "__main__":
+  main()

@@ -2,6 +2,12 @@
 
 __version__ = "0.1.0"
 
+from dtenjax import compression as compression
+from dtenjax._src.collectives import AlgorithmChoice as AlgorithmChoice
+from dtenjax._src.collectives import all_gather as all_gather
+from dtenjax._src.collectives import all_reduce as all_reduce
+from dtenjax._src.collectives import plan_all_reduce as plan_all_reduce
+from dtenjax._src.collectives import reduce_scatter as reduce_scatter
 from dtenjax._src.errors import CollectiveError as CollectiveError
 from dtenjax._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from dtenjax._src.errors import ConfigurationError as ConfigurationError
@@ -12,12 +18,19 @@ from dtenjax._src.errors import PlacementError as PlacementError
 from dtenjax._src.errors import QuotaExceededError as QuotaExceededError
 from dtenjax._src.errors import TopologyError as TopologyError
 from dtenjax._src.errors import TransportError as TransportError
+from dtenjax._src.explain import Explanation as Explanation
+from dtenjax._src.explain import explain as explain
 from dtenjax._src.ffi import build_info as build_info
+from dtenjax._src.graphs import CudaGraphPolicy as CudaGraphPolicy
+from dtenjax._src.graphs import graph_report as graph_report
+from dtenjax._src.graphs import jit as jit
 from dtenjax._src.mesh import current_mesh as current_mesh
 from dtenjax._src.mesh import make_mesh as make_mesh
 from dtenjax._src.mesh import mesh_map as mesh_map
 from dtenjax._src.mesh import pmap as pmap
 from dtenjax._src.mesh import use_mesh as use_mesh
+from dtenjax._src.passes.fusion import fuse_collectives as fuse_collectives
+from dtenjax._src.passes.substitute import substitute_psum as substitute_psum
 from dtenjax._src.placement import Placement as Placement
 from dtenjax._src.placement import shard as shard
 from dtenjax._src.placement import tensor as tensor
@@ -27,27 +40,40 @@ from dtenjax._src.topology import LinkSpec as LinkSpec
 from dtenjax._src.topology import Topology as Topology
 
 __all__ = [
+    "AlgorithmChoice",
     "CollectiveError",
     "CollectiveTimeoutError",
     "ConfigurationError",
+    "CudaGraphPolicy",
     "DtenjaxError",
+    "Explanation",
     "ExtensionUnavailableError",
+    "LinkSpec",
     "MeshError",
+    "Placement",
     "PlacementError",
+    "Plan",
     "QuotaExceededError",
+    "Topology",
     "TopologyError",
     "TransportError",
-    "LinkSpec",
-    "Placement",
-    "Plan",
-    "Topology",
     "Workload",
+    "all_gather",
+    "all_reduce",
     "build_info",
+    "compression",
     "current_mesh",
+    "explain",
+    "fuse_collectives",
+    "graph_report",
+    "jit",
     "make_mesh",
     "mesh_map",
+    "plan_all_reduce",
     "pmap",
+    "reduce_scatter",
     "shard",
+    "substitute_psum",
     "tensor",
     "use_mesh",
 ]

@@ -64,13 +64,13 @@ class Explanation:
     return sum(1 for c in self.collectives if kind is None or c.kind == kind)
 
   def table(self) -> str:
-    lines = [f"{'#':>3} {'collective':<18} {'dtype':<6} {'shape':<18} {'bytes':>12} "
+    lines = [f"{'#':>3} {'collective':<26} {'dtype':<6} {'shape':<18} {'bytes':>12} "
              f"{'groups':<24} {'predicted (us)':>14}  source"]
     for i, c in enumerate(self.collectives):
       groups = ",".join("{" + ",".join(map(str, g)) + "}" for g in c.groups[:3])
       if len(c.groups) > 3:
         groups += f",...({len(c.groups)})"
-      lines.append(f"{i:>3} {c.kind:<18} {c.dtype:<6} {str(list(c.shape)):<18} {c.nbytes:>12} "
+      lines.append(f"{i:>3} {c.kind:<26} {c.dtype:<6} {str(list(c.shape)):<18} {c.nbytes:>12} "
                    f"{groups[:24]:<24} {c.predicted_s * 1e6:>14.1f}  {c.op_name[-40:]}")
     if not self.collectives:
       lines.append("    (no collectives)")

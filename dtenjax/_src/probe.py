@@ -75,7 +75,8 @@ def probe(topology: topo.Topology, small_bytes: int = 8, large_bytes: int | None
   for a in ids:
     for b in ids:
       cls = topology.link_class(a, b)
-      if cls not in pairs and (cls != "local" or a == b):
+      # Only links inside a host can be timed by copies between this process's devices.
+      if cls not in pairs and cls in topo.INTRA_HOST and (cls != "local" or a == b):
         pairs[cls] = (a, b)
   measured, notes = {}, []
   for cls, (a, b) in sorted(pairs.items(), key=lambda kv: topo.LINK_ORDER.index(kv[0])):

@@ -1,0 +1,246 @@
+"""Tests of dtenjax._src.topology, detect and probe: fixtures, JSON, validation, groupings."""
+
+import json
+import pickle
+
+import pytest
+
+from dtenjax._src import errors
+from dtenjax._src import topology as topo
+from dtenjax._src.topology import DeviceInfo, LinkSpec, Topology
+
+
+def _dev(i, host="h0", numa=0, platform="gpu", kind="NVIDIA A100-SXM4-80GB"):
+  return DeviceInfo(id=i, platform=platform, kind=kind, memory_bytes=80 << 30,
+                    process_index=i, host=host, numa_node=numa, local_index=i)
+
+
+# --- fixtures -------------------------------------------------------------------------------
+
+
+def test_fixture_names():
+  assert Topology.fixtures() == ("dgx_a100_8", "h200_8", "pcie_8", "roce_a100_4x8")
+
+
+def test_dgx_a100_fixture_matches_seed():
+  t = Topology.fixture("dgx_a100_8")
+  assert t.num_devices == 8
+  assert {d.kind for d in t.devices} == {"NVIDIA A100-SXM4-80GB"}
+  assert len(t.hosts()) == 1
+  classes = {t.link_class(a, b) for a in t.device_ids for b in t.device_ids if a != b}
+  assert classes == {"nvlink"}
+  assert t.spec("nvlink").bandwidth_gbps >= 200      # per direction, seed says >= 200 GB/s
+  assert t.fast_islands() == (tuple(range(8)),)
+
+
+def test_roce_fixture_matches_seed():
+  t = Topology.fixture("roce_a100_4x8")
+  assert t.num_devices == 32
+  assert t.hosts() == tuple(tuple(range(h * 8, h * 8 + 8)) for h in range(4))
+  assert t.link_class(0, 7) == "nvlink"
+  assert t.link_class(0, 8) == "roce"
+  assert t.link_class(31, 3) == "roce"
+  roce = t.spec("roce")
+  assert roce.bandwidth_gbps * 8 == pytest.approx(100)     # 100 Gb/s NIC
+  assert 2 * roce.latency_us == pytest.approx(10, abs=6)   # RTT "about 5 us": one-way ~2.5-5
+  assert roce.latency_us <= 5
+  assert len(t.nics) == 16
+  assert all(n.link_layer == "Ethernet" and n.bandwidth_gbps * 8 == pytest.approx(100)
+             for n in t.nics)
+  assert t.fast_islands() == t.hosts()
+
+
+def test_h200_and_pcie_fixtures():
+  h = Topology.fixture("h200_8")
+  assert h.link_class(0, 5) == "nvswitch"
+  assert h.spec("nvswitch").bandwidth_gbps > h.spec("nvlink").bandwidth_gbps
+  p = Topology.fixture("pcie_8")
+  # two sockets: GPUs 0-3 on NUMA 0, 4-7 on NUMA 1
+  assert p.link_class(0, 3) == "pcie"
+  assert p.link_class(0, 4) == "numa_cross"
+  assert p.fast_islands() == ((0, 1, 2, 3), (4, 5, 6, 7))
+  assert p.slowest_link([0, 1, 5])[0] == "numa_cross"
+  assert p.slowest_link([2])[0] == "local"
+
+
+def test_unknown_fixture_lists_available():
+  with pytest.raises(errors.TopologyError, match="dgx_a100_8"):
+    Topology.fixture("dgx_a100")
+
+
+# --- JSON -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["dgx_a100_8", "roce_a100_4x8", "h200_8", "pcie_8"])
+def test_json_round_trip(name, tmp_path):
+  t = Topology.fixture(name)
+  assert Topology.from_json(t.to_json()) == t
+  path = tmp_path / "t.json"
+  path.write_text(t.to_json())
+  assert Topology.from_json(path) == t
+  assert Topology.from_json(str(path)) == t
+  assert hash(Topology.from_json(t.to_json())) == hash(t)
+
+
+def test_malformed_json_names_position():
+  with pytest.raises(errors.TopologyError, match=r"not valid JSON .*line 1, column"):
+    Topology.from_json('{"name": "x", ')
+
+
+def test_missing_file_is_topology_error(tmp_path):
+  with pytest.raises(errors.TopologyError, match="cannot read topology file"):
+    Topology.from_json(tmp_path / "nope.json")
+
+
+def test_missing_keys_are_all_listed():
+  with pytest.raises(errors.TopologyError) as e:
+    Topology.from_json('{"name": "x"}')
+  assert "missing key 'devices'" in str(e.value)
+  assert "missing key 'link_matrix'" in str(e.value)
+
+
+def test_not_an_object():
+  with pytest.raises(errors.TopologyError, match="expected a JSON object, got list"):
+    Topology.from_json("[1, 2]")
+
+
+def test_bad_device_record_and_unknown_link_class():
+  d = Topology.fixture("dgx_a100_8").to_dict()
+  del d["devices"][3]["host"]
+  d["devices"][5]["colour"] = "red"
+  d["links"]["warp_drive"] = {"bandwidth_gbps": 1, "latency_us": 1}
+  with pytest.raises(errors.TopologyError) as e:
+    Topology.from_dict(d, "t.json")
+  msg = str(e.value)
+  assert "t.json" in msg
+  assert "devices[3] is missing ['host']" in msg
+  assert "devices[5] has unknown fields ['colour']" in msg
+  assert "unknown class 'warp_drive'" in msg
+
+
+def test_asymmetric_matrix_named():
+  d = Topology.fixture("dgx_a100_8").to_dict()
+  d["link_matrix"][2][5] = "pcie"
+  with pytest.raises(errors.TopologyError, match=r"not symmetric: \[2\]\[5\] = 'pcie' but "
+                     r"\[5\]\[2\] = 'nvlink'"):
+    Topology.from_json(json.dumps(d))
+
+
+def test_matrix_shape_class_and_diagonal_problems():
+  devs = (_dev(0), _dev(1))
+  with pytest.raises(errors.TopologyError, match="link_matrix must be 2 x 2"):
+    Topology("t", devs, (("local", "nvlink"),))
+  with pytest.raises(errors.TopologyError, match="'warp' is not a link class"):
+    Topology("t", devs, (("local", "warp"), ("warp", "local")))
+  with pytest.raises(errors.TopologyError, match="must be 'local'"):
+    Topology("t", devs, (("nvlink", "nvlink"), ("nvlink", "local")))
+  with pytest.raises(errors.TopologyError, match="not unique"):
+    Topology("t", (_dev(0), _dev(0)), (("local", "local"), ("local", "local")))
+
+
+def test_linkspec_validation():
+  with pytest.raises(errors.TopologyError, match="bandwidth must be > 0"):
+    LinkSpec(0.0, 1.0)
+  s = LinkSpec(12.5, 5.0)
+  assert s.alpha == pytest.approx(5e-6)
+  assert s.beta == pytest.approx(1 / 12.5e9)
+
+
+# --- groupings and copies --------------------------------------------------------------------
+
+
+def test_interleaved_hosts_grouping():
+  devs = [_dev(i, host=f"h{i % 2}") for i in range(4)]
+  t = topo.uniform("inter", devs, intra="nvlink", inter="roce")
+  assert t.hosts() == ((0, 2), (1, 3))
+  assert t.islands("nvlink") == ((0, 2), (1, 3))
+  assert t.islands("roce") == ((0, 1, 2, 3),)
+  assert sorted(t.device_ids, key=t.hierarchy_key) == [0, 2, 1, 3]
+  with pytest.raises(errors.TopologyError, match="device id 9 is not in topology"):
+    t.link_class(0, 9)
+
+
+def test_subset_and_with_links():
+  t = Topology.fixture("roce_a100_4x8")
+  s = t.subset([8, 0, 9])
+  assert s.device_ids == (8, 0, 9)
+  assert s.link_class(8, 9) == "nvlink" and s.link_class(0, 8) == "roce"
+  w = t.with_links({"roce": LinkSpec(50.0, 1.0)}, notes=["measured"])
+  assert w.spec("roce") == LinkSpec(50.0, 1.0)
+  assert w.spec("nvlink") == t.spec("nvlink")
+  assert w.source == "probed" and w.notes[-1] == "measured"
+  assert w != t and t.spec("roce").bandwidth_gbps == 12.5
+  with pytest.raises(errors.TopologyError, match="unknown link classes"):
+    t.with_links({"warp": LinkSpec(1.0, 1.0)})
+
+
+def test_pickle_drops_memoised_state():
+  t = Topology.fixture("dgx_a100_8")
+  hash(t)
+  t.fast_islands()
+  u = pickle.loads(pickle.dumps(t))
+  assert u == t and "_hash" not in u.__dict__ and "_derived" not in u.__dict__
+
+
+def test_current_and_set_current(monkeypatch, tmp_path):
+  fx = Topology.fixture("h200_8")
+  try:
+    topo.set_current(fx)
+    assert Topology.current() is fx
+    path = tmp_path / "t.json"
+    path.write_text(Topology.fixture("pcie_8").to_json())
+    monkeypatch.setenv("DTENJAX_TOPOLOGY", str(path))
+    topo.set_current(None)
+    assert Topology.current().name == "pcie_8"
+  finally:
+    topo.set_current(None)
+
+
+# --- detect and probe ------------------------------------------------------------------------
+
+
+def test_detect_describes_cpu_devices(cpu_devices):
+  t = Topology.detect(cpu_devices)
+  assert t.source == "detected"
+  assert t.device_ids == tuple(d.id for d in cpu_devices)
+  assert {d.platform for d in t.devices} == {"cpu"}
+  assert len(t.hosts()) == 1
+  assert {t.link_class(a, b) for a in t.device_ids for b in t.device_ids if a != b} == {
+      "shared_memory"}
+  assert t.fast_islands() == (t.device_ids,)
+  assert t.numa_nodes and all(n.host == t.devices[0].host for n in t.numa_nodes)
+  assert any("no RDMA" in n for n in t.notes)
+  assert any("8 CPU devices" in n for n in t.notes)
+  assert Topology.from_json(t.to_json()) == t
+
+
+def test_exchange_hostnames_through_kvstore():
+  from dtenjax._src import detect, kvstore  # pylint: disable=g-import-not-at-top
+  store = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=1.0)
+  store.set(store.key("topology-hosts", 1), "nodeB")
+  assert detect.exchange_hostnames("nodeA", 0, 2, store) == {0: "nodeA", 1: "nodeB"}
+
+
+def test_probe_measures_present_classes_and_keeps_others(cpu_devices):
+  t = Topology.detect(cpu_devices)
+  # Pretend the devices span two hosts so a class that cannot be measured is present.
+  devs = tuple(DeviceInfo(**{**d.__dict__, "host": "a" if i < 4 else "b"})
+               for i, d in enumerate(t.devices))
+  t2 = topo.uniform("two-hosts", devs, intra="shared_memory", inter="tcp",
+                    links={"shared_memory": LinkSpec(123.0, 45.0)})
+  p = t2.probe(small_bytes=8, large_bytes=1 << 16, repeats=2)
+  assert p.source == "probed"
+  assert p.spec("shared_memory") != LinkSpec(123.0, 45.0)
+  assert p.spec("local") != t2.spec("local")
+  assert p.spec("tcp") == t2.spec("tcp")
+  assert any("probed shared_memory" in n for n in p.notes)
+  assert any("table values kept: ['tcp']" in n for n in p.notes)
+  assert p.link_matrix == t2.link_matrix
+
+
+def test_probe_refuses_foreign_platform_and_bad_sizes(cpu_devices):
+  with pytest.raises(errors.TopologyError, match="none of topology 'dgx_a100_8'"):
+    Topology.fixture("dgx_a100_8").probe()
+  t = Topology.detect(cpu_devices)
+  with pytest.raises(errors.ConfigurationError, match="small_bytes < large_bytes"):
+    t.probe(small_bytes=64, large_bytes=8)

@@ -164,10 +164,15 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Any, *,
       costmodel = _optional("dtenjax._src.costmodel")
     except ImportError:
       costmodel = None
+  ranked = None
   if costmodel is not None and topology is not None:
-    ranked = list(costmodel.rank_algorithms(kind, int(nbytes), list(group), topology, cands))
-    source = "cost model"
-  else:
+    try:
+      ranked = list(costmodel.rank_algorithms(kind, int(nbytes), list(group), topology, cands))
+      source = "cost model"
+    except errors.DtenjaxError as e:   # e.g. a group the topology does not describe
+      config.log_once(f"auto-model-error:{e}", f"dtenjax: cost model refused ({e}); algorithm="
+                      "'auto' uses the built-in alpha-beta fallback for this call.")
+  if ranked is None:
     config.log_once("auto-fallback", "dtenjax: no cost model/topology available; algorithm="
                     "'auto' uses the built-in alpha-beta fallback (collectives.fallback_time).")
     ranked = sorted(((c, fallback_time(c, nbytes, len(group), islands)) for c in cands),

@@ -2,8 +2,7 @@
 //
 //   dtenjax_p2p_register(capacity)                       -> u8[128]  this device's region descriptor
 //   dtenjax_p2p_connect(key, rank, world, descriptors)   -> s32[1]   maps every rank's region
-//   dtenjax_p2p_all_reduce(x; key, algorithm, timeout_ms) -> like x   (instantiate + execute stages,
-//                                                                    command-buffer compatible)
+//   dtenjax_p2p_all_reduce(x; key, algorithm, timeout_ms) -> like x   (command-buffer compatible)
 //   dtenjax_p2p_selftest(x[N, n]; count, algorithm, iters, mode, capacity, timeout_ms) -> [N, n]
 //       N simulated ranks on one GPU running the same kernels (allocates its arena once; not
 //       command-buffer compatible). dtenjax_p2p_selftest_graph: the same, command-buffer
@@ -13,9 +12,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <map>
-#include <memory>
-#include <mutex>
 #include <string>
 
 #include "csrc/cuda/p2p_allreduce.h"
@@ -91,56 +87,18 @@ ffi::Error Connect(cudaStream_t stream, int32_t ordinal, int64_t key, int64_t ra
 
 }  // namespace
 
-// --- all-reduce: per-executable state ----------------------------------------------------------
-
-// Created once per call site per executable (instantiate stage) and shared by all local devices
-// of that executable: a mutex-protected cache of each device's communicator, keyed by ordinal.
-struct P2PState {
-  static ffi::TypeId id;
-  explicit P2PState(int64_t key) : key(static_cast<uint64_t>(key)) {}
-
-  dtenjax::Status Lookup(int ordinal, p2p::Comm* out) {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = comms.find(ordinal);
-    if (it != comms.end()) {
-      *out = it->second;
-      return dtenjax::Status::Ok();
-    }
-    DTENJAX_RETURN_IF_ERROR(p2p::FindComm(ordinal, key, out));
-    comms[ordinal] = *out;
-    return dtenjax::Status::Ok();
-  }
-
-  const uint64_t key;
-  std::mutex mu;
-  std::map<int, p2p::Comm> comms;
-};
-ffi::TypeId P2PState::id = {};
-static const ffi::TypeInfo kP2PStateTypeInfo = ffi::MakeTypeInfo<P2PState>();
-
-// The state type is registered from Python (jax.ffi.register_ffi_type) with these two pointers.
-extern "C" __attribute__((visibility("default"))) void* dtenjax_p2p_state_type_id() {
-  return &P2PState::id;
-}
-extern "C" __attribute__((visibility("default"))) const void* dtenjax_p2p_state_type_info() {
-  return &kP2PStateTypeInfo;
-}
+// --- all-reduce --------------------------------------------------------------------------------
+//
+// The communicator of each device is looked up (by ordinal and key) in the process-wide registry
+// under its mutex, so one executable's handler serves all local devices from several threads.
+// (An instantiate-stage State<T> would need its type registered before any handler, which
+// dtenjax/_src/ffi.py's register_all does not do; see docs/p2p.md.)
 
 namespace {
 
-ffi::ErrorOr<std::unique_ptr<P2PState>> AllReduceInstantiate(int64_t key, int64_t algorithm,
-                                                             int64_t timeout_ms) {
-  (void)timeout_ms;
-  if (auto a = ToAlgorithm(algorithm, "dtenjax_p2p_all_reduce"); a.has_error()) {
-    return ffi::Unexpected(a.error());
-  }
-  return std::make_unique<P2PState>(key);
-}
-
-ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, P2PState* state,
-                            ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t key,
-                            int64_t algorithm, int64_t timeout_ms) {
-  (void)key;
+ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                            ffi::Result<ffi::AnyBuffer> out, int64_t key, int64_t algorithm,
+                            int64_t timeout_ms) {
   auto dtype = ToDType(x.element_type(), "dtenjax_p2p_all_reduce");
   if (dtype.has_error()) return dtype.error();
   auto alg = ToAlgorithm(algorithm, "dtenjax_p2p_all_reduce");
@@ -149,7 +107,7 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, P2PState* stat
     return ffi::Error::InvalidArgument("dtenjax_p2p_all_reduce: output must match the input");
   }
   p2p::Comm comm;
-  dtenjax::Status s = state->Lookup(ordinal, &comm);
+  dtenjax::Status s = p2p::FindComm(ordinal, static_cast<uint64_t>(key), &comm);
   if (s.ok()) s = p2p::CheckKernelError(comm.error_host, "dtenjax_p2p_all_reduce");
   if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
   p2p::LaunchArgs a;
@@ -274,17 +232,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PConnect, Connect,
                                   .Attr<ffi::Span<const int64_t>>("descriptors")
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PAllReduceInstantiate, AllReduceInstantiate,
-                              ffi::Ffi::BindInstantiate()
-                                  .Attr<int64_t>("key")
-                                  .Attr<int64_t>("algorithm")
-                                  .Attr<int64_t>("timeout_ms"));
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PAllReduceExecute, AllReduceExecute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<P2PState>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("key")
@@ -311,8 +262,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PSelftestGraph, SelftestGraph, DTENJAX_P2P_SELFT
 
 DTENJAX_REGISTER_FFI("dtenjax_p2p_register", "CUDA", P2PRegister);
 DTENJAX_REGISTER_FFI("dtenjax_p2p_connect", "CUDA", P2PConnect);
-DTENJAX_REGISTER_FFI_STAGES("dtenjax_p2p_all_reduce", "CUDA",
-                            {{"instantiate", P2PAllReduceInstantiate},
-                             {"execute", P2PAllReduceExecute}});
+DTENJAX_REGISTER_FFI("dtenjax_p2p_all_reduce", "CUDA", P2PAllReduceExecute);
 DTENJAX_REGISTER_FFI("dtenjax_p2p_selftest", "CUDA", P2PSelftest);
 DTENJAX_REGISTER_FFI("dtenjax_p2p_selftest_graph", "CUDA", P2PSelftestGraph);

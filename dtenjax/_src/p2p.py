@@ -37,8 +37,6 @@ traced ``dtenjax_p2p_all_reduce`` call only launches a kernel, so it is CUDA-gra
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import threading
 from typing import Any
@@ -81,35 +79,6 @@ def _timeout_ms() -> int:
   return max(1, int(config.get_float("DTENJAX_COLLECTIVE_TIMEOUT") * 1000))
 
 
-@functools.cache
-def _register_state_type() -> str | None:
-  """Registers the all-reduce's instantiate-stage state type with XLA. Returns an error or None."""
-  try:
-    lib = ctypes.CDLL(ffi.module().__file__)
-    type_id = _c_ptr(lib, "dtenjax_p2p_state_type_id")
-    type_info = _c_ptr(lib, "dtenjax_p2p_state_type_info")
-    jax.ffi.register_ffi_type(
-        "dtenjax_p2p_state", {"type_id": _capsule(type_id), "type_info": _capsule(type_info)},
-        platform="CUDA")
-  except Exception as e:  # pylint: disable=broad-except
-    return f"registering the FFI state type failed ({type(e).__name__}: {e})"
-  return None
-
-
-def _c_ptr(lib, name: str) -> int:
-  fn = getattr(lib, name)
-  fn.restype = ctypes.c_void_p
-  fn.argtypes = []
-  return fn()
-
-
-def _capsule(ptr: int):
-  builder = ctypes.pythonapi.PyCapsule_New
-  builder.restype = ctypes.py_object
-  builder.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-  return builder(ptr, None, None)
-
-
 def unavailable_reason() -> str | None:
   """Why the p2p kernels cannot run in this process at all (None when they can)."""
   info = ffi.build_info()
@@ -130,7 +99,7 @@ def unavailable_reason() -> str | None:
   for t in TARGETS:
     if not ffi.has_target(t, "CUDA"):
       return f"FFI target {t!r} could not be registered for CUDA"
-  return _register_state_type()
+  return None
 
 
 def supported(axis_size: int, nbytes: int, dtype) -> tuple[bool, str]:

@@ -1,0 +1,172 @@
+"""Tests of dtenjax._src.mesh: topology-ordered make_mesh, as_mesh/use_mesh, mesh_map, pmap."""
+
+import dataclasses
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from dtenjax._src import errors
+from dtenjax._src import mesh as mesh_lib
+from dtenjax._src import topology as topo
+from dtenjax._src.topology import DeviceInfo, Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+  id: int
+  process_index: int = 0
+  platform: str = "gpu"
+
+
+def _cpu_topology(host_of, numa_of=None, intra="nvlink", inter="roce"):
+  devs = [DeviceInfo(id=i, platform="cpu", kind="cpu", memory_bytes=0, process_index=0,
+                     host=host_of(i), numa_node=(numa_of(i) if numa_of else 0), local_index=i)
+          for i in range(8)]
+  return topo.uniform("test", devs, intra=intra, inter=inter)
+
+
+def _ids(mesh):
+  return np.vectorize(lambda d: d.id)(mesh.devices)
+
+
+def test_inner_axis_stays_on_fast_links(cpu_devices):
+  # Devices 0, 2, 4, 6 share one host's NVLink; 1, 3, 5, 7 another's. Plain id order would put
+  # every inner-axis neighbour pair across the network.
+  t = _cpu_topology(lambda i: f"h{i % 2}")
+  m = mesh_lib.make_mesh((2, 4), ("host", "gpu"), topology=t, devices=cpu_devices)
+  assert isinstance(m, Mesh) and m.axis_names == ("host", "gpu")
+  assert _ids(m).tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+  for row in _ids(m):
+    assert t.slowest_link(row.tolist())[0] == "nvlink"
+
+
+def test_numa_then_position_inside_a_host(cpu_devices):
+  # One host, two sockets with interleaved GPUs: PCIe islands are the sockets.
+  t = _cpu_topology(lambda i: "h0", numa_of=lambda i: i % 2, intra="pcie")
+  m = mesh_lib.make_mesh((2, 4), ("s", "g"), topology=t, devices=cpu_devices)
+  assert _ids(m).tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+  assert t.slowest_link(_ids(m)[0].tolist())[0] == "pcie"
+
+
+def test_ordering_is_deterministic(cpu_devices):
+  t = _cpu_topology(lambda i: f"h{i % 2}")
+  shuffled = list(cpu_devices)
+  random.Random(0).shuffle(shuffled)
+  a = mesh_lib.make_mesh((2, 4), ("a", "b"), topology=t, devices=cpu_devices)
+  b = mesh_lib.make_mesh((2, 4), ("a", "b"), topology=t, devices=shuffled)
+  assert _ids(a).tolist() == _ids(b).tolist()
+
+
+def test_order_devices_on_roce_fixture_with_fake_devices():
+  t = Topology.fixture("roce_a100_4x8")
+  devs = [FakeDevice(i, process_index=i) for i in range(32)]
+  random.Random(1).shuffle(devs)
+  ordered = mesh_lib.order_devices(devs, t)
+  rows = np.array([d.id for d in ordered]).reshape(4, 8)
+  assert {t.slowest_link(r.tolist())[0] for r in rows} == {"nvlink"}
+  assert t.slowest_link(rows[:, 0].tolist())[0] == "roce"
+  assert [d.id for d in mesh_lib.order_devices(devs, t)] == [d.id for d in ordered]
+  assert [d.id for d in mesh_lib.order_devices(devs, None)] == list(range(32))
+
+
+def test_devices_not_in_topology():
+  with pytest.raises(errors.TopologyError, match=r"devices \[40\] are not described"):
+    mesh_lib.order_devices([FakeDevice(0), FakeDevice(40)], Topology.fixture("dgx_a100_8"))
+
+
+def test_shape_device_count_mismatch_names_both_and_suggests(cpu_devices):
+  with pytest.raises(errors.MeshError) as e:
+    mesh_lib.make_mesh((3, 4), ("a", "b"), devices=cpu_devices)
+  msg = str(e.value)
+  assert "(3, 4) holds 12 devices but 8 are available" in msg
+  assert "shape=(2, 4)" in msg
+
+
+def test_invalid_axes_list_every_problem():
+  with pytest.raises(errors.MeshError) as e:
+    mesh_lib.make_mesh((2, 0, 4), ("a", "a"))
+  msg = str(e.value)
+  assert "has 3 axes but axis_names" in msg
+  assert "positive integer" in msg
+  assert "distinct" in msg
+
+
+def test_as_mesh_and_use_mesh(cpu_devices):
+  assert mesh_lib.as_mesh((2, 4)).axis_names == ("x", "y")
+  assert mesh_lib.as_mesh((2, 4), ("d", "t")).axis_names == ("d", "t")
+  m = mesh_lib.as_mesh(None)
+  assert dict(m.shape) == {"x": 8}
+  inner = mesh_lib.make_mesh((4, 2), ("p", "q"), devices=cpu_devices)
+  assert mesh_lib.current_mesh() is None
+  with mesh_lib.use_mesh(inner):
+    assert mesh_lib.current_mesh() is inner
+    assert mesh_lib.as_mesh(None) is inner
+  assert mesh_lib.current_mesh() is None
+  # Cached: the same arguments give the same Mesh object.
+  assert mesh_lib.as_mesh((2, 4)) is mesh_lib.as_mesh((2, 4))
+
+
+def test_mesh_map_misspelled_axis():
+  with pytest.raises(errors.MeshError) as e:
+    mesh_lib.mesh_map(lambda x: x, (2, 4), in_specs=P("xx", None), out_specs=P("y"))
+  msg = str(e.value)
+  assert "in_specs" in msg and "'xx' is not an axis" in msg and "did you mean 'x'" in msg
+  assert "('x', 'y')" in msg
+  with pytest.raises(errors.MeshError, match="out_specs"):
+    mesh_lib.mesh_map(lambda x: x, (2, 4), in_specs=P("x"), out_specs=(P("x"), P(("x", "z"))))
+
+
+def test_mesh_map_runs_per_shard_and_binds_mesh():
+  mesh = mesh_lib.as_mesh((2, 4))
+  seen = []
+
+  def f(x):
+    seen.append(mesh_lib.current_mesh())
+    return jax.lax.psum(x.sum(keepdims=True), "y")
+
+  g = mesh_lib.mesh_map(f, mesh, in_specs=P("x", "y"), out_specs=P("x", None))
+  x = jnp.arange(8 * 4, dtype=jnp.float32).reshape(2, 16)
+  out = g(x)
+  want = x.reshape(2, 4, 4).sum(axis=(1, 2))
+  np.testing.assert_array_equal(np.asarray(out)[:, 0], want)
+  assert seen and seen[0] is mesh
+  assert mesh_lib.current_mesh() is None
+
+
+def test_mesh_map_composes_with_jit_and_grad():
+  mesh = mesh_lib.as_mesh((8,))
+
+  def loss_shard(w, x):
+    return jax.lax.psum(jnp.sum((x * w) ** 2), "x")
+
+  loss = mesh_lib.mesh_map(loss_shard, mesh, in_specs=(P(), P("x")), out_specs=P())
+  x = jnp.arange(16.0)
+  w = jnp.float32(0.5)
+  ref = lambda w: jnp.sum((x * w) ** 2)  # noqa: E731
+  np.testing.assert_allclose(jax.jit(loss)(w, x), ref(w), rtol=1e-6)
+  np.testing.assert_allclose(jax.jit(jax.grad(loss))(w, x), jax.grad(ref)(w), rtol=1e-6)
+
+
+def test_pmap_over_leading_axis(cpu_devices):
+  f = mesh_lib.pmap(lambda a, b: (a * 2 + b, jax.lax.psum(a, "i")), devices=cpu_devices)
+  a = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
+  b = jnp.ones((8, 3))
+  y, s = f(a, b)
+  np.testing.assert_array_equal(y, a * 2 + 1)
+  np.testing.assert_array_equal(s, np.broadcast_to(a.sum(0), (8, 3)))
+  y2, _ = jax.jit(f)(a, b)
+  np.testing.assert_array_equal(y2, y)
+
+
+def test_pmap_wrong_leading_axis_lists_all_leaves(cpu_devices):
+  f = mesh_lib.pmap(lambda a, b: a + b, devices=cpu_devices)
+  with pytest.raises(errors.MeshError) as e:
+    f(jnp.ones((4, 2)), jnp.float32(1.0))
+  msg = str(e.value)
+  assert "leaf 0 has shape (4, 2)" in msg and "leaf 1 has shape ()" in msg
+  assert "must be 8" in msg

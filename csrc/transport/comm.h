@@ -50,7 +50,7 @@ class Comm {
   // Connects to the next rank and accepts the previous one (both authenticated).
   Status ConnectRing(const std::string& next_endpoint);
   // In-place ring all-reduce of `count` elements. Reduce-scatter then all-gather over n equal
-  // chunks; chunk c is combined in the fixed order x[c+1], x[c+2], ..., x[c] (ranks mod n), so the
+  // chunks; chunk c is combined in the fixed order ((x[c] + x[c+1]) + ...) + x[c-1] (ranks mod n), so the
   // result is identical on every rank and in every run.
   Status AllReduce(void* data, uint64_t count, DType dt, ReduceOp op);
   // Runs fn on this communicator's worker thread after everything submitted before it.

@@ -1,0 +1,222 @@
+"""Cross-process all-reduce inside jit, over the host transport (an asynchronous FFI custom call).
+
+``dtenjax.all_reduce`` (collectives.py) dispatches here when the reduced axis spans processes and
+the algorithm is ``"ring"`` or ``"hierarchical"``. Use inside ``jax.shard_map``.
+
+Supported configurations, checked before tracing the custom call (others raise CollectiveError):
+
+* ``algorithm="ring"``: ``axis_name`` is one mesh axis (or a tuple of axes) covering exactly one
+  device per process, ``jax.process_count()`` devices in all. Each process's device runs one rank
+  of an authenticated TCP (or verbs) ring.
+* ``algorithm="hierarchical"``: ``axis_name=(outer, inner)`` where ``inner`` covers the devices of
+  one process and ``outer`` one device per process. Stage 1 is XLA's own reduce-scatter over
+  ``inner`` (psum_scatter), stage 2 the transport ring over ``outer`` on each device's shard (device
+  j of every process forms ring j, so no custom call ever waits for another device of its own
+  process), stage 3 XLA's all-gather over ``inner``.
+
+Why not several devices of one process in one ring: a custom call that rendezvouses across the
+CPU devices of one process deadlocks XLA's CPU runtime (measured; see DESIGN.md). Here every custom
+call only waits for peers in other processes, and it waits asynchronously: the handler queues the
+collective on the communicator's own thread and returns an ``xla::ffi::Future``, so XLA's threads
+are never blocked on the network. The call has side effects, so XLA keeps program order among
+them; each frame carries a sequence number, so processes that issue collectives in different
+orders get an error, not wrong data. A dead or stalled peer makes every survivor fail within
+``DTENJAX_COLLECTIVE_TIMEOUT`` seconds (a dead peer's sockets close at once; a stalled one times out
+and the survivors that detect it close their sockets, which wakes the rest).
+
+Determinism: ring chunk ``c`` is combined in the fixed rank order ``c, c+1, ..., c-1`` (mod n),
+and every rank receives the same reduced bits, so results are identical on all ranks and in every
+run; :func:`reference_ring_sum` reproduces them bit for bit in numpy.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dtenjax._src import errors
+from dtenjax._src import ffi
+from dtenjax._src import transport
+
+TARGET = "dtenjax_host_all_reduce"
+ALGORITHMS = ("ring", "hierarchical")
+OPS = {"sum": 0, "max": 1, "min": 2}
+DTYPES = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.int32, jnp.int64)
+
+_lock = threading.Lock()
+_comm_groups: dict[tuple[int, str], list[transport.Communicator]] = {}
+
+
+def _axes(axis_name) -> tuple[str, ...]:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _axis_sizes() -> dict[str, int]:
+  return dict(jax.sharding.get_abstract_mesh().shape)
+
+
+def _concrete_mesh():
+  try:
+    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    m = mesh_lib.get_concrete_mesh()
+  except (ImportError, AttributeError):
+    return None
+  return m if m is not None and getattr(m, "devices", np.empty(0)).size else None
+
+
+def spans_processes(axis_name, mesh=None) -> bool:
+  """Whether the devices along ``axis_name`` belong to more than one process.
+
+  Uses ``mesh`` (or the concrete mesh set with ``jax.set_mesh``) when available; otherwise, inside
+  ``shard_map``, assumes the usual process-major device order of ``jax.make_mesh``.
+  """
+  if jax.process_count() == 1:
+    return False
+  axes = _axes(axis_name)
+  mesh = mesh if mesh is not None else _concrete_mesh()
+  if mesh is not None:
+    names = list(mesh.axis_names)
+    missing = [a for a in axes if a not in names]
+    if missing:
+      raise errors.CollectiveError(f"axis {missing} not in mesh axes {names}.")
+    devs = np.moveaxis(mesh.devices, [names.index(a) for a in axes],
+                       list(range(len(axes))))
+    devs = devs.reshape(math.prod(mesh.shape[a] for a in axes), -1)
+    return any(len({d.process_index for d in devs[:, k]}) > 1 for k in range(devs.shape[1]))
+  sizes = _axis_sizes()
+  names = list(sizes)
+  stride_after = math.prod(sizes[n] for n in names[max(names.index(a) for a in axes) + 1:])
+  span = math.prod(sizes[a] for a in axes)
+  return span * stride_after > jax.local_device_count()
+
+
+def _check(x, axes: tuple[str, ...], algorithm: str, op: str) -> tuple[int, int]:
+  """Validates before tracing; returns (processes in the ring, devices per process)."""
+  problems = []
+  if algorithm not in ALGORITHMS:
+    problems.append(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
+  if op not in OPS:
+    problems.append(f"op={op!r} is not one of {sorted(OPS)}")
+  if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in DTYPES]:
+    problems.append(f"dtype {jnp.dtype(x.dtype).name} is not one of "
+                    f"{[jnp.dtype(d).name for d in DTYPES]}")
+  sizes = _axis_sizes()
+  unknown = [a for a in axes if a not in sizes]
+  if unknown:
+    problems.append(f"axis {unknown} is not a mesh axis of the enclosing shard_map "
+                    f"({list(sizes)})")
+  nproc = jax.process_count()
+  local = 1
+  if not unknown:
+    mesh_size = math.prod(sizes.values())
+    if algorithm == "ring":
+      span = math.prod(sizes[a] for a in axes)
+      if span != nproc or mesh_size != nproc:
+        problems.append(
+            f"ring over {axes} needs exactly one mesh device per process: the axes span {span} "
+            f"devices and the mesh has {mesh_size}, but there are {nproc} processes. Use "
+            "algorithm='hierarchical' with axis_name=(process_axis, local_axis), or a mesh with "
+            "one device per process")
+    elif algorithm == "hierarchical":
+      if len(axes) != 2:
+        problems.append(f"hierarchical needs axis_name=(outer, inner), got {axes}")
+      else:
+        outer, inner = axes
+        local = sizes[inner]
+        if sizes[outer] != nproc or mesh_size != nproc * local:
+          problems.append(
+              f"hierarchical needs outer axis {outer!r} of size {nproc} (one entry per process) "
+              f"and inner axis {inner!r} covering each process's devices; got sizes "
+              f"{dict(sizes)} for a mesh of {mesh_size} devices")
+  if problems:
+    raise errors.CollectiveError(errors.join_problems(
+        "dtenjax cross-process all_reduce cannot run this call:", problems))
+  return nproc, local
+
+
+def communicators(local_slots: int, tenant: str = "default") -> list[transport.Communicator]:
+  """The rings of this process, one per process-local device slot (created collectively once)."""
+  with _lock:
+    key = (local_slots, tenant)
+    if key not in _comm_groups:
+      _comm_groups[key] = [
+          transport.create_communicator(f"hostcoll-{tenant}-{local_slots}-{j}", tenant=tenant)
+          for j in range(local_slots)]
+    return _comm_groups[key]
+
+
+def reset() -> None:
+  """Closes this process's collective communicators (a new trace creates fresh ones)."""
+  with _lock:
+    for group in _comm_groups.values():
+      for c in group:
+        c.close()
+    _comm_groups.clear()
+
+
+def _ring_call(x, slot, comm_ids: Sequence[int], op: str):
+  ffi.require(TARGET, "cpu")
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)
+  return call(x, slot, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(OPS[op]))
+
+
+def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
+               tenant: str = "default"):
+  """All-reduce of ``x`` over ``axis_name`` across processes, through the host transport.
+
+  Call inside ``jax.shard_map``; see the module docstring for the supported meshes. Deterministic:
+  identical bits on every rank and every run.
+  """
+  axes = _axes(axis_name)
+  _, local = _check(x, axes, algorithm, op)
+  if jax.process_count() == 1:
+    return x   # one process, one device on the axis: nothing to combine
+  comms = communicators(local, tenant)
+  ids = [c.comm_id for c in comms]
+  if algorithm == "ring":
+    return _ring_call(x, jnp.zeros((), jnp.int32), ids, op)
+  outer, inner = axes
+  if local == 1:
+    return _ring_call(x, jnp.zeros((), jnp.int32), ids, op)
+  if op != "sum":
+    # max/min: reduce locally, then every slot reduces the whole array on its own ring.
+    local_red = {"max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, inner)
+    return _ring_call(local_red, jax.lax.axis_index(inner).astype(jnp.int32), ids, op)
+  flat = x.reshape(-1)
+  pad = (-flat.size) % local
+  flat = jnp.pad(flat, (0, pad))
+  shard = jax.lax.psum_scatter(flat.reshape(local, -1), inner, scatter_dimension=0, tiled=False)
+  shard = _ring_call(shard, jax.lax.axis_index(inner).astype(jnp.int32), ids, op)
+  full = jax.lax.all_gather(shard, inner, axis=0, tiled=False).reshape(-1)
+  return full[:flat.size - pad].reshape(x.shape) if pad else full.reshape(x.shape)
+
+
+def reference_ring_sum(xs: Sequence[np.ndarray]) -> np.ndarray:
+  """numpy reproduction of the ring's reduction order (bit-exact for float32/float64/int)."""
+  n = len(xs)
+  flat = [np.asarray(a).reshape(-1) for a in xs]
+  count = flat[0].size
+  out = np.empty_like(flat[0])
+  base, rem = divmod(count, n)
+  for c in range(n):
+    lo = base * c + min(c, rem)
+    hi = lo + base + (1 if c < rem else 0)
+    acc = flat[c][lo:hi].copy()
+    for i in range(1, n):
+      acc = acc + flat[(c + i) % n][lo:hi]
+    out[lo:hi] = acc
+  return out.reshape(np.shape(xs[0]))
+
+
+def status() -> dict[str, Any]:
+  """What the host collectives would use here (for explain/diagnostics)."""
+  return {"available": transport.is_available() and ffi.has_target(TARGET, "cpu"),
+          "processes": jax.process_count(), "local_devices": jax.local_device_count(),
+          "communicators": {f"{k[1]}/{k[0]}": [c.comm_id for c in v]
+                            for k, v in _comm_groups.items()}}

@@ -1,0 +1,106 @@
+"""Worker: cross-process all-reduce inside jit (ring; hierarchical when devices_per_proc > 1),
+then fault injection phases chosen by DTENJAX_TEST_PHASES (comma list: correct, corrupt, kill)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import traceback
+
+from tests.mp_workers import common
+
+
+def main():
+  rank, nprocs = common.init()
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  from dtenjax._src import hostcoll, transport
+
+  jax.config.update("jax_enable_x64", True)   # so the float64 case really is float64
+
+  phases = os.environ.get("DTENJAX_TEST_PHASES", "correct").split(",")
+  local = jax.local_device_count()
+  res: dict = {"rank": rank, "nprocs": nprocs, "local": local}
+  if local == 1:
+    mesh = Mesh(np.array(jax.devices()), ("p",))
+    axis, spec, algo = "p", P("p"), "ring"
+  else:
+    devs = np.array(jax.devices()).reshape(nprocs, local)
+    mesh = Mesh(devs, ("p", "l"))
+    axis, spec, algo = ("p", "l"), P(("p", "l")), "hierarchical"
+
+  def make(fn_local_shape, dtype):
+    def f(x):
+      return hostcoll.all_reduce(x, axis, algorithm=algo, op=os.environ.get("OP", "sum"))
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+  def global_input(seed, n, dtype):
+    # Every process builds the same global array; its devices hold their own rows.
+    rng = np.random.RandomState(seed)
+    full = (rng.randn(nprocs * local, n) * 10).astype(dtype)
+    arr = jax.make_array_from_callback(full.shape, jax.sharding.NamedSharding(mesh, spec),
+                                       lambda idx: full[idx])
+    return full, arr
+
+  try:
+    if "correct" in phases:
+      out = {}
+      for dtype, n in (("float32", 1), ("float32", 1000), ("float64", 333), ("int32", 4097),
+                       ("float32", 70000)):
+        full, arr = global_input(n, n, np.dtype(dtype))
+        f = make(None, dtype)
+        y1 = f(arr)
+        y2 = f(arr)
+        rows = [np.asarray(s.data) for s in y1.addressable_shards]
+        rows2 = [np.asarray(s.data) for s in y2.addressable_shards]
+        ref_exact = hostcoll.reference_ring_sum(list(full))   # ring order, bit-exact
+        ref64 = full.astype(np.float64).sum(axis=0)
+        out[f"{dtype}-{n}"] = {
+            "sha": [hashlib.sha256(r.tobytes()).hexdigest() for r in rows],
+            "bit_equal_ring_reference": all(r.reshape(-1).tobytes() == ref_exact.tobytes()
+                                            for r in rows),
+            "max_rel_err": max(float(np.max(np.abs(r.reshape(-1) - ref64)) /
+                                     max(1.0, float(np.max(np.abs(ref64))))) for r in rows),
+            "repeat_equal": all(a.tobytes() == b.tobytes() for a, b in zip(rows, rows2)),
+        }
+      res["correct"] = out
+    if "corrupt" in phases:
+      comms = hostcoll.communicators(local)
+      if rank == 1:
+        for c in comms:
+          c.inject_corrupt_next_send()
+      full, arr = global_input(7, 512, np.float32)
+      t0 = time.monotonic()
+      try:
+        make(None, "float32")(arr).block_until_ready()
+        res["corrupt"] = {"error": None}
+      except Exception as e:  # pylint: disable=broad-except
+        res["corrupt"] = {"error": str(e)[:2000], "seconds": time.monotonic() - t0}
+      res["counters_after_corrupt"] = transport.counters()
+      hostcoll.reset()
+    if "kill" in phases:
+      full, arr = global_input(8, 4096, np.float32)
+      f = make(None, "float32")
+      f(arr).block_until_ready()   # builds fresh communicators, one good collective
+      common.write(res)
+      if rank == nprocs - 1:
+        os._exit(3)                # die before the next collective
+      t0 = time.monotonic()
+      try:
+        f(arr).block_until_ready()
+        res["kill"] = {"error": None}
+      except Exception as e:  # pylint: disable=broad-except
+        res["kill"] = {"error": str(e)[:2000], "seconds": time.monotonic() - t0}
+    res["counters"] = transport.counters()
+  except Exception:  # pylint: disable=broad-except
+    res["exception"] = traceback.format_exc()[-4000:]
+    res["counters"] = transport.counters()
+  common.finish(res, barrier_s=0 if "kill" in phases else 30)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,145 @@
+"""Cross-process all-reduce inside jit (dtenjax/_src/hostcoll.py).
+
+Multi-process tests launch workers (tests/mp_workers/allreduce_worker.py) with a local
+jax.distributed coordinator on 127.0.0.1; every worker has a timeout. In-process tests cover the
+ring order against numpy and the configuration checks.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dtenjax._src import errors, hostcoll, transport
+from tests.mp_workers import launch
+
+pytestmark = pytest.mark.skipif(not transport.is_available(),
+                                reason="native extension not built")
+
+
+def _ring(n, creds, **kw):
+  comms = [transport.create_local_comm(r, n, creds, timeout_s=10, **kw) for r in range(n)]
+  ts = [threading.Thread(target=transport.connect, args=(comms[r], comms[(r + 1) % n].endpoint))
+        for r in range(n)]
+  [t.start() for t in ts]
+  [t.join(30) for t in ts]
+  return comms
+
+
+def _run_all(comms, xs, op="sum"):
+  outs = [None] * len(comms)
+  def run(r):
+    outs[r] = comms[r].all_reduce(xs[r], op)
+  ts = [threading.Thread(target=run, args=(r,)) for r in range(len(comms))]
+  [t.start() for t in ts]
+  [t.join(30) for t in ts]
+  return outs
+
+
+@pytest.mark.parametrize("n,count", [(2, 1), (3, 1001), (4, 3), (5, 70001)])
+def test_in_process_ring_matches_reference_order_bit_exactly(n, count):
+  creds = transport.JobCredentials(99, b"k" * 32)
+  comms = _ring(n, creds)
+  try:
+    rng = np.random.RandomState(count)
+    xs = [(rng.randn(count) * 10.0 ** rng.randint(-3, 4, count)).astype(np.float32)
+          for _ in range(n)]
+    outs = _run_all(comms, xs)
+    ref = hostcoll.reference_ring_sum(xs)
+    for o in outs:
+      assert o.tobytes() == ref.tobytes()
+    np.testing.assert_allclose(ref, np.sum(np.array(xs, np.float64), 0), rtol=1e-4, atol=1e-3)
+    ints = [rng.randint(-1000, 1000, count).astype(np.int64) for _ in range(n)]
+    for o in _run_all(comms, ints, "max"):
+      np.testing.assert_array_equal(o, np.max(ints, 0))
+  finally:
+    for c in comms:
+      c.close()
+
+
+def test_single_process_configuration_checks(cpu_devices):
+  mesh = Mesh(np.array(cpu_devices), ("x",))
+  assert not hostcoll.spans_processes("x", mesh)
+  f = jax.shard_map(lambda x: hostcoll.all_reduce(x, "x"), mesh=mesh, in_specs=P("x"),
+                    out_specs=P("x"))
+  with pytest.raises(errors.CollectiveError, match="one mesh device per process"):
+    jax.jit(f)(jnp.ones(8))
+  g = jax.shard_map(lambda x: hostcoll.all_reduce(x, "x", algorithm="tree", op="avg"),
+                    mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+  with pytest.raises(errors.CollectiveError) as e:
+    jax.jit(g)(jnp.ones(8))
+  assert "algorithm='tree'" in str(e.value) and "op='avg'" in str(e.value)
+
+
+def _launch(tmp_path, nprocs, **kw):
+  codes, res, logs = launch.launch("tests.mp_workers.allreduce_worker", nprocs, str(tmp_path),
+                                   **kw)
+  return codes, res, logs
+
+
+def _check_correct(res, nprocs, bit_exact):
+  for r in res:
+    assert r is not None and "exception" not in r, r
+  keys = res[0]["correct"].keys()
+  assert len(keys) == 5
+  for k in keys:
+    shas = {s for r in res for s in r["correct"][k]["sha"]}
+    assert len(shas) == 1, f"{k}: ranks disagree on the bits"
+    for r in res:
+      c = r["correct"][k]
+      assert c["repeat_equal"], k
+      assert c["max_rel_err"] < 1e-5, (k, c["max_rel_err"])
+      if bit_exact:
+        assert c["bit_equal_ring_reference"], k
+
+
+@pytest.mark.multiprocess
+def test_ring_four_processes_correct_and_deterministic(tmp_path):
+  codes, res, logs = _launch(tmp_path, 4, timeout_s=90)
+  assert codes == [0] * 4, logs
+  _check_correct(res, 4, bit_exact=True)
+
+
+@pytest.mark.multiprocess
+def test_hierarchical_two_processes_two_devices(tmp_path):
+  codes, res, logs = _launch(tmp_path, 2, devices_per_proc=2, timeout_s=90)
+  assert codes == [0] * 2, logs
+  assert res[0]["local"] == 2
+  _check_correct(res, 2, bit_exact=False)
+
+
+@pytest.mark.multiprocess
+def test_faults_corrupt_frame_and_killed_peer(tmp_path):
+  timeout = 5
+  codes, res, logs = _launch(tmp_path, 4, timeout_s=90,
+                             env={"DTENJAX_TEST_PHASES": "corrupt,kill",
+                                  "DTENJAX_COLLECTIVE_TIMEOUT": str(timeout)})
+  assert codes[:3] == [0] * 3 and codes[3] == 3, logs
+  for r in res[:3]:
+    assert "exception" not in r, r
+  # Corrupt frame: rank 1 flipped a byte; rank 2 rejects it by checksum, everyone fails fast.
+  assert "checksum mismatch" in res[2]["corrupt"]["error"]
+  assert res[2]["counters_after_corrupt"]["rejected_bad_checksum"] == 1
+  for r in res:
+    assert r["corrupt"]["error"], r
+    assert r["corrupt"]["seconds"] < timeout
+  # Killed peer: rank 3 exits before the second collective; every survivor raises in time.
+  for r in res[:3]:
+    assert r["kill"]["error"] and "dtenjax transport" in r["kill"]["error"], r
+    assert r["kill"]["seconds"] < timeout + 2
+
+
+@pytest.mark.multiprocess
+def test_wrong_secret_is_refused(tmp_path):
+  codes, res, logs = _launch(
+      tmp_path, 3, timeout_s=60,
+      env={"DTENJAX_COLLECTIVE_TIMEOUT": "4", "DTENJAX_JOB_SECRET": "the-right-secret-0123456789"},
+      per_rank_env={1: {"DTENJAX_JOB_SECRET": "a-wrong-secret-0123456789abc"}})
+  assert all(c == 0 for c in codes), logs
+  text = " ".join(r["exception"] for r in res)
+  assert "authentication" in text
+  assert all("exception" in r for r in res)
+  assert sum(r["counters"]["rejected_auth"] for r in res) >= 1

@@ -1,0 +1,294 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import dtenjax
+from dtenjax import compression
+from dtenjax._src import compression as comp_impl
+
+AXIS = "d"
+
+
+@pytest.fixture(scope="module")
+def mesh(cpu_devices):
+  return Mesh(np.array(cpu_devices), (AXIS,))
+
+
+def _params(rng):
+  return {"w": jnp.asarray(rng.standard_normal((64, 40)), jnp.float32),
+          "b": jnp.asarray(rng.standard_normal((40,)), jnp.float32)}
+
+
+def _np_exact_topk(x, k):
+  # lax.top_k order and tie-breaking (lower index first on ties), in numpy.
+  order = np.argsort(-np.abs(x), kind="stable")[:k]
+  return order
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ratio", [0.0, -0.1, 1.5, float("nan")])
+def test_ratio_out_of_range(ratio):
+  with pytest.raises(dtenjax.ConfigurationError, match="ratio=.* is outside"):
+    compression.topk_ef(ratio)
+
+
+def test_config_lists_all_problems_at_once():
+  with pytest.raises(dtenjax.ConfigurationError) as e:
+    compression.topk_ef(2.0, momentum=1.5, sample_ratio=0.0, pack="fast")
+  msg = str(e.value)
+  for what in ("ratio=2.0", "momentum=1.5", "sample_ratio=0.0", "pack='fast'"):
+    assert what in msg
+
+
+def test_state_structure_mismatch_names_every_leaf():
+  rng = np.random.default_rng(0)
+  tx = compression.topk_ef(0.1)
+  state = tx.init(_params(rng))
+  with pytest.raises(dtenjax.ConfigurationError, match="tree structure"):
+    tx.update({"w": jnp.zeros((64, 40))}, state)
+  bad = {"w": jnp.zeros((64, 41)), "b": jnp.zeros((39,))}
+  with pytest.raises(dtenjax.ConfigurationError) as e:
+    tx.update(bad, state)
+  assert "['w']" in str(e.value) and "['b']" in str(e.value)
+  with pytest.raises(dtenjax.ConfigurationError, match="not a TopKEFState"):
+    tx.update(_params(rng), optax.EmptyState())
+
+
+def test_unsupported_dtype():
+  tx = compression.topk_ef(0.1)
+  g = {"w": jnp.zeros((8,), jnp.int32), "v": jnp.zeros((8,), jnp.complex64)}
+  with pytest.raises(dtenjax.CollectiveError) as e:
+    tx.update(g, tx.init(g))
+  assert "int32" in str(e.value) and "complex64" in str(e.value)
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+def test_plan_switches_to_dense_at_one_over_p():
+  tree = {"a": jax.ShapeDtypeStruct((1000,), jnp.float32),
+          "b": jax.ShapeDtypeStruct((10, 10), jnp.bfloat16)}
+  plan = compression.compression_plan(tree, 8, ratio=0.01)
+  a = [l for l in plan.leaves if l.path == "['a']"][0]
+  assert (a.n, a.k, a.mode) == (1000, 10, "sparse")
+  assert a.bytes_sent == 7 * 10 * 8
+  assert a.dense_bytes == pytest.approx(2 * 7 / 8 * 1000 * 4)
+  assert compression.compression_plan(tree, 8, ratio=0.124).leaves[0].mode == "sparse"
+  assert compression.compression_plan(tree, 8, ratio=0.125).leaves[0].mode == "dense"
+  assert compression.compression_plan(tree, 2, ratio=0.45).leaves[0].mode == "sparse"
+  assert plan.compression > 1 and "total" in plan.table()
+
+
+def test_warmup_schedule_shrinks_geometrically():
+  cfg = compression.TopKConfig(ratio=0.001, warmup_steps=100, warmup_start_ratio=0.25,
+                               warmup_stages=4)
+  r = cfg.stage_ratios()
+  np.testing.assert_allclose(r, [0.25, 0.25 * (0.004 ** 0.25), 0.25 * (0.004 ** 0.5),
+                                 0.25 * (0.004 ** 0.75), 0.001])
+  assert [int(cfg.stage(s)) for s in (0, 24, 25, 99, 100, 10_000)] == [0, 0, 1, 3, 4, 4]
+  tree = {"a": jax.ShapeDtypeStruct((10_000,), jnp.float32)}
+  ks = [compression.compression_plan(tree, 8, config=cfg, step=s).leaves[0].k
+        for s in (0, 50, 100)]
+  assert ks == [2500, 159, 10]
+
+
+# --- local (no axis) semantics against a numpy reference -------------------------------------
+
+def test_local_error_feedback_matches_numpy_reference_and_conserves_mass():
+  rng = np.random.default_rng(1)
+  params = _params(rng)
+  tx = compression.topk_ef(0.05, selection="exact")
+  state = tx.init(params)
+  upd = jax.jit(tx.update)
+  resid = {k: np.zeros(v.shape, np.float32) for k, v in params.items()}
+  sent_total = {k: np.zeros(v.shape, np.float32) for k, v in params.items()}
+  grad_total = {k: np.zeros(v.shape, np.float32) for k, v in params.items()}
+  for _ in range(5):
+    g = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+    out, state = upd(g, state)
+    for name in g:
+      v = (resid[name] + g[name]).ravel()
+      k = int(np.ceil(0.05 * v.size))
+      sel = _np_exact_topk(v, k)
+      sent = np.zeros_like(v)
+      sent[sel] = v[sel]
+      resid[name] = (v - sent).reshape(g[name].shape)
+      np.testing.assert_array_equal(np.asarray(out[name]).ravel(), sent)
+      np.testing.assert_array_equal(np.asarray(state.residual[name]), resid[name])
+      assert np.count_nonzero(sent) == k
+      sent_total[name] += np.asarray(out[name])
+      grad_total[name] += g[name]
+  # Error feedback loses nothing: what was sent plus what is left is what came in.
+  for name in grad_total:
+    np.testing.assert_allclose(sent_total[name] + np.asarray(state.residual[name]),
+                               grad_total[name], rtol=1e-5, atol=1e-5)
+
+
+def test_without_error_feedback_the_rest_is_dropped():
+  rng = np.random.default_rng(2)
+  g = {"w": jnp.asarray(rng.standard_normal(1000), jnp.float32)}
+  tx = compression.topk_ef(0.01, error_feedback=False)
+  state = tx.init(g)
+  out, state = tx.update(g, state)
+  assert np.count_nonzero(np.asarray(out["w"])) == 10
+  assert not np.any(np.asarray(state.residual["w"]))
+
+
+def test_momentum_correction_and_factor_masking():
+  rng = np.random.default_rng(3)
+  g = {"w": jnp.asarray(rng.standard_normal(2000), jnp.float32)}
+  for masking in (True, False):
+    tx = compression.topk_ef(0.01, momentum=0.9, momentum_masking=masking, selection="exact")
+    s = tx.init(g)
+    out, s = tx.update(g, s)
+    sent = np.asarray(out["w"]) != 0
+    u = np.asarray(s.momentum["w"])
+    # u = 0.9 * 0 + g; v = 0 + u; masking zeroes u where sent.
+    if masking:
+      assert not np.any(u[sent]) and np.array_equal(u[~sent], np.asarray(g["w"])[~sent])
+    else:
+      np.testing.assert_array_equal(u, np.asarray(g["w"]))
+    out2, s2 = tx.update(g, s)
+    g_np = np.asarray(g["w"])
+    u2 = 0.9 * u + g_np
+    v2 = np.asarray(s.residual["w"]) + u2
+    np.testing.assert_allclose(np.asarray(out2["w"]) + np.asarray(s2.residual["w"]), v2,
+                               rtol=1e-6)
+
+
+def test_local_gradient_clipping_scales_by_sqrt_p():
+  g = {"w": jnp.full((100,), 10.0, jnp.float32)}           # norm 100
+  tx = compression.topk_ef(1.0, clip_norm=5.0)
+  out, _ = tx.update(g, tx.init(g))
+  assert float(jnp.linalg.norm(out["w"])) == pytest.approx(5.0, rel=1e-5)
+
+
+# --- over 8 devices ---------------------------------------------------------------------------
+
+def _sharded_step(mesh, tx, params):
+  abstract = jax.eval_shape(tx.init, params)
+  specs = compression.state_specs(abstract, AXIS)
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+  upd = jax.jit(jax.shard_map(lambda g, s: tx.update(g, s), mesh=mesh,
+                              in_specs=(P(AXIS), specs), out_specs=(P(), specs)))
+  return init(params), upd
+
+
+@pytest.mark.parametrize("selection", ["exact", "sampled"])
+def test_sparse_all_reduce_matches_rank_order_numpy_reference(mesh, selection):
+  rng = np.random.default_rng(4)
+  n = 5000
+  params = {"w": jnp.zeros((n,), jnp.float32)}
+  tx = compression.topk_ef(0.01, axis_name=AXIS, selection=selection)
+  state, upd = _sharded_step(mesh, tx, params)
+  g = rng.standard_normal((8 * n,)).astype(np.float32)      # device r holds g[r*n:(r+1)*n]
+  out, state = upd({"w": jnp.asarray(g)}, state)
+  resid = np.asarray(state.residual["w"]).reshape(8, n)
+  acc = np.zeros(n, np.float32)
+  k = 50
+  for r in range(8):
+    gr = g[r * n:(r + 1) * n]
+    sent_r = gr - resid[r]                                    # what rank r sent
+    nz = np.flatnonzero(sent_r)
+    assert len(nz) <= k and (selection == "sampled" or len(nz) == k)
+    if selection == "exact":
+      assert set(nz) == set(_np_exact_topk(gr, k))
+    np.testing.assert_array_equal(resid[r][nz], 0)
+    acc[nz] += gr[nz]                                         # rank order, float32
+  np.testing.assert_array_equal(np.asarray(out["w"]), acc / np.float32(8))
+
+
+def test_dense_leaves_equal_pmean_and_leave_no_residual(mesh):
+  rng = np.random.default_rng(5)
+  params = {"w": jnp.zeros((64,), jnp.float32)}
+  tx = compression.topk_ef(0.2, axis_name=AXIS)               # 0.2 >= 1/8: dense
+  assert compression.compression_plan(params, 8, ratio=0.2).leaves[0].mode == "dense"
+  state, upd = _sharded_step(mesh, tx, params)
+  g = rng.standard_normal(8 * 64).astype(np.float32)
+  out, state = upd({"w": jnp.asarray(g)}, state)
+  np.testing.assert_allclose(np.asarray(out["w"]), g.reshape(8, 64).mean(0), rtol=1e-6,
+                             atol=1e-7)
+  assert not np.any(np.asarray(state.residual["w"]))
+
+
+def test_chains_with_optax_under_jit_deterministically_and_traces_once(mesh):
+  from jax.sharding import NamedSharding
+  rng = np.random.default_rng(6)
+  params = jax.device_put(_params(rng), NamedSharding(mesh, P()))   # as the step returns them
+  tx = optax.chain(compression.topk_ef(0.01, axis_name=AXIS, momentum=0.9, warmup_steps=3,
+                                       clip_norm=10.0), optax.sgd(0.1))
+  specs = compression.state_specs(jax.eval_shape(tx.init, params), AXIS)
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(p, s, g):
+    def local(p, s, g):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(AXIS)),
+                         out_specs=(P(), specs))(p, s, g)
+
+  grads = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal((8 * x.shape[0],) +
+                                                                  x.shape[1:]), jnp.float32),
+                        params) for _ in range(6)]
+
+  def run():
+    p, s = params, init(params)
+    nnz = []
+    for g in grads:
+      new_p, s = step(p, s, g)
+      nnz.append(int(np.count_nonzero(np.asarray(new_p["w"] - p["w"]))))
+      p = new_p
+    return p, s, nnz
+
+  p1, s1, nnz = run()
+  p2, _, _ = run()
+  chex.assert_trees_all_equal(p1, p2)                         # same bits, run to run
+  assert int(s1[0].count) == 6
+  # Warm-up: 25% density first, 1% at the end (at most 8 ranks x k entries change).
+  assert nnz[0] > nnz[-1]
+  assert nnz[-1] <= 8 * int(np.ceil(0.01 * 64 * 40))
+  assert s1[0].residual["w"].shape == (8 * 64, 40)
+
+
+def test_state_has_params_sharding_in_local_mode(mesh):
+  from jax.sharding import NamedSharding
+  w = jax.device_put(jnp.zeros((64, 16)), NamedSharding(mesh, P(AXIS)))
+  state = compression.topk_ef(0.01, momentum=0.9).init({"w": w})
+  assert state.residual["w"].sharding.is_equivalent_to(w.sharding, 2)
+  assert state.momentum["w"].sharding.is_equivalent_to(w.sharding, 2)
+
+
+def test_public_surface():
+  assert set(compression.__all__) == {
+      "CompressionPlan", "LeafPlan", "TopKConfig", "TopKEFState", "compressed_all_reduce",
+      "compression_plan", "exact_topk", "init_state", "pack", "sample_threshold", "select",
+      "state_specs", "topk_ef"}
+  assert compression.topk_ef is comp_impl.topk_ef
+
+
+# --- convergence: a real model on a real dataset ---------------------------------------------
+
+def test_error_feedback_keeps_digits_accuracy_at_0_1_percent(mesh):
+  """Dense vs top-k EF at 0.1% vs the same without error feedback (digits MLP, 8 devices).
+
+  Measured (bench/compression_convergence.py, 400 steps): dense and EF agree within a point;
+  without EF accuracy falls by several points. The tolerance catches broken error feedback.
+  """
+  import sys, pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+  import compression_convergence as cc  # pylint: disable=g-import-not-at-top
+  data = cc.load_digits(8)
+  steps = 400
+  dense = cc.train(cc.Candidate("dense", None, momentum=0.0), data, steps=steps)
+  ef = cc.train(cc.Candidate("ef", 0.001, momentum=0.0), data, steps=steps)
+  no_ef = cc.train(cc.Candidate("no ef", 0.001, momentum=0.0, error_feedback=False), data,
+                   steps=steps)
+  assert ef[0] >= dense[0] - 0.015, (ef[0], dense[0])
+  assert no_ef[0] <= ef[0] - 0.04, (no_ef[0], ef[0])
+  assert ef[2] * 5 < dense[2]                                  # bytes on the wire

@@ -1,0 +1,195 @@
+"""Tests of dtenjax._src.placement: strategies to NamedSharding, memory kinds, shard, tensor."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dtenjax._src import errors
+from dtenjax._src import mesh as mesh_lib
+from dtenjax._src import topology as topo
+from dtenjax._src.placement import Placement, check_divisible, shard, tensor
+from dtenjax._src.topology import Topology
+
+
+@pytest.fixture(scope="module")
+def mesh24(cpu_devices):
+  return mesh_lib.make_mesh((2, 4), ("x", "y"), devices=cpu_devices)
+
+
+@pytest.mark.parametrize("strategy,spec", [
+    ("replicate", P()),
+    ("row", P("y", None)),
+    ("col", P(None, "y")),
+    ("2d", P("x", "y")),
+    (P(("x", "y")), P(("x", "y"))),
+])
+def test_strategies_resolve(strategy, spec, mesh24):
+  s = Placement(strategy, mesh=mesh24).sharding((16, 8))
+  assert isinstance(s, NamedSharding)
+  assert s.spec == spec and s.mesh is mesh24 and s.memory_kind == "device"
+
+
+def test_strategies_on_1d_mesh_and_other_ranks(mesh24):
+  one = Placement("row", mesh=(8,))
+  assert one.spec((16, 4)) == P("x", None)
+  assert one.spec((16,)) == P("x")
+  assert one.spec(()) == P()
+  assert Placement("col", mesh=(8,)).spec((3, 4, 16)) == P(None, None, "x")
+  assert Placement("2d", mesh=mesh24).spec((5, 2, 4)) == P(None, "x", "y")
+  assert Placement("replicate", mesh=mesh24).spec((3, 5)) == P()
+
+
+def test_mesh_shape_is_topology_ordered(cpu_devices):
+  devs = [topo.DeviceInfo(id=i, platform="cpu", kind="cpu", memory_bytes=0, process_index=0,
+                          host=f"h{i % 2}", numa_node=0, local_index=i) for i in range(8)]
+  t = topo.uniform("interleaved", devs, intra="nvlink", inter="roce")
+  m = Placement("row", mesh=(2, 4), topology=t).resolved_mesh()
+  assert np.vectorize(lambda d: d.id)(m.devices).tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+  assert Placement(mesh=[2, 4]).mesh == (2, 4)
+
+
+@pytest.mark.parametrize("policy,kind", [
+    ("device", "device"), ("pinned", "pinned_host"), ("unpinned", "unpinned_host")])
+def test_memory_policies(policy, kind, mesh24):
+  p = Placement("row", mesh=mesh24, memory_policy=policy)
+  assert p.sharding((8, 8)).memory_kind == kind
+  x = shard(jnp.ones((8, 8)), p)
+  assert x.sharding.memory_kind == kind
+  assert x.sharding.spec == P("y", None)
+
+
+def test_invalid_placement_lists_every_problem():
+  with pytest.raises(errors.PlacementError) as e:
+    Placement("rows", mesh=(2, -1), memory_policy="gpu")
+  msg = str(e.value)
+  assert "strategy='rows'" in msg and "'auto'" in msg
+  assert "memory_policy='gpu'" in msg and "'pinned'" in msg
+  assert "mesh=(2, -1)" in msg
+
+
+def test_strategy_shape_errors(mesh24):
+  with pytest.raises(errors.PlacementError, match="'col' needs an array with at least 2"):
+    Placement("col", mesh=mesh24).spec((8,))
+  with pytest.raises(errors.PlacementError, match="'2d' needs a 2D mesh"):
+    Placement("2d", mesh=(8,)).spec((8, 8))
+  with pytest.raises(errors.PlacementError, match="has 2 entries but the array has 1"):
+    Placement(P("x", "y"), mesh=mesh24).spec((8,))
+
+
+def test_non_divisible_dimension_names_everything(mesh24):
+  with pytest.raises(errors.PlacementError) as e:
+    Placement("2d", mesh=mesh24).spec((7, 10))
+  msg = str(e.value)
+  assert "dimension 0 has size 7, not divisible by mesh axis 'x' of size 2" in msg
+  assert "dimension 1 has size 10, not divisible by mesh axis 'y' of size 4" in msg
+  assert "pad it to 12" in msg and "leave it unsharded (None)" in msg
+  with pytest.raises(errors.PlacementError, match=r"\('x', 'y'\) of size 8"):
+    check_divisible((12,), P(("x", "y")), mesh24)
+
+
+def test_misspelled_axis_in_spec(mesh24):
+  with pytest.raises(errors.PlacementError, match=r"\['yy'\].*did you mean 'y'"):
+    Placement(P("yy"), mesh=mesh24).spec((8,))
+
+
+def test_shard_eager_and_inside_jit(mesh24):
+  p = Placement("2d", mesh=mesh24)
+  x = jnp.arange(64.0).reshape(8, 8)
+  y = shard(x, p)
+  assert y.sharding.spec == P("x", "y")
+  np.testing.assert_array_equal(y, x)
+  assert {s.data.shape for s in y.addressable_shards} == {(4, 2)}
+
+  @jax.jit
+  def f(v):
+    return shard(v * 2, p)
+
+  z = f(x)
+  assert z.sharding.spec == P("x", "y")
+  assert "sharding_constraint" in str(jax.make_jaxpr(f)(x))
+  np.testing.assert_array_equal(z, x * 2)
+
+
+def test_shard_pytrees_optax_and_flax(mesh24):
+  model = nn.Dense(16)
+  params = model.init(jax.random.key(0), jnp.ones((1, 8)))
+  opt_state = optax.adam(1e-3).init(params)
+  p = Placement("row", mesh=mesh24)
+  sp = shard(params, p)
+  assert sp["params"]["kernel"].sharding.spec == P("y", None)
+  assert sp["params"]["bias"].sharding.spec == P("y")
+  so = shard(opt_state, p)
+  assert so[0].mu["params"]["kernel"].sharding.spec == P("y", None)
+  assert so[0].count.sharding.spec == P()          # scalar step count replicated
+  chex_equal = jax.tree.map(lambda a, b: np.array_equal(a, b), so, opt_state)
+  assert all(jax.tree.leaves(chex_equal))
+  assert jax.tree.structure(so) == jax.tree.structure(opt_state)
+  # Non-array leaves pass through.
+  assert shard({"a": jnp.ones((8, 8)), "n": None, "s": "tag"}, p)["s"] == "tag"
+
+
+def test_shard_accepts_named_sharding(mesh24):
+  s = NamedSharding(mesh24, P(None, "x"))
+  assert shard(jnp.ones((4, 4)), s).sharding == s
+
+
+def test_tensor_created_sharded(mesh24):
+  p = Placement("2d", mesh=mesh24)
+  t = tensor((8, 16), jnp.float32, p, init="ones")
+  assert t.sharding.spec == P("x", "y")
+  assert [s.data.shape for s in t.addressable_shards] == [(4, 4)] * 8
+  np.testing.assert_array_equal(t, np.ones((8, 16)))
+  r = tensor((8, 16), jnp.float32, p, init="normal", key=jax.random.key(3))
+  np.testing.assert_array_equal(r, jax.random.normal(jax.random.key(3), (8, 16)))
+  custom = tensor((8, 8), jnp.int32, Placement("row", mesh=mesh24),
+                  init=lambda k, s, d: jnp.full(s, 7, d))
+  assert custom.dtype == jnp.int32 and [s.data.shape for s in custom.addressable_shards] == [
+      (2, 8)] * 8
+
+
+def test_tensor_never_materialises_the_whole_array(mesh24):
+  p = Placement("2d", mesh=mesh24)
+  init = lambda k, s, d: jnp.zeros(s, d)  # noqa: E731
+  lowered = jax.jit(lambda k: init(k, (8, 16), jnp.float32),
+                    out_shardings=p.sharding((8, 16))).lower(jax.random.key(0))
+  # After SPMD partitioning each device's program only builds its (4, 4) shard.
+  hlo = lowered.compile().as_text()
+  assert "f32[4,4]" in hlo and "f32[8,16]" not in hlo
+  assert tensor((8, 16), placement=p).sharding.spec == P("x", "y")
+
+
+def test_tensor_memory_kind_and_bad_init(mesh24):
+  t = tensor((8, 8), placement=Placement("row", mesh=mesh24, memory_policy="pinned"))
+  assert t.sharding.memory_kind == "pinned_host"
+  with pytest.raises(errors.PlacementError, match="init='gaussian'"):
+    tensor((8, 8), placement=Placement("row", mesh=mesh24), init="gaussian")
+
+
+def test_auto_uses_the_planner_and_explains(cpu_devices):
+  t = Topology.fixture("dgx_a100_8")
+  p = Placement("auto", mesh=(2, 4), topology=t)
+  assert p.spec((4096, 4096), jnp.bfloat16) == P("x", "y")
+  assert p.plan((4096, 4096), jnp.bfloat16).strategy == "2d"
+  text = p.explain((4096, 4096), jnp.bfloat16)
+  for name in ("2d", "row", "col", "replicate", "=> 2d"):
+    assert name in text
+  fixed = Placement("row", mesh=(2, 4), topology=t).explain((8, 8))
+  assert "P('y', None)" in fixed and "fixed strategy" in fixed
+  # Fixed "row" is the planner's "row".
+  assert Placement("row", mesh=(2, 4), topology=t).spec((4096, 4096)) == [
+      c.spec for c in p.plan((4096, 4096)).candidates if c.strategy == "row"][0]
+  del cpu_devices
+
+
+def test_auto_with_default_mesh_and_detected_topology(cpu_devices):
+  topo.set_current(None)
+  p = Placement()
+  s = p.sharding((64, 32))
+  assert s.mesh.devices.size == 8 and s.spec in (P("x", None), P(None, "x"), P())
+  with mesh_lib.use_mesh(mesh_lib.make_mesh((4, 2), ("a", "b"), devices=cpu_devices)) as m:
+    assert Placement("row").sharding((8, 8)).mesh is m

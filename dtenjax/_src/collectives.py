@@ -241,10 +241,11 @@ def _hostcoll_module():
 
 def _plugin(x, axes, algorithm: str, op: str):
   """A custom implementation of ``algorithm`` for this call, or None (use XLA-native)."""
+  name = axes[0] if len(axes) == 1 else axes     # plug-ins take a plain name for one axis
   if algorithm in ("ring", "hierarchical"):
     hc = _hostcoll_module()
-    if hc is not None and hc.spans_processes(axes):
-      return functools.partial(hc.all_reduce, axis_name=axes, algorithm=algorithm, op=op)
+    if hc is not None and hc.spans_processes(name):
+      return functools.partial(hc.all_reduce, axis_name=name, algorithm=algorithm, op=op)
   if algorithm in ("one_shot", "two_shot") and jax.default_backend() == "gpu":
     p2p = _p2p_module()
     if p2p is None:
@@ -253,7 +254,7 @@ def _plugin(x, axes, algorithm: str, op: str):
       return None
     ok, why = p2p.supported(alg.axis_size(axes), x.size * x.dtype.itemsize, x.dtype)
     if ok:
-      return functools.partial(p2p.all_reduce, axis_name=axes, algorithm=algorithm, op=op)
+      return functools.partial(p2p.all_reduce, axis_name=name, algorithm=algorithm, op=op)
     config.log_fallback(f"p2p:{why}", f"dtenjax: {algorithm} NVLink kernel not used ({why}); "
                         "using the XLA-native form")
   return None

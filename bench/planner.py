@@ -1,0 +1,117 @@
+"""Planner benchmark: plans a 1000-leaf, transformer-like pytree with Placement("auto").
+
+For each topology (the 8 x A100 NVLink fixture and the detected CPU topology) it times resolving
+every leaf to a NamedSharding (mesh, planner, divisibility check), first with every dtenjax cache
+cleared and a fresh Topology object (cold), then again (warm, median of --repeats). Leaves are
+``jax.ShapeDtypeStruct``s, so only planning is timed, not data movement. The issue's target is
+< 50 ms for 1000 leaves.
+
+Run:  .venv/bin/python bench/planner.py [--leaves 1000] [--repeats 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from dtenjax._src import mesh as mesh_lib  # noqa: E402
+from dtenjax._src import placement as placement_lib  # noqa: E402
+from dtenjax._src import planner  # noqa: E402
+from dtenjax._src.topology import Topology  # noqa: E402
+
+
+def transformer_params(n_leaves: int, d: int = 1024, vocab: int = 32768) -> dict:
+  """A pytree shaped like a decoder's parameters: embedding, per-layer attention / MLP kernels,
+  biases and layer-norm vectors, in bf16/f32, trimmed to exactly ``n_leaves`` leaves."""
+  sds = jax.ShapeDtypeStruct
+  tree = {"embed": sds((vocab, d), jnp.bfloat16), "final_ln": sds((d,), jnp.float32)}
+  layer = 0
+  while sum(len(v) if isinstance(v, dict) else 1 for v in tree.values()) < n_leaves:
+    tree[f"layer_{layer:03d}"] = {
+        "q": sds((d, d), jnp.bfloat16), "k": sds((d, d // 4), jnp.bfloat16),
+        "v": sds((d, d // 4), jnp.bfloat16), "o": sds((d, d), jnp.bfloat16),
+        "q_bias": sds((d,), jnp.float32), "o_bias": sds((d,), jnp.float32),
+        "up": sds((d, 4 * d), jnp.bfloat16), "gate": sds((d, 4 * d), jnp.bfloat16),
+        "down": sds((4 * d, d), jnp.bfloat16), "ln1": sds((d,), jnp.float32),
+        "ln2": sds((d,), jnp.float32), "rope": sds((64, d // 16), jnp.float32),
+    }
+    layer += 1
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(jax.tree.structure(leaves[:n_leaves]), leaves[:n_leaves]) \
+      if len(leaves) > n_leaves else jax.tree.unflatten(treedef, leaves)
+
+
+def clear_caches() -> None:
+  planner._plan_cached.cache_clear()        # pylint: disable=protected-access
+  planner._allreduce_s.cache_clear()        # pylint: disable=protected-access
+  mesh_lib._make_mesh_cached.cache_clear()  # pylint: disable=protected-access
+  placement_lib._planning_inputs.cache_clear()  # pylint: disable=protected-access
+  placement_lib._named_sharding.cache_clear()   # pylint: disable=protected-access
+
+
+def plan_tree(tree, placement):
+  return jax.tree.map(lambda leaf: placement.sharding(leaf.shape, leaf.dtype), tree)
+
+
+def run(name: str, make_topology, tree, repeats: int) -> dict:
+  n = len(jax.tree.leaves(tree))
+  clear_caches()
+  topo = make_topology()
+  p = placement_lib.Placement("auto", mesh=(2, 4), topology=topo)
+  t0 = time.perf_counter()
+  shardings = plan_tree(tree, p)
+  cold = time.perf_counter() - t0
+  warm = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    plan_tree(tree, p)
+    warm.append(time.perf_counter() - t0)
+  counts: dict[str, int] = {}
+  for s in jax.tree.leaves(shardings, is_leaf=lambda x: hasattr(x, "spec")):
+    counts[str(s.spec)] = counts.get(str(s.spec), 0) + 1
+  return {"topology": name, "leaves": n, "cold_ms": cold * 1e3,
+          "warm_ms": statistics.median(warm) * 1e3, "specs": counts,
+          "distinct_plans": planner._plan_cached.cache_info().currsize}  # pylint: disable=protected-access
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--leaves", type=int, default=1000)
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+  args = ap.parse_args(argv)
+  tree = transformer_params(args.leaves)
+  cases = [("dgx_a100_8 (fixture)", lambda: Topology.fixture("dgx_a100_8")),
+           ("detected CPU x8", lambda: Topology.detect(jax.devices()))]
+  rows = [run(name, make, tree, args.repeats) for name, make in cases]
+  print(f"{'topology':<22} {'leaves':>6} {'plans':>6} {'cold ms':>9} {'cold ms/leaf':>13} "
+        f"{'warm ms':>9} {'warm ms/leaf':>13}")
+  for r in rows:
+    print(f"{r['topology']:<22} {r['leaves']:>6} {r['distinct_plans']:>6} {r['cold_ms']:>9.2f} "
+          f"{r['cold_ms'] / r['leaves']:>13.4f} {r['warm_ms']:>9.2f} "
+          f"{r['warm_ms'] / r['leaves']:>13.4f}")
+  for r in rows:
+    print(f"  {r['topology']}: {r['specs']}")
+  if args.json:
+    meta = {"python": sys.version.split()[0], "jax": jax.__version__,
+            "machine": platform.platform(), "cpus": os.cpu_count(), "target_ms": 50}
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump({"meta": meta, "results": rows}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

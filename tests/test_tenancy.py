@@ -1,0 +1,111 @@
+"""Tenant quotas, token-bucket shaping and device-memory ownership checks."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dtenjax._src import bufferpool as bp
+from dtenjax._src import errors, tenancy, transport
+
+pytestmark = pytest.mark.skipif(not transport.is_available(), reason="native extension not built")
+
+
+def _ring(n, tenant, timeout_s=10):
+  creds = transport.JobCredentials(77, b"t" * 32)
+  comms = [transport.create_local_comm(r, n, creds, tenant=tenant, timeout_s=timeout_s)
+           for r in range(n)]
+  errs = {}
+  def go(r):
+    try:
+      transport.connect(comms[r], comms[(r + 1) % n].endpoint)
+    except errors.DtenjaxError as e:
+      errs[r] = e
+  ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
+  [t.start() for t in ts]
+  [t.join(30) for t in ts]
+  return comms, errs
+
+
+def test_connection_quota():
+  tenancy.set_quota("t-conn", tenancy.Quota(max_connections=3))
+  comms, errs = _ring(2, "t-conn", timeout_s=2)   # 2 ranks x 2 connections > 3
+  assert any(isinstance(e, errors.QuotaExceededError) for e in errs.values()), errs
+  msg = str(next(e for e in errs.values() if isinstance(e, errors.QuotaExceededError)))
+  assert "t-conn" in msg and "connection quota (3" in msg
+  for c in comms:
+    c.close()
+  assert tenancy.usage("t-conn")["quota_refusals"] >= 1
+
+
+def test_registered_bytes_quota():
+  tenancy.set_quota("t-mem", tenancy.Quota(max_registered_bytes=100_000))
+  with bp.BufferPool(bp.PoolConfig(tenant="t-mem", pin=False)) as pool:
+    b = pool.acquire(65536)
+    assert tenancy.usage("t-mem")["registered_bytes"] == 65536
+    with pytest.raises(errors.QuotaExceededError, match="t-mem.*registered-memory quota"):
+      pool.acquire(65536)
+    pool.release(b)
+    pool.trim()
+  assert tenancy.usage("t-mem")["registered_bytes"] == 0
+
+
+def test_token_bucket_shapes_ring_traffic():
+  rate, burst = 16e6, 64 * 1024
+  tenancy.set_quota("t-rate", tenancy.Quota(rate_bytes_per_s=rate, burst_bytes=burst))
+  comms, errs = _ring(2, "t-rate")
+  assert not errs
+  xs = [np.full(1 << 20, r + 1, np.float32) for r in range(2)]   # 4 MiB each
+  before = transport.counters()
+  outs = [None, None]
+  def run(r):
+    outs[r] = comms[r].all_reduce(xs[r])
+  t0 = time.monotonic()
+  ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+  [t.start() for t in ts]
+  [t.join(60) for t in ts]
+  elapsed = time.monotonic() - t0
+  sent = transport.counters()["bytes_sent"] - before["bytes_sent"]
+  np.testing.assert_array_equal(outs[0], np.full(1 << 20, 3, np.float32))
+  # Both ranks live in this process and share the tenant's bucket.
+  floor = (sent - burst) / rate
+  assert elapsed >= 0.8 * floor, (elapsed, floor)
+  assert transport.counters()["throttled_ns"] > before["throttled_ns"]
+  for c in comms:
+    c.close()
+
+
+def test_token_bucket_direct():
+  tenancy.set_quota("t-bucket", tenancy.Quota(rate_bytes_per_s=2e6, burst_bytes=1e5))
+  t0 = time.monotonic()
+  for _ in range(10):
+    tenancy.throttle("t-bucket", 100_000)
+  elapsed = time.monotonic() - t0
+  assert elapsed >= 0.8 * (1e6 - 1e5) / 2e6
+  with pytest.raises(errors.CollectiveTimeoutError, match="token bucket"):
+    tenancy.throttle("t-bucket", 10_000_000, timeout_s=0.5)   # would need ~5 s
+
+
+def test_foreign_device_pointer_is_refused():
+  base_a, base_b = 0x7F00_0000_0000, 0x7F10_0000_0000
+  tenancy.use_fake_pointer_owners([(base_a, 1 << 20, 0), (base_b, 1 << 20, 1)])
+  tenancy.set_owner_context("tenant-a", 0)
+  tenancy.set_owner_context("tenant-b", 1)
+  tenancy.check_device_memory("tenant-a", base_a + 4096, 4096)
+  tenancy.check_device_memory("tenant-b", base_b, 1 << 20)
+  with pytest.raises(tenancy.OwnershipError, match="tenant-a.*belongs to context 1"):
+    tenancy.check_device_memory("tenant-a", base_b + 16, 64)
+  with pytest.raises(tenancy.OwnershipError, match="runs past the end"):
+    tenancy.check_device_memory("tenant-a", base_a + (1 << 20) - 8, 64)
+  with pytest.raises(tenancy.OwnershipError, match="not device memory"):
+    tenancy.check_device_memory("tenant-a", 0x1000, 64)
+  with pytest.raises(tenancy.OwnershipError, match="no CUDA context set"):
+    tenancy.check_device_memory("tenant-without-context", base_a, 64)
+  assert tenancy.usage("tenant-a")["ownership_refusals"] == 3
+
+
+def test_quota_validation():
+  with pytest.raises(errors.ConfigurationError) as e:
+    tenancy.Quota(max_connections=-5, rate_bytes_per_s=-1)
+  assert "max_connections=-5" in str(e.value) and "rate_bytes_per_s=-1" in str(e.value)

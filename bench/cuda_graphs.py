@@ -101,6 +101,8 @@ def main(argv=None) -> int:
   ap.add_argument("--cases", default="launch,loop,split")
   ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
   ap.add_argument("--json", default=None, help="write the results here")
+  ap.add_argument("--dump-hlo", default=None,
+                  help="write the optimised HLO of every case and policy to this one file")
   args = ap.parse_args(argv)
   if args.quick:
     args.layers, args.steps, args.repeats = 8, 5, 2
@@ -121,6 +123,10 @@ def main(argv=None) -> int:
       out = np.asarray(f(x, y))
       ref = out if ref is None else ref
       rep = graphs.graph_report(f, x, y)
+      if args.dump_hlo:
+        with open(args.dump_hlo, "a") as fh:
+          fh.write(f"\n\n===== case {case} policy {mode} =====\n")
+          fh.write(f.lower(x, y).compile().as_text())
       base = t if base is None else base
       rows.append({
           "case": case, "policy": mode, "us_per_step": t * 1e6, "speedup_vs_off": base / t,

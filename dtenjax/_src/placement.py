@@ -200,7 +200,11 @@ def _is_tracer(x) -> bool:
 def shard(x: Any, placement: Placement | NamedSharding) -> Any:
   """Lays ``x`` (an array or a pytree of arrays, e.g. flax params or an optax state) out as
   ``placement`` says: ``device_put`` outside jit, a sharding constraint inside jit. Each leaf is
-  planned on its own shape for "auto"."""
+  planned on its own shape for "auto".
+
+  Host memory policies inside jit lay the value out on device, then move it; a jit output keeps
+  ``pinned_host``, but for ``unpinned_host`` outputs jax (0.10.2, CPU) reports ``device`` unless
+  the jit is given ``out_shardings=placement.sharding(shape, dtype)``."""
   def one(leaf):
     if not hasattr(leaf, "shape"):
       return leaf
@@ -208,7 +212,10 @@ def shard(x: Any, placement: Placement | NamedSharding) -> Any:
                 else placement.sharding(leaf.shape, leaf.dtype))
     if _is_tracer(leaf):
       if sharding.memory_kind not in (None, "device"):
-        return jax.device_put(leaf, sharding)
+        # A bare device_put to host memory inside jit loses the partitioning (measured on CPU,
+        # jax 0.10.2: the result came back replicated); lay it out on device first, then move.
+        on_device = jax.lax.with_sharding_constraint(leaf, sharding.with_memory_kind("device"))
+        return jax.device_put(on_device, sharding)
       return jax.lax.with_sharding_constraint(leaf, sharding)
     return jax.device_put(leaf, sharding)
   return jax.tree.map(one, x)

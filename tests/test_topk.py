@@ -102,8 +102,9 @@ def test_far_off_cut_falls_back_to_exact(method):
   # passes, count = n > 1.5 k, so select recomputes with lax.top_k.
   n, k = 100_000, 64
   x = np.zeros(n, np.float32)
-  sample = set(topk._sample_indices(n, topk.sample_size(n, 0.01)).tolist())
-  free = [i for i in range(n) if i not in sample][::1000][:k]
+  sample = set(topk._sample_indices(n, topk.sample_size(n, 0.01, k)).tolist())
+  free = [i for i in range(n) if i not in sample][::700][:k]
+  assert len(free) == k
   x[free] = np.arange(1, k + 1, dtype=np.float32)
   idx, val, count = topk.select(jnp.asarray(x), k, method=method)
   assert int(count) == k
@@ -140,3 +141,23 @@ def test_num_selected():
   assert topk.num_selected(10, 0.001) == 1
   assert topk.num_selected(10, 1.0) == 10
   assert topk.num_selected(0, 0.5) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,t", [(1, 1, 0.0), (1023, 7, 2.5), (1_000_003, 10_000, 2.0),
+                                   (1_000_003, 100, 3.0), (5_000_000, 60_000, 2.5)])
+def test_cuda_kernel_matches_cumsum_and_numpy_on_gpu(n, k, t):
+  if not ffi.has_target(topk.TARGET, "CUDA"):
+    pytest.skip("dtenjax_topk_pack is not built for CUDA")
+  gpu = jax.devices("gpu")[0]
+  x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+  if n > 10:
+    x[5] = np.nan
+  xd = jax.device_put(jnp.asarray(x), gpu)
+  for _ in range(2):                                        # poison-free: outputs fully written
+    a = jax.jit(lambda x: topk.pack(x, jnp.float32(t), k, method="ffi"))(xd)
+  b = jax.jit(lambda x: topk.pack(x, jnp.float32(t), k, method="cumsum"))(xd)
+  ref = _ref_pack(x, t, k)
+  for u, v, r in zip(a, b, ref):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    np.testing.assert_array_equal(np.asarray(u), r)

@@ -35,6 +35,7 @@ PACK_METHODS = ("auto", "ffi", "cumsum")
 SELECTIONS = ("sampled", "exact")
 TARGET = "dtenjax_topk_pack"
 MIN_SAMPLE = 4096          # vectors up to this size take their cut from the whole vector
+MIN_SAMPLE_RANK = 32       # the sample is large enough to hold at least this many "top" entries
 _TILE = 1024               # elements per tile of the CUDA kernel (256 threads x 4)
 _MAX_BLOCKS = 8192
 
@@ -65,11 +66,18 @@ def exact_topk(x, k: int):
 
 # --- 1. sampled threshold -------------------------------------------------------------------
 
-def sample_size(n: int, sample_ratio: float) -> int:
-  """Number of strata (= sample elements) for a vector of n elements."""
+def sample_size(n: int, sample_ratio: float, k: int | None = None) -> int:
+  """Number of strata (= sample elements) for a vector of n elements.
+
+  At least ``MIN_SAMPLE`` and, when k is given, enough that the sample's cut rank is at least
+  ``MIN_SAMPLE_RANK`` (the relative spread of the kept count is about its inverse square root).
+  """
   if n <= MIN_SAMPLE:
     return n
-  return int(min(n, max(MIN_SAMPLE, math.ceil(n * sample_ratio))))
+  m = max(MIN_SAMPLE, math.ceil(n * sample_ratio))
+  if k:
+    m = max(m, math.ceil(MIN_SAMPLE_RANK * n / k))
+  return int(min(n, m))
 
 
 def _sample_indices(n: int, m: int):
@@ -83,13 +91,13 @@ def _sample_indices(n: int, m: int):
 def sample_threshold(x, k: int, *, sample_ratio: float = 0.01):
   """float32 cut t such that about k elements of ``x`` have ``|x| >= t``.
 
-  Exact top-k on a deterministic stratified sample of ``sample_size(n, sample_ratio)`` elements;
+  Exact top-k on a deterministic stratified sample of ``sample_size(n, sample_ratio, k)`` elements;
   the cut is the ``round(k * m / n)``-th largest sample magnitude. Vectors of at most
   ``MIN_SAMPLE`` elements use the whole vector, so the cut is exactly the k-th largest.
   """
   a = jnp.abs(jnp.ravel(x).astype(jnp.float32))
   n = a.shape[0]
-  m = sample_size(n, sample_ratio)
+  m = sample_size(n, sample_ratio, k)
   if m < n:
     a = a[jnp.asarray(_sample_indices(n, m))]
   ks = int(min(m, max(1, round(k * m / n))))

@@ -96,7 +96,7 @@ def test_policy_options_compile_with_this_jaxlib(mode):
 def test_jit_on_cpu_is_plain_jit_and_keeps_jit_kwargs():
   def f(x, n):
     return x * n
-  g = graphs.jit(f, "all", static_argnums=1)
+  g = graphs.jit(f, "all", static_argnums=1, backend="cpu")
   assert g.platform == "cpu" and g.compiler_options == {}
   assert g.policy.mode == "all"
   np.testing.assert_array_equal(g(jnp.arange(3), 4), np.arange(3) * 4)

@@ -124,12 +124,12 @@ def _backend_platform(backend: str | None) -> str:
 
 @functools.cache
 def _accepted_option_keys(platform: str) -> frozenset[str]:
-  """Which command-buffer option keys this jaxlib accepts for ``platform`` (probed once)."""
+  """Which command-buffer option keys this jaxlib accepts (probed once on the default backend)."""
   accepted = set()
   probe_values = {_OPT_COMMANDS: "FUSION", _OPT_MIN_SIZE: 2}
   for key, value in probe_values.items():
     try:
-      jax.jit(lambda x: x + 1, backend=platform, compiler_options={key: value}).lower(
+      jax.jit(lambda x: x + 1, compiler_options={key: value}).lower(
           jax.ShapeDtypeStruct((2,), "float32")).compile()
       accepted.add(key)
     except Exception as e:  # pylint: disable=broad-except
@@ -173,8 +173,9 @@ def jit(fn: Callable[..., Any], cuda_graphs: str | CudaGraphPolicy = "auto", *,
   Args:
     fn: the function to compile.
     cuda_graphs: "auto" (default), "off", "xla" (XLA's defaults), "all", or a CudaGraphPolicy.
-    backend: platform to compile for; default ``jax.default_backend()``. On a non-GPU platform
-      the policy is recorded but no option is set: the result is a plain ``jax.jit``.
+    backend: the platform the step is meant for; default ``jax.default_backend()``. Only for
+      "gpu" are options set; otherwise the policy is recorded and the result is a plain
+      ``jax.jit``. (Where it runs is decided by its inputs, as for ``jax.jit``.)
     **jit_kwargs: passed to ``jax.jit`` (static_argnums, donate_argnums, ...). A
       ``compiler_options`` dict is merged; setting the command-buffer keys there too is an error.
 
@@ -193,8 +194,6 @@ def jit(fn: Callable[..., Any], cuda_graphs: str | CudaGraphPolicy = "auto", *,
   if platform == "gpu":
     accepted = _accepted_option_keys(platform)
     options.update({k: v for k, v in policy.compiler_options().items() if k in accepted})
-  if backend is not None:
-    jit_kwargs["backend"] = backend
   jitted = jax.jit(fn, compiler_options=options or None, **jit_kwargs)
   return GraphJitted(fn, policy, platform, options, jitted)
 

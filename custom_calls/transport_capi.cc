@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "csrc/transport/bufferpool.h"
 #include "csrc/transport/comm.h"
@@ -15,6 +16,9 @@
 #include "csrc/transport/provider.h"
 #include "csrc/transport/sha256.h"
 #include "csrc/transport/tenancy.h"
+#ifdef DTENJAX_HAVE_VERBS
+#include "csrc/transport/verbs.h"
+#endif
 
 namespace tp = dtenjax::transport;
 using dtenjax::Code;
@@ -51,6 +55,9 @@ tp::BufferPool* Pool(int64_t id) {
 
 const tp::Provider* ProviderNamed(const char* name) {
   if (name == nullptr || std::strcmp(name, "tcp") == 0) return tp::TcpProvider();
+#ifdef DTENJAX_HAVE_VERBS
+  if (std::strcmp(name, "verbs") == 0) return tp::VerbsProvider();
+#endif
   return nullptr;
 }
 
@@ -307,3 +314,41 @@ DTJ_API void dtenjax_tp_set_fake_pointer_owners(const uint64_t* starts, const ui
                                                 const int64_t* owners, int n) {
   tp::SetFakePointerOwners(starts, sizes, owners, n);
 }
+
+// --- verbs provider: device-free logic (tests/test_rdma.py) --------------------------------------
+#ifdef DTENJAX_HAVE_VERBS
+namespace vb = dtenjax::transport::verbs;
+DTJ_API int dtenjax_tp_verbs_built() { return 1; }
+DTJ_API int dtenjax_tp_verbs_check_transition(int from, int to, char* err, int cap) {
+  return Report(vb::CheckTransition(from, to), err, cap);
+}
+DTJ_API int dtenjax_tp_verbs_transition_mask(int to) { return vb::TransitionMask(to); }
+DTJ_API int dtenjax_tp_verbs_select_gid(const uint8_t* raw, const int* types, int n, int ethernet) {
+  std::vector<vb::GidEntry> g(size_t(n > 0 ? n : 0));
+  for (int i = 0; i < n; ++i) {
+    std::memcpy(g[i].raw, raw + 16 * i, 16);
+    g[i].type = types[i];
+  }
+  return vb::SelectGidIndex(g.data(), n, ethernet != 0);
+}
+// p: port, gid_index, gid_table_len, ethernet, mtu_bytes, max_send_wr, max_recv_wr, device_max_wr,
+//    timeout, retry_cnt, rnr_retry, min_rnr_timer, psn, dest_qpn, dlid
+DTJ_API int dtenjax_tp_verbs_validate(const int64_t* p, char* err, int cap) {
+  vb::QpParams q;
+  q.port = int(p[0]); q.gid_index = int(p[1]); q.gid_table_len = int(p[2]); q.ethernet = p[3] != 0;
+  q.mtu_bytes = int(p[4]); q.max_send_wr = uint32_t(p[5]); q.max_recv_wr = uint32_t(p[6]);
+  q.device_max_wr = uint32_t(p[7]); q.timeout = int(p[8]); q.retry_cnt = int(p[9]);
+  q.rnr_retry = int(p[10]); q.min_rnr_timer = int(p[11]); q.psn = uint32_t(p[12]);
+  q.dest_qpn = uint32_t(p[13]); q.dlid = uint16_t(p[14]);
+  return Report(vb::ValidateQpParams(q), err, cap);
+}
+DTJ_API uint32_t dtenjax_tp_verbs_encode_imm(uint32_t bytes, int last) { return vb::EncodeImm(bytes, last != 0); }
+DTJ_API int dtenjax_tp_verbs_mtu_enum(int bytes) { return vb::MtuEnum(bytes); }
+DTJ_API int dtenjax_tp_verbs_probe(char* err, int cap) {
+  int n = 0;
+  dtenjax::Status s = vb::CountDevices(&n);
+  return s.ok() ? 0 : Report(s, err, cap);
+}
+#else
+DTJ_API int dtenjax_tp_verbs_built() { return 0; }
+#endif

@@ -75,6 +75,10 @@ const Provider* TcpProvider();
 const Provider* VerbsProvider();
 #endif
 
+// Raw bytes over an authenticated TCP connection (the verbs provider's side channel for QP
+// set-up): exactly n bytes by `deadline`.
+Status TcpRawIo(Conn* c, bool write, void* buf, size_t n, double deadline);
+
 // Random bytes from the kernel (getrandom); for nonces and job secrets.
 Status RandomBytes(void* out, size_t n);
 

@@ -432,4 +432,8 @@ const Provider kTcp = {"tcp", TcpCanConnect, TcpListen, TcpConnect, TcpAccept, T
 
 const Provider* TcpProvider() { return &kTcp; }
 
+Status TcpRawIo(Conn* c, bool write, void* buf, size_t n, double deadline) {
+  return IoAll(FdOf(c), write, buf, n, deadline, c->peer);
+}
+
 }  // namespace dtenjax::transport

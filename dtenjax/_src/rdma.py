@@ -125,4 +125,7 @@ def _gid_type_name(t) -> str | None:
 
 def reset_cache() -> None:
   """Forget the discovery result (tests, hot-plug)."""
+  global _reason
   discover_nics.cache_clear()
+  _pyverbs.cache_clear()
+  _reason = None

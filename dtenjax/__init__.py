@@ -30,6 +30,8 @@ from dtenjax._src.mesh import mesh_map as mesh_map
 from dtenjax._src.mesh import pmap as pmap
 from dtenjax._src.mesh import use_mesh as use_mesh
 from dtenjax._src.passes.fusion import fuse_collectives as fuse_collectives
+from dtenjax._src.passes.memory import MemoryPlan as MemoryPlan
+from dtenjax._src.passes.memory import memory_plan as memory_plan
 from dtenjax._src.passes.substitute import substitute_psum as substitute_psum
 from dtenjax._src.placement import Placement as Placement
 from dtenjax._src.placement import shard as shard
@@ -49,6 +51,7 @@ __all__ = [
     "Explanation",
     "ExtensionUnavailableError",
     "LinkSpec",
+    "MemoryPlan",
     "MeshError",
     "Placement",
     "PlacementError",
@@ -68,6 +71,7 @@ __all__ = [
     "graph_report",
     "jit",
     "make_mesh",
+    "memory_plan",
     "mesh_map",
     "plan_all_reduce",
     "pmap",

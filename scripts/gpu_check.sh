@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The whole GPU check in one go, for a GPU machine with jax (CUDA) already installed and no package
 # registry: build the extension, run every gpu-marked test, then the GPU benchmarks, and print a
-# summary table last. Logs and JSON go to $OUT (default /tmp/dtenjax-gpu).
+# summary table last. Logs and JSON go to $LOGS (default /tmp/dtenjax-gpu); when $OUT is set (the
+# device tool's return folder) they are also packed into $OUT/gpu_check.tgz.
 #   bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/dtenjax-gpu}"
+RET="${OUT:-}"
+OUT="${LOGS:-/tmp/dtenjax-gpu}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 DTENJAX_TEST_PLATFORM=gpu
@@ -25,8 +27,8 @@ step() {  # step NAME TIMEOUT_S CMD...
 step build 420 $PY -m pip install -q --no-build-isolation --no-deps -e .
 $PY -c "import dtenjax, jax; print(jax.__version__, jax.devices()); print(dtenjax.build_info())" \
   | tee "$OUT/info.log"
-step tests 420 $PY -m pytest -q -m gpu -p no:cacheprovider tests
-step p2p_bench 240 $PY bench/p2p_allreduce.py --json "$OUT/p2p_bench.json"
+step tests 420 $PY -m pytest -q -m gpu -p no:cacheprovider tests --deselect tests/test_p2p.py
+step p2p 300 bash scripts/gpu_p2p.sh "$OUT/p2p"
 step compression_bench 240 $PY bench/compression_select.py --json "$OUT/compression_select.json"
 step graphs_bench 240 $PY bench/cuda_graphs.py --json "$OUT/cuda_graphs.json"
 step allreduce_bench 240 $PY bench/allreduce.py --json "$OUT/allreduce.json"
@@ -40,4 +42,5 @@ printf '%-20s %-4s %s\n' step rc seconds
 for i in "${!NAMES[@]}"; do
   printf '%-20s %-4s %s\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}"
 done
+if [ -n "$RET" ]; then tar czf "$RET/gpu_check.tgz" -C "$OUT" . ; fi
 for rc in "${RCS[@]}"; do [ "$rc" = 0 ] || exit 1; done

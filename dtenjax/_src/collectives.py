@@ -254,7 +254,10 @@ def _plugin(x, axes, algorithm: str, op: str):
       return None
     ok, why = p2p.supported(alg.axis_size(axes), x.size * x.dtype.itemsize, x.dtype)
     if ok:
-      return functools.partial(p2p.all_reduce, axis_name=name, algorithm=algorithm, op=op)
+      from dtenjax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+      # The kernels need the concrete mesh to know which GPU is which rank.
+      return functools.partial(p2p.all_reduce, axis_name=name, algorithm=algorithm, op=op,
+                               mesh=mesh_lib.current_mesh())
     config.log_fallback(f"p2p:{why}", f"dtenjax: {algorithm} NVLink kernel not used ({why}); "
                         "using the XLA-native form")
   return None

@@ -202,6 +202,8 @@ Status Comm::AllReduce(void* data, uint64_t count, DType dt, ReduceOp op) {
                                       " is unusable after an earlier failure: " + broken_.message());
   }
   Counters().collectives.fetch_add(1);
+  Counters().ops_in_flight.fetch_add(1);
+  struct InFlight { ~InFlight() { Counters().ops_in_flight.fetch_sub(1); } } in_flight;
   const int n = opts_.size, r = opts_.rank;
   if (n == 1 || count == 0) return Status::Ok();
   if (next_ == nullptr) {
@@ -238,6 +240,7 @@ void Comm::Submit(std::function<void()> fn) {
   std::shared_ptr<WorkQueue> q = queue_;
   std::lock_guard<std::mutex> lock(q->mu);
   q->items.push_back(std::move(fn));
+  Counters().queue_depth.fetch_add(1);
   if (!q->started) {
     q->started = true;
     std::thread([q] {
@@ -249,6 +252,7 @@ void Comm::Submit(std::function<void()> fn) {
           if (q->items.empty()) return;  // stopped and drained
           item = std::move(q->items.front());
           q->items.pop_front();
+          Counters().queue_depth.fetch_sub(1);
         }
         item();
       }

@@ -109,7 +109,7 @@ const char* const kCounterNames[] = {
     "frames_sent", "frames_received", "bytes_sent", "bytes_received",
     "connections_opened", "connections_accepted", "rejected_bad_header", "rejected_bad_checksum",
     "rejected_oversized", "rejected_auth", "rejected_unknown_peer", "rejected_out_of_order",
-    "timeouts", "peer_failures", "collectives", "throttled_ns"};
+    "timeouts", "peer_failures", "collectives", "throttled_ns", "ops_in_flight", "queue_depth"};
 
 void TransportCountersSnapshot(uint64_t* out) {
   auto& c = Counters();
@@ -118,7 +118,7 @@ void TransportCountersSnapshot(uint64_t* out) {
       &c.connections_opened, &c.connections_accepted, &c.rejected_bad_header,
       &c.rejected_bad_checksum, &c.rejected_oversized, &c.rejected_auth,
       &c.rejected_unknown_peer, &c.rejected_out_of_order, &c.timeouts, &c.peer_failures,
-      &c.collectives, &c.throttled_ns};
+      &c.collectives, &c.throttled_ns, &c.ops_in_flight, &c.queue_depth};
   for (int i = 0; i < kNumCounters; ++i) out[i] = all[i]->load();
 }
 

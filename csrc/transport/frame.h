@@ -69,11 +69,13 @@ struct TransportCounters {
   std::atomic<uint64_t> rejected_bad_header{0}, rejected_bad_checksum{0}, rejected_oversized{0};
   std::atomic<uint64_t> rejected_auth{0}, rejected_unknown_peer{0}, rejected_out_of_order{0};
   std::atomic<uint64_t> timeouts{0}, peer_failures{0}, collectives{0}, throttled_ns{0};
+  // Gauges (current values, not totals) for the runtime agent's load report.
+  std::atomic<uint64_t> ops_in_flight{0}, queue_depth{0};
 };
 TransportCounters& Counters();
 // Names in the order TransportCountersSnapshot fills them.
 extern const char* const kCounterNames[];
-constexpr int kNumCounters = 16;
+constexpr int kNumCounters = 18;
 void TransportCountersSnapshot(uint64_t* out);
 
 }  // namespace dtenjax::transport

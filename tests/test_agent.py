@@ -1,0 +1,66 @@
+"""Runtime agent: load reports published to the store and read back for the planner."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dtenjax._src import agent, errors, kvstore, transport
+
+
+def test_publish_and_read_peer_loads():
+  store = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=1)
+  a0 = agent.Agent(0, store=store, topology={"devices": ["cpu:0"]})
+  a1 = agent.Agent(1, store=store, topology={"devices": ["cpu:1"]})
+  a0.publish()
+  a1.publish()
+  store.set("dtenjax/agent/garbage", "{not json", overwrite=True)
+  loads = agent.read_peer_loads(store)
+  assert sorted(loads) == [0, 1]
+  assert loads[1].topology == {"devices": ["cpu:1"]}
+  assert loads[0].age_s() < 5
+  with pytest.raises(errors.ConfigurationError, match="process_index=-1"):
+    agent.LoadReport(-1, "h", 1, 0.0, 0, 0, 0, 0, 0)
+
+
+@pytest.mark.skipif(not transport.is_available(), reason="native extension not built")
+def test_reports_reflect_transport_load():
+  store = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=1)
+  ag = agent.Agent(0, store=store, topology={})
+  before = ag.publish()
+  creds = transport.JobCredentials(11, b"g" * 32)
+  comms = [transport.create_local_comm(r, 2, creds, timeout_s=10) for r in range(2)]
+  ts = [threading.Thread(target=transport.connect, args=(comms[r], comms[1 - r].endpoint))
+        for r in range(2)]
+  [t.start() for t in ts]
+  [t.join(10) for t in ts]
+  ts = [threading.Thread(target=comms[r].all_reduce, args=(np.ones(50_000, np.float32),))
+        for r in range(2)]
+  [t.start() for t in ts]
+  [t.join(10) for t in ts]
+  after = ag.publish()
+  assert after.bytes_sent - before.bytes_sent >= 2 * 100_000   # each rank sends ~n/2 floats x2
+  assert after.collectives - before.collectives == 2
+  assert after.ops_in_flight == 0 and after.queue_depth == 0
+  assert agent.read_peer_loads(store)[0].bytes_sent == after.bytes_sent
+  for c in comms:
+    c.close()
+
+
+def test_periodic_publishing():
+  store = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=1)
+  ag = agent.Agent(3, store=store, topology={}).start(interval_s=0.05)
+  time.sleep(0.3)
+  ag.stop()
+  assert ag.published >= 3
+  assert 3 in agent.read_peer_loads(store)
+  with pytest.raises(errors.ConfigurationError):
+    agent.Agent(0, store=store, topology={}).start(interval_s=0)
+
+
+def test_local_topology_says_why_tcp():
+  topo = agent.local_topology()
+  assert topo["devices"] and topo["provider"] in ("tcp", "verbs")
+  if not topo["nics"]:
+    assert topo["provider"] == "tcp" and topo["rdma_unavailable_reason"]

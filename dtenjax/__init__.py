@@ -38,6 +38,9 @@ from dtenjax._src.placement import shard as shard
 from dtenjax._src.placement import tensor as tensor
 from dtenjax._src.planner import Plan as Plan
 from dtenjax._src.planner import Workload as Workload
+from dtenjax._src.scheduler import GraphScheduler as GraphScheduler
+from dtenjax._src.scheduler import PreemptionPolicy as PreemptionPolicy
+from dtenjax._src.scheduler import preemption_decision as preemption_decision
 from dtenjax._src.topology import LinkSpec as LinkSpec
 from dtenjax._src.topology import Topology as Topology
 
@@ -50,12 +53,14 @@ __all__ = [
     "DtenjaxError",
     "Explanation",
     "ExtensionUnavailableError",
+    "GraphScheduler",
     "LinkSpec",
     "MemoryPlan",
     "MeshError",
     "Placement",
     "PlacementError",
     "Plan",
+    "PreemptionPolicy",
     "QuotaExceededError",
     "Topology",
     "TopologyError",
@@ -75,6 +80,7 @@ __all__ = [
     "mesh_map",
     "plan_all_reduce",
     "pmap",
+    "preemption_decision",
     "reduce_scatter",
     "shard",
     "substitute_psum",

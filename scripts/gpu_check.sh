@@ -22,6 +22,9 @@ step() {  # step NAME TIMEOUT_S CMD...
   local rc=$?
   tail -n 25 "$OUT/$name.log"
   NAMES+=("$name"); RCS+=("$rc"); SECS+=($(( $(date +%s) - t0 )))
+  echo "$name rc=$rc $(( $(date +%s) - t0 ))s" >>"$OUT/summary.txt"
+  # keep what has been measured even if a later step runs past the caller's time limit
+  if [ -n "$RET" ]; then tar czf "$RET/gpu_check.tgz" -C "$OUT" . ; fi
 }
 
 step build 420 $PY -m pip install -q --no-build-isolation --no-deps -e .
@@ -32,7 +35,7 @@ step p2p 300 bash scripts/gpu_p2p.sh "$OUT/p2p"
 step compression_bench 240 $PY bench/compression_select.py --json "$OUT/compression_select.json"
 step graphs_bench 240 $PY bench/cuda_graphs.py --json "$OUT/cuda_graphs.json"
 step allreduce_bench 240 $PY bench/allreduce.py --json "$OUT/allreduce.json"
-step resnet 300 $PY examples/resnet50_train.py --compare
+step resnet 300 $PY examples/resnet50_train.py --json "$OUT/resnet.json"
 step demo 240 $PY -m dtenjax demo --no-progress
 step topo 120 $PY -m dtenjax topo --probe
 

@@ -119,6 +119,25 @@ def test_batches_that_do_not_fit_are_rejected_at_injection():
   assert sch.metrics()[S.MAIN].completed == 1
 
 
+def test_a_failing_step_fails_its_future_and_the_dispatcher_goes_on():
+  def check(x):
+    if x[0, 0] < 0:
+      raise ValueError("negative sentinel")
+    return x
+  def failing_step(b):
+    return jax.pure_callback(check, jax.ShapeDtypeStruct(b.shape, b.dtype), b).sum()
+  with S.GraphScheduler(failing_step, batch_spec=SPEC) as sch:
+    bad = np.ones((N, N), np.float32)
+    bad[0, 0] = -1
+    f_bad = sch.inject_micro_batch(bad)
+    f_ok = sch.submit(np.ones((N, N), np.float32))
+    with pytest.raises(Exception, match="negative sentinel"):
+      f_bad.result(timeout=30)
+    assert float(f_ok.result(timeout=30)) == N * N
+  m = sch.metrics()
+  assert m[S.LOW_LATENCY].failed == 1 and m[S.MAIN].completed == 1
+
+
 def test_constructor_validation():
   with pytest.raises(errors.ConfigurationError) as e:
     S.GraphScheduler(step, batch_spec=SPEC, latency_sla=0, low_latency_share=1.5, max_queue=0)

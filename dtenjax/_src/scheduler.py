@@ -328,6 +328,22 @@ class GraphScheduler:
       return item
 
   def _run(self) -> None:
+    try:
+      self._dispatch_loop()
+    except BaseException as e:  # pylint: disable=broad-except
+      # A bug in the dispatcher must not leave callers waiting: fail what is queued, refuse more.
+      with self._cv:
+        self._closing = True
+        pending = list(self._main) + [entry[2] for entry in self._low]
+        self._main.clear()
+        self._low.clear()
+      for item in pending:
+        if item.future.set_running_or_notify_cancel():
+          item.future.set_exception(SchedulerClosedError(
+              f"the dispatcher thread stopped ({type(e).__name__}: {e}); this batch did not run"))
+      raise
+
+  def _dispatch_loop(self) -> None:
     while True:
       item = self._next_item()
       if item is None:

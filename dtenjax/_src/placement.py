@@ -193,8 +193,14 @@ def check_divisible(shape: Sequence[int], spec: P, mesh: Mesh) -> None:
         f"cannot place an array of shape {tuple(shape)} with {spec}:", problems))
 
 
+try:  # jax.core.Tracer is public on jax 0.10; keep working if a later jax moves it
+  _Tracer = jax.core.Tracer
+except AttributeError:  # pragma: no cover
+  from jax._src.core import Tracer as _Tracer  # pylint: disable=g-import-not-at-top
+
+
 def _is_tracer(x) -> bool:
-  return isinstance(x, jax.core.Tracer)
+  return isinstance(x, _Tracer)
 
 
 def shard(x: Any, placement: Placement | NamedSharding) -> Any:

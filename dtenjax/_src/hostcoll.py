@@ -161,7 +161,7 @@ def reset() -> None:
 
 
 def _ring_call(x, slot, comm_ids: Sequence[int], op: str):
-  ffi.require(TARGET, "cpu")
+  ffi.require(TARGET, "CUDA" if jax.default_backend() == "gpu" else "cpu")
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)
   return call(x, slot, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(OPS[op]))
 

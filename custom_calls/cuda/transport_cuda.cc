@@ -1,0 +1,124 @@
+// GPU handler of the cross-process all-reduce (same target as the CPU one,
+// dtenjax_host_all_reduce, registered for platform "CUDA"): stages through the communicator's
+// pinned host buffers. D2H copy on XLA's stream, synchronise, run the ring on the communicator's
+// worker thread (so it stays ordered with every other collective of that communicator), H2D copy.
+// It blocks the calling thread for the duration (one GPU per process is the supported layout) and
+// is not command-buffer compatible (a CUDA graph cannot wait on the network).
+//
+// Also installs the CUDA pointer-ownership check of the tenancy layer: device memory belongs to the
+// context of the device cudaPointerGetAttributes reports.
+//
+// Compiled in CUDA builds; NOT RUN on any GPU yet (the GPU machine has one GPU and one process).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <future>
+#include <string>
+
+#include "csrc/transport/comm.h"
+#include "csrc/transport/tenancy.h"
+#include "custom_calls/registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+namespace tp = dtenjax::transport;
+
+namespace dtenjax::ffi {
+bool DTypeOf(xla::ffi::DataType t, tp::DType* out);  // custom_calls/transport.cc
+}
+
+namespace {
+
+ffi::Error CudaError(cudaError_t e, const char* what) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("dtenjax_host_all_reduce (CUDA): ") + what + ": " +
+                        cudaGetErrorString(e));
+}
+
+dtenjax::Status CudaPointerOwner(const void* ptr, uint64_t bytes, int64_t* owner) {
+  cudaPointerAttributes attr{};
+  cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error state
+    return DTENJAX_ERROR(dtenjax::Code::kPermissionDenied,
+                         std::string("cudaPointerGetAttributes failed: ") + cudaGetErrorString(e));
+  }
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
+    return DTENJAX_ERROR(dtenjax::Code::kPermissionDenied, "pointer is not CUDA device memory");
+  }
+  (void)bytes;
+  *owner = attr.device;
+  return dtenjax::Status::Ok();
+}
+
+struct InstallOwnerCheck {
+  InstallOwnerCheck() { tp::SetPointerOwnerFn(&CudaPointerOwner); }
+} install_owner_check;
+
+ffi::Error HostAllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slot,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
+                             int32_t op) {
+  tp::DType dt;
+  if (!dtenjax::ffi::DTypeOf(x.element_type(), &dt)) {
+    return ffi::Error::InvalidArgument(
+        "dtenjax_host_all_reduce supports float32, float64, bfloat16, int32 and int64");
+  }
+  if (op < 0 || op > 3) return ffi::Error::InvalidArgument("dtenjax_host_all_reduce: bad op");
+  int32_t j = -1;
+  cudaError_t e = cudaMemcpyAsync(&j, slot.typed_data(), sizeof(j), cudaMemcpyDeviceToHost, stream);
+  if (e != cudaSuccess) return CudaError(e, "reading the device slot");
+  const size_t bytes = x.size_bytes();
+  if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return CudaError(e, "synchronising");
+  if (j < 0 || size_t(j) >= comm_ids.size()) {
+    return ffi::Error::InvalidArgument("dtenjax_host_all_reduce: device slot " + std::to_string(j) +
+                                       " has no communicator");
+  }
+  std::shared_ptr<tp::Comm> comm = tp::FindComm(comm_ids[j]);
+  if (!comm) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "dtenjax_host_all_reduce: communicator " + std::to_string(comm_ids[j]) +
+                          " does not exist in this process; re-trace the function");
+  }
+  if (bytes == 0) return ffi::Error::Success();
+  int buf = -1;
+  dtenjax::Status s = comm->pool().Acquire(bytes, &buf);
+  if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
+  void* host = comm->pool().Data(buf);
+  e = cudaMemcpyAsync(host, x.untyped_data(), bytes, cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) {
+    comm->pool().Release(buf);
+    return CudaError(e, "staging the input to host memory");
+  }
+  std::promise<dtenjax::Status> done;
+  std::future<dtenjax::Status> result = done.get_future();
+  comm->pool().Post(buf);
+  comm->Submit([comm, host, bytes, dt, op, &done] {
+    done.set_value(comm->AllReduce(host, bytes / tp::DTypeSize(dt), dt,
+                                   static_cast<tp::ReduceOp>(op)));
+  });
+  s = result.get();  // AllReduce itself is bounded by the communicator's timeout
+  comm->pool().Complete(buf);
+  if (s.ok()) {
+    e = cudaMemcpyAsync(out->untyped_data(), host, bytes, cudaMemcpyHostToDevice, stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);  // host buffer reused after release
+  }
+  comm->pool().Release(buf);
+  if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
+  if (e != cudaSuccess) return CudaError(e, "copying the result back to the device");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostAllReduceGpu, HostAllReduceCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("comm_ids")
+                                  .Attr<int32_t>("op"));
+
+DTENJAX_REGISTER_FFI("dtenjax_host_all_reduce", "CUDA", HostAllReduceGpu);

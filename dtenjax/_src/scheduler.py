@@ -237,6 +237,7 @@ class GraphScheduler:
     self._latencies = {q: collections.deque(maxlen=latency_window) for q in QUEUES}
     self._counts = {q: collections.Counter() for q in QUEUES}
     self._preemption_episodes = 0
+    self._low_p95: float | None = None   # refreshed when a low-latency batch finishes
     self._prom = _PromMetrics(metrics_port) if metrics_port is not None else None
     self._thread = threading.Thread(target=self._run, name="dtenjax-graph-scheduler",
                                     daemon=True)
@@ -305,8 +306,7 @@ class GraphScheduler:
         self._cv.wait(self.poll_interval)
         if not self._main and not self._low:
           return None
-      p95 = percentiles(self._latencies[LOW_LATENCY], (95,))["p95"]
-      released = preemption_decision(self.preemption, len(self._low), p95)
+      released = preemption_decision(self.preemption, len(self._low), self._low_p95)
       if released > 0 and self._released == 0:
         self._preemption_episodes += 1
       self._released = released
@@ -370,7 +370,10 @@ class GraphScheduler:
       counts["failed" if error else "completed"] += 1
       counts["deadline_misses"] += int(missed)
       self._latencies[item.queue].append(latency)
-      stats = percentiles(self._latencies[item.queue])
+      stats = (percentiles(self._latencies[item.queue])
+               if self._prom or item.queue == LOW_LATENCY else None)
+      if item.queue == LOW_LATENCY:
+        self._low_p95 = stats["p95"]
     if self._prom:
       self._prom.observe(item.queue, latency, missed, error is not None, stats,
                          len(self._main), len(self._low), self._released)

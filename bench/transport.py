@@ -1,0 +1,161 @@
+"""Cross-process all-reduce: dtenjax's TCP ring (hostcoll, an async FFI custom call inside jit)
+against XLA's own cross-process CPU collectives (gloo) in the same run.
+
+    python -m dtenjax bench transport [--procs 4] [--sizes 4096,65536,...] [--iters 20]
+                                      [--json out.json]
+    python bench/transport.py ...    (same)
+
+Launches ``--procs`` processes with one CPU device each and a local jax.distributed coordinator on
+127.0.0.1. Every process runs both candidates on the same float32 arrays inside ``jax.jit`` +
+``shard_map``: ``psum`` (XLA -> gloo over TCP) and ``hostcoll.all_reduce(algorithm="ring")``
+(dtenjax TCP transport). After warm-up, each iteration is timed with a barrier-free
+``block_until_ready``; the median over iterations (max over ranks) is reported with nccl-tests'
+algbw and busbw (busbw = algbw * 2(n-1)/n). Ratio = XLA time / dtenjax time (> 1: dtenjax faster).
+Both results are checked against each other before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)   # bytes
+
+
+def _worker() -> None:
+  rank = int(os.environ["DTENJAX_BENCH_RANK"])
+  nprocs = int(os.environ["DTENJAX_BENCH_NPROCS"])
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  except (AttributeError, ValueError):
+    pass
+  jax.distributed.initialize(coordinator_address=os.environ["DTENJAX_BENCH_COORD"],
+                             num_processes=nprocs, process_id=rank, initialization_timeout=60)
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from dtenjax._src import hostcoll, kvstore  # pylint: disable=g-import-not-at-top
+
+  sizes = [int(s) for s in os.environ["DTENJAX_BENCH_SIZES"].split(",")]
+  iters = int(os.environ["DTENJAX_BENCH_ITERS"])
+  mesh = Mesh(np.array(jax.devices()), ("p",))
+  spec = P("p")
+  cands = {
+      "xla_gloo": lambda x: jax.lax.psum(x, "p"),
+      "dtenjax_tcp_ring": lambda x: hostcoll.all_reduce(x, "p", algorithm="ring"),
+  }
+  fns = {k: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+         for k, f in cands.items()}
+  rows = []
+  store = kvstore.default()
+  for nbytes in sizes:
+    count = max(1, nbytes // 4)
+    full = np.random.RandomState(count).randn(nprocs, count).astype(np.float32)
+    arr = jax.make_array_from_callback(full.shape, NamedSharding(mesh, spec), lambda i: full[i])
+    outs = {k: np.asarray(f(arr).addressable_shards[0].data) for k, f in fns.items()}
+    np.testing.assert_allclose(outs["xla_gloo"], outs["dtenjax_tcp_ring"], rtol=1e-5, atol=1e-4)
+    row = {"bytes": count * 4, "count": count, "dtype": "float32"}
+    for name, f in fns.items():
+      for _ in range(3):
+        f(arr).block_until_ready()
+      store.barrier(f"bench-{nbytes}-{name}", timeout_s=120)
+      times = []
+      for _ in range(iters):
+        t0 = time.perf_counter()
+        f(arr).block_until_ready()
+        times.append(time.perf_counter() - t0)
+      row[name] = float(np.median(times))
+    rows.append(row)
+  if rank == 0:
+    with open(os.environ["DTENJAX_BENCH_OUT"], "w") as fh:
+      json.dump(rows, fh)
+  store.barrier("bench-done", timeout_s=120)
+  os._exit(0)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run(procs: int, sizes, iters: int, timeout_s: float) -> list[dict]:
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  port = _free_port()
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "rows.json")
+    ps = []
+    for r in range(procs):
+      env = dict(os.environ, JAX_PLATFORMS="cpu",
+                 XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                 DTENJAX_BENCH_RANK=str(r), DTENJAX_BENCH_NPROCS=str(procs),
+                 DTENJAX_BENCH_COORD=f"127.0.0.1:{port}", DTENJAX_BENCH_OUT=out,
+                 DTENJAX_BENCH_SIZES=",".join(map(str, sizes)), DTENJAX_BENCH_ITERS=str(iters),
+                 DTENJAX_BIND_ADDRESS="127.0.0.1",
+                 PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+      ps.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout_s
+    logs = []
+    for p in ps:
+      try:
+        logs.append(p.communicate(timeout=max(1, deadline - time.monotonic()))[0])
+      except subprocess.TimeoutExpired:
+        p.kill()
+        logs.append(p.communicate()[0])
+    if not os.path.exists(out):
+      raise RuntimeError("benchmark workers produced no result; rank 0 log:\n" + logs[0][-3000:])
+    return json.load(open(out))
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m dtenjax bench transport", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--procs", type=int, default=4)
+  ap.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
+                  help="comma-separated message sizes in bytes")
+  ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--timeout", type=float, default=540, help="seconds before workers are killed")
+  ap.add_argument("--json", default=None, help="write the rows to this path")
+  args = ap.parse_args(argv)
+  if args.procs < 2:
+    ap.error("--procs must be at least 2")
+  sizes = [int(s) for s in args.sizes.split(",") if s]
+  rows = run(args.procs, sizes, args.iters, args.timeout)
+  n = args.procs
+  for r in rows:
+    for k in ("xla_gloo", "dtenjax_tcp_ring"):
+      algbw = r["bytes"] / r[k] / 1e9
+      r[f"{k}_us"] = r[k] * 1e6
+      r[f"{k}_busbw_gbs"] = algbw * 2 * (n - 1) / n
+    r["ratio_xla_over_dtenjax"] = r["xla_gloo"] / r["dtenjax_tcp_ring"]
+  meta = {"procs": n, "iters": args.iters, "date": time.strftime("%Y-%m-%d"),
+          "host": socket.gethostname(), "cpus": os.cpu_count(),
+          "command": "python -m dtenjax bench transport " + " ".join(argv or sys.argv[1:])}
+  if args.json:
+    with open(args.json, "w") as fh:
+      json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+  print(f"all-reduce across {n} processes x 1 CPU device on 127.0.0.1 ({os.cpu_count()} cores), "
+        f"float32, median of {args.iters}")
+  hdr = (f"{'size(B)':>10} {'count':>9} {'xla/gloo us':>12} {'busbw GB/s':>10} "
+         f"{'dtenjax us':>11} {'busbw GB/s':>10} {'ratio':>7}")
+  print(hdr)
+  for r in rows:
+    print(f"{r['bytes']:>10} {r['count']:>9} {r['xla_gloo_us']:>12.1f} "
+          f"{r['xla_gloo_busbw_gbs']:>10.3f} {r['dtenjax_tcp_ring_us']:>11.1f} "
+          f"{r['dtenjax_tcp_ring_busbw_gbs']:>10.3f} {r['ratio_xla_over_dtenjax']:>7.2f}")
+  return 0
+
+
+if __name__ == "__main__":
+  if "--worker" in sys.argv:
+    _worker()
+  else:
+    sys.exit(main())

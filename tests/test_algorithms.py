@@ -191,7 +191,7 @@ def test_gpu_one_shot_dispatches_to_p2p_when_supported(mesh, monkeypatch):
   p2p = types.ModuleType("dtenjax._src.p2p")
   asked = []
   p2p.supported = lambda n, nbytes, dtype: (asked.append((n, nbytes)) or (n == 8, "size"))
-  p2p.all_reduce = lambda x, axis_name, *, algorithm, op: x * 0 + 7.0
+  p2p.all_reduce = lambda x, axis_name, *, algorithm, op, mesh=None: x * 0 + 7.0
   monkeypatch.setitem(sys.modules, "dtenjax._src.p2p", p2p)
   monkeypatch.setattr(C.jax, "default_backend", lambda: "gpu")
   y = _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="two_shot"))(_x())

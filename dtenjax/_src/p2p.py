@@ -217,8 +217,11 @@ def prepare(axis_name: str, axis_size: int, mesh=None) -> int:
   concrete mesh of the shard_map; without it the mesh set by ``jax.set_mesh`` is used. A world of
   one needs no mesh (every local GPU forms its own group).
   """
-  if mesh is None:
-    mesh = jax.sharding.get_mesh()
+  if mesh is None and axis_size != 1:
+    try:
+      mesh = jax.sharding.get_mesh()   # raises while tracing under jit on jax 0.11
+    except ValueError:
+      mesh = None
     if mesh is None or getattr(mesh, "empty", True) or not hasattr(mesh, "devices"):
       mesh = None
   if mesh is None:

@@ -83,6 +83,7 @@ def _launch(tmp_path, nprocs, **kw):
 def _check_correct(res, nprocs, bit_exact):
   for r in res:
     assert r is not None and "exception" not in r, r
+    assert r["ops"]["max_exact"] and r["ops"]["mean_err"] < 1e-4, r["ops"]
   keys = res[0]["correct"].keys()
   assert len(keys) == 5
   for k in keys:

@@ -47,6 +47,7 @@ from dtenjax._src import transport
 TARGET = "dtenjax_host_all_reduce"
 ALGORITHMS = ("ring", "hierarchical")
 OPS = {"sum": 0, "max": 1, "min": 2}
+ALL_OPS = tuple(OPS) + ("mean",)   # mean = sum / axis size
 DTYPES = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.int32, jnp.int64)
 
 _lock = threading.Lock()
@@ -101,8 +102,8 @@ def _check(x, axes: tuple[str, ...], algorithm: str, op: str) -> tuple[int, int]
   problems = []
   if algorithm not in ALGORITHMS:
     problems.append(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
-  if op not in OPS:
-    problems.append(f"op={op!r} is not one of {sorted(OPS)}")
+  if op not in ALL_OPS:
+    problems.append(f"op={op!r} is not one of {sorted(ALL_OPS)}")
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in DTYPES]:
     problems.append(f"dtype {jnp.dtype(x.dtype).name} is not one of "
                     f"{[jnp.dtype(d).name for d in DTYPES]}")
@@ -174,7 +175,14 @@ def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
   identical bits on every rank and every run.
   """
   axes = _axes(axis_name)
-  _, local = _check(x, axes, algorithm, op)
+  nproc, local = _check(x, axes, algorithm, op)
+  if op == "mean":
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise errors.CollectiveError(
+          f"op='mean' needs a floating dtype, got {jnp.dtype(x.dtype).name}; cast first or use "
+          "op='sum'.")
+    total = all_reduce(x, axis_name, algorithm=algorithm, op="sum", tenant=tenant)
+    return (total / jnp.asarray(nproc * local, total.dtype)).astype(x.dtype)
   if jax.process_count() == 1:
     return x   # one process, one device on the axis: nothing to combine
   comms = communicators(local, tenant)

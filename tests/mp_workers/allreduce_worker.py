@@ -33,9 +33,9 @@ def main():
     mesh = Mesh(devs, ("p", "l"))
     axis, spec, algo = ("p", "l"), P(("p", "l")), "hierarchical"
 
-  def make(fn_local_shape, dtype):
+  def make(fn_local_shape, dtype, op="sum"):
     def f(x):
-      return hostcoll.all_reduce(x, axis, algorithm=algo, op=os.environ.get("OP", "sum"))
+      return hostcoll.all_reduce(x, axis, algorithm=algo, op=op)
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
   def global_input(seed, n, dtype):
@@ -68,6 +68,13 @@ def main():
             "repeat_equal": all(a.tobytes() == b.tobytes() for a, b in zip(rows, rows2)),
         }
       res["correct"] = out
+      full, arr = global_input(5, 777, np.float32)
+      ymax = [np.asarray(s.data) for s in make(None, "float32", "max")(arr).addressable_shards]
+      ymean = [np.asarray(s.data) for s in make(None, "float32", "mean")(arr).addressable_shards]
+      res["ops"] = {
+          "max_exact": all(np.array_equal(y.reshape(-1), full.max(0)) for y in ymax),
+          "mean_err": max(float(np.max(np.abs(y.reshape(-1) - full.astype(np.float64).mean(0))))
+                          for y in ymean)}
     if "corrupt" in phases:
       comms = hostcoll.communicators(local)
       if rank == 1:
@@ -99,7 +106,7 @@ def main():
   except Exception:  # pylint: disable=broad-except
     res["exception"] = traceback.format_exc()[-4000:]
     res["counters"] = transport.counters()
-  common.finish(res, barrier_s=0 if "kill" in phases else 30)
+  common.finish(res, expect_done=nprocs - 1 if "kill" in phases else nprocs)
 
 
 if __name__ == "__main__":

@@ -24,16 +24,25 @@ def write(result: dict) -> None:
   os.replace(path + ".tmp", path)
 
 
-def finish(result: dict, code: int = 0, *, barrier_s: float = 0) -> None:
+def finish(result: dict, code: int = 0, *, expect_done: int | None = None,
+           wait_s: float = 30) -> None:
   """Writes the result and exits at once (a jax.distributed shutdown barrier would wait for peers
-  that a fault-injection test killed). With ``barrier_s``, first waits up to that long for the
-  other processes, so process 0 (which hosts the coordination service, whose exit terminates the
-  others) does not leave while a peer is still finishing."""
+  that a fault-injection test killed). Process 0 hosts the coordination service, whose exit
+  terminates the others, so it leaves last: every process counts itself done in the store, and
+  process 0 waits (up to ``wait_s``) until ``expect_done`` processes have, then a moment longer."""
+  import time  # pylint: disable=g-import-not-at-top
   write(result)
-  if barrier_s > 0:
-    from dtenjax._src import kvstore  # pylint: disable=g-import-not-at-top
-    try:
-      kvstore.default().barrier("test-finish", timeout_s=barrier_s)
-    except Exception:  # pylint: disable=broad-except
-      pass
+  from dtenjax._src import kvstore  # pylint: disable=g-import-not-at-top
+  store = kvstore.default()
+  rank = int(os.environ["DTENJAX_TEST_RANK"])
+  n = int(os.environ["DTENJAX_TEST_NPROCS"]) if expect_done is None else expect_done
+  try:
+    store.increment("dtenjax/test-done", 1)
+    if rank == 0:
+      deadline = time.monotonic() + wait_s
+      while time.monotonic() < deadline and store.increment("dtenjax/test-done", 0) < n:
+        time.sleep(0.05)
+      time.sleep(0.5)
+  except Exception:  # pylint: disable=broad-except
+    pass
   os._exit(code)

@@ -127,10 +127,14 @@ def test_faults_corrupt_frame_and_killed_peer(tmp_path):
   for r in res:
     assert r["corrupt"]["error"], r
     assert r["corrupt"]["seconds"] < timeout
-  # Killed peer: rank 3 exits before the second collective; every survivor raises in time.
+  # Killed peer: rank 3 exits 0.5 s into a throttled collective; every survivor raises in time.
   for r in res[:3]:
     assert r["kill"]["error"] and "dtenjax transport" in r["kill"]["error"], r
     assert r["kill"]["seconds"] < timeout + 2
+  # Data of that collective was already moving when the peer died (mid-collective, not before).
+  moved = [r["counters_after_kill"]["bytes_received"] - r["counters_before_kill"]["bytes_received"]
+           for r in res[:3]]
+  assert max(moved) >= 1 << 20, moved
 
 
 @pytest.mark.multiprocess

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 import traceback
 
@@ -93,15 +94,22 @@ def main():
       full, arr = global_input(8, 4096, np.float32)
       f = make(None, "float32")
       f(arr).block_until_ready()   # builds fresh communicators, one good collective
+      big_full, big = global_input(9, 1 << 20, np.float32)
+      res["counters_before_kill"] = transport.counters()
       common.write(res)
       if rank == nprocs - 1:
-        os._exit(3)                # die before the next collective
+        # Die in the middle of the next collective: throttle this rank's sends (4 MiB at 2 MB/s)
+        # so the ring is mid-transfer, and exit from a timer thread 0.5 s in.
+        from dtenjax._src import tenancy  # pylint: disable=g-import-not-at-top
+        tenancy.set_quota("default", tenancy.Quota(rate_bytes_per_s=2e6, burst_bytes=65536))
+        threading.Timer(0.5, os._exit, (3,)).start()
       t0 = time.monotonic()
       try:
-        f(arr).block_until_ready()
+        f(big).block_until_ready()
         res["kill"] = {"error": None}
       except Exception as e:  # pylint: disable=broad-except
         res["kill"] = {"error": str(e)[:2000], "seconds": time.monotonic() - t0}
+      res["counters_after_kill"] = transport.counters()
     res["counters"] = transport.counters()
   except Exception:  # pylint: disable=broad-except
     res["exception"] = traceback.format_exc()[-4000:]

@@ -84,6 +84,7 @@ def _check_correct(res, nprocs, bit_exact):
   for r in res:
     assert r is not None and "exception" not in r, r
     assert r["ops"]["max_exact"] and r["ops"]["mean_err"] < 1e-4, r["ops"]
+    assert r["mixed_err"] < 1e-2, r["mixed_err"]
   keys = res[0]["correct"].keys()
   assert len(keys) == 5
   for k in keys:

@@ -72,6 +72,20 @@ def main():
       full, arr = global_input(5, 777, np.float32)
       ymax = [np.asarray(s.data) for s in make(None, "float32", "max")(arr).addressable_shards]
       ymean = [np.asarray(s.data) for s in make(None, "float32", "mean")(arr).addressable_shards]
+      # Mixed with XLA's own cross-process collective (gloo) in one program, in both orders: the
+      # async custom call must not deadlock against it.
+      def mixed(x):
+        a = jax.lax.psum(x, axis)
+        b = hostcoll.all_reduce(x * 2, axis, algorithm=algo)
+        c = jax.lax.psum(b, axis)
+        return a, b, c
+      g = jax.jit(jax.shard_map(mixed, mesh=mesh, in_specs=spec, out_specs=(spec, spec, spec),
+                                check_vma=False))
+      a, b, c = (np.asarray(t.addressable_shards[0].data) for t in g(arr))
+      ref = full.astype(np.float64).sum(0)
+      res["mixed_err"] = max(float(np.max(np.abs(a.reshape(-1) - ref))),
+                             float(np.max(np.abs(b.reshape(-1) - 2 * ref))),
+                             float(np.max(np.abs(c.reshape(-1) - 2 * nprocs * local * ref))))
       res["ops"] = {
           "max_exact": all(np.array_equal(y.reshape(-1), full.max(0)) for y in ymax),
           "mean_err": max(float(np.max(np.abs(y.reshape(-1) - full.astype(np.float64).mean(0))))

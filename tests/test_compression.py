@@ -277,14 +277,14 @@ def test_public_surface():
 def test_error_feedback_keeps_digits_accuracy_at_0_1_percent(mesh):
   """Dense vs top-k EF at 0.1% vs the same without error feedback (digits MLP, 8 devices).
 
-  Measured (the same training, 300 steps): dense and EF agree within a point;
+  Measured (the same training, 400 steps): dense 98.33%, EF 97.78%, no EF 79.44%: dense and EF agree within a point;
   without EF accuracy falls by several points. The tolerance catches broken error feedback.
   """
   import sys, pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
   import compression_convergence as cc  # pylint: disable=g-import-not-at-top
   data = cc.load_digits(8)
-  steps = 300
+  steps = 400
   dense = cc.train(cc.Candidate("dense", None, momentum=0.0), data, steps=steps)
   ef = cc.train(cc.Candidate("ef", 0.001, momentum=0.0), data, steps=steps)
   no_ef = cc.train(cc.Candidate("no ef", 0.001, momentum=0.0, error_feedback=False), data,

@@ -277,8 +277,8 @@ def test_public_surface():
 def test_error_feedback_keeps_digits_accuracy_at_0_1_percent(mesh):
   """Dense vs top-k EF at 0.1% vs the same without error feedback (digits MLP, 8 devices).
 
-  Measured (the same training, 400 steps): dense 98.33%, EF 97.78%, no EF 79.44%: dense and EF agree within a point;
-  without EF accuracy falls by several points. The tolerance catches broken error feedback.
+  Measured (the same training, 400 steps): dense 98.33%, EF 97.78%, no EF 79.44%. Dense and EF
+  agree within a point; without EF accuracy falls by many. The tolerance catches broken EF.
   """
   import sys, pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))

@@ -36,6 +36,8 @@ KNOBS: dict[str, Knob] = {
         Knob("DTENJAX_BIND_ADDRESS", "127.0.0.1", "address the host transport listens on"),
         Knob("DTENJAX_JOB_SECRET", "", "per-job secret authenticating transport connections"),
         Knob("DTENJAX_TRANSPORT", "auto", "host transport provider: auto, tcp or verbs"),
+        Knob("DTENJAX_IB_DEVICE", "",
+             "RDMA device the verbs provider opens (default: the first with an active port)"),
         Knob("DTENJAX_BUCKET_BYTES", str(4 << 20), "default bucket size of the fusion pass"),
         Knob("DTENJAX_P2P_BUFFER_BYTES", str(64 << 20),
              "bytes of the registered symmetric buffer per GPU for the NVLink kernels"),

@@ -64,6 +64,20 @@ def _ring(n: int, nbytes: float, a: float, b: float, phases: int) -> float:
   return phases * ((n - 1) * a + (n - 1) / n * nbytes * b)
 
 
+def _hierarchical(group: Sequence[int], topology: Topology, nbytes: float, phases: int) -> float:
+  """``phases`` ring passes inside islands of ``k`` plus ``phases`` passes of ``N/k`` bytes across
+  the ``m`` islands: 2 for all-reduce (reduce-scatter in, all-reduce across, all-gather in), 1 for
+  reduce-scatter / all-gather (one pass in, one across)."""
+  parts = island_groups(group, topology)
+  if parts is None:
+    return INF
+  k, m = len(parts[0]), len(parts)
+  _, inner = topology.slowest_link(parts[0])
+  _, outer = topology.slowest_link([p[0] for p in parts])
+  return (phases * _ring(k, nbytes, inner.alpha, inner.beta, 1) +
+          _ring(m, nbytes / k, outer.alpha, outer.beta, phases))
+
+
 def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topology,
                     algorithm: str = "ring") -> float:
   """Estimated seconds for one collective.
@@ -87,13 +101,7 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
     return a + nbytes * b
   if kind in ("reduce_scatter", "all_gather"):
     if algorithm == "hierarchical":
-      parts = island_groups(group, topology)
-      if parts is None:
-        return INF
-      k, m = len(parts[0]), len(parts)
-      _, ispec = topology.slowest_link(parts[0])
-      return (_ring(k, nbytes, ispec.alpha, ispec.beta, 1) +
-              _ring(m, nbytes / k, a, b, 1))
+      return _hierarchical(group, topology, nbytes, phases=1)
     return _ring(n, nbytes, a, b, 1)
   if kind == "all_to_all":
     return (n - 1) * a + (n - 1) / n * nbytes * b
@@ -108,16 +116,7 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
   if algorithm == "two_shot":
     return 4 * hops * a + 2 * (n - 1) / n * nbytes * b + nbytes * b_local
   if algorithm == "hierarchical":
-    parts = island_groups(group, topology)
-    if parts is None:
-      return INF
-    k, m = len(parts[0]), len(parts)
-    _, ispec = topology.slowest_link(parts[0])
-    outer = [p[0] for p in parts]
-    _, ospec = topology.slowest_link(outer)
-    inner_rs = _ring(k, nbytes, ispec.alpha, ispec.beta, 1)
-    cross = _ring(m, nbytes / k, ospec.alpha, ospec.beta, 2)
-    return 2 * inner_rs + cross
+    return _hierarchical(group, topology, nbytes, phases=2)
   # xla
   options = [collective_time(kind, nbytes, group, topology, "ring"),
              collective_time(kind, nbytes, group, topology, "hierarchical")]

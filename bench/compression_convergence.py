@@ -31,6 +31,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from dtenjax._src import compression  # noqa: E402
+from dtenjax._src import demo  # noqa: E402
 
 AXIS = "data"
 
@@ -51,21 +52,10 @@ def load_digits(num_devices: int, seed: int = 0):
 
 
 def init_mlp(key, sizes=(64, 128, 10)):
-  params = {}
-  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-    key, sub = jax.random.split(key)
-    params[f"w{i}"] = jax.random.normal(sub, (a, b), jnp.float32) * np.sqrt(2.0 / a)
-    params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
-  return params
+  return demo.init_params(key, sizes)
 
 
-def mlp(params, x):
-  n = len(params) // 2
-  for i in range(n):
-    x = x @ params[f"w{i}"] + params[f"b{i}"]
-    if i < n - 1:
-      x = jax.nn.relu(x)
-  return x
+mlp = demo.forward      # the demo's MLP: dense layers with ReLU between them
 
 
 def loss_fn(params, x, y):

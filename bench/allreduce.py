@@ -41,7 +41,7 @@ def _build(name, mesh, axes):
   import jax
   from jax import lax
   from jax.sharding import PartitionSpec as P
-  from dtenjax._src import collectives as C
+  from dtenjax._src.collectives import api as C
 
   def body(x):
     if name == "psum":

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dtenjax._src import ffi
-from dtenjax._src import topk
+from dtenjax._src.compression import topk
 
 
 def _parse_size(s: str) -> int:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dtenjax._src.ffi as dffi
-from dtenjax._src import graphs
+from dtenjax._src.gpu import graphs
 
 POLICIES = ("off", "xla", "auto", "all")
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtenjax._src import p2p
+from dtenjax._src.gpu import p2p
 
 K1, K2 = 2, 12
 

@@ -27,10 +27,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from dtenjax._src import mesh as mesh_lib  # noqa: E402
-from dtenjax._src import placement as placement_lib  # noqa: E402
-from dtenjax._src import planner  # noqa: E402
-from dtenjax._src.topology import Topology  # noqa: E402
+from dtenjax._src.planning import mesh as mesh_lib  # noqa: E402
+from dtenjax._src.planning import placement as placement_lib  # noqa: E402
+from dtenjax._src.planning import planner  # noqa: E402
+from dtenjax._src.topology.model import Topology  # noqa: E402
 
 
 def transformer_params(n_leaves: int, d: int = 1024, vocab: int = 32768) -> dict:

@@ -41,7 +41,8 @@ def _worker() -> None:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from dtenjax._src import hostcoll, kvstore  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import hostcoll  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import kvstore
 
   sizes = [int(s) for s in os.environ["DTENJAX_BENCH_SIZES"].split(",")]
   iters = int(os.environ["DTENJAX_BENCH_ITERS"])

@@ -1,4 +1,4 @@
-// CPU FFI handler of the cross-process all-reduce (dtenjax/_src/hostcoll.py).
+// CPU FFI handler of the cross-process all-reduce (dtenjax/_src/net/hostcoll.py).
 //   dtenjax_host_all_reduce(x: T[...], slot: int32[]) -> T[...]
 //     attrs: comm_ids: int64[k] (one communicator per process-local device slot), op: int32
 // Asynchronous: the handler queues the collective on the communicator's own worker thread and

@@ -3,11 +3,11 @@
 __version__ = "0.1.0"
 
 from dtenjax import compression as compression
-from dtenjax._src.collectives import AlgorithmChoice as AlgorithmChoice
-from dtenjax._src.collectives import all_gather as all_gather
-from dtenjax._src.collectives import all_reduce as all_reduce
-from dtenjax._src.collectives import plan_all_reduce as plan_all_reduce
-from dtenjax._src.collectives import reduce_scatter as reduce_scatter
+from dtenjax._src.collectives.api import AlgorithmChoice as AlgorithmChoice
+from dtenjax._src.collectives.api import all_gather as all_gather
+from dtenjax._src.collectives.api import all_reduce as all_reduce
+from dtenjax._src.collectives.api import plan_all_reduce as plan_all_reduce
+from dtenjax._src.collectives.api import reduce_scatter as reduce_scatter
 from dtenjax._src.errors import CollectiveError as CollectiveError
 from dtenjax._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from dtenjax._src.errors import ConfigurationError as ConfigurationError
@@ -18,31 +18,31 @@ from dtenjax._src.errors import PlacementError as PlacementError
 from dtenjax._src.errors import QuotaExceededError as QuotaExceededError
 from dtenjax._src.errors import TopologyError as TopologyError
 from dtenjax._src.errors import TransportError as TransportError
-from dtenjax._src.explain import Explanation as Explanation
-from dtenjax._src.explain import explain as explain
+from dtenjax._src.planning.explain import Explanation as Explanation
+from dtenjax._src.planning.explain import explain as explain
 from dtenjax._src.ffi import build_info as build_info
-from dtenjax._src.graphs import CudaGraphPolicy as CudaGraphPolicy
-from dtenjax._src.graphs import graph_report as graph_report
-from dtenjax._src.graphs import jit as jit
-from dtenjax._src.mesh import current_mesh as current_mesh
-from dtenjax._src.mesh import make_mesh as make_mesh
-from dtenjax._src.mesh import mesh_map as mesh_map
-from dtenjax._src.mesh import pmap as pmap
-from dtenjax._src.mesh import use_mesh as use_mesh
-from dtenjax._src.passes.fusion import fuse_collectives as fuse_collectives
-from dtenjax._src.passes.memory import MemoryPlan as MemoryPlan
-from dtenjax._src.passes.memory import memory_plan as memory_plan
-from dtenjax._src.passes.substitute import substitute_psum as substitute_psum
-from dtenjax._src.placement import Placement as Placement
-from dtenjax._src.placement import shard as shard
-from dtenjax._src.placement import tensor as tensor
-from dtenjax._src.planner import Plan as Plan
-from dtenjax._src.planner import Workload as Workload
-from dtenjax._src.scheduler import GraphScheduler as GraphScheduler
-from dtenjax._src.scheduler import PreemptionPolicy as PreemptionPolicy
-from dtenjax._src.scheduler import preemption_decision as preemption_decision
-from dtenjax._src.topology import LinkSpec as LinkSpec
-from dtenjax._src.topology import Topology as Topology
+from dtenjax._src.gpu.graphs import CudaGraphPolicy as CudaGraphPolicy
+from dtenjax._src.gpu.graphs import graph_report as graph_report
+from dtenjax._src.gpu.graphs import jit as jit
+from dtenjax._src.planning.mesh import current_mesh as current_mesh
+from dtenjax._src.planning.mesh import make_mesh as make_mesh
+from dtenjax._src.planning.mesh import mesh_map as mesh_map
+from dtenjax._src.planning.mesh import pmap as pmap
+from dtenjax._src.planning.mesh import use_mesh as use_mesh
+from dtenjax._src.collectives.passes.fusion import fuse_collectives as fuse_collectives
+from dtenjax._src.collectives.passes.memory import MemoryPlan as MemoryPlan
+from dtenjax._src.collectives.passes.memory import memory_plan as memory_plan
+from dtenjax._src.collectives.passes.substitute import substitute_psum as substitute_psum
+from dtenjax._src.planning.placement import Placement as Placement
+from dtenjax._src.planning.placement import shard as shard
+from dtenjax._src.planning.placement import tensor as tensor
+from dtenjax._src.planning.planner import Plan as Plan
+from dtenjax._src.planning.planner import Workload as Workload
+from dtenjax._src.serving.scheduler import GraphScheduler as GraphScheduler
+from dtenjax._src.serving.scheduler import PreemptionPolicy as PreemptionPolicy
+from dtenjax._src.serving.scheduler import preemption_decision as preemption_decision
+from dtenjax._src.topology.model import LinkSpec as LinkSpec
+from dtenjax._src.topology.model import Topology as Topology
 
 __all__ = [
     "AlgorithmChoice",

@@ -36,13 +36,13 @@ def main(argv=None) -> int:
   _simulated_devices()
   cmd, rest = argv[0], argv[1:]
   if cmd == "demo":
-    from dtenjax._src import demo  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.cli import demo  # pylint: disable=g-import-not-at-top
     return demo.main(rest)
   if cmd == "topo":
-    from dtenjax._src import topology_report  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.topology import report as topology_report  # pylint: disable=g-import-not-at-top
     return topology_report.main(rest) or 0
   if cmd == "explain":
-    from dtenjax._src import demo  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.cli import demo  # pylint: disable=g-import-not-at-top
     return demo.main(["--steps", "1", "--no-progress"] + rest)
   if cmd == "info":
     from dtenjax._src import ffi  # pylint: disable=g-import-not-at-top

@@ -6,19 +6,19 @@
 See docs/compression.md.
 """
 
-from dtenjax._src.compression import CompressionPlan as CompressionPlan
-from dtenjax._src.compression import LeafPlan as LeafPlan
-from dtenjax._src.compression import TopKConfig as TopKConfig
-from dtenjax._src.compression import TopKEFState as TopKEFState
-from dtenjax._src.compression import compressed_all_reduce as compressed_all_reduce
-from dtenjax._src.compression import compression_plan as compression_plan
-from dtenjax._src.compression import init_state as init_state
-from dtenjax._src.compression import state_specs as state_specs
-from dtenjax._src.compression import topk_ef as topk_ef
-from dtenjax._src.topk import exact_topk as exact_topk
-from dtenjax._src.topk import pack as pack
-from dtenjax._src.topk import sample_threshold as sample_threshold
-from dtenjax._src.topk import select as select
+from dtenjax._src.compression.error_feedback import CompressionPlan as CompressionPlan
+from dtenjax._src.compression.error_feedback import LeafPlan as LeafPlan
+from dtenjax._src.compression.error_feedback import TopKConfig as TopKConfig
+from dtenjax._src.compression.error_feedback import TopKEFState as TopKEFState
+from dtenjax._src.compression.error_feedback import compressed_all_reduce as compressed_all_reduce
+from dtenjax._src.compression.error_feedback import compression_plan as compression_plan
+from dtenjax._src.compression.error_feedback import init_state as init_state
+from dtenjax._src.compression.error_feedback import state_specs as state_specs
+from dtenjax._src.compression.error_feedback import topk_ef as topk_ef
+from dtenjax._src.compression.topk import exact_topk as exact_topk
+from dtenjax._src.compression.topk import pack as pack
+from dtenjax._src.compression.topk import sample_threshold as sample_threshold
+from dtenjax._src.compression.topk import select as select
 
 __all__ = [
     "CompressionPlan",

@@ -16,8 +16,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dtenjax._src import planner
-from dtenjax._src.placement import Placement
+from dtenjax._src.planning import planner
+from dtenjax._src.planning.placement import Placement
 
 __all__ = ["assert_bitwise_equal", "assert_placement", "assert_plan_strategy"]
 

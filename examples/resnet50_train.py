@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtenjax._src import graphs
+from dtenjax._src.gpu import graphs
 
 DT = jnp.bfloat16
 

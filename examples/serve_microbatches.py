@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtenjax._src import scheduler as sched
+from dtenjax._src.serving import scheduler as sched
 
 
 def make_step(d: int, layers: int):

@@ -5,7 +5,7 @@ Run: .venv/bin/python scripts/make_fixtures.py
 
 import pathlib
 
-from dtenjax._src.topology import DeviceInfo, NicInfo, NumaNode, uniform
+from dtenjax._src.topology.model import DeviceInfo, NicInfo, NumaNode, uniform
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "dtenjax" / "fixtures"
 GB = 1 << 30

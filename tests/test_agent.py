@@ -6,7 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from dtenjax._src import agent, errors, kvstore, transport
+from dtenjax._src.net import agent
+from dtenjax._src import errors
+from dtenjax._src.net import kvstore
+from dtenjax._src.net import transport
 
 
 def test_publish_and_read_peer_loads():

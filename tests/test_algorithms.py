@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from dtenjax._src import algorithms as alg
-from dtenjax._src import collectives as C
+from dtenjax._src.collectives import algorithms as alg
+from dtenjax._src.collectives import api as C
 
 ALGOS = ("xla", "ring", "one_shot", "two_shot", "hierarchical")
 AX = ("o", "i")
@@ -154,12 +154,12 @@ def test_plan_uses_the_cost_model_and_breaks_ties_by_name():
 
 def test_auto_inside_a_trace_follows_the_cost_model(mesh, monkeypatch):
   fake = _FakeCostModel({"one_shot": 3.0, "two_shot": 2.0, "ring": 1.0, "hierarchical": 4.0})
-  cm = types.ModuleType("dtenjax._src.costmodel")
+  cm = types.ModuleType("dtenjax._src.planning.costmodel")
   cm.rank_algorithms = fake.rank_algorithms
-  topo = types.ModuleType("dtenjax._src.topology")
+  topo = types.ModuleType("dtenjax._src.topology.model")
   topo.Topology = types.SimpleNamespace(current=lambda: "fake-topology")
-  monkeypatch.setitem(sys.modules, "dtenjax._src.costmodel", cm)
-  monkeypatch.setitem(sys.modules, "dtenjax._src.topology", topo)
+  monkeypatch.setitem(sys.modules, "dtenjax._src.planning.costmodel", cm)
+  monkeypatch.setitem(sys.modules, "dtenjax._src.topology.model", topo)
   x = _x()
   hlo = _smap(mesh, lambda v: C.all_reduce(v, AX)).lower(x).compile().as_text()
   assert hlo.count("collective-permute") >= 14          # the ring the model asked for
@@ -172,14 +172,14 @@ def test_auto_inside_a_trace_follows_the_cost_model(mesh, monkeypatch):
 
 def test_cross_process_axes_dispatch_to_hostcoll(mesh, monkeypatch):
   calls = []
-  hc = types.ModuleType("dtenjax._src.hostcoll")
+  hc = types.ModuleType("dtenjax._src.net.hostcoll")
   hc.spans_processes = lambda axis_name: True
 
   def fake_all_reduce(x, axis_name, *, algorithm, op):
     calls.append((axis_name, algorithm, op))
     return x * 0 + 42.0
   hc.all_reduce = fake_all_reduce
-  monkeypatch.setitem(sys.modules, "dtenjax._src.hostcoll", hc)
+  monkeypatch.setitem(sys.modules, "dtenjax._src.net.hostcoll", hc)
   y = _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="ring"))(_x())
   assert calls == [(AX, "ring", "sum")] and float(y[0, 0]) == 42.0
   # one_shot is not a transport algorithm: stays XLA-native
@@ -188,11 +188,11 @@ def test_cross_process_axes_dispatch_to_hostcoll(mesh, monkeypatch):
 
 
 def test_gpu_one_shot_dispatches_to_p2p_when_supported(mesh, monkeypatch):
-  p2p = types.ModuleType("dtenjax._src.p2p")
+  p2p = types.ModuleType("dtenjax._src.gpu.p2p")
   asked = []
   p2p.supported = lambda n, nbytes, dtype: (asked.append((n, nbytes)) or (n == 8, "size"))
   p2p.all_reduce = lambda x, axis_name, *, algorithm, op, mesh=None: x * 0 + 7.0
-  monkeypatch.setitem(sys.modules, "dtenjax._src.p2p", p2p)
+  monkeypatch.setitem(sys.modules, "dtenjax._src.gpu.p2p", p2p)
   monkeypatch.setattr(C.jax, "default_backend", lambda: "gpu")
   y = _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="two_shot"))(_x())
   assert float(y[0, 0]) == 7.0 and asked == [(8, 13 * 4)]

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from dtenjax._src import collectives as C
+from dtenjax._src.collectives import api as C
 from dtenjax._src import errors
-from dtenjax._src import fixed_point
+from dtenjax._src.collectives import fixed_point
 
 AX = ("o", "i")
 ALGOS = ("xla", "ring", "one_shot", "two_shot", "hierarchical")

@@ -8,7 +8,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import dtenjax
 from dtenjax import compression
-from dtenjax._src import compression as comp_impl
+from dtenjax._src.compression import error_feedback as comp_impl
 
 AXIS = "d"
 
@@ -296,7 +296,8 @@ def test_error_feedback_keeps_digits_accuracy_at_0_1_percent(mesh):
 
 @pytest.mark.gpu
 def test_topk_ef_on_gpu_kernel_equals_cumsum_formulation():
-  from dtenjax._src import ffi, topk  # pylint: disable=g-import-not-at-top
+  from dtenjax._src import ffi  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.compression import topk
   if not ffi.has_target(topk.TARGET, "CUDA"):
     pytest.skip("dtenjax_topk_pack is not built for CUDA")
   rng = np.random.default_rng(8)

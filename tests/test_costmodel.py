@@ -1,13 +1,13 @@
-"""Tests of dtenjax._src.costmodel: formulas against hand-computed values, island splits,
+"""Tests of dtenjax._src.planning.costmodel: formulas against hand-computed values, island splits,
 crossover thresholds derived from the model."""
 
 import math
 
 import pytest
 
-from dtenjax._src import costmodel as cm
+from dtenjax._src.planning import costmodel as cm
 from dtenjax._src import errors
-from dtenjax._src.topology import LinkSpec, Topology
+from dtenjax._src.topology.model import LinkSpec, Topology
 
 DGX = Topology.fixture("dgx_a100_8")
 ROCE = Topology.fixture("roce_a100_4x8")

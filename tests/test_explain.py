@@ -6,8 +6,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dtenjax
-from dtenjax._src import explain as ex
-from dtenjax._src.topology import Topology
+from dtenjax._src.planning import explain as ex
+from dtenjax._src.topology.model import Topology
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,8 @@ class Block:
 sys.meta_path.insert(0, Block())
 import jax.numpy as jnp
 import dtenjax
-from dtenjax._src import ffi, fixed_point
+from dtenjax._src import ffi
+from dtenjax._src.collectives import fixed_point
 assert not ffi.is_built()
 # the jnp path needs no extension
 print(float(fixed_point.exact_sum(jnp.ones((4, 3), jnp.float32))[0]))

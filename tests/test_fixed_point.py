@@ -6,7 +6,7 @@ import pytest
 
 import dtenjax
 from dtenjax._src import ffi
-from dtenjax._src import fixed_point as fp
+from dtenjax._src.collectives import fixed_point as fp
 
 needs_ext = pytest.mark.skipif(not ffi.is_built(), reason="native extension not built")
 

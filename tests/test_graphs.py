@@ -1,4 +1,4 @@
-"""Tests of dtenjax._src.graphs: CUDA-graph policies, per-executable options, the graph report."""
+"""Tests of dtenjax._src.gpu.graphs: CUDA-graph policies, per-executable options, the graph report."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 
 from dtenjax._src import errors
 from dtenjax._src import ffi
-from dtenjax._src import graphs
+from dtenjax._src.gpu import graphs
 
 # A scheduled GPU entry computation, written the way XLA prints it: a cuDNN convolution splits,
 # a dtenjax FFI call stays inside, a short run falls under min_graph_size.

@@ -1,4 +1,4 @@
-"""Cross-process all-reduce inside jit (dtenjax/_src/hostcoll.py).
+"""Cross-process all-reduce inside jit (dtenjax/_src/net/hostcoll.py).
 
 Multi-process tests launch workers (tests/mp_workers/allreduce_worker.py) with a local
 jax.distributed coordinator on 127.0.0.1; every worker has a timeout. In-process tests cover the
@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from dtenjax._src import errors, hostcoll, transport
+from dtenjax._src import errors
+from dtenjax._src.net import hostcoll
+from dtenjax._src.net import transport
 from tests.mp_workers import launch
 
 pytestmark = pytest.mark.skipif(not transport.is_available(),

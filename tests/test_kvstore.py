@@ -4,7 +4,8 @@ import threading
 
 import pytest
 
-from dtenjax._src import errors, kvstore
+from dtenjax._src import errors
+from dtenjax._src.net import kvstore
 
 
 def test_set_get_dir_increment():

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from dtenjax import __main__ as cli
-from dtenjax._src import demo
+from dtenjax._src.cli import demo
 
 
 def test_demo_trains_places_explains_and_is_bit_identical(capsys):

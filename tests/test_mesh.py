@@ -1,4 +1,4 @@
-"""Tests of dtenjax._src.mesh: topology-ordered make_mesh, as_mesh/use_mesh, mesh_map, pmap."""
+"""Tests of dtenjax._src.planning.mesh: topology-ordered make_mesh, as_mesh/use_mesh, mesh_map, pmap."""
 
 import dataclasses
 import random
@@ -11,9 +11,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
-from dtenjax._src import mesh as mesh_lib
-from dtenjax._src import topology as topo
-from dtenjax._src.topology import DeviceInfo, Topology
+from dtenjax._src.planning import mesh as mesh_lib
+from dtenjax._src.topology import model as topo
+from dtenjax._src.topology.model import DeviceInfo, Topology
 
 
 @dataclasses.dataclass(frozen=True)

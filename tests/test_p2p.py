@@ -1,4 +1,4 @@
-"""Tests of the NVLink p2p all-reduce (dtenjax/_src/p2p.py, csrc/cuda/p2p_*).
+"""Tests of the NVLink p2p all-reduce (dtenjax/_src/gpu/p2p.py, csrc/cuda/p2p_*).
 
 CPU: gating, error messages, the numpy reference of the bit contract, rank order of mesh groups,
 and that a CUDA build contains the targets. GPU (marked `gpu`): the real kernels with N simulated
@@ -13,7 +13,7 @@ import pytest
 
 from dtenjax._src import errors
 from dtenjax._src import ffi
-from dtenjax._src import p2p
+from dtenjax._src.gpu import p2p
 
 
 def _bits(a):

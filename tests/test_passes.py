@@ -10,9 +10,10 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dtenjax._src import errors
-from dtenjax._src.passes import fusion
-from dtenjax._src.passes import memory
-from dtenjax._src.passes import substitute
+from dtenjax._src.collectives import buckets
+from dtenjax._src.collectives.passes import fusion
+from dtenjax._src.collectives.passes import memory
+from dtenjax._src.collectives.passes import substitute
 
 AX = ("o", "i")
 LAYERS = 6
@@ -115,7 +116,7 @@ def test_fusion_rejects_non_positive_bucket():
 
 
 def test_plan_buckets():
-  plan = fusion.plan_buckets([(10, jnp.float32), (5, jnp.int32), (20, jnp.float32),
+  plan = buckets.plan_buckets([(10, jnp.float32), (5, jnp.int32), (20, jnp.float32),
                               (100, jnp.float32), (1, jnp.float32)], bucket_bytes=128)
   assert plan == [[0, 2], [1], [3], [4]]
 

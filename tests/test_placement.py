@@ -1,4 +1,4 @@
-"""Tests of dtenjax._src.placement: strategies to NamedSharding, memory kinds, shard, tensor."""
+"""Tests of dtenjax._src.planning.placement: strategies to NamedSharding, memory kinds, shard, tensor."""
 
 import flax.linen as nn
 import jax
@@ -10,10 +10,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
-from dtenjax._src import mesh as mesh_lib
-from dtenjax._src import topology as topo
-from dtenjax._src.placement import Placement, check_divisible, shard, tensor
-from dtenjax._src.topology import Topology
+from dtenjax._src.planning import mesh as mesh_lib
+from dtenjax._src.topology import model as topo
+from dtenjax._src.planning.placement import Placement, check_divisible, shard, tensor
+from dtenjax._src.topology.model import Topology
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,15 @@
-"""Tests of dtenjax._src.planner: the seed's reference table, tie-breaks, infeasible candidates,
+"""Tests of dtenjax._src.planning.planner: the seed's reference table, tie-breaks, infeasible candidates,
 the explain table."""
 
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dtenjax._src import costmodel
+from dtenjax._src.planning import costmodel
 from dtenjax._src import errors
-from dtenjax._src import planner
-from dtenjax._src.planner import Workload
-from dtenjax._src.topology import Topology
+from dtenjax._src.planning import planner
+from dtenjax._src.planning.planner import Workload
+from dtenjax._src.topology.model import Topology
 
 DGX = Topology.fixture("dgx_a100_8")
 ROCE = Topology.fixture("roce_a100_4x8")

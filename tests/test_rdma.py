@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from dtenjax._src import rdma, transport
+from dtenjax._src.net import rdma
+from dtenjax._src.net import transport
 
 needs_verbs = pytest.mark.skipif(
     not transport.is_available() or not transport.lib().dtenjax_tp_verbs_built(),

@@ -1,4 +1,4 @@
-"""Tests of dtenjax._src.scheduler on CPU, with real jitted steps and synthetic load.
+"""Tests of dtenjax._src.serving.scheduler on CPU, with real jitted steps and synthetic load.
 
 Timing-dependent tests scale everything to the step time measured at run time and assert counts
 and orderings (misses with vs without preemption), never absolute wall-clock numbers.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dtenjax._src import errors
-from dtenjax._src import scheduler as S
+from dtenjax._src.serving import scheduler as S
 
 N = 384
 W = jnp.asarray(np.random.default_rng(0).standard_normal((N, N)) / np.sqrt(N), jnp.float32)

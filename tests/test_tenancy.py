@@ -6,8 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from dtenjax._src import bufferpool as bp
-from dtenjax._src import errors, tenancy, transport
+from dtenjax._src.net import bufferpool as bp
+from dtenjax._src import errors
+from dtenjax._src.net import tenancy
+from dtenjax._src.net import transport
 
 pytestmark = pytest.mark.skipif(not transport.is_available(), reason="native extension not built")
 

@@ -6,7 +6,7 @@ import pytest
 
 import dtenjax
 from dtenjax._src import ffi
-from dtenjax._src import topk
+from dtenjax._src.compression import topk
 
 needs_ext = pytest.mark.skipif(not ffi.has_target(topk.TARGET, "cpu"),
                                reason="native extension with dtenjax_topk_pack not built")

@@ -1,4 +1,4 @@
-"""Tests of dtenjax._src.topology, detect and probe: fixtures, JSON, validation, groupings."""
+"""Tests of dtenjax._src.topology.model, detect and probe: fixtures, JSON, validation, groupings."""
 
 import json
 import pickle
@@ -6,8 +6,8 @@ import pickle
 import pytest
 
 from dtenjax._src import errors
-from dtenjax._src import topology as topo
-from dtenjax._src.topology import DeviceInfo, LinkSpec, Topology
+from dtenjax._src.topology import model as topo
+from dtenjax._src.topology.model import DeviceInfo, LinkSpec, Topology
 
 
 def _dev(i, host="h0", numa=0, platform="gpu", kind="NVIDIA A100-SXM4-80GB"):
@@ -215,7 +215,8 @@ def test_detect_describes_cpu_devices(cpu_devices):
 
 
 def test_exchange_hostnames_through_kvstore():
-  from dtenjax._src import detect, kvstore  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology import detect  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import kvstore
   store = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=1.0)
   store.set(store.key("topology-hosts", 1), "nodeB")
   assert detect.exchange_hostnames("nodeA", 0, 2, store) == {0: "nodeA", 1: "nodeB"}

@@ -1,9 +1,9 @@
-"""Tests of dtenjax._src.topology_report (``python -m dtenjax topo``)."""
+"""Tests of dtenjax._src.topology.report (``python -m dtenjax topo``)."""
 
 import pytest
 
-from dtenjax._src import topology_report as report
-from dtenjax._src.topology import LinkSpec, Topology
+from dtenjax._src.topology import report
+from dtenjax._src.topology.model import LinkSpec, Topology
 
 
 def _matrix_rows(text, n):

@@ -16,7 +16,8 @@ import threading
 import numpy as np
 import pytest
 
-from dtenjax._src import errors, transport
+from dtenjax._src import errors
+from dtenjax._src.net import transport
 
 pytestmark = pytest.mark.skipif(not transport.is_available(), reason="native extension not built")
 

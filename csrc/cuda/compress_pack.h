@@ -4,7 +4,7 @@
 // CUDA graph. The threshold is read from device memory.
 //
 // workspace holds num_blocks int32 (per-block counts, then their exclusive prefix sums); the
-// caller chooses num_blocks >= 1 (more blocks: more parallelism; see dtenjax/_src/topk.py).
+// caller chooses num_blocks >= 1 (more blocks: more parallelism; see dtenjax/_src/compression/topk.py).
 #pragma once
 
 #include <cstdint>

@@ -9,7 +9,7 @@
 //   3. decode:  carry lo into hi, v = f32(hi) * 2^20 + f32(lo), result = v * 2^(e_max - kFracBits),
 //      then the IEEE rules: NaN if both flags, +-inf if one.
 // Every step is a fixed sequence of f32 operations whose results are exact except the marked
-// roundings, so this code and the jnp formulation in dtenjax/_src/fixed_point.py give identical bits.
+// roundings, so this code and the jnp formulation in dtenjax/_src/collectives/fixed_point.py give identical bits.
 #pragma once
 
 #include <cstdint>

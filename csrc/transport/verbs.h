@@ -22,7 +22,7 @@ struct GidEntry {
   int type;  // 0: IB / RoCE v1, 1: RoCE v2
 };
 // IB -> 0; RoCE -> first RoCE v2 GID holding an IPv4-mapped address, else first RoCE v2, else the
-// first non-zero GID; -1 if none. Mirrors dtenjax/_src/rdma.py select_gid_index.
+// first non-zero GID; -1 if none. Mirrors dtenjax/_src/net/rdma.py select_gid_index.
 int SelectGidIndex(const GidEntry* gids, int n, bool ethernet);
 
 // ibv_mtu enum from bytes (256..4096), -1 if not a valid MTU.

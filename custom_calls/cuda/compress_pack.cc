@@ -2,7 +2,7 @@
 //   dtenjax_topk_pack(x: f32[n], threshold: f32[])
 //       -> (idx: s32[k], val: f32[k], count: s32[], workspace: s32[B])
 // The workspace is an explicit result (no allocation inside), so the handler is command-buffer
-// compatible; dtenjax/_src/topk.py chooses B. The CPU handler has the same first three results.
+// compatible; dtenjax/_src/compression/topk.py chooses B. The CPU handler has the same first three results.
 #include <cstdint>
 
 #include <cuda_runtime_api.h>

@@ -19,7 +19,8 @@ def main():
   import numpy as np
   from jax.sharding import Mesh, PartitionSpec as P
 
-  from dtenjax._src import hostcoll, transport
+  from dtenjax._src.net import hostcoll
+  from dtenjax._src.net import transport
 
   jax.config.update("jax_enable_x64", True)   # so the float64 case really is float64
 
@@ -114,7 +115,7 @@ def main():
       if rank == nprocs - 1:
         # Die in the middle of the next collective: throttle this rank's sends (4 MiB at 2 MB/s)
         # so the ring is mid-transfer, and exit from a timer thread 0.5 s in.
-        from dtenjax._src import tenancy  # pylint: disable=g-import-not-at-top
+        from dtenjax._src.net import tenancy  # pylint: disable=g-import-not-at-top
         tenancy.set_quota("default", tenancy.Quota(rate_bytes_per_s=2e6, burst_bytes=65536))
         threading.Timer(0.5, os._exit, (3,)).start()
       t0 = time.monotonic()

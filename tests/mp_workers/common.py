@@ -32,7 +32,7 @@ def finish(result: dict, code: int = 0, *, expect_done: int | None = None,
   process 0 waits (up to ``wait_s``) until ``expect_done`` processes have, then a moment longer."""
   import time  # pylint: disable=g-import-not-at-top
   write(result)
-  from dtenjax._src import kvstore  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
   store = kvstore.default()
   rank = int(os.environ["DTENJAX_TEST_RANK"])
   n = int(os.environ["DTENJAX_TEST_NPROCS"]) if expect_done is None else expect_done

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dtenjax._src import errors
-from dtenjax._src import topology as topo
+from dtenjax._src.topology import parts as topo
 
 
 def _time_copy(x, dst, repeats: int) -> float:
@@ -42,9 +42,9 @@ def _time_local(x, repeats: int) -> float:
   return statistics.median(times)
 
 
-def probe(topology: topo.Topology, small_bytes: int = 8, large_bytes: int | None = None,
-          repeats: int = 7) -> topo.Topology:
-  """Returns ``topology`` with measured LinkSpecs for each link class found among local devices.
+def measure(topology, small_bytes: int = 8, large_bytes: int | None = None,
+            repeats: int = 7) -> tuple[dict[str, topo.LinkSpec], list[str]]:
+  """Measured LinkSpecs for each link class found among local devices, and notes on what was not.
 
   Args:
     topology: the topology to refine (usually ``Topology.detect()``).
@@ -97,4 +97,4 @@ def probe(topology: topo.Topology, small_bytes: int = 8, large_bytes: int | None
                       key=topo.LINK_ORDER.index)
   if unmeasured:
     notes.append(f"not measurable from this process, table values kept: {unmeasured}")
-  return topology.with_links(measured, source="probed", notes=notes)
+  return measured, notes

@@ -36,9 +36,9 @@ from collections.abc import Sequence
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from dtenjax._src import costmodel
+from dtenjax._src.planning import costmodel
 from dtenjax._src import errors
-from dtenjax._src.topology import Topology
+from dtenjax._src.topology.model import Topology
 
 STRATEGIES = ("2d", "row", "col", "replicate")     # also the tie-break order
 _AR_CANDIDATES = ("xla", "ring", "hierarchical", "one_shot", "two_shot")

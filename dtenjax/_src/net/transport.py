@@ -4,7 +4,7 @@ The data plane lives in C++ (``csrc/transport/``: a TCP provider and an RDMA ver
 one table of functions). This module drives it through plain C entry points of the already loaded
 ``dtenjax._ffi`` library (ctypes releases the GIL during blocking calls such as connecting a ring).
 
-Bootstrap goes through jax.distributed's coordination store (:mod:`dtenjax._src.kvstore`): each
+Bootstrap goes through jax.distributed's coordination store (:mod:`dtenjax._src.net.kvstore`): each
 rank listens on ``DTENJAX_BIND_ADDRESS`` (port chosen by the OS), publishes its endpoint, reads its
 ring neighbour's, and connects. Every connection is authenticated by an HMAC-SHA256
 challenge-response keyed by the job secret: ``DTENJAX_JOB_SECRET`` if set, else random bytes made
@@ -25,7 +25,7 @@ import numpy as np
 from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src import ffi
-from dtenjax._src import kvstore
+from dtenjax._src.net import kvstore
 
 # dtenjax::Code values (csrc/common/status.h).
 _OK, _INVALID, _UNAVAILABLE, _DEADLINE, _EXHAUSTED, _DENIED, _DATALOSS = 0, 1, 2, 3, 4, 5, 6
@@ -219,7 +219,7 @@ def select_provider(nics: list[dict[str, Any]] | None = None) -> tuple[str, str]
   if forced == "tcp":
     return "tcp", "DTENJAX_TRANSPORT=tcp"
   if nics is None:
-    from dtenjax._src import rdma  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
     nics = rdma.discover_nics()
     why_none = rdma.unavailable_reason()
   else:

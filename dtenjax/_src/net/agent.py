@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 from dtenjax._src import errors
-from dtenjax._src import kvstore
-from dtenjax._src import transport
+from dtenjax._src.net import kvstore
+from dtenjax._src.net import transport
 
 NAMESPACE = "agent"
 
@@ -60,7 +60,7 @@ class LoadReport:
 def local_topology() -> dict[str, Any]:
   """What this process contributes to the job's topology: devices, RDMA NICs, provider."""
   import jax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src import rdma  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
   nics = rdma.discover_nics()
   provider, why = transport.select_provider(list(nics))
   return {

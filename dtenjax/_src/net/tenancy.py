@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from dtenjax._src import errors
-from dtenjax._src import transport
+from dtenjax._src.net import transport
 
 
 class OwnershipError(errors.DtenjaxError, PermissionError):

@@ -42,7 +42,7 @@ import numpy as np
 
 from dtenjax._src import errors
 from dtenjax._src import ffi
-from dtenjax._src import transport
+from dtenjax._src.net import transport
 
 TARGET = "dtenjax_host_all_reduce"
 ALGORITHMS = ("ring", "hierarchical")

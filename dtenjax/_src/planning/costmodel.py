@@ -27,8 +27,8 @@ import math
 from collections.abc import Iterable, Sequence
 
 from dtenjax._src import errors
-from dtenjax._src.topology import INTRA_HOST
-from dtenjax._src.topology import Topology
+from dtenjax._src.topology.model import INTRA_HOST
+from dtenjax._src.topology.model import Topology
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "ppermute")
 ALGORITHMS = ("xla", "ring", "one_shot", "two_shot", "hierarchical")

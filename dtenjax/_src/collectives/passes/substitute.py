@@ -17,7 +17,10 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jex_core
+
+from dtenjax._src.collectives import api as collectives
 
 _PSUMS = ("psum", "psum_invariant")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -38,8 +41,6 @@ def _eligible(eqn) -> bool:
 
 
 def _reduce(vals, axes, opts: _Options):
-  from dtenjax._src import collectives   # noqa: PLC0415
-  import jax.numpy as jnp   # noqa: PLC0415
   out = []
   for v in vals:
     v = jnp.asarray(v)

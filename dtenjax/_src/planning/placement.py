@@ -4,7 +4,7 @@ A placement is a frozen value: a strategy (``"auto"``, ``"replicate"``, ``"row"`
 ``"2d"`` or a ``PartitionSpec``), a mesh (a ``Mesh`` or a shape such as ``(2, 4)``, laid out by
 :func:`dtenjax.make_mesh`) and a memory policy (``"device"``, ``"pinned"`` or ``"unpinned"``
 host memory). For a given array shape it resolves to a ``NamedSharding``; ``"auto"`` asks the
-planner (:mod:`dtenjax._src.planner`), and :meth:`Placement.explain` shows why.
+planner (:mod:`dtenjax._src.planning.planner`), and :meth:`Placement.explain` shows why.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
-from dtenjax._src import mesh as mesh_lib
-from dtenjax._src import planner
-from dtenjax._src.topology import Topology
+from dtenjax._src.planning import mesh as mesh_lib
+from dtenjax._src.planning import planner
+from dtenjax._src.topology.model import Topology
 
 STRATEGIES = ("auto", "replicate", "row", "col", "2d")
 MEMORY_KINDS = {"device": "device", "pinned": "pinned_host", "unpinned": "unpinned_host"}

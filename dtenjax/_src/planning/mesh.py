@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
-from dtenjax._src.topology import Topology
+from dtenjax._src.topology.model import Topology
 
 _current_mesh: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
     "dtenjax_current_mesh", default=None)

@@ -4,7 +4,7 @@ They run wherever JAX has named axes: inside ``jax.shard_map`` / ``mesh_map`` (u
 not) and over ``jax.vmap(..., axis_name=...)`` axes. ``axis_name`` may be a tuple of axes (treated
 as one combined axis in mesh order). Arguments may be pytrees; an all-reduce of a pytree packs
 its leaves into flat buckets of ``bucket_bytes`` (default ``DTENJAX_BUCKET_BYTES``) so a tree of
-many small gradients costs few collectives (see ``passes/fusion.py``).
+many small gradients costs few collectives (see ``buckets.py``).
 
 Semantics and guarantees
 ------------------------
@@ -40,10 +40,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dtenjax._src import algorithms as alg
+from dtenjax._src.collectives import algorithms as alg
+from dtenjax._src.collectives import buckets
 from dtenjax._src import config
 from dtenjax._src import errors
-from dtenjax._src import fixed_point
+from dtenjax._src.collectives import fixed_point
 
 AxisName = alg.AxisName
 _ALGOS = alg.ALGORITHMS + ("auto",)
@@ -161,7 +162,7 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Any, *,
   cands = sorted(set(candidates))
   if costmodel is None:
     try:
-      costmodel = _optional("dtenjax._src.costmodel")
+      costmodel = _optional("dtenjax._src.planning.costmodel")
     except ImportError:
       costmodel = None
   ranked = None
@@ -190,12 +191,12 @@ def _group_and_topology(axes: tuple[str, ...]):
   n = alg.axis_size(axes)
   topo = None
   try:
-    topo = _optional("dtenjax._src.topology").Topology.current()
+    topo = _optional("dtenjax._src.topology.model").Topology.current()
   except Exception:  # noqa: BLE001 - ImportError until it lands; any failure means "unknown"
     topo = None
   mesh = None
   try:
-    mesh = _optional("dtenjax._src.mesh").current_mesh()
+    mesh = _optional("dtenjax._src.planning.mesh").current_mesh()
   except Exception:  # noqa: BLE001
     mesh = None
   if mesh is not None and all(a in mesh.axis_names for a in axes):
@@ -227,14 +228,14 @@ def choose(axes: tuple[str, ...], nbytes: int, op: str, dtype, deterministic: bo
 
 def _p2p_module():
   try:
-    return _optional("dtenjax._src.p2p")
+    return _optional("dtenjax._src.gpu.p2p")
   except ImportError:
     return None
 
 
 def _hostcoll_module():
   try:
-    return _optional("dtenjax._src.hostcoll")
+    return _optional("dtenjax._src.net.hostcoll")
   except ImportError:
     return None
 
@@ -250,11 +251,11 @@ def _plugin(x, axes, algorithm: str, op: str):
     p2p = _p2p_module()
     if p2p is None:
       config.log_fallback("p2p-missing", f"dtenjax: {algorithm} on GPU uses the XLA-native form "
-                          "(dtenjax._src.p2p is not available)")
+                          "(dtenjax._src.gpu.p2p is not available)")
       return None
     ok, why = p2p.supported(alg.axis_size(axes), x.size * x.dtype.itemsize, x.dtype)
     if ok:
-      from dtenjax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+      from dtenjax._src.planning import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
       # The kernels need the concrete mesh to know which GPU is which rank.
       return functools.partial(p2p.all_reduce, axis_name=name, algorithm=algorithm, op=op,
                                mesh=mesh_lib.current_mesh())
@@ -407,8 +408,7 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
   if bucket_bytes is None:
     bucket_bytes = config.get_int("DTENJAX_BUCKET_BYTES")
   if len(leaves) > 1 and bucket_bytes > 0 and local_axis is None:
-    from dtenjax._src.passes import fusion   # noqa: PLC0415 - fusion builds on this module
-    out = fusion.bucketed_apply(leaves, lambda flat: _all_reduce_array(flat, spec), bucket_bytes)
+    out = buckets.bucketed_apply(leaves, lambda flat: _all_reduce_array(flat, spec), bucket_bytes)
   else:
     out = [_all_reduce_array(leaf, spec) for leaf in leaves]
   return jax.tree_util.tree_unflatten(treedef, out)

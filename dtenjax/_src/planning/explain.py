@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from dtenjax._src import costmodel
-from dtenjax._src.topology import Topology
+from dtenjax._src.planning import costmodel
+from dtenjax._src.topology.model import Topology
 
 _KINDS = {
     "all-reduce": "all_reduce",

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from dtenjax._src import errors
-from dtenjax._src.topology import LINK_ORDER, Topology
+from dtenjax._src.topology.model import LINK_ORDER, Topology
 
 # Short codes, as nvidia-smi prints them where one exists.
 CODES = {

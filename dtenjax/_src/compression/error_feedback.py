@@ -6,7 +6,7 @@ error feedback of Stich et al. 2018 / Karimireddy et al. 2019):
 1. local gradient clipping (optional): ``g *= min(1, clip_norm / sqrt(P) / ||g||)``, the global
    norm of this device's gradient tree, threshold scaled by ``P**-0.5`` as DGC does;
 2. momentum correction (``momentum > 0``): ``u = m * u + g`` and ``v += u``; otherwise ``v += g``;
-3. per leaf, the ``k = ceil(ratio * n)`` largest ``|v|`` (:mod:`dtenjax._src.topk`) are sent as
+3. per leaf, the ``k = ceil(ratio * n)`` largest ``|v|`` (:mod:`dtenjax._src.compression.topk`) are sent as
    fixed-size (int32 index, value) pairs: ``lax.all_gather`` then a scatter-add in rank order
    (deterministic: every device adds the same values in the same order), divided by ``P``.
    When sparsity stops paying (``k/n >= 1/P`` for float32: the all-gather would move as many bytes
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from dtenjax._src import errors
-from dtenjax._src import topk
+from dtenjax._src.compression import topk
 
 PyTree = Any
 _INDEX_BYTES = 4

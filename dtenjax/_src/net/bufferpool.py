@@ -5,7 +5,7 @@ buffers are registered once and reused. Each buffer is reference counted and mov
 ``Idle -> Posted -> Completed -> Idle``; the pool refuses to hand out, release or deregister a
 buffer while it is posted (a socket or NIC may still be reading it). Limits: total registered bytes,
 number of buffers, bytes per buffer, and the owning tenant's registered-bytes quota
-(:mod:`dtenjax._src.tenancy`). Communicators use one internally for their staging buffers.
+(:mod:`dtenjax._src.net.tenancy`). Communicators use one internally for their staging buffers.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import ctypes
 import dataclasses
 
 from dtenjax._src import errors
-from dtenjax._src import transport
+from dtenjax._src.net import transport
 
 IDLE, POSTED, COMPLETED = 0, 1, 2
 _ACQUIRE, _RETAIN, _POST, _COMPLETE, _RELEASE, _TRIM, _DATA, _SIZE, _STATE, _INJECT = range(10)

@@ -18,11 +18,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
-from dtenjax._src import explain as explain_lib
-from dtenjax._src import mesh as mesh_lib
-from dtenjax._src.placement import Placement
-from dtenjax._src.placement import shard
-from dtenjax._src.topology import Topology
+from dtenjax._src.planning import explain as explain_lib
+from dtenjax._src.planning import mesh as mesh_lib
+from dtenjax._src.planning.placement import Placement
+from dtenjax._src.planning.placement import shard
+from dtenjax._src.topology.model import Topology
 
 
 def load_digits(seed: int = 0):

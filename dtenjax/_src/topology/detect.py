@@ -3,7 +3,7 @@
 Sources, each optional, each recorded in ``Topology.notes`` when it was missing:
 * jax: devices, platforms, kinds, memory, process indices (``jax.distributed`` when initialised);
 * cuda-python: peer access between local GPUs; NVML (pynvml or cuda-python's nvml) for NVLink;
-* pyverbs through :mod:`dtenjax._src.rdma`: RDMA NICs ("no device" means no RDMA);
+* pyverbs through :mod:`dtenjax._src.net.rdma`: RDMA NICs ("no device" means no RDMA);
 * sysfs: NUMA nodes and their CPUs (devices are recorded on NUMA node 0; jax does not expose
   a GPU's PCI address).
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from dtenjax._src import topology as topo
+from dtenjax._src.topology import parts as topo
 
 
 def _numa_nodes(host: str) -> list[topo.NumaNode]:
@@ -100,15 +100,16 @@ def _gpu_links(local_gpus: list[Any], notes: list[str]) -> dict[tuple[int, int],
 
 def exchange_hostnames(host: str, rank: int, size: int, store: Any = None) -> dict[int, str]:
   """Every process's host name, by process index, through the coordination key-value store
-  (:mod:`dtenjax._src.kvstore`). Raises if the store is missing or a peer does not answer."""
+  (:mod:`dtenjax._src.net.kvstore`). Raises if the store is missing or a peer does not answer."""
   if store is None:
-    from dtenjax._src import kvstore  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
     store = kvstore.default()
   names = store.exchange("topology-hosts", rank, size, host)
   return {p: str(n) for p, n in enumerate(names)}
 
 
-def detect(devices: Sequence[Any] | None = None) -> topo.Topology:
+def describe(devices: Sequence[Any] | None = None) -> dict[str, Any]:
+  """The running machine as ``Topology`` constructor arguments (see :meth:`Topology.detect`)."""
   devices = list(jax.devices() if devices is None else devices)
   notes: list[str] = []
   host = topo.local_host_name()
@@ -127,7 +128,7 @@ def detect(devices: Sequence[Any] | None = None) -> topo.Topology:
 
   nics: list[topo.NicInfo] = []
   try:
-    from dtenjax._src import rdma  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
     for nic in rdma.discover_nics():
       nics.append(topo.NicInfo(name=nic["name"], host=host, port=int(nic.get("port", 1)),
                                link_layer=nic.get("link_layer", "Ethernet"),
@@ -137,7 +138,7 @@ def detect(devices: Sequence[Any] | None = None) -> topo.Topology:
     if not nics:
       notes.append("no RDMA NIC: " + str(rdma.unavailable_reason()))
   except ImportError:
-    notes.append("no RDMA NIC: dtenjax._src.rdma is not available")
+    notes.append("no RDMA NIC: dtenjax._src.net.rdma is not available")
   except Exception as e:  # pylint: disable=broad-except  (pyverbs errors mean "no RDMA")
     notes.append(f"no RDMA NIC: discovery failed ({type(e).__name__}: {e})")
   active = [n for n in nics if n.state.upper().startswith("ACTIVE")]
@@ -172,6 +173,6 @@ def detect(devices: Sequence[Any] | None = None) -> topo.Topology:
   if platform == "cpu":
     notes.append(f"{len(devices)} CPU devices of {n_proc} process(es); devices of one process "
                  "share memory ('shared_memory' links)")
-  return topo.Topology(name=f"detected:{host}:{platform}x{len(devices)}", devices=tuple(infos),
-                       link_matrix=matrix, nics=tuple(nics), numa_nodes=tuple(_numa_nodes(host)),
-                       source="detected", notes=tuple(notes))
+  return dict(name=f"detected:{host}:{platform}x{len(devices)}", devices=tuple(infos),
+              link_matrix=matrix, nics=tuple(nics), numa_nodes=tuple(_numa_nodes(host)),
+              source="detected", notes=tuple(notes))

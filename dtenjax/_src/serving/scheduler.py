@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from dtenjax._src import errors
-from dtenjax._src import graphs
+from dtenjax._src.gpu import graphs
 
 MAIN = "main"
 LOW_LATENCY = "low_latency"

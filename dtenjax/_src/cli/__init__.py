@@ -1,0 +1,2 @@
+"""What ``python -m dtenjax`` runs: the demo and other commands. The top layer; imports anything.
+"""

@@ -1,0 +1,2 @@
+"""Top-k error-feedback gradient compression (optax-style) and its selection kernels.
+"""

@@ -1,0 +1,2 @@
+"""The latency-bound micro-batch scheduler over compiled steps.
+"""

@@ -1,0 +1,131 @@
+"""The layering of dtenjax/_src (docs/architecture.md): imports flow downward, never in a circle.
+
+Reads every module's imports (module level and inside functions) with ``ast``, so a lazy import
+that climbs a layer or closes a cycle fails here as surely as a top-level one.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "dtenjax" / "_src"
+
+# Package (or base module) -> layer; a module may import its own package and lower layers only.
+LAYERS = {
+    "net": 1, "gpu": 1,
+    "topology": 2,
+    "planning": 3,
+    "collectives": 4,
+    "compression": 5, "serving": 5,
+    "cli": 6,
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  out = {}
+  for path in SRC.rglob("*.py"):
+    rel = path.relative_to(SRC).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    out[".".join(["dtenjax", "_src"] + parts)] = path
+  return out
+
+
+def _imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
+  """dtenjax._src modules imported by the module at ``path`` (anywhere in it)."""
+  tree = ast.parse(path.read_text(), filename=str(path))
+  found = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      targets = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      base = node.module
+      if node.level:   # relative imports: resolve against the package
+        pkg = name.split(".")[:-node.level + (1 if path.name == "__init__.py" else 0) or None]
+        base = ".".join(pkg + [node.module])
+      targets = [f"{base}.{a.name}" for a in node.names] + [base]
+    else:
+      continue
+    for t in targets:
+      while t and t not in known:
+        t = t.rpartition(".")[0]
+      if t and t != name and t.startswith("dtenjax._src."):
+        found.add(t)
+  return found
+
+
+BASE = ("errors", "config", "ffi", "hlo")   # one group: base modules may import each other
+
+
+def _layer_of(module: str) -> tuple[str, int]:
+  top = module.split(".")[2]
+  if top in BASE:
+    return "base", 0
+  if top not in LAYERS:
+    raise AssertionError(f"{module}: package {top!r} has no layer in tests/test_architecture.py; "
+                         "add it (and to docs/architecture.md)")
+  return top, LAYERS[top]
+
+
+def _graph():
+  mods = _modules()
+  known = set(mods)
+  return {m: _imports(p, m, known) for m, p in mods.items()}
+
+
+def test_every_package_has_a_layer():
+  for module in _modules():
+    if module != "dtenjax._src":
+      _layer_of(module)
+
+
+def test_imports_flow_downward():
+  problems = []
+  for module, deps in sorted(_graph().items()):
+    if module == "dtenjax._src":
+      continue
+    top, layer = _layer_of(module)
+    for dep in sorted(deps):
+      dtop, dlayer = _layer_of(dep)
+      if dtop != top and dlayer >= layer:
+        problems.append(f"{module} (layer {layer}) imports {dep} (layer {dlayer})")
+  assert not problems, "imports that climb or cross a layer:\n" + "\n".join(problems)
+
+
+def test_no_import_cycles():
+  graph = _graph()
+  state: dict[str, int] = {}
+  cycles = []
+
+  def visit(node, stack):
+    state[node] = 1
+    stack.append(node)
+    for dep in sorted(graph.get(node, ())):
+      if state.get(dep) == 1:
+        cycles.append(stack[stack.index(dep):] + [dep])
+      elif dep not in state:
+        visit(dep, stack)
+    stack.pop()
+    state[node] = 2
+
+  for node in sorted(graph):
+    if node not in state:
+      visit(node, [])
+  assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_checker_sees_lazy_imports(tmp_path):
+  """A function-level import is an import: the checker must not be blind to it."""
+  pkg = tmp_path / "dtenjax" / "_src" / "net"
+  pkg.mkdir(parents=True)
+  mod = pkg / "x.py"
+  mod.write_text("def f():\n  from dtenjax._src.planning import planner\n  return planner\n")
+  deps = _imports(mod, "dtenjax._src.net.x", {"dtenjax._src.planning.planner",
+                                               "dtenjax._src.net.x"})
+  assert deps == {"dtenjax._src.planning.planner"}
+
+
+if __name__ == "__main__":
+  pytest.main([__file__])

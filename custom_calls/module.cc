@@ -1,8 +1,11 @@
-// The one native extension module, dtenjax._ffi. It exposes the FFI handler table and what this
-// build contains; the handlers themselves live in the other custom_calls/ files.
+// The one native extension module, dtenjax._ffi. It exposes the FFI handler table, what this
+// build contains, and the Python bindings every subsystem registered (custom_calls/python.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <map>
+
+#include "custom_calls/python.h"
 #include "custom_calls/registry.h"
 
 namespace nb = nanobind;
@@ -14,8 +17,23 @@ std::vector<Registration>& Registry() {
 }
 }  // namespace dtenjax::ffi
 
+namespace dtenjax::python {
+std::vector<Binding>& Bindings() {
+  static std::vector<Binding> bindings;
+  return bindings;
+}
+
+namespace {
+// Status code -> Python exception class, installed once by dtenjax/_src/ffi.py.
+nb::dict& ErrorClasses() {
+  static nb::dict* classes = new nb::dict();  // leaked on purpose: outlives interpreter teardown
+  return *classes;
+}
+}  // namespace
+}  // namespace dtenjax::python
+
 NB_MODULE(_ffi, m) {
-  m.doc() = "dtenjax native extension: XLA FFI handlers, kernels and host transports";
+  m.doc() = "dtenjax native extension: XLA FFI handlers, kernels, host transports";
   m.def("registrations", []() {
     // [(target, platform, {stage: capsule})], capsules as jax.ffi.register_ffi_target wants them.
     nb::list out;
@@ -42,6 +60,25 @@ NB_MODULE(_ffi, m) {
 #else
     info["verbs"] = false;
 #endif
+    nb::list bindings;
+    for (const auto& b : dtenjax::python::Bindings()) bindings.append(b.name);
+    info["bindings"] = bindings;
     return info;
   });
+  m.def("set_error_classes", [](nb::dict classes) {
+    // {int(dtenjax::Code): exception class}; codes without a class raise RuntimeError.
+    dtenjax::python::ErrorClasses().clear();
+    for (auto item : classes) dtenjax::python::ErrorClasses()[item.first] = item.second;
+  });
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const dtenjax::python::StatusError& e) {
+      nb::int_ code(static_cast<int>(e.status().code()));
+      nb::dict& classes = dtenjax::python::ErrorClasses();
+      PyObject* cls = classes.contains(code) ? classes[code].ptr() : PyExc_RuntimeError;
+      PyErr_SetString(cls, e.what());
+    }
+  });
+  for (const auto& b : dtenjax::python::Bindings()) b.bind(m);
 }

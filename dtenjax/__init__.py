@@ -14,6 +14,7 @@ from dtenjax._src.errors import ConfigurationError as ConfigurationError
 from dtenjax._src.errors import DtenjaxError as DtenjaxError
 from dtenjax._src.errors import ExtensionUnavailableError as ExtensionUnavailableError
 from dtenjax._src.errors import MeshError as MeshError
+from dtenjax._src.errors import NativeError as NativeError
 from dtenjax._src.errors import PlacementError as PlacementError
 from dtenjax._src.errors import QuotaExceededError as QuotaExceededError
 from dtenjax._src.errors import TopologyError as TopologyError
@@ -57,6 +58,7 @@ __all__ = [
     "LinkSpec",
     "MemoryPlan",
     "MeshError",
+    "NativeError",
     "Placement",
     "PlacementError",
     "Plan",

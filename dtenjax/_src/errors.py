@@ -46,6 +46,10 @@ class CollectiveTimeoutError(TransportError, TimeoutError):
   """A wait for a peer, key or completion ran past its timeout."""
 
 
+class NativeError(DtenjaxError, RuntimeError):
+  """Native code failed in a way no other class describes (a CUDA or system call, say)."""
+
+
 class QuotaExceededError(DtenjaxError, RuntimeError):
   """A tenant asked for more connections, registered bytes or bandwidth than its quota."""
 

@@ -1,5 +1,9 @@
 """The one place that imports the native extension ``dtenjax._ffi`` and registers its FFI targets.
 
+Native functions bound for Python (``custom_calls/python.h``) raise dtenjax errors: a failing
+``dtenjax::Status`` becomes the class :data:`STATUS_ERRORS` names for its code, installed here when
+the extension loads (the one status-to-exception map).
+
 If the extension is missing (for example a source checkout that was never built), dtenjax still
 imports; anything that needs a native target calls :func:`require`, which raises
 :class:`ExtensionUnavailableError` saying what is missing and how to build it.
@@ -19,6 +23,17 @@ BUILD_HINT = ("Build it from the repository root with `bash scripts/setup.sh` (o
               "`pip install --no-build-isolation -e .` once scikit-build-core, nanobind and jax "
               "are installed).")
 
+# dtenjax::Code (csrc/common/status.h) -> the exception a native binding raises for it.
+STATUS_ERRORS: dict[int, type[Exception]] = {
+    1: errors.ConfigurationError,         # kInvalidArgument
+    2: errors.ExtensionUnavailableError,  # kUnavailable: a capability (device, library) is missing
+    3: errors.CollectiveTimeoutError,     # kDeadlineExceeded
+    4: errors.QuotaExceededError,         # kResourceExhausted
+    5: errors.TransportError,             # kPermissionDenied: authentication / ownership
+    6: errors.TransportError,             # kDataLoss: corrupt frame
+    7: errors.NativeError,                # kInternal
+}
+
 _lock = threading.Lock()
 _registered: dict[str, set[str]] = {}   # target -> platforms registered with XLA
 
@@ -29,6 +44,7 @@ def _load() -> tuple[Any, str | None]:
     from dtenjax import _ffi  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     return None, f"the native extension dtenjax._ffi could not be imported ({e})"
+  _ffi.set_error_classes(STATUS_ERRORS)
   return _ffi, None
 
 

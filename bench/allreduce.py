@@ -1,13 +1,24 @@
-"""All-reduce benchmark: every dtenjax algorithm next to XLA's psum, in nccl-tests format.
+"""All-reduce benchmark: every dtenjax algorithm next to XLA's psum, in nccl-tests columns.
 
-  python bench/allreduce.py [--min-bytes 8] [--max-bytes 4M] [--dtype float32] [--iters 20]
+  python bench/allreduce.py [--procs N] [--sizes 8,64K,1M,...] [--dtype float32|bfloat16]
+                            [--algorithms psum,psum_oneshot,one_shot,...] [--chain 32]
                             [--json out.json] [--plot out.png]
   python -m dtenjax bench allreduce ...     (the same, wired by the CLI)
 
-On a CPU-only machine set XLA_FLAGS=--xla_force_host_platform_device_count=8 (done for you when
-JAX_PLATFORMS=cpu and nothing is set) to get 8 simulated devices. Works with one device too.
-Columns: size (bytes per rank), count (elements), type, algorithm, time (us, median),
-algbw = size / time, busbw = algbw * 2(n-1)/n (GB/s), ratio = psum time / this time (>1 faster).
+Runs on every device jax sees, in one process (the default), or with ``--procs N`` as N processes
+of one GPU each (jax.distributed on 127.0.0.1, local_device_ids=[r]): the two ways people run
+JAX on a multi-GPU machine. On a CPU-only machine it uses 8 simulated devices.
+
+Per candidate and size it measures, in one run:
+  time   per-op DEVICE time: a jitted chain of K dependent all-reduces minus the same program with
+         the all-reduces removed, divided by K (launch overhead amortised; CUDA graphs as XLA
+         makes them). With --procs the slowest process counts.
+  lat    single-call latency: one jitted all-reduce, host wall clock per call (median).
+  algbw = size / time, busbw = algbw * 2(n-1)/n (GB/s, nccl-tests), ratio = psum time / time.
+Candidates: psum (lax.psum, XLA defaults), psum_oneshot / psum_nccl (XLA's own one-shot
+all-reduce kernel forced on / off by per-executable compiler option, where this jax has the
+option), and dtenjax.all_reduce with algorithm xla, ring, one_shot, two_shot, hierarchical (2-D
+mesh only), auto, and `reproducible` (auto + reproducible=True).
 """
 
 from __future__ import annotations
@@ -15,9 +26,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+
+CANDIDATES = ("psum", "psum_oneshot", "psum_nccl", "xla", "ring", "one_shot", "two_shot",
+              "hierarchical", "auto", "reproducible")
+DEFAULT = "psum,psum_oneshot,psum_nccl,xla,one_shot,two_shot,auto,reproducible"
+DEFAULT_SIZES = "8,64,512,4K,8K,32K,64K,256K,1M,4M,16M,64M,256M"
+# Per-executable options that force XLA's own one-shot all-reduce kernel on / off, by jax version
+# (the first one this jax accepts is used).
+ONESHOT_ON = ({"xla_gpu_experimental_use_collective_kernels": "ALL_REDUCE"},
+              {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True})
+ONESHOT_OFF = ({"xla_gpu_experimental_use_collective_kernels": ""},
+               {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False})
 
 
 def _parse_size(s: str) -> int:
@@ -33,27 +58,35 @@ def _setup_env():
                                " --xla_force_host_platform_device_count=8").strip()
 
 
-CANDIDATES = ("psum", "xla", "ring", "one_shot", "two_shot", "hierarchical", "auto",
-              "reproducible")
-
-
-def _build(name, mesh, axes):
-  import jax
+def _collective(name: str, axes):
   from jax import lax
+  import dtenjax
+  if name.startswith("psum"):
+    return lambda v: lax.psum(v, axes)
+  if name == "reproducible":
+    return lambda v: dtenjax.all_reduce(v, axes, reproducible=True)
+  return lambda v: dtenjax.all_reduce(v, axes, algorithm=name)
+
+
+def _options(name: str):
+  return {"psum_oneshot": ONESHOT_ON, "psum_nccl": ONESHOT_OFF}.get(name, ({},))
+
+
+def _compile(body, mesh, axes, x, options_list):
+  """jit(shard_map(body)) compiled with the first accepted option set; (callable, options)."""
+  import jax
   from jax.sharding import PartitionSpec as P
-  from dtenjax._src.collectives import api as C
-
-  def body(x):
-    if name == "psum":
-      return lax.psum(x, axes)
-    if name == "reproducible":
-      return C.all_reduce(x, axes, algorithm="auto", reproducible=True)
-    return C.all_reduce(x, axes, algorithm=name)
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
-                               check_vma=False))
+  f = jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes), check_vma=False)
+  last = None
+  for opts in options_list:
+    try:
+      return jax.jit(f, compiler_options=opts).lower(x).compile(), opts
+    except Exception as e:  # pylint: disable=broad-except  (unknown option on this jax)
+      last = e
+  raise RuntimeError(f"no accepted compiler options among {options_list}: {last}")
 
 
-def _time(f, x, warmup: int, iters: int) -> float:
+def _median_time(f, x, warmup: int, iters: int) -> float:
   for _ in range(warmup):
     f(x).block_until_ready()
   ts = []
@@ -64,123 +97,208 @@ def _time(f, x, warmup: int, iters: int) -> float:
   return statistics.median(ts)
 
 
-def run(args) -> list[dict]:
+def measure(args) -> list[dict]:
   import jax
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.experimental import multihost_utils
 
   devs = jax.devices()
   n = len(devs)
-  shape = (2, n // 2) if n >= 4 and n % 2 == 0 else (1, n)
-  mesh = Mesh(np.array(devs).reshape(shape), ("o", "i"))
-  axes = ("o", "i")
+  two_d = args.mesh == "2d" and n >= 4 and n % 2 == 0
+  mesh = Mesh(np.array(devs).reshape((2, n // 2) if two_d else (n,)),
+              ("o", "i") if two_d else ("x",))
+  axes = ("o", "i") if two_d else ("x",)
   dtype = jnp.dtype(args.dtype)
   algos = [a for a in args.algorithms.split(",") if a]
-  sizes = []
-  s = max(args.min_bytes, dtype.itemsize)
-  while s <= args.max_bytes:
-    sizes.append(s)
-    s *= args.step_factor
+  sizes = [_parse_size(s) for s in args.sizes.split(",") if s]
+  k = args.chain
   rows = []
-  try:
-    from rich.progress import Progress
-    progress = Progress(transient=True)
-  except ImportError:
-    progress = None
-  total = len(sizes) * len(algos)
-  ctx = progress if progress is not None else _Null()
-  with ctx:
-    task = progress.add_task("all_reduce", total=total) if progress else None
-    for size in sizes:
-      count = size // dtype.itemsize
-      x = jax.random.normal(jax.random.key(0), (n, count), jnp.float32).astype(dtype)
-      x = jax.device_put(x, NamedSharding(mesh, P(axes)))   # timed calls move no input data
-      times = {}
-      for a in algos:
-        f = _build(a, mesh, axes)
-        times[a] = _time(f, x, args.warmup, args.iters)
-        if progress:
-          progress.advance(task)
-      base = times.get("psum")
-      for a in algos:
-        t = times[a]
-        algbw = size / t / 1e9
-        rows.append(dict(size=size, count=count, type=dtype.name, algorithm=a,
-                         time_us=t * 1e6, algbw=algbw,
-                         busbw=algbw * (2 * (n - 1) / n if n > 1 else 1.0),
-                         ratio=(base / t) if base else None, world=n,
-                         backend=jax.default_backend()))
+  for size in sizes:
+    count = max(1, size // dtype.itemsize)
+    rng = np.random.default_rng(size)
+    local = rng.standard_normal((len(jax.local_devices()), count)).astype(np.float32)
+    if jax.process_count() > 1:
+      x = multihost_utils.host_local_array_to_global_array(
+          local.astype(dtype).reshape(-1), mesh, P(axes))
+    else:
+      x = jax.device_put(local.astype(dtype).reshape(-1), NamedSharding(mesh, P(axes)))
+    times = {}
+    for a in algos:
+      if a == "hierarchical" and not two_d:
+        continue
+      coll = _collective(a, axes)
+
+      def chain(v, coll=coll, depth=k):
+        for _ in range(depth):
+          v = coll(v)
+        return v
+
+      try:
+        fk, opts = _compile(chain, mesh, axes, x, _options(a))
+        f0, _ = _compile(lambda v: v * jnp.ones((), v.dtype), mesh, axes, x, (opts,))
+        f1, _ = _compile(coll, mesh, axes, x, (opts,))
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"# {a} at {size} B: not available ({type(e).__name__}: {str(e)[:200]})",
+              file=sys.stderr)
+        continue
+      if a.startswith("psum"):
+        found = fk.as_text().count("all-reduce-start(") or fk.as_text().count("all-reduce(")
+        if found < k:
+          print(f"# warning: {a} chain compiled to {found} all-reduces, not {k}",
+                file=sys.stderr)
+      tk = _median_time(fk, x, args.warmup, args.iters)
+      t0 = _median_time(f0, x, args.warmup, args.iters)
+      lat = _median_time(f1, x, args.warmup, args.iters)
+      times[a] = (max(tk - t0, 1e-9) / k, lat)
+    base = times.get("psum", (None,))[0]
+    for a, (t, lat) in times.items():
+      algbw = count * dtype.itemsize / t / 1e9
+      rows.append(dict(size=count * dtype.itemsize, count=count, type=dtype.name, algorithm=a,
+                       time_us=t * 1e6, lat_us=lat * 1e6, algbw=algbw,
+                       busbw=algbw * (2 * (n - 1) / n if n > 1 else 1.0),
+                       ratio=(base / t) if base else None, world=n,
+                       procs=jax.process_count(), backend=jax.default_backend(),
+                       chain=k))
+    if args.progress:
+      print(f"# {size} B done", file=sys.stderr, flush=True)
   return rows
 
 
-class _Null:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *a):
-    return False
-
-
 def table(rows: list[dict]) -> str:
-  hdr = (f"{'size':>10} {'count':>10} {'type':>9} {'algorithm':>13} {'time(us)':>10} "
-         f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'vs psum':>8}")
+  hdr = (f"{'size':>10} {'count':>10} {'type':>9} {'algorithm':>13} {'time(us)':>9} "
+         f"{'lat(us)':>9} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'vs psum':>8}")
   out = [hdr]
   for r in rows:
     ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
     out.append(f"{r['size']:>10} {r['count']:>10} {r['type']:>9} {r['algorithm']:>13} "
-               f"{r['time_us']:>10.1f} {r['algbw']:>12.3f} {r['busbw']:>12.3f} {ratio:>8}")
+               f"{r['time_us']:>9.1f} {r['lat_us']:>9.1f} {r['algbw']:>12.3f} "
+               f"{r['busbw']:>12.3f} {ratio:>8}")
   return "\n".join(out)
 
 
-def plot(rows: list[dict], path: str) -> bool:
+def _plot_module():
   try:
-    import matplotlib
+    import matplotlib  # pylint: disable=g-import-not-at-top
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    return plt
   except ImportError:
-    print(f"--plot {path}: matplotlib is not installed, no plot written "
-          "(pip install matplotlib).", file=sys.stderr)
-    return False
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+    return None
+
+
+def plot(rows: list[dict], path: str, plt) -> None:
+  fig, ax = plt.subplots(figsize=(7.5, 4.5))
   for a in sorted({r["algorithm"] for r in rows}):
     rs = [r for r in rows if r["algorithm"] == a]
-    ax.plot([r["size"] for r in rs], [r["time_us"] for r in rs], marker="o", label=a)
+    ax.plot([r["size"] for r in rs], [r["busbw"] for r in rs], marker="o", label=a)
   ax.set_xscale("log", base=2)
-  ax.set_yscale("log")
   ax.set_xlabel("bytes per rank")
-  ax.set_ylabel("time (us, median)")
-  ax.set_title(f"all_reduce, world {rows[0]['world']}, {rows[0]['backend']}")
-  ax.legend()
+  ax.set_ylabel("busbw (GB/s)")
+  r0 = rows[0]
+  ax.set_title(f"all_reduce {r0['type']}, {r0['world']} x {r0['backend']}, "
+               f"{r0['procs']} process(es)")
+  ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path)
-  return True
+
+
+def _merge(per_rank: list[list[dict]]) -> list[dict]:
+  """The slowest process's time per (size, algorithm), ratios recomputed."""
+  merged = {}
+  for rows in per_rank:
+    for r in rows:
+      key = (r["size"], r["algorithm"])
+      if key not in merged or r["time_us"] > merged[key]["time_us"]:
+        merged[key] = dict(r)
+  out = sorted(merged.values(), key=lambda r: (r["size"], CANDIDATES.index(r["algorithm"])))
+  for r in out:
+    base = merged.get((r["size"], "psum"))
+    r["ratio"] = base["time_us"] / r["time_us"] if base else None
+    r["algbw"] = r["size"] / (r["time_us"] * 1e-6) / 1e9
+    r["busbw"] = r["algbw"] * (2 * (r["world"] - 1) / r["world"] if r["world"] > 1 else 1.0)
+  return out
+
+
+def _launch(args, argv: list[str]) -> list[dict]:
+  """Runs this script as args.procs processes of one GPU each; returns the merged rows."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  with tempfile.TemporaryDirectory() as out:
+    procs = []
+    for r in range(args.procs):
+      env = dict(os.environ, DTENJAX_BENCH_RANK=str(r),
+                 DTENJAX_BENCH_COORDINATOR=f"127.0.0.1:{port}", DTENJAX_BENCH_OUT=out,
+                 NCCL_NVLS_ENABLE="0")
+      cmd = [sys.executable, os.path.abspath(__file__), "--worker"] + argv
+      procs.append(subprocess.Popen(cmd, env=env))
+    deadline = time.monotonic() + args.timeout
+    codes = []
+    for p in procs:
+      try:
+        codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+      except subprocess.TimeoutExpired:
+        p.kill()
+        codes.append(None)
+    if any(c != 0 for c in codes):
+      raise SystemExit(f"bench/allreduce.py: worker exit codes {codes} (None: killed after "
+                       f"--timeout {args.timeout} s)")
+    return _merge([json.load(open(os.path.join(out, f"rank{r}.json")))
+                   for r in range(args.procs)])
 
 
 def main(argv: list[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
   p = argparse.ArgumentParser(prog="dtenjax bench allreduce", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--min-bytes", type=_parse_size, default=_parse_size("64"))
-  p.add_argument("--max-bytes", type=_parse_size, default=_parse_size("4M"))
-  p.add_argument("--step-factor", type=int, default=8)
+  p.add_argument("--sizes", default=DEFAULT_SIZES, help="bytes per rank, comma list (K/M/G)")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  p.add_argument("--algorithms", default=",".join(CANDIDATES),
-                 help="comma list of " + ",".join(CANDIDATES))
+  p.add_argument("--algorithms", default=DEFAULT, help="comma list of " + ",".join(CANDIDATES))
+  p.add_argument("--chain", type=int, default=32, help="all-reduces per timed program (K)")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--mesh", default="1d", choices=["1d", "2d"])
+  p.add_argument("--procs", type=int, default=0,
+                 help="run as N processes of one GPU each (jax.distributed on 127.0.0.1)")
+  p.add_argument("--timeout", type=float, default=900, help="seconds for --procs workers")
+  p.add_argument("--progress", action="store_true")
   p.add_argument("--json", metavar="PATH")
-  p.add_argument("--plot", metavar="FILE.png")
+  p.add_argument("--plot", metavar="FILE.png", help="needs matplotlib (pip install dtenjax[plot])")
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   bad = [a for a in args.algorithms.split(",") if a and a not in CANDIDATES]
   if bad:
     p.error(f"unknown algorithm(s) {bad}; choose from {list(CANDIDATES)}")
-  _setup_env()
-  rows = run(args)
+  plt = None
+  if args.plot:
+    plt = _plot_module()
+    if plt is None:
+      p.error(f"--plot {args.plot} needs matplotlib, which is not installed: "
+              "pip install 'dtenjax[plot]' (or drop --plot)")
+  if args.worker:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.distributed.initialize(os.environ["DTENJAX_BENCH_COORDINATOR"],
+                               num_processes=args.procs,
+                               process_id=int(os.environ["DTENJAX_BENCH_RANK"]),
+                               local_device_ids=[int(os.environ["DTENJAX_BENCH_RANK"])],
+                               initialization_timeout=120)
+    rows = measure(args)
+    with open(os.path.join(os.environ["DTENJAX_BENCH_OUT"],
+                           f"rank{jax.process_index()}.json"), "w") as f:
+      json.dump(rows, f)
+    return 0
+  if args.procs:
+    rows = _launch(args, [a for a in argv if a != "--plot" and not a.endswith(".png")])
+  else:
+    _setup_env()
+    rows = measure(args)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"argv": argv if argv is not None else sys.argv[1:], "rows": rows}, f, indent=1)
-  if args.plot:
-    plot(rows, args.plot)
+      json.dump({"argv": argv, "rows": rows}, f, indent=1)
+  if plt is not None:
+    plot(rows, args.plot, plt)
   print(table(rows))
   return 0
 

@@ -53,6 +53,15 @@ struct BindingRegistrar {
 
 }  // namespace dtenjax::python
 
+// A precondition on a binding's arguments: raises the kInvalidArgument class (ConfigurationError).
+#define DTENJAX_CHECK_PY(cond, what)                                                           \
+  do {                                                                                        \
+    if (!(cond)) {                                                                            \
+      ::dtenjax::python::ThrowIfError(                                                        \
+          DTENJAX_ERROR(::dtenjax::Code::kInvalidArgument, (what)));                          \
+    }                                                                                         \
+  } while (0)
+
 #define DTENJAX_PY_CONCAT_(a, b) a##b
 #define DTENJAX_PY_CONCAT(a, b) DTENJAX_PY_CONCAT_(a, b)
 

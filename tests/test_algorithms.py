@@ -190,8 +190,10 @@ def test_cross_process_axes_dispatch_to_hostcoll(mesh, monkeypatch):
 def test_gpu_one_shot_dispatches_to_p2p_when_supported(mesh, monkeypatch):
   p2p = types.ModuleType("dtenjax._src.gpu.p2p")
   asked = []
-  p2p.supported = lambda n, nbytes, dtype: (asked.append((n, nbytes)) or (n == 8, "size"))
-  p2p.all_reduce = lambda x, axis_name, *, algorithm, op, mesh=None: x * 0 + 7.0
+  p2p.supported = lambda n, nbytes, dtype, *, op="sum", reproducible=False: (
+      asked.append((n, nbytes)) or (n == 8, "size"))
+  p2p.all_reduce = lambda x, axis_name, *, algorithm, op, reproducible=False, fallback=None: (
+      x * 0 + 7.0)
   monkeypatch.setitem(sys.modules, "dtenjax._src.gpu.p2p", p2p)
   monkeypatch.setattr(C.jax, "default_backend", lambda: "gpu")
   y = _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="two_shot"))(_x())

@@ -1,19 +1,32 @@
 """Tests of the NVLink p2p all-reduce (dtenjax/_src/gpu/p2p.py, csrc/cuda/p2p_*).
 
-CPU: gating, error messages, the numpy reference of the bit contract, rank order of mesh groups,
-and that a CUDA build contains the targets. GPU (marked `gpu`): the real kernels with N simulated
-ranks on one GPU against the reference, bit for bit, inside and outside CUDA graphs, and the real
-all-reduce handler through shard_map.
+CPU: gating, error messages, rank order of mesh groups, the lowering-time fallback, and that a CUDA
+build contains the targets. GPU (marked `gpu`): the kernels with N simulated ranks on one GPU
+against independent numpy references, bit for bit, inside and outside CUDA graphs; the PUBLIC
+dtenjax.all_reduce on every GPU of the machine in one process (plain jax.shard_map, jax.set_mesh,
+dtenjax.mesh_map, 2-D meshes, messages larger than the registered buffer); one process per GPU
+(jax.distributed on 127.0.0.1, CUDA IPC); and a peer that never arrives (the step must fail).
 """
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+from jax import lax
 
+import dtenjax
 from dtenjax._src import errors
 from dtenjax._src import ffi
 from dtenjax._src.gpu import p2p
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bits(a):
@@ -21,30 +34,124 @@ def _bits(a):
   return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
 
 
+# --- independent references of the bit contracts (numpy, not dtenjax code) ---------------------
+
+def fold_reference(x, op="sum"):
+  """Rank-order fold over axis 0 in float32, one rounding to x's dtype."""
+  x = np.asarray(x)
+  v = x.astype(np.float32)
+  acc = v[0].copy()
+  for r in range(1, v.shape[0]):
+    if op in ("sum", "mean"):
+      acc = acc + v[r]
+    elif op == "max":
+      acc = np.where(v[r] > acc, v[r], acc)
+    else:
+      acc = np.where(v[r] < acc, v[r], acc)
+  if op == "mean":
+    acc = (acc / np.float32(v.shape[0])).astype(np.float32)
+  if op in ("max", "min"):
+    acc = np.where(np.isnan(v).any(axis=0), np.float32(np.nan), acc)
+  return acc.astype(x.dtype)
+
+
+def _round_exact(v, precision):
+  """float64 values (exact) rounded once, half to even, to `precision` significand bits with
+  float32's exponent range (subnormals below 2**-126, inf from 2**128)."""
+  v = np.asarray(v, np.float64)
+  _, ex = np.frexp(v)                     # |v| in [2**(ex-1), 2**ex)
+  lead = np.maximum(ex - 1, -126)
+  quantum = np.ldexp(1.0, lead - (precision - 1))
+  r = np.rint(v / quantum) * quantum      # exact: power-of-two scaling, integer rounding
+  r = np.where(np.abs(r) >= 2.0 ** 128, np.copysign(np.inf, v), r)
+  return np.where(v == 0, 0.0, r)
+
+
+def reproducible_reference(x, mean=False):
+  """Contract v2 (docs/collectives.md) over axis 0, written from the definition."""
+  x = np.asarray(x)
+  b = x.astype(np.float32).view(np.uint32).astype(np.int64)
+  a = b & 0x7FFFFFFF
+  f = a >> 23
+  code = np.where(a == 0, 0, np.maximum(f, 1))
+  c = code.max(axis=0)
+  v32 = x.astype(np.float32)
+  nan = np.isnan(v32)
+  pos = (nan | (v32 == np.inf)).any(axis=0)
+  neg = (nan | (v32 == -np.inf)).any(axis=0)
+  e = c - 126
+  # q = x * 2**(40 - e) rounded half to even; exact in float64 (|q| <= 2**40).
+  with np.errstate(invalid="ignore", over="ignore"):
+    q = np.rint(np.ldexp(v32.astype(np.float64), (40 - e)[None]))
+  q = np.where(np.isfinite(v32), q, 0).astype(np.int64)
+  total = q.sum(axis=0)
+  exact = np.ldexp(total.astype(np.float64), e - 40)   # |total| < 2**53: exact
+  precision = 8 if x.dtype == ml_dtypes.bfloat16 else 24
+  r = _round_exact(exact, 24 if mean else precision)
+  if mean:
+    r = (r.astype(np.float32) / np.float32(x.shape[0])).astype(np.float64)
+  r = np.where(c == 0, 0.0, r)
+  r = np.where(c == 255, np.where(pos & neg, np.nan, np.where(pos, np.inf, -np.inf)), r)
+  return r.astype(np.float32).astype(x.dtype)
+
+
+def test_references_are_what_they_claim():
+  # Fold order matters: (1e8 + 1) - 1e8 == 0 in f32; -1e8 + 1e8 + 1 == 1.
+  x = np.array([[1e8], [1.0], [-1e8]], np.float32)
+  assert fold_reference(x)[0] == 0.0 and fold_reference(x[[0, 2, 1]])[0] == 1.0
+  assert np.signbit(fold_reference(np.array([[-0.0]], np.float32))[0])
+  xb = np.array([[256.0], [1.0], [1.0]], ml_dtypes.bfloat16)
+  assert float(fold_reference(xb)[0]) == 258.0
+  # The reproducible sum is exact, so the order does not matter and 1 is not lost.
+  assert reproducible_reference(x)[0] == 1.0 == reproducible_reference(x[[2, 1, 0]])[0]
+  sub = np.array([[1e-45], [1e-45], [2e-45]], np.float32)       # subnormals add exactly
+  assert reproducible_reference(sub)[0] == np.float32(4e-45)
+  assert np.isnan(reproducible_reference(np.array([[np.inf], [-np.inf]], np.float32))[0])
+  assert reproducible_reference(np.array([[np.inf], [1.0]], np.float32))[0] == np.inf
+  assert reproducible_reference(np.array([[3e38], [3e38]], np.float32))[0] == np.inf
+  assert not np.signbit(reproducible_reference(np.array([[-0.0], [-0.0]], np.float32))[0])
+  # bf16 rounds once from the exact sum: 256 + 1 + 1 = 258 is representable in bf16.
+  assert float(reproducible_reference(xb)[0]) == 258.0
+
+
 # --- CPU ---------------------------------------------------------------------------------------
 
-def test_cuda_build_contains_targets():
+def test_cuda_build_contains_targets_and_bindings():
   info = ffi.build_info()
   if not info["built"] or not info["cuda"]:
     pytest.skip(f"extension built without CUDA: {info}")
   for t in p2p.TARGETS:
     assert (t, "CUDA") in info["targets"], t
+  assert "p2p" in info["bindings"]
+  for name in ("p2p_register", "p2p_connect", "p2p_kernel_timeouts"):
+    assert hasattr(ffi.module(), name), name
+
+
+def test_native_setup_errors_are_dtenjax_errors():
+  if not ffi.build_info()["cuda"]:
+    pytest.skip("extension built without CUDA")
+  with pytest.raises(errors.ConfigurationError, match="multiple of 16"):
+    ffi.module().p2p_register(0, 17)
+  with pytest.raises(errors.ConfigurationError, match="128 bytes per rank"):
+    ffi.module().p2p_connect(0, 1, 0, 2, b"x" * 128)
 
 
 def test_supported_lists_every_problem(monkeypatch):
-  monkeypatch.setenv("DTENJAX_P2P_BUFFER_BYTES", str(1 << 20))
-  ok, why = p2p.supported(9, (1 << 20) + 16, jnp.int32)
+  monkeypatch.setenv("DTENJAX_P2P_MAX_BLOCKS", "500")
+  ok, why = p2p.supported(9, 1 << 40, jnp.int32, op="prod")
   assert not ok
-  assert "int32" in why and "world size 9" in why and f"{(1 << 20) + 16} bytes" in why
-  if jax.default_backend() == "cpu":
-    assert "no CUDA GPU" in why or "not built" in why or "no CUDA kernels" in why
+  for part in ("int32", "world size 9", "'prod'", "DTENJAX_P2P_MAX_BLOCKS=500"):
+    assert part in why, (part, why)
+  assert "bytes" not in why            # any size is fine: large messages run in chunks
+  ok, why = p2p.supported(2, 64, jnp.float16, op="max", reproducible=True)
+  assert not ok and "float16" in why and "'max' has no reproducible form" in why
 
 
 def test_supported_without_gpu_says_why():
   if jax.default_backend() != "cpu":
     pytest.skip("CPU-only check")
   ok, why = p2p.supported(2, 1024, jnp.bfloat16)
-  assert not ok and why
+  assert not ok and ("no CUDA GPU" in why or "not built" in why or "no CUDA kernels" in why)
 
 
 def test_bad_buffer_knob(monkeypatch):
@@ -58,81 +165,193 @@ def test_bad_buffer_knob(monkeypatch):
 def test_all_reduce_rejects_bad_arguments():
   x = jnp.zeros((4,), jnp.int32)
   with pytest.raises(errors.CollectiveError) as e:
-    p2p.all_reduce(x, "x", algorithm="three_shot", op="max")
+    p2p.all_reduce(x, "x", algorithm="three_shot", op="prod")
   msg = str(e.value)
-  assert "three_shot" in msg and "'max'" in msg and "int32" in msg
+  assert "three_shot" in msg and "'prod'" in msg and "int32" in msg
+  with pytest.raises(errors.CollectiveError, match="no reproducible form"):
+    p2p.all_reduce(jnp.zeros((4,), jnp.float32), "x", op="max", reproducible=True)
 
 
-def test_all_reduce_unavailable_on_cpu_names_fix(cpu_devices):
+def _smap(mesh, body, axes=("x",)):
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P(axes), out_specs=jax.P(axes),
+                               check_vma=False))
+
+
+def test_unavailable_without_fallback_names_fix(cpu_devices):
   if jax.default_backend() != "cpu":
     pytest.skip("CPU-only check")
   mesh = jax.sharding.Mesh(np.array(cpu_devices[:2]), ("x",))
-  f = jax.shard_map(lambda v: p2p.all_reduce(v, "x", algorithm="one_shot", mesh=mesh),
-                    mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P("x"))
+  f = _smap(mesh, lambda v: p2p.all_reduce(v, "x", algorithm="one_shot"))
   with pytest.raises(errors.CollectiveError, match="algorithm='xla'"):
     f(jnp.ones((8,), jnp.float32))
 
 
-def test_reference_is_rank_order_f32_fold():
-  # Order matters: (1e8 + 1) - 1e8 == 0 in f32 (1 is lost), -1e8 + 1e8 + 1 would be 1.
-  x = np.array([[1e8], [1.0], [-1e8]], np.float32)
-  assert p2p.reference(x)[0] == 0.0
-  assert p2p.reference(x[[0, 2, 1]])[0] == 1.0
-  # First term is x_0 itself: -0.0 survives a one-rank reduction.
-  assert np.signbit(p2p.reference(np.array([[-0.0]], np.float32))[0])
-  # bf16: accumulate in f32, round once. 256 + 1 + 1 is 258 in f32 (representable in bf16);
-  # bf16 accumulation would round 256 + 1 back to 256 twice.
-  xb = np.array([[256.0], [1.0], [1.0]], jnp.bfloat16)
-  assert float(p2p.reference(xb)[0]) == 258.0
-  assert p2p.reference(xb).dtype == jnp.bfloat16
+def test_unavailable_with_fallback_runs_the_fallback(cpu_devices):
+  if jax.default_backend() != "cpu":
+    pytest.skip("CPU-only check")
+  mesh = jax.sharding.Mesh(np.array(cpu_devices[:4]), ("x",))
+  f = _smap(mesh, lambda v: p2p.all_reduce(v, "x", fallback=lambda u: lax.psum(u, "x") + 1))
+  x = np.arange(8, dtype=np.float32)
+  np.testing.assert_array_equal(np.asarray(f(x)), np.tile(x.reshape(4, 2).sum(0) + 1, 4))
+
+
+def test_lowering_falls_back_when_not_cuda(cpu_devices, caplog):
+  """The set-up decision happens while lowering: on a non-CUDA lowering the primitive lowers the
+  fallback (logged), and without one it raises saying why."""
+  mesh = jax.sharding.Mesh(np.array(cpu_devices[:4]), ("x",))
+  x = np.arange(8, dtype=np.float32)
+
+  def body(fallback):
+    return lambda v: p2p._p2p_p.bind(v, axes=("x",), algorithm="one_shot", op="sum",
+                                     reproducible=False, fallback=fallback)
+
+  f = _smap(mesh, body(lambda u: lax.psum(u, "x") * 2))
+  np.testing.assert_array_equal(np.asarray(f(x)), np.tile(x.reshape(4, 2).sum(0) * 2, 4))
+  g = _smap(mesh, body(None))
+  with pytest.raises(Exception, match="not CUDA"):
+    g(x)
+
+
+def _bind(fallback, axes=("x",)):
+  return lambda v: p2p._p2p_p.bind(v, axes=axes, algorithm="one_shot", op="sum",
+                                   reproducible=False, fallback=fallback)
+
+
+def test_vmap_over_the_reduced_axis_uses_the_fallback():
+  # jax.vmap's named axis has no GPUs: the batching rule must run the fallback over that axis.
+  f = jax.jit(jax.vmap(_bind(lambda u: lax.psum(u, "v"), ("v",)), axis_name="v"))
+  x = np.arange(6, dtype=np.float32).reshape(3, 2)
+  np.testing.assert_array_equal(np.asarray(f(x)), np.tile(x.sum(0), (3, 1)))
+  with pytest.raises(errors.CollectiveError, match="vmap axis 'v'"):
+    jax.vmap(_bind(None, ("v",)), axis_name="v")(x)
+
+
+def test_vmap_over_an_unnamed_batch_axis_reduces_each_element(cpu_devices):
+  # An ordinary batch axis is more elements: every one reduced across the mesh independently.
+  mesh = jax.sharding.Mesh(np.array(cpu_devices[:4]), ("x",))
+  fb = lambda u: lax.psum(u, "x")
+  f = _smap(mesh, jax.vmap(_bind(fb)))
+  x = np.arange(24, dtype=np.float32).reshape(4, 6)      # per device: [1, 6] -> vmapped over 1
+  got = np.asarray(f(x.reshape(4 * 1, 6)))
+  np.testing.assert_array_equal(got, np.tile(x.sum(0), (4, 1)))
 
 
 def test_groups_follow_axis_order(cpu_devices):
   mesh = jax.sharding.Mesh(np.array(cpu_devices).reshape(2, 4), ("a", "b"))
-  ga = p2p._groups(mesh, "a")
-  gb = p2p._groups(mesh, "b")
-  assert [[d.id for d in g] for g in ga] == [[cpu_devices[i].id, cpu_devices[i + 4].id]
-                                            for i in range(4)]
-  assert [[d.id for d in g] for g in gb] == [[d.id for d in cpu_devices[:4]],
-                                            [d.id for d in cpu_devices[4:]]]
-  assert p2p._key_of(ga) != p2p._key_of(gb)
-  assert p2p._key_of(ga) == p2p._key_of(p2p._groups(mesh, "a"))
+  ids = lambda groups: [[d.id for d in g] for g in groups]
+  d = [c.id for c in cpu_devices]
+  assert ids(p2p.groups_of(mesh, ("a",))) == [[d[i], d[i + 4]] for i in range(4)]
+  assert ids(p2p.groups_of(mesh, ("b",))) == [d[:4], d[4:]]
+  assert ids(p2p.groups_of(mesh, ("a", "b"))) == [d]
+  assert ids(p2p.groups_of(mesh, ("b", "a"))) == [[d[0], d[4], d[1], d[5], d[2], d[6], d[3],
+                                                   d[7]]]
+  # The rank is lax.axis_index over the same axes: check it against jax itself.
+  f = jax.jit(jax.shard_map(lambda v: lax.axis_index(("b", "a"))[None], mesh=mesh,
+                            in_specs=jax.P(("a", "b")), out_specs=jax.P(("a", "b"))))
+  where = {dev.id: int(np.asarray(s.data)[0])
+           for s in f(np.zeros(8, np.int32)).addressable_shards for dev in [s.device]}
+  group = ids(p2p.groups_of(mesh, ("b", "a")))[0]
+  assert [where[i] for i in group] == list(range(8))
   with pytest.raises(errors.CollectiveError, match="'c'"):
-    p2p._groups(mesh, "c")
+    p2p.groups_of(mesh, ("c",))
 
 
-def test_prepare_needs_mesh_for_world_above_one():
-  with pytest.raises(errors.CollectiveError, match="mesh="):
-    p2p.prepare("x", 2, mesh=None)
-
-
-# --- GPU ---------------------------------------------------------------------------------------
+# --- GPU: simulated ranks on one GPU ---------------------------------------------------------
 
 SIZES = (1, 3, 8, 9, 1000, 4097, 65536 + 5, (1 << 20) + 3)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _stacked(world, count, dtype, seed):
+def _stacked(world, count, dtype, seed, special=False):
   rng = np.random.default_rng(seed)
   n = -(-count // 8) * 8  # 16-byte aligned rows for every dtype
   x = rng.standard_normal((world, n)).astype(np.float32) * 4
+  if special:   # widely spread exponents, zeros, subnormals and non-finite values
+    x *= np.float32(2.0) ** rng.integers(-140, 120, size=x.shape).astype(np.float32)
+    for r in range(world):
+      x[r, rng.integers(0, n, size=max(1, n // 50))] = rng.choice(
+          np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -3e-39, 3.3e38], np.float32))
   x[:, count:] = np.nan  # padding must never leak into the result
-  return x.astype(dtype)
+  return np.asarray(x).astype(dtype)
+
+
+def _reference(x, op, reproducible):
+  if reproducible:
+    return reproducible_reference(x, mean=op == "mean")
+  return fold_reference(x, op)
+
+
+def _assert_bits(got, want, what):
+  got, want = np.asarray(got), np.asarray(want)
+  nan = np.isnan(want.astype(np.float32))
+  np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan, err_msg=what)
+  np.testing.assert_array_equal(_bits(got)[~nan], _bits(want)[~nan], err_msg=what)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", (2, 4, 8))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("algorithm", ("one_shot", "two_shot"))
-def test_selftest_bitwise(world, dtype, algorithm):
+def test_selftest_bitwise_sum(world, dtype, algorithm):
   for i, count in enumerate(SIZES):
     x = _stacked(world, count, dtype, seed=1000 * world + i)
     out = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, count=count, iters=3))(x)
-    want = p2p.reference(x[:, :count])
-    got = np.asarray(out)[:, :count]
+    want = fold_reference(x[:, :count])
     for r in range(world):
-      np.testing.assert_array_equal(_bits(got[r]), _bits(want),
-                                    err_msg=f"rank {r}, count {count}")
+      _assert_bits(np.asarray(out)[r, :count], want, f"rank {r}, count {count}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ("mean", "max", "min"))
+@pytest.mark.parametrize("algorithm", ("one_shot", "two_shot"))
+def test_selftest_bitwise_other_ops(op, algorithm):
+  for world, dtype in ((3, jnp.float32), (4, jnp.bfloat16), (8, jnp.float16)):
+    count = 70001
+    x = _stacked(world, count, dtype, seed=world)
+    x[world - 1, 5] = np.nan
+    out = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, op=op, count=count))(x)
+    want = fold_reference(x[:, :count], op)
+    for r in range(world):
+      _assert_bits(np.asarray(out)[r, :count], want, f"{op} world {world} rank {r}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", (2, 3, 4, 8))
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
+@pytest.mark.parametrize("algorithm", ("one_shot", "two_shot"))
+@pytest.mark.parametrize("op", ("sum", "mean"))
+def test_selftest_reproducible_bitwise(world, dtype, algorithm, op):
+  for i, count in enumerate((1, 9, 4097, 100003)):
+    x = _stacked(world, count, dtype, seed=77 * world + i, special=True)
+    out = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, op=op, reproducible=True,
+                                         count=count))(x)
+    want = reproducible_reference(x[:, :count], mean=op == "mean")
+    for r in range(world):
+      _assert_bits(np.asarray(out)[r, :count], want, f"rank {r}, count {count}")
+
+
+@pytest.mark.gpu
+def test_reproducible_kernel_matches_stored_cpu_bits():
+  """The CPU (XLA integer path) bits stored by the collectives tests, reproduced by the kernel."""
+  path = os.path.join(ROOT, "tests", "data", "reproducible_ref.npz")
+  if not os.path.exists(path):
+    pytest.fail(f"{path} is missing: the CPU reference must be committed with the XLA path")
+  ref = np.load(path, allow_pickle=False)
+  for name in sorted(k[:-len("_inputs")] for k in ref.files if k.endswith("_inputs")):
+    x = ref[f"{name}_inputs"]
+    if x.dtype == np.uint16:
+      x = x.view(ml_dtypes.bfloat16)
+    want = ref[f"{name}_expected"]
+    if want.dtype == np.uint16:
+      want = want.view(ml_dtypes.bfloat16)
+    w, n = x.shape
+    pad = -(-n // 8) * 8
+    xp = np.concatenate([x, np.zeros((w, pad - n), x.dtype)], axis=1)
+    if not 2 <= w <= 8:
+      continue
+    out = jax.jit(lambda v: p2p.selftest(v, reproducible=True, count=n))(xp)
+    for r in range(w):
+      _assert_bits(np.asarray(out)[r, :n], want, f"{name} rank {r}")
 
 
 @pytest.mark.gpu
@@ -161,32 +380,166 @@ def test_selftest_inside_and_outside_cuda_graphs(graphs, algorithm):
   jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, count=count))(x).block_until_ready()
   opts = {"xla_gpu_enable_command_buffer": ""} if graphs == "off" else None
   step = _graph_step(algorithm, count, opts)
-  want = _bits(p2p.reference(x[:, :count]))
-  for it in range(5):  # replays: counters in device memory keep increasing, no host reset
+  want = fold_reference(x[:, :count])
+  for it in range(5):  # replays: the epoch in device memory keeps increasing, no host reset
     got = np.asarray(step(x))[:, :count]
     for r in range(world):
-      np.testing.assert_array_equal(_bits(got[r]), want, err_msg=f"replay {it}, rank {r}")
+      _assert_bits(got[r], want, f"replay {it}, rank {r}")
+
+
+def _run_python(code: str, env: dict, timeout: float):
+  e = dict(os.environ)
+  e.update(env)
+  e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+  return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e,
+                        timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.gpu
+def test_peer_that_never_arrives_fails_the_step():
+  """A barrier timeout traps the kernel: the step raises (never returns data), a watchdog line
+  says which rank waited for which, and later calls report it. In a process of its own: the trap
+  ends the CUDA context."""
+  code = """
+import numpy as np, jax
+from dtenjax._src.gpu import p2p
+x = np.ones((2, 1024), np.float32)
+try:
+  y = jax.jit(lambda v: p2p.selftest(v, mode=3, iters=1))(x)
+  np.asarray(y)
+  print("RESULT-RETURNED", float(np.asarray(y)[0, 0]))
+except Exception as e:
+  print("STEP-FAILED", type(e).__name__)
+import os, sys, time; time.sleep(0.5)
+print("TIMEOUTS", p2p.kernel_timeouts(), flush=True)
+sys.stderr.flush()
+os._exit(0)   # the trapped CUDA context cannot be torn down cleanly
+"""
+  r = _run_python(code, {"DTENJAX_COLLECTIVE_TIMEOUT": "0.5", "DTENJAX_TEST_PLATFORM": "gpu"},
+                  timeout=120)
+  out = r.stdout + r.stderr
+  assert "RESULT-RETURNED" not in out, out
+  assert "STEP-FAILED" in out, out
+  assert "rank 0 waited past DTENJAX_COLLECTIVE_TIMEOUT for rank 1" in out, out
+
+
+# --- GPU: every GPU of the machine, public API, one process ------------------------------------
+
+def _gpus():
+  return jax.devices("gpu") if jax.default_backend() == "gpu" else []
+
+
+def _need_gpus(n=2):
+  if len(_gpus()) < n:
+    pytest.skip(f"needs {n} GPUs in this process, found {len(_gpus())}")
+
+
+CASES = [("one_shot", "sum", False), ("two_shot", "sum", False), ("one_shot", "mean", False),
+         ("two_shot", "max", False), ("one_shot", "min", False), ("one_shot", "sum", True),
+         ("two_shot", "sum", True), ("two_shot", "mean", True)]
+
+
+def _public(algorithm, op, reproducible):
+  return lambda v: dtenjax.all_reduce(v, "x", algorithm=algorithm, op=op,
+                                      reproducible=reproducible)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", ("default", "off"))
-@pytest.mark.parametrize("algorithm", ("one_shot", "two_shot"))
-def test_all_reduce_handler_through_shard_map(graphs, algorithm):
-  gpus = jax.devices("gpu")
-  mesh = jax.sharding.Mesh(np.array(gpus), ("x",))
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
+@pytest.mark.parametrize("case", CASES,
+                         ids=[f"{a}-{o}" + ("-exact" if r else "") for a, o, r in CASES])
+def test_public_all_reduce_plain_shard_map(case, dtype, graphs):
+  _need_gpus()
+  algorithm, op, reproducible = case
+  gpus = _gpus()
   world = len(gpus)
-  ok, why = p2p.supported(world, 4 * 1000, jnp.float32)
-  assert ok, why
+  mesh = jax.sharding.Mesh(np.array(gpus), ("x",))
   opts = {"xla_gpu_enable_command_buffer": ""} if graphs == "off" else {}
+  body = _public(algorithm, op, reproducible)
+  f = jax.jit(jax.shard_map(lambda v: body(v * 1.0) * 1.0, mesh=mesh, in_specs=jax.P("x"),
+                            out_specs=jax.P("x"), check_vma=False), compiler_options=opts)
+  for n in (1003, 300007):
+    x = _stacked(world, n, dtype, seed=n, special=reproducible)[:, :n]
+    want = _reference(x, op, reproducible)
+    for _ in range(3):
+      got = np.asarray(f(x.reshape(-1))).reshape(world, n)
+      for r in range(world):
+        _assert_bits(got[r], want, f"{case} n={n} rank {r}")
 
-  def body(v):
-    return (p2p.all_reduce(v * 1.0, "x", algorithm=algorithm, mesh=mesh) + 0.0) * 1.0
 
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P("x")),
-              compiler_options=opts)
-  x = np.random.default_rng(0).standard_normal((world * 1003,)).astype(np.float32)
-  want = p2p.reference(x.reshape(world, 1003))
-  for _ in range(3):
-    got = np.asarray(f(x)).reshape(world, 1003)
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ("one_shot", "two_shot"))
+def test_public_all_reduce_under_set_mesh_and_mesh_map(algorithm):
+  _need_gpus()
+  gpus = _gpus()
+  world = len(gpus)
+  mesh = jax.sharding.Mesh(np.array(gpus), ("x",))
+  x = _stacked(world, 4099, jnp.float32, seed=5)[:, :4099]
+  want = fold_reference(x)
+  with jax.set_mesh(mesh):
+    f = jax.jit(jax.shard_map(_public(algorithm, "sum", False), in_specs=jax.P("x"),
+                              out_specs=jax.P("x"), check_vma=False))
+    got = np.asarray(f(x.reshape(-1))).reshape(world, -1)
+  for r in range(world):
+    _assert_bits(got[r], want, f"set_mesh rank {r}")
+  g = jax.jit(dtenjax.mesh_map(_public(algorithm, "sum", False), mesh, in_specs=jax.P("x"),
+                               out_specs=jax.P("x"), check_vma=False))
+  got = np.asarray(g(x.reshape(-1))).reshape(world, -1)
+  for r in range(world):
+    _assert_bits(got[r], want, f"mesh_map rank {r}")
+
+
+@pytest.mark.gpu
+def test_public_all_reduce_larger_than_the_buffer():
+  _need_gpus()
+  gpus = _gpus()
+  world = len(gpus)
+  mesh = jax.sharding.Mesh(np.array(gpus), ("x",))
+  n = p2p.capacity_bytes() // 4 + (3 << 20) + 5        # more than one chunk of f32
+  x = np.random.default_rng(1).standard_normal((world, n)).astype(np.float32)
+  want = fold_reference(x)
+  for algorithm in ("one_shot", "two_shot"):
+    f = jax.jit(jax.shard_map(_public(algorithm, "sum", False), mesh=mesh, in_specs=jax.P("x"),
+                              out_specs=jax.P("x"), check_vma=False))
+    got = np.asarray(f(x.reshape(-1))).reshape(world, n)
     for r in range(world):
-      np.testing.assert_array_equal(_bits(got[r]), _bits(want))
+      _assert_bits(got[r], want, f"{algorithm} rank {r}")
+
+
+@pytest.mark.gpu
+def test_public_all_reduce_over_one_axis_of_a_2d_mesh():
+  _need_gpus(4)
+  gpus = _gpus()[:4]
+  mesh = jax.sharding.Mesh(np.array(gpus).reshape(2, 2), ("a", "b"))
+  x = np.random.default_rng(2).standard_normal((2, 2, 1000)).astype(np.float32)
+  for axis in ("a", "b"):
+    f = jax.jit(jax.shard_map(lambda v: dtenjax.all_reduce(v, axis, algorithm="one_shot"),
+                              mesh=mesh, in_specs=jax.P("a", "b"), out_specs=jax.P("a", "b"),
+                              check_vma=False))
+    got = np.asarray(f(x))
+    dim = 0 if axis == "a" else 1
+    want = fold_reference(np.moveaxis(x, dim, 0))
+    np.testing.assert_array_equal(_bits(np.moveaxis(got, dim, 0)[0]), _bits(want))
+
+
+# --- GPU: one process per GPU (CUDA IPC) -----------------------------------------------------
+
+@pytest.mark.gpu
+def test_public_all_reduce_one_process_per_gpu():
+  _need_gpus()
+  from tests.mp_workers import launch  # pylint: disable=g-import-not-at-top
+  n = len(_gpus())
+  with tempfile.TemporaryDirectory() as out:
+    env = {"JAX_PLATFORMS": "", "XLA_FLAGS": "", "DTENJAX_TEST_PLATFORM": "gpu",
+           "DTENJAX_BIND_ADDRESS": "127.0.0.1"}
+    codes, results, logs = launch.launch("tests.gpu_workers.p2p_worker", n, out, env=env,
+                                         timeout_s=300)
+    assert codes == [0] * n, "\n".join(logs)
+    x = np.asarray(results[0]["inputs"], np.float32)          # [n, count], rank r's input
+    for (algorithm, op, reproducible) in CASES:
+      name = f"{algorithm}-{op}-{int(reproducible)}"
+      want = _bits(_reference(x, op, reproducible)).tolist()
+      for r, res in enumerate(results):
+        got = res["outputs"][name]
+        assert got == want, f"{name}: rank {r} differs from the reference"

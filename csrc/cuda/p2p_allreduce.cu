@@ -2,47 +2,27 @@
 // launch, check the launch. No allocation, no stream query, no synchronisation (CUDA-graph safe).
 #include <string>
 
-#include "csrc/cuda/p2p_allreduce.cuh"
 #include "csrc/cuda/p2p_allreduce.h"
+#include "csrc/cuda/p2p_kernels.h"
 
 namespace dtenjax::p2p {
 namespace {
 
-using KernelFn = void (*)(const LaunchArgs);
-
-template <typename T, int W>
-KernelFn Pick(Algorithm alg) {
-  return alg == Algorithm::kOneShot ? &device::OneShotKernel<T, W> : &device::TwoShotKernel<T, W>;
-}
-
-template <typename T>
-KernelFn PickWorld(Algorithm alg, int world) {
-  switch (world) {
-    case 1: return Pick<T, 1>(alg);
-    case 2: return Pick<T, 2>(alg);
-    case 3: return Pick<T, 3>(alg);
-    case 4: return Pick<T, 4>(alg);
-    case 5: return Pick<T, 5>(alg);
-    case 6: return Pick<T, 6>(alg);
-    case 7: return Pick<T, 7>(alg);
-    case 8: return Pick<T, 8>(alg);
-    default: return nullptr;
-  }
-}
-
 KernelFn PickKernel(const LaunchArgs& a) {
+  const bool rep = a.op == Op::kRepSum;
   switch (a.dtype) {
-    case DType::kF32: return PickWorld<float>(a.algorithm, a.world);
-    case DType::kBF16: return PickWorld<__nv_bfloat16>(a.algorithm, a.world);
-    case DType::kF16: return PickWorld<__half>(a.algorithm, a.world);
+    case DType::kF32: return PickF32(a.algorithm, a.world, rep);
+    case DType::kBF16: return PickBF16(a.algorithm, a.world, rep);
+    case DType::kF16: return PickF16(a.algorithm, a.world, rep);
   }
   return nullptr;
 }
 
 Status Validate(const LaunchArgs& a) {
-  DTENJAX_CHECK_ARG(a.world >= 1 && a.world <= kMaxRanks,
+  DTENJAX_CHECK_ARG(a.world >= 2 && a.world <= kMaxRanks,
                     "p2p all-reduce: world size " + std::to_string(a.world) +
-                        " is outside [1, " + std::to_string(kMaxRanks) + "]");
+                        " is outside [2, " + std::to_string(kMaxRanks) +
+                        "] (a world of one is a copy)");
   DTENJAX_CHECK_ARG(a.local_ranks >= 1 && a.rank0 >= 0 && a.rank0 + a.local_ranks <= a.world,
                     "p2p all-reduce: ranks [" + std::to_string(a.rank0) + ", " +
                         std::to_string(a.rank0 + a.local_ranks) + ") do not fit world " +
@@ -51,11 +31,13 @@ Status Validate(const LaunchArgs& a) {
                     "p2p all-reduce: blocks per rank " + std::to_string(a.blocks) +
                         " is outside [1, " + std::to_string(kMaxBlocks) + "]");
   DTENJAX_CHECK_ARG(a.count >= 0, "p2p all-reduce: negative element count");
+  DTENJAX_CHECK_ARG(a.op != Op::kRepSum || a.dtype != DType::kF16,
+                    "p2p all-reduce: the reproducible sum supports float32 and bfloat16 only");
   const size_t bytes = static_cast<size_t>(a.count) * DTypeBytes(a.dtype);
   DTENJAX_CHECK_ARG(bytes <= a.capacity,
-                    "p2p all-reduce: message of " + std::to_string(bytes) +
+                    "p2p all-reduce: a chunk of " + std::to_string(bytes) +
                         " bytes exceeds the registered buffer of " + std::to_string(a.capacity) +
-                        " bytes (raise DTENJAX_P2P_BUFFER_BYTES or use algorithm='xla')");
+                        " bytes");
   DTENJAX_CHECK_ARG(a.capacity % 16 == 0, "p2p all-reduce: capacity must be a multiple of 16");
   for (int r = 0; r < a.world; ++r) {
     DTENJAX_CHECK_ARG(a.peers.region[r] != nullptr &&
@@ -74,6 +56,18 @@ Status Validate(const LaunchArgs& a) {
 }
 
 }  // namespace
+
+int BlocksFor(size_t bytes, int max_blocks) {
+  // Enough blocks to keep many 16-byte loads in flight over NVLink for large messages, few for
+  // small ones (each block pays a barrier). A function of the size and the cap only, so every
+  // rank of a call computes the same value.
+  const size_t per_block = 32u << 10;
+  const size_t cap = static_cast<size_t>(max_blocks < 1 ? 1 : max_blocks > kMaxBlocks ? kMaxBlocks
+                                                                                       : max_blocks);
+  size_t b = (bytes + per_block - 1) / per_block;
+  b = b < 4 ? 4 : b;
+  return static_cast<int>(b > cap ? cap : b);
+}
 
 Status LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream) {
   DTENJAX_RETURN_IF_ERROR(Validate(args));

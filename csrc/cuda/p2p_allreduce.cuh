@@ -1,20 +1,26 @@
 // Device code of the NVLink peer-to-peer all-reduce (one-shot and two-shot). No XLA, no host code.
 //
-// Bit contract (identical on every rank, and between one-shot and two-shot): element i of the
-// result is  round_T( (...((f32(x_0[i]) + f32(x_1[i])) + f32(x_2[i])) + ... ) + f32(x_{W-1}[i]) ),
-// i.e. ranks summed in order 0..W-1 with float32 accumulation (no FMA, no pairwise tree, the first
-// term is x_0 itself, not 0 + x_0), rounded once to T with round-to-nearest-even. For f32 the
-// final rounding is the identity.
+// Bit contracts (identical on every rank, and between one-shot and two-shot):
+//  * Op::kSum: element i is round_T( (...((f32(x_0[i]) + f32(x_1[i])) + f32(x_2[i])) + ... ) +
+//    f32(x_{W-1}[i]) ): ranks summed in order 0..W-1 with float32 accumulation (no FMA, no
+//    pairwise tree, the first term is x_0 itself), rounded once to T (RNE). `mean` divides the f32
+//    sum by W (RNE) before that rounding.
+//  * Op::kMax / kMin: the rank-order fold of `>` / `<` selections; any NaN gives the canonical
+//    quiet NaN.
+//  * Op::kRepSum: the exact fixed-point sum of contract v2 (docs/collectives.md), computed from
+//    the float bits with integer operations only, so that it equals the XLA path bit for bit on
+//    every backend (XLA:CPU flushes subnormals in float arithmetic; integers do not).
 //
 // Synchronisation: a block-level barrier between the blocks with the same blockIdx.x of every rank.
-// Each rank keeps per-block counters in its own region; a barrier writes counter value v into the
-// block's landing slot of every peer (st.release.sys after __threadfence_system) and waits until
-// each peer has written >= v into its own slots (ld.acquire.sys), with a %globaltimer timeout.
+// Barrier k of the call with epoch E writes 2E + k into the block's landing slot of every peer
+// (st.release.sys after __threadfence_system) and waits until each peer has written >= 2E + k
+// into its own slots (ld.acquire.sys), with a %globaltimer timeout that records what it waited
+// for in host-mapped memory and traps (the step fails; it never returns made-up data).
 // Every block uses the same element-to-block mapping before and after a barrier, so a block only
 // ever reads peer data that the peers' blocks of the same index wrote before signalling it.
-// Stage buffers are double-buffered by the call parity: a peer that has reached call k+1 has
-// finished all of call k-1 (kernels on one stream are serialised), so the parity buffer of call
-// k-1 is free again when call k+1 starts. Hence no end barrier and no flag reset.
+// Stage buffers alternate with the epoch's parity: a peer that has started call E+1 has finished
+// call E, whose first barrier every rank had reached, so every rank had finished call E-1 and its
+// reads of the parity buffer that call E+1 now overwrites. Hence no end barrier and no flag reset.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -41,12 +47,15 @@ __device__ __forceinline__ uint64_t GlobalTimerNs() {
   return t;
 }
 
+constexpr uint32_t kQuietNan = 0x7fc00000u;
+
 // --- 16-byte vectors of T <-> float32 --------------------------------------------------------
 
 template <typename T> struct Vec;
 
 template <> struct Vec<float> {
   static constexpr int kElems = 4;
+  static constexpr int kPrecision = 24;   // significand bits of T (for the fixed-point rounding)
   __device__ __forceinline__ static void ToF32(const uint4& v, float* f) {
     f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
     f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
@@ -57,14 +66,11 @@ template <> struct Vec<float> {
   }
   __device__ __forceinline__ static float ScalarToF32(float x) { return x; }
   __device__ __forceinline__ static float ScalarFromF32(float x) { return x; }
-  __device__ __forceinline__ static uint4 NanVec() {
-    return make_uint4(0x7fc00000u, 0x7fc00000u, 0x7fc00000u, 0x7fc00000u);
-  }
-  __device__ __forceinline__ static float NanScalar() { return __uint_as_float(0x7fc00000u); }
 };
 
 template <> struct Vec<__nv_bfloat16> {
   static constexpr int kElems = 8;
+  static constexpr int kPrecision = 8;
   __device__ __forceinline__ static float2 Pair(uint32_t w) {
     __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&w);
     return __bfloat1622float2(h);
@@ -77,12 +83,6 @@ template <> struct Vec<__nv_bfloat16> {
   __device__ __forceinline__ static __nv_bfloat16 ScalarFromF32(float x) {
     return __float2bfloat16_rn(x);
   }
-  __device__ __forceinline__ static uint4 NanVec() {
-    return make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);
-  }
-  __device__ __forceinline__ static __nv_bfloat16 NanScalar() {
-    return __ushort_as_bfloat16(static_cast<unsigned short>(0x7fc0));
-  }
   __device__ __forceinline__ static void ToF32(const uint4& v, float* f) {
     float2 a = Pair(v.x), b = Pair(v.y), c = Pair(v.z), d = Pair(v.w);
     f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
@@ -94,6 +94,7 @@ template <> struct Vec<__nv_bfloat16> {
 
 template <> struct Vec<__half> {
   static constexpr int kElems = 8;
+  static constexpr int kPrecision = 11;
   __device__ __forceinline__ static float2 Pair(uint32_t w) {
     __half2 h = *reinterpret_cast<__half2*>(&w);
     return __half22float2(h);
@@ -104,12 +105,6 @@ template <> struct Vec<__half> {
   }
   __device__ __forceinline__ static float ScalarToF32(__half x) { return __half2float(x); }
   __device__ __forceinline__ static __half ScalarFromF32(float x) { return __float2half_rn(x); }
-  __device__ __forceinline__ static uint4 NanVec() {
-    return make_uint4(0x7e007e00u, 0x7e007e00u, 0x7e007e00u, 0x7e007e00u);
-  }
-  __device__ __forceinline__ static __half NanScalar() {
-    return __ushort_as_half(static_cast<unsigned short>(0x7e00));
-  }
   __device__ __forceinline__ static void ToF32(const uint4& v, float* f) {
     float2 a = Pair(v.x), b = Pair(v.y), c = Pair(v.z), d = Pair(v.w);
     f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
@@ -119,20 +114,135 @@ template <> struct Vec<__half> {
   }
 };
 
-// Sum of W vectors in rank order with f32 accumulation, rounded once to T.
-template <typename T, int W>
-__device__ __forceinline__ uint4 ReduceVec(const uint4* v) {
-  constexpr int E = Vec<T>::kElems;
-  float acc[E];
-  Vec<T>::ToF32(v[0], acc);
+// --- per-element reductions over the W ranks' values ------------------------------------------
+
+// Rank-order fold of sum (f32, no FMA), max or min (NaN-propagating).
+template <int W>
+__device__ __forceinline__ float Fold(const float* v, Op op, bool mean) {
+  float acc = v[0];
+  if (op == Op::kSum) {
+#pragma unroll
+    for (int p = 1; p < W; ++p) acc = __fadd_rn(acc, v[p]);  // never contracted to an FMA
+    return mean ? __fdiv_rn(acc, static_cast<float>(W)) : acc;
+  }
+  bool nan = isnan(acc);
 #pragma unroll
   for (int p = 1; p < W; ++p) {
-    float f[E];
-    Vec<T>::ToF32(v[p], f);
-#pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], f[e]);  // never contracted to FMA
+    nan |= isnan(v[p]);
+    acc = (op == Op::kMax) ? (v[p] > acc ? v[p] : acc) : (v[p] < acc ? v[p] : acc);
   }
-  return Vec<T>::FromF32(acc);
+  return nan ? __uint_as_float(kQuietNan) : acc;
+}
+
+// Fixed-point contract v2, integer operations only.
+__device__ __forceinline__ uint32_t FixedCode(uint32_t b) {
+  const uint32_t a = b & 0x7fffffffu;
+  if (a == 0) return 0;
+  const uint32_t f = a >> 23;
+  return f == 0 ? 1u : f;       // subnormals share code 1; NaN and Inf give 255
+}
+
+// round_half_even(x * 2^(40 - e)) for e = C - 126, exactly, from the bits of x.
+__device__ __forceinline__ long long FixedQuantize(uint32_t b, int c) {
+  const uint32_t a = b & 0x7fffffffu;
+  if (a == 0) return 0;
+  const int f = static_cast<int>(a >> 23);
+  const uint32_t m = (a & 0x7fffffu) | (f != 0 ? 0x800000u : 0u);
+  const int d = (f != 0 ? f : 1) - c + 16;
+  unsigned long long q;
+  if (d >= 0) {
+    q = static_cast<unsigned long long>(m) << d;
+  } else if (-d > 25) {
+    q = 0;
+  } else {
+    const int k = -d;
+    const uint32_t kept = m >> k, rem = m & ((1u << k) - 1u), half = 1u << (k - 1);
+    q = kept + ((rem > half || (rem == half && (kept & 1u))) ? 1u : 0u);
+  }
+  return (b >> 31) ? -static_cast<long long>(q) : static_cast<long long>(q);
+}
+
+// round_half_even(Q * 2^(e - 40)) to a `p`-bit significand with float32's exponent range
+// (gradual underflow, overflow to inf), returned as the float32 holding that value.
+__device__ __forceinline__ float FixedRound(long long q, int e, int p) {
+  if (q == 0) return 0.0f;
+  const uint32_t sign = q < 0 ? 0x80000000u : 0u;
+  const unsigned long long mag = q < 0 ? static_cast<unsigned long long>(-q)
+                                       : static_cast<unsigned long long>(q);
+  const int len = 64 - __clzll(mag);
+  const int lead = len - 1 + e - 40;
+  const int p_eff = p - (lead < -126 ? -126 - lead : 0);
+  const int k = len - p_eff;
+  unsigned long long mant;
+  if (k <= 0) {
+    mant = mag << -k;
+  } else if (k > len) {
+    mant = 0;
+  } else {
+    const unsigned long long kept = mag >> k, rem = mag & ((1ull << k) - 1ull);
+    const unsigned long long half = 1ull << (k - 1);
+    mant = kept + ((rem > half || (rem == half && (kept & 1ull))) ? 1ull : 0ull);
+  }
+  const int be = (lead < -126 ? -126 : lead) + 126;
+  unsigned long long bits = (static_cast<unsigned long long>(be) << (p - 1)) + mant;
+  const unsigned long long inf = 255ull << (p - 1);
+  if (bits >= inf) bits = inf;
+  return __uint_as_float(sign | static_cast<uint32_t>(bits << (24 - p)));
+}
+
+template <int W>
+__device__ __forceinline__ float FixedSum(const float* v, int precision, bool mean) {
+  uint32_t b[W];
+  uint32_t c = 0;
+#pragma unroll
+  for (int p = 0; p < W; ++p) {
+    b[p] = __float_as_uint(v[p]);
+    c = max(c, FixedCode(b[p]));
+  }
+  if (c == 255u) {
+    bool pos = false, neg = false;
+#pragma unroll
+    for (int p = 0; p < W; ++p) {
+      const bool nan = (b[p] & 0x7fffffffu) > 0x7f800000u;
+      pos |= nan || b[p] == 0x7f800000u;
+      neg |= nan || b[p] == 0xff800000u;
+    }
+    return __uint_as_float(pos && neg ? kQuietNan : (pos ? 0x7f800000u : 0xff800000u));
+  }
+  if (c == 0) return 0.0f;
+  long long q = 0;
+#pragma unroll
+  for (int p = 0; p < W; ++p) q += FixedQuantize(b[p], static_cast<int>(c));
+  const int e = static_cast<int>(c) - 126;
+  if (!mean) return FixedRound(q, e, precision);
+  return __fdiv_rn(FixedRound(q, e, 24), static_cast<float>(W));
+}
+
+template <typename T, int W, bool kRep>
+__device__ __forceinline__ float ReduceElem(const float* v, Op op, bool mean) {
+  if constexpr (kRep) {
+    return FixedSum<W>(v, Vec<T>::kPrecision, mean);
+  } else {
+    return Fold<W>(v, op, mean);
+  }
+}
+
+// The reduction of W 16-byte vectors (one per rank), rounded once to T.
+template <typename T, int W, bool kRep>
+__device__ __forceinline__ uint4 ReduceVec(const uint4* v, Op op, bool mean) {
+  constexpr int E = Vec<T>::kElems;
+  float f[W][E];
+#pragma unroll
+  for (int p = 0; p < W; ++p) Vec<T>::ToF32(v[p], f[p]);
+  float r[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    float col[W];
+#pragma unroll
+    for (int p = 0; p < W; ++p) col[p] = f[p][e];
+    r[e] = ReduceElem<T, W, kRep>(col, op, mean);
+  }
+  return Vec<T>::FromF32(r);
 }
 
 // Copies vectors [lo, hi) with this thread's grid-stride indices (lo + first + k * stride), four
@@ -149,20 +259,20 @@ __device__ __forceinline__ void CopyVecs(uint4* dst, const uint4* src, int64_t l
   for (; j < hi; j += stride) dst[j] = __ldcg(src + j);
 }
 
-// out[j] = rank-order sum over src[0..W) at j, for this thread's grid-stride j in [lo, hi); two
+// out[j] = reduction over src[0..W) at j, for this thread's grid-stride j in [lo, hi); two
 // indices per step when W is small so that enough loads are in flight. Also stores to `also`.
-template <typename T, int W>
+template <typename T, int W, bool kRep>
 __device__ __forceinline__ void ReduceVecs(uint4* out, uint4* also, const uint4* const* src,
                                            int64_t lo, int64_t hi, int64_t first, int64_t stride,
-                                           bool failed) {
+                                           Op op, bool mean) {
   int64_t j = lo + first;
   if constexpr (W <= 4) {
     for (; j + stride < hi; j += 2 * stride) {
       uint4 v[W], u[W];
 #pragma unroll
       for (int p = 0; p < W; ++p) { v[p] = __ldcg(src[p] + j); u[p] = __ldcg(src[p] + j + stride); }
-      const uint4 r0 = failed ? Vec<T>::NanVec() : ReduceVec<T, W>(v);
-      const uint4 r1 = failed ? Vec<T>::NanVec() : ReduceVec<T, W>(u);
+      const uint4 r0 = ReduceVec<T, W, kRep>(v, op, mean);
+      const uint4 r1 = ReduceVec<T, W, kRep>(u, op, mean);
       out[j] = r0; out[j + stride] = r1;
       if (also != nullptr) { also[j] = r0; also[j + stride] = r1; }
     }
@@ -171,10 +281,24 @@ __device__ __forceinline__ void ReduceVecs(uint4* out, uint4* also, const uint4*
     uint4 v[W];
 #pragma unroll
     for (int p = 0; p < W; ++p) v[p] = __ldcg(src[p] + j);
-    const uint4 r = failed ? Vec<T>::NanVec() : ReduceVec<T, W>(v);
+    const uint4 r = ReduceVec<T, W, kRep>(v, op, mean);
     out[j] = r;
     if (also != nullptr) also[j] = r;
   }
+}
+
+// The < E elements after the last whole vector: reduced by block 0 (same order, same bits).
+template <typename T, int W, bool kRep>
+__device__ __forceinline__ void ReduceTail(T* out, T* also, const uint4* const* src, int64_t base,
+                                          int tail, Op op, bool mean) {
+  if (blockIdx.x != 0 || threadIdx.x >= tail) return;
+  const int64_t j = base + threadIdx.x;
+  float v[W];
+#pragma unroll
+  for (int p = 0; p < W; ++p) v[p] = Vec<T>::ScalarToF32(reinterpret_cast<const T*>(src[p])[j]);
+  const T r = Vec<T>::ScalarFromF32(ReduceElem<T, W, kRep>(v, op, mean));
+  out[j] = r;
+  if (also != nullptr) also[j] = r;
 }
 
 // --- the rank's region -----------------------------------------------------------------------
@@ -182,16 +306,19 @@ __device__ __forceinline__ void ReduceVecs(uint4* out, uint4* also, const uint4*
 struct Region {
   char* base;
   __device__ __forceinline__ uint32_t* landing() const { return reinterpret_cast<uint32_t*>(base); }
-  __device__ __forceinline__ uint32_t* calls() const { return landing() + kMaxBlocks * kMaxRanks; }
-  __device__ __forceinline__ uint32_t* barriers() const { return calls() + kMaxBlocks; }
+  __device__ __forceinline__ uint32_t* epoch() const {
+    return reinterpret_cast<uint32_t*>(base + kEpochOffset);
+  }
+  __device__ __forceinline__ uint32_t* done() const { return epoch() + 1; }
   __device__ __forceinline__ uint4* stage(uint32_t parity, size_t capacity) const {
     return reinterpret_cast<uint4*>(base + kHeaderBytes + parity * capacity);
   }
 };
 
-// Barrier of this block with the blocks of the same index on all W ranks. Sets *fail on timeout.
+// Barrier of this block with the blocks of the same index on all W ranks. A timeout records
+// {1, rank, peer, value} in the host-mapped error words and traps.
 template <int W>
-__device__ __forceinline__ void Barrier(const LaunchArgs& a, int rank, uint32_t value, int* fail) {
+__device__ __forceinline__ void Barrier(const LaunchArgs& a, int rank, uint32_t value) {
   __syncthreads();  // every thread's stores of this block precede the signal
   if (threadIdx.x < W) {
     const int p = threadIdx.x;
@@ -208,7 +335,6 @@ __device__ __forceinline__ void Barrier(const LaunchArgs& a, int rank, uint32_t 
         if (start == 0) {
           start = now;
         } else if (now - start > a.timeout_ns) {
-          *fail = 1;
           if (a.error != nullptr) {
             volatile uint32_t* err = a.error;
             err[1] = static_cast<uint32_t>(rank);
@@ -216,8 +342,9 @@ __device__ __forceinline__ void Barrier(const LaunchArgs& a, int rank, uint32_t 
             err[3] = value;
             __threadfence_system();
             err[0] = 1;
+            __threadfence_system();
           }
-          break;
+          __trap();
         }
       }
     }
@@ -225,23 +352,38 @@ __device__ __forceinline__ void Barrier(const LaunchArgs& a, int rank, uint32_t 
   __syncthreads();
 }
 
+// Reads this call's epoch (the same in every block: it only changes when the last block ends).
+__device__ __forceinline__ uint32_t BeginCall(const Region& me) {
+  __shared__ uint32_t s_epoch;
+  if (threadIdx.x == 0) s_epoch = *reinterpret_cast<volatile uint32_t*>(me.epoch());
+  __syncthreads();
+  return s_epoch;
+}
+
+// The last block of this rank to finish advances the epoch for the next call.
+__device__ __forceinline__ void EndCall(const Region& me, uint32_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t finished = atomicAdd(me.done(), 1u) + 1u;
+    if (finished == gridDim.x) {
+      *me.done() = 0;
+      *reinterpret_cast<volatile uint32_t*>(me.epoch()) = epoch + 1u;
+      __threadfence();
+    }
+  }
+}
+
 // --- one-shot: copy in, barrier, every rank reduces everything --------------------------------
 
-template <typename T, int W>
+template <typename T, int W, bool kRep>
 __global__ void __launch_bounds__(kThreads) OneShotKernel(const LaunchArgs a) {
   constexpr int E = Vec<T>::kElems;
   const int local = blockIdx.y;
   const int rank = a.rank0 + local;
   const Region me{a.peers.region[rank]};
-  __shared__ uint32_t s_call, s_bar;
-  __shared__ int s_fail;
-  if (threadIdx.x == 0) {
-    s_call = me.calls()[blockIdx.x];
-    s_bar = me.barriers()[blockIdx.x];
-    s_fail = 0;
-  }
-  __syncthreads();
-  const uint32_t parity = s_call & 1u;
+  const uint32_t epoch = BeginCall(me);
+  const uint32_t parity = epoch & 1u;
   const int64_t nv = a.count / E;
   const int tail = static_cast<int>(a.count - nv * E);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -256,50 +398,32 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const LaunchArgs a) {
         static_cast<const T*>(a.io[local].in)[nv * E + threadIdx.x];
   }
 
-  Barrier<W>(a, rank, s_bar + 1, &s_fail);
-  const bool failed = s_fail != 0;
+  Barrier<W>(a, rank, 2u * epoch + 1u);
 
   const uint4* src[W];
 #pragma unroll
   for (int p = 0; p < W; ++p) src[p] = Region{a.peers.region[p]}.stage(parity, a.capacity);
-  ReduceVecs<T, W>(out, nullptr, src, 0, nv, first, stride, failed);
-  if (blockIdx.x == 0 && threadIdx.x < tail) {
-    const int64_t j = nv * E + threadIdx.x;
-    float acc = Vec<T>::ScalarToF32(reinterpret_cast<const T*>(src[0])[j]);
-#pragma unroll
-    for (int p = 1; p < W; ++p) {
-      acc = __fadd_rn(acc, Vec<T>::ScalarToF32(reinterpret_cast<const T*>(src[p])[j]));
-    }
-    static_cast<T*>(a.io[local].out)[j] = failed ? Vec<T>::NanScalar() : Vec<T>::ScalarFromF32(acc);
-  }
-  if (threadIdx.x == 0) {
-    me.calls()[blockIdx.x] = s_call + 1;
-    me.barriers()[blockIdx.x] = s_bar + 1;
-  }
+  ReduceVecs<T, W, kRep>(out, nullptr, src, 0, nv, first, stride, a.op, a.mean);
+  ReduceTail<T, W, kRep>(static_cast<T*>(a.io[local].out), nullptr, src, nv * E, tail, a.op,
+                         a.mean);
+  EndCall(me, epoch);
 }
 
 // --- two-shot: copy in, barrier, reduce own segment in place (reduce-scatter), barrier, gather ---
 //
 // The nv vectors are cut into W contiguous segments of ceil(nv / W); rank r owns segment r. Within
-// every segment, vector j (segment-local) belongs to block (j / kThreads) % gridDim.x in all three
-// phases, so each barrier orders exactly the data its block exchanges. The < E tail elements are
-// reduced redundantly by block 0 of every rank (same order, same bits).
+// every segment, vector j (segment-local) belongs to the same block in all three phases (the
+// grid-stride mapping restarted at each segment's start), so each barrier orders exactly the data
+// its block exchanges. The < E tail elements are reduced redundantly by block 0 of every rank.
 
-template <typename T, int W>
+template <typename T, int W, bool kRep>
 __global__ void __launch_bounds__(kThreads) TwoShotKernel(const LaunchArgs a) {
   constexpr int E = Vec<T>::kElems;
   const int local = blockIdx.y;
   const int rank = a.rank0 + local;
   const Region me{a.peers.region[rank]};
-  __shared__ uint32_t s_call, s_bar;
-  __shared__ int s_fail;
-  if (threadIdx.x == 0) {
-    s_call = me.calls()[blockIdx.x];
-    s_bar = me.barriers()[blockIdx.x];
-    s_fail = 0;
-  }
-  __syncthreads();
-  const uint32_t parity = s_call & 1u;
+  const uint32_t epoch = BeginCall(me);
+  const uint32_t parity = epoch & 1u;
   const int64_t nv = a.count / E;
   const int tail = static_cast<int>(a.count - nv * E);
   const int64_t seg = (nv + W - 1) / W;
@@ -319,44 +443,28 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(const LaunchArgs a) {
         static_cast<const T*>(a.io[local].in)[nv * E + threadIdx.x];
   }
 
-  Barrier<W>(a, rank, s_bar + 1, &s_fail);
+  Barrier<W>(a, rank, 2u * epoch + 1u);
 
   const uint4* src[W];
 #pragma unroll
   for (int p = 0; p < W; ++p) src[p] = Region{a.peers.region[p]}.stage(parity, a.capacity);
   {
-    const bool failed = s_fail != 0;
     const int64_t lo = rank * seg, hi = min(nv, lo + seg);
     // In place: only this rank's blocks read segment `rank` of its own stage in this phase.
-    ReduceVecs<T, W>(out, mine, src, lo, hi, first, stride, failed);
-    if (blockIdx.x == 0 && threadIdx.x < tail) {
-      const int64_t j = nv * E + threadIdx.x;
-      float acc = Vec<T>::ScalarToF32(reinterpret_cast<const T*>(src[0])[j]);
-#pragma unroll
-      for (int p = 1; p < W; ++p) {
-        acc = __fadd_rn(acc, Vec<T>::ScalarToF32(reinterpret_cast<const T*>(src[p])[j]));
-      }
-      static_cast<T*>(a.io[local].out)[j] = failed ? Vec<T>::NanScalar() : Vec<T>::ScalarFromF32(acc);
-    }
+    ReduceVecs<T, W, kRep>(out, mine, src, lo, hi, first, stride, a.op, a.mean);
+    ReduceTail<T, W, kRep>(static_cast<T*>(a.io[local].out), nullptr, src, nv * E, tail, a.op,
+                           a.mean);
   }
 
-  Barrier<W>(a, rank, s_bar + 2, &s_fail);
-  const bool failed = s_fail != 0;
+  Barrier<W>(a, rank, 2u * epoch + 2u);
 #pragma unroll
   for (int q = 1; q < W; ++q) {  // peers in the order rank+1, rank+2, ... spreads link load
     const int p = (rank + q) % W;
     const uint4* sp = Region{a.peers.region[p]}.stage(parity, a.capacity);  // p is dynamic
     const int64_t lo = p * seg, hi = min(nv, lo + seg);
-    if (failed) {
-      for (int64_t j = lo + first; j < hi; j += stride) out[j] = Vec<T>::NanVec();
-    } else {
-      CopyVecs(out, sp, lo, hi, first, stride);
-    }
+    CopyVecs(out, sp, lo, hi, first, stride);
   }
-  if (threadIdx.x == 0) {
-    me.calls()[blockIdx.x] = s_call + 1;
-    me.barriers()[blockIdx.x] = s_bar + 2;
-  }
+  EndCall(me, epoch);
 }
 
 }  // namespace dtenjax::p2p::device

@@ -4,12 +4,16 @@
 //
 //   [ header: kHeaderBytes                                                              ]
 //     landing[kMaxBlocks][kMaxRanks]  uint32  flag slots, written by peers (release/acquire .sys)
-//     calls[kMaxBlocks]               uint32  this rank's call counter per block (buffer parity)
-//     barriers[kMaxBlocks]            uint32  this rank's barrier counter per block (flag values)
-//   [ stage[0]: capacity bytes ][ stage[1]: capacity bytes ]   double-buffered by call parity
+//     epoch                           uint32  calls this rank has completed on this region
+//     done                            uint32  blocks of the running call that have finished
+//   [ stage[0]: capacity bytes ][ stage[1]: capacity bytes ]   double-buffered by epoch parity
 //
-// Counters only ever increase (wrap-safe compares) and are kept in device memory, so a call needs
-// no host synchronisation, no flag reset, and replays correctly inside a CUDA graph.
+// Every rank runs the same sequence of calls on a region, so the epoch is the same on all ranks
+// for a given call; barrier k of the call with epoch E writes the value 2E + k into the peers'
+// landing slots of its block. The last block of a call to finish advances the epoch, so the next
+// call (stream-ordered after this one) sees it. Everything lives in device memory: a call needs no
+// host synchronisation and no flag reset, replays correctly inside a CUDA graph, and may use a
+// different number of blocks than the previous call.
 #pragma once
 
 #include <cstddef>
@@ -22,14 +26,17 @@
 namespace dtenjax::p2p {
 
 constexpr int kMaxRanks = 8;
-constexpr int kMaxBlocks = 64;          // flag slots per rank; launches use at most this many blocks
-constexpr int kThreads = 512;           // threads per block
-constexpr int kRealBlocks = 24;         // blocks per rank in the multi-GPU path (leaves SMs free)
-constexpr size_t kHeaderBytes = 4096;   // >= (kMaxBlocks * kMaxRanks + 2 * kMaxBlocks) * 4, aligned
-constexpr int kErrorWords = 4;          // {flag, rank, peer, waited-for value}
+constexpr int kMaxBlocks = 128;          // landing slots per rank; a launch uses at most this many
+constexpr int kThreads = 512;            // threads per block
+constexpr size_t kHeaderBytes = 8192;    // >= kMaxBlocks * kMaxRanks * 4 + control words, aligned
+constexpr size_t kEpochOffset = kMaxBlocks * kMaxRanks * 4;
+constexpr int kErrorWords = 4;           // {flag, rank, peer, waited-for value}
 
 enum class Algorithm : int { kOneShot = 0, kTwoShot = 1 };
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// kSum folds in rank order in float32; kMax/kMin propagate NaN (as the canonical quiet NaN);
+// kRepSum is the exact fixed-point sum of docs/collectives.md ("reproducible", contract v2).
+enum class Op : int { kSum = 0, kMax = 1, kMin = 2, kRepSum = 3 };
 
 inline size_t DTypeBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
@@ -50,20 +57,25 @@ struct LaunchArgs {
   int world = 0;             // ranks in the all-reduce
   int rank0 = 0;             // first rank this launch runs (the device's rank; 0 in simulation)
   int local_ranks = 1;       // ranks run by this launch (1 on real GPUs, world when simulating)
-  int blocks = kRealBlocks;  // blocks per rank; MUST be the same for every call on one region
-  int64_t count = 0;         // elements
+  int blocks = 0;            // blocks per rank, 1..kMaxBlocks (same on every rank for a call)
+  int64_t count = 0;         // elements; count * itemsize <= capacity
   size_t capacity = 0;       // bytes of one stage buffer
   DType dtype = DType::kF32;
   Algorithm algorithm = Algorithm::kOneShot;
-  uint64_t timeout_ns = 0;   // per barrier wait; 0 means no limit
-  uint32_t* error = nullptr; // kErrorWords words the kernel sets on a timeout (host-mapped)
+  Op op = Op::kSum;
+  bool mean = false;         // divide the (f32) sum by world before the final rounding
+  uint64_t timeout_ns = 0;   // per barrier wait; 0 means no limit. A timeout traps the kernel.
+  uint32_t* error = nullptr; // kErrorWords words set before the trap (host-mapped)
 };
 
 // Validates args and launches the kernel on stream (no allocation, no stream query, no sync).
 Status LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream);
 
-// Most blocks of the kernel for args' dtype/algorithm/world that can be resident on device at
-// once (used to size simulated launches so that every rank's blocks run concurrently).
+// Most blocks of the kernel for args' dtype/algorithm/world/op that can be resident on `device`
+// at once (simulated launches need every rank's blocks resident together).
 Status MaxResidentBlocks(const LaunchArgs& args, int device, int* blocks);
+
+// Blocks per rank for a message of `bytes`, at most `max_blocks` (DTENJAX_P2P_MAX_BLOCKS).
+int BlocksFor(size_t bytes, int max_blocks);
 
 }  // namespace dtenjax::p2p

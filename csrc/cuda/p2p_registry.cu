@@ -3,10 +3,15 @@
 
 #include <unistd.h>
 
+#include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <map>
 #include <mutex>
+#include <thread>
+#include <vector>
 #include <string>
 #include <utility>
 
@@ -37,6 +42,7 @@ struct Registry {
   std::map<std::pair<int, uint64_t>, std::string> comm_sig;       // descriptors connected
   std::map<std::pair<int, int>, SimArena> arenas;                 // by (ordinal, world)
   std::map<uint64_t, void*> ipc_opened;                           // by region base in peer, per pid
+  std::map<const uint32_t*, int> reported;                         // timeouts already logged
 };
 
 Registry& Reg() {
@@ -57,10 +63,22 @@ Status OnDevice(int ordinal, F fn) {
   P2P_CUDA(cudaGetDevice(&prev));
   P2P_CUDA(cudaSetDevice(ordinal));
   Status s = fn();
-  cudaSetDevice(prev);
+  const cudaError_t e = cudaSetDevice(prev);
+  if (s.ok() && e != cudaSuccess) {
+    return DTENJAX_ERROR(Code::kInternal,
+                         std::string("cudaSetDevice (restoring the caller's device) failed: ") +
+                             cudaGetErrorString(e));
+  }
   return s;
 }
 
+void FreeRegion(char* base, uint32_t* err_host) {
+  if (base != nullptr) cudaFree(base);
+  if (err_host != nullptr) cudaFreeHost(err_host);
+  cudaGetLastError();  // clean-up on an error path: the first error is the one reported
+}
+
+// Allocates a zeroed region and its host-mapped error words; frees both on any failure.
 Status AllocRegion(size_t capacity, char** base, uint32_t** err_host, uint32_t** err_dev) {
   const size_t bytes = kHeaderBytes + 2 * capacity;
   void* p = nullptr;
@@ -72,17 +90,48 @@ Status AllocRegion(size_t capacity, char** base, uint32_t** err_host, uint32_t**
                              "-byte symmetric region (" + cudaGetErrorString(e) +
                              "); lower DTENJAX_P2P_BUFFER_BYTES");
   }
-  P2P_CUDA(cudaMemset(p, 0, bytes));  // zero flags and counters once; never reset afterwards
   void* h = nullptr;
-  P2P_CUDA(cudaHostAlloc(&h, kErrorWords * sizeof(uint32_t), cudaHostAllocMapped));
-  std::memset(h, 0, kErrorWords * sizeof(uint32_t));
-  void* d = nullptr;
-  P2P_CUDA(cudaHostGetDevicePointer(&d, h, 0));
-  P2P_CUDA(cudaDeviceSynchronize());
+  Status s = [&]() -> Status {
+    P2P_CUDA(cudaMemset(p, 0, bytes));  // zero flags and counters once; never reset afterwards
+    P2P_CUDA(cudaHostAlloc(&h, kErrorWords * sizeof(uint32_t), cudaHostAllocMapped));
+    std::memset(h, 0, kErrorWords * sizeof(uint32_t));
+    void* d = nullptr;
+    P2P_CUDA(cudaHostGetDevicePointer(&d, h, 0));
+    P2P_CUDA(cudaDeviceSynchronize());
+    *err_dev = static_cast<uint32_t*>(d);
+    return Status::Ok();
+  }();
+  if (!s.ok()) {
+    FreeRegion(static_cast<char*>(p), static_cast<uint32_t*>(h));
+    return s;
+  }
   *base = static_cast<char*>(p);
   *err_host = static_cast<uint32_t*>(h);
-  *err_dev = static_cast<uint32_t*>(d);
   return Status::Ok();
+}
+
+std::string TimeoutMessage(int ordinal, const volatile uint32_t* e) {
+  return "p2p all-reduce on device " + std::to_string(ordinal) + ": rank " + std::to_string(e[1]) +
+         " waited past DTENJAX_COLLECTIVE_TIMEOUT for rank " + std::to_string(e[2]) +
+         " to reach barrier " + std::to_string(e[3]) +
+         " and trapped (the step fails with a CUDA error; a peer did not enter the same "
+         "collective). Check that every rank runs the same collectives in the same order, or "
+         "raise DTENJAX_COLLECTIVE_TIMEOUT";
+}
+
+// A detached thread that reports kernel timeouts as they happen: the trapping kernel fails its
+// step with a bare CUDA error, so this line is what says which rank waited for which.
+void WatchTimeouts();
+
+void StartWatchdog() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    try {
+      std::thread(WatchTimeouts).detach();
+    } catch (const std::exception&) {
+      // No watchdog thread: timeouts are still reported by the next call (CheckKernelError).
+    }
+  });
 }
 
 }  // namespace
@@ -122,6 +171,7 @@ Status RegisterRegion(int ordinal, size_t capacity, Descriptor* out) {
   }));
   reg.regions[ordinal] = r;
   *out = r.desc;
+  StartWatchdog();
   return Status::Ok();
 }
 
@@ -241,23 +291,58 @@ Status FindComm(int ordinal, uint64_t key, Comm* out) {
   return Status::Ok();
 }
 
-Status CheckKernelError(const uint32_t* error_host, const char* what) {
+Status CheckKernelError(int ordinal, const uint32_t* error_host, const char* what) {
   if (error_host == nullptr) return Status::Ok();
   const volatile uint32_t* e = error_host;
   if (e[0] == 0) return Status::Ok();
   return DTENJAX_ERROR(Code::kDeadlineExceeded,
-                       std::string(what) + ": an earlier kernel timed out: rank " +
-                           std::to_string(e[1]) + " waited for rank " + std::to_string(e[2]) +
-                           " to reach barrier " + std::to_string(e[3]) +
-                           " (a peer did not enter the collective; its result was NaN). Check "
-                           "that every rank runs the same collectives, or raise "
-                           "DTENJAX_COLLECTIVE_TIMEOUT");
+                       std::string(what) + ": an earlier " + TimeoutMessage(ordinal, e));
 }
 
+std::vector<std::string> KernelTimeouts() {
+  Registry& reg = Reg();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  std::vector<std::string> out;
+  for (const auto& [ordinal, region] : reg.regions) {
+    const volatile uint32_t* e = region.error_host;
+    if (e != nullptr && e[0] != 0) out.push_back(TimeoutMessage(ordinal, e));
+  }
+  for (const auto& [id, arena] : reg.arenas) {
+    const volatile uint32_t* e = arena.error_host;
+    if (e != nullptr && e[0] != 0) out.push_back(TimeoutMessage(id.first, e));
+  }
+  return out;
+}
+
+namespace {
+void WatchTimeouts() {
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::vector<std::pair<int, const uint32_t*>> fresh;
+    {
+      Registry& reg = Reg();
+      std::lock_guard<std::mutex> lock(reg.mu);
+      auto scan = [&](int ordinal, const uint32_t* words) {
+        const volatile uint32_t* e = words;
+        if (e != nullptr && e[0] != 0 && reg.reported.emplace(words, ordinal).second) {
+          fresh.emplace_back(ordinal, words);
+        }
+      };
+      for (const auto& [ordinal, region] : reg.regions) scan(ordinal, region.error_host);
+      for (const auto& [id, arena] : reg.arenas) scan(id.first, arena.error_host);
+    }
+    for (const auto& [ordinal, words] : fresh) {
+      std::fprintf(stderr, "dtenjax: %s\n", TimeoutMessage(ordinal, words).c_str());
+      std::fflush(stderr);
+    }
+  }
+}
+}  // namespace
+
 Status GetSimArena(int ordinal, int world, size_t capacity, bool create, SimArena* out) {
-  DTENJAX_CHECK_ARG(world >= 1 && world <= kMaxRanks,
+  DTENJAX_CHECK_ARG(world >= 2 && world <= kMaxRanks,
                     "p2p harness: simulated ranks " + std::to_string(world) +
-                        " is outside [1, 8]");
+                        " is outside [2, 8]");
   Registry& reg = Reg();
   std::lock_guard<std::mutex> lock(reg.mu);
   const auto id = std::make_pair(ordinal, world);
@@ -285,20 +370,23 @@ Status GetSimArena(int ordinal, int world, size_t capacity, bool create, SimAren
         a.error_host = eh;
         a.error_dev = ed;
       } else {
-        cudaFreeHost(eh);
+        P2P_CUDA(cudaFreeHost(eh));
       }
     }
     // Every rank's blocks must be resident together or the barriers could never complete.
     int resident = 1 << 30;
     for (int alg = 0; alg < 2; ++alg) {
       for (int dt = 0; dt < 3; ++dt) {
-        LaunchArgs la;
-        la.world = world;
-        la.algorithm = static_cast<Algorithm>(alg);
-        la.dtype = static_cast<DType>(dt);
-        int b = 0;
-        DTENJAX_RETURN_IF_ERROR(MaxResidentBlocks(la, ordinal, &b));
-        resident = b < resident ? b : resident;
+        for (int rep = 0; rep < (dt == 2 ? 1 : 2); ++rep) {
+          LaunchArgs la;
+          la.world = world;
+          la.algorithm = static_cast<Algorithm>(alg);
+          la.dtype = static_cast<DType>(dt);
+          la.op = rep ? Op::kRepSum : Op::kSum;
+          int b = 0;
+          DTENJAX_RETURN_IF_ERROR(MaxResidentBlocks(la, ordinal, &b));
+          resident = b < resident ? b : resident;
+        }
       }
     }
     a.blocks = resident / world;
@@ -313,6 +401,7 @@ Status GetSimArena(int ordinal, int world, size_t capacity, bool create, SimAren
   }));
   reg.arenas[id] = a;
   *out = a;
+  StartWatchdog();
   return Status::Ok();
 }
 

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -50,7 +52,11 @@ Status Connect(int ordinal, uint64_t key, int rank, int world, const Descriptor*
 Status FindComm(int ordinal, uint64_t key, Comm* out);
 
 // kDeadlineExceeded with what was waited for when a kernel of this region timed out.
-Status CheckKernelError(const uint32_t* error_host, const char* what);
+Status CheckKernelError(int ordinal, const uint32_t* error_host, const char* what);
+
+// A message per region whose kernel timed out (they trap: the CUDA context of that device is
+// unusable afterwards); a watchdog thread also prints each one to stderr as it happens.
+std::vector<std::string> KernelTimeouts();
 
 // N simulated ranks on one device (the harness): N regions, one error block, a block count per
 // rank such that all N ranks' blocks are resident at once.

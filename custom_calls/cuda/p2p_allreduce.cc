@@ -1,25 +1,34 @@
-// CUDA FFI handlers of the NVLink peer-to-peer all-reduce (csrc/cuda/p2p_*).
+// The NVLink peer-to-peer all-reduce at the boundaries (csrc/cuda/p2p_*):
 //
-//   dtenjax_p2p_register(capacity)                       -> u8[128]  this device's region descriptor
-//   dtenjax_p2p_connect(key, rank, world, descriptors)   -> s32[1]   maps every rank's region
-//   dtenjax_p2p_all_reduce(x; key, algorithm, timeout_ms) -> like x   (command-buffer compatible)
-//   dtenjax_p2p_selftest(x[N, n]; count, algorithm, iters, mode, capacity, timeout_ms) -> [N, n]
+// Python bindings (eager set-up, outside any trace; called by dtenjax/_src/gpu/p2p.py):
+//   p2p_register(ordinal, capacity) -> bytes[128]       this device's region descriptor
+//   p2p_connect(ordinal, key, rank, world, descriptors)  maps every rank's region
+//   p2p_kernel_timeouts() -> [str]                       regions whose kernel timed out
+//
+// FFI handlers:
+//   dtenjax_p2p_all_reduce(x; key, algorithm, op, mean, max_blocks, timeout_ms) -> like x
+//       command-buffer compatible: it only looks the communicator up and launches, one launch per
+//       chunk of at most the registered buffer.
+//   dtenjax_p2p_selftest(x[N, n]; count, algorithm, op, mean, iters, mode, capacity, timeout_ms)
 //       N simulated ranks on one GPU running the same kernels (allocates its arena once; not
 //       command-buffer compatible). dtenjax_p2p_selftest_graph: the same, command-buffer
 //       compatible, needs the arena made by an earlier dtenjax_p2p_selftest call.
-//
-// register/connect run eagerly (outside CUDA graphs) once per device; all_reduce only launches.
 #include <cuda_runtime.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <string>
 
 #include "csrc/cuda/p2p_allreduce.h"
 #include "csrc/cuda/p2p_registry.h"
+#include "custom_calls/python.h"
 #include "custom_calls/registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+namespace nb = nanobind;
 namespace p2p = dtenjax::p2p;
 
 namespace {
@@ -43,107 +52,100 @@ ffi::ErrorOr<p2p::Algorithm> ToAlgorithm(int64_t a, const char* what) {
       " is not 0 (one_shot) or 1 (two_shot)"));
 }
 
+ffi::ErrorOr<p2p::Op> ToOp(int64_t op, const char* what) {
+  if (op >= 0 && op <= 3) return static_cast<p2p::Op>(op);
+  return ffi::Unexpected(ffi::Error::InvalidArgument(
+      std::string(what) + ": op " + std::to_string(op) +
+      " is not 0 (sum), 1 (max), 2 (min) or 3 (reproducible sum)"));
+}
+
 uint64_t TimeoutNs(int64_t timeout_ms) {
   return timeout_ms <= 0 ? 0 : static_cast<uint64_t>(timeout_ms) * 1000000ull;
 }
 
-// --- register / connect ----------------------------------------------------------------------
-
-ffi::Error Register(cudaStream_t stream, int32_t ordinal, int64_t capacity,
-                    ffi::Result<ffi::Buffer<ffi::U8>> out) {
-  if (out->element_count() != sizeof(p2p::Descriptor)) {
-    return ffi::Error::InvalidArgument("dtenjax_p2p_register: output must be u8[128]");
-  }
-  p2p::Descriptor d;
-  dtenjax::Status s = p2p::RegisterRegion(ordinal, static_cast<size_t>(capacity), &d);
-  if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
-  const cudaError_t e = cudaMemcpyAsync(out->untyped_data(), &d, sizeof(d), cudaMemcpyHostToDevice,
-                                        stream);
-  if (e == cudaSuccess) cudaStreamSynchronize(stream);  // `d` lives on this stack frame
-  if (e != cudaSuccess) {
-    return ffi::Error::Internal(std::string("dtenjax_p2p_register: ") + cudaGetErrorString(e));
-  }
-  return ffi::Error::Success();
+ffi::Error CudaError(const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
 }
-
-ffi::Error Connect(cudaStream_t stream, int32_t ordinal, int64_t key, int64_t rank, int64_t world,
-                   ffi::Span<const int64_t> descriptors, ffi::Result<ffi::Buffer<ffi::S32>> out) {
-  const size_t words = sizeof(p2p::Descriptor) / sizeof(int64_t);
-  if (world < 1 || world > p2p::kMaxRanks || descriptors.size() != words * world) {
-    return ffi::Error::InvalidArgument("dtenjax_p2p_connect: descriptors must hold " +
-                                       std::to_string(words) + " int64 words per rank for world " +
-                                       std::to_string(world));
-  }
-  const auto* all = reinterpret_cast<const p2p::Descriptor*>(descriptors.begin());
-  dtenjax::Status s = p2p::Connect(ordinal, static_cast<uint64_t>(key), static_cast<int>(rank),
-                                   static_cast<int>(world), all);
-  if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
-  const cudaError_t e = cudaMemsetAsync(out->untyped_data(), 0, sizeof(int32_t), stream);
-  if (e != cudaSuccess) {
-    return ffi::Error::Internal(std::string("dtenjax_p2p_connect: ") + cudaGetErrorString(e));
-  }
-  return ffi::Error::Success();
-}
-
-}  // namespace
 
 // --- all-reduce --------------------------------------------------------------------------------
 //
 // The communicator of each device is looked up (by ordinal and key) in the process-wide registry
 // under its mutex, so one executable's handler serves all local devices from several threads.
-// (An instantiate-stage State<T> would need its type registered before any handler, which
-// dtenjax/_src/ffi.py's register_all does not do; see docs/p2p.md.)
-
-namespace {
 
 ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> out, int64_t key, int64_t algorithm,
-                            int64_t timeout_ms) {
-  auto dtype = ToDType(x.element_type(), "dtenjax_p2p_all_reduce");
+                            int64_t op, int64_t mean, int64_t max_blocks, int64_t timeout_ms) {
+  constexpr const char* kWhat = "dtenjax_p2p_all_reduce";
+  auto dtype = ToDType(x.element_type(), kWhat);
   if (dtype.has_error()) return dtype.error();
-  auto alg = ToAlgorithm(algorithm, "dtenjax_p2p_all_reduce");
+  auto alg = ToAlgorithm(algorithm, kWhat);
   if (alg.has_error()) return alg.error();
+  auto rop = ToOp(op, kWhat);
+  if (rop.has_error()) return rop.error();
   if (out->element_type() != x.element_type() || out->element_count() != x.element_count()) {
     return ffi::Error::InvalidArgument("dtenjax_p2p_all_reduce: output must match the input");
   }
   p2p::Comm comm;
   dtenjax::Status s = p2p::FindComm(ordinal, static_cast<uint64_t>(key), &comm);
-  if (s.ok()) s = p2p::CheckKernelError(comm.error_host, "dtenjax_p2p_all_reduce");
+  if (s.ok()) s = p2p::CheckKernelError(ordinal, comm.error_host, kWhat);
   if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
+  const size_t item = p2p::DTypeBytes(dtype.value());
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  char* in = static_cast<char*>(x.untyped_data());
+  char* res = static_cast<char*>(out->untyped_data());
+  if (n == 0) return ffi::Error::Success();  // the same on every rank: no launch anywhere
+  if (comm.world == 1) {  // one rank: the sum is the input (mean divides by 1; max/min are x)
+    if (in == res) return ffi::Error::Success();
+    const cudaError_t e = cudaMemcpyAsync(res, in, n * item, cudaMemcpyDeviceToDevice, stream);
+    return e == cudaSuccess ? ffi::Error::Success() : CudaError(kWhat, e);
+  }
   p2p::LaunchArgs a;
   a.peers = comm.peers;
-  a.io[0] = {x.untyped_data(), out->untyped_data()};
   a.world = comm.world;
   a.rank0 = comm.rank;
   a.local_ranks = 1;
-  a.blocks = p2p::kRealBlocks;
-  a.count = static_cast<int64_t>(x.element_count());
   a.capacity = comm.capacity;
   a.dtype = dtype.value();
   a.algorithm = alg.value();
+  a.op = rop.value();
+  a.mean = mean != 0;
   a.timeout_ns = TimeoutNs(timeout_ms);
   a.error = comm.error_dev;
-  return dtenjax::ffi::ToFfiError(p2p::LaunchAllReduce(a, stream));
+  // Chunks of whole 16-byte vectors that fit the registered buffer; every rank cuts the same way.
+  const int64_t chunk = static_cast<int64_t>(comm.capacity / 16 * 16 / item);
+  for (int64_t off = 0; off < n; off += chunk) {
+    const int64_t count = n - off < chunk ? n - off : chunk;
+    a.io[0] = {in + off * item, res + off * item};
+    a.count = count;
+    a.blocks = p2p::BlocksFor(static_cast<size_t>(count) * item, static_cast<int>(max_blocks));
+    s = p2p::LaunchAllReduce(a, stream);
+    if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
+  }
+  return ffi::Error::Success();
 }
 
 // --- the simulated-rank harness ----------------------------------------------------------------
 
 ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                    ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm,
-                    int64_t iters, int64_t mode, int64_t capacity, int64_t timeout_ms) {
-  auto dtype = ToDType(x.element_type(), "dtenjax_p2p_selftest");
+                    ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm, int64_t op,
+                    int64_t mean, int64_t iters, int64_t mode, int64_t capacity, int64_t max_blocks,
+                    int64_t timeout_ms) {
+  constexpr const char* kWhat = "dtenjax_p2p_selftest";
+  auto dtype = ToDType(x.element_type(), kWhat);
   if (dtype.has_error()) return dtype.error();
-  auto alg = ToAlgorithm(algorithm, "dtenjax_p2p_selftest");
+  auto alg = ToAlgorithm(algorithm, kWhat);
   if (alg.has_error()) return alg.error();
+  auto rop = ToOp(op, kWhat);
+  if (rop.has_error()) return rop.error();
   const auto dims = x.dimensions();
   if (dims.size() != 2 || out->element_type() != x.element_type() ||
       out->element_count() != x.element_count()) {
     return ffi::Error::InvalidArgument(
         "dtenjax_p2p_selftest: input must be [ranks, n] and the output the same");
   }
-  if (iters < 1 || mode < 0 || mode > 2 || count < 0 || count > dims[1]) {
+  if (iters < 1 || mode < 0 || mode > 3 || count < 0 || count > dims[1]) {
     return ffi::Error::InvalidArgument(
-        "dtenjax_p2p_selftest: iters must be >= 1, mode 0..2 and 0 <= count <= n");
+        "dtenjax_p2p_selftest: iters must be >= 1, mode 0..3 and 0 <= count <= n");
   }
   const int world = static_cast<int>(dims[0]);
   const int64_t n = dims[1];
@@ -154,17 +156,14 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
     for (int64_t it = 0; it < iters; ++it) {
       const cudaError_t e =
           cudaMemcpyAsync(xout, xin, row * world, cudaMemcpyDeviceToDevice, stream);
-      if (e != cudaSuccess) {
-        return ffi::Error::Internal(std::string("dtenjax_p2p_selftest copy: ") +
-                                    cudaGetErrorString(e));
-      }
+      if (e != cudaSuccess) return CudaError("dtenjax_p2p_selftest copy", e);
     }
     return ffi::Error::Success();
   }
   p2p::SimArena arena;
   dtenjax::Status s =
       p2p::GetSimArena(ordinal, world, static_cast<size_t>(capacity), create, &arena);
-  if (s.ok()) s = p2p::CheckKernelError(arena.error_host, "dtenjax_p2p_selftest");
+  if (s.ok()) s = p2p::CheckKernelError(ordinal, arena.error_host, kWhat);
   if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
   if (row % 16 != 0) {
     // Each simulated rank's row must start 16-byte aligned: the row stride n is padded, and
@@ -177,19 +176,24 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
   a.peers = arena.peers;
   a.world = world;
   a.rank0 = 0;
-  a.local_ranks = world;
-  a.blocks = arena.blocks;
+  // mode 3: only rank 0 enters (a peer that never arrives): the kernel must time out and trap.
+  a.local_ranks = mode == 3 ? 1 : world;
+  const int want = p2p::BlocksFor(static_cast<size_t>(count) * p2p::DTypeBytes(dtype.value()),
+                                  static_cast<int>(max_blocks));
+  a.blocks = want < arena.blocks ? want : arena.blocks;
   a.count = count;
   a.capacity = arena.capacity;
   a.dtype = dtype.value();
   a.algorithm = alg.value();
+  a.op = rop.value();
+  a.mean = mean != 0;
   a.timeout_ns = TimeoutNs(timeout_ms);
   a.error = arena.error_dev;
   // mode 0 (validation): iteration 0 reduces x, the middle ones reduce their own previous output
   // (different data in both parity buffers), the last reduces x again: a stale read of an
   // earlier call's buffer or flags changes the final bits. mode 1 (timing): x every iteration.
   for (int64_t it = 0; it < iters; ++it) {
-    const bool from_x = mode == 1 || it == 0 || it == iters - 1;
+    const bool from_x = mode != 0 || it == 0 || it == iters - 1;
     for (int r = 0; r < world; ++r) {
       a.io[r] = {(from_x ? xin : xout) + r * row, xout + r * row};
     }
@@ -201,36 +205,21 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
 
 ffi::Error SelftestAlloc(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm,
-                         int64_t iters, int64_t mode, int64_t capacity, int64_t timeout_ms) {
-  return Selftest(true, stream, ordinal, x, out, count, algorithm, iters, mode, capacity,
-                  timeout_ms);
+                         int64_t op, int64_t mean, int64_t iters, int64_t mode, int64_t capacity,
+                         int64_t max_blocks, int64_t timeout_ms) {
+  return Selftest(true, stream, ordinal, x, out, count, algorithm, op, mean, iters, mode,
+                  capacity, max_blocks, timeout_ms);
 }
 
 ffi::Error SelftestGraph(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm,
-                         int64_t iters, int64_t mode, int64_t capacity, int64_t timeout_ms) {
-  return Selftest(false, stream, ordinal, x, out, count, algorithm, iters, mode, capacity,
-                  timeout_ms);
+                         int64_t op, int64_t mean, int64_t iters, int64_t mode, int64_t capacity,
+                         int64_t max_blocks, int64_t timeout_ms) {
+  return Selftest(false, stream, ordinal, x, out, count, algorithm, op, mean, iters, mode,
+                  capacity, max_blocks, timeout_ms);
 }
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PRegister, Register,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("capacity")
-                                  .Ret<ffi::Buffer<ffi::U8>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PConnect, Connect,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("key")
-                                  .Attr<int64_t>("rank")
-                                  .Attr<int64_t>("world")
-                                  .Attr<ffi::Span<const int64_t>>("descriptors")
-                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PAllReduceExecute, AllReduceExecute,
                               ffi::Ffi::Bind()
@@ -240,6 +229,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PAllReduceExecute, AllReduceExecute,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("key")
                                   .Attr<int64_t>("algorithm")
+                                  .Attr<int64_t>("op")
+                                  .Attr<int64_t>("mean")
+                                  .Attr<int64_t>("max_blocks")
                                   .Attr<int64_t>("timeout_ms"),
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -251,17 +243,55 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PAllReduceExecute, AllReduceExecute,
       .Ret<ffi::AnyBuffer>()                          \
       .Attr<int64_t>("count")                         \
       .Attr<int64_t>("algorithm")                     \
+      .Attr<int64_t>("op")                            \
+      .Attr<int64_t>("mean")                             \
       .Attr<int64_t>("iters")                         \
       .Attr<int64_t>("mode")                          \
       .Attr<int64_t>("capacity")                      \
+      .Attr<int64_t>("max_blocks")                    \
       .Attr<int64_t>("timeout_ms")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PSelftest, SelftestAlloc, DTENJAX_P2P_SELFTEST_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PSelftestGraph, SelftestGraph, DTENJAX_P2P_SELFTEST_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 
-DTENJAX_REGISTER_FFI("dtenjax_p2p_register", "CUDA", P2PRegister);
-DTENJAX_REGISTER_FFI("dtenjax_p2p_connect", "CUDA", P2PConnect);
 DTENJAX_REGISTER_FFI("dtenjax_p2p_all_reduce", "CUDA", P2PAllReduceExecute);
 DTENJAX_REGISTER_FFI("dtenjax_p2p_selftest", "CUDA", P2PSelftest);
 DTENJAX_REGISTER_FFI("dtenjax_p2p_selftest_graph", "CUDA", P2PSelftestGraph);
+
+// --- Python bindings: set-up runs eagerly, on the caller's thread, with the GIL released -------
+
+DTENJAX_PYTHON_BINDINGS(p2p, [](nb::module_& m) {
+  m.def(
+      "p2p_register",
+      [](int ordinal, int64_t capacity) {
+        DTENJAX_CHECK_PY(capacity > 0, "p2p_register: capacity must be positive");
+        p2p::Descriptor d;
+        {
+          nb::gil_scoped_release release;
+          dtenjax::python::ThrowIfError(
+              p2p::RegisterRegion(ordinal, static_cast<size_t>(capacity), &d));
+        }
+        return nb::bytes(reinterpret_cast<const char*>(&d), sizeof(d));
+      },
+      nb::arg("ordinal"), nb::arg("capacity"),
+      "Allocates (once) the symmetric region of CUDA device `ordinal`; returns its descriptor.");
+  m.def(
+      "p2p_connect",
+      [](int ordinal, int64_t key, int rank, int world, nb::bytes descriptors) {
+        DTENJAX_CHECK_PY(world >= 1 && world <= p2p::kMaxRanks &&
+                             descriptors.size() == sizeof(p2p::Descriptor) * world,
+                         "p2p_connect: descriptors must hold 128 bytes per rank of a world in "
+                         "[1, 8]");
+        const std::string all(descriptors.c_str(), descriptors.size());
+        nb::gil_scoped_release release;
+        dtenjax::python::ThrowIfError(
+            p2p::Connect(ordinal, static_cast<uint64_t>(key), rank, world,
+                         reinterpret_cast<const p2p::Descriptor*>(all.data())));
+      },
+      nb::arg("ordinal"), nb::arg("key"), nb::arg("rank"), nb::arg("world"),
+      nb::arg("descriptors"),
+      "Maps every rank's region for device `ordinal` (rank `rank`) under communicator `key`.");
+  m.def("p2p_kernel_timeouts", &p2p::KernelTimeouts,
+        "One message per device whose p2p kernel timed out (and trapped).");
+});

@@ -253,12 +253,16 @@ def _plugin(x, axes, algorithm: str, op: str):
       config.log_fallback("p2p-missing", f"dtenjax: {algorithm} on GPU uses the XLA-native form "
                           "(dtenjax._src.gpu.p2p is not available)")
       return None
-    ok, why = p2p.supported(alg.axis_size(axes), x.size * x.dtype.itemsize, x.dtype)
+    ok, why = p2p.supported(alg.axis_size(axes), x.size * x.dtype.itemsize, x.dtype, op=op)
     if ok:
-      from dtenjax._src.planning import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-      # The kernels need the concrete mesh to know which GPU is which rank.
-      return functools.partial(p2p.all_reduce, axis_name=name, algorithm=algorithm, op=op,
-                               mesh=mesh_lib.current_mesh())
+      # The kernels learn which GPU is which rank from the concrete mesh when lowered; if their
+      # set-up fails there, the bit-identical XLA-native form is lowered instead.
+      def fallback(v, algorithm=algorithm):
+        count = alg.axis_size(axes)
+        finish = lambda y: (y / jnp.asarray(count, y.dtype) if op == "mean" else y).astype(v.dtype)
+        return alg.ALL_REDUCE[algorithm](v, axes, op, finish)
+      return functools.partial(p2p.all_reduce, axis_name=axes, algorithm=algorithm, op=op,
+                               fallback=fallback)
     config.log_fallback(f"p2p:{why}", f"dtenjax: {algorithm} NVLink kernel not used ({why}); "
                         "using the XLA-native form")
   return None

@@ -9,58 +9,67 @@ The kernels (``csrc/cuda/p2p_allreduce.cuh``) read every rank's data straight ou
   a second barrier, then every rank copies the other W-1 reduced segments. Moves ~2x fewer bytes
   per link for large messages.
 
-Bit contract (tested in ``tests/test_p2p.py``). For float32, bfloat16 and float16 inputs x_0..x_{W-1}
-(rank r = position along the mesh axis), BOTH algorithms return, on every rank, for every element::
+Bit contract (tested in ``tests/test_p2p.py``), identical on every rank and for both algorithms,
+rank r = position along the (combined) mesh axes:
 
-    acc = float32(x_0)
-    for r in 1..W-1:  acc = acc + float32(x_r)      # IEEE f32 add, round-to-nearest-even, no FMA
-    result = acc.astype(dtype)                        # one rounding (RNE); identity for float32
+* ``sum``: ``acc = f32(x_0); acc = acc + f32(x_r)`` for r = 1..W-1 (IEEE f32, RNE, no FMA), then one
+  rounding to the dtype; ``mean`` divides the f32 sum by W before that rounding. This is exactly
+  the XLA-native ``one_shot`` of ``collectives/algorithms.py`` (all-gather + the same fold).
+* ``max`` / ``min``: the rank-order fold of ``>`` / ``<`` selections; any NaN gives NaN.
+* ``reproducible=True`` (``sum``/``mean``, float32/bfloat16): the exact fixed-point sum of
+  contract v2 (docs/collectives.md), fused into the same kernels: each rank reads its peers'
+  float data, derives the per-element exponent from the values it read, sums in 64-bit integers
+  and rounds once. Same bits as the XLA path on any backend and any device count.
 
-i.e. a left fold over ranks in increasing order, starting from x_0 itself (not from 0, so -0.0 is
-kept), accumulated in float32 and rounded once. Two-shot reduces each element on its segment owner
-with exactly this fold and then copies the bits, so ``two_shot`` bits == ``one_shot`` bits.
-Relation to the XLA-native forms in ``collectives.py``: the XLA-native ``one_shot`` (all-gather,
-then this same fold in f32 over the gathered axis, then one cast) is bit-identical to both p2p
-kernels. An XLA-native ``two_shot`` built from ``psum_scatter`` + ``all_gather`` sums in NCCL's
-order (and in bf16/f16 precision for those dtypes), so it is NOT bit-identical in general; it is
-equal only when every partial sum is exact (e.g. small integers in float).
+Which GPU is which rank is learnt at LOWERING time from the concrete mesh of the enclosing
+``shard_map`` (also under ``jax.set_mesh`` and plain ``jax.jit``); the caller passes no mesh. Set-up
+(allocating one symmetric region per GPU, exchanging 128-byte descriptors over
+``jax.distributed``'s key-value store across processes, and mapping peers with
+``cudaDeviceEnablePeerAccess`` in one process or CUDA IPC across processes) runs once per device
+group, eagerly, while lowering. If it fails, the reason is logged once and the caller's
+``fallback`` (the same collective with XLA's ops) is lowered instead; the failure is remembered
+only when retrying cannot help (e.g. no peer access between the GPUs). The traced call only
+launches kernels, so it is CUDA-graph (command buffer) compatible. Messages larger than the
+registered buffer (``DTENJAX_P2P_BUFFER_BYTES``) run as several chunks.
 
-Buffers: one symmetric region per GPU (``DTENJAX_P2P_BUFFER_BYTES`` per stage buffer, two stage
-buffers + a 4 KiB flag header), allocated once per device and peer-mapped: devices of this process
-through ``cudaDeviceEnablePeerAccess``, devices of other processes through CUDA IPC handles
-exchanged over ``jax.distributed``'s key-value store. Messages larger than the buffer are not
-supported here (``supported`` says so; ``algorithm="auto"`` then uses XLA).
-
-Everything that allocates or maps memory happens eagerly, before tracing, in :func:`prepare`; the
-traced ``dtenjax_p2p_all_reduce`` call only launches a kernel, so it is CUDA-graph compatible.
+A barrier that waits past ``DTENJAX_COLLECTIVE_TIMEOUT`` traps the kernel: the step fails with a
+CUDA error (never with made-up data), a watchdog prints which rank waited for which, and
+:func:`kernel_timeouts` returns the same text.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
 from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src import ffi
 
 ALGORITHMS: dict[str, int] = {"one_shot": 0, "two_shot": 1}
+OPS: dict[str, int] = {"sum": 0, "mean": 0, "max": 1, "min": 2}
+REPRODUCIBLE_OP = 3
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+REPRODUCIBLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_WORLD = 8
 DESCRIPTOR_BYTES = 128
-TARGETS = ("dtenjax_p2p_register", "dtenjax_p2p_connect", "dtenjax_p2p_all_reduce",
-           "dtenjax_p2p_selftest", "dtenjax_p2p_selftest_graph")
+TARGET = "dtenjax_p2p_all_reduce"
+TARGETS = (TARGET, "dtenjax_p2p_selftest", "dtenjax_p2p_selftest_graph")
 _KV_PREFIX = "dtenjax/p2p"
 
 _lock = threading.Lock()
 _connected: dict[int, int] = {}          # communicator key -> world size
-_failures: dict[int, str] = {}           # communicator key -> why setting it up failed
-_last_failure: list[str] = []            # most recent setup failure (for supported())
+_failures: dict[int, str] = {}           # key -> why set-up failed for good (not worth retrying)
 
 
 # --- availability ------------------------------------------------------------------------------
@@ -73,6 +82,16 @@ def capacity_bytes() -> int:
         f"DTENJAX_P2P_BUFFER_BYTES={cap} must be a positive multiple of 16 (default "
         f"{config.KNOBS['DTENJAX_P2P_BUFFER_BYTES'].default}).")
   return cap
+
+
+def max_blocks() -> int:
+  """Most thread blocks per GPU a call may use (``DTENJAX_P2P_MAX_BLOCKS``)."""
+  n = config.get_int("DTENJAX_P2P_MAX_BLOCKS")
+  if not 1 <= n <= 128:
+    raise errors.ConfigurationError(
+        f"DTENJAX_P2P_MAX_BLOCKS={n} must be in [1, 128] (default "
+        f"{config.KNOBS['DTENJAX_P2P_MAX_BLOCKS'].default}).")
+  return n
 
 
 def _timeout_ms() -> int:
@@ -102,73 +121,64 @@ def unavailable_reason() -> str | None:
   return None
 
 
-def supported(axis_size: int, nbytes: int, dtype) -> tuple[bool, str]:
-  """Whether the p2p kernels can all-reduce ``nbytes`` of ``dtype`` over ``axis_size`` ranks.
+def supported(world: int, nbytes: int, dtype, *, op: str = "sum",
+              reproducible: bool = False) -> tuple[bool, str]:
+  """Whether the kernels can all-reduce ``nbytes`` of ``dtype`` with ``op`` over ``world`` ranks.
 
-  Returns ``(True, "")`` or ``(False, reason)``; the reason lists every problem and is meant for
-  ``config.log_fallback``. Peer access between the participants is checked when the communicator
-  is set up (:func:`prepare`); a failure there is remembered and reported here afterwards.
+  Returns ``(True, "")`` or ``(False, reason)`` listing every problem. Any message size works
+  (large ones run in chunks). Which GPUs take part is only known when the call is lowered; a
+  set-up failure there makes that call fall back (see the module docstring).
   """
+  del nbytes   # no size limit: messages larger than the registered buffer run in chunks
   problems = []
   try:
     dt = jnp.dtype(dtype)
   except TypeError:
     dt = None
-  if dt not in SUPPORTED_DTYPES:
+  if op not in OPS:
+    problems.append(f"op {op!r} is not one of {sorted(OPS)}")
+  if reproducible:
+    if dt not in REPRODUCIBLE_DTYPES:
+      problems.append(f"the reproducible sum takes float32 or bfloat16, not {dtype}")
+    if op not in ("sum", "mean"):
+      problems.append(f"op {op!r} has no reproducible form (sum and mean do)")
+  elif dt not in SUPPORTED_DTYPES:
     problems.append(f"dtype {dtype} is not float32, bfloat16 or float16")
-  if not isinstance(axis_size, (int, np.integer)) or not 1 <= axis_size <= MAX_WORLD:
-    problems.append(f"world size {axis_size} is outside [1, {MAX_WORLD}]")
-  try:
-    cap = capacity_bytes()
-    if nbytes > cap:
-      problems.append(f"message of {nbytes} bytes exceeds the registered buffer of {cap} bytes "
-                      "(raise DTENJAX_P2P_BUFFER_BYTES)")
-  except errors.ConfigurationError as e:
-    problems.append(str(e))
+  if not isinstance(world, (int, np.integer)) or not 1 <= world <= MAX_WORLD:
+    problems.append(f"world size {world} is outside [1, {MAX_WORLD}]")
+  for knob in (capacity_bytes, max_blocks):
+    try:
+      knob()
+    except errors.ConfigurationError as e:
+      problems.append(str(e))
   why = unavailable_reason()
   if why:
     problems.append(why)
-  elif jax.process_count() == 1 and isinstance(axis_size, (int, np.integer)):
-    n_gpu = len(jax.local_devices(backend="gpu"))
-    if axis_size > n_gpu:
-      problems.append(f"world size {axis_size} exceeds the {n_gpu} GPUs of this process")
-  if _last_failure:
-    problems.append(_last_failure[-1])
   return (not problems, "; ".join(problems))
 
 
-# --- communicator set-up (eager, outside any trace) -------------------------------------------
-
-def _run_on(device, fn):
-  """Runs the zero-argument jax function ``fn`` eagerly on ``device`` and returns numpy."""
-  sharding = jax.sharding.SingleDeviceSharding(device)
-  with jax.ensure_compile_time_eval():
-    return np.asarray(jax.jit(fn, out_shardings=sharding)())
+def kernel_timeouts() -> list[str]:
+  """One message per GPU of this process whose kernel timed out (its CUDA context is gone)."""
+  return list(ffi.module().p2p_kernel_timeouts())
 
 
-def _register(device, cap: int) -> np.ndarray:
-  target = ffi.require("dtenjax_p2p_register", "CUDA")
-  out = jax.ShapeDtypeStruct((DESCRIPTOR_BYTES,), jnp.uint8)
-  desc = _run_on(device, lambda: jax.ffi.ffi_call(target, out)(capacity=np.int64(cap)))
-  return desc.view(np.int64)
+# --- communicator set-up (eager, while lowering) -----------------------------------------------
 
+def groups_of(mesh, axes: Sequence[str]) -> list[list[Any]]:
+  """Devices of every group along ``axes`` (combined in the given order), each in rank order.
 
-def _connect(device, key: int, rank: int, world: int, descriptors: np.ndarray) -> None:
-  target = ffi.require("dtenjax_p2p_connect", "CUDA")
-  out = jax.ShapeDtypeStruct((1,), jnp.int32)
-  _run_on(device, lambda: jax.ffi.ffi_call(target, out)(
-      key=np.int64(key), rank=np.int64(rank), world=np.int64(world),
-      descriptors=np.ascontiguousarray(descriptors, dtype=np.int64)))
-
-
-def _groups(mesh, axis_name: str) -> list[list[Any]]:
-  """Devices of every group along ``axis_name``, each in rank (axis index) order."""
-  if axis_name not in mesh.axis_names:
+  Rank = ``lax.axis_index(axes)``: the position along the named axes, the first name major.
+  """
+  missing = [a for a in axes if a not in mesh.axis_names]
+  if missing:
     raise errors.CollectiveError(
-        f"axis {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}; pass the mesh that "
-        "the shard_map runs over (mesh=...)")
-  devs = np.moveaxis(np.asarray(mesh.devices), mesh.axis_names.index(axis_name), -1)
-  return [list(g) for g in devs.reshape(-1, devs.shape[-1])]
+        f"axes {missing} are not axes of the mesh {dict(mesh.shape)}")
+  names = list(mesh.axis_names)
+  devs = np.asarray(mesh.devices)
+  rest = [names.index(n) for n in names if n not in axes]
+  devs = np.transpose(devs, rest + [names.index(a) for a in axes])
+  size = int(np.prod([mesh.shape[a] for a in axes]))
+  return [list(g) for g in devs.reshape(-1, size)]
 
 
 def _key_of(groups: list[list[Any]]) -> int:
@@ -177,7 +187,7 @@ def _key_of(groups: list[list[Any]]) -> int:
 
 
 def _kv_client():
-  """jax.distributed's coordination client (the one place that touches this private API)."""
+  """jax.distributed's coordination client (the one place that touches this private API here)."""
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   client = distributed.global_state.client
   if client is None:
@@ -186,14 +196,14 @@ def _kv_client():
   return client
 
 
-def _exchange(key: int, group: list[Any], local: dict[int, np.ndarray]) -> np.ndarray:
+def _exchange(key: int, group: list[Any], local: dict[int, bytes]) -> bytes:
   """All ranks' descriptors of one group, in rank order (over the KV store across processes)."""
   if all(d.id in local for d in group):
-    return np.concatenate([local[d.id] for d in group])
+    return b"".join(local[d.id] for d in group)
   client = _kv_client()
   for d in group:
     if d.id in local:
-      client.key_value_set(f"{_KV_PREFIX}/{key}/{d.id}", local[d.id].tobytes().hex())
+      client.key_value_set(f"{_KV_PREFIX}/{key}/{d.id}", local[d.id].hex())
   out = []
   for d in group:
     if d.id in local:
@@ -204,131 +214,185 @@ def _exchange(key: int, group: list[Any], local: dict[int, np.ndarray]) -> np.nd
     except Exception as e:  # pylint: disable=broad-except
       raise errors.CollectiveTimeoutError(
           f"p2p set-up waited {_timeout_ms()} ms for the buffer descriptor of device {d.id} "
-          f"(process {d.process_index}) and got none ({e}); make sure every process calls the "
-          "same collective, or raise DTENJAX_COLLECTIVE_TIMEOUT") from None
-    out.append(np.frombuffer(bytes.fromhex(raw), dtype=np.int64))
-  return np.concatenate(out)
+          f"(process {d.process_index}) and got none ({e}); make sure every process runs the "
+          "same program, or raise DTENJAX_COLLECTIVE_TIMEOUT") from None
+    out.append(bytes.fromhex(raw))
+  return b"".join(out)
 
 
-def prepare(axis_name: str, axis_size: int, mesh=None) -> int:
-  """Allocates, exchanges and peer-maps the buffers for ``axis_name``; returns the comm key.
+def prepare(groups: list[list[Any]]) -> int:
+  """Registers, exchanges and peer-maps the buffers of ``groups``; returns the communicator key.
 
-  Runs eagerly (also when called while tracing) and only once per device group. ``mesh`` is the
-  concrete mesh of the shard_map; without it the mesh set by ``jax.set_mesh`` is used. A world of
-  one needs no mesh (every local GPU forms its own group).
+  Idempotent per device grouping. Raises a DtenjaxError saying why when it cannot be done.
   """
-  if mesh is None and axis_size != 1:
-    try:
-      mesh = jax.sharding.get_mesh()   # raises while tracing under jit on jax 0.11
-    except ValueError:
-      mesh = None
-    if mesh is None or getattr(mesh, "empty", True) or not hasattr(mesh, "devices"):
-      mesh = None
-  if mesh is None:
-    if axis_size != 1:
-      raise errors.CollectiveError(
-          f"p2p all_reduce over axis {axis_name!r} (size {axis_size}) needs the concrete mesh to "
-          "know which GPU is which rank: pass mesh=... or run under jax.set_mesh(mesh)")
-    groups = [[d] for d in jax.local_devices(backend="gpu")]
-  else:
-    groups = _groups(mesh, axis_name)
   key = _key_of(groups)
   with _lock:
     if key in _connected:
       return key
     if key in _failures:
       raise errors.CollectiveError(_failures[key])
+    native = ffi.module()
     cap = capacity_bytes()
+    pid = jax.process_index()
     try:
-      pid = jax.process_index()
-      local = {d.id: _register(d, cap) for g in groups for d in g if d.process_index == pid}
+      local = {d.id: native.p2p_register(int(d.local_hardware_id), cap)
+               for g in groups for d in g if d.process_index == pid}
       for g in groups:
         if not any(d.id in local for d in g):
           continue
         descs = _exchange(key, g, local)
         for rank, d in enumerate(g):
           if d.id in local:
-            _connect(d, key, rank, len(g), descs)
-    except errors.CollectiveTimeoutError:
+            native.p2p_connect(int(d.local_hardware_id), key, rank, len(g), descs)
+    except (errors.ConfigurationError, errors.ExtensionUnavailableError) as e:
+      # Retrying the same grouping cannot help (no peer access, another host, bad buffer size).
+      _failures[key] = f"{e}"
       raise
-    except Exception as e:  # pylint: disable=broad-except
-      msg = (f"p2p set-up for axis {axis_name!r} failed: {e}. Use algorithm='xla' (or 'auto', "
-             "which falls back to it)")
-      _failures[key] = msg
-      _last_failure.append(msg)
-      raise errors.CollectiveError(msg) from None
     _connected[key] = len(groups[0])
   return key
 
 
+def _concrete_mesh(ctx):
+  """The concrete mesh a shard_map body is being lowered for, or a reason why there is none."""
+  axis_ctx = ctx.module_context.axis_context
+  mesh = getattr(axis_ctx, "mesh", None)
+  if mesh is not None and not isinstance(mesh, jax.sharding.AbstractMesh):
+    return mesh, None
+  try:   # shard_map over an abstract mesh: the one jax.set_mesh made concrete, if any
+    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    concrete = mesh_lib.get_concrete_mesh()
+    if concrete is not None and not concrete.empty:
+      return concrete, None
+  except (ImportError, AttributeError):
+    pass
+  return None, (f"lowered outside a shard_map over a concrete mesh (axis context "
+                f"{type(axis_ctx).__name__}), so which GPU is which rank is unknown")
+
+
+# --- the primitive -------------------------------------------------------------------------------
+
+_p2p_p = jex_core.Primitive("dtenjax_p2p_all_reduce")
+_p2p_p.def_abstract_eval(lambda x, **_: x)
+
+
+def _batch(axis_data, args, dims, **params):
+  (x,), (d,) = args, dims
+  if axis_data.name in params["axes"]:
+    # A reduction over the vmapped axis itself has no GPUs to run kernels on: it is the
+    # fallback's (XLA ops) job, vmapped under the same axis name.
+    fallback = params["fallback"]
+    if fallback is None:
+      raise errors.CollectiveError(
+          f"p2p all_reduce over the vmap axis {axis_data.name!r}: the NVLink kernels reduce "
+          "across GPUs of a mesh; use dtenjax.all_reduce (which falls back) or algorithm='xla'")
+    return jax.vmap(fallback, in_axes=d, axis_name=axis_data.name,
+                    axis_size=axis_data.size)(x), 0
+  # An ordinary batch axis: every element is reduced across devices independently.
+  return _p2p_p.bind(x, **params), d
+
+
+batching.fancy_primitive_batchers[_p2p_p] = _batch
+
+
+def _lower(ctx, x, *, axes, algorithm, op, reproducible, fallback):
+  why = None
+  if tuple(ctx.module_context.platforms) != ("cuda",):
+    why = f"lowered for {list(ctx.module_context.platforms)}, not CUDA"
+  else:
+    mesh, why = _concrete_mesh(ctx)
+    if mesh is not None:
+      try:
+        key = prepare(groups_of(mesh, axes))
+      except errors.DtenjaxError as e:
+        why = f"set-up failed: {e}"
+  if why is not None:
+    if fallback is None:
+      raise errors.CollectiveError(f"p2p all_reduce({algorithm}) over {axes}: {why}")
+    config.log_fallback(f"p2p-lower:{why}", f"dtenjax: {algorithm} NVLink kernel not used "
+                        f"over {axes} ({why}); using the XLA form instead")
+    return mlir.lower_fun(fallback, multiple_results=False)(ctx, x)
+  code = REPRODUCIBLE_OP if reproducible else OPS[op]
+  return jax.ffi.ffi_lowering(TARGET)(
+      ctx, x, key=np.int64(key), algorithm=np.int64(ALGORITHMS[algorithm]), op=np.int64(code),
+      mean=np.int64(op == "mean"), max_blocks=np.int64(max_blocks()),
+      timeout_ms=np.int64(_timeout_ms()))
+
+
+mlir.register_lowering(_p2p_p, _lower)
+
+
 # --- the collective ----------------------------------------------------------------------------
 
-def _check(x, algorithm: str, op: str) -> None:
+def _check(x, algorithm: str, op: str, reproducible: bool) -> None:
   problems = []
   if algorithm not in ALGORITHMS:
     problems.append(f"algorithm {algorithm!r} is not one of {sorted(ALGORITHMS)}")
-  if op != "sum":
-    problems.append(f"op {op!r} is not supported by the p2p kernels (only 'sum'); use "
-                    "algorithm='xla' for other reductions")
-  if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-    problems.append(f"dtype {jnp.dtype(x.dtype).name} is not float32, bfloat16 or float16; "
-                    "cast the input or use algorithm='xla'")
+  dt = jnp.dtype(x.dtype)
+  if op not in OPS:
+    problems.append(f"op {op!r} is not one of {sorted(OPS)}")
+  elif reproducible and op not in ("sum", "mean"):
+    problems.append(f"op {op!r} has no reproducible form; use op='sum' or 'mean'")
+  if reproducible and dt not in REPRODUCIBLE_DTYPES:
+    problems.append(f"dtype {dt.name}: the reproducible sum takes float32 or bfloat16")
+  elif dt not in SUPPORTED_DTYPES:
+    problems.append(f"dtype {dt.name} is not float32, bfloat16 or float16; cast the input or "
+                    "use algorithm='xla'")
   if problems:
     raise errors.CollectiveError(errors.join_problems("p2p all_reduce cannot run:", problems))
 
 
-def all_reduce(x, axis_name: str, *, algorithm: str = "one_shot", op: str = "sum", mesh=None):
-  """Sum of ``x`` over ``axis_name`` with the NVLink p2p kernels (inside shard_map/jit on GPU).
+def all_reduce(x, axis_name, *, algorithm: str = "one_shot", op: str = "sum",
+               reproducible: bool = False, fallback: Callable | None = None):
+  """All-reduce of ``x`` over ``axis_name`` with the NVLink kernels (inside shard_map on GPU).
 
-  Bits follow the contract in this module's docstring. Raises CollectiveError (with the reason)
-  when :func:`supported` says no; callers that want a fallback check :func:`supported` first.
+  Bits follow the contract in this module's docstring. ``fallback(x)`` must compute the same
+  collective with XLA's ops: it runs instead when the kernels cannot (no GPU, or the set-up fails
+  while lowering; the reason is logged once). Without a fallback those cases raise
+  CollectiveError with the reason.
   """
-  _check(x, algorithm, op)
-  axis_size = int(jax.lax.axis_size(axis_name))
+  _check(x, algorithm, op, reproducible)
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  world = int(lax.axis_size(axes))
   nbytes = int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
-  ok, why = supported(axis_size, nbytes, x.dtype)
+  ok, why = supported(world, nbytes, x.dtype, op=op, reproducible=reproducible)
   if not ok:
-    raise errors.CollectiveError(
-        f"p2p all_reduce({algorithm}) over {axis_name!r} is unavailable: {why}. Use "
-        "algorithm='xla' (or 'auto', which falls back to it)")
-  key = prepare(axis_name, axis_size, mesh)
-  target = ffi.require("dtenjax_p2p_all_reduce", "CUDA")
-  return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(
-      x, key=np.int64(key), algorithm=np.int64(ALGORITHMS[algorithm]),
-      timeout_ms=np.int64(_timeout_ms()))
+    if fallback is None:
+      raise errors.CollectiveError(
+          f"p2p all_reduce({algorithm}) over {axes} is unavailable: {why}. Use "
+          "algorithm='xla' (or 'auto', which falls back to it)")
+    config.log_fallback(f"p2p:{why}", f"dtenjax: {algorithm} NVLink kernel not used ({why}); "
+                        "using the XLA form instead")
+    return fallback(x)
+  return _p2p_p.bind(x, axes=axes, algorithm=algorithm, op=op, reproducible=bool(reproducible),
+                     fallback=fallback)
 
 
 # --- the simulated-rank harness (one GPU, N ranks) -------------------------------------------
 
-def reference(x: np.ndarray) -> np.ndarray:
-  """The contract in numpy: rank-order f32 fold over axis 0 of ``x`` [W, ...], one rounding."""
-  x = np.asarray(x)
-  acc = x[0].astype(np.float32)
-  for r in range(1, x.shape[0]):
-    acc = acc + x[r].astype(np.float32)
-  return acc.astype(x.dtype)
-
-
-def selftest(x, *, algorithm: str = "one_shot", count: int | None = None, iters: int = 3,
-             mode: int = 0, graph: bool = False, capacity: int | None = None):
+def selftest(x, *, algorithm: str = "one_shot", op: str = "sum", reproducible: bool = False,
+             count: int | None = None, iters: int = 3, mode: int = 0, graph: bool = False,
+             capacity: int | None = None):
   """Runs the real kernels with ``x.shape[0]`` simulated ranks on one GPU; returns [W, n].
 
   ``x`` is [W, n] with n * itemsize a multiple of 16 (each rank's row 16-byte aligned); the
   kernels reduce the first ``count`` (default n) elements of every row, the rest of the output
   is unspecified. mode 0 chains ``iters`` calls so that a stale buffer or flag changes the final
   bits; mode 1 repeats the same call ``iters`` times (timing); mode 2 times a device-to-device
-  copy of ``x`` instead. ``graph`` uses the command-buffer-compatible target, which needs an
-  earlier non-graph call with the same W to have allocated the arena (``capacity`` bytes per
-  rank, default the registered-buffer size).
+  copy of ``x`` instead; mode 3 launches rank 0 alone, so its barrier times out and the kernel
+  traps (run it in a process of its own). ``graph`` uses the command-buffer-compatible target,
+  which needs an earlier non-graph call with the same W to have allocated the arena
+  (``capacity`` bytes per rank, default the registered-buffer size).
   """
-  _check(x, algorithm, "sum")
-  if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_WORLD:
-    raise errors.CollectiveError(f"selftest input must be [ranks <= 8, n], got {x.shape}")
+  _check(x, algorithm, op, reproducible)
+  if x.ndim != 2 or not 2 <= x.shape[0] <= MAX_WORLD:
+    raise errors.CollectiveError(f"selftest input must be [2 <= ranks <= 8, n], got {x.shape}")
   n = x.shape[1]
   count = n if count is None else count
   target = ffi.require("dtenjax_p2p_selftest_graph" if graph else "dtenjax_p2p_selftest", "CUDA")
   return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(
       x, count=np.int64(count), algorithm=np.int64(ALGORITHMS[algorithm]),
+      op=np.int64(REPRODUCIBLE_OP if reproducible else OPS[op]), mean=np.int64(op == "mean"),
       iters=np.int64(iters), mode=np.int64(mode),
       capacity=np.int64(capacity if capacity is not None else capacity_bytes()),
-      timeout_ms=np.int64(_timeout_ms()))
+      max_blocks=np.int64(max_blocks()), timeout_ms=np.int64(_timeout_ms()))
+

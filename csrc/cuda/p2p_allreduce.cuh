@@ -403,6 +403,7 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const LaunchArgs a) {
   const uint4* src[W];
 #pragma unroll
   for (int p = 0; p < W; ++p) src[p] = Region{a.peers.region[p]}.stage(parity, a.capacity);
+  src[rank] = in;   // this rank's own values: straight from its input, not its stage copy
   ReduceVecs<T, W, kRep>(out, nullptr, src, 0, nv, first, stride, a.op, a.mean);
   ReduceTail<T, W, kRep>(static_cast<T*>(a.io[local].out), nullptr, src, nv * E, tail, a.op,
                          a.mean);
@@ -434,7 +435,8 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(const LaunchArgs a) {
   uint4* out = static_cast<uint4*>(a.io[local].out);
   uint4* mine = me.stage(parity, a.capacity);
 #pragma unroll
-  for (int s = 0; s < W; ++s) {
+  for (int s = 0; s < W; ++s) {   // peers read segment s of this stage; this rank reads its input
+    if (s == rank) continue;
     const int64_t lo = s * seg, hi = min(nv, lo + seg);
     CopyVecs(mine, in, lo, hi, first, stride);
   }
@@ -448,9 +450,11 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(const LaunchArgs a) {
   const uint4* src[W];
 #pragma unroll
   for (int p = 0; p < W; ++p) src[p] = Region{a.peers.region[p]}.stage(parity, a.capacity);
+  src[rank] = in;
   {
     const int64_t lo = rank * seg, hi = min(nv, lo + seg);
-    // In place: only this rank's blocks read segment `rank` of its own stage in this phase.
+    // The reduced segment goes to the output and to segment `rank` of this stage (which no
+    // copy-in wrote), where the peers gather it after the second barrier.
     ReduceVecs<T, W, kRep>(out, mine, src, lo, hi, first, stride, a.op, a.mean);
     ReduceTail<T, W, kRep>(static_cast<T*>(a.io[local].out), nullptr, src, nv * E, tail, a.op,
                            a.mean);

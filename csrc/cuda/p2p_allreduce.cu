@@ -8,12 +8,19 @@
 namespace dtenjax::p2p {
 namespace {
 
-KernelFn PickKernel(const LaunchArgs& a) {
+// The kernel a call runs: one-shot messages that fit a low-latency slot use the LL protocol.
+Algorithm Effective(const LaunchArgs& a) {
+  const size_t bytes = static_cast<size_t>(a.count) * DTypeBytes(a.dtype);
+  return a.algorithm == Algorithm::kOneShot && bytes <= kLLMaxBytes ? Algorithm::kOneShotLL
+                                                                    : a.algorithm;
+}
+
+KernelFn PickKernel(const LaunchArgs& a, Algorithm alg) {
   const bool rep = a.op == Op::kRepSum;
   switch (a.dtype) {
-    case DType::kF32: return PickF32(a.algorithm, a.world, rep);
-    case DType::kBF16: return PickBF16(a.algorithm, a.world, rep);
-    case DType::kF16: return PickF16(a.algorithm, a.world, rep);
+    case DType::kF32: return PickF32(alg, a.world, rep);
+    case DType::kBF16: return PickBF16(alg, a.world, rep);
+    case DType::kF16: return PickF16(alg, a.world, rep);
   }
   return nullptr;
 }
@@ -71,7 +78,7 @@ int BlocksFor(size_t bytes, int max_blocks) {
 
 Status LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream) {
   DTENJAX_RETURN_IF_ERROR(Validate(args));
-  KernelFn fn = PickKernel(args);
+  KernelFn fn = PickKernel(args, Effective(args));
   if (fn == nullptr) return DTENJAX_ERROR(Code::kInvalidArgument, "p2p all-reduce: no kernel");
   dim3 grid(static_cast<unsigned>(args.blocks), static_cast<unsigned>(args.local_ranks));
   fn<<<grid, kThreads, 0, stream>>>(args);
@@ -84,10 +91,16 @@ Status LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream) {
 }
 
 Status MaxResidentBlocks(const LaunchArgs& args, int device, int* blocks) {
-  KernelFn fn = PickKernel(args);
-  if (fn == nullptr) return DTENJAX_ERROR(Code::kInvalidArgument, "p2p all-reduce: no kernel");
-  int per_sm = 0, sms = 0;
-  cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads, 0);
+  int per_sm = 1 << 30, sms = 0;
+  cudaError_t e = cudaSuccess;
+  for (Algorithm alg : {args.algorithm, Algorithm::kOneShotLL}) {
+    KernelFn fn = PickKernel(args, alg);
+    if (fn == nullptr) return DTENJAX_ERROR(Code::kInvalidArgument, "p2p all-reduce: no kernel");
+    int n = 0;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, 0);
+    if (e != cudaSuccess) break;
+    per_sm = n < per_sm ? n : per_sm;
+  }
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (e != cudaSuccess) {
     return DTENJAX_ERROR(Code::kInternal,

@@ -66,6 +66,12 @@ template <> struct Vec<float> {
   }
   __device__ __forceinline__ static float ScalarToF32(float x) { return x; }
   __device__ __forceinline__ static float ScalarFromF32(float x) { return x; }
+  __device__ __forceinline__ static void WordToF32(const uint2& v, float* f) {
+    f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+  }
+  __device__ __forceinline__ static uint2 WordFromF32(const float* f) {
+    return make_uint2(__float_as_uint(f[0]), __float_as_uint(f[1]));
+  }
 };
 
 template <> struct Vec<__nv_bfloat16> {
@@ -90,6 +96,13 @@ template <> struct Vec<__nv_bfloat16> {
   __device__ __forceinline__ static uint4 FromF32(const float* f) {
     return make_uint4(Pack(f[0], f[1]), Pack(f[2], f[3]), Pack(f[4], f[5]), Pack(f[6], f[7]));
   }
+  __device__ __forceinline__ static void WordToF32(const uint2& v, float* f) {
+    float2 a = Pair(v.x), b = Pair(v.y);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+  }
+  __device__ __forceinline__ static uint2 WordFromF32(const float* f) {
+    return make_uint2(Pack(f[0], f[1]), Pack(f[2], f[3]));
+  }
 };
 
 template <> struct Vec<__half> {
@@ -111,6 +124,13 @@ template <> struct Vec<__half> {
   }
   __device__ __forceinline__ static uint4 FromF32(const float* f) {
     return make_uint4(Pack(f[0], f[1]), Pack(f[2], f[3]), Pack(f[4], f[5]), Pack(f[6], f[7]));
+  }
+  __device__ __forceinline__ static void WordToF32(const uint2& v, float* f) {
+    float2 a = Pair(v.x), b = Pair(v.y);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+  }
+  __device__ __forceinline__ static uint2 WordFromF32(const float* f) {
+    return make_uint2(Pack(f[0], f[1]), Pack(f[2], f[3]));
   }
 };
 
@@ -245,6 +265,24 @@ __device__ __forceinline__ uint4 ReduceVec(const uint4* v, Op op, bool mean) {
   return Vec<T>::FromF32(r);
 }
 
+// The reduction of W 8-byte words (one per rank), rounded once to T.
+template <typename T, int W, bool kRep>
+__device__ __forceinline__ uint2 ReduceWord(const uint2* v, Op op, bool mean) {
+  constexpr int E = 8 / sizeof(T);
+  float f[W][E];
+#pragma unroll
+  for (int p = 0; p < W; ++p) Vec<T>::WordToF32(v[p], f[p]);
+  float r[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    float col[W];
+#pragma unroll
+    for (int p = 0; p < W; ++p) col[p] = f[p][e];
+    r[e] = ReduceElem<T, W, kRep>(col, op, mean);
+  }
+  return Vec<T>::WordFromF32(r);
+}
+
 // Copies vectors [lo, hi) with this thread's grid-stride indices (lo + first + k * stride), four
 // independent 16-byte loads in flight before their stores (the element-to-block mapping is the
 // plain grid-stride one, which the barriers rely on).
@@ -313,7 +351,38 @@ struct Region {
   __device__ __forceinline__ uint4* stage(uint32_t parity, size_t capacity) const {
     return reinterpret_cast<uint4*>(base + kHeaderBytes + parity * capacity);
   }
+  // The low-latency slot that rank `from` pushes into, in this region.
+  __device__ __forceinline__ uint4* ll(uint32_t parity, int from, size_t capacity) const {
+    return reinterpret_cast<uint4*>(base + kHeaderBytes + 2 * capacity +
+                                    (parity * kMaxRanks + from) * kLLSlotBytes);
+  }
 };
+
+__device__ __forceinline__ void StoreLine(uint4* p, const uint4& v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w) : "memory");
+}
+
+__device__ __forceinline__ uint4 LoadLine(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+// Records a timeout in the host-mapped error words and traps (see Barrier).
+__device__ __forceinline__ void Timeout(const LaunchArgs& a, int rank, int peer, uint32_t value) {
+  if (a.error != nullptr) {
+    volatile uint32_t* err = a.error;
+    err[1] = static_cast<uint32_t>(rank);
+    err[2] = static_cast<uint32_t>(peer);
+    err[3] = value;
+    __threadfence_system();
+    err[0] = 1;
+    __threadfence_system();
+  }
+  __trap();
+}
 
 // Barrier of this block with the blocks of the same index on all W ranks. A timeout records
 // {1, rank, peer, value} in the host-mapped error words and traps.
@@ -335,16 +404,7 @@ __device__ __forceinline__ void Barrier(const LaunchArgs& a, int rank, uint32_t 
         if (start == 0) {
           start = now;
         } else if (now - start > a.timeout_ns) {
-          if (a.error != nullptr) {
-            volatile uint32_t* err = a.error;
-            err[1] = static_cast<uint32_t>(rank);
-            err[2] = static_cast<uint32_t>(p);
-            err[3] = value;
-            __threadfence_system();
-            err[0] = 1;
-            __threadfence_system();
-          }
-          __trap();
+          Timeout(a, rank, p, value);
         }
       }
     }
@@ -407,6 +467,92 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const LaunchArgs a) {
   ReduceVecs<T, W, kRep>(out, nullptr, src, 0, nv, first, stride, a.op, a.mean);
   ReduceTail<T, W, kRep>(static_cast<T*>(a.io[local].out), nullptr, src, nv * E, tail, a.op,
                          a.mean);
+  EndCall(me, epoch);
+}
+
+// --- one-shot, low latency: push lines to every peer, reduce what the peers pushed -------------
+//
+// Word w (8 bytes; the last one may be partial and is zero-padded) of rank r's input travels as
+// line w of slot r in every peer's low-latency area: {bytes 0-3, flag, bytes 4-7, flag} with
+// flag = 2E + 1 for the call with epoch E. A reader spins on its local copy of the line until both
+// flags show this call, so no barrier and no remote read is needed. Slots alternate with the
+// epoch's parity; a peer can only be one call ahead (it needs this rank's lines of the current
+// call to finish it), so it never overwrites a slot this rank may still read.
+
+template <typename T>
+__device__ __forceinline__ uint2 LoadWord(const T* in, int64_t w, int64_t count) {
+  constexpr int E = 8 / sizeof(T);
+  if ((w + 1) * E <= count) return reinterpret_cast<const uint2*>(in)[w];
+  T v[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) v[e] = w * E + e < count ? in[w * E + e] : Vec<T>::ScalarFromF32(0.f);
+  return *reinterpret_cast<const uint2*>(v);
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreWord(T* out, int64_t w, const uint2& r, int64_t count) {
+  constexpr int E = 8 / sizeof(T);
+  if ((w + 1) * E <= count) {
+    reinterpret_cast<uint2*>(out)[w] = r;
+    return;
+  }
+  const T* v = reinterpret_cast<const T*>(&r);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    if (w * E + e < count) out[w * E + e] = v[e];
+  }
+}
+
+template <typename T, int W, bool kRep>
+__global__ void __launch_bounds__(kThreads) OneShotLLKernel(const LaunchArgs a) {
+  constexpr int E = 8 / sizeof(T);
+  const int local = blockIdx.y;
+  const int rank = a.rank0 + local;
+  const Region me{a.peers.region[rank]};
+  const uint32_t epoch = BeginCall(me);
+  const uint32_t parity = epoch & 1u;
+  const uint32_t flag = 2u * epoch + 1u;
+  const int64_t words = (a.count + E - 1) / E;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const T* in = static_cast<const T*>(a.io[local].in);
+  T* out = static_cast<T*>(a.io[local].out);
+
+  for (int64_t w = first; w < words; w += stride) {
+    const uint2 d = LoadWord(in, w, a.count);
+    const uint4 line = make_uint4(d.x, flag, d.y, flag);
+#pragma unroll
+    for (int p = 0; p < W; ++p) {
+      if (p != rank) StoreLine(Region{a.peers.region[p]}.ll(parity, rank, a.capacity) + w, line);
+    }
+  }
+  for (int64_t w = first; w < words; w += stride) {
+    uint2 v[W];
+#pragma unroll
+    for (int p = 0; p < W; ++p) {
+      if (p == rank) {
+        v[p] = LoadWord(in, w, a.count);
+        continue;
+      }
+      const uint4* src = me.ll(parity, p, a.capacity) + w;
+      uint4 line = LoadLine(src);
+      uint64_t start = 0;
+      uint32_t spins = 0;
+      while (line.y != flag || line.w != flag) {
+        if (a.timeout_ns != 0 && (++spins & 1023u) == 0) {
+          const uint64_t now = GlobalTimerNs();
+          if (start == 0) {
+            start = now;
+          } else if (now - start > a.timeout_ns) {
+            Timeout(a, rank, p, flag);
+          }
+        }
+        line = LoadLine(src);
+      }
+      v[p] = make_uint2(line.x, line.z);
+    }
+    StoreWord(out, w, ReduceWord<T, W, kRep>(v, a.op, a.mean), a.count);
+  }
   EndCall(me, epoch);
 }
 

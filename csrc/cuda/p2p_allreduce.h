@@ -7,6 +7,7 @@
 //     epoch                           uint32  calls this rank has completed on this region
 //     done                            uint32  blocks of the running call that have finished
 //   [ stage[0]: capacity bytes ][ stage[1]: capacity bytes ]   double-buffered by epoch parity
+//   [ ll[2][kMaxRanks][kLLSlotBytes] ]   low-latency slots peers push small messages into
 //
 // Every rank runs the same sequence of calls on a region, so the epoch is the same on all ranks
 // for a given call; barrier k of the call with epoch E writes the value 2E + k into the peers'
@@ -31,8 +32,20 @@ constexpr int kThreads = 512;            // threads per block
 constexpr size_t kHeaderBytes = 8192;    // >= kMaxBlocks * kMaxRanks * 4 + control words, aligned
 constexpr size_t kEpochOffset = kMaxBlocks * kMaxRanks * 4;
 constexpr int kErrorWords = 4;           // {flag, rank, peer, waited-for value}
+// One-shot messages up to kLLMaxBytes use the low-latency protocol: every rank pushes its data to
+// every peer as 16-byte lines {4 data bytes, flag, 4 data bytes, flag} (the flag is the call's
+// barrier value; an 8-byte store is never torn), so the data itself is the signal and the call has
+// no separate barrier and no remote reads.
+constexpr size_t kLLMaxBytes = 256u << 10;
+constexpr size_t kLLSlotBytes = 2 * kLLMaxBytes;
+constexpr size_t kLLAreaBytes = 2 * kMaxRanks * kLLSlotBytes;
 
-enum class Algorithm : int { kOneShot = 0, kTwoShot = 1 };
+// Bytes of one rank's region for stage buffers of `capacity` bytes.
+inline size_t RegionBytes(size_t capacity) { return kHeaderBytes + 2 * capacity + kLLAreaBytes; }
+
+// kOneShotLL is not chosen by callers: LaunchAllReduce runs one-shot calls of at most kLLMaxBytes
+// with it (a function of the size only, so every rank of a call makes the same choice).
+enum class Algorithm : int { kOneShot = 0, kTwoShot = 1, kOneShotLL = 2 };
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // kSum folds in rank order in float32; kMax/kMin propagate NaN (as the canonical quiet NaN);
 // kRepSum is the exact fixed-point sum of docs/collectives.md ("reproducible", contract v2).

@@ -8,8 +8,12 @@ namespace {
 
 template <typename T, int W, bool kRep>
 KernelFn Pick(Algorithm alg) {
-  return alg == Algorithm::kOneShot ? &device::OneShotKernel<T, W, kRep>
-                                    : &device::TwoShotKernel<T, W, kRep>;
+  switch (alg) {
+    case Algorithm::kOneShot: return &device::OneShotKernel<T, W, kRep>;
+    case Algorithm::kTwoShot: return &device::TwoShotKernel<T, W, kRep>;
+    case Algorithm::kOneShotLL: return &device::OneShotLLKernel<T, W, kRep>;
+  }
+  return nullptr;
 }
 
 template <typename T, bool kRep>

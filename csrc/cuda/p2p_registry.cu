@@ -80,7 +80,7 @@ void FreeRegion(char* base, uint32_t* err_host) {
 
 // Allocates a zeroed region and its host-mapped error words; frees both on any failure.
 Status AllocRegion(size_t capacity, char** base, uint32_t** err_host, uint32_t** err_dev) {
-  const size_t bytes = kHeaderBytes + 2 * capacity;
+  const size_t bytes = RegionBytes(capacity);
   void* p = nullptr;
   const cudaError_t e = cudaMalloc(&p, bytes);
   if (e != cudaSuccess) {

@@ -41,7 +41,7 @@ KNOBS: dict[str, Knob] = {
         Knob("DTENJAX_BUCKET_BYTES", str(4 << 20), "default bucket size of the fusion pass"),
         Knob("DTENJAX_P2P_BUFFER_BYTES", str(64 << 20),
              "bytes of the registered symmetric buffer per GPU for the NVLink kernels"),
-        Knob("DTENJAX_P2P_MAX_BLOCKS", "64",
+        Knob("DTENJAX_P2P_MAX_BLOCKS", "128",
              "most thread blocks per GPU an NVLink kernel call uses (same on every process)"),
     )
 }

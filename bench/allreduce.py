@@ -12,7 +12,8 @@ JAX on a multi-GPU machine. On a CPU-only machine it uses 8 simulated devices.
 Per candidate and size it measures, in one run:
   time   per-op DEVICE time: a jitted chain of K dependent all-reduces minus the same program with
          the all-reduces removed, divided by K (launch overhead amortised; CUDA graphs as XLA
-         makes them). With --procs the slowest process counts.
+         makes them). Medians of --iters calls, all candidates of a size timed round-robin so that
+         drift hits them alike. With --procs the slowest process counts.
   lat    single-call latency: one jitted all-reduce, host wall clock per call (median).
   algbw = size / time, busbw = algbw * 2(n-1)/n (GB/s, nccl-tests), ratio = psum time / time.
 Candidates: psum (lax.psum, XLA defaults), psum_oneshot / psum_nccl (XLA's own one-shot
@@ -86,15 +87,19 @@ def _compile(body, mesh, axes, x, options_list):
   raise RuntimeError(f"no accepted compiler options among {options_list}: {last}")
 
 
-def _median_time(f, x, warmup: int, iters: int) -> float:
-  for _ in range(warmup):
-    f(x).block_until_ready()
-  ts = []
+def _interleaved_medians(fns: dict, x, warmup: int, iters: int) -> dict:
+  """Median wall time of each compiled fn, timed round-robin (one call of each per round) so
+  that drift of the machine over the run affects every candidate alike."""
+  for f in fns.values():
+    for _ in range(warmup):
+      f(x).block_until_ready()
+  ts = {k: [] for k in fns}
   for _ in range(iters):
-    t0 = time.perf_counter()
-    f(x).block_until_ready()
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts)
+    for k, f in fns.items():
+      t0 = time.perf_counter()
+      f(x).block_until_ready()
+      ts[k].append(time.perf_counter() - t0)
+  return {k: statistics.median(v) for k, v in ts.items()}
 
 
 def measure(args) -> list[dict]:
@@ -124,7 +129,7 @@ def measure(args) -> list[dict]:
           local.astype(dtype).reshape(-1), mesh, P(axes))
     else:
       x = jax.device_put(local.astype(dtype).reshape(-1), NamedSharding(mesh, P(axes)))
-    times = {}
+    compiled = {}
     for a in algos:
       if a == "hierarchical" and not two_d:
         continue
@@ -148,10 +153,10 @@ def measure(args) -> list[dict]:
         if found < k:
           print(f"# warning: {a} chain compiled to {found} all-reduces, not {k}",
                 file=sys.stderr)
-      tk = _median_time(fk, x, args.warmup, args.iters)
-      t0 = _median_time(f0, x, args.warmup, args.iters)
-      lat = _median_time(f1, x, args.warmup, args.iters)
-      times[a] = (max(tk - t0, 1e-9) / k, lat)
+      compiled[(a, "chain")], compiled[(a, "base")], compiled[(a, "one")] = fk, f0, f1
+    med = _interleaved_medians(compiled, x, args.warmup, args.iters)
+    times = {a: (max(med[(a, "chain")] - med[(a, "base")], 1e-9) / k, med[(a, "one")])
+             for a, kind in compiled if kind == "chain"}
     base = times.get("psum", (None,))[0]
     for a, (t, lat) in times.items():
       algbw = count * dtype.itemsize / t / 1e9

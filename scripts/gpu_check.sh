@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The whole GPU check in one go, for a GPU machine with jax (CUDA) already installed and no package
-# registry: build the extension, run every gpu-marked test, then the GPU benchmarks, and print a
+# The whole GPU check in one go, on whatever GPUs are present, for a GPU machine with jax (CUDA)
+# already installed and no package registry: build the extension, run every gpu-marked test
+# (the p2p kernels with simulated ranks, the public all_reduce on every GPU in one process and
+# with one process per GPU over CUDA IPC, CUDA graphs, compression kernels), the all-reduce
+# benchmark in both deployments and both dtypes, the demo and the topology probe, and print a
 # summary table last. Logs and JSON go to $LOGS (default /tmp/dtenjax-gpu); when $OUT is set (the
-# device tool's return folder) they are also packed into $OUT/gpu_check.tgz.
-#   bash scripts/gpu_check.sh
+# device tool's return folder) they are also packed into $OUT/gpu_check.tgz after every step.
+#   bash scripts/gpu_check.sh            (GPU_CHECK_EXTRA=1 adds the older feature benchmarks)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RET="${OUT:-}"
@@ -12,6 +15,8 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 DTENJAX_TEST_PLATFORM=gpu
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+SIZES="${GPU_CHECK_SIZES:-8,512,8K,64K,256K,1M,4M,16M,64M,256M}"
 declare -a NAMES RCS SECS
 
 step() {  # step NAME TIMEOUT_S CMD...
@@ -27,23 +32,35 @@ step() {  # step NAME TIMEOUT_S CMD...
   if [ -n "$RET" ]; then tar czf "$RET/gpu_check.tgz" -C "$OUT" . ; fi
 }
 
+bench() {  # bench NAME ARGS...: the all-reduce benchmark, JSON next to the log
+  local name=$1; shift
+  step "$name" 300 $PY bench/allreduce.py --sizes "$SIZES" --chain 32 --iters 15 \
+    --json "$OUT/$name.json" "$@"
+}
+
 step build 420 $PY -m pip install -q --no-build-isolation --no-deps -e .
-$PY -c "import dtenjax, jax; print(jax.__version__, jax.devices()); print(dtenjax.build_info())" \
-  | tee "$OUT/info.log"
-step tests 420 $PY -m pytest -q -m gpu -p no:cacheprovider tests --deselect tests/test_p2p.py
-step p2p 300 bash scripts/gpu_p2p.sh "$OUT/p2p"
-step compression_bench 240 $PY bench/compression_select.py --json "$OUT/compression_select.json"
-step graphs_bench 240 $PY bench/cuda_graphs.py --json "$OUT/cuda_graphs.json"
-step allreduce_bench 240 $PY bench/allreduce.py --json "$OUT/allreduce.json"
-step resnet 300 $PY examples/resnet50_train.py --json "$OUT/resnet.json"
+{ nvidia-smi topo -m; $PY -c "import dtenjax, jax; print(jax.__version__, jax.devices()); print(dtenjax.build_info())"; } \
+  2>&1 | tee "$OUT/info.log"
+step tests 600 $PY -m pytest -q -m gpu -p no:cacheprovider -rfEs tests
+bench allreduce_1proc_f32
+bench allreduce_1proc_bf16 --dtype bfloat16 --algorithms psum,psum_oneshot,one_shot,two_shot,auto,reproducible
+if [ "$NGPU" -ge 2 ]; then
+  bench allreduce_procs_f32 --procs "$NGPU" --algorithms psum,one_shot,two_shot,auto,reproducible
+  bench allreduce_procs_bf16 --procs "$NGPU" --dtype bfloat16 --algorithms psum,one_shot,two_shot,auto,reproducible
+fi
+step topo 180 $PY -m dtenjax topo --probe --save "$OUT/topology.json"
 step demo 240 $PY -m dtenjax demo --no-progress
-step topo 120 $PY -m dtenjax topo --probe
+if [ "${GPU_CHECK_EXTRA:-0}" = 1 ]; then
+  step compression_bench 240 $PY bench/compression_select.py --json "$OUT/compression_select.json"
+  step graphs_bench 240 $PY bench/cuda_graphs.py --json "$OUT/cuda_graphs.json"
+  step resnet 300 $PY examples/resnet50_train.py --json "$OUT/resnet.json"
+fi
 
 echo
-echo "== gpu_check summary =="
-printf '%-20s %-4s %s\n' step rc seconds
+echo "== gpu_check summary ($NGPU GPUs)"
+printf '%-24s %-4s %s\n' step rc seconds
 for i in "${!NAMES[@]}"; do
-  printf '%-20s %-4s %s\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}"
+  printf '%-24s %-4s %s\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}"
 done
 if [ -n "$RET" ]; then tar czf "$RET/gpu_check.tgz" -C "$OUT" . ; fi
 for rc in "${RCS[@]}"; do [ "$rc" = 0 ] || exit 1; done

@@ -60,7 +60,7 @@ class Explanation:
 
   def table(self) -> str:
     lines = [f"{'#':>3} {'collective':<22} {'operands':<20} {'bytes':>10} {'groups':<34} "
-             f"{'predicted (us)':>14}  source"]
+             f"{'predicted (us)':>14}  jax op"]
     for i, c in enumerate(self.collectives):
       groups = _groups_text(c.groups, pairs=c.kind == "ppermute") or "(all)"
       if c.num_operands > 1:

@@ -357,3 +357,57 @@ def test_device_groups_follow_xla_collective_modes():
   c = hlo.Instruction("c", "all-reduce", hlo.Shape("f32", (4,)), "main",
                       replica_groups=((0, 3), (1, 2)), channel_id=1, use_global_device_ids=True)
   assert m.device_groups(c) == ((10, 13), (11, 12))
+
+
+def test_reader_pairs_async_starts_with_their_dones_and_reports_roles():
+  text = """HloModule m, is_scheduled=true, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%async_rs (q: f32[8]) -> f32[2] {
+  %q = f32[8]{0} parameter(0)
+  ROOT %rs = f32[2]{0} reduce-scatter(%q), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, dimensions={0}, to_apply=%add
+}
+
+%fused_neg (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%x)
+}
+
+ENTRY %main (p0: f32[8]) -> (f32[8], f32[2]) {
+  %p0 = f32[8]{0} parameter(0)
+  %ar-start = f32[8]{0} all-reduce-start(%p0), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  %rs-start = ((f32[8]{0}), f32[2]{0}) async-start(%p0), calls=%async_rs
+  %f = f32[8]{0} fusion(%p0), kind=kLoop, calls=%fused_neg
+  %ar-done = f32[8]{0} all-reduce-done(%ar-start)
+  %rs-done = f32[2]{0} async-done(%rs-start)
+  ROOT %t = (f32[8]{0}, f32[2]{0}) tuple(%ar-done, %rs-done)
+}
+"""
+  m = hlo.parse_text(text)
+  ar, rs = m.collectives()
+  assert (ar.kind, ar.name, ar.done, ar.nbytes) == ("all_reduce", "ar-start", "ar-done", 32)
+  assert ar.replica_groups == ((0, 1, 2, 3), (4, 5, 6, 7)) and ar.is_async
+  # The reduce-scatter inside the async computation is reported once, at its start.
+  assert (rs.kind, rs.name, rs.done, rs.nbytes) == ("reduce_scatter", "rs-start", "rs-done", 32)
+  assert rs.computation == "main" and rs.channel_id == 3
+  roles = m.roles()
+  assert roles["async_rs"] == ("async", "rs-start")
+  assert roles["fused_neg"] == ("fusion", "f") and m.computations["fused_neg"].is_fusion
+  assert roles["add"][0] in ("all-reduce-start", "reduce-scatter")
+  assert m.fusion_of() == {"fused_neg": "f"}
+
+
+def test_reader_reads_fusion_membership_of_a_real_step():
+  f = jax.jit(lambda x: jnp.tanh(x) * 2 + 1)
+  compiled = f.lower(jnp.ones((64,), jnp.float32)).compile()
+  proto, text = (hlo.read_compiled(compiled, prefer=p) for p in ("proto", "text"))
+  assert proto.fusion_of() == text.fusion_of() and proto.fusion_of()
+  for comp, fusion in proto.fusion_of().items():
+    assert proto.computations[comp].is_fusion
+    entry_names = {i.name for i in proto.computations[proto.entry].instructions}
+    assert fusion in entry_names

@@ -187,6 +187,25 @@ class Module:
     return {c: ins.name for ins in self.instructions() if ins.opcode == "fusion"
             for c in ins.called}
 
+  def roles(self) -> dict[str, tuple[str, str]]:
+    """{computation: (role, the instruction that runs it)} for every called computation.
+
+    The role is "fusion" (a fusion's body), "command_buffer" (a command buffer XLA outlined into
+    the HLO, run by a ``call``), "async" (run by an ``async-start``), or the caller's opcode
+    ("while", "conditional", "call", "all-reduce" for its reducer, ...). The entry has no role.
+    """
+    out: dict[str, tuple[str, str]] = {}
+    for ins in self.instructions():
+      for c in ins.called:
+        if c.startswith("command_buffer"):
+          role = "command_buffer"
+        elif ins.opcode == "async-start":
+          role = "async"
+        else:
+          role = ins.opcode
+        out.setdefault(c, (role, ins.name))
+    return out
+
   def collectives(self, custom_prefix: str = DTENJAX_TARGET_PREFIX) -> tuple[Collective, ...]:
     """Every collective, and every custom call whose target starts with ``custom_prefix``.
 

@@ -62,7 +62,8 @@ class Explanation:
     lines = [f"{'#':>3} {'collective':<22} {'operands':<20} {'bytes':>10} {'groups':<34} "
              f"{'predicted (us)':>14}  jax op"]
     for i, c in enumerate(self.collectives):
-      groups = _groups_text(c.groups, pairs=c.kind == "ppermute") or "(all)"
+      groups = _groups_text(c.groups, pairs=c.kind == "ppermute") or (
+          "-" if c.kind.startswith("custom:") else "(all)")
       if c.num_operands > 1:
         operands = f"{c.num_operands} operands, {c.dtype}"
       else:

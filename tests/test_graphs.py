@@ -151,11 +151,11 @@ def test_gpu_graphs_off_launches_every_kernel_and_auto_replays_one_graph():
 
 @pytest.mark.gpu
 def test_gpu_while_loop_replays_on_device_only_when_the_policy_records_while():
-  iterations = 16
+  iterations = 100        # as in bench/cuda_graphs.py's loop case (docs/scheduler.md)
   step = _probe_loop(iterations)
   x, y = _xy()
-  xla = graphs.observe_launches(graphs.jit(step, "xla"), x, y, steps=5)
-  auto = graphs.observe_launches(graphs.jit(step, "auto"), x, y, steps=5)
+  xla = graphs.observe_launches(graphs.jit(step, "xla"), x, y, steps=3)
+  auto = graphs.observe_launches(graphs.jit(step, "auto"), x, y, steps=3)
   print("xla:", xla.to_dict(), "\nauto:", auto.to_dict())
   # XLA's defaults leave WHILE out: the body's kernels are launched from the host each iteration.
   assert _scale_add_outside(xla) == iterations, xla.kernel_names_outside

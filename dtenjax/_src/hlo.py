@@ -286,7 +286,6 @@ class Module:
     """
     da = [list(r) for r in (device_assignment or self.device_assignment)]
     if not da:
-      n = self.num_replicas * self.num_partitions
       da = [list(range(r * self.num_partitions, (r + 1) * self.num_partitions))
             for r in range(self.num_replicas)]
     reps, parts = len(da), len(da[0])
@@ -521,7 +520,8 @@ def _proto_groups(m) -> tuple[tuple[tuple[int, ...], ...] | None, str]:
     cdl = _msg(_one(m, 87))
     if 2 in cdl:
       return _proto_iota(_msg(_one(cdl, 2))), "iota"
-    return tuple(tuple(_rep_ints(_msg(v), 1)) for _, v in cdl.get(1, ())), "list"
+    groups = tuple(tuple(_rep_ints(_msg(v), 1)) for _, v in cdl.get(1, ()))
+    return groups, "list" if groups else ""
   if 49 in m:                                  # replica_groups (legacy)
     return tuple(tuple(_rep_ints(_msg(v), 1)) for _, v in m[49]), "list"
   return None, ""
@@ -746,7 +746,8 @@ def _nested_int_lists(toks: Sequence[_Tok]) -> tuple[tuple[int, ...], ...]:
 def _text_groups(cur: _Cursor) -> tuple[tuple[tuple[int, ...], ...], str]:
   """The value of ``replica_groups=`` in any of its printed forms."""
   if cur.at("{"):
-    return _nested_int_lists(cur.balanced()), "list"
+    groups = _nested_int_lists(cur.balanced())
+    return groups, "list" if groups else ""
   if cur.at("["):                                # [G,S]<=[dims]T(perm)
     shape = _ints_in(cur.balanced())
     cur.expect("<=")
@@ -960,4 +961,5 @@ def read_compiled(compiled: Any, prefer: str = "proto") -> Module:
     raise HloReadError(f"{type(compiled).__name__} exposes neither its HLO module proto nor its "
                        "text; compile with jax.jit(f).lower(*args).compile() on a backend that "
                        "keeps them.")
-  return parse_text(text.split("\n\n\nHloModule")[0])
+  first = re.split(r"\n(?=HloModule\s)", text.strip())[0]
+  return parse_text(first)

@@ -39,11 +39,24 @@ def _compiled(f, *args):
   return f.lower(*args).compile()
 
 
+def _modules_agree(proto, text):
+  """Every instruction of every computation reads the same from the proto and the text."""
+  assert proto.entry == text.entry and set(proto.computations) == set(text.computations)
+  key = lambda i: (i.name, i.opcode, i.shape, i.operands, i.operand_shapes, tuple(sorted(i.called)),
+                   i.fusion_kind, i.custom_call_target, i.channel_id, i.use_global_device_ids,
+                   i.replica_groups or (), i.source_target_pairs, i.op_name)
+  for name, comp in proto.computations.items():
+    assert [key(i) for i in comp.instructions] == [
+        key(i) for i in text.computations[name].instructions], name
+    assert comp.is_fusion == text.computations[name].is_fusion, name
+
+
 def _readers_agree(compiled):
-  """The proto and the text reader see the same collectives (kind, bytes, groups, operands)."""
+  """The proto and the text reader see the same module, and so the same collectives."""
   proto = hlo.read_compiled(compiled, prefer="proto")
   text = hlo.read_compiled(compiled, prefer="text")
   assert proto.source == "proto" and text.source == "text"
+  _modules_agree(proto, text)
   key = lambda c: (c.kind, c.name, c.nbytes, c.replica_groups, c.source_target_pairs,
                    c.operand_shapes, c.group_form)
   assert [key(c) for c in proto.collectives()] == [key(c) for c in text.collectives()]
@@ -411,3 +424,34 @@ def test_reader_reads_fusion_membership_of_a_real_step():
     assert proto.computations[comp].is_fusion
     entry_names = {i.name for i in proto.computations[proto.entry].instructions}
     assert fusion in entry_names
+
+
+# ---- on a GPU: XLA:GPU's HLO (cuBLAS calls, async collectives) through both readers -----------
+
+@pytest.mark.gpu
+def test_gpu_step_reads_the_same_through_proto_and_text():
+  gpus = jax.devices("gpu")
+  x = jax.device_put(jnp.ones((64, 16), jnp.float32), gpus[0])
+  params = {k: jax.device_put(jnp.ones(s, jnp.float32), gpus[0]) for k, s in PARAM_SHAPES.items()}
+  compiled = jax.jit(jax.grad(_mlp_loss)).lower(params, x).compile()
+  module = _readers_agree(compiled)
+  assert module.source == "proto"
+  assert any(i.opcode == "custom-call" for i in module.instructions())   # cuBLAS gemms
+
+
+@pytest.mark.gpu
+def test_gpu_data_parallel_gradients_on_every_gpu():
+  gpus = jax.devices("gpu")
+  if len(gpus) < 2:
+    pytest.skip(f"needs 2 or more GPUs for a collective; {len(gpus)} visible")
+  mesh = Mesh(np.array(gpus), ("data",))
+  params = {k: jnp.ones(s, jnp.float32) for k, s in PARAM_SHAPES.items()}
+  g = jax.jit(jax.grad(_mlp_loss),
+              in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))),
+              out_shardings=NamedSharding(mesh, P()))
+  compiled = g.lower(params, jnp.ones((16 * len(gpus), 16), jnp.float32)).compile()
+  _readers_agree(compiled)
+  e = ex.explain(compiled)
+  ars = _by_kind(e)["all_reduce"]
+  assert sum(c.nbytes for c in ars) == sum(4 * math.prod(s) for s in PARAM_SHAPES.values())
+  assert all(c.groups == (tuple(d.id for d in gpus),) for c in ars), e.table()

@@ -616,6 +616,44 @@ class _Tok:
   text: str
 
 
+_SIMPLE_ESCAPES = {ord("n"): 10, ord("t"): 9, ord("r"): 13, ord("\\"): 92, ord('"'): 34,
+                   ord("'"): 39, ord("a"): 7, ord("b"): 8, ord("f"): 12, ord("v"): 11,
+                   ord("?"): 63}
+
+
+def _unescape(s: str) -> str:
+  """Undoes the C escaping XLA prints strings with (``\\'``, ``\\"``, octal and hex bytes)."""
+  if "\\" not in s:
+    return s
+  b, out, i = s.encode("utf-8"), bytearray(), 0
+  while i < len(b):
+    c = b[i]
+    if c != 92 or i + 1 >= len(b):
+      out.append(c)
+      i += 1
+      continue
+    n = b[i + 1]
+    if n in _SIMPLE_ESCAPES:
+      out.append(_SIMPLE_ESCAPES[n])
+      i += 2
+    elif n == ord("x"):
+      j = i + 2
+      while j < len(b) and j < i + 4 and chr(b[j]) in "0123456789abcdefABCDEF":
+        j += 1
+      out.append(int(b[i + 2:j] or b"0", 16) & 0xFF)
+      i = j
+    elif chr(n) in "01234567":
+      j = i + 1
+      while j < len(b) and j < i + 4 and chr(b[j]) in "01234567":
+        j += 1
+      out.append(int(b[i + 1:j], 8) & 0xFF)
+      i = j
+    else:
+      out.append(c)
+      i += 1
+  return out.decode("utf-8", "replace")
+
+
 def tokenize(text: str) -> list[_Tok]:
   """HLO text as tokens; whitespace and ``/* ... */`` comments are dropped."""
   out, i = [], 0
@@ -629,7 +667,7 @@ def tokenize(text: str) -> list[_Tok]:
       continue
     tok = m.group(kind)
     if kind == "str":
-      tok = tok[1:-1]
+      tok = _unescape(tok[1:-1])
     elif kind == "name" and tok.startswith("%"):
       tok = tok[1:]
     out.append(_Tok(kind, tok))

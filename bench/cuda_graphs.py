@@ -12,9 +12,16 @@ and times them side by side in one run:
   so the minimum graph size decides whether the short runs become graphs.
 
 Timing: warm up, then T back-to-back steps synchronised once at the end, repeated R times; the
-median per-step time is reported with its ratio to graphs off. The graph_report columns say how
-many ops ran inside graphs. On a machine without a GPU the script still runs (plain jnp in place
-of the CUDA custom call) and says that command buffers do not apply.
+median per-step time is reported with its ratio to graphs off. Two more columns per row:
+
+* ``predicted``: graph_report's graphs and launches per step, a PREDICTION from XLA's rules
+  applied to the compiled schedule (jax 0.10.2/0.11 form command buffers after HLO, so the HLO
+  cannot show them);
+* ``observed`` (GPU only): what the GPU really launched per step, read from a jax.profiler trace
+  (graphs.observe_launches): CUDA graph launches and kernels launched one by one.
+
+On a machine without a GPU the script still runs (plain jnp in place of the CUDA custom call),
+leaves the observed columns empty and says that command buffers do not apply.
 
   python bench/cuda_graphs.py [--quick] [--json out.json]
 """
@@ -99,6 +106,8 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=200)
   ap.add_argument("--repeats", type=int, default=7)
   ap.add_argument("--cases", default="launch,loop,split")
+  ap.add_argument("--observe-steps", type=int, default=10,
+                  help="steps traced with jax.profiler for the observed columns (GPU only)")
   ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
   ap.add_argument("--json", default=None, help="write the results here")
   ap.add_argument("--dump-hlo", default=None,
@@ -123,6 +132,7 @@ def main(argv=None) -> int:
       out = np.asarray(f(x, y))
       ref = out if ref is None else ref
       rep = graphs.graph_report(f, x, y)
+      obs = graphs.observe_launches(f, x, y, steps=args.observe_steps) if on_gpu else None
       if args.dump_hlo:
         with open(args.dump_hlo, "a") as fh:
           fh.write(f"\n\n===== case {case} policy {mode} =====\n")
@@ -132,11 +142,18 @@ def main(argv=None) -> int:
           "case": case, "policy": mode, "us_per_step": t * 1e6, "speedup_vs_off": base / t,
           "graphs": rep.num_graphs, "ops_inside": rep.ops_inside, "ops_outside": rep.ops_outside,
           "report_source": rep.source, "launches_per_step": rep.launches(),
+          "observed_graph_launches_per_step": (obs.per_step(obs.graph_launches + obs.graph_executions)
+                                               if obs else None),
+          "observed_kernels_outside_per_step": obs.per_step(obs.kernels_outside) if obs else None,
           "max_abs_diff_vs_off": float(np.max(np.abs(out - ref))),
           "splitters": sorted({w for _, w, _ in rep.splitters}),
       })
-      print(f"{case:7s} {mode:5s} {t * 1e6:9.1f} us/step  report: {rep.num_graphs} graphs, "
-            f"{rep.ops_inside} in / {rep.ops_outside} out ({rep.source})", flush=True)
+      seen = (f"; observed: {rows[-1]['observed_graph_launches_per_step']:.1f} graph launches, "
+              f"{rows[-1]['observed_kernels_outside_per_step']:.1f} kernels outside per step"
+              if obs else "")
+      print(f"{case:7s} {mode:5s} {t * 1e6:9.1f} us/step  report ({rep.source}): "
+            f"{rep.num_graphs} graphs, {rep.ops_inside} in / {rep.ops_outside} out{seen}",
+            flush=True)
 
   meta = {"date": time.strftime("%Y-%m-%d"), "backend": jax.default_backend(),
           "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
@@ -153,14 +170,17 @@ def main(argv=None) -> int:
   from rich.table import Table  # pylint: disable=g-import-not-at-top
   table = Table(title=f"CUDA graphs per policy on {meta['device']} (jax {meta['jax']}, "
                 f"{args.layers} layers, {args.n} f32, dtenjax custom call: {native})")
-  for col in ("case", "policy", "us/step", "x vs off", "graphs", "ops in", "ops out",
-              "launches", "split by"):
+  for col in ("case", "policy", "us/step", "x vs off", "graphs (pred.)", "ops in (pred.)",
+              "ops out (pred.)", "launches (pred.)", "graph launches (obs.)",
+              "kernels outside (obs.)", "split by (pred.)"):
     table.add_column(col)
+  fmt = lambda v: "-" if v is None else f"{v:.1f}"
   for r in rows:
     table.add_row(r["case"], r["policy"], f"{r['us_per_step']:.1f}", f"{r['speedup_vs_off']:.2f}",
                   str(r["graphs"]), str(r["ops_inside"]), str(r["ops_outside"]),
-                  str(r["launches_per_step"]), ",".join(r["splitters"])[:40])
-  Console(width=140).print(table)
+                  str(r["launches_per_step"]), fmt(r["observed_graph_launches_per_step"]),
+                  fmt(r["observed_kernels_outside_per_step"]), ",".join(r["splitters"])[:30])
+  Console(width=180).print(table)
   return 0
 
 

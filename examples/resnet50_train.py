@@ -4,8 +4,9 @@ A functional ResNet-50 in plain JAX (bottleneck blocks [3, 4, 6, 3], NHWC, batch
 norm), bf16 activations and weights in the forward pass with float32 master weights, SGD with
 momentum, one jitted train step. On a GPU it compiles the step twice, with
 ``dtenjax.jit(step, cuda_graphs="off")`` and ``cuda_graphs="auto"``, and prints images/s for each,
-plus what graph_report says the step keeps inside CUDA graphs. ``--tiny`` is a seconds-long
-configuration for CI (CPU).
+plus what graph_report PREDICTS the step keeps inside CUDA graphs and, on a GPU, what the profiler
+OBSERVES it launch (graph launches and kernels launched one by one per step). ``--tiny`` is a
+seconds-long configuration for CI (CPU).
 
   python examples/resnet50_train.py --batch 64 --steps 20
   python examples/resnet50_train.py --tiny
@@ -126,11 +127,22 @@ def run(mode, cfg, params, data, steps, warmup=2):
     losses.append(loss)
   jax.block_until_ready(losses[-1])
   dt = time.perf_counter() - t0
+  observed = None
+  if jax.default_backend() == "gpu":
+    state = {"p": p, "m": m}
+
+    def one_step():   # threads the donated state through, as training does
+      state["p"], state["m"], step_loss = step(state["p"], state["m"], images, labels)
+      return step_loss
+    obs = graphs.observe_launches(one_step, steps=3, warmup=1)
+    observed = {"graph_launches_per_step": obs.per_step(obs.graph_launches + obs.graph_executions),
+                "kernels_outside_per_step": obs.per_step(obs.kernels_outside),
+                "kernels_in_graphs_per_step": obs.per_step(obs.kernels_in_graphs)}
   return {"mode": mode, "images_per_s": steps * images.shape[0] / dt,
           "ms_per_step": 1e3 * dt / steps, "compile_s": compile_s,
           "first_loss": float(losses[0]), "last_loss": float(losses[-1]),
           "graphs": rep.num_graphs, "ops_inside": rep.ops_inside, "ops_outside": rep.ops_outside,
-          "report_source": rep.source}
+          "report_source": rep.source, "observed": observed}
 
 
 def main(argv=None) -> int:
@@ -167,6 +179,11 @@ def main(argv=None) -> int:
           f"ms/step  compile {r['compile_s']:.1f} s  loss {r['first_loss']:.4f} -> "
           f"{r['last_loss']:.4f}  graphs={r['graphs']} in={r['ops_inside']} "
           f"out={r['ops_outside']} ({r['report_source']})", flush=True)
+    if r["observed"]:
+      o = r["observed"]
+      print(f"  observed per step: {o['graph_launches_per_step']:.1f} graph launches, "
+            f"{o['kernels_in_graphs_per_step']:.1f} kernels in graphs, "
+            f"{o['kernels_outside_per_step']:.1f} kernels launched one by one", flush=True)
     if not np.isfinite(r["last_loss"]):
       print("error: the loss is not finite", file=sys.stderr)
       return 1

@@ -4,9 +4,12 @@ Timing-dependent tests scale everything to the step time measured at run time an
 and orderings (misses with vs without preemption), never absolute wall-clock numbers.
 """
 
+import gc
 import re
+import threading
 import time
 import urllib.request
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -233,3 +236,95 @@ def test_prometheus_endpoint_exports_per_queue_metrics_from_a_private_registry()
   finally:
     a.shutdown()
     b.shutdown()
+
+
+# ---- reliability: every future resolves, no thread outlives its scheduler ---------------------
+
+def _gated_step(gate: threading.Event):
+  """A step whose first run waits (at most 30 s) until the test has queued its batches."""
+  def wait(x):
+    if not gate.wait(30):
+      raise TimeoutError("the test never opened the gate (waited 30 s)")
+    return x
+  return lambda b: jax.pure_callback(wait, jax.ShapeDtypeStruct(b.shape, b.dtype), b).sum()
+
+
+def test_dispatcher_failure_after_a_step_resolves_that_batch_and_fails_the_queued_ones():
+  gate = threading.Event()
+
+  class ClockBroke(RuntimeError):
+    pass
+
+  def clock():
+    if threading.current_thread().name == "dtenjax-graph-scheduler":
+      raise ClockBroke("the clock failed on the dispatcher thread")
+    return time.monotonic()
+  sch = S.GraphScheduler(_gated_step(gate), batch_spec=SPEC, clock=clock)
+  b = np.ones((N, N), np.float32)
+  first = sch.submit(b)
+  queued = [sch.submit(b) for _ in range(3)] + [sch.inject_micro_batch(b)]
+  gate.set()
+  # The first batch ran: it gets its result although the bookkeeping after it failed.
+  assert float(first.result(timeout=60)) == N * N
+  for f in queued:
+    err = f.exception(timeout=60)
+    assert isinstance(err, S.SchedulerClosedError) and "ClockBroke" in str(err)
+    assert isinstance(err.__cause__, ClockBroke)
+  assert isinstance(sch.failure, ClockBroke)
+  with pytest.raises(S.SchedulerClosedError, match="dispatcher thread failed"):
+    sch.submit(b)
+  with pytest.raises(S.SchedulerClosedError, match="ClockBroke"):
+    sch.shutdown(timeout=30)
+  assert not sch._d.thread.is_alive()
+
+
+def test_interrupt_while_a_batch_runs_fails_it_and_every_queued_batch(monkeypatch):
+  gate = threading.Event()
+
+  class Interrupted(BaseException):   # not an Exception: escapes the per-step handler
+    pass
+
+  def run_step(compiled, batch):
+    del compiled, batch
+    if not gate.wait(30):
+      raise TimeoutError("the test never opened the gate (waited 30 s)")
+    raise Interrupted("interrupted while the step ran")
+  monkeypatch.setattr(S, "_run_step", run_step)
+  sch = S.GraphScheduler(step, batch_spec=SPEC)
+  b = batch_of(0)
+  futs = [sch.submit(b) for _ in range(3)] + [sch.inject_micro_batch(b) for _ in range(2)]
+  gate.set()
+  for f in futs:
+    err = f.exception(timeout=60)
+    assert isinstance(err, S.SchedulerClosedError), err
+    assert isinstance(err.__cause__, Interrupted) and "Interrupted" in str(err)
+  sch._d.thread.join(30)
+  assert not sch._d.thread.is_alive()
+  with pytest.raises(S.SchedulerClosedError):
+    sch.shutdown(timeout=30)
+
+
+def test_a_scheduler_dropped_without_shutdown_runs_its_work_and_its_thread_exits():
+  sch = S.GraphScheduler(step, batch_spec=SPEC, metrics_port=0)
+  futs = [(s, sch.submit(batch_of(s))) for s in range(3)]
+  thread = sch._d.thread
+  host, port = sch.metrics_address
+  ref = weakref.ref(sch)
+  del sch
+  gc.collect()
+  assert ref() is None, "something still holds the GraphScheduler"
+  thread.join(60)
+  assert not thread.is_alive(), "the dispatcher thread outlived its scheduler"
+  for s, f in futs:
+    np.testing.assert_allclose(f.result(timeout=1), reference(batch_of(s)), rtol=2e-4, atol=2e-4)
+  with pytest.raises(OSError):        # the metrics endpoint was closed with it
+    urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5)
+
+
+def test_an_idle_dropped_scheduler_thread_exits():
+  sch = S.GraphScheduler(step, batch_spec=SPEC)
+  thread = sch._d.thread
+  del sch
+  gc.collect()
+  thread.join(30)
+  assert not thread.is_alive()

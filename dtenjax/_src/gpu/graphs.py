@@ -28,17 +28,21 @@ launch. Two per-executable compiler options steer it:
 
 On a CPU backend :func:`jit` is a plain ``jax.jit``: command buffers do not exist there.
 
-:func:`graph_report` reads the compiled (optimised, scheduled) HLO. Where XLA has outlined command
-buffers into HLO computations the report counts them as observed; otherwise it applies XLA's
-command-buffer scheduling rules to the schedule and reports what would be captured, which on a
-CPU build is the prediction for the same program on a GPU.
+:func:`graph_report` reads the compiled (optimised, scheduled) module through
+:mod:`dtenjax._src.hlo`, the reader ``explain`` uses. Where XLA has outlined command buffers into
+HLO computations the report reads them (``source="observed"``); otherwise it applies XLA's
+command-buffer rules to the schedule and reports what would be captured (``source="predicted"``,
+and the table says PREDICTED). On jax 0.10.2 and 0.11 XLA forms command buffers after HLO (at
+the thunk level), so on a GPU too the report is a prediction. What a GPU really launched is
+observed by :func:`observe_launches`: it runs the step under ``jax.profiler`` and counts graph
+launches and the kernels that ran inside and outside graphs (CUPTI records a graph id on every
+kernel that ran as a graph node). On CPU nothing about command buffers can be observed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +50,7 @@ import jax
 
 from dtenjax._src import config
 from dtenjax._src import errors
+from dtenjax._src import hlo
 
 # Command types XLA accepts in xla_gpu_enable_command_buffer (jax 0.10.2 and 0.11.2).
 ALL_COMMANDS = ("FUSION", "CUBLAS", "CUBLASLT", "CUDNN", "CUSTOM_CALL", "COLLECTIVES",
@@ -199,76 +204,8 @@ def jit(fn: Callable[..., Any], cuda_graphs: str | CudaGraphPolicy = "auto", *,
 
 
 # --------------------------------------------------------------------------------------------
-# Reading the optimised HLO
+# What the compiled step would put in command buffers (predicted from the HLO schedule)
 # --------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class HloOp:
-  name: str
-  opcode: str
-  target: str = ""                  # custom_call_target, if any
-  called: tuple[str, ...] = ()      # computations it calls (body, condition, branches, to_apply)
-  kind: str = ""                    # fusion kind (kLoop, kCustom, ...)
-
-
-_COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_CALLED_RE = re.compile(
-    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES_RE = re.compile(r"branch_computations=\{([^}]*)\}")
-_TARGET_RE = re.compile(r'custom_call_target="([^"]*)"')
-_KIND_RE = re.compile(r"\bkind=(k\w+)")
-
-
-def _skip_type(text: str) -> str:
-  """Drops the leading result type (possibly a nested tuple) of an instruction's right side."""
-  text = text.lstrip()
-  if text.startswith("("):
-    depth = 0
-    for i, ch in enumerate(text):
-      depth += ch == "("
-      depth -= ch == ")"
-      if depth == 0:
-        return text[i + 1:].lstrip()
-    return ""
-  parts = text.split(None, 1)
-  return parts[1] if len(parts) > 1 else ""
-
-
-def parse_hlo(text: str) -> tuple[str, dict[str, list[HloOp]]]:
-  """Parses HLO text into (entry name, {computation: [ops in schedule order]})."""
-  comps: dict[str, list[HloOp]] = {}
-  entry = ""
-  current: list[HloOp] | None = None
-  for line in text.splitlines():
-    if current is None:
-      m = _COMP_RE.match(line)
-      if m and "=" not in line.split("(", 1)[0]:
-        current = comps.setdefault(m.group(2), [])
-        if m.group(1):
-          entry = m.group(2)
-      continue
-    if line.strip() == "}":
-      current = None
-      continue
-    m = _INSTR_RE.match(line)
-    if not m:
-      continue
-    rest = _skip_type(m.group(2))
-    op = re.match(r"([\w\-]+)\(", rest)
-    if not op:
-      continue
-    called = list(_CALLED_RE.findall(rest))
-    for group in _BRANCHES_RE.findall(rest):
-      called.extend(c.strip().lstrip("%") for c in group.split(",") if c.strip())
-    target = _TARGET_RE.search(rest)
-    kind = _KIND_RE.search(rest)
-    current.append(HloOp(m.group(1), op.group(1), target.group(1) if target else "",
-                         tuple(called), kind.group(1) if kind else ""))
-  if not entry and comps:
-    entry = list(comps)[-1]
-  return entry, comps
-
 
 _NOOPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
           "opt-barrier", "partition-id", "replica-id", "add-dependency"}
@@ -290,9 +227,12 @@ def _is_dtenjax_target(target: str) -> bool:
   return target.startswith("dtenjax_")
 
 
-def classify(op: HloOp, comps: dict[str, list[HloOp]], commands: Sequence[str],
+def classify(op: hlo.Instruction, module: hlo.Module, commands: Sequence[str],
              _depth: int = 0) -> tuple[str, str]:
-  """Pure rule: ('noop'|'command'|'split', command type or the reason it splits graphs)."""
+  """XLA's command-buffer rules as dtenjax reads them (a prediction, not an observation).
+
+  Returns ('noop'|'command'|'split', the command type or the reason the op splits graphs).
+  """
   cmds = set(commands)
 
   def need(kind: str, what: str) -> tuple[str, str]:
@@ -300,11 +240,11 @@ def classify(op: HloOp, comps: dict[str, list[HloOp]], commands: Sequence[str],
       return "command", kind
     return "split", f"{what} needs command type {kind}, which this policy leaves out"
 
-  opc, tgt = op.opcode, op.target
+  opc, tgt = op.opcode, op.custom_call_target
   if opc in _NOOPS:
     return "noop", ""
   if opc == "fusion":
-    if op.kind == "kCustom" and "dynamic" in op.name.lower():
+    if op.fusion_kind == "kCustom" and "dynamic" in op.name.lower():
       return need("DYNAMIC_SLICE_FUSION", "dynamic-slice fusion")
     if "cudnn" in op.name.lower():
       return need("CUDNN", "cuDNN fusion")
@@ -338,8 +278,9 @@ def classify(op: HloOp, comps: dict[str, list[HloOp]], commands: Sequence[str],
     if _depth > 16:
       return "split", f"{opc} nests too deeply to analyse"
     for comp in op.called:
-      for inner in comps.get(comp, ()):
-        status, why = classify(inner, comps, commands, _depth + 1)
+      inner_comp = module.computations.get(comp)
+      for inner in inner_comp.instructions if inner_comp else ():
+        status, why = classify(inner, module, commands, _depth + 1)
         if status == "split":
           return "split", f"{opc} body holds {inner.name} ({inner.opcode}): {why}"
     return ("command", kind) if kind else ("command", "FUSION")
@@ -358,12 +299,25 @@ class GraphSegment:
   reason: str = ""
 
 
+SOURCES = {
+    "predicted": "PREDICTED from XLA's command-buffer rules applied to the compiled schedule; "
+                 "not observed",
+    "observed": "read from command-buffer computations XLA outlined into the compiled HLO",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class GraphReport:
-  """How much of a step runs inside command buffers (CUDA graphs) and what splits them."""
+  """How much of a step runs inside command buffers (CUDA graphs) and what splits them.
+
+  ``source`` says where the rows come from: "observed" when XLA outlined its command buffers
+  into HLO computations (read from the compiled module), "predicted" when dtenjax applied XLA's
+  rules (:func:`classify`) to the schedule. A prediction is not a measurement: what a GPU really
+  launched is what :func:`observe_launches` reads from the profiler.
+  """
   platform: str
   applies: bool                       # False on platforms without command buffers
-  source: str                         # "observed" (outlined by XLA) or "predicted" (rules)
+  source: str                         # "observed" or "predicted"
   policy: CudaGraphPolicy
   segments: tuple[GraphSegment, ...]
   splitters: tuple[tuple[str, str, str], ...]   # (op name, opcode/target, reason)
@@ -385,6 +339,10 @@ class GraphReport:
     total = self.ops_inside + self.ops_outside
     return self.ops_inside / total if total else 0.0
 
+  @property
+  def is_prediction(self) -> bool:
+    return self.source == "predicted"
+
   def launches(self) -> int:
     """Host launches per step: one per graph plus one per op outside graphs."""
     return self.num_graphs + self.ops_outside
@@ -392,6 +350,7 @@ class GraphReport:
   def to_dict(self) -> dict[str, Any]:
     return {
         "platform": self.platform, "applies": self.applies, "source": self.source,
+        "source_meaning": SOURCES[self.source],
         "policy": dataclasses.asdict(self.policy), "num_graphs": self.num_graphs,
         "ops_inside": self.ops_inside, "ops_outside": self.ops_outside,
         "fraction_inside": self.fraction_inside, "launches": self.launches(),
@@ -404,16 +363,18 @@ class GraphReport:
     from rich.table import Table  # pylint: disable=g-import-not-at-top
     note = ("" if self.applies else
             f" — command buffers do not apply on {self.platform}; rows show what a GPU would capture")
-    t = Table(title=(f"CUDA graphs ({self.source}, policy {self.policy.mode}): "
+    what = "PREDICTED (not observed)" if self.is_prediction else "observed in the compiled HLO"
+    t = Table(title=(f"CUDA graphs, {what}, policy {self.policy.mode}: "
                      f"{self.ops_inside} ops in {self.num_graphs} graphs, {self.ops_outside} "
-                     f"outside, {100 * self.fraction_inside:.0f}% inside{note}"))
+                     f"outside, {100 * self.fraction_inside:.0f}% inside{note}"),
+              caption=SOURCES[self.source])
     for col in ("#", "where", "ops", "first .. last", "why"):
       t.add_column(col)
     for i, s in enumerate(self.segments):
       span = s.ops[0] if len(s.ops) == 1 else f"{s.ops[0]} .. {s.ops[-1]}"
       t.add_row(str(i), "graph" if s.captured else "outside", str(len(s.ops)), span, s.reason)
-    for name, what, reason in self.splitters:
-      t.add_row("-", "splits", "1", f"{name} ({what})", reason)
+    for name, what_, reason in self.splitters:
+      t.add_row("-", "splits", "1", f"{name} ({what_})", reason)
     return t
 
   def render(self, width: int = 160) -> str:
@@ -427,39 +388,38 @@ class GraphReport:
     return self.render()
 
 
-def report_from_hlo(text: str, policy: CudaGraphPolicy, platform: str) -> GraphReport:
-  """Builds a GraphReport from optimised HLO text (pure; see :func:`graph_report`)."""
-  entry, comps = parse_hlo(text)
-  ops = comps.get(entry, [])
-  outlined = {name for name in comps if name.startswith("command_buffer")}
+def report_from_module(module: hlo.Module, policy: CudaGraphPolicy, platform: str) -> GraphReport:
+  """Builds a GraphReport from a compiled module read by :mod:`dtenjax._src.hlo` (pure)."""
+  entry = module.computations.get(module.entry)
+  ops = entry.instructions if entry else ()
+  outlined = {name for name in module.computations if name.startswith("command_buffer")}
   segments: list[GraphSegment] = []
   splitters: list[tuple[str, str, str]] = []
   if outlined:
     source = "observed"
-    run: list[str] = []
     for op in ops:
       called = [c for c in op.called if c in outlined]
       if op.opcode == "call" and called:
-        inner = [o.name for c in called for o in comps[c] if o.opcode not in _NOOPS]
+        inner = [o.name for c in called for o in module.computations[c].instructions
+                 if o.opcode not in _NOOPS]
         segments.append(GraphSegment(tuple(inner), True, "outlined by XLA"))
         continue
-      status, why = classify(op, comps, policy.commands)
+      status, why = classify(op, module, policy.commands)
       if status == "split":
-        splitters.append((op.name, op.target or op.opcode, why))
+        splitters.append((op.name, op.custom_call_target or op.opcode, why))
       elif status == "command":
         segments.append(GraphSegment((op.name,), False,
                                      f"left out of graphs by XLA (min_graph_size="
                                      f"{policy.min_graph_size} or scheduling)"))
-    del run
   else:
     source = "predicted"
-    run = []
+    run: list[str] = []
 
     def flush():
       if not run:
         return
       captured = policy.enabled and len(run) >= policy.min_graph_size
-      reason = ("" if captured else "graphs are off" if not policy.enabled else
+      reason = ("predicted" if captured else "graphs are off" if not policy.enabled else
                 f"run of {len(run)} < min_graph_size={policy.min_graph_size}")
       segments.append(GraphSegment(tuple(run), captured, reason))
       run.clear()
@@ -467,17 +427,22 @@ def report_from_hlo(text: str, policy: CudaGraphPolicy, platform: str) -> GraphR
     # With graphs off, group by what any policy could record, so only real splitters are listed.
     rules = policy.commands if policy.enabled else ALL_COMMANDS
     for op in ops:
-      status, why = classify(op, comps, rules)
+      status, why = classify(op, module, rules)
       if status == "noop":
         continue
       if status == "command":
         run.append(op.name)
       else:
         flush()
-        splitters.append((op.name, op.target or op.opcode, why))
+        splitters.append((op.name, op.custom_call_target or op.opcode, why))
     flush()
   return GraphReport(platform, platform == "gpu", source, policy, tuple(segments),
                      tuple(splitters))
+
+
+def report_from_hlo(text: str, policy: CudaGraphPolicy, platform: str) -> GraphReport:
+  """:func:`report_from_module` of printed HLO text."""
+  return report_from_module(hlo.parse_text(text), policy, platform)
 
 
 def _compiled_platform(compiled: Any) -> str:
@@ -487,9 +452,33 @@ def _compiled_platform(compiled: Any) -> str:
   return _backend_platform(None)
 
 
+def _compile(fn_or_compiled: Any, args, kwargs, cuda_graphs) -> tuple[Any, CudaGraphPolicy]:
+  if isinstance(fn_or_compiled, jax.stages.Compiled):
+    return fn_or_compiled, CudaGraphPolicy.from_mode(cuda_graphs or "xla")
+  if isinstance(fn_or_compiled, GraphJitted):
+    policy = (CudaGraphPolicy.from_mode(cuda_graphs) if cuda_graphs is not None
+              else fn_or_compiled.policy)
+    return fn_or_compiled.lower(*args, **kwargs).compile(), policy
+  if callable(fn_or_compiled):
+    policy = CudaGraphPolicy.from_mode(cuda_graphs or "xla")
+    target = fn_or_compiled if hasattr(fn_or_compiled, "lower") else jax.jit(fn_or_compiled)
+    if cuda_graphs is not None and not hasattr(fn_or_compiled, "lower"):
+      target = jit(fn_or_compiled, policy)
+    return target.lower(*args, **kwargs).compile(), policy
+  raise errors.ConfigurationError(
+      f"got {type(fn_or_compiled).__name__}; pass a function, a jitted function or a "
+      f"jax.stages.Compiled (from jax.jit(f).lower(*args).compile()).")
+
+
 def graph_report(fn_or_compiled: Any, *args, cuda_graphs: str | CudaGraphPolicy | None = None,
                  **kwargs) -> GraphReport:
   """Reports how much of a step runs inside CUDA graphs, and which ops split them and why.
+
+  The compiled module is read once (:mod:`dtenjax._src.hlo`, the reader ``explain`` uses).
+  Unless XLA outlined its command buffers into the HLO (``source == "observed"``), the rows are
+  a prediction from XLA's rules (``source == "predicted"``, said in the table's title); on jax
+  0.10.2/0.11 XLA builds command buffers after HLO, so GPU reports are predictions too. Use
+  :func:`observe_launches` for what a GPU really launched.
 
   Args:
     fn_or_compiled: a :func:`jit` result, a ``jax.jit`` function, a plain function (compiled with
@@ -502,21 +491,159 @@ def graph_report(fn_or_compiled: Any, *args, cuda_graphs: str | CudaGraphPolicy 
   Returns:
     A :class:`GraphReport`; ``print(report)`` shows the table, ``report.to_dict()`` the data.
   """
-  if isinstance(fn_or_compiled, jax.stages.Compiled):
-    compiled = fn_or_compiled
-    policy = CudaGraphPolicy.from_mode(cuda_graphs or "xla")
-  elif isinstance(fn_or_compiled, GraphJitted):
-    policy = (CudaGraphPolicy.from_mode(cuda_graphs) if cuda_graphs is not None
-              else fn_or_compiled.policy)
-    compiled = fn_or_compiled.lower(*args, **kwargs).compile()
-  elif callable(fn_or_compiled):
-    policy = CudaGraphPolicy.from_mode(cuda_graphs or "xla")
-    target = fn_or_compiled if hasattr(fn_or_compiled, "lower") else jax.jit(fn_or_compiled)
-    if cuda_graphs is not None and not hasattr(fn_or_compiled, "lower"):
-      target = jit(fn_or_compiled, policy)
-    compiled = target.lower(*args, **kwargs).compile()
-  else:
+  try:
+    compiled, policy = _compile(fn_or_compiled, args, kwargs, cuda_graphs)
+  except errors.ConfigurationError as e:
+    raise errors.ConfigurationError(f"graph_report {e}") from None
+  return report_from_module(hlo.read_compiled(compiled), policy, _compiled_platform(compiled))
+
+
+# --------------------------------------------------------------------------------------------
+# What a GPU really launched (observed with jax's profiler)
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LaunchObservation:
+  """Launches counted in a profiler trace of ``steps`` runs of a compiled step.
+
+  Attributes:
+    platform: the backend the step ran on.
+    steps: how many runs the trace covers.
+    graph_launches: host-side CUDA graph launches (``cuGraphLaunch`` driver calls).
+    graph_executions: device-side graph executions (CUPTI graph-level trace records).
+    kernels_in_graphs: device kernels that ran as nodes of a CUDA graph (they carry a graph id).
+    kernels_outside: device kernels launched one by one (no graph id).
+    kernel_names_outside: {kernel name: count} of those launched one by one.
+    host_events: {driver API or host event name: count} of launch-related host events.
+  """
+  platform: str
+  steps: int
+  graph_launches: int = 0
+  graph_executions: int = 0
+  kernels_in_graphs: int = 0
+  kernels_outside: int = 0
+  kernel_names_outside: dict[str, int] = dataclasses.field(default_factory=dict)
+  kernel_names_inside: dict[str, int] = dataclasses.field(default_factory=dict)
+  host_events: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  @property
+  def applies(self) -> bool:
+    return self.platform == "gpu"
+
+  @property
+  def saw_gpu_activity(self) -> bool:
+    return bool(self.graph_launches or self.graph_executions or self.kernels_in_graphs
+                or self.kernels_outside)
+
+  @property
+  def graphs_used(self) -> bool:
+    return bool(self.graph_launches or self.graph_executions or self.kernels_in_graphs)
+
+  def per_step(self, count: int) -> float:
+    return count / self.steps if self.steps else 0.0
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d.update(applies=self.applies, graphs_used=self.graphs_used,
+             kernels_outside_per_step=self.per_step(self.kernels_outside),
+             graph_launches_per_step=self.per_step(self.graph_launches))
+    return d
+
+
+def _stat(stats, key_part: str) -> Any:
+  for name, value in stats:
+    if key_part in str(name):
+      return value
+  return None
+
+
+def read_launches(profile: Any, platform: str, steps: int) -> LaunchObservation:
+  """Counts launches in a ``jax.profiler.ProfileData`` (pure apart from reading it).
+
+  Device planes (``/device:GPU:N``): events on stream lines are kernels (memcpy/memset
+  excluded); a kernel with a non-zero ``cuda_graph_id`` stat ran inside a graph; events named
+  ``CudaGraphExec:N`` are whole graphs (CUPTI graph-level tracing). Host planes: ``cuGraphLaunch``
+  driver calls (XLA names them ``cuGraphLaunch (CudaGraph:N)``) are graph launches.
+  """
+  graph_launches = graph_execs = inside = outside = 0
+  names_out: dict[str, int] = {}
+  names_in: dict[str, int] = {}
+  host: dict[str, int] = {}
+  for plane in profile.planes:
+    pname = plane.name
+    on_device = pname.startswith("/device:GPU")
+    for line in plane.lines:
+      lname = line.name or ""
+      for ev in line.events:
+        name = ev.name or ""
+        if not on_device:
+          if "GraphLaunch" in name or "(CudaGraph:" in name:
+            graph_launches += 1
+            host[name.split(" (")[0]] = host.get(name.split(" (")[0], 0) + 1
+          elif name.startswith("cu") and "Launch" in name:
+            host[name] = host.get(name, 0) + 1
+          continue
+        if not lname.startswith("Stream"):
+          continue
+        if name.startswith("CudaGraphExec"):
+          graph_execs += 1
+          continue
+        if name.startswith(("Memcpy", "Memset", "MemoryAlloc", "MemoryFree")):
+          continue
+        gid = _stat(ev.stats, "graph_id")
+        if gid not in (None, 0, "0"):
+          inside += 1
+          names_in[name] = names_in.get(name, 0) + 1
+        else:
+          outside += 1
+          names_out[name] = names_out.get(name, 0) + 1
+  return LaunchObservation(platform, steps, graph_launches, graph_execs, inside, outside,
+                           names_out, names_in, host)
+
+
+def observe_launches(fn: Any, *args, steps: int = 10, warmup: int = 3,
+                     log_dir: str | None = None, **kwargs) -> LaunchObservation:
+  """Runs ``fn(*args, **kwargs)`` under jax's profiler and counts what the GPU launched.
+
+  An observation, not a prediction: ``steps`` runs after ``warmup`` (so command buffers are
+  recorded before the trace starts) are traced with ``jax.profiler.start_trace``, and the trace
+  is read back with ``jax.profiler.ProfileData`` (:func:`read_launches`). ``fn`` is anything
+  callable on the arguments: a :func:`jit` result, a ``jax.jit`` function, a Compiled.
+
+  On a backend without CUDA (CPU) the counts are zero and ``applies`` is False. On a GPU, a trace
+  without any kernel raises ConfigurationError (CUPTI unavailable or held by another profiler):
+  an empty observation must not read as "nothing was launched".
+  """
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  if steps < 1 or warmup < 1:
     raise errors.ConfigurationError(
-        f"graph_report got {type(fn_or_compiled).__name__}; pass a function, a jitted function "
-        f"or a jax.stages.Compiled (from jax.jit(f).lower(*args).compile()).")
-  return report_from_hlo(compiled.as_text(), policy, _compiled_platform(compiled))
+        f"observe_launches(steps={steps}, warmup={warmup}): both must be >= 1 (warm-up runs "
+        "record the command buffers before the trace starts).")
+  out = None
+  for _ in range(warmup):
+    out = jax.block_until_ready(fn(*args, **kwargs))
+  platform = "cpu"
+  for leaf in jax.tree.leaves(out):
+    for d in getattr(leaf, "devices", lambda: ())():
+      platform = _backend_platform(d.platform)
+  with tempfile.TemporaryDirectory(dir=log_dir) as tmp:
+    jax.profiler.start_trace(tmp)
+    try:
+      for _ in range(steps):
+        jax.block_until_ready(fn(*args, **kwargs))
+    finally:
+      jax.profiler.stop_trace()
+    files = sorted(pathlib.Path(tmp).rglob("*.xplane.pb"))
+    if not files:
+      raise errors.ConfigurationError(
+          f"jax.profiler wrote no .xplane.pb under {tmp}; observe_launches needs jax's profiler "
+          "(jax.profiler.start_trace) to work in this process.")
+    profile = jax.profiler.ProfileData.from_file(str(files[-1]))
+    obs = read_launches(profile, platform, steps)
+  if platform == "gpu" and not obs.saw_gpu_activity:
+    raise errors.ConfigurationError(
+        f"the profiler recorded no GPU kernel in {steps} runs on {platform}: CUPTI is unavailable "
+        "or another profiler holds it (e.g. nsys). Nothing was observed; do not read this as "
+        "zero launches.")
+  return obs

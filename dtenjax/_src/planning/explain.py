@@ -1,52 +1,46 @@
 """``dtenjax.explain``: which collectives a step runs, what each costs, and its memory.
 
-The step is compiled (``jax.jit(fn).lower(*args).compile()``) and XLA's optimised HLO is read back:
-every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute (and their async
-``-start`` forms), and every dtenjax custom call, becomes a row with its kind, participating device
-groups, dtype, bytes and the time the topology's alpha-beta model predicts for it. The compiled
-memory statistics come from ``compiled.memory_analysis()``.
+The step is compiled (``jax.jit(fn).lower(*args).compile()``) and its optimised module is read
+back through :mod:`dtenjax._src.hlo` (XLA's structured HloModuleProto where jax exposes it, the
+printed text otherwise): every all-reduce, all-gather, reduce-scatter, all-to-all,
+collective-permute (synchronous, ``-start``/``-done`` pairs and ``async-start`` wrappers), and
+every dtenjax custom call, becomes a row with its kind, the device groups it spans (device ids
+through the executable's device assignment), the operands it carries, bytes per participant and
+the time the topology's alpha-beta model predicts for it. The compiled memory statistics come
+from ``compiled.memory_analysis()``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
+from dtenjax._src import hlo
 from dtenjax._src.planning import costmodel
 from dtenjax._src.topology.model import Topology
-
-_KINDS = {
-    "all-reduce": "all_reduce",
-    "all-gather": "all_gather",
-    "reduce-scatter": "reduce_scatter",
-    "all-to-all": "all_to_all",
-    "collective-permute": "ppermute",
-}
-_OP_RE = re.compile(
-    r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
-    r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|custom-call)"
-    r"(?P<start>-start)?\(")
-_ARRAY_RE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-             "f8e4m3fn": 1, "f8e5m2": 1}
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveOp:
   kind: str                     # all_reduce, all_gather, ... or "custom:<target>"
-  name: str                     # HLO instruction name
-  dtype: str
-  shape: tuple[int, ...]
+  name: str                     # HLO instruction name (the start of an async pair)
+  dtype: str                    # element type of the operands ("mixed" if they differ)
+  shape: tuple[int, ...]        # the first operand's shape
   nbytes: int                   # bytes per participant (full buffer for gather/scatter)
-  groups: tuple[tuple[int, ...], ...]   # device ids per group
+  groups: tuple[tuple[int, ...], ...]   # device ids per group (source/target pairs for ppermute)
   predicted_s: float            # alpha-beta estimate for one group
   op_name: str = ""             # the jax operation it came from
+  operand_shapes: tuple[hlo.Shape, ...] = ()
+  group_form: str = ""          # how XLA encoded the groups: list, iota, mesh ("" = implied)
+  done: str = ""                # the matching -done of an async pair
+  computation: str = ""         # where it is scheduled (the entry, a loop body, ...)
+
+  @property
+  def num_operands(self) -> int:
+    return len(self.operand_shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +49,7 @@ class Explanation:
   memory: dict[str, int]
   topology: str
   extra: tuple[tuple[str, str], ...] = ()
+  source: str = ""              # "proto" (XLA's structured module) or "text"
 
   @property
   def total_predicted_s(self) -> float:
@@ -64,18 +59,23 @@ class Explanation:
     return sum(1 for c in self.collectives if kind is None or c.kind == kind)
 
   def table(self) -> str:
-    lines = [f"{'#':>3} {'collective':<26} {'dtype':<6} {'shape':<18} {'bytes':>12} "
-             f"{'groups':<24} {'predicted (us)':>14}  source"]
+    lines = [f"{'#':>3} {'collective':<22} {'operands':<20} {'bytes':>10} {'groups':<34} "
+             f"{'predicted (us)':>14}  jax op"]
     for i, c in enumerate(self.collectives):
-      groups = ",".join("{" + ",".join(map(str, g)) + "}" for g in c.groups[:3])
-      if len(c.groups) > 3:
-        groups += f",...({len(c.groups)})"
-      lines.append(f"{i:>3} {c.kind:<26} {c.dtype:<6} {str(list(c.shape)):<18} {c.nbytes:>12} "
-                   f"{groups[:24]:<24} {c.predicted_s * 1e6:>14.1f}  {c.op_name[-40:]}")
+      groups = _groups_text(c.groups, pairs=c.kind == "ppermute") or (
+          "-" if c.kind.startswith("custom:") else "(all)")
+      if c.num_operands > 1:
+        operands = f"{c.num_operands} operands, {c.dtype}"
+      else:
+        operands = f"{c.dtype}[{','.join(map(str, c.shape))}]"
+      kind = c.kind + (" (async)" if c.done else "")
+      lines.append(f"{i:>3} {kind:<22} {operands:<20} {c.nbytes:>10} {groups:<34} "
+                   f"{c.predicted_s * 1e6:>14.1f}  {c.op_name[-40:]}")
     if not self.collectives:
       lines.append("    (no collectives)")
     lines.append(f"total predicted communication: {self.total_predicted_s * 1e6:.1f} us "
-                 f"({len(self.collectives)} collectives, topology {self.topology})")
+                 f"({len(self.collectives)} collectives, topology {self.topology}, HLO read "
+                 f"from {self.source or '?'})")
     mem = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.memory.items())
     lines.append(f"compiled memory: {mem}")
     for k, v in self.extra:
@@ -86,79 +86,70 @@ class Explanation:
     return self.table()
 
 
-def _parse_groups(text: str, n_devices: int) -> list[list[int]]:
-  m = re.search(r"replica_groups=(\{\{[0-9,{} ]*\}\}|\{\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)",
-                text)
-  if m is None:
-    pairs = re.search(r"source_target_pairs=\{([0-9,{} ]*)\}", text)
-    if pairs:
-      return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
-    return [list(range(n_devices))]
-  g = m.group(1)
-  if g == "{}":
-    return [list(range(n_devices))]
-  if g.startswith("{{"):
-    return [[int(v) for v in grp.split(",") if v.strip()] for grp in re.findall(r"\{([0-9, ]+)\}", g)]
-  iota = re.match(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", g)
-  out_shape = [int(v) for v in iota.group(1).split(",")]
-  dims = [int(v) for v in iota.group(2).split(",")]
-  ids = np.arange(int(np.prod(dims))).reshape(dims)
-  if iota.group(3):
-    ids = ids.transpose([int(v) for v in iota.group(3).split(",")])
-  return ids.reshape(out_shape).tolist()
+def _groups_text(groups, pairs: bool, width: int = 34) -> str:
+  """Groups as ``{0,4},{1,5},...`` cut at a group boundary, with the count when cut."""
+  if pairs:
+    parts = [f"{a}->{b}" for a, b in groups]
+  else:
+    parts = ["{" + ",".join(map(str, g)) + "}" for g in groups]
+  text = ",".join(parts)
+  if len(text) <= width:
+    return text
+  suffix = f",...({len(parts)} {'pairs' if pairs else 'groups'})"
+  kept = []
+  for p in parts:
+    if len(",".join(kept + [p])) + len(suffix) > width:
+      break
+    kept.append(p)
+  return ",".join(kept) + suffix
 
 
-def _arrays(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
-  return [(dt, tuple(int(d) for d in dims.split(",") if d))
-          for dt, dims in _ARRAY_RE.findall(shape_text)]
+def _predict(kind: str, nbytes: int, groups, topology: Topology | None) -> float:
+  if topology is None or kind.startswith("custom:") or kind not in costmodel.KINDS:
+    return 0.0
+  if kind == "ppermute":
+    moving = [list(p) for p in groups if p[0] != p[1]]
+  else:
+    moving = [list(g) for g in groups if len(set(g)) > 1]
+  if not moving:
+    return 0.0
+  try:
+    return max(costmodel.collective_time(kind, nbytes, g, topology, "xla")
+               for g in (moving if kind == "ppermute" else moving[:1]))
+  except Exception:  # pylint: disable=broad-except  (ids outside the topology)
+    return float("nan")
 
 
-def parse_hlo(hlo: str, device_ids: Sequence[int], topology: Topology | None) -> list[CollectiveOp]:
-  """Collectives and dtenjax custom calls in optimised HLO text, with model estimates."""
+def collective_ops(module: hlo.Module, topology: Topology | None,
+                   device_assignment: Sequence[Sequence[int]] | None = None
+                   ) -> list[CollectiveOp]:
+  """Rows of :class:`CollectiveOp` for every collective of a read module."""
   ops = []
-  for line in hlo.splitlines():
-    m = _OP_RE.search(line)
-    if not m:
-      continue
-    op = m.group("op")
-    name = line.split("=")[0].strip().lstrip("%").replace("ROOT ", "").strip()
-    arrays = _arrays(m.group("shape"))
-    if op == "custom-call":
-      target = re.search(r'custom_call_target="([^"]+)"', line)
-      if not target or not target.group(1).startswith("dtenjax"):
-        continue
-      kind = "custom:" + target.group(1)
+  for c in module.collectives():
+    if c.kind.startswith("custom:"):
+      groups: tuple[tuple[int, ...], ...] = ()
     else:
-      kind = _KINDS[op]
-    if m.group("start") and op in ("all-gather", "collective-permute") and len(arrays) > 1:
-      arrays = arrays[1:2]          # async form: (operand, output, ...); count the output
-    nbytes = sum(_ITEMSIZE.get(dt, 4) * int(np.prod(s)) for dt, s in arrays)
-    groups = [[device_ids[i] if i < len(device_ids) else i for i in g]
-              for g in _parse_groups(line, len(device_ids))]
-    if kind == "reduce_scatter" and groups:
-      nbytes *= len(groups[0])
-    predicted = 0.0
-    moving = [g for g in groups if len(set(g)) > 1]
-    if topology is not None and not kind.startswith("custom:") and moving:
-      try:
-        predicted = max(costmodel.collective_time(kind, nbytes, g, topology, "xla")
-                        for g in (moving if kind == "ppermute" else moving[:1]))
-      except Exception:  # pylint: disable=broad-except  (ids outside the topology)
-        predicted = float("nan")
-    op_name = re.search(r'op_name="([^"]*)"', line)
-    dt, shp = arrays[0] if arrays else ("?", ())
-    ops.append(CollectiveOp(kind=kind, name=name, dtype=dt, shape=shp, nbytes=nbytes,
-                            groups=tuple(tuple(g) for g in groups), predicted_s=predicted,
-                            op_name=op_name.group(1) if op_name else ""))
+      groups = module.device_groups(c, device_assignment)
+    first = c.operand_shapes[0].leaves()[0] if c.operand_shapes else hlo.Shape("?")
+    ops.append(CollectiveOp(
+        kind=c.kind, name=c.name, dtype=c.dtype, shape=first.dims, nbytes=c.nbytes,
+        groups=groups, predicted_s=_predict(c.kind, c.nbytes, groups, topology),
+        op_name=c.op_name, operand_shapes=c.operand_shapes, group_form=c.group_form,
+        done=c.done, computation=c.computation))
   return ops
 
 
-def _device_ids(compiled, fallback) -> list[int]:
+def _jax_device_assignment(compiled, module: hlo.Module) -> list[list[int]] | None:
+  """[replica][partition] device ids from jax, where the module itself does not carry them."""
+  if module.device_assignment:
+    return None
   for sh in jax.tree.leaves(getattr(compiled, "input_shardings", ()) or ()):
     da = getattr(sh, "_device_assignment", None)
-    if da:
-      return [d.id for d in da]
-  return [d.id for d in fallback]
+    if da and len(da) == module.num_partitions * module.num_replicas:
+      ids = [d.id for d in da]
+      p = module.num_partitions
+      return [ids[r * p:(r + 1) * p] for r in range(module.num_replicas)]
+  return None
 
 
 def explain(fn: Callable | Any, *args, topology: Topology | None = None, **kwargs) -> Explanation:
@@ -173,12 +164,13 @@ def explain(fn: Callable | Any, *args, topology: Topology | None = None, **kwarg
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     compiled = jitted.lower(*args, **kwargs).compile()
   topology = topology if topology is not None else Topology.current()
-  ids = _device_ids(compiled, jax.devices())
-  ops = parse_hlo(compiled.as_text(), ids, topology)
+  module = hlo.read_compiled(compiled)
+  ops = collective_ops(module, topology, _jax_device_assignment(compiled, module))
   mem = {}
   stats = compiled.memory_analysis()
   if stats is not None:
     for key in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
                 "alias_size_in_bytes", "generated_code_size_in_bytes"):
       mem[key.replace("_size_in_bytes", "")] = int(getattr(stats, key, 0) or 0)
-  return Explanation(collectives=tuple(ops), memory=mem, topology=topology.name)
+  return Explanation(collectives=tuple(ops), memory=mem, topology=topology.name,
+                     source=module.source)

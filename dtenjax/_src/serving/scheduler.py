@@ -18,6 +18,13 @@ Each batch gets a ``concurrent.futures.Future`` holding the step's output. Per-q
 depth) are available as :meth:`GraphScheduler.metrics` and, optionally, through prometheus_client
 on 127.0.0.1 with a private registry per scheduler. :meth:`GraphScheduler.shutdown` stops accepting
 work and runs every accepted batch before the dispatcher exits. Every wait has a timeout.
+
+Reliability: every future resolves. A step that raises fails its own future and the dispatcher
+goes on; if the dispatcher thread itself fails (a clock or metrics callback raising, an
+interrupt), the batch in flight and every queued batch are failed with SchedulerClosedError
+(its ``__cause__`` is the failure) and new work is refused. The dispatcher thread holds only the
+scheduler's internals, never the GraphScheduler: a scheduler dropped without ``shutdown()`` is
+garbage-collected, a finalizer closes it, and its thread runs the accepted batches and exits.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ import heapq
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src.gpu import graphs
 
@@ -176,6 +185,218 @@ def check_batch(spec: Any, batch: Any) -> None:
         problems))
 
 
+def _run_step(compiled: Any, batch: Any) -> Any:
+  """Runs the compiled step on one batch and waits for the result (the dispatcher's one call)."""
+  return jax.block_until_ready(compiled(batch))
+
+
+class _Dispatcher:
+  """The queues, metrics and dispatcher thread of one GraphScheduler.
+
+  The thread holds this object, never the GraphScheduler, so a scheduler dropped without
+  ``shutdown()`` is collected; its finalizer closes this dispatcher, which runs the accepted
+  batches and then ends the thread.
+  """
+
+  def __init__(self, compiled: Any, batch_spec: Any, *, latency_sla: float,
+               preemption: PreemptionPolicy, low_latency_share: float, max_queue: int,
+               latency_window: int, poll_interval: float, clock: Callable[[], float],
+               prom: _PromMetrics | None):
+    self.compiled = compiled
+    self.batch_spec = batch_spec
+    self.latency_sla = latency_sla
+    self.preemption = preemption
+    self.low_latency_share = low_latency_share
+    self.max_queue = max_queue
+    self.poll_interval = poll_interval
+    self.clock = clock
+    self.prom = prom
+    self.steps_run = 0
+    self.cv = threading.Condition()
+    self.main: collections.deque[_Item] = collections.deque()
+    self.low: list[tuple[float, int, _Item]] = []   # heap by deadline
+    self.seq = itertools.count()
+    self.closing = False
+    self.closed_by = ""              # why work is refused: "shutdown", "collected", a failure
+    self.failure: BaseException | None = None
+    self.in_flight: _Item | None = None
+    self.credit = 0.0
+    self.released = 0.0
+    self.latencies = {q: collections.deque(maxlen=latency_window) for q in QUEUES}
+    self.counts = {q: collections.Counter() for q in QUEUES}
+    self.preemption_episodes = 0
+    self.low_p95: float | None = None   # refreshed when a low-latency batch finishes
+    self.thread = threading.Thread(target=self.run, name="dtenjax-graph-scheduler", daemon=True)
+
+  # ---- injection --------------------------------------------------------------------------
+
+  def enqueue(self, batch: Any, queue: str, deadline: float | None,
+              timeout: float) -> concurrent.futures.Future:
+    check_batch(self.batch_spec, batch)
+    item = _Item(batch, concurrent.futures.Future(), queue, self.clock(), deadline)
+    end = time.monotonic() + timeout
+    with self.cv:
+      while True:
+        if self.closing:
+          raise SchedulerClosedError(
+              f"the scheduler is {self.closed_by or 'shut down'}; a {queue} batch was refused. "
+              f"Create a new GraphScheduler to run more work.")
+        depth = len(self.main) if queue == MAIN else len(self.low)
+        if depth < self.max_queue:
+          break
+        left = end - time.monotonic()
+        if left <= 0:
+          raise QueueFullError(
+              f"the {queue} queue held max_queue={self.max_queue} batches for {timeout} s; "
+              f"raise max_queue, pass a longer timeout, or inject more slowly.")
+        self.cv.wait(left)
+      if queue == MAIN:
+        self.main.append(item)
+      else:
+        heapq.heappush(self.low, (deadline, next(self.seq), item))
+      self.cv.notify_all()
+    return item.future
+
+  # ---- dispatch ---------------------------------------------------------------------------
+
+  def next_item(self) -> _Item | None:
+    """Chooses the next batch under the lock, or None after waiting poll_interval."""
+    with self.cv:
+      if not self.main and not self.low:
+        self.cv.wait(self.poll_interval)
+        if not self.main and not self.low:
+          return None
+      released = preemption_decision(self.preemption, len(self.low), self.low_p95)
+      if released > 0 and self.released == 0:
+        self.preemption_episodes += 1
+      self.released = released
+      share = low_latency_slot_share(self.low_latency_share, released)
+      base_credit = min(self.credit + self.low_latency_share, 1.0 + self.low_latency_share)
+      queue, self.credit = pick_queue(self.credit, share, bool(self.low), bool(self.main))
+      if queue == LOW_LATENCY:
+        item = self.in_flight = heapq.heappop(self.low)[2]   # the dispatcher owns it from here
+        if released > 0 and self.main and base_credit < 1.0:
+          # This slot belonged to the main queue and was released to the low-latency queue.
+          self.counts[MAIN]["preemptions"] += 1
+          self.counts[LOW_LATENCY]["preemptions"] += 1
+          if self.prom:
+            self.prom.preemptions.labels(MAIN).inc()
+            self.prom.preemptions.labels(LOW_LATENCY).inc()
+      else:
+        item = self.in_flight = self.main.popleft()
+      self.cv.notify_all()       # room for blocked injectors
+      return item
+
+  def run(self) -> None:
+    try:
+      self.dispatch_loop()
+    except BaseException as e:  # pylint: disable=broad-except
+      # A failure on this thread must not leave a caller waiting: resolve the batch in flight and
+      # every queued one with the failure, refuse new work, and say so in the log.
+      self.fail_all(e)
+      config.logger.error("dtenjax GraphScheduler: the dispatcher thread stopped (%s: %s); "
+                          "every pending batch was failed with SchedulerClosedError.",
+                          type(e).__name__, e, exc_info=e)
+    finally:
+      if self.prom and self.closed_by == COLLECTED:
+        self.prom.close()
+
+  def fail_all(self, e: BaseException) -> None:
+    with self.cv:
+      self.failure = e
+      self.closing = True
+      self.closed_by = f"stopped: its dispatcher thread failed ({type(e).__name__}: {e})"
+      pending = ([self.in_flight] if self.in_flight is not None else []) + list(self.main) + [
+          entry[2] for entry in self.low]
+      self.in_flight = None
+      self.main.clear()
+      self.low.clear()
+      self.cv.notify_all()
+    for item in pending:
+      if item.future.done():
+        continue
+      err = SchedulerClosedError(
+          f"the dispatcher thread stopped ({type(e).__name__}: {e}); this {item.queue} batch "
+          f"did not complete. Create a new GraphScheduler to run more work.")
+      err.__cause__ = e
+      if item.future.running() or item.future.set_running_or_notify_cancel():
+        item.future.set_exception(err)
+
+  def dispatch_loop(self) -> None:
+    while True:
+      item = self.next_item()
+      if item is None:
+        with self.cv:
+          if self.closing and not self.main and not self.low:
+            return
+        continue
+      if not item.future.set_running_or_notify_cancel():
+        with self.cv:
+          self.in_flight = None
+        continue
+      try:
+        out = _run_step(self.compiled, item.batch)
+      except Exception as e:  # pylint: disable=broad-except
+        self.finish(item, error=e)
+      else:
+        self.finish(item, result=out)
+
+  def finish(self, item: _Item, result: Any = None, error: BaseException | None = None) -> None:
+    try:
+      with self.cv:
+        self.steps_run += 1
+        done = self.clock()
+        latency = done - item.injected
+        missed = item.deadline is not None and done > item.deadline
+        counts = self.counts[item.queue]
+        counts["failed" if error else "completed"] += 1
+        counts["deadline_misses"] += int(missed)
+        self.latencies[item.queue].append(latency)
+        stats = (percentiles(self.latencies[item.queue])
+                 if self.prom or item.queue == LOW_LATENCY else None)
+        if item.queue == LOW_LATENCY:
+          self.low_p95 = stats["p95"]
+      if self.prom:
+        self.prom.observe(item.queue, latency, missed, error is not None, stats,
+                          len(self.main), len(self.low), self.released)
+    finally:
+      # The batch ran: its caller gets the outcome even if the bookkeeping above failed.
+      with self.cv:
+        self.in_flight = None
+      if error is not None:
+        item.future.set_exception(error)
+      else:
+        item.future.set_result(result)
+
+  # ---- metrics and lifecycle --------------------------------------------------------------
+
+  def metrics(self) -> dict[str, QueueStats]:
+    with self.cv:
+      out = {}
+      for q in QUEUES:
+        c = self.counts[q]
+        p = percentiles(self.latencies[q])
+        depth = len(self.main) if q == MAIN else len(self.low)
+        out[q] = QueueStats(c["completed"], c["failed"], c["deadline_misses"], c["preemptions"],
+                            depth, p["p50"], p["p95"], p["p99"])
+      return out
+
+  def close(self, why: str) -> None:
+    with self.cv:
+      if not self.closing:
+        self.closing = True
+        self.closed_by = why
+      self.cv.notify_all()
+
+
+COLLECTED = "garbage-collected without shutdown()"
+
+
+def _collected(dispatcher: _Dispatcher) -> None:
+  """weakref.finalize callback of a GraphScheduler dropped without shutdown()."""
+  dispatcher.close(COLLECTED)
+
+
 class GraphScheduler:
   """Runs a jitted step over micro-batches from a main and a low-latency queue under an SLA.
 
@@ -192,6 +413,10 @@ class GraphScheduler:
     poll_interval: seconds the dispatcher sleeps at most between checks for work.
     clock: returns the current time in seconds (default ``time.monotonic``); latencies, deadlines
       and the P95 rule use it. Tests pass a virtual clock that counts steps run.
+
+  Every future resolves: with the step's output, the step's exception, or (if the dispatcher
+  thread itself fails) a SchedulerClosedError naming the failure. A scheduler dropped without
+  :meth:`shutdown` runs its accepted batches and then its thread exits (a finalizer closes it).
   """
 
   def __init__(self, step_fn: Callable[[Any], Any], *, batch_spec: Any,
@@ -221,60 +446,20 @@ class GraphScheduler:
     self.low_latency_share = float(low_latency_share)
     self.max_queue = max_queue
     self.poll_interval = float(poll_interval)
-    self._clock = clock
-    self._steps_run = 0
     self.batch_spec = _spec_of(batch_spec)
     self.step = graphs.jit(step_fn, cuda_graphs)
-    self._compiled = self.step.lower(self.batch_spec).compile()
-
-    self._cv = threading.Condition()
-    self._main: collections.deque[_Item] = collections.deque()
-    self._low: list[tuple[float, int, _Item]] = []   # heap by deadline
-    self._seq = itertools.count()
-    self._closing = False
-    self._credit = 0.0
-    self._released = 0.0
-    self._latencies = {q: collections.deque(maxlen=latency_window) for q in QUEUES}
-    self._counts = {q: collections.Counter() for q in QUEUES}
-    self._preemption_episodes = 0
-    self._low_p95: float | None = None   # refreshed when a low-latency batch finishes
-    self._prom = _PromMetrics(metrics_port) if metrics_port is not None else None
-    self._thread = threading.Thread(target=self._run, name="dtenjax-graph-scheduler",
-                                    daemon=True)
-    self._thread.start()
-
-  # ---- injection --------------------------------------------------------------------------
-
-  def _enqueue(self, batch: Any, queue: str, deadline: float | None,
-               timeout: float) -> concurrent.futures.Future:
-    check_batch(self.batch_spec, batch)
-    item = _Item(batch, concurrent.futures.Future(), queue, self._clock(), deadline)
-    end = time.monotonic() + timeout
-    with self._cv:
-      while True:
-        if self._closing:
-          raise SchedulerClosedError(
-              f"the scheduler is shut down; a {queue} batch was refused. Create a new "
-              f"GraphScheduler to run more work.")
-        depth = len(self._main) if queue == MAIN else len(self._low)
-        if depth < self.max_queue:
-          break
-        left = end - time.monotonic()
-        if left <= 0:
-          raise QueueFullError(
-              f"the {queue} queue held max_queue={self.max_queue} batches for {timeout} s; "
-              f"raise max_queue, pass a longer timeout, or inject more slowly.")
-        self._cv.wait(left)
-      if queue == MAIN:
-        self._main.append(item)
-      else:
-        heapq.heappush(self._low, (deadline, next(self._seq), item))
-      self._cv.notify_all()
-    return item.future
+    compiled = self.step.lower(self.batch_spec).compile()
+    prom = _PromMetrics(metrics_port) if metrics_port is not None else None
+    self._d = _Dispatcher(
+        compiled, self.batch_spec, latency_sla=self.latency_sla, preemption=self.preemption,
+        low_latency_share=self.low_latency_share, max_queue=max_queue,
+        latency_window=latency_window, poll_interval=self.poll_interval, clock=clock, prom=prom)
+    self._finalizer = weakref.finalize(self, _collected, self._d)
+    self._d.thread.start()
 
   def submit(self, batch: Any, *, timeout: float = 0.0) -> concurrent.futures.Future:
     """Queues a regular batch on the main queue. Waits up to ``timeout`` s for room."""
-    return self._enqueue(batch, MAIN, None, timeout)
+    return self._d.enqueue(batch, MAIN, None, timeout)
 
   def inject_micro_batch(self, batch: Any, deadline: float | None = None, *,
                          timeout: float = 0.0) -> concurrent.futures.Future:
@@ -288,153 +473,74 @@ class GraphScheduler:
     Returns:
       A Future with the step's output.
     """
-    now = self._clock()
+    now = self._d.clock()
     if deadline is None:
       deadline = now + self.latency_sla
     elif not deadline > now - 3600 * 24 * 365:
       raise errors.ConfigurationError(
           f"deadline={deadline!r} is not a time.monotonic() value; pass time.monotonic() + "
           f"seconds, or None for now + latency_sla.")
-    return self._enqueue(batch, LOW_LATENCY, float(deadline), timeout)
-
-  # ---- dispatch ---------------------------------------------------------------------------
-
-  def _next_item(self) -> _Item | None:
-    """Chooses the next batch under the lock, or None after waiting poll_interval."""
-    with self._cv:
-      if not self._main and not self._low:
-        self._cv.wait(self.poll_interval)
-        if not self._main and not self._low:
-          return None
-      released = preemption_decision(self.preemption, len(self._low), self._low_p95)
-      if released > 0 and self._released == 0:
-        self._preemption_episodes += 1
-      self._released = released
-      share = low_latency_slot_share(self.low_latency_share, released)
-      base_credit = min(self._credit + self.low_latency_share, 1.0 + self.low_latency_share)
-      queue, self._credit = pick_queue(self._credit, share, bool(self._low), bool(self._main))
-      if queue == LOW_LATENCY:
-        item = heapq.heappop(self._low)[2]
-        if released > 0 and self._main and base_credit < 1.0:
-          # This slot belonged to the main queue and was released to the low-latency queue.
-          self._counts[MAIN]["preemptions"] += 1
-          self._counts[LOW_LATENCY]["preemptions"] += 1
-          if self._prom:
-            self._prom.preemptions.labels(MAIN).inc()
-            self._prom.preemptions.labels(LOW_LATENCY).inc()
-      else:
-        item = self._main.popleft()
-      self._cv.notify_all()   # room for blocked injectors
-      return item
-
-  def _run(self) -> None:
-    try:
-      self._dispatch_loop()
-    except BaseException as e:  # pylint: disable=broad-except
-      # A bug in the dispatcher must not leave callers waiting: fail what is queued, refuse more.
-      with self._cv:
-        self._closing = True
-        pending = list(self._main) + [entry[2] for entry in self._low]
-        self._main.clear()
-        self._low.clear()
-      for item in pending:
-        if item.future.set_running_or_notify_cancel():
-          item.future.set_exception(SchedulerClosedError(
-              f"the dispatcher thread stopped ({type(e).__name__}: {e}); this batch did not run"))
-      raise
-
-  def _dispatch_loop(self) -> None:
-    while True:
-      item = self._next_item()
-      if item is None:
-        with self._cv:
-          if self._closing and not self._main and not self._low:
-            return
-        continue
-      if not item.future.set_running_or_notify_cancel():
-        continue
-      try:
-        out = jax.block_until_ready(self._compiled(item.batch))
-      except Exception as e:  # pylint: disable=broad-except
-        self._finish(item, error=e)
-      else:
-        self._finish(item, result=out)
-
-  def _finish(self, item: _Item, result: Any = None, error: BaseException | None = None) -> None:
-    with self._cv:
-      self._steps_run += 1
-      done = self._clock()
-      latency = done - item.injected
-      missed = item.deadline is not None and done > item.deadline
-      counts = self._counts[item.queue]
-      counts["failed" if error else "completed"] += 1
-      counts["deadline_misses"] += int(missed)
-      self._latencies[item.queue].append(latency)
-      stats = (percentiles(self._latencies[item.queue])
-               if self._prom or item.queue == LOW_LATENCY else None)
-      if item.queue == LOW_LATENCY:
-        self._low_p95 = stats["p95"]
-    if self._prom:
-      self._prom.observe(item.queue, latency, missed, error is not None, stats,
-                         len(self._main), len(self._low), self._released)
-    if error is not None:
-      item.future.set_exception(error)
-    else:
-      item.future.set_result(result)
-
-  # ---- metrics and lifecycle --------------------------------------------------------------
+    return self._d.enqueue(batch, LOW_LATENCY, float(deadline), timeout)
 
   def metrics(self) -> dict[str, QueueStats]:
     """Per-queue statistics now: {'main': QueueStats, 'low_latency': QueueStats}."""
-    with self._cv:
-      out = {}
-      for q in QUEUES:
-        c = self._counts[q]
-        p = percentiles(self._latencies[q])
-        depth = len(self._main) if q == MAIN else len(self._low)
-        out[q] = QueueStats(c["completed"], c["failed"], c["deadline_misses"], c["preemptions"],
-                            depth, p["p50"], p["p95"], p["p99"])
-      return out
+    return self._d.metrics()
 
   @property
   def steps_run(self) -> int:
     """How many batches the dispatcher has finished (successfully or not)."""
-    return self._steps_run
+    return self._d.steps_run
 
   @property
   def preemption_episodes(self) -> int:
     """How many times the policy went from releasing nothing to releasing capacity."""
-    return self._preemption_episodes
+    return self._d.preemption_episodes
 
   @property
   def metrics_address(self) -> tuple[str, int] | None:
     """(host, port) of the prometheus endpoint, or None."""
-    return self._prom.address if self._prom else None
+    return self._d.prom.address if self._d.prom else None
+
+  @property
+  def failure(self) -> BaseException | None:
+    """The exception that stopped the dispatcher thread, or None while it is healthy."""
+    return self._d.failure
 
   def shutdown(self, timeout: float = 60.0) -> None:
     """Stops accepting work, runs every accepted batch, and stops the dispatcher.
 
     Raises SchedulerTimeoutError if the accepted work does not finish within ``timeout`` s (the
-    dispatcher keeps draining in the background; call shutdown again to keep waiting).
+    dispatcher keeps draining in the background; call shutdown again to keep waiting), and
+    SchedulerClosedError if the dispatcher thread had failed (its pending batches were failed).
     """
-    with self._cv:
-      self._closing = True
-      self._cv.notify_all()
-    self._thread.join(timeout)
-    if self._thread.is_alive():
-      with self._cv:
-        left = len(self._main) + len(self._low)
+    self._d.close("shut down")
+    self._d.thread.join(timeout)
+    if self._d.thread.is_alive():
+      with self._d.cv:
+        left = len(self._d.main) + len(self._d.low)
       raise SchedulerTimeoutError(
           f"shutdown waited {timeout} s for accepted batches to run; {left} are still queued "
           f"(plus one running). Call shutdown(timeout=...) again with a longer timeout.")
-    if self._prom:
-      self._prom.close()
+    self._finalizer.detach()
+    if self._d.prom:
+      self._d.prom.close()
+    if self._d.failure is not None:
+      e = self._d.failure
+      raise SchedulerClosedError(
+          f"the dispatcher thread had failed ({type(e).__name__}: {e}); the batches pending "
+          f"then were failed with SchedulerClosedError.") from e
 
   def __enter__(self) -> GraphScheduler:
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.shutdown()
+  def __exit__(self, exc_type, *exc) -> None:
+    if exc_type is None:
+      self.shutdown()
+      return
+    try:        # an exception is already on its way: do not mask it with a shutdown error
+      self.shutdown()
+    except errors.DtenjaxError as e:
+      config.logger.warning("dtenjax GraphScheduler: shutdown during an exception: %s", e)
 
 
 class _PromMetrics:

@@ -1,0 +1,307 @@
+"""``python -m dtenjax explain [MODULE:FUNCTION] [example arguments]``: explain a step from the shell.
+
+Like a profiler, it loads your step by name and compiles it with example arguments you describe:
+
+  python -m dtenjax explain train:step --shape-args 'f32[8,128],f32[128]'
+  python -m dtenjax explain train:step --mesh data=2,model=4 \\
+      --shape-args 'f32[16,64]{-,model},f32[32,16]{data,-}'
+  python -m dtenjax explain path/to/train.py:step --args train:make_args
+
+* ``MODULE:FUNCTION``: an importable module (the current directory is on the path) or a
+  ``.py`` file, then the function (a dotted attribute path is allowed). A ``jax.jit`` function
+  keeps its own shardings and static arguments; a plain function is wrapped in ``jax.jit``.
+* ``--shape-args``: one ``DTYPE[DIMS]`` per positional argument, comma separated (``f32``,
+  ``bf16``, ``s32``, ``pred``, ... or numpy names such as ``float32``). With ``--mesh``, every
+  argument is placed on the mesh: ``{AXES}`` after the dims gives one entry per dimension, a mesh
+  axis name, ``a+b`` for several axes, or ``-`` for none; an argument without ``{...}`` is
+  replicated.
+* ``--args MODULE:FACTORY``: a function called with no arguments that returns the example
+  arguments: a tuple (positional), a dict ``{"args": (...), "kwargs": {...}}``, or one value.
+  Arrays keep their shardings; ``jax.ShapeDtypeStruct`` values are fine.
+* ``--mesh NAME=SIZE,...``: a ``jax.sharding.Mesh`` over the first devices, set as the current
+  mesh while the step is traced.
+
+Without a target it explains the demo's training step (``python -m dtenjax demo``). The command
+prints every collective with its device groups, bytes and predicted time, then the compiled
+memory; ``--json`` writes the same as data and ``--dump-hlo`` the optimised HLO text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from dtenjax._src import errors
+
+_DTYPES = {
+    "pred": "bool", "bool": "bool", "s8": "int8", "i8": "int8", "s16": "int16", "i16": "int16",
+    "s32": "int32", "i32": "int32", "s64": "int64", "i64": "int64", "u8": "uint8",
+    "u16": "uint16", "u32": "uint32", "u64": "uint64", "f16": "float16", "bf16": "bfloat16",
+    "f32": "float32", "f64": "float64", "c64": "complex64", "c128": "complex128",
+}
+_ARG_RE = re.compile(r"^\s*([A-Za-z][A-Za-z0-9_]*)\[([0-9,\s]*)\]\s*(?:\{([^}]*)\})?\s*$")
+
+
+def _split_top(text: str) -> list[str]:
+  """Splits at commas outside brackets and braces."""
+  parts, depth, cur = [], 0, []
+  for ch in text:
+    if ch in "[{(":
+      depth += 1
+    elif ch in "]})":
+      depth -= 1
+    if ch == "," and depth == 0:
+      parts.append("".join(cur))
+      cur = []
+    else:
+      cur.append(ch)
+  if "".join(cur).strip():
+    parts.append("".join(cur))
+  return parts
+
+
+def parse_mesh(text: str):
+  """``data=2,model=4`` -> a jax.sharding.Mesh over the first 8 devices."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  names, sizes, problems = [], [], []
+  for part in _split_top(text):
+    m = re.match(r"^\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*$", part)
+    if not m:
+      problems.append(f"{part.strip()!r} is not NAME=SIZE")
+      continue
+    names.append(m.group(1))
+    sizes.append(int(m.group(2)))
+  n = int(np.prod(sizes)) if sizes else 0
+  devices = jax.devices()
+  if not problems and not names:
+    problems.append("no axes given")
+  if not problems and (n < 1 or n > len(devices)):
+    problems.append(f"the mesh needs {n} devices; {len(devices)} are visible")
+  if len(set(names)) != len(names):
+    problems.append(f"axis names {names} repeat a name")
+  if problems:
+    raise errors.ConfigurationError(errors.join_problems(
+        f"--mesh {text!r}: write it as NAME=SIZE,... (e.g. data=2,model=4):", problems))
+  return jax.sharding.Mesh(np.array(devices[:n]).reshape(sizes), tuple(names))
+
+
+def parse_shape_args(text: str, mesh=None) -> list[Any]:
+  """``'f32[8,128],f32[128]{model}'`` -> ShapeDtypeStructs (sharded over ``mesh`` if given)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  out, problems = [], []
+  for i, part in enumerate(_split_top(text)):
+    m = _ARG_RE.match(part)
+    if not m:
+      problems.append(f"argument {i}: {part.strip()!r} is not DTYPE[DIMS] or "
+                      "DTYPE[DIMS]{AXES}")
+      continue
+    dt_name, dims_text, axes_text = m.groups()
+    try:
+      dtype = jax.numpy.dtype(_DTYPES.get(dt_name.lower(), dt_name))
+    except TypeError:
+      problems.append(f"argument {i}: dtype {dt_name!r} is unknown; use one of "
+                      f"{sorted(_DTYPES)} or a numpy dtype name")
+      continue
+    dims = tuple(int(d) for d in dims_text.replace(" ", "").split(",") if d)
+    sharding = None
+    if axes_text is not None or mesh is not None:
+      if mesh is None:
+        problems.append(f"argument {i}: {{{axes_text}}} places it on mesh axes, but no --mesh "
+                        "was given")
+        continue
+      entries = [a.strip() for a in axes_text.split(",")] if axes_text is not None else []
+      if entries and len(entries) != len(dims):
+        problems.append(f"argument {i}: {{{axes_text}}} has {len(entries)} entries for "
+                        f"{len(dims)} dimensions; give one per dimension ('-' for none)")
+        continue
+      spec = []
+      for e in entries:
+        if e in ("-", "", "None", "none"):
+          spec.append(None)
+          continue
+        names = tuple(e.split("+"))
+        unknown = [a for a in names if a not in mesh.axis_names]
+        if unknown:
+          problems.append(f"argument {i}: axis {unknown} is not in the mesh "
+                          f"{list(mesh.axis_names)}")
+        spec.append(names[0] if len(names) == 1 else names)
+      sharding = NamedSharding(mesh, P(*spec))
+    out.append(jax.ShapeDtypeStruct(dims, dtype, sharding=sharding))
+  if problems:
+    raise errors.ConfigurationError(errors.join_problems(
+        f"--shape-args {text!r}: write one DTYPE[DIMS] per argument, e.g. "
+        "'f32[8,128],bf16[128]{model}':", problems))
+  return out
+
+
+def load_object(spec: str, what: str = "target") -> Any:
+  """``module:attr.path`` or ``path/file.py:attr`` -> the object (like profilers load targets)."""
+  if ":" not in spec:
+    raise errors.ConfigurationError(
+        f"{what} {spec!r} is not MODULE:FUNCTION; write e.g. train:step or path/train.py:step.")
+  mod_name, attr = spec.rsplit(":", 1)
+  if not mod_name or not attr:
+    raise errors.ConfigurationError(f"{what} {spec!r}: both MODULE and FUNCTION are needed.")
+  if mod_name.endswith(".py") or os.sep in mod_name:
+    path = pathlib.Path(mod_name).resolve()
+    if not path.is_file():
+      raise errors.ConfigurationError(f"{what} {spec!r}: no file {path}.")
+    if str(path.parent) not in sys.path:
+      sys.path.insert(0, str(path.parent))
+    name = path.stem
+    module = sys.modules.get(name)
+    if module is None or getattr(module, "__file__", None) != str(path):
+      mspec = importlib.util.spec_from_file_location(name, path)
+      module = importlib.util.module_from_spec(mspec)
+      sys.modules[name] = module
+      mspec.loader.exec_module(module)
+  else:
+    if os.getcwd() not in sys.path and "" not in sys.path:
+      sys.path.insert(0, os.getcwd())
+    try:
+      module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+      if e.name and mod_name.startswith(e.name):
+        raise errors.ConfigurationError(
+            f"{what} {spec!r}: no module {mod_name!r} on the path (current directory "
+            f"{os.getcwd()}); run from the directory that holds it or give path/to/file.py:"
+            f"{attr}.") from None
+      raise
+  obj = module
+  for part in attr.split("."):
+    if not hasattr(obj, part):
+      names = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n)))
+      raise errors.ConfigurationError(
+          f"{what} {spec!r}: {type(obj).__name__} {getattr(obj, '__name__', obj)!r} has no "
+          f"attribute {part!r}; callables there: {names[:20]}")
+    obj = getattr(obj, part)
+  if not callable(obj):
+    raise errors.ConfigurationError(f"{what} {spec!r} is a {type(obj).__name__}, not callable.")
+  return obj
+
+
+def _factory_args(factory) -> tuple[tuple, dict]:
+  made = factory()
+  if isinstance(made, dict) and set(made) <= {"args", "kwargs"}:
+    return tuple(made.get("args", ())), dict(made.get("kwargs", {}))
+  if isinstance(made, (tuple, list)):
+    return tuple(made), {}
+  return (made,), {}
+
+
+def _demo_step(seed: int = 0, batch: int = 128):
+  """The demo's jitted training step and the arguments of its first step."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli import demo  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.planning import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.planning.placement import Placement  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
+  topology = Topology.current()
+  shape = demo.mesh_shape_for(len(jax.devices()))
+  mesh = mesh_lib.make_mesh(shape, ("data", "model"), topology=topology)
+  placement = Placement(strategy="auto", mesh=mesh)
+  _, _, jstep, example = demo.train(1, batch, placement, demo.load_digits(seed), seed,
+                                    progress=False)
+  return jstep, tuple(example), {}
+
+
+def _rows(explanation) -> list[dict[str, Any]]:
+  return [{
+      "kind": c.kind, "name": c.name, "dtype": c.dtype, "nbytes": c.nbytes,
+      "operand_shapes": [str(s) for s in c.operand_shapes],
+      "groups": [list(g) for g in c.groups], "group_form": c.group_form,
+      "predicted_us": c.predicted_s * 1e6, "async": bool(c.done),
+      "computation": c.computation, "op_name": c.op_name,
+  } for c in explanation.collectives]
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(
+      prog="python -m dtenjax explain",
+      description="Compile a step and list every collective it runs (kind, device groups, bytes, "
+                  "predicted time) and its compiled memory.",
+      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("target", nargs="?", metavar="MODULE:FUNCTION",
+                  help="the step to explain (default: the demo's training step)")
+  src = ap.add_mutually_exclusive_group()
+  src.add_argument("--shape-args", metavar="SPEC",
+                   help="example arguments by shape, e.g. 'f32[8,128],f32[128]'")
+  src.add_argument("--args", metavar="MODULE:FACTORY", dest="factory",
+                   help="a function returning the example arguments")
+  ap.add_argument("--mesh", metavar="NAME=SIZE,...",
+                  help="a device mesh for --shape-args placements (and the current mesh)")
+  ap.add_argument("--fixture", metavar="NAME",
+                  help="predict times on a shipped topology instead of this machine's")
+  ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+  ap.add_argument("--dump-hlo", metavar="FILE", help="write the optimised HLO text")
+  return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = build_parser().parse_args(list(argv) if argv is not None else None)
+  try:
+    return _explain(args)
+  except errors.DtenjaxError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def _explain(args) -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.planning import explain as explain_lib  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
+  topology = Topology.fixture(args.fixture) if args.fixture else Topology.current()
+  mesh = parse_mesh(args.mesh) if args.mesh else None
+  if args.target is None:
+    if args.shape_args or args.factory or args.mesh:
+      raise errors.ConfigurationError(
+          "--shape-args, --args and --mesh describe the arguments of your own step; name it "
+          "first: python -m dtenjax explain MODULE:FUNCTION --shape-args ...")
+    fn, call_args, call_kwargs = _demo_step()
+    label = "the demo's training step"
+  else:
+    fn = load_object(args.target)
+    if args.factory:
+      call_args, call_kwargs = _factory_args(load_object(args.factory, "--args factory"))
+    elif args.shape_args is not None:
+      call_args, call_kwargs = tuple(parse_shape_args(args.shape_args, mesh)), {}
+    else:
+      call_args, call_kwargs = (), {}
+    label = args.target
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  ctx = jax.set_mesh(mesh) if mesh is not None and hasattr(jax, "set_mesh") else (
+      contextlib.nullcontext())
+  try:
+    with ctx:
+      compiled = jitted.lower(*call_args, **call_kwargs).compile()
+  except TypeError as e:
+    raise errors.ConfigurationError(
+        f"{label} could not be compiled with the example arguments ({e}); describe every "
+        "positional argument with --shape-args or return them from an --args factory.") from None
+  explanation = explain_lib.explain(compiled, topology=topology)
+  print(f"== explain({label}) on {len(jax.devices())} {jax.devices()[0].platform} device(s) ==")
+  print(explanation.table())
+  if args.dump_hlo:
+    pathlib.Path(args.dump_hlo).write_text(compiled.as_text() or "", encoding="utf-8")
+  if args.json:
+    data = {"target": label, "topology": explanation.topology, "source": explanation.source,
+            "memory": explanation.memory, "collectives": _rows(explanation),
+            "total_predicted_us": explanation.total_predicted_s * 1e6}
+    pathlib.Path(args.json).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,5 +1,5 @@
 // CPU FFI handler of the cross-process all-reduce (dtenjax/_src/net/hostcoll.py).
-//   dtenjax_host_all_reduce(x: T[...], where: int32[2]) -> T[...]   (output aliases x)
+//   dtenjax_host_all_reduce(x: T[...], where: int32[2]) -> T[...]   (written without copying x)
 //     where = (position of this device along the reduced process axis, process-local ring slot)
 //     attrs: comm_ids: int64[k] (one communicator per process-local ring slot), op: int32,
 //            site: int64 (call-site tag; hostcoll registers its text)
@@ -77,14 +77,12 @@ ffi::Future HostAllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
   const void* src = x.untyped_data();
   void* dst = out->untyped_data();
   const uint64_t count = x.element_count();
-  const size_t bytes = x.size_bytes();
   ffi::Promise promise;
   ffi::Future future(promise);
-  dtenjax::Status submitted = comm->Submit([comm, src, dst, count, bytes, dt, op, site, position,
+  dtenjax::Status submitted = comm->Submit([comm, src, dst, count, dt, op, site, position,
                                             promise]() mutable {
     try {
-      if (dst != src) std::memcpy(dst, src, bytes);
-      dtenjax::Status s = comm->AllReduce(dst, count, dt, static_cast<tp::ReduceOp>(op),
+      dtenjax::Status s = comm->AllReduce(src, dst, count, dt, static_cast<tp::ReduceOp>(op),
                                           uint32_t(uint64_t(site)), position);
       if (s.ok()) {
         promise.SetAvailable();

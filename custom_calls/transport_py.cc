@@ -43,6 +43,7 @@ using dtenjax::python::ThrowIfError;
 namespace {
 
 using Bytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using ConstBytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 // A communicator owned by Python; the native object also lives in the process-wide table (for
 // the FFI handler) until close().
@@ -91,16 +92,20 @@ class PyComm {
     ThrowIfError(s);
   }
 
-  void AllReduce(Bytes data, uint64_t count, int dtype, int op, uint32_t site) {
+  void AllReduce(ConstBytes src, Bytes dst, uint64_t count, int dtype, int op, uint32_t site) {
     std::shared_ptr<tp::Comm> c = Get();
     const size_t esz = tp::DTypeSize(static_cast<tp::DType>(dtype));
     if (esz == 0) ThrowIfError(Status(Code::kInvalidArgument, "unknown dtype code " + std::to_string(dtype)));
-    if (count > data.shape(0) / esz || count * esz != data.shape(0)) {
-      ThrowIfError(Status(Code::kInvalidArgument,
-                          "buffer of " + std::to_string(data.shape(0)) + " bytes does not hold " +
-                              std::to_string(count) + " elements of " + std::to_string(esz) + " bytes"));
+    for (size_t bytes : {src.shape(0), dst.shape(0)}) {
+      if (count > bytes / esz || count * esz != bytes) {
+        ThrowIfError(Status(Code::kInvalidArgument,
+                            "buffer of " + std::to_string(bytes) + " bytes does not hold " +
+                                std::to_string(count) + " elements of " + std::to_string(esz) +
+                                " bytes"));
+      }
     }
-    void* ptr = data.data();
+    const void* in = src.data();
+    void* ptr = dst.data();
     Status s;
     {
       nb::gil_scoped_release release;
@@ -111,7 +116,8 @@ class PyComm {
       Status submitted = c->Submit([&] {
         Status st;
         try {
-          st = c->AllReduce(ptr, count, static_cast<tp::DType>(dtype), static_cast<tp::ReduceOp>(op), site);
+          st = c->AllReduce(in, ptr, count, static_cast<tp::DType>(dtype),
+                            static_cast<tp::ReduceOp>(op), site);
         } catch (const std::exception& e) {
           st = DTENJAX_ERROR(Code::kInternal, std::string("all_reduce raised: ") + e.what());
         }
@@ -212,8 +218,8 @@ void BindTransport(nb::module_& root) {
       .def_prop_ro("size", &PyComm::size)
       .def_prop_ro("closed", &PyComm::closed)
       .def("connect_ring", &PyComm::ConnectRing)
-      .def("all_reduce", &PyComm::AllReduce, nb::arg("data"), nb::arg("count"), nb::arg("dtype"),
-           nb::arg("op"), nb::arg("site"))
+      .def("all_reduce", &PyComm::AllReduce, nb::arg("src"), nb::arg("dst"), nb::arg("count"),
+           nb::arg("dtype"), nb::arg("op"), nb::arg("site"))
       .def("close", &PyComm::Close);
 
   nb::class_<tp::BufferPool>(m, "BufferPool")

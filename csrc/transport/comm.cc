@@ -26,25 +26,25 @@ T Apply(T a, T b, ReduceOp op) {
 }
 
 template <typename T>
-void ReduceT(T* acc, const T* in, uint64_t n, ReduceOp op) {
+void ReduceT(T* out, const T* own, const T* in, uint64_t n, ReduceOp op) {
   switch (op) {  // one loop per op so the compiler vectorises the common sum
-    case ReduceOp::kSum: for (uint64_t i = 0; i < n; ++i) acc[i] = acc[i] + in[i]; break;
-    case ReduceOp::kProd: for (uint64_t i = 0; i < n; ++i) acc[i] = acc[i] * in[i]; break;
-    default: for (uint64_t i = 0; i < n; ++i) acc[i] = Apply(acc[i], in[i], op); break;
+    case ReduceOp::kSum: for (uint64_t i = 0; i < n; ++i) out[i] = own[i] + in[i]; break;
+    case ReduceOp::kProd: for (uint64_t i = 0; i < n; ++i) out[i] = own[i] * in[i]; break;
+    default: for (uint64_t i = 0; i < n; ++i) out[i] = Apply(own[i], in[i], op); break;
   }
 }
 
 template <typename T>
-void ReduceFloat(T* acc, const T* in, uint64_t n, ReduceOp op) {
+void ReduceFloat(T* out, const T* own, const T* in, uint64_t n, ReduceOp op) {
   // max/min propagate NaN whatever the argument order, like jnp.maximum/minimum.
   if (op == ReduceOp::kMax || op == ReduceOp::kMin) {
     for (uint64_t i = 0; i < n; ++i) {
-      T a = acc[i], b = in[i];
-      acc[i] = std::isnan(a) ? a : std::isnan(b) ? b : Apply(a, b, op);
+      T a = own[i], b = in[i];
+      out[i] = std::isnan(a) ? a : std::isnan(b) ? b : Apply(a, b, op);
     }
     return;
   }
-  ReduceT(acc, in, n, op);
+  ReduceT(out, own, in, n, op);
 }
 
 float Bf16ToF32(uint16_t h) {
@@ -72,24 +72,37 @@ std::string Seconds(double s) {
 
 }  // namespace
 
-Status Reduce(void* acc, const void* in, uint64_t n, DType dt, ReduceOp op) {
+Status Reduce(void* out, const void* own, const void* in, uint64_t n, DType dt, ReduceOp op) {
   if (int(op) < 0 || int(op) > 3) {
     return DTENJAX_ERROR(Code::kInvalidArgument, "unsupported reduction code " + std::to_string(int(op)));
   }
   switch (dt) {
-    case DType::kF32: ReduceFloat(static_cast<float*>(acc), static_cast<const float*>(in), n, op); break;
-    case DType::kF64: ReduceFloat(static_cast<double*>(acc), static_cast<const double*>(in), n, op); break;
-    case DType::kS32: ReduceT(static_cast<int32_t*>(acc), static_cast<const int32_t*>(in), n, op); break;
-    case DType::kS64: ReduceT(static_cast<int64_t*>(acc), static_cast<const int64_t*>(in), n, op); break;
+    case DType::kF32:
+      ReduceFloat(static_cast<float*>(out), static_cast<const float*>(own),
+                  static_cast<const float*>(in), n, op);
+      break;
+    case DType::kF64:
+      ReduceFloat(static_cast<double*>(out), static_cast<const double*>(own),
+                  static_cast<const double*>(in), n, op);
+      break;
+    case DType::kS32:
+      ReduceT(static_cast<int32_t*>(out), static_cast<const int32_t*>(own),
+              static_cast<const int32_t*>(in), n, op);
+      break;
+    case DType::kS64:
+      ReduceT(static_cast<int64_t*>(out), static_cast<const int64_t*>(own),
+              static_cast<const int64_t*>(in), n, op);
+      break;
     case DType::kBF16: {
-      auto* a = static_cast<uint16_t*>(acc);
+      auto* o = static_cast<uint16_t*>(out);
+      auto* a = static_cast<const uint16_t*>(own);
       auto* b = static_cast<const uint16_t*>(in);
       for (uint64_t i = 0; i < n; ++i) {
         float x = Bf16ToF32(a[i]), y = Bf16ToF32(b[i]);
         float r = (op == ReduceOp::kMax || op == ReduceOp::kMin) && (std::isnan(x) || std::isnan(y))
                       ? (std::isnan(x) ? x : y)
                       : Apply(x, y, op);
-        a[i] = F32ToBf16(r);
+        o[i] = F32ToBf16(r);
       }
       break;
     }
@@ -310,7 +323,8 @@ std::string AbortText(const InFrame& f, Code* code) {
 
 }  // namespace
 
-Status Comm::RunRing(uint8_t* base, const Descriptor& desc, DType dt, ReduceOp op, OutFrame* of) {
+Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, DType dt,
+                     ReduceOp op, OutFrame* of) {
   const int n = opts_.size, r = opts_.rank;
   const uint64_t count = desc.count;
   const size_t esz = DTypeSize(dt);
@@ -446,8 +460,10 @@ Status Comm::RunRing(uint8_t* base, const Descriptor& desc, DType dt, ReduceOp o
           if (slept) Counters().throttled_ns.fetch_add(slept);
           Descriptor d = desc;
           d.step = uint16_t(st);
+          // Step 0 sends this rank's own data; later steps forward what the previous step built.
+          const uint8_t* from = st == 0 ? src : dst;
           s = Seal(*next_->session, FrameType::kData, opts_.job_id, uint32_t(r), d,
-                   base + (off(c) + sj * seg_elems) * esz, bytes, of);
+                   from + (off(c) + sj * seg_elems) * esz, bytes, of);
           if (!s.ok()) return fail(s, true, true);
         }
       }
@@ -523,7 +539,7 @@ Status Comm::RunRing(uint8_t* base, const Descriptor& desc, DType dt, ReduceOp o
                                         "process)"),
                       true, true);
         }
-        in.dst = rt < n - 1 ? tmp : base + (off(c) + rj * seg_elems) * esz;
+        in.dst = rt < n - 1 ? tmp : dst + (off(c) + rj * seg_elems) * esz;
         in.payload_bytes = elems * esz;
         in.stage = InFrame::kBody;
         in.got = 0;
@@ -534,7 +550,8 @@ Status Comm::RunRing(uint8_t* base, const Descriptor& desc, DType dt, ReduceOp o
       if (!s.ok()) return fail(s, true, true);
       if (rt < n - 1) {
         const int c = recv_chunk(rt);
-        s = Reduce(base + (off(c) + rj * seg_elems) * esz, tmp, seg_len(c, rj), dt, op);
+        const uint64_t at = (off(c) + rj * seg_elems) * esz;
+        s = Reduce(dst + at, src + at, tmp, seg_len(c, rj), dt, op);
         if (!s.ok()) return fail(s, true, true);
       }
       in.Reset();
@@ -563,6 +580,7 @@ Status Comm::RunRing(uint8_t* base, const Descriptor& desc, DType dt, ReduceOp o
                   true, true);
     }
     WaitItem w[2] = {{next_, of->active, true}, {prev_, false, rt < T}};
+    Counters().waits.fetch_add(1);
     Status s = opts_.provider->wait(w, 2, last_progress + opts_.timeout_s);
     if (!s.ok()) return fail(s, true, true);
     // Something may have come backwards from the next rank: only ABORT frames (or its death).
@@ -588,8 +606,8 @@ Status Comm::RunRing(uint8_t* base, const Descriptor& desc, DType dt, ReduceOp o
   return Status::Ok();
 }
 
-Status Comm::AllReduce(void* data, uint64_t count, DType dt, ReduceOp op, uint32_t site,
-                       int64_t ring_position) {
+Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, ReduceOp op,
+                       uint32_t site, int64_t ring_position) {
   std::lock_guard<std::mutex> lock(op_mu_);
   if (!broken_.ok()) {
     return Status(broken_.code(), "dtenjax transport: communicator of rank " +
@@ -620,7 +638,10 @@ Status Comm::AllReduce(void* data, uint64_t count, DType dt, ReduceOp op, uint32
                           "processes along that axis in process order. Build the mesh from "
                           "jax.devices() in their order (jax.make_mesh does) or use algorithm='xla'");
   }
-  if (n == 1) return s;
+  if (n == 1) {
+    if (s.ok() && dst != src) std::memcpy(dst, src, count * DTypeSize(dt));
+    return s;
+  }
   if (next_ == nullptr) {
     return DTENJAX_ERROR(Code::kInvalidArgument, "communicator is not connected (ConnectRing first)");
   }
@@ -628,7 +649,7 @@ Status Comm::AllReduce(void* data, uint64_t count, DType dt, ReduceOp op, uint32
   if (!s.ok()) {
     SendAborts(s, d, true, true, &of);
   } else {
-    s = RunRing(static_cast<uint8_t*>(data), d, dt, op, &of);
+    s = RunRing(static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), d, dt, op, &of);
   }
   if (!s.ok()) broken_ = s;
   return s;

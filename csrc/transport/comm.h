@@ -27,9 +27,9 @@
 
 namespace dtenjax::transport {
 
-// acc[i] = acc[i] (op) in[i]. Sum/prod are commutative in IEEE arithmetic, so every rank that
-// combines the same two values gets the same bits. max/min propagate NaN.
-Status Reduce(void* acc, const void* in, uint64_t count, DType dt, ReduceOp op);
+// out[i] = own[i] (op) in[i] (out may alias own). Sum/prod are commutative in IEEE arithmetic,
+// so every rank that combines the same two values gets the same bits. max/min propagate NaN.
+Status Reduce(void* out, const void* own, const void* in, uint64_t count, DType dt, ReduceOp op);
 
 struct CommOptions {
   uint64_t job_id = 0;
@@ -66,20 +66,22 @@ class Comm {
 
   // Connects to the next rank and accepts the previous one (both authenticated).
   Status ConnectRing(const std::string& next_endpoint);
-  // In-place ring all-reduce of `count` elements: reduce-scatter then all-gather over n chunks;
+  // Ring all-reduce of `count` elements from `src` into `dst` (they may be the same buffer; src is
+  // only read, so no copy is made first): reduce-scatter then all-gather over n chunks;
   // chunk c is combined in the fixed order ((x[c] + x[c+1]) + ...) + x[c-1] (ranks mod n), so the
   // result is identical on every rank and in every run. `site` tags the call site (RegisterSite
   // gives its text). `ring_position` >= 0: this process's index along the reduced mesh axis as
   // XLA computed it; it must equal rank() (else an error explains the mesh order dtenjax needs).
-  Status AllReduce(void* data, uint64_t count, DType dt, ReduceOp op, uint32_t site,
-                   int64_t ring_position = -1);
+  Status AllReduce(const void* src, void* dst, uint64_t count, DType dt, ReduceOp op,
+                   uint32_t site, int64_t ring_position = -1);
   // Runs fn on this communicator's worker thread after everything submitted before it.
   Status Submit(std::function<void()> fn);
   BufferPool& pool() { return *pool_; }
 
  private:
   explicit Comm(const CommOptions& opts);
-  Status RunRing(uint8_t* base, const Descriptor& d, DType dt, ReduceOp op, OutFrame* out);
+  Status RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& d, DType dt, ReduceOp op,
+                 OutFrame* out);
   // Sends an ABORT frame carrying `why` (best effort, bounded time) to the chosen neighbours,
   // finishing a half-sent frame to `next` first so the stream stays parseable.
   void SendAborts(const Status& why, const Descriptor& d, bool to_next, bool to_prev,

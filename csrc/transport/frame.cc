@@ -296,7 +296,7 @@ const char* const kCounterNames[] = {
     "rejected_oversized", "rejected_auth", "rejected_unknown_peer", "rejected_out_of_order",
     "rejected_mac", "rejected_replay", "rejected_mismatch", "aborts_sent", "aborts_received",
     "handshakes_evicted", "handshakes_timed_out", "timeouts", "peer_failures", "collectives",
-    "throttled_ns", "ops_in_flight", "queue_depth", "handshakes_pending"};
+    "throttled_ns", "waits", "ops_in_flight", "queue_depth", "handshakes_pending"};
 
 void TransportCountersSnapshot(uint64_t* out) {
   auto& c = Counters();
@@ -306,7 +306,7 @@ void TransportCountersSnapshot(uint64_t* out) {
       &c.rejected_bad_checksum, &c.rejected_oversized, &c.rejected_auth,
       &c.rejected_unknown_peer, &c.rejected_out_of_order, &c.rejected_mac, &c.rejected_replay,
       &c.rejected_mismatch, &c.aborts_sent, &c.aborts_received, &c.handshakes_evicted,
-      &c.handshakes_timed_out, &c.timeouts, &c.peer_failures, &c.collectives, &c.throttled_ns,
+      &c.handshakes_timed_out, &c.timeouts, &c.peer_failures, &c.collectives, &c.throttled_ns, &c.waits,
       &c.ops_in_flight, &c.queue_depth, &c.handshakes_pending};
   static_assert(sizeof(all) / sizeof(all[0]) == kNumCounters, "counter table size");
   static_assert(sizeof(kCounterNames) / sizeof(kCounterNames[0]) == kNumCounters,

@@ -158,14 +158,14 @@ struct TransportCounters {
   std::atomic<uint64_t> rejected_mac{0}, rejected_replay{0}, rejected_mismatch{0};
   std::atomic<uint64_t> aborts_sent{0}, aborts_received{0};
   std::atomic<uint64_t> handshakes_evicted{0}, handshakes_timed_out{0};
-  std::atomic<uint64_t> timeouts{0}, peer_failures{0}, collectives{0}, throttled_ns{0};
+  std::atomic<uint64_t> timeouts{0}, peer_failures{0}, collectives{0}, throttled_ns{0}, waits{0};
   // Gauges (current values, not totals) for the runtime agent's load report.
   std::atomic<uint64_t> ops_in_flight{0}, queue_depth{0}, handshakes_pending{0};
 };
 TransportCounters& Counters();
 // Names in the order TransportCountersSnapshot fills them.
 extern const char* const kCounterNames[];
-constexpr int kNumCounters = 26;
+constexpr int kNumCounters = 27;
 void TransportCountersSnapshot(uint64_t* out);
 
 }  // namespace dtenjax::transport

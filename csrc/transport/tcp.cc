@@ -453,6 +453,8 @@ Status TcpAccept(Listener* l, const Handshake& hs, double deadline, Conn** out) 
       }
       if (done) {
         Counters().connections_accepted.fetch_add(1);
+        Counters().frames_sent.fetch_add(1);   // the ACCEPT frame
+        Counters().bytes_sent.fetch_add(kSealedHeadBytes + kTagBytes);
         const std::string desc = "rank " + std::to_string(p->client_rank) + " (" + p->host + ")";
         *out = MakeConn(p->fd, p->client_rank, desc, hs, std::move(p->session));
         p->fd = -1;

@@ -108,8 +108,8 @@ ffi::Error HostAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
   s = comm->Submit([comm, host, bytes, dt, op, site, position, done] {
     dtenjax::Status st;
     try {
-      st = comm->AllReduce(host, bytes / tp::DTypeSize(dt), dt, static_cast<tp::ReduceOp>(op),
-                           uint32_t(uint64_t(site)), position);
+      st = comm->AllReduce(host, host, bytes / tp::DTypeSize(dt), dt,
+                           static_cast<tp::ReduceOp>(op), uint32_t(uint64_t(site)), position);
     } catch (const std::exception& ex) {
       st = DTENJAX_ERROR(dtenjax::Code::kInternal, std::string("exception: ") + ex.what());
     }

@@ -185,8 +185,7 @@ def reset() -> None:
 
 def _ring_call(x, position, slot, comm_ids: Sequence[int], op: str, site: int):
   ffi.require(TARGET, "CUDA" if jax.default_backend() == "gpu" else "cpu")
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True,
-                          input_output_aliases={0: 0})
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)
   where = jnp.stack([jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32)])
   return call(x, where, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(OPS[op]),
               site=np.int64(site))

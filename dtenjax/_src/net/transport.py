@@ -363,10 +363,10 @@ class Communicator:
       raise errors.CollectiveError(f"op={op!r} is not one of {sorted(OP_CODES)}.")
     tag, text = call_site() if site is None else site
     register_site(tag, text)
-    out = x.copy()
-    flat = out.reshape(-1).view(np.uint8)
+    out = np.empty_like(x)
     try:
-      self._native.all_reduce(flat, out.size, DTYPE_CODES[x.dtype], OP_CODES[op], tag)
+      self._native.all_reduce(x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8),
+                              out.size, DTYPE_CODES[x.dtype], OP_CODES[op], tag)
     except errors.ExtensionUnavailableError as e:
       raise _peer_errors(e) from None
     return out

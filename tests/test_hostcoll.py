@@ -107,6 +107,21 @@ def test_ring_four_processes_correct_and_deterministic(tmp_path):
   _check_correct(res, 4, bit_exact=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+def test_ring_two_processes_one_gpu_each(tmp_path):
+  """The CUDA handler (custom_calls/cuda/transport_cuda.cc): device -> pinned host staging ->
+  authenticated ring -> device, through the public API too. Needs 2 GPUs (one per process)."""
+  if len(jax.devices("gpu")) < 2:
+    pytest.skip(f"needs 2 GPUs (one per process), found {len(jax.devices('gpu'))}")
+  codes, res, logs = _launch(tmp_path, 2, timeout_s=300, env={"JAX_PLATFORMS": "cuda"},
+                             per_rank_env={0: {"CUDA_VISIBLE_DEVICES": "0"},
+                                           1: {"CUDA_VISIBLE_DEVICES": "1"}})
+  assert codes == [0, 0], logs
+  assert all(r["platform"] == "gpu" for r in res), res
+  _check_correct(res, 2, bit_exact=True)
+
+
 @pytest.mark.multiprocess
 def test_hierarchical_two_processes_two_devices(tmp_path):
   codes, res, logs = _launch(tmp_path, 2, devices_per_proc=2, timeout_s=150)

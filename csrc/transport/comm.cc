@@ -120,7 +120,13 @@ Status StartDetachedThread(std::function<void()> fn, const char* what) {
       throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again),
                               "injected thread-start failure");
     }
-    std::thread(std::move(fn)).detach();
+    // Nothing thrown on the new thread may reach std::terminate: the body reports its own failures.
+    std::thread([body = std::move(fn)]() mutable {
+      try {
+        body();
+      } catch (...) {
+      }
+    }).detach();
     return Status::Ok();
   } catch (const std::system_error& e) {
     return DTENJAX_ERROR(Code::kInternal, std::string("could not start a thread for ") + what +
@@ -234,7 +240,12 @@ Status Comm::ConnectRing(const std::string& next_endpoint) {
   Status started = StartDetachedThread(
       [sh, listener, provider, from_prev, deadline] {
         Conn* c = nullptr;
-        Status s = provider->accept(listener, from_prev, deadline, &c);
+        Status s;
+        try {
+          s = provider->accept(listener, from_prev, deadline, &c);
+        } catch (const std::exception& e) {
+          s = DTENJAX_ERROR(Code::kInternal, std::string("accepting the previous rank: ") + e.what());
+        }
         std::lock_guard<std::mutex> l(sh->mu);
         sh->status = s;
         sh->conn = c;

@@ -29,7 +29,8 @@ def main():
 
   phases = os.environ.get("DTENJAX_TEST_PHASES", "correct").split(",")
   local = jax.local_device_count()
-  res: dict = {"rank": rank, "nprocs": nprocs, "local": local}
+  res: dict = {"rank": rank, "nprocs": nprocs, "local": local,
+               "platform": jax.devices()[0].platform}
   if local == 1:
     mesh = Mesh(np.array(jax.devices()), ("p",))
     axis, spec, algo = "p", P("p"), "ring"

@@ -172,6 +172,21 @@ def test_mismatched_collectives_fail_on_every_rank_naming_both_sides(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_mesh_against_process_order_is_explained(tmp_path):
+  """The ring needs the processes along the axis in process order; a reversed mesh is refused at
+  run time on every rank, saying what to do (no silent wrong pairing)."""
+  codes, res, logs = _launch(tmp_path, 2, timeout_s=120,
+                             env={"DTENJAX_TEST_PHASES": "permuted",
+                                  "DTENJAX_COLLECTIVE_TIMEOUT": "20"})
+  assert codes == [0, 0], logs
+  for r in res:
+    assert "exception" not in r, r
+    err = r["permuted"]["error"]
+    assert err and "holds position" in err and "in process order" in err, (r["rank"], err)
+    assert r["permuted"]["seconds"] < 15
+
+
+@pytest.mark.multiprocess
 def test_wrong_secret_is_refused(tmp_path):
   codes, res, logs = _launch(
       tmp_path, 3, timeout_s=60,

@@ -170,6 +170,21 @@ def main():
       res["counters_after_mismatch"] = transport.counters()
       hostcoll.reset()
 
+    if "permuted" in phases:
+      # A mesh whose process axis runs against process order: position p held by process n-1-p.
+      rev = Mesh(np.array(jax.devices()[::-1]), ("p",))
+      full = np.ones((nprocs, 16), np.float32)
+      arr = jax.make_array_from_callback(full.shape, jax.sharding.NamedSharding(rev, P("p")),
+                                         lambda idx: full[idx])
+      f = jax.jit(jax.shard_map(lambda x: dtenjax.all_reduce(x, "p", algorithm="ring"), mesh=rev,
+                                in_specs=P("p"), out_specs=P("p"), check_vma=False))
+      t0 = time.monotonic()
+      try:
+        f(arr).block_until_ready()
+        res["permuted"] = {"error": None}
+      except Exception as e:  # pylint: disable=broad-except
+        res["permuted"] = {"error": str(e)[:3000], "seconds": time.monotonic() - t0}
+
     if "kill" in phases:
       full, arr = global_input(8, 4096, np.float32)
       f = make("float32")

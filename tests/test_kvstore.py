@@ -84,8 +84,7 @@ def test_errors_are_reported_by_kind(exc, cls, fragment):
 
 
 def test_missing_client_is_its_own_kind(monkeypatch):
-  with pytest.raises(kvstore.MissingClientError, match="lacks its private coordination API|"
-                     "changed its private coordination API"):
+  with pytest.raises(kvstore.MissingClientError, match="changed its private coordination API"):
     kvstore.KVStore(_NoGet(), timeout_s=0.5).get("dtenjax/k")
   # An exchange among several processes without jax.distributed fails at once, saying what to do.
   with pytest.raises(kvstore.MissingClientError, match="call jax.distributed.initialize"):

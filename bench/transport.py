@@ -7,11 +7,22 @@ against XLA's own cross-process CPU collectives (gloo) in the same run.
 
 Launches ``--procs`` processes with one CPU device each and a local jax.distributed coordinator on
 127.0.0.1. Every process runs both candidates on the same float32 arrays inside ``jax.jit`` +
-``shard_map``: ``psum`` (XLA -> gloo over TCP) and ``hostcoll.all_reduce(algorithm="ring")``
-(dtenjax TCP transport). After warm-up, each iteration is timed with a barrier-free
-``block_until_ready``; the median over iterations (max over ranks) is reported with nccl-tests'
-algbw and busbw (busbw = algbw * 2(n-1)/n). Ratio = XLA time / dtenjax time (> 1: dtenjax faster).
-Both results are checked against each other before timing.
+``jax.shard_map``: ``lax.psum`` (XLA -> gloo over TCP) and the public
+``dtenjax.all_reduce(x, "p", algorithm="ring")`` (dtenjax's authenticated TCP ring). Both results
+are checked against each other before timing. After warm-up, the candidates alternate iteration
+by iteration (so a change in machine load hits both alike); every timed iteration starts after a
+barrier of all processes and ends at ``block_until_ready``. Each rank takes the median of its
+iterations; the table reports, per candidate and size, the MAX over ranks of those medians (every
+rank publishes its medians through the coordination store; rank 0 gathers them), with
+nccl-tests' algbw and busbw (busbw = algbw * 2(n-1)/n). Ratio = XLA time / dtenjax time
+(> 1: dtenjax faster). The CPU columns are the process CPU time (user + system, all threads,
+``getrusage``) per all-reduce, averaged over iterations and ranks: on a machine with fewer cores
+than processes, wall time follows CPU time.
+
+    python bench/transport.py --crypto [--mib 64]
+
+measures, in one run, the throughput of the two MACs the transport could use for data frames
+(libcrypto's HMAC-SHA256 and AES-256-GMAC, through dtenjax's bindings) on one core.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ import sys
 import tempfile
 import time
 
-DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)   # bytes
+DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)   # bytes
 
 
 def _worker() -> None:
@@ -38,11 +49,11 @@ def _worker() -> None:
     pass
   jax.distributed.initialize(coordinator_address=os.environ["DTENJAX_BENCH_COORD"],
                              num_processes=nprocs, process_id=rank, initialization_timeout=60)
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.net import hostcoll  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.net import kvstore
+  import dtenjax  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import transport  # pylint: disable=g-import-not-at-top
 
   sizes = [int(s) for s in os.environ["DTENJAX_BENCH_SIZES"].split(",")]
   iters = int(os.environ["DTENJAX_BENCH_ITERS"])
@@ -50,35 +61,81 @@ def _worker() -> None:
   spec = P("p")
   cands = {
       "xla_gloo": lambda x: jax.lax.psum(x, "p"),
-      "dtenjax_tcp_ring": lambda x: hostcoll.all_reduce(x, "p", algorithm="ring"),
+      "dtenjax_tcp_ring": lambda x: dtenjax.all_reduce(x, "p", algorithm="ring"),
   }
   fns = {k: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
          for k, f in cands.items()}
+  names = list(fns)
   rows = []
   store = kvstore.default()
   for nbytes in sizes:
     count = max(1, nbytes // 4)
     full = np.random.RandomState(count).randn(nprocs, count).astype(np.float32)
     arr = jax.make_array_from_callback(full.shape, NamedSharding(mesh, spec), lambda i: full[i])
+    before = transport.counters()["collectives"]
     outs = {k: np.asarray(f(arr).addressable_shards[0].data) for k, f in fns.items()}
+    if transport.counters()["collectives"] == before:
+      raise RuntimeError("dtenjax.all_reduce(algorithm='ring') did not use the host transport")
     np.testing.assert_allclose(outs["xla_gloo"], outs["dtenjax_tcp_ring"], rtol=1e-5, atol=1e-4)
-    row = {"bytes": count * 4, "count": count, "dtype": "float32"}
-    for name, f in fns.items():
-      for _ in range(3):
+    for f in fns.values():
+      for _ in range(2):
         f(arr).block_until_ready()
-      store.barrier(f"bench-{nbytes}-{name}", timeout_s=120)
-      times = []
-      for _ in range(iters):
+    times = {k: [] for k in names}
+    cpu = {k: 0.0 for k in names}
+    for i in range(iters):
+      order = names if i % 2 == 0 else names[::-1]
+      for k in order:
+        store.barrier(f"bench-{nbytes}-{i}-{k}", timeout_s=300)
+        c0 = _cpu_s()
         t0 = time.perf_counter()
-        f(arr).block_until_ready()
-        times.append(time.perf_counter() - t0)
-      row[name] = float(np.median(times))
-    rows.append(row)
+        fns[k](arr).block_until_ready()
+        times[k].append(time.perf_counter() - t0)
+        cpu[k] += _cpu_s() - c0
+    mine = {k: float(np.median(v)) for k, v in times.items()}
+    mine.update({k + "_cpu": cpu[k] / iters for k in names})
+    store.set(store.key(f"bench-{nbytes}", rank), json.dumps(mine), overwrite=True)
+    if rank == 0:
+      per_rank = [json.loads(store.get(store.key(f"bench-{nbytes}", r), timeout_s=300))
+                  for r in range(nprocs)]
+      row = {"bytes": count * 4, "count": count, "dtype": "float32"}
+      for k in names:
+        row[k] = max(p[k] for p in per_rank)
+        row[k + "_per_rank"] = [p[k] for p in per_rank]
+        row[k + "_cpu"] = sum(p[k + "_cpu"] for p in per_rank) / nprocs
+      rows.append(row)
   if rank == 0:
     with open(os.environ["DTENJAX_BENCH_OUT"], "w") as fh:
       json.dump(rows, fh)
-  store.barrier("bench-done", timeout_s=120)
+  store.barrier("bench-done", timeout_s=300)
   os._exit(0)
+
+
+def _cpu_s() -> float:
+  import resource  # pylint: disable=g-import-not-at-top
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
+def crypto(mib: int) -> int:
+  """Throughput of HMAC-SHA256 and AES-256-GMAC from libcrypto, side by side, one core."""
+  from dtenjax._src.net import transport  # pylint: disable=g-import-not-at-top
+  lib = transport.ensure_crypto()
+  t = transport.native()
+  data = os.urandom(mib << 20)
+  key = os.urandom(32)
+  cands = {"HMAC-SHA256": lambda: t.hmac_sha256(key, data),
+           "AES-256-GMAC": lambda: t.gmac(key, 1, 2, data)}
+  best = {k: float("inf") for k in cands}
+  for _ in range(5):
+    for k, f in cands.items():
+      t0 = time.perf_counter()
+      f()
+      best[k] = min(best[k], time.perf_counter() - t0)
+  print(f"MAC throughput over {mib} MiB, best of 5, {lib} ({os.cpu_count()} cores)")
+  for k, v in best.items():
+    print(f"  {k:<13} {len(data) / v / 1e9:6.2f} GB/s")
+  print(f"  ratio GMAC/HMAC {best['HMAC-SHA256'] / best['AES-256-GMAC']:.2f}")
+  return 0
 
 
 def _free_port() -> int:
@@ -125,7 +182,11 @@ def main(argv=None) -> int:
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--timeout", type=float, default=540, help="seconds before workers are killed")
   ap.add_argument("--json", default=None, help="write the rows to this path")
+  ap.add_argument("--crypto", action="store_true", help="measure the MACs instead")
+  ap.add_argument("--mib", type=int, default=64, help="MiB hashed by --crypto")
   args = ap.parse_args(argv)
+  if args.crypto:
+    return crypto(args.mib)
   if args.procs < 2:
     ap.error("--procs must be at least 2")
   sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -144,14 +205,15 @@ def main(argv=None) -> int:
     with open(args.json, "w") as fh:
       json.dump({"meta": meta, "rows": rows}, fh, indent=1)
   print(f"all-reduce across {n} processes x 1 CPU device on 127.0.0.1 ({os.cpu_count()} cores), "
-        f"float32, median of {args.iters}")
+        f"float32; per rank the median of {args.iters} barrier-started iterations, max over ranks")
   hdr = (f"{'size(B)':>10} {'count':>9} {'xla/gloo us':>12} {'busbw GB/s':>10} "
-         f"{'dtenjax us':>11} {'busbw GB/s':>10} {'ratio':>7}")
+         f"{'cpu ms':>7} {'dtenjax us':>11} {'busbw GB/s':>10} {'cpu ms':>7} {'ratio':>7}")
   print(hdr)
   for r in rows:
     print(f"{r['bytes']:>10} {r['count']:>9} {r['xla_gloo_us']:>12.1f} "
-          f"{r['xla_gloo_busbw_gbs']:>10.3f} {r['dtenjax_tcp_ring_us']:>11.1f} "
-          f"{r['dtenjax_tcp_ring_busbw_gbs']:>10.3f} {r['ratio_xla_over_dtenjax']:>7.2f}")
+          f"{r['xla_gloo_busbw_gbs']:>10.3f} {r['xla_gloo_cpu'] * 1e3:>7.2f} "
+          f"{r['dtenjax_tcp_ring_us']:>11.1f} {r['dtenjax_tcp_ring_busbw_gbs']:>10.3f} "
+          f"{r['dtenjax_tcp_ring_cpu'] * 1e3:>7.2f} {r['ratio_xla_over_dtenjax']:>7.2f}")
   return 0
 
 

@@ -1,11 +1,16 @@
 // CPU FFI handler of the cross-process all-reduce (dtenjax/_src/net/hostcoll.py).
-//   dtenjax_host_all_reduce(x: T[...], slot: int32[]) -> T[...]
-//     attrs: comm_ids: int64[k] (one communicator per process-local device slot), op: int32
+//   dtenjax_host_all_reduce(x: T[...], where: int32[2]) -> T[...]   (written without copying x)
+//     where = (position of this device along the reduced process axis, process-local ring slot)
+//     attrs: comm_ids: int64[k] (one communicator per process-local ring slot), op: int32,
+//            site: int64 (call-site tag; hostcoll registers its text)
 // Asynchronous: the handler queues the collective on the communicator's own worker thread and
 // returns an xla::ffi::Future, so XLA's threads never block on the network. Collectives of one
 // communicator run in the order XLA issues them (the call has side effects, so XLA keeps program
-// order), and every frame carries a sequence number that catches processes that disagree.
+// order), and every frame names its collective, so processes that disagree get an error.
+// Nothing thrown in here (bad_alloc, a thread that cannot start) crosses into XLA: every failure
+// becomes an ffi::Error.
 #include <cstring>
+#include <exception>
 
 #include "csrc/transport/comm.h"
 #include "custom_calls/registry.h"
@@ -38,21 +43,28 @@ xla::ffi::Future FailedFuture(xla::ffi::Error e) {
 
 namespace {
 
-ffi::Future HostAllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slot,
-                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
-                          int32_t op) {
+ffi::Future HostAllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
+                              int32_t op, int64_t site) {
   tp::DType dt;
   if (!dtenjax::ffi::DTypeOf(x.element_type(), &dt)) {
     return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument(
         "dtenjax_host_all_reduce supports float32, float64, bfloat16, int32 and int64"));
   }
   if (op < 0 || op > 3) {
-    return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument("dtenjax_host_all_reduce: bad op"));
+    return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument(
+        "dtenjax_host_all_reduce: op code " + std::to_string(op) + " is not 0..3"));
   }
-  const int32_t j = slot.element_count() == 1 ? slot.typed_data()[0] : -1;
+  if (where.element_count() != 2) {
+    return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument(
+        "dtenjax_host_all_reduce: `where` must hold (ring position, slot)"));
+  }
+  const int32_t position = where.typed_data()[0];
+  const int32_t j = where.typed_data()[1];
   if (j < 0 || size_t(j) >= comm_ids.size()) {
     return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument(
-        "dtenjax_host_all_reduce: device slot " + std::to_string(j) + " has no communicator"));
+        "dtenjax_host_all_reduce: device slot " + std::to_string(j) + " has no communicator (" +
+        std::to_string(comm_ids.size()) + " slots)"));
   }
   std::shared_ptr<tp::Comm> comm = tp::FindComm(comm_ids[j]);
   if (!comm) {
@@ -65,19 +77,40 @@ ffi::Future HostAllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slot,
   const void* src = x.untyped_data();
   void* dst = out->untyped_data();
   const uint64_t count = x.element_count();
-  const size_t bytes = x.size_bytes();
   ffi::Promise promise;
   ffi::Future future(promise);
-  comm->Submit([comm, src, dst, count, bytes, dt, op, promise]() mutable {
-    if (dst != src) std::memcpy(dst, src, bytes);
-    dtenjax::Status s = comm->AllReduce(dst, count, dt, static_cast<tp::ReduceOp>(op));
-    if (s.ok()) {
-      promise.SetAvailable();
-    } else {
-      promise.SetError(dtenjax::ffi::ToFfiError(s));
+  dtenjax::Status submitted = comm->Submit([comm, src, dst, count, dt, op, site, position,
+                                            promise]() mutable {
+    try {
+      dtenjax::Status s = comm->AllReduce(src, dst, count, dt, static_cast<tp::ReduceOp>(op),
+                                          uint32_t(uint64_t(site)), position);
+      if (s.ok()) {
+        promise.SetAvailable();
+      } else {
+        promise.SetError(dtenjax::ffi::ToFfiError(s));
+      }
+    } catch (const std::exception& e) {
+      promise.SetError(ffi::Error::Internal(std::string("dtenjax_host_all_reduce: ") + e.what()));
+    } catch (...) {
+      promise.SetError(ffi::Error::Internal("dtenjax_host_all_reduce: unknown C++ exception"));
     }
   });
+  if (!submitted.ok()) return dtenjax::ffi::FailedFuture(dtenjax::ffi::ToFfiError(submitted));
   return future;
+}
+
+ffi::Future HostAllReduce(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
+                          int32_t op, int64_t site) {
+  try {
+    return HostAllReduceImpl(x, where, out, comm_ids, op, site);
+  } catch (const std::exception& e) {
+    return dtenjax::ffi::FailedFuture(
+        ffi::Error::Internal(std::string("dtenjax_host_all_reduce: ") + e.what()));
+  } catch (...) {
+    return dtenjax::ffi::FailedFuture(
+        ffi::Error::Internal("dtenjax_host_all_reduce: unknown C++ exception"));
+  }
 }
 
 }  // namespace
@@ -88,6 +121,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostAllReduceCpu, HostAllReduce,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("comm_ids")
-                                  .Attr<int32_t>("op"));
+                                  .Attr<int32_t>("op")
+                                  .Attr<int64_t>("site"));
 
 DTENJAX_REGISTER_FFI("dtenjax_host_all_reduce", "cpu", HostAllReduceCpu);

@@ -1,4 +1,7 @@
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -31,3 +34,54 @@ def test_log_fallback_logs_once_and_can_be_silenced(monkeypatch, caplog):
   assert "DTENJAX_SILENCE_FALLBACK=1" in caplog.records[0].message
   monkeypatch.setenv("DTENJAX_SILENCE_FALLBACK", "1")
   assert not config.log_fallback("test-key-2", "quiet")
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+  e = dict(os.environ)
+  e.pop("DTENJAX_LOG_LEVEL", None)
+  e.update(env)
+  return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                        timeout=120)
+
+
+def test_dtenjax_never_configures_the_root_logger():
+  """A fresh process: logging through dtenjax leaves the root logger and the application's
+  logging configuration alone; dtenjax's logger carries only a NullHandler."""
+  out = _run(
+      "import logging\n"
+      "from dtenjax._src import config\n"
+      "config.log_once('k', 'hello from dtenjax')\n"
+      "root = logging.getLogger()\n"
+      "lg = logging.getLogger('dtenjax')\n"
+      "print('ROOT', root.handlers, root.level)\n"
+      "print('DTENJAX', [type(h).__name__ for h in lg.handlers], lg.level)\n")
+  assert out.returncode == 0, out.stderr
+  assert "ROOT [] 30" in out.stdout                      # untouched: no handlers, WARNING
+  assert "DTENJAX ['NullHandler'] 0" in out.stdout       # level left to the application
+  assert "hello from dtenjax" not in out.stderr          # nothing printed behind the app's back
+
+
+def test_records_reach_the_applications_handlers_once():
+  out = _run(
+      "import logging\n"
+      "logging.basicConfig(format='APP %(name)s %(levelname)s %(message)s')\n"
+      "from dtenjax._src import config\n"
+      "config.log_once('k', 'visible notice')\n"
+      "config.log_once('k', 'visible notice')\n")
+  assert out.returncode == 0, out.stderr
+  assert out.stderr.count("APP dtenjax WARNING visible notice") == 1, out.stderr
+
+
+def test_log_level_knob_applies_only_when_set_and_is_validated():
+  out = _run("import logging\nfrom dtenjax._src import config\nconfig.log_once('k', 'x')\n"
+             "print(logging.getLogger('dtenjax').level)\n", DTENJAX_LOG_LEVEL="info")
+  assert out.stdout.strip() == "20", out.stderr
+  out = _run("from dtenjax._src import config\nconfig.log_once('k', 'x')\n",
+             DTENJAX_LOG_LEVEL="chatty")
+  assert out.returncode != 0 and "DTENJAX_LOG_LEVEL='CHATTY' is not a logging level" in out.stderr
+
+
+def test_transport_knobs_are_declared():
+  for name in ("DTENJAX_LIBCRYPTO", "DTENJAX_HANDSHAKE_TIMEOUT", "DTENJAX_MAX_PENDING_HANDSHAKES",
+               "DTENJAX_TRANSPORT_SEGMENT_BYTES"):
+    assert name in config.KNOBS, name

@@ -1,11 +1,11 @@
 """Cross-process all-reduce inside jit (dtenjax/_src/net/hostcoll.py).
 
 Multi-process tests launch workers (tests/mp_workers/allreduce_worker.py) with a local
-jax.distributed coordinator on 127.0.0.1; every worker has a timeout. In-process tests cover the
-ring order against numpy and the configuration checks.
+jax.distributed coordinator on 127.0.0.1; every worker has a timeout. They call the internal
+module and the PUBLIC ``dtenjax.all_reduce`` under ``jax.shard_map``, ``dtenjax.mesh_map`` and
+``jax.set_mesh``. In-process tests cover the ring order against numpy (also with segments much
+smaller than a chunk, i.e. pipelined) and the configuration checks.
 """
-
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -17,34 +17,24 @@ from dtenjax._src import errors
 from dtenjax._src.net import hostcoll
 from dtenjax._src.net import transport
 from tests.mp_workers import launch
+from tests.net_helpers import close_all, native_ring, requires_native, run_ranks
 
-pytestmark = pytest.mark.skipif(not transport.is_available(),
-                                reason="native extension not built")
-
-
-def _ring(n, creds, **kw):
-  comms = [transport.create_local_comm(r, n, creds, timeout_s=10, **kw) for r in range(n)]
-  ts = [threading.Thread(target=transport.connect, args=(comms[r], comms[(r + 1) % n].endpoint))
-        for r in range(n)]
-  [t.start() for t in ts]
-  [t.join(30) for t in ts]
-  return comms
+pytestmark = requires_native
 
 
 def _run_all(comms, xs, op="sum"):
-  outs = [None] * len(comms)
-  def run(r):
-    outs[r] = comms[r].all_reduce(xs[r], op)
-  ts = [threading.Thread(target=run, args=(r,)) for r in range(len(comms))]
-  [t.start() for t in ts]
-  [t.join(30) for t in ts]
+  outs, errs, _ = run_ranks([lambda r=r: comms[r].all_reduce(xs[r], op, site=(7, "t"))
+                             for r in range(len(comms))])
+  assert errs == [None] * len(comms), errs
   return outs
 
 
-@pytest.mark.parametrize("n,count", [(2, 1), (3, 1001), (4, 3), (5, 70001)])
-def test_in_process_ring_matches_reference_order_bit_exactly(n, count):
+@pytest.mark.parametrize("n,count,segment", [(2, 1, None), (3, 1001, None), (4, 3, None),
+                                             (5, 70001, None), (3, 70001, 256), (4, 99999, 4096)])
+def test_in_process_ring_matches_reference_order_bit_exactly(n, count, segment):
   creds = transport.JobCredentials(99, b"k" * 32)
-  comms = _ring(n, creds)
+  comms, errs = native_ring(n, creds, segment_bytes=segment)
+  assert not errs
   try:
     rng = np.random.RandomState(count)
     xs = [(rng.randn(count) * 10.0 ** rng.randint(-3, 4, count)).astype(np.float32)
@@ -57,9 +47,12 @@ def test_in_process_ring_matches_reference_order_bit_exactly(n, count):
     ints = [rng.randint(-1000, 1000, count).astype(np.int64) for _ in range(n)]
     for o in _run_all(comms, ints, "max"):
       np.testing.assert_array_equal(o, np.max(ints, 0))
+    nan_in = [np.where(np.arange(count) % 7 == r, np.nan, 1.0).astype(np.float32)
+              for r in range(n)]
+    for o in _run_all(comms, nan_in, "max"):   # max propagates NaN whatever the order
+      assert np.isnan(o[np.arange(count) % 7 < n]).all()
   finally:
-    for c in comms:
-      c.close()
+    close_all(comms)
 
 
 def test_single_process_configuration_checks(cpu_devices):
@@ -85,6 +78,13 @@ def _launch(tmp_path, nprocs, **kw):
 def _check_correct(res, nprocs, bit_exact):
   for r in res:
     assert r is not None and "exception" not in r, r
+    for how in ("shard_map", "mesh_map", "set_mesh"):   # the public dtenjax.all_reduce
+      p = r["public"][how]
+      assert "error" not in p, (how, p.get("error"))
+      assert p["transport_collectives"] >= 1, (how, p)  # really went through the host ring
+      assert p["max_abs_err"] < 1e-2, (how, p)
+      if bit_exact:
+        assert p["bit_equal_ring_reference"], (how, p)
     assert r["ops"]["max_exact"] and r["ops"]["mean_err"] < 1e-4, r["ops"]
     assert r["mixed_err"] < 1e-2, r["mixed_err"]
   keys = res[0]["correct"].keys()
@@ -102,34 +102,43 @@ def _check_correct(res, nprocs, bit_exact):
 
 @pytest.mark.multiprocess
 def test_ring_four_processes_correct_and_deterministic(tmp_path):
-  codes, res, logs = _launch(tmp_path, 4, timeout_s=90)
+  codes, res, logs = _launch(tmp_path, 4, timeout_s=150)
   assert codes == [0] * 4, logs
   _check_correct(res, 4, bit_exact=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+def test_ring_two_processes_one_gpu_each(tmp_path):
+  """The CUDA handler (custom_calls/cuda/transport_cuda.cc): device -> pinned host staging ->
+  authenticated ring -> device, through the public API too. Needs 2 GPUs (one per process)."""
+  if len(jax.devices("gpu")) < 2:
+    pytest.skip(f"needs 2 GPUs (one per process), found {len(jax.devices('gpu'))}")
+  codes, res, logs = _launch(tmp_path, 2, timeout_s=300, env={"JAX_PLATFORMS": "cuda"},
+                             per_rank_env={0: {"CUDA_VISIBLE_DEVICES": "0"},
+                                           1: {"CUDA_VISIBLE_DEVICES": "1"}})
+  assert codes == [0, 0], logs
+  assert all(r["platform"] == "gpu" for r in res), res
+  _check_correct(res, 2, bit_exact=True)
+
+
 @pytest.mark.multiprocess
 def test_hierarchical_two_processes_two_devices(tmp_path):
-  codes, res, logs = _launch(tmp_path, 2, devices_per_proc=2, timeout_s=90)
+  codes, res, logs = _launch(tmp_path, 2, devices_per_proc=2, timeout_s=150)
   assert codes == [0] * 2, logs
   assert res[0]["local"] == 2
   _check_correct(res, 2, bit_exact=False)
 
 
 @pytest.mark.multiprocess
-def test_faults_corrupt_frame_and_killed_peer(tmp_path):
+def test_killed_peer_fails_every_survivor_fast(tmp_path):
   timeout = 5
-  codes, res, logs = _launch(tmp_path, 4, timeout_s=90,
-                             env={"DTENJAX_TEST_PHASES": "corrupt,kill",
+  codes, res, logs = _launch(tmp_path, 4, timeout_s=120,
+                             env={"DTENJAX_TEST_PHASES": "kill",
                                   "DTENJAX_COLLECTIVE_TIMEOUT": str(timeout)})
   assert codes[:3] == [0] * 3 and codes[3] == 3, logs
   for r in res[:3]:
     assert "exception" not in r, r
-  # Corrupt frame: rank 1 flipped a byte; rank 2 rejects it by checksum, everyone fails fast.
-  assert "checksum mismatch" in res[2]["corrupt"]["error"]
-  assert res[2]["counters_after_corrupt"]["rejected_bad_checksum"] == 1
-  for r in res:
-    assert r["corrupt"]["error"], r
-    assert r["corrupt"]["seconds"] < timeout
   # Killed peer: rank 3 exits 0.5 s into a throttled collective; every survivor raises in time.
   for r in res[:3]:
     assert r["kill"]["error"] and "dtenjax transport" in r["kill"]["error"], r
@@ -138,6 +147,43 @@ def test_faults_corrupt_frame_and_killed_peer(tmp_path):
   moved = [r["counters_after_kill"]["bytes_received"] - r["counters_before_kill"]["bytes_received"]
            for r in res[:3]]
   assert max(moved) >= 1 << 20, moved
+
+
+@pytest.mark.multiprocess
+def test_mismatched_collectives_fail_on_every_rank_naming_both_sides(tmp_path):
+  """Rank 1 of 4 runs int32 where the others run float32, then max where they run sum, then skips
+  the collective at one line and pairs its next one (another line) with the others' first."""
+  codes, res, logs = _launch(tmp_path, 4, timeout_s=150,
+                             env={"DTENJAX_TEST_PHASES": "mismatch",
+                                  "DTENJAX_COLLECTIVE_TIMEOUT": "20"})
+  assert codes == [0] * 4, logs
+  expect = {"dtype": ("dtype=float32", "dtype=int32"), "op": ("op=sum", "op=max"),
+            "skip": ("site_a (allreduce_worker.py", "site_b (allreduce_worker.py")}
+  for r in res:
+    assert "exception" not in r, r
+    for case, (one, other) in expect.items():
+      err = r["mismatch"][case]["error"]
+      assert err, (r["rank"], case)
+      assert "collective mismatch" in err, (r["rank"], case, err)
+      assert one in err and other in err, (r["rank"], case, err)
+      assert r["mismatch"][case]["seconds"] < 15, (r["rank"], case)   # not the 20 s timeout
+  # at least one detector per case (the others may learn of it from an ABORT first)
+  assert sum(r["counters_after_mismatch"]["rejected_mismatch"] for r in res) >= 3
+
+
+@pytest.mark.multiprocess
+def test_mesh_against_process_order_is_explained(tmp_path):
+  """The ring needs the processes along the axis in process order; a reversed mesh is refused at
+  run time on every rank, saying what to do (no silent wrong pairing)."""
+  codes, res, logs = _launch(tmp_path, 2, timeout_s=120,
+                             env={"DTENJAX_TEST_PHASES": "permuted",
+                                  "DTENJAX_COLLECTIVE_TIMEOUT": "20"})
+  assert codes == [0, 0], logs
+  for r in res:
+    assert "exception" not in r, r
+    err = r["permuted"]["error"]
+    assert err and "holds position" in err and "in process order" in err, (r["rank"], err)
+    assert r["permuted"]["seconds"] < 15
 
 
 @pytest.mark.multiprocess

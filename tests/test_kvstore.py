@@ -26,7 +26,7 @@ def test_set_get_dir_increment():
 
 def test_get_times_out_naming_the_key():
   s = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=0.2)
-  with pytest.raises(errors.CollectiveTimeoutError, match="dtenjax/missing"):
+  with pytest.raises(errors.CollectiveTimeoutError, match="timeout: waited 0.2 s for key .dtenjax/missing"):
     s.get("dtenjax/missing")
 
 
@@ -46,3 +46,60 @@ def test_default_store_without_jax_distributed_is_local():
   assert not s.distributed
   s.set(s.key("local-test", "x"), "v", overwrite=True)
   assert s.get(s.key("local-test", "x")) == "v"
+
+
+class _Failing(kvstore.InMemoryClient):
+  """A client whose blocking get fails the way jax's coordination client does."""
+
+  def __init__(self, exc):
+    super().__init__()
+    self.exc = exc
+
+  def blocking_key_value_get(self, key, timeout_in_ms):
+    raise self.exc
+
+
+class _NoGet:
+  """A client from a JAX whose API moved: it lacks blocking_key_value_get."""
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    pass
+
+
+@pytest.mark.parametrize("exc,cls,fragment", [
+    (RuntimeError("DEADLINE_EXCEEDED: Barrier timed out"), errors.CollectiveTimeoutError,
+     "coordination store timeout: waited 0.5 s for key 'dtenjax/k'"),
+    (TimeoutError("slow"), errors.CollectiveTimeoutError, "coordination store timeout"),
+    (RuntimeError("UNAVAILABLE: failed to connect to all addresses"), errors.TransportError,
+     "coordination store error during get of key 'dtenjax/k': RuntimeError: UNAVAILABLE"),
+    (RuntimeError("INTERNAL: the service crashed"), errors.TransportError,
+     "process 0\\) may have exited"),
+])
+def test_errors_are_reported_by_kind(exc, cls, fragment):
+  s = kvstore.KVStore(_Failing(exc), timeout_s=0.5)
+  with pytest.raises(cls, match=fragment) as e:
+    s.get("dtenjax/k")
+  if cls is errors.TransportError:
+    assert not isinstance(e.value, errors.CollectiveTimeoutError)   # not called a timeout
+
+
+def test_missing_client_is_its_own_kind(monkeypatch):
+  with pytest.raises(kvstore.MissingClientError, match="changed its private coordination API"):
+    kvstore.KVStore(_NoGet(), timeout_s=0.5).get("dtenjax/k")
+  # An exchange among several processes without jax.distributed fails at once, saying what to do.
+  with pytest.raises(kvstore.MissingClientError, match="call jax.distributed.initialize"):
+    kvstore.KVStore(timeout_s=30).exchange("ns", 0, 2, "v")
+  # jax.distributed initialised for 4 processes, then shut down: no silent fallback.
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(distributed.global_state, "num_processes", 4)
+  monkeypatch.setattr(distributed.global_state, "client", None)
+  with pytest.raises(kvstore.MissingClientError, match="initialised for 4 processes"):
+    kvstore.default().get("dtenjax/k")
+  assert issubclass(kvstore.MissingClientError, errors.TransportError)
+  assert not issubclass(kvstore.MissingClientError, errors.CollectiveTimeoutError)
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf")])
+def test_timeouts_must_be_finite_and_positive(bad):
+  with pytest.raises(errors.ConfigurationError, match="timeout"):
+    kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=bad).get("dtenjax/x")

@@ -1,5 +1,7 @@
-"""Tenant quotas, token-bucket shaping and device-memory ownership checks."""
+"""Tenant quotas, token-bucket shaping, device-memory ownership checks, and validation of every
+limit against what its native field holds."""
 
+import math
 import threading
 import time
 
@@ -10,24 +12,14 @@ from dtenjax._src.net import bufferpool as bp
 from dtenjax._src import errors
 from dtenjax._src.net import tenancy
 from dtenjax._src.net import transport
+from tests.net_helpers import native_ring, requires_native
 
-pytestmark = pytest.mark.skipif(not transport.is_available(), reason="native extension not built")
+pytestmark = requires_native
 
 
 def _ring(n, tenant, timeout_s=10):
-  creds = transport.JobCredentials(77, b"t" * 32)
-  comms = [transport.create_local_comm(r, n, creds, tenant=tenant, timeout_s=timeout_s)
-           for r in range(n)]
-  errs = {}
-  def go(r):
-    try:
-      transport.connect(comms[r], comms[(r + 1) % n].endpoint)
-    except errors.DtenjaxError as e:
-      errs[r] = e
-  ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
-  [t.start() for t in ts]
-  [t.join(30) for t in ts]
-  return comms, errs
+  return native_ring(n, transport.JobCredentials(77, b"t" * 32), tenant=tenant,
+                     timeout_s=timeout_s)
 
 
 def test_connection_quota():
@@ -89,9 +81,17 @@ def test_token_bucket_direct():
     tenancy.throttle("t-bucket", 10_000_000, timeout_s=0.5)   # would need ~5 s
 
 
-def test_foreign_device_pointer_is_refused():
+@pytest.fixture
+def fake_owners():
+  """Replaces the ownership check by a table (testing hook), restored afterwards."""
+  hooks = transport.testing_hooks()
+  yield hooks.set_pointer_owners
+  hooks.reset_pointer_owners()
+
+
+def test_foreign_device_pointer_is_refused(fake_owners):
   base_a, base_b = 0x7F00_0000_0000, 0x7F10_0000_0000
-  tenancy.use_fake_pointer_owners([(base_a, 1 << 20, 0), (base_b, 1 << 20, 1)])
+  fake_owners([(base_a, 1 << 20, 0), (base_b, 1 << 20, 1)])
   tenancy.set_owner_context("tenant-a", 0)
   tenancy.set_owner_context("tenant-b", 1)
   tenancy.check_device_memory("tenant-a", base_a + 4096, 4096)
@@ -107,7 +107,50 @@ def test_foreign_device_pointer_is_refused():
   assert tenancy.usage("tenant-a")["ownership_refusals"] == 3
 
 
-def test_quota_validation():
+def test_quota_validation_lists_every_problem():
   with pytest.raises(errors.ConfigurationError) as e:
     tenancy.Quota(max_connections=-5, rate_bytes_per_s=-1)
   assert "max_connections=-5" in str(e.value) and "rate_bytes_per_s=-1" in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(max_connections=2**64), r"max_connections=18446744073709551616 is out of range: it "
+                                  r"must be in -1..2\*\*63-1"),
+    (dict(max_registered_bytes=2**64 + 5), r"max_registered_bytes=18446744073709551621 is out of "
+                                           r"range"),
+    (dict(max_connections=2**63), r"max_connections=9223372036854775808 is out of range"),
+    (dict(rate_bytes_per_s=math.nan), r"rate_bytes_per_s=nan is not allowed: it must be a finite "
+                                      r"number >= 0; 0 means unlimited"),
+    (dict(rate_bytes_per_s=math.inf), r"rate_bytes_per_s=inf is not allowed"),
+    (dict(rate_bytes_per_s=-1e6), r"rate_bytes_per_s=-1000000.0 is not allowed"),
+    (dict(burst_bytes=math.nan), r"burst_bytes=nan is not allowed"),
+    (dict(max_connections=True), r"max_connections=True must be an integer"),
+    (dict(max_connections=2.0), r"max_connections=2.0 must be an integer"),
+])
+def test_limits_that_do_not_fit_are_rejected_not_wrapped(kwargs, fragment):
+  with pytest.raises(errors.ConfigurationError, match=fragment):
+    tenancy.Quota(**kwargs)
+
+
+def test_native_layer_refuses_bad_quotas_too():
+  """Defence in depth: the native setter validates what the dataclass would have."""
+  with pytest.raises(errors.ConfigurationError, match="rate_bytes_per_s=nan"):
+    transport.native().set_quota("t-native", -1, -1, math.nan, 0.0)
+  with pytest.raises(errors.ConfigurationError, match="max_connections=-7"):
+    transport.native().set_quota("t-native", -7, -1, 0.0, 0.0)
+  tenancy.set_quota("t-native", tenancy.Quota(max_connections=2**63 - 1))   # the largest fits
+
+
+def test_other_tenancy_arguments_are_validated():
+  with pytest.raises(errors.ConfigurationError, match=r"nbytes=18446744073709551616"):
+    tenancy.throttle("t-args", 2**64)
+  with pytest.raises(errors.ConfigurationError, match=r"timeout_s=nan"):
+    tenancy.throttle("t-args", 1, timeout_s=math.nan)
+  with pytest.raises(errors.ConfigurationError, match=r"ptr=-1 is out of range"):
+    tenancy.check_device_memory("t-args", -1, 8)
+  with pytest.raises(errors.ConfigurationError, match=r"ptr \+ nbytes must not pass 2\*\*64"):
+    tenancy.check_device_memory("t-args", 2**64 - 8, 64)
+  with pytest.raises(errors.ConfigurationError, match=r"tenant='' must be a non-empty string"):
+    tenancy.usage("")
+  with pytest.raises(errors.ConfigurationError, match=r"context=18446744073709551615"):
+    tenancy.set_owner_context("t-args", 2**64 - 1)

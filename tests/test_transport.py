@@ -1,128 +1,153 @@
-"""The host transport's wire protocol, authentication and rejection paths (in-process).
+"""The host transport's wire protocol, cryptography, authentication and set-up (in-process).
 
-A Python client speaking the documented protocol (struct + Python's hmac) talks to the native TCP
-provider, so the framing and the HMAC-SHA256 implementation are checked against an independent
-implementation, and every malformed input is rejected, counted, and survived.
+A pure-Python peer (tests/transport_ref.py: AES, GMAC, CRC32C and the frame layout written from
+the specification, Python's hmac for HMAC-SHA256) takes part in real rings with the native
+transport, so framing, key derivation and tags are checked against an independent
+implementation; every malformed handshake is rejected, counted and survived.
 """
 
-import ctypes
 import hashlib
 import hmac
 import os
 import socket
-import struct
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
 
 from dtenjax._src import errors
+from dtenjax._src import ffi
+from dtenjax._src.net import hostcoll
 from dtenjax._src.net import transport
+from tests import transport_ref as ref
+from tests.net_helpers import close_all, delta, listener, native_ring, requires_native, run_ranks
 
-pytestmark = pytest.mark.skipif(not transport.is_available(), reason="native extension not built")
+pytestmark = requires_native
 
-HDR = struct.Struct("<IHHQQQQII")
-MAGIC, VERSION = 0x584A5444, 1
-HELLO, CHALLENGE, RESPONSE, ACCEPT, DATA = 1, 2, 3, 4, 5
 JOB = 0x1234_5678_9ABC
 SECRET = b"correct horse battery staple 123"
 
-
-def header(ftype, payload=b"", *, job=JOB, seq=0, rank=1, size=None, magic=MAGIC,
-           payload_sum=None):
-  size = len(payload) if size is None else size
-  psum = (transport.checksum64(payload) if payload else 0) if payload_sum is None else payload_sum
-  body = struct.pack("<IHHQQQQI", magic, VERSION, ftype, job, seq, size, psum, rank)
-  return body + struct.pack("<I", transport.checksum64(body) & 0xFFFFFFFF)
-
-
-def recv_exact(s, n):
-  buf = b""
-  while len(buf) < n:
-    chunk = s.recv(n - len(buf))
-    if not chunk:
-      raise ConnectionError("closed")
-    buf += chunk
-  return buf
+BINDINGS = ("Comm", "BufferPool", "counters", "providers", "crypto_load", "crypto_status",
+            "hmac_sha256", "gmac", "crc32c", "register_site", "set_quota", "usage",
+            "set_owner_context", "check_device_memory", "take", "testing")
+VERBS_BINDINGS = ("check_transition", "transition_mask", "select_gid", "validate_qp",
+                  "encode_imm", "mtu_enum", "probe", "set_device")
+TESTING_HOOKS = ("set_pointer_owners", "reset_pointer_owners", "fail_registrations",
+                 "fail_thread_starts")
 
 
-def proof(key, label, client, server, n1, n2):
-  msg = label + struct.pack("<QII", JOB, client, server) + n1 + n2
-  return hmac.new(key, msg, hashlib.sha256).digest()
-
-
-def py_client_handshake(endpoint, key, *, rank=1, server_rank=0):
-  host, port = endpoint[len("tcp://"):].rsplit(":", 1)
-  s = socket.create_connection((host, int(port)), timeout=10)
-  nonce_c = os.urandom(32)
-  s.sendall(header(HELLO, nonce_c, rank=rank) + nonce_c)
-  h = HDR.unpack(recv_exact(s, 48))
-  assert h[0] == MAGIC and h[2] == CHALLENGE and h[5] == 64
-  ch = recv_exact(s, 64)
-  server_ok = hmac.compare_digest(
-      ch[32:], proof(key, b"dtenjax-server", rank, server_rank, nonce_c, ch[:32]))
-  resp = proof(key, b"dtenjax-client", rank, server_rank, ch[:32], nonce_c)
-  s.sendall(header(RESPONSE, resp, rank=rank) + resp)
-  return s, server_ok
-
-
-class Acceptor(threading.Thread):
-  """Runs the native accept (GIL released by ctypes) while the test plays the client."""
-
-  def __init__(self, lid, timeout=10.0):
-    super().__init__(daemon=True)
-    self.lid, self.timeout = lid, timeout
-    self.conn, self.code, self.err = None, None, None
-
-  def run(self):
-    cid = ctypes.c_int64(-1)
-    buf = ctypes.create_string_buffer(2048)
-    self.code = transport.lib().dtenjax_tp_accept(self.lid, JOB, 0, 1, SECRET, len(SECRET),
-                                                  self.timeout, ctypes.byref(cid), buf, 2048)
-    self.conn, self.err = cid.value, buf.value.decode()
-
-
-def listen():
-  lid = ctypes.c_int64(-1)
-  ep = ctypes.create_string_buffer(256)
-  err = ctypes.create_string_buffer(2048)
-  assert transport.lib().dtenjax_tp_listen(b"127.0.0.1", ctypes.byref(lid), ep, 256, err, 2048) == 0
-  return lid.value, ep.value.decode()
-
-
-def delta(before, after):
-  return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+def test_every_binding_is_in_the_build():
+  """A renamed or dropped binding fails here (it is never a silent skip)."""
+  info = ffi.build_info()
+  assert "transport" in info["bindings"], info
+  t = transport.native()
+  assert [b for b in BINDINGS if not hasattr(t, b)] == []
+  assert [b for b in TESTING_HOOKS if not hasattr(t.testing, b)] == []
+  assert "tcp" in transport.built_providers()
+  if info["verbs"]:
+    assert [b for b in VERBS_BINDINGS if not hasattr(t.verbs, b)] == []
+    assert "verbs" in transport.built_providers()
+  else:
+    assert not hasattr(t, "verbs")
 
 
 @pytest.mark.parametrize("klen,mlen", [(0, 0), (3, 3), (32, 1000), (64, 55), (65, 64), (200, 7)])
-def test_hmac_and_sha256_match_python(klen, mlen):
+def test_hmac_sha256_from_libcrypto_matches_python(klen, mlen):
   rng = np.random.RandomState(klen * 1000 + mlen)
   key, msg = rng.bytes(klen), rng.bytes(mlen)
   assert transport.hmac_sha256(key, msg) == hmac.new(key, msg, hashlib.sha256).digest()
-  assert transport.sha256(msg) == hashlib.sha256(msg).digest()
+  assert transport.crypto_status()["loaded"]
 
 
-def test_checksum_detects_single_bit_flips():
-  data = bytearray(np.random.RandomState(0).bytes(4099))
-  base = transport.checksum64(bytes(data))
-  for pos in (0, 1, 2048, 4098):
-    for bit in (0, 7):
-      data[pos] ^= 1 << bit
-      assert transport.checksum64(bytes(data)) != base
-      data[pos] ^= 1 << bit
+def test_gmac_and_crc32c_match_the_specifications():
+  # The reference implementation against published vectors: FIPS-197 C.3, GCM test case 13.
+  k = bytes(range(32))
+  assert ref.aes256_encrypt_block(k, bytes.fromhex("00112233445566778899aabbccddeeff")).hex() == \
+      "8ea2b7ca516745bfeafc49904b496089"
+  assert ref.gmac(bytes(32), bytes(12), b"").hex() == "530f8afbc74536b9a963b4f1c4cb738b"
+  assert ref.crc32c(b"123456789") == 0xE3069283
+  # The native primitives against the reference.
+  transport.ensure_crypto()
+  t = transport.native()
+  assert t.gmac(bytes(32), 0, 0, b"").hex() == "530f8afbc74536b9a963b4f1c4cb738b"
+  for n in (1, 15, 16, 17, 64, 1000):
+    key, data = os.urandom(32), os.urandom(n)
+    assert t.gmac(key, 9, 2, data) == ref.gmac(key, ref.nonce(9, 2), data), n
+    assert t.crc32c(data) == ref.crc32c(data)
 
 
-def test_server_rejects_bad_peers_and_accepts_authenticated_one():
-  lid, ep = listen()
-  acc = Acceptor(lid)
+def _python_rank1(ep0: str, lsock: socket.socket, x1: np.ndarray, site: int, out: dict):
+  """Rank 1 of a 2-rank ring, in Python: accepts rank 0, connects to rank 0, runs the ring."""
+  conn, _ = lsock.accept()
+  conn.settimeout(10)
+  from_prev = ref.server_handshake(conn, SECRET, JOB, me=1, client=0)   # rank 0 -> rank 1
+  to_next = ref.client_handshake(ep0, SECRET, JOB, me=1, server=0)      # rank 1 -> rank 0
+  n, count = 2, x1.size
+  half = count // 2 + count % 2
+  chunks = [(0, half), (half, count)]
+  acc = x1.copy()
+  desc = dict(site=site, coll_seq=1, count=count, op=0, dtype=0)
+  # reduce-scatter: send chunk 1, receive chunk 0 and add
+  lo, hi = chunks[1]
+  to_next.send(ref.DATA, acc[lo:hi].tobytes(), step=0, **desc)
+  h, payload = from_prev.recv()
+  out["header0"] = h
+  lo, hi = chunks[0]
+  acc[lo:hi] = acc[lo:hi] + np.frombuffer(payload, np.float32)
+  # all-gather: send chunk 0, receive chunk 1
+  to_next.send(ref.DATA, acc[lo:hi].tobytes(), step=1, **desc)
+  h, payload = from_prev.recv()
+  lo, hi = chunks[1]
+  acc[lo:hi] = np.frombuffer(payload, np.float32)
+  out["result"] = acc
+  out["sites"] = dict(from_prev.sites)
+  del n
+
+
+def test_python_peer_speaks_the_protocol():
+  creds = transport.JobCredentials(JOB, SECRET)
+  comm0 = transport.create_local_comm(0, 2, creds, timeout_s=10)
+  lsock, ep1 = listener()
+  rng = np.random.RandomState(0)
+  x0, x1 = rng.randn(1001).astype(np.float32), rng.randn(1001).astype(np.float32)
+  site = (0xABCD1234, "peer-test (here:1)")
+  peer: dict = {}
+  t = threading.Thread(target=_python_rank1, args=(comm0.endpoint, lsock, x1, site[0], peer),
+                       daemon=True)
+  t.start()
+  transport.connect(comm0, ep1)
+  y0 = comm0.all_reduce(x0, "sum", site=site)
+  t.join(30)
+  assert not t.is_alive()
+  expected = hostcoll.reference_ring_sum([x0, x1])
+  assert y0.tobytes() == expected.tobytes()
+  assert peer["result"].tobytes() == expected.tobytes()
+  h = peer["header0"]   # what the native side put on the wire
+  assert (h["type"], h["src"], h["site"], h["coll_seq"], h["count"], h["op"], h["dtype"],
+          h["step"]) == (ref.DATA, 0, site[0], 1, 1001, 0, 0, 0)
+  assert peer["sites"] == {site[0]: site[1]}   # the site's text came once, before the data
+  comm0.close()
+  lsock.close()
+
+
+def test_server_rejects_bad_peers_and_accepts_the_authenticated_one():
+  creds = transport.JobCredentials(JOB, SECRET)
+  comm0 = transport.create_local_comm(0, 2, creds, timeout_s=15)
+  lsock, ep1 = listener()
   before = transport.counters()
-  acc.start()
-  host, port = ep[len("tcp://"):].rsplit(":", 1)
+  errs = {}
+  t = threading.Thread(target=lambda: errs.setdefault("connect", transport.connect(comm0, ep1)),
+                       daemon=True)
+  t.start()
+  conn, _ = lsock.accept()   # rank 0 connects to "rank 1" (us) while it waits for its prev
+  conn.settimeout(10)
+  ref.server_handshake(conn, SECRET, JOB, me=1, client=0)
 
-  def attempt(data):
-    s = socket.create_connection((host, int(port)), timeout=10)
+  def attempt(data: bytes) -> bytes:
+    s = socket.create_connection(ref.host_port(comm0.endpoint), timeout=10)
     s.sendall(data)
-    s.settimeout(10)
     try:
       got = s.recv(1)   # the server closes the connection without answering
     except ConnectionResetError:
@@ -130,58 +155,30 @@ def test_server_rejects_bad_peers_and_accepts_authenticated_one():
     s.close()
     return got
 
-  assert attempt(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 40) == b""        # bad magic
   n = os.urandom(32)
-  assert attempt(header(HELLO, n, job=JOB + 1) + n) == b""                         # other job
-  assert attempt(header(HELLO, n, rank=5) + n) == b""                              # unknown rank
-  assert attempt(header(HELLO, n, size=1 << 31)) == b""                            # oversized
-  bad = bytearray(header(HELLO, n))
+  hello = dict(job=JOB, src=1, payload_bytes=32)
+  assert attempt(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 40) == b""       # bad magic
+  assert attempt(ref.header(ref.HELLO, **{**hello, "job": JOB + 1}) + n) == b""    # other job
+  assert attempt(ref.header(ref.HELLO, **{**hello, "src": 5}) + n) == b""          # unknown rank
+  assert attempt(ref.header(ref.HELLO, **{**hello, "payload_bytes": 1 << 31})) == b""  # oversized
+  bad = bytearray(ref.header(ref.HELLO, **hello))
   bad[20] ^= 0xFF
   assert attempt(bytes(bad) + n) == b""                                            # header crc
-  s, server_ok = py_client_handshake(ep, b"wrong key, same length as right1")      # wrong secret
-  assert not server_ok   # the client also catches the server's proof not matching its key
-  with pytest.raises(ConnectionError):
-    recv_exact(s, 48)
-  s.close()
-  s, server_ok = py_client_handshake(ep, SECRET)
-  assert server_ok
-  h = HDR.unpack(recv_exact(s, 48))
-  assert h[2] == ACCEPT
-  acc.join(15)
-  assert acc.code == 0, acc.err
+  assert attempt(ref.header(ref.HELLO, **{**hello, "version": 1}) + n) == b""      # old protocol
+  wrong = b"wrong key, same length as right1"
+  with pytest.raises(PermissionError):     # we see the server's proof does not match our key ...
+    ref.client_handshake(comm0.endpoint, wrong, JOB, me=1, server=0)
+  with pytest.raises(ConnectionError):     # ... and the server refuses our proof
+    ref.client_handshake(comm0.endpoint, wrong, JOB, me=1, server=0, check_server=False)
+  ref.client_handshake(comm0.endpoint, SECRET, JOB, me=1, server=0)
+  t.join(20)
+  assert not t.is_alive() and errs == {"connect": None}
   d = delta(before, transport.counters())
-  assert d["rejected_bad_header"] >= 1 and d["rejected_unknown_peer"] >= 2
-  assert d["rejected_oversized"] == 1 and d["rejected_auth"] == 1
-  assert d["rejected_bad_checksum"] == 1 and d["connections_accepted"] == 1
-
-  # A data frame whose payload was corrupted in flight is rejected by checksum.
-  payload = np.arange(256, dtype=np.float32).tobytes()
-  bad_payload = bytearray(payload)
-  bad_payload[100] ^= 1
-  s.sendall(header(DATA, payload, seq=1) + bytes(bad_payload))
-  out = np.zeros(256, np.float32)
-  err = ctypes.create_string_buffer(2048)
-  code = transport.lib().dtenjax_tp_exchange(
-      -1, None, 0, acc.conn, out.ctypes.data_as(ctypes.c_void_p), out.nbytes, 1, JOB, 0, 5.0,
-      err, 2048)
-  assert code == 6 and b"checksum mismatch" in err.value
-  # And a good one arrives intact (fresh connection: the first is dead after the rejection).
-  s.close()
-  transport.lib().dtenjax_tp_close(acc.conn)
-  acc2 = Acceptor(lid)
-  acc2.start()
-  s, ok = py_client_handshake(ep, SECRET)
-  recv_exact(s, 48)
-  acc2.join(15)
-  s.sendall(header(DATA, payload, seq=7) + payload)
-  code = transport.lib().dtenjax_tp_exchange(
-      -1, None, 0, acc2.conn, out.ctypes.data_as(ctypes.c_void_p), out.nbytes, 7, JOB, 0, 5.0,
-      err, 2048)
-  assert code == 0, err.value
-  np.testing.assert_array_equal(out, np.arange(256, dtype=np.float32))
-  s.close()
-  transport.lib().dtenjax_tp_close(acc2.conn)
-  transport.lib().dtenjax_tp_close(lid)
+  assert d["rejected_bad_header"] >= 2 and d["rejected_unknown_peer"] >= 2, d
+  assert d["rejected_oversized"] == 1 and d["rejected_auth"] == 1, d
+  assert d["rejected_bad_checksum"] == 1 and d["connections_accepted"] == 1, d
+  comm0.close()
+  lsock.close()
 
 
 def test_native_ring_with_mismatched_secret_fails_fast():
@@ -189,46 +186,73 @@ def test_native_ring_with_mismatched_secret_fails_fast():
   bad = transport.JobCredentials(5, b"b" * 32)
   c0 = transport.create_local_comm(0, 2, good, timeout_s=3)
   c1 = transport.create_local_comm(1, 2, bad, timeout_s=3)
-  errs = {}
-  def go(c, nxt):
-    try:
-      transport.connect(c, nxt)
-    except errors.DtenjaxError as e:
-      errs[c.rank] = e
-  ts = [threading.Thread(target=go, args=(c0, c1.endpoint)),
-        threading.Thread(target=go, args=(c1, c0.endpoint))]
-  [t.start() for t in ts]
-  [t.join(20) for t in ts]
-  assert set(errs) == {0, 1}
-  assert all(isinstance(e, errors.TransportError) for e in errs.values())
-  assert any("authentication" in str(e) for e in errs.values())
-  c0.close()
-  c1.close()
+  _, errs, seconds = run_ranks([lambda: transport.connect(c0, c1.endpoint),
+                                lambda: transport.connect(c1, c0.endpoint)])
+  assert all(isinstance(e, errors.TransportError) for e in errs), errs
+  assert any("authentication" in str(e) for e in errs), errs
+  assert seconds < 6
+  close_all([c0, c1])
 
 
 def test_stalled_peer_times_out_with_clear_error():
-  creds = transport.JobCredentials(6, b"c" * 32)
-  comms = [transport.create_local_comm(r, 2, creds, timeout_s=1.0) for r in range(2)]
-  ts = [threading.Thread(target=transport.connect, args=(comms[r], comms[1 - r].endpoint))
-        for r in range(2)]
-  [t.start() for t in ts]
-  [t.join(10) for t in ts]
-  with pytest.raises(errors.CollectiveTimeoutError, match="timed out"):
+  comms, errs = native_ring(2, transport.JobCredentials(6, b"c" * 32), timeout_s=1.0)
+  assert not errs
+  with pytest.raises(errors.CollectiveTimeoutError, match="timed out after 1 s without progress receiving"):
     comms[0].all_reduce(np.ones(10, np.float32))    # rank 1 never joins
-  with pytest.raises(errors.TransportError, match="unusable after an earlier failure"):
+  with pytest.raises(errors.CollectiveTimeoutError, match="unusable after an earlier failure"):
     comms[0].all_reduce(np.ones(10, np.float32))
-  for c in comms:
-    c.close()
+  close_all(comms)
 
 
-def test_credentials_and_provider_choice(monkeypatch):
+def test_credentials_and_provider_table(monkeypatch):
   with pytest.raises(errors.ConfigurationError, match="at least 16"):
     transport.JobCredentials(1, b"short")
+  with pytest.raises(errors.ConfigurationError, match=r"job_id=18446744073709551616 .*2\*\*64-1"):
+    transport.JobCredentials(2**64, b"x" * 16)
+  assert [p.name for p in transport.PROVIDERS] == ["verbs", "tcp"]
   monkeypatch.setenv("DTENJAX_TRANSPORT", "carrier-pigeon")
   with pytest.raises(errors.ConfigurationError, match="carrier-pigeon"):
     transport.select_provider([])
   monkeypatch.setenv("DTENJAX_TRANSPORT", "auto")
   name, why = transport.select_provider([{"name": "mlx5_0", "port": 1, "state": "down"}])
   assert name == "tcp" and "mlx5_0:1=down" in why
-  name, why = transport.select_provider([])
-  assert name == "tcp"
+  name, why = transport.select_provider([{"name": "mlx5_0", "port": 1, "state": "ACTIVE"}])
+  assert name == ("verbs" if "verbs" in transport.built_providers() else "tcp")
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(rank=2, size=2), "rank=2 is out of range"),
+    (dict(rank=0, size=2**40), "size=1099511627776 is out of range"),
+    (dict(rank=0, size=2, timeout_s=float("nan")), "timeout_s=nan"),
+    (dict(rank=0, size=2, timeout_s=-1.0), "timeout_s=-1.0"),
+    (dict(rank=0, size=2, segment_bytes=2**64), "segment_bytes=18446744073709551616"),
+    (dict(rank=0, size=2, max_pending_handshakes=0), "max_pending_handshakes=0"),
+    (dict(rank=True, size=2), "rank=True must be an integer"),
+])
+def test_communicator_arguments_are_validated(kwargs, fragment):
+  with pytest.raises(errors.ConfigurationError, match=fragment.replace("(", r"\(")):
+    transport.create_local_comm(creds=transport.JobCredentials(3, b"v" * 32), **kwargs)
+
+
+def test_missing_libcrypto_fails_closed(tmp_path):
+  """No libcrypto: no connection at all, and the error says what to install (subprocess, since
+  the library is loaded once per process)."""
+  code = (
+      "from dtenjax._src import errors\n"
+      "from dtenjax._src.net import transport\n"
+      "c = transport.JobCredentials(3, b'v' * 32)\n"
+      "try:\n"
+      "  transport.create_local_comm(0, 2, c)\n"
+      "except errors.ExtensionUnavailableError as e:\n"
+      "  print('REFUSED', e)\n"
+      "else:\n"
+      "  print('CREATED')\n"
+      "one = transport.create_local_comm(0, 1, c)\n"   # a world of one needs no connection
+      "print('SINGLE', one.all_reduce(__import__('numpy').ones(3, 'float32')).tolist())\n")
+  env = dict(os.environ, DTENJAX_LIBCRYPTO=str(tmp_path / "libcrypto-missing.so.3"))
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+  assert "REFUSED" in out.stdout, out.stdout + out.stderr
+  assert "libcrypto-missing.so.3" in out.stdout and "fail closed" in out.stdout
+  assert "apt-get install libssl3" in out.stdout
+  assert "SINGLE [1.0, 1.0, 1.0]" in out.stdout

@@ -2,6 +2,8 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 
@@ -14,12 +16,30 @@ const char* const kPoolStatNames[] = {
 
 namespace {
 constexpr uint64_t kMinClass = 4096;
+constexpr uint64_t kMaxClass = uint64_t(1) << 62;  // the largest power of two a request rounds to
+// The power of two >= bytes (at least 4 KiB); 0 if bytes exceed kMaxClass.
 uint64_t SizeClass(uint64_t bytes) {
+  if (bytes > kMaxClass) return 0;
   uint64_t c = kMinClass;
   while (c < bytes) c <<= 1;
   return c;
 }
 }  // namespace
+
+Status ValidatePoolOptions(const PoolOptions& o) {
+  std::string bad;
+  auto need = [&](bool ok, const std::string& what) {
+    if (!ok) bad += (bad.empty() ? "" : "; ") + what;
+  };
+  need(o.max_bytes >= 1, "max_bytes=" + std::to_string(o.max_bytes) + " (1..2^64-1)");
+  need(o.max_buffers >= 1 && o.max_buffers <= uint32_t(INT32_MAX),
+       "max_buffers=" + std::to_string(o.max_buffers) + " (1..2^31-1)");
+  need(o.max_buffer_bytes >= 1, "max_buffer_bytes=" + std::to_string(o.max_buffer_bytes) +
+                                    " (1..2^64-1)");
+  need(!o.tenant.empty(), "tenant='' (a non-empty name)");
+  if (!bad.empty()) return DTENJAX_ERROR(Code::kInvalidArgument, "invalid buffer pool limits: " + bad);
+  return Status::Ok();
+}
 
 BufferPool::BufferPool(PoolOptions opts) : opts_(std::move(opts)), tenant_(GetTenant(opts_.tenant)) {}
 
@@ -55,24 +75,35 @@ void BufferPool::FreeBuf(int id) {
   free_slots_.push_back(id);
 }
 
-Status BufferPool::RegisterNew(uint64_t bytes, int* id) {
-  const uint64_t cls = SizeClass(bytes);
+bool BufferPool::EvictOneIdle() {
+  if (idle_.empty()) return false;
+  auto it = idle_.begin();  // the smallest idle buffer first
+  int victim = it->second;
+  idle_.erase(it);
+  FreeBuf(victim);
+  return true;
+}
+
+Status BufferPool::RegisterNew(uint64_t cls, int* id) {
   // Make room under the pool limits by dropping idle buffers of other sizes first.
-  while ((st_.registered_bytes + cls > opts_.max_bytes ||
-          st_.registered_buffers + 1 > opts_.max_buffers) && !idle_.empty()) {
-    auto it = idle_.begin();
-    int victim = it->second;
-    idle_.erase(it);
-    FreeBuf(victim);
+  while ((cls > opts_.max_bytes - std::min(opts_.max_bytes, st_.registered_bytes) ||
+          st_.registered_buffers + 1 > opts_.max_buffers) && EvictOneIdle()) {
   }
-  if (st_.registered_bytes + cls > opts_.max_bytes || st_.registered_buffers + 1 > opts_.max_buffers) {
+  if (cls > opts_.max_bytes - std::min(opts_.max_bytes, st_.registered_bytes) ||
+      st_.registered_buffers + 1 > opts_.max_buffers) {
     return DTENJAX_ERROR(Code::kResourceExhausted,
                          "buffer pool full: " + std::to_string(st_.registered_buffers) + " buffers, " +
                              std::to_string(st_.registered_bytes) + " of " +
                              std::to_string(opts_.max_bytes) + " bytes registered and in use; "
                              "raise max_bytes/max_buffers or release buffers");
   }
-  DTENJAX_RETURN_IF_ERROR(tenant_->ChargeRegistered(int64_t(cls), "a buffer pool buffer"));
+  // The tenant's quota may be what blocks: free idle cached buffers of this pool until it fits.
+  while (!tenant_->ChargeRegistered(int64_t(cls), "a buffer pool buffer", false).ok()) {
+    if (!EvictOneIdle()) {
+      DTENJAX_RETURN_IF_ERROR(tenant_->ChargeRegistered(int64_t(cls), "a buffer pool buffer"));
+      break;
+    }
+  }
   ++reg_attempts_;
   Buf b;
   b.bytes = cls;
@@ -116,13 +147,18 @@ Status BufferPool::RegisterNew(uint64_t bytes, int* id) {
   return Status::Ok();
 }
 
-Status BufferPool::Acquire(uint64_t bytes, int* id) {
+Status BufferPool::Acquire(uint64_t bytes, int* id, void** data) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (bytes == 0 || bytes > opts_.max_buffer_bytes) {
+  if (closed_) {
+    return DTENJAX_ERROR(Code::kInvalidArgument, "buffer pool: acquire(" + std::to_string(bytes) +
+                                                     ") on a closed pool; create a new pool");
+  }
+  const uint64_t limit = std::min(opts_.max_buffer_bytes, kMaxClass);
+  if (bytes == 0 || bytes > limit) {
     return DTENJAX_ERROR(Code::kInvalidArgument,
                          "buffer pool: cannot acquire " + std::to_string(bytes) +
-                             " bytes (1 to max_buffer_bytes=" + std::to_string(opts_.max_buffer_bytes) +
-                             ")");
+                             " bytes (allowed: 1 to " + std::to_string(limit) +
+                             ", the smaller of max_buffer_bytes and 2^62)");
   }
   const uint64_t cls = SizeClass(bytes);
   auto it = idle_.find(cls);
@@ -131,13 +167,14 @@ Status BufferPool::Acquire(uint64_t bytes, int* id) {
     idle_.erase(it);
     ++st_.reuse_hits;
   } else {
-    DTENJAX_RETURN_IF_ERROR(RegisterNew(bytes, id));
+    DTENJAX_RETURN_IF_ERROR(RegisterNew(cls, id));
   }
   Buf& b = bufs_[*id];
   b.refs = 1;
   b.state = BufState::kIdle;
   ++st_.in_use;
   ++st_.acquires;
+  if (data) *data = b.ptr;
   return Status::Ok();
 }
 
@@ -190,7 +227,11 @@ Status BufferPool::Release(int id) {
     b->state = BufState::kIdle;
     --st_.in_use;
     ++st_.releases;
-    idle_.emplace(b->bytes, id);
+    if (closed_) {
+      FreeBuf(id);
+    } else {
+      idle_.emplace(b->bytes, id);
+    }
   }
   return Status::Ok();
 }
@@ -199,6 +240,18 @@ void BufferPool::Trim() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [cls, id] : idle_) FreeBuf(id);
   idle_.clear();
+}
+
+void BufferPool::Close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+  for (auto& [cls, id] : idle_) FreeBuf(id);
+  idle_.clear();
+}
+
+bool BufferPool::closed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
 }
 
 void* BufferPool::Data(int id) {

@@ -44,13 +44,21 @@ struct PoolStats {
 constexpr int kNumPoolStats = 14;
 extern const char* const kPoolStatNames[];
 
+// Every out-of-range limit at once.
+Status ValidatePoolOptions(const PoolOptions& o);
+
+// Thread-safe: every method takes the pool's lock and no method blocks while holding it (a
+// request that cannot be met fails at once). Pointers returned by Acquire/Data stay valid while
+// the caller holds a reference to the buffer, even across Trim() and Close().
 class BufferPool {
  public:
   explicit BufferPool(PoolOptions opts);
   ~BufferPool();  // frees what is idle; posted buffers are leaked on purpose, never freed under I/O
 
-  // A buffer of at least `bytes` bytes with refcount 1, state Idle.
-  Status Acquire(uint64_t bytes, int* id);
+  // A buffer of at least `bytes` bytes with refcount 1, state Idle; *data (optional) its address.
+  // When a limit (pool bytes, pool buffers, or the tenant's registered-bytes quota) blocks a new
+  // registration, idle cached buffers are freed first; only if that is not enough does it fail.
+  Status Acquire(uint64_t bytes, int* id, void** data = nullptr);
   Status Retain(int id);
   Status Post(int id);      // Idle -> Posted
   Status Complete(int id);  // Posted -> Completed
@@ -59,12 +67,16 @@ class BufferPool {
   Status Release(int id);
   // Deregisters and frees every idle, unreferenced buffer.
   void Trim();
+  // Trim, and refuse every later Acquire; buffers still referenced are freed when released.
+  void Close();
+  bool closed();
   void* Data(int id);
   uint64_t Size(int id);
   uint64_t RegHandle(int id);
   int State(int id);
   PoolStats Stats();
-  // Test hook: every n-th registration fails (0: never).
+  // Testing only (bound as dtenjax._ffi.transport.testing): every n-th registration fails, as a
+  // failing ibv_reg_mr would (0: never).
   void InjectRegistrationFailures(uint32_t every_n);
 
  private:
@@ -78,7 +90,8 @@ class BufferPool {
     bool live = false;  // registered and owned by the pool
   };
   Status Lookup(int id, Buf** b);
-  Status RegisterNew(uint64_t bytes, int* id);
+  Status RegisterNew(uint64_t cls, int* id);
+  bool EvictOneIdle();
   void FreeBuf(int id);
   Status Transition(int id, BufState from, BufState to, const char* what);
 
@@ -91,6 +104,7 @@ class BufferPool {
   PoolStats st_{};
   uint32_t fail_every_ = 0;
   uint64_t reg_attempts_ = 0;
+  bool closed_ = false;
 };
 
 }  // namespace dtenjax::transport

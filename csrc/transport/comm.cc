@@ -1,22 +1,16 @@
 #include "csrc/transport/comm.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
+#include <new>
+#include <system_error>
 #include <thread>
-
-#include "csrc/transport/frame.h"
+#include <vector>
 
 namespace dtenjax::transport {
-
-size_t DTypeSize(DType dt) {
-  switch (dt) {
-    case DType::kF32: case DType::kS32: return 4;
-    case DType::kF64: case DType::kS64: return 8;
-    case DType::kBF16: return 2;
-  }
-  return 0;
-}
 
 namespace {
 
@@ -32,21 +26,25 @@ T Apply(T a, T b, ReduceOp op) {
 }
 
 template <typename T>
-void ReduceT(T* acc, const T* in, uint64_t n, ReduceOp op) {
-  for (uint64_t i = 0; i < n; ++i) acc[i] = Apply(acc[i], in[i], op);
+void ReduceT(T* out, const T* own, const T* in, uint64_t n, ReduceOp op) {
+  switch (op) {  // one loop per op so the compiler vectorises the common sum
+    case ReduceOp::kSum: for (uint64_t i = 0; i < n; ++i) out[i] = own[i] + in[i]; break;
+    case ReduceOp::kProd: for (uint64_t i = 0; i < n; ++i) out[i] = own[i] * in[i]; break;
+    default: for (uint64_t i = 0; i < n; ++i) out[i] = Apply(own[i], in[i], op); break;
+  }
 }
 
 template <typename T>
-void ReduceFloat(T* acc, const T* in, uint64_t n, ReduceOp op) {
+void ReduceFloat(T* out, const T* own, const T* in, uint64_t n, ReduceOp op) {
   // max/min propagate NaN whatever the argument order, like jnp.maximum/minimum.
   if (op == ReduceOp::kMax || op == ReduceOp::kMin) {
     for (uint64_t i = 0; i < n; ++i) {
-      T a = acc[i], b = in[i];
-      acc[i] = std::isnan(a) ? a : std::isnan(b) ? b : Apply(a, b, op);
+      T a = own[i], b = in[i];
+      out[i] = std::isnan(a) ? a : std::isnan(b) ? b : Apply(a, b, op);
     }
     return;
   }
-  ReduceT(acc, in, n, op);
+  ReduceT(out, own, in, n, op);
 }
 
 float Bf16ToF32(uint16_t h) {
@@ -64,29 +62,101 @@ uint16_t F32ToBf16(float f) {
   return uint16_t(u >> 16);
 }
 
+std::atomic<int> g_fail_thread_starts{0};
+
+std::string Seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", s);
+  return buf;
+}
+
 }  // namespace
 
-Status Reduce(void* acc, const void* in, uint64_t n, DType dt, ReduceOp op) {
+Status Reduce(void* out, const void* own, const void* in, uint64_t n, DType dt, ReduceOp op) {
+  if (int(op) < 0 || int(op) > 3) {
+    return DTENJAX_ERROR(Code::kInvalidArgument, "unsupported reduction code " + std::to_string(int(op)));
+  }
   switch (dt) {
-    case DType::kF32: ReduceFloat(static_cast<float*>(acc), static_cast<const float*>(in), n, op); break;
-    case DType::kF64: ReduceFloat(static_cast<double*>(acc), static_cast<const double*>(in), n, op); break;
-    case DType::kS32: ReduceT(static_cast<int32_t*>(acc), static_cast<const int32_t*>(in), n, op); break;
-    case DType::kS64: ReduceT(static_cast<int64_t*>(acc), static_cast<const int64_t*>(in), n, op); break;
+    case DType::kF32:
+      ReduceFloat(static_cast<float*>(out), static_cast<const float*>(own),
+                  static_cast<const float*>(in), n, op);
+      break;
+    case DType::kF64:
+      ReduceFloat(static_cast<double*>(out), static_cast<const double*>(own),
+                  static_cast<const double*>(in), n, op);
+      break;
+    case DType::kS32:
+      ReduceT(static_cast<int32_t*>(out), static_cast<const int32_t*>(own),
+              static_cast<const int32_t*>(in), n, op);
+      break;
+    case DType::kS64:
+      ReduceT(static_cast<int64_t*>(out), static_cast<const int64_t*>(own),
+              static_cast<const int64_t*>(in), n, op);
+      break;
     case DType::kBF16: {
-      auto* a = static_cast<uint16_t*>(acc);
+      auto* o = static_cast<uint16_t*>(out);
+      auto* a = static_cast<const uint16_t*>(own);
       auto* b = static_cast<const uint16_t*>(in);
       for (uint64_t i = 0; i < n; ++i) {
         float x = Bf16ToF32(a[i]), y = Bf16ToF32(b[i]);
         float r = (op == ReduceOp::kMax || op == ReduceOp::kMin) && (std::isnan(x) || std::isnan(y))
                       ? (std::isnan(x) ? x : y)
                       : Apply(x, y, op);
-        a[i] = F32ToBf16(r);
+        o[i] = F32ToBf16(r);
       }
       break;
     }
     default:
       return DTENJAX_ERROR(Code::kInvalidArgument, "unsupported dtype code " + std::to_string(int(dt)));
   }
+  return Status::Ok();
+}
+
+void FailNextThreadStarts(int n) { g_fail_thread_starts.store(std::max(0, n)); }
+
+Status StartDetachedThread(std::function<void()> fn, const char* what) {
+  try {
+    if (g_fail_thread_starts.load() > 0 && g_fail_thread_starts.fetch_sub(1) > 0) {
+      throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again),
+                              "injected thread-start failure");
+    }
+    // Nothing thrown on the new thread may reach std::terminate: the body reports its own failures.
+    std::thread([body = std::move(fn)]() mutable {
+      try {
+        body();
+      } catch (...) {
+      }
+    }).detach();
+    return Status::Ok();
+  } catch (const std::system_error& e) {
+    return DTENJAX_ERROR(Code::kInternal, std::string("could not start a thread for ") + what +
+                                              ": " + e.what() +
+                                              " (the process is out of threads or memory)");
+  } catch (const std::bad_alloc&) {
+    return DTENJAX_ERROR(Code::kInternal, std::string("out of memory starting a thread for ") + what);
+  }
+}
+
+Status ValidateCommOptions(const CommOptions& o) {
+  std::string bad;
+  auto need = [&](bool ok, const std::string& what) {
+    if (!ok) bad += (bad.empty() ? "" : "; ") + what;
+  };
+  need(o.size >= 1 && o.size <= 65536, "size=" + std::to_string(o.size) + " (1..65536)");
+  need(o.rank >= 0 && o.rank < o.size,
+       "rank=" + std::to_string(o.rank) + " (0.." + std::to_string(o.size - 1) + ")");
+  need(std::isfinite(o.timeout_s) && o.timeout_s > 0,
+       "timeout_s=" + std::to_string(o.timeout_s) + " (a finite number of seconds > 0)");
+  need(std::isfinite(o.handshake_timeout_s) && o.handshake_timeout_s > 0,
+       "handshake_timeout_s=" + std::to_string(o.handshake_timeout_s) + " (finite, > 0)");
+  need(o.max_pending_handshakes >= 1 && o.max_pending_handshakes <= 4096,
+       "max_pending_handshakes=" + std::to_string(o.max_pending_handshakes) + " (1..4096)");
+  need(o.segment_bytes >= 256 && o.segment_bytes <= (uint64_t(1) << 30),
+       "segment_bytes=" + std::to_string(o.segment_bytes) + " (256..2^30)");
+  need(o.secret.size() >= 16, "secret of " + std::to_string(o.secret.size()) +
+                                  " bytes (at least 16)");
+  need(!o.tenant.empty(), "tenant='' (a non-empty name)");
+  if (!bad.empty()) return DTENJAX_ERROR(Code::kInvalidArgument, "invalid communicator options: " + bad);
   return Status::Ok();
 }
 
@@ -109,15 +179,12 @@ Comm::Comm(const CommOptions& opts) : opts_(opts), tenant_(GetTenant(opts.tenant
 }
 
 Status Comm::Create(const CommOptions& opts, std::shared_ptr<Comm>* out) {
-  DTENJAX_CHECK_ARG(opts.size >= 1 && opts.rank >= 0 && opts.rank < opts.size,
-                    "communicator rank " + std::to_string(opts.rank) + " is not in [0, " +
-                        std::to_string(opts.size) + ")");
-  DTENJAX_CHECK_ARG(opts.timeout_s > 0, "communicator timeout must be positive, got " +
-                                            std::to_string(opts.timeout_s));
-  DTENJAX_CHECK_ARG(!opts.secret.empty(), "communicator needs a non-empty job secret");
+  DTENJAX_RETURN_IF_ERROR(ValidateCommOptions(opts));
   std::shared_ptr<Comm> c(new Comm(opts));
   if (!c->opts_.provider) c->opts_.provider = TcpProvider();
   if (opts.size > 1) {
+    // Fail closed: no communicator without the library that authenticates its frames.
+    DTENJAX_RETURN_IF_ERROR(crypto::Loaded());
     DTENJAX_RETURN_IF_ERROR(c->opts_.provider->listen(opts.bind_address, &c->listener_));
     c->endpoint_ = c->listener_->endpoint;
   }
@@ -141,7 +208,9 @@ Comm::~Comm() {
 Status Comm::ConnectRing(const std::string& next_endpoint) {
   std::lock_guard<std::mutex> lock(op_mu_);
   if (opts_.size == 1) return Status::Ok();
-  DTENJAX_CHECK_ARG(next_ == nullptr, "communicator is already connected");
+  DTENJAX_CHECK_ARG(next_ == nullptr && listener_ != nullptr,
+                    "communicator of rank " + std::to_string(opts_.rank) +
+                        " is already connected (or failed to connect); create a new one");
   DTENJAX_CHECK_ARG(opts_.provider->can_connect(next_endpoint),
                     std::string("provider ") + opts_.provider->name + " cannot reach endpoint '" +
                         next_endpoint + "'");
@@ -152,18 +221,53 @@ Status Comm::ConnectRing(const std::string& next_endpoint) {
   ++connections_held_;
   const double deadline = NowSeconds() + opts_.timeout_s;
   const int n = opts_.size, r = opts_.rank;
-  std::atomic<bool> cancel{false};
-  Handshake to_next{opts_.job_id, r, (r + 1) % n, opts_.secret, &cancel};
-  Handshake from_prev{opts_.job_id, r, (r - 1 + n) % n, opts_.secret, &cancel};
-  Status accept_status;
-  Conn* prev = nullptr;
-  std::thread acceptor([&] {
-    accept_status = opts_.provider->accept(listener_, from_prev, deadline, &prev);
-  });
+  // Shared with the acceptor thread, which may outlive a failed start of this function's wait.
+  struct Shared {
+    std::atomic<bool> cancel{false};
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    Status status;
+    Conn* conn = nullptr;
+  };
+  auto sh = std::make_shared<Shared>();
+  Handshake to_next{opts_.job_id, r, (r + 1) % n, opts_.secret, &sh->cancel,
+                    opts_.handshake_timeout_s, opts_.max_pending_handshakes};
+  Handshake from_prev{opts_.job_id, r, (r - 1 + n) % n, opts_.secret, &sh->cancel,
+                      opts_.handshake_timeout_s, opts_.max_pending_handshakes};
+  Listener* listener = listener_;
+  const Provider* provider = opts_.provider;
+  Status started = StartDetachedThread(
+      [sh, listener, provider, from_prev, deadline] {
+        Conn* c = nullptr;
+        Status s;
+        try {
+          s = provider->accept(listener, from_prev, deadline, &c);
+        } catch (const std::exception& e) {
+          s = DTENJAX_ERROR(Code::kInternal, std::string("accepting the previous rank: ") + e.what());
+        }
+        std::lock_guard<std::mutex> l(sh->mu);
+        sh->status = s;
+        sh->conn = c;
+        sh->done = true;
+        sh->cv.notify_all();
+      },
+      "accepting the previous rank's connection");
+  if (!started.ok()) {
+    broken_ = started;
+    return started;
+  }
   Conn* next = nullptr;
   Status s = opts_.provider->connect(next_endpoint, to_next, deadline, &next);
-  if (!s.ok()) cancel.store(true);
-  acceptor.join();
+  if (!s.ok()) sh->cancel.store(true);
+  Conn* prev = nullptr;
+  Status accept_status;
+  {
+    std::unique_lock<std::mutex> l(sh->mu);
+    sh->cv.wait(l, [&] { return sh->done; });  // accept returns by `deadline` or on cancel
+    accept_status = sh->status;
+    prev = sh->conn;
+  }
   if (!s.ok() || !accept_status.ok()) {
     if (next) opts_.provider->close(next);
     if (prev) opts_.provider->close(prev);
@@ -177,24 +281,344 @@ Status Comm::ConnectRing(const std::string& next_endpoint) {
   return Status::Ok();
 }
 
-void Comm::Abort(const Status& why) {
-  if (broken_.ok()) broken_ = why;
+void Comm::SendAborts(const Status& why, const Descriptor& d, bool to_next, bool to_prev,
+                      OutFrame* half_sent) {
+  std::string text;
+  text.push_back(char(static_cast<int>(why.code())));
+  text += why.message().substr(0, kMaxAbortText - 1);
+  const double deadline = NowSeconds() + std::min(2.0, opts_.timeout_s);
+  auto send = [&](Conn* c) {
+    Status s = SendSealed(c, FrameType::kAbort, d, text.data(), text.size(), deadline);
+    if (s.ok()) Counters().aborts_sent.fetch_add(1);
+  };
+  if (to_next && next_) {
+    bool clean = true;
+    if (half_sent && half_sent->active && !half_sent->done() && half_sent->sent > 0) {
+      // Finish the frame in flight so the peer can parse what follows.
+      while (!half_sent->done() && NowSeconds() < deadline) {
+        bool progress = false;
+        if (!opts_.provider->send_some(next_, half_sent, &progress).ok()) break;
+        if (!progress && !half_sent->done()) {
+          WaitItem w{next_, true, false};
+          opts_.provider->wait(&w, 1, deadline);
+        }
+      }
+      clean = half_sent->done();
+    }
+    if (clean) send(next_);
+  }
+  if (to_prev && prev_) send(prev_);
   if (next_) opts_.provider->shutdown(next_);
   if (prev_) opts_.provider->shutdown(prev_);
 }
 
-Status Comm::Step(const void* send, uint64_t send_bytes, void* recv, uint64_t recv_bytes) {
-  uint64_t slept = 0;
-  const double deadline = NowSeconds() + opts_.timeout_s;
-  DTENJAX_RETURN_IF_ERROR(tenant_->bucket().Take(send_bytes, deadline, &slept));
-  if (slept) Counters().throttled_ns.fetch_add(slept);
-  const uint64_t seq = seq_++;
-  SendOp s{next_, seq, send, send_bytes, corrupt_next_.exchange(false)};
-  RecvOp rv{prev_, seq, recv, recv_bytes};
-  return opts_.provider->exchange(&s, &rv, opts_.job_id, opts_.rank, NowSeconds() + opts_.timeout_s);
+namespace {
+
+// Why the receiver gives up; which neighbours must hear of it.
+struct Failure {
+  Status status;
+  bool tell_next = true;
+  bool tell_prev = true;
+};
+
+std::string AbortText(const InFrame& f, Code* code) {
+  const char* p = reinterpret_cast<const char*>(f.dst);
+  if (f.payload_bytes == 0) {
+    *code = Code::kInternal;
+    return "(no reason given)";
+  }
+  int c = static_cast<unsigned char>(p[0]);
+  *code = (c >= 1 && c <= 7) ? static_cast<Code>(c) : Code::kInternal;
+  return std::string(p + 1, p + f.payload_bytes);
 }
 
-Status Comm::AllReduce(void* data, uint64_t count, DType dt, ReduceOp op) {
+}  // namespace
+
+Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, DType dt,
+                     ReduceOp op, OutFrame* of) {
+  const int n = opts_.size, r = opts_.rank;
+  const uint64_t count = desc.count;
+  const size_t esz = DTypeSize(dt);
+  const int T = 2 * (n - 1);
+  auto mod = [n](int64_t v) { return int(((v % n) + n) % n); };
+  auto off = [&](int c) { return (count / n) * uint64_t(c) + std::min<uint64_t>(c, count % n); };
+  auto len = [&](int c) { return count / n + (uint64_t(c) < count % n ? 1 : 0); };
+  auto send_chunk = [&](int t) { return t < n - 1 ? mod(r - t) : mod(r + 1 - (t - (n - 1))); };
+  auto recv_chunk = [&](int t) { return t < n - 1 ? mod(r - t - 1) : mod(r - (t - (n - 1))); };
+  uint64_t seg_bytes = opts_.segment_bytes;
+  if (opts_.provider->max_payload) seg_bytes = std::min(seg_bytes, opts_.provider->max_payload);
+  const uint64_t seg_elems = std::max<uint64_t>(1, seg_bytes / esz);
+  auto nseg = [&](int c) { return std::max<uint64_t>(1, (len(c) + seg_elems - 1) / seg_elems); };
+  auto seg_len = [&](int c, uint64_t j) {
+    return std::min(seg_elems, len(c) - std::min(len(c), j * seg_elems));
+  };
+
+  // Staging buffer of one received segment (reduce-scatter), from the pool.
+  const uint64_t tmp_bytes = std::max<uint64_t>(1, std::min(seg_elems, len(0)) * esz);
+  int buf = -1;
+  void* tmp_ptr = nullptr;
+  DTENJAX_RETURN_IF_ERROR(pool_->Acquire(tmp_bytes, &buf, &tmp_ptr));
+  uint8_t* tmp = static_cast<uint8_t*>(tmp_ptr);
+  struct Release {
+    BufferPool* p;
+    int b;
+    ~Release() { p->Release(b); }
+  } release{pool_.get(), buf};
+
+  int st = 0, rt = 0;   // send / receive step
+  uint64_t sj = 0, rj = 0;  // segment within the step
+  InFrame in, rev;
+  uint8_t text_buf[kMaxAbortText];
+  double last_progress = NowSeconds();
+  const std::string& prev_peer = prev_->peer;
+
+  // Reads the (short) payload of a frame whose head was authenticated: ABORT and SITE texts.
+  auto read_text = [&](Conn* c, InFrame* f, uint64_t limit) -> Status {
+    const FrameHeader& h = f->header();
+    if (h.payload_bytes > limit) {
+      Counters().rejected_oversized.fetch_add(1);
+      return DTENJAX_ERROR(Code::kDataLoss, "dtenjax transport: rejected frame from " + c->peer +
+                                                ": " + FrameTypeName(h.type) + " text of " +
+                                                std::to_string(h.payload_bytes) + " bytes exceeds " +
+                                                std::to_string(limit));
+    }
+    f->dst = text_buf;
+    f->payload_bytes = h.payload_bytes;
+    f->stage = InFrame::kBody;
+    f->got = 0;
+    const double until = NowSeconds() + std::min(2.0, opts_.timeout_s);
+    while (f->stage != InFrame::kDone) {
+      bool p = false;
+      DTENJAX_RETURN_IF_ERROR(c->provider->recv_some(c, f, &p));
+      if (f->stage == InFrame::kDone) break;
+      if (NowSeconds() >= until) {
+        return DTENJAX_ERROR(Code::kDeadlineExceeded,
+                             std::string("dtenjax transport: timed out reading a ") +
+                                 FrameTypeName(f->header().type) + " frame from " + c->peer);
+      }
+      if (!p) {
+        WaitItem w{c, false, true};
+        c->provider->wait(&w, 1, until);
+      }
+    }
+    return OpenBody(*c->session, *f, c->peer);
+  };
+
+  // An ABORT frame (head already authenticated): read its text and turn it into this rank's error.
+  auto read_abort = [&](Conn* c, InFrame* f, Status* out) -> Status {
+    DTENJAX_RETURN_IF_ERROR(read_text(c, f, kMaxAbortText));
+    const FrameHeader& h = f->header();
+    Counters().aborts_received.fetch_add(1);
+    Code code;
+    std::string text = AbortText(*f, &code);
+    const std::string prefix = "dtenjax transport: ";
+    if (text.compare(0, prefix.size(), prefix) == 0) text = text.substr(prefix.size());
+    *out = Status(code, "dtenjax transport: rank " + std::to_string(h.src_rank) +
+                            " aborted " + Describe(DescriptorOf(h)) + ": " + text +
+                            " [this rank (" + std::to_string(r) + ") was in " + Describe(desc) + "]");
+    return Status::Ok();
+  };
+
+  auto fail = [&](Status s, bool tell_next, bool tell_prev) -> Status {
+    SendAborts(s, desc, tell_next, tell_prev, of);
+    return s;
+  };
+
+  // The next rank died or went away while we sent to it: if it told us why first (an ABORT frame
+  // waiting on that connection), that is the error to report.
+  auto reverse_abort = [&](const Status& fallback) -> Status {
+    for (int i = 0; i < 64; ++i) {
+      bool p = false;
+      if (!opts_.provider->recv_some(next_, &rev, &p).ok()) break;
+      if (rev.stage == InFrame::kHeadReady) {
+        if (!OpenHead(*next_->session, rev, opts_.job_id, next_->peer_rank, next_->peer).ok() ||
+            rev.header().type != uint16_t(FrameType::kAbort)) {
+          break;
+        }
+        Status why;
+        return read_abort(next_, &rev, &why).ok() ? why : fallback;
+      }
+      if (!p) break;
+    }
+    return fallback;
+  };
+
+
+  // The next rank learns the text of this collective's call site once (for its error messages).
+  if (!sites_sent_.count(desc.site)) {
+    const std::string text = SiteText(desc.site);
+    if (!text.empty()) {
+      Status s = SendSealed(next_, FrameType::kSite, desc, text.data(), text.size(),
+                            NowSeconds() + opts_.timeout_s);
+      if (!s.ok()) return fail(reverse_abort(s), false, true);
+    }
+    sites_sent_.insert(desc.site);
+  }
+
+  while (st < T || rt < T) {
+    bool progress = false;
+    // --- send side: the next segment, once the segment it forwards has arrived ------------------
+    if (st < T) {
+      if (!of->active) {
+        const bool ready = st == 0 || rt > st - 1 || (rt == st - 1 && rj > sj);
+        if (ready) {
+          const int c = send_chunk(st);
+          const uint64_t elems = seg_len(c, sj);
+          const uint64_t bytes = elems * esz;
+          uint64_t slept = 0;
+          Status s = tenant_->bucket().Take(bytes, NowSeconds() + opts_.timeout_s, &slept);
+          if (!s.ok()) return fail(s, true, true);
+          if (slept) Counters().throttled_ns.fetch_add(slept);
+          Descriptor d = desc;
+          d.step = uint16_t(st);
+          // Step 0 sends this rank's own data; later steps forward what the previous step built.
+          const uint8_t* from = st == 0 ? src : dst;
+          s = Seal(*next_->session, FrameType::kData, opts_.job_id, uint32_t(r), d,
+                   from + (off(c) + sj * seg_elems) * esz, bytes, of);
+          if (!s.ok()) return fail(s, true, true);
+        }
+      }
+      if (of->active) {
+        bool p = false;
+        Status s = opts_.provider->send_some(next_, of, &p);
+        if (!s.ok()) return fail(reverse_abort(s), false, true);
+        progress |= p;
+        if (of->done()) {
+          of->active = false;
+          if (++sj == nseg(send_chunk(st))) {
+            ++st;
+            sj = 0;
+          }
+        }
+      }
+    }
+    // --- receive side: every segment that has arrived ------------------------------------------
+    while (rt < T) {
+      bool p = false;
+      Status s = opts_.provider->recv_some(prev_, &in, &p);
+      if (!s.ok()) return fail(s, true, false);
+      progress |= p;
+      if (in.stage == InFrame::kHeadReady) {
+        s = OpenHead(*prev_->session, in, opts_.job_id, prev_->peer_rank, prev_peer);
+        if (!s.ok()) return fail(s, true, true);
+        const FrameHeader& h = in.header();
+        if (h.type == uint16_t(FrameType::kAbort)) {
+          Status why;
+          s = read_abort(prev_, &in, &why);
+          return fail(s.ok() ? why : s, true, false);
+        }
+        if (h.type == uint16_t(FrameType::kSite)) {
+          s = read_text(prev_, &in, kMaxSiteText);
+          if (!s.ok()) return fail(s, true, true);
+          RegisterSite(h.site, std::string(reinterpret_cast<const char*>(in.dst), in.payload_bytes));
+          in.Reset();
+          progress = true;
+          continue;
+        }
+        const Descriptor theirs = DescriptorOf(h);
+        if (h.type != uint16_t(FrameType::kData) || !SameCollective(theirs, desc) ||
+            theirs.step != rt) {
+          Counters().rejected_mismatch.fetch_add(1);
+          std::string what =
+              h.type != uint16_t(FrameType::kData)
+                  ? std::string("sent a ") + FrameTypeName(h.type) + " frame"
+                  : "sent a frame of " + Describe(theirs) +
+                        (SameCollective(theirs, desc)
+                             ? " at ring step " + std::to_string(theirs.step) + " (expected " +
+                                   std::to_string(rt) + ")"
+                             : "");
+          return fail(DTENJAX_ERROR(Code::kInvalidArgument,
+                                    "dtenjax transport: collective mismatch between rank " +
+                                        std::to_string(h.src_rank) + " and rank " +
+                                        std::to_string(r) + ": rank " + std::to_string(r) +
+                                        " runs " + Describe(desc) + " but rank " +
+                                        std::to_string(h.src_rank) + " " + what +
+                                        ". Every process must issue the same collectives (same "
+                                        "op, dtype, shape and call site) in the same order"),
+                      true, true);
+        }
+        const int c = recv_chunk(rt);
+        const uint64_t elems = seg_len(c, rj);
+        if (h.payload_bytes != elems * esz) {
+          Counters().rejected_mismatch.fetch_add(1);
+          return fail(DTENJAX_ERROR(Code::kInvalidArgument,
+                                    "dtenjax transport: rank " + std::to_string(h.src_rank) +
+                                        " sent a segment of " + std::to_string(h.payload_bytes) +
+                                        " bytes for " + Describe(desc) + ", this rank expects " +
+                                        std::to_string(elems * esz) +
+                                        " (DTENJAX_TRANSPORT_SEGMENT_BYTES must be equal on every "
+                                        "process)"),
+                      true, true);
+        }
+        in.dst = rt < n - 1 ? tmp : dst + (off(c) + rj * seg_elems) * esz;
+        in.payload_bytes = elems * esz;
+        in.stage = InFrame::kBody;
+        in.got = 0;
+        continue;
+      }
+      if (in.stage != InFrame::kDone) break;
+      s = OpenBody(*prev_->session, in, prev_peer);
+      if (!s.ok()) return fail(s, true, true);
+      if (rt < n - 1) {
+        const int c = recv_chunk(rt);
+        const uint64_t at = (off(c) + rj * seg_elems) * esz;
+        s = Reduce(dst + at, src + at, tmp, seg_len(c, rj), dt, op);
+        if (!s.ok()) return fail(s, true, true);
+      }
+      in.Reset();
+      if (++rj == nseg(recv_chunk(rt))) {
+        ++rt;
+        rj = 0;
+      }
+    }
+    const double now = NowSeconds();
+    if (progress) {
+      last_progress = now;
+      continue;
+    }
+    if (now - last_progress >= opts_.timeout_s) {
+      Counters().timeouts.fetch_add(1);
+      std::string waiting =
+          rt < T ? "receiving segment " + std::to_string(rj) + " of ring step " +
+                       std::to_string(rt) + " from " + prev_peer
+                 : "sending ring step " + std::to_string(st) + " to " + next_->peer;
+      return fail(DTENJAX_ERROR(Code::kDeadlineExceeded,
+                                "dtenjax transport: rank " + std::to_string(r) + " timed out after " +
+                                    Seconds(opts_.timeout_s) + " s without progress " +
+                                    waiting + " in " + Describe(desc) +
+                                    " (DTENJAX_COLLECTIVE_TIMEOUT); the peer is stalled, dead or "
+                                    "running a different program"),
+                  true, true);
+    }
+    WaitItem w[2] = {{next_, of->active, true}, {prev_, false, rt < T}};
+    Counters().waits.fetch_add(1);
+    Status s = opts_.provider->wait(w, 2, last_progress + opts_.timeout_s);
+    if (!s.ok()) return fail(s, true, true);
+    // Something may have come backwards from the next rank: only ABORT frames (or its death).
+    bool p = false;
+    s = opts_.provider->recv_some(next_, &rev, &p);
+    if (!s.ok()) return fail(s, false, true);
+    if (rev.stage == InFrame::kHeadReady) {
+      s = OpenHead(*next_->session, rev, opts_.job_id, next_->peer_rank, next_->peer);
+      if (!s.ok()) return fail(s, false, true);
+      if (rev.header().type != uint16_t(FrameType::kAbort)) {
+        Counters().rejected_bad_header.fetch_add(1);
+        return fail(DTENJAX_ERROR(Code::kDataLoss,
+                                  std::string("dtenjax transport: ") + next_->peer +
+                                      " sent a " + FrameTypeName(rev.header().type) +
+                                      " frame backwards (only ABORT frames travel that way)"),
+                    false, true);
+      }
+      Status why;
+      s = read_abort(next_, &rev, &why);
+      return fail(s.ok() ? why : s, false, true);
+    }
+  }
+  return Status::Ok();
+}
+
+Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, ReduceOp op,
+                       uint32_t site, int64_t ring_position) {
   std::lock_guard<std::mutex> lock(op_mu_);
   if (!broken_.ok()) {
     return Status(broken_.code(), "dtenjax transport: communicator of rank " +
@@ -204,68 +628,81 @@ Status Comm::AllReduce(void* data, uint64_t count, DType dt, ReduceOp op) {
   Counters().collectives.fetch_add(1);
   Counters().ops_in_flight.fetch_add(1);
   struct InFlight { ~InFlight() { Counters().ops_in_flight.fetch_sub(1); } } in_flight;
+  Descriptor d;
+  d.coll_seq = ++coll_seq_;
+  d.count = count;
+  d.site = site;
+  d.op = uint8_t(op);
+  d.dtype = uint8_t(dt);
   const int n = opts_.size, r = opts_.rank;
-  if (n == 1 || count == 0) return Status::Ok();
+  Status s;
+  if (DTypeSize(dt) == 0) {
+    s = DTENJAX_ERROR(Code::kInvalidArgument, "unsupported dtype code " + std::to_string(int(dt)));
+  } else if (int(op) < 0 || int(op) > 3) {
+    s = DTENJAX_ERROR(Code::kInvalidArgument, "unsupported reduction code " + std::to_string(int(op)));
+  } else if (ring_position >= 0 && ring_position != r) {
+    s = DTENJAX_ERROR(Code::kInvalidArgument,
+                      "dtenjax transport: this process holds position " +
+                          std::to_string(ring_position) +
+                          " of the reduced mesh axis but is rank " + std::to_string(r) +
+                          " of its ring (its jax.process_index()); the host ring needs the "
+                          "processes along that axis in process order. Build the mesh from "
+                          "jax.devices() in their order (jax.make_mesh does) or use algorithm='xla'");
+  }
+  if (n == 1) {
+    if (s.ok() && dst != src) std::memcpy(dst, src, count * DTypeSize(dt));
+    return s;
+  }
   if (next_ == nullptr) {
     return DTENJAX_ERROR(Code::kInvalidArgument, "communicator is not connected (ConnectRing first)");
   }
-  const size_t esz = DTypeSize(dt);
-  if (esz == 0) return DTENJAX_ERROR(Code::kInvalidArgument, "unsupported dtype");
-  auto off = [&](int c) { return (count / n) * uint64_t(c) + std::min<uint64_t>(c, count % n); };
-  auto len = [&](int c) { return count / n + (uint64_t(c) < count % n ? 1 : 0); };
-  uint8_t* base = static_cast<uint8_t*>(data);
-  const uint64_t max_chunk = len(0) * esz;
-  int buf = -1;
-  Status s = pool_->Acquire(std::max<uint64_t>(max_chunk, 1), &buf);
-  if (!s.ok()) return s;
-  uint8_t* tmp = static_cast<uint8_t*>(pool_->Data(buf));
-  s = pool_->Post(buf);
-  for (int step = 0; s.ok() && step < n - 1; ++step) {  // reduce-scatter
-    const int sc = ((r - step) % n + n) % n, rc = ((r - step - 1) % n + n) % n;
-    s = Step(base + off(sc) * esz, len(sc) * esz, tmp, len(rc) * esz);
-    if (s.ok()) s = Reduce(base + off(rc) * esz, tmp, len(rc), dt, op);
+  OutFrame of;
+  if (!s.ok()) {
+    SendAborts(s, d, true, true, &of);
+  } else {
+    s = RunRing(static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), d, dt, op, &of);
   }
-  for (int step = 0; s.ok() && step < n - 1; ++step) {  // all-gather
-    const int sc = ((r + 1 - step) % n + n) % n, rc = ((r - step) % n + n) % n;
-    s = Step(base + off(sc) * esz, len(sc) * esz, base + off(rc) * esz, len(rc) * esz);
-  }
-  // The socket no longer reads the staging buffer whatever happened: complete, then release.
-  pool_->Complete(buf);
-  pool_->Release(buf);
-  if (!s.ok()) Abort(s);
+  if (!s.ok()) broken_ = s;
   return s;
 }
 
-void Comm::Submit(std::function<void()> fn) {
+Status Comm::Submit(std::function<void()> fn) {
   std::shared_ptr<WorkQueue> q = queue_;
   std::lock_guard<std::mutex> lock(q->mu);
+  if (!q->started) {
+    Status s = StartDetachedThread(
+        [q] {
+          while (true) {
+            std::function<void()> item;
+            {
+              std::unique_lock<std::mutex> l(q->mu);
+              q->cv.wait(l, [&] { return q->stop || !q->items.empty(); });
+              if (q->items.empty()) return;  // stopped and drained
+              item = std::move(q->items.front());
+              q->items.pop_front();
+              Counters().queue_depth.fetch_sub(1);
+            }
+            try {
+              item();  // items report their own failures; nothing may escape the thread
+            } catch (...) {
+            }
+          }
+        },
+        "the communicator's worker");
+    if (!s.ok()) return s;
+    q->started = true;
+  }
   q->items.push_back(std::move(fn));
   Counters().queue_depth.fetch_add(1);
-  if (!q->started) {
-    q->started = true;
-    std::thread([q] {
-      while (true) {
-        std::function<void()> item;
-        {
-          std::unique_lock<std::mutex> l(q->mu);
-          q->cv.wait(l, [&] { return q->stop || !q->items.empty(); });
-          if (q->items.empty()) return;  // stopped and drained
-          item = std::move(q->items.front());
-          q->items.pop_front();
-          Counters().queue_depth.fetch_sub(1);
-        }
-        item();
-      }
-    }).detach();
-  }
   q->cv.notify_one();
+  return Status::Ok();
 }
 
 namespace {
 std::mutex g_comms_mu;
 std::map<int64_t, std::shared_ptr<Comm>>& Comms() {
-  static std::map<int64_t, std::shared_ptr<Comm>> comms;
-  return comms;
+  static auto* comms = new std::map<int64_t, std::shared_ptr<Comm>>();
+  return *comms;
 }
 int64_t g_next_id = 1;
 }  // namespace

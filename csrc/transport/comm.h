@@ -1,6 +1,12 @@
 // A communicator: one rank of a ring of processes connected by a transport provider, running
 // deterministic all-reduce over host memory. Collectives of one communicator run one at a time in
 // submission order on its own worker thread (Submit), so an XLA thread never blocks on the network.
+//
+// Every collective carries a Descriptor (its number on the communicator, op, dtype, element count
+// and call-site tag) in every frame; a rank that receives a frame of another collective fails
+// with an error naming both, and tells its neighbours with ABORT frames that travel around the
+// ring in both directions, so every rank raises (naming the detector's finding and its own
+// collective) instead of some ranks returning wrong numbers or waiting for a timeout.
 #pragma once
 
 #include <atomic>
@@ -10,21 +16,20 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 
 #include "csrc/common/status.h"
 #include "csrc/transport/bufferpool.h"
+#include "csrc/transport/frame.h"
 #include "csrc/transport/provider.h"
 #include "csrc/transport/tenancy.h"
 
 namespace dtenjax::transport {
 
-enum class DType : int { kF32 = 0, kF64 = 1, kS32 = 2, kS64 = 3, kBF16 = 4 };
-enum class ReduceOp : int { kSum = 0, kMax = 1, kMin = 2, kProd = 3 };
-size_t DTypeSize(DType dt);
-// acc[i] = acc[i] (op) in[i]. Sum/prod are commutative in IEEE arithmetic, so every rank that
-// combines the same two values gets the same bits.
-Status Reduce(void* acc, const void* in, uint64_t count, DType dt, ReduceOp op);
+// out[i] = own[i] (op) in[i] (out may alias own). Sum/prod are commutative in IEEE arithmetic,
+// so every rank that combines the same two values gets the same bits. max/min propagate NaN.
+Status Reduce(void* out, const void* own, const void* in, uint64_t count, DType dt, ReduceOp op);
 
 struct CommOptions {
   uint64_t job_id = 0;
@@ -35,9 +40,20 @@ struct CommOptions {
   std::string tenant = "default";
   std::string bind_address = "127.0.0.1";
   const Provider* provider = nullptr;  // default: TCP
+  // Largest payload of one frame: a chunk of the ring is sent as segments of this size, and each
+  // segment is forwarded as soon as it arrived (pipelining across ring steps).
+  uint64_t segment_bytes = uint64_t(1) << 20;
+  double handshake_timeout_s = 10;
+  int max_pending_handshakes = 16;
 };
+// Every out-of-range option at once.
+Status ValidateCommOptions(const CommOptions& o);
 
 struct WorkQueue;
+
+// Starts a detached thread running fn; a failure to start (std::system_error, bad_alloc) becomes
+// a Status instead of an exception that could cross the FFI or binding boundary.
+Status StartDetachedThread(std::function<void()> fn, const char* what);
 
 class Comm {
  public:
@@ -46,23 +62,30 @@ class Comm {
   const std::string& endpoint() const { return endpoint_; }
   int rank() const { return opts_.rank; }
   int size() const { return opts_.size; }
+  const Provider* provider() const { return opts_.provider; }
 
   // Connects to the next rank and accepts the previous one (both authenticated).
   Status ConnectRing(const std::string& next_endpoint);
-  // In-place ring all-reduce of `count` elements. Reduce-scatter then all-gather over n equal
-  // chunks; chunk c is combined in the fixed order ((x[c] + x[c+1]) + ...) + x[c-1] (ranks mod n), so the
-  // result is identical on every rank and in every run.
-  Status AllReduce(void* data, uint64_t count, DType dt, ReduceOp op);
+  // Ring all-reduce of `count` elements from `src` into `dst` (they may be the same buffer; src is
+  // only read, so no copy is made first): reduce-scatter then all-gather over n chunks;
+  // chunk c is combined in the fixed order ((x[c] + x[c+1]) + ...) + x[c-1] (ranks mod n), so the
+  // result is identical on every rank and in every run. `site` tags the call site (RegisterSite
+  // gives its text). `ring_position` >= 0: this process's index along the reduced mesh axis as
+  // XLA computed it; it must equal rank() (else an error explains the mesh order dtenjax needs).
+  Status AllReduce(const void* src, void* dst, uint64_t count, DType dt, ReduceOp op,
+                   uint32_t site, int64_t ring_position = -1);
   // Runs fn on this communicator's worker thread after everything submitted before it.
-  void Submit(std::function<void()> fn);
-  // Marks the communicator broken and wakes the neighbours (they see end-of-stream).
-  void Abort(const Status& why);
-  void InjectCorruptNextSend() { corrupt_next_.store(true); }
+  Status Submit(std::function<void()> fn);
   BufferPool& pool() { return *pool_; }
 
  private:
   explicit Comm(const CommOptions& opts);
-  Status Step(const void* send, uint64_t send_bytes, void* recv, uint64_t recv_bytes);
+  Status RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& d, DType dt, ReduceOp op,
+                 OutFrame* out);
+  // Sends an ABORT frame carrying `why` (best effort, bounded time) to the chosen neighbours,
+  // finishing a half-sent frame to `next` first so the stream stays parseable.
+  void SendAborts(const Status& why, const Descriptor& d, bool to_next, bool to_prev,
+                  OutFrame* half_sent);
 
   CommOptions opts_;
   Tenant* tenant_;
@@ -73,8 +96,8 @@ class Comm {
   int connections_held_ = 0;
   std::mutex op_mu_;
   Status broken_;
-  uint64_t seq_ = 1;
-  std::atomic<bool> corrupt_next_{false};
+  uint64_t coll_seq_ = 0;
+  std::set<uint32_t> sites_sent_;  // call-site tags whose text the next rank has been sent
   std::unique_ptr<BufferPool> pool_;
   std::shared_ptr<WorkQueue> queue_;
 };
@@ -83,5 +106,9 @@ class Comm {
 int64_t RegisterComm(std::shared_ptr<Comm> comm);
 std::shared_ptr<Comm> FindComm(int64_t id);
 bool DestroyComm(int64_t id);
+
+// Testing only (bound as dtenjax._ffi.transport.testing): the next n thread starts fail as if
+// pthread_create returned EAGAIN.
+void FailNextThreadStarts(int n);
 
 }  // namespace dtenjax::transport

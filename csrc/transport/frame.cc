@@ -1,102 +1,287 @@
 #include "csrc/transport/frame.h"
 
+#include <cstdio>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
 
 namespace dtenjax::transport {
 
-uint64_t Checksum64(const void* data, size_t n) {
-  const uint8_t* p = static_cast<const uint8_t*>(data);
-  uint64_t a = 1, b = 0, c = 0, d = 0;
-  size_t i = 0;
-  // Two independent lanes so the adds pipeline.
-  for (; i + 8 <= n; i += 8) {
-    uint32_t w0, w1;
-    std::memcpy(&w0, p + i, 4);
-    std::memcpy(&w1, p + i + 4, 4);
-    a += w0; b += a;
-    c += w1; d += c;
+const char* FrameTypeName(uint16_t type) {
+  switch (static_cast<FrameType>(type)) {
+    case FrameType::kHello: return "HELLO";
+    case FrameType::kChallenge: return "CHALLENGE";
+    case FrameType::kResponse: return "RESPONSE";
+    case FrameType::kAccept: return "ACCEPT";
+    case FrameType::kData: return "DATA";
+    case FrameType::kAbort: return "ABORT";
+    case FrameType::kControl: return "CONTROL";
+    case FrameType::kSite: return "SITE";
   }
-  for (; i < n; ++i) { a += p[i]; b += a; }
-  uint64_t x = (b << 32) ^ a ^ (d * 0x9E3779B97F4A7C15ull) ^ (c << 17) ^ uint64_t(n);
-  return x;
+  return "unknown";
 }
 
-FrameHeader MakeHeader(FrameType type, uint64_t job_id, uint64_t seq, uint32_t src_rank,
-                       const void* payload, uint64_t payload_bytes) {
-  FrameHeader h;
-  h.magic = kFrameMagic;
-  h.version = kFrameVersion;
-  h.type = static_cast<uint16_t>(type);
-  h.job_id = job_id;
-  h.seq = seq;
-  h.payload_bytes = payload_bytes;
-  h.payload_checksum = payload_bytes ? Checksum64(payload, payload_bytes) : 0;
-  h.src_rank = src_rank;
-  h.header_checksum = uint32_t(Checksum64(&h, offsetof(FrameHeader, header_checksum)));
-  return h;
+size_t DTypeSize(DType dt) {
+  switch (dt) {
+    case DType::kF32: case DType::kS32: return 4;
+    case DType::kF64: case DType::kS64: return 8;
+    case DType::kBF16: return 2;
+  }
+  return 0;
 }
 
-Status CheckHeader(const FrameHeader& h, const FrameExpect& want, const std::string& peer) {
+const char* DTypeName(int code) {
+  switch (code) {
+    case 0: return "float32";
+    case 1: return "float64";
+    case 2: return "int32";
+    case 3: return "int64";
+    case 4: return "bfloat16";
+  }
+  return "unknown-dtype";
+}
+
+const char* ReduceOpName(int code) {
+  switch (code) {
+    case 0: return "sum";
+    case 1: return "max";
+    case 2: return "min";
+    case 3: return "prod";
+  }
+  return "unknown-op";
+}
+
+bool SameCollective(const Descriptor& a, const Descriptor& b) {
+  return a.coll_seq == b.coll_seq && a.count == b.count && a.site == b.site && a.op == b.op &&
+         a.dtype == b.dtype;
+}
+
+Descriptor DescriptorOf(const FrameHeader& h) {
+  Descriptor d;
+  d.coll_seq = h.coll_seq;
+  d.count = h.count;
+  d.site = h.site;
+  d.op = h.op;
+  d.dtype = h.dtype;
+  d.step = h.step;
+  return d;
+}
+
+namespace {
+std::mutex g_sites_mu;
+std::map<uint32_t, std::string>& Sites() {
+  static auto* sites = new std::map<uint32_t, std::string>();
+  return *sites;
+}
+}  // namespace
+
+void RegisterSite(uint32_t tag, const std::string& text) {
+  std::lock_guard<std::mutex> lock(g_sites_mu);
+  if (Sites().size() < 100000 || Sites().count(tag)) Sites()[tag] = text.substr(0, kMaxSiteText);
+}
+
+std::string SiteText(uint32_t tag) {
+  std::lock_guard<std::mutex> lock(g_sites_mu);
+  auto it = Sites().find(tag);
+  return it == Sites().end() ? "" : it->second;
+}
+
+std::string Describe(const Descriptor& d) {
+  char tag[16];
+  std::snprintf(tag, sizeof(tag), "0x%08x", d.site);
+  std::string site = SiteText(d.site);
+  return "all_reduce #" + std::to_string(d.coll_seq) + " (op=" + ReduceOpName(d.op) +
+         ", dtype=" + DTypeName(d.dtype) + ", count=" + std::to_string(d.count) + ", site " +
+         (site.empty() ? std::string(tag) : "'" + site + "' [" + tag + "]") + ")";
+}
+
+namespace {
+
+void PutLe(std::vector<uint8_t>* m, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) m->push_back(uint8_t(v >> (8 * i)));
+}
+
+uint32_t HeaderCrc(const FrameHeader& h) { return crypto::Crc32c(&h, offsetof(FrameHeader, crc)); }
+
+constexpr uint32_t kHeadLabel = 1, kBodyLabel = 2;
+
+Status Reject(std::atomic<uint64_t>& counter, Code code, const std::string& peer,
+              const std::string& what) {
+  counter.fetch_add(1);
+  return DTENJAX_ERROR(code, "dtenjax transport: rejected frame from " + peer + ": " + what);
+}
+
+// Checks shared by both kinds of frame; `sealed` frames must be one of the authenticated types.
+Status CheckCommon(const FrameHeader& h, uint64_t job_id, int64_t src_rank, bool sealed,
+                   const std::string& peer) {
   auto& c = Counters();
-  auto bad = [&](std::atomic<uint64_t>& counter, Code code, const std::string& what) {
-    counter.fetch_add(1);
-    return DTENJAX_ERROR(code, "dtenjax transport: rejected frame from " + peer + ": " + what);
-  };
   if (h.magic != kFrameMagic) {
-    return bad(c.rejected_bad_header, Code::kDataLoss,
-               "bad magic 0x" + std::to_string(h.magic) + " (not a dtenjax peer)");
+    char m[16];
+    std::snprintf(m, sizeof(m), "0x%08x", h.magic);
+    return Reject(c.rejected_bad_header, Code::kDataLoss, peer,
+                  std::string("bad magic ") + m + " (not a dtenjax peer)");
   }
-  if (h.header_checksum != uint32_t(Checksum64(&h, offsetof(FrameHeader, header_checksum)))) {
-    return bad(c.rejected_bad_checksum, Code::kDataLoss, "header checksum mismatch (corrupt header)");
+  if (h.crc != HeaderCrc(h)) {
+    return Reject(c.rejected_bad_checksum, Code::kDataLoss, peer,
+                  "header CRC32C mismatch (corrupt header)");
   }
   if (h.version != kFrameVersion) {
-    return bad(c.rejected_bad_header, Code::kDataLoss,
-               "protocol version " + std::to_string(h.version) + ", expected " +
-                   std::to_string(kFrameVersion) + " (all processes must run the same dtenjax)");
+    return Reject(c.rejected_bad_header, Code::kDataLoss, peer,
+                  "protocol version " + std::to_string(h.version) + ", expected " +
+                      std::to_string(kFrameVersion) + " (all processes must run the same dtenjax)");
   }
-  if (h.job_id != want.job_id) {
-    return bad(c.rejected_unknown_peer, Code::kPermissionDenied,
-               "job id " + std::to_string(h.job_id) + " is not this job's (" +
-                   std::to_string(want.job_id) + ")");
+  if (h.job_id != job_id) {
+    return Reject(c.rejected_unknown_peer, Code::kPermissionDenied, peer,
+                  "job id " + std::to_string(h.job_id) + " is not this job's (" +
+                      std::to_string(job_id) + ")");
   }
-  if (h.type != static_cast<uint16_t>(want.type)) {
-    return bad(c.rejected_bad_header, Code::kDataLoss,
-               "frame type " + std::to_string(h.type) + ", expected " +
-                   std::to_string(static_cast<int>(want.type)));
+  if (src_rank >= 0 && int64_t(h.src_rank) != src_rank) {
+    return Reject(c.rejected_unknown_peer, Code::kPermissionDenied, peer,
+                  "sender rank " + std::to_string(h.src_rank) + ", expected " +
+                      std::to_string(src_rank));
   }
-  if (want.src_rank >= 0 && int64_t(h.src_rank) != want.src_rank) {
-    return bad(c.rejected_unknown_peer, Code::kPermissionDenied,
-               "sender rank " + std::to_string(h.src_rank) + ", expected " +
-                   std::to_string(want.src_rank));
+  const bool is_sealed_type = h.type == uint16_t(FrameType::kAccept) ||
+                              h.type == uint16_t(FrameType::kData) ||
+                              h.type == uint16_t(FrameType::kAbort) ||
+                              h.type == uint16_t(FrameType::kControl) ||
+                              h.type == uint16_t(FrameType::kSite);
+  if (sealed != is_sealed_type) {
+    return Reject(c.rejected_bad_header, Code::kDataLoss, peer,
+                  std::string("unexpected frame type ") + std::to_string(h.type) + " (" +
+                      FrameTypeName(h.type) + ") at this point of the protocol");
   }
-  if (h.seq != want.seq) {
-    return bad(c.rejected_out_of_order, Code::kDataLoss,
-               "sequence number " + std::to_string(h.seq) + ", expected " + std::to_string(want.seq) +
-                   " (processes issued collectives in different orders)");
-  }
-  if (h.payload_bytes > kMaxFramePayload ||
-      (want.exact_size ? h.payload_bytes > want.payload_bytes
-                       : h.payload_bytes > want.payload_bytes)) {
-    return bad(c.rejected_oversized, Code::kDataLoss,
-               "payload of " + std::to_string(h.payload_bytes) + " bytes exceeds the " +
-                   std::to_string(want.payload_bytes) + " expected");
-  }
-  if (want.exact_size && h.payload_bytes != want.payload_bytes) {
-    return bad(c.rejected_bad_header, Code::kDataLoss,
-               "payload of " + std::to_string(h.payload_bytes) + " bytes, expected exactly " +
-                   std::to_string(want.payload_bytes) + " (shapes differ between processes)");
+  if (h.payload_bytes > kMaxFramePayload) {
+    return Reject(c.rejected_oversized, Code::kDataLoss, peer,
+                  "payload of " + std::to_string(h.payload_bytes) + " bytes exceeds the " +
+                      std::to_string(kMaxFramePayload) + "-byte frame limit");
   }
   return Status::Ok();
 }
 
-Status CheckPayload(const FrameHeader& h, const void* payload, const std::string& peer) {
-  uint64_t sum = h.payload_bytes ? Checksum64(payload, h.payload_bytes) : 0;
-  if (sum != h.payload_checksum) {
-    Counters().rejected_bad_checksum.fetch_add(1);
-    return DTENJAX_ERROR(Code::kDataLoss, "dtenjax transport: rejected frame from " + peer +
-                                              ": payload checksum mismatch (corrupt data, seq " +
-                                              std::to_string(h.seq) + ")");
+}  // namespace
+
+Status DeriveSession(const std::string& secret, uint64_t job_id, int client_rank, int server_rank,
+                     const uint8_t nonce_c[32], const uint8_t nonce_s[32], bool is_client,
+                     Session* out) {
+  static const char kLabel[] = "dtenjax-v2-session-keys";
+  std::vector<uint8_t> m(kLabel, kLabel + sizeof(kLabel) - 1);
+  PutLe(&m, job_id, 8);
+  PutLe(&m, uint32_t(client_rank), 4);
+  PutLe(&m, uint32_t(server_rank), 4);
+  m.insert(m.end(), nonce_c, nonce_c + 32);
+  m.insert(m.end(), nonce_s, nonce_s + 32);
+  uint8_t master[32], c2s[32], s2c[32];
+  DTENJAX_RETURN_IF_ERROR(crypto::HmacSha256(secret.data(), secret.size(), m.data(), m.size(), master));
+  static const char kC2s[] = "client->server", kS2c[] = "server->client";
+  DTENJAX_RETURN_IF_ERROR(crypto::HmacSha256(master, 32, kC2s, sizeof(kC2s) - 1, c2s));
+  DTENJAX_RETURN_IF_ERROR(crypto::HmacSha256(master, 32, kS2c, sizeof(kS2c) - 1, s2c));
+  DTENJAX_RETURN_IF_ERROR(out->send_mac.Init(is_client ? c2s : s2c));
+  DTENJAX_RETURN_IF_ERROR(out->recv_mac.Init(is_client ? s2c : c2s));
+  out->send_seq = 0;
+  out->recv_seq = 0;
+  std::memset(master, 0, sizeof(master));
+  std::memset(c2s, 0, sizeof(c2s));
+  std::memset(s2c, 0, sizeof(s2c));
+  return Status::Ok();
+}
+
+FrameHeader MakePlainHeader(FrameType type, uint64_t job_id, uint32_t src_rank,
+                            uint64_t payload_bytes) {
+  FrameHeader h{};
+  h.magic = kFrameMagic;
+  h.version = kFrameVersion;
+  h.type = static_cast<uint16_t>(type);
+  h.job_id = job_id;
+  h.payload_bytes = payload_bytes;
+  h.src_rank = src_rank;
+  h.crc = HeaderCrc(h);
+  return h;
+}
+
+Status CheckPlainHeader(const FrameHeader& h, const FrameExpect& want, const std::string& peer) {
+  DTENJAX_RETURN_IF_ERROR(CheckCommon(h, want.job_id, want.src_rank, false, peer));
+  auto& c = Counters();
+  if (h.type != static_cast<uint16_t>(want.type)) {
+    return Reject(c.rejected_bad_header, Code::kDataLoss, peer,
+                  std::string("frame type ") + FrameTypeName(h.type) + ", expected " +
+                      FrameTypeName(uint16_t(want.type)));
   }
+  if (h.payload_bytes != want.payload_bytes) {
+    return Reject(c.rejected_oversized, Code::kDataLoss, peer,
+                  "payload of " + std::to_string(h.payload_bytes) + " bytes, expected " +
+                      std::to_string(want.payload_bytes));
+  }
+  return Status::Ok();
+}
+
+Status Seal(Session& s, FrameType type, uint64_t job_id, uint32_t src_rank, const Descriptor& d,
+            const void* payload, uint64_t payload_bytes, OutFrame* f) {
+  FrameHeader h{};
+  h.magic = kFrameMagic;
+  h.version = kFrameVersion;
+  h.type = static_cast<uint16_t>(type);
+  h.job_id = job_id;
+  h.seq = s.send_seq;
+  h.payload_bytes = payload_bytes;
+  h.src_rank = src_rank;
+  h.site = d.site;
+  h.coll_seq = d.coll_seq;
+  h.count = d.count;
+  h.op = d.op;
+  h.dtype = d.dtype;
+  h.step = d.step;
+  h.crc = HeaderCrc(h);
+  std::memcpy(f->head, &h, sizeof(h));
+  DTENJAX_RETURN_IF_ERROR(
+      s.send_mac.Tag(h.seq, kHeadLabel, &h, sizeof(h), nullptr, 0, f->head + sizeof(h)));
+  DTENJAX_RETURN_IF_ERROR(
+      s.send_mac.Tag(h.seq, kBodyLabel, &h, sizeof(h), payload, payload_bytes, f->ptag));
+  ++s.send_seq;
+  f->payload = static_cast<const uint8_t*>(payload);
+  f->payload_bytes = payload_bytes;
+  f->sent = 0;
+  f->active = true;
+  return Status::Ok();
+}
+
+Status OpenHead(Session& s, const InFrame& f, uint64_t job_id, int64_t src_rank,
+                const std::string& peer) {
+  const FrameHeader& h = f.header();
+  DTENJAX_RETURN_IF_ERROR(CheckCommon(h, job_id, src_rank, true, peer));
+  auto& c = Counters();
+  uint8_t want[kTagBytes];
+  DTENJAX_RETURN_IF_ERROR(s.recv_mac.Tag(h.seq, kHeadLabel, &h, sizeof(h), nullptr, 0, want));
+  if (!crypto::Equal(want, f.head + sizeof(h), kTagBytes)) {
+    return Reject(c.rejected_mac, Code::kPermissionDenied, peer,
+                  "header authentication failed (the frame was modified in transit or does not "
+                  "come from the authenticated peer)");
+  }
+  if (h.seq < s.recv_seq) {
+    return Reject(c.rejected_replay, Code::kPermissionDenied, peer,
+                  "replayed frame: counter " + std::to_string(h.seq) + " was already received "
+                  "(next expected " + std::to_string(s.recv_seq) + ")");
+  }
+  if (h.seq > s.recv_seq) {
+    return Reject(c.rejected_out_of_order, Code::kPermissionDenied, peer,
+                  "frame counter " + std::to_string(h.seq) + ", expected " +
+                      std::to_string(s.recv_seq) + " (frames were dropped or reordered in transit)");
+  }
+  return Status::Ok();
+}
+
+Status OpenBody(Session& s, const InFrame& f, const std::string& peer) {
+  const FrameHeader& h = f.header();
+  uint8_t want[kTagBytes];
+  DTENJAX_RETURN_IF_ERROR(
+      s.recv_mac.Tag(h.seq, kBodyLabel, &h, sizeof(h), f.dst, f.payload_bytes, want));
+  if (!crypto::Equal(want, f.ptag, kTagBytes)) {
+    return Reject(Counters().rejected_mac, Code::kPermissionDenied, peer,
+                  "payload authentication failed for frame " + std::to_string(h.seq) + " (" +
+                      std::to_string(h.payload_bytes) + " bytes modified in transit: corrupted "
+                      "or tampered)");
+  }
+  ++s.recv_seq;
   return Status::Ok();
 }
 
@@ -109,16 +294,23 @@ const char* const kCounterNames[] = {
     "frames_sent", "frames_received", "bytes_sent", "bytes_received",
     "connections_opened", "connections_accepted", "rejected_bad_header", "rejected_bad_checksum",
     "rejected_oversized", "rejected_auth", "rejected_unknown_peer", "rejected_out_of_order",
-    "timeouts", "peer_failures", "collectives", "throttled_ns", "ops_in_flight", "queue_depth"};
+    "rejected_mac", "rejected_replay", "rejected_mismatch", "aborts_sent", "aborts_received",
+    "handshakes_evicted", "handshakes_timed_out", "timeouts", "peer_failures", "collectives",
+    "throttled_ns", "waits", "ops_in_flight", "queue_depth", "handshakes_pending"};
 
 void TransportCountersSnapshot(uint64_t* out) {
   auto& c = Counters();
-  const std::atomic<uint64_t>* all[kNumCounters] = {
+  const std::atomic<uint64_t>* all[] = {
       &c.frames_sent, &c.frames_received, &c.bytes_sent, &c.bytes_received,
       &c.connections_opened, &c.connections_accepted, &c.rejected_bad_header,
       &c.rejected_bad_checksum, &c.rejected_oversized, &c.rejected_auth,
-      &c.rejected_unknown_peer, &c.rejected_out_of_order, &c.timeouts, &c.peer_failures,
-      &c.collectives, &c.throttled_ns, &c.ops_in_flight, &c.queue_depth};
+      &c.rejected_unknown_peer, &c.rejected_out_of_order, &c.rejected_mac, &c.rejected_replay,
+      &c.rejected_mismatch, &c.aborts_sent, &c.aborts_received, &c.handshakes_evicted,
+      &c.handshakes_timed_out, &c.timeouts, &c.peer_failures, &c.collectives, &c.throttled_ns, &c.waits,
+      &c.ops_in_flight, &c.queue_depth, &c.handshakes_pending};
+  static_assert(sizeof(all) / sizeof(all[0]) == kNumCounters, "counter table size");
+  static_assert(sizeof(kCounterNames) / sizeof(kCounterNames[0]) == kNumCounters,
+                "counter name table size");
   for (int i = 0; i < kNumCounters; ++i) out[i] = all[i]->load();
 }
 

@@ -1,8 +1,18 @@
-// Wire format of the host transport. Every message on a TCP connection is one frame: a fixed
-// 48-byte little-endian header, then `payload_bytes` of payload. The header carries what a
-// receiver needs to reject anything that is not the next expected message of this job: magic,
-// version, frame type, job id, sequence number, payload size, payload checksum, sender rank and a
-// checksum of the header itself. Rejections are counted (TransportCounters), never fatal.
+// Wire format of the host transport (version 2; docs/transport.md has the byte layout).
+//
+// Every message is one frame: a fixed 64-byte little-endian header, then, for authenticated
+// frames, a 16-byte header tag, the payload, and a 16-byte payload tag.
+//
+// * Handshake frames (HELLO, CHALLENGE, RESPONSE) carry no tags; their header is protected by a
+//   CRC32C and their contents by the HMAC-SHA256 proofs of the handshake.
+// * Every frame after the handshake (ACCEPT, DATA, ABORT, CONTROL) is authenticated with
+//   AES-256-GMAC under a per-connection, per-direction key derived in the handshake. The nonce is
+//   the frame counter `seq` of that direction, so a frame cannot be modified (header tag over the
+//   header, payload tag over header || payload), replayed (its counter is not the next one) or
+//   moved to another connection (other key) without being rejected and counted.
+// * Every DATA and ABORT frame names the collective it belongs to: its number on the
+//   communicator, op, dtype, element count and call-site tag (Descriptor). A receiver compares it
+//   with its own and rejects a frame of a different collective, naming both sides.
 #pragma once
 
 #include <atomic>
@@ -11,56 +21,133 @@
 #include <string>
 
 #include "csrc/common/status.h"
+#include "csrc/transport/crypto.h"
 
 namespace dtenjax::transport {
 
 constexpr uint32_t kFrameMagic = 0x584A5444;  // "DTJX" little-endian
-constexpr uint16_t kFrameVersion = 1;
+constexpr uint16_t kFrameVersion = 2;
 // Hard ceiling on one frame's payload, whatever the receiver expects (1 GiB).
 constexpr uint64_t kMaxFramePayload = uint64_t(1) << 30;
+// Longest text an ABORT frame may carry.
+constexpr uint64_t kMaxAbortText = 4096;
+// Longest call-site text a SITE frame may carry.
+constexpr uint64_t kMaxSiteText = 256;
 
 enum class FrameType : uint16_t {
   kHello = 1,      // client -> server: nonce_c
   kChallenge = 2,  // server -> client: nonce_s || HMAC(server proof)
   kResponse = 3,   // client -> server: HMAC(client proof)
-  kAccept = 4,     // server -> client: empty; the connection is authenticated
-  kData = 5,       // collective payload
+  kAccept = 4,     // server -> client, authenticated, empty: keys agree
+  kData = 5,       // one segment of a collective
+  kAbort = 6,      // text: why the sender gave up on the collective; forwarded around the ring
+  kControl = 7,    // provider set-up data (verbs QP information)
+  kSite = 8,       // text of a call-site tag, sent once per tag and connection before its data
 };
+const char* FrameTypeName(uint16_t type);
+
+// Element types and reductions as they travel in frames (stable codes).
+enum class DType : int { kF32 = 0, kF64 = 1, kS32 = 2, kS64 = 3, kBF16 = 4 };
+enum class ReduceOp : int { kSum = 0, kMax = 1, kMin = 2, kProd = 3 };
+size_t DTypeSize(DType dt);  // 0 for an unknown code
+const char* DTypeName(int code);
+const char* ReduceOpName(int code);
 
 struct FrameHeader {
   uint32_t magic;
   uint16_t version;
   uint16_t type;
   uint64_t job_id;
-  uint64_t seq;
+  uint64_t seq;            // frame counter of this direction (0 for handshake frames)
   uint64_t payload_bytes;
-  uint64_t payload_checksum;
   uint32_t src_rank;
-  uint32_t header_checksum;  // low 32 bits of Checksum64 over the 44 bytes before it
+  uint32_t site;           // call-site tag of the collective
+  uint64_t coll_seq;       // number of the collective on its communicator (1, 2, ...)
+  uint64_t count;          // elements of the whole collective
+  uint8_t op;              // ReduceOp
+  uint8_t dtype;           // DType
+  uint16_t step;           // ring step of this segment
+  uint32_t crc;            // CRC32C of the 60 bytes before it
 };
-static_assert(sizeof(FrameHeader) == 48, "FrameHeader must be 48 bytes with no padding");
+static_assert(sizeof(FrameHeader) == 64, "FrameHeader must be 64 bytes with no padding");
+constexpr size_t kTagBytes = crypto::kTagBytes;
+constexpr size_t kSealedHeadBytes = sizeof(FrameHeader) + kTagBytes;  // header + header tag
 
-// Fletcher-style 64-bit checksum over 32-bit words (fast: one add pair per word). Detects
-// corruption, not tampering; tampering is prevented by the authenticated connection set-up.
-uint64_t Checksum64(const void* data, size_t n);
+// Which collective a frame belongs to.
+struct Descriptor {
+  uint64_t coll_seq = 0;
+  uint64_t count = 0;
+  uint32_t site = 0;
+  uint8_t op = 0;
+  uint8_t dtype = 0;
+  uint16_t step = 0;
+};
+bool SameCollective(const Descriptor& a, const Descriptor& b);  // all but `step`
+Descriptor DescriptorOf(const FrameHeader& h);
+// "all_reduce #3 (op=sum, dtype=float32, count=1000, site 'f (x.py:10)')"; the site text comes
+// from the process-wide table of call sites (RegisterSite) when this process knows the tag.
+std::string Describe(const Descriptor& d);
+void RegisterSite(uint32_t tag, const std::string& text);
+std::string SiteText(uint32_t tag);  // "" if unknown
 
-FrameHeader MakeHeader(FrameType type, uint64_t job_id, uint64_t seq, uint32_t src_rank,
-                       const void* payload, uint64_t payload_bytes);
+// Per-connection authentication state, created by the handshake.
+struct Session {
+  crypto::Gmac send_mac, recv_mac;
+  uint64_t send_seq = 0;  // counter of the next frame sent
+  uint64_t recv_seq = 0;  // counter the next received frame must carry
+};
+// Derives both directions' keys from the job secret and the handshake transcript.
+Status DeriveSession(const std::string& secret, uint64_t job_id, int client_rank, int server_rank,
+                     const uint8_t nonce_c[32], const uint8_t nonce_s[32], bool is_client,
+                     Session* out);
 
-// What a receiver expects of the next frame.
+// --- handshake (unauthenticated) frames ---------------------------------------------------------
+FrameHeader MakePlainHeader(FrameType type, uint64_t job_id, uint32_t src_rank,
+                            uint64_t payload_bytes);
 struct FrameExpect {
   FrameType type;
   uint64_t job_id;
-  uint64_t seq;
   int64_t src_rank;        // -1: any
-  uint64_t payload_bytes;  // exact size expected (for kData) ...
-  bool exact_size;         // ... or, if false, an upper bound
+  uint64_t payload_bytes;  // exact size
 };
+// Validates a received handshake header. Counts and describes every rejection.
+Status CheckPlainHeader(const FrameHeader& h, const FrameExpect& want, const std::string& peer);
 
-// Validates a received header (not the payload). Counts and describes every rejection.
-Status CheckHeader(const FrameHeader& h, const FrameExpect& want, const std::string& peer);
-// Validates a received payload against its header's checksum.
-Status CheckPayload(const FrameHeader& h, const void* payload, const std::string& peer);
+// --- authenticated frames -----------------------------------------------------------------------
+// An outgoing frame: header + header tag, payload (not copied), payload tag.
+struct OutFrame {
+  uint8_t head[kSealedHeadBytes];
+  const uint8_t* payload = nullptr;
+  uint64_t payload_bytes = 0;
+  uint8_t ptag[kTagBytes];
+  uint64_t sent = 0;  // bytes handed to the transport so far
+  bool active = false;
+  uint64_t total() const { return kSealedHeadBytes + payload_bytes + kTagBytes; }
+  bool done() const { return sent == total(); }
+};
+// Fills and tags `f` as the next frame of `s` (consumes one send counter).
+Status Seal(Session& s, FrameType type, uint64_t job_id, uint32_t src_rank, const Descriptor& d,
+            const void* payload, uint64_t payload_bytes, OutFrame* f);
+
+// An incoming frame, received in stages by a provider: the head first (kHeadReady: the caller
+// checks it with OpenHead and chooses where the payload goes), then payload and tag (kDone).
+struct InFrame {
+  enum Stage { kHead = 0, kHeadReady = 1, kBody = 2, kDone = 3 };
+  Stage stage = kHead;
+  uint8_t head[kSealedHeadBytes];
+  uint8_t* dst = nullptr;
+  uint64_t payload_bytes = 0;
+  uint8_t ptag[kTagBytes];
+  uint64_t got = 0;  // bytes of the current stage received
+  const FrameHeader& header() const { return *reinterpret_cast<const FrameHeader*>(head); }
+  void Reset() { stage = kHead; dst = nullptr; payload_bytes = 0; got = 0; }
+};
+// Authenticates a received head: magic/version/CRC, job, sender, the header tag, and that its
+// counter is the next one (replayed or reordered frames are rejected and counted).
+Status OpenHead(Session& s, const InFrame& f, uint64_t job_id, int64_t src_rank,
+                const std::string& peer);
+// Authenticates the payload against its tag and consumes the receive counter.
+Status OpenBody(Session& s, const InFrame& f, const std::string& peer);
 
 // Process-wide counters, readable from Python (transport.counters()).
 struct TransportCounters {
@@ -68,14 +155,17 @@ struct TransportCounters {
   std::atomic<uint64_t> connections_opened{0}, connections_accepted{0};
   std::atomic<uint64_t> rejected_bad_header{0}, rejected_bad_checksum{0}, rejected_oversized{0};
   std::atomic<uint64_t> rejected_auth{0}, rejected_unknown_peer{0}, rejected_out_of_order{0};
-  std::atomic<uint64_t> timeouts{0}, peer_failures{0}, collectives{0}, throttled_ns{0};
+  std::atomic<uint64_t> rejected_mac{0}, rejected_replay{0}, rejected_mismatch{0};
+  std::atomic<uint64_t> aborts_sent{0}, aborts_received{0};
+  std::atomic<uint64_t> handshakes_evicted{0}, handshakes_timed_out{0};
+  std::atomic<uint64_t> timeouts{0}, peer_failures{0}, collectives{0}, throttled_ns{0}, waits{0};
   // Gauges (current values, not totals) for the runtime agent's load report.
-  std::atomic<uint64_t> ops_in_flight{0}, queue_depth{0};
+  std::atomic<uint64_t> ops_in_flight{0}, queue_depth{0}, handshakes_pending{0};
 };
 TransportCounters& Counters();
 // Names in the order TransportCountersSnapshot fills them.
 extern const char* const kCounterNames[];
-constexpr int kNumCounters = 18;
+constexpr int kNumCounters = 27;
 void TransportCountersSnapshot(uint64_t* out);
 
 }  // namespace dtenjax::transport

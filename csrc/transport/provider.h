@@ -1,13 +1,22 @@
 // The transport provider interface: a small table of functions, one provider per file (tcp.cc,
-// verbs.cc), as NCCL's src/transport/ does. A communicator only talks to a Provider*.
+// verbs.cc), as NCCL's src/transport/ does, and a registry the providers add themselves to:
+//
+//   DTENJAX_REGISTER_PROVIDER(tcp, TcpProvider);   // at the end of tcp.cc
+//
+// A provider moves bytes and authenticates connections; frames, tags, collective descriptors and
+// the ring schedule are provider-independent (frame.h, comm.cc). Adding a provider is one file
+// here plus one line in the Python provider table (dtenjax/_src/net/transport.py PROVIDERS).
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "csrc/common/status.h"
+#include "csrc/transport/frame.h"
 
 namespace dtenjax::transport {
 
@@ -20,12 +29,17 @@ struct Handshake {
   int peer_rank = -1;  // -1: any member of the job
   std::string secret;
   const std::atomic<bool>* cancel = nullptr;  // accept/connect give up early when set
+  double handshake_timeout_s = 10;            // per unauthenticated connection (server side)
+  int max_pending = 16;                       // unauthenticated connections served at once
 };
 
 struct Conn {
   const Provider* provider = nullptr;
   int peer_rank = -1;
   std::string peer;  // description for messages, e.g. "rank 2 (tcp://127.0.0.1:4711)"
+  uint64_t job_id = 0;
+  int my_rank = 0;
+  std::unique_ptr<Session> session;  // keys and frame counters, from the handshake
   void* impl = nullptr;
 };
 
@@ -35,51 +49,58 @@ struct Listener {
   void* impl = nullptr;
 };
 
-struct SendOp {
+// One connection and the directions a waiter wants to make progress in.
+struct WaitItem {
   Conn* conn;
-  uint64_t seq;
-  const void* data;
-  uint64_t bytes;
-  bool corrupt;  // fault injection: flip a payload byte after the checksum is computed
-};
-
-struct RecvOp {
-  Conn* conn;
-  uint64_t seq;
-  void* data;
-  uint64_t bytes;  // exact size expected
+  bool send;
+  bool recv;
 };
 
 struct Provider {
   const char* name;
+  // Largest payload of one frame (0: no limit beyond kMaxFramePayload).
+  uint64_t max_payload;
   // Whether this provider can reach `endpoint` (a string another process published).
   bool (*can_connect)(const std::string& endpoint);
   Status (*listen)(const std::string& bind_address, Listener** out);
   // Connect and authenticate as the client of the handshake; retries until `deadline`.
   Status (*connect)(const std::string& endpoint, const Handshake& hs, double deadline, Conn** out);
-  // Accept and authenticate one peer; unauthenticated or malformed attempts are rejected, counted
-  // and skipped while waiting until `deadline`.
+  // Accept and authenticate one peer. Unauthenticated connections are served concurrently, each
+  // with its own deadline and at most hs.max_pending at once; failures are counted and skipped.
   Status (*accept)(Listener* l, const Handshake& hs, double deadline, Conn** out);
-  // Progress one send and one receive together (either may be null) so that ranks that send to
-  // each other never deadlock on full buffers. Fails with kDeadlineExceeded at `deadline`.
-  Status (*exchange)(const SendOp* send, const RecvOp* recv, uint64_t job_id, int my_rank,
-                     double deadline);
-  // Wake the peer (it sees end-of-stream) without freeing; used to propagate an abort.
+  // Hands as much of `f` to the connection as it takes now; never blocks.
+  Status (*send_some)(Conn* c, OutFrame* f, bool* progress);
+  // Receives what has arrived of `f` without blocking. Stops at InFrame::kHeadReady (the caller
+  // authenticates the head, sets dst/payload_bytes and stage = kBody) and at kDone.
+  Status (*recv_some)(Conn* c, InFrame* f, bool* progress);
+  // Blocks until one item can progress in a wanted direction, or `until` (no error at `until`).
+  Status (*wait)(const WaitItem* items, int n, double until);
+  // Stop sending (the peer reads what was sent, then end-of-stream) without freeing; used after
+  // an abort.
   void (*shutdown)(Conn* c);
   void (*close)(Conn* c);
   void (*close_listener)(Listener* l);
 };
 
+// --- provider registry --------------------------------------------------------------------------
+std::vector<const Provider*>& Providers();
+const Provider* FindProvider(const std::string& name);  // nullptr if not in this build
 const Provider* TcpProvider();
-#ifdef DTENJAX_HAVE_VERBS
-const Provider* VerbsProvider();
-#endif
 
-// Raw bytes over an authenticated TCP connection (the verbs provider's side channel for QP
-// set-up): exactly n bytes by `deadline`.
-Status TcpRawIo(Conn* c, bool write, void* buf, size_t n, double deadline);
+struct ProviderRegistrar {
+  explicit ProviderRegistrar(const Provider* p) { Providers().push_back(p); }
+};
 
-// Random bytes from the kernel (getrandom); for nonces and job secrets.
-Status RandomBytes(void* out, size_t n);
+#define DTENJAX_REGISTER_PROVIDER(name, getter) \
+  static ::dtenjax::transport::ProviderRegistrar dtenjax_provider_registrar_##name(getter())
+
+// --- blocking helpers over any provider (handshake ACCEPT, control frames, aborts) ---------------
+// Sends one authenticated frame by `deadline`.
+Status SendSealed(Conn* c, FrameType type, const Descriptor& d, const void* payload, uint64_t n,
+                  double deadline);
+// Receives one authenticated frame of `type` with exactly `n` payload bytes into `payload`.
+Status RecvSealed(Conn* c, FrameType type, void* payload, uint64_t n, double deadline);
+
+double NowSeconds();  // monotonic clock (tenancy.cc)
 
 }  // namespace dtenjax::transport

@@ -1,6 +1,7 @@
 #include "csrc/transport/tenancy.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -14,10 +15,29 @@ double NowSeconds() {
   return duration<double>(steady_clock::now().time_since_epoch()).count();
 }
 
+Status ValidateQuota(const TenantQuota& q) {
+  std::string bad;
+  auto need = [&](bool ok, const std::string& what) {
+    if (!ok) bad += (bad.empty() ? "" : "; ") + what;
+  };
+  need(q.max_connections >= -1,
+       "max_connections=" + std::to_string(q.max_connections) + " (use -1 for unlimited or 0..2^63-1)");
+  need(q.max_registered_bytes >= -1, "max_registered_bytes=" + std::to_string(q.max_registered_bytes) +
+                                         " (use -1 for unlimited or 0..2^63-1)");
+  need(std::isfinite(q.rate_bytes_per_s) && q.rate_bytes_per_s >= 0,
+       "rate_bytes_per_s=" + std::to_string(q.rate_bytes_per_s) +
+           " (a finite number >= 0; 0 means unlimited)");
+  need(std::isfinite(q.burst_bytes) && q.burst_bytes >= 0,
+       "burst_bytes=" + std::to_string(q.burst_bytes) + " (a finite number >= 0)");
+  if (!bad.empty()) return DTENJAX_ERROR(Code::kInvalidArgument, "invalid tenant quota: " + bad);
+  return Status::Ok();
+}
+
 void TokenBucket::Configure(double rate, double burst) {
   std::lock_guard<std::mutex> lock(mu_);
-  rate_ = rate > 0 ? rate : 0;
-  burst_ = burst > 0 ? burst : (rate_ > (1 << 20) ? rate_ : double(1 << 20));
+  rate_ = std::isfinite(rate) && rate > 0 ? rate : 0;
+  burst_ = std::isfinite(burst) && burst > 0 ? burst
+                                             : (rate_ > (1 << 20) ? rate_ : double(1 << 20));
   tokens_ = burst_;
   last_ = NowSeconds();
 }
@@ -50,10 +70,12 @@ Status TokenBucket::Take(uint64_t bytes, double deadline, uint64_t* slept_ns) {
   return Status::Ok();
 }
 
-void Tenant::SetQuota(const TenantQuota& q) {
+Status Tenant::SetQuota(const TenantQuota& q) {
+  DTENJAX_RETURN_IF_ERROR(ValidateQuota(q));
   std::lock_guard<std::mutex> lock(mu_);
   quota_ = q;
   bucket_.Configure(q.rate_bytes_per_s, q.burst_bytes);
+  return Status::Ok();
 }
 
 TenantQuota Tenant::quota() {
@@ -95,11 +117,11 @@ void Tenant::ReleaseConnection() {
   if (usage_.connections > 0) --usage_.connections;
 }
 
-Status Tenant::ChargeRegistered(int64_t bytes, const std::string& what) {
+Status Tenant::ChargeRegistered(int64_t bytes, const std::string& what, bool count_refusal) {
   std::lock_guard<std::mutex> lock(mu_);
   if (quota_.max_registered_bytes >= 0 &&
-      usage_.registered_bytes + bytes > quota_.max_registered_bytes) {
-    ++usage_.quota_refusals;
+      bytes > quota_.max_registered_bytes - usage_.registered_bytes) {
+    if (count_refusal) ++usage_.quota_refusals;
     return DTENJAX_ERROR(Code::kResourceExhausted,
                          "tenant '" + name_ + "' would exceed its registered-memory quota (" +
                              std::to_string(quota_.max_registered_bytes) + " bytes, " +
@@ -127,6 +149,7 @@ Status NoCudaOwner(const void*, uint64_t, int64_t*) {
 }
 
 PointerOwnerFn g_owner_fn = &NoCudaOwner;
+PointerOwnerFn g_saved_owner_fn = &NoCudaOwner;
 
 struct FakeRange { uint64_t start, size; int64_t owner; };
 std::vector<FakeRange>& FakeTable() {
@@ -139,7 +162,7 @@ Status FakeOwner(const void* ptr, uint64_t bytes, int64_t* owner) {
   uint64_t p = reinterpret_cast<uint64_t>(ptr);
   for (const auto& r : FakeTable()) {
     if (p >= r.start && p < r.start + r.size) {
-      if (p + bytes > r.start + r.size) {
+      if (bytes > r.start + r.size - p) {
         return DTENJAX_ERROR(Code::kPermissionDenied,
                              "range [ptr, ptr+bytes) runs past the end of its allocation");
       }
@@ -155,6 +178,7 @@ Status FakeOwner(const void* ptr, uint64_t bytes, int64_t* owner) {
 void SetPointerOwnerFn(PointerOwnerFn fn) {
   std::lock_guard<std::mutex> lock(g_owner_mu);
   g_owner_fn = fn ? fn : &NoCudaOwner;
+  g_saved_owner_fn = g_owner_fn;
 }
 
 PointerOwnerFn GetPointerOwnerFn() {
@@ -162,14 +186,28 @@ PointerOwnerFn GetPointerOwnerFn() {
   return g_owner_fn;
 }
 
-void SetFakePointerOwners(const uint64_t* starts, const uint64_t* sizes, const int64_t* owners,
-                          int n) {
+Status SetFakePointerOwners(const std::vector<OwnerRange>& ranges) {
+  for (const auto& r : ranges) {
+    if (r.size == 0 || r.start + r.size < r.start) {
+      return DTENJAX_ERROR(Code::kInvalidArgument,
+                           "fake owner range start=" + std::to_string(r.start) + " size=" +
+                               std::to_string(r.size) + " is empty or wraps past 2^64");
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(g_owner_mu);
     FakeTable().clear();
-    for (int i = 0; i < n; ++i) FakeTable().push_back({starts[i], sizes[i], owners[i]});
+    for (const auto& r : ranges) FakeTable().push_back({r.start, r.size, r.owner});
+    g_saved_owner_fn = g_owner_fn == &FakeOwner ? g_saved_owner_fn : g_owner_fn;
+    g_owner_fn = &FakeOwner;
   }
-  SetPointerOwnerFn(&FakeOwner);
+  return Status::Ok();
+}
+
+void ResetPointerOwnerFn() {
+  std::lock_guard<std::mutex> lock(g_owner_mu);
+  if (g_owner_fn == &FakeOwner) g_owner_fn = g_saved_owner_fn;
+  FakeTable().clear();
 }
 
 Status Tenant::CheckDeviceMemory(const void* ptr, uint64_t bytes) {

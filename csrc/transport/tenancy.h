@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "csrc/common/status.h"
 
@@ -21,6 +22,8 @@ struct TenantQuota {
   double rate_bytes_per_s = 0;        // 0: unlimited
   double burst_bytes = 0;             // bucket depth; 0 means one second of rate (or 1 MiB)
 };
+// Every out-of-range field at once (limits below -1, rates that are negative, NaN or infinite).
+Status ValidateQuota(const TenantQuota& q);
 
 class TokenBucket {
  public:
@@ -47,7 +50,7 @@ class Tenant {
  public:
   explicit Tenant(std::string name) : name_(std::move(name)) {}
   const std::string& name() const { return name_; }
-  void SetQuota(const TenantQuota& q);
+  Status SetQuota(const TenantQuota& q);
   TenantQuota quota();
   TenantUsage usage();
   void SetOwnerContext(int64_t ctx);
@@ -55,7 +58,8 @@ class Tenant {
 
   Status AcquireConnection(const std::string& what);
   void ReleaseConnection();
-  Status ChargeRegistered(int64_t bytes, const std::string& what);
+  // count_refusal=false: a refusal the caller may still resolve (by evicting idle buffers).
+  Status ChargeRegistered(int64_t bytes, const std::string& what, bool count_refusal = true);
   void UnchargeRegistered(int64_t bytes);
   TokenBucket& bucket() { return bucket_; }
   // Refuses memory that does not belong to this tenant's context (PermissionDenied).
@@ -77,8 +81,11 @@ Tenant* GetTenant(const std::string& name);
 using PointerOwnerFn = Status (*)(const void* ptr, uint64_t bytes, int64_t* owner_context);
 void SetPointerOwnerFn(PointerOwnerFn fn);
 PointerOwnerFn GetPointerOwnerFn();
-// A table-driven owner function for tests: [start, start+size) -> context.
-void SetFakePointerOwners(const uint64_t* starts, const uint64_t* sizes, const int64_t* owners,
-                          int n);
+// Testing only (bound as dtenjax._ffi.transport.testing): a table-driven owner function,
+// [start, start+size) -> context, so the refusal logic is tested on machines without CUDA.
+struct OwnerRange { uint64_t start, size; int64_t owner; };
+Status SetFakePointerOwners(const std::vector<OwnerRange>& ranges);
+// Restores the build's own owner function (CUDA's, or "unverifiable" without CUDA).
+void ResetPointerOwnerFn();
 
 }  // namespace dtenjax::transport

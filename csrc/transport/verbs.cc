@@ -2,12 +2,15 @@
 // machines without it; only the data structures and static-inline fast paths (ibv_post_send,
 // ibv_post_recv, ibv_poll_cq, which go through context->ops) come from <infiniband/verbs.h>.
 //
-// Connection set-up: an authenticated TCP connection (the TCP provider, with its HMAC handshake)
-// carries each side's QP number, PSN, LID, GID, and the rkey/address of its registered receive
-// slab; then the RC QP goes RESET -> INIT -> RTR -> RTS. Data: the sender copies a piece (<= slab
-// size) into its registered send slab and posts RDMA WRITE WITH IMM into the receiver's slab; the
-// receiver's receive completion (imm = piece length) is the signal; it copies the piece out, reposts
-// a receive and returns one credit with a zero-length SEND. One piece in flight per connection.
+// Connection set-up: an authenticated TCP connection (the TCP provider, with its HMAC handshake
+// and session keys) carries each side's QP number, PSN, LID, GID, and the rkey/address of its
+// registered receive slab in authenticated CONTROL frames; then the RC QP goes RESET -> INIT ->
+// RTR -> RTS. Data: one frame (frame.h: head, payload, payload tag; authenticated with the TCP
+// connection's session keys like every TCP frame) is copied into the registered send slab and
+// posted as RDMA WRITE WITH IMM into the peer's receive slab; the receive completion (imm = frame
+// length) is the signal; the receiver copies the frame out, reposts a receive and returns one
+// credit with a zero-length SEND. One frame in flight per direction; frames of both directions
+// share the QP (aborts travel backwards).
 //
 // NEVER RUN ON RDMA HARDWARE: no machine we have has an RDMA device. The device-free logic
 // (transitions, masks, GID choice, validation, imm encoding) is unit-tested; the rest compiles.
@@ -18,7 +21,9 @@
 #include <infiniband/verbs.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -27,6 +32,7 @@
 #include "csrc/transport/frame.h"
 #include "csrc/transport/provider.h"
 #include "csrc/transport/tenancy.h"
+#include "csrc/transport/crypto.h"
 
 namespace dtenjax::transport {
 namespace verbs {
@@ -204,7 +210,7 @@ namespace {
 
 using namespace verbs;  // NOLINT
 
-constexpr size_t kSlab = 4 << 20;  // bytes of one piece / registered slab per direction
+constexpr size_t kSlab = 4 << 20;  // bytes of one frame slab per direction
 
 // One opened device shared by all connections of the process.
 struct Device {
@@ -219,6 +225,7 @@ struct Device {
 
 std::mutex g_dev_mu;
 Device* g_dev = nullptr;
+std::string g_want_device;  // set by SetDeviceName (DTENJAX_IB_DEVICE, read in Python)
 
 Status OpenDevice(Device** out) {
   std::lock_guard<std::mutex> lock(g_dev_mu);
@@ -230,10 +237,9 @@ Status OpenDevice(Device** out) {
     if (list) g_lib.free_device_list(list);
     return DTENJAX_ERROR(Code::kUnavailable, "no RDMA device; use the TCP provider");
   }
-  const char* want = std::getenv("DTENJAX_IB_DEVICE");
   auto dev = std::make_unique<Device>();
   for (int i = 0; i < num && !dev->ctx; ++i) {
-    if (want && *want && std::strcmp(want, g_lib.get_device_name(list[i])) != 0) continue;
+    if (!g_want_device.empty() && g_want_device != g_lib.get_device_name(list[i])) continue;
     ibv_context* ctx = g_lib.open_device(list[i]);
     if (!ctx) continue;
     if (g_lib.query_port(ctx, 1, &dev->port_attr) == 0 && dev->port_attr.state == IBV_PORT_ACTIVE) {
@@ -243,7 +249,11 @@ Status OpenDevice(Device** out) {
     }
   }
   g_lib.free_device_list(list);
-  if (!dev->ctx) return DTENJAX_ERROR(Code::kUnavailable, "no RDMA device with an active port 1");
+  if (!dev->ctx) {
+    return DTENJAX_ERROR(Code::kUnavailable,
+                         "no RDMA device with an active port 1" +
+                             (g_want_device.empty() ? std::string() : " named " + g_want_device));
+  }
   dev->ethernet = dev->port_attr.link_layer == IBV_LINK_LAYER_ETHERNET;
   std::vector<GidEntry> gids;
   for (int i = 0; i < dev->port_attr.gid_tbl_len && i < 32; ++i) {
@@ -280,7 +290,7 @@ struct QpInfo {
 };
 
 struct VerbsConn {
-  Conn* side = nullptr;  // authenticated TCP side channel
+  Conn* side = nullptr;  // authenticated TCP side channel (set-up, shutdown)
   Device* dev = nullptr;
   ibv_cq* cq = nullptr;
   ibv_qp* qp = nullptr;
@@ -289,9 +299,11 @@ struct VerbsConn {
   ibv_mr* send_mr = nullptr;
   ibv_mr* recv_mr = nullptr;
   QpInfo remote{};
-  int credits = 1;  // pieces the peer can accept
+  int credits = 1;          // frames the peer can accept
+  bool write_posted = false;  // our frame is being written into the peer's slab
+  bool write_done = false;
+  int64_t arrived = -1;     // bytes of a frame that arrived in recv_buf, -1 if none
   int state = kReset;
-  Tenant* tenant = nullptr;
 };
 
 Status Modify(VerbsConn* v, int to, ibv_qp_attr* attr) {
@@ -325,6 +337,8 @@ void Destroy(VerbsConn* v) {
   delete v;
 }
 
+const Provider* VerbsProvider();
+
 // Creates the QP and MRs, swaps QpInfo over the side channel, and brings the QP to RTS.
 Status Setup(Conn* side, double deadline, Conn** out) {
   auto* v = new VerbsConn;
@@ -354,14 +368,14 @@ Status Setup(Conn* side, double deadline, Conn** out) {
   QpInfo mine{};
   mine.qpn = v->qp->qp_num;
   uint32_t rnd = 0;
-  RandomBytes(&rnd, sizeof(rnd));
+  if (!(s = crypto::RandomBytes(&rnd, sizeof(rnd))).ok()) return fail(s);
   mine.psn = rnd & 0xffffff;
   mine.lid = v->dev->port_attr.lid;
   std::memcpy(mine.gid, v->dev->gid.raw, 16);
   mine.rkey = v->recv_mr->rkey;
   mine.addr = reinterpret_cast<uint64_t>(v->recv_buf);
-  s = TcpRawIo(side, true, &mine, sizeof(mine), deadline);
-  if (s.ok()) s = TcpRawIo(side, false, &v->remote, sizeof(v->remote), deadline);
+  s = SendSealed(side, FrameType::kControl, Descriptor{}, &mine, sizeof(mine), deadline);
+  if (s.ok()) s = RecvSealed(side, FrameType::kControl, &v->remote, sizeof(v->remote), deadline);
   if (!s.ok()) return fail(s);
   QpParams p;
   p.port = v->dev->port;
@@ -408,6 +422,10 @@ Status Setup(Conn* side, double deadline, Conn** out) {
   c->provider = VerbsProvider();
   c->peer_rank = side->peer_rank;
   c->peer = side->peer + " over RDMA";
+  c->job_id = side->job_id;
+  c->my_rank = side->my_rank;
+  // Frames over the QP are authenticated with the side channel's session (its counters continue).
+  c->session = std::move(side->session);
   c->impl = v;
   *out = c;
   return Status::Ok();
@@ -434,113 +452,137 @@ Status VerbsConnect(const std::string& ep, const Handshake& hs, double deadline,
 
 Status VerbsAccept(Listener* l, const Handshake& hs, double deadline, Conn** out) {
   Conn* side = nullptr;
-  Listener tcp_view = *l;
-  tcp_view.provider = TcpProvider();
-  DTENJAX_RETURN_IF_ERROR(TcpProvider()->accept(&tcp_view, hs, deadline, &side));
+  const Provider* was = l->provider;
+  l->provider = TcpProvider();
+  Status s = TcpProvider()->accept(l, hs, deadline, &side);
+  l->provider = was;
+  DTENJAX_RETURN_IF_ERROR(s);
   return Setup(side, deadline, out);
 }
 
-Status PollOne(VerbsConn* v, ibv_wc* wc, bool* got) {
-  int n = ibv_poll_cq(v->cq, 1, wc);
-  if (n < 0) return DTENJAX_ERROR(Code::kInternal, "ibv_poll_cq failed");
-  *got = n == 1;
-  if (*got && wc->status != IBV_WC_SUCCESS) {
-    Counters().peer_failures.fetch_add(1);
-    return DTENJAX_ERROR(Code::kUnavailable, "RDMA work completion failed with status " +
-                                                 std::to_string(int(wc->status)) +
-                                                 " (peer died or the fabric dropped the QP)");
+// Polls the completion queue empty, updating the connection's state.
+Status Drain(VerbsConn* v, const std::string& peer) {
+  ibv_wc wc[8];
+  while (true) {
+    int n = ibv_poll_cq(v->cq, 8, wc);
+    if (n < 0) return DTENJAX_ERROR(Code::kInternal, "ibv_poll_cq failed");
+    if (n == 0) return Status::Ok();
+    for (int i = 0; i < n; ++i) {
+      if (wc[i].status != IBV_WC_SUCCESS) {
+        Counters().peer_failures.fetch_add(1);
+        return DTENJAX_ERROR(Code::kUnavailable, "RDMA work completion with " + peer +
+                                                     " failed with status " +
+                                                     std::to_string(int(wc[i].status)) +
+                                                     " (peer died or the fabric dropped the QP)");
+      }
+      if (wc[i].opcode == IBV_WC_RDMA_WRITE) {
+        v->write_done = true;
+      } else if (wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+        uint32_t bytes;
+        bool last;
+        DecodeImm(ntohl(wc[i].imm_data), &bytes, &last);
+        if (v->arrived >= 0 || bytes > kSlab) {
+          Counters().rejected_oversized.fetch_add(1);
+          return DTENJAX_ERROR(Code::kDataLoss, "RDMA frame from " + peer +
+                                                    " overruns the receive slab (credit violated)");
+        }
+        v->arrived = int64_t(bytes);
+      } else if (wc[i].opcode == IBV_WC_RECV) {  // a credit came back
+        ++v->credits;
+        DTENJAX_RETURN_IF_ERROR(PostRecv(v));
+      }
+    }
+  }
+}
+
+Status VerbsSendSome(Conn* c, OutFrame* f, bool* progress) {
+  auto* v = static_cast<VerbsConn*>(c->impl);
+  *progress = false;
+  DTENJAX_RETURN_IF_ERROR(Drain(v, c->peer));
+  if (f->done()) return Status::Ok();
+  if (!v->write_posted) {
+    if (v->credits <= 0) return Status::Ok();
+    if (f->total() > kSlab) {
+      return DTENJAX_ERROR(Code::kInvalidArgument, "frame of " + std::to_string(f->total()) +
+                                                       " bytes exceeds the RDMA slab");
+    }
+    uint8_t* b = static_cast<uint8_t*>(v->send_buf);
+    std::memcpy(b, f->head, kSealedHeadBytes);
+    if (f->payload_bytes) std::memcpy(b + kSealedHeadBytes, f->payload, f->payload_bytes);
+    std::memcpy(b + kSealedHeadBytes + f->payload_bytes, f->ptag, kTagBytes);
+    ibv_sge sge{reinterpret_cast<uint64_t>(b), uint32_t(f->total()), v->send_mr->lkey};
+    ibv_send_wr wr{}, *bad = nullptr;
+    wr.wr_id = 2;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.imm_data = htonl(EncodeImm(uint32_t(f->total()), true));
+    wr.wr.rdma.remote_addr = v->remote.addr;
+    wr.wr.rdma.rkey = v->remote.rkey;
+    if (ibv_post_send(v->qp, &wr, &bad) != 0) {
+      return DTENJAX_ERROR(Code::kInternal, "ibv_post_send (RDMA WRITE WITH IMM) failed");
+    }
+    --v->credits;
+    v->write_posted = true;
+    v->write_done = false;
+    *progress = true;
+  }
+  if (v->write_done) {
+    v->write_posted = false;
+    f->sent = f->total();
+    *progress = true;
+    Counters().frames_sent.fetch_add(1);
+    Counters().bytes_sent.fetch_add(f->total());
   }
   return Status::Ok();
 }
 
-Status VerbsExchange(const SendOp* snd, const RecvOp* rcv, uint64_t, int, double deadline) {
-  VerbsConn* sv = snd ? static_cast<VerbsConn*>(snd->conn->impl) : nullptr;
-  VerbsConn* rv = rcv ? static_cast<VerbsConn*>(rcv->conn->impl) : nullptr;
-  uint64_t s_done = 0, r_done = 0;
-  bool s_fin = !snd, r_fin = !rcv, s_inflight = false;
-  const uint8_t* src = snd ? static_cast<const uint8_t*>(snd->data) : nullptr;
-  uint8_t* dst = rcv ? static_cast<uint8_t*>(rcv->data) : nullptr;
-  while (!s_fin || !r_fin) {
-    if (NowSeconds() >= deadline) {
-      Counters().timeouts.fetch_add(1);
-      return DTENJAX_ERROR(Code::kDeadlineExceeded,
-                           "dtenjax verbs transport: timed out waiting for " +
-                               (!r_fin ? rcv->conn->peer : snd->conn->peer));
+Status VerbsRecvSome(Conn* c, InFrame* f, bool* progress) {
+  auto* v = static_cast<VerbsConn*>(c->impl);
+  *progress = false;
+  DTENJAX_RETURN_IF_ERROR(Drain(v, c->peer));
+  if (v->arrived < 0) return Status::Ok();
+  const uint8_t* b = static_cast<const uint8_t*>(v->recv_buf);
+  if (f->stage == InFrame::kHead) {
+    if (uint64_t(v->arrived) < kSealedHeadBytes + kTagBytes) {
+      Counters().rejected_bad_header.fetch_add(1);
+      return DTENJAX_ERROR(Code::kDataLoss, "RDMA frame from " + c->peer + " is too short");
     }
-    if (!s_fin && !s_inflight && sv->credits > 0) {
-      uint32_t piece = uint32_t(std::min<uint64_t>(kSlab, snd->bytes - s_done));
-      std::memcpy(sv->send_buf, src + s_done, piece);
-      if (snd->corrupt && piece) static_cast<uint8_t*>(sv->send_buf)[piece / 2] ^= 0x5A;
-      ibv_sge sge{reinterpret_cast<uint64_t>(sv->send_buf), piece, sv->send_mr->lkey};
-      ibv_send_wr wr{}, *bad = nullptr;
-      wr.wr_id = 2;
-      wr.sg_list = &sge;
-      wr.num_sge = 1;
-      wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-      wr.send_flags = IBV_SEND_SIGNALED;
-      wr.imm_data = htonl(EncodeImm(piece, s_done + piece == snd->bytes));
-      wr.wr.rdma.remote_addr = sv->remote.addr;
-      wr.wr.rdma.rkey = sv->remote.rkey;
-      if (ibv_post_send(sv->qp, &wr, &bad) != 0) {
-        return DTENJAX_ERROR(Code::kInternal, "ibv_post_send (RDMA WRITE WITH IMM) failed");
-      }
-      --sv->credits;
-      s_inflight = true;
-      s_done += piece;
-    }
-    ibv_wc wc;
-    bool got = false;
-    if (sv) {
-      DTENJAX_RETURN_IF_ERROR(PollOne(sv, &wc, &got));
-      if (got && wc.opcode == IBV_WC_RDMA_WRITE) {
-        s_inflight = false;
-        if (s_done == snd->bytes) {
-          s_fin = true;
-          Counters().frames_sent.fetch_add(1);
-          Counters().bytes_sent.fetch_add(snd->bytes);
-        }
-      } else if (got && wc.opcode == IBV_WC_RECV) {  // a credit came back
-        ++sv->credits;
-        DTENJAX_RETURN_IF_ERROR(PostRecv(sv));
-      }
-    }
-    if (rv && !r_fin) {
-      DTENJAX_RETURN_IF_ERROR(PollOne(rv, &wc, &got));
-      if (got && wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
-        uint32_t piece;
-        bool last;
-        DecodeImm(ntohl(wc.imm_data), &piece, &last);
-        if (r_done + piece > rcv->bytes) {
-          Counters().rejected_oversized.fetch_add(1);
-          return DTENJAX_ERROR(Code::kDataLoss, "RDMA piece from " + rcv->conn->peer +
-                                                    " overruns the expected frame size");
-        }
-        std::memcpy(dst + r_done, rv->recv_buf, piece);
-        r_done += piece;
-        DTENJAX_RETURN_IF_ERROR(PostRecv(rv));
-        ibv_send_wr wr{}, *bad = nullptr;  // return the credit: a zero-length SEND
-        wr.wr_id = 3;
-        wr.opcode = IBV_WR_SEND;
-        wr.send_flags = IBV_SEND_SIGNALED;
-        if (ibv_post_send(rv->qp, &wr, &bad) != 0) {
-          return DTENJAX_ERROR(Code::kInternal, "ibv_post_send (credit) failed");
-        }
-        if (last) {
-          if (r_done != rcv->bytes) {
-            Counters().rejected_bad_header.fetch_add(1);
-            return DTENJAX_ERROR(Code::kDataLoss, "RDMA frame from " + rcv->conn->peer + " has " +
-                                                      std::to_string(r_done) + " bytes, expected " +
-                                                      std::to_string(rcv->bytes));
-          }
-          r_fin = true;
-          Counters().frames_received.fetch_add(1);
-          Counters().bytes_received.fetch_add(rcv->bytes);
-        }
-      }
-    }
-    if (rcv && rcv->bytes == 0) r_fin = true;
-    if (snd && snd->bytes == 0) s_fin = true;
+    std::memcpy(f->head, b, kSealedHeadBytes);
+    f->stage = InFrame::kHeadReady;
+    *progress = true;
+    return Status::Ok();
   }
+  if (f->stage != InFrame::kBody) return Status::Ok();
+  if (uint64_t(v->arrived) != kSealedHeadBytes + f->payload_bytes + kTagBytes) {
+    Counters().rejected_bad_header.fetch_add(1);
+    return DTENJAX_ERROR(Code::kDataLoss, "RDMA frame from " + c->peer + " has " +
+                                              std::to_string(v->arrived) +
+                                              " bytes, its header announces " +
+                                              std::to_string(f->payload_bytes) + " payload bytes");
+  }
+  if (f->payload_bytes) std::memcpy(f->dst, b + kSealedHeadBytes, f->payload_bytes);
+  std::memcpy(f->ptag, b + kSealedHeadBytes + f->payload_bytes, kTagBytes);
+  v->arrived = -1;
+  f->stage = InFrame::kDone;
+  *progress = true;
+  Counters().frames_received.fetch_add(1);
+  Counters().bytes_received.fetch_add(kSealedHeadBytes + f->payload_bytes + kTagBytes);
+  DTENJAX_RETURN_IF_ERROR(PostRecv(v));
+  ibv_send_wr wr{}, *bad = nullptr;  // return the credit: a zero-length SEND
+  wr.wr_id = 3;
+  wr.opcode = IBV_WR_SEND;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  if (ibv_post_send(v->qp, &wr, &bad) != 0) {
+    return DTENJAX_ERROR(Code::kInternal, "ibv_post_send (credit) failed");
+  }
+  return Status::Ok();
+}
+
+Status VerbsWait(const WaitItem*, int, double until) {
+  // Completions are polled (no completion channel); back off briefly instead of spinning hot.
+  if (NowSeconds() < until) std::this_thread::sleep_for(std::chrono::microseconds(20));
   return Status::Ok();
 }
 
@@ -566,11 +608,19 @@ void VerbsCloseListener(Listener* l) {
   TcpProvider()->close_listener(l);
 }
 
-const Provider kVerbs = {"verbs", VerbsCanConnect, VerbsListen, VerbsConnect, VerbsAccept,
-                         VerbsExchange, VerbsShutdown, VerbsClose, VerbsCloseListener};
+const Provider kVerbs = {"verbs", kSlab - kSealedHeadBytes - kTagBytes, VerbsCanConnect,
+                         VerbsListen, VerbsConnect, VerbsAccept, VerbsSendSome, VerbsRecvSome,
+                         VerbsWait, VerbsShutdown, VerbsClose, VerbsCloseListener};
+
+const Provider* VerbsProvider() { return &kVerbs; }
 
 }  // namespace
 
-const Provider* VerbsProvider() { return &kVerbs; }
+void verbs::SetDeviceName(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_dev_mu);
+  g_want_device = name;
+}
+
+DTENJAX_REGISTER_PROVIDER(verbs, VerbsProvider);
 
 }  // namespace dtenjax::transport

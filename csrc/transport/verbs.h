@@ -1,5 +1,5 @@
 // RDMA verbs provider: device-free logic, exposed so it is unit-tested on machines without an
-// RDMA device (tests/test_rdma.py through the C API). The provider itself is in verbs.cc.
+// RDMA device (tests/test_rdma.py through the Python bindings). The provider itself is in verbs.cc.
 #pragma once
 
 #include <cstdint>
@@ -51,5 +51,7 @@ void DecodeImm(uint32_t imm, uint32_t* bytes, bool* last);
 Status LoadLibrary();
 // Number of RDMA devices, or an error (library missing, no device).
 Status CountDevices(int* n);
+// The device the provider opens (DTENJAX_IB_DEVICE, read by the Python side); "" = first active.
+void SetDeviceName(const std::string& name);
 
 }  // namespace dtenjax::transport::verbs

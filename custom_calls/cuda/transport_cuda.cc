@@ -12,7 +12,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+#include <exception>
+#include <memory>
 #include <future>
 #include <string>
 
@@ -56,20 +59,27 @@ struct InstallOwnerCheck {
   InstallOwnerCheck() { tp::SetPointerOwnerFn(&CudaPointerOwner); }
 } install_owner_check;
 
-ffi::Error HostAllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slot,
-                             ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
-                             int32_t op) {
+ffi::Error HostAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                                 ffi::Buffer<ffi::S32> where, ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Span<const int64_t> comm_ids, int32_t op, int64_t site) {
   tp::DType dt;
   if (!dtenjax::ffi::DTypeOf(x.element_type(), &dt)) {
     return ffi::Error::InvalidArgument(
         "dtenjax_host_all_reduce supports float32, float64, bfloat16, int32 and int64");
   }
-  if (op < 0 || op > 3) return ffi::Error::InvalidArgument("dtenjax_host_all_reduce: bad op");
-  int32_t j = -1;
-  cudaError_t e = cudaMemcpyAsync(&j, slot.typed_data(), sizeof(j), cudaMemcpyDeviceToHost, stream);
-  if (e != cudaSuccess) return CudaError(e, "reading the device slot");
+  if (op < 0 || op > 3) {
+    return ffi::Error::InvalidArgument("dtenjax_host_all_reduce: op code " + std::to_string(op) +
+                                       " is not 0..3");
+  }
+  if (where.element_count() != 2) {
+    return ffi::Error::InvalidArgument("dtenjax_host_all_reduce: `where` must hold (ring position, slot)");
+  }
+  int32_t w[2] = {-1, -1};
+  cudaError_t e = cudaMemcpyAsync(w, where.typed_data(), sizeof(w), cudaMemcpyDeviceToHost, stream);
+  if (e != cudaSuccess) return CudaError(e, "reading the ring position and slot");
   const size_t bytes = x.size_bytes();
   if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return CudaError(e, "synchronising");
+  const int32_t position = w[0], j = w[1];
   if (j < 0 || size_t(j) >= comm_ids.size()) {
     return ffi::Error::InvalidArgument("dtenjax_host_all_reduce: device slot " + std::to_string(j) +
                                        " has no communicator");
@@ -80,27 +90,34 @@ ffi::Error HostAllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
                       "dtenjax_host_all_reduce: communicator " + std::to_string(comm_ids[j]) +
                           " does not exist in this process; re-trace the function");
   }
-  if (bytes == 0) return ffi::Error::Success();
   int buf = -1;
-  dtenjax::Status s = comm->pool().Acquire(bytes, &buf);
+  void* host = nullptr;
+  dtenjax::Status s = comm->pool().Acquire(std::max<size_t>(bytes, 1), &buf, &host);
   if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
-  void* host = comm->pool().Data(buf);
-  e = cudaMemcpyAsync(host, x.untyped_data(), bytes, cudaMemcpyDeviceToHost, stream);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-  if (e != cudaSuccess) {
-    comm->pool().Release(buf);
-    return CudaError(e, "staging the input to host memory");
+  if (bytes) {
+    e = cudaMemcpyAsync(host, x.untyped_data(), bytes, cudaMemcpyDeviceToHost, stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+    if (e != cudaSuccess) {
+      comm->pool().Release(buf);
+      return CudaError(e, "staging the input to host memory");
+    }
   }
-  std::promise<dtenjax::Status> done;
-  std::future<dtenjax::Status> result = done.get_future();
+  auto done = std::make_shared<std::promise<dtenjax::Status>>();
+  std::future<dtenjax::Status> result = done->get_future();
   comm->pool().Post(buf);
-  comm->Submit([comm, host, bytes, dt, op, &done] {
-    done.set_value(comm->AllReduce(host, bytes / tp::DTypeSize(dt), dt,
-                                   static_cast<tp::ReduceOp>(op)));
+  s = comm->Submit([comm, host, bytes, dt, op, site, position, done] {
+    dtenjax::Status st;
+    try {
+      st = comm->AllReduce(host, host, bytes / tp::DTypeSize(dt), dt,
+                           static_cast<tp::ReduceOp>(op), uint32_t(uint64_t(site)), position);
+    } catch (const std::exception& ex) {
+      st = DTENJAX_ERROR(dtenjax::Code::kInternal, std::string("exception: ") + ex.what());
+    }
+    done->set_value(st);
   });
-  s = result.get();  // AllReduce itself is bounded by the communicator's timeout
+  if (s.ok()) s = result.get();  // AllReduce itself is bounded by the communicator's timeout
   comm->pool().Complete(buf);
-  if (s.ok()) {
+  if (s.ok() && bytes) {
     e = cudaMemcpyAsync(out->untyped_data(), host, bytes, cudaMemcpyHostToDevice, stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(stream);  // host buffer reused after release
   }
@@ -108,6 +125,18 @@ ffi::Error HostAllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
   if (e != cudaSuccess) return CudaError(e, "copying the result back to the device");
   return ffi::Error::Success();
+}
+
+ffi::Error HostAllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
+                             ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
+                             int32_t op, int64_t site) {
+  try {
+    return HostAllReduceCudaImpl(stream, x, where, out, comm_ids, op, site);
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("dtenjax_host_all_reduce (CUDA): ") + e.what());
+  } catch (...) {
+    return ffi::Error::Internal("dtenjax_host_all_reduce (CUDA): unknown C++ exception");
+  }
 }
 
 }  // namespace
@@ -119,6 +148,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostAllReduceGpu, HostAllReduceCuda,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("comm_ids")
-                                  .Attr<int32_t>("op"));
+                                  .Attr<int32_t>("op")
+                                  .Attr<int64_t>("site"));
 
 DTENJAX_REGISTER_FFI("dtenjax_host_all_reduce", "CUDA", HostAllReduceGpu);

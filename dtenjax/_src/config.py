@@ -1,6 +1,11 @@
 """Every environment knob dtenjax reads, in one place. All are prefixed ``DTENJAX_``.
 
 Values are read when asked for (not at import), so tests and users can set them at run time.
+
+Logging: dtenjax logs through its own ``"dtenjax"`` logger, which carries a ``NullHandler`` (the
+library convention) and never configures the root logger or any handler of the application.
+Records propagate to whatever the application configured (``logging.basicConfig(...)`` shows
+them); ``DTENJAX_LOG_LEVEL``, when set, sets the level of the ``"dtenjax"`` logger only.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import os
 from dtenjax._src import errors
 
 logger = logging.getLogger("dtenjax")
+if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
+  logger.addHandler(logging.NullHandler())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +34,9 @@ class Knob:
 KNOBS: dict[str, Knob] = {
     k.name: k
     for k in (
-        Knob("DTENJAX_LOG_LEVEL", "WARNING", "logging level of the 'dtenjax' logger"),
+        Knob("DTENJAX_LOG_LEVEL", "",
+             "level of the 'dtenjax' logger (DEBUG, INFO, WARNING, ...); unset: the "
+             "application's logging configuration decides"),
         Knob("DTENJAX_SILENCE_FALLBACK", "0",
              "1 silences the one-line notice printed when a custom algorithm falls back to XLA"),
         Knob("DTENJAX_TOPOLOGY", "", "path of a topology JSON file to use instead of detection"),
@@ -38,6 +47,16 @@ KNOBS: dict[str, Knob] = {
         Knob("DTENJAX_TRANSPORT", "auto", "host transport provider: auto, tcp or verbs"),
         Knob("DTENJAX_IB_DEVICE", "",
              "RDMA device the verbs provider opens (default: the first with an active port)"),
+        Knob("DTENJAX_LIBCRYPTO", "",
+             "path of OpenSSL's libcrypto for transport authentication (default: "
+             "libcrypto.so.3, then .so.1.1, then .so); without it no connection is made"),
+        Knob("DTENJAX_HANDSHAKE_TIMEOUT", "10",
+             "seconds an unauthenticated transport connection may take to finish its handshake"),
+        Knob("DTENJAX_MAX_PENDING_HANDSHAKES", "16",
+             "unauthenticated transport connections served at once; more evict the oldest"),
+        Knob("DTENJAX_TRANSPORT_SEGMENT_BYTES", str(256 << 10),
+             "largest frame payload of the host ring; chunks are pipelined in segments of this "
+             "size (must be equal on every process)"),
         Knob("DTENJAX_BUCKET_BYTES", str(4 << 20), "default bucket size of the fusion pass"),
         Knob("DTENJAX_P2P_BUFFER_BYTES", str(64 << 20),
              "bytes of the registered symmetric buffer per GPU for the NVLink kernels"),
@@ -88,11 +107,21 @@ def log_once(key: str, message: str, level: int = logging.WARNING) -> bool:
   if key in _said:
     return False
   _said.add(key)
-  if not logger.handlers and not logging.getLogger().handlers:
-    logging.basicConfig(format="%(name)s: %(message)s")
-  logger.setLevel(get_str("DTENJAX_LOG_LEVEL").upper())
+  apply_log_level()
   logger.log(level, message)
   return True
+
+
+def apply_log_level() -> None:
+  """Sets the 'dtenjax' logger's level from DTENJAX_LOG_LEVEL when that is set (else leaves it)."""
+  raw = get_str("DTENJAX_LOG_LEVEL").strip().upper()
+  if not raw:
+    return
+  if not isinstance(logging.getLevelName(raw), int):
+    raise errors.ConfigurationError(
+        f"DTENJAX_LOG_LEVEL={raw!r} is not a logging level; use DEBUG, INFO, WARNING, ERROR or "
+        "CRITICAL, or unset it.")
+  logger.setLevel(raw)
 
 
 def log_fallback(key: str, message: str) -> bool:

@@ -1,5 +1,7 @@
 """Worker: cross-process all-reduce inside jit (ring; hierarchical when devices_per_proc > 1),
-then fault injection phases chosen by DTENJAX_TEST_PHASES (comma list: correct, corrupt, kill)."""
+through the internal module and the PUBLIC ``dtenjax.all_reduce`` under ``jax.shard_map``,
+``dtenjax.mesh_map`` and ``jax.set_mesh``; then phases chosen by DTENJAX_TEST_PHASES (comma list:
+correct, mismatch, kill)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ def main():
   import numpy as np
   from jax.sharding import Mesh, PartitionSpec as P
 
+  import dtenjax
   from dtenjax._src.net import hostcoll
   from dtenjax._src.net import transport
 
@@ -26,7 +29,8 @@ def main():
 
   phases = os.environ.get("DTENJAX_TEST_PHASES", "correct").split(",")
   local = jax.local_device_count()
-  res: dict = {"rank": rank, "nprocs": nprocs, "local": local}
+  res: dict = {"rank": rank, "nprocs": nprocs, "local": local,
+               "platform": jax.devices()[0].platform}
   if local == 1:
     mesh = Mesh(np.array(jax.devices()), ("p",))
     axis, spec, algo = "p", P("p"), "ring"
@@ -35,7 +39,8 @@ def main():
     mesh = Mesh(devs, ("p", "l"))
     axis, spec, algo = ("p", "l"), P(("p", "l")), "hierarchical"
 
-  def make(fn_local_shape, dtype, op="sum"):
+  def make(dtype, op="sum"):
+    del dtype
     def f(x):
       return hostcoll.all_reduce(x, axis, algorithm=algo, op=op)
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
@@ -48,31 +53,32 @@ def main():
                                        lambda idx: full[idx])
     return full, arr
 
+  def rows(y):
+    return [np.asarray(s.data).reshape(-1) for s in y.addressable_shards]
+
   try:
     if "correct" in phases:
       out = {}
       for dtype, n in (("float32", 1), ("float32", 1000), ("float64", 333), ("int32", 4097),
                        ("float32", 70000)):
         full, arr = global_input(n, n, np.dtype(dtype))
-        f = make(None, dtype)
+        f = make(dtype)
         y1 = f(arr)
         y2 = f(arr)
-        rows = [np.asarray(s.data) for s in y1.addressable_shards]
-        rows2 = [np.asarray(s.data) for s in y2.addressable_shards]
+        r1, r2 = rows(y1), rows(y2)
         ref_exact = hostcoll.reference_ring_sum(list(full))   # ring order, bit-exact
         ref64 = full.astype(np.float64).sum(axis=0)
         out[f"{dtype}-{n}"] = {
-            "sha": [hashlib.sha256(r.tobytes()).hexdigest() for r in rows],
-            "bit_equal_ring_reference": all(r.reshape(-1).tobytes() == ref_exact.tobytes()
-                                            for r in rows),
-            "max_rel_err": max(float(np.max(np.abs(r.reshape(-1) - ref64)) /
-                                     max(1.0, float(np.max(np.abs(ref64))))) for r in rows),
-            "repeat_equal": all(a.tobytes() == b.tobytes() for a, b in zip(rows, rows2)),
+            "sha": [hashlib.sha256(r.tobytes()).hexdigest() for r in r1],
+            "bit_equal_ring_reference": all(r.tobytes() == ref_exact.tobytes() for r in r1),
+            "max_rel_err": max(float(np.max(np.abs(r - ref64)) /
+                                     max(1.0, float(np.max(np.abs(ref64))))) for r in r1),
+            "repeat_equal": all(a.tobytes() == b.tobytes() for a, b in zip(r1, r2)),
         }
       res["correct"] = out
       full, arr = global_input(5, 777, np.float32)
-      ymax = [np.asarray(s.data) for s in make(None, "float32", "max")(arr).addressable_shards]
-      ymean = [np.asarray(s.data) for s in make(None, "float32", "mean")(arr).addressable_shards]
+      ymax = rows(make("float32", "max")(arr))
+      ymean = rows(make("float32", "mean")(arr))
       # Mixed with XLA's own cross-process collective (gloo) in one program, in both orders: the
       # async custom call must not deadlock against it.
       def mixed(x):
@@ -82,32 +88,106 @@ def main():
         return a, b, c
       g = jax.jit(jax.shard_map(mixed, mesh=mesh, in_specs=spec, out_specs=(spec, spec, spec),
                                 check_vma=False))
-      a, b, c = (np.asarray(t.addressable_shards[0].data) for t in g(arr))
+      a, b, c = (rows(t)[0] for t in g(arr))
       ref = full.astype(np.float64).sum(0)
-      res["mixed_err"] = max(float(np.max(np.abs(a.reshape(-1) - ref))),
-                             float(np.max(np.abs(b.reshape(-1) - 2 * ref))),
-                             float(np.max(np.abs(c.reshape(-1) - 2 * nprocs * local * ref))))
+      res["mixed_err"] = max(float(np.max(np.abs(a - ref))), float(np.max(np.abs(b - 2 * ref))),
+                             float(np.max(np.abs(c - 2 * nprocs * local * ref))))
       res["ops"] = {
-          "max_exact": all(np.array_equal(y.reshape(-1), full.max(0)) for y in ymax),
-          "mean_err": max(float(np.max(np.abs(y.reshape(-1) - full.astype(np.float64).mean(0))))
+          "max_exact": all(np.array_equal(y, full.max(0)) for y in ymax),
+          "mean_err": max(float(np.max(np.abs(y - full.astype(np.float64).mean(0))))
                           for y in ymean)}
-    if "corrupt" in phases:
-      comms = hostcoll.communicators(local)
-      if rank == 1:
-        for c in comms:
-          c.inject_corrupt_next_send()
-      full, arr = global_input(7, 512, np.float32)
+
+      # The PUBLIC API, three ways of giving it the mesh. Each must go through the host transport
+      # (the communicators' collective counter moves) and give the ring's bits.
+      full, arr = global_input(11, 2048, np.float32)
+      exact = hostcoll.reference_ring_sum(list(full))
+      ref64 = full.astype(np.float64).sum(0)
+
+      def pub(x):
+        return dtenjax.all_reduce(x, axis, algorithm=algo)
+
+      runs = {
+          "shard_map": lambda: jax.jit(jax.shard_map(pub, mesh=mesh, in_specs=spec,
+                                                     out_specs=spec, check_vma=False))(arr),
+          "mesh_map": lambda: jax.jit(dtenjax.mesh_map(pub, mesh, in_specs=spec,
+                                                       out_specs=spec))(arr),
+      }
+
+      def with_set_mesh():
+        with jax.set_mesh(mesh):
+          return jax.jit(jax.shard_map(pub, in_specs=spec, out_specs=spec, check_vma=False))(arr)
+      runs["set_mesh"] = with_set_mesh
+      public = {}
+      for name, run in runs.items():
+        before = transport.counters()["collectives"]
+        try:
+          ys = rows(run())
+          public[name] = {
+              "transport_collectives": transport.counters()["collectives"] - before,
+              "bit_equal_ring_reference": all(y.tobytes() == exact.tobytes() for y in ys),
+              "max_abs_err": max(float(np.max(np.abs(y - ref64))) for y in ys)}
+        except Exception:  # pylint: disable=broad-except
+          public[name] = {"error": traceback.format_exc()[-3000:]}
+      res["public"] = public
+
+    if "mismatch" in phases:
+      # Rank 1 disagrees with the others; every rank must raise, naming both sides.
+      mism = {}
+      n = 1024
+      full32, arr32 = global_input(21, n, np.float32)
+      fulli, arri = global_input(21, n, np.int32)
+      cases = ("dtype", "op", "skip")
+      for case in cases:
+        hostcoll.reset()   # fresh communicators (the last case broke them), created collectively
+
+        def site_a(x):
+          return hostcoll.all_reduce(x, axis, algorithm=algo)   # line A
+
+        def site_b(x):
+          return hostcoll.all_reduce(x, axis, algorithm=algo)   # line B
+
+        def site_max(x):
+          return hostcoll.all_reduce(x, axis, algorithm=algo, op="max")
+
+        def jit(fn):
+          return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec,
+                                       check_vma=False))
+        t0 = time.monotonic()
+        try:
+          if case == "dtype":
+            jit(site_a)(arri if rank == 1 else arr32).block_until_ready()
+          elif case == "op":
+            jit(site_max if rank == 1 else site_a)(arr32).block_until_ready()
+          else:   # rank 1 skips the collective at line A and pairs its line-B one with A
+            if rank != 1:
+              jit(site_a)(arr32).block_until_ready()
+            jit(site_b)(arr32).block_until_ready()
+          mism[case] = {"error": None}
+        except Exception as e:  # pylint: disable=broad-except
+          mism[case] = {"error": str(e)[:3000], "seconds": time.monotonic() - t0}
+        common.barrier(f"mismatch-{case}")
+      res["mismatch"] = mism
+      res["counters_after_mismatch"] = transport.counters()
+      hostcoll.reset()
+
+    if "permuted" in phases:
+      # A mesh whose process axis runs against process order: position p held by process n-1-p.
+      rev = Mesh(np.array(jax.devices()[::-1]), ("p",))
+      full = np.ones((nprocs, 16), np.float32)
+      arr = jax.make_array_from_callback(full.shape, jax.sharding.NamedSharding(rev, P("p")),
+                                         lambda idx: full[idx])
+      f = jax.jit(jax.shard_map(lambda x: dtenjax.all_reduce(x, "p", algorithm="ring"), mesh=rev,
+                                in_specs=P("p"), out_specs=P("p"), check_vma=False))
       t0 = time.monotonic()
       try:
-        make(None, "float32")(arr).block_until_ready()
-        res["corrupt"] = {"error": None}
+        f(arr).block_until_ready()
+        res["permuted"] = {"error": None}
       except Exception as e:  # pylint: disable=broad-except
-        res["corrupt"] = {"error": str(e)[:2000], "seconds": time.monotonic() - t0}
-      res["counters_after_corrupt"] = transport.counters()
-      hostcoll.reset()
+        res["permuted"] = {"error": str(e)[:3000], "seconds": time.monotonic() - t0}
+
     if "kill" in phases:
       full, arr = global_input(8, 4096, np.float32)
-      f = make(None, "float32")
+      f = make("float32")
       f(arr).block_until_ready()   # builds fresh communicators, one good collective
       big_full, big = global_input(9, 1 << 20, np.float32)
       res["counters_before_kill"] = transport.counters()

@@ -46,3 +46,9 @@ def finish(result: dict, code: int = 0, *, expect_done: int | None = None,
   except Exception:  # pylint: disable=broad-except
     pass
   os._exit(code)
+
+
+def barrier(name: str, timeout_s: float = 60) -> None:
+  """All processes meet here (through the coordination store)."""
+  from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
+  kvstore.default().barrier(f"test-{name}", timeout_s=timeout_s)

@@ -1,12 +1,13 @@
 """Per-process runtime agent: publishes this process's topology and transport load to the
-coordination store, and reads every peer's for the planner.
+coordination store, and reads every peer's back.
 
 The report lives under ``dtenjax/agent/<process_index>`` (overwritten on each publish) as JSON:
 which devices and RDMA NICs this process has, which transport provider it uses, and its load —
-bytes moved, collectives completed, operations in flight and queued on its communicators. The
-planner reads :func:`read_peer_loads` to see skew (a straggler has a deep queue) before it picks an
-algorithm. Publishing is periodic on a daemon thread (:meth:`Agent.start`) or explicit
-(:meth:`Agent.publish`).
+bytes moved, collectives completed, operations in flight and queued on its communicators.
+:func:`read_peer_loads` returns every process's latest report, for diagnostics and for tools
+that look for skew (a straggler has a deep queue). dtenjax's own planner does not read it today:
+algorithm choice depends only on the topology and message size. Publishing is periodic on a
+daemon thread (:meth:`Agent.start`) or explicit (:meth:`Agent.publish`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from typing import Any
 
 from dtenjax._src import errors
+from dtenjax._src.net import checks
 from dtenjax._src.net import kvstore
 from dtenjax._src.net import transport
 
@@ -65,8 +67,8 @@ def local_topology() -> dict[str, Any]:
   provider, why = transport.select_provider(list(nics))
   return {
       "devices": [f"{d.platform}:{d.id}" for d in jax.local_devices()],
-      "nics": [{k: n[k] for k in ("name", "port", "state", "link_layer", "bandwidth_gbps")}
-               for n in nics],
+      "nics": [{k: n[k] for k in ("name", "port", "state", "link_layer", "rate_gbit_s",
+                                  "bandwidth_gbps")} for n in nics],
       "provider": provider, "provider_reason": why,
       "rdma_unavailable_reason": rdma.unavailable_reason(),
   }
@@ -110,8 +112,8 @@ class Agent:
     return r
 
   def start(self, interval_s: float = 5.0) -> "Agent":
-    if interval_s <= 0:
-      raise errors.ConfigurationError(f"interval_s={interval_s} must be positive.")
+    interval_s = checks.number("interval_s", interval_s, 0, 86400.0, lo_open=True,
+                               hint="seconds between publishes")
     if self._thread is not None:
       return self
     self.publish()
@@ -135,7 +137,7 @@ class Agent:
 
 
 def read_peer_loads(store: kvstore.KVStore | None = None) -> dict[int, LoadReport]:
-  """Every published report, by process index (for the planner). Empty if nobody published."""
+  """Every published report, by process index. Empty if nobody published."""
   store = store or kvstore.default()
   out: dict[int, LoadReport] = {}
   for key, value in store.dir(kvstore.PREFIX + NAMESPACE).items():

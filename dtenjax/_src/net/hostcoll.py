@@ -6,8 +6,9 @@ the algorithm is ``"ring"`` or ``"hierarchical"``. Use inside ``jax.shard_map``.
 Supported configurations, checked before tracing the custom call (others raise CollectiveError):
 
 * ``algorithm="ring"``: ``axis_name`` is one mesh axis (or a tuple of axes) covering exactly one
-  device per process, ``jax.process_count()`` devices in all. Each process's device runs one rank
-  of an authenticated TCP (or verbs) ring.
+  device per process, ``jax.process_count()`` devices in all, in process order (position p along
+  the axis held by process p; checked at run time). Each process's device runs one rank of an
+  authenticated TCP (or verbs) ring.
 * ``algorithm="hierarchical"``: ``axis_name=(outer, inner)`` where ``inner`` covers the devices of
   one process and ``outer`` one device per process. Stage 1 is XLA's own reduce-scatter over
   ``inner`` (psum_scatter), stage 2 the transport ring over ``outer`` on each device's shard (device
@@ -19,8 +20,9 @@ CPU devices of one process deadlocks XLA's CPU runtime (measured; see DESIGN.md)
 call only waits for peers in other processes, and it waits asynchronously: the handler queues the
 collective on the communicator's own thread and returns an ``xla::ffi::Future``, so XLA's threads
 are never blocked on the network. The call has side effects, so XLA keeps program order among
-them; each frame carries a sequence number, so processes that issue collectives in different
-orders get an error, not wrong data. A dead or stalled peer makes every survivor fail within
+them; every frame names its collective (number, op, dtype, count, call site), so processes that
+issue different collectives, or the same ones in different orders, get an error on every rank
+naming both sides, not wrong data. A dead or stalled peer makes every survivor fail within
 ``DTENJAX_COLLECTIVE_TIMEOUT`` seconds (a dead peer's sockets close at once; a stalled one times out
 and the survivors that detect it close their sockets, which wakes the rest).
 
@@ -63,35 +65,55 @@ def _axis_sizes() -> dict[str, int]:
 
 
 def _concrete_mesh():
+  """The concrete mesh of ``jax.set_mesh`` / ``jax.sharding.use_mesh``, or None.
+
+  Outside such a block JAX returns an *empty* mesh (no axes, a 0-d device array of size 1): that
+  is not a mesh and must not be taken for one."""
   try:
     from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
     m = mesh_lib.get_concrete_mesh()
   except (ImportError, AttributeError):
     return None
-  return m if m is not None and getattr(m, "devices", np.empty(0)).size else None
+  if m is None or getattr(m, "empty", False) or not tuple(getattr(m, "axis_names", ())):
+    return None
+  return m
+
+
+def _spans(devs: np.ndarray, names: list[str], axes: tuple[str, ...]) -> bool:
+  devs = np.moveaxis(devs, [names.index(a) for a in axes], list(range(len(axes))))
+  devs = devs.reshape(math.prod(devs.shape[:len(axes)]), -1)
+  return any(len({d.process_index for d in devs[:, k]}) > 1 for k in range(devs.shape[1]))
 
 
 def spans_processes(axis_name, mesh=None) -> bool:
   """Whether the devices along ``axis_name`` belong to more than one process.
 
-  Uses ``mesh`` (or the concrete mesh set with ``jax.set_mesh``) when available; otherwise, inside
-  ``shard_map``, assumes the usual process-major device order of ``jax.make_mesh``.
+  The device assignment comes from, in order: ``mesh`` (a concrete ``jax.sharding.Mesh``), the
+  concrete mesh of ``jax.set_mesh``, or, inside ``jax.shard_map`` / ``dtenjax.mesh_map`` with
+  only an abstract mesh in scope, the abstract mesh's axis sizes laid over ``jax.devices()`` in
+  order (what ``jax.make_mesh`` and ``Mesh(np.array(jax.devices()).reshape(...))`` build). The
+  host collective checks at run time that each process really holds the ring position this
+  assumed, and fails with an explanation if the mesh was ordered differently.
   """
   if jax.process_count() == 1:
     return False
   axes = _axes(axis_name)
-  mesh = mesh if mesh is not None else _concrete_mesh()
   if mesh is not None:
     names = list(mesh.axis_names)
     missing = [a for a in axes if a not in names]
     if missing:
       raise errors.CollectiveError(f"axis {missing} not in mesh axes {names}.")
-    devs = np.moveaxis(mesh.devices, [names.index(a) for a in axes],
-                       list(range(len(axes))))
-    devs = devs.reshape(math.prod(mesh.shape[a] for a in axes), -1)
-    return any(len({d.process_index for d in devs[:, k]}) > 1 for k in range(devs.shape[1]))
+    return _spans(np.asarray(mesh.devices), names, axes)
+  concrete = _concrete_mesh()
+  if concrete is not None and all(a in concrete.axis_names for a in axes):
+    return _spans(np.asarray(concrete.devices), list(concrete.axis_names), axes)
   sizes = _axis_sizes()
+  if not sizes or any(a not in sizes for a in axes):
+    return False   # not mesh axes (e.g. a vmap axis): nothing crosses processes
   names = list(sizes)
+  shape = tuple(sizes[n] for n in names)
+  if math.prod(shape) == jax.device_count():
+    return _spans(np.array(jax.devices(), dtype=object).reshape(shape), names, axes)
   stride_after = math.prod(sizes[n] for n in names[max(names.index(a) for a in axes) + 1:])
   span = math.prod(sizes[a] for a in axes)
   return span * stride_after > jax.local_device_count()
@@ -161,46 +183,56 @@ def reset() -> None:
     _comm_groups.clear()
 
 
-def _ring_call(x, slot, comm_ids: Sequence[int], op: str):
+def _ring_call(x, position, slot, comm_ids: Sequence[int], op: str, site: int):
   ffi.require(TARGET, "CUDA" if jax.default_backend() == "gpu" else "cpu")
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)
-  return call(x, slot, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(OPS[op]))
+  where = jnp.stack([jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32)])
+  return call(x, where, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(OPS[op]),
+              site=np.int64(site))
 
 
 def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
-               tenant: str = "default"):
+               tenant: str = "default", site: tuple[int, str] | None = None):
   """All-reduce of ``x`` over ``axis_name`` across processes, through the host transport.
 
-  Call inside ``jax.shard_map``; see the module docstring for the supported meshes. Deterministic:
-  identical bits on every rank and every run.
+  Call inside ``jax.shard_map`` (or ``dtenjax.mesh_map``); see the module docstring for the
+  supported meshes. Deterministic: identical bits on every rank and every run. ``site`` (tag,
+  text) identifies the call site in every frame (default: the caller's source line, see
+  :func:`dtenjax._src.net.transport.call_site`).
   """
   axes = _axes(axis_name)
   nproc, local = _check(x, axes, algorithm, op)
+  if site is None:
+    site = transport.call_site()
   if op == "mean":
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise errors.CollectiveError(
           f"op='mean' needs a floating dtype, got {jnp.dtype(x.dtype).name}; cast first or use "
           "op='sum'.")
-    total = all_reduce(x, axis_name, algorithm=algorithm, op="sum", tenant=tenant)
+    total = all_reduce(x, axis_name, algorithm=algorithm, op="sum", tenant=tenant, site=site)
     return (total / jnp.asarray(nproc * local, total.dtype)).astype(x.dtype)
   if jax.process_count() == 1:
     return x   # one process, one device on the axis: nothing to combine
   comms = communicators(local, tenant)
+  transport.register_site(*site)
   ids = [c.comm_id for c in comms]
+  tag = site[0]
   if algorithm == "ring":
-    return _ring_call(x, jnp.zeros((), jnp.int32), ids, op)
+    return _ring_call(x, jax.lax.axis_index(axes), 0, ids, op, tag)
   outer, inner = axes
+  position = jax.lax.axis_index(outer)
   if local == 1:
-    return _ring_call(x, jnp.zeros((), jnp.int32), ids, op)
+    return _ring_call(x, position, 0, ids, op, tag)
+  slot = jax.lax.axis_index(inner)
   if op != "sum":
     # max/min: reduce locally, then every slot reduces the whole array on its own ring.
     local_red = {"max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, inner)
-    return _ring_call(local_red, jax.lax.axis_index(inner).astype(jnp.int32), ids, op)
+    return _ring_call(local_red, position, slot, ids, op, tag)
   flat = x.reshape(-1)
   pad = (-flat.size) % local
   flat = jnp.pad(flat, (0, pad))
   shard = jax.lax.psum_scatter(flat.reshape(local, -1), inner, scatter_dimension=0, tiled=False)
-  shard = _ring_call(shard, jax.lax.axis_index(inner).astype(jnp.int32), ids, op)
+  shard = _ring_call(shard, position, slot, ids, op, tag)
   full = jax.lax.all_gather(shard, inner, axis=0, tiled=False).reshape(-1)
   return full[:flat.size - pad].reshape(x.shape) if pad else full.reshape(x.shape)
 

@@ -4,8 +4,17 @@ JAX has no public key-value API; the coordination client lives at
 ``jax._src.distributed.global_state.client`` (a ``DistributedRuntimeClient`` with ``key_value_set``,
 ``blocking_key_value_get``, ``key_value_dir_get``, ``key_value_increment``, ``wait_at_barrier``).
 Everything in dtenjax that exchanges endpoints, secrets or load reports goes through
-:class:`KVStore`, so a JAX change touches this file only. Every wait has a timeout and ends in a
-:class:`~dtenjax._src.errors.CollectiveTimeoutError` naming the key it waited for.
+:class:`KVStore`, so a JAX change touches this file only. Failures are reported by kind:
+
+* a wait that ran out: :class:`~dtenjax._src.errors.CollectiveTimeoutError` naming the key and
+  the seconds waited;
+* no coordination client (``jax.distributed`` was initialised for several processes and then shut
+  down, or this JAX's client lacks a method dtenjax uses; or a cross-process exchange without
+  ``jax.distributed``): :class:`~dtenjax._src.errors.TransportError` starting "no coordination
+  client", saying what to call;
+* anything else the client reports (the coordination service died or is unreachable, a key that
+  already exists, ...): :class:`~dtenjax._src.errors.TransportError` starting "coordination store
+  error", with the client's own message.
 
 Keys are namespaced under ``dtenjax/``. A process-local :class:`InMemoryClient` stands in when
 there is one process (or in unit tests).
@@ -13,6 +22,7 @@ there is one process (or in unit tests).
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Protocol
 
@@ -72,13 +82,50 @@ class InMemoryClient:
 _local = InMemoryClient()
 
 
-def coordination_client() -> Any | None:
-  """jax.distributed's coordination client, or None when jax.distributed is not initialised."""
+def _global_state() -> Any | None:
   try:
     from jax._src import distributed  # pylint: disable=g-import-not-at-top
   except ImportError:  # pragma: no cover - a JAX that moved it; this is the one place to fix
     return None
-  return getattr(distributed.global_state, "client", None)
+  return getattr(distributed, "global_state", None)
+
+
+def coordination_client() -> Any | None:
+  """jax.distributed's coordination client, or None when jax.distributed is not initialised."""
+  return getattr(_global_state(), "client", None)
+
+
+def _initialised_processes() -> int:
+  """How many processes jax.distributed was initialised for (1 if never)."""
+  try:
+    return int(getattr(_global_state(), "num_processes", 1) or 1)
+  except (TypeError, ValueError):
+    return 1
+
+
+class MissingClientError(errors.TransportError):
+  """There is no coordination client to talk to (see the message for what to call)."""
+
+
+def _store_error(op: str, key: str, e: Exception, timeout_s: float | None = None) -> Exception:
+  """The dtenjax error for a client failure, by kind."""
+  text = f"{type(e).__name__}: {e}"
+  if isinstance(e, (AttributeError, TypeError)):
+    return MissingClientError(
+        f"no coordination client usable for {op} of key {key!r}: jax's client failed with "
+        f"{text}. This JAX changed its private coordination API; dtenjax/_src/net/kvstore.py is "
+        "the one place to update.")
+  if isinstance(e, TimeoutError) or "DEADLINE_EXCEEDED" in str(e):
+    waited = f"waited {timeout_s:g} s" if timeout_s is not None else "timed out"
+    return errors.CollectiveTimeoutError(
+        f"coordination store timeout: {waited} for key {key!r} ({op}): {e}. Another process did "
+        "not publish it: it died, is slower than DTENJAX_COLLECTIVE_TIMEOUT, or runs a different "
+        "program.")
+  hint = ("If the key exists, pass overwrite=True or choose a fresh name."
+          if "ALREADY_EXISTS" in str(e) else
+          "The coordination service (hosted by process 0) may have exited or be unreachable.")
+  return errors.TransportError(
+      f"coordination store error during {op} of key {key!r}: {text}. {hint}")
 
 
 class KVStore:
@@ -90,8 +137,18 @@ class KVStore:
 
   @property
   def client(self) -> Any:
-    c = self._client if self._client is not None else coordination_client()
-    return c if c is not None else _local
+    if self._client is not None:
+      return self._client
+    c = coordination_client()
+    if c is not None:
+      return c
+    n = _initialised_processes()
+    if n > 1:
+      raise MissingClientError(
+          f"no coordination client: jax.distributed was initialised for {n} processes but its "
+          "client is gone (jax.distributed.shutdown() was called?); dtenjax's cross-process "
+          "calls need it running.")
+    return _local
 
   @property
   def distributed(self) -> bool:
@@ -99,9 +156,13 @@ class KVStore:
     return self.client is not _local and not isinstance(self.client, InMemoryClient)
 
   def timeout_s(self) -> float:
-    if self._timeout_s is not None:
-      return self._timeout_s
-    return config.get_float("DTENJAX_COLLECTIVE_TIMEOUT")
+    t = self._timeout_s if self._timeout_s is not None else config.get_float(
+        "DTENJAX_COLLECTIVE_TIMEOUT")
+    if not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+      raise errors.ConfigurationError(
+          f"key-value store timeout {t!r} must be a finite number of seconds > 0 (argument "
+          "timeout_s or DTENJAX_COLLECTIVE_TIMEOUT).")
+    return float(t)
 
   @staticmethod
   def key(*parts: Any) -> str:
@@ -111,42 +172,41 @@ class KVStore:
           f"key-value store key parts {bad!r} are empty or contain '/'; pass plain names.")
     return PREFIX + "/".join(str(p) for p in parts)
 
-  def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
+  def _call(self, op: str, key: str, fn, timeout_s: float | None = None):
+    client = self.client   # MissingClientError propagates as is
     try:
-      self.client.key_value_set(key, value, allow_overwrite=overwrite)
-    except Exception as e:  # the client raises its own status errors
-      raise errors.TransportError(
-          f"could not set key {key!r} in the coordination store: {e}. If the key exists, pass "
-          "overwrite=True or choose a fresh name.") from e
+      return fn(client)
+    except errors.DtenjaxError:
+      raise
+    except Exception as e:  # noqa: BLE001 - the client raises its own status errors
+      raise _store_error(op, key, e, timeout_s) from e
+
+  def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
+    self._call("set", key, lambda c: c.key_value_set(key, value, allow_overwrite=overwrite))
 
   def get(self, key: str, *, timeout_s: float | None = None) -> str:
-    t = self.timeout_s() if timeout_s is None else timeout_s
-    try:
-      return self.client.blocking_key_value_get(key, int(t * 1000))
-    except Exception as e:
-      raise errors.CollectiveTimeoutError(
-          f"waited {t:g} s for key {key!r} in the coordination store: {e}. Another process did "
-          "not publish it: it died, is slower than DTENJAX_COLLECTIVE_TIMEOUT, or runs a "
-          "different program.") from e
+    t = self.timeout_s() if timeout_s is None else KVStore(timeout_s=timeout_s).timeout_s()
+    return self._call("get", key, lambda c: c.blocking_key_value_get(key, int(t * 1000)), t)
 
   def dir(self, prefix: str) -> dict[str, str]:
     """Every key under ``prefix`` (a directory), with values."""
-    return dict(self.client.key_value_dir_get(prefix))
+    return dict(self._call("dir", prefix, lambda c: c.key_value_dir_get(prefix)))
 
   def increment(self, key: str, by: int = 1) -> int:
-    return int(self.client.key_value_increment(key, by))
+    return int(self._call("increment", key, lambda c: c.key_value_increment(key, by)))
 
   def barrier(self, name: str, *, timeout_s: float | None = None) -> None:
-    t = self.timeout_s() if timeout_s is None else timeout_s
-    try:
-      self.client.wait_at_barrier(PREFIX + name, int(t * 1000))
-    except Exception as e:
-      raise errors.CollectiveTimeoutError(
-          f"waited {t:g} s at barrier {name!r}: {e}. Some process did not reach it.") from e
+    t = self.timeout_s() if timeout_s is None else KVStore(timeout_s=timeout_s).timeout_s()
+    self._call("barrier", PREFIX + name,
+               lambda c: c.wait_at_barrier(PREFIX + name, int(t * 1000)), t)
 
   def exchange(self, namespace: str, rank: int, size: int, value: str, *,
                timeout_s: float | None = None) -> list[str]:
     """All-gather of one string per rank: publishes ``value`` and returns everyone's, by rank."""
+    if size > 1 and self._client is None and self.client is _local:
+      raise MissingClientError(
+          f"no coordination client: exchanging {namespace!r} among {size} processes needs "
+          "jax.distributed; call jax.distributed.initialize(...) in every process first.")
     self.set(self.key(namespace, rank), value, overwrite=True)
     return [value if r == rank else self.get(self.key(namespace, r), timeout_s=timeout_s)
             for r in range(size)]

@@ -1,9 +1,13 @@
 """RDMA NIC discovery through pyverbs (the control-plane view; optional dependency).
 
 :func:`discover_nics` lists every port of every RDMA device with its state, link layer
-(InfiniBand or Ethernet, i.e. RoCE), bandwidth from active speed x width, MTU and the GID index
-the verbs provider would use (a RoCE v2 IPv4-mapped GID when there is one). The topology module
-turns this into link bandwidths. The data plane (QPs, MRs, CQs) is C++ in csrc/transport/verbs.cc.
+(``"InfiniBand"`` or ``"Ethernet"``, i.e. RoCE, whatever spelling or code pyverbs reports), rate,
+MTU and the GID index the verbs provider would use (a RoCE v2 IPv4-mapped GID when there is one).
+Units are explicit: ``rate_gbit_s`` is the port's data rate in gigaBITS per second (what ``ibstat``
+prints, e.g. 200 for HDR 4x) and ``bandwidth_gbps`` the same in gigaBYTES per second (25 for HDR
+4x), the unit of :class:`dtenjax._src.topology.parts.NicInfo` and every ``LinkSpec``. The topology
+module turns this into link bandwidths. The data plane (QPs, MRs, CQs) is C++ in
+csrc/transport/verbs.cc.
 
 pyverbs is optional (``pip install dtenjax[rdma]`` or Debian's python3-pyverbs). With no pyverbs,
 or no device (pyverbs raises PyverbsRDMAError rather than returning an empty list), the answer is
@@ -17,7 +21,7 @@ from typing import Any
 
 # ibv_port_state / ibv_mtu / link layer / active_width / active_speed encodings (verbs.h).
 PORT_STATES = {0: "nop", 1: "down", 2: "init", 3: "armed", 4: "active", 5: "active_defer"}
-LINK_LAYERS = {0: "unspecified", 1: "infiniband", 2: "ethernet"}
+LINK_LAYERS = {0: "Unspecified", 1: "InfiniBand", 2: "Ethernet"}
 MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 WIDTH_LANES = {1: 1, 2: 4, 4: 8, 8: 12, 16: 2}
 # Per-lane data rate in Gb/s after encoding overhead (SDR..NDR; 8b/10b before FDR, 64b/66b after).
@@ -28,9 +32,29 @@ ROCE_V2 = "RoCE v2"
 _reason: str | None = None
 
 
-def bandwidth_gbps(active_speed: int, active_width: int) -> float:
-  """Port data bandwidth in Gb/s from ibv_port_attr.active_speed and active_width codes."""
+def rate_gbit_s(active_speed: int, active_width: int) -> float:
+  """Port data rate in gigaBITS per second from ibv_port_attr.active_speed and active_width."""
   return SPEED_GBPS.get(int(active_speed), 0.0) * WIDTH_LANES.get(int(active_width), 0)
+
+
+def bandwidth_gbytes_s(active_speed: int, active_width: int) -> float:
+  """The same rate in gigaBYTES per second (the unit of NicInfo.bandwidth_gbps / LinkSpec)."""
+  return rate_gbit_s(active_speed, active_width) / 8.0
+
+
+def link_layer_name(value: Any) -> str:
+  """``"InfiniBand"``, ``"Ethernet"`` or ``"Unspecified"`` from an ibv_port_attr code or any
+  spelling of the name (compared case-insensitively; "RoCE" means Ethernet)."""
+  if isinstance(value, (int,)) and not isinstance(value, bool):
+    return LINK_LAYERS.get(int(value), f"unknown({value})")
+  text = str(value).strip().lower()
+  if text in ("infiniband", "ib"):
+    return "InfiniBand"
+  if text in ("ethernet", "eth", "roce"):
+    return "Ethernet"
+  if text in ("unspecified", ""):
+    return "Unspecified"
+  return str(value)
 
 
 def select_gid_index(gids: list[dict[str, Any]], link_layer: str) -> int:
@@ -38,7 +62,7 @@ def select_gid_index(gids: list[dict[str, Any]], link_layer: str) -> int:
   address (::ffff:a.b.c.d), else the first RoCE v2 GID, else the first non-zero one; -1 if none.
 
   Same rule as the C++ provider's SelectGidIndex (csrc/transport/verbs.cc)."""
-  if link_layer == "infiniband":
+  if link_layer_name(link_layer) == "InfiniBand":
     return 0 if gids else -1
   valid = [g for g in gids if g.get("gid") and set(g["gid"].replace(":", "")) != {"0"}]
   v2 = [g for g in valid if g.get("type") == ROCE_V2]
@@ -68,7 +92,8 @@ def _pyverbs():
 
 @functools.cache
 def discover_nics() -> tuple[dict[str, Any], ...] | list[dict[str, Any]]:
-  """Every RDMA port: name, port, state, link_layer, bandwidth_gbps, active_mtu, gid_index, ...
+  """Every RDMA port: name, port, state, link_layer, rate_gbit_s (Gb/s), bandwidth_gbps (GB/s),
+  active_mtu, gid_index, ...
 
   Cached per process. Empty (and :func:`unavailable_reason` set) when there is no RDMA."""
   global _reason
@@ -92,7 +117,7 @@ def discover_nics() -> tuple[dict[str, Any], ...] | list[dict[str, Any]]:
         attr = ctx.query_device()
         for port in range(1, attr.phys_port_cnt + 1):
           pa = ctx.query_port(port)
-          link = LINK_LAYERS.get(pa.link_layer, str(pa.link_layer))
+          link = link_layer_name(pa.link_layer)
           gids = []
           for i in range(min(pa.gid_tbl_len, 32)):
             try:
@@ -104,7 +129,8 @@ def discover_nics() -> tuple[dict[str, Any], ...] | list[dict[str, Any]]:
           nics.append({
               "name": name, "port": port, "state": PORT_STATES.get(pa.state, str(pa.state)),
               "link_layer": link, "active_speed": pa.active_speed, "active_width": pa.active_width,
-              "bandwidth_gbps": bandwidth_gbps(pa.active_speed, pa.active_width),
+              "rate_gbit_s": rate_gbit_s(pa.active_speed, pa.active_width),
+              "bandwidth_gbps": bandwidth_gbytes_s(pa.active_speed, pa.active_width),
               "active_mtu": MTU_BYTES.get(pa.active_mtu, 0), "lid": pa.lid,
               "gid_index": select_gid_index(gids, link), "gids": gids,
           })

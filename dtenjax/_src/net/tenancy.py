@@ -7,20 +7,19 @@ native layer (csrc/transport/tenancy.*) enforces:
 * a quota on registered bytes (pinned staging buffers, RDMA MRs),
 * a token-bucket bandwidth limit applied before every send is posted,
 * for device memory a tenant exports or registers: the pointer must belong to the tenant's own
-  CUDA context (``cudaPointerGetAttributes`` in a CUDA build; the check is replaceable, see
-  :func:`use_fake_pointer_owners`, so the refusal logic is tested on CPU).
+  CUDA context (``cudaPointerGetAttributes`` in a CUDA build).
 
 Exceeding a quota raises :class:`~dtenjax._src.errors.QuotaExceededError` naming the tenant, the
-limit and the fix; a foreign pointer raises :class:`OwnershipError`.
+limit and the fix; a foreign pointer raises :class:`OwnershipError`. Every limit is checked here
+against what its native field holds (a limit of ``2**64`` or a NaN rate is refused, not wrapped).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-from collections.abc import Sequence
 
 from dtenjax._src import errors
+from dtenjax._src.net import checks
 from dtenjax._src.net import transport
 
 
@@ -37,67 +36,57 @@ class Quota:
   burst_bytes: float = 0.0   # bucket depth; 0: one second of rate (at least 1 MiB)
 
   def __post_init__(self):
-    bad = []
-    if self.max_connections < -1:
-      bad.append(f"max_connections={self.max_connections} (use -1 for unlimited)")
-    if self.max_registered_bytes < -1:
-      bad.append(f"max_registered_bytes={self.max_registered_bytes} (use -1 for unlimited)")
-    if self.rate_bytes_per_s < 0:
-      bad.append(f"rate_bytes_per_s={self.rate_bytes_per_s} (use 0 for unlimited)")
-    if self.burst_bytes < 0:
-      bad.append(f"burst_bytes={self.burst_bytes} (must be >= 0)")
-    if bad:
-      raise errors.ConfigurationError(errors.join_problems("invalid tenant Quota:", bad))
+    problems = checks.problems_of(
+        lambda: checks.integer("max_connections", self.max_connections, -1, checks.I64_MAX,
+                               hint="-1 means unlimited"),
+        lambda: checks.integer("max_registered_bytes", self.max_registered_bytes, -1,
+                               checks.I64_MAX, hint="-1 means unlimited"),
+        lambda: checks.number("rate_bytes_per_s", self.rate_bytes_per_s, 0,
+                              hint="0 means unlimited"),
+        lambda: checks.number("burst_bytes", self.burst_bytes, 0,
+                              hint="0 means one second of rate"))
+    if problems:
+      raise errors.ConfigurationError(errors.join_problems("invalid tenant Quota:", problems))
 
 
-def _name(tenant: str) -> bytes:
-  if not tenant or not isinstance(tenant, str):
-    raise errors.ConfigurationError(f"tenant={tenant!r} must be a non-empty string.")
-  return tenant.encode()
+def _name(tenant: str) -> str:
+  return checks.name("tenant", tenant)
 
 
 def set_quota(tenant: str, quota: Quota) -> None:
   """Sets ``tenant``'s limits (applies to communicators and pools created from now on, and to
   the token bucket at once)."""
-  transport.lib().dtenjax_tp_tenant_set_quota(_name(tenant), quota.max_connections,
-                                              quota.max_registered_bytes,
-                                              float(quota.rate_bytes_per_s),
-                                              float(quota.burst_bytes))
+  if not isinstance(quota, Quota):
+    raise errors.ConfigurationError(f"quota must be a Quota, got {type(quota).__name__}.")
+  transport.native().set_quota(_name(tenant), quota.max_connections, quota.max_registered_bytes,
+                               float(quota.rate_bytes_per_s), float(quota.burst_bytes))
 
 
 def usage(tenant: str) -> dict[str, int]:
   """Current connections and registered bytes, and refusals so far."""
-  out = (ctypes.c_int64 * 4)()
-  transport.lib().dtenjax_tp_tenant_usage(_name(tenant), out)
-  return {"connections": out[0], "registered_bytes": out[1], "quota_refusals": out[2],
-          "ownership_refusals": out[3]}
+  return {k: int(v) for k, v in transport.native().usage(_name(tenant)).items()}
 
 
 def throttle(tenant: str, nbytes: int, timeout_s: float = 60.0) -> None:
   """Takes ``nbytes`` tokens from ``tenant``'s bucket, sleeping as the rate requires (the same
   call the transport makes before each send)."""
-  transport._Err().call(transport.lib().dtenjax_tp_tenant_take, _name(tenant), int(nbytes),  # pylint: disable=protected-access
-                        float(timeout_s), what=f"throttling tenant {tenant!r}")
+  transport.native().take(_name(tenant), checks.integer("nbytes", nbytes, 0, checks.U64_MAX),
+                          checks.number("timeout_s", timeout_s, 0, lo_open=True))
 
 
 def set_owner_context(tenant: str, context: int) -> None:
   """Declares the CUDA context (device ordinal) whose memory ``tenant`` may register."""
-  transport.lib().dtenjax_tp_tenant_set_owner_context(_name(tenant), int(context))
+  transport.native().set_owner_context(
+      _name(tenant), checks.integer("context", context, -1, checks.I64_MAX,
+                                    hint="a CUDA device ordinal, or -1 for none"))
 
 
 def check_device_memory(tenant: str, ptr: int, nbytes: int) -> None:
   """Raises OwnershipError unless [ptr, ptr+nbytes) is memory of ``tenant``'s context."""
-  err = ctypes.create_string_buffer(2048)
-  code = transport.lib().dtenjax_tp_tenant_check_device_memory(_name(tenant), int(ptr),
-                                                               int(nbytes), err, 2048)
-  if code:
-    raise OwnershipError(err.value.decode(errors="replace"))
-
-
-def use_fake_pointer_owners(ranges: Sequence[tuple[int, int, int]]) -> None:
-  """Replaces the ownership check by a table of (start, nbytes, context) ranges (tests on CPU)."""
-  n = len(ranges)
-  starts = (ctypes.c_uint64 * max(n, 1))(*[r[0] for r in ranges])
-  sizes = (ctypes.c_uint64 * max(n, 1))(*[r[1] for r in ranges])
-  owners = (ctypes.c_int64 * max(n, 1))(*[r[2] for r in ranges])
-  transport.lib().dtenjax_tp_set_fake_pointer_owners(starts, sizes, owners, n)
+  ptr = checks.integer("ptr", ptr, 0, checks.U64_MAX)
+  nbytes = checks.integer("nbytes", nbytes, 1, checks.U64_MAX - ptr,
+                          hint="ptr + nbytes must not pass 2**64")
+  try:
+    transport.native().check_device_memory(_name(tenant), ptr, nbytes)
+  except (errors.TransportError, errors.ExtensionUnavailableError) as e:
+    raise OwnershipError(str(e)) from None

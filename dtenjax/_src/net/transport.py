@@ -1,23 +1,33 @@
-"""Host transport control plane: job credentials, provider choice, communicators, counters.
+"""Host transport control plane: job credentials, provider table, communicators, counters.
 
 The data plane lives in C++ (``csrc/transport/``: a TCP provider and an RDMA verbs provider behind
-one table of functions). This module drives it through plain C entry points of the already loaded
-``dtenjax._ffi`` library (ctypes releases the GIL during blocking calls such as connecting a ring).
+one table of functions), bound to Python with nanobind as ``dtenjax._ffi.transport``
+(``custom_calls/transport_py.cc``); a native failure raises the dtenjax error of its status code.
 
 Bootstrap goes through jax.distributed's coordination store (:mod:`dtenjax._src.net.kvstore`): each
 rank listens on ``DTENJAX_BIND_ADDRESS`` (port chosen by the OS), publishes its endpoint, reads its
 ring neighbour's, and connects. Every connection is authenticated by an HMAC-SHA256
-challenge-response keyed by the job secret: ``DTENJAX_JOB_SECRET`` if set, else random bytes made
-by process 0 and shared through the store (so only members of this job can connect).
+challenge-response keyed by the job secret (``DTENJAX_JOB_SECRET`` if set, else random bytes made
+by process 0 and shared through the store), and every frame after it by AES-256-GMAC under keys
+derived in that handshake. Both come from OpenSSL's libcrypto, loaded at run time
+(``DTENJAX_LIBCRYPTO`` to choose the file). Without libcrypto no connection is made (fail
+closed): creating a multi-process communicator raises ExtensionUnavailableError saying so.
+
+Every collective carries (number, op, dtype, count, call site) in its frames; processes that
+issue different collectives get an error on every rank that names both sides (see
+:func:`call_site`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
+import os
 import secrets
+import sys
 import threading
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,15 +35,12 @@ import numpy as np
 from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src import ffi
+from dtenjax._src.net import checks
 from dtenjax._src.net import kvstore
 
-# dtenjax::Code values (csrc/common/status.h).
-_OK, _INVALID, _UNAVAILABLE, _DEADLINE, _EXHAUSTED, _DENIED, _DATALOSS = 0, 1, 2, 3, 4, 5, 6
-_ERR_CAP = 2048
 DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2,
                np.dtype(np.int64): 3}
 OP_CODES = {"sum": 0, "max": 1, "min": 2, "prod": 3}
-PROVIDERS = ("tcp", "verbs")
 
 
 def _bf16_code() -> dict[Any, int]:
@@ -47,115 +54,116 @@ def _bf16_code() -> dict[Any, int]:
 DTYPE_CODES.update(_bf16_code())
 
 
-@functools.cache
-def lib() -> ctypes.CDLL:
-  """The native library with argument types declared; ExtensionUnavailableError if not built."""
-  path = ffi.module().__file__
-  L = ctypes.CDLL(path)
-  c = ctypes
-  i64, u64, dbl, s, p, ip = c.c_int64, c.c_uint64, c.c_double, c.c_char_p, c.c_void_p, c.c_int
-  sig = {
-      "dtenjax_tp_num_counters": ([], ip),
-      "dtenjax_tp_counter_name": ([ip], s),
-      "dtenjax_tp_counters": ([p], None),
-      "dtenjax_tp_hmac_sha256": ([p, u64, p, u64, p], None),
-      "dtenjax_tp_sha256": ([p, u64, p], None),
-      "dtenjax_tp_checksum64": ([p, u64], u64),
-      "dtenjax_tp_random": ([p, u64, p, ip], ip),
-      "dtenjax_tp_comm_create": ([u64, ip, ip, p, u64, dbl, s, s, s, p, p, ip, p, ip], ip),
-      "dtenjax_tp_comm_connect": ([i64, s, p, ip], ip),
-      "dtenjax_tp_comm_all_reduce": ([i64, p, u64, ip, ip, p, ip], ip),
-      "dtenjax_tp_comm_inject_corrupt": ([i64], ip),
-      "dtenjax_tp_comm_destroy": ([i64], ip),
-      "dtenjax_tp_listen": ([s, p, p, ip, p, ip], ip),
-      "dtenjax_tp_accept": ([i64, u64, ip, ip, p, u64, dbl, p, p, ip], ip),
-      "dtenjax_tp_connect": ([s, u64, ip, ip, p, u64, dbl, p, p, ip], ip),
-      "dtenjax_tp_exchange": ([i64, p, u64, i64, p, u64, u64, u64, ip, dbl, p, ip], ip),
-      "dtenjax_tp_close": ([i64], None),
-      "dtenjax_tp_pool_create": ([u64, c.c_uint32, u64, ip, s], i64),
-      "dtenjax_tp_pool_destroy": ([i64], ip),
-      "dtenjax_tp_pool_op": ([i64, ip, i64, p, p, ip], ip),
-      "dtenjax_tp_pool_num_stats": ([], ip),
-      "dtenjax_tp_pool_stat_name": ([ip], s),
-      "dtenjax_tp_pool_stats": ([i64, p], ip),
-      "dtenjax_tp_tenant_set_quota": ([s, i64, i64, dbl, dbl], None),
-      "dtenjax_tp_tenant_usage": ([s, p], None),
-      "dtenjax_tp_tenant_set_owner_context": ([s, i64], None),
-      "dtenjax_tp_tenant_check_device_memory": ([s, u64, u64, p, ip], ip),
-      "dtenjax_tp_tenant_acquire_connection": ([s, p, ip], ip),
-      "dtenjax_tp_tenant_release_connection": ([s], None),
-      "dtenjax_tp_tenant_take": ([s, u64, dbl, p, ip], ip),
-      "dtenjax_tp_set_fake_pointer_owners": ([p, p, p, ip], None),
-  }
-  for name, (args, res) in sig.items():
-    fn = getattr(L, name)
-    fn.argtypes = args
-    fn.restype = res
-  return L
+# --- the native module ----------------------------------------------------------------------------
+
+def native():
+  """``dtenjax._ffi.transport``; ExtensionUnavailableError (saying why) when it is not built."""
+  mod = ffi.module()
+  sub = getattr(mod, "transport", None)
+  if sub is None:
+    raise errors.ExtensionUnavailableError(
+        f"this build of dtenjax._ffi has no transport bindings (build info: "
+        f"{dict(mod.build_info())}). Rebuild the extension: {ffi.BUILD_HINT}")
+  return sub
 
 
 def is_available() -> bool:
   """Whether the native transport is in this build."""
   try:
-    lib()
+    native()
     return True
-  except (errors.ExtensionUnavailableError, AttributeError, OSError):
+  except errors.ExtensionUnavailableError:
     return False
 
 
-def raise_for(code: int, message: str, what: str = "") -> None:
-  """Raises the dtenjax error matching a native status code (no-op for OK)."""
-  if code == _OK:
-    return
-  msg = f"{what}: {message}" if what else message
-  if code == _DEADLINE:
-    raise errors.CollectiveTimeoutError(msg)
-  if code == _EXHAUSTED:
-    raise errors.QuotaExceededError(msg)
-  if code == _INVALID:
-    raise errors.ConfigurationError(msg)
-  raise errors.TransportError(msg)
-
-
-class _Err:
-  """A ctypes error buffer: ``call(fn, *args)`` appends (buf, cap) and raises on failure."""
-
-  def __init__(self):
-    self.buf = ctypes.create_string_buffer(_ERR_CAP)
-
-  def call(self, fn, *args, what: str = "") -> None:
-    code = fn(*args, self.buf, _ERR_CAP)
-    raise_for(code, self.buf.value.decode(errors="replace"), what)
+def testing_hooks():
+  """``dtenjax._ffi.transport.testing``: fault injection for dtenjax's own tests only."""
+  return native().testing
 
 
 def counters() -> dict[str, int]:
-  """Process-wide transport counters: frames/bytes moved, connections, rejections by reason."""
-  L = lib()
-  n = L.dtenjax_tp_num_counters()
-  out = (ctypes.c_uint64 * n)()
-  L.dtenjax_tp_counters(out)
-  return {L.dtenjax_tp_counter_name(i).decode(): int(out[i]) for i in range(n)}
+  """Process-wide transport counters: frames/bytes moved, connections, rejections by reason
+  (rejected_mac: modified frames, rejected_replay: replayed frames, rejected_mismatch: frames of
+  another collective, ...), aborts sent/received, pending handshakes."""
+  return dict(native().counters())
+
+
+@functools.cache
+def _crypto_loaded(path: str) -> None:
+  native().crypto_load(path)
+
+
+def ensure_crypto() -> str:
+  """Loads libcrypto (``DTENJAX_LIBCRYPTO`` or the default names); returns the file loaded.
+
+  Raises ExtensionUnavailableError saying what was tried and how to install it."""
+  path = config.get_str("DTENJAX_LIBCRYPTO")
+  _crypto_loaded(path)
+  return native().crypto_status()[2]
+
+
+def crypto_status() -> dict[str, Any]:
+  ok, why, lib = native().crypto_status()
+  return {"loaded": bool(ok), "library": lib, "error": None if ok else why}
 
 
 def hmac_sha256(key: bytes, msg: bytes) -> bytes:
-  """The native HMAC-SHA256 (what authenticates connections); equals Python's hmac module."""
-  out = ctypes.create_string_buffer(32)
-  lib().dtenjax_tp_hmac_sha256(key, len(key), msg, len(msg), out)
-  return out.raw
+  """libcrypto's HMAC-SHA256 (what authenticates connections); equals Python's hmac module."""
+  ensure_crypto()
+  return native().hmac_sha256(bytes(key), bytes(msg))
 
 
-def sha256(msg: bytes) -> bytes:
-  out = ctypes.create_string_buffer(32)
-  lib().dtenjax_tp_sha256(msg, len(msg), out)
-  return out.raw
+# --- call sites -----------------------------------------------------------------------------------
+
+def _module_dir(module) -> str:
+  return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 
 
-def checksum64(data: bytes) -> int:
-  """The frame payload checksum (Fletcher-style, 64-bit)."""
-  return int(lib().dtenjax_tp_checksum64(data, len(data)))
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  dirs = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
+          _module_dir(jax)]
+  try:
+    import jaxlib  # pylint: disable=g-import-not-at-top
+    dirs.append(_module_dir(jaxlib))
+  except ImportError:  # pragma: no cover
+    pass
+  return tuple(dirs) + (os.path.abspath(contextlib.__file__), os.path.abspath(functools.__file__))
 
 
-# --- job credentials --------------------------------------------------------------------------
+def _skip_frame(filename: str) -> bool:
+  if filename.startswith("<"):
+    return True
+  return os.path.abspath(filename).startswith(_library_dirs())
+
+
+def call_site(depth_limit: int = 64) -> tuple[int, str]:
+  """(tag, text) of the user code that issued the current collective.
+
+  The first stack frame outside dtenjax and jax, as ``"function (file.py:line)"``; the tag is its
+  CRC32. Processes running the same program get the same site for the same collective, so a
+  process that skipped a collective and pairs with its peer's next one is detected even when
+  both have the same op, dtype and shape (unless both come from the same line, e.g. a loop)."""
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  for _ in range(depth_limit):
+    if frame is None:
+      break
+    if not _skip_frame(frame.f_code.co_filename):
+      text = (f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:"
+              f"{frame.f_lineno})")
+      return zlib.crc32(text.encode()), text
+    frame = frame.f_back
+  return 0, "unknown"
+
+
+def register_site(tag: int, text: str) -> None:
+  """Tells the native layer the text of a site tag (for error messages)."""
+  native().register_site(checks.integer("site tag", tag, 0, checks.U32_MAX), str(text))
+
+
+# --- job credentials ------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class JobCredentials:
@@ -164,8 +172,10 @@ class JobCredentials:
   secret: bytes = dataclasses.field(repr=False)
 
   def __post_init__(self):
-    if not 0 < self.job_id < 2**64:
-      raise errors.ConfigurationError(f"job_id={self.job_id} must be in (0, 2**64).")
+    checks.integer("job_id", self.job_id, 1, checks.U64_MAX)
+    if not isinstance(self.secret, (bytes, bytearray)):
+      raise errors.ConfigurationError(
+          f"the job secret must be bytes, got {type(self.secret).__name__}.")
     if len(self.secret) < 16:
       raise errors.ConfigurationError(
           f"the job secret has {len(self.secret)} bytes; use at least 16 (set "
@@ -206,63 +216,144 @@ def reset_job_credentials() -> None:
     _creds = None
 
 
-# --- provider choice ----------------------------------------------------------------------------
+# --- provider table -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ProviderSpec:
+  """One transport provider: its native name and when ``auto`` may pick it.
+
+  ``usable(nics)`` returns (usable, reason); providers are tried in table order and the first
+  usable one wins. The native side of a provider is one file in csrc/transport/ that registers
+  itself with ``DTENJAX_REGISTER_PROVIDER``."""
+  name: str
+  usable: Callable[[list[dict[str, Any]]], tuple[bool, str]]
+  description: str
+
+
+def _verbs_usable(nics: list[dict[str, Any]]) -> tuple[bool, str]:
+  active = [n for n in nics if str(n.get("state", "")).lower() == "active"]
+  if not active:
+    if nics:
+      return False, "no RDMA port is active (" + ", ".join(
+          f"{n['name']}:{n['port']}={n.get('state')}" for n in nics) + ")"
+    return False, "no RDMA device"
+  return True, f"active RDMA port {active[0]['name']}:{active[0]['port']}"
+
+
+PROVIDERS: tuple[ProviderSpec, ...] = (
+    ProviderSpec("verbs", _verbs_usable, "RDMA verbs (RC QPs, RDMA WRITE WITH IMM)"),
+    ProviderSpec("tcp", lambda nics: (True, "TCP is always available"), "TCP sockets"),
+)
+
+
+def built_providers() -> list[str]:
+  """Providers compiled into this build of the extension."""
+  return list(native().providers())
+
 
 def select_provider(nics: list[dict[str, Any]] | None = None) -> tuple[str, str]:
-  """(provider, reason). ``DTENJAX_TRANSPORT`` forces one; auto picks verbs on an active RDMA port
-  when the build has the verbs provider, otherwise TCP, and logs why once."""
+  """(provider, reason). ``DTENJAX_TRANSPORT`` forces one; ``auto`` takes the first provider of
+  :data:`PROVIDERS` that is built and usable, and logs why once."""
+  names = [p.name for p in PROVIDERS]
   forced = config.get_str("DTENJAX_TRANSPORT").strip().lower()
-  if forced not in ("auto",) + PROVIDERS:
+  if forced not in ("auto", *names):
     raise errors.ConfigurationError(
-        f"DTENJAX_TRANSPORT={forced!r} is not one of auto, tcp, verbs.")
-  built = ffi.build_info().get("verbs", False)
-  if forced == "tcp":
-    return "tcp", "DTENJAX_TRANSPORT=tcp"
+        f"DTENJAX_TRANSPORT={forced!r} is not one of {['auto', *names]}.")
+  built = built_providers() if is_available() else []
+  if forced != "auto":
+    if forced not in built:
+      raise errors.ExtensionUnavailableError(
+          f"DTENJAX_TRANSPORT={forced} but this build has no {forced} provider (built: {built}); "
+          + ("install libibverbs-dev and rebuild, " if forced == "verbs" else "")
+          + "or unset DTENJAX_TRANSPORT.")
+    return forced, f"DTENJAX_TRANSPORT={forced}"
+  why_none = "no RDMA NIC was given"
   if nics is None:
     from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
-    nics = rdma.discover_nics()
-    why_none = rdma.unavailable_reason()
-  else:
-    why_none = "no RDMA NIC was given"
-  active = [n for n in nics if n.get("state") == "active"]
-  if forced == "verbs":
-    if not built:
-      raise errors.ExtensionUnavailableError(
-          "DTENJAX_TRANSPORT=verbs but this build has no verbs provider (install "
-          "libibverbs-dev and rebuild), or unset DTENJAX_TRANSPORT to use TCP.")
-    return "verbs", "DTENJAX_TRANSPORT=verbs"
-  if active and built:
-    return "verbs", f"active RDMA port {active[0]['name']}:{active[0]['port']}"
-  if active:
-    reason = "an RDMA port is active but this build has no verbs provider"
-  elif nics:
-    reason = "no RDMA port is active (" + ", ".join(
-        f"{n['name']}:{n['port']}={n.get('state')}" for n in nics) + ")"
-  else:
-    reason = why_none or "no RDMA device"
-  config.log_once("transport:provider", f"dtenjax host transport: using TCP because {reason} "
-                  "(set DTENJAX_TRANSPORT=tcp to silence)", level=20)
-  return "tcp", reason
+    nics = list(rdma.discover_nics())
+    why_none = rdma.unavailable_reason() or "no RDMA device"
+  passed_over = []
+  for spec in PROVIDERS:
+    if spec.name not in built:
+      passed_over.append(f"{spec.name} is not in this build")
+      continue
+    ok, why = spec.usable(list(nics))
+    if ok:
+      if not passed_over:
+        return spec.name, why
+      reason = "; ".join(passed_over)
+      config.log_once(f"transport:provider:{spec.name}:{reason}",
+                      f"dtenjax host transport: using {spec.name} because {reason} (set "
+                      f"DTENJAX_TRANSPORT={spec.name} to silence)", level=20)
+      return spec.name, reason
+    passed_over.append(f"{spec.name} is not usable: {why if nics else why_none}")
+  raise errors.ExtensionUnavailableError(  # pragma: no cover - tcp is always built and usable
+      "no transport provider is usable: " + "; ".join(reasons))
 
 
-# --- communicators ------------------------------------------------------------------------------
+# --- communicators --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CommSettings:
+  """Transport settings of one communicator (defaults from the DTENJAX_ knobs)."""
+  timeout_s: float
+  segment_bytes: int
+  handshake_timeout_s: float
+  max_pending_handshakes: int
+  bind_address: str
+
+  def __post_init__(self):
+    problems = checks.problems_of(
+        lambda: checks.number("timeout_s", self.timeout_s, 0, 1e9, lo_open=True,
+                              hint="seconds; DTENJAX_COLLECTIVE_TIMEOUT"),
+        lambda: checks.integer("segment_bytes", self.segment_bytes, 256, 1 << 30,
+                               hint="DTENJAX_TRANSPORT_SEGMENT_BYTES"),
+        lambda: checks.number("handshake_timeout_s", self.handshake_timeout_s, 0, 1e9,
+                              lo_open=True, hint="DTENJAX_HANDSHAKE_TIMEOUT"),
+        lambda: checks.integer("max_pending_handshakes", self.max_pending_handshakes, 1, 4096,
+                               hint="DTENJAX_MAX_PENDING_HANDSHAKES"),
+        lambda: checks.name("bind_address", self.bind_address))
+    if problems:
+      raise errors.ConfigurationError(errors.join_problems("invalid transport settings:",
+                                                           problems))
+
+  @classmethod
+  def from_env(cls, **overrides) -> "CommSettings":
+    values = dict(timeout_s=config.get_float("DTENJAX_COLLECTIVE_TIMEOUT"),
+                  segment_bytes=config.get_int("DTENJAX_TRANSPORT_SEGMENT_BYTES"),
+                  handshake_timeout_s=config.get_float("DTENJAX_HANDSHAKE_TIMEOUT"),
+                  max_pending_handshakes=config.get_int("DTENJAX_MAX_PENDING_HANDSHAKES"),
+                  bind_address=config.get_str("DTENJAX_BIND_ADDRESS"))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**values)
+
+
+def _peer_errors(e: errors.ExtensionUnavailableError) -> errors.TransportError:
+  # A live communicator reports a lost peer as UNAVAILABLE; to Python callers that is a
+  # transport failure, not a missing capability.
+  return errors.TransportError(str(e))
+
 
 class Communicator:
   """One rank of an authenticated ring of processes (a native communicator)."""
 
-  def __init__(self, name: str, rank: int, size: int, tenant: str, provider: str,
-               comm_id: int, endpoint: str):
+  def __init__(self, name: str, rank: int, size: int, tenant: str, provider: str, native_comm):
     self.name, self.rank, self.size = name, rank, size
     self.tenant, self.provider = tenant, provider
-    self.comm_id, self.endpoint = comm_id, endpoint
-    self._closed = False
+    self._native = native_comm
+    self.comm_id = int(native_comm.id)
+    self.endpoint = native_comm.endpoint
 
   def __repr__(self) -> str:
     return (f"Communicator({self.name!r}, rank={self.rank}, size={self.size}, "
             f"tenant={self.tenant!r}, provider={self.provider!r}, id={self.comm_id})")
 
-  def all_reduce(self, x: np.ndarray, op: str = "sum") -> np.ndarray:
-    """Ring all-reduce of a host array (outside jit: tests, benchmarks). Returns a new array."""
+  def all_reduce(self, x: np.ndarray, op: str = "sum", *, site: tuple[int, str] | None = None
+                 ) -> np.ndarray:
+    """Ring all-reduce of a host array (outside jit: tests, benchmarks). Returns a new array.
+
+    ``site`` (tag, text) names the call site carried in every frame; default :func:`call_site`.
+    """
     x = np.ascontiguousarray(x)
     if x.dtype not in DTYPE_CODES:
       raise errors.CollectiveError(
@@ -270,43 +361,65 @@ class Communicator:
           f"{sorted(str(d) for d in DTYPE_CODES)}.")
     if op not in OP_CODES:
       raise errors.CollectiveError(f"op={op!r} is not one of {sorted(OP_CODES)}.")
-    out = x.copy()
-    _Err().call(lib().dtenjax_tp_comm_all_reduce, self.comm_id,
-                out.ctypes.data_as(ctypes.c_void_p), out.size, DTYPE_CODES[x.dtype],
-                OP_CODES[op], what=f"all-reduce on {self!r}")
+    tag, text = call_site() if site is None else site
+    register_site(tag, text)
+    out = np.empty_like(x)
+    try:
+      self._native.all_reduce(x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8),
+                              out.size, DTYPE_CODES[x.dtype], OP_CODES[op], tag)
+    except errors.ExtensionUnavailableError as e:
+      raise _peer_errors(e) from None
     return out
 
-  def inject_corrupt_next_send(self) -> None:
-    """Fault injection: the next frame this rank sends has one payload byte flipped."""
-    lib().dtenjax_tp_comm_inject_corrupt(self.comm_id)
-
   def close(self) -> None:
-    if not self._closed:
-      self._closed = True
-      lib().dtenjax_tp_comm_destroy(self.comm_id)
+    self._native.close()
+
+  @property
+  def closed(self) -> bool:
+    return bool(self._native.closed)
 
 
 def create_local_comm(rank: int, size: int, creds: JobCredentials, *, tenant: str = "default",
                       provider: str = "tcp", timeout_s: float | None = None,
-                      bind_address: str | None = None, name: str = "local") -> Communicator:
+                      bind_address: str | None = None, name: str = "local",
+                      segment_bytes: int | None = None, handshake_timeout_s: float | None = None,
+                      max_pending_handshakes: int | None = None) -> Communicator:
   """Creates (listens) but does not connect a communicator; see :func:`connect`."""
-  if not 0 <= rank < size:
-    raise errors.ConfigurationError(f"rank={rank} is not in [0, size={size}).")
-  timeout_s = config.get_float("DTENJAX_COLLECTIVE_TIMEOUT") if timeout_s is None else timeout_s
-  bind = bind_address or config.get_str("DTENJAX_BIND_ADDRESS")
-  cid = ctypes.c_int64(0)
-  ep = ctypes.create_string_buffer(256)
-  _Err().call(lib().dtenjax_tp_comm_create, creds.job_id, rank, size, creds.secret,
-              len(creds.secret), float(timeout_s), tenant.encode(), bind.encode(),
-              provider.encode(), ctypes.byref(cid), ep, 256,
-              what=f"creating communicator {name!r} rank {rank} on {bind}")
-  return Communicator(name, rank, size, tenant, provider, int(cid.value), ep.value.decode())
+  problems = checks.problems_of(
+      lambda: checks.integer("size", size, 1, 65536),
+      lambda: checks.integer("rank", rank, 0, max(0, int(size) - 1) if isinstance(size, int)
+                             else 0, hint=f"rank must be in [0, size={size})"),
+      lambda: checks.name("tenant", tenant))
+  if problems:
+    raise errors.ConfigurationError(errors.join_problems(
+        f"cannot create communicator {name!r}:", problems))
+  if not isinstance(creds, JobCredentials):
+    raise errors.ConfigurationError(f"creds must be JobCredentials, got {type(creds).__name__}.")
+  settings = CommSettings.from_env(timeout_s=timeout_s, bind_address=bind_address,
+                                   segment_bytes=segment_bytes,
+                                   handshake_timeout_s=handshake_timeout_s,
+                                   max_pending_handshakes=max_pending_handshakes)
+  built = built_providers()
+  if provider not in built:
+    raise errors.ExtensionUnavailableError(
+        f"transport provider {provider!r} is not in this build (built: {built}).")
+  if size > 1:
+    ensure_crypto()   # fail closed: raises saying libcrypto is missing and how to install it
+  if provider == "verbs" and config.get_str("DTENJAX_IB_DEVICE"):
+    native().verbs.set_device(config.get_str("DTENJAX_IB_DEVICE"))
+  comm = native().Comm(creds.job_id, rank, size, bytes(creds.secret), settings.timeout_s, tenant,
+                       settings.bind_address, provider, settings.segment_bytes,
+                       settings.handshake_timeout_s, settings.max_pending_handshakes)
+  return Communicator(name, rank, size, tenant, provider, comm)
 
 
 def connect(comm: Communicator, next_endpoint: str) -> None:
   """Connects ``comm`` to the next rank's endpoint and accepts the previous rank (blocking)."""
-  _Err().call(lib().dtenjax_tp_comm_connect, comm.comm_id, next_endpoint.encode(),
-              what=f"connecting {comm!r} to {next_endpoint}")
+  checks.name("next_endpoint", next_endpoint)
+  try:
+    comm._native.connect_ring(next_endpoint)  # pylint: disable=protected-access
+  except errors.ExtensionUnavailableError as e:
+    raise _peer_errors(e) from None
 
 
 _names_lock = threading.Lock()

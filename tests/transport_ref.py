@@ -1,0 +1,291 @@
+"""An independent pure-Python implementation of the host transport's wire protocol (version 2),
+written from docs/transport.md, for tests: AES-256 (FIPS 197), GMAC (NIST SP 800-38D with the
+data as additional authenticated data only), CRC32C, frame layout, handshake and key derivation.
+
+Slow (pure Python): meant for small frames. Nothing here imports dtenjax, so tests that compare
+the native transport with it check the implementation against the specification, not itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+# --- AES-256 (FIPS 197), encryption of single blocks ----------------------------------------------
+
+
+def _xtime(a: int) -> int:
+  a <<= 1
+  return (a ^ 0x11B) & 0xFF if a & 0x100 else a
+
+
+def _gmul(a: int, b: int) -> int:
+  r = 0
+  while b:
+    if b & 1:
+      r ^= a
+    a = _xtime(a)
+    b >>= 1
+  return r
+
+
+def _make_sbox() -> list[int]:
+  inv = [0] * 256
+  for x in range(1, 256):
+    for y in range(1, 256):
+      if _gmul(x, y) == 1:
+        inv[x] = y
+        break
+  box = []
+  for x in range(256):
+    b = inv[x]
+    s = b
+    for k in range(1, 5):
+      s ^= ((b << k) | (b >> (8 - k))) & 0xFF
+    box.append(s ^ 0x63)
+  return box
+
+
+SBOX = _make_sbox()
+
+
+def _expand_key(key: bytes) -> list[list[int]]:
+  assert len(key) == 32
+  nk, nr = 8, 14
+  words = [list(key[4 * i:4 * i + 4]) for i in range(nk)]
+  rcon = 1
+  for i in range(nk, 4 * (nr + 1)):
+    t = list(words[i - 1])
+    if i % nk == 0:
+      t = t[1:] + t[:1]
+      t = [SBOX[b] for b in t]
+      t[0] ^= rcon
+      rcon = _xtime(rcon)
+    elif i % nk == 4:
+      t = [SBOX[b] for b in t]
+    words.append([a ^ b for a, b in zip(words[i - nk], t)])
+  return [sum(words[4 * r:4 * r + 4], []) for r in range(nr + 1)]
+
+
+def aes256_encrypt_block(key: bytes, block: bytes) -> bytes:
+  rk = _expand_key(key)
+  s = [b ^ k for b, k in zip(block, rk[0])]
+  for rnd in range(1, 15):
+    s = [SBOX[b] for b in s]
+    # ShiftRows: state is column-major, s[r + 4c]
+    s = [s[(r + 4 * ((c + r) % 4))] for c in range(4) for r in range(4)]
+    s = [s[4 * c + r] for c in range(4) for r in range(4)]  # back to column-major order
+    if rnd != 14:
+      out = []
+      for c in range(4):
+        a = s[4 * c:4 * c + 4]
+        out += [_gmul(a[0], 2) ^ _gmul(a[1], 3) ^ a[2] ^ a[3],
+                a[0] ^ _gmul(a[1], 2) ^ _gmul(a[2], 3) ^ a[3],
+                a[0] ^ a[1] ^ _gmul(a[2], 2) ^ _gmul(a[3], 3),
+                _gmul(a[0], 3) ^ a[1] ^ a[2] ^ _gmul(a[3], 2)]
+      s = out
+    s = [b ^ k for b, k in zip(s, rk[rnd])]
+  return bytes(s)
+
+
+# --- GMAC ------------------------------------------------------------------------------------------
+
+_R = 0xE1 << 120
+
+
+def _gf128_mul(x: int, y: int) -> int:
+  z, v = 0, y
+  for i in range(128):
+    if (x >> (127 - i)) & 1:
+      z ^= v
+    v = (v >> 1) ^ _R if v & 1 else v >> 1
+  return z
+
+
+def gmac(key: bytes, nonce: bytes, aad: bytes) -> bytes:
+  """AES-256-GCM tag of an empty plaintext with ``aad`` (96-bit nonce)."""
+  assert len(nonce) == 12
+  h = int.from_bytes(aes256_encrypt_block(key, bytes(16)), "big")
+  y = 0
+  padded = aad + bytes((-len(aad)) % 16)
+  for i in range(0, len(padded), 16):
+    y = _gf128_mul(y ^ int.from_bytes(padded[i:i + 16], "big"), h)
+  y = _gf128_mul(y ^ ((len(aad) * 8) << 64), h)
+  ek = aes256_encrypt_block(key, nonce + b"\x00\x00\x00\x01")
+  return (int.from_bytes(ek, "big") ^ y).to_bytes(16, "big")
+
+
+# --- CRC32C ----------------------------------------------------------------------------------------
+
+def _crc_table() -> list[int]:
+  t = []
+  for i in range(256):
+    c = i
+    for _ in range(8):
+      c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+    t.append(c)
+  return t
+
+
+_CRC = _crc_table()
+
+
+def crc32c(data: bytes) -> int:
+  c = 0xFFFFFFFF
+  for b in data:
+    c = (c >> 8) ^ _CRC[(c ^ b) & 0xFF]
+  return c ^ 0xFFFFFFFF
+
+
+# --- frames ----------------------------------------------------------------------------------------
+
+MAGIC, VERSION = 0x584A5444, 2
+HELLO, CHALLENGE, RESPONSE, ACCEPT, DATA, ABORT, CONTROL, SITE = 1, 2, 3, 4, 5, 6, 7, 8
+HEADER = struct.Struct("<IHHQQQIIQQBBHI")
+assert HEADER.size == 64
+TAG = 16
+OPS = {"sum": 0, "max": 1, "min": 2, "prod": 3}
+DTYPES = {"float32": 0, "float64": 1, "int32": 2, "int64": 3, "bfloat16": 4}
+
+
+def header(ftype: int, *, job: int, src: int, payload_bytes: int, seq: int = 0, site: int = 0,
+           coll_seq: int = 0, count: int = 0, op: int = 0, dtype: int = 0, step: int = 0,
+           magic: int = MAGIC, version: int = VERSION) -> bytes:
+  body = HEADER.pack(magic, version, ftype, job, seq, payload_bytes, src, site, coll_seq, count,
+                     op, dtype, step, 0)[:60]
+  return body + struct.pack("<I", crc32c(body))
+
+
+def parse_header(b: bytes) -> dict:
+  names = ("magic", "version", "type", "job", "seq", "payload_bytes", "src", "site", "coll_seq",
+           "count", "op", "dtype", "step", "crc")
+  return dict(zip(names, HEADER.unpack(b)))
+
+
+def recompute_crc(head: bytes) -> bytes:
+  """A header with its CRC recomputed (what an attacker without keys can do)."""
+  return head[:60] + struct.pack("<I", crc32c(head[:60]))
+
+
+def nonce(seq: int, label: int) -> bytes:
+  return struct.pack("<QI", seq, label)
+
+
+def seal(key: bytes, ftype: int, payload: bytes, **fields) -> bytes:
+  """head (64) + header tag + payload + payload tag, under ``key`` with counter fields['seq']."""
+  h = header(ftype, payload_bytes=len(payload), **fields)
+  seq = fields.get("seq", 0)
+  return h + gmac(key, nonce(seq, 1), h) + payload + gmac(key, nonce(seq, 2), h + payload)
+
+
+def proof(secret: bytes, label: bytes, job: int, client: int, server: int, n1: bytes,
+          n2: bytes) -> bytes:
+  return hmac.new(secret, label + struct.pack("<QII", job, client, server) + n1 + n2,
+                  hashlib.sha256).digest()
+
+
+def session_keys(secret: bytes, job: int, client: int, server: int, nonce_c: bytes,
+                 nonce_s: bytes) -> tuple[bytes, bytes]:
+  """(client->server key, server->client key)."""
+  master = hmac.new(secret, b"dtenjax-v2-session-keys" + struct.pack("<QII", job, client, server)
+                    + nonce_c + nonce_s, hashlib.sha256).digest()
+  return (hmac.new(master, b"client->server", hashlib.sha256).digest(),
+          hmac.new(master, b"server->client", hashlib.sha256).digest())
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+  buf = b""
+  while len(buf) < n:
+    chunk = s.recv(n - len(buf))
+    if not chunk:
+      raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+    buf += chunk
+  return buf
+
+
+def host_port(endpoint: str) -> tuple[str, int]:
+  host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+  return host, int(port)
+
+
+class Channel:
+  """One authenticated connection of the Python peer: socket, keys and counters."""
+
+  def __init__(self, sock: socket.socket, job: int, me: int, peer: int, send_key: bytes,
+               recv_key: bytes, send_seq: int = 0, recv_seq: int = 0):
+    self.sock, self.job, self.me, self.peer = sock, job, me, peer
+    self.send_key, self.recv_key = send_key, recv_key
+    self.send_seq, self.recv_seq = send_seq, recv_seq
+    self.sites: dict[int, str] = {}
+
+  def send(self, ftype: int, payload: bytes = b"", **desc) -> bytes:
+    frame = seal(self.send_key, ftype, payload, job=self.job, src=self.me, seq=self.send_seq,
+                 **desc)
+    self.send_seq += 1
+    self.sock.sendall(frame)
+    return frame
+
+  def recv(self, skip_sites: bool = True) -> tuple[dict, bytes]:
+    """The next frame; SITE frames (call-site texts) are recorded in self.sites and skipped."""
+    while True:
+      h, payload = self._recv_one()
+      if skip_sites and h["type"] == SITE:
+        self.sites[h["site"]] = payload.decode()
+        continue
+      return h, payload
+
+  def _recv_one(self) -> tuple[dict, bytes]:
+    head = recv_exact(self.sock, 64)
+    htag = recv_exact(self.sock, TAG)
+    h = parse_header(head)
+    assert h["magic"] == MAGIC and crc32c(head[:60]) == h["crc"], h
+    assert hmac.compare_digest(htag, gmac(self.recv_key, nonce(h["seq"], 1), head)), "bad htag"
+    assert h["seq"] == self.recv_seq, (h["seq"], self.recv_seq)
+    payload = recv_exact(self.sock, h["payload_bytes"])
+    ptag = recv_exact(self.sock, TAG)
+    assert hmac.compare_digest(ptag, gmac(self.recv_key, nonce(h["seq"], 2), head + payload))
+    self.recv_seq += 1
+    return h, payload
+
+
+def client_handshake(endpoint: str, secret: bytes, job: int, me: int, server: int,
+                     timeout: float = 10, check_server: bool = True) -> Channel:
+  s = socket.create_connection(host_port(endpoint), timeout=timeout)
+  nonce_c = os.urandom(32)
+  s.sendall(header(HELLO, job=job, src=me, payload_bytes=32) + nonce_c)
+  h = parse_header(recv_exact(s, 64))
+  assert h["type"] == CHALLENGE and h["payload_bytes"] == 64, h
+  ch = recv_exact(s, 64)
+  nonce_s = ch[:32]
+  if check_server and not hmac.compare_digest(
+      ch[32:], proof(secret, b"dtenjax-server", job, me, server, nonce_c, nonce_s)):
+    raise PermissionError("the server's proof does not match our secret")
+  resp = proof(secret, b"dtenjax-client", job, me, server, nonce_s, nonce_c)
+  s.sendall(header(RESPONSE, job=job, src=me, payload_bytes=32) + resp)
+  c2s, s2c = session_keys(secret, job, me, server, nonce_c, nonce_s)
+  ch = Channel(s, job, me, server, send_key=c2s, recv_key=s2c)
+  h, _ = ch.recv()
+  assert h["type"] == ACCEPT, h
+  return ch
+
+
+def server_handshake(sock: socket.socket, secret: bytes, job: int, me: int, client: int
+                     ) -> Channel:
+  h = parse_header(recv_exact(sock, 64))
+  assert h["type"] == HELLO and h["src"] == client, h
+  nonce_c = recv_exact(sock, 32)
+  nonce_s = os.urandom(32)
+  sock.sendall(header(CHALLENGE, job=job, src=me, payload_bytes=64) + nonce_s +
+               proof(secret, b"dtenjax-server", job, client, me, nonce_c, nonce_s))
+  h = parse_header(recv_exact(sock, 64))
+  assert h["type"] == RESPONSE, h
+  resp = recv_exact(sock, 32)
+  assert hmac.compare_digest(resp, proof(secret, b"dtenjax-client", job, client, me, nonce_s,
+                                         nonce_c)), "client proof"
+  c2s, s2c = session_keys(secret, job, client, me, nonce_c, nonce_s)
+  ch = Channel(sock, job, me, client, send_key=s2c, recv_key=c2s)
+  ch.send(ACCEPT)
+  return ch

@@ -186,8 +186,13 @@ def as_mesh(mesh: Mesh | Sequence[int] | None, axis_names: Sequence[str] | None 
     return make_mesh((len(jax.devices()),), ("x",), topology=topology)
   shape = tuple(int(s) for s in mesh)
   names = None if axis_names is None else tuple(axis_names)
-  cur = _current_mesh.get()
-  ctx = jax_context_mesh()
+  return _mesh_for_shape(shape, names, topology, _current_mesh.get(), jax_context_mesh())
+
+
+@functools.lru_cache(maxsize=256)
+def _mesh_for_shape(shape: tuple[int, ...], names: tuple[str, ...] | None,
+                    topology: Topology | None, cur: Mesh | None, ctx: Mesh | None) -> Mesh:
+  # Cached: placements resolve their mesh once per leaf (bench/planner.py).
   for candidate in (cur, ctx):
     if candidate is not None and tuple(candidate.devices.shape) == shape and (
         names is None or tuple(candidate.axis_names) == names):

@@ -136,9 +136,8 @@ class Placement:
 
   def sharding(self, shape: Sequence[int], dtype=jnp.float32) -> NamedSharding:
     """The NamedSharding (with the memory kind of the policy) for an array of ``shape``."""
-    mesh = self.resolved_mesh()
-    return _named_sharding(mesh, self._spec(mesh, tuple(shape), dtype),
-                           MEMORY_KINDS[self.memory_policy])
+    return _sharding_for(self, self.resolved_mesh(), tuple(int(d) for d in shape),
+                         jnp.dtype(dtype).name)
 
   def explain(self, shape: Sequence[int], dtype=jnp.float32) -> str:
     """Why this placement lays out an array of ``shape`` the way it does: every candidate's
@@ -160,6 +159,14 @@ def _planning_inputs(mesh: Mesh, topology: Topology) -> tuple[tuple[int, ...], T
   if not set(ids) <= set(topology.device_ids):
     topology = Topology.detect(list(mesh.devices.flat))
   return ids, topology
+
+
+@functools.lru_cache(maxsize=16384)
+def _sharding_for(placement: Placement, mesh: Mesh, shape: tuple[int, ...],
+                  dtype: str) -> NamedSharding:
+  # A pytree has few distinct shapes: one planning per (placement, mesh, shape, dtype).
+  return _named_sharding(mesh, placement._spec(mesh, shape, dtype),  # pylint: disable=protected-access
+                         MEMORY_KINDS[placement.memory_policy])
 
 
 @functools.lru_cache(maxsize=4096)

@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from dtenjax import compression as compression
+from dtenjax import testing as testing
 from dtenjax._src.collectives.api import AlgorithmChoice as AlgorithmChoice
 from dtenjax._src.collectives.api import all_gather as all_gather
 from dtenjax._src.collectives.api import all_reduce as all_reduce
@@ -39,6 +40,7 @@ from dtenjax._src.planning.placement import shard as shard
 from dtenjax._src.planning.placement import tensor as tensor
 from dtenjax._src.planning.planner import Plan as Plan
 from dtenjax._src.planning.planner import Workload as Workload
+from dtenjax._src.planning.reproducible import reproducible_step as reproducible_step
 from dtenjax._src.serving.scheduler import GraphScheduler as GraphScheduler
 from dtenjax._src.serving.scheduler import PreemptionPolicy as PreemptionPolicy
 from dtenjax._src.serving.scheduler import preemption_decision as preemption_decision
@@ -84,8 +86,10 @@ __all__ = [
     "pmap",
     "preemption_decision",
     "reduce_scatter",
+    "reproducible_step",
     "shard",
     "substitute_psum",
     "tensor",
+    "testing",
     "use_mesh",
 ]

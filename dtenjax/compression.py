@@ -2,6 +2,8 @@
 
     tx = optax.chain(dtenjax.compression.topk_ef(0.001, axis_name="data", momentum=0.9),
                      optax.sgd(0.1))
+    # inside jax.shard_map: per-device gradients, so that what crosses devices is compressed
+    grads = jax.grad(loss)(dtenjax.compression.pvary(params, "data"), batch)
 
 See docs/compression.md.
 """
@@ -13,6 +15,7 @@ from dtenjax._src.compression.error_feedback import TopKEFState as TopKEFState
 from dtenjax._src.compression.error_feedback import compressed_all_reduce as compressed_all_reduce
 from dtenjax._src.compression.error_feedback import compression_plan as compression_plan
 from dtenjax._src.compression.error_feedback import init_state as init_state
+from dtenjax._src.compression.error_feedback import pvary as pvary
 from dtenjax._src.compression.error_feedback import state_specs as state_specs
 from dtenjax._src.compression.error_feedback import topk_ef as topk_ef
 from dtenjax._src.compression.topk import exact_topk as exact_topk
@@ -30,6 +33,7 @@ __all__ = [
     "exact_topk",
     "init_state",
     "pack",
+    "pvary",
     "sample_threshold",
     "select",
     "state_specs",

@@ -77,7 +77,7 @@ def assert_bitwise_equal(actual: Any, expected: Any, *, name: str = "") -> None:
     if np.any(diff):
       idx = tuple(int(i) for i in np.argwhere(diff)[0])
       problems.append(f"{where}: {int(diff.sum())} of {diff.size} elements differ; first at index "
-                      f"{idx}: actual {a[idx]!r} vs expected {e[idx]!r}")
+                      f"{idx}: actual {a[idx]!s} vs expected {e[idx]!s}")
   if problems:
     raise AssertionError("not bitwise equal:\n  - " + "\n  - ".join(problems))
 

@@ -12,12 +12,12 @@ PUBLIC = {
     "Placement", "shard", "tensor", "Plan", "Workload",
     # collectives and passes
     "all_reduce", "reduce_scatter", "all_gather", "plan_all_reduce", "AlgorithmChoice",
-    "fuse_collectives", "substitute_psum", "memory_plan", "MemoryPlan",
+    "fuse_collectives", "substitute_psum", "memory_plan", "MemoryPlan", "reproducible_step",
     # introspection, graphs, scheduler
     "explain", "Explanation", "jit", "CudaGraphPolicy", "graph_report", "GraphScheduler",
     "PreemptionPolicy", "preemption_decision",
     # submodules and build
-    "compression", "build_info",
+    "compression", "testing", "build_info",
 }
 
 
@@ -31,3 +31,4 @@ def test_submodules():
   from dtenjax import testing  # noqa: F401
   assert callable(dtenjax.compression.topk_ef)
   assert callable(testing.assert_bitwise_equal)
+  assert dtenjax.testing is testing          # README: `import dtenjax; dtenjax.testing`

@@ -267,7 +267,7 @@ def test_state_has_params_sharding_in_local_mode(mesh):
 def test_public_surface():
   assert set(compression.__all__) == {
       "CompressionPlan", "LeafPlan", "TopKConfig", "TopKEFState", "compressed_all_reduce",
-      "compression_plan", "exact_topk", "init_state", "pack", "sample_threshold", "select",
+      "compression_plan", "exact_topk", "init_state", "pack", "pvary", "sample_threshold", "select",
       "state_specs", "topk_ef"}
   assert compression.topk_ef is comp_impl.topk_ef
 
@@ -275,10 +275,12 @@ def test_public_surface():
 # --- convergence: a real model on a real dataset ---------------------------------------------
 
 def test_error_feedback_keeps_digits_accuracy_at_0_1_percent(mesh):
-  """Dense vs top-k EF at 0.1% vs the same without error feedback (digits MLP, 8 devices).
+  """Dense vs top-k EF at 0.1% vs the same without error feedback (digits MLP, 8 devices, each
+  compressing its own gradient; SGD lr 0.4, 400 steps).
 
-  Measured (the same training, 400 steps): dense 98.33%, EF 97.78%, no EF 79.44%. Dense and EF
-  agree within a point; without EF accuracy falls by many. The tolerance catches broken EF.
+  Measured on the CPU CI machine (jax 0.10.2) with this very test: dense 98.33%, EF 97.22%,
+  no EF 75.83%. Dense and EF agree within about a point; without EF accuracy falls by twenty.
+  The tolerances catch broken error feedback and a step that stops compressing.
   """
   import sys, pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
@@ -289,9 +291,11 @@ def test_error_feedback_keeps_digits_accuracy_at_0_1_percent(mesh):
   ef = cc.train(cc.Candidate("ef", 0.001, momentum=0.0), data, steps=steps)
   no_ef = cc.train(cc.Candidate("no ef", 0.001, momentum=0.0, error_feedback=False), data,
                    steps=steps)
-  assert ef[0] >= dense[0] - 0.015, (ef[0], dense[0])
-  assert no_ef[0] <= ef[0] - 0.04, (no_ef[0], ef[0])
-  assert ef[2] * 5 < dense[2]                                  # bytes on the wire
+  assert ef[0] >= dense[0] - 0.02, (ef[0], dense[0])
+  assert no_ef[0] <= ef[0] - 0.10, (no_ef[0], ef[0])
+  # Bytes on the wire, read from the compiled step: 0.1% sends about 1/92 of dense.
+  assert ef[1] * 50 < dense[1], (ef[1], dense[1])
+  assert ef[1] == ef[4] and dense[1] == dense[4]      # the HLO agrees with compression_plan
 
 
 @pytest.mark.gpu
@@ -313,3 +317,123 @@ def test_topk_ef_on_gpu_kernel_equals_cumsum_formulation():
       o, s = upd(g, s)
     outs.append((o, s))
   chex.assert_trees_all_equal(outs[0], outs[1])
+
+
+# --- per-device gradients under jax.shard_map's default check_vma=True -----------------------
+
+def _mlp_params():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"w0": jax.random.normal(k1, (64, 128)) * 0.1, "b0": jnp.zeros(128),
+          "w1": jax.random.normal(k2, (128, 10)) * 0.1, "b1": jnp.zeros(10)}
+
+
+def _mlp_loss(p, x, y):
+  logits = jax.nn.relu(x @ p["w0"] + p["b0"]) @ p["w1"] + p["b1"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _step_hlo(mesh, tx, params, grads_of, **shard_map_kw):
+  specs = compression.state_specs(jax.eval_shape(tx.init, params), AXIS)
+  init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs, **shard_map_kw)
+
+  def local(p, s, x, y):
+    u, s = tx.update(grads_of(p, x, y), s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
+                               out_specs=(P(), specs), **shard_map_kw))
+  x = jax.ShapeDtypeStruct((128, 64), jnp.float32)
+  y = jax.ShapeDtypeStruct((128,), jnp.int32)
+  return step.lower(params, jax.eval_shape(init, params), x, y).compile().as_text()
+
+
+def _float_all_reduces(hlo):
+  import sys, pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+  import compression_convergence as cc  # pylint: disable=g-import-not-at-top
+  return [c for c in cc.collectives_in_hlo(hlo, 8) if c["op"] == "all-reduce"
+          and any(a[0] in "fb" for a in c["arrays"])]
+
+
+def test_compiled_compressed_step_has_no_dense_all_reduce_of_the_weights(mesh):
+  params = _mlp_params()
+  tx = optax.chain(compression.topk_ef(0.001, axis_name=AXIS, momentum=0.9, clip_norm=20.0),
+                   optax.sgd(0.005))
+  hlo = _step_hlo(mesh, tx, params, lambda p, x, y: jax.grad(_mlp_loss)(
+      compression.pvary(p, AXIS), x, y))
+  assert _float_all_reduces(hlo) == []
+  # What does cross devices: (index, value) pairs, k = ceil(0.001 n) per leaf, from 8 devices.
+  assert "s32[8,9]" in hlo and "f32[8,9]" in hlo            # w0: 8192 entries -> k = 9
+  # The detector finds a dense one when there is one: the same model with pmean.
+  dense = optax.sgd(0.005)
+  hlo_dense = _step_hlo(mesh, dense, params, lambda p, x, y: jax.lax.pmean(
+      jax.grad(_mlp_loss)(compression.pvary(p, AXIS), x, y), AXIS))
+  sizes = {a for c in _float_all_reduces(hlo_dense) for a in c["arrays"]}
+  assert {"f32[64,128]", "f32[128,10]"} <= sizes, sizes
+
+
+def test_topk_ef_refuses_gradients_already_reduced_over_its_axis(mesh):
+  params = _mlp_params()
+  tx = compression.topk_ef(0.001, axis_name=AXIS)
+  with pytest.raises(dtenjax.CollectiveError) as e:
+    _step_hlo(mesh, tx, params, jax.grad(_mlp_loss))     # grads of P() params: summed by JAX
+  msg = str(e.value)
+  for leaf in ("['w0']", "['b0']", "['w1']", "['b1']"):
+    assert leaf in msg
+  assert "already reduced" in msg and "compression.pvary(params, 'd')" in msg
+  # A mix: only the leaves that were reduced are named.
+  def half(p, x, y):
+    g = jax.grad(_mlp_loss)(dict(p, w0=compression.pvary(p["w0"], AXIS)), x, y)
+    return g
+  with pytest.raises(dtenjax.CollectiveError) as e:
+    _step_hlo(mesh, tx, params, half)
+  assert "['w0']" not in str(e.value) and "['w1']" in str(e.value)
+
+
+def test_without_vma_types_gradients_are_local_and_accepted(mesh):
+  # check_vma=False (pmap's meaning): no types to check, and jax.grad gives local gradients.
+  params = _mlp_params()
+  tx = compression.topk_ef(0.001, axis_name=AXIS)
+  hlo = _step_hlo(mesh, tx, params, lambda p, x, y: jax.grad(_mlp_loss)(
+      compression.pvary(p, AXIS), x, y), check_vma=False)
+  assert _float_all_reduces(hlo) == []
+  hlo = _step_hlo(mesh, tx, params, jax.grad(_mlp_loss), check_vma=False)
+  assert _float_all_reduces(hlo) == []
+
+
+def test_pvary_types_leaves_as_varying_and_state_is_per_device(mesh):
+  seen = {}
+
+  def f(p, x):
+    q = compression.pvary(p, AXIS)
+    seen["before"] = {k: comp_impl.varying_axes(v) for k, v in p.items()}
+    seen["after"] = {k: comp_impl.varying_axes(v) for k, v in q.items()}
+    seen["again"] = comp_impl.varying_axes(compression.pvary(q, AXIS)["a"])
+    s = compression.topk_ef(0.1, axis_name=AXIS, momentum=0.9).init(p)
+    seen["state"] = (comp_impl.varying_axes(s.residual["a"]),
+                     comp_impl.varying_axes(s.momentum["a"]), comp_impl.varying_axes(s.count))
+    return x
+
+  jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS))).lower(
+      {"a": jnp.ones(3), "b": jnp.ones(2)}, jnp.ones(8))
+  assert seen["before"] == {"a": frozenset(), "b": frozenset()}
+  assert seen["after"] == {"a": frozenset({AXIS}), "b": frozenset({AXIS})}
+  assert seen["again"] == frozenset({AXIS})
+  assert seen["state"] == (frozenset({AXIS}), frozenset({AXIS}), frozenset())
+
+
+def test_axis_name_outside_shard_map_is_a_clear_error():
+  tx = compression.topk_ef(0.1, axis_name="data")
+  g = {"w": jnp.ones(100)}
+  with pytest.raises(dtenjax.CollectiveError, match="outside any jax.shard_map"):
+    tx.update(g, compression.topk_ef(0.1).init(g))
+
+
+def test_example_trains_with_per_device_gradients():
+  import importlib.util, pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "compressed_training.py"
+  spec = importlib.util.spec_from_file_location("compressed_training", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  acc = mod.main(steps=30)
+  assert 0.0 <= acc <= 1.0

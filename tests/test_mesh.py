@@ -170,3 +170,164 @@ def test_pmap_wrong_leading_axis_lists_all_leaves(cpu_devices):
   msg = str(e.value)
   assert "leaf 0 has shape (4, 2)" in msg and "leaf 1 has shape ()" in msg
   assert "must be 8" in msg
+
+
+# --- axis types and jax's own meshes ---------------------------------------------------------
+
+def test_make_mesh_axis_types(cpu_devices):
+  from jax.sharding import AxisType
+  auto = mesh_lib.make_mesh((2, 4), ("a", "b"), devices=cpu_devices)
+  assert auto.axis_types == (AxisType.Auto, AxisType.Auto)
+  exp = mesh_lib.make_mesh((2, 4), ("a", "b"), devices=cpu_devices,
+                           axis_types=AxisType.Explicit)
+  assert exp.axis_types == (AxisType.Explicit, AxisType.Explicit)
+  mixed = mesh_lib.make_mesh((2, 4), ("a", "b"), devices=cpu_devices,
+                             axis_types=(AxisType.Explicit, AxisType.Auto))
+  assert mixed.axis_types == (AxisType.Explicit, AxisType.Auto)
+  # Same devices in the same order as the Auto mesh: only the types differ.
+  assert _ids(exp).tolist() == _ids(auto).tolist()
+  with pytest.raises(errors.MeshError, match="one per mesh axis"):
+    mesh_lib.make_mesh((2, 4), ("a", "b"), devices=cpu_devices, axis_types=(AxisType.Auto,))
+  with pytest.raises(errors.MeshError, match="'explicit'"):
+    mesh_lib.make_mesh((2, 4), ("a", "b"), devices=cpu_devices, axis_types=("explicit", "auto"))
+
+
+def test_current_mesh_sees_jax_set_mesh_also_inside_jit(cpu_devices):
+  user = jax.make_mesh((2, 4), ("data", "model"), devices=cpu_devices)
+  assert mesh_lib.current_mesh() is None
+  seen = []
+  with jax.set_mesh(user):
+    assert mesh_lib.current_mesh() is user
+    jax.jit(lambda x: seen.append(mesh_lib.current_mesh()) or x)(jnp.ones(2))
+    inner = mesh_lib.make_mesh((8,), ("i",), devices=cpu_devices)
+    with mesh_lib.use_mesh(inner):                      # dtenjax's own context comes first
+      assert mesh_lib.current_mesh() is inner
+  assert seen == [user]
+  assert mesh_lib.current_mesh() is None
+
+
+def test_shape_only_mesh_uses_the_context_mesh_or_says_why_not(cpu_devices):
+  user = jax.make_mesh((2, 4), ("data", "model"), devices=cpu_devices)
+  with jax.set_mesh(user):
+    assert mesh_lib.as_mesh((2, 4)) is user              # no invented "x", "y"
+    assert mesh_lib.as_mesh((2, 4), ("data", "model")) is user
+    assert mesh_lib.as_mesh(None) is user
+    with pytest.raises(errors.MeshError) as e:
+      mesh_lib.as_mesh((8,))
+    msg = str(e.value)
+    assert "mesh=(8,)" in msg and "{'data': 2, 'model': 4}" in msg and "mesh=None" in msg
+    with pytest.raises(errors.MeshError, match="axis_names=\\('x', 'y'\\)"):
+      mesh_lib.as_mesh((2, 4), ("x", "y"))
+  # Without a context mesh a shape still makes a topology-ordered mesh named x, y.
+  assert mesh_lib.as_mesh((2, 4)).axis_names == ("x", "y")
+
+
+def test_mesh_map_follows_shard_map_default_check_vma(cpu_devices):
+  mesh = mesh_lib.make_mesh((8,), ("x",), devices=cpu_devices)
+  x = jnp.arange(16.0)                                  # two entries per device
+
+  def grad_of_local_sum(w, xs):
+    return jax.grad(lambda w: jnp.sum(xs * w))(w)
+
+  # check_vma=True (the default, as jax.shard_map): w from P() is invariant and its gradient is
+  # summed over the devices: sum(x) = 120 on every device.
+  summed = mesh_lib.mesh_map(grad_of_local_sum, mesh, in_specs=(P(), P("x")), out_specs=P())
+  assert float(jax.jit(summed)(jnp.float32(1.0), x)) == 120.0
+  # check_vma=False: pmap's meaning, each device's own gradient x[2i] + x[2i+1].
+  local = mesh_lib.mesh_map(lambda w, xs: grad_of_local_sum(w, xs)[None], mesh,
+                            in_specs=(P(), P("x")), out_specs=P("x"), check_vma=False)
+  np.testing.assert_array_equal(jax.jit(local)(jnp.float32(1.0), x),
+                                [1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0, 29.0])
+
+
+# --- pmap: the same answers as jax.pmap ------------------------------------------------------
+
+def _same(a, b):
+  jax.tree.map(lambda u, v: (np.testing.assert_array_equal(u, v),
+                             np.testing.assert_equal(np.shape(u), np.shape(v))), a, b)
+
+
+def test_pmap_in_axes_none_for_scalars_and_unreplicated_params(cpu_devices):
+  x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
+  w = jnp.float32([1.0, 2.0, 3.0])
+
+  def f(x, w, lr):
+    return x * w - lr, jax.lax.psum(x, "i")
+
+  for in_axes in ((0, None, None), [0, None, None]):
+    ours = mesh_lib.pmap(f, "i", in_axes=in_axes, devices=cpu_devices)(x, w, 0.5)
+    _same(ours, jax.pmap(f, "i", in_axes=(0, None, None), devices=cpu_devices)(x, w, 0.5))
+  # A pytree prefix: one dict entry mapped, one broadcast.
+  g = lambda d: d["a"] + d["b"]                        # noqa: E731
+  args = ({"a": x, "b": w},)
+  _same(mesh_lib.pmap(g, in_axes=({"a": 0, "b": None},), devices=cpu_devices)(*args),
+        jax.pmap(g, in_axes=({"a": 0, "b": None},), devices=cpu_devices)(*args))
+
+
+def test_pmap_other_axes_and_out_axes(cpu_devices):
+  xt = jnp.arange(3 * 8, dtype=jnp.float32).reshape(3, 8)      # mapped over axis 1
+  f = lambda a: (a * 2, jax.lax.psum(a.sum(), "i"))            # noqa: E731
+  for kw in (dict(in_axes=1), dict(in_axes=1, out_axes=(1, None)), dict(in_axes=1, out_axes=0)):
+    _same(mesh_lib.pmap(f, "i", devices=cpu_devices, **kw)(xt),
+          jax.pmap(f, "i", devices=cpu_devices, **kw)(xt))
+  # Negative axes (jax.pmap 0.10.2 mishandles these, so the expected values are built by hand).
+  y = mesh_lib.pmap(lambda a: a * 2, in_axes=-1, out_axes=-1, devices=cpu_devices)(xt)
+  np.testing.assert_array_equal(y, 2 * xt)
+  # Keyword arguments are mapped over axis 0, as in jax.pmap.
+  x = xt.T
+  _same(mesh_lib.pmap(lambda a, b=None: a + b, devices=cpu_devices)(x, b=x),
+        jax.pmap(lambda a, b=None: a + b, devices=cpu_devices)(x, b=x))
+
+
+def test_pmap_static_broadcasted_argnums(cpu_devices):
+  x = jnp.arange(8 * 2, dtype=jnp.float32).reshape(8, 2)
+  calls = []
+
+  def f(x, n, act):
+    calls.append((n, act))
+    return (jnp.tanh(x) if act == "tanh" else x) * n
+
+  ours = mesh_lib.pmap(f, static_broadcasted_argnums=(1, 2), devices=cpu_devices)
+  ref = jax.pmap(f, static_broadcasted_argnums=(1, 2), devices=cpu_devices)
+  _same(ours(x, 3, "tanh"), ref(x, 3, "tanh"))
+  _same(ours(x, 2, "id"), ref(x, 2, "id"))
+  n_traces = len(calls)
+  ours(x, 3, "tanh")                                   # cached: no new trace
+  assert len(calls) == n_traces
+  with pytest.raises(errors.ConfigurationError, match="both static_broadcasted_argnums and"):
+    mesh_lib.pmap(f, static_broadcasted_argnums=1, donate_argnums=1)
+
+
+def test_pmap_donate_argnums_like_jax_pmap(cpu_devices):
+  from jax.sharding import NamedSharding
+  sharding = NamedSharding(Mesh(np.array(cpu_devices), ("i",)), P("i"))
+  for pm in (mesh_lib.pmap, jax.pmap):
+    a = jax.device_put(jnp.arange(16.0).reshape(8, 2), sharding)
+    kept = jax.device_put(jnp.arange(16.0).reshape(8, 2), sharding)
+    out = pm(lambda a, b: a + b, donate_argnums=0, devices=cpu_devices)(a, kept)
+    np.testing.assert_array_equal(out, 2 * np.arange(16.0).reshape(8, 2))
+    assert a.is_deleted() and not kept.is_deleted(), pm
+
+
+def test_pmap_gradient_of_unmapped_params_is_per_device_like_jax_pmap(cpu_devices):
+  x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
+  w = jnp.ones(3)
+
+  def g(w, x):
+    return jax.grad(lambda w: jnp.sum(jnp.sin(w * x)))(w)
+
+  ours = mesh_lib.pmap(g, in_axes=(None, 0), devices=cpu_devices)(w, x)
+  _same(ours, jax.pmap(g, in_axes=(None, 0), devices=cpu_devices)(w, x))
+  np.testing.assert_allclose(ours, np.cos(np.asarray(x)) * np.asarray(x), rtol=1e-6)
+
+
+def test_pmap_argument_errors(cpu_devices):
+  f = mesh_lib.pmap(lambda a, b: a + b, in_axes=(0, 1), devices=cpu_devices)
+  with pytest.raises(errors.MeshError) as e:
+    f(jnp.ones((8, 2)), jnp.ones((2, 3)))
+  assert "leaf 1 has shape (2, 3); its mapped axis 1 must be 8" in str(e.value)
+  with pytest.raises(errors.ConfigurationError, match="in_axes has 3 entries"):
+    mesh_lib.pmap(lambda a, b: a, in_axes=(0, 0, 0), devices=cpu_devices)(jnp.ones((8,)),
+                                                                          jnp.ones((8,)))
+  with pytest.raises(errors.MeshError, match="in_axes 2 is not one of its axes"):
+    mesh_lib.pmap(lambda a: a, in_axes=2, devices=cpu_devices)(jnp.ones((8, 2)))

@@ -25,6 +25,15 @@ Use :func:`topk_ef` with ``axis_name`` inside ``jax.shard_map`` (data parallel: 
 each device's own residual, so give it ``P(axis)`` specs, :func:`state_specs`), or without
 ``axis_name`` as a local compressor under plain ``jit`` (no communication; the state has the
 params' shapes and sharding). :func:`compression_plan` is the per-leaf decision as data.
+
+The gradients must be each device's own. Under ``jax.shard_map`` with its default
+``check_vma=True``, parameters passed with ``in_specs=P()`` are invariant across devices and
+``jax.grad`` with respect to them returns the gradient already summed over the axis: the compiled
+step then holds a dense all-reduce of every weight before compression. Take the gradient with
+respect to per-device parameters instead, ``jax.grad(loss)(pvary(params, axis), batch)``
+(:func:`pvary` is ``jax.lax.pcast(..., to="varying")`` over a pytree); :func:`topk_ef` refuses
+gradients whose type says they are already reduced over its axis (``check_vma=False`` carries no
+such types: there gradients are local, as under ``pmap``).
 """
 
 from __future__ import annotations
@@ -234,6 +243,56 @@ def state_specs(opt_state: PyTree, axis_name) -> PyTree:
   return jax.tree.map(spec, opt_state, is_leaf=lambda x: isinstance(x, TopKEFState))
 
 
+# --- varying types ---------------------------------------------------------------------------
+
+def _axes(axis_name) -> tuple:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes ``x`` varies over in its type (``jax.typeof(x).vma`` in newer jax; the
+  ``manual_axis_type.varying`` field in jax 0.10 and 0.11). Empty outside shard_map and under
+  ``check_vma=False``."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    mat = getattr(aval, "manual_axis_type", None)
+    vma = getattr(mat, "varying", frozenset())
+  return frozenset(vma)
+
+
+def _bound(axis_name) -> bool:
+  try:
+    jax.lax.axis_index(axis_name)
+  except NameError:
+    return False
+  return True
+
+
+def _types_tracked(axis_name) -> bool:
+  """Whether JAX tracks varying types over ``axis_name`` here: the axis index varies over its
+  axis exactly then (``jax.shard_map(check_vma=True)``; not under check_vma=False or pmap)."""
+  return set(_axes(axis_name)) <= varying_axes(jax.lax.axis_index(axis_name))
+
+
+def pvary(tree: PyTree, axis_name) -> PyTree:
+  """``tree`` typed as varying over ``axis_name``: ``jax.lax.pcast(x, axis_name, to="varying")``
+  per leaf (what older jax called ``jax.lax.pvary``), leaves already varying left as they are.
+
+  Use it on replicated parameters inside ``jax.shard_map`` before ``jax.grad``, so that each
+  device gets its own gradient (no all-reduce) for :func:`topk_ef` to compress:
+  ``g = jax.grad(loss)(pvary(params, "data"), batch)``. No-op where types are not tracked
+  (``check_vma=False``, pmap)."""
+  if not _types_tracked(axis_name):
+    return tree
+
+  def one(x):
+    missing = tuple(a for a in _axes(axis_name) if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(one, tree)
+
+
 # --- checks at the Python boundary ---------------------------------------------------------
 
 def _check_tree(grads: PyTree, state: TopKEFState, config: TopKConfig) -> None:
@@ -246,6 +305,26 @@ def _check_tree(grads: PyTree, state: TopKEFState, config: TopKConfig) -> None:
   if problems:
     raise errors.CollectiveError(errors.join_problems(
         "top-k compression cannot handle these gradients:", problems))
+  axis = config.axis_name
+  if axis is not None:
+    if not _bound(axis):
+      raise errors.CollectiveError(
+          f"topk_ef(axis_name={axis!r}) runs outside any jax.shard_map / mesh_map over that "
+          "axis: call tx.update inside the shard_map of the data-parallel step, or use "
+          "axis_name=None to compress locally.")
+    if _types_tracked(axis):
+      reduced = [jax.tree_util.keystr(p) for p, g in g_paths
+                 if not set(_axes(axis)) <= varying_axes(g)]
+      if reduced:
+        raise errors.CollectiveError(
+            f"top-k compression over {axis!r} got gradients that are already reduced over "
+            f"it: {', '.join(reduced)} (their type does not vary over {axis!r}: "
+            "jax.typeof(g).manual_axis_type.varying lacks it). Under jax.shard_map with "
+            "check_vma=True, jax.grad of a replicated (in_specs=P()) parameter sums the "
+            "gradient over the axis with a dense all-reduce before topk_ef sees it, so "
+            "compressing it saves nothing. Differentiate with respect to per-device "
+            f"parameters: g = jax.grad(loss)(dtenjax.compression.pvary(params, {axis!r}), "
+            f"...) (jax.lax.pcast(params, {axis!r}, to='varying')).")
   if not isinstance(state, TopKEFState):
     raise errors.ConfigurationError(
         f"state is a {type(state).__name__}, not a TopKEFState; create it with "
@@ -377,8 +456,12 @@ def compressed_all_reduce(grads: PyTree, state: TopKEFState, axis_name=None, *,
 
 
 def init_state(params: PyTree, config: TopKConfig) -> TopKEFState:
-  """Zero residuals (and momentum) shaped, typed and sharded like ``params``."""
-  zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
+  """Zero residuals (and momentum) shaped, typed and sharded like ``params``; inside a shard_map
+  over ``config.axis_name`` they are typed as varying over it (each device has its own)."""
+  axis = config.axis_name
+  per_device = axis is not None and _bound(axis)
+  zeros = lambda t: (pvary(jax.tree.map(jnp.zeros_like, t), axis) if per_device
+                     else jax.tree.map(jnp.zeros_like, t))
   return TopKEFState(jnp.zeros((), jnp.int32), zeros(params),
                      zeros(params) if config.momentum > 0 else None)
 

@@ -1,13 +1,19 @@
-"""Topology-aware device meshes and the pmap-like ``mesh_map``.
+"""Topology-aware device meshes, the context mesh, ``mesh_map`` and a ``jax.pmap`` equivalent.
 
 :func:`make_mesh` orders devices so that the innermost mesh axis varies over devices that share
 the fastest links (NVLink island before PCIe before the host boundary). The ordering is a pure
 function of the topology, so the same machine always gets the same mesh.
 
-Meshes are ``jax.sharding.Mesh`` with Auto axes, chosen deliberately: ``jax.make_mesh`` defaults
-to Explicit axes, under which shard_map's ``in_specs`` are only assertions and every input must be
-resharded first. Auto axes let :func:`dtenjax.shard` constraints and :func:`mesh_map` accept any
-input layout, on jax 0.10 and 0.11 alike.
+Axis types. ``jax.make_mesh`` makes Explicit axes by default; :func:`make_mesh` makes Auto axes
+unless given ``axis_types`` (one ``jax.sharding.AxisType`` for all axes, or one per axis), because
+under Explicit axes shard_map's ``in_specs`` are only assertions and every input must be resharded
+first. Every dtenjax function takes a mesh of any axis types, including one made by
+``jax.make_mesh``: :func:`dtenjax.shard` uses ``jax.sharding.reshard`` on Explicit axes and a
+sharding constraint on Auto ones, as flax does.
+
+The context mesh (:func:`current_mesh`) is the mesh of the innermost :func:`use_mesh` block or
+:func:`mesh_map` trace, else the one ``jax.set_mesh`` installed, else None. Placements without a
+mesh and bare ``PartitionSpec``\\ s use it.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
@@ -30,6 +37,8 @@ from dtenjax._src.topology.model import Topology
 
 _current_mesh: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
     "dtenjax_current_mesh", default=None)
+
+DEFAULT_AXIS_NAMES = ("x", "y", "z", "w")
 
 
 def _check_axes(shape: Sequence[int], axis_names: Sequence[str]) -> None:
@@ -47,6 +56,22 @@ def _check_axes(shape: Sequence[int], axis_names: Sequence[str]) -> None:
     raise errors.MeshError(errors.join_problems("invalid mesh:", problems))
 
 
+def _axis_types(axis_types, ndim: int) -> tuple[AxisType, ...]:
+  """``axis_types`` as one AxisType per axis (None: all Auto)."""
+  if axis_types is None:
+    return (AxisType.Auto,) * ndim
+  if isinstance(axis_types, AxisType):
+    return (axis_types,) * ndim
+  types = tuple(axis_types)
+  bad = [t for t in types if not isinstance(t, AxisType)]
+  if bad or len(types) != ndim:
+    raise errors.MeshError(
+        f"axis_types={axis_types!r} must be one jax.sharding.AxisType (Auto, Explicit or "
+        f"Manual) or a tuple of {ndim} of them, one per mesh axis"
+        + (f"; {bad!r} are not AxisTypes" if bad else ""))
+  return types
+
+
 def order_devices(devices: Sequence[Any], topology: Topology | None = None) -> list[Any]:
   """Devices sorted so that neighbours share the fastest links (deterministic)."""
   devices = list(devices)
@@ -62,7 +87,7 @@ def order_devices(devices: Sequence[Any], topology: Topology | None = None) -> l
 
 
 def make_mesh(shape: Sequence[int], axis_names: Sequence[str], topology: Topology | None = None,
-              devices: Sequence[Any] | None = None) -> Mesh:
+              devices: Sequence[Any] | None = None, *, axis_types=None) -> Mesh:
   """A ``jax.sharding.Mesh`` of ``shape`` whose inner axes stay on the fastest links.
 
   Args:
@@ -70,10 +95,13 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str], topology: Topolog
     axis_names: one name per axis.
     topology: the topology to order by; default ``Topology.current()``.
     devices: devices to use; default ``jax.devices()``.
+    axis_types: ``jax.sharding.AxisType`` for every axis (``AxisType.Explicit``, say) or a tuple
+      of one per axis; default all ``Auto`` (``jax.make_mesh``'s default is Explicit).
   """
   shape = tuple(shape)
   axis_names = tuple(axis_names)
   _check_axes(shape, axis_names)
+  types = _axis_types(axis_types, len(shape))
   devices = list(jax.devices() if devices is None else devices)
   if math.prod(shape) != len(devices):
     hint = ""
@@ -86,48 +114,100 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str], topology: Topolog
         f"{len(devices)}, or pass devices=[...] with {math.prod(shape)} devices.{hint}")
   if topology is None:
     topology = Topology.current()
-  return _make_mesh_cached(shape, axis_names, topology, tuple(devices))
+  return _make_mesh_cached(shape, axis_names, topology, tuple(devices), types)
 
 
 @functools.lru_cache(maxsize=256)
 def _make_mesh_cached(shape: tuple[int, ...], axis_names: tuple[str, ...], topology: Topology,
-                      devices: tuple[Any, ...]) -> Mesh:
+                      devices: tuple[Any, ...], axis_types: tuple[AxisType, ...]) -> Mesh:
   # make_mesh is a pure function of its arguments; placements resolve their mesh once per leaf,
   # so caching it keeps planning a large pytree cheap (bench/planner.py).
   ordered = order_devices(devices, topology)
-  return Mesh(np.asarray(ordered, dtype=object).reshape(shape), axis_names)
+  return Mesh(np.asarray(ordered, dtype=object).reshape(shape), axis_names,
+              axis_types=axis_types)
 
 
-def as_mesh(mesh: Mesh | Sequence[int] | None, axis_names: Sequence[str] | None = None) -> Mesh:
-  """A Mesh from a Mesh, a shape like ``(2, 4)`` (axes named ``"x", "y"`` or ``axis_names``), or
-  None (the enclosing :func:`use_mesh`, else a 1D mesh over all devices named ``"x"``)."""
+# --- the context mesh -------------------------------------------------------------------------
+
+def jax_context_mesh() -> Mesh | None:
+  """The concrete mesh ``jax.set_mesh`` installed, also while tracing under jit; else None."""
+  try:
+    mesh = jax.sharding.get_mesh()
+  except ValueError:
+    # Inside jit, jax.sharding.get_mesh refuses; the concrete mesh is still in jax's context.
+    try:
+      from jax._src import mesh as jax_mesh  # pylint: disable=g-import-not-at-top
+      mesh = jax_mesh.get_concrete_mesh()
+    except (ImportError, AttributeError):  # pragma: no cover - a jax that moved it
+      return None
+  if mesh is None or not isinstance(mesh, Mesh) or mesh.empty:
+    return None
+  return mesh
+
+
+def current_mesh() -> Mesh | None:
+  """The context mesh: the innermost :func:`use_mesh` block or :func:`mesh_map` trace, else the
+  mesh of ``jax.set_mesh``, else None."""
+  mesh = _current_mesh.get()
+  return mesh if mesh is not None else jax_context_mesh()
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh):
+  """Makes ``mesh`` the default for dtenjax calls (placements, bare PartitionSpecs, collectives'
+  cost model). It does not enter ``jax.set_mesh``: jit programs keep their own context."""
+  if not isinstance(mesh, Mesh):
+    raise errors.MeshError(f"use_mesh takes a jax.sharding.Mesh, got {type(mesh).__name__}: "
+                           f"{mesh!r}; build one with dtenjax.make_mesh or jax.make_mesh.")
+  token = _current_mesh.set(mesh)
+  try:
+    yield mesh
+  finally:
+    _current_mesh.reset(token)
+
+
+def as_mesh(mesh: Mesh | Sequence[int] | None, axis_names: Sequence[str] | None = None,
+            topology: Topology | None = None) -> Mesh:
+  """A Mesh from a Mesh, a shape such as ``(2, 4)``, or None.
+
+  None is the context mesh (:func:`current_mesh`), else a 1D mesh over all devices named "x".
+  A shape takes the context mesh when that mesh has this shape (and ``axis_names``, when given),
+  so arrays placed with ``Placement(mesh=(2, 4))`` meet the user's own ``jax.set_mesh`` mesh in
+  one jit. Under ``jax.set_mesh`` a shape that does not fit the context mesh is an error (the two
+  meshes could not meet in one jit); without a context mesh a topology-ordered mesh is made, its
+  axes named ``axis_names`` or "x", "y", "z", "w".
+  """
   if isinstance(mesh, Mesh):
     return mesh
   if mesh is None:
     cur = current_mesh()
     if cur is not None:
       return cur
-    return make_mesh((len(jax.devices()),), ("x",))
-  shape = tuple(mesh)
-  if axis_names is None:
-    axis_names = ("x", "y", "z", "w")[:len(shape)] if len(shape) <= 4 else tuple(
-        f"a{i}" for i in range(len(shape)))
-  return make_mesh(shape, axis_names)
+    return make_mesh((len(jax.devices()),), ("x",), topology=topology)
+  shape = tuple(int(s) for s in mesh)
+  names = None if axis_names is None else tuple(axis_names)
+  return _mesh_for_shape(shape, names, topology, _current_mesh.get(), jax_context_mesh())
 
 
-def current_mesh() -> Mesh | None:
-  """The mesh of the enclosing :func:`use_mesh` block or :func:`mesh_map` trace, if any."""
-  return _current_mesh.get()
-
-
-@contextlib.contextmanager
-def use_mesh(mesh: Mesh):
-  """Makes ``mesh`` the default for dtenjax calls (placements, collectives' cost model)."""
-  token = _current_mesh.set(mesh)
-  try:
-    yield mesh
-  finally:
-    _current_mesh.reset(token)
+@functools.lru_cache(maxsize=256)
+def _mesh_for_shape(shape: tuple[int, ...], names: tuple[str, ...] | None,
+                    topology: Topology | None, cur: Mesh | None, ctx: Mesh | None) -> Mesh:
+  # Cached: placements resolve their mesh once per leaf (bench/planner.py).
+  for candidate in (cur, ctx):
+    if candidate is not None and tuple(candidate.devices.shape) == shape and (
+        names is None or tuple(candidate.axis_names) == names):
+      return candidate
+  if ctx is not None and cur is None:
+    want = f"mesh={shape}" + ("" if names is None else f", axis_names={names}")
+    raise errors.MeshError(
+        f"{want} does not fit the mesh jax.set_mesh put in context, {dict(ctx.shape)} "
+        f"(axis types {tuple(t.name for t in ctx.axis_types)}); arrays on two different meshes "
+        "cannot meet in one jit. Leave mesh=None to use the context mesh, pass that Mesh "
+        "itself, or give the shape and axis names of the context mesh.")
+  if names is None:
+    names = (DEFAULT_AXIS_NAMES[:len(shape)] if len(shape) <= len(DEFAULT_AXIS_NAMES)
+             else tuple(f"a{i}" for i in range(len(shape))))
+  return make_mesh(shape, names, topology=topology)
 
 
 def _spec_axes(spec) -> set[str]:
@@ -160,56 +240,189 @@ def _check_specs(mesh: Mesh, specs, what: str) -> None:
         f"{tuple(mesh.axis_names)}:", problems))
 
 
+def _bind(f: Callable, mesh: Mesh) -> Callable:
+  @functools.wraps(f)
+  def body(*args, **kwargs):
+    token = _current_mesh.set(mesh)
+    try:
+      return f(*args, **kwargs)
+    finally:
+      _current_mesh.reset(token)
+  return body
+
+
 def mesh_map(f: Callable, mesh: Mesh | Sequence[int] | None = None, in_specs: Any = P(),
-             out_specs: Any = P(), check_vma: bool = False) -> Callable:
+             out_specs: Any = P(), check_vma: bool = True) -> Callable:
   """Runs ``f`` once per device on its shard, like ``pmap`` but over a (multi-axis) mesh.
 
-  A thin, validated layer over ``jax.shard_map``: composes with ``jit``, ``grad`` and ``vmap``;
-  inside ``f``, mesh axis names are bound for collectives (``dtenjax.all_reduce(x, "x")``), and
-  :func:`current_mesh` returns the concrete mesh so the cost model knows which devices take part.
+  A thin, validated layer over ``jax.shard_map`` with the same meaning: ``check_vma`` defaults to
+  True as in ``jax.shard_map``, so values from ``in_specs=P()`` are invariant across devices and
+  ``jax.grad`` with respect to them already sums the per-device gradients (an all-reduce). Pass
+  ``check_vma=False`` for pmap's meaning (per-device gradients, no checks), or keep True and cast
+  the replicated inputs to varying (``jax.lax.pcast(params, axis, to="varying")``).
+
+  Composes with ``jit``, ``grad`` and ``vmap``; inside ``f``, mesh axis names are bound for
+  collectives (``dtenjax.all_reduce(x, "x")``), and :func:`current_mesh` returns the concrete mesh
+  so the cost model knows which devices take part.
   """
   mesh = as_mesh(mesh)
   _check_specs(mesh, in_specs, "in_specs")
   _check_specs(mesh, out_specs, "out_specs")
-
-  @functools.wraps(f)
-  def body(*args):
-    token = _current_mesh.set(mesh)
-    try:
-      return f(*args)
-    finally:
-      _current_mesh.reset(token)
-
-  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+  return jax.shard_map(_bind(f, mesh), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                        check_vma=check_vma)
 
 
-def pmap(f: Callable, axis_name: str = "i", devices: Sequence[Any] | None = None) -> Callable:
-  """``jax.pmap``-style convenience: maps ``f`` over the leading axis of every argument.
+# --- pmap -------------------------------------------------------------------------------------
 
-  The leading axis must equal the device count; inside ``f`` each device sees its slice without
-  that axis, and ``axis_name`` is bound for collectives. Returns stacked results. Built on
-  :func:`mesh_map`, so it composes with ``jit``.
+def _argnums(value, what: str) -> tuple[int, ...]:
+  if isinstance(value, (int, np.integer)):
+    return (int(value),)
+  try:
+    out = tuple(int(v) for v in value)
+  except TypeError:
+    raise errors.ConfigurationError(
+        f"{what}={value!r} must be an int or a sequence of ints (argument positions)") from None
+  return out
+
+
+def _leaf_axes(axes, tree, what: str) -> list:
+  """One axis (int or None) per leaf of ``tree``, from ``axes``, a pytree prefix of ``tree``."""
+  out = []
+
+  def one(ax, sub):
+    if ax is not None and not isinstance(ax, (int, np.integer)):
+      raise errors.ConfigurationError(f"{what} entries must be ints or None, got {ax!r}")
+    out.extend([None if ax is None else int(ax)] * len(jax.tree.leaves(sub)))
+
+  try:
+    jax.tree.map(one, axes, tree, is_leaf=lambda x: x is None)
+  except ValueError as e:
+    raise errors.ConfigurationError(
+        f"{what}={axes!r} is not a pytree prefix of the arguments "
+        f"({jax.tree.structure(tree)}): give one int/None per argument, or a tree that "
+        f"matches the argument's outer structure ({e})") from None
+  return out
+
+
+def pmap(f: Callable, axis_name: str = "i", *, in_axes: Any = 0, out_axes: Any = 0,
+         static_broadcasted_argnums: int | Sequence[int] = (),
+         donate_argnums: int | Sequence[int] = (),
+         devices: Sequence[Any] | None = None) -> Callable:
+  """``jax.pmap`` over a dtenjax mesh: maps ``f`` over one axis of its arguments.
+
+  The same arguments as ``jax.pmap`` and the same meaning:
+
+  * ``in_axes``: an int, None, or a tuple with one entry per positional argument (entries of
+    static arguments are ignored), each a pytree prefix of its argument. An int is the mapped axis
+    (negative counts from the end), which must have one slice per device; None broadcasts the
+    argument to every device unchanged (scalars, unreplicated params). Keyword arguments are
+    mapped over axis 0, as in ``jax.pmap``.
+  * ``out_axes``: where the device axis goes in each output (an int, None or a pytree prefix of
+    the outputs); None returns a value every device holds (device 0's, unchecked, as in pmap).
+  * ``static_broadcasted_argnums``: positions of hashable Python arguments passed to ``f`` as
+    they are; a new value compiles again.
+  * ``donate_argnums``: positions whose buffers the step may reuse for its outputs.
+
+  Inside ``f``, ``axis_name`` is bound for collectives and :func:`current_mesh` is the mesh. Like
+  ``jax.pmap`` there is no varying-type check (``check_vma=False``): the gradient with respect to
+  an unmapped (``in_axes=None``) argument is this device's own, not a sum over devices. Built on
+  ``jax.jit`` and ``jax.shard_map`` over :func:`make_mesh`'s topology-ordered 1D mesh.
   """
   devices = list(jax.devices() if devices is None else devices)
-  mesh = make_mesh((len(devices),), (axis_name,), devices=devices)
+  n = len(devices)
+  mesh = make_mesh((n,), (axis_name,), devices=devices)
+  static = _argnums(static_broadcasted_argnums, "static_broadcasted_argnums")
+  donate = _argnums(donate_argnums, "donate_argnums")
+  clash = sorted(set(static) & set(donate))
+  if clash:
+    raise errors.ConfigurationError(
+        f"argument positions {clash} are both static_broadcasted_argnums and donate_argnums; a "
+        "static (Python) argument has no buffer to donate: drop them from one of the two.")
 
-  def per_device(*args):
-    out = f(*jax.tree.map(lambda a: a[0], args))
-    return jax.tree.map(lambda o: o[None], out)
+  def split(args):
+    nargs = len(args)
+    stat = {(i + nargs if i < 0 else i) for i in static}
+    bad = [i for i in stat if not 0 <= i < nargs]
+    if bad:
+      raise errors.ConfigurationError(
+          f"static_broadcasted_argnums {static} name positions {sorted(bad)} but f got {nargs} "
+          "positional arguments")
+    dyn_idx = [i for i in range(nargs) if i not in stat]
+    if isinstance(in_axes, (tuple, list)):
+      if len(in_axes) == nargs:
+        axes = tuple(in_axes[i] for i in dyn_idx)
+      elif len(in_axes) == len(dyn_idx):
+        axes = tuple(in_axes)
+      else:
+        raise errors.ConfigurationError(
+            f"in_axes has {len(in_axes)} entries but f got {nargs} positional arguments "
+            f"({len(dyn_idx)} not static): give one entry per argument")
+    else:
+      axes = (in_axes,) * len(dyn_idx)
+    return stat, dyn_idx, axes
 
-  mapped = mesh_map(per_device, mesh, in_specs=P(axis_name), out_specs=P(axis_name))
-
-  @functools.wraps(f)
-  def wrapper(*args):
+  def check(args, kwargs):
+    _, dyn_idx, axes = split(args)
+    dyn = tuple(args[i] for i in dyn_idx)
+    leaves = jax.tree.leaves((dyn, kwargs))
+    leaf_axes = _leaf_axes(axes, dyn, "in_axes") + [0] * len(jax.tree.leaves(kwargs))
     problems = []
-    for i, leaf in enumerate(jax.tree.leaves(args)):
-      lead = np.shape(leaf)[0] if np.ndim(leaf) else None
-      if lead != len(devices):
-        problems.append(f"argument leaf {i} has shape {np.shape(leaf)}; its leading axis must "
-                        f"be {len(devices)} (one slice per device)")
+    for i, (leaf, ax) in enumerate(zip(leaves, leaf_axes)):
+      if ax is None:
+        continue
+      shape = np.shape(leaf)
+      if not -len(shape) <= ax < len(shape):
+        problems.append(f"argument leaf {i} has shape {shape}; in_axes {ax} is not one of its "
+                        f"axes (use in_axes=None to give every device the whole value)")
+      elif shape[ax] != n:
+        problems.append(f"argument leaf {i} has shape {shape}; its mapped axis {ax} must be "
+                        f"{n} (one slice per device), or use in_axes=None to broadcast it")
     if problems:
       raise errors.MeshError(errors.join_problems("dtenjax.pmap:", problems))
-    return mapped(*args)
+
+  def run(*args, **kwargs):
+    _, dyn_idx, axes = split(args)
+    dyn = tuple(args[i] for i in dyn_idx)
+    leaves, treedef = jax.tree.flatten((dyn, kwargs))
+    leaf_axes = _leaf_axes(axes, dyn, "in_axes") + [0] * len(jax.tree.leaves(kwargs))
+    moved = [x if ax is None else jnp.moveaxis(x, ax, 0) for x, ax in zip(leaves, leaf_axes)]
+    in_specs = tuple(P() if ax is None else P(axis_name) for ax in leaf_axes)
+    traced = []      # (output treedef, per-leaf out axis), recorded while f is traced
+
+    def per_device(*local):
+      local = [x if ax is None else x[0] for x, ax in zip(local, leaf_axes)]
+      d, kw = jax.tree.unflatten(treedef, local)
+      full = list(args)
+      for i, v in zip(dyn_idx, d):
+        full[i] = v
+      out = f(*full, **kw)
+      o_leaves, o_tree = jax.tree.flatten(out)
+      o_axes = _leaf_axes(out_axes, out, "out_axes")
+      traced.append((o_tree, o_axes))
+      mapped = [jnp.asarray(o)[None] for o, ax in zip(o_leaves, o_axes) if ax is not None]
+      unmapped = [o for o, ax in zip(o_leaves, o_axes) if ax is None]
+      return mapped, unmapped
+
+    # Mapped outputs come back stacked along a new axis 0, unmapped ones as device 0 has them.
+    mapped, unmapped = jax.shard_map(
+        _bind(per_device, mesh), mesh=mesh, in_specs=in_specs, out_specs=(P(axis_name), P()),
+        check_vma=False)(*moved)
+    o_tree, o_axes = traced[-1]
+    mapped, unmapped = iter(mapped), iter(unmapped)
+    outs = []
+    for ax in o_axes:
+      if ax is None:
+        outs.append(next(unmapped))
+      else:
+        o = next(mapped)
+        outs.append(jnp.moveaxis(o, 0, ax if ax >= 0 else ax + o.ndim))
+    return jax.tree.unflatten(o_tree, outs)
+
+  jitted = jax.jit(run, static_argnums=static, donate_argnums=donate)
+
+  @functools.wraps(f)
+  def wrapper(*args, **kwargs):
+    check(args, kwargs)
+    return jitted(*args, **kwargs)
 
   return wrapper

@@ -1,23 +1,33 @@
 """``Placement``: how an array is laid out over a mesh, and the functions that apply it.
 
 A placement is a frozen value: a strategy (``"auto"``, ``"replicate"``, ``"row"``, ``"col"``,
-``"2d"`` or a ``PartitionSpec``), a mesh (a ``Mesh`` or a shape such as ``(2, 4)``, laid out by
-:func:`dtenjax.make_mesh`) and a memory policy (``"device"``, ``"pinned"`` or ``"unpinned"``
-host memory). For a given array shape it resolves to a ``NamedSharding``; ``"auto"`` asks the
-planner (:mod:`dtenjax._src.planning.planner`), and :meth:`Placement.explain` shows why.
+``"2d"`` or a ``PartitionSpec``), a mesh (a ``Mesh`` of any axis types, a shape such as ``(2, 4)``,
+or None for the context mesh; see :func:`dtenjax._src.planning.mesh.as_mesh`), a memory policy
+(``"device"``, ``"pinned"`` or ``"unpinned"`` host memory) and optional logical axis rules. For a
+given array shape it resolves to a ``NamedSharding``; ``"auto"`` asks the planner
+(:mod:`dtenjax._src.planning.planner`), and :meth:`Placement.explain` shows why.
+
+Flax partitioning metadata is honoured: a leaf boxed by ``nn.with_partitioning`` /
+``nn.with_logical_partitioning`` (linen) or an ``nnx.Variable`` with ``out_sharding`` is laid out
+by its names, mapped to mesh axes with flax's own functions (``nn.logical_to_mesh_axes`` for
+logical boxes: rules in priority order, unmatched names replicated; renaming for the others) and
+the rules of the box, of the placement (``rules=``) or of flax's ``nn.logical_axis_rules``
+context, in that order; the box is returned around the placed value, so box and layout agree.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
@@ -42,6 +52,8 @@ class Placement:
     axis_names: names for a mesh given as a shape; default ("x", "y", ...).
     workload: what the planner assumes the tensor is used for (auto only).
     topology: the topology the planner and mesh use; default ``Topology.current()``.
+    rules: logical axis rules for flax-boxed leaves, ``((logical_name, mesh_axes), ...)`` as in
+      flax's ``nn.logical_axis_rules``; default: the box's own, else flax's context rules.
   """
   strategy: str | P = "auto"
   mesh: Mesh | tuple[int, ...] | None = None
@@ -49,9 +61,21 @@ class Placement:
   axis_names: tuple[str, ...] | None = None
   workload: planner.Workload = planner.Workload()
   topology: Topology | None = None
+  rules: tuple[tuple[str, Any], ...] | None = None
 
   def __post_init__(self):
     problems = []
+    if self.rules is not None:
+      try:
+        rules = tuple((name, target) for name, target in self.rules)
+      except (TypeError, ValueError):
+        rules = None
+      if rules is None or any(not isinstance(n, str) or not _is_rule_target(t) for n, t in rules):
+        problems.append(f"rules={self.rules!r} must be pairs (logical_name, mesh_axis), the mesh "
+                        "axis a name, a tuple of names or None, as in flax's "
+                        "nn.logical_axis_rules")
+      else:
+        object.__setattr__(self, "rules", rules)
     if not isinstance(self.strategy, P) and self.strategy not in STRATEGIES:
       problems.append(f"strategy={self.strategy!r} is not one of {STRATEGIES} or a "
                       "PartitionSpec")
@@ -76,14 +100,13 @@ class Placement:
   # --- resolution ------------------------------------------------------------------------------
 
   def resolved_mesh(self) -> Mesh:
-    """The concrete mesh: this placement's Mesh, a topology-ordered mesh of its shape, or the
-    enclosing ``use_mesh`` / all devices in 1D (``mesh=None``). Meshes are cached."""
+    """The concrete mesh: this placement's Mesh; for a shape, the context mesh when it has that
+    shape (and ``axis_names``), else a new topology-ordered mesh (an error under a
+    ``jax.set_mesh`` mesh of another shape); for None the context mesh (``use_mesh``,
+    ``jax.set_mesh``), else all devices in 1D. Meshes are cached."""
     if isinstance(self.mesh, Mesh):
       return self.mesh
-    if self.mesh is None:
-      return mesh_lib.as_mesh(None)
-    names = self.axis_names or ("x", "y", "z", "w")[:len(self.mesh)]
-    return mesh_lib.make_mesh(self.mesh, names, topology=self._topology())
+    return mesh_lib.as_mesh(self.mesh, self.axis_names, topology=self.topology)
 
   def _topology(self) -> Topology:
     return self.topology if self.topology is not None else Topology.current()
@@ -113,9 +136,8 @@ class Placement:
 
   def sharding(self, shape: Sequence[int], dtype=jnp.float32) -> NamedSharding:
     """The NamedSharding (with the memory kind of the policy) for an array of ``shape``."""
-    mesh = self.resolved_mesh()
-    return _named_sharding(mesh, self._spec(mesh, tuple(shape), dtype),
-                           MEMORY_KINDS[self.memory_policy])
+    return _sharding_for(self, self.resolved_mesh(), tuple(int(d) for d in shape),
+                         jnp.dtype(dtype).name)
 
   def explain(self, shape: Sequence[int], dtype=jnp.float32) -> str:
     """Why this placement lays out an array of ``shape`` the way it does: every candidate's
@@ -137,6 +159,14 @@ def _planning_inputs(mesh: Mesh, topology: Topology) -> tuple[tuple[int, ...], T
   if not set(ids) <= set(topology.device_ids):
     topology = Topology.detect(list(mesh.devices.flat))
   return ids, topology
+
+
+@functools.lru_cache(maxsize=16384)
+def _sharding_for(placement: Placement, mesh: Mesh, shape: tuple[int, ...],
+                  dtype: str) -> NamedSharding:
+  # A pytree has few distinct shapes: one planning per (placement, mesh, shape, dtype).
+  return _named_sharding(mesh, placement._spec(mesh, shape, dtype),  # pylint: disable=protected-access
+                         MEMORY_KINDS[placement.memory_policy])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -163,12 +193,13 @@ def _fixed_spec(strategy: str, ndim: int, mesh: Mesh) -> P:
   return P() if spec is None else spec
 
 
-def check_divisible(shape: Sequence[int], spec: P, mesh: Mesh) -> None:
+def check_divisible(shape: Sequence[int], spec: P, mesh: Mesh, where: str = "") -> None:
   """Raises PlacementError listing every dimension not divisible by its mesh axes."""
+  where = f"{where}: " if where else ""
   problems = []
   if len(spec) > len(shape):
     raise errors.PlacementError(
-        f"PartitionSpec {spec} has {len(spec)} entries but the array has {len(shape)} "
+        f"{where}PartitionSpec {spec} has {len(spec)} entries but the array has {len(shape)} "
         f"dimensions (shape {tuple(shape)}); drop the extra entries.")
   sizes = dict(mesh.shape)
   for dim, entry in enumerate(spec):
@@ -190,7 +221,7 @@ def check_divisible(shape: Sequence[int], spec: P, mesh: Mesh) -> None:
           f"axis whose size divides {shape[dim]}")
   if problems:
     raise errors.PlacementError(errors.join_problems(
-        f"cannot place an array of shape {tuple(shape)} with {spec}:", problems))
+        f"{where}cannot place an array of shape {tuple(shape)} with {spec}:", problems))
 
 
 try:  # jax.core.Tracer is public on jax 0.10; keep working if a later jax moves it
@@ -203,28 +234,217 @@ def _is_tracer(x) -> bool:
   return isinstance(x, _Tracer)
 
 
-def shard(x: Any, placement: Placement | NamedSharding) -> Any:
+def _is_rule_target(t) -> bool:
+  return t is None or isinstance(t, str) or (
+      isinstance(t, tuple) and all(isinstance(a, str) for a in t))
+
+
+# --- flax partitioning metadata -----------------------------------------------------------------
+# A box can only come from flax, so flax is imported (lazily) only once a box has been seen.
+
+def _flax_box_kind(x) -> str | None:
+  """"logical" (linen LogicallyPartitioned), "mesh" (linen Partitioned), "nnx" (an nnx.Variable
+  with out_sharding), or None for anything else."""
+  meta = sys.modules.get("flax.core.meta")
+  if meta is not None and isinstance(x, meta.Partitioned):
+    spmd = sys.modules.get("flax.linen.spmd")
+    if spmd is not None and isinstance(x, spmd.LogicallyPartitioned):
+      return "logical"
+    return "mesh"
+  variablelib = sys.modules.get("flax.nnx.variablelib")
+  if variablelib is not None and isinstance(x, variablelib.Variable):
+    if x.get_metadata().get("out_sharding"):
+      return "nnx"
+  return None
+
+
+def _is_box(x) -> bool:
+  return _flax_box_kind(x) is not None
+
+
+def _box_value(box):
+  return box.value if _flax_box_kind(box) != "nnx" else box.get_value()
+
+
+def _rebox(box, value):
+  return box.replace(value) if _flax_box_kind(box) == "nnx" else box.replace_boxed(value)
+
+
+@contextlib.contextmanager
+def _flax_rules(rules):
+  """flax's logical_axis_rules context with ``rules`` (when given) in front of the current ones."""
+  if rules is None:
+    yield
+    return
+  from flax.core import spmd  # pylint: disable=g-import-not-at-top
+  with spmd.logical_axis_rules(tuple(rules) + tuple(spmd.get_logical_axis_rules())):
+    yield
+
+
+def _box_spec(box, mesh: Mesh, rules, where: str) -> P:
+  """The mesh PartitionSpec flax's metadata gives ``box`` on ``mesh``."""
+  kind = _flax_box_kind(box)
+  from flax.core import spmd as core_spmd  # pylint: disable=g-import-not-at-top
+  with _flax_rules(rules):
+    if kind == "logical":
+      from flax.linen import spmd  # pylint: disable=g-import-not-at-top
+      names = tuple(box.names)
+      if not (box.rules or core_spmd.get_logical_axis_rules()) and any(
+          isinstance(n, str) and n not in mesh.axis_names for n in names):
+        raise errors.PlacementError(
+            f"{where} carries flax logical axis names {names} but no logical axis rules are "
+            "known, so flax would replicate it: pass Placement(..., rules=(('embed', 'data'), "
+            f"...)) or wrap the call in flax.linen.logical_axis_rules(...); mesh axes: "
+            f"{tuple(mesh.axis_names)}")
+      spec = spmd.logical_to_mesh_axes(names, box.rules)
+    elif kind == "nnx":
+      from flax.nnx import spmd  # pylint: disable=g-import-not-at-top
+      spec = spmd.get_var_pspec(box)
+    else:
+      names = box.get_partition_spec()
+      if core_spmd.get_logical_axis_rules():
+        names = core_spmd.apply_rules(names, None)
+      spec = P(*names)
+  unknown = sorted(mesh_lib._spec_axes(spec) - set(mesh.axis_names), key=str)
+  if unknown:
+    raise errors.PlacementError(
+        f"{where} carries flax partitioning names that map to {spec}, but mesh "
+        f"{dict(mesh.shape)} has no axes {unknown}"
+        f"{''.join(mesh_lib.suggest_axis(a, mesh.axis_names) for a in unknown)}: give rules "
+        "mapping these names to mesh axes (Placement(..., rules=...) or "
+        "flax.linen.logical_axis_rules), or name mesh axes in the box")
+  return spec
+
+
+# --- shard ------------------------------------------------------------------------------------
+
+def _spec_mesh(spec: P, where: str) -> Mesh:
+  mesh = mesh_lib.current_mesh()
+  if mesh is None:
+    raise errors.PlacementError(
+        f"{where}: a bare PartitionSpec {spec} needs a mesh, and none is in context: wrap the "
+        "call in jax.set_mesh(mesh) or dtenjax.use_mesh(mesh), or pass "
+        "NamedSharding(mesh, spec) / Placement(spec, mesh=mesh)")
+  return mesh
+
+
+def _constrain(leaf, sharding: NamedSharding):
+  """Lays a traced value out as ``sharding``: jax.sharding.reshard on Explicit mesh axes, a
+  sharding constraint on Auto ones (flax does the same)."""
+  mesh = sharding.mesh
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  named = mesh_lib._spec_axes(sharding.spec)
+  explicit = sorted(a for a in named if types.get(a) == AxisType.Explicit)
+  auto = sorted(a for a in named if types.get(a) != AxisType.Explicit)
+  if explicit and auto:
+    raise errors.PlacementError(
+        f"{sharding.spec} names Explicit mesh axes {explicit} and Auto axes {auto} of one "
+        "mesh; inside jit dtenjax.shard lays out one kind at a time: shard over the Explicit "
+        "axes (jax.sharding.reshard) and the Auto ones in two calls, or make the mesh's axes "
+        "one type (make_mesh(..., axis_types=...))")
+  if explicit or (not named and all(t == AxisType.Explicit for t in mesh.axis_types)):
+    return jax.sharding.reshard(leaf, sharding)
+  return jax.lax.with_sharding_constraint(leaf, sharding)
+
+
+def _place(leaf, sharding: NamedSharding):
+  if _is_tracer(leaf):
+    if sharding.memory_kind not in (None, "device"):
+      # A bare device_put to host memory inside jit loses the partitioning (measured on CPU,
+      # jax 0.10.2: the result came back replicated); lay it out on device first, then move.
+      on_device = _constrain(leaf, sharding.with_memory_kind("device"))
+      return jax.device_put(on_device, sharding)
+    return _constrain(leaf, sharding)
+  return jax.device_put(leaf, sharding)
+
+
+def _leaf_sharding(value, placement, where: str) -> NamedSharding:
+  shape, dtype = tuple(value.shape), value.dtype
+  if isinstance(placement, NamedSharding):
+    check_divisible(shape, placement.spec, placement.mesh, where)
+    return placement
+  if isinstance(placement, P):
+    mesh = _spec_mesh(placement, where)
+    check_divisible(shape, placement, mesh, where)
+    return _named_sharding(mesh, placement, None)
+  return placement.sharding(shape, dtype)
+
+
+def _shard_one(leaf, placement, where: str):
+  kind = _flax_box_kind(leaf)
+  if kind is None:
+    if not hasattr(leaf, "shape"):
+      return leaf
+    return _place(leaf, _leaf_sharding(leaf, placement, where))
+  value = _box_value(leaf)
+  if isinstance(placement, NamedSharding):
+    mesh, memory_kind = placement.mesh, placement.memory_kind
+  elif isinstance(placement, P):
+    mesh, memory_kind = _spec_mesh(placement, where), None
+  else:
+    mesh, memory_kind = placement.resolved_mesh(), MEMORY_KINDS[placement.memory_policy]
+  rules = placement.rules if isinstance(placement, Placement) else None
+  spec = _box_spec(leaf, mesh, rules, where)
+  check_divisible(tuple(value.shape), spec, mesh, where)
+  if not (isinstance(placement, Placement) and placement.strategy == "auto"):
+    asked = _leaf_sharding(value, placement, where).spec
+    if _norm(asked, value.ndim) != _norm(spec, value.ndim):
+      raise errors.PlacementError(
+          f"{where} carries flax partitioning names that lay it out as {spec}, but the "
+          f"placement asks for {asked}; the box would then describe a layout the array does "
+          "not have. Use Placement('auto') (it honours the names), change the names or rules, "
+          "or unbox first (flax.linen.unbox(tree) / nnx.state(model) values)")
+  return _rebox(leaf, _place(value, _named_sharding(mesh, spec, memory_kind)))
+
+
+def _norm(spec: P, ndim: int) -> tuple:
+  entries = list(spec) + [None] * (ndim - len(spec))
+  return tuple((e[0] if len(e) == 1 else tuple(e)) if isinstance(e, (tuple, list)) else e
+               for e in entries)
+
+
+def _is_placement(p) -> bool:
+  return isinstance(p, (Placement, NamedSharding, P))
+
+
+def shard(x: Any, placement: Placement | NamedSharding | P | Any) -> Any:
   """Lays ``x`` (an array or a pytree of arrays, e.g. flax params or an optax state) out as
-  ``placement`` says: ``device_put`` outside jit, a sharding constraint inside jit. Each leaf is
-  planned on its own shape for "auto".
+  ``placement`` says: ``device_put`` outside jit; inside jit ``jax.sharding.reshard`` on Explicit
+  mesh axes and a sharding constraint on Auto ones.
+
+  ``placement`` is a :class:`Placement` (each leaf planned on its own shape for "auto"), a
+  ``NamedSharding``, a bare ``PartitionSpec`` (on the context mesh: ``jax.set_mesh`` or
+  :func:`dtenjax.use_mesh`), or a pytree prefix of ``x`` holding those (as ``jax.device_put``
+  takes). Flax-boxed leaves (``nn.with_partitioning``, ``nn.with_logical_partitioning``,
+  ``nnx.Variable`` with ``out_sharding``) are laid out by their names (see the module docstring)
+  and returned in their box; a fixed strategy that disagrees with the names is an error.
 
   Host memory policies inside jit lay the value out on device, then move it; a jit output keeps
   ``pinned_host``, but for ``unpinned_host`` outputs jax (0.10.2, CPU) reports ``device`` unless
   the jit is given ``out_shardings=placement.sharding(shape, dtype)``."""
-  def one(leaf):
-    if not hasattr(leaf, "shape"):
-      return leaf
-    sharding = (placement if isinstance(placement, NamedSharding)
-                else placement.sharding(leaf.shape, leaf.dtype))
-    if _is_tracer(leaf):
-      if sharding.memory_kind not in (None, "device"):
-        # A bare device_put to host memory inside jit loses the partitioning (measured on CPU,
-        # jax 0.10.2: the result came back replicated); lay it out on device first, then move.
-        on_device = jax.lax.with_sharding_constraint(leaf, sharding.with_memory_kind("device"))
-        return jax.device_put(on_device, sharding)
-      return jax.lax.with_sharding_constraint(leaf, sharding)
-    return jax.device_put(leaf, sharding)
-  return jax.tree.map(one, x)
+  if not _is_placement(placement):
+    def sub(p, subtree):
+      if p is None:
+        return subtree
+      if not _is_placement(p):
+        raise errors.PlacementError(
+            f"shard: {p!r} is not a Placement, NamedSharding or PartitionSpec; give one of "
+            "those, or a pytree prefix of x holding them (None leaves that part alone)")
+      return shard(subtree, p)
+
+    try:
+      return jax.tree.map(sub, placement, x, is_leaf=lambda p: _is_placement(p) or p is None)
+    except ValueError as e:
+      if isinstance(e, errors.DtenjaxError):
+        raise
+      raise errors.PlacementError(
+          f"shard: the placement tree is not a prefix of x's tree ({e}); give one placement, "
+          "or a tree of them with x's outer structure") from None
+
+  def one(path, leaf):
+    return _shard_one(leaf, placement, f"leaf {jax.tree_util.keystr(path) or '(root)'}")
+
+  return jax.tree_util.tree_map_with_path(one, x, is_leaf=_is_box)
 
 
 _INITS: dict[str, Callable] = {

@@ -239,4 +239,10 @@ def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, wor
     reason = (f"within {w.time_tolerance:.0%} of the fastest ({fastest.strategy}, "
               f"{fastest.time_s * 1e6:.1f} us) and uses the least memory per device "
               f"({pick.memory_bytes / 2**20:.1f} MiB)")
+  if len(shape) >= 3:
+    reason += (f"; a {len(shape)}-D array is costed as {lead} stacked ({m}, {n}) matrices with the "
+               "leading dimensions unsharded (layers stacked by scan): for one weight with several "
+               "input or output dimensions, such as a flax attention kernel (features, heads, "
+               "head_dim), give it flax logical axis names (Placement(rules=...)) or a "
+               "PartitionSpec")
   return Plan(shape, dtype, pick.strategy, pick.spec, tuple(cands), reason)

@@ -1,0 +1,160 @@
+"""Whole-step bit identity of one adamw training step compiled around different gradient
+reductions: dtenjax.substitute_psum (one_shot, two_shot) and dtenjax.fuse_collectives (one_shot,
+bucket_bytes 4 KiB, 64 KiB, 1 MiB), under plain jax.jit, jax.jit with per-executable XLA options
+that look relevant, and dtenjax.reproducible_step with its process flag, side by side in one run.
+
+A flax linen MLP (Dense-LayerNorm-gelu-Dense-relu-Dense, 26,378 parameters) with optax.adamw,
+data parallel over 8 simulated CPU devices with jax.shard_map. Every variant starts from the same
+parameters and batch; the table counts the parameters whose bits differ from the
+substitute_psum(one_shot) variant after 1, 5 and 10 steps, and the median time of one step
+relative to that variant's own unpinned run. Each mode runs in its own process, because the
+flag it needs (XLA_FLAGS=--xla_cpu_max_isa=AVX) is read when JAX starts its CPU backend.
+
+    python bench/reproducible_step.py [--steps 10] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+MODES = {
+    # mode: (extra XLA_FLAGS for the process, how the step is jitted)
+    "jax.jit": ("", None),
+    # per-executable options that look like they should help (they do not: see the table)
+    "jit, max_isa=AVX option": ("", {"xla_cpu_max_isa": "AVX"}),
+    "jit, no fusion emitters": ("", {"xla_cpu_use_fusion_emitters": False}),
+    "reproducible_step": ("--xla_cpu_max_isa=AVX", "reproducible_step"),
+}
+VARIANTS = ("subst one_shot", "subst two_shot", "fuse 4KiB", "fuse 64KiB", "fuse 1MiB")
+CHECK_STEPS = (1, 5, 10)
+
+
+def worker(mode: str, steps: int, variants=VARIANTS) -> dict:
+  """Runs ``variants`` for ``steps`` steps in this process, the step jitted by jax.jit or
+  dtenjax.reproducible_step as ``mode`` says."""
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import dtenjax  # pylint: disable=g-import-not-at-top
+  how = MODES[mode][1]
+  if how == "reproducible_step":
+    jit = dtenjax.reproducible_step
+  else:
+    jit = functools.partial(jax.jit, compiler_options=how)
+  return dict(run_variants(jit, steps, variants), mode=mode,
+              xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+def run_variants(jit, steps: int, variants=VARIANTS, devices=None) -> dict:
+  """Each variant's step, jitted with ``jit``, run ``steps`` steps from the same start; returns
+  differing-parameter counts at CHECK_STEPS (vs "subst one_shot", which must be among
+  ``variants``) and median seconds per step."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import dtenjax  # pylint: disable=g-import-not-at-top
+
+  ax = "d"
+  devices = jax.devices()[:8] if devices is None else devices
+  mesh = Mesh(np.array(devices), (ax,))
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.gelu(nn.LayerNorm()(nn.Dense(128)(x)))
+      x = nn.relu(nn.Dense(128)(x))
+      return nn.Dense(10)(x)
+
+  model = Net()
+  k = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k[1], (128, 64))
+  y = jax.random.randint(k[2], (128,), 0, 10)
+  params = model.init(k[0], x[:1])
+  tx = optax.adamw(1e-3, weight_decay=1e-2)
+
+  def body(p, s, x, y):
+    g = jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+        model.apply(p, x), y).mean())(p)
+    g = jax.lax.pmean(g, ax)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  bodies = {
+      "subst one_shot": dtenjax.substitute_psum(body, algorithm="one_shot"),
+      "subst two_shot": dtenjax.substitute_psum(body, algorithm="two_shot"),
+      "fuse 4KiB": dtenjax.fuse_collectives(body, bucket_bytes=1 << 12, algorithm="one_shot"),
+      "fuse 64KiB": dtenjax.fuse_collectives(body, bucket_bytes=1 << 16, algorithm="one_shot"),
+      "fuse 1MiB": dtenjax.fuse_collectives(body, bucket_bytes=1 << 20, algorithm="one_shot"),
+  }
+  hist, secs = {}, {}
+  for name in variants:
+    b = bodies[name]
+    step = jit(jax.shard_map(b, mesh=mesh, in_specs=(P(), P(), P(ax), P(ax)),
+                             out_specs=(P(), P()), check_vma=False))
+    p, s = params, tx.init(params)
+    hist[name], times = [], []
+    for _ in range(steps):
+      t0 = time.perf_counter()
+      p, s = jax.block_until_ready(step(p, s, x, y))
+      times.append(time.perf_counter() - t0)
+      hist[name].append([np.asarray(a) for a in jax.tree.leaves(p)])
+    secs[name] = float(np.median(times[1:] or times))
+  ref = hist["subst one_shot"]
+  diffs = {name: {str(i): int(sum(np.sum(a.view(np.uint32) != b.view(np.uint32))
+                                  for a, b in zip(h[i - 1], ref[i - 1])))
+                  for i in CHECK_STEPS if i <= steps} for name, h in hist.items()}
+  total = int(sum(a.size for a in jax.tree.leaves(params)))
+  return dict(diffs=diffs, seconds=secs, params=total, jax=jax.__version__,
+              devices=len(devices), backend=jax.default_backend())
+
+
+def run_mode(mode: str, steps: int, variants=VARIANTS) -> dict:
+  """``worker(mode, steps, variants)`` in a fresh process with the mode's XLA_FLAGS."""
+  env = dict(os.environ)
+  env["JAX_PLATFORMS"] = "cpu"
+  env["XLA_FLAGS"] = " ".join(f for f in ("--xla_force_host_platform_device_count=8",
+                                          MODES[mode][0]) if f)
+  cmd = [sys.executable, __file__, "--worker", mode, "--steps", str(steps),
+         "--variants", ",".join(variants)]
+  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
+  if out.returncode:
+    raise RuntimeError(f"worker {mode!r} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--steps", type=int, default=10)
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--variants", default=",".join(VARIANTS), help=argparse.SUPPRESS)
+  args = ap.parse_args()
+  if args.worker:
+    print(json.dumps(worker(args.worker, args.steps, tuple(args.variants.split(",")))))
+    return
+  results = {m: run_mode(m, args.steps) for m in MODES}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(steps=args.steps, results=results), f, indent=1)
+  first = next(iter(results.values()))
+  print(f"adamw step, flax MLP ({first['params']} parameters), 8 simulated CPU devices, "
+        f"jax {first['jax']}: parameters whose bits differ from 'subst one_shot' after "
+        f"{', '.join(str(i) for i in CHECK_STEPS if i <= args.steps)} steps; time per step "
+        "relative to the same variant under jax.jit")
+  base = results["jax.jit"]["seconds"]
+  print(f"{'mode':<26} {'variant':<15} {'differing':>20} {'ms/step':>8} {'vs jax.jit':>10}")
+  for m, r in results.items():
+    for v in VARIANTS:
+      d = "/".join(str(n) for n in r["diffs"][v].values())
+      print(f"{m:<26} {v:<15} {d:>20} {1e3 * r['seconds'][v]:>8.2f} "
+            f"{r['seconds'][v] / base[v]:>9.2f}x")
+
+
+if __name__ == "__main__":
+  main()

@@ -49,6 +49,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 
 from dtenjax._src import config
@@ -100,8 +101,8 @@ class BackendCosts:
 # docs/collectives.md); gpu: the 2 x H200 measurements in DESIGN.md (psum ~19-28 us at 8 KB-1 MB,
 # the NVLink one-shot kernel ~9.5 us at 8 KB); tpu: unmeasured, XLA ops assumed cheap.
 BACKEND_COSTS: Mapping[str, BackendCosts] = {
-    "cpu": BackendCosts(xla_collective_us=150.0, local_pass_us=10.0, local_bandwidth_gbps=4.0,
-                        nvlink_kernel_us=INF, host_step_us=60.0, fixed_point_gbps=2.0),
+    "cpu": BackendCosts(xla_collective_us=80.0, local_pass_us=5.0, local_bandwidth_gbps=1.35,
+                        nvlink_kernel_us=INF, host_step_us=60.0, fixed_point_gbps=0.6),
     "gpu": BackendCosts(xla_collective_us=18.0, local_pass_us=4.0, local_bandwidth_gbps=None,
                         nvlink_kernel_us=6.0, host_step_us=40.0, fixed_point_gbps=500.0),
     "tpu": BackendCosts(xla_collective_us=10.0, local_pass_us=3.0, local_bandwidth_gbps=None,
@@ -109,10 +110,21 @@ BACKEND_COSTS: Mapping[str, BackendCosts] = {
 }
 
 
-@functools.lru_cache(maxsize=8)
 def _overrides(path: str) -> dict[str, dict[str, float]]:
   if not path:
     return {}
+  try:
+    stat = os.stat(path)
+  except OSError as e:
+    raise errors.ConfigurationError(
+        f"DTENJAX_COST_PARAMS={path!r} cannot be read as JSON ({e}); write a file like "
+        '{"gpu": {"xla_collective_us": 21.0}} or unset it.') from None
+  return _read_overrides(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_overrides(path: str, mtime_ns: int, size: int) -> dict[str, dict[str, float]]:
+  del mtime_ns, size    # cache keys: a rewritten file is read again
   try:
     with open(path, encoding="utf-8") as f:
       data = json.load(f)
@@ -234,20 +246,24 @@ def _xla_links(t: _Terms, N: float, phases: int) -> float:
 
 
 def _ar_xla(t: _Terms, N: float) -> float:
-  return t.L + _xla_links(t, N, 2) + N * t.m
+  """XLA's all-reduce: each rank reduces its share and copies it out (2 N of memory traffic)."""
+  return t.L + _xla_links(t, N, 2) + 2 * N * t.m
 
 
 def _ar_one_shot(t: _Terms, N: float) -> float:
-  return t.L + t.hops * t.a + (t.n - 1) * N * t.b + t.P + t.n * N * t.m
+  """All-gather (n N written) and a fold reading n N."""
+  return t.L + t.hops * t.a + (t.n - 1) * N * t.b + t.P + 2 * t.n * N * t.m
 
 
 def _ar_two_shot(t: _Terms, N: float) -> float:
-  return 2 * t.L + 2 * t.hops * t.a + 2 * (t.n - 1) / t.n * N * t.b + t.P + N * t.m
+  """All-to-all (N), a fold of the owned chunk over n ranks (N), all-gather (N)."""
+  return 2 * t.L + 2 * t.hops * t.a + 2 * (t.n - 1) / t.n * N * t.b + t.P + 3 * N * t.m
 
 
 def _ar_ring(t: _Terms, N: float) -> float:
+  """2(n - 1) ppermutes of N/n and n - 1 adds of N/n."""
   steps = 2 * (t.n - 1)
-  return steps * (t.L + t.a + N / t.n * t.b) + (t.n - 1) * (t.P + N / t.n * t.m)
+  return steps * (t.L + t.a + N / t.n * t.b) + (t.n - 1) * t.P + 3 * N * t.m
 
 
 def _ar_hierarchical(t: _Terms, N: float) -> float:
@@ -258,19 +274,20 @@ def _ar_hierarchical(t: _Terms, N: float) -> float:
   k, m, ia, ib, oa, ob, ho = s
   inner = 2 * (t.L + ia + (k - 1) / k * N * ib)
   outer = t.L + ho * oa + (m - 1) * (N / k) * ob
-  return inner + outer + 2 * t.P + (N + m * N / k) * t.m
+  return inner + outer + 2 * t.P + (3 * N + 2 * m * N / k) * t.m
 
 
 def _ar_nvlink_one_shot(t: _Terms, N: float) -> float:
-  return t.K + 2 * t.a + (t.n - 1) * N * t.b + t.n * N * t.m
+  """The kernel reads every peer's buffer (n N) and writes the result (N)."""
+  return t.K + 2 * t.a + (t.n - 1) * N * t.b + (t.n + 1) * N * t.m
 
 
 def _ar_nvlink_two_shot(t: _Terms, N: float) -> float:
-  return t.K + 4 * t.a + 2 * (t.n - 1) / t.n * N * t.b + 2 * N * t.m
+  return t.K + 4 * t.a + 2 * (t.n - 1) / t.n * N * t.b + 3 * N * t.m
 
 
 def _ar_host_ring(t: _Terms, N: float) -> float:
-  return 2 * (t.n - 1) * (t.S + t.a) + 2 * (t.n - 1) / t.n * N * t.b + N * t.m
+  return 2 * (t.n - 1) * (t.S + t.a) + 2 * (t.n - 1) / t.n * N * t.b + 2 * N * t.m
 
 
 def _ar_host_hierarchical(t: _Terms, N: float) -> float:
@@ -281,7 +298,7 @@ def _ar_host_hierarchical(t: _Terms, N: float) -> float:
   k, m, ia, ib, oa, ob, _ = s
   inner = 2 * (t.L + ia + (k - 1) / k * N * ib)
   outer = 2 * (m - 1) * (t.S + oa) + 2 * (m - 1) / m * (N / k) * ob
-  return inner + outer + N * t.m
+  return inner + outer + 3 * N * t.m
 
 
 _ALL_REDUCE = {
@@ -305,10 +322,11 @@ def _reproducible_all_reduce(t: _Terms, algorithm: str, N: float, itemsize: int,
   E = N / itemsize
   n = t.n
   if algorithm == "one_shot":
-    return t.L + t.hops * t.a + (n - 1) * k * N * t.b + t.P + n * k * N * t.f
+    return (t.L + t.hops * t.a + (n - 1) * k * N * t.b + t.P + n * k * N * t.m +
+            n * k * N * t.f)
   if algorithm == "two_shot":
     return (2 * t.L + 2 * t.hops * t.a + (n - 1) / n * (k + 1) * N * t.b + t.P +
-            k * N * t.f + N / n * t.f)
+            (k + 1) * N * t.m + k * N * t.f + N / n * t.f)
   if algorithm.startswith("nvlink_"):
     return _ALL_REDUCE[algorithm](t, N) + t.a + n * N * t.f
   codes = _ar_host_ring(t, 4 * E) if algorithm.startswith("host_") else _ar_xla(t, E)
@@ -320,20 +338,22 @@ def _reproducible_all_reduce(t: _Terms, algorithm: str, N: float, itemsize: int,
 def _rs_ag(t: _Terms, kind: str, algorithm: str, N: float) -> float:
   n = t.n
   fold = kind == "reduce_scatter"
-  if algorithm in ("xla", "two_shot") or (algorithm == "one_shot" and not fold):
-    return t.L + _xla_links(t, N, 1) + ((t.P if algorithm != "xla" else 0.0) + N * t.m
-                                          if fold else 0.0)
+  if algorithm == "xla" or (algorithm in ("one_shot", "two_shot") and not fold):
+    return t.L + _xla_links(t, N, 1) + (2 if fold else 1) * N * t.m
+  if algorithm == "two_shot":     # all-to-all, fold the owned block
+    return t.L + t.hops * t.a + (n - 1) / n * N * t.b + t.P + 2 * N * t.m
   if algorithm == "one_shot":     # gather everything, fold the owned block
-    return t.L + t.hops * t.a + (n - 1) * N * t.b + t.P + N * t.m
+    return t.L + t.hops * t.a + (n - 1) * N * t.b + t.P + (n + 1) * N * t.m
   if algorithm == "ring":
-    return (n - 1) * (t.L + t.a + N / n * t.b) + ((n - 1) * (t.P + N / n * t.m) if fold else 0.0)
+    return (n - 1) * (t.L + t.a + N / n * t.b) + ((n - 1) * t.P if fold else 0.0) + \
+        (2 if fold else 1) * N * t.m
   if algorithm == "hierarchical":
     s = _split(t)
     if s is None:
       return INF
     k, m, ia, ib, oa, ob, ho = s
     return (2 * t.L + ia + (k - 1) / k * N * ib + ho * oa + (m - 1) / m * (N / k) * ob +
-            ((2 * t.P + 2 * N / k * t.m) if fold else 0.0))
+            (2 * t.P if fold else 0.0) + (2 if fold else 1) * N * t.m)
   return INF    # the NVLink kernels and the host transport have no reduce-scatter / all-gather
 
 

@@ -295,3 +295,35 @@ def test_errors_name_the_value_and_the_fix(mesh):
   with pytest.raises(errors.CollectiveError, match="not bound"):
     dtenjax.all_reduce(jnp.ones(3), "i")                  # outside any mapped context
   assert fixed_point.MAX_CONTRIBUTIONS == 1024
+
+
+# --- across processes: the public API end to end ---------------------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nprocs,local", [(2, 1), (2, 2)])
+def test_public_all_reduce_across_processes(tmp_path, nprocs, local):
+  from tests.mp_workers import launch
+  codes, res, logs = launch.launch("tests.mp_workers.collectives_worker", nprocs, str(tmp_path),
+                                   devices_per_proc=local, timeout_s=150)
+  assert codes == [0] * nprocs, logs
+  full = np.asarray(res[0]["input"], np.uint32).view(np.float32)
+  family = "ring" if local == 1 else "hierarchical"
+  want_repro = ref.bits(ref.reproducible_sum(full))
+  finite = np.isfinite(full).all(0)
+  for name, case in res[0]["cases"].items():
+    assert "exception" not in case, (name, case)
+    rows = [np.asarray(b, np.uint32) for r in res for b in r["cases"][name]["bits"]]
+    for row in rows:                                        # every device of every process
+      np.testing.assert_array_equal(row.reshape(-1), rows[0].reshape(-1), err_msg=name)
+    assert all(r["cases"][name]["repeat_equal"] for r in res), name
+    got = rows[0].reshape(-1).view(np.float32)
+    # the host transport only when asked for; auto keeps arrays on XLA's collectives (gloo)
+    assert case["host_transport"] == name.split("/")[1].startswith(family), name
+    if "reproducible" in name:
+      np.testing.assert_array_equal(got.view(np.uint32), want_repro, err_msg=name)
+    elif name.endswith("_max"):
+      assert np.isnan(got[3]) and np.array_equal(got[finite], full.max(0)[finite])
+    else:
+      assert np.isnan(got[3])
+      np.testing.assert_allclose(got[finite], full.sum(0)[finite], rtol=1e-5,
+                                 atol=1e-6 * np.nanmax(np.abs(full)), err_msg=name)

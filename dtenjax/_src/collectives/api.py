@@ -51,7 +51,6 @@ from dtenjax._src.collectives import reproducible as repro
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import registry
 from dtenjax._src.collectives.algorithms import ring
-from dtenjax._src.net import hostcoll
 from dtenjax._src.planning import mesh as mesh_lib
 from dtenjax._src.topology.model import Topology
 
@@ -157,6 +156,19 @@ def _group_devices(axes: tuple[str, ...], n: int):
   return list(devices[:n]) if len(devices) >= n else list(devices), False
 
 
+def _processes_from_abstract_mesh(am, axes: tuple[str, ...]) -> int:
+  """Processes a group along ``axes`` spans when no concrete mesh is known (plain
+  ``jax.shard_map`` over a ``Mesh`` outside ``jax.set_mesh``): meshes list devices process by
+  process (``jax.make_mesh``, ``jax.devices()`` order), so the devices of one group lie
+  ``span * stride`` apart in that order, and each process holds ``local_device_count`` of them."""
+  sizes = dict(am.shape)
+  names = list(sizes)
+  last = max(names.index(a) for a in axes)
+  block = math.prod(sizes[a] for a in axes) * math.prod(sizes[n] for n in names[last + 1:])
+  local = jax.local_device_count()
+  return max(1, block // local) if block > local else 1
+
+
 def _context(axes: tuple[str, ...]) -> _Context:
   sizes = tuple(base.axis_size(a) for a in axes)
   n = math.prod(sizes)
@@ -171,8 +183,7 @@ def _context(axes: tuple[str, ...]) -> _Context:
   elif known:
     processes = len({d.process_index for d in devices})
   else:
-    name = axes[0] if len(axes) == 1 else axes
-    processes = jax.process_count() if hostcoll.spans_processes(name) else 1
+    processes = _processes_from_abstract_mesh(am, axes)
   if backend == "cpu":
     reaches = getattr(jax.config, "jax_cpu_collectives_implementation", None) in ("gloo", "mpi")
   else:

@@ -327,3 +327,70 @@ def test_public_all_reduce_across_processes(tmp_path, nprocs, local):
       assert np.isnan(got[3])
       np.testing.assert_allclose(got[finite], full.sum(0)[finite], rtol=1e-5,
                                  atol=1e-6 * np.nanmax(np.abs(full)), err_msg=name)
+
+
+# --- GPU (run by scripts/gpu_check.sh on the GPU machine; skipped without a GPU) --------------
+
+def _gpu_mesh(n):
+  gpus = jax.devices("gpu")
+  if len(gpus) < n:
+    pytest.skip(f"needs {n} GPUs, {len(gpus)} visible")
+  return Mesh(np.array(gpus[:n]), ("g",))
+
+
+def _gpu_run(n, x, **kw):
+  mesh = _gpu_mesh(n)
+  f = jax.jit(jax.shard_map(lambda v: dtenjax.all_reduce(v, "g", **kw)[None], mesh=mesh,
+                            in_specs=P("g"), out_specs=P("g"), check_vma=False))
+  return np.asarray(f(jnp.asarray(x)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_gpu_reproducible_bits_equal_the_stored_cpu_reference(n, dtype, op):
+  """Every algorithm that can run the call (the fused NVLink kernels included) gives the bits in
+  tests/data/reproducible_ref.npz (made on CPU by the independent numpy reference)."""
+  data = np.load(pathlib.Path(__file__).parent / "data" / "reproducible_ref.npz")
+  x = data[f"x_{dtype}"]
+  x = x.view(ref.BF16) if dtype == "bfloat16" else x
+  want = data[f"{op}_{dtype}"]
+  stacked = x.reshape(n, 8 // n, -1)                     # GPU r holds contributions r*8/n..
+  for alg in ("auto", "xla", "one_shot", "two_shot", "ring"):
+    kw = dict(op=op, algorithm=alg, reproducible=True)
+    y = _gpu_run(n, stacked, local_axis=1, **kw) if n < 8 else _gpu_run(n, stacked[:, 0], **kw)
+    for r in range(n):
+      np.testing.assert_array_equal(ref.bits(y[r]), want, err_msg=f"{alg} gpu {r}")
+  # one contribution per GPU (what the fused NVLink kernels take): the first n contributions
+  want_n = ref.bits(ref.reproducible_sum(x[:n], mean=op == "mean"))
+  for alg in ("auto", "xla", "two_shot", "nvlink_one_shot", "nvlink_two_shot"):
+    y = _gpu_run(n, x[:n], op=op, algorithm=alg, reproducible=True)
+    for r in range(n):
+      np.testing.assert_array_equal(ref.bits(y[r]), want_n, err_msg=f"{alg} gpu {r}, 1 each")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ALGOS[:4] + ("auto", "nvlink_one_shot", "nvlink_two_shot"))
+def test_gpu_max_min_propagate_nan_and_sums_match_the_p2p_contract(algorithm):
+  n = 2
+  x = np.zeros((n, 1024), np.float32)
+  x[1, 0] = np.nan
+  x[:, 1:] = np.random.default_rng(0).standard_normal((n, 1023)) * 100
+  mx = _gpu_run(n, x, op="max", algorithm=algorithm)
+  assert np.isnan(mx[:, 0]).all() and np.array_equal(mx[0, 1:], x[:, 1:].max(0))
+  if algorithm in ("one_shot", "two_shot", "nvlink_one_shot", "nvlink_two_shot"):
+    s = _gpu_run(n, x[:, 1:], algorithm=algorithm)      # rank-order fold in f32: the p2p bits
+    np.testing.assert_array_equal(s[0], (x[0, 1:] + x[1, 1:]).astype(np.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_auto_is_never_the_host_transport_and_prefers_the_kernel_when_cheaper():
+  mesh = _gpu_mesh(2)
+  x = jnp.zeros((2, 2048), jnp.float32)
+  f = jax.jit(jax.shard_map(lambda v: dtenjax.all_reduce(v, "g"), mesh=mesh, in_specs=P("g"),
+                            out_specs=P("g"), check_vma=False))
+  hlo = f.lower(x).as_text()
+  assert "dtenjax_host_all_reduce" not in hlo
+  plan = dtenjax.plan_all_reduce(2048 * 4, [d.id for d in mesh.devices])
+  assert plan.algorithm in plan.times

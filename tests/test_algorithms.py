@@ -269,6 +269,23 @@ def test_choose_lists_why_records_are_not_eligible():
   assert "nvlink_one_shot" not in ch.times and "host_ring" not in ch.times
 
 
+def test_xla_without_a_fixed_order_stands_in_with_the_one_shot_fold(mesh, monkeypatch):
+  real_context = C._context
+  monkeypatch.setattr(C, "_context", lambda axes: real_context(axes)._replace(backend="gpu"))
+  monkeypatch.setattr(nvlink, "p2p", FakeP2P())
+  x = _wide((8, 16), 4)
+  with _env(NCCL_NVLS_ENABLE=None):
+    f = _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="xla"))
+    hlo = f.lower(x.reshape(-1)).compile().as_text()
+    y = np.asarray(f(x.reshape(-1)))[:16]
+  assert "all-gather" in hlo and " all-reduce(" not in hlo
+  np.testing.assert_array_equal(y, _fold(list(x)))           # one_shot's order
+  with _env(NCCL_NVLS_ENABLE="0"):
+    hlo = _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="xla")).lower(
+        x.reshape(-1)).compile().as_text()
+  assert "all-reduce" in hlo
+
+
 def test_unsupported_explicit_record_names_the_reason_and_the_fix(mesh):
   with pytest.raises(errors.CollectiveError,
                      match=r"'nvlink_one_shot' cannot run.*run on GPUs.*'one_shot' or 'auto'"):

@@ -43,6 +43,10 @@ REGISTRY: tuple[base.Algorithm, ...] = (
 )
 
 FAMILIES = ("xla", "ring", "hierarchical", "one_shot", "two_shot")
+# A family none of whose records can run the call may name a stand-in: algorithm="xla" with
+# deterministic=True where XLA's order is not provably fixed keeps XLA's collectives for data
+# movement only (all-gather + the rank-order fold of one_shot).
+STAND_INS = {"xla": "one_shot"}
 
 
 def names() -> tuple[str, ...]:
@@ -136,6 +140,11 @@ def resolve(requested: str, call: base.Call, group: Sequence[int],
       tried.append(f"{a.name}: {reason}")
       if a.applies(call):
         skipped.append(f"{a.name}: {reason}")
+    stand_in = STAND_INS.get(requested)
+    if stand_in is not None and get(stand_in).why_not(call) is None:
+      config.log_fallback(f"{requested}:stand-in:{tried[0]}",
+                          f"dtenjax: algorithm={requested!r} runs as {stand_in} ({tried[0]})")
+      return AlgorithmChoice(stand_in, {}, f"algorithm={requested!r}: {stand_in} ({tried[0]})")
     raise errors.CollectiveError(errors.join_problems(
         f"algorithm={requested!r} cannot run this {call.kind} (op={call.op!r}, dtype="
         f"{call.dtype.name}, axes={call.axes!r}):", tried))

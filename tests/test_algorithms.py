@@ -252,6 +252,23 @@ def test_auto_on_cpu_uses_xla_psum_from_8_kib_to_4_mib():
     assert set(ch.times) == {"xla", "one_shot", "two_shot", "ring", "hierarchical"}
 
 
+def _entry(hlo: str) -> str:
+  """The entry computation of compiled HLO text, without metadata (names and locations)."""
+  import re
+  entry = hlo[hlo.index("ENTRY"):]
+  return re.sub(r", metadata=\{[^}]*\}", "", entry)
+
+
+@pytest.mark.parametrize("nbytes", [8 << 10, 4 << 20])
+def test_auto_compiles_to_the_same_program_as_psum_on_cpu(mesh, nbytes):
+  """auto >= psum by construction on CPU: the same executable (deterministic: XLA:CPU's order is
+  the fixed rank-order fold, tested above)."""
+  x = jnp.zeros((8 * nbytes // 4,), jnp.float32)
+  psum = _smap(mesh, lambda v: lax.psum(v, AX) * 0.5).lower(x).compile().as_text()
+  auto = _smap(mesh, lambda v: C.all_reduce(v, AX) * 0.5).lower(x).compile().as_text()
+  assert _entry(auto) == _entry(psum)
+
+
 def test_every_record_is_reachable_and_documents_its_order():
   assert [a.name for a in registry.REGISTRY] == [
       "nvlink_one_shot", "nvlink_two_shot", "host_ring", "host_hierarchical", "xla",

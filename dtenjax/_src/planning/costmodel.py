@@ -5,42 +5,43 @@ An estimate adds three kinds of terms, all data rather than code:
 
 * **links** -- ``alpha`` (seconds) and ``beta`` (seconds per byte) of the slowest link class in the
   group, from the topology's :class:`~dtenjax.LinkSpec` table (or measured by
-  :meth:`Topology.probe`). ``hierarchical`` forms charge the inner (island) and outer phases to
-  their own links.
+  :meth:`Topology.probe`). Two-level forms charge the inner (island) and outer phases to their own
+  links.
 * **backend fixed costs** -- :class:`BackendCosts`, one record per platform (``cpu``, ``gpu``,
-  ``tpu``): what one XLA collective op costs beyond its link latency (dispatch, rendezvous, NCCL
-  launch), one extra elementwise pass, one NVLink p2p kernel, one host-transport step, and the
-  memory bandwidth of local passes. :data:`BACKEND_COSTS` holds the defaults; a JSON file named
-  by ``DTENJAX_COST_PARAMS`` (``{"gpu": {"xla_collective_us": 21.0}}``) overrides fields, so
-  calibrating from measurements never touches code.
-* **local passes** -- reductions, fixed-point encode/decode: bytes / local bandwidth.
+  ``tpu``): one XLA collective op beyond its link latency (dispatch, rendezvous, NCCL launch), one
+  extra elementwise pass, one NVLink p2p kernel, one host-transport step, the memory bandwidth of
+  local passes, and the throughput of the fixed-point conversion. :data:`BACKEND_COSTS` holds the
+  defaults; a JSON file named by ``DTENJAX_COST_PARAMS`` (``{"gpu": {"xla_collective_us": 21.0}}``)
+  overrides fields, so calibrating from measurements never touches code.
+* **local memory traffic** -- bytes read and written by each op / local bandwidth.
 
-For ``n`` participants, ``N`` bytes per participant, link ``a``/``b``, ``h`` = 1 inside a host
-(peers are read in parallel) or ``n - 1`` across a network, ``L`` = ``xla_collective_us``,
-``P`` = ``local_pass_us``, ``m`` = local seconds per byte, the all-reduce formulas are:
+For ``n`` participants, ``N`` bytes per participant, slowest link ``a``/``b``, ``h`` = 1 inside a
+host (peers are read in parallel) or ``n - 1`` across a network, ``L`` = ``xla_collective_us``,
+``P`` = ``local_pass_us``, ``K`` = ``nvlink_kernel_us``, ``S`` = ``host_step_us`` and ``m`` =
+local seconds per byte, the all-reduce formulas are:
 
 =====================  ===========================================================================
-``xla``                ``L + 2a + 2(n-1)/n N b + N m`` in a host (XLA/NCCL reduce their share, copy
-                       the result); across hosts ``L`` + the best of ring and hierarchical links
-``one_shot``           all-gather + rank-order fold: ``L + h a + (n-1) N b + P + n N m``
-``two_shot``           all-to-all, fold, all-gather: ``2L + 2 h a + 2(n-1)/n N b + P + N m``
-``ring``               ``2(n-1)`` ppermutes: ``2(n-1)(L + a + N/n b) + (n-1)(P + N/n m)``
-``hierarchical``       3 XLA ops: reduce-scatter in islands, across islands, all-gather in islands
-``nvlink_one_shot``    ``K + 2a + (n-1) N b + n N m`` (``K`` = ``nvlink_kernel_us``)
-``nvlink_two_shot``    ``K + 4a + 2(n-1)/n N b + 2 N m``
-``host_ring``          ``2(n-1)(S + a + N/n b) + N m`` (``S`` = ``host_step_us``)
+``xla``                ``L + 2a + 2(n-1)/n N b + 2 N m`` in a host (each rank reduces its share
+                       and copies it out); across hosts ``L`` + the better of a flat and a
+                       two-level ring
+``one_shot``           all-gather + fold: ``L + h a + (n-1) N b + P + 2 n N m``
+``two_shot``           all-to-all, fold, all-gather: ``2L + 2 h a + 2(n-1)/n N b + P + 3 N m``
+``ring``               ``2(n-1)(L + a + N/n b) + (n-1) P + 3 N m``
+``hierarchical``       3 XLA ops: reduce-scatter in islands, one-shot across, all-gather in islands
+``nvlink_one_shot``    ``K + 2a + (n-1) N b + (n+1) N m``
+``nvlink_two_shot``    ``K + 4a + 2(n-1)/n N b + 3 N m``
+``host_ring``          ``2(n-1)(S + a) + 2(n-1)/n N b + 2 N m``
 ``host_hierarchical``  XLA reduce-scatter in the process, host ring of ``N/k`` across, all-gather
 =====================  ===========================================================================
 
-``reproducible=True`` (contract v2, ``collectives/fixed_point.py``) costs, for ``E`` elements: a
-MAX exchange of ``E`` one-byte codes, the algorithm on ``8 E`` bytes of int32 words, and three local
-passes (codes, encode, decode); the NVLink kernels fuse the conversion, so they pay one extra
-latency for the exponent exchange and a second read of the data.
+``reproducible=True`` (contract v2, ``collectives/fixed_point.py``): see
+:func:`_reproducible_all_reduce`; the conversion runs at ``fixed_point_gbps``.
 
-The model ranks algorithms; it does not promise microseconds. Its defaults for ``cpu`` were fitted
-to ``bench/collectives.py`` on the CI-class VM; the ``gpu`` defaults are the 2 x H200 figures in
-DESIGN.md and are meant to be recalibrated from ``bench/allreduce.py`` through
-``DTENJAX_COST_PARAMS``.
+The model ranks algorithms; it does not promise microseconds. The ``cpu`` defaults were fitted to
+``python bench/collectives.py --sizes 64,8K,1M --chain 32 --reps 9 --stat min`` on the 2-core
+CI VM with 8 simulated devices (docs/collectives.md lists the measured times); the ``gpu``
+defaults come from the 2 x H200 figures in DESIGN.md and are meant to be recalibrated from
+``bench/allreduce.py`` through ``DTENJAX_COST_PARAMS``.
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ class BackendCosts:
           "the bandwidth > 0 (or None).")
 
 
-# Defaults. cpu: fitted on the 2-core CI-class VM with 8 simulated devices (bench/collectives.py,
-# docs/collectives.md); gpu: the 2 x H200 measurements in DESIGN.md (psum ~19-28 us at 8 KB-1 MB,
-# the NVLink one-shot kernel ~9.5 us at 8 KB); tpu: unmeasured, XLA ops assumed cheap.
+# Defaults. cpu: fitted on the 2-core CI VM with 8 simulated devices (see the module docstring;
+# psum 82 us at 64 B and 1.6 ms at 1 MiB, minimum over repetitions; host_step_us not measured);
+# gpu: the 2 x H200 measurements in DESIGN.md (psum ~19-28 us at 8 KB-1 MB, the NVLink one-shot
+# kernel ~9.5 us at 8 KB; fixed_point_gbps not measured); tpu: unmeasured placeholders.
 BACKEND_COSTS: Mapping[str, BackendCosts] = {
     "cpu": BackendCosts(xla_collective_us=80.0, local_pass_us=5.0, local_bandwidth_gbps=1.35,
                         nvlink_kernel_us=INF, host_step_us=60.0, fixed_point_gbps=0.6),

@@ -29,7 +29,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 CANDIDATES = ("psum", "auto", "xla", "one_shot", "two_shot", "ring", "hierarchical",
               "reproducible", "reproducible_xla", "reproducible_one_shot",
-              "reproducible_two_shot")
+              "reproducible_two_shot", "lax.pmax", "lax.all_to_all", "lax.all_gather")
+# lax.*: XLA's building blocks on the same bytes (all_gather of each rank's 1/n, so its output is
+# the size of the others' input), for reading what the algorithms cost.
 
 
 def _size(s: str) -> int:
@@ -45,6 +47,16 @@ def _op(name, axes):
     return lambda y: y
   if name == "psum":
     return lambda y: lax.psum(y, axes)
+  if name == "lax.pmax":
+    return lambda y: lax.pmax(y, axes)
+  if name == "lax.all_to_all":
+    return lambda y: lax.all_to_all(y.reshape(lax.axis_size(axes), -1), axes, 0, 0).reshape(
+        y.shape)
+  if name == "lax.all_gather":
+    def gather(y):
+      n = lax.axis_size(axes)
+      return lax.all_gather(y.reshape(n, -1)[0], axes, tiled=True).reshape(y.shape)
+    return gather
   if name == "reproducible":
     return lambda y: api.all_reduce(y, axes, reproducible=True)
   if name.startswith("reproducible_"):

@@ -16,20 +16,20 @@ associative). Per element, over all contributions ``x_c`` (float32, or bfloat16 
    subnormals kept); bfloat16 rounds that float32 once more (RNE). ``C == 255``: NaN if both flag
    sums are positive, else the signed infinity; ``C == 0``: +0.0.
 
-Everything that touches a float's bits is integer arithmetic on the bit pattern: XLA:CPU runs
-with denormals-are-zero and flush-to-zero (``1e-40 * 2**100 == 0`` under jit), so float
-multiplies would drop subnormal contributions and subnormal results; the integer form gives the
-exact values the contract defines on every backend and matches GPU kernels that use IEEE
-``__fmul_rn`` without ``-ftz``. The only float operations (int32 -> float32 conversions and the
-add in ``v``) never see subnormals.
+XLA:CPU runs with denormals-are-zero and flush-to-zero (``1e-40 * 2**100 == 0`` under jit), so no
+float operation here may depend on a subnormal: a subnormal contribution is scaled on its bits, a
+product that would underflow has ``q == 0`` whether flushed or not, subnormal results are assembled
+on the bits, and the mean's subnormal quotients come from an integer division. So the results are
+the exact values the contract defines on every backend and match GPU kernels that use IEEE
+``__fmul_rn`` / ``__fdiv_rn`` without ``-ftz``.
 
 Error bound against the exact sum ``S`` (``math.fsum``) of ``N`` finite contributions with
 ``2**e > max |x_c|``: ``|result - S| <= N * 2**(e - 41) + 2 ulp_f32(result)`` (plus half a bfloat16
 ulp of the result for bfloat16): each ``q`` is off by at most half a unit ``2**(e - 40)``, and the
 two roundings in decode cost at most one float32 ulp each. Zero results are +0.0.
 
-The same jnp code runs on every backend; XLA fuses each pass into one elementwise loop (measured
-faster than the former per-pass CPU FFI handlers, which were removed: see docs/collectives.md).
+The same jnp code runs on every backend; XLA fuses each pass into one elementwise loop (faster than
+the former per-pass CPU FFI handlers, which were removed: see docs/collectives.md).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ CODE_ZERO = 0               # every contribution is +-0
 MAX_CONTRIBUTIONS = 1024    # hi sums stay within 2**30, lo sums below 2**30: no int32 overflow
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
-_U32 = np.uint32
 _I32 = jnp.int32
 
 
@@ -90,19 +89,23 @@ def codes(x):
 def _value_words(x, code_max):
   """(hi, lo) int32 of ``q = rint_half_even(x * 2**(166 - C))`` for finite ``x`` (step 3).
 
-  Only exact float operations on normal numbers: the scaling adds ``s`` to the exponent bits
-  (results below 2**-126 have ``q == 0``), a subnormal ``x`` is rebuilt from its mantissa as an
-  integer times a normal power of two, and rint / floor / the split act on values whose every
-  bit float32 holds. Meaningless where ``C == 255`` (the caller overrides those).
+  Only exact float operations: a normal ``x`` is multiplied by two powers of two (a product
+  below 2**-126, flushed to zero by XLA:CPU or not, has ``q == 0``); a subnormal ``x`` is scaled
+  on its bits (as if its exponent field were 1, minus the implicit one); rint / floor / the split
+  act on values whose every bit float32 holds. Meaningless where ``C == 255`` (the caller
+  overrides those).
   """
   b = _bits(x)
   c = jnp.broadcast_to(code_max, x.shape).astype(_I32)
-  field = jnp.right_shift(b, 23) & 0xFF
   s = (126 + FRAC_BITS) - c                     # x * 2**s, s = 40 - e
-  scaled = jax.lax.bitcast_convert_type(b + jnp.left_shift(s, 23), jnp.float32)
-  sub = (b & 0x7FFFFF).astype(jnp.float32) * _pow2(jnp.maximum(s - 149, -126))
-  sub = jnp.where(b < 0, -sub, sub)
-  y = jnp.where(field == 0, sub, jnp.where(field + s >= 1, scaled, 0.0))
+  s1 = jnp.minimum(s, 127)
+  y = (x.astype(jnp.float32) * _pow2(jnp.clip(s1, -126, 127))) * _pow2(
+      jnp.clip(s - s1, -126, 127))
+  sub_shift = jnp.where(s >= 0, jnp.left_shift(s, 23) + (1 << 23), 0)
+  implicit = jnp.where(s >= 0, jnp.left_shift(jnp.clip(s + 1, 1, 254), 23), 0)
+  sub = (jax.lax.bitcast_convert_type(b + sub_shift, jnp.float32) -
+         jax.lax.bitcast_convert_type(implicit | (b & _I32(-0x80000000)), jnp.float32))
+  y = jnp.where((b & 0x7F800000) == 0, sub, y)
   q = jnp.round(y)                              # half to even
   h = jnp.floor(q * np.float32(2.0 ** -LO_BITS))
   lo = q - h * np.float32(1 << LO_BITS)
@@ -171,8 +174,9 @@ def local_sum_f32(stack):
     NaN > inf > finite there), so one integer max per contribution;
   * special values: a NaN-propagating float max and min (NaN, or +inf with -inf, is NaN; else the
     infinity present), instead of per-contribution flags;
-  * ``q``: the exponent-bit scaling of :func:`_value_words`; a subnormal or zero ``x`` (exponent
-    field 0, ``x = f * 2**-126``) is scaled as if its field were 1, which reads
+  * ``q``: a normal ``x`` times two exact powers of two (a product below 2**-126 is flushed or
+    rounds to ``q = 0`` either way); a subnormal or zero ``x`` (exponent field 0,
+    ``x = f * 2**-126``) is scaled on the bits as if its field were 1, which reads
     ``(1 + f) * 2**k``, and loses the implicit one by subtracting ``2**k`` (exact).
   """
   k = stack.shape[0]
@@ -184,17 +188,19 @@ def local_sum_f32(stack):
     hi_f, lo_f = jnp.maximum(hi_f, xs[i]), jnp.minimum(lo_f, xs[i])
   c = codes(jax.lax.bitcast_convert_type(mag, jnp.float32)).astype(_I32)
   s = (126 + FRAC_BITS) - c
-  shift = jnp.left_shift(s, 23)
-  implicit = jnp.left_shift(jnp.clip(s + 1, 1, 254), 23)     # bits of 2**(s - 126)
+  s1 = jnp.minimum(s, 127)
+  p1, p2 = _pow2(jnp.clip(s1, -126, 127)), _pow2(jnp.clip(s - s1, -126, 127))
+  # field 0 (x = f * 2**-126): read with field 1 the bits are (1 + f) * 2**(s - 126); subtract
+  # the implicit one. Only needed where s >= 0 (else |x * 2**s| < 2**-126 and q = 0).
+  sub_shift = jnp.where(s >= 0, jnp.left_shift(s, 23) + (1 << 23), 0)
+  implicit = jnp.where(s >= 0, jnp.left_shift(jnp.clip(s + 1, 1, 254), 23), 0)
   hi = lo = None
   for i in range(k):
-    field = jnp.right_shift(b[i], 23) & 0xFF
-    y = jax.lax.bitcast_convert_type(b[i] + shift, jnp.float32)
-    # field 0: x = f * 2**-126; with field 1 in place of 0 the bits read (1 + f) * 2**(s - 126)
-    y0 = jax.lax.bitcast_convert_type(b[i] + shift + (1 << 23), jnp.float32)
-    corr = jax.lax.bitcast_convert_type(implicit | (b[i] & _I32(-0x80000000)), jnp.float32)
-    y = jnp.where(field == 0, y0 - corr, y)
-    y = jnp.where(jnp.maximum(field, 1) + s >= 1, y, 0.0)
+    # normal x: two exact power-of-two products (an underflow is flushed or rounds to q = 0)
+    y = (xs[i] * p1) * p2
+    sub = (jax.lax.bitcast_convert_type(b[i] + sub_shift, jnp.float32) -
+           jax.lax.bitcast_convert_type(implicit | (b[i] & _I32(-0x80000000)), jnp.float32))
+    y = jnp.where((b[i] & 0x7F800000) == 0, sub, y)
     q = jnp.round(y)
     h = jnp.floor(q * np.float32(2.0 ** -LO_BITS))
     l = (q - h * np.float32(1 << LO_BITS)).astype(_I32)

@@ -39,7 +39,7 @@ local seconds per byte, the all-reduce formulas are:
 
 The model ranks algorithms; it does not promise microseconds. The ``cpu`` defaults were fitted to
 ``python bench/collectives.py --sizes 64,8K,1M --chain 32 --reps 9 --stat min`` on the 2-core
-CI VM with 8 simulated devices (docs/collectives.md lists the measured times); the ``gpu``
+CI VM with 8 simulated devices (docs/collectives.md gives the command and the times); the ``gpu``
 defaults come from the 2 x H200 figures in DESIGN.md and are meant to be recalibrated from
 ``bench/allreduce.py`` through ``DTENJAX_COST_PARAMS``.
 """

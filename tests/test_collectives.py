@@ -177,7 +177,7 @@ def test_vmap_named_axis_is_a_valid_axis_name(reproducible):
           ref.reproducible_sum(x), y.shape)), err_msg=a)
     else:
       fin = np.isfinite(x).all(0) & (np.abs(x) < 1e37).all(0)
-      np.testing.assert_allclose(y[:, fin], np.broadcast_to(x.sum(0)[fin], y[:, fin].shape),
+      np.testing.assert_allclose(y[:, fin], np.broadcast_to(x[:, fin].sum(0), y[:, fin].shape),
                                  rtol=1e-4, atol=1e-30, err_msg=a)
 
 

@@ -521,7 +521,3 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None
                    processes=processes, xla_reaches_processes=True)
   return registry.choose(call, group, topology)
 
-
-def nbytes_of(x) -> int:
-  return int(sum(math.prod(jnp.shape(l)) * jnp.result_type(l).itemsize
-                 for l in jax.tree_util.tree_leaves(x)))

@@ -184,12 +184,16 @@ def _context(axes: tuple[str, ...]) -> _Context:
     processes = len({d.process_index for d in devices})
   else:
     processes = _processes_from_abstract_mesh(am, axes)
-  if backend == "cpu":
-    reaches = getattr(jax.config, "jax_cpu_collectives_implementation", None) in ("gloo", "mpi")
-  else:
-    reaches = True
   return _Context(sizes, tuple(int(d.id) for d in devices), backend, mesh_axes, processes,
-                  reaches)
+                  _xla_reaches_processes(backend))
+
+
+def _xla_reaches_processes(backend: str) -> bool:
+  """Whether XLA's own collectives connect processes on ``backend`` (NCCL on GPU; on CPU only
+  with a cross-process implementation configured, JAX's default being gloo)."""
+  if backend != "cpu":
+    return True
+  return getattr(jax.config, "jax_cpu_collectives_implementation", None) in ("gloo", "mpi")
 
 
 def _make_call(kind: str, dtype, nbytes: int, ctx: _Context, axes, op, algorithm, deterministic,
@@ -518,6 +522,6 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None
   call = base.Call(kind=kind, op=op, dtype=dtype, axes=tuple(f"axis{i}" for i in range(len(sizes))),
                    axis_sizes=sizes, nbytes=int(nbytes), backend=backend,
                    deterministic=deterministic, reproducible=reproducible and op in ("sum", "mean"),
-                   processes=processes, xla_reaches_processes=True)
+                   processes=processes, xla_reaches_processes=_xla_reaches_processes(backend))
   return registry.choose(call, group, topology)
 

@@ -58,6 +58,9 @@ KNOBS: dict[str, Knob] = {
              "largest frame payload of the host ring; chunks are pipelined in segments of this "
              "size (must be equal on every process)"),
         Knob("DTENJAX_BUCKET_BYTES", str(4 << 20), "default bucket size of the fusion pass"),
+        Knob("DTENJAX_COST_PARAMS", "",
+             "path of a JSON file overriding the cost model's per-backend fixed costs "
+             "(planning/costmodel.py BackendCosts), e.g. calibrated from bench/allreduce.py"),
         Knob("DTENJAX_P2P_BUFFER_BYTES", str(64 << 20),
              "bytes of the registered symmetric buffer per GPU for the NVLink kernels"),
         Knob("DTENJAX_P2P_MAX_BLOCKS", "128",

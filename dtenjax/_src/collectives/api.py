@@ -1,4 +1,4 @@
-"""Public collectives: ``all_reduce``, ``reduce_scatter``, ``all_gather`` and algorithm choice.
+"""Public collectives: ``all_reduce``, ``reduce_scatter``, ``all_gather``, and ``plan_all_reduce``.
 
 They run wherever JAX has named axes: inside ``jax.shard_map`` / ``mesh_map`` (under jit or
 not) and over ``jax.vmap(..., axis_name=...)`` axes. ``axis_name`` may be a tuple of axes (treated
@@ -6,23 +6,26 @@ as one combined axis in mesh order). Arguments may be pytrees; an all-reduce of 
 its leaves into flat buckets of ``bucket_bytes`` (default ``DTENJAX_BUCKET_BYTES``) so a tree of
 many small gradients costs few collectives (see ``buckets.py``).
 
+Which implementation runs is a record of the algorithm registry (``algorithms/registry.py``):
+``algorithm="auto"`` ranks the records that support the call with the cost model, a family name
+(``"one_shot"``) takes the first record of that family that supports it, a record name forces it.
+
 Semantics and guarantees
 ------------------------
-- Results are per-device (``varying``) values, as with ``pmap``-era collectives: the transpose of
-  ``all_reduce(sum)`` is ``all_reduce(sum)`` of the cotangents, ``reduce_scatter`` and
-  ``all_gather`` transpose into each other. Inside ``jax.shard_map(..., check_vma=True)`` return
-  them with an ``out_specs`` that names the axis, or use ``check_vma=False``.
+- Results are per-device (``varying``) values, as with ``pmap``-era collectives. Reverse-mode
+  derivatives (``jax.grad``/``vjp``) run the same algorithm on the cotangents: the transpose of
+  ``all_reduce(sum)`` is ``all_reduce(sum)`` of the cotangents, with the same determinism (and the
+  same reproducibility with ``reproducible=True``); ``reduce_scatter`` and ``all_gather``
+  transpose into each other. Forward mode (``jax.jvp``) is not supported (custom VJP rules).
 - ``deterministic=True`` (default): identical bits on every rank and every run for a given
-  algorithm, world size and input shape; the order of each algorithm is documented in
-  ``algorithms.py``. XLA's ``psum`` has an unspecified float reduction order, so
-  ``algorithm="xla"`` with ``deterministic=True`` keeps XLA's collectives for data movement only:
-  a float sum or mean becomes XLA all-gather + dtenjax's fixed rank-order reduction (the same bits
-  as ``one_shot``), while max, min and integer sums (exact in any order) stay on ``psum``/``pmax``.
-  ``deterministic=False`` with ``algorithm="xla"`` is plain ``lax.psum``.
-- ``reproducible=True``: an exact fixed-point sum (``fixed_point.py``): the bits do not depend on
-  the algorithm or on how the same contributions are split over devices. With ``local_axis`` the
-  input holds several contributions stacked on that axis; each is encoded on its own, so the
-  result equals that of the same contributions spread over more devices. float32 / bfloat16 only.
+  algorithm, world size and input shape. ``algorithm="xla"`` (and ``auto``) may use XLA's own
+  reduction where its order is provably fixed (``algorithms/xla.py``), else the deterministic
+  dtenjax algorithms. Max/min propagate NaN with every algorithm.
+- ``reproducible=True``: an exact fixed-point sum (contract v2, ``fixed_point.py``): the bits do not
+  depend on the algorithm or on how the same contributions are split over devices. With
+  ``local_axis`` the input holds several contributions stacked on that axis; each is encoded on
+  its own, so the result equals that of the same contributions spread over more devices.
+  float32 / bfloat16 only.
 - ``vmap``: mapping over an ordinary (unnamed) batch dimension reduces every batch element
   independently across devices; ``jax.vmap(f, axis_name="v")`` makes "v" a valid ``axis_name``.
 """
@@ -31,23 +34,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from dtenjax._src.collectives import algorithms as alg
-from dtenjax._src.collectives import buckets
 from dtenjax._src import config
 from dtenjax._src import errors
+from dtenjax._src.collectives import buckets
 from dtenjax._src.collectives import fixed_point
+from dtenjax._src.collectives import reproducible as repro
+from dtenjax._src.collectives.algorithms import base
+from dtenjax._src.collectives.algorithms import registry
+from dtenjax._src.collectives.algorithms import ring
+from dtenjax._src.planning import mesh as mesh_lib
+from dtenjax._src.topology.model import Topology
 
-AxisName = alg.AxisName
-_ALGOS = alg.ALGORITHMS + ("auto",)
+AxisName = base.AxisName
+AlgorithmChoice = registry.AlgorithmChoice
 
 
 # --- validation at the Python boundary ----------------------------------------------------------
@@ -62,7 +70,7 @@ def _bound_axes() -> dict[str, int]:
 
 def check_axes(axis_name: AxisName, what: str) -> tuple[str, ...]:
   """The axis names as a tuple; raises CollectiveError naming unbound axes and the bound ones."""
-  axes = alg.axis_tuple(axis_name)
+  axes = base.axis_tuple(axis_name)
   if not axes:
     raise errors.CollectiveError(f"{what}: axis_name={axis_name!r} is empty; pass a mesh axis "
                                  "name or a tuple of them.")
@@ -84,191 +92,124 @@ def check_axes(axis_name: AxisName, what: str) -> tuple[str, ...]:
   return axes
 
 
-def _check_common(what: str, op: str, algorithm: str, ops: Sequence[str] = alg.OPS):
+def _check_common(what: str, op: str, algorithm: str):
   problems = []
-  if op not in ops:
-    problems.append(f"op={op!r} is not supported; use one of {list(ops)}")
-  if algorithm not in _ALGOS:
-    problems.append(f"algorithm={algorithm!r} is unknown; use one of {list(_ALGOS)}")
+  if op not in base.OPS:
+    problems.append(f"op={op!r} is not supported; use one of {list(base.OPS)}")
+  if algorithm not in registry.names():
+    problems.append(f"algorithm={algorithm!r} is unknown; use one of {list(registry.names())}")
   if problems:
     raise errors.CollectiveError(errors.join_problems(f"{what}: bad arguments", problems))
 
 
 def _check_leaf(what: str, x, op: str, reproducible: bool):
-  dtype = jnp.result_type(x)
-  if reproducible:
-    if op not in ("sum", "mean", "max", "min"):
-      raise errors.CollectiveError(f"{what}: op={op!r} has no reproducible form")
-    if op in ("sum", "mean"):
-      fixed_point.check_dtype(dtype, f"{what}(reproducible=True)")
-  if jnp.dtype(dtype) == jnp.dtype(bool) and op in ("sum", "mean"):
+  dtype = jnp.dtype(jnp.result_type(x))
+  if reproducible and op in ("sum", "mean"):
+    fixed_point.check_dtype(dtype, f"{what}(reproducible=True)")
+  if dtype == jnp.dtype(bool) and op in ("sum", "mean"):
     raise errors.CollectiveError(f"{what}: op={op!r} on a bool array; cast it first "
                                  "(x.astype(jnp.int32)).")
   if op == "mean" and not jnp.issubdtype(dtype, jnp.inexact):
-    raise errors.CollectiveError(f"{what}: op='mean' on {jnp.dtype(dtype).name} would truncate; "
+    raise errors.CollectiveError(f"{what}: op='mean' on {dtype.name} would truncate; "
                                  "cast to a float dtype or use op='sum'.")
+  if op in ("max", "min") and jnp.issubdtype(dtype, jnp.complexfloating):
+    raise errors.CollectiveError(f"{what}: op={op!r} on {dtype.name} has no order; reduce "
+                                 "jnp.abs(x) or the real and imaginary parts separately.")
 
 
-def _optional(name: str):
-  """A sibling module that other engineers own and may not have landed yet (ImportError then)."""
-  return importlib.import_module(name)
+# --- the context of a call: which devices, which backend, which processes ----------------------
+
+class _Context(NamedTuple):
+  axis_sizes: tuple[int, ...]
+  group: tuple[int, ...]          # device ids of one group, in rank order
+  backend: str
+  mesh_axes: bool
+  processes: int
+  xla_reaches_processes: bool
 
 
-# --- algorithm choice -----------------------------------------------------------------------------
-
-class AlgorithmChoice(NamedTuple):
-  """What ``auto`` chose and why: data for ``explain``."""
-  algorithm: str
-  times: dict[str, float]
-  reason: str
+def _concrete_mesh():
+  for get in (mesh_lib.current_mesh, _jax_concrete_mesh):
+    mesh = get()
+    if mesh is not None and getattr(mesh, "devices", np.empty(0)).size:
+      yield mesh
 
 
-# Fallback alpha-beta constants, used only when the lead's cost model cannot be imported.
-FALLBACK_ALPHA_S = 10e-6          # per collective step latency
-FALLBACK_BW = 20e9                # bytes/s inside an island
-FALLBACK_CROSS_BW = 2e9           # bytes/s between islands (processes/hosts)
-
-
-def fallback_time(algorithm: str, nbytes: int, n: int, islands: int = 1) -> float:
-  """Alpha-beta estimate of one all-reduce (seconds); islands > 1 slows cross-island bytes."""
-  a, b = FALLBACK_ALPHA_S, nbytes / (FALLBACK_CROSS_BW if islands > 1 else FALLBACK_BW)
-  if n <= 1:
-    return 0.0
-  if algorithm == "one_shot":
-    return a + (n - 1) * b
-  if algorithm in ("two_shot", "xla"):
-    return 2 * a + 2 * (n - 1) / n * b
-  if algorithm == "ring":
-    return 2 * (n - 1) * a + 2 * (n - 1) / n * b
-  if algorithm == "hierarchical":
-    m = max(n // max(islands, 1), 1)
-    inner = nbytes / FALLBACK_BW
-    inside = 2 * a + 2 * (m - 1) / m * inner if m > 1 else 0.0
-    k = max(islands, 1)
-    return inside + a + (k - 1) * (nbytes / m) / FALLBACK_CROSS_BW
-  raise KeyError(algorithm)
-
-
-def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Any, *,
-                    candidates: Sequence[str] = ("one_shot", "two_shot", "ring"),
-                    kind: str = "all_reduce", costmodel: Any = None,
-                    islands: int = 1) -> AlgorithmChoice:
-  """Pure choice of an algorithm for one collective of ``nbytes`` per rank over ``group``.
-
-  Uses ``costmodel.rank_algorithms`` (the lead's alpha-beta model fed by topology probes); when
-  that module is unavailable, the documented fallback model :func:`fallback_time` with
-  ``islands`` islands. Ties go to the name that sorts first.
-  """
-  cands = sorted(set(candidates))
-  if costmodel is None:
-    try:
-      costmodel = _optional("dtenjax._src.planning.costmodel")
-    except ImportError:
-      costmodel = None
-  ranked = None
-  if costmodel is not None and topology is not None:
-    try:
-      ranked = list(costmodel.rank_algorithms(kind, int(nbytes), list(group), topology, cands))
-      source = "cost model"
-    except errors.DtenjaxError as e:   # e.g. a group the topology does not describe
-      config.log_once(f"auto-model-error:{e}", f"dtenjax: cost model refused ({e}); algorithm="
-                      "'auto' uses the built-in alpha-beta fallback for this call.")
-  if ranked is None:
-    config.log_once("auto-fallback", "dtenjax: no cost model/topology available; algorithm="
-                    "'auto' uses the built-in alpha-beta fallback (collectives.fallback_time).")
-    ranked = sorted(((c, fallback_time(c, nbytes, len(group), islands)) for c in cands),
-                    key=lambda t: (t[1], t[0]))
-    source = "fallback alpha-beta model"
-  times = {name: float(t) for name, t in ranked}
-  best = ranked[0][0]
-  reason = (f"{source}: {best} is fastest for {nbytes} B over {len(group)} ranks "
-            + ", ".join(f"{k}={v * 1e6:.1f}us" for k, v in ranked))
-  return AlgorithmChoice(best, times, reason)
-
-
-def _group_and_topology(axes: tuple[str, ...]):
-  """Global device ids of one group along ``axes`` and the topology, when they can be known."""
-  n = alg.axis_size(axes)
-  topo = None
+def _jax_concrete_mesh():
   try:
-    topo = _optional("dtenjax._src.topology.model").Topology.current()
-  except Exception:  # noqa: BLE001 - ImportError until it lands; any failure means "unknown"
-    topo = None
-  mesh = None
-  try:
-    mesh = _optional("dtenjax._src.planning.mesh").current_mesh()
-  except Exception:  # noqa: BLE001
-    mesh = None
-  if mesh is not None and all(a in mesh.axis_names for a in axes):
-    import numpy as np  # noqa: PLC0415
-    devs = np.asarray(mesh.devices)
-    names = list(mesh.axis_names)
-    idx = tuple(slice(None) if nm in axes else 0 for nm in names)
-    sub = devs[idx]
-    kept = [nm for nm in names if nm in axes]
-    sub = np.transpose(sub, [kept.index(a) for a in axes]).reshape(-1)
-    devices = list(sub)
+    from jax._src import mesh as jmesh   # private: the mesh of jax.set_mesh, Mesh() otherwise
+    return jmesh.get_concrete_mesh()
+  except (ImportError, AttributeError):
+    return None
+
+
+def _group_devices(axes: tuple[str, ...], n: int):
+  """Devices of one group along ``axes`` (rank order) and whether a concrete mesh said so."""
+  for mesh in _concrete_mesh():
+    if all(a in mesh.axis_names for a in axes):
+      devs = np.asarray(mesh.devices)
+      names = list(mesh.axis_names)
+      sub = devs[tuple(slice(None) if nm in axes else 0 for nm in names)]
+      kept = [nm for nm in names if nm in axes]
+      return list(np.transpose(sub, [kept.index(a) for a in axes]).reshape(-1)), True
+  devices = jax.devices()
+  return list(devices[:n]) if len(devices) >= n else list(devices), False
+
+
+def _processes_from_abstract_mesh(am, axes: tuple[str, ...]) -> int:
+  """Processes a group along ``axes`` spans when no concrete mesh is known (plain
+  ``jax.shard_map`` over a ``Mesh`` outside ``jax.set_mesh``): meshes list devices process by
+  process (``jax.make_mesh``, ``jax.devices()`` order), so the devices of one group lie
+  ``span * stride`` apart in that order, and each process holds ``local_device_count`` of them."""
+  sizes = dict(am.shape)
+  names = list(sizes)
+  last = max(names.index(a) for a in axes)
+  block = math.prod(sizes[a] for a in axes) * math.prod(sizes[n] for n in names[last + 1:])
+  local = jax.local_device_count()
+  return max(1, block // local) if block > local else 1
+
+
+def _context(axes: tuple[str, ...]) -> _Context:
+  sizes = tuple(base.axis_size(a) for a in axes)
+  n = math.prod(sizes)
+  am = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(am, "manual_axes", ()) or ())
+  mesh_axes = all(a in manual for a in axes)
+  device = getattr(am, "abstract_device", None)
+  backend = getattr(device, "platform", None) or jax.default_backend()
+  devices, known = _group_devices(axes, n)
+  if jax.process_count() == 1 or not mesh_axes:
+    processes = 1
+  elif known:
+    processes = len({d.process_index for d in devices})
   else:
-    devices = jax.devices()[:n] if len(jax.devices()) >= n else jax.devices()
-  group = [d.id for d in devices]
-  islands = len({getattr(d, "process_index", 0) for d in devices})
-  return group, topo, islands
+    processes = _processes_from_abstract_mesh(am, axes)
+  return _Context(sizes, tuple(int(d.id) for d in devices), backend, mesh_axes, processes,
+                  _xla_reaches_processes(backend))
 
 
-def choose(axes: tuple[str, ...], nbytes: int, op: str, dtype, deterministic: bool,
-           kind: str = "all_reduce") -> AlgorithmChoice:
-  group, topo, islands = _group_and_topology(axes)
-  cands = alg.candidates(axes, op, dtype, deterministic, kind)
-  if kind != "all_reduce":
-    cands = [c for c in cands if c != "hierarchical"]
-  return plan_all_reduce(nbytes, group, topo, candidates=cands, kind=kind, islands=islands)
+def _xla_reaches_processes(backend: str) -> bool:
+  """Whether XLA's own collectives connect processes on ``backend`` (NCCL on GPU; on CPU only
+  with a cross-process implementation configured, JAX's default being gloo)."""
+  if backend != "cpu":
+    return True
+  return getattr(jax.config, "jax_cpu_collectives_implementation", None) in ("gloo", "mpi")
 
 
-# --- plug-ins: GPU NVLink kernels and cross-process transports (other modules, optional) ---------
-
-def _p2p_module():
-  try:
-    return _optional("dtenjax._src.gpu.p2p")
-  except ImportError:
-    return None
-
-
-def _hostcoll_module():
-  try:
-    return _optional("dtenjax._src.net.hostcoll")
-  except ImportError:
-    return None
+def _make_call(kind: str, dtype, nbytes: int, ctx: _Context, axes, op, algorithm, deterministic,
+               reproducible, contributions=1) -> base.Call:
+  return base.Call(kind=kind, op=op, dtype=dtype, axes=axes, axis_sizes=ctx.axis_sizes,
+                   nbytes=int(nbytes), backend=ctx.backend, deterministic=bool(deterministic),
+                   reproducible=bool(reproducible), contributions=int(contributions),
+                   mesh_axes=ctx.mesh_axes, processes=ctx.processes,
+                   xla_reaches_processes=ctx.xla_reaches_processes, requested=algorithm)
 
 
-def _plugin(x, axes, algorithm: str, op: str):
-  """A custom implementation of ``algorithm`` for this call, or None (use XLA-native)."""
-  name = axes[0] if len(axes) == 1 else axes     # plug-ins take a plain name for one axis
-  if algorithm in ("ring", "hierarchical"):
-    hc = _hostcoll_module()
-    if hc is not None and hc.spans_processes(name):
-      return functools.partial(hc.all_reduce, axis_name=name, algorithm=algorithm, op=op)
-  if algorithm in ("one_shot", "two_shot") and jax.default_backend() == "gpu":
-    p2p = _p2p_module()
-    if p2p is None:
-      config.log_fallback("p2p-missing", f"dtenjax: {algorithm} on GPU uses the XLA-native form "
-                          "(dtenjax._src.gpu.p2p is not available)")
-      return None
-    ok, why = p2p.supported(alg.axis_size(axes), x.size * x.dtype.itemsize, x.dtype, op=op)
-    if ok:
-      # The kernels learn which GPU is which rank from the concrete mesh when lowered; if their
-      # set-up fails there, the bit-identical XLA-native form is lowered instead.
-      def fallback(v, algorithm=algorithm):
-        count = alg.axis_size(axes)
-        finish = lambda y: (y / jnp.asarray(count, y.dtype) if op == "mean" else y).astype(v.dtype)
-        return alg.ALL_REDUCE[algorithm](v, axes, op, finish)
-      return functools.partial(p2p.all_reduce, axis_name=axes, algorithm=algorithm, op=op,
-                               fallback=fallback)
-    config.log_fallback(f"p2p:{why}", f"dtenjax: {algorithm} NVLink kernel not used ({why}); "
-                        "using the XLA-native form")
-  return None
+def _resolve(algorithm: str, call: base.Call, ctx: _Context) -> base.Algorithm:
+  return registry.get(registry.resolve(algorithm, call, ctx.group, None).algorithm)
 
 
-# --- single-array all-reduce with its JVP -----------------------------------------------------------
+# --- single-array all-reduce and its VJP --------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
@@ -278,99 +219,72 @@ class _Spec:
   deterministic: bool
   reproducible: bool
   local_axis: int | None = None
-  use_plugins: bool = True
+  local_size: int = 1
 
 
-def _resolve(spec: _Spec, x) -> str:
-  if spec.algorithm != "auto":
-    return spec.algorithm
-  return choose(spec.axes, x.size * jnp.dtype(x.dtype).itemsize, spec.op, x.dtype,
-                spec.deterministic).algorithm
-
-
-def _float_all_reduce(x, spec: _Spec, algorithm: str, count: int):
-  """The non-reproducible path: XLA-native algorithm (or plug-in) with finish = mean + cast."""
-  op, out_dtype = spec.op, x.dtype
-  if spec.use_plugins:
-    plug = _plugin(x, spec.axes, algorithm, op)
-    if plug is not None:
-      return plug(x)
+def _forward(x, spec: _Spec):
+  ctx = _context(spec.axes)
+  k = spec.local_size
+  nbytes = x.size // k * jnp.dtype(x.dtype).itemsize
+  repro_sum = spec.reproducible and spec.op in ("sum", "mean")
+  call = _make_call("all_reduce", x.dtype, nbytes, ctx, spec.axes, spec.op, spec.algorithm,
+                    spec.deterministic, repro_sum, k if repro_sum else 1)
+  record = _resolve(spec.algorithm, call, ctx)
+  if repro_sum:
+    stack = jnp.moveaxis(x, spec.local_axis, 0) if spec.local_axis is not None else x[None]
+    if record.reproducible is not None:
+      return record.reproducible(stack, call)
+    return repro.all_reduce(stack, call, record)
+  if spec.local_axis is not None:       # max / min over local contributions: exact in any order
+    x = base.ordered_reduce(jnp.moveaxis(x, spec.local_axis, 0), spec.op)
+  out_dtype, count = x.dtype, call.world
 
   def finish(y):
-    if op == "mean":
-      y = y / jnp.asarray(count, y.dtype)
+    if spec.op == "mean":
+      y = fixed_point.ieee_divide(y, count)
     return y.astype(out_dtype)
 
-  exact = op in ("max", "min") or not jnp.issubdtype(x.dtype, jnp.floating)
-  if algorithm == "xla" and spec.deterministic and not exact:
-    algorithm = "one_shot"
-  return alg.ALL_REDUCE[algorithm](x, spec.axes, op, finish)
+  return record.all_reduce(x, call, finish)
 
 
-def _reproducible_all_reduce(x, spec: _Spec, algorithm: str):
-  """analyze -> pmax, encode -> exact integer sum with ``algorithm``, decode."""
-  if spec.local_axis is not None:
-    stack = jnp.moveaxis(x, spec.local_axis, 0)
-  else:
-    stack = x[None]
-  k = stack.shape[0]
-  n = alg.axis_size(spec.axes)
-  if k * n > fixed_point.MAX_CONTRIBUTIONS:
-    raise errors.CollectiveError(
-        f"reproducible all_reduce of {k * n} contributions exceeds the exact-integer limit of "
-        f"{fixed_point.MAX_CONTRIBUTIONS}; reduce in stages or use reproducible=False.")
-  meta = jnp.max(fixed_point.analyze(stack), axis=1)            # [3, ...] local max
-  meta = lax.pmax(meta, spec.axes)                              # exact, order-free
-  e_max = jnp.broadcast_to(meta[0], stack.shape)
-  words = fixed_point.encode(stack, e_max)                      # [2, k, ...]
-  local = words[:, 0]
-  for i in range(1, k):                                         # integer adds: exact
-    local = local + words[:, i]
-  isum = dataclasses.replace(spec, op="sum", reproducible=False, use_plugins=False)
-  total = _float_all_reduce(local, isum, "xla" if algorithm == "xla" else algorithm, n)
-  if spec.op == "mean":
-    r = fixed_point.decode(total, meta, jnp.float32)
-    return (r / jnp.float32(k * n)).astype(x.dtype)
-  return fixed_point.decode(total, meta, x.dtype)
-
-
-def _impl(x, spec: _Spec):
-  algorithm = _resolve(spec, x)
-  n = alg.axis_size(spec.axes)
-  if spec.reproducible and spec.op in ("sum", "mean"):
-    return _reproducible_all_reduce(x, spec, algorithm)
-  if spec.local_axis is not None:   # max / min over local contributions: exact in any order
-    x = alg.ordered_reduce(jnp.moveaxis(x, spec.local_axis, 0), spec.op, x.dtype)
-  return _float_all_reduce(x, spec, algorithm, n)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _all_reduce_array(x, spec: _Spec):
-  return _impl(x, spec)
+  return _forward(x, spec)
 
 
-@_all_reduce_array.defjvp
-def _all_reduce_jvp(spec: _Spec, primals, tangents):
-  (x,), (t,) = primals, tangents
-  y = _all_reduce_array(x, spec)
-  algorithm = _resolve(spec, x)
-  lin = dataclasses.replace(spec, op="sum", reproducible=False, local_axis=None,
-                            algorithm="one_shot" if algorithm == "xla" else algorithm,
-                            use_plugins=False)
-  n = alg.axis_size(spec.axes)
+def _ar_fwd(x, spec: _Spec):
+  y = _forward(x, spec)
+  return y, ((x, y) if spec.op in ("max", "min") else None)
+
+
+def _float0_like(shape):
+  return np.zeros(shape, jax.dtypes.float0)
+
+
+def _ar_bwd(spec: _Spec, res, ct):
+  la, k = spec.local_axis, spec.local_size
+  x_shape = ct.shape if la is None else ct.shape[:la] + (k,) + ct.shape[la:]
+  if ct.dtype == jax.dtypes.float0:
+    return (_float0_like(x_shape),)
+  total = dataclasses.replace(spec, op="sum", local_axis=None, local_size=1)
   if spec.op in ("sum", "mean"):
-    if spec.local_axis is not None:
-      t = jnp.sum(t, axis=spec.local_axis)
-    k = x.shape[spec.local_axis] if spec.local_axis is not None else 1
-    dt = _impl(t, lin)
-    return y, dt / (n * k) if spec.op == "mean" else dt
-  # max / min: the tangent of the selected element(s), ties share equally (like jnp.max)
-  yb = jnp.expand_dims(y, spec.local_axis) if spec.local_axis is not None else y
-  mask = (x == yb).astype(t.dtype)
-  mt, mc = mask * t, mask
-  if spec.local_axis is not None:
-    mt, mc = jnp.sum(mt, axis=spec.local_axis), jnp.sum(mc, axis=spec.local_axis)
-  return y, _impl(mt, lin) / _impl(mc, lin)
+    g = _forward(ct, total)
+    if spec.op == "mean":
+      g = g / jnp.asarray(base.axis_size(spec.axes) * k, g.dtype)
+    if la is not None:
+      g = jnp.broadcast_to(jnp.expand_dims(g, la), x_shape)
+    return (g,)
+  # max / min: the cotangent goes to the selected element(s), ties share equally (like jnp.max)
+  x, y = res
+  yb = jnp.expand_dims(y, la) if la is not None else y
+  mask = ((x == yb) | (jnp.isnan(x) & jnp.isnan(yb))).astype(ct.dtype)
+  count = mask if la is None else jnp.sum(mask, axis=la)
+  plain = dataclasses.replace(total, reproducible=False)
+  share = _forward(ct, plain) / _forward(count, plain)
+  return (mask * (jnp.expand_dims(share, la) if la is not None else share),)
+
+
+_all_reduce_array.defvjp(_ar_fwd, _ar_bwd)
 
 
 def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "auto",
@@ -380,8 +294,9 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
 
   Args:
     op: "sum", "mean", "max" or "min".
-    algorithm: "auto" (cost model), "xla", "ring", "hierarchical" (needs >= 2 axes: the last
-      is the fast island axis), "one_shot" or "two_shot".
+    algorithm: "auto" (cost model over every algorithm that supports the call), a family --
+      "xla", "ring", "hierarchical" (needs >= 2 axes: the last is the fast island axis),
+      "one_shot", "two_shot" -- or a registry record such as "nvlink_one_shot" or "host_ring".
     deterministic: fixed reduction order (see the module docstring for what "xla" means here).
     reproducible: exact fixed-point sum; the same bits for every algorithm and device split.
     local_axis: with reproducible=True or op max/min, the axis of ``x`` holding several local
@@ -402,19 +317,24 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
         "exact sum of stacked local contributions); sum the axis yourself otherwise.")
   leaves, treedef = jax.tree_util.tree_flatten(x)
   leaves = [jnp.asarray(leaf) for leaf in leaves]
+  specs = []
   for leaf in leaves:
     _check_leaf("all_reduce", leaf, op, reproducible)
-    if local_axis is not None and not -leaf.ndim <= local_axis < leaf.ndim:
-      raise errors.CollectiveError(f"all_reduce: local_axis={local_axis} is out of range for "
-                                   f"shape {leaf.shape}; pass an axis of x.")
-  spec = _Spec(axes, op, algorithm, bool(deterministic), bool(reproducible),
-               None if local_axis is None else int(local_axis))
+    la, k = None, 1
+    if local_axis is not None:
+      if not -leaf.ndim <= local_axis < leaf.ndim:
+        raise errors.CollectiveError(f"all_reduce: local_axis={local_axis} is out of range for "
+                                     f"shape {leaf.shape}; pass an axis of x.")
+      la = local_axis % leaf.ndim
+      k = leaf.shape[la]
+    specs.append(_Spec(axes, op, algorithm, bool(deterministic), bool(reproducible), la, k))
   if bucket_bytes is None:
     bucket_bytes = config.get_int("DTENJAX_BUCKET_BYTES")
   if len(leaves) > 1 and bucket_bytes > 0 and local_axis is None:
-    out = buckets.bucketed_apply(leaves, lambda flat: _all_reduce_array(flat, spec), bucket_bytes)
+    out = buckets.bucketed_apply(leaves, lambda flat: _all_reduce_array(flat, specs[0]),
+                                 bucket_bytes)
   else:
-    out = [_all_reduce_array(leaf, spec) for leaf in leaves]
+    out = [_all_reduce_array(leaf, s) for leaf, s in zip(leaves, specs)]
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -428,30 +348,36 @@ class _RSSpec:
   deterministic: bool
   dim: int
   tiled: bool = True
+  reproducible: bool = False
 
 
 def _rs_impl(x, s: _RSSpec):
-  n = alg.axis_size(s.axes)
-  algorithm = s.algorithm
-  if algorithm == "auto":
-    algorithm = choose(s.axes, x.size * x.dtype.itemsize, s.op, x.dtype, s.deterministic,
-                       "reduce_scatter").algorithm
+  ctx = _context(s.axes)
+  n = math.prod(ctx.axis_sizes)
+  repro_sum = s.reproducible and s.op in ("sum", "mean")
+  call = _make_call("reduce_scatter", x.dtype, x.size * jnp.dtype(x.dtype).itemsize, ctx,
+                    s.axes, s.op, s.algorithm, s.deterministic, repro_sum)
+  record = _resolve(s.algorithm, call, ctx)
   blocks = jnp.moveaxis(x, s.dim, 0)
   blocks = blocks.reshape((n, blocks.shape[0] // n) + blocks.shape[1:])
-  y = alg.reduce_scatter_blocks(blocks, s.axes, s.op, algorithm, s.deterministic)
-  if s.op == "mean":
-    y = y / jnp.asarray(n, y.dtype)
-  y = jnp.moveaxis(y.astype(x.dtype), 0, s.dim)
-  return y
+  if repro_sum:
+    y = repro.reduce_scatter(blocks, call, record)
+  else:
+    y = record.reduce_scatter(blocks, call)
+    if s.op == "mean":
+      y = fixed_point.ieee_divide(y, n)
+  return jnp.moveaxis(y.astype(x.dtype), 0, s.dim)
 
 
 def _ag_impl(x, s: _RSSpec):
-  algorithm = "xla" if s.algorithm in ("auto", "one_shot", "two_shot", "hierarchical") \
-      else s.algorithm
-  g = alg.all_gather_blocks(x, s.axes, algorithm)       # [n, *x.shape]
-  if not s.tiled:
-    return jnp.moveaxis(g, 0, s.dim)
+  n = base.axis_size(s.axes)
+  if s.algorithm == "ring":
+    g = ring.gather_chunks(x, s.axes, n)                 # [n, *x.shape]
+  else:
+    g = lax.all_gather(x, s.axes) if n > 1 else x[None]
   g = jnp.moveaxis(g, 0, s.dim)
+  if not s.tiled:
+    return g
   shape = x.shape[:s.dim] + (g.shape[s.dim] * g.shape[s.dim + 1],) + x.shape[s.dim + 1:]
   return g.reshape(shape)
 
@@ -466,10 +392,13 @@ def _rs_fwd(x, s):
 
 
 def _rs_bwd(s, _, ct):
-  ag = dataclasses.replace(s, algorithm="xla", tiled=True)
-  out = _ag_impl(ct, ag)
+  if ct.dtype == jax.dtypes.float0:
+    shape = list(ct.shape)
+    shape[s.dim] *= base.axis_size(s.axes)
+    return (_float0_like(tuple(shape)),)
+  out = _ag_impl(ct, dataclasses.replace(s, algorithm="xla", tiled=True))
   if s.op == "mean":
-    out = out / jnp.asarray(alg.axis_size(s.axes), out.dtype)
+    out = out / jnp.asarray(base.axis_size(s.axes), out.dtype)
   return (out,)
 
 
@@ -486,7 +415,7 @@ def _ag_fwd(x, s):
 
 
 def _ag_bwd(s, _, ct):
-  rs = dataclasses.replace(s, op="sum", algorithm="two_shot" if s.deterministic else "xla")
+  rs = dataclasses.replace(s, op="sum", algorithm="auto")
   if s.tiled:
     return (_rs_impl(ct, rs),)
   ct = jnp.moveaxis(ct, s.dim, 0)                      # [n, *x.shape]
@@ -498,25 +427,28 @@ _all_gather_array.defvjp(_ag_fwd, _ag_bwd)
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int, op: str = "sum",
-                   algorithm: str = "auto", deterministic: bool = True):
+                   algorithm: str = "auto", deterministic: bool = True,
+                   reproducible: bool = False):
   """Reduces over ``axis_name`` and leaves rank r with block r of ``scatter_dimension``.
 
   Like ``lax.psum_scatter(..., tiled=True)``; the transpose is :func:`all_gather`.
   Algorithms: "ring" (ppermute ring), "one_shot" (all_gather + ordered reduction of the owned
-  block), "two_shot" (all_to_all + ordered reduction), "xla" (psum_scatter when
-  deterministic=False, else as two_shot), "auto".
+  block), "two_shot" (all_to_all + ordered reduction), "xla" (psum_scatter where its order is
+  fixed, see ``algorithms/xla.py``), "auto". ``reproducible=True``: contract v2 -- the codes are
+  MAX-reduced over the full input, the int32 words reduce-scattered, rank r decodes block r (the
+  same bits as ``all_reduce(reproducible=True)`` of that block).
   """
   _check_common("reduce_scatter", op, algorithm)
   axes = check_axes(axis_name, "reduce_scatter")
   if algorithm == "hierarchical":
     raise errors.CollectiveError("reduce_scatter: algorithm='hierarchical' is not available; "
                                  "use 'two_shot', 'ring' or 'auto'.")
-  n = alg.axis_size(axes)
+  n = base.axis_size(axes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   problems, out = [], []
   for i, leaf in enumerate(leaves):
     leaf = jnp.asarray(leaf)
-    _check_leaf("reduce_scatter", leaf, op, False)
+    _check_leaf("reduce_scatter", leaf, op, reproducible)
     if not -leaf.ndim <= scatter_dimension < leaf.ndim:
       problems.append(f"leaf {i} shape {leaf.shape}: scatter_dimension={scatter_dimension} is "
                       "out of range")
@@ -528,7 +460,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int, op: str = 
                       f"multiple of {n} or pick another scatter_dimension")
       continue
     out.append(_reduce_scatter_array(leaf, _RSSpec(axes, op, algorithm, bool(deterministic),
-                                                   dim)))
+                                                   dim, reproducible=bool(reproducible))))
   if problems:
     raise errors.CollectiveError(errors.join_problems("reduce_scatter: bad inputs", problems))
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -539,8 +471,8 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
   """Gathers ``x`` from every rank along ``axis`` (stacked, or concatenated when ``tiled``).
 
   Pure data movement, so the bits never depend on the algorithm: "ring" is a ppermute ring,
-  every other name uses XLA's all-gather. The transpose is :func:`reduce_scatter` (deterministic
-  two_shot order when ``deterministic``).
+  every other name uses XLA's all-gather. The transpose is :func:`reduce_scatter` (chosen by
+  ``auto`` with the same ``deterministic``).
   """
   _check_common("all_gather", "sum", algorithm)
   axes = check_axes(axis_name, "all_gather")
@@ -560,6 +492,36 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def nbytes_of(x) -> int:
-  return int(sum(math.prod(jnp.shape(l)) * jnp.result_type(l).itemsize
-                 for l in jax.tree_util.tree_leaves(x)))
+# --- the choice as data ----------------------------------------------------------------------------
+
+def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None = None, *,
+                    op: str = "sum", dtype: Any = jnp.float32, deterministic: bool = True,
+                    reproducible: bool = False, kind: str = "all_reduce",
+                    axis_sizes: Sequence[int] | None = None, backend: str | None = None,
+                    processes: int | None = None) -> AlgorithmChoice:
+  """What ``algorithm="auto"`` would pick for one collective of ``nbytes`` per rank over the
+  device ids ``group`` (rank order), without tracing anything.
+
+  ``axis_sizes`` splits the group into mesh axes (default: one axis); ``backend`` and
+  ``processes`` default to what ``topology`` (default :meth:`Topology.current`) says about the
+  group's devices.
+  """
+  if kind not in base.KINDS:
+    raise errors.CollectiveError(f"plan_all_reduce: kind={kind!r} is not one of {base.KINDS}")
+  _check_common("plan_all_reduce", op, "auto")
+  topology = topology if topology is not None else Topology.current()
+  group = [int(g) for g in group]
+  sizes = tuple(int(s) for s in (axis_sizes or (len(group),)))
+  if math.prod(sizes) != len(group):
+    raise errors.CollectiveError(f"plan_all_reduce: axis_sizes={sizes} do not multiply to the "
+                                 f"group size {len(group)}")
+  infos = [topology.device(g) for g in group]
+  backend = backend or infos[0].platform
+  if processes is None:
+    processes = len({d.process_index for d in infos})
+  call = base.Call(kind=kind, op=op, dtype=dtype, axes=tuple(f"axis{i}" for i in range(len(sizes))),
+                   axis_sizes=sizes, nbytes=int(nbytes), backend=backend,
+                   deterministic=deterministic, reproducible=reproducible and op in ("sum", "mean"),
+                   processes=processes, xla_reaches_processes=_xla_reaches_processes(backend))
+  return registry.choose(call, group, topology)
+

@@ -1,0 +1,158 @@
+"""dtenjax's collective policy next to ``lax.psum``: per-op time of every algorithm, ``auto`` and
+``reproducible=True``, measured side by side in one run.
+
+  python bench/collectives.py [--sizes 8K,64K,256K,1M,4M] [--dtype float32] [--chain 32]
+                              [--reps 5] [--candidates psum,auto,...] [--json out.json]
+
+Per-op time: a jitted chain of ``--chain`` dependent all-reduces inside ``shard_map`` (each result
+scaled by 1/n and fed to the next), minus the same chain without the collectives, divided by the
+chain length; candidates are interleaved over ``--reps`` repetitions and the median (or, with
+``--stat min``, the minimum) is reported.
+ratio = psum time / candidate time (>= 1: at least as fast as psum). On a CPU-only machine
+8 simulated devices are used (mesh 2 x 4, axes ('o', 'i')) unless XLA_FLAGS says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "") and \
+    os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+CANDIDATES = ("psum", "auto", "xla", "one_shot", "two_shot", "ring", "hierarchical",
+              "reproducible", "reproducible_xla", "reproducible_one_shot",
+              "reproducible_two_shot", "lax.pmax", "lax.all_to_all", "lax.all_gather")
+# lax.*: XLA's building blocks on the same bytes (all_gather of each rank's 1/n, so its output is
+# the size of the others' input), for reading what the algorithms cost.
+
+
+def _size(s: str) -> int:
+  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+  s = s.strip().upper()
+  return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(s)
+
+
+def _op(name, axes):
+  from jax import lax
+  from dtenjax._src.collectives import api
+  if name == "none":
+    return lambda y: y
+  if name == "psum":
+    return lambda y: lax.psum(y, axes)
+  if name == "lax.pmax":
+    return lambda y: lax.pmax(y, axes)
+  if name == "lax.all_to_all":
+    return lambda y: lax.all_to_all(y.reshape(lax.axis_size(axes), -1), axes, 0, 0).reshape(
+        y.shape)
+  if name == "lax.all_gather":
+    def gather(y):
+      n = lax.axis_size(axes)
+      return lax.all_gather(y.reshape(n, -1)[0], axes, tiled=True).reshape(y.shape)
+    return gather
+  if name == "reproducible":
+    return lambda y: api.all_reduce(y, axes, reproducible=True)
+  if name.startswith("reproducible_"):
+    algorithm = name[len("reproducible_"):]
+    return lambda y: api.all_reduce(y, axes, algorithm=algorithm, reproducible=True)
+  return lambda y: api.all_reduce(y, axes, algorithm=name)
+
+
+def _chain(name, mesh, axes, length, scale):
+  import jax
+  from jax.sharding import PartitionSpec as P
+  op = _op(name, axes)
+
+  def body(x):
+    y = x
+    for _ in range(length):
+      y = (op(y) * scale).astype(x.dtype)
+    return y
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
+                               check_vma=False))
+
+
+def _once(f, x) -> float:
+  t0 = time.perf_counter()
+  f(x).block_until_ready()
+  return time.perf_counter() - t0
+
+
+def run(args) -> list[dict]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  devs = jax.devices()
+  n = len(devs)
+  shape = (2, n // 2) if n >= 4 and n % 2 == 0 else (1, n)
+  axes = ("o", "i")
+  mesh = Mesh(np.array(devs).reshape(shape), axes)
+  dtype = jnp.dtype(args.dtype)
+  names = [c for c in args.candidates.split(",") if c]
+  rows = []
+  for size in [_size(s) for s in args.sizes.split(",")]:
+    count = max(size // dtype.itemsize, 1)
+    x = jax.random.normal(jax.random.key(0), (n * count,), jnp.float32).astype(dtype)
+    x = jax.device_put(x, NamedSharding(mesh, P(axes)))
+    fns = {c: _chain(c, mesh, axes, args.chain, 1.0 / n) for c in ["none"] + names}
+    for f in fns.values():               # compile and warm up
+      f(x).block_until_ready()
+    samples = {c: [] for c in fns}
+    for _ in range(args.reps):
+      for c, f in fns.items():
+        samples[c].append(_once(f, x))
+    stat = min if args.stat == "min" else statistics.median
+    base = stat(samples["none"])
+    per_op = {c: max(stat(samples[c]) - base, 1e-9) / args.chain for c in names}
+    for c in names:
+      ratio = per_op["psum"] / per_op[c] if "psum" in per_op else None
+      rows.append(dict(size=size, count=count, dtype=dtype.name, candidate=c,
+                       time_us=per_op[c] * 1e6, ratio=ratio, world=n,
+                       backend=jax.default_backend()))
+    print(table([r for r in rows if r["size"] == size]), flush=True)
+  return rows
+
+
+def table(rows) -> str:
+  out = [f"{'size':>9} {'type':>9} {'candidate':>22} {'time(us)':>11} {'vs psum':>8}"]
+  for r in rows:
+    ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+    out.append(f"{r['size']:>9} {r['dtype']:>9} {r['candidate']:>22} {r['time_us']:>11.1f} "
+               f"{ratio:>8}")
+  return "\n".join(out)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="bench/collectives.py", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--sizes", default="8K,64K,256K,1M,4M")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--chain", type=int, default=32)
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--candidates", default=",".join(CANDIDATES))
+  p.add_argument("--stat", default="median", choices=["median", "min"],
+                 help="median (default) or min over the repetitions (least disturbed by load)")
+  p.add_argument("--json", metavar="PATH")
+  args = p.parse_args(argv)
+  bad = [c for c in args.candidates.split(",") if c and c not in CANDIDATES]
+  if bad:
+    p.error(f"unknown candidate(s) {bad}; choose from {list(CANDIDATES)}")
+  rows = run(args)
+  print("\n" + table(rows))
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump({"argv": sys.argv[1:] if argv is None else argv, "rows": rows}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

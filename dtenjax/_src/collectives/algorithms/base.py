@@ -1,0 +1,236 @@
+"""What every algorithm record is made of: the :class:`Call` it is asked about, the
+:class:`Algorithm` record itself, and the building blocks the XLA-native algorithms share.
+
+A record answers three questions about a call: can you run it (``supports``), what would it cost
+(``cost``, a formula of ``planning/costmodel.py``), and how (``all_reduce`` / ``reduce_scatter``).
+``registry.py`` lists the records; ``algorithm="auto"`` ranks only the ones whose ``supports``
+returns None, so it can never pick one that would raise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+AxisName = str | tuple[str, ...]
+OPS = ("sum", "mean", "max", "min")
+KINDS = ("all_reduce", "reduce_scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """Everything an algorithm may depend on to accept or cost one collective (static values).
+
+  Attributes:
+    kind: "all_reduce" or "reduce_scatter".
+    op: "sum", "mean", "max" or "min".
+    dtype: element type of the data.
+    axes: the named axes reduced over, in order (their product is the group).
+    axis_sizes: size of each axis.
+    nbytes: bytes per participant (reduce_scatter: the full, unscattered input).
+    backend: platform of the devices ("cpu", "gpu", "tpu").
+    deterministic: the caller needs a fixed reduction order.
+    reproducible: the exact fixed-point sum (contract v2) of float contributions.
+    contributions: contributions stacked on each device (``local_axis``), 1 otherwise.
+    mesh_axes: every axis is a manual mesh axis (shard_map / mesh_map), not a vmap axis.
+    processes: processes the group spans (1: every participant is in this process).
+    xla_reaches_processes: XLA's own collectives work across those processes here.
+    requested: the ``algorithm=`` the caller passed ("auto", a family or a record name).
+  """
+  kind: str
+  op: str
+  dtype: Any
+  axes: tuple[str, ...]
+  axis_sizes: tuple[int, ...]
+  nbytes: int
+  backend: str = "cpu"
+  deterministic: bool = True
+  reproducible: bool = False
+  contributions: int = 1
+  mesh_axes: bool = True
+  processes: int = 1
+  xla_reaches_processes: bool = True
+  requested: str = "auto"
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+  @property
+  def world(self) -> int:
+    return math.prod(self.axis_sizes)
+
+  @property
+  def itemsize(self) -> int:
+    return self.dtype.itemsize
+
+  @property
+  def exact(self) -> bool:
+    """Whether every order of reduction gives the same bits (integer sums, max and min)."""
+    return self.op in ("max", "min") or not jnp.issubdtype(self.dtype, jnp.inexact)
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """One collective algorithm.
+
+  Attributes:
+    name: registry key; ``algorithm=name`` forces this record.
+    family: the public algorithm it implements ("xla", "ring", "hierarchical", "one_shot",
+      "two_shot"); ``algorithm=family`` takes the first record of the family (registry order)
+      that supports the call.
+    order: the reduction order it guarantees, in words (docs and ``explain``).
+    cost: the ``planning/costmodel.py`` formula that estimates it.
+    supports: ``call -> None`` when it can run the call, else the reason it cannot.
+    all_reduce: ``(x, call, finish) -> result``; ``finish`` maps the accumulated value (the
+      accumulation dtype, see :func:`acc_dtype`) to the result (mean division, final cast).
+    reduce_scatter: ``(blocks, call) -> owned block`` in the accumulation dtype, where
+      ``blocks`` is ``[n, ...]`` and rank r owns block r; None when the algorithm has none.
+    reproducible: ``(stack, call) -> result`` for ``reproducible=True`` sums of ``stack``
+      (``[k, ...]`` local contributions); None uses the generic contract-v2 composition
+      (``collectives/reproducible.py``) with this record's integer all-reduce for the words.
+    code_max: ``(codes, call) -> reduced codes`` for that composition; None uses ``lax.pmax``.
+    applies: whether the record is relevant to the call at all (its backend, a process span);
+      a family passes silently over records that do not apply and logs once when it passes
+      over one that does but cannot run the call.
+  """
+  name: str
+  family: str
+  order: str
+  cost: str
+  supports: Callable[[Call], str | None]
+  all_reduce: Callable[..., Any]
+  reduce_scatter: Callable[..., Any] | None = None
+  reproducible: Callable[..., Any] | None = None
+  code_max: Callable[..., Any] | None = None
+  applies: Callable[[Call], bool] = lambda call: True
+
+  def why_not(self, call: Call) -> str | None:
+    """None when this record can run ``call``; otherwise the reason (kind checks included)."""
+    if call.kind == "reduce_scatter" and self.reduce_scatter is None:
+      return f"{self.name} has no reduce_scatter"
+    return self.supports(call)
+
+
+# --- shared building blocks ---------------------------------------------------------------------
+
+def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def axis_size(axis_name: AxisName) -> int:
+  """Static size of the (possibly combined) named axis."""
+  return int(lax.axis_size(axis_tuple(axis_name)))
+
+
+def acc_dtype(dtype, op: str):
+  """Accumulation dtype: float32 for sums of 16-bit floats, the input dtype otherwise."""
+  dtype = jnp.dtype(dtype)
+  if op in ("sum", "mean") and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return jnp.dtype(jnp.float32)
+  return dtype
+
+
+def xla_reaches(call: Call) -> str | None:
+  """None when XLA's own collectives connect the call's processes, else why not."""
+  if call.processes > 1 and not call.xla_reaches_processes:
+    return (f"the axes span {call.processes} processes and XLA's {call.backend} collectives do "
+            "not reach across processes here (set jax_cpu_collectives_implementation='gloo' "
+            "before jax.distributed.initialize, or use the host transport: "
+            "algorithm='ring'/'hierarchical')")
+  return None
+
+
+# Order keys: a float's bits mapped to a signed integer whose order is the float's total order
+# (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN). MAX/MIN of keys is exact and order-free, and
+# with NaN made +NaN for max (-NaN for min) any NaN wins, so every algorithm propagates NaN and
+# gives the same bits (XLA's pmax/pmin drop NaN on CPU, gloo and NCCL: see docs/collectives.md).
+_INT_OF = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def uses_keys(dtype) -> bool:
+  return jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+
+
+def to_key(x, op: str):
+  """Integer order keys of float ``x`` for ``op`` "max"/"min" (other dtypes pass through)."""
+  if not uses_keys(x.dtype):
+    return x
+  dt = jnp.dtype(x.dtype)
+  width = dt.itemsize
+  it = _INT_OF[width]
+  nan_bits = np.array(np.nan, dt).view(np.dtype(it))            # +NaN: the largest key
+  if op == "min":
+    nan_bits = nan_bits | np.array(-0.0, dt).view(np.dtype(it))  # -NaN: the smallest key
+  b = lax.bitcast_convert_type(x, it)
+  b = jnp.where(jnp.isnan(x), nan_bits, b)
+  flip = np.array((1 << (8 * width - 1)) - 1, np.dtype(it))
+  return b ^ (jnp.right_shift(b, 8 * width - 1) & flip)
+
+
+def from_key(k, dtype):
+  """Inverse of :func:`to_key` (the map is an involution on the bits)."""
+  if not uses_keys(dtype):
+    return k
+  width = jnp.dtype(dtype).itemsize
+  flip = np.array((1 << (8 * width - 1)) - 1, np.dtype(_INT_OF[width]))
+  return lax.bitcast_convert_type(k ^ (jnp.right_shift(k, 8 * width - 1) & flip), dtype)
+
+
+def combiner(op: str) -> Callable:
+  return {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}[op]
+
+
+def ordered_reduce(stack, op: str, dtype=None):
+  """Reduces ``stack`` over axis 0 left to right: ``((s[0] + s[1]) + s[2]) + ...``.
+
+  An explicit chain of binary ops (XLA does not reassociate floating-point adds), unlike
+  ``jnp.sum`` whose order is up to the backend's reduction emitter. Float max/min go through
+  order keys (NaN wins, -0 < +0), so they are exact in any order.
+  """
+  if op in ("max", "min") and uses_keys(stack.dtype):
+    return from_key(ordered_reduce(to_key(stack, op), op), stack.dtype)
+  dtype = dtype or acc_dtype(stack.dtype, op)
+  comb = combiner(op)
+  acc = stack[0].astype(dtype)
+  for i in range(1, stack.shape[0]):
+    acc = comb(acc, stack[i].astype(dtype))
+  return acc
+
+
+def chunked(x, n: int):
+  """Flat ``x`` padded with zeros to ``n`` equal chunks: ``[n, c]`` and the true size."""
+  flat = x.reshape(-1)
+  size = flat.shape[0]
+  c = -(-size // n) if size else 1
+  flat = jnp.pad(flat, (0, n * c - size))
+  return flat.reshape(n, c), size
+
+
+def take(chunks, i):
+  return lax.dynamic_index_in_dim(chunks, i, axis=0, keepdims=False)
+
+
+def keyed(fn: Callable) -> Callable:
+  """Wraps an ``all_reduce(x, call, finish)`` so float max/min run on order keys."""
+  def wrapped(x, call: Call, finish: Callable):
+    if call.op in ("max", "min") and uses_keys(x.dtype):
+      kcall = dataclasses.replace(call, dtype=_INT_OF[jnp.dtype(x.dtype).itemsize])
+      return finish(from_key(fn(to_key(x, call.op), kcall, lambda y: y), x.dtype))
+    return fn(x, call, finish)
+  return wrapped
+
+
+def keyed_scatter(fn: Callable) -> Callable:
+  """Wraps a ``reduce_scatter(blocks, call)`` so float max/min run on order keys."""
+  def wrapped(blocks, call: Call):
+    if call.op in ("max", "min") and uses_keys(blocks.dtype):
+      kcall = dataclasses.replace(call, dtype=_INT_OF[jnp.dtype(blocks.dtype).itemsize])
+      return from_key(fn(to_key(blocks, call.op), kcall), blocks.dtype)
+    return fn(blocks, call)
+  return wrapped

@@ -1,0 +1,40 @@
+"""``hierarchical`` (XLA-native) over axes ``(outer..., inner)``: reduce-scatter inside the last
+(fast, island) axis, a one-shot fold across the outer axes in their order, all-gather inside.
+
+Order per element: ``sum_o (sum_i x[o, i])``: ranks 0..m-1 of the inner axis, then the outer
+partial sums in outer-rank order.
+"""
+
+from __future__ import annotations
+
+from jax import lax
+
+from dtenjax._src.collectives.algorithms import base
+from dtenjax._src.collectives.algorithms import two_shot
+
+
+def supports(call: base.Call) -> str | None:
+  if len(call.axes) < 2:
+    return (f"hierarchical needs two mesh axes (islands, devices per island), got "
+            f"axis_name={call.axes!r}; pass e.g. axis_name=('host', 'local') or use "
+            "algorithm='two_shot'/'ring'")
+  return base.xla_reaches(call)
+
+
+@base.keyed
+def all_reduce(x, call: base.Call, finish):
+  outer, inner = call.axes[:-1], call.axes[-1]
+  m = call.axis_sizes[-1]
+  chunks, size = base.chunked(x, m)
+  part = two_shot.reduce_chunks(chunks, inner, call.op)
+  if base.axis_size(outer) > 1:
+    part = base.ordered_reduce(lax.all_gather(part, outer), call.op, part.dtype)
+  mine = finish(part)
+  full = lax.all_gather(mine, inner, tiled=True) if m > 1 else mine
+  return full[:size].reshape(x.shape)
+
+
+ALGORITHM = base.Algorithm(
+    name="hierarchical", family="hierarchical",
+    order="sum over outer ranks (in order) of the inner-axis sums (ranks 0..m-1)",
+    cost="hierarchical", supports=supports, all_reduce=all_reduce)

@@ -1,0 +1,57 @@
+"""``one_shot`` (XLA-native): all-gather everything, then a left fold in rank order.
+
+Order per element: ``((x_0 + x_1) + x_2) + ... + x_{n-1}`` over ranks 0..n-1 (mesh position), in
+the accumulation dtype (float32 for 16-bit floats), rounded once by ``finish``. This is the bit
+contract the NVLink kernels share (``gpu/p2p.py``). reduce_scatter: the same fold of the owned
+block after gathering every block.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from dtenjax._src.collectives import fixed_point
+from dtenjax._src.collectives.algorithms import base
+
+
+def supports(call: base.Call) -> str | None:
+  return base.xla_reaches(call)
+
+
+@base.keyed
+def all_reduce(x, call: base.Call, finish):
+  if call.world == 1:
+    return finish(x.astype(base.acc_dtype(x.dtype, call.op)))
+  return finish(base.ordered_reduce(lax.all_gather(x, call.axes), call.op))
+
+
+@base.keyed_scatter
+def reduce_scatter(blocks, call: base.Call):
+  flat = blocks.reshape(blocks.shape[0], -1)
+  if call.world == 1:
+    out = flat[0].astype(base.acc_dtype(flat.dtype, call.op))
+  else:
+    g = lax.all_gather(flat, call.axes)                            # [ranks, blocks, c]
+    mine = lax.dynamic_index_in_dim(g, lax.axis_index(call.axes), axis=1, keepdims=False)
+    out = base.ordered_reduce(mine, call.op)
+  return out.reshape(blocks.shape[1:])
+
+
+def reproducible(stack, call: base.Call):
+  """Contract v2 with one_shot's data movement: gather every contribution, sum them exactly on
+  every rank (``fixed_point.local_sum_f32``); the same bits as the word exchange."""
+  k, n = stack.shape[0], call.world
+  fixed_point.check_contributions(k * n)
+  g = lax.all_gather(stack, call.axes) if n > 1 else stack[None]      # [n, k, ...]
+  r = fixed_point.local_sum_f32(g.reshape((n * k,) + stack.shape[1:]))
+  if call.op == "mean":
+    r = fixed_point.divide(r, k * n)
+  return r.astype(stack.dtype)
+
+
+ALGORITHM = base.Algorithm(
+    name="one_shot", family="one_shot",
+    order="ranks 0, 1, ..., n-1 (left fold from x_0, accumulation dtype, one rounding)",
+    cost="one_shot", supports=supports, all_reduce=all_reduce, reduce_scatter=reduce_scatter,
+    reproducible=reproducible)

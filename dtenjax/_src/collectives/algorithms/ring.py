@@ -1,0 +1,69 @@
+"""``ring`` (XLA-native): reduce-scatter then all-gather over ``n - 1`` ``ppermute`` steps each.
+
+Order: chunk ``c`` of the padded flat buffer is combined in rank order ``c+1, c+2, ..., c``
+(mod n): step s sends rank r's partial of chunk ``(r-1-s) mod n`` to rank r+1, which adds its own
+value (received partial first, own value second). The bits depend on the element's chunk, i.e. on
+the buffer length and n, never on timing.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from dtenjax._src.collectives.algorithms import base
+
+
+def supports(call: base.Call) -> str | None:
+  return base.xla_reaches(call)
+
+
+def reduce_chunks(chunks, axes, op: str):
+  """Ring reduce-scatter: rank r ends with chunk r reduced (accumulation dtype)."""
+  n = chunks.shape[0]
+  chunks = chunks.astype(base.acc_dtype(chunks.dtype, op))
+  if n == 1:
+    return chunks[0]
+  comb = base.combiner(op)
+  r = lax.axis_index(axes)
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  send = base.take(chunks, (r - 1) % n)
+  for s in range(n - 1):
+    recv = lax.ppermute(send, axes, perm)
+    send = comb(recv, base.take(chunks, (r - 2 - s) % n))
+  return send
+
+
+def gather_chunks(chunk, axes, n: int):
+  """Ring all-gather: rank r contributes ``chunk`` as block r of ``[n, ...]``."""
+  if n == 1:
+    return chunk[None]
+  r = lax.axis_index(axes)
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  out = jnp.zeros((n,) + chunk.shape, chunk.dtype)
+  out = lax.dynamic_update_index_in_dim(out, chunk, r, axis=0)
+  cur = chunk
+  for s in range(n - 1):
+    cur = lax.ppermute(cur, axes, perm)
+    out = lax.dynamic_update_index_in_dim(out, cur, (r - 1 - s) % n, axis=0)
+  return out
+
+
+@base.keyed
+def all_reduce(x, call: base.Call, finish):
+  chunks, size = base.chunked(x, call.world)
+  mine = finish(reduce_chunks(chunks, call.axes, call.op))
+  full = gather_chunks(mine, call.axes, call.world).reshape(-1)
+  return full[:size].reshape(x.shape)
+
+
+@base.keyed_scatter
+def reduce_scatter(blocks, call: base.Call):
+  flat = blocks.reshape(blocks.shape[0], -1)
+  return reduce_chunks(flat, call.axes, call.op).reshape(blocks.shape[1:])
+
+
+ALGORITHM = base.Algorithm(
+    name="ring", family="ring",
+    order="chunk c of the padded flat buffer: ranks c+1, c+2, ..., c (mod n)",
+    cost="ring", supports=supports, all_reduce=all_reduce, reduce_scatter=reduce_scatter)

@@ -1,0 +1,69 @@
+"""``two_shot`` (XLA-native): all-to-all reduce-scatter, a rank-order fold of the owned chunk,
+all-gather.
+
+Order per element: ranks 0..n-1 like ``one_shot`` (same bits for every element and every buffer
+layout); each rank folds only its ``1/n`` of the buffer, so it moves and adds ``n`` times less than
+one_shot for large messages.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from dtenjax._src.collectives import fixed_point
+from dtenjax._src.collectives.algorithms import base
+
+
+def supports(call: base.Call) -> str | None:
+  return base.xla_reaches(call)
+
+
+def reduce_chunks(chunks, axes, op: str):
+  """``[n, c]`` chunks in, rank r's chunk reduced over ranks 0..n-1 (accumulation dtype) out."""
+  if chunks.shape[0] == 1:
+    return chunks[0].astype(base.acc_dtype(chunks.dtype, op))
+  return base.ordered_reduce(lax.all_to_all(chunks, axes, 0, 0), op)
+
+
+@base.keyed
+def all_reduce(x, call: base.Call, finish):
+  chunks, size = base.chunked(x, call.world)
+  mine = finish(reduce_chunks(chunks, call.axes, call.op))
+  full = lax.all_gather(mine, call.axes, tiled=True) if call.world > 1 else mine
+  return full[:size].reshape(x.shape)
+
+
+@base.keyed_scatter
+def reduce_scatter(blocks, call: base.Call):
+  flat = blocks.reshape(blocks.shape[0], -1)
+  return reduce_chunks(flat, call.axes, call.op).reshape(blocks.shape[1:])
+
+
+def reproducible(stack, call: base.Call):
+  """Contract v2 with two_shot's data movement: the all-to-all hands rank r every contribution
+  of its chunk (raw floats), rank r sums them exactly on its own (``fixed_point.local_sum_f32``),
+  then the rounded chunk is all-gathered. The same bits as the MAX/SUM word exchange (the
+  arithmetic is identical), with 2 N bytes on the wire instead of 9 E + 1 E and no MAX
+  all-reduce, which XLA:CPU runs slowly."""
+  k, n = stack.shape[0], call.world
+  fixed_point.check_contributions(k * n)
+  flat = stack.reshape(k, -1)
+  size = flat.shape[1]
+  c = -(-size // n) if size else 1
+  chunks = jnp.pad(flat, ((0, 0), (0, n * c - size))).reshape(k, n, c).transpose(1, 0, 2)
+  if n > 1:
+    chunks = lax.all_to_all(chunks, call.axes, 0, 0)          # [source rank, k, c]
+  r = fixed_point.local_sum_f32(chunks.reshape(n * k, c))
+  if call.op == "mean":
+    r = fixed_point.divide(r, k * n)
+  r = r.astype(stack.dtype)
+  full = lax.all_gather(r, call.axes, tiled=True) if n > 1 else r
+  return full[:size].reshape(stack.shape[1:])
+
+
+ALGORITHM = base.Algorithm(
+    name="two_shot", family="two_shot",
+    order="ranks 0, 1, ..., n-1 on the owned chunk (same bits as one_shot)",
+    cost="two_shot", supports=supports, all_reduce=all_reduce, reduce_scatter=reduce_scatter,
+    reproducible=reproducible)

@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from dtenjax._src.gpu import environment as _environment
+
+_environment.pin()   # before any NCCL communicator exists: NVLS off unless the user chose
+
 from dtenjax import compression as compression
 from dtenjax import testing as testing
 from dtenjax._src.collectives.api import AlgorithmChoice as AlgorithmChoice

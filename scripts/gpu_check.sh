@@ -6,7 +6,8 @@
 # benchmark in both deployments and both dtypes, the demo and the topology probe, and print a
 # summary table last. Logs and JSON go to $LOGS (default /tmp/dtenjax-gpu); when $OUT is set (the
 # device tool's return folder) they are also packed into $OUT/gpu_check.tgz after every step.
-#   bash scripts/gpu_check.sh            (GPU_CHECK_EXTRA=1 adds the older feature benchmarks)
+#   bash scripts/gpu_check.sh [PART ...]   parts: build tests bench topo (default: all, in order;
+#                                         GPU_CHECK_EXTRA=1 adds the older feature benchmarks)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RET="${OUT:-}"
@@ -34,22 +35,31 @@ step() {  # step NAME TIMEOUT_S CMD...
 
 bench() {  # bench NAME ARGS...: the all-reduce benchmark, JSON next to the log
   local name=$1; shift
-  step "$name" 300 $PY bench/allreduce.py --sizes "$SIZES" --chain 32 --iters 15 \
+  step "$name" 300 $PY bench/allreduce.py --sizes "$SIZES" --chain 32 --iters 10 \
     --json "$OUT/$name.json" "$@"
 }
 
-step build 420 $PY -m pip install -q --no-build-isolation --no-deps -e .
-{ nvidia-smi topo -m; $PY -c "import dtenjax, jax; print(jax.__version__, jax.devices()); print(dtenjax.build_info())"; } \
-  2>&1 | tee "$OUT/info.log"
-step tests 600 $PY -m pytest -q -m gpu -p no:cacheprovider -rfEs tests
-bench allreduce_1proc_f32
-bench allreduce_1proc_bf16 --dtype bfloat16 --algorithms psum,psum_oneshot,one_shot,two_shot,auto,reproducible
-if [ "$NGPU" -ge 2 ]; then
-  bench allreduce_procs_f32 --procs "$NGPU" --algorithms psum,one_shot,two_shot,auto,reproducible
-  bench allreduce_procs_bf16 --procs "$NGPU" --dtype bfloat16 --algorithms psum,one_shot,two_shot,auto,reproducible
+PARTS=" ${*:-build tests bench topo} "
+want() { [[ "$PARTS" == *" $1 "* ]]; }
+
+if want build; then
+  step build 420 $PY -m pip install -q --no-build-isolation --no-deps -e .
+  { nvidia-smi topo -m; $PY -c "import dtenjax, jax; print(jax.__version__, jax.devices()); print(dtenjax.build_info())"; } \
+    2>&1 | tee "$OUT/info.log"
 fi
-step topo 180 $PY -m dtenjax topo --probe --save "$OUT/topology.json"
-step demo 240 $PY -m dtenjax demo --no-progress
+want tests && step tests 480 $PY -m pytest -q -m gpu -p no:cacheprovider -rfEs tests
+if want bench; then
+  bench allreduce_1proc_f32
+  bench allreduce_1proc_bf16 --dtype bfloat16 --algorithms psum,psum_oneshot,one_shot,two_shot,auto,reproducible
+  if [ "$NGPU" -ge 2 ]; then
+    bench allreduce_procs_f32 --procs "$NGPU" --algorithms psum,one_shot,two_shot,auto,reproducible
+    bench allreduce_procs_bf16 --procs "$NGPU" --dtype bfloat16 --algorithms psum,one_shot,two_shot,auto,reproducible
+  fi
+fi
+if want topo; then
+  step topo 180 $PY -m dtenjax topo --probe --save "$OUT/topology.json"
+  step demo 240 $PY -m dtenjax demo --no-progress
+fi
 if [ "${GPU_CHECK_EXTRA:-0}" = 1 ]; then
   step compression_bench 240 $PY bench/compression_select.py --json "$OUT/compression_select.json"
   step graphs_bench 240 $PY bench/cuda_graphs.py --json "$OUT/cuda_graphs.json"

@@ -85,3 +85,15 @@ def test_transport_knobs_are_declared():
   for name in ("DTENJAX_LIBCRYPTO", "DTENJAX_HANDSHAKE_TIMEOUT", "DTENJAX_MAX_PENDING_HANDSHAKES",
                "DTENJAX_TRANSPORT_SEGMENT_BYTES"):
     assert name in config.KNOBS, name
+
+
+def test_nccl_environment_is_pinned_unless_the_user_chose(monkeypatch):
+  from dtenjax._src.gpu import environment  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+  monkeypatch.delenv("DTENJAX_PIN_NCCL", raising=False)
+  assert environment.pin() and os.environ["NCCL_NVLS_ENABLE"] == "0"
+  monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+  assert not environment.pin() and os.environ["NCCL_NVLS_ENABLE"] == "1"   # the user's choice
+  monkeypatch.delenv("NCCL_NVLS_ENABLE")
+  monkeypatch.setenv("DTENJAX_PIN_NCCL", "0")
+  assert not environment.pin() and "NCCL_NVLS_ENABLE" not in os.environ

@@ -25,6 +25,7 @@ import dtenjax
 from dtenjax._src import errors
 from dtenjax._src import ffi
 from dtenjax._src.gpu import p2p
+from tests import fixed_point_ref as fpref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,44 +56,9 @@ def fold_reference(x, op="sum"):
   return acc.astype(x.dtype)
 
 
-def _round_exact(v, precision):
-  """float64 values (exact) rounded once, half to even, to `precision` significand bits with
-  float32's exponent range (subnormals below 2**-126, inf from 2**128)."""
-  v = np.asarray(v, np.float64)
-  _, ex = np.frexp(v)                     # |v| in [2**(ex-1), 2**ex)
-  lead = np.maximum(ex - 1, -126)
-  quantum = np.ldexp(1.0, lead - (precision - 1))
-  r = np.rint(v / quantum) * quantum      # exact: power-of-two scaling, integer rounding
-  r = np.where(np.abs(r) >= 2.0 ** 128, np.copysign(np.inf, v), r)
-  return np.where(v == 0, 0.0, r)
-
-
 def reproducible_reference(x, mean=False):
-  """Contract v2 (docs/collectives.md) over axis 0, written from the definition."""
-  x = np.asarray(x)
-  b = x.astype(np.float32).view(np.uint32).astype(np.int64)
-  a = b & 0x7FFFFFFF
-  f = a >> 23
-  code = np.where(a == 0, 0, np.maximum(f, 1))
-  c = code.max(axis=0)
-  v32 = x.astype(np.float32)
-  nan = np.isnan(v32)
-  pos = (nan | (v32 == np.inf)).any(axis=0)
-  neg = (nan | (v32 == -np.inf)).any(axis=0)
-  e = c - 126
-  # q = x * 2**(40 - e) rounded half to even; exact in float64 (|q| <= 2**40).
-  with np.errstate(invalid="ignore", over="ignore"):
-    q = np.rint(np.ldexp(v32.astype(np.float64), (40 - e)[None]))
-  q = np.where(np.isfinite(v32), q, 0).astype(np.int64)
-  total = q.sum(axis=0)
-  exact = np.ldexp(total.astype(np.float64), e - 40)   # |total| < 2**53: exact
-  precision = 8 if x.dtype == ml_dtypes.bfloat16 else 24
-  r = _round_exact(exact, 24 if mean else precision)
-  if mean:
-    r = (r.astype(np.float32) / np.float32(x.shape[0])).astype(np.float64)
-  r = np.where(c == 0, 0.0, r)
-  r = np.where(c == 255, np.where(pos & neg, np.nan, np.where(pos, np.inf, -np.inf)), r)
-  return r.astype(np.float32).astype(x.dtype)
+  """Contract v2 over axis 0: the independent numpy reference the XLA path is pinned to."""
+  return fpref.reproducible_sum(np.asarray(x), mean=mean)
 
 
 def test_references_are_what_they_claim():
@@ -110,7 +76,7 @@ def test_references_are_what_they_claim():
   assert reproducible_reference(np.array([[np.inf], [1.0]], np.float32))[0] == np.inf
   assert reproducible_reference(np.array([[3e38], [3e38]], np.float32))[0] == np.inf
   assert not np.signbit(reproducible_reference(np.array([[-0.0], [-0.0]], np.float32))[0])
-  # bf16 rounds once from the exact sum: 256 + 1 + 1 = 258 is representable in bf16.
+  # bf16: exact sum, decoded to float32, rounded once more: 256 + 1 + 1 = 258.
   assert float(reproducible_reference(xb)[0]) == 258.0
 
 
@@ -330,28 +296,28 @@ def test_selftest_reproducible_bitwise(world, dtype, algorithm, op):
       _assert_bits(np.asarray(out)[r, :count], want, f"rank {r}, count {count}")
 
 
+REF_PATH = os.path.join(ROOT, "tests", "data", "reproducible_ref.npz")
+
+
+def _stored_reference():
+  """(name, contributions [8, 1024], op, expected) from the CPU bits the collectives tests store."""
+  ref = np.load(REF_PATH, allow_pickle=False)
+  xs = {"float32": ref["x_float32"], "bfloat16": ref["x_bfloat16"].view(ml_dtypes.bfloat16)}
+  for name, x in xs.items():
+    for op in ("sum", "mean"):
+      want = ref[f"{op}_{name}"].view(np.float32 if name == "float32" else ml_dtypes.bfloat16)
+      yield f"{op}_{name}", x, op, want
+
+
 @pytest.mark.gpu
 def test_reproducible_kernel_matches_stored_cpu_bits():
-  """The CPU (XLA integer path) bits stored by the collectives tests, reproduced by the kernel."""
-  path = os.path.join(ROOT, "tests", "data", "reproducible_ref.npz")
-  if not os.path.exists(path):
-    pytest.fail(f"{path} is missing: the CPU reference must be committed with the XLA path")
-  ref = np.load(path, allow_pickle=False)
-  for name in sorted(k[:-len("_inputs")] for k in ref.files if k.endswith("_inputs")):
-    x = ref[f"{name}_inputs"]
-    if x.dtype == np.uint16:
-      x = x.view(ml_dtypes.bfloat16)
-    want = ref[f"{name}_expected"]
-    if want.dtype == np.uint16:
-      want = want.view(ml_dtypes.bfloat16)
-    w, n = x.shape
-    pad = -(-n // 8) * 8
-    xp = np.concatenate([x, np.zeros((w, pad - n), x.dtype)], axis=1)
-    if not 2 <= w <= 8:
-      continue
-    out = jax.jit(lambda v: p2p.selftest(v, reproducible=True, count=n))(xp)
-    for r in range(w):
-      _assert_bits(np.asarray(out)[r, :n], want, f"{name} rank {r}")
+  """The stored CPU (XLA integer path) bits, reproduced by the fused kernels with 8 simulated
+  ranks for both algorithms."""
+  for name, x, op, want in _stored_reference():
+    for algorithm in ("one_shot", "two_shot"):
+      out = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, op=op, reproducible=True))(x)
+      for r in range(x.shape[0]):
+        _assert_bits(np.asarray(out)[r], want, f"{name} {algorithm} rank {r}")
 
 
 @pytest.mark.gpu
@@ -462,7 +428,7 @@ def test_public_all_reduce_plain_shard_map(case, dtype, graphs):
   for n in (1003, 300007):
     x = _stacked(world, n, dtype, seed=n, special=reproducible)[:, :n]
     want = _reference(x, op, reproducible)
-    for _ in range(3):
+    for _ in range(2):
       got = np.asarray(f(x.reshape(-1))).reshape(world, n)
       for r in range(world):
         _assert_bits(got[r], want, f"{case} n={n} rank {r}")

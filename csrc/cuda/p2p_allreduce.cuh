@@ -7,9 +7,10 @@
 //    sum by W (RNE) before that rounding.
 //  * Op::kMax / kMin: the rank-order fold of `>` / `<` selections; any NaN gives the canonical
 //    quiet NaN.
-//  * Op::kRepSum: the exact fixed-point sum of contract v2 (docs/collectives.md), computed from
-//    the float bits with integer operations only, so that it equals the XLA path bit for bit on
-//    every backend (XLA:CPU flushes subnormals in float arithmetic; integers do not).
+//  * Op::kRepSum: the exact fixed-point sum of contract v2 (docs/collectives.md): codes and
+//    quantisation from the float bits with integer operations, an int64 sum, and the XLA path's
+//    decode to float32 (then one RNE rounding to T), so that it equals the XLA path bit for bit
+//    (XLA:CPU flushes subnormals in float arithmetic; integers and exact products do not).
 //
 // Synchronisation: a block-level barrier between the blocks with the same blockIdx.x of every rank.
 // Barrier k of the call with epoch E writes 2E + k into the block's landing slot of every peer
@@ -55,7 +56,6 @@ template <typename T> struct Vec;
 
 template <> struct Vec<float> {
   static constexpr int kElems = 4;
-  static constexpr int kPrecision = 24;   // significand bits of T (for the fixed-point rounding)
   __device__ __forceinline__ static void ToF32(const uint4& v, float* f) {
     f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
     f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
@@ -76,7 +76,6 @@ template <> struct Vec<float> {
 
 template <> struct Vec<__nv_bfloat16> {
   static constexpr int kElems = 8;
-  static constexpr int kPrecision = 8;
   __device__ __forceinline__ static float2 Pair(uint32_t w) {
     __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&w);
     return __bfloat1622float2(h);
@@ -107,7 +106,6 @@ template <> struct Vec<__nv_bfloat16> {
 
 template <> struct Vec<__half> {
   static constexpr int kElems = 8;
-  static constexpr int kPrecision = 11;
   __device__ __forceinline__ static float2 Pair(uint32_t w) {
     __half2 h = *reinterpret_cast<__half2*>(&w);
     return __half22float2(h);
@@ -182,36 +180,31 @@ __device__ __forceinline__ long long FixedQuantize(uint32_t b, int c) {
   return (b >> 31) ? -static_cast<long long>(q) : static_cast<long long>(q);
 }
 
-// round_half_even(Q * 2^(e - 40)) to a `p`-bit significand with float32's exponent range
-// (gradual underflow, overflow to inf), returned as the float32 holding that value.
-__device__ __forceinline__ float FixedRound(long long q, int e, int p) {
-  if (q == 0) return 0.0f;
-  const uint32_t sign = q < 0 ? 0x80000000u : 0u;
-  const unsigned long long mag = q < 0 ? static_cast<unsigned long long>(-q)
-                                       : static_cast<unsigned long long>(q);
-  const int len = 64 - __clzll(mag);
-  const int lead = len - 1 + e - 40;
-  const int p_eff = p - (lead < -126 ? -126 - lead : 0);
-  const int k = len - p_eff;
-  unsigned long long mant;
-  if (k <= 0) {
-    mant = mag << -k;
-  } else if (k > len) {
-    mant = 0;
-  } else {
-    const unsigned long long kept = mag >> k, rem = mag & ((1ull << k) - 1ull);
-    const unsigned long long half = 1ull << (k - 1);
-    mant = kept + ((rem > half || (rem == half && (kept & 1ull))) ? 1ull : 0ull);
-  }
-  const int be = (lead < -126 ? -126 : lead) + 126;
-  unsigned long long bits = (static_cast<unsigned long long>(be) << (p - 1)) + mant;
-  const unsigned long long inf = 255ull << (p - 1);
-  if (bits >= inf) bits = inf;
-  return __uint_as_float(sign | static_cast<uint32_t>(bits << (24 - p)));
+__device__ __forceinline__ float Pow2(int k) {   // 2^k for k in [-126, 127], from the bits
+  return __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
+}
+
+// The float32 value of the exact sum Q * 2^(c - 166) (step 5 of contract v2, as the XLA path
+// computes it): v = f32(h) * 2^20 + f32(l) with h = Q >> 20, l = Q mod 2^20 (RNE float ops), then
+// scaled by 2^t on the exponent bits when the result is normal, or to the subnormal
+// rint(|v| * 2^(t + 149)) * 2^-149 below 2^-126, or +-inf past the float32 range.
+__device__ __forceinline__ float FixedDecode(long long q, int c) {
+  const int h = static_cast<int>(q >> 20);
+  const int l = static_cast<int>(q & 0xfffff);
+  const float v = __fadd_rn(__fmul_rn(__int2float_rn(h), 1048576.0f), __int2float_rn(l));
+  if (v == 0.0f) return 0.0f;
+  const int t = c - 166;
+  const uint32_t vb = __float_as_uint(v);
+  const int f = static_cast<int>((vb >> 23) & 0xff) + t;
+  if (f >= 255) return v < 0.0f ? -__uint_as_float(0x7f800000u) : __uint_as_float(0x7f800000u);
+  if (f >= 1) return __uint_as_float(vb + (static_cast<uint32_t>(t) << 23));
+  const int k = min(max(t + 149, -126), 127);
+  const uint32_t tiny = static_cast<uint32_t>(rintf(__fmul_rn(fabsf(v), Pow2(k))));
+  return __uint_as_float(tiny | (vb & 0x80000000u));
 }
 
 template <int W>
-__device__ __forceinline__ float FixedSum(const float* v, int precision, bool mean) {
+__device__ __forceinline__ float FixedSum(const float* v, bool mean) {
   uint32_t b[W];
   uint32_t c = 0;
 #pragma unroll
@@ -233,15 +226,14 @@ __device__ __forceinline__ float FixedSum(const float* v, int precision, bool me
   long long q = 0;
 #pragma unroll
   for (int p = 0; p < W; ++p) q += FixedQuantize(b[p], static_cast<int>(c));
-  const int e = static_cast<int>(c) - 126;
-  if (!mean) return FixedRound(q, e, precision);
-  return __fdiv_rn(FixedRound(q, e, 24), static_cast<float>(W));
+  const float r = FixedDecode(q, static_cast<int>(c));
+  return mean ? __fdiv_rn(r, static_cast<float>(W)) : r;
 }
 
 template <typename T, int W, bool kRep>
 __device__ __forceinline__ float ReduceElem(const float* v, Op op, bool mean) {
   if constexpr (kRep) {
-    return FixedSum<W>(v, Vec<T>::kPrecision, mean);
+    return FixedSum<W>(v, mean);
   } else {
     return Fold<W>(v, op, mean);
   }

@@ -63,6 +63,8 @@ KNOBS: dict[str, Knob] = {
              "(planning/costmodel.py BackendCosts), e.g. calibrated from bench/allreduce.py"),
         Knob("DTENJAX_P2P_BUFFER_BYTES", str(64 << 20),
              "bytes of the registered symmetric buffer per GPU for the NVLink kernels"),
+        Knob("DTENJAX_PIN_NCCL", "1",
+             "1 sets NCCL_NVLS_ENABLE=0 at import when unset (NVLS is not deterministic)"),
         Knob("DTENJAX_P2P_MAX_BLOCKS", "128",
              "most thread blocks per GPU an NVLink kernel call uses (same on every process)"),
     )

@@ -1,5 +1,6 @@
 """Tests of dtenjax.reproducible_step: whole-step bit identity across differently fused programs."""
 
+import functools
 import pathlib
 import sys
 
@@ -75,10 +76,15 @@ def test_fused_and_unfused_steps_agree_bit_for_bit_with_it():
 
 
 @pytest.mark.gpu
-def test_fused_and_unfused_steps_agree_on_gpu():
-  """On GPU reproducible_step pins deterministic ops and IEEE min/max; whether NVPTX's FMA
-  contraction still makes fused and unfused steps differ is what this measures."""
+def test_on_gpu_it_refuses_because_fusion_still_changes_bits():
+  """Measured on an H200 (jax 0.11.2): with deterministic ops and IEEE min/max pinned, fused and
+  unfused steps still differ (53 and 163 of 26,378 parameters after 1 and 5 steps), so
+  reproducible_step refuses on GPU. If XLA ever makes them agree, this test fails and the
+  refusal should go."""
   devices = jax.devices("gpu")
-  out = bench.run_variants(dtenjax.reproducible_step, 5, ("subst one_shot", "fuse 64KiB"),
-                           devices=devices)
-  assert out["diffs"]["fuse 64KiB"] == {"1": 0, "5": 0}, out
+  step = dtenjax.reproducible_step(lambda v: v * 2.0)
+  with pytest.raises(dtenjax.ConfigurationError, match="no XLA option is known"):
+    step(jax.numpy.ones(3))
+  loose = functools.partial(dtenjax.reproducible_step, check_flags=False)
+  out = bench.run_variants(loose, 5, ("subst one_shot", "fuse 64KiB"), devices=devices)
+  assert out["diffs"]["fuse 64KiB"]["5"] > 0, out

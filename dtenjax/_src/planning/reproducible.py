@@ -72,7 +72,8 @@ def reproducible_step(fn: Callable | None = None, /, *, compiler_options: dict |
   With it, the same step with ``fuse_collectives``, ``substitute_psum`` or another
   ``bucket_bytes`` gives identical parameters after many adamw steps (tests/test_reproducible.py).
   It does not make different algorithms (``lax.psum`` vs ``one_shot``), device counts, jax/XLA
-  versions or CPU models agree, and on GPU the FMA question is not settled (docs).
+  versions or CPU models agree. On GPU it refuses (measured: fusion still changes bits there)
+  unless ``check_flags=False``.
   """
   if fn is None:
     return functools.partial(reproducible_step, compiler_options=compiler_options,
@@ -87,6 +88,15 @@ def reproducible_step(fn: Callable | None = None, /, *, compiler_options: dict |
         raise errors.ConfigurationError(
             f"reproducible_step has no pinned option set for backend {b!r} (it knows "
             f"{tuple(COMPILER_OPTIONS)}); use jax.jit and check the bits yourself.")
+      if check_flags and b == "gpu":
+        raise errors.ConfigurationError(
+            "reproducible_step on gpu: no XLA option is known that stops NVPTX from contracting "
+            "a * b + c into fused multiply-adds differently in differently fused programs; "
+            "measured on an H200 (jax 0.11.2) with deterministic ops pinned, the same adamw step "
+            "around fuse_collectives and substitute_psum differs in 53 of 26,378 parameters "
+            "after one step (tests/test_reproducible.py). dtenjax's collective outputs are still "
+            "bit-identical; for whole-step bits run the step on CPU, or pass check_flags=False "
+            "to get the pinned options without the guarantee.")
       if check_flags:
         missing = missing_process_flags(b)
         if missing:

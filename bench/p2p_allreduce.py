@@ -6,7 +6,10 @@ device-to-device copy measured in the same run. Per rank and message of n bytes,
 bytes through HBM are: one-shot 4n (read input, write stage, read stage, write output; the other
 ranks' reads of a stage hit L2 at best), two-shot 5n (+ the in-place write of the reduced
 segment and the gather). `hbm_GB/s` uses those counts; `ratio` = hbm_GB/s / copy GB/s (goal
->= 0.85 for one-shot). `algbw` is n / time (nccl-tests style, per rank).
+>= 0.85 for one-shot). `algbw` is n / time (nccl-tests style, per rank). `repro_us` times the
+fused reproducible kernel on the same data; `plain/repro` = plain time / reproducible time (1.0:
+the fixed-point conversion is free; it shows what the conversion costs on a GPU's cores, which
+simulated ranks share, so it is a pessimistic bound for real peers).
 
 Timing: jit calls that launch the kernel K1 and K2 times; (t(K2) - t(K1)) / (K2 - K1), medians
 of several calls, so dispatch overhead cancels.
@@ -40,9 +43,11 @@ def _time(fn, x, reps: int) -> float:
   return statistics.median(ts)
 
 
-def per_launch(x, *, algorithm: str, mode: int, reps: int) -> float:
-  f1 = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, iters=K1, mode=mode))
-  f2 = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, iters=K2, mode=mode))
+def per_launch(x, *, algorithm: str, mode: int, reps: int, reproducible: bool = False) -> float:
+  f1 = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, iters=K1, mode=mode,
+                                      reproducible=reproducible))
+  f2 = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, iters=K2, mode=mode,
+                                      reproducible=reproducible))
   return max((_time(f2, x, reps) - _time(f1, x, reps)) / (K2 - K1), 1e-9)
 
 
@@ -53,7 +58,8 @@ def main() -> None:
   ap.add_argument("--reps", type=int, default=7)
   args = ap.parse_args()
   worlds = (2, 8) if args.quick else (2, 4, 8)
-  sizes = (1 << 20, 16 << 20, 64 << 20) if not args.quick else (16 << 20, 64 << 20)
+  sizes = ((8 << 10, 256 << 10, 1 << 20, 16 << 20, 64 << 20) if not args.quick
+           else (8 << 10, 256 << 10, 16 << 20))
   dtypes = (jnp.bfloat16, jnp.float32)
   rows = []
   for world in worlds:
@@ -70,19 +76,23 @@ def main() -> None:
         for alg, hbm_bytes in (("one_shot", 4), ("two_shot", 5)):
           t = per_launch(x, algorithm=alg, mode=1, reps=args.reps)
           hbm = hbm_bytes * world * nbytes / t / 1e9
+          t_rep = per_launch(x, algorithm=alg, mode=1, reps=args.reps, reproducible=True)
           rows.append(dict(world=world, dtype=jnp.dtype(dtype).name, bytes=nbytes,
                            algorithm=alg, time_us=t * 1e6, algbw_GBps=nbytes / t / 1e9,
-                           hbm_GBps=hbm, copy_GBps=copy_bw, ratio=hbm / copy_bw))
+                           hbm_GBps=hbm, copy_GBps=copy_bw, ratio=hbm / copy_bw,
+                           reproducible_us=t_rep * 1e6, reproducible_vs_plain=t / t_rep))
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, f,
                 indent=1)
   print(f"{'W':>2} {'dtype':>8} {'bytes/rank':>11} {'algorithm':>9} {'time_us':>9} "
-        f"{'algbw':>8} {'hbm_GB/s':>9} {'copy_GB/s':>9} {'ratio':>6}")
+        f"{'algbw':>8} {'hbm_GB/s':>9} {'copy_GB/s':>9} {'ratio':>6} {'repro_us':>9} "
+        f"{'plain/repro':>11}")
   for r in rows:
     print(f"{r['world']:>2} {r['dtype']:>8} {r['bytes']:>11} {r['algorithm']:>9} "
           f"{r['time_us']:>9.1f} {r['algbw_GBps']:>8.1f} {r['hbm_GBps']:>9.1f} "
-          f"{r['copy_GBps']:>9.1f} {r['ratio']:>6.2f}")
+          f"{r['copy_GBps']:>9.1f} {r['ratio']:>6.2f} {r['reproducible_us']:>9.1f} "
+          f"{r['reproducible_vs_plain']:>11.2f}")
 
 
 if __name__ == "__main__":

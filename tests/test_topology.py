@@ -245,3 +245,15 @@ def test_probe_refuses_foreign_platform_and_bad_sizes(cpu_devices):
   t = Topology.detect(cpu_devices)
   with pytest.raises(errors.ConfigurationError, match="small_bytes < large_bytes"):
     t.probe(small_bytes=64, large_bytes=8)
+
+
+def test_inter_host_class_reads_the_link_layer_in_any_spelling():
+  from dtenjax._src.topology import detect  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology.parts import NicInfo  # pylint: disable=g-import-not-at-top
+  nic = lambda layer, state="ACTIVE": NicInfo(name="mlx5_0", host="h", link_layer=layer,
+                                              state=state, bandwidth_gbps=25.0)
+  assert detect.inter_host_class([nic("INFINIBAND")]) == "infiniband"
+  assert detect.inter_host_class([nic("infiniband")]) == "infiniband"
+  assert detect.inter_host_class([nic("Ethernet")]) == "roce"
+  assert detect.inter_host_class([nic("InfiniBand", state="DOWN")]) == "tcp"
+  assert detect.inter_host_class([]) == "tcp"

@@ -108,6 +108,15 @@ def exchange_hostnames(host: str, rank: int, size: int, store: Any = None) -> di
   return {p: str(n) for p, n in enumerate(names)}
 
 
+def inter_host_class(nics) -> str:
+  """The link class between hosts: InfiniBand if an active NIC has that link layer (in any
+  spelling pyverbs or sysfs gives), RoCE if an active NIC is Ethernet, else TCP."""
+  active = [n for n in nics if n.state.upper().startswith("ACTIVE")]
+  if not active:
+    return "tcp"
+  return "infiniband" if any(n.link_layer.lower() == "infiniband" for n in active) else "roce"
+
+
 def describe(devices: Sequence[Any] | None = None) -> dict[str, Any]:
   """The running machine as ``Topology`` constructor arguments (see :meth:`Topology.detect`)."""
   devices = list(jax.devices() if devices is None else devices)
@@ -141,10 +150,7 @@ def describe(devices: Sequence[Any] | None = None) -> dict[str, Any]:
     notes.append("no RDMA NIC: dtenjax._src.net.rdma is not available")
   except Exception as e:  # pylint: disable=broad-except  (pyverbs errors mean "no RDMA")
     notes.append(f"no RDMA NIC: discovery failed ({type(e).__name__}: {e})")
-  active = [n for n in nics if n.state.upper().startswith("ACTIVE")]
-  inter = "tcp"
-  if active:
-    inter = "infiniband" if any(n.link_layer == "InfiniBand" for n in active) else "roce"
+  inter = inter_host_class(nics)
 
   infos = []
   local_counts: dict[int, int] = {}

@@ -50,20 +50,12 @@ __device__ __forceinline__ uint64_t GlobalTimerNs() {
 
 constexpr uint32_t kQuietNan = 0x7fc00000u;
 
-// --- 16-byte vectors of T <-> float32 --------------------------------------------------------
+// --- 8-byte words of T <-> float32 (a 16-byte vector is two words) -------------------------
 
 template <typename T> struct Vec;
 
 template <> struct Vec<float> {
   static constexpr int kElems = 4;
-  __device__ __forceinline__ static void ToF32(const uint4& v, float* f) {
-    f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
-    f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
-  }
-  __device__ __forceinline__ static uint4 FromF32(const float* f) {
-    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
-                      __float_as_uint(f[3]));
-  }
   __device__ __forceinline__ static float ScalarToF32(float x) { return x; }
   __device__ __forceinline__ static float ScalarFromF32(float x) { return x; }
   __device__ __forceinline__ static void WordToF32(const uint2& v, float* f) {
@@ -88,13 +80,6 @@ template <> struct Vec<__nv_bfloat16> {
   __device__ __forceinline__ static __nv_bfloat16 ScalarFromF32(float x) {
     return __float2bfloat16_rn(x);
   }
-  __device__ __forceinline__ static void ToF32(const uint4& v, float* f) {
-    float2 a = Pair(v.x), b = Pair(v.y), c = Pair(v.z), d = Pair(v.w);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
-  }
-  __device__ __forceinline__ static uint4 FromF32(const float* f) {
-    return make_uint4(Pack(f[0], f[1]), Pack(f[2], f[3]), Pack(f[4], f[5]), Pack(f[6], f[7]));
-  }
   __device__ __forceinline__ static void WordToF32(const uint2& v, float* f) {
     float2 a = Pair(v.x), b = Pair(v.y);
     f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
@@ -116,13 +101,6 @@ template <> struct Vec<__half> {
   }
   __device__ __forceinline__ static float ScalarToF32(__half x) { return __half2float(x); }
   __device__ __forceinline__ static __half ScalarFromF32(float x) { return __float2half_rn(x); }
-  __device__ __forceinline__ static void ToF32(const uint4& v, float* f) {
-    float2 a = Pair(v.x), b = Pair(v.y), c = Pair(v.z), d = Pair(v.w);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
-  }
-  __device__ __forceinline__ static uint4 FromF32(const float* f) {
-    return make_uint4(Pack(f[0], f[1]), Pack(f[2], f[3]), Pack(f[4], f[5]), Pack(f[6], f[7]));
-  }
   __device__ __forceinline__ static void WordToF32(const uint2& v, float* f) {
     float2 a = Pair(v.x), b = Pair(v.y);
     f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
@@ -239,24 +217,6 @@ __device__ __forceinline__ float ReduceElem(const float* v, Op op, bool mean) {
   }
 }
 
-// The reduction of W 16-byte vectors (one per rank), rounded once to T.
-template <typename T, int W, bool kRep>
-__device__ __forceinline__ uint4 ReduceVec(const uint4* v, Op op, bool mean) {
-  constexpr int E = Vec<T>::kElems;
-  float f[W][E];
-#pragma unroll
-  for (int p = 0; p < W; ++p) Vec<T>::ToF32(v[p], f[p]);
-  float r[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    float col[W];
-#pragma unroll
-    for (int p = 0; p < W; ++p) col[p] = f[p][e];
-    r[e] = ReduceElem<T, W, kRep>(col, op, mean);
-  }
-  return Vec<T>::FromF32(r);
-}
-
 // The reduction of W 8-byte words (one per rank), rounded once to T.
 template <typename T, int W, bool kRep>
 __device__ __forceinline__ uint2 ReduceWord(const uint2* v, Op op, bool mean) {
@@ -273,6 +233,19 @@ __device__ __forceinline__ uint2 ReduceWord(const uint2* v, Op op, bool mean) {
     r[e] = ReduceElem<T, W, kRep>(col, op, mean);
   }
   return Vec<T>::WordFromF32(r);
+}
+
+// The reduction of W 16-byte vectors: two independent words (every element on its own).
+template <typename T, int W, bool kRep>
+__device__ __forceinline__ uint4 ReduceVec(const uint4* v, Op op, bool mean) {
+  uint2 lo[W], hi[W];
+#pragma unroll
+  for (int p = 0; p < W; ++p) {
+    lo[p] = make_uint2(v[p].x, v[p].y);
+    hi[p] = make_uint2(v[p].z, v[p].w);
+  }
+  const uint2 a = ReduceWord<T, W, kRep>(lo, op, mean), b = ReduceWord<T, W, kRep>(hi, op, mean);
+  return make_uint4(a.x, a.y, b.x, b.y);
 }
 
 // Copies vectors [lo, hi) with this thread's grid-stride indices (lo + first + k * stride), four

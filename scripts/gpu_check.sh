@@ -58,6 +58,10 @@ if want bench; then
 fi
 if want topo; then
   step topo 180 $PY -m dtenjax topo --probe --save "$OUT/topology.json"
+  for j in "$OUT"/allreduce_*.json; do
+    [ -f "$j" ] && step "costmodel_$(basename "$j" .json)" 60 \
+      $PY bench/costmodel_check.py "$j" --topology "$OUT/topology.json"
+  done
   step demo 240 $PY -m dtenjax demo --no-progress
 fi
 if [ "${GPU_CHECK_EXTRA:-0}" = 1 ]; then

@@ -1,0 +1,71 @@
+"""The cost model's predicted all-reduce times next to measured ones (issue 11: within 2x).
+
+  python bench/costmodel_check.py RESULTS.json [--topology FILE.json | --fixture NAME | --intra nvlink]
+
+RESULTS.json is what ``bench/allreduce.py --json`` wrote. Each row's candidate is mapped to the
+cost-model formula that ``algorithm="auto"`` would rank it with (psum -> xla; on GPU one_shot /
+two_shot -> nvlink_one_shot / nvlink_two_shot), and the prediction for that size and world is
+printed next to the measured per-op time, with predicted/measured. The topology is a saved
+``python -m dtenjax topo --probe --save FILE`` (measured links), a fixture, or by default a
+uniform one of the run's world size whose devices are joined by ``--intra`` (table link specs).
+Prints the table last and exits 1 if any ratio falls outside [0.5, 2].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+FORMULA = {"psum": "xla", "psum_nccl": "xla", "xla": "xla", "ring": "ring",
+           "hierarchical": "hierarchical"}
+GPU_FORMULA = {"one_shot": "nvlink_one_shot", "two_shot": "nvlink_two_shot"}
+CPU_FORMULA = {"one_shot": "one_shot", "two_shot": "two_shot"}
+
+
+def _topology(args, world: int, platform: str):
+  from dtenjax._src.topology import model as topo  # pylint: disable=g-import-not-at-top
+  if args.topology:
+    return topo.Topology.from_json(args.topology)
+  if args.fixture:
+    return topo.Topology.fixture(args.fixture)
+  devices = [topo.DeviceInfo(id=i, platform=platform, kind="NVIDIA H200" if platform == "gpu"
+                             else "cpu", memory_bytes=0, process_index=0, host="h",
+                             local_index=i) for i in range(world)]
+  return topo.uniform(f"uniform-{args.intra}-{world}", devices, intra=args.intra)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("results")
+  p.add_argument("--topology")
+  p.add_argument("--fixture")
+  p.add_argument("--intra", default="nvlink")
+  args = p.parse_args(argv)
+  from dtenjax._src.planning import costmodel  # pylint: disable=g-import-not-at-top
+  data = json.load(open(args.results))
+  rows = data["rows"] if isinstance(data, dict) else data
+  out, bad = [], 0
+  for r in rows:
+    platform = "gpu" if r["backend"] == "gpu" else "cpu"
+    formula = FORMULA.get(r["algorithm"]) or (GPU_FORMULA if platform == "gpu"
+                                               else CPU_FORMULA).get(r["algorithm"])
+    if formula is None:
+      continue
+    topology = _topology(args, r["world"], platform)
+    pred = costmodel.collective_time("all_reduce", r["size"], list(range(r["world"])), topology,
+                                     formula, itemsize=4 if r["type"] == "float32" else 2)
+    ratio = pred / (r["time_us"] * 1e-6)
+    bad += not 0.5 <= ratio <= 2.0
+    out.append(f"{r['size']:>10} {r['algorithm']:>10} {formula:>16} {r['time_us']:>10.1f} "
+               f"{pred * 1e6:>10.1f} {ratio:>7.2f}")
+  print(f"{'size':>10} {'candidate':>10} {'formula':>16} {'meas(us)':>10} {'pred(us)':>10} "
+        f"{'pred/meas':>7}")
+  print("\n".join(out))
+  print(f"# {len(out) - bad} of {len(out)} predictions within 2x of the measurement")
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -177,3 +177,16 @@ def test_errors():
     cm.collective_time("all_reduce", N, [0, 1], DGX, "tree")
   with pytest.raises(errors.CollectiveError, match="nbytes=-1"):
     cm.collective_time("all_reduce", -1, [0, 1], DGX)
+
+
+def test_gpu_predictions_stay_within_2x_of_the_h200_pair_measurements(capsys):
+  """bench/results holds bench/allreduce.py runs on 2 x H200 (one process; one per GPU): the GPU
+  cost constants must keep every prediction within 2x of them (issue 11 item 6)."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parents[1]
+  sys.path.insert(0, str(root / "bench"))
+  import costmodel_check  # pylint: disable=g-import-not-at-top
+  for name in ("2026-11-30_h200x2_1proc_f32.json", "2026-11-30_h200x2_2procs_f32.json"):
+    assert costmodel_check.main([str(root / "bench" / "results" / name)]) == 0, capsys.readouterr()
+    assert "40 of 40 predictions within 2x" in capsys.readouterr().out

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
   if bad:
     p.error(f"unknown algorithm(s) {bad}; choose from {list(CANDIDATES)}")
   plt = None
-  if args.plot:
+  if args.plot and not args.worker:   # workers only measure; the launcher plots
     plt = _plot_module()
     if plt is None:
       p.error(f"--plot {args.plot} needs matplotlib, which is not installed: "
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
       json.dump(rows, f)
     return 0
   if args.procs:
-    rows = _launch(args, [a for a in argv if a != "--plot" and not a.endswith(".png")])
+    rows = _launch(args, argv)
   else:
     _setup_env()
     rows = measure(args)

@@ -1,11 +1,21 @@
-"""An independent numpy reference of the reproducible-sum contract v2 (/docs/collectives.md).
+"""Independent numpy references of the reproducible-sum contracts (docs/collectives.md).
 
-Written from the contract's text, not from dtenjax's code: float bits are read with numpy views,
-each contribution's fixed-point value ``q`` is formed from its integer mantissa by shifts with
-round-half-to-even done in integers, the ``q`` are summed as int64 (exact: |q| <= 2**40, at most
-1024 contributions), and the final scaling is an exact float64 product rounded once to float32 by
-numpy (which keeps subnormals). bfloat16 goes through ml_dtypes (exact widening, RNE narrowing).
+Written from the contracts' text, not from dtenjax's code.
+
+* Contract v3 (``reproducible=True``, :func:`v3_sum`): every quantity is an exact float64
+  or int64 value: ``x / U`` is an exact float64 product, round-to-odd is ``trunc`` plus one where
+  the truncation lost something and the truncated value is even, the ``q`` are summed as int64,
+  ``Q * U`` is exact in float64 and rounded ONCE to the output dtype (numpy's float64 -> float32
+  cast; for bfloat16 an explicit round-half-even at 8 significant bits, because ml_dtypes casts
+  float64 through float32 and would round twice).
+* Contract v2 (``reproducible="exact"``, :func:`exact_sum`): each contribution's fixed-point value
+  ``q`` is formed from its integer mantissa by shifts with round-half-to-even done in integers,
+  the ``q`` are summed as int64 (exact: |q| <= 2**40, at most 1024 contributions), and the final
+  scaling is an exact float64 product rounded once to float32 by numpy (which keeps subnormals).
+  bfloat16 goes through ml_dtypes (exact widening, RNE narrowing from float32).
 """
+
+import math
 
 import ml_dtypes
 import numpy as np
@@ -41,7 +51,7 @@ def fixed(x32: np.ndarray, c: np.ndarray) -> np.ndarray:
   return np.where(b >> 31 == 1, -q, q)
 
 
-def reproducible_sum(x, axis: int = 0, mean: bool = False, out_dtype=None) -> np.ndarray:
+def exact_sum(x, axis: int = 0, mean: bool = False, out_dtype=None) -> np.ndarray:
   """Contract v2 over ``axis`` of float32/bfloat16 contributions; mean divides the float32
   decode by the contribution count (float32, RNE) before the final rounding."""
   x = np.asarray(x)
@@ -64,6 +74,92 @@ def reproducible_sum(x, axis: int = 0, mean: bool = False, out_dtype=None) -> np
   if mean:
     r = (r / np.float32(n)).astype(np.float32)
   return r.astype(out_dtype)
+
+
+# --- contract v3 -------------------------------------------------------------------------------
+
+V3_MAX_CONTRIBUTIONS = 32
+
+
+def v3_precision(n: int) -> int:
+  """Magnitude bits P of one word for n contributions: 31 - ceil(log2 n)."""
+  return 31 - max(0, math.ceil(math.log2(n)))
+
+
+def _special(x32: np.ndarray) -> np.ndarray:
+  """The C == 255 result: NaN if a NaN or both infinities occur, else the infinity present."""
+  nan_or_ninf = (np.isnan(x32) | (x32 == -np.inf)).any(axis=0)
+  nan_or_pinf = (np.isnan(x32) | (x32 == np.inf)).any(axis=0)
+  return np.where(nan_or_ninf & nan_or_pinf, np.float32(np.nan),
+                  np.where(nan_or_pinf, np.float32(np.inf), np.float32(-np.inf)))
+
+
+def round_once(v: np.ndarray, dtype) -> np.ndarray:
+  """Exact float64 values rounded once (nearest, ties to even; subnormals kept, overflow to
+  +-inf) to float32 or bfloat16."""
+  v = np.asarray(v, np.float64)
+  if np.dtype(dtype) == np.dtype(np.float32):
+    with np.errstate(over="ignore"):
+      return v.astype(np.float32)
+  _, ex = np.frexp(v)                                  # |v| in [2**(ex-1), 2**ex)
+  quantum = np.maximum(ex - 8, -133)                   # 8 significant bits; subnormal grid 2**-133
+  r = np.ldexp(np.round(np.ldexp(v, -quantum)), quantum)   # np.round: half to even, exact here
+  r = np.where(np.abs(r) >= 2.0 ** 128, np.copysign(np.inf, v), r)
+  return r.astype(np.float32).astype(BF16)             # exact: r is a bfloat16 value
+
+
+def v3_words(x32: np.ndarray, c: np.ndarray, n: int) -> np.ndarray:
+  """int64 q = round(x / U), U = 2**(C - 126 - P), of finite float32 x (0 elsewhere): to odd
+  for n == 2, to nearest even otherwise."""
+  finite = np.isfinite(x32)
+  p = v3_precision(n)
+  y = np.where(finite, x32, 0).astype(np.float64) * np.exp2((p - (c - 126)).astype(np.float64))
+  if n == 2:
+    t = np.trunc(np.abs(y))
+    mag = t + ((t != np.abs(y)) & (np.fmod(t, 2) == 0))  # inexact: the odd neighbour toward y
+    return np.where(y < 0, -mag, mag).astype(np.int64)
+  return np.round(y).astype(np.int64)                  # half to even; exact float64 input
+
+
+def v3_sum(x, axis: int = 0, mean: bool = False, out_dtype=None) -> np.ndarray:
+  """Contract v3 (``reproducible=True``) over ``axis``: one word per contribution against the
+  element's common exponent; more than 32 contributions use the exact contract v2."""
+  x = np.asarray(x)
+  out_dtype = np.dtype(out_dtype or x.dtype)
+  x32 = np.moveaxis(widen(x), axis, 0)
+  n = x32.shape[0]
+  if n > V3_MAX_CONTRIBUTIONS:
+    return exact_sum(x, axis=axis, mean=mean, out_dtype=out_dtype)
+  c = codes(x32).max(axis=0)
+  total = v3_words(x32, c[None], n).sum(axis=0)
+  assert np.all(np.abs(total) < 2 ** 31), "v3 words must fit int32"
+  exact = total.astype(np.float64) * np.exp2((c - 126 - v3_precision(n)).astype(np.float64))
+  zero = np.zeros(c.shape, np.float64)
+  if mean:
+    r = round_once(np.where(c == 0, zero, exact), np.float32)
+    r = np.where(c == 255, _special(x32), r).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+      r = (r / np.float32(n)).astype(np.float32)
+    return r.astype(out_dtype)
+  r = round_once(np.where((c == 0) | (c == 255), zero, exact), out_dtype)
+  return np.where(c == 255, _special(x32).astype(out_dtype), r).astype(out_dtype)
+
+
+# What reproducible=True computes.
+reproducible_sum = v3_sum
+
+
+def fold_f32(x, axis: int = 0, out_dtype=None) -> np.ndarray:
+  """The float32 rank-order left fold ``((x_0 + x_1) + x_2) + ...`` rounded to the dtype (what
+  the deterministic one_shot algorithm computes), for error comparisons."""
+  x = np.asarray(x)
+  out_dtype = np.dtype(out_dtype or x.dtype)
+  x32 = np.moveaxis(widen(x), axis, 0)
+  acc = x32[0].copy()
+  with np.errstate(over="ignore", invalid="ignore"):
+    for i in range(1, x32.shape[0]):
+      acc = (acc + x32[i]).astype(np.float32)
+  return acc.astype(out_dtype)
 
 
 def bits(a) -> np.ndarray:

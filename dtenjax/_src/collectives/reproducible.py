@@ -1,15 +1,22 @@
-"""``reproducible=True`` on XLA's collectives: contract v2 (``fixed_point.py``) as three exchanges.
+"""The reproducible sums on XLA's collectives: contract v3 (``reproducible=True``,
+``fixed_point_v3.py``) and the exact contract v2 (``reproducible="exact"``, ``fixed_point.py``).
 
-1. each contribution's uint8 code, the local max over stacked contributions, then a MAX across
-   devices (``lax.pmax``, one byte per element; a record may supply its own ``code_max``);
-2. the contributions encoded against the reduced codes into int32 ``(hi, lo)`` words, summed
-   locally, then a SUM across devices of the stacked ``[2, ...]`` words with the chosen
-   algorithm's integer all-reduce (or reduce-scatter): integer addition is associative, so the
-   algorithm and XLA's order cannot change the result;
-3. decode to float32, divide for ``mean``, round once to the output dtype.
+Three ways to move the data, all with the same bits (they depend only on the multiset of
+contributions, never on the algorithm, the order or how contributions are split over devices,
+``local_axis``):
 
-The bits depend only on the multiset of contributions, not on the algorithm nor on how the
-contributions are split over devices (``local_axis``).
+* :func:`gather_all_reduce` -- one collective: all-gather the raw floats, every device sums all
+  contributions exactly on its own (:func:`local_sum`). The latency-bound form (``one_shot``).
+* the owner form (``two_shot``, in ``algorithms/two_shot.py``): an all-to-all of the raw floats,
+  each rank sums its chunk exactly, an all-gather of the rounded chunk.
+* :func:`all_reduce` -- the word exchange, for records that only all-reduce (``xla``, ``ring``,
+  ``hierarchical``, the host transport): a MAX of the per-element codes (``lax.pmax``; a record may
+  supply its own ``code_max``), then the SUM of the integer words (one int32 per value for v3,
+  two for v2) with the record's integer all-reduce, then the decode. Integer addition is
+  associative, so the record and XLA's order cannot change the result.
+
+More than ``fixed_point_v3.MAX_CONTRIBUTIONS`` contributions need more than one word per value:
+``reproducible=True`` then runs the exact contract (:func:`contract_for`).
 """
 
 from __future__ import annotations
@@ -19,8 +26,61 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
+from dtenjax._src import errors
 from dtenjax._src.collectives import fixed_point
+from dtenjax._src.collectives import fixed_point_v3 as v3
 from dtenjax._src.collectives.algorithms import base
+
+CONTRACTS = ("v3", "exact")
+
+
+def contract_of(reproducible) -> str | None:
+  """The contract a ``reproducible=`` argument asks for: None (False), "v3" (True) or "exact"."""
+  if reproducible is False or reproducible is None:
+    return None
+  if reproducible is True or reproducible == "v3":
+    return "v3"
+  if reproducible == "exact":
+    return "exact"
+  raise errors.CollectiveError(
+      f"reproducible={reproducible!r} is not a reproducible mode; use False, True (contract v3: "
+      "one integer word per value) or 'exact' (contract v2: the exact fixed-point sum).")
+
+
+def contract_for(contract: str, contributions: int) -> str:
+  """The contract that runs for ``contributions`` in all: v3 needs one word per value, which
+  holds up to ``fixed_point_v3.MAX_CONTRIBUTIONS`` of them; past that, the exact contract."""
+  if contract == "v3" and v3.supports(contributions):
+    return "v3"
+  return "exact"
+
+
+def check_contributions(contract: str, count: int, what: str = "reproducible all_reduce") -> None:
+  del contract     # v3 hands more than 32 contributions to the exact contract, whose limit holds
+  fixed_point.check_contributions(count, what)
+
+
+def local_sum(stack, op: str, contract: str, dtype=None):
+  """Reproducible sum (or mean) over axis 0 of the contributions ``stack`` on one device, rounded
+  to ``dtype`` (default ``stack``'s): the same bits as the word exchange of the same
+  contributions spread over devices."""
+  dtype = stack.dtype if dtype is None else dtype
+  n = stack.shape[0]
+  check_contributions(contract, n)
+  if contract_for(contract, n) == "v3":
+    return v3.local_sum(stack, op, dtype)
+  r = fixed_point.local_sum_f32(stack)
+  if op == "mean":
+    r = fixed_point.divide(r, n)
+  return r.astype(dtype)
+
+
+def gather_all_reduce(stack, call: base.Call):
+  """One collective: all-gather every device's ``[k, ...]`` contributions, then sum all
+  ``k * world`` of them exactly on every device. Returns the call's dtype."""
+  k, n = stack.shape[0], call.world
+  g = lax.all_gather(stack, call.axes) if n > 1 else stack[None]      # [n, k, ...]
+  return local_sum(g.reshape((n * k,) + stack.shape[1:]), call.op, call.contract)
 
 
 def _int_call(call: base.Call) -> base.Call:
@@ -36,27 +96,42 @@ def _code_max(codes, call: base.Call, record: base.Algorithm):
 
 def all_reduce(stack, call: base.Call, record: base.Algorithm):
   """Reproducible sum (or mean) of ``stack`` (``[k, ...]`` local contributions) over the call's
-  axes, with ``record`` carrying the integer words. Returns the call's dtype."""
+  axes by the word exchange, with ``record`` carrying the integer words. Returns the call's
+  dtype."""
   k = stack.shape[0]
-  fixed_point.check_contributions(k * call.world)
+  count = k * call.world
+  check_contributions(call.contract, count)
+  if contract_for(call.contract, count) == "v3":
+    codes = _code_max(v3.stack_codes(stack), call, record)
+    words = v3.encode(stack, codes, count)                             # int32, exact
+    total = record.all_reduce(words, _int_call(call), lambda y: y)
+    return v3.decode(total, codes, count, call.op, stack.dtype)
   codes = _code_max(jnp.max(fixed_point.codes(stack), axis=0), call, record)
-  words = jnp.sum(fixed_point.encode(stack, codes), axis=1)          # [2, ...], exact
+  words = jnp.sum(fixed_point.encode(stack, codes), axis=1)           # [2, ...], exact
   total = record.all_reduce(words, _int_call(call), lambda y: y)
   r = fixed_point.decode_f32(total, codes)
   if call.op == "mean":
-    r = fixed_point.divide(r, k * call.world)
+    r = fixed_point.divide(r, count)
   return r.astype(stack.dtype)
 
 
 def reduce_scatter(blocks, call: base.Call, record: base.Algorithm):
   """Reproducible reduce-scatter: codes MAX-reduced over the full input, words reduce-scattered,
-  rank r decodes block r. ``blocks`` is ``[n, ...]``; returns float32 (the caller casts)."""
+  rank r decodes block r (the same bits as the all-reduce of that block). ``blocks`` is
+  ``[n, ...]``; returns the input dtype."""
   n = blocks.shape[0]
-  fixed_point.check_contributions(call.world)
+  count = call.world
+  check_contributions(call.contract, count)
+  mine_of = lambda a: lax.dynamic_index_in_dim(a, lax.axis_index(call.axes) if n > 1 else 0,
+                                               axis=0, keepdims=False)
+  if contract_for(call.contract, count) == "v3":
+    codes = _code_max(v3.codes(v3.bits(blocks)), call, record)      # [n, ...]
+    words = v3.encode(blocks[None], codes, count)                    # [n, ...]
+    mine = record.reduce_scatter(words, _int_call(call))
+    return v3.decode(mine, mine_of(codes), count, call.op, blocks.dtype)
   codes = _code_max(fixed_point.codes(blocks), call, record)         # [n, ...]
   words = jnp.moveaxis(fixed_point.encode(blocks, codes), 1, 0)     # [n, 2, ...]
   mine = record.reduce_scatter(words, _int_call(call))               # [2, ...]
-  my_codes = lax.dynamic_index_in_dim(codes, lax.axis_index(call.axes) if n > 1 else 0,
-                                      axis=0, keepdims=False)
-  r = fixed_point.decode_f32(mine, my_codes)
-  return fixed_point.divide(r, call.world) if call.op == "mean" else r
+  r = fixed_point.decode_f32(mine, mine_of(codes))
+  r = fixed_point.divide(r, count) if call.op == "mean" else r
+  return r.astype(blocks.dtype)

@@ -36,7 +36,9 @@ class Call:
     nbytes: bytes per participant (reduce_scatter: the full, unscattered input).
     backend: platform of the devices ("cpu", "gpu", "tpu").
     deterministic: the caller needs a fixed reduction order.
-    reproducible: the exact fixed-point sum (contract v2) of float contributions.
+    reproducible: a reproducible fixed-point sum of float contributions (``collectives/
+      reproducible.py``), in the contract ``contract``.
+    contract: "v3" (``reproducible=True``: one integer word per value) or "exact" (contract v2).
     contributions: contributions stacked on each device (``local_axis``), 1 otherwise.
     mesh_axes: every axis is a manual mesh axis (shard_map / mesh_map), not a vmap axis.
     processes: processes the group spans (1: every participant is in this process).
@@ -52,6 +54,7 @@ class Call:
   backend: str = "cpu"
   deterministic: bool = True
   reproducible: bool = False
+  contract: str = "v3"
   contributions: int = 1
   mesh_axes: bool = True
   processes: int = 1
@@ -91,8 +94,8 @@ class Algorithm:
       accumulation dtype, see :func:`acc_dtype`) to the result (mean division, final cast).
     reduce_scatter: ``(blocks, call) -> owned block`` in the accumulation dtype, where
       ``blocks`` is ``[n, ...]`` and rank r owns block r; None when the algorithm has none.
-    reproducible: ``(stack, call) -> result`` for ``reproducible=True`` sums of ``stack``
-      (``[k, ...]`` local contributions); None uses the generic contract-v2 composition
+    reproducible: ``(stack, call) -> result`` for reproducible sums of ``stack`` (``[k, ...]``
+      local contributions, ``call.contract``); None uses the generic word exchange
       (``collectives/reproducible.py``) with this record's integer all-reduce for the words.
     code_max: ``(codes, call) -> reduced codes`` for that composition; None uses ``lax.pmax``.
     applies: whether the record is relevant to the call at all (its backend, a process span);

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from dtenjax._src.collectives import fixed_point
+from dtenjax._src.collectives import reproducible as repro
 from dtenjax._src.collectives.algorithms import base
 
 
@@ -39,15 +39,10 @@ def reduce_scatter(blocks, call: base.Call):
 
 
 def reproducible(stack, call: base.Call):
-  """Contract v2 with one_shot's data movement: gather every contribution, sum them exactly on
-  every rank (``fixed_point.local_sum_f32``); the same bits as the word exchange."""
-  k, n = stack.shape[0], call.world
-  fixed_point.check_contributions(k * n)
-  g = lax.all_gather(stack, call.axes) if n > 1 else stack[None]      # [n, k, ...]
-  r = fixed_point.local_sum_f32(g.reshape((n * k,) + stack.shape[1:]))
-  if call.op == "mean":
-    r = fixed_point.divide(r, k * n)
-  return r.astype(stack.dtype)
+  """The reproducible sum with one_shot's data movement: one all-gather of every contribution,
+  summed exactly on every rank (``reproducible.gather_all_reduce``); the same bits as the word
+  exchange, with no separate exponent exchange (the latency-bound form)."""
+  return repro.gather_all_reduce(stack, call)
 
 
 ALGORITHM = base.Algorithm(

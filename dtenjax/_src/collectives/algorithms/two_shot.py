@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from dtenjax._src.collectives import fixed_point
+from dtenjax._src.collectives import reproducible as repro
 from dtenjax._src.collectives.algorithms import base
 
 
@@ -41,23 +41,20 @@ def reduce_scatter(blocks, call: base.Call):
 
 
 def reproducible(stack, call: base.Call):
-  """Contract v2 with two_shot's data movement: the all-to-all hands rank r every contribution
-  of its chunk (raw floats), rank r sums them exactly on its own (``fixed_point.local_sum_f32``),
-  then the rounded chunk is all-gathered. The same bits as the MAX/SUM word exchange (the
-  arithmetic is identical), with 2 N bytes on the wire instead of 9 E + 1 E and no MAX
-  all-reduce, which XLA:CPU runs slowly."""
+  """The reproducible sum with two_shot's data movement: the all-to-all hands rank r every
+  contribution of its chunk (raw floats), rank r sums them exactly on its own
+  (``reproducible.local_sum``), then the rounded chunk is all-gathered. The same bits as the word
+  exchange: the exponent exchange is fused into the all-to-all (each owner sees every
+  contribution), so the values travel once each way, in the input's width."""
   k, n = stack.shape[0], call.world
-  fixed_point.check_contributions(k * n)
+  repro.check_contributions(call.contract, k * n)
   flat = stack.reshape(k, -1)
   size = flat.shape[1]
   c = -(-size // n) if size else 1
   chunks = jnp.pad(flat, ((0, 0), (0, n * c - size))).reshape(k, n, c).transpose(1, 0, 2)
   if n > 1:
     chunks = lax.all_to_all(chunks, call.axes, 0, 0)          # [source rank, k, c]
-  r = fixed_point.local_sum_f32(chunks.reshape(n * k, c))
-  if call.op == "mean":
-    r = fixed_point.divide(r, k * n)
-  r = r.astype(stack.dtype)
+  r = repro.local_sum(chunks.reshape(n * k, c), call.op, call.contract)
   full = lax.all_gather(r, call.axes, tiled=True) if n > 1 else r
   return full[:size].reshape(stack.shape[1:])
 

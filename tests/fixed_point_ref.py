@@ -194,3 +194,33 @@ def contributions(k: int, m: int, seed: int = 0) -> np.ndarray:
   rnd[:, ::3] = rng.standard_normal((k, len(range(0, rest, 3)))) * 1e3   # similar magnitudes
   with np.errstate(over="ignore"):
     return np.concatenate([special, rnd.astype(np.float32)], axis=1)
+
+
+def error_report(counts=(2, 3, 8, 24, 32), columns: int = 3000) -> str:
+  """Errors against math.fsum on the adversarial suite (:func:`contributions`), per contract:
+  the largest |result - S| / sum|x| over the finite columns, and on how many columns v3 is
+  worse / better than the float32 fold. ``python tests/fixed_point_ref.py`` prints it."""
+  lines = ["| N | dtype | v3 max err / sum abs | exact (v2) | float32 fold | v3 worse / better "
+           "than the fold |", "| ---: | --- | ---: | ---: | ---: | ---: |"]
+  for n in counts:
+    for dtype in (np.dtype(np.float32), BF16):
+      x = contributions(n, columns, seed=5 + n).astype(dtype)
+      x64 = widen(x).astype(np.float64)
+      res = {"v3": v3_sum(x), "exact": exact_sum(x), "fold": fold_f32(x)}
+      ok = np.all(np.isfinite(x64), axis=0) & (np.max(np.abs(x64), axis=0) > 0)
+      for r in res.values():
+        ok &= np.isfinite(widen(r))
+      s = np.array([math.fsum(x64[:, j]) if ok[j] else 0.0 for j in range(x64.shape[1])])
+      mass = np.sum(np.abs(x64), axis=0)
+      err = {k: np.abs(widen(r).astype(np.float64) - s)[ok] for k, r in res.items()}
+      rel = {k: np.max(e / mass[ok]) for k, e in err.items()}
+      worse = int(np.sum(err["v3"] > err["fold"]))
+      better = int(np.sum(err["v3"] < err["fold"]))
+      name = "float32" if dtype == np.dtype(np.float32) else "bfloat16"
+      lines.append(f"| {n} | {name} | {rel['v3']:.2e} | {rel['exact']:.2e} | {rel['fold']:.2e} "
+                   f"| {worse} / {better} of {int(ok.sum())} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  print(error_report())

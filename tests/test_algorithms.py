@@ -424,7 +424,7 @@ def test_gpu_reproducible_goes_to_the_fused_kernel_and_falls_back_to_the_same_bi
   m4 = Mesh(np.array(jax.devices("cpu")[:4]), ("i",))
   y = np.asarray(_smap(m4, lambda v: C.all_reduce(v, "i", algorithm="nvlink_two_shot",
                                                   reproducible=True), "i")(x))
-  assert fake_gpu.calls == [("i", "two_shot", "sum", True, "float32")]
+  assert fake_gpu.calls == [("i", "two_shot", "sum", "v3", "float32")]   # the call's contract
   want = np.asarray(_smap(m4, lambda v: C.all_reduce(v, "i", reproducible=True), "i")(x))
   np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
 

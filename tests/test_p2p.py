@@ -56,9 +56,12 @@ def fold_reference(x, op="sum"):
   return acc.astype(x.dtype)
 
 
-def reproducible_reference(x, mean=False):
-  """Contract v2 over axis 0: the independent numpy reference the XLA path is pinned to."""
-  return fpref.reproducible_sum(np.asarray(x), mean=mean)
+def reproducible_reference(x, mean=False, contract=True):
+  """The reproducible sums over axis 0 (contract v3 for ``reproducible=True``, v2 for
+  ``"exact"``): the independent numpy references the XLA path is pinned to."""
+  if contract == "exact":
+    return fpref.exact_sum(np.asarray(x), mean=mean)
+  return fpref.v3_sum(np.asarray(x), mean=mean)
 
 
 def test_references_are_what_they_claim():
@@ -78,6 +81,14 @@ def test_references_are_what_they_claim():
   assert not np.signbit(reproducible_reference(np.array([[-0.0], [-0.0]], np.float32))[0])
   # bf16: exact sum, decoded to float32, rounded once more: 256 + 1 + 1 = 258.
   assert float(reproducible_reference(xb)[0]) == 258.0
+  # Against the element's exponent (1e8 < 2**27) v3 keeps 29 bits for 3 contributions (a unit of
+  # 2**-2), the exact contract 40 (2**-13).
+  tiny = np.array([[1e8], [0.3], [-1e8]], np.float32)
+  assert reproducible_reference(tiny)[0] == 0.25
+  assert reproducible_reference(tiny, contract="exact")[0] == np.float32(2458 / 8192)
+  for c in (True, "exact"):
+    assert reproducible_reference(x, contract=c)[0] == 1.0
+    assert reproducible_reference(sub, contract=c)[0] == np.float32(4e-45)
 
 
 # --- CPU ---------------------------------------------------------------------------------------
@@ -243,7 +254,7 @@ def _stacked(world, count, dtype, seed, special=False):
 
 def _reference(x, op, reproducible):
   if reproducible:
-    return reproducible_reference(x, mean=op == "mean")
+    return reproducible_reference(x, mean=op == "mean", contract=reproducible)
   return fold_reference(x, op)
 
 
@@ -286,38 +297,85 @@ def test_selftest_bitwise_other_ops(op, algorithm):
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
 @pytest.mark.parametrize("algorithm", ("one_shot", "two_shot"))
 @pytest.mark.parametrize("op", ("sum", "mean"))
-def test_selftest_reproducible_bitwise(world, dtype, algorithm, op):
+@pytest.mark.parametrize("contract", (True, "exact"))
+def test_selftest_reproducible_bitwise(world, dtype, algorithm, op, contract):
   for i, count in enumerate((1, 9, 4097, 100003)):
     x = _stacked(world, count, dtype, seed=77 * world + i, special=True)
-    out = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, op=op, reproducible=True,
+    out = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, op=op, reproducible=contract,
                                          count=count))(x)
-    want = reproducible_reference(x[:, :count], mean=op == "mean")
+    want = reproducible_reference(x[:, :count], mean=op == "mean", contract=contract)
     for r in range(world):
-      _assert_bits(np.asarray(out)[r, :count], want, f"rank {r}, count {count}")
+      _assert_bits(np.asarray(out)[r, :count], want, f"{contract} rank {r}, count {count}")
 
 
-REF_PATH = os.path.join(ROOT, "tests", "data", "reproducible_ref.npz")
+DATA = os.path.join(ROOT, "tests", "data")
 
 
 def _stored_reference():
-  """(name, contributions [8, 1024], op, expected) from the CPU bits the collectives tests store."""
-  ref = np.load(REF_PATH, allow_pickle=False)
-  xs = {"float32": ref["x_float32"], "bfloat16": ref["x_bfloat16"].view(ml_dtypes.bfloat16)}
-  for name, x in xs.items():
+  """(name, contributions [w, 1024], op, contract, expected) from the stored CPU bits
+  (tests/data, written by the numpy references): contract v3 for w = 2..8 simulated ranks (the
+  first w contributions), the exact contract for all 8."""
+  v3 = np.load(os.path.join(DATA, "reproducible_v3_ref.npz"), allow_pickle=False)
+  v2 = np.load(os.path.join(DATA, "reproducible_ref.npz"), allow_pickle=False)
+  for name in ("float32", "bfloat16"):
+    view = np.float32 if name == "float32" else ml_dtypes.bfloat16
+    x = v3["x_float32"] if name == "float32" else v3["x_bfloat16"].view(ml_dtypes.bfloat16)
     for op in ("sum", "mean"):
-      want = ref[f"{op}_{name}"].view(np.float32 if name == "float32" else ml_dtypes.bfloat16)
-      yield f"{op}_{name}", x, op, want
+      for w in range(2, 9):
+        yield f"{op}_{name}_{w}", x[:w], op, True, v3[f"{op}_{name}_{w}"].view(view)
+      yield f"{op}_{name}_exact", x, op, "exact", v2[f"{op}_{name}"].view(view)
 
 
 @pytest.mark.gpu
 def test_reproducible_kernel_matches_stored_cpu_bits():
-  """The stored CPU (XLA integer path) bits, reproduced by the fused kernels with 8 simulated
-  ranks for both algorithms."""
-  for name, x, op, want in _stored_reference():
+  """The stored CPU bits, reproduced by the fused kernels with 2..8 simulated ranks for both
+  algorithms (contract v3) and with 8 (the exact contract)."""
+  for name, x, op, contract, want in _stored_reference():
     for algorithm in ("one_shot", "two_shot"):
-      out = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, op=op, reproducible=True))(x)
+      out = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, op=op,
+                                           reproducible=contract))(x)
       for r in range(x.shape[0]):
         _assert_bits(np.asarray(out)[r], want, f"{name} {algorithm} rank {r}")
+
+
+def _host_compiler():
+  import shutil  # pylint: disable=g-import-not-at-top
+  return next((c for c in (os.environ.get("CXX"), "c++", "g++", "clang++") if c and
+               shutil.which(c)), None)
+
+
+def test_kernel_arithmetic_of_contract_v3_built_for_the_host(tmp_path):
+  """csrc/cuda/p2p_repro_v3.h is what the kernels compute per element in registers; built for
+  the host (IEEE float32 with subnormals, as the kernels without -ftz) it must give the numpy
+  reference's bits for every world 2..8, float32 and bfloat16, sum and mean, on the adversarial
+  suite and on data in the normal range. The bfloat16 result is the RNE conversion of the float
+  it returns (what the kernels' final conversion does)."""
+  cxx = _host_compiler()
+  if cxx is None:
+    pytest.skip("no C++ compiler on PATH (the extension build needs one too)")
+  exe = tmp_path / "v3host"
+  r = subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", f"-I{ROOT}",
+                      os.path.join(ROOT, "tests", "native", "p2p_repro_v3_main.cc"), "-o",
+                      str(exe)], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr                   # a build failure fails, never skips
+  rng = np.random.default_rng(0)
+  for w in range(2, 9):
+    wide = rng.standard_normal((w, 3000)) * np.exp2(rng.integers(-60, 120, (w, 3000)))
+    base = np.concatenate([fpref.contributions(w, 4000, seed=w), wide.astype(np.float32)], 1)
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+      x = base.astype(dtype)
+      for mean in (False, True):
+        inp, out = tmp_path / "in.bin", tmp_path / "out.bin"
+        with open(inp, "wb") as f:
+          f.write(np.array([w, int(mean), int(dtype != np.float32), x.shape[1]], np.int32)
+                  .tobytes())
+          f.write(x.astype(np.float32).tobytes())
+        subprocess.run([str(exe), str(inp), str(out)], check=True, timeout=60)
+        got = np.fromfile(out, np.uint32).view(np.float32).astype(dtype)
+        want = reproducible_reference(x, mean=mean)
+        bad = np.nonzero(_bits(got) != _bits(want))[0]
+        assert bad.size == 0, (w, dtype, mean, bad[:5], x[:, bad[:2]], got[bad[:2]],
+                               want[bad[:2]])
 
 
 @pytest.mark.gpu
@@ -403,6 +461,7 @@ def _need_gpus(n=2):
 CASES = [("one_shot", "sum", False), ("two_shot", "sum", False), ("one_shot", "mean", False),
          ("two_shot", "max", False), ("one_shot", "min", False), ("one_shot", "sum", True),
          ("two_shot", "sum", True), ("two_shot", "mean", True)]
+CASE_IDS = [f"{a}-{o}" + ("-v3" if r is True else f"-{r}" if r else "") for a, o, r in CASES]
 
 
 def _public(algorithm, op, reproducible):
@@ -413,8 +472,7 @@ def _public(algorithm, op, reproducible):
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", ("default", "off"))
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
-@pytest.mark.parametrize("case", CASES,
-                         ids=[f"{a}-{o}" + ("-exact" if r else "") for a, o, r in CASES])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_public_all_reduce_plain_shard_map(case, dtype, graphs):
   _need_gpus()
   algorithm, op, reproducible = case
@@ -505,7 +563,7 @@ def test_public_all_reduce_one_process_per_gpu():
     assert codes == [0] * n, "\n".join(logs)
     x = np.asarray(results[0]["inputs"], np.float32)          # [n, count], rank r's input
     for (algorithm, op, reproducible) in CASES:
-      name = f"{algorithm}-{op}-{int(reproducible)}"
+      name = f"{algorithm}-{op}-{reproducible}"
       want = _reference(x, op, reproducible)
       for r, res in enumerate(results):
         got = np.asarray(res["outputs"][name], np.uint32).view(np.float32)

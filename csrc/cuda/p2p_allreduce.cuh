@@ -7,10 +7,13 @@
 //    sum by W (RNE) before that rounding.
 //  * Op::kMax / kMin: the rank-order fold of `>` / `<` selections; any NaN gives the canonical
 //    quiet NaN.
-//  * Op::kRepSum: the exact fixed-point sum of contract v2 (docs/collectives.md): codes and
-//    quantisation from the float bits with integer operations, an int64 sum, and the XLA path's
-//    decode to float32 (then one RNE rounding to T), so that it equals the XLA path bit for bit
-//    (XLA:CPU flushes subnormals in float arithmetic; integers and exact products do not).
+//  * Op::kRepSum: the reproducible sum of contract v3 (docs/collectives.md), in registers as the
+//    peers' floats are read (p2p_repro_v3.h): one int32 word per value against the element's
+//    common exponent, an int32 sum, one rounding to T. The same bits as the XLA path.
+//  * Op::kRepExact: the exact fixed-point sum of contract v2: codes and quantisation from the
+//    float bits with integer operations, an int64 sum, and the XLA path's decode to float32
+//    (then one RNE rounding to T), so that it equals the XLA path bit for bit.
+//  The kernels are compiled without -ftz: subnormal operands and results are IEEE.
 //
 // Synchronisation: a block-level barrier between the blocks with the same blockIdx.x of every rank.
 // Barrier k of the call with epoch E writes 2E + k into the block's landing slot of every peer
@@ -27,8 +30,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "csrc/cuda/p2p_allreduce.h"
+#include "csrc/cuda/p2p_repro_v3.h"
 
 namespace dtenjax::p2p::device {
 
@@ -130,7 +135,7 @@ __device__ __forceinline__ float Fold(const float* v, Op op, bool mean) {
   return nan ? __uint_as_float(kQuietNan) : acc;
 }
 
-// Fixed-point contract v2, integer operations only.
+// --- contract v2 (the exact fixed-point sum), integer operations only -------------------------
 __device__ __forceinline__ uint32_t FixedCode(uint32_t b) {
   const uint32_t a = b & 0x7fffffffu;
   if (a == 0) return 0;
@@ -208,9 +213,14 @@ __device__ __forceinline__ float FixedSum(const float* v, bool mean) {
   return mean ? __fdiv_rn(r, static_cast<float>(W)) : r;
 }
 
-template <typename T, int W, bool kRep>
+
+enum RepMode : int { kPlain = 0, kRepV3 = 1, kRepExact = 2 };
+
+template <typename T, int W, int kMode>
 __device__ __forceinline__ float ReduceElem(const float* v, Op op, bool mean) {
-  if constexpr (kRep) {
+  if constexpr (kMode == kRepV3) {
+    return v3::RepSum<W, std::is_same<T, __nv_bfloat16>::value>(v, mean);
+  } else if constexpr (kMode == kRepExact) {
     return FixedSum<W>(v, mean);
   } else {
     return Fold<W>(v, op, mean);
@@ -218,7 +228,7 @@ __device__ __forceinline__ float ReduceElem(const float* v, Op op, bool mean) {
 }
 
 // The reduction of W 8-byte words (one per rank), rounded once to T.
-template <typename T, int W, bool kRep>
+template <typename T, int W, int kMode>
 __device__ __forceinline__ uint2 ReduceWord(const uint2* v, Op op, bool mean) {
   constexpr int E = 8 / sizeof(T);
   float f[W][E];
@@ -230,13 +240,13 @@ __device__ __forceinline__ uint2 ReduceWord(const uint2* v, Op op, bool mean) {
     float col[W];
 #pragma unroll
     for (int p = 0; p < W; ++p) col[p] = f[p][e];
-    r[e] = ReduceElem<T, W, kRep>(col, op, mean);
+    r[e] = ReduceElem<T, W, kMode>(col, op, mean);
   }
   return Vec<T>::WordFromF32(r);
 }
 
 // The reduction of W 16-byte vectors: two independent words (every element on its own).
-template <typename T, int W, bool kRep>
+template <typename T, int W, int kMode>
 __device__ __forceinline__ uint4 ReduceVec(const uint4* v, Op op, bool mean) {
   uint2 lo[W], hi[W];
 #pragma unroll
@@ -244,7 +254,7 @@ __device__ __forceinline__ uint4 ReduceVec(const uint4* v, Op op, bool mean) {
     lo[p] = make_uint2(v[p].x, v[p].y);
     hi[p] = make_uint2(v[p].z, v[p].w);
   }
-  const uint2 a = ReduceWord<T, W, kRep>(lo, op, mean), b = ReduceWord<T, W, kRep>(hi, op, mean);
+  const uint2 a = ReduceWord<T, W, kMode>(lo, op, mean), b = ReduceWord<T, W, kMode>(hi, op, mean);
   return make_uint4(a.x, a.y, b.x, b.y);
 }
 
@@ -264,7 +274,7 @@ __device__ __forceinline__ void CopyVecs(uint4* dst, const uint4* src, int64_t l
 
 // out[j] = reduction over src[0..W) at j, for this thread's grid-stride j in [lo, hi); two
 // indices per step when W is small so that enough loads are in flight. Also stores to `also`.
-template <typename T, int W, bool kRep>
+template <typename T, int W, int kMode>
 __device__ __forceinline__ void ReduceVecs(uint4* out, uint4* also, const uint4* const* src,
                                            int64_t lo, int64_t hi, int64_t first, int64_t stride,
                                            Op op, bool mean) {
@@ -274,8 +284,8 @@ __device__ __forceinline__ void ReduceVecs(uint4* out, uint4* also, const uint4*
       uint4 v[W], u[W];
 #pragma unroll
       for (int p = 0; p < W; ++p) { v[p] = __ldcg(src[p] + j); u[p] = __ldcg(src[p] + j + stride); }
-      const uint4 r0 = ReduceVec<T, W, kRep>(v, op, mean);
-      const uint4 r1 = ReduceVec<T, W, kRep>(u, op, mean);
+      const uint4 r0 = ReduceVec<T, W, kMode>(v, op, mean);
+      const uint4 r1 = ReduceVec<T, W, kMode>(u, op, mean);
       out[j] = r0; out[j + stride] = r1;
       if (also != nullptr) { also[j] = r0; also[j + stride] = r1; }
     }
@@ -284,14 +294,14 @@ __device__ __forceinline__ void ReduceVecs(uint4* out, uint4* also, const uint4*
     uint4 v[W];
 #pragma unroll
     for (int p = 0; p < W; ++p) v[p] = __ldcg(src[p] + j);
-    const uint4 r = ReduceVec<T, W, kRep>(v, op, mean);
+    const uint4 r = ReduceVec<T, W, kMode>(v, op, mean);
     out[j] = r;
     if (also != nullptr) also[j] = r;
   }
 }
 
 // The < E elements after the last whole vector: reduced by block 0 (same order, same bits).
-template <typename T, int W, bool kRep>
+template <typename T, int W, int kMode>
 __device__ __forceinline__ void ReduceTail(T* out, T* also, const uint4* const* src, int64_t base,
                                           int tail, Op op, bool mean) {
   if (blockIdx.x != 0 || threadIdx.x >= tail) return;
@@ -299,7 +309,7 @@ __device__ __forceinline__ void ReduceTail(T* out, T* also, const uint4* const* 
   float v[W];
 #pragma unroll
   for (int p = 0; p < W; ++p) v[p] = Vec<T>::ScalarToF32(reinterpret_cast<const T*>(src[p])[j]);
-  const T r = Vec<T>::ScalarFromF32(ReduceElem<T, W, kRep>(v, op, mean));
+  const T r = Vec<T>::ScalarFromF32(ReduceElem<T, W, kMode>(v, op, mean));
   out[j] = r;
   if (also != nullptr) also[j] = r;
 }
@@ -401,7 +411,7 @@ __device__ __forceinline__ void EndCall(const Region& me, uint32_t epoch) {
 
 // --- one-shot: copy in, barrier, every rank reduces everything --------------------------------
 
-template <typename T, int W, bool kRep>
+template <typename T, int W, int kMode>
 __global__ void __launch_bounds__(kThreads) OneShotKernel(const LaunchArgs a) {
   constexpr int E = Vec<T>::kElems;
   const int local = blockIdx.y;
@@ -429,8 +439,8 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const LaunchArgs a) {
 #pragma unroll
   for (int p = 0; p < W; ++p) src[p] = Region{a.peers.region[p]}.stage(parity, a.capacity);
   src[rank] = in;   // this rank's own values: straight from its input, not its stage copy
-  ReduceVecs<T, W, kRep>(out, nullptr, src, 0, nv, first, stride, a.op, a.mean);
-  ReduceTail<T, W, kRep>(static_cast<T*>(a.io[local].out), nullptr, src, nv * E, tail, a.op,
+  ReduceVecs<T, W, kMode>(out, nullptr, src, 0, nv, first, stride, a.op, a.mean);
+  ReduceTail<T, W, kMode>(static_cast<T*>(a.io[local].out), nullptr, src, nv * E, tail, a.op,
                          a.mean);
   EndCall(me, epoch);
 }
@@ -468,7 +478,7 @@ __device__ __forceinline__ void StoreWord(T* out, int64_t w, const uint2& r, int
   }
 }
 
-template <typename T, int W, bool kRep>
+template <typename T, int W, int kMode>
 __global__ void __launch_bounds__(kThreads) OneShotLLKernel(const LaunchArgs a) {
   constexpr int E = 8 / sizeof(T);
   const int local = blockIdx.y;
@@ -516,7 +526,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLKernel(const LaunchArgs a) 
       }
       v[p] = make_uint2(line.x, line.z);
     }
-    StoreWord(out, w, ReduceWord<T, W, kRep>(v, a.op, a.mean), a.count);
+    StoreWord(out, w, ReduceWord<T, W, kMode>(v, a.op, a.mean), a.count);
   }
   EndCall(me, epoch);
 }
@@ -528,7 +538,7 @@ __global__ void __launch_bounds__(kThreads) OneShotLLKernel(const LaunchArgs a) 
 // grid-stride mapping restarted at each segment's start), so each barrier orders exactly the data
 // its block exchanges. The < E tail elements are reduced redundantly by block 0 of every rank.
 
-template <typename T, int W, bool kRep>
+template <typename T, int W, int kMode>
 __global__ void __launch_bounds__(kThreads) TwoShotKernel(const LaunchArgs a) {
   constexpr int E = Vec<T>::kElems;
   const int local = blockIdx.y;
@@ -566,8 +576,8 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(const LaunchArgs a) {
     const int64_t lo = rank * seg, hi = min(nv, lo + seg);
     // The reduced segment goes to the output and to segment `rank` of this stage (which no
     // copy-in wrote), where the peers gather it after the second barrier.
-    ReduceVecs<T, W, kRep>(out, mine, src, lo, hi, first, stride, a.op, a.mean);
-    ReduceTail<T, W, kRep>(static_cast<T*>(a.io[local].out), nullptr, src, nv * E, tail, a.op,
+    ReduceVecs<T, W, kMode>(out, mine, src, lo, hi, first, stride, a.op, a.mean);
+    ReduceTail<T, W, kMode>(static_cast<T*>(a.io[local].out), nullptr, src, nv * E, tail, a.op,
                            a.mean);
   }
 

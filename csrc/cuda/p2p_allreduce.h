@@ -48,8 +48,12 @@ inline size_t RegionBytes(size_t capacity) { return kHeaderBytes + 2 * capacity 
 enum class Algorithm : int { kOneShot = 0, kTwoShot = 1, kOneShotLL = 2 };
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // kSum folds in rank order in float32; kMax/kMin propagate NaN (as the canonical quiet NaN);
-// kRepSum is the exact fixed-point sum of docs/collectives.md ("reproducible", contract v2).
-enum class Op : int { kSum = 0, kMax = 1, kMin = 2, kRepSum = 3 };
+// kRepExact is the exact fixed-point sum of contract v2 (reproducible="exact"), kRepSum the
+// reproducible sum of contract v3 (reproducible=True); docs/collectives.md.
+enum class Op : int { kSum = 0, kMax = 1, kMin = 2, kRepExact = 3, kRepSum = 4 };
+
+// The kernel family of an op: 0 plain, 1 contract v3, 2 contract v2 (p2p_kernels.h).
+inline int RepMode(Op op) { return op == Op::kRepSum ? 1 : op == Op::kRepExact ? 2 : 0; }
 
 inline size_t DTypeBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 

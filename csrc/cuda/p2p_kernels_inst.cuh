@@ -1,4 +1,5 @@
-// Instantiates the one-shot and two-shot kernels of one dtype for worlds 2..8 (included once by
+// Instantiates the one-shot and two-shot kernels of one dtype for worlds 2..8 and every
+// reduction mode (plain; reproducible v3 and exact where DTENJAX_P2P_REP) (included once by
 // each p2p_kernels_<dtype>.cu with DTENJAX_P2P_T, DTENJAX_P2P_PICK and DTENJAX_P2P_REP defined).
 #include "csrc/cuda/p2p_allreduce.cuh"
 #include "csrc/cuda/p2p_kernels.h"
@@ -6,41 +7,41 @@
 namespace dtenjax::p2p {
 namespace {
 
-template <typename T, int W, bool kRep>
+template <typename T, int W, int kMode>
 KernelFn Pick(Algorithm alg) {
   switch (alg) {
-    case Algorithm::kOneShot: return &device::OneShotKernel<T, W, kRep>;
-    case Algorithm::kTwoShot: return &device::TwoShotKernel<T, W, kRep>;
-    case Algorithm::kOneShotLL: return &device::OneShotLLKernel<T, W, kRep>;
+    case Algorithm::kOneShot: return &device::OneShotKernel<T, W, kMode>;
+    case Algorithm::kTwoShot: return &device::TwoShotKernel<T, W, kMode>;
+    case Algorithm::kOneShotLL: return &device::OneShotLLKernel<T, W, kMode>;
   }
   return nullptr;
 }
 
-template <typename T, bool kRep>
+template <typename T, int kMode>
 KernelFn PickWorld(Algorithm alg, int world) {
   switch (world) {
-    case 2: return Pick<T, 2, kRep>(alg);
-    case 3: return Pick<T, 3, kRep>(alg);
-    case 4: return Pick<T, 4, kRep>(alg);
-    case 5: return Pick<T, 5, kRep>(alg);
-    case 6: return Pick<T, 6, kRep>(alg);
-    case 7: return Pick<T, 7, kRep>(alg);
-    case 8: return Pick<T, 8, kRep>(alg);
+    case 2: return Pick<T, 2, kMode>(alg);
+    case 3: return Pick<T, 3, kMode>(alg);
+    case 4: return Pick<T, 4, kMode>(alg);
+    case 5: return Pick<T, 5, kMode>(alg);
+    case 6: return Pick<T, 6, kMode>(alg);
+    case 7: return Pick<T, 7, kMode>(alg);
+    case 8: return Pick<T, 8, kMode>(alg);
     default: return nullptr;
   }
 }
 
 }  // namespace
 
-KernelFn DTENJAX_P2P_PICK(Algorithm alg, int world, bool reproducible) {
-  if (reproducible) {
+KernelFn DTENJAX_P2P_PICK(Algorithm alg, int world, int rep_mode) {
+  switch (rep_mode) {
 #if DTENJAX_P2P_REP
-    return PickWorld<DTENJAX_P2P_T, true>(alg, world);
-#else
-    return nullptr;
+    case device::kRepV3: return PickWorld<DTENJAX_P2P_T, device::kRepV3>(alg, world);
+    case device::kRepExact: return PickWorld<DTENJAX_P2P_T, device::kRepExact>(alg, world);
 #endif
+    case device::kPlain: return PickWorld<DTENJAX_P2P_T, device::kPlain>(alg, world);
+    default: return nullptr;
   }
-  return PickWorld<DTENJAX_P2P_T, false>(alg, world);
 }
 
 }  // namespace dtenjax::p2p

@@ -377,12 +377,13 @@ Status GetSimArena(int ordinal, int world, size_t capacity, bool create, SimAren
     int resident = 1 << 30;
     for (int alg = 0; alg < 2; ++alg) {
       for (int dt = 0; dt < 3; ++dt) {
-        for (int rep = 0; rep < (dt == 2 ? 1 : 2); ++rep) {
+        for (Op op : {Op::kSum, Op::kRepSum, Op::kRepExact}) {
+          if (dt == 2 && op != Op::kSum) continue;   // no reproducible float16 kernels
           LaunchArgs la;
           la.world = world;
           la.algorithm = static_cast<Algorithm>(alg);
           la.dtype = static_cast<DType>(dt);
-          la.op = rep ? Op::kRepSum : Op::kSum;
+          la.op = op;
           int b = 0;
           DTENJAX_RETURN_IF_ERROR(MaxResidentBlocks(la, ordinal, &b));
           resident = b < resident ? b : resident;

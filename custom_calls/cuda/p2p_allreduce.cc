@@ -53,10 +53,11 @@ ffi::ErrorOr<p2p::Algorithm> ToAlgorithm(int64_t a, const char* what) {
 }
 
 ffi::ErrorOr<p2p::Op> ToOp(int64_t op, const char* what) {
-  if (op >= 0 && op <= 3) return static_cast<p2p::Op>(op);
+  if (op >= 0 && op <= 4) return static_cast<p2p::Op>(op);
   return ffi::Unexpected(ffi::Error::InvalidArgument(
       std::string(what) + ": op " + std::to_string(op) +
-      " is not 0 (sum), 1 (max), 2 (min) or 3 (reproducible sum)"));
+      " is not 0 (sum), 1 (max), 2 (min), 3 (exact reproducible sum, contract v2) or 4 "
+      "(reproducible sum, contract v3)"));
 }
 
 uint64_t TimeoutNs(int64_t timeout_ms) {

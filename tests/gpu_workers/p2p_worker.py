@@ -49,7 +49,7 @@ def main():
           mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P("x"), check_vma=False))
       out = f(glob)
       local = np.asarray(out.addressable_shards[0].data)
-      res["outputs"][f"{algorithm}-{op}-{int(reproducible)}"] = local.view(np.uint32).tolist()
+      res["outputs"][f"{algorithm}-{op}-{reproducible}"] = local.view(np.uint32).tolist()
   except Exception:  # pylint: disable=broad-except
     res["error"] = traceback.format_exc()
     print(res["error"], flush=True)

@@ -25,9 +25,10 @@ docs/collectives.md derives it and compares it with a float32 rank-order fold.
 More than :data:`MAX_CONTRIBUTIONS` contributions need more than one word: ``reproducible=True``
 uses the exact contract v2 (``fixed_point.py``) for them.
 
-Only integer operations act on the values (the words come from the float bits by shifts, the
-result's bits are assembled by shifts), so nothing here depends on XLA:CPU's flushing of
-subnormals, and the CUDA kernels (``csrc/cuda/p2p_allreduce.cuh``) compute the same bits.
+Nothing here depends on XLA:CPU's flushing of subnormals (denormals-are-zero, flush-to-zero):
+a word is an exact float product of the integer mantissa and a normal power of two, and the
+result's bits are assembled by integer shifts; the CUDA kernels (``csrc/cuda/p2p_allreduce.cuh``)
+compute the same bits with integer operations.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from dtenjax._src.collectives import fixed_point
 MAX_CONTRIBUTIONS = 32      # one int32 word: 31 - ceil(log2 N) >= 26 magnitude bits
 _I32 = jnp.int32
 _INF = 0x7F800000
+_NAN = 0x7FC00000
 _SIGN = np.int32(-0x80000000)
 
 
@@ -67,90 +69,49 @@ def codes(b):
   return jnp.maximum(jnp.right_shift(mag, 23), (mag != 0).astype(_I32))
 
 
-def quantize_exact(b, c, n: int):
-  """int32 word ``q`` of finite ``x`` (bits ``b``) against the common code ``c`` (step 3).
-
-  ``|x| = m * 2**(max(f, 1) - 150)`` (mantissa ``m`` with its implicit bit, field ``f``), so
-  ``x / U = m * 2**d`` with ``d = max(f, 1) - c + P - 24 <= P - 24``: a left shift when
-  ``d >= 0``, else a right shift by ``k = -d`` rounded on the cut bits. Meaningless where
-  ``c == 255`` (the caller overrides those).
-  """
-  p = precision(n)
-  f = jnp.right_shift(b, 23) & 0xFF
-  m = (b & 0x7FFFFF) | jnp.where(f != 0, _I32(1 << 23), _I32(0))
-  d = jnp.maximum(f, 1) - c + (p - 24)
-  k = jnp.clip(-d, 0, 31)
-  t = jnp.right_shift(m, k)
-  cut = m - jnp.left_shift(t, k)                    # the bits shifted out, < 2**k
-  if n == 2:                                        # round to odd: any cut bit sets the lowest
-    t = t | (cut != 0).astype(_I32)
-  else:                                             # nearest, ties to even
-    half = jax.lax.shift_right_logical(jnp.left_shift(_I32(1), k), _I32(1))
-    t = t + ((cut > half) | ((cut == half) & (k > 0) & ((t & 1) == 1))).astype(_I32)
-  q = jnp.left_shift(t, jnp.maximum(d, 0))
-  return jnp.where(b < 0, -q, q)
-
-
 def _pow2(k):
   """2.0**k as float32 for int32 k in [-126, 127] (built from the exponent bits)."""
-  return jax.lax.bitcast_convert_type(jnp.left_shift(jnp.clip(k, -126, 127) + 127, 23), jnp.float32)
+  return jax.lax.bitcast_convert_type(jnp.left_shift(k + 127, 23), jnp.float32)
 
 
-def quantize_fast(x32, b, c, n: int):
-  """:func:`quantize_exact` with float operations, valid where ``FAST_MIN_CODE <= c < 255``:
-  there ``x * 2**(P + 126 - c)`` is one exact product (a product below 2**-126, flushed to zero
-  or not, has |x / U| < 1/2), a subnormal ``x`` has ``|x / U| < 1/2`` (the flushing of subnormal
-  inputs cannot matter; round to odd reads its cut bits from ``b``), and the product is rounded
-  to an integer and converted exactly."""
-  y = x32 * _pow2(precision(n) + 126 - c)
+def quantize(b, c, n: int):
+  """int32 word ``q`` of finite ``x`` (float32 bits ``b``) against the common code ``c``.
+
+  ``|x| = m * 2**(max(f, 1) - 150)`` (mantissa ``m`` with its implicit bit, exponent field
+  ``f``), so ``x / U = m * 2**d`` with ``d = max(f, 1) - c + P - 24 <= P - 24 <= 7``: the float
+  product ``float(+-m) * 2**max(d, -60)`` is exact (an integer below 2**24 times a normal power
+  of two, never subnormal, so XLA:CPU's flushing of subnormals cannot touch it; below
+  ``2**-60`` both it and the true ``x / U`` round to 0, or to +-1 for round to odd), then it is
+  rounded to an integer. Meaningless where ``c == 255`` (the caller overrides those).
+  """
+  f = jnp.right_shift(b, 23) & 0xFF
+  m = (b & 0x7FFFFF) | jnp.left_shift(jnp.minimum(f, 1), 23)
+  d = jnp.maximum(jnp.maximum(f, 1) - c + (precision(n) - 24), -60)
+  y = jnp.where(b < 0, -m, m).astype(jnp.float32) * _pow2(d)
   if n != 2:
-    return jnp.round(y).astype(_I32)                # half to even
-  a = jnp.abs(y)
-  t = a.astype(_I32)                                # truncation; exact below 2**31
-  cut = (t.astype(jnp.float32) != a) | ((a == 0) & ((b & 0x7FFFFFFF) != 0))
-  t = t | cut.astype(_I32)
+    return jnp.round(y).astype(_I32)                # nearest, ties to even
+  a = jnp.abs(y)                                    # round to odd: truncate, then set the
+  t = a.astype(_I32)                                # lowest bit if anything was cut
+  t = t | (t.astype(jnp.float32) != a).astype(_I32)
   return jnp.where(b < 0, -t, t)
-
-
-# From this code up to 254 the float forms meet no subnormal that matters (a contribution, a
-# result, a mean's quotient) and no special value; an array whose every element's code is 0 or
-# in that range takes them (XLA:CPU runs them about five times faster).
-FAST_MIN_CODE = 40
-
-
-def fast(c):
-  """Whether every element's code allows the float forms (a scalar predicate for lax.cond;
-  an integer minimum: XLA:CPU reduces booleans slowly)."""
-  ok = (c == 0) | ((c >= FAST_MIN_CODE) & (c < 255))
-  return jnp.min(ok.astype(_I32)) == 1
 
 
 def _special_word(b):
   """The word of a contribution when ``C == 255``: ``(NaN or -inf) + 2**16 (NaN or +inf)``."""
-  mag = b & 0x7FFFFFFF
-  nan = mag > _INF
+  nan = (b & 0x7FFFFFFF) > _INF
   return ((nan | (b == _I32(_INF | _SIGN))).astype(_I32) +
           jnp.left_shift((nan | (b == _INF)).astype(_I32), 16))
-
-
-def _words(stack, c, n: int, use_fast: bool):
-  """int32 sum of the words of ``stack``'s contributions (axis 0)."""
-  total = None
-  for i in range(stack.shape[0]):
-    b = bits(stack[i])
-    if use_fast:
-      w = quantize_fast(stack[i].astype(jnp.float32), b, c, n)
-    else:
-      w = jnp.where(c == 255, _special_word(b), quantize_exact(b, c, n))
-    total = w if total is None else total + w
-  return total
 
 
 def encode(stack, c, n: int):
   """int32 sum of the words of ``stack``'s contributions (axis 0) against the reduced codes
   ``c``, for ``n`` contributions in all (what the collectives add up)."""
-  return jax.lax.cond(fast(c), lambda s, c: _words(s, c, n, True),
-                      lambda s, c: _words(s, c, n, False), stack, c)
+  total = None
+  for i in range(stack.shape[0]):
+    b = bits(stack[i])
+    w = jnp.where(c == 255, _special_word(b), quantize(b, c, n))
+    total = w if total is None else total + w
+  return total
 
 
 def round_scaled(q, t, p: int):
@@ -181,19 +142,11 @@ def round_scaled(q, t, p: int):
   return out | jnp.where(q < 0, sign, _I32(0))
 
 
-def _finish(q, c, n: int, op: str, dtype, use_fast: bool):
-  """The ``dtype`` result from the summed words ``q`` and the codes ``c`` (step 4). The float
-  form (every code 0 or in the fast range): the result and a mean's quotient are normal, so it
-  is one int -> float32 conversion (the one rounding) times an exact power of two."""
+def _finish(q, c, special, n: int, op: str, dtype):
+  """The ``dtype`` result from the summed words ``q``, the codes ``c`` and the float32 bits of
+  the special results (used where ``c == 255``)."""
   t = c - (126 + precision(n))
-  f32 = op == "mean" or jnp.dtype(dtype) == jnp.dtype(jnp.float32)
-  if use_fast and f32:
-    r = jnp.where(c == 0, jnp.float32(0), q.astype(jnp.float32) * _pow2(t))
-    return (fixed_point.ieee_divide(r, n) if op == "mean" else r).astype(dtype)
-  neg = (q & 0xFFFF) > 0
-  pos = jnp.right_shift(q, 16) > 0
-  special = jnp.where(neg & pos, _I32(0x7FC00000), jnp.where(pos, _I32(_INF), _I32(_INF | _SIGN)))
-  if f32:
+  if op == "mean" or jnp.dtype(dtype) == jnp.dtype(jnp.float32):
     r = round_scaled(q, t, 24)
     r = jnp.where(c == 255, special, jnp.where(c == 0, 0, r))
     r = jax.lax.bitcast_convert_type(r, jnp.float32)
@@ -208,8 +161,10 @@ def _finish(q, c, n: int, op: str, dtype, use_fast: bool):
 def decode(q, c, n: int, op: str, dtype):
   """The ``dtype`` result of summed words ``q`` (:func:`encode`, summed over devices) against
   the codes ``c`` for ``n`` contributions (step 4; ``op`` "sum" or "mean")."""
-  return jax.lax.cond(fast(c), lambda q, c: _finish(q, c, n, op, dtype, True),
-                      lambda q, c: _finish(q, c, n, op, dtype, False), q, c)
+  neg = (q & 0xFFFF) > 0
+  pos = jnp.right_shift(q, 16) > 0
+  special = jnp.where(neg & pos, _I32(_NAN), jnp.where(pos, _I32(_INF), _I32(_INF | _SIGN)))
+  return _finish(q, c, special, n, op, dtype)
 
 
 def stack_codes(stack):
@@ -223,14 +178,26 @@ def stack_codes(stack):
 
 
 def local_sum(stack, op: str = "sum", dtype=None):
-  """Contract-v3 sum (or mean) over axis 0 of ``stack`` on one device: ``decode(encode(...))``
-  of the same contributions, so the same bits as the collective word exchange. ``dtype``
-  defaults to ``stack``'s. Elementwise folds over the contributions (XLA:CPU reduces over a
-  leading axis slowly)."""
+  """Contract-v3 sum (or mean) over axis 0 of ``stack`` on one device: the same bits as the
+  collective word exchange of the same contributions. ``dtype`` defaults to ``stack``'s.
+
+  Elementwise folds over the contributions (XLA:CPU reduces over a leading axis slowly): two
+  integer maxima per contribution, ``hi = max(bits)`` and ``lo = max(bits ^ sign)``, see the
+  positive and the negative contributions' magnitudes, so they give the largest magnitude
+  (hence ``C``) and, for the special values, whether +inf (or a NaN) and -inf occur.
+  """
   n = stack.shape[0]
   dtype = stack.dtype if dtype is None else dtype
-  c = stack_codes(stack)
-
-  def run(use_fast):
-    return lambda s, c: _finish(_words(s, c, n, use_fast), c, n, op, dtype, use_fast)
-  return jax.lax.cond(fast(c), run(True), run(False), stack, c)
+  b = [bits(stack[i]) for i in range(n)]
+  hi, lo = b[0], b[0] ^ _SIGN
+  for v in b[1:]:
+    hi, lo = jnp.maximum(hi, v), jnp.maximum(lo, v ^ _SIGN)
+  mag = jnp.maximum(hi, lo)
+  c = codes(mag)
+  q = None
+  for v in b:
+    w = quantize(v, c, n)
+    q = w if q is None else q + w
+  nan = (mag > _INF) | ((hi == _INF) & (lo == _INF))
+  special = jnp.where(nan, _I32(_NAN), jnp.where(hi == _INF, _I32(_INF), _I32(_INF | _SIGN)))
+  return _finish(q, c, special, n, op, dtype)

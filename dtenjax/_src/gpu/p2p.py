@@ -16,10 +16,12 @@ rank r = position along the (combined) mesh axes:
   rounding to the dtype; ``mean`` divides the f32 sum by W before that rounding. This is exactly
   the XLA-native ``one_shot`` of ``collectives/algorithms.py`` (all-gather + the same fold).
 * ``max`` / ``min``: the rank-order fold of ``>`` / ``<`` selections; any NaN gives NaN.
-* ``reproducible=True`` (``sum``/``mean``, float32/bfloat16): the exact fixed-point sum of
-  contract v2 (docs/collectives.md), fused into the same kernels: each rank reads its peers'
-  float data, derives the per-element exponent from the values it read, sums in 64-bit integers
-  and rounds once. Same bits as the XLA path on any backend and any device count.
+* ``reproducible=True`` (``sum``/``mean``, float32/bfloat16): the reproducible sum of contract v3
+  (docs/collectives.md), fused into the same kernels: each rank reads its peers' float data,
+  derives the per-element exponent from the values it read, sums one int32 word per value in
+  registers and rounds once (no extra pass, no extra bytes). ``reproducible="exact"``: the exact
+  contract v2 the same way, with 64-bit integers. Same bits as the XLA path on any backend and
+  any device count.
 
 Which GPU is which rank is learnt at LOWERING time from the concrete mesh of the enclosing
 ``shard_map`` (also under ``jax.set_mesh`` and plain ``jax.jit``); the caller passes no mesh. Set-up
@@ -58,7 +60,7 @@ from dtenjax._src import ffi
 
 ALGORITHMS: dict[str, int] = {"one_shot": 0, "two_shot": 1}
 OPS: dict[str, int] = {"sum": 0, "mean": 0, "max": 1, "min": 2}
-REPRODUCIBLE_OP = 3
+REPRODUCIBLE_OPS: dict[str, int] = {"exact": 3, "v3": 4}    # Op::kRepExact, Op::kRepSum
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 REPRODUCIBLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_WORLD = 8
@@ -311,7 +313,7 @@ def _lower(ctx, x, *, axes, algorithm, op, reproducible, fallback):
     config.log_fallback(f"p2p-lower:{why}", f"dtenjax: {algorithm} NVLink kernel not used "
                         f"over {axes} ({why}); using the XLA form instead")
     return mlir.lower_fun(fallback, multiple_results=False)(ctx, x)
-  code = REPRODUCIBLE_OP if reproducible else OPS[op]
+  code = REPRODUCIBLE_OPS[reproducible] if reproducible else OPS[op]
   return jax.ffi.ffi_lowering(TARGET)(
       ctx, x, key=np.int64(key), algorithm=np.int64(ALGORITHMS[algorithm]), op=np.int64(code),
       mean=np.int64(op == "mean"), max_blocks=np.int64(max_blocks()),
@@ -323,7 +325,19 @@ mlir.register_lowering(_p2p_p, _lower)
 
 # --- the collective ----------------------------------------------------------------------------
 
-def _check(x, algorithm: str, op: str, reproducible: bool) -> None:
+def _contract(reproducible) -> str | None:
+  """None, or the reproducible contract ("v3" for True, "exact")."""
+  if reproducible is True:
+    return "v3"
+  if not reproducible:
+    return None
+  if reproducible in REPRODUCIBLE_OPS:
+    return reproducible
+  raise errors.CollectiveError(f"reproducible={reproducible!r} is not False, True (contract v3) "
+                               "or 'exact' (contract v2)")
+
+
+def _check(x, algorithm: str, op: str, reproducible) -> None:
   problems = []
   if algorithm not in ALGORITHMS:
     problems.append(f"algorithm {algorithm!r} is not one of {sorted(ALGORITHMS)}")
@@ -342,7 +356,7 @@ def _check(x, algorithm: str, op: str, reproducible: bool) -> None:
 
 
 def all_reduce(x, axis_name, *, algorithm: str = "one_shot", op: str = "sum",
-               reproducible: bool = False, fallback: Callable | None = None):
+               reproducible: bool | str = False, fallback: Callable | None = None):
   """All-reduce of ``x`` over ``axis_name`` with the NVLink kernels (inside shard_map on GPU).
 
   Bits follow the contract in this module's docstring. ``fallback(x)`` must compute the same
@@ -351,6 +365,7 @@ def all_reduce(x, axis_name, *, algorithm: str = "one_shot", op: str = "sum",
   CollectiveError with the reason.
   """
   _check(x, algorithm, op, reproducible)
+  reproducible = _contract(reproducible)
   axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   world = int(lax.axis_size(axes))
   nbytes = int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
@@ -363,13 +378,13 @@ def all_reduce(x, axis_name, *, algorithm: str = "one_shot", op: str = "sum",
     config.log_fallback(f"p2p:{why}", f"dtenjax: {algorithm} NVLink kernel not used ({why}); "
                         "using the XLA form instead")
     return fallback(x)
-  return _p2p_p.bind(x, axes=axes, algorithm=algorithm, op=op, reproducible=bool(reproducible),
+  return _p2p_p.bind(x, axes=axes, algorithm=algorithm, op=op, reproducible=reproducible,
                      fallback=fallback)
 
 
 # --- the simulated-rank harness (one GPU, N ranks) -------------------------------------------
 
-def selftest(x, *, algorithm: str = "one_shot", op: str = "sum", reproducible: bool = False,
+def selftest(x, *, algorithm: str = "one_shot", op: str = "sum", reproducible: bool | str = False,
              count: int | None = None, iters: int = 3, mode: int = 0, graph: bool = False,
              capacity: int | None = None):
   """Runs the real kernels with ``x.shape[0]`` simulated ranks on one GPU; returns [W, n].
@@ -384,6 +399,7 @@ def selftest(x, *, algorithm: str = "one_shot", op: str = "sum", reproducible: b
   (``capacity`` bytes per rank, default the registered-buffer size).
   """
   _check(x, algorithm, op, reproducible)
+  reproducible = _contract(reproducible)
   if x.ndim != 2 or not 2 <= x.shape[0] <= MAX_WORLD:
     raise errors.CollectiveError(f"selftest input must be [2 <= ranks <= 8, n], got {x.shape}")
   n = x.shape[1]
@@ -391,7 +407,8 @@ def selftest(x, *, algorithm: str = "one_shot", op: str = "sum", reproducible: b
   target = ffi.require("dtenjax_p2p_selftest_graph" if graph else "dtenjax_p2p_selftest", "CUDA")
   return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(
       x, count=np.int64(count), algorithm=np.int64(ALGORITHMS[algorithm]),
-      op=np.int64(REPRODUCIBLE_OP if reproducible else OPS[op]), mean=np.int64(op == "mean"),
+      op=np.int64(REPRODUCIBLE_OPS[reproducible] if reproducible else OPS[op]),
+      mean=np.int64(op == "mean"),
       iters=np.int64(iters), mode=np.int64(mode),
       capacity=np.int64(capacity if capacity is not None else capacity_bytes()),
       max_blocks=np.int64(max_blocks()), timeout_ms=np.int64(_timeout_ms()))

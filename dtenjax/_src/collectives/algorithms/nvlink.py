@@ -2,7 +2,8 @@
 
 Same bits as the XLA-native form of their family (the p2p contract): sum/mean are the rank-order
 float32 fold rounded once (``one_shot``'s order; two_shot reduces each segment on its owner with the
-same fold), max/min propagate NaN, ``reproducible=True`` is contract v2 fused into the kernel. The
+same fold), max/min propagate NaN, the reproducible sums (contract v3, and v2 for
+``reproducible="exact"``) are fused into the kernel. The
 concrete mesh is resolved by ``p2p`` at lowering time; when its set-up fails there it logs why
 once and lowers ``fallback`` instead, which is the bit-identical XLA-native form computed here.
 """
@@ -45,14 +46,14 @@ def _all_reduce(family: str, x, call: base.Call, finish):
 
 def _reproducible(family: str, stack, call: base.Call):
   fallback = lambda v: repro.all_reduce(v[None], call, xla.ALGORITHM)
-  return p2p.all_reduce(stack[0], call.axes[0], algorithm=family, op=call.op, reproducible=True,
-                        fallback=fallback)
+  return p2p.all_reduce(stack[0], call.axes[0], algorithm=family, op=call.op,
+                        reproducible=call.contract, fallback=fallback)
 
 
 def _record(family: str) -> base.Algorithm:
   return base.Algorithm(
       name=f"nvlink_{family}", family=family,
-      order=f"as {family}: ranks 0..n-1, float32, one rounding (reproducible: contract v2)",
+      order=f"as {family}: ranks 0..n-1, float32, one rounding (reproducible: contract v3/v2)",
       cost=f"nvlink_{family}", supports=supports,
       all_reduce=functools.partial(_all_reduce, family),
       reproducible=functools.partial(_reproducible, family),

@@ -7,9 +7,10 @@ bytes through HBM are: one-shot 4n (read input, write stage, read stage, write o
 ranks' reads of a stage hit L2 at best), two-shot 5n (+ the in-place write of the reduced
 segment and the gather). `hbm_GB/s` uses those counts; `ratio` = hbm_GB/s / copy GB/s (goal
 >= 0.85 for one-shot). `algbw` is n / time (nccl-tests style, per rank). `repro_us` times the
-fused reproducible kernel on the same data; `plain/repro` = plain time / reproducible time (1.0:
-the fixed-point conversion is free; it shows what the conversion costs on a GPU's cores, which
-simulated ranks share, so it is a pessimistic bound for real peers).
+fused reproducible kernel (contract v3, reproducible=True) on the same data, `exact_us` the exact
+contract v2 (reproducible="exact"); `plain/repro` and `plain/exact` = plain time / their time
+(1.0: the fixed-point conversion is free; it shows what the conversion costs on a GPU's cores,
+which simulated ranks share, so it is a pessimistic bound for real peers).
 
 Timing: jit calls that launch the kernel K1 and K2 times; (t(K2) - t(K1)) / (K2 - K1), medians
 of several calls, so dispatch overhead cancels.
@@ -43,7 +44,8 @@ def _time(fn, x, reps: int) -> float:
   return statistics.median(ts)
 
 
-def per_launch(x, *, algorithm: str, mode: int, reps: int, reproducible: bool = False) -> float:
+def per_launch(x, *, algorithm: str, mode: int, reps: int,
+               reproducible: bool | str = False) -> float:
   f1 = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, iters=K1, mode=mode,
                                       reproducible=reproducible))
   f2 = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, iters=K2, mode=mode,
@@ -77,22 +79,25 @@ def main() -> None:
           t = per_launch(x, algorithm=alg, mode=1, reps=args.reps)
           hbm = hbm_bytes * world * nbytes / t / 1e9
           t_rep = per_launch(x, algorithm=alg, mode=1, reps=args.reps, reproducible=True)
+          t_exact = per_launch(x, algorithm=alg, mode=1, reps=args.reps, reproducible="exact")
           rows.append(dict(world=world, dtype=jnp.dtype(dtype).name, bytes=nbytes,
                            algorithm=alg, time_us=t * 1e6, algbw_GBps=nbytes / t / 1e9,
                            hbm_GBps=hbm, copy_GBps=copy_bw, ratio=hbm / copy_bw,
-                           reproducible_us=t_rep * 1e6, reproducible_vs_plain=t / t_rep))
+                           reproducible_us=t_rep * 1e6, reproducible_vs_plain=t / t_rep,
+                           exact_us=t_exact * 1e6, exact_vs_plain=t / t_exact))
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, f,
                 indent=1)
   print(f"{'W':>2} {'dtype':>8} {'bytes/rank':>11} {'algorithm':>9} {'time_us':>9} "
         f"{'algbw':>8} {'hbm_GB/s':>9} {'copy_GB/s':>9} {'ratio':>6} {'repro_us':>9} "
-        f"{'plain/repro':>11}")
+        f"{'plain/repro':>11} {'exact_us':>9} {'plain/exact':>11}")
   for r in rows:
     print(f"{r['world']:>2} {r['dtype']:>8} {r['bytes']:>11} {r['algorithm']:>9} "
           f"{r['time_us']:>9.1f} {r['algbw_GBps']:>8.1f} {r['hbm_GBps']:>9.1f} "
           f"{r['copy_GBps']:>9.1f} {r['ratio']:>6.2f} {r['reproducible_us']:>9.1f} "
-          f"{r['reproducible_vs_plain']:>11.2f}")
+          f"{r['reproducible_vs_plain']:>11.2f} {r['exact_us']:>9.1f} "
+          f"{r['exact_vs_plain']:>11.2f}")
 
 
 if __name__ == "__main__":

@@ -44,8 +44,9 @@ def test_all_reduce_inside_a_host():
       L + NV_A + 7 * N / NV_BW + P + 16 * N * M)
   assert _t("all_reduce", "two_shot", g) == pytest.approx(
       2 * L + 2 * NV_A + 2 * 7 / 8 * N / NV_BW + P + 3 * N * M)
+  # ring: 7 ppermute steps of N/8 with an add each, then one all-gather of N/8 per rank
   assert _t("all_reduce", "ring", g) == pytest.approx(
-      14 * (L + NV_A + N / 8 / NV_BW) + 7 * P + 3 * N * M)
+      7 * (L + NV_A + N / 8 / NV_BW) + 7 * P + (L + NV_A + 7 / 8 * N / NV_BW) + 3 * N * M)
   assert _t("all_reduce", "nvlink_one_shot", g) == pytest.approx(
       K + 2 * NV_A + 7 * N / NV_BW + 9 * N * M)
   assert _t("all_reduce", "nvlink_two_shot", g) == pytest.approx(

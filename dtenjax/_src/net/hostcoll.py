@@ -44,6 +44,7 @@ import numpy as np
 
 from dtenjax._src import errors
 from dtenjax._src import ffi
+from dtenjax._src import jaxapi
 from dtenjax._src.net import transport
 
 TARGET = "dtenjax_host_all_reduce"
@@ -183,10 +184,16 @@ def reset() -> None:
     _comm_groups.clear()
 
 
-def _ring_call(x, position, slot, comm_ids: Sequence[int], op: str, site: int):
+def _ring_call(x, position, slot, comm_ids: Sequence[int], op: str, site: int,
+               reduced: Sequence[str]):
+  """One ring all-reduce across processes; the result is typed invariant over ``reduced`` (the
+  axes along which every participant now holds the same value), as lax.psum's would be."""
   ffi.require(TARGET, "CUDA" if jax.default_backend() == "gpu" else "cpu")
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)
   where = jnp.stack([jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32)])
+  # A custom call's operands must vary over the same axes.
+  x = jaxapi.to_varying(x, tuple(jaxapi.vma(where)))
+  where = jaxapi.to_varying(where, tuple(jaxapi.vma(x)))
+  call = jax.ffi.ffi_call(TARGET, jaxapi.reduced_struct(x, reduced), has_side_effect=True)
   return call(x, where, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(OPS[op]),
               site=np.int64(site))
 
@@ -212,28 +219,30 @@ def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
     total = all_reduce(x, axis_name, algorithm=algorithm, op="sum", tenant=tenant, site=site)
     return (total / jnp.asarray(nproc * local, total.dtype)).astype(x.dtype)
   if jax.process_count() == 1:
-    return x   # one process, one device on the axis: nothing to combine
+    # one process, one device on the axes: nothing to combine (the gather of one is typed as
+    # the all-reduce's result)
+    return jaxapi.all_gather_invariant(x, axes)[0]
   comms = communicators(local, tenant)
   transport.register_site(*site)
   ids = [c.comm_id for c in comms]
   tag = site[0]
   if algorithm == "ring":
-    return _ring_call(x, jax.lax.axis_index(axes), 0, ids, op, tag)
+    return _ring_call(x, jax.lax.axis_index(axes), 0, ids, op, tag, axes)
   outer, inner = axes
   position = jax.lax.axis_index(outer)
   if local == 1:
-    return _ring_call(x, position, 0, ids, op, tag)
+    return _ring_call(x, position, 0, ids, op, tag, axes)
   slot = jax.lax.axis_index(inner)
   if op != "sum":
     # max/min: reduce locally, then every slot reduces the whole array on its own ring.
     local_red = {"max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, inner)
-    return _ring_call(local_red, position, slot, ids, op, tag)
+    return _ring_call(local_red, position, slot, ids, op, tag, axes)
   flat = x.reshape(-1)
   pad = (-flat.size) % local
   flat = jnp.pad(flat, (0, pad))
   shard = jax.lax.psum_scatter(flat.reshape(local, -1), inner, scatter_dimension=0, tiled=False)
-  shard = _ring_call(shard, position, slot, ids, op, tag)
-  full = jax.lax.all_gather(shard, inner, axis=0, tiled=False).reshape(-1)
+  shard = _ring_call(shard, position, slot, ids, op, tag, (outer,))
+  full = jaxapi.all_gather_invariant(shard, (inner,), axis=0, tiled=False).reshape(-1)
   return full[:flat.size - pad].reshape(x.shape) if pad else full.reshape(x.shape)
 
 

@@ -26,7 +26,8 @@ local seconds per byte, the all-reduce formulas are:
                        two-level ring
 ``one_shot``           all-gather + fold: ``L + h a + (n-1) N b + P + 2 n N m``
 ``two_shot``           all-to-all, fold, all-gather: ``2L + 2 h a + 2(n-1)/n N b + P + 3 N m``
-``ring``               ``2(n-1)(L + a + N/n b) + (n-1) P + 3 N m``
+``ring``               ``(n-1)(L + a + N/n b) + (n-1) P`` (ppermute reduce-scatter) + an XLA
+                       all-gather ``L + h a + (n-1)/n N b`` + ``3 N m``
 ``hierarchical``       3 XLA ops: reduce-scatter in islands, one-shot across, all-gather in islands
 ``nvlink_one_shot``    ``K + 2a + (n-1) N b + (n+1) N m``
 ``nvlink_two_shot``    ``K + 4a + 2(n-1)/n N b + 3 N m``
@@ -263,9 +264,10 @@ def _ar_two_shot(t: _Terms, N: float) -> float:
 
 
 def _ar_ring(t: _Terms, N: float) -> float:
-  """2(n - 1) ppermutes of N/n and n - 1 adds of N/n."""
-  steps = 2 * (t.n - 1)
-  return steps * (t.L + t.a + N / t.n * t.b) + (t.n - 1) * t.P + 3 * N * t.m
+  """n - 1 ppermutes of N/n, each followed by an add of N/n, then one all-gather of N/n each."""
+  steps = t.n - 1
+  gather = t.L + t.hops * t.a + (t.n - 1) / t.n * N * t.b
+  return steps * (t.L + t.a + N / t.n * t.b) + steps * t.P + gather + 3 * N * t.m
 
 
 def _ar_hierarchical(t: _Terms, N: float) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from dtenjax._src import jaxapi
 from dtenjax._src.collectives import fixed_point
 from dtenjax._src.collectives.algorithms import base
 
@@ -21,9 +22,9 @@ def supports(call: base.Call) -> str | None:
 
 @base.keyed
 def all_reduce(x, call: base.Call, finish):
-  if call.world == 1:
-    return finish(x.astype(base.acc_dtype(x.dtype, call.op)))
-  return finish(base.ordered_reduce(lax.all_gather(x, call.axes), call.op))
+  # Every rank folds the same gathered values: the result is invariant over the axes, and the
+  # gather is typed so (as lax.psum's result is).
+  return finish(base.ordered_reduce(jaxapi.all_gather_invariant(x, call.axes), call.op))
 
 
 @base.keyed_scatter
@@ -43,7 +44,7 @@ def reproducible(stack, call: base.Call):
   every rank (``fixed_point.local_sum_f32``); the same bits as the word exchange."""
   k, n = stack.shape[0], call.world
   fixed_point.check_contributions(k * n)
-  g = lax.all_gather(stack, call.axes) if n > 1 else stack[None]      # [n, k, ...]
+  g = jaxapi.all_gather_invariant(stack, call.axes)                   # [n, k, ...]
   r = fixed_point.local_sum_f32(g.reshape((n * k,) + stack.shape[1:]))
   if call.op == "mean":
     r = fixed_point.divide(r, k * n)

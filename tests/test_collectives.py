@@ -80,7 +80,7 @@ def test_check_vma_true_with_varying_out_specs(mesh, algorithm):
 def test_reduce_scatter_and_all_gather(mesh):
   x = jax.random.normal(jax.random.key(5), (8, 16, 3))
   rs = {a: _smap(mesh, lambda v, a=a: dtenjax.reduce_scatter(v[0], AX, scatter_dimension=0,
-                                                             algorithm=a)[None])(x)
+                                                             tiled=True, algorithm=a)[None])(x)
         for a in ("ring", "one_shot", "two_shot", "xla", "auto")}
   want = x.sum(0).reshape(8, 2, 3)
   for a, y in rs.items():
@@ -138,7 +138,7 @@ def test_reduce_scatter_and_all_gather_transpose_into_each_other(mesh):
   x = jax.random.normal(jax.random.key(9), (8, 16))
   ct = jax.random.normal(jax.random.key(10), (8, 2))
   rs = lambda v: _smap(mesh, lambda u: dtenjax.reduce_scatter(u, AX, scatter_dimension=1,
-                                                              algorithm="ring"))(v)
+                                                              tiled=True, algorithm="ring"))(v)
   _, vjp = jax.vjp(rs, x)
   (g,) = vjp(ct)
   np.testing.assert_allclose(g, jnp.broadcast_to(ct.reshape(1, 16), (8, 16)), rtol=1e-6)
@@ -235,11 +235,12 @@ def test_reproducible_reference_file_bits(cpu_devices):
 def test_reproducible_reduce_scatter(mesh, algorithm):
   g = ref.contributions(8, 8 * 12, seed=15)          # rank r owns block r of 12 columns
   y = np.asarray(_smap(mesh, lambda v: dtenjax.reduce_scatter(
-      v[0], AX, scatter_dimension=0, algorithm=algorithm, reproducible=True)[None])(g))
+      v[0], AX, scatter_dimension=0, tiled=True, algorithm=algorithm, reproducible=True)[None])(g))
   want = ref.reproducible_sum(g)
   np.testing.assert_array_equal(ref.bits(y.reshape(-1)), ref.bits(want))
   m = np.asarray(_smap(mesh, lambda v: dtenjax.reduce_scatter(
-      v[0], AX, scatter_dimension=0, op="mean", algorithm=algorithm, reproducible=True)[None])(g))
+      v[0], AX, scatter_dimension=0, tiled=True, op="mean", algorithm=algorithm,
+      reproducible=True)[None])(g))
   np.testing.assert_array_equal(ref.bits(m.reshape(-1)), ref.bits(ref.reproducible_sum(g, mean=True)))
 
 
@@ -289,7 +290,7 @@ def test_errors_name_the_value_and_the_fix(mesh):
   _raises(mesh, lambda v: dtenjax.all_reduce(v.astype(jnp.int32), AX, reproducible=True),
           r"int32.*reproducible=False")
   _raises(mesh, lambda v: dtenjax.all_reduce(v, "i", algorithm="hierarchical"), r"two mesh axes")
-  _raises(mesh, lambda v: dtenjax.reduce_scatter(v[:, :6], AX, scatter_dimension=1),
+  _raises(mesh, lambda v: dtenjax.reduce_scatter(v[:, :6], AX, scatter_dimension=1, tiled=True),
           r"size 6 is not divisible by the size 8.*pad it")
   _raises(mesh, lambda v: dtenjax.all_reduce(v, AX, local_axis=0), r"reproducible=True")
   with pytest.raises(errors.CollectiveError, match="not bound"):

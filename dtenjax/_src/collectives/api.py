@@ -451,12 +451,15 @@ def _ag_bwd(s, _, ct):
 _all_gather_array.defvjp(_ag_fwd, _ag_bwd)
 
 
-def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int, op: str = "sum",
-                   algorithm: str = "auto", deterministic: bool = True,
+def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
+                   op: str = "sum", algorithm: str = "auto", deterministic: bool = True,
                    reproducible: bool = False):
   """Reduces over ``axis_name`` and leaves rank r with block r of ``scatter_dimension``.
 
-  Like ``lax.psum_scatter(..., tiled=True)``; the transpose is :func:`all_gather`.
+  The arguments and result shapes are ``lax.psum_scatter``'s: with ``tiled=False`` (the default)
+  the scattered dimension must have the axis size and is removed; with ``tiled=True`` it is split
+  into equal blocks. The result varies over ``axis_name`` (as psum_scatter's); the transpose is
+  :func:`all_gather`.
   Algorithms: "ring" (ppermute ring), "one_shot" (all_gather + ordered reduction of the owned
   block), "two_shot" (all_to_all + ordered reduction), "xla" (psum_scatter where its order is
   fixed, see ``algorithms/xla.py``), "auto". ``reproducible=True``: contract v2 -- the codes are
@@ -480,13 +483,19 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int, op: str = 
                       "out of range")
       continue
     dim = scatter_dimension % leaf.ndim
+    if not tiled and leaf.shape[dim] != n:
+      problems.append(f"leaf {i} shape {leaf.shape}: with tiled=False dimension {dim} must have "
+                      f"the size {n} of axis {axis_name!r} (one slice per rank), got "
+                      f"{leaf.shape[dim]}; pass tiled=True to split it into {n} blocks")
+      continue
     if leaf.shape[dim] % n:
       problems.append(f"leaf {i} shape {leaf.shape}: dimension {dim} of size {leaf.shape[dim]} "
                       f"is not divisible by the size {n} of axis {axis_name!r}; pad it to a "
                       f"multiple of {n} or pick another scatter_dimension")
       continue
-    out.append(_reduce_scatter_array(leaf, _RSSpec(axes, op, algorithm, bool(deterministic),
-                                                   dim, reproducible=bool(reproducible))))
+    y = _reduce_scatter_array(leaf, _RSSpec(axes, op, algorithm, bool(deterministic), dim,
+                                            reproducible=bool(reproducible)))
+    out.append(y if tiled else jnp.squeeze(y, dim))
   if problems:
     raise errors.CollectiveError(errors.join_problems("reduce_scatter: bad inputs", problems))
   return jax.tree_util.tree_unflatten(treedef, out)

@@ -395,3 +395,72 @@ def test_gpu_auto_is_never_the_host_transport_and_prefers_the_kernel_when_cheape
   assert "dtenjax_host_all_reduce" not in hlo
   plan = dtenjax.plan_all_reduce(2048 * 4, [d.id for d in mesh.devices])
   assert plan.algorithm in plan.times
+
+
+@pytest.mark.parametrize("group", [[], None, ["a"], 3])
+def test_plan_all_reduce_names_a_bad_group(group):
+  with pytest.raises(dtenjax.CollectiveError, match=r"group=.*must list the device ids"):
+    dtenjax.plan_all_reduce(1024, group, None)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("algorithm", ("auto",) + ALGOS)
+def test_mean_of_huge_values_is_finite_where_the_mean_is(mesh, algorithm, dtype):
+  """8 x 3e38 sums past float32's range, but the mean is 3e38: dtenjax divides by a power of
+  two first (exactly), so the result is finite; ordinary values keep the bits of sum / n."""
+  x = jnp.full((8, 4), 3e38, dtype)
+  y = np.asarray(_smap(mesh, lambda v: dtenjax.all_reduce(v, AX, op="mean",
+                                                          algorithm=algorithm))(x))
+  assert np.all(np.isfinite(y.astype(np.float32)))
+  np.testing.assert_allclose(y.astype(np.float32), np.float32(x[0, 0]),
+                             rtol=2 * float(jnp.finfo(dtype).eps))   # rounding of the 8-term sum
+  r = jax.random.normal(jax.random.key(7), (8, 32), dtype)
+  mean = _smap(mesh, lambda v: dtenjax.all_reduce(v, AX, op="mean", algorithm=algorithm))(r)
+  total = _smap(mesh, lambda v: dtenjax.all_reduce(v.astype(jnp.float32), AX,
+                                                   algorithm=algorithm))(r)
+  want = np.asarray(total) / np.float32(8)                   # the same sum, divided once (IEEE)
+  np.testing.assert_array_equal(np.asarray(mean, np.float32), want.astype(dtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("algorithm", ("ring", "one_shot", "two_shot", "hierarchical"))
+def test_a_sum_of_negative_zeros_is_negative_zero(mesh, algorithm):
+  """IEEE: -0 + -0 = -0. dtenjax's folds start from x_0, so they keep it."""
+  y = _smap(mesh, lambda v: dtenjax.all_reduce(v, AX, algorithm=algorithm))(jnp.full((8, 3), -0.0))
+  assert np.all(np.signbit(np.asarray(y)))
+
+
+def test_xla_sums_of_negative_zeros_are_positive_zero_as_xla_folds_from_plus_zero(mesh):
+  """Documented (docs/collectives.md): XLA:CPU's all-reduce folds from +0, so algorithm='xla' (and
+  auto where it picks xla) gives +0.0 for a sum of only -0.0, exactly as lax.psum does."""
+  x = jnp.full((8, 3), -0.0)
+  ours = _smap(mesh, lambda v: dtenjax.all_reduce(v, AX, algorithm="xla"))(x)
+  psum = _smap(mesh, lambda v: jax.lax.psum(v, AX))(x)
+  assert not np.any(np.signbit(np.asarray(ours))) and not np.any(np.signbit(np.asarray(psum)))
+
+
+def test_a_mean_of_an_already_summed_gradient_is_flagged_once(caplog):
+  """jax.grad of replicated params under check_vma=True is already summed over the axis; a mean
+  of it returns n times the mean gradient (as lax.pmean does). dtenjax says so once, with the fix;
+  per-device gradients (pvary'd params) are averaged silently."""
+  from dtenjax._src import config
+  config._said.discard("invariant-mean")
+  mesh = dtenjax.make_mesh((8,), ("d",))
+  w = jnp.ones(3)
+  x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
+
+  def step(trap):
+    def body(w, xb):
+      params = w if trap else dtenjax.compression.pvary(w, "d")
+      g = jax.grad(lambda p: jnp.sum(p * xb))(params)
+      return dtenjax.all_reduce(g, "d", op="mean")
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))
+
+  with caplog.at_level("WARNING", logger="dtenjax"):
+    good = step(False)(w, x)
+  assert not [r for r in caplog.records if "already SUMMED" in r.getMessage()]
+  np.testing.assert_allclose(good, np.asarray(x).mean(0), rtol=1e-6)
+  with caplog.at_level("WARNING", logger="dtenjax"):
+    bad = step(True)(w, x)
+  msgs = [r.getMessage() for r in caplog.records if "already SUMMED" in r.getMessage()]
+  assert len(msgs) == 1 and "compression.pvary(params, axis)" in msgs[0]
+  np.testing.assert_allclose(bad, np.asarray(x).sum(0), rtol=1e-6)    # n times the mean, as JAX

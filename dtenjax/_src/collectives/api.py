@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -217,6 +218,24 @@ def _check_reduced_type(x, y, axes: tuple[str, ...], record: str):
   return y
 
 
+def _warn_invariant_mean(leaves, typed: tuple[str, ...]) -> None:
+  """The migration trap JAX has too, said once: a mean over axes the value does not vary over."""
+  if not typed:
+    return
+  inv = [i for i, leaf in enumerate(leaves)
+         if jnp.issubdtype(leaf.dtype, jnp.inexact) and not jaxapi.vma(leaf) & set(typed)]
+  if inv:
+    config.log_once(
+        "invariant-mean",
+        f"dtenjax.all_reduce(op='mean') over {typed} got values that do not vary over those axes "
+        f"(leaves {inv[:5]}{'...' if len(inv) > 5 else ''}): the mean of n equal copies is the "
+        "value itself. If it is a gradient with respect to parameters passed with in_specs=P(), "
+        "jax.grad has already SUMMED it over the devices, so this returns n times the mean "
+        "gradient (lax.pmean does the same). Differentiate with respect to "
+        "dtenjax.compression.pvary(params, axis) (jax.lax.pcast(params, axis, to='varying')) to "
+        "get per-device gradients to average, or use the summed gradient divided by n.")
+
+
 # --- single-array all-reduce and its VJP --------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +272,29 @@ def _forward(x, spec: _Spec):
       y = fixed_point.ieee_divide(y, count)
     return y.astype(out_dtype)
 
-  return _check_reduced_type(x, record.all_reduce(x, call, finish), spec.axes, record.name)
+  scale = _mean_scale(x.dtype, spec.op, count)
+  y = record.all_reduce(x if scale is None else x * (1 / scale), call, finish)
+  if scale is not None:
+    y = y * jnp.asarray(scale, y.dtype)
+  return _check_reduced_type(x, y, spec.axes, record.name)
+
+
+def _mean_scale(dtype, op: str, count: int) -> float | None:
+  """The power of two 2^k >= ``count`` by which a mean's inputs are divided (and its result
+  multiplied) when their sum could overflow the accumulator although the mean cannot.
+
+  Scaling by a power of two is exact, and so is the rounding of a scaled value, so the bits are
+  those of ``sum / count`` whenever neither overflows nor underflows; inputs below
+  ``2^(k - 126)`` (float32, bfloat16) lose their last k bits to the subnormal range instead
+  (an absolute error of at most ``count * 2^-150``). None when the accumulator has the room
+  (float16 sums in float32) or for non-float dtypes.
+  """
+  if op != "mean" or count <= 1 or not jnp.issubdtype(dtype, jnp.floating):
+    return None
+  acc = base.acc_dtype(dtype, op)
+  if float(jnp.finfo(acc).max) >= count * float(jnp.finfo(dtype).max):
+    return None
+  return 2.0 ** math.ceil(math.log2(count))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -338,9 +379,12 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
         "exact sum of stacked local contributions); sum the axis yourself otherwise.")
   typed = _typed_axes(axes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
+  leaves = [jnp.asarray(leaf) for leaf in leaves]
+  if op == "mean":
+    _warn_invariant_mean(leaves, typed)
   # As lax.psum: a leaf invariant over a reduced axis is first cast to varying (so the sum of a
   # replicated value is n times it, and its gradient is summed back by the cast's transpose).
-  leaves = [jaxapi.to_varying(jnp.asarray(leaf), typed) for leaf in leaves]
+  leaves = [jaxapi.to_varying(leaf, typed) for leaf in leaves]
   specs = []
   for leaf in leaves:
     _check_leaf("all_reduce", leaf, op, reproducible)
@@ -545,8 +589,16 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None
   if kind not in base.KINDS:
     raise errors.CollectiveError(f"plan_all_reduce: kind={kind!r} is not one of {base.KINDS}")
   _check_common("plan_all_reduce", op, "auto")
+  given = group
+  try:
+    group = [operator.index(g) for g in group]
+  except TypeError:
+    group = []
+  if not group:
+    raise errors.CollectiveError(
+        f"plan_all_reduce: group={given!r} must list the device ids taking part, in rank order "
+        "(e.g. [d.id for d in mesh.devices.flat])")
   topology = topology if topology is not None else Topology.current()
-  group = [int(g) for g in group]
   sizes = tuple(int(s) for s in (axis_sizes or (len(group),)))
   if math.prod(sizes) != len(group):
     raise errors.CollectiveError(f"plan_all_reduce: axis_sizes={sizes} do not multiply to the "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,7 +37,9 @@ from dtenjax._src.planning import planner
 from dtenjax._src.topology.model import Topology
 
 STRATEGIES = ("auto", "replicate", "row", "col", "2d")
-MEMORY_KINDS = {"device": "device", "pinned": "pinned_host", "unpinned": "unpinned_host"}
+# jax's memory kinds, and the short names dtenjax also accepts for them.
+MEMORY_KINDS = {"device": "device", "pinned_host": "pinned_host", "unpinned_host": "unpinned_host",
+                "pinned": "pinned_host", "unpinned": "unpinned_host"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +51,8 @@ class Placement:
       ``PartitionSpec`` naming mesh axes.
     mesh: a ``jax.sharding.Mesh``, a mesh shape such as ``(2, 4)`` (axes named by
       ``axis_names``), or None for the enclosing ``use_mesh`` / all devices in 1D.
-    memory_policy: "device", "pinned" (page-locked host memory) or "unpinned" host memory.
+    memory_policy: a jax memory kind -- "device", "pinned_host" (page-locked host memory) or
+      "unpinned_host" -- or the short "pinned" / "unpinned".
     axis_names: names for a mesh given as a shape; default ("x", "y", ...).
     workload: what the planner assumes the tensor is used for (auto only).
     topology: the topology the planner and mesh use; default ``Topology.current()``.
@@ -465,10 +469,22 @@ def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None 
     shape, dtype: of the array.
     placement: default ``Placement()`` ("auto" over all devices).
     init: "zeros", "ones", "normal", "uniform" or ``f(key, shape, dtype) -> array``.
-    key: PRNG key for random initialisers (default ``jax.random.key(0)``).
+    key: PRNG key (``jax.random.key(seed)``), required by every ``init`` but "zeros" and "ones":
+      a default key would give every tensor made without one the same values.
   """
   placement = placement or Placement()
-  shape = tuple(int(s) for s in shape)
+  try:
+    dims = tuple(operator.index(s) for s in shape)
+  except TypeError:
+    dims = None
+  if dims is None or any(s < 0 for s in dims):
+    raise errors.PlacementError(f"tensor: shape={shape!r} must be a sequence of non-negative "
+                                "ints, such as (4096, 1024)")
+  shape = dims
+  if key is None and not (isinstance(init, str) and init in ("zeros", "ones")):
+    raise errors.PlacementError(
+        f"tensor(init={init!r}) needs key=: pass a PRNG key, e.g. key=jax.random.key(0), and a "
+        "different one for every tensor (without one they would all get the same values)")
   if isinstance(init, str):
     if init not in _INITS:
       raise errors.PlacementError(f"init={init!r} is not one of {tuple(_INITS)} or a callable "
@@ -477,5 +493,5 @@ def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None 
   else:
     init_fn = init
   sharding = placement.sharding(shape, dtype)
-  key = jax.random.key(0) if key is None else key
+  key = jax.random.key(0) if key is None else key   # zeros / ones ignore it
   return jax.jit(lambda k: init_fn(k, shape, dtype), out_shardings=sharding)(key)

@@ -154,7 +154,7 @@ def fmt_ratio(r: float | None) -> str:
 def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, str]],
           title: str | None = None) -> str:
   """Rows as text: ``columns`` are (header, key, format) with format a ``format()`` spec, or
-  ``"ratio"`` for ``1.23x``."""
+  ``"ratio"`` for ``1.23x``. Text columns (format ``"s"``) are left-aligned, numbers right."""
   from dtenjax._src import tables  # pylint: disable=g-import-not-at-top
 
   def cell(v, f):
@@ -163,7 +163,7 @@ def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, s
     return fmt_ratio(v) if f == "ratio" else format(v, f)
   body = [[cell(r.get(key), f) for _, key, f in columns] for r in rows]
   return tables.render([h for h, _, _ in columns], body, title=title,
-                       align=["right"] * len(columns))
+                       align=["left" if f == "s" else "right" for _, _, f in columns])
 
 
 NCCL_TABLE = (("size", "size", "d"), ("count", "count", "d"), ("type", "type", "s"))
@@ -184,7 +184,7 @@ def require_gpu(bench: str, what: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   backend = jax.default_backend()
   if backend != "gpu":
-    refuse(bench, f"{what} needs a CUDA GPU, and jax's backend is {backend!r} "
+    refuse(bench, f"it needs a CUDA GPU ({what}), and jax's backend is {backend!r} "
            f"({len(jax.devices())} {backend} device(s)); run it on a GPU machine.")
 
 
@@ -212,8 +212,8 @@ def versions() -> dict[str, str | None]:
           "cuda_python": _version("cuda-python"), "nvidia_ml_py": _version("nvidia-ml-py")}
 
 
-def machine(devices: Sequence[Any] | None = None, **extra: Any) -> dict[str, Any]:
-  """Host, OS, cores, load and (given jax devices, or a summary dict in ``extra``) devices."""
+def machine(devices: Sequence[Any] | None = None) -> dict[str, Any]:
+  """Host, OS, cores, load and (given jax devices) a summary of the devices."""
   m: dict[str, Any] = {"host": socket.gethostname(), "platform": platform.platform(),
                        "cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
   if devices is not None:
@@ -225,7 +225,6 @@ def machine(devices: Sequence[Any] | None = None, **extra: Any) -> dict[str, Any
     m["devices"] = {"backend": devices[0].platform if devices else None,
                     "count": len(devices), "kinds": kinds,
                     "processes": len({d.process_index for d in devices})}
-  m.update(extra)
   return m
 
 
@@ -245,7 +244,7 @@ def document(bench: str, script: str, argv: Sequence[str], params: Mapping[str, 
       "schema": SCHEMA, "bench": bench, "kind": kind,
       "command": command(script, argv), "argv": list(argv),
       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-      "machine": machine(devices, **(machine_extra or {})), "versions": versions(),
+      "machine": {**machine(devices), **(machine_extra or {})}, "versions": versions(),
       "params": dict(params), "rows": [dict(r) for r in rows], "notes": list(notes),
   }
 

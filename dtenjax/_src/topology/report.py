@@ -8,11 +8,8 @@ measured).
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 
-from dtenjax._src import errors
 from dtenjax._src.topology.model import LINK_ORDER, Topology
 
 # Short codes, as nvidia-smi prints them where one exists.
@@ -106,40 +103,3 @@ def _ranges(ids: Sequence[int]) -> str:
   if start is not None:
     out.append(f"{start}-{prev}" if prev != start else f"{start}")
   return ",".join(out)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  """``python -m dtenjax topo [--fixture NAME | --json FILE] [--probe] [--save FILE]``."""
-  ap = argparse.ArgumentParser(
-      prog="python -m dtenjax topo",
-      description="Print the device link matrix with the bandwidths the cost model uses.")
-  src = ap.add_mutually_exclusive_group()
-  src.add_argument("--fixture", metavar="NAME",
-                   help=f"a shipped topology: {', '.join(Topology.fixtures())}")
-  src.add_argument("--json", metavar="FILE", help="a topology JSON file (Topology.to_json())")
-  ap.add_argument("--probe", action="store_true",
-                  help="measure alpha/beta of the link classes present (this machine only)")
-  ap.add_argument("--save", metavar="FILE", help="write the topology shown as JSON")
-  args = ap.parse_args(list(argv) if argv is not None else None)
-  try:
-    if args.fixture:
-      topology = Topology.fixture(args.fixture)
-    elif args.json:
-      topology = Topology.from_json(args.json)
-    else:
-      topology = Topology.detect()
-    if args.probe:
-      topology = topology.probe()
-  except errors.DtenjaxError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  print(link_matrix_table(topology))
-  if args.save:
-    with open(args.save, "w", encoding="utf-8") as f:
-      f.write(topology.to_json() + "\n")
-    print(f"\nsaved to {args.save}")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

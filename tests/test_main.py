@@ -91,3 +91,14 @@ def test_demo_losses_are_bit_identical_across_device_counts():
     assert f"{n} cpu device(s)" in out
   digests = {n: _digest(out) for n, out in outs.items()}
   assert len(set(digests.values())) == 1, digests
+
+
+def test_demo_without_its_extra_says_how_to_install_it(monkeypatch, capsys):
+  from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
+  real = info._present  # pylint: disable=protected-access
+  monkeypatch.setattr(info, "_present", lambda m: m != "optax" and real(m))
+  assert cli.main(["demo", "--steps", "1"]) == 2
+  err = capsys.readouterr().err
+  assert err == ("python -m dtenjax demo: error: demo needs optax, which is "
+                 "not installed: pip install 'dtenjax[demo]' (from a checkout: pip install "
+                 "'.[demo]').\n")

@@ -158,6 +158,7 @@ def accuracy(params, data) -> float:
 
 HELP = "train an auto-placed MLP on digits, print plan + explain, check determinism"
 DESCRIPTION = __doc__
+EXTRA = "demo"      # scikit-learn's digits and optax: checked before run() (cli/main.py)
 
 
 def _at_least(minimum: int):

@@ -270,6 +270,8 @@ def run(args: argparse.Namespace) -> int:
       raise errors.ConfigurationError(
           "--shape-args, --args and --mesh describe the arguments of your own step; name it "
           "first: python -m dtenjax explain MODULE:FUNCTION --shape-args ...")
+    from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
+    info.require("demo", "explaining the demo's step (explain without MODULE:FUNCTION)")
     fn, call_args, call_kwargs = _demo_step()
     label = "the demo's training step"
   else:

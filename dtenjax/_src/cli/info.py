@@ -22,6 +22,22 @@ def _present(module: str) -> bool:
     return False
 
 
+PACKAGES = {"cuda.bindings": "cuda-python", "pynvml": "nvidia-ml-py", "sklearn": "scikit-learn",
+            "optax": "optax", "matplotlib": "matplotlib", "pyverbs": "pyverbs", "flax": "flax",
+            "prometheus_client": "prometheus_client"}
+
+
+def require(extra: str, what: str) -> None:
+  """Raises a ConfigurationError naming the missing packages of ``extra`` and the pip command."""
+  from dtenjax._src import errors  # pylint: disable=g-import-not-at-top
+  missing = [PACKAGES[m] for m in EXTRAS[extra] if not _present(m)]
+  if missing:
+    raise errors.ConfigurationError(
+        f"{what} needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+        f"not installed: pip install 'dtenjax[{extra}]' (from a checkout: pip install "
+        f"'.[{extra}]').")
+
+
 def describe() -> dict:
   from dtenjax._src import ffi  # pylint: disable=g-import-not-at-top
   return {"extension": ffi.build_info(),

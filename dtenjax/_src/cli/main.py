@@ -67,7 +67,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                        epilog=_plain(getattr(module, "EPILOG", None)),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(p)
-    p.set_defaults(run=module.run, parser=p)
+    p.set_defaults(run=module.run, parser=p, extra=getattr(module, "EXTRA", None))
   return ap
 
 
@@ -81,6 +81,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
   else:
     args = parser.parse_args(argv)
   try:
+    if args.extra:
+      from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
+      info.require(args.extra, args.command)
     return int(args.run(args) or 0)
   except errors.DtenjaxError as e:
     print(f"{args.parser.prog}: error: {e}", file=sys.stderr)
@@ -88,3 +91,6 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
   except KeyboardInterrupt:
     print(f"{args.parser.prog}: interrupted", file=sys.stderr)
     return 130
+  except BrokenPipeError:        # `dtenjax topo | head`: the reader left; say nothing more
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141

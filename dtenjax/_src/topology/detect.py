@@ -113,9 +113,10 @@ def _nvml_code(nvml: Any, e: Exception) -> int | None:
   return getattr(e, "value", None) if isinstance(e, nvml.NVMLError) else None
 
 
-def _links_of(nvml: Any, handle: Any) -> list[tuple[str, str | None]]:
-  """(remote type, remote bus id) of every active NVLink of one GPU: type "gpu", "switch" or
-  "other"; an empty list for a GPU without NVLink."""
+def _links_of(nvml: Any, handle: Any) -> list[tuple[str | None, str]]:
+  """(remote type, remote bus id) of every active NVLink of one GPU: type "gpu", "switch",
+  "other", or None where the driver cannot say; an empty list for a GPU without NVLink."""
+  names = {nvml.NVML_NVLINK_DEVICE_TYPE_GPU: "gpu", nvml.NVML_NVLINK_DEVICE_TYPE_SWITCH: "switch"}
   out = []
   for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18))):
     try:
@@ -136,8 +137,7 @@ def _links_of(nvml: Any, handle: Any) -> list[tuple[str, str | None]]:
                                      nvml.NVML_ERROR_FUNCTION_NOT_FOUND):
         raise
       kind = None
-    names = {nvml.NVML_NVLINK_DEVICE_TYPE_GPU: "gpu", nvml.NVML_NVLINK_DEVICE_TYPE_SWITCH: "switch"}
-    out.append((names.get(kind, "other") if kind is not None else "?", remote))
+    out.append((None if kind is None else names.get(kind, "other"), remote))
   return out
 
 
@@ -154,10 +154,10 @@ def nvlink_classes(nvml: Any, bus_ids: Sequence[str],
     for bus in bus_ids:
       handle = nvml.nvmlDeviceGetHandleByPciBusId(bus)
       for kind, remote in _links_of(nvml, handle):
-        if kind == "gpu" or (kind == "?" and remote in gpus):
+        if kind == "gpu" or (kind is None and remote in gpus):
           if remote in gpus and remote != bus:
             direct.add(frozenset((bus, remote)))
-        elif kind == "switch" or kind == "?":
+        elif kind == "switch" or kind is None:   # untyped: not a GPU of this host, a switch
           switched.add(bus)
   finally:
     nvml.nvmlShutdown()

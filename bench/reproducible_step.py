@@ -11,6 +11,8 @@ relative to that variant's own unpinned run. Each mode runs in its own process, 
 flag it needs (XLA_FLAGS=--xla_cpu_max_isa=AVX) is read when JAX starts its CPU backend.
 
     python bench/reproducible_step.py [--steps 10] [--json PATH]
+
+``--json`` writes bench/_harness.py's one schema (one row per mode and variant) and says where.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import os
 import subprocess
 import sys
 import time
+
+import _harness
 
 MODES = {
     # mode: (extra XLA_FLAGS for the process, how the step is jitted)
@@ -128,33 +132,40 @@ def run_mode(mode: str, steps: int, variants=VARIANTS) -> dict:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--steps", type=int, default=10)
-  ap.add_argument("--json", default=None)
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="bench/reproducible_step.py", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--steps", type=_harness.positive_int, default=10)
+  ap.add_argument("--json", default=None, metavar="PATH")
   ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--variants", default=",".join(VARIANTS), help=argparse.SUPPRESS)
-  args = ap.parse_args()
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = ap.parse_args(argv)
   if args.worker:
     print(json.dumps(worker(args.worker, args.steps, tuple(args.variants.split(",")))))
-    return
+    return 0
   results = {m: run_mode(m, args.steps) for m in MODES}
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(steps=args.steps, results=results), f, indent=1)
+  base = results["jax.jit"]["seconds"]
+  rows = [dict(mode=m, variant=v, differing=r["diffs"][v], ms_per_step=1e3 * r["seconds"][v],
+               vs_jit=r["seconds"][v] / base[v],
+               differing_text="/".join(str(n) for n in r["diffs"][v].values()))
+          for m, r in results.items() for v in VARIANTS]
   first = next(iter(results.values()))
+  if args.json:
+    _harness.write_json(args.json, _harness.document(
+        "reproducible_step", __file__, argv, {"steps": args.steps}, rows, kind="other",
+        machine_extra={"devices": {"backend": first["backend"], "count": first["devices"],
+                                   "processes": 1}},
+        notes=[f"{first['params']} parameters; jax {first['jax']} in the workers"]))
   print(f"adamw step, flax MLP ({first['params']} parameters), 8 simulated CPU devices, "
         f"jax {first['jax']}: parameters whose bits differ from 'subst one_shot' after "
         f"{', '.join(str(i) for i in CHECK_STEPS if i <= args.steps)} steps; time per step "
         "relative to the same variant under jax.jit")
-  base = results["jax.jit"]["seconds"]
-  print(f"{'mode':<26} {'variant':<15} {'differing':>20} {'ms/step':>8} {'vs jax.jit':>10}")
-  for m, r in results.items():
-    for v in VARIANTS:
-      d = "/".join(str(n) for n in r["diffs"][v].values())
-      print(f"{m:<26} {v:<15} {d:>20} {1e3 * r['seconds'][v]:>8.2f} "
-            f"{r['seconds'][v] / base[v]:>9.2f}x")
+  print(_harness.table(rows, (("mode", "mode", "s"), ("variant", "variant", "s"),
+                              ("differing", "differing_text", "s"),
+                              ("ms/step", "ms_per_step", ".2f"), ("vs jax.jit", "vs_jit", "ratio"))))
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -156,14 +156,48 @@ def accuracy(params, data) -> float:
   return float(np.mean(pred == yte))
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m dtenjax demo", description=__doc__)
-  ap.add_argument("--steps", type=int, default=300)
-  ap.add_argument("--batch", type=int, default=128)
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--no-progress", action="store_true")
-  args = ap.parse_args(argv)
+HELP = "train an auto-placed MLP on digits, print plan + explain, check determinism"
+DESCRIPTION = __doc__
+EXTRA = "demo"      # scikit-learn's digits and optax: checked before run() (cli/main.py)
 
+
+def _at_least(minimum: int):
+  def parse(text: str) -> int:
+    try:
+      v = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < minimum:
+      raise argparse.ArgumentTypeError(f"{v} is less than {minimum}")
+    return v
+  return parse
+
+
+def _batch(text: str) -> int:
+  v = _at_least(1)(text)
+  if v % MICRO_BATCHES:
+    raise argparse.ArgumentTypeError(
+        f"{v} does not split into {MICRO_BATCHES} equal micro-batches; use a multiple of "
+        f"{MICRO_BATCHES} such as {max(MICRO_BATCHES, v - v % MICRO_BATCHES)}")
+  return v
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+  ap.add_argument("--steps", type=_at_least(1), default=300, help="training steps (>= 1)")
+  ap.add_argument("--batch", type=_batch, default=128,
+                  help=f"global batch, a multiple of {MICRO_BATCHES} (the micro-batch split)")
+  ap.add_argument("--seed", type=_at_least(0), default=0)
+  ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(argv=None) -> int:
+  """``demo`` on its own (the command line goes through dtenjax._src.cli.main)."""
+  ap = argparse.ArgumentParser(prog="dtenjax demo", description=__doc__)
+  add_arguments(ap)
+  return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
   t0 = time.perf_counter()
   devices = jax.devices()
   topology = Topology.current()

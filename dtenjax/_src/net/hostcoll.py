@@ -16,8 +16,8 @@ Supported configurations, checked before tracing the custom call (others raise C
   process), stage 3 XLA's all-gather over ``inner``.
 
 Why not several devices of one process in one ring: a custom call that rendezvouses across the
-CPU devices of one process deadlocks XLA's CPU runtime (measured; see DESIGN.md). Here every custom
-call only waits for peers in other processes, and it waits asynchronously: the handler queues the
+CPU devices of one process deadlocks XLA's CPU runtime (measured: docs/architecture.md). A
+custom call here only waits for peers in other processes, and asynchronously: the handler queues the
 collective on the communicator's own thread and returns an ``xla::ffi::Future``, so XLA's threads
 are never blocked on the network. The call has side effects, so XLA keeps program order among
 them; every frame names its collective (number, op, dtype, count, call site), so processes that

@@ -25,8 +25,8 @@ from dtenjax._src.net import tenancy
 from dtenjax._src.net import transport
 from tests import transport_ref as ref
 from tests.mp_workers import launch
-from tests.net_helpers import (FLOOD, close_all, delta, flood, listener, native_ring,
-                               requires_native, run_ranks)
+from tests.net_helpers import (FLOOD, both_ranks, close_all, delta, flood, listener,
+                               native_ring, requires_native, run_ranks)
 
 pytestmark = requires_native
 
@@ -36,6 +36,11 @@ JOB = 0xA77AC
 
 def creds(job=JOB, secret=SECRET):
   return transport.JobCredentials(job, secret)
+
+
+def measured(what: str, seconds: float) -> None:
+  """The numbers docs/reliability.md quotes (shown with pytest -s)."""
+  print(f"[measured] {what}: {seconds:.3f} s")
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +89,7 @@ def test_ring_forms_in_under_a_second_through_a_flood(n, kind, order, many_fds):
     for t in early:
       t.join(30)
     assert errs == [None] * (n - first), errs
+    measured(f"{n} ranks form through {FLOOD} {kind} connections per listener ({order})", seconds)
     assert seconds < 1.0, f"the ring took {seconds:.3f} s to form through the flood"
     outs, errs, _ = run_ranks([lambda r=r: comms[r].all_reduce(np.full(5, r + 1.0, np.float32))
                                for r in range(n)])
@@ -189,10 +195,6 @@ def relayed_pair(mutate, *, timeout_s=5.0, **kw):
                           lambda: transport.connect(c1, c0.endpoint)])
   assert errs == [None, None], errs
   return c0, c1, relay
-
-
-def both_ranks(c0, c1, xs, site=(0x51, "suite")):
-  return run_ranks([lambda: c0.all_reduce(xs[0], site=site), lambda: c1.all_reduce(xs[1], site=site)])
 
 
 def flip_payload_byte(index, frame):
@@ -421,6 +423,7 @@ def test_one_helper_called_in_another_order_raises_on_every_rank_naming_both_sta
   for r, e in enumerate(errs):
     lines = set(STACK.findall(str(e)))
     assert "collective mismatch" in str(e) and len(lines) == 2, (r, str(e))
+  measured(f"{n} ranks: helper called in another order detected on every rank", seconds)
   assert seconds < 2, seconds
   close_all(comms)
 
@@ -440,6 +443,7 @@ def test_a_skipped_iteration_with_a_tag_raises_on_every_rank_naming_both_tags():
   for r, e in enumerate(errs):
     assert isinstance(e, errors.ConfigurationError), (r, e)
     assert "collective mismatch" in str(e) and "tag=1" in str(e) and "tag=2" in str(e), str(e)
+  measured("2 ranks: skipped tagged iteration detected on every rank", seconds)
   assert seconds < 2, seconds
   close_all(comms)
 
@@ -483,18 +487,21 @@ def test_tags_that_cannot_travel_are_refused(bad):
 
 # --- set-up and teardown races ----------------------------------------------------------------------
 
-def test_rings_racing_for_a_connection_quota_form_or_fail_fast_with_the_quota_error():
-  """10 rings of 2 ranks, one tenant limited to 8 connections (a rank needs 2): before, each rank
-  took its connections one by one and no ring formed, the ranks waiting for each other. Now each
-  rank takes both at once or none, a refused rank tells its neighbour why, and every ring either
-  forms or fails on both ranks with the quota error, fast; the failed ones give their quota back."""
-  tenancy.set_quota("racers", tenancy.Quota(max_connections=8))
+@pytest.mark.parametrize("quota", [8, 6])
+def test_rings_racing_for_a_connection_quota_form_or_fail_fast_with_the_quota_error(quota):
+  """10 rings of 2 ranks, one tenant limited to 8 (or 6) connections; a rank needs 2. Before,
+  ranks took their connections one by one, and a ring whose other rank was refused waited for it
+  until the timeout (with 6, 3 ranks get theirs: one ring is always split). Now each rank takes
+  both at once or none, a refused rank tells its neighbour why, and every ring either forms or
+  fails on both ranks with the quota error, fast; the failed ones give their quota back."""
+  tenancy.set_quota("racers", tenancy.Quota(max_connections=quota))
   try:
     rings = [[transport.create_local_comm(r, 2, creds(), timeout_s=10, tenant="racers")
               for r in range(2)] for _ in range(10)]
     fns = [lambda c=c, ring=ring: transport.connect(c, ring[1 - c.rank].endpoint)
            for ring in rings for c in ring]
     _, errs, seconds = run_ranks(fns)
+    measured(f"10 rings of 2 racing for a quota of {quota}: all formed or failed", seconds)
     assert seconds < 3, seconds      # nobody waits for the 10 s timeout
     formed = 0
     for i in range(10):
@@ -503,8 +510,9 @@ def test_rings_racing_for_a_connection_quota_form_or_fail_fast_with_the_quota_er
         formed += 1
         continue
       assert all(isinstance(e, errors.QuotaExceededError) for e in pair), (i, pair)
-      assert all("tenant 'racers' would exceed its connection quota (8" in str(e) for e in pair)
-    assert tenancy.usage("racers")["connections"] == 4 * formed <= 8
+      assert all(f"tenant 'racers' would exceed its connection quota ({quota}" in str(e)
+                 for e in pair), pair
+    assert tenancy.usage("racers")["connections"] == 4 * formed <= quota
     for ring in rings:
       close_all(ring)
     assert tenancy.usage("racers")["connections"] == 0
@@ -539,6 +547,7 @@ def test_different_job_ids_with_one_secret_are_named_on_both_ranks():
   assert all(isinstance(e, errors.TransportError) for e in errs), errs
   assert "job id 111 is not this job's (222)" in str(errs[0]), errs[0]
   assert "job id 222 is not this job's (111)" in str(errs[1]), errs[1]
+  measured("different job ids refused on both ranks", seconds)
   assert seconds < 3, seconds
   close_all([c0, c1])
 
@@ -597,7 +606,10 @@ def test_across_processes_floods_look_alikes_and_algorithm_mismatches(tmp_path):
     f = r["flood"]
     assert f["error"] is None, f
     assert f["value"] == [[11.0] * 8], f
-    assert all(s < 1.0 for s in f["formation_s"].values()), f["formation_s"]
+    for s in f["formation_s"].values():
+      measured(f"2 processes form through {FLOOD} mixed connections per listener (rank "
+               f"{r['rank']})", s)
+      assert s < 1.0, f["formation_s"]
     assert f["turned_away"] >= FLOOD - 16, f   # all but the 16 pending slots (the default cap)
     look = r["lookalike"]["error"]
     assert look and "collective mismatch" in look, look
@@ -606,9 +618,14 @@ def test_across_processes_floods_look_alikes_and_algorithm_mismatches(tmp_path):
     assert len(lines) == 2, look     # both call stacks are named
     tagged = r["tagged"]["error"]
     assert tagged and "tag=1" in tagged and "tag=2" in tagged, tagged
+    measured(f"2 processes, jit: helper in another order detected (rank {r['rank']})",
+             r["lookalike"]["seconds"])
+    measured(f"2 processes, jit: skipped tagged step detected (rank {r['rank']})",
+             r["tagged"]["seconds"])
     assert r["lookalike"]["seconds"] < 4 and r["tagged"]["seconds"] < 4
   alg0, alg1 = res[0]["algorithms"], res[1]["algorithms"]
   assert alg0["error"] and "processes [1] did not join" in alg0["error"], alg0
+  measured("ring vs xla: the ring rank raises (DTENJAX_COLLECTIVE_TIMEOUT=4)", alg0["seconds"])
   assert "algorithm=" in alg0["error"] and alg0["seconds"] < 4 + 3, alg0
   assert alg1["error"] is None and alg1["value"] == [[11.0] * 8], alg1
   assert res[0]["released"] == [[11.0] * 8]
@@ -632,6 +649,8 @@ def test_a_dead_process_is_a_dtenjax_error_and_jax_recoverability_keeps_the_surv
     # raised by XLA's runtime (JaxRuntimeError) with the transport's message, seen by this rank
     # or forwarded by the other survivor's ABORT
     assert err and "dtenjax transport" in err and "lost connection to rank 2" in err, err
+    measured(f"dead peer detected by a survivor's jitted all_reduce (recoverable={recoverable})",
+             r["second"]["seconds"])
     assert r["second"]["seconds"] < 2, r["second"]
   if recoverable:
     assert codes[:2] == [0, 0], logs
@@ -654,4 +673,5 @@ def test_the_coordinator_is_a_single_point_of_failure(tmp_path):
   killed = res[0]["killed_at"]
   for r, log in zip(res[1:], logs[1:]):
     assert "Terminating process because the JAX distributed service detected fatal errors" in log
+    measured("coordinator SIGKILLed: a survivor's last sign of life after it", max(r["beats"]) - killed)
     assert max(r["beats"]) - killed < 1.0, (max(r["beats"]) - killed)   # dead within a second

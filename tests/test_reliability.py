@@ -8,7 +8,6 @@ protocol. tests/test_attacks.py has the floods, look-alike collectives and teard
 """
 
 import socket
-import struct
 import threading
 import time
 
@@ -19,8 +18,8 @@ from dtenjax._src import errors
 from dtenjax._src.net import hostcoll
 from dtenjax._src.net import transport
 from tests import transport_ref as ref
-from tests.net_helpers import (close_all, delta, listener, native_ring, requires_native,
-                               run_ranks)
+from tests.net_helpers import (both_ranks, close_all, delta, listener, native_ring,
+                               requires_native, run_ranks)
 
 pytestmark = requires_native
 

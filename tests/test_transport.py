@@ -154,9 +154,8 @@ def test_server_rejects_bad_peers_and_accepts_the_authenticated_one():
     try:
       head = ref.recv_exact(s, 64)
     except (ConnectionError, OSError):
+      s.close()
       return None
-    finally:
-      pass
     h = ref.parse_header(head)
     assert h["type"] == ref.REJECT and h["version"] == ref.VERSION, h
     r = ref.read_reject(s, h)

@@ -232,7 +232,6 @@ Status Comm::ConnectRing(const std::string& next_endpoint) {
   const int n = opts_.size, r = opts_.rank;
   // Shared with the acceptor thread, which may outlive a failed start of this function's wait.
   struct Shared {
-    std::atomic<bool> cancel{false};
     std::atomic<double> give_up_at{0};
     std::mutex mu;
     std::condition_variable cv;
@@ -241,9 +240,9 @@ Status Comm::ConnectRing(const std::string& next_endpoint) {
     Conn* conn = nullptr;
   };
   auto sh = std::make_shared<Shared>();
-  Handshake to_next{opts_.job_id, r, (r + 1) % n, opts_.secret, &sh->cancel, nullptr,
+  Handshake to_next{opts_.job_id, r, (r + 1) % n, opts_.secret, nullptr, nullptr,
                     opts_.handshake_timeout_s, opts_.max_pending_handshakes};
-  Handshake from_prev{opts_.job_id, r, (r - 1 + n) % n, opts_.secret, &sh->cancel, &sh->give_up_at,
+  Handshake from_prev{opts_.job_id, r, (r - 1 + n) % n, opts_.secret, nullptr, &sh->give_up_at,
                       opts_.handshake_timeout_s, opts_.max_pending_handshakes};
   Listener* listener = listener_;
   const Provider* provider = opts_.provider;

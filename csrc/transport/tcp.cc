@@ -709,11 +709,21 @@ Status TcpAccept(Listener* l, const Handshake& hs, double deadline, Conn** out) 
   Tally tally;
   std::vector<pollfd> pfds;
   double listen_paused_until = 0;
+  // A connection claiming to be the expected peer failed for a reason retrying cannot change
+  // (job, version, secret): once this rank's own set-up has failed too, nobody is coming.
+  bool expected_peer_failed = false;
+  auto claims_expected = [&](const Pending& p) {
+    if (p.have < kHdr || hs.peer_rank < 0) return false;
+    FrameHeader h;
+    std::memcpy(&h, p.in, kHdr);
+    return h.magic == kFrameMagic && int64_t(h.src_rank) == hs.peer_rank;
+  };
 
   // Handles the outcome of Advance for pending handshake i; true when it authenticated.
   auto settle = [&](size_t i, const Verdict& v, bool done) -> bool {
     Pending* p = t->pending[i].get();
     if (!v.status.ok()) {
+      if (v.status.code() != Code::kUnavailable && claims_expected(*p)) expected_peer_failed = true;
       if (v.tell) {
         RejectAndClose(p->fd, p->out_off == p->out.size() ? &hs : nullptr, RejectClass::kFatal,
                        v.status);
@@ -735,7 +745,8 @@ Status TcpAccept(Listener* l, const Handshake& hs, double deadline, Conn** out) 
   };
 
   while (true) {
-    if (GiveUp(hs)) {
+    const bool own_setup_failed = hs.give_up_at && hs.give_up_at->load() > 0;
+    if (GiveUp(hs) || (own_setup_failed && expected_peer_failed)) {
       return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: stopped waiting for " + want +
                                                    " to connect because this rank's set-up "
                                                    "failed otherwise" + tally.Text());
@@ -819,6 +830,7 @@ Status TcpAccept(Listener* l, const Handshake& hs, double deadline, Conn** out) 
       bool done = false;
       Verdict v = Advance(nc.get(), hs, peer, /*respond=*/false, &done);  // what it sent already
       if (!v.status.ok()) {
+        if (v.status.code() != Code::kUnavailable && claims_expected(*nc)) expected_peer_failed = true;
         RejectAndClose(fd, v.tell ? &hs : nullptr, RejectClass::kFatal, v.status);
         tally.Note(&tally.rejected, Unprefixed(v.status.message()));
         continue;

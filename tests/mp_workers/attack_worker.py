@@ -28,9 +28,9 @@ from tests.mp_workers import common
 
 def main():
   soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)   # room for the flood's sockets
-  want = 8192 if hard == resource.RLIM_INFINITY else min(8192, hard)
-  if soft < want:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+  limit = 8192 if hard == resource.RLIM_INFINITY else min(8192, hard)
+  if soft < limit:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
   rank, nprocs = common.init()
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp
@@ -69,11 +69,11 @@ def main():
       real_connect = transport.connect
       held = []
       formation = {}
+      size = min(net_helpers.FLOOD, max(soft, limit) - 512)
 
       def flooded_connect(comm, next_endpoint):
         job = transport.job_credentials().job_id
-        held.extend(net_helpers.flood(next_endpoint, net_helpers.FLOOD, "mixed", job=job,
-                                      claim_rank=rank))
+        held.extend(net_helpers.flood(next_endpoint, size, "mixed", job=job, claim_rank=rank))
         common.barrier(f"flooded-{comm.name}")   # every listener is flooded before anyone connects
         t0 = time.monotonic()
         real_connect(comm, next_endpoint)
@@ -83,6 +83,7 @@ def main():
       attempt("flood", lambda: rows(jit(lambda x: dtenjax.all_reduce(x, "p", algorithm="ring"))(arr)))
       transport.connect = real_connect
       res["flood"]["formation_s"] = formation
+      res["flood"]["connections"] = size
       after = transport.counters()
       res["flood"]["turned_away"] = sum(after[k] - before[k] for k in (
           "handshakes_refused", "handshakes_evicted", "rejected_bad_header"))

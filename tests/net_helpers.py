@@ -70,7 +70,8 @@ def run_ranks(fns, join_s: float = 60.0) -> tuple[list, list, float]:
 
 def both_ranks(c0, c1, xs, site=(0x51, "suite")):
   """One all-reduce on ranks 0 and 1 (one thread each): (results, errors, seconds)."""
-  return run_ranks([lambda: c0.all_reduce(xs[0], site=site), lambda: c1.all_reduce(xs[1], site=site)])
+  return run_ranks([lambda: c0.all_reduce(xs[0], site=site),
+                    lambda: c1.all_reduce(xs[1], site=site)])
 
 
 def close_all(comms) -> None:

@@ -24,7 +24,8 @@ them; every frame names its collective (number, op, dtype, count, call site = th
 stack of the traced equation, and the caller's ``tag``), so processes that issue different
 collectives, or the same ones in different orders, get an error on every rank naming both sides
 and both call stacks, not wrong data. What stays undetectable: collectives identical in all of
-these, e.g. iterations of one loop without a tag (docs/reliability.md, "Look-alike collectives"). A dead or stalled peer makes every survivor fail within
+these, e.g. iterations of one loop without a tag (docs/reliability.md, "Look-alike
+collectives"). A dead or stalled peer makes every survivor fail within
 ``DTENJAX_COLLECTIVE_TIMEOUT`` seconds (a dead peer's sockets close at once; a stalled one times out
 and the survivors that detect it close their sockets, which wakes the rest).
 

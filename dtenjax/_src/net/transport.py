@@ -188,12 +188,15 @@ def call_site(depth_limit: int = 256) -> tuple[int, str]:
 
 
 def tag_value(tag) -> tuple[int | None, str]:
-  """How a collective's ``tag`` travels: (32-bit value or None for a traced one, site suffix).
+  """How a collective's ``tag`` travels: (value for the header's tag field, suffix of the site).
 
-  ``None``: no tag. A Python int in [0, 2**32): carried in every frame and compared by the ring,
-  like a traced integer scalar (e.g. the step number inside ``lax.fori_loop``: returns None, the
-  caller passes the array). A str names the collective: it becomes part of the call site's
-  text (so messages show it) and of its hash."""
+  * ``None``: no tag, (0, "").
+  * a Python int in [0, 2**32): (the int, ""); every frame carries it and the ring compares it.
+  * an integer scalar array, e.g. the traced step number inside ``lax.fori_loop``: (None, ""):
+    the caller passes the array itself, which reaches the native layer as an operand.
+  * a str naming the collective: (0, " [tag 'name']"): it joins the call site's text (so
+    messages show it) and hash.
+  Anything else raises CollectiveError naming the value."""
   if tag is None:
     return 0, ""
   if isinstance(tag, str):

@@ -77,7 +77,8 @@ def _number_problem(name: str, value: Any, lo: float, hi: float = math.inf, *,
                     lo_open: bool = False, integer: bool = False, unit: str = "") -> str | None:
   """Why ``value`` is not a finite number (an int when ``integer``) in the range, or None."""
   kind = "an integer" if integer else "a finite number"
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+  wanted = numbers.Integral if integer else numbers.Real
+  if isinstance(value, bool) or not isinstance(value, wanted):
     return f"{name}={value!r} must be {kind}{unit} (got {type(value).__name__})"
   v = float(value)
   if math.isnan(v) or math.isinf(v) or (v <= lo if lo_open else v < lo) or v > hi:

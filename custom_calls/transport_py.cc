@@ -3,7 +3,7 @@
 //   Comm            one rank of a ring communicator (connect_ring, all_reduce, close)
 //   BufferPool      the registered buffer pool
 //   set_quota, usage, set_owner_context, check_device_memory, take      tenancy
-//   counters, providers, crypto_load, crypto_status, hmac_sha256, gmac, crc32c, register_site
+//   counters, providers, crypto_load, crypto_status, hmac_sha256, gmac, register_site
 //   verbs.*         the verbs provider's device-free logic (only when the build has it)
 //   testing.*       fault injection for tests only (see docs/transport.md, "Testing hooks")
 //
@@ -92,7 +92,8 @@ class PyComm {
     ThrowIfError(s);
   }
 
-  void AllReduce(ConstBytes src, Bytes dst, uint64_t count, int dtype, int op, uint32_t site) {
+  void AllReduce(ConstBytes src, Bytes dst, uint64_t count, int dtype, int op, uint32_t site,
+                 uint32_t tag) {
     std::shared_ptr<tp::Comm> c = Get();
     const size_t esz = tp::DTypeSize(static_cast<tp::DType>(dtype));
     if (esz == 0) ThrowIfError(Status(Code::kInvalidArgument, "unknown dtype code " + std::to_string(dtype)));
@@ -117,7 +118,7 @@ class PyComm {
         Status st;
         try {
           st = c->AllReduce(in, ptr, count, static_cast<tp::DType>(dtype),
-                            static_cast<tp::ReduceOp>(op), site);
+                            static_cast<tp::ReduceOp>(op), site, -1, tag);
         } catch (const std::exception& e) {
           st = DTENJAX_ERROR(Code::kInternal, std::string("all_reduce raised: ") + e.what());
         }
@@ -202,7 +203,6 @@ void BindTransport(nb::module_& root) {
     ThrowIfError(g.Tag(counter, label, data.c_str(), data.size(), nullptr, 0, out));
     return nb::bytes(reinterpret_cast<const char*>(out), sizeof(out));
   });
-  m.def("crc32c", [](nb::bytes data) { return tp::crypto::Crc32c(data.c_str(), data.size()); });
   m.def("register_site", [](uint32_t tag, const std::string& text) { tp::RegisterSite(tag, text); });
 
   nb::class_<PyComm>(m, "Comm")
@@ -219,7 +219,7 @@ void BindTransport(nb::module_& root) {
       .def_prop_ro("closed", &PyComm::closed)
       .def("connect_ring", &PyComm::ConnectRing)
       .def("all_reduce", &PyComm::AllReduce, nb::arg("src"), nb::arg("dst"), nb::arg("count"),
-           nb::arg("dtype"), nb::arg("op"), nb::arg("site"))
+           nb::arg("dtype"), nb::arg("op"), nb::arg("site"), nb::arg("tag") = 0)
       .def("close", &PyComm::Close);
 
   nb::class_<tp::BufferPool>(m, "BufferPool")

@@ -53,7 +53,8 @@ KNOBS: dict[str, Knob] = {
         Knob("DTENJAX_HANDSHAKE_TIMEOUT", "10",
              "seconds an unauthenticated transport connection may take to finish its handshake"),
         Knob("DTENJAX_MAX_PENDING_HANDSHAKES", "16",
-             "unauthenticated transport connections served at once; more evict the oldest"),
+             "unauthenticated transport connections served at once; a newcomer beyond it "
+             "displaces the least advanced one or is refused (docs/transport.md)"),
         Knob("DTENJAX_TRANSPORT_SEGMENT_BYTES", str(256 << 10),
              "largest frame payload of the host ring; chunks are pipelined in segments of this "
              "size (must be equal on every process)"),

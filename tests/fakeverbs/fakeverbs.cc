@@ -331,6 +331,22 @@ void CloseWire(Wire* w) {
   delete w;
 }
 
+bool FlushWire(Wire* w) {  // false: the connection died
+  while (!w->out.empty()) {
+    const auto& pkt = w->out.front();
+    ssize_t k = ::send(w->fd, pkt.data(), pkt.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (k >= 0) {
+      w->out.pop_front();
+      continue;
+    }
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
+    if (errno == EINTR) continue;
+    g_count[kPacketsDropped] += int64_t(w->out.size());
+    return false;
+  }
+  return true;
+}
+
 // Sends a packet to port `dest` (best effort: an unreachable port drops it, as a fabric would,
 // and the requester's timer retransmits).
 void SendPacket(Port* p, int dest, const PktHdr& h, const uint8_t* payload) {
@@ -355,22 +371,10 @@ void SendPacket(Port* p, int dest, const PktHdr& h, const uint8_t* payload) {
   std::memcpy(pkt.data(), &h, sizeof(PktHdr));
   if (h.length) std::memcpy(pkt.data() + sizeof(PktHdr), payload, h.length);
   w->out.push_back(std::move(pkt));
-}
-
-bool FlushWire(Wire* w) {  // false: the connection died
-  while (!w->out.empty()) {
-    const auto& pkt = w->out.front();
-    ssize_t k = ::send(w->fd, pkt.data(), pkt.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
-    if (k >= 0) {
-      w->out.pop_front();
-      continue;
-    }
-    if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
-    if (errno == EINTR) continue;
-    g_count[kPacketsDropped] += int64_t(w->out.size());
-    return false;
+  if (w->out.size() == 1 && !FlushWire(w)) {  // on the wire now, as hardware would put it
+    CloseWire(w);
+    p->out.erase(dest);
   }
-  return true;
 }
 
 // --- completions --------------------------------------------------------------------------------
@@ -722,13 +726,13 @@ void OnRequest(Port* p, Qp* qp, const PktHdr& h, const uint8_t* payload) {
   qp->nak_sent = false;
   if (!h.last) return;
   qp->msg.active = false;
+  Reply(p, qp, kAck, 0, h.psn);  // acknowledged as it is placed, before the application sees it
   if (qp->msg.has_recv) {
     const bool imm = h.has_imm;
     CompleteRecv(qp, qp->msg.recv, IBV_WC_SUCCESS,
                  h.op == IBV_WR_RDMA_WRITE_WITH_IMM ? IBV_WC_RECV_RDMA_WITH_IMM : IBV_WC_RECV,
                  uint32_t(qp->msg.total), imm ? qp->msg.imm : 0, imm, h.src_qpn, h.solicited);
   }
-  Reply(p, qp, kAck, 0, h.psn);
   ++g_count[kMessagesReceived];
   if (is_write && !g_fault.empty() && g_fault_after >= 0 && --g_fault_after < 0) FireFault(p, qp);
 }
@@ -805,7 +809,10 @@ void Run(Port* p) {
     double next = 1e30;
     {
       std::lock_guard<std::mutex> lock(g_mu);
-      if (p->stop) return;
+      if (p->stop) {  // what is queued leaves before the port closes
+        for (auto& [id, w] : p->out) FlushWire(w);
+        return;
+      }
       const double now = Now();
       for (auto& [num, qp] : p->qps) {
         RequesterTimers(p, qp, now);
@@ -838,7 +845,10 @@ void Run(Port* p) {
     const double wait = std::max(0.0, std::min(next - Now(), 0.05));
     ::poll(pfds.data(), nfds_t(pfds.size()), int(wait * 1000) + (wait > 0 ? 1 : 0));
     std::lock_guard<std::mutex> lock(g_mu);
-    if (p->stop) return;
+    if (p->stop) {
+      for (auto& [id, w] : p->out) FlushWire(w);
+      return;
+    }
     if (pfds[1].revents & POLLIN) {
       uint64_t v;
       (void)!::read(p->wake, &v, sizeof(v));

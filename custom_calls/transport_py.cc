@@ -383,6 +383,7 @@ void BindTransport(nb::module_& root) {
       nb::list gids;
       for (const auto& g : p.gids) gids.append(nb::bytes(reinterpret_cast<const char*>(g.data()), 16));
       d["gids"] = gids;
+      d["gid_types"] = p.gid_types;
       out.append(d);
     }
     return out;

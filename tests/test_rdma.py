@@ -4,6 +4,7 @@ No machine here has an RDMA device; pyverbs is faked where a device is needed. T
 itself has never run on RDMA hardware (see docs/transport.md).
 """
 
+import pathlib
 import sys
 import types
 
@@ -24,6 +25,14 @@ needs_verbs = pytest.mark.skipif(
 
 def verbs():
   return transport.native().verbs
+
+
+def test_verbs_provider_is_built_where_its_headers_are():
+  """The verbs tests skip only in a build without the provider; that must mean the headers were
+  missing, never a broken CMake check on a machine that has them."""
+  header = pathlib.Path("/usr/include/infiniband/verbs.h")
+  assert ffi.build_info().get("verbs", False) or not header.exists(), (
+      f"{header} is installed but this build has no verbs provider: {ffi.build_info()}")
 
 
 class FakeRDMAError(Exception):

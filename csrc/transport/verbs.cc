@@ -187,6 +187,8 @@ struct Lib {
   int (*query_device)(ibv_context*, ibv_device_attr*);
   int (*query_port)(ibv_context*, uint8_t, ibv_port_attr*);
   int (*query_gid)(ibv_context*, uint8_t, int, ibv_gid*);
+  // Optional (rdma-core >= 35): the GID's type, to tell RoCE v2 from v1 instead of guessing.
+  int (*query_gid_ex)(ibv_context*, uint32_t, uint32_t, ibv_gid_entry*, uint32_t, size_t);
   ibv_pd* (*alloc_pd)(ibv_context*);
   int (*dealloc_pd)(ibv_pd*);
   ibv_comp_channel* (*create_comp_channel)(ibv_context*);
@@ -249,6 +251,7 @@ Status TryLoad(const std::string& file, Lib* lib) {
     dlclose(h);
     return DTENJAX_ERROR(Code::kUnavailable, file + " lacks the verbs " + missing);
   }
+  lib->query_gid_ex = reinterpret_cast<decltype(lib->query_gid_ex)>(dlsym(h, "_ibv_query_gid_ex"));
   auto is_emulated = reinterpret_cast<int (*)()>(dlsym(h, "fakeverbs_is_emulated"));
   lib->emulated = is_emulated && is_emulated() == 1;
   lib->handle = h;
@@ -316,6 +319,14 @@ Status CountDevices(int* n) {
   return Status::Ok();
 }
 
+// The ibv_gid_type of a GID table entry, -1 when the library cannot say.
+int GidType(const Lib& lib, ibv_context* ctx, int port, int index) {
+  if (!lib.query_gid_ex) return -1;
+  ibv_gid_entry e{};
+  if (lib.query_gid_ex(ctx, uint32_t(port), uint32_t(index), &e, 0, sizeof(e)) != 0) return -1;
+  return int(e.gid_type);
+}
+
 Status ListPorts(std::vector<PortInfo>* out) {
   Lib lib;
   DTENJAX_RETURN_IF_ERROR(Functions(&lib));
@@ -347,6 +358,7 @@ Status ListPorts(std::vector<PortInfo>* out) {
           std::array<uint8_t, 16> raw;
           std::memcpy(raw.data(), gid.raw, 16);
           p.gids.push_back(raw);
+          p.gid_types.push_back(GidType(lib, ctx, port, g));
         }
         out->push_back(std::move(p));
       }
@@ -426,8 +438,10 @@ Status AcquireDevice(Device** out) {
     if (lib.query_gid(dev->ctx, 1, i, &g) != 0) break;
     GidEntry e;
     std::memcpy(e.raw, g.raw, 16);
-    // The GID type needs sysfs or ibv_query_gid_ex; treat IPv4-mapped GIDs as RoCE v2 candidates.
-    e.type = IsV4Mapped(g.raw) ? 1 : 0;
+    // The type from ibv_query_gid_ex where the library has it; else treat IPv4-mapped GIDs as
+    // RoCE v2 candidates (a guess: a v1 GID can hold an IPv4-mapped address too).
+    const int type = GidType(lib, dev->ctx, 1, i);
+    e.type = type >= 0 ? (type == IBV_GID_TYPE_ROCE_V2 ? 1 : 0) : (IsV4Mapped(g.raw) ? 1 : 0);
     gids.push_back(e);
   }
   dev->gid_index = SelectGidIndex(gids.data(), int(gids.size()), dev->ethernet);
@@ -540,9 +554,11 @@ Status SideAlive(VerbsConn* v, const std::string& peer) {
   bool progress = false;
   Status s = TcpProvider()->recv_some(v->side, &v->side_in, &progress);
   if (!s.ok()) {
+    Counters().peer_failures.fetch_add(1);
     return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: lost " + peer +
-                                                 ": its set-up connection closed (" + s.message() +
-                                                 "); that process died or closed its communicator");
+                                                 ": its TCP set-up connection closed (that process "
+                                                 "died, aborted the collective or closed its "
+                                                 "communicator)");
   }
   if (v->side_in.stage != InFrame::kHead || v->side_in.got) {
     Counters().rejected_bad_header.fetch_add(1);
@@ -707,7 +723,7 @@ Status WcFailed(const ibv_wc& wc, const std::string& peer) {
                      : wc.wr_id == kWrCredit ? "a credit message to"
                                              : "a receive from";
   return DTENJAX_ERROR(Code::kUnavailable,
-                       std::string("dtenjax transport: RDMA ") + what + " " + peer + " failed: " +
+                       std::string("dtenjax transport: ") + what + " " + peer + " failed: " +
                            WcStatusName(int(wc.status)) + " (" + WcStatusMeaning(int(wc.status)) +
                            ")");
 }

@@ -76,6 +76,7 @@ struct PortInfo {
   int port = 1;
   int state = 0, link_layer = 0, lid = 0, active_mtu = 0, active_speed = 0, active_width = 0;
   std::vector<std::array<uint8_t, 16>> gids;
+  std::vector<int> gid_types;  // ibv_gid_type (IB 0, RoCE v1 1, RoCE v2 2), -1: not reported
 };
 Status ListPorts(std::vector<PortInfo>* out);
 

@@ -105,7 +105,8 @@ class Fake:
     return {k: c[k] for k in ("contexts", "pds", "mrs", "cqs", "qps", "channels")}
 
   def arm(self, kind: str, after: int) -> None:
-    """Fires ``kind`` (see FAULTS) after ``after`` more RDMA WRITE messages reach this process."""
+    """Fires ``kind`` (see FAULTS) after ``after`` more RDMA WRITE messages reach this process;
+    ``"none"`` disarms."""
     if self.lib.fakeverbs_arm(kind.encode(), int(after)) != 0:
       raise ValueError(f"unknown fault {kind!r}; one of {FAULTS}")
 

@@ -1248,6 +1248,26 @@ FV_EXPORT int ibv_query_gid(ibv_context* ctx, uint8_t port, int index, ibv_gid* 
   return 0;
 }
 
+// ibv_query_gid_ex's exported half: the entry with its type (RoCE: link-local v1, v2, then the
+// IPv4-mapped address as v1, v2; InfiniBand: IB).
+FV_EXPORT int _ibv_query_gid_ex(ibv_context* ctx, uint32_t port, uint32_t index,
+                                ibv_gid_entry* entry, uint32_t flags, size_t entry_size) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!Live(reinterpret_cast<Ctx*>(ctx)) || !g_port || port != 1 || flags ||
+      entry_size < sizeof(ibv_gid_entry)) {
+    return Violation(EINVAL, "ibv_query_gid_ex: port %u flags %u entry_size %zu", port, flags,
+                     entry_size);
+  }
+  if (index >= uint32_t(g_port->ngids)) return ENODATA;
+  std::memset(entry, 0, sizeof(*entry));
+  entry->gid = g_port->gids[index];
+  entry->gid_index = index;
+  entry->port_num = port;
+  entry->gid_type = !g_port->cfg.roce ? IBV_GID_TYPE_IB
+                                       : (index % 2 ? IBV_GID_TYPE_ROCE_V2 : IBV_GID_TYPE_ROCE_V1);
+  return 0;
+}
+
 FV_EXPORT ibv_pd* ibv_alloc_pd(ibv_context* ctx) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (!Live(reinterpret_cast<Ctx*>(ctx))) {
@@ -1721,10 +1741,15 @@ FV_EXPORT int fakeverbs_last_violation(char* buf, int n) {
 // process: qp_error (the receiving QP goes to the error state), revoke_mr (every remote-writable
 // MR loses its keys, as if deregistered), rnr (receive queues look empty: RNR NAKs), cq_overrun
 // (the receiving CQ overruns), wc_error (the next message is answered with a remote operational
-// error NAK), exit (the process exits with status 17). Returns 0, or -1 for an unknown kind.
+// error NAK), exit (the process exits with status 17); "none" disarms. Returns 0, or -1 for an
+// unknown kind.
 FV_EXPORT int fakeverbs_arm(const char* kind, int64_t after) {
   static const char* const kinds[] = {"qp_error", "revoke_mr", "rnr", "cq_overrun", "wc_error", "exit"};
   std::lock_guard<std::mutex> lock(g_mu);
+  if (kind && std::strcmp(kind, "none") == 0) {
+    g_fault.clear();
+    return 0;
+  }
   for (const char* k : kinds) {
     if (kind && std::strcmp(kind, k) == 0) {
       g_fault = k;

@@ -147,10 +147,11 @@ def _native_ports() -> tuple[list[dict[str, Any]], str | None, dict[str, Any]]:
   for p in ports:
     link = link_layer_name(p["link_layer"])
     gids = []
-    for i, raw in enumerate(p["gids"]):
+    for i, (raw, gtype) in enumerate(zip(p["gids"], p["gid_types"])):
       text = ":".join(raw[k:k + 2].hex() for k in range(0, 16, 2))
-      mapped = text.startswith("0000:0000:0000:0000:0000:ffff:")
-      gids.append({"index": i, "gid": text, "type": ROCE_V2 if mapped else "IB/RoCE v1"})
+      if gtype < 0:   # the library cannot tell (no ibv_query_gid_ex): the provider's guess
+        gtype = 2 if text.startswith("0000:0000:0000:0000:0000:ffff:") else 1
+      gids.append({"index": i, "gid": text, "type": ROCE_V2 if gtype == 2 else "IB/RoCE v1"})
     nics.append({
         "name": p["device"], "port": p["port"],
         "state": PORT_STATES.get(p["state"], str(p["state"])), "link_layer": link,

@@ -1,7 +1,9 @@
-"""RDMA control plane (pyverbs discovery) and the verbs provider's device-free logic.
+"""RDMA control plane (pyverbs discovery, the provider's own library) and the verbs provider's
+device-free logic.
 
 No machine here has an RDMA device; pyverbs is faked where a device is needed. The verbs data path
-itself has never run on RDMA hardware (see docs/transport.md).
+runs on the emulated device in tests/test_verbs.py; it has never run on RDMA hardware (see
+docs/transport.md).
 """
 
 import pathlib
@@ -86,7 +88,15 @@ def test_no_pyverbs_means_no_rdma(monkeypatch):
   monkeypatch.setitem(sys.modules, "pyverbs.device", None)
   rdma.reset_cache()
   assert rdma.discover_nics() == []
-  assert "pyverbs is not installed" in rdma.unavailable_reason()
+  why = rdma.unavailable_reason()
+  assert "pyverbs is not installed" in why
+  # ... and the provider's own library was asked too, and says why it found nothing.
+  info = rdma.library_info()
+  if info["loaded"]:
+    assert f"{info['path']} lists no RDMA device" in why, why
+    assert not info["emulated"] and rdma.emulated_nics() == ()
+  else:
+    assert info["error"] and info["error"] in why, (info, why)
 
 
 def test_pyverbs_error_means_no_rdma(monkeypatch):

@@ -198,6 +198,36 @@ def test_peer_that_deregisters_its_region_is_refused_not_written(fake):
     close_all(comms)
 
 
+def test_a_peer_that_goes_away_is_noticed_at_once_not_at_the_timeout(fake):
+  """Rank 0 closes its communicator while rank 1 waits for its data: its QP is gone, so no
+  completion will ever come; the closed TCP set-up connection says so within a second."""
+  comms = _ring(2, timeout_s=20)
+  try:
+    t0 = time.monotonic()
+    errs = {}
+    import threading  # pylint: disable=g-import-not-at-top
+    t = threading.Thread(target=lambda: errs.setdefault(
+        1, _capture(lambda: comms[1].all_reduce(np.ones(1000, np.float32), site=(11, "t")))))
+    t.start()
+    time.sleep(0.3)
+    comms[0].close()
+    t.join(30)
+    assert not t.is_alive()
+    assert isinstance(errs[1], errors.TransportError), errs
+    assert "TCP set-up connection closed" in str(errs[1]), errs
+    assert time.monotonic() - t0 < 3
+  finally:
+    close_all(comms[1:])
+
+
+def _capture(fn):
+  try:
+    fn()
+  except Exception as e:  # pylint: disable=broad-except
+    return e
+  return None
+
+
 def test_broken_communicator_stays_broken_and_says_why(fake):
   comms = _ring(2, timeout_s=4)
   try:

@@ -332,8 +332,12 @@ Status ListPorts(std::vector<PortInfo>* out) {
   DTENJAX_RETURN_IF_ERROR(Functions(&lib));
   out->clear();
   int num = 0;
+  errno = 0;
   ibv_device** list = lib.get_device_list(&num);
-  if (!list) return DTENJAX_ERROR(Code::kUnavailable, lib.path + " could not list RDMA devices");
+  if (!list) {  // rdma-core answers NULL (ENOSYS, ...) where the kernel has no RDMA support
+    return DTENJAX_ERROR(Code::kUnavailable, lib.path + " lists no RDMA device (ibv_get_device_list: " +
+                                                 std::strerror(errno) + ")");
+  }
   for (int i = 0; i < num; ++i) {
     const std::string name = lib.get_device_name(list[i]);
     ibv_context* ctx = lib.open_device(list[i]);

@@ -717,8 +717,9 @@ std::string CompletionChannel(Dev& d) {
 
 std::string RetryExceeded(Dev& d) {
   // (a) PSN mismatch: the responder expects another PSN; (b) a destination port that does not
-  // exist (a dead peer): both end in IBV_WC_RETRY_EXC_ERR after retry_cnt retransmissions.
-  for (int variant = 0; variant < 2; ++variant) {
+  // exist (a dead peer); (c) a responder still in INIT (it discards what arrives): all end in
+  // IBV_WC_RETRY_EXC_ERR after retry_cnt retransmissions.
+  for (int variant = 0; variant < 3; ++variant) {
     Side a = MakeQp(d), b = MakeQp(d);
     ConnOpts o;
     o.wrong_psn = variant == 0;
@@ -727,6 +728,9 @@ std::string RetryExceeded(Dev& d) {
     std::string e;
     if (variant == 0) {
       e = Connect(d, a, b, o);
+    } else if (variant == 2) {
+      CHECK(ToInit(a.qp) == 0 && ToInit(b.qp) == 0, "init");
+      CHECK(ToRtr(d, a.qp, PeerOf(d, b, 1)) == 0 && ToRts(a.qp, 1, o.timeout, o.retry) == 0, "rtr/rts");
     } else {
       CHECK(ToInit(a.qp) == 0, "init");
       Peer ghost = PeerOf(d, b, 1);

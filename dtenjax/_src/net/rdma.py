@@ -142,7 +142,7 @@ def _native_ports() -> tuple[list[dict[str, Any]], str | None, dict[str, Any]]:
   try:
     ports = list(_native_verbs().ports())
   except errors.DtenjaxError as e:
-    return [], f"{info['path']} could not list RDMA devices ({e})", info
+    return [], str(e), info
   nics = []
   for p in ports:
     link = link_layer_name(p["link_layer"])

@@ -245,6 +245,14 @@ std::string DeviceAndPort(Dev& d) {
   CHECK(ibv_query_gid(d.ctx, 1, d.port.gid_tbl_len, &g) == -1, "GID index past the table is an error");
   if (d.roce) {
     CHECK(d.port.lid == 0 && d.port.active_mtu == IBV_MTU_1024, "RoCE: no LID, 1500-byte MTU");
+    for (int i = 0; i < d.port.gid_tbl_len; ++i) {
+      ibv_gid_entry e{};
+      CHECK(ibv_query_gid_ex(d.ctx, 1, uint32_t(i), &e, 0) == 0 && e.gid_index == uint32_t(i),
+            "ibv_query_gid_ex %d", i);
+      CHECK(e.gid_type == (i % 2 ? IBV_GID_TYPE_ROCE_V2 : IBV_GID_TYPE_ROCE_V1), "GID %d type", i);
+    }
+    ibv_gid_entry e{};
+    CHECK(ibv_query_gid_ex(d.ctx, 1, uint32_t(d.port.gid_tbl_len), &e, 0) != 0, "past the table");
   } else {
     CHECK(d.port.lid != 0 && d.port.active_mtu == IBV_MTU_4096, "IB: a LID, 4096 MTU");
   }

@@ -389,7 +389,6 @@ void BindTransport(nb::module_& root) {
     return out;
   });
   v.def("device_users", &vb::DeviceUsers);
-  v.def("wc_status_name", &vb::WcStatusName);
 #endif
 
   nb::module_ t = m.def_submodule(

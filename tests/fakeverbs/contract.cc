@@ -487,9 +487,14 @@ std::string CqDepthAndOverrun(Dev& d) {
                     dmr->rkey, false) == 0,
           "post %d", i);
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ibv_wc wc[8];
-  CHECK(ibv_poll_cq(a.cq, 8, wc) < 0, "after %d completions on a CQ of %d, ibv_poll_cq fails", cap + 2, cap);
+  bool failed = false;  // ibv_poll_cq(cq, 0, ...) looks without taking anything
+  for (int i = 0; i < 5000 && !failed; ++i) {
+    failed = ibv_poll_cq(a.cq, 0, wc) < 0;
+    if (!failed) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  CHECK(failed && ibv_poll_cq(a.cq, 8, wc) < 0, "after %d completions on a CQ of %d, ibv_poll_cq fails",
+        cap + 2, cap);
   CHECK(QpState(a.qp) == IBV_QPS_ERR, "the overrun CQ's QP is in the error state");
   Free(a);
   Free(b);

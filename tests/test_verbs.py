@@ -13,6 +13,7 @@ seen by every rank, and a killed peer. What only hardware can show is listed in
 docs/transport.md.
 """
 
+import threading
 import time
 
 import numpy as np
@@ -205,7 +206,6 @@ def test_a_peer_that_goes_away_is_noticed_at_once_not_at_the_timeout(fake):
   try:
     t0 = time.monotonic()
     errs = {}
-    import threading  # pylint: disable=g-import-not-at-top
     t = threading.Thread(target=lambda: errs.setdefault(
         1, _capture(lambda: comms[1].all_reduce(np.ones(1000, np.float32), site=(11, "t")))))
     t.start()

@@ -225,7 +225,8 @@ void BindTransport(nb::module_& root) {
   nb::class_<tp::BufferPool>(m, "BufferPool")
       .def("__init__",
            [](tp::BufferPool* self, uint64_t max_bytes, uint32_t max_buffers,
-              uint64_t max_buffer_bytes, bool pin, const std::string& tenant) {
+              uint64_t max_buffer_bytes, bool pin, const std::string& tenant,
+              const std::string& registration) {
              tp::PoolOptions o;
              o.max_bytes = max_bytes;
              o.max_buffers = max_buffers;
@@ -233,8 +234,21 @@ void BindTransport(nb::module_& root) {
              o.pin = pin;
              o.tenant = tenant;
              ThrowIfError(tp::ValidatePoolOptions(o));
+             if (registration == "verbs") {  // buffers are ibv_reg_mr regions of the RDMA device
+#ifdef DTENJAX_HAVE_VERBS
+               o.hooks = tp::verbs::PoolHooks();
+#else
+               ThrowIfError(Status(Code::kUnavailable, "registration='verbs' needs the verbs "
+                                                       "provider, which this build lacks"));
+#endif
+             } else if (registration != "host") {
+               ThrowIfError(Status(Code::kInvalidArgument, "registration='" + registration +
+                                                               "' is not 'host' or 'verbs'"));
+             }
              new (self) tp::BufferPool(o);
-           })
+           },
+           nb::arg("max_bytes"), nb::arg("max_buffers"), nb::arg("max_buffer_bytes"),
+           nb::arg("pin"), nb::arg("tenant"), nb::arg("registration") = "host")
       .def("acquire",
            [](tp::BufferPool& p, uint64_t n) {
              int id = -1;
@@ -341,6 +355,40 @@ void BindTransport(nb::module_& root) {
     return n;
   });
   v.def("set_device", &vb::SetDeviceName);
+  v.def("load", [](const std::string& path) { ThrowIfError(vb::LoadLibrary(path)); },
+        nb::arg("path") = "");
+  v.def("library", [] {
+    vb::LibraryInfo i = vb::Library();
+    nb::dict d;
+    d["loaded"] = i.loaded;
+    d["path"] = i.path;
+    d["emulated"] = i.emulated;
+    d["error"] = i.error;
+    return d;
+  });
+  v.def("ports", [] {
+    std::vector<vb::PortInfo> ports;
+    ThrowIfError(vb::ListPorts(&ports));
+    nb::list out;
+    for (const auto& p : ports) {
+      nb::dict d;
+      d["device"] = p.device;
+      d["port"] = p.port;
+      d["state"] = p.state;
+      d["link_layer"] = p.link_layer;
+      d["lid"] = p.lid;
+      d["active_mtu"] = p.active_mtu;
+      d["active_speed"] = p.active_speed;
+      d["active_width"] = p.active_width;
+      nb::list gids;
+      for (const auto& g : p.gids) gids.append(nb::bytes(reinterpret_cast<const char*>(g.data()), 16));
+      d["gids"] = gids;
+      d["gid_types"] = p.gid_types;
+      out.append(d);
+    }
+    return out;
+  });
+  v.def("device_users", &vb::DeviceUsers);
 #endif
 
   nb::module_ t = m.def_submodule(

@@ -47,6 +47,9 @@ KNOBS: dict[str, Knob] = {
         Knob("DTENJAX_TRANSPORT", "auto", "host transport provider: auto, tcp or verbs"),
         Knob("DTENJAX_IB_DEVICE", "",
              "RDMA device the verbs provider opens (default: the first with an active port)"),
+        Knob("DTENJAX_IBVERBS_LIBRARY", "libibverbs.so.1",
+             "file (name or path) the verbs provider dlopens as libibverbs; the test suite points "
+             "it at its emulated device, which is then reported as EMULATED, never as a NIC"),
         Knob("DTENJAX_LIBCRYPTO", "",
              "path of OpenSSL's libcrypto for transport authentication (default: "
              "libcrypto.so.3, then .so.1.1, then .so); without it no connection is made"),

@@ -316,18 +316,27 @@ def select_provider(nics: list[dict[str, Any]] | None = None) -> tuple[str, str]
     raise errors.ConfigurationError(
         f"DTENJAX_TRANSPORT={forced!r} is not one of {['auto', *names]}.")
   built = built_providers() if is_available() else []
+  from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
   if forced != "auto":
     if forced not in built:
       raise errors.ExtensionUnavailableError(
           f"DTENJAX_TRANSPORT={forced} but this build has no {forced} provider (built: {built}); "
           + ("install libibverbs-dev and rebuild, " if forced == "verbs" else "")
           + "or unset DTENJAX_TRANSPORT.")
-    return forced, f"DTENJAX_TRANSPORT={forced}"
+    reason = f"DTENJAX_TRANSPORT={forced}"
+    if forced == "verbs" and rdma.emulated_nics():
+      reason += " on an EMULATED device: " + _emulated_text(rdma)
+      config.log_once(f"transport:emulated:{rdma.library_info()['path']}",
+                      f"dtenjax host transport: verbs runs on an EMULATED RDMA device, not a NIC "
+                      f"({_emulated_text(rdma)})")
+    return forced, reason
   why_none = "no RDMA NIC was given"
   if nics is None:
-    from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
     nics = list(rdma.discover_nics())
     why_none = rdma.unavailable_reason() or "no RDMA device"
+    if rdma.emulated_nics():
+      why_none += ("; auto never picks the EMULATED device (" + _emulated_text(rdma) +
+                   "): set DTENJAX_TRANSPORT=verbs to run on it")
   passed_over = []
   for spec in PROVIDERS:
     if spec.name not in built:
@@ -345,6 +354,11 @@ def select_provider(nics: list[dict[str, Any]] | None = None) -> tuple[str, str]
     passed_over.append(f"{spec.name} is not usable: {why if nics else why_none}")
   raise errors.ExtensionUnavailableError(  # pragma: no cover - tcp is always built and usable
       "no transport provider is usable: " + "; ".join(passed_over))
+
+
+def _emulated_text(rdma) -> str:
+  ports = ", ".join(f"{n['name']}:{n['port']} {n['link_layer']}" for n in rdma.emulated_nics())
+  return f"{ports} from {rdma.library_info()['path']}, dtenjax's test device"
 
 
 # --- communicators --------------------------------------------------------------------------------
@@ -470,7 +484,9 @@ def create_local_comm(rank: int, size: int, creds: JobCredentials, *, tenant: st
         f"transport provider {provider!r} is not in this build (built: {built}).")
   if size > 1:
     ensure_crypto()   # fail closed: raises saying libcrypto is missing and how to install it
-  if provider == "verbs" and config.get_str("DTENJAX_IB_DEVICE"):
+  if provider == "verbs":
+    from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
+    rdma.load_library()   # DTENJAX_IBVERBS_LIBRARY
     native().verbs.set_device(config.get_str("DTENJAX_IB_DEVICE"))
   comm = native().Comm(creds.job_id, rank, size, bytes(creds.secret), settings.timeout_s, tenant,
                        settings.bind_address, provider, settings.segment_bytes,

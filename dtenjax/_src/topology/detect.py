@@ -268,6 +268,18 @@ def _host_links(bus_ids: list[str], numa: dict[str, int | None], notes: list[str
   return {f"{a}|{b}": c for (a, b), c in classes.items()}
 
 
+def _transport_note() -> str:
+  """Which host transport provider communicators would use here, and why (verbs or not)."""
+  try:
+    from dtenjax._src.net import transport  # pylint: disable=g-import-not-at-top
+    if not transport.is_available():
+      return "host transport: unavailable (the native extension has no transport)"
+    name, why = transport.select_provider()
+    return f"host transport: {name} ({why})"
+  except Exception as e:  # pylint: disable=broad-except  (a bad DTENJAX_TRANSPORT, say)
+    return f"host transport: none can be chosen ({type(e).__name__}: {e})"
+
+
 def describe(devices: Sequence[Any] | None = None, *, cudart: Any = None, nvml: Any = None,
              sysfs: str = "/sys", store: Any = None, process: tuple[int, int] | None = None,
              host: str | None = None) -> dict[str, Any]:
@@ -329,11 +341,16 @@ def describe(devices: Sequence[Any] | None = None, *, cudart: Any = None, nvml: 
                                numa_node=int(nic.get("numa_node", 0))))
     if not nics:
       notes.append("no RDMA NIC: " + str(rdma.unavailable_reason()))
+    for e in rdma.emulated_nics():   # a test device: visible as what it is, never a link
+      notes.append(f"EMULATED RDMA device {e['name']} port {e['port']} ({e['link_layer']}, "
+                   f"{e['state']}, {e['rate_gbit_s']:g} Gb/s) from {e['source']}: dtenjax's "
+                   "test device (DTENJAX_IBVERBS_LIBRARY), not a NIC; no link uses it")
   except ImportError:
     notes.append("no RDMA NIC: dtenjax._src.net.rdma is not available")
   except Exception as e:  # pylint: disable=broad-except  (pyverbs errors mean "no RDMA")
     notes.append(f"no RDMA NIC: discovery failed ({type(e).__name__}: {e})")
   inter = inter_host_class(nics)
+  notes.append(_transport_note())
 
   infos = []
   local_counts: dict[int, int] = {}

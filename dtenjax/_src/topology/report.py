@@ -41,6 +41,8 @@ MEANING = {
     "tcp": "another host over TCP",
 }
 assert set(CODES) == set(LINK_ORDER)
+# Topology notes about the host transport (detect.py), shown in their own block.
+TRANSPORT_NOTES = ("host transport:", "EMULATED RDMA device", "no RDMA NIC:")
 
 
 def _label(topology: Topology, i: int) -> str:
@@ -90,8 +92,13 @@ def link_matrix_table(topology: Topology) -> str:
   if topology.numa_nodes:
     for node in topology.numa_nodes:
       lines.append(f"  NUMA node {node.id} on {node.host!r}: cpus {node.cpus or '?'}")
-  if topology.notes:
-    lines += ["", "Notes:"] + [f"  - {note}" for note in topology.notes]
+  # What the host transport runs on (and an emulated RDMA device, shown as such) comes first.
+  transport = [n for n in topology.notes if n.startswith(TRANSPORT_NOTES)]
+  others = [n for n in topology.notes if not n.startswith(TRANSPORT_NOTES)]
+  if transport:
+    lines += ["", "Transport:"] + [f"  {note}" for note in transport]
+  if others:
+    lines += ["", "Notes:"] + [f"  - {note}" for note in others]
   return "\n".join(lines)
 
 

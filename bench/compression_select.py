@@ -66,10 +66,10 @@ def candidates(k: int, sample_ratio: float, has_kernel: bool):
       "top_k": lambda x: topk.exact_topk(x, k),
       "thresh": thresh,
       "+nonzero": with_nonzero,
-      "+cumsum": lambda x: topk.pack(x, thresh(x), k, method="cumsum"),
+      "+cumsum": lambda x: topk.pack(x, thresh(x), k, pack="cumsum"),
   }
   if has_kernel:
-    c["+kernel"] = lambda x: topk.pack(x, thresh(x), k, method="ffi")
+    c["+kernel"] = lambda x: topk.pack(x, thresh(x), k, pack="ffi")
   c["select"] = lambda x: topk.select(x, k, sample_ratio=sample_ratio)
   c["copy"] = lambda x: x + 1.0
   return {name: jax.jit(f) for name, f in c.items()}
@@ -111,8 +111,8 @@ def main(argv=None) -> int:
       check = {}
       if has_kernel:
         t = fns["thresh"](x)
-        a = jax.jit(lambda x, t: topk.pack(x, t, k, method="ffi"))(x, t)
-        b = jax.jit(lambda x, t: topk.pack(x, t, k, method="cumsum"))(x, t)
+        a = jax.jit(lambda x, t: topk.pack(x, t, k, pack="ffi"))(x, t)
+        b = jax.jit(lambda x, t: topk.pack(x, t, k, pack="cumsum"))(x, t)
         check["kernel_equals_cumsum"] = all(bool(jnp.array_equal(u, v)) for u, v in zip(a, b))
         check["count"] = int(a[2])
       sel = fns["select"](x)

@@ -427,3 +427,29 @@ def test_planner_says_how_it_reads_attention_kernels():
   assert "costed as 4096 stacked (32, 128) matrices" in plan.reason
   assert "flax attention kernel (features, heads, head_dim)" in plan.reason
   assert "stacked" not in Placement("auto", mesh=(2, 4), topology=t).plan((64, 64)).reason
+
+
+def test_optimizer_state_follows_its_parameters(mesh24):
+  """shard(opt_state, like=params): adamw's mu and nu get each parameter's layout (tensor
+  parallel here), its step count is replicated; also inside jit given the shardings."""
+  import optax
+  params = {"w1": shard(jnp.ones((8, 16)), Placement("row", mesh=mesh24)),
+            "w2": shard(jnp.ones((16, 8)), Placement("col", mesh=mesh24)),
+            "b": shard(jnp.ones((8,)), Placement("replicate", mesh=mesh24))}
+  tx = optax.adamw(1e-3)
+  state = shard(tx.init(params), like=params)
+  adam = state[0]
+  for moments in (adam.mu, adam.nu):
+    for k, p in params.items():
+      assert moments[k].sharding.is_equivalent_to(p.sharding, p.ndim), (k, moments[k].sharding)
+  assert adam.count.sharding.spec == P() and adam.count.sharding.mesh == mesh24
+  # the usual mistake: one Placement for the whole state replicates every moment of a TP param
+  wrong = shard(tx.init(params), Placement("replicate", mesh=mesh24))
+  assert wrong[0].mu["w1"].sharding.spec == P()
+  shardings = jax.tree.map(lambda a: a.sharding, params)
+  inside = jax.jit(lambda s: shard(s, like=shardings))(tx.init(params))
+  assert inside[0].nu["w2"].sharding.is_equivalent_to(params["w2"].sharding, 2)
+  with pytest.raises(errors.PlacementError, match="exactly one of placement"):
+    shard(state)
+  with pytest.raises(errors.PlacementError, match="no NamedSharding to follow"):
+    shard(tx.init(params), like={"w1": np.ones((8, 16)), "w2": np.ones((16, 8)), "b": np.ones(8)})

@@ -379,7 +379,7 @@ def _exchange(v, ratio: float, config: TopKConfig, num_devices: int):
     return out.astype(v.dtype).reshape(shape), stay.reshape(shape), mask.reshape(shape)
   idx, val, _ = topk.select(flat, plan.k, selection=config.selection,
                             sample_ratio=config.sample_ratio, bounds=config.fallback_bounds,
-                            method=config.pack)
+                            pack=config.pack)
   sent = jnp.zeros_like(flat).at[idx].set(val, mode="drop")
   mask = jnp.zeros((n,), jnp.bool_).at[idx].set(True, mode="drop")
   stay = jnp.where(mask, jnp.zeros_like(flat), flat)

@@ -162,15 +162,18 @@ def pack_method(method: str = "auto") -> tuple[str, str]:
   return "cumsum", ""
 
 
-def pack(x, threshold, k: int, *, method: str = "auto"):
+def pack(x, threshold, k: int, *, pack: str = "auto"):  # pylint: disable=redefined-outer-name
   """(idx int32[k], val[k], count int32[]): the first k elements with |x| >= threshold.
+
+  ``pack``: "auto", "ffi" (the native kernel) or "cumsum" -- the same name and values as
+  ``TopKConfig(pack=)`` and :func:`select`.
 
   Ascending index order; unused slots hold idx = n and val = 0; ``count`` is the number of
   elements at or above the threshold (it may exceed k). NaN never passes the threshold.
   """
   x = jnp.ravel(x)
   check_dtype(x.dtype, "top-k pack")
-  kind, platform = pack_method(method)
+  kind, platform = pack_method(pack)
   x32 = x.astype(jnp.float32)
   if kind == "ffi":
     idx, val, count = _pack_ffi(x32, threshold, k, platform)
@@ -179,10 +182,13 @@ def pack(x, threshold, k: int, *, method: str = "auto"):
   return idx, val.astype(x.dtype), count
 
 
+_pack = pack   # select's ``pack`` argument shadows the function
+
+
 # --- 1 + 2 ----------------------------------------------------------------------------------
 
 def select(x, k: int, *, selection: str = "sampled", sample_ratio: float = 0.01,
-           bounds: tuple[float, float] = (0.5, 1.5), method: str = "auto"):
+           bounds: tuple[float, float] = (0.5, 1.5), pack: str = "auto"):  # pylint: disable=redefined-outer-name
   """(idx int32[k], val[k], count int32[]) of about the k largest |x|, without a full sort.
 
   ``selection="exact"`` is ``lax.top_k`` (count = k). ``"sampled"`` takes the cut from
@@ -200,7 +206,7 @@ def select(x, k: int, *, selection: str = "sampled", sample_ratio: float = 0.01,
     idx, val = exact_topk(x, k)
     return idx, val, _match_vma(jnp.int32(k), x)
   t = sample_threshold(x, k, sample_ratio=sample_ratio)
-  idx, val, count = pack(x, t, k, method=method)
+  idx, val, count = _pack(x, t, k, pack=pack)
   lo, hi = bounds
   far = (count < math.floor(lo * k)) | (count > math.ceil(hi * k))
 

@@ -269,3 +269,43 @@ def test_vmap_and_jit_around_a_typed_collective(algorithm):
   ref = jax.shard_map(lambda v: lax.psum(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
   g_ref = jax.grad(lambda x: jnp.sum(jax.vmap(ref)(x) ** 2))(xs)
   np.testing.assert_allclose(g, g_ref, rtol=1e-6)
+
+
+# --- the NVLink kernels (GPU suite: on whatever GPUs are present, one rank per GPU) -------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("op,reproducible", [("sum", False), ("mean", False), ("max", False),
+                                             ("sum", True), ("mean", True)])
+@pytest.mark.parametrize("record", ["nvlink_one_shot", "nvlink_two_shot"])
+def test_nvlink_kernels_are_typed_and_differentiated_like_lax(record, op, reproducible,
+                                                             check_vma):
+  gpus = jax.devices("gpu")
+  n = len(gpus)
+  mesh = jax.sharding.Mesh(np.array(gpus), ("i",))
+  x = jnp.asarray((np.random.default_rng(3).permutation(n * 64) - 30).astype(np.float32) * 0.5)
+  types = {}
+
+  def make(red, key):
+    def body(v):
+      y = red(v)
+      types[key] = varying(y)
+      return y
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P(),
+                                 check_vma=check_vma))
+  ours = make(lambda v: dtenjax.all_reduce(v, "i", op=op, algorithm=record,
+                                           reproducible=reproducible), "ours")
+  ref = make(lambda v: LAX[op](v, "i"), "lax")
+  assert "dtenjax_p2p_all_reduce" in ours.lower(x).compile().as_text()   # the kernel, no fallback
+  want = {"sum": np.sum, "mean": np.mean, "max": np.max}[op](
+      np.asarray(x, np.float64).reshape(n, -1), axis=0)
+  np.testing.assert_allclose(np.asarray(ours(x)), want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(ours(x)), np.asarray(ref(x)), rtol=1e-6, atol=1e-6)
+  assert types["ours"] == types["lax"], types
+  g = np.asarray(jax.grad(_loss(ours))(x))
+  if op in ("sum", "mean"):
+    np.testing.assert_allclose(g, np.asarray(jax.grad(_loss(ref))(x)), rtol=1e-6, atol=1e-6)
+  else:
+    rows = np.asarray(x).reshape(n, -1)
+    y = rows.max(0)
+    np.testing.assert_allclose(g, np.where(rows == y, 2 * y, 0).reshape(-1), rtol=1e-6)

@@ -2,7 +2,7 @@
 
 JAX's public API does not (yet) expose everything a library of collectives needs: the
 varying-manual-axes (vma) type of a traced value, whether ``shard_map``'s type check is on, the
-varying -> invariant all-gather, the concrete mesh while tracing under ``jax.set_mesh``. Each is
+concrete mesh while tracing under ``jax.set_mesh``. Each is
 read here, so a JAX release that moves one touches this file only (checked on jax 0.10.2 and
 0.11.2).
 
@@ -25,7 +25,6 @@ from jax import lax
 from jax._src import config as _jax_config
 from jax._src import core as _jax_core
 from jax._src import mesh as _jax_mesh
-from jax._src.lax import parallel as _jax_parallel
 
 
 def vma_checked() -> bool:
@@ -58,7 +57,8 @@ def to_varying(x, axes: Sequence[str]):
 
 
 def all_gather_invariant(x, axes: Sequence[str], *, axis: int = 0, tiled: bool = False):
-  """JAX's varying -> invariant all-gather: every device gets the same gathered value, typed so.
+  """JAX's varying -> invariant all-gather (``lax.all_gather(..., to="invarying")``): every device
+  gets the same gathered value, typed so.
 
   The same HLO all-gather as ``lax.all_gather``; only the result type differs (``lax.all_gather``
   is varying -> varying, because its transpose is a reduce-scatter). Over vmap axes alone there
@@ -67,7 +67,7 @@ def all_gather_invariant(x, axes: Sequence[str], *, axis: int = 0, tiled: bool =
   axes = tuple(axes)
   if not manual_axes() & frozenset(axes):
     return lax.all_gather(x, axes, axis=axis, tiled=tiled)
-  return _jax_parallel.all_gather_invariant(x, axes, axis=axis, tiled=tiled)
+  return lax.all_gather(x, axes, axis=axis, tiled=tiled, to="invarying")
 
 
 def reduced_type(aval, axes: Sequence[str]):

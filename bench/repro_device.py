@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import statistics
 import subprocess
 import sys
@@ -277,9 +276,11 @@ def main(args, ap) -> int:
   results: dict = {}
   failed = False
   t_start = time.perf_counter()
+  ratios = []          # measured / estimated seconds of the big parts done so far
   for name in parts:
     elapsed = time.perf_counter() - t_start
-    est = ESTIMATE_S[name] * (0.6 if args.quick else 1.0)
+    scale = min(max(statistics.median(ratios), 0.5), 3.0) if ratios else 1.0
+    est = ESTIMATE_S[name] * (0.6 if args.quick else 1.0) * scale
     if not args.tiny and elapsed + est > args.budget_s:
       results[name] = {"status": "skipped", "why": f"budget: {elapsed:.0f} s used, ~{est:.0f} s "
                                                    f"needed, --budget-s {args.budget_s:.0f}"}
@@ -292,6 +293,8 @@ def main(args, ap) -> int:
         results[name] = {"status": "error", "why": f"{type(e).__name__}: {e}",
                          "traceback": traceback.format_exc()[-4000:]}
       results[name]["seconds"] = time.perf_counter() - t0
+      if results[name].get("status") != "error" and ESTIMATE_S[name] >= 30:
+        ratios.append(results[name]["seconds"] / (ESTIMATE_S[name] * (0.6 if args.quick else 1)))
     print_part(name, results[name])
     if path:
       with open(path, "w") as f:

@@ -64,8 +64,8 @@ def build(name: str, tiny: bool = False) -> dict:
     if name == "gpt2_mid" and not tiny:
       cfg.update(ctx=256, layers=4, heads=8, width=512)
     batch = 2 if tiny else 8
-    params = g2.init_params(jax.random.key(0), cfg)
-    tokens = jax.random.randint(jax.random.key(1), (batch, cfg["ctx"] + 1), 0, cfg["vocab"])
+    params = g2.init_params(0, cfg)
+    tokens = g2.synthetic_tokens(1, batch, cfg)
     return {"fn": g2.make_train_step(cfg), "args": (params, g2.init_opt_state(params), tokens),
             "donate": (0, 1), "advance": lambda a, out: (out[0], out[1], a[2]),
             "loss": lambda out: out[2], "config": {**cfg, "batch": batch}}
@@ -77,10 +77,8 @@ def build(name: str, tiny: bool = False) -> dict:
       stages, width, classes, image, batch = (1, 1, 1, 1), 16, 100, 64, 8
     else:
       stages, width, classes, image, batch = (3, 4, 6, 3), 64, 1000, 224, 16
-    params = rn.init_resnet(jax.random.PRNGKey(0), stages, width, classes)
-    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
-    images = jax.random.normal(k1, (batch, image, image, 3), jnp.float32).astype(rn.DT)
-    labels = jax.random.randint(k2, (batch,), 0, classes)
+    params = rn.init_resnet(0, stages, width, classes)
+    images, labels = rn.synthetic_batch(1, batch, image, classes)
     fn = rn.make_train_step(rn.block_strides(stages), pool="slices")
     return {"fn": fn, "args": (params, jax.tree.map(jnp.zeros_like, params), images, labels),
             "donate": (0, 1), "advance": lambda a, out: (out[0], out[1], a[2], a[3]),

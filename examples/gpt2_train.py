@@ -36,14 +36,15 @@ CONFIGS = {
 }
 
 
-def init_params(key, cfg, scan: bool = False):
-  """GPT-2 parameters (float32). ``scan``: the blocks stacked along a leading layer axis."""
+def init_params(seed: int, cfg, scan: bool = False):
+  """GPT-2 parameters (float32, drawn with numpy: no RNG kernels to compile). ``scan``: the
+  blocks stacked along a leading layer axis."""
   d, n_layers = cfg["width"], cfg["layers"]
-  keys = iter(jax.random.split(key, 2 + 4 * n_layers))
+  rng = np.random.default_rng(seed)
   std, proj_std = 0.02, 0.02 / math.sqrt(2 * n_layers)
 
   def normal(shape, s):
-    return jax.random.normal(next(keys), shape, jnp.float32) * s
+    return jnp.asarray(rng.standard_normal(shape, np.float32) * s)
 
   def ln():
     return {"g": jnp.ones(d), "b": jnp.zeros(d)}
@@ -138,8 +139,9 @@ def init_cache(cfg, batch: int):
 
 
 def make_decode_step(cfg):
-  """decode(params, cache, tokens [batch], pos) -> (next tokens, cache): one token per sequence,
-  attending to the cache up to ``pos``; ``params`` unrolled (a list of blocks), bf16 or f32."""
+  """decode(params, cache, tokens [batch], pos) -> (next tokens, cache, next pos): one token per
+  sequence, attending to the cache up to ``pos`` (an int32 scalar, kept on the device: the next
+  position wraps at the context length); ``params`` unrolled (a list of blocks), bf16 or f32."""
   heads = cfg["heads"]
 
   def decode(params, cache, tokens, pos):
@@ -161,24 +163,31 @@ def make_decode_step(cfg):
       new_cache.append((kc, vc))
     x = _ln(x, params["ln_f"])
     logits = jnp.dot(x, params["wte"].astype(DT).T, preferred_element_type=jnp.float32)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), new_cache
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), new_cache, (pos + 1) % cfg["ctx"]
   return decode
 
 
 def make_generate(cfg, n_tokens: int):
-  """generate(params, cache, tokens, pos) -> (tokens [n, batch], cache): ``n_tokens`` decode steps
-  in one ``lax.fori_loop`` (a while loop on the device when CUDA graphs record WHILE)."""
+  """generate(params, cache, tokens, pos) -> (tokens [n, batch], cache, next pos): ``n_tokens``
+  decode steps in one ``lax.fori_loop`` (a while loop on the device when CUDA graphs record
+  WHILE)."""
   decode = make_decode_step(cfg)
 
   def generate(params, cache, tokens, pos):
     def body(i, carry):
-      cache, tok, out = carry
-      tok, cache = decode(params, cache, tok, pos + i)
-      return cache, tok, out.at[i].set(tok)
+      cache, tok, pos, out = carry
+      tok, cache, pos = decode(params, cache, tok, pos)
+      return cache, tok, pos, out.at[i].set(tok)
     out = jnp.zeros((n_tokens, tokens.shape[0]), jnp.int32)
-    cache, _, out = jax.lax.fori_loop(0, n_tokens, body, (cache, tokens, out))
-    return out, cache
+    cache, _, pos, out = jax.lax.fori_loop(0, n_tokens, body, (cache, tokens, pos, out))
+    return out, cache, pos
   return generate
+
+
+def synthetic_tokens(seed: int, batch: int, cfg):
+  """[batch, ctx + 1] random token ids (int32)."""
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.integers(0, cfg["vocab"], (batch, cfg["ctx"] + 1)), jnp.int32)
 
 
 def n_params(params) -> int:
@@ -216,28 +225,28 @@ def main(argv=None) -> int:
   modes = [m for m in args.modes.split(",") if m]
   for m in modes:
     graphs.CudaGraphPolicy.from_mode(m)          # a clear error for a bad mode, before compiling
-  params = init_params(jax.random.key(0), cfg, scan=args.scan and not args.decode)
-  tokens = jax.random.randint(jax.random.key(1), (args.batch, cfg["ctx"] + 1), 0, cfg["vocab"])
+  params = init_params(0, cfg, scan=args.scan and not args.decode)
+  tokens = synthetic_tokens(1, args.batch, cfg)
   print(f"GPT-2 {'tiny' if args.tiny else 'small'}: {n_params(params) / 1e6:.1f} M parameters, "
         f"batch {args.batch}, {'decode (1 token, KV cache)' if args.decode else 'training'}, "
         f"on {jax.devices()[0].device_kind}", flush=True)
   results = []
+  # one function object for every mode: a mode that passes XLA nothing reuses jax.jit's executable
+  fn = make_decode_step(cfg) if args.decode else make_train_step(cfg)
+  pb = jax.tree.map(lambda x: x.astype(DT), params)
   for name in ["jax.jit"] + modes:
     if args.decode:
-      fn = make_decode_step(cfg)
-      pb = jax.tree.map(lambda x: x.astype(DT), params)
       jitted = (jax.jit(fn, donate_argnums=1) if name == "jax.jit"
                 else graphs.jit(fn, name, donate_argnums=1))
       tok0 = tokens[:, 0].astype(jnp.int32)
 
       def one(state, jitted=jitted, pb=pb):
         cache, tok, pos = state
-        tok, cache = jitted(pb, cache, tok, pos)
-        return cache, tok, (pos + 1) % cfg["ctx"]
+        tok, cache, pos = jitted(pb, cache, tok, pos)
+        return cache, tok, pos
       secs, _ = _time(one, (init_cache(cfg, args.batch), tok0, jnp.int32(0)), args.steps)
       unit = f"{args.batch / secs:.1f} tokens/s"
     else:
-      fn = make_train_step(cfg)
       jitted = (jax.jit(fn, donate_argnums=(0, 1)) if name == "jax.jit"
                 else graphs.jit(fn, name, donate_argnums=(0, 1)))
 

@@ -33,36 +33,44 @@ from dtenjax._src.gpu import graphs
 DT = jnp.bfloat16
 
 
-def _conv_init(key, kh, kw, cin, cout):
-  std = np.sqrt(2.0 / (kh * kw * cin))
-  return jax.random.normal(key, (kh, kw, cin, cout), jnp.float32) * std
+def init_resnet(seed: int = 0, stages=(3, 4, 6, 3), width=64, num_classes=1000):
+  """Parameters of a bottleneck ResNet (ResNet-50 with the defaults) as a nested dict (float32,
+  He-normal convolutions drawn with numpy: no RNG kernels to compile)."""
+  rng = np.random.default_rng(seed)
 
+  def conv_w(kh, kw, cin, cout):
+    std = np.sqrt(2.0 / (kh * kw * cin))
+    return jnp.asarray(rng.standard_normal((kh, kw, cin, cout), np.float32) * std)
 
-def init_resnet(key, stages=(3, 4, 6, 3), width=64, num_classes=1000):
-  """Parameters of a bottleneck ResNet (ResNet-50 with the defaults) as a nested dict."""
-  keys = iter(jax.random.split(key, 4 + 4 * sum(stages)))
-  params = {"stem": {"w": _conv_init(next(keys), 7, 7, 3, width),
-                     "bn": {"g": jnp.ones(width), "b": jnp.zeros(width)}}}
+  def bn_p(c, gamma=1.0):
+    return {"g": jnp.full((c,), gamma, jnp.float32), "b": jnp.zeros((c,), jnp.float32)}
+
+  params = {"stem": {"w": conv_w(7, 7, 3, width), "bn": bn_p(width)}}
   cin = width
   blocks = []
   for s, n in enumerate(stages):
     mid = width * 2 ** s
     cout = mid * 4
     for b in range(n):
-      blk = {"c1": _conv_init(next(keys), 1, 1, cin, mid), "c2": _conv_init(next(keys), 3, 3, mid, mid),
-             "c3": _conv_init(next(keys), 1, 1, mid, cout),
-             "bn1": {"g": jnp.ones(mid), "b": jnp.zeros(mid)},
-             "bn2": {"g": jnp.ones(mid), "b": jnp.zeros(mid)},
-             "bn3": {"g": jnp.zeros(cout), "b": jnp.zeros(cout)}}   # zero-init last BN gamma
+      blk = {"c1": conv_w(1, 1, cin, mid), "c2": conv_w(3, 3, mid, mid),
+             "c3": conv_w(1, 1, mid, cout), "bn1": bn_p(mid), "bn2": bn_p(mid),
+             "bn3": bn_p(cout, 0.0)}                    # zero-init last BN gamma
       if b == 0:
-        blk["proj"] = _conv_init(next(keys), 1, 1, cin, cout)
-        blk["bnp"] = {"g": jnp.ones(cout), "b": jnp.zeros(cout)}
+        blk["proj"] = conv_w(1, 1, cin, cout)
+        blk["bnp"] = bn_p(cout)
       blocks.append(blk)
       cin = cout
   params["blocks"] = blocks
-  params["fc"] = {"w": jax.random.normal(next(keys), (cin, num_classes), jnp.float32) * 0.01,
-                  "b": jnp.zeros(num_classes)}
+  params["fc"] = {"w": jnp.asarray(rng.standard_normal((cin, num_classes), np.float32) * 0.01),
+                  "b": jnp.zeros((num_classes,), jnp.float32)}
   return params
+
+
+def synthetic_batch(seed: int, batch: int, image: int, classes: int):
+  """(images [batch, image, image, 3] bf16, labels [batch] int32), drawn with numpy."""
+  rng = np.random.default_rng(seed)
+  images = jnp.asarray(rng.standard_normal((batch, image, image, 3), np.float32)).astype(DT)
+  return images, jnp.asarray(rng.integers(0, classes, (batch,)), jnp.int32)
 
 
 def block_strides(stages):
@@ -129,9 +137,7 @@ def make_train_step(strides, lr=0.1, momentum=0.9, pool="reduce_window"):
   return train_step
 
 
-def run(mode, cfg, params, data, steps, warmup=2, pool="reduce_window"):
-  strides = block_strides(cfg["stages"])
-  fn = make_train_step(strides, pool=pool)
+def run(mode, fn, params, data, steps, warmup=2):
   step = (jax.jit(fn, donate_argnums=(0, 1)) if mode == "jax.jit"
           else graphs.jit(fn, mode, donate_argnums=(0, 1)))
   p = jax.tree.map(jnp.array, params)
@@ -196,18 +202,17 @@ def main(argv=None) -> int:
   for m in modes[1:]:
     graphs.CudaGraphPolicy.from_mode(m)          # a clear error for a bad mode, before compiling
 
-  key = jax.random.PRNGKey(0)
-  params = init_resnet(key, cfg["stages"], cfg["width"], cfg["classes"])
+  params = init_resnet(0, cfg["stages"], cfg["width"], cfg["classes"])
   n_params = sum(x.size for x in jax.tree.leaves(params))
-  k1, k2 = jax.random.split(jax.random.PRNGKey(1))
-  images = jax.random.normal(k1, (args.batch, args.image, args.image, 3), jnp.float32).astype(DT)
-  labels = jax.random.randint(k2, (args.batch,), 0, cfg["classes"])
+  images, labels = synthetic_batch(1, args.batch, args.image, cfg["classes"])
   print(f"ResNet stages={cfg['stages']} width={cfg['width']} params={n_params / 1e6:.2f}M "
         f"batch={args.batch} image={args.image} bf16 on {jax.devices()[0].device_kind}", flush=True)
 
   results = []
+  # one function object for every mode: a mode that passes XLA nothing reuses jax.jit's executable
+  fn = make_train_step(block_strides(cfg["stages"]), pool=args.pool)
   for mode in modes:
-    r = run(mode, cfg, params, (images, labels), args.steps, pool=args.pool)
+    r = run(mode, fn, params, (images, labels), args.steps)
     results.append(r)
     print(f"{mode:8s}: {r['images_per_s']:9.1f} images/s  {r['ms_per_step']:8.2f} "
           f"ms/step  compile {r['compile_s']:.1f} s  loss {r['first_loss']:.4f} -> "

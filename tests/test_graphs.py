@@ -96,7 +96,7 @@ def _resnet_step():
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
   import resnet50_train as rn  # pylint: disable=g-import-not-at-top
   stages = (1, 1)
-  params = rn.init_resnet(jax.random.PRNGKey(0), stages, 4, 10)
+  params = rn.init_resnet(0, stages, 4, 10)
   images = jnp.ones((2, 32, 32, 3), rn.DT)
   labels = jnp.zeros((2,), jnp.int32)
   return rn.make_train_step(rn.block_strides(stages)), (

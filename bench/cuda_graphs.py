@@ -4,8 +4,8 @@ One process measures every case; in each, the candidates are compiled first, the
 interleaved blocks (the order rotates every repeat), the median per step reported with the ratio
 to ``jax.jit`` (XLA's default settings, what JAX users run) and that ratio's range over repeats.
 
-Cases (``--cases``, default all; cheap ones first, each skipped when ``--budget-s`` would be
-exceeded, said in the output):
+Cases (``--cases``, default all but ``gpt2_scan``; cheap ones first, each skipped when
+``--budget-s`` would be exceeded, said in the output):
 
 * ``launch``: L x (small fusion -> dtenjax CUDA custom call), all launch-bound;
 * ``loop``: a ``lax.fori_loop`` of small fusions + custom calls (a while loop);
@@ -17,8 +17,9 @@ exceeded, said in the output):
 * ``gpt2_scan``: the same with ``lax.scan`` over the layers.
 
 Candidates: ``jax.jit`` (the baseline), ``auto`` (dtenjax's default), ``auto_v1`` (dtenjax's
-previous auto: XLA's defaults + WHILE, min_graph_size 2, kept to show why it lost), and on the
-cheap cases ``measure`` (the opt-in measured choice, with its cost) and ``off``. Per candidate:
+previous auto: XLA's defaults + WHILE, min_graph_size 2, kept to show why it lost; on the cheap
+cases and ResNet-50 batch 16, ``--with-v1`` for all), and on the cheap cases ``measure`` (the
+opt-in measured choice, with its cost) and ``off``. Per candidate:
 the decision, compile seconds, how many new XLA executables it built (0 = it reused the jax.jit
 executable), whether its optimised HLO equals jax.jit's, graph_report's PREDICTED graph launches
 and ops launched one by one per step, and on a GPU the profiler's OBSERVED graph launches and
@@ -26,7 +27,7 @@ kernels inside / outside graphs per step. Every candidate, jax.jit included, is 
 ``xla_enable_command_buffers_during_profiling`` (XLA runs graphs op by op under a profiler
 otherwise; the option is read only while a profiler session is active).
 
-  python bench/cuda_graphs.py --out DIR [--quick] [--cases a,b] [--budget-s 330]
+  python bench/cuda_graphs.py --out DIR [--quick] [--cases a,b] [--budget-s S]
   python bench/cuda_graphs.py --tiny    # a CPU smoke test: tiny models, GPU rules applied
 """
 
@@ -55,6 +56,7 @@ from dtenjax._src.gpu import graphs  # noqa: E402
 
 CASES = ("launch", "loop", "split", "decode", "decode_loop", "resnet50_b16", "gpt2",
          "resnet50_b64", "gpt2_scan")
+DEFAULT_CASES = CASES[:-1]         # gpt2_scan on request
 CHEAP = ("launch", "loop", "split", "decode", "decode_loop")
 # Rough H200 seconds per case (compiles dominate), to keep the run inside --budget-s.
 ESTIMATE_S = {"launch": 8, "loop": 8, "split": 8, "decode": 45, "decode_loop": 45,
@@ -63,7 +65,9 @@ AUTO_V1 = gp.CudaGraphPolicy.xla_default_plus("auto_v1", ("WHILE",), 2)
 
 
 def _candidates(case: str, args) -> list[str]:
-  names = ["jax.jit", "auto", "auto_v1"]
+  names = ["jax.jit", "auto"]
+  if case in CHEAP or case == "resnet50_b16" or args.with_v1:   # where auto_v1 lost: ResNet b16
+    names += ["auto_v1"]
   if case in CHEAP:
     names += ["measure", "off"]
   elif args.with_off:
@@ -302,15 +306,18 @@ def print_case(case: str, res: dict, console) -> None:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+  ap.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                  help=f"comma list of {', '.join(CASES)} (default: all but gpt2_scan)")
   ap.add_argument("--steps", type=int, default=None, help="steps per timed block")
   ap.add_argument("--repeats", type=int, default=None, help="timed blocks per candidate")
-  ap.add_argument("--budget-s", type=float, default=330.0,
-                  help="skip a case when the run would pass this many seconds (estimated)")
-  ap.add_argument("--quick", action="store_true",
-                  help="fewer steps and repeats; drops resnet50_b64 and gpt2_scan")
+  ap.add_argument("--budget-s", type=float, default=None,
+                  help="skip a case when the run would pass this many seconds (estimated from "
+                       "the cases done so far); default 330, 250 with --quick")
+  ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
   ap.add_argument("--tiny", action="store_true", help="tiny models and sizes (CPU smoke test)")
   ap.add_argument("--with-off", action="store_true", help="also time graphs off on the models")
+  ap.add_argument("--with-v1", action="store_true",
+                  help="also time auto_v1 on every model (default: cheap cases and ResNet b16)")
   ap.add_argument("--no-observe", action="store_true", help="skip the profiler observation")
   ap.add_argument("--out", default=None, help="directory for cuda_graphs.json")
   ap.add_argument("--json", default=None, help="write the JSON to this file instead")
@@ -319,8 +326,7 @@ def main(argv=None) -> int:
   bad = [c for c in cases if c not in CASES]
   if bad:
     ap.error(f"unknown case(s) {bad}; choose from {list(CASES)}")
-  if args.quick:
-    cases = [c for c in cases if c not in ("resnet50_b64", "gpt2_scan")]
+  args.budget_s = args.budget_s or (250.0 if args.quick else 330.0)
   args.steps = args.steps or (3 if args.tiny else 10 if args.quick else 20)
   args.repeats = args.repeats or (2 if args.tiny else 3 if args.quick else 5)
   if args.steps < 1 or args.repeats < 1:

@@ -20,19 +20,20 @@ steps and the pins):
 1. processes: each workload (the demo step, a reduced GPT-2 and ResNet, GPT-2 small pinned) run
    in several FRESH processes at once per pin set; the table counts distinct digests of the
    parameters and losses after the same steps (1 = the same bits in every process);
-2. the demo itself (``python -m dtenjax demo``) in two fresh processes: its printed digests;
-3. device counts: the demo's per-micro-batch gradients with 8, 4, 2, 1 micro-batches per device
+2. costs: the demo step, GPT-2 small and ResNet-50 (batch 16, sliced pooling) compiled with
+   jax.jit, the autotune pin alone and reproducible_step (both pins; ``--all-pins`` adds the ops
+   pin alone and autotune="cache"), timed interleaved in this process (ratios);
+3. the demo itself (``python -m dtenjax demo``) in two fresh processes: its printed digests;
+4. device counts: the demo's per-micro-batch gradients with 8, 4, 2, 1 micro-batches per device
    (``demo.microbatch_invariance``: what decides whether other device counts give the same bits);
-4. select-and-scatter: the max-pooling gradient XLA cannot compile deterministically;
-5. fused vs unfused: the flax MLP step above around substitute_psum and fuse_collectives(64 KiB),
-   both under reproducible_step's pins on this device;
-6. costs: the demo step, GPT-2 small and ResNet-50 (batch 16, sliced pooling) compiled with
-   jax.jit, each pin alone and reproducible_step, timed interleaved in this process (ratios).
+5. select-and-scatter: the max-pooling gradient XLA cannot compile deterministically;
+6. fused vs unfused: the flax MLP step above around substitute_psum and fuse_collectives(64 KiB),
+   both under reproducible_step's pins on this device.
 
 Parts run in that order, each skipped (and said so) when ``--budget-s`` would be exceeded. JSON
 goes to DIR/reproducible_step.json after every part.
 
-    python bench/reproducible_step.py --device --out DIR [--quick] [--budget-s 300]
+    python bench/reproducible_step.py --device --out DIR [--quick] [--budget-s S]
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ MODES = {
 }
 VARIANTS = ("subst one_shot", "subst two_shot", "fuse 4KiB", "fuse 64KiB", "fuse 1MiB")
 CHECK_STEPS = (1, 5, 10)
-DEVICE_PARTS = ("processes", "demo", "device_counts", "select_and_scatter", "fusion", "costs")
+DEVICE_PARTS = ("processes", "costs", "demo", "device_counts", "select_and_scatter", "fusion")
 
 
 def worker(mode: str, steps: int, variants=VARIANTS) -> dict:
@@ -162,8 +163,9 @@ def main(argv=None):
   ap.add_argument("--out", default=None, help="--device: directory for reproducible_step.json")
   ap.add_argument("--quick", action="store_true", help="--device: fewer processes and models")
   ap.add_argument("--tiny", action="store_true", help="--device: toy sizes (CPU smoke test)")
-  ap.add_argument("--budget-s", type=float, default=300.0,
-                  help="--device: skip parts that would pass this many seconds (estimated)")
+  ap.add_argument("--budget-s", type=float, default=None,
+                  help="--device: skip parts that would pass this many seconds (estimated from "
+                       "the parts done so far); default 360, 220 with --quick")
   ap.add_argument("--parts", default=",".join(DEVICE_PARTS),
                   help=f"--device: comma list of {', '.join(DEVICE_PARTS)}")
   ap.add_argument("--workloads", default="demo,gpt2_mid,resnet_mid",

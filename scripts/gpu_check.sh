@@ -83,8 +83,9 @@ if want topo; then
   fi
   step demo 240 $PY -m dtenjax demo --no-progress
 fi
-want graphs && step graphs 560 $PY bench/cuda_graphs.py --out "$OUT" $QUICK
-want repro && step repro 560 $PY bench/reproducible_step.py --device --out "$OUT" $QUICK
+# JSON straight into the return folder: it survives a caller's time limit mid-step
+want graphs && step graphs 560 $PY bench/cuda_graphs.py --out "${RET:-$OUT}" $QUICK
+want repro && step repro 560 $PY bench/reproducible_step.py --device --out "${RET:-$OUT}" $QUICK
 if [ "${GPU_CHECK_EXTRA:-0}" = 1 ]; then
   step compression_bench 240 $PY bench/compression_select.py --json "$OUT/compression_select.json"
   step resnet 300 $PY examples/resnet50_train.py --json "$OUT/resnet.json"

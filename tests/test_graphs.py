@@ -229,6 +229,12 @@ def test_predicted_launches_per_step_follow_xlas_conversion_rules(policy, graph_
   assert r.is_prediction and "PREDICTED" in r.render()
 
 
+def test_a_run_of_exactly_min_graph_size_thunks_is_a_graph():
+  # the loop body: 5 thunks = XLA's minimum -> a graph the host launches every iteration
+  r = pred.report_from_hlo(_module("fw", body_len=5), DEFAULT, "gpu")
+  assert (r.graph_launches_per_step(), r.ops_outside_per_step()) == (10, 2)
+
+
 def test_unknown_trip_counts_make_the_per_step_prediction_unknown():
   r = pred.report_from_hlo(_module("fw", trip=None), DEFAULT, "gpu")
   assert r.launches() is None and "?" in r.render()

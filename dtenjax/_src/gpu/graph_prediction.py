@@ -469,6 +469,13 @@ def _device_loops(module: hlo.Module) -> list[hlo.Instruction]:
   return found
 
 
+def decide_auto_without_loops() -> tuple[gp.CudaGraphPolicy, str]:
+  """auto's choice for a step with no loop it could run on the device."""
+  return gp.CudaGraphPolicy.from_mode("auto"), (
+      "no loop XLA could replay on the device: XLA's defaults, nothing passed (the jax.jit "
+      "executable)")
+
+
 def decide_auto(module: hlo.Module, trips: Mapping[str, int] | None = None
                 ) -> tuple[gp.CudaGraphPolicy, str]:
   """``cuda_graphs="auto"``'s choice for a compiled module: (policy, reason).
@@ -482,8 +489,7 @@ def decide_auto(module: hlo.Module, trips: Mapping[str, int] | None = None
   trips = trips or {}
   loops = _device_loops(module)
   if not loops:
-    return default, ("no loop XLA could replay on the device: XLA's defaults, nothing passed "
-                     "(the jax.jit executable)")
+    return decide_auto_without_loops()
   names = {op.name for op in loops}
   probe = gp.CudaGraphPolicy.xla_default_plus("auto", ("WHILE",))
   runs = plan(module, probe, trips).runs

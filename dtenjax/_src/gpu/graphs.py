@@ -148,8 +148,12 @@ class GraphJitted:
       policy = gp.CudaGraphPolicy.from_mode(self.policy.mode)
       reason = f"XLA_FLAGS sets {' '.join(user)}: the process's own choice is kept"
     elif self.policy.mode == "auto":
-      module = hlo.read_compiled(compiled)
-      policy, reason = pred.decide_auto(module, _trip_counts(module, compiled))
+      text = compiled.as_text()
+      if " while(" not in text:           # no loop at all: skip reading the module
+        policy, reason = pred.decide_auto_without_loops()
+      else:
+        policy, reason = pred.decide_auto(hlo.read_compiled(compiled),
+                                          pred.trip_counts_from_text(text))
     else:
       measured = graph_measure.measure(
           self.fn, args, kwargs, jit_kwargs=self._jit_kwargs, user_options=self._user_options,

@@ -171,9 +171,6 @@ class Splitter:
   repeat: int | None = 1
   launches: int = 1          # device launches per execution (0 for loops, branches, callbacks)
 
-  def __iter__(self):        # (op, what, reason), as the report printed them before
-    return iter((self.op, self.what, self.reason))
-
 
 SOURCES = {
     "predicted": "PREDICTED from XLA's command-buffer rules applied to the compiled schedule; "
@@ -336,7 +333,7 @@ def _while_parts(op: hlo.Instruction) -> tuple[str, str]:
 
 def _op_by_op(op: hlo.Instruction, module: hlo.Module, trips: Mapping[str, int], comp: str,
               repeat: int | None, why: str, plan: _Plan, depth: int = 0) -> None:
-  """A thunk launched by itself: loops and branches run their bodies op by op."""
+  """A thunk launched by itself; a loop launched so runs its body op by op every iteration."""
   if op.opcode == "while" and depth <= _MAX_DEPTH:
     trip = trips.get(op.name)
     body, cond = _while_parts(op)
@@ -401,6 +398,7 @@ def _convert(comp_name: str, module: hlo.Module, policy: gp.CudaGraphPolicy,
 
 def plan(module: hlo.Module, policy: gp.CudaGraphPolicy,
          trips: Mapping[str, int] | None = None) -> _Plan:
+  """What the conversion pass would form for the whole step under ``policy``."""
   out = _Plan([], [], [])
   _convert(module.entry, module, policy, trips or {}, 1, out)
   return out

@@ -312,7 +312,7 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=None, help="timed blocks per candidate")
   ap.add_argument("--budget-s", type=float, default=None,
                   help="skip a case when the run would pass this many seconds (estimated from "
-                       "the cases done so far); default 330, 250 with --quick")
+                       "the cases done so far); default 330, 230 with --quick")
   ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
   ap.add_argument("--tiny", action="store_true", help="tiny models and sizes (CPU smoke test)")
   ap.add_argument("--with-off", action="store_true", help="also time graphs off on the models")
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
   bad = [c for c in cases if c not in CASES]
   if bad:
     ap.error(f"unknown case(s) {bad}; choose from {list(CASES)}")
-  args.budget_s = args.budget_s or (250.0 if args.quick else 330.0)
+  args.budget_s = args.budget_s or (230.0 if args.quick else 330.0)
   args.steps = args.steps or (3 if args.tiny else 10 if args.quick else 20)
   args.repeats = args.repeats or (2 if args.tiny else 3 if args.quick else 5)
   if args.steps < 1 or args.repeats < 1:

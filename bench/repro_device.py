@@ -251,7 +251,7 @@ def print_part(name: str, res: dict) -> None:
 
 def main(args, ap) -> int:
   import repro_workloads as rw  # pylint: disable=g-import-not-at-top
-  args.budget_s = args.budget_s or (220.0 if args.quick else 360.0)
+  args.budget_s = args.budget_s or (200.0 if args.quick else 360.0)
   parts = [p for p in args.parts.split(",") if p]
   bad = [p for p in parts if p not in PARTS]
   bad += [w for w in args.workloads.split(",") + args.models.split(",")

@@ -165,7 +165,7 @@ def main(argv=None):
   ap.add_argument("--tiny", action="store_true", help="--device: toy sizes (CPU smoke test)")
   ap.add_argument("--budget-s", type=float, default=None,
                   help="--device: skip parts that would pass this many seconds (estimated from "
-                       "the parts done so far); default 360, 220 with --quick")
+                       "the parts done so far); default 360, 200 with --quick")
   ap.add_argument("--parts", default=",".join(DEVICE_PARTS),
                   help=f"--device: comma list of {', '.join(DEVICE_PARTS)}")
   ap.add_argument("--workloads", default="demo,gpt2_mid,resnet_mid",

@@ -1,8 +1,9 @@
-"""Whole-step bit identity of one adamw training step compiled around different gradient
-reductions: dtenjax.substitute_psum (one_shot, two_shot) and dtenjax.fuse_collectives (one_shot,
+"""Whole-step bit reproducibility, two questions, one script.
+
+Default (CPU, the fusion question): one adamw training step compiled around different gradient
+reductions, dtenjax.substitute_psum (one_shot, two_shot) and dtenjax.fuse_collectives (one_shot,
 bucket_bytes 4 KiB, 64 KiB, 1 MiB), under plain jax.jit, jax.jit with per-executable XLA options
 that look relevant, and dtenjax.reproducible_step with its process flag, side by side in one run.
-
 A flax linen MLP (Dense-LayerNorm-gelu-Dense-relu-Dense, 26,378 parameters) with optax.adamw,
 data parallel over 8 simulated CPU devices with jax.shard_map. Every variant starts from the same
 parameters and batch; the table counts the parameters whose bits differ from the
@@ -13,6 +14,28 @@ flag it needs (XLA_FLAGS=--xla_cpu_max_isa=AVX) is read when JAX starts its CPU 
     python bench/reproducible_step.py [--steps 10] [--json PATH]
 
 ``--json`` writes bench/_harness.py's one schema (one row per mode and variant) and says where.
+
+``--device`` (for a GPU; ``--tiny`` runs every part at toy sizes on a CPU): the run-to-run
+question, ``dtenjax.reproducible_step`` against ``jax.jit`` (bench/repro_workloads.py has the
+steps and the pins):
+
+1. processes: each workload (the demo step, a reduced GPT-2 and ResNet, GPT-2 small pinned) run
+   in several FRESH processes at once per pin set; the table counts distinct digests of the
+   parameters and losses after the same steps (1 = the same bits in every process);
+2. costs: the demo step, GPT-2 small and ResNet-50 (batch 16, sliced pooling) compiled with
+   jax.jit, the autotune pin alone and reproducible_step (both pins; ``--all-pins`` adds the ops
+   pin alone and autotune="cache"), timed interleaved in this process (ratios);
+3. the demo itself (``python -m dtenjax demo``) in two fresh processes: its printed digests;
+4. device counts: the demo's per-micro-batch gradients with 8, 4, 2, 1 micro-batches per device
+   (``demo.microbatch_invariance``: what decides whether other device counts give the same bits);
+5. select-and-scatter: the max-pooling gradient XLA cannot compile deterministically;
+6. fused vs unfused: the flax MLP step above around substitute_psum and fuse_collectives(64 KiB),
+   both under reproducible_step's pins on this device.
+
+Parts run in that order, each skipped (and said so) when ``--budget-s`` would be exceeded. JSON
+goes to DIR/reproducible_step.json after every part.
+
+    python bench/reproducible_step.py --device --out DIR [--quick] [--budget-s S]
 """
 
 from __future__ import annotations
@@ -36,6 +59,7 @@ MODES = {
 }
 VARIANTS = ("subst one_shot", "subst two_shot", "fuse 4KiB", "fuse 64KiB", "fuse 1MiB")
 CHECK_STEPS = (1, 5, 10)
+DEVICE_PARTS = ("processes", "costs", "demo", "device_counts", "select_and_scatter", "fusion")
 
 
 def worker(mode: str, steps: int, variants=VARIANTS) -> dict:
@@ -139,8 +163,27 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, metavar="PATH")
   ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--variants", default=",".join(VARIANTS), help=argparse.SUPPRESS)
+  ap.add_argument("--device", action="store_true",
+                  help="the run-to-run measurements on the default device (a GPU)")
+  ap.add_argument("--out", default=None, help="--device: directory for reproducible_step.json")
+  ap.add_argument("--quick", action="store_true", help="--device: fewer processes and models")
+  ap.add_argument("--tiny", action="store_true", help="--device: toy sizes (CPU smoke test)")
+  ap.add_argument("--budget-s", type=float, default=None,
+                  help="--device: skip parts that would pass this many seconds (estimated from "
+                       "the parts done so far); default 360, 200 with --quick")
+  ap.add_argument("--parts", default=",".join(DEVICE_PARTS),
+                  help=f"--device: comma list of {', '.join(DEVICE_PARTS)}")
+  ap.add_argument("--workloads", default="demo,gpt2_mid,resnet_mid",
+                  help="--device: the workloads the processes part starts fresh processes of")
+  ap.add_argument("--models", default="demo,gpt2,resnet50_b16",
+                  help="--device: the workloads the costs part times")
+  ap.add_argument("--all-pins", action="store_true",
+                  help="--device: also time the 'ops' pin alone and autotune='cache'")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
+  if args.device:
+    import repro_device  # pylint: disable=g-import-not-at-top
+    return repro_device.main(args, ap)
   if args.worker:
     print(json.dumps(worker(args.worker, args.steps, tuple(args.variants.split(",")))))
     return 0

@@ -7,7 +7,9 @@
 
 Runs on every device jax sees, in one process (the default), or with ``--procs N`` as N processes
 of one GPU each (jax.distributed on 127.0.0.1, local_device_ids=[r]): the two ways people run
-JAX on a multi-GPU machine. On a CPU-only machine it uses 8 simulated devices.
+JAX on a multi-GPU machine. On a CPU-only machine it uses 8 simulated devices. With one device
+(one GPU, or XLA_FLAGS asking for one CPU device) an all-reduce moves nothing, and the bench
+refuses with exit status 3 instead of printing meaningless ratios.
 
 Per candidate and size it measures, in one run:
   time   per-op DEVICE time: a jitted chain of K dependent all-reduces minus the same program with
@@ -20,6 +22,9 @@ Candidates: psum (lax.psum, XLA defaults), psum_oneshot / psum_nccl (XLA's own o
 all-reduce kernel forced on / off by per-executable compiler option, where this jax has the
 option), and dtenjax.all_reduce with algorithm xla, ring, one_shot, two_shot, hierarchical (2-D
 mesh only), auto, and `reproducible` (auto + reproducible=True).
+
+The table comes last; ``--json`` writes bench/_harness.py's one schema (machine, versions,
+command, date, rows) and ``--plot`` a busbw chart, each saying where.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import sys
 import tempfile
 import time
 
+import _harness
+
 CANDIDATES = ("psum", "psum_oneshot", "psum_nccl", "xla", "ring", "one_shot", "two_shot",
               "hierarchical", "auto", "reproducible")
 DEFAULT = "psum,psum_oneshot,psum_nccl,xla,one_shot,two_shot,auto,reproducible"
@@ -46,15 +53,10 @@ ONESHOT_OFF = ({"xla_gpu_experimental_use_collective_kernels": ""},
                {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False})
 
 
-def _parse_size(s: str) -> int:
-  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-  s = s.strip().upper()
-  return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(s)
-
-
 def _setup_env():
-  if os.environ.get("JAX_PLATFORMS", "") == "cpu" and \
-      "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  """8 simulated CPU devices unless XLA_FLAGS says otherwise (the flag only shapes the CPU
+  backend; on a GPU machine the GPUs stay jax's default devices)."""
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
 
@@ -90,16 +92,8 @@ def _compile(body, mesh, axes, x, options_list):
 def _interleaved_medians(fns: dict, x, warmup: int, iters: int) -> dict:
   """Median wall time of each compiled fn, timed round-robin (one call of each per round) so
   that drift of the machine over the run affects every candidate alike."""
-  for f in fns.values():
-    for _ in range(warmup):
-      f(x).block_until_ready()
-  ts = {k: [] for k in fns}
-  for _ in range(iters):
-    for k, f in fns.items():
-      t0 = time.perf_counter()
-      f(x).block_until_ready()
-      ts[k].append(time.perf_counter() - t0)
-  return {k: statistics.median(v) for k, v in ts.items()}
+  samples = _harness.interleaved(fns, (x,), warmup=warmup, iters=iters)
+  return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def measure(args) -> list[dict]:
@@ -111,13 +105,17 @@ def measure(args) -> list[dict]:
 
   devs = jax.devices()
   n = len(devs)
+  _harness.require_world(
+      "bench/allreduce.py", n,
+      how=(f"jax sees {n} {devs[0].platform} device; run it where several GPUs are visible, "
+           "or on CPU without XLA_FLAGS limiting the device count (8 simulated devices)."))
   two_d = args.mesh == "2d" and n >= 4 and n % 2 == 0
   mesh = Mesh(np.array(devs).reshape((2, n // 2) if two_d else (n,)),
               ("o", "i") if two_d else ("x",))
   axes = ("o", "i") if two_d else ("x",)
   dtype = jnp.dtype(args.dtype)
   algos = [a for a in args.algorithms.split(",") if a]
-  sizes = [_parse_size(s) for s in args.sizes.split(",") if s]
+  sizes = args.sizes
   k = args.chain
   rows = []
   for size in sizes:
@@ -157,30 +155,24 @@ def measure(args) -> list[dict]:
     med = _interleaved_medians(compiled, x, args.warmup, args.iters)
     times = {a: (max(med[(a, "chain")] - med[(a, "base")], 1e-9) / k, med[(a, "one")])
              for a, kind in compiled if kind == "chain"}
-    base = times.get("psum", (None,))[0]
     for a, (t, lat) in times.items():
-      algbw = count * dtype.itemsize / t / 1e9
-      rows.append(dict(size=count * dtype.itemsize, count=count, type=dtype.name, algorithm=a,
-                       time_us=t * 1e6, lat_us=lat * 1e6, algbw=algbw,
-                       busbw=algbw * (2 * (n - 1) / n if n > 1 else 1.0),
-                       ratio=(base / t) if base else None, world=n,
-                       procs=jax.process_count(), backend=jax.default_backend(),
+      rows.append(dict(_harness.nccl_columns(count * dtype.itemsize, dtype.name, t, n),
+                       algorithm=a, lat_us=lat * 1e6, world=n, procs=jax.process_count(),
+                       backend=jax.default_backend(), device_kind=devs[0].device_kind,
                        chain=k))
+    _harness.add_ratios(rows, "psum")
     if args.progress:
       print(f"# {size} B done", file=sys.stderr, flush=True)
   return rows
 
 
 def table(rows: list[dict]) -> str:
-  hdr = (f"{'size':>10} {'count':>10} {'type':>9} {'algorithm':>13} {'time(us)':>9} "
-         f"{'lat(us)':>9} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'vs psum':>8}")
-  out = [hdr]
-  for r in rows:
-    ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
-    out.append(f"{r['size']:>10} {r['count']:>10} {r['type']:>9} {r['algorithm']:>13} "
-               f"{r['time_us']:>9.1f} {r['lat_us']:>9.1f} {r['algbw']:>12.3f} "
-               f"{r['busbw']:>12.3f} {ratio:>8}")
-  return "\n".join(out)
+  r0 = rows[0] if rows else {}
+  title = (f"all_reduce over {r0.get('world')} {r0.get('backend')} devices in "
+           f"{r0.get('procs')} process(es); ratio = psum time / time" if rows else None)
+  return _harness.table(rows, _harness.NCCL_TABLE + (("algorithm", "algorithm", "s"),) +
+                        _harness.NCCL_TAIL[:1] + (("lat(us)", "lat_us", ".1f"),) +
+                        _harness.NCCL_TAIL[1:] + (("vs psum", "ratio", "ratio"),), title=title)
 
 
 def _plot_module():
@@ -219,11 +211,8 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
         merged[key] = dict(r)
   out = sorted(merged.values(), key=lambda r: (r["size"], CANDIDATES.index(r["algorithm"])))
   for r in out:
-    base = merged.get((r["size"], "psum"))
-    r["ratio"] = base["time_us"] / r["time_us"] if base else None
-    r["algbw"] = r["size"] / (r["time_us"] * 1e-6) / 1e9
-    r["busbw"] = r["algbw"] * (2 * (r["world"] - 1) / r["world"] if r["world"] > 1 else 1.0)
-  return out
+    r.update(_harness.nccl_columns(r["size"], r["type"], r["time_us"] * 1e-6, r["world"]))
+  return _harness.add_ratios(out, "psum")
 
 
 def _launch(args, argv: list[str]) -> list[dict]:
@@ -258,11 +247,13 @@ def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   p = argparse.ArgumentParser(prog="dtenjax bench allreduce", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--sizes", default=DEFAULT_SIZES, help="bytes per rank, comma list (K/M/G)")
+  p.add_argument("--sizes", default=_harness.sizes_arg(DEFAULT_SIZES), type=_harness.sizes_arg,
+                 help="bytes per rank, comma list (K/M/G)")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--algorithms", default=DEFAULT, help="comma list of " + ",".join(CANDIDATES))
-  p.add_argument("--chain", type=int, default=32, help="all-reduces per timed program (K)")
-  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--chain", type=_harness.positive_int, default=32,
+                 help="all-reduces per timed program (K)")
+  p.add_argument("--iters", type=_harness.positive_int, default=20)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--mesh", default="1d", choices=["1d", "2d"])
   p.add_argument("--procs", type=int, default=0,
@@ -300,12 +291,21 @@ def main(argv: list[str] | None = None) -> int:
     _setup_env()
     rows = measure(args)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"argv": argv, "rows": rows}, f, indent=1)
+    r0 = rows[0] if rows else {}
+    _harness.write_json(args.json, _harness.document(
+        "allreduce", __file__, argv, _params(args), rows,
+        machine_extra={"devices": {"backend": r0.get("backend"), "count": r0.get("world"),
+                                   "kinds": {r0.get("device_kind"): r0.get("world")},
+                                   "processes": r0.get("procs")}}))
   if plt is not None:
     plot(rows, args.plot, plt)
+    print(f"wrote {os.path.abspath(args.plot)}", file=sys.stderr)
   print(table(rows))
   return 0
+
+
+def _params(args) -> dict:
+  return {k: v for k, v in vars(args).items() if k not in ("worker", "json", "plot")}
 
 
 if __name__ == "__main__":

@@ -8,18 +8,23 @@ Per-op time: a jitted chain of ``--chain`` dependent all-reduces inside ``shard_
 scaled by 1/n and fed to the next), minus the same chain without the collectives, divided by the
 chain length; candidates are interleaved over ``--reps`` repetitions and the median (or, with
 ``--stat min``, the minimum) is reported.
-ratio = psum time / candidate time (>= 1: at least as fast as psum). On a CPU-only machine
-8 simulated devices are used (mesh 2 x 4, axes ('o', 'i')) unless XLA_FLAGS says otherwise.
+ratio = psum time / candidate time (>= 1: at least as fast as psum). Every row has nccl-tests'
+columns: size (bytes per rank), count, type, time, algbw = size / time and busbw = algbw x
+2(n-1)/n (all-reduces), (n-1)/n (lax.all_gather, lax.all_to_all). On a CPU-only machine
+8 simulated devices are used (mesh 2 x 4, axes ('o', 'i')) unless XLA_FLAGS says otherwise; with
+one device it refuses (exit status 3): a collective of one rank moves nothing. ``--json`` writes
+bench/_harness.py's one schema and says where.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
+
+import _harness
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "") and \
     os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
@@ -32,12 +37,7 @@ CANDIDATES = ("psum", "auto", "xla", "one_shot", "two_shot", "ring", "hierarchic
               "reproducible_two_shot", "lax.pmax", "lax.all_to_all", "lax.all_gather")
 # lax.*: XLA's building blocks on the same bytes (all_gather of each rank's 1/n, so its output is
 # the size of the others' input), for reading what the algorithms cost.
-
-
-def _size(s: str) -> int:
-  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-  s = s.strip().upper()
-  return int(float(s[:-1]) * mult[s[-1]]) if s[-1] in mult else int(s)
+BUS_OP = {"lax.all_to_all": "all_to_all", "lax.all_gather": "all_gather"}   # others: all_reduce
 
 
 def _op(name, axes):
@@ -93,13 +93,15 @@ def run(args) -> list[dict]:
 
   devs = jax.devices()
   n = len(devs)
+  _harness.require_world("bench/collectives.py", n,
+                         how="XLA_FLAGS limits the CPU device count; leave it unset (8).")
   shape = (2, n // 2) if n >= 4 and n % 2 == 0 else (1, n)
   axes = ("o", "i")
   mesh = Mesh(np.array(devs).reshape(shape), axes)
   dtype = jnp.dtype(args.dtype)
   names = [c for c in args.candidates.split(",") if c]
   rows = []
-  for size in [_size(s) for s in args.sizes.split(",")]:
+  for size in args.sizes:
     count = max(size // dtype.itemsize, 1)
     x = jax.random.normal(jax.random.key(0), (n * count,), jnp.float32).astype(dtype)
     x = jax.device_put(x, NamedSharding(mesh, P(axes)))
@@ -114,30 +116,27 @@ def run(args) -> list[dict]:
     base = stat(samples["none"])
     per_op = {c: max(stat(samples[c]) - base, 1e-9) / args.chain for c in names}
     for c in names:
-      ratio = per_op["psum"] / per_op[c] if "psum" in per_op else None
-      rows.append(dict(size=size, count=count, dtype=dtype.name, candidate=c,
-                       time_us=per_op[c] * 1e6, ratio=ratio, world=n,
-                       backend=jax.default_backend()))
-    print(table([r for r in rows if r["size"] == size]), flush=True)
+      rows.append(dict(_harness.nccl_columns(count * dtype.itemsize, dtype.name, per_op[c], n,
+                                             BUS_OP.get(c, "all_reduce")),
+                       candidate=c, world=n, backend=jax.default_backend()))
+    _harness.add_ratios(rows, "psum", candidate="candidate")
+    print(table([r for r in rows if r["size"] == count * dtype.itemsize]), flush=True)
   return rows
 
 
 def table(rows) -> str:
-  out = [f"{'size':>9} {'type':>9} {'candidate':>22} {'time(us)':>11} {'vs psum':>8}"]
-  for r in rows:
-    ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
-    out.append(f"{r['size']:>9} {r['dtype']:>9} {r['candidate']:>22} {r['time_us']:>11.1f} "
-               f"{ratio:>8}")
-  return "\n".join(out)
+  return _harness.table(rows, _harness.NCCL_TABLE + (("candidate", "candidate", "s"),) +
+                        _harness.NCCL_TAIL + (("vs psum", "ratio", "ratio"),))
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="bench/collectives.py", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--sizes", default="8K,64K,256K,1M,4M")
+  p.add_argument("--sizes", default=_harness.sizes_arg("8K,64K,256K,1M,4M"),
+                 type=_harness.sizes_arg, help="bytes per rank, comma list (K/M/G)")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  p.add_argument("--chain", type=int, default=32)
-  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--chain", type=_harness.positive_int, default=32)
+  p.add_argument("--reps", type=_harness.positive_int, default=5)
   p.add_argument("--candidates", default=",".join(CANDIDATES))
   p.add_argument("--stat", default="median", choices=["median", "min"],
                  help="median (default) or min over the repetitions (least disturbed by load)")
@@ -147,10 +146,13 @@ def main(argv=None) -> int:
   if bad:
     p.error(f"unknown candidate(s) {bad}; choose from {list(CANDIDATES)}")
   rows = run(args)
-  print("\n" + table(rows))
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump({"argv": sys.argv[1:] if argv is None else argv, "rows": rows}, f, indent=1)
+    import jax  # pylint: disable=g-import-not-at-top
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _harness.write_json(args.json, _harness.document(
+        "collectives", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"},
+        rows, devices=jax.devices()))
+  print("\n" + table(rows))
   return 0
 
 

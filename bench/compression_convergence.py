@@ -12,7 +12,7 @@ all-to-all / collective-permute, priced per device as a ring moves it: all-reduc
 2 (P-1)/P x bytes, all-gather and all-to-all (P-1)/P x the result, reduce-scatter (P-1) x the
 result), next to ``compression_plan``'s prediction.
 
-    python bench/compression_convergence.py [--steps 1500] [--json PATH]
+    python bench/compression_convergence.py [--steps 3000] [--seeds 1] [--json PATH]
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import re  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
+import _harness  # noqa: E402
 from dtenjax._src.compression import error_feedback as compression  # noqa: E402
 from dtenjax._src.cli import demo  # noqa: E402
 
@@ -229,12 +230,18 @@ CANDIDATES = (
 )
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--steps", type=int, default=3000)
-  ap.add_argument("--seeds", type=int, default=1)
-  ap.add_argument("--json", default=None)
-  args = ap.parse_args()
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="bench/compression_convergence.py", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--steps", type=_harness.positive_int, default=3000)
+  ap.add_argument("--seeds", type=_harness.positive_int, default=1)
+  ap.add_argument("--json", default=None, metavar="PATH")
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = ap.parse_args(argv)
+  if len(jax.devices()) != 8:
+    _harness.refuse("bench/compression_convergence.py",
+                    f"it trains over 8 devices and jax sees {len(jax.devices())}; leave XLA_FLAGS "
+                    "without a device count (the bench sets 8 simulated CPU devices).")
   data = load_digits(8)
   rows = []
   for cand in CANDIDATES:
@@ -251,21 +258,23 @@ def main():
     r["gap_pp"] = 100 * (r["accuracy"] - dense["accuracy"])
     r["bytes_ratio"] = dense["total_bytes"] / r["total_bytes"]
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(steps=args.steps, seeds=args.seeds, devices=8, rows=rows), f,
-                indent=1)
+    _harness.write_json(args.json, _harness.document(
+        "compression_convergence", __file__, argv, {"steps": args.steps, "seeds": args.seeds},
+        rows, kind="other", devices=jax.devices()))
   print(f"digits MLP 64-128-10, 8 simulated CPU devices, {args.steps} steps, batch 16/device, "
         f"{args.seeds} seed(s); SGD lr 0.4, momentum rows lr 0.04 (gap vs the dense row "
         "with the same momentum)")
   print("bytes: per device on the wire, from the compiled HLO of one step (plan: what "
         "compression_plan predicts)")
-  print(f"{'candidate':<20} {'test acc %':>10} {'vs dense pp':>11} {'B/dev/step':>11} "
-        f"{'plan B/step':>11} {'total B/dev':>12} {'less bytes':>10}")
-  for r in rows:
-    print(f"{r['name']:<20} {100 * r['accuracy']:>10.2f} {r['gap_pp']:>+11.2f} "
-          f"{r['bytes_per_step']:>11.0f} {r['predicted_bytes_per_step']:>11.0f} "
-          f"{r['total_bytes']:>12.3g} {r['bytes_ratio']:>9.1f}x")
+  shown = [dict(r, accuracy_pct=100 * r["accuracy"]) for r in rows]
+  print(_harness.table(shown, (("candidate", "name", "s"), ("test acc %", "accuracy_pct", ".2f"),
+                               ("vs dense pp", "gap_pp", "+.2f"),
+                               ("B/dev/step", "bytes_per_step", ".0f"),
+                               ("plan B/step", "predicted_bytes_per_step", ".0f"),
+                               ("total B/dev", "total_bytes", ".3g"),
+                               ("less bytes", "bytes_ratio", "ratio"))))
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -17,27 +17,25 @@ reported with its ratio to top_k. Outputs of the kernel are checked against the 
 formulation (identical bits) before timing.
 
     python bench/compression_select.py [--sizes 16M,134M] [--ratios 0.01,0.001] [--json PATH]
+
+(``--sizes`` counts float32 elements, K/M/G as powers of 1024.) ``--json`` writes
+bench/_harness.py's one schema and says where.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import _harness
 from dtenjax._src import ffi
 from dtenjax._src.compression import topk
-
-
-def _parse_size(s: str) -> int:
-  s = s.strip().upper()
-  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
-  return int(float(s.rstrip("KMG")) * mult)
 
 
 def timeit(fn, x, *, calls: int, repeats: int) -> float:
@@ -68,41 +66,53 @@ def candidates(k: int, sample_ratio: float, has_kernel: bool):
       "top_k": lambda x: topk.exact_topk(x, k),
       "thresh": thresh,
       "+nonzero": with_nonzero,
-      "+cumsum": lambda x: topk.pack(x, thresh(x), k, method="cumsum"),
+      "+cumsum": lambda x: topk.pack(x, thresh(x), k, pack="cumsum"),
   }
   if has_kernel:
-    c["+kernel"] = lambda x: topk.pack(x, thresh(x), k, method="ffi")
+    c["+kernel"] = lambda x: topk.pack(x, thresh(x), k, pack="ffi")
   c["select"] = lambda x: topk.select(x, k, sample_ratio=sample_ratio)
   c["copy"] = lambda x: x + 1.0
   return {name: jax.jit(f) for name, f in c.items()}
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--sizes", default="16M,134M")
-  ap.add_argument("--ratios", default="0.01,0.001")
+def _ratios(text: str) -> list[float]:
+  try:
+    rs = [float(r) for r in text.split(",") if r.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of densities") from None
+  if not rs or any(not 0 < r <= 1 for r in rs):
+    raise argparse.ArgumentTypeError(f"densities {text!r} must lie in (0, 1]")
+  return rs
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="bench/compression_select.py", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--sizes", default=_harness.sizes_arg("16M,134M"), type=_harness.sizes_arg,
+                  help="float32 elements, comma list (K/M/G)")
+  ap.add_argument("--ratios", default=[0.01, 0.001], type=_ratios)
   ap.add_argument("--sample-ratio", type=float, default=0.01)
-  ap.add_argument("--calls", type=int, default=10)
-  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--calls", type=_harness.positive_int, default=10)
+  ap.add_argument("--repeats", type=_harness.positive_int, default=5)
   ap.add_argument("--skip", default="", help="comma-separated candidates to leave out")
-  ap.add_argument("--json", default=None)
-  args = ap.parse_args()
+  ap.add_argument("--json", default=None, metavar="PATH")
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = ap.parse_args(argv)
   backend = jax.default_backend()
   platform = {"cpu": "cpu", "gpu": "CUDA", "cuda": "CUDA"}.get(backend, "")
   has_kernel = bool(platform) and ffi.has_target(topk.TARGET, platform)
   skip = {s for s in args.skip.split(",") if s}
   rows = []
-  for size in args.sizes.split(","):
-    n = _parse_size(size) if not size.strip().isdigit() else int(size)
+  for n in args.sizes:
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-    for ratio in (float(r) for r in args.ratios.split(",")):
+    for ratio in args.ratios:
       k = topk.num_selected(n, ratio)
       fns = candidates(k, args.sample_ratio, has_kernel)
       check = {}
       if has_kernel:
         t = fns["thresh"](x)
-        a = jax.jit(lambda x, t: topk.pack(x, t, k, method="ffi"))(x, t)
-        b = jax.jit(lambda x, t: topk.pack(x, t, k, method="cumsum"))(x, t)
+        a = jax.jit(lambda x, t: topk.pack(x, t, k, pack="ffi"))(x, t)
+        b = jax.jit(lambda x, t: topk.pack(x, t, k, pack="cumsum"))(x, t)
         check["kernel_equals_cumsum"] = all(bool(jnp.array_equal(u, v)) for u, v in zip(a, b))
         check["count"] = int(a[2])
       sel = fns["select"](x)
@@ -119,26 +129,24 @@ def main():
       rows.append(dict(n=n, ratio=ratio, k=k, backend=backend, times_s=times, check=check))
       print(f"n={n} ratio={ratio} k={k} check={check}", flush=True)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=rows), f, indent=1)
+    _harness.write_json(args.json, _harness.document(
+        "compression_select", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"},
+        rows, kind="other", devices=jax.devices()[:1]))
   names = [c for c in ("top_k", "thresh", "+nonzero", "+cumsum", "+kernel", "select", "copy")
            if any(c in r["times_s"] for r in rows)]
-  print(f"\nselection + packing on {jax.devices()[0].device_kind} ({backend}), median ms per call"
-        " (x top_k / candidate)")
-  print(f"{'n':>10} {'ratio':>6} " + " ".join(f"{c:>16}" for c in names))
-  for r in rows:
-    base = r["times_s"].get("top_k")
-    cells = []
-    for c in names:
-      t = r["times_s"].get(c)
-      if t is None:
-        cells.append(f"{'-':>16}")
-      elif base:
-        cells.append(f"{1e3 * t:>8.3f} ({base / t:>5.1f}x)")
-      else:
-        cells.append(f"{1e3 * t:>16.3f}")
-    print(f"{r['n']:>10} {r['ratio']:>6} " + " ".join(cells))
+
+  def cell(r, c):
+    t, base = r["times_s"].get(c), r["times_s"].get("top_k")
+    if t is None:
+      return None
+    return f"{1e3 * t:.3f} ({base / t:.1f}x)" if base else f"{1e3 * t:.3f}"
+  shown = [dict(n=r["n"], ratio=r["ratio"], **{c: cell(r, c) for c in names}) for r in rows]
+  print(_harness.table(shown, (("n", "n", "d"), ("ratio", "ratio", "g")) +
+                       tuple((c, c, "s") for c in names),
+                       title=f"\nselection + packing on {jax.devices()[0].device_kind} "
+                             f"({backend}), median ms per call (x top_k / candidate)"))
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -2,9 +2,10 @@
 
   python bench/costmodel_check.py RESULTS.json [--topology FILE.json | --fixture NAME | --intra nvlink]
 
-RESULTS.json is what ``bench/allreduce.py --json`` wrote. Each row's candidate is mapped to the
-cost-model formula that ``algorithm="auto"`` would rank it with (psum -> xla; on GPU one_shot /
-two_shot -> nvlink_one_shot / nvlink_two_shot), and the prediction for that size and world is
+RESULTS.json is what ``bench/allreduce.py --json`` wrote (bench/_harness.py's schema, checked on
+reading). Each row's candidate is mapped to the cost-model formula that ``algorithm="auto"``
+would rank it with (psum -> xla; on GPU one_shot / two_shot -> nvlink_one_shot /
+nvlink_two_shot), and the prediction for that size and world is
 printed next to the measured per-op time, with predicted/measured. The topology is a saved
 ``python -m dtenjax topo --probe --save FILE`` (measured links), a fixture, or by default a
 uniform one of the run's world size whose devices are joined by ``--intra`` (table link specs).
@@ -14,8 +15,9 @@ Prints the table last and exits 1 if any ratio falls outside [0.5, 2].
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+import _harness
 
 FORMULA = {"psum": "xla", "psum_nccl": "xla", "xla": "xla", "ring": "ring",
            "hierarchical": "hierarchical"}
@@ -36,16 +38,23 @@ def _topology(args, world: int, platform: str):
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__,
+  p = argparse.ArgumentParser(prog="bench/costmodel_check.py", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("results")
-  p.add_argument("--topology")
-  p.add_argument("--fixture")
-  p.add_argument("--intra", default="nvlink")
+  src = p.add_mutually_exclusive_group()
+  src.add_argument("--topology", metavar="FILE.json")
+  src.add_argument("--fixture", metavar="NAME")
+  p.add_argument("--intra", default="nvlink", help="link class of the default uniform topology")
   args = p.parse_args(argv)
   from dtenjax._src.planning import costmodel  # pylint: disable=g-import-not-at-top
-  data = json.load(open(args.results))
-  rows = data["rows"] if isinstance(data, dict) else data
+  try:
+    data = _harness.load(args.results)
+  except (OSError, ValueError) as e:
+    p.error(str(e))
+  if data["bench"] != "allreduce":
+    p.error(f"{args.results} holds bench/{data['bench']}.py results; this check reads "
+            "bench/allreduce.py --json output")
+  rows = data["rows"]
   out, bad = [], 0
   for r in rows:
     platform = "gpu" if r["backend"] == "gpu" else "cpu"
@@ -58,11 +67,11 @@ def main(argv=None) -> int:
                                      formula, itemsize=4 if r["type"] == "float32" else 2)
     ratio = pred / (r["time_us"] * 1e-6)
     bad += not 0.5 <= ratio <= 2.0
-    out.append(f"{r['size']:>10} {r['algorithm']:>10} {formula:>16} {r['time_us']:>10.1f} "
-               f"{pred * 1e6:>10.1f} {ratio:>7.2f}")
-  print(f"{'size':>10} {'candidate':>10} {'formula':>16} {'meas(us)':>10} {'pred(us)':>10} "
-        f"{'pred/meas':>7}")
-  print("\n".join(out))
+    out.append(dict(size=r["size"], candidate=r["algorithm"], formula=formula,
+                    measured=r["time_us"], predicted=pred * 1e6, ratio=ratio))
+  print(_harness.table(out, (("size", "size", "d"), ("candidate", "candidate", "s"),
+                             ("formula", "formula", "s"), ("meas(us)", "measured", ".1f"),
+                             ("pred(us)", "predicted", ".1f"), ("pred/meas", "ratio", ".2f"))))
   print(f"# {len(out) - bad} of {len(out)} predictions within 2x of the measurement")
   return 1 if bad else 0
 

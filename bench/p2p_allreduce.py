@@ -13,22 +13,26 @@ contract v2 (reproducible="exact"); `plain/repro` and `plain/exact` = plain time
 which simulated ranks share, so it is a pessimistic bound for real peers).
 
 Timing: jit calls that launch the kernel K1 and K2 times; (t(K2) - t(K1)) / (K2 - K1), medians
-of several calls, so dispatch overhead cancels.
+of several calls, so dispatch overhead cancels. Rows also carry nccl-tests' columns (size per
+rank, count, type, time, algbw, busbw = algbw x 2(W-1)/W for W simulated ranks). It needs a CUDA
+GPU and the extension built with CUDA, and refuses (exit status 3, one line) without them.
 
-  python bench/p2p_allreduce.py [--json PATH] [--quick]
+  python bench/p2p_allreduce.py [--json PATH] [--quick] [--reps 7]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import _harness
+from dtenjax._src import ffi
 from dtenjax._src.gpu import p2p
 
 K1, K2 = 2, 12
@@ -53,12 +57,19 @@ def per_launch(x, *, algorithm: str, mode: int, reps: int,
   return max((_time(f2, x, reps) - _time(f1, x, reps)) / (K2 - K1), 1e-9)
 
 
-def main() -> None:
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--json", default=None)
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="bench/p2p_allreduce.py", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--json", default=None, metavar="PATH")
   ap.add_argument("--quick", action="store_true")
-  ap.add_argument("--reps", type=int, default=7)
-  args = ap.parse_args()
+  ap.add_argument("--reps", type=_harness.positive_int, default=7)
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = ap.parse_args(argv)
+  _harness.require_gpu("bench/p2p_allreduce.py", "the NVLink p2p kernels")
+  if not ffi.build_info().get("cuda"):
+    _harness.refuse("bench/p2p_allreduce.py",
+                    "the native extension was built without CUDA (python -m dtenjax info); "
+                    "rebuild it where nvcc is found: pip install --no-build-isolation -e .")
   worlds = (2, 8) if args.quick else (2, 4, 8)
   sizes = ((8 << 10, 256 << 10, 1 << 20, 16 << 20, 64 << 20) if not args.quick
            else (8 << 10, 256 << 10, 16 << 20))
@@ -80,25 +91,24 @@ def main() -> None:
           hbm = hbm_bytes * world * nbytes / t / 1e9
           t_rep = per_launch(x, algorithm=alg, mode=1, reps=args.reps, reproducible=True)
           t_exact = per_launch(x, algorithm=alg, mode=1, reps=args.reps, reproducible="exact")
-          rows.append(dict(world=world, dtype=jnp.dtype(dtype).name, bytes=nbytes,
-                           algorithm=alg, time_us=t * 1e6, algbw_GBps=nbytes / t / 1e9,
-                           hbm_GBps=hbm, copy_GBps=copy_bw, ratio=hbm / copy_bw,
-                           reproducible_us=t_rep * 1e6, reproducible_vs_plain=t / t_rep,
-                           exact_us=t_exact * 1e6, exact_vs_plain=t / t_exact))
+          rows.append(dict(_harness.nccl_columns(nbytes, jnp.dtype(dtype).name, t, world),
+                           world=world, algorithm=alg, hbm_GBps=hbm, copy_GBps=copy_bw,
+                           ratio=hbm / copy_bw, reproducible_us=t_rep * 1e6,
+                           reproducible_vs_plain=t / t_rep, exact_us=t_exact * 1e6,
+                           exact_vs_plain=t / t_exact))
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, f,
-                indent=1)
-  print(f"{'W':>2} {'dtype':>8} {'bytes/rank':>11} {'algorithm':>9} {'time_us':>9} "
-        f"{'algbw':>8} {'hbm_GB/s':>9} {'copy_GB/s':>9} {'ratio':>6} {'repro_us':>9} "
-        f"{'plain/repro':>11} {'exact_us':>9} {'plain/exact':>11}")
-  for r in rows:
-    print(f"{r['world']:>2} {r['dtype']:>8} {r['bytes']:>11} {r['algorithm']:>9} "
-          f"{r['time_us']:>9.1f} {r['algbw_GBps']:>8.1f} {r['hbm_GBps']:>9.1f} "
-          f"{r['copy_GBps']:>9.1f} {r['ratio']:>6.2f} {r['reproducible_us']:>9.1f} "
-          f"{r['reproducible_vs_plain']:>11.2f} {r['exact_us']:>9.1f} "
-          f"{r['exact_vs_plain']:>11.2f}")
+    _harness.write_json(args.json, _harness.document(
+        "p2p_allreduce", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"},
+        rows, devices=jax.devices()[:1],
+        notes=[f"{r} simulated ranks on one GPU" for r in worlds]))
+  print(_harness.table(rows, (("W", "world", "d"),) + _harness.NCCL_TABLE +
+                       (("algorithm", "algorithm", "s"),) + _harness.NCCL_TAIL +
+                       (("hbm_GB/s", "hbm_GBps", ".1f"), ("copy_GB/s", "copy_GBps", ".1f"),
+                        ("hbm/copy", "ratio", ".2f"), ("repro_us", "reproducible_us", ".1f"),
+                        ("plain/repro", "reproducible_vs_plain", ".2f"),
+                        ("exact_us", "exact_us", ".1f"), ("plain/exact", "exact_vs_plain", ".2f"))))
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

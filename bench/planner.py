@@ -8,15 +8,18 @@ and in this process's CPU time (the latter barely moves when other work shares t
 < 50 ms for 1000 leaves.
 
 Run:  .venv/bin/python bench/planner.py [--leaves 1000] [--repeats 5] [--json PATH]
-      .venv/bin/python bench/planner.py --explain   # the fixtures' candidate tables (docs)
+      .venv/bin/python bench/planner.py --explain   # the fixtures' candidate tables
+      .venv/bin/python bench/planner.py --update-docs   # rewrite them into docs/planner.md
+
+docs/planner.md quotes the ``--explain`` output between two marker lines;
+tests/test_bench_planner.py fails when the quote and the command's output differ.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
+import pathlib
 import statistics
 import sys
 import time
@@ -29,6 +32,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import _harness  # noqa: E402
 from dtenjax._src.planning import mesh as mesh_lib  # noqa: E402
 from dtenjax._src.planning import placement as placement_lib  # noqa: E402
 from dtenjax._src.planning import planner  # noqa: E402
@@ -106,38 +110,72 @@ def explain_fixtures(shape=(4096, 4096), dtype="bfloat16") -> str:
     topo = Topology.fixture(name)
     ids = np.array(sorted(topo.device_ids, key=topo.hierarchy_key)).reshape(mesh_shape)
     plan = planner.plan_tensor(shape, dtype, mesh_shape, names, ids, topo)
-    out.append(f"### {name}, mesh {dict(zip(names, mesh_shape))}\n\n```\n{plan.table()}\n```")
+    out.append(f"### {name}, mesh {dict(zip(names, mesh_shape))}\n\n```text\n{plan.table()}\n```")
   return "\n\n".join(out)
 
 
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "planner.md"
+BEGIN = "<!-- begin: output of python bench/planner.py --explain (do not edit by hand) -->"
+END = "<!-- end: output of python bench/planner.py --explain -->"
+
+
+def docs_quote(text: str) -> str:
+  """The part of docs/planner.md between the BEGIN and END marker lines."""
+  try:
+    head, rest = text.split(BEGIN + "\n", 1)
+    quote, _ = rest.split("\n" + END, 1)
+  except ValueError:
+    raise SystemExit(f"{DOCS} lacks the marker lines {BEGIN!r} and {END!r}") from None
+  del head
+  return quote
+
+
+def update_docs(path: pathlib.Path = DOCS) -> bool:
+  """Rewrites the quote in ``path`` from explain_fixtures(); returns whether it changed."""
+  text = path.read_text(encoding="utf-8")
+  old = docs_quote(text)
+  new = explain_fixtures()
+  if old == new:
+    return False
+  path.write_text(text.replace(BEGIN + "\n" + old + "\n" + END, BEGIN + "\n" + new + "\n" + END),
+                  encoding="utf-8")
+  return True
+
+
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--leaves", type=int, default=1000)
-  ap.add_argument("--repeats", type=int, default=5)
+  ap = argparse.ArgumentParser(prog="bench/planner.py", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--leaves", type=_harness.positive_int, default=1000)
+  ap.add_argument("--repeats", type=_harness.positive_int, default=5)
   ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-  ap.add_argument("--explain", action="store_true",
-                  help="print the candidate table of a 4096 x 4096 bf16 weight on each fixture")
+  mode = ap.add_mutually_exclusive_group()
+  mode.add_argument("--explain", action="store_true",
+                    help="print the candidate table of a 4096 x 4096 bf16 weight on each fixture")
+  mode.add_argument("--update-docs", action="store_true",
+                    help="rewrite the --explain tables quoted in docs/planner.md")
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
   if args.explain:
     print(explain_fixtures())
+    return 0
+  if args.update_docs:
+    print(f"{DOCS}: " + ("updated" if update_docs() else "already up to date"))
     return 0
   tree = transformer_params(args.leaves)
   cases = [("dgx_a100_8 (fixture)", lambda: Topology.fixture("dgx_a100_8")),
            ("detected CPU x8", lambda: Topology.detect(jax.devices()))]
   rows = [run(name, make, tree, args.repeats) for name, make in cases]
-  print(f"{'topology':<22} {'leaves':>6} {'plans':>6} {'cold ms':>9} {'cold cpu ms':>12} "
-        f"{'warm ms':>9} {'warm cpu ms':>12}")
-  for r in rows:
-    print(f"{r['topology']:<22} {r['leaves']:>6} {r['distinct_plans']:>6} {r['cold_ms']:>9.2f} "
-          f"{r['cold_cpu_ms']:>12.2f} {r['warm_ms']:>9.2f} {r['warm_cpu_ms']:>12.2f}")
+  if args.json:
+    _harness.write_json(args.json, _harness.document(
+        "planner", __file__, argv, {"leaves": args.leaves, "repeats": args.repeats,
+                                    "target_ms": 50}, rows, kind="other",
+        devices=jax.devices()))
   for r in rows:
     print(f"  {r['topology']}: {r['specs']}")
-  if args.json:
-    meta = {"python": sys.version.split()[0], "jax": jax.__version__,
-            "machine": platform.platform(), "cpus": os.cpu_count(), "target_ms": 50,
-            "load_average": os.getloadavg()}
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump({"meta": meta, "results": rows}, f, indent=1)
+  print(_harness.table(rows, (("topology", "topology", "s"), ("leaves", "leaves", "d"),
+                              ("plans", "distinct_plans", "d"), ("cold ms", "cold_ms", ".2f"),
+                              ("cold cpu ms", "cold_cpu_ms", ".2f"), ("warm ms", "warm_ms", ".2f"),
+                              ("warm cpu ms", "warm_cpu_ms", ".2f"))))
   return 0
 
 

@@ -17,7 +17,8 @@ rank publishes its medians through the coordination store; rank 0 gathers them),
 nccl-tests' algbw and busbw (busbw = algbw * 2(n-1)/n). Ratio = XLA time / dtenjax time
 (> 1: dtenjax faster). The CPU columns are the process CPU time (user + system, all threads,
 ``getrusage``) per all-reduce, averaged over iterations and ranks: on a machine with fewer cores
-than processes, wall time follows CPU time.
+than processes, wall time follows CPU time. One row per candidate and size, side by side;
+``--json`` writes bench/_harness.py's one schema and says where.
 
     python bench/transport.py --crypto [--mib 64]
 
@@ -35,6 +36,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import _harness
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)   # bytes
 
@@ -177,43 +180,40 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m dtenjax bench transport", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--procs", type=int, default=4)
-  ap.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
-                  help="comma-separated message sizes in bytes")
-  ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--sizes", default=list(DEFAULT_SIZES), type=_harness.sizes_arg,
+                  help="comma-separated message sizes in bytes (K/M/G allowed)")
+  ap.add_argument("--iters", type=_harness.positive_int, default=20)
   ap.add_argument("--timeout", type=float, default=540, help="seconds before workers are killed")
   ap.add_argument("--json", default=None, help="write the rows to this path")
   ap.add_argument("--crypto", action="store_true", help="measure the MACs instead")
-  ap.add_argument("--mib", type=int, default=64, help="MiB hashed by --crypto")
+  ap.add_argument("--mib", type=_harness.positive_int, default=64, help="MiB hashed by --crypto")
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
   if args.crypto:
     return crypto(args.mib)
   if args.procs < 2:
     ap.error("--procs must be at least 2")
-  sizes = [int(s) for s in args.sizes.split(",") if s]
-  rows = run(args.procs, sizes, args.iters, args.timeout)
+  raw = run(args.procs, args.sizes, args.iters, args.timeout)
   n = args.procs
-  for r in rows:
-    for k in ("xla_gloo", "dtenjax_tcp_ring"):
-      algbw = r["bytes"] / r[k] / 1e9
-      r[f"{k}_us"] = r[k] * 1e6
-      r[f"{k}_busbw_gbs"] = algbw * 2 * (n - 1) / n
-    r["ratio_xla_over_dtenjax"] = r["xla_gloo"] / r["dtenjax_tcp_ring"]
-  meta = {"procs": n, "iters": args.iters, "date": time.strftime("%Y-%m-%d"),
-          "host": socket.gethostname(), "cpus": os.cpu_count(),
-          "command": "python -m dtenjax bench transport " + " ".join(argv or sys.argv[1:])}
+  names = {"xla_gloo": "xla/gloo", "dtenjax_tcp_ring": "dtenjax tcp ring"}
+  rows = []
+  for r in raw:
+    for k, label in names.items():
+      rows.append(dict(_harness.nccl_columns(r["bytes"], r["dtype"], r[k], n), candidate=label,
+                       cpu_ms=r[k + "_cpu"] * 1e3, time_us_per_rank=[t * 1e6 for t in
+                                                                      r[k + "_per_rank"]],
+                       world=n))
+  _harness.add_ratios(rows, "xla/gloo", candidate="candidate")
   if args.json:
-    with open(args.json, "w") as fh:
-      json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    _harness.write_json(args.json, _harness.document(
+        "transport", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"}, rows,
+        machine_extra={"devices": {"backend": "cpu", "count": n, "processes": n}}))
   print(f"all-reduce across {n} processes x 1 CPU device on 127.0.0.1 ({os.cpu_count()} cores), "
-        f"float32; per rank the median of {args.iters} barrier-started iterations, max over ranks")
-  hdr = (f"{'size(B)':>10} {'count':>9} {'xla/gloo us':>12} {'busbw GB/s':>10} "
-         f"{'cpu ms':>7} {'dtenjax us':>11} {'busbw GB/s':>10} {'cpu ms':>7} {'ratio':>7}")
-  print(hdr)
-  for r in rows:
-    print(f"{r['bytes']:>10} {r['count']:>9} {r['xla_gloo_us']:>12.1f} "
-          f"{r['xla_gloo_busbw_gbs']:>10.3f} {r['xla_gloo_cpu'] * 1e3:>7.2f} "
-          f"{r['dtenjax_tcp_ring_us']:>11.1f} {r['dtenjax_tcp_ring_busbw_gbs']:>10.3f} "
-          f"{r['dtenjax_tcp_ring_cpu'] * 1e3:>7.2f} {r['ratio_xla_over_dtenjax']:>7.2f}")
+        f"float32; per rank the median of {args.iters} barrier-started iterations, max over "
+        "ranks; ratio = xla/gloo time / time")
+  print(_harness.table(rows, _harness.NCCL_TABLE + (("candidate", "candidate", "s"),) +
+                       _harness.NCCL_TAIL + (("cpu ms", "cpu_ms", ".2f"),
+                                             ("vs xla/gloo", "ratio", "ratio"))))
   return 0
 
 

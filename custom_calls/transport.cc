@@ -1,6 +1,8 @@
 // CPU FFI handler of the cross-process all-reduce (dtenjax/_src/net/hostcoll.py).
-//   dtenjax_host_all_reduce(x: T[...], where: int32[2]) -> T[...]   (written without copying x)
-//     where = (position of this device along the reduced process axis, process-local ring slot)
+//   dtenjax_host_all_reduce(x: T[...], where: int32[3]) -> T[...]   (written without copying x)
+//     where = (position of this device along the reduced process axis, process-local ring slot,
+//              the caller's tag of this collective: 0 or e.g. the step number, compared by the
+//              ring like the other fields of the collective's descriptor)
 //     attrs: comm_ids: int64[k] (one communicator per process-local ring slot), op: int32,
 //            site: int64 (call-site tag; hostcoll registers its text)
 // Asynchronous: the handler queues the collective on the communicator's own worker thread and
@@ -55,12 +57,13 @@ ffi::Future HostAllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
     return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument(
         "dtenjax_host_all_reduce: op code " + std::to_string(op) + " is not 0..3"));
   }
-  if (where.element_count() != 2) {
+  if (where.element_count() != 3) {
     return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument(
-        "dtenjax_host_all_reduce: `where` must hold (ring position, slot)"));
+        "dtenjax_host_all_reduce: `where` must hold (ring position, slot, tag)"));
   }
   const int32_t position = where.typed_data()[0];
   const int32_t j = where.typed_data()[1];
+  const uint32_t tag = uint32_t(where.typed_data()[2]);
   if (j < 0 || size_t(j) >= comm_ids.size()) {
     return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument(
         "dtenjax_host_all_reduce: device slot " + std::to_string(j) + " has no communicator (" +
@@ -79,11 +82,11 @@ ffi::Future HostAllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
   const uint64_t count = x.element_count();
   ffi::Promise promise;
   ffi::Future future(promise);
-  dtenjax::Status submitted = comm->Submit([comm, src, dst, count, dt, op, site, position,
+  dtenjax::Status submitted = comm->Submit([comm, src, dst, count, dt, op, site, position, tag,
                                             promise]() mutable {
     try {
       dtenjax::Status s = comm->AllReduce(src, dst, count, dt, static_cast<tp::ReduceOp>(op),
-                                          uint32_t(uint64_t(site)), position);
+                                          uint32_t(uint64_t(site)), position, tag);
       if (s.ok()) {
         promise.SetAvailable();
       } else {

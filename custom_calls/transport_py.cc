@@ -3,7 +3,7 @@
 //   Comm            one rank of a ring communicator (connect_ring, all_reduce, close)
 //   BufferPool      the registered buffer pool
 //   set_quota, usage, set_owner_context, check_device_memory, take      tenancy
-//   counters, providers, crypto_load, crypto_status, hmac_sha256, gmac, crc32c, register_site
+//   counters, providers, crypto_load, crypto_status, hmac_sha256, gmac, register_site
 //   verbs.*         the verbs provider's device-free logic (only when the build has it)
 //   testing.*       fault injection for tests only (see docs/transport.md, "Testing hooks")
 //
@@ -92,7 +92,8 @@ class PyComm {
     ThrowIfError(s);
   }
 
-  void AllReduce(ConstBytes src, Bytes dst, uint64_t count, int dtype, int op, uint32_t site) {
+  void AllReduce(ConstBytes src, Bytes dst, uint64_t count, int dtype, int op, uint32_t site,
+                 uint32_t tag) {
     std::shared_ptr<tp::Comm> c = Get();
     const size_t esz = tp::DTypeSize(static_cast<tp::DType>(dtype));
     if (esz == 0) ThrowIfError(Status(Code::kInvalidArgument, "unknown dtype code " + std::to_string(dtype)));
@@ -117,7 +118,7 @@ class PyComm {
         Status st;
         try {
           st = c->AllReduce(in, ptr, count, static_cast<tp::DType>(dtype),
-                            static_cast<tp::ReduceOp>(op), site);
+                            static_cast<tp::ReduceOp>(op), site, -1, tag);
         } catch (const std::exception& e) {
           st = DTENJAX_ERROR(Code::kInternal, std::string("all_reduce raised: ") + e.what());
         }
@@ -202,7 +203,6 @@ void BindTransport(nb::module_& root) {
     ThrowIfError(g.Tag(counter, label, data.c_str(), data.size(), nullptr, 0, out));
     return nb::bytes(reinterpret_cast<const char*>(out), sizeof(out));
   });
-  m.def("crc32c", [](nb::bytes data) { return tp::crypto::Crc32c(data.c_str(), data.size()); });
   m.def("register_site", [](uint32_t tag, const std::string& text) { tp::RegisterSite(tag, text); });
 
   nb::class_<PyComm>(m, "Comm")
@@ -219,13 +219,14 @@ void BindTransport(nb::module_& root) {
       .def_prop_ro("closed", &PyComm::closed)
       .def("connect_ring", &PyComm::ConnectRing)
       .def("all_reduce", &PyComm::AllReduce, nb::arg("src"), nb::arg("dst"), nb::arg("count"),
-           nb::arg("dtype"), nb::arg("op"), nb::arg("site"))
+           nb::arg("dtype"), nb::arg("op"), nb::arg("site"), nb::arg("tag") = 0)
       .def("close", &PyComm::Close);
 
   nb::class_<tp::BufferPool>(m, "BufferPool")
       .def("__init__",
            [](tp::BufferPool* self, uint64_t max_bytes, uint32_t max_buffers,
-              uint64_t max_buffer_bytes, bool pin, const std::string& tenant) {
+              uint64_t max_buffer_bytes, bool pin, const std::string& tenant,
+              const std::string& registration) {
              tp::PoolOptions o;
              o.max_bytes = max_bytes;
              o.max_buffers = max_buffers;
@@ -233,8 +234,21 @@ void BindTransport(nb::module_& root) {
              o.pin = pin;
              o.tenant = tenant;
              ThrowIfError(tp::ValidatePoolOptions(o));
+             if (registration == "verbs") {  // buffers are ibv_reg_mr regions of the RDMA device
+#ifdef DTENJAX_HAVE_VERBS
+               o.hooks = tp::verbs::PoolHooks();
+#else
+               ThrowIfError(Status(Code::kUnavailable, "registration='verbs' needs the verbs "
+                                                       "provider, which this build lacks"));
+#endif
+             } else if (registration != "host") {
+               ThrowIfError(Status(Code::kInvalidArgument, "registration='" + registration +
+                                                               "' is not 'host' or 'verbs'"));
+             }
              new (self) tp::BufferPool(o);
-           })
+           },
+           nb::arg("max_bytes"), nb::arg("max_buffers"), nb::arg("max_buffer_bytes"),
+           nb::arg("pin"), nb::arg("tenant"), nb::arg("registration") = "host")
       .def("acquire",
            [](tp::BufferPool& p, uint64_t n) {
              int id = -1;
@@ -341,6 +355,40 @@ void BindTransport(nb::module_& root) {
     return n;
   });
   v.def("set_device", &vb::SetDeviceName);
+  v.def("load", [](const std::string& path) { ThrowIfError(vb::LoadLibrary(path)); },
+        nb::arg("path") = "");
+  v.def("library", [] {
+    vb::LibraryInfo i = vb::Library();
+    nb::dict d;
+    d["loaded"] = i.loaded;
+    d["path"] = i.path;
+    d["emulated"] = i.emulated;
+    d["error"] = i.error;
+    return d;
+  });
+  v.def("ports", [] {
+    std::vector<vb::PortInfo> ports;
+    ThrowIfError(vb::ListPorts(&ports));
+    nb::list out;
+    for (const auto& p : ports) {
+      nb::dict d;
+      d["device"] = p.device;
+      d["port"] = p.port;
+      d["state"] = p.state;
+      d["link_layer"] = p.link_layer;
+      d["lid"] = p.lid;
+      d["active_mtu"] = p.active_mtu;
+      d["active_speed"] = p.active_speed;
+      d["active_width"] = p.active_width;
+      nb::list gids;
+      for (const auto& g : p.gids) gids.append(nb::bytes(reinterpret_cast<const char*>(g.data()), 16));
+      d["gids"] = gids;
+      d["gid_types"] = p.gid_types;
+      out.append(d);
+    }
+    return out;
+  });
+  v.def("device_users", &vb::DeviceUsers);
 #endif
 
   nb::module_ t = m.def_submodule(

@@ -1,5 +1,6 @@
-"""bench/allreduce.py: its measurement runs on CPU, --procs results keep the slowest process, and
---plot fails clearly without matplotlib (issue 15 item 12)."""
+"""bench/allreduce.py: its measurement runs on CPU, --procs results keep the slowest process,
+--plot fails clearly without matplotlib (issue 15 item 12), the JSON is bench/_harness.py's schema
+and one device is refused instead of measured."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+import _harness  # noqa: E402  pylint: disable=g-import-not-at-top
 import allreduce as bench  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
@@ -26,11 +28,46 @@ def test_measures_every_candidate_against_psum(tmp_path):
   r = _run("--sizes", "4K", "--chain", "2", "--iters", "2", "--warmup", "1",
            "--algorithms", "psum,one_shot,auto", "--json", str(out))
   assert r.returncode == 0, r.stderr
-  rows = json.loads(out.read_text())["rows"]
+  doc = _harness.load(str(out))                   # validates against the one schema
+  assert doc["bench"] == "allreduce" and doc["argv"][:2] == ["--sizes", "4K"]
+  assert doc["machine"]["devices"]["count"] == 8
+  rows = doc["rows"]
   assert [row["algorithm"] for row in rows] == ["psum", "one_shot", "auto"]
-  assert all(row["size"] == 4096 and row["world"] == 8 and row["time_us"] > 0 for row in rows)
-  assert rows[0]["ratio"] == 1.0
-  assert "vs psum" in r.stdout.splitlines()[0]
+  assert all(row["size"] == 4096 and row["count"] == 1024 and row["world"] == 8 and
+             row["time_us"] > 0 for row in rows)
+  for row in rows:   # nccl-tests: algbw = bytes / time, busbw = algbw * 2(n-1)/n
+    assert row["algbw"] == pytest.approx(4096 / (row["time_us"] * 1e-6) / 1e9)
+    assert row["busbw"] == pytest.approx(row["algbw"] * 2 * 7 / 8)
+    assert row["ratio"] == pytest.approx(rows[0]["time_us"] / row["time_us"])
+  lines = r.stdout.splitlines()
+  assert lines[1].split() == ["size", "count", "type", "algorithm", "time(us)", "lat(us)",
+                              "algbw(GB/s)", "busbw(GB/s)", "vs", "psum"]
+  assert lines[2].split()[:4] == ["4096", "1024", "float32", "psum"]
+  assert lines[2].split()[-1] == "1.00x"
+  assert f"wrote {out}" in r.stderr
+
+
+def test_one_device_is_refused_not_measured():
+  r = _run("--sizes", "4K", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+  assert r.returncode == 3
+  assert r.stderr.strip().splitlines() == [
+      "bench/allreduce.py: cannot measure here: a collective over 1 rank(s) moves no data; it "
+      "needs at least 2. jax sees 1 cpu device; run it where several GPUs are visible, or on CPU "
+      "without XLA_FLAGS limiting the device count (8 simulated devices)."]
+  assert r.stdout == ""
+
+
+def test_runs_on_8_simulated_devices_without_jax_platforms(tmp_path):
+  """Started directly on a CPU machine (no JAX_PLATFORMS, no XLA_FLAGS) it measures 8 devices,
+  not 1 (issue 19: it used to report world=1 with meaningless ratios)."""
+  out = tmp_path / "r.json"
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  r = subprocess.run([sys.executable, str(ROOT / "bench" / "allreduce.py"), "--sizes", "64",
+                      "--chain", "1", "--iters", "1", "--warmup", "0", "--algorithms", "psum",
+                      "--json", str(out)], capture_output=True, text=True,
+                     env=dict(env, PYTHONPATH=str(ROOT)), timeout=600)
+  assert r.returncode == 0, r.stderr
+  assert {row["world"] for row in json.loads(out.read_text())["rows"]} == {8}
 
 
 def test_merge_keeps_the_slowest_process_and_recomputes_ratios():
@@ -40,7 +77,8 @@ def test_merge_keeps_the_slowest_process_and_recomputes_ratios():
   by = {r["algorithm"]: r for r in merged}
   assert by["psum"]["time_us"] == 12.0 and by["one_shot"]["time_us"] == 4.0
   assert by["one_shot"]["ratio"] == pytest.approx(3.0)
-  assert by["one_shot"]["busbw"] == pytest.approx(1024 / 4e-6 / 1e9)
+  assert by["one_shot"]["busbw"] == pytest.approx(1024 / 4e-6 / 1e9)   # 2(n-1)/n = 1 for n=2
+  assert by["one_shot"]["count"] == 256
 
 
 def test_plot_without_matplotlib_fails_before_measuring(tmp_path):

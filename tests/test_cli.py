@@ -126,6 +126,79 @@ def test_bench_passes_arguments_and_exit_status_through(tmp_path):
   r = _run(["bench", "cuda_graphs", "--no-such-flag"], tmp_path)
   assert r.returncode == 2 and "--no-such-flag" in r.stderr          # argparse's status
   r = _run(["bench", "cuda_graphs", "--quick", "--cases", "nosuchcase"], tmp_path)
-  assert r.returncode == 1 and "nosuchcase" in r.stderr              # the bench raised
+  assert r.returncode == 2 and "nosuchcase" in r.stderr              # the bench's argparse
   r = _run(["bench", "no_such_bench"], tmp_path)
   assert r.returncode == 2 and "available" in r.stderr
+
+
+# --- the command line itself: help everywhere, prog, one-line errors -------------------------
+
+
+COMMANDS = ("demo", "topo", "explain", "bench", "info")
+
+
+def test_prog_names_the_way_it_was_started():
+  from dtenjax._src.cli.main import prog_name  # pylint: disable=g-import-not-at-top
+  assert prog_name("/venv/bin/dtenjax") == "dtenjax"
+  assert prog_name("/src/dtenjax/__main__.py") == "python -m dtenjax"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_its_own_help(command, capsys):
+  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit) as e:
+    main([command, "--help"], prog="dtenjax")
+  assert e.value.code == 0
+  out = capsys.readouterr().out
+  assert out.startswith(f"usage: dtenjax {command} [-h]")
+  assert "{" not in out.splitlines()[0]                 # not the top-level usage
+  if command == "info":
+    assert "--json" in out and not out.lstrip().startswith("{")   # help, not JSON
+
+
+def test_console_script_and_module_name_themselves():
+  script = pathlib.Path(sys.executable).parent / "dtenjax"
+  assert script.is_file(), f"{script} missing: the console script of pyproject's [project.scripts]"
+  r = subprocess.run([str(script), "explain", "--help"], capture_output=True, text=True,
+                     timeout=120, check=False)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.startswith("usage: dtenjax explain ")
+  r = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120,
+                     check=False)
+  assert r.stdout.strip() == "dtenjax 0.1.0"
+  r = _run(["demo", "--steps", "0"], ROOT)
+  assert r.returncode == 2
+  assert r.stderr.splitlines()[-1] == ("python -m dtenjax demo: error: argument --steps: 0 is "
+                                       "less than 1")
+
+
+def test_explain_absent_axis_and_indivisible_shape_are_one_line_errors(user_dir):
+  (user_dir / "axes.py").write_text(textwrap.dedent("""
+      import jax
+      from jax.sharding import PartitionSpec as P
+      def f(x):
+        return jax.lax.with_sharding_constraint(x, P("nosuch"))
+  """))
+  cases = [
+      (["axes:f", "--mesh", "data=2,model=4", "--shape-args", "f32[8,128]"],
+       "Resource axis: nosuch of P('nosuch',) is not found in mesh"),
+      (["mystep:grad_step", "--mesh", "data=2,model=4", "--shape-args", "f32[7,64]{model,-}"],
+       "dimension 0 of size 7 does not divide into 4 shards over model"),
+      (["mystep:grad_step", "--mesh", "data=2,model=4", "--shape-args", "f32[8,64]{tensor,-}"],
+       "axis ['tensor'] is not in the mesh ['data', 'model']"),
+  ]
+  for argv, message in cases:
+    r = _run(["explain", *argv], user_dir)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and message in r.stderr, r.stderr
+    assert r.stderr.startswith("python -m dtenjax explain: error: ")
+
+
+def test_bench_without_a_name_lists_them(capsys):
+  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit) as e:
+    main(["bench"], prog="dtenjax")
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "dtenjax bench: error: which benchmark? give NAME: allreduce," in err
+  assert "_harness" not in err

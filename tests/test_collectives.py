@@ -80,7 +80,7 @@ def test_check_vma_true_with_varying_out_specs(mesh, algorithm):
 def test_reduce_scatter_and_all_gather(mesh):
   x = jax.random.normal(jax.random.key(5), (8, 16, 3))
   rs = {a: _smap(mesh, lambda v, a=a: dtenjax.reduce_scatter(v[0], AX, scatter_dimension=0,
-                                                             algorithm=a)[None])(x)
+                                                             tiled=True, algorithm=a)[None])(x)
         for a in ("ring", "one_shot", "two_shot", "xla", "auto")}
   want = x.sum(0).reshape(8, 2, 3)
   for a, y in rs.items():
@@ -138,7 +138,7 @@ def test_reduce_scatter_and_all_gather_transpose_into_each_other(mesh):
   x = jax.random.normal(jax.random.key(9), (8, 16))
   ct = jax.random.normal(jax.random.key(10), (8, 2))
   rs = lambda v: _smap(mesh, lambda u: dtenjax.reduce_scatter(u, AX, scatter_dimension=1,
-                                                              algorithm="ring"))(v)
+                                                              tiled=True, algorithm="ring"))(v)
   _, vjp = jax.vjp(rs, x)
   (g,) = vjp(ct)
   np.testing.assert_allclose(g, jnp.broadcast_to(ct.reshape(1, 16), (8, 16)), rtol=1e-6)
@@ -235,11 +235,12 @@ def test_reproducible_reference_file_bits(cpu_devices):
 def test_reproducible_reduce_scatter(mesh, algorithm):
   g = ref.contributions(8, 8 * 12, seed=15)          # rank r owns block r of 12 columns
   y = np.asarray(_smap(mesh, lambda v: dtenjax.reduce_scatter(
-      v[0], AX, scatter_dimension=0, algorithm=algorithm, reproducible=True)[None])(g))
+      v[0], AX, scatter_dimension=0, tiled=True, algorithm=algorithm, reproducible=True)[None])(g))
   want = ref.reproducible_sum(g)
   np.testing.assert_array_equal(ref.bits(y.reshape(-1)), ref.bits(want))
   m = np.asarray(_smap(mesh, lambda v: dtenjax.reduce_scatter(
-      v[0], AX, scatter_dimension=0, op="mean", algorithm=algorithm, reproducible=True)[None])(g))
+      v[0], AX, scatter_dimension=0, tiled=True, op="mean", algorithm=algorithm,
+      reproducible=True)[None])(g))
   np.testing.assert_array_equal(ref.bits(m.reshape(-1)), ref.bits(ref.reproducible_sum(g, mean=True)))
 
 
@@ -289,7 +290,7 @@ def test_errors_name_the_value_and_the_fix(mesh):
   _raises(mesh, lambda v: dtenjax.all_reduce(v.astype(jnp.int32), AX, reproducible=True),
           r"int32.*reproducible=False")
   _raises(mesh, lambda v: dtenjax.all_reduce(v, "i", algorithm="hierarchical"), r"two mesh axes")
-  _raises(mesh, lambda v: dtenjax.reduce_scatter(v[:, :6], AX, scatter_dimension=1),
+  _raises(mesh, lambda v: dtenjax.reduce_scatter(v[:, :6], AX, scatter_dimension=1, tiled=True),
           r"size 6 is not divisible by the size 8.*pad it")
   _raises(mesh, lambda v: dtenjax.all_reduce(v, AX, local_axis=0), r"reproducible=True")
   with pytest.raises(errors.CollectiveError, match="not bound"):
@@ -394,3 +395,72 @@ def test_gpu_auto_is_never_the_host_transport_and_prefers_the_kernel_when_cheape
   assert "dtenjax_host_all_reduce" not in hlo
   plan = dtenjax.plan_all_reduce(2048 * 4, [d.id for d in mesh.devices])
   assert plan.algorithm in plan.times
+
+
+@pytest.mark.parametrize("group", [[], None, ["a"], 3])
+def test_plan_all_reduce_names_a_bad_group(group):
+  with pytest.raises(dtenjax.CollectiveError, match=r"group=.*must list the device ids"):
+    dtenjax.plan_all_reduce(1024, group, None)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("algorithm", ("auto",) + ALGOS)
+def test_mean_of_huge_values_is_finite_where_the_mean_is(mesh, algorithm, dtype):
+  """8 x 3e38 sums past float32's range, but the mean is 3e38: dtenjax divides by a power of
+  two first (exactly), so the result is finite; ordinary values keep the bits of sum / n."""
+  x = jnp.full((8, 4), 3e38, dtype)
+  y = np.asarray(_smap(mesh, lambda v: dtenjax.all_reduce(v, AX, op="mean",
+                                                          algorithm=algorithm))(x))
+  assert np.all(np.isfinite(y.astype(np.float32)))
+  np.testing.assert_allclose(y.astype(np.float32), np.float32(x[0, 0]),
+                             rtol=2 * float(jnp.finfo(dtype).eps))   # rounding of the 8-term sum
+  r = jax.random.normal(jax.random.key(7), (8, 32), dtype)
+  mean = _smap(mesh, lambda v: dtenjax.all_reduce(v, AX, op="mean", algorithm=algorithm))(r)
+  total = _smap(mesh, lambda v: dtenjax.all_reduce(v.astype(jnp.float32), AX,
+                                                   algorithm=algorithm))(r)
+  want = np.asarray(total) / np.float32(8)                   # the same sum, divided once (IEEE)
+  np.testing.assert_array_equal(np.asarray(mean, np.float32), want.astype(dtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("algorithm", ("ring", "one_shot", "two_shot", "hierarchical"))
+def test_a_sum_of_negative_zeros_is_negative_zero(mesh, algorithm):
+  """IEEE: -0 + -0 = -0. dtenjax's folds start from x_0, so they keep it."""
+  y = _smap(mesh, lambda v: dtenjax.all_reduce(v, AX, algorithm=algorithm))(jnp.full((8, 3), -0.0))
+  assert np.all(np.signbit(np.asarray(y)))
+
+
+def test_xla_sums_of_negative_zeros_are_positive_zero_as_xla_folds_from_plus_zero(mesh):
+  """Documented (docs/collectives.md): XLA:CPU's all-reduce folds from +0, so algorithm='xla' (and
+  auto where it picks xla) gives +0.0 for a sum of only -0.0, exactly as lax.psum does."""
+  x = jnp.full((8, 3), -0.0)
+  ours = _smap(mesh, lambda v: dtenjax.all_reduce(v, AX, algorithm="xla"))(x)
+  psum = _smap(mesh, lambda v: jax.lax.psum(v, AX))(x)
+  assert not np.any(np.signbit(np.asarray(ours))) and not np.any(np.signbit(np.asarray(psum)))
+
+
+def test_a_mean_of_an_already_summed_gradient_is_flagged_once(caplog):
+  """jax.grad of replicated params under check_vma=True is already summed over the axis; a mean
+  of it returns n times the mean gradient (as lax.pmean does). dtenjax says so once, with the fix;
+  per-device gradients (pvary'd params) are averaged silently."""
+  from dtenjax._src import config
+  config._said.discard("invariant-mean")
+  mesh = dtenjax.make_mesh((8,), ("d",))
+  w = jnp.ones(3)
+  x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
+
+  def step(trap):
+    def body(w, xb):
+      params = w if trap else dtenjax.compression.pvary(w, "d")
+      g = jax.grad(lambda p: jnp.sum(p * xb))(params)
+      return dtenjax.all_reduce(g, "d", op="mean")
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))
+
+  with caplog.at_level("WARNING", logger="dtenjax"):
+    good = step(False)(w, x)
+  assert not [r for r in caplog.records if "already SUMMED" in r.getMessage()]
+  np.testing.assert_allclose(good, np.asarray(x).mean(0), rtol=1e-6)
+  with caplog.at_level("WARNING", logger="dtenjax"):
+    bad = step(True)(w, x)
+  msgs = [r.getMessage() for r in caplog.records if "already SUMMED" in r.getMessage()]
+  assert len(msgs) == 1 and "compression.pvary(params, axis)" in msgs[0]
+  np.testing.assert_allclose(bad, np.asarray(x).sum(0), rtol=1e-6)    # n times the mean, as JAX

@@ -44,8 +44,9 @@ def test_all_reduce_inside_a_host():
       L + NV_A + 7 * N / NV_BW + P + 16 * N * M)
   assert _t("all_reduce", "two_shot", g) == pytest.approx(
       2 * L + 2 * NV_A + 2 * 7 / 8 * N / NV_BW + P + 3 * N * M)
+  # ring: 7 ppermute steps of N/8 with an add each, then one all-gather of N/8 per rank
   assert _t("all_reduce", "ring", g) == pytest.approx(
-      14 * (L + NV_A + N / 8 / NV_BW) + 7 * P + 3 * N * M)
+      7 * (L + NV_A + N / 8 / NV_BW) + 7 * P + (L + NV_A + 7 / 8 * N / NV_BW) + 3 * N * M)
   assert _t("all_reduce", "nvlink_one_shot", g) == pytest.approx(
       K + 2 * NV_A + 7 * N / NV_BW + 9 * N * M)
   assert _t("all_reduce", "nvlink_two_shot", g) == pytest.approx(
@@ -190,3 +191,31 @@ def test_gpu_predictions_stay_within_2x_of_the_h200_pair_measurements(capsys):
   for name in ("2026-11-30_h200x2_1proc_f32.json", "2026-11-30_h200x2_2procs_f32.json"):
     assert costmodel_check.main([str(root / "bench" / "results" / name)]) == 0, capsys.readouterr()
     assert "40 of 40 predictions within 2x" in capsys.readouterr().out
+
+
+def test_cost_params_file_is_versioned_and_checked(tmp_path, monkeypatch):
+  """DTENJAX_COST_PARAMS: format dtenjax.cost-params/1 (absent: read as that), numbers only; the
+  shipped JSON Schema accepts and refuses the same files."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  schema = json.loads((pathlib.Path(__file__).resolve().parents[1] / "dtenjax" / "schemas" /
+                       "cost-params-1.schema.json").read_text())
+  jsonschema = pytest.importorskip("jsonschema")
+  path = tmp_path / "costs.json"
+  monkeypatch.setenv("DTENJAX_COST_PARAMS", str(path))
+  good = {"format": "dtenjax.cost-params/1", "gpu": {"xla_collective_us": 25.0,
+                                                     "local_bandwidth_gbps": None}}
+  path.write_text(json.dumps(good))
+  assert cm.backend_costs("gpu").xla_collective_us == 25.0
+  jsonschema.validate(good, schema)
+  for bad, message in [
+      ({"format": "dtenjax.cost-params/2", "gpu": {}}, "(written by a newer dtenjax?)"),
+      ({"gpu": {"xla_collective_us": "fast"}}, "gpu.xla_collective_us = 'fast' must be a number"),
+      ({"gpu": {"host_step_us": True}}, "gpu.host_step_us = True must be a number"),
+      ({"cpu": {"nvlink_kernel_us": None}}, "cpu.nvlink_kernel_us = None must be a number"),
+  ]:
+    path.write_text(json.dumps(bad))
+    with pytest.raises(errors.ConfigurationError) as e:
+      cm.backend_costs("gpu")
+    assert message in str(e.value)
+    with pytest.raises(jsonschema.ValidationError):
+      jsonschema.validate(bad, schema)

@@ -456,3 +456,33 @@ def test_gpu_data_parallel_gradients_on_every_gpu():
   ars = _by_kind(e)["all_reduce"]
   assert sum(c.nbytes for c in ars) == sum(4 * math.prod(s) for s in PARAM_SHAPES.values())
   assert all(c.groups == (tuple(d.id for d in gpus),) for c in ars), e.table()
+
+
+def test_only_collectives_are_listed_not_local_kernels(cpu_devices):
+  """A top-k compressed step runs the local pack kernel (a dtenjax custom call) and all-gathers:
+  explain lists the collectives only."""
+  from dtenjax import compression
+  mesh = Mesh(np.array(cpu_devices), ("d",))
+  g = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4096)), jnp.float32)
+
+  def body(gl):
+    config = compression.TopKConfig(ratio=0.01, axis_name="d", pack="ffi")
+    state = compression.init_state(gl[0], config)
+    out, _ = compression.compressed_all_reduce(gl[0], state, "d", config=config)
+    return out[None]
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False))
+  module = hlo.read_compiled(_compiled(f, g))
+  targets = {i.custom_call_target for i in module.instructions() if i.opcode == "custom-call"}
+  assert "dtenjax_topk_pack" in targets                     # the local kernel is in the program
+  e = dtenjax.explain(f, g)
+  kinds = [c.kind for c in e.collectives]
+  assert kinds and all(not k.startswith("custom:") for k in kinds), kinds
+  assert kinds == ["all_gather", "all_gather"], kinds       # indices and values
+
+
+def test_collective_targets_name_the_collective_custom_calls():
+  from dtenjax._src.compression import topk
+  from dtenjax._src.gpu import p2p
+  from dtenjax._src.net import hostcoll
+  assert set(hlo.COLLECTIVE_TARGETS) == {p2p.TARGET, hostcoll.TARGET}
+  assert topk.TARGET not in hlo.COLLECTIVE_TARGETS

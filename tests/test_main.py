@@ -23,14 +23,39 @@ def test_demo_trains_places_explains_and_is_bit_identical(capsys):
   assert last < 0.5 * first          # it actually trains
 
 
-def test_cli_help_info_and_unknown(capsys):
-  assert cli.main([]) == 0
-  assert "demo" in capsys.readouterr().out
-  assert cli.main(["info"]) == 0
+def test_cli_info_and_unknown(capsys):
+  assert cli.main(["info", "--json"]) == 0
   info = json.loads(capsys.readouterr().out)
-  assert {"built", "cuda", "verbs", "targets"} <= set(info)
-  assert cli.main(["no-such-command"]) == 2
+  assert {"built", "cuda", "verbs", "targets"} <= set(info["extension"])
+  assert set(info["extras"]) == {"gpu", "demo", "plot", "rdma", "flax", "scheduler"}
+  assert info["extras"]["demo"] == {"sklearn": True, "optax": True}     # the test extra has them
+  assert cli.main(["info"]) == 0
+  text = capsys.readouterr().out
+  assert text.splitlines()[0].split() == ["extension", "value"]
+  assert any(ln.split()[:4] == ["demo", "sklearn,", "optax", "yes"] for ln in text.splitlines())
+  for argv in ([], ["no-such-command"]):
+    with pytest.raises(SystemExit) as e:
+      cli.main(argv)
+    assert e.value.code == 2
+  assert "required: COMMAND" in capsys.readouterr().err
   assert cli.main(["bench", "no-such-bench"]) == 2
+  assert "no benchmark 'no-such-bench'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "0"], "argument --steps: 0 is less than 1"),
+    (["--steps", "many"], "argument --steps: 'many' is not a whole number"),
+    (["--batch", "3"], "argument --batch: 3 does not split into 8 equal micro-batches"),
+    (["--batch", "0"], "argument --batch: 0 is less than 1"),
+    (["--seed", "-1"], "argument --seed: -1 is less than 0"),
+])
+def test_demo_bad_arguments_are_one_line_exit_2(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["demo", *argv])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.splitlines()[-1].startswith(f"python -m dtenjax demo: error: {message}")
+  assert "Traceback" not in err
 
 
 def _demo_in_subprocess(devices: int | None, steps: int = 12) -> str:
@@ -66,3 +91,14 @@ def test_demo_losses_are_bit_identical_across_device_counts():
     assert f"{n} cpu device(s)" in out
   digests = {n: _digest(out) for n, out in outs.items()}
   assert len(set(digests.values())) == 1, digests
+
+
+def test_demo_without_its_extra_says_how_to_install_it(monkeypatch, capsys):
+  from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
+  real = info._present  # pylint: disable=protected-access
+  monkeypatch.setattr(info, "_present", lambda m: m != "optax" and real(m))
+  assert cli.main(["demo", "--steps", "1"]) == 2
+  err = capsys.readouterr().err
+  assert err == ("python -m dtenjax demo: error: demo needs optax, which is "
+                 "not installed: pip install 'dtenjax[demo]' (from a checkout: pip install "
+                 "'.[demo]').\n")

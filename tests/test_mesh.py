@@ -153,7 +153,7 @@ def test_mesh_map_composes_with_jit_and_grad():
 
 
 def test_pmap_over_leading_axis(cpu_devices):
-  f = mesh_lib.pmap(lambda a, b: (a * 2 + b, jax.lax.psum(a, "i")), devices=cpu_devices)
+  f = mesh_lib.pmap(lambda a, b: (a * 2 + b, jax.lax.psum(a, "i")), "i", devices=cpu_devices)
   a = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
   b = jnp.ones((8, 3))
   y, s = f(a, b)
@@ -164,12 +164,32 @@ def test_pmap_over_leading_axis(cpu_devices):
 
 
 def test_pmap_wrong_leading_axis_lists_all_leaves(cpu_devices):
-  f = mesh_lib.pmap(lambda a, b: a + b, devices=cpu_devices)
+  f = mesh_lib.pmap(lambda a, b, c: a + b, devices=cpu_devices)
   with pytest.raises(errors.MeshError) as e:
-    f(jnp.ones((4, 2)), jnp.float32(1.0))
+    f(jnp.ones((4, 2)), jnp.float32(1.0), jnp.ones((3,)))
   msg = str(e.value)
-  assert "leaf 0 has shape (4, 2)" in msg and "leaf 1 has shape ()" in msg
-  assert "must be 8" in msg
+  assert "leaf 1 has shape ()" in msg and "in_axes 0 is not one of its axes" in msg
+  assert "leaf 2 has shape (3,); its mapped axis has size 3 but the mapped size is 4" in msg
+  with pytest.raises(errors.MeshError, match="mapped size 9 exceeds the 8 devices"):
+    f(jnp.ones((9,)), jnp.ones((9,)), jnp.ones((9,)))
+
+
+def test_pmap_takes_jax_pmaps_signature(cpu_devices):
+  """axis_name=None by default, the mapped size from the arguments (fewer devices than there
+  are), axis_size when nothing is mapped, and .lower -- as jax.pmap."""
+  x = jnp.arange(4 * 3, dtype=jnp.float32).reshape(4, 3)
+  ours = mesh_lib.pmap(lambda a: a * 2, devices=cpu_devices)
+  np.testing.assert_array_equal(ours(x), jax.pmap(lambda a: a * 2, devices=cpu_devices[:4])(x))
+  assert "stablehlo" in ours.lower(x).as_text() or "func" in ours.lower(x).as_text()
+  assert ours.lower(x).compile()(x).shape == (4, 3)
+  named = mesh_lib.pmap(lambda a: jax.lax.psum(a, "d"), axis_name="d", devices=cpu_devices)
+  np.testing.assert_array_equal(named(x), np.broadcast_to(np.asarray(x).sum(0), (4, 3)))
+  bcast = mesh_lib.pmap(lambda w: w + 1.0, in_axes=None, axis_size=2, devices=cpu_devices)
+  np.testing.assert_array_equal(bcast(jnp.ones(3)), np.full((2, 3), 2.0))
+  with pytest.raises(errors.MeshError, match="pass axis_size="):
+    mesh_lib.pmap(lambda w: w, in_axes=None, devices=cpu_devices)(jnp.ones(3))
+  with pytest.raises(errors.ConfigurationError, match="axis_size=0"):
+    mesh_lib.pmap(lambda w: w, axis_size=0)
 
 
 # --- axis types and jax's own meshes ---------------------------------------------------------
@@ -325,7 +345,8 @@ def test_pmap_argument_errors(cpu_devices):
   f = mesh_lib.pmap(lambda a, b: a + b, in_axes=(0, 1), devices=cpu_devices)
   with pytest.raises(errors.MeshError) as e:
     f(jnp.ones((8, 2)), jnp.ones((2, 3)))
-  assert "leaf 1 has shape (2, 3); its mapped axis 1 must be 8" in str(e.value)
+  assert "leaf 1 has shape (2, 3); its mapped axis has size 3 but the mapped size is 8" in \
+      str(e.value)
   with pytest.raises(errors.ConfigurationError, match="in_axes has 3 entries"):
     mesh_lib.pmap(lambda a, b: a, in_axes=(0, 0, 0), devices=cpu_devices)(jnp.ones((8,)),
                                                                           jnp.ones((8,)))

@@ -91,7 +91,9 @@ def test_substitute_psum_picks_the_algorithm(mesh):
   f = jax.jit(jax.shard_map(wrapped, mesh=mesh, in_specs=P(AX), out_specs=P(AX),
                             check_vma=False))
   hlo = f.lower(x).compile().as_text()
-  assert _count(hlo, "collective-permute") == 14 and _count(hlo, "all-reduce") == 0   # 2(n-1)
+  # ring: n-1 permutes for the reduce-scatter, one all-gather, no all-reduce
+  assert _count(hlo, "collective-permute") == 7 and _count(hlo, "all-reduce") == 0
+  assert _count(hlo, "all-gather") == 1
   assert wrapped.psum_count == 1
   np.testing.assert_allclose(f(x)[0], 2 * x.sum(0), rtol=1e-5, atol=1e-6)
 

@@ -54,7 +54,8 @@ def test_mesh_shape_is_topology_ordered(cpu_devices):
 
 
 @pytest.mark.parametrize("policy,kind", [
-    ("device", "device"), ("pinned", "pinned_host"), ("unpinned", "unpinned_host")])
+    ("device", "device"), ("pinned", "pinned_host"), ("unpinned", "unpinned_host"),
+    ("pinned_host", "pinned_host"), ("unpinned_host", "unpinned_host")])
 def test_memory_policies(policy, kind, mesh24):
   p = Placement("row", mesh=mesh24, memory_policy=policy)
   assert p.sharding((8, 8)).memory_kind == kind
@@ -163,7 +164,7 @@ def test_tensor_created_sharded(mesh24):
   r = tensor((8, 16), jnp.float32, p, init="normal", key=jax.random.key(3))
   np.testing.assert_array_equal(r, jax.random.normal(jax.random.key(3), (8, 16)))
   custom = tensor((8, 8), jnp.int32, Placement("row", mesh=mesh24),
-                  init=lambda k, s, d: jnp.full(s, 7, d))
+                  init=lambda k, s, d: jnp.full(s, 7, d), key=jax.random.key(0))
   assert custom.dtype == jnp.int32 and [s.data.shape for s in custom.addressable_shards] == [
       (2, 8)] * 8
 
@@ -183,7 +184,26 @@ def test_tensor_memory_kind_and_bad_init(mesh24):
   t = tensor((8, 8), placement=Placement("row", mesh=mesh24, memory_policy="pinned"))
   assert t.sharding.memory_kind == "pinned_host"
   with pytest.raises(errors.PlacementError, match="init='gaussian'"):
-    tensor((8, 8), placement=Placement("row", mesh=mesh24), init="gaussian")
+    tensor((8, 8), placement=Placement("row", mesh=mesh24), init="gaussian",
+           key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("init", ["normal", "uniform", lambda k, s, d: jnp.zeros(s, d)])
+def test_random_tensors_need_a_key(init, mesh24):
+  """Without a key every tensor would get the same values: it is refused, naming the fix."""
+  with pytest.raises(errors.PlacementError, match=r"needs key=.*jax.random.key"):
+    tensor((8, 8), placement=Placement("row", mesh=mesh24), init=init)
+  a = tensor((8, 8), placement=Placement("row", mesh=mesh24), init="normal",
+             key=jax.random.key(1))
+  b = tensor((8, 8), placement=Placement("row", mesh=mesh24), init="normal",
+             key=jax.random.key(2))
+  assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [(-8, 8), (2.5, 3), "ab", None])
+def test_tensor_rejects_bad_shapes(shape, mesh24):
+  with pytest.raises(errors.PlacementError, match=r"shape=.*non-negative ints"):
+    tensor(shape, placement=Placement("row", mesh=mesh24))
 
 
 def test_auto_uses_the_planner_and_explains(cpu_devices):
@@ -407,3 +427,29 @@ def test_planner_says_how_it_reads_attention_kernels():
   assert "costed as 4096 stacked (32, 128) matrices" in plan.reason
   assert "flax attention kernel (features, heads, head_dim)" in plan.reason
   assert "stacked" not in Placement("auto", mesh=(2, 4), topology=t).plan((64, 64)).reason
+
+
+def test_optimizer_state_follows_its_parameters(mesh24):
+  """shard(opt_state, like=params): adamw's mu and nu get each parameter's layout (tensor
+  parallel here), its step count is replicated; also inside jit given the shardings."""
+  import optax
+  params = {"w1": shard(jnp.ones((8, 16)), Placement("row", mesh=mesh24)),
+            "w2": shard(jnp.ones((16, 8)), Placement("col", mesh=mesh24)),
+            "b": shard(jnp.ones((8,)), Placement("replicate", mesh=mesh24))}
+  tx = optax.adamw(1e-3)
+  state = shard(tx.init(params), like=params)
+  adam = state[0]
+  for moments in (adam.mu, adam.nu):
+    for k, p in params.items():
+      assert moments[k].sharding.is_equivalent_to(p.sharding, p.ndim), (k, moments[k].sharding)
+  assert adam.count.sharding.spec == P() and adam.count.sharding.mesh == mesh24
+  # the usual mistake: one Placement for the whole state replicates every moment of a TP param
+  wrong = shard(tx.init(params), Placement("replicate", mesh=mesh24))
+  assert wrong[0].mu["w1"].sharding.spec == P()
+  shardings = jax.tree.map(lambda a: a.sharding, params)
+  inside = jax.jit(lambda s: shard(s, like=shardings))(tx.init(params))
+  assert inside[0].nu["w2"].sharding.is_equivalent_to(params["w2"].sharding, 2)
+  with pytest.raises(errors.PlacementError, match="exactly one of placement"):
+    shard(state)
+  with pytest.raises(errors.PlacementError, match="no NamedSharding to follow"):
+    shard(tx.init(params), like={"w1": np.ones((8, 16)), "w2": np.ones((16, 8)), "b": np.ones(8)})

@@ -1,9 +1,12 @@
-"""RDMA control plane (pyverbs discovery) and the verbs provider's device-free logic.
+"""RDMA control plane (pyverbs discovery, the provider's own library) and the verbs provider's
+device-free logic.
 
 No machine here has an RDMA device; pyverbs is faked where a device is needed. The verbs data path
-itself has never run on RDMA hardware (see docs/transport.md).
+runs on the emulated device in tests/test_verbs.py; it has never run on RDMA hardware (see
+docs/transport.md).
 """
 
+import pathlib
 import sys
 import types
 
@@ -24,6 +27,14 @@ needs_verbs = pytest.mark.skipif(
 
 def verbs():
   return transport.native().verbs
+
+
+def test_verbs_provider_is_built_where_its_headers_are():
+  """The verbs tests skip only in a build without the provider; that must mean the headers were
+  missing, never a broken CMake check on a machine that has them."""
+  header = pathlib.Path("/usr/include/infiniband/verbs.h")
+  assert ffi.build_info().get("verbs", False) or not header.exists(), (
+      f"{header} is installed but this build has no verbs provider: {ffi.build_info()}")
 
 
 class FakeRDMAError(Exception):
@@ -77,7 +88,15 @@ def test_no_pyverbs_means_no_rdma(monkeypatch):
   monkeypatch.setitem(sys.modules, "pyverbs.device", None)
   rdma.reset_cache()
   assert rdma.discover_nics() == []
-  assert "pyverbs is not installed" in rdma.unavailable_reason()
+  why = rdma.unavailable_reason()
+  assert "pyverbs is not installed" in why
+  # ... and the provider's own library was asked too, and says why it found nothing.
+  info = rdma.library_info()
+  if info["loaded"]:
+    assert f"{info['path']} lists no RDMA device" in why, why
+    assert not info["emulated"] and rdma.emulated_nics() == ()
+  else:
+    assert info["error"] and info["error"] in why, (info, why)
 
 
 def test_pyverbs_error_means_no_rdma(monkeypatch):

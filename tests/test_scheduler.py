@@ -328,3 +328,98 @@ def test_an_idle_dropped_scheduler_thread_exits():
   gc.collect()
   thread.join(30)
   assert not thread.is_alive()
+
+
+# ---- inputs that used to slip through (issue 23 item 4) -------------------------------------
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(max_queue=True), "max_queue=True must be an integer"),
+    (dict(latency_window=2.5), "latency_window=2.5 must be an integer"),
+    (dict(latency_sla="0.1"), "latency_sla='0.1' must be a finite number of seconds (got str)"),
+    (dict(latency_sla=float("nan")), "latency_sla=nan must be a finite number"),
+    (dict(latency_sla=float("inf")), "latency_sla=inf must be a finite number"),
+    (dict(poll_interval=-1), "poll_interval=-1 must be a finite number of seconds > 0"),
+    (dict(low_latency_share=1.0), "low_latency_share=1.0 must be < 1"),
+    (dict(low_latency_share="half"), "low_latency_share='half' must be a finite number"),
+    (dict(metrics_port=True), "metrics_port=True must be None or an integer port"),
+    (dict(metrics_port=70000), "metrics_port=70000 must be None or an integer port"),
+    (dict(preemption="aggressive"), "preemption='aggressive' must be a PreemptionPolicy"),
+    (dict(clock=lambda: "12"), "clock returned '12' (str)"),
+    (dict(clock=lambda: float("nan")), "clock returned nan (float)"),
+    (dict(clock=3.0), "clock=3.0 must be callable"),
+])
+def test_constructor_refuses_values_of_the_wrong_kind(kwargs, fragment):
+  with pytest.raises(errors.ConfigurationError, match=re.escape(fragment)):
+    S.GraphScheduler(step, batch_spec=SPEC, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(backlog_batches=True), "backlog_batches=True must be an integer"),
+    (dict(backlog_release="0.5"), "backlog_release='0.5' must be a finite number (got str)"),
+    (dict(p95_release=float("nan")), "p95_release=nan must be a finite number"),
+    (dict(p95_seconds=float("inf")), "p95_seconds=inf must be a finite number"),
+    (dict(enabled="no"), "enabled='no' must be True or False"),
+])
+def test_preemption_policy_refuses_values_of_the_wrong_kind(kwargs, fragment):
+  with pytest.raises(errors.ConfigurationError, match=re.escape(fragment)):
+    S.PreemptionPolicy(**kwargs)
+
+
+def test_timeouts_deadlines_and_batches_of_the_wrong_kind_are_refused_at_once():
+  gate = threading.Event()
+  sch = S.GraphScheduler(_gated_step(gate), batch_spec=SPEC, max_queue=1)
+  b = np.ones((N, N), np.float32)
+  try:
+    sch.submit(b)              # runs (blocked on the gate) once the dispatcher takes it
+    sch.submit(b, timeout=30)  # fills the main queue
+    for bad in (float("nan"), float("inf"), 1e300, -1.0, "1", True, None):
+      t0, c0 = time.monotonic(), time.process_time()
+      with pytest.raises(errors.ConfigurationError, match=r"timeout=.* must be a finite number "
+                                                          r"of seconds"):
+        sch.submit(b, timeout=bad)
+      # refused before any wait: no 0.3 CPU-s/s busy loop on NaN, no overflow on huge values
+      assert time.monotonic() - t0 < 0.5 and time.process_time() - c0 < 0.5, bad
+    with pytest.raises(errors.ConfigurationError, match=r"timeout=nan"):
+      sch.inject_micro_batch(b, timeout=float("nan"))
+    with pytest.raises(errors.ConfigurationError, match=r"another clock \(time.time\(\)\?\)"):
+      sch.inject_micro_batch(b, deadline=time.time())
+    for bad in (float("nan"), float("inf"), "soon"):
+      with pytest.raises(errors.ConfigurationError, match="deadline="):
+        sch.inject_micro_batch(b, deadline=bad)
+    for bad, kind in (((x for x in [b]), "generator"), (b"\0" * 16, "bytes"), ("batch", "str")):
+      with pytest.raises(errors.ConfigurationError, match=f"batch: {kind}"):
+        sch.submit(bad)
+    with pytest.raises(errors.ConfigurationError, match="batch_spec: generator"):
+      S.GraphScheduler(step, batch_spec=(x for x in [SPEC]))
+    for bad in (float("nan"), float("inf"), "60"):
+      with pytest.raises(errors.ConfigurationError, match="timeout="):
+        sch.shutdown(timeout=bad)
+  finally:
+    gate.set()
+  sch.shutdown(timeout=60)   # the refused calls left it working
+  assert sch.metrics()[S.MAIN].completed == 2
+
+
+def test_a_clock_that_turns_bad_is_named_where_it_is_read():
+  """A clock returning a str after construction: the caller's injection raises naming the value;
+  on the dispatcher thread it stops the dispatcher, and every pending future and later call say
+  why (the ConfigurationError is the cause), never a raw TypeError or a silent death."""
+  gate = threading.Event()
+  state = {"bad": False}
+
+  def clock():
+    return "12:00" if state["bad"] else time.monotonic()
+  sch = S.GraphScheduler(_gated_step(gate), batch_spec=SPEC, clock=clock)
+  b = np.ones((N, N), np.float32)
+  first = sch.submit(b)
+  queued = sch.submit(b)
+  state["bad"] = True
+  with pytest.raises(errors.ConfigurationError, match=r"clock returned '12:00' \(str\)"):
+    sch.submit(b)
+  gate.set()
+  assert float(first.result(timeout=60)) == N * N   # it ran; its bookkeeping then failed
+  err = queued.exception(timeout=60)
+  assert isinstance(err, S.SchedulerClosedError) and "clock returned '12:00'" in str(err)
+  assert isinstance(err.__cause__, errors.ConfigurationError)
+  with pytest.raises(S.SchedulerClosedError, match="clock returned '12:00'"):
+    sch.shutdown(timeout=30)

@@ -33,7 +33,7 @@ def test_pack_matches_numpy_reference(method, jit, n, k, t):
   x = rng.standard_normal(n).astype(np.float32)
   if n > 10:
     x[7] = np.nan                                   # NaN never passes
-  f = lambda x: topk.pack(x, jnp.float32(t), k, method=method)
+  f = lambda x: topk.pack(x, jnp.float32(t), k, pack=method)
   idx, val, count = (jax.jit(f) if jit else f)(jnp.asarray(x))
   ridx, rval, rcount = _ref_pack(x, t, k)
   np.testing.assert_array_equal(np.asarray(idx), ridx)
@@ -44,8 +44,8 @@ def test_pack_matches_numpy_reference(method, jit, n, k, t):
 @needs_ext
 def test_ffi_and_cumsum_agree_bitwise_bf16():
   x = jnp.asarray(np.random.default_rng(3).standard_normal(5000), jnp.bfloat16)
-  a = topk.pack(x, jnp.float32(1.5), 200, method="ffi")
-  b = topk.pack(x, jnp.float32(1.5), 200, method="cumsum")
+  a = topk.pack(x, jnp.float32(1.5), 200, pack="ffi")
+  b = topk.pack(x, jnp.float32(1.5), 200, pack="cumsum")
   assert a[1].dtype == jnp.bfloat16
   for u, v in zip(a, b):
     np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
@@ -60,7 +60,7 @@ def test_pack_at_exact_kth_value_gives_exact_topk_set(method):
   k = 200
   ref_idx, ref_val = topk.exact_topk(jnp.asarray(x), k)
   t = jnp.min(jnp.abs(ref_val))
-  idx, val, count = topk.pack(jnp.asarray(x), t, k, method=method)
+  idx, val, count = topk.pack(jnp.asarray(x), t, k, pack=method)
   assert int(count) == k
   assert set(np.asarray(idx).tolist()) == set(np.asarray(ref_idx).tolist())
   np.testing.assert_array_equal(np.sort(np.asarray(val)), np.sort(np.asarray(ref_val)))
@@ -70,7 +70,7 @@ def test_pack_at_exact_kth_value_gives_exact_topk_set(method):
 def test_sampled_select_is_close_to_exact(method):
   x = jnp.asarray(np.random.default_rng(7).standard_normal(200_000), jnp.float32)
   k = 2000
-  idx, val, count = jax.jit(lambda x: topk.select(x, k, method=method))(x)
+  idx, val, count = jax.jit(lambda x: topk.select(x, k, pack=method))(x)
   ref, _ = topk.exact_topk(x, k)
   assert 0.5 * k <= int(count) <= 1.5 * k
   overlap = len(set(np.asarray(idx).tolist()) & set(np.asarray(ref).tolist())) / k
@@ -106,7 +106,7 @@ def test_far_off_cut_falls_back_to_exact(method):
   free = [i for i in range(n) if i not in sample][::700][:k]
   assert len(free) == k
   x[free] = np.arange(1, k + 1, dtype=np.float32)
-  idx, val, count = topk.select(jnp.asarray(x), k, method=method)
+  idx, val, count = topk.select(jnp.asarray(x), k, pack=method)
   assert int(count) == k
   assert set(np.asarray(idx).tolist()) == set(free)
 
@@ -130,7 +130,7 @@ def test_bad_inputs_raise_clear_errors():
   with pytest.raises(dtenjax.CollectiveError, match="int32 is not supported"):
     topk.select(jnp.arange(10), 2)
   with pytest.raises(dtenjax.ConfigurationError, match="pack method 'fast'"):
-    topk.pack(jnp.ones(10), 0.5, 2, method="fast")
+    topk.pack(jnp.ones(10), 0.5, 2, pack="fast")
   with pytest.raises(dtenjax.ConfigurationError, match="selection 'approx'"):
     topk.select(jnp.ones(10), 2, selection="approx")
 
@@ -155,8 +155,8 @@ def test_cuda_kernel_matches_cumsum_and_numpy_on_gpu(n, k, t):
     x[5] = np.nan
   xd = jax.device_put(jnp.asarray(x), gpu)
   for _ in range(2):                                        # poison-free: outputs fully written
-    a = jax.jit(lambda x: topk.pack(x, jnp.float32(t), k, method="ffi"))(xd)
-  b = jax.jit(lambda x: topk.pack(x, jnp.float32(t), k, method="cumsum"))(xd)
+    a = jax.jit(lambda x: topk.pack(x, jnp.float32(t), k, pack="ffi"))(xd)
+  b = jax.jit(lambda x: topk.pack(x, jnp.float32(t), k, pack="cumsum"))(xd)
   ref = _ref_pack(x, t, k)
   for u, v, r in zip(a, b, ref):
     np.testing.assert_array_equal(np.asarray(u), np.asarray(v))

@@ -214,12 +214,16 @@ def test_detect_describes_cpu_devices(cpu_devices):
   assert Topology.from_json(t.to_json()) == t
 
 
-def test_exchange_hostnames_through_kvstore():
+def test_exchange_through_kvstore():
   from dtenjax._src.topology import detect  # pylint: disable=g-import-not-at-top
   from dtenjax._src.net import kvstore
   store = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=1.0)
-  store.set(store.key("topology-hosts", 1), "nodeB")
-  assert detect.exchange_hostnames("nodeA", 0, 2, store) == {0: "nodeA", 1: "nodeB"}
+  store.set(store.key("topology-gpus", 1), '{"host": "nodeB", "gpus": {}}')  # another process
+  mine = {"host": "nodeA", "gpus": {"0": {"bus": "0000:19:00.0", "numa": 0}}}
+  assert detect.exchange("topology-gpus", mine, 0, 2, store) == [
+      mine, {"host": "nodeB", "gpus": {}}]
+  with pytest.raises(errors.CollectiveTimeoutError, match="topology-gpus/2"):
+    detect.exchange("topology-gpus", mine, 0, 3, store)
 
 
 def test_probe_measures_present_classes_and_keeps_others(cpu_devices):
@@ -257,3 +261,97 @@ def test_inter_host_class_reads_the_link_layer_in_any_spelling():
   assert detect.inter_host_class([nic("Ethernet")]) == "roce"
   assert detect.inter_host_class([nic("InfiniBand", state="DOWN")]) == "tcp"
   assert detect.inter_host_class([]) == "tcp"
+
+
+# --- the JSON format: version and schema -----------------------------------------------------------
+
+SCHEMA_FILE = "dtenjax/schemas/topology-1.schema.json"
+
+
+def _schema():
+  import pathlib  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parents[1]
+  return json.loads((root / SCHEMA_FILE).read_text())
+
+
+def test_json_names_its_format_and_old_files_still_read():
+  d = Topology.fixture("h200_8").to_dict()
+  assert next(iter(d)) == "format" and d["format"] == topo.FORMAT == "dtenjax.topology/1"
+  del d["format"]                       # a file saved before formats were versioned
+  assert Topology.from_dict(d) == Topology.fixture("h200_8")
+
+
+def test_other_formats_are_refused_with_the_fix():
+  d = Topology.fixture("pcie_8").to_dict()
+  with pytest.raises(errors.TopologyError, match=r"format 'dtenjax.topology/2'; this dtenjax "
+                     r"reads 'dtenjax.topology/1' \(the file was written by a newer dtenjax"):
+    Topology.from_dict({**d, "format": "dtenjax.topology/2"}, "t.json")
+  with pytest.raises(errors.TopologyError, match="format 'nccl-topo'"):
+    Topology.from_dict({**d, "format": "nccl-topo"}, "t.json")
+
+
+BROKEN = {   # mutation of a fixture -> what from_dict must say (the JSON Schema refuses each too)
+    "device id a string": (lambda d: d["devices"][0].update(id="zero"),
+                           "devices[0].id = 'zero' must be a whole number"),
+    "bool memory": (lambda d: d["devices"][1].update(memory_bytes=True),
+                    "devices[1].memory_bytes = True must be a whole number"),
+    "bandwidth a string": (lambda d: d["links"]["pcie"].update(bandwidth_gbps="fast"),
+                           "links['pcie'].bandwidth_gbps = 'fast' must be a number"),
+    "notes a string": (lambda d: d.update(notes="hello"), "'notes' must be a list of strings"),
+    "matrix of numbers": (lambda d: d["link_matrix"][0].__setitem__(1, 3),
+                          "'link_matrix' must be a list of lists of link class names"),
+    "unknown key": (lambda d: d.update(colour="red"), "unknown key 'colour'"),
+    "no devices key": (lambda d: d.pop("devices"), "missing key 'devices'"),
+    "bad nic port": (lambda d: d["nics"][0].update(port="1"), "nics[0].port = '1' must be"),
+    "unknown class": (lambda d: d["link_matrix"][0].__setitem__(1, "warp"),
+                      "is not a link class"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_files_are_refused_by_dtenjax_and_the_json_schema(name):
+  jsonschema = pytest.importorskip("jsonschema")   # in the test extra; absent: a bare install
+  mutate, message = BROKEN[name]
+  d = json.loads(Topology.fixture("roce_a100_4x8").to_json())
+  mutate(d)
+  with pytest.raises(errors.TopologyError) as e:
+    Topology.from_dict(d, "t.json")
+  assert message in str(e.value)
+  with pytest.raises(jsonschema.ValidationError):
+    jsonschema.validate(d, _schema())
+
+
+def test_every_topology_dtenjax_writes_matches_the_json_schema(cpu_devices):
+  jsonschema = pytest.importorskip("jsonschema")
+  schema = _schema()
+  jsonschema.Draft202012Validator.check_schema(schema)
+  written = [Topology.fixture(n) for n in Topology.fixtures()] + [Topology.detect(cpu_devices)]
+  for t in written:
+    jsonschema.validate(json.loads(t.to_json()), schema)
+  assert schema["properties"]["format"] == {"const": topo.FORMAT}
+  assert set(schema["properties"]["link_matrix"]["items"]["items"]["enum"]) == set(
+      topo.LINK_ORDER)
+
+
+# --- "unknown" links ---------------------------------------------------------------------------------
+
+
+def test_unknown_links_are_priced_as_pcie_and_group_by_host():
+  from dtenjax._src.planning import costmodel  # pylint: disable=g-import-not-at-top
+  devs = [_dev(i, host=f"h{i // 4}") for i in range(8)]
+  unknown = topo.uniform("u", devs, intra="unknown", inter="roce")
+  pcie = topo.uniform("p", devs, intra="pcie", inter="roce")
+  assert unknown.spec("unknown") == pcie.spec("pcie") == LinkSpec(24.0, 5.0)
+  for alg in ("xla", "ring", "one_shot", "two_shot", "hierarchical"):
+    for group in ([0, 1, 2, 3], list(range(8))):
+      assert costmodel.collective_time("all_reduce", 1 << 20, group, unknown, alg) == \
+          costmodel.collective_time("all_reduce", 1 << 20, group, pcie, alg), (alg, group)
+  assert unknown.fast_islands() == unknown.hosts() == ((0, 1, 2, 3), (4, 5, 6, 7))
+  # Slower than every measured class inside a host, faster than any network.
+  order = topo.LINK_ORDER
+  assert order.index("numa_cross") < order.index("unknown") < order.index("infiniband")
+  mixed = Topology("m", tuple(devs[:4]), tuple(
+      tuple("local" if a == b else ("nvlink" if a + b == 1 else "unknown") for b in range(4))
+      for a in range(4)))
+  assert mixed.fast_islands() == ((0, 1), (2,), (3,))
+  assert mixed.slowest_link([0, 1, 2])[0] == "unknown"

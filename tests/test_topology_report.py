@@ -2,6 +2,7 @@
 
 import pytest
 
+from dtenjax._src.cli.main import main as cli
 from dtenjax._src.topology import report
 from dtenjax._src.topology.model import LinkSpec, Topology
 
@@ -62,30 +63,39 @@ def test_every_class_has_a_code():
   assert "NVS" in report.link_matrix_table(Topology.fixture("h200_8"))
 
 
-def test_main_fixture_json_and_save(tmp_path, capsys):
+def test_topo_fixture_json_and_save(tmp_path, capsys):
   out = tmp_path / "t.json"
-  assert report.main(["--fixture", "h200_8", "--save", str(out)]) == 0
+  assert cli(["topo", "--fixture", "h200_8", "--save", str(out)]) == 0
   printed = capsys.readouterr().out
   assert "Topology 'h200_8'" in printed and "saved to" in printed
   assert Topology.from_json(out) == Topology.fixture("h200_8")
-  assert report.main(["--json", str(out)]) == 0
+  assert cli(["topo", "--json", str(out)]) == 0
   assert "NVS" in capsys.readouterr().out
 
 
-def test_main_errors(tmp_path, capsys):
-  assert report.main(["--fixture", "nope"]) == 2
-  assert "no topology fixture named 'nope'" in capsys.readouterr().err
+def test_topo_errors_are_one_line_exit_2(tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    cli(["topo", "--fixture", "nope"], prog="dtenjax")
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "dtenjax topo: error: argument --fixture: invalid choice: 'nope'" in err
+  assert "dgx_a100_8" in err and "Traceback" not in err
   bad = tmp_path / "bad.json"
   bad.write_text("{not json")
-  assert report.main(["--json", str(bad)]) == 2
-  assert "is not valid JSON" in capsys.readouterr().err
-  with pytest.raises(SystemExit):
-    report.main(["--fixture", "dgx_a100_8", "--json", str(bad)])
+  assert cli(["topo", "--json", str(bad)], prog="dtenjax") == 2
+  err = capsys.readouterr().err
+  assert err.startswith("dtenjax topo: error: ") and "is not valid JSON" in err
+  assert err.count("\n") == 1
+  with pytest.raises(SystemExit) as e:
+    cli(["topo", "--fixture", "dgx_a100_8", "--json", str(bad)])
+  assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+  assert cli(["topo", "--fixture", "dgx_a100_8", "--probe"], prog="dtenjax") == 2
+  assert "none of topology 'dgx_a100_8'" in capsys.readouterr().err
 
 
-def test_main_detect_and_probe(cpu_devices, capsys):
+def test_topo_detect_and_probe(cpu_devices, capsys):
   del cpu_devices
-  assert report.main(["--probe"]) == 0
+  assert cli(["topo", "--probe"]) == 0
   text = capsys.readouterr().out
   assert "CPU0" in text and "SHM" in text and "source: probed" in text
   assert "probed shared_memory" in text

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ JOB = 0x1234_5678_9ABC
 SECRET = b"correct horse battery staple 123"
 
 BINDINGS = ("Comm", "BufferPool", "counters", "providers", "crypto_load", "crypto_status",
-            "hmac_sha256", "gmac", "crc32c", "register_site", "set_quota", "usage",
+            "hmac_sha256", "gmac", "register_site", "set_quota", "usage",
             "set_owner_context", "check_device_memory", "take", "testing")
 VERBS_BINDINGS = ("check_transition", "transition_mask", "select_gid", "validate_qp",
                   "encode_imm", "mtu_enum", "probe", "set_device")
@@ -61,21 +62,19 @@ def test_hmac_sha256_from_libcrypto_matches_python(klen, mlen):
   assert transport.crypto_status()["loaded"]
 
 
-def test_gmac_and_crc32c_match_the_specifications():
+def test_gmac_matches_the_specification():
   # The reference implementation against published vectors: FIPS-197 C.3, GCM test case 13.
   k = bytes(range(32))
   assert ref.aes256_encrypt_block(k, bytes.fromhex("00112233445566778899aabbccddeeff")).hex() == \
       "8ea2b7ca516745bfeafc49904b496089"
   assert ref.gmac(bytes(32), bytes(12), b"").hex() == "530f8afbc74536b9a963b4f1c4cb738b"
-  assert ref.crc32c(b"123456789") == 0xE3069283
-  # The native primitives against the reference.
+  # The native primitive against the reference.
   transport.ensure_crypto()
   t = transport.native()
   assert t.gmac(bytes(32), 0, 0, b"").hex() == "530f8afbc74536b9a963b4f1c4cb738b"
   for n in (1, 15, 16, 17, 64, 1000):
     key, data = os.urandom(32), os.urandom(n)
     assert t.gmac(key, 9, 2, data) == ref.gmac(key, ref.nonce(9, 2), data), n
-    assert t.crc32c(data) == ref.crc32c(data)
 
 
 def _python_rank1(ep0: str, lsock: socket.socket, x1: np.ndarray, site: int, out: dict):
@@ -84,6 +83,7 @@ def _python_rank1(ep0: str, lsock: socket.socket, x1: np.ndarray, site: int, out
   conn.settimeout(10)
   from_prev = ref.server_handshake(conn, SECRET, JOB, me=1, client=0)   # rank 0 -> rank 1
   to_next = ref.client_handshake(ep0, SECRET, JOB, me=1, server=0)      # rank 1 -> rank 0
+  ref.setup_check(to_next, from_prev, me=1, n=2)                        # collective #0
   n, count = 2, x1.size
   half = count // 2 + count % 2
   chunks = [(0, half), (half, count)]
@@ -133,6 +133,8 @@ def test_python_peer_speaks_the_protocol():
 
 
 def test_server_rejects_bad_peers_and_accepts_the_authenticated_one():
+  """Every malformed handshake is refused with a REJECT frame naming the field that differs (bytes
+  that are not dtenjax at all are just closed), counted, and survived; the real peer gets in."""
   creds = transport.JobCredentials(JOB, SECRET)
   comm0 = transport.create_local_comm(0, 2, creds, timeout_s=15)
   lsock, ep1 = listener()
@@ -143,41 +145,83 @@ def test_server_rejects_bad_peers_and_accepts_the_authenticated_one():
   t.start()
   conn, _ = lsock.accept()   # rank 0 connects to "rank 1" (us) while it waits for its prev
   conn.settimeout(10)
-  ref.server_handshake(conn, SECRET, JOB, me=1, client=0)
+  from_prev = ref.server_handshake(conn, SECRET, JOB, me=1, client=0)
 
-  def attempt(data: bytes) -> bytes:
+  def attempt(data: bytes):
+    """What the listener answers to ``data``: a REJECT (class, code, text), or None (closed)."""
     s = socket.create_connection(ref.host_port(comm0.endpoint), timeout=10)
     s.sendall(data)
     try:
-      got = s.recv(1)   # the server closes the connection without answering
-    except ConnectionResetError:
-      got = b""
+      head = ref.recv_exact(s, 64)
+    except (ConnectionError, OSError):
+      s.close()
+      return None
+    h = ref.parse_header(head)
+    assert h["type"] == ref.REJECT and h["version"] == ref.VERSION, h
+    r = ref.read_reject(s, h)
+    assert s.recv(1) == b""    # and then it closes
     s.close()
-    return got
+    return r.cls, r.code, r.text
 
   n = os.urandom(32)
   hello = dict(job=JOB, src=1, payload_bytes=32)
-  assert attempt(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 40) == b""       # bad magic
-  assert attempt(ref.header(ref.HELLO, **{**hello, "job": JOB + 1}) + n) == b""    # other job
-  assert attempt(ref.header(ref.HELLO, **{**hello, "src": 5}) + n) == b""          # unknown rank
-  assert attempt(ref.header(ref.HELLO, **{**hello, "payload_bytes": 1 << 31})) == b""  # oversized
-  bad = bytearray(ref.header(ref.HELLO, **hello))
-  bad[20] ^= 0xFF
-  assert attempt(bytes(bad) + n) == b""                                            # header crc
-  assert attempt(ref.header(ref.HELLO, **{**hello, "version": 1}) + n) == b""      # old protocol
+  assert attempt(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 40) is None           # bad magic
+  cls, code, text = attempt(ref.header(ref.HELLO, **{**hello, "job": JOB + 1}) + n)   # other job
+  assert (cls, code) == (ref.FATAL, 5) and f"job id {JOB + 1} is not this job's ({JOB})" in text
+  cls, code, text = attempt(ref.header(ref.HELLO, **{**hello, "src": 5}) + n)         # wrong rank
+  assert cls == ref.FATAL and "sender rank 5, expected 1" in text, text
+  cls, _, text = attempt(ref.header(ref.HELLO, **{**hello, "payload_bytes": 1 << 31}))  # oversized
+  assert cls == ref.FATAL and "exceeds the 1073741824-byte frame limit" in text, text
+  # An old-protocol peer is named as one, before any other field is looked at (here also a job
+  # id that differs: the version is what it hears about).
+  cls, code, text = attempt(ref.header(ref.HELLO, **{**hello, "version": 2, "job": 7}) + n)
+  assert (cls, code) == (ref.FATAL, 1), (cls, code, text)
+  assert "speaks transport protocol version 2, this process version 3" in text, text
   wrong = b"wrong key, same length as right1"
   with pytest.raises(PermissionError):     # we see the server's proof does not match our key ...
     ref.client_handshake(comm0.endpoint, wrong, JOB, me=1, server=0)
-  with pytest.raises(ConnectionError):     # ... and the server refuses our proof
+  with pytest.raises(ref.Rejected) as r:   # ... and the server refuses our proof, saying so
     ref.client_handshake(comm0.endpoint, wrong, JOB, me=1, server=0, check_server=False)
-  ref.client_handshake(comm0.endpoint, SECRET, JOB, me=1, server=0)
+  assert r.value.cls == ref.FATAL and "DTENJAX_JOB_SECRET" in r.value.text, r.value
+  to_next = ref.client_handshake(comm0.endpoint, SECRET, JOB, me=1, server=0)
+  ref.setup_check(to_next, from_prev, me=1, n=2)
   t.join(20)
   assert not t.is_alive() and errs == {"connect": None}
   d = delta(before, transport.counters())
-  assert d["rejected_bad_header"] >= 2 and d["rejected_unknown_peer"] >= 2, d
+  assert d["rejected_bad_header"] >= 1 and d["rejected_unknown_peer"] >= 2, d
   assert d["rejected_oversized"] == 1 and d["rejected_auth"] == 1, d
-  assert d["rejected_bad_checksum"] == 1 and d["connections_accepted"] == 1, d
+  assert d["rejected_bad_version"] == 1 and d["connections_accepted"] == 1, d
   comm0.close()
+  lsock.close()
+
+
+def test_old_protocol_listener_is_named_by_the_client():
+  """A native client meeting a listener of another protocol version says so at once, both when
+  the listener answers with its own-version frames and when it closes without a word."""
+  creds = transport.JobCredentials(JOB, SECRET)
+  lsock, ep = listener()
+
+  def old_server(answer):
+    for _ in range(3):
+      conn, _ = lsock.accept()
+      ref.recv_exact(conn, 96)    # the HELLO
+      if answer:
+        conn.sendall(ref.reject(ref.FATAL, 1, "v2 says no", job=JOB, src=1, version=2))
+        conn.close()
+        return
+      conn.close()               # what a version-2 listener does with a frame it cannot read
+
+  for answer, fragment in ((True, "speaks transport protocol version 2, this process version 3"),
+                           (False, "closed the connection 3 times in a row without saying why")):
+    th = threading.Thread(target=old_server, args=(answer,), daemon=True)
+    th.start()
+    c0 = transport.create_local_comm(0, 2, creds, timeout_s=10)
+    t0 = time.monotonic()
+    with pytest.raises(errors.DtenjaxError, match=fragment):
+      transport.connect(c0, ep)
+    assert time.monotonic() - t0 < 3   # not the 10 s timeout
+    th.join(5)
+    c0.close()
   lsock.close()
 
 

@@ -1,6 +1,7 @@
-"""An independent pure-Python implementation of the host transport's wire protocol (version 2),
+"""An independent pure-Python implementation of the host transport's wire protocol (version 3),
 written from docs/transport.md, for tests: AES-256 (FIPS 197), GMAC (NIST SP 800-38D with the
-data as additional authenticated data only), CRC32C, frame layout, handshake and key derivation.
+data as additional authenticated data only), frame layout, handshake (with REJECT frames), key
+derivation and the ring set-up check.
 
 Slow (pure Python): meant for small frames. Nothing here imports dtenjax, so tests that compare
 the native transport with it check the implementation against the specification, not itself.
@@ -118,32 +119,11 @@ def gmac(key: bytes, nonce: bytes, aad: bytes) -> bytes:
   return (int.from_bytes(ek, "big") ^ y).to_bytes(16, "big")
 
 
-# --- CRC32C ----------------------------------------------------------------------------------------
-
-def _crc_table() -> list[int]:
-  t = []
-  for i in range(256):
-    c = i
-    for _ in range(8):
-      c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
-    t.append(c)
-  return t
-
-
-_CRC = _crc_table()
-
-
-def crc32c(data: bytes) -> int:
-  c = 0xFFFFFFFF
-  for b in data:
-    c = (c >> 8) ^ _CRC[(c ^ b) & 0xFF]
-  return c ^ 0xFFFFFFFF
-
-
 # --- frames ----------------------------------------------------------------------------------------
 
-MAGIC, VERSION = 0x584A5444, 2
-HELLO, CHALLENGE, RESPONSE, ACCEPT, DATA, ABORT, CONTROL, SITE = 1, 2, 3, 4, 5, 6, 7, 8
+MAGIC, VERSION = 0x584A5444, 3
+HELLO, CHALLENGE, RESPONSE, ACCEPT, DATA, ABORT, CONTROL, SITE, REJECT = 1, 2, 3, 4, 5, 6, 7, 8, 9
+RETRY, FATAL = 1, 2   # REJECT classes
 HEADER = struct.Struct("<IHHQQQIIQQBBHI")
 assert HEADER.size == 64
 TAG = 16
@@ -153,21 +133,34 @@ DTYPES = {"float32": 0, "float64": 1, "int32": 2, "int64": 3, "bfloat16": 4}
 
 def header(ftype: int, *, job: int, src: int, payload_bytes: int, seq: int = 0, site: int = 0,
            coll_seq: int = 0, count: int = 0, op: int = 0, dtype: int = 0, step: int = 0,
-           magic: int = MAGIC, version: int = VERSION) -> bytes:
-  body = HEADER.pack(magic, version, ftype, job, seq, payload_bytes, src, site, coll_seq, count,
-                     op, dtype, step, 0)[:60]
-  return body + struct.pack("<I", crc32c(body))
+           tag: int = 0, magic: int = MAGIC, version: int = VERSION) -> bytes:
+  return HEADER.pack(magic, version, ftype, job, seq, payload_bytes, src, site, coll_seq, count,
+                     op, dtype, step, tag)
 
 
 def parse_header(b: bytes) -> dict:
   names = ("magic", "version", "type", "job", "seq", "payload_bytes", "src", "site", "coll_seq",
-           "count", "op", "dtype", "step", "crc")
+           "count", "op", "dtype", "step", "tag")
   return dict(zip(names, HEADER.unpack(b)))
 
 
-def recompute_crc(head: bytes) -> bytes:
-  """A header with its CRC recomputed (what an attacker without keys can do)."""
-  return head[:60] + struct.pack("<I", crc32c(head[:60]))
+def reject(cls: int, code: int, text: str, *, job: int, src: int, version: int = VERSION) -> bytes:
+  """A REJECT frame: header, class byte, status code byte, text."""
+  body = bytes([cls, code]) + text.encode()
+  return header(REJECT, job=job, src=src, payload_bytes=len(body), version=version) + body
+
+
+class Rejected(ConnectionError):
+  """The other side of a handshake sent a REJECT frame."""
+
+  def __init__(self, cls: int, code: int, text: str):
+    super().__init__(f"REJECT class {cls} code {code}: {text}")
+    self.cls, self.code, self.text = cls, code, text
+
+
+def read_reject(s: socket.socket, h: dict) -> Rejected:
+  body = recv_exact(s, h["payload_bytes"])
+  return Rejected(body[0], body[1], body[2:].decode(errors="replace"))
 
 
 def nonce(seq: int, label: int) -> bytes:
@@ -190,7 +183,7 @@ def proof(secret: bytes, label: bytes, job: int, client: int, server: int, n1: b
 def session_keys(secret: bytes, job: int, client: int, server: int, nonce_c: bytes,
                  nonce_s: bytes) -> tuple[bytes, bytes]:
   """(client->server key, server->client key)."""
-  master = hmac.new(secret, b"dtenjax-v2-session-keys" + struct.pack("<QII", job, client, server)
+  master = hmac.new(secret, b"dtenjax-v3-session-keys" + struct.pack("<QII", job, client, server)
                     + nonce_c + nonce_s, hashlib.sha256).digest()
   return (hmac.new(master, b"client->server", hashlib.sha256).digest(),
           hmac.new(master, b"server->client", hashlib.sha256).digest())
@@ -220,6 +213,7 @@ class Channel:
     self.send_key, self.recv_key = send_key, recv_key
     self.send_seq, self.recv_seq = send_seq, recv_seq
     self.sites: dict[int, str] = {}
+    self.pushback = b""   # a header already read from the socket
 
   def send(self, ftype: int, payload: bytes = b"", **desc) -> bytes:
     frame = seal(self.send_key, ftype, payload, job=self.job, src=self.me, seq=self.send_seq,
@@ -238,10 +232,10 @@ class Channel:
       return h, payload
 
   def _recv_one(self) -> tuple[dict, bytes]:
-    head = recv_exact(self.sock, 64)
+    head, self.pushback = self.pushback or recv_exact(self.sock, 64), b""
     htag = recv_exact(self.sock, TAG)
     h = parse_header(head)
-    assert h["magic"] == MAGIC and crc32c(head[:60]) == h["crc"], h
+    assert h["magic"] == MAGIC and h["version"] == VERSION, h
     assert hmac.compare_digest(htag, gmac(self.recv_key, nonce(h["seq"], 1), head)), "bad htag"
     assert h["seq"] == self.recv_seq, (h["seq"], self.recv_seq)
     payload = recv_exact(self.sock, h["payload_bytes"])
@@ -257,6 +251,8 @@ def client_handshake(endpoint: str, secret: bytes, job: int, me: int, server: in
   nonce_c = os.urandom(32)
   s.sendall(header(HELLO, job=job, src=me, payload_bytes=32) + nonce_c)
   h = parse_header(recv_exact(s, 64))
+  if h["type"] == REJECT:
+    raise read_reject(s, h)
   assert h["type"] == CHALLENGE and h["payload_bytes"] == 64, h
   ch = recv_exact(s, 64)
   nonce_s = ch[:32]
@@ -267,6 +263,11 @@ def client_handshake(endpoint: str, secret: bytes, job: int, me: int, server: in
   s.sendall(header(RESPONSE, job=job, src=me, payload_bytes=32) + resp)
   c2s, s2c = session_keys(secret, job, me, server, nonce_c, nonce_s)
   ch = Channel(s, job, me, server, send_key=c2s, recv_key=s2c)
+  head = recv_exact(s, 64)
+  h = parse_header(head)
+  if h["type"] == REJECT:
+    raise read_reject(s, h)
+  ch.pushback = head
   h, _ = ch.recv()
   assert h["type"] == ACCEPT, h
   return ch
@@ -289,3 +290,20 @@ def server_handshake(sock: socket.socket, secret: bytes, job: int, me: int, clie
   ch = Channel(sock, job, me, client, send_key=s2c, recv_key=c2s)
   ch.send(ACCEPT)
   return ch
+
+
+SETUP = dict(coll_seq=0, count=1, op=OPS["max"], dtype=DTYPES["int32"], site=0, tag=0)
+
+
+def setup_check(to_next: Channel, from_prev: Channel, me: int, n: int) -> None:
+  """This rank's part of the ring set-up check: the ring all-reduce (max) of one int32 zero,
+  collective number 0. Of the n chunks only chunk 0 holds an element; the others travel as empty
+  segments. Reduce-scatter steps t < n-1 send chunk (me - t) mod n, all-gather steps send chunk
+  (me + 1 - (t - (n-1))) mod n; one segment per step."""
+  for t in range(2 * (n - 1)):
+    chunk = (me - t) % n if t < n - 1 else (me + 1 - (t - (n - 1))) % n
+    to_next.send(DATA, bytes(4) if chunk == 0 else b"", step=t, **SETUP)
+    h, payload = from_prev.recv()
+    want = {k: h[k] for k in SETUP}
+    assert h["type"] == DATA and h["step"] == t and want == SETUP, h
+    assert payload in (b"", bytes(4)), payload

@@ -208,22 +208,31 @@ Comm::~Comm() {
 Status Comm::ConnectRing(const std::string& next_endpoint) {
   std::lock_guard<std::mutex> lock(op_mu_);
   if (opts_.size == 1) return Status::Ok();
-  DTENJAX_CHECK_ARG(next_ == nullptr && listener_ != nullptr,
-                    "communicator of rank " + std::to_string(opts_.rank) +
-                        " is already connected (or failed to connect); create a new one");
-  DTENJAX_CHECK_ARG(opts_.provider->can_connect(next_endpoint),
-                    std::string("provider ") + opts_.provider->name + " cannot reach endpoint '" +
-                        next_endpoint + "'");
-  const std::string what = "a ring connection of rank " + std::to_string(opts_.rank);
-  DTENJAX_RETURN_IF_ERROR(tenant_->AcquireConnection(what));
-  ++connections_held_;
-  DTENJAX_RETURN_IF_ERROR(tenant_->AcquireConnection(what));
-  ++connections_held_;
+  if (connect_called_) {
+    return DTENJAX_ERROR(Code::kInvalidArgument,
+                         "communicator of rank " + std::to_string(opts_.rank) +
+                             (broken_.ok() ? " is already connected"
+                                           : " failed to connect (" + broken_.message() + ")") +
+                             "; a communicator connects once: create a new one");
+  }
+  connect_called_ = true;
+  if (!opts_.provider->can_connect(next_endpoint)) {
+    broken_ = DTENJAX_ERROR(Code::kInvalidArgument,
+                            std::string("provider ") + opts_.provider->name +
+                                " cannot reach endpoint '" + next_endpoint + "'");
+    return broken_;
+  }
+  // Both connections at once: rings racing for a quota never each hold half of what they need.
+  // A rank its quota refuses still takes part in the two handshakes (closed right after) to tell
+  // its neighbours why, so their set-up fails at once with the quota error instead of waiting.
+  const Status quota =
+      tenant_->AcquireConnections(2, "the two ring connections of rank " + std::to_string(opts_.rank));
+  if (quota.ok()) connections_held_ = 2;
   const double deadline = NowSeconds() + opts_.timeout_s;
   const int n = opts_.size, r = opts_.rank;
   // Shared with the acceptor thread, which may outlive a failed start of this function's wait.
   struct Shared {
-    std::atomic<bool> cancel{false};
+    std::atomic<double> give_up_at{0};
     std::mutex mu;
     std::condition_variable cv;
     bool done = false;
@@ -231,9 +240,9 @@ Status Comm::ConnectRing(const std::string& next_endpoint) {
     Conn* conn = nullptr;
   };
   auto sh = std::make_shared<Shared>();
-  Handshake to_next{opts_.job_id, r, (r + 1) % n, opts_.secret, &sh->cancel,
+  Handshake to_next{opts_.job_id, r, (r + 1) % n, opts_.secret, nullptr, nullptr,
                     opts_.handshake_timeout_s, opts_.max_pending_handshakes};
-  Handshake from_prev{opts_.job_id, r, (r - 1 + n) % n, opts_.secret, &sh->cancel,
+  Handshake from_prev{opts_.job_id, r, (r - 1 + n) % n, opts_.secret, nullptr, &sh->give_up_at,
                       opts_.handshake_timeout_s, opts_.max_pending_handshakes};
   Listener* listener = listener_;
   const Provider* provider = opts_.provider;
@@ -254,31 +263,53 @@ Status Comm::ConnectRing(const std::string& next_endpoint) {
       },
       "accepting the previous rank's connection");
   if (!started.ok()) {
-    broken_ = started;
+    FailSetup(started);
     return started;
   }
   Conn* next = nullptr;
   Status s = opts_.provider->connect(next_endpoint, to_next, deadline, &next);
-  if (!s.ok()) sh->cancel.store(true);
-  Conn* prev = nullptr;
+  // Connecting failed: wait a moment longer for the previous rank only to tell it why.
+  if (!s.ok()) sh->give_up_at.store(std::min(deadline, NowSeconds() + kTellWindowSeconds));
   Status accept_status;
   {
     std::unique_lock<std::mutex> l(sh->mu);
-    sh->cv.wait(l, [&] { return sh->done; });  // accept returns by `deadline` or on cancel
+    sh->cv.wait(l, [&] { return sh->done; });  // accept returns by `deadline` or on give-up
     accept_status = sh->status;
-    prev = sh->conn;
-  }
-  if (!s.ok() || !accept_status.ok()) {
-    if (next) opts_.provider->close(next);
-    if (prev) opts_.provider->close(prev);
-    broken_ = !s.ok() ? s : accept_status;
-    return broken_;
+    prev_ = sh->conn;
   }
   next_ = next;
-  prev_ = prev;
   opts_.provider->close_listener(listener_);
   listener_ = nullptr;
-  return Status::Ok();
+  // The first cause wins: this rank's quota, then connecting, then accepting.
+  Status failure = !quota.ok() ? quota : !s.ok() ? s : accept_status;
+  Descriptor setup;  // coll_seq 0: the ring set-up check
+  if (failure.ok()) {
+    // Every rank confirms the whole ring: a one-element max all-reduce over both connections.
+    // A rank that failed sends ABORTs instead, which this check raises (and forwards), so every
+    // rank of a ring fails its set-up with the first cause rather than at its first collective.
+    int32_t zero = 0, result = -1;
+    setup.count = 1;
+    setup.op = uint8_t(ReduceOp::kMax);
+    setup.dtype = uint8_t(DType::kS32);
+    OutFrame of;
+    failure = RunRing(reinterpret_cast<const uint8_t*>(&zero), reinterpret_cast<uint8_t*>(&result),
+                      setup, DType::kS32, ReduceOp::kMax, &of);
+  } else {
+    SendAborts(failure, setup, next_ != nullptr, prev_ != nullptr, nullptr);
+  }
+  if (!failure.ok()) FailSetup(failure);
+  return failure;
+}
+
+void Comm::FailSetup(const Status& why) {
+  broken_ = why;
+  const Provider* p = opts_.provider;
+  if (next_) p->close(next_);
+  if (prev_) p->close(prev_);
+  next_ = prev_ = nullptr;
+  if (listener_) p->close_listener(listener_);
+  listener_ = nullptr;
+  for (; connections_held_ > 0; --connections_held_) tenant_->ReleaseConnection();
 }
 
 void Comm::SendAborts(const Status& why, const Descriptor& d, bool to_next, bool to_prev,
@@ -366,6 +397,7 @@ Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, D
   } release{pool_.get(), buf};
 
   int st = 0, rt = 0;   // send / receive step
+  bool next_done = false;  // the next rank closed after everything for it was sent
   uint64_t sj = 0, rj = 0;  // segment within the step
   InFrame in, rev;
   uint8_t text_buf[kMaxAbortText];
@@ -445,7 +477,7 @@ Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, D
 
 
   // The next rank learns the text of this collective's call site once (for its error messages).
-  if (!sites_sent_.count(desc.site)) {
+  if (desc.coll_seq != 0 && !sites_sent_.count(desc.site)) {
     const std::string text = SiteText(desc.site);
     if (!text.empty()) {
       Status s = SendSealed(next_, FrameType::kSite, desc, text.data(), text.size(),
@@ -534,7 +566,9 @@ Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, D
                                         " runs " + Describe(desc) + " but rank " +
                                         std::to_string(h.src_rank) + " " + what +
                                         ". Every process must issue the same collectives (same "
-                                        "op, dtype, shape and call site) in the same order"),
+                                        "op, dtype, shape, call stack and tag) in the same "
+                                        "order; collectives that look alike (e.g. iterations "
+                                        "of one loop) are told apart only by a tag"),
                       true, true);
         }
         const int c = recv_chunk(rt);
@@ -590,13 +624,22 @@ Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, D
                                     "running a different program"),
                   true, true);
     }
-    WaitItem w[2] = {{next_, of->active, true}, {prev_, false, rt < T}};
+    WaitItem w[2] = {{next_, of->active, !next_done}, {prev_, false, rt < T}};
     Counters().waits.fetch_add(1);
     Status s = opts_.provider->wait(w, 2, last_progress + opts_.timeout_s);
     if (!s.ok()) return fail(s, true, true);
+    if (next_done) continue;
     // Something may have come backwards from the next rank: only ABORT frames (or its death).
     bool p = false;
     s = opts_.provider->recv_some(next_, &rev, &p);
+    if (!s.ok() && st == T && rev.stage == InFrame::kHead && rev.got == 0) {
+      // Everything for the next rank was sent and it closed: it finished this collective and
+      // closed its communicator (or exited). Nothing here needs it any more; the next
+      // collective reports it.
+      next_done = true;
+      next_closed_ = s;
+      continue;
+    }
     if (!s.ok()) return fail(s, false, true);
     if (rev.stage == InFrame::kHeadReady) {
       s = OpenHead(*next_->session, rev, opts_.job_id, next_->peer_rank, next_->peer);
@@ -618,7 +661,7 @@ Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, D
 }
 
 Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, ReduceOp op,
-                       uint32_t site, int64_t ring_position) {
+                       uint32_t site, int64_t ring_position, uint32_t tag) {
   std::lock_guard<std::mutex> lock(op_mu_);
   if (!broken_.ok()) {
     return Status(broken_.code(), "dtenjax transport: communicator of rank " +
@@ -632,10 +675,18 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
   d.coll_seq = ++coll_seq_;
   d.count = count;
   d.site = site;
+  d.tag = tag;
   d.op = uint8_t(op);
   d.dtype = uint8_t(dt);
   const int n = opts_.size, r = opts_.rank;
   Status s;
+  if (!next_closed_.ok()) {
+    s = Status(Code::kUnavailable,
+               "dtenjax transport: " + next_->peer + " closed its connection after the previous "
+               "collective (its communicator was closed or its process exited), so rank " +
+                   std::to_string(r) + " cannot run " + Describe(d) + " [" +
+                   next_closed_.message() + "]");
+  }
   if (DTypeSize(dt) == 0) {
     s = DTENJAX_ERROR(Code::kInvalidArgument, "unsupported dtype code " + std::to_string(int(dt)));
   } else if (int(op) < 0 || int(op) > 3) {
@@ -658,7 +709,7 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
   }
   OutFrame of;
   if (!s.ok()) {
-    SendAborts(s, d, true, true, &of);
+    SendAborts(s, d, next_closed_.ok(), true, &of);
   } else {
     s = RunRing(static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), d, dt, op, &of);
   }

@@ -64,7 +64,11 @@ class Comm {
   int size() const { return opts_.size; }
   const Provider* provider() const { return opts_.provider; }
 
-  // Connects to the next rank and accepts the previous one (both authenticated).
+  // Connects to the next rank and accepts the previous one (both authenticated), then runs the
+  // ring set-up check (a one-element all-reduce, collective #0) so every rank of the ring knows
+  // the whole ring formed. Runs once; a failure is reported on every rank of the ring with its
+  // first cause (quota, authentication, a missing peer, ...), and the tenant's two connections
+  // are released at once.
   Status ConnectRing(const std::string& next_endpoint);
   // Ring all-reduce of `count` elements from `src` into `dst` (they may be the same buffer; src is
   // only read, so no copy is made first): reduce-scatter then all-gather over n chunks;
@@ -72,8 +76,9 @@ class Comm {
   // result is identical on every rank and in every run. `site` tags the call site (RegisterSite
   // gives its text). `ring_position` >= 0: this process's index along the reduced mesh axis as
   // XLA computed it; it must equal rank() (else an error explains the mesh order dtenjax needs).
+  // `tag`: the caller's tag of this collective (e.g. a step number); every rank must pass the same.
   Status AllReduce(const void* src, void* dst, uint64_t count, DType dt, ReduceOp op,
-                   uint32_t site, int64_t ring_position = -1);
+                   uint32_t site, int64_t ring_position = -1, uint32_t tag = 0);
   // Runs fn on this communicator's worker thread after everything submitted before it.
   Status Submit(std::function<void()> fn);
   BufferPool& pool() { return *pool_; }
@@ -86,6 +91,10 @@ class Comm {
   // finishing a half-sent frame to `next` first so the stream stays parseable.
   void SendAborts(const Status& why, const Descriptor& d, bool to_next, bool to_prev,
                   OutFrame* half_sent);
+  // Marks a failed ConnectRing: closes what it opened and gives the tenant's connections back.
+  void FailSetup(const Status& why);
+  // How long a rank whose connect failed still accepts its previous rank, to tell it why.
+  static constexpr double kTellWindowSeconds = 1.0;
 
   CommOptions opts_;
   Tenant* tenant_;
@@ -94,8 +103,12 @@ class Comm {
   Conn* next_ = nullptr;
   Conn* prev_ = nullptr;
   int connections_held_ = 0;
+  bool connect_called_ = false;
   std::mutex op_mu_;
   Status broken_;
+  // Why the next rank's connection ended after a collective that needed nothing more from it
+  // (it closed its communicator); the next collective fails with this, naming it.
+  Status next_closed_;
   uint64_t coll_seq_ = 0;
   std::set<uint32_t> sites_sent_;  // call-site tags whose text the next rank has been sent
   std::unique_ptr<BufferPool> pool_;

@@ -71,23 +71,6 @@ Status TryLoad(const std::string& file, Lib* lib) {
   return Status::Ok();
 }
 
-uint32_t g_crc_table[8][256];
-std::once_flag g_crc_once;
-
-void InitCrc() {
-  for (uint32_t i = 0; i < 256; ++i) {
-    uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
-    g_crc_table[0][i] = c;
-  }
-  for (uint32_t i = 0; i < 256; ++i) {
-    for (int t = 1; t < 8; ++t) {
-      uint32_t c = g_crc_table[t - 1][i];
-      g_crc_table[t][i] = (c >> 8) ^ g_crc_table[0][c & 0xFF];
-    }
-  }
-}
-
 }  // namespace
 
 Status Load(const std::string& path) {
@@ -181,26 +164,6 @@ Status RandomBytes(void* out, size_t n) {
     n -= size_t(got);
   }
   return Status::Ok();
-}
-
-uint32_t Crc32c(const void* data, size_t n) {
-  std::call_once(g_crc_once, InitCrc);
-  const uint8_t* p = static_cast<const uint8_t*>(data);
-  uint32_t c = 0xFFFFFFFFu;
-  while (n >= 8) {
-    uint32_t lo, hi;
-    std::memcpy(&lo, p, 4);
-    std::memcpy(&hi, p + 4, 4);
-    lo ^= c;
-    c = g_crc_table[7][lo & 0xFF] ^ g_crc_table[6][(lo >> 8) & 0xFF] ^
-        g_crc_table[5][(lo >> 16) & 0xFF] ^ g_crc_table[4][lo >> 24] ^
-        g_crc_table[3][hi & 0xFF] ^ g_crc_table[2][(hi >> 8) & 0xFF] ^
-        g_crc_table[1][(hi >> 16) & 0xFF] ^ g_crc_table[0][hi >> 24];
-    p += 8;
-    n -= 8;
-  }
-  while (n--) c = (c >> 8) ^ g_crc_table[0][(c ^ *p++) & 0xFF];
-  return c ^ 0xFFFFFFFFu;
 }
 
 Gmac::~Gmac() {

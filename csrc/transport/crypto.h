@@ -7,7 +7,7 @@
 //   AES-256-GMAC (EVP aes-256-gcm with the data passed as additional authenticated data only)
 //                                      the tag of every frame after the handshake; 4-5x faster
 //                                      than HMAC-SHA256 on the machines we measured (docs/transport.md)
-//   CRC32C (software, here)            header integrity of the handshake frames (not a MAC)
+// There is no unkeyed checksum: TCP has its own, and only the keyed tags stop an attacker.
 #pragma once
 
 #include <cstddef>
@@ -32,8 +32,6 @@ Status HmacSha256(const void* key, size_t key_len, const void* msg, size_t msg_l
 bool Equal(const void* a, const void* b, size_t n);
 // Random bytes from the kernel (getrandom); nonces and secrets.
 Status RandomBytes(void* out, size_t n);
-// CRC32C (Castagnoli), standard reflected form: Crc32c("123456789") == 0xE3069283.
-uint32_t Crc32c(const void* data, size_t n);
 
 constexpr size_t kTagBytes = 16;
 constexpr size_t kKeyBytes = 32;

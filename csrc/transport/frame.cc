@@ -18,6 +18,7 @@ const char* FrameTypeName(uint16_t type) {
     case FrameType::kAbort: return "ABORT";
     case FrameType::kControl: return "CONTROL";
     case FrameType::kSite: return "SITE";
+    case FrameType::kReject: return "REJECT";
   }
   return "unknown";
 }
@@ -53,8 +54,8 @@ const char* ReduceOpName(int code) {
 }
 
 bool SameCollective(const Descriptor& a, const Descriptor& b) {
-  return a.coll_seq == b.coll_seq && a.count == b.count && a.site == b.site && a.op == b.op &&
-         a.dtype == b.dtype;
+  return a.coll_seq == b.coll_seq && a.count == b.count && a.site == b.site && a.tag == b.tag &&
+         a.op == b.op && a.dtype == b.dtype;
 }
 
 Descriptor DescriptorOf(const FrameHeader& h) {
@@ -62,6 +63,7 @@ Descriptor DescriptorOf(const FrameHeader& h) {
   d.coll_seq = h.coll_seq;
   d.count = h.count;
   d.site = h.site;
+  d.tag = h.tag;
   d.op = h.op;
   d.dtype = h.dtype;
   d.step = h.step;
@@ -88,11 +90,13 @@ std::string SiteText(uint32_t tag) {
 }
 
 std::string Describe(const Descriptor& d) {
+  if (d.coll_seq == 0) return "the ring set-up check";
   char tag[16];
   std::snprintf(tag, sizeof(tag), "0x%08x", d.site);
   std::string site = SiteText(d.site);
   return "all_reduce #" + std::to_string(d.coll_seq) + " (op=" + ReduceOpName(d.op) +
-         ", dtype=" + DTypeName(d.dtype) + ", count=" + std::to_string(d.count) + ", site " +
+         ", dtype=" + DTypeName(d.dtype) + ", count=" + std::to_string(d.count) +
+         (d.tag ? ", tag=" + std::to_string(d.tag) : std::string()) + ", site " +
          (site.empty() ? std::string(tag) : "'" + site + "' [" + tag + "]") + ")";
 }
 
@@ -102,8 +106,6 @@ void PutLe(std::vector<uint8_t>* m, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) m->push_back(uint8_t(v >> (8 * i)));
 }
 
-uint32_t HeaderCrc(const FrameHeader& h) { return crypto::Crc32c(&h, offsetof(FrameHeader, crc)); }
-
 constexpr uint32_t kHeadLabel = 1, kBodyLabel = 2;
 
 Status Reject(std::atomic<uint64_t>& counter, Code code, const std::string& peer,
@@ -112,9 +114,9 @@ Status Reject(std::atomic<uint64_t>& counter, Code code, const std::string& peer
   return DTENJAX_ERROR(code, "dtenjax transport: rejected frame from " + peer + ": " + what);
 }
 
-// Checks shared by both kinds of frame; `sealed` frames must be one of the authenticated types.
-Status CheckCommon(const FrameHeader& h, uint64_t job_id, int64_t src_rank, bool sealed,
-                   const std::string& peer) {
+}  // namespace
+
+Status CheckMagicAndVersion(const FrameHeader& h, const std::string& peer) {
   auto& c = Counters();
   if (h.magic != kFrameMagic) {
     char m[16];
@@ -122,19 +124,28 @@ Status CheckCommon(const FrameHeader& h, uint64_t job_id, int64_t src_rank, bool
     return Reject(c.rejected_bad_header, Code::kDataLoss, peer,
                   std::string("bad magic ") + m + " (not a dtenjax peer)");
   }
-  if (h.crc != HeaderCrc(h)) {
-    return Reject(c.rejected_bad_checksum, Code::kDataLoss, peer,
-                  "header CRC32C mismatch (corrupt header)");
-  }
   if (h.version != kFrameVersion) {
-    return Reject(c.rejected_bad_header, Code::kDataLoss, peer,
-                  "protocol version " + std::to_string(h.version) + ", expected " +
-                      std::to_string(kFrameVersion) + " (all processes must run the same dtenjax)");
+    return Reject(c.rejected_bad_version, Code::kInvalidArgument, peer,
+                  "it speaks transport protocol version " + std::to_string(h.version) +
+                      ", this process version " + std::to_string(kFrameVersion) +
+                      " (every process must run the same dtenjax release)");
   }
+  return Status::Ok();
+}
+
+namespace {
+
+// Checks shared by both kinds of frame; `sealed` frames must be one of the authenticated types.
+// Magic and version come first: a peer of another version is named as such, whatever else differs.
+Status CheckCommon(const FrameHeader& h, uint64_t job_id, int64_t src_rank, bool sealed,
+                   const std::string& peer) {
+  auto& c = Counters();
+  DTENJAX_RETURN_IF_ERROR(CheckMagicAndVersion(h, peer));
   if (h.job_id != job_id) {
     return Reject(c.rejected_unknown_peer, Code::kPermissionDenied, peer,
                   "job id " + std::to_string(h.job_id) + " is not this job's (" +
-                      std::to_string(job_id) + ")");
+                      std::to_string(job_id) + "): the two processes belong to different jobs "
+                      "(process 0 of each job draws its id); connect processes of one job only");
   }
   if (src_rank >= 0 && int64_t(h.src_rank) != src_rank) {
     return Reject(c.rejected_unknown_peer, Code::kPermissionDenied, peer,
@@ -164,7 +175,7 @@ Status CheckCommon(const FrameHeader& h, uint64_t job_id, int64_t src_rank, bool
 Status DeriveSession(const std::string& secret, uint64_t job_id, int client_rank, int server_rank,
                      const uint8_t nonce_c[32], const uint8_t nonce_s[32], bool is_client,
                      Session* out) {
-  static const char kLabel[] = "dtenjax-v2-session-keys";
+  static const char kLabel[] = "dtenjax-v3-session-keys";
   std::vector<uint8_t> m(kLabel, kLabel + sizeof(kLabel) - 1);
   PutLe(&m, job_id, 8);
   PutLe(&m, uint32_t(client_rank), 4);
@@ -195,8 +206,19 @@ FrameHeader MakePlainHeader(FrameType type, uint64_t job_id, uint32_t src_rank,
   h.job_id = job_id;
   h.payload_bytes = payload_bytes;
   h.src_rank = src_rank;
-  h.crc = HeaderCrc(h);
   return h;
+}
+
+std::string MakeReject(uint64_t job_id, uint32_t src_rank, RejectClass cls, const Status& why) {
+  std::string text = why.message();
+  const std::string prefix = "dtenjax transport: ";
+  if (text.compare(0, prefix.size(), prefix) == 0) text = text.substr(prefix.size());
+  text = text.substr(0, kMaxRejectText - 2);
+  FrameHeader h = MakePlainHeader(FrameType::kReject, job_id, src_rank, 2 + text.size());
+  std::string out(reinterpret_cast<const char*>(&h), sizeof(h));
+  out.push_back(char(static_cast<uint8_t>(cls)));
+  out.push_back(char(static_cast<int>(why.code())));
+  return out + text;
 }
 
 Status CheckPlainHeader(const FrameHeader& h, const FrameExpect& want, const std::string& peer) {
@@ -231,7 +253,7 @@ Status Seal(Session& s, FrameType type, uint64_t job_id, uint32_t src_rank, cons
   h.op = d.op;
   h.dtype = d.dtype;
   h.step = d.step;
-  h.crc = HeaderCrc(h);
+  h.tag = d.tag;
   std::memcpy(f->head, &h, sizeof(h));
   DTENJAX_RETURN_IF_ERROR(
       s.send_mac.Tag(h.seq, kHeadLabel, &h, sizeof(h), nullptr, 0, f->head + sizeof(h)));
@@ -292,10 +314,11 @@ TransportCounters& Counters() {
 
 const char* const kCounterNames[] = {
     "frames_sent", "frames_received", "bytes_sent", "bytes_received",
-    "connections_opened", "connections_accepted", "rejected_bad_header", "rejected_bad_checksum",
+    "connections_opened", "connections_accepted", "rejected_bad_header", "rejected_bad_version",
     "rejected_oversized", "rejected_auth", "rejected_unknown_peer", "rejected_out_of_order",
     "rejected_mac", "rejected_replay", "rejected_mismatch", "aborts_sent", "aborts_received",
-    "handshakes_evicted", "handshakes_timed_out", "timeouts", "peer_failures", "collectives",
+    "handshakes_evicted", "handshakes_timed_out", "handshakes_refused", "connect_retries",
+    "rejects_received", "timeouts", "peer_failures", "collectives",
     "throttled_ns", "waits", "ops_in_flight", "queue_depth", "handshakes_pending"};
 
 void TransportCountersSnapshot(uint64_t* out) {
@@ -303,10 +326,11 @@ void TransportCountersSnapshot(uint64_t* out) {
   const std::atomic<uint64_t>* all[] = {
       &c.frames_sent, &c.frames_received, &c.bytes_sent, &c.bytes_received,
       &c.connections_opened, &c.connections_accepted, &c.rejected_bad_header,
-      &c.rejected_bad_checksum, &c.rejected_oversized, &c.rejected_auth,
+      &c.rejected_bad_version, &c.rejected_oversized, &c.rejected_auth,
       &c.rejected_unknown_peer, &c.rejected_out_of_order, &c.rejected_mac, &c.rejected_replay,
       &c.rejected_mismatch, &c.aborts_sent, &c.aborts_received, &c.handshakes_evicted,
-      &c.handshakes_timed_out, &c.timeouts, &c.peer_failures, &c.collectives, &c.throttled_ns, &c.waits,
+      &c.handshakes_timed_out, &c.handshakes_refused, &c.connect_retries, &c.rejects_received,
+      &c.timeouts, &c.peer_failures, &c.collectives, &c.throttled_ns, &c.waits,
       &c.ops_in_flight, &c.queue_depth, &c.handshakes_pending};
   static_assert(sizeof(all) / sizeof(all[0]) == kNumCounters, "counter table size");
   static_assert(sizeof(kCounterNames) / sizeof(kCounterNames[0]) == kNumCounters,

@@ -1,18 +1,22 @@
-// Wire format of the host transport (version 2; docs/transport.md has the byte layout).
+// Wire format of the host transport (version 3; docs/transport.md has the byte layout).
 //
 // Every message is one frame: a fixed 64-byte little-endian header, then, for authenticated
 // frames, a 16-byte header tag, the payload, and a 16-byte payload tag.
 //
-// * Handshake frames (HELLO, CHALLENGE, RESPONSE) carry no tags; their header is protected by a
-//   CRC32C and their contents by the HMAC-SHA256 proofs of the handshake.
-// * Every frame after the handshake (ACCEPT, DATA, ABORT, CONTROL) is authenticated with
+// * Handshake frames (HELLO, CHALLENGE, RESPONSE, REJECT) carry no tags: what matters in them
+//   (job, ranks, nonces) is bound by the HMAC-SHA256 proofs of the handshake, and a corrupted
+//   field fails a check or a proof. There is no unkeyed checksum: TCP already carries one, and
+//   against an attacker only the keyed tags count (version 2 had a CRC32C; it was redundant).
+// * A receiver checks the magic, then the protocol version, before anything else, so a peer of
+//   another version is reported as such, whatever else differs.
+// * Every frame after the handshake (ACCEPT, DATA, ABORT, CONTROL, SITE) is authenticated with
 //   AES-256-GMAC under a per-connection, per-direction key derived in the handshake. The nonce is
 //   the frame counter `seq` of that direction, so a frame cannot be modified (header tag over the
 //   header, payload tag over header || payload), replayed (its counter is not the next one) or
 //   moved to another connection (other key) without being rejected and counted.
 // * Every DATA and ABORT frame names the collective it belongs to: its number on the
-//   communicator, op, dtype, element count and call-site tag (Descriptor). A receiver compares it
-//   with its own and rejects a frame of a different collective, naming both sides.
+//   communicator, op, dtype, element count, call-site tag and user tag (Descriptor). A receiver
+//   compares it with its own and rejects a frame of a different collective, naming both sides.
 #pragma once
 
 #include <atomic>
@@ -26,13 +30,15 @@
 namespace dtenjax::transport {
 
 constexpr uint32_t kFrameMagic = 0x584A5444;  // "DTJX" little-endian
-constexpr uint16_t kFrameVersion = 2;
+constexpr uint16_t kFrameVersion = 3;
 // Hard ceiling on one frame's payload, whatever the receiver expects (1 GiB).
 constexpr uint64_t kMaxFramePayload = uint64_t(1) << 30;
 // Longest text an ABORT frame may carry.
 constexpr uint64_t kMaxAbortText = 4096;
-// Longest call-site text a SITE frame may carry.
-constexpr uint64_t kMaxSiteText = 256;
+// Longest call-site text a SITE frame may carry (a user call stack).
+constexpr uint64_t kMaxSiteText = 2048;
+// Longest payload of a REJECT frame (class byte + text).
+constexpr uint64_t kMaxRejectText = 1024;
 
 enum class FrameType : uint16_t {
   kHello = 1,      // client -> server: nonce_c
@@ -43,6 +49,13 @@ enum class FrameType : uint16_t {
   kAbort = 6,      // text: why the sender gave up on the collective; forwarded around the ring
   kControl = 7,    // provider set-up data (verbs QP information)
   kSite = 8,       // text of a call-site tag, sent once per tag and connection before its data
+  kReject = 9,     // either side of a handshake, unauthenticated: why it closes (RejectClass + text)
+};
+
+// What the receiver of a REJECT frame should do.
+enum class RejectClass : uint8_t {
+  kRetry = 1,  // the listener is busy or the handshake took too long: connect again later
+  kFatal = 2,  // the two sides disagree (version, job, rank, secret): retrying cannot help
 };
 const char* FrameTypeName(uint16_t type);
 
@@ -67,7 +80,7 @@ struct FrameHeader {
   uint8_t op;              // ReduceOp
   uint8_t dtype;           // DType
   uint16_t step;           // ring step of this segment
-  uint32_t crc;            // CRC32C of the 60 bytes before it
+  uint32_t tag;            // user tag of the collective (0: none), e.g. the step number
 };
 static_assert(sizeof(FrameHeader) == 64, "FrameHeader must be 64 bytes with no padding");
 constexpr size_t kTagBytes = crypto::kTagBytes;
@@ -75,16 +88,18 @@ constexpr size_t kSealedHeadBytes = sizeof(FrameHeader) + kTagBytes;  // header 
 
 // Which collective a frame belongs to.
 struct Descriptor {
-  uint64_t coll_seq = 0;
+  uint64_t coll_seq = 0;   // 0: the ring set-up check (ConnectRing), 1, 2, ...: collectives
   uint64_t count = 0;
   uint32_t site = 0;
+  uint32_t tag = 0;
   uint8_t op = 0;
   uint8_t dtype = 0;
   uint16_t step = 0;
 };
 bool SameCollective(const Descriptor& a, const Descriptor& b);  // all but `step`
 Descriptor DescriptorOf(const FrameHeader& h);
-// "all_reduce #3 (op=sum, dtype=float32, count=1000, site 'f (x.py:10)')"; the site text comes
+// "all_reduce #3 (op=sum, dtype=float32, count=1000, tag=7, site 'f (x.py:10) < g (x.py:20)')";
+// the site text comes
 // from the process-wide table of call sites (RegisterSite) when this process knows the tag.
 std::string Describe(const Descriptor& d);
 void RegisterSite(uint32_t tag, const std::string& text);
@@ -110,8 +125,14 @@ struct FrameExpect {
   int64_t src_rank;        // -1: any
   uint64_t payload_bytes;  // exact size
 };
-// Validates a received handshake header. Counts and describes every rejection.
+// Validates a received handshake header (magic, then version, then the rest). Counts and
+// describes every rejection; the message says which field differs and both values.
 Status CheckPlainHeader(const FrameHeader& h, const FrameExpect& want, const std::string& peer);
+// Magic and protocol version only: what must hold before any other field means anything.
+Status CheckMagicAndVersion(const FrameHeader& h, const std::string& peer);
+// A REJECT frame: header and payload (class byte, status code byte, text; at most
+// kMaxRejectText bytes), built from the status that made the sender give up.
+std::string MakeReject(uint64_t job_id, uint32_t src_rank, RejectClass cls, const Status& why);
 
 // --- authenticated frames -----------------------------------------------------------------------
 // An outgoing frame: header + header tag, payload (not copied), payload tag.
@@ -142,7 +163,7 @@ struct InFrame {
   const FrameHeader& header() const { return *reinterpret_cast<const FrameHeader*>(head); }
   void Reset() { stage = kHead; dst = nullptr; payload_bytes = 0; got = 0; }
 };
-// Authenticates a received head: magic/version/CRC, job, sender, the header tag, and that its
+// Authenticates a received head: magic, version, job, sender, the header tag, and that its
 // counter is the next one (replayed or reordered frames are rejected and counted).
 Status OpenHead(Session& s, const InFrame& f, uint64_t job_id, int64_t src_rank,
                 const std::string& peer);
@@ -153,11 +174,12 @@ Status OpenBody(Session& s, const InFrame& f, const std::string& peer);
 struct TransportCounters {
   std::atomic<uint64_t> frames_sent{0}, frames_received{0}, bytes_sent{0}, bytes_received{0};
   std::atomic<uint64_t> connections_opened{0}, connections_accepted{0};
-  std::atomic<uint64_t> rejected_bad_header{0}, rejected_bad_checksum{0}, rejected_oversized{0};
+  std::atomic<uint64_t> rejected_bad_header{0}, rejected_bad_version{0}, rejected_oversized{0};
   std::atomic<uint64_t> rejected_auth{0}, rejected_unknown_peer{0}, rejected_out_of_order{0};
   std::atomic<uint64_t> rejected_mac{0}, rejected_replay{0}, rejected_mismatch{0};
   std::atomic<uint64_t> aborts_sent{0}, aborts_received{0};
-  std::atomic<uint64_t> handshakes_evicted{0}, handshakes_timed_out{0};
+  std::atomic<uint64_t> handshakes_evicted{0}, handshakes_timed_out{0}, handshakes_refused{0};
+  std::atomic<uint64_t> connect_retries{0}, rejects_received{0};
   std::atomic<uint64_t> timeouts{0}, peer_failures{0}, collectives{0}, throttled_ns{0}, waits{0};
   // Gauges (current values, not totals) for the runtime agent's load report.
   std::atomic<uint64_t> ops_in_flight{0}, queue_depth{0}, handshakes_pending{0};
@@ -165,7 +187,7 @@ struct TransportCounters {
 TransportCounters& Counters();
 // Names in the order TransportCountersSnapshot fills them.
 extern const char* const kCounterNames[];
-constexpr int kNumCounters = 27;
+constexpr int kNumCounters = 30;
 void TransportCountersSnapshot(uint64_t* out);
 
 }  // namespace dtenjax::transport

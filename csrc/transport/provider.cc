@@ -17,6 +17,15 @@ const Provider* FindProvider(const std::string& name) {
   return nullptr;
 }
 
+bool GiveUp(const Handshake& hs) {
+  if (hs.cancel && hs.cancel->load()) return true;
+  if (hs.give_up_at) {
+    const double at = hs.give_up_at->load();
+    if (at > 0 && NowSeconds() >= at) return true;
+  }
+  return false;
+}
+
 namespace {
 Status TimedOut(const Conn* c, const std::string& what) {
   Counters().timeouts.fetch_add(1);
@@ -56,6 +65,32 @@ Status RecvSealed(Conn* c, FrameType type, void* payload, uint64_t n, double dea
     if (f.stage == InFrame::kHeadReady) {
       DTENJAX_RETURN_IF_ERROR(OpenHead(*c->session, f, c->job_id, c->peer_rank, c->peer));
       const FrameHeader& h = f.header();
+      if (h.type == uint16_t(FrameType::kAbort) && type != FrameType::kAbort &&
+          h.payload_bytes <= kMaxAbortText) {
+        // The peer gave up and says why: read its text and make that the error.
+        std::string text(h.payload_bytes, '\0');
+        f.dst = reinterpret_cast<uint8_t*>(text.data());
+        f.payload_bytes = h.payload_bytes;
+        f.stage = InFrame::kBody;
+        f.got = 0;
+        while (f.stage != InFrame::kDone) {
+          bool p = false;
+          DTENJAX_RETURN_IF_ERROR(c->provider->recv_some(c, &f, &p));
+          if (f.stage == InFrame::kDone) break;
+          if (NowSeconds() >= deadline) return TimedOut(c, "reading an ABORT frame from");
+          if (!p) {
+            WaitItem w{c, false, true};
+            DTENJAX_RETURN_IF_ERROR(c->provider->wait(&w, 1, deadline));
+          }
+        }
+        DTENJAX_RETURN_IF_ERROR(OpenBody(*c->session, f, c->peer));
+        Counters().aborts_received.fetch_add(1);
+        const int code = text.empty() ? 7 : static_cast<unsigned char>(text[0]);
+        const std::string why = text.empty() ? "(no reason given)" : text.substr(1);
+        return Status(code >= 1 && code <= 7 ? static_cast<Code>(code) : Code::kInternal,
+                      "dtenjax transport: " + c->peer + " gave up instead of sending a " +
+                          FrameTypeName(uint16_t(type)) + " frame: " + why);
+      }
       if (h.type != uint16_t(type) || h.payload_bytes != n) {
         Counters().rejected_bad_header.fetch_add(1);
         return DTENJAX_ERROR(Code::kDataLoss,

@@ -29,9 +29,14 @@ struct Handshake {
   int peer_rank = -1;  // -1: any member of the job
   std::string secret;
   const std::atomic<bool>* cancel = nullptr;  // accept/connect give up early when set
+  // accept gives up once NowSeconds() passes *give_up_at (when set and > 0): a rank whose own
+  // set-up failed still waits a moment for its previous rank, to tell it why.
+  const std::atomic<double>* give_up_at = nullptr;
   double handshake_timeout_s = 10;            // per unauthenticated connection (server side)
   int max_pending = 16;                       // unauthenticated connections served at once
 };
+// Whether accept/connect should stop now (cancelled, or past give_up_at).
+bool GiveUp(const Handshake& hs);
 
 struct Conn {
   const Provider* provider = nullptr;
@@ -63,10 +68,14 @@ struct Provider {
   // Whether this provider can reach `endpoint` (a string another process published).
   bool (*can_connect)(const std::string& endpoint);
   Status (*listen)(const std::string& bind_address, Listener** out);
-  // Connect and authenticate as the client of the handshake; retries until `deadline`.
+  // Connect and authenticate as the client of the handshake. Retries with exponential backoff
+  // and jitter until `deadline` while retrying can help (the peer is not listening yet, is busy,
+  // or closed the connection); fails at once when the peer refused it for a reason retrying
+  // cannot change (another protocol version, job, ring position or secret), naming the reason.
   Status (*connect)(const std::string& endpoint, const Handshake& hs, double deadline, Conn** out);
   // Accept and authenticate one peer. Unauthenticated connections are served concurrently, each
-  // with its own deadline and at most hs.max_pending at once; failures are counted and skipped.
+  // with its own deadline and at most hs.max_pending at once (tcp.cc says which one gives way to
+  // a newcomer); every rejected one is told why (REJECT frame), counted and skipped.
   Status (*accept)(Listener* l, const Handshake& hs, double deadline, Conn** out);
   // Hands as much of `f` to the connection as it takes now; never blocks.
   Status (*send_some)(Conn* c, OutFrame* f, bool* progress);
@@ -98,7 +107,8 @@ struct ProviderRegistrar {
 // Sends one authenticated frame by `deadline`.
 Status SendSealed(Conn* c, FrameType type, const Descriptor& d, const void* payload, uint64_t n,
                   double deadline);
-// Receives one authenticated frame of `type` with exactly `n` payload bytes into `payload`.
+// Receives one authenticated frame of `type` with exactly `n` payload bytes into `payload`. An
+// ABORT frame instead is the peer's reason to give up: it is returned as the error.
 Status RecvSealed(Conn* c, FrameType type, void* payload, uint64_t n, double deadline);
 
 double NowSeconds();  // monotonic clock (tenancy.cc)

@@ -5,12 +5,32 @@
 //   client -> RESPONSE(HMAC(k, "dtenjax-client" | job | client | server | nonce_s | nonce_c))
 //   server -> ACCEPT (the first authenticated frame: proves both derived the same session keys)
 // Each side proves knowledge of the job secret without sending it; fresh nonces defeat replay,
-// and the per-connection keys (DeriveSession) authenticate every later frame.
+// and the per-connection keys (DeriveSession) authenticate every later frame. Either side may
+// answer with a REJECT frame instead (unauthenticated: retry or fatal, and the reason) and close,
+// so both ends of a failed handshake can name its cause.
 //
-// The server serves unauthenticated connections concurrently: each is a small state machine with
-// its own deadline (Handshake::handshake_timeout_s); at most Handshake::max_pending are pending at
-// once, and a new connection beyond that evicts the oldest pending one. A client that connects
-// and stays silent therefore costs one slot for a bounded time and never delays another peer.
+// Client: retries with exponential backoff and jitter (kBackoffFirst doubling to kBackoffMax,
+// each delay drawn from [0.5, 1] of it) until the set-up deadline while retrying can help: nothing
+// listens yet, the listener is busy or timed us out, or it closed without a reason. A fatal
+// REJECT (another protocol version, job id, ring position or secret) or a server proof that does
+// not verify ends the attempt at once. kMaxSilentCloses closes in a row without a REJECT mean the
+// listener is not a dtenjax of this protocol version, and say so.
+//
+// Server, flood resistance. Unauthenticated connections are served concurrently, each a small
+// state machine with its own deadline (Handshake::handshake_timeout_s); at most max_pending are
+// pending at once. The backlog is SOMAXCONN deep and is drained on every poll, so connections
+// queued by a flood never make the kernel drop the real peer's SYN. When a connection arrives at
+// the cap, one connection gives way:
+//   * never a peer that proved the secret (it leaves the pending set on its next poll);
+//   * first from the source address that holds the most pending connections (an attacker on one
+//     host cannot crowd out a peer on another), then the one that got least far (silent < partial
+//     HELLO < complete HELLO < challenge answered... pending), then the oldest;
+//   * a pending connection is protected for kGrace seconds after it arrived, unless the newcomer
+//     got further than it or its source holds more pending connections than the newcomer's;
+//     when none may give way, the newcomer is refused.
+// Refused, evicted and timed-out connections get a REJECT saying so (class retry), and the
+// dtenjax client tries again: a flood of silent, slow, garbage or HELLO-only connections costs
+// the real peer at most about kGrace plus one backoff step.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -21,10 +41,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <random>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "csrc/transport/crypto.h"
@@ -36,26 +61,43 @@ namespace dtenjax::transport {
 namespace {
 
 constexpr size_t kHdr = sizeof(FrameHeader);
+constexpr size_t kHelloBytes = kHdr + 32;      // HELLO and RESPONSE both carry 32 bytes
+constexpr double kGrace = 0.25;                // s a new pending handshake is protected
+constexpr double kBackoffFirst = 0.005;        // s before the first retry
+constexpr double kBackoffMax = 0.2;            // s between retries at most
+constexpr int kMaxSilentCloses = 3;
+constexpr int kAcceptBurst = 256;              // connections taken from the backlog per poll
 
 struct TcpConn { int fd = -1; };
 
 struct Pending {
   int fd = -1;
+  double admitted = 0;
   double deadline = 0;
-  std::string host;
+  std::string host;  // "address:port", for messages
+  std::string ip;    // source address: the fairness key
   enum Stage { kHello, kResponse, kFlush } stage = kHello;
-  uint8_t in[kHdr + 32];
+  uint8_t in[kHdr + kMaxRejectText];
   size_t have = 0;
+  size_t want = kHdr;  // bytes of the frame being read: its header first, then what it announces
   std::vector<uint8_t> out;
   size_t out_off = 0;
   uint8_t nonce_c[32], nonce_s[32];
   int client_rank = -1;
   std::unique_ptr<Session> session;
+  bool ready = false;  // poll flagged it
+  // How far the handshake got; the lower, the sooner it gives way to a newcomer.
+  int progress() const {
+    if (stage == kFlush) return 4;
+    if (stage == kResponse) return 3;
+    return have == 0 ? 0 : have < kHelloBytes ? 1 : 2;
+  }
 };
 
 struct TcpListener {
   int fd = -1;
   std::vector<std::unique_ptr<Pending>> pending;
+  std::map<std::string, int> per_ip;  // pending connections by source address
 };
 
 int FdOf(Conn* c) { return static_cast<TcpConn*>(c->impl)->fd; }
@@ -98,6 +140,17 @@ int PollMs(double until) {
   return int(std::min(left, 0.1) * 1000) + 1;
 }
 
+std::string Seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.3g", s);
+  return buf;
+}
+
+std::string Unprefixed(const std::string& message) {
+  const std::string prefix = "dtenjax transport: ";
+  return message.compare(0, prefix.size(), prefix) == 0 ? message.substr(prefix.size()) : message;
+}
+
 Status Timeout(const std::string& what, const std::string& peer) {
   Counters().timeouts.fetch_add(1);
   return DTENJAX_ERROR(Code::kDeadlineExceeded,
@@ -112,15 +165,22 @@ Status PeerGone(const std::string& peer, const char* why) {
                                                why + "); that process died or aborted the collective");
 }
 
+// A handshake connection that closed (not counted as a peer failure: the client may retry).
+Status Closed(const std::string& peer, const std::string& why) {
+  return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: " + peer + " " + why);
+}
+
 // Sends or receives exactly n bytes on a non-blocking socket by `deadline` (handshake only).
 Status IoAll(int fd, bool write, void* buf, size_t n, double deadline, const std::string& peer) {
   uint8_t* p = static_cast<uint8_t*>(buf);
   while (n > 0) {
     ssize_t k = write ? ::send(fd, p, n, MSG_NOSIGNAL) : ::recv(fd, p, n, 0);
     if (k > 0) { p += k; n -= size_t(k); continue; }
-    if (k == 0) return PeerGone(peer, "end of stream");
+    if (k == 0) return Closed(peer, "closed the connection");
     if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) return PeerGone(peer, std::strerror(errno));
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      return Closed(peer, std::string("closed the connection (") + std::strerror(errno) + ")");
+    }
     if (NowSeconds() >= deadline) return Timeout(write ? "sending to" : "receiving from", peer);
     pollfd pfd{fd, short(write ? POLLOUT : POLLIN), 0};
     ::poll(&pfd, 1, PollMs(deadline));
@@ -137,12 +197,39 @@ Status SendPlain(int fd, FrameType type, const Handshake& hs, const void* payloa
   return IoAll(fd, true, buf.data(), buf.size(), deadline, peer);
 }
 
-Status RecvPlain(int fd, FrameType type, const Handshake& hs, int64_t src, void* payload,
-                 uint64_t n, double deadline, const std::string& peer) {
-  FrameHeader h;
-  DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, &h, kHdr, deadline, peer));
-  DTENJAX_RETURN_IF_ERROR(CheckPlainHeader(h, FrameExpect{type, hs.job_id, src, n}, peer));
-  if (n) DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, payload, n, deadline, peer));
+// Best effort, never blocks: tells the other side of a handshake why this side closes.
+void SendReject(int fd, const Handshake& hs, RejectClass cls, const Status& why) {
+  const std::string f = MakeReject(hs.job_id, uint32_t(hs.my_rank), cls, why);
+  (void)::send(fd, f.data(), f.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+// Closes a handshake socket after (optionally) a REJECT: half-close first and read what the peer
+// already sent, so the kernel ends the connection with FIN (the REJECT is delivered) and not RST.
+void RejectAndClose(int fd, const Handshake* hs, RejectClass cls, const Status& why) {
+  if (hs) SendReject(fd, *hs, cls, why);
+  ::shutdown(fd, SHUT_WR);
+  char junk[4096];
+  for (int i = 0; i < 16 && ::recv(fd, junk, sizeof(junk), MSG_DONTWAIT) > 0; ++i) {
+  }
+  ::close(fd);
+}
+
+// Reads the payload of a REJECT frame whose header `h` was received: (class, code, text).
+Status ReadReject(int fd, const FrameHeader& h, double deadline, const std::string& peer,
+                  RejectClass* cls, Code* code, std::string* text) {
+  if (h.payload_bytes < 2 || h.payload_bytes > kMaxRejectText) {
+    Counters().rejected_oversized.fetch_add(1);
+    return DTENJAX_ERROR(Code::kDataLoss, "dtenjax transport: " + peer + " sent a REJECT frame of " +
+                                              std::to_string(h.payload_bytes) + " bytes (2.." +
+                                              std::to_string(kMaxRejectText) + ")");
+  }
+  std::string buf(h.payload_bytes, '\0');
+  DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, buf.data(), buf.size(), deadline, peer));
+  *cls = buf[0] == char(RejectClass::kRetry) ? RejectClass::kRetry : RejectClass::kFatal;
+  const int c = static_cast<unsigned char>(buf[1]);
+  *code = c >= 1 && c <= 7 ? static_cast<Code>(c) : Code::kInternal;
+  *text = buf.substr(2);
+  Counters().rejects_received.fetch_add(1);
   return Status::Ok();
 }
 
@@ -179,8 +266,6 @@ Conn* MakeConn(int fd, int peer_rank, const std::string& peer, const Handshake& 
   return c;
 }
 
-void TcpClose(Conn* c);
-
 Status AuthFailed(const std::string& peer, const std::string& why) {
   Counters().rejected_auth.fetch_add(1);
   return DTENJAX_ERROR(Code::kPermissionDenied,
@@ -188,35 +273,111 @@ Status AuthFailed(const std::string& peer, const std::string& why) {
                            "); every process of the job must share one DTENJAX_JOB_SECRET");
 }
 
+// --- client side ---------------------------------------------------------------------------------
+
+// Sleeps between connection attempts: exponential backoff with jitter, never past the deadline.
+class Backoff {
+ public:
+  explicit Backoff(double deadline) : deadline_(deadline), rng_(std::random_device{}()) {}
+  // False when the deadline passed or the set-up gave up meanwhile.
+  bool Sleep(const Handshake& hs) {
+    std::uniform_real_distribution<double> jitter(0.5, 1.0);
+    const double until = std::min(deadline_, NowSeconds() + delay_ * jitter(rng_));
+    delay_ = std::min(2 * delay_, kBackoffMax);
+    while (true) {
+      const double left = until - NowSeconds();
+      if (GiveUp(hs)) return false;
+      if (left <= 0) break;
+      std::this_thread::sleep_for(std::chrono::duration<double>(std::min(left, 0.02)));
+    }
+    return NowSeconds() < deadline_;
+  }
+
+ private:
+  double delay_ = kBackoffFirst;
+  double deadline_;
+  std::mt19937_64 rng_;
+};
+
+// The listener answered REJECT: its reason becomes our error; *retry says whether to try again.
+Status Refused(int fd, const FrameHeader& h, double deadline, const std::string& peer, bool* retry) {
+  RejectClass cls;
+  Code code;
+  std::string text;
+  DTENJAX_RETURN_IF_ERROR(ReadReject(fd, h, deadline, peer, &cls, &code, &text));
+  *retry = cls == RejectClass::kRetry;
+  return Status(*retry ? Code::kUnavailable : code,
+                "dtenjax transport: " + peer + " refused the connection: " + text);
+}
+
+// One attempt's handshake on a connected socket. *retry: whether another attempt may succeed;
+// *silent: the listener closed without saying why.
 Status ClientHandshake(int fd, const Handshake& hs, double deadline, const std::string& peer,
-                       Conn** out) {
+                       Conn** out, bool* retry, bool* silent) {
+  *retry = true;
+  *silent = false;
   uint8_t nonce_c[32], challenge[64], mine[32], response[32];
   DTENJAX_RETURN_IF_ERROR(crypto::RandomBytes(nonce_c, 32));
   DTENJAX_RETURN_IF_ERROR(SendPlain(fd, FrameType::kHello, hs, nonce_c, 32, deadline, peer));
+  FrameHeader h;
+  Status s = IoAll(fd, false, &h, kHdr, deadline, peer);
+  if (!s.ok()) {
+    *silent = s.code() == Code::kUnavailable;
+    return *silent ? Closed(peer, "closed the connection after our HELLO without saying why") : s;
+  }
+  *retry = false;
+  DTENJAX_RETURN_IF_ERROR(CheckMagicAndVersion(h, peer));
+  if (h.type == uint16_t(FrameType::kReject)) return Refused(fd, h, deadline, peer, retry);
   DTENJAX_RETURN_IF_ERROR(
-      RecvPlain(fd, FrameType::kChallenge, hs, hs.peer_rank, challenge, 64, deadline, peer));
+      CheckPlainHeader(h, FrameExpect{FrameType::kChallenge, hs.job_id, hs.peer_rank, 64}, peer));
+  *retry = true;
+  DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, challenge, 64, deadline, peer));
+  *retry = false;
   DTENJAX_RETURN_IF_ERROR(Proof(hs, "dtenjax-server", hs.my_rank, hs.peer_rank, nonce_c, challenge, mine));
-  if (!crypto::Equal(mine, challenge + 32, 32)) return AuthFailed(peer, "its HMAC proof does not match");
+  if (!crypto::Equal(mine, challenge + 32, 32)) {
+    const std::string me = "rank " + std::to_string(hs.my_rank);
+    SendReject(fd, hs, RejectClass::kFatal,
+               Status(Code::kPermissionDenied,
+                      me + " could not verify this listener's proof of the job secret: the two "
+                           "processes have different DTENJAX_JOB_SECRET values"));
+    return AuthFailed(peer, "its proof of the job secret does not match this process's secret");
+  }
   DTENJAX_RETURN_IF_ERROR(
       Proof(hs, "dtenjax-client", hs.my_rank, hs.peer_rank, challenge, nonce_c, response));
+  *retry = true;
   DTENJAX_RETURN_IF_ERROR(SendPlain(fd, FrameType::kResponse, hs, response, 32, deadline, peer));
+  s = IoAll(fd, false, &h, kHdr, deadline, peer);
+  if (!s.ok()) {
+    *silent = s.code() == Code::kUnavailable;
+    return *silent ? Closed(peer, "closed the connection after our RESPONSE without saying why") : s;
+  }
+  *retry = false;
+  DTENJAX_RETURN_IF_ERROR(CheckMagicAndVersion(h, peer));
+  if (h.type == uint16_t(FrameType::kReject)) return Refused(fd, h, deadline, peer, retry);
   auto session = std::make_unique<Session>();
   DTENJAX_RETURN_IF_ERROR(DeriveSession(hs.secret, hs.job_id, hs.my_rank, hs.peer_rank, nonce_c,
                                         challenge, /*is_client=*/true, session.get()));
-  Conn* c = MakeConn(fd, hs.peer_rank, peer, hs, std::move(session));
-  Status s = RecvSealed(c, FrameType::kAccept, nullptr, 0, deadline);
-  if (!s.ok()) {
-    static_cast<TcpConn*>(c->impl)->fd = -1;  // the caller closes fd
-    TcpClose(c);
-    if (s.code() == Code::kUnavailable) {
-      return DTENJAX_ERROR(Code::kPermissionDenied,
-                           "dtenjax transport: " + peer + " rejected our authentication (closed "
-                           "the connection after our HMAC response); check that every process of "
-                           "the job uses the same DTENJAX_JOB_SECRET");
-    }
-    return s;
+  // The ACCEPT frame: its header arrived already; read its header tag, then its (empty) body tag.
+  InFrame f;
+  std::memcpy(f.head, &h, kHdr);
+  *retry = true;
+  DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, f.head + kHdr, kTagBytes, deadline, peer));
+  *retry = false;
+  f.stage = InFrame::kHeadReady;
+  DTENJAX_RETURN_IF_ERROR(OpenHead(*session, f, hs.job_id, hs.peer_rank, peer));
+  if (h.type != uint16_t(FrameType::kAccept) || h.payload_bytes != 0) {
+    Counters().rejected_bad_header.fetch_add(1);
+    return DTENJAX_ERROR(Code::kDataLoss, "dtenjax transport: " + peer + " sent " +
+                                              FrameTypeName(h.type) + " where ACCEPT belongs");
   }
-  *out = c;
+  *retry = true;
+  DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, f.ptag, kTagBytes, deadline, peer));
+  *retry = false;
+  f.stage = InFrame::kDone;
+  DTENJAX_RETURN_IF_ERROR(OpenBody(*session, f, peer));
+  Counters().frames_received.fetch_add(1);
+  Counters().bytes_received.fetch_add(kSealedHeadBytes + kTagBytes);
+  *out = MakeConn(fd, hs.peer_rank, peer, hs, std::move(session));
   return Status::Ok();
 }
 
@@ -233,7 +394,10 @@ Status TcpListen(const std::string& bind_address, Listener** out) {
   SYS_CHECK(fd, "socket");
   int one = 1;
   setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 128) != 0) {
+  // The deepest backlog the kernel allows: a flood of connections queued before this rank starts
+  // accepting must not fill it, or the kernel drops the real peer's SYN (and it retries 1 s later).
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(fd, SOMAXCONN) != 0) {
     int e = errno;
     ::close(fd);
     return DTENJAX_ERROR(Code::kUnavailable, "cannot listen on " + bind_address + ": " +
@@ -255,46 +419,139 @@ Status TcpListen(const std::string& bind_address, Listener** out) {
   return Status::Ok();
 }
 
+// Waits until a non-blocking connect completes (or the deadline, or the set-up gives up).
+int FinishConnect(int fd, double deadline, const Handshake& hs) {
+  while (true) {
+    pollfd pfd{fd, POLLOUT, 0};
+    int rc = ::poll(&pfd, 1, PollMs(deadline));
+    if (rc > 0) {
+      int err = 0;
+      socklen_t len = sizeof(err);
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      return err;
+    }
+    if (NowSeconds() >= deadline) return ETIMEDOUT;
+    if (GiveUp(hs)) return ECANCELED;
+  }
+}
+
 Status TcpConnect(const std::string& ep, const Handshake& hs, double deadline, Conn** out) {
   sockaddr_in addr;
   DTENJAX_RETURN_IF_ERROR(ParseEndpoint(ep, &addr));
   DTENJAX_RETURN_IF_ERROR(crypto::Loaded());
   const std::string peer = "rank " + std::to_string(hs.peer_rank) + " (" + ep + ")";
+  const double start = NowSeconds();
   std::string last = "never tried";
-  while (NowSeconds() < deadline && !(hs.cancel && hs.cancel->load())) {
+  int attempts = 0, silent = 0;
+  Backoff backoff(deadline);
+  while (NowSeconds() < deadline && !GiveUp(hs)) {
+    if (attempts++ > 0) Counters().connect_retries.fetch_add(1);
     int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     SYS_CHECK(fd, "socket");
-    int rc = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-    if (rc != 0 && errno == EINPROGRESS) {
-      pollfd pfd{fd, POLLOUT, 0};
-      ::poll(&pfd, 1, std::max(1, int((deadline - NowSeconds()) * 1000)));
-      int err = 0;
-      socklen_t len = sizeof(err);
-      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-      rc = (pfd.revents & POLLOUT) && err == 0 ? 0 : -1;
-      errno = err ? err : ETIMEDOUT;
+    int err = 0;
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      err = errno == EINPROGRESS ? FinishConnect(fd, deadline, hs) : errno;
     }
-    if (rc == 0) {
+    if (err == 0) {
       Conn* c = nullptr;
-      Status s = ClientHandshake(fd, hs, deadline, peer, &c);
-      if (!s.ok()) { ::close(fd); return s; }
-      Counters().connections_opened.fetch_add(1);
-      *out = c;
-      return Status::Ok();
+      bool retry = false, closed_silently = false;
+      Status s = ClientHandshake(fd, hs, deadline, peer, &c, &retry, &closed_silently);
+      if (s.ok()) {
+        Counters().connections_opened.fetch_add(1);
+        *out = c;
+        return Status::Ok();
+      }
+      ::close(fd);
+      if (!retry) return s;
+      silent = closed_silently ? silent + 1 : 0;
+      if (silent >= kMaxSilentCloses) {
+        return DTENJAX_ERROR(
+            Code::kUnavailable,
+            "dtenjax transport: " + peer + " closed the connection " + std::to_string(silent) +
+                " times in a row without saying why: a dtenjax listener of transport protocol "
+                "version " + std::to_string(kFrameVersion) + " always sends a REJECT frame with "
+                "its reason first, so the process listening there runs another dtenjax release "
+                "(version 2 and older close on frames they cannot read) or is not dtenjax");
+      }
+      last = Unprefixed(s.message());
+    } else {
+      ::close(fd);
+      silent = 0;
+      if (err == ECANCELED) break;
+      last = std::string("connect: ") + std::strerror(err);
     }
-    last = std::strerror(errno);
-    ::close(fd);
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (!backoff.Sleep(hs)) break;
   }
-  return Timeout("connecting (last error: " + last + ") to", peer);
+  if (GiveUp(hs)) {
+    return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: stopped connecting to " + peer +
+                                                 " because this rank's set-up failed otherwise");
+  }
+  Counters().timeouts.fetch_add(1);
+  return DTENJAX_ERROR(Code::kDeadlineExceeded,
+                       "dtenjax transport: timed out connecting to " + peer + " after " +
+                           std::to_string(attempts) + " attempts in " + Seconds(NowSeconds() - start) +
+                           " s (DTENJAX_COLLECTIVE_TIMEOUT); the last: " + last);
 }
 
 // --- server side: concurrent handshakes ----------------------------------------------------------
 
+// What happened to connections that never authenticated, for the accept timeout's message.
+struct Tally {
+  uint64_t refused = 0, evicted = 0, timed_out = 0, rejected = 0;
+  std::string last;
+  void Note(uint64_t* counter, const std::string& why) {
+    ++*counter;
+    last = why;
+  }
+  std::string Text() const {
+    const uint64_t all = refused + evicted + timed_out + rejected;
+    if (all == 0) return "";
+    return "; meanwhile " + std::to_string(all) + " connections that did not authenticate were "
+           "turned away (" + std::to_string(refused) + " refused while busy, " +
+           std::to_string(evicted) + " evicted, " + std::to_string(timed_out) + " timed out, " +
+           std::to_string(rejected) + " rejected), the last: " + last;
+  }
+};
+
 void DropPending(TcpListener* t, size_t i) {
-  if (t->pending[i]->fd >= 0) ::close(t->pending[i]->fd);
+  Pending* p = t->pending[i].get();
+  if (p->fd >= 0) ::close(p->fd);
+  if (--t->per_ip[p->ip] <= 0) t->per_ip.erase(p->ip);
   t->pending.erase(t->pending.begin() + long(i));
   Counters().handshakes_pending.fetch_sub(1);
+}
+
+// Closes pending handshake i with a REJECT of class retry (when nothing else is half-sent on it).
+void TurnAway(TcpListener* t, size_t i, const Handshake& hs, const Status& why) {
+  Pending* p = t->pending[i].get();
+  RejectAndClose(p->fd, p->out_off == p->out.size() ? &hs : nullptr, RejectClass::kRetry, why);
+  p->fd = -1;
+  DropPending(t, i);
+}
+
+// Index of the pending handshake that gives way to `nc` (the rules at the top of this file), or
+// -1: nothing may, and the newcomer is refused.
+int ChooseVictim(const TcpListener& t, const Pending& nc, double now, double grace) {
+  auto count = [&](const std::string& ip) {
+    auto it = t.per_ip.find(ip);
+    return it == t.per_ip.end() ? 0 : it->second;
+  };
+  const int mine = count(nc.ip);
+  int best = -1;
+  std::tuple<int, int, double> best_key;
+  for (size_t i = 0; i < t.pending.size(); ++i) {
+    const Pending& p = *t.pending[i];
+    if (p.stage == Pending::kFlush) continue;  // proved the secret: never displaced
+    const int theirs = count(p.ip);
+    const double age = now - p.admitted;
+    if (age < grace && p.progress() >= nc.progress() && theirs <= mine + 1) continue;
+    auto key = std::make_tuple(theirs, -p.progress(), age);
+    if (best < 0 || key > best_key) {
+      best = int(i);
+      best_key = key;
+    }
+  }
+  return best;
 }
 
 void Queue(Pending* p, const void* data, size_t n) {
@@ -310,76 +567,136 @@ Status Flush(Pending* p, const std::string& peer) {
     if (k > 0) { p->out_off += size_t(k); continue; }
     if (k < 0 && errno == EINTR) continue;
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-    return PeerGone(peer, k == 0 ? "end of stream" : std::strerror(errno));
+    return Closed(peer, k == 0 ? "closed the connection" : std::strerror(errno));
   }
   return Status::Ok();
 }
 
-// Advances one pending handshake as far as its socket allows. *done: authenticated (p->session
-// holds the keys); an error: reject it.
-Status Advance(Pending* p, const Handshake& hs, const std::string& peer, bool* done) {
+// Why a pending handshake failed, and whether its peer should hear it (a REJECT of class fatal):
+// not for bytes that are not dtenjax at all, a peer that closed or refused us first.
+struct Verdict {
+  Status status;
+  bool tell = false;
+};
+
+// Checks a received handshake header, then says how many bytes its frame has in all.
+Verdict CheckArrivedHeader(Pending* p, const Handshake& hs, const std::string& peer) {
+  FrameHeader h;
+  std::memcpy(&h, p->in, kHdr);
+  Verdict v;
+  if (h.magic != kFrameMagic) {
+    v.status = CheckMagicAndVersion(h, peer);  // counts and names the bad magic
+    return v;
+  }
+  v.tell = true;
+  if (p->stage == Pending::kResponse && h.type == uint16_t(FrameType::kReject)) {
+    // The client refused our CHALLENGE (e.g. our proof does not verify with its secret).
+    v.status = CheckMagicAndVersion(h, peer);
+    if (v.status.ok() && (h.payload_bytes < 2 || h.payload_bytes > kMaxRejectText)) {
+      Counters().rejected_oversized.fetch_add(1);
+      v.status = DTENJAX_ERROR(Code::kDataLoss, "dtenjax transport: " + peer +
+                                                    " sent a REJECT frame of " +
+                                                    std::to_string(h.payload_bytes) + " bytes");
+    }
+    if (v.status.ok()) p->want = kHdr + h.payload_bytes;
+    return v;
+  }
+  const bool hello = p->stage == Pending::kHello;
+  v.status = CheckPlainHeader(
+      h, FrameExpect{hello ? FrameType::kHello : FrameType::kResponse, hs.job_id,
+                     hello ? int64_t(hs.peer_rank) : int64_t(p->client_rank), 32},
+      peer);
+  if (v.status.ok()) p->want = kHelloBytes;
+  return v;
+}
+
+// Advances one pending handshake as far as its socket allows. Reads only, unless `respond`.
+// *done: authenticated and ACCEPT sent (p->session holds the keys).
+Verdict Advance(Pending* p, const Handshake& hs, const std::string& peer, bool respond, bool* done) {
   *done = false;
-  DTENJAX_RETURN_IF_ERROR(Flush(p, peer));
+  Verdict v;
+  v.status = Flush(p, peer);
+  if (!v.status.ok()) return v;
   if (p->stage == Pending::kFlush) {
     *done = p->out_off == p->out.size();
-    return Status::Ok();
+    return v;
   }
-  const size_t want = kHdr + 32;  // HELLO and RESPONSE both carry 32 bytes
-  while (p->have < want) {
-    const size_t upto = p->have < kHdr ? kHdr : want;  // the header alone first
-    ssize_t k = ::recv(p->fd, p->in + p->have, upto - p->have, MSG_DONTWAIT);
+  while (p->have < p->want) {
+    ssize_t k = ::recv(p->fd, p->in + p->have, p->want - p->have, MSG_DONTWAIT);
     if (k > 0) {
       p->have += size_t(k);
       if (p->have == kHdr) {  // check the header before reading what it announces
-        FrameHeader h;
-        std::memcpy(&h, p->in, kHdr);
-        if (p->stage == Pending::kHello) {
-          DTENJAX_RETURN_IF_ERROR(
-              CheckPlainHeader(h, FrameExpect{FrameType::kHello, hs.job_id, hs.peer_rank, 32}, peer));
-        } else {
-          DTENJAX_RETURN_IF_ERROR(CheckPlainHeader(
-              h, FrameExpect{FrameType::kResponse, hs.job_id, p->client_rank, 32}, peer));
-        }
+        v = CheckArrivedHeader(p, hs, peer);
+        if (!v.status.ok()) return v;
       }
       continue;
     }
     if (k < 0 && errno == EINTR) continue;
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return Status::Ok();
-    return PeerGone(peer, k == 0 ? "end of stream" : std::strerror(errno));
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return v;
+    v.status = Closed(peer, k == 0 ? "closed the connection during the handshake"
+                                   : std::string("failed during the handshake: ") + std::strerror(errno));
+    return v;
   }
+  if (!respond) return v;
   FrameHeader h;
   std::memcpy(&h, p->in, kHdr);
+  if (h.type == uint16_t(FrameType::kReject)) {
+    const int c = static_cast<unsigned char>(p->in[kHdr + 1]);
+    Counters().rejects_received.fetch_add(1);
+    v.status = Status(c >= 1 && c <= 7 ? static_cast<Code>(c) : Code::kInternal,
+                      "dtenjax transport: " + peer + " refused our CHALLENGE: " +
+                          std::string(reinterpret_cast<const char*>(p->in) + kHdr + 2,
+                                      p->have - kHdr - 2));
+    return v;
+  }
+  v.tell = true;
   if (p->stage == Pending::kHello) {
     std::memcpy(p->nonce_c, p->in + kHdr, 32);
     p->client_rank = int(h.src_rank);
     uint8_t challenge[64];
-    DTENJAX_RETURN_IF_ERROR(crypto::RandomBytes(p->nonce_s, 32));
-    std::memcpy(challenge, p->nonce_s, 32);
-    DTENJAX_RETURN_IF_ERROR(
-        Proof(hs, "dtenjax-server", p->client_rank, hs.my_rank, p->nonce_c, p->nonce_s, challenge + 32));
+    v.status = crypto::RandomBytes(p->nonce_s, 32);
+    if (v.status.ok()) {
+      std::memcpy(challenge, p->nonce_s, 32);
+      v.status = Proof(hs, "dtenjax-server", p->client_rank, hs.my_rank, p->nonce_c, p->nonce_s,
+                       challenge + 32);
+    }
+    if (!v.status.ok()) return v;
     FrameHeader ch = MakePlainHeader(FrameType::kChallenge, hs.job_id, uint32_t(hs.my_rank), 64);
     Queue(p, &ch, kHdr);
     Queue(p, challenge, 64);
     p->stage = Pending::kResponse;
     p->have = 0;
-    return Flush(p, peer);
+    p->want = kHdr;
+    v.status = Flush(p, peer);
+    return v;
   }
   uint8_t want_proof[32];
-  DTENJAX_RETURN_IF_ERROR(
-      Proof(hs, "dtenjax-client", p->client_rank, hs.my_rank, p->nonce_s, p->nonce_c, want_proof));
-  if (!crypto::Equal(want_proof, p->in + kHdr, 32)) return AuthFailed(peer, "wrong job secret");
+  v.status =
+      Proof(hs, "dtenjax-client", p->client_rank, hs.my_rank, p->nonce_s, p->nonce_c, want_proof);
+  if (!v.status.ok()) return v;
+  if (!crypto::Equal(want_proof, p->in + kHdr, 32)) {
+    v.status = AuthFailed(peer, "its proof of the job secret does not match this process's secret");
+    return v;
+  }
   p->session = std::make_unique<Session>();
-  DTENJAX_RETURN_IF_ERROR(DeriveSession(hs.secret, hs.job_id, p->client_rank, hs.my_rank, p->nonce_c,
-                                        p->nonce_s, /*is_client=*/false, p->session.get()));
   OutFrame accept;
-  DTENJAX_RETURN_IF_ERROR(Seal(*p->session, FrameType::kAccept, hs.job_id, uint32_t(hs.my_rank),
-                               Descriptor{}, nullptr, 0, &accept));
+  v.status = DeriveSession(hs.secret, hs.job_id, p->client_rank, hs.my_rank, p->nonce_c,
+                           p->nonce_s, /*is_client=*/false, p->session.get());
+  if (v.status.ok()) {
+    v.status = Seal(*p->session, FrameType::kAccept, hs.job_id, uint32_t(hs.my_rank),
+                    Descriptor{}, nullptr, 0, &accept);
+  }
+  if (!v.status.ok()) return v;
   Queue(p, accept.head, kSealedHeadBytes);
   Queue(p, accept.ptag, kTagBytes);
   p->stage = Pending::kFlush;
-  DTENJAX_RETURN_IF_ERROR(Flush(p, peer));
-  *done = p->out_off == p->out.size();
-  return Status::Ok();
+  v.status = Flush(p, peer);
+  *done = v.status.ok() && p->out_off == p->out.size();
+  return v;
+}
+
+std::string PeerOf(const std::string& want, const Pending& p) {
+  return want + " (from " + p.host + ")";
 }
 
 Status TcpAccept(Listener* l, const Handshake& hs, double deadline, Conn** out) {
@@ -387,81 +704,161 @@ Status TcpAccept(Listener* l, const Handshake& hs, double deadline, Conn** out) 
   auto* t = static_cast<TcpListener*>(l->impl);
   const std::string want = hs.peer_rank >= 0 ? "rank " + std::to_string(hs.peer_rank) : "a peer";
   const size_t cap = size_t(std::max(1, hs.max_pending));
-  std::string last_rejection;
+  const double grace = std::min(kGrace, hs.handshake_timeout_s);
+  const double start = NowSeconds();
+  Tally tally;
   std::vector<pollfd> pfds;
-  while (true) {
-    if (hs.cancel && hs.cancel->load()) {
-      return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: stopped waiting for " + want +
-                                                   " because connecting to the next rank failed");
+  double listen_paused_until = 0;
+  // A connection claiming to be the expected peer failed for a reason retrying cannot change
+  // (job, version, secret): once this rank's own set-up has failed too, nobody is coming.
+  bool expected_peer_failed = false;
+  auto claims_expected = [&](const Pending& p) {
+    if (p.have < kHdr || hs.peer_rank < 0) return false;
+    FrameHeader h;
+    std::memcpy(&h, p.in, kHdr);
+    return h.magic == kFrameMagic && int64_t(h.src_rank) == hs.peer_rank;
+  };
+
+  // Handles the outcome of Advance for pending handshake i; true when it authenticated.
+  auto settle = [&](size_t i, const Verdict& v, bool done) -> bool {
+    Pending* p = t->pending[i].get();
+    if (!v.status.ok()) {
+      if (v.status.code() != Code::kUnavailable && claims_expected(*p)) expected_peer_failed = true;
+      if (v.tell) {
+        RejectAndClose(p->fd, p->out_off == p->out.size() ? &hs : nullptr, RejectClass::kFatal,
+                       v.status);
+        p->fd = -1;
+      }
+      tally.Note(&tally.rejected, Unprefixed(v.status.message()));
+      DropPending(t, i);
+      return false;
     }
-    const double now = NowSeconds();
+    if (!done) return false;
+    Counters().connections_accepted.fetch_add(1);
+    Counters().frames_sent.fetch_add(1);  // the ACCEPT frame
+    Counters().bytes_sent.fetch_add(kSealedHeadBytes + kTagBytes);
+    const std::string desc = "rank " + std::to_string(p->client_rank) + " (" + p->host + ")";
+    *out = MakeConn(p->fd, p->client_rank, desc, hs, std::move(p->session));
+    p->fd = -1;
+    DropPending(t, i);
+    return true;
+  };
+
+  while (true) {
+    const bool own_setup_failed = hs.give_up_at && hs.give_up_at->load() > 0;
+    if (GiveUp(hs) || (own_setup_failed && expected_peer_failed)) {
+      return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: stopped waiting for " + want +
+                                                   " to connect because this rank's set-up "
+                                                   "failed otherwise" + tally.Text());
+    }
+    double now = NowSeconds();
     if (now >= deadline) {
-      return Timeout("waiting for " + want + " to connect" +
-                         (last_rejection.empty() ? "" : " (rejected meanwhile: " + last_rejection + ")") +
-                         " on",
-                     l->endpoint);
+      Counters().timeouts.fetch_add(1);
+      return DTENJAX_ERROR(Code::kDeadlineExceeded,
+                           "dtenjax transport: timed out after " + Seconds(now - start) +
+                               " s waiting for " + want + " to connect to " + l->endpoint +
+                               " (DTENJAX_COLLECTIVE_TIMEOUT)" + tally.Text() +
+                               "; the peer is stalled, dead or running a different program");
     }
     // Expire handshakes past their own deadline.
     for (size_t i = t->pending.size(); i-- > 0;) {
       if (now >= t->pending[i]->deadline) {
         Counters().handshakes_timed_out.fetch_add(1);
-        last_rejection = "a connection from " + t->pending[i]->host + " did not complete the "
-                         "handshake within " + std::to_string(hs.handshake_timeout_s) + " s";
-        DropPending(t, i);
+        const std::string why = "a connection from " + t->pending[i]->host + " did not finish the "
+                                "handshake within " + Seconds(hs.handshake_timeout_s) + " s";
+        tally.Note(&tally.timed_out, why);
+        TurnAway(t, i, hs, Status(Code::kDeadlineExceeded, why + " (DTENJAX_HANDSHAKE_TIMEOUT)"));
       }
     }
     double until = deadline;
-    pfds.assign(1, pollfd{t->fd, POLLIN, 0});
+    const bool listening = now >= listen_paused_until;
+    pfds.assign(1, pollfd{listening ? t->fd : -1, POLLIN, 0});
     for (auto& p : t->pending) {
       short ev = p->out_off < p->out.size() ? POLLOUT : POLLIN;
       pfds.push_back(pollfd{p->fd, ev, 0});
       until = std::min(until, p->deadline);
     }
+    if (!listening) until = std::min(until, listen_paused_until);
     ::poll(pfds.data(), nfds_t(pfds.size()), PollMs(until));
-    // New connections: accept all that are waiting; at the cap, evict the oldest pending one.
-    while (true) {
+    for (size_t i = 0; i + 1 < pfds.size(); ++i) t->pending[i]->ready = pfds[i + 1].revents != 0;
+    // Progress the handshakes that have something to read or write.
+    for (size_t i = 0; i < t->pending.size();) {
+      Pending* p = t->pending[i].get();
+      if (!p->ready) { ++i; continue; }
+      p->ready = false;
+      bool done = false;
+      const size_t before = t->pending.size();
+      Verdict v = Advance(p, hs, PeerOf(want, *p), /*respond=*/true, &done);
+      if (settle(i, v, done)) return Status::Ok();
+      if (t->pending.size() == before) ++i;
+    }
+    if (!(pfds[0].revents & POLLIN)) continue;
+    // New connections: drain the backlog (in bursts), admitting each by the rules above.
+    for (int k = 0; k < kAcceptBurst; ++k) {
       sockaddr_in from;
       socklen_t len = sizeof(from);
       int fd = ::accept4(t->fd, reinterpret_cast<sockaddr*>(&from), &len,
                          SOCK_CLOEXEC | SOCK_NONBLOCK);
-      if (fd < 0) break;
-      if (t->pending.size() >= cap) {
-        Counters().handshakes_evicted.fetch_add(1);
-        last_rejection = "evicted an unauthenticated connection from " + t->pending[0]->host +
-                         " (more than " + std::to_string(cap) + " pending handshakes)";
-        DropPending(t, 0);
+      if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE) {
+          // Out of descriptors: free one (whatever gave way last) and look again shortly.
+          tally.last = "out of file descriptors (" + std::string(std::strerror(errno)) + ")";
+          if (!t->pending.empty()) {
+            Pending probe;
+            probe.stage = Pending::kResponse;  // outranks any unanswered connection
+            int v = ChooseVictim(*t, probe, NowSeconds(), grace);
+            if (v >= 0) {
+              Counters().handshakes_evicted.fetch_add(1);
+              tally.Note(&tally.evicted, tally.last);
+              TurnAway(t, size_t(v), hs, Status(Code::kResourceExhausted, "the listener of rank " +
+                                                    std::to_string(hs.my_rank) + " ran out of file descriptors"));
+            }
+          }
+          listen_paused_until = NowSeconds() + 0.01;
+        }
+        break;
       }
-      auto p = std::make_unique<Pending>();
-      p->fd = fd;
-      p->deadline = NowSeconds() + hs.handshake_timeout_s;
+      auto nc = std::make_unique<Pending>();
+      nc->fd = fd;
+      nc->admitted = NowSeconds();
+      nc->deadline = nc->admitted + hs.handshake_timeout_s;
       char host[INET_ADDRSTRLEN];
       inet_ntop(AF_INET, &from.sin_addr, host, sizeof(host));
-      p->host = std::string(host) + ":" + std::to_string(ntohs(from.sin_port));
-      t->pending.push_back(std::move(p));
-      Counters().handshakes_pending.fetch_add(1);
-    }
-    // Progress every pending handshake (not only those poll flagged: cheap, and simpler).
-    for (size_t i = 0; i < t->pending.size();) {
-      Pending* p = t->pending[i].get();
-      const std::string peer = want + " (from " + p->host + ")";
+      nc->ip = host;
+      nc->host = std::string(host) + ":" + std::to_string(ntohs(from.sin_port));
+      const std::string peer = PeerOf(want, *nc);
       bool done = false;
-      Status s = Advance(p, hs, peer, &done);
-      if (!s.ok()) {
-        last_rejection = s.message();
-        DropPending(t, i);
+      Verdict v = Advance(nc.get(), hs, peer, /*respond=*/false, &done);  // what it sent already
+      if (!v.status.ok()) {
+        if (v.status.code() != Code::kUnavailable && claims_expected(*nc)) expected_peer_failed = true;
+        RejectAndClose(fd, v.tell ? &hs : nullptr, RejectClass::kFatal, v.status);
+        tally.Note(&tally.rejected, Unprefixed(v.status.message()));
         continue;
       }
-      if (done) {
-        Counters().connections_accepted.fetch_add(1);
-        Counters().frames_sent.fetch_add(1);   // the ACCEPT frame
-        Counters().bytes_sent.fetch_add(kSealedHeadBytes + kTagBytes);
-        const std::string desc = "rank " + std::to_string(p->client_rank) + " (" + p->host + ")";
-        *out = MakeConn(p->fd, p->client_rank, desc, hs, std::move(p->session));
-        p->fd = -1;
-        DropPending(t, i);
-        return Status::Ok();
+      if (t->pending.size() >= cap) {
+        const int victim = ChooseVictim(*t, *nc, NowSeconds(), grace);
+        const std::string busy = "the listener of rank " + std::to_string(hs.my_rank) + " has " +
+                                 std::to_string(t->pending.size()) + " unauthenticated connections "
+                                 "pending (DTENJAX_MAX_PENDING_HANDSHAKES=" + std::to_string(cap) + ")";
+        if (victim < 0) {
+          Counters().handshakes_refused.fetch_add(1);
+          tally.Note(&tally.refused, "refused a connection from " + nc->host + " (" + busy + ")");
+          RejectAndClose(fd, &hs, RejectClass::kRetry,
+                         Status(Code::kUnavailable, busy + "; try again"));
+          continue;
+        }
+        Counters().handshakes_evicted.fetch_add(1);
+        tally.Note(&tally.evicted, "evicted a connection from " + t->pending[size_t(victim)]->host +
+                                       " for one from " + nc->host + " (" + busy + ")");
+        TurnAway(t, size_t(victim), hs,
+                 Status(Code::kUnavailable, busy + " and this one gave way to another; try again"));
       }
-      ++i;
+      t->per_ip[nc->ip]++;
+      t->pending.push_back(std::move(nc));
+      Counters().handshakes_pending.fetch_add(1);
+      const size_t i = t->pending.size() - 1;
+      v = Advance(t->pending[i].get(), hs, peer, /*respond=*/true, &done);
+      if (settle(i, v, done)) return Status::Ok();
     }
   }
 }

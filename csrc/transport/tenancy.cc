@@ -98,9 +98,9 @@ int64_t Tenant::owner_context() {
   return owner_context_;
 }
 
-Status Tenant::AcquireConnection(const std::string& what) {
+Status Tenant::AcquireConnections(int64_t n, const std::string& what) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (quota_.max_connections >= 0 && usage_.connections + 1 > quota_.max_connections) {
+  if (quota_.max_connections >= 0 && n > quota_.max_connections - usage_.connections) {
     ++usage_.quota_refusals;
     return DTENJAX_ERROR(Code::kResourceExhausted,
                          "tenant '" + name_ + "' would exceed its connection quota (" +
@@ -108,7 +108,7 @@ Status Tenant::AcquireConnection(const std::string& what) {
                              std::to_string(usage_.connections) + " in use) opening " + what +
                              "; raise max_connections or close communicators it no longer uses");
   }
-  ++usage_.connections;
+  usage_.connections += n;
   return Status::Ok();
 }
 

@@ -56,7 +56,9 @@ class Tenant {
   void SetOwnerContext(int64_t ctx);
   int64_t owner_context();
 
-  Status AcquireConnection(const std::string& what);
+  Status AcquireConnection(const std::string& what) { return AcquireConnections(1, what); }
+  // All n or none (a ring rank needs two: taking them one by one lets racing rings each hold half).
+  Status AcquireConnections(int64_t n, const std::string& what);
   void ReleaseConnection();
   // count_refusal=false: a refusal the caller may still resolve (by evicting idle buffers).
   Status ChargeRegistered(int64_t bytes, const std::string& what, bool count_refusal = true);

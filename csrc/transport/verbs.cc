@@ -1,38 +1,44 @@
-// RDMA verbs provider. libibverbs is loaded at run time (dlopen), so the extension imports on
-// machines without it; only the data structures and static-inline fast paths (ibv_post_send,
-// ibv_post_recv, ibv_poll_cq, which go through context->ops) come from <infiniband/verbs.h>.
+// RDMA verbs provider. libibverbs is loaded at run time (dlopen; DTENJAX_IBVERBS_LIBRARY can name
+// another file), so the extension imports on machines without it; only the data structures and
+// static-inline fast paths (ibv_post_send, ibv_post_recv, ibv_poll_cq, ibv_req_notify_cq, which
+// go through context->ops) come from <infiniband/verbs.h>.
 //
 // Connection set-up: an authenticated TCP connection (the TCP provider, with its HMAC handshake
 // and session keys) carries each side's QP number, PSN, LID, GID, and the rkey/address of its
 // registered receive slab in authenticated CONTROL frames; then the RC QP goes RESET -> INIT ->
-// RTR -> RTS. Data: one frame (frame.h: head, payload, payload tag; authenticated with the TCP
-// connection's session keys like every TCP frame) is copied into the registered send slab and
-// posted as RDMA WRITE WITH IMM into the peer's receive slab; the receive completion (imm = frame
-// length) is the signal; the receiver copies the frame out, reposts a receive and returns one
-// credit with a zero-length SEND. One frame in flight per direction; frames of both directions
-// share the QP (aborts travel backwards).
+// RTR -> RTS, and each side tells the other it is ready (a second CONTROL frame) before anyone
+// writes: a write that reached a QP not yet in RTR would be dropped and retried into an error.
+// Data: one frame (frame.h: head, payload, payload tag; authenticated with the TCP connection's
+// session keys like every TCP frame) is copied into the registered send slab and posted as RDMA
+// WRITE WITH IMM into the peer's receive slab; the receive completion (imm = frame length) is the
+// signal; the receiver copies the frame out, reposts a receive and returns one credit with a
+// zero-length SEND. One frame in flight per direction; frames of both directions share the QP
+// (aborts travel backwards). Waiting blocks on the CQ's completion channel; the TCP connection
+// stays open as the peer's liveness signal (a dead process closes it at once).
 //
-// NEVER RUN ON RDMA HARDWARE: no machine we have has an RDMA device. The device-free logic
-// (transitions, masks, GID choice, validation, imm encoding) is unit-tested; the rest compiles.
+// Exercised end to end in the test suite on an emulated device (tests/fakeverbs/: the ibv_*
+// contract over unix sockets). NEVER RUN ON RDMA HARDWARE: timings, GPUDirect and the link-layer
+// differences of real InfiniBand and RoCE fabrics are not covered (docs/transport.md).
 #include "csrc/transport/verbs.h"
 
 #include <arpa/inet.h>
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <infiniband/verbs.h>
+#include <poll.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdlib>
-#include <thread>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
+#include "csrc/transport/crypto.h"
 #include "csrc/transport/frame.h"
 #include "csrc/transport/provider.h"
 #include "csrc/transport/tenancy.h"
-#include "csrc/transport/crypto.h"
 
 namespace dtenjax::transport {
 namespace verbs {
@@ -127,80 +133,243 @@ void DecodeImm(uint32_t imm, uint32_t* bytes, bool* last) {
   *last = (imm & 0x80000000u) != 0;
 }
 
+
+const char* WcStatusName(int s) {
+  switch (s) {
+    case IBV_WC_SUCCESS: return "IBV_WC_SUCCESS";
+    case IBV_WC_LOC_LEN_ERR: return "IBV_WC_LOC_LEN_ERR";
+    case IBV_WC_LOC_QP_OP_ERR: return "IBV_WC_LOC_QP_OP_ERR";
+    case IBV_WC_LOC_PROT_ERR: return "IBV_WC_LOC_PROT_ERR";
+    case IBV_WC_WR_FLUSH_ERR: return "IBV_WC_WR_FLUSH_ERR";
+    case IBV_WC_LOC_ACCESS_ERR: return "IBV_WC_LOC_ACCESS_ERR";
+    case IBV_WC_REM_INV_REQ_ERR: return "IBV_WC_REM_INV_REQ_ERR";
+    case IBV_WC_REM_ACCESS_ERR: return "IBV_WC_REM_ACCESS_ERR";
+    case IBV_WC_REM_OP_ERR: return "IBV_WC_REM_OP_ERR";
+    case IBV_WC_RETRY_EXC_ERR: return "IBV_WC_RETRY_EXC_ERR";
+    case IBV_WC_RNR_RETRY_EXC_ERR: return "IBV_WC_RNR_RETRY_EXC_ERR";
+    case IBV_WC_FATAL_ERR: return "IBV_WC_FATAL_ERR";
+    case IBV_WC_GENERAL_ERR: return "IBV_WC_GENERAL_ERR";
+  }
+  return "IBV_WC_(unknown)";
+}
+
+const char* WcStatusMeaning(int s) {
+  switch (s) {
+    case IBV_WC_WR_FLUSH_ERR:
+      return "the QP is in the error state (an earlier error on it, or the device moved it there)";
+    case IBV_WC_REM_ACCESS_ERR:
+      return "the peer refused the RDMA write into its receive region (wrong key, out of bounds, "
+             "or the region was deregistered)";
+    case IBV_WC_RETRY_EXC_ERR:
+      return "no acknowledgement from the peer after every retry (the peer is dead or unreachable)";
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+      return "the peer had no receive posted after every RNR retry (it broke the credit protocol)";
+    case IBV_WC_LOC_PROT_ERR:
+      return "a local buffer of the work request is not (or no longer) registered";
+    case IBV_WC_LOC_LEN_ERR: return "a message did not fit the posted receive";
+    case IBV_WC_REM_OP_ERR: return "the peer's device could not complete the operation";
+    case IBV_WC_REM_INV_REQ_ERR: return "the peer found the request invalid";
+    case IBV_WC_LOC_QP_OP_ERR: return "the local device found the QP inconsistent";
+  }
+  return "the device reported a failed work request";
+}
+
 // --- libibverbs, loaded at run time --------------------------------------------------------------
 struct Lib {
   void* handle = nullptr;
+  std::string path;
+  bool emulated = false;
   ibv_device** (*get_device_list)(int*);
   void (*free_device_list)(ibv_device**);
   const char* (*get_device_name)(ibv_device*);
   ibv_context* (*open_device)(ibv_device*);
   int (*close_device)(ibv_context*);
+  int (*query_device)(ibv_context*, ibv_device_attr*);
+  int (*query_port)(ibv_context*, uint8_t, ibv_port_attr*);
+  int (*query_gid)(ibv_context*, uint8_t, int, ibv_gid*);
+  // Optional (rdma-core >= 35): the GID's type, to tell RoCE v2 from v1 instead of guessing.
+  int (*query_gid_ex)(ibv_context*, uint32_t, uint32_t, ibv_gid_entry*, uint32_t, size_t);
   ibv_pd* (*alloc_pd)(ibv_context*);
   int (*dealloc_pd)(ibv_pd*);
+  ibv_comp_channel* (*create_comp_channel)(ibv_context*);
+  int (*destroy_comp_channel)(ibv_comp_channel*);
   ibv_cq* (*create_cq)(ibv_context*, int, void*, ibv_comp_channel*, int);
   int (*destroy_cq)(ibv_cq*);
+  int (*get_cq_event)(ibv_comp_channel*, ibv_cq**, void**);
+  void (*ack_cq_events)(ibv_cq*, unsigned int);
   ibv_qp* (*create_qp)(ibv_pd*, ibv_qp_init_attr*);
   int (*destroy_qp)(ibv_qp*);
   int (*modify_qp)(ibv_qp*, ibv_qp_attr*, int);
-  int (*query_port)(ibv_context*, uint8_t, ibv_port_attr*);
-  int (*query_gid)(ibv_context*, uint8_t, int, ibv_gid*);
   ibv_mr* (*reg_mr)(ibv_pd*, void*, size_t, int);
   int (*dereg_mr)(ibv_mr*);
 };
 
-static Lib g_lib;
-static Status g_load_status = DTENJAX_ERROR(Code::kUnavailable, "libibverbs not loaded yet");
-static std::once_flag g_once;
+constexpr const char* kDefaultLibrary = "libibverbs.so.1";
 
-Status LoadLibrary() {
-  std::call_once(g_once, [] {
-    void* h = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-      const char* e = dlerror();
-      g_load_status = DTENJAX_ERROR(Code::kUnavailable,
-                                    std::string("cannot dlopen libibverbs.so.1 (") + (e ? e : "?") +
-                                        "); install rdma-core / libibverbs1 to use RDMA");
-      return;
+std::mutex g_lib_mu;  // guards g_lib and g_lib_error; taken before g_dev_mu, never after
+Lib g_lib;
+std::string g_lib_error = "libibverbs has not been loaded yet";
+int g_dev_users = 0;  // guarded by g_dev_mu (below); read under both locks to switch libraries
+
+Status TryLoad(const std::string& file, Lib* lib) {
+  dlerror();
+  void* h = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char* e = dlerror();
+    return DTENJAX_ERROR(Code::kUnavailable,
+                         "cannot dlopen " + file + " (" + (e ? e : "?") +
+                             "); install rdma-core / libibverbs1 to use RDMA, or set "
+                             "DTENJAX_IBVERBS_LIBRARY to the library's path");
+  }
+  std::string missing;
+  auto sym = [&](auto& fn, const char* name) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, name));
+    if (!fn) missing += std::string(missing.empty() ? "" : ", ") + name;
+  };
+  sym(lib->get_device_list, "ibv_get_device_list");
+  sym(lib->free_device_list, "ibv_free_device_list");
+  sym(lib->get_device_name, "ibv_get_device_name");
+  sym(lib->open_device, "ibv_open_device");
+  sym(lib->close_device, "ibv_close_device");
+  sym(lib->query_device, "ibv_query_device");
+  sym(lib->query_port, "ibv_query_port");
+  sym(lib->query_gid, "ibv_query_gid");
+  sym(lib->alloc_pd, "ibv_alloc_pd");
+  sym(lib->dealloc_pd, "ibv_dealloc_pd");
+  sym(lib->create_comp_channel, "ibv_create_comp_channel");
+  sym(lib->destroy_comp_channel, "ibv_destroy_comp_channel");
+  sym(lib->create_cq, "ibv_create_cq");
+  sym(lib->destroy_cq, "ibv_destroy_cq");
+  sym(lib->get_cq_event, "ibv_get_cq_event");
+  sym(lib->ack_cq_events, "ibv_ack_cq_events");
+  sym(lib->create_qp, "ibv_create_qp");
+  sym(lib->destroy_qp, "ibv_destroy_qp");
+  sym(lib->modify_qp, "ibv_modify_qp");
+  sym(lib->reg_mr, "ibv_reg_mr");
+  sym(lib->dereg_mr, "ibv_dereg_mr");
+  if (!missing.empty()) {
+    dlclose(h);
+    return DTENJAX_ERROR(Code::kUnavailable, file + " lacks the verbs " + missing);
+  }
+  lib->query_gid_ex = reinterpret_cast<decltype(lib->query_gid_ex)>(dlsym(h, "_ibv_query_gid_ex"));
+  auto is_emulated = reinterpret_cast<int (*)()>(dlsym(h, "fakeverbs_is_emulated"));
+  lib->emulated = is_emulated && is_emulated() == 1;
+  lib->handle = h;
+  lib->path = file;
+  return Status::Ok();
+}
+
+std::mutex g_dev_mu;
+
+Status LoadLibrary(const std::string& path) {
+  std::lock_guard<std::mutex> lock(g_lib_mu);
+  if (g_lib.handle && (path.empty() || path == g_lib.path)) return Status::Ok();
+  const std::string file = path.empty() ? kDefaultLibrary : path;
+  if (g_lib.handle) {
+    std::lock_guard<std::mutex> dev(g_dev_mu);
+    if (g_dev_users > 0) {
+      return DTENJAX_ERROR(Code::kInvalidArgument,
+                           "the verbs library " + g_lib.path + " is in use (" +
+                               std::to_string(g_dev_users) + " connections or registrations); "
+                               "cannot switch to " + file + " (DTENJAX_IBVERBS_LIBRARY) before "
+                               "they are closed");
     }
-    std::string missing;
-    auto sym = [&](auto& fn, const char* name) {
-      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(h, name));
-      if (!fn) missing += std::string(missing.empty() ? "" : ", ") + name;
-    };
-    sym(g_lib.get_device_list, "ibv_get_device_list");
-    sym(g_lib.free_device_list, "ibv_free_device_list");
-    sym(g_lib.get_device_name, "ibv_get_device_name");
-    sym(g_lib.open_device, "ibv_open_device");
-    sym(g_lib.close_device, "ibv_close_device");
-    sym(g_lib.alloc_pd, "ibv_alloc_pd");
-    sym(g_lib.dealloc_pd, "ibv_dealloc_pd");
-    sym(g_lib.create_cq, "ibv_create_cq");
-    sym(g_lib.destroy_cq, "ibv_destroy_cq");
-    sym(g_lib.create_qp, "ibv_create_qp");
-    sym(g_lib.destroy_qp, "ibv_destroy_qp");
-    sym(g_lib.modify_qp, "ibv_modify_qp");
-    sym(g_lib.query_port, "ibv_query_port");
-    sym(g_lib.query_gid, "ibv_query_gid");
-    sym(g_lib.reg_mr, "ibv_reg_mr");
-    sym(g_lib.dereg_mr, "ibv_dereg_mr");
-    if (!missing.empty()) {
-      dlclose(h);
-      g_load_status = DTENJAX_ERROR(Code::kUnavailable, "libibverbs lacks symbols: " + missing);
-      return;
-    }
-    g_lib.handle = h;
-    g_load_status = Status::Ok();
-  });
-  return g_load_status;
+  }
+  Lib lib;
+  Status s = TryLoad(file, &lib);
+  if (!s.ok()) {
+    if (!g_lib.handle) g_lib_error = s.message();
+    return s;
+  }
+  // The previous library stays mapped (never dlclose'd): nothing of it is in use any more, but
+  // an emulated device may still have a thread winding down in it.
+  g_lib = lib;
+  g_lib_error.clear();
+  return Status::Ok();
+}
+
+LibraryInfo Library() {
+  std::lock_guard<std::mutex> lock(g_lib_mu);
+  LibraryInfo i;
+  i.loaded = g_lib.handle != nullptr;
+  i.path = i.loaded ? g_lib.path : "";
+  i.emulated = g_lib.emulated;
+  i.error = i.loaded ? "" : g_lib_error;
+  return i;
+}
+
+// The function table, loading the default library first if none is loaded.
+Status Functions(Lib* out) {
+  DTENJAX_RETURN_IF_ERROR(LoadLibrary(""));
+  std::lock_guard<std::mutex> lock(g_lib_mu);
+  *out = g_lib;
+  return Status::Ok();
 }
 
 Status CountDevices(int* n) {
-  DTENJAX_RETURN_IF_ERROR(LoadLibrary());
+  Lib lib;
+  DTENJAX_RETURN_IF_ERROR(Functions(&lib));
   int num = 0;
-  ibv_device** list = g_lib.get_device_list(&num);
-  if (list) g_lib.free_device_list(list);
+  ibv_device** list = lib.get_device_list(&num);
+  if (list) lib.free_device_list(list);
   *n = list ? num : 0;
-  if (*n == 0) return DTENJAX_ERROR(Code::kUnavailable, "libibverbs found no RDMA device");
+  if (*n == 0) {
+    return DTENJAX_ERROR(Code::kUnavailable, lib.path + " found no RDMA device");
+  }
+  return Status::Ok();
+}
+
+// The ibv_gid_type of a GID table entry, -1 when the library cannot say.
+int GidType(const Lib& lib, ibv_context* ctx, int port, int index) {
+  if (!lib.query_gid_ex) return -1;
+  ibv_gid_entry e{};
+  if (lib.query_gid_ex(ctx, uint32_t(port), uint32_t(index), &e, 0, sizeof(e)) != 0) return -1;
+  return int(e.gid_type);
+}
+
+Status ListPorts(std::vector<PortInfo>* out) {
+  Lib lib;
+  DTENJAX_RETURN_IF_ERROR(Functions(&lib));
+  out->clear();
+  int num = 0;
+  errno = 0;
+  ibv_device** list = lib.get_device_list(&num);
+  if (!list) {  // rdma-core answers NULL (ENOSYS, ...) where the kernel has no RDMA support
+    return DTENJAX_ERROR(Code::kUnavailable, lib.path + " lists no RDMA device (ibv_get_device_list: " +
+                                                 std::strerror(errno) + ")");
+  }
+  for (int i = 0; i < num; ++i) {
+    const std::string name = lib.get_device_name(list[i]);
+    ibv_context* ctx = lib.open_device(list[i]);
+    if (!ctx) continue;
+    ibv_device_attr da{};
+    if (lib.query_device(ctx, &da) == 0) {
+      for (int port = 1; port <= int(da.phys_port_cnt); ++port) {
+        ibv_port_attr pa{};
+        if (lib.query_port(ctx, uint8_t(port), &pa) != 0) continue;
+        PortInfo p;
+        p.device = name;
+        p.port = port;
+        p.state = pa.state;
+        p.link_layer = pa.link_layer;
+        p.lid = pa.lid;
+        p.active_mtu = pa.active_mtu;
+        p.active_speed = pa.active_speed;
+        p.active_width = pa.active_width;
+        for (int g = 0; g < pa.gid_tbl_len && g < 32; ++g) {
+          ibv_gid gid;
+          if (lib.query_gid(ctx, uint8_t(port), g, &gid) != 0) break;
+          std::array<uint8_t, 16> raw;
+          std::memcpy(raw.data(), gid.raw, 16);
+          p.gids.push_back(raw);
+          p.gid_types.push_back(GidType(lib, ctx, port, g));
+        }
+        out->push_back(std::move(p));
+      }
+    }
+    lib.close_device(ctx);
+  }
+  lib.free_device_list(list);
   return Status::Ok();
 }
 
@@ -211,9 +380,14 @@ namespace {
 using namespace verbs;  // NOLINT
 
 constexpr size_t kSlab = 4 << 20;  // bytes of one frame slab per direction
+constexpr int kRecvDepth = 16;     // receives kept posted (one credit's worth is ever used)
+constexpr int kSendDepth = 64;
+constexpr int kCqDepth = 2 * (kRecvDepth + kSendDepth);  // every WR's completion fits
+enum WrId : uint64_t { kWrRecv = 1, kWrWrite = 2, kWrCredit = 3 };
 
-// One opened device shared by all connections of the process.
+// One opened device shared by all connections of the process, open while it has users.
 struct Device {
+  Lib lib;
   ibv_context* ctx = nullptr;
   ibv_pd* pd = nullptr;
   int port = 1;
@@ -223,32 +397,39 @@ struct Device {
   bool ethernet = false;
 };
 
-std::mutex g_dev_mu;
 Device* g_dev = nullptr;
 std::string g_want_device;  // set by SetDeviceName (DTENJAX_IB_DEVICE, read in Python)
 
-Status OpenDevice(Device** out) {
+// Opens the device (first user) or takes another reference to it.
+Status AcquireDevice(Device** out) {
+  Lib lib;
+  DTENJAX_RETURN_IF_ERROR(Functions(&lib));
   std::lock_guard<std::mutex> lock(g_dev_mu);
-  if (g_dev) { *out = g_dev; return Status::Ok(); }
-  DTENJAX_RETURN_IF_ERROR(LoadLibrary());
+  if (g_dev) {
+    ++g_dev_users;
+    *out = g_dev;
+    return Status::Ok();
+  }
   int num = 0;
-  ibv_device** list = g_lib.get_device_list(&num);
+  ibv_device** list = lib.get_device_list(&num);
   if (!list || num == 0) {
-    if (list) g_lib.free_device_list(list);
-    return DTENJAX_ERROR(Code::kUnavailable, "no RDMA device; use the TCP provider");
+    if (list) lib.free_device_list(list);
+    return DTENJAX_ERROR(Code::kUnavailable, "no RDMA device (" + lib.path + " lists none); use "
+                                             "the TCP provider");
   }
   auto dev = std::make_unique<Device>();
+  dev->lib = lib;
   for (int i = 0; i < num && !dev->ctx; ++i) {
-    if (!g_want_device.empty() && g_want_device != g_lib.get_device_name(list[i])) continue;
-    ibv_context* ctx = g_lib.open_device(list[i]);
+    if (!g_want_device.empty() && g_want_device != lib.get_device_name(list[i])) continue;
+    ibv_context* ctx = lib.open_device(list[i]);
     if (!ctx) continue;
-    if (g_lib.query_port(ctx, 1, &dev->port_attr) == 0 && dev->port_attr.state == IBV_PORT_ACTIVE) {
+    if (lib.query_port(ctx, 1, &dev->port_attr) == 0 && dev->port_attr.state == IBV_PORT_ACTIVE) {
       dev->ctx = ctx;
     } else {
-      g_lib.close_device(ctx);
+      lib.close_device(ctx);
     }
   }
-  g_lib.free_device_list(list);
+  lib.free_device_list(list);
   if (!dev->ctx) {
     return DTENJAX_ERROR(Code::kUnavailable,
                          "no RDMA device with an active port 1" +
@@ -258,27 +439,40 @@ Status OpenDevice(Device** out) {
   std::vector<GidEntry> gids;
   for (int i = 0; i < dev->port_attr.gid_tbl_len && i < 32; ++i) {
     ibv_gid g;
-    if (g_lib.query_gid(dev->ctx, 1, i, &g) != 0) break;
+    if (lib.query_gid(dev->ctx, 1, i, &g) != 0) break;
     GidEntry e;
     std::memcpy(e.raw, g.raw, 16);
-    // The GID type needs sysfs or ibv_query_gid_ex; treat IPv4-mapped GIDs as RoCE v2 candidates.
-    e.type = IsV4Mapped(g.raw) ? 1 : 0;
+    // The type from ibv_query_gid_ex where the library has it; else treat IPv4-mapped GIDs as
+    // RoCE v2 candidates (a guess: a v1 GID can hold an IPv4-mapped address too).
+    const int type = GidType(lib, dev->ctx, 1, i);
+    e.type = type >= 0 ? (type == IBV_GID_TYPE_ROCE_V2 ? 1 : 0) : (IsV4Mapped(g.raw) ? 1 : 0);
     gids.push_back(e);
   }
   dev->gid_index = SelectGidIndex(gids.data(), int(gids.size()), dev->ethernet);
   if (dev->gid_index < 0) {
-    g_lib.close_device(dev->ctx);
+    lib.close_device(dev->ctx);
     return DTENJAX_ERROR(Code::kUnavailable, "RDMA port has no usable GID");
   }
   std::memcpy(dev->gid.raw, gids[dev->gid_index].raw, 16);
-  dev->pd = g_lib.alloc_pd(dev->ctx);
+  dev->pd = lib.alloc_pd(dev->ctx);
   if (!dev->pd) {
-    g_lib.close_device(dev->ctx);
+    lib.close_device(dev->ctx);
     return DTENJAX_ERROR(Code::kUnavailable, "ibv_alloc_pd failed");
   }
   g_dev = dev.release();
+  g_dev_users = 1;
   *out = g_dev;
   return Status::Ok();
+}
+
+// Drops a reference; the last one deallocates the PD and closes the device.
+void ReleaseDevice() {
+  std::lock_guard<std::mutex> lock(g_dev_mu);
+  if (!g_dev || --g_dev_users > 0) return;
+  g_dev->lib.dealloc_pd(g_dev->pd);
+  g_dev->lib.close_device(g_dev->ctx);
+  delete g_dev;
+  g_dev = nullptr;
 }
 
 struct QpInfo {
@@ -290,8 +484,9 @@ struct QpInfo {
 };
 
 struct VerbsConn {
-  Conn* side = nullptr;  // authenticated TCP side channel (set-up, shutdown)
+  Conn* side = nullptr;  // authenticated TCP side channel (set-up; the peer's liveness after it)
   Device* dev = nullptr;
+  ibv_comp_channel* channel = nullptr;
   ibv_cq* cq = nullptr;
   ibv_qp* qp = nullptr;
   void* send_buf = nullptr;
@@ -304,14 +499,16 @@ struct VerbsConn {
   bool write_done = false;
   int64_t arrived = -1;     // bytes of a frame that arrived in recv_buf, -1 if none
   int state = kReset;
+  InFrame side_in;          // reads of the side channel: only its end is expected
 };
 
 Status Modify(VerbsConn* v, int to, ibv_qp_attr* attr) {
   DTENJAX_RETURN_IF_ERROR(CheckTransition(v->state, to));
   attr->qp_state = static_cast<ibv_qp_state>(to);
-  if (g_lib.modify_qp(v->qp, attr, TransitionMask(to)) != 0) {
+  const int rc = v->dev->lib.modify_qp(v->qp, attr, TransitionMask(to));
+  if (rc != 0) {
     return DTENJAX_ERROR(Code::kInternal, "ibv_modify_qp to state " + std::to_string(to) +
-                                              " failed: " + std::strerror(errno));
+                                              " failed: " + std::strerror(rc));
   }
   v->state = to;
   return Status::Ok();
@@ -319,18 +516,35 @@ Status Modify(VerbsConn* v, int to, ibv_qp_attr* attr) {
 
 Status PostRecv(VerbsConn* v) {
   ibv_recv_wr wr{}, *bad = nullptr;
-  wr.wr_id = 1;
-  if (ibv_post_recv(v->qp, &wr, &bad) != 0) {
-    return DTENJAX_ERROR(Code::kInternal, "ibv_post_recv failed");
+  wr.wr_id = kWrRecv;
+  if (const int rc = ibv_post_recv(v->qp, &wr, &bad)) {
+    return DTENJAX_ERROR(Code::kInternal, std::string("ibv_post_recv failed: ") + std::strerror(rc));
   }
   return Status::Ok();
 }
 
+// Acknowledges every completion event waiting on the channel (it is non-blocking).
+void ConsumeEvents(VerbsConn* v) {
+  ibv_cq* cq = nullptr;
+  void* ctx = nullptr;
+  unsigned n = 0;
+  while (v->dev->lib.get_cq_event(v->channel, &cq, &ctx) == 0) ++n;
+  if (n) v->dev->lib.ack_cq_events(v->cq, n);
+}
+
 void Destroy(VerbsConn* v) {
-  if (v->qp) g_lib.destroy_qp(v->qp);
-  if (v->cq) g_lib.destroy_cq(v->cq);
-  if (v->send_mr) g_lib.dereg_mr(v->send_mr);
-  if (v->recv_mr) g_lib.dereg_mr(v->recv_mr);
+  if (v->dev) {
+    const Lib& lib = v->dev->lib;
+    if (v->qp) lib.destroy_qp(v->qp);
+    if (v->cq) {
+      if (v->channel) ConsumeEvents(v);
+      lib.destroy_cq(v->cq);
+    }
+    if (v->channel) lib.destroy_comp_channel(v->channel);
+    if (v->send_mr) lib.dereg_mr(v->send_mr);
+    if (v->recv_mr) lib.dereg_mr(v->recv_mr);
+    ReleaseDevice();
+  }
   std::free(v->send_buf);
   std::free(v->recv_buf);
   if (v->side) TcpProvider()->close(v->side);
@@ -339,31 +553,61 @@ void Destroy(VerbsConn* v) {
 
 const Provider* VerbsProvider();
 
-// Creates the QP and MRs, swaps QpInfo over the side channel, and brings the QP to RTS.
+// The peer's process is alive while its TCP side channel is open; a dead one closed it.
+Status SideAlive(VerbsConn* v, const std::string& peer) {
+  bool progress = false;
+  Status s = TcpProvider()->recv_some(v->side, &v->side_in, &progress);
+  if (!s.ok()) {
+    Counters().peer_failures.fetch_add(1);
+    return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: lost " + peer +
+                                                 ": its TCP set-up connection closed (that process "
+                                                 "died, aborted the collective or closed its "
+                                                 "communicator)");
+  }
+  if (v->side_in.stage != InFrame::kHead || v->side_in.got) {
+    Counters().rejected_bad_header.fetch_add(1);
+    return DTENJAX_ERROR(Code::kDataLoss, "dtenjax transport: " + peer + " sent bytes on the RDMA "
+                                              "connection's set-up channel after set-up");
+  }
+  return Status::Ok();
+}
+
+// Creates the QP and MRs, swaps QpInfo over the side channel, brings the QP to RTS, and waits
+// until the peer's QP is ready to receive too.
 Status Setup(Conn* side, double deadline, Conn** out) {
   auto* v = new VerbsConn;
   v->side = side;
-  Status s = OpenDevice(&v->dev);
+  Status s = AcquireDevice(&v->dev);
   auto fail = [&](Status st) { Destroy(v); return st; };
-  if (!s.ok()) return fail(s);
+  if (!s.ok()) {
+    v->dev = nullptr;
+    return fail(s);
+  }
+  const Lib& lib = v->dev->lib;
   ibv_pd* pd = v->dev->pd;
-  v->cq = g_lib.create_cq(v->dev->ctx, 256, nullptr, nullptr, 0);
+  v->channel = lib.create_comp_channel(v->dev->ctx);
+  if (!v->channel) return fail(DTENJAX_ERROR(Code::kInternal, "ibv_create_comp_channel failed"));
+  const int flags = fcntl(v->channel->fd, F_GETFL);
+  if (flags < 0 || fcntl(v->channel->fd, F_SETFL, flags | O_NONBLOCK) != 0) {
+    return fail(DTENJAX_ERROR(Code::kInternal, "cannot make the completion channel non-blocking"));
+  }
+  v->cq = lib.create_cq(v->dev->ctx, kCqDepth, nullptr, v->channel, 0);
   if (!v->cq) return fail(DTENJAX_ERROR(Code::kInternal, "ibv_create_cq failed"));
   ibv_qp_init_attr ia{};
   ia.send_cq = v->cq;
   ia.recv_cq = v->cq;
   ia.qp_type = IBV_QPT_RC;
-  ia.cap.max_send_wr = 64;
-  ia.cap.max_recv_wr = 64;
+  ia.cap.max_send_wr = kSendDepth;
+  ia.cap.max_recv_wr = kRecvDepth;
   ia.cap.max_send_sge = 1;
   ia.cap.max_recv_sge = 1;
-  v->qp = g_lib.create_qp(pd, &ia);
+  v->qp = lib.create_qp(pd, &ia);
   if (!v->qp) return fail(DTENJAX_ERROR(Code::kInternal, "ibv_create_qp failed"));
   v->send_buf = std::aligned_alloc(4096, kSlab);
   v->recv_buf = std::aligned_alloc(4096, kSlab);
   const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
-  v->send_mr = v->send_buf ? g_lib.reg_mr(pd, v->send_buf, kSlab, access) : nullptr;
-  v->recv_mr = v->recv_buf ? g_lib.reg_mr(pd, v->recv_buf, kSlab, access) : nullptr;
+  v->send_mr = v->send_buf ? lib.reg_mr(pd, v->send_buf, kSlab, IBV_ACCESS_LOCAL_WRITE) : nullptr;
+  v->recv_mr = v->recv_buf ? lib.reg_mr(pd, v->recv_buf, kSlab, access) : nullptr;
   if (!v->send_mr || !v->recv_mr) return fail(DTENJAX_ERROR(Code::kResourceExhausted, "ibv_reg_mr failed"));
   QpInfo mine{};
   mine.qpn = v->qp->qp_num;
@@ -383,6 +627,8 @@ Status Setup(Conn* side, double deadline, Conn** out) {
   p.gid_table_len = v->dev->port_attr.gid_tbl_len;
   p.ethernet = v->dev->ethernet;
   p.mtu_bytes = 256 << (int(v->dev->port_attr.active_mtu) - 1);
+  p.max_send_wr = kSendDepth;
+  p.max_recv_wr = kRecvDepth;
   p.psn = mine.psn;
   p.dest_qpn = v->remote.qpn;
   p.dlid = v->remote.lid;
@@ -393,7 +639,7 @@ Status Setup(Conn* side, double deadline, Conn** out) {
   a.port_num = uint8_t(p.port);
   a.qp_access_flags = access;
   if (!(s = Modify(v, kInit, &a)).ok()) return fail(s);
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < kRecvDepth; ++i) {
     if (!(s = PostRecv(v)).ok()) return fail(s);
   }
   a = ibv_qp_attr{};
@@ -418,6 +664,17 @@ Status Setup(Conn* side, double deadline, Conn** out) {
   a.sq_psn = mine.psn;
   a.max_rd_atomic = 1;
   if (!(s = Modify(v, kRts, &a)).ok()) return fail(s);
+  // Both QPs receive before either writes.
+  const uint32_t ready = mine.qpn;
+  uint32_t theirs = 0;
+  s = SendSealed(side, FrameType::kControl, Descriptor{}, &ready, sizeof(ready), deadline);
+  if (s.ok()) s = RecvSealed(side, FrameType::kControl, &theirs, sizeof(theirs), deadline);
+  if (s.ok() && theirs != v->remote.qpn) {
+    s = DTENJAX_ERROR(Code::kDataLoss, "RDMA set-up with " + side->peer + ": ready message names QP " +
+                                           std::to_string(theirs) + ", expected " +
+                                           std::to_string(v->remote.qpn));
+  }
+  if (!s.ok()) return fail(s);
   auto* c = new Conn;
   c->provider = VerbsProvider();
   c->peer_rank = side->peer_rank;
@@ -438,8 +695,12 @@ bool VerbsCanConnect(const std::string& ep) {
 
 Status VerbsListen(const std::string& bind_address, Listener** out) {
   Device* d;
-  DTENJAX_RETURN_IF_ERROR(OpenDevice(&d));
-  DTENJAX_RETURN_IF_ERROR(TcpProvider()->listen(bind_address, out));
+  DTENJAX_RETURN_IF_ERROR(AcquireDevice(&d));  // held by the listener until it closes
+  Status s = TcpProvider()->listen(bind_address, out);
+  if (!s.ok()) {
+    ReleaseDevice();
+    return s;
+  }
   (*out)->provider = VerbsProvider();
   return Status::Ok();
 }
@@ -460,28 +721,40 @@ Status VerbsAccept(Listener* l, const Handshake& hs, double deadline, Conn** out
   return Setup(side, deadline, out);
 }
 
+Status WcFailed(const ibv_wc& wc, const std::string& peer) {
+  Counters().peer_failures.fetch_add(1);
+  const char* what = wc.wr_id == kWrWrite    ? "the RDMA write of a frame to"
+                     : wc.wr_id == kWrCredit ? "a credit message to"
+                                             : "a receive from";
+  return DTENJAX_ERROR(Code::kUnavailable,
+                       std::string("dtenjax transport: ") + what + " " + peer + " failed: " +
+                           WcStatusName(int(wc.status)) + " (" + WcStatusMeaning(int(wc.status)) +
+                           ")");
+}
+
 // Polls the completion queue empty, updating the connection's state.
-Status Drain(VerbsConn* v, const std::string& peer) {
+Status Drain(VerbsConn* v, const std::string& peer, bool* changed = nullptr) {
   ibv_wc wc[8];
   while (true) {
     int n = ibv_poll_cq(v->cq, 8, wc);
-    if (n < 0) return DTENJAX_ERROR(Code::kInternal, "ibv_poll_cq failed");
+    if (n < 0) {
+      Counters().peer_failures.fetch_add(1);
+      return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: ibv_poll_cq failed on the "
+                                               "completion queue of the RDMA connection to " +
+                                                   peer + " (the CQ overran or the device failed; "
+                                                   "it cannot be used any more)");
+    }
     if (n == 0) return Status::Ok();
+    if (changed) *changed = true;
     for (int i = 0; i < n; ++i) {
-      if (wc[i].status != IBV_WC_SUCCESS) {
-        Counters().peer_failures.fetch_add(1);
-        return DTENJAX_ERROR(Code::kUnavailable, "RDMA work completion with " + peer +
-                                                     " failed with status " +
-                                                     std::to_string(int(wc[i].status)) +
-                                                     " (peer died or the fabric dropped the QP)");
-      }
+      if (wc[i].status != IBV_WC_SUCCESS) return WcFailed(wc[i], peer);
       if (wc[i].opcode == IBV_WC_RDMA_WRITE) {
         v->write_done = true;
       } else if (wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
         uint32_t bytes;
         bool last;
         DecodeImm(ntohl(wc[i].imm_data), &bytes, &last);
-        if (v->arrived >= 0 || bytes > kSlab) {
+        if (v->arrived >= 0 || bytes > kSlab || wc[i].byte_len != bytes) {
           Counters().rejected_oversized.fetch_add(1);
           return DTENJAX_ERROR(Code::kDataLoss, "RDMA frame from " + peer +
                                                     " overruns the receive slab (credit violated)");
@@ -501,7 +774,7 @@ Status VerbsSendSome(Conn* c, OutFrame* f, bool* progress) {
   DTENJAX_RETURN_IF_ERROR(Drain(v, c->peer));
   if (f->done()) return Status::Ok();
   if (!v->write_posted) {
-    if (v->credits <= 0) return Status::Ok();
+    if (v->credits <= 0) return SideAlive(v, c->peer);
     if (f->total() > kSlab) {
       return DTENJAX_ERROR(Code::kInvalidArgument, "frame of " + std::to_string(f->total()) +
                                                        " bytes exceeds the RDMA slab");
@@ -512,7 +785,7 @@ Status VerbsSendSome(Conn* c, OutFrame* f, bool* progress) {
     std::memcpy(b + kSealedHeadBytes + f->payload_bytes, f->ptag, kTagBytes);
     ibv_sge sge{reinterpret_cast<uint64_t>(b), uint32_t(f->total()), v->send_mr->lkey};
     ibv_send_wr wr{}, *bad = nullptr;
-    wr.wr_id = 2;
+    wr.wr_id = kWrWrite;
     wr.sg_list = &sge;
     wr.num_sge = 1;
     wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
@@ -520,8 +793,9 @@ Status VerbsSendSome(Conn* c, OutFrame* f, bool* progress) {
     wr.imm_data = htonl(EncodeImm(uint32_t(f->total()), true));
     wr.wr.rdma.remote_addr = v->remote.addr;
     wr.wr.rdma.rkey = v->remote.rkey;
-    if (ibv_post_send(v->qp, &wr, &bad) != 0) {
-      return DTENJAX_ERROR(Code::kInternal, "ibv_post_send (RDMA WRITE WITH IMM) failed");
+    if (const int rc = ibv_post_send(v->qp, &wr, &bad)) {
+      return DTENJAX_ERROR(Code::kInternal, std::string("ibv_post_send (RDMA WRITE WITH IMM) failed: ") +
+                                                std::strerror(rc));
     }
     --v->credits;
     v->write_posted = true;
@@ -534,7 +808,11 @@ Status VerbsSendSome(Conn* c, OutFrame* f, bool* progress) {
     *progress = true;
     Counters().frames_sent.fetch_add(1);
     Counters().bytes_sent.fetch_add(f->total());
+    return Status::Ok();
   }
+  // A write in flight is the device's to finish: it completes, or fails after its retries when
+  // the peer is gone (the peer may close right after receiving this last frame, before its
+  // acknowledgement reached us, so its closed set-up channel says nothing here).
   return Status::Ok();
 }
 
@@ -542,7 +820,7 @@ Status VerbsRecvSome(Conn* c, InFrame* f, bool* progress) {
   auto* v = static_cast<VerbsConn*>(c->impl);
   *progress = false;
   DTENJAX_RETURN_IF_ERROR(Drain(v, c->peer));
-  if (v->arrived < 0) return Status::Ok();
+  if (v->arrived < 0) return SideAlive(v, c->peer);
   const uint8_t* b = static_cast<const uint8_t*>(v->recv_buf);
   if (f->stage == InFrame::kHead) {
     if (uint64_t(v->arrived) < kSealedHeadBytes + kTagBytes) {
@@ -571,29 +849,56 @@ Status VerbsRecvSome(Conn* c, InFrame* f, bool* progress) {
   Counters().bytes_received.fetch_add(kSealedHeadBytes + f->payload_bytes + kTagBytes);
   DTENJAX_RETURN_IF_ERROR(PostRecv(v));
   ibv_send_wr wr{}, *bad = nullptr;  // return the credit: a zero-length SEND
-  wr.wr_id = 3;
+  wr.wr_id = kWrCredit;
   wr.opcode = IBV_WR_SEND;
   wr.send_flags = IBV_SEND_SIGNALED;
-  if (ibv_post_send(v->qp, &wr, &bad) != 0) {
-    return DTENJAX_ERROR(Code::kInternal, "ibv_post_send (credit) failed");
+  if (const int rc = ibv_post_send(v->qp, &wr, &bad)) {
+    return DTENJAX_ERROR(Code::kInternal, std::string("ibv_post_send (credit) failed: ") +
+                                              std::strerror(rc));
   }
   return Status::Ok();
 }
 
-Status VerbsWait(const WaitItem*, int, double until) {
-  // Completions are polled (no completion channel); back off briefly instead of spinning hot.
-  if (NowSeconds() < until) std::this_thread::sleep_for(std::chrono::microseconds(20));
+// Blocks on the completion channels of the connections until a completion arrives or `until`
+// (at most 20 ms at a time, so the callers' liveness checks run). Arm first, then look: a
+// completion that lands after the look raises an event.
+Status VerbsWait(const WaitItem* items, int n, double until) {
+  pollfd pfd[4];
+  VerbsConn* conns[4];
+  int np = 0;
+  for (int i = 0; i < n && np < 4; ++i) {
+    if (!items[i].send && !items[i].recv) continue;
+    auto* v = static_cast<VerbsConn*>(items[i].conn->impl);
+    bool seen = false;
+    for (int k = 0; k < np; ++k) seen |= conns[k] == v;
+    if (seen) continue;
+    if (ibv_req_notify_cq(v->cq, 0) != 0) return Status::Ok();  // the caller's poll reports it
+    bool changed = false;
+    Status s = Drain(v, items[i].conn->peer, &changed);
+    if (!s.ok() || changed) return s;  // progress possible (or an error to report) now
+    conns[np] = v;
+    pfd[np++] = pollfd{v->channel->fd, POLLIN, 0};
+  }
+  const double left = until - NowSeconds();
+  if (np == 0 || left <= 0) return Status::Ok();
+  const int ms = int(std::min(left, 0.02) * 1000) + 1;
+  if (::poll(pfd, nfds_t(np), ms) > 0) {
+    for (int k = 0; k < np; ++k) {
+      if (pfd[k].revents) ConsumeEvents(conns[k]);
+    }
+  }
   return Status::Ok();
 }
 
 void VerbsShutdown(Conn* c) {
   auto* v = static_cast<VerbsConn*>(c->impl);
-  if (v && v->qp) {
+  if (v && v->qp && v->dev) {
     ibv_qp_attr a{};
     a.qp_state = IBV_QPS_ERR;
-    g_lib.modify_qp(v->qp, &a, IBV_QP_STATE);  // flushes the peer's outstanding work
+    v->dev->lib.modify_qp(v->qp, &a, IBV_QP_STATE);  // flushes this side's outstanding work
+    v->state = kErr;
   }
-  if (v && v->side) TcpProvider()->shutdown(v->side);
+  if (v && v->side) TcpProvider()->shutdown(v->side);  // the peer sees end-of-stream
 }
 
 void VerbsClose(Conn* c) {
@@ -606,6 +911,7 @@ void VerbsCloseListener(Listener* l) {
   if (!l) return;
   l->provider = TcpProvider();
   TcpProvider()->close_listener(l);
+  ReleaseDevice();
 }
 
 const Provider kVerbs = {"verbs", kSlab - kSealedHeadBytes - kTagBytes, VerbsCanConnect,
@@ -614,11 +920,50 @@ const Provider kVerbs = {"verbs", kSlab - kSealedHeadBytes - kTagBytes, VerbsCan
 
 const Provider* VerbsProvider() { return &kVerbs; }
 
+// --- buffer-pool registration -------------------------------------------------------------------
+Status PoolReg(void*, void* ptr, uint64_t bytes, uint64_t* handle) {
+  Device* d = nullptr;
+  DTENJAX_RETURN_IF_ERROR(AcquireDevice(&d));
+  ibv_mr* mr = d->lib.reg_mr(d->pd, ptr, size_t(bytes),
+                             IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+                                 IBV_ACCESS_REMOTE_READ);
+  if (!mr) {
+    const int e = errno;
+    ReleaseDevice();
+    return DTENJAX_ERROR(Code::kResourceExhausted, "ibv_reg_mr of " + std::to_string(bytes) +
+                                                       " bytes failed: " + std::strerror(e));
+  }
+  *handle = reinterpret_cast<uint64_t>(mr);
+  return Status::Ok();
+}
+
+void PoolDereg(void*, uint64_t handle) {
+  int (*dereg)(ibv_mr*) = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_dev_mu);
+    if (g_dev) dereg = g_dev->lib.dereg_mr;  // open: this registration holds a reference
+  }
+  if (dereg && handle) dereg(reinterpret_cast<ibv_mr*>(handle));
+  ReleaseDevice();
+}
+
 }  // namespace
 
 void verbs::SetDeviceName(const std::string& name) {
   std::lock_guard<std::mutex> lock(g_dev_mu);
   g_want_device = name;
+}
+
+int verbs::DeviceUsers() {
+  std::lock_guard<std::mutex> lock(g_dev_mu);
+  return g_dev_users;
+}
+
+RegisterHooks verbs::PoolHooks() {
+  RegisterHooks h;
+  h.reg = PoolReg;
+  h.dereg = PoolDereg;
+  return h;
 }
 
 DTENJAX_REGISTER_PROVIDER(verbs, VerbsProvider);

@@ -1,11 +1,16 @@
-// RDMA verbs provider: device-free logic, exposed so it is unit-tested on machines without an
-// RDMA device (tests/test_rdma.py through the Python bindings). The provider itself is in verbs.cc.
+// RDMA verbs provider: what the rest of the transport and the Python bindings see of it. The
+// device-free logic (transitions, masks, GID choice, validation, imm encoding) is unit-tested on
+// any machine; the data path runs in the test suite on an emulated device (tests/fakeverbs/) that
+// the provider loads in place of libibverbs (LoadLibrary). The provider itself is in verbs.cc.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "csrc/common/status.h"
+#include "csrc/transport/bufferpool.h"
 
 namespace dtenjax::transport::verbs {
 
@@ -35,7 +40,9 @@ struct QpParams {
   bool ethernet = false;
   int mtu_bytes = 4096;
   uint32_t max_send_wr = 64, max_recv_wr = 64, device_max_wr = 16384;
-  int timeout = 14, retry_cnt = 7, rnr_retry = 7, min_rnr_timer = 12;
+  // rnr_retry is finite (7 would retry forever): the credit protocol keeps a receive posted for
+  // every message, so an RNR NAK means the peer broke it, and that must end in an error.
+  int timeout = 14, retry_cnt = 7, rnr_retry = 6, min_rnr_timer = 12;
   uint32_t psn = 0, dest_qpn = 1;
   uint16_t dlid = 0;
 };
@@ -47,11 +54,41 @@ Status ValidateQpParams(const QpParams& p);
 uint32_t EncodeImm(uint32_t bytes, bool last);
 void DecodeImm(uint32_t imm, uint32_t* bytes, bool* last);
 
-// Loads libibverbs with dlopen (once); returns why not when it cannot.
-Status LoadLibrary();
+// ibv_wc_status name ("IBV_WC_REM_ACCESS_ERR") and what it means for this transport.
+const char* WcStatusName(int status);
+const char* WcStatusMeaning(int status);
+
+// Loads the verbs library with dlopen: `path` (DTENJAX_IBVERBS_LIBRARY, read by the Python side),
+// or "" for the one already loaded, else libibverbs.so.1. Another file may replace the loaded one
+// only while no device is open (a test process switching to the emulated device and back).
+Status LoadLibrary(const std::string& path = "");
+struct LibraryInfo {
+  bool loaded = false;
+  std::string path;      // the file loaded (or last tried)
+  bool emulated = false; // it exports fakeverbs_is_emulated: dtenjax's test device, not a NIC
+  std::string error;     // why it is not loaded
+};
+LibraryInfo Library();
+
+// Every port of every device the loaded library lists (opens and closes each device).
+struct PortInfo {
+  std::string device;
+  int port = 1;
+  int state = 0, link_layer = 0, lid = 0, active_mtu = 0, active_speed = 0, active_width = 0;
+  std::vector<std::array<uint8_t, 16>> gids;
+  std::vector<int> gid_types;  // ibv_gid_type (IB 0, RoCE v1 1, RoCE v2 2), -1: not reported
+};
+Status ListPorts(std::vector<PortInfo>* out);
+
 // Number of RDMA devices, or an error (library missing, no device).
 Status CountDevices(int* n);
 // The device the provider opens (DTENJAX_IB_DEVICE, read by the Python side); "" = first active.
 void SetDeviceName(const std::string& name);
+// Users of the opened device (connections, listeners, registered buffers); 0: it is closed.
+int DeviceUsers();
+
+// Buffer-pool registration through ibv_reg_mr/ibv_dereg_mr on the opened device (each
+// registration holds the device open until it is deregistered).
+RegisterHooks PoolHooks();
 
 }  // namespace dtenjax::transport::verbs

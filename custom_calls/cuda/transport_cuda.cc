@@ -71,15 +71,17 @@ ffi::Error HostAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
     return ffi::Error::InvalidArgument("dtenjax_host_all_reduce: op code " + std::to_string(op) +
                                        " is not 0..3");
   }
-  if (where.element_count() != 2) {
-    return ffi::Error::InvalidArgument("dtenjax_host_all_reduce: `where` must hold (ring position, slot)");
+  if (where.element_count() != 3) {
+    return ffi::Error::InvalidArgument(
+        "dtenjax_host_all_reduce: `where` must hold (ring position, slot, tag)");
   }
-  int32_t w[2] = {-1, -1};
+  int32_t w[3] = {-1, -1, 0};
   cudaError_t e = cudaMemcpyAsync(w, where.typed_data(), sizeof(w), cudaMemcpyDeviceToHost, stream);
-  if (e != cudaSuccess) return CudaError(e, "reading the ring position and slot");
+  if (e != cudaSuccess) return CudaError(e, "reading the ring position, slot and tag");
   const size_t bytes = x.size_bytes();
   if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return CudaError(e, "synchronising");
   const int32_t position = w[0], j = w[1];
+  const uint32_t tag = uint32_t(w[2]);
   if (j < 0 || size_t(j) >= comm_ids.size()) {
     return ffi::Error::InvalidArgument("dtenjax_host_all_reduce: device slot " + std::to_string(j) +
                                        " has no communicator");
@@ -105,11 +107,12 @@ ffi::Error HostAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
   auto done = std::make_shared<std::promise<dtenjax::Status>>();
   std::future<dtenjax::Status> result = done->get_future();
   comm->pool().Post(buf);
-  s = comm->Submit([comm, host, bytes, dt, op, site, position, done] {
+  s = comm->Submit([comm, host, bytes, dt, op, site, position, tag, done] {
     dtenjax::Status st;
     try {
       st = comm->AllReduce(host, host, bytes / tp::DTypeSize(dt), dt,
-                           static_cast<tp::ReduceOp>(op), uint32_t(uint64_t(site)), position);
+                           static_cast<tp::ReduceOp>(op), uint32_t(uint64_t(site)), position,
+                           tag);
     } catch (const std::exception& ex) {
       st = DTENJAX_ERROR(dtenjax::Code::kInternal, std::string("exception: ") + ex.what());
     }

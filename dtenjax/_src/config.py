@@ -47,13 +47,17 @@ KNOBS: dict[str, Knob] = {
         Knob("DTENJAX_TRANSPORT", "auto", "host transport provider: auto, tcp or verbs"),
         Knob("DTENJAX_IB_DEVICE", "",
              "RDMA device the verbs provider opens (default: the first with an active port)"),
+        Knob("DTENJAX_IBVERBS_LIBRARY", "libibverbs.so.1",
+             "file (name or path) the verbs provider dlopens as libibverbs; the test suite points "
+             "it at its emulated device, which is then reported as EMULATED, never as a NIC"),
         Knob("DTENJAX_LIBCRYPTO", "",
              "path of OpenSSL's libcrypto for transport authentication (default: "
              "libcrypto.so.3, then .so.1.1, then .so); without it no connection is made"),
         Knob("DTENJAX_HANDSHAKE_TIMEOUT", "10",
              "seconds an unauthenticated transport connection may take to finish its handshake"),
         Knob("DTENJAX_MAX_PENDING_HANDSHAKES", "16",
-             "unauthenticated transport connections served at once; more evict the oldest"),
+             "unauthenticated transport connections served at once; a newcomer beyond it "
+             "displaces the least advanced one or is refused (docs/transport.md)"),
         Knob("DTENJAX_TRANSPORT_SEGMENT_BYTES", str(256 << 10),
              "largest frame payload of the host ring; chunks are pipelined in segments of this "
              "size (must be equal on every process)"),

@@ -68,7 +68,9 @@ COLLECTIVE_KINDS = {
 }
 _STARTS = {f"{op}-start": op for op in COLLECTIVE_KINDS}
 _DONES = {f"{op}-done" for op in COLLECTIVE_KINDS} | {"async-done"}
-DTENJAX_TARGET_PREFIX = "dtenjax"
+# dtenjax's custom calls that are collectives (the others, such as the top-k pack kernel, are local
+# work and not listed by ``collectives``); tests/test_explain.py checks it against the targets.
+COLLECTIVE_TARGETS = ("dtenjax_p2p_all_reduce", "dtenjax_host_all_reduce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +208,9 @@ class Module:
         out.setdefault(c, (role, ins.name))
     return out
 
-  def collectives(self, custom_prefix: str = DTENJAX_TARGET_PREFIX) -> tuple[Collective, ...]:
-    """Every collective, and every custom call whose target starts with ``custom_prefix``.
+  def collectives(self, custom_targets: tuple[str, ...] = COLLECTIVE_TARGETS
+                  ) -> tuple[Collective, ...]:
+    """Every collective, including the custom calls named in ``custom_targets``.
 
     Synchronous collectives, ``<op>-start``/``<op>-done`` pairs and ``async-start`` wrappers
     around a collective each give one record, in schedule order of their computation (the entry
@@ -225,13 +228,13 @@ class Module:
       if comp is None or cname in wrapped or comp.is_fusion:
         continue
       for ins in comp.instructions:
-        rec = self._collective(ins, done_of, custom_prefix)
+        rec = self._collective(ins, done_of, custom_targets)
         if rec is not None:
           out.append(rec)
     return tuple(out)
 
   def _collective(self, ins: Instruction, done_of: dict[str, str],
-                  custom_prefix: str) -> Collective | None:
+                  custom_targets: tuple[str, ...]) -> Collective | None:
     base, inner = None, ins
     if ins.opcode in COLLECTIVE_KINDS:
       base = ins.opcode
@@ -247,7 +250,7 @@ class Module:
           break
       if base is None:
         return None
-    elif ins.opcode == "custom-call" and ins.custom_call_target.startswith(custom_prefix):
+    elif ins.opcode == "custom-call" and ins.custom_call_target in custom_targets:
       return Collective(
           kind="custom:" + ins.custom_call_target, name=ins.name, computation=ins.computation,
           operand_shapes=ins.operand_shapes, result_shape=ins.shape,

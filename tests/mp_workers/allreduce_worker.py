@@ -1,7 +1,10 @@
 """Worker: cross-process all-reduce inside jit (ring; hierarchical when devices_per_proc > 1),
 through the internal module and the PUBLIC ``dtenjax.all_reduce`` under ``jax.shard_map``,
 ``dtenjax.mesh_map`` and ``jax.set_mesh``; then phases chosen by DTENJAX_TEST_PHASES (comma list:
-correct, mismatch, kill)."""
+correct, mismatch, permuted, kill, and for the verbs provider same_bits and leaks).
+
+The provider is the environment's (DTENJAX_TRANSPORT, default auto = TCP here); the verbs tests
+set it to verbs with DTENJAX_IBVERBS_LIBRARY pointing at the emulated device (tests/fakeverbs/)."""
 
 from __future__ import annotations
 
@@ -185,11 +188,69 @@ def main():
       except Exception as e:  # pylint: disable=broad-except
         res["permuted"] = {"error": str(e)[:3000], "seconds": time.monotonic() - t0}
 
+    if "same_bits" in phases:
+      # The same jitted all-reduces over TCP and over the provider under test (fresh
+      # communicators each), float32/float64/int32/bfloat16, small and large (4 MiB: many
+      # segments): every result's bits must agree between the providers.
+      import ml_dtypes  # pylint: disable=g-import-not-at-top
+      under_test = os.environ.get("DTENJAX_TRANSPORT", "auto")
+      same = {}
+      for dtype, n in (("float32", 1000), ("float64", 333), ("int32", 4097),
+                       ("bfloat16", 7), ("bfloat16", 70001), ("float32", 1 << 20)):
+        dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+        full, arr = global_input(n + 1, n, dt)
+        shas = {}
+        for provider in ("tcp", under_test):
+          os.environ["DTENJAX_TRANSPORT"] = provider
+          # Everyone is done with the previous communicators before any closes them (a rank
+          # whose next neighbour closed early fails its collective even with nothing left to
+          # send it: comm.cc treats the end of that stream as the neighbour's death).
+          common.barrier(f"same-bits-{dtype}-{n}-{provider}")
+          hostcoll.reset()
+          before = transport.counters()["collectives"]
+          ys = rows(make(dtype)(arr))
+          shas[provider] = {"sha": [hashlib.sha256(y.tobytes()).hexdigest() for y in ys],
+                            "collectives": transport.counters()["collectives"] - before,
+                            "providers": sorted({c.provider for g in hostcoll._comm_groups.values()  # pylint: disable=protected-access
+                                                 for c in g})}
+        ref64 = full.astype(np.float64).sum(axis=0)
+        same[f"{dtype}-{n}"] = {
+            **shas, "bit_equal_ring_reference": (
+                local == 1 and all(y.tobytes() == hostcoll.reference_ring_sum(list(full)).tobytes()
+                                   for y in ys)),
+            "max_rel_err": max(float(np.max(np.abs(y.astype(np.float64) - ref64)) /
+                                     max(1.0, float(np.max(np.abs(ref64))))) for y in ys)}
+      os.environ["DTENJAX_TRANSPORT"] = under_test
+      common.barrier("same-bits-end")
+      hostcoll.reset()
+      res["same_bits"] = same
+
+    if "leaks" in phases:
+      # Communicators created and closed again leave nothing behind: descriptors, and on the
+      # emulated device every context, PD, MR, CQ, QP and completion channel.
+      from tests import fakeverbs  # pylint: disable=g-import-not-at-top
+      fake = fakeverbs.Fake() if "fakeverbs" in os.environ.get("DTENJAX_IBVERBS_LIBRARY", "") else None
+      full, arr = global_input(3, 5000, np.float32)
+      counts = []
+      for _ in range(3):
+        rows(make("float32")(arr))
+        live_open = fake.live() if fake else None
+        common.barrier("leaks-done")
+        hostcoll.reset()
+        common.barrier("leaks-cycle")
+        counts.append({"fds": fakeverbs.open_fds(), "live_open": live_open,
+                       "live_closed": fake.live() if fake else None})
+      res["leaks"] = {"cycles": counts, "fake": fake.counters() if fake else None,
+                      "last_violation": fake.last_violation() if fake else None}
+
     if "kill" in phases:
       full, arr = global_input(8, 4096, np.float32)
       f = make("float32")
       f(arr).block_until_ready()   # builds fresh communicators, one good collective
       big_full, big = global_input(9, 1 << 20, np.float32)
+      # Compiled and run once at this size first, so the 0.5 s before the kill are spent moving
+      # data, not compiling (on a loaded machine compiling alone can take longer).
+      f(big).block_until_ready()
       res["counters_before_kill"] = transport.counters()
       common.write(res)
       if rank == nprocs - 1:

@@ -7,12 +7,17 @@ import os
 
 
 def init():
+  """jax.distributed on the test's coordinator. DTENJAX_TEST_HEARTBEAT sets its
+  heartbeat_timeout_seconds (JAX's default is 100)."""
   import jax  # pylint: disable=g-import-not-at-top
+  extra = {}
+  if os.environ.get("DTENJAX_TEST_HEARTBEAT"):
+    extra["heartbeat_timeout_seconds"] = int(os.environ["DTENJAX_TEST_HEARTBEAT"])
   jax.distributed.initialize(
       coordinator_address=os.environ["DTENJAX_TEST_COORDINATOR"],
       num_processes=int(os.environ["DTENJAX_TEST_NPROCS"]),
       process_id=int(os.environ["DTENJAX_TEST_RANK"]),
-      initialization_timeout=60)
+      initialization_timeout=60, **extra)
   return jax.process_index(), jax.process_count()
 
 

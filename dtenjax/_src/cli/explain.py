@@ -37,7 +37,6 @@ import os
 import pathlib
 import re
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from dtenjax._src import errors
@@ -98,6 +97,7 @@ def parse_mesh(text: str):
 def parse_shape_args(text: str, mesh=None) -> list[Any]:
   """``'f32[8,128],f32[128]{model}'`` -> ShapeDtypeStructs (sharded over ``mesh`` if given)."""
   import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   out, problems = [], []
@@ -126,8 +126,8 @@ def parse_shape_args(text: str, mesh=None) -> list[Any]:
         problems.append(f"argument {i}: {{{axes_text}}} has {len(entries)} entries for "
                         f"{len(dims)} dimensions; give one per dimension ('-' for none)")
         continue
-      spec = []
-      for e in entries:
+      spec, ok = [], True
+      for d, e in enumerate(entries):
         if e in ("-", "", "None", "none"):
           spec.append(None)
           continue
@@ -136,7 +136,17 @@ def parse_shape_args(text: str, mesh=None) -> list[Any]:
         if unknown:
           problems.append(f"argument {i}: axis {unknown} is not in the mesh "
                           f"{list(mesh.axis_names)}")
+          ok = False
+          continue
+        parts = int(np.prod([mesh.shape[a] for a in names]))
+        if dims[d] % parts:
+          problems.append(f"argument {i}: dimension {d} of size {dims[d]} does not divide "
+                          f"into {parts} shards over {'+'.join(names)}; use a multiple of "
+                          f"{parts} or another axis")
+          ok = False
         spec.append(names[0] if len(names) == 1 else names)
+      if not ok:
+        continue
       sharding = NamedSharding(mesh, P(*spec))
     out.append(jax.ShapeDtypeStruct(dims, dtype, sharding=sharding))
   if problems:
@@ -227,12 +237,13 @@ def _rows(explanation) -> list[dict[str, Any]]:
   } for c in explanation.collectives]
 
 
-def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(
-      prog="python -m dtenjax explain",
-      description="Compile a step and list every collective it runs (kind, device groups, bytes, "
-                  "predicted time) and its compiled memory.",
-      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+HELP = "compile a step and list its collectives, device groups, bytes and memory"
+DESCRIPTION = ("Compile a step and list every collective it runs (kind, device groups, bytes, "
+               "predicted time) and its compiled memory.")
+EPILOG = __doc__.split("\n\n", 1)[1]
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("target", nargs="?", metavar="MODULE:FUNCTION",
                   help="the step to explain (default: the demo's training step)")
   src = ap.add_mutually_exclusive_group()
@@ -246,19 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                   help="predict times on a shipped topology instead of this machine's")
   ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
   ap.add_argument("--dump-hlo", metavar="FILE", help="write the optimised HLO text")
-  return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  args = build_parser().parse_args(list(argv) if argv is not None else None)
-  try:
-    return _explain(args)
-  except errors.DtenjaxError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-
-
-def _explain(args) -> int:
+def run(args: argparse.Namespace) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   from dtenjax._src.planning import explain as explain_lib  # pylint: disable=g-import-not-at-top
   from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
@@ -269,6 +270,8 @@ def _explain(args) -> int:
       raise errors.ConfigurationError(
           "--shape-args, --args and --mesh describe the arguments of your own step; name it "
           "first: python -m dtenjax explain MODULE:FUNCTION --shape-args ...")
+    from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
+    info.require("demo", "explaining the demo's step (explain without MODULE:FUNCTION)")
     fn, call_args, call_kwargs = _demo_step()
     label = "the demo's training step"
   else:
@@ -288,8 +291,14 @@ def _explain(args) -> int:
       compiled = jitted.lower(*call_args, **call_kwargs).compile()
   except TypeError as e:
     raise errors.ConfigurationError(
-        f"{label} could not be compiled with the example arguments ({e}); describe every "
-        "positional argument with --shape-args or return them from an --args factory.") from None
+        f"{label} could not be compiled with the example arguments ({_one_line(e)}); describe "
+        "every positional argument with --shape-args or return them from an --args "
+        "factory.") from None
+  except (ValueError, NameError) as e:   # jax: an axis name not in the mesh, a bad sharding
+    raise errors.ConfigurationError(
+        f"{label} could not be compiled with the example arguments: {_one_line(e)} (check "
+        "the axis names the step uses against --mesh, and that every sharded dimension "
+        "divides its mesh axes).") from None
   explanation = explain_lib.explain(compiled, topology=topology)
   print(f"== explain({label}) on {len(jax.devices())} {jax.devices()[0].platform} device(s) ==")
   print(explanation.table())
@@ -303,5 +312,7 @@ def _explain(args) -> int:
   return 0
 
 
-if __name__ == "__main__":
-  sys.exit(main())
+def _one_line(e: BaseException, limit: int = 400) -> str:
+  """JAX's message without its traceback-like tail, on one line."""
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: " + (text if len(text) <= limit else text[:limit] + " ...")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -45,6 +46,7 @@ from jax import lax
 
 from dtenjax._src import config
 from dtenjax._src import errors
+from dtenjax._src import jaxapi
 from dtenjax._src.collectives import buckets
 from dtenjax._src.collectives import fixed_point
 from dtenjax._src.collectives import reproducible as repro
@@ -60,14 +62,6 @@ AlgorithmChoice = registry.AlgorithmChoice
 
 # --- validation at the Python boundary ----------------------------------------------------------
 
-def _bound_axes() -> dict[str, int]:
-  try:
-    from jax._src import core   # private; only used to list axes in an error message
-    return dict(core.get_axis_env().axis_sizes)
-  except Exception:  # noqa: BLE001 - message quality only
-    return {}
-
-
 def check_axes(axis_name: AxisName, what: str) -> tuple[str, ...]:
   """The axis names as a tuple; raises CollectiveError naming unbound axes and the bound ones."""
   axes = base.axis_tuple(axis_name)
@@ -81,7 +75,7 @@ def check_axes(axis_name: AxisName, what: str) -> tuple[str, ...]:
     except NameError:
       bad.append(a)
   if bad:
-    bound = _bound_axes()
+    bound = jaxapi.bound_axis_sizes()
     raise errors.CollectiveError(
         f"{what}: axis name(s) {bad} are not bound here (axes in scope: "
         f"{sorted(bound) or 'none'}). Call it inside jax.shard_map / dtenjax.mesh_map over a mesh "
@@ -129,18 +123,9 @@ class _Context(NamedTuple):
 
 
 def _concrete_mesh():
-  for get in (mesh_lib.current_mesh, _jax_concrete_mesh):
-    mesh = get()
+  for mesh in (mesh_lib.current_mesh(), jaxapi.concrete_mesh()):
     if mesh is not None and getattr(mesh, "devices", np.empty(0)).size:
       yield mesh
-
-
-def _jax_concrete_mesh():
-  try:
-    from jax._src import mesh as jmesh   # private: the mesh of jax.set_mesh, Mesh() otherwise
-    return jmesh.get_concrete_mesh()
-  except (ImportError, AttributeError):
-    return None
 
 
 def _group_devices(axes: tuple[str, ...], n: int):
@@ -209,6 +194,48 @@ def _resolve(algorithm: str, call: base.Call, ctx: _Context) -> base.Algorithm:
   return registry.get(registry.resolve(algorithm, call, ctx.group, None).algorithm)
 
 
+# --- JAX's typing of collectives (varying manual axes) ------------------------------------------
+
+def _typed_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The axes of ``axes`` that carry vma types here: manual mesh axes under ``check_vma=True``.
+
+  The others (vmap axes, any axis of an unchecked shard_map or of pmap) follow pmap's rules."""
+  if not jaxapi.vma_checked():
+    return ()
+  manual = jaxapi.manual_axes()
+  return tuple(a for a in axes if a in manual)
+
+
+def _check_reduced_type(x, y, axes: tuple[str, ...], record: str):
+  """``y`` must be typed as ``lax.psum(x, axes)``; a record that is not is a dtenjax bug."""
+  want = jaxapi.vma(x) - frozenset(axes)
+  got = jaxapi.vma(y)
+  if got != want:
+    raise errors.CollectiveError(
+        f"internal error: algorithm {record!r} returned a value varying over {sorted(got)} where "
+        f"an all-reduce over {axes} must vary over {sorted(want)} (as lax.psum's result does); "
+        "please report it, and use algorithm='xla' meanwhile.")
+  return y
+
+
+def _warn_invariant_mean(leaves, typed: tuple[str, ...]) -> None:
+  """The migration trap JAX has too, said once: a mean over axes the value does not vary over."""
+  if not typed:
+    return
+  inv = [i for i, leaf in enumerate(leaves)
+         if jnp.issubdtype(leaf.dtype, jnp.inexact) and not jaxapi.vma(leaf) & set(typed)]
+  if inv:
+    config.log_once(
+        "invariant-mean",
+        f"dtenjax.all_reduce(op='mean') over {typed} got values that do not vary over those axes "
+        f"(leaves {inv[:5]}{'...' if len(inv) > 5 else ''}): the mean of n equal copies is the "
+        "value itself. If it is a gradient with respect to parameters passed with in_specs=P(), "
+        "jax.grad has already SUMMED it over the devices, so this returns n times the mean "
+        "gradient (lax.pmean does the same). Differentiate with respect to "
+        "dtenjax.compression.pvary(params, axis) (jax.lax.pcast(params, axis, to='varying')) to "
+        "get per-device gradients to average, or use the summed gradient divided by n.")
+
+
 # --- single-array all-reduce and its VJP --------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +247,7 @@ class _Spec:
   reproducible: bool
   local_axis: int | None = None
   local_size: int = 1
+  typed: tuple[str, ...] = ()     # the axes with vma types (see _typed_axes)
 
 
 def _forward(x, spec: _Spec):
@@ -233,8 +261,8 @@ def _forward(x, spec: _Spec):
   if repro_sum:
     stack = jnp.moveaxis(x, spec.local_axis, 0) if spec.local_axis is not None else x[None]
     if record.reproducible is not None:
-      return record.reproducible(stack, call)
-    return repro.all_reduce(stack, call, record)
+      return _check_reduced_type(x, record.reproducible(stack, call), spec.axes, record.name)
+    return _check_reduced_type(x, repro.all_reduce(stack, call, record), spec.axes, record.name)
   if spec.local_axis is not None:       # max / min over local contributions: exact in any order
     x = base.ordered_reduce(jnp.moveaxis(x, spec.local_axis, 0), spec.op)
   out_dtype, count = x.dtype, call.world
@@ -244,7 +272,29 @@ def _forward(x, spec: _Spec):
       y = fixed_point.ieee_divide(y, count)
     return y.astype(out_dtype)
 
-  return record.all_reduce(x, call, finish)
+  scale = _mean_scale(x.dtype, spec.op, count)
+  y = record.all_reduce(x if scale is None else x * (1 / scale), call, finish)
+  if scale is not None:
+    y = y * jnp.asarray(scale, y.dtype)
+  return _check_reduced_type(x, y, spec.axes, record.name)
+
+
+def _mean_scale(dtype, op: str, count: int) -> float | None:
+  """The power of two 2^k >= ``count`` by which a mean's inputs are divided (and its result
+  multiplied) when their sum could overflow the accumulator although the mean cannot.
+
+  Scaling by a power of two is exact, and so is the rounding of a scaled value, so the bits are
+  those of ``sum / count`` whenever neither overflows nor underflows; inputs below
+  ``2^(k - 126)`` (float32, bfloat16) lose their last k bits to the subnormal range instead
+  (an absolute error of at most ``count * 2^-150``). None when the accumulator has the room
+  (float16 sums in float32) or for non-float dtypes.
+  """
+  if op != "mean" or count <= 1 or not jnp.issubdtype(dtype, jnp.floating):
+    return None
+  acc = base.acc_dtype(dtype, op)
+  if float(jnp.finfo(acc).max) >= count * float(jnp.finfo(dtype).max):
+    return None
+  return 2.0 ** math.ceil(math.log2(count))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -261,27 +311,39 @@ def _float0_like(shape):
   return np.zeros(shape, jax.dtypes.float0)
 
 
+def _sum_untyped(ct, spec: _Spec):
+  """The cotangent summed over the axes without vma types (pmap's transpose of psum is psum);
+  over typed axes the invariant cotangent is one value and needs no communication."""
+  plain = tuple(a for a in spec.axes if a not in spec.typed)
+  if not plain:
+    return ct
+  return _forward(ct, dataclasses.replace(spec, axes=plain, op="sum", local_axis=None,
+                                          local_size=1, typed=()))
+
+
 def _ar_bwd(spec: _Spec, res, ct):
+  """The transpose of lax.psum / pmean in both of JAX's typings: over typed axes, invariant
+  cotangent -> varying (``pcast``, no communication); over untyped axes, a sum of cotangents."""
   la, k = spec.local_axis, spec.local_size
   x_shape = ct.shape if la is None else ct.shape[:la] + (k,) + ct.shape[la:]
   if ct.dtype == jax.dtypes.float0:
     return (_float0_like(x_shape),)
-  total = dataclasses.replace(spec, op="sum", local_axis=None, local_size=1)
   if spec.op in ("sum", "mean"):
-    g = _forward(ct, total)
+    g = _sum_untyped(ct, spec)
     if spec.op == "mean":
       g = g / jnp.asarray(base.axis_size(spec.axes) * k, g.dtype)
     if la is not None:
       g = jnp.broadcast_to(jnp.expand_dims(g, la), x_shape)
-    return (g,)
+    return (jaxapi.to_varying(g, spec.typed),)
   # max / min: the cotangent goes to the selected element(s), ties share equally (like jnp.max)
   x, y = res
   yb = jnp.expand_dims(y, la) if la is not None else y
   mask = ((x == yb) | (jnp.isnan(x) & jnp.isnan(yb))).astype(ct.dtype)
   count = mask if la is None else jnp.sum(mask, axis=la)
-  plain = dataclasses.replace(total, reproducible=False)
-  share = _forward(ct, plain) / _forward(count, plain)
-  return (mask * (jnp.expand_dims(share, la) if la is not None else share),)
+  plain = dataclasses.replace(spec, op="sum", local_axis=None, local_size=1, reproducible=False)
+  share = _sum_untyped(ct, plain) / _forward(count, plain)
+  return (jaxapi.to_varying(mask * (jnp.expand_dims(share, la) if la is not None else share),
+                            spec.typed),)
 
 
 _all_reduce_array.defvjp(_ar_fwd, _ar_bwd)
@@ -315,8 +377,14 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
     raise errors.CollectiveError(
         f"all_reduce: local_axis={local_axis} with op={op!r} needs reproducible=True (it is the "
         "exact sum of stacked local contributions); sum the axis yourself otherwise.")
+  typed = _typed_axes(axes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   leaves = [jnp.asarray(leaf) for leaf in leaves]
+  if op == "mean":
+    _warn_invariant_mean(leaves, typed)
+  # As lax.psum: a leaf invariant over a reduced axis is first cast to varying (so the sum of a
+  # replicated value is n times it, and its gradient is summed back by the cast's transpose).
+  leaves = [jaxapi.to_varying(leaf, typed) for leaf in leaves]
   specs = []
   for leaf in leaves:
     _check_leaf("all_reduce", leaf, op, reproducible)
@@ -327,7 +395,8 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
                                      f"shape {leaf.shape}; pass an axis of x.")
       la = local_axis % leaf.ndim
       k = leaf.shape[la]
-    specs.append(_Spec(axes, op, algorithm, bool(deterministic), bool(reproducible), la, k))
+    specs.append(_Spec(axes, op, algorithm, bool(deterministic), bool(reproducible), la, k,
+                       typed))
   if bucket_bytes is None:
     bucket_bytes = config.get_int("DTENJAX_BUCKET_BYTES")
   if len(leaves) > 1 and bucket_bytes > 0 and local_axis is None:
@@ -426,12 +495,15 @@ def _ag_bwd(s, _, ct):
 _all_gather_array.defvjp(_ag_fwd, _ag_bwd)
 
 
-def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int, op: str = "sum",
-                   algorithm: str = "auto", deterministic: bool = True,
+def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
+                   op: str = "sum", algorithm: str = "auto", deterministic: bool = True,
                    reproducible: bool = False):
   """Reduces over ``axis_name`` and leaves rank r with block r of ``scatter_dimension``.
 
-  Like ``lax.psum_scatter(..., tiled=True)``; the transpose is :func:`all_gather`.
+  The arguments and result shapes are ``lax.psum_scatter``'s: with ``tiled=False`` (the default)
+  the scattered dimension must have the axis size and is removed; with ``tiled=True`` it is split
+  into equal blocks. The result varies over ``axis_name`` (as psum_scatter's); the transpose is
+  :func:`all_gather`.
   Algorithms: "ring" (ppermute ring), "one_shot" (all_gather + ordered reduction of the owned
   block), "two_shot" (all_to_all + ordered reduction), "xla" (psum_scatter where its order is
   fixed, see ``algorithms/xla.py``), "auto". ``reproducible=True``: contract v2 -- the codes are
@@ -446,21 +518,28 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int, op: str = 
   n = base.axis_size(axes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   problems, out = [], []
+  typed = _typed_axes(axes)
   for i, leaf in enumerate(leaves):
-    leaf = jnp.asarray(leaf)
+    leaf = jaxapi.to_varying(jnp.asarray(leaf), typed)     # as lax.psum_scatter
     _check_leaf("reduce_scatter", leaf, op, reproducible)
     if not -leaf.ndim <= scatter_dimension < leaf.ndim:
       problems.append(f"leaf {i} shape {leaf.shape}: scatter_dimension={scatter_dimension} is "
                       "out of range")
       continue
     dim = scatter_dimension % leaf.ndim
+    if not tiled and leaf.shape[dim] != n:
+      problems.append(f"leaf {i} shape {leaf.shape}: with tiled=False dimension {dim} must have "
+                      f"the size {n} of axis {axis_name!r} (one slice per rank), got "
+                      f"{leaf.shape[dim]}; pass tiled=True to split it into {n} blocks")
+      continue
     if leaf.shape[dim] % n:
       problems.append(f"leaf {i} shape {leaf.shape}: dimension {dim} of size {leaf.shape[dim]} "
                       f"is not divisible by the size {n} of axis {axis_name!r}; pad it to a "
                       f"multiple of {n} or pick another scatter_dimension")
       continue
-    out.append(_reduce_scatter_array(leaf, _RSSpec(axes, op, algorithm, bool(deterministic),
-                                                   dim, reproducible=bool(reproducible))))
+    y = _reduce_scatter_array(leaf, _RSSpec(axes, op, algorithm, bool(deterministic), dim,
+                                            reproducible=bool(reproducible)))
+    out.append(y if tiled else jnp.squeeze(y, dim))
   if problems:
     raise errors.CollectiveError(errors.join_problems("reduce_scatter: bad inputs", problems))
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -478,8 +557,9 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
   axes = check_axes(axis_name, "all_gather")
   leaves, treedef = jax.tree_util.tree_flatten(x)
   out, problems = [], []
+  typed = _typed_axes(axes)
   for i, leaf in enumerate(leaves):
-    leaf = jnp.asarray(leaf)
+    leaf = jaxapi.to_varying(jnp.asarray(leaf), typed)     # as lax.all_gather
     nd = leaf.ndim if tiled else leaf.ndim + 1
     if not -nd <= axis < nd or (tiled and leaf.ndim == 0):
       problems.append(f"leaf {i} shape {leaf.shape}: axis={axis} is out of range "
@@ -509,8 +589,16 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None
   if kind not in base.KINDS:
     raise errors.CollectiveError(f"plan_all_reduce: kind={kind!r} is not one of {base.KINDS}")
   _check_common("plan_all_reduce", op, "auto")
+  given = group
+  try:
+    group = [operator.index(g) for g in group]
+  except TypeError:
+    group = []
+  if not group:
+    raise errors.CollectiveError(
+        f"plan_all_reduce: group={given!r} must list the device ids taking part, in rank order "
+        "(e.g. [d.id for d in mesh.devices.flat])")
   topology = topology if topology is not None else Topology.current()
-  group = [int(g) for g in group]
   sizes = tuple(int(s) for s in (axis_sizes or (len(group),)))
   if math.prod(sizes) != len(group):
     raise errors.CollectiveError(f"plan_all_reduce: axis_sizes={sizes} do not multiply to the "

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dtenjax._src import errors
+from dtenjax._src import jaxapi
 from dtenjax._src.collectives import fixed_point
 from dtenjax._src.collectives import fixed_point_v3 as v3
 from dtenjax._src.collectives.algorithms import base
@@ -79,7 +80,7 @@ def gather_all_reduce(stack, call: base.Call):
   """One collective: all-gather every device's ``[k, ...]`` contributions, then sum all
   ``k * world`` of them exactly on every device. Returns the call's dtype."""
   k, n = stack.shape[0], call.world
-  g = lax.all_gather(stack, call.axes) if n > 1 else stack[None]      # [n, k, ...]
+  g = jaxapi.all_gather_invariant(stack, call.axes)                   # [n, k, ...]
   return local_sum(g.reshape((n * k,) + stack.shape[1:]), call.op, call.contract)
 
 

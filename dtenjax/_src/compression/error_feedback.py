@@ -48,6 +48,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from dtenjax._src import errors
+from dtenjax._src import jaxapi
+from dtenjax._src.collectives import api as collectives
 from dtenjax._src.compression import topk
 
 PyTree = Any
@@ -249,30 +251,18 @@ def _axes(axis_name) -> tuple:
   return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def varying_axes(x) -> frozenset:
-  """The mesh axes ``x`` varies over in its type (``jax.typeof(x).vma`` in newer jax; the
-  ``manual_axis_type.varying`` field in jax 0.10 and 0.11). Empty outside shard_map and under
-  ``check_vma=False``."""
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)
-  if vma is None:
-    mat = getattr(aval, "manual_axis_type", None)
-    vma = getattr(mat, "varying", frozenset())
-  return frozenset(vma)
-
-
 def _bound(axis_name) -> bool:
   try:
     jax.lax.axis_index(axis_name)
+    return True
   except NameError:
     return False
-  return True
 
 
 def _types_tracked(axis_name) -> bool:
-  """Whether JAX tracks varying types over ``axis_name`` here: the axis index varies over its
-  axis exactly then (``jax.shard_map(check_vma=True)``; not under check_vma=False or pmap)."""
-  return set(_axes(axis_name)) <= varying_axes(jax.lax.axis_index(axis_name))
+  """Whether JAX tracks varying types over ``axis_name`` here (``jax.shard_map(check_vma=True)``;
+  not under check_vma=False, pmap or vmap)."""
+  return jaxapi.vma_checked() and set(_axes(axis_name)) <= jaxapi.manual_axes()
 
 
 def pvary(tree: PyTree, axis_name) -> PyTree:
@@ -283,14 +273,8 @@ def pvary(tree: PyTree, axis_name) -> PyTree:
   device gets its own gradient (no all-reduce) for :func:`topk_ef` to compress:
   ``g = jax.grad(loss)(pvary(params, "data"), batch)``. No-op where types are not tracked
   (``check_vma=False``, pmap)."""
-  if not _types_tracked(axis_name):
-    return tree
-
-  def one(x):
-    missing = tuple(a for a in _axes(axis_name) if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-  return jax.tree.map(one, tree)
+  axes = _axes(axis_name)
+  return jax.tree.map(lambda x: jaxapi.to_varying(x, axes), tree)
 
 
 # --- checks at the Python boundary ---------------------------------------------------------
@@ -314,7 +298,7 @@ def _check_tree(grads: PyTree, state: TopKEFState, config: TopKConfig) -> None:
           "axis_name=None to compress locally.")
     if _types_tracked(axis):
       reduced = [jax.tree_util.keystr(p) for p, g in g_paths
-                 if not set(_axes(axis)) <= varying_axes(g)]
+                 if not set(_axes(axis)) <= jaxapi.vma(g)]
       if reduced:
         raise errors.CollectiveError(
             f"top-k compression over {axis!r} got gradients that are already reduced over "
@@ -353,15 +337,6 @@ def _check_tree(grads: PyTree, state: TopKEFState, config: TopKConfig) -> None:
 
 # --- the exchange ---------------------------------------------------------------------------
 
-def _all_gather(x, axis_name):
-  """lax.all_gather whose result is typed invariant (the same on every device) where JAX can say
-  so (``to="invarying"``, jax >= 0.10), so a replicated out_spec accepts what is built from it."""
-  try:
-    return jax.lax.all_gather(x, axis_name, to="invarying")
-  except (TypeError, ValueError, NotImplementedError):
-    return jax.lax.all_gather(x, axis_name)
-
-
 def _axis_size(axis_name) -> int:
   return 1 if axis_name is None else int(jax.lax.axis_size(axis_name))
 
@@ -373,21 +348,22 @@ def _exchange(v, ratio: float, config: TopKConfig, num_devices: int):
   flat = v.reshape(-1)
   axis = config.axis_name
   if plan.mode == "dense":
-    out = flat if axis is None else jax.lax.psum(flat, axis) / num_devices
-    stay = topk._match_vma(jnp.zeros_like(flat), flat)
-    mask = topk._match_vma(jnp.ones((n,), jnp.bool_), flat)
+    # through the collectives layer: its deterministic algorithms and its typing
+    out = flat if axis is None else collectives.all_reduce(flat, axis, op="mean")
+    stay = topk.match_vma(jnp.zeros_like(flat), flat)
+    mask = topk.match_vma(jnp.ones((n,), jnp.bool_), flat)
     return out.astype(v.dtype).reshape(shape), stay.reshape(shape), mask.reshape(shape)
   idx, val, _ = topk.select(flat, plan.k, selection=config.selection,
                             sample_ratio=config.sample_ratio, bounds=config.fallback_bounds,
-                            method=config.pack)
+                            pack=config.pack)
   sent = jnp.zeros_like(flat).at[idx].set(val, mode="drop")
   mask = jnp.zeros((n,), jnp.bool_).at[idx].set(True, mode="drop")
   stay = jnp.where(mask, jnp.zeros_like(flat), flat)
   if axis is None:
     out = sent
   else:
-    all_idx = _all_gather(idx, axis)                  # [P, k], the same on every device
-    all_val = _all_gather(val, axis).astype(jnp.float32)
+    all_idx = jaxapi.all_gather_invariant(idx, _axes(axis))       # [P, k], the same everywhere
+    all_val = jaxapi.all_gather_invariant(val, _axes(axis)).astype(jnp.float32)
     acc = jnp.zeros((n,), jnp.float32)
     for r in range(num_devices):                      # fixed rank order: identical bits everywhere
       acc = acc.at[all_idx[r]].add(all_val[r], mode="drop", unique_indices=True)

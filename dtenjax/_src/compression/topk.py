@@ -29,6 +29,7 @@ import numpy as np
 
 from dtenjax._src import errors
 from dtenjax._src import ffi
+from dtenjax._src import jaxapi
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 PACK_METHODS = ("auto", "ffi", "cumsum")
@@ -123,11 +124,10 @@ def _workspace_blocks(n: int) -> int:
   return int(min(_MAX_BLOCKS, max(1, -(-tiles // 16))))
 
 
-def _match_vma(out, like):
-  """``out``, varying over the same shard_map axes as the 1-D ``like`` (ffi_call results are
-  not marked varying). Adds an empty sum of ``like``: a zero that carries its axes and folds away,
-  with no dependence on JAX's private names for that type information."""
-  return out + jnp.sum(like[:0]).astype(out.dtype)
+def match_vma(out, like):
+  """``out`` typed as varying over the same manual axes as ``like`` (a custom call's results, and
+  constants, are otherwise invariant)."""
+  return jaxapi.to_varying(out, tuple(jaxapi.vma(like)))
 
 
 def _pack_ffi(x32, threshold, k: int, platform: str):
@@ -139,7 +139,7 @@ def _pack_ffi(x32, threshold, k: int, platform: str):
     outs.append(jax.ShapeDtypeStruct((_workspace_blocks(n),), jnp.int32))
   res = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(
       x32, jnp.asarray(threshold, jnp.float32).reshape(()))
-  return tuple(_match_vma(r, x32) for r in res[:3])
+  return tuple(match_vma(r, x32) for r in res[:3])
 
 
 def pack_method(method: str = "auto") -> tuple[str, str]:
@@ -162,15 +162,18 @@ def pack_method(method: str = "auto") -> tuple[str, str]:
   return "cumsum", ""
 
 
-def pack(x, threshold, k: int, *, method: str = "auto"):
+def pack(x, threshold, k: int, *, pack: str = "auto"):  # pylint: disable=redefined-outer-name
   """(idx int32[k], val[k], count int32[]): the first k elements with |x| >= threshold.
+
+  ``pack``: "auto", "ffi" (the native kernel) or "cumsum" -- the same name and values as
+  ``TopKConfig(pack=)`` and :func:`select`.
 
   Ascending index order; unused slots hold idx = n and val = 0; ``count`` is the number of
   elements at or above the threshold (it may exceed k). NaN never passes the threshold.
   """
   x = jnp.ravel(x)
   check_dtype(x.dtype, "top-k pack")
-  kind, platform = pack_method(method)
+  kind, platform = pack_method(pack)
   x32 = x.astype(jnp.float32)
   if kind == "ffi":
     idx, val, count = _pack_ffi(x32, threshold, k, platform)
@@ -179,10 +182,13 @@ def pack(x, threshold, k: int, *, method: str = "auto"):
   return idx, val.astype(x.dtype), count
 
 
+_pack = pack   # select's ``pack`` argument shadows the function
+
+
 # --- 1 + 2 ----------------------------------------------------------------------------------
 
 def select(x, k: int, *, selection: str = "sampled", sample_ratio: float = 0.01,
-           bounds: tuple[float, float] = (0.5, 1.5), method: str = "auto"):
+           bounds: tuple[float, float] = (0.5, 1.5), pack: str = "auto"):  # pylint: disable=redefined-outer-name
   """(idx int32[k], val[k], count int32[]) of about the k largest |x|, without a full sort.
 
   ``selection="exact"`` is ``lax.top_k`` (count = k). ``"sampled"`` takes the cut from
@@ -198,14 +204,14 @@ def select(x, k: int, *, selection: str = "sampled", sample_ratio: float = 0.01,
     return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), x.dtype), jnp.int32(0)
   if selection == "exact":
     idx, val = exact_topk(x, k)
-    return idx, val, _match_vma(jnp.int32(k), x)
+    return idx, val, match_vma(jnp.int32(k), x)
   t = sample_threshold(x, k, sample_ratio=sample_ratio)
-  idx, val, count = pack(x, t, k, method=method)
+  idx, val, count = _pack(x, t, k, pack=pack)
   lo, hi = bounds
   far = (count < math.floor(lo * k)) | (count > math.ceil(hi * k))
 
   def exact(_):
     i, v = exact_topk(x, k)
-    return i, v, _match_vma(jnp.int32(k), x)
+    return i, v, match_vma(jnp.int32(k), x)
 
   return jax.lax.cond(far, exact, lambda _: (idx, val, count), None)

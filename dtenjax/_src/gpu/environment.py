@@ -7,6 +7,9 @@ otherwise dtenjax sets ``NCCL_NVLS_ENABLE=0`` at import, before NCCL creates its
 (jax creates them at the first collective it runs). On machines without NVSwitch multicast this
 changes nothing; where NVLS exists, users who prefer it set ``NCCL_NVLS_ENABLE`` themselves (then
 deterministic float sums use dtenjax's own algorithms) or ``DTENJAX_PIN_NCCL=0``.
+``dtenjax.reproducible_step`` refuses a process with several devices where NVLS is not off
+(``planning/reproducible.py``). Nothing else about NCCL is pinned: its algorithm and protocol
+choice is a static function of the topology, the sizes and the environment.
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ from jax.interpreters import mlir
 from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src import ffi
+from dtenjax._src import jaxapi
 
 ALGORITHMS: dict[str, int] = {"one_shot": 0, "two_shot": 1}
 OPS: dict[str, int] = {"sum": 0, "mean": 0, "max": 1, "min": 2}
@@ -260,13 +261,9 @@ def _concrete_mesh(ctx):
   mesh = getattr(axis_ctx, "mesh", None)
   if mesh is not None and not isinstance(mesh, jax.sharding.AbstractMesh):
     return mesh, None
-  try:   # shard_map over an abstract mesh: the one jax.set_mesh made concrete, if any
-    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    concrete = mesh_lib.get_concrete_mesh()
-    if concrete is not None and not concrete.empty:
-      return concrete, None
-  except (ImportError, AttributeError):
-    pass
+  concrete = jaxapi.concrete_mesh()   # shard_map over an abstract mesh: jax.set_mesh's, if any
+  if concrete is not None:
+    return concrete, None
   return None, (f"lowered outside a shard_map over a concrete mesh (axis context "
                 f"{type(axis_ctx).__name__}), so which GPU is which rank is unknown")
 
@@ -274,7 +271,8 @@ def _concrete_mesh(ctx):
 # --- the primitive -------------------------------------------------------------------------------
 
 _p2p_p = jex_core.Primitive("dtenjax_p2p_all_reduce")
-_p2p_p.def_abstract_eval(lambda x, **_: x)
+# Typed as lax.psum: every rank ends with the same reduced value, invariant over the axes.
+_p2p_p.def_abstract_eval(lambda x, *, axes, **_: jaxapi.reduced_type(x, axes))
 
 
 def _batch(axis_data, args, dims, **params):

@@ -32,6 +32,9 @@ class PoolConfig:
   max_buffer_bytes: int = 1 << 30
   pin: bool = True
   tenant: str = "default"
+  # "host": pinned host memory; "verbs": every buffer is an RDMA memory region (ibv_reg_mr) of
+  # the verbs provider's device, so the cache saves MR registrations.
+  registration: str = "host"
 
   def __post_init__(self):
     problems = checks.problems_of(
@@ -41,6 +44,8 @@ class PoolConfig:
         lambda: checks.name("tenant", self.tenant))
     if not isinstance(self.pin, bool):
       problems.append(f"pin={self.pin!r} must be True or False")
+    if self.registration not in ("host", "verbs"):
+      problems.append(f"registration={self.registration!r} must be 'host' or 'verbs'")
     if problems:
       raise errors.ConfigurationError(errors.join_problems("invalid PoolConfig:", problems))
 
@@ -52,8 +57,12 @@ class BufferPool:
     if not isinstance(cfg, PoolConfig):
       raise errors.ConfigurationError(f"cfg must be a PoolConfig, got {type(cfg).__name__}.")
     self.config = cfg
+    if cfg.registration == "verbs":
+      from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
+      rdma.load_library()
     self._pool = transport.native().BufferPool(cfg.max_bytes, cfg.max_buffers,
-                                               cfg.max_buffer_bytes, cfg.pin, cfg.tenant)
+                                               cfg.max_buffer_bytes, cfg.pin, cfg.tenant,
+                                               cfg.registration)
 
   @property
   def native(self):

@@ -16,13 +16,16 @@ Supported configurations, checked before tracing the custom call (others raise C
   process), stage 3 XLA's all-gather over ``inner``.
 
 Why not several devices of one process in one ring: a custom call that rendezvouses across the
-CPU devices of one process deadlocks XLA's CPU runtime (measured; see DESIGN.md). Here every custom
-call only waits for peers in other processes, and it waits asynchronously: the handler queues the
+CPU devices of one process deadlocks XLA's CPU runtime (measured: docs/architecture.md). A
+custom call here only waits for peers in other processes, and asynchronously: the handler queues the
 collective on the communicator's own thread and returns an ``xla::ffi::Future``, so XLA's threads
 are never blocked on the network. The call has side effects, so XLA keeps program order among
-them; every frame names its collective (number, op, dtype, count, call site), so processes that
-issue different collectives, or the same ones in different orders, get an error on every rank
-naming both sides, not wrong data. A dead or stalled peer makes every survivor fail within
+them; every frame names its collective (number, op, dtype, count, call site = the user call
+stack of the traced equation, and the caller's ``tag``), so processes that issue different
+collectives, or the same ones in different orders, get an error on every rank naming both sides
+and both call stacks, not wrong data. What stays undetectable: collectives identical in all of
+these, e.g. iterations of one loop without a tag (docs/reliability.md, "Look-alike
+collectives"). A dead or stalled peer makes every survivor fail within
 ``DTENJAX_COLLECTIVE_TIMEOUT`` seconds (a dead peer's sockets close at once; a stalled one times out
 and the survivors that detect it close their sockets, which wakes the rest).
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import math
 import threading
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +48,7 @@ import numpy as np
 
 from dtenjax._src import errors
 from dtenjax._src import ffi
+from dtenjax._src import jaxapi
 from dtenjax._src.net import transport
 
 TARGET = "dtenjax_host_all_reduce"
@@ -183,57 +188,82 @@ def reset() -> None:
     _comm_groups.clear()
 
 
-def _ring_call(x, position, slot, comm_ids: Sequence[int], op: str, site: int):
+def _tag_operand(tag):
+  """The tag as the int32 bit pattern of its 32-bit value (static int or traced integer)."""
+  if isinstance(tag, int):
+    return jnp.asarray(np.array(tag, np.uint32).view(np.int32))
+  return jax.lax.bitcast_convert_type(jnp.asarray(tag).astype(jnp.uint32), jnp.int32)
+
+
+def _ring_call(x, position, slot, comm_ids: Sequence[int], op: str, site: int,
+               reduced: Sequence[str], tag=0):
+  """One ring all-reduce across processes; the result is typed invariant over ``reduced`` (the
+  axes along which every participant now holds the same value), as lax.psum's would be."""
   ffi.require(TARGET, "CUDA" if jax.default_backend() == "gpu" else "cpu")
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True)
-  where = jnp.stack([jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32)])
+  where = jnp.stack([jnp.asarray(position, jnp.int32), jnp.asarray(slot, jnp.int32),
+                     _tag_operand(tag)])
+  # A custom call's operands must vary over the same axes.
+  x = jaxapi.to_varying(x, tuple(jaxapi.vma(where)))
+  where = jaxapi.to_varying(where, tuple(jaxapi.vma(x)))
+  call = jax.ffi.ffi_call(TARGET, jaxapi.reduced_struct(x, reduced), has_side_effect=True)
   return call(x, where, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(OPS[op]),
               site=np.int64(site))
 
 
 def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
-               tenant: str = "default", site: tuple[int, str] | None = None):
+               tenant: str = "default", site: tuple[int, str] | None = None, tag=None):
   """All-reduce of ``x`` over ``axis_name`` across processes, through the host transport.
 
   Call inside ``jax.shard_map`` (or ``dtenjax.mesh_map``); see the module docstring for the
   supported meshes. Deterministic: identical bits on every rank and every run. ``site`` (tag,
-  text) identifies the call site in every frame (default: the caller's source line, see
-  :func:`dtenjax._src.net.transport.call_site`).
+  text) identifies the call site in every frame (default: the caller's user call stack, see
+  :func:`dtenjax._src.net.transport.call_site`). ``tag`` tells apart collectives whose call
+  stacks are the same, e.g. the iterations of a loop: an int in [0, 2**32), an integer scalar
+  array (traced, e.g. the step number inside ``lax.fori_loop``), or a str naming the collective
+  (:func:`dtenjax._src.net.transport.tag_value`). Every process must pass the same tag for the
+  same collective; a rank that differs raises on every rank, naming both.
   """
   axes = _axes(axis_name)
   nproc, local = _check(x, axes, algorithm, op)
+  value, suffix = transport.tag_value(tag)
   if site is None:
     site = transport.call_site()
+  if suffix:
+    site = (zlib.crc32((site[1] + suffix).encode()), site[1] + suffix)
+  tag = value if value is not None else tag   # a traced tag travels as an operand
   if op == "mean":
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise errors.CollectiveError(
           f"op='mean' needs a floating dtype, got {jnp.dtype(x.dtype).name}; cast first or use "
           "op='sum'.")
-    total = all_reduce(x, axis_name, algorithm=algorithm, op="sum", tenant=tenant, site=site)
+    total = all_reduce(x, axis_name, algorithm=algorithm, op="sum", tenant=tenant, site=site,
+                       tag=tag)
     return (total / jnp.asarray(nproc * local, total.dtype)).astype(x.dtype)
   if jax.process_count() == 1:
-    return x   # one process, one device on the axis: nothing to combine
+    # one process, one device on the axes: nothing to combine (the gather of one is typed as
+    # the all-reduce's result)
+    return jaxapi.all_gather_invariant(x, axes)[0]
   comms = communicators(local, tenant)
   transport.register_site(*site)
   ids = [c.comm_id for c in comms]
-  tag = site[0]
+  site_tag = site[0]
   if algorithm == "ring":
-    return _ring_call(x, jax.lax.axis_index(axes), 0, ids, op, tag)
+    return _ring_call(x, jax.lax.axis_index(axes), 0, ids, op, site_tag, axes, tag)
   outer, inner = axes
   position = jax.lax.axis_index(outer)
   if local == 1:
-    return _ring_call(x, position, 0, ids, op, tag)
+    return _ring_call(x, position, 0, ids, op, site_tag, axes, tag)
   slot = jax.lax.axis_index(inner)
   if op != "sum":
     # max/min: reduce locally, then every slot reduces the whole array on its own ring.
     local_red = {"max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, inner)
-    return _ring_call(local_red, position, slot, ids, op, tag)
+    return _ring_call(local_red, position, slot, ids, op, site_tag, axes, tag)
   flat = x.reshape(-1)
   pad = (-flat.size) % local
   flat = jnp.pad(flat, (0, pad))
   shard = jax.lax.psum_scatter(flat.reshape(local, -1), inner, scatter_dimension=0, tiled=False)
-  shard = _ring_call(shard, position, slot, ids, op, tag)
-  full = jax.lax.all_gather(shard, inner, axis=0, tiled=False).reshape(-1)
+  shard = _ring_call(shard, position, slot, ids, op, site_tag, (outer,), tag)
+  full = jaxapi.all_gather_invariant(shard, (inner,), axis=0, tiled=False).reshape(-1)
   return full[:flat.size - pad].reshape(x.shape) if pad else full.reshape(x.shape)
 
 

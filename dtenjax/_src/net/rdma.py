@@ -1,4 +1,5 @@
-"""RDMA NIC discovery through pyverbs (the control-plane view; optional dependency).
+"""RDMA NIC discovery: pyverbs (the control-plane view; optional dependency), else the verbs
+library the provider itself loads.
 
 :func:`discover_nics` lists every port of every RDMA device with its state, link layer
 (``"InfiniBand"`` or ``"Ethernet"``, i.e. RoCE, whatever spelling or code pyverbs reports), rate,
@@ -9,15 +10,23 @@ prints, e.g. 200 for HDR 4x) and ``bandwidth_gbps`` the same in gigaBYTES per se
 module turns this into link bandwidths. The data plane (QPs, MRs, CQs) is C++ in
 csrc/transport/verbs.cc.
 
-pyverbs is optional (``pip install dtenjax[rdma]`` or Debian's python3-pyverbs). With no pyverbs,
-or no device (pyverbs raises PyverbsRDMAError rather than returning an empty list), the answer is
-an empty list and :func:`unavailable_reason` says why.
+Sources, in order: pyverbs (``pip install dtenjax[rdma]`` or Debian's python3-pyverbs; with no
+device it raises PyverbsRDMAError rather than returning an empty list: that means "no RDMA"),
+then the library the verbs provider dlopens (``DTENJAX_IBVERBS_LIBRARY``, default
+``libibverbs.so.1``). With neither, the answer is an empty list and :func:`unavailable_reason`
+says why. A library that identifies itself as dtenjax's emulated test device
+(tests/fakeverbs/) never yields NICs: its ports are listed by :func:`emulated_nics` and reported
+as EMULATED (topology notes, transport selection), so a test device is never taken for hardware.
 """
 
 from __future__ import annotations
 
 import functools
 from typing import Any
+
+from dtenjax._src import config
+from dtenjax._src import errors
+from dtenjax._src import ffi
 
 # ibv_port_state / ibv_mtu / link layer / active_width / active_speed encodings (verbs.h).
 PORT_STATES = {0: "nop", 1: "down", 2: "init", 3: "armed", 4: "active", 5: "active_defer"}
@@ -90,16 +99,99 @@ def _pyverbs():
   return dev, PyverbsRDMAError, None
 
 
+# --- the provider's own library -------------------------------------------------------------------
+
+def _native_verbs():
+  """``dtenjax._ffi.transport.verbs``, or None when this build has no verbs provider."""
+  if not ffi.is_built():
+    return None
+  return getattr(getattr(ffi.module(), "transport", None), "verbs", None)
+
+
+def load_library() -> dict[str, Any]:
+  """Loads the library the verbs provider uses (``DTENJAX_IBVERBS_LIBRARY``); returns
+  :func:`library_info`. ExtensionUnavailableError (saying why) when it cannot be loaded or the
+  build has no verbs provider; ConfigurationError when another library is still in use."""
+  v = _native_verbs()
+  if v is None:
+    raise errors.ExtensionUnavailableError(
+        "this build has no verbs provider (libibverbs-dev headers were missing when it was "
+        f"built); {ffi.BUILD_HINT}")
+  v.load(config.get_str("DTENJAX_IBVERBS_LIBRARY"))
+  return library_info()
+
+
+def library_info() -> dict[str, Any]:
+  """What the verbs provider loaded: built, loaded, path, emulated, error (never raises)."""
+  v = _native_verbs()
+  if v is None:
+    return {"built": False, "loaded": False, "path": "", "emulated": False,
+            "error": "the verbs provider is not in this build"}
+  try:
+    v.load(config.get_str("DTENJAX_IBVERBS_LIBRARY"))
+  except errors.DtenjaxError as e:
+    return {"built": True, **dict(v.library()), "loaded": False, "error": str(e)}
+  return {"built": True, **dict(v.library())}
+
+
+def _native_ports() -> tuple[list[dict[str, Any]], str | None, dict[str, Any]]:
+  """(NIC dicts, why none, library info) from the provider's library."""
+  info = library_info()
+  if not info["loaded"]:
+    return [], info["error"], info
+  try:
+    ports = list(_native_verbs().ports())
+  except errors.DtenjaxError as e:
+    return [], str(e), info
+  nics = []
+  for p in ports:
+    link = link_layer_name(p["link_layer"])
+    gids = []
+    for i, (raw, gtype) in enumerate(zip(p["gids"], p["gid_types"])):
+      text = ":".join(raw[k:k + 2].hex() for k in range(0, 16, 2))
+      if gtype < 0:   # the library cannot tell (no ibv_query_gid_ex): the provider's guess
+        gtype = 2 if text.startswith("0000:0000:0000:0000:0000:ffff:") else 1
+      gids.append({"index": i, "gid": text, "type": ROCE_V2 if gtype == 2 else "IB/RoCE v1"})
+    nics.append({
+        "name": p["device"], "port": p["port"],
+        "state": PORT_STATES.get(p["state"], str(p["state"])), "link_layer": link,
+        "active_speed": p["active_speed"], "active_width": p["active_width"],
+        "rate_gbit_s": rate_gbit_s(p["active_speed"], p["active_width"]),
+        "bandwidth_gbps": bandwidth_gbytes_s(p["active_speed"], p["active_width"]),
+        "active_mtu": MTU_BYTES.get(p["active_mtu"], 0), "lid": p["lid"],
+        "gid_index": select_gid_index(gids, link), "gids": gids,
+        "source": info["path"], "emulated": bool(info["emulated"])})
+  if not nics:
+    return [], f"{info['path']} lists no RDMA device", info
+  return nics, None, info
+
+
+@functools.cache
+def emulated_nics() -> tuple[dict[str, Any], ...]:
+  """Ports of an EMULATED device (dtenjax's test library loaded through
+  ``DTENJAX_IBVERBS_LIBRARY``): usable by the verbs provider when forced, never a NIC."""
+  nics, _, info = _native_ports()
+  return tuple(n for n in nics if n["emulated"]) if info.get("emulated") else ()
+
+
 @functools.cache
 def discover_nics() -> tuple[dict[str, Any], ...] | list[dict[str, Any]]:
-  """Every RDMA port: name, port, state, link_layer, rate_gbit_s (Gb/s), bandwidth_gbps (GB/s),
-  active_mtu, gid_index, ...
+  """Every RDMA port of real hardware: name, port, state, link_layer, rate_gbit_s (Gb/s),
+  bandwidth_gbps (GB/s), active_mtu, gid_index, source, ...
 
   Cached per process. Empty (and :func:`unavailable_reason` set) when there is no RDMA."""
   global _reason
   dev, rdma_error, why = _pyverbs()
   if dev is None:
-    _reason = why
+    nics, native_why, info = _native_ports()
+    if info.get("emulated"):
+      _reason = (f"{why}; the verbs library {info['path']} (DTENJAX_IBVERBS_LIBRARY) is dtenjax's "
+                 "EMULATED test device, not a NIC")
+      return []
+    if nics:
+      _reason = None
+      return nics
+    _reason = f"{why}; {native_why}"
     return []
   try:
     devices = dev.get_device_list()
@@ -127,6 +219,7 @@ def discover_nics() -> tuple[dict[str, Any], ...] | list[dict[str, Any]]:
               continue
             gids.append({"index": i, "gid": str(g), "type": _gid_type_name(gtype)})
           nics.append({
+              "source": "pyverbs", "emulated": False,
               "name": name, "port": port, "state": PORT_STATES.get(pa.state, str(pa.state)),
               "link_layer": link, "active_speed": pa.active_speed, "active_width": pa.active_width,
               "rate_gbit_s": rate_gbit_s(pa.active_speed, pa.active_width),
@@ -150,8 +243,9 @@ def _gid_type_name(t) -> str | None:
 
 
 def reset_cache() -> None:
-  """Forget the discovery result (tests, hot-plug)."""
+  """Forget the discovery result (tests, hot-plug, another DTENJAX_IBVERBS_LIBRARY)."""
   global _reason
   discover_nics.cache_clear()
+  emulated_nics.cache_clear()
   _pyverbs.cache_clear()
   _reason = None

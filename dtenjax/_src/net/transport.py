@@ -13,9 +13,9 @@ derived in that handshake. Both come from OpenSSL's libcrypto, loaded at run tim
 (``DTENJAX_LIBCRYPTO`` to choose the file). Without libcrypto no connection is made (fail
 closed): creating a multi-process communicator raises ExtensionUnavailableError saying so.
 
-Every collective carries (number, op, dtype, count, call site) in its frames; processes that
-issue different collectives get an error on every rank that names both sides (see
-:func:`call_site`).
+Every collective carries (number, op, dtype, count, call site, tag) in its frames; processes that
+issue different collectives get an error on every rank that names both sides and both call
+stacks (see :func:`call_site` and :func:`tag_value`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import functools
 import os
 import secrets
 import sys
+import sysconfig
 import threading
 import zlib
 from collections.abc import Callable
@@ -113,7 +114,7 @@ def hmac_sha256(key: bytes, msg: bytes) -> bytes:
   return native().hmac_sha256(bytes(key), bytes(msg))
 
 
-# --- call sites -----------------------------------------------------------------------------------
+# --- call sites and tags -------------------------------------------------------------------------
 
 def _module_dir(module) -> str:
   return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
@@ -121,7 +122,6 @@ def _module_dir(module) -> str:
 
 @functools.cache
 def _library_dirs() -> tuple[str, ...]:
-  import contextlib  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   dirs = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
           _module_dir(jax)]
@@ -130,32 +130,88 @@ def _library_dirs() -> tuple[str, ...]:
     dirs.append(_module_dir(jaxlib))
   except ImportError:  # pragma: no cover
     pass
-  return tuple(dirs) + (os.path.abspath(contextlib.__file__), os.path.abspath(functools.__file__))
+  return tuple(dirs)
 
 
-def _skip_frame(filename: str) -> bool:
+@functools.cache
+def _stdlib_dir() -> str:
+  return os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+@functools.cache
+def _trace_entry_files() -> tuple[str, ...]:
+  """jax's files where tracing starts (jit, lower, make_jaxpr; shard_map, grad inside them)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  src = os.path.join(_module_dir(jax), "_src")
+  return (os.path.join(src, "pjit.py"), os.path.join(src, "interpreters", "partial_eval.py"))
+
+
+def _is_library(filename: str) -> bool:
   if filename.startswith("<"):
     return True
-  return os.path.abspath(filename).startswith(_library_dirs())
+  path = os.path.abspath(filename)
+  if path.startswith(_library_dirs()):
+    return True
+  return path.startswith(_stdlib_dir()) and not any(
+      d in path for d in (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep))
 
 
-def call_site(depth_limit: int = 64) -> tuple[int, str]:
-  """(tag, text) of the user code that issued the current collective.
+MAX_SITE_FRAMES = 16
 
-  The first stack frame outside dtenjax and jax, as ``"function (file.py:line)"``; the tag is its
-  CRC32. Processes running the same program get the same site for the same collective, so a
-  process that skipped a collective and pairs with its peer's next one is detected even when
-  both have the same op, dtype and shape (unless both come from the same line, e.g. a loop)."""
+
+def call_site(depth_limit: int = 256) -> tuple[int, str]:
+  """(tag, text) of the user code that issued the current collective: its user call stack.
+
+  The text lists the frames outside dtenjax, jax, jaxlib and the standard library, innermost
+  first, as ``"helper (a.py:3) < body (train.py:10) < step (train.py:20)"`` (at most
+  MAX_SITE_FRAMES), and stops where jax began tracing: frames above the outermost ``jax.jit`` /
+  trace are where the function was first *called* (which may differ between processes that run
+  the same program, e.g. one lowered it for a log line), not part of the collective. The tag is
+  the text's CRC32. So one helper called from two lines gets two sites, and ranks that issue
+  them in different orders are told apart; only iterations of one loop (same stack) look the
+  same: give those a ``tag`` (see :func:`tag_value`)."""
+  frames = []
   frame = sys._getframe(1)  # pylint: disable=protected-access
-  for _ in range(depth_limit):
-    if frame is None:
-      break
-    if not _skip_frame(frame.f_code.co_filename):
-      text = (f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:"
-              f"{frame.f_lineno})")
-      return zlib.crc32(text.encode()), text
+  while frame is not None and len(frames) < depth_limit:
+    frames.append(frame)
     frame = frame.f_back
-  return 0, "unknown"
+  entry = _trace_entry_files()
+  outer = [i for i, f in enumerate(frames) if os.path.abspath(f.f_code.co_filename) in entry]
+  if outer:
+    frames = frames[:outer[-1]]
+  parts = [f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:{f.f_lineno})"
+           for f in frames if not _is_library(f.f_code.co_filename)]
+  if not parts:
+    return 0, "unknown"
+  text = " < ".join(parts[:MAX_SITE_FRAMES]) + (" < ..." if len(parts) > MAX_SITE_FRAMES else "")
+  return zlib.crc32(text.encode()), text
+
+
+def tag_value(tag) -> tuple[int | None, str]:
+  """How a collective's ``tag`` travels: (value for the header's tag field, suffix of the site).
+
+  * ``None``: no tag, (0, "").
+  * a Python int in [0, 2**32): (the int, ""); every frame carries it and the ring compares it.
+  * an integer scalar array, e.g. the traced step number inside ``lax.fori_loop``: (None, ""):
+    the caller passes the array itself, which reaches the native layer as an operand.
+  * a str naming the collective: (0, " [tag 'name']"): it joins the call site's text (so
+    messages show it) and hash.
+  Anything else raises CollectiveError naming the value."""
+  if tag is None:
+    return 0, ""
+  if isinstance(tag, str):
+    checks.name("tag", tag)
+    return 0, f" [tag {tag!r}]"
+  if isinstance(tag, (int, np.integer)) and not isinstance(tag, bool):
+    return checks.integer("tag", int(tag), 0, checks.U32_MAX,
+                          hint="an int tag travels as 32 bits; pass e.g. the step number"), ""
+  shape, dtype = getattr(tag, "shape", None), getattr(tag, "dtype", None)
+  if shape == () and dtype is not None and np.issubdtype(np.dtype(dtype), np.integer):
+    return None, ""
+  raise errors.CollectiveError(
+      f"tag={tag!r} must be None, an int in 0..2**32-1, a str, or an integer scalar array (e.g. "
+      f"the step number inside jit); got {type(tag).__name__}"
+      + (f" of shape {shape} and dtype {dtype}" if shape is not None else "") + ".")
 
 
 def register_site(tag: int, text: str) -> None:
@@ -260,18 +316,27 @@ def select_provider(nics: list[dict[str, Any]] | None = None) -> tuple[str, str]
     raise errors.ConfigurationError(
         f"DTENJAX_TRANSPORT={forced!r} is not one of {['auto', *names]}.")
   built = built_providers() if is_available() else []
+  from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
   if forced != "auto":
     if forced not in built:
       raise errors.ExtensionUnavailableError(
           f"DTENJAX_TRANSPORT={forced} but this build has no {forced} provider (built: {built}); "
           + ("install libibverbs-dev and rebuild, " if forced == "verbs" else "")
           + "or unset DTENJAX_TRANSPORT.")
-    return forced, f"DTENJAX_TRANSPORT={forced}"
+    reason = f"DTENJAX_TRANSPORT={forced}"
+    if forced == "verbs" and rdma.emulated_nics():
+      reason += " on an EMULATED device: " + _emulated_text(rdma)
+      config.log_once(f"transport:emulated:{rdma.library_info()['path']}",
+                      f"dtenjax host transport: verbs runs on an EMULATED RDMA device, not a NIC "
+                      f"({_emulated_text(rdma)})")
+    return forced, reason
   why_none = "no RDMA NIC was given"
   if nics is None:
-    from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
     nics = list(rdma.discover_nics())
     why_none = rdma.unavailable_reason() or "no RDMA device"
+    if rdma.emulated_nics():
+      why_none += ("; auto never picks the EMULATED device (" + _emulated_text(rdma) +
+                   "): set DTENJAX_TRANSPORT=verbs to run on it")
   passed_over = []
   for spec in PROVIDERS:
     if spec.name not in built:
@@ -288,7 +353,12 @@ def select_provider(nics: list[dict[str, Any]] | None = None) -> tuple[str, str]
       return spec.name, reason
     passed_over.append(f"{spec.name} is not usable: {why if nics else why_none}")
   raise errors.ExtensionUnavailableError(  # pragma: no cover - tcp is always built and usable
-      "no transport provider is usable: " + "; ".join(reasons))
+      "no transport provider is usable: " + "; ".join(passed_over))
+
+
+def _emulated_text(rdma) -> str:
+  ports = ", ".join(f"{n['name']}:{n['port']} {n['link_layer']}" for n in rdma.emulated_nics())
+  return f"{ports} from {rdma.library_info()['path']}, dtenjax's test device"
 
 
 # --- communicators --------------------------------------------------------------------------------
@@ -348,11 +418,13 @@ class Communicator:
     return (f"Communicator({self.name!r}, rank={self.rank}, size={self.size}, "
             f"tenant={self.tenant!r}, provider={self.provider!r}, id={self.comm_id})")
 
-  def all_reduce(self, x: np.ndarray, op: str = "sum", *, site: tuple[int, str] | None = None
-                 ) -> np.ndarray:
+  def all_reduce(self, x: np.ndarray, op: str = "sum", *, site: tuple[int, str] | None = None,
+                 tag: int | str | None = None) -> np.ndarray:
     """Ring all-reduce of a host array (outside jit: tests, benchmarks). Returns a new array.
 
     ``site`` (tag, text) names the call site carried in every frame; default :func:`call_site`.
+    ``tag`` (see :func:`tag_value`) tells apart collectives with the same call stack, e.g. the
+    iterations of a loop: every rank must pass the same one for the same collective.
     """
     x = np.ascontiguousarray(x)
     if x.dtype not in DTYPE_CODES:
@@ -361,12 +433,19 @@ class Communicator:
           f"{sorted(str(d) for d in DTYPE_CODES)}.")
     if op not in OP_CODES:
       raise errors.CollectiveError(f"op={op!r} is not one of {sorted(OP_CODES)}.")
-    tag, text = call_site() if site is None else site
-    register_site(tag, text)
+    value, suffix = tag_value(tag)
+    if value is None:
+      raise errors.CollectiveError("Communicator.all_reduce takes a Python int or str tag (an "
+                                   "array tag belongs inside jit: hostcoll.all_reduce).")
+    site_tag, text = call_site() if site is None else site
+    if suffix:
+      text += suffix
+      site_tag = zlib.crc32(text.encode())
+    register_site(site_tag, text)
     out = np.empty_like(x)
     try:
       self._native.all_reduce(x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8),
-                              out.size, DTYPE_CODES[x.dtype], OP_CODES[op], tag)
+                              out.size, DTYPE_CODES[x.dtype], OP_CODES[op], site_tag, value)
     except errors.ExtensionUnavailableError as e:
       raise _peer_errors(e) from None
     return out
@@ -405,7 +484,9 @@ def create_local_comm(rank: int, size: int, creds: JobCredentials, *, tenant: st
         f"transport provider {provider!r} is not in this build (built: {built}).")
   if size > 1:
     ensure_crypto()   # fail closed: raises saying libcrypto is missing and how to install it
-  if provider == "verbs" and config.get_str("DTENJAX_IB_DEVICE"):
+  if provider == "verbs":
+    from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
+    rdma.load_library()   # DTENJAX_IBVERBS_LIBRARY
     native().verbs.set_device(config.get_str("DTENJAX_IB_DEVICE"))
   comm = native().Comm(creds.job_id, rank, size, bytes(creds.secret), settings.timeout_s, tenant,
                        settings.bind_address, provider, settings.segment_bytes,
@@ -414,7 +495,9 @@ def create_local_comm(rank: int, size: int, creds: JobCredentials, *, tenant: st
 
 
 def connect(comm: Communicator, next_endpoint: str) -> None:
-  """Connects ``comm`` to the next rank's endpoint and accepts the previous rank (blocking)."""
+  """Connects ``comm`` to the next rank's endpoint and accepts the previous rank (blocking), then
+  checks the whole ring (a one-element all-reduce, collective #0). Once per communicator: after a
+  failure every rank of the ring raises with the first cause, and a second call raises too."""
   checks.name("next_endpoint", next_endpoint)
   try:
     comm._native.connect_ring(next_endpoint)  # pylint: disable=protected-access
@@ -444,11 +527,31 @@ def create_communicator(name: str, *, rank: int | None = None, size: int | None 
   comm = create_local_comm(rank, size, creds, tenant=tenant, provider=provider,
                            timeout_s=timeout_s, name=name)
   if size > 1:
+    namespace = f"transport-{name}-{use}"
     try:
-      eps = store.exchange(f"transport-{name}-{use}", rank, size, comm.endpoint,
-                           timeout_s=timeout_s)
+      try:
+        eps = store.exchange(namespace, rank, size, comm.endpoint, timeout_s=timeout_s)
+      except errors.CollectiveTimeoutError as e:
+        raise _missing_ranks_error(store, namespace, name, size, e) from e
       connect(comm, eps[(rank + 1) % size])
     except BaseException:
       comm.close()
       raise
   return comm
+
+
+def _missing_ranks_error(store: kvstore.KVStore, namespace: str, name: str, size: int,
+                         cause: errors.CollectiveTimeoutError) -> errors.CollectiveTimeoutError:
+  """Which processes did not join ring ``name``, and what that usually means."""
+  try:
+    published = {k.rsplit("/", 1)[-1] for k in store.dir(store.key(namespace))}
+    missing = [r for r in range(size) if str(r) not in published]
+  except errors.DtenjaxError:
+    missing = []
+  who = f"processes {missing}" if missing else "some processes"
+  return errors.CollectiveTimeoutError(
+      f"host-transport ring {name!r}: {who} did not join it (they did not publish an endpoint "
+      f"within the timeout: {cause}). They died, are slower than DTENJAX_COLLECTIVE_TIMEOUT, or "
+      "run a different program: e.g. they issued this all_reduce with another algorithm= (every "
+      "process must choose the same one; a process running XLA's own collective instead waits "
+      "there, where dtenjax cannot interrupt it) or skipped it.")

@@ -11,8 +11,10 @@ An estimate adds three kinds of terms, all data rather than code:
   ``tpu``): one XLA collective op beyond its link latency (dispatch, rendezvous, NCCL launch), one
   extra elementwise pass, one NVLink p2p kernel, one host-transport step, the memory bandwidth of
   local passes, and the throughput of the fixed-point conversion. :data:`BACKEND_COSTS` holds the
-  defaults; a JSON file named by ``DTENJAX_COST_PARAMS`` (``{"gpu": {"xla_collective_us": 21.0}}``)
-  overrides fields, so calibrating from measurements never touches code.
+  defaults; a JSON file named by ``DTENJAX_COST_PARAMS`` (``{"format": "dtenjax.cost-params/1",
+  "gpu": {"xla_collective_us": 21.0}}``, dtenjax/schemas/cost-params-1.schema.json; a file without
+  "format" is read as that format) overrides fields, so calibrating from measurements never
+  touches code.
 * **local memory traffic** -- bytes read and written by each op / local bandwidth.
 
 For ``n`` participants, ``N`` bytes per participant, slowest link ``a``/``b``, ``h`` = 1 inside a
@@ -26,7 +28,8 @@ local seconds per byte, the all-reduce formulas are:
                        two-level ring
 ``one_shot``           all-gather + fold: ``L + h a + (n-1) N b + P + 2 n N m``
 ``two_shot``           all-to-all, fold, all-gather: ``2L + 2 h a + 2(n-1)/n N b + P + 3 N m``
-``ring``               ``2(n-1)(L + a + N/n b) + (n-1) P + 3 N m``
+``ring``               ``(n-1)(L + a + N/n b) + (n-1) P`` (ppermute reduce-scatter) + an XLA
+                       all-gather ``L + h a + (n-1)/n N b`` + ``3 N m``
 ``hierarchical``       3 XLA ops: reduce-scatter in islands, one-shot across, all-gather in islands
 ``nvlink_one_shot``    ``K + 2a + (n-1) N b + (n+1) N m``
 ``nvlink_two_shot``    ``K + 4a + 2(n-1)/n N b + 3 N m``
@@ -40,8 +43,8 @@ local seconds per byte, the all-reduce formulas are:
 The model ranks algorithms; it does not promise microseconds. The ``cpu`` defaults were fitted to
 ``python bench/collectives.py --sizes 64,8K,1M --chain 32 --reps 9 --stat min`` on the 2-core
 CI VM with 8 simulated devices (docs/collectives.md gives the command and the times); the ``gpu``
-defaults come from the 2 x H200 figures in DESIGN.md and are meant to be recalibrated from
-``bench/allreduce.py`` through ``DTENJAX_COST_PARAMS``.
+defaults come from the 2 x H200 measurements in docs/benchmarks.md and are meant to be
+recalibrated from ``bench/allreduce.py`` through ``DTENJAX_COST_PARAMS``.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ class BackendCosts:
 
 # Defaults. cpu: fitted on the 2-core CI VM with 8 simulated devices (see the module docstring;
 # psum 82 us at 64 B and 1.6 ms at 1 MiB, minimum over repetitions; host_step_us not measured);
-# gpu: the 2 x H200 measurements in DESIGN.md (psum ~19-28 us at 8 KB-1 MB, the NVLink one-shot
+# gpu: the 2 x H200 measurements in docs/benchmarks.md (psum ~19-28 us at 8 KB-1 MB, the NVLink one-shot
 # kernel ~9.5 us at 8 KB; fixed_point_gbps not measured); tpu: unmeasured placeholders.
 BACKEND_COSTS: Mapping[str, BackendCosts] = {
     "cpu": BackendCosts(xla_collective_us=80.0, local_pass_us=5.0, local_bandwidth_gbps=1.35,
@@ -110,6 +113,9 @@ BACKEND_COSTS: Mapping[str, BackendCosts] = {
     "tpu": BackendCosts(xla_collective_us=10.0, local_pass_us=3.0, local_bandwidth_gbps=None,
                         nvlink_kernel_us=INF, host_step_us=INF, fixed_point_gbps=500.0),
 }
+
+
+COST_PARAMS_FORMAT = "dtenjax.cost-params/1"
 
 
 def _overrides(path: str) -> dict[str, dict[str, float]]:
@@ -139,12 +145,21 @@ def _read_overrides(path: str, mtime_ns: int, size: int) -> dict[str, dict[str, 
   if not isinstance(data, dict):
     problems.append(f"the top level must be an object keyed by platform, got {type(data).__name__}")
     data = {}
+  data = dict(data)
+  fmt = data.pop("format", COST_PARAMS_FORMAT)
+  if fmt != COST_PARAMS_FORMAT:
+    problems.append(f"format {fmt!r} is not {COST_PARAMS_FORMAT!r}, the one this dtenjax reads" +
+                    (" (written by a newer dtenjax?)" if str(fmt).startswith("dtenjax.") else ""))
   for platform, values in data.items():
     if not isinstance(values, dict):
       problems.append(f"{platform!r} must map field names to numbers")
       continue
     problems += [f"{platform}.{k} is not a BackendCosts field (fields: {sorted(fields)})"
                  for k in values if k not in fields]
+    problems += [f"{platform}.{k} = {v!r} must be a number" + (" or null" if k ==
+                 "local_bandwidth_gbps" else "") for k, v in values.items()
+                 if k in fields and not (isinstance(v, (int, float)) and not isinstance(v, bool))
+                 and not (v is None and k == "local_bandwidth_gbps")]
   if problems:
     raise errors.ConfigurationError(errors.join_problems(
         f"DTENJAX_COST_PARAMS={path!r} is invalid:", problems))
@@ -263,9 +278,10 @@ def _ar_two_shot(t: _Terms, N: float) -> float:
 
 
 def _ar_ring(t: _Terms, N: float) -> float:
-  """2(n - 1) ppermutes of N/n and n - 1 adds of N/n."""
-  steps = 2 * (t.n - 1)
-  return steps * (t.L + t.a + N / t.n * t.b) + (t.n - 1) * t.P + 3 * N * t.m
+  """n - 1 ppermutes of N/n, each followed by an add of N/n, then one all-gather of N/n each."""
+  steps = t.n - 1
+  gather = t.L + t.hops * t.a + (t.n - 1) / t.n * N * t.b
+  return steps * (t.L + t.a + N / t.n * t.b) + steps * t.P + gather + 3 * N * t.m
 
 
 def _ar_hierarchical(t: _Terms, N: float) -> float:

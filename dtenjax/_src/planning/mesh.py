@@ -33,6 +33,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
+from dtenjax._src import jaxapi
 from dtenjax._src.topology.model import Topology
 
 _current_mesh: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
@@ -86,19 +87,21 @@ def order_devices(devices: Sequence[Any], topology: Topology | None = None) -> l
   return sorted(devices, key=lambda d: topology.hierarchy_key(d.id))
 
 
-def make_mesh(shape: Sequence[int], axis_names: Sequence[str], topology: Topology | None = None,
-              devices: Sequence[Any] | None = None, *, axis_types=None) -> Mesh:
-  """A ``jax.sharding.Mesh`` of ``shape`` whose inner axes stay on the fastest links.
+def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], axis_types=None, *,
+              devices: Sequence[Any] | None = None, topology: Topology | None = None) -> Mesh:
+  """A ``jax.sharding.Mesh`` of ``axis_shapes`` whose inner axes stay on the fastest links.
+
+  The signature of ``jax.make_mesh`` plus ``topology``.
 
   Args:
-    shape: mesh axis sizes, outermost first; their product must equal the device count.
+    axis_shapes: mesh axis sizes, outermost first; their product must equal the device count.
     axis_names: one name per axis.
-    topology: the topology to order by; default ``Topology.current()``.
-    devices: devices to use; default ``jax.devices()``.
     axis_types: ``jax.sharding.AxisType`` for every axis (``AxisType.Explicit``, say) or a tuple
       of one per axis; default all ``Auto`` (``jax.make_mesh``'s default is Explicit).
+    devices: devices to use; default ``jax.devices()``.
+    topology: the topology to order by; default ``Topology.current()``.
   """
-  shape = tuple(shape)
+  shape = tuple(axis_shapes)
   axis_names = tuple(axis_names)
   _check_axes(shape, axis_names)
   types = _axis_types(axis_types, len(shape))
@@ -135,11 +138,7 @@ def jax_context_mesh() -> Mesh | None:
     mesh = jax.sharding.get_mesh()
   except ValueError:
     # Inside jit, jax.sharding.get_mesh refuses; the concrete mesh is still in jax's context.
-    try:
-      from jax._src import mesh as jax_mesh  # pylint: disable=g-import-not-at-top
-      mesh = jax_mesh.get_concrete_mesh()
-    except (ImportError, AttributeError):  # pragma: no cover - a jax that moved it
-      return None
+    mesh = jaxapi.concrete_mesh()
   if mesh is None or not isinstance(mesh, Mesh) or mesh.empty:
     return None
   return mesh
@@ -251,25 +250,44 @@ def _bind(f: Callable, mesh: Mesh) -> Callable:
   return body
 
 
-def mesh_map(f: Callable, mesh: Mesh | Sequence[int] | None = None, in_specs: Any = P(),
-             out_specs: Any = P(), check_vma: bool = True) -> Callable:
+_INFER = object()   # in_specs not given: jax.shard_map's own default (inferred from Explicit axes)
+
+
+def mesh_map(f: Callable | None = None, mesh: Mesh | Sequence[int] | None = None, *,
+             out_specs: Any = P(), in_specs: Any = _INFER, axis_names=frozenset(),
+             check_vma: bool = True) -> Callable:
   """Runs ``f`` once per device on its shard, like ``pmap`` but over a (multi-axis) mesh.
 
-  A thin, validated layer over ``jax.shard_map`` with the same meaning: ``check_vma`` defaults to
-  True as in ``jax.shard_map``, so values from ``in_specs=P()`` are invariant across devices and
-  ``jax.grad`` with respect to them already sums the per-device gradients (an all-reduce). Pass
-  ``check_vma=False`` for pmap's meaning (per-device gradients, no checks), or keep True and cast
-  the replicated inputs to varying (``jax.lax.pcast(params, axis, to="varying")``).
+  A thin, validated layer over ``jax.shard_map`` with its keyword arguments and meaning
+  (``in_specs`` may be left out where jax infers it, on Explicit axes; ``axis_names`` makes only
+  those axes manual; without ``f`` it returns a decorator). ``mesh`` may also be a shape such as
+  ``(2, 4)`` or None (the context mesh). ``check_vma`` defaults to True as in ``jax.shard_map``:
+  values from ``in_specs=P()`` are invariant across devices, ``jax.grad`` with respect to them
+  already sums the per-device gradients, and dtenjax's collectives are typed as lax's (an
+  ``all_reduce`` result is invariant over its axes, so ``out_specs=P()`` accepts it). Pass
+  ``check_vma=False`` for pmap's meaning (per-device gradients, no checks).
 
   Composes with ``jit``, ``grad`` and ``vmap``; inside ``f``, mesh axis names are bound for
   collectives (``dtenjax.all_reduce(x, "x")``), and :func:`current_mesh` returns the concrete mesh
   so the cost model knows which devices take part.
   """
+  if f is None:
+    return functools.partial(mesh_map, mesh=mesh, out_specs=out_specs, in_specs=in_specs,
+                             axis_names=axis_names, check_vma=check_vma)
   mesh = as_mesh(mesh)
-  _check_specs(mesh, in_specs, "in_specs")
+  if in_specs is not _INFER:
+    _check_specs(mesh, in_specs, "in_specs")
   _check_specs(mesh, out_specs, "out_specs")
-  return jax.shard_map(_bind(f, mesh), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                       check_vma=check_vma)
+  unknown = sorted(set(axis_names) - set(mesh.axis_names), key=str)
+  if unknown:
+    raise errors.MeshError(f"axis_names={set(axis_names)!r} names {unknown}, which mesh "
+                           f"{dict(mesh.shape)} does not have; use its axis names "
+                           f"{tuple(mesh.axis_names)}.")
+  kwargs = dict(mesh=mesh, out_specs=out_specs, axis_names=frozenset(axis_names),
+                check_vma=check_vma)
+  if in_specs is not _INFER:
+    kwargs["in_specs"] = in_specs
+  return jax.shard_map(_bind(f, mesh), **kwargs)
 
 
 # --- pmap -------------------------------------------------------------------------------------
@@ -304,33 +322,45 @@ def _leaf_axes(axes, tree, what: str) -> list:
   return out
 
 
-def pmap(f: Callable, axis_name: str = "i", *, in_axes: Any = 0, out_axes: Any = 0,
+_PMAP_AXIS = "_dtenjax_pmap"     # the mesh axis of pmap(axis_name=None): not nameable by f
+
+
+def pmap(f: Callable, axis_name: str | None = None, *, in_axes: Any = 0, out_axes: Any = 0,
          static_broadcasted_argnums: int | Sequence[int] = (),
-         donate_argnums: int | Sequence[int] = (),
-         devices: Sequence[Any] | None = None) -> Callable:
+         devices: Sequence[Any] | None = None, backend: str | None = None,
+         axis_size: int | None = None,
+         donate_argnums: int | Sequence[int] = ()) -> Callable:
   """``jax.pmap`` over a dtenjax mesh: maps ``f`` over one axis of its arguments.
 
   The same arguments as ``jax.pmap`` and the same meaning:
 
+  * ``axis_name``: the name collectives inside ``f`` use for the mapped axis (None: no name).
   * ``in_axes``: an int, None, or a tuple with one entry per positional argument (entries of
     static arguments are ignored), each a pytree prefix of its argument. An int is the mapped axis
-    (negative counts from the end), which must have one slice per device; None broadcasts the
-    argument to every device unchanged (scalars, unreplicated params). Keyword arguments are
-    mapped over axis 0, as in ``jax.pmap``.
+    (negative counts from the end); None broadcasts the argument to every device unchanged
+    (scalars, unreplicated params). Keyword arguments are mapped over axis 0, as in ``jax.pmap``.
+  * the mapped size: the length of the mapped axes (all equal), or ``axis_size`` when nothing is
+    mapped; it takes that many of ``devices`` (default ``jax.devices(backend)``), which must
+    hold enough.
   * ``out_axes``: where the device axis goes in each output (an int, None or a pytree prefix of
     the outputs); None returns a value every device holds (device 0's, unchecked, as in pmap).
   * ``static_broadcasted_argnums``: positions of hashable Python arguments passed to ``f`` as
     they are; a new value compiles again.
   * ``donate_argnums``: positions whose buffers the step may reuse for its outputs.
 
-  Inside ``f``, ``axis_name`` is bound for collectives and :func:`current_mesh` is the mesh. Like
-  ``jax.pmap`` there is no varying-type check (``check_vma=False``): the gradient with respect to
-  an unmapped (``in_axes=None``) argument is this device's own, not a sum over devices. Built on
-  ``jax.jit`` and ``jax.shard_map`` over :func:`make_mesh`'s topology-ordered 1D mesh.
+  The result also has ``.lower(*args, **kwargs)``, as a jitted function does. Inside ``f``,
+  ``axis_name`` is bound for collectives and :func:`current_mesh` is the mesh. Like ``jax.pmap``
+  there is no varying-type check (``check_vma=False``): the gradient with respect to an unmapped
+  (``in_axes=None``) argument is this device's own, not a sum over devices. Built on ``jax.jit``
+  and ``jax.shard_map`` over :func:`make_mesh`'s topology-ordered 1D mesh of the first devices.
   """
-  devices = list(jax.devices() if devices is None else devices)
-  n = len(devices)
-  mesh = make_mesh((n,), (axis_name,), devices=devices)
+  if axis_name is not None and not isinstance(axis_name, str):
+    raise errors.ConfigurationError(f"pmap: axis_name={axis_name!r} must be a string or None")
+  if axis_size is not None and (not isinstance(axis_size, (int, np.integer))
+                                or isinstance(axis_size, bool) or axis_size < 1):
+    raise errors.ConfigurationError(f"pmap: axis_size={axis_size!r} must be a positive int")
+  devices = list(jax.devices(backend) if devices is None else devices)
+  name = _PMAP_AXIS if axis_name is None else axis_name
   static = _argnums(static_broadcasted_argnums, "static_broadcasted_argnums")
   donate = _argnums(donate_argnums, "donate_argnums")
   clash = sorted(set(static) & set(donate))
@@ -361,12 +391,13 @@ def pmap(f: Callable, axis_name: str = "i", *, in_axes: Any = 0, out_axes: Any =
       axes = (in_axes,) * len(dyn_idx)
     return stat, dyn_idx, axes
 
-  def check(args, kwargs):
+  def mapped_size(args, kwargs) -> int:
+    """The size of the mapped axis (checked on every mapped leaf)."""
     _, dyn_idx, axes = split(args)
     dyn = tuple(args[i] for i in dyn_idx)
     leaves = jax.tree.leaves((dyn, kwargs))
     leaf_axes = _leaf_axes(axes, dyn, "in_axes") + [0] * len(jax.tree.leaves(kwargs))
-    problems = []
+    problems, sizes = [], []
     for i, (leaf, ax) in enumerate(zip(leaves, leaf_axes)):
       if ax is None:
         continue
@@ -374,55 +405,73 @@ def pmap(f: Callable, axis_name: str = "i", *, in_axes: Any = 0, out_axes: Any =
       if not -len(shape) <= ax < len(shape):
         problems.append(f"argument leaf {i} has shape {shape}; in_axes {ax} is not one of its "
                         f"axes (use in_axes=None to give every device the whole value)")
-      elif shape[ax] != n:
-        problems.append(f"argument leaf {i} has shape {shape}; its mapped axis {ax} must be "
-                        f"{n} (one slice per device), or use in_axes=None to broadcast it")
+      else:
+        sizes.append((i, shape, shape[ax]))
+    n = axis_size if axis_size is not None else (sizes[0][2] if sizes else None)
+    if n is None and not problems:
+      problems.append("no argument is mapped (every in_axes is None); pass axis_size= to say "
+                      "over how many devices to run")
+    for i, shape, size in sizes:
+      if n is not None and size != n:
+        problems.append(f"argument leaf {i} has shape {shape}; its mapped axis has size {size} "
+                        f"but the mapped size is {n}" + (" (axis_size)" if axis_size else "")
+                        + ": every mapped axis must have the same size")
+    if n is not None and n > len(devices):
+      problems.append(f"the mapped size {n} exceeds the {len(devices)} devices available "
+                      f"({devices[0].platform if devices else 'none'}); map over at most "
+                      f"{len(devices)} slices or pass devices=[...]")
     if problems:
       raise errors.MeshError(errors.join_problems("dtenjax.pmap:", problems))
+    return int(n)
 
-  def run(*args, **kwargs):
-    _, dyn_idx, axes = split(args)
-    dyn = tuple(args[i] for i in dyn_idx)
-    leaves, treedef = jax.tree.flatten((dyn, kwargs))
-    leaf_axes = _leaf_axes(axes, dyn, "in_axes") + [0] * len(jax.tree.leaves(kwargs))
-    moved = [x if ax is None else jnp.moveaxis(x, ax, 0) for x, ax in zip(leaves, leaf_axes)]
-    in_specs = tuple(P() if ax is None else P(axis_name) for ax in leaf_axes)
-    traced = []      # (output treedef, per-leaf out axis), recorded while f is traced
+  @functools.lru_cache(maxsize=None)
+  def compiled(n: int):
+    mesh = make_mesh((n,), (name,), devices=devices[:n])
 
-    def per_device(*local):
-      local = [x if ax is None else x[0] for x, ax in zip(local, leaf_axes)]
-      d, kw = jax.tree.unflatten(treedef, local)
-      full = list(args)
-      for i, v in zip(dyn_idx, d):
-        full[i] = v
-      out = f(*full, **kw)
-      o_leaves, o_tree = jax.tree.flatten(out)
-      o_axes = _leaf_axes(out_axes, out, "out_axes")
-      traced.append((o_tree, o_axes))
-      mapped = [jnp.asarray(o)[None] for o, ax in zip(o_leaves, o_axes) if ax is not None]
-      unmapped = [o for o, ax in zip(o_leaves, o_axes) if ax is None]
-      return mapped, unmapped
+    def run(*args, **kwargs):
+      _, dyn_idx, axes = split(args)
+      dyn = tuple(args[i] for i in dyn_idx)
+      leaves, treedef = jax.tree.flatten((dyn, kwargs))
+      leaf_axes = _leaf_axes(axes, dyn, "in_axes") + [0] * len(jax.tree.leaves(kwargs))
+      moved = [x if ax is None else jnp.moveaxis(x, ax, 0) for x, ax in zip(leaves, leaf_axes)]
+      in_specs = tuple(P() if ax is None else P(name) for ax in leaf_axes)
+      traced = []      # (output treedef, per-leaf out axis), recorded while f is traced
 
-    # Mapped outputs come back stacked along a new axis 0, unmapped ones as device 0 has them.
-    mapped, unmapped = jax.shard_map(
-        _bind(per_device, mesh), mesh=mesh, in_specs=in_specs, out_specs=(P(axis_name), P()),
-        check_vma=False)(*moved)
-    o_tree, o_axes = traced[-1]
-    mapped, unmapped = iter(mapped), iter(unmapped)
-    outs = []
-    for ax in o_axes:
-      if ax is None:
-        outs.append(next(unmapped))
-      else:
-        o = next(mapped)
-        outs.append(jnp.moveaxis(o, 0, ax if ax >= 0 else ax + o.ndim))
-    return jax.tree.unflatten(o_tree, outs)
+      def per_device(*local):
+        local = [x if ax is None else x[0] for x, ax in zip(local, leaf_axes)]
+        d, kw = jax.tree.unflatten(treedef, local)
+        full = list(args)
+        for i, v in zip(dyn_idx, d):
+          full[i] = v
+        out = f(*full, **kw)
+        o_leaves, o_tree = jax.tree.flatten(out)
+        o_axes = _leaf_axes(out_axes, out, "out_axes")
+        traced.append((o_tree, o_axes))
+        mapped = [jnp.asarray(o)[None] for o, ax in zip(o_leaves, o_axes) if ax is not None]
+        unmapped = [o for o, ax in zip(o_leaves, o_axes) if ax is None]
+        return mapped, unmapped
 
-  jitted = jax.jit(run, static_argnums=static, donate_argnums=donate)
+      # Mapped outputs come back stacked along a new axis 0, unmapped ones as device 0 has them.
+      mapped, unmapped = jax.shard_map(
+          _bind(per_device, mesh), mesh=mesh, in_specs=in_specs, out_specs=(P(name), P()),
+          check_vma=False)(*moved)
+      o_tree, o_axes = traced[-1]
+      mapped, unmapped = iter(mapped), iter(unmapped)
+      outs = []
+      for ax in o_axes:
+        if ax is None:
+          outs.append(next(unmapped))
+        else:
+          o = next(mapped)
+          outs.append(jnp.moveaxis(o, 0, ax if ax >= 0 else ax + o.ndim))
+      return jax.tree.unflatten(o_tree, outs)
+
+    return jax.jit(run, static_argnums=static, donate_argnums=donate)
 
   @functools.wraps(f)
   def wrapper(*args, **kwargs):
-    check(args, kwargs)
-    return jitted(*args, **kwargs)
+    return compiled(mapped_size(args, kwargs))(*args, **kwargs)
 
+  wrapper.lower = lambda *args, **kwargs: compiled(mapped_size(args, kwargs)).lower(*args,
+                                                                                     **kwargs)
   return wrapper

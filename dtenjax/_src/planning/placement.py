@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,7 +37,9 @@ from dtenjax._src.planning import planner
 from dtenjax._src.topology.model import Topology
 
 STRATEGIES = ("auto", "replicate", "row", "col", "2d")
-MEMORY_KINDS = {"device": "device", "pinned": "pinned_host", "unpinned": "unpinned_host"}
+# jax's memory kinds, and the short names dtenjax also accepts for them.
+MEMORY_KINDS = {"device": "device", "pinned_host": "pinned_host", "unpinned_host": "unpinned_host",
+                "pinned": "pinned_host", "unpinned": "unpinned_host"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +51,8 @@ class Placement:
       ``PartitionSpec`` naming mesh axes.
     mesh: a ``jax.sharding.Mesh``, a mesh shape such as ``(2, 4)`` (axes named by
       ``axis_names``), or None for the enclosing ``use_mesh`` / all devices in 1D.
-    memory_policy: "device", "pinned" (page-locked host memory) or "unpinned" host memory.
+    memory_policy: a jax memory kind -- "device", "pinned_host" (page-locked host memory) or
+      "unpinned_host" -- or the short "pinned" / "unpinned".
     axis_names: names for a mesh given as a shape; default ("x", "y", ...).
     workload: what the planner assumes the tensor is used for (auto only).
     topology: the topology the planner and mesh use; default ``Topology.current()``.
@@ -407,10 +411,18 @@ def _is_placement(p) -> bool:
   return isinstance(p, (Placement, NamedSharding, P))
 
 
-def shard(x: Any, placement: Placement | NamedSharding | P | Any) -> Any:
+def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
+          like: Any = None) -> Any:
   """Lays ``x`` (an array or a pytree of arrays, e.g. flax params or an optax state) out as
   ``placement`` says: ``device_put`` outside jit; inside jit ``jax.sharding.reshard`` on Explicit
   mesh axes and a sharding constraint on Auto ones.
+
+  ``like=params`` instead lays ``x`` out like ``params``: every part of ``x`` with the structure
+  and shapes of ``params`` (an optax state's ``mu``, ``nu``, momentum, error-feedback residuals)
+  gets the parameters' shardings leaf by leaf, everything else (step counts, scalars, leaves of
+  another shape) is replicated on their mesh. ``params`` holds arrays (their ``.sharding``) or
+  ``NamedSharding``s; inside jit pass the shardings, computed outside
+  (``jax.tree.map(lambda a: a.sharding, params)``), unless the mesh axes are Explicit.
 
   ``placement`` is a :class:`Placement` (each leaf planned on its own shape for "auto"), a
   ``NamedSharding``, a bare ``PartitionSpec`` (on the context mesh: ``jax.set_mesh`` or
@@ -422,6 +434,12 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any) -> Any:
   Host memory policies inside jit lay the value out on device, then move it; a jit output keeps
   ``pinned_host``, but for ``unpinned_host`` outputs jax (0.10.2, CPU) reports ``device`` unless
   the jit is given ``out_shardings=placement.sharding(shape, dtype)``."""
+  if (placement is None) == (like is None):
+    raise errors.PlacementError(
+        "shard: give exactly one of placement (how to lay x out) and like= (a tree of arrays "
+        "or NamedShardings whose layout x should follow, e.g. like=params for an optax state)")
+  if like is not None:
+    return _shard_like(x, like)
   if not _is_placement(placement):
     def sub(p, subtree):
       if p is None:
@@ -447,6 +465,56 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any) -> Any:
   return jax.tree_util.tree_map_with_path(one, x, is_leaf=_is_box)
 
 
+def _sharding_of(leaf, where: str) -> NamedSharding:
+  if isinstance(leaf, NamedSharding):
+    return leaf
+  sharding = None
+  if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+    sharding = leaf.sharding
+  elif hasattr(leaf, "shape"):
+    sharding = getattr(jax.typeof(leaf), "sharding", None)     # Explicit axes inside jit
+    if sharding is not None and getattr(sharding.mesh, "empty", True):
+      sharding = None
+  if not isinstance(sharding, NamedSharding):
+    raise errors.PlacementError(
+        f"shard(like=...): {where} has no NamedSharding to follow ({type(leaf).__name__}); pass "
+        "arrays laid out over a mesh (e.g. from dtenjax.shard or dtenjax.tensor), or their "
+        "shardings: like=jax.tree.map(lambda a: a.sharding, params)")
+  return sharding
+
+
+def _shard_like(x, like):
+  unbox = lambda v: _box_value(v) if _is_box(v) else v  # noqa: E731
+  template = jax.tree.map(unbox, like, is_leaf=_is_box)
+  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(
+      template, is_leaf=lambda v: isinstance(v, NamedSharding))
+  if not paths_leaves:
+    raise errors.PlacementError("shard(like=...): like has no arrays to follow")
+  shardings = [_sharding_of(v, f"like leaf {jax.tree_util.keystr(p) or '(root)'}")
+               for p, v in paths_leaves]
+  shapes = [None if isinstance(v, NamedSharding) else tuple(v.shape) for _, v in paths_leaves]
+  replicated = NamedSharding(shardings[0].mesh, P())
+
+  def matches(node) -> bool:
+    if jax.tree.structure(node, is_leaf=_is_box) != treedef:
+      return False
+    leaves = jax.tree.leaves(node, is_leaf=_is_box)
+    return all(want is None or tuple(jnp.shape(unbox(v))) == want
+               for v, want in zip(leaves, shapes))
+
+  def put(leaf, sharding, where):
+    return _shard_one(leaf, sharding, where) if hasattr(unbox(leaf), "shape") else leaf
+
+  def visit(path, node):
+    where = f"leaf {jax.tree_util.keystr(path) or '(root)'}"
+    if matches(node):
+      leaves = jax.tree.leaves(node, is_leaf=_is_box)
+      return jax.tree.unflatten(treedef, [put(v, s, where) for v, s in zip(leaves, shardings)])
+    return put(node, replicated, where)
+
+  return jax.tree_util.tree_map_with_path(visit, x, is_leaf=lambda n: _is_box(n) or matches(n))
+
+
 _INITS: dict[str, Callable] = {
     "zeros": lambda key, shape, dtype: jnp.zeros(shape, dtype),
     "ones": lambda key, shape, dtype: jnp.ones(shape, dtype),
@@ -465,10 +533,22 @@ def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None 
     shape, dtype: of the array.
     placement: default ``Placement()`` ("auto" over all devices).
     init: "zeros", "ones", "normal", "uniform" or ``f(key, shape, dtype) -> array``.
-    key: PRNG key for random initialisers (default ``jax.random.key(0)``).
+    key: PRNG key (``jax.random.key(seed)``), required by every ``init`` but "zeros" and "ones":
+      a default key would give every tensor made without one the same values.
   """
   placement = placement or Placement()
-  shape = tuple(int(s) for s in shape)
+  try:
+    dims = tuple(operator.index(s) for s in shape)
+  except TypeError:
+    dims = None
+  if dims is None or any(s < 0 for s in dims):
+    raise errors.PlacementError(f"tensor: shape={shape!r} must be a sequence of non-negative "
+                                "ints, such as (4096, 1024)")
+  shape = dims
+  if key is None and not (isinstance(init, str) and init in ("zeros", "ones")):
+    raise errors.PlacementError(
+        f"tensor(init={init!r}) needs key=: pass a PRNG key, e.g. key=jax.random.key(0), and a "
+        "different one for every tensor (without one they would all get the same values)")
   if isinstance(init, str):
     if init not in _INITS:
       raise errors.PlacementError(f"init={init!r} is not one of {tuple(_INITS)} or a callable "
@@ -477,5 +557,5 @@ def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None 
   else:
     init_fn = init
   sharding = placement.sharding(shape, dtype)
-  key = jax.random.key(0) if key is None else key
+  key = jax.random.key(0) if key is None else key   # zeros / ones ignore it
   return jax.jit(lambda k: init_fn(k, shape, dtype), out_shardings=sharding)(key)

@@ -1,21 +1,31 @@
 """Whole-step bit reproducibility: what XLA must be told, and a ``jax.jit`` that tells it.
 
-dtenjax's collectives give the same bits on every rank and every run, and a bucketed reduction
-(``fuse_collectives``) gives the same bits as an unbucketed one (``substitute_psum``). The rest of
-a training step does not follow from that: changing how gradients are reduced changes which
-operations XLA fuses together, and inside a fused loop LLVM contracts ``a * b + c`` into one
-fused multiply-add (FMA), rounded once instead of twice, wherever the target has FMA. Which
-products get contracted depends on the fusion, so the same adamw step compiled around
-``fuse_collectives`` and around ``substitute_psum`` differs in the last bits of some parameters
-(measured: ``bench/reproducible_step.py``, docs/reproducibility.md).
+Two different promises, and what each backend needs for them:
 
-XLA:CPU always allows contraction; no per-executable option turns it off (``compiler_options``
-with ``xla_cpu_max_isa`` is accepted and ignored, measured on jax 0.10.2). What does turn it off is
-a CPU ISA without FMA for the whole process: ``XLA_FLAGS=--xla_cpu_max_isa=AVX`` (or ``SSE4_2``),
-set before JAX starts its CPU backend. :func:`reproducible_step` is ``jax.jit`` plus the
-per-executable options that matter (no fast math, IEEE min/max; on GPU, deterministic ops) and a
-check, on first call, that the process-wide flags are in place; it refuses to run without them,
-naming the flag to set.
+* **Run to run, process to process** (the same program on the same inputs gives the same bits
+  after a restart). XLA:CPU gives it already. XLA:GPU does not: at compile time its autotuner
+  picks GEMM configurations (Triton tiles, split-K, cuBLAS), convolution algorithms and cuDNN
+  plans by timing them, and timing is noisy, so two processes can compile different kernels
+  whose rounding differs (measured: the demo's losses took two digests in five fresh processes
+  on an H200); at run time scatter (an embedding's or a gather's gradient), select-and-scatter,
+  some GEMM, convolution and attention kernels accumulate with atomics. :func:`reproducible_step`
+  pins, per executable, exactly those two things: ``xla_gpu_exclude_nondeterministic_ops``
+  (deterministic implementations; XLA refuses to compile select-and-scatter, which has none) and
+  the autotuner (``xla_gpu_autotune_level=0``: XLA's heuristic choice, no timing; or
+  ``autotune="cache"``: results stored in a directory, so every later process reads the first
+  one's choices). Collectives: NCCL chooses its algorithm from a static model of the topology,
+  the same in every run, except NVLink SHARP (NVLS), which reduces in the switch; dtenjax sets
+  ``NCCL_NVLS_ENABLE=0`` at import (``gpu/environment.py``) and :func:`reproducible_step`
+  refuses a multi-device process where it was set otherwise. Nothing else is pinned.
+* **Across differently fused programs** (the same step with ``fuse_collectives`` or
+  ``substitute_psum``, another ``bucket_bytes``): changing how gradients are reduced changes which
+  operations XLA fuses together, and inside a fused loop LLVM contracts ``a * b + c`` into one
+  fused multiply-add (FMA) wherever the target has one. XLA:CPU stops only with a CPU ISA
+  without FMA for the whole process (``XLA_FLAGS=--xla_cpu_max_isa=AVX``, read when the backend
+  starts; per-executable ``xla_cpu_max_isa`` is accepted and ignored, measured on jax 0.10.2), so
+  on CPU :func:`reproducible_step` checks that flag on first call. On GPU no option is known that
+  stops NVPTX's contraction; measured on an H200 with the GPU pins, fused and unfused steps still
+  differ in the last bits, so on GPU this promise is not made.
 """
 
 from __future__ import annotations
@@ -30,14 +40,25 @@ import jax
 
 from dtenjax._src import errors
 
-# Per executable (jax.jit(compiler_options=...)): accepted by XLA on jax 0.10.2.
+# Per executable (jax.jit(compiler_options=...)). CPU: accepted by XLA on jax 0.10.2.
 COMPILER_OPTIONS: dict[str, dict[str, Any]] = {
     "cpu": {"xla_cpu_enable_fast_math": False, "xla_cpu_enable_fast_min_max": False},
-    "gpu": {"xla_gpu_enable_fast_min_max": False, "xla_gpu_deterministic_ops": True},
 }
+# GPU: each pin with what it fixes. reproducible_step uses all of them; benches time each.
+GPU_PINS: dict[str, tuple[dict[str, Any], str]] = {
+    "ops": ({"xla_gpu_exclude_nondeterministic_ops": True},
+            "run time: deterministic scatter, GEMM, convolution and attention kernels (no "
+            "atomics); select-and-scatter refuses to compile"),
+    "autotune": ({"xla_gpu_autotune_level": 0},
+                 "compile time: no timing-based choice of GEMM configs, convolution algorithms "
+                 "or cuDNN plans (XLA's heuristic choice instead)"),
+}
+AUTOTUNE_MODES = ("off", "cache")
 # Per process (XLA_FLAGS, read when the backend starts): CPU ISAs of XLA without FMA.
 CPU_ISAS_WITHOUT_FMA = ("SSE4_2", "AVX")
-PROCESS_FLAGS: dict[str, tuple[str, ...]] = {"cpu": ("--xla_cpu_max_isa=AVX",), "gpu": ()}
+PROCESS_FLAGS: dict[str, tuple[str, ...]] = {"cpu": ("--xla_cpu_max_isa=AVX",),
+                                             "gpu": ("NCCL_NVLS_ENABLE=0",)}
+_NONDETERMINISTIC = "does not have a deterministic implementation"
 
 
 def _backend(backend: str | None = None) -> str:
@@ -45,61 +66,107 @@ def _backend(backend: str | None = None) -> str:
   return "gpu" if b in ("gpu", "cuda", "rocm") else b
 
 
-def missing_process_flags(backend: str | None = None, xla_flags: str | None = None) -> list[str]:
-  """The XLA_FLAGS entries whole-step reproducibility needs on ``backend`` that ``xla_flags``
-  (default: the environment's XLA_FLAGS) lacks."""
+def gpu_options(autotune: str = "off", autotune_cache_dir: str | None = None) -> dict[str, Any]:
+  """The per-executable options reproducible_step pins on GPU."""
+  if autotune not in AUTOTUNE_MODES:
+    raise errors.ConfigurationError(
+        f"autotune={autotune!r}; use 'off' (no autotuning: XLA's heuristic kernels) or 'cache' "
+        "(autotune once, store the results in autotune_cache_dir, read them in every later run).")
+  if autotune == "cache":
+    if not autotune_cache_dir:
+      raise errors.ConfigurationError(
+          "autotune='cache' needs autotune_cache_dir: a directory every run of the program can "
+          "read and the first one writes (e.g. next to the checkpoints).")
+    os.makedirs(autotune_cache_dir, exist_ok=True)
+    return {**GPU_PINS["ops"][0], "xla_gpu_per_fusion_autotune_cache_dir": autotune_cache_dir}
+  if autotune_cache_dir:
+    raise errors.ConfigurationError(
+        f"autotune_cache_dir={autotune_cache_dir!r} is only read with autotune='cache'.")
+  return {**GPU_PINS["ops"][0], **GPU_PINS["autotune"][0]}
+
+
+def missing_process_flags(backend: str | None = None, xla_flags: str | None = None,
+                          environ: dict[str, str] | None = None,
+                          num_devices: int | None = None) -> list[str]:
+  """The process settings reproducibility needs on ``backend`` that are missing.
+
+  CPU: ``--xla_cpu_max_isa=AVX`` (or SSE4_2) in XLA_FLAGS (default: the environment's). GPU with
+  more than one device: ``NCCL_NVLS_ENABLE=0`` in the environment.
+  """
   b = _backend(backend)
-  flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+  env = os.environ if environ is None else environ
+  flags = env.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
   if b == "cpu":
     isa = re.findall(r"--xla_cpu_max_isa=(\S+)", flags)
     if not isa or isa[-1].upper() not in CPU_ISAS_WITHOUT_FMA:
       return list(PROCESS_FLAGS["cpu"])
+  if b == "gpu":
+    n = jax.device_count() if num_devices is None else num_devices
+    if n > 1 and env.get("NCCL_NVLS_ENABLE") != "0":
+      return list(PROCESS_FLAGS["gpu"])
   return []
 
 
+def _explain_compile_error(e: Exception) -> Exception | None:
+  text = str(e)
+  if _NONDETERMINISTIC not in text:
+    return None
+  op = re.search(r"HLO instruction (\S+)", text)
+  return errors.ConfigurationError(
+      f"reproducible_step on gpu: XLA has no deterministic GPU implementation of "
+      f"{op.group(1) if op else 'an op of this step'} (XLA: {text.strip()[:300]!r}). The usual "
+      "one is select-and-scatter, the gradient of max pooling written with "
+      "lax.reduce_window(max); write the pooling as a maximum over strided slices (its gradient "
+      "is then elementwise; examples/resnet50_train.py --pool slices), or use jax.jit and "
+      "accept run-to-run differences.")
+
+
 def reproducible_step(fn: Callable | None = None, /, *, compiler_options: dict | None = None,
-                      check_flags: bool = True, **jit_kwargs) -> Callable:
-  """``jax.jit(fn)`` whose whole-step bits do not depend on how XLA fused the program.
+                      check_flags: bool = True, autotune: str = "off",
+                      autotune_cache_dir: str | None = None, **jit_kwargs) -> Callable:
+  """``jax.jit(fn)`` whose bits are the same in every run (see the module docstring).
 
   Use it as ``@dtenjax.reproducible_step`` or ``dtenjax.reproducible_step(step,
-  donate_argnums=0)``; ``jit_kwargs`` go to ``jax.jit``. It adds the per-executable options of
-  :data:`COMPILER_OPTIONS` for the backend (yours in ``compiler_options`` may add others, not
-  contradict these) and, on the first call, checks that the process runs with the flags of
-  :data:`PROCESS_FLAGS` (CPU: ``XLA_FLAGS=--xla_cpu_max_isa=AVX``, no FMA contraction), raising
-  ConfigurationError naming what to set otherwise; ``check_flags=False`` skips that check (the
-  step is then only as reproducible as the process flags make it).
+  donate_argnums=0)``; ``jit_kwargs`` go to ``jax.jit``. Per backend it adds:
 
-  With it, the same step with ``fuse_collectives``, ``substitute_psum`` or another
-  ``bucket_bytes`` gives identical parameters after many adamw steps (tests/test_reproducible.py).
-  It does not make different algorithms (``lax.psum`` vs ``one_shot``), device counts, jax/XLA
-  versions or CPU models agree. On GPU it refuses (measured: fusion still changes bits there)
-  unless ``check_flags=False``.
+  * GPU: ``xla_gpu_exclude_nondeterministic_ops=True`` and, with ``autotune="off"`` (default),
+    ``xla_gpu_autotune_level=0``; with ``autotune="cache"`` the autotuner runs once and stores its
+    choices in ``autotune_cache_dir`` (``xla_gpu_per_fusion_autotune_cache_dir``), which later
+    processes read. Promise: the same program on the same inputs gives the same bits in every
+    process, on the same GPU model with the same driver, CUDA libraries and jax. A step XLA
+    cannot compile deterministically (select-and-scatter) raises ConfigurationError saying what
+    to change. With several devices, ``NCCL_NVLS_ENABLE`` must be 0 (dtenjax's default).
+  * CPU: ``xla_cpu_enable_fast_math=False``, ``xla_cpu_enable_fast_min_max=False``, and a check,
+    on the first call, that the process runs with ``XLA_FLAGS=--xla_cpu_max_isa=AVX`` (no FMA
+    contraction). Promise, beyond run to run: the same step with ``fuse_collectives``,
+    ``substitute_psum`` or another ``bucket_bytes`` gives identical parameters after many adamw
+    steps (tests/test_reproducible.py).
+
+  ``check_flags=False`` skips the process check (the step is then only as reproducible as the
+  process makes it). Your own ``compiler_options`` may add options, not contradict the pinned
+  ones. Not covered on any backend: different reduction algorithms for the same sum (``lax.psum``
+  vs ``one_shot``; use ``reproducible=True`` collectives), different device counts, jax/XLA
+  versions, CPU or GPU models.
   """
   if fn is None:
     return functools.partial(reproducible_step, compiler_options=compiler_options,
-                             check_flags=check_flags, **jit_kwargs)
+                             check_flags=check_flags, autotune=autotune,
+                             autotune_cache_dir=autotune_cache_dir, **jit_kwargs)
   user = dict(compiler_options or {})
+  gpu_pins = gpu_options(autotune, autotune_cache_dir)      # validates the arguments now
   jitted: dict[str, Callable] = {}
 
   def compiled(backend: str | None = None) -> Callable:
     b = _backend(backend)
     if b not in jitted:
-      if b not in COMPILER_OPTIONS:
+      pinned = gpu_pins if b == "gpu" else COMPILER_OPTIONS.get(b)
+      if pinned is None:
         raise errors.ConfigurationError(
             f"reproducible_step has no pinned option set for backend {b!r} (it knows "
-            f"{tuple(COMPILER_OPTIONS)}); use jax.jit and check the bits yourself.")
-      if check_flags and b == "gpu":
-        raise errors.ConfigurationError(
-            "reproducible_step on gpu: no XLA option is known that stops NVPTX from contracting "
-            "a * b + c into fused multiply-adds differently in differently fused programs; "
-            "measured on an H200 (jax 0.11.2) with deterministic ops pinned, the same adamw step "
-            "around fuse_collectives and substitute_psum differs in 53 of 26,378 parameters "
-            "after one step (tests/test_reproducible.py). dtenjax's collective outputs are still "
-            "bit-identical; for whole-step bits run the step on CPU, or pass check_flags=False "
-            "to get the pinned options without the guarantee.")
+            f"{('cpu', 'gpu')}); use jax.jit and check the bits yourself.")
       if check_flags:
         missing = missing_process_flags(b)
-        if missing:
+        if missing and b == "cpu":
           raise errors.ConfigurationError(
               f"reproducible_step on {b}: the process runs without {' '.join(missing)} "
               f"(XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}). XLA:CPU contracts a * b + c "
@@ -107,7 +174,13 @@ def reproducible_step(fn: Callable | None = None, /, *, compiler_options: dict |
               "CPU ISA without FMA, chosen when the backend starts, stops it. Set "
               f"XLA_FLAGS=\"$XLA_FLAGS {' '.join(missing)}\" before JAX starts (before the "
               "first jax call), or pass check_flags=False to accept FMA-dependent bits.")
-      pinned = COMPILER_OPTIONS[b]
+        if missing:
+          raise errors.ConfigurationError(
+              f"reproducible_step on {b}: NCCL_NVLS_ENABLE="
+              f"{os.environ.get('NCCL_NVLS_ENABLE')!r} with {jax.device_count()} devices. "
+              "NVLink SHARP reduces in the switch in no fixed order; set NCCL_NVLS_ENABLE=0 "
+              "before the first collective (dtenjax does at import unless you set it or "
+              "DTENJAX_PIN_NCCL=0), or pass check_flags=False.")
       clash = sorted(k for k in user if k in pinned and user[k] != pinned[k])
       if clash:
         raise errors.ConfigurationError(
@@ -116,10 +189,18 @@ def reproducible_step(fn: Callable | None = None, /, *, compiler_options: dict |
       jitted[b] = jax.jit(fn, compiler_options={**pinned, **user}, **jit_kwargs)
     return jitted[b]
 
-  @functools.wraps(fn)
-  def wrapper(*args, **kwargs):
-    return compiled()(*args, **kwargs)
+  def call(*args, **kwargs):
+    try:
+      return compiled()(*args, **kwargs)
+    except errors.DtenjaxError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (XLA's compile error, explained)
+      explained = _explain_compile_error(e)
+      if explained is None:
+        raise
+      raise explained from e
 
+  wrapper = functools.wraps(fn)(call)
   wrapper.lower = lambda *a, **k: compiled().lower(*a, **k)
   wrapper.jitted = compiled
   return wrapper

@@ -30,10 +30,13 @@ garbage-collected, a finalizer closes it, and its thread runs the accepted batch
 from __future__ import annotations
 
 import collections
+import collections.abc
 import concurrent.futures
 import dataclasses
 import heapq
 import itertools
+import math
+import numbers
 import threading
 import time
 import weakref
@@ -64,6 +67,49 @@ class SchedulerTimeoutError(errors.DtenjaxError, TimeoutError):
   """A wait on the scheduler (shutdown, drain) ran past its timeout."""
 
 
+# The longest wait Python's locks accept (threading.TIMEOUT_MAX); every timeout is at most this.
+MAX_WAIT_S = threading.TIMEOUT_MAX
+# A deadline further than this from the clock's now is taken for a value of another clock.
+_DEADLINE_SPAN_S = 365 * 24 * 3600.0
+
+
+def _number_problem(name: str, value: Any, lo: float, hi: float = math.inf, *,
+                    lo_open: bool = False, integer: bool = False, unit: str = "") -> str | None:
+  """Why ``value`` is not a finite number (an int when ``integer``) in the range, or None."""
+  kind = "an integer" if integer else "a finite number"
+  wanted = numbers.Integral if integer else numbers.Real
+  if isinstance(value, bool) or not isinstance(value, wanted):
+    return f"{name}={value!r} must be {kind}{unit} (got {type(value).__name__})"
+  v = float(value)
+  if math.isnan(v) or math.isinf(v) or (v <= lo if lo_open else v < lo) or v > hi:
+    low = f"> {lo:g}" if lo_open else f">= {lo:g}"
+    high = f" and <= {hi:g}" if math.isfinite(hi) else ""
+    return f"{name}={value!r} must be {kind}{unit} {low}{high}"
+  return None
+
+
+def _check_number(name: str, value: Any, lo: float, hi: float = math.inf, **kw) -> float:
+  problem = _number_problem(name, value, lo, hi, **kw)
+  if problem:
+    raise errors.ConfigurationError(problem + ".")
+  return float(value)
+
+
+def _check_timeout(name: str, value: Any) -> float:
+  """A wait's timeout: finite seconds in [0, MAX_WAIT_S] (no busy wait on NaN, no endless wait)."""
+  return _check_number(name, value, 0.0, MAX_WAIT_S, unit=" of seconds")
+
+
+def _read_clock(clock: Callable[[], float]) -> float:
+  """One reading of the scheduler's clock, which must be finite seconds (like time.monotonic)."""
+  t = clock()
+  if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(float(t)):
+    raise errors.ConfigurationError(
+        f"the scheduler's clock returned {t!r} ({type(t).__name__}); a clock must return the "
+        "current time in seconds as a finite float, like time.monotonic (the default).")
+  return float(t)
+
+
 @dataclasses.dataclass(frozen=True)
 class PreemptionPolicy:
   """When and how much main-queue capacity goes to the low-latency queue (seed defaults).
@@ -82,15 +128,13 @@ class PreemptionPolicy:
   enabled: bool = True
 
   def __post_init__(self):
-    problems = []
-    if not isinstance(self.backlog_batches, int) or self.backlog_batches < 1:
-      problems.append(f"backlog_batches={self.backlog_batches!r} must be an integer >= 1")
-    for name in ("backlog_release", "p95_release"):
-      v = getattr(self, name)
-      if not 0.0 <= v <= 1.0:
-        problems.append(f"{name}={v!r} must be a fraction in [0, 1]")
-    if not self.p95_seconds > 0:
-      problems.append(f"p95_seconds={self.p95_seconds!r} must be > 0")
+    problems = [_number_problem("backlog_batches", self.backlog_batches, 1, integer=True),
+                _number_problem("backlog_release", self.backlog_release, 0.0, 1.0),
+                _number_problem("p95_release", self.p95_release, 0.0, 1.0),
+                _number_problem("p95_seconds", self.p95_seconds, 0.0, MAX_WAIT_S, lo_open=True)]
+    if not isinstance(self.enabled, bool):
+      problems.append(f"enabled={self.enabled!r} must be True or False")
+    problems = [p for p in problems if p]
     if problems:
       raise errors.ConfigurationError(errors.join_problems("Invalid PreemptionPolicy:", problems))
 
@@ -159,12 +203,31 @@ class _Item:
   deadline: float | None
 
 
+_ARRAY_LEAVES = (np.ndarray, np.generic, jax.Array, jax.ShapeDtypeStruct, bool, int, float,
+                 complex)
+
+
+def _check_leaves(tree: Any, what: str) -> None:
+  """Every leaf must be an array, a scalar or a ShapeDtypeStruct: a generator, bytes, str or
+  other object is refused naming its path (numpy would otherwise take it as a 0-d object)."""
+  is_iterator = lambda x: isinstance(x, collections.abc.Iterator)  # a leaf, not a node to walk
+  bad = [f"{jax.tree_util.keystr(path) or what}: {type(leaf).__name__}"
+         for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_iterator)[0]
+         if not isinstance(leaf, _ARRAY_LEAVES)]
+  if bad:
+    raise errors.ConfigurationError(errors.join_problems(
+        f"{what} leaves must be arrays (numpy or jax), numbers or jax.ShapeDtypeStruct; pass "
+        "np.asarray(...) of the data (a generator or iterator must be materialised first):", bad))
+
+
 def _spec_of(tree: Any) -> Any:
+  _check_leaves(tree, "batch_spec")
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x)), tree)
 
 
 def check_batch(spec: Any, batch: Any) -> None:
   """Raises ConfigurationError listing every leaf of ``batch`` that does not match ``spec``."""
+  _check_leaves(batch, "batch")
   spec_leaves, spec_tree = jax.tree.flatten(spec)
   leaves, tree = jax.tree.flatten(batch)
   if tree != spec_tree:
@@ -233,7 +296,7 @@ class _Dispatcher:
   def enqueue(self, batch: Any, queue: str, deadline: float | None,
               timeout: float) -> concurrent.futures.Future:
     check_batch(self.batch_spec, batch)
-    item = _Item(batch, concurrent.futures.Future(), queue, self.clock(), deadline)
+    item = _Item(batch, concurrent.futures.Future(), queue, _read_clock(self.clock), deadline)
     end = time.monotonic() + timeout
     with self.cv:
       while True:
@@ -345,7 +408,7 @@ class _Dispatcher:
     try:
       with self.cv:
         self.steps_run += 1
-        done = self.clock()
+        done = _read_clock(self.clock)
         latency = done - item.injected
         missed = item.deadline is not None and done > item.deadline
         counts = self.counts[item.queue]
@@ -412,7 +475,9 @@ class GraphScheduler:
     latency_window: how many recent latencies per queue the percentiles cover.
     poll_interval: seconds the dispatcher sleeps at most between checks for work.
     clock: returns the current time in seconds (default ``time.monotonic``); latencies, deadlines
-      and the P95 rule use it. Tests pass a virtual clock that counts steps run.
+      and the P95 rule use it. Tests pass a virtual clock that counts steps run. It is read once
+      here and on every injection, and a reading that is not a finite number raises
+      ConfigurationError there; one on the dispatcher thread stops it like any failure there.
 
   Every future resolves: with the step's output, the step's exception, or (if the dispatcher
   thread itself fails) a SchedulerClosedError naming the failure. A scheduler dropped without
@@ -425,20 +490,32 @@ class GraphScheduler:
                cuda_graphs: str | graphs.CudaGraphPolicy = "auto",
                metrics_port: int | None = None, latency_window: int = 2048,
                poll_interval: float = 0.05, clock: Callable[[], float] = time.monotonic):
-    problems = []
-    if not latency_sla > 0:
-      problems.append(f"latency_sla={latency_sla!r} must be > 0 seconds")
-    if not 0.0 < low_latency_share < 1.0:
-      problems.append(f"low_latency_share={low_latency_share!r} must be in (0, 1)")
-    if not isinstance(max_queue, int) or max_queue < 1:
-      problems.append(f"max_queue={max_queue!r} must be an integer >= 1")
-    if not isinstance(latency_window, int) or latency_window < 1:
-      problems.append(f"latency_window={latency_window!r} must be an integer >= 1")
-    if not poll_interval > 0:
-      problems.append(f"poll_interval={poll_interval!r} must be > 0")
-    if metrics_port is not None and not (isinstance(metrics_port, int)
-                                         and 0 <= metrics_port < 65536):
-      problems.append(f"metrics_port={metrics_port!r} must be None or a port in [0, 65535]")
+    problems = [
+        _number_problem("latency_sla", latency_sla, 0.0, MAX_WAIT_S, lo_open=True,
+                        unit=" of seconds"),
+        _number_problem("low_latency_share", low_latency_share, 0.0, 1.0, lo_open=True),
+        _number_problem("max_queue", max_queue, 1, integer=True),
+        _number_problem("latency_window", latency_window, 1, integer=True),
+        _number_problem("poll_interval", poll_interval, 0.0, MAX_WAIT_S, lo_open=True,
+                        unit=" of seconds")]
+    if isinstance(low_latency_share, numbers.Real) and low_latency_share == 1.0:
+      problems.append("low_latency_share=1.0 must be < 1 (the main queue needs a share)")
+    if metrics_port is not None and _number_problem("metrics_port", metrics_port, 0, 65535,
+                                                    integer=True):
+      problems.append(f"metrics_port={metrics_port!r} must be None or an integer port in "
+                      "[0, 65535] (0 picks a free one)")
+    if preemption is not None and not isinstance(preemption, PreemptionPolicy):
+      problems.append(f"preemption={preemption!r} must be a PreemptionPolicy or None")
+    if not callable(step_fn):
+      problems.append(f"step_fn={step_fn!r} must be callable")
+    if not callable(clock):
+      problems.append(f"clock={clock!r} must be callable (like time.monotonic)")
+    else:
+      try:
+        _read_clock(clock)
+      except errors.ConfigurationError as e:
+        problems.append(str(e).rstrip("."))
+    problems = [p for p in problems if p]
     if problems:
       raise errors.ConfigurationError(errors.join_problems("Invalid GraphScheduler:", problems))
     self.latency_sla = float(latency_sla)
@@ -459,7 +536,7 @@ class GraphScheduler:
 
   def submit(self, batch: Any, *, timeout: float = 0.0) -> concurrent.futures.Future:
     """Queues a regular batch on the main queue. Waits up to ``timeout`` s for room."""
-    return self._d.enqueue(batch, MAIN, None, timeout)
+    return self._d.enqueue(batch, MAIN, None, _check_timeout("timeout", timeout))
 
   def inject_micro_batch(self, batch: Any, deadline: float | None = None, *,
                          timeout: float = 0.0) -> concurrent.futures.Future:
@@ -473,13 +550,17 @@ class GraphScheduler:
     Returns:
       A Future with the step's output.
     """
-    now = self._d.clock()
+    timeout = _check_timeout("timeout", timeout)
+    now = _read_clock(self._d.clock)
     if deadline is None:
       deadline = now + self.latency_sla
-    elif not deadline > now - 3600 * 24 * 365:
-      raise errors.ConfigurationError(
-          f"deadline={deadline!r} is not a time.monotonic() value; pass time.monotonic() + "
-          f"seconds, or None for now + latency_sla.")
+    else:
+      _check_number("deadline", deadline, -math.inf)
+      if abs(deadline - now) > _DEADLINE_SPAN_S:
+        raise errors.ConfigurationError(
+            f"deadline={deadline!r} is {deadline - now:+.3g} s from the scheduler clock's now "
+            f"({now:.6g}): it is a value of another clock (time.time()?). Pass "
+            "time.monotonic() + seconds (the scheduler's clock), or None for now + latency_sla.")
     return self._d.enqueue(batch, LOW_LATENCY, float(deadline), timeout)
 
   def metrics(self) -> dict[str, QueueStats]:
@@ -513,6 +594,7 @@ class GraphScheduler:
     dispatcher keeps draining in the background; call shutdown again to keep waiting), and
     SchedulerClosedError if the dispatcher thread had failed (its pending batches were failed).
     """
+    timeout = _check_timeout("timeout", timeout)
     self._d.close("shut down")
     self._d.thread.join(timeout)
     if self._d.thread.is_alive():

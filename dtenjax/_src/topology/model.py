@@ -39,6 +39,25 @@ from dtenjax._src.topology.parts import NicInfo as NicInfo
 from dtenjax._src.topology.parts import NumaNode as NumaNode
 from dtenjax._src.topology.parts import local_host_name as local_host_name
 
+# The JSON format Topology.to_json() writes; dtenjax/schemas/topology-1.schema.json describes it
+# as a JSON Schema (for other tools; tests/test_topology.py checks that both agree).
+FORMAT = "dtenjax.topology/1"
+_FIELD_TYPES = {"int": ((int,), "a whole number"), "str": ((str,), "a string"),
+                "float": ((int, float), "a number")}
+
+
+def _type_problems(where: str, kind, item: Mapping[str, Any]) -> list[str]:
+  """Fields of ``item`` whose JSON type does not match the dataclass ``kind``'s annotation."""
+  out = []
+  for f in dataclasses.fields(kind):
+    want = _FIELD_TYPES.get(str(f.type))
+    if want and f.name in item:
+      v = item[f.name]
+      if not isinstance(v, want[0]) or isinstance(v, bool):
+        out.append(f"{where}.{f.name} = {v!r} must be {want[1]}")
+  return out
+
+
 def _freeze_links(links: Mapping[str, LinkSpec]) -> tuple[tuple[str, LinkSpec], ...]:
   unknown = sorted(k for k in links if k not in LINK_ORDER)
   if unknown:
@@ -217,7 +236,8 @@ class Topology:
 
   def fast_islands(self) -> tuple[tuple[int, ...], ...]:
     """The natural first level of a hierarchy: NVLink/NVSwitch islands on GPUs, a process's
-    shared memory on CPUs, a PCIe switch / NUMA node on PCIe-only boxes, otherwise whole hosts.
+    shared memory on CPUs, a PCIe switch / NUMA node on PCIe-only boxes, otherwise whole hosts
+    (also when the links inside a host are "unknown").
 
     The first level (fastest first) at which some devices group together wins; a topology whose
     devices are all joined at that level is one island.
@@ -225,7 +245,7 @@ class Topology:
     memo = self._derived
     if "fast_islands" not in memo:
       memo["fast_islands"] = tuple((i,) for i in self.device_ids)
-      for level in ("nvlink", "shared_memory", "pcie", "numa_cross"):
+      for level in ("nvlink", "shared_memory", "pcie", "numa_cross", "unknown"):
         isl = self.islands(level)
         if len(isl) < self.num_devices:
           memo["fast_islands"] = isl
@@ -269,6 +289,7 @@ class Topology:
 
   def to_dict(self) -> dict[str, Any]:
     return {
+        "format": FORMAT,
         "name": self.name,
         "source": self.source,
         "devices": [dataclasses.asdict(d) for d in self.devices],
@@ -285,15 +306,31 @@ class Topology:
   @classmethod
   def from_dict(cls, data: Mapping[str, Any], origin: str = "<dict>") -> Topology:
     """Builds a topology from :meth:`to_dict` output; every problem found is listed at once."""
-    hint = ("Expected keys name, devices, link_matrix and optionally links, nics, numa_nodes, "
-            "source, notes; see dtenjax/fixtures/*.json or Topology.to_json().")
+    hint = (f"Expected a {FORMAT} object: keys format, name, devices, link_matrix and "
+            "optionally links, nics, numa_nodes, source, notes; see dtenjax/fixtures/*.json, "
+            "dtenjax/schemas/topology-1.schema.json or Topology.to_json().")
     if not isinstance(data, Mapping):
       raise errors.TopologyError(
           f"{origin} does not describe a topology: expected a JSON object, got "
           f"{type(data).__name__}. {hint}")
+    fmt = data.get("format")
+    if fmt is not None and fmt != FORMAT:
+      newer = isinstance(fmt, str) and fmt.startswith("dtenjax.topology/")
+      raise errors.TopologyError(
+          f"{origin} has format {fmt!r}; this dtenjax reads {FORMAT!r}" +
+          (" (the file was written by a newer dtenjax: upgrade dtenjax, or save the topology "
+           "again with this one)." if newer else f". {hint}"))
     problems = [f"missing key {k!r}" for k in ("name", "devices", "link_matrix") if k not in data]
-    known = {"name", "devices", "link_matrix", "links", "nics", "numa_nodes", "source", "notes"}
+    known = {"format", "name", "devices", "link_matrix", "links", "nics", "numa_nodes", "source",
+             "notes"}
     problems += [f"unknown key {k!r}" for k in sorted(set(data) - known)]
+    for k, t in (("name", str), ("source", str)):
+      if k in data and not isinstance(data[k], t):
+        problems.append(f"{k!r} must be a string, got {data[k]!r}")
+    notes = data.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+      problems.append("'notes' must be a list of strings")
+      notes = []
 
     def records(key, kind, required):
       out = []
@@ -312,7 +349,9 @@ class Topology:
           problems.append(f"{key}[{i}] is missing {missing}")
         if extra:
           problems.append(f"{key}[{i}] has unknown fields {extra}")
-        if not missing and not extra:
+        typed = _type_problems(f"{key}[{i}]", kind, item)
+        problems.extend(typed)
+        if not missing and not extra and not typed:
           try:
             out.append(kind(**item))
           except (TypeError, ValueError) as e:
@@ -332,12 +371,18 @@ class Topology:
       if k not in LINK_ORDER:
         problems.append(f"links has unknown class {k!r}; use one of {LINK_ORDER}")
         continue
+      typed = (_type_problems(f"links[{k!r}]", LinkSpec, v) if isinstance(v, Mapping) else
+               [f"links[{k!r}] must be an object with bandwidth_gbps and latency_us"])
+      if typed:
+        problems.extend(typed)
+        continue
       try:
         links[k] = LinkSpec(**v)
       except (TypeError, errors.TopologyError) as e:
         problems.append(f"links[{k!r}]: {e}")
     matrix = data.get("link_matrix", [])
-    if not isinstance(matrix, list) or not all(isinstance(r, list) for r in matrix):
+    if not isinstance(matrix, list) or not all(
+        isinstance(r, list) and all(isinstance(c, str) for c in r) for r in matrix):
       problems.append("'link_matrix' must be a list of lists of link class names")
       matrix = []
     if problems:
@@ -352,7 +397,7 @@ class Topology:
           nics=tuple(nics),
           numa_nodes=tuple(numa),
           source=data.get("source", "json"),
-          notes=tuple(data.get("notes", [])),
+          notes=tuple(notes),
       )
     except errors.TopologyError as e:
       raise errors.TopologyError(f"{origin}: {e}") from None

@@ -14,11 +14,16 @@ from collections.abc import Mapping
 
 from dtenjax._src import errors
 
-# Fastest first. "local" is a device to itself.
-LINK_ORDER = ("local", "nvswitch", "nvlink", "shared_memory", "pcie", "numa_cross",
+# Fastest first. "local" is a device to itself. "unknown" is a link inside one host that
+# detection could not see (GPUs without dtenjax[gpu]'s cuda-python and NVML, or NVML failing):
+# it ranks below every measured intra-host class, so meshes never put an unknown pair on a
+# fast axis ahead of a known NVLink, and it is priced like PCIe (DEFAULT_LINKS) so no plan
+# counts on bandwidth nobody saw. Topology.probe() measures it like any other class.
+LINK_ORDER = ("local", "nvswitch", "nvlink", "shared_memory", "pcie", "numa_cross", "unknown",
               "infiniband", "roce", "tcp")
 # Classes that stay inside one host.
-INTRA_HOST = frozenset(("local", "nvswitch", "nvlink", "shared_memory", "pcie", "numa_cross"))
+INTRA_HOST = frozenset(("local", "nvswitch", "nvlink", "shared_memory", "pcie", "numa_cross",
+                        "unknown"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,7 @@ DEFAULT_LINKS: Mapping[str, LinkSpec] = {
     "shared_memory": LinkSpec(20.0, 1.0),  # devices of one process on one host (CPU devices)
     "pcie": LinkSpec(24.0, 5.0),           # PCIe 4.0 x16 peer-to-peer
     "numa_cross": LinkSpec(16.0, 8.0),     # PCIe across the inter-socket link
+    "unknown": LinkSpec(24.0, 5.0),        # not detected: priced as PCIe until probed
     "infiniband": LinkSpec(25.0, 3.0),     # HDR 200 Gb/s
     "roce": LinkSpec(12.5, 5.0),           # RoCE v2 100 Gb/s; a ring step costs a round trip (~5 us)
     "tcp": LinkSpec(1.25, 30.0),           # 10 GbE kernel TCP
@@ -73,6 +79,7 @@ class DeviceInfo:
   host: str
   numa_node: int = 0
   local_index: int = 0    # index among the devices of its process
+  pci_bus_id: str = ""    # GPUs: "dddd:bb:dd.f" as sysfs spells it; "" when unknown
 
   @property
   def peak_flops(self) -> float:

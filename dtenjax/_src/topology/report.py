@@ -3,16 +3,16 @@
 Each cell is a short code for the link class between two devices (legend below the matrix, with
 the bandwidth and latency the cost model uses for it), followed by a summary of hosts, fast
 islands, NICs and NUMA nodes, and the topology's notes (what detection could not see, what a probe
-measured).
+measured). ``UNK`` marks links detection could not see (GPUs without ``dtenjax[gpu]``); they are
+priced like PCIe until ``--probe`` measures them. The tables are laid out by rich
+(:mod:`dtenjax._src.tables`).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 
-from dtenjax._src import errors
+from dtenjax._src import tables
 from dtenjax._src.topology.model import LINK_ORDER, Topology
 
 # Short codes, as nvidia-smi prints them where one exists.
@@ -23,6 +23,7 @@ CODES = {
     "shared_memory": "SHM",
     "pcie": "PIX",
     "numa_cross": "SYS",
+    "unknown": "UNK",
     "infiniband": "IB",
     "roce": "RoCE",
     "tcp": "TCP",
@@ -34,11 +35,14 @@ MEANING = {
     "shared_memory": "devices of one process sharing host memory",
     "pcie": "PCIe peer-to-peer under one socket",
     "numa_cross": "PCIe across the inter-socket (NUMA) link",
+    "unknown": "not detected (pip install 'dtenjax[gpu]'); priced as PCIe until probed",
     "infiniband": "another host over InfiniBand",
     "roce": "another host over RoCE v2",
     "tcp": "another host over TCP",
 }
 assert set(CODES) == set(LINK_ORDER)
+# Topology notes about the host transport (detect.py), shown in their own block.
+TRANSPORT_NOTES = ("host transport:", "EMULATED RDMA device", "no RDMA NIC:")
 
 
 def _label(topology: Topology, i: int) -> str:
@@ -52,24 +56,25 @@ def link_matrix_table(topology: Topology) -> str:
   n = topology.num_devices
   labels = [_label(topology, i) for i in range(n)]
   multi_host = len(topology.hosts()) > 1
-  width = max(5, *(len(s) for s in labels), *(len(c) for c in CODES.values())) + 1
-  head_w = max(len(s) for s in labels) + 1
+  bus = any(d.pci_bus_id for d in topology.devices)
   lines = [f"Topology {topology.name!r} (source: {topology.source}, {n} devices, "
            f"{len(topology.hosts())} host(s))", ""]
-  cols = "".join(f"{s:>{width}}" for s in labels)
-  extra = f"  {'NUMA':>4}  {'host' if multi_host else ''}".rstrip()
-  lines.append(f"{'':<{head_w}}{cols}{extra}")
+  columns = ["", *labels, "NUMA"] + (["PCI bus id"] if bus else []) + (["host"] if multi_host
+                                                                       else [])
+  rows = []
   for i, row in enumerate(topology.link_matrix):
-    cells = "".join(f"{CODES[c]:>{width}}" for c in row)
     d = topology.devices[i]
-    tail = f"  {d.numa_node:>4}  {d.host if multi_host else ''}".rstrip()
-    lines.append(f"{labels[i]:<{head_w}}{cells}{tail}")
+    rows.append([labels[i], *(CODES[c] for c in row), d.numa_node] +
+                ([d.pci_bus_id or "?"] if bus else []) + ([d.host] if multi_host else []))
+  lines.append(tables.render(columns, rows, align=["left"] + ["right"] * (n + 1) +
+                             ["left"] * (bus + multi_host)))
   present = sorted({c for row in topology.link_matrix for c in row}, key=LINK_ORDER.index)
   lines += ["", "Legend (bandwidth per direction and one-way latency the cost model uses):"]
-  for c in present:
-    s = topology.spec(c)
-    lines.append(f"  {CODES[c]:<5} {c:<14} {s.bandwidth_gbps:>8.2f} GB/s {s.latency_us:>7.2f} us"
-                 f"  {MEANING[c]}")
+  legend = [[CODES[c], c, f"{topology.spec(c).bandwidth_gbps:.2f} GB/s",
+             f"{topology.spec(c).latency_us:.2f} us", MEANING[c]] for c in present]
+  lines += ["  " + ln for ln in tables.render(
+      ["code", "class", "bandwidth", "latency", "meaning"], legend,
+      align=["left", "left", "right", "right", "left"]).splitlines()]
   lines += ["", "Summary:"]
   for k, h in enumerate(topology.hosts()):
     host = topology.device(h[0]).host
@@ -87,8 +92,13 @@ def link_matrix_table(topology: Topology) -> str:
   if topology.numa_nodes:
     for node in topology.numa_nodes:
       lines.append(f"  NUMA node {node.id} on {node.host!r}: cpus {node.cpus or '?'}")
-  if topology.notes:
-    lines += ["", "Notes:"] + [f"  - {note}" for note in topology.notes]
+  # What the host transport runs on (and an emulated RDMA device, shown as such) comes first.
+  transport = [n for n in topology.notes if n.startswith(TRANSPORT_NOTES)]
+  others = [n for n in topology.notes if not n.startswith(TRANSPORT_NOTES)]
+  if transport:
+    lines += ["", "Transport:"] + [f"  {note}" for note in transport]
+  if others:
+    lines += ["", "Notes:"] + [f"  - {note}" for note in others]
   return "\n".join(lines)
 
 
@@ -106,40 +116,3 @@ def _ranges(ids: Sequence[int]) -> str:
   if start is not None:
     out.append(f"{start}-{prev}" if prev != start else f"{start}")
   return ",".join(out)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  """``python -m dtenjax topo [--fixture NAME | --json FILE] [--probe] [--save FILE]``."""
-  ap = argparse.ArgumentParser(
-      prog="python -m dtenjax topo",
-      description="Print the device link matrix with the bandwidths the cost model uses.")
-  src = ap.add_mutually_exclusive_group()
-  src.add_argument("--fixture", metavar="NAME",
-                   help=f"a shipped topology: {', '.join(Topology.fixtures())}")
-  src.add_argument("--json", metavar="FILE", help="a topology JSON file (Topology.to_json())")
-  ap.add_argument("--probe", action="store_true",
-                  help="measure alpha/beta of the link classes present (this machine only)")
-  ap.add_argument("--save", metavar="FILE", help="write the topology shown as JSON")
-  args = ap.parse_args(list(argv) if argv is not None else None)
-  try:
-    if args.fixture:
-      topology = Topology.fixture(args.fixture)
-    elif args.json:
-      topology = Topology.from_json(args.json)
-    else:
-      topology = Topology.detect()
-    if args.probe:
-      topology = topology.probe()
-  except errors.DtenjaxError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  print(link_matrix_table(topology))
-  if args.save:
-    with open(args.save, "w", encoding="utf-8") as f:
-      f.write(topology.to_json() + "\n")
-    print(f"\nsaved to {args.save}")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -7,8 +7,8 @@ partial sums in outer-rank order.
 
 from __future__ import annotations
 
-from jax import lax
 
+from dtenjax._src import jaxapi
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import two_shot
 
@@ -27,10 +27,9 @@ def all_reduce(x, call: base.Call, finish):
   m = call.axis_sizes[-1]
   chunks, size = base.chunked(x, m)
   part = two_shot.reduce_chunks(chunks, inner, call.op)
-  if base.axis_size(outer) > 1:
-    part = base.ordered_reduce(lax.all_gather(part, outer), call.op, part.dtype)
+  part = base.ordered_reduce(jaxapi.all_gather_invariant(part, outer), call.op, part.dtype)
   mine = finish(part)
-  full = lax.all_gather(mine, inner, tiled=True) if m > 1 else mine
+  full = jaxapi.all_gather_invariant(mine, (inner,), tiled=True)
   return full[:size].reshape(x.shape)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from dtenjax._src import jaxapi
 from dtenjax._src.collectives import reproducible as repro
 from dtenjax._src.collectives.algorithms import base
 
@@ -21,9 +22,9 @@ def supports(call: base.Call) -> str | None:
 
 @base.keyed
 def all_reduce(x, call: base.Call, finish):
-  if call.world == 1:
-    return finish(x.astype(base.acc_dtype(x.dtype, call.op)))
-  return finish(base.ordered_reduce(lax.all_gather(x, call.axes), call.op))
+  # Every rank folds the same gathered values: the result is invariant over the axes, and the
+  # gather is typed so (as lax.psum's result is).
+  return finish(base.ordered_reduce(jaxapi.all_gather_invariant(x, call.axes), call.op))
 
 
 @base.keyed_scatter

@@ -1,4 +1,4 @@
-"""``ring`` (XLA-native): reduce-scatter then all-gather over ``n - 1`` ``ppermute`` steps each.
+"""``ring`` (XLA-native): a reduce-scatter over ``n - 1`` ``ppermute`` steps, then an all-gather.
 
 Order: chunk ``c`` of the padded flat buffer is combined in rank order ``c+1, c+2, ..., c``
 (mod n): step s sends rank r's partial of chunk ``(r-1-s) mod n`` to rank r+1, which adds its own
@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from dtenjax._src import jaxapi
 from dtenjax._src.collectives.algorithms import base
 
 
@@ -53,7 +54,9 @@ def gather_chunks(chunk, axes, n: int):
 def all_reduce(x, call: base.Call, finish):
   chunks, size = base.chunked(x, call.world)
   mine = finish(reduce_chunks(chunks, call.axes, call.op))
-  full = gather_chunks(mine, call.axes, call.world).reshape(-1)
+  # The all-gather phase is data movement only (the bits are fixed by the reduce-scatter above);
+  # XLA's all-gather does it, typed invariant as lax.psum's result.
+  full = jaxapi.all_gather_invariant(mine, call.axes, tiled=True)
   return full[:size].reshape(x.shape)
 
 

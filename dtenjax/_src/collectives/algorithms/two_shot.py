@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from dtenjax._src import jaxapi
 from dtenjax._src.collectives import reproducible as repro
 from dtenjax._src.collectives.algorithms import base
 
@@ -30,7 +31,7 @@ def reduce_chunks(chunks, axes, op: str):
 def all_reduce(x, call: base.Call, finish):
   chunks, size = base.chunked(x, call.world)
   mine = finish(reduce_chunks(chunks, call.axes, call.op))
-  full = lax.all_gather(mine, call.axes, tiled=True) if call.world > 1 else mine
+  full = jaxapi.all_gather_invariant(mine, call.axes, tiled=True)
   return full[:size].reshape(x.shape)
 
 
@@ -55,7 +56,7 @@ def reproducible(stack, call: base.Call):
   if n > 1:
     chunks = lax.all_to_all(chunks, call.axes, 0, 0)          # [source rank, k, c]
   r = repro.local_sum(chunks.reshape(n * k, c), call.op, call.contract)
-  full = lax.all_gather(r, call.axes, tiled=True) if n > 1 else r
+  full = jaxapi.all_gather_invariant(r, call.axes, tiled=True)
   return full[:size].reshape(stack.shape[1:])
 
 

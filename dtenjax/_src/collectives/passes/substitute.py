@@ -3,9 +3,10 @@
 :func:`substitute_psum` is a jaxpr interpreter: it traces ``fn`` when called (inside whatever
 named-axis context the call happens in), then evaluates the jaxpr equation by equation, replacing
 every ``psum`` / ``psum_invariant`` over named axes with ``dtenjax.all_reduce``. It recurses into
-nested ``jit`` calls (inlined) and into ``shard_map`` (rebuilt with ``check_vma=False``, because
-dtenjax results are per-device values). Other higher-order primitives (``scan``, ``while``,
-``cond``, custom derivatives) are bound unchanged: psums inside them stay XLA's.
+nested ``jit`` calls (inlined) and into ``shard_map`` (rebuilt with the same ``check_vma``:
+``dtenjax.all_reduce`` is typed as ``lax.psum``, so the program keeps its types and its
+gradients). Other higher-order primitives (``scan``, ``while``, ``cond``, custom derivatives) are
+bound unchanged: psums inside them stay XLA's.
 
 With ``bucket_bytes > 0`` psums are deferred: everything that does not need their results runs
 first, then the ready psums are reduced together in buckets (the fusion pass, ``fusion.py``).
@@ -24,7 +25,6 @@ from dtenjax._src.collectives import api as collectives
 
 _PSUMS = ("psum", "psum_invariant")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
-_IDENTITY = ("pvary",)
 
 
 class _Options:
@@ -115,8 +115,6 @@ def _run_eqn(eqn, invals, opts: _Options):
   name = eqn.primitive.name
   if _eligible(eqn):
     return _reduce(invals, tuple(eqn.params["axes"]), opts)
-  if name in _IDENTITY:
-    return invals
   if name in _CALLS and ("jaxpr" in eqn.params or "call_jaxpr" in eqn.params):
     inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     closed = inner if hasattr(inner, "consts") else jex_core.ClosedJaxpr(inner, ())
@@ -147,7 +145,7 @@ def _shard_map(eqn, invals, opts: _Options):
     return _eval_jaxpr(closed.jaxpr, closed.consts, args, opts)
 
   kwargs = dict(mesh=p["mesh"], in_specs=tuple(p["in_specs"]), out_specs=list(p["out_specs"]),
-                check_vma=False)
+                check_vma=bool(p.get("check_vma", True)))
   manual = p.get("manual_axes", p.get("newly_manual_axes"))
   if manual is not None and frozenset(manual) != frozenset(p["mesh"].axis_names):
     kwargs["axis_names"] = frozenset(manual)

@@ -1,0 +1,315 @@
+"""What every benchmark in bench/ shares: sizes, timing, the nccl-tests columns, ratios, one JSON
+schema and clear refusals. Each bench imports it as ``import _harness`` (bench/ is the directory
+of the script Python runs, and ``python -m dtenjax bench NAME`` runs the same script).
+
+* sizes: ``--sizes 8,64K,1M`` (:func:`parse_size`, :func:`sizes_arg` for argparse);
+* timing: :func:`interleaved` times every candidate round-robin, one call of each per round, so
+  drift of the machine hits them alike;
+* columns: :func:`nccl_columns` gives nccl-tests' size, count, type, time (us), algbw and busbw
+  (busbw = algbw x :func:`bus_factor`, e.g. 2(n-1)/n for all-reduce);
+* ratios: :func:`add_ratios` puts ``baseline time / candidate time`` next to every row of a group
+  (> 1: the candidate is faster), so candidates measured in one run are compared side by side;
+* tables: :func:`table` (laid out by rich through ``dtenjax._src.tables``);
+* JSON: :func:`document` builds the one schema every bench writes (:data:`SCHEMA`: bench,
+  command, date, machine, versions, params, rows, notes), :func:`write_json` validates and writes
+  it and says where, :func:`validate` lists every problem of a document;
+* refusals: :func:`refuse` (exit status :data:`EXIT_CANNOT_MEASURE`, one line saying why),
+  :func:`require_gpu`, :func:`require_world`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from importlib import metadata
+from typing import Any
+
+SCHEMA = "dtenjax.bench/1"
+EXIT_CANNOT_MEASURE = 3      # the bench cannot measure on this machine (the message says why)
+NCCL_COLUMNS = ("size", "count", "type", "time_us", "algbw", "busbw")
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "sendrecv": lambda n: 1.0,
+}
+
+
+# --- sizes ---------------------------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+  """``"8"``, ``"64K"``, ``"1M"``, ``"1.5G"`` -> bytes (K/M/G are powers of 1024)."""
+  s = str(text).strip().upper().removesuffix("B")
+  try:
+    value = float(s[:-1]) * _UNITS[s[-1]] if s and s[-1] in _UNITS else float(s)
+  except ValueError:
+    raise ValueError(f"size {text!r} is not a number of bytes such as 8, 64K, 1M or 1.5G") from None
+  if value < 1 or value != int(value):
+    raise ValueError(f"size {text!r} must be a whole number of bytes >= 1")
+  return int(value)
+
+
+def sizes_arg(text: str) -> list[int]:
+  """argparse ``type=`` for a comma list of sizes (a bad one is argparse's one-line error)."""
+  try:
+    sizes = [parse_size(s) for s in text.split(",") if s.strip()]
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  if not sizes:
+    raise argparse.ArgumentTypeError(f"{text!r} names no size; give e.g. 8,64K,1M")
+  return sizes
+
+
+def positive_int(text: str) -> int:
+  """argparse ``type=`` for counts that must be >= 1 (chain lengths, iterations)."""
+  try:
+    v = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+  if v < 1:
+    raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+  return v
+
+
+# --- timing ----------------------------------------------------------------------------------------
+
+def block(value: Any) -> Any:
+  """Waits for a jax value (or a tuple of them) to be computed."""
+  if hasattr(value, "block_until_ready"):
+    return value.block_until_ready()
+  if isinstance(value, (tuple, list)):
+    for v in value:
+      block(v)
+  return value
+
+
+def interleaved(fns: Mapping[Any, Callable[..., Any]], args: Sequence[Any] = (), *,
+                warmup: int, iters: int) -> dict[Any, list[float]]:
+  """Wall seconds of ``fn(*args)`` (until ready) per call, ``iters`` calls of each candidate
+  timed round-robin after ``warmup`` untimed calls of each."""
+  for f in fns.values():
+    for _ in range(warmup):
+      block(f(*args))
+  samples: dict[Any, list[float]] = {k: [] for k in fns}
+  for _ in range(iters):
+    for k, f in fns.items():
+      t0 = time.perf_counter()
+      block(f(*args))
+      samples[k].append(time.perf_counter() - t0)
+  return samples
+
+
+def median(xs: Iterable[float]) -> float:
+  return statistics.median(list(xs))
+
+
+# --- nccl-tests columns and ratios -----------------------------------------------------------------
+
+def bus_factor(op: str, world: int) -> float:
+  """nccl-tests' busbw / algbw for ``op`` over ``world`` ranks (1 for a single rank)."""
+  if op not in _BUS_FACTOR:
+    raise ValueError(f"unknown collective {op!r}; known: {sorted(_BUS_FACTOR)}")
+  return _BUS_FACTOR[op](world) if world > 1 else 1.0
+
+
+def nccl_columns(nbytes: int, dtype: str, seconds: float, world: int,
+                 op: str = "all_reduce") -> dict[str, Any]:
+  """size (bytes per rank), count (elements), type, time_us, algbw and busbw (GB/s, 1e9 B/s)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  itemsize = jnp.dtype(dtype).itemsize
+  algbw = nbytes / seconds / 1e9
+  return {"size": int(nbytes), "count": int(nbytes // itemsize), "type": str(dtype),
+          "time_us": seconds * 1e6, "algbw": algbw, "busbw": algbw * bus_factor(op, world)}
+
+
+def add_ratios(rows: list[dict], baseline: str, *, candidate: str = "algorithm",
+               group: Sequence[str] = ("size",), time_key: str = "time_us",
+               ratio_key: str = "ratio") -> list[dict]:
+  """Sets ``row[ratio_key] = baseline's time / row's time`` within each group of rows (same
+  values of ``group``); None where the group has no baseline row. Returns ``rows``."""
+  base = {tuple(r[g] for g in group): r[time_key] for r in rows if r[candidate] == baseline}
+  for r in rows:
+    b = base.get(tuple(r[g] for g in group))
+    r[ratio_key] = (b / r[time_key]) if b and r[time_key] else None
+  return rows
+
+
+def fmt_ratio(r: float | None) -> str:
+  return "-" if r is None else f"{r:.2f}x"
+
+
+def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, str]],
+          title: str | None = None) -> str:
+  """Rows as text: ``columns`` are (header, key, format) with format a ``format()`` spec, or
+  ``"ratio"`` for ``1.23x``. Text columns (format ``"s"``) are left-aligned, numbers right."""
+  from dtenjax._src import tables  # pylint: disable=g-import-not-at-top
+
+  def cell(v, f):
+    if v is None:
+      return "-"
+    return fmt_ratio(v) if f == "ratio" else format(v, f)
+  body = [[cell(r.get(key), f) for _, key, f in columns] for r in rows]
+  return tables.render([h for h, _, _ in columns], body, title=title,
+                       align=["left" if f == "s" else "right" for _, _, f in columns])
+
+
+NCCL_TABLE = (("size", "size", "d"), ("count", "count", "d"), ("type", "type", "s"))
+NCCL_TAIL = (("time(us)", "time_us", ".1f"), ("algbw(GB/s)", "algbw", ".3f"),
+             ("busbw(GB/s)", "busbw", ".3f"))
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+def refuse(bench: str, why: str) -> None:
+  """Ends the bench with one line on stderr saying why it cannot measure here."""
+  print(f"{bench}: cannot measure here: {why}", file=sys.stderr)
+  raise SystemExit(EXIT_CANNOT_MEASURE)
+
+
+def require_gpu(bench: str, what: str) -> None:
+  """Refuses unless jax's default backend is a GPU."""
+  import jax  # pylint: disable=g-import-not-at-top
+  backend = jax.default_backend()
+  if backend != "gpu":
+    refuse(bench, f"it needs a CUDA GPU ({what}), and jax's backend is {backend!r} "
+           f"({len(jax.devices())} {backend} device(s)); run it on a GPU machine.")
+
+
+def require_world(bench: str, world: int, minimum: int = 2, how: str = "") -> None:
+  """Refuses when fewer than ``minimum`` ranks take part (a collective of one rank moves
+  nothing, so its times and ratios would describe no communication)."""
+  if world < minimum:
+    refuse(bench, f"a collective over {world} rank(s) moves no data; it needs at least "
+           f"{minimum}. {how}".rstrip())
+
+
+# --- the JSON document -----------------------------------------------------------------------------
+
+def _version(dist: str) -> str | None:
+  try:
+    return metadata.version(dist)
+  except metadata.PackageNotFoundError:
+    return None
+
+
+def versions() -> dict[str, str | None]:
+  return {"python": platform.python_version(), "dtenjax": _version("dtenjax"),
+          "jax": _version("jax"), "jaxlib": _version("jaxlib"), "numpy": _version("numpy"),
+          "jax_cuda_plugin": _version("jax-cuda12-plugin") or _version("jax-cuda13-plugin"),
+          "cuda_python": _version("cuda-python"), "nvidia_ml_py": _version("nvidia-ml-py")}
+
+
+def machine(devices: Sequence[Any] | None = None) -> dict[str, Any]:
+  """Host, OS, cores, load and (given jax devices) a summary of the devices."""
+  m: dict[str, Any] = {"host": socket.gethostname(), "platform": platform.platform(),
+                       "cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
+  if devices is not None:
+    devices = list(devices)
+    kinds: dict[str, int] = {}
+    for d in devices:
+      k = getattr(d, "device_kind", d.platform)
+      kinds[k] = kinds.get(k, 0) + 1
+    m["devices"] = {"backend": devices[0].platform if devices else None,
+                    "count": len(devices), "kinds": kinds,
+                    "processes": len({d.process_index for d in devices})}
+  return m
+
+
+def command(script: str, argv: Sequence[str]) -> str:
+  """The command line that reruns this bench from the repository root."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  rel = os.path.relpath(os.path.abspath(script), root)
+  return shlex.join(["python", rel, *argv])
+
+
+def document(bench: str, script: str, argv: Sequence[str], params: Mapping[str, Any],
+             rows: Sequence[Mapping[str, Any]], *, devices: Sequence[Any] | None = None,
+             kind: str = "collective", notes: Sequence[str] = (),
+             machine_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """The one JSON shape of bench/ (see :func:`validate`)."""
+  return {
+      "schema": SCHEMA, "bench": bench, "kind": kind,
+      "command": command(script, argv), "argv": list(argv),
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+      "machine": {**machine(devices), **(machine_extra or {})}, "versions": versions(),
+      "params": dict(params), "rows": [dict(r) for r in rows], "notes": list(notes),
+  }
+
+
+_TOP = {"schema": str, "bench": str, "kind": str, "command": str, "argv": list, "date": str,
+        "machine": dict, "versions": dict, "params": dict, "rows": list, "notes": list}
+
+
+def validate(doc: Any) -> list[str]:
+  """Every way ``doc`` differs from :data:`SCHEMA` (an empty list when it conforms)."""
+  if not isinstance(doc, dict):
+    return [f"the document must be a JSON object, got {type(doc).__name__}"]
+  problems = []
+  if doc.get("schema") != SCHEMA:
+    problems.append(f"schema is {doc.get('schema')!r}, expected {SCHEMA!r}")
+  for k, t in _TOP.items():
+    if k not in doc:
+      problems.append(f"missing key {k!r}")
+    elif not isinstance(doc[k], t):
+      problems.append(f"{k!r} must be a {t.__name__}, got {type(doc[k]).__name__}")
+  problems += [f"unknown key {k!r}" for k in sorted(set(doc) - set(_TOP))]
+  if isinstance(doc.get("date"), str):
+    try:
+      datetime.datetime.strptime(doc["date"], "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+      problems.append(f"date {doc['date']!r} is not UTC ISO 8601 (YYYY-MM-DDTHH:MM:SSZ)")
+  for k in ("host", "platform", "cpus"):
+    if isinstance(doc.get("machine"), dict) and k not in doc["machine"]:
+      problems.append(f"machine has no {k!r}")
+  for k in ("python", "jax", "jaxlib", "dtenjax"):
+    if isinstance(doc.get("versions"), dict) and k not in doc["versions"]:
+      problems.append(f"versions has no {k!r}")
+  rows = doc.get("rows") if isinstance(doc.get("rows"), list) else []
+  for i, r in enumerate(rows):
+    if not isinstance(r, dict):
+      problems.append(f"rows[{i}] must be an object")
+    elif doc.get("kind") == "collective":
+      missing = [c for c in NCCL_COLUMNS if c not in r]
+      if missing:
+        problems.append(f"rows[{i}] lacks the nccl-tests columns {missing}")
+    if len(problems) > 20:
+      break
+  if doc.get("kind") not in ("collective", "other"):
+    problems.append(f"kind {doc.get('kind')!r} must be 'collective' or 'other'")
+  return problems
+
+
+def write_json(path: str, doc: Mapping[str, Any]) -> str:
+  """Validates ``doc``, writes it to ``path`` and says where on stderr; returns the path."""
+  problems = validate(doc)
+  if problems:
+    raise ValueError("bench result does not match " + SCHEMA + ": " + "; ".join(problems))
+  path = os.path.abspath(path)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(doc, f, indent=1)
+    f.write("\n")
+  print(f"wrote {path}", file=sys.stderr)
+  return path
+
+
+def load(path: str) -> dict[str, Any]:
+  """Reads a bench result and checks it against :data:`SCHEMA` (ValueError listing problems)."""
+  with open(path, encoding="utf-8") as f:
+    doc = json.load(f)
+  problems = validate(doc)
+  if problems:
+    raise ValueError(f"{path} is not a {SCHEMA} document: " + "; ".join(problems))
+  return doc

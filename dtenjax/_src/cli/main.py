@@ -1,0 +1,96 @@
+"""The command line: ``dtenjax COMMAND`` (console script) or ``python -m dtenjax COMMAND``.
+
+One argparse parser with a subcommand per job (``demo``, ``topo``, ``explain``, ``bench``,
+``info``); each command module contributes ``add_arguments(parser)`` and ``run(args) -> int``.
+``--help`` works at every level, ``prog`` names the way the user started it, a bad argument is
+argparse's usage line plus one error line with exit status 2, and a mistake found later (a
+``DtenjaxError``: an unknown fixture, a mesh axis that does not exist, a shape that does not divide
+its mesh axis) is one ``error:`` line with exit status 2 as well, never a traceback.
+
+Without an accelerator the commands run on 8 simulated CPU devices (set before JAX starts); with
+GPUs they use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from dtenjax._src import errors
+
+EXIT_USAGE = 2
+
+
+def prog_name(argv0: str | None = None) -> str:
+  """``dtenjax`` for the console script, ``python -m dtenjax`` otherwise."""
+  argv0 = sys.argv[0] if argv0 is None else argv0
+  return "dtenjax" if os.path.basename(argv0) == "dtenjax" else "python -m dtenjax"
+
+
+def simulated_devices() -> None:
+  """8 simulated CPU devices unless XLA_FLAGS already says how many (must run before JAX
+  initialises its backends; it only shapes the CPU backend, GPUs stay the default)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+
+def _version() -> str:
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  try:
+    return metadata.version("dtenjax")
+  except metadata.PackageNotFoundError:
+    import dtenjax  # pylint: disable=g-import-not-at-top
+    return dtenjax.__version__
+
+
+def _plain(text: str | None) -> str | None:
+  """A module docstring as help text: without reStructuredText's double backquotes."""
+  return None if text is None else text.replace("``", "").strip()
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli import bench, demo, explain, info, topo
+  prog = prog or prog_name()
+  ap = argparse.ArgumentParser(
+      prog=prog, description="dtenjax: deterministic, topology-aware distributed arrays and "
+      "collectives for JAX. Without an accelerator every command runs on 8 simulated CPU "
+      "devices.", epilog=f"'{prog} COMMAND --help' describes each command.")
+  ap.add_argument("--version", action="version", version=f"dtenjax {_version()}")
+  sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+  for name, module in (("demo", demo), ("topo", topo), ("explain", explain), ("bench", bench),
+                       ("info", info)):
+    p = sub.add_parser(name, help=module.HELP, description=_plain(module.DESCRIPTION),
+                       epilog=_plain(getattr(module, "EPILOG", None)),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(p)
+    p.set_defaults(run=module.run, parser=p, extra=getattr(module, "EXTRA", None))
+  return ap
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+  simulated_devices()          # before anything imports jax (the parsers list fixtures)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = build_parser(prog)
+  if argv[:1] == ["bench"] and len(argv) > 2:   # bench NAME ARGS...: ARGS belong to the bench
+    args = parser.parse_args(argv[:2])
+    args.args = argv[2:]
+  else:
+    args = parser.parse_args(argv)
+  try:
+    if args.extra:
+      from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
+      info.require(args.extra, args.command)
+    return int(args.run(args) or 0)
+  except errors.DtenjaxError as e:
+    print(f"{args.parser.prog}: error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+  except KeyboardInterrupt:
+    print(f"{args.parser.prog}: interrupted", file=sys.stderr)
+    return 130
+  except BrokenPipeError:        # `dtenjax topo | head`: the reader left; say nothing more
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141

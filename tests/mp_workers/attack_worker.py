@@ -1,0 +1,172 @@
+"""Worker of tests/test_attacks.py: attacks and faults across processes, through the public
+``dtenjax.all_reduce`` inside ``jax.jit`` (one CPU device per process). Phases (comma list in
+DTENJAX_TEST_PHASES), in this order:
+
+* flood: before any ring connects, every rank opens FLOOD connections that never authenticate
+  (mixed kinds) to the listener of its next rank, then the ring forms and computes;
+* lookalike: one helper called from two lines of the jitted step; rank 1 calls them in the
+  other order;
+* tagged: a jitted step whose collective is tagged with the (traced) step number; rank 1 skips
+  step 1;
+* algorithms: rank 0 asks for algorithm="ring", the others for "xla"; afterwards rank 0 runs the
+  xla collective too, which releases the others;
+* peer_loss: the last rank exits between two collectives; the others run the second one;
+* coordinator_loss: process 0 (the jax.distributed coordinator) SIGKILLs itself; the others keep
+  writing a heartbeat into their result until they die or 10 s pass.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import time
+import traceback
+
+from tests.mp_workers import common
+
+
+def main():
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)   # room for the flood's sockets
+  limit = 8192 if hard == resource.RLIM_INFINITY else min(8192, hard)
+  if soft < limit:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+  rank, nprocs = common.init()
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  import dtenjax
+  from dtenjax._src.net import hostcoll
+  from dtenjax._src.net import kvstore
+  from dtenjax._src.net import transport
+  from tests import net_helpers
+
+  phases = os.environ.get("DTENJAX_TEST_PHASES", "flood").split(",")
+  mesh = Mesh(np.array(jax.devices()), ("p",))
+  spec = P("p")
+  res: dict = {"rank": rank}
+  full = np.stack([np.full(8, 10.0 ** r, np.float32) for r in range(nprocs)])
+  arr = jax.make_array_from_callback(full.shape, NamedSharding(mesh, spec), lambda i: full[i])
+
+  def jit(fn, in_specs=spec):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec))
+
+  def rows(y):
+    return [np.asarray(s.data).reshape(-1).tolist() for s in y.addressable_shards]
+
+  def attempt(name, fn):
+    t0 = time.monotonic()
+    try:
+      res[name] = {"value": fn(), "error": None, "seconds": time.monotonic() - t0}
+    except Exception as e:  # pylint: disable=broad-except
+      res[name] = {"error": f"{type(e).__name__}: {e}"[:6000], "seconds": time.monotonic() - t0}
+    common.write(res)
+
+  try:
+    if "flood" in phases:
+      real_connect = transport.connect
+      held = []
+      formation = {}
+      size = min(net_helpers.FLOOD, max(soft, limit) - 512)
+
+      def flooded_connect(comm, next_endpoint):
+        job = transport.job_credentials().job_id
+        held.extend(net_helpers.flood(next_endpoint, size, "mixed", job=job, claim_rank=rank))
+        common.barrier(f"flooded-{comm.name}")   # every listener is flooded before anyone connects
+        t0 = time.monotonic()
+        real_connect(comm, next_endpoint)
+        formation[comm.name] = time.monotonic() - t0
+      transport.connect = flooded_connect
+      before = transport.counters()
+      ring = jit(lambda x: dtenjax.all_reduce(x, "p", algorithm="ring"))
+      attempt("flood", lambda: rows(ring(arr)))
+      transport.connect = real_connect
+      res["flood"]["formation_s"] = formation
+      res["flood"]["connections"] = size
+      after = transport.counters()
+      res["flood"]["turned_away"] = sum(after[k] - before[k] for k in (
+          "handshakes_refused", "handshakes_evicted", "rejected_bad_header"))
+      for s in held:
+        s.close()
+      common.barrier("flood-done")
+
+    if "lookalike" in phases:
+      def helper(v):
+        return dtenjax.all_reduce(v, "p", algorithm="ring")
+
+      def step(x):
+        if rank == 1:
+          b = helper(x * 100)
+          a = helper(x)
+        else:
+          a = helper(x)
+          b = helper(x * 100)
+        return a + b
+      attempt("lookalike", lambda: rows(jit(step)(arr)))
+      hostcoll.reset()
+      common.barrier("lookalike-done")
+
+    if "tagged" in phases:
+      f = jit(lambda x, i: hostcoll.all_reduce(x, "p", algorithm="ring", tag=i),
+              in_specs=(spec, P()))
+
+      def loop():
+        out = []
+        for i in range(3):
+          if rank == 1 and i == 1:
+            continue
+          out.append(rows(f(arr, jnp.int32(i))))
+        return out
+      attempt("tagged", loop)
+      hostcoll.reset()
+      common.barrier("tagged-done")
+
+    if "algorithms" in phases:
+      xla = jit(lambda x: dtenjax.all_reduce(x, "p", algorithm="xla"))
+      if rank == 0:
+        attempt("algorithms", lambda: rows(jit(
+            lambda x: dtenjax.all_reduce(x, "p", algorithm="ring"))(arr)))
+        res["released"] = rows(xla(arr))   # what the others are waiting for in XLA's collective
+      else:
+        attempt("algorithms", lambda: rows(xla(arr)))
+
+    if "peer_loss" in phases:
+      f = jit(lambda x: dtenjax.all_reduce(x, "p", algorithm="ring"))
+      attempt("first", lambda: rows(f(arr)))
+      common.barrier("first-done")
+      if rank == nprocs - 1:
+        common.write(res)
+        os._exit(3)
+      time.sleep(0.5)   # it is gone
+      attempt("second", lambda: rows(f(arr)))
+      res["alive_after_s"] = 0.0
+      t0 = time.monotonic()
+      while time.monotonic() - t0 < float(os.environ.get("DTENJAX_TEST_WATCH", "0")):
+        time.sleep(0.2)
+        res["alive_after_s"] = time.monotonic() - t0
+        common.write(res)
+      common.finish(res, expect_done=nprocs - 1, wait_s=10)
+
+    if "coordinator_loss" in phases:
+      kvstore.default().barrier("before-kill", timeout_s=30)
+      res["beats"] = []
+      common.write(res)
+      if rank == 0:
+        time.sleep(0.3)
+        res["killed_at"] = time.time()
+        common.write(res)
+        os.kill(os.getpid(), signal.SIGKILL)
+      t0 = time.monotonic()
+      while time.monotonic() - t0 < 10:
+        res["beats"].append(time.time())
+        common.write(res)
+        time.sleep(0.01)
+  except Exception:  # pylint: disable=broad-except
+    res["exception"] = traceback.format_exc()[-4000:]
+  common.finish(res)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,149 @@
+"""bench/_harness.py: sizes, round-robin timing, nccl-tests columns, ratios, the one JSON schema,
+tables and refusals. Expected numbers are worked out by hand from nccl-tests' definitions
+(algbw = bytes / time; busbw = algbw * 2(n-1)/n for all-reduce, (n-1)/n for all-gather)."""
+
+import argparse
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import _harness as h  # noqa: E402  pylint: disable=g-import-not-at-top
+
+
+@pytest.mark.parametrize("text,expected", [("8", 8), ("64K", 65536), ("1M", 1 << 20),
+                                           ("1.5g", 3 << 29), (" 4kb ", 4096)])
+def test_parse_size(text, expected):
+  assert h.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "K", "x", "0", "1.5", "-4K"])
+def test_parse_size_rejects(text):
+  with pytest.raises(ValueError, match="size"):
+    h.parse_size(text)
+
+
+def test_sizes_and_counts_are_argparse_errors():
+  assert h.sizes_arg("8,64K,") == [8, 65536]
+  with pytest.raises(argparse.ArgumentTypeError, match="'12Q'"):
+    h.sizes_arg("8,12Q")
+  with pytest.raises(argparse.ArgumentTypeError, match="names no size"):
+    h.sizes_arg(",")
+  assert h.positive_int("3") == 3
+  with pytest.raises(argparse.ArgumentTypeError, match="at least 1"):
+    h.positive_int("0")
+
+
+def test_nccl_columns_by_hand():
+  row = h.nccl_columns(1 << 20, "float32", 100e-6, 8)
+  assert row["size"] == 1048576 and row["count"] == 262144 and row["type"] == "float32"
+  assert row["time_us"] == pytest.approx(100.0)
+  assert row["algbw"] == pytest.approx(10.48576)
+  assert row["busbw"] == pytest.approx(10.48576 * 1.75)
+  gather = h.nccl_columns(4096, "bfloat16", 1e-6, 4, op="all_gather")
+  assert gather["count"] == 2048 and gather["busbw"] == pytest.approx(4.096 * 0.75)
+  assert h.bus_factor("all_reduce", 1) == 1.0
+  with pytest.raises(ValueError, match="unknown collective"):
+    h.bus_factor("allreduce", 2)
+
+
+def test_ratios_side_by_side_per_group():
+  rows = [dict(size=8, algorithm="psum", time_us=10.0), dict(size=8, algorithm="ring", time_us=5.0),
+          dict(size=16, algorithm="ring", time_us=4.0)]
+  h.add_ratios(rows, "psum")
+  assert [r["ratio"] for r in rows] == [1.0, 2.0, None]     # size 16 has no psum row
+  assert h.fmt_ratio(2.0) == "2.00x" and h.fmt_ratio(None) == "-"
+
+
+def test_interleaved_is_round_robin_after_warmup():
+  calls = []
+  fns = {"a": lambda x: calls.append(("a", x)), "b": lambda x: calls.append(("b", x))}
+  samples = h.interleaved(fns, (7,), warmup=2, iters=3)
+  assert calls[:4] == [("a", 7), ("a", 7), ("b", 7), ("b", 7)]        # warm-up, per candidate
+  assert calls[4:] == [("a", 7), ("b", 7)] * 3                          # timed: one of each per round
+  assert {k: len(v) for k, v in samples.items()} == {"a": 3, "b": 3}
+  assert all(t >= 0 for v in samples.values() for t in v)
+
+
+def _doc(**over):
+  rows = [dict(h.nccl_columns(8, "float32", 1e-5, 2), algorithm="psum")]
+  doc = h.document("allreduce", str(ROOT / "bench" / "allreduce.py"), ["--sizes", "8"],
+                   {"sizes": [8]}, rows)
+  doc.update(over)
+  return doc
+
+
+def test_document_has_the_schema_fields():
+  doc = _doc()
+  assert h.validate(doc) == []
+  assert doc["schema"] == "dtenjax.bench/1"
+  assert doc["command"] == "python bench/allreduce.py --sizes 8"
+  assert {"host", "platform", "cpus"} <= set(doc["machine"])
+  assert doc["versions"]["python"].count(".") == 2 and "jax" in doc["versions"]
+  assert json.loads(json.dumps(doc)) == doc
+
+
+def test_validate_lists_every_problem():
+  bad = _doc(schema="dtenjax.bench/0", date="yesterday", extra=1, rows=[{"size": 8}, 3])
+  del bad["machine"]
+  problems = h.validate(bad)
+  text = "\n".join(problems)
+  assert "schema is 'dtenjax.bench/0'" in text
+  assert "missing key 'machine'" in text
+  assert "date 'yesterday'" in text
+  assert "unknown key 'extra'" in text
+  assert "rows[0] lacks the nccl-tests columns ['count', 'type', 'time_us', 'algbw', 'busbw']" in text
+  assert "rows[1] must be an object" in text
+  assert h.validate([]) == ["the document must be a JSON object, got list"]
+
+
+def test_write_json_says_where_and_refuses_bad_documents(tmp_path, capsys):
+  path = tmp_path / "r.json"
+  assert h.write_json(str(path), _doc()) == str(path)
+  assert f"wrote {path}" in capsys.readouterr().err
+  assert h.load(str(path))["bench"] == "allreduce"
+  with pytest.raises(ValueError, match="missing key 'rows'"):
+    h.write_json(str(tmp_path / "bad.json"), {k: v for k, v in _doc().items() if k != "rows"})
+  assert not (tmp_path / "bad.json").exists()
+  (tmp_path / "old.json").write_text(json.dumps({"argv": [], "rows": []}))
+  with pytest.raises(ValueError, match="is not a dtenjax.bench/1 document"):
+    h.load(str(tmp_path / "old.json"))
+
+
+def test_table_columns_and_formats():
+  rows = [dict(size=8, algorithm="psum", time_us=10.0, ratio=1.0),
+          dict(size=8, algorithm="one_shot", time_us=4.0, ratio=2.5),
+          dict(size=8, algorithm="auto", time_us=None, ratio=None)]
+  text = h.table(rows, [("size", "size", "d"), ("algorithm", "algorithm", "s"),
+                        ("time(us)", "time_us", ".1f"), ("vs psum", "ratio", "ratio")])
+  lines = text.splitlines()
+  assert lines[0].split() == ["size", "algorithm", "time(us)", "vs", "psum"]
+  assert [ln.split() for ln in lines[1:]] == [["8", "psum", "10.0", "1.00x"],
+                                              ["8", "one_shot", "4.0", "2.50x"],
+                                              ["8", "auto", "-", "-"]]
+  # numbers right-aligned, text left-aligned: the time column ends where its header ends
+  end = lines[0].index("time(us)") + len("time(us)")
+  assert [ln[end - 4:end] for ln in lines[1:]] == ["10.0", " 4.0", "   -"]
+  assert lines[2].index("one_shot") == lines[0].index("algorithm")
+
+
+def test_refusals_exit_3_with_one_line(capsys):
+  with pytest.raises(SystemExit) as e:
+    h.require_world("bench/x.py", 1, how="Run it with --procs 2.")
+  assert e.value.code == h.EXIT_CANNOT_MEASURE == 3
+  err = capsys.readouterr().err.strip()
+  assert err == ("bench/x.py: cannot measure here: a collective over 1 rank(s) moves no data; it "
+                 "needs at least 2. Run it with --procs 2.")
+  h.require_world("bench/x.py", 2)          # enough ranks: returns
+
+
+def test_require_gpu_refuses_on_cpu(cpu_devices, capsys):
+  del cpu_devices
+  with pytest.raises(SystemExit) as e:
+    h.require_gpu("bench/p2p_allreduce.py", "the p2p kernels")
+  assert e.value.code == 3
+  err = capsys.readouterr().err
+  assert "needs a CUDA GPU (the p2p kernels), and jax's backend is 'cpu'" in err and err.count("\n") == 1

@@ -1,0 +1,180 @@
+"""Every script in bench/ as a user runs it: ``--help``, the one JSON schema of bench/_harness.py,
+nccl-tests columns on the collective benches, and a clear refusal (exit status 3, one line) where
+a bench cannot measure. Small sizes: these check the plumbing, not performance."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import _harness  # noqa: E402  pylint: disable=g-import-not-at-top
+
+BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_"))
+
+
+def _run(name, *args, env=None, timeout=600):
+  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  e.pop("XLA_FLAGS", None)
+  e.update(env or {})
+  return subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), *args],
+                        capture_output=True, text=True, env=e, timeout=timeout, check=False)
+
+
+HELP_ALL = """
+import runpy, sys
+bad = []
+for path in sys.argv[1:]:
+  sys.argv = [path, "--help"]
+  try:
+    runpy.run_path(path, run_name="__main__")
+    bad.append(path + ": --help returned instead of exiting")
+  except SystemExit as e:
+    if e.code not in (0, None):
+      bad.append(f"{path}: --help exited {e.code}")
+print("BAD", bad)
+"""
+
+
+def test_every_bench_has_help():
+  """All of them in one process (each import of jax costs seconds on the CI machine)."""
+  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{ROOT / 'bench'}{os.pathsep}{ROOT}")
+  r = subprocess.run([sys.executable, "-c", HELP_ALL,
+                      *(str(ROOT / "bench" / f"{b}.py") for b in BENCHES)],
+                     capture_output=True, text=True, env=e, timeout=600, check=False)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.strip().splitlines()[-1] == "BAD []", r.stdout[-3000:]
+  assert r.stdout.count("usage: ") == len(BENCHES) >= 10
+
+
+@pytest.mark.parametrize("name,args,message", [
+    ("allreduce", ("--sizes", "4Q"), "size '4Q' is not a number of bytes"),
+    ("collectives", ("--chain", "0"), "argument --chain: 0 must be at least 1"),
+    ("transport", ("--procs", "1"), "--procs must be at least 2"),
+    ("compression_select", ("--ratios", "2"), "densities '2' must lie in (0, 1]"),
+    ("planner", ("--explain", "--update-docs"), "not allowed with argument"),
+])
+def test_bad_arguments_are_argparse_errors(name, args, message):
+  r = _run(name, *args)
+  assert r.returncode == 2, (name, r.stderr)
+  assert message in r.stderr.splitlines()[-1], (name, r.stderr)
+  assert "Traceback" not in r.stderr
+
+
+def _doc(path, bench):
+  doc = _harness.load(str(path))       # raises listing every schema problem
+  assert doc["bench"] == bench
+  assert doc["command"].startswith(f"python bench/{bench}.py ")
+  return doc
+
+
+def test_collectives_rows_have_nccl_columns_and_ratios(tmp_path):
+  out = tmp_path / "c.json"
+  r = _run("collectives", "--sizes", "8K", "--chain", "1", "--reps", "1",
+           "--candidates", "psum,lax.all_gather", "--json", str(out))
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = {row["candidate"]: row for row in _doc(out, "collectives")["rows"]}
+  psum, gather = rows["psum"], rows["lax.all_gather"]
+  assert psum["count"] == 2048 and psum["type"] == "float32" and psum["world"] == 8
+  assert psum["busbw"] == pytest.approx(psum["algbw"] * 2 * 7 / 8)      # all-reduce
+  assert gather["busbw"] == pytest.approx(gather["algbw"] * 7 / 8)      # all-gather
+  assert psum["ratio"] == 1.0
+  assert gather["ratio"] == pytest.approx(psum["time_us"] / gather["time_us"])
+  header = r.stdout.splitlines()[-3].split()
+  assert header == ["size", "count", "type", "candidate", "time(us)", "algbw(GB/s)",
+                    "busbw(GB/s)", "vs", "psum"]
+
+
+def test_collectives_refuses_one_device():
+  r = _run("collectives", "--sizes", "8K", env={
+      "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+  assert r.returncode == 3
+  assert r.stderr.strip().startswith("bench/collectives.py: cannot measure here: a collective "
+                                     "over 1 rank(s) moves no data")
+  assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_p2p_bench_refuses_without_a_gpu():
+  r = _run("p2p_allreduce", "--quick")
+  assert r.returncode == 3, r.stderr[-3000:]
+  assert r.stderr.strip() == (
+      "bench/p2p_allreduce.py: cannot measure here: it needs a CUDA GPU (the NVLink p2p "
+      "kernels), and jax's backend is 'cpu' (1 cpu device(s)); run it on a GPU machine.")
+
+
+def test_transport_rows_side_by_side(tmp_path):
+  out = tmp_path / "t.json"
+  r = _run("transport", "--procs", "2", "--sizes", "4K", "--iters", "1", "--json", str(out))
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = _doc(out, "transport")["rows"]
+  assert [row["candidate"] for row in rows] == ["xla/gloo", "dtenjax tcp ring"]
+  for row in rows:
+    assert row["size"] == 4096 and row["count"] == 1024 and row["world"] == 2
+    assert row["busbw"] == pytest.approx(row["algbw"])               # 2(n-1)/n = 1 for n = 2
+  assert rows[1]["ratio"] == pytest.approx(rows[0]["time_us"] / rows[1]["time_us"])
+
+
+def test_planner_and_compression_select_write_the_schema(tmp_path):
+  out = tmp_path / "p.json"
+  r = _run("planner", "--leaves", "20", "--repeats", "1", "--json", str(out))
+  assert r.returncode == 0, r.stderr[-3000:]
+  doc = _doc(out, "planner")
+  assert doc["kind"] == "other" and doc["params"]["target_ms"] == 50
+  assert [row["leaves"] for row in doc["rows"]] == [20, 20]
+  out = tmp_path / "s.json"
+  r = _run("compression_select", "--sizes", "64K", "--ratios", "0.01", "--calls", "1",
+           "--repeats", "1", "--json", str(out))
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = _doc(out, "compression_select")["rows"]
+  assert rows[0]["n"] == 65536 and rows[0]["k"] == 656          # ceil(0.01 * 65536)
+
+
+def test_costmodel_check_reads_only_allreduce_results(tmp_path):
+  for name in ("2026-11-30_h200x2_1proc_f32.json", "2026-11-30_h200x2_2procs_f32.json"):
+    _doc(ROOT / "bench" / "results" / name, "allreduce")     # stored results keep the schema
+  other = tmp_path / "c.json"
+  _harness.write_json(str(other), _harness.document("collectives", "bench/collectives.py", [],
+                                                    {}, []))
+  r = _run("costmodel_check", str(other))
+  assert r.returncode == 2
+  assert "holds bench/collectives.py results" in r.stderr
+  (tmp_path / "old.json").write_text(json.dumps({"argv": [], "rows": []}))
+  r = _run("costmodel_check", str(tmp_path / "old.json"))
+  assert r.returncode == 2 and "is not a dtenjax.bench/1 document" in r.stderr
+
+
+def test_convergence_and_reproducible_step_write_the_schema(tmp_path, monkeypatch, capsys):
+  """Their measurements take minutes (tests/test_compression.py and tests/test_reproducible.py
+  run them); here a canned measurement goes through each main() to its JSON and table."""
+  import compression_convergence as cc  # pylint: disable=g-import-not-at-top
+  import reproducible_step as rs  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(cc, "load_digits", lambda n: None)
+  monkeypatch.setattr(cc, "train", lambda cand, data, steps, seed: (
+      0.9 if cand.ratio is None else 0.8, 100.0 if cand.ratio is None else 10.0,
+      steps * (100.0 if cand.ratio is None else 10.0), 0.1, 99.0))
+  out = tmp_path / "cc.json"
+  assert cc.main(["--steps", "2", "--json", str(out)]) == 0
+  rows = {r["name"]: r for r in _doc(out, "compression_convergence")["rows"]}
+  assert rows["top-k EF 1%"]["gap_pp"] == pytest.approx(-10.0)
+  assert rows["top-k EF 1%"]["bytes_ratio"] == pytest.approx(10.0)
+  table = capsys.readouterr().out.splitlines()
+  assert table[-len(rows) - 1].split()[:3] == ["candidate", "test", "acc"]
+  assert any(ln.split()[:4] == ["top-k", "EF", "1%", "80.00"] for ln in table)
+
+  def mode(m, steps):
+    diffs = {v: {"1": 0 if m == "reproducible_step" else 5} for v in rs.VARIANTS}
+    return dict(diffs=diffs, seconds={v: 0.01 * (2 if m == "reproducible_step" else 1)
+                                      for v in rs.VARIANTS},
+                params=26378, jax="0.10.2", devices=8, backend="cpu")
+  monkeypatch.setattr(rs, "run_mode", mode)
+  out = tmp_path / "rs.json"
+  assert rs.main(["--steps", "1", "--json", str(out)]) == 0
+  rows = _doc(out, "reproducible_step")["rows"]
+  assert len(rows) == len(rs.MODES) * len(rs.VARIANTS)
+  pinned = [r for r in rows if r["mode"] == "reproducible_step"]
+  assert {r["differing_text"] for r in pinned} == {"0"}
+  assert {r["vs_jit"] for r in pinned} == {2.0}

@@ -1,0 +1,41 @@
+"""Every file a README/docs page names exists in the repository, and none names DESIGN.md (the
+design notes are not part of the repository)."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PATH = re.compile(r"(?<![\w/.-])((?:docs|bench|tests|scripts|examples|dtenjax|csrc|custom_calls|"
+                  r"\.ci)/[\w./+*-]*[\w*])")
+
+
+def _references(text: str) -> set[str]:
+  found = set()
+  for m in PATH.finditer(text):
+    ref = m.group(1)
+    if any(c in ref for c in "*{}<>") or re.search(r"/[A-Z_]+(\.|$)", ref):
+      continue            # globs and placeholders (bench/NAME.py)
+    found.add(ref.rstrip("."))
+  return found
+
+
+def test_every_referenced_path_exists():
+  missing = {}
+  for page in PAGES:
+    for ref in _references(page.read_text(encoding="utf-8")):
+      if not (ROOT / ref).exists():
+        missing.setdefault(page.name, []).append(ref)
+  assert not missing, missing
+
+
+def test_the_check_sees_references():
+  refs = _references("see docs/planner.md, bench/NAME.py and `dtenjax/_src/topology/detect.py`.")
+  assert refs == {"docs/planner.md", "dtenjax/_src/topology/detect.py"}
+  assert (ROOT / "docs" / "planner.md").exists()
+
+
+def test_no_page_or_module_names_design_md():
+  files = PAGES + sorted((ROOT / "dtenjax").rglob("*.py")) + sorted((ROOT / "bench").glob("*.py"))
+  named = [str(p.relative_to(ROOT)) for p in files if "DESIGN.md" in p.read_text(encoding="utf-8")]
+  assert not named, named

@@ -1,0 +1,463 @@
+"""The RDMA verbs data path, end to end, on the emulated device (tests/fakeverbs/).
+
+The provider (csrc/transport/verbs.cc) loads the emulated libibverbs through
+DTENJAX_IBVERBS_LIBRARY and runs exactly as it would on a NIC: QPs, MRs, CQs, completion
+channels, RDMA WRITE WITH IMM, credits. The device enforces the verbs contract
+(tests/test_verbs_fake.py checks it against the man pages) and counts every refused call
+("violations"): every test here that expects success also expects the provider to have made none.
+
+In-process rings (several ranks in this process, one emulated port) cover correctness against
+the ring reference and the TCP provider, every fault, and leaks, quickly; multi-process runs (one
+process per rank, tests/mp_workers/) cover the jitted collectives, their bits against TCP, faults
+seen by every rank, and a killed peer. What only hardware can show is listed in
+docs/transport.md.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dtenjax._src import errors
+from dtenjax._src import ffi
+from dtenjax._src.net import bufferpool as bp
+from dtenjax._src.net import hostcoll
+from dtenjax._src.net import rdma
+from dtenjax._src.net import tenancy
+from dtenjax._src.net import transport
+from tests import fakeverbs
+from tests.mp_workers import launch
+from tests.net_helpers import close_all, native_ring, requires_native, run_ranks
+
+HAS_VERBS = ffi.is_built() and bool(ffi.build_info().get("verbs", False))
+pytestmark = [requires_native, pytest.mark.skipif(
+    not HAS_VERBS, reason="the verbs provider is not in this build (libibverbs-dev headers were "
+    "missing at build time); test_rdma.py::test_verbs_provider_is_built_where_its_headers_are "
+    "fails where they are installed")]
+
+CREDS = transport.JobCredentials(0x5EED, b"verbs-tests-secret-0123456789ab")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+  """This process's verbs provider on a fresh emulated fabric; afterwards nothing of the device
+  may be left open, and the process goes back to the default library."""
+  lib = fakeverbs.build()["library"]   # a build failure fails the test (never skips)
+  for k, v in fakeverbs.env(fakeverbs.fabric_name("inproc")).items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.delenv("FAKEVERBS_LINK_LAYER", raising=False)
+  monkeypatch.delenv("FAKEVERBS_PORT_STATE", raising=False)
+  rdma.reset_cache()
+  rdma.load_library()
+  f = fakeverbs.Fake(lib)
+  f.arm("none", 0)
+  f.violations_before = f.counters()["violations"]
+  yield f
+  f.arm("none", 0)
+  leftover = f.live()
+  users = transport.native().verbs.device_users()
+  monkeypatch.undo()
+  rdma.reset_cache()
+  rdma.load_library()   # back to libibverbs.so.1 for the tests that follow
+  assert users == 0 and all(v == 0 for v in leftover.values()), (users, leftover)
+
+
+def _violations(f):
+  return f.counters()["violations"] - f.violations_before
+
+
+def _ring(n, **kw):
+  comms, errs = native_ring(n, CREDS, provider="verbs", **kw)
+  assert not errs, errs
+  return comms
+
+
+def _all_reduce(comms, xs, op="sum", join_s=60.0):
+  return run_ranks([lambda r=r: comms[r].all_reduce(xs[r], op, site=(11, "verbs-test"))
+                    for r in range(len(comms))], join_s=join_s)
+
+
+def _inputs(n, count, dtype, seed=0):
+  rng = np.random.RandomState(seed)
+  if np.dtype(dtype).kind == "i":
+    return [rng.randint(-1000, 1000, count).astype(dtype) for _ in range(n)]
+  return [(rng.randn(count) * 10.0 ** rng.randint(-3, 4, count)).astype(dtype) for _ in range(n)]
+
+
+# --- correctness --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,count,dtype,segment", [
+    (2, 1, "float32", None), (3, 1001, "float64", None), (4, 4097, "int32", 4096),
+    (3, 70001, "bfloat16", 4096), (2, 1 << 20, "float32", None), (4, 99999, "float32", 256)])
+def test_ring_over_verbs_gives_the_bits_of_the_reference_and_of_tcp(fake, n, count, dtype, segment):
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+  xs = _inputs(n, count, dt, seed=count)
+  before = fake.counters()
+  comms = _ring(n, segment_bytes=segment)
+  tcp, tcp_setup_errs = native_ring(n, CREDS, provider="tcp", segment_bytes=segment)
+  assert not tcp_setup_errs
+  try:
+    outs, errs, _ = _all_reduce(comms, xs)
+    assert errs == [None] * n, errs
+    ref = hostcoll.reference_ring_sum(xs)
+    tcp_outs, tcp_errs, _ = _all_reduce(tcp, xs)
+    assert tcp_errs == [None] * n
+    for o, t in zip(outs, tcp_outs):
+      assert o.tobytes() == ref.tobytes() == t.tobytes()
+    after = fake.counters()
+    # It really went over the emulated device: RDMA writes, one per frame at least.
+    assert after["messages_received"] - before["messages_received"] >= 2 * (n - 1) * n
+    assert _violations(fake) == 0, fake.last_violation()
+  finally:
+    close_all(comms + tcp)
+
+
+def test_roce_port_routes_by_gid(fake, monkeypatch):
+  monkeypatch.setenv("FAKEVERBS_LINK_LAYER", "roce")
+  rdma.reset_cache()
+  (nic,) = rdma.emulated_nics()
+  assert (nic["link_layer"], nic["active_mtu"], nic["gid_index"]) == ("Ethernet", 1024, 3)
+  comms = _ring(3)
+  try:
+    xs = _inputs(3, 50000, np.float32)
+    outs, errs, _ = _all_reduce(comms, xs)
+    assert errs == [None] * 3
+    assert all(o.tobytes() == hostcoll.reference_ring_sum(xs).tobytes() for o in outs)
+    assert _violations(fake) == 0, fake.last_violation()
+  finally:
+    close_all(comms)
+
+
+def test_many_collectives_reuse_the_connections_and_leak_nothing(fake):
+  fds0 = fakeverbs.open_fds()
+  for _ in range(3):
+    comms = _ring(3)
+    live = fake.live()
+    assert (live["qps"], live["cqs"], live["channels"], live["contexts"], live["pds"]) == (6, 6, 6, 1, 1)
+    assert live["mrs"] == 12   # a send and a receive slab per connection
+    for k in range(4):
+      xs = _inputs(3, 1000 + k, np.float32, seed=k)
+      outs, errs, _ = _all_reduce(comms, xs)
+      assert errs == [None] * 3
+    assert fake.live() == live
+    close_all(comms)
+    assert all(v == 0 for v in fake.live().values()), fake.live()
+    assert transport.native().verbs.device_users() == 0
+  assert fakeverbs.open_fds() == fds0
+  assert _violations(fake) == 0, fake.last_violation()
+
+
+# --- faults: every rank fails clearly and in time, nothing leaks ---------------------------------
+
+FAULT_SIGNS = {
+    # what the emulated device does            what some rank's error must name
+    "qp_error": ("IBV_WC_WR_FLUSH_ERR", "IBV_WC_RETRY_EXC_ERR", "lost rank"),
+    "wc_error": ("IBV_WC_REM_OP_ERR", "IBV_WC_LOC_QP_OP_ERR"),
+    "revoke_mr": ("IBV_WC_REM_ACCESS_ERR",),
+    "cq_overrun": ("ibv_poll_cq failed",),
+    "rnr": ("IBV_WC_RNR_RETRY_EXC_ERR",),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FAULT_SIGNS))
+def test_fault_mid_collective_fails_every_rank_in_time(fake, kind):
+  timeout = 4.0
+  fds0 = fakeverbs.open_fds()
+  comms = _ring(3, timeout_s=timeout)
+  try:
+    warm = _inputs(3, 3000, np.float32)
+    outs, errs, _ = _all_reduce(comms, warm)
+    assert errs == [None] * 3
+    fake.arm(kind, 3)
+    xs = _inputs(3, 1 << 20, np.float32, seed=5)   # 4 MiB: 24 frames per rank, it fires mid-way
+    fired = fake.counters()["faults_fired"]
+    outs, errs, seconds = _all_reduce(comms, xs, join_s=30)
+    assert fake.counters()["faults_fired"] == fired + 1, "the fault did not fire"
+    assert all(isinstance(e, errors.TransportError) for e in errs), (outs, errs)   # no result
+    text = " | ".join(str(e) for e in errs)
+    assert any(sign in text for sign in FAULT_SIGNS[kind]), text
+    assert "dtenjax transport" in text
+    assert seconds < timeout + 2, seconds
+  finally:
+    close_all(comms)
+  assert all(v == 0 for v in fake.live().values()), fake.live()
+  assert fakeverbs.open_fds() == fds0
+
+
+def test_peer_that_deregisters_its_region_is_refused_not_written(fake):
+  """The receive slab's owner revokes it: the writer gets IBV_WC_REM_ACCESS_ERR and no byte of
+  the refused frame reaches anyone's result (both ranks raise)."""
+  comms = _ring(2, timeout_s=4)
+  try:
+    fake.arm("revoke_mr", 0)
+    outs, errs, _ = _all_reduce(comms, _inputs(2, 10000, np.float32))
+    assert all(isinstance(e, errors.TransportError) for e in errs), (outs, errs)
+    assert any("IBV_WC_REM_ACCESS_ERR" in str(e) and "deregistered" in str(e) for e in errs), errs
+  finally:
+    close_all(comms)
+
+
+def test_a_peer_that_goes_away_is_noticed_at_once_not_at_the_timeout(fake):
+  """Rank 0 closes its communicator while rank 1 waits for its data: its QP is gone, so no
+  completion will ever come; the closed TCP set-up connection says so within a second."""
+  comms = _ring(2, timeout_s=20)
+  try:
+    t0 = time.monotonic()
+    errs = {}
+    t = threading.Thread(target=lambda: errs.setdefault(
+        1, _capture(lambda: comms[1].all_reduce(np.ones(1000, np.float32), site=(11, "t")))))
+    t.start()
+    time.sleep(0.3)
+    comms[0].close()
+    t.join(30)
+    assert not t.is_alive()
+    assert isinstance(errs[1], errors.TransportError), errs
+    assert "TCP set-up connection closed" in str(errs[1]), errs
+    assert time.monotonic() - t0 < 3
+  finally:
+    close_all(comms[1:])
+
+
+def _capture(fn):
+  try:
+    fn()
+  except Exception as e:  # pylint: disable=broad-except
+    return e
+  return None
+
+
+def test_broken_communicator_stays_broken_and_says_why(fake):
+  comms = _ring(2, timeout_s=4)
+  try:
+    fake.arm("qp_error", 1)
+    _, errs, _ = _all_reduce(comms, _inputs(2, 1 << 18, np.float32))
+    assert all(errs)
+    _, errs, _ = _all_reduce(comms, _inputs(2, 10, np.float32))
+    assert all("unusable after an earlier failure" in str(e) for e in errs), errs
+  finally:
+    close_all(comms)
+
+
+# --- buffer pool: registrations are MRs of the device, cached --------------------------------------
+
+def test_buffer_pool_registers_memory_regions_once_and_reuses_them(fake):
+  before = fake.counters()
+  with bp.BufferPool(bp.PoolConfig(max_bytes=8 << 20, tenant="verbs-pool", pin=False,
+                                   registration="verbs")) as pool:
+    a = pool.acquire(5000)
+    b = pool.acquire(100_000)
+    assert fake.live()["mrs"] == 2 == pool.stats()["registered_buffers"]
+    for _ in range(20):   # reuse: no new ibv_reg_mr
+      pool.release(a)
+      a = pool.acquire(8000)
+    c = fake.counters()
+    assert c["reg_mr_calls"] - before["reg_mr_calls"] == 2 == pool.stats()["registrations"]
+    assert pool.stats()["reuse_hits"] == 20
+    pool.post(b)
+    with pytest.raises(errors.ConfigurationError, match="while it is posted"):
+      pool.release(b)   # never deregistered under I/O
+    pool.complete(b)
+    pool.release(b)
+    pool.release(a)
+    pool.trim()
+    assert fake.live()["mrs"] == 0
+    assert fake.counters()["dereg_mr_calls"] - before["dereg_mr_calls"] == 2
+  assert transport.native().verbs.device_users() == 0
+  assert _violations(fake) == 0, fake.last_violation()
+
+
+def test_buffer_pool_survives_the_device_running_out_of_regions(fake, monkeypatch):
+  monkeypatch.setenv("FAKEVERBS_MAX_MR", "2")   # the device's max_mr (read when it opens)
+  with bp.BufferPool(bp.PoolConfig(max_bytes=64 << 20, tenant="verbs-mr-limit", pin=False,
+                                   registration="verbs")) as pool:
+    held = [pool.acquire(4096), pool.acquire(8192)]
+    with pytest.raises(errors.QuotaExceededError, match="ibv_reg_mr of 16384 bytes failed"):
+      pool.acquire(16384)
+    assert pool.stats()["reg_failures"] == 1 and fake.live()["mrs"] == 2
+    # The pool does not evict cached regions when the device refuses one (only its own limits
+    # do); trimming the idle ones makes room.
+    pool.release(held.pop())
+    pool.trim()
+    b = pool.acquire(16384)
+    assert fake.live()["mrs"] == 2 and pool.stats()["deregistrations"] == 1
+    pool.release(b)
+    pool.release(held.pop())
+  assert fake.live()["mrs"] == 0
+
+
+def test_registered_bytes_quota_applies_to_verbs_regions(fake):
+  tenancy.set_quota("verbs-quota", tenancy.Quota(max_registered_bytes=100_000))
+  with bp.BufferPool(bp.PoolConfig(tenant="verbs-quota", pin=False, registration="verbs")) as pool:
+    a = pool.acquire(65536)
+    with pytest.raises(errors.QuotaExceededError, match="verbs-quota.*registered-memory quota"):
+      pool.acquire(65536)
+    assert fake.live()["mrs"] == 1   # the refused one was never registered
+    pool.release(a)
+  assert fake.live()["mrs"] == 0
+
+
+# --- tenant quotas over verbs ----------------------------------------------------------------------
+
+def test_connection_quota_refuses_a_verbs_ring_and_releases_the_device(fake):
+  tenancy.set_quota("verbs-conn", tenancy.Quota(max_connections=3))
+  comms, errs = native_ring(2, CREDS, provider="verbs", tenant="verbs-conn", timeout_s=2)
+  assert any(isinstance(e, errors.QuotaExceededError) for e in errs.values()), errs
+  close_all(comms)
+
+
+def test_token_bucket_shapes_verbs_traffic(fake):
+  rate, burst = 16e6, 64 * 1024
+  tenancy.set_quota("verbs-rate", tenancy.Quota(rate_bytes_per_s=rate, burst_bytes=burst))
+  comms, errs = native_ring(2, CREDS, provider="verbs", tenant="verbs-rate", timeout_s=20)
+  assert not errs
+  try:
+    xs = [np.full(1 << 20, r + 1, np.float32) for r in range(2)]
+    before = transport.counters()
+    t0 = time.monotonic()
+    outs, errs, _ = _all_reduce(comms, xs)
+    elapsed = time.monotonic() - t0
+    assert errs == [None, None]
+    np.testing.assert_array_equal(outs[0], np.full(1 << 20, 3, np.float32))
+    sent = transport.counters()["bytes_sent"] - before["bytes_sent"]
+    assert elapsed >= 0.8 * (sent - burst) / rate, (elapsed, sent)
+  finally:
+    close_all(comms)
+
+
+# --- selection and reporting -----------------------------------------------------------------------
+
+def test_the_emulated_device_is_reported_as_emulated_and_never_chosen_by_auto(fake, monkeypatch):
+  info = rdma.library_info()
+  assert info["emulated"] and info["path"] == fake.path
+  (nic,) = rdma.emulated_nics()
+  assert (nic["name"], nic["state"], nic["link_layer"], nic["rate_gbit_s"]) == (
+      "fakeverbs0", "active", "InfiniBand", 200.0)
+  assert list(rdma.discover_nics()) == [] and "EMULATED" in rdma.unavailable_reason()
+  monkeypatch.setenv("DTENJAX_TRANSPORT", "auto")
+  name, why = transport.select_provider()
+  assert name == "tcp" and "EMULATED" in why and "DTENJAX_TRANSPORT=verbs" in why, why
+  monkeypatch.setenv("DTENJAX_TRANSPORT", "verbs")
+  name, why = transport.select_provider()
+  assert name == "verbs" and "EMULATED" in why and "fakeverbs0" in why, why
+  from dtenjax._src.topology import detect  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology import report  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
+  desc = detect.describe()
+  assert desc["nics"] == ()   # never a NIC of the topology
+  text = report.link_matrix_table(Topology(**desc))
+  assert "EMULATED RDMA device fakeverbs0" in text and "host transport: verbs" in text, text
+  assert "NICs: none" in text
+
+
+def test_an_emulated_port_that_is_down_is_refused(fake, monkeypatch):
+  monkeypatch.setenv("FAKEVERBS_PORT_STATE", "down")
+  rdma.reset_cache()
+  assert rdma.emulated_nics()[0]["state"] == "down"
+  with pytest.raises(errors.DtenjaxError, match="no RDMA device with an active port"):
+    transport.create_local_comm(0, 2, CREDS, provider="verbs", timeout_s=2)
+
+
+def test_the_library_cannot_change_under_open_connections(fake, monkeypatch):
+  comms = _ring(2)
+  try:
+    monkeypatch.setenv("DTENJAX_IBVERBS_LIBRARY", "libibverbs.so.1")
+    with pytest.raises(errors.ConfigurationError, match="is in use .*cannot switch"):
+      rdma.load_library()
+  finally:
+    close_all(comms)
+  rdma.load_library()   # nothing open any more: switching is fine
+  assert not rdma.library_info()["emulated"]
+
+
+def test_a_missing_library_is_named(monkeypatch, tmp_path):
+  missing = str(tmp_path / "libibverbs-missing.so.1")
+  monkeypatch.setenv("DTENJAX_IBVERBS_LIBRARY", missing)
+  with pytest.raises(errors.ExtensionUnavailableError, match="libibverbs-missing.so.1.*DTENJAX_IBVERBS_LIBRARY"):
+    rdma.load_library()
+  info = rdma.library_info()
+  assert not info["loaded"] and "libibverbs-missing" in info["error"]
+
+
+# --- one process per rank --------------------------------------------------------------------------
+
+def _mp_env(tag, **extra):
+  return {**fakeverbs.env(fakeverbs.fabric_name(tag)), "DTENJAX_COLLECTIVE_TIMEOUT": "20", **extra}
+
+
+def _check_leaks(res):
+  for r in res:
+    cycles = r["leaks"]["cycles"]
+    assert all(all(v == 0 for v in c["live_closed"].values()) for c in cycles), cycles
+    assert cycles[0]["live_open"]["qps"] >= 2 and cycles[-1]["live_open"] == cycles[0]["live_open"]
+    assert cycles[-1]["fds"] == cycles[1]["fds"], cycles   # after a warm-up cycle: flat
+    assert r["leaks"]["fake"]["violations"] == 0, r["leaks"]["last_violation"]
+
+
+def _check_same_bits(res, exact):
+  for name in res[0]["same_bits"]:
+    shas = [r["same_bits"][name] for r in res]
+    tcp = {s for c in shas for s in c["tcp"]["sha"]}
+    verbs = {s for c in shas for s in c["verbs"]["sha"]}
+    assert len(tcp) == 1 and tcp == verbs, name   # one result everywhere, the same on both
+    for c in shas:
+      assert c["tcp"]["providers"] == ["tcp"] and c["verbs"]["providers"] == ["verbs"], c
+      assert c["verbs"]["collectives"] >= 1
+      assert c["max_rel_err"] < (1e-2 if name.startswith("bfloat16") else 1e-5), (name, c)
+      if exact:
+        assert c["bit_equal_ring_reference"], name
+
+
+@pytest.mark.multiprocess
+def test_ring_four_processes_over_verbs(tmp_path):
+  from tests.test_hostcoll import _check_correct  # pylint: disable=g-import-not-at-top
+  codes, res, logs = launch.launch(
+      "tests.mp_workers.allreduce_worker", 4, str(tmp_path), timeout_s=240,
+      env=_mp_env("ring4", DTENJAX_TEST_PHASES="correct,same_bits,leaks"))
+  assert codes == [0] * 4, logs
+  _check_correct(res, 4, bit_exact=True)
+  _check_same_bits(res, exact=True)
+  _check_leaks(res)
+
+
+@pytest.mark.multiprocess
+def test_hierarchical_two_processes_two_devices_over_verbs(tmp_path):
+  from tests.test_hostcoll import _check_correct  # pylint: disable=g-import-not-at-top
+  codes, res, logs = launch.launch(
+      "tests.mp_workers.allreduce_worker", 2, str(tmp_path), devices_per_proc=2, timeout_s=240,
+      env=_mp_env("hier", DTENJAX_TEST_PHASES="correct,same_bits,leaks"))
+  assert codes == [0] * 2, logs
+  _check_correct(res, 2, bit_exact=False)
+  _check_same_bits(res, exact=False)
+  _check_leaks(res)
+
+
+@pytest.mark.multiprocess
+def test_faults_and_a_killed_peer_fail_every_process_in_time(tmp_path):
+  timeout = 5
+  faults = ",".join(sorted(FAULT_SIGNS))
+  codes, res, logs = launch.launch(
+      "tests.mp_workers.verbs_faults_worker", 3, str(tmp_path), timeout_s=240,
+      env=_mp_env("faults", DTENJAX_TEST_FAULTS=faults, DTENJAX_TEST_FAULTY="1",
+                  DTENJAX_TEST_AFTER="3", DTENJAX_TEST_KILL="1",
+                  DTENJAX_COLLECTIVE_TIMEOUT=str(timeout)))
+  assert codes[:2] == [0, 0] and codes[2] == 17, logs   # rank 2 was killed by the device
+  for r in res:
+    assert r is not None and "exception" not in r, r
+  for kind, signs in FAULT_SIGNS.items():
+    outcomes = [r["faults"][kind] for r in res]
+    assert all(o["warmup_ok"] for o in outcomes), (kind, outcomes)
+    assert outcomes[1]["fired"] == 1, (kind, outcomes[1])
+    for o in outcomes:   # every process: an error, never a result, within the timeout
+      assert o["error"] and "bits_right" not in o, (kind, o)
+      assert o["seconds"] < timeout + 2, (kind, o)
+      assert all(v == 0 for v in o["live"].values()), (kind, o)   # closed: nothing left
+    text = " | ".join(o["error"] for o in outcomes)
+    assert any(sign in text for sign in signs), (kind, text)
+  # Descriptors stay flat from fault to fault.
+  for r in res:
+    assert len({o["fds"] for o in r["faults"].values()}) == 1, r["faults"]
+  for r in res[:2]:   # the survivors of the killed peer
+    assert r["kill"]["error"] and "dtenjax transport" in r["kill"]["error"], r["kill"]
+    assert r["kill"]["seconds"] < timeout + 2, r["kill"]

@@ -1,0 +1,96 @@
+"""The user's install path: a wheel built from this checkout, installed with the ``demo`` extra
+into a fresh virtual environment, run from outside the checkout.
+
+The wheel is built with the development environment's build requirements (no build isolation) and
+the editable install's CMake directory, so only what changed is recompiled; a plain ``pip wheel
+.`` builds the same in a temporary directory (pyproject.toml: a build-dir only for editable
+installs, checked below). Installing the wheel's dependencies needs the package index (or pip's
+cache), so this test is marked slow; CI runs it like every other test (scripts/test.sh selects
+no markers).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tomllib
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _tree_state():
+  """Every path git sees in the checkout, ignored ones included (build/ aside: the editable
+  install's build directory, which the wheel build below reuses on purpose)."""
+  out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+                       cwd=ROOT, capture_output=True, text=True, check=True).stdout
+  return {ln for ln in out.splitlines() if not ln[3:].startswith(("build/", ".venv/"))
+          and "__pycache__" not in ln and ".pytest_cache" not in ln}
+
+
+def test_only_editable_installs_keep_a_build_directory_in_the_tree():
+  config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["scikit-build"]
+  assert "build-dir" not in config                   # wheels build in a temporary directory
+  overrides = [o for o in config.get("overrides", []) if "build-dir" in o]
+  assert overrides and all(o["if"] == {"state": "editable"} for o in overrides)
+
+
+@pytest.mark.slow
+def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
+  before = _tree_state()
+  dist = tmp_path / "dist"
+  r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation",
+                      "--no-deps", "-w", str(dist), "-C", "build-dir=build/{wheel_tag}", "."],
+                     cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False)
+  assert r.returncode == 0, r.stderr[-4000:]
+  assert _tree_state() == before, "building the wheel wrote into the checkout"
+  (wheel,) = dist.glob("dtenjax-*.whl")
+
+  names = zipfile.ZipFile(wheel).namelist()
+  assert any(n.startswith("dtenjax/_ffi.") and n.endswith(".so") for n in names)
+  for n in ("dtenjax/py.typed", "dtenjax/fixtures/h200_8.json",
+            "dtenjax/schemas/topology-1.schema.json", "dtenjax-0.1.0.dist-info/licenses/LICENSE"):
+    assert n in names, n
+  assert not any(n.startswith(("tests/", "bench/", "csrc/")) for n in names)
+  meta = zipfile.ZipFile(wheel).read("dtenjax-0.1.0.dist-info/METADATA").decode()
+  for extra in ("gpu", "demo", "plot", "rdma", "flax", "scheduler", "test"):
+    assert f"Provides-Extra: {extra}\n" in meta
+  assert 'Requires-Dist: nvidia-ml-py>=12; extra == "gpu"' in meta
+  assert "Classifier: License :: OSI Approved :: Apache Software License" in meta
+  license_text = zipfile.ZipFile(wheel).read("dtenjax-0.1.0.dist-info/licenses/LICENSE").decode()
+  assert "Apache License\n                           Version 2.0, January 2004" in license_text
+  assert "END OF TERMS AND CONDITIONS" in license_text
+
+  venv = tmp_path / "venv"
+  subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+  py, dtenjax = venv / "bin" / "python", venv / "bin" / "dtenjax"
+  r = subprocess.run([str(py), "-m", "pip", "install", "-q", f"{wheel}[demo]"],
+                     capture_output=True, text=True, timeout=1800, check=False)
+  assert r.returncode == 0, r.stderr[-4000:]
+
+  away = tmp_path / "elsewhere"         # not the checkout: the installed package must be used
+  away.mkdir()
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+  env["JAX_PLATFORMS"] = "cpu"
+
+  def run(*args, timeout=600):
+    return subprocess.run([str(dtenjax), *args], cwd=away, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+  r = subprocess.run([str(py), "-c", "import dtenjax; print(dtenjax.__file__)"], cwd=away,
+                     env=env, capture_output=True, text=True, timeout=300, check=True)
+  assert r.stdout.strip().startswith(str(venv))
+  r = run("--version")
+  assert r.stdout.strip() == "dtenjax 0.1.0"
+  r = run("info", "--json")
+  assert r.returncode == 0, r.stderr[-3000:]
+  info = json.loads(r.stdout)
+  assert info["extension"]["built"] is True
+  assert info["extras"]["demo"] == {"sklearn": True, "optax": True}
+  r = run("demo", "--steps", "3", "--no-progress")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "8 cpu device(s)" in r.stdout and "losses bit-identical across runs: True" in r.stdout
+  r = run("bench", "allreduce")
+  assert r.returncode == 2 and "benchmarks run from a source checkout" in r.stderr

@@ -21,7 +21,8 @@ Per candidate and size it measures, in one run:
 Candidates: psum (lax.psum, XLA defaults), psum_oneshot / psum_nccl (XLA's own one-shot
 all-reduce kernel forced on / off by per-executable compiler option, where this jax has the
 option), and dtenjax.all_reduce with algorithm xla, ring, one_shot, two_shot, hierarchical (2-D
-mesh only), auto, and `reproducible` (auto + reproducible=True).
+mesh only), auto, `reproducible` (auto + reproducible=True, contract v3) and `exact` (auto +
+reproducible="exact", contract v2).
 
 The table comes last; ``--json`` writes bench/_harness.py's one schema (machine, versions,
 command, date, rows) and ``--plot`` a busbw chart, each saying where.
@@ -42,7 +43,7 @@ import time
 import _harness
 
 CANDIDATES = ("psum", "psum_oneshot", "psum_nccl", "xla", "ring", "one_shot", "two_shot",
-              "hierarchical", "auto", "reproducible")
+              "hierarchical", "auto", "reproducible", "exact")
 DEFAULT = "psum,psum_oneshot,psum_nccl,xla,one_shot,two_shot,auto,reproducible"
 DEFAULT_SIZES = "8,64,512,4K,8K,32K,64K,256K,1M,4M,16M,64M,256M"
 # Per-executable options that force XLA's own one-shot all-reduce kernel on / off, by jax version
@@ -68,6 +69,8 @@ def _collective(name: str, axes):
     return lambda v: lax.psum(v, axes)
   if name == "reproducible":
     return lambda v: dtenjax.all_reduce(v, axes, reproducible=True)
+  if name == "exact":
+    return lambda v: dtenjax.all_reduce(v, axes, reproducible="exact")
   return lambda v: dtenjax.all_reduce(v, axes, algorithm=name)
 
 

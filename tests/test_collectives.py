@@ -1,5 +1,6 @@
-"""The public collectives end to end: pytrees, jit/eager, gradients, vmap, reproducible mode
-(contract v2 against the independent reference in tests/fixed_point_ref.py), errors."""
+"""The public collectives end to end: pytrees, jit/eager, gradients, vmap, reproducible modes
+(contract v3 and the exact contract v2 against the independent references in
+tests/fixed_point_ref.py), errors."""
 
 import pathlib
 import re
@@ -196,13 +197,14 @@ def test_reproducible_vmap_inside_mesh_map(cpu_devices):
 _SHAPES = {1: (1, 1), 2: (1, 2), 4: (2, 2), 8: (2, 4)}
 
 
-def _split_run(devs, g, op="sum"):
+def _split_run(devs, g, op="sum", reproducible=True):
   """The 8 contributions g[k] split over len(devs) devices (local_axis); every algorithm at once."""
   n = len(devs)
   mesh = Mesh(np.array(devs[:n]).reshape(_SHAPES[n]), AX)
 
   def body(v):          # v: [8/n, m] local contributions
-    outs = [dtenjax.all_reduce(v, AX, op=op, algorithm=a, reproducible=True, local_axis=0)
+    outs = [dtenjax.all_reduce(v, AX, op=op, algorithm=a, reproducible=reproducible,
+                               local_axis=0)
             for a in ALGOS + ("auto",)]
     return jnp.stack(outs)[None]
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AX), out_specs=P(AX), check_vma=False))
@@ -223,12 +225,32 @@ def test_reproducible_bits_for_every_algorithm_and_device_count(cpu_devices, dty
                                       err_msg=f"{n} devices, rank {r}, {alg}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_exact_contract_bits_for_every_algorithm_and_device_count(cpu_devices, dtype, op):
+  """reproducible="exact" is contract v2 (the exact fixed-point sum) everywhere."""
+  g = ref.contributions(8, 300, seed=15)
+  g = g.astype(ref.BF16) if dtype == "bfloat16" else g
+  want = ref.bits(ref.exact_sum(g, mean=op == "mean"))
+  for n in (1, 2, 8):
+    res = _split_run(cpu_devices[:n], g, op, reproducible="exact")
+    for r in range(res.shape[0]):
+      for j, alg in enumerate(ALGOS + ("auto",)):
+        np.testing.assert_array_equal(ref.bits(res[r, j]), want,
+                                      err_msg=f"exact: {n} devices, rank {r}, {alg}")
+
+
 def test_reproducible_reference_file_bits(cpu_devices):
-  data = np.load(pathlib.Path(__file__).parent / "data" / "reproducible_ref.npz")
-  x = data["x_float32"]
+  """The stored bits the GPU suite also checks: contract v3 (reproducible=True) and the exact
+  contract (reproducible="exact"), with the 8 contributions split over 2 and 8 devices."""
+  data = pathlib.Path(__file__).parent / "data"
+  v3 = np.load(data / "reproducible_v3_ref.npz")
+  v2 = np.load(data / "reproducible_ref.npz")
   for n in (2, 8):
-    res = _split_run(cpu_devices[:n], x)
-    np.testing.assert_array_equal(ref.bits(res[0, 0]), data["sum_float32"])
+    res = _split_run(cpu_devices[:n], v3["x_float32"])
+    np.testing.assert_array_equal(ref.bits(res[0, 0]), v3["sum_float32_8"])
+    res = _split_run(cpu_devices[:n], v2["x_float32"], reproducible="exact")
+    np.testing.assert_array_equal(ref.bits(res[0, 0]), v2["sum_float32"])
 
 
 @pytest.mark.parametrize("algorithm", ["xla", "ring", "one_shot", "two_shot", "auto"])
@@ -352,11 +374,11 @@ def _gpu_run(n, x, **kw):
 @pytest.mark.parametrize("op", ["sum", "mean"])
 def test_gpu_reproducible_bits_equal_the_stored_cpu_reference(n, dtype, op):
   """Every algorithm that can run the call (the fused NVLink kernels included) gives the bits in
-  tests/data/reproducible_ref.npz (made on CPU by the independent numpy reference)."""
-  data = np.load(pathlib.Path(__file__).parent / "data" / "reproducible_ref.npz")
+  tests/data/reproducible_v3_ref.npz (made on CPU by the independent numpy reference)."""
+  data = np.load(pathlib.Path(__file__).parent / "data" / "reproducible_v3_ref.npz")
   x = data[f"x_{dtype}"]
   x = x.view(ref.BF16) if dtype == "bfloat16" else x
-  want = data[f"{op}_{dtype}"]
+  want = data[f"{op}_{dtype}_8"]
   stacked = x.reshape(n, 8 // n, -1)                     # GPU r holds contributions r*8/n..
   for alg in ("auto", "xla", "one_shot", "two_shot", "ring"):
     kw = dict(op=op, algorithm=alg, reproducible=True)
@@ -364,9 +386,31 @@ def test_gpu_reproducible_bits_equal_the_stored_cpu_reference(n, dtype, op):
     for r in range(n):
       np.testing.assert_array_equal(ref.bits(y[r]), want, err_msg=f"{alg} gpu {r}")
   # one contribution per GPU (what the fused NVLink kernels take): the first n contributions
-  want_n = ref.bits(ref.reproducible_sum(x[:n], mean=op == "mean"))
+  want_n = data[f"{op}_{dtype}_{n}"]
+  np.testing.assert_array_equal(want_n, ref.bits(ref.reproducible_sum(x[:n], mean=op == "mean")))
   for alg in ("auto", "xla", "two_shot", "nvlink_one_shot", "nvlink_two_shot"):
     y = _gpu_run(n, x[:n], op=op, algorithm=alg, reproducible=True)
+    for r in range(n):
+      np.testing.assert_array_equal(ref.bits(y[r]), want_n, err_msg=f"{alg} gpu {r}, 1 each")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 8])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_gpu_exact_contract_bits_equal_the_stored_cpu_reference(n, op):
+  """reproducible="exact" on GPU: every algorithm, the fused NVLink kernels included, gives the
+  exact contract's stored bits (tests/data/reproducible_ref.npz)."""
+  data = np.load(pathlib.Path(__file__).parent / "data" / "reproducible_ref.npz")
+  x = data["x_float32"]
+  stacked = x.reshape(n, 8 // n, -1)
+  for alg in ("auto", "xla", "one_shot", "two_shot"):
+    kw = dict(op=op, algorithm=alg, reproducible="exact")
+    y = _gpu_run(n, stacked, local_axis=1, **kw) if n < 8 else _gpu_run(n, stacked[:, 0], **kw)
+    for r in range(n):
+      np.testing.assert_array_equal(ref.bits(y[r]), data[f"{op}_float32"], err_msg=f"{alg} {r}")
+  want_n = ref.bits(ref.exact_sum(x[:n], mean=op == "mean"))
+  for alg in ("nvlink_one_shot", "nvlink_two_shot"):
+    y = _gpu_run(n, x[:n], op=op, algorithm=alg, reproducible="exact")
     for r in range(n):
       np.testing.assert_array_equal(ref.bits(y[r]), want_n, err_msg=f"{alg} gpu {r}, 1 each")
 

@@ -21,10 +21,12 @@ Semantics and guarantees
   algorithm, world size and input shape. ``algorithm="xla"`` (and ``auto``) may use XLA's own
   reduction where its order is provably fixed (``algorithms/xla.py``), else the deterministic
   dtenjax algorithms. Max/min propagate NaN with every algorithm.
-- ``reproducible=True``: an exact fixed-point sum (contract v2, ``fixed_point.py``): the bits do not
+- ``reproducible=True``: a fixed-point sum (contract v3, ``fixed_point_v3.py``: one int32 word per
+  value against the element's common exponent, never worse than a float32 fold): the bits do not
   depend on the algorithm or on how the same contributions are split over devices. With
   ``local_axis`` the input holds several contributions stacked on that axis; each is encoded on
   its own, so the result equals that of the same contributions spread over more devices.
+  ``reproducible="exact"``: the exact contract v2 (``fixed_point.py``, two words per value).
   float32 / bfloat16 only.
 - ``vmap``: mapping over an ordinary (unnamed) batch dimension reduces every batch element
   independently across devices; ``jax.vmap(f, axis_name="v")`` makes "v" a valid ``axis_name``.
@@ -96,10 +98,11 @@ def _check_common(what: str, op: str, algorithm: str):
     raise errors.CollectiveError(errors.join_problems(f"{what}: bad arguments", problems))
 
 
-def _check_leaf(what: str, x, op: str, reproducible: bool):
+def _check_leaf(what: str, x, op: str, reproducible: str | None):
   dtype = jnp.dtype(jnp.result_type(x))
   if reproducible and op in ("sum", "mean"):
-    fixed_point.check_dtype(dtype, f"{what}(reproducible=True)")
+    fixed_point.check_dtype(
+        dtype, f"{what}(reproducible={True if reproducible == 'v3' else reproducible!r})")
   if dtype == jnp.dtype(bool) and op in ("sum", "mean"):
     raise errors.CollectiveError(f"{what}: op={op!r} on a bool array; cast it first "
                                  "(x.astype(jnp.int32)).")
@@ -185,7 +188,8 @@ def _make_call(kind: str, dtype, nbytes: int, ctx: _Context, axes, op, algorithm
                reproducible, contributions=1) -> base.Call:
   return base.Call(kind=kind, op=op, dtype=dtype, axes=axes, axis_sizes=ctx.axis_sizes,
                    nbytes=int(nbytes), backend=ctx.backend, deterministic=bool(deterministic),
-                   reproducible=bool(reproducible), contributions=int(contributions),
+                   reproducible=bool(reproducible), contract=reproducible or "v3",
+                   contributions=int(contributions),
                    mesh_axes=ctx.mesh_axes, processes=ctx.processes,
                    xla_reaches_processes=ctx.xla_reaches_processes, requested=algorithm)
 
@@ -244,7 +248,7 @@ class _Spec:
   op: str
   algorithm: str
   deterministic: bool
-  reproducible: bool
+  reproducible: str | None          # None, "v3" or "exact" (reproducible.contract_of)
   local_axis: int | None = None
   local_size: int = 1
   typed: tuple[str, ...] = ()     # the axes with vma types (see _typed_axes)
@@ -254,7 +258,7 @@ def _forward(x, spec: _Spec):
   ctx = _context(spec.axes)
   k = spec.local_size
   nbytes = x.size // k * jnp.dtype(x.dtype).itemsize
-  repro_sum = spec.reproducible and spec.op in ("sum", "mean")
+  repro_sum = spec.reproducible if spec.op in ("sum", "mean") else None   # the contract
   call = _make_call("all_reduce", x.dtype, nbytes, ctx, spec.axes, spec.op, spec.algorithm,
                     spec.deterministic, repro_sum, k if repro_sum else 1)
   record = _resolve(spec.algorithm, call, ctx)
@@ -350,7 +354,7 @@ _all_reduce_array.defvjp(_ar_fwd, _ar_bwd)
 
 
 def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "auto",
-               deterministic: bool = True, reproducible: bool = False,
+               deterministic: bool = True, reproducible: bool | str = False,
                local_axis: int | None = None, bucket_bytes: int | None = None):
   """All-reduce of ``x`` (array or pytree) over the named axis/axes ``axis_name``.
 
@@ -360,13 +364,15 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
       "xla", "ring", "hierarchical" (needs >= 2 axes: the last is the fast island axis),
       "one_shot", "two_shot" -- or a registry record such as "nvlink_one_shot" or "host_ring".
     deterministic: fixed reduction order (see the module docstring for what "xla" means here).
-    reproducible: exact fixed-point sum; the same bits for every algorithm and device split.
+    reproducible: True for the fixed-point sum of contract v3 (one word per value), "exact" for
+      contract v2; the same bits for every algorithm and device split.
     local_axis: with reproducible=True or op max/min, the axis of ``x`` holding several local
       contributions (summed exactly with the other devices'; the axis is removed).
     bucket_bytes: pytree leaves are packed into flat buffers of at most this many bytes
       (default DTENJAX_BUCKET_BYTES; 0 = one collective per leaf).
   """
   _check_common("all_reduce", op, algorithm)
+  reproducible = repro.contract_of(reproducible)
   axes = check_axes(axis_name, "all_reduce")
   if algorithm == "hierarchical" and len(axes) < 2:
     raise errors.CollectiveError(
@@ -395,8 +401,7 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
                                      f"shape {leaf.shape}; pass an axis of x.")
       la = local_axis % leaf.ndim
       k = leaf.shape[la]
-    specs.append(_Spec(axes, op, algorithm, bool(deterministic), bool(reproducible), la, k,
-                       typed))
+    specs.append(_Spec(axes, op, algorithm, bool(deterministic), reproducible, la, k, typed))
   if bucket_bytes is None:
     bucket_bytes = config.get_int("DTENJAX_BUCKET_BYTES")
   if len(leaves) > 1 and bucket_bytes > 0 and local_axis is None:
@@ -417,13 +422,13 @@ class _RSSpec:
   deterministic: bool
   dim: int
   tiled: bool = True
-  reproducible: bool = False
+  reproducible: str | None = None   # None, "v3" or "exact"
 
 
 def _rs_impl(x, s: _RSSpec):
   ctx = _context(s.axes)
   n = math.prod(ctx.axis_sizes)
-  repro_sum = s.reproducible and s.op in ("sum", "mean")
+  repro_sum = s.reproducible if s.op in ("sum", "mean") else None       # the contract
   call = _make_call("reduce_scatter", x.dtype, x.size * jnp.dtype(x.dtype).itemsize, ctx,
                     s.axes, s.op, s.algorithm, s.deterministic, repro_sum)
   record = _resolve(s.algorithm, call, ctx)
@@ -497,7 +502,7 @@ _all_gather_array.defvjp(_ag_fwd, _ag_bwd)
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,
                    op: str = "sum", algorithm: str = "auto", deterministic: bool = True,
-                   reproducible: bool = False):
+                   reproducible: bool | str = False):
   """Reduces over ``axis_name`` and leaves rank r with block r of ``scatter_dimension``.
 
   The arguments and result shapes are ``lax.psum_scatter``'s: with ``tiled=False`` (the default)
@@ -506,11 +511,12 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
   :func:`all_gather`.
   Algorithms: "ring" (ppermute ring), "one_shot" (all_gather + ordered reduction of the owned
   block), "two_shot" (all_to_all + ordered reduction), "xla" (psum_scatter where its order is
-  fixed, see ``algorithms/xla.py``), "auto". ``reproducible=True``: contract v2 -- the codes are
-  MAX-reduced over the full input, the int32 words reduce-scattered, rank r decodes block r (the
-  same bits as ``all_reduce(reproducible=True)`` of that block).
+  fixed, see ``algorithms/xla.py``), "auto". ``reproducible=True`` (contract v3) or ``"exact"``
+  (v2): the codes are MAX-reduced over the full input, the int32 words reduce-scattered, rank r
+  decodes block r (the same bits as ``all_reduce(..., reproducible=...)`` of that block).
   """
   _check_common("reduce_scatter", op, algorithm)
+  reproducible = repro.contract_of(reproducible)
   axes = check_axes(axis_name, "reduce_scatter")
   if algorithm == "hierarchical":
     raise errors.CollectiveError("reduce_scatter: algorithm='hierarchical' is not available; "
@@ -538,7 +544,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
                       f"multiple of {n} or pick another scatter_dimension")
       continue
     y = _reduce_scatter_array(leaf, _RSSpec(axes, op, algorithm, bool(deterministic), dim,
-                                            reproducible=bool(reproducible)))
+                                            reproducible=reproducible))
     out.append(y if tiled else jnp.squeeze(y, dim))
   if problems:
     raise errors.CollectiveError(errors.join_problems("reduce_scatter: bad inputs", problems))
@@ -576,7 +582,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
 
 def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None = None, *,
                     op: str = "sum", dtype: Any = jnp.float32, deterministic: bool = True,
-                    reproducible: bool = False, kind: str = "all_reduce",
+                    reproducible: bool | str = False, kind: str = "all_reduce",
                     axis_sizes: Sequence[int] | None = None, backend: str | None = None,
                     processes: int | None = None) -> AlgorithmChoice:
   """What ``algorithm="auto"`` would pick for one collective of ``nbytes`` per rank over the
@@ -589,6 +595,7 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None
   if kind not in base.KINDS:
     raise errors.CollectiveError(f"plan_all_reduce: kind={kind!r} is not one of {base.KINDS}")
   _check_common("plan_all_reduce", op, "auto")
+  contract = repro.contract_of(reproducible)
   given = group
   try:
     group = [operator.index(g) for g in group]
@@ -609,7 +616,9 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None
     processes = len({d.process_index for d in infos})
   call = base.Call(kind=kind, op=op, dtype=dtype, axes=tuple(f"axis{i}" for i in range(len(sizes))),
                    axis_sizes=sizes, nbytes=int(nbytes), backend=backend,
-                   deterministic=deterministic, reproducible=reproducible and op in ("sum", "mean"),
-                   processes=processes, xla_reaches_processes=_xla_reaches_processes(backend))
+                   deterministic=deterministic,
+                   reproducible=contract is not None and op in ("sum", "mean"),
+                   contract=contract or "v3", processes=processes,
+                   xla_reaches_processes=_xla_reaches_processes(backend))
   return registry.choose(call, group, topology)
 

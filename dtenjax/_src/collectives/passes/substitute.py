@@ -53,7 +53,7 @@ def _reduce(vals, axes, opts: _Options):
   # one call per group of equal options; all_reduce buckets the list itself
   groups: dict[bool, list[int]] = {}
   for i, v in enumerate(out):
-    rep = opts.kw["reproducible"] and v.dtype in (jnp.float32, jnp.bfloat16)
+    rep = opts.kw["reproducible"] if v.dtype in (jnp.float32, jnp.bfloat16) else False
     groups.setdefault(rep, []).append(i)
   res = [None] * len(out)
   for rep, idx in groups.items():

@@ -98,11 +98,13 @@ def test_reproducible_forms():
       2 * L + 2 * NV_A + 7 / 8 * 2 * N / NV_BW + P + 2 * N * M + N * F + N / 8 * F)
   assert _t("all_reduce", "one_shot", g, reproducible=True, contributions=2) == pytest.approx(
       L + NV_A + 7 * 2 * N / NV_BW + P + 16 * N * M + 16 * N * F)
-  words = (L + 2 * (NV_A + 7 / 8 * E / NV_BW) + 2 * E * M) + \
-      (L + 2 * (NV_A + 7 / 8 * 8 * E / NV_BW) + 2 * 8 * E * M) + 2 * P + 2 * N * F
-  assert _t("all_reduce", "xla", g, reproducible=True) == pytest.approx(words)
+  for contract, w in ((True, 4), ("exact", 8)):   # v3: one int32 word per value; v2: two
+    words = (L + 2 * (NV_A + 7 / 8 * E / NV_BW) + 2 * E * M) + \
+        (L + 2 * (NV_A + 7 / 8 * w * E / NV_BW) + 2 * w * E * M) + 2 * P + 2 * N * F
+    assert _t("all_reduce", "xla", g, reproducible=contract) == pytest.approx(words)
+  # the kernels convert in registers: no extra exchange, the conversion on the GPU's cores
   assert _t("all_reduce", "nvlink_one_shot", g, reproducible=True) == pytest.approx(
-      _t("all_reduce", "nvlink_one_shot", g) + NV_A + 8 * N * F)
+      _t("all_reduce", "nvlink_one_shot", g) + 8 * N * F)
 
 
 def test_hierarchical_needs_a_proper_island_split():

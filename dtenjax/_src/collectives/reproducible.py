@@ -89,6 +89,11 @@ def _int_call(call: base.Call) -> base.Call:
                              contributions=1)
 
 
+def _u8(codes):
+  """Codes (0..255) as one byte each for the MAX exchange."""
+  return codes.astype(jnp.uint8)
+
+
 def _code_max(codes, call: base.Call, record: base.Algorithm):
   if record.code_max is not None:
     return record.code_max(codes, call)
@@ -103,7 +108,7 @@ def all_reduce(stack, call: base.Call, record: base.Algorithm):
   count = k * call.world
   check_contributions(call.contract, count)
   if contract_for(call.contract, count) == "v3":
-    codes = _code_max(v3.stack_codes(stack), call, record)
+    codes = _code_max(_u8(v3.stack_codes(stack)), call, record).astype(jnp.int32)
     words = v3.encode(stack, codes, count)                             # int32, exact
     total = record.all_reduce(words, _int_call(call), lambda y: y)
     return v3.decode(total, codes, count, call.op, stack.dtype)
@@ -126,7 +131,7 @@ def reduce_scatter(blocks, call: base.Call, record: base.Algorithm):
   mine_of = lambda a: lax.dynamic_index_in_dim(a, lax.axis_index(call.axes) if n > 1 else 0,
                                                axis=0, keepdims=False)
   if contract_for(call.contract, count) == "v3":
-    codes = _code_max(v3.codes(v3.bits(blocks)), call, record)      # [n, ...]
+    codes = _code_max(_u8(v3.codes(v3.bits(blocks))), call, record).astype(jnp.int32)
     words = v3.encode(blocks[None], codes, count)                    # [n, ...]
     mine = record.reduce_scatter(words, _int_call(call))
     return v3.decode(mine, mine_of(codes), count, call.op, blocks.dtype)

@@ -37,8 +37,9 @@ local seconds per byte, the all-reduce formulas are:
 ``host_hierarchical``  XLA reduce-scatter in the process, host ring of ``N/k`` across, all-gather
 =====================  ===========================================================================
 
-``reproducible=True`` (contract v2, ``collectives/fixed_point.py``): see
-:func:`_reproducible_all_reduce`; the conversion runs at ``fixed_point_gbps``.
+The reproducible sums (``reproducible=True``: contract v3, ``collectives/fixed_point_v3.py``, one
+int32 word per value; ``"exact"``: contract v2, two): see :func:`_reproducible_all_reduce`; the
+conversion runs at ``fixed_point_gbps``.
 
 The model ranks algorithms; it does not promise microseconds. The ``cpu`` defaults were fitted to
 ``python bench/collectives.py --sizes 64,8K,1M --chain 32 --reps 9 --stat min`` on the 2-core
@@ -327,15 +328,18 @@ _ALL_REDUCE = {
 }
 
 
-def _reproducible_all_reduce(t: _Terms, algorithm: str, N: float, itemsize: int, k: int) -> float:
-  """Contract v2 (``N`` bytes of ``itemsize`` floats per contribution, ``k`` per device):
+def _reproducible_all_reduce(t: _Terms, algorithm: str, N: float, itemsize: int, k: int,
+                             word_bytes: int = 4) -> float:
+  """A reproducible sum (``N`` bytes of ``itemsize`` floats per contribution, ``k`` per device,
+  ``word_bytes`` of integer words per value: 4 for contract v3, 8 for the exact contract):
 
   * ``one_shot`` / ``two_shot`` move the raw floats (all-gather; all-to-all + all-gather) and sum
     exactly where they land: ``n k N`` / ``k N`` bytes converted per rank;
-  * the NVLink kernels fuse the conversion: one more latency (exponent exchange), ``n N``
-    converted;
+  * the NVLink kernels convert in registers as they read the peers' floats: the plain kernel's
+    time plus ``n N`` converted;
   * every other record exchanges words: a MAX of one-byte codes (int32 over the host transport),
-    the record's all-reduce of ``8 E`` bytes of int32 words, ``k N`` converted and ``N`` decoded.
+    the record's all-reduce of ``word_bytes E`` bytes of int32 words, ``k N`` converted and ``N``
+    decoded.
   """
   E = N / itemsize
   n = t.n
@@ -346,9 +350,9 @@ def _reproducible_all_reduce(t: _Terms, algorithm: str, N: float, itemsize: int,
     return (2 * t.L + 2 * t.hops * t.a + (n - 1) / n * (k + 1) * N * t.b + t.P +
             (k + 1) * N * t.m + k * N * t.f + N / n * t.f)
   if algorithm.startswith("nvlink_"):
-    return _ALL_REDUCE[algorithm](t, N) + t.a + n * N * t.f
+    return _ALL_REDUCE[algorithm](t, N) + n * N * t.f
   codes = _ar_host_ring(t, 4 * E) if algorithm.startswith("host_") else _ar_xla(t, E)
-  return codes + _ALL_REDUCE[algorithm](t, 8 * E) + 2 * t.P + (k + 1) * N * t.f
+  return codes + _ALL_REDUCE[algorithm](t, word_bytes * E) + 2 * t.P + (k + 1) * N * t.f
 
 
 # --- reduce-scatter / all-gather (N = the full, unsharded buffer per participant) ---------------
@@ -376,7 +380,8 @@ def _rs_ag(t: _Terms, kind: str, algorithm: str, N: float) -> float:
 
 
 def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topology,
-                    algorithm: str = "ring", *, reproducible: bool = False, itemsize: int = 4,
+                    algorithm: str = "ring", *, reproducible: bool | str = False,
+                    itemsize: int = 4,
                     contributions: int = 1, costs: BackendCosts | None = None) -> float:
   """Estimated seconds for one collective.
 
@@ -387,8 +392,8 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
     topology: where they live (link specs, and the platform that selects :class:`BackendCosts`).
     algorithm: a formula of :data:`ALGORITHMS`. Returns ``inf`` for one that does not apply
       (``hierarchical`` without a proper island split, NVLink kernels off GPU).
-    reproducible: the exact fixed-point sum (contract v2) of ``itemsize``-byte floats, with
-      ``contributions`` stacked per device (``local_axis``).
+    reproducible: a reproducible sum of ``itemsize``-byte floats (True or "v3": contract v3,
+      "exact": contract v2), with ``contributions`` stacked per device (``local_axis``).
     costs: override the backend's fixed costs (default: :func:`backend_costs`).
   """
   _check(kind, algorithm, nbytes)
@@ -400,13 +405,14 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
     return t.L + t.a + nbytes * t.b
   if kind == "all_to_all":
     return t.L + t.hops * t.a + (n - 1) / n * nbytes * t.b
+  word_bytes = 8 if reproducible == "exact" else 4
   if kind == "all_reduce":
     if reproducible:
-      return _reproducible_all_reduce(t, algorithm, nbytes, itemsize, contributions)
+      return _reproducible_all_reduce(t, algorithm, nbytes, itemsize, contributions, word_bytes)
     return _ALL_REDUCE[algorithm](t, nbytes)
   if reproducible:   # reduce_scatter: codes of the full input, words scattered, owned block decoded
     E = nbytes / itemsize
-    return (_ar_xla(t, E) + _rs_ag(t, kind, algorithm, 8 * E) + 2 * t.P +
+    return (_ar_xla(t, E) + _rs_ag(t, kind, algorithm, word_bytes * E) + 2 * t.P +
             (nbytes + nbytes / n) * t.f)
   return _rs_ag(t, kind, algorithm, nbytes)
 

@@ -99,7 +99,8 @@ def _rank(call: base.Call, records: Sequence[base.Algorithm], group: Sequence[in
   times = {}
   for a in records:
     t = costmodel.collective_time(kind, nbytes, list(group), topology, a.cost,
-                                  reproducible=call.reproducible and call.op in ("sum", "mean"),
+                                  reproducible=(call.contract if call.reproducible and
+                                                call.op in ("sum", "mean") else False),
                                   itemsize=call.itemsize, contributions=call.contributions)
     times[a.name] = t
   return sorted(times.items(), key=lambda kv: (kv[1], kv[0]))

@@ -26,9 +26,9 @@ More than :data:`MAX_CONTRIBUTIONS` contributions need more than one word: ``rep
 uses the exact contract v2 (``fixed_point.py``) for them.
 
 Nothing here depends on XLA:CPU's flushing of subnormals (denormals-are-zero, flush-to-zero):
-a word is an exact float product of the integer mantissa and a normal power of two, and the
-result's bits are assembled by integer shifts; the CUDA kernels (``csrc/cuda/p2p_allreduce.cuh``)
-compute the same bits with integer operations.
+a word is an exact float product (or one far below 1/2, see :func:`quantize`), and the result's
+bits are assembled by integer shifts (:func:`round_scaled`); the CUDA kernels
+(``csrc/cuda/p2p_repro_v3.h``) compute the same bits with IEEE operations.
 """
 
 from __future__ import annotations
@@ -70,29 +70,37 @@ def codes(b):
 
 
 def _pow2(k):
-  """2.0**k as float32 for int32 k in [-126, 127] (built from the exponent bits)."""
-  return jax.lax.bitcast_convert_type(jnp.left_shift(k + 127, 23), jnp.float32)
+  """2.0**k as float32 for int32 k, clipped to [-126, 127] (built from the exponent bits)."""
+  return jax.lax.bitcast_convert_type(jnp.left_shift(jnp.clip(k, -126, 127) + 127, 23),
+                                      jnp.float32)
 
 
 def quantize(b, c, n: int):
-  """int32 word ``q`` of finite ``x`` (float32 bits ``b``) against the common code ``c``.
+  """int32 word ``q`` of finite ``x`` (float32 bits ``b``) against the common code ``c``:
+  ``x / U = x * 2**s`` with ``s = P + 126 - c``, rounded to an integer. Meaningless where
+  ``c == 255`` (the caller overrides those).
 
-  ``|x| = m * 2**(max(f, 1) - 150)`` (mantissa ``m`` with its implicit bit, exponent field
-  ``f``), so ``x / U = m * 2**d`` with ``d = max(f, 1) - c + P - 24 <= P - 24 <= 7``: the float
-  product ``float(+-m) * 2**max(d, -60)`` is exact (an integer below 2**24 times a normal power
-  of two, never subnormal, so XLA:CPU's flushing of subnormals cannot touch it; below
-  ``2**-60`` both it and the true ``x / U`` round to 0, or to +-1 for round to odd), then it is
-  rounded to an integer. Meaningless where ``c == 255`` (the caller overrides those).
+  Every product is exact or far below 1/2, so XLA:CPU's flushing of subnormals cannot change a
+  word: a normal ``x`` is scaled by ``2**min(s, 127)`` and then by the rest (``x < 2**(c - 126)``
+  keeps the first product below 2**31; a product below 2**-126, flushed to zero or not, is far
+  below 1/2); a subnormal ``x = +-m * 2**-149`` is the exact integer ``+-m`` times
+  ``2**(s - 149)``, a normal power of two whenever the word can be nonzero. Round to odd reads
+  whether anything was cut from the product, and a nonzero ``x`` whose product vanished from the
+  bits.
   """
-  f = jnp.right_shift(b, 23) & 0xFF
-  m = (b & 0x7FFFFF) | jnp.left_shift(jnp.minimum(f, 1), 23)
-  d = jnp.maximum(jnp.maximum(f, 1) - c + (precision(n) - 24), -60)
-  y = jnp.where(b < 0, -m, m).astype(jnp.float32) * _pow2(d)
+  s = precision(n) + 126 - c
+  s1 = jnp.minimum(s, 127)
+  x = jax.lax.bitcast_convert_type(b, jnp.float32)
+  normal = (x * _pow2(s1)) * _pow2(s - s1)
+  m = b & 0x7FFFFF
+  sub = jnp.where(b < 0, -m, m).astype(jnp.float32) * _pow2(s - 149)
+  y = jnp.where((b & 0x7F800000) == 0, sub, normal)
   if n != 2:
     return jnp.round(y).astype(_I32)                # nearest, ties to even
   a = jnp.abs(y)                                    # round to odd: truncate, then set the
   t = a.astype(_I32)                                # lowest bit if anything was cut
-  t = t | (t.astype(jnp.float32) != a).astype(_I32)
+  cut = (t.astype(jnp.float32) != a) | ((a == 0) & ((b & 0x7FFFFFFF) != 0))
+  t = t | cut.astype(_I32)
   return jnp.where(b < 0, -t, t)
 
 

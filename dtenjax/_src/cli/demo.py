@@ -8,8 +8,8 @@ from the same seed to show that the two runs' losses are bit-identical.
 The step is data parallel over every device: parameters and optimizer state stay where the
 planner put them, the step gathers the parameters, each device takes the gradient of each of its
 micro-batches (a fixed split of the global batch into :data:`MICRO_BATCHES`, whatever the device
-count), and ``dtenjax.all_reduce(..., reproducible=True, local_axis=0)`` sums them exactly: the
-sum's bits do not depend on how the micro-batches are spread over devices. Whether the losses are
+count), and ``dtenjax.all_reduce(..., reproducible=True, local_axis=0)`` sums them in fixed
+point: the sum's bits do not depend on how the micro-batches are spread over devices. Whether the losses are
 then the same on 1, 2, 4 or 8 devices depends on one more thing, which the demo checks on the
 machine it runs on (:func:`microbatch_invariance`): that each micro-batch's gradient has the same
 bits whether a device computes 8, 4, 2 or 1 of them. On a GPU the step is compiled with
@@ -125,7 +125,7 @@ def microbatch_invariance(params, xb, yb, counts=(8, 4, 2, 1)) -> dict[int, str]
   """{micro-batches per device: digest of the per-micro-batch losses and gradients}, computed on
   one device as a device of an ``8 // k``-device mesh computes its share (``lax.map`` over ``k``
   micro-batches, the step's own loop and function), for each ``k`` in ``counts``. Equal digests
-  mean that what the exact all-reduce sums does not depend on the device count here."""
+  mean that what the reproducible all-reduce sums does not depend on the device count here."""
   def grads(p, x, y):
     return jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(p, *b), (x, y))
 
@@ -267,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
   inv = microbatch_invariance(init_params(jax.random.key(args.seed)), xb, yb)
   if len(set(inv.values())) == 1:
     print("device counts: each micro-batch's gradient has the same bits whether a device "
-          "computes 8, 4, 2 or 1 of them (checked here), and the all-reduce is exact, so the "
+          "computes 8, 4, 2 or 1 of them (checked here), and the all-reduce is reproducible, so "
+          "the "
           f"gradients are the same on 1, 2, 4 and 8 {platform} devices of this kind")
   else:
     print(f"device counts: micro-batch gradients differ with the micro-batches per device "

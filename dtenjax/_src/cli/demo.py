@@ -9,9 +9,10 @@ The step is data parallel over every device: parameters and optimizer state stay
 planner put them, the step gathers the parameters, each device takes the gradient of each of its
 micro-batches (a fixed split of the global batch into :data:`MICRO_BATCHES`, whatever the device
 count), and ``dtenjax.all_reduce(..., reproducible=True, local_axis=0)`` sums them in fixed
-point: the sum's bits do not depend on how the micro-batches are spread over devices. Whether the losses are
-then the same on 1, 2, 4 or 8 devices depends on one more thing, which the demo checks on the
-machine it runs on (:func:`microbatch_invariance`): that each micro-batch's gradient has the same
+point: the sum's bits do not depend on how the micro-batches are spread over devices. Whether the
+losses are then the same on 1, 2, 4 or 8 devices depends on one more thing, which the demo checks
+on the machine it runs on (:func:`microbatch_invariance`): that each micro-batch's gradient has the
+same
 bits whether a device computes 8, 4, 2 or 1 of them. On a GPU the step is compiled with
 ``dtenjax.reproducible_step``'s pins (deterministic ops, no autotuning), without which two fresh
 processes can compile different kernels and print different digests. The printed
@@ -268,8 +269,7 @@ def run(args: argparse.Namespace) -> int:
   if len(set(inv.values())) == 1:
     print("device counts: each micro-batch's gradient has the same bits whether a device "
           "computes 8, 4, 2 or 1 of them (checked here), and the all-reduce is reproducible, so "
-          "the "
-          f"gradients are the same on 1, 2, 4 and 8 {platform} devices of this kind")
+          f"the gradients are the same on 1, 2, 4 and 8 {platform} devices of this kind")
   else:
     print(f"device counts: micro-batch gradients differ with the micro-batches per device "
           f"(checked here: {inv}); on this machine the losses depend on the device count")

@@ -12,8 +12,7 @@ count), and ``dtenjax.all_reduce(..., reproducible=True, local_axis=0)`` sums th
 point: the sum's bits do not depend on how the micro-batches are spread over devices. Whether the
 losses are then the same on 1, 2, 4 or 8 devices depends on one more thing, which the demo checks
 on the machine it runs on (:func:`microbatch_invariance`): that each micro-batch's gradient has the
-same
-bits whether a device computes 8, 4, 2 or 1 of them. On a GPU the step is compiled with
+same bits whether a device computes 8, 4, 2 or 1 of them. On a GPU the step is compiled with
 ``dtenjax.reproducible_step``'s pins (deterministic ops, no autotuning), without which two fresh
 processes can compile different kernels and print different digests. The printed
 ``losses sha256`` lets you compare runs, processes and ``XLA_FLAGS``.

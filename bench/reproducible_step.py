@@ -16,7 +16,7 @@ flag it needs (XLA_FLAGS=--xla_cpu_max_isa=AVX) is read when JAX starts its CPU 
 ``--json`` writes bench/_harness.py's one schema (one row per mode and variant) and says where.
 
 ``--device`` (for a GPU; ``--tiny`` runs every part at toy sizes on a CPU): the run-to-run
-question, ``dtenjax.reproducible_step`` against ``jax.jit`` (bench/repro_workloads.py has the
+question, ``dtenjax.reproducible_step`` against ``jax.jit`` (bench/_repro_workloads.py has the
 steps and the pins):
 
 1. processes: each workload (the demo step, a reduced GPT-2 and ResNet, GPT-2 small pinned) run
@@ -182,8 +182,8 @@ def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
   if args.device:
-    import repro_device  # pylint: disable=g-import-not-at-top
-    return repro_device.main(args, ap)
+    import _repro_device  # pylint: disable=g-import-not-at-top
+    return _repro_device.main(args, ap)
   if args.worker:
     print(json.dumps(worker(args.worker, args.steps, tuple(args.variants.split(",")))))
     return 0

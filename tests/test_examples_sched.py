@@ -94,7 +94,7 @@ def test_every_bench_case_and_workload_traces():
     out = zeros(jax.eval_shape(spec["fn"], *spec["args"]))
     nxt = spec["advance"](spec["args"], out)
     assert jax.tree.structure(nxt) == jax.tree.structure(spec["args"]), case
-  rw = _bench_module("repro_workloads")
+  rw = _bench_module("_repro_workloads")
   for name in rw.WORKLOADS:
     spec = rw.build(name, tiny=True)
     out = zeros(jax.eval_shape(spec["fn"], *spec["args"]))

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-import repro_device  # noqa: E402  pylint: disable=g-import-not-at-top
+import _repro_device  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
 def _platform_env(monkeypatch, gpu: bool):
@@ -23,7 +23,7 @@ def _platform_env(monkeypatch, gpu: bool):
 
 
 def _demo_digests(steps: int) -> list[str]:
-  outs = repro_device.fresh_processes(
+  outs = _repro_device.fresh_processes(
       [["-m", "dtenjax", "demo", "--no-progress", "--steps", str(steps)]] * 2, tiny=False,
       timeout_s=280)
   lines = []
@@ -34,8 +34,8 @@ def _demo_digests(steps: int) -> list[str]:
 
 
 def _step_digests(workload: str, pins: str, tiny: bool) -> list[dict]:
-  job = ["bench/repro_workloads.py", workload, pins, "3"] + (["--tiny"] if tiny else [])
-  outs = repro_device.fresh_processes([job, job], tiny=False, timeout_s=280)
+  job = ["bench/_repro_workloads.py", workload, pins, "3"] + (["--tiny"] if tiny else [])
+  outs = _repro_device.fresh_processes([job, job], tiny=False, timeout_s=280)
   rows = []
   for o in outs:
     assert "error" not in o, o
@@ -74,7 +74,7 @@ def test_gpu_reproducible_step_gives_the_same_bits_in_two_fresh_processes(monkey
 
 
 def test_fresh_processes_reports_failures_instead_of_hanging():
-  outs = repro_device.fresh_processes([["-c", "import sys; sys.exit(3)"],
+  outs = _repro_device.fresh_processes([["-c", "import sys; sys.exit(3)"],
                                        ["-c", "import time; time.sleep(30)"]], tiny=True,
                                       timeout_s=5)
   assert outs[0]["error"].startswith("exit 3")

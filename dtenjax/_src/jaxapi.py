@@ -24,6 +24,7 @@ import jax
 from jax import lax
 from jax._src import config as _jax_config
 from jax._src import core as _jax_core
+from jax._src import distributed as _jax_distributed
 from jax._src import mesh as _jax_mesh
 
 
@@ -91,14 +92,22 @@ def reduced_struct(x, axes: Sequence[str]) -> jax.ShapeDtypeStruct:
 
 
 def concrete_mesh():
-  """The concrete mesh of ``jax.set_mesh`` (also while tracing under jit), else None."""
+  """The concrete mesh of ``jax.set_mesh`` (also while tracing under jit), else None.
+
+  Outside such a block JAX returns an *empty* mesh (no axes): that is not a mesh."""
   try:
     mesh = _jax_mesh.get_concrete_mesh()
   except AttributeError:  # pragma: no cover - a jax that moved it
     return None
-  if mesh is None or getattr(mesh, "empty", True):
+  if mesh is None or getattr(mesh, "empty", True) or not tuple(getattr(mesh, "axis_names", ())):
     return None
   return mesh
+
+
+def distributed_state():
+  """jax.distributed's global state (its ``client`` is the coordination service's key-value
+  store; ``num_processes`` what it was initialised for), or None."""
+  return getattr(_jax_distributed, "global_state", None)
 
 
 def bound_axis_sizes() -> dict[str, int]:

@@ -69,21 +69,6 @@ def _axis_sizes() -> dict[str, int]:
   return dict(jax.sharding.get_abstract_mesh().shape)
 
 
-def _concrete_mesh():
-  """The concrete mesh of ``jax.set_mesh`` / ``jax.sharding.use_mesh``, or None.
-
-  Outside such a block JAX returns an *empty* mesh (no axes, a 0-d device array of size 1): that
-  is not a mesh and must not be taken for one."""
-  try:
-    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    m = mesh_lib.get_concrete_mesh()
-  except (ImportError, AttributeError):
-    return None
-  if m is None or getattr(m, "empty", False) or not tuple(getattr(m, "axis_names", ())):
-    return None
-  return m
-
-
 def _spans(devs: np.ndarray, names: list[str], axes: tuple[str, ...]) -> bool:
   devs = np.moveaxis(devs, [names.index(a) for a in axes], list(range(len(axes))))
   devs = devs.reshape(math.prod(devs.shape[:len(axes)]), -1)
@@ -109,7 +94,7 @@ def spans_processes(axis_name, mesh=None) -> bool:
     if missing:
       raise errors.CollectiveError(f"axis {missing} not in mesh axes {names}.")
     return _spans(np.asarray(mesh.devices), names, axes)
-  concrete = _concrete_mesh()
+  concrete = jaxapi.concrete_mesh()
   if concrete is not None and all(a in concrete.axis_names for a in axes):
     return _spans(np.asarray(concrete.devices), list(concrete.axis_names), axes)
   sizes = _axis_sizes()

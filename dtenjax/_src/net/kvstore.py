@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from dtenjax._src import config
 from dtenjax._src import errors
+from dtenjax._src import jaxapi
 
 PREFIX = "dtenjax/"
 
@@ -83,11 +84,7 @@ _local = InMemoryClient()
 
 
 def _global_state() -> Any | None:
-  try:
-    from jax._src import distributed  # pylint: disable=g-import-not-at-top
-  except ImportError:  # pragma: no cover - a JAX that moved it; this is the one place to fix
-    return None
-  return getattr(distributed, "global_state", None)
+  return jaxapi.distributed_state()
 
 
 def coordination_client() -> Any | None:

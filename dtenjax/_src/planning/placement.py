@@ -228,14 +228,8 @@ def check_divisible(shape: Sequence[int], spec: P, mesh: Mesh, where: str = "") 
         f"{where}cannot place an array of shape {tuple(shape)} with {spec}:", problems))
 
 
-try:  # jax.core.Tracer is public on jax 0.10; keep working if a later jax moves it
-  _Tracer = jax.core.Tracer
-except AttributeError:  # pragma: no cover
-  from jax._src.core import Tracer as _Tracer  # pylint: disable=g-import-not-at-top
-
-
 def _is_tracer(x) -> bool:
-  return isinstance(x, _Tracer)
+  return isinstance(x, jax.core.Tracer)
 
 
 def _is_rule_target(t) -> bool:
@@ -469,7 +463,7 @@ def _sharding_of(leaf, where: str) -> NamedSharding:
   if isinstance(leaf, NamedSharding):
     return leaf
   sharding = None
-  if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+  if isinstance(leaf, jax.Array) and not _is_tracer(leaf):
     sharding = leaf.sharding
   elif hasattr(leaf, "shape"):
     sharding = getattr(jax.typeof(leaf), "sharding", None)     # Explicit axes inside jit

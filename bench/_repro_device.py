@@ -1,6 +1,6 @@
 """bench/reproducible_step.py --device: run-to-run reproducibility on the default device.
 
-See bench/reproducible_step.py's docstring for the parts; bench/repro_workloads.py holds the
+See bench/reproducible_step.py's docstring for the parts; bench/_repro_workloads.py holds the
 steps and the pins. The main process never preallocates device memory
 (``XLA_PYTHON_CLIENT_PREALLOCATE=false``, set before jax starts), so the fresh processes it starts
 share the GPU with it.
@@ -63,7 +63,7 @@ def part_processes(args) -> dict:
   res = {}
   cache_dir = tempfile.mkdtemp(prefix="dtenjax-autotune-")
   for workload, n in groups:
-    jobs = [["bench/repro_workloads.py", workload, pins, str(n)] + (["--tiny"] if args.tiny
+    jobs = [["bench/_repro_workloads.py", workload, pins, str(n)] + (["--tiny"] if args.tiny
                                                                     else [])
             for pins in ("jax.jit", "reproducible_step") for _ in range(k)]
     t0 = time.perf_counter()
@@ -72,12 +72,12 @@ def part_processes(args) -> dict:
       rows = [o for j, o in zip(jobs, outs) if j[2] == pins]
       res[f"{workload} / {pins}"] = _digests(rows, k, time.perf_counter() - t0)
   if not args.quick and not args.tiny and "gpt2_mid" in args.workloads:
-    jobs = [["bench/repro_workloads.py", "gpt2", "reproducible_step", "3"] for _ in range(2)]
+    jobs = [["bench/_repro_workloads.py", "gpt2", "reproducible_step", "3"] for _ in range(2)]
     t0 = time.perf_counter()
     res["gpt2 / reproducible_step"] = _digests(fresh_processes(jobs, args.tiny), 2,
                                                time.perf_counter() - t0)
   if args.all_pins:     # the autotune cache: the first process fills it, the others read it
-    job = ["bench/repro_workloads.py", "gpt2_mid", "cache", str(steps), "--cache-dir",
+    job = ["bench/_repro_workloads.py", "gpt2_mid", "cache", str(steps), "--cache-dir",
            cache_dir] + (["--tiny"] if args.tiny else [])
     t0 = time.perf_counter()
     first = fresh_processes([job], args.tiny)
@@ -167,7 +167,7 @@ def part_fusion(args) -> dict:
 def part_costs(args) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import repro_workloads as rw  # pylint: disable=g-import-not-at-top
+  import _repro_workloads as rw  # pylint: disable=g-import-not-at-top
   models = [m for m in args.models.split(",") if m]
   pins = ["jax.jit", "autotune", "reproducible_step"] + (["ops", "cache"] if args.all_pins
                                                          else [])
@@ -250,7 +250,7 @@ def print_part(name: str, res: dict) -> None:
 
 
 def main(args, ap) -> int:
-  import repro_workloads as rw  # pylint: disable=g-import-not-at-top
+  import _repro_workloads as rw  # pylint: disable=g-import-not-at-top
   args.budget_s = args.budget_s or (200.0 if args.quick else 360.0)
   parts = [p for p in args.parts.split(",") if p]
   bad = [p for p in parts if p not in PARTS]

@@ -12,7 +12,7 @@ Pins (``jit_with``): ``jax.jit``; ``ops`` (``xla_gpu_exclude_nondeterministic_op
 ``autotune`` (``xla_gpu_autotune_level=0`` only); ``reproducible_step`` (both, what
 ``dtenjax.reproducible_step`` pins); ``cache`` (reproducible_step with ``autotune="cache"``).
 
-``python bench/repro_workloads.py WORKLOAD PINS STEPS [--tiny] [--cache-dir D]`` runs one in
+``python bench/_repro_workloads.py WORKLOAD PINS STEPS [--tiny] [--cache-dir D]`` runs one in
 this process and prints one JSON line: the digest of the final parameters and losses.
 """
 

@@ -1,0 +1,82 @@
+"""dtenjax/_src/jaxapi.py, the one module that reads JAX's private state, against what JAX itself
+reports publicly (jax.typeof, lax.psum's result type, jax.set_mesh)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from dtenjax._src import jaxapi
+
+
+def _public_vma(x) -> frozenset:
+  mat = getattr(jax.typeof(x), "mat", None)
+  return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+@pytest.fixture(scope="module")
+def mesh(cpu_devices):
+  return jax.sharding.Mesh(np.array(cpu_devices).reshape(2, 4), ("a", "b"),
+                           axis_types=(AxisType.Auto,) * 2)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_types_agree_with_jax(mesh, check_vma):
+  seen = {}
+
+  def body(v, w):
+    seen["checked"] = jaxapi.vma_checked()
+    seen["manual"] = jaxapi.manual_axes()
+    seen["v"] = (jaxapi.vma(v), _public_vma(v))
+    seen["w"] = (jaxapi.vma(w), _public_vma(w))
+    cast = jaxapi.to_varying(w, ("b",))
+    seen["cast"] = (jaxapi.vma(cast), _public_vma(lax.pcast(w, "b", to="varying"))
+                    if check_vma else frozenset())
+    g = jaxapi.all_gather_invariant(v, ("b",))
+    seen["gather"] = (jaxapi.vma(g), _public_vma(lax.psum(v, "b")))
+    seen["struct"] = jaxapi.reduced_struct(v, ("b",))
+    return g.sum(0)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(("a", "b")), P()), out_specs=P("a"),
+                            check_vma=check_vma))
+  x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
+  y = f(x, jnp.ones(3))
+  np.testing.assert_array_equal(y, np.asarray(x).reshape(2, 4, 3).sum(1))
+  assert seen["checked"] is check_vma
+  assert seen["manual"] == {"a", "b"}
+  for key in ("v", "w", "cast", "gather"):
+    ours, theirs = seen[key]
+    assert ours == theirs, (key, ours, theirs)
+  if check_vma:
+    assert seen["v"][0] == {"a", "b"} and seen["gather"][0] == {"a"}
+  struct = seen["struct"]
+  assert struct.shape == (1, 3) and struct.dtype == jnp.float32
+
+
+def test_outside_shard_map_there_are_no_types():
+  x = jnp.ones(3)
+  assert jaxapi.vma(x) == frozenset() and jaxapi.manual_axes() == frozenset()
+  assert jaxapi.to_varying(x, ("a",)) is x
+
+
+def test_concrete_mesh_only_under_set_mesh(cpu_devices):
+  assert jaxapi.concrete_mesh() is None                 # jax's empty mesh is not a mesh
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,), devices=cpu_devices)
+  with jax.set_mesh(mesh):
+    assert jaxapi.concrete_mesh() == mesh
+    seen = []
+    jax.jit(lambda v: seen.append(jaxapi.concrete_mesh()) or v)(jnp.ones(8))
+    assert seen == [mesh]                               # also while tracing under jit
+
+
+def test_vmap_axes_gather_without_types():
+  out = jax.vmap(lambda v: jaxapi.all_gather_invariant(v, ("v",)), axis_name="v")(jnp.arange(4.0))
+  np.testing.assert_array_equal(out, np.broadcast_to(np.arange(4.0), (4, 4)))
+
+
+def test_distributed_state_without_initialize():
+  state = jaxapi.distributed_state()
+  assert state is not None and getattr(state, "client", None) is None

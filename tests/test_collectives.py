@@ -254,16 +254,18 @@ def test_reproducible_reference_file_bits(cpu_devices):
 
 
 @pytest.mark.parametrize("algorithm", ["xla", "ring", "one_shot", "two_shot", "auto"])
-def test_reproducible_reduce_scatter(mesh, algorithm):
+@pytest.mark.parametrize("contract", [True, "exact"])
+def test_reproducible_reduce_scatter(mesh, algorithm, contract):
   g = ref.contributions(8, 8 * 12, seed=15)          # rank r owns block r of 12 columns
+  want_of = ref.reproducible_sum if contract is True else ref.exact_sum
   y = np.asarray(_smap(mesh, lambda v: dtenjax.reduce_scatter(
-      v[0], AX, scatter_dimension=0, tiled=True, algorithm=algorithm, reproducible=True)[None])(g))
-  want = ref.reproducible_sum(g)
-  np.testing.assert_array_equal(ref.bits(y.reshape(-1)), ref.bits(want))
+      v[0], AX, scatter_dimension=0, tiled=True, algorithm=algorithm,
+      reproducible=contract)[None])(g))
+  np.testing.assert_array_equal(ref.bits(y.reshape(-1)), ref.bits(want_of(g)))
   m = np.asarray(_smap(mesh, lambda v: dtenjax.reduce_scatter(
       v[0], AX, scatter_dimension=0, tiled=True, op="mean", algorithm=algorithm,
-      reproducible=True)[None])(g))
-  np.testing.assert_array_equal(ref.bits(m.reshape(-1)), ref.bits(ref.reproducible_sum(g, mean=True)))
+      reproducible=contract)[None])(g))
+  np.testing.assert_array_equal(ref.bits(m.reshape(-1)), ref.bits(want_of(g, mean=True)))
 
 
 @pytest.mark.parametrize("n", [2, 8])

@@ -241,3 +241,20 @@ def test_no_retrace_on_repeated_calls():
   x = jnp.ones((4, 16), jnp.float32)
   f(x)
   f(x + 1)
+
+
+@pytest.mark.parametrize("algorithm", ["xla", "two_shot", "one_shot", "auto"])
+def test_collective_with_more_than_32_contributions_gives_the_exact_contracts_bits(
+    cpu_devices, algorithm):
+  """8 devices x 5 local contributions: past one word per value, reproducible=True is the exact
+  contract (the word exchange, the owner form and the gather alike)."""
+  mesh = jax.sharding.Mesh(np.array(cpu_devices), ("d",))
+  x = ref.contributions(40, 64, seed=41)
+  f = jax.jit(jax.shard_map(
+      lambda v: dtenjax.all_reduce(v, "d", algorithm=algorithm, reproducible=True,
+                                   local_axis=0)[None],
+      mesh=mesh, in_specs=jax.P("d"), out_specs=jax.P("d"), check_vma=False))
+  got = np.asarray(f(jnp.asarray(x)))
+  want = ref.bits(ref.exact_sum(x))
+  for r in range(8):
+    np.testing.assert_array_equal(ref.bits(got[r]), want, err_msg=f"{algorithm} rank {r}")

@@ -32,9 +32,6 @@ from dtenjax._src.collectives import fixed_point
 from dtenjax._src.collectives import fixed_point_v3 as v3
 from dtenjax._src.collectives.algorithms import base
 
-CONTRACTS = ("v3", "exact")
-
-
 def contract_of(reproducible) -> str | None:
   """The contract a ``reproducible=`` argument asks for: None (False), "v3" (True) or "exact"."""
   if reproducible is False or reproducible is None:
@@ -56,18 +53,13 @@ def contract_for(contract: str, contributions: int) -> str:
   return "exact"
 
 
-def check_contributions(contract: str, count: int, what: str = "reproducible all_reduce") -> None:
-  del contract     # v3 hands more than 32 contributions to the exact contract, whose limit holds
-  fixed_point.check_contributions(count, what)
-
-
 def local_sum(stack, op: str, contract: str, dtype=None):
   """Reproducible sum (or mean) over axis 0 of the contributions ``stack`` on one device, rounded
   to ``dtype`` (default ``stack``'s): the same bits as the word exchange of the same
   contributions spread over devices."""
   dtype = stack.dtype if dtype is None else dtype
   n = stack.shape[0]
-  check_contributions(contract, n)
+  fixed_point.check_contributions(n)       # v3 hands more than 32 to the exact contract
   if contract_for(contract, n) == "v3":
     return v3.local_sum(stack, op, dtype)
   r = fixed_point.local_sum_f32(stack)
@@ -106,7 +98,7 @@ def all_reduce(stack, call: base.Call, record: base.Algorithm):
   dtype."""
   k = stack.shape[0]
   count = k * call.world
-  check_contributions(call.contract, count)
+  fixed_point.check_contributions(count)
   if contract_for(call.contract, count) == "v3":
     codes = _code_max(_u8(v3.stack_codes(stack)), call, record).astype(jnp.int32)
     words = v3.encode(stack, codes, count)                             # int32, exact
@@ -127,7 +119,7 @@ def reduce_scatter(blocks, call: base.Call, record: base.Algorithm):
   ``[n, ...]``; returns the input dtype."""
   n = blocks.shape[0]
   count = call.world
-  check_contributions(call.contract, count)
+  fixed_point.check_contributions(count)
   mine_of = lambda a: lax.dynamic_index_in_dim(a, lax.axis_index(call.axes) if n > 1 else 0,
                                                axis=0, keepdims=False)
   if contract_for(call.contract, count) == "v3":

@@ -76,13 +76,14 @@ def part_processes(args) -> dict:
     t0 = time.perf_counter()
     res["gpt2 / reproducible_step"] = _digests(fresh_processes(jobs, args.tiny), 2,
                                                time.perf_counter() - t0)
-  if args.all_pins:     # the autotune cache: the first process fills it, the others read it
-    job = ["bench/_repro_workloads.py", "gpt2_mid", "cache", str(steps), "--cache-dir",
-           cache_dir] + (["--tiny"] if args.tiny else [])
+  for workload, n in groups if args.all_pins else ():
+    # the autotune cache: the first process fills it, the others read it
+    job = ["bench/_repro_workloads.py", workload, "cache", str(n), "--cache-dir",
+           os.path.join(cache_dir, workload)] + (["--tiny"] if args.tiny else [])
     t0 = time.perf_counter()
     first = fresh_processes([job], args.tiny)
     rest = fresh_processes([job] * (k - 1), args.tiny)
-    res["gpt2_mid / cache"] = _digests(first + rest, k, time.perf_counter() - t0)
+    res[f"{workload} / cache"] = _digests(first + rest, k, time.perf_counter() - t0)
   return res
 
 

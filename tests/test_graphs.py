@@ -267,6 +267,22 @@ def test_auto_rule(entry, expected):
     assert "WHILE" in policy.commands and policy.min_graph_size == expected, reason
 
 
+@pytest.mark.parametrize("body_len,trip,on_device", [
+    (5, 10, False),    # XLA's defaults launch the body as one graph per iteration: left alone
+    (4, 10, True),     # a body of 4 runs op by op under the defaults: WHILE records it
+    (5, None, True),   # unknown trip count: the host reads the condition back every iteration
+])
+def test_auto_leaves_a_loop_already_launched_as_one_graph_per_iteration(body_len, trip,
+                                                                          on_device):
+  # measured on an H200: a decode loop whose body is one graph per iteration under XLA's
+  # defaults ran 0.985x as a device loop (docs/benchmarks.md)
+  text = _module("ffwff", body_len=body_len, trip=trip)
+  policy, reason = pred.decide_auto(hlo.parse_text(text), pred.trip_counts_from_text(text))
+  assert ("WHILE" in policy.commands) == on_device, reason
+  if not on_device:
+    assert policy.compiler_options() == {} and "one graph per iteration" in reason
+
+
 def test_graph_report_on_cpu_is_labelled_a_prediction_over_the_real_schedule():
   def step(x):
     y = jnp.tanh(x) * 3.0

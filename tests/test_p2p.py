@@ -433,7 +433,7 @@ try:
   np.asarray(y)
   print("RESULT-RETURNED", float(np.asarray(y)[0, 0]))
 except Exception as e:
-  print("STEP-FAILED", type(e).__name__)
+  print("STEP-FAILED", type(e).__name__, e)
 import os, sys, time; time.sleep(0.5)
 print("TIMEOUTS", p2p.kernel_timeouts(), flush=True)
 sys.stderr.flush()

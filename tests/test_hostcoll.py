@@ -110,7 +110,7 @@ def test_ring_four_processes_correct_and_deterministic(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.multiprocess
 def test_ring_two_processes_one_gpu_each(tmp_path):
-  """The CUDA handler (custom_calls/cuda/transport_cuda.cc): device -> pinned host staging ->
+  """The CUDA handler (custom_calls/transport/host_all_reduce_cuda.cc): device -> pinned host staging ->
   authenticated ring -> device, through the public API too. Needs 2 GPUs (one per process)."""
   if len(jax.devices("gpu")) < 2:
     pytest.skip(f"needs 2 GPUs (one per process), found {len(jax.devices('gpu'))}")

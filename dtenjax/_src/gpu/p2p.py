@@ -1,6 +1,6 @@
 """NVLink peer-to-peer all-reduce on GPU: one-shot and two-shot CUDA kernels as XLA FFI calls.
 
-The kernels (``csrc/cuda/p2p_allreduce.cuh``) read every rank's data straight out of peer memory:
+The kernels (``csrc/p2p/allreduce.cuh``) read every rank's data straight out of peer memory:
 
 * ``one_shot``: each rank copies its input into its registered buffer, the ranks meet at a GPU-side
   barrier, then every rank reads all W buffers and reduces the whole message. Best for small and

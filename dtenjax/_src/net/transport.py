@@ -2,7 +2,7 @@
 
 The data plane lives in C++ (``csrc/transport/``: a TCP provider and an RDMA verbs provider behind
 one table of functions), bound to Python with nanobind as ``dtenjax._ffi.transport``
-(``custom_calls/transport_py.cc``); a native failure raises the dtenjax error of its status code.
+(``custom_calls/transport/bindings.cc``); a native failure raises the dtenjax error of its status code.
 
 Bootstrap goes through jax.distributed's coordination store (:mod:`dtenjax._src.net.kvstore`): each
 rank listens on ``DTENJAX_BIND_ADDRESS`` (port chosen by the OS), publishes its endpoint, reads its

@@ -1,5 +1,5 @@
-// Process-wide registry of symmetric regions and communicators (see p2p_registry.h).
-#include "csrc/cuda/p2p_registry.h"
+// Process-wide registry of symmetric regions and communicators (see registry.h).
+#include "csrc/p2p/registry.h"
 
 #include <unistd.h>
 

@@ -8,7 +8,7 @@
 //  * Op::kMax / kMin: the rank-order fold of `>` / `<` selections; any NaN gives the canonical
 //    quiet NaN.
 //  * Op::kRepSum: the reproducible sum of contract v3 (docs/collectives.md), in registers as the
-//    peers' floats are read (p2p_repro_v3.h): one int32 word per value against the element's
+//    peers' floats are read (repro_v3.h): one int32 word per value against the element's
 //    common exponent, an int32 sum, one rounding to T. The same bits as the XLA path.
 //  * Op::kRepExact: the exact fixed-point sum of contract v2: codes and quantisation from the
 //    float bits with integer operations, an int64 sum, and the XLA path's decode to float32
@@ -32,8 +32,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "csrc/cuda/p2p_allreduce.h"
-#include "csrc/cuda/p2p_repro_v3.h"
+#include "csrc/p2p/allreduce.h"
+#include "csrc/p2p/repro_v3.h"
 
 namespace dtenjax::p2p::device {
 

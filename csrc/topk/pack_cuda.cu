@@ -6,7 +6,7 @@
 //                    offset[b] + (prefix within the chunk), ascending index order, while < k
 //   4. FillKernel:   slots [min(count, k), k) get idx = n, val = 0
 // Each pass reads x once with 16-byte loads, so the whole step moves about 2 * 4n bytes.
-#include "csrc/cuda/compress_pack.h"
+#include "csrc/topk/pack_cuda.h"
 
 #include <string>
 

@@ -1,4 +1,4 @@
-// The NVLink peer-to-peer all-reduce at the boundaries (csrc/cuda/p2p_*):
+// The NVLink peer-to-peer all-reduce at the boundaries (csrc/p2p/):
 //
 // Python bindings (eager set-up, outside any trace; called by dtenjax/_src/gpu/p2p.py):
 //   p2p_register(ordinal, capacity) -> bytes[128]       this device's region descriptor
@@ -21,8 +21,8 @@
 #include <cstdint>
 #include <string>
 
-#include "csrc/cuda/p2p_allreduce.h"
-#include "csrc/cuda/p2p_registry.h"
+#include "csrc/p2p/allreduce.h"
+#include "csrc/p2p/registry.h"
 #include "custom_calls/python.h"
 #include "custom_calls/registry.h"
 #include "xla/ffi/api/ffi.h"

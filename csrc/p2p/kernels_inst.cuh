@@ -1,8 +1,8 @@
 // Instantiates the one-shot and two-shot kernels of one dtype for worlds 2..8 and every
 // reduction mode (plain; reproducible v3 and exact where DTENJAX_P2P_REP) (included once by
-// each p2p_kernels_<dtype>.cu with DTENJAX_P2P_T, DTENJAX_P2P_PICK and DTENJAX_P2P_REP defined).
-#include "csrc/cuda/p2p_allreduce.cuh"
-#include "csrc/cuda/p2p_kernels.h"
+// each kernels_<dtype>.cu with DTENJAX_P2P_T, DTENJAX_P2P_PICK and DTENJAX_P2P_REP defined).
+#include "csrc/p2p/allreduce.cuh"
+#include "csrc/p2p/kernels.h"
 
 namespace dtenjax::p2p {
 namespace {

@@ -1,8 +1,8 @@
-// The kernel instances of the p2p all-reduce, one translation unit per dtype (p2p_kernels_*.cu)
+// The kernel instances of the p2p all-reduce, one translation unit per dtype (kernels_*.cu)
 // so that nvcc compiles them in parallel. Host code picks an instance through these tables.
 #pragma once
 
-#include "csrc/cuda/p2p_allreduce.h"
+#include "csrc/p2p/allreduce.h"
 
 namespace dtenjax::p2p {
 

@@ -2,8 +2,8 @@
 // launch, check the launch. No allocation, no stream query, no synchronisation (CUDA-graph safe).
 #include <string>
 
-#include "csrc/cuda/p2p_allreduce.h"
-#include "csrc/cuda/p2p_kernels.h"
+#include "csrc/p2p/allreduce.h"
+#include "csrc/p2p/kernels.h"
 
 namespace dtenjax::p2p {
 namespace {

@@ -1,6 +1,6 @@
-// Host interface of the NVLink peer-to-peer all-reduce kernels (p2p_allreduce.cuh / .cu).
+// Host interface of the NVLink peer-to-peer all-reduce kernels (allreduce.cuh / .cu).
 //
-// Every rank owns one symmetric region (allocated once per device, see p2p_registry.cu):
+// Every rank owns one symmetric region (allocated once per device, see registry.cu):
 //
 //   [ header: kHeaderBytes                                                              ]
 //     landing[kMaxBlocks][kMaxRanks]  uint32  flag slots, written by peers (release/acquire .sys)
@@ -52,7 +52,7 @@ enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // reproducible sum of contract v3 (reproducible=True); docs/collectives.md.
 enum class Op : int { kSum = 0, kMax = 1, kMin = 2, kRepExact = 3, kRepSum = 4 };
 
-// The kernel family of an op: 0 plain, 1 contract v3, 2 contract v2 (p2p_kernels.h).
+// The kernel family of an op: 0 plain, 1 contract v3, 2 contract v2 (kernels.h).
 inline int RepMode(Op op) { return op == Op::kRepSum ? 1 : op == Op::kRepExact ? 2 : 0; }
 
 inline size_t DTypeBytes(DType t) { return t == DType::kF32 ? 4 : 2; }

@@ -28,7 +28,7 @@ namespace ffi = xla::ffi;
 namespace tp = dtenjax::transport;
 
 namespace dtenjax::ffi {
-bool DTypeOf(xla::ffi::DataType t, tp::DType* out);  // custom_calls/transport.cc
+bool DTypeOf(xla::ffi::DataType t, tp::DType* out);  // custom_calls/transport/host_all_reduce.cc
 }
 
 namespace {

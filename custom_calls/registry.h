@@ -31,20 +31,22 @@ struct Registrar {
   }
 };
 
+// The XLA FFI error code of a dtenjax code: every dtenjax code is named as its XLA (absl)
+// counterpart, so this switch is the code list itself and a code XLA lacks does not compile.
+inline xla::ffi::ErrorCode ToFfiCode(Code code) {
+  switch (code) {
+#define DTENJAX_FFI_CODE(id, value, name) \
+  case Code::id: return xla::ffi::ErrorCode::id;
+    DTENJAX_STATUS_CODES(DTENJAX_FFI_CODE)
+#undef DTENJAX_FFI_CODE
+  }
+  return xla::ffi::ErrorCode::kInternal;
+}
+
 // Turn a dtenjax::Status into an XLA FFI error.
 inline xla::ffi::Error ToFfiError(const Status& s) {
   if (s.ok()) return xla::ffi::Error::Success();
-  xla::ffi::ErrorCode code = xla::ffi::ErrorCode::kInternal;
-  switch (s.code()) {
-    case Code::kInvalidArgument: code = xla::ffi::ErrorCode::kInvalidArgument; break;
-    case Code::kUnavailable: code = xla::ffi::ErrorCode::kUnavailable; break;
-    case Code::kDeadlineExceeded: code = xla::ffi::ErrorCode::kDeadlineExceeded; break;
-    case Code::kResourceExhausted: code = xla::ffi::ErrorCode::kResourceExhausted; break;
-    case Code::kPermissionDenied: code = xla::ffi::ErrorCode::kPermissionDenied; break;
-    case Code::kDataLoss: code = xla::ffi::ErrorCode::kDataLoss; break;
-    default: break;
-  }
-  return xla::ffi::Error(code, s.message());
+  return xla::ffi::Error(ToFfiCode(s.code()), s.message());
 }
 
 }  // namespace dtenjax::ffi

@@ -82,30 +82,22 @@ Status LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream) {
   if (fn == nullptr) return DTENJAX_ERROR(Code::kInvalidArgument, "p2p all-reduce: no kernel");
   dim3 grid(static_cast<unsigned>(args.blocks), static_cast<unsigned>(args.local_ranks));
   fn<<<grid, kThreads, 0, stream>>>(args);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    return DTENJAX_ERROR(Code::kInternal,
-                         std::string("p2p all-reduce launch failed: ") + cudaGetErrorString(e));
-  }
+  DTENJAX_CUDA_CHECK_LAUNCH("p2p all-reduce");
   return Status::Ok();
 }
 
 Status MaxResidentBlocks(const LaunchArgs& args, int device, int* blocks) {
   int per_sm = 1 << 30, sms = 0;
-  cudaError_t e = cudaSuccess;
   for (Algorithm alg : {args.algorithm, Algorithm::kOneShotLL}) {
     KernelFn fn = PickKernel(args, alg);
     if (fn == nullptr) return DTENJAX_ERROR(Code::kInvalidArgument, "p2p all-reduce: no kernel");
     int n = 0;
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, 0);
-    if (e != cudaSuccess) break;
+    DTENJAX_CUDA_CHECK_AS(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, 0),
+                          Code::kInternal, "p2p occupancy query failed");
     per_sm = n < per_sm ? n : per_sm;
   }
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e != cudaSuccess) {
-    return DTENJAX_ERROR(Code::kInternal,
-                         std::string("p2p occupancy query failed: ") + cudaGetErrorString(e));
-  }
+  DTENJAX_CUDA_CHECK_AS(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+                        Code::kInternal, "p2p occupancy query failed");
   *blocks = per_sm * sms;
   return Status::Ok();
 }

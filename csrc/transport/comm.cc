@@ -358,8 +358,8 @@ std::string AbortText(const InFrame& f, Code* code) {
     *code = Code::kInternal;
     return "(no reason given)";
   }
-  int c = static_cast<unsigned char>(p[0]);
-  *code = (c >= 1 && c <= 7) ? static_cast<Code>(c) : Code::kInternal;
+  const int c = static_cast<unsigned char>(p[0]);
+  *code = IsCode(c) && c != static_cast<int>(Code::kOk) ? static_cast<Code>(c) : Code::kInternal;
   return std::string(p + 1, p + f.payload_bytes);
 }
 

@@ -64,8 +64,12 @@ uint64_t TimeoutNs(int64_t timeout_ms) {
   return timeout_ms <= 0 ? 0 : static_cast<uint64_t>(timeout_ms) * 1000000ull;
 }
 
-ffi::Error CudaError(const char* what, cudaError_t e) {
-  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+// A device-to-device copy on XLA's stream (a reduction over one rank is a copy).
+dtenjax::Status Copy(void* dst, const void* src, size_t bytes, cudaStream_t stream,
+                     const char* what) {
+  DTENJAX_CUDA_CHECK_AS(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream),
+                        dtenjax::Code::kInternal, std::string(what) + ": copy failed");
+  return dtenjax::Status::Ok();
 }
 
 // --- all-reduce --------------------------------------------------------------------------------
@@ -97,8 +101,7 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   if (n == 0) return ffi::Error::Success();  // the same on every rank: no launch anywhere
   if (comm.world == 1) {  // one rank: the sum is the input (mean divides by 1; max/min are x)
     if (in == res) return ffi::Error::Success();
-    const cudaError_t e = cudaMemcpyAsync(res, in, n * item, cudaMemcpyDeviceToDevice, stream);
-    return e == cudaSuccess ? ffi::Error::Success() : CudaError(kWhat, e);
+    return dtenjax::ffi::ToFfiError(Copy(res, in, n * item, stream, kWhat));
   }
   p2p::LaunchArgs a;
   a.peers = comm.peers;
@@ -155,9 +158,8 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
   char* xout = static_cast<char*>(out->untyped_data());
   if (mode == 2) {  // reference: device-to-device copy of the whole stacked buffer, iters times
     for (int64_t it = 0; it < iters; ++it) {
-      const cudaError_t e =
-          cudaMemcpyAsync(xout, xin, row * world, cudaMemcpyDeviceToDevice, stream);
-      if (e != cudaSuccess) return CudaError("dtenjax_p2p_selftest copy", e);
+      const dtenjax::Status c = Copy(xout, xin, row * world, stream, kWhat);
+      if (!c.ok()) return dtenjax::ffi::ToFfiError(c);
     }
     return ffi::Error::Success();
   }

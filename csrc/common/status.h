@@ -32,9 +32,11 @@ namespace dtenjax {
   X(kDataLoss, 6, "data_loss")                 /* corrupt frame / tag mismatch */                 \
   X(kInternal, 7, "internal")
 
-// Helpers to expand a vocabulary list into an enum and into a membership test.
+// Helpers to expand a vocabulary list X(enumerator, value, name, ...) into an enum, a membership
+// test (case labels), and a text for error messages (" 0 (one_shot) 1 (two_shot)").
 #define DTENJAX_ENUM_VALUE(id, value, ...) id = value,
 #define DTENJAX_ENUM_CASE(id, value, ...) case value:
+#define DTENJAX_VOCAB_TEXT(id, value, name, ...) " " #value " (" name ")"
 
 enum class Code : int { DTENJAX_STATUS_CODES(DTENJAX_ENUM_VALUE) };
 

@@ -16,7 +16,7 @@ Algorithm Effective(const LaunchArgs& a) {
 }
 
 KernelFn PickKernel(const LaunchArgs& a, Algorithm alg) {
-  const int rep = RepMode(a.op);
+  const int rep = static_cast<int>(a.reproducible);
   switch (a.dtype) {
     case DType::kF32: return PickF32(alg, a.world, rep);
     case DType::kBF16: return PickBF16(alg, a.world, rep);
@@ -38,8 +38,10 @@ Status Validate(const LaunchArgs& a) {
                     "p2p all-reduce: blocks per rank " + std::to_string(a.blocks) +
                         " is outside [1, " + std::to_string(kMaxBlocks) + "]");
   DTENJAX_CHECK_ARG(a.count >= 0, "p2p all-reduce: negative element count");
-  DTENJAX_CHECK_ARG(RepMode(a.op) == 0 || a.dtype != DType::kF16,
+  DTENJAX_CHECK_ARG(a.reproducible == Reproducible::kNone || ReproducibleDType(a.dtype),
                     "p2p all-reduce: the reproducible sums support float32 and bfloat16 only");
+  DTENJAX_CHECK_ARG(a.reproducible == Reproducible::kNone || a.op == Op::kSum,
+                    "p2p all-reduce: a reproducible contract is a sum (op sum; mean divides it)");
   const size_t bytes = static_cast<size_t>(a.count) * DTypeBytes(a.dtype);
   DTENJAX_CHECK_ARG(bytes <= a.capacity,
                     "p2p all-reduce: a chunk of " + std::to_string(bytes) +

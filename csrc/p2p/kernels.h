@@ -8,9 +8,9 @@ namespace dtenjax::p2p {
 
 using KernelFn = void (*)(const LaunchArgs);
 
-// rep_mode: 0 plain (Op kSum/kMax/kMin), 1 the reproducible sum of contract v3 (kRepSum),
-// 2 the exact contract v2 (kRepExact). nullptr when there is no instance (world outside
-// [2, 8], or a reproducible mode for float16).
+// rep_mode: int(Reproducible): kNone plain (Op kSum/kMax/kMin), kV3 the reproducible sum of
+// contract v3, kExact the exact contract v2. nullptr when there is no instance (world outside
+// [2, 8], or a reproducible mode for a dtype without one: ReproducibleDType).
 KernelFn PickF32(Algorithm alg, int world, int rep_mode);
 KernelFn PickBF16(Algorithm alg, int world, int rep_mode);
 KernelFn PickF16(Algorithm alg, int world, int rep_mode);

@@ -353,15 +353,15 @@ Status GetSimArena(int ordinal, int world, size_t capacity, bool create, SimAren
     }
     // Every rank's blocks must be resident together or the barriers could never complete.
     int resident = 1 << 30;
-    for (int alg = 0; alg < 2; ++alg) {
-      for (int dt = 0; dt < 3; ++dt) {
-        for (Op op : {Op::kSum, Op::kRepSum, Op::kRepExact}) {
-          if (dt == 2 && op != Op::kSum) continue;   // no reproducible float16 kernels
+    for (Algorithm alg : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+      for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+        for (Reproducible rep : {Reproducible::kNone, Reproducible::kV3, Reproducible::kExact}) {
+          if (rep != Reproducible::kNone && !ReproducibleDType(dt)) continue;  // no such kernels
           LaunchArgs la;
           la.world = world;
-          la.algorithm = static_cast<Algorithm>(alg);
-          la.dtype = static_cast<DType>(dt);
-          la.op = op;
+          la.algorithm = alg;
+          la.dtype = dt;
+          la.reproducible = rep;
           int b = 0;
           DTENJAX_RETURN_IF_ERROR(MaxResidentBlocks(la, ordinal, &b));
           resident = b < resident ? b : resident;

@@ -73,7 +73,7 @@ std::string Seconds(double s) {
 }  // namespace
 
 Status Reduce(void* out, const void* own, const void* in, uint64_t n, DType dt, ReduceOp op) {
-  if (int(op) < 0 || int(op) > 3) {
+  if (!IsReduceOp(int(op))) {
     return DTENJAX_ERROR(Code::kInvalidArgument, "unsupported reduction code " + std::to_string(int(op)));
   }
   switch (dt) {
@@ -689,7 +689,7 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
   }
   if (DTypeSize(dt) == 0) {
     s = DTENJAX_ERROR(Code::kInvalidArgument, "unsupported dtype code " + std::to_string(int(dt)));
-  } else if (int(op) < 0 || int(op) > 3) {
+  } else if (!IsReduceOp(int(op))) {
     s = DTENJAX_ERROR(Code::kInvalidArgument, "unsupported reduction code " + std::to_string(int(op)));
   } else if (ring_position >= 0 && ring_position != r) {
     s = DTENJAX_ERROR(Code::kInvalidArgument,

@@ -6,10 +6,12 @@
 //   p2p_kernel_timeouts() -> [str]                       regions whose kernel timed out
 //
 // FFI handlers:
-//   dtenjax_p2p_all_reduce(x; key, algorithm, op, mean, max_blocks, timeout_ms) -> like x
+//   dtenjax_p2p_all_reduce(x; key, algorithm, op, reproducible, mean, max_blocks, timeout_ms)
+//       -> like x; the attributes' integers are those of csrc/p2p/vocabulary.h
 //       command-buffer compatible: it only looks the communicator up and launches, one launch per
 //       chunk of at most the registered buffer.
-//   dtenjax_p2p_selftest(x[N, n]; count, algorithm, op, mean, iters, mode, capacity, timeout_ms)
+//   dtenjax_p2p_selftest(x[N, n]; count, algorithm, op, reproducible, mean, iters, mode, capacity,
+//       max_blocks, timeout_ms)
 //       N simulated ranks on one GPU running the same kernels (allocates its arena once; not
 //       command-buffer compatible). dtenjax_p2p_selftest_graph: the same, command-buffer
 //       compatible, needs the arena made by an earlier dtenjax_p2p_selftest call.
@@ -23,6 +25,7 @@
 
 #include "csrc/p2p/allreduce.h"
 #include "csrc/p2p/registry.h"
+#include "custom_calls/p2p/attributes.h"
 #include "custom_calls/python.h"
 #include "custom_calls/registry.h"
 #include "xla/ffi/api/ffi.h"
@@ -33,36 +36,11 @@ namespace p2p = dtenjax::p2p;
 
 namespace {
 
-ffi::ErrorOr<p2p::DType> ToDType(ffi::DataType t, const char* what) {
-  switch (t) {
-    case ffi::F32: return p2p::DType::kF32;
-    case ffi::BF16: return p2p::DType::kBF16;
-    case ffi::F16: return p2p::DType::kF16;
-    default:
-      return ffi::Unexpected(ffi::Error::InvalidArgument(
-          std::string(what) + " supports float32, bfloat16 and float16 only"));
-  }
-}
-
-ffi::ErrorOr<p2p::Algorithm> ToAlgorithm(int64_t a, const char* what) {
-  if (a == 0) return p2p::Algorithm::kOneShot;
-  if (a == 1) return p2p::Algorithm::kTwoShot;
-  return ffi::Unexpected(ffi::Error::InvalidArgument(
-      std::string(what) + ": algorithm " + std::to_string(a) +
-      " is not 0 (one_shot) or 1 (two_shot)"));
-}
-
-ffi::ErrorOr<p2p::Op> ToOp(int64_t op, const char* what) {
-  if (op >= 0 && op <= 4) return static_cast<p2p::Op>(op);
-  return ffi::Unexpected(ffi::Error::InvalidArgument(
-      std::string(what) + ": op " + std::to_string(op) +
-      " is not 0 (sum), 1 (max), 2 (min), 3 (exact reproducible sum, contract v2) or 4 "
-      "(reproducible sum, contract v3)"));
-}
-
-uint64_t TimeoutNs(int64_t timeout_ms) {
-  return timeout_ms <= 0 ? 0 : static_cast<uint64_t>(timeout_ms) * 1000000ull;
-}
+using p2p::attributes::TimeoutNs;
+using p2p::attributes::ToAlgorithm;
+using p2p::attributes::ToDType;
+using p2p::attributes::ToOp;
+using p2p::attributes::ToReproducible;
 
 // A device-to-device copy on XLA's stream (a reduction over one rank is a copy).
 dtenjax::Status Copy(void* dst, const void* src, size_t bytes, cudaStream_t stream,
@@ -79,7 +57,8 @@ dtenjax::Status Copy(void* dst, const void* src, size_t bytes, cudaStream_t stre
 
 ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> out, int64_t key, int64_t algorithm,
-                            int64_t op, int64_t mean, int64_t max_blocks, int64_t timeout_ms) {
+                            int64_t op, int64_t reproducible, int64_t mean, int64_t max_blocks,
+                            int64_t timeout_ms) {
   constexpr const char* kWhat = "dtenjax_p2p_all_reduce";
   auto dtype = ToDType(x.element_type(), kWhat);
   if (dtype.has_error()) return dtype.error();
@@ -87,6 +66,8 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   if (alg.has_error()) return alg.error();
   auto rop = ToOp(op, kWhat);
   if (rop.has_error()) return rop.error();
+  auto rep = ToReproducible(reproducible, kWhat);
+  if (rep.has_error()) return rep.error();
   if (out->element_type() != x.element_type() || out->element_count() != x.element_count()) {
     return ffi::Error::InvalidArgument("dtenjax_p2p_all_reduce: output must match the input");
   }
@@ -112,6 +93,7 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   a.dtype = dtype.value();
   a.algorithm = alg.value();
   a.op = rop.value();
+  a.reproducible = rep.value();
   a.mean = mean != 0;
   a.timeout_ns = TimeoutNs(timeout_ms);
   a.error = comm.error_dev;
@@ -132,8 +114,8 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
 
 ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                     ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm, int64_t op,
-                    int64_t mean, int64_t iters, int64_t mode, int64_t capacity, int64_t max_blocks,
-                    int64_t timeout_ms) {
+                    int64_t reproducible, int64_t mean, int64_t iters, int64_t mode,
+                    int64_t capacity, int64_t max_blocks, int64_t timeout_ms) {
   constexpr const char* kWhat = "dtenjax_p2p_selftest";
   auto dtype = ToDType(x.element_type(), kWhat);
   if (dtype.has_error()) return dtype.error();
@@ -141,6 +123,8 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
   if (alg.has_error()) return alg.error();
   auto rop = ToOp(op, kWhat);
   if (rop.has_error()) return rop.error();
+  auto rep = ToReproducible(reproducible, kWhat);
+  if (rep.has_error()) return rep.error();
   const auto dims = x.dimensions();
   if (dims.size() != 2 || out->element_type() != x.element_type() ||
       out->element_count() != x.element_count()) {
@@ -189,6 +173,7 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
   a.dtype = dtype.value();
   a.algorithm = alg.value();
   a.op = rop.value();
+  a.reproducible = rep.value();
   a.mean = mean != 0;
   a.timeout_ns = TimeoutNs(timeout_ms);
   a.error = arena.error_dev;
@@ -208,18 +193,18 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
 
 ffi::Error SelftestAlloc(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm,
-                         int64_t op, int64_t mean, int64_t iters, int64_t mode, int64_t capacity,
-                         int64_t max_blocks, int64_t timeout_ms) {
-  return Selftest(true, stream, ordinal, x, out, count, algorithm, op, mean, iters, mode,
-                  capacity, max_blocks, timeout_ms);
+                         int64_t op, int64_t reproducible, int64_t mean, int64_t iters,
+                         int64_t mode, int64_t capacity, int64_t max_blocks, int64_t timeout_ms) {
+  return Selftest(true, stream, ordinal, x, out, count, algorithm, op, reproducible, mean,
+                  iters, mode, capacity, max_blocks, timeout_ms);
 }
 
 ffi::Error SelftestGraph(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm,
-                         int64_t op, int64_t mean, int64_t iters, int64_t mode, int64_t capacity,
-                         int64_t max_blocks, int64_t timeout_ms) {
-  return Selftest(false, stream, ordinal, x, out, count, algorithm, op, mean, iters, mode,
-                  capacity, max_blocks, timeout_ms);
+                         int64_t op, int64_t reproducible, int64_t mean, int64_t iters,
+                         int64_t mode, int64_t capacity, int64_t max_blocks, int64_t timeout_ms) {
+  return Selftest(false, stream, ordinal, x, out, count, algorithm, op, reproducible, mean,
+                  iters, mode, capacity, max_blocks, timeout_ms);
 }
 
 }  // namespace
@@ -233,6 +218,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PAllReduceExecute, AllReduceExecute,
                                   .Attr<int64_t>("key")
                                   .Attr<int64_t>("algorithm")
                                   .Attr<int64_t>("op")
+                                  .Attr<int64_t>("reproducible")
                                   .Attr<int64_t>("mean")
                                   .Attr<int64_t>("max_blocks")
                                   .Attr<int64_t>("timeout_ms"),
@@ -247,7 +233,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PAllReduceExecute, AllReduceExecute,
       .Attr<int64_t>("count")                         \
       .Attr<int64_t>("algorithm")                     \
       .Attr<int64_t>("op")                            \
-      .Attr<int64_t>("mean")                             \
+      .Attr<int64_t>("reproducible")                  \
+      .Attr<int64_t>("mean")                          \
       .Attr<int64_t>("iters")                         \
       .Attr<int64_t>("mode")                          \
       .Attr<int64_t>("capacity")                      \

@@ -167,6 +167,9 @@ nb::dict PoolStatsDict(tp::BufferPool& p) {
 }
 
 void BindTransport(nb::module_& root) {
+  dtenjax::python::AddVocabulary(root, "transport.dtype",
+                                 {DTENJAX_TRANSPORT_DTYPES(DTENJAX_VOCAB_ENTRY)});
+  dtenjax::python::AddVocabulary(root, "transport.op", {DTENJAX_TRANSPORT_OPS(DTENJAX_VOCAB_ENTRY)});
   nb::module_ m = root.def_submodule("transport", "dtenjax host transport");
 
   m.def("counters", [] {

@@ -65,11 +65,12 @@ ffi::Error HostAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
   tp::DType dt;
   if (!dtenjax::ffi::DTypeOf(x.element_type(), &dt)) {
     return ffi::Error::InvalidArgument(
-        "dtenjax_host_all_reduce supports float32, float64, bfloat16, int32 and int64");
+        "dtenjax_host_all_reduce supports the dtypes"
+        DTENJAX_TRANSPORT_DTYPES(DTENJAX_VOCAB_TEXT) " only");
   }
-  if (op < 0 || op > 3) {
+  if (!tp::IsReduceOp(op)) {
     return ffi::Error::InvalidArgument("dtenjax_host_all_reduce: op code " + std::to_string(op) +
-                                       " is not 0..3");
+                                       " is not one of" DTENJAX_TRANSPORT_OPS(DTENJAX_VOCAB_TEXT));
   }
   if (where.element_count() != 3) {
     return ffi::Error::InvalidArgument(

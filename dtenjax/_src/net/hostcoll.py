@@ -53,9 +53,14 @@ from dtenjax._src.net import transport
 
 TARGET = "dtenjax_host_all_reduce"
 ALGORITHMS = ("ring", "hierarchical")
-OPS = {"sum": 0, "max": 1, "min": 2}
-ALL_OPS = tuple(OPS) + ("mean",)   # mean = sum / axis size
-DTYPES = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.int32, jnp.int64)
+OPS = ("sum", "max", "min")         # of the transport's ops (transport.codes()), those offered here
+ALL_OPS = OPS + ("mean",)          # mean = sum / axis size
+
+
+def __getattr__(name: str):
+  if name == "DTYPES":   # what the frames carry, from the extension (no copy kept here)
+    return tuple(transport.codes()[0])
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _lock = threading.Lock()
 _comm_groups: dict[tuple[int, str], list[transport.Communicator]] = {}
@@ -116,9 +121,9 @@ def _check(x, axes: tuple[str, ...], algorithm: str, op: str) -> tuple[int, int]
     problems.append(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
   if op not in ALL_OPS:
     problems.append(f"op={op!r} is not one of {sorted(ALL_OPS)}")
-  if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in DTYPES]:
-    problems.append(f"dtype {jnp.dtype(x.dtype).name} is not one of "
-                    f"{[jnp.dtype(d).name for d in DTYPES]}")
+  dtypes = tuple(transport.codes()[0])
+  if jnp.dtype(x.dtype) not in dtypes:
+    problems.append(f"dtype {jnp.dtype(x.dtype).name} is not one of {[d.name for d in dtypes]}")
   sizes = _axis_sizes()
   unknown = [a for a in axes if a not in sizes]
   if unknown:
@@ -191,7 +196,7 @@ def _ring_call(x, position, slot, comm_ids: Sequence[int], op: str, site: int,
   x = jaxapi.to_varying(x, tuple(jaxapi.vma(where)))
   where = jaxapi.to_varying(where, tuple(jaxapi.vma(x)))
   call = jax.ffi.ffi_call(TARGET, jaxapi.reduced_struct(x, reduced), has_side_effect=True)
-  return call(x, where, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(OPS[op]),
+  return call(x, where, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(transport.codes()[1][op]),
               site=np.int64(site))
 
 

@@ -39,20 +39,14 @@ from dtenjax._src import ffi
 from dtenjax._src.net import checks
 from dtenjax._src.net import kvstore
 
-DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2,
-               np.dtype(np.int64): 3}
-OP_CODES = {"sum": 0, "max": 1, "min": 2, "prod": 3}
 
-
-def _bf16_code() -> dict[Any, int]:
-  try:
-    import ml_dtypes  # pylint: disable=g-import-not-at-top
-    return {np.dtype(ml_dtypes.bfloat16): 4}
-  except ImportError:  # pragma: no cover
-    return {}
-
-
-DTYPE_CODES.update(_bf16_code())
+@functools.cache
+def codes() -> tuple[dict[np.dtype, int], dict[str, int]]:
+  """({dtype: code}, {op: code}) of the frames, as the extension exports them (frame.h)."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  dtypes = ffi.vocabulary("transport.dtype")
+  return ({np.dtype(getattr(ml_dtypes, n, n)): c for n, c in dtypes.items()},
+          ffi.vocabulary("transport.op"))
 
 
 # --- the native module ----------------------------------------------------------------------------
@@ -427,12 +421,13 @@ class Communicator:
     iterations of a loop: every rank must pass the same one for the same collective.
     """
     x = np.ascontiguousarray(x)
-    if x.dtype not in DTYPE_CODES:
+    dtype_codes, op_codes = codes()
+    if x.dtype not in dtype_codes:
       raise errors.CollectiveError(
           f"host all-reduce of dtype {x.dtype} is not supported; use one of "
-          f"{sorted(str(d) for d in DTYPE_CODES)}.")
-    if op not in OP_CODES:
-      raise errors.CollectiveError(f"op={op!r} is not one of {sorted(OP_CODES)}.")
+          f"{sorted(str(d) for d in dtype_codes)}.")
+    if op not in op_codes:
+      raise errors.CollectiveError(f"op={op!r} is not one of {sorted(op_codes)}.")
     value, suffix = tag_value(tag)
     if value is None:
       raise errors.CollectiveError("Communicator.all_reduce takes a Python int or str tag (an "
@@ -445,7 +440,7 @@ class Communicator:
     out = np.empty_like(x)
     try:
       self._native.all_reduce(x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8),
-                              out.size, DTYPE_CODES[x.dtype], OP_CODES[op], site_tag, value)
+                              out.size, dtype_codes[x.dtype], op_codes[op], site_tag, value)
     except errors.ExtensionUnavailableError as e:
       raise _peer_errors(e) from None
     return out

@@ -1,7 +1,8 @@
-// Static registry of XLA FFI handlers. Each custom_calls/*.cc file defines its handlers with
-// XLA_FFI_DEFINE_HANDLER_SYMBOL and registers them here with DTENJAX_REGISTER_FFI; module.cc
+// Static registry of XLA FFI handlers. Each custom_calls/<feature>/*.cc file defines its handlers
+// with XLA_FFI_DEFINE_HANDLER_SYMBOL and registers them here with DTENJAX_REGISTER_FFI; module.cc
 // exposes the whole table to Python as dtenjax._ffi.registrations(), and exactly one Python module
-// (dtenjax/_src/ffi.py) registers them with jax.ffi.register_ffi_target.
+// (dtenjax/_src/ffi.py) registers them with jax.ffi.register_ffi_target. The test extension
+// (custom_calls/testing/) has a registry of its own, registered by tests/native_testing.py.
 #pragma once
 
 #include <string>
@@ -18,7 +19,7 @@ struct Stage {
 };
 
 struct Registration {
-  std::string target;    // e.g. "dtenjax_fixed_point_encode"
+  std::string target;    // e.g. "dtenjax_topk_pack"
   std::string platform;  // "cpu" or "CUDA"
   std::vector<Stage> stages;
 };

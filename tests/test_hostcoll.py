@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from dtenjax._src import errors
 from dtenjax._src.net import hostcoll
 from dtenjax._src.net import transport
+from tests import transport_ref
 from tests.mp_workers import launch
 from tests.net_helpers import close_all, native_ring, requires_native, run_ranks
 
@@ -40,7 +41,7 @@ def test_in_process_ring_matches_reference_order_bit_exactly(n, count, segment):
     xs = [(rng.randn(count) * 10.0 ** rng.randint(-3, 4, count)).astype(np.float32)
           for _ in range(n)]
     outs = _run_all(comms, xs)
-    ref = hostcoll.reference_ring_sum(xs)
+    ref = transport_ref.reference_ring_sum(xs)
     for o in outs:
       assert o.tobytes() == ref.tobytes()
     np.testing.assert_allclose(ref, np.sum(np.array(xs, np.float64), 0), rtol=1e-4, atol=1e-3)

@@ -97,7 +97,7 @@ def test_cuda_build_contains_targets_and_bindings():
   info = ffi.build_info()
   if not info["built"] or not info["cuda"]:
     pytest.skip(f"extension built without CUDA: {info}")
-  for t in p2p.TARGETS:
+  for t in (p2p.TARGET,) + p2p.SELFTEST_TARGETS:
     assert (t, "CUDA") in info["targets"], t
   assert "p2p" in info["bindings"]
   for name in ("p2p_register", "p2p_connect", "p2p_kernel_timeouts"):

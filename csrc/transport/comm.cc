@@ -62,7 +62,10 @@ uint16_t F32ToBf16(float f) {
   return uint16_t(u >> 16);
 }
 
-std::atomic<int> g_fail_thread_starts{0};
+// Starts a detached thread running body (throws std::system_error as std::thread does).
+void SpawnDetached(std::function<void()> body) { std::thread(std::move(body)).detach(); }
+
+std::atomic<ThreadSpawner> g_spawner{&SpawnDetached};
 
 std::string Seconds(double s) {
   char buf[32];
@@ -112,21 +115,19 @@ Status Reduce(void* out, const void* own, const void* in, uint64_t n, DType dt, 
   return Status::Ok();
 }
 
-void FailNextThreadStarts(int n) { g_fail_thread_starts.store(std::max(0, n)); }
+ThreadSpawner SwapThreadSpawner(ThreadSpawner spawner) {
+  return g_spawner.exchange(spawner ? spawner : &SpawnDetached);
+}
 
 Status StartDetachedThread(std::function<void()> fn, const char* what) {
   try {
-    if (g_fail_thread_starts.load() > 0 && g_fail_thread_starts.fetch_sub(1) > 0) {
-      throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again),
-                              "injected thread-start failure");
-    }
     // Nothing thrown on the new thread may reach std::terminate: the body reports its own failures.
-    std::thread([body = std::move(fn)]() mutable {
+    g_spawner.load()([body = std::move(fn)]() mutable {
       try {
         body();
       } catch (...) {
       }
-    }).detach();
+    });
     return Status::Ok();
   } catch (const std::system_error& e) {
     return DTENJAX_ERROR(Code::kInternal, std::string("could not start a thread for ") + what +

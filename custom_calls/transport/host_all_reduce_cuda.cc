@@ -56,7 +56,7 @@ dtenjax::Status CudaPointerOwner(const void* ptr, uint64_t bytes, int64_t* owner
 }
 
 struct InstallOwnerCheck {
-  InstallOwnerCheck() { tp::SetPointerOwnerFn(&CudaPointerOwner); }
+  InstallOwnerCheck() { tp::SwapPointerOwnerFn(&CudaPointerOwner); }
 } install_owner_check;
 
 ffi::Error HostAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,

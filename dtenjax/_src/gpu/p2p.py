@@ -64,7 +64,7 @@ from dtenjax._src import jaxapi
 MAX_WORLD = 8
 DESCRIPTOR_BYTES = 128
 TARGET = "dtenjax_p2p_all_reduce"
-TARGETS = (TARGET, "dtenjax_p2p_selftest", "dtenjax_p2p_selftest_graph")
+SELFTEST_TARGETS = ("dtenjax_p2p_selftest", "dtenjax_p2p_selftest_graph")   # the harness only
 _KV_PREFIX = "dtenjax/p2p"
 
 # Python's op names beyond the kernels' own: mean is the sum with the attribute mean = 1.
@@ -141,18 +141,16 @@ def unavailable_reason() -> str | None:
   if not info["cuda"]:
     return ("this build of dtenjax._ffi has no CUDA kernels (nvcc was not found when it was "
             "built); rebuild on a machine with the CUDA toolkit")
-  missing = [t for t in TARGETS if (t, "CUDA") not in info["targets"]]
-  if missing:
-    return f"the build lacks the CUDA targets {missing}; rebuild the extension"
+  if (TARGET, "CUDA") not in info["targets"]:
+    return f"the build lacks the CUDA target {TARGET!r}; rebuild the extension"
   try:
     gpus = jax.devices("gpu")
   except RuntimeError:
     gpus = []
   if not gpus:
     return f"no CUDA GPU is visible to jax (backend {jax.default_backend()!r})"
-  for t in TARGETS:
-    if not ffi.has_target(t, "CUDA"):
-      return f"FFI target {t!r} could not be registered for CUDA"
+  if not ffi.has_target(TARGET, "CUDA"):
+    return f"FFI target {TARGET!r} could not be registered for CUDA"
   return None
 
 

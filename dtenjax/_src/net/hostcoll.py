@@ -31,7 +31,7 @@ and the survivors that detect it close their sockets, which wakes the rest).
 
 Determinism: ring chunk ``c`` is combined in the fixed rank order ``c, c+1, ..., c-1`` (mod n),
 and every rank receives the same reduced bits, so results are identical on all ranks and in every
-run; :func:`reference_ring_sum` reproduces them bit for bit in numpy.
+run; ``tests/transport_ref.py``'s ``reference_ring_sum`` reproduces them bit for bit in numpy.
 """
 
 from __future__ import annotations
@@ -255,23 +255,6 @@ def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
   shard = _ring_call(shard, position, slot, ids, op, site_tag, (outer,), tag)
   full = jaxapi.all_gather_invariant(shard, (inner,), axis=0, tiled=False).reshape(-1)
   return full[:flat.size - pad].reshape(x.shape) if pad else full.reshape(x.shape)
-
-
-def reference_ring_sum(xs: Sequence[np.ndarray]) -> np.ndarray:
-  """numpy reproduction of the ring's reduction order (bit-exact for float32/float64/int)."""
-  n = len(xs)
-  flat = [np.asarray(a).reshape(-1) for a in xs]
-  count = flat[0].size
-  out = np.empty_like(flat[0])
-  base, rem = divmod(count, n)
-  for c in range(n):
-    lo = base * c + min(c, rem)
-    hi = lo + base + (1 if c < rem else 0)
-    acc = flat[c][lo:hi].copy()
-    for i in range(1, n):
-      acc = acc + flat[(c + i) % n][lo:hi]
-    out[lo:hi] = acc
-  return out.reshape(np.shape(xs[0]))
 
 
 def status() -> dict[str, Any]:

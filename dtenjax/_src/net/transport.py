@@ -71,11 +71,6 @@ def is_available() -> bool:
     return False
 
 
-def testing_hooks():
-  """``dtenjax._ffi.transport.testing``: fault injection for dtenjax's own tests only."""
-  return native().testing
-
-
 def counters() -> dict[str, int]:
   """Process-wide transport counters: frames/bytes moved, connections, rejections by reason
   (rejected_mac: modified frames, rejected_replay: replayed frames, rejected_mismatch: frames of
@@ -257,13 +252,6 @@ def job_credentials(store: kvstore.KVStore | None = None, *, process_index: int 
     secret = env.encode() if env else bytes.fromhex(store.get(store.key("job", "secret")))
     _creds = JobCredentials(job_id, secret)
     return _creds
-
-
-def reset_job_credentials() -> None:
-  """Forgets cached credentials (tests)."""
-  global _creds
-  with _creds_lock:
-    _creds = None
 
 
 # --- provider table -------------------------------------------------------------------------------

@@ -84,7 +84,9 @@ class Comm {
   BufferPool& pool() { return *pool_; }
 
  private:
+  class Ring;   // the state and steps of one RunRing call (comm.cc)
   explicit Comm(const CommOptions& opts);
+  // One ring all-reduce over the connected ring (AllReduce's body; Comm::Ring does the work).
   Status RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& d, DType dt, ReduceOp op,
                  OutFrame* out);
   // Sends an ABORT frame carrying `why` (best effort, bounded time) to the chosen neighbours,

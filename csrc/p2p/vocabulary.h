@@ -1,7 +1,7 @@
 // The vocabulary of the p2p (NVLink peer-to-peer) all-reduce, defined once: every list below is
 // X(enumerator, value, name[, ...]) and expands into the C++ enum here, the checks of the FFI
 // handler (custom_calls/p2p/) and the tables Python reads (dtenjax._ffi.vocabulary["p2p.*"],
-// custom_calls/p2p/vocabulary.cc; dtenjax/_src/gpu/p2p.py keeps only the names). No CUDA here.
+// custom_calls/p2p/vocabulary.cc; dtenjax/_src/gpu/p2p.py reads them, keeping no copy). No CUDA here.
 #pragma once
 
 #include <cstddef>

@@ -50,7 +50,8 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-import dtenjax._src.ffi as dffi  # noqa: E402  pylint: disable=g-import-not-at-top
+sys.path.insert(0, str(ROOT))   # the probe kernel lives in the test extension (tests/native_testing.py)
+from tests import native_testing  # noqa: E402  pylint: disable=g-import-not-at-top
 from dtenjax._src.gpu import graph_policy as gp  # noqa: E402
 from dtenjax._src.gpu import graphs  # noqa: E402
 
@@ -79,8 +80,8 @@ def _candidates(case: str, args) -> list[str]:
 
 def _scale_add(on_gpu: bool):
   """out = 0.5 * x + y through the dtenjax CUDA custom call (or jnp where there is none)."""
-  if on_gpu and dffi.has_target("dtenjax_graph_probe_scale_add", "CUDA"):
-    target = dffi.require("dtenjax_graph_probe_scale_add", "CUDA")
+  if on_gpu and native_testing.has_target("dtenjax_graph_probe_scale_add", "CUDA"):
+    target = native_testing.require("dtenjax_graph_probe_scale_add", "CUDA")
 
     def f(x, y):
       return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(

@@ -66,7 +66,8 @@ NB_MODULE(_ffi, m) {
     return info;
   });
   m.def("set_error_classes", [](nb::dict classes) {
-    // {int(dtenjax::Code): exception class}; codes without a class raise RuntimeError.
+    // {int(dtenjax::Code): exception class} (dtenjax/_src/ffi.py builds it from
+    // vocabulary["status"]); codes without a class raise RuntimeError.
     dtenjax::python::ErrorClasses().clear();
     for (auto item : classes) dtenjax::python::ErrorClasses()[item.first] = item.second;
   });
@@ -80,5 +81,6 @@ NB_MODULE(_ffi, m) {
       PyErr_SetString(cls, e.what());
     }
   });
+  dtenjax::python::AddVocabulary(m, "status", {DTENJAX_STATUS_CODES(DTENJAX_VOCAB_ENTRY)});
   for (const auto& b : dtenjax::python::Bindings()) b.bind(m);
 }

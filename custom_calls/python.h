@@ -1,5 +1,5 @@
 // Python bindings of native subsystems (nanobind), registered the way FFI handlers are: each
-// custom_calls/*.cc file that exposes functions to Python writes
+// custom_calls/<feature>/*.cc file that exposes functions to Python writes
 //
 //   DTENJAX_PYTHON_BINDINGS(p2p, [](nanobind::module_& m) { m.def("p2p_register", ...); });
 //
@@ -14,6 +14,7 @@
 
 #include <exception>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,6 +51,20 @@ struct BindingRegistrar {
     Bindings().push_back(Binding{name, std::move(bind)});
   }
 };
+
+// Publishes a native vocabulary as dtenjax._ffi.vocabulary[name] = {entry name: value}, so that
+// Python reads the integers C++ uses from the extension instead of keeping copies:
+//
+//   AddVocabulary(m, "p2p.op", {DTENJAX_P2P_OPS(DTENJAX_VOCAB_ENTRY)});
+#define DTENJAX_VOCAB_ENTRY(id, value, name, ...) {name, value},
+
+inline void AddVocabulary(nanobind::module_& m, const char* name,
+                          std::initializer_list<std::pair<const char*, int>> entries) {
+  if (!nanobind::hasattr(m, "vocabulary")) m.attr("vocabulary") = nanobind::dict();
+  nanobind::dict table;
+  for (const auto& [key, value] : entries) table[key] = value;
+  nanobind::borrow<nanobind::dict>(m.attr("vocabulary"))[name] = table;
+}
 
 }  // namespace dtenjax::python
 

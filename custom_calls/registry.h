@@ -1,7 +1,8 @@
-// Static registry of XLA FFI handlers. Each custom_calls/*.cc file defines its handlers with
-// XLA_FFI_DEFINE_HANDLER_SYMBOL and registers them here with DTENJAX_REGISTER_FFI; module.cc
+// Static registry of XLA FFI handlers. Each custom_calls/<feature>/*.cc file defines its handlers
+// with XLA_FFI_DEFINE_HANDLER_SYMBOL and registers them here with DTENJAX_REGISTER_FFI; module.cc
 // exposes the whole table to Python as dtenjax._ffi.registrations(), and exactly one Python module
-// (dtenjax/_src/ffi.py) registers them with jax.ffi.register_ffi_target.
+// (dtenjax/_src/ffi.py) registers them with jax.ffi.register_ffi_target. The test extension
+// (custom_calls/testing/) has a registry of its own, registered by tests/native_testing.py.
 #pragma once
 
 #include <string>
@@ -18,7 +19,7 @@ struct Stage {
 };
 
 struct Registration {
-  std::string target;    // e.g. "dtenjax_fixed_point_encode"
+  std::string target;    // e.g. "dtenjax_topk_pack"
   std::string platform;  // "cpu" or "CUDA"
   std::vector<Stage> stages;
 };
@@ -31,20 +32,22 @@ struct Registrar {
   }
 };
 
+// The XLA FFI error code of a dtenjax code: every dtenjax code is named as its XLA (absl)
+// counterpart, so this switch is the code list itself and a code XLA lacks does not compile.
+inline xla::ffi::ErrorCode ToFfiCode(Code code) {
+  switch (code) {
+#define DTENJAX_FFI_CODE(id, value, name) \
+  case Code::id: return xla::ffi::ErrorCode::id;
+    DTENJAX_STATUS_CODES(DTENJAX_FFI_CODE)
+#undef DTENJAX_FFI_CODE
+  }
+  return xla::ffi::ErrorCode::kInternal;
+}
+
 // Turn a dtenjax::Status into an XLA FFI error.
 inline xla::ffi::Error ToFfiError(const Status& s) {
   if (s.ok()) return xla::ffi::Error::Success();
-  xla::ffi::ErrorCode code = xla::ffi::ErrorCode::kInternal;
-  switch (s.code()) {
-    case Code::kInvalidArgument: code = xla::ffi::ErrorCode::kInvalidArgument; break;
-    case Code::kUnavailable: code = xla::ffi::ErrorCode::kUnavailable; break;
-    case Code::kDeadlineExceeded: code = xla::ffi::ErrorCode::kDeadlineExceeded; break;
-    case Code::kResourceExhausted: code = xla::ffi::ErrorCode::kResourceExhausted; break;
-    case Code::kPermissionDenied: code = xla::ffi::ErrorCode::kPermissionDenied; break;
-    case Code::kDataLoss: code = xla::ffi::ErrorCode::kDataLoss; break;
-    default: break;
-  }
-  return xla::ffi::Error(code, s.message());
+  return xla::ffi::Error(ToFfiCode(s.code()), s.message());
 }
 
 }  // namespace dtenjax::ffi

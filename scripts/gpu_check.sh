@@ -56,8 +56,9 @@ want() { [[ "$PARTS" == *" $1 "* ]]; }
 ONE_RANK="$NGPU GPU(s): a collective needs >= 2 ranks"
 
 if want build; then
+  # An editable install also builds the test-only extension dtenjax._ffi_testing (pyproject.toml).
   step build 420 $PY -m pip install -q --no-build-isolation --no-deps -e .
-  { nvidia-smi topo -m; $PY -c "import dtenjax, jax; print(jax.__version__, jax.devices()); print(dtenjax.build_info())"; } \
+  { nvidia-smi topo -m; $PY -c "import dtenjax, jax; print(jax.__version__, jax.devices()); print(dtenjax.build_info()); import dtenjax._ffi_testing as t; print('test extension (editable builds):', t.registrations())"; } \
     2>&1 | tee "$OUT/info.log"
 fi
 want tests && step tests 480 $PY -m pytest -q -m gpu -p no:cacheprovider -rfEs tests

@@ -11,6 +11,7 @@ from dtenjax._src.net import bufferpool as bp
 from dtenjax._src import errors
 from dtenjax._src.net import tenancy
 from dtenjax._src.net import transport
+from tests import native_testing
 from tests.net_helpers import requires_native
 
 pytestmark = requires_native
@@ -179,7 +180,7 @@ def test_ten_thousand_cycles_with_injected_failures_leak_nothing():
   rng = np.random.RandomState(0)
   with bp.BufferPool(bp.PoolConfig(max_bytes=16 << 20, max_buffers=64, tenant=tenant,
                                    pin=False)) as pool:
-    transport.testing_hooks().fail_registrations(pool.native, 7)
+    native_testing.transport().fail_registrations(pool.native, 7)
     held: list[int] = []
     failures = {"registration": 0, "transfer": 0, "bad_release": 0}
     for i in range(10_000):

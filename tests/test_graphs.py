@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from dtenjax._src import errors
-from dtenjax._src import ffi
 from dtenjax._src import hlo
 from dtenjax._src.gpu import graph_measure
 from dtenjax._src.gpu import graph_policy as gp
 from dtenjax._src.gpu import graph_prediction as pred
 from dtenjax._src.gpu import graphs
+from tests import native_testing
 
 
 class _Compiles:
@@ -423,7 +423,7 @@ def test_read_launches_counts_a_gpu_trace_layout():
 # ---- on a GPU: observe what was launched ------------------------------------------------------
 
 def _probe_chain(layers: int):
-  target = ffi.require("dtenjax_graph_probe_scale_add", "CUDA")
+  target = native_testing.require("dtenjax_graph_probe_scale_add", "CUDA")
 
   def step(x, y):
     for i in range(layers):
@@ -435,7 +435,7 @@ def _probe_chain(layers: int):
 
 
 def _probe_loop(iterations: int):
-  target = ffi.require("dtenjax_graph_probe_scale_add", "CUDA")
+  target = native_testing.require("dtenjax_graph_probe_scale_add", "CUDA")
 
   def step(x, y):
     def body(i, c):

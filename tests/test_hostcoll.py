@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from dtenjax._src import errors
 from dtenjax._src.net import hostcoll
 from dtenjax._src.net import transport
+from tests import transport_ref
 from tests.mp_workers import launch
 from tests.net_helpers import close_all, native_ring, requires_native, run_ranks
 
@@ -40,7 +41,7 @@ def test_in_process_ring_matches_reference_order_bit_exactly(n, count, segment):
     xs = [(rng.randn(count) * 10.0 ** rng.randint(-3, 4, count)).astype(np.float32)
           for _ in range(n)]
     outs = _run_all(comms, xs)
-    ref = hostcoll.reference_ring_sum(xs)
+    ref = transport_ref.reference_ring_sum(xs)
     for o in outs:
       assert o.tobytes() == ref.tobytes()
     np.testing.assert_allclose(ref, np.sum(np.array(xs, np.float64), 0), rtol=1e-4, atol=1e-3)
@@ -110,7 +111,7 @@ def test_ring_four_processes_correct_and_deterministic(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.multiprocess
 def test_ring_two_processes_one_gpu_each(tmp_path):
-  """The CUDA handler (custom_calls/cuda/transport_cuda.cc): device -> pinned host staging ->
+  """The CUDA handler (custom_calls/transport/host_all_reduce_cuda.cc): device -> pinned host staging ->
   authenticated ring -> device, through the public API too. Needs 2 GPUs (one per process)."""
   if len(jax.devices("gpu")) < 2:
     pytest.skip(f"needs 2 GPUs (one per process), found {len(jax.devices('gpu'))}")

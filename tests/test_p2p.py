@@ -1,4 +1,4 @@
-"""Tests of the NVLink p2p all-reduce (dtenjax/_src/gpu/p2p.py, csrc/cuda/p2p_*).
+"""Tests of the NVLink p2p all-reduce (dtenjax/_src/gpu/p2p.py, csrc/p2p/).
 
 CPU: gating, error messages, rank order of mesh groups, the lowering-time fallback, and that a CUDA
 build contains the targets. GPU (marked `gpu`): the kernels with N simulated ranks on one GPU
@@ -97,7 +97,7 @@ def test_cuda_build_contains_targets_and_bindings():
   info = ffi.build_info()
   if not info["built"] or not info["cuda"]:
     pytest.skip(f"extension built without CUDA: {info}")
-  for t in p2p.TARGETS:
+  for t in (p2p.TARGET,) + p2p.SELFTEST_TARGETS:
     assert (t, "CUDA") in info["targets"], t
   assert "p2p" in info["bindings"]
   for name in ("p2p_register", "p2p_connect", "p2p_kernel_timeouts"):
@@ -345,7 +345,7 @@ def _host_compiler():
 
 
 def test_kernel_arithmetic_of_contract_v3_built_for_the_host(tmp_path):
-  """csrc/cuda/p2p_repro_v3.h is what the kernels compute per element in registers; built for
+  """csrc/p2p/repro_v3.h is what the kernels compute per element in registers; built for
   the host (IEEE float32 with subnormals, as the kernels without -ftz) it must give the numpy
   reference's bits for every world 2..8, float32 and bfloat16, sum and mean, on the adversarial
   suite and on data in the normal range. The bfloat16 result is the RNE conversion of the float

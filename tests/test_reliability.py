@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from dtenjax._src import errors
-from dtenjax._src.net import hostcoll
 from dtenjax._src.net import transport
+from tests import native_testing
 from tests import transport_ref as ref
 from tests.net_helpers import (both_ranks, close_all, delta, listener, native_ring,
                                requires_native, run_ranks)
@@ -179,7 +179,7 @@ def test_pending_handshakes_are_capped_and_time_out():
 # --- native failures stay errors ------------------------------------------------------------------
 
 def test_thread_that_cannot_start_is_an_error_not_a_crash():
-  hooks = transport.testing_hooks()
+  hooks = native_testing.transport()
   c0 = transport.create_local_comm(0, 2, creds(), timeout_s=2)
   hooks.fail_thread_starts(1)
   with pytest.raises(errors.NativeError, match="could not start a thread for accepting"):
@@ -205,7 +205,7 @@ def test_reduction_order_is_unchanged_by_pipelining():
   rng = np.random.RandomState(3)
   xs = [(rng.randn(50_001) * 10.0 ** rng.randint(-3, 4, 50_001)).astype(np.float32)
         for _ in range(3)]
-  expected = hostcoll.reference_ring_sum(xs)
+  expected = ref.reference_ring_sum(xs)
   for seg in (256, 4096, 1 << 20):
     comms, errs = native_ring(3, creds(), segment_bytes=seg)
     assert not errs

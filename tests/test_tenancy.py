@@ -12,6 +12,7 @@ from dtenjax._src.net import bufferpool as bp
 from dtenjax._src import errors
 from dtenjax._src.net import tenancy
 from dtenjax._src.net import transport
+from tests import native_testing
 from tests.net_helpers import native_ring, requires_native
 
 pytestmark = requires_native
@@ -84,7 +85,7 @@ def test_token_bucket_direct():
 @pytest.fixture
 def fake_owners():
   """Replaces the ownership check by a table (testing hook), restored afterwards."""
-  hooks = transport.testing_hooks()
+  hooks = native_testing.transport()
   yield hooks.set_pointer_owners
   hooks.reset_pointer_owners()
 

@@ -22,10 +22,10 @@ import pytest
 from dtenjax._src import errors
 from dtenjax._src import ffi
 from dtenjax._src.net import bufferpool as bp
-from dtenjax._src.net import hostcoll
 from dtenjax._src.net import rdma
 from dtenjax._src.net import tenancy
 from dtenjax._src.net import transport
+from tests import transport_ref
 from tests import fakeverbs
 from tests.mp_workers import launch
 from tests.net_helpers import close_all, native_ring, requires_native, run_ranks
@@ -101,7 +101,7 @@ def test_ring_over_verbs_gives_the_bits_of_the_reference_and_of_tcp(fake, n, cou
   try:
     outs, errs, _ = _all_reduce(comms, xs)
     assert errs == [None] * n, errs
-    ref = hostcoll.reference_ring_sum(xs)
+    ref = transport_ref.reference_ring_sum(xs)
     tcp_outs, tcp_errs, _ = _all_reduce(tcp, xs)
     assert tcp_errs == [None] * n
     for o, t in zip(outs, tcp_outs):
@@ -124,7 +124,7 @@ def test_roce_port_routes_by_gid(fake, monkeypatch):
     xs = _inputs(3, 50000, np.float32)
     outs, errs, _ = _all_reduce(comms, xs)
     assert errs == [None] * 3
-    assert all(o.tobytes() == hostcoll.reference_ring_sum(xs).tobytes() for o in outs)
+    assert all(o.tobytes() == transport_ref.reference_ring_sum(xs).tobytes() for o in outs)
     assert _violations(fake) == 0, fake.last_violation()
   finally:
     close_all(comms)

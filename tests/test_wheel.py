@@ -31,6 +31,16 @@ def _tree_state():
           and "__pycache__" not in ln and ".pytest_cache" not in ln}
 
 
+def test_only_editable_installs_build_the_test_extension():
+  config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["scikit-build"]
+  assert config["cmake"]["define"]["DTENJAX_BUILD_TESTING"] == "OFF"
+  on = [o for o in config.get("overrides", [])
+        if o.get("cmake", {}).get("define", {}).get("DTENJAX_BUILD_TESTING") == "ON"]
+  assert on and all(o["if"] == {"state": "editable"} for o in on)
+  cmake = (ROOT / "CMakeLists.txt").read_text()
+  assert 'option(DTENJAX_BUILD_TESTING "Build dtenjax._ffi_testing, the test-only extension" OFF)' in cmake
+
+
 def test_only_editable_installs_keep_a_build_directory_in_the_tree():
   config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["scikit-build"]
   assert "build-dir" not in config                   # wheels build in a temporary directory
@@ -51,6 +61,7 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
 
   names = zipfile.ZipFile(wheel).namelist()
   assert any(n.startswith("dtenjax/_ffi.") and n.endswith(".so") for n in names)
+  assert not any(n.startswith("dtenjax/_ffi_testing") for n in names), names   # test-only
   for n in ("dtenjax/py.typed", "dtenjax/fixtures/h200_8.json",
             "dtenjax/schemas/topology-1.schema.json", "dtenjax-0.1.0.dist-info/licenses/LICENSE"):
     assert n in names, n
@@ -82,6 +93,16 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
   r = subprocess.run([str(py), "-c", "import dtenjax; print(dtenjax.__file__)"], cwd=away,
                      env=env, capture_output=True, text=True, timeout=300, check=True)
   assert r.stdout.strip().startswith(str(venv))
+  no_hooks = """
+import importlib.util
+from dtenjax import _ffi
+assert importlib.util.find_spec("dtenjax._ffi_testing") is None
+assert not hasattr(_ffi.transport, "testing"), "fault injection in the shipped extension"
+print(sorted(_ffi.vocabulary))
+"""
+  r = subprocess.run([str(py), "-c", no_hooks], cwd=away, env=env, capture_output=True,
+                     text=True, timeout=300, check=False)
+  assert r.returncode == 0, r.stderr[-3000:]
   r = run("--version")
   assert r.stdout.strip() == "dtenjax 0.1.0"
   r = run("info", "--json")

@@ -15,6 +15,8 @@ import os
 import socket
 import struct
 
+import numpy as np
+
 # --- AES-256 (FIPS 197), encryption of single blocks ----------------------------------------------
 
 
@@ -307,3 +309,22 @@ def setup_check(to_next: Channel, from_prev: Channel, me: int, n: int) -> None:
     want = {k: h[k] for k in SETUP}
     assert h["type"] == DATA and h["step"] == t and want == SETUP, h
     assert payload in (b"", bytes(4)), payload
+
+
+# --- the ring all-reduce's order (dtenjax/_src/net/hostcoll.py) -------------------------------
+
+def reference_ring_sum(xs) -> np.ndarray:
+  """numpy reproduction of the ring's reduction order (bit-exact for float32/float64/int)."""
+  n = len(xs)
+  flat = [np.asarray(a).reshape(-1) for a in xs]
+  count = flat[0].size
+  out = np.empty_like(flat[0])
+  base, rem = divmod(count, n)
+  for c in range(n):
+    lo = base * c + min(c, rem)
+    hi = lo + base + (1 if c < rem else 0)
+    acc = flat[c][lo:hi].copy()
+    for i in range(1, n):
+      acc = acc + flat[(c + i) % n][lo:hi]
+    out[lo:hi] = acc
+  return out.reshape(np.shape(xs[0]))

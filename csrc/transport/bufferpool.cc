@@ -104,7 +104,6 @@ Status BufferPool::RegisterNew(uint64_t cls, int* id) {
       break;
     }
   }
-  ++reg_attempts_;
   Buf b;
   b.bytes = cls;
   b.ptr = std::aligned_alloc(4096, cls);
@@ -116,9 +115,7 @@ Status BufferPool::RegisterNew(uint64_t cls, int* id) {
   }
   std::memset(b.ptr, 0, cls);  // touch the pages so pinning and first use cost nothing later
   Status s;
-  if (fail_every_ > 0 && reg_attempts_ % fail_every_ == 0) {
-    s = DTENJAX_ERROR(Code::kInternal, "buffer pool: injected registration failure");
-  } else if (opts_.hooks.reg) {
+  if (opts_.hooks.reg) {
     s = opts_.hooks.reg(opts_.hooks.ctx, b.ptr, cls, &b.handle);
   }
   if (!s.ok()) {
@@ -276,9 +273,11 @@ PoolStats BufferPool::Stats() {
   return st_;
 }
 
-void BufferPool::InjectRegistrationFailures(uint32_t every_n) {
+RegisterHooks BufferPool::SwapRegisterHooks(RegisterHooks hooks) {
   std::lock_guard<std::mutex> lock(mu_);
-  fail_every_ = every_n;
+  RegisterHooks old = opts_.hooks;
+  opts_.hooks = hooks;
+  return old;
 }
 
 }  // namespace dtenjax::transport

@@ -75,9 +75,11 @@ class BufferPool {
   uint64_t RegHandle(int id);
   int State(int id);
   PoolStats Stats();
-  // Testing only (bound as dtenjax._ffi.transport.testing): every n-th registration fails, as a
-  // failing ibv_reg_mr would (0: never).
-  void InjectRegistrationFailures(uint32_t every_n);
+  // Replaces how buffers registered from now on are registered and deregistered; returns the
+  // previous hooks (a seam: the test extension wraps them to fail like ibv_reg_mr can). Buffers
+  // already registered are deregistered with the hooks in place when they are freed, so a
+  // replacement must deregister what the hooks it wraps registered.
+  RegisterHooks SwapRegisterHooks(RegisterHooks hooks);
 
  private:
   struct Buf {
@@ -102,8 +104,6 @@ class BufferPool {
   std::multimap<uint64_t, int> idle_;  // size class -> idle buffer ids
   std::vector<int> free_slots_;
   PoolStats st_{};
-  uint32_t fail_every_ = 0;
-  uint64_t reg_attempts_ = 0;
   bool closed_ = false;
 };
 

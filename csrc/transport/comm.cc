@@ -62,7 +62,10 @@ uint16_t F32ToBf16(float f) {
   return uint16_t(u >> 16);
 }
 
-std::atomic<int> g_fail_thread_starts{0};
+// Starts a detached thread running body (throws std::system_error as std::thread does).
+void SpawnDetached(std::function<void()> body) { std::thread(std::move(body)).detach(); }
+
+std::atomic<ThreadSpawner> g_spawner{&SpawnDetached};
 
 std::string Seconds(double s) {
   char buf[32];
@@ -73,7 +76,7 @@ std::string Seconds(double s) {
 }  // namespace
 
 Status Reduce(void* out, const void* own, const void* in, uint64_t n, DType dt, ReduceOp op) {
-  if (int(op) < 0 || int(op) > 3) {
+  if (!IsReduceOp(int(op))) {
     return DTENJAX_ERROR(Code::kInvalidArgument, "unsupported reduction code " + std::to_string(int(op)));
   }
   switch (dt) {
@@ -112,21 +115,19 @@ Status Reduce(void* out, const void* own, const void* in, uint64_t n, DType dt, 
   return Status::Ok();
 }
 
-void FailNextThreadStarts(int n) { g_fail_thread_starts.store(std::max(0, n)); }
+ThreadSpawner SwapThreadSpawner(ThreadSpawner spawner) {
+  return g_spawner.exchange(spawner ? spawner : &SpawnDetached);
+}
 
 Status StartDetachedThread(std::function<void()> fn, const char* what) {
   try {
-    if (g_fail_thread_starts.load() > 0 && g_fail_thread_starts.fetch_sub(1) > 0) {
-      throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again),
-                              "injected thread-start failure");
-    }
     // Nothing thrown on the new thread may reach std::terminate: the body reports its own failures.
-    std::thread([body = std::move(fn)]() mutable {
+    g_spawner.load()([body = std::move(fn)]() mutable {
       try {
         body();
       } catch (...) {
       }
-    }).detach();
+    });
     return Status::Ok();
   } catch (const std::system_error& e) {
     return DTENJAX_ERROR(Code::kInternal, std::string("could not start a thread for ") + what +
@@ -358,54 +359,78 @@ std::string AbortText(const InFrame& f, Code* code) {
     *code = Code::kInternal;
     return "(no reason given)";
   }
-  int c = static_cast<unsigned char>(p[0]);
-  *code = (c >= 1 && c <= 7) ? static_cast<Code>(c) : Code::kInternal;
+  const int c = static_cast<unsigned char>(p[0]);
+  *code = IsCode(c) && c != static_cast<int>(Code::kOk) ? static_cast<Code>(c) : Code::kInternal;
   return std::string(p + 1, p + f.payload_bytes);
 }
 
 }  // namespace
 
-Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, DType dt,
-                     ReduceOp op, OutFrame* of) {
-  const int n = opts_.size, r = opts_.rank;
-  const uint64_t count = desc.count;
-  const size_t esz = DTypeSize(dt);
-  const int T = 2 * (n - 1);
-  auto mod = [n](int64_t v) { return int(((v % n) + n) % n); };
-  auto off = [&](int c) { return (count / n) * uint64_t(c) + std::min<uint64_t>(c, count % n); };
-  auto len = [&](int c) { return count / n + (uint64_t(c) < count % n ? 1 : 0); };
-  auto send_chunk = [&](int t) { return t < n - 1 ? mod(r - t) : mod(r + 1 - (t - (n - 1))); };
-  auto recv_chunk = [&](int t) { return t < n - 1 ? mod(r - t - 1) : mod(r - (t - (n - 1))); };
-  uint64_t seg_bytes = opts_.segment_bytes;
-  if (opts_.provider->max_payload) seg_bytes = std::min(seg_bytes, opts_.provider->max_payload);
-  const uint64_t seg_elems = std::max<uint64_t>(1, seg_bytes / esz);
-  auto nseg = [&](int c) { return std::max<uint64_t>(1, (len(c) + seg_elems - 1) / seg_elems); };
-  auto seg_len = [&](int c, uint64_t j) {
+// --- the ring all-reduce (Comm::RunRing) ---------------------------------------------------------
+//
+// One call is a Comm::Ring: the ring's geometry (RingPlan), the progress of both directions, and
+// one method per part of the loop: the call-site text, the send side, the receive side (a
+// frame's head, then its body), the backwards watch of the next rank, and the timeout. Every
+// failure goes through Fail, which sends ABORT frames to the neighbours that need to know.
+
+namespace {
+
+// Which chunk and segment moves at each step: n chunks, 2(n-1) steps (reduce-scatter, then
+// all-gather), chunk c of `count` elements split in segments of at most seg_elems.
+struct RingPlan {
+  int n, r;
+  uint64_t count;
+  size_t esz;
+  uint64_t seg_elems;
+
+  int steps() const { return 2 * (n - 1); }
+  int mod(int64_t v) const { return int(((v % n) + n) % n); }
+  uint64_t off(int c) const { return (count / n) * uint64_t(c) + std::min<uint64_t>(c, count % n); }
+  uint64_t len(int c) const { return count / n + (uint64_t(c) < count % n ? 1 : 0); }
+  int send_chunk(int t) const { return t < n - 1 ? mod(r - t) : mod(r + 1 - (t - (n - 1))); }
+  int recv_chunk(int t) const { return t < n - 1 ? mod(r - t - 1) : mod(r - (t - (n - 1))); }
+  uint64_t nseg(int c) const { return std::max<uint64_t>(1, (len(c) + seg_elems - 1) / seg_elems); }
+  uint64_t seg_len(int c, uint64_t j) const {
     return std::min(seg_elems, len(c) - std::min(len(c), j * seg_elems));
-  };
+  }
+  // Byte offset of segment j of chunk c.
+  uint64_t at(int c, uint64_t j) const { return (off(c) + j * seg_elems) * esz; }
+};
 
-  // Staging buffer of one received segment (reduce-scatter), from the pool.
-  const uint64_t tmp_bytes = std::max<uint64_t>(1, std::min(seg_elems, len(0)) * esz);
-  int buf = -1;
-  void* tmp_ptr = nullptr;
-  DTENJAX_RETURN_IF_ERROR(pool_->Acquire(tmp_bytes, &buf, &tmp_ptr));
-  uint8_t* tmp = static_cast<uint8_t*>(tmp_ptr);
-  struct Release {
-    BufferPool* p;
-    int b;
-    ~Release() { p->Release(b); }
-  } release{pool_.get(), buf};
+}  // namespace
 
-  int st = 0, rt = 0;   // send / receive step
-  bool next_done = false;  // the next rank closed after everything for it was sent
-  uint64_t sj = 0, rj = 0;  // segment within the step
-  InFrame in, rev;
-  uint8_t text_buf[kMaxAbortText];
-  double last_progress = NowSeconds();
-  const std::string& prev_peer = prev_->peer;
+class Comm::Ring {
+ public:
+  Ring(Comm& comm, const RingPlan& plan, const uint8_t* src, uint8_t* dst, uint8_t* tmp,
+       const Descriptor& desc, DType dt, ReduceOp op, OutFrame* of)
+      : c_(comm), p_(plan), src_(src), dst_(dst), tmp_(tmp), desc_(desc), dt_(dt), op_(op),
+        of_(of), T_(plan.steps()) {}
+
+  Status Run() {
+    DTENJAX_RETURN_IF_ERROR(SendSiteText());
+    while (st_ < T_ || rt_ < T_) {
+      bool progress = false;
+      if (st_ < T_) DTENJAX_RETURN_IF_ERROR(SendSide(&progress));
+      DTENJAX_RETURN_IF_ERROR(ReceiveSide(&progress));
+      const double now = NowSeconds();
+      if (progress) {
+        last_progress_ = now;
+        continue;
+      }
+      if (now - last_progress_ >= c_.opts_.timeout_s) return TimedOut();
+      DTENJAX_RETURN_IF_ERROR(WaitAndWatchNext());
+    }
+    return Status::Ok();
+  }
+
+ private:
+  Status Fail(Status s, bool tell_next, bool tell_prev) {
+    c_.SendAborts(s, desc_, tell_next, tell_prev, of_);
+    return s;
+  }
 
   // Reads the (short) payload of a frame whose head was authenticated: ABORT and SITE texts.
-  auto read_text = [&](Conn* c, InFrame* f, uint64_t limit) -> Status {
+  Status ReadText(Conn* c, InFrame* f, uint64_t limit) {
     const FrameHeader& h = f->header();
     if (h.payload_bytes > limit) {
       Counters().rejected_oversized.fetch_add(1);
@@ -414,11 +439,11 @@ Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, D
                                                 std::to_string(h.payload_bytes) + " bytes exceeds " +
                                                 std::to_string(limit));
     }
-    f->dst = text_buf;
+    f->dst = text_buf_;
     f->payload_bytes = h.payload_bytes;
     f->stage = InFrame::kBody;
     f->got = 0;
-    const double until = NowSeconds() + std::min(2.0, opts_.timeout_s);
+    const double until = NowSeconds() + std::min(2.0, c_.opts_.timeout_s);
     while (f->stage != InFrame::kDone) {
       bool p = false;
       DTENJAX_RETURN_IF_ERROR(c->provider->recv_some(c, f, &p));
@@ -434,230 +459,284 @@ Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, D
       }
     }
     return OpenBody(*c->session, *f, c->peer);
-  };
+  }
 
   // An ABORT frame (head already authenticated): read its text and turn it into this rank's error.
-  auto read_abort = [&](Conn* c, InFrame* f, Status* out) -> Status {
-    DTENJAX_RETURN_IF_ERROR(read_text(c, f, kMaxAbortText));
+  Status ReadAbort(Conn* c, InFrame* f, Status* out) {
+    DTENJAX_RETURN_IF_ERROR(ReadText(c, f, kMaxAbortText));
     const FrameHeader& h = f->header();
     Counters().aborts_received.fetch_add(1);
     Code code;
     std::string text = AbortText(*f, &code);
     const std::string prefix = "dtenjax transport: ";
     if (text.compare(0, prefix.size(), prefix) == 0) text = text.substr(prefix.size());
-    *out = Status(code, "dtenjax transport: rank " + std::to_string(h.src_rank) +
-                            " aborted " + Describe(DescriptorOf(h)) + ": " + text +
-                            " [this rank (" + std::to_string(r) + ") was in " + Describe(desc) + "]");
+    *out = Status(code, "dtenjax transport: rank " + std::to_string(h.src_rank) + " aborted " +
+                            Describe(DescriptorOf(h)) + ": " + text + " [this rank (" +
+                            std::to_string(p_.r) + ") was in " + Describe(desc_) + "]");
     return Status::Ok();
-  };
-
-  auto fail = [&](Status s, bool tell_next, bool tell_prev) -> Status {
-    SendAborts(s, desc, tell_next, tell_prev, of);
-    return s;
-  };
+  }
 
   // The next rank died or went away while we sent to it: if it told us why first (an ABORT frame
   // waiting on that connection), that is the error to report.
-  auto reverse_abort = [&](const Status& fallback) -> Status {
+  Status ReverseAbort(const Status& fallback) {
+    Conn* next = c_.next_;
     for (int i = 0; i < 64; ++i) {
       bool p = false;
-      if (!opts_.provider->recv_some(next_, &rev, &p).ok()) break;
-      if (rev.stage == InFrame::kHeadReady) {
-        if (!OpenHead(*next_->session, rev, opts_.job_id, next_->peer_rank, next_->peer).ok() ||
-            rev.header().type != uint16_t(FrameType::kAbort)) {
+      if (!c_.opts_.provider->recv_some(next, &rev_, &p).ok()) break;
+      if (rev_.stage == InFrame::kHeadReady) {
+        if (!OpenHead(*next->session, rev_, c_.opts_.job_id, next->peer_rank, next->peer).ok() ||
+            rev_.header().type != uint16_t(FrameType::kAbort)) {
           break;
         }
         Status why;
-        return read_abort(next_, &rev, &why).ok() ? why : fallback;
+        return ReadAbort(next, &rev_, &why).ok() ? why : fallback;
       }
       if (!p) break;
     }
     return fallback;
-  };
-
-
-  // The next rank learns the text of this collective's call site once (for its error messages).
-  if (desc.coll_seq != 0 && !sites_sent_.count(desc.site)) {
-    const std::string text = SiteText(desc.site);
-    if (!text.empty()) {
-      Status s = SendSealed(next_, FrameType::kSite, desc, text.data(), text.size(),
-                            NowSeconds() + opts_.timeout_s);
-      if (!s.ok()) return fail(reverse_abort(s), false, true);
-    }
-    sites_sent_.insert(desc.site);
   }
 
-  while (st < T || rt < T) {
-    bool progress = false;
-    // --- send side: the next segment, once the segment it forwards has arrived ------------------
-    if (st < T) {
-      if (!of->active) {
-        const bool ready = st == 0 || rt > st - 1 || (rt == st - 1 && rj > sj);
-        if (ready) {
-          const int c = send_chunk(st);
-          const uint64_t elems = seg_len(c, sj);
-          const uint64_t bytes = elems * esz;
-          uint64_t slept = 0;
-          Status s = tenant_->bucket().Take(bytes, NowSeconds() + opts_.timeout_s, &slept);
-          if (!s.ok()) return fail(s, true, true);
-          if (slept) Counters().throttled_ns.fetch_add(slept);
-          Descriptor d = desc;
-          d.step = uint16_t(st);
-          // Step 0 sends this rank's own data; later steps forward what the previous step built.
-          const uint8_t* from = st == 0 ? src : dst;
-          s = Seal(*next_->session, FrameType::kData, opts_.job_id, uint32_t(r), d,
-                   from + (off(c) + sj * seg_elems) * esz, bytes, of);
-          if (!s.ok()) return fail(s, true, true);
-        }
-      }
-      if (of->active) {
-        bool p = false;
-        Status s = opts_.provider->send_some(next_, of, &p);
-        if (!s.ok()) return fail(reverse_abort(s), false, true);
-        progress |= p;
-        if (of->done()) {
-          of->active = false;
-          if (++sj == nseg(send_chunk(st))) {
-            ++st;
-            sj = 0;
-          }
-        }
+  // The next rank learns the text of this collective's call site once (for its error messages).
+  Status SendSiteText() {
+    if (desc_.coll_seq == 0 || c_.sites_sent_.count(desc_.site)) return Status::Ok();
+    const std::string text = SiteText(desc_.site);
+    if (!text.empty()) {
+      Status s = SendSealed(c_.next_, FrameType::kSite, desc_, text.data(), text.size(),
+                            NowSeconds() + c_.opts_.timeout_s);
+      if (!s.ok()) return Fail(ReverseAbort(s), false, true);
+    }
+    c_.sites_sent_.insert(desc_.site);
+    return Status::Ok();
+  }
+
+  // The next segment, once the segment it forwards has arrived; then moves the frame in flight.
+  Status SendSide(bool* progress) {
+    if (!of_->active) {
+      const bool ready = st_ == 0 || rt_ > st_ - 1 || (rt_ == st_ - 1 && rj_ > sj_);
+      if (ready) DTENJAX_RETURN_IF_ERROR(SealNextSegment());
+    }
+    if (!of_->active) return Status::Ok();
+    bool p = false;
+    Status s = c_.opts_.provider->send_some(c_.next_, of_, &p);
+    if (!s.ok()) return Fail(ReverseAbort(s), false, true);
+    *progress |= p;
+    if (of_->done()) {
+      of_->active = false;
+      if (++sj_ == p_.nseg(p_.send_chunk(st_))) {
+        ++st_;
+        sj_ = 0;
       }
     }
-    // --- receive side: every segment that has arrived ------------------------------------------
-    while (rt < T) {
+    return Status::Ok();
+  }
+
+  Status SealNextSegment() {
+    const int c = p_.send_chunk(st_);
+    const uint64_t bytes = p_.seg_len(c, sj_) * p_.esz;
+    uint64_t slept = 0;
+    Status s = c_.tenant_->bucket().Take(bytes, NowSeconds() + c_.opts_.timeout_s, &slept);
+    if (!s.ok()) return Fail(s, true, true);
+    if (slept) Counters().throttled_ns.fetch_add(slept);
+    Descriptor d = desc_;
+    d.step = uint16_t(st_);
+    // Step 0 sends this rank's own data; later steps forward what the previous step built.
+    const uint8_t* from = st_ == 0 ? src_ : dst_;
+    s = Seal(*c_.next_->session, FrameType::kData, c_.opts_.job_id, uint32_t(p_.r), d,
+             from + p_.at(c, sj_), bytes, of_);
+    return s.ok() ? s : Fail(s, true, true);
+  }
+
+  // Every segment that has arrived.
+  Status ReceiveSide(bool* progress) {
+    Conn* prev = c_.prev_;
+    while (rt_ < T_) {
       bool p = false;
-      Status s = opts_.provider->recv_some(prev_, &in, &p);
-      if (!s.ok()) return fail(s, true, false);
-      progress |= p;
-      if (in.stage == InFrame::kHeadReady) {
-        s = OpenHead(*prev_->session, in, opts_.job_id, prev_->peer_rank, prev_peer);
-        if (!s.ok()) return fail(s, true, true);
-        const FrameHeader& h = in.header();
-        if (h.type == uint16_t(FrameType::kAbort)) {
-          Status why;
-          s = read_abort(prev_, &in, &why);
-          return fail(s.ok() ? why : s, true, false);
-        }
-        if (h.type == uint16_t(FrameType::kSite)) {
-          s = read_text(prev_, &in, kMaxSiteText);
-          if (!s.ok()) return fail(s, true, true);
-          RegisterSite(h.site, std::string(reinterpret_cast<const char*>(in.dst), in.payload_bytes));
-          in.Reset();
-          progress = true;
-          continue;
-        }
-        const Descriptor theirs = DescriptorOf(h);
-        if (h.type != uint16_t(FrameType::kData) || !SameCollective(theirs, desc) ||
-            theirs.step != rt) {
-          Counters().rejected_mismatch.fetch_add(1);
-          std::string what =
-              h.type != uint16_t(FrameType::kData)
-                  ? std::string("sent a ") + FrameTypeName(h.type) + " frame"
-                  : "sent a frame of " + Describe(theirs) +
-                        (SameCollective(theirs, desc)
-                             ? " at ring step " + std::to_string(theirs.step) + " (expected " +
-                                   std::to_string(rt) + ")"
-                             : "");
-          return fail(DTENJAX_ERROR(Code::kInvalidArgument,
-                                    "dtenjax transport: collective mismatch between rank " +
-                                        std::to_string(h.src_rank) + " and rank " +
-                                        std::to_string(r) + ": rank " + std::to_string(r) +
-                                        " runs " + Describe(desc) + " but rank " +
-                                        std::to_string(h.src_rank) + " " + what +
-                                        ". Every process must issue the same collectives (same "
-                                        "op, dtype, shape, call stack and tag) in the same "
-                                        "order; collectives that look alike (e.g. iterations "
-                                        "of one loop) are told apart only by a tag"),
-                      true, true);
-        }
-        const int c = recv_chunk(rt);
-        const uint64_t elems = seg_len(c, rj);
-        if (h.payload_bytes != elems * esz) {
-          Counters().rejected_mismatch.fetch_add(1);
-          return fail(DTENJAX_ERROR(Code::kInvalidArgument,
-                                    "dtenjax transport: rank " + std::to_string(h.src_rank) +
-                                        " sent a segment of " + std::to_string(h.payload_bytes) +
-                                        " bytes for " + Describe(desc) + ", this rank expects " +
-                                        std::to_string(elems * esz) +
-                                        " (DTENJAX_TRANSPORT_SEGMENT_BYTES must be equal on every "
-                                        "process)"),
-                      true, true);
-        }
-        in.dst = rt < n - 1 ? tmp : dst + (off(c) + rj * seg_elems) * esz;
-        in.payload_bytes = elems * esz;
-        in.stage = InFrame::kBody;
-        in.got = 0;
+      Status s = c_.opts_.provider->recv_some(prev, &in_, &p);
+      if (!s.ok()) return Fail(s, true, false);
+      *progress |= p;
+      if (in_.stage == InFrame::kHeadReady) {
+        DTENJAX_RETURN_IF_ERROR(AcceptHead(progress));
         continue;
       }
-      if (in.stage != InFrame::kDone) break;
-      s = OpenBody(*prev_->session, in, prev_peer);
-      if (!s.ok()) return fail(s, true, true);
-      if (rt < n - 1) {
-        const int c = recv_chunk(rt);
-        const uint64_t at = (off(c) + rj * seg_elems) * esz;
-        s = Reduce(dst + at, src + at, tmp, seg_len(c, rj), dt, op);
-        if (!s.ok()) return fail(s, true, true);
-      }
-      in.Reset();
-      if (++rj == nseg(recv_chunk(rt))) {
-        ++rt;
-        rj = 0;
-      }
+      if (in_.stage != InFrame::kDone) break;
+      DTENJAX_RETURN_IF_ERROR(AcceptBody());
     }
-    const double now = NowSeconds();
-    if (progress) {
-      last_progress = now;
-      continue;
+    return Status::Ok();
+  }
+
+  // A frame's head from the previous rank: an ABORT ends the call, a SITE text is read at once,
+  // a DATA frame must be this collective's next segment (then its body is read into place).
+  Status AcceptHead(bool* progress) {
+    Conn* prev = c_.prev_;
+    Status s = OpenHead(*prev->session, in_, c_.opts_.job_id, prev->peer_rank, prev->peer);
+    if (!s.ok()) return Fail(s, true, true);
+    const FrameHeader& h = in_.header();
+    if (h.type == uint16_t(FrameType::kAbort)) {
+      Status why;
+      s = ReadAbort(prev, &in_, &why);
+      return Fail(s.ok() ? why : s, true, false);
     }
-    if (now - last_progress >= opts_.timeout_s) {
-      Counters().timeouts.fetch_add(1);
-      std::string waiting =
-          rt < T ? "receiving segment " + std::to_string(rj) + " of ring step " +
-                       std::to_string(rt) + " from " + prev_peer
-                 : "sending ring step " + std::to_string(st) + " to " + next_->peer;
-      return fail(DTENJAX_ERROR(Code::kDeadlineExceeded,
-                                "dtenjax transport: rank " + std::to_string(r) + " timed out after " +
-                                    Seconds(opts_.timeout_s) + " s without progress " +
-                                    waiting + " in " + Describe(desc) +
-                                    " (DTENJAX_COLLECTIVE_TIMEOUT); the peer is stalled, dead or "
-                                    "running a different program"),
+    if (h.type == uint16_t(FrameType::kSite)) {
+      s = ReadText(prev, &in_, kMaxSiteText);
+      if (!s.ok()) return Fail(s, true, true);
+      RegisterSite(h.site, std::string(reinterpret_cast<const char*>(in_.dst), in_.payload_bytes));
+      in_.Reset();
+      *progress = true;
+      return Status::Ok();
+    }
+    const Descriptor theirs = DescriptorOf(h);
+    if (h.type != uint16_t(FrameType::kData) || !SameCollective(theirs, desc_) ||
+        theirs.step != rt_) {
+      Counters().rejected_mismatch.fetch_add(1);
+      return Fail(Mismatch(h, theirs), true, true);
+    }
+    const int c = p_.recv_chunk(rt_);
+    const uint64_t bytes = p_.seg_len(c, rj_) * p_.esz;
+    if (h.payload_bytes != bytes) {
+      Counters().rejected_mismatch.fetch_add(1);
+      return Fail(DTENJAX_ERROR(Code::kInvalidArgument,
+                                "dtenjax transport: rank " + std::to_string(h.src_rank) +
+                                    " sent a segment of " + std::to_string(h.payload_bytes) +
+                                    " bytes for " + Describe(desc_) + ", this rank expects " +
+                                    std::to_string(bytes) +
+                                    " (DTENJAX_TRANSPORT_SEGMENT_BYTES must be equal on every "
+                                    "process)"),
                   true, true);
     }
-    WaitItem w[2] = {{next_, of->active, !next_done}, {prev_, false, rt < T}};
+    // Reduce-scatter steps stage the segment; all-gather steps receive it in place.
+    in_.dst = rt_ < p_.n - 1 ? tmp_ : dst_ + p_.at(c, rj_);
+    in_.payload_bytes = bytes;
+    in_.stage = InFrame::kBody;
+    in_.got = 0;
+    return Status::Ok();
+  }
+
+  Status Mismatch(const FrameHeader& h, const Descriptor& theirs) const {
+    const std::string r = std::to_string(p_.r), src = std::to_string(h.src_rank);
+    std::string what =
+        h.type != uint16_t(FrameType::kData)
+            ? std::string("sent a ") + FrameTypeName(h.type) + " frame"
+            : "sent a frame of " + Describe(theirs) +
+                  (SameCollective(theirs, desc_)
+                       ? " at ring step " + std::to_string(theirs.step) + " (expected " +
+                             std::to_string(rt_) + ")"
+                       : "");
+    return DTENJAX_ERROR(Code::kInvalidArgument,
+                         "dtenjax transport: collective mismatch between rank " + src +
+                             " and rank " + r + ": rank " + r + " runs " + Describe(desc_) +
+                             " but rank " + src + " " + what +
+                             ". Every process must issue the same collectives (same op, dtype, "
+                             "shape, call stack and tag) in the same order; collectives that "
+                             "look alike (e.g. iterations of one loop) are told apart only by a "
+                             "tag");
+  }
+
+  // A segment's body has arrived: authenticate it, reduce it (reduce-scatter steps), move on.
+  Status AcceptBody() {
+    Status s = OpenBody(*c_.prev_->session, in_, c_.prev_->peer);
+    if (!s.ok()) return Fail(s, true, true);
+    if (rt_ < p_.n - 1) {
+      const int c = p_.recv_chunk(rt_);
+      const uint64_t at = p_.at(c, rj_);
+      s = Reduce(dst_ + at, src_ + at, tmp_, p_.seg_len(c, rj_), dt_, op_);
+      if (!s.ok()) return Fail(s, true, true);
+    }
+    in_.Reset();
+    if (++rj_ == p_.nseg(p_.recv_chunk(rt_))) {
+      ++rt_;
+      rj_ = 0;
+    }
+    return Status::Ok();
+  }
+
+  Status TimedOut() {
+    Counters().timeouts.fetch_add(1);
+    std::string waiting =
+        rt_ < T_ ? "receiving segment " + std::to_string(rj_) + " of ring step " +
+                       std::to_string(rt_) + " from " + c_.prev_->peer
+                 : "sending ring step " + std::to_string(st_) + " to " + c_.next_->peer;
+    return Fail(DTENJAX_ERROR(Code::kDeadlineExceeded,
+                              "dtenjax transport: rank " + std::to_string(p_.r) +
+                                  " timed out after " + Seconds(c_.opts_.timeout_s) +
+                                  " s without progress " + waiting + " in " + Describe(desc_) +
+                                  " (DTENJAX_COLLECTIVE_TIMEOUT); the peer is stalled, dead or "
+                                  "running a different program"),
+                true, true);
+  }
+
+  // Waits for either neighbour, then looks at what came backwards from the next rank: only
+  // ABORT frames may (or its death; or, once everything for it was sent, its orderly close).
+  Status WaitAndWatchNext() {
+    Conn* next = c_.next_;
+    WaitItem w[2] = {{next, of_->active, !next_done_}, {c_.prev_, false, rt_ < T_}};
     Counters().waits.fetch_add(1);
-    Status s = opts_.provider->wait(w, 2, last_progress + opts_.timeout_s);
-    if (!s.ok()) return fail(s, true, true);
-    if (next_done) continue;
-    // Something may have come backwards from the next rank: only ABORT frames (or its death).
+    Status s = c_.opts_.provider->wait(w, 2, last_progress_ + c_.opts_.timeout_s);
+    if (!s.ok()) return Fail(s, true, true);
+    if (next_done_) return Status::Ok();
     bool p = false;
-    s = opts_.provider->recv_some(next_, &rev, &p);
-    if (!s.ok() && st == T && rev.stage == InFrame::kHead && rev.got == 0) {
+    s = c_.opts_.provider->recv_some(next, &rev_, &p);
+    if (!s.ok() && st_ == T_ && rev_.stage == InFrame::kHead && rev_.got == 0) {
       // Everything for the next rank was sent and it closed: it finished this collective and
       // closed its communicator (or exited). Nothing here needs it any more; the next
       // collective reports it.
-      next_done = true;
-      next_closed_ = s;
-      continue;
+      next_done_ = true;
+      c_.next_closed_ = s;
+      return Status::Ok();
     }
-    if (!s.ok()) return fail(s, false, true);
-    if (rev.stage == InFrame::kHeadReady) {
-      s = OpenHead(*next_->session, rev, opts_.job_id, next_->peer_rank, next_->peer);
-      if (!s.ok()) return fail(s, false, true);
-      if (rev.header().type != uint16_t(FrameType::kAbort)) {
-        Counters().rejected_bad_header.fetch_add(1);
-        return fail(DTENJAX_ERROR(Code::kDataLoss,
-                                  std::string("dtenjax transport: ") + next_->peer +
-                                      " sent a " + FrameTypeName(rev.header().type) +
-                                      " frame backwards (only ABORT frames travel that way)"),
-                    false, true);
-      }
-      Status why;
-      s = read_abort(next_, &rev, &why);
-      return fail(s.ok() ? why : s, false, true);
+    if (!s.ok()) return Fail(s, false, true);
+    if (rev_.stage != InFrame::kHeadReady) return Status::Ok();
+    s = OpenHead(*next->session, rev_, c_.opts_.job_id, next->peer_rank, next->peer);
+    if (!s.ok()) return Fail(s, false, true);
+    if (rev_.header().type != uint16_t(FrameType::kAbort)) {
+      Counters().rejected_bad_header.fetch_add(1);
+      return Fail(DTENJAX_ERROR(Code::kDataLoss,
+                                std::string("dtenjax transport: ") + next->peer + " sent a " +
+                                    FrameTypeName(rev_.header().type) +
+                                    " frame backwards (only ABORT frames travel that way)"),
+                  false, true);
     }
+    Status why;
+    s = ReadAbort(next, &rev_, &why);
+    return Fail(s.ok() ? why : s, false, true);
   }
-  return Status::Ok();
+
+  Comm& c_;
+  const RingPlan p_;
+  const uint8_t* src_;
+  uint8_t* dst_;
+  uint8_t* tmp_;   // one received segment of a reduce-scatter step
+  const Descriptor& desc_;
+  const DType dt_;
+  const ReduceOp op_;
+  OutFrame* of_;
+  const int T_;
+  int st_ = 0, rt_ = 0;        // send / receive step
+  uint64_t sj_ = 0, rj_ = 0;   // segment within the step
+  bool next_done_ = false;     // the next rank closed after everything for it was sent
+  InFrame in_, rev_;           // from the previous rank / backwards from the next one
+  uint8_t text_buf_[kMaxAbortText];
+  double last_progress_ = NowSeconds();
+};
+
+Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, DType dt,
+                     ReduceOp op, OutFrame* of) {
+  const size_t esz = DTypeSize(dt);
+  uint64_t seg_bytes = opts_.segment_bytes;
+  if (opts_.provider->max_payload) seg_bytes = std::min(seg_bytes, opts_.provider->max_payload);
+  const RingPlan plan{opts_.size, opts_.rank, desc.count, esz,
+                      std::max<uint64_t>(1, seg_bytes / esz)};
+
+  // Staging buffer of one received segment (reduce-scatter), from the pool.
+  const uint64_t tmp_bytes = std::max<uint64_t>(1, std::min(plan.seg_elems, plan.len(0)) * esz);
+  int buf = -1;
+  void* tmp = nullptr;
+  DTENJAX_RETURN_IF_ERROR(pool_->Acquire(tmp_bytes, &buf, &tmp));
+  struct Release {
+    BufferPool* p;
+    int b;
+    ~Release() { p->Release(b); }
+  } release{pool_.get(), buf};
+  return Ring(*this, plan, src, dst, static_cast<uint8_t*>(tmp), desc, dt, op, of).Run();
 }
 
 Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, ReduceOp op,
@@ -689,7 +768,7 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
   }
   if (DTypeSize(dt) == 0) {
     s = DTENJAX_ERROR(Code::kInvalidArgument, "unsupported dtype code " + std::to_string(int(dt)));
-  } else if (int(op) < 0 || int(op) > 3) {
+  } else if (!IsReduceOp(int(op))) {
     s = DTENJAX_ERROR(Code::kInvalidArgument, "unsupported reduction code " + std::to_string(int(op)));
   } else if (ring_position >= 0 && ring_position != r) {
     s = DTENJAX_ERROR(Code::kInvalidArgument,

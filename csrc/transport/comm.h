@@ -84,7 +84,9 @@ class Comm {
   BufferPool& pool() { return *pool_; }
 
  private:
+  class Ring;   // the state and steps of one RunRing call (comm.cc)
   explicit Comm(const CommOptions& opts);
+  // One ring all-reduce over the connected ring (AllReduce's body; Comm::Ring does the work).
   Status RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& d, DType dt, ReduceOp op,
                  OutFrame* out);
   // Sends an ABORT frame carrying `why` (best effort, bounded time) to the chosen neighbours,
@@ -120,8 +122,11 @@ int64_t RegisterComm(std::shared_ptr<Comm> comm);
 std::shared_ptr<Comm> FindComm(int64_t id);
 bool DestroyComm(int64_t id);
 
-// Testing only (bound as dtenjax._ffi.transport.testing): the next n thread starts fail as if
-// pthread_create returned EAGAIN.
-void FailNextThreadStarts(int n);
+// How StartDetachedThread starts its threads: spawner(body) starts a detached thread running
+// body or throws std::system_error (as std::thread does). A seam: the test extension
+// (custom_calls/testing/) swaps in one that fails; returns the previous one (nullptr restores
+// the default).
+using ThreadSpawner = void (*)(std::function<void()> body);
+ThreadSpawner SwapThreadSpawner(ThreadSpawner spawner);
 
 }  // namespace dtenjax::transport

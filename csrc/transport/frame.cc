@@ -25,33 +25,27 @@ const char* FrameTypeName(uint16_t type) {
 
 size_t DTypeSize(DType dt) {
   switch (dt) {
-    case DType::kF32: case DType::kS32: return 4;
-    case DType::kF64: case DType::kS64: return 8;
-    case DType::kBF16: return 2;
+#define DTENJAX_DTYPE_SIZE(id, value, name, bytes, ...) \
+  case DType::id: return bytes;
+    DTENJAX_TRANSPORT_DTYPES(DTENJAX_DTYPE_SIZE)
+#undef DTENJAX_DTYPE_SIZE
   }
   return 0;
 }
 
+#define DTENJAX_VALUE_NAME(id, value, name, ...) \
+  case value: return name;
+
 const char* DTypeName(int code) {
-  switch (code) {
-    case 0: return "float32";
-    case 1: return "float64";
-    case 2: return "int32";
-    case 3: return "int64";
-    case 4: return "bfloat16";
-  }
+  switch (code) { DTENJAX_TRANSPORT_DTYPES(DTENJAX_VALUE_NAME) }
   return "unknown-dtype";
 }
 
 const char* ReduceOpName(int code) {
-  switch (code) {
-    case 0: return "sum";
-    case 1: return "max";
-    case 2: return "min";
-    case 3: return "prod";
-  }
+  switch (code) { DTENJAX_TRANSPORT_OPS(DTENJAX_VALUE_NAME) }
   return "unknown-op";
 }
+#undef DTENJAX_VALUE_NAME
 
 bool SameCollective(const Descriptor& a, const Descriptor& b) {
   return a.coll_seq == b.coll_seq && a.count == b.count && a.site == b.site && a.tag == b.tag &&

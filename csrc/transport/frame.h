@@ -59,12 +59,34 @@ enum class RejectClass : uint8_t {
 };
 const char* FrameTypeName(uint16_t type);
 
-// Element types and reductions as they travel in frames (stable codes).
-enum class DType : int { kF32 = 0, kF64 = 1, kS32 = 2, kS64 = 3, kBF16 = 4 };
-enum class ReduceOp : int { kSum = 0, kMax = 1, kMin = 2, kProd = 3 };
+// Element types and reductions as they travel in frames (stable codes), defined once; Python
+// reads them as dtenjax._ffi.vocabulary["transport.dtype"] / ["transport.op"].
+// X(enumerator, value, name, bytes, xla): xla names the xla::ffi::DataType the FFI handlers map
+// to it (only custom_calls/ expands that field).
+#define DTENJAX_TRANSPORT_DTYPES(X)   \
+  X(kF32, 0, "float32", 4, F32)       \
+  X(kF64, 1, "float64", 8, F64)       \
+  X(kS32, 2, "int32", 4, S32)         \
+  X(kS64, 3, "int64", 8, S64)         \
+  X(kBF16, 4, "bfloat16", 2, BF16)
+// X(enumerator, value, name)
+#define DTENJAX_TRANSPORT_OPS(X) \
+  X(kSum, 0, "sum")              \
+  X(kMax, 1, "max")              \
+  X(kMin, 2, "min")              \
+  X(kProd, 3, "prod")
+
+enum class DType : int { DTENJAX_TRANSPORT_DTYPES(DTENJAX_ENUM_VALUE) };
+enum class ReduceOp : int { DTENJAX_TRANSPORT_OPS(DTENJAX_ENUM_VALUE) };
 size_t DTypeSize(DType dt);  // 0 for an unknown code
 const char* DTypeName(int code);
 const char* ReduceOpName(int code);
+constexpr bool IsReduceOp(int64_t code) {
+  switch (code) {
+    DTENJAX_TRANSPORT_OPS(DTENJAX_ENUM_CASE) return true;
+    default: return false;
+  }
+}
 
 struct FrameHeader {
   uint32_t magic;

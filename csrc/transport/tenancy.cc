@@ -149,65 +149,19 @@ Status NoCudaOwner(const void*, uint64_t, int64_t*) {
 }
 
 PointerOwnerFn g_owner_fn = &NoCudaOwner;
-PointerOwnerFn g_saved_owner_fn = &NoCudaOwner;
-
-struct FakeRange { uint64_t start, size; int64_t owner; };
-std::vector<FakeRange>& FakeTable() {
-  static std::vector<FakeRange> table;
-  return table;
-}
-
-Status FakeOwner(const void* ptr, uint64_t bytes, int64_t* owner) {
-  std::lock_guard<std::mutex> lock(g_owner_mu);
-  uint64_t p = reinterpret_cast<uint64_t>(ptr);
-  for (const auto& r : FakeTable()) {
-    if (p >= r.start && p < r.start + r.size) {
-      if (bytes > r.start + r.size - p) {
-        return DTENJAX_ERROR(Code::kPermissionDenied,
-                             "range [ptr, ptr+bytes) runs past the end of its allocation");
-      }
-      *owner = r.owner;
-      return Status::Ok();
-    }
-  }
-  return DTENJAX_ERROR(Code::kPermissionDenied, "pointer is not device memory of any known context");
-}
 
 }  // namespace
 
-void SetPointerOwnerFn(PointerOwnerFn fn) {
+PointerOwnerFn SwapPointerOwnerFn(PointerOwnerFn fn) {
   std::lock_guard<std::mutex> lock(g_owner_mu);
+  PointerOwnerFn old = g_owner_fn;
   g_owner_fn = fn ? fn : &NoCudaOwner;
-  g_saved_owner_fn = g_owner_fn;
+  return old;
 }
 
 PointerOwnerFn GetPointerOwnerFn() {
   std::lock_guard<std::mutex> lock(g_owner_mu);
   return g_owner_fn;
-}
-
-Status SetFakePointerOwners(const std::vector<OwnerRange>& ranges) {
-  for (const auto& r : ranges) {
-    if (r.size == 0 || r.start + r.size < r.start) {
-      return DTENJAX_ERROR(Code::kInvalidArgument,
-                           "fake owner range start=" + std::to_string(r.start) + " size=" +
-                               std::to_string(r.size) + " is empty or wraps past 2^64");
-    }
-  }
-  {
-    std::lock_guard<std::mutex> lock(g_owner_mu);
-    FakeTable().clear();
-    for (const auto& r : ranges) FakeTable().push_back({r.start, r.size, r.owner});
-    g_saved_owner_fn = g_owner_fn == &FakeOwner ? g_saved_owner_fn : g_owner_fn;
-    g_owner_fn = &FakeOwner;
-  }
-  return Status::Ok();
-}
-
-void ResetPointerOwnerFn() {
-  std::lock_guard<std::mutex> lock(g_owner_mu);
-  if (g_owner_fn == &FakeOwner) g_owner_fn = g_saved_owner_fn;
-  FakeTable().clear();
 }
 
 Status Tenant::CheckDeviceMemory(const void* ptr, uint64_t bytes) {

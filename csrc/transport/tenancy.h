@@ -81,13 +81,10 @@ Tenant* GetTenant(const std::string& name);
 
 // Who owns device memory: writes an opaque context id (the CUDA device ordinal in a CUDA build).
 using PointerOwnerFn = Status (*)(const void* ptr, uint64_t bytes, int64_t* owner_context);
-void SetPointerOwnerFn(PointerOwnerFn fn);
+// Installs fn (nullptr: "unverifiable", the default without CUDA) and returns the previous one.
+// The CUDA build installs its own at load time; the test extension swaps in a table so that the
+// refusal logic is tested on machines without CUDA.
+PointerOwnerFn SwapPointerOwnerFn(PointerOwnerFn fn);
 PointerOwnerFn GetPointerOwnerFn();
-// Testing only (bound as dtenjax._ffi.transport.testing): a table-driven owner function,
-// [start, start+size) -> context, so the refusal logic is tested on machines without CUDA.
-struct OwnerRange { uint64_t start, size; int64_t owner; };
-Status SetFakePointerOwners(const std::vector<OwnerRange>& ranges);
-// Restores the build's own owner function (CUDA's, or "unverifiable" without CUDA).
-void ResetPointerOwnerFn();
 
 }  // namespace dtenjax::transport

@@ -23,15 +23,16 @@ BUILD_HINT = ("Build it from the repository root with `bash scripts/setup.sh` (o
               "`pip install --no-build-isolation -e .` once scikit-build-core, nanobind and jax "
               "are installed).")
 
-# dtenjax::Code (csrc/common/status.h) -> the exception a native binding raises for it.
-STATUS_ERRORS: dict[int, type[Exception]] = {
-    1: errors.ConfigurationError,         # kInvalidArgument
-    2: errors.ExtensionUnavailableError,  # kUnavailable: a capability (device, library) is missing
-    3: errors.CollectiveTimeoutError,     # kDeadlineExceeded
-    4: errors.QuotaExceededError,         # kResourceExhausted
-    5: errors.TransportError,             # kPermissionDenied: authentication / ownership
-    6: errors.TransportError,             # kDataLoss: corrupt frame
-    7: errors.NativeError,                # kInternal
+# The name of a dtenjax::Code (csrc/common/status.h, exported as vocabulary("status")) -> the
+# exception a native binding raises for it. Keyed by name: the integers are the extension's.
+STATUS_ERRORS: dict[str, type[Exception]] = {
+    "invalid_argument": errors.ConfigurationError,
+    "unavailable": errors.ExtensionUnavailableError,  # a capability (device, library) is missing
+    "deadline_exceeded": errors.CollectiveTimeoutError,
+    "resource_exhausted": errors.QuotaExceededError,
+    "permission_denied": errors.TransportError,       # authentication / ownership
+    "data_loss": errors.TransportError,               # corrupt frame
+    "internal": errors.NativeError,
 }
 
 _lock = threading.Lock()
@@ -44,7 +45,12 @@ def _load() -> tuple[Any, str | None]:
     from dtenjax import _ffi  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     return None, f"the native extension dtenjax._ffi could not be imported ({e})"
-  _ffi.set_error_classes(STATUS_ERRORS)
+  codes = _ffi.vocabulary["status"]
+  unknown = sorted(set(STATUS_ERRORS) - set(codes))
+  if unknown:
+    return None, (f"dtenjax._ffi exports the status codes {sorted(codes)}, which lack {unknown} "
+                  "that dtenjax/_src/ffi.py maps to exceptions (a stale build?)")
+  _ffi.set_error_classes({codes[name]: cls for name, cls in STATUS_ERRORS.items()})
   return _ffi, None
 
 
@@ -63,6 +69,22 @@ def build_info() -> dict[str, Any]:
   info.update(built=True, error=None,
               targets=sorted({(t, p) for t, p, _ in mod.registrations()}))
   return info
+
+
+def vocabulary(name: str) -> dict[str, int]:
+  """A native vocabulary, {entry name: the integer C++ uses}, as the extension exports it.
+
+  ``name`` is e.g. "status", "p2p.algorithm", "p2p.op", "p2p.reproducible", "p2p.dtype",
+  "transport.dtype", "transport.op" (each defined once in csrc/, published by
+  custom_calls/python.h's AddVocabulary). ExtensionUnavailableError without the extension: Python
+  keeps no second copy of these tables.
+  """
+  tables = module().vocabulary
+  if name not in tables:
+    raise errors.ExtensionUnavailableError(
+        f"this build of dtenjax._ffi exports no vocabulary {name!r} (it has {sorted(tables)}). "
+        f"Rebuild the extension: {BUILD_HINT}")
+  return dict(tables[name])
 
 
 def module():

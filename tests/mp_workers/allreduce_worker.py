@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 
+from tests import transport_ref
 from tests.mp_workers import common
 
 
@@ -69,7 +70,7 @@ def main():
         y1 = f(arr)
         y2 = f(arr)
         r1, r2 = rows(y1), rows(y2)
-        ref_exact = hostcoll.reference_ring_sum(list(full))   # ring order, bit-exact
+        ref_exact = transport_ref.reference_ring_sum(list(full))   # ring order, bit-exact
         ref64 = full.astype(np.float64).sum(axis=0)
         out[f"{dtype}-{n}"] = {
             "sha": [hashlib.sha256(r.tobytes()).hexdigest() for r in r1],
@@ -103,7 +104,7 @@ def main():
       # The PUBLIC API, three ways of giving it the mesh. Each must go through the host transport
       # (the communicators' collective counter moves) and give the ring's bits.
       full, arr = global_input(11, 2048, np.float32)
-      exact = hostcoll.reference_ring_sum(list(full))
+      exact = transport_ref.reference_ring_sum(list(full))
       ref64 = full.astype(np.float64).sum(0)
 
       def pub(x):
@@ -216,7 +217,7 @@ def main():
         ref64 = full.astype(np.float64).sum(axis=0)
         same[f"{dtype}-{n}"] = {
             **shas, "bit_equal_ring_reference": (
-                local == 1 and all(y.tobytes() == hostcoll.reference_ring_sum(list(full)).tobytes()
+                local == 1 and all(y.tobytes() == transport_ref.reference_ring_sum(list(full)).tobytes()
                                    for y in ys)),
             "max_rel_err": max(float(np.max(np.abs(y.astype(np.float64) - ref64)) /
                                      max(1.0, float(np.max(np.abs(ref64))))) for y in ys)}

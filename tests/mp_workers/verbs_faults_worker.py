@@ -14,6 +14,7 @@ import os
 import time
 import traceback
 
+from tests import transport_ref
 from tests.mp_workers import common
 
 
@@ -50,14 +51,14 @@ def main():
   res: dict = {"rank": rank, "faults": {}}
   small_full, small = global_input(1, 3000)
   big_full, big = global_input(2, 1 << 20)
-  big_ref = hostcoll.reference_ring_sum(list(big_full))
+  big_ref = transport_ref.reference_ring_sum(list(big_full))
 
   def attempt(kind: str) -> dict:
     out: dict = {}
     hostcoll.reset()
     common.barrier(f"{kind}-start")
     y = mine(make()(small))                      # fresh communicators, a good collective
-    out["warmup_ok"] = y.tobytes() == hostcoll.reference_ring_sum(list(small_full)).tobytes()
+    out["warmup_ok"] = y.tobytes() == transport_ref.reference_ring_sum(list(small_full)).tobytes()
     common.barrier(f"{kind}-armed")
     fired_before = fake.counters()["faults_fired"]
     if rank == faulty:

@@ -1,11 +1,11 @@
-// Host build of the NVLink kernels' contract-v3 arithmetic (csrc/cuda/p2p_repro_v3.h), for
+// Host build of the NVLink kernels' contract-v3 arithmetic (csrc/p2p/repro_v3.h), for
 // tests/test_p2p.py: reads W, mean, bf16, n and W x n float32 values (row r = rank r; bfloat16
 // inputs widened) from the file argv[1], writes the n float32 results' bits to argv[2].
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
-#include "csrc/cuda/p2p_repro_v3.h"
+#include "csrc/p2p/repro_v3.h"
 
 namespace {
 

@@ -28,7 +28,7 @@ uses the exact contract v2 (``fixed_point.py``) for them.
 Nothing here depends on XLA:CPU's flushing of subnormals (denormals-are-zero, flush-to-zero):
 a word is an exact float product (or one far below 1/2, see :func:`quantize`), and the result's
 bits are assembled by integer shifts (:func:`round_scaled`); the CUDA kernels
-(``csrc/cuda/p2p_repro_v3.h``) compute the same bits with IEEE operations.
+(``csrc/p2p/repro_v3.h``) compute the same bits with IEEE operations.
 """
 
 from __future__ import annotations

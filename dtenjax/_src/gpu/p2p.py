@@ -1,6 +1,6 @@
 """NVLink peer-to-peer all-reduce on GPU: one-shot and two-shot CUDA kernels as XLA FFI calls.
 
-The kernels (``csrc/cuda/p2p_allreduce.cuh``) read every rank's data straight out of peer memory:
+The kernels (``csrc/p2p/allreduce.cuh``) read every rank's data straight out of peer memory:
 
 * ``one_shot``: each rank copies its input into its registered buffer, the ranks meet at a GPU-side
   barrier, then every rank reads all W buffers and reduces the whole message. Best for small and
@@ -14,7 +14,7 @@ rank r = position along the (combined) mesh axes:
 
 * ``sum``: ``acc = f32(x_0); acc = acc + f32(x_r)`` for r = 1..W-1 (IEEE f32, RNE, no FMA), then one
   rounding to the dtype; ``mean`` divides the f32 sum by W before that rounding. This is exactly
-  the XLA-native ``one_shot`` of ``collectives/algorithms.py`` (all-gather + the same fold).
+  the XLA-native ``one_shot`` of ``collectives/algorithms/one_shot.py`` (all-gather + the same fold).
 * ``max`` / ``min``: the rank-order fold of ``>`` / ``<`` selections; any NaN gives NaN.
 * ``reproducible=True`` (``sum``/``mean``, float32/bfloat16): the reproducible sum of contract v3
   (docs/collectives.md), fused into the same kernels: each rank reads its peers' float data,
@@ -41,6 +41,8 @@ CUDA error (never with made-up data), a watchdog prints which rank waited for wh
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import threading
 from collections.abc import Callable, Sequence
@@ -59,20 +61,50 @@ from dtenjax._src import errors
 from dtenjax._src import ffi
 from dtenjax._src import jaxapi
 
-ALGORITHMS: dict[str, int] = {"one_shot": 0, "two_shot": 1}
-OPS: dict[str, int] = {"sum": 0, "mean": 0, "max": 1, "min": 2}
-REPRODUCIBLE_OPS: dict[str, int] = {"exact": 3, "v3": 4}    # Op::kRepExact, Op::kRepSum
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-REPRODUCIBLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_WORLD = 8
 DESCRIPTOR_BYTES = 128
 TARGET = "dtenjax_p2p_all_reduce"
-TARGETS = (TARGET, "dtenjax_p2p_selftest", "dtenjax_p2p_selftest_graph")
+SELFTEST_TARGETS = ("dtenjax_p2p_selftest", "dtenjax_p2p_selftest_graph")   # the harness only
 _KV_PREFIX = "dtenjax/p2p"
+
+# Python's op names beyond the kernels' own: mean is the sum with the attribute mean = 1.
+_SUM_FORMS = {"mean": "sum"}
 
 _lock = threading.Lock()
 _connected: dict[int, int] = {}          # communicator key -> world size
 _failures: dict[int, str] = {}           # key -> why set-up failed for good (not worth retrying)
+
+
+# --- the kernels' vocabulary (csrc/p2p/vocabulary.h, exported by the extension) ---------------
+
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+  """The integers of the kernels' FFI attributes, read from ``dtenjax._ffi.vocabulary``."""
+  algorithms: dict[str, int]        # the attribute `algorithm`
+  ops: dict[str, int]               # the attribute `op`, Python's names (mean included)
+  reproducible: dict[str, int]      # the attribute `reproducible`: "none", "v3", "exact"
+  dtypes: tuple[Any, ...]           # the buffer types the kernels take
+  reproducible_dtypes: tuple[Any, ...]   # those with reproducible kernels
+
+
+@functools.cache
+def vocabulary() -> Vocabulary:
+  """The p2p vocabulary as this build exports it; ExtensionUnavailableError without a build."""
+  ops = ffi.vocabulary("p2p.op")
+  ops.update({py: ops[native] for py, native in _SUM_FORMS.items()})
+  rep = ffi.vocabulary("p2p.dtype_reproducible")
+  return Vocabulary(
+      algorithms=ffi.vocabulary("p2p.algorithm"), ops=ops,
+      reproducible=ffi.vocabulary("p2p.reproducible"),
+      dtypes=tuple(jnp.dtype(n) for n in ffi.vocabulary("p2p.dtype")),
+      reproducible_dtypes=tuple(jnp.dtype(n) for n, ok in rep.items() if ok))
+
+
+def _attributes(algorithm: str, op: str, reproducible: str | None) -> dict[str, np.int64]:
+  v = vocabulary()
+  return dict(algorithm=np.int64(v.algorithms[algorithm]), op=np.int64(v.ops[op]),
+              reproducible=np.int64(v.reproducible[reproducible or "none"]),
+              mean=np.int64(op == "mean"))
 
 
 # --- availability ------------------------------------------------------------------------------
@@ -109,18 +141,16 @@ def unavailable_reason() -> str | None:
   if not info["cuda"]:
     return ("this build of dtenjax._ffi has no CUDA kernels (nvcc was not found when it was "
             "built); rebuild on a machine with the CUDA toolkit")
-  missing = [t for t in TARGETS if (t, "CUDA") not in info["targets"]]
-  if missing:
-    return f"the build lacks the CUDA targets {missing}; rebuild the extension"
+  if (TARGET, "CUDA") not in info["targets"]:
+    return f"the build lacks the CUDA target {TARGET!r}; rebuild the extension"
   try:
     gpus = jax.devices("gpu")
   except RuntimeError:
     gpus = []
   if not gpus:
     return f"no CUDA GPU is visible to jax (backend {jax.default_backend()!r})"
-  for t in TARGETS:
-    if not ffi.has_target(t, "CUDA"):
-      return f"FFI target {t!r} could not be registered for CUDA"
+  if not ffi.has_target(TARGET, "CUDA"):
+    return f"FFI target {TARGET!r} could not be registered for CUDA"
   return None
 
 
@@ -133,20 +163,23 @@ def supported(world: int, nbytes: int, dtype, *, op: str = "sum",
   set-up failure there makes that call fall back (see the module docstring).
   """
   del nbytes   # no size limit: messages larger than the registered buffer run in chunks
+  if not ffi.is_built():
+    return False, unavailable_reason()
+  v = vocabulary()
   problems = []
   try:
     dt = jnp.dtype(dtype)
   except TypeError:
     dt = None
-  if op not in OPS:
-    problems.append(f"op {op!r} is not one of {sorted(OPS)}")
+  if op not in v.ops:
+    problems.append(f"op {op!r} is not one of {sorted(v.ops)}")
   if reproducible:
-    if dt not in REPRODUCIBLE_DTYPES:
-      problems.append(f"the reproducible sum takes float32 or bfloat16, not {dtype}")
-    if op not in ("sum", "mean"):
+    if dt not in v.reproducible_dtypes:
+      problems.append(f"the reproducible sum takes {_names(v.reproducible_dtypes)}, not {dtype}")
+    if _SUM_FORMS.get(op, op) != "sum":
       problems.append(f"op {op!r} has no reproducible form (sum and mean do)")
-  elif dt not in SUPPORTED_DTYPES:
-    problems.append(f"dtype {dtype} is not float32, bfloat16 or float16")
+  elif dt not in v.dtypes:
+    problems.append(f"dtype {dtype} is not one of {_names(v.dtypes)}")
   if not isinstance(world, (int, np.integer)) or not 1 <= world <= MAX_WORLD:
     problems.append(f"world size {world} is outside [1, {MAX_WORLD}]")
   for knob in (capacity_bytes, max_blocks):
@@ -158,6 +191,10 @@ def supported(world: int, nbytes: int, dtype, *, op: str = "sum",
   if why:
     problems.append(why)
   return (not problems, "; ".join(problems))
+
+
+def _names(dtypes) -> str:
+  return ", ".join(d.name for d in dtypes)
 
 
 def kernel_timeouts() -> list[str]:
@@ -311,11 +348,9 @@ def _lower(ctx, x, *, axes, algorithm, op, reproducible, fallback):
     config.log_fallback(f"p2p-lower:{why}", f"dtenjax: {algorithm} NVLink kernel not used "
                         f"over {axes} ({why}); using the XLA form instead")
     return mlir.lower_fun(fallback, multiple_results=False)(ctx, x)
-  code = REPRODUCIBLE_OPS[reproducible] if reproducible else OPS[op]
   return jax.ffi.ffi_lowering(TARGET)(
-      ctx, x, key=np.int64(key), algorithm=np.int64(ALGORITHMS[algorithm]), op=np.int64(code),
-      mean=np.int64(op == "mean"), max_blocks=np.int64(max_blocks()),
-      timeout_ms=np.int64(_timeout_ms()))
+      ctx, x, key=np.int64(key), **_attributes(algorithm, op, reproducible),
+      max_blocks=np.int64(max_blocks()), timeout_ms=np.int64(_timeout_ms()))
 
 
 mlir.register_lowering(_p2p_p, _lower)
@@ -329,25 +364,26 @@ def _contract(reproducible) -> str | None:
     return "v3"
   if not reproducible:
     return None
-  if reproducible in REPRODUCIBLE_OPS:
+  if reproducible == "exact":
     return reproducible
   raise errors.CollectiveError(f"reproducible={reproducible!r} is not False, True (contract v3) "
                                "or 'exact' (contract v2)")
 
 
 def _check(x, algorithm: str, op: str, reproducible) -> None:
+  v = vocabulary()
   problems = []
-  if algorithm not in ALGORITHMS:
-    problems.append(f"algorithm {algorithm!r} is not one of {sorted(ALGORITHMS)}")
+  if algorithm not in v.algorithms:
+    problems.append(f"algorithm {algorithm!r} is not one of {sorted(v.algorithms)}")
   dt = jnp.dtype(x.dtype)
-  if op not in OPS:
-    problems.append(f"op {op!r} is not one of {sorted(OPS)}")
-  elif reproducible and op not in ("sum", "mean"):
+  if op not in v.ops:
+    problems.append(f"op {op!r} is not one of {sorted(v.ops)}")
+  elif reproducible and _SUM_FORMS.get(op, op) != "sum":
     problems.append(f"op {op!r} has no reproducible form; use op='sum' or 'mean'")
-  if reproducible and dt not in REPRODUCIBLE_DTYPES:
-    problems.append(f"dtype {dt.name}: the reproducible sum takes float32 or bfloat16")
-  elif dt not in SUPPORTED_DTYPES:
-    problems.append(f"dtype {dt.name} is not float32, bfloat16 or float16; cast the input or "
+  if reproducible and dt not in v.reproducible_dtypes:
+    problems.append(f"dtype {dt.name}: the reproducible sum takes {_names(v.reproducible_dtypes)}")
+  elif dt not in v.dtypes:
+    problems.append(f"dtype {dt.name} is not one of {_names(v.dtypes)}; cast the input or "
                     "use algorithm='xla'")
   if problems:
     raise errors.CollectiveError(errors.join_problems("p2p all_reduce cannot run:", problems))
@@ -362,6 +398,13 @@ def all_reduce(x, axis_name, *, algorithm: str = "one_shot", op: str = "sum",
   while lowering; the reason is logged once). Without a fallback those cases raise
   CollectiveError with the reason.
   """
+  if not ffi.is_built():   # no vocabulary to check names against, and no kernels to run
+    why = unavailable_reason()
+    if fallback is None:
+      raise errors.CollectiveError(f"p2p all_reduce({algorithm}) is unavailable: {why}")
+    config.log_fallback(f"p2p:{why}", f"dtenjax: {algorithm} NVLink kernel not used ({why}); "
+                        "using the XLA form instead")
+    return fallback(x)
   _check(x, algorithm, op, reproducible)
   reproducible = _contract(reproducible)
   axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
@@ -404,9 +447,7 @@ def selftest(x, *, algorithm: str = "one_shot", op: str = "sum", reproducible: b
   count = n if count is None else count
   target = ffi.require("dtenjax_p2p_selftest_graph" if graph else "dtenjax_p2p_selftest", "CUDA")
   return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(
-      x, count=np.int64(count), algorithm=np.int64(ALGORITHMS[algorithm]),
-      op=np.int64(REPRODUCIBLE_OPS[reproducible] if reproducible else OPS[op]),
-      mean=np.int64(op == "mean"),
+      x, count=np.int64(count), **_attributes(algorithm, op, reproducible),
       iters=np.int64(iters), mode=np.int64(mode),
       capacity=np.int64(capacity if capacity is not None else capacity_bytes()),
       max_blocks=np.int64(max_blocks()), timeout_ms=np.int64(_timeout_ms()))

@@ -31,7 +31,7 @@ and the survivors that detect it close their sockets, which wakes the rest).
 
 Determinism: ring chunk ``c`` is combined in the fixed rank order ``c, c+1, ..., c-1`` (mod n),
 and every rank receives the same reduced bits, so results are identical on all ranks and in every
-run; :func:`reference_ring_sum` reproduces them bit for bit in numpy.
+run; ``tests/transport_ref.py``'s ``reference_ring_sum`` reproduces them bit for bit in numpy.
 """
 
 from __future__ import annotations
@@ -53,9 +53,14 @@ from dtenjax._src.net import transport
 
 TARGET = "dtenjax_host_all_reduce"
 ALGORITHMS = ("ring", "hierarchical")
-OPS = {"sum": 0, "max": 1, "min": 2}
-ALL_OPS = tuple(OPS) + ("mean",)   # mean = sum / axis size
-DTYPES = (jnp.float32, jnp.float64, jnp.bfloat16, jnp.int32, jnp.int64)
+OPS = ("sum", "max", "min")         # of the transport's ops (transport.codes()), those offered here
+ALL_OPS = OPS + ("mean",)          # mean = sum / axis size
+
+
+def __getattr__(name: str):
+  if name == "DTYPES":   # what the frames carry, from the extension (no copy kept here)
+    return tuple(transport.codes()[0])
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _lock = threading.Lock()
 _comm_groups: dict[tuple[int, str], list[transport.Communicator]] = {}
@@ -116,9 +121,9 @@ def _check(x, axes: tuple[str, ...], algorithm: str, op: str) -> tuple[int, int]
     problems.append(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
   if op not in ALL_OPS:
     problems.append(f"op={op!r} is not one of {sorted(ALL_OPS)}")
-  if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in DTYPES]:
-    problems.append(f"dtype {jnp.dtype(x.dtype).name} is not one of "
-                    f"{[jnp.dtype(d).name for d in DTYPES]}")
+  dtypes = tuple(transport.codes()[0])
+  if jnp.dtype(x.dtype) not in dtypes:
+    problems.append(f"dtype {jnp.dtype(x.dtype).name} is not one of {[d.name for d in dtypes]}")
   sizes = _axis_sizes()
   unknown = [a for a in axes if a not in sizes]
   if unknown:
@@ -191,7 +196,7 @@ def _ring_call(x, position, slot, comm_ids: Sequence[int], op: str, site: int,
   x = jaxapi.to_varying(x, tuple(jaxapi.vma(where)))
   where = jaxapi.to_varying(where, tuple(jaxapi.vma(x)))
   call = jax.ffi.ffi_call(TARGET, jaxapi.reduced_struct(x, reduced), has_side_effect=True)
-  return call(x, where, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(OPS[op]),
+  return call(x, where, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(transport.codes()[1][op]),
               site=np.int64(site))
 
 
@@ -250,23 +255,6 @@ def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
   shard = _ring_call(shard, position, slot, ids, op, site_tag, (outer,), tag)
   full = jaxapi.all_gather_invariant(shard, (inner,), axis=0, tiled=False).reshape(-1)
   return full[:flat.size - pad].reshape(x.shape) if pad else full.reshape(x.shape)
-
-
-def reference_ring_sum(xs: Sequence[np.ndarray]) -> np.ndarray:
-  """numpy reproduction of the ring's reduction order (bit-exact for float32/float64/int)."""
-  n = len(xs)
-  flat = [np.asarray(a).reshape(-1) for a in xs]
-  count = flat[0].size
-  out = np.empty_like(flat[0])
-  base, rem = divmod(count, n)
-  for c in range(n):
-    lo = base * c + min(c, rem)
-    hi = lo + base + (1 if c < rem else 0)
-    acc = flat[c][lo:hi].copy()
-    for i in range(1, n):
-      acc = acc + flat[(c + i) % n][lo:hi]
-    out[lo:hi] = acc
-  return out.reshape(np.shape(xs[0]))
 
 
 def status() -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 The data plane lives in C++ (``csrc/transport/``: a TCP provider and an RDMA verbs provider behind
 one table of functions), bound to Python with nanobind as ``dtenjax._ffi.transport``
-(``custom_calls/transport_py.cc``); a native failure raises the dtenjax error of its status code.
+(``custom_calls/transport/bindings.cc``); a native failure raises the dtenjax error of its status code.
 
 Bootstrap goes through jax.distributed's coordination store (:mod:`dtenjax._src.net.kvstore`): each
 rank listens on ``DTENJAX_BIND_ADDRESS`` (port chosen by the OS), publishes its endpoint, reads its
@@ -39,20 +39,14 @@ from dtenjax._src import ffi
 from dtenjax._src.net import checks
 from dtenjax._src.net import kvstore
 
-DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2,
-               np.dtype(np.int64): 3}
-OP_CODES = {"sum": 0, "max": 1, "min": 2, "prod": 3}
 
-
-def _bf16_code() -> dict[Any, int]:
-  try:
-    import ml_dtypes  # pylint: disable=g-import-not-at-top
-    return {np.dtype(ml_dtypes.bfloat16): 4}
-  except ImportError:  # pragma: no cover
-    return {}
-
-
-DTYPE_CODES.update(_bf16_code())
+@functools.cache
+def codes() -> tuple[dict[np.dtype, int], dict[str, int]]:
+  """({dtype: code}, {op: code}) of the frames, as the extension exports them (frame.h)."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  dtypes = ffi.vocabulary("transport.dtype")
+  return ({np.dtype(getattr(ml_dtypes, n, n)): c for n, c in dtypes.items()},
+          ffi.vocabulary("transport.op"))
 
 
 # --- the native module ----------------------------------------------------------------------------
@@ -75,11 +69,6 @@ def is_available() -> bool:
     return True
   except errors.ExtensionUnavailableError:
     return False
-
-
-def testing_hooks():
-  """``dtenjax._ffi.transport.testing``: fault injection for dtenjax's own tests only."""
-  return native().testing
 
 
 def counters() -> dict[str, int]:
@@ -265,13 +254,6 @@ def job_credentials(store: kvstore.KVStore | None = None, *, process_index: int 
     return _creds
 
 
-def reset_job_credentials() -> None:
-  """Forgets cached credentials (tests)."""
-  global _creds
-  with _creds_lock:
-    _creds = None
-
-
 # --- provider table -------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -427,12 +409,13 @@ class Communicator:
     iterations of a loop: every rank must pass the same one for the same collective.
     """
     x = np.ascontiguousarray(x)
-    if x.dtype not in DTYPE_CODES:
+    dtype_codes, op_codes = codes()
+    if x.dtype not in dtype_codes:
       raise errors.CollectiveError(
           f"host all-reduce of dtype {x.dtype} is not supported; use one of "
-          f"{sorted(str(d) for d in DTYPE_CODES)}.")
-    if op not in OP_CODES:
-      raise errors.CollectiveError(f"op={op!r} is not one of {sorted(OP_CODES)}.")
+          f"{sorted(str(d) for d in dtype_codes)}.")
+    if op not in op_codes:
+      raise errors.CollectiveError(f"op={op!r} is not one of {sorted(op_codes)}.")
     value, suffix = tag_value(tag)
     if value is None:
       raise errors.CollectiveError("Communicator.all_reduce takes a Python int or str tag (an "
@@ -445,7 +428,7 @@ class Communicator:
     out = np.empty_like(x)
     try:
       self._native.all_reduce(x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8),
-                              out.size, DTYPE_CODES[x.dtype], OP_CODES[op], site_tag, value)
+                              out.size, dtype_codes[x.dtype], op_codes[op], site_tag, value)
     except errors.ExtensionUnavailableError as e:
       raise _peer_errors(e) from None
     return out

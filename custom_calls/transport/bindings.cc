@@ -5,7 +5,7 @@
 //   set_quota, usage, set_owner_context, check_device_memory, take      tenancy
 //   counters, providers, crypto_load, crypto_status, hmac_sha256, gmac, register_site
 //   verbs.*         the verbs provider's device-free logic (only when the build has it)
-//   testing.*       fault injection for tests only (see docs/transport.md, "Testing hooks")
+//   _seams          a capsule of the seams the test extension uses (custom_calls/transport/seams.h)
 //
 // Every failure is a dtenjax::Status thrown with ThrowIfError; module.cc turns it into the
 // dtenjax exception class of its code (dtenjax/_src/ffi.py STATUS_ERRORS). Calls that can block
@@ -33,6 +33,7 @@
 #include "csrc/transport/verbs.h"
 #endif
 #include "custom_calls/python.h"
+#include "custom_calls/transport/seams.h"
 
 namespace nb = nanobind;
 namespace tp = dtenjax::transport;
@@ -167,6 +168,9 @@ nb::dict PoolStatsDict(tp::BufferPool& p) {
 }
 
 void BindTransport(nb::module_& root) {
+  dtenjax::python::AddVocabulary(root, "transport.dtype",
+                                 {DTENJAX_TRANSPORT_DTYPES(DTENJAX_VOCAB_ENTRY)});
+  dtenjax::python::AddVocabulary(root, "transport.op", {DTENJAX_TRANSPORT_OPS(DTENJAX_VOCAB_ENTRY)});
   nb::module_ m = root.def_submodule("transport", "dtenjax host transport");
 
   m.def("counters", [] {
@@ -391,18 +395,18 @@ void BindTransport(nb::module_& root) {
   v.def("device_users", &vb::DeviceUsers);
 #endif
 
-  nb::module_ t = m.def_submodule(
-      "testing", "fault injection for dtenjax's own tests; never used by dtenjax itself");
-  t.def("set_pointer_owners", [](std::vector<std::tuple<uint64_t, uint64_t, int64_t>> ranges) {
-    std::vector<tp::OwnerRange> r;
-    for (const auto& [start, size, owner] : ranges) r.push_back({start, size, owner});
-    ThrowIfError(tp::SetFakePointerOwners(r));
-  });
-  t.def("reset_pointer_owners", &tp::ResetPointerOwnerFn);
-  t.def("fail_registrations", [](tp::BufferPool& p, uint32_t every_n) {
-    p.InjectRegistrationFailures(every_n);
-  });
-  t.def("fail_thread_starts", &tp::FailNextThreadStarts);
+  static const tp::Seams kSeams = {
+      tp::kSeamsVersion,
+      &tp::SwapThreadSpawner,
+      &tp::SwapPointerOwnerFn,
+      [](PyObject* obj) -> tp::BufferPool* {
+        tp::BufferPool* pool = nullptr;
+        return nb::try_cast<tp::BufferPool*>(nb::handle(obj), pool) ? pool : nullptr;
+      },
+      [](tp::BufferPool* pool, tp::RegisterHooks hooks) { return pool->SwapRegisterHooks(hooks); },
+      [](const Status& s) { ThrowIfError(s); },
+  };
+  m.attr("_seams") = nb::capsule(&kSeams, tp::kSeamsCapsule);
 }
 
 }  // namespace

@@ -1,9 +1,9 @@
-// CPU FFI handler for top-k compression's packing step (csrc/compress/topk_pack.h).
+// CPU FFI handler for top-k compression's packing step (csrc/topk/pack.h).
 //   dtenjax_topk_pack(x: f32[n], threshold: f32[]) -> (idx: s32[k], val: f32[k], count: s32[])
 // k is the size of the idx/val results.
 #include <cstdint>
 
-#include "csrc/compress/topk_pack.h"
+#include "csrc/topk/pack.h"
 #include "custom_calls/registry.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -1,4 +1,4 @@
-#include "csrc/compress/topk_pack.h"
+#include "csrc/topk/pack.h"
 
 #include <cmath>
 #include <limits>

@@ -25,11 +25,10 @@ namespace dtenjax::ffi {
 
 bool DTypeOf(xla::ffi::DataType t, tp::DType* out) {
   switch (t) {
-    case xla::ffi::F32: *out = tp::DType::kF32; return true;
-    case xla::ffi::F64: *out = tp::DType::kF64; return true;
-    case xla::ffi::S32: *out = tp::DType::kS32; return true;
-    case xla::ffi::S64: *out = tp::DType::kS64; return true;
-    case xla::ffi::BF16: *out = tp::DType::kBF16; return true;
+#define DTENJAX_TRANSPORT_FROM_XLA(id, value, name, bytes, xla_type) \
+  case xla::ffi::xla_type: *out = tp::DType::id; return true;
+    DTENJAX_TRANSPORT_DTYPES(DTENJAX_TRANSPORT_FROM_XLA)
+#undef DTENJAX_TRANSPORT_FROM_XLA
     default: return false;
   }
 }
@@ -51,11 +50,13 @@ ffi::Future HostAllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
   tp::DType dt;
   if (!dtenjax::ffi::DTypeOf(x.element_type(), &dt)) {
     return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument(
-        "dtenjax_host_all_reduce supports float32, float64, bfloat16, int32 and int64"));
+        "dtenjax_host_all_reduce supports the dtypes"
+        DTENJAX_TRANSPORT_DTYPES(DTENJAX_VOCAB_TEXT) " only"));
   }
-  if (op < 0 || op > 3) {
+  if (!tp::IsReduceOp(op)) {
     return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument(
-        "dtenjax_host_all_reduce: op code " + std::to_string(op) + " is not 0..3"));
+        "dtenjax_host_all_reduce: op code " + std::to_string(op) +
+        " is not one of" DTENJAX_TRANSPORT_OPS(DTENJAX_VOCAB_TEXT)));
   }
   if (where.element_count() != 3) {
     return dtenjax::ffi::FailedFuture(ffi::Error::InvalidArgument(

@@ -1,6 +1,6 @@
-// Host interface of the NVLink peer-to-peer all-reduce kernels (p2p_allreduce.cuh / .cu).
+// Host interface of the NVLink peer-to-peer all-reduce kernels (allreduce.cuh / .cu).
 //
-// Every rank owns one symmetric region (allocated once per device, see p2p_registry.cu):
+// Every rank owns one symmetric region (allocated once per device, see registry.cu):
 //
 //   [ header: kHeaderBytes                                                              ]
 //     landing[kMaxBlocks][kMaxRanks]  uint32  flag slots, written by peers (release/acquire .sys)
@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include "csrc/common/status.h"
+#include "csrc/p2p/vocabulary.h"
 
 namespace dtenjax::p2p {
 
@@ -43,19 +44,7 @@ constexpr size_t kLLAreaBytes = 2 * kMaxRanks * kLLSlotBytes;
 // Bytes of one rank's region for stage buffers of `capacity` bytes.
 inline size_t RegionBytes(size_t capacity) { return kHeaderBytes + 2 * capacity + kLLAreaBytes; }
 
-// kOneShotLL is not chosen by callers: LaunchAllReduce runs one-shot calls of at most kLLMaxBytes
-// with it (a function of the size only, so every rank of a call makes the same choice).
-enum class Algorithm : int { kOneShot = 0, kTwoShot = 1, kOneShotLL = 2 };
-enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
-// kSum folds in rank order in float32; kMax/kMin propagate NaN (as the canonical quiet NaN);
-// kRepExact is the exact fixed-point sum of contract v2 (reproducible="exact"), kRepSum the
-// reproducible sum of contract v3 (reproducible=True); docs/collectives.md.
-enum class Op : int { kSum = 0, kMax = 1, kMin = 2, kRepExact = 3, kRepSum = 4 };
-
-// The kernel family of an op: 0 plain, 1 contract v3, 2 contract v2 (p2p_kernels.h).
-inline int RepMode(Op op) { return op == Op::kRepSum ? 1 : op == Op::kRepExact ? 2 : 0; }
-
-inline size_t DTypeBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+// Algorithm, Op, Reproducible and DType: csrc/p2p/vocabulary.h.
 
 // Every rank's symmetric region, as mapped in this process (index = rank).
 struct Peers {
@@ -80,6 +69,7 @@ struct LaunchArgs {
   DType dtype = DType::kF32;
   Algorithm algorithm = Algorithm::kOneShot;
   Op op = Op::kSum;
+  Reproducible reproducible = Reproducible::kNone;   // a contract other than kNone needs kSum
   bool mean = false;         // divide the (f32) sum by world before the final rounding
   uint64_t timeout_ns = 0;   // per barrier wait; 0 means no limit. A timeout traps the kernel.
   uint32_t* error = nullptr; // kErrorWords words set before the trap (host-mapped)
@@ -88,7 +78,7 @@ struct LaunchArgs {
 // Validates args and launches the kernel on stream (no allocation, no stream query, no sync).
 Status LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream);
 
-// Most blocks of the kernel for args' dtype/algorithm/world/op that can be resident on `device`
+// Most blocks of the kernel for args' dtype/algorithm/world/reproducible that can be resident on `device`
 // at once (simulated launches need every rank's blocks resident together).
 Status MaxResidentBlocks(const LaunchArgs& args, int device, int* blocks);
 

@@ -1,4 +1,4 @@
-// The NVLink peer-to-peer all-reduce at the boundaries (csrc/cuda/p2p_*):
+// The NVLink peer-to-peer all-reduce at the boundaries (csrc/p2p/):
 //
 // Python bindings (eager set-up, outside any trace; called by dtenjax/_src/gpu/p2p.py):
 //   p2p_register(ordinal, capacity) -> bytes[128]       this device's region descriptor
@@ -6,10 +6,12 @@
 //   p2p_kernel_timeouts() -> [str]                       regions whose kernel timed out
 //
 // FFI handlers:
-//   dtenjax_p2p_all_reduce(x; key, algorithm, op, mean, max_blocks, timeout_ms) -> like x
+//   dtenjax_p2p_all_reduce(x; key, algorithm, op, reproducible, mean, max_blocks, timeout_ms)
+//       -> like x; the attributes' integers are those of csrc/p2p/vocabulary.h
 //       command-buffer compatible: it only looks the communicator up and launches, one launch per
 //       chunk of at most the registered buffer.
-//   dtenjax_p2p_selftest(x[N, n]; count, algorithm, op, mean, iters, mode, capacity, timeout_ms)
+//   dtenjax_p2p_selftest(x[N, n]; count, algorithm, op, reproducible, mean, iters, mode, capacity,
+//       max_blocks, timeout_ms)
 //       N simulated ranks on one GPU running the same kernels (allocates its arena once; not
 //       command-buffer compatible). dtenjax_p2p_selftest_graph: the same, command-buffer
 //       compatible, needs the arena made by an earlier dtenjax_p2p_selftest call.
@@ -21,8 +23,9 @@
 #include <cstdint>
 #include <string>
 
-#include "csrc/cuda/p2p_allreduce.h"
-#include "csrc/cuda/p2p_registry.h"
+#include "csrc/p2p/allreduce.h"
+#include "csrc/p2p/registry.h"
+#include "custom_calls/p2p/attributes.h"
 #include "custom_calls/python.h"
 #include "custom_calls/registry.h"
 #include "xla/ffi/api/ffi.h"
@@ -33,39 +36,18 @@ namespace p2p = dtenjax::p2p;
 
 namespace {
 
-ffi::ErrorOr<p2p::DType> ToDType(ffi::DataType t, const char* what) {
-  switch (t) {
-    case ffi::F32: return p2p::DType::kF32;
-    case ffi::BF16: return p2p::DType::kBF16;
-    case ffi::F16: return p2p::DType::kF16;
-    default:
-      return ffi::Unexpected(ffi::Error::InvalidArgument(
-          std::string(what) + " supports float32, bfloat16 and float16 only"));
-  }
-}
+using p2p::attributes::TimeoutNs;
+using p2p::attributes::ToAlgorithm;
+using p2p::attributes::ToDType;
+using p2p::attributes::ToOp;
+using p2p::attributes::ToReproducible;
 
-ffi::ErrorOr<p2p::Algorithm> ToAlgorithm(int64_t a, const char* what) {
-  if (a == 0) return p2p::Algorithm::kOneShot;
-  if (a == 1) return p2p::Algorithm::kTwoShot;
-  return ffi::Unexpected(ffi::Error::InvalidArgument(
-      std::string(what) + ": algorithm " + std::to_string(a) +
-      " is not 0 (one_shot) or 1 (two_shot)"));
-}
-
-ffi::ErrorOr<p2p::Op> ToOp(int64_t op, const char* what) {
-  if (op >= 0 && op <= 4) return static_cast<p2p::Op>(op);
-  return ffi::Unexpected(ffi::Error::InvalidArgument(
-      std::string(what) + ": op " + std::to_string(op) +
-      " is not 0 (sum), 1 (max), 2 (min), 3 (exact reproducible sum, contract v2) or 4 "
-      "(reproducible sum, contract v3)"));
-}
-
-uint64_t TimeoutNs(int64_t timeout_ms) {
-  return timeout_ms <= 0 ? 0 : static_cast<uint64_t>(timeout_ms) * 1000000ull;
-}
-
-ffi::Error CudaError(const char* what, cudaError_t e) {
-  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+// A device-to-device copy on XLA's stream (a reduction over one rank is a copy).
+dtenjax::Status Copy(void* dst, const void* src, size_t bytes, cudaStream_t stream,
+                     const char* what) {
+  DTENJAX_CUDA_CHECK_AS(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream),
+                        dtenjax::Code::kInternal, std::string(what) + ": copy failed");
+  return dtenjax::Status::Ok();
 }
 
 // --- all-reduce --------------------------------------------------------------------------------
@@ -75,7 +57,8 @@ ffi::Error CudaError(const char* what, cudaError_t e) {
 
 ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> out, int64_t key, int64_t algorithm,
-                            int64_t op, int64_t mean, int64_t max_blocks, int64_t timeout_ms) {
+                            int64_t op, int64_t reproducible, int64_t mean, int64_t max_blocks,
+                            int64_t timeout_ms) {
   constexpr const char* kWhat = "dtenjax_p2p_all_reduce";
   auto dtype = ToDType(x.element_type(), kWhat);
   if (dtype.has_error()) return dtype.error();
@@ -83,6 +66,8 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   if (alg.has_error()) return alg.error();
   auto rop = ToOp(op, kWhat);
   if (rop.has_error()) return rop.error();
+  auto rep = ToReproducible(reproducible, kWhat);
+  if (rep.has_error()) return rep.error();
   if (out->element_type() != x.element_type() || out->element_count() != x.element_count()) {
     return ffi::Error::InvalidArgument("dtenjax_p2p_all_reduce: output must match the input");
   }
@@ -97,8 +82,7 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   if (n == 0) return ffi::Error::Success();  // the same on every rank: no launch anywhere
   if (comm.world == 1) {  // one rank: the sum is the input (mean divides by 1; max/min are x)
     if (in == res) return ffi::Error::Success();
-    const cudaError_t e = cudaMemcpyAsync(res, in, n * item, cudaMemcpyDeviceToDevice, stream);
-    return e == cudaSuccess ? ffi::Error::Success() : CudaError(kWhat, e);
+    return dtenjax::ffi::ToFfiError(Copy(res, in, n * item, stream, kWhat));
   }
   p2p::LaunchArgs a;
   a.peers = comm.peers;
@@ -109,6 +93,7 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   a.dtype = dtype.value();
   a.algorithm = alg.value();
   a.op = rop.value();
+  a.reproducible = rep.value();
   a.mean = mean != 0;
   a.timeout_ns = TimeoutNs(timeout_ms);
   a.error = comm.error_dev;
@@ -129,8 +114,8 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
 
 ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                     ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm, int64_t op,
-                    int64_t mean, int64_t iters, int64_t mode, int64_t capacity, int64_t max_blocks,
-                    int64_t timeout_ms) {
+                    int64_t reproducible, int64_t mean, int64_t iters, int64_t mode,
+                    int64_t capacity, int64_t max_blocks, int64_t timeout_ms) {
   constexpr const char* kWhat = "dtenjax_p2p_selftest";
   auto dtype = ToDType(x.element_type(), kWhat);
   if (dtype.has_error()) return dtype.error();
@@ -138,6 +123,8 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
   if (alg.has_error()) return alg.error();
   auto rop = ToOp(op, kWhat);
   if (rop.has_error()) return rop.error();
+  auto rep = ToReproducible(reproducible, kWhat);
+  if (rep.has_error()) return rep.error();
   const auto dims = x.dimensions();
   if (dims.size() != 2 || out->element_type() != x.element_type() ||
       out->element_count() != x.element_count()) {
@@ -155,9 +142,8 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
   char* xout = static_cast<char*>(out->untyped_data());
   if (mode == 2) {  // reference: device-to-device copy of the whole stacked buffer, iters times
     for (int64_t it = 0; it < iters; ++it) {
-      const cudaError_t e =
-          cudaMemcpyAsync(xout, xin, row * world, cudaMemcpyDeviceToDevice, stream);
-      if (e != cudaSuccess) return CudaError("dtenjax_p2p_selftest copy", e);
+      const dtenjax::Status c = Copy(xout, xin, row * world, stream, kWhat);
+      if (!c.ok()) return dtenjax::ffi::ToFfiError(c);
     }
     return ffi::Error::Success();
   }
@@ -187,6 +173,7 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
   a.dtype = dtype.value();
   a.algorithm = alg.value();
   a.op = rop.value();
+  a.reproducible = rep.value();
   a.mean = mean != 0;
   a.timeout_ns = TimeoutNs(timeout_ms);
   a.error = arena.error_dev;
@@ -206,18 +193,18 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
 
 ffi::Error SelftestAlloc(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm,
-                         int64_t op, int64_t mean, int64_t iters, int64_t mode, int64_t capacity,
-                         int64_t max_blocks, int64_t timeout_ms) {
-  return Selftest(true, stream, ordinal, x, out, count, algorithm, op, mean, iters, mode,
-                  capacity, max_blocks, timeout_ms);
+                         int64_t op, int64_t reproducible, int64_t mean, int64_t iters,
+                         int64_t mode, int64_t capacity, int64_t max_blocks, int64_t timeout_ms) {
+  return Selftest(true, stream, ordinal, x, out, count, algorithm, op, reproducible, mean,
+                  iters, mode, capacity, max_blocks, timeout_ms);
 }
 
 ffi::Error SelftestGraph(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm,
-                         int64_t op, int64_t mean, int64_t iters, int64_t mode, int64_t capacity,
-                         int64_t max_blocks, int64_t timeout_ms) {
-  return Selftest(false, stream, ordinal, x, out, count, algorithm, op, mean, iters, mode,
-                  capacity, max_blocks, timeout_ms);
+                         int64_t op, int64_t reproducible, int64_t mean, int64_t iters,
+                         int64_t mode, int64_t capacity, int64_t max_blocks, int64_t timeout_ms) {
+  return Selftest(false, stream, ordinal, x, out, count, algorithm, op, reproducible, mean,
+                  iters, mode, capacity, max_blocks, timeout_ms);
 }
 
 }  // namespace
@@ -231,6 +218,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PAllReduceExecute, AllReduceExecute,
                                   .Attr<int64_t>("key")
                                   .Attr<int64_t>("algorithm")
                                   .Attr<int64_t>("op")
+                                  .Attr<int64_t>("reproducible")
                                   .Attr<int64_t>("mean")
                                   .Attr<int64_t>("max_blocks")
                                   .Attr<int64_t>("timeout_ms"),
@@ -245,7 +233,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PAllReduceExecute, AllReduceExecute,
       .Attr<int64_t>("count")                         \
       .Attr<int64_t>("algorithm")                     \
       .Attr<int64_t>("op")                            \
-      .Attr<int64_t>("mean")                             \
+      .Attr<int64_t>("reproducible")                  \
+      .Attr<int64_t>("mean")                          \
       .Attr<int64_t>("iters")                         \
       .Attr<int64_t>("mode")                          \
       .Attr<int64_t>("capacity")                      \

@@ -11,7 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "csrc/common/status.h"
-#include "csrc/cuda/p2p_allreduce.h"
+#include "csrc/p2p/allreduce.h"
 
 namespace dtenjax::p2p {
 

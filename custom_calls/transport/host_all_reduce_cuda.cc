@@ -28,25 +28,25 @@ namespace ffi = xla::ffi;
 namespace tp = dtenjax::transport;
 
 namespace dtenjax::ffi {
-bool DTypeOf(xla::ffi::DataType t, tp::DType* out);  // custom_calls/transport.cc
+bool DTypeOf(xla::ffi::DataType t, tp::DType* out);  // custom_calls/transport/host_all_reduce.cc
 }
 
 namespace {
 
-ffi::Error CudaError(cudaError_t e, const char* what) {
-  return ffi::Error(ffi::ErrorCode::kInternal,
-                    std::string("dtenjax_host_all_reduce (CUDA): ") + what + ": " +
-                        cudaGetErrorString(e));
+// An asynchronous copy on XLA's stream, waited for (the ring runs on the host in between).
+dtenjax::Status CopyAndWait(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t stream, const char* what) {
+  const std::string failed = std::string("dtenjax_host_all_reduce (CUDA): ") + what;
+  DTENJAX_CUDA_CHECK_AS(cudaMemcpyAsync(dst, src, bytes, kind, stream), dtenjax::Code::kInternal,
+                        failed);
+  DTENJAX_CUDA_CHECK_AS(cudaStreamSynchronize(stream), dtenjax::Code::kInternal, failed);
+  return dtenjax::Status::Ok();
 }
 
 dtenjax::Status CudaPointerOwner(const void* ptr, uint64_t bytes, int64_t* owner) {
   cudaPointerAttributes attr{};
-  cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
-  if (e != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error state
-    return DTENJAX_ERROR(dtenjax::Code::kPermissionDenied,
-                         std::string("cudaPointerGetAttributes failed: ") + cudaGetErrorString(e));
-  }
+  DTENJAX_CUDA_CHECK_AS(cudaPointerGetAttributes(&attr, ptr), dtenjax::Code::kPermissionDenied,
+                        "cudaPointerGetAttributes failed");
   if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
     return DTENJAX_ERROR(dtenjax::Code::kPermissionDenied, "pointer is not CUDA device memory");
   }
@@ -56,7 +56,7 @@ dtenjax::Status CudaPointerOwner(const void* ptr, uint64_t bytes, int64_t* owner
 }
 
 struct InstallOwnerCheck {
-  InstallOwnerCheck() { tp::SetPointerOwnerFn(&CudaPointerOwner); }
+  InstallOwnerCheck() { tp::SwapPointerOwnerFn(&CudaPointerOwner); }
 } install_owner_check;
 
 ffi::Error HostAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
@@ -65,21 +65,22 @@ ffi::Error HostAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
   tp::DType dt;
   if (!dtenjax::ffi::DTypeOf(x.element_type(), &dt)) {
     return ffi::Error::InvalidArgument(
-        "dtenjax_host_all_reduce supports float32, float64, bfloat16, int32 and int64");
+        "dtenjax_host_all_reduce supports the dtypes"
+        DTENJAX_TRANSPORT_DTYPES(DTENJAX_VOCAB_TEXT) " only");
   }
-  if (op < 0 || op > 3) {
+  if (!tp::IsReduceOp(op)) {
     return ffi::Error::InvalidArgument("dtenjax_host_all_reduce: op code " + std::to_string(op) +
-                                       " is not 0..3");
+                                       " is not one of" DTENJAX_TRANSPORT_OPS(DTENJAX_VOCAB_TEXT));
   }
   if (where.element_count() != 3) {
     return ffi::Error::InvalidArgument(
         "dtenjax_host_all_reduce: `where` must hold (ring position, slot, tag)");
   }
   int32_t w[3] = {-1, -1, 0};
-  cudaError_t e = cudaMemcpyAsync(w, where.typed_data(), sizeof(w), cudaMemcpyDeviceToHost, stream);
-  if (e != cudaSuccess) return CudaError(e, "reading the ring position, slot and tag");
+  dtenjax::Status s = CopyAndWait(w, where.typed_data(), sizeof(w), cudaMemcpyDeviceToHost, stream,
+                                  "reading the ring position, slot and tag");
+  if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
   const size_t bytes = x.size_bytes();
-  if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return CudaError(e, "synchronising");
   const int32_t position = w[0], j = w[1];
   const uint32_t tag = uint32_t(w[2]);
   if (j < 0 || size_t(j) >= comm_ids.size()) {
@@ -94,14 +95,14 @@ ffi::Error HostAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
   }
   int buf = -1;
   void* host = nullptr;
-  dtenjax::Status s = comm->pool().Acquire(std::max<size_t>(bytes, 1), &buf, &host);
+  s = comm->pool().Acquire(std::max<size_t>(bytes, 1), &buf, &host);
   if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
   if (bytes) {
-    e = cudaMemcpyAsync(host, x.untyped_data(), bytes, cudaMemcpyDeviceToHost, stream);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-    if (e != cudaSuccess) {
+    s = CopyAndWait(host, x.untyped_data(), bytes, cudaMemcpyDeviceToHost, stream,
+                    "staging the input to host memory");
+    if (!s.ok()) {
       comm->pool().Release(buf);
-      return CudaError(e, "staging the input to host memory");
+      return dtenjax::ffi::ToFfiError(s);
     }
   }
   auto done = std::make_shared<std::promise<dtenjax::Status>>();
@@ -120,14 +121,12 @@ ffi::Error HostAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
   });
   if (s.ok()) s = result.get();  // AllReduce itself is bounded by the communicator's timeout
   comm->pool().Complete(buf);
-  if (s.ok() && bytes) {
-    e = cudaMemcpyAsync(out->untyped_data(), host, bytes, cudaMemcpyHostToDevice, stream);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);  // host buffer reused after release
+  if (s.ok() && bytes) {   // waited for: the host buffer is reused after its release
+    s = CopyAndWait(out->untyped_data(), host, bytes, cudaMemcpyHostToDevice, stream,
+                    "copying the result back to the device");
   }
   comm->pool().Release(buf);
-  if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
-  if (e != cudaSuccess) return CudaError(e, "copying the result back to the device");
-  return ffi::Error::Success();
+  return dtenjax::ffi::ToFfiError(s);
 }
 
 ffi::Error HostAllReduceCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,

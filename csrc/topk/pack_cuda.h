@@ -1,5 +1,5 @@
 // CUDA launcher for top-k compression's packing step: the same contract as
-// csrc/compress/topk_pack.h (first min(count, k) elements with |x| >= threshold, ascending index
+// csrc/topk/pack.h (first min(count, k) elements with |x| >= threshold, ascending index
 // order; unused slots idx = n, val = 0), without any host synchronisation, so it can run inside a
 // CUDA graph. The threshold is read from device memory.
 //

@@ -1,4 +1,4 @@
-// CUDA FFI handler for top-k compression's packing step (csrc/cuda/compress_pack.h).
+// CUDA FFI handler for top-k compression's packing step (csrc/topk/pack_cuda.h).
 //   dtenjax_topk_pack(x: f32[n], threshold: f32[])
 //       -> (idx: s32[k], val: f32[k], count: s32[], workspace: s32[B])
 // The workspace is an explicit result (no allocation inside), so the handler is command-buffer
@@ -7,7 +7,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "csrc/cuda/compress_pack.h"
+#include "csrc/topk/pack_cuda.h"
 #include "custom_calls/registry.h"
 #include "xla/ffi/api/ffi.h"
 

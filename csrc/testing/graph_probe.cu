@@ -30,11 +30,7 @@ Status LaunchScaleAdd(const float* x, const float* y, float scale, float* out, i
   const int64_t wanted = (n + kThreads - 1) / kThreads;
   const int blocks = static_cast<int>(wanted < 4096 ? wanted : 4096);
   ScaleAddKernel<<<blocks, kThreads, 0, stream>>>(x, y, scale, out, n);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return DTENJAX_ERROR(Code::kInternal,
-                         std::string("scale_add kernel launch failed: ") + cudaGetErrorString(err));
-  }
+  DTENJAX_CUDA_CHECK_LAUNCH("scale_add kernel");
   return Status::Ok();
 }
 

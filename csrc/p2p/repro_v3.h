@@ -1,6 +1,6 @@
 // Contract v3 of the reproducible sum (docs/collectives.md, dtenjax/_src/collectives/
 // fixed_point_v3.py) for the W values of one element, as the NVLink kernels compute it in
-// registers. Host and device code: the kernels include it through p2p_allreduce.cuh, and
+// registers. Host and device code: the kernels include it through allreduce.cuh, and
 // tests/test_p2p.py compiles it for the host and compares it with the numpy reference, so the
 // arithmetic is checked on machines without a GPU. No XLA, no CUDA runtime.
 //

@@ -1,5 +1,5 @@
-// Process-wide registry of symmetric regions and communicators (see p2p_registry.h).
-#include "csrc/cuda/p2p_registry.h"
+// Process-wide registry of symmetric regions and communicators (see registry.h).
+#include "csrc/p2p/registry.h"
 
 #include <unistd.h>
 
@@ -17,15 +17,6 @@
 
 namespace dtenjax::p2p {
 namespace {
-
-#define P2P_CUDA(call)                                                                    \
-  do {                                                                                    \
-    const cudaError_t _e = (call);                                                        \
-    if (_e != cudaSuccess) {                                                              \
-      return DTENJAX_ERROR(Code::kInternal, std::string(#call) + " failed: " +            \
-                                                cudaGetErrorString(_e));                  \
-    }                                                                                     \
-  } while (0)
 
 struct Region {
   char* base = nullptr;
@@ -60,16 +51,14 @@ uint64_t HostHash() {
 template <typename F>
 Status OnDevice(int ordinal, F fn) {
   int prev = 0;
-  P2P_CUDA(cudaGetDevice(&prev));
-  P2P_CUDA(cudaSetDevice(ordinal));
+  DTENJAX_CUDA_CHECK(cudaGetDevice(&prev));
+  DTENJAX_CUDA_CHECK(cudaSetDevice(ordinal));
   Status s = fn();
-  const cudaError_t e = cudaSetDevice(prev);
-  if (s.ok() && e != cudaSuccess) {
-    return DTENJAX_ERROR(Code::kInternal,
-                         std::string("cudaSetDevice (restoring the caller's device) failed: ") +
-                             cudaGetErrorString(e));
-  }
-  return s;
+  const cudaError_t restored = cudaSetDevice(prev);
+  DTENJAX_RETURN_IF_ERROR(s);
+  DTENJAX_CUDA_CHECK_AS(restored, Code::kInternal,
+                        "cudaSetDevice (restoring the caller's device) failed");
+  return Status::Ok();
 }
 
 void FreeRegion(char* base, uint32_t* err_host) {
@@ -82,22 +71,17 @@ void FreeRegion(char* base, uint32_t* err_host) {
 Status AllocRegion(size_t capacity, char** base, uint32_t** err_host, uint32_t** err_dev) {
   const size_t bytes = RegionBytes(capacity);
   void* p = nullptr;
-  const cudaError_t e = cudaMalloc(&p, bytes);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return DTENJAX_ERROR(Code::kResourceExhausted,
-                         "p2p: cannot allocate the " + std::to_string(bytes) +
-                             "-byte symmetric region (" + cudaGetErrorString(e) +
-                             "); lower DTENJAX_P2P_BUFFER_BYTES");
-  }
+  DTENJAX_CUDA_CHECK_AS(cudaMalloc(&p, bytes), Code::kResourceExhausted,
+                        "p2p: cannot allocate the " + std::to_string(bytes) +
+                            "-byte symmetric region (lower DTENJAX_P2P_BUFFER_BYTES)");
   void* h = nullptr;
   Status s = [&]() -> Status {
-    P2P_CUDA(cudaMemset(p, 0, bytes));  // zero flags and counters once; never reset afterwards
-    P2P_CUDA(cudaHostAlloc(&h, kErrorWords * sizeof(uint32_t), cudaHostAllocMapped));
+    DTENJAX_CUDA_CHECK(cudaMemset(p, 0, bytes));  // zero flags and counters once; never reset afterwards
+    DTENJAX_CUDA_CHECK(cudaHostAlloc(&h, kErrorWords * sizeof(uint32_t), cudaHostAllocMapped));
     std::memset(h, 0, kErrorWords * sizeof(uint32_t));
     void* d = nullptr;
-    P2P_CUDA(cudaHostGetDevicePointer(&d, h, 0));
-    P2P_CUDA(cudaDeviceSynchronize());
+    DTENJAX_CUDA_CHECK(cudaHostGetDevicePointer(&d, h, 0));
+    DTENJAX_CUDA_CHECK(cudaDeviceSynchronize());
     *err_dev = static_cast<uint32_t*>(d);
     return Status::Ok();
   }();
@@ -223,7 +207,7 @@ Status Connect(int ordinal, uint64_t key, int rank, int world, const Descriptor*
     if (d.pid == pid) {
       if (d.ordinal != ordinal) {
         int can = 0;
-        P2P_CUDA(cudaDeviceCanAccessPeer(&can, ordinal, d.ordinal));
+        DTENJAX_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, ordinal, d.ordinal));
         if (!can) {
           return DTENJAX_ERROR(Code::kUnavailable,
                                "p2p: device " + std::to_string(ordinal) +
@@ -231,14 +215,12 @@ Status Connect(int ordinal, uint64_t key, int rank, int world, const Descriptor*
                                    " peer-to-peer (no NVLink/PCIe P2P path; use algorithm='xla')");
         }
         DTENJAX_RETURN_IF_ERROR(OnDevice(ordinal, [&]() -> Status {
-          const cudaError_t e = cudaDeviceEnablePeerAccess(d.ordinal, 0);
-          if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
-            cudaGetLastError();
-            return DTENJAX_ERROR(Code::kUnavailable,
-                                 std::string("p2p: cudaDeviceEnablePeerAccess failed: ") +
-                                     cudaGetErrorString(e));
+          cudaError_t e = cudaDeviceEnablePeerAccess(d.ordinal, 0);
+          if (e == cudaErrorPeerAccessAlreadyEnabled) {
+            (void)cudaGetLastError();   // not an error here: clear it
+            e = cudaSuccess;
           }
-          cudaGetLastError();
+          DTENJAX_CUDA_CHECK_AS(e, Code::kUnavailable, "p2p: cudaDeviceEnablePeerAccess failed");
           return Status::Ok();
         }));
       }
@@ -255,14 +237,10 @@ Status Connect(int ordinal, uint64_t key, int rank, int world, const Descriptor*
         DTENJAX_RETURN_IF_ERROR(OnDevice(ordinal, [&]() -> Status {
           const cudaError_t e =
               cudaIpcOpenMemHandle(&opened, d.handle, cudaIpcMemLazyEnablePeerAccess);
-          if (e != cudaSuccess) {
-            cudaGetLastError();
-            opened = nullptr;
-            return DTENJAX_ERROR(Code::kUnavailable,
-                                 "p2p: cudaIpcOpenMemHandle of rank " + std::to_string(p) +
-                                     " failed: " + cudaGetErrorString(e) +
-                                     " (use algorithm='xla')");
-          }
+          if (e != cudaSuccess) opened = nullptr;
+          DTENJAX_CUDA_CHECK_AS(e, Code::kUnavailable,
+                                "p2p: cudaIpcOpenMemHandle of rank " + std::to_string(p) +
+                                    " failed (use algorithm='xla')");
           return Status::Ok();
         }));
       }
@@ -370,20 +348,20 @@ Status GetSimArena(int ordinal, int world, size_t capacity, bool create, SimAren
         a.error_host = eh;
         a.error_dev = ed;
       } else {
-        P2P_CUDA(cudaFreeHost(eh));
+        DTENJAX_CUDA_CHECK(cudaFreeHost(eh));
       }
     }
     // Every rank's blocks must be resident together or the barriers could never complete.
     int resident = 1 << 30;
-    for (int alg = 0; alg < 2; ++alg) {
-      for (int dt = 0; dt < 3; ++dt) {
-        for (Op op : {Op::kSum, Op::kRepSum, Op::kRepExact}) {
-          if (dt == 2 && op != Op::kSum) continue;   // no reproducible float16 kernels
+    for (Algorithm alg : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+      for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+        for (Reproducible rep : {Reproducible::kNone, Reproducible::kV3, Reproducible::kExact}) {
+          if (rep != Reproducible::kNone && !ReproducibleDType(dt)) continue;  // no such kernels
           LaunchArgs la;
           la.world = world;
-          la.algorithm = static_cast<Algorithm>(alg);
-          la.dtype = static_cast<DType>(dt);
-          la.op = op;
+          la.algorithm = alg;
+          la.dtype = dt;
+          la.reproducible = rep;
           int b = 0;
           DTENJAX_RETURN_IF_ERROR(MaxResidentBlocks(la, ordinal, &b));
           resident = b < resident ? b : resident;

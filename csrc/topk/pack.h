@@ -4,7 +4,7 @@
 // ascending index order, into fixed-size buffers idx[k] / val[k]; unused slots get idx = n (an
 // out-of-range index that a scatter with mode="drop" ignores) and val = 0. Returns count, the
 // number of elements with |x[i]| >= t (which may exceed k). NaN never passes the threshold.
-// The CUDA launcher (csrc/cuda/compress_pack.h) produces identical outputs.
+// The CUDA launcher (csrc/topk/pack_cuda.h) produces identical outputs.
 #pragma once
 
 #include <cstdint>

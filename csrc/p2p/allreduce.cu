@@ -2,8 +2,8 @@
 // launch, check the launch. No allocation, no stream query, no synchronisation (CUDA-graph safe).
 #include <string>
 
-#include "csrc/cuda/p2p_allreduce.h"
-#include "csrc/cuda/p2p_kernels.h"
+#include "csrc/p2p/allreduce.h"
+#include "csrc/p2p/kernels.h"
 
 namespace dtenjax::p2p {
 namespace {
@@ -16,7 +16,7 @@ Algorithm Effective(const LaunchArgs& a) {
 }
 
 KernelFn PickKernel(const LaunchArgs& a, Algorithm alg) {
-  const int rep = RepMode(a.op);
+  const int rep = static_cast<int>(a.reproducible);
   switch (a.dtype) {
     case DType::kF32: return PickF32(alg, a.world, rep);
     case DType::kBF16: return PickBF16(alg, a.world, rep);
@@ -38,8 +38,10 @@ Status Validate(const LaunchArgs& a) {
                     "p2p all-reduce: blocks per rank " + std::to_string(a.blocks) +
                         " is outside [1, " + std::to_string(kMaxBlocks) + "]");
   DTENJAX_CHECK_ARG(a.count >= 0, "p2p all-reduce: negative element count");
-  DTENJAX_CHECK_ARG(RepMode(a.op) == 0 || a.dtype != DType::kF16,
+  DTENJAX_CHECK_ARG(a.reproducible == Reproducible::kNone || ReproducibleDType(a.dtype),
                     "p2p all-reduce: the reproducible sums support float32 and bfloat16 only");
+  DTENJAX_CHECK_ARG(a.reproducible == Reproducible::kNone || a.op == Op::kSum,
+                    "p2p all-reduce: a reproducible contract is a sum (op sum; mean divides it)");
   const size_t bytes = static_cast<size_t>(a.count) * DTypeBytes(a.dtype);
   DTENJAX_CHECK_ARG(bytes <= a.capacity,
                     "p2p all-reduce: a chunk of " + std::to_string(bytes) +
@@ -82,30 +84,22 @@ Status LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream) {
   if (fn == nullptr) return DTENJAX_ERROR(Code::kInvalidArgument, "p2p all-reduce: no kernel");
   dim3 grid(static_cast<unsigned>(args.blocks), static_cast<unsigned>(args.local_ranks));
   fn<<<grid, kThreads, 0, stream>>>(args);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    return DTENJAX_ERROR(Code::kInternal,
-                         std::string("p2p all-reduce launch failed: ") + cudaGetErrorString(e));
-  }
+  DTENJAX_CUDA_CHECK_LAUNCH("p2p all-reduce");
   return Status::Ok();
 }
 
 Status MaxResidentBlocks(const LaunchArgs& args, int device, int* blocks) {
   int per_sm = 1 << 30, sms = 0;
-  cudaError_t e = cudaSuccess;
   for (Algorithm alg : {args.algorithm, Algorithm::kOneShotLL}) {
     KernelFn fn = PickKernel(args, alg);
     if (fn == nullptr) return DTENJAX_ERROR(Code::kInvalidArgument, "p2p all-reduce: no kernel");
     int n = 0;
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, 0);
-    if (e != cudaSuccess) break;
+    DTENJAX_CUDA_CHECK_AS(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, 0),
+                          Code::kInternal, "p2p occupancy query failed");
     per_sm = n < per_sm ? n : per_sm;
   }
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e != cudaSuccess) {
-    return DTENJAX_ERROR(Code::kInternal,
-                         std::string("p2p occupancy query failed: ") + cudaGetErrorString(e));
-  }
+  DTENJAX_CUDA_CHECK_AS(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+                        Code::kInternal, "p2p occupancy query failed");
   *blocks = per_sm * sms;
   return Status::Ok();
 }

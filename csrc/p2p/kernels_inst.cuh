@@ -1,10 +1,15 @@
 // Instantiates the one-shot and two-shot kernels of one dtype for worlds 2..8 and every
 // reduction mode (plain; reproducible v3 and exact where DTENJAX_P2P_REP) (included once by
-// each p2p_kernels_<dtype>.cu with DTENJAX_P2P_T, DTENJAX_P2P_PICK and DTENJAX_P2P_REP defined).
-#include "csrc/cuda/p2p_allreduce.cuh"
-#include "csrc/cuda/p2p_kernels.h"
+// each kernels_<dtype>.cu with DTENJAX_P2P_T, DTENJAX_P2P_DTYPE, DTENJAX_P2P_PICK and
+// DTENJAX_P2P_REP defined; DTENJAX_P2P_REP must say what the vocabulary says of the dtype).
+#include "csrc/p2p/allreduce.cuh"
+#include "csrc/p2p/kernels.h"
 
 namespace dtenjax::p2p {
+static_assert(ReproducibleDType(DTENJAX_P2P_DTYPE) == static_cast<bool>(DTENJAX_P2P_REP),
+              "DTENJAX_P2P_REP disagrees with DTENJAX_P2P_DTYPES in csrc/p2p/vocabulary.h");
+static_assert(DTypeBytes(DTENJAX_P2P_DTYPE) == sizeof(DTENJAX_P2P_T),
+              "DTENJAX_P2P_T is not the size csrc/p2p/vocabulary.h gives its dtype");
 namespace {
 
 template <typename T, int W, int kMode>

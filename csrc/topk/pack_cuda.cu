@@ -6,7 +6,7 @@
 //                    offset[b] + (prefix within the chunk), ascending index order, while < k
 //   4. FillKernel:   slots [min(count, k), k) get idx = n, val = 0
 // Each pass reads x once with 16-byte loads, so the whole step moves about 2 * 4n bytes.
-#include "csrc/cuda/compress_pack.h"
+#include "csrc/topk/pack_cuda.h"
 
 #include <string>
 
@@ -170,16 +170,6 @@ __global__ void FillKernel(const int32_t* __restrict__ total, int64_t n, int64_t
   }
 }
 
-Status LastError(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    return DTENJAX_ERROR(Code::kInternal,
-                         std::string("topk pack: ") + what + " launch failed: " +
-                             cudaGetErrorString(e));
-  }
-  return Status::Ok();
-}
-
 }  // namespace
 
 Status LaunchPackAboveThreshold(const float* x, int64_t n, const float* threshold, int64_t k,
@@ -200,9 +190,9 @@ Status LaunchPackAboveThreshold(const float* x, int64_t n, const float* threshol
   } else {
     CountKernel<false><<<grid, kThreads, 0, stream>>>(x, n, threshold, chunk_tiles, workspace);
   }
-  DTENJAX_RETURN_IF_ERROR(LastError("count"));
+  DTENJAX_CUDA_CHECK_LAUNCH("topk pack: count");
   ScanKernel<<<1, kScanThreads, 0, stream>>>(workspace, num_blocks, count);
-  DTENJAX_RETURN_IF_ERROR(LastError("scan"));
+  DTENJAX_CUDA_CHECK_LAUNCH("topk pack: scan");
   if (k == 0) return Status::Ok();
   if (vec) {
     WriteKernel<true><<<grid, kThreads, 0, stream>>>(x, n, threshold, chunk_tiles, workspace, k,
@@ -211,10 +201,11 @@ Status LaunchPackAboveThreshold(const float* x, int64_t n, const float* threshol
     WriteKernel<false><<<grid, kThreads, 0, stream>>>(x, n, threshold, chunk_tiles, workspace, k,
                                                       idx, val);
   }
-  DTENJAX_RETURN_IF_ERROR(LastError("write"));
+  DTENJAX_CUDA_CHECK_LAUNCH("topk pack: write");
   const unsigned fill_blocks = static_cast<unsigned>((k + kThreads - 1) / kThreads);
   FillKernel<<<fill_blocks, kThreads, 0, stream>>>(count, n, k, idx, val);
-  return LastError("fill");
+  DTENJAX_CUDA_CHECK_LAUNCH("topk pack: fill");
+  return Status::Ok();
 }
 
 }  // namespace dtenjax::compress

@@ -7,10 +7,10 @@
 //    sum by W (RNE) before that rounding.
 //  * Op::kMax / kMin: the rank-order fold of `>` / `<` selections; any NaN gives the canonical
 //    quiet NaN.
-//  * Op::kRepSum: the reproducible sum of contract v3 (docs/collectives.md), in registers as the
-//    peers' floats are read (p2p_repro_v3.h): one int32 word per value against the element's
+//  * Reproducible::kV3: the reproducible sum of contract v3 (docs/collectives.md), in registers as the
+//    peers' floats are read (repro_v3.h): one int32 word per value against the element's
 //    common exponent, an int32 sum, one rounding to T. The same bits as the XLA path.
-//  * Op::kRepExact: the exact fixed-point sum of contract v2: codes and quantisation from the
+//  * Reproducible::kExact: the exact fixed-point sum of contract v2: codes and quantisation from the
 //    float bits with integer operations, an int64 sum, and the XLA path's decode to float32
 //    (then one RNE rounding to T), so that it equals the XLA path bit for bit.
 //  The kernels are compiled without -ftz: subnormal operands and results are IEEE.
@@ -32,8 +32,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "csrc/cuda/p2p_allreduce.h"
-#include "csrc/cuda/p2p_repro_v3.h"
+#include "csrc/p2p/allreduce.h"
+#include "csrc/p2p/repro_v3.h"
 
 namespace dtenjax::p2p::device {
 
@@ -214,7 +214,10 @@ __device__ __forceinline__ float FixedSum(const float* v, bool mean) {
 }
 
 
-enum RepMode : int { kPlain = 0, kRepV3 = 1, kRepExact = 2 };
+// The reduction a kernel instance computes (its template parameter kMode): int(Reproducible).
+constexpr int kPlain = static_cast<int>(Reproducible::kNone);
+constexpr int kRepV3 = static_cast<int>(Reproducible::kV3);
+constexpr int kRepExact = static_cast<int>(Reproducible::kExact);
 
 template <typename T, int W, int kMode>
 __device__ __forceinline__ float ReduceElem(const float* v, Op op, bool mean) {

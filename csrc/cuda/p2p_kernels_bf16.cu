@@ -1,5 +1,0 @@
-// Kernel instances for __nv_bfloat16 (see p2p_kernels_inst.cuh).
-#define DTENJAX_P2P_T __nv_bfloat16
-#define DTENJAX_P2P_PICK PickBF16
-#define DTENJAX_P2P_REP 1
-#include "csrc/cuda/p2p_kernels_inst.cuh"

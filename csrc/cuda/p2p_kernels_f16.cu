@@ -1,5 +1,0 @@
-// Kernel instances for __half (see p2p_kernels_inst.cuh).
-#define DTENJAX_P2P_T __half
-#define DTENJAX_P2P_PICK PickF16
-#define DTENJAX_P2P_REP 0
-#include "csrc/cuda/p2p_kernels_inst.cuh"

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from dtenjax._src import errors
+from dtenjax._src.collectives.algorithms import registry
 from dtenjax._src.planning import costmodel as cm
 from dtenjax._src.topology.model import LinkSpec, Topology
 
@@ -33,8 +34,13 @@ def test_table_values_used_below():
   assert DGX.device(0).platform == "gpu"
 
 
+def _cost(name):
+  """A record's cost formulas (they live with the record, collectives/algorithms/<name>.py)."""
+  return registry.get(name).cost
+
+
 def _t(kind, algorithm, group, topo=DGX, nbytes=N, **kw):
-  return cm.collective_time(kind, nbytes, list(group), topo, algorithm, costs=GPU, **kw)
+  return cm.collective_time(kind, nbytes, list(group), topo, _cost(algorithm), costs=GPU, **kw)
 
 
 def test_all_reduce_inside_a_host():
@@ -116,23 +122,14 @@ def test_hierarchical_needs_a_proper_island_split():
   assert cm.island_groups([0, 8, 16], ROCE) is None              # islands of one device
   assert cm.island_groups(list(range(8)), PCIE) == ((0, 1, 2, 3), (4, 5, 6, 7))
   for topo, g in ((DGX, range(8)), (ROCE, [0, 1, 8]), (ROCE, range(8))):
-    assert cm.collective_time("all_reduce", N, list(g), topo, "hierarchical") == math.inf
-    assert "hierarchical" not in dict(cm.rank_algorithms("all_reduce", N, list(g), topo))
+    for name in ("hierarchical", "host_hierarchical"):
+      assert cm.collective_time("all_reduce", N, list(g), topo, _cost(name)) == math.inf
 
 
 def test_trivial_groups_and_ppermute():
-  assert cm.collective_time("all_reduce", N, [3], DGX, "ring") == 0.0
-  assert cm.collective_time("all_reduce", N, [], DGX, "xla") == 0.0
+  assert cm.collective_time("all_reduce", N, [3], DGX, _cost("ring")) == 0.0
+  assert cm.collective_time("all_reduce", N, [], DGX) == 0.0
   assert _t("ppermute", "xla", [0, 8], ROCE) == pytest.approx(L + ROCE_A + N / ROCE_BW)
-
-
-def test_rank_algorithms_sorted_and_ties_by_name():
-  ranked = cm.rank_algorithms("all_reduce", N, list(range(8)), DGX, costs=GPU)
-  times = [t for _, t in ranked]
-  assert times == sorted(times)
-  assert {a for a, _ in ranked} == {"xla", "ring", "one_shot", "two_shot"}
-  zero = cm.rank_algorithms("all_reduce", N, [0], DGX, ["xla", "ring"])
-  assert zero == [("ring", 0.0), ("xla", 0.0)]          # a tie: the name decides
 
 
 def test_crossover_comes_from_the_model():
@@ -140,17 +137,18 @@ def test_crossover_comes_from_the_model():
   # nvlink one_shot - two_shot = -2a + N (5.25 / bw + 6 / bw_local): two-shot wins above
   slope = 5.25 / NV_BW + 6 / LOCAL_BW
   want = math.floor(2 * NV_A / slope) + 1
-  got = cm.crossover_bytes("nvlink_one_shot", "nvlink_two_shot", g, DGX, costs=GPU)
+  one, two = _cost("nvlink_one_shot"), _cost("nvlink_two_shot")
+  got = cm.crossover_bytes(one, two, g, DGX, costs=GPU)
   assert got == want
   # a slower link latency moves the threshold up: it is not a constant
   slow = DGX.with_links({"nvlink": LinkSpec(300.0, 5.0)})
-  assert cm.crossover_bytes("nvlink_one_shot", "nvlink_two_shot", g, slow, costs=GPU) == \
+  assert cm.crossover_bytes(one, two, g, slow, costs=GPU) == \
       math.floor(2 * 5e-6 / slope) + 1
   # the NCCL/kernel launch costs decide where the NVLink kernel stops beating psum
-  k = cm.crossover_bytes("nvlink_one_shot", "xla", g, DGX, costs=GPU)
+  k = cm.crossover_bytes(one, cm.XLA, g, DGX, costs=GPU)
   slope_x = 7 / NV_BW + 9 / LOCAL_BW - 1.75 / NV_BW - 2 / LOCAL_BW
   assert k == math.floor((L - K) / slope_x) + 1
-  assert cm.crossover_bytes("two_shot", "one_shot", g, DGX, costs=GPU) is None
+  assert cm.crossover_bytes(_cost("two_shot"), _cost("one_shot"), g, DGX, costs=GPU) is None
 
 
 def test_backend_costs_are_data(tmp_path, monkeypatch):
@@ -160,7 +158,7 @@ def test_backend_costs_are_data(tmp_path, monkeypatch):
   assert cm.backend_costs("gpu").xla_collective_us == 30.0
   assert cm.backend_costs("gpu").nvlink_kernel_us == GPU.nvlink_kernel_us
   assert cm.backend_costs("cpu") == cm.BACKEND_COSTS["cpu"]
-  assert cm.collective_time("all_reduce", N, list(range(8)), DGX, "xla") == pytest.approx(
+  assert cm.collective_time("all_reduce", N, list(range(8)), DGX) == pytest.approx(
       _t("all_reduce", "xla", range(8)) + 12e-6)
   path.write_text(json.dumps({"gpu": {"launch": 1}}))
   monkeypatch.setenv("DTENJAX_COST_PARAMS", str(tmp_path / "other.json"))
@@ -176,8 +174,10 @@ def test_backend_costs_are_data(tmp_path, monkeypatch):
 def test_errors():
   with pytest.raises(errors.CollectiveError, match="unknown collective kind 'allreduce'"):
     cm.collective_time("allreduce", N, [0, 1], DGX)
-  with pytest.raises(errors.CollectiveError, match="unknown algorithm 'tree'"):
+  with pytest.raises(errors.CollectiveError, match="cost='tree' is not a costmodel.Cost"):
     cm.collective_time("all_reduce", N, [0, 1], DGX, "tree")
+  with pytest.raises(errors.CollectiveError, match="all_gather is priced as XLA's own op"):
+    cm.collective_time("all_gather", N, [0, 1], DGX, _cost("ring"))
   with pytest.raises(errors.CollectiveError, match="nbytes=-1"):
     cm.collective_time("all_reduce", -1, [0, 1], DGX)
 

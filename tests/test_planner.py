@@ -37,22 +37,20 @@ def _cand(plan, strategy):
   return next(c for c in plan.candidates if c.strategy == strategy)
 
 
-def _linear(nbytes, group, topology):
+def _linear(nbytes, group, axis_sizes, topology, dtype):
   """Constructed all-reduce price: 1 us per participant + 1 ns per byte, x10 when the group spans
   hosts (8 devices per host in both fixtures, ids 0-7 on the first)."""
-  del topology
-  if len(group) <= 1 or nbytes <= 0:
-    return 0.0
+  del axis_sizes, topology, dtype
+  assert len(group) > 1 and nbytes > 0       # the planner prices trivial all-reduces as 0 itself
   cross = len({i // 8 for i in group}) > 1
   return (1e-6 * len(group) + 1e-9 * nbytes) * (10 if cross else 1)
 
 
 @pytest.fixture
 def linear_costs(monkeypatch):
-  planner._plan_cached.cache_clear()
-  monkeypatch.setattr(planner, "_allreduce_s", _linear)
-  yield
-  planner._plan_cached.cache_clear()
+  """The planner's default all-reduce pricing (the registry's, installed by the collectives
+  layer) replaced by :func:`_linear`."""
+  monkeypatch.setitem(planner._all_reduce_time, "default", _linear)
 
 
 # --- the seed's reference table (real cost model) --------------------------------------------

@@ -2,12 +2,20 @@
 here from the documented formulas and the table values), backend costs as data, island splits,
 crossover thresholds derived from the model."""
 
+import dataclasses
 import json
 import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh, PartitionSpec
 
 from dtenjax._src import errors
+from dtenjax._src import hlo
+from dtenjax._src.collectives import api as C
+from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import registry
 from dtenjax._src.planning import costmodel as cm
 from dtenjax._src.topology.model import LinkSpec, Topology
@@ -43,20 +51,86 @@ def _t(kind, algorithm, group, topo=DGX, nbytes=N, **kw):
   return cm.collective_time(kind, nbytes, list(group), topo, _cost(algorithm), costs=GPU, **kw)
 
 
-def test_all_reduce_inside_a_host():
-  g = range(8)
-  assert _t("all_reduce", "xla", g) == pytest.approx(L + 2 * (NV_A + 7 / 8 * N / NV_BW) + 2 * N * M)
-  assert _t("all_reduce", "one_shot", g) == pytest.approx(
-      L + NV_A + 7 * N / NV_BW + P + 16 * N * M)
-  assert _t("all_reduce", "two_shot", g) == pytest.approx(
-      2 * L + 2 * NV_A + 2 * 7 / 8 * N / NV_BW + P + 3 * N * M)
-  # ring: 7 ppermute steps of N/8 with an add each, then one all-gather of N/8 per rank
-  assert _t("all_reduce", "ring", g) == pytest.approx(
-      7 * (L + NV_A + N / 8 / NV_BW) + 7 * P + (L + NV_A + 7 / 8 * N / NV_BW) + 3 * N * M)
-  assert _t("all_reduce", "nvlink_one_shot", g) == pytest.approx(
-      K + 2 * NV_A + 7 * N / NV_BW + 9 * N * M)
-  assert _t("all_reduce", "nvlink_two_shot", g) == pytest.approx(
-      K + 4 * NV_A + 2 * 7 / 8 * N / NV_BW + 3 * N * M)
+# --- every formula charges what its program does --------------------------------------------
+
+AX = ("o", "i")
+E = 8192                    # float32 elements per device: divisible by every chunking used
+NB = 4 * E
+
+
+def _coefficients(cost, kind, reproducible=False):
+  """(XLA collectives, NVLink kernels, link latencies, link bytes) a formula charges for ``NB``
+  bytes over devices 0-7: its derivatives in L, K, alpha and beta (each formula is linear in
+  them), on pcie_8 (islands 0-3 and 4-7) with one link spec inside and across the islands, so the
+  link bytes do not depend on how a formula splits them between the two."""
+  def at(bw=10.0, latency_us=5.0, **fixed):
+    spec = LinkSpec(bw, latency_us)
+    topo = PCIE.with_links({"pcie": spec, "numa_cross": spec})
+    return cm.collective_time(kind, NB, list(range(8)), topo, cost, reproducible=reproducible,
+                              costs=dataclasses.replace(GPU, **fixed))
+  d_l = at(xla_collective_us=1e6) - at(xla_collective_us=0.0)
+  d_k = at(nvlink_kernel_us=1e6) - at(nvlink_kernel_us=0.0)
+  d_a = at(latency_us=1e6) - at(latency_us=0.0)
+  d_b = (at(bw=10.0) - at(bw=20.0)) / (1 / 10e9 - 1 / 20e9)
+  return d_l, d_k, d_a, d_b
+
+
+def _received(c):
+  """Bytes one rank receives over links in collective ``c`` (an all-reduce as a ring: a
+  reduce-scatter and an all-gather, (g - 1) / g of the buffer each)."""
+  if c.kind == "ppermute":
+    return c.nbytes
+  g = len(c.replica_groups[0]) if c.replica_groups else 8
+  share = (g - 1) / g * c.nbytes
+  return 2 * share if c.kind == "all_reduce" else share
+
+
+def _program(name, kind, reproducible, mesh):
+  if kind == "all_reduce":
+    f = lambda v: C.all_reduce(v, AX, algorithm=name, reproducible=reproducible)
+  else:
+    f = lambda v: C.reduce_scatter(v, AX, algorithm=name, tiled=True, reproducible=reproducible)
+  step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=PartitionSpec(AX),
+                               out_specs=PartitionSpec(AX)))
+  return hlo.read_compiled(step.lower(jnp.zeros((8 * E,), jnp.float32)).compile())
+
+
+@pytest.mark.parametrize("kind,reproducible", [("all_reduce", False), ("reduce_scatter", False),
+                                               ("all_reduce", True)])
+def test_every_formula_charges_the_collectives_and_link_bytes_its_program_has(
+    cpu_devices, kind, reproducible):
+  """For every record that runs on CPU, the formula's number of XLA collectives (its derivative
+  in L) and link bytes (in beta) are those of the program XLA compiles for it, read from the
+  compiled HLO: a formula that drifts from its implementation, or a record whose formula is
+  missing (inf), fails here."""
+  mesh = Mesh(np.array(cpu_devices).reshape(2, 4), AX)
+  call = base.Call(kind, "sum", jnp.float32, AX, (2, 4), NB, backend="cpu",
+                   reproducible=reproducible)
+  records = [a for a in registry.REGISTRY if a.why_not(call) is None]
+  assert {"xla", "ring", "one_shot", "two_shot"} <= {a.name for a in records}
+  for a in records:
+    module = _program(a.name, kind, reproducible, mesh)
+    ops = [c for c in module.collectives()]
+    assert ops and all(not c.kind.startswith("custom:") for c in ops), (a.name, ops)
+    d_l, d_k, _, d_b = _coefficients(a.cost, kind, reproducible)
+    assert d_l == pytest.approx(len(ops)), (a.name, [c.kind for c in ops])
+    assert d_k == 0, a.name
+    assert d_b == pytest.approx(sum(_received(c) for c in ops)), (a.name, ops)
+
+
+def test_nvlink_formulas_charge_one_kernel_its_barriers_and_the_peer_reads():
+  """docs/p2p.md: one kernel launch and no XLA collective; one_shot has every rank read the n - 1
+  peers' buffers behind one barrier, two_shot reduces its segment from the peers and copies the
+  others' reduced segments back, behind two barriers (a barrier is a flag write and a wait: two
+  link latencies). The reproducible sums move the same bytes (converted in registers)."""
+  n = 8
+  for name, barriers, link_bytes in (("nvlink_one_shot", 1, (n - 1) * NB),
+                                     ("nvlink_two_shot", 2, 2 * (n - 1) / n * NB)):
+    for reproducible in (False, True):
+      d_l, d_k, d_a, d_b = _coefficients(_cost(name), "all_reduce", reproducible)
+      assert (d_l, d_k) == (0, pytest.approx(1.0)), name
+      assert d_a == pytest.approx(2 * barriers) and d_b == pytest.approx(link_bytes), name
+    assert _t("reduce_scatter", name, range(8)) == math.inf        # the kernels only all-reduce
 
 
 def test_one_shot_across_hosts_pays_latency_per_peer():

@@ -24,6 +24,7 @@ from typing import NamedTuple
 from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src.collectives.algorithms import base
+from dtenjax._src.collectives.algorithms import butterfly
 from dtenjax._src.collectives.algorithms import hierarchical
 from dtenjax._src.collectives.algorithms import host
 from dtenjax._src.collectives.algorithms import nvlink
@@ -43,6 +44,7 @@ REGISTRY: tuple[base.Algorithm, ...] = (
     hierarchical.ALGORITHM,
     one_shot.ALGORITHM,
     two_shot.ALGORITHM,
+    butterfly.ALGORITHM,
 )
 
 # The public algorithms: every record's family, those with an XLA-native record of that name first.

@@ -363,7 +363,8 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
     op: "sum", "mean", "max" or "min".
     algorithm: "auto" (cost model over every algorithm that supports the call), a family --
       "xla", "ring", "hierarchical" (needs >= 2 axes: the last is the fast island axis),
-      "one_shot", "two_shot" -- or a registry record such as "nvlink_one_shot" or "host_ring".
+      "one_shot", "two_shot", "butterfly" (power-of-two worlds) -- or a registry record such as
+      "nvlink_one_shot" or "host_ring" (``algorithms/registry.py`` lists them).
     deterministic: fixed reduction order (see the module docstring for what "xla" means here).
     reproducible: True for the fixed-point sum of contract v3 (one word per value), "exact" for
       contract v2; the same bits for every algorithm and device split.
@@ -510,9 +511,10 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
   the scattered dimension must have the axis size and is removed; with ``tiled=True`` it is split
   into equal blocks. The result varies over ``axis_name`` (as psum_scatter's); the transpose is
   :func:`all_gather`.
-  Algorithms: "ring" (ppermute ring), "one_shot" (all_gather + ordered reduction of the owned
-  block), "two_shot" (all_to_all + ordered reduction), "xla" (psum_scatter where its order is
-  fixed, see ``algorithms/xla.py``), "auto". ``reproducible=True`` (contract v3) or ``"exact"``
+  Algorithms: "ring" (ppermute ring), "butterfly" (recursive halving over ppermute, power-of-two
+  worlds), "one_shot" (all_gather + ordered reduction of the owned block), "two_shot"
+  (all_to_all + ordered reduction), "xla" (psum_scatter where its order is fixed, see
+  ``algorithms/xla.py``), "auto". ``reproducible=True`` (contract v3) or ``"exact"``
   (v2): the codes are MAX-reduced over the full input, the int32 words reduce-scattered, rank r
   decodes block r (the same bits as ``all_reduce(..., reproducible=...)`` of that block).
   """

@@ -131,6 +131,7 @@ def test_nvlink_formulas_charge_one_kernel_its_barriers_and_the_peer_reads():
       assert (d_l, d_k) == (0, pytest.approx(1.0)), name
       assert d_a == pytest.approx(2 * barriers) and d_b == pytest.approx(link_bytes), name
     assert _t("reduce_scatter", name, range(8)) == math.inf        # the kernels only all-reduce
+    assert _t("all_reduce", name, [0, 8], ROCE) == math.inf          # nor leave the host
 
 
 def test_one_shot_across_hosts_pays_latency_per_peer():

@@ -52,12 +52,18 @@ def _reproducible(family: str, stack, call: base.Call):
 
 
 def _one_shot_time(t: costmodel.Terms, N: float) -> float:
-  """The kernel reads every peer's buffer (n N) and writes the result (N)."""
+  """The kernel reads every peer's buffer (n N) and writes the result (N); inf for a group that
+  leaves the host (peer memory does not reach another host)."""
+  if not t.intra_host:
+    return costmodel.INF
   return t.K + 2 * t.a + (t.n - 1) * N * t.b + (t.n + 1) * N * t.m
 
 
 def _two_shot_time(t: costmodel.Terms, N: float) -> float:
-  """Each rank reduces its segment from every peer, then every rank reads the segments."""
+  """Each rank reduces its segment from every peer, then every rank reads the segments; inf for
+  a group that leaves the host."""
+  if not t.intra_host:
+    return costmodel.INF
   return t.K + 4 * t.a + 2 * (t.n - 1) / t.n * N * t.b + 3 * N * t.m
 
 

@@ -339,6 +339,8 @@ class FakeP2P:
       problems.append(f"op {op!r} is not one of {self.OPS}")
     if reproducible and jnp.dtype(dtype) not in self.DTYPES[:2]:
       problems.append("reproducible needs float32 or bfloat16")
+    if reproducible and op not in ("sum", "mean"):
+      problems.append(f"op {op!r} has no reproducible form")
     if nbytes < 0:
       problems.append("negative size")
     return (not problems, "; ".join(problems))
@@ -371,14 +373,22 @@ def fake_gpu(monkeypatch):
   return fake
 
 
-def test_fake_p2p_rejects_what_the_real_one_rejects(fake_gpu):
-  assert fake_gpu.supported(8, 64, jnp.float32) == (True, "")
-  for args, kw, word in (((9, 64, jnp.float32), {}, "world size 9"),
-                         ((8, 64, jnp.int32), {}, "int32"),
-                         ((8, 64, jnp.float32), {"op": "prod"}, "'prod'"),
-                         ((8, 64, jnp.float16), {"reproducible": True}, "reproducible")):
-    ok, why = fake_gpu.supported(*args, **kw)
-    assert not ok and word in why
+def test_fake_p2p_rejects_what_the_real_one_rejects(monkeypatch):
+  """The fake's supported() against gpu/p2p.py's own, call for call, over worlds, dtypes, ops and
+  both reproducible contracts, with the real one told the kernels are built (on a machine without
+  them it refuses everything, which says nothing about the contract)."""
+  from dtenjax._src.gpu import p2p  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(p2p, "unavailable_reason", lambda: None)
+  fake, accepted = FakeP2P(), 0
+  for world in (0, 1, 2, 7, 8, 9, 16):
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64, jnp.int32, jnp.uint8):
+      for op in ("sum", "mean", "max", "min", "prod"):
+        for reproducible in (False, "v3", "exact"):
+          args, kw = (world, 4096, dtype), dict(op=op, reproducible=reproducible)
+          want, why = p2p.supported(*args, **kw)
+          assert fake.supported(*args, **kw)[0] == want, (args, kw, why)
+          accepted += want
+  assert 0 < accepted < 7 * 6 * 5 * 3 // 2               # the grid holds both answers
 
 
 def test_gpu_one_shot_and_two_shot_dispatch_to_p2p_with_the_contract_fallback(mesh, fake_gpu):
@@ -409,19 +419,29 @@ def test_gpu_records_refuse_what_p2p_cannot_run(mesh, fake_gpu):
                                                        contributions=2))
 
 
-def test_auto_never_picks_a_record_that_rejects_the_call(mesh, fake_gpu, monkeypatch):
-  # p2p that rejects mean (as the old kernel did): auto must not pick it for op="mean"
+def test_auto_never_picks_a_record_that_rejects_the_call(fake_gpu, monkeypatch):
+  """On a GPU topology where the NVLink kernel is the cheapest record, auto (traced and
+  plan_all_reduce) and the planner take it exactly when its supports() accepts the call: here a
+  p2p that rejects op="mean", as the first kernel did."""
   real = fake_gpu.supported
 
   def no_mean(world, nbytes, dtype, *, op="sum", reproducible=False):
     return (False, "op 'mean' is not supported") if op == "mean" else real(
         world, nbytes, dtype, op=op, reproducible=reproducible)
   monkeypatch.setattr(fake_gpu, "supported", no_mean)
+  dgx = C.Topology.fixture("dgx_a100_8")
+  monkeypatch.setattr(C.Topology, "current", classmethod(lambda cls: dgx))
   x = _wide((4, 64), 3).reshape(-1)
   m4 = Mesh(np.array(jax.devices("cpu")[:4]), ("i",))
-  y = np.asarray(_smap(m4, lambda v: C.all_reduce(v, "i", op="mean"), "i")(x))
-  assert fake_gpu.calls == []
-  np.testing.assert_allclose(y[:64], x.reshape(4, 64).mean(0), rtol=1e-6, atol=1e-6)
+  for op, kernel in (("sum", True), ("mean", False)):
+    ch = C.plan_all_reduce(8 << 10, [0, 1, 2, 3], dgx, op=op, dtype=jnp.float32, backend="gpu")
+    assert ch.algorithm.startswith("nvlink_") == kernel, ch.reason
+    y = np.asarray(_smap(m4, lambda v, op=op: C.all_reduce(v, "i", op=op), "i")(x))
+    assert (fake_gpu.calls != []) == kernel, fake_gpu.calls
+    fake_gpu.calls.clear()
+    want = x.reshape(4, 64).sum(0) if op == "sum" else x.reshape(4, 64).mean(0)
+    np.testing.assert_allclose(y[:64], want, rtol=1e-5, atol=1e-5)
+  assert "nvlink_one_shot: op 'mean' is not supported" in ch.reason
 
 
 def test_gpu_reproducible_goes_to_the_fused_kernel_and_falls_back_to_the_same_bits(mesh,

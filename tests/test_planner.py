@@ -68,6 +68,23 @@ def test_seed_table_roce_goes_row_with_cross_host_gradient_allreduce():
   assert "all-reduced across 'host'" in _cand(p, "row").note
 
 
+def test_the_planner_prices_only_what_can_run_the_all_reduce():
+  """pcie_8 has two islands of 4, which makes 'hierarchical' the cheapest all-reduce of the
+  gradient over a 2-D mesh; on a 1-D mesh that record cannot run (it needs two mesh axes), so the
+  planner must price what auto would run there: one chooser, honouring supports()."""
+  import dtenjax  # pylint: disable=g-import-not-at-top
+  pcie = Topology.fixture("pcie_8")
+  ids = list(range(8))
+  over = {s: dtenjax.plan_all_reduce(W, ids, pcie, dtype="bfloat16", axis_sizes=s)
+          for s in ((8,), (2, 4))}
+  assert over[(2, 4)].algorithm == "hierarchical" and "hierarchical" not in over[(8,)].times
+  overlap = Workload().grad_overlap
+  for mesh_shape, names in (((8,), ("x",)), ((2, 4), ("x", "y"))):
+    replicate = _cand(_plan(pcie, (4096, 4096), mesh_shape, names), "replicate")
+    cheapest = min(over[mesh_shape].times.values())
+    assert replicate.comm_s == pytest.approx((1 - overlap) * cheapest), mesh_shape
+
+
 # --- constructed cases: every number worked out by hand -------------------------------------
 
 def test_candidate_costs_match_the_documented_model(linear_costs):

@@ -376,11 +376,6 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
   _check_common("all_reduce", op, algorithm)
   reproducible = repro.contract_of(reproducible)
   axes = check_axes(axis_name, "all_reduce")
-  if algorithm == "hierarchical" and len(axes) < 2:
-    raise errors.CollectiveError(
-        f"all_reduce: algorithm='hierarchical' needs two mesh axes (islands, devices per "
-        f"island), got axis_name={axis_name!r}; pass e.g. axis_name=('host', 'local') or use "
-        "algorithm='two_shot'/'ring'.")
   if local_axis is not None and not reproducible and op in ("sum", "mean"):
     raise errors.CollectiveError(
         f"all_reduce: local_axis={local_axis} with op={op!r} needs reproducible=True (it is the "
@@ -521,9 +516,6 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
   _check_common("reduce_scatter", op, algorithm)
   reproducible = repro.contract_of(reproducible)
   axes = check_axes(axis_name, "reduce_scatter")
-  if algorithm == "hierarchical":
-    raise errors.CollectiveError("reduce_scatter: algorithm='hierarchical' is not available; "
-                                 "use 'two_shot', 'ring' or 'auto'.")
   n = base.axis_size(axes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   problems, out = [], []

@@ -120,7 +120,8 @@ class Algorithm:
   def why_not(self, call: Call) -> str | None:
     """None when this record can run ``call``; otherwise the reason (kind checks included)."""
     if call.kind == "reduce_scatter" and self.reduce_scatter is None:
-      return f"{self.name} has no reduce_scatter"
+      return (f"{self.name} has no reduce_scatter; use algorithm='auto', 'two_shot' or "
+              "'ring'")
     return self.supports(call)
 
   def time(self, call: Call, group, topology, costs: costmodel.BackendCosts | None = None) -> float:

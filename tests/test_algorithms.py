@@ -14,6 +14,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dtenjax._src import errors
+from dtenjax._src import jaxapi
 from dtenjax._src.collectives import api as C
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import host
@@ -469,7 +470,7 @@ class FakeHostColl:
     return True
 
   def all_reduce(self, x, axis_name, *, algorithm="ring", op="sum"):
-    axes = base.axis_tuple(axis_name)
+    axes = jaxapi.axis_tuple(axis_name)
     problems = []
     if algorithm not in self.ALGORITHMS:
       problems.append(f"algorithm={algorithm!r}")

@@ -67,7 +67,7 @@ AlgorithmChoice = registry.AlgorithmChoice
 
 def check_axes(axis_name: AxisName, what: str) -> tuple[str, ...]:
   """The axis names as a tuple; raises CollectiveError naming unbound axes and the bound ones."""
-  axes = base.axis_tuple(axis_name)
+  axes = jaxapi.axis_tuple(axis_name)
   if not axes:
     raise errors.CollectiveError(f"{what}: axis_name={axis_name!r} is empty; pass a mesh axis "
                                  "name or a tuple of them.")
@@ -136,11 +136,7 @@ def _group_devices(axes: tuple[str, ...], n: int):
   """Devices of one group along ``axes`` (rank order) and whether a concrete mesh said so."""
   for mesh in _concrete_mesh():
     if all(a in mesh.axis_names for a in axes):
-      devs = np.asarray(mesh.devices)
-      names = list(mesh.axis_names)
-      sub = devs[tuple(slice(None) if nm in axes else 0 for nm in names)]
-      kept = [nm for nm in names if nm in axes]
-      return list(np.transpose(sub, [kept.index(a) for a in axes]).reshape(-1)), True
+      return list(jaxapi.device_groups(mesh.devices, mesh.axis_names, axes)[0]), True
   devices = jax.devices()
   return list(devices[:n]) if len(devices) >= n else list(devices), False
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dtenjax._src import jaxapi
 from dtenjax._src.planning import costmodel
 
 AxisName = str | tuple[str, ...]
@@ -135,13 +136,9 @@ class Algorithm:
 
 # --- shared building blocks ---------------------------------------------------------------------
 
-def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 def axis_size(axis_name: AxisName) -> int:
   """Static size of the (possibly combined) named axis."""
-  return int(lax.axis_size(axis_tuple(axis_name)))
+  return int(lax.axis_size(jaxapi.axis_tuple(axis_name)))
 
 
 def acc_dtype(dtype, op: str):

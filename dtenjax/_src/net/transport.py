@@ -352,7 +352,7 @@ def select_provider(nics: list[dict[str, Any]] | None = None) -> tuple[str, str]
                       f"DTENJAX_TRANSPORT={spec.name} to silence)", level=20)
       return spec.name, reason
     passed_over.append(f"{spec.name} is not usable: {why if nics else why_none}")
-  raise errors.ExtensionUnavailableError(  # pragma: no cover - tcp is always built and usable
+  raise errors.ExtensionUnavailableError(   # tcp is always built and usable, but say so if not
       "no transport provider is usable: " + "; ".join(passed_over))
 
 

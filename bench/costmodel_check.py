@@ -46,6 +46,7 @@ def main(argv=None) -> int:
   src.add_argument("--fixture", metavar="NAME")
   p.add_argument("--intra", default="nvlink", help="link class of the default uniform topology")
   args = p.parse_args(argv)
+  from dtenjax._src.collectives.algorithms import registry  # pylint: disable=g-import-not-at-top
   from dtenjax._src.planning import costmodel  # pylint: disable=g-import-not-at-top
   try:
     data = _harness.load(args.results)
@@ -64,7 +65,8 @@ def main(argv=None) -> int:
       continue
     topology = _topology(args, r["world"], platform)
     pred = costmodel.collective_time("all_reduce", r["size"], list(range(r["world"])), topology,
-                                     formula, itemsize=4 if r["type"] == "float32" else 2)
+                                     registry.get(formula).cost,
+                                     itemsize=4 if r["type"] == "float32" else 2)
     ratio = pred / (r["time_us"] * 1e-6)
     bad += not 0.5 <= ratio <= 2.0
     out.append(dict(size=r["size"], candidate=r["algorithm"], formula=formula,

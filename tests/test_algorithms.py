@@ -14,6 +14,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dtenjax._src import errors
+from dtenjax._src import jaxapi
 from dtenjax._src.collectives import api as C
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import host
@@ -249,7 +250,9 @@ def test_auto_on_cpu_uses_xla_psum_from_8_kib_to_4_mib():
   for nbytes in (8 << 10, 64 << 10, 1 << 20, 4 << 20):
     ch = C.plan_all_reduce(nbytes, list(range(8)), axis_sizes=(2, 4))
     assert ch.algorithm == "xla", ch.reason
-    assert set(ch.times) == {"xla", "one_shot", "two_shot", "ring", "hierarchical"}
+    assert {"xla", "one_shot", "two_shot", "ring", "hierarchical"} <= set(ch.times)
+    assert not {"nvlink_one_shot", "nvlink_two_shot", "host_ring", "host_hierarchical"} & set(
+        ch.times)
 
 
 def _entry(hlo: str) -> str:
@@ -270,13 +273,17 @@ def test_auto_compiles_to_the_same_program_as_psum_on_cpu(mesh, nbytes):
 
 
 def test_every_record_is_reachable_and_documents_its_order():
-  assert [a.name for a in registry.REGISTRY] == [
-      "nvlink_one_shot", "nvlink_two_shot", "host_ring", "host_hierarchical", "xla",
-      "one_shot", "two_shot", "ring", "hierarchical"]
-  assert set(registry.names()) == {"auto", *ALGOS, "nvlink_one_shot", "nvlink_two_shot",
-                                   "host_ring", "host_hierarchical"}
+  names = [a.name for a in registry.REGISTRY]
+  assert len(set(names)) == len(names)
+  # a family takes its first record that supports the call: the kernels and the host transport
+  # come before the XLA-native member of their family
+  for special, native in (("nvlink_one_shot", "one_shot"), ("nvlink_two_shot", "two_shot"),
+                          ("host_ring", "ring"), ("host_hierarchical", "hierarchical")):
+    assert names.index(special) < names.index(native)
+  assert registry.names()[:6] == ("auto", "xla", "ring", "hierarchical", "one_shot", "two_shot")
   for a in registry.REGISTRY:
-    assert a.family in registry.FAMILIES and a.order and a.cost in costmodel.ALGORITHMS
+    assert a.name in registry.names() and a.family in registry.FAMILIES and a.order
+    assert isinstance(a.cost, costmodel.Cost) and registry.get(a.name) is a
 
 
 def test_choose_lists_why_records_are_not_eligible():
@@ -333,6 +340,8 @@ class FakeP2P:
       problems.append(f"op {op!r} is not one of {self.OPS}")
     if reproducible and jnp.dtype(dtype) not in self.DTYPES[:2]:
       problems.append("reproducible needs float32 or bfloat16")
+    if reproducible and op not in ("sum", "mean"):
+      problems.append(f"op {op!r} has no reproducible form")
     if nbytes < 0:
       problems.append("negative size")
     return (not problems, "; ".join(problems))
@@ -365,14 +374,22 @@ def fake_gpu(monkeypatch):
   return fake
 
 
-def test_fake_p2p_rejects_what_the_real_one_rejects(fake_gpu):
-  assert fake_gpu.supported(8, 64, jnp.float32) == (True, "")
-  for args, kw, word in (((9, 64, jnp.float32), {}, "world size 9"),
-                         ((8, 64, jnp.int32), {}, "int32"),
-                         ((8, 64, jnp.float32), {"op": "prod"}, "'prod'"),
-                         ((8, 64, jnp.float16), {"reproducible": True}, "reproducible")):
-    ok, why = fake_gpu.supported(*args, **kw)
-    assert not ok and word in why
+def test_fake_p2p_rejects_what_the_real_one_rejects(monkeypatch):
+  """The fake's supported() against gpu/p2p.py's own, call for call, over worlds, dtypes, ops and
+  both reproducible contracts, with the real one told the kernels are built (on a machine without
+  them it refuses everything, which says nothing about the contract)."""
+  from dtenjax._src.gpu import p2p  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(p2p, "unavailable_reason", lambda: None)
+  fake, accepted = FakeP2P(), 0
+  for world in (0, 1, 2, 7, 8, 9, 16):
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64, jnp.int32, jnp.uint8):
+      for op in ("sum", "mean", "max", "min", "prod"):
+        for reproducible in (False, "v3", "exact"):
+          args, kw = (world, 4096, dtype), dict(op=op, reproducible=reproducible)
+          want, why = p2p.supported(*args, **kw)
+          assert fake.supported(*args, **kw)[0] == want, (args, kw, why)
+          accepted += want
+  assert 0 < accepted < 7 * 6 * 5 * 3 // 2               # the grid holds both answers
 
 
 def test_gpu_one_shot_and_two_shot_dispatch_to_p2p_with_the_contract_fallback(mesh, fake_gpu):
@@ -403,19 +420,29 @@ def test_gpu_records_refuse_what_p2p_cannot_run(mesh, fake_gpu):
                                                        contributions=2))
 
 
-def test_auto_never_picks_a_record_that_rejects_the_call(mesh, fake_gpu, monkeypatch):
-  # p2p that rejects mean (as the old kernel did): auto must not pick it for op="mean"
+def test_auto_never_picks_a_record_that_rejects_the_call(fake_gpu, monkeypatch):
+  """On a GPU topology where the NVLink kernel is the cheapest record, auto (traced and
+  plan_all_reduce) and the planner take it exactly when its supports() accepts the call: here a
+  p2p that rejects op="mean", as the first kernel did."""
   real = fake_gpu.supported
 
   def no_mean(world, nbytes, dtype, *, op="sum", reproducible=False):
     return (False, "op 'mean' is not supported") if op == "mean" else real(
         world, nbytes, dtype, op=op, reproducible=reproducible)
   monkeypatch.setattr(fake_gpu, "supported", no_mean)
+  dgx = C.Topology.fixture("dgx_a100_8")
+  monkeypatch.setattr(C.Topology, "current", classmethod(lambda cls: dgx))
   x = _wide((4, 64), 3).reshape(-1)
   m4 = Mesh(np.array(jax.devices("cpu")[:4]), ("i",))
-  y = np.asarray(_smap(m4, lambda v: C.all_reduce(v, "i", op="mean"), "i")(x))
-  assert fake_gpu.calls == []
-  np.testing.assert_allclose(y[:64], x.reshape(4, 64).mean(0), rtol=1e-6, atol=1e-6)
+  for op, kernel in (("sum", True), ("mean", False)):
+    ch = C.plan_all_reduce(8 << 10, [0, 1, 2, 3], dgx, op=op, dtype=jnp.float32, backend="gpu")
+    assert ch.algorithm.startswith("nvlink_") == kernel, ch.reason
+    y = np.asarray(_smap(m4, lambda v, op=op: C.all_reduce(v, "i", op=op), "i")(x))
+    assert (fake_gpu.calls != []) == kernel, fake_gpu.calls
+    fake_gpu.calls.clear()
+    want = x.reshape(4, 64).sum(0) if op == "sum" else x.reshape(4, 64).mean(0)
+    np.testing.assert_allclose(y[:64], want, rtol=1e-5, atol=1e-5)
+  assert "nvlink_one_shot: op 'mean' is not supported" in ch.reason
 
 
 def test_gpu_reproducible_goes_to_the_fused_kernel_and_falls_back_to_the_same_bits(mesh,
@@ -443,7 +470,7 @@ class FakeHostColl:
     return True
 
   def all_reduce(self, x, axis_name, *, algorithm="ring", op="sum"):
-    axes = base.axis_tuple(axis_name)
+    axes = jaxapi.axis_tuple(axis_name)
     problems = []
     if algorithm not in self.ALGORITHMS:
       problems.append(f"algorithm={algorithm!r}")

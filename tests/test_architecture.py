@@ -6,6 +6,7 @@ that climbs a layer or closes a cycle fails here as surely as a top-level one.
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -125,6 +126,72 @@ def test_the_checker_sees_lazy_imports(tmp_path):
   deps = _imports(mod, "dtenjax._src.net.x", {"dtenjax._src.planning.planner",
                                                "dtenjax._src.net.x"})
   assert deps == {"dtenjax._src.planning.planner"}
+
+
+def test_package_docstrings_state_their_layer():
+  """Each package's docstring opens with "Layer N:", N its layer here (and in
+  docs/architecture.md's table, which test_docs_state_the_layers checks)."""
+  problems = []
+  for pkg, layer in sorted(LAYERS.items()):
+    doc = ast.get_docstring(ast.parse((SRC / pkg / "__init__.py").read_text())) or ""
+    if not doc.startswith(f"Layer {layer}:"):
+      problems.append(f"dtenjax/_src/{pkg}/__init__.py: {doc[:30]!r} (want 'Layer {layer}:')")
+  assert not problems, "\n".join(problems)
+
+
+def test_docs_state_the_layers():
+  """docs/architecture.md's layer table gives each package the layer this file checks."""
+  text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+  table = {pkg: int(n) for n, pkg in re.findall(r"^(\d)\s+(\w+)/\s", text, flags=re.M)}
+  assert table == LAYERS
+  assert re.search(r"^0\s+" + r"\s+".join(BASE[:3]), text, flags=re.M)
+
+
+# --- private JAX: one module reads it (dtenjax/_src/jaxapi.py) ------------------------------------
+
+PRIVATE_JAX_OWNER = SRC / "jaxapi.py"
+
+
+def _private_jax_uses(path: pathlib.Path) -> list[str]:
+  """Where the module at ``path`` imports ``jax._src`` or reads ``jax._src`` as an attribute
+  (``import jax._src.x``, ``from jax._src import x``, ``from jax import _src``, ``jax._src.x``)."""
+  tree = ast.parse(path.read_text(), filename=str(path))
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      found += [f"line {node.lineno}: import {a.name}" for a in node.names
+                if a.name == "jax._src" or a.name.startswith("jax._src.")]
+    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+      mod = node.module
+      if mod == "jax._src" or mod.startswith("jax._src.") or (
+          mod in ("jax", "jaxlib") and any(a.name == "_src" for a in node.names)):
+        found.append(f"line {node.lineno}: from {mod} import ...")
+    elif (isinstance(node, ast.Attribute) and node.attr == "_src"
+          and isinstance(node.value, ast.Name) and node.value.id in ("jax", "jaxlib")):
+      found.append(f"line {node.lineno}: {node.value.id}._src")
+  return found
+
+
+def test_only_jaxapi_touches_private_jax():
+  problems = []
+  for path in sorted((SRC.parent).rglob("*.py")):
+    if path != PRIVATE_JAX_OWNER:
+      problems += [f"{path.relative_to(SRC.parent.parent)} {u}" for u in _private_jax_uses(path)]
+  assert not problems, ("private JAX outside dtenjax/_src/jaxapi.py (add a helper there):\n"
+                        + "\n".join(problems))
+  assert _private_jax_uses(PRIVATE_JAX_OWNER)   # the owner is where they are
+
+
+@pytest.mark.parametrize("source", [
+    "from jax._src import core\n", "import jax._src.mesh\n", "from jax import _src\n",
+    "import jax\ndef f():\n  return jax._src.core.typeof\n",
+    "def f():\n  from jax._src.lib import _jax\n  return _jax\n"])
+def test_the_private_jax_check_sees_every_form(tmp_path, source):
+  mod = tmp_path / "x.py"
+  mod.write_text(source)
+  assert _private_jax_uses(mod)
+  mod.write_text("import jax\nfrom jax import lax\nx = jax.sharding.Mesh\n")
+  assert not _private_jax_uses(mod)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
+import ast
 import logging
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -81,10 +84,60 @@ def test_log_level_knob_applies_only_when_set_and_is_validated():
   assert out.returncode != 0 and "DTENJAX_LOG_LEVEL='CHATTY' is not a logging level" in out.stderr
 
 
-def test_transport_knobs_are_declared():
-  for name in ("DTENJAX_LIBCRYPTO", "DTENJAX_HANDSHAKE_TIMEOUT", "DTENJAX_MAX_PENDING_HANDSHAKES",
-               "DTENJAX_TRANSPORT_SEGMENT_BYTES"):
-    assert name in config.KNOBS, name
+_ROOT = pathlib.Path(dtenjax.__file__).resolve().parent
+_ENV_READ = re.compile(r'getenv\(\s*"(DTENJAX_[A-Z0-9_]+)"')
+
+
+def _knob_reads(path: pathlib.Path) -> set[str]:
+  """DTENJAX_* names the Python module at ``path`` reads: ``config.get_*("X")``,
+  ``os.environ.get("X")`` / ``os.getenv("X")`` / ``os.environ["X"]``."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    arg = None
+    if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+      f = node.func
+      if (f.attr.startswith("get") and isinstance(f.value, (ast.Name, ast.Attribute))
+          and getattr(f.value, "id", getattr(f.value, "attr", "")) in ("config", "environ", "os")):
+        arg = node.args[0]
+    elif isinstance(node, ast.Subscript) and getattr(node.value, "attr", "") == "environ":
+      arg = node.slice
+    if isinstance(arg, ast.Constant) and str(arg.value).startswith("DTENJAX_"):
+      found.add(arg.value)
+  return found
+
+
+def _all_knob_reads() -> dict[str, str]:
+  reads = {}
+  for path in _ROOT.rglob("*.py"):
+    for name in _knob_reads(path):
+      reads.setdefault(name, str(path.relative_to(_ROOT.parent)))
+  for d in ("csrc", "custom_calls"):
+    for path in (_ROOT.parent / d).rglob("*"):
+      if path.suffix in (".cc", ".h", ".cu", ".cuh"):
+        for name in _ENV_READ.findall(path.read_text(errors="replace")):
+          reads.setdefault(name, str(path.relative_to(_ROOT.parent)))
+  return reads
+
+
+def test_every_knob_the_code_reads_is_declared():
+  """Every DTENJAX_* variable read anywhere in the package (Python through config or os.environ,
+  native code through getenv) is a declared knob, so config's table is the whole list."""
+  reads = _all_knob_reads()
+  # The scan sees the transport's settings (read in net/transport.py) and the collectives'.
+  assert {"DTENJAX_LIBCRYPTO", "DTENJAX_HANDSHAKE_TIMEOUT", "DTENJAX_MAX_PENDING_HANDSHAKES",
+          "DTENJAX_TRANSPORT_SEGMENT_BYTES", "DTENJAX_BUCKET_BYTES"} <= set(reads), sorted(reads)
+  undeclared = {n: where for n, where in reads.items() if n not in config.KNOBS}
+  assert not undeclared, f"read but not declared in config.KNOBS: {undeclared}"
+
+
+def test_the_knob_scan_sees_every_form_of_read(tmp_path):
+  mod = tmp_path / "m.py"
+  mod.write_text("import os\nfrom dtenjax._src import config\n"
+                 "a = config.get_int('DTENJAX_A')\nb = os.environ.get('DTENJAX_B')\n"
+                 "c = os.getenv('DTENJAX_C')\nd = os.environ['DTENJAX_D']\n"
+                 "e = config.get_str('OTHER')\n")
+  assert _knob_reads(mod) == {"DTENJAX_A", "DTENJAX_B", "DTENJAX_C", "DTENJAX_D"}
+  assert _ENV_READ.findall('const char* v = std::getenv("DTENJAX_E");') == ["DTENJAX_E"]
 
 
 def test_nccl_environment_is_pinned_unless_the_user_chose(monkeypatch):

@@ -2,12 +2,21 @@
 here from the documented formulas and the table values), backend costs as data, island splits,
 crossover thresholds derived from the model."""
 
+import dataclasses
 import json
 import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh, PartitionSpec
 
 from dtenjax._src import errors
+from dtenjax._src import hlo
+from dtenjax._src.collectives import api as C
+from dtenjax._src.collectives.algorithms import base
+from dtenjax._src.collectives.algorithms import registry
 from dtenjax._src.planning import costmodel as cm
 from dtenjax._src.topology.model import LinkSpec, Topology
 
@@ -33,24 +42,96 @@ def test_table_values_used_below():
   assert DGX.device(0).platform == "gpu"
 
 
+def _cost(name):
+  """A record's cost formulas (they live with the record, collectives/algorithms/<name>.py)."""
+  return registry.get(name).cost
+
+
 def _t(kind, algorithm, group, topo=DGX, nbytes=N, **kw):
-  return cm.collective_time(kind, nbytes, list(group), topo, algorithm, costs=GPU, **kw)
+  return cm.collective_time(kind, nbytes, list(group), topo, _cost(algorithm), costs=GPU, **kw)
 
 
-def test_all_reduce_inside_a_host():
-  g = range(8)
-  assert _t("all_reduce", "xla", g) == pytest.approx(L + 2 * (NV_A + 7 / 8 * N / NV_BW) + 2 * N * M)
-  assert _t("all_reduce", "one_shot", g) == pytest.approx(
-      L + NV_A + 7 * N / NV_BW + P + 16 * N * M)
-  assert _t("all_reduce", "two_shot", g) == pytest.approx(
-      2 * L + 2 * NV_A + 2 * 7 / 8 * N / NV_BW + P + 3 * N * M)
-  # ring: 7 ppermute steps of N/8 with an add each, then one all-gather of N/8 per rank
-  assert _t("all_reduce", "ring", g) == pytest.approx(
-      7 * (L + NV_A + N / 8 / NV_BW) + 7 * P + (L + NV_A + 7 / 8 * N / NV_BW) + 3 * N * M)
-  assert _t("all_reduce", "nvlink_one_shot", g) == pytest.approx(
-      K + 2 * NV_A + 7 * N / NV_BW + 9 * N * M)
-  assert _t("all_reduce", "nvlink_two_shot", g) == pytest.approx(
-      K + 4 * NV_A + 2 * 7 / 8 * N / NV_BW + 3 * N * M)
+# --- every formula charges what its program does --------------------------------------------
+
+AX = ("o", "i")
+E = 8192                    # float32 elements per device: divisible by every chunking used
+NB = 4 * E
+
+
+def _coefficients(cost, kind, reproducible=False):
+  """(XLA collectives, NVLink kernels, link latencies, link bytes) a formula charges for ``NB``
+  bytes over devices 0-7: its derivatives in L, K, alpha and beta (each formula is linear in
+  them), on pcie_8 (islands 0-3 and 4-7) with one link spec inside and across the islands, so the
+  link bytes do not depend on how a formula splits them between the two."""
+  def at(bw=10.0, latency_us=5.0, **fixed):
+    spec = LinkSpec(bw, latency_us)
+    topo = PCIE.with_links({"pcie": spec, "numa_cross": spec})
+    return cm.collective_time(kind, NB, list(range(8)), topo, cost, reproducible=reproducible,
+                              costs=dataclasses.replace(GPU, **fixed))
+  d_l = at(xla_collective_us=1e6) - at(xla_collective_us=0.0)
+  d_k = at(nvlink_kernel_us=1e6) - at(nvlink_kernel_us=0.0)
+  d_a = at(latency_us=1e6) - at(latency_us=0.0)
+  d_b = (at(bw=10.0) - at(bw=20.0)) / (1 / 10e9 - 1 / 20e9)
+  return d_l, d_k, d_a, d_b
+
+
+def _received(c):
+  """Bytes one rank receives over links in collective ``c`` (an all-reduce as a ring: a
+  reduce-scatter and an all-gather, (g - 1) / g of the buffer each)."""
+  if c.kind == "ppermute":
+    return c.nbytes
+  g = len(c.replica_groups[0]) if c.replica_groups else 8
+  share = (g - 1) / g * c.nbytes
+  return 2 * share if c.kind == "all_reduce" else share
+
+
+def _program(name, kind, reproducible, mesh):
+  if kind == "all_reduce":
+    f = lambda v: C.all_reduce(v, AX, algorithm=name, reproducible=reproducible)
+  else:
+    f = lambda v: C.reduce_scatter(v, AX, algorithm=name, tiled=True, reproducible=reproducible)
+  step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=PartitionSpec(AX),
+                               out_specs=PartitionSpec(AX)))
+  return hlo.read_compiled(step.lower(jnp.zeros((8 * E,), jnp.float32)).compile())
+
+
+@pytest.mark.parametrize("kind,reproducible", [("all_reduce", False), ("reduce_scatter", False),
+                                               ("all_reduce", True)])
+def test_every_formula_charges_the_collectives_and_link_bytes_its_program_has(
+    cpu_devices, kind, reproducible):
+  """For every record that runs on CPU, the formula's number of XLA collectives (its derivative
+  in L) and link bytes (in beta) are those of the program XLA compiles for it, read from the
+  compiled HLO: a formula that drifts from its implementation, or a record whose formula is
+  missing (inf), fails here."""
+  mesh = Mesh(np.array(cpu_devices).reshape(2, 4), AX)
+  call = base.Call(kind, "sum", jnp.float32, AX, (2, 4), NB, backend="cpu",
+                   reproducible=reproducible)
+  records = [a for a in registry.REGISTRY if a.why_not(call) is None]
+  assert {"xla", "ring", "one_shot", "two_shot"} <= {a.name for a in records}
+  for a in records:
+    module = _program(a.name, kind, reproducible, mesh)
+    ops = [c for c in module.collectives()]
+    assert ops and all(not c.kind.startswith("custom:") for c in ops), (a.name, ops)
+    d_l, d_k, _, d_b = _coefficients(a.cost, kind, reproducible)
+    assert d_l == pytest.approx(len(ops)), (a.name, [c.kind for c in ops])
+    assert d_k == 0, a.name
+    assert d_b == pytest.approx(sum(_received(c) for c in ops)), (a.name, ops)
+
+
+def test_nvlink_formulas_charge_one_kernel_its_barriers_and_the_peer_reads():
+  """docs/p2p.md: one kernel launch and no XLA collective; one_shot has every rank read the n - 1
+  peers' buffers behind one barrier, two_shot reduces its segment from the peers and copies the
+  others' reduced segments back, behind two barriers (a barrier is a flag write and a wait: two
+  link latencies). The reproducible sums move the same bytes (converted in registers)."""
+  n = 8
+  for name, barriers, link_bytes in (("nvlink_one_shot", 1, (n - 1) * NB),
+                                     ("nvlink_two_shot", 2, 2 * (n - 1) / n * NB)):
+    for reproducible in (False, True):
+      d_l, d_k, d_a, d_b = _coefficients(_cost(name), "all_reduce", reproducible)
+      assert (d_l, d_k) == (0, pytest.approx(1.0)), name
+      assert d_a == pytest.approx(2 * barriers) and d_b == pytest.approx(link_bytes), name
+    assert _t("reduce_scatter", name, range(8)) == math.inf        # the kernels only all-reduce
+    assert _t("all_reduce", name, [0, 8], ROCE) == math.inf          # nor leave the host
 
 
 def test_one_shot_across_hosts_pays_latency_per_peer():
@@ -116,23 +197,14 @@ def test_hierarchical_needs_a_proper_island_split():
   assert cm.island_groups([0, 8, 16], ROCE) is None              # islands of one device
   assert cm.island_groups(list(range(8)), PCIE) == ((0, 1, 2, 3), (4, 5, 6, 7))
   for topo, g in ((DGX, range(8)), (ROCE, [0, 1, 8]), (ROCE, range(8))):
-    assert cm.collective_time("all_reduce", N, list(g), topo, "hierarchical") == math.inf
-    assert "hierarchical" not in dict(cm.rank_algorithms("all_reduce", N, list(g), topo))
+    for name in ("hierarchical", "host_hierarchical"):
+      assert cm.collective_time("all_reduce", N, list(g), topo, _cost(name)) == math.inf
 
 
 def test_trivial_groups_and_ppermute():
-  assert cm.collective_time("all_reduce", N, [3], DGX, "ring") == 0.0
-  assert cm.collective_time("all_reduce", N, [], DGX, "xla") == 0.0
+  assert cm.collective_time("all_reduce", N, [3], DGX, _cost("ring")) == 0.0
+  assert cm.collective_time("all_reduce", N, [], DGX) == 0.0
   assert _t("ppermute", "xla", [0, 8], ROCE) == pytest.approx(L + ROCE_A + N / ROCE_BW)
-
-
-def test_rank_algorithms_sorted_and_ties_by_name():
-  ranked = cm.rank_algorithms("all_reduce", N, list(range(8)), DGX, costs=GPU)
-  times = [t for _, t in ranked]
-  assert times == sorted(times)
-  assert {a for a, _ in ranked} == {"xla", "ring", "one_shot", "two_shot"}
-  zero = cm.rank_algorithms("all_reduce", N, [0], DGX, ["xla", "ring"])
-  assert zero == [("ring", 0.0), ("xla", 0.0)]          # a tie: the name decides
 
 
 def test_crossover_comes_from_the_model():
@@ -140,17 +212,18 @@ def test_crossover_comes_from_the_model():
   # nvlink one_shot - two_shot = -2a + N (5.25 / bw + 6 / bw_local): two-shot wins above
   slope = 5.25 / NV_BW + 6 / LOCAL_BW
   want = math.floor(2 * NV_A / slope) + 1
-  got = cm.crossover_bytes("nvlink_one_shot", "nvlink_two_shot", g, DGX, costs=GPU)
+  one, two = _cost("nvlink_one_shot"), _cost("nvlink_two_shot")
+  got = cm.crossover_bytes(one, two, g, DGX, costs=GPU)
   assert got == want
   # a slower link latency moves the threshold up: it is not a constant
   slow = DGX.with_links({"nvlink": LinkSpec(300.0, 5.0)})
-  assert cm.crossover_bytes("nvlink_one_shot", "nvlink_two_shot", g, slow, costs=GPU) == \
+  assert cm.crossover_bytes(one, two, g, slow, costs=GPU) == \
       math.floor(2 * 5e-6 / slope) + 1
   # the NCCL/kernel launch costs decide where the NVLink kernel stops beating psum
-  k = cm.crossover_bytes("nvlink_one_shot", "xla", g, DGX, costs=GPU)
+  k = cm.crossover_bytes(one, cm.XLA, g, DGX, costs=GPU)
   slope_x = 7 / NV_BW + 9 / LOCAL_BW - 1.75 / NV_BW - 2 / LOCAL_BW
   assert k == math.floor((L - K) / slope_x) + 1
-  assert cm.crossover_bytes("two_shot", "one_shot", g, DGX, costs=GPU) is None
+  assert cm.crossover_bytes(_cost("two_shot"), _cost("one_shot"), g, DGX, costs=GPU) is None
 
 
 def test_backend_costs_are_data(tmp_path, monkeypatch):
@@ -160,7 +233,7 @@ def test_backend_costs_are_data(tmp_path, monkeypatch):
   assert cm.backend_costs("gpu").xla_collective_us == 30.0
   assert cm.backend_costs("gpu").nvlink_kernel_us == GPU.nvlink_kernel_us
   assert cm.backend_costs("cpu") == cm.BACKEND_COSTS["cpu"]
-  assert cm.collective_time("all_reduce", N, list(range(8)), DGX, "xla") == pytest.approx(
+  assert cm.collective_time("all_reduce", N, list(range(8)), DGX) == pytest.approx(
       _t("all_reduce", "xla", range(8)) + 12e-6)
   path.write_text(json.dumps({"gpu": {"launch": 1}}))
   monkeypatch.setenv("DTENJAX_COST_PARAMS", str(tmp_path / "other.json"))
@@ -176,8 +249,10 @@ def test_backend_costs_are_data(tmp_path, monkeypatch):
 def test_errors():
   with pytest.raises(errors.CollectiveError, match="unknown collective kind 'allreduce'"):
     cm.collective_time("allreduce", N, [0, 1], DGX)
-  with pytest.raises(errors.CollectiveError, match="unknown algorithm 'tree'"):
+  with pytest.raises(errors.CollectiveError, match="cost='tree' is not a costmodel.Cost"):
     cm.collective_time("all_reduce", N, [0, 1], DGX, "tree")
+  with pytest.raises(errors.CollectiveError, match="all_gather is priced as XLA's own op"):
+    cm.collective_time("all_gather", N, [0, 1], DGX, _cost("ring"))
   with pytest.raises(errors.CollectiveError, match="nbytes=-1"):
     cm.collective_time("all_reduce", -1, [0, 1], DGX)
 

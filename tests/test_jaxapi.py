@@ -80,3 +80,30 @@ def test_vmap_axes_gather_without_types():
 def test_distributed_state_without_initialize():
   state = jaxapi.distributed_state()
   assert state is not None and getattr(state, "client", None) is None
+  assert jaxapi.coordination_client() is None
+
+
+@pytest.mark.parametrize("axes", [("a",), ("c", "a"), ("b", "c"), ("a", "b", "c")])
+def test_device_groups_follow_lax_axis_index(cpu_devices, axes):
+  """Row r of a group is the device whose ``lax.axis_index(axes)`` is r (JAX's own rank), and a
+  row's devices agree on every other axis: read from a shard_map run, not from the helper."""
+  mesh = jax.sharding.Mesh(np.array(cpu_devices).reshape(2, 2, 2), ("a", "b", "c"))
+  rest = tuple(n for n in mesh.axis_names if n not in axes)
+
+  def body(v):
+    other = lax.axis_index(rest) if rest else 0
+    return jnp.stack([lax.axis_index(axes), other])[None] + 0 * v
+
+  out = jax.shard_map(body, mesh=mesh, in_specs=P(("a", "b", "c")),
+                      out_specs=P(("a", "b", "c")))(jnp.zeros((8, 2), jnp.int32))
+  rank = {s.device: tuple(int(t) for t in np.asarray(s.data)[0]) for s in out.addressable_shards}
+  groups = jaxapi.device_groups(mesh.devices, mesh.axis_names, axes)
+  size = int(np.prod([mesh.shape[a] for a in axes]))
+  assert groups.shape == (8 // size, size)
+  for g, row in enumerate(groups):
+    assert [rank[d] for d in row] == [(r, g) for r in range(size)]
+
+
+def test_axis_tuple():
+  assert jaxapi.axis_tuple("a") == ("a",)
+  assert jaxapi.axis_tuple(("a", "b")) == jaxapi.axis_tuple(["a", "b"]) == ("a", "b")

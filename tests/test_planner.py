@@ -37,22 +37,20 @@ def _cand(plan, strategy):
   return next(c for c in plan.candidates if c.strategy == strategy)
 
 
-def _linear(nbytes, group, topology):
+def _linear(nbytes, group, axis_sizes, topology, dtype):
   """Constructed all-reduce price: 1 us per participant + 1 ns per byte, x10 when the group spans
   hosts (8 devices per host in both fixtures, ids 0-7 on the first)."""
-  del topology
-  if len(group) <= 1 or nbytes <= 0:
-    return 0.0
+  del axis_sizes, topology, dtype
+  assert len(group) > 1 and nbytes > 0       # the planner prices trivial all-reduces as 0 itself
   cross = len({i // 8 for i in group}) > 1
   return (1e-6 * len(group) + 1e-9 * nbytes) * (10 if cross else 1)
 
 
 @pytest.fixture
 def linear_costs(monkeypatch):
-  planner._plan_cached.cache_clear()
-  monkeypatch.setattr(planner, "_allreduce_s", _linear)
-  yield
-  planner._plan_cached.cache_clear()
+  """The planner's default all-reduce pricing (the registry's, installed by the collectives
+  layer) replaced by :func:`_linear`."""
+  monkeypatch.setitem(planner._all_reduce_time, "default", _linear)
 
 
 # --- the seed's reference table (real cost model) --------------------------------------------
@@ -68,6 +66,23 @@ def test_seed_table_roce_goes_row_with_cross_host_gradient_allreduce():
   p = _plan(ROCE, (4096, 4096), (4, 8), ("host", "gpu"))
   assert p.strategy == "row" and p.spec == P("gpu", None)
   assert "all-reduced across 'host'" in _cand(p, "row").note
+
+
+def test_the_planner_prices_only_what_can_run_the_all_reduce():
+  """pcie_8 has two islands of 4, which makes 'hierarchical' the cheapest all-reduce of the
+  gradient over a 2-D mesh; on a 1-D mesh that record cannot run (it needs two mesh axes), so the
+  planner must price what auto would run there: one chooser, honouring supports()."""
+  import dtenjax  # pylint: disable=g-import-not-at-top
+  pcie = Topology.fixture("pcie_8")
+  ids = list(range(8))
+  over = {s: dtenjax.plan_all_reduce(W, ids, pcie, dtype="bfloat16", axis_sizes=s)
+          for s in ((8,), (2, 4))}
+  assert over[(2, 4)].algorithm == "hierarchical" and "hierarchical" not in over[(8,)].times
+  overlap = Workload().grad_overlap
+  for mesh_shape, names in (((8,), ("x",)), ((2, 4), ("x", "y"))):
+    replicate = _cand(_plan(pcie, (4096, 4096), mesh_shape, names), "replicate")
+    cheapest = min(over[mesh_shape].times.values())
+    assert replicate.comm_s == pytest.approx((1 - overlap) * cheapest), mesh_shape
 
 
 # --- constructed cases: every number worked out by hand -------------------------------------

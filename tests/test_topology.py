@@ -342,10 +342,12 @@ def test_unknown_links_are_priced_as_pcie_and_group_by_host():
   unknown = topo.uniform("u", devs, intra="unknown", inter="roce")
   pcie = topo.uniform("p", devs, intra="pcie", inter="roce")
   assert unknown.spec("unknown") == pcie.spec("pcie") == LinkSpec(24.0, 5.0)
-  for alg in ("xla", "ring", "one_shot", "two_shot", "hierarchical"):
+  from dtenjax._src.collectives.algorithms import registry  # pylint: disable=g-import-not-at-top
+  for record in registry.REGISTRY:
     for group in ([0, 1, 2, 3], list(range(8))):
-      assert costmodel.collective_time("all_reduce", 1 << 20, group, unknown, alg) == \
-          costmodel.collective_time("all_reduce", 1 << 20, group, pcie, alg), (alg, group)
+      assert costmodel.collective_time("all_reduce", 1 << 20, group, unknown, record.cost) == \
+          costmodel.collective_time("all_reduce", 1 << 20, group, pcie, record.cost), (
+              record.name, group)
   assert unknown.fast_islands() == unknown.hosts() == ((0, 1, 2, 3), (4, 5, 6, 7))
   # Slower than every measured class inside a host, faster than any network.
   order = topo.LINK_ORDER

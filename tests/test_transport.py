@@ -265,6 +265,22 @@ def test_credentials_and_provider_table(monkeypatch):
   assert name == ("verbs" if "verbs" in transport.built_providers() else "tcp")
 
 
+def test_no_usable_provider_names_every_one_passed_over(monkeypatch):
+  """The end of ``auto``'s search: every provider unbuilt or unusable is an error naming each."""
+  monkeypatch.setenv("DTENJAX_TRANSPORT", "auto")
+  monkeypatch.setattr(transport, "PROVIDERS", (
+      transport.ProviderSpec("verbs", lambda nics: (False, "no port is ACTIVE"), "RDMA"),
+      transport.ProviderSpec("tcp", lambda nics: (False, "sockets are forbidden here"), "TCP"),
+      transport.ProviderSpec("smoke", lambda nics: (True, "always"), "not a real provider")))
+  monkeypatch.setattr(transport, "built_providers", lambda: ["verbs", "tcp"])
+  monkeypatch.setattr(transport, "is_available", lambda: True)
+  with pytest.raises(errors.ExtensionUnavailableError,
+                     match=r"no transport provider is usable: verbs is not usable: no port is "
+                           r"ACTIVE; tcp is not usable: sockets are forbidden here; smoke is "
+                           r"not in this build"):
+    transport.select_provider([{"name": "mlx5_0", "port": 1, "state": "down"}])
+
+
 @pytest.mark.parametrize("kwargs,fragment", [
     (dict(rank=2, size=2), "rank=2 is out of range"),
     (dict(rank=0, size=2**40), "size=1099511627776 is out of range"),

@@ -18,10 +18,12 @@ transpose of ``psum`` is ``psum``. dtenjax's collectives follow exactly these ru
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
 from jax import lax
+import numpy as np
 from jax._src import config as _jax_config
 from jax._src import core as _jax_core
 from jax._src import distributed as _jax_distributed
@@ -116,3 +118,27 @@ def bound_axis_sizes() -> dict[str, int]:
     return dict(_jax_core.get_axis_env().axis_sizes)
   except AttributeError:  # pragma: no cover - a jax that moved it
     return {}
+
+
+def coordination_client():
+  """jax.distributed's coordination-service client (its key-value store), or None before
+  ``jax.distributed.initialize()``."""
+  return getattr(distributed_state(), "client", None)
+
+
+# --- shared JAX-context helpers (public API only) ------------------------------------------------
+
+def axis_tuple(axis_name) -> tuple:
+  """``axis_name`` (one name, or a tuple/list of names) as a tuple of names."""
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def device_groups(devices, axis_names: Sequence[str], axes: Sequence[str]):
+  """The devices of every group along ``axes`` of a mesh's device array: an array of shape
+  (groups, group size), each row in rank order (``lax.axis_index(axes)``, the first name major),
+  rows in the C order of the remaining axes. Every name of ``axes`` must be in ``axis_names``."""
+  devs = np.asarray(devices)
+  names = list(axis_names)
+  rest = [names.index(n) for n in names if n not in axes]
+  devs = np.transpose(devs, rest + [names.index(a) for a in axes])
+  return devs.reshape(-1, math.prod(devs.shape[len(rest):]))

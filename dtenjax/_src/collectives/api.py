@@ -56,6 +56,7 @@ from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import registry
 from dtenjax._src.collectives.algorithms import ring
 from dtenjax._src.planning import mesh as mesh_lib
+from dtenjax._src.planning import planner
 from dtenjax._src.topology.model import Topology
 
 AxisName = base.AxisName
@@ -66,7 +67,7 @@ AlgorithmChoice = registry.AlgorithmChoice
 
 def check_axes(axis_name: AxisName, what: str) -> tuple[str, ...]:
   """The axis names as a tuple; raises CollectiveError naming unbound axes and the bound ones."""
-  axes = base.axis_tuple(axis_name)
+  axes = jaxapi.axis_tuple(axis_name)
   if not axes:
     raise errors.CollectiveError(f"{what}: axis_name={axis_name!r} is empty; pass a mesh axis "
                                  "name or a tuple of them.")
@@ -135,11 +136,7 @@ def _group_devices(axes: tuple[str, ...], n: int):
   """Devices of one group along ``axes`` (rank order) and whether a concrete mesh said so."""
   for mesh in _concrete_mesh():
     if all(a in mesh.axis_names for a in axes):
-      devs = np.asarray(mesh.devices)
-      names = list(mesh.axis_names)
-      sub = devs[tuple(slice(None) if nm in axes else 0 for nm in names)]
-      kept = [nm for nm in names if nm in axes]
-      return list(np.transpose(sub, [kept.index(a) for a in axes]).reshape(-1)), True
+      return list(jaxapi.device_groups(mesh.devices, mesh.axis_names, axes)[0]), True
   devices = jax.devices()
   return list(devices[:n]) if len(devices) >= n else list(devices), False
 
@@ -362,7 +359,8 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
     op: "sum", "mean", "max" or "min".
     algorithm: "auto" (cost model over every algorithm that supports the call), a family --
       "xla", "ring", "hierarchical" (needs >= 2 axes: the last is the fast island axis),
-      "one_shot", "two_shot" -- or a registry record such as "nvlink_one_shot" or "host_ring".
+      "one_shot", "two_shot", "butterfly" (power-of-two worlds) -- or a registry record such as
+      "nvlink_one_shot" or "host_ring" (``algorithms/registry.py`` lists them).
     deterministic: fixed reduction order (see the module docstring for what "xla" means here).
     reproducible: True for the fixed-point sum of contract v3 (one word per value), "exact" for
       contract v2; the same bits for every algorithm and device split.
@@ -374,11 +372,6 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
   _check_common("all_reduce", op, algorithm)
   reproducible = repro.contract_of(reproducible)
   axes = check_axes(axis_name, "all_reduce")
-  if algorithm == "hierarchical" and len(axes) < 2:
-    raise errors.CollectiveError(
-        f"all_reduce: algorithm='hierarchical' needs two mesh axes (islands, devices per "
-        f"island), got axis_name={axis_name!r}; pass e.g. axis_name=('host', 'local') or use "
-        "algorithm='two_shot'/'ring'.")
   if local_axis is not None and not reproducible and op in ("sum", "mean"):
     raise errors.CollectiveError(
         f"all_reduce: local_axis={local_axis} with op={op!r} needs reproducible=True (it is the "
@@ -509,18 +502,16 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
   the scattered dimension must have the axis size and is removed; with ``tiled=True`` it is split
   into equal blocks. The result varies over ``axis_name`` (as psum_scatter's); the transpose is
   :func:`all_gather`.
-  Algorithms: "ring" (ppermute ring), "one_shot" (all_gather + ordered reduction of the owned
-  block), "two_shot" (all_to_all + ordered reduction), "xla" (psum_scatter where its order is
-  fixed, see ``algorithms/xla.py``), "auto". ``reproducible=True`` (contract v3) or ``"exact"``
+  Algorithms: "ring" (ppermute ring), "butterfly" (recursive halving over ppermute, power-of-two
+  worlds), "one_shot" (all_gather + ordered reduction of the owned block), "two_shot"
+  (all_to_all + ordered reduction), "xla" (psum_scatter where its order is fixed, see
+  ``algorithms/xla.py``), "auto". ``reproducible=True`` (contract v3) or ``"exact"``
   (v2): the codes are MAX-reduced over the full input, the int32 words reduce-scattered, rank r
   decodes block r (the same bits as ``all_reduce(..., reproducible=...)`` of that block).
   """
   _check_common("reduce_scatter", op, algorithm)
   reproducible = repro.contract_of(reproducible)
   axes = check_axes(axis_name, "reduce_scatter")
-  if algorithm == "hierarchical":
-    raise errors.CollectiveError("reduce_scatter: algorithm='hierarchical' is not available; "
-                                 "use 'two_shot', 'ring' or 'auto'.")
   n = base.axis_size(axes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
   problems, out = [], []
@@ -622,3 +613,14 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None
                    xla_reaches_processes=_xla_reaches_processes(backend))
   return registry.choose(call, group, topology)
 
+
+def _cheapest_all_reduce(nbytes: int, group: Sequence[int], axis_sizes: Sequence[int],
+                         topology: Topology, dtype) -> float:
+  """The planner's price of an all-reduce (``planner.AllReduceTime``): the cost of what
+  ``algorithm="auto"`` picks for a sum with ``all_reduce``'s defaults, so the planner and the
+  collectives rank the same records (those whose ``supports`` accepts the call)."""
+  return min(plan_all_reduce(nbytes, group, topology, dtype=dtype,
+                             axis_sizes=axis_sizes).times.values())
+
+
+planner.set_all_reduce_time(_cheapest_all_reduce)

@@ -247,10 +247,6 @@ def state_specs(opt_state: PyTree, axis_name) -> PyTree:
 
 # --- varying types ---------------------------------------------------------------------------
 
-def _axes(axis_name) -> tuple:
-  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
 def _bound(axis_name) -> bool:
   try:
     jax.lax.axis_index(axis_name)
@@ -262,7 +258,7 @@ def _bound(axis_name) -> bool:
 def _types_tracked(axis_name) -> bool:
   """Whether JAX tracks varying types over ``axis_name`` here (``jax.shard_map(check_vma=True)``;
   not under check_vma=False, pmap or vmap)."""
-  return jaxapi.vma_checked() and set(_axes(axis_name)) <= jaxapi.manual_axes()
+  return jaxapi.vma_checked() and set(jaxapi.axis_tuple(axis_name)) <= jaxapi.manual_axes()
 
 
 def pvary(tree: PyTree, axis_name) -> PyTree:
@@ -273,7 +269,7 @@ def pvary(tree: PyTree, axis_name) -> PyTree:
   device gets its own gradient (no all-reduce) for :func:`topk_ef` to compress:
   ``g = jax.grad(loss)(pvary(params, "data"), batch)``. No-op where types are not tracked
   (``check_vma=False``, pmap)."""
-  axes = _axes(axis_name)
+  axes = jaxapi.axis_tuple(axis_name)
   return jax.tree.map(lambda x: jaxapi.to_varying(x, axes), tree)
 
 
@@ -298,7 +294,7 @@ def _check_tree(grads: PyTree, state: TopKEFState, config: TopKConfig) -> None:
           "axis_name=None to compress locally.")
     if _types_tracked(axis):
       reduced = [jax.tree_util.keystr(p) for p, g in g_paths
-                 if not set(_axes(axis)) <= jaxapi.vma(g)]
+                 if not set(jaxapi.axis_tuple(axis)) <= jaxapi.vma(g)]
       if reduced:
         raise errors.CollectiveError(
             f"top-k compression over {axis!r} got gradients that are already reduced over "
@@ -362,8 +358,9 @@ def _exchange(v, ratio: float, config: TopKConfig, num_devices: int):
   if axis is None:
     out = sent
   else:
-    all_idx = jaxapi.all_gather_invariant(idx, _axes(axis))       # [P, k], the same everywhere
-    all_val = jaxapi.all_gather_invariant(val, _axes(axis)).astype(jnp.float32)
+    axes = jaxapi.axis_tuple(axis)
+    all_idx = jaxapi.all_gather_invariant(idx, axes)       # [P, k], the same everywhere
+    all_val = jaxapi.all_gather_invariant(val, axes).astype(jnp.float32)
     acc = jnp.zeros((n,), jnp.float32)
     for r in range(num_devices):                      # fixed rank order: identical bits everywhere
       acc = acc.at[all_idx[r]].add(all_val[r], mode="drop", unique_indices=True)

@@ -213,12 +213,7 @@ def groups_of(mesh, axes: Sequence[str]) -> list[list[Any]]:
   if missing:
     raise errors.CollectiveError(
         f"axes {missing} are not axes of the mesh {dict(mesh.shape)}")
-  names = list(mesh.axis_names)
-  devs = np.asarray(mesh.devices)
-  rest = [names.index(n) for n in names if n not in axes]
-  devs = np.transpose(devs, rest + [names.index(a) for a in axes])
-  size = int(np.prod([mesh.shape[a] for a in axes]))
-  return [list(g) for g in devs.reshape(-1, size)]
+  return [list(g) for g in jaxapi.device_groups(mesh.devices, mesh.axis_names, axes)]
 
 
 def _key_of(groups: list[list[Any]]) -> int:
@@ -227,9 +222,8 @@ def _key_of(groups: list[list[Any]]) -> int:
 
 
 def _kv_client():
-  """jax.distributed's coordination client (the one place that touches this private API here)."""
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-  client = distributed.global_state.client
+  """jax.distributed's coordination client."""
+  client = jaxapi.coordination_client()
   if client is None:
     raise errors.CollectiveError(
         "p2p all-reduce across processes needs jax.distributed.initialize() first")

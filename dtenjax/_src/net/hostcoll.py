@@ -66,18 +66,13 @@ _lock = threading.Lock()
 _comm_groups: dict[tuple[int, str], list[transport.Communicator]] = {}
 
 
-def _axes(axis_name) -> tuple[str, ...]:
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 def _axis_sizes() -> dict[str, int]:
   return dict(jax.sharding.get_abstract_mesh().shape)
 
 
 def _spans(devs: np.ndarray, names: list[str], axes: tuple[str, ...]) -> bool:
-  devs = np.moveaxis(devs, [names.index(a) for a in axes], list(range(len(axes))))
-  devs = devs.reshape(math.prod(devs.shape[:len(axes)]), -1)
-  return any(len({d.process_index for d in devs[:, k]}) > 1 for k in range(devs.shape[1]))
+  return any(len({d.process_index for d in g}) > 1
+             for g in jaxapi.device_groups(devs, names, axes))
 
 
 def spans_processes(axis_name, mesh=None) -> bool:
@@ -92,7 +87,7 @@ def spans_processes(axis_name, mesh=None) -> bool:
   """
   if jax.process_count() == 1:
     return False
-  axes = _axes(axis_name)
+  axes = jaxapi.axis_tuple(axis_name)
   if mesh is not None:
     names = list(mesh.axis_names)
     missing = [a for a in axes if a not in names]
@@ -213,7 +208,7 @@ def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
   (:func:`dtenjax._src.net.transport.tag_value`). Every process must pass the same tag for the
   same collective; a rank that differs raises on every rank, naming both.
   """
-  axes = _axes(axis_name)
+  axes = jaxapi.axis_tuple(axis_name)
   nproc, local = _check(x, axes, algorithm, op)
   value, suffix = transport.tag_value(tag)
   if site is None:

@@ -17,29 +17,17 @@ An estimate adds three kinds of terms, all data rather than code:
   touches code.
 * **local memory traffic** -- bytes read and written by each op / local bandwidth.
 
-For ``n`` participants, ``N`` bytes per participant, slowest link ``a``/``b``, ``h`` = 1 inside a
-host (peers are read in parallel) or ``n - 1`` across a network, ``L`` = ``xla_collective_us``,
-``P`` = ``local_pass_us``, ``K`` = ``nvlink_kernel_us``, ``S`` = ``host_step_us`` and ``m`` =
-local seconds per byte, the all-reduce formulas are:
-
-=====================  ===========================================================================
-``xla``                ``L + 2a + 2(n-1)/n N b + 2 N m`` in a host (each rank reduces its share
-                       and copies it out); across hosts ``L`` + the better of a flat and a
-                       two-level ring
-``one_shot``           all-gather + fold: ``L + h a + (n-1) N b + P + 2 n N m``
-``two_shot``           all-to-all, fold, all-gather: ``2L + 2 h a + 2(n-1)/n N b + P + 3 N m``
-``ring``               ``(n-1)(L + a + N/n b) + (n-1) P`` (ppermute reduce-scatter) + an XLA
-                       all-gather ``L + h a + (n-1)/n N b`` + ``3 N m``
-``hierarchical``       3 XLA ops: reduce-scatter in islands, one-shot across, all-gather in islands
-``nvlink_one_shot``    ``K + 2a + (n-1) N b + (n+1) N m``
-``nvlink_two_shot``    ``K + 4a + 2(n-1)/n N b + 3 N m``
-``host_ring``          ``2(n-1)(S + a) + 2(n-1)/n N b + 2 N m``
-``host_hierarchical``  XLA reduce-scatter in the process, host ring of ``N/k`` across, all-gather
-=====================  ===========================================================================
-
-The reproducible sums (``reproducible=True``: contract v3, ``collectives/fixed_point_v3.py``, one
-int32 word per value; ``"exact"``: contract v2, two): see :func:`_reproducible_all_reduce`; the
-conversion runs at ``fixed_point_gbps``.
+Each algorithm record owns its formulas (``cost``, a :class:`Cost`, in its own file under
+``collectives/algorithms/``); this module is the language they are written in: :class:`Terms`
+(for ``n`` participants, ``N`` bytes per participant, slowest link ``a``/``b``, ``h`` = 1 inside a
+host or ``n - 1`` across a network, ``L`` = ``xla_collective_us``, ``P`` = ``local_pass_us``,
+``K`` = ``nvlink_kernel_us``, ``S`` = ``host_step_us``, ``m`` = local seconds per byte, ``f`` =
+seconds per byte of the fixed-point conversion), the link helpers (:func:`ring`,
+:func:`xla_links`, :meth:`Terms.split`), XLA's own collectives (:data:`XLA`, which the ``xla``
+record and ``explain`` use, ``L + 2a + 2(n-1)/n N b + 2 N m`` for an all-reduce in a host), the
+reproducible word exchange every record without a fused form shares (:func:`word_exchange`), and
+:func:`collective_time`, which prices one collective with one record's :class:`Cost`. The planner
+and ``algorithm="auto"`` both rank through ``collectives/algorithms/registry.py``.
 
 The model ranks algorithms; it does not promise microseconds. The ``cpu`` defaults were fitted to
 ``python bench/collectives.py --sizes 64,8K,1M --chain 32 --reps 9 --stat min`` on the 2-core
@@ -55,7 +43,8 @@ import functools
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 from dtenjax._src import config
 from dtenjax._src import errors
@@ -63,8 +52,6 @@ from dtenjax._src.topology.model import INTRA_HOST
 from dtenjax._src.topology.model import Topology
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "ppermute")
-ALGORITHMS = ("xla", "ring", "one_shot", "two_shot", "hierarchical", "nvlink_one_shot",
-              "nvlink_two_shot", "host_ring", "host_hierarchical")
 INF = math.inf
 
 
@@ -174,16 +161,7 @@ def backend_costs(platform: str) -> BackendCosts:
   return dataclasses.replace(base, **extra) if extra else base
 
 
-# --- helpers ----------------------------------------------------------------------------------
-
-def _check(kind: str, algorithm: str, nbytes: int) -> None:
-  if kind not in KINDS:
-    raise errors.CollectiveError(f"unknown collective kind {kind!r}; use one of {KINDS}")
-  if algorithm not in ALGORITHMS:
-    raise errors.CollectiveError(f"unknown algorithm {algorithm!r}; use one of {ALGORITHMS}")
-  if nbytes < 0:
-    raise errors.CollectiveError(f"nbytes={nbytes} must be >= 0")
-
+# --- the terms every formula is written in ------------------------------------------------------
 
 def island_groups(group: Sequence[int], topology: Topology) -> tuple[tuple[int, ...], ...] | None:
   """``group`` split by the topology's fast islands, or None when that split is not a proper
@@ -200,24 +178,34 @@ def island_groups(group: Sequence[int], topology: Topology) -> tuple[tuple[int, 
   return tuple(parts)
 
 
-def _platform(group: Sequence[int], topology: Topology) -> str:
-  return topology.device(group[0]).platform
+class Split(NamedTuple):
+  """A proper island split of a group: ``k`` devices per island, ``m`` islands, the inner and
+  outer links, and the hops of a message across islands (1 inside a host, m - 1 across)."""
+  k: int
+  m: int
+  ia: float
+  ib: float
+  oa: float
+  ob: float
+  outer_hops: int
 
 
-def _ring(n: int, nbytes: float, a: float, b: float, phases: int) -> float:
-  """``phases`` ring passes over links (1: reduce-scatter or all-gather; 2: all-reduce)."""
-  return phases * ((n - 1) * a + (n - 1) / n * nbytes * b)
+class Terms:
+  """The link, backend and local terms of one group: what every formula is written in.
 
-
-class _Terms:
-  """The link, backend and local terms of one group (what every formula is written in)."""
+  ``n`` participants; ``a``/``b`` the slowest link's alpha (s) and beta (s/byte); ``hops`` 1 inside
+  a host (peers are read in parallel), ``n - 1`` across a network; ``L`` one XLA collective, ``P``
+  one extra elementwise pass, ``K`` one NVLink kernel, ``S`` one host-transport step (seconds);
+  ``m`` local seconds per byte; ``f`` seconds per float byte of the fixed-point conversion.
+  """
 
   def __init__(self, group: Sequence[int], topology: Topology, costs: BackendCosts | None):
     self.group, self.topology = list(group), topology
     self.n = len(group)
     self.cls, spec = topology.slowest_link(group)
     self.a, self.b = spec.alpha, spec.beta
-    self.hops = 1 if self.cls in INTRA_HOST else self.n - 1
+    self.intra_host = self.cls in INTRA_HOST
+    self.hops = 1 if self.intra_host else self.n - 1
     self.costs = costs if costs is not None else backend_costs(_platform(group, topology))
     bw = self.costs.local_bandwidth_gbps
     self.m = topology.spec("local").beta if bw is None else 1.0 / (bw * 1e9)
@@ -227,220 +215,166 @@ class _Terms:
     self.S = self.costs.host_step_us * 1e-6
     self.f = 1.0 / (self.costs.fixed_point_gbps * 1e9)
 
-  def islands(self):
-    return island_groups(self.group, self.topology)
-
-  def links_of(self, sub: Sequence[int]):
-    _, spec = self.topology.slowest_link(sub)
-    return spec.alpha, spec.beta
-
-
-# --- all-reduce formulas (N bytes per participant) ---------------------------------------------
-
-def _split(t: _Terms):
-  """(k, m, inner a, inner b, outer a, outer b, outer hops) of a proper island split, or None."""
-  parts = t.islands()
-  if parts is None:
-    return None
-  k, m = len(parts[0]), len(parts)
-  ia, ib = t.links_of(parts[0])
-  outer = [p[0] for p in parts]
-  cls, _ = t.topology.slowest_link(outer)
-  oa, ob = t.links_of(outer)
-  return k, m, ia, ib, oa, ob, (1 if cls in INTRA_HOST else m - 1)
+  def split(self) -> Split | None:
+    """The group's proper island split (:func:`island_groups`) with its links, or None."""
+    parts = island_groups(self.group, self.topology)
+    if parts is None:
+      return None
+    _, inner = self.topology.slowest_link(list(parts[0]))
+    outer = [p[0] for p in parts]
+    cls, spec = self.topology.slowest_link(outer)
+    return Split(len(parts[0]), len(parts), inner.alpha, inner.beta, spec.alpha, spec.beta,
+                 1 if cls in INTRA_HOST else len(parts) - 1)
 
 
-def _xla_links(t: _Terms, N: float, phases: int) -> float:
+def _platform(group: Sequence[int], topology: Topology) -> str:
+  return topology.device(group[0]).platform
+
+
+def ring(n: int, nbytes: float, a: float, b: float, phases: int) -> float:
+  """``phases`` ring passes over links (1: reduce-scatter or all-gather; 2: all-reduce)."""
+  return phases * ((n - 1) * a + (n - 1) / n * nbytes * b)
+
+
+def xla_links(t: Terms, N: float, phases: int) -> float:
   """Link time of XLA's own collective (NCCL / gloo / in-process) moving ``phases`` halves of an
   all-reduce: one hop inside a host; across hosts the better of a flat and a two-level ring."""
-  if t.cls in INTRA_HOST:
+  if t.intra_host:
     return phases * (t.a + (t.n - 1) / t.n * N * t.b)
-  flat = _ring(t.n, N, t.a, t.b, phases)
-  s = _split(t)
+  flat = ring(t.n, N, t.a, t.b, phases)
+  s = t.split()
   if s is None:
     return flat
-  k, m, ia, ib, oa, ob, _ = s
-  return min(flat, _ring(k, N, ia, ib, phases) + _ring(m, N / k, oa, ob, phases))
+  return min(flat, ring(s.k, N, s.ia, s.ib, phases) + ring(s.m, N / s.k, s.oa, s.ob, phases))
 
 
-def _ar_xla(t: _Terms, N: float) -> float:
-  """XLA's all-reduce: each rank reduces its share and copies it out (2 N of memory traffic)."""
-  return t.L + _xla_links(t, N, 2) + 2 * N * t.m
+# --- what a record's cost is --------------------------------------------------------------------
+
+Formula = Callable[[Terms, float], float]
 
 
-def _ar_one_shot(t: _Terms, N: float) -> float:
-  """All-gather (n N written) and a fold reading n N."""
-  return t.L + t.hops * t.a + (t.n - 1) * N * t.b + t.P + 2 * t.n * N * t.m
+@dataclasses.dataclass(frozen=True)
+class Cost:
+  """The cost formulas of one algorithm record (``collectives/algorithms/<name>.py``), each in
+  seconds, written in :class:`Terms`. ``N`` is bytes per participant (reduce-scatter: the full,
+  unscattered input); a formula returns ``inf`` where the algorithm does not apply (e.g.
+  ``hierarchical`` without a proper island split).
 
-
-def _ar_two_shot(t: _Terms, N: float) -> float:
-  """All-to-all (N), a fold of the owned chunk over n ranks (N), all-gather (N)."""
-  return 2 * t.L + 2 * t.hops * t.a + 2 * (t.n - 1) / t.n * N * t.b + t.P + 3 * N * t.m
-
-
-def _ar_ring(t: _Terms, N: float) -> float:
-  """n - 1 ppermutes of N/n, each followed by an add of N/n, then one all-gather of N/n each."""
-  steps = t.n - 1
-  gather = t.L + t.hops * t.a + (t.n - 1) / t.n * N * t.b
-  return steps * (t.L + t.a + N / t.n * t.b) + steps * t.P + gather + 3 * N * t.m
-
-
-def _ar_hierarchical(t: _Terms, N: float) -> float:
-  """Inner all-to-all reduce-scatter, one-shot of N/k across islands, inner all-gather."""
-  s = _split(t)
-  if s is None:
-    return INF
-  k, m, ia, ib, oa, ob, ho = s
-  inner = 2 * (t.L + ia + (k - 1) / k * N * ib)
-  outer = t.L + ho * oa + (m - 1) * (N / k) * ob
-  return inner + outer + 2 * t.P + (3 * N + 2 * m * N / k) * t.m
-
-
-def _ar_nvlink_one_shot(t: _Terms, N: float) -> float:
-  """The kernel reads every peer's buffer (n N) and writes the result (N)."""
-  return t.K + 2 * t.a + (t.n - 1) * N * t.b + (t.n + 1) * N * t.m
-
-
-def _ar_nvlink_two_shot(t: _Terms, N: float) -> float:
-  return t.K + 4 * t.a + 2 * (t.n - 1) / t.n * N * t.b + 3 * N * t.m
-
-
-def _ar_host_ring(t: _Terms, N: float) -> float:
-  return 2 * (t.n - 1) * (t.S + t.a) + 2 * (t.n - 1) / t.n * N * t.b + 2 * N * t.m
-
-
-def _ar_host_hierarchical(t: _Terms, N: float) -> float:
-  """XLA reduce-scatter in the process, host ring of N/k across processes, XLA all-gather."""
-  s = _split(t)
-  if s is None:
-    return INF
-  k, m, ia, ib, oa, ob, _ = s
-  inner = 2 * (t.L + ia + (k - 1) / k * N * ib)
-  outer = 2 * (m - 1) * (t.S + oa) + 2 * (m - 1) / m * (N / k) * ob
-  return inner + outer + 3 * N * t.m
-
-
-_ALL_REDUCE = {
-    "xla": _ar_xla, "one_shot": _ar_one_shot, "two_shot": _ar_two_shot, "ring": _ar_ring,
-    "hierarchical": _ar_hierarchical, "nvlink_one_shot": _ar_nvlink_one_shot,
-    "nvlink_two_shot": _ar_nvlink_two_shot, "host_ring": _ar_host_ring,
-    "host_hierarchical": _ar_host_hierarchical,
-}
-
-
-def _reproducible_all_reduce(t: _Terms, algorithm: str, N: float, itemsize: int, k: int,
-                             word_bytes: int = 4) -> float:
-  """A reproducible sum (``N`` bytes of ``itemsize`` floats per contribution, ``k`` per device,
-  ``word_bytes`` of integer words per value: 4 for contract v3, 8 for the exact contract):
-
-  * ``one_shot`` / ``two_shot`` move the raw floats (all-gather; all-to-all + all-gather) and sum
-    exactly where they land: ``n k N`` / ``k N`` bytes converted per rank;
-  * the NVLink kernels convert in registers as they read the peers' floats: the plain kernel's
-    time plus ``n N`` converted;
-  * every other record exchanges words: a MAX of one-byte codes (int32 over the host transport),
-    the record's all-reduce of ``word_bytes E`` bytes of int32 words, ``k N`` converted and ``N``
-    decoded.
+  Attributes:
+    all_reduce: ``(t, N) -> seconds``.
+    reduce_scatter: ``(t, N) -> seconds``, or None when the record has no reduce-scatter.
+    reproducible: ``(t, N, itemsize, k) -> seconds`` of the record's own reproducible sum of ``k``
+      contributions per device; None: the word exchange (:func:`word_exchange`) over this
+      record's ``all_reduce``.
+    code_max: ``(t, E) -> seconds`` of the word exchange's MAX of ``E`` one-byte codes; None:
+      XLA's all-reduce of ``E`` bytes (``lax.pmax``).
   """
+  all_reduce: Formula
+  reduce_scatter: Formula | None = None
+  reproducible: Callable[[Terms, float, int, int], float] | None = None
+  code_max: Formula | None = None
+
+
+def word_exchange(cost: Cost, t: Terms, N: float, itemsize: int, k: int, word_bytes: int) -> float:
+  """The reproducible sum by the word exchange (``collectives/reproducible.py``): a MAX of the
+  per-element codes, ``cost``'s all-reduce of ``word_bytes`` per value (4: contract v3, 8: the
+  exact contract), ``k N`` bytes converted and ``N`` decoded."""
   E = N / itemsize
-  n = t.n
-  if algorithm == "one_shot":
-    return (t.L + t.hops * t.a + (n - 1) * k * N * t.b + t.P + n * k * N * t.m +
-            n * k * N * t.f)
-  if algorithm == "two_shot":
-    return (2 * t.L + 2 * t.hops * t.a + (n - 1) / n * (k + 1) * N * t.b + t.P +
-            (k + 1) * N * t.m + k * N * t.f + N / n * t.f)
-  if algorithm.startswith("nvlink_"):
-    return _ALL_REDUCE[algorithm](t, N) + n * N * t.f
-  codes = _ar_host_ring(t, 4 * E) if algorithm.startswith("host_") else _ar_xla(t, E)
-  return codes + _ALL_REDUCE[algorithm](t, word_bytes * E) + 2 * t.P + (k + 1) * N * t.f
+  codes = cost.code_max(t, E) if cost.code_max is not None else XLA.all_reduce(t, E)
+  return codes + cost.all_reduce(t, word_bytes * E) + 2 * t.P + (k + 1) * N * t.f
 
 
-# --- reduce-scatter / all-gather (N = the full, unsharded buffer per participant) ---------------
+# --- XLA's own collectives: the xla record, and what explain prices -----------------------------
 
-def _rs_ag(t: _Terms, kind: str, algorithm: str, N: float) -> float:
-  n = t.n
-  fold = kind == "reduce_scatter"
-  if algorithm == "xla" or (algorithm in ("one_shot", "two_shot") and not fold):
-    return t.L + _xla_links(t, N, 1) + (2 if fold else 1) * N * t.m
-  if algorithm == "two_shot":     # all-to-all, fold the owned block
-    return t.L + t.hops * t.a + (n - 1) / n * N * t.b + t.P + 2 * N * t.m
-  if algorithm == "one_shot":     # gather everything, fold the owned block
-    return t.L + t.hops * t.a + (n - 1) * N * t.b + t.P + (n + 1) * N * t.m
-  if algorithm == "ring":
-    return (n - 1) * (t.L + t.a + N / n * t.b) + ((n - 1) * t.P if fold else 0.0) + \
-        (2 if fold else 1) * N * t.m
-  if algorithm == "hierarchical":
-    s = _split(t)
-    if s is None:
-      return INF
-    k, m, ia, ib, oa, ob, ho = s
-    return (2 * t.L + ia + (k - 1) / k * N * ib + ho * oa + (m - 1) / m * (N / k) * ob +
-            (2 * t.P if fold else 0.0) + (2 if fold else 1) * N * t.m)
-  return INF    # the NVLink kernels and the host transport have no reduce-scatter / all-gather
+def _xla_all_reduce(t: Terms, N: float) -> float:
+  """Each rank reduces its share and copies it out (2 N of memory traffic)."""
+  return t.L + xla_links(t, N, 2) + 2 * N * t.m
+
+
+def _xla_reduce_scatter(t: Terms, N: float) -> float:
+  return t.L + xla_links(t, N, 1) + 2 * N * t.m
+
+
+def xla_all_gather(t: Terms, N: float) -> float:
+  """XLA's all-gather of ``N`` bytes in all (``N / n`` from each rank)."""
+  return t.L + xla_links(t, N, 1) + N * t.m
+
+
+XLA = Cost(all_reduce=_xla_all_reduce, reduce_scatter=_xla_reduce_scatter)
+
+
+# --- pricing one collective ---------------------------------------------------------------------
+
+def _check(kind: str, cost, nbytes: int) -> None:
+  if kind not in KINDS:
+    raise errors.CollectiveError(f"unknown collective kind {kind!r}; use one of {KINDS}")
+  if not isinstance(cost, Cost):
+    raise errors.CollectiveError(
+        f"cost={cost!r} is not a costmodel.Cost; pass an algorithm record's cost "
+        "(registry.get(name).cost) or costmodel.XLA")
+  if kind in _MOVES and cost is not XLA:
+    raise errors.CollectiveError(f"{kind} is priced as XLA's own op; pass cost=costmodel.XLA")
+  if nbytes < 0:
+    raise errors.CollectiveError(f"nbytes={nbytes} must be >= 0")
+
+
+_MOVES = ("all_gather", "all_to_all", "ppermute")
 
 
 def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topology,
-                    algorithm: str = "ring", *, reproducible: bool | str = False,
-                    itemsize: int = 4,
+                    cost: Cost = XLA, *, reproducible: bool | str = False, itemsize: int = 4,
                     contributions: int = 1, costs: BackendCosts | None = None) -> float:
   """Estimated seconds for one collective.
 
   Args:
-    kind: one of :data:`KINDS`.
+    kind: one of :data:`KINDS`; all_gather, all_to_all and ppermute are XLA's own ops.
     nbytes: bytes per participant (the full, unsharded buffer for reduce_scatter/all_gather).
     group: global device ids (``jax.Device.id``) taking part, in rank order.
     topology: where they live (link specs, and the platform that selects :class:`BackendCosts`).
-    algorithm: a formula of :data:`ALGORITHMS`. Returns ``inf`` for one that does not apply
-      (``hierarchical`` without a proper island split, NVLink kernels off GPU).
+    cost: the algorithm's formulas (an algorithm record's ``cost``; default XLA's own
+      collectives). ``inf`` where it does not apply (no reduce-scatter, ``hierarchical`` without
+      a proper island split, NVLink kernels off GPU).
     reproducible: a reproducible sum of ``itemsize``-byte floats (True or "v3": contract v3,
       "exact": contract v2), with ``contributions`` stacked per device (``local_axis``).
     costs: override the backend's fixed costs (default: :func:`backend_costs`).
   """
-  _check(kind, algorithm, nbytes)
+  _check(kind, cost, nbytes)
   n = len(group)
   if n <= 1:
     return 0.0
-  t = _Terms(group, topology, costs)
+  t = Terms(group, topology, costs)
   if kind == "ppermute":
     return t.L + t.a + nbytes * t.b
   if kind == "all_to_all":
     return t.L + t.hops * t.a + (n - 1) / n * nbytes * t.b
+  if kind == "all_gather":
+    return xla_all_gather(t, nbytes)
   word_bytes = 8 if reproducible == "exact" else 4
   if kind == "all_reduce":
-    if reproducible:
-      return _reproducible_all_reduce(t, algorithm, nbytes, itemsize, contributions, word_bytes)
-    return _ALL_REDUCE[algorithm](t, nbytes)
-  if reproducible:   # reduce_scatter: codes of the full input, words scattered, owned block decoded
-    E = nbytes / itemsize
-    return (_ar_xla(t, E) + _rs_ag(t, kind, algorithm, word_bytes * E) + 2 * t.P +
-            (nbytes + nbytes / n) * t.f)
-  return _rs_ag(t, kind, algorithm, nbytes)
+    if not reproducible:
+      return cost.all_reduce(t, nbytes)
+    if cost.reproducible is not None:
+      return cost.reproducible(t, nbytes, itemsize, contributions)
+    return word_exchange(cost, t, nbytes, itemsize, contributions, word_bytes)
+  if cost.reduce_scatter is None:
+    return INF
+  if not reproducible:
+    return cost.reduce_scatter(t, nbytes)
+  # codes of the full input, words scattered, the owned block decoded
+  E = nbytes / itemsize
+  return (XLA.all_reduce(t, E) + cost.reduce_scatter(t, word_bytes * E) + 2 * t.P +
+          (nbytes + nbytes / n) * t.f)
 
 
-def rank_algorithms(kind: str, nbytes: int, group: Sequence[int], topology: Topology,
-                    candidates: Iterable[str] = ("xla", "ring", "one_shot", "two_shot",
-                                                 "hierarchical"),
-                    *, reproducible: bool = False, itemsize: int = 4, contributions: int = 1,
-                    costs: BackendCosts | None = None) -> list[tuple[str, float]]:
-  """``(algorithm, seconds)`` for each applicable candidate, fastest first, ties by name."""
-  out = []
-  for alg in candidates:
-    t = collective_time(kind, nbytes, group, topology, alg, reproducible=reproducible,
-                        itemsize=itemsize, contributions=contributions, costs=costs)
-    if t < INF:
-      out.append((alg, t))
-  return sorted(out, key=lambda kv: (kv[1], kv[0]))
-
-
-def crossover_bytes(alg_small: str, alg_large: str, group: Sequence[int], topology: Topology,
+def crossover_bytes(small: Cost, large: Cost, group: Sequence[int], topology: Topology,
                     kind: str = "all_reduce", hi: int = 1 << 34,
                     costs: BackendCosts | None = None) -> int | None:
-  """Smallest message size (bytes) at which ``alg_large`` beats ``alg_small``, found by bisection
-  on the model; None if it never does below ``hi``. This is how size thresholds are derived
-  from the topology instead of being constants."""
+  """Smallest message size (bytes) at which ``large`` beats ``small`` (two records' costs), found
+  by bisection on the model; None if it never does below ``hi``. This is how size thresholds are
+  derived from the topology instead of being constants."""
   def better(nb):
-    return (collective_time(kind, nb, group, topology, alg_large, costs=costs) <
-            collective_time(kind, nb, group, topology, alg_small, costs=costs))
+    return (collective_time(kind, nb, group, topology, large, costs=costs) <
+            collective_time(kind, nb, group, topology, small, costs=costs))
   if not better(hi):
     return None
   if better(0):

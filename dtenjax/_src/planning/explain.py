@@ -114,7 +114,7 @@ def _predict(kind: str, nbytes: int, groups, topology: Topology | None) -> float
   if not moving:
     return 0.0
   try:
-    return max(costmodel.collective_time(kind, nbytes, g, topology, "xla")
+    return max(costmodel.collective_time(kind, nbytes, g, topology)
                for g in (moving if kind == "ppermute" else moving[:1]))
   except Exception:  # pylint: disable=broad-except  (ids outside the topology)
     return float("nan")

@@ -31,17 +31,41 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from dtenjax._src.planning import costmodel
 from dtenjax._src import errors
 from dtenjax._src.topology.model import Topology
 
 STRATEGIES = ("2d", "row", "col", "replicate")     # also the tie-break order
-_AR_CANDIDATES = ("xla", "ring", "hierarchical", "one_shot", "two_shot")
+
+# How the planner prices one all-reduce: ``(nbytes, group, axis_sizes, topology, dtype) ->
+# seconds`` of the cheapest algorithm that can run a sum of ``nbytes`` of ``dtype`` per participant
+# over the device ids ``group`` (rank order) split into mesh axes of ``axis_sizes``.
+AllReduceTime = Callable[[int, tuple[int, ...], tuple[int, ...], Topology, str], float]
+_all_reduce_time: dict[str, AllReduceTime] = {}
+
+
+def set_all_reduce_time(price: AllReduceTime) -> None:
+  """Installs the default :data:`AllReduceTime` of :func:`plan_tensor`.
+
+  The planner sits below the collectives layer and prices all-reduces with its algorithm
+  registry, which it takes as an argument rather than importing: ``collectives/api.py`` installs
+  ``algorithm="auto"``'s own chooser here when it is imported (importing any dtenjax module
+  imports ``dtenjax``, hence it, first)."""
+  _all_reduce_time["default"] = price
+
+
+def _default_all_reduce_time() -> AllReduceTime:
+  try:
+    return _all_reduce_time["default"]
+  except KeyError:
+    raise errors.PlacementError(
+        "internal error: no all-reduce pricing is installed for the planner (it is installed "
+        "when dtenjax._src.collectives.api is imported); pass all_reduce_time= to "
+        "plan_tensor") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,26 +179,36 @@ class _Groups:
 
 
 @functools.lru_cache(maxsize=65536)
-def _allreduce_s(nbytes: int, group: tuple[int, ...], topology: Topology) -> float:
+def _allreduce_s(nbytes: int, group: tuple[int, ...], axis_sizes: tuple[int, ...],
+                 topology: Topology, dtype: str, price: AllReduceTime) -> float:
   if len(group) <= 1 or nbytes <= 0:
     return 0.0
-  return costmodel.rank_algorithms("all_reduce", nbytes, group, topology, _AR_CANDIDATES)[0][1]
+  return price(nbytes, group, axis_sizes, topology, dtype)
 
 
 def plan_tensor(shape: Sequence[int], dtype, mesh_shape: Sequence[int], axis_names: Sequence[str],
                 device_ids: np.ndarray, topology: Topology,
-                workload: Workload = Workload()) -> Plan:
-  """Costs every strategy for one tensor and picks one (see the module docstring)."""
+                workload: Workload = Workload(), *,
+                all_reduce_time: AllReduceTime | None = None) -> Plan:
+  """Costs every strategy for one tensor and picks one (see the module docstring).
+
+  ``all_reduce_time`` prices the all-reduces (default: the algorithm registry's, installed by the
+  collectives layer: the cheapest record whose ``supports`` accepts a sum of ``dtype``)."""
+  price = all_reduce_time if all_reduce_time is not None else _default_all_reduce_time()
   return _plan_cached(tuple(int(s) for s in shape), np.dtype(dtype).name, tuple(mesh_shape),
                       tuple(axis_names), tuple(int(i) for i in np.asarray(device_ids).ravel()),
-                      topology, workload)
+                      topology, workload, price)
 
 
 @functools.lru_cache(maxsize=16384)
-def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, workload) -> Plan:
+def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, workload,
+                 price) -> Plan:
   itemsize = np.dtype(dtype).itemsize
   outer, a, inner, b = _axes(mesh_shape, axis_names)
   groups = _Groups(np.asarray(device_ids).reshape(mesh_shape))
+
+  def allreduce_s(nbytes, group, axis_sizes):
+    return _allreduce_s(int(nbytes), group, axis_sizes, topology, dtype, price)
   ndev = a * b
   if len(shape) >= 2:
     m, n = shape[-2], shape[-1]
@@ -199,15 +233,15 @@ def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, wor
     note = ""
     feasible = True
     if strategy == "replicate":
-      comm = (1 - w.grad_overlap) * _allreduce_s(nbytes, groups.all, topology)
+      comm = (1 - w.grad_overlap) * allreduce_s(nbytes, groups.all, tuple(mesh_shape))
       mem = state
     elif strategy in ("row", "col"):
       dim, size = (m, "rows") if strategy == "row" else (n, "columns")
       if dim % b:
         feasible, note = False, f"{size} ({dim}) not divisible by axis {inner!r} ({b})"
       act = int(w.tokens / (a * mb)) * (n if strategy == "row" else m) * itemsize * lead
-      comm = (mb * _allreduce_s(act, groups.inner, topology) +
-              (1 - w.grad_overlap) * _allreduce_s(nbytes // b, groups.outer, topology))
+      comm = (mb * allreduce_s(act, groups.inner, (b,)) +
+              (1 - w.grad_overlap) * allreduce_s(nbytes // b, groups.outer, (a,)))
       mem = state / b
       if a > 1:
         note = note or f"grads accumulated over {mb} micro-batch(es), all-reduced across {outer!r}"
@@ -216,9 +250,8 @@ def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, wor
         feasible = False
         note = f"shape ({m}, {n}) not divisible by mesh ({a}, {b})"
       t_mb = int(w.tokens / mb)
-      comm = mb * (_allreduce_s(t_mb * (n // max(b, 1)) * itemsize * lead, groups.outer, topology)
-                   + _allreduce_s(t_mb * (m // max(a, 1)) * itemsize * lead, groups.inner,
-                                  topology))
+      comm = mb * (allreduce_s(t_mb * (n // max(b, 1)) * itemsize * lead, groups.outer, (a,))
+                   + allreduce_s(t_mb * (m // max(a, 1)) * itemsize * lead, groups.inner, (b,)))
       mem = state / (a * b)
     if feasible and mem_limit and mem > mem_limit:
       feasible, note = False, f"needs {mem / 2**30:.1f} GiB per device, has {mem_limit / 2**30:.1f}"

@@ -1,2 +1,4 @@
-"""The latency-bound micro-batch scheduler over compiled steps.
+"""Layer 5: the latency-bound micro-batch scheduler over compiled steps.
+
+Depends on ``gpu`` (CUDA-graph policies) and the base modules.
 """

@@ -2,9 +2,10 @@
 :class:`Algorithm` record itself, and the building blocks the XLA-native algorithms share.
 
 A record answers three questions about a call: can you run it (``supports``), what would it cost
-(``cost``, a formula of ``planning/costmodel.py``), and how (``all_reduce`` / ``reduce_scatter``).
-``registry.py`` lists the records; ``algorithm="auto"`` ranks only the ones whose ``supports``
-returns None, so it can never pick one that would raise.
+(``cost``: its own formulas, a ``planning/costmodel.py`` :class:`~costmodel.Cost` written in that
+module's terms), and how (``all_reduce`` / ``reduce_scatter`` / ``reproducible``). ``registry.py``
+lists the records; ``algorithm="auto"`` and the planner rank only the ones whose ``supports``
+returns None, so neither can pick one that would raise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from dtenjax._src import jaxapi
+from dtenjax._src.planning import costmodel
 
 AxisName = str | tuple[str, ...]
 OPS = ("sum", "mean", "max", "min")
@@ -88,7 +92,8 @@ class Algorithm:
       "two_shot"); ``algorithm=family`` takes the first record of the family (registry order)
       that supports the call.
     order: the reduction order it guarantees, in words (docs and ``explain``).
-    cost: the ``planning/costmodel.py`` formula that estimates it.
+    cost: its cost formulas (all-reduce, reduce-scatter, reproducible sum), written in the terms
+      of ``planning/costmodel.py``.
     supports: ``call -> None`` when it can run the call, else the reason it cannot.
     all_reduce: ``(x, call, finish) -> result``; ``finish`` maps the accumulated value (the
       accumulation dtype, see :func:`acc_dtype`) to the result (mean division, final cast).
@@ -105,7 +110,7 @@ class Algorithm:
   name: str
   family: str
   order: str
-  cost: str
+  cost: costmodel.Cost
   supports: Callable[[Call], str | None]
   all_reduce: Callable[..., Any]
   reduce_scatter: Callable[..., Any] | None = None
@@ -116,19 +121,24 @@ class Algorithm:
   def why_not(self, call: Call) -> str | None:
     """None when this record can run ``call``; otherwise the reason (kind checks included)."""
     if call.kind == "reduce_scatter" and self.reduce_scatter is None:
-      return f"{self.name} has no reduce_scatter"
+      return (f"{self.name} has no reduce_scatter; use algorithm='auto', 'two_shot' or "
+              "'ring'")
     return self.supports(call)
+
+  def time(self, call: Call, group, topology, costs: costmodel.BackendCosts | None = None) -> float:
+    """The cost model's seconds for this record running ``call`` over the device ids ``group``."""
+    return costmodel.collective_time(
+        call.kind, int(call.nbytes), list(group), topology, self.cost,
+        reproducible=(call.contract if call.reproducible and call.op in ("sum", "mean")
+                      else False),
+        itemsize=call.itemsize, contributions=call.contributions, costs=costs)
 
 
 # --- shared building blocks ---------------------------------------------------------------------
 
-def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 def axis_size(axis_name: AxisName) -> int:
   """Static size of the (possibly combined) named axis."""
-  return int(lax.axis_size(axis_tuple(axis_name)))
+  return int(lax.axis_size(jaxapi.axis_tuple(axis_name)))
 
 
 def acc_dtype(dtype, op: str):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.net import hostcoll
+from dtenjax._src.planning import costmodel
 
 
 def _supports(family: str, call: base.Call) -> str | None:
@@ -68,12 +69,36 @@ def _code_max(family: str, codes, call: base.Call):
   return red.astype(codes.dtype)
 
 
+def _ring_time(t: costmodel.Terms, N: float) -> float:
+  return 2 * (t.n - 1) * (t.S + t.a) + 2 * (t.n - 1) / t.n * N * t.b + 2 * N * t.m
+
+
+def _hierarchical_time(t: costmodel.Terms, N: float) -> float:
+  """XLA reduce-scatter in the process, host ring of N/k across processes, XLA all-gather; inf
+  without a proper island split of the group."""
+  s = t.split()
+  if s is None:
+    return costmodel.INF
+  inner = 2 * (t.L + s.ia + (s.k - 1) / s.k * N * s.ib)
+  outer = 2 * (s.m - 1) * (t.S + s.oa) + 2 * (s.m - 1) / s.m * (N / s.k) * s.ob
+  return inner + outer + 3 * N * t.m
+
+
+def _code_max_time(t: costmodel.Terms, E: float) -> float:
+  """The word exchange's MAX of the codes, as int32 over the host ring."""
+  return _ring_time(t, 4 * E)
+
+
+_TIME = {"ring": _ring_time, "hierarchical": _hierarchical_time}
+
+
 def _record(family: str) -> base.Algorithm:
   return base.Algorithm(
       name=f"host_{family}", family=family,
       order=("chunk c: ranks c, c+1, ..., c-1 (mod n)" if family == "ring" else
              "XLA reduce-scatter in the process, host ring across processes, XLA all-gather"),
-      cost=f"host_{family}", supports=functools.partial(_supports, family),
+      cost=costmodel.Cost(all_reduce=_TIME[family], code_max=_code_max_time),
+      supports=functools.partial(_supports, family),
       all_reduce=functools.partial(_all_reduce, family),
       code_max=functools.partial(_code_max, family),
       applies=lambda call: call.processes > 1)

@@ -18,6 +18,7 @@ from dtenjax._src.collectives.algorithms import one_shot
 from dtenjax._src.collectives.algorithms import two_shot
 from dtenjax._src.collectives.algorithms import xla
 from dtenjax._src.gpu import p2p
+from dtenjax._src.planning import costmodel
 
 _TWIN = {"one_shot": one_shot.ALGORITHM, "two_shot": two_shot.ALGORITHM}
 
@@ -50,11 +51,41 @@ def _reproducible(family: str, stack, call: base.Call):
                         reproducible=call.contract, fallback=fallback)
 
 
+def _one_shot_time(t: costmodel.Terms, N: float) -> float:
+  """The kernel reads every peer's buffer (n N) and writes the result (N); inf for a group that
+  leaves the host (peer memory does not reach another host)."""
+  if not t.intra_host:
+    return costmodel.INF
+  return t.K + 2 * t.a + (t.n - 1) * N * t.b + (t.n + 1) * N * t.m
+
+
+def _two_shot_time(t: costmodel.Terms, N: float) -> float:
+  """Each rank reduces its segment from every peer, then every rank reads the segments; inf for
+  a group that leaves the host."""
+  if not t.intra_host:
+    return costmodel.INF
+  return t.K + 4 * t.a + 2 * (t.n - 1) / t.n * N * t.b + 3 * N * t.m
+
+
+_TIME = {"one_shot": _one_shot_time, "two_shot": _two_shot_time}
+
+
+def _cost(family: str) -> costmodel.Cost:
+  plain = _TIME[family]
+
+  def reproducible_time(t: costmodel.Terms, N: float, itemsize: int, k: int) -> float:
+    """The plain kernel's time; the peers' floats are converted in registers as they are read
+    (``n N`` bytes)."""
+    del itemsize, k
+    return plain(t, N) + t.n * N * t.f
+  return costmodel.Cost(all_reduce=plain, reproducible=reproducible_time)
+
+
 def _record(family: str) -> base.Algorithm:
   return base.Algorithm(
       name=f"nvlink_{family}", family=family,
       order=f"as {family}: ranks 0..n-1, float32, one rounding (reproducible: contract v3/v2)",
-      cost=f"nvlink_{family}", supports=supports,
+      cost=_cost(family), supports=supports,
       all_reduce=functools.partial(_all_reduce, family),
       reproducible=functools.partial(_reproducible, family),
       applies=lambda call: call.backend == "gpu")

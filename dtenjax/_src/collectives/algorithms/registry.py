@@ -7,8 +7,12 @@ that supports the call by the cost model (``planning/costmodel.py``) and takes t
 (ties: the name that sorts first). A record's own name forces it (an error says why when it
 cannot run the call).
 
+Everything else is derived from :data:`REGISTRY`: the families (and so the values ``algorithm=``
+accepts), the candidates of ``auto`` and of the planner (``planning/planner.py`` prices all-reduces
+with :func:`choose`, handed to it by ``collectives/api.py``).
+
 Adding an algorithm: write ``algorithms/<name>.py`` defining a :class:`~base.Algorithm` (supports,
-implementation, the costmodel formula it uses) and add it to :data:`REGISTRY` below.
+implementation, order, its cost formulas) and add it to :data:`REGISTRY` below.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import NamedTuple
 from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src.collectives.algorithms import base
+from dtenjax._src.collectives.algorithms import butterfly
 from dtenjax._src.collectives.algorithms import hierarchical
 from dtenjax._src.collectives.algorithms import host
 from dtenjax._src.collectives.algorithms import nvlink
@@ -27,7 +32,6 @@ from dtenjax._src.collectives.algorithms import one_shot
 from dtenjax._src.collectives.algorithms import ring
 from dtenjax._src.collectives.algorithms import two_shot
 from dtenjax._src.collectives.algorithms import xla
-from dtenjax._src.planning import costmodel
 from dtenjax._src.topology.model import Topology
 
 REGISTRY: tuple[base.Algorithm, ...] = (
@@ -36,13 +40,15 @@ REGISTRY: tuple[base.Algorithm, ...] = (
     host.RING,
     host.HIERARCHICAL,
     xla.ALGORITHM,
-    one_shot.ALGORITHM,
-    two_shot.ALGORITHM,
     ring.ALGORITHM,
     hierarchical.ALGORITHM,
+    one_shot.ALGORITHM,
+    two_shot.ALGORITHM,
+    butterfly.ALGORITHM,
 )
 
-FAMILIES = ("xla", "ring", "hierarchical", "one_shot", "two_shot")
+# The public algorithms: every record's family, those with an XLA-native record of that name first.
+FAMILIES = tuple(dict.fromkeys(a.family for a in sorted(REGISTRY, key=lambda a: a.name != a.family)))
 # A family none of whose records can run the call may name a stand-in: algorithm="xla" with
 # deterministic=True where XLA's order is not provably fixed keeps XLA's collectives for data
 # movement only (all-gather + the rank-order fold of one_shot).
@@ -87,8 +93,6 @@ def _detected() -> Topology:
 
 def _rank(call: base.Call, records: Sequence[base.Algorithm], group: Sequence[int],
           topology: Topology) -> list[tuple[str, float]]:
-  kind = call.kind
-  nbytes = int(call.nbytes)
   try:
     topology.slowest_link(list(group))
   except errors.TopologyError as e:
@@ -96,13 +100,7 @@ def _rank(call: base.Call, records: Sequence[base.Algorithm], group: Sequence[in
                     f"dtenjax: the topology {topology.name!r} does not describe the devices of "
                     f"this collective ({e}); algorithm='auto' ranks with the detected topology.")
     topology = _detected()
-  times = {}
-  for a in records:
-    t = costmodel.collective_time(kind, nbytes, list(group), topology, a.cost,
-                                  reproducible=(call.contract if call.reproducible and
-                                                call.op in ("sum", "mean") else False),
-                                  itemsize=call.itemsize, contributions=call.contributions)
-    times[a.name] = t
+  times = {a.name: a.time(call, group, topology) for a in records}
   return sorted(times.items(), key=lambda kv: (kv[1], kv[0]))
 
 

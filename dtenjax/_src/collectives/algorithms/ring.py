@@ -13,6 +13,7 @@ from jax import lax
 
 from dtenjax._src import jaxapi
 from dtenjax._src.collectives.algorithms import base
+from dtenjax._src.planning import costmodel
 
 
 def supports(call: base.Call) -> str | None:
@@ -66,7 +67,22 @@ def reduce_scatter(blocks, call: base.Call):
   return reduce_chunks(flat, call.axes, call.op).reshape(blocks.shape[1:])
 
 
+def _all_reduce_time(t: costmodel.Terms, N: float) -> float:
+  """n - 1 ppermutes of N/n, each followed by an add of N/n, then one all-gather of N/n each."""
+  steps = t.n - 1
+  gather = t.L + t.hops * t.a + (t.n - 1) / t.n * N * t.b
+  return steps * (t.L + t.a + N / t.n * t.b) + steps * t.P + gather + 3 * N * t.m
+
+
+def _reduce_scatter_time(t: costmodel.Terms, N: float) -> float:
+  """The n - 1 ppermute steps of the all-reduce, without the all-gather."""
+  n = t.n
+  return (n - 1) * (t.L + t.a + N / n * t.b) + (n - 1) * t.P + 2 * N * t.m
+
+
+COST = costmodel.Cost(all_reduce=_all_reduce_time, reduce_scatter=_reduce_scatter_time)
+
 ALGORITHM = base.Algorithm(
     name="ring", family="ring",
     order="chunk c of the padded flat buffer: ranks c+1, c+2, ..., c (mod n)",
-    cost="ring", supports=supports, all_reduce=all_reduce, reduce_scatter=reduce_scatter)
+    cost=COST, supports=supports, all_reduce=all_reduce, reduce_scatter=reduce_scatter)

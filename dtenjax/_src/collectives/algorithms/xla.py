@@ -28,6 +28,7 @@ import jax
 from jax import lax
 
 from dtenjax._src.collectives.algorithms import base
+from dtenjax._src.planning import costmodel
 
 
 def psum_order(call: base.Call) -> tuple[str | None, str]:
@@ -91,4 +92,4 @@ def reduce_scatter(blocks, call: base.Call):
 ALGORITHM = base.Algorithm(
     name="xla", family="xla",
     order="XLA's: fixed where psum_order() establishes it (CPU, gloo, pinned NCCL)",
-    cost="xla", supports=supports, all_reduce=all_reduce, reduce_scatter=reduce_scatter)
+    cost=costmodel.XLA, supports=supports, all_reduce=all_reduce, reduce_scatter=reduce_scatter)

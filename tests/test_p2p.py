@@ -172,6 +172,20 @@ def test_unavailable_with_fallback_runs_the_fallback(cpu_devices):
   np.testing.assert_array_equal(np.asarray(f(x)), np.tile(x.reshape(4, 2).sum(0) + 1, 4))
 
 
+@pytest.mark.parametrize("reproducible", [True, "exact", "v3"])
+def test_every_contract_name_the_collectives_layer_passes_is_accepted(cpu_devices, reproducible):
+  # the nvlink records pass call.contract ("v3" for reproducible=True, from
+  # collectives.reproducible.contract_of); a name p2p does not know must not reach the user as
+  # an error on GPU only
+  from dtenjax._src.collectives import reproducible as repro  # pylint: disable=import-outside-toplevel
+  assert repro.contract_of(True) in ("v3",)
+  mesh = jax.sharding.Mesh(np.array(cpu_devices[:2]), ("x",))
+  f = _smap(mesh, lambda v: p2p.all_reduce(v, "x", reproducible=reproducible,
+                                           fallback=lambda u: lax.psum(u, "x")))
+  x = np.arange(8, dtype=np.float32)
+  np.testing.assert_array_equal(np.asarray(f(x)), np.tile(x.reshape(2, 4).sum(0), 2))
+
+
 def test_lowering_falls_back_when_not_cuda(cpu_devices, caplog):
   """The set-up decision happens while lowering: on a non-CUDA lowering the primitive lowers the
   fallback (logged), and without one it raises saying why."""
@@ -439,7 +453,8 @@ print("TIMEOUTS", p2p.kernel_timeouts(), flush=True)
 sys.stderr.flush()
 os._exit(0)   # the trapped CUDA context cannot be torn down cleanly
 """
-  r = _run_python(code, {"DTENJAX_COLLECTIVE_TIMEOUT": "0.5", "DTENJAX_TEST_PLATFORM": "gpu"},
+  r = _run_python(code, {"DTENJAX_COLLECTIVE_TIMEOUT": "0.5", "DTENJAX_TEST_PLATFORM": "gpu",
+                       "JAX_PLATFORMS": ""},
                   timeout=120)
   out = r.stdout + r.stderr
   assert "RESULT-RETURNED" not in out, out

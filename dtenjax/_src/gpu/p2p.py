@@ -358,7 +358,7 @@ def _contract(reproducible) -> str | None:
     return "v3"
   if not reproducible:
     return None
-  if reproducible == "exact":
+  if reproducible in ("v3", "exact"):     # "v3": the collectives layer's name for True
     return reproducible
   raise errors.CollectiveError(f"reproducible={reproducible!r} is not False, True (contract v3) "
                                "or 'exact' (contract v2)")

@@ -469,9 +469,14 @@ class FakeHostColl:
   def spans_processes(self, axis_name, mesh=None):
     return True
 
-  def all_reduce(self, x, axis_name, *, algorithm="ring", op="sum"):
+  def all_reduce(self, x, axis_name, *, algorithm="ring", op="sum", tag=None):
     axes = jaxapi.axis_tuple(axis_name)
     problems = []
+    # hostcoll.all_reduce's documented tags: None, an int in 0..2**32-1, a str, an int scalar
+    if not (tag is None or isinstance(tag, str) or
+            (isinstance(tag, int) and not isinstance(tag, bool) and 0 <= tag < 2**32) or
+            (getattr(tag, "shape", None) == () and jnp.issubdtype(tag.dtype, jnp.integer))):
+      problems.append(f"tag={tag!r}")
     if algorithm not in self.ALGORITHMS:
       problems.append(f"algorithm={algorithm!r}")
     if op not in hostcoll.ALL_OPS:

@@ -606,7 +606,8 @@ def test_across_processes_floods_look_alikes_and_algorithm_mismatches(tmp_path):
   """Two processes: (1) 1000 connections that never authenticate per listener, queued before
   either rank connects: the ring forms in < 1 s and the jitted all_reduce is right; (2) one
   helper called from two lines in the other order on rank 1: both raise naming both stacks;
-  (3) a tagged step that rank 1 skips: both raise naming tag=1 and tag=2; (4) rank 0 asks for
+  (3) a tagged step that rank 1 skips (hostcoll's traced tag, and dtenjax.all_reduce's static
+  one): both raise naming tag=1 and tag=2; (4) rank 0 asks for
   the host ring while rank 1 runs XLA's collective: rank 0 raises within the timeout naming
   process 1 and algorithm=, and rank 1 is released by rank 0's own XLA collective after it."""
   codes, res, logs = _launch(tmp_path, 2, "flood,lookalike,tagged,algorithms")
@@ -629,6 +630,8 @@ def test_across_processes_floods_look_alikes_and_algorithm_mismatches(tmp_path):
     assert len(lines) == 2, look     # both call stacks are named
     tagged = r["tagged"]["error"]
     assert tagged and "tag=1" in tagged and "tag=2" in tagged, tagged
+    public = r["tagged_public"]["error"]      # dtenjax.all_reduce(..., tag=i) reaches the ring
+    assert public and "tag=1" in public and "tag=2" in public, public
     measured(f"2 processes, jit: helper in another order detected (rank {r['rank']})",
              r["lookalike"]["seconds"])
     measured(f"2 processes, jit: skipped tagged step detected (rank {r['rank']})",

@@ -513,3 +513,17 @@ def test_a_mean_of_an_already_summed_gradient_is_flagged_once(caplog):
   msgs = [r.getMessage() for r in caplog.records if "already SUMMED" in r.getMessage()]
   assert len(msgs) == 1 and "compression.pvary(params, axis)" in msgs[0]
   np.testing.assert_allclose(bad, np.asarray(x).sum(0), rtol=1e-6)    # n times the mean, as JAX
+
+
+def test_all_reduce_tag_is_checked_and_refuses_a_traced_value(cpu_devices):
+  mesh = jax.sharding.Mesh(np.array(cpu_devices[:2]), ("i",))
+  x = jnp.arange(4.0)
+  run = lambda **kw: jax.jit(jax.shard_map(lambda v: dtenjax.all_reduce(v, "i", **kw), mesh=mesh,
+                                           in_specs=P("i"), out_specs=P()))(x)
+  np.testing.assert_array_equal(run(tag=7), run())      # XLA's collective needs no tag
+  np.testing.assert_array_equal(run(tag="grad/w"), run())
+  with pytest.raises(dtenjax.DtenjaxError, match="tag=-1"):
+    run(tag=-1)
+  with pytest.raises(dtenjax.DtenjaxError, match="traced value"):
+    jax.jit(jax.shard_map(lambda v, t: dtenjax.all_reduce(v, "i", tag=t), mesh=mesh,
+                          in_specs=(P("i"), P()), out_specs=P()))(x, jnp.int32(3))

@@ -123,6 +123,18 @@ def main():
       hostcoll.reset()
       common.barrier("tagged-done")
 
+      def public_loop():   # the public all_reduce, a static tag per step of a Python loop
+        out = []
+        for i in range(3):
+          if rank == 1 and i == 1:
+            continue
+          out.append(rows(jit(lambda x, i=i: dtenjax.all_reduce(x, "p", algorithm="ring",
+                                                                tag=i))(arr)))
+        return out
+      attempt("tagged_public", public_loop)
+      hostcoll.reset()
+      common.barrier("tagged-public-done")
+
     if "algorithms" in phases:
       xla = jit(lambda x: dtenjax.all_reduce(x, "p", algorithm="xla"))
       if rank == 0:

@@ -55,6 +55,7 @@ from dtenjax._src.collectives import reproducible as repro
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import registry
 from dtenjax._src.collectives.algorithms import ring
+from dtenjax._src.net import callsite
 from dtenjax._src.planning import mesh as mesh_lib
 from dtenjax._src.planning import planner
 from dtenjax._src.topology.model import Topology
@@ -182,13 +183,13 @@ def _xla_reaches_processes(backend: str) -> bool:
 
 
 def _make_call(kind: str, dtype, nbytes: int, ctx: _Context, axes, op, algorithm, deterministic,
-               reproducible, contributions=1) -> base.Call:
+               reproducible, contributions=1, tag=None) -> base.Call:
   return base.Call(kind=kind, op=op, dtype=dtype, axes=axes, axis_sizes=ctx.axis_sizes,
                    nbytes=int(nbytes), backend=ctx.backend, deterministic=bool(deterministic),
                    reproducible=bool(reproducible), contract=reproducible or "v3",
                    contributions=int(contributions),
                    mesh_axes=ctx.mesh_axes, processes=ctx.processes,
-                   xla_reaches_processes=ctx.xla_reaches_processes, requested=algorithm)
+                   xla_reaches_processes=ctx.xla_reaches_processes, requested=algorithm, tag=tag)
 
 
 def _resolve(algorithm: str, call: base.Call, ctx: _Context) -> base.Algorithm:
@@ -249,6 +250,19 @@ class _Spec:
   local_axis: int | None = None
   local_size: int = 1
   typed: tuple[str, ...] = ()     # the axes with vma types (see _typed_axes)
+  tag: int | str | None = None    # checked by _static_tag
+
+
+def _static_tag(tag):
+  """``tag`` checked as the transport reads it; a traced integer is refused (the spec is static)."""
+  if tag is None or isinstance(tag, str) or (isinstance(tag, (int, np.integer))
+                                             and not isinstance(tag, bool)):
+    callsite.tag_value(tag)                 # raises CollectiveError naming a bad value
+    return tag if tag is None or isinstance(tag, str) else int(tag)
+  raise errors.CollectiveError(
+      f"all_reduce: tag={tag!r} must be None, a Python int in 0..2**32-1 or a str; a traced "
+      "value (e.g. the index of lax.fori_loop) is not accepted here: tag each call with a "
+      "static int (the step number of a Python loop) or a str.")
 
 
 def _forward(x, spec: _Spec):
@@ -257,7 +271,7 @@ def _forward(x, spec: _Spec):
   nbytes = x.size // k * jnp.dtype(x.dtype).itemsize
   repro_sum = spec.reproducible if spec.op in ("sum", "mean") else None   # the contract
   call = _make_call("all_reduce", x.dtype, nbytes, ctx, spec.axes, spec.op, spec.algorithm,
-                    spec.deterministic, repro_sum, k if repro_sum else 1)
+                    spec.deterministic, repro_sum, k if repro_sum else 1, spec.tag)
   record = _resolve(spec.algorithm, call, ctx)
   if repro_sum:
     stack = jnp.moveaxis(x, spec.local_axis, 0) if spec.local_axis is not None else x[None]
@@ -352,7 +366,8 @@ _all_reduce_array.defvjp(_ar_fwd, _ar_bwd)
 
 def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "auto",
                deterministic: bool = True, reproducible: bool | str = False,
-               local_axis: int | None = None, bucket_bytes: int | None = None):
+               local_axis: int | None = None, bucket_bytes: int | None = None,
+               tag: int | str | None = None):
   """All-reduce of ``x`` (array or pytree) over the named axis/axes ``axis_name``.
 
   Args:
@@ -368,8 +383,14 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
       contributions (summed exactly with the other devices'; the axis is removed).
     bucket_bytes: pytree leaves are packed into flat buffers of at most this many bytes
       (default DTENJAX_BUCKET_BYTES; 0 = one collective per leaf).
+    tag: tells apart collectives across processes whose call stacks look alike, e.g. the
+      iterations of a Python loop around one step (pass the step number, an int in 0..2**32-1)
+      or collectives issued in a process-dependent order (a str naming each). The host transport
+      compares it on every rank and raises on a mismatch (docs/reliability.md); the other
+      algorithms need none (XLA orders its collectives) and ignore it.
   """
   _check_common("all_reduce", op, algorithm)
+  tag = _static_tag(tag)
   reproducible = repro.contract_of(reproducible)
   axes = check_axes(axis_name, "all_reduce")
   if local_axis is not None and not reproducible and op in ("sum", "mean"):
@@ -394,7 +415,7 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
                                      f"shape {leaf.shape}; pass an axis of x.")
       la = local_axis % leaf.ndim
       k = leaf.shape[la]
-    specs.append(_Spec(axes, op, algorithm, bool(deterministic), reproducible, la, k, typed))
+    specs.append(_Spec(axes, op, algorithm, bool(deterministic), reproducible, la, k, typed, tag))
   if bucket_bytes is None:
     bucket_bytes = config.get_int("DTENJAX_BUCKET_BYTES")
   if len(leaves) > 1 and bucket_bytes > 0 and local_axis is None:

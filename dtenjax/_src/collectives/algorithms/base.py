@@ -48,6 +48,8 @@ class Call:
     processes: processes the group spans (1: every participant is in this process).
     xla_reaches_processes: XLA's own collectives work across those processes here.
     requested: the ``algorithm=`` the caller passed ("auto", a family or a record name).
+    tag: the caller's ``tag=`` (None, an int or a str): the host transport compares it on every
+      rank (``net/callsite.tag_value``); no choice or cost depends on it.
   """
   kind: str
   op: str
@@ -64,6 +66,7 @@ class Call:
   processes: int = 1
   xla_reaches_processes: bool = True
   requested: str = "auto"
+  tag: int | str | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))

@@ -57,15 +57,16 @@ def _all_reduce(family: str, x, call: base.Call, finish):
     if base.uses_keys(x.dtype):
       k = base.to_key(x, call.op)
       wide = jnp.int32 if k.dtype.itemsize <= 4 else jnp.int64
-      red = hostcoll.all_reduce(k.astype(wide), axis, algorithm=family, op=call.op)
+      red = hostcoll.all_reduce(k.astype(wide), axis, algorithm=family, op=call.op, tag=call.tag)
       return finish(base.from_key(red.astype(k.dtype), x.dtype))
-    return finish(hostcoll.all_reduce(x, axis, algorithm=family, op=call.op))
+    return finish(hostcoll.all_reduce(x, axis, algorithm=family, op=call.op, tag=call.tag))
   acc = x.astype(base.acc_dtype(x.dtype, call.op))
-  return finish(hostcoll.all_reduce(acc, axis, algorithm=family, op="sum"))
+  return finish(hostcoll.all_reduce(acc, axis, algorithm=family, op="sum", tag=call.tag))
 
 
 def _code_max(family: str, codes, call: base.Call):
-  red = hostcoll.all_reduce(codes.astype(jnp.int32), _name(call.axes), algorithm=family, op="max")
+  red = hostcoll.all_reduce(codes.astype(jnp.int32), _name(call.axes), algorithm=family, op="max",
+                            tag=call.tag)
   return red.astype(codes.dtype)
 
 

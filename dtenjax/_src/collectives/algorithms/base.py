@@ -250,3 +250,24 @@ def keyed_scatter(fn: Callable) -> Callable:
       return from_key(fn(to_key(blocks, call.op), kcall), blocks.dtype)
     return fn(blocks, call)
   return wrapped
+
+
+def scatter_then_gather(reduce_chunks: Callable) -> tuple[Callable, Callable]:
+  """``(all_reduce, reduce_scatter)`` of an algorithm whose core ``reduce_chunks(chunks[n, c],
+  axes, op)`` leaves on rank i the reduction of every rank's chunk i, in the algorithm's order.
+
+  The all-reduce pads ``x`` to n chunks, reduces them and ends with XLA's all-gather: data
+  movement only (the bits are fixed by the reduction), typed invariant as lax.psum's result."""
+  @keyed
+  def all_reduce(x, call: Call, finish: Callable):
+    chunks, size = chunked(x, call.world)
+    mine = finish(reduce_chunks(chunks, call.axes, call.op))
+    full = jaxapi.all_gather_invariant(mine, call.axes, tiled=True)
+    return full[:size].reshape(x.shape)
+
+  @keyed_scatter
+  def reduce_scatter(blocks, call: Call):
+    flat = blocks.reshape(blocks.shape[0], -1)
+    return reduce_chunks(flat, call.axes, call.op).reshape(blocks.shape[1:])
+
+  return all_reduce, reduce_scatter

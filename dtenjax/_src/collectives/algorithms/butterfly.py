@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dtenjax._src import jaxapi
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.planning import costmodel
 
@@ -57,19 +56,7 @@ def reduce_chunks(chunks, axes, op: str):
   return held[0]
 
 
-@base.keyed
-def all_reduce(x, call: base.Call, finish):
-  chunks, size = base.chunked(x, call.world)
-  mine = finish(reduce_chunks(chunks, call.axes, call.op))
-  # Data movement only (the bits are fixed above), typed invariant as lax.psum's result.
-  full = jaxapi.all_gather_invariant(mine, call.axes, tiled=True)
-  return full[:size].reshape(x.shape)
-
-
-@base.keyed_scatter
-def reduce_scatter(blocks, call: base.Call):
-  flat = blocks.reshape(blocks.shape[0], -1)
-  return reduce_chunks(flat, call.axes, call.op).reshape(blocks.shape[1:])
+all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks)
 
 
 def _reduce_scatter_time(t: costmodel.Terms, N: float) -> float:

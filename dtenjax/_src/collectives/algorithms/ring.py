@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from dtenjax._src import jaxapi
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.planning import costmodel
 
@@ -51,20 +50,7 @@ def gather_chunks(chunk, axes, n: int):
   return out
 
 
-@base.keyed
-def all_reduce(x, call: base.Call, finish):
-  chunks, size = base.chunked(x, call.world)
-  mine = finish(reduce_chunks(chunks, call.axes, call.op))
-  # The all-gather phase is data movement only (the bits are fixed by the reduce-scatter above);
-  # XLA's all-gather does it, typed invariant as lax.psum's result.
-  full = jaxapi.all_gather_invariant(mine, call.axes, tiled=True)
-  return full[:size].reshape(x.shape)
-
-
-@base.keyed_scatter
-def reduce_scatter(blocks, call: base.Call):
-  flat = blocks.reshape(blocks.shape[0], -1)
-  return reduce_chunks(flat, call.axes, call.op).reshape(blocks.shape[1:])
+all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks)
 
 
 def _all_reduce_time(t: costmodel.Terms, N: float) -> float:

@@ -28,18 +28,7 @@ def reduce_chunks(chunks, axes, op: str):
   return base.ordered_reduce(lax.all_to_all(chunks, axes, 0, 0), op)
 
 
-@base.keyed
-def all_reduce(x, call: base.Call, finish):
-  chunks, size = base.chunked(x, call.world)
-  mine = finish(reduce_chunks(chunks, call.axes, call.op))
-  full = jaxapi.all_gather_invariant(mine, call.axes, tiled=True)
-  return full[:size].reshape(x.shape)
-
-
-@base.keyed_scatter
-def reduce_scatter(blocks, call: base.Call):
-  flat = blocks.reshape(blocks.shape[0], -1)
-  return reduce_chunks(flat, call.axes, call.op).reshape(blocks.shape[1:])
+all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks)
 
 
 def reproducible(stack, call: base.Call):

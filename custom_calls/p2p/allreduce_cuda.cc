@@ -37,10 +37,7 @@ namespace p2p = dtenjax::p2p;
 namespace {
 
 using p2p::attributes::TimeoutNs;
-using p2p::attributes::ToAlgorithm;
-using p2p::attributes::ToDType;
-using p2p::attributes::ToOp;
-using p2p::attributes::ToReproducible;
+using p2p::attributes::ToKernel;
 
 // A device-to-device copy on XLA's stream (a reduction over one rank is a copy).
 dtenjax::Status Copy(void* dst, const void* src, size_t bytes, cudaStream_t stream,
@@ -60,14 +57,9 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
                             int64_t op, int64_t reproducible, int64_t mean, int64_t max_blocks,
                             int64_t timeout_ms) {
   constexpr const char* kWhat = "dtenjax_p2p_all_reduce";
-  auto dtype = ToDType(x.element_type(), kWhat);
-  if (dtype.has_error()) return dtype.error();
-  auto alg = ToAlgorithm(algorithm, kWhat);
-  if (alg.has_error()) return alg.error();
-  auto rop = ToOp(op, kWhat);
-  if (rop.has_error()) return rop.error();
-  auto rep = ToReproducible(reproducible, kWhat);
-  if (rep.has_error()) return rep.error();
+  auto decoded = ToKernel(x.element_type(), algorithm, op, reproducible, kWhat);
+  if (decoded.has_error()) return decoded.error();
+  const p2p::attributes::Kernel kernel = decoded.value();
   if (out->element_type() != x.element_type() || out->element_count() != x.element_count()) {
     return ffi::Error::InvalidArgument("dtenjax_p2p_all_reduce: output must match the input");
   }
@@ -75,7 +67,7 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   dtenjax::Status s = p2p::FindComm(ordinal, static_cast<uint64_t>(key), &comm);
   if (s.ok()) s = p2p::CheckKernelError(ordinal, comm.error_host, kWhat);
   if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
-  const size_t item = p2p::DTypeBytes(dtype.value());
+  const size_t item = p2p::DTypeBytes(kernel.dtype);
   const int64_t n = static_cast<int64_t>(x.element_count());
   char* in = static_cast<char*>(x.untyped_data());
   char* res = static_cast<char*>(out->untyped_data());
@@ -90,10 +82,10 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   a.rank0 = comm.rank;
   a.local_ranks = 1;
   a.capacity = comm.capacity;
-  a.dtype = dtype.value();
-  a.algorithm = alg.value();
-  a.op = rop.value();
-  a.reproducible = rep.value();
+  a.dtype = kernel.dtype;
+  a.algorithm = kernel.algorithm;
+  a.op = kernel.op;
+  a.reproducible = kernel.reproducible;
   a.mean = mean != 0;
   a.timeout_ns = TimeoutNs(timeout_ms);
   a.error = comm.error_dev;
@@ -117,14 +109,9 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
                     int64_t reproducible, int64_t mean, int64_t iters, int64_t mode,
                     int64_t capacity, int64_t max_blocks, int64_t timeout_ms) {
   constexpr const char* kWhat = "dtenjax_p2p_selftest";
-  auto dtype = ToDType(x.element_type(), kWhat);
-  if (dtype.has_error()) return dtype.error();
-  auto alg = ToAlgorithm(algorithm, kWhat);
-  if (alg.has_error()) return alg.error();
-  auto rop = ToOp(op, kWhat);
-  if (rop.has_error()) return rop.error();
-  auto rep = ToReproducible(reproducible, kWhat);
-  if (rep.has_error()) return rep.error();
+  auto decoded = ToKernel(x.element_type(), algorithm, op, reproducible, kWhat);
+  if (decoded.has_error()) return decoded.error();
+  const p2p::attributes::Kernel kernel = decoded.value();
   const auto dims = x.dimensions();
   if (dims.size() != 2 || out->element_type() != x.element_type() ||
       out->element_count() != x.element_count()) {
@@ -137,7 +124,7 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
   }
   const int world = static_cast<int>(dims[0]);
   const int64_t n = dims[1];
-  const size_t row = static_cast<size_t>(n) * p2p::DTypeBytes(dtype.value());
+  const size_t row = static_cast<size_t>(n) * p2p::DTypeBytes(kernel.dtype);
   char* xin = static_cast<char*>(x.untyped_data());
   char* xout = static_cast<char*>(out->untyped_data());
   if (mode == 2) {  // reference: device-to-device copy of the whole stacked buffer, iters times
@@ -165,15 +152,15 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
   a.rank0 = 0;
   // mode 3: only rank 0 enters (a peer that never arrives): the kernel must time out and trap.
   a.local_ranks = mode == 3 ? 1 : world;
-  const int want = p2p::BlocksFor(static_cast<size_t>(count) * p2p::DTypeBytes(dtype.value()),
+  const int want = p2p::BlocksFor(static_cast<size_t>(count) * p2p::DTypeBytes(kernel.dtype),
                                   static_cast<int>(max_blocks));
   a.blocks = want < arena.blocks ? want : arena.blocks;
   a.count = count;
   a.capacity = arena.capacity;
-  a.dtype = dtype.value();
-  a.algorithm = alg.value();
-  a.op = rop.value();
-  a.reproducible = rep.value();
+  a.dtype = kernel.dtype;
+  a.algorithm = kernel.algorithm;
+  a.op = kernel.op;
+  a.reproducible = kernel.reproducible;
   a.mean = mean != 0;
   a.timeout_ns = TimeoutNs(timeout_ms);
   a.error = arena.error_dev;

@@ -44,6 +44,27 @@ inline xla::ffi::ErrorOr<Reproducible> ToReproducible(int64_t r, const char* wha
       " is not one of" DTENJAX_P2P_REPRODUCIBLE(DTENJAX_VOCAB_TEXT)));
 }
 
+// What every p2p handler decodes first: the buffer's dtype and the kernel's attributes.
+struct Kernel {
+  DType dtype;
+  Algorithm algorithm;
+  Op op;
+  Reproducible reproducible;
+};
+
+inline xla::ffi::ErrorOr<Kernel> ToKernel(xla::ffi::DataType t, int64_t algorithm, int64_t op,
+                                          int64_t reproducible, const char* what) {
+  auto dtype = ToDType(t, what);
+  if (dtype.has_error()) return xla::ffi::Unexpected(dtype.error());
+  auto alg = ToAlgorithm(algorithm, what);
+  if (alg.has_error()) return xla::ffi::Unexpected(alg.error());
+  auto rop = ToOp(op, what);
+  if (rop.has_error()) return xla::ffi::Unexpected(rop.error());
+  auto rep = ToReproducible(reproducible, what);
+  if (rep.has_error()) return xla::ffi::Unexpected(rep.error());
+  return Kernel{dtype.value(), alg.value(), rop.value(), rep.value()};
+}
+
 inline uint64_t TimeoutNs(int64_t timeout_ms) {
   return timeout_ms <= 0 ? 0 : static_cast<uint64_t>(timeout_ms) * 1000000ull;
 }

@@ -56,7 +56,7 @@ def _worker() -> None:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import dtenjax  # pylint: disable=g-import-not-at-top
   from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.net import transport  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import native  # pylint: disable=g-import-not-at-top
 
   sizes = [int(s) for s in os.environ["DTENJAX_BENCH_SIZES"].split(",")]
   iters = int(os.environ["DTENJAX_BENCH_ITERS"])
@@ -75,9 +75,9 @@ def _worker() -> None:
     count = max(1, nbytes // 4)
     full = np.random.RandomState(count).randn(nprocs, count).astype(np.float32)
     arr = jax.make_array_from_callback(full.shape, NamedSharding(mesh, spec), lambda i: full[i])
-    before = transport.counters()["collectives"]
+    before = native.counters()["collectives"]
     outs = {k: np.asarray(f(arr).addressable_shards[0].data) for k, f in fns.items()}
-    if transport.counters()["collectives"] == before:
+    if native.counters()["collectives"] == before:
       raise RuntimeError("dtenjax.all_reduce(algorithm='ring') did not use the host transport")
     np.testing.assert_allclose(outs["xla_gloo"], outs["dtenjax_tcp_ring"], rtol=1e-5, atol=1e-4)
     for f in fns.values():
@@ -121,9 +121,9 @@ def _cpu_s() -> float:
 
 def crypto(mib: int) -> int:
   """Throughput of HMAC-SHA256 and AES-256-GMAC from libcrypto, side by side, one core."""
-  from dtenjax._src.net import transport  # pylint: disable=g-import-not-at-top
-  lib = transport.ensure_crypto()
-  t = transport.native()
+  from dtenjax._src.net import native  # pylint: disable=g-import-not-at-top
+  lib = native.ensure_crypto()
+  t = native.transport()
   data = os.urandom(mib << 20)
   key = os.urandom(32)
   cands = {"HMAC-SHA256": lambda: t.hmac_sha256(key, data),

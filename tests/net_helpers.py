@@ -16,6 +16,7 @@ import time
 import pytest
 
 from dtenjax._src import ffi
+from dtenjax._src.net import credentials
 from dtenjax._src.net import transport
 from tests import transport_ref as ref
 
@@ -25,7 +26,7 @@ requires_native = pytest.mark.skipif(
     "the transport tests")
 
 
-def native_ring(n: int, creds: transport.JobCredentials, *, timeout_s: float = 10.0,
+def native_ring(n: int, creds: credentials.JobCredentials, *, timeout_s: float = 10.0,
                 join_s: float = 30.0, **kw) -> tuple[list[transport.Communicator], dict]:
   """n communicators of one process connected into a ring; returns (comms, errors by rank)."""
   comms = [transport.create_local_comm(r, n, creds, timeout_s=timeout_s, **kw) for r in range(n)]

@@ -8,7 +8,7 @@ import pytest
 from dtenjax._src.net import agent
 from dtenjax._src import errors
 from dtenjax._src.net import kvstore
-from dtenjax._src.net import transport
+from dtenjax._src.net import credentials
 from tests.net_helpers import native_ring, requires_native, run_ranks
 
 
@@ -32,7 +32,7 @@ def test_reports_reflect_transport_load():
   store = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=1)
   ag = agent.Agent(0, store=store, topology={})
   before = ag.publish()
-  comms, errs = native_ring(2, transport.JobCredentials(11, b"g" * 32))
+  comms, errs = native_ring(2, credentials.JobCredentials(11, b"g" * 32))
   assert not errs
   _, errs, _ = run_ranks([lambda c=c: c.all_reduce(np.ones(50_000, np.float32)) for c in comms])
   assert errs == [None, None]

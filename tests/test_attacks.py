@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 
 from dtenjax._src import errors
+from dtenjax._src.net import credentials
+from dtenjax._src.net import native
 from dtenjax._src.net import tenancy
 from dtenjax._src.net import transport
 from tests import transport_ref as ref
@@ -35,7 +37,7 @@ JOB = 0xA77AC
 
 
 def creds(job=JOB, secret=SECRET):
-  return transport.JobCredentials(job, secret)
+  return credentials.JobCredentials(job, secret)
 
 
 def measured(what: str, seconds: float) -> None:
@@ -82,7 +84,7 @@ def test_ring_forms_in_under_a_second_through_a_flood(n, kind, order, fd_limit):
   it (its HELLO already waiting in the backlog). The ring forms in < 1 s and computes."""
   k = flood_size(fd_limit, n)
   comms = [transport.create_local_comm(r, n, creds(), timeout_s=10) for r in range(n)]
-  before = transport.counters()
+  before = native.counters()
   early = []
   if order == "peer_first":   # rank 0 has connected to rank 1 before the flood lands there
     early = [threading.Thread(target=transport.connect, args=(comms[0], comms[1].endpoint),
@@ -104,7 +106,7 @@ def test_ring_forms_in_under_a_second_through_a_flood(n, kind, order, fd_limit):
     outs, errs, _ = run_ranks([lambda r=r: comms[r].all_reduce(np.full(5, r + 1.0, np.float32))
                                for r in range(n)])
     assert errs == [None] * n and all(o.tolist() == [n * (n + 1) / 2] * 5 for o in outs)
-    d = delta(before, transport.counters())
+    d = delta(before, native.counters())
     turned_away = sum(d.get(k, 0) for k in ("handshakes_refused", "handshakes_evicted",
                                             "rejected_bad_header"))
     assert turned_away >= k, d     # the flood was really there, and was served
@@ -119,7 +121,7 @@ def test_a_flood_from_another_source_address_cannot_crowd_out_the_peer(fd_limit)
   real peer, from 127.0.0.1, displaces one of them at once (fairness by source address)."""
   flood_size(fd_limit, 2)
   comms = [transport.create_local_comm(r, 2, creds(), timeout_s=10) for r in range(2)]
-  before = transport.counters()
+  before = native.counters()
   socks = []
   for c in comms:
     socks += flood(c.endpoint, 200, "hello", job=JOB, claim_rank=1 - c.rank, source="127.0.0.2")
@@ -127,7 +129,7 @@ def test_a_flood_from_another_source_address_cannot_crowd_out_the_peer(fd_limit)
     _, errs, seconds = run_ranks([lambda r=r: transport.connect(comms[r], comms[1 - r].endpoint)
                                   for r in range(2)])
     assert errs == [None, None] and seconds < 1.0, (errs, seconds)
-    d = delta(before, transport.counters())
+    d = delta(before, native.counters())
     assert d.get("connect_retries", 0) == 0, d   # never refused: it got a slot at once
   finally:
     for s in socks:
@@ -216,7 +218,7 @@ def flip_payload_byte(index, frame):
 
 
 def test_relay_rewrites_payload_rejected_on_both_ranks():
-  before = transport.counters()
+  before = native.counters()
   c0, c1, _ = relayed_pair(flip_payload_byte)
   xs = [np.arange(4096, dtype=np.float32), np.ones(4096, np.float32)]
   outs, errs, seconds = both_ranks(c0, c1, xs)
@@ -226,7 +228,7 @@ def test_relay_rewrites_payload_rejected_on_both_ranks():
   assert isinstance(errs[0], errors.TransportError), errs
   assert "rank 1 aborted" in str(errs[0]) and "payload authentication failed" in str(errs[0])
   assert seconds < 4   # told at once, not after the timeout
-  d = delta(before, transport.counters())
+  d = delta(before, native.counters())
   assert d["rejected_mac"] == 1 and d["aborts_received"] >= 1, d
   close_all([c0, c1])
 
@@ -255,14 +257,14 @@ def test_swap_of_two_blocks_512kib_apart_is_detected():
     assert len(f) >= b + 16 + 16
     f[a:a + 16], f[b:b + 16] = f[b:b + 16], f[a:a + 16]
     return [bytes(f)]
-  before = transport.counters()
+  before = native.counters()
   c0, c1, _ = relayed_pair(swap, segment_bytes=1 << 20)
   n = 1 << 19   # 2 MiB per rank: 1 MiB chunks, one 1 MiB segment each
   rng = np.random.RandomState(0)
   _, errs, _ = both_ranks(c0, c1, [rng.randn(n).astype(np.float32) for _ in range(2)])
   assert "payload authentication failed" in str(errs[1]), errs
   assert "rank 1 aborted" in str(errs[0]), errs
-  assert delta(before, transport.counters())["rejected_mac"] == 1
+  assert delta(before, native.counters())["rejected_mac"] == 1
   close_all([c0, c1])
 
 
@@ -288,7 +290,7 @@ def test_replayed_frame_with_rewritten_sequence_number_is_rejected():
     h = bytearray(old[:64])
     struct.pack_into("<Q", h, 16, ref.parse_header(current[:64])["seq"])   # next counter
     return [bytes(h) + old[64:]]
-  before = transport.counters()
+  before = native.counters()
   c0, c1, _ = _replay_pair(replay_as_current)
   x = [np.full(64, 1.0, np.float32), np.full(64, 2.0, np.float32)]
   outs, errs, _ = both_ranks(c0, c1, x)
@@ -296,19 +298,19 @@ def test_replayed_frame_with_rewritten_sequence_number_is_rejected():
   _, errs, _ = both_ranks(c0, c1, x)
   assert "header authentication failed" in str(errs[1]), errs
   assert "rank 1 aborted" in str(errs[0]), errs
-  assert delta(before, transport.counters())["rejected_mac"] == 1
+  assert delta(before, native.counters())["rejected_mac"] == 1
   close_all([c0, c1])
 
 
 def test_verbatim_replay_of_an_old_frame_is_rejected_as_replay():
-  before = transport.counters()
+  before = native.counters()
   c0, c1, _ = _replay_pair(lambda old, current: [old, current])
   x = [np.full(64, 1.0, np.float32), np.full(64, 2.0, np.float32)]
   both_ranks(c0, c1, x)
   _, errs, _ = both_ranks(c0, c1, x)
   assert "replayed frame" in str(errs[1]), errs
   assert "rank 1 aborted" in str(errs[0]), errs
-  assert delta(before, transport.counters())["rejected_replay"] == 1
+  assert delta(before, native.counters())["rejected_replay"] == 1
   close_all([c0, c1])
 
 
@@ -317,13 +319,13 @@ def test_dropped_frame_is_detected_by_its_successor():
     if is_data(frame) and ref.parse_header(frame[:64])["step"] == 0:
       return []
     return [frame]
-  before = transport.counters()
+  before = native.counters()
   c0, c1, _ = relayed_pair(drop_second_data, timeout_s=3)
   _, errs, seconds = both_ranks(c0, c1, [np.ones(64, np.float32)] * 2)
   assert "frames were dropped or reordered in transit" in str(errs[1]), errs
   assert "rank 1 aborted" in str(errs[0]), errs
   assert seconds < 3   # the successor gives it away; no timeout needed
-  assert delta(before, transport.counters())["rejected_out_of_order"] == 1
+  assert delta(before, native.counters())["rejected_out_of_order"] == 1
   close_all([c0, c1])
 
 
@@ -366,7 +368,7 @@ def reorder_first_two_data_frames():
 def test_mid_stream_mutation_never_yields_a_sum(make, counter, fragment):
   """Whatever a relay without the keys does to the stream, no rank returns a result: the
   receiving rank names what it saw, the sending rank hears it by ABORT, both at once."""
-  before = transport.counters()
+  before = native.counters()
   c0, c1, _ = relayed_pair(make(), segment_bytes=1024)
   xs = [np.arange(2048, dtype=np.float32), np.ones(2048, np.float32)]
   outs, errs, seconds = both_ranks(c0, c1, xs)
@@ -375,7 +377,7 @@ def test_mid_stream_mutation_never_yields_a_sum(make, counter, fragment):
   assert isinstance(errs[0], errors.TransportError), errs
   assert seconds < 4, seconds   # not the 5 s timeout
   if counter:
-    assert delta(before, transport.counters())[counter] >= 1
+    assert delta(before, native.counters())[counter] >= 1
   close_all([c0, c1])
 
 

@@ -10,7 +10,6 @@ import pytest
 from dtenjax._src.net import bufferpool as bp
 from dtenjax._src import errors
 from dtenjax._src.net import tenancy
-from dtenjax._src.net import transport
 from tests import native_testing
 from tests.net_helpers import requires_native
 

@@ -123,7 +123,8 @@ def test_every_knob_the_code_reads_is_declared():
   """Every DTENJAX_* variable read anywhere in the package (Python through config or os.environ,
   native code through getenv) is a declared knob, so config's table is the whole list."""
   reads = _all_knob_reads()
-  # The scan sees the transport's settings (read in net/transport.py) and the collectives'.
+  # The scan sees the transport's settings (read in net/native.py and net/transport.py) and the
+  # collectives'.
   assert {"DTENJAX_LIBCRYPTO", "DTENJAX_HANDSHAKE_TIMEOUT", "DTENJAX_MAX_PENDING_HANDSHAKES",
           "DTENJAX_TRANSPORT_SEGMENT_BYTES", "DTENJAX_BUCKET_BYTES"} <= set(reads), sorted(reads)
   undeclared = {n: where for n, where in reads.items() if n not in config.KNOBS}

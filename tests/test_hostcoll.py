@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dtenjax._src import errors
+from dtenjax._src.net import credentials
 from dtenjax._src.net import hostcoll
-from dtenjax._src.net import transport
 from tests import transport_ref
 from tests.mp_workers import launch
 from tests.net_helpers import close_all, native_ring, requires_native, run_ranks
@@ -33,7 +33,7 @@ def _run_all(comms, xs, op="sum"):
 @pytest.mark.parametrize("n,count,segment", [(2, 1, None), (3, 1001, None), (4, 3, None),
                                              (5, 70001, None), (3, 70001, 256), (4, 99999, 4096)])
 def test_in_process_ring_matches_reference_order_bit_exactly(n, count, segment):
-  creds = transport.JobCredentials(99, b"k" * 32)
+  creds = credentials.JobCredentials(99, b"k" * 32)
   comms, errs = native_ring(n, creds, segment_bytes=segment)
   assert not errs
   try:

@@ -14,6 +14,9 @@ import pytest
 
 from dtenjax._src import errors
 from dtenjax._src import ffi
+from dtenjax._src.net import credentials
+from dtenjax._src.net import native
+from dtenjax._src.net import providers
 from dtenjax._src.net import rdma
 from dtenjax._src.net import transport
 
@@ -26,7 +29,7 @@ needs_verbs = pytest.mark.skipif(
 
 
 def verbs():
-  return transport.native().verbs
+  return native.transport().verbs
 
 
 def test_verbs_provider_is_built_where_its_headers_are():
@@ -128,8 +131,8 @@ def test_discovery_reports_ports_bandwidth_and_gid(monkeypatch):
   assert nics[0]["gid_index"] == 3          # RoCE v2 with an IPv4-mapped address
   assert nics[1]["gid_index"] == 0          # InfiniBand
   assert rdma.unavailable_reason() is None
-  name, why = transport.select_provider(nics)
-  assert (name == "verbs") == ("verbs" in transport.built_providers())
+  name, why = providers.select_provider(nics)
+  assert (name == "verbs") == ("verbs" in providers.built_providers())
 
 
 @pytest.mark.parametrize("reported", [1, "InfiniBand", "infiniband", "INFINIBAND", "IB"])
@@ -234,5 +237,5 @@ def test_verbs_library_loads_at_run_time_and_reports_no_device():
   else:
     pytest.skip(f"{n} RDMA device(s) present here")
   with pytest.raises(errors.DtenjaxError, match="no RDMA device|dlopen|cannot reach"):
-    transport.create_local_comm(0, 2, transport.JobCredentials(3, b"v" * 32), provider="verbs",
+    transport.create_local_comm(0, 2, credentials.JobCredentials(3, b"v" * 32), provider="verbs",
                                 timeout_s=1)

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from dtenjax._src import errors
+from dtenjax._src.net import credentials
+from dtenjax._src.net import native
 from dtenjax._src.net import transport
 from tests import native_testing
 from tests import transport_ref as ref
@@ -27,7 +29,7 @@ SECRET = b"reliability suite secret 0123456"
 
 
 def creds(job=0x5EC):
-  return transport.JobCredentials(job, SECRET)
+  return credentials.JobCredentials(job, SECRET)
 
 
 # --- mismatched collectives ------------------------------------------------------------------------
@@ -49,7 +51,7 @@ def test_mismatched_collective_raises_on_every_rank_naming_both(n, case, rank1_c
   assert not errs
   others = [(A32, "sum", (1, "line A")), (A32, "sum", (2, "line B"))]
   calls = [rank1_calls if r == 1 else others for r in range(n)]
-  before = transport.counters()
+  before = native.counters()
 
   def run(r):
     for x, op, site in calls[r]:
@@ -60,7 +62,7 @@ def test_mismatched_collective_raises_on_every_rank_naming_both(n, case, rank1_c
     assert "collective mismatch" in str(e), (r, e)
     assert all(v in str(e) for v in named), (r, named, str(e))
   assert seconds < 10   # not the 20 s timeout
-  assert delta(before, transport.counters())["rejected_mismatch"] >= 1
+  assert delta(before, native.counters())["rejected_mismatch"] >= 1
   for c in comms:    # broken for good, saying why
     with pytest.raises(errors.ConfigurationError, match="unusable after an earlier failure"):
       c.all_reduce(A32, site=(1, "line A"))
@@ -103,11 +105,11 @@ def _python_rank1(c0):
 def test_oversized_abort_text_is_rejected():
   c0 = transport.create_local_comm(0, 2, creds(), timeout_s=5)
   from_prev, to_next = _python_rank1(c0)
-  before = transport.counters()
+  before = native.counters()
   to_next.send(ref.ABORT, b"\x07" + b"x" * 5000, coll_seq=1)
   with pytest.raises(errors.TransportError, match="ABORT text of 5001 bytes exceeds 4096"):
     c0.all_reduce(np.ones(8, np.float32), site=(3, "s"))
-  assert delta(before, transport.counters())["rejected_oversized"] == 1
+  assert delta(before, native.counters())["rejected_oversized"] == 1
   del from_prev
   c0.close()
 
@@ -160,17 +162,17 @@ def test_pending_handshakes_are_capped_and_time_out():
   c0 = transport.create_local_comm(0, 2, creds(), timeout_s=5, handshake_timeout_s=0.5,
                                     max_pending_handshakes=3)
   c1 = transport.create_local_comm(1, 2, creds(), timeout_s=5)
-  before = transport.counters()
+  before = native.counters()
   idle = [socket.create_connection(ref.host_port(c0.endpoint)) for _ in range(6)]
   t = threading.Thread(target=transport.connect, args=(c0, c1.endpoint), daemon=True)
   t.start()
   time.sleep(1.0)    # the first connections are served (cap 3) or turned away, then time out
   transport.connect(c1, c0.endpoint)
   t.join(10)
-  d = delta(before, transport.counters())
+  d = delta(before, native.counters())
   assert d.get("handshakes_evicted", 0) + d.get("handshakes_refused", 0) >= 3, d
   assert d.get("handshakes_timed_out", 0) >= 1, d
-  assert transport.counters()["handshakes_pending"] <= 3
+  assert native.counters()["handshakes_pending"] <= 3
   for s in idle:
     s.close()
   close_all([c0, c1])

@@ -11,7 +11,8 @@ import pytest
 from dtenjax._src.net import bufferpool as bp
 from dtenjax._src import errors
 from dtenjax._src.net import tenancy
-from dtenjax._src.net import transport
+from dtenjax._src.net import credentials
+from dtenjax._src.net import native
 from tests import native_testing
 from tests.net_helpers import native_ring, requires_native
 
@@ -19,7 +20,7 @@ pytestmark = requires_native
 
 
 def _ring(n, tenant, timeout_s=10):
-  return native_ring(n, transport.JobCredentials(77, b"t" * 32), tenant=tenant,
+  return native_ring(n, credentials.JobCredentials(77, b"t" * 32), tenant=tenant,
                      timeout_s=timeout_s)
 
 
@@ -52,7 +53,7 @@ def test_token_bucket_shapes_ring_traffic():
   comms, errs = _ring(2, "t-rate")
   assert not errs
   xs = [np.full(1 << 20, r + 1, np.float32) for r in range(2)]   # 4 MiB each
-  before = transport.counters()
+  before = native.counters()
   outs = [None, None]
   def run(r):
     outs[r] = comms[r].all_reduce(xs[r])
@@ -61,12 +62,12 @@ def test_token_bucket_shapes_ring_traffic():
   [t.start() for t in ts]
   [t.join(60) for t in ts]
   elapsed = time.monotonic() - t0
-  sent = transport.counters()["bytes_sent"] - before["bytes_sent"]
+  sent = native.counters()["bytes_sent"] - before["bytes_sent"]
   np.testing.assert_array_equal(outs[0], np.full(1 << 20, 3, np.float32))
   # Both ranks live in this process and share the tenant's bucket.
   floor = (sent - burst) / rate
   assert elapsed >= 0.8 * floor, (elapsed, floor)
-  assert transport.counters()["throttled_ns"] > before["throttled_ns"]
+  assert native.counters()["throttled_ns"] > before["throttled_ns"]
   for c in comms:
     c.close()
 
@@ -136,9 +137,9 @@ def test_limits_that_do_not_fit_are_rejected_not_wrapped(kwargs, fragment):
 def test_native_layer_refuses_bad_quotas_too():
   """Defence in depth: the native setter validates what the dataclass would have."""
   with pytest.raises(errors.ConfigurationError, match="rate_bytes_per_s=nan"):
-    transport.native().set_quota("t-native", -1, -1, math.nan, 0.0)
+    native.transport().set_quota("t-native", -1, -1, math.nan, 0.0)
   with pytest.raises(errors.ConfigurationError, match="max_connections=-7"):
-    transport.native().set_quota("t-native", -7, -1, 0.0, 0.0)
+    native.transport().set_quota("t-native", -7, -1, 0.0, 0.0)
   tenancy.set_quota("t-native", tenancy.Quota(max_connections=2**63 - 1))   # the largest fits
 
 

@@ -20,6 +20,9 @@ import pytest
 
 from dtenjax._src import errors
 from dtenjax._src import ffi
+from dtenjax._src.net import credentials
+from dtenjax._src.net import native
+from dtenjax._src.net import providers
 from dtenjax._src.net import transport
 from tests import native_testing
 from tests import transport_ref as ref
@@ -43,14 +46,14 @@ def test_every_binding_is_in_the_build():
   """A renamed or dropped binding fails here (it is never a silent skip)."""
   info = ffi.build_info()
   assert "transport" in info["bindings"], info
-  t = transport.native()
+  t = native.transport()
   assert [b for b in BINDINGS if not hasattr(t, b)] == []
   assert not hasattr(t, "testing")        # fault injection lives in the test extension only
   assert [b for b in TESTING_HOOKS if not hasattr(native_testing.transport(), b)] == []
-  assert "tcp" in transport.built_providers()
+  assert "tcp" in providers.built_providers()
   if info["verbs"]:
     assert [b for b in VERBS_BINDINGS if not hasattr(t.verbs, b)] == []
-    assert "verbs" in transport.built_providers()
+    assert "verbs" in providers.built_providers()
   else:
     assert not hasattr(t, "verbs")
 
@@ -59,8 +62,8 @@ def test_every_binding_is_in_the_build():
 def test_hmac_sha256_from_libcrypto_matches_python(klen, mlen):
   rng = np.random.RandomState(klen * 1000 + mlen)
   key, msg = rng.bytes(klen), rng.bytes(mlen)
-  assert transport.hmac_sha256(key, msg) == hmac.new(key, msg, hashlib.sha256).digest()
-  assert transport.crypto_status()["loaded"]
+  assert native.hmac_sha256(key, msg) == hmac.new(key, msg, hashlib.sha256).digest()
+  assert native.crypto_status()["loaded"]
 
 
 def test_gmac_matches_the_specification():
@@ -70,8 +73,8 @@ def test_gmac_matches_the_specification():
       "8ea2b7ca516745bfeafc49904b496089"
   assert ref.gmac(bytes(32), bytes(12), b"").hex() == "530f8afbc74536b9a963b4f1c4cb738b"
   # The native primitive against the reference.
-  transport.ensure_crypto()
-  t = transport.native()
+  native.ensure_crypto()
+  t = native.transport()
   assert t.gmac(bytes(32), 0, 0, b"").hex() == "530f8afbc74536b9a963b4f1c4cb738b"
   for n in (1, 15, 16, 17, 64, 1000):
     key, data = os.urandom(32), os.urandom(n)
@@ -108,7 +111,7 @@ def _python_rank1(ep0: str, lsock: socket.socket, x1: np.ndarray, site: int, out
 
 
 def test_python_peer_speaks_the_protocol():
-  creds = transport.JobCredentials(JOB, SECRET)
+  creds = credentials.JobCredentials(JOB, SECRET)
   comm0 = transport.create_local_comm(0, 2, creds, timeout_s=10)
   lsock, ep1 = listener()
   rng = np.random.RandomState(0)
@@ -136,10 +139,10 @@ def test_python_peer_speaks_the_protocol():
 def test_server_rejects_bad_peers_and_accepts_the_authenticated_one():
   """Every malformed handshake is refused with a REJECT frame naming the field that differs (bytes
   that are not dtenjax at all are just closed), counted, and survived; the real peer gets in."""
-  creds = transport.JobCredentials(JOB, SECRET)
+  creds = credentials.JobCredentials(JOB, SECRET)
   comm0 = transport.create_local_comm(0, 2, creds, timeout_s=15)
   lsock, ep1 = listener()
-  before = transport.counters()
+  before = native.counters()
   errs = {}
   t = threading.Thread(target=lambda: errs.setdefault("connect", transport.connect(comm0, ep1)),
                        daemon=True)
@@ -188,7 +191,7 @@ def test_server_rejects_bad_peers_and_accepts_the_authenticated_one():
   ref.setup_check(to_next, from_prev, me=1, n=2)
   t.join(20)
   assert not t.is_alive() and errs == {"connect": None}
-  d = delta(before, transport.counters())
+  d = delta(before, native.counters())
   assert d["rejected_bad_header"] >= 1 and d["rejected_unknown_peer"] >= 2, d
   assert d["rejected_oversized"] == 1 and d["rejected_auth"] == 1, d
   assert d["rejected_bad_version"] == 1 and d["connections_accepted"] == 1, d
@@ -199,7 +202,7 @@ def test_server_rejects_bad_peers_and_accepts_the_authenticated_one():
 def test_old_protocol_listener_is_named_by_the_client():
   """A native client meeting a listener of another protocol version says so at once, both when
   the listener answers with its own-version frames and when it closes without a word."""
-  creds = transport.JobCredentials(JOB, SECRET)
+  creds = credentials.JobCredentials(JOB, SECRET)
   lsock, ep = listener()
 
   def old_server(answer):
@@ -227,8 +230,8 @@ def test_old_protocol_listener_is_named_by_the_client():
 
 
 def test_native_ring_with_mismatched_secret_fails_fast():
-  good = transport.JobCredentials(5, b"a" * 32)
-  bad = transport.JobCredentials(5, b"b" * 32)
+  good = credentials.JobCredentials(5, b"a" * 32)
+  bad = credentials.JobCredentials(5, b"b" * 32)
   c0 = transport.create_local_comm(0, 2, good, timeout_s=3)
   c1 = transport.create_local_comm(1, 2, bad, timeout_s=3)
   _, errs, seconds = run_ranks([lambda: transport.connect(c0, c1.endpoint),
@@ -240,7 +243,7 @@ def test_native_ring_with_mismatched_secret_fails_fast():
 
 
 def test_stalled_peer_times_out_with_clear_error():
-  comms, errs = native_ring(2, transport.JobCredentials(6, b"c" * 32), timeout_s=1.0)
+  comms, errs = native_ring(2, credentials.JobCredentials(6, b"c" * 32), timeout_s=1.0)
   assert not errs
   with pytest.raises(errors.CollectiveTimeoutError, match="timed out after 1 s without progress receiving"):
     comms[0].all_reduce(np.ones(10, np.float32))    # rank 1 never joins
@@ -251,34 +254,34 @@ def test_stalled_peer_times_out_with_clear_error():
 
 def test_credentials_and_provider_table(monkeypatch):
   with pytest.raises(errors.ConfigurationError, match="at least 16"):
-    transport.JobCredentials(1, b"short")
+    credentials.JobCredentials(1, b"short")
   with pytest.raises(errors.ConfigurationError, match=r"job_id=18446744073709551616 .*2\*\*64-1"):
-    transport.JobCredentials(2**64, b"x" * 16)
-  assert [p.name for p in transport.PROVIDERS] == ["verbs", "tcp"]
+    credentials.JobCredentials(2**64, b"x" * 16)
+  assert [p.name for p in providers.PROVIDERS] == ["verbs", "tcp"]
   monkeypatch.setenv("DTENJAX_TRANSPORT", "carrier-pigeon")
   with pytest.raises(errors.ConfigurationError, match="carrier-pigeon"):
-    transport.select_provider([])
+    providers.select_provider([])
   monkeypatch.setenv("DTENJAX_TRANSPORT", "auto")
-  name, why = transport.select_provider([{"name": "mlx5_0", "port": 1, "state": "down"}])
+  name, why = providers.select_provider([{"name": "mlx5_0", "port": 1, "state": "down"}])
   assert name == "tcp" and "mlx5_0:1=down" in why
-  name, why = transport.select_provider([{"name": "mlx5_0", "port": 1, "state": "ACTIVE"}])
-  assert name == ("verbs" if "verbs" in transport.built_providers() else "tcp")
+  name, why = providers.select_provider([{"name": "mlx5_0", "port": 1, "state": "ACTIVE"}])
+  assert name == ("verbs" if "verbs" in providers.built_providers() else "tcp")
 
 
 def test_no_usable_provider_names_every_one_passed_over(monkeypatch):
   """The end of ``auto``'s search: every provider unbuilt or unusable is an error naming each."""
   monkeypatch.setenv("DTENJAX_TRANSPORT", "auto")
-  monkeypatch.setattr(transport, "PROVIDERS", (
-      transport.ProviderSpec("verbs", lambda nics: (False, "no port is ACTIVE"), "RDMA"),
-      transport.ProviderSpec("tcp", lambda nics: (False, "sockets are forbidden here"), "TCP"),
-      transport.ProviderSpec("smoke", lambda nics: (True, "always"), "not a real provider")))
-  monkeypatch.setattr(transport, "built_providers", lambda: ["verbs", "tcp"])
-  monkeypatch.setattr(transport, "is_available", lambda: True)
+  monkeypatch.setattr(providers, "PROVIDERS", (
+      providers.ProviderSpec("verbs", lambda nics: (False, "no port is ACTIVE"), "RDMA"),
+      providers.ProviderSpec("tcp", lambda nics: (False, "sockets are forbidden here"), "TCP"),
+      providers.ProviderSpec("smoke", lambda nics: (True, "always"), "not a real provider")))
+  monkeypatch.setattr(providers, "built_providers", lambda: ["verbs", "tcp"])
+  monkeypatch.setattr(native, "is_available", lambda: True)
   with pytest.raises(errors.ExtensionUnavailableError,
                      match=r"no transport provider is usable: verbs is not usable: no port is "
                            r"ACTIVE; tcp is not usable: sockets are forbidden here; smoke is "
                            r"not in this build"):
-    transport.select_provider([{"name": "mlx5_0", "port": 1, "state": "down"}])
+    providers.select_provider([{"name": "mlx5_0", "port": 1, "state": "down"}])
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
@@ -292,7 +295,7 @@ def test_no_usable_provider_names_every_one_passed_over(monkeypatch):
 ])
 def test_communicator_arguments_are_validated(kwargs, fragment):
   with pytest.raises(errors.ConfigurationError, match=fragment.replace("(", r"\(")):
-    transport.create_local_comm(creds=transport.JobCredentials(3, b"v" * 32), **kwargs)
+    transport.create_local_comm(creds=credentials.JobCredentials(3, b"v" * 32), **kwargs)
 
 
 def test_missing_libcrypto_fails_closed(tmp_path):
@@ -300,8 +303,9 @@ def test_missing_libcrypto_fails_closed(tmp_path):
   the library is loaded once per process)."""
   code = (
       "from dtenjax._src import errors\n"
+      "from dtenjax._src.net import credentials\n"
       "from dtenjax._src.net import transport\n"
-      "c = transport.JobCredentials(3, b'v' * 32)\n"
+      "c = credentials.JobCredentials(3, b'v' * 32)\n"
       "try:\n"
       "  transport.create_local_comm(0, 2, c)\n"
       "except errors.ExtensionUnavailableError as e:\n"

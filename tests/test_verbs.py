@@ -22,6 +22,9 @@ import pytest
 from dtenjax._src import errors
 from dtenjax._src import ffi
 from dtenjax._src.net import bufferpool as bp
+from dtenjax._src.net import credentials
+from dtenjax._src.net import native
+from dtenjax._src.net import providers
 from dtenjax._src.net import rdma
 from dtenjax._src.net import tenancy
 from dtenjax._src.net import transport
@@ -36,7 +39,7 @@ pytestmark = [requires_native, pytest.mark.skipif(
     "missing at build time); test_rdma.py::test_verbs_provider_is_built_where_its_headers_are "
     "fails where they are installed")]
 
-CREDS = transport.JobCredentials(0x5EED, b"verbs-tests-secret-0123456789ab")
+CREDS = credentials.JobCredentials(0x5EED, b"verbs-tests-secret-0123456789ab")
 
 
 @pytest.fixture
@@ -56,7 +59,7 @@ def fake(monkeypatch):
   yield f
   f.arm("none", 0)
   leftover = f.live()
-  users = transport.native().verbs.device_users()
+  users = native.transport().verbs.device_users()
   monkeypatch.undo()
   rdma.reset_cache()
   rdma.load_library()   # back to libibverbs.so.1 for the tests that follow
@@ -144,7 +147,7 @@ def test_many_collectives_reuse_the_connections_and_leak_nothing(fake):
     assert fake.live() == live
     close_all(comms)
     assert all(v == 0 for v in fake.live().values()), fake.live()
-    assert transport.native().verbs.device_users() == 0
+    assert native.transport().verbs.device_users() == 0
   assert fakeverbs.open_fds() == fds0
   assert _violations(fake) == 0, fake.last_violation()
 
@@ -264,7 +267,7 @@ def test_buffer_pool_registers_memory_regions_once_and_reuses_them(fake):
     pool.trim()
     assert fake.live()["mrs"] == 0
     assert fake.counters()["dereg_mr_calls"] - before["dereg_mr_calls"] == 2
-  assert transport.native().verbs.device_users() == 0
+  assert native.transport().verbs.device_users() == 0
   assert _violations(fake) == 0, fake.last_violation()
 
 
@@ -314,13 +317,13 @@ def test_token_bucket_shapes_verbs_traffic(fake):
   assert not errs
   try:
     xs = [np.full(1 << 20, r + 1, np.float32) for r in range(2)]
-    before = transport.counters()
+    before = native.counters()
     t0 = time.monotonic()
     outs, errs, _ = _all_reduce(comms, xs)
     elapsed = time.monotonic() - t0
     assert errs == [None, None]
     np.testing.assert_array_equal(outs[0], np.full(1 << 20, 3, np.float32))
-    sent = transport.counters()["bytes_sent"] - before["bytes_sent"]
+    sent = native.counters()["bytes_sent"] - before["bytes_sent"]
     assert elapsed >= 0.8 * (sent - burst) / rate, (elapsed, sent)
   finally:
     close_all(comms)
@@ -336,10 +339,10 @@ def test_the_emulated_device_is_reported_as_emulated_and_never_chosen_by_auto(fa
       "fakeverbs0", "active", "InfiniBand", 200.0)
   assert list(rdma.discover_nics()) == [] and "EMULATED" in rdma.unavailable_reason()
   monkeypatch.setenv("DTENJAX_TRANSPORT", "auto")
-  name, why = transport.select_provider()
+  name, why = providers.select_provider()
   assert name == "tcp" and "EMULATED" in why and "DTENJAX_TRANSPORT=verbs" in why, why
   monkeypatch.setenv("DTENJAX_TRANSPORT", "verbs")
-  name, why = transport.select_provider()
+  name, why = providers.select_provider()
   assert name == "verbs" and "EMULATED" in why and "fakeverbs0" in why, why
   from dtenjax._src.topology import detect  # pylint: disable=g-import-not-at-top
   from dtenjax._src.topology import report  # pylint: disable=g-import-not-at-top

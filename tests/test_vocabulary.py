@@ -15,7 +15,7 @@ from dtenjax._src import errors
 from dtenjax._src import ffi
 from dtenjax._src.gpu import p2p
 from dtenjax._src.net import hostcoll
-from dtenjax._src.net import transport
+from dtenjax._src.net import native
 import transport_ref
 
 
@@ -35,7 +35,7 @@ def test_status_errors_are_keyed_by_exported_names():
 
 
 def test_transport_codes_are_the_wire_formats():
-  dtype_codes, op_codes = transport.codes()
+  dtype_codes, op_codes = native.codes()
   assert op_codes == transport_ref.OPS
   assert {d.name: c for d, c in dtype_codes.items()} == transport_ref.DTYPES
   assert {jnp.dtype(d).name for d in hostcoll.DTYPES} == set(transport_ref.DTYPES)

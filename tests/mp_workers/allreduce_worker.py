@@ -27,7 +27,7 @@ def main():
 
   import dtenjax
   from dtenjax._src.net import hostcoll
-  from dtenjax._src.net import transport
+  from dtenjax._src.net import native
 
   jax.config.update("jax_enable_x64", True)   # so the float64 case really is float64
 
@@ -123,11 +123,11 @@ def main():
       runs["set_mesh"] = with_set_mesh
       public = {}
       for name, run in runs.items():
-        before = transport.counters()["collectives"]
+        before = native.counters()["collectives"]
         try:
           ys = rows(run())
           public[name] = {
-              "transport_collectives": transport.counters()["collectives"] - before,
+              "transport_collectives": native.counters()["collectives"] - before,
               "bit_equal_ring_reference": all(y.tobytes() == exact.tobytes() for y in ys),
               "max_abs_err": max(float(np.max(np.abs(y - ref64))) for y in ys)}
         except Exception:  # pylint: disable=broad-except
@@ -171,7 +171,7 @@ def main():
           mism[case] = {"error": str(e)[:3000], "seconds": time.monotonic() - t0}
         common.barrier(f"mismatch-{case}")
       res["mismatch"] = mism
-      res["counters_after_mismatch"] = transport.counters()
+      res["counters_after_mismatch"] = native.counters()
       hostcoll.reset()
 
     if "permuted" in phases:
@@ -208,10 +208,10 @@ def main():
           # send it: comm.cc treats the end of that stream as the neighbour's death).
           common.barrier(f"same-bits-{dtype}-{n}-{provider}")
           hostcoll.reset()
-          before = transport.counters()["collectives"]
+          before = native.counters()["collectives"]
           ys = rows(make(dtype)(arr))
           shas[provider] = {"sha": [hashlib.sha256(y.tobytes()).hexdigest() for y in ys],
-                            "collectives": transport.counters()["collectives"] - before,
+                            "collectives": native.counters()["collectives"] - before,
                             "providers": sorted({c.provider for g in hostcoll._comm_groups.values()  # pylint: disable=protected-access
                                                  for c in g})}
         ref64 = full.astype(np.float64).sum(axis=0)
@@ -252,7 +252,7 @@ def main():
       # Compiled and run once at this size first, so the 0.5 s before the kill are spent moving
       # data, not compiling (on a loaded machine compiling alone can take longer).
       f(big).block_until_ready()
-      res["counters_before_kill"] = transport.counters()
+      res["counters_before_kill"] = native.counters()
       common.write(res)
       if rank == nprocs - 1:
         # Die in the middle of the next collective: throttle this rank's sends (4 MiB at 2 MB/s)
@@ -266,11 +266,11 @@ def main():
         res["kill"] = {"error": None}
       except Exception as e:  # pylint: disable=broad-except
         res["kill"] = {"error": str(e)[:2000], "seconds": time.monotonic() - t0}
-      res["counters_after_kill"] = transport.counters()
-    res["counters"] = transport.counters()
+      res["counters_after_kill"] = native.counters()
+    res["counters"] = native.counters()
   except Exception:  # pylint: disable=broad-except
     res["exception"] = traceback.format_exc()[-4000:]
-    res["counters"] = transport.counters()
+    res["counters"] = native.counters()
   common.finish(res, expect_done=nprocs - 1 if "kill" in phases else nprocs)
 
 

@@ -38,8 +38,10 @@ def main():
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   import dtenjax
+  from dtenjax._src.net import credentials
   from dtenjax._src.net import hostcoll
   from dtenjax._src.net import kvstore
+  from dtenjax._src.net import native
   from dtenjax._src.net import transport
   from tests import net_helpers
 
@@ -72,20 +74,20 @@ def main():
       size = min(net_helpers.FLOOD, max(soft, limit) - 512)
 
       def flooded_connect(comm, next_endpoint):
-        job = transport.job_credentials().job_id
+        job = credentials.job_credentials().job_id
         held.extend(net_helpers.flood(next_endpoint, size, "mixed", job=job, claim_rank=rank))
         common.barrier(f"flooded-{comm.name}")   # every listener is flooded before anyone connects
         t0 = time.monotonic()
         real_connect(comm, next_endpoint)
         formation[comm.name] = time.monotonic() - t0
       transport.connect = flooded_connect
-      before = transport.counters()
+      before = native.counters()
       ring = jit(lambda x: dtenjax.all_reduce(x, "p", algorithm="ring"))
       attempt("flood", lambda: rows(ring(arr)))
       transport.connect = real_connect
       res["flood"]["formation_s"] = formation
       res["flood"]["connections"] = size
-      after = transport.counters()
+      after = native.counters()
       res["flood"]["turned_away"] = sum(after[k] - before[k] for k in (
           "handshakes_refused", "handshakes_evicted", "rejected_bad_header"))
       for s in held:

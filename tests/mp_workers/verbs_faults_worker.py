@@ -25,7 +25,7 @@ def main():
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   from dtenjax._src.net import hostcoll
-  from dtenjax._src.net import transport
+  from dtenjax._src.net import native
   from tests import fakeverbs
 
   fake = fakeverbs.Fake()
@@ -86,7 +86,7 @@ def main():
       res["faults"][kind] = attempt(kind)
       if res["fds_start"] is None:
         res["fds_start"] = res["faults"][kind]["fds"]
-    res["counters"] = transport.counters()
+    res["counters"] = native.counters()
     res["fake"] = fake.counters()
     res["last_violation"] = fake.last_violation()
     if os.environ.get("DTENJAX_TEST_KILL") == "1":

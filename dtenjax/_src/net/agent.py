@@ -23,7 +23,8 @@ from typing import Any
 from dtenjax._src import errors
 from dtenjax._src.net import checks
 from dtenjax._src.net import kvstore
-from dtenjax._src.net import transport
+from dtenjax._src.net import native
+from dtenjax._src.net import providers
 
 NAMESPACE = "agent"
 
@@ -64,7 +65,7 @@ def local_topology() -> dict[str, Any]:
   import jax  # pylint: disable=g-import-not-at-top
   from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
   nics = rdma.discover_nics()
-  provider, why = transport.select_provider(list(nics))
+  provider, why = providers.select_provider(list(nics))
   return {
       "devices": [f"{d.platform}:{d.id}" for d in jax.local_devices()],
       "nics": [{k: n[k] for k in ("name", "port", "state", "link_layer", "rate_gbit_s",
@@ -75,10 +76,10 @@ def local_topology() -> dict[str, Any]:
 
 
 def current_load() -> dict[str, int]:
-  if not transport.is_available():
+  if not native.is_available():
     return {k: 0 for k in ("bytes_sent", "bytes_received", "collectives", "ops_in_flight",
                            "queue_depth")}
-  c = transport.counters()
+  c = native.counters()
   return {k: c[k] for k in ("bytes_sent", "bytes_received", "collectives", "ops_in_flight",
                             "queue_depth")}
 

@@ -19,7 +19,7 @@ import dataclasses
 
 from dtenjax._src import errors
 from dtenjax._src.net import checks
-from dtenjax._src.net import transport
+from dtenjax._src.net import native
 
 IDLE, POSTED, COMPLETED = 0, 1, 2
 
@@ -60,7 +60,7 @@ class BufferPool:
     if cfg.registration == "verbs":
       from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
       rdma.load_library()
-    self._pool = transport.native().BufferPool(cfg.max_bytes, cfg.max_buffers,
+    self._pool = native.transport().BufferPool(cfg.max_bytes, cfg.max_buffers,
                                                cfg.max_buffer_bytes, cfg.pin, cfg.tenant,
                                                cfg.registration)
 

@@ -49,17 +49,19 @@ import numpy as np
 from dtenjax._src import errors
 from dtenjax._src import ffi
 from dtenjax._src import jaxapi
+from dtenjax._src.net import callsite
+from dtenjax._src.net import native
 from dtenjax._src.net import transport
 
 TARGET = "dtenjax_host_all_reduce"
 ALGORITHMS = ("ring", "hierarchical")
-OPS = ("sum", "max", "min")         # of the transport's ops (transport.codes()), those offered here
+OPS = ("sum", "max", "min")         # of the transport's ops (native.codes()), those offered here
 ALL_OPS = OPS + ("mean",)          # mean = sum / axis size
 
 
 def __getattr__(name: str):
   if name == "DTYPES":   # what the frames carry, from the extension (no copy kept here)
-    return tuple(transport.codes()[0])
+    return tuple(native.codes()[0])
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _lock = threading.Lock()
@@ -116,7 +118,7 @@ def _check(x, axes: tuple[str, ...], algorithm: str, op: str) -> tuple[int, int]
     problems.append(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
   if op not in ALL_OPS:
     problems.append(f"op={op!r} is not one of {sorted(ALL_OPS)}")
-  dtypes = tuple(transport.codes()[0])
+  dtypes = tuple(native.codes()[0])
   if jnp.dtype(x.dtype) not in dtypes:
     problems.append(f"dtype {jnp.dtype(x.dtype).name} is not one of {[d.name for d in dtypes]}")
   sizes = _axis_sizes()
@@ -191,7 +193,7 @@ def _ring_call(x, position, slot, comm_ids: Sequence[int], op: str, site: int,
   x = jaxapi.to_varying(x, tuple(jaxapi.vma(where)))
   where = jaxapi.to_varying(where, tuple(jaxapi.vma(x)))
   call = jax.ffi.ffi_call(TARGET, jaxapi.reduced_struct(x, reduced), has_side_effect=True)
-  return call(x, where, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(transport.codes()[1][op]),
+  return call(x, where, comm_ids=np.asarray(comm_ids, np.int64), op=np.int32(native.codes()[1][op]),
               site=np.int64(site))
 
 
@@ -202,17 +204,17 @@ def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
   Call inside ``jax.shard_map`` (or ``dtenjax.mesh_map``); see the module docstring for the
   supported meshes. Deterministic: identical bits on every rank and every run. ``site`` (tag,
   text) identifies the call site in every frame (default: the caller's user call stack, see
-  :func:`dtenjax._src.net.transport.call_site`). ``tag`` tells apart collectives whose call
+  :func:`dtenjax._src.net.callsite.call_site`). ``tag`` tells apart collectives whose call
   stacks are the same, e.g. the iterations of a loop: an int in [0, 2**32), an integer scalar
   array (traced, e.g. the step number inside ``lax.fori_loop``), or a str naming the collective
-  (:func:`dtenjax._src.net.transport.tag_value`). Every process must pass the same tag for the
+  (:func:`dtenjax._src.net.callsite.tag_value`). Every process must pass the same tag for the
   same collective; a rank that differs raises on every rank, naming both.
   """
   axes = jaxapi.axis_tuple(axis_name)
   nproc, local = _check(x, axes, algorithm, op)
-  value, suffix = transport.tag_value(tag)
+  value, suffix = callsite.tag_value(tag)
   if site is None:
-    site = transport.call_site()
+    site = callsite.call_site()
   if suffix:
     site = (zlib.crc32((site[1] + suffix).encode()), site[1] + suffix)
   tag = value if value is not None else tag   # a traced tag travels as an operand
@@ -229,7 +231,7 @@ def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
     # the all-reduce's result)
     return jaxapi.all_gather_invariant(x, axes)[0]
   comms = communicators(local, tenant)
-  transport.register_site(*site)
+  native.register_site(*site)
   ids = [c.comm_id for c in comms]
   site_tag = site[0]
   if algorithm == "ring":
@@ -254,7 +256,7 @@ def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
 
 def status() -> dict[str, Any]:
   """What the host collectives would use here (for explain/diagnostics)."""
-  return {"available": transport.is_available() and ffi.has_target(TARGET, "cpu"),
+  return {"available": native.is_available() and ffi.has_target(TARGET, "cpu"),
           "processes": jax.process_count(), "local_devices": jax.local_device_count(),
           "communicators": {f"{k[1]}/{k[0]}": [c.comm_id for c in v]
                             for k, v in _comm_groups.items()}}

@@ -20,7 +20,7 @@ import dataclasses
 
 from dtenjax._src import errors
 from dtenjax._src.net import checks
-from dtenjax._src.net import transport
+from dtenjax._src.net import native
 
 
 class OwnershipError(errors.DtenjaxError, PermissionError):
@@ -58,25 +58,25 @@ def set_quota(tenant: str, quota: Quota) -> None:
   the token bucket at once)."""
   if not isinstance(quota, Quota):
     raise errors.ConfigurationError(f"quota must be a Quota, got {type(quota).__name__}.")
-  transport.native().set_quota(_name(tenant), quota.max_connections, quota.max_registered_bytes,
+  native.transport().set_quota(_name(tenant), quota.max_connections, quota.max_registered_bytes,
                                float(quota.rate_bytes_per_s), float(quota.burst_bytes))
 
 
 def usage(tenant: str) -> dict[str, int]:
   """Current connections and registered bytes, and refusals so far."""
-  return {k: int(v) for k, v in transport.native().usage(_name(tenant)).items()}
+  return {k: int(v) for k, v in native.transport().usage(_name(tenant)).items()}
 
 
 def throttle(tenant: str, nbytes: int, timeout_s: float = 60.0) -> None:
   """Takes ``nbytes`` tokens from ``tenant``'s bucket, sleeping as the rate requires (the same
   call the transport makes before each send)."""
-  transport.native().take(_name(tenant), checks.integer("nbytes", nbytes, 0, checks.U64_MAX),
+  native.transport().take(_name(tenant), checks.integer("nbytes", nbytes, 0, checks.U64_MAX),
                           checks.number("timeout_s", timeout_s, 0, lo_open=True))
 
 
 def set_owner_context(tenant: str, context: int) -> None:
   """Declares the CUDA context (device ordinal) whose memory ``tenant`` may register."""
-  transport.native().set_owner_context(
+  native.transport().set_owner_context(
       _name(tenant), checks.integer("context", context, -1, checks.I64_MAX,
                                     hint="a CUDA device ordinal, or -1 for none"))
 
@@ -87,6 +87,6 @@ def check_device_memory(tenant: str, ptr: int, nbytes: int) -> None:
   nbytes = checks.integer("nbytes", nbytes, 1, checks.U64_MAX - ptr,
                           hint="ptr + nbytes must not pass 2**64")
   try:
-    transport.native().check_device_memory(_name(tenant), ptr, nbytes)
+    native.transport().check_device_memory(_name(tenant), ptr, nbytes)
   except (errors.TransportError, errors.ExtensionUnavailableError) as e:
     raise OwnershipError(str(e)) from None

@@ -1,252 +1,41 @@
-"""Host transport control plane: job credentials, provider table, communicators, counters.
+"""Host-transport communicators: their settings, the ring of processes, and its bootstrap.
 
-The data plane lives in C++ (``csrc/transport/``: a TCP provider and an RDMA verbs provider behind
-one table of functions), bound to Python with nanobind as ``dtenjax._ffi.transport``
-(``custom_calls/transport/bindings.cc``); a native failure raises the dtenjax error of its status code.
-
-Bootstrap goes through jax.distributed's coordination store (:mod:`dtenjax._src.net.kvstore`): each
-rank listens on ``DTENJAX_BIND_ADDRESS`` (port chosen by the OS), publishes its endpoint, reads its
-ring neighbour's, and connects. Every connection is authenticated by an HMAC-SHA256
-challenge-response keyed by the job secret (``DTENJAX_JOB_SECRET`` if set, else random bytes made
-by process 0 and shared through the store), and every frame after it by AES-256-GMAC under keys
-derived in that handshake. Both come from OpenSSL's libcrypto, loaded at run time
-(``DTENJAX_LIBCRYPTO`` to choose the file). Without libcrypto no connection is made (fail
-closed): creating a multi-process communicator raises ExtensionUnavailableError saying so.
+A :class:`Communicator` is one rank of an authenticated ring of processes: a native communicator
+of ``dtenjax._ffi.transport`` (:mod:`dtenjax._src.net.native`) over the provider that
+:mod:`dtenjax._src.net.providers` selects. Bootstrap goes through jax.distributed's coordination
+store (:mod:`dtenjax._src.net.kvstore`): each rank listens on ``DTENJAX_BIND_ADDRESS`` (port
+chosen by the OS), publishes its endpoint, reads its ring neighbour's, and connects. Every
+connection is authenticated by an HMAC-SHA256 challenge-response keyed by the job secret
+(:mod:`dtenjax._src.net.credentials`), and every frame after it by AES-256-GMAC under keys
+derived in that handshake. Both come from OpenSSL's libcrypto
+(:func:`~dtenjax._src.net.native.ensure_crypto`, ``DTENJAX_LIBCRYPTO``). Without libcrypto no
+connection is made (fail closed): creating a multi-process communicator raises
+ExtensionUnavailableError saying so.
 
 Every collective carries (number, op, dtype, count, call site, tag) in its frames; processes that
 issue different collectives get an error on every rank that names both sides and both call
 stacks (see :func:`~dtenjax._src.net.callsite.call_site` and
-:func:`~dtenjax._src.net.callsite.tag_value`, in ``net/callsite.py``).
+:func:`~dtenjax._src.net.callsite.tag_value`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import secrets
 import threading
 import zlib
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from dtenjax._src import config
 from dtenjax._src import errors
-from dtenjax._src import ffi
+from dtenjax._src.net import callsite
 from dtenjax._src.net import checks
+from dtenjax._src.net import credentials
 from dtenjax._src.net import kvstore
-from dtenjax._src.net.callsite import MAX_SITE_FRAMES as MAX_SITE_FRAMES
-from dtenjax._src.net.callsite import call_site as call_site
-from dtenjax._src.net.callsite import tag_value as tag_value
+from dtenjax._src.net import native
+from dtenjax._src.net import providers
+from dtenjax._src.net import rdma
 
-
-@functools.cache
-def codes() -> tuple[dict[np.dtype, int], dict[str, int]]:
-  """({dtype: code}, {op: code}) of the frames, as the extension exports them (frame.h)."""
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
-  dtypes = ffi.vocabulary("transport.dtype")
-  return ({np.dtype(getattr(ml_dtypes, n, n)): c for n, c in dtypes.items()},
-          ffi.vocabulary("transport.op"))
-
-
-# --- the native module ----------------------------------------------------------------------------
-
-def native():
-  """``dtenjax._ffi.transport``; ExtensionUnavailableError (saying why) when it is not built."""
-  mod = ffi.module()
-  sub = getattr(mod, "transport", None)
-  if sub is None:
-    raise errors.ExtensionUnavailableError(
-        f"this build of dtenjax._ffi has no transport bindings (build info: "
-        f"{dict(mod.build_info())}). Rebuild the extension: {ffi.BUILD_HINT}")
-  return sub
-
-
-def is_available() -> bool:
-  """Whether the native transport is in this build."""
-  try:
-    native()
-    return True
-  except errors.ExtensionUnavailableError:
-    return False
-
-
-def counters() -> dict[str, int]:
-  """Process-wide transport counters: frames/bytes moved, connections, rejections by reason
-  (rejected_mac: modified frames, rejected_replay: replayed frames, rejected_mismatch: frames of
-  another collective, ...), aborts sent/received, pending handshakes."""
-  return dict(native().counters())
-
-
-@functools.cache
-def _crypto_loaded(path: str) -> None:
-  native().crypto_load(path)
-
-
-def ensure_crypto() -> str:
-  """Loads libcrypto (``DTENJAX_LIBCRYPTO`` or the default names); returns the file loaded.
-
-  Raises ExtensionUnavailableError saying what was tried and how to install it."""
-  path = config.get_str("DTENJAX_LIBCRYPTO")
-  _crypto_loaded(path)
-  return native().crypto_status()[2]
-
-
-def crypto_status() -> dict[str, Any]:
-  ok, why, lib = native().crypto_status()
-  return {"loaded": bool(ok), "library": lib, "error": None if ok else why}
-
-
-def hmac_sha256(key: bytes, msg: bytes) -> bytes:
-  """libcrypto's HMAC-SHA256 (what authenticates connections); equals Python's hmac module."""
-  ensure_crypto()
-  return native().hmac_sha256(bytes(key), bytes(msg))
-
-
-# --- call sites and tags (the stack walking is net/callsite.py) ----------------------------------
-
-def register_site(tag: int, text: str) -> None:
-  """Tells the native layer the text of a site tag (for error messages)."""
-  native().register_site(checks.integer("site tag", tag, 0, checks.U32_MAX), str(text))
-
-
-# --- job credentials ------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class JobCredentials:
-  """Who belongs to this job: a 64-bit job id in every frame header and the HMAC secret."""
-  job_id: int
-  secret: bytes = dataclasses.field(repr=False)
-
-  def __post_init__(self):
-    checks.integer("job_id", self.job_id, 1, checks.U64_MAX)
-    if not isinstance(self.secret, (bytes, bytearray)):
-      raise errors.ConfigurationError(
-          f"the job secret must be bytes, got {type(self.secret).__name__}.")
-    if len(self.secret) < 16:
-      raise errors.ConfigurationError(
-          f"the job secret has {len(self.secret)} bytes; use at least 16 (set "
-          "DTENJAX_JOB_SECRET to a long random string, or leave it unset to have process 0 make "
-          "one).")
-
-
-_creds_lock = threading.Lock()
-_creds: JobCredentials | None = None
-
-
-def job_credentials(store: kvstore.KVStore | None = None, *, process_index: int | None = None
-                    ) -> JobCredentials:
-  """This job's credentials; the first call on each process is collective (reads the store)."""
-  global _creds
-  with _creds_lock:
-    if _creds is not None:
-      return _creds
-    store = store or kvstore.default()
-    if process_index is None:
-      import jax  # pylint: disable=g-import-not-at-top
-      process_index = jax.process_index()
-    env = config.get_str("DTENJAX_JOB_SECRET")
-    if process_index == 0:
-      store.set(store.key("job", "id"), str(secrets.randbits(63) | 1), overwrite=True)
-      if not env:
-        store.set(store.key("job", "secret"), secrets.token_hex(32), overwrite=True)
-    job_id = int(store.get(store.key("job", "id")))
-    secret = env.encode() if env else bytes.fromhex(store.get(store.key("job", "secret")))
-    _creds = JobCredentials(job_id, secret)
-    return _creds
-
-
-# --- provider table -------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ProviderSpec:
-  """One transport provider: its native name and when ``auto`` may pick it.
-
-  ``usable(nics)`` returns (usable, reason); providers are tried in table order and the first
-  usable one wins. The native side of a provider is one file in csrc/transport/ that registers
-  itself with ``DTENJAX_REGISTER_PROVIDER``."""
-  name: str
-  usable: Callable[[list[dict[str, Any]]], tuple[bool, str]]
-  description: str
-
-
-def _verbs_usable(nics: list[dict[str, Any]]) -> tuple[bool, str]:
-  active = [n for n in nics if str(n.get("state", "")).lower() == "active"]
-  if not active:
-    if nics:
-      return False, "no RDMA port is active (" + ", ".join(
-          f"{n['name']}:{n['port']}={n.get('state')}" for n in nics) + ")"
-    return False, "no RDMA device"
-  return True, f"active RDMA port {active[0]['name']}:{active[0]['port']}"
-
-
-PROVIDERS: tuple[ProviderSpec, ...] = (
-    ProviderSpec("verbs", _verbs_usable, "RDMA verbs (RC QPs, RDMA WRITE WITH IMM)"),
-    ProviderSpec("tcp", lambda nics: (True, "TCP is always available"), "TCP sockets"),
-)
-
-
-def built_providers() -> list[str]:
-  """Providers compiled into this build of the extension."""
-  return list(native().providers())
-
-
-def select_provider(nics: list[dict[str, Any]] | None = None) -> tuple[str, str]:
-  """(provider, reason). ``DTENJAX_TRANSPORT`` forces one; ``auto`` takes the first provider of
-  :data:`PROVIDERS` that is built and usable, and logs why once."""
-  names = [p.name for p in PROVIDERS]
-  forced = config.get_str("DTENJAX_TRANSPORT").strip().lower()
-  if forced not in ("auto", *names):
-    raise errors.ConfigurationError(
-        f"DTENJAX_TRANSPORT={forced!r} is not one of {['auto', *names]}.")
-  built = built_providers() if is_available() else []
-  from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
-  if forced != "auto":
-    if forced not in built:
-      raise errors.ExtensionUnavailableError(
-          f"DTENJAX_TRANSPORT={forced} but this build has no {forced} provider (built: {built}); "
-          + ("install libibverbs-dev and rebuild, " if forced == "verbs" else "")
-          + "or unset DTENJAX_TRANSPORT.")
-    reason = f"DTENJAX_TRANSPORT={forced}"
-    if forced == "verbs" and rdma.emulated_nics():
-      reason += " on an EMULATED device: " + _emulated_text(rdma)
-      config.log_once(f"transport:emulated:{rdma.library_info()['path']}",
-                      f"dtenjax host transport: verbs runs on an EMULATED RDMA device, not a NIC "
-                      f"({_emulated_text(rdma)})")
-    return forced, reason
-  why_none = "no RDMA NIC was given"
-  if nics is None:
-    nics = list(rdma.discover_nics())
-    why_none = rdma.unavailable_reason() or "no RDMA device"
-    if rdma.emulated_nics():
-      why_none += ("; auto never picks the EMULATED device (" + _emulated_text(rdma) +
-                   "): set DTENJAX_TRANSPORT=verbs to run on it")
-  passed_over = []
-  for spec in PROVIDERS:
-    if spec.name not in built:
-      passed_over.append(f"{spec.name} is not in this build")
-      continue
-    ok, why = spec.usable(list(nics))
-    if ok:
-      if not passed_over:
-        return spec.name, why
-      reason = "; ".join(passed_over)
-      config.log_once(f"transport:provider:{spec.name}:{reason}",
-                      f"dtenjax host transport: using {spec.name} because {reason} (set "
-                      f"DTENJAX_TRANSPORT={spec.name} to silence)", level=20)
-      return spec.name, reason
-    passed_over.append(f"{spec.name} is not usable: {why if nics else why_none}")
-  raise errors.ExtensionUnavailableError(   # tcp is always built and usable, but say so if not
-      "no transport provider is usable: " + "; ".join(passed_over))
-
-
-def _emulated_text(rdma) -> str:
-  ports = ", ".join(f"{n['name']}:{n['port']} {n['link_layer']}" for n in rdma.emulated_nics())
-  return f"{ports} from {rdma.library_info()['path']}, dtenjax's test device"
-
-
-# --- communicators --------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class CommSettings:
@@ -307,27 +96,29 @@ class Communicator:
                  tag: int | str | None = None) -> np.ndarray:
     """Ring all-reduce of a host array (outside jit: tests, benchmarks). Returns a new array.
 
-    ``site`` (tag, text) names the call site carried in every frame; default :func:`call_site`.
-    ``tag`` (see :func:`tag_value`) tells apart collectives with the same call stack, e.g. the
-    iterations of a loop: every rank must pass the same one for the same collective.
+    ``site`` (tag, text) names the call site carried in every frame; default
+    :func:`~dtenjax._src.net.callsite.call_site`. ``tag`` (see
+    :func:`~dtenjax._src.net.callsite.tag_value`) tells apart collectives with the same call
+    stack, e.g. the iterations of a loop: every rank must pass the same one for the same
+    collective.
     """
     x = np.ascontiguousarray(x)
-    dtype_codes, op_codes = codes()
+    dtype_codes, op_codes = native.codes()
     if x.dtype not in dtype_codes:
       raise errors.CollectiveError(
           f"host all-reduce of dtype {x.dtype} is not supported; use one of "
           f"{sorted(str(d) for d in dtype_codes)}.")
     if op not in op_codes:
       raise errors.CollectiveError(f"op={op!r} is not one of {sorted(op_codes)}.")
-    value, suffix = tag_value(tag)
+    value, suffix = callsite.tag_value(tag)
     if value is None:
       raise errors.CollectiveError("Communicator.all_reduce takes a Python int or str tag (an "
                                    "array tag belongs inside jit: hostcoll.all_reduce).")
-    site_tag, text = call_site() if site is None else site
+    site_tag, text = callsite.call_site() if site is None else site
     if suffix:
       text += suffix
       site_tag = zlib.crc32(text.encode())
-    register_site(site_tag, text)
+    native.register_site(site_tag, text)
     out = np.empty_like(x)
     try:
       self._native.all_reduce(x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8),
@@ -344,9 +135,10 @@ class Communicator:
     return bool(self._native.closed)
 
 
-def create_local_comm(rank: int, size: int, creds: JobCredentials, *, tenant: str = "default",
-                      provider: str = "tcp", timeout_s: float | None = None,
-                      bind_address: str | None = None, name: str = "local",
+def create_local_comm(rank: int, size: int, creds: credentials.JobCredentials, *,
+                      tenant: str = "default", provider: str = "tcp",
+                      timeout_s: float | None = None, bind_address: str | None = None,
+                      name: str = "local",
                       segment_bytes: int | None = None, handshake_timeout_s: float | None = None,
                       max_pending_handshakes: int | None = None) -> Communicator:
   """Creates (listens) but does not connect a communicator; see :func:`connect`."""
@@ -358,25 +150,25 @@ def create_local_comm(rank: int, size: int, creds: JobCredentials, *, tenant: st
   if problems:
     raise errors.ConfigurationError(errors.join_problems(
         f"cannot create communicator {name!r}:", problems))
-  if not isinstance(creds, JobCredentials):
+  if not isinstance(creds, credentials.JobCredentials):
     raise errors.ConfigurationError(f"creds must be JobCredentials, got {type(creds).__name__}.")
   settings = CommSettings.from_env(timeout_s=timeout_s, bind_address=bind_address,
                                    segment_bytes=segment_bytes,
                                    handshake_timeout_s=handshake_timeout_s,
                                    max_pending_handshakes=max_pending_handshakes)
-  built = built_providers()
+  built = providers.built_providers()
   if provider not in built:
     raise errors.ExtensionUnavailableError(
         f"transport provider {provider!r} is not in this build (built: {built}).")
   if size > 1:
-    ensure_crypto()   # fail closed: raises saying libcrypto is missing and how to install it
+    native.ensure_crypto()   # fail closed: raises saying libcrypto is missing and how to install it
   if provider == "verbs":
-    from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
     rdma.load_library()   # DTENJAX_IBVERBS_LIBRARY
-    native().verbs.set_device(config.get_str("DTENJAX_IB_DEVICE"))
-  comm = native().Comm(creds.job_id, rank, size, bytes(creds.secret), settings.timeout_s, tenant,
-                       settings.bind_address, provider, settings.segment_bytes,
-                       settings.handshake_timeout_s, settings.max_pending_handshakes)
+    native.transport().verbs.set_device(config.get_str("DTENJAX_IB_DEVICE"))
+  comm = native.transport().Comm(creds.job_id, rank, size, bytes(creds.secret),
+                                 settings.timeout_s, tenant, settings.bind_address, provider,
+                                 settings.segment_bytes, settings.handshake_timeout_s,
+                                 settings.max_pending_handshakes)
   return Communicator(name, rank, size, tenant, provider, comm)
 
 
@@ -405,8 +197,8 @@ def create_communicator(name: str, *, rank: int | None = None, size: int | None 
   rank = jax.process_index() if rank is None else rank
   size = jax.process_count() if size is None else size
   store = store or kvstore.default()
-  provider = provider or select_provider()[0]
-  creds = job_credentials(store, process_index=rank)
+  provider = provider or providers.select_provider()[0]
+  creds = credentials.job_credentials(store, process_index=rank)
   with _names_lock:
     use = _name_uses.get(name, 0)
     _name_uses[name] = use + 1

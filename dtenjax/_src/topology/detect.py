@@ -271,10 +271,11 @@ def _host_links(bus_ids: list[str], numa: dict[str, int | None], notes: list[str
 def _transport_note() -> str:
   """Which host transport provider communicators would use here, and why (verbs or not)."""
   try:
-    from dtenjax._src.net import transport  # pylint: disable=g-import-not-at-top
-    if not transport.is_available():
+    from dtenjax._src.net import native  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.net import providers  # pylint: disable=g-import-not-at-top
+    if not native.is_available():
       return "host transport: unavailable (the native extension has no transport)"
-    name, why = transport.select_provider()
+    name, why = providers.select_provider()
     return f"host transport: {name} ({why})"
   except Exception as e:  # pylint: disable=broad-except  (a bad DTENJAX_TRANSPORT, say)
     return f"host transport: none can be chosen ({type(e).__name__}: {e})"

@@ -184,11 +184,11 @@ def _raw(gid: str) -> bytes:
 ])
 def test_gid_selection_native_matches_python(gids, ethernet, expected):
   raw = b"".join(_raw(g) for g, _ in gids)
-  native = verbs().select_gid(raw, [t for _, t in gids], ethernet)
+  native_index = verbs().select_gid(raw, [t for _, t in gids], ethernet)
   py = rdma.select_gid_index([{"index": i, "gid": g, "type": rdma.ROCE_V2 if t else "IB/RoCE v1"}
                               for i, (g, t) in enumerate(gids)],
                              "ethernet" if ethernet else "infiniband")
-  assert native == py == expected
+  assert native_index == py == expected
 
 
 @needs_verbs

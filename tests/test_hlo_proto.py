@@ -170,3 +170,19 @@ def test_a_truncated_module_is_refused(cpu_devices):
   data = _step(cpu_devices).runtime_executable().hlo_modules()[0].as_serialized_hlo_module_proto()
   with pytest.raises(hlo.HloReadError, match=f"the {len(data) // 2} bytes given"):
     hlo.parse_proto(data[:len(data) // 2])
+
+
+def test_element_types_read_as_xla_names_them():
+  # XLA's parser turns each text name into its PrimitiveType number; the reader names it back.
+  names = ["pred", "s1", "s2", "s4", "s8", "s16", "s32", "s64", "u1", "u2", "u4", "u8", "u16",
+           "u32", "u64", "f16", "bf16", "f32", "f64", "c64", "c128", "f8e5m2", "f8e4m3",
+           "f8e4m3fn", "f8e4m3b11fnuz", "f8e5m2fnuz", "f8e4m3fnuz", "f8e3m4", "f8e8m0fnu",
+           "f4e2m1fn", "f6e3m2fn", "f6e2m3fn"]
+  params = ", ".join(f"p{k}: {n}[3]" for k, n in enumerate(names))
+  lines = "\n".join(f"  %p{k} = {n}[3] parameter({k})" for k, n in enumerate(names))
+  text = (f"HloModule types\n\nENTRY %main ({params}) -> pred[3] {{\n{lines}\n"
+          f"  ROOT %r = pred[3] copy(%p0)\n}}\n")
+  data = xla_hlo.hlo_module_from_text(text).as_serialized_hlo_module_proto()
+  ins = hlo.parse_proto(data).computations["main"].by_name()
+  assert [ins[f"p{k}"].shape for k in range(len(names))] == [hlo.Shape(n, (3,)) for n in names]
+  assert ins["r"].shape == hlo.Shape("pred", (3,))

@@ -126,12 +126,17 @@ def message_class(name: str = "HloModuleProto") -> type[message.Message]:
   return message_factory.GetMessageClass(pool.FindMessageTypeByName("xla." + name))
 
 
-def _shape(s) -> Shape:
+def _shape(s, seen: dict) -> Shape:
+  """One Shape record per distinct array shape of a module (``seen`` holds them)."""
   et = s.element_type
   name = PRIMITIVE_TYPES.get(et, (f"type{et}", 0))[0]
   if name == "tuple":
-    return Shape("tuple", (), tuple(_shape(e) for e in s.tuple_shapes))
-  return Shape(name, tuple(s.dimensions))
+    return Shape("tuple", (), tuple(_shape(e, seen) for e in s.tuple_shapes))
+  key = (name, tuple(s.dimensions))
+  shape = seen.get(key)
+  if shape is None:
+    shape = seen[key] = Shape(*key)
+  return shape
 
 
 def _groups(im) -> tuple[tuple[tuple[int, ...], ...] | None, str]:
@@ -173,9 +178,10 @@ def parse_proto(data: bytes) -> Module:
   comp_name = {c.id: c.name for c in mod.computations}
   schedule = {e.key: list(e.value.instruction_ids) for e in mod.schedule.sequences}
   by_id: dict[int, tuple[str, Shape]] = {}
+  shapes: dict = {}
   for c in mod.computations:
     for im in c.instructions:
-      by_id[im.id] = (im.name, _shape(im.shape))
+      by_id[im.id] = (im.name, _shape(im.shape, shapes))
   computations = {}
   for c in mod.computations:
     records = []

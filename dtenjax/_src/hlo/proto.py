@@ -12,7 +12,10 @@ backend) and skips every field the table does not declare. A buffer that does no
 
 Replica groups come from whichever of XLA's encodings the instruction carries: explicit lists
 (``collective_device_list``, or the legacy ``replica_groups``), an iota list
-(``iota_collective_device_list``) or mesh axes (``mesh_axes_replica_group_list``).
+(``iota_collective_device_list``) or mesh axes (``mesh_axes_replica_group_list``, whose mesh lists
+its devices, gives them as a transposed iota, or leaves them in order). The iota list that once
+sat inside ``collective_device_list`` (its field 2) is reserved in XLA's schema since before jax
+0.10.2 and is not read.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The compiled executable's optimised module is read from XLA's own structured form where jax
 exposes it: ``compiled.runtime_executable().hlo_modules()[i].as_serialized_hlo_module_proto()``
-(jax 0.10.2 and 0.11.x) is an ``xla.HloModuleProto`` (:mod:`.proto`); where only text is
+(jax 0.10.2 and 0.11.x) is an ``xla.HloModuleProto``, decoded by Google's ``protobuf`` runtime
+with the part of XLA's schema dtenjax reads (:mod:`.proto`); where only text is
 available, from the printed module (:mod:`.text`). Both return the records of :mod:`.records`;
 :mod:`.groups` expands XLA's compact replica-group forms.
 """

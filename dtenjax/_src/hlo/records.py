@@ -31,7 +31,7 @@ PRIMITIVE_TYPES = {
     20: ("f8e4m3fn", 8), 21: ("s4", 4), 22: ("u4", 4), 23: ("f8e4m3b11fnuz", 8),
     24: ("f8e5m2fnuz", 8), 25: ("f8e4m3fnuz", 8), 26: ("s2", 2), 27: ("u2", 2),
     28: ("f8e4m3", 8), 29: ("f8e3m4", 8), 30: ("s1", 1), 31: ("u1", 1), 32: ("f4e2m1fn", 4),
-    33: ("f8e8m0fnu", 8), 34: ("buffer", 0),
+    33: ("f8e8m0fnu", 8), 34: ("buffer", 0), 35: ("f6e3m2fn", 6), 36: ("f6e2m3fn", 6),
 }
 BITS = {name: bits for name, bits in PRIMITIVE_TYPES.values()}
 

@@ -1,6 +1,7 @@
 """Benchmark of the p2p all-reduce kernels with N simulated ranks on one GPU.
 
-Every rank's kernel runs on the same GPU (the harness of tests/test_p2p.py), so the number that
+Every rank's kernel runs on the same GPU (the simulated-rank harness of the test extension,
+dtenjax._ffi_testing, through tests/native_testing.py, as in tests/test_p2p.py), so the number that
 means something is the fraction of the GPU's memory bandwidth the kernel reaches, against a
 device-to-device copy measured in the same run. Per rank and message of n bytes, the fewest
 bytes through HBM are: one-shot 4n (read input, write stage, read stage, write output; the other
@@ -17,7 +18,8 @@ of several calls, so dispatch overhead cancels (K2 is larger for small messages,
 stays well above the host clock's noise; a difference that is not positive is reported as nan,
 never as a time). Rows also carry nccl-tests' columns (size per
 rank, count, type, time, algbw, busbw = algbw x 2(W-1)/W for W simulated ranks). It needs a CUDA
-GPU and the extension built with CUDA, and refuses (exit status 3, one line) without them.
+GPU, the extension built with CUDA and the test extension (an editable install:
+pip install --no-build-isolation -e .), and refuses (exit status 3, one line) without them.
 
   python bench/p2p_allreduce.py [--json PATH] [--quick] [--reps 7]
 """
@@ -25,6 +27,7 @@ GPU and the extension built with CUDA, and refuses (exit status 3, one line) wit
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
 import sys
 import time
@@ -34,8 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import _harness
+from dtenjax._src import errors
 from dtenjax._src import ffi
-from dtenjax._src.gpu import p2p
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # the harness: tests/
+from tests import native_testing  # noqa: E402  pylint: disable=g-import-not-at-top
 
 K1 = 2
 
@@ -58,10 +64,11 @@ def _time(fn, x, reps: int) -> float:
 def per_launch(x, *, algorithm: str, mode: int, reps: int,
                reproducible: bool | str = False) -> float:
   k2 = launches_for(x.nbytes // x.shape[0])
-  f1 = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, iters=K1, mode=mode,
-                                      reproducible=reproducible))
-  f2 = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, iters=k2, mode=mode,
-                                      reproducible=reproducible))
+  selftest = native_testing.p2p_selftest
+  f1 = jax.jit(lambda v: selftest(v, algorithm=algorithm, iters=K1, mode=mode,
+                                  reproducible=reproducible))
+  f2 = jax.jit(lambda v: selftest(v, algorithm=algorithm, iters=k2, mode=mode,
+                                  reproducible=reproducible))
   t = (_time(f2, x, reps) - _time(f1, x, reps)) / (k2 - K1)
   return t if t > 0 else float("nan")
 
@@ -79,6 +86,10 @@ def main(argv=None) -> int:
     _harness.refuse("bench/p2p_allreduce.py",
                     "the native extension was built without CUDA (python -m dtenjax info); "
                     "rebuild it where nvcc is found: pip install --no-build-isolation -e .")
+  try:
+    native_testing.require(native_testing.P2P_SELFTEST, "CUDA")
+  except errors.ExtensionUnavailableError as e:
+    _harness.refuse("bench/p2p_allreduce.py", f"the simulated-rank harness is missing: {e}")
   worlds = (2, 8) if args.quick else (2, 4, 8)
   sizes = ((8 << 10, 256 << 10, 1 << 20, 16 << 20, 64 << 20) if not args.quick
            else (8 << 10, 256 << 10, 16 << 20))
@@ -92,7 +103,7 @@ def main(argv=None) -> int:
         x = jax.device_put(jnp.asarray(
             np.random.default_rng(0).standard_normal((world, n)).astype(np.float32), dtype))
         # The arena of W ranks is created by the first (validation) call.
-        jax.jit(lambda v: p2p.selftest(v, iters=1))(x).block_until_ready()
+        jax.jit(lambda v: native_testing.p2p_selftest(v, iters=1))(x).block_until_ready()
         t_copy = per_launch(x, algorithm="one_shot", mode=2, reps=args.reps)
         copy_bw = 2 * world * nbytes / t_copy / 1e9
         for alg, hbm_bytes in (("one_shot", 4), ("two_shot", 5)):

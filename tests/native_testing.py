@@ -1,24 +1,37 @@
-"""The test-only native extension, dtenjax._ffi_testing (custom_calls/testing/).
+"""The test-only native extension, dtenjax._ffi_testing (custom_calls/testing/), from Python.
 
 It is built by editable installs (scripts/setup.sh, scripts/test.sh, scripts/gpu_check.sh: the
 CMake option DTENJAX_BUILD_TESTING, pyproject.toml) and never shipped in a wheel. A test that
 needs it fails (never skips) when it is missing: that is a broken build, not a missing feature.
+
+Besides the transport's fault injection and the graph-probe kernel it holds the p2p kernels'
+simulated-rank harness (:func:`p2p_selftest`), which tests/test_p2p.py and bench/p2p_allreduce.py
+run (the bench imports this module by path, as bench/cuda_graphs.py does for the probe kernel).
+It lives here rather than in dtenjax/ because it only works with the test extension, which a
+wheel does not contain.
 """
 
 import importlib
 
 import jax
+import numpy as np
+
+from dtenjax._src import errors
+from dtenjax._src.gpu import p2p
+
+MODULE = "dtenjax._ffi_testing"
+FIX = ("build the tree as an editable install, which sets DTENJAX_BUILD_TESTING=ON: "
+       "`pip install --no-build-isolation -e .` (or `bash scripts/setup.sh`); a wheel never "
+       "contains it")
 
 
 def module():
-  """``dtenjax._ffi_testing``; AssertionError saying how to build it when it is absent."""
+  """``dtenjax._ffi_testing``; ExtensionUnavailableError saying how to build it when absent."""
   try:
-    return importlib.import_module("dtenjax._ffi_testing")
+    return importlib.import_module(MODULE)
   except ImportError as e:
-    raise AssertionError(
-        f"the test extension dtenjax._ffi_testing is not built ({e}); build the tree with "
-        "`bash scripts/setup.sh` or `pip install --no-build-isolation -e .` (editable installs "
-        "set DTENJAX_BUILD_TESTING=ON)") from None
+    raise errors.ExtensionUnavailableError(
+        f"the test extension {MODULE} is not built ({e}); {FIX}") from None
 
 
 def transport():
@@ -36,11 +49,14 @@ def has_target(target: str, platform: str = "CUDA") -> bool:
 
 
 def require(target: str, platform: str = "CUDA") -> str:
-  """``target`` after registering the test extension's FFI handlers with jax (once)."""
+  """``target`` after registering the test extension's FFI handlers with jax (once);
+  ExtensionUnavailableError naming what the extension has and the platforms jax has otherwise."""
   if (target, platform) not in _register():
     built = sorted((t, p) for t, p, _ in module().registrations())
-    raise AssertionError(f"{target!r} for {platform} is not registered: the test extension "
-                         f"has {built} and jax has the platforms {sorted(_platforms())}")
+    raise errors.ExtensionUnavailableError(
+        f"{target!r} for {platform} is not registered: the test extension {MODULE} has {built} "
+        f"and jax has the platforms {sorted(_platforms())} (CUDA targets are built where nvcc "
+        "is found and run where jax sees a GPU)")
   return target
 
 
@@ -57,3 +73,40 @@ def _register() -> set[tuple[str, str]]:
         jax.ffi.register_ffi_target(target, fn, platform=platform)
         _registered.add((target, platform))
   return _registered
+
+
+# --- the p2p kernels with simulated ranks on one GPU (custom_calls/testing/p2p_selftest_cuda.cc)
+
+P2P_SELFTEST = "dtenjax_p2p_selftest"
+P2P_SELFTEST_GRAPH = "dtenjax_p2p_selftest_graph"
+
+
+def p2p_selftest(x, *, algorithm: str = "one_shot", op: str = "sum",
+                 reproducible: bool | str = False, count: int | None = None, iters: int = 3,
+                 mode: int = 0, graph: bool = False, capacity: int | None = None):
+  """Runs the shipped p2p kernels with ``x.shape[0]`` simulated ranks on one GPU; returns [W, n].
+
+  ``x`` is [W, n] with n * itemsize a multiple of 16 (each rank's row 16-byte aligned); the
+  kernels reduce the first ``count`` (default n) elements of every row, the rest of the output
+  is unspecified. mode 0 chains ``iters`` calls so that a stale buffer or flag changes the final
+  bits; mode 1 repeats the same call ``iters`` times (timing); mode 2 times a device-to-device
+  copy of ``x`` instead; mode 3 launches rank 0 alone, so its barrier times out and the kernel
+  traps (run it in a process of its own). ``graph`` uses the command-buffer-compatible target,
+  which needs an earlier non-graph call with the same W to have allocated the arena
+  (``capacity`` bytes per rank, default the registered-buffer size). The attributes are those
+  ``dtenjax_p2p_all_reduce`` gets (algorithm, op, reproducible contract, DTENJAX_P2P_MAX_BLOCKS,
+  DTENJAX_COLLECTIVE_TIMEOUT).
+  """
+  p2p._check(x, algorithm, op, reproducible)  # pylint: disable=protected-access
+  contract = p2p._contract(reproducible)  # pylint: disable=protected-access
+  if x.ndim != 2 or not 2 <= x.shape[0] <= p2p.MAX_WORLD:
+    raise errors.CollectiveError(
+        f"p2p_selftest input must be [2 <= ranks <= {p2p.MAX_WORLD}, n], got {x.shape}")
+  count = x.shape[1] if count is None else count
+  target = require(P2P_SELFTEST_GRAPH if graph else P2P_SELFTEST, "CUDA")
+  attributes = p2p._attributes(algorithm, op, contract)  # pylint: disable=protected-access
+  return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(
+      x, count=np.int64(count), **attributes, iters=np.int64(iters), mode=np.int64(mode),
+      capacity=np.int64(capacity if capacity is not None else p2p.capacity_bytes()),
+      max_blocks=np.int64(p2p.max_blocks()),
+      timeout_ms=np.int64(p2p._timeout_ms()))  # pylint: disable=protected-access

@@ -1,8 +1,9 @@
 """Tests of the NVLink p2p all-reduce (dtenjax/_src/gpu/p2p.py, csrc/p2p/).
 
-CPU: gating, error messages, rank order of mesh groups, the lowering-time fallback, and that a CUDA
-build contains the targets. GPU (marked `gpu`): the kernels with N simulated ranks on one GPU
-against independent numpy references, bit for bit, inside and outside CUDA graphs; the PUBLIC
+CPU: gating, error messages, rank order of mesh groups, the lowering-time fallback, that a CUDA
+build contains the targets, and the argument checks of the simulated-rank harness (the test
+extension's, tests/native_testing.py). GPU (marked `gpu`): the kernels with N simulated ranks
+on one GPU against independent numpy references, bit for bit, inside and outside CUDA graphs; the PUBLIC
 dtenjax.all_reduce on every GPU of the machine in one process (plain jax.shard_map, jax.set_mesh,
 dtenjax.mesh_map, 2-D meshes, messages larger than the registered buffer); one process per GPU
 (jax.distributed on 127.0.0.1, CUDA IPC); and a peer that never arrives (the step must fail).
@@ -26,6 +27,8 @@ from dtenjax._src import errors
 from dtenjax._src import ffi
 from dtenjax._src.gpu import p2p
 from tests import fixed_point_ref as fpref
+from tests import native_testing
+from tests.native_testing import p2p_selftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,8 +100,7 @@ def test_cuda_build_contains_targets_and_bindings():
   info = ffi.build_info()
   if not info["built"] or not info["cuda"]:
     pytest.skip(f"extension built without CUDA: {info}")
-  for t in (p2p.TARGET,) + p2p.SELFTEST_TARGETS:
-    assert (t, "CUDA") in info["targets"], t
+  assert (p2p.TARGET, "CUDA") in info["targets"]
   assert "p2p" in info["bindings"]
   for name in ("p2p_register", "p2p_connect", "p2p_kernel_timeouts"):
     assert hasattr(ffi.module(), name), name
@@ -286,7 +288,7 @@ def _assert_bits(got, want, what):
 def test_selftest_bitwise_sum(world, dtype, algorithm):
   for i, count in enumerate(SIZES):
     x = _stacked(world, count, dtype, seed=1000 * world + i)
-    out = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, count=count, iters=3))(x)
+    out = jax.jit(lambda v: p2p_selftest(v, algorithm=algorithm, count=count, iters=3))(x)
     want = fold_reference(x[:, :count])
     for r in range(world):
       _assert_bits(np.asarray(out)[r, :count], want, f"rank {r}, count {count}")
@@ -300,7 +302,7 @@ def test_selftest_bitwise_other_ops(op, algorithm):
     count = 70001
     x = _stacked(world, count, dtype, seed=world)
     x[world - 1, 5] = np.nan
-    out = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, op=op, count=count))(x)
+    out = jax.jit(lambda v: p2p_selftest(v, algorithm=algorithm, op=op, count=count))(x)
     want = fold_reference(x[:, :count], op)
     for r in range(world):
       _assert_bits(np.asarray(out)[r, :count], want, f"{op} world {world} rank {r}")
@@ -315,7 +317,7 @@ def test_selftest_bitwise_other_ops(op, algorithm):
 def test_selftest_reproducible_bitwise(world, dtype, algorithm, op, contract):
   for i, count in enumerate((1, 9, 4097, 100003)):
     x = _stacked(world, count, dtype, seed=77 * world + i, special=True)
-    out = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, op=op, reproducible=contract,
+    out = jax.jit(lambda v: p2p_selftest(v, algorithm=algorithm, op=op, reproducible=contract,
                                          count=count))(x)
     want = reproducible_reference(x[:, :count], mean=op == "mean", contract=contract)
     for r in range(world):
@@ -346,7 +348,7 @@ def test_reproducible_kernel_matches_stored_cpu_bits():
   algorithms (contract v3) and with 8 (the exact contract)."""
   for name, x, op, contract, want in _stored_reference():
     for algorithm in ("one_shot", "two_shot"):
-      out = jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, op=op,
+      out = jax.jit(lambda v: p2p_selftest(v, algorithm=algorithm, op=op,
                                            reproducible=contract))(x)
       for r in range(x.shape[0]):
         _assert_bits(np.asarray(out)[r], want, f"{name} {algorithm} rank {r}")
@@ -396,15 +398,15 @@ def test_kernel_arithmetic_of_contract_v3_built_for_the_host(tmp_path):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_two_shot_bits_equal_one_shot(dtype):
   x = _stacked(8, 100003, dtype, seed=7)
-  a = np.asarray(jax.jit(lambda v: p2p.selftest(v, algorithm="one_shot", count=100003))(x))
-  b = np.asarray(jax.jit(lambda v: p2p.selftest(v, algorithm="two_shot", count=100003))(x))
+  a = np.asarray(jax.jit(lambda v: p2p_selftest(v, algorithm="one_shot", count=100003))(x))
+  b = np.asarray(jax.jit(lambda v: p2p_selftest(v, algorithm="two_shot", count=100003))(x))
   np.testing.assert_array_equal(_bits(a[:, :100003]), _bits(b[:, :100003]))
 
 
 def _graph_step(algorithm, count, compiler_options=None):
   def step(v):
     # Several small ops around the custom call so that XLA forms a command buffer (min size 5).
-    y = p2p.selftest(v * 1.0, algorithm=algorithm, count=count, iters=2, graph=True)
+    y = p2p_selftest(v * 1.0, algorithm=algorithm, count=count, iters=2, graph=True)
     return (y + 0.0) * 1.0
   return jax.jit(step, compiler_options=compiler_options or {})
 
@@ -415,7 +417,7 @@ def _graph_step(algorithm, count, compiler_options=None):
 def test_selftest_inside_and_outside_cuda_graphs(graphs, algorithm):
   world, count = 4, 50001
   x = _stacked(world, count, jnp.float32, seed=3)
-  jax.jit(lambda v: p2p.selftest(v, algorithm=algorithm, count=count))(x).block_until_ready()
+  jax.jit(lambda v: p2p_selftest(v, algorithm=algorithm, count=count))(x).block_until_ready()
   opts = {"xla_gpu_enable_command_buffer": ""} if graphs == "off" else None
   step = _graph_step(algorithm, count, opts)
   want = fold_reference(x[:, :count])
@@ -441,9 +443,10 @@ def test_peer_that_never_arrives_fails_the_step():
   code = """
 import numpy as np, jax
 from dtenjax._src.gpu import p2p
+from tests.native_testing import p2p_selftest
 x = np.ones((2, 1024), np.float32)
 try:
-  y = jax.jit(lambda v: p2p.selftest(v, mode=3, iters=1))(x)
+  y = jax.jit(lambda v: p2p_selftest(v, mode=3, iters=1))(x)
   np.asarray(y)
   print("RESULT-RETURNED", float(np.asarray(y)[0, 0]))
 except Exception as e:

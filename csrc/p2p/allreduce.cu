@@ -66,18 +66,6 @@ Status Validate(const LaunchArgs& a) {
 
 }  // namespace
 
-int BlocksFor(size_t bytes, int max_blocks) {
-  // Enough blocks to keep many 16-byte loads in flight over NVLink for large messages, few for
-  // small ones (each block pays a barrier). A function of the size and the cap only, so every
-  // rank of a call computes the same value.
-  const size_t per_block = 32u << 10;
-  const size_t cap = static_cast<size_t>(max_blocks < 1 ? 1 : max_blocks > kMaxBlocks ? kMaxBlocks
-                                                                                       : max_blocks);
-  size_t b = (bytes + per_block - 1) / per_block;
-  b = b < 4 ? 4 : b;
-  return static_cast<int>(b > cap ? cap : b);
-}
-
 Status LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream) {
   DTENJAX_RETURN_IF_ERROR(Validate(args));
   KernelFn fn = PickKernel(args, Effective(args));
@@ -89,17 +77,26 @@ Status LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream) {
 }
 
 Status MaxResidentBlocks(const LaunchArgs& args, int device, int* blocks) {
-  int per_sm = 1 << 30, sms = 0;
-  for (Algorithm alg : {args.algorithm, Algorithm::kOneShotLL}) {
-    KernelFn fn = PickKernel(args, alg);
-    if (fn == nullptr) return DTENJAX_ERROR(Code::kInvalidArgument, "p2p all-reduce: no kernel");
-    int n = 0;
-    DTENJAX_CUDA_CHECK_AS(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, 0),
+  int prev = 0, per_sm = 1 << 30, sms = 0;
+  DTENJAX_CUDA_CHECK(cudaGetDevice(&prev));
+  DTENJAX_CUDA_CHECK(cudaSetDevice(device));   // the occupancy query is the current device's
+  const Status s = [&]() -> Status {
+    for (Algorithm alg : {args.algorithm, Algorithm::kOneShotLL}) {
+      KernelFn fn = PickKernel(args, alg);
+      if (fn == nullptr) return DTENJAX_ERROR(Code::kInvalidArgument, "p2p all-reduce: no kernel");
+      int n = 0;
+      DTENJAX_CUDA_CHECK_AS(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, 0),
+                            Code::kInternal, "p2p occupancy query failed");
+      per_sm = n < per_sm ? n : per_sm;
+    }
+    DTENJAX_CUDA_CHECK_AS(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
                           Code::kInternal, "p2p occupancy query failed");
-    per_sm = n < per_sm ? n : per_sm;
-  }
-  DTENJAX_CUDA_CHECK_AS(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-                        Code::kInternal, "p2p occupancy query failed");
+    return Status::Ok();
+  }();
+  const cudaError_t restored = cudaSetDevice(prev);
+  DTENJAX_RETURN_IF_ERROR(s);
+  DTENJAX_CUDA_CHECK_AS(restored, Code::kInternal,
+                        "cudaSetDevice (restoring the caller's device) failed");
   *blocks = per_sm * sms;
   return Status::Ok();
 }

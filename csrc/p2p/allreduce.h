@@ -78,11 +78,23 @@ struct LaunchArgs {
 // Validates args and launches the kernel on stream (no allocation, no stream query, no sync).
 Status LaunchAllReduce(const LaunchArgs& args, cudaStream_t stream);
 
-// Most blocks of the kernel for args' dtype/algorithm/world/reproducible that can be resident on `device`
-// at once (simulated launches need every rank's blocks resident together).
+// Most blocks of the kernel for args' dtype/algorithm/world/reproducible that can be resident on
+// `device` at once (simulated launches need every rank's blocks resident together). It queries
+// `device` whatever the caller's current device is, and leaves that unchanged.
 Status MaxResidentBlocks(const LaunchArgs& args, int device, int* blocks);
 
 // Blocks per rank for a message of `bytes`, at most `max_blocks` (DTENJAX_P2P_MAX_BLOCKS).
-int BlocksFor(size_t bytes, int max_blocks);
+inline int BlocksFor(size_t bytes, int max_blocks) {
+  // Enough blocks to keep many 16-byte loads in flight over NVLink for large messages, few for
+  // small ones (each block pays a barrier). A function of the size and the cap only, so every
+  // rank of a call computes the same value.
+  const size_t per_block = 32u << 10;
+  const size_t cap = static_cast<size_t>(max_blocks < 1            ? 1
+                                         : max_blocks > kMaxBlocks ? kMaxBlocks
+                                                                   : max_blocks);
+  size_t b = (bytes + per_block - 1) / per_block;
+  b = b < 4 ? 4 : b;
+  return static_cast<int>(b > cap ? cap : b);
+}
 
 }  // namespace dtenjax::p2p

@@ -31,7 +31,7 @@ struct Registry {
   std::map<int, Region> regions;                                 // by ordinal
   std::map<std::pair<int, uint64_t>, Comm> comms;                 // by (ordinal, key)
   std::map<std::pair<int, uint64_t>, std::string> comm_sig;       // descriptors connected
-  std::map<std::pair<int, int>, SimArena> arenas;                 // by (ordinal, world)
+  std::vector<std::pair<int, const uint32_t*>> watched;            // error words, by ordinal
   std::map<uint64_t, void*> ipc_opened;                           // by region base in peer, per pid
   std::map<const uint32_t*, int> reported;                         // timeouts already logged
 };
@@ -67,30 +67,38 @@ void FreeRegion(char* base, uint32_t* err_host) {
   cudaGetLastError();  // clean-up on an error path: the first error is the one reported
 }
 
-// Allocates a zeroed region and its host-mapped error words; frees both on any failure.
-Status AllocRegion(size_t capacity, char** base, uint32_t** err_host, uint32_t** err_dev) {
+// Allocates a zeroed region on the current device.
+Status AllocRegionHere(size_t capacity, char** base) {
   const size_t bytes = RegionBytes(capacity);
   void* p = nullptr;
   DTENJAX_CUDA_CHECK_AS(cudaMalloc(&p, bytes), Code::kResourceExhausted,
                         "p2p: cannot allocate the " + std::to_string(bytes) +
                             "-byte symmetric region (lower DTENJAX_P2P_BUFFER_BYTES)");
-  void* h = nullptr;
   Status s = [&]() -> Status {
-    DTENJAX_CUDA_CHECK(cudaMemset(p, 0, bytes));  // zero flags and counters once; never reset afterwards
-    DTENJAX_CUDA_CHECK(cudaHostAlloc(&h, kErrorWords * sizeof(uint32_t), cudaHostAllocMapped));
-    std::memset(h, 0, kErrorWords * sizeof(uint32_t));
-    void* d = nullptr;
-    DTENJAX_CUDA_CHECK(cudaHostGetDevicePointer(&d, h, 0));
+    // Zero flags and counters once; they are never reset afterwards.
+    DTENJAX_CUDA_CHECK(cudaMemset(p, 0, bytes));
     DTENJAX_CUDA_CHECK(cudaDeviceSynchronize());
-    *err_dev = static_cast<uint32_t*>(d);
     return Status::Ok();
   }();
   if (!s.ok()) {
-    FreeRegion(static_cast<char*>(p), static_cast<uint32_t*>(h));
+    FreeRegion(static_cast<char*>(p), nullptr);
     return s;
   }
   *base = static_cast<char*>(p);
+  return Status::Ok();
+}
+
+// Allocates zeroed host-mapped error words for kernels on the current device.
+Status AllocErrorWordsHere(uint32_t** err_host, uint32_t** err_dev) {
+  void* h = nullptr;
+  DTENJAX_CUDA_CHECK(cudaHostAlloc(&h, kErrorWords * sizeof(uint32_t), cudaHostAllocMapped));
+  std::memset(h, 0, kErrorWords * sizeof(uint32_t));
+  void* d = nullptr;
+  const cudaError_t e = cudaHostGetDevicePointer(&d, h, 0);
+  if (e != cudaSuccess) FreeRegion(nullptr, static_cast<uint32_t*>(h));
+  DTENJAX_CUDA_CHECK(e);
   *err_host = static_cast<uint32_t*>(h);
+  *err_dev = static_cast<uint32_t*>(d);
   return Status::Ok();
 }
 
@@ -141,7 +149,10 @@ Status RegisterRegion(int ordinal, size_t capacity, Descriptor* out) {
   Region r;
   r.capacity = capacity;
   DTENJAX_RETURN_IF_ERROR(OnDevice(ordinal, [&]() -> Status {
-    DTENJAX_RETURN_IF_ERROR(AllocRegion(capacity, &r.base, &r.error_host, &r.error_dev));
+    DTENJAX_RETURN_IF_ERROR(AllocRegionHere(capacity, &r.base));
+    const Status words = AllocErrorWordsHere(&r.error_host, &r.error_dev);
+    if (!words.ok()) FreeRegion(r.base, nullptr);
+    DTENJAX_RETURN_IF_ERROR(words);
     std::memset(&r.desc, 0, sizeof(r.desc));
     r.desc.magic = kDescriptorMagic;
     r.desc.pid = static_cast<int64_t>(getpid());
@@ -154,6 +165,7 @@ Status RegisterRegion(int ordinal, size_t capacity, Descriptor* out) {
     return Status::Ok();
   }));
   reg.regions[ordinal] = r;
+  reg.watched.emplace_back(ordinal, r.error_host);
   *out = r.desc;
   StartWatchdog();
   return Status::Ok();
@@ -281,13 +293,9 @@ std::vector<std::string> KernelTimeouts() {
   Registry& reg = Reg();
   std::lock_guard<std::mutex> lock(reg.mu);
   std::vector<std::string> out;
-  for (const auto& [ordinal, region] : reg.regions) {
-    const volatile uint32_t* e = region.error_host;
-    if (e != nullptr && e[0] != 0) out.push_back(TimeoutMessage(ordinal, e));
-  }
-  for (const auto& [id, arena] : reg.arenas) {
-    const volatile uint32_t* e = arena.error_host;
-    if (e != nullptr && e[0] != 0) out.push_back(TimeoutMessage(id.first, e));
+  for (const auto& [ordinal, words] : reg.watched) {
+    const volatile uint32_t* e = words;
+    if (e[0] != 0) out.push_back(TimeoutMessage(ordinal, e));
   }
   return out;
 }
@@ -306,8 +314,7 @@ void WatchTimeouts() {
           fresh.emplace_back(ordinal, words);
         }
       };
-      for (const auto& [ordinal, region] : reg.regions) scan(ordinal, region.error_host);
-      for (const auto& [id, arena] : reg.arenas) scan(id.first, arena.error_host);
+      for (const auto& [ordinal, words] : reg.watched) scan(ordinal, words);
     }
     for (const auto& [ordinal, words] : fresh) {
       std::fprintf(stderr, "dtenjax: %s\n", TimeoutMessage(ordinal, words).c_str());
@@ -317,69 +324,21 @@ void WatchTimeouts() {
 }
 }  // namespace
 
-Status GetSimArena(int ordinal, int world, size_t capacity, bool create, SimArena* out) {
-  DTENJAX_CHECK_ARG(world >= 2 && world <= kMaxRanks,
-                    "p2p harness: simulated ranks " + std::to_string(world) +
-                        " is outside [2, 8]");
-  Registry& reg = Reg();
-  std::lock_guard<std::mutex> lock(reg.mu);
-  const auto id = std::make_pair(ordinal, world);
-  auto it = reg.arenas.find(id);
-  if (it != reg.arenas.end()) {
-    *out = it->second;
-    return Status::Ok();
-  }
-  if (!create) {
-    return DTENJAX_ERROR(Code::kUnavailable,
-                         "p2p harness: no arena for " + std::to_string(world) +
-                             " simulated ranks on device " + std::to_string(ordinal) +
-                             "; run the non-graph selftest once first (it allocates)");
-  }
+Status AllocRegionOn(int ordinal, size_t capacity, char** base) {
   DTENJAX_CHECK_ARG(capacity > 0 && capacity % 16 == 0,
-                    "p2p harness: capacity must be a positive multiple of 16");
-  SimArena a;
-  a.world = world;
-  a.capacity = capacity;
-  DTENJAX_RETURN_IF_ERROR(OnDevice(ordinal, [&]() -> Status {
-    for (int r = 0; r < world; ++r) {
-      uint32_t *eh = nullptr, *ed = nullptr;
-      DTENJAX_RETURN_IF_ERROR(AllocRegion(capacity, &a.peers.region[r], &eh, &ed));
-      if (r == 0) {
-        a.error_host = eh;
-        a.error_dev = ed;
-      } else {
-        DTENJAX_CUDA_CHECK(cudaFreeHost(eh));
-      }
-    }
-    // Every rank's blocks must be resident together or the barriers could never complete.
-    int resident = 1 << 30;
-    for (Algorithm alg : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
-      for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
-        for (Reproducible rep : {Reproducible::kNone, Reproducible::kV3, Reproducible::kExact}) {
-          if (rep != Reproducible::kNone && !ReproducibleDType(dt)) continue;  // no such kernels
-          LaunchArgs la;
-          la.world = world;
-          la.algorithm = alg;
-          la.dtype = dt;
-          la.reproducible = rep;
-          int b = 0;
-          DTENJAX_RETURN_IF_ERROR(MaxResidentBlocks(la, ordinal, &b));
-          resident = b < resident ? b : resident;
-        }
-      }
-    }
-    a.blocks = resident / world;
-    if (a.blocks > kMaxBlocks) a.blocks = kMaxBlocks;
-    if (a.blocks < 1) {
-      return DTENJAX_ERROR(Code::kUnavailable,
-                           "p2p harness: " + std::to_string(world) +
-                               " simulated ranks cannot all be resident on device " +
-                               std::to_string(ordinal));
-    }
-    return Status::Ok();
-  }));
-  reg.arenas[id] = a;
-  *out = a;
+                    "p2p: region capacity " + std::to_string(capacity) +
+                        " must be a positive multiple of 16");
+  return OnDevice(ordinal, [&]() -> Status { return AllocRegionHere(capacity, base); });
+}
+
+Status AllocErrorWords(int ordinal, uint32_t** host, uint32_t** dev) {
+  DTENJAX_RETURN_IF_ERROR(
+      OnDevice(ordinal, [&]() -> Status { return AllocErrorWordsHere(host, dev); }));
+  Registry& reg = Reg();
+  {
+    std::lock_guard<std::mutex> lock(reg.mu);
+    reg.watched.emplace_back(ordinal, *host);
+  }
   StartWatchdog();
   return Status::Ok();
 }

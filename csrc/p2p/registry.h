@@ -1,7 +1,9 @@
 // Process-wide registry of the peer-to-peer all-reduce's symmetric buffers: one region per device,
 // allocated once and never per call; communicators that map every rank's region into this process
 // (cudaDeviceEnablePeerAccess for devices of this process, CUDA IPC handles for other processes);
-// and arenas of N simulated ranks on one device for the single-GPU harness.
+// and the kernels' host-mapped error words, all watched for timeouts. AllocRegionOn and
+// AllocErrorWords are what a caller that lays out ranks of its own uses (the test extension's
+// simulated-rank harness, through custom_calls/p2p/seams.h).
 #pragma once
 
 #include <cstdint>
@@ -58,19 +60,13 @@ Status CheckKernelError(int ordinal, const uint32_t* error_host, const char* wha
 // unusable afterwards); a watchdog thread also prints each one to stderr as it happens.
 std::vector<std::string> KernelTimeouts();
 
-// N simulated ranks on one device (the harness): N regions, one error block, a block count per
-// rank such that all N ranks' blocks are resident at once.
-struct SimArena {
-  int world = 0;
-  int blocks = 0;
-  size_t capacity = 0;
-  Peers peers{};
-  uint32_t* error_host = nullptr;
-  uint32_t* error_dev = nullptr;
-};
+// A zeroed region of RegionBytes(capacity) bytes on device `ordinal` for a caller that keeps it
+// for the life of the process (RegisterRegion's regions are allocated this way too).
+Status AllocRegionOn(int ordinal, size_t capacity, char** base);
 
-// Returns the arena of (ordinal, world); creates it with `capacity` when `create` (never inside
-// a CUDA graph: that is why the graph-compatible harness target passes create=false).
-Status GetSimArena(int ordinal, int world, size_t capacity, bool create, SimArena* out);
+// Host-mapped error words (kErrorWords) for kernels on device `ordinal`, never freed: a timeout a
+// kernel records in them is printed by the watchdog, listed by KernelTimeouts and reported by
+// CheckKernelError, as for a registered region.
+Status AllocErrorWords(int ordinal, uint32_t** host, uint32_t** dev);
 
 }  // namespace dtenjax::p2p

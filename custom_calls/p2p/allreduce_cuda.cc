@@ -4,17 +4,16 @@
 //   p2p_register(ordinal, capacity) -> bytes[128]       this device's region descriptor
 //   p2p_connect(ordinal, key, rank, world, descriptors)  maps every rank's region
 //   p2p_kernel_timeouts() -> [str]                       regions whose kernel timed out
+//   _p2p_seams                                           a capsule of the seams the test
+//                                                        extension's harness uses (seams.h)
 //
-// FFI handlers:
+// FFI handler:
 //   dtenjax_p2p_all_reduce(x; key, algorithm, op, reproducible, mean, max_blocks, timeout_ms)
 //       -> like x; the attributes' integers are those of csrc/p2p/vocabulary.h
 //       command-buffer compatible: it only looks the communicator up and launches, one launch per
 //       chunk of at most the registered buffer.
-//   dtenjax_p2p_selftest(x[N, n]; count, algorithm, op, reproducible, mean, iters, mode, capacity,
-//       max_blocks, timeout_ms)
-//       N simulated ranks on one GPU running the same kernels (allocates its arena once; not
-//       command-buffer compatible). dtenjax_p2p_selftest_graph: the same, command-buffer
-//       compatible, needs the arena made by an earlier dtenjax_p2p_selftest call.
+// The harness of N simulated ranks on one GPU is test-only code: dtenjax._ffi_testing
+// (custom_calls/testing/p2p_selftest_cuda.cc).
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -26,6 +25,8 @@
 #include "csrc/p2p/allreduce.h"
 #include "csrc/p2p/registry.h"
 #include "custom_calls/p2p/attributes.h"
+#include "custom_calls/p2p/launch.h"
+#include "custom_calls/p2p/seams.h"
 #include "custom_calls/python.h"
 #include "custom_calls/registry.h"
 #include "xla/ffi/api/ffi.h"
@@ -36,16 +37,7 @@ namespace p2p = dtenjax::p2p;
 
 namespace {
 
-using p2p::attributes::TimeoutNs;
 using p2p::attributes::ToKernel;
-
-// A device-to-device copy on XLA's stream (a reduction over one rank is a copy).
-dtenjax::Status Copy(void* dst, const void* src, size_t bytes, cudaStream_t stream,
-                     const char* what) {
-  DTENJAX_CUDA_CHECK_AS(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream),
-                        dtenjax::Code::kInternal, std::string(what) + ": copy failed");
-  return dtenjax::Status::Ok();
-}
 
 // --- all-reduce --------------------------------------------------------------------------------
 //
@@ -74,21 +66,11 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
   if (n == 0) return ffi::Error::Success();  // the same on every rank: no launch anywhere
   if (comm.world == 1) {  // one rank: the sum is the input (mean divides by 1; max/min are x)
     if (in == res) return ffi::Error::Success();
-    return dtenjax::ffi::ToFfiError(Copy(res, in, n * item, stream, kWhat));
+    return dtenjax::ffi::ToFfiError(p2p::CopyOnStream(res, in, n * item, stream, kWhat));
   }
-  p2p::LaunchArgs a;
-  a.peers = comm.peers;
-  a.world = comm.world;
-  a.rank0 = comm.rank;
-  a.local_ranks = 1;
-  a.capacity = comm.capacity;
-  a.dtype = kernel.dtype;
-  a.algorithm = kernel.algorithm;
-  a.op = kernel.op;
-  a.reproducible = kernel.reproducible;
-  a.mean = mean != 0;
-  a.timeout_ns = TimeoutNs(timeout_ms);
-  a.error = comm.error_dev;
+  p2p::LaunchArgs a = p2p::KernelLaunch(kernel, mean, timeout_ms, comm.peers, comm.world,
+                                        comm.capacity, comm.error_dev);
+  a.rank0 = comm.rank;   // one rank per device: this one
   // Chunks of whole 16-byte vectors that fit the registered buffer; every rank cuts the same way.
   const int64_t chunk = static_cast<int64_t>(comm.capacity / 16 * 16 / item);
   for (int64_t off = 0; off < n; off += chunk) {
@@ -100,98 +82,6 @@ ffi::Error AllReduceExecute(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer
     if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
   }
   return ffi::Error::Success();
-}
-
-// --- the simulated-rank harness ----------------------------------------------------------------
-
-ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                    ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm, int64_t op,
-                    int64_t reproducible, int64_t mean, int64_t iters, int64_t mode,
-                    int64_t capacity, int64_t max_blocks, int64_t timeout_ms) {
-  constexpr const char* kWhat = "dtenjax_p2p_selftest";
-  auto decoded = ToKernel(x.element_type(), algorithm, op, reproducible, kWhat);
-  if (decoded.has_error()) return decoded.error();
-  const p2p::attributes::Kernel kernel = decoded.value();
-  const auto dims = x.dimensions();
-  if (dims.size() != 2 || out->element_type() != x.element_type() ||
-      out->element_count() != x.element_count()) {
-    return ffi::Error::InvalidArgument(
-        "dtenjax_p2p_selftest: input must be [ranks, n] and the output the same");
-  }
-  if (iters < 1 || mode < 0 || mode > 3 || count < 0 || count > dims[1]) {
-    return ffi::Error::InvalidArgument(
-        "dtenjax_p2p_selftest: iters must be >= 1, mode 0..3 and 0 <= count <= n");
-  }
-  const int world = static_cast<int>(dims[0]);
-  const int64_t n = dims[1];
-  const size_t row = static_cast<size_t>(n) * p2p::DTypeBytes(kernel.dtype);
-  char* xin = static_cast<char*>(x.untyped_data());
-  char* xout = static_cast<char*>(out->untyped_data());
-  if (mode == 2) {  // reference: device-to-device copy of the whole stacked buffer, iters times
-    for (int64_t it = 0; it < iters; ++it) {
-      const dtenjax::Status c = Copy(xout, xin, row * world, stream, kWhat);
-      if (!c.ok()) return dtenjax::ffi::ToFfiError(c);
-    }
-    return ffi::Error::Success();
-  }
-  p2p::SimArena arena;
-  dtenjax::Status s =
-      p2p::GetSimArena(ordinal, world, static_cast<size_t>(capacity), create, &arena);
-  if (s.ok()) s = p2p::CheckKernelError(ordinal, arena.error_host, kWhat);
-  if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
-  if (row % 16 != 0) {
-    // Each simulated rank's row must start 16-byte aligned: the row stride n is padded, and
-    // `count` (any value <= n) is what the kernels reduce, so odd sizes are still exercised.
-    return ffi::Error::InvalidArgument(
-        "dtenjax_p2p_selftest: n * itemsize must be a multiple of 16 (pad the rows; reduce "
-        "fewer elements with `count`)");
-  }
-  p2p::LaunchArgs a;
-  a.peers = arena.peers;
-  a.world = world;
-  a.rank0 = 0;
-  // mode 3: only rank 0 enters (a peer that never arrives): the kernel must time out and trap.
-  a.local_ranks = mode == 3 ? 1 : world;
-  const int want = p2p::BlocksFor(static_cast<size_t>(count) * p2p::DTypeBytes(kernel.dtype),
-                                  static_cast<int>(max_blocks));
-  a.blocks = want < arena.blocks ? want : arena.blocks;
-  a.count = count;
-  a.capacity = arena.capacity;
-  a.dtype = kernel.dtype;
-  a.algorithm = kernel.algorithm;
-  a.op = kernel.op;
-  a.reproducible = kernel.reproducible;
-  a.mean = mean != 0;
-  a.timeout_ns = TimeoutNs(timeout_ms);
-  a.error = arena.error_dev;
-  // mode 0 (validation): iteration 0 reduces x, the middle ones reduce their own previous output
-  // (different data in both parity buffers), the last reduces x again: a stale read of an
-  // earlier call's buffer or flags changes the final bits. mode 1 (timing): x every iteration.
-  for (int64_t it = 0; it < iters; ++it) {
-    const bool from_x = mode != 0 || it == 0 || it == iters - 1;
-    for (int r = 0; r < world; ++r) {
-      a.io[r] = {(from_x ? xin : xout) + r * row, xout + r * row};
-    }
-    s = p2p::LaunchAllReduce(a, stream);
-    if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error SelftestAlloc(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm,
-                         int64_t op, int64_t reproducible, int64_t mean, int64_t iters,
-                         int64_t mode, int64_t capacity, int64_t max_blocks, int64_t timeout_ms) {
-  return Selftest(true, stream, ordinal, x, out, count, algorithm, op, reproducible, mean,
-                  iters, mode, capacity, max_blocks, timeout_ms);
-}
-
-ffi::Error SelftestGraph(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t algorithm,
-                         int64_t op, int64_t reproducible, int64_t mean, int64_t iters,
-                         int64_t mode, int64_t capacity, int64_t max_blocks, int64_t timeout_ms) {
-  return Selftest(false, stream, ordinal, x, out, count, algorithm, op, reproducible, mean,
-                  iters, mode, capacity, max_blocks, timeout_ms);
 }
 
 }  // namespace
@@ -211,30 +101,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PAllReduceExecute, AllReduceExecute,
                                   .Attr<int64_t>("timeout_ms"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-#define DTENJAX_P2P_SELFTEST_BINDING                  \
-  ffi::Ffi::Bind()                                    \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()       \
-      .Ctx<ffi::DeviceOrdinal>()                      \
-      .Arg<ffi::AnyBuffer>()                          \
-      .Ret<ffi::AnyBuffer>()                          \
-      .Attr<int64_t>("count")                         \
-      .Attr<int64_t>("algorithm")                     \
-      .Attr<int64_t>("op")                            \
-      .Attr<int64_t>("reproducible")                  \
-      .Attr<int64_t>("mean")                          \
-      .Attr<int64_t>("iters")                         \
-      .Attr<int64_t>("mode")                          \
-      .Attr<int64_t>("capacity")                      \
-      .Attr<int64_t>("max_blocks")                    \
-      .Attr<int64_t>("timeout_ms")
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PSelftest, SelftestAlloc, DTENJAX_P2P_SELFTEST_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(P2PSelftestGraph, SelftestGraph, DTENJAX_P2P_SELFTEST_BINDING,
-                              {ffi::Traits::kCmdBufferCompatible});
-
 DTENJAX_REGISTER_FFI("dtenjax_p2p_all_reduce", "CUDA", P2PAllReduceExecute);
-DTENJAX_REGISTER_FFI("dtenjax_p2p_selftest", "CUDA", P2PSelftest);
-DTENJAX_REGISTER_FFI("dtenjax_p2p_selftest_graph", "CUDA", P2PSelftestGraph);
 
 // --- Python bindings: set-up runs eagerly, on the caller's thread, with the GIL released -------
 
@@ -271,4 +138,14 @@ DTENJAX_PYTHON_BINDINGS(p2p, [](nb::module_& m) {
       "Maps every rank's region for device `ordinal` (rank `rank`) under communicator `key`.");
   m.def("p2p_kernel_timeouts", &p2p::KernelTimeouts,
         "One message per device whose p2p kernel timed out (and trapped).");
+  static const p2p::Seams kSeams = {
+      p2p::kSeamsVersion,
+      static_cast<uint32_t>(sizeof(p2p::LaunchArgs)),
+      &p2p::LaunchAllReduce,
+      &p2p::MaxResidentBlocks,
+      &p2p::AllocRegionOn,
+      &p2p::AllocErrorWords,
+      &p2p::CheckKernelError,
+  };
+  m.attr("_p2p_seams") = nb::capsule(&kSeams, p2p::kSeamsCapsule);
 });

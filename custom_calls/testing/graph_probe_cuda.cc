@@ -20,13 +20,14 @@ namespace {
 
 ffi::Error ScaleAdd(cudaStream_t stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> y,
                     float scale, ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  const int64_t n = x.element_count();
+  const size_t n = x.element_count();
   if (y.element_count() != n || out->element_count() != n) {
     return ffi::Error::InvalidArgument(
         "dtenjax_graph_probe_scale_add: x, y and the output must have the same element count");
   }
-  return dtenjax::ffi::ToFfiError(dtenjax::cuda::LaunchScaleAdd(
-      x.typed_data(), y.typed_data(), scale, out->typed_data(), n, stream));
+  return dtenjax::ffi::ToFfiError(dtenjax::cuda::LaunchScaleAdd(x.typed_data(), y.typed_data(),
+                                                                scale, out->typed_data(),
+                                                                static_cast<int64_t>(n), stream));
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 // (registrations(), the same form as dtenjax._ffi's) with jax.
 //   transport.*                       fault injection into the host transport (transport.cc)
 //   dtenjax_graph_probe_scale_add     CUDA: a small command-buffer compatible kernel (CUDA builds)
+//   dtenjax_p2p_selftest[_graph]      CUDA: the p2p kernels with N simulated ranks on one GPU,
+//                                     through dtenjax._ffi's p2p seams (p2p_selftest_cuda.cc)
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -22,6 +24,9 @@ std::vector<Registration>& Registry() {
 }  // namespace dtenjax::ffi
 
 void BindTransportTesting(nb::module_& m);
+#ifdef DTENJAX_HAVE_CUDA
+void LoadP2PSeams();
+#endif
 
 NB_MODULE(_ffi_testing, m) {
   m.doc() = "dtenjax's test-only native code (never shipped)";
@@ -36,4 +41,7 @@ NB_MODULE(_ffi_testing, m) {
     return out;
   });
   BindTransportTesting(m);
+#ifdef DTENJAX_HAVE_CUDA
+  LoadP2PSeams();
+#endif
 }

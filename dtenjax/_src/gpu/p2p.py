@@ -64,7 +64,6 @@ from dtenjax._src import jaxapi
 MAX_WORLD = 8
 DESCRIPTOR_BYTES = 128
 TARGET = "dtenjax_p2p_all_reduce"
-SELFTEST_TARGETS = ("dtenjax_p2p_selftest", "dtenjax_p2p_selftest_graph")   # the harness only
 _KV_PREFIX = "dtenjax/p2p"
 
 # Python's op names beyond the kernels' own: mean is the sum with the attribute mean = 1.
@@ -415,34 +414,3 @@ def all_reduce(x, axis_name, *, algorithm: str = "one_shot", op: str = "sum",
     return fallback(x)
   return _p2p_p.bind(x, axes=axes, algorithm=algorithm, op=op, reproducible=reproducible,
                      fallback=fallback)
-
-
-# --- the simulated-rank harness (one GPU, N ranks) -------------------------------------------
-
-def selftest(x, *, algorithm: str = "one_shot", op: str = "sum", reproducible: bool | str = False,
-             count: int | None = None, iters: int = 3, mode: int = 0, graph: bool = False,
-             capacity: int | None = None):
-  """Runs the real kernels with ``x.shape[0]`` simulated ranks on one GPU; returns [W, n].
-
-  ``x`` is [W, n] with n * itemsize a multiple of 16 (each rank's row 16-byte aligned); the
-  kernels reduce the first ``count`` (default n) elements of every row, the rest of the output
-  is unspecified. mode 0 chains ``iters`` calls so that a stale buffer or flag changes the final
-  bits; mode 1 repeats the same call ``iters`` times (timing); mode 2 times a device-to-device
-  copy of ``x`` instead; mode 3 launches rank 0 alone, so its barrier times out and the kernel
-  traps (run it in a process of its own). ``graph`` uses the command-buffer-compatible target,
-  which needs an earlier non-graph call with the same W to have allocated the arena
-  (``capacity`` bytes per rank, default the registered-buffer size).
-  """
-  _check(x, algorithm, op, reproducible)
-  reproducible = _contract(reproducible)
-  if x.ndim != 2 or not 2 <= x.shape[0] <= MAX_WORLD:
-    raise errors.CollectiveError(f"selftest input must be [2 <= ranks <= 8, n], got {x.shape}")
-  n = x.shape[1]
-  count = n if count is None else count
-  target = ffi.require("dtenjax_p2p_selftest_graph" if graph else "dtenjax_p2p_selftest", "CUDA")
-  return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(
-      x, count=np.int64(count), **_attributes(algorithm, op, reproducible),
-      iters=np.int64(iters), mode=np.int64(mode),
-      capacity=np.int64(capacity if capacity is not None else capacity_bytes()),
-      max_blocks=np.int64(max_blocks()), timeout_ms=np.int64(_timeout_ms()))
-

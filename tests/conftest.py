@@ -37,8 +37,6 @@ HAS_GPU = _has_gpu()
 PROCS = pytest.mark.xdist_group("procs")
 
 
-# tryfirst: the marks are read when collection finishes (below)
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
   del config
   skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to jax here "

@@ -4,11 +4,7 @@ XLA_FLAGS must be set before JAX initialises its backends, so this runs at impor
 test session. On the GPU machine set DTENJAX_TEST_PLATFORM=gpu to keep the GPU as default backend.
 """
 
-import json
 import os
-import pathlib
-import shutil
-import tempfile
 
 if os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") == "cpu":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -37,6 +33,7 @@ HAS_GPU = _has_gpu()
 PROCS = pytest.mark.xdist_group("procs")
 
 
+@pytest.hookimpl(tryfirst=True)      # before pytest-xdist reads the groups (its hook tags node ids)
 def pytest_collection_modifyitems(config, items):
   del config
   skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to jax here "
@@ -51,68 +48,6 @@ def pytest_collection_modifyitems(config, items):
     # (tests/test_wheel.py) would leave the other worker idle at the end. Stable: otherwise as
     # collected.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
-# --- xdist groups, carried by us ------------------------------------------------------------
-# pytest-xdist's --dist loadgroup passes a test's group by appending "@group" to its node id, which
-# pytest 9.2 no longer lets a plugin change: the marks are silently ignored (pytest-xdist issue
-# 1386). So each worker writes {node id: group} to a file when it has collected, and the
-# controller schedules xdist's load-by-scope over those groups (tests/test_conftest.py checks it).
-
-def _groups_file(config) -> pathlib.Path | None:
-  workerinput = getattr(config, "workerinput", None)        # set in xdist workers only
-  return pathlib.Path(workerinput["dtenjax_groups"]) if workerinput else None
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):              # controller: once per worker, before it starts
-  if _GROUPS_DIR not in node.config.stash:
-    node.config.stash[_GROUPS_DIR] = tempfile.mkdtemp(prefix="dtenjax-xdist-")
-  d = node.config.stash[_GROUPS_DIR]
-  node.workerinput["dtenjax_groups"] = os.path.join(d, node.gateway.id + ".json")
-
-
-@pytest.hookimpl(tryfirst=True)      # before xdist's own hook sends the collection to the controller
-def pytest_collection_finish(session):
-  path = _groups_file(session.config)
-  if path is not None:
-    groups = {}
-    for item in session.items:
-      names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                      for m in item.iter_markers("xdist_group")})
-      if names:
-        groups[item.nodeid] = "_".join(names)
-    path.write_text(json.dumps(groups))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-  if config.getoption("dist") != "loadgroup":
-    return None
-  from xdist.scheduler import LoadScopeScheduling  # pylint: disable=g-import-not-at-top
-
-  class Groups(LoadScopeScheduling):
-    """Load by scope, a scope being a test's group (or the test itself)."""
-    _groups = None
-
-    def _split_scope(self, nodeid):
-      if self._groups is None:     # every worker has collected (and written) by the first call
-        d = config.stash[_GROUPS_DIR]
-        self._groups = {}
-        for name in sorted(os.listdir(d)):
-          self._groups.update(json.loads(pathlib.Path(d, name).read_text()))
-      return self._groups.get(nodeid, nodeid)
-
-  return Groups(config, log)
-
-
-def pytest_unconfigure(config):
-  d = config.stash.get(_GROUPS_DIR, None)
-  if d is not None:
-    shutil.rmtree(d, ignore_errors=True)
-
-
-_GROUPS_DIR = pytest.StashKey[str]()
 
 
 @pytest.fixture(scope="session")

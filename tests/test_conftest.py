@@ -1,5 +1,6 @@
 """tests/conftest.py's xdist groups, as scripts/test.sh runs the suite: tests of one group (marked
-``xdist_group``, or ``multiprocess``: they start several processes) run in one worker."""
+``xdist_group``, or ``multiprocess``: they start several processes) run in one worker. It fails on pytest 9.2, where pytest-xdist's --dist loadgroup ignores
+the groups (pytest-dev/pytest-xdist#1386; hence pyproject's pytest<9.2)."""
 
 import json
 import os

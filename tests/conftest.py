@@ -26,6 +26,14 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 
 
+# Tests that start several processes of their own share an xdist group: scripts/test.sh runs two
+# pytest-xdist workers on a 2-core machine, and two such tests at once would put 8 busy processes
+# on 2 cores (their timeouts were chosen for one test at a time). The tests of a group run one
+# after another in one worker while the other worker goes on with the rest.
+PROCS = pytest.mark.xdist_group("procs")
+
+
+@pytest.hookimpl(tryfirst=True)      # before pytest-xdist reads the groups (its hook tags node ids)
 def pytest_collection_modifyitems(config, items):
   del config
   skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to jax here "
@@ -33,6 +41,13 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.get_closest_marker("gpu") is not None and not HAS_GPU:   # not keywords: a checkout in a directory named gpu would match
       item.add_marker(skip_gpu)
+    if item.get_closest_marker("multiprocess") is not None:
+      item.add_marker(PROCS)
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Longest first: xdist hands out tests in collection order, so a slow test collected last
+    # (tests/test_wheel.py) would leave the other worker idle at the end. Stable: otherwise as
+    # collected.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")

@@ -34,10 +34,16 @@ def lax_curve():
   return gpt_dp.train(_mesh(8))
 
 
+# The tests of lax_curve in one xdist worker, so that it trains once (scripts/test.sh).
+SAME_WORKER = pytest.mark.xdist_group("gpt_dp")
+
+
+@SAME_WORKER
 def test_the_model_learns(lax_curve):
   assert lax_curve[-1] < lax_curve[0] - 0.5, lax_curve
 
 
+@SAME_WORKER
 @pytest.mark.parametrize("algorithm", ("auto", "xla", "ring", "one_shot", "two_shot"))
 def test_replacing_pmean_keeps_the_loss_curve(algorithm, lax_curve):
   curve = gpt_dp.train(_mesh(8), lambda t: dtenjax.all_reduce(t, "data", op="mean",
@@ -72,6 +78,7 @@ def _curves_on(counts):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("procs")     # four processes (tests/conftest.py)
 def test_reproducible_curves_have_the_same_bits_on_2_4_and_8_devices():
   runs = _curves_on((1, 2, 4, 8))
   digests = {n: d for n, (_, d) in runs.items() if n > 1}

@@ -58,35 +58,59 @@ def test_demo_bad_arguments_are_one_line_exit_2(argv, message, capsys):
   assert "Traceback" not in err
 
 
-def _demo_in_subprocess(devices: int | None, steps: int = 12) -> str:
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  if devices is not None:
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-  env["JAX_PLATFORMS"] = "cpu"
-  r = subprocess.run([sys.executable, "-m", "dtenjax", "demo", "--steps", str(steps),
-                      "--no-progress"], capture_output=True, text=True, timeout=280, env=env,
-                     check=False)
-  assert r.returncode == 0, r.stderr[-2000:]
-  assert "bit-identical across runs: True" in r.stdout
-  return r.stdout
+def _demos_in_subprocesses(counts, steps: int = 12) -> dict:
+  """{devices: stdout} of ``python -m dtenjax demo`` in a fresh process per device count (None:
+  no XLA_FLAGS, the CLI's own 8 simulated devices), all started at once: each is mostly
+  single-threaded compilation, so they overlap on a 2-core machine."""
+  procs = {}
+  for devices in counts:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    if devices is not None:
+      env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    procs[devices] = subprocess.Popen(
+        [sys.executable, "-m", "dtenjax", "demo", "--steps", str(steps), "--no-progress"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  outs = {}
+  try:
+    for devices, p in procs.items():
+      stdout, stderr = p.communicate(timeout=280)
+      assert p.returncode == 0, stderr[-2000:]
+      assert "bit-identical across runs: True" in stdout
+      outs[devices] = stdout
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        p.kill()
+  return outs
 
 
 def _digest(out: str) -> str:
   return next(l for l in out.splitlines() if l.startswith("losses sha256 ")).split()[2]
 
 
-@pytest.mark.slow
-def test_python_dash_m_runs_on_8_simulated_devices():
-  out = _demo_in_subprocess(None, steps=20)
-  assert "8 cpu device(s)" in out
+# The demo once per device count for the two tests below (three processes: tests/conftest.py).
+PROCS = pytest.mark.xdist_group("procs")
+
+
+@pytest.fixture(scope="module")
+def demo_runs():
+  return _demos_in_subprocesses((None, 2, 4))
 
 
 @pytest.mark.slow
-def test_demo_losses_are_bit_identical_across_device_counts():
+@PROCS
+def test_python_dash_m_runs_on_8_simulated_devices(demo_runs):
+  assert "8 cpu device(s)" in demo_runs[None]
+
+
+@pytest.mark.slow
+@PROCS
+def test_demo_losses_are_bit_identical_across_device_counts(demo_runs):
   """The demo's step all-reduces its gradients with dtenjax (reproducible=True): the losses of
   the same run on 2, 4 and 8 simulated devices have the same bits."""
-  outs = {n: _demo_in_subprocess(n) for n in (2, 4, 8)}
+  outs = {2: demo_runs[2], 4: demo_runs[4], 8: demo_runs[None]}
   for n, out in outs.items():
     assert f"{n} cpu device(s)" in out
   digests = {n: _digest(out) for n, out in outs.items()}

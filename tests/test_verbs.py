@@ -13,6 +13,7 @@ seen by every rank, and a killed peer. What only hardware can show is listed in
 docs/transport.md.
 """
 
+import gc
 import threading
 import time
 
@@ -134,6 +135,7 @@ def test_roce_port_routes_by_gid(fake, monkeypatch):
 
 
 def test_many_collectives_reuse_the_connections_and_leak_nothing(fake):
+  gc.collect()        # earlier tests' garbage (in this worker) must not close files mid-count
   fds0 = fakeverbs.open_fds()
   for _ in range(3):
     comms = _ring(3)
@@ -148,7 +150,8 @@ def test_many_collectives_reuse_the_connections_and_leak_nothing(fake):
     close_all(comms)
     assert all(v == 0 for v in fake.live().values()), fake.live()
     assert native.transport().verbs.device_users() == 0
-  assert fakeverbs.open_fds() == fds0
+  gc.collect()
+  assert fakeverbs.open_fds() <= fds0, (fakeverbs.open_fds(), fds0)    # a leak only adds files
   assert _violations(fake) == 0, fake.last_violation()
 
 

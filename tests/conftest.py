@@ -14,6 +14,7 @@ if "xla_force_host_platform_device_count" not in flags:
 
 import jax  # noqa: E402  (must follow the environment set-up)
 import pytest  # noqa: E402
+from procs import PROCS  # noqa: E402  (tests/procs.py: why such tests share a group)
 
 
 def _has_gpu() -> bool:
@@ -25,12 +26,6 @@ def _has_gpu() -> bool:
 
 HAS_GPU = _has_gpu()
 
-
-# Tests that start several processes of their own share an xdist group: scripts/test.sh runs two
-# pytest-xdist workers on a 2-core machine, and two such tests at once would put 8 busy processes
-# on 2 cores (their timeouts were chosen for one test at a time). The tests of a group run one
-# after another in one worker while the other worker goes on with the rest.
-PROCS = pytest.mark.xdist_group("procs")
 
 
 @pytest.hookimpl(tryfirst=True)      # before pytest-xdist reads the groups (its hook tags node ids)

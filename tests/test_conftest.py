@@ -39,7 +39,8 @@ TESTS = textwrap.dedent("""
 
 
 def test_a_group_runs_in_one_worker(tmp_path):
-  shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+  for name in ("conftest.py", "procs.py"):
+    shutil.copy(ROOT / "tests" / name, tmp_path / name)
   (tmp_path / "test_groups.py").write_text(TESTS)
   ran = tmp_path / "ran.jsonl"
   env = dict(os.environ, RAN=str(ran))

@@ -5,7 +5,6 @@
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import jax
@@ -17,6 +16,7 @@ import dtenjax
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import gpt_dp  # noqa: E402  pylint: disable=wrong-import-position
+import procs  # noqa: E402  pylint: disable=wrong-import-position
 
 # The digest of the reproducible loss curve on 2, 4 and 8 devices, per jax version, with
 # --xla_cpu_max_isa=AVX (no FMA: the bits do not depend on the CPU model). Recorded with
@@ -54,31 +54,24 @@ def test_replacing_pmean_keeps_the_loss_curve(algorithm, lax_curve):
 
 
 def _curves_on(counts):
-  """The reproducible curve trained in a fresh process per device count, all started at once
-  (each is mostly single-threaded compilation, so they overlap on a 2-core machine)."""
-  procs = {}
-  for n in counts:
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={n} --xla_cpu_max_isa=AVX")
-    procs[n] = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).parent / "gpt_dp.py")],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  """{devices: (losses, digest)} of the reproducible curve, trained in a fresh process per
+  device count, all at once."""
+  script = str(pathlib.Path(__file__).parent / "gpt_dp.py")
+  outs = procs.run_at_once(
+      {n: ([script], dict(os.environ, JAX_PLATFORMS="cpu",
+                          XLA_FLAGS=f"--xla_force_host_platform_device_count={n} "
+                                    "--xla_cpu_max_isa=AVX"))
+       for n in counts}, timeout=400)
   out = {}
-  try:
-    for n, p in procs.items():
-      stdout, stderr = p.communicate(timeout=400)
-      assert p.returncode == 0, stderr[-3000:]
-      m = re.search(r"losses=(\[.*\]) digest=(\w+)", stdout)
-      assert m, stdout
-      out[n] = np.asarray(eval(m.group(1)), np.float32), m.group(2)  # noqa: S307 - our output
-  finally:
-    for p in procs.values():
-      if p.poll() is None:
-        p.kill()
+  for n, stdout in outs.items():
+    m = re.search(r"losses=(\[.*\]) digest=(\w+)", stdout)
+    assert m, stdout
+    out[n] = np.asarray(eval(m.group(1)), np.float32), m.group(2)  # noqa: S307 - our output
   return out
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("procs")     # four processes (tests/conftest.py)
+@procs.PROCS     # four processes
 def test_reproducible_curves_have_the_same_bits_on_2_4_and_8_devices():
   runs = _curves_on((1, 2, 4, 8))
   digests = {n: d for n, (_, d) in runs.items() if n > 1}

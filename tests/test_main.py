@@ -1,10 +1,9 @@
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+import procs
 from dtenjax import __main__ as cli
 from dtenjax._src.cli import demo
 
@@ -60,29 +59,17 @@ def test_demo_bad_arguments_are_one_line_exit_2(argv, message, capsys):
 
 def _demos_in_subprocesses(counts, steps: int = 12) -> dict:
   """{devices: stdout} of ``python -m dtenjax demo`` in a fresh process per device count (None:
-  no XLA_FLAGS, the CLI's own 8 simulated devices), all started at once: each is mostly
-  single-threaded compilation, so they overlap on a 2-core machine."""
-  procs = {}
+  no XLA_FLAGS, the CLI's own 8 simulated devices), all started at once."""
+  runs = {}
   for devices in counts:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if devices is not None:
       env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
-    procs[devices] = subprocess.Popen(
-        [sys.executable, "-m", "dtenjax", "demo", "--steps", str(steps), "--no-progress"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  outs = {}
-  try:
-    for devices, p in procs.items():
-      stdout, stderr = p.communicate(timeout=280)
-      assert p.returncode == 0, stderr[-2000:]
-      assert "bit-identical across runs: True" in stdout
-      outs[devices] = stdout
-  finally:
-    for p in procs.values():
-      if p.poll() is None:
-        p.kill()
+    runs[devices] = (["-m", "dtenjax", "demo", "--steps", str(steps), "--no-progress"], env)
+  outs = procs.run_at_once(runs, timeout=280)
+  for stdout in outs.values():
+    assert "bit-identical across runs: True" in stdout
   return outs
 
 
@@ -90,23 +77,20 @@ def _digest(out: str) -> str:
   return next(l for l in out.splitlines() if l.startswith("losses sha256 ")).split()[2]
 
 
-# The demo once per device count for the two tests below (three processes: tests/conftest.py).
-PROCS = pytest.mark.xdist_group("procs")
-
-
+# The demo once per device count for the two tests below (three processes).
 @pytest.fixture(scope="module")
 def demo_runs():
   return _demos_in_subprocesses((None, 2, 4))
 
 
 @pytest.mark.slow
-@PROCS
+@procs.PROCS
 def test_python_dash_m_runs_on_8_simulated_devices(demo_runs):
   assert "8 cpu device(s)" in demo_runs[None]
 
 
 @pytest.mark.slow
-@PROCS
+@procs.PROCS
 def test_demo_losses_are_bit_identical_across_device_counts(demo_runs):
   """The demo's step all-reduces its gradients with dtenjax (reproducible=True): the losses of
   the same run on 2, 4 and 8 simulated devices have the same bits."""

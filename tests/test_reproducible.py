@@ -15,6 +15,7 @@ from dtenjax._src.planning import reproducible
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import reproducible_step as bench  # noqa: E402  pylint: disable=g-import-not-at-top
+import procs  # noqa: E402  pylint: disable=g-import-not-at-top  (tests/ is on sys.path under pytest)
 
 
 def _cpu_has_fma() -> bool:
@@ -94,7 +95,7 @@ def test_jits_with_the_pinned_options_and_checks_user_options():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("procs")     # two processes (tests/conftest.py)
+@procs.PROCS     # two processes
 def test_fused_and_unfused_steps_agree_bit_for_bit_with_it():
   """The same adamw step around substitute_psum and fuse_collectives(64 KiB): identical
   parameters after 5 steps under reproducible_step (its process flag set); without it they

@@ -119,3 +119,23 @@ class Fake:
 def open_fds() -> int:
   """File descriptors open in this process."""
   return len(os.listdir("/proc/self/fd"))
+
+
+def open_files() -> set[tuple[str, str]]:
+  """This process's open descriptors as (number, what it points at)."""
+  files = set()
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      files.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+    except FileNotFoundError:   # the listing's own descriptor, closed already
+      pass
+  return files
+
+
+def opened_since(before: set[tuple[str, str]]) -> set[tuple[str, str]]:
+  """Descriptors open now that were not open in ``before``: what a leak leaves.
+
+  Unlike a count, this is not fooled by files that something else in the process (another
+  test's garbage, a pytest-xdist worker's channel) closes in between.
+  """
+  return open_files() - before

@@ -378,8 +378,13 @@ def test_kernel_arithmetic_of_contract_v3_built_for_the_host(tmp_path):
   for w in range(2, 9):
     wide = rng.standard_normal((w, 3000)) * np.exp2(rng.integers(-60, 120, (w, 3000)))
     base = np.concatenate([fpref.contributions(w, 4000, seed=w), wide.astype(np.float32)], 1)
+    if w == 2:   # RepSum2's one addition and its error, against the words: any bits, any gap
+      raw = rng.integers(0, 2**32, (2, 100000), dtype=np.uint64).astype(np.uint32)
+      raw[1, ::2] = (raw[0, ::2] ^ 0x80000000) + rng.integers(-300, 300, 50000).astype(np.uint32)
+      base = np.concatenate([base, raw.view(np.float32)], 1)
     for dtype in (np.float32, ml_dtypes.bfloat16):
-      x = base.astype(dtype)
+      with np.errstate(invalid="ignore"):
+        x = base.astype(dtype)         # the NaNs of the raw bits
       for mean in (False, True):
         inp, out = tmp_path / "in.bin", tmp_path / "out.bin"
         with open(inp, "wb") as f:

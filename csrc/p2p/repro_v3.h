@@ -4,15 +4,16 @@
 // tests/test_p2p.py compiles it for the host and compares it with the numpy reference, so the
 // arithmetic is checked on machines without a GPU. No XLA, no CUDA runtime.
 //
-// Per element: the largest magnitude (an integer maximum of the bits) gives the code c; a NaN or
-// an infinity decides the result by the rule of contract v2; otherwise every value becomes one
-// int32 word q = round(x * 2^s), s = P + 126 - c, P = 31 - ceil(log2 W): the product of x and two
-// normal powers of two is exact under IEEE arithmetic (no flush-to-zero; a product below the
-// subnormal grid is far below 1/2), and the conversion rounds it (to nearest even; to odd for
-// W == 2). The int32 sum is rounded once to the output: float32 by the int -> float conversion
-// times an exact power of two, bfloat16 by round-to-odd at 24 bits followed by the caller's RNE
-// conversion to bfloat16 (one rounding in effect), and by RoundScaled on the bits whenever the
-// result could be subnormal.
+// Per element, for W >= 3: the largest magnitude (an integer maximum of the bits) gives the code
+// c; a NaN or an infinity decides the result by the rule of contract v2; otherwise every value
+// becomes one int32 word q = round(x * 2^s) (to nearest even), s = P + 126 - c, P = 31 -
+// ceil(log2 W): the product of x and two normal powers of two is exact under IEEE arithmetic (no
+// flush-to-zero; a product below the subnormal grid is far below 1/2). The int32 sum is rounded
+// once to the output: float32 by the int -> float conversion times an exact power of two,
+// bfloat16 by round-to-odd at 24 bits followed by the caller's RNE conversion to bfloat16 (one
+// rounding in effect), and by RoundScaled on the bits whenever the result could be subnormal.
+// For W == 2 the contract's words (rounded to odd) give the correctly rounded sum, which RepSum2
+// computes with one float addition.
 #pragma once
 
 #include <cmath>
@@ -63,6 +64,14 @@ DTENJAX_HD float MulRn(float a, float b) {   // one IEEE product, never fused
 #endif
 }
 
+DTENJAX_HD float AddRn(float a, float b) {  // one IEEE addition
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
 DTENJAX_HD float DivRn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fdiv_rn(a, b);
@@ -76,14 +85,6 @@ DTENJAX_HD int32_t FloatToIntRn(float y) {  // |y| < 2^31, round to nearest even
   return __float2int_rn(y);
 #else
   return static_cast<int32_t>(std::nearbyint(y));   // the default rounding mode
-#endif
-}
-
-DTENJAX_HD uint32_t FloatToUintRz(float y) {  // 0 <= y < 2^32, truncation
-#if defined(__CUDA_ARCH__)
-  return __float2uint_rz(y);
-#else
-  return static_cast<uint32_t>(y);
 #endif
 }
 
@@ -144,10 +145,24 @@ DTENJAX_HD float IntToFloatOdd(int32_t q) {
   return q < 0 ? -f : f;
 }
 
-// The float32 whose RNE conversion to the output type is the contract-v3 result of the W values
-// ``v`` (float32, bfloat16 widened exactly): for a bfloat16 sum the result itself, widened.
+// RepSum for two values. Contract v3 of two contributions is their correctly rounded sum
+// (docs/collectives.md derives it from the words: the larger is exact and even, round to odd
+// keeps the smaller's cut), with +0.0 for every zero sum and the canonical NaN: one IEEE float32
+// addition, for bfloat16 too, whose RNE conversion of it is the correctly rounded bfloat16 sum
+// (rounding twice is harmless when the first format has at least 2p + 2 bits, 24 >= 2 * 8 + 2).
+// The mean's first step is RNE_f32 of the sum as well.
+DTENJAX_HD float RepSum2(float a, float b, bool mean) {
+  const float s = AddRn(a, b);   // an infinity when a + b overflows float32, as v3's rounding
+  const uint32_t sb = Bits(s);
+  if ((sb & 0x7fffffffu) > 0x7f800000u) return FromBits(kQuietNan);  // a NaN, or inf - inf
+  if (s == 0.0f) return 0.0f;    // only an exact zero sum rounds to zero; -0 + -0 too is +0
+  return mean ? DivRn(s, 2.0f) : s;
+}
+
+// RepSum for three or more values: the words of the contract.
 template <int W, bool kBf16>
-DTENJAX_HD float RepSum(const float* v, bool mean) {
+DTENJAX_HD float RepSumWords(const float* v, bool mean) {
+  static_assert(W >= 3, "two values: RepSum2");
   constexpr int P = 31 - CeilLog2(W);
   uint32_t mag = 0;
 DTENJAX_UNROLL
@@ -173,17 +188,7 @@ DTENJAX_UNROLL
   int32_t q = 0;
 DTENJAX_UNROLL
   for (int p = 0; p < W; ++p) {
-    const float y = MulRn(MulRn(v[p], p1), p2);         // x / U, exact
-    if constexpr (W == 2) {  // round to odd
-      const float ya = y < 0 ? -y : y;
-      uint32_t t = FloatToUintRz(ya);
-      if (IntToFloatRn(static_cast<int32_t>(t)) != ya || (ya == 0.0f && (Bits(v[p]) << 1) != 0)) {
-        t |= 1u;
-      }
-      q += (Bits(y) >> 31) ? -static_cast<int32_t>(t) : static_cast<int32_t>(t);
-    } else {
-      q += FloatToIntRn(y);
-    }
+    q += FloatToIntRn(MulRn(MulRn(v[p], p1), p2));   // round(x / U); the products are exact
   }
   const int t = c - 126 - P;   // result = q * 2^t, at least 2^t unless 0
   if (q == 0) return 0.0f;
@@ -197,6 +202,17 @@ DTENJAX_UNROLL
     return mean ? DivRn(r, static_cast<float>(W)) : r;
   }
   return MulRn(IntToFloatOdd(q), Pow2(t));   // bfloat16: RNE of this float rounds once
+}
+
+// The float32 whose RNE conversion to the output type is the contract-v3 result of the W values
+// ``v`` (float32, bfloat16 widened exactly): for a bfloat16 sum the result itself, widened.
+template <int W, bool kBf16>
+DTENJAX_HD float RepSum(const float* v, bool mean) {
+  if constexpr (W == 2) {
+    return RepSum2(v[0], v[1], mean);
+  } else {
+    return RepSumWords<W, kBf16>(v, mean);
+  }
 }
 
 }  // namespace dtenjax::p2p::v3

@@ -9,7 +9,8 @@
 //    quiet NaN.
 //  * Reproducible::kV3: the reproducible sum of contract v3 (docs/collectives.md), in registers as the
 //    peers' floats are read (repro_v3.h): one int32 word per value against the element's
-//    common exponent, an int32 sum, one rounding to T. The same bits as the XLA path.
+//    common exponent, an int32 sum, one rounding to T (for two ranks one float addition, which
+//    gives the same bits). The same bits as the XLA path.
 //  * Reproducible::kExact: the exact fixed-point sum of contract v2: codes and quantisation from the
 //    float bits with integer operations, an int64 sum, and the XLA path's decode to float32
 //    (then one RNE rounding to T), so that it equals the XLA path bit for bit.

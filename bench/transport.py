@@ -31,13 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import _harness
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
+from tests.mp_workers import launch  # noqa: E402  pylint: disable=g-import-not-at-top
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)   # bytes
 
@@ -141,15 +143,9 @@ def crypto(mib: int) -> int:
   return 0
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def run(procs: int, sizes, iters: int, timeout_s: float) -> list[dict]:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  port = _free_port()
+  port = launch.free_port()
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "rows.json")
     ps = []

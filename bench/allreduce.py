@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,9 @@ import tempfile
 import time
 
 import _harness
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
+from tests.mp_workers import launch  # noqa: E402  pylint: disable=g-import-not-at-top
 
 CANDIDATES = ("psum", "psum_oneshot", "psum_nccl", "xla", "ring", "one_shot", "two_shot",
               "hierarchical", "auto", "reproducible", "exact")
@@ -220,9 +222,7 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
 
 def _launch(args, argv: list[str]) -> list[dict]:
   """Runs this script as args.procs processes of one GPU each; returns the merged rows."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = launch.free_port()
   with tempfile.TemporaryDirectory() as out:
     procs = []
     for r in range(args.procs):

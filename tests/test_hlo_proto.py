@@ -117,29 +117,42 @@ ENTRY %main (p0: f32[4]) -> (f32[4], f32[4], f32[4], f32[4], f32[4], f32[4], f32
 """
 
 
+_PAIRS_BY_COL = ((0, 4), (1, 5), (2, 6), (3, 7))
+_ENCODED_GROUPS = {
+    "list": (((0, 2, 4, 6), (1, 3, 5, 7)), "list"),
+    # [4,2]<=[2,4]T(1,0): iota(8) as 2 x 4, transposed, in rows of 2.
+    "iota": (_PAIRS_BY_COL, "iota"),
+    # devices that differ only along 'a' of a 2 x 4 mesh
+    "mesh": (_PAIRS_BY_COL, "mesh"),
+    # along 'b' of the mesh [[4,5,6,7],[0,1,2,3]]
+    "mesh_ids": (((4, 5, 6, 7), (0, 1, 2, 3)), "mesh"),
+    # devices iota(8) as 4 x 2, transposed: [0,2,4,6,1,3,5,7], so the 2 x 4 mesh's rows
+    "mesh_iota": (((0, 2, 4, 6), (1, 3, 5, 7)), "mesh"),
+    # 'b':(2)2 is b's minor half: groups of b in {0,1} or {2,3}
+    "mesh_sub": (((0, 1), (2, 3), (4, 5), (6, 7)), "mesh"),
+}
+
+
 def test_each_replica_group_encoding_xla_writes():
   # XLA's parser builds the module and XLA serializes it: each form lands in its own field.
   data = xla_hlo.hlo_module_from_text(_ENCODINGS).as_serialized_hlo_module_proto()
   ins = hlo.parse_proto(data).computations["main"].by_name()
-  pairs_by_col = ((0, 4), (1, 5), (2, 6), (3, 7))
-  want = {
-      "list": (((0, 2, 4, 6), (1, 3, 5, 7)), "list"),
-      # [4,2]<=[2,4]T(1,0): iota(8) as 2 x 4, transposed, in rows of 2.
-      "iota": (pairs_by_col, "iota"),
-      # devices that differ only along 'a' of a 2 x 4 mesh
-      "mesh": (pairs_by_col, "mesh"),
-      # along 'b' of the mesh [[4,5,6,7],[0,1,2,3]]
-      "mesh_ids": (((4, 5, 6, 7), (0, 1, 2, 3)), "mesh"),
-      # devices iota(8) as 4 x 2, transposed: [0,2,4,6,1,3,5,7], so the 2 x 4 mesh's rows
-      "mesh_iota": (((0, 2, 4, 6), (1, 3, 5, 7)), "mesh"),
-      # 'b':(2)2 is b's minor half: groups of b in {0,1} or {2,3}
-      "mesh_sub": (((0, 1), (2, 3), (4, 5), (6, 7)), "mesh"),
-  }
+  want = _ENCODED_GROUPS
   assert {k: (ins[k].replica_groups, ins[k].group_form) for k in want} == want
   assert ins["cp"].source_target_pairs == ((0, 1), (1, 2), (7, 0))
   assert [ins[k].channel_id for k in ("list", "iota", "mesh", "cp")] == [1, 2, 3, 7]
   assert all(ins[k].use_global_device_ids for k in want) and not ins["cp"].use_global_device_ids
   assert ins["t"].shape == hlo.Shape("tuple", (), (hlo.Shape("f32", (4,)),) * 7)
+
+
+def test_the_text_reader_reads_each_encoding_as_xla_prints_it():
+  # The same module printed by XLA (its own spelling of each form, e.g. the mesh's
+  # device_ids=([4,2]T(1,0))) and read by hlo.parse_text: the same groups.
+  text = xla_hlo.hlo_module_from_text(_ENCODINGS).to_string()
+  ins = hlo.parse_text(text).computations["main"].by_name()
+  want = _ENCODED_GROUPS
+  assert {k: (ins[k].replica_groups, ins[k].group_form) for k in want} == want
+  assert ins["cp"].source_target_pairs == ((0, 1), (1, 2), (7, 0))
 
 
 def test_legacy_replica_groups_field_is_read():

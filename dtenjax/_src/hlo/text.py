@@ -6,6 +6,7 @@ naming the line, an instruction it cannot read instead of skipping it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -196,6 +197,17 @@ def _nested_int_lists(toks: Sequence[_Tok]) -> tuple[tuple[int, ...], ...]:
   return tuple(groups)
 
 
+def _mesh_device_ids(toks: Sequence[_Tok]) -> list[int]:
+  """A mesh's ``device_ids=(...)``: listed, or ``([dims]T(perm))``, an iota in that shape
+  transposed by ``perm``, read in row-major order."""
+  inner = toks[1:-1]
+  if not inner or inner[0].text != "[":
+    return _ints_in(toks)
+  close = next(k for k, t in enumerate(inner) if t.text == "]")
+  dims = _ints_in(inner[:close + 1])
+  return list(iota_groups(1, math.prod(dims), dims, _ints_in(inner[close + 1:]))[0])
+
+
 def _text_groups(cur: _Cursor) -> tuple[tuple[tuple[int, ...], ...], str]:
   """The value of ``replica_groups=`` in any of its printed forms."""
   if cur.at("{"):
@@ -229,7 +241,7 @@ def _text_groups(cur: _Cursor) -> tuple[tuple[tuple[int, ...], ...], str]:
       cur.next()
       cur.next()
       cur.expect("=")
-      device_ids = _ints_in(cur.balanced())
+      device_ids = _mesh_device_ids(cur.balanced())
     axes_toks = cur.balanced()[1:-1]
     axes = []
     k = 0

@@ -173,6 +173,22 @@ def test_idle_buffers_are_evicted_when_the_tenant_quota_blocks():
     pool.release(grown)
 
 
+def test_a_refusal_that_is_not_for_room_keeps_the_cache():
+  # Only a refusal for want of room (ibv_reg_mr's ENOMEM: tests/test_verbs.py) frees idle
+  # buffers and retries; another (the injected one is an internal error) fails at once.
+  with bp.BufferPool(bp.PoolConfig(max_bytes=1 << 20, tenant="pool-refusal", pin=False)) as pool:
+    pool.release(pool.acquire(4096))                  # one idle cached buffer
+    native_testing.transport().fail_registrations(pool.native, 1)
+    with pytest.raises(errors.DtenjaxError, match="injected registration failure"):
+      pool.acquire(8192)
+    s = pool.stats()
+    assert (s["reg_failures"], s["deregistrations"], s["registered_buffers"]) == (1, 0, 1)
+    native_testing.transport().fail_registrations(pool.native, 0)
+    b = pool.acquire(4096)
+    assert pool.stats()["reuse_hits"] == 1            # the cached buffer is still there
+    pool.release(b)
+
+
 def test_ten_thousand_cycles_with_injected_failures_leak_nothing():
   tenant = "pool-stress"
   tenancy.set_quota(tenant, tenancy.Quota(max_registered_bytes=48 << 20))

@@ -115,13 +115,17 @@ Status BufferPool::RegisterNew(uint64_t cls, int* id) {
   }
   std::memset(b.ptr, 0, cls);  // touch the pages so pinning and first use cost nothing later
   Status s;
-  if (opts_.hooks.reg) {
+  while (opts_.hooks.reg) {
     s = opts_.hooks.reg(opts_.hooks.ctx, b.ptr, cls, &b.handle);
+    if (s.ok()) break;
+    ++st_.reg_failures;
+    // The device is out of regions or pinnable memory (ibv_reg_mr's ENOMEM): the idle cached
+    // buffers hold some of them, so free one and try again; any other refusal is final.
+    if (s.code() != Code::kResourceExhausted || !EvictOneIdle()) break;
   }
   if (!s.ok()) {
     std::free(b.ptr);
     tenant_->UnchargeRegistered(int64_t(cls));
-    ++st_.reg_failures;
     return s;
   }
   if (opts_.pin) {

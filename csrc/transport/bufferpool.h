@@ -57,7 +57,9 @@ class BufferPool {
 
   // A buffer of at least `bytes` bytes with refcount 1, state Idle; *data (optional) its address.
   // When a limit (pool bytes, pool buffers, or the tenant's registered-bytes quota) blocks a new
-  // registration, idle cached buffers are freed first; only if that is not enough does it fail.
+  // registration, or the registration hook refuses it for want of room (kResourceExhausted, as
+  // ibv_reg_mr's ENOMEM), idle cached buffers are freed first; only if that is not enough does
+  // it fail.
   Status Acquire(uint64_t bytes, int* id, void** data = nullptr);
   Status Retain(int id);
   Status Post(int id);      // Idle -> Posted

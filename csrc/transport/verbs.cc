@@ -930,8 +930,12 @@ Status PoolReg(void*, void* ptr, uint64_t bytes, uint64_t* handle) {
   if (!mr) {
     const int e = errno;
     ReleaseDevice();
-    return DTENJAX_ERROR(Code::kResourceExhausted, "ibv_reg_mr of " + std::to_string(bytes) +
-                                                       " bytes failed: " + std::strerror(e));
+    // ENOMEM (and EAGAIN): the device or the pinned-memory limit is out of room, which freeing
+    // other regions can cure; anything else (EINVAL, EFAULT, EACCES) is a fault of the request.
+    const bool room = e == ENOMEM || e == EAGAIN;
+    return DTENJAX_ERROR(room ? Code::kResourceExhausted : Code::kInternal,
+                         "ibv_reg_mr of " + std::to_string(bytes) + " bytes failed: " +
+                             std::strerror(e) + (room ? "" : " (not a shortage of room)"));
   }
   *handle = reinterpret_cast<uint64_t>(mr);
   return Status::Ok();

@@ -4,8 +4,9 @@
 // production extension publishes (custom_calls/transport/seams.h):
 //
 //   fail_thread_starts(n)             the next n thread starts fail as if pthread_create gave EAGAIN
-//   fail_registrations(pool, every_n) every n-th registration of pool from now on fails, as a
-//                                     failing ibv_reg_mr would (0: stop)
+//   fail_registrations(pool, every_n) every n-th registration of pool from now on fails with an
+//                                     internal error, as ibv_reg_mr can for reasons other than
+//                                     room, which evicting cached buffers does not cure (0: stop)
 //   set_pointer_owners([(start, size, owner)])   device-pointer ownership from a table, so the
 //                                     refusal logic is tested without CUDA
 //   reset_pointer_owners()            the build's own ownership check again
@@ -15,7 +16,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <map>
 #include <mutex>
 #include <string>
 #include <system_error>
@@ -75,8 +75,7 @@ struct Failing {
   uint32_t every_n = 0;
   uint64_t attempts = 0;
 };
-std::mutex g_pools_mu;
-std::map<tp::BufferPool*, Failing*> g_pools;   // never freed: a pool may outlive the test
+std::mutex g_failing_mu;
 
 Status FailingReg(void* ctx, void* ptr, uint64_t bytes, uint64_t* handle) {
   auto* f = static_cast<Failing*>(ctx);
@@ -94,14 +93,14 @@ void FailingDereg(void* ctx, uint64_t handle) {
 void FailRegistrations(nb::handle pool_obj, uint32_t every_n) {
   tp::BufferPool* pool = Seams().pool_of(pool_obj.ptr());
   if (pool == nullptr) throw nb::type_error("fail_registrations takes a dtenjax._ffi.transport.BufferPool");
-  std::lock_guard<std::mutex> lock(g_pools_mu);
-  Failing*& f = g_pools[pool];
-  if (f == nullptr) {
-    f = new Failing;
-    f->inner = Seams().swap_register_hooks(pool, {&FailingReg, &FailingDereg, f});
-  }
+  // A fresh wrapper per call, never freed (buffers registered under it are deregistered through
+  // whatever hooks the pool has then, and a pool may outlive the test), around the pool's own
+  // hooks: those it had, or those an earlier call wrapped. Called while the pool is quiet.
+  std::lock_guard<std::mutex> lock(g_failing_mu);
+  auto* f = new Failing;
   f->every_n = every_n;
-  f->attempts = 0;
+  const tp::RegisterHooks prev = Seams().swap_register_hooks(pool, {&FailingReg, &FailingDereg, f});
+  f->inner = prev.reg == &FailingReg ? static_cast<Failing*>(prev.ctx)->inner : prev;
 }
 
 // --- device-pointer ownership ----------------------------------------------------------------

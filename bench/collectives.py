@@ -35,11 +35,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 CANDIDATES = ("psum", "auto", "xla", "one_shot", "two_shot", "ring", "hierarchical",
               "reproducible", "reproducible_xla", "reproducible_one_shot",
               "reproducible_two_shot", "exact", "exact_xla", "exact_one_shot", "exact_two_shot",
-              "lax.pmax", "lax.all_to_all", "lax.all_gather")
+              "lax.pmax", "lax.all_to_all", "lax.all_gather", "lax.all_gather_fold")
 # reproducible*: reproducible=True (contract v3); exact*: reproducible="exact" (contract v2).
 # lax.*: XLA's building blocks on the same bytes (all_gather of each rank's 1/n, so its output is
 # the size of the others' input), for reading what the algorithms cost.
 BUS_OP = {"lax.all_to_all": "all_to_all", "lax.all_gather": "all_gather"}   # others: all_reduce
+# lax.all_gather_fold: every rank's whole input gathered and folded in rank order, an all-reduce
+# with one collective and the cheapest local sum: the floor of reproducible_one_shot.
 
 
 def _op(name, axes):
@@ -59,6 +61,14 @@ def _op(name, axes):
       n = lax.axis_size(axes)
       return lax.all_gather(y.reshape(n, -1)[0], axes, tiled=True).reshape(y.shape)
     return gather
+  if name == "lax.all_gather_fold":
+    def gather_fold(y):
+      rows = lax.all_gather(y, axes)
+      total = rows[0]
+      for k in range(1, rows.shape[0]):
+        total = total + rows[k]
+      return total
+    return gather_fold
   if name == "reproducible":
     return lambda y: api.all_reduce(y, axes, reproducible=True)
   if name.startswith("reproducible_"):

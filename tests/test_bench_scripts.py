@@ -75,16 +75,18 @@ def _doc(path, bench):
 def test_collectives_rows_have_nccl_columns_and_ratios(tmp_path):
   out = tmp_path / "c.json"
   r = _run("collectives", "--sizes", "8K", "--chain", "1", "--reps", "1",
-           "--candidates", "psum,lax.all_gather", "--json", str(out))
+           "--candidates", "psum,lax.all_gather,lax.all_gather_fold", "--json", str(out))
   assert r.returncode == 0, r.stderr[-3000:]
   rows = {row["candidate"]: row for row in _doc(out, "collectives")["rows"]}
   psum, gather = rows["psum"], rows["lax.all_gather"]
   assert psum["count"] == 2048 and psum["type"] == "float32" and psum["world"] == 8
   assert psum["busbw"] == pytest.approx(psum["algbw"] * 2 * 7 / 8)      # all-reduce
+  fold = rows["lax.all_gather_fold"]                                    # an all-reduce too
+  assert fold["count"] == 2048 and fold["busbw"] == pytest.approx(fold["algbw"] * 2 * 7 / 8)
   assert gather["busbw"] == pytest.approx(gather["algbw"] * 7 / 8)      # all-gather
   assert psum["ratio"] == 1.0
   assert gather["ratio"] == pytest.approx(psum["time_us"] / gather["time_us"])
-  header = r.stdout.splitlines()[-3].split()
+  header = [line for line in r.stdout.splitlines() if line.startswith("size")][-1].split()
   assert header == ["size", "count", "type", "candidate", "time(us)", "algbw(GB/s)",
                     "busbw(GB/s)", "vs", "psum"]
 
@@ -178,3 +180,22 @@ def test_convergence_and_reproducible_step_write_the_schema(tmp_path, monkeypatc
   pinned = [r for r in rows if r["mode"] == "reproducible_step"]
   assert {r["differing_text"] for r in pinned} == {"0"}
   assert {r["vs_jit"] for r in pinned} == {2.0}
+
+
+def test_collectives_lax_candidates_compute_what_they_stand_for(cpu_devices):
+  import collectives  # bench/collectives.py  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, PartitionSpec as P
+  mesh = Mesh(np.array(cpu_devices[:8]).reshape(2, 4), ("o", "i"))
+  x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16) ** 1.5    # per-rank rows
+  want = np.sum(x.astype(np.float64), axis=0)
+
+  def run(name):
+    f = jax.shard_map(lambda v: collectives._op(name, ("o", "i"))(v[0])[None],
+                      mesh=mesh, in_specs=P(("o", "i")), out_specs=P(("o", "i")))
+    return np.asarray(jax.jit(f)(x))
+
+  for name in ("psum", "lax.all_gather_fold"):
+    got = run(name)
+    assert np.allclose(got, want[None], rtol=1e-6), name       # every rank: the sum

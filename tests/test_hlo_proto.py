@@ -133,26 +133,26 @@ _ENCODED_GROUPS = {
 }
 
 
-def test_each_replica_group_encoding_xla_writes():
-  # XLA's parser builds the module and XLA serializes it: each form lands in its own field.
-  data = xla_hlo.hlo_module_from_text(_ENCODINGS).as_serialized_hlo_module_proto()
-  ins = hlo.parse_proto(data).computations["main"].by_name()
+def _read_proto(module):
+  # XLA serializes the module: each form lands in its own field.
+  return hlo.parse_proto(module.as_serialized_hlo_module_proto())
+
+
+def _read_text(module):
+  # XLA prints the module: its own spelling of each form (e.g. the mesh's
+  # device_ids=([4,2]T(1,0))), read by the text reader.
+  return hlo.parse_text(module.to_string())
+
+
+@pytest.mark.parametrize("read", [_read_proto, _read_text], ids=["proto", "text"])
+def test_each_replica_group_encoding_xla_writes(read):
+  ins = read(xla_hlo.hlo_module_from_text(_ENCODINGS)).computations["main"].by_name()
   want = _ENCODED_GROUPS
   assert {k: (ins[k].replica_groups, ins[k].group_form) for k in want} == want
   assert ins["cp"].source_target_pairs == ((0, 1), (1, 2), (7, 0))
   assert [ins[k].channel_id for k in ("list", "iota", "mesh", "cp")] == [1, 2, 3, 7]
   assert all(ins[k].use_global_device_ids for k in want) and not ins["cp"].use_global_device_ids
   assert ins["t"].shape == hlo.Shape("tuple", (), (hlo.Shape("f32", (4,)),) * 7)
-
-
-def test_the_text_reader_reads_each_encoding_as_xla_prints_it():
-  # The same module printed by XLA (its own spelling of each form, e.g. the mesh's
-  # device_ids=([4,2]T(1,0))) and read by hlo.parse_text: the same groups.
-  text = xla_hlo.hlo_module_from_text(_ENCODINGS).to_string()
-  ins = hlo.parse_text(text).computations["main"].by_name()
-  want = _ENCODED_GROUPS
-  assert {k: (ins[k].replica_groups, ins[k].group_form) for k in want} == want
-  assert ins["cp"].source_target_pairs == ((0, 1), (1, 2), (7, 0))
 
 
 def test_legacy_replica_groups_field_is_read():

@@ -45,6 +45,8 @@ from dtenjax._src.planning.placement import tensor as tensor
 from dtenjax._src.planning.planner import Plan as Plan
 from dtenjax._src.planning.planner import Workload as Workload
 from dtenjax._src.planning.reproducible import reproducible_step as reproducible_step
+from dtenjax._src.planning.step import StepPlan as StepPlan
+from dtenjax._src.planning.step import plan as plan
 from dtenjax._src.serving.scheduler import GraphScheduler as GraphScheduler
 from dtenjax._src.serving.scheduler import PreemptionPolicy as PreemptionPolicy
 from dtenjax._src.serving.scheduler import preemption_decision as preemption_decision
@@ -70,6 +72,7 @@ __all__ = [
     "Plan",
     "PreemptionPolicy",
     "QuotaExceededError",
+    "StepPlan",
     "Topology",
     "TopologyError",
     "TransportError",
@@ -86,6 +89,7 @@ __all__ = [
     "make_mesh",
     "memory_plan",
     "mesh_map",
+    "plan",
     "plan_all_reduce",
     "pmap",
     "preemption_decision",

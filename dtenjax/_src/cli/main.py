@@ -53,7 +53,7 @@ def _plain(text: str | None) -> str | None:
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
   # pylint: disable=g-import-not-at-top
-  from dtenjax._src.cli import bench, demo, explain, info, topo
+  from dtenjax._src.cli import bench, demo, explain, info, plan, topo
   prog = prog or prog_name()
   ap = argparse.ArgumentParser(
       prog=prog, description="dtenjax: deterministic, topology-aware distributed arrays and "
@@ -61,8 +61,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
       "devices.", epilog=f"'{prog} COMMAND --help' describes each command.")
   ap.add_argument("--version", action="version", version=f"dtenjax {_version()}")
   sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
-  for name, module in (("demo", demo), ("topo", topo), ("explain", explain), ("bench", bench),
-                       ("info", info)):
+  for name, module in (("demo", demo), ("topo", topo), ("explain", explain), ("plan", plan),
+                       ("bench", bench), ("info", info)):
     p = sub.add_parser(name, help=module.HELP, description=_plain(module.DESCRIPTION),
                        epilog=_plain(getattr(module, "EPILOG", None)),
                        formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -156,8 +156,11 @@ def explain(fn: Callable | Any, *args, topology: Topology | None = None, **kwarg
   """Compiles ``fn(*args, **kwargs)`` and reports its collectives and memory.
 
   ``fn`` may be a plain function, a ``jax.jit``-wrapped one (its shardings are kept), or an
-  already compiled ``jax.stages.Compiled`` (then ``args`` are ignored).
+  already compiled ``jax.stages.Compiled`` (then ``args`` are ignored). A ``StepPlan``
+  (:func:`dtenjax.plan`) is returned as it is: its ``table()`` is the plan's report.
   """
+  if hasattr(fn, "leaves") and hasattr(fn, "recipes") and hasattr(fn, "table"):
+    return fn
   if hasattr(fn, "as_text") and hasattr(fn, "memory_analysis"):
     compiled = fn
   else:

@@ -405,8 +405,38 @@ def _is_placement(p) -> bool:
   return isinstance(p, (Placement, NamedSharding, P))
 
 
+def _shard_step(x: Any, placement, step, step_args) -> Any:
+  """shard(x, placement, step=...): x laid out as the whole-step plan lays out its argument."""
+  from dtenjax._src.planning import step as step_lib  # pylint: disable=g-import-not-at-top
+  if isinstance(step, step_lib.StepPlan):
+    plan_ = step
+  else:
+    if not callable(step) or step_args is None:
+      raise errors.PlacementError(
+          "shard(..., step=): give step=a StepPlan (from dtenjax.plan), or step=the training "
+          "step function together with step_args=(its example arguments), e.g. "
+          "shard(params, Placement('auto'), step=train_step, step_args=(params, opt, batch))")
+    if not (isinstance(placement, Placement) and placement.strategy == "auto"):
+      raise errors.PlacementError(
+          f"shard(..., step=) plans the whole step, so the placement must be Placement('auto'), "
+          f"got {placement!r}")
+    mesh = placement.mesh if isinstance(placement.mesh, Mesh) else None
+    plan_ = step_lib.plan(step, *step_args, mesh=mesh, topology=placement.topology)
+  shardings = plan_.shardings()
+  want = jax.tree.structure(x)
+  for arg_shardings in shardings:
+    if jax.tree.structure(arg_shardings, is_leaf=lambda s: isinstance(s, NamedSharding)) == want:
+      return jax.tree.map(_place, x, arg_shardings)
+  if isinstance(x, tuple) and len(x) == len(shardings):
+    return tuple(jax.tree.map(_place, a, s) for a, s in zip(x, shardings))
+  raise errors.PlacementError(
+      "shard(..., step=): x has the structure of none of the planned step's arguments; pass "
+      "one of the arguments the step was planned with (params, the optimizer state, a batch) "
+      "or all of them as a tuple")
+
+
 def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
-          like: Any = None) -> Any:
+          like: Any = None, step: Any = None, step_args: Sequence[Any] | None = None) -> Any:
   """Lays ``x`` (an array or a pytree of arrays, e.g. flax params or an optax state) out as
   ``placement`` says: ``device_put`` outside jit; inside jit ``jax.sharding.reshard`` on Explicit
   mesh axes and a sharding constraint on Auto ones.
@@ -427,7 +457,14 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
 
   Host memory policies inside jit lay the value out on device, then move it; a jit output keeps
   ``pinned_host``, but for ``unpinned_host`` outputs jax (0.10.2, CPU) reports ``device`` unless
-  the jit is given ``out_shardings=placement.sharding(shape, dtype)``."""
+  the jit is given ``out_shardings=placement.sharding(shape, dtype)``.
+
+  ``step=`` plans the whole training step instead of each leaf on its own
+  (:func:`dtenjax.plan`): ``shard(params, Placement("auto"), step=train_step,
+  step_args=(params, opt_state, batch))`` lays ``x`` out as the plan lays out the argument of
+  that structure (or all arguments, given as a tuple); ``step=`` may also be a ``StepPlan``."""
+  if step is not None:
+    return _shard_step(x, placement, step, step_args)
   if (placement is None) == (like is None):
     raise errors.PlacementError(
         "shard: give exactly one of placement (how to lay x out) and like= (a tree of arrays "

@@ -81,6 +81,7 @@ class Topology:
   numa_nodes: tuple[NumaNode, ...] = ()
   source: str = "fixture"        # "fixture", "detected", "probed", "json"
   notes: tuple[str, ...] = ()
+  measured: tuple[str, ...] = ()  # link classes whose LinkSpec was measured, not the table's
 
   def __post_init__(self):
     problems = []
@@ -125,7 +126,7 @@ class Topology:
     h = self.__dict__.get("_hash")
     if h is None:
       h = hash((self.name, self.devices, self.link_matrix, self.links, self.nics,
-                self.numa_nodes, self.source, self.notes))
+                self.numa_nodes, self.source, self.notes, self.measured))
       object.__setattr__(self, "_hash", h)
     return h
 
@@ -188,9 +189,15 @@ class Topology:
     """The slowest class between any two members of ``group`` (the ring's bottleneck)."""
     if len(group) < 2:
       return "local", self.spec("local")
-    worst = max((self.link_class(a, b) for a in group for b in group if a != b),
-                key=LINK_ORDER.index)
-    return worst, self.spec(worst)
+    key = ("slowest", tuple(group))
+    memo = self._derived
+    if key not in memo:
+      pos = [self.position(a) for a in group]
+      rank = {c: LINK_ORDER.index(c) for c in LINK_ORDER}
+      worst = max(((self.link_matrix[p][q] for p in pos for q in pos if p != q)),
+                  key=rank.__getitem__)
+      memo[key] = worst
+    return memo[key], self.spec(memo[key])
 
   def hosts(self) -> tuple[tuple[int, ...], ...]:
     """Device ids grouped by host, hosts in order of first appearance."""
@@ -271,12 +278,17 @@ class Topology:
     return min(d.peak_flops for d in self.devices)
 
   def with_links(self, links: Mapping[str, LinkSpec], source: str = "probed",
-                 notes: Sequence[str] = ()) -> Topology:
-    """A copy with some link classes' specs replaced (e.g. by measured values)."""
+                 notes: Sequence[str] = (), measured: bool = True) -> Topology:
+    """A copy with some link classes' specs replaced: by measured values (``measured=True``,
+    as :meth:`probe` does: the classes are recorded in :attr:`measured`, which the step planner
+    reports), or by other priors (``measured=False``)."""
     merged = dict(self.links)
     merged.update(links)
+    classes = set(self.measured)
+    classes = classes | set(links) if measured else classes - set(links)
     return dataclasses.replace(self, links=_freeze_links(merged), source=source,
-                               notes=self.notes + tuple(notes))
+                               notes=self.notes + tuple(notes),
+                               measured=tuple(c for c in LINK_ORDER if c in classes))
 
   def subset(self, device_ids: Sequence[int]) -> Topology:
     """The topology restricted to ``device_ids`` (in that order)."""
@@ -298,6 +310,7 @@ class Topology:
         "nics": [dataclasses.asdict(n) for n in self.nics],
         "numa_nodes": [dataclasses.asdict(n) for n in self.numa_nodes],
         "notes": list(self.notes),
+        **({"measured": list(self.measured)} if self.measured else {}),
     }
 
   def to_json(self, indent: int | None = 1) -> str:
@@ -322,7 +335,7 @@ class Topology:
            "again with this one)." if newer else f". {hint}"))
     problems = [f"missing key {k!r}" for k in ("name", "devices", "link_matrix") if k not in data]
     known = {"format", "name", "devices", "link_matrix", "links", "nics", "numa_nodes", "source",
-             "notes"}
+             "notes", "measured"}
     problems += [f"unknown key {k!r}" for k in sorted(set(data) - known)]
     for k, t in (("name", str), ("source", str)):
       if k in data and not isinstance(data[k], t):
@@ -331,6 +344,10 @@ class Topology:
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
       problems.append("'notes' must be a list of strings")
       notes = []
+    measured = data.get("measured", [])
+    if not isinstance(measured, list) or not all(m in LINK_ORDER for m in measured):
+      problems.append(f"'measured' must be a list of link classes from {LINK_ORDER}")
+      measured = []
 
     def records(key, kind, required):
       out = []
@@ -398,6 +415,7 @@ class Topology:
           numa_nodes=tuple(numa),
           source=data.get("source", "json"),
           notes=tuple(notes),
+          measured=tuple(measured),
       )
     except errors.TopologyError as e:
       raise errors.TopologyError(f"{origin}: {e}") from None
@@ -433,16 +451,20 @@ class Topology:
 
   @staticmethod
   def fixtures() -> tuple[str, ...]:
-    """Names of the shipped reference topologies."""
+    """Names of the shipped reference topologies (JSON files) and the generated clusters."""
     files = resources.files("dtenjax") / "fixtures"
-    return tuple(sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".json")))
+    return tuple(sorted([p.name[:-5] for p in files.iterdir() if p.name.endswith(".json")] +
+                        list(CLUSTERS)))
 
   @classmethod
   def fixture(cls, name: str) -> Topology:
-    """A shipped reference topology, e.g. ``"dgx_a100_8"`` or ``"roce_a100_4x8"``."""
+    """A reference topology, e.g. ``"dgx_a100_8"``, ``"roce_a100_4x8"`` or a generated cluster
+    of 8-GPU hosts such as ``"h100_64"`` (:data:`CLUSTERS`)."""
     names = cls.fixtures()
     if name not in names:
       raise errors.TopologyError(f"no topology fixture named {name!r}; available: {names}")
+    if name in CLUSTERS:
+      return _cluster(name)
     path = resources.files("dtenjax") / "fixtures" / f"{name}.json"
     return cls._parse(path.read_text(encoding="utf-8"), f"fixture {name!r}")
 
@@ -470,6 +492,27 @@ class Topology:
 
 
 _current: Topology | None = None
+
+# Generated fixtures for planning beyond this machine: hosts of 8 H100 SXM (80 GB, NVLink4 through
+# NVSwitch), one 400 Gb/s NIC per GPU (InfiniBand NDR, 50 GB/s per direction); too large to ship
+# as JSON (the link matrix of 1,024 GPUs has a million entries), so they are built on request.
+CLUSTERS = {"h100_16": 2, "h100_64": 8, "h100_256": 32, "h100_1024": 128}
+
+
+@functools.lru_cache(maxsize=8)
+def _cluster(name: str) -> Topology:
+  hosts = CLUSTERS[name]
+  devices = [DeviceInfo(id=h * 8 + i, platform="gpu", kind="NVIDIA H100 80GB HBM3",
+                        memory_bytes=80 << 30, process_index=h * 8 + i, host=f"node{h}",
+                        numa_node=i // 4, local_index=i)
+             for h in range(hosts) for i in range(8)]
+  nics = [NicInfo(name=f"mlx5_{i}", host=f"node{h}", link_layer="InfiniBand",
+                  bandwidth_gbps=50.0, numa_node=i // 4) for h in range(hosts) for i in range(8)]
+  numa = [NumaNode(host=f"node{h}", id=n) for h in range(hosts) for n in range(2)]
+  return uniform(name, devices, intra="nvswitch", inter="infiniband",
+                 links={"infiniband": LinkSpec(50.0, 3.0)}, nics=nics, numa_nodes=numa,
+                 notes=[f"{hosts} hosts x 8 H100 SXM through NVSwitch, 8 x 400 Gb/s "
+                        "InfiniBand NICs per host (generated)"])
 
 
 def set_current(topology: Topology | None) -> None:

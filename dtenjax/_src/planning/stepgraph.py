@@ -1,0 +1,557 @@
+"""What a training step does with its arrays, read from its jaxpr: the facts the step planner
+(:mod:`dtenjax._src.planning.step`) prices.
+
+:func:`read_step` traces ``fn(*args)`` with abstract values (nothing runs, nothing is allocated)
+and walks the jaxpr, into ``jit``, ``scan``, ``remat`` and custom-derivative bodies:
+
+* **weights** -- the first ``dot_general`` (or convolution) that reads a state leaf gives its
+  dimensions a role: *contracted* (summed over, the input features of ``Y = X @ W``), *free*
+  (kept in the product, the output features or heads) or *stacked* (a ``scan`` over stacked layers,
+  or a batch dimension of the product). This is what tells ``(features, heads, head_dim)`` from
+  ``(heads, head_dim, features)`` without guessing. The partner's free dimensions are the tokens.
+* **pairs** -- a free dimension of one weight's product followed through elementwise ops,
+  reshapes, transposes and the batch and free dimensions of later products, until a product with
+  another weight contracts it: the column-parallel / row-parallel pairs of Megatron-style tensor
+  parallelism (the MLP's two kernels, the attention's q/k/v and output kernels), whose activation
+  between them stays sharded.
+* **ties** -- state leaves that meet in elementwise ops of one shape (a parameter, its gradient's
+  moments in the optimizer state, its update) form one group and are laid out alike: the optimizer
+  state is read from the step, not assumed.
+* **flops** of every product, and **activation bytes**: the peak, over the step's equations in
+  order, of the live values computed from the batch (values a ``jax.checkpoint`` recomputes are not
+  live in between, so rematerialisation lowers it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from dtenjax._src import errors
+
+# Primitives whose output dimension i is the input's dimension i (operands broadcast as scalars
+# or of the same shape): the sharded dimension of a pair survives them.
+_ELEMENTWISE = frozenset("""
+abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+copy copy_p cos cosh div erf erf_inv erfc exp exp2 expm1 floor imag integer_pow is_finite log
+log1p logistic max min mul ne eq ge gt le lt neg nextafter not or pow real reduce_precision rem
+round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor pvary stop_gradient
+optimization_barrier sharding_constraint
+""".split())
+# Primitives that only rename a value of the same shape (a state leaf keeps its identity).
+_ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
+                      "reduce_precision"))
+_SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """One array argument of the step."""
+  index: int                      # position among all flattened argument leaves
+  argnum: int
+  path: str                       # e.g. "[0]['params']['Dense_0']['kernel']"
+  shape: tuple[int, ...]
+  dtype: str
+  is_batch: bool
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightUse:
+  """The first product that reads a state leaf, in the leaf's own dimensions."""
+  leaf: int
+  contracted: tuple[int, ...]
+  free: tuple[int, ...]
+  stacked: tuple[int, ...]
+  tokens: int                     # the partner's free elements per product (global batch)
+  act_itemsize: int               # bytes per element of the partner (the activation)
+  repeats: int                    # how often the product runs per step (scan lengths)
+  primitive: str
+  flops: float = 0.0              # of the products that read it, and of its gradient's
+  input_grad: bool = True         # the partner depends on the state, so its gradient is needed
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  """``src``'s free dimension ``src_dim`` flows, unreduced, into a product with ``dst`` that
+  contracts ``dst``'s dimension ``dst_dim``."""
+  src: int
+  src_dim: int
+  dst: int
+  dst_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGraph:
+  leaves: tuple[Leaf, ...]
+  weights: dict[int, WeightUse]
+  pairs: tuple[Pair, ...]
+  groups: tuple[tuple[int, ...], ...]      # tied state leaves, each group in leaf order
+  flops: float                             # all products of one step, global
+  activation_bytes: int                    # peak live batch-derived bytes, global
+  gathered: frozenset[int]                 # state leaves read by gather (embedding tables)
+  outputs: tuple[tuple[tuple[int, ...], str, int | None], ...]   # (shape, dtype, tied leaf)
+  num_eqns: int
+  out_tree: Any = None                     # the step's output treedef
+  # (leaf, free dim) -> flops of activation products that split when that dim is sharded
+  carried: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+
+  def group_of(self, leaf: int) -> tuple[int, ...]:
+    for g in self.groups:
+      if leaf in g:
+        return g
+    return (leaf,)
+
+
+class _UnionFind:
+  def __init__(self):
+    self.parent: dict[int, int] = {}
+
+  def find(self, a: int) -> int:
+    self.parent.setdefault(a, a)
+    while self.parent[a] != a:
+      self.parent[a] = self.parent[self.parent[a]]
+      a = self.parent[a]
+    return a
+
+  def union(self, a: int, b: int) -> None:
+    ra, rb = self.find(a), self.find(b)
+    if ra != rb:
+      self.parent[max(ra, rb)] = min(ra, rb)
+
+
+def _is_var(v) -> bool:
+  return not isinstance(v, jax.extend.core.Literal)
+
+
+def _nbytes(aval) -> int:
+  shape = getattr(aval, "shape", ())
+  dtype = getattr(aval, "dtype", None)
+  if dtype is None:
+    return 0
+  try:
+    return math.prod(shape) * np.dtype(dtype).itemsize
+  except TypeError:       # extended dtypes (PRNG keys)
+    return 0
+
+
+def _sub_jaxprs(eqn):
+  """(jaxpr, repeats) of an equation's bodies that run per step."""
+  name = eqn.primitive.name
+  out = []
+  for key in _SUBJAXPR_PARAMS:
+    j = eqn.params.get(key)
+    if j is not None:
+      out.append((getattr(j, "jaxpr", j), int(eqn.params.get("length", 1)) if name == "scan"
+                  else 1))
+  if name == "while":
+    out.append((eqn.params["body_jaxpr"].jaxpr, 1))
+  if name == "cond":
+    out.extend((b.jaxpr, 1) for b in eqn.params["branches"][:1])
+  return out
+
+
+class _Reader:
+  """One walk of the jaxpr: origins of values (which leaf, which of its dimensions), the first
+  product of each leaf, the ties, flops and, at the top level, liveness."""
+
+  def __init__(self, leaves: Sequence[Leaf]):
+    self.leaves = leaves
+    self.weights: dict[int, WeightUse] = {}
+    self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...]]] = {}
+    self.leaf_flops: dict[int, float] = {}
+    self.shape_flops: dict[tuple[int, ...], float] = {}   # products whose result has this shape
+    self.ties = _UnionFind()
+    self.flops = 0.0
+    self.gathered: set[int] = set()
+    self.eqn_count = 0
+    # value -> list of (equation, position) that read it, over every jaxpr walked
+    self.uses: dict[Any, list[tuple[Any, int]]] = {}
+    # an inner jaxpr's invar -> the outer value it stands for (for pair propagation out of bodies)
+    self.inner_to_outer: dict[Any, Any] = {}
+    self.outer_of_outvar: dict[Any, Any] = {}
+    self.origin_all: dict[Any, tuple[int, tuple[int | None, ...]]] = {}
+    self.state_derived: set[Any] = set()     # values computed from any state leaf
+    self.eqn_flops: dict[int, float] = {}     # id(product equation) -> flops per step
+
+  # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
+  def walk(self, jaxpr, origin: dict, tie: dict, repeats: int) -> None:
+    for eqn in jaxpr.eqns:
+      self.eqn_count += 1
+      for pos, v in enumerate(eqn.invars):
+        if _is_var(v):
+          self.uses.setdefault(v, []).append((eqn, pos))
+      name = eqn.primitive.name
+      ins = [origin.get(v) if _is_var(v) else None for v in eqn.invars]
+      for v, org in zip(eqn.invars, ins):
+        if org is not None:
+          self.origin_all[v] = org
+      if any(_is_var(v) and (v in self.state_derived or v in origin) for v in eqn.invars):
+        self.state_derived.update(eqn.outvars)
+      if name in ("dot_general", "conv_general_dilated"):
+        self._product(eqn, ins, repeats)
+      elif name == "gather" and ins and ins[0] is not None:
+        self.gathered.add(ins[0][0])
+      if name in _ALIASES and ins[0] is not None:
+        origin[eqn.outvars[0]] = ins[0]
+      elif name == "transpose" and ins[0] is not None:
+        perm = eqn.params["permutation"]
+        origin[eqn.outvars[0]] = (ins[0][0], tuple(ins[0][1][p] for p in perm))
+      self._tie(eqn, tie)
+      for sub, length in _sub_jaxprs(eqn):
+        self._enter(eqn, sub, origin, tie, repeats * length)
+
+  def _enter(self, eqn, sub, origin, tie, repeats):
+    name = eqn.primitive.name
+    outer = list(eqn.invars)
+    if name == "cond":
+      outer = outer[1:]
+    inner_origin, inner_tie = {}, {}
+    n_consts = eqn.params.get("num_consts", 0)
+    n_carry = eqn.params.get("num_carry", 0)
+    for k, (o, i) in enumerate(zip(outer, sub.invars)):
+      if not _is_var(o):
+        continue
+      self.inner_to_outer[i] = o
+      if o in self.state_derived or o in origin:
+        self.state_derived.add(i)
+      org = origin.get(o)
+      if org is not None:
+        if name == "scan" and k >= n_consts + n_carry:
+          inner_origin[i] = (org[0], org[1][1:])          # one layer of a stacked leaf
+        else:
+          inner_origin[i] = org
+      if o in tie and name != "scan":
+        inner_tie[i] = tie[o]
+    self.walk(sub, inner_origin, inner_tie, repeats)
+    for i, o in zip(sub.outvars, eqn.outvars):
+      if _is_var(i):
+        self.outer_of_outvar[i] = o
+
+  def _tie(self, eqn, tie) -> None:
+    """Elementwise ops over operands of one shape tie the state leaves they carry."""
+    if eqn.primitive.name not in _ELEMENTWISE or not eqn.outvars:
+      return
+    shape = tuple(eqn.outvars[0].aval.shape)
+    reps = [tie[v] for v in eqn.invars if _is_var(v) and v in tie
+            and tuple(v.aval.shape) == shape]
+    if not reps:
+      return
+    for r in reps[1:]:
+      self.ties.union(reps[0], r)
+    for o in eqn.outvars:
+      tie[o] = reps[0]
+
+  def _product(self, eqn, ins, repeats) -> None:
+    name = eqn.primitive.name
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    if name == "dot_general":
+      (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+      lfree = [d for d in range(len(lhs.shape)) if d not in lc and d not in lb]
+      rfree = [d for d in range(len(rhs.shape)) if d not in rc and d not in rb]
+      contract = math.prod(lhs.shape[d] for d in lc)
+      batch = math.prod(lhs.shape[d] for d in lb)
+      flops = 2.0 * repeats * batch * contract * math.prod(
+          lhs.shape[d] for d in lfree) * math.prod(rhs.shape[d] for d in rfree)
+      sides = ((0, lc, lb, lfree, rhs, rfree), (1, rc, rb, rfree, lhs, lfree))
+    else:   # conv_general_dilated: rhs is the kernel
+      dn = eqn.params["dimension_numbers"]
+      rspec = dn.rhs_spec            # (out feature, in feature, spatial...)
+      out = eqn.outvars[0].aval
+      kernel = math.prod(rhs.shape) // rhs.shape[rspec[0]]
+      flops = 2.0 * repeats * math.prod(out.shape) * kernel
+      lspec = dn.lhs_spec
+      sides = ((1, tuple(rspec[1:]), (), (rspec[0],), lhs, (lspec[0], *lspec[2:])),)
+    self.flops += flops
+    self.eqn_flops[id(eqn)] = flops
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    self.shape_flops[out_shape] = self.shape_flops.get(out_shape, 0.0) + flops
+    for side, contracted, batched, free, partner, pfree in sides:
+      org = ins[side]
+      if org is None:
+        continue
+      leaf, dims = org
+      self.leaf_flops[leaf] = self.leaf_flops.get(leaf, 0.0) + flops
+      if leaf in self.weights or self.leaves[leaf].is_batch:
+        continue
+      self.weights[leaf] = WeightUse(
+          leaf=leaf,
+          contracted=tuple(sorted(dims[d] for d in contracted if dims[d] is not None)),
+          free=tuple(sorted(dims[d] for d in free if dims[d] is not None)),
+          stacked=tuple(sorted({d for d in range(len(self.leaves[leaf].shape))} -
+                               {dims[d] for d in (*contracted, *free) if dims[d] is not None})),
+          tokens=int(math.prod(partner.shape[d] for d in pfree)),
+          act_itemsize=np.dtype(partner.dtype).itemsize,
+          repeats=repeats, primitive=name,
+          input_grad=_is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived)
+      self.first_out[leaf] = (eqn, side, dims)
+
+
+def _out_dim_of(eqn, side: int, leaf_dims, leaf_dim: int) -> int | None:
+  """The output dimension of a dot_general that holds ``leaf_dim`` of operand ``side``."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  nl, nr = len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape)
+  lfree = [d for d in range(nl) if d not in lc and d not in lb]
+  rfree = [d for d in range(nr) if d not in rc and d not in rb]
+  layout = [("b", k) for k in range(len(lb))] + [("l", d) for d in lfree] + [("r", d) for d in rfree]
+  for k, d in enumerate(leaf_dims):
+    if d == leaf_dim:
+      want = ("l", k) if side == 0 else ("r", k)
+      return layout.index(want) if want in layout else None
+  return None
+
+
+def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: int = 4000
+            ) -> tuple[list[Pair], set[int]]:
+  """Pairs reached from ``start``'s dimension ``dim`` (see the module docstring), and the
+  products between activations that the dimension passes through unreduced (attention's score
+  and value products under head sharding), which split with it."""
+  pairs, todo, seen = [], [(start, dim)], set()
+  carried: set[int] = set()
+  dirty = False
+  while todo and budget > 0 and not dirty:
+    var, d = todo.pop()
+    if (var, d) in seen:
+      continue
+    seen.add((var, d))
+    budget -= 1
+    nxt = []
+    if var in reader.outer_of_outvar:
+      nxt.append((reader.outer_of_outvar[var], d))
+    for eqn, pos in reader.uses.get(var, ()):
+      name = eqn.primitive.name
+      out = eqn.outvars[0] if eqn.outvars else None
+      shape = tuple(var.aval.shape)
+      if name in _ELEMENTWISE:
+        if out is not None and tuple(out.aval.shape) == shape:
+          nxt.extend((o, d) for o in eqn.outvars)
+      elif name == "transpose":
+        nxt.append((out, list(eqn.params["permutation"]).index(d)))
+      elif name == "reshape":
+        new = tuple(out.aval.shape)
+        m = _reshape_dim(shape, new, d)
+        if m is not None:
+          nxt.append((out, m))
+      elif name == "broadcast_in_dim":
+        nxt.append((out, eqn.params["broadcast_dimensions"][d]))
+      elif name in ("reduce_max", "reduce_sum", "reduce_min", "argmax", "reduce_and", "reduce_or"):
+        axes = tuple(eqn.params.get("axes", ()))
+        if d in axes:
+          dirty = True
+        else:
+          nxt.append((out, d - sum(1 for a in axes if a < d)))
+      elif name == "dot_general":
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        mine_c, mine_b = (lc, lb) if pos == 0 else (rc, rb)
+        other_c = rc if pos == 0 else lc
+        other = eqn.invars[1 - pos]
+        if d in mine_c:
+          org = _origin_of(reader, other)
+          if org is None:
+            dirty = True          # a partial sum of activations: needs the gathered value
+          elif org[0] != src and org[0] in reader.weights:
+            leaf_dim = org[1][other_c[list(mine_c).index(d)]]
+            if leaf_dim is not None and leaf_dim in reader.weights[org[0]].contracted:
+              pairs.append(Pair(src, src_dim, org[0], leaf_dim))
+        else:
+          nl = len(eqn.invars[0].aval.shape)
+          nr = len(eqn.invars[1].aval.shape)
+          lfree = [k for k in range(nl) if k not in lc and k not in lb]
+          rfree = [k for k in range(nr) if k not in rc and k not in rb]
+          if _origin_of(reader, other) is None:
+            carried.add(id(eqn))
+          if d in mine_b:
+            nxt.append((out, list(mine_b).index(d)))
+          else:
+            base = len(lb) + (0 if pos == 0 else len(lfree))
+            free = lfree if pos == 0 else rfree
+            nxt.append((out, base + free.index(d)))
+      elif eqn.params.get("jaxpr") is not None or name in ("scan", "while", "cond"):
+        for sub, _ in _sub_jaxprs(eqn):
+          k = pos - (1 if name == "cond" else 0)
+          if 0 <= k < len(sub.invars):
+            inner = sub.invars[k]
+            if name == "scan" and k >= eqn.params["num_consts"] + eqn.params["num_carry"]:
+              if d == 0:
+                continue
+              nxt.append((inner, d - 1))
+            else:
+              nxt.append((inner, d))
+    todo.extend(x for x in nxt if x[0] is not None and _is_var(x[0]))
+  return ([], set()) if dirty or todo else (pairs, carried)
+
+
+def _origin_of(reader: _Reader, var):
+  """The (leaf, dims) a product operand stands for, or None for an activation."""
+  return reader.origin_all.get(var)
+
+
+def _reshape_dim(old: tuple[int, ...], new: tuple[int, ...], d: int) -> int | None:
+  """Where dimension ``d`` of ``old`` goes in ``new`` when it keeps its size or splits with it
+  leading (features -> heads x head_dim), or merges as the leading part; None otherwise."""
+  before = math.prod(old[:d])
+  acc = 1
+  for k, s in enumerate(new):
+    if acc == before:
+      if s == old[d] or (s > 1 and old[d] % s == 0) or (s % old[d] == 0 and
+                                                         math.prod(old[d + 1:]) % (s // old[d]) == 0):
+        return k
+      return None
+    acc *= s
+    if acc > before:
+      return None
+  return None
+
+
+def _liveness(jaxpr, batch_vars: set, excluded_shapes: set) -> int:
+  """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
+  calls add their own peak while they run)."""
+  tainted = set(batch_vars)
+  last_use: dict[Any, int] = {}
+  feeds_fusion_boundary: set[Any] = set()
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if _is_var(v):
+        last_use[v] = i
+        if eqn.primitive.name not in _ELEMENTWISE:
+          feeds_fusion_boundary.add(v)
+  for v in jaxpr.outvars:
+    if _is_var(v):
+      last_use[v] = len(jaxpr.eqns)
+  live = 0
+  peak = 0
+  ends: dict[int, int] = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    if any(_is_var(v) and v in tainted for v in eqn.invars):
+      inner = 0
+      for sub, _ in _sub_jaxprs(eqn):
+        n_outer = len(eqn.invars) - (1 if eqn.primitive.name == "cond" else 0)
+        sub_batch = {sv for sv, ov in zip(sub.invars, list(eqn.invars)[-n_outer:])
+                     if _is_var(ov) and ov in tainted}
+        inner = max(inner, _liveness(sub, sub_batch, excluded_shapes))
+      for o in eqn.outvars:
+        tainted.add(o)
+        shape = tuple(o.aval.shape)
+        if shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes:
+          continue
+        nb = _nbytes(o.aval)
+        end = last_use.get(o)
+        if end is None or nb == 0:
+          continue
+        # XLA fuses chains of elementwise ops into their consumers (recomputing them in the
+        # backward's fusions): such a value is materialised only when a non-elementwise op
+        # reads it
+        if eqn.primitive.name in _ELEMENTWISE and o not in feeds_fusion_boundary:
+          continue
+        live += nb
+        ends[end] = ends.get(end, 0) + nb
+      peak = max(peak, live + inner)
+    live -= ends.pop(i, 0)
+  return peak
+
+
+def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGraph:
+  """Traces ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``s) and reads its jaxpr."""
+  batch_argnums = tuple(batch_argnums)
+  flat = []
+  for argnum, arg in enumerate(args):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+      flat.append((argnum, path, leaf))
+  leaves = []
+  for i, (argnum, path, leaf) in enumerate(flat):
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+      raise errors.PlacementError(
+          f"plan: argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'} is "
+          f"{type(leaf).__name__}, not an array; pass arrays or jax.ShapeDtypeStruct leaves "
+          "(static values belong in functools.partial)")
+    leaves.append(Leaf(i, argnum, f"[{argnum}]{jax.tree_util.keystr(path)}",
+                       tuple(int(s) for s in leaf.shape), np.dtype(leaf.dtype).name,
+                       argnum in batch_argnums))
+  abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg) for arg in args]
+  try:
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract)
+  except errors.DtenjaxError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (the user's step failed to trace)
+    raise errors.PlacementError(
+        f"plan: the step could not be traced with the example arguments' shapes: "
+        f"{type(e).__name__}: {e}") from e
+  jaxpr = closed.jaxpr
+  if len(jaxpr.invars) != len(leaves):
+    raise errors.PlacementError(
+        f"plan: the step's jaxpr has {len(jaxpr.invars)} inputs for {len(leaves)} argument "
+        "leaves; pass every argument positionally")
+  reader = _Reader(leaves)
+  origin, tie = {}, {}
+  for leaf, var in zip(leaves, jaxpr.invars):
+    if not leaf.is_batch:
+      origin[var] = (leaf.index, tuple(range(len(leaf.shape))))
+      tie[var] = leaf.index
+  reader.walk(jaxpr, origin, tie, 1)
+  pairs = []
+  reached: dict[int, list[tuple[int, int]]] = {}     # product -> the sources that split it
+  for leaf, use in sorted(reader.weights.items()):
+    eqn, side, dims = reader.first_out[leaf]
+    if eqn.primitive.name != "dot_general":
+      continue
+    for k in use.free:
+      j = _out_dim_of(eqn, side, dims, k)
+      if j is not None:
+        found, through = _follow(reader, leaf, k, eqn.outvars[0], j)
+        pairs.extend(found)
+        for e in through:
+          reached.setdefault(e, []).append((leaf, k))
+  carried: dict[tuple[int, int], float] = {}
+  for e, srcs in reached.items():
+    for key in srcs:
+      carried[key] = carried.get(key, 0.0) + reader.eqn_flops.get(e, 0.0) / len(srcs)
+  pairs = tuple(sorted(set(pairs), key=lambda p: (p.src, p.src_dim, p.dst, p.dst_dim)))
+  weights = {}
+  for leaf, use in reader.weights.items():
+    shape = leaves[leaf].shape
+    # a gradient's product has the weight's shape (or its transpose): it splits like the reads
+    has_grad = (shape in reader.shape_flops or tuple(reversed(shape)) in reader.shape_flops)
+    reads = reader.leaf_flops.get(leaf, 0.0)
+    weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0))
+  groups: dict[int, list[int]] = {}
+  for leaf in leaves:
+    if not leaf.is_batch:
+      groups.setdefault(reader.ties.find(leaf.index), []).append(leaf.index)
+  state_shapes = {lf.shape for lf in leaves if not lf.is_batch and len(lf.shape) >= 2}
+  batch_vars = {v for lf, v in zip(leaves, jaxpr.invars) if lf.is_batch}
+  act = _liveness(jaxpr, batch_vars, state_shapes)
+  outputs = []
+  top_tie = _top_ties(jaxpr, leaves, reader)
+  for v in jaxpr.outvars:
+    aval = v.aval
+    rep = top_tie.get(v) if _is_var(v) else None
+    outputs.append((tuple(int(s) for s in aval.shape), np.dtype(aval.dtype).name, rep))
+  return StepGraph(leaves=tuple(leaves), weights=weights, pairs=pairs,
+                   groups=tuple(tuple(g) for g in groups.values()), flops=reader.flops,
+                   activation_bytes=int(act), gathered=frozenset(reader.gathered),
+                   outputs=tuple(outputs), num_eqns=reader.eqn_count,
+                   out_tree=jax.tree.structure(out_shape), carried=carried)
+
+
+def _top_ties(jaxpr, leaves, reader: _Reader) -> dict:
+  """Top-level values -> the state leaf group (representative leaf) they are tied to."""
+  tie = {var: reader.ties.find(lf.index) for lf, var in zip(leaves, jaxpr.invars)
+         if not lf.is_batch}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name not in _ELEMENTWISE or not eqn.outvars:
+      continue
+    shape = tuple(eqn.outvars[0].aval.shape)
+    reps = [tie[v] for v in eqn.invars if _is_var(v) and v in tie and
+            tuple(v.aval.shape) == shape]
+    if reps:
+      for o in eqn.outvars:
+        tie[o] = reader.ties.find(reps[0])
+  return tie

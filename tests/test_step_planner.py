@@ -1,0 +1,229 @@
+"""The whole-step planner (dtenjax.plan): what it reads from the jaxpr, what it chooses, and how its
+predictions compare with what XLA compiles."""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import dtenjax
+from dtenjax._src.planning import stepgraph
+from dtenjax._src.topology.parts import LinkSpec
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+import _step_models as models  # noqa: E402  pylint: disable=g-import-not-at-top
+
+
+def _paths(graph, leaves):
+  return {graph.leaves[i].path for i in leaves}
+
+
+@pytest.fixture(scope="module")
+def gpt():
+  return models.gpt2_step(batch=16, seq=32, layers=2, d=64, heads=4, vocab=512)
+
+
+@pytest.fixture(scope="module")
+def gpt_graph(gpt):
+  step, args = gpt
+  return stepgraph.read_step(step, args, (2,))
+
+
+def _use(graph, suffix):
+  (leaf,) = [i for i, lf in enumerate(graph.leaves) if lf.path.startswith("[0]") and
+             lf.path.endswith(suffix)]
+  return graph.weights[leaf]
+
+
+def test_attention_kernels_roles_come_from_the_products(gpt_graph):
+  # flax's DenseGeneral: query kernel (features, heads, head_dim) contracts the features;
+  # the output kernel (heads, head_dim, features) contracts heads and head_dim.
+  q = _use(gpt_graph, "['Block_0']['MultiHeadDotProductAttention_0']['query']['kernel']")
+  assert (q.contracted, q.free) == ((0,), (1, 2))
+  o = _use(gpt_graph, "['Block_0']['MultiHeadDotProductAttention_0']['out']['kernel']")
+  assert (o.contracted, o.free) == ((0, 1), (2,))
+  assert q.tokens == 16 * 32            # batch x sequence rows meet the kernel
+
+
+def test_megatron_pairs_are_found(gpt_graph):
+  g = gpt_graph
+  # the module name of a kernel: [0]['params']['Block_0']['Dense_0']['kernel'] -> Dense_0
+  name = {i: lf.path.split("['")[-2].rstrip("']") if lf.path.count("['") > 1 else lf.path
+          for i, lf in enumerate(g.leaves)}
+  pairs = {(name[p.src], p.src_dim, name[p.dst], p.dst_dim)
+           for p in g.pairs if "Block_0" in g.leaves[p.src].path}
+  # the MLP: Dense_0's output features feed Dense_1's contracted input features
+  assert ("Dense_0", 1, "Dense_1", 0) in pairs, pairs
+  # attention: q, k and v sharded over heads meet the output kernel's heads dimension
+  for src in ("query", "key", "value"):
+    assert (src, 1, "out", 0) in pairs, pairs
+
+
+def test_optimizer_moments_are_tied_to_their_parameter(gpt_graph):
+  g = gpt_graph
+  kernel = "['params']['Block_0']['Dense_0']['kernel']"
+  (group,) = [grp for grp in g.groups if any(g.leaves[i].path == "[0]" + kernel for i in grp)]
+  paths = _paths(g, group)
+  assert any(".mu" in p and p.endswith(kernel) for p in paths), paths
+  assert any(".nu" in p and p.endswith(kernel) for p in paths), paths
+  assert len(group) == 3
+
+
+def test_remat_lowers_the_activation_estimate():
+  step, args = models.llama_step("tiny", batch=8, seq=64, remat=False)
+  step_r, args_r = models.llama_step("tiny", batch=8, seq=64, remat=True)
+  plain = stepgraph.read_step(step, args, (2,)).activation_bytes
+  remat = stepgraph.read_step(step_r, args_r, (2,)).activation_bytes
+  assert remat < 0.7 * plain, (remat, plain)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+  return models.mlp_step(d=256, f=1024, layers=2, batch=32, seq=128)
+
+
+@pytest.mark.parametrize("recipe", dtenjax._src.planning.step.RECIPES)
+def test_predicted_collective_bytes_match_the_compiled_step(mlp, recipe):
+  step, args = mlp
+  plan = dtenjax.plan(step, *args, recipe=recipe)
+  check = plan.check(step, *args)
+  assert check.bytes_error <= 0.10, check.table()
+  # arguments and outputs are the state and batch as laid out: predicted exactly
+  for k in ("arguments", "outputs"):
+    assert check.predicted_memory[k] == pytest.approx(check.compiled_memory[k], rel=0.01), k
+
+
+def test_predicted_memory_matches_for_data_parallel(mlp):
+  step, args = mlp
+  check = dtenjax.plan(step, *args, recipe="DP").check(step, *args)
+  assert check.memory_error <= 0.15, check.table()
+
+
+def test_the_chosen_plan_runs_and_trains_like_one_device(mlp):
+  step, args = mlp
+  plan = dtenjax.plan(step, *args)
+  key = jax.random.key(0)
+  params = jax.tree.map(lambda s: 0.02 * jax.random.normal(key, s.shape, s.dtype), args[0])
+  opt = optax.adamw(1e-3).init(params)
+  batch = jax.random.normal(jax.random.key(1), args[2].shape, args[2].dtype)
+  placed = plan.shard(params, opt, batch)
+  want = jax.jit(step)(params, opt, batch)
+  got = plan.jit(step)(*placed)
+  np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+  for leaf, spec in zip(jax.tree.leaves(got[0]), jax.tree.leaves(plan.specs[0],
+                                                                 is_leaf=lambda s: isinstance(s, P))):
+    assert leaf.sharding.spec == spec
+
+
+def test_shard_with_step_places_like_the_plan(mlp):
+  step, args = mlp
+  params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), args[0])
+  placed = dtenjax.shard(params, dtenjax.Placement("auto"), step=step, step_args=args)
+  plan = dtenjax.plan(step, *args)
+  assert jax.tree.map(lambda a: a.sharding.spec, placed) == jax.tree.map(
+      lambda s: s, plan.specs[0], is_leaf=lambda s: isinstance(s, P))
+  with pytest.raises(dtenjax.PlacementError, match="step_args"):
+    dtenjax.shard(params, dtenjax.Placement("auto"), step=step)
+
+
+def _llama(size="small", batch=64, seq=256, **kw):
+  return models.llama_step(size, batch=batch, seq=seq, **kw)
+
+
+@pytest.mark.parametrize("fixture", ["h200_8", "h100_16", "h100_64", "roce_a100_4x8", "pcie_8"])
+def test_never_worse_than_the_best_recipe_that_fits(fixture):
+  topo = dtenjax.Topology.fixture(fixture)
+  step, args = _llama("small", batch=topo.num_devices * 4)
+  plan = dtenjax.plan(step, *args, topology=topo)
+  fitting = [r.cost.total_s for r in plan.recipes if r.cost is not None and r.cost.fits]
+  assert fitting
+  assert plan.cost.total_s <= min(fitting) * (1 + 1e-9), plan.table()
+
+
+def test_8b_on_8_h200_is_not_replicated():
+  step, args = models.llama_step("8b", batch=8, seq=2048, remat=True, dtype=jnp.float32)
+  plan = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h200_8"))
+  dp = next(r for r in plan.recipes if r.name == "DP")
+  assert not dp.cost.fits                              # 128 GB of state per replica
+  big = [lp for lp in plan.leaves if lp.path.startswith("[0]['layers']")]
+  assert all(lp.spec != P() for lp in big if len(lp.shape) >= 3), plan.table()
+  assert plan.cost.fits and plan.cost.memory["total"] <= plan.budget_bytes
+
+
+def test_a_step_that_fits_nowhere_names_the_shortfall():
+  step, args = models.llama_step("8b", batch=8, seq=2048, remat=True, dtype=jnp.float32)
+  with pytest.raises(dtenjax.PlacementError, match=r"GiB short.*pipeline"):
+    dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h200_8"),
+                 memory_budget=4 * 2**30)
+
+
+def test_roce_cluster_keeps_gradient_traffic_inside_hosts():
+  topo = dtenjax.Topology.fixture("roce_a100_4x8")
+  step, args = _llama("small", batch=128)
+  plan = dtenjax.plan(step, *args, topology=topo)
+  across = [a for a in plan.axes if a.span == "across hosts"]
+  assert [a.name for a in across] == ["data"], plan.table()
+  # the host-crossing axis carries only the (combined) gradient all-reduce
+  crossing = {k for k in plan.cost.collective_bytes if "data" in k}
+  assert crossing <= {"all_reduce[data]"}, plan.cost.collective_bytes
+
+
+def test_a_slow_measured_link_changes_the_plan_and_is_reported():
+  topo = dtenjax.Topology.fixture("h100_16")
+  step, args = _llama("small", batch=64)
+  fast = dtenjax.plan(step, *args, topology=topo)
+  slow_topo = topo.with_links({"infiniband": LinkSpec(0.5, 50.0)})
+  slow = dtenjax.plan(step, *args, topology=slow_topo)
+  assert (fast.mesh_shape, fast.specs) != (slow.mesh_shape, slow.specs)
+  assert all(a.source == "prior" for a in fast.axes)
+  crossing = [a for a in slow.axes if a.link == "infiniband"]
+  assert crossing and all(a.source == "measured" for a in crossing), slow.table()
+
+
+def test_pinned_leaves_are_kept_and_the_rest_planned(mlp):
+  step, args = mlp
+  pinned = ({"l0": {"w1": P(None, "tensor"), "w2": None}, "l1": None}, None, None)
+  plan = dtenjax.plan(step, *args, mesh={"data": 4, "tensor": 2}, pinned=pinned)
+  by_path = {lp.path: lp for lp in plan.leaves}
+  assert by_path["[0]['l0']['w1']"].spec == P(None, "tensor")
+  assert by_path["[0]['l0']['w1']"].reason == "pinned by you"
+
+
+def test_same_inputs_same_plan(mlp):
+  step, args = mlp
+  a = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h100_64"))
+  b = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h100_64"))
+  assert (a.mesh_shape, a.specs, a.device_ids) == (b.mesh_shape, b.specs, b.device_ids)
+
+
+def test_bad_arguments_are_named(mlp):
+  step, args = mlp
+  with pytest.raises(dtenjax.PlacementError, match="recipe"):
+    dtenjax.plan(step, *args, recipe="ZeRO-9")
+  with pytest.raises(dtenjax.PlacementError, match="mesh"):
+    dtenjax.plan(step, *args, mesh={"model": 8})
+  with pytest.raises(dtenjax.PlacementError, match="example arguments"):
+    dtenjax.plan(step)
+
+
+def test_explain_shows_the_plan_and_the_cli_prints_it(mlp, capsys, tmp_path, monkeypatch):
+  step, args = mlp
+  plan = dtenjax.plan(step, *args)
+  report = str(dtenjax.explain(plan))
+  for word in ("mesh", "recipe", "FSDP x TP", "memory per device", "[0]['l0']['w1']"):
+    assert word in report
+  (tmp_path / "mystep.py").write_text(
+      "import sys\nsys.path.insert(0, %r)\nimport _step_models as m\n"
+      "step, args = m.mlp_step(d=64, f=128, layers=1, batch=16, seq=8)\n"
+      "def example():\n  return args\n" % str(pathlib.Path(models.__file__).parent))
+  monkeypatch.chdir(tmp_path)
+  from dtenjax._src.cli import main  # pylint: disable=g-import-not-at-top
+  assert main.main(["plan", "mystep:step", "--args", "mystep:example", "--fixture",
+                    "h100_16"]) == 0
+  out = capsys.readouterr().out
+  assert "on h100_16 (16 devices)" in out and "recipe" in out

@@ -19,7 +19,26 @@ def _dev(i, host="h0", numa=0, platform="gpu", kind="NVIDIA A100-SXM4-80GB"):
 
 
 def test_fixture_names():
-  assert Topology.fixtures() == ("dgx_a100_8", "h200_8", "pcie_8", "roce_a100_4x8")
+  assert Topology.fixtures() == ("dgx_a100_8", "h100_1024", "h100_16", "h100_256", "h100_64",
+                                 "h200_8", "pcie_8", "roce_a100_4x8")
+
+
+@pytest.mark.parametrize("name,hosts", [("h100_16", 2), ("h100_64", 8), ("h100_256", 32)])
+def test_generated_clusters_are_hosts_of_8_nvswitch_gpus_over_infiniband(name, hosts):
+  t = Topology.fixture(name)
+  assert t.num_devices == 8 * hosts and len(t.hosts()) == hosts
+  assert t.link_class(0, 7) == "nvswitch" and t.link_class(0, 8) == "infiniband"
+  assert t.spec("infiniband").bandwidth_gbps == 50.0        # 400 Gb/s per NIC, one per GPU
+  assert t.fast_islands() == tuple(tuple(range(h * 8, h * 8 + 8)) for h in range(hosts))
+  assert Topology.from_json(t.to_json()) == t
+
+
+def test_probed_link_classes_are_recorded_and_survive_json():
+  t = Topology.fixture("h100_16").with_links({"infiniband": LinkSpec(10.0, 5.0)})
+  assert t.measured == ("infiniband",)
+  again = Topology.from_json(t.to_json())
+  assert again.measured == ("infiniband",) and again.spec("infiniband").bandwidth_gbps == 10.0
+  assert t.with_links({"infiniband": LinkSpec(50.0, 3.0)}, measured=False).measured == ()
 
 
 def test_dgx_a100_fixture_matches_seed():

@@ -43,9 +43,12 @@ that fits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -177,10 +180,14 @@ def _layout(shape, tp: tuple[str, int] | None, fsdp_dim: int | None, note: str) 
   return _Layout(tuple(_spec_entry(e) for e in entries), note)
 
 
-def _fsdp_dims(shape, m: _Mesh, exclude: int | None) -> list[int]:
+def _fsdp_dims(shape, m: _Mesh, exclude: int | None, use) -> list[int]:
+  """The dimension FSDP shards: a contracted one first (the largest that divides), as MaxText's
+  "embed" -> fsdp rule does; sharding a free dimension over the axis that also shards the batch
+  makes XLA's partitioner move activations (all-to-all) instead of gathering the weight."""
   f = m.size["fsdp"]
   dims = [d for d in range(len(shape)) if d != exclude and shape[d] % f == 0 and shape[d] >= f]
-  return sorted(dims, key=lambda d: (-shape[d], d))[:1]
+  contracted = set(use.contracted) if use is not None else set()
+  return sorted(dims, key=lambda d: (d not in contracted, -shape[d], d))[:1]
 
 
 def _candidates(graph: stepgraph.StepGraph, group: tuple[int, ...], m: _Mesh,
@@ -200,7 +207,7 @@ def _candidates(graph: stepgraph.StepGraph, group: tuple[int, ...], m: _Mesh,
   for tp in tps:
     fdims: list[int | None] = [None]
     if f > 1 and len(shape) >= 1:
-      fdims += _fsdp_dims(shape, m, tp[1] if tp else None)
+      fdims += _fsdp_dims(shape, m, tp[1] if tp else None, use)
     for fd in fdims:
       parts = []
       if tp:
@@ -272,6 +279,9 @@ def _price(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: _Layout, m: 
   dtype = primary.dtype
   use = graph.weights.get(primary.index)
   grad = primary.nbytes / t_shard
+  # a leaf both looked up (gather) and multiplied (tied embeddings) has two gradient parts,
+  # which XLA synchronises separately before adding them (seen on XLA:CPU)
+  parts = 2 if (use is not None and primary.index in graph.gathered) else 1
   # gradient synchronisation
   if batch:
     if zero:
@@ -289,9 +299,9 @@ def _price(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: _Layout, m: 
       # XLA combines the gradients' all-reduces into few large ones: each leaf adds its bytes'
       # share, and the problem adds one latency (_problem)
       k = _axis_key(batch)
-      pr.add(pr.overlappable, k, pricer("all_reduce", grad, batch, dtype) -
-             pricer("all_reduce", 1, batch, dtype))
-      pr.add(pr.bytes, f"all_reduce[{k}]", grad)
+      pr.add(pr.overlappable, k, parts * (pricer("all_reduce", grad, batch, dtype) -
+                                          pricer("all_reduce", 1, batch, dtype)))
+      pr.add(pr.bytes, f"all_reduce[{k}]", parts * grad)
   # FSDP: the parameter gathered for the forward; XLA keeps the gathered copy for the backward
   # (one all-gather per step, the copy live in between)
   if zero:
@@ -576,6 +586,26 @@ def _pair_maps(graph: stepgraph.StepGraph):
   return sources, dests
 
 
+@contextlib.contextmanager
+def _quiet_stdout():
+  """HiGHS (inside scipy 1.16-1.18) prints debugging lines such as
+  "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();" to the process's
+  standard output even with disp=False; they are not for the user."""
+  try:
+    fd = sys.stdout.fileno()
+  except (AttributeError, OSError, ValueError):     # a replaced sys.stdout (pytest's capture)
+    fd = 1
+  sys.stdout.flush()
+  saved = os.dup(fd)
+  try:
+    with open(os.devnull, "w", encoding="utf-8") as null:
+      os.dup2(null.fileno(), fd)
+      yield
+  finally:
+    os.dup2(saved, fd)
+    os.close(saved)
+
+
 def _solve(prob: _Problem, graph: stepgraph.StepGraph, budget: float) -> list[int] | None:
   """The cheapest assignment that fits (scipy.optimize.milp), or None when none fits."""
   from scipy import optimize, sparse  # pylint: disable=g-import-not-at-top
@@ -668,9 +698,10 @@ def _solve(prob: _Problem, graph: stepgraph.StepGraph, budget: float) -> list[in
   integrality = np.zeros(n)
   integrality[:nx] = 1
   bounds = optimize.Bounds(np.zeros(n), np.r_[np.ones(nx + nu), np.inf])
-  res = optimize.milp(c, constraints=optimize.LinearConstraint(a, lo, hi),
-                      integrality=integrality, bounds=bounds,
-                      options={"disp": False, "time_limit": 10.0})
+  with _quiet_stdout():
+    res = optimize.milp(c, constraints=optimize.LinearConstraint(a, lo, hi),
+                        integrality=integrality, bounds=bounds,
+                        options={"disp": False, "time_limit": 10.0})
   if res.x is None:
     return None
   choice = []
@@ -1034,6 +1065,9 @@ class Check:
     lines.append(f"memory off by {self.memory_error:.1%}, collective bytes by "
                  f"{self.bytes_error:.1%}")
     return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.table()
 
 
 def _check(plan_: StepPlan, step: Callable, args) -> Check:

@@ -227,3 +227,57 @@ def test_explain_shows_the_plan_and_the_cli_prints_it(mlp, capsys, tmp_path, mon
                     "h100_16"]) == 0
   out = capsys.readouterr().out
   assert "on h100_16 (16 devices)" in out and "recipe" in out
+
+
+@pytest.mark.multiprocess
+def test_two_processes_plan_alike_and_train_on_one_mesh(tmp_path):
+  from tests.mp_workers import launch  # pylint: disable=g-import-not-at-top
+  codes, results, logs = launch.launch("tests.mp_workers.step_plan_worker", 2, str(tmp_path),
+                                       devices_per_proc=4, timeout_s=120)
+  assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+  assert results[0]["digest"] == results[1]["digest"]          # the same plan in each process
+  assert results[0]["mesh_processes"] == [0, 1]                # one mesh over both processes
+  assert results[0]["mesh_devices"] == results[1]["mesh_devices"]
+  # the loss of the same step on one device
+  step, args = models.mlp_step(d=64, f=256, layers=2, batch=16, seq=8)
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), args[0])
+  batch = rng.standard_normal(args[2].shape).astype(args[2].dtype)
+  want = float(jax.jit(step)(params, optax.adamw(1e-3).init(params), batch)[2])
+  assert results[0]["loss"] == pytest.approx(want, rel=1e-5)
+  assert results[1]["loss"] == results[0]["loss"]
+
+
+def test_flax_nnx_step_with_its_optimizer_is_planned_megatron_style():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(64, 256, rngs=rngs)
+      self.l2 = nnx.Linear(256, 64, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(nnx.gelu(self.l1(x)))
+
+  model = MLP(nnx.Rngs(0))
+  graphdef, state = nnx.split((model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)))
+
+  def step(state, x):
+    model, opt = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    opt.update(model, grads)
+    return nnx.state((model, opt)), loss
+
+  x = jnp.ones((32, 16, 64))
+  plan = dtenjax.plan(step, state, x, mesh={"data": 2, "tensor": 4})
+  spec = {lp.path: lp.spec for lp in plan.leaves}
+  # Megatron: the first kernel column-parallel, the second row-parallel, the pair's activation
+  # stays sharded; every Adam moment follows its kernel
+  assert spec["[0][0]['l1']['kernel'].value"] == P(None, "tensor")
+  assert spec["[0][0]['l2']['kernel'].value"] == P("tensor")
+  for moment in ("mu", "nu"):
+    for layer in ("l1", "l2"):
+      assert (spec[f"[0][1]['opt_state'][0]['{moment}']['{layer}']['kernel'].value"] ==
+              spec[f"[0][0]['{layer}']['kernel'].value"])
+  new_state, loss = plan.jit(step)(*plan.shard(state, x))
+  assert float(loss) == pytest.approx(float(jax.jit(step)(state, x)[1]), rel=1e-5)

@@ -1,0 +1,45 @@
+"""One process of the whole-step planner's multi-process test: plans the MLP step over every
+process's devices (jax.distributed), builds the planned mesh across processes, places the state
+and runs one step. Writes the plan's digest, mesh and loss."""
+
+import hashlib
+import os
+import sys
+
+import jax
+import numpy as np
+
+from tests.mp_workers import common
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+
+
+def main():
+  rank, nprocs = common.init()
+  import _step_models as models  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import dtenjax  # pylint: disable=g-import-not-at-top
+  step, args = models.mlp_step(d=64, f=256, layers=2, batch=16, seq=8)
+  plan = dtenjax.plan(step, *args, mesh={"data": 4, "tensor": 2})
+  mesh = plan.mesh()
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), args[0])
+  opt = optax.adamw(1e-3).init(params)
+  opt = jax.tree.map(np.asarray, opt)
+  batch = rng.standard_normal(args[2].shape).astype(args[2].dtype)
+  shardings = plan.shardings()
+
+  def place(x, s):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+  placed = [jax.tree.map(place, a, s) for a, s in zip((params, opt, batch), shardings)]
+  _, _, loss = plan.jit(step)(*placed)
+  digest = hashlib.sha256(repr((plan.mesh_shape, plan.device_ids, plan.specs)).encode())
+  common.finish({"rank": rank, "nprocs": nprocs, "digest": digest.hexdigest(),
+                 "mesh_devices": [int(d.id) for d in mesh.devices.flat],
+                 "mesh_processes": sorted({int(d.process_index) for d in mesh.devices.flat}),
+                 "loss": float(jax.device_get(loss))})
+
+
+if __name__ == "__main__":
+  main()

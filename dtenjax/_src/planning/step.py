@@ -1080,9 +1080,10 @@ def _check(plan_: StepPlan, step: Callable, args) -> Check:
          "temp": float(stats.temp_size_in_bytes)}
   got["total"] = sum(got.values())
   exp = explain_lib.explain(compiled)
+  repeats = _loop_repeats(compiled)
   compiled_bytes: dict[str, float] = {}
-  for c in exp.collectives:
-    compiled_bytes[c.kind] = compiled_bytes.get(c.kind, 0.0) + c.nbytes
+  for c in exp.collectives:      # per step: a collective in a loop body runs once per iteration
+    compiled_bytes[c.kind] = compiled_bytes.get(c.kind, 0.0) + c.nbytes * repeats(c.computation)
   predicted_bytes: dict[str, float] = {}
   for k, v in plan_.cost.collective_bytes.items():
     kind = k.split("[")[0]
@@ -1093,6 +1094,31 @@ def _check(plan_: StepPlan, step: Callable, args) -> Check:
           "temp": mem["grads"] + mem["activations"] + mem.get("gathered", 0.0)}
   pred["total"] = sum(pred.values())
   return Check(pred, got, predicted_bytes, compiled_bytes)
+
+
+def _loop_repeats(compiled) -> Callable[[str], int]:
+  """computation name -> how often it runs per step: the product of the known trip counts of the
+  while loops around it (1 outside loops, or where XLA knows no trip count)."""
+  from dtenjax._src import hlo  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.gpu import graph_prediction  # pylint: disable=g-import-not-at-top
+  module = hlo.read_compiled(compiled)
+  trips = graph_prediction.trip_counts_from_text(compiled.as_text())
+  callers = module.callers()
+  memo: dict[str, int] = {}
+
+  def repeats(comp: str, depth: int = 0) -> int:
+    if comp in memo:
+      return memo[comp]
+    out = 1
+    calls = callers.get(comp, [])
+    if calls and depth < 64:
+      ins = calls[0]
+      out = repeats(ins.computation, depth + 1)
+      if ins.opcode == "while":
+        out *= trips.get(ins.name, 1)
+    memo[comp] = out
+    return out
+  return repeats
 
 
 def _trim(spec: P) -> P:

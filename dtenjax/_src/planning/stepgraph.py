@@ -232,9 +232,10 @@ class _Reader:
       if o in tie and name != "scan":
         inner_tie[i] = tie[o]
     self.walk(sub, inner_origin, inner_tie, repeats)
-    for i, o in zip(sub.outvars, eqn.outvars):
+    for k, (i, o) in enumerate(zip(sub.outvars, eqn.outvars)):
       if _is_var(i):
-        self.outer_of_outvar[i] = o
+        # a scan's stacked outputs (after the carry) gain the leading length dimension
+        self.outer_of_outvar[i] = (o, 1 if name == "scan" and k >= n_carry else 0)
 
   def _tie(self, eqn, tie) -> None:
     """Elementwise ops over operands of one shape tie the state leaves they carry."""
@@ -325,7 +326,8 @@ def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: in
     budget -= 1
     nxt = []
     if var in reader.outer_of_outvar:
-      nxt.append((reader.outer_of_outvar[var], d))
+      outer, shift = reader.outer_of_outvar[var]
+      nxt.append((outer, d + shift))
     for eqn, pos in reader.uses.get(var, ()):
       name = eqn.primitive.name
       out = eqn.outvars[0] if eqn.outvars else None

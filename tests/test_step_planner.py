@@ -281,3 +281,32 @@ def test_flax_nnx_step_with_its_optimizer_is_planned_megatron_style():
               spec[f"[0][0]['{layer}']['kernel'].value"])
   new_state, loss = plan.jit(step)(*plan.shard(state, x))
   assert float(loss) == pytest.approx(float(jax.jit(step)(state, x)[1]), rel=1e-5)
+
+
+def test_leaves_boxed_with_flax_logical_names_are_pinned_and_the_rest_planned():
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      ki = nn.initializers.lecun_normal()
+      h = nn.relu(nn.Dense(256, kernel_init=nn.with_logical_partitioning(ki, ("embed", "mlp")))(x))
+      return nn.Dense(64, kernel_init=nn.with_logical_partitioning(ki, ("mlp", "embed")))(h)
+
+  model, x = MLP(), jax.ShapeDtypeStruct((32, 16, 64), jnp.float32)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+  tx = optax.adam(1e-3)
+
+  def step(p, o, x):
+    value, g = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(p)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o, value
+
+  plan = dtenjax.plan(step, params, jax.eval_shape(tx.init, params), x,
+                      mesh={"fsdp": 2, "tensor": 4}, rules=(("embed", "fsdp"), ("mlp", "tensor")))
+  by = {lp.path: lp for lp in plan.leaves}
+  kernel = by["[0]['params']['Dense_0']['kernel'].value"]
+  assert kernel.spec == P("fsdp", "tensor") and "flax partitioning names" in kernel.reason
+  assert by["[0]['params']['Dense_1']['kernel'].value"].spec == P("tensor", "fsdp")
+  assert by["[1][0].mu['params']['Dense_0']['kernel'].value"].spec == P("fsdp", "tensor")
+  assert by["[0]['params']['Dense_0']['bias']"].reason != kernel.reason       # planned

@@ -191,12 +191,13 @@ def _fsdp_dims(shape, m: _Mesh, exclude: int | None, use) -> list[int]:
 
 
 def _candidates(graph: stepgraph.StepGraph, group: tuple[int, ...], m: _Mesh,
-                pinned: P | None) -> list[_Layout]:
+                pinned: tuple[P, str] | None) -> list[_Layout]:
   leaf = graph.leaves[group[0]]
   shape = leaf.shape
   if pinned is not None:
-    entries = tuple(pinned) + (None,) * (len(shape) - len(pinned))
-    return [_Layout(entries, "pinned by you")]
+    spec, why = pinned
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return [_Layout(entries, why)]
   use = graph.weights.get(group[0])
   t, f = m.size["tensor"], m.size["fsdp"]
   tps: list[tuple[str, int] | None] = [None]
@@ -796,10 +797,29 @@ def _pinned_specs(pinned, args) -> dict[int, P]:
   return out
 
 
+def _box_pins(args, rules) -> dict[int, P]:
+  """Leaf index -> the PartitionSpec flax partitioning metadata gives a boxed leaf (linen's
+  ``nn.with_logical_partitioning`` / ``nn.with_partitioning``, nnx's ``out_sharding``), mapped
+  to the planner's axes by ``rules`` as Placement(rules=...) maps them."""
+  from dtenjax._src.planning import placement  # pylint: disable=g-import-not-at-top
+  names_mesh = jax.sharding.AbstractMesh((1,) * len(AXES), AXES)
+  out: dict[int, P] = {}
+  offset = 0
+  for argnum, arg in enumerate(args):
+    nodes = jax.tree.leaves(arg, is_leaf=placement._is_box)  # pylint: disable=protected-access
+    for node in nodes:
+      if placement._is_box(node):  # pylint: disable=protected-access
+        out[offset] = placement._box_spec(  # pylint: disable=protected-access
+            node, names_mesh, rules, f"plan: argument {argnum}'s boxed leaf")
+      offset += len(jax.tree.leaves(node))
+  return out
+
+
 def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
          topology: Topology | None = None, memory_budget: float | None = None,
          batch_argnums: int | Sequence[int] | None = None, pinned: Sequence[Any] | None = None,
-         overlap: float = 0.5, donate: bool = False, recipe: str | None = None) -> StepPlan:
+         rules: Sequence[tuple[str, Any]] | None = None, overlap: float = 0.5,
+         donate: bool = False, recipe: str | None = None) -> StepPlan:
   """Plans the layout of every argument of a training step, and the mesh.
 
   Args:
@@ -818,6 +838,9 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
       dimension 0); default the last argument.
     pinned: one entry per argument: None (plan it) or a pytree prefix of PartitionSpecs (None
       leaves are planned) that the plan keeps as they are and plans the rest around.
+    rules: flax logical axis rules (``(("embed", "fsdp"), ("mlp", "tensor"), ...)``) for
+      leaves boxed with flax partitioning metadata: those leaves are pinned to the layout their
+      names give (the box's own rules, these, or flax's rules context), the rest is planned.
     overlap: share of the compute time that can hide gradient and FSDP traffic (0..1).
     recipe: one of :data:`RECIPES` ("DP", "FSDP", "TP", "FSDP x TP") to get that standard
       layout priced and laid out instead of the planner's choice (its mesh and assignment).
@@ -845,7 +868,9 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
                                 f"(0..{len(args) - 1})")
   if recipe is not None and recipe not in RECIPES:
     raise errors.PlacementError(f"plan: recipe={recipe!r} is not one of {RECIPES}")
-  pins = _pinned_specs(pinned, args)
+  pins = {**{k: (v, "pinned by its flax partitioning names") for k, v in
+             _box_pins(args, rules).items()},
+          **{k: (v, "pinned by you") for k, v in _pinned_specs(pinned, args).items()}}
   graph = stepgraph.read_step(step, args, batch_argnums)
   topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology)
   if recipe is not None:
@@ -991,7 +1016,7 @@ def _report(graph, prob: _Problem, choice, cost, recipes, budget, topology, seco
     spec = P(*lay.spec)
     reason = lay.note
     use = graph.weights.get(g[0])
-    if use is not None and reason != "pinned by you":
+    if use is not None and not reason.startswith("pinned"):
       reason += (f"; product contracts dims {list(use.contracted)}, keeps {list(use.free)}")
     for k, leaf in enumerate(g):
       spec_of[leaf] = (spec, reason if k == 0 else f"tied to {graph.leaves[g[0]].path}")

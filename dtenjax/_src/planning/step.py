@@ -236,8 +236,9 @@ class _Price:
   tp: tuple[str, int] | None = None
   compute: float = 0.0         # seconds of the products it takes part in, per device
 
-  def add(self, where: dict, key: str, value: float) -> None:
-    where[key] = where.get(key, 0.0) + value
+
+def _acc(where: dict[str, float], key: str, value: float) -> None:
+  where[key] = where.get(key, 0.0) + value
 
 
 class _Pricer:
@@ -287,28 +288,28 @@ def _price(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: _Layout, m: 
   if batch:
     if zero:
       k = _axis_key(zero)
-      pr.add(pr.overlappable, k, pricer("reduce_scatter", grad, zero, dtype))
-      pr.add(pr.bytes, f"reduce_scatter[{k}]", grad)
+      _acc(pr.overlappable, k, pricer("reduce_scatter", grad, zero, dtype))
+      _acc(pr.bytes, f"reduce_scatter[{k}]", grad)
       rest = [a for a in batch if a not in zero]
       if rest:
         g2 = grad / math.prod(m.size[a] for a in zero)
         k2 = _axis_key(rest)
-        pr.add(pr.overlappable, k2, pricer("all_reduce", g2, rest, dtype) -
+        _acc(pr.overlappable, k2, pricer("all_reduce", g2, rest, dtype) -
                pricer("all_reduce", 1, rest, dtype))
-        pr.add(pr.bytes, f"all_reduce[{k2}]", g2)
+        _acc(pr.bytes, f"all_reduce[{k2}]", g2)
     else:
       # XLA combines the gradients' all-reduces into few large ones: each leaf adds its bytes'
       # share, and the problem adds one latency (_problem)
       k = _axis_key(batch)
-      pr.add(pr.overlappable, k, parts * (pricer("all_reduce", grad, batch, dtype) -
+      _acc(pr.overlappable, k, parts * (pricer("all_reduce", grad, batch, dtype) -
                                           pricer("all_reduce", 1, batch, dtype)))
-      pr.add(pr.bytes, f"all_reduce[{k}]", parts * grad)
+      _acc(pr.bytes, f"all_reduce[{k}]", parts * grad)
   # FSDP: the parameter gathered for the forward; XLA keeps the gathered copy for the backward
   # (one all-gather per step, the copy live in between)
   if zero:
     k = _axis_key(zero)
-    pr.add(pr.overlappable, k, pricer("all_gather", grad, zero, dtype))
-    pr.add(pr.bytes, f"all_gather[{k}]", grad)
+    _acc(pr.overlappable, k, pricer("all_gather", grad, zero, dtype))
+    _acc(pr.bytes, f"all_gather[{k}]", grad)
     pr.memory["gathered"] = grad
   # tensor parallelism
   if "tensor" in used and use is not None and m.size["tensor"] > 1:
@@ -321,23 +322,23 @@ def _price(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: _Layout, m: 
       pr.tp = ("col", d)
       if use.input_grad:     # the input's gradient is a partial sum over 'tensor'
         nb = tokens * width_in * item
-        pr.add(pr.blocking, "tensor", pricer("all_reduce", nb, ("tensor",), dtype))
-        pr.add(pr.bytes, "all_reduce[tensor]", nb)
+        _acc(pr.blocking, "tensor", pricer("all_reduce", nb, ("tensor",), dtype))
+        _acc(pr.bytes, "all_reduce[tensor]", nb)
       pr.ag_fwd_bytes = tokens * width_out * item
       pr.ag_fwd = pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), dtype)
     elif d in use.contracted:
       pr.tp = ("row", d)
       nb = tokens * width_out * item
-      pr.add(pr.blocking, "tensor", pricer("all_reduce", nb, ("tensor",), dtype))
-      pr.add(pr.bytes, "all_reduce[tensor]", nb)
+      _acc(pr.blocking, "tensor", pricer("all_reduce", nb, ("tensor",), dtype))
+      _acc(pr.bytes, "all_reduce[tensor]", nb)
       if use.input_grad:
         pr.ag_bwd_bytes = tokens * width_in * item
         pr.ag_bwd = pricer("all_gather", pr.ag_bwd_bytes, ("tensor",), dtype)
   elif "tensor" in used:
     # a stacked dimension over 'tensor': gathered like FSDP
-    pr.add(pr.overlappable, "tensor", 2 * pricer("all_gather", grad * t_shard, ("tensor",),
+    _acc(pr.overlappable, "tensor", 2 * pricer("all_gather", grad * t_shard, ("tensor",),
                                                   dtype))
-    pr.add(pr.bytes, "all_gather[tensor]", 2 * grad * t_shard)
+    _acc(pr.bytes, "all_gather[tensor]", 2 * grad * t_shard)
   if use is not None:
     split = m.size["tensor"] if pr.tp is not None else 1
     flops = use.flops / split
@@ -430,7 +431,7 @@ class StepPlan:
           "Plan with the topology of the devices you run on (topology=None), or run where the "
           "planned devices exist.")
     arr = np.asarray([by_id[i] for i in self.device_ids], dtype=object)
-    return _mesh_of(arr.reshape(self.mesh_shape), self.axis_names)
+    return Mesh(arr.reshape(self.mesh_shape), self.axis_names)
 
   def shardings(self, devices: Sequence[Any] | None = None) -> tuple[Any, ...]:
     """One NamedSharding per argument leaf, in the arguments' structure."""
@@ -507,10 +508,6 @@ class StepPlan:
 
   def __str__(self) -> str:
     return self.table()
-
-
-def _mesh_of(devices: np.ndarray, names: tuple[str, ...]) -> Mesh:
-  return Mesh(devices, names)
 
 
 # --- solving ------------------------------------------------------------------------------------
@@ -676,7 +673,7 @@ def _solve(prob: _Problem, graph: stepgraph.StepGraph, budget: float) -> list[in
       lo.append(-np.inf)
       hi.append(0.0)
       r += 1
-  window = prob.overlap * prob.compute_s                  # e >= overlappable - window - ...
+  # e >= overlappable - overlap x compute (both per candidate, see over[]) - the fixed terms
   for k in range(nx):
     rows.append(r)
     cols.append(k)
@@ -685,7 +682,7 @@ def _solve(prob: _Problem, graph: stepgraph.StepGraph, budget: float) -> list[in
   cols.append(n - 1)
   vals.append(-1.0)
   lo.append(-np.inf)
-  hi.append(window - prob.grad_latency_s)
+  hi.append(prob.overlap * prob.compute_s - prob.grad_latency_s)
   r += 1
   if budget:                                              # memory per device
     for k in range(nx):
@@ -1039,7 +1036,6 @@ def _report(graph, prob: _Problem, choice, cost, recipes, budget, topology, seco
     leaves_a, treedef = jax.tree_util.tree_flatten(a)
     specs.append(jax.tree_util.tree_unflatten(treedef, specs_flat[k:k + len(leaves_a)]))
     k += len(leaves_a)
-  names = tuple(a for a in AXES)
   notes = []
   if not budget:
     notes.append("memory: the devices' memory is unknown (as on CPU), so no budget was checked; "
@@ -1051,7 +1047,7 @@ def _report(graph, prob: _Problem, choice, cost, recipes, budget, topology, seco
       spec = P()
     out_specs_flat.append(_trim(spec))
   out_specs = jax.tree_util.tree_unflatten(graph.out_tree, out_specs_flat)
-  return StepPlan(axis_names=names, mesh_shape=m.shape, out_specs=out_specs,
+  return StepPlan(axis_names=AXES, mesh_shape=m.shape, out_specs=out_specs,
                   device_ids=tuple(int(i) for i in m.ids.ravel()), axes=_axis_links(m),
                   leaves=tuple(leaves), specs=tuple(specs), cost=cost, recipes=recipes,
                   budget_bytes=budget, topology=topology.name, planning_s=seconds,

@@ -312,3 +312,23 @@ def test_leaves_boxed_with_flax_logical_names_are_pinned_and_the_rest_planned():
   assert by["[0]['params']['Dense_1']['kernel'].value"].spec == P("tensor", "fsdp")
   assert by["[1][0].mu['params']['Dense_0']['kernel'].value"].spec == P("fsdp", "tensor")
   assert by["[0]['params']['Dense_0']['bias']"].reason != kernel.reason       # planned
+
+
+def test_a_prng_key_in_the_batch_is_replicated_and_the_rest_split():
+  tx = optax.sgd(1e-2)
+
+  def step(p, o, batch):
+    x, key = batch
+
+    def loss(p):
+      h = x @ p["w"]
+      return jnp.mean(jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h, 0) ** 2)
+    value, g = jax.value_and_grad(loss)(p)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o, value
+
+  p = {"w": jax.ShapeDtypeStruct((64, 128), jnp.float32)}
+  batch = (jax.ShapeDtypeStruct((16, 64), jnp.float32), jax.random.key(0))
+  plan = dtenjax.plan(step, p, jax.eval_shape(tx.init, p), batch, mesh={"data": 8})
+  by = {lp.path: lp.spec for lp in plan.leaves}
+  assert by["[2][0]"] == P("data") and by["[2][1]"] == P()

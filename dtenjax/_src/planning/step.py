@@ -973,7 +973,7 @@ def _resolve_mesh(mesh, topology):
 def _problem(graph, m: _Mesh, price, pins, overlap, donate) -> _Problem | None:
   bdiv = m.size["data"] * m.size["fsdp"]
   batch_leaves = [lf for lf in graph.leaves if lf.is_batch]
-  if any(lf.shape and lf.shape[0] % bdiv for lf in batch_leaves):
+  if bdiv > 1 and not any(_splits(lf, bdiv) for lf in batch_leaves):
     return None
   pricer = _Pricer(m, price)
   groups = [g for g in graph.groups]
@@ -987,7 +987,7 @@ def _problem(graph, m: _Mesh, price, pins, overlap, donate) -> _Problem | None:
              sum(graph.carried.values()))
   compute = rest / bdiv / m.topology.peak_flops()
   fixed = {"activations": graph.activation_bytes / bdiv,
-           "batch": sum(lf.nbytes for lf in batch_leaves) / bdiv}
+           "batch": sum(lf.nbytes / (bdiv if _splits(lf, bdiv) else 1) for lf in batch_leaves)}
 
   # one latency for the combined gradient all-reduce(s) (see _price)
   batch = [a for a in BATCH_AXES if m.size[a] > 1]
@@ -997,6 +997,12 @@ def _problem(graph, m: _Mesh, price, pins, overlap, donate) -> _Problem | None:
     if "fsdp" in batch and "data" in batch:
       latency = max(latency, pricer("all_reduce", 1, ["data"], "float32"))
   return _Problem(m, groups, cands, prices, compute, fixed, overlap, latency)
+
+
+def _splits(leaf: stepgraph.Leaf, bdiv: int) -> bool:
+  """Whether a batch leaf is split over the batch axes (its dimension 0 divides); others (a PRNG
+  key, a scalar, a per-step constant) are replicated."""
+  return bool(leaf.shape) and leaf.shape[0] % bdiv == 0 and leaf.dtype.find("key") < 0
 
 
 def _min_memory(prob: _Problem) -> float:
@@ -1023,8 +1029,12 @@ def _report(graph, prob: _Problem, choice, cost, recipes, budget, topology, seco
   specs_flat = []
   for lf in graph.leaves:
     if lf.is_batch:
-      spec = P(bspec_entry) if lf.shape and bspec_entry else P()
-      reason = "the batch: dimension 0 over the data-parallel axes"
+      if bspec_entry is None:
+        spec, reason = P(), "the batch: replicated (the mesh has no data or fsdp axis)"
+      elif _splits(lf, m.size["data"] * m.size["fsdp"]):
+        spec, reason = P(bspec_entry), "the batch: dimension 0 over the data-parallel axes"
+      else:
+        spec, reason = P(), "a batch argument whose dimension 0 does not split: replicated"
     else:
       spec, reason = spec_of.get(lf.index, (P(), "replicated"))
     spec = _trim(spec)

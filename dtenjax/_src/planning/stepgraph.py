@@ -58,10 +58,26 @@ class Leaf:
   shape: tuple[int, ...]
   dtype: str
   is_batch: bool
+  itemsize: int = 4
 
   @property
   def nbytes(self) -> int:
-    return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+    return math.prod(self.shape) * self.itemsize
+
+
+def _itemsize(dtype) -> int:
+  """Bytes per element; a PRNG key array's (key<fry>) is that of its key data."""
+  try:
+    return np.dtype(dtype).itemsize
+  except TypeError:
+    return int(getattr(dtype, "itemsize", 0) or 0)
+
+
+def _dtype_name(dtype) -> str:
+  try:
+    return np.dtype(dtype).name
+  except TypeError:
+    return str(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +153,7 @@ def _nbytes(aval) -> int:
   dtype = getattr(aval, "dtype", None)
   if dtype is None:
     return 0
-  try:
-    return math.prod(shape) * np.dtype(dtype).itemsize
-  except TypeError:       # extended dtypes (PRNG keys)
-    return 0
+  return math.prod(shape) * _itemsize(dtype)
 
 
 def _sub_jaxprs(eqn):
@@ -290,7 +303,7 @@ class _Reader:
           stacked=tuple(sorted({d for d in range(len(self.leaves[leaf].shape))} -
                                {dims[d] for d in (*contracted, *free) if dims[d] is not None})),
           tokens=int(math.prod(partner.shape[d] for d in pfree)),
-          act_itemsize=np.dtype(partner.dtype).itemsize,
+          act_itemsize=_itemsize(partner.dtype),
           repeats=repeats, primitive=name,
           input_grad=_is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived)
       self.first_out[leaf] = (eqn, side, dims)
@@ -475,8 +488,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
           f"{type(leaf).__name__}, not an array; pass arrays or jax.ShapeDtypeStruct leaves "
           "(static values belong in functools.partial)")
     leaves.append(Leaf(i, argnum, f"[{argnum}]{jax.tree_util.keystr(path)}",
-                       tuple(int(s) for s in leaf.shape), np.dtype(leaf.dtype).name,
-                       argnum in batch_argnums))
+                       tuple(int(s) for s in leaf.shape), _dtype_name(leaf.dtype),
+                       argnum in batch_argnums, _itemsize(leaf.dtype)))
   abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg) for arg in args]
   try:
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract)
@@ -535,7 +548,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   for v in jaxpr.outvars:
     aval = v.aval
     rep = top_tie.get(v) if _is_var(v) else None
-    outputs.append((tuple(int(s) for s in aval.shape), np.dtype(aval.dtype).name, rep))
+    outputs.append((tuple(int(s) for s in aval.shape), _dtype_name(aval.dtype), rep))
   return StepGraph(leaves=tuple(leaves), weights=weights, pairs=pairs,
                    groups=tuple(tuple(g) for g in groups.values()), flops=reader.flops,
                    activation_bytes=int(act), gathered=frozenset(reader.gathered),

@@ -235,6 +235,7 @@ class _Price:
   ag_bwd_bytes: float = 0.0
   tp: tuple[str, int] | None = None
   compute: float = 0.0         # seconds of the products it takes part in, per device
+  act_saving: float = 0.0      # activation bytes per device a complete column->row pair shards
 
 
 def _acc(where: dict[str, float], key: str, value: float) -> None:
@@ -320,6 +321,9 @@ def _price(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: _Layout, m: 
     width_out = math.prod(shape[k] for k in use.free)
     if d in use.free:
       pr.tp = ("col", d)
+      share = graph.act_share.get((primary.index, d), 0.0)
+      pr.act_saving = (share * graph.activation_bytes / batch_div *
+                       (1 - 1 / m.size["tensor"]))
       if use.input_grad:     # the input's gradient is a partial sum over 'tensor'
         nb = tokens * width_in * item
         _acc(pr.blocking, "tensor", pricer("all_reduce", nb, ("tensor",), dtype))
@@ -529,7 +533,8 @@ def _evaluate(prob: _Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
   """The cost of one assignment (the program's objective, with the pair terms at their best)."""
   comm: dict[str, float] = {}
   blocking = overlappable = 0.0
-  memory = {"params": 0.0, "grads": 0.0, "opt_state": 0.0, "gathered": 0.0, "outputs": 0.0}
+  memory = {"params": 0.0, "grads": 0.0, "opt_state": 0.0, "gathered": 0.0, "outputs": 0.0,
+            **prob.fixed_memory}
   nbytes: dict[str, float] = {}
   tp_of = {}
   compute = prob.compute_s
@@ -556,6 +561,8 @@ def _evaluate(prob: _Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
     if kind == "col":
       ok = bool(sources.get((g[0], d))) and all(
           tp_of.get(dst) == ("row", q) for dst, q in sources[(g[0], d)])
+      if ok:
+        memory["activations"] -= pr.act_saving
       if not ok and pr.ag_fwd_bytes:
         comm["tensor"] = comm.get("tensor", 0.0) + pr.ag_fwd
         blocking += pr.ag_fwd
@@ -569,7 +576,6 @@ def _evaluate(prob: _Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
         nbytes["all_gather[tensor]"] = nbytes.get("all_gather[tensor]", 0.0) + pr.ag_bwd_bytes
   overlappable += prob.grad_latency_s
   exposed = blocking + max(0.0, overlappable - prob.overlap * compute)
-  memory.update(prob.fixed_memory)
   memory["total"] = sum(memory.values())
   fits = not budget or memory["total"] <= budget
   return StepCost(compute, comm, exposed, memory, nbytes, fits)
@@ -630,7 +636,7 @@ def _solve(prob: _Problem, graph: stepgraph.StepGraph, budget: float) -> list[in
     return [index[(gi, ci)] for ci, pr in enumerate(prob.prices[gi]) if pr.tp == want]
 
   # pair variables: u = the candidate's gather is saved; u <= its own tp vars, u <= each partner's
-  saves = []           # (saving seconds, own vars, [partner vars...])
+  saves = []           # (saving seconds, activation bytes, own vars, [partner vars...])
   for gi, g in enumerate(prob.groups):
     for ci, pr in enumerate(prob.prices[gi]):
       if pr.tp is None:
@@ -638,17 +644,18 @@ def _solve(prob: _Problem, graph: stepgraph.StepGraph, budget: float) -> list[in
       kind, d = pr.tp
       partners = (sources if kind == "col" else dests).get((g[0], d))
       saving = pr.ag_fwd if kind == "col" else pr.ag_bwd
-      if not partners or saving <= 0:
+      act = pr.act_saving if kind == "col" else 0.0
+      if not partners or (saving <= 0 and act <= 0):
         continue
       want = "row" if kind == "col" else "col"
       plist = [tp_vars(leaf, (want, q)) for leaf, q in partners]
       if all(plist):
-        saves.append((saving, [index[(gi, ci)]], plist))
+        saves.append((saving, act, [index[(gi, ci)]], plist))
   nu = len(saves)
   n = nx + nu + 1                          # + the exposed-time variable e
   c = np.zeros(n)
   c[:nx] = costs
-  for j, (saving, _, _) in enumerate(saves):
+  for j, (saving, _, _, _) in enumerate(saves):
     c[nx + j] = -saving
   c[-1] = 1.0
   rows, cols, vals, lo, hi = [], [], [], [], []
@@ -661,7 +668,7 @@ def _solve(prob: _Problem, graph: stepgraph.StepGraph, budget: float) -> list[in
     lo.append(1.0)
     hi.append(1.0)
     r += 1
-  for j, (_, own, plist) in enumerate(saves):             # u <= own, u <= each partner
+  for j, (_, _, own, plist) in enumerate(saves):          # u <= own, u <= each partner
     for vs in [own] + plist:
       rows.append(r)
       cols.append(nx + j)
@@ -689,6 +696,11 @@ def _solve(prob: _Problem, graph: stepgraph.StepGraph, budget: float) -> list[in
       rows.append(r)
       cols.append(k)
       vals.append(mem[k])
+    for j, (_, act, _, _) in enumerate(saves):
+      if act:
+        rows.append(r)
+        cols.append(nx + j)
+        vals.append(-act)
     lo.append(-np.inf)
     hi.append(budget - sum(prob.fixed_memory.values()))
     r += 1

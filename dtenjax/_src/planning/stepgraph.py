@@ -119,6 +119,8 @@ class StepGraph:
   out_tree: Any = None                     # the step's output treedef
   # (leaf, free dim) -> flops of activation products that split when that dim is sharded
   carried: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+  # (leaf, free dim) -> the share of activation_bytes sharded with that dim (its pair complete)
+  act_share: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
 
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:
@@ -324,10 +326,10 @@ def _out_dim_of(eqn, side: int, leaf_dims, leaf_dim: int) -> int | None:
 
 
 def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: int = 4000
-            ) -> tuple[list[Pair], set[int]]:
-  """Pairs reached from ``start``'s dimension ``dim`` (see the module docstring), and the
-  products between activations that the dimension passes through unreduced (attention's score
-  and value products under head sharding), which split with it."""
+            ) -> tuple[list[Pair], set[int], set[Any]]:
+  """Pairs reached from ``start``'s dimension ``dim`` (see the module docstring), the products
+  between activations that the dimension passes through unreduced (attention's score and value
+  products under head sharding), which split with it, and the values that carry it."""
   pairs, todo, seen = [], [(start, dim)], set()
   carried: set[int] = set()
   dirty = False
@@ -401,7 +403,9 @@ def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: in
             else:
               nxt.append((inner, d))
     todo.extend(x for x in nxt if x[0] is not None and _is_var(x[0]))
-  return ([], set()) if dirty or todo else (pairs, carried)
+  if dirty or todo:
+    return [], set(), set()
+  return pairs, carried, {v for v, _ in seen}
 
 
 def _origin_of(reader: _Reader, var):
@@ -426,9 +430,10 @@ def _reshape_dim(old: tuple[int, ...], new: tuple[int, ...], d: int) -> int | No
   return None
 
 
-def _liveness(jaxpr, batch_vars: set, excluded_shapes: set) -> int:
+def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
+              counted: dict[Any, int] | None = None) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
-  calls add their own peak while they run)."""
+  calls add their own peak while they run); ``counted`` collects the values it counts."""
   tainted = set(batch_vars)
   last_use: dict[Any, int] = {}
   feeds_fusion_boundary: set[Any] = set()
@@ -468,6 +473,8 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set) -> int:
           continue
         live += nb
         ends[end] = ends.get(end, 0) + nb
+        if counted is not None:
+          counted[o] = nb
       peak = max(peak, live + inner)
     live -= ends.pop(i, 0)
   return peak
@@ -513,6 +520,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   reader.walk(jaxpr, origin, tie, 1)
   pairs = []
   reached: dict[int, list[tuple[int, int]]] = {}     # product -> the sources that split it
+  cones: dict[tuple[int, int], set[Any]] = {}        # (source, dim) -> values sharded with it
   for leaf, use in sorted(reader.weights.items()):
     eqn, side, dims = reader.first_out[leaf]
     if eqn.primitive.name != "dot_general":
@@ -520,8 +528,10 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     for k in use.free:
       j = _out_dim_of(eqn, side, dims, k)
       if j is not None:
-        found, through = _follow(reader, leaf, k, eqn.outvars[0], j)
+        found, through, cone = _follow(reader, leaf, k, eqn.outvars[0], j)
         pairs.extend(found)
+        if found:
+          cones[(leaf, k)] = cone
         for e in through:
           reached.setdefault(e, []).append((leaf, k))
   carried: dict[tuple[int, int], float] = {}
@@ -542,7 +552,18 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
       groups.setdefault(reader.ties.find(leaf.index), []).append(leaf.index)
   state_shapes = {lf.shape for lf in leaves if not lf.is_batch and len(lf.shape) >= 2}
   batch_vars = {v for lf, v in zip(leaves, jaxpr.invars) if lf.is_batch}
-  act = _liveness(jaxpr, batch_vars, state_shapes)
+  counted: dict[Any, int] = {}
+  act = _liveness(jaxpr, batch_vars, state_shapes, counted)
+  # the share of the counted activation bytes each column-parallel source shards (a value in
+  # several sources' cones is split among them)
+  owners: dict[Any, int] = {}
+  for cone in cones.values():
+    for v in cone:
+      if v in counted:
+        owners[v] = owners.get(v, 0) + 1
+  total = sum(counted.values()) or 1
+  act_share = {key: sum(counted[v] / owners[v] for v in cone if v in counted) / total
+               for key, cone in cones.items()}
   outputs = []
   top_tie = _top_ties(jaxpr, leaves, reader)
   for v in jaxpr.outvars:
@@ -553,7 +574,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    groups=tuple(tuple(g) for g in groups.values()), flops=reader.flops,
                    activation_bytes=int(act), gathered=frozenset(reader.gathered),
                    outputs=tuple(outputs), num_eqns=reader.eqn_count,
-                   out_tree=jax.tree.structure(out_shape), carried=carried)
+                   out_tree=jax.tree.structure(out_shape), carried=carried,
+                   act_share=act_share)
 
 
 def _top_ties(jaxpr, leaves, reader: _Reader) -> dict:

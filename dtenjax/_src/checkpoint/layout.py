@@ -23,6 +23,7 @@ import base64
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,6 +88,12 @@ class Leaf:
   def from_json(d: dict) -> "Leaf":
     return Leaf(tuple((str(k), int(t)) for k, t in d["keys"]), d["value_type"],
                 tuple(d["shape"]), d["dtype"], tuple(d["chunks"]))
+
+
+def tmp_path(path: str) -> str:
+  """Where a save of ``path`` writes before its commit renames it to ``path``."""
+  parent, name = os.path.split(path)
+  return os.path.join(parent, f".{name}.dtenjax-tmp")
 
 
 def chunk_file(index: Sequence[int]) -> str:

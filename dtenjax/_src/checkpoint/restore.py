@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from dtenjax._src import errors
-from dtenjax._src.checkpoint import integrity, io as ckio, layout, save as cksave
+from dtenjax._src.checkpoint import integrity, io as ckio, layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +194,7 @@ class _Tensorstore:
 def _open(path: str, backend: ckio.PosixIO, verify: bool):
   """(source, leaves, saved shardings by name, io name, source kind)."""
   if not os.path.isdir(path):
-    tmp = cksave.tmp_path(path)
+    tmp = layout.tmp_path(path)
     if os.path.isdir(tmp):
       raise errors.CheckpointError(
           f"no checkpoint at {path}: its save did not commit (an interrupted save left {tmp}); "

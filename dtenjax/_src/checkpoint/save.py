@@ -67,11 +67,6 @@ class SaveReport:
             f"io {self.io}, digest {self.digest}")
 
 
-def tmp_path(path: str) -> str:
-  parent, name = os.path.split(path)
-  return os.path.join(parent, f".{name}.dtenjax-tmp")
-
-
 @dataclasses.dataclass
 class _Plan:
   path: str
@@ -198,7 +193,7 @@ def write(p: _Plan, *, overwrite: bool, backend: ckio.PosixIO, threads: int,
   tag = f"checkpoint-{seq}-{hashlib.sha256(p.path.encode()).hexdigest()[:12]}"
   meet = (lambda stage: _barrier(store, f"{tag}-{stage}", timeout_s,
                                  f"saving {p.path} ({stage})")) if store else (lambda stage: None)
-  tmp = tmp_path(p.path)
+  tmp = layout.tmp_path(p.path)
   by_name = {leaf.name: leaf for leaf in p.leaves}
   stored = [leaf for leaf in p.leaves if leaf.value_type != "None"]
   if pid == 0:

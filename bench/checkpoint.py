@@ -5,7 +5,8 @@ on the same sharded arrays, in the same run.
 
 The state is ``--leaves`` float32 arrays (normal random bits, so compression gains nothing, as
 with real weights) of SIZE bytes in all, each sharded over a 2 x 4 mesh of the 8 simulated CPU
-devices (``P("a", "b")``). Each repetition saves and restores with every candidate in turn
+devices (``P("a", "b")``; 2 x n/2 or 1 x n for n other devices, e.g. 1 x 1 on one GPU, where the
+state lives in device memory and a save is device-to-file). Each repetition saves and restores with every candidate in turn
 (the order alternates from one repetition to the next, so drift of a shared machine hits both),
 each into a fresh directory under ``--dir`` that is deleted afterwards:
 
@@ -29,7 +30,6 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
@@ -43,7 +43,8 @@ def make_state(total: int, leaves: int):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  n = len(jax.devices())
+  mesh = jax.make_mesh((2, n // 2) if n % 2 == 0 else (1, n), ("a", "b"))
   sharding = NamedSharding(mesh, P("a", "b"))
   per = total // leaves // 4
   cols = 1024
@@ -109,14 +110,20 @@ def main(argv=None) -> int:
   ap.add_argument("--leaves", type=_harness.positive_int, default=16)
   ap.add_argument("--dir", default=None, help="where checkpoints are written (default: the "
                   "system's temporary directory)")
+  ap.add_argument("--candidates", default=",".join(CANDIDATES),
+                  help="comma list of dtenjax, orbax (ratios need both)")
   ap.add_argument("--json", default=None, metavar="PATH")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
-  try:
-    import orbax.checkpoint  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-  except ImportError:
-    _harness.refuse("checkpoint", "orbax-checkpoint, the baseline, is not installed: pip "
-                    "install '.[checkpoint]'")
+  cands = tuple(c for c in args.candidates.split(",") if c)
+  if not cands or set(cands) - set(CANDIDATES):
+    ap.error(f"--candidates {args.candidates!r}: choose from {', '.join(CANDIDATES)}")
+  if "orbax" in cands:
+    try:
+      import orbax.checkpoint  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    except ImportError:
+      _harness.refuse("checkpoint", "orbax-checkpoint, the baseline, is not installed: pip "
+                      "install '.[checkpoint]' (or --candidates dtenjax, without ratios)")
   import jax  # pylint: disable=g-import-not-at-top
   root = args.dir or tempfile.gettempdir()
   free = shutil.disk_usage(root).free
@@ -127,16 +134,16 @@ def main(argv=None) -> int:
   for size in args.sizes:
     state, sharding = make_state(size, args.leaves)
     nbytes = sum(v.nbytes for v in state.values())
-    times = {c: {"save": [], "restore": []} for c in CANDIDATES}
+    times = {c: {"save": [], "restore": []} for c in cands}
     for rep in range(args.reps):
-      for c in (CANDIDATES if rep % 2 == 0 else CANDIDATES[::-1]):
+      for c in (cands if rep % 2 == 0 else cands[::-1]):
         s, r, io = run(c, state, sharding, root)
         times[c]["save"].append(s)
         times[c]["restore"].append(r)
         if c == "dtenjax":
           io_path = io
     for op in ("save", "restore"):
-      for c in CANDIDATES:
+      for c in cands:
         t = _harness.median(times[c][op])
         rows.append({"size": nbytes, "candidate": c, "op": op, "seconds": t,
                      "gbps": nbytes / t / 1e9, "samples": times[c][op],
@@ -150,7 +157,7 @@ def main(argv=None) -> int:
                                        "leaves": args.leaves, "dir": root},
         rows, kind="other", devices=jax.devices(),
         notes=[f"dtenjax I/O path: {io_path}", "orbax: PyTreeCheckpointer() defaults"]))
-  print(f"checkpoint save/restore, {args.leaves} float32 leaves sharded 2 x 4 over "
+  print(f"checkpoint save/restore, {args.leaves} float32 leaves sharded over "
         f"{len(jax.devices())} {jax.default_backend()} devices, median of {args.reps}; "
         f"dtenjax io {io_path}; ratio = orbax time / dtenjax time")
   print(_harness.table(rows, (("size", "size", "d"), ("op", "op", "s"),

@@ -132,13 +132,18 @@ class _Files:
                       offset=first * it - start, strides=tuple(s * it for s in strides))
 
   def read(self, leaf: layout.Leaf, lo, hi) -> np.ndarray:
-    out = np.empty(tuple(b - a for a, b in zip(lo, hi)), leaf.np_dtype)
-    if out.size == 0:
-      return out
+    shape = tuple(b - a for a, b in zip(lo, hi))
     if not leaf.shape:
-      out[...] = self.region(leaf, (), (), ())
-      return out
+      return np.array(self.region(leaf, (), (), ()))
+    if 0 in shape:
+      return np.empty(shape, leaf.np_dtype)
     ranges = [range(a // c, -(-b // c)) for a, b, c in zip(lo, hi, leaf.chunks)]
+    if all(len(r) == 1 for r in ranges):     # inside one chunk: the read buffer is the result
+      g = tuple(r[0] for r in ranges)
+      part = self.region(leaf, g, [a - gi * c for a, gi, c in zip(lo, g, leaf.chunks)],
+                         [b - gi * c for b, gi, c in zip(hi, g, leaf.chunks)])
+      return part if part.flags.c_contiguous else np.ascontiguousarray(part)
+    out = np.empty(shape, leaf.np_dtype)
     for index in np.ndindex(*[len(r) for r in ranges]):
       g = tuple(r[i] for r, i in zip(ranges, index))
       c_lo = [max(a, gi * c) for a, gi, c in zip(lo, g, leaf.chunks)]

@@ -63,14 +63,16 @@ def test_round_trip_is_bit_identical_for_every_kind_of_leaf(tmp_path):
           "i32": _sharded((8,), ("x",), P("x"), np.arange(-8, 8, dtype=np.int32)),
           "u8": jax.device_put(np.arange(5, dtype=np.uint8)),
           "bool": _sharded((2, 4), ("a", "b"), P(), np.array([True, False, True])),
+          "pinned": jax.device_put(np.arange(16, dtype=np.float32), NamedSharding(
+              jax.make_mesh((8,), ("x",)), P("x"), memory_kind="pinned_host")),
           "scalar": jnp.float32(-0.0), "np": np.arange(6, dtype=np.int64).reshape(2, 3),
           "step": 12, "lr": 0.5, "none": None, "seq": [jnp.int8(3), (np.float16(1.5),)]}
   report = ckpt.save(tmp_path / "c", tree)
   assert report.io == "posix" and report.digest == "xxh3_64" and report.processes == 1
   out = ckpt.restore(tmp_path / "c", tree)
   _assert_bits(out, tree)
-  for k in ("f32", "bf16", "i32", "bool"):
-    assert out[k].sharding == tree[k].sharding, k
+  for k in ("f32", "bf16", "i32", "bool", "pinned"):
+    assert out[k].sharding == tree[k].sharding, k         # memory kinds too
   # without a target: orbax's shape of the tree (dicts and lists), the saved shardings
   bare = ckpt.restore(tmp_path / "c")
   assert bare["f32"].sharding == tree["f32"].sharding and bare["step"] == 12

@@ -296,6 +296,26 @@ def test_orbax_restores_what_dtenjax_saved(tmp_path):
   assert out["w"].sharding == NamedSharding(m8, P("x")) and _bits(out["w"]) == _bits(ref)
 
 
+def test_orbax_and_dtenjax_name_optax_state_alike(tmp_path):
+  """An optax state (NamedTuples inside a tuple) saved by either one restores with the other
+  into the same structure: the leaf names agree."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  optax = pytest.importorskip("optax")
+  params = {"w": _sharded((2, 4), ("a", "b"), P("a", "b"), np.ones((8, 8), np.float32))}
+  tx = optax.adam(1e-2)
+  opt = tx.update(params, tx.init(params), params)[1]
+  tree = {"params": params, "opt": opt}
+  ckpt.save(tmp_path / "d", tree)
+  ocp.PyTreeCheckpointer(use_ocdbt=False).save(str(tmp_path / "o"), tree)
+  stored = {n for n, v in ckpt.leaves(tmp_path / "d").items() if v["value_type"] != "None"}
+  assert "opt.1" in ckpt.leaves(tmp_path / "d")             # optax's EmptyState, as orbax says
+  assert stored == {p.name for p in (tmp_path / "o").iterdir() if p.is_dir() and "." in p.name}
+  by_orbax = ocp.PyTreeCheckpointer().restore(str(tmp_path / "d"), item=tree)
+  by_dtenjax = ckpt.restore(tmp_path / "o", tree)
+  _assert_bits(by_orbax, tree)
+  _assert_bits(by_dtenjax, tree)
+
+
 @pytest.mark.parametrize("ocdbt", [True, False])
 def test_dtenjax_restores_what_orbax_saved(tmp_path, ocdbt):
   ocp = pytest.importorskip("orbax.checkpoint")

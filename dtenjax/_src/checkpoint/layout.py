@@ -101,9 +101,15 @@ def chunk_file(index: Sequence[int]) -> str:
   return ".".join(str(i) for i in index) if len(index) else "0"
 
 
+def is_empty(x: Any) -> bool:
+  """``None`` or an empty container (optax's ``EmptyState()``, ``()``, ``{}``): orbax records
+  each as a leaf of value type ``None``, and so does dtenjax."""
+  return x is None or (isinstance(x, (tuple, list, dict)) and len(x) == 0)
+
+
 def flatten(tree: Any) -> tuple[list[tuple[tuple[tuple[str, int], ...], Any]], Any]:
-  """``[(keys, leaf)], treedef`` with ``None`` kept as a leaf (orbax records it)."""
-  pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+  """``[(keys, leaf)], treedef`` with ``None`` and empty containers kept as leaves."""
+  pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty)
   return [(tuple(_key_of(e) for e in path), leaf) for path, leaf in pairs], treedef
 
 

@@ -351,8 +351,8 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
     data = {k: f.result() for k, f in futures.items()}
   values = []
   for (leaf, how, sharding), w in zip(plans, where):
-    if how == "none":
-      values.append(None)
+    if how == "none":      # None, or the target's own empty node (optax's EmptyState())
+      values.append(wanted.get(leaf.name) if target is not None else None)
     elif how == "jax":
       memory_kind = getattr(sharding, "memory_kind", None)
       arrays = [jax.device_put(data[(leaf.name, box)],

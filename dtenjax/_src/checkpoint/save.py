@@ -78,7 +78,7 @@ class _Plan:
 
 def _check_leaf(keys, leaf) -> str | None:
   name = ".".join(k for k, _ in keys)
-  if leaf is None or isinstance(leaf, (bool, int, float, np.ndarray, np.generic)):
+  if layout.is_empty(leaf) or isinstance(leaf, (bool, int, float, np.ndarray, np.generic)):
     return None
   if isinstance(leaf, jax.Array):
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
@@ -107,7 +107,7 @@ def plan(path: str, tree: Any, *, asynchronous: bool) -> _Plan:
   leaves, shardings, owned = [], {}, []
   for keys, value in pairs:
     name = ".".join(k for k, _ in keys)
-    if value is None:
+    if layout.is_empty(value):
       leaves.append(layout.Leaf(keys, "None"))
       continue
     if isinstance(value, jax.Array):

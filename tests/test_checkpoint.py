@@ -476,3 +476,23 @@ def test_checkpoint_io_is_in_dtenjax_info():
   assert r.returncode == 0, r.stderr
   assert "checkpoint io: posix" in r.stdout
 
+
+
+@pytest.mark.gpu
+def test_gpu_arrays_round_trip_asynchronously(tmp_path):
+  """Device memory -> file -> device memory on a GPU, through an asynchronous save whose caller
+  deletes its arrays at once (the shards were copied to the host before save() returned)."""
+  gpus = jax.devices("gpu")
+  ref = _f32_with_odd_bits(len(gpus) * 4096).reshape(len(gpus), 4096)
+  mesh = jax.sharding.Mesh(np.array(gpus), ("x",))
+  x = jax.make_array_from_callback(ref.shape, NamedSharding(mesh, P("x")), lambda i: ref[i])
+  bf = jax.device_put(jnp.asarray(ref[0], jnp.bfloat16), gpus[0])
+  with ckpt.Checkpointer() as c:
+    c.save(tmp_path / "g", {"x": x, "bf": bf, "step": 1})
+    expected_bf = _bits(bf)
+    x.delete()
+    bf.delete()
+  out, report = ckpt.restore(tmp_path / "g", report=True)
+  assert out["x"].sharding.device_set == set(gpus) and _bits(out["x"]) == _bits(ref)
+  assert list(out["bf"].devices())[0].platform == "gpu" and _bits(out["bf"]) == expected_bf
+  assert report.io == ckio.describe()["path"]

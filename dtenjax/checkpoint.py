@@ -12,7 +12,7 @@ the byte ranges each device needs, onto any mesh. orbax.checkpoint restores what
 and dtenjax restores what orbax saves (through tensorstore). See docs/checkpoint.md.
 """
 
-from dtenjax._src.checkpoint.io import describe as io_info  # noqa: F401
+from dtenjax._src.checkpoint.io import describe as io_info
 from dtenjax._src.checkpoint.restore import RestoreReport as RestoreReport
 from dtenjax._src.checkpoint.restore import leaves as leaves
 from dtenjax._src.checkpoint.restore import restore as restore

@@ -284,7 +284,7 @@ class PendingSave:
         self._error = e
       finally:
         self._done.set()
-    self._thread = threading.Thread(target=run, name=f"dtenjax-checkpoint-save", daemon=True)
+    self._thread = threading.Thread(target=run, name="dtenjax-checkpoint-save", daemon=True)
     self._thread.start()
 
   def done(self) -> bool:

@@ -6,6 +6,7 @@ from dtenjax._src.gpu import environment as _environment
 
 _environment.pin()   # before any NCCL communicator exists: NVLS off unless the user chose
 
+from dtenjax import checkpoint as checkpoint
 from dtenjax import compression as compression
 from dtenjax import testing as testing
 from dtenjax._src.collectives.api import AlgorithmChoice as AlgorithmChoice
@@ -13,6 +14,7 @@ from dtenjax._src.collectives.api import all_gather as all_gather
 from dtenjax._src.collectives.api import all_reduce as all_reduce
 from dtenjax._src.collectives.api import plan_all_reduce as plan_all_reduce
 from dtenjax._src.collectives.api import reduce_scatter as reduce_scatter
+from dtenjax._src.errors import CheckpointError as CheckpointError
 from dtenjax._src.errors import CollectiveError as CollectiveError
 from dtenjax._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from dtenjax._src.errors import ConfigurationError as ConfigurationError
@@ -55,6 +57,7 @@ from dtenjax._src.topology.model import Topology as Topology
 
 __all__ = [
     "AlgorithmChoice",
+    "CheckpointError",
     "CollectiveError",
     "CollectiveTimeoutError",
     "ConfigurationError",
@@ -80,6 +83,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "build_info",
+    "checkpoint",
     "compression",
     "current_mesh",
     "explain",

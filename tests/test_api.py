@@ -18,6 +18,8 @@ PUBLIC = {
     "PreemptionPolicy", "preemption_decision",
     # submodules and build
     "compression", "testing", "build_info",
+    # checkpoints
+    "checkpoint", "CheckpointError",
 }
 
 

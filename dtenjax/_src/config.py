@@ -74,6 +74,8 @@ KNOBS: dict[str, Knob] = {
              "1 sets NCCL_NVLS_ENABLE=0 at import when unset (NVLS is not deterministic)"),
         Knob("DTENJAX_P2P_MAX_BLOCKS", "128",
              "most thread blocks per GPU an NVLink kernel call uses (same on every process)"),
+        Knob("DTENJAX_CHECKPOINT_IO", "auto",
+             "file I/O of dtenjax.checkpoint: auto (KvikIO when installed), posix or kvikio"),
     )
 }
 

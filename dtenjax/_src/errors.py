@@ -50,6 +50,10 @@ class NativeError(DtenjaxError, RuntimeError):
   """Native code failed in a way no other class describes (a CUDA or system call, say)."""
 
 
+class CheckpointError(DtenjaxError, RuntimeError):
+  """A checkpoint is missing, incomplete, truncated or corrupted, or its save did not finish."""
+
+
 class QuotaExceededError(DtenjaxError, RuntimeError):
   """A tenant asked for more connections, registered bytes or bandwidth than its quota."""
 

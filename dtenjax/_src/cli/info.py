@@ -40,7 +40,8 @@ def require(extra: str, what: str) -> None:
 
 def describe() -> dict:
   from dtenjax._src import ffi  # pylint: disable=g-import-not-at-top
-  return {"extension": ffi.build_info(),
+  from dtenjax._src.checkpoint import io as checkpoint_io  # pylint: disable=g-import-not-at-top
+  return {"extension": ffi.build_info(), "checkpoint_io": checkpoint_io.describe(),
           "extras": {extra: {m: _present(m) for m in mods} for extra, mods in EXTRAS.items()}}
 
 
@@ -63,4 +64,5 @@ def run(args: argparse.Namespace) -> int:
                       [[e, ", ".join(m), "yes" if all(m.values()) else
                         ("partly" if any(m.values()) else "no")]
                        for e, m in data["extras"].items()], align=["left", "left", "left"]))
+  print(f"\ncheckpoint io: {data['checkpoint_io']['path']} ({data['checkpoint_io']['why']})")
   return 0

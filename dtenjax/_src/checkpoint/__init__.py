@@ -1,0 +1,9 @@
+"""Layer 4: checkpoints of pytrees of sharded jax.Arrays (docs/checkpoint.md).
+
+``layout`` names the leaves and writes the files orbax-checkpoint writes (its PyTree layout
+without OCDBT: one zarr v2 array per leaf, one raw chunk per saved shard), ``integrity`` the
+per-block digests, ``io`` the file I/O (KvikIO when installed, POSIX otherwise), ``save`` the
+atomic, threaded, optionally asynchronous save and ``restore`` the resharding restore. Only jax,
+numpy, the coordination store (net) and placements (planning) are needed; orbax-checkpoint,
+tensorstore, xxhash and kvikio are optional and imported where used.
+"""

@@ -1,0 +1,145 @@
+"""File I/O of chunk files: KvikIO when installed, POSIX otherwise, and which one ran.
+
+Two backends, one interface (``write_file(path, data)``: the whole file, then fsync;
+``read_range(path, offset, out)``: ``len(out)`` bytes from ``offset``; ``size(path)``):
+
+* ``posix``: ``os.pwrite``/``os.preadv`` on file descriptors (they release the GIL, so the save's
+  and restore's threads overlap);
+* ``kvikio``: ``kvikio.CuFile`` (the ``gds`` extra, ``kvikio-cu12``). KvikIO uses cuFile, and with
+  the nvidia-fs driver GPUDirect Storage, unless it runs in its compatibility mode
+  (``KVIKIO_COMPAT_MODE``, or no libcufile, no /run/udev), where it does POSIX I/O from its own
+  threads. :func:`describe` says which: ``kvikio-gds`` or ``kvikio-compat``.
+
+``DTENJAX_CHECKPOINT_IO`` (``auto``, ``posix``, ``kvikio``) or the ``io=`` argument chooses;
+``auto`` takes KvikIO when it imports. Buffers are host memory here: the digests of
+dtenjax/_src/checkpoint/integrity.py are computed on the host, so a save copies each shard off
+the device once in any case (docs/checkpoint.md says what that means for GDS).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dtenjax._src import config, errors
+
+CHOICES = ("auto", "posix", "kvikio")
+
+
+def _kvikio() -> Any | None:
+  try:
+    import kvikio  # pylint: disable=g-import-not-at-top
+  except Exception:  # noqa: BLE001 - a broken CUDA install raises more than ImportError
+    return None
+  return kvikio
+
+
+def _kvikio_compat(kvikio: Any) -> bool:
+  """Whether KvikIO is in its POSIX compatibility mode (older releases: a bool getter)."""
+  defaults = kvikio.defaults
+  mode = None
+  if hasattr(defaults, "get"):
+    try:
+      mode = defaults.get("compat_mode")
+    except Exception:  # noqa: BLE001
+      mode = None
+  if mode is None and hasattr(defaults, "compat_mode"):
+    mode = defaults.compat_mode()
+  if isinstance(mode, bool):
+    return mode
+  name = str(getattr(mode, "name", mode)).upper()
+  if name.endswith("AUTO") and hasattr(defaults, "is_compat_mode_preferred"):
+    return bool(defaults.is_compat_mode_preferred())
+  return not name.endswith("OFF")
+
+
+class PosixIO:
+  name = "posix"
+
+  def write_file(self, path: str, data: memoryview) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+      done = 0
+      while done < len(data):
+        done += os.pwrite(fd, data[done:], done)
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    return done
+
+  def read_range(self, path: str, offset: int, out: memoryview) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      done = 0
+      while done < len(out):
+        n = os.preadv(fd, [out[done:]], offset + done)
+        if n == 0:
+          break
+        done += n
+    finally:
+      os.close(fd)
+    return done
+
+  def size(self, path: str) -> int:
+    return os.stat(path).st_size
+
+
+class KvikIO(PosixIO):
+  """KvikIO's CuFile for the data; fsync and sizes through the file system."""
+
+  def __init__(self, kvikio: Any):
+    self.kvikio = kvikio
+    self.name = "kvikio-compat" if _kvikio_compat(kvikio) else "kvikio-gds"
+
+  def write_file(self, path: str, data: memoryview) -> int:
+    f = self.kvikio.CuFile(path, "w")
+    try:
+      n = int(f.pwrite(data, len(data), 0).get()) if len(data) else 0
+    finally:
+      f.close()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    return n
+
+  def read_range(self, path: str, offset: int, out: memoryview) -> int:
+    if not len(out):
+      return 0
+    f = self.kvikio.CuFile(path, "r")
+    try:
+      return int(f.pread(out, len(out), offset).get())
+    finally:
+      f.close()
+
+
+def backend(choice: str | None = None) -> PosixIO:
+  """The I/O backend for ``choice`` (default: ``DTENJAX_CHECKPOINT_IO``)."""
+  choice = (choice or config.get_str("DTENJAX_CHECKPOINT_IO") or "auto").lower()
+  if choice not in CHOICES:
+    raise errors.ConfigurationError(
+        f"checkpoint I/O {choice!r} is unknown; use one of {', '.join(CHOICES)} (argument io= "
+        "or DTENJAX_CHECKPOINT_IO)")
+  kvikio = _kvikio() if choice in ("auto", "kvikio") else None
+  if choice == "kvikio" and kvikio is None:
+    raise errors.ConfigurationError(
+        "checkpoint I/O 'kvikio' was asked for, and kvikio does not import here: pip install "
+        "'dtenjax[gds]' (kvikio-cu12), or use io='posix'")
+  return KvikIO(kvikio) if kvikio is not None else PosixIO()
+
+
+def describe() -> dict[str, Any]:
+  """Which I/O path a checkpoint would take here, and why (``dtenjax info`` prints it)."""
+  choice = (config.get_str("DTENJAX_CHECKPOINT_IO") or "auto").lower()
+  kvikio = _kvikio()
+  version = getattr(kvikio, "__version__", None) if kvikio is not None else None
+  try:
+    path = backend(choice).name
+  except errors.ConfigurationError as e:
+    return {"path": None, "choice": choice, "kvikio": version, "why": str(e)}
+  why = {"posix": ("kvikio is not installed (pip install 'dtenjax[gds]')" if kvikio is None
+                   else "DTENJAX_CHECKPOINT_IO=posix"),
+         "kvikio-gds": "KvikIO through cuFile (GPUDirect Storage where nvidia-fs is loaded)",
+         "kvikio-compat": "KvikIO in its POSIX compatibility mode (no cuFile/GDS here)"}[path]
+  return {"path": path, "choice": choice, "kvikio": version, "why": why}

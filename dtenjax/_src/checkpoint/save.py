@@ -1,0 +1,377 @@
+"""Saving: each process writes the shards it owns, in threads, into a temporary directory that
+one rename makes the checkpoint.
+
+A shard is owned by the device holding its ``replica_id == 0`` copy, so a replicated array is
+written once, by the process of that device; leaves that are not jax Arrays (numpy arrays,
+Python scalars such as a step counter) are written by process 0. The sequence of one save:
+
+1. (the caller's thread) check the tree, copy every owned shard to host memory (the
+   asynchronous device-to-host copies are started for all shards first), so that the caller may
+   go on, donate or delete its arrays;
+2. (a background thread) process 0 creates ``.NAME.dtenjax-tmp`` next to the target, all meet;
+   every process writes its chunk files from a thread pool (digests per block, each file
+   fsynced), then its manifest; process 0 writes the orbax and dtenjax metadata; the directories
+   are fsynced; all meet;
+3. process 0 renames the temporary directory to the target and fsyncs the parent; all meet.
+
+A process killed anywhere before 3 leaves the temporary directory and no target: earlier
+checkpoints are untouched, and the next save to that target removes the leftover.
+``Checkpointer.save`` returns after 1; its ``wait()``, the next ``save`` and ``restore`` join the
+background part. Every process must save the same trees to the same paths in the same order
+(the meetings are barriers of the coordination store, with a timeout).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from dtenjax._src import errors
+from dtenjax._src.checkpoint import integrity, io as ckio, layout
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveReport:
+  """What one process did for one save."""
+  path: str
+  leaves: int
+  files: int               # chunk files this process wrote
+  bytes: int               # bytes of chunk data this process wrote
+  seconds: float           # from save() to the commit
+  blocking_seconds: float  # how long save() held the caller
+  io: str                  # the I/O path: posix, kvikio-compat or kvikio-gds
+  digest: str
+  process: int
+  processes: int
+
+  @property
+  def gbps(self) -> float:
+    return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+  def __str__(self) -> str:
+    return (f"saved {self.path}: {self.leaves} leaves, process {self.process}/{self.processes} "
+            f"wrote {self.files} files, {self.bytes / 1e6:.1f} MB in {self.seconds:.3f} s "
+            f"({self.gbps:.2f} GB/s; the caller waited {self.blocking_seconds:.3f} s), "
+            f"io {self.io}, digest {self.digest}")
+
+
+@dataclasses.dataclass
+class _Plan:
+  path: str
+  leaves: list[layout.Leaf]
+  writes: list[tuple[str, str, np.ndarray]]       # (leaf name, chunk file, host data)
+  shardings: dict[str, dict]                      # leaf name -> orbax sharding metadata
+  t0: float
+
+
+def _check_leaf(keys, leaf) -> str | None:
+  name = ".".join(k for k, _ in keys)
+  if layout.is_empty(leaf) or isinstance(leaf, (bool, int, float, np.ndarray, np.generic)):
+    return None
+  if isinstance(leaf, jax.Array):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      return (f"leaf {name!r} is an array of typed PRNG keys ({leaf.dtype}); save "
+              "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data")
+    return None
+  return (f"leaf {name!r} is a {type(leaf).__name__}; a checkpoint holds jax Arrays, numpy "
+          "arrays, Python scalars and None (register other classes as pytree nodes)")
+
+
+def _host_copy(shard_data: Any, copy: bool) -> np.ndarray:
+  a = np.asarray(shard_data)
+  return np.array(a, copy=True) if copy else a
+
+
+def plan(path: str, tree: Any, *, asynchronous: bool) -> _Plan:
+  """Step 1: checks and host copies (in the caller's thread)."""
+  t0 = time.perf_counter()
+  pairs, _ = layout.flatten(tree)
+  layout.check_names([k for k, _ in pairs])
+  problems = [p for p in (_check_leaf(k, v) for k, v in pairs) if p]
+  if problems:
+    raise errors.ConfigurationError(errors.join_problems("this tree cannot be checkpointed:",
+                                                         problems))
+  pid = jax.process_index()
+  leaves, shardings, owned = [], {}, []
+  for keys, value in pairs:
+    name = ".".join(k for k, _ in keys)
+    if layout.is_empty(value):
+      leaves.append(layout.Leaf(keys, "None"))
+      continue
+    if isinstance(value, jax.Array):
+      shape = tuple(value.shape)
+      chunks = tuple(value.sharding.shard_shape(shape))
+      leaves.append(layout.Leaf(keys, "jax.Array", shape, layout.dtype_to_zarr(value.dtype),
+                                chunks))
+      meta = layout.sharding_metadata(value.sharding)
+      if meta is not None:
+        shardings[name] = meta
+      mine = [s for s in value.addressable_shards if s.replica_id == 0]
+      for s in mine:
+        s.data.copy_to_host_async()
+      owned.append((leaves[-1], mine))
+      continue
+    arr = np.asarray(value)
+    kind = "np.ndarray" if isinstance(value, np.ndarray) else "scalar"
+    leaves.append(layout.Leaf(keys, kind, arr.shape, layout.dtype_to_zarr(arr.dtype), arr.shape))
+    owned.append((leaves[-1], [arr] if pid == 0 else []))
+  writes = []
+  for leaf, items in owned:
+    for item in items:
+      if isinstance(item, np.ndarray):
+        index, data = (0,) * item.ndim, (np.array(item, copy=True) if asynchronous else item)
+      else:
+        index = tuple((sl.start or 0) // c if c else 0 for sl, c in zip(item.index, leaf.chunks))
+        data = _host_copy(item.data, copy=asynchronous and item.device.platform == "cpu")
+      writes.append((leaf.name, layout.chunk_file(index), data))
+  return _Plan(path, leaves, writes, shardings, t0)
+
+
+def _as_bytes(data: np.ndarray, chunks: tuple[int, ...]) -> memoryview:
+  """The chunk's bytes in C order; an edge shard (smaller than the chunk) is padded with zeros,
+  as zarr stores edge chunks at full size."""
+  if tuple(data.shape) != tuple(chunks):
+    full = np.zeros(chunks, data.dtype)
+    full[tuple(slice(0, n) for n in data.shape)] = data
+    data = full
+  flat = np.ascontiguousarray(data).reshape(-1)
+  return memoryview(flat.view(np.uint8))
+
+
+def _fsync_dir(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _write_json(path: str, obj: Any, backend: ckio.PosixIO) -> None:
+  backend.write_file(path, memoryview(json.dumps(obj, indent=1).encode()))
+
+
+def _barrier(store, name: str, timeout_s: float, what: str) -> None:
+  try:
+    store.barrier(name, timeout_s=timeout_s)
+  except errors.TransportError as e:
+    raise errors.CheckpointError(
+        f"{what}: the processes did not all arrive within {timeout_s:g} s ({e}). Every process "
+        "must call save with the same tree and path in the same order; a process may have "
+        "failed (see its log).") from e
+
+
+class _Sequence:
+  lock = threading.Lock()
+  n = 0
+
+  @classmethod
+  def next(cls) -> int:
+    with cls.lock:
+      cls.n += 1
+      return cls.n
+
+
+def write(p: _Plan, *, overwrite: bool, backend: ckio.PosixIO, threads: int,
+          block_bytes: int, digest: str, timeout_s: float, seq: int,
+          blocking_seconds: float | None) -> SaveReport:
+  """Steps 2 and 3 (in the background thread of an asynchronous save)."""
+  from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
+  pid, nproc = jax.process_index(), jax.process_count()
+  store = kvstore.default() if nproc > 1 else None
+  tag = f"checkpoint-{seq}-{hashlib.sha256(p.path.encode()).hexdigest()[:12]}"
+  meet = (lambda stage: _barrier(store, f"{tag}-{stage}", timeout_s,
+                                 f"saving {p.path} ({stage})")) if store else (lambda stage: None)
+  tmp = layout.tmp_path(p.path)
+  by_name = {leaf.name: leaf for leaf in p.leaves}
+  stored = [leaf for leaf in p.leaves if leaf.value_type != "None"]
+  if pid == 0:
+    os.makedirs(os.path.dirname(p.path), exist_ok=True)
+    if os.path.lexists(tmp):
+      shutil.rmtree(tmp)       # a save that was killed before its commit
+    os.makedirs(os.path.join(tmp, layout.DTENJAX_DIR))
+    os.makedirs(os.path.join(tmp, "array_metadatas"))
+    for leaf in stored:
+      os.makedirs(os.path.join(tmp, leaf.name))
+  meet("open")
+
+  def one(item):
+    name, fname, data = item
+    view = _as_bytes(data, by_name[name].chunks)
+    digests = integrity.block_digests(view, block_bytes, digest)
+    backend.write_file(os.path.join(tmp, name, fname), view)
+    return name, fname, len(view), digests
+
+  manifest: dict[str, dict[str, dict]] = {}
+  nbytes = 0
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+    for name, fname, n, digests in pool.map(one, p.writes):
+      manifest.setdefault(name, {})[fname] = {"size": n, "digests": digests}
+      nbytes += n
+  _write_json(os.path.join(tmp, layout.DTENJAX_DIR, f"process_{pid}.json"),
+              {"format": layout.FORMAT, "process": pid, "chunks": manifest}, backend)
+  _write_json(os.path.join(tmp, "array_metadatas", f"process_{pid}"),
+              {"array_metadatas": [{"array_metadata": {
+                  "param_name": leaf.name, "write_shape": list(leaf.chunks),
+                  "chunk_shape": list(leaf.chunks), "ext_metadata": None}}
+                  for leaf in p.leaves if leaf.value_type == "jax.Array"]}, backend)
+  for name in manifest:
+    _fsync_dir(os.path.join(tmp, name))
+  if pid == 0:
+    for leaf in stored:
+      _write_json(os.path.join(tmp, leaf.name, ".zarray"), layout.zarray(leaf), backend)
+      _fsync_dir(os.path.join(tmp, leaf.name))
+    _write_json(os.path.join(tmp, "_METADATA"), layout.orbax_tree_metadata(p.leaves), backend)
+    backend.write_file(os.path.join(tmp, "_sharding"),
+                       memoryview(layout.sharding_file(p.shardings).encode()))
+    now = time.time_ns()
+    _write_json(os.path.join(tmp, "_CHECKPOINT_METADATA"), {
+        "item_handlers": "orbax.checkpoint._src.handlers.pytree_checkpoint_handler."
+                         "PyTreeCheckpointHandler",
+        "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now,
+        "commit_timestamp_nsecs": now, "custom_metadata": {}}, backend)
+    _write_json(os.path.join(tmp, layout.DTENJAX_DIR, layout.MANIFEST), {
+        "format": layout.FORMAT, "processes": nproc, "io": backend.name, "digest": digest,
+        "block_bytes": block_bytes, "leaves": [leaf.to_json() for leaf in p.leaves]}, backend)
+  meet("written")
+  if pid == 0:
+    _fsync_dir(os.path.join(tmp, layout.DTENJAX_DIR))
+    _fsync_dir(os.path.join(tmp, "array_metadatas"))
+    _fsync_dir(tmp)
+    old = os.path.join(os.path.dirname(p.path), f".{os.path.basename(p.path)}.dtenjax-old")
+    if os.path.lexists(p.path):
+      if not overwrite:
+        raise errors.CheckpointError(
+            f"{p.path} appeared while it was being saved; the new checkpoint is left in {tmp}")
+      if os.path.lexists(old):
+        shutil.rmtree(old)
+      os.rename(p.path, old)
+    os.rename(tmp, p.path)
+    _fsync_dir(os.path.dirname(p.path))
+    if os.path.lexists(old):
+      shutil.rmtree(old)
+  meet("committed")
+  total = time.perf_counter() - p.t0
+  return SaveReport(p.path, len(p.leaves), len(p.writes), nbytes, total,
+                    total if blocking_seconds is None else blocking_seconds, backend.name,
+                    digest, pid, nproc)
+
+
+class PendingSave:
+  """A save whose files are still being written; ``wait()`` returns its :class:`SaveReport`."""
+
+  def __init__(self, path: str, fn):
+    self.path = path
+    self._done = threading.Event()
+    self._result: SaveReport | None = None
+    self._error: BaseException | None = None
+
+    def run():
+      try:
+        self._result = fn()
+      except BaseException as e:  # noqa: BLE001 - handed to wait()
+        self._error = e
+      finally:
+        self._done.set()
+    self._thread = threading.Thread(target=run, name="dtenjax-checkpoint-save", daemon=True)
+    self._thread.start()
+
+  def done(self) -> bool:
+    return self._done.is_set()
+
+  def wait(self, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> SaveReport:
+    if not self._done.wait(timeout_s):
+      raise errors.CheckpointError(
+          f"the save of {self.path} did not finish within {timeout_s:g} s; wait longer "
+          "(wait(timeout_s=...)) or look for a process that stopped")
+    if self._error is not None:
+      raise self._error
+    assert self._result is not None
+    return self._result
+
+
+class Checkpointer:
+  """Saves (asynchronously) and restores; one save in flight at a time.
+
+  ``save`` returns once the shards are in host memory; the files are written in the background.
+  ``wait()``, the next ``save``, ``restore`` and leaving a ``with`` block join it.
+  """
+
+  def __init__(self, *, io: str | None = None, threads: int | None = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S, block_bytes: int = integrity.BLOCK_BYTES,
+               digest: str | None = None):
+    self.backend = ckio.backend(io)
+    self.threads = threads or min(16, (os.cpu_count() or 1) * 2)
+    if not isinstance(block_bytes, int) or block_bytes < 4096 or block_bytes % 16:
+      raise errors.ConfigurationError(
+          f"block_bytes={block_bytes!r} must be an int >= 4096 and a multiple of 16")
+    self.block_bytes = block_bytes
+    self.digest = digest or integrity.default_algorithm()
+    integrity.hasher(self.digest)
+    self.timeout_s = float(timeout_s)
+    self._pending: PendingSave | None = None
+
+  def save(self, path: str | os.PathLike, tree: Any, *, overwrite: bool = False) -> PendingSave:
+    self.wait()
+    t0 = time.perf_counter()
+    path = os.path.abspath(os.fspath(path))
+    if os.path.lexists(path) and not overwrite:
+      raise errors.ConfigurationError(
+          f"checkpoint path {path} exists; pass overwrite=True to replace it or save to a new "
+          "path (one directory per step, e.g. ckpt/step_000100)")
+    p = plan(path, tree, asynchronous=True)
+    seq = _Sequence.next()
+    blocking = time.perf_counter() - t0
+    self._pending = PendingSave(path, lambda: write(
+        p, overwrite=overwrite, backend=self.backend, threads=self.threads,
+        block_bytes=self.block_bytes, digest=self.digest, timeout_s=self.timeout_s, seq=seq,
+        blocking_seconds=blocking))
+    return self._pending
+
+  def wait(self, timeout_s: float | None = None) -> SaveReport | None:
+    """Joins the save in flight (None when there is none)."""
+    pending, self._pending = self._pending, None
+    if pending is None:
+      return None
+    return pending.wait(self.timeout_s if timeout_s is None else timeout_s)
+
+  def restore(self, path, target=None, **kwargs):
+    from dtenjax._src.checkpoint import restore as ckrestore  # pylint: disable=g-import-not-at-top
+    self.wait()
+    kwargs.setdefault("threads", self.threads)
+    kwargs.setdefault("io", self.backend.name.split("-")[0])
+    return ckrestore.restore(path, target, **kwargs)
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.wait()
+
+
+def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, io: str | None = None,
+         threads: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+         block_bytes: int = integrity.BLOCK_BYTES) -> SaveReport:
+  """Saves ``tree`` to the directory ``path`` and returns when it is committed (on every
+  process). ``Checkpointer().save`` is the asynchronous form."""
+  path = os.path.abspath(os.fspath(path))
+  c = Checkpointer(io=io, threads=threads, timeout_s=timeout_s, block_bytes=block_bytes)
+  if os.path.lexists(path) and not overwrite:
+    raise errors.ConfigurationError(
+        f"checkpoint path {path} exists; pass overwrite=True to replace it or save to a new "
+        "path (one directory per step, e.g. ckpt/step_000100)")
+  p = plan(path, tree, asynchronous=False)
+  return write(p, overwrite=overwrite, backend=c.backend, threads=c.threads,
+               block_bytes=c.block_bytes, digest=c.digest, timeout_s=c.timeout_s,
+               seq=_Sequence.next(), blocking_seconds=None)

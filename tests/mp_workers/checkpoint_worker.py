@@ -1,0 +1,157 @@
+"""Worker of tests/test_checkpoint.py: trains, saves and restores in a fresh process (one of
+several under jax.distributed when DTENJAX_TEST_COORDINATOR is set).
+
+  python -m tests.mp_workers.checkpoint_worker train --steps N [--restore DIR] [--save DIR]
+  python -m tests.mp_workers.checkpoint_worker geometry CKPT_DIR
+
+The result is one JSON line on stdout, or (under jax.distributed) tests/mp_workers/common.py's
+rank file.
+
+train: a small MLP, data parallel over every device (mesh axis "data"), each device's
+micro-batches' gradients summed by dtenjax.all_reduce(reproducible=True), adam, compiled with
+dtenjax.reproducible_step; parameters whose first dimension divides the device count are
+sharded along it. The batch of step s comes from numpy's generator seeded with s, so a run that
+restores step 10 sees the batches a run that never stopped sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+MICRO = 8
+
+
+def _multi() -> bool:
+  return bool(os.environ.get("DTENJAX_TEST_COORDINATOR"))
+
+
+def train(steps: int, restore: str | None, save: str | None) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import dtenjax  # pylint: disable=g-import-not-at-top
+  import dtenjax.checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+  def layout(x):
+    return NamedSharding(mesh, P("data") if x.ndim and x.shape[0] % n == 0 else P())
+
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {"w1": jax.random.normal(k1, (16, 32)) * 0.3, "b1": jnp.zeros(32),
+            "w2": jax.random.normal(k2, (32, 4)) * 0.3, "b2": jnp.zeros(4)}
+  opt = optax.adam(1e-2)
+  state = {"params": params, "opt": opt.init(params), "step": 0}
+  shardings = jax.tree.map(layout, {"params": params, "opt": state["opt"]})
+  state = {**jax.device_put({"params": state["params"], "opt": state["opt"]}, shardings),
+           "step": 0}
+  if restore:
+    state = ckpt.restore(restore, state)
+
+  def loss_fn(p, x, y):
+    h = jax.nn.tanh(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
+
+  def local(p, x, y):
+    losses, grads = jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(p, *b), (x, y))
+    grads = dtenjax.all_reduce(grads, "data", op="mean", reproducible=True, local_axis=0)
+    loss = dtenjax.all_reduce(losses, "data", op="mean", reproducible=True, local_axis=0)
+    return loss, grads
+
+  grads_of = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                           out_specs=(P(), P()), check_vma=False)
+
+  def step(p, o, x, y):
+    p_all = jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, P())), p)
+    loss, grads = grads_of(p_all, x, y)
+    updates, o = opt.update(grads, o, p_all)
+    p = optax.apply_updates(p_all, updates)
+    return (jax.tree.map(lambda a, s: jax.sharding.reshard(a, s), p, shardings["params"]),
+            jax.tree.map(lambda a, s: jax.sharding.reshard(a, s), o, shardings["opt"]),
+            loss)
+
+  jstep = dtenjax.reproducible_step(step)
+  batch = NamedSharding(mesh, P("data"))
+  losses = []
+  for _ in range(steps):
+    s = state["step"]
+    rng = np.random.default_rng(s)
+    x = rng.standard_normal((MICRO, 2, 16), dtype=np.float32)
+    y = rng.standard_normal((MICRO, 2, 4), dtype=np.float32)
+    x, y = (jax.make_array_from_callback(a.shape, batch, lambda i, a=a: a[i]) for a in (x, y))
+    p, o, loss = jstep(state["params"], state["opt"], x, y)
+    state = {"params": p, "opt": o, "step": s + 1}
+    losses.append(np.float32(loss.addressable_data(0)).tobytes().hex())
+  report = None
+  if save:
+    report = str(ckpt.save(save, state))
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves({"params": state["params"], "opt": state["opt"]}):
+    full = jax.device_get(jax.experimental.multihost_utils.process_allgather(leaf, tiled=True)
+                          if _multi() else leaf)
+    h.update(np.ascontiguousarray(full).tobytes())
+  return {"losses": losses, "digest": h.hexdigest(), "step": state["step"], "devices": n,
+          "processes": jax.process_count(), "report": report}
+
+
+def geometry(ckpt_dir: str) -> dict:
+  """2 processes x 4 devices: save a 2 x 4-sharded array, restore it onto 4 x 2 and onto rows
+  over 8 devices; what each process wrote and read."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import dtenjax.checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+
+  ref = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+  m24 = jax.make_mesh((2, 4), ("a", "b"))
+  x = jax.make_array_from_callback(ref.shape, NamedSharding(m24, P("a", "b")), lambda i: ref[i])
+  rep = jax.make_array_from_callback((5,), NamedSharding(m24, P()),
+                                     lambda i: np.arange(5, dtype=np.int32)[i])
+  saved = ckpt.save(ckpt_dir, {"x": x, "rep": rep, "step": 7}, block_bytes=4096)
+  pid = jax.process_index()
+  with open(os.path.join(ckpt_dir, "_dtenjax", f"process_{pid}.json")) as f:
+    wrote = {k: sorted(v) for k, v in json.load(f)["chunks"].items()}
+  out = {"process": pid, "saved_files": saved.files, "saved_bytes": saved.bytes, "wrote": wrote}
+  m42 = jax.make_mesh((4, 2), ("a", "b"))
+  m8 = jax.make_mesh((8,), ("x",))
+  for label, sharding in (("4x2", NamedSharding(m42, P("a", "b"))),
+                          ("rows8", NamedSharding(m8, P("x"))),
+                          ("replicated", NamedSharding(m8, P()))):
+    tree, report = ckpt.restore(ckpt_dir, {"x": x, "rep": rep, "step": 0},
+                                shardings={"x": sharding, "rep": NamedSharding(m8, P()),
+                                           "step": None}, report=True)
+    ok = all(np.array_equal(np.asarray(s.data), ref[s.index])
+             for s in tree["x"].addressable_shards)
+    ok = ok and tree["step"] == 7 and all(
+        np.array_equal(np.asarray(s.data), np.arange(5)) for s in tree["rep"].addressable_shards)
+    out[label] = {"ok": bool(ok), "bytes": report.bytes,
+                  "sharding": str(tree["x"].sharding.spec)}
+  return out
+
+
+def main() -> None:
+  mode = sys.argv[1]
+  if _multi():
+    from tests.mp_workers import common  # pylint: disable=g-import-not-at-top
+    common.init()
+  if mode == "train":
+    args = sys.argv[2:]
+    opt = {args[i]: args[i + 1] for i in range(0, len(args), 2)}
+    result = train(int(opt["--steps"]), opt.get("--restore"), opt.get("--save"))
+  else:
+    result = geometry(sys.argv[2])
+  if _multi():
+    from tests.mp_workers import common  # pylint: disable=g-import-not-at-top
+    common.finish(result)
+  else:
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()

@@ -60,8 +60,8 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import config
 from dtenjax._src import errors
+from dtenjax._src.planning import boxes
 from dtenjax._src.planning import costmodel
-from dtenjax._src.planning import mesh as mesh_lib
 from dtenjax._src.planning import planner
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.topology.model import INTRA_HOST, Topology
@@ -810,16 +810,14 @@ def _box_pins(args, rules) -> dict[int, P]:
   """Leaf index -> the PartitionSpec flax partitioning metadata gives a boxed leaf (linen's
   ``nn.with_logical_partitioning`` / ``nn.with_partitioning``, nnx's ``out_sharding``), mapped
   to the planner's axes by ``rules`` as Placement(rules=...) maps them."""
-  from dtenjax._src.planning import placement  # pylint: disable=g-import-not-at-top
   names_mesh = jax.sharding.AbstractMesh((1,) * len(AXES), AXES)
   out: dict[int, P] = {}
   offset = 0
   for argnum, arg in enumerate(args):
-    nodes = jax.tree.leaves(arg, is_leaf=placement._is_box)  # pylint: disable=protected-access
-    for node in nodes:
-      if placement._is_box(node):  # pylint: disable=protected-access
-        out[offset] = placement._box_spec(  # pylint: disable=protected-access
-            node, names_mesh, rules, f"plan: argument {argnum}'s boxed leaf")
+    for node in jax.tree.leaves(arg, is_leaf=boxes.is_box):
+      if boxes.is_box(node):
+        out[offset] = boxes.box_spec(node, names_mesh, rules,
+                                     f"plan: argument {argnum}'s boxed leaf")
       offset += len(jax.tree.leaves(node))
   return out
 

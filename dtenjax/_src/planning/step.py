@@ -419,6 +419,9 @@ class StepPlan:
   meshes_tried: int
   notes: tuple[str, ...] = ()
   out_specs: Any = None          # PartitionSpecs of the step's outputs (state outputs like state)
+  # per argument: None, or a tree holding, for each FSDP-sharded weight, its layout for compute
+  # (the spec without the batch axes) and None for every other leaf
+  compute_specs: tuple[Any, ...] = ()
 
   # --- applying it -----------------------------------------------------------------------------
 
@@ -451,8 +454,28 @@ class StepPlan:
                         is_leaf=lambda s: isinstance(s, P))
 
   def jit(self, step: Callable, **jit_kwargs):
-    """``jax.jit(step)`` with this plan's input and output shardings."""
-    return jax.jit(step, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
+    """``jax.jit(step)`` with this plan's input and output shardings, and its FSDP parameters
+    gathered for compute.
+
+    FSDP lays a parameter out sharded over ``fsdp``; the products need it whole. The returned
+    function constrains each FSDP-sharded weight to its gathered layout
+    (:attr:`compute_specs`) before calling ``step``, as FSDP does, so XLA all-gathers the
+    weight (and reduce-scatters its gradient) instead of moving the activations: without the
+    constraint XLA's partitioner, seeing the batch and the weight sharded over the same axis,
+    often picks all-to-alls of activations and all-reduces of partial products (measured:
+    10x the bytes on a GPT-2 step; docs/benchmarks.md). Values are unchanged."""
+    mesh = self.mesh()
+
+    def gather(x, spec):
+      return x if spec is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    def planned(*args):
+      args = tuple(jax.tree.map(gather, a, c, is_leaf=lambda v: v is None)
+                   if c is not None else a for a, c in zip(args, self.compute_specs))
+      return step(*args)
+    planned.__name__ = getattr(step, "__name__", "step")
+    planned.__wrapped__ = step
+    return jax.jit(planned, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
                    **jit_kwargs)
 
   def check(self, step: Callable, *args) -> "Check":
@@ -1060,6 +1083,22 @@ def _report(graph, prob: _Problem, choice, cost, recipes, budget, topology, seco
   if not budget:
     notes.append("memory: the devices' memory is unknown (as on CPU), so no budget was checked; "
                  "pass memory_budget= to check one")
+  compute_flat = []
+  for lf, spec in zip(graph.leaves, specs_flat):
+    weight = lf.index in graph.weights or lf.index in graph.gathered
+    drop = set(BATCH_AXES) if weight else set()
+    entries = [_spec_entry([a for a in (e if isinstance(e, tuple) else (e,)) if a not in drop])
+               if e is not None else None for e in spec]
+    gathered_spec = _trim(P(*entries))
+    compute_flat.append(gathered_spec if weight and gathered_spec != spec else None)
+  compute_specs = []
+  k = 0
+  for a in args:
+    leaves_a, treedef = jax.tree_util.tree_flatten(a)
+    part = compute_flat[k:k + len(leaves_a)]
+    compute_specs.append(None if all(c is None for c in part) else
+                         jax.tree_util.tree_unflatten(treedef, part))
+    k += len(leaves_a)
   out_specs_flat = []
   for shape, _, rep in graph.outputs:
     spec = spec_of.get(rep, (P(),))[0] if rep is not None else P()
@@ -1068,6 +1107,7 @@ def _report(graph, prob: _Problem, choice, cost, recipes, budget, topology, seco
     out_specs_flat.append(_trim(spec))
   out_specs = jax.tree_util.tree_unflatten(graph.out_tree, out_specs_flat)
   return StepPlan(axis_names=AXES, mesh_shape=m.shape, out_specs=out_specs,
+                  compute_specs=tuple(compute_specs),
                   device_ids=tuple(int(i) for i in m.ids.ravel()), axes=_axis_links(m),
                   leaves=tuple(leaves), specs=tuple(specs), cost=cost, recipes=recipes,
                   budget_bytes=budget, topology=topology.name, planning_s=seconds,

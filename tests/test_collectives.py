@@ -4,10 +4,12 @@ tests/fixed_point_ref.py), errors."""
 
 import pathlib
 import re
+import warnings
 
 import chex
 import jax
 import jax.numpy as jnp
+
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
@@ -487,12 +489,13 @@ def test_xla_sums_of_negative_zeros_are_positive_zero_as_xla_folds_from_plus_zer
   assert not np.any(np.signbit(np.asarray(ours))) and not np.any(np.signbit(np.asarray(psum)))
 
 
-def test_a_mean_of_an_already_summed_gradient_is_flagged_once(caplog):
+def test_a_mean_of_an_already_summed_gradient_is_flagged_once():
   """jax.grad of replicated params under check_vma=True is already summed over the axis; a mean
-  of it returns n times the mean gradient (as lax.pmean does). dtenjax says so once, with the fix;
-  per-device gradients (pvary'd params) are averaged silently."""
-  from dtenjax._src import config
-  config._said.discard("invariant-mean")
+  of it returns n times the mean gradient (as lax.pmean does). dtenjax says so once, with the fix,
+  as a DtenjaxWarning through Python's warnings (no logging set-up needed: a plain script shows
+  it); per-device gradients (pvary'd params) are averaged silently."""
+  from dtenjax._src import errors as errors_lib
+  errors_lib._warned.discard("invariant-mean")
   mesh = dtenjax.make_mesh((8,), ("d",))
   w = jnp.ones(3)
   x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
@@ -504,15 +507,22 @@ def test_a_mean_of_an_already_summed_gradient_is_flagged_once(caplog):
       return dtenjax.all_reduce(g, "d", op="mean")
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))
 
-  with caplog.at_level("WARNING", logger="dtenjax"):
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
     good = step(False)(w, x)
-  assert not [r for r in caplog.records if "already SUMMED" in r.getMessage()]
+  assert not [m for m in seen if "already SUMMED" in str(m.message)]
   np.testing.assert_allclose(good, np.asarray(x).mean(0), rtol=1e-6)
-  with caplog.at_level("WARNING", logger="dtenjax"):
+  with pytest.warns(dtenjax.DtenjaxWarning, match="already SUMMED") as seen:
     bad = step(True)(w, x)
-  msgs = [r.getMessage() for r in caplog.records if "already SUMMED" in r.getMessage()]
+  msgs = [str(m.message) for m in seen if "already SUMMED" in str(m.message)]
   assert len(msgs) == 1 and "compression.pvary(params, axis)" in msgs[0]
+  assert seen[0].filename == __file__          # attributed to the user's line, not dtenjax's
   np.testing.assert_allclose(bad, np.asarray(x).sum(0), rtol=1e-6)    # n times the mean, as JAX
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", dtenjax.DtenjaxWarning)   # users can make it an error
+    errors_lib._warned.discard("invariant-mean")
+    with pytest.raises(dtenjax.DtenjaxWarning):
+      step(True)(w + 1, x)
 
 
 def test_all_reduce_tag_is_checked_and_refuses_a_traced_value(cpu_devices):

@@ -227,7 +227,7 @@ def _warn_invariant_mean(leaves, typed: tuple[str, ...]) -> None:
   inv = [i for i, leaf in enumerate(leaves)
          if jnp.issubdtype(leaf.dtype, jnp.inexact) and not jaxapi.vma(leaf) & set(typed)]
   if inv:
-    config.log_once(
+    errors.warn_once(
         "invariant-mean",
         f"dtenjax.all_reduce(op='mean') over {typed} got values that do not vary over those axes "
         f"(leaves {inv[:5]}{'...' if len(inv) > 5 else ''}): the mean of n equal copies is the "

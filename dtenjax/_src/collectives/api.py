@@ -397,8 +397,29 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
     raise errors.CollectiveError(
         f"all_reduce: local_axis={local_axis} with op={op!r} needs reproducible=True (it is the "
         "exact sum of stacked local contributions); sum the axis yourself otherwise.")
-  typed = _typed_axes(axes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
+  if bucket_bytes is None:
+    bucket_bytes = config.get_int("DTENJAX_BUCKET_BYTES")
+  args = (axes, op, algorithm, bool(deterministic), reproducible, local_axis, int(bucket_bytes),
+          tag)
+  out = _eager_or_traced("all_reduce", _all_reduce_leaves, leaves, args)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _eager_or_traced(what: str, body, leaves, args):
+  """``body(leaves, *args)``; under an eager ``shard_map`` as one cached program per call
+  signature (``jaxapi.run_eager``): outside jit every primitive would otherwise be compiled
+  anew on every call."""
+  trace = jaxapi.eager_shard_map_trace(leaves)
+  if trace is None:
+    return body(leaves, *args)
+  key = (what, args, mesh_lib.current_mesh())
+  return jaxapi.run_eager(trace, key, lambda ls: body(ls, *args), leaves)
+
+
+def _all_reduce_leaves(leaves, axes, op, algorithm, deterministic, reproducible, local_axis,
+                       bucket_bytes, tag):
+  typed = _typed_axes(axes)
   leaves = [jnp.asarray(leaf) for leaf in leaves]
   if op == "mean":
     _warn_invariant_mean(leaves, typed)
@@ -415,15 +436,11 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
                                      f"shape {leaf.shape}; pass an axis of x.")
       la = local_axis % leaf.ndim
       k = leaf.shape[la]
-    specs.append(_Spec(axes, op, algorithm, bool(deterministic), reproducible, la, k, typed, tag))
-  if bucket_bytes is None:
-    bucket_bytes = config.get_int("DTENJAX_BUCKET_BYTES")
+    specs.append(_Spec(axes, op, algorithm, deterministic, reproducible, la, k, typed, tag))
   if len(leaves) > 1 and bucket_bytes > 0 and local_axis is None:
-    out = buckets.bucketed_apply(leaves, lambda flat: _all_reduce_array(flat, specs[0]),
-                                 bucket_bytes)
-  else:
-    out = [_all_reduce_array(leaf, s) for leaf, s in zip(leaves, specs)]
-  return jax.tree_util.tree_unflatten(treedef, out)
+    return buckets.bucketed_apply(leaves, lambda flat: _all_reduce_array(flat, specs[0]),
+                                  bucket_bytes)
+  return [_all_reduce_array(leaf, s) for leaf, s in zip(leaves, specs)]
 
 
 # --- reduce_scatter / all_gather: transposes of each other ----------------------------------------
@@ -533,8 +550,16 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
   _check_common("reduce_scatter", op, algorithm)
   reproducible = repro.contract_of(reproducible)
   axes = check_axes(axis_name, "reduce_scatter")
-  n = base.axis_size(axes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
+  args = (axes, axis_name, scatter_dimension, bool(tiled), op, algorithm, bool(deterministic),
+          reproducible)
+  out = _eager_or_traced("reduce_scatter", _reduce_scatter_leaves, leaves, args)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _reduce_scatter_leaves(leaves, axes, axis_name, scatter_dimension, tiled, op, algorithm,
+                           deterministic, reproducible):
+  n = base.axis_size(axes)
   problems, out = [], []
   typed = _typed_axes(axes)
   for i, leaf in enumerate(leaves):
@@ -555,12 +580,12 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
                       f"is not divisible by the size {n} of axis {axis_name!r}; pad it to a "
                       f"multiple of {n} or pick another scatter_dimension")
       continue
-    y = _reduce_scatter_array(leaf, _RSSpec(axes, op, algorithm, bool(deterministic), dim,
+    y = _reduce_scatter_array(leaf, _RSSpec(axes, op, algorithm, deterministic, dim,
                                             reproducible=reproducible))
     out.append(y if tiled else jnp.squeeze(y, dim))
   if problems:
     raise errors.CollectiveError(errors.join_problems("reduce_scatter: bad inputs", problems))
-  return jax.tree_util.tree_unflatten(treedef, out)
+  return out
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
@@ -574,6 +599,12 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
   _check_common("all_gather", "sum", algorithm)
   axes = check_axes(axis_name, "all_gather")
   leaves, treedef = jax.tree_util.tree_flatten(x)
+  args = (axes, axis, bool(tiled), algorithm, bool(deterministic))
+  out = _eager_or_traced("all_gather", _all_gather_leaves, leaves, args)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _all_gather_leaves(leaves, axes, axis, tiled, algorithm, deterministic):
   out, problems = [], []
   typed = _typed_axes(axes)
   for i, leaf in enumerate(leaves):
@@ -583,11 +614,11 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
       problems.append(f"leaf {i} shape {leaf.shape}: axis={axis} is out of range "
                       f"(tiled={tiled})")
       continue
-    out.append(_all_gather_array(leaf, _RSSpec(axes, "sum", algorithm, bool(deterministic),
-                                               axis % nd, bool(tiled))))
+    out.append(_all_gather_array(leaf, _RSSpec(axes, "sum", algorithm, deterministic,
+                                               axis % nd, tiled)))
   if problems:
     raise errors.CollectiveError(errors.join_problems("all_gather: bad inputs", problems))
-  return jax.tree_util.tree_unflatten(treedef, out)
+  return out
 
 
 # --- the choice as data ----------------------------------------------------------------------------

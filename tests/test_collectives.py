@@ -9,6 +9,7 @@ import warnings
 import chex
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 
 import numpy as np
 import pytest
@@ -537,3 +538,33 @@ def test_all_reduce_tag_is_checked_and_refuses_a_traced_value(cpu_devices):
   with pytest.raises(dtenjax.DtenjaxError, match="traced value"):
     jax.jit(jax.shard_map(lambda v, t: dtenjax.all_reduce(v, "i", tag=t), mesh=mesh,
                           in_specs=(P("i"), P()), out_specs=P()))(x, jnp.int32(3))
+
+
+@pytest.mark.parametrize("contract", [True, "exact"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reproducible_means_of_huge_values_stay_in_range(contract, dtype):
+  """The mean of 8 x 3e38, or of 8 x the largest finite value, is finite (the sum is not): both
+  contracts, float32 and bfloat16, through every way the words move (the word exchange, the
+  gathered local sum, the owner form, reduce_scatter), and within the bound of docs/collectives.md
+  (half an ulp of the mean for these sums, which are exact in the fixed-point grid; a quarter
+  ulp more below the largest binade)."""
+  big = float(ml_dtypes.finfo(ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32).max)
+  near = float(np.asarray(3e38, dtype=np.dtype(dtype)).astype(np.float32))
+  cols = np.array([[near] * 8, [big] * 8, [big] * 7 + [-big], [big] * 6 + [near, near]],
+                  np.float64).T                                 # [rank, column]
+  exact = cols.sum(0) / 8                                       # exact in float64 here
+  mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+  x = jnp.asarray(cols, dtype)
+  body = lambda v: jnp.stack(
+      [dtenjax.all_reduce(v, "d", op="mean", reproducible=contract, algorithm=a)[0]
+       for a in ("xla", "one_shot", "two_shot")] +
+      [dtenjax.reduce_scatter(jnp.tile(v, (8, 1)), "d", op="mean", reproducible=contract,
+                              tiled=True)[0]])[None]
+  y = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x)
+  y = np.asarray(y.astype(jnp.float32), np.float64)[0]           # rank 0: [path, column]
+  assert np.all(np.isfinite(y)), y
+  bits = 8 if dtype == jnp.bfloat16 else 24                     # significant bits of the dtype
+  ulp = np.exp2(np.floor(np.log2(np.abs(exact))) - (bits - 1))
+  assert np.all(np.abs(y - exact) <= ulp / 2 * 1.5), (y, exact)
+  # every path gives the same bits
+  assert (y == y[0]).all(), y

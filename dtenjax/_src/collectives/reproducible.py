@@ -62,10 +62,7 @@ def local_sum(stack, op: str, contract: str, dtype=None):
   fixed_point.check_contributions(n)       # v3 hands more than 32 to the exact contract
   if contract_for(contract, n) == "v3":
     return v3.local_sum(stack, op, dtype)
-  r = fixed_point.local_sum_f32(stack)
-  if op == "mean":
-    r = fixed_point.divide(r, n)
-  return r.astype(dtype)
+  return fixed_point.local_sum_f32(stack, mean=op == "mean").astype(dtype)
 
 
 def gather_all_reduce(stack, call: base.Call):
@@ -107,9 +104,7 @@ def all_reduce(stack, call: base.Call, record: base.Algorithm):
   codes = _code_max(jnp.max(fixed_point.codes(stack), axis=0), call, record)
   words = jnp.sum(fixed_point.encode(stack, codes), axis=1)           # [2, ...], exact
   total = record.all_reduce(words, _int_call(call), lambda y: y)
-  r = fixed_point.decode_f32(total, codes)
-  if call.op == "mean":
-    r = fixed_point.divide(r, count)
+  r = fixed_point.decode_f32(total, codes, count if call.op == "mean" else None)
   return r.astype(stack.dtype)
 
 
@@ -130,6 +125,5 @@ def reduce_scatter(blocks, call: base.Call, record: base.Algorithm):
   codes = _code_max(fixed_point.codes(blocks), call, record)         # [n, ...]
   words = jnp.moveaxis(fixed_point.encode(blocks, codes), 1, 0)     # [n, 2, ...]
   mine = record.reduce_scatter(words, _int_call(call))               # [2, ...]
-  r = fixed_point.decode_f32(mine, mine_of(codes))
-  r = fixed_point.divide(r, count) if call.op == "mean" else r
+  r = fixed_point.decode_f32(mine, mine_of(codes), count if call.op == "mean" else None)
   return r.astype(blocks.dtype)

@@ -26,7 +26,8 @@ Semantics and guarantees
   depend on the algorithm or on how the same contributions are split over devices. With
   ``local_axis`` the input holds several contributions stacked on that axis; each is encoded on
   its own, so the result equals that of the same contributions spread over more devices.
-  ``reproducible="exact"``: the exact contract v2 (``fixed_point.py``, two words per value).
+  ``reproducible="v2"``: contract v2 (``fixed_point.py``, two words per value: a finer grid, not
+  the correctly rounded sum; ``"exact"`` is its deprecated name and warns).
   float32 / bfloat16 only.
 - ``vmap``: mapping over an ordinary (unnamed) batch dimension reduces every batch element
   independently across devices; ``jax.vmap(f, axis_name="v")`` makes "v" a valid ``axis_name``.
@@ -377,8 +378,9 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
       "one_shot", "two_shot", "butterfly" (power-of-two worlds) -- or a registry record such as
       "nvlink_one_shot" or "host_ring" (``algorithms/registry.py`` lists them).
     deterministic: fixed reduction order (see the module docstring for what "xla" means here).
-    reproducible: True for the fixed-point sum of contract v3 (one word per value), "exact" for
-      contract v2; the same bits for every algorithm and device split.
+    reproducible: True for the fixed-point sum of contract v3 (one word per value), "v2" for
+      contract v2 (two words per value; "exact" is its deprecated name); the same bits for every
+      algorithm and device split.
     local_axis: with reproducible=True or op max/min, the axis of ``x`` holding several local
       contributions (summed exactly with the other devices'; the axis is removed).
     bucket_bytes: pytree leaves are packed into flat buffers of at most this many bytes
@@ -543,8 +545,8 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
   Algorithms: "ring" (ppermute ring), "butterfly" (recursive halving over ppermute, power-of-two
   worlds), "one_shot" (all_gather + ordered reduction of the owned block), "two_shot"
   (all_to_all + ordered reduction), "xla" (psum_scatter where its order is fixed, see
-  ``algorithms/xla.py``), "auto". ``reproducible=True`` (contract v3) or ``"exact"``
-  (v2): the codes are MAX-reduced over the full input, the int32 words reduce-scattered, rank r
+  ``algorithms/xla.py``), "auto". ``reproducible=True`` (contract v3) or ``"v2"``
+  (``"exact"``, deprecated): the codes are MAX-reduced over the full input, the int32 words reduce-scattered, rank r
   decodes block r (the same bits as ``all_reduce(..., reproducible=...)`` of that block).
   """
   _check_common("reduce_scatter", op, algorithm)

@@ -33,16 +33,31 @@ from dtenjax._src.collectives import fixed_point_v3 as v3
 from dtenjax._src.collectives.algorithms import base
 
 def contract_of(reproducible) -> str | None:
-  """The contract a ``reproducible=`` argument asks for: None (False), "v3" (True) or "exact"."""
+  """The contract a ``reproducible=`` argument asks for: None (False), "v3" (True) or "exact"
+  (``"v2"``; the internal tag of contract v2).
+
+  Contract v2 was public as ``reproducible="exact"``, but it is not the correctly rounded sum:
+  each value keeps 40 bits below the element's largest exponent, so under deep cancellation the
+  result is off by up to its documented bound (docs/collectives.md). Its public name is now
+  ``"v2"``; ``"exact"`` still works and warns (a :class:`DtenjaxWarning`) that it is deprecated."""
   if reproducible is False or reproducible is None:
     return None
   if reproducible is True or reproducible == "v3":
     return "v3"
+  if reproducible == "v2":
+    return "exact"
   if reproducible == "exact":
+    errors.warn_once(
+        "reproducible-exact",
+        "dtenjax: reproducible='exact' is deprecated: it is contract v2, a fixed-point sum with "
+        "40 bits below each element's largest exponent, not the correctly rounded sum (off by up "
+        "to N * 2**(e - 41) + 2 ulp under cancellation, docs/collectives.md). Pass "
+        "reproducible='v2' for the same bits, or reproducible=True (contract v3).")
     return "exact"
   raise errors.CollectiveError(
       f"reproducible={reproducible!r} is not a reproducible mode; use False, True (contract v3: "
-      "one integer word per value) or 'exact' (contract v2: the exact fixed-point sum).")
+      "one integer word per value) or 'v2' (contract v2: two words per value, a finer "
+      "fixed-point grid; 'exact' is its deprecated name).")
 
 
 def contract_for(contract: str, contributions: int) -> str:

@@ -568,3 +568,39 @@ def test_reproducible_means_of_huge_values_stay_in_range(contract, dtype):
   assert np.all(np.abs(y - exact) <= ulp / 2 * 1.5), (y, exact)
   # every path gives the same bits
   assert (y == y[0]).all(), y
+
+
+def test_named_vmap_axes_alone_or_with_mesh_axes_sum_like_lax_psum(cpu_devices):
+  """axis_name=("i", "v") with "v" a jax.vmap axis: every algorithm (and the reproducible sum)
+  gives lax.psum's values; where JAX itself cannot run a vmap collective (inside
+  shard_map(check_vma=True), where lax.psum raises a bare AssertionError) the error is a
+  CollectiveError naming the vmap axis and the fix."""
+  mesh = Mesh(np.array(cpu_devices[:4]), ("i",))
+  x = (jnp.arange(4 * 2 * 5, dtype=jnp.float32).reshape(8, 5) * 1.37) ** 1.5
+  def body(axes, check):
+    # hierarchical needs two axes: a lone vmap axis is a CollectiveError saying so
+    algos = ("xla", "ring", "one_shot", "two_shot", "butterfly") + (
+        ("hierarchical",) if axes != "v" else ())
+
+    def lane(u):
+      outs = [dtenjax.all_reduce(u, axes, algorithm=a) for a in algos]
+      outs += [dtenjax.all_reduce(u, axes, reproducible=True, algorithm=a) for a in algos[:3]]
+      outs += [dtenjax.all_reduce(u, axes, op=op) for op in ("mean", "max")]
+      want = [jax.lax.psum(u, axes), jax.lax.pmean(u, axes), jax.lax.pmax(u, axes)]
+      return jnp.stack(outs), jnp.stack(want) if not check else jnp.stack(outs[:3])
+    return lambda v: jax.vmap(lane, axis_name="v", out_axes=1)(v)
+
+  for axes in (("v", "i"), "v"):
+    f = jax.jit(jax.shard_map(body(axes, False), mesh=mesh, in_specs=P("i"),
+                              out_specs=P(None, "i"), check_vma=False))
+    got, want = (np.asarray(a) for a in f(x))
+    algos = 6 if axes != "v" else 5
+    n = algos + 3
+    np.testing.assert_allclose(got[:n], np.broadcast_to(want[0], got[:n].shape), rtol=1e-6)
+    np.testing.assert_allclose(got[n], want[1], rtol=1e-6)
+    np.testing.assert_array_equal(got[n + 1], want[2])
+    if axes != "v":        # the reproducible sums agree bit for bit across algorithms
+      np.testing.assert_array_equal(got[algos], got[algos + 2])
+  with pytest.raises(dtenjax.CollectiveError, match=r"jax.vmap axis \['v'\].*check_vma=False"):
+    jax.jit(jax.shard_map(body(("i", "v"), True), mesh=mesh, in_specs=P("i"),
+                          out_specs=P(None, "i"), check_vma=True))(x)

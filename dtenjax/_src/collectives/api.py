@@ -35,6 +35,7 @@ Semantics and guarantees
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -419,8 +420,90 @@ def _eager_or_traced(what: str, body, leaves, args):
   return jaxapi.run_eager(trace, key, lambda ls: body(ls, *args), leaves)
 
 
+def _vmap_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The axes of ``axes`` that are ``jax.vmap`` axes (bound, but not manual mesh axes)."""
+  manual = jaxapi.manual_axes()
+  return tuple(a for a in axes if a not in manual)
+
+
+@contextlib.contextmanager
+def _vmap_errors(what: str, axes: tuple[str, ...]):
+  """JAX's own collectives over a vmap axis fail inside ``jax.shard_map(check_vma=True)`` with a
+  bare AssertionError (jax 0.10.2: ``lax.psum`` too); say which axis and what to do instead."""
+  try:
+    yield
+  except AssertionError as e:
+    vaxes = _vmap_axes(axes)
+    if not vaxes:
+      raise
+    raise errors.CollectiveError(
+        f"{what}: axis_name={axes!r} includes the jax.vmap axis {list(vaxes)}, and JAX cannot "
+        "run a collective over a vmap axis inside jax.shard_map(check_vma=True) (lax.psum "
+        "fails there too). Pass check_vma=False to jax.shard_map (dtenjax.mesh_map(..., "
+        "check_vma=False)), make the vmapped dimension a mesh axis, or loop with lax.map and "
+        "reduce the stacked results over the mesh axes (all_reduce(..., local_axis=0, "
+        "reproducible=True) sums them exactly).") from e
+
+
+def _gather_vmap(leaf, vaxes: tuple[str, ...]):
+  """``[n_vmap, *leaf.shape]``: every vmap lane's ``leaf``, in rank order of ``vaxes`` (the first
+  name major), the same on every lane."""
+  g = leaf
+  for a in reversed(vaxes):
+    g = lax.all_gather(g, a)
+  return g.reshape((-1,) + leaf.shape)
+
+
+def _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic, reproducible,
+                      local_axis, tag):
+  """An all-reduce over mesh axes and vmap axes together, with lax.psum's semantics: the vmap
+  lanes' values are gathered (a local stack, rank order of the vmap axes), then reduced over the
+  mesh axes with the algorithm asked for -- exactly (``local_axis``) for reproducible sums and
+  max/min, for plain sums as the lanes' rank-order fold followed by the algorithm. Every lane
+  gets the same result, as with ``lax.psum(x, (mesh_axis, vmap_axis))``."""
+  nv = math.prod(base.axis_size(a) for a in vaxes)
+  if algorithm == "hierarchical" and len(mesh_axes) < 2:
+    algorithm = "auto"      # the lanes are the island: the gather and fold are its first level
+  out = []
+  for leaf in leaves:
+    leaf = jnp.asarray(leaf)
+    if local_axis is not None:
+      if not -leaf.ndim <= local_axis < leaf.ndim:
+        raise errors.CollectiveError(f"all_reduce: local_axis={local_axis} is out of range for "
+                                     f"shape {leaf.shape}; pass an axis of x.")
+      leaf = jnp.moveaxis(leaf, local_axis, 0)
+      stack = _gather_vmap(leaf, vaxes)
+      stack = stack.reshape((-1,) + leaf.shape[1:])
+    else:
+      stack = _gather_vmap(leaf, vaxes)
+    if reproducible or op in ("max", "min"):
+      out += _all_reduce_leaves([stack], mesh_axes, op, algorithm, deterministic, reproducible,
+                                0, 0, tag)
+      continue
+    _check_leaf("all_reduce", leaf, op, reproducible)
+    part = base.ordered_reduce(stack, "sum").astype(leaf.dtype)
+    y, = _all_reduce_leaves([part], mesh_axes, "sum", algorithm, deterministic, None, None, 0,
+                            tag)
+    if op == "mean":
+      y = fixed_point.ieee_divide(y, nv * base.axis_size(mesh_axes))
+    out.append(y)
+  return out
+
+
 def _all_reduce_leaves(leaves, axes, op, algorithm, deterministic, reproducible, local_axis,
                        bucket_bytes, tag):
+  vaxes = _vmap_axes(axes)
+  with _vmap_errors("all_reduce", axes):
+    if vaxes and len(vaxes) < len(axes):
+      mesh_axes = tuple(a for a in axes if a not in vaxes)
+      return _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic,
+                               reproducible, local_axis, tag)
+    return _all_reduce_plain(leaves, axes, op, algorithm, deterministic, reproducible,
+                             local_axis, bucket_bytes, tag)
+
+
+def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, reproducible, local_axis,
+                      bucket_bytes, tag):
   typed = _typed_axes(axes)
   leaves = [jnp.asarray(leaf) for leaf in leaves]
   if op == "mean":
@@ -555,7 +638,8 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
   leaves, treedef = jax.tree_util.tree_flatten(x)
   args = (axes, axis_name, scatter_dimension, bool(tiled), op, algorithm, bool(deterministic),
           reproducible)
-  out = _eager_or_traced("reduce_scatter", _reduce_scatter_leaves, leaves, args)
+  with _vmap_errors("reduce_scatter", axes):
+    out = _eager_or_traced("reduce_scatter", _reduce_scatter_leaves, leaves, args)
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -602,7 +686,8 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
   axes = check_axes(axis_name, "all_gather")
   leaves, treedef = jax.tree_util.tree_flatten(x)
   args = (axes, axis, bool(tiled), algorithm, bool(deterministic))
-  out = _eager_or_traced("all_gather", _all_gather_leaves, leaves, args)
+  with _vmap_errors("all_gather", axes):
+    out = _eager_or_traced("all_gather", _all_gather_leaves, leaves, args)
   return jax.tree_util.tree_unflatten(treedef, out)
 
 

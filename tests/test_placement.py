@@ -453,3 +453,58 @@ def test_optimizer_state_follows_its_parameters(mesh24):
     shard(state)
   with pytest.raises(errors.PlacementError, match="no NamedSharding to follow"):
     shard(tx.init(params), like={"w1": np.ones((8, 16)), "w2": np.ones((16, 8)), "b": np.ones(8)})
+
+
+def _tp_mlp_placements(mesh):
+  return {"l1": {"kernel": NamedSharding(mesh, P(None, "model")),
+                 "bias": NamedSharding(mesh, P("model"))},
+          "l2": {"kernel": NamedSharding(mesh, P("model", None)),
+                 "bias": NamedSharding(mesh, P())}}
+
+
+def _tp_mesh():
+  return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+
+
+def test_shard_optax_state_with_the_params_placement_tree_places_each_moment_like_its_param():
+  """What users write: shard(tx.init(params), placement). A placement tree written for the params
+  is not a prefix of the optax state, but its mu / nu mirror the params: each moment gets its
+  parameter's layout, the step count is replicated."""
+  mesh = _tp_mesh()
+  placement = _tp_mlp_placements(mesh)
+  params = {"l1": {"kernel": jnp.ones((8, 16)), "bias": jnp.ones(16)},
+            "l2": {"kernel": jnp.ones((16, 8)), "bias": jnp.ones(8)}}
+  params = shard(params, placement)
+  state = shard(optax.adam(1e-3).init(params), placement)
+  adam = state[0]
+  want = jax.tree.map(lambda s: s.spec, placement)
+  for moments in (adam.mu, adam.nu):
+    assert jax.tree.map(lambda a: a.sharding.spec, moments) == want
+  assert adam.count.sharding.spec == P() and adam.count.sharding.mesh == mesh
+  with pytest.raises(errors.PlacementError, match="not a prefix"):       # nothing mirrors it
+    shard({"other": jnp.ones(3)}, placement)
+
+
+def test_shard_nnx_optimizer_state_like_the_model_state_and_with_the_placement_tree():
+  """nnx.state(optimizer) holds OptVariables in the model's key paths: like=nnx.state(model)
+  works on the NNX states directly (no to_pure_dict), and so does the params' placement tree."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(8, 16, rngs=rngs)
+      self.l2 = nnx.Linear(16, 8, rngs=rngs)
+
+  mesh = _tp_mesh()
+  placement = _tp_mlp_placements(mesh)
+  model = MLP(nnx.Rngs(0))
+  nnx.update(model, shard(nnx.to_pure_dict(nnx.state(model)), placement))
+  opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  want = jax.tree.map(lambda s: s.spec, placement)
+  for out in (shard(nnx.state(opt), like=nnx.state(model)), shard(nnx.state(opt), placement)):
+    pure = nnx.to_pure_dict(out)
+    adam = pure["opt_state"][0]
+    for moments in (adam["mu"], adam["nu"]):
+      assert jax.tree.map(lambda a: a.sharding.spec, moments) == want
+    assert adam["count"].sharding.spec == P()
+    nnx.update(opt, out)                                  # the placed state goes back in

@@ -433,7 +433,7 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
         "shard: give exactly one of placement (how to lay x out) and like= (a tree of arrays "
         "or NamedShardings whose layout x should follow, e.g. like=params for an optax state)")
   if like is not None:
-    return _shard_like(x, like)
+    return _shard_like(x, like)[0]
   if not _is_placement(placement):
     def sub(p, subtree):
       if p is None:
@@ -449,6 +449,11 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
     except ValueError as e:
       if isinstance(e, errors.DtenjaxError):
         raise
+      # Not a prefix of x: an optimizer state whose parts mirror the tree the placements were
+      # written for (optax's mu / nu, nnx.state(optimizer)) gets them part by part.
+      out, found = _shard_like(x, placement, placements=True)
+      if found:
+        return out
       raise errors.PlacementError(
           f"shard: the placement tree is not a prefix of x's tree ({e}); give one placement, "
           "or a tree of them with x's outer structure") from None
@@ -477,36 +482,71 @@ def _sharding_of(leaf, where: str) -> NamedSharding:
   return sharding
 
 
-def _shard_like(x, like):
-  unbox = lambda v: _box_value(v) if _is_box(v) else v  # noqa: E731
-  template = jax.tree.map(unbox, like, is_leaf=_is_box)
-  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(
-      template, is_leaf=lambda v: isinstance(v, NamedSharding))
+def _is_variable(x) -> bool:
+  """An ``nnx.Variable`` (Param, OptState, OptVariable, ...), boxed by flax or not."""
+  variablelib = sys.modules.get("flax.nnx.variablelib")
+  return variablelib is not None and isinstance(x, variablelib.Variable)
+
+
+def _leaf_value(v):
+  if _is_box(v):
+    return _box_value(v)
+  return v.get_value() if _is_variable(v) else v
+
+
+def _shard_like(x, like, *, placements: bool = False):
+  """``x``'s parts with ``like``'s key paths (and shapes) laid out leaf by leaf like ``like``'s
+  leaves, everything else replicated. Matching goes by key paths, not node types: an optax
+  state's ``mu`` (dicts or ``nnx.State`` of ``OptVariable``) mirrors the parameters (dicts or
+  ``nnx.State`` of ``Param``). ``placements``: ``like`` holds Placements / NamedShardings /
+  PartitionSpecs (a placement tree for the parameters) instead of arrays."""
+  var_leaf = lambda v: _is_box(v) or _is_variable(v)  # noqa: E731
+  like_leaf = lambda v: var_leaf(v) or isinstance(v, NamedSharding) or (  # noqa: E731
+      placements and _is_placement(v))
+  paths_leaves = jax.tree_util.tree_flatten_with_path(like, is_leaf=like_leaf)[0]
   if not paths_leaves:
     raise errors.PlacementError("shard(like=...): like has no arrays to follow")
-  shardings = [_sharding_of(v, f"like leaf {jax.tree_util.keystr(p) or '(root)'}")
-               for p, v in paths_leaves]
-  shapes = [None if isinstance(v, NamedSharding) else tuple(v.shape) for _, v in paths_leaves]
-  replicated = NamedSharding(shardings[0].mesh, P())
+  keys = tuple(jax.tree_util.keystr(p) for p, _ in paths_leaves)
+  if placements:
+    targets = [v for _, v in paths_leaves]
+    shapes = [None] * len(targets)
+    first = targets[0]
+    mesh = (first.mesh if isinstance(first, NamedSharding) else
+            _spec_mesh(first, "shard") if isinstance(first, P) else first.resolved_mesh())
+  else:
+    values = [_leaf_value(v) for _, v in paths_leaves]
+    targets = [_sharding_of(v, f"like leaf {jax.tree_util.keystr(p) or '(root)'}")
+               for (p, _), v in zip(paths_leaves, values)]
+    shapes = [None if isinstance(v, NamedSharding) else tuple(v.shape) for v in values]
+    mesh = targets[0].mesh
+  replicated = NamedSharding(mesh, P())
+
+  def parts(node):
+    return jax.tree_util.tree_flatten_with_path(node, is_leaf=var_leaf)[0]
 
   def matches(node) -> bool:
-    if jax.tree.structure(node, is_leaf=_is_box) != treedef:
+    pl = parts(node)
+    if len(pl) != len(keys) or tuple(jax.tree_util.keystr(p) for p, _ in pl) != keys:
       return False
-    leaves = jax.tree.leaves(node, is_leaf=_is_box)
-    return all(want is None or tuple(jnp.shape(unbox(v))) == want
-               for v, want in zip(leaves, shapes))
+    return all(want is None or tuple(jnp.shape(_leaf_value(v))) == want
+               for (_, v), want in zip(pl, shapes))
 
-  def put(leaf, sharding, where):
-    return _shard_one(leaf, sharding, where) if hasattr(unbox(leaf), "shape") else leaf
+  def put(leaf, target, where):
+    return _shard_one(leaf, target, where) if hasattr(_leaf_value(leaf), "shape") else leaf
+
+  found = []
 
   def visit(path, node):
     where = f"leaf {jax.tree_util.keystr(path) or '(root)'}"
     if matches(node):
-      leaves = jax.tree.leaves(node, is_leaf=_is_box)
-      return jax.tree.unflatten(treedef, [put(v, s, where) for v, s in zip(leaves, shardings)])
+      found.append(path)
+      leaves, treedef = jax.tree_util.tree_flatten(node, is_leaf=var_leaf)
+      return jax.tree_util.tree_unflatten(
+          treedef, [put(v, t, where) for v, t in zip(leaves, targets)])
     return put(node, replicated, where)
 
-  return jax.tree_util.tree_map_with_path(visit, x, is_leaf=lambda n: _is_box(n) or matches(n))
+  out = jax.tree_util.tree_map_with_path(visit, x, is_leaf=lambda n: var_leaf(n) or matches(n))
+  return out, bool(found)
 
 
 _INITS: dict[str, Callable] = {

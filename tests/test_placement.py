@@ -508,3 +508,30 @@ def test_shard_nnx_optimizer_state_like_the_model_state_and_with_the_placement_t
       assert jax.tree.map(lambda a: a.sharding.spec, moments) == want
     assert adam["count"].sharding.spec == P()
     nnx.update(opt, out)                                  # the placed state goes back in
+
+
+@pytest.mark.parametrize("partitionable", [True, False])
+def test_tensor_generates_per_shard_whatever_jax_threefry_partitionable_says(partitionable):
+  """With jax_threefry_partitionable=False a jitted jax.random.normal with out_shardings makes
+  every device generate the whole array and slice it; dtenjax.tensor generates per shard either
+  way (no buffer of the whole array's size in its program) and gives the same values."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+  shape, p = (512, 256), Placement(P("x", None), mesh=mesh)
+  shard_bytes = 512 * 256 * 4 // 8
+  before = jax.config.jax_threefry_partitionable
+  jax.config.update("jax_threefry_partitionable", partitionable)
+  try:
+    key = jax.random.key(5)
+    plain = jax.jit(lambda k: jax.random.normal(k, shape), out_shardings=p.sharding(shape))
+    plain_temp = plain.lower(key).compile().memory_analysis().temp_size_in_bytes
+    t = tensor(shape, jnp.float32, p, init="normal", key=key)
+    with jax.threefry_partitionable(True):
+      want = jax.random.normal(key, shape)
+      ours = jax.jit(lambda k: jax.random.normal(k, shape), out_shardings=p.sharding(shape))
+      ours_temp = ours.lower(key).compile().memory_analysis().temp_size_in_bytes
+  finally:
+    jax.config.update("jax_threefry_partitionable", before)
+  np.testing.assert_array_equal(t, want)
+  assert ours_temp <= 4 * shard_bytes                 # the shard's generator, not the array's
+  if not partitionable:
+    assert plain_temp >= 8 * shard_bytes              # what tensor avoids: the whole array

@@ -563,6 +563,14 @@ def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None 
   initialiser runs under jit with ``out_shardings``), so the whole array never sits on one
   device.
 
+  Random inits run with ``jax_threefry_partitionable=True`` (JAX's default) whatever the global
+  flag says: with it off, XLA generates the random bits of the whole array on every device and
+  slices (measured on CPU: 68 MiB of temporaries per device for an 8 MiB shard of a 64 MiB
+  array). So the values are those of ``jax.random.normal(key, shape)`` (or ``uniform``, or your
+  ``init``) under JAX's default flag, on every layout, and the memory per device is the shard
+  plus the generator's temporaries (for ``normal`` on XLA:CPU, 3x the shard; ``zeros`` and
+  ``ones`` none): docs/benchmarks.md has the measurement.
+
   Args:
     shape, dtype: of the array.
     placement: default ``Placement()`` ("auto" over all devices).
@@ -592,4 +600,5 @@ def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None 
     init_fn = init
   sharding = placement.sharding(shape, dtype)
   key = jax.random.key(0) if key is None else key   # zeros / ones ignore it
-  return jax.jit(lambda k: init_fn(k, shape, dtype), out_shardings=sharding)(key)
+  with jax.threefry_partitionable(True):      # per-shard generation, whatever the global flag
+    return jax.jit(lambda k: init_fn(k, shape, dtype), out_shardings=sharding)(key)

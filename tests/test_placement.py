@@ -535,3 +535,21 @@ def test_tensor_generates_per_shard_whatever_jax_threefry_partitionable_says(par
   assert ours_temp <= 4 * shard_bytes                 # the shard's generator, not the array's
   if not partitionable:
     assert plain_temp >= 8 * shard_bytes              # what tensor avoids: the whole array
+
+
+def test_shard_onto_a_mesh_lets_arrays_of_two_meshes_meet_in_one_jit():
+  """Placement(mesh=(2, 4)) outside jax.set_mesh makes dtenjax's own mesh (Auto axes); arrays on
+  jax.make_mesh's (Explicit) cannot meet them in one jit. shard(tree, mesh) puts a tree on the
+  other mesh with the specs it has (boxes and unplaced leaves included)."""
+  a = shard({"w": jnp.ones((8, 16)), "n": 3},
+            Placement(P("data", "model"), mesh=(2, 4), axis_names=("data", "model")))
+  m = jax.make_mesh((2, 4), ("data", "model"))
+  b = jax.device_put(jnp.ones((8, 16)), NamedSharding(m, P("data", "model")))
+  add = jax.jit(lambda u, v: u + v)
+  with pytest.raises(ValueError, match="Mesh for all inputs should be equal"):
+    add(a["w"], b)
+  moved = shard(a, m)
+  assert moved["n"] == 3 and moved["w"].sharding == NamedSharding(m, P("data", "model"))
+  np.testing.assert_array_equal(add(moved["w"], b), 2 * np.ones((8, 16)))
+  with pytest.raises(errors.PlacementError, match=r"mesh axes \['data'\].*check the spelling"):
+    shard(moved, jax.make_mesh((8,), ("x",)))

@@ -421,7 +421,11 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
   ``placement`` is a :class:`Placement` (each leaf planned on its own shape for "auto"), a
   ``NamedSharding``, a bare ``PartitionSpec`` (on the context mesh: ``jax.set_mesh`` or
   :func:`dtenjax.use_mesh`), or a pytree prefix of ``x`` holding those (as ``jax.device_put``
-  takes). Flax-boxed leaves (``nn.with_partitioning``, ``nn.with_logical_partitioning``,
+  takes). A placement tree written for the parameters also places an optimizer state: every
+  part of ``x`` with the parameters' key paths (optax's ``mu`` / ``nu``, ``nnx.state(optimizer)``)
+  gets it leaf by leaf, the rest is replicated. A ``jax.sharding.Mesh`` puts ``x``'s arrays on
+  that mesh with the PartitionSpecs they have: arrays on two meshes (``Placement(mesh=(2, 4))``
+  and ``jax.make_mesh``'s) cannot meet in one jit, ``shard(tree, mesh)`` puts them on one. Flax-boxed leaves (``nn.with_partitioning``, ``nn.with_logical_partitioning``,
   ``nnx.Variable`` with ``out_sharding``) are laid out by their names (see the module docstring)
   and returned in their box; a fixed strategy that disagrees with the names is an error.
 
@@ -434,6 +438,8 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
         "or NamedShardings whose layout x should follow, e.g. like=params for an optax state)")
   if like is not None:
     return _shard_like(x, like)[0]
+  if isinstance(placement, Mesh):
+    return _onto_mesh(x, placement)
   if not _is_placement(placement):
     def sub(p, subtree):
       if p is None:
@@ -462,6 +468,24 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
     return _shard_one(leaf, placement, f"leaf {jax.tree_util.keystr(path) or '(root)'}")
 
   return jax.tree_util.tree_map_with_path(one, x, is_leaf=_is_box)
+
+
+def _onto_mesh(x, mesh: Mesh):
+  """``x``'s arrays on ``mesh`` with the PartitionSpecs they have (unplaced ones replicated):
+  arrays placed on two meshes (``Placement(mesh=(2, 4))`` and ``jax.make_mesh``'s, say) cannot
+  meet in one jit ("Mesh for all inputs should be equal"); this puts them on one."""
+  def one(path, leaf):
+    value = _leaf_value(leaf)
+    if not hasattr(value, "shape"):
+      return leaf
+    sharding = getattr(value, "sharding", None) if not _is_tracer(value) else None
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
+    where = f"shard(x, mesh): leaf {jax.tree_util.keystr(path) or '(root)'}"
+    check_divisible(tuple(value.shape), spec, mesh, where)
+    return _shard_one(leaf, _named_sharding(mesh, spec, getattr(sharding, "memory_kind", None)),
+                      where)
+  return jax.tree_util.tree_map_with_path(one, x, is_leaf=lambda v: _is_box(v) or
+                                          _is_variable(v))
 
 
 def _sharding_of(leaf, where: str) -> NamedSharding:

@@ -604,3 +604,31 @@ def test_named_vmap_axes_alone_or_with_mesh_axes_sum_like_lax_psum(cpu_devices):
   with pytest.raises(dtenjax.CollectiveError, match=r"jax.vmap axis \['v'\].*check_vma=False"):
     jax.jit(jax.shard_map(body(("i", "v"), True), mesh=mesh, in_specs=P("i"),
                           out_specs=P(None, "i"), check_vma=True))(x)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_all_gather_takes_to_like_lax_all_gather(cpu_devices, tiled):
+  """to="invarying" (lax.all_gather's, jax 0.10.2 and 0.11.2): the gathered value is typed
+  invariant, so it leaves through out_specs=P() under check_vma=True, and its gradient is
+  lax's (rank r gets block r of the cotangent); a value lax does not take is a CollectiveError."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  assert inspect.signature(jax.lax.all_gather).parameters["to"].default == "varying"
+  assert inspect.signature(dtenjax.all_gather).parameters["to"].default == "varying"
+  mesh = Mesh(np.array(cpu_devices[:4]), ("i",))
+  x = jnp.arange(4 * 6, dtype=jnp.float32).reshape(4, 6)
+  w = jnp.arange(24, dtype=jnp.float32).reshape((24,) if tiled else (4, 6)) + 1.0
+
+  def loss(gather):
+    def f(v):
+      return jnp.sum(jnp.sin(gather(v)) * w)
+    g = jax.shard_map(jax.grad(f), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    y = jax.shard_map(gather, mesh=mesh, in_specs=P("i"), out_specs=P())
+    return jax.jit(lambda v: (y(v), g(v)))(x.reshape(-1) if tiled else x)
+
+  ours = loss(lambda v: dtenjax.all_gather(v, "i", tiled=tiled, to="invarying"))
+  lax_ = loss(lambda v: jax.lax.all_gather(v, "i", tiled=tiled, to="invarying"))
+  for a, b in zip(ours, lax_):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+  with pytest.raises(dtenjax.CollectiveError, match=r"to='reduced'.*jax.lax.all_gather"):
+    jax.jit(jax.shard_map(lambda v: dtenjax.all_gather(v, "i", to="reduced"), mesh=mesh,
+                          in_specs=P("i"), out_specs=P()))(x)

@@ -539,6 +539,7 @@ class _RSSpec:
   dim: int
   tiled: bool = True
   reproducible: str | None = None   # None, "v3" or "exact"
+  invariant: bool = False           # all_gather(to="invarying") over typed axes
 
 
 def _rs_impl(x, s: _RSSpec):
@@ -561,7 +562,9 @@ def _rs_impl(x, s: _RSSpec):
 
 def _ag_impl(x, s: _RSSpec):
   n = base.axis_size(s.axes)
-  if s.algorithm == "ring":
+  if s.invariant:                                         # XLA's all-gather, typed invariant
+    g = jaxapi.all_gather_invariant(x, s.axes)
+  elif s.algorithm == "ring":
     g = ring.gather_chunks(x, s.axes, n)                 # [n, *x.shape]
   else:
     g = lax.all_gather(x, s.axes) if n > 1 else x[None]
@@ -605,6 +608,12 @@ def _ag_fwd(x, s):
 
 
 def _ag_bwd(s, _, ct):
+  if s.invariant:            # one cotangent on every device: rank r's input gets its block r
+    r = lax.axis_index(s.axes)
+    if s.tiled:
+      size = ct.shape[s.dim] // base.axis_size(s.axes)
+      return (lax.dynamic_slice_in_dim(ct, r * size, size, s.dim),)
+    return (lax.dynamic_index_in_dim(ct, r, s.dim, keepdims=False),)
   rs = dataclasses.replace(s, op="sum", algorithm="auto")
   if s.tiled:
     return (_rs_impl(ct, rs),)
@@ -674,26 +683,43 @@ def _reduce_scatter_leaves(leaves, axes, axis_name, scatter_dimension, tiled, op
   return out
 
 
+ALL_GATHER_TO = ("varying", "invarying")
+
+
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
-               algorithm: str = "auto", deterministic: bool = True):
+               to: str = "varying", algorithm: str = "auto", deterministic: bool = True):
   """Gathers ``x`` from every rank along ``axis`` (stacked, or concatenated when ``tiled``).
 
   Pure data movement, so the bits never depend on the algorithm: "ring" is a ppermute ring,
   every other name uses XLA's all-gather. The transpose is :func:`reduce_scatter` (chosen by
   ``auto`` with the same ``deterministic``).
+
+  ``to`` is ``lax.all_gather``'s (jax 0.10.2 and 0.11.2): the result's type over typed manual
+  axes (``shard_map(check_vma=True)``). "varying" (default): it varies over ``axis_name`` (the
+  transpose is a reduce-scatter). "invarying": every device holds the same gathered value, typed
+  invariant (it can leave through ``out_specs=P()``); XLA's all-gather for any ``algorithm``,
+  and the transpose takes rank r's block of the (invariant) cotangent, with no communication.
+  Over vmap axes or without the type check there are no types and both are the same. lax's
+  third value, "reduced", belongs to its unreduced/reduced types and is refused here (use
+  ``jax.lax.all_gather(..., to="reduced")``).
   """
   _check_common("all_gather", "sum", algorithm)
+  if to not in ALL_GATHER_TO:
+    raise errors.CollectiveError(
+        f"all_gather: to={to!r} is not one of {ALL_GATHER_TO} (lax.all_gather's varying and "
+        "invarying result types); for to='reduced' call jax.lax.all_gather directly.")
   axes = check_axes(axis_name, "all_gather")
   leaves, treedef = jax.tree_util.tree_flatten(x)
-  args = (axes, axis, bool(tiled), algorithm, bool(deterministic))
+  args = (axes, axis, bool(tiled), algorithm, bool(deterministic), to)
   with _vmap_errors("all_gather", axes):
     out = _eager_or_traced("all_gather", _all_gather_leaves, leaves, args)
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _all_gather_leaves(leaves, axes, axis, tiled, algorithm, deterministic):
+def _all_gather_leaves(leaves, axes, axis, tiled, algorithm, deterministic, to="varying"):
   out, problems = [], []
   typed = _typed_axes(axes)
+  invariant = to == "invarying" and bool(axes) and set(typed) == set(axes)
   for i, leaf in enumerate(leaves):
     leaf = jaxapi.to_varying(jnp.asarray(leaf), typed)     # as lax.all_gather
     nd = leaf.ndim if tiled else leaf.ndim + 1
@@ -702,7 +728,7 @@ def _all_gather_leaves(leaves, axes, axis, tiled, algorithm, deterministic):
                       f"(tiled={tiled})")
       continue
     out.append(_all_gather_array(leaf, _RSSpec(axes, "sum", algorithm, deterministic,
-                                               axis % nd, tiled)))
+                                               axis % nd, tiled, invariant=invariant)))
   if problems:
     raise errors.CollectiveError(errors.join_problems("all_gather: bad inputs", problems))
   return out

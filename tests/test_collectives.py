@@ -632,3 +632,28 @@ def test_all_gather_takes_to_like_lax_all_gather(cpu_devices, tiled):
   with pytest.raises(dtenjax.CollectiveError, match=r"to='reduced'.*jax.lax.all_gather"):
     jax.jit(jax.shard_map(lambda v: dtenjax.all_gather(v, "i", to="reduced"), mesh=mesh,
                           in_specs=P("i"), out_specs=P()))(x)
+
+
+def test_an_eager_collective_is_one_program_compiled_once_per_signature(cpu_devices):
+  """Outside jit, jax.shard_map compiles every primitive anew on every call; a dtenjax collective
+  there is one program, compiled on the first call of a signature and then only dispatched
+  (bench/eager.py measures it against lax.psum). The eager result is the jitted one, bit for bit,
+  and a new signature (another algorithm, another shape) gets its own program."""
+  from dtenjax._src import jaxapi
+  mesh = Mesh(np.array(cpu_devices), ("d",))
+  x = jax.device_put(_rows(m=5), jax.sharding.NamedSharding(mesh, P("d")))
+
+  def f(algorithm):
+    return jax.shard_map(lambda v: dtenjax.all_reduce(v, "d", algorithm=algorithm,
+                                                      reproducible=True),
+                         mesh=mesh, in_specs=P("d"), out_specs=P())
+  start = jaxapi.eager_cache_size()
+  first = f("one_shot")(x)
+  assert jaxapi.eager_cache_size() == start + 1
+  again = f("one_shot")(x)                        # a new shard_map, the same signature
+  assert jaxapi.eager_cache_size() == start + 1
+  f("ring")(x)
+  assert jaxapi.eager_cache_size() == start + 2
+  jitted = jax.jit(f("one_shot"))(x)
+  for y in (first, again):
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint32), np.asarray(jitted).view(np.uint32))

@@ -18,6 +18,7 @@ transpose of ``psum`` is ``psum``. dtenjax's collectives follow exactly these ru
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from collections.abc import Sequence
@@ -113,7 +114,8 @@ def concrete_mesh():
 # A dtenjax collective is dozens of primitives, so it runs here as ONE program instead, cached
 # by the call's static signature: the first call compiles it, later calls only dispatch it.
 
-_EAGER_CACHE: dict = {}
+_EAGER_CACHE: collections.OrderedDict = collections.OrderedDict()
+_EAGER_CACHE_SIZE = 512        # programs kept (least recently used dropped first)
 
 
 def eager_shard_map_trace(leaves):
@@ -167,7 +169,9 @@ def run_eager(trace, key, body, leaves):
   ck = (key, mesh, manual, check, in_specs,
         tuple((tuple(v.shape), str(v.dtype)) for v in vals))
   entry = _EAGER_CACHE.get(ck)
-  if entry is None:
+  if entry is not None:
+    _EAGER_CACHE.move_to_end(ck)
+  else:
     out_vmas: list = []
 
     def inner(*xs):
@@ -185,6 +189,8 @@ def run_eager(trace, key, body, leaves):
                    for v in out_vmas]
       entry = (jax.jit(mapped(out_specs)), [frozenset(v) for v in out_vmas])
     _EAGER_CACHE[ck] = entry
+    while len(_EAGER_CACHE) > _EAGER_CACHE_SIZE:
+      _EAGER_CACHE.popitem(last=False)
   fn, out_vmas = entry
   with _outside(trace):
     outs = fn(*vals)

@@ -131,7 +131,8 @@ def eager_shard_map_trace(leaves):
     return None
   if type(trace) is not trace_type or not leaves:
     return None
-  if not all(isinstance(x, tracer_type) and x._trace is trace for x in leaves):  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  if not all(isinstance(x, tracer_type) and x._trace is trace for x in leaves):
     return None
   if not all(hasattr(trace, a) for a in ("mesh", "manual_axes", "check", "to_val_mat_pair")):
     return None  # pragma: no cover

@@ -1,5 +1,6 @@
 """The reproducible sums on XLA's collectives: contract v3 (``reproducible=True``,
-``fixed_point_v3.py``) and the exact contract v2 (``reproducible="v2"``, formerly ``"exact"``, ``fixed_point.py``).
+``fixed_point_v3.py``) and contract v2 (``reproducible="v2"``, formerly ``"exact"``,
+``fixed_point.py``).
 
 Three ways to move the data, all with the same bits (they depend only on the multiset of
 contributions, never on the algorithm, the order or how contributions are split over devices,

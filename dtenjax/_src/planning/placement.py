@@ -425,7 +425,8 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
   part of ``x`` with the parameters' key paths (optax's ``mu`` / ``nu``, ``nnx.state(optimizer)``)
   gets it leaf by leaf, the rest is replicated. A ``jax.sharding.Mesh`` puts ``x``'s arrays on
   that mesh with the PartitionSpecs they have: arrays on two meshes (``Placement(mesh=(2, 4))``
-  and ``jax.make_mesh``'s) cannot meet in one jit, ``shard(tree, mesh)`` puts them on one. Flax-boxed leaves (``nn.with_partitioning``, ``nn.with_logical_partitioning``,
+  and ``jax.make_mesh``'s) cannot meet in one jit, ``shard(tree, mesh)`` puts them on one.
+  Flax-boxed leaves (``nn.with_partitioning``, ``nn.with_logical_partitioning``,
   ``nnx.Variable`` with ``out_sharding``) are laid out by their names (see the module docstring)
   and returned in their box; a fixed strategy that disagrees with the names is an error.
 

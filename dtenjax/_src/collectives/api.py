@@ -639,7 +639,8 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
   (all_to_all + ordered reduction), "xla" (psum_scatter where its order is fixed, see
   ``algorithms/xla.py``), "auto". ``reproducible=True`` (contract v3) or ``"v2"``
   (``"exact"``, deprecated): the codes are MAX-reduced over the full input, the int32 words
-  reduce-scattered, rank r decodes block r (the same bits as ``all_reduce(..., reproducible=...)`` of that block).
+  reduce-scattered, rank r decodes block r (the same bits as ``all_reduce(...,
+  reproducible=...)`` of that block).
   """
   _check_common("reduce_scatter", op, algorithm)
   reproducible = repro.contract_of(reproducible)

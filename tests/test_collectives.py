@@ -657,3 +657,29 @@ def test_an_eager_collective_is_one_program_compiled_once_per_signature(cpu_devi
   jitted = jax.jit(f("one_shot"))(x)
   for y in (first, again):
     np.testing.assert_array_equal(np.asarray(y).view(np.uint32), np.asarray(jitted).view(np.uint32))
+
+
+_PLAIN_SCRIPT = """
+import jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import dtenjax
+mesh = dtenjax.make_mesh((2,), ("d",))
+def body(w, xb):
+  g = jax.grad(lambda p: jnp.sum(p * xb))(w)       # replicated params: already summed
+  return dtenjax.all_reduce(g, "d", op="mean")
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))
+print(f(jnp.ones(3), jnp.ones((2, 3))))
+"""
+
+
+def test_the_summed_gradient_warning_shows_in_a_plain_script():
+  """The user's case: a plain `python script.py`, no logging set-up, no pytest: the warning is on
+  stderr (Python shows UserWarnings by default)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  r = subprocess.run([sys.executable, "-c", _PLAIN_SCRIPT], capture_output=True, text=True,
+                     env=env, timeout=120, check=False)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "DtenjaxWarning" in r.stderr and "already SUMMED" in r.stderr, r.stderr[-2000:]

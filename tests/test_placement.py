@@ -513,28 +513,48 @@ def test_shard_nnx_optimizer_state_like_the_model_state_and_with_the_placement_t
 @pytest.mark.parametrize("partitionable", [True, False])
 def test_tensor_generates_per_shard_whatever_jax_threefry_partitionable_says(partitionable):
   """With jax_threefry_partitionable=False a jitted jax.random.normal with out_shardings makes
-  every device generate the whole array and slice it; dtenjax.tensor generates per shard either
-  way (no buffer of the whole array's size in its program) and gives the same values."""
+  every device generate the whole array and slice it. dtenjax.tensor gives jax.random's values
+  under JAX's default flag either way, drawn in chunks: its program holds at most 1.25x the shard
+  per device (output and temporaries), for normal and uniform, float32 and bfloat16."""
+  from dtenjax._src.planning import placement as placement_lib
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
   shape, p = (512, 256), Placement(P("x", None), mesh=mesh)
-  shard_bytes = 512 * 256 * 4 // 8
   before = jax.config.jax_threefry_partitionable
   jax.config.update("jax_threefry_partitionable", partitionable)
   try:
     key = jax.random.key(5)
     plain = jax.jit(lambda k: jax.random.normal(k, shape), out_shardings=p.sharding(shape))
     plain_temp = plain.lower(key).compile().memory_analysis().temp_size_in_bytes
-    t = tensor(shape, jnp.float32, p, init="normal", key=key)
-    with jax.threefry_partitionable(True):
-      want = jax.random.normal(key, shape)
-      ours = jax.jit(lambda k: jax.random.normal(k, shape), out_shardings=p.sharding(shape))
-      ours_temp = ours.lower(key).compile().memory_analysis().temp_size_in_bytes
+    for init, dtype in (("normal", jnp.float32), ("uniform", jnp.bfloat16)):
+      t = tensor(shape, dtype, p, init=init, key=key)
+      with jax.threefry_partitionable(True):
+        want = getattr(jax.random, init)(key, shape, dtype)
+      np.testing.assert_array_equal(np.asarray(t, np.float32), np.asarray(want, np.float32))
+      assert t.sharding == p.sharding(shape, dtype)
+      prog = placement_lib._chunked_program(init, shape, jnp.dtype(dtype).name,
+                                            p.sharding(shape, dtype))
+      mem = prog.lower(jax.random.key_data(key)).compile().memory_analysis()
+      shard_bytes = 512 * 256 * jnp.dtype(dtype).itemsize // 8
+      assert mem.output_size_in_bytes == shard_bytes
+      assert mem.output_size_in_bytes + mem.temp_size_in_bytes <= 1.25 * shard_bytes, mem
   finally:
     jax.config.update("jax_threefry_partitionable", before)
-  np.testing.assert_array_equal(t, want)
-  assert ours_temp <= 4 * shard_bytes                 # the shard's generator, not the array's
   if not partitionable:
-    assert plain_temp >= 8 * shard_bytes              # what tensor avoids: the whole array
+    assert plain_temp >= 8 * 512 * 256 * 4 // 8      # what tensor avoids: the whole array
+
+
+def test_tensor_on_other_layouts_and_keys_gives_jax_random_values(mesh24):
+  """Layouts that are not one range of the array (columns sharded), raw uint32 keys and
+  callables take the one-jit path, with the same values as jax.random."""
+  key = jax.random.key(9)
+  for p in (Placement(P(None, "y"), mesh=mesh24), Placement("2d", mesh=mesh24),
+            Placement("replicate", mesh=mesh24)):
+    t = tensor((8, 16), jnp.float32, p, init="normal", key=key)
+    np.testing.assert_array_equal(t, jax.random.normal(key, (8, 16)))
+  raw = jax.random.PRNGKey(4)
+  np.testing.assert_array_equal(tensor((8, 16), jnp.float32, Placement("row", mesh=mesh24),
+                                       init="uniform", key=raw),
+                                jax.random.uniform(raw, (8, 16)))
 
 
 def test_shard_onto_a_mesh_lets_arrays_of_two_meshes_meet_in_one_jit():

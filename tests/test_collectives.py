@@ -515,9 +515,9 @@ def test_a_mean_of_an_already_summed_gradient_is_flagged_once():
   np.testing.assert_allclose(good, np.asarray(x).mean(0), rtol=1e-6)
   with pytest.warns(dtenjax.DtenjaxWarning, match="already SUMMED") as seen:
     bad = step(True)(w, x)
-  msgs = [str(m.message) for m in seen if "already SUMMED" in str(m.message)]
-  assert len(msgs) == 1 and "compression.pvary(params, axis)" in msgs[0]
-  assert seen[0].filename == __file__          # attributed to the user's line, not dtenjax's
+  hits = [m for m in seen if "already SUMMED" in str(m.message)]
+  assert len(hits) == 1 and "compression.pvary(params, axis)" in str(hits[0].message)
+  assert hits[0].filename == __file__          # attributed to the user's line, not dtenjax's
   np.testing.assert_allclose(bad, np.asarray(x).sum(0), rtol=1e-6)    # n times the mean, as JAX
   with warnings.catch_warnings():
     warnings.simplefilter("error", dtenjax.DtenjaxWarning)   # users can make it an error

@@ -22,7 +22,7 @@ Candidates: psum (lax.psum, XLA defaults), psum_oneshot / psum_nccl (XLA's own o
 all-reduce kernel forced on / off by per-executable compiler option, where this jax has the
 option), and dtenjax.all_reduce with algorithm xla, ring, one_shot, two_shot, hierarchical (2-D
 mesh only), auto, `reproducible` (auto + reproducible=True, contract v3) and `exact` (auto +
-reproducible="exact", contract v2).
+reproducible="v2", contract v2).
 
 The table comes last; ``--json`` writes bench/_harness.py's one schema (machine, versions,
 command, date, rows) and ``--plot`` a busbw chart, each saying where.
@@ -72,7 +72,7 @@ def _collective(name: str, axes):
   if name == "reproducible":
     return lambda v: dtenjax.all_reduce(v, axes, reproducible=True)
   if name == "exact":
-    return lambda v: dtenjax.all_reduce(v, axes, reproducible="exact")
+    return lambda v: dtenjax.all_reduce(v, axes, reproducible="v2")
   return lambda v: dtenjax.all_reduce(v, axes, algorithm=name)
 
 

@@ -36,7 +36,7 @@ CANDIDATES = ("psum", "auto", "xla", "one_shot", "two_shot", "ring", "hierarchic
               "reproducible", "reproducible_xla", "reproducible_one_shot",
               "reproducible_two_shot", "exact", "exact_xla", "exact_one_shot", "exact_two_shot",
               "lax.pmax", "lax.all_to_all", "lax.all_gather", "lax.all_gather_fold")
-# reproducible*: reproducible=True (contract v3); exact*: reproducible="exact" (contract v2).
+# reproducible*: reproducible=True (contract v3); exact*: reproducible="v2" (contract v2).
 # lax.*: XLA's building blocks on the same bytes (all_gather of each rank's 1/n, so its output is
 # the size of the others' input), for reading what the algorithms cost.
 BUS_OP = {"lax.all_to_all": "all_to_all", "lax.all_gather": "all_gather"}   # others: all_reduce
@@ -75,10 +75,10 @@ def _op(name, axes):
     algorithm = name[len("reproducible_"):]
     return lambda y: api.all_reduce(y, axes, algorithm=algorithm, reproducible=True)
   if name == "exact":
-    return lambda y: api.all_reduce(y, axes, reproducible="exact")
+    return lambda y: api.all_reduce(y, axes, reproducible="v2")
   if name.startswith("exact_"):
     algorithm = name[len("exact_"):]
-    return lambda y: api.all_reduce(y, axes, algorithm=algorithm, reproducible="exact")
+    return lambda y: api.all_reduce(y, axes, algorithm=algorithm, reproducible="v2")
   return lambda y: api.all_reduce(y, axes, algorithm=name)
 
 

@@ -19,6 +19,7 @@ from dtenjax._src.errors import CollectiveError as CollectiveError
 from dtenjax._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
 from dtenjax._src.errors import ConfigurationError as ConfigurationError
 from dtenjax._src.errors import DtenjaxError as DtenjaxError
+from dtenjax._src.errors import DtenjaxWarning as DtenjaxWarning
 from dtenjax._src.errors import ExtensionUnavailableError as ExtensionUnavailableError
 from dtenjax._src.errors import MeshError as MeshError
 from dtenjax._src.errors import NativeError as NativeError
@@ -63,6 +64,7 @@ __all__ = [
     "ConfigurationError",
     "CudaGraphPolicy",
     "DtenjaxError",
+    "DtenjaxWarning",
     "Explanation",
     "ExtensionUnavailableError",
     "GraphScheduler",

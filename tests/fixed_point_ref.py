@@ -72,7 +72,12 @@ def exact_sum(x, axis: int = 0, mean: bool = False, out_dtype=None) -> np.ndarra
                      np.where(nan_or_pinf > 0, np.float32(np.inf), np.float32(-np.inf)))
   r = np.where(c == 255, special, np.where(c == 0, np.float32(0.0), r)).astype(np.float32)
   if mean:
-    r = (r / np.float32(n)).astype(np.float32)
+    # The decode rounded with float32's precision but no upper exponent limit (v * 2**(c - 166)
+    # is exact in float64 and already has 24 bits), divided once: a finite mean is never inf.
+    with np.errstate(over="ignore", invalid="ignore"):
+      r64 = v.astype(np.float64) * np.exp2(c.astype(np.float64) - 166)
+      big = (np.abs(r64) >= 2.0 ** 128) & (c != 255)
+      r = np.where(big, r64 / n, r.astype(np.float64) / n).astype(np.float32)
   return r.astype(out_dtype)
 
 
@@ -108,6 +113,15 @@ def round_once(v: np.ndarray, dtype) -> np.ndarray:
   return r.astype(np.float32).astype(BF16)             # exact: r is a bfloat16 value
 
 
+def round_24_unbounded(v: np.ndarray) -> np.ndarray:
+  """Exact float64 values rounded once (nearest, ties to even) to 24 significant bits on the
+  float32 subnormal grid below 2**-126, with no upper exponent limit (float64 holds the result)."""
+  v = np.asarray(v, np.float64)
+  _, ex = np.frexp(v)
+  quantum = np.maximum(ex - 24, -149)
+  return np.ldexp(np.round(np.ldexp(v, -quantum)), quantum)
+
+
 def v3_words(x32: np.ndarray, c: np.ndarray, n: int) -> np.ndarray:
   """int64 q = round(x / U), U = 2**(C - 126 - P), of finite float32 x (0 elsewhere): to odd
   for n == 2, to nearest even otherwise."""
@@ -136,10 +150,13 @@ def v3_sum(x, axis: int = 0, mean: bool = False, out_dtype=None) -> np.ndarray:
   exact = total.astype(np.float64) * np.exp2((c - 126 - v3_precision(n)).astype(np.float64))
   zero = np.zeros(c.shape, np.float64)
   if mean:
-    r = round_once(np.where(c == 0, zero, exact), np.float32)
+    # RNE of the sum at float32's 24 bits with no upper exponent limit, then one division
+    # (float64 quotient rounded to float32: correctly rounded, 53 >= 2 * 24 + 2): a finite mean
+    # is never inf.
+    r = round_24_unbounded(np.where((c == 0) | (c == 255), zero, exact))
+    with np.errstate(invalid="ignore", over="ignore"):
+      r = (r / n).astype(np.float32)
     r = np.where(c == 255, _special(x32), r).astype(np.float32)
-    with np.errstate(invalid="ignore"):
-      r = (r / np.float32(n)).astype(np.float32)
     return r.astype(out_dtype)
   r = round_once(np.where((c == 0) | (c == 255), zero, exact), out_dtype)
   return np.where(c == 255, _special(x32).astype(out_dtype), r).astype(out_dtype)

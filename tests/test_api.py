@@ -6,7 +6,7 @@ PUBLIC = {
     # errors
     "DtenjaxError", "ConfigurationError", "TopologyError", "MeshError", "PlacementError",
     "CollectiveError", "ExtensionUnavailableError", "TransportError", "CollectiveTimeoutError",
-    "QuotaExceededError", "NativeError",
+    "QuotaExceededError", "NativeError", "DtenjaxWarning",
     # topology, mesh, placement, planner
     "Topology", "LinkSpec", "make_mesh", "mesh_map", "pmap", "use_mesh", "current_mesh",
     "Placement", "shard", "tensor", "Plan", "Workload", "plan", "StepPlan",

@@ -196,3 +196,37 @@ def test_the_private_jax_check_sees_every_form(tmp_path, source):
 
 if __name__ == "__main__":
   pytest.main([__file__])
+
+
+def _is_type_narrowing(test: ast.expr) -> bool:
+  """``isinstance(...)`` / ``x is None`` / ``x is not None`` (and ``and`` of them): what a type
+  checker narrows on. Anything else is a check that ``python -O`` drops and users see as a bare
+  AssertionError."""
+  if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+    return all(_is_type_narrowing(v) for v in test.values)
+  if isinstance(test, ast.Call) and isinstance(test.func, ast.Name):
+    return test.func.id in ("isinstance", "issubclass")
+  return (isinstance(test, ast.Compare) and len(test.ops) == 1 and
+          isinstance(test.ops[0], (ast.Is, ast.IsNot)) and
+          isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None)
+
+
+def _bare_asserts(root: pathlib.Path) -> list[str]:
+  found = []
+  for path in sorted(root.rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Assert) and not _is_type_narrowing(node.test):
+        found.append(f"{path}:{node.lineno}: assert {ast.unparse(node.test)}")
+  return found
+
+
+def test_no_bare_asserts_in_the_library():
+  """Bad input gets a DtenjaxError naming the value; an invariant that fails gets an error that
+  says what broke. A bare assert gives neither (and vanishes under python -O)."""
+  assert _bare_asserts(SRC.parent) == []
+
+
+def test_the_assert_check_sees_a_bare_assert(tmp_path):
+  (tmp_path / "m.py").write_text("def f(x, y):\n  assert isinstance(x, int)\n  assert y is not None"
+                                 "\n  assert x > 0\n")
+  assert _bare_asserts(tmp_path) == [f"{tmp_path / 'm.py'}:4: assert x > 0"]

@@ -199,3 +199,16 @@ def test_collectives_lax_candidates_compute_what_they_stand_for(cpu_devices):
   for name in ("psum", "lax.all_gather_fold"):
     got = run(name)
     assert np.allclose(got, want[None], rtol=1e-6), name       # every rank: the sum
+
+
+def test_eager_bench_writes_psum_ratios_for_both_modes(tmp_path):
+  out = tmp_path / "e.json"
+  r = _run("eager", "--algorithms", "xla", "--iters", "1", "--size", "1K", "--json", str(out),
+           env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = _doc(out, "eager")["rows"]
+  assert {(row["mode"], row["candidate"]) for row in rows} == {
+      (m, c) for m in ("eager", "jit") for c in ("lax.psum", "xla", "xla repro")}
+  assert all(row["x_psum"] > 0 for row in rows) and "x psum" in r.stdout
+  r = _run("eager", "--iters", "1")                      # one device: a clear refusal
+  assert r.returncode == 3 and "moves no data" in r.stderr

@@ -163,3 +163,33 @@ def test_the_registry_auto_and_the_planner_rank_it_where_it_can_run():
   # not a power of two: neither auto nor the planner can count on it
   six = dtenjax.plan_all_reduce(1 << 20, list(range(6)), topo)
   assert "butterfly" not in six.times and "butterfly: butterfly needs a power-of-two" in six.reason
+
+
+def test_overflowing_partial_sums_give_lax_inf_nan_semantics_not_nan(cpu_devices):
+  """A tree adds partial sums that each overflowed, with opposite signs: unscaled that is NaN
+  where no input is NaN or infinite and lax.psum (a rank-order fold) gives a number or an
+  infinity. Butterfly gives NaN only where an input is NaN or both infinities occur, +-inf where
+  an input is infinite or the sum overflows, and the sum itself where it is finite."""
+  mesh = Mesh(np.array(cpu_devices), ("x",))
+  big = np.finfo(np.float32).max
+  cols = np.array([
+      [big, big, big, big, -big, -big, -big, -big],        # 0: the exact sum is 0
+      [big, big, -big, -big, 1, 2, 3, 4],                  # 1: exact sum 10
+      [np.inf, big, big, big, -big, -big, -big, -big],     # 2: +inf
+      [np.inf, 0, 0, 0, 0, 0, 0, -np.inf],                 # 3: both infinities: NaN
+      [1, 2, np.nan, 3, 4, 5, 6, 7],                       # 4: NaN
+      [big] * 8,                                           # 5: the sum overflows: +inf
+      [-big] * 8,                                          # 6: -inf
+  ], np.float32).T                                         # [rank, column]
+  f = _smap(mesh, lambda v: jnp.stack([dtenjax.all_reduce(v, "x", algorithm="butterfly"),
+                                       lax.psum(v, "x")]), "x", out_specs=P(None, "x"))
+  y, lax_y = np.asarray(f(cols.reshape(-1))).reshape(2, 8, -1)[:, 0]
+  np.testing.assert_array_equal(y, [0, 10, np.inf, np.nan, np.nan, np.inf, -np.inf])
+  assert np.isnan(y).tolist() == np.isnan(lax_y).tolist()          # NaN exactly where lax's is
+  # bfloat16 accumulates in float32, whose range bfloat16's max nearly fills: scaled as well
+  bmax = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+  xb = jnp.asarray((cols / big * bmax).astype(ml_dtypes.bfloat16).reshape(-1))
+  g = _smap(mesh, lambda v: dtenjax.all_reduce(v, "x", algorithm="butterfly"), "x")
+  yb = np.asarray(g(xb)).reshape(8, -1)[0].astype(np.float32)
+  np.testing.assert_array_equal(yb[[2, 3, 4, 5, 6]], [np.inf, np.nan, np.nan, np.inf, -np.inf])
+  assert np.all(np.isfinite(yb[[0, 1]]))

@@ -4,10 +4,13 @@ tests/fixed_point_ref.py), errors."""
 
 import pathlib
 import re
+import warnings
 
 import chex
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
@@ -487,12 +490,13 @@ def test_xla_sums_of_negative_zeros_are_positive_zero_as_xla_folds_from_plus_zer
   assert not np.any(np.signbit(np.asarray(ours))) and not np.any(np.signbit(np.asarray(psum)))
 
 
-def test_a_mean_of_an_already_summed_gradient_is_flagged_once(caplog):
+def test_a_mean_of_an_already_summed_gradient_is_flagged_once():
   """jax.grad of replicated params under check_vma=True is already summed over the axis; a mean
-  of it returns n times the mean gradient (as lax.pmean does). dtenjax says so once, with the fix;
-  per-device gradients (pvary'd params) are averaged silently."""
-  from dtenjax._src import config
-  config._said.discard("invariant-mean")
+  of it returns n times the mean gradient (as lax.pmean does). dtenjax says so once, with the fix,
+  as a DtenjaxWarning through Python's warnings (no logging set-up needed: a plain script shows
+  it); per-device gradients (pvary'd params) are averaged silently."""
+  from dtenjax._src import errors as errors_lib
+  errors_lib._warned.discard("invariant-mean")
   mesh = dtenjax.make_mesh((8,), ("d",))
   w = jnp.ones(3)
   x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
@@ -504,15 +508,22 @@ def test_a_mean_of_an_already_summed_gradient_is_flagged_once(caplog):
       return dtenjax.all_reduce(g, "d", op="mean")
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))
 
-  with caplog.at_level("WARNING", logger="dtenjax"):
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
     good = step(False)(w, x)
-  assert not [r for r in caplog.records if "already SUMMED" in r.getMessage()]
+  assert not [m for m in seen if "already SUMMED" in str(m.message)]
   np.testing.assert_allclose(good, np.asarray(x).mean(0), rtol=1e-6)
-  with caplog.at_level("WARNING", logger="dtenjax"):
+  with pytest.warns(dtenjax.DtenjaxWarning, match="already SUMMED") as seen:
     bad = step(True)(w, x)
-  msgs = [r.getMessage() for r in caplog.records if "already SUMMED" in r.getMessage()]
-  assert len(msgs) == 1 and "compression.pvary(params, axis)" in msgs[0]
+  hits = [m for m in seen if "already SUMMED" in str(m.message)]
+  assert len(hits) == 1 and "compression.pvary(params, axis)" in str(hits[0].message)
+  assert hits[0].filename == __file__          # attributed to the user's line, not dtenjax's
   np.testing.assert_allclose(bad, np.asarray(x).sum(0), rtol=1e-6)    # n times the mean, as JAX
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", dtenjax.DtenjaxWarning)   # users can make it an error
+    errors_lib._warned.discard("invariant-mean")
+    with pytest.raises(dtenjax.DtenjaxWarning):
+      step(True)(w + 1, x)
 
 
 def test_all_reduce_tag_is_checked_and_refuses_a_traced_value(cpu_devices):
@@ -527,3 +538,148 @@ def test_all_reduce_tag_is_checked_and_refuses_a_traced_value(cpu_devices):
   with pytest.raises(dtenjax.DtenjaxError, match="traced value"):
     jax.jit(jax.shard_map(lambda v, t: dtenjax.all_reduce(v, "i", tag=t), mesh=mesh,
                           in_specs=(P("i"), P()), out_specs=P()))(x, jnp.int32(3))
+
+
+@pytest.mark.parametrize("contract", [True, "exact"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reproducible_means_of_huge_values_stay_in_range(contract, dtype):
+  """The mean of 8 x 3e38, or of 8 x the largest finite value, is finite (the sum is not): both
+  contracts, float32 and bfloat16, through every way the words move (the word exchange, the
+  gathered local sum, the owner form, reduce_scatter), and within the bound of docs/collectives.md
+  (half an ulp of the mean for these sums, which are exact in the fixed-point grid; a quarter
+  ulp more below the largest binade)."""
+  big = float(ml_dtypes.finfo(ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32).max)
+  near = float(np.asarray(3e38, dtype=np.dtype(dtype)).astype(np.float32))
+  cols = np.array([[near] * 8, [big] * 8, [big] * 7 + [-big], [big] * 6 + [near, near]],
+                  np.float64).T                                 # [rank, column]
+  exact = cols.sum(0) / 8                                       # exact in float64 here
+  mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+  x = jnp.asarray(cols, dtype)
+  body = lambda v: jnp.stack(
+      [dtenjax.all_reduce(v, "d", op="mean", reproducible=contract, algorithm=a)[0]
+       for a in ("xla", "one_shot", "two_shot")] +
+      [dtenjax.reduce_scatter(jnp.tile(v, (8, 1)), "d", op="mean", reproducible=contract,
+                              tiled=True)[0]])[None]
+  y = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x)
+  y = np.asarray(y.astype(jnp.float32), np.float64)[0]           # rank 0: [path, column]
+  assert np.all(np.isfinite(y)), y
+  bits = 8 if dtype == jnp.bfloat16 else 24                     # significant bits of the dtype
+  ulp = np.exp2(np.floor(np.log2(np.abs(exact))) - (bits - 1))
+  assert np.all(np.abs(y - exact) <= ulp / 2 * 1.5), (y, exact)
+  # every path gives the same bits
+  assert (y == y[0]).all(), y
+
+
+def test_named_vmap_axes_alone_or_with_mesh_axes_sum_like_lax_psum(cpu_devices):
+  """axis_name=("i", "v") with "v" a jax.vmap axis: every algorithm (and the reproducible sum)
+  gives lax.psum's values; where JAX itself cannot run a vmap collective (inside
+  shard_map(check_vma=True), where lax.psum raises a bare AssertionError) the error is a
+  CollectiveError naming the vmap axis and the fix."""
+  mesh = Mesh(np.array(cpu_devices[:4]), ("i",))
+  x = (jnp.arange(4 * 2 * 5, dtype=jnp.float32).reshape(8, 5) * 1.37) ** 1.5
+  def body(axes, check):
+    # hierarchical needs two axes: a lone vmap axis is a CollectiveError saying so
+    algos = ("xla", "ring", "one_shot", "two_shot", "butterfly") + (
+        ("hierarchical",) if axes != "v" else ())
+
+    def lane(u):
+      outs = [dtenjax.all_reduce(u, axes, algorithm=a) for a in algos]
+      outs += [dtenjax.all_reduce(u, axes, reproducible=True, algorithm=a) for a in algos[:3]]
+      outs += [dtenjax.all_reduce(u, axes, op=op) for op in ("mean", "max")]
+      want = [jax.lax.psum(u, axes), jax.lax.pmean(u, axes), jax.lax.pmax(u, axes)]
+      return jnp.stack(outs), jnp.stack(want) if not check else jnp.stack(outs[:3])
+    return lambda v: jax.vmap(lane, axis_name="v", out_axes=1)(v)
+
+  for axes in (("v", "i"), "v"):
+    f = jax.jit(jax.shard_map(body(axes, False), mesh=mesh, in_specs=P("i"),
+                              out_specs=P(None, "i"), check_vma=False))
+    got, want = (np.asarray(a) for a in f(x))
+    algos = 6 if axes != "v" else 5
+    n = algos + 3
+    np.testing.assert_allclose(got[:n], np.broadcast_to(want[0], got[:n].shape), rtol=1e-6)
+    np.testing.assert_allclose(got[n], want[1], rtol=1e-6)
+    np.testing.assert_array_equal(got[n + 1], want[2])
+    if axes != "v":        # the reproducible sums agree bit for bit across algorithms
+      np.testing.assert_array_equal(got[algos], got[algos + 2])
+  with pytest.raises(dtenjax.CollectiveError, match=r"jax.vmap axis \['v'\].*check_vma=False"):
+    jax.jit(jax.shard_map(body(("i", "v"), True), mesh=mesh, in_specs=P("i"),
+                          out_specs=P(None, "i"), check_vma=True))(x)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_all_gather_takes_to_like_lax_all_gather(cpu_devices, tiled):
+  """to="invarying" (lax.all_gather's, jax 0.10.2 and 0.11.2): the gathered value is typed
+  invariant, so it leaves through out_specs=P() under check_vma=True, and its gradient is
+  lax's (rank r gets block r of the cotangent); a value lax does not take is a CollectiveError."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  assert inspect.signature(jax.lax.all_gather).parameters["to"].default == "varying"
+  assert inspect.signature(dtenjax.all_gather).parameters["to"].default == "varying"
+  mesh = Mesh(np.array(cpu_devices[:4]), ("i",))
+  x = jnp.arange(4 * 6, dtype=jnp.float32).reshape(4, 6)
+  w = jnp.arange(24, dtype=jnp.float32).reshape((24,) if tiled else (4, 6)) + 1.0
+
+  def loss(gather):
+    def f(v):
+      return jnp.sum(jnp.sin(gather(v)) * w)
+    g = jax.shard_map(jax.grad(f), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    y = jax.shard_map(gather, mesh=mesh, in_specs=P("i"), out_specs=P())
+    return jax.jit(lambda v: (y(v), g(v)))(x.reshape(-1) if tiled else x)
+
+  ours = loss(lambda v: dtenjax.all_gather(v, "i", tiled=tiled, to="invarying"))
+  lax_ = loss(lambda v: jax.lax.all_gather(v, "i", tiled=tiled, to="invarying"))
+  for a, b in zip(ours, lax_):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+  with pytest.raises(dtenjax.CollectiveError, match=r"to='reduced'.*jax.lax.all_gather"):
+    jax.jit(jax.shard_map(lambda v: dtenjax.all_gather(v, "i", to="reduced"), mesh=mesh,
+                          in_specs=P("i"), out_specs=P()))(x)
+
+
+def test_an_eager_collective_is_one_program_compiled_once_per_signature(cpu_devices):
+  """Outside jit, jax.shard_map compiles every primitive anew on every call; a dtenjax collective
+  there is one program, compiled on the first call of a signature and then only dispatched
+  (bench/eager.py measures it against lax.psum). The eager result is the jitted one, bit for bit,
+  and a new signature (another algorithm, another shape) gets its own program."""
+  from dtenjax._src import jaxapi
+  mesh = Mesh(np.array(cpu_devices), ("d",))
+  x = jax.device_put(_rows(m=5), jax.sharding.NamedSharding(mesh, P("d")))
+
+  def f(algorithm):
+    return jax.shard_map(lambda v: dtenjax.all_reduce(v, "d", algorithm=algorithm,
+                                                      reproducible=True),
+                         mesh=mesh, in_specs=P("d"), out_specs=P())
+  start = jaxapi.eager_cache_size()
+  first = f("one_shot")(x)
+  assert jaxapi.eager_cache_size() == start + 1
+  again = f("one_shot")(x)                        # a new shard_map, the same signature
+  assert jaxapi.eager_cache_size() == start + 1
+  f("ring")(x)
+  assert jaxapi.eager_cache_size() == start + 2
+  jitted = jax.jit(f("one_shot"))(x)
+  for y in (first, again):
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint32), np.asarray(jitted).view(np.uint32))
+
+
+_PLAIN_SCRIPT = """
+import jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import dtenjax
+mesh = dtenjax.make_mesh((2,), ("d",))
+def body(w, xb):
+  g = jax.grad(lambda p: jnp.sum(p * xb))(w)       # replicated params: already summed
+  return dtenjax.all_reduce(g, "d", op="mean")
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))
+print(f(jnp.ones(3), jnp.ones((2, 3))))
+"""
+
+
+def test_the_summed_gradient_warning_shows_in_a_plain_script():
+  """The user's case: a plain `python script.py`, no logging set-up, no pytest: the warning is on
+  stderr (Python shows UserWarnings by default)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  r = subprocess.run([sys.executable, "-c", _PLAIN_SCRIPT], capture_output=True, text=True,
+                     env=env, timeout=120, check=False)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "DtenjaxWarning" in r.stderr and "already SUMMED" in r.stderr, r.stderr[-2000:]

@@ -5,6 +5,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -31,8 +32,11 @@ def test_typed_getters_name_the_bad_value(monkeypatch):
 def test_log_fallback_logs_once_and_can_be_silenced(monkeypatch, caplog):
   monkeypatch.delenv("DTENJAX_SILENCE_FALLBACK", raising=False)
   with caplog.at_level(logging.WARNING, logger="dtenjax"):
-    assert config.log_fallback("test-key-1", "custom path unavailable")
-    assert not config.log_fallback("test-key-1", "custom path unavailable")
+    with pytest.warns(dtenjax.DtenjaxWarning, match="custom path unavailable"):
+      assert config.log_fallback("test-key-1", "custom path unavailable")
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")        # the second time: neither a record nor a warning
+      assert not config.log_fallback("test-key-1", "custom path unavailable")
   assert sum("custom path unavailable" in r.message for r in caplog.records) == 1
   assert "DTENJAX_SILENCE_FALLBACK=1" in caplog.records[0].message
   monkeypatch.setenv("DTENJAX_SILENCE_FALLBACK", "1")

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import dtenjax
 from dtenjax._src.collectives import fixed_point_v3 as v3
@@ -225,10 +226,22 @@ def test_reference_file_holds_the_contract_bits():
 
 
 def test_reproducible_modes_are_named_clearly():
-  assert repro.contract_of(True) == "v3" and repro.contract_of("exact") == "exact"
+  """Contract v2 is public as "v2"; "exact" (its old name, which promised a correctly rounded
+  sum it does not give) is a deprecated alias that warns once with the new name."""
+  from dtenjax._src import errors as errors_lib
+  assert repro.contract_of(True) == "v3" and repro.contract_of("v2") == "exact"
   assert repro.contract_of(False) is None
-  with pytest.raises(dtenjax.CollectiveError, match=r"reproducible='fast'.*True.*'exact'"):
+  errors_lib._warned.discard("reproducible-exact")
+  with pytest.warns(dtenjax.DtenjaxWarning, match=r"'exact' is deprecated.*reproducible='v2'"):
+    assert repro.contract_of("exact") == "exact"
+  with pytest.raises(dtenjax.CollectiveError, match=r"reproducible='fast'.*True.*'v2'"):
     repro.contract_of("fast")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((8, 5)) * 1e5, jnp.float32)
+  run = lambda mode: np.asarray(jax.jit(jax.shard_map(
+      lambda v: dtenjax.all_reduce(v, "d", reproducible=mode), mesh=mesh, in_specs=P("d"),
+      out_specs=P()))(x))
+  np.testing.assert_array_equal(run("v2").view(np.uint32), run("exact").view(np.uint32))
   assert repro.contract_for("v3", 32) == "v3" and repro.contract_for("v3", 33) == "exact"
   assert repro.contract_for("exact", 2) == "exact"
 

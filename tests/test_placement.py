@@ -453,3 +453,123 @@ def test_optimizer_state_follows_its_parameters(mesh24):
     shard(state)
   with pytest.raises(errors.PlacementError, match="no NamedSharding to follow"):
     shard(tx.init(params), like={"w1": np.ones((8, 16)), "w2": np.ones((16, 8)), "b": np.ones(8)})
+
+
+def _tp_mlp_placements(mesh):
+  return {"l1": {"kernel": NamedSharding(mesh, P(None, "model")),
+                 "bias": NamedSharding(mesh, P("model"))},
+          "l2": {"kernel": NamedSharding(mesh, P("model", None)),
+                 "bias": NamedSharding(mesh, P())}}
+
+
+def _tp_mesh():
+  return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+
+
+def test_shard_optax_state_with_the_params_placement_tree_places_each_moment_like_its_param():
+  """What users write: shard(tx.init(params), placement). A placement tree written for the params
+  is not a prefix of the optax state, but its mu / nu mirror the params: each moment gets its
+  parameter's layout, the step count is replicated."""
+  mesh = _tp_mesh()
+  placement = _tp_mlp_placements(mesh)
+  params = {"l1": {"kernel": jnp.ones((8, 16)), "bias": jnp.ones(16)},
+            "l2": {"kernel": jnp.ones((16, 8)), "bias": jnp.ones(8)}}
+  params = shard(params, placement)
+  state = shard(optax.adam(1e-3).init(params), placement)
+  adam = state[0]
+  want = jax.tree.map(lambda s: s.spec, placement)
+  for moments in (adam.mu, adam.nu):
+    assert jax.tree.map(lambda a: a.sharding.spec, moments) == want
+  assert adam.count.sharding.spec == P() and adam.count.sharding.mesh == mesh
+  with pytest.raises(errors.PlacementError, match="not a prefix"):       # nothing mirrors it
+    shard({"other": jnp.ones(3)}, placement)
+
+
+def test_shard_nnx_optimizer_state_like_the_model_state_and_with_the_placement_tree():
+  """nnx.state(optimizer) holds OptVariables in the model's key paths: like=nnx.state(model)
+  works on the NNX states directly (no to_pure_dict), and so does the params' placement tree."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(8, 16, rngs=rngs)
+      self.l2 = nnx.Linear(16, 8, rngs=rngs)
+
+  mesh = _tp_mesh()
+  placement = _tp_mlp_placements(mesh)
+  model = MLP(nnx.Rngs(0))
+  nnx.update(model, shard(nnx.to_pure_dict(nnx.state(model)), placement))
+  opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  want = jax.tree.map(lambda s: s.spec, placement)
+  for out in (shard(nnx.state(opt), like=nnx.state(model)), shard(nnx.state(opt), placement)):
+    pure = nnx.to_pure_dict(out)
+    adam = pure["opt_state"][0]
+    for moments in (adam["mu"], adam["nu"]):
+      assert jax.tree.map(lambda a: a.sharding.spec, moments) == want
+    assert adam["count"].sharding.spec == P()
+    nnx.update(opt, out)                                  # the placed state goes back in
+
+
+@pytest.mark.parametrize("partitionable", [True, False])
+def test_tensor_generates_per_shard_whatever_jax_threefry_partitionable_says(partitionable):
+  """With jax_threefry_partitionable=False a jitted jax.random.normal with out_shardings makes
+  every device generate the whole array and slice it. dtenjax.tensor gives jax.random's values
+  under JAX's default flag either way, drawn in chunks: its program holds at most 1.25x the shard
+  per device (output and temporaries), for normal and uniform, float32 and bfloat16."""
+  from dtenjax._src.planning import placement as placement_lib
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+  shape, p = (512, 256), Placement(P("x", None), mesh=mesh)
+  before = jax.config.jax_threefry_partitionable
+  jax.config.update("jax_threefry_partitionable", partitionable)
+  try:
+    key = jax.random.key(5)
+    plain = jax.jit(lambda k: jax.random.normal(k, shape), out_shardings=p.sharding(shape))
+    plain_temp = plain.lower(key).compile().memory_analysis().temp_size_in_bytes
+    for init, dtype in (("normal", jnp.float32), ("uniform", jnp.bfloat16)):
+      t = tensor(shape, dtype, p, init=init, key=key)
+      with jax.threefry_partitionable(True):
+        want = getattr(jax.random, init)(key, shape, dtype)
+      np.testing.assert_array_equal(np.asarray(t, np.float32), np.asarray(want, np.float32))
+      assert t.sharding == p.sharding(shape, dtype)
+      prog = placement_lib._chunked_program(init, shape, jnp.dtype(dtype).name,
+                                            p.sharding(shape, dtype))
+      mem = prog.lower(jax.random.key_data(key)).compile().memory_analysis()
+      shard_bytes = 512 * 256 * jnp.dtype(dtype).itemsize // 8
+      assert mem.output_size_in_bytes == shard_bytes
+      assert mem.output_size_in_bytes + mem.temp_size_in_bytes <= 1.25 * shard_bytes, mem
+  finally:
+    jax.config.update("jax_threefry_partitionable", before)
+  if not partitionable:
+    assert plain_temp >= 8 * 512 * 256 * 4 // 8      # what tensor avoids: the whole array
+
+
+def test_tensor_on_other_layouts_and_keys_gives_jax_random_values(mesh24):
+  """Layouts that are not one range of the array (columns sharded), raw uint32 keys and
+  callables take the one-jit path, with the same values as jax.random."""
+  key = jax.random.key(9)
+  for p in (Placement(P(None, "y"), mesh=mesh24), Placement("2d", mesh=mesh24),
+            Placement("replicate", mesh=mesh24)):
+    t = tensor((8, 16), jnp.float32, p, init="normal", key=key)
+    np.testing.assert_array_equal(t, jax.random.normal(key, (8, 16)))
+  raw = jax.random.PRNGKey(4)
+  np.testing.assert_array_equal(tensor((8, 16), jnp.float32, Placement("row", mesh=mesh24),
+                                       init="uniform", key=raw),
+                                jax.random.uniform(raw, (8, 16)))
+
+
+def test_shard_onto_a_mesh_lets_arrays_of_two_meshes_meet_in_one_jit():
+  """Placement(mesh=(2, 4)) outside jax.set_mesh makes dtenjax's own mesh (Auto axes); arrays on
+  jax.make_mesh's (Explicit) cannot meet them in one jit. shard(tree, mesh) puts a tree on the
+  other mesh with the specs it has (boxes and unplaced leaves included)."""
+  a = shard({"w": jnp.ones((8, 16)), "n": 3},
+            Placement(P("data", "model"), mesh=(2, 4), axis_names=("data", "model")))
+  m = jax.make_mesh((2, 4), ("data", "model"))
+  b = jax.device_put(jnp.ones((8, 16)), NamedSharding(m, P("data", "model")))
+  add = jax.jit(lambda u, v: u + v)
+  with pytest.raises(ValueError, match="Mesh for all inputs should be equal"):
+    add(a["w"], b)
+  moved = shard(a, m)
+  assert moved["n"] == 3 and moved["w"].sharding == NamedSharding(m, P("data", "model"))
+  np.testing.assert_array_equal(add(moved["w"], b), 2 * np.ones((8, 16)))
+  with pytest.raises(errors.PlacementError, match=r"mesh axes \['data'\].*check the spelling"):
+    shard(moved, jax.make_mesh((8,), ("x",)))

@@ -210,6 +210,11 @@ __device__ __forceinline__ float FixedSum(const float* v, bool mean) {
   long long q = 0;
 #pragma unroll
   for (int p = 0; p < W; ++p) q += FixedQuantize(b[p], static_cast<int>(c));
+  constexpr int m = v3::CeilLog2(W);
+  if (mean && static_cast<int>(c) + m > 254) {   // the sum may overflow, the mean cannot: divide
+    const float r = FixedDecode(q, static_cast<int>(c) - m);   // RNE(sum / 2^m), scale back
+    return __fmul_rn(__fdiv_rn(r, static_cast<float>(W)), Pow2(m));   // (fixed_point.mean_of)
+  }
   const float r = FixedDecode(q, static_cast<int>(c));
   return mean ? __fdiv_rn(r, static_cast<float>(W)) : r;
 }

@@ -150,12 +150,18 @@ DTENJAX_HD float IntToFloatOdd(int32_t q) {
 // keeps the smaller's cut), with +0.0 for every zero sum and the canonical NaN: one IEEE float32
 // addition, for bfloat16 too, whose RNE conversion of it is the correctly rounded bfloat16 sum
 // (rounding twice is harmless when the first format has at least 2p + 2 bits, 24 >= 2 * 8 + 2).
-// The mean's first step is RNE_f32 of the sum as well.
+// The mean's first step is RNE_f32 of the sum as well; where a + b overflows although its half
+// does not, the mean is RNE(a/2 + b/2) (both halvings exact there), as the XLA path's scaled
+// decode (fixed_point.mean_of): a finite mean is never inf.
 DTENJAX_HD float RepSum2(float a, float b, bool mean) {
   const float s = AddRn(a, b);   // an infinity when a + b overflows float32, as v3's rounding
   const uint32_t sb = Bits(s);
   if ((sb & 0x7fffffffu) > 0x7f800000u) return FromBits(kQuietNan);  // a NaN, or inf - inf
   if (s == 0.0f) return 0.0f;    // only an exact zero sum rounds to zero; -0 + -0 too is +0
+  if (mean && (sb & 0x7fffffffu) == 0x7f800000u && (Bits(a) & 0x7fffffffu) < 0x7f800000u &&
+      (Bits(b) & 0x7fffffffu) < 0x7f800000u) {
+    return AddRn(MulRn(a, 0.5f), MulRn(b, 0.5f));
+  }
   return mean ? DivRn(s, 2.0f) : s;
 }
 
@@ -196,6 +202,11 @@ DTENJAX_UNROLL
     const uint32_t bits = RoundScaled(q, t, mean || !kBf16 ? 24 : 8);
     if (mean) return DivRn(FromBits(bits), static_cast<float>(W));
     return kBf16 ? FromBits(bits << 16) : FromBits(bits);
+  }
+  if (mean && c + CeilLog2(W) > 254) {   // the sum may pass float32's range, the mean cannot:
+    constexpr int m = CeilLog2(W);        // divide RNE(sum / 2^m), scale back (fixed_point.mean_of)
+    const float r = MulRn(IntToFloatRn(q), Pow2(t - m));
+    return MulRn(DivRn(r, static_cast<float>(W)), Pow2(m));
   }
   if (mean || !kBf16) {
     const float r = MulRn(IntToFloatRn(q), Pow2(t));   // the one rounding; an exact scale

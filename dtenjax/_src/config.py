@@ -139,8 +139,14 @@ def apply_log_level() -> None:
 
 
 def log_fallback(key: str, message: str) -> bool:
-  """Logs a custom-algorithm fallback once, unless silenced by DTENJAX_SILENCE_FALLBACK=1."""
+  """Says once that a custom algorithm fell back to another, unless silenced by
+  DTENJAX_SILENCE_FALLBACK=1: a :class:`~errors.DtenjaxWarning` (seen without any logging set-up)
+  and a record on the "dtenjax" logger."""
   if get_bool("DTENJAX_SILENCE_FALLBACK"):
     return False
-  return log_once("fallback:" + key,
-                  message + " (set DTENJAX_SILENCE_FALLBACK=1 to silence this notice)")
+  text = message + (" (set DTENJAX_SILENCE_FALLBACK=1 or filter dtenjax.DtenjaxWarning to "
+                    "silence this notice)")
+  if not log_once("fallback:" + key, text):
+    return False
+  errors.warn_once("fallback:" + key, text)
+  return True

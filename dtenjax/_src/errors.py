@@ -7,6 +7,9 @@ them, chex style, instead of stopping at the first.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Iterable
 
 
@@ -56,6 +59,45 @@ class CheckpointError(DtenjaxError, RuntimeError):
 
 class QuotaExceededError(DtenjaxError, RuntimeError):
   """A tenant asked for more connections, registered bytes or bandwidth than its quota."""
+
+
+class DtenjaxWarning(UserWarning):
+  """Something a user must see: a result that is probably not what was meant (the mean of values
+  that do not vary, i.e. gradients already summed), a fallback to another algorithm, a deprecated
+  argument. A ``UserWarning``, so Python shows it by default; filter it
+  (``warnings.filterwarnings("ignore", category=dtenjax.DtenjaxWarning)``) or turn it into an
+  error (``"error"``, or pytest's ``-W error::dtenjax.DtenjaxWarning``)."""
+
+
+_warned: set[str] = set()
+
+
+def _user_stacklevel() -> int:
+  """The ``stacklevel`` of the first frame outside dtenjax and jax: the user's line."""
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep   # .../dtenjax/
+  jax_file = getattr(sys.modules.get("jax"), "__file__", None)
+  jax_dir = os.path.dirname(os.path.abspath(jax_file)) + os.sep if jax_file else here
+  frame, level = sys._getframe(2), 2  # pylint: disable=protected-access  (caller of warn_once)
+  while frame is not None:
+    name = os.path.abspath(frame.f_code.co_filename)
+    if not (name.startswith(here) or name.startswith(jax_dir) or "<frozen" in name):
+      return level
+    frame, level = frame.f_back, level + 1
+  return 2
+
+
+def warn_once(key: str, message: str) -> bool:
+  """Issues ``message`` as a :class:`DtenjaxWarning` the first time ``key`` is seen in this
+  process, attributed to the user's line (the first frame outside dtenjax and jax); Python's own
+  filters then decide whether it shows. Returns whether it warned.
+
+  Once per key rather than per call site: a collective traced inside a user's loop would
+  otherwise repeat it per trace."""
+  if key in _warned:
+    return False
+  _warned.add(key)
+  warnings.warn(message, DtenjaxWarning, stacklevel=_user_stacklevel())
+  return True
 
 
 def join_problems(header: str, problems: Iterable[str]) -> str:

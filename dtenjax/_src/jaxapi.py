@@ -18,6 +18,8 @@ transpose of ``psum`` is ``psum``. dtenjax's collectives follow exactly these ru
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -104,6 +106,102 @@ def concrete_mesh():
   if mesh is None or getattr(mesh, "empty", True) or not tuple(getattr(mesh, "axis_names", ())):
     return None
   return mesh
+
+
+# --- eager shard_map: one cached program per call signature ---------------------------------
+# Outside jit, jax.shard_map evaluates its body primitive by primitive, compiling a fresh
+# program for every primitive on every call (jax 0.10.2: four compilations for one lax.psum).
+# A dtenjax collective is dozens of primitives, so it runs here as ONE program instead, cached
+# by the call's static signature: the first call compiles it, later calls only dispatch it.
+
+_EAGER_CACHE: collections.OrderedDict = collections.OrderedDict()
+_EAGER_CACHE_SIZE = 512        # programs kept (least recently used dropped first)
+
+
+def eager_shard_map_trace(leaves):
+  """The eager (not jitted) ``shard_map`` trace all of ``leaves`` belong to, or None: under jit,
+  vmap, grad, outside shard_map, or with a JAX whose internals moved (the caller then takes its
+  ordinary path, which is correct, only slower)."""
+  try:
+    from jax._src import shard_map as _sm  # pylint: disable=g-import-not-at-top
+    trace = _jax_core.trace_ctx.trace
+    tracer_type = _sm.ShardMapTracer
+    trace_type = _sm.ShardMapTrace
+  except (ImportError, AttributeError):  # pragma: no cover - a jax that moved them
+    return None
+  if type(trace) is not trace_type or not leaves:
+    return None
+  # pylint: disable-next=protected-access
+  if not all(isinstance(x, tracer_type) and x._trace is trace for x in leaves):
+    return None
+  if not all(hasattr(trace, a) for a in ("mesh", "manual_axes", "check", "to_val_mat_pair")):
+    return None  # pragma: no cover
+  return trace
+
+
+@contextlib.contextmanager
+def _outside(trace):
+  """The context JAX's eager shard_map runs each primitive's program in: no trace, the mesh of
+  the shard_map (abstract and concrete) in context."""
+  from jax._src import sharding_impls as _si  # pylint: disable=g-import-not-at-top
+  with (_jax_core.eval_context(), _jax_mesh.use_abstract_mesh(trace.amesh),
+        _si._internal_use_concrete_mesh(trace.mesh)):  # pylint: disable=protected-access
+    yield
+
+
+def run_eager(trace, key, body, leaves):
+  """``body(leaves) -> list of arrays`` run under the eager shard_map ``trace`` as one compiled
+  program (``jax.jit`` of a ``shard_map`` over the trace's mesh, as JAX runs each primitive),
+  kept in a cache keyed by ``key`` (hashable: everything static the body depends on), the mesh,
+  the manual axes, the type check and the inputs' layouts; returns the output tracers.
+
+  Each value of the eager trace is the global array of the per-device values (a leading
+  singleton axis laid out over the axes it varies over); the outputs are typed by what ``body``
+  returned while it was traced (their varying axes), as JAX types its own collectives."""
+  from jax._src import shard_map as _sm  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh, manual, check = trace.mesh, frozenset(trace.manual_axes), bool(trace.check)
+  vals, mats = zip(*(trace.to_val_mat_pair(x) for x in leaves))
+  everything = P(_jax_core.order_wrt_mesh(mesh, manual))
+  if check:
+    in_specs = tuple(P(_jax_core.order_wrt_mesh(mesh, m.varying)) for m in mats)
+  else:
+    in_specs = (everything,) * len(vals)
+  ck = (key, mesh, manual, check, in_specs,
+        tuple((tuple(v.shape), str(v.dtype)) for v in vals))
+  entry = _EAGER_CACHE.get(ck)
+  if entry is not None:
+    _EAGER_CACHE.move_to_end(ck)
+  else:
+    out_vmas: list = []
+
+    def inner(*xs):
+      outs = body([lax.squeeze(x, [0]) for x in xs])
+      out_vmas[:] = [vma(o) for o in outs]
+      return [lax.expand_dims(o, [0]) for o in outs]
+
+    def mapped(out_specs):
+      return jax.shard_map(inner, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                           axis_names=set(manual), check_vma=check)
+
+    with _outside(trace):
+      jax.eval_shape(mapped(everything), *vals)            # types the outputs
+      out_specs = [P(_jax_core.order_wrt_mesh(mesh, v)) if check else everything
+                   for v in out_vmas]
+      entry = (jax.jit(mapped(out_specs)), [frozenset(v) for v in out_vmas])
+    _EAGER_CACHE[ck] = entry
+    while len(_EAGER_CACHE) > _EAGER_CACHE_SIZE:
+      _EAGER_CACHE.popitem(last=False)
+  fn, out_vmas = entry
+  with _outside(trace):
+    outs = fn(*vals)
+  return [_sm.ShardMapTracer(trace, _jax_core.ManualAxisType(varying=v) if check
+                             else _jax_core.empty_mat, o) for o, v in zip(outs, out_vmas)]
+
+
+def eager_cache_size() -> int:
+  """Programs compiled for eager calls so far (tests check that a repeated call adds none)."""
+  return len(_EAGER_CACHE)
 
 
 def distributed_state():

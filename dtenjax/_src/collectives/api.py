@@ -26,7 +26,8 @@ Semantics and guarantees
   depend on the algorithm or on how the same contributions are split over devices. With
   ``local_axis`` the input holds several contributions stacked on that axis; each is encoded on
   its own, so the result equals that of the same contributions spread over more devices.
-  ``reproducible="exact"``: the exact contract v2 (``fixed_point.py``, two words per value).
+  ``reproducible="v2"``: contract v2 (``fixed_point.py``, two words per value: a finer grid, not
+  the correctly rounded sum; ``"exact"`` is its deprecated name and warns).
   float32 / bfloat16 only.
 - ``vmap``: mapping over an ordinary (unnamed) batch dimension reduces every batch element
   independently across devices; ``jax.vmap(f, axis_name="v")`` makes "v" a valid ``axis_name``.
@@ -34,6 +35,7 @@ Semantics and guarantees
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -227,7 +229,7 @@ def _warn_invariant_mean(leaves, typed: tuple[str, ...]) -> None:
   inv = [i for i, leaf in enumerate(leaves)
          if jnp.issubdtype(leaf.dtype, jnp.inexact) and not jaxapi.vma(leaf) & set(typed)]
   if inv:
-    config.log_once(
+    errors.warn_once(
         "invariant-mean",
         f"dtenjax.all_reduce(op='mean') over {typed} got values that do not vary over those axes "
         f"(leaves {inv[:5]}{'...' if len(inv) > 5 else ''}): the mean of n equal copies is the "
@@ -377,8 +379,9 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
       "one_shot", "two_shot", "butterfly" (power-of-two worlds) -- or a registry record such as
       "nvlink_one_shot" or "host_ring" (``algorithms/registry.py`` lists them).
     deterministic: fixed reduction order (see the module docstring for what "xla" means here).
-    reproducible: True for the fixed-point sum of contract v3 (one word per value), "exact" for
-      contract v2; the same bits for every algorithm and device split.
+    reproducible: True for the fixed-point sum of contract v3 (one word per value), "v2" for
+      contract v2 (two words per value; "exact" is its deprecated name); the same bits for every
+      algorithm and device split.
     local_axis: with reproducible=True or op max/min, the axis of ``x`` holding several local
       contributions (summed exactly with the other devices'; the axis is removed).
     bucket_bytes: pytree leaves are packed into flat buffers of at most this many bytes
@@ -397,8 +400,111 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
     raise errors.CollectiveError(
         f"all_reduce: local_axis={local_axis} with op={op!r} needs reproducible=True (it is the "
         "exact sum of stacked local contributions); sum the axis yourself otherwise.")
-  typed = _typed_axes(axes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
+  if bucket_bytes is None:
+    bucket_bytes = config.get_int("DTENJAX_BUCKET_BYTES")
+  args = (axes, op, algorithm, bool(deterministic), reproducible, local_axis, int(bucket_bytes),
+          tag)
+  out = _eager_or_traced("all_reduce", _all_reduce_leaves, leaves, args)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _eager_or_traced(what: str, body, leaves, args):
+  """``body(leaves, *args)``; under an eager ``shard_map`` as one cached program per call
+  signature (``jaxapi.run_eager``): outside jit every primitive would otherwise be compiled
+  anew on every call."""
+  trace = jaxapi.eager_shard_map_trace(leaves)
+  if trace is None:
+    return body(leaves, *args)
+  key = (what, args, mesh_lib.current_mesh())
+  return jaxapi.run_eager(trace, key, lambda ls: body(ls, *args), leaves)
+
+
+def _vmap_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The axes of ``axes`` that are ``jax.vmap`` axes (bound, but not manual mesh axes)."""
+  manual = jaxapi.manual_axes()
+  return tuple(a for a in axes if a not in manual)
+
+
+@contextlib.contextmanager
+def _vmap_errors(what: str, axes: tuple[str, ...]):
+  """JAX's own collectives over a vmap axis fail inside ``jax.shard_map(check_vma=True)`` with a
+  bare AssertionError (jax 0.10.2: ``lax.psum`` too); say which axis and what to do instead."""
+  try:
+    yield
+  except AssertionError as e:
+    vaxes = _vmap_axes(axes)
+    if not vaxes:
+      raise
+    raise errors.CollectiveError(
+        f"{what}: axis_name={axes!r} includes the jax.vmap axis {list(vaxes)}, and JAX cannot "
+        "run a collective over a vmap axis inside jax.shard_map(check_vma=True) (lax.psum "
+        "fails there too). Pass check_vma=False to jax.shard_map (dtenjax.mesh_map(..., "
+        "check_vma=False)), make the vmapped dimension a mesh axis, or loop with lax.map and "
+        "reduce the stacked results over the mesh axes (all_reduce(..., local_axis=0, "
+        "reproducible=True) sums them exactly).") from e
+
+
+def _gather_vmap(leaf, vaxes: tuple[str, ...]):
+  """``[n_vmap, *leaf.shape]``: every vmap lane's ``leaf``, in rank order of ``vaxes`` (the first
+  name major), the same on every lane."""
+  g = leaf
+  for a in reversed(vaxes):
+    g = lax.all_gather(g, a)
+  return g.reshape((-1,) + leaf.shape)
+
+
+def _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic, reproducible,
+                      local_axis, tag):
+  """An all-reduce over mesh axes and vmap axes together, with lax.psum's semantics: the vmap
+  lanes' values are gathered (a local stack, rank order of the vmap axes), then reduced over the
+  mesh axes with the algorithm asked for -- exactly (``local_axis``) for reproducible sums and
+  max/min, for plain sums as the lanes' rank-order fold followed by the algorithm. Every lane
+  gets the same result, as with ``lax.psum(x, (mesh_axis, vmap_axis))``."""
+  nv = math.prod(base.axis_size(a) for a in vaxes)
+  if algorithm == "hierarchical" and len(mesh_axes) < 2:
+    algorithm = "auto"      # the lanes are the island: the gather and fold are its first level
+  out = []
+  for leaf in leaves:
+    leaf = jnp.asarray(leaf)
+    if local_axis is not None:
+      if not -leaf.ndim <= local_axis < leaf.ndim:
+        raise errors.CollectiveError(f"all_reduce: local_axis={local_axis} is out of range for "
+                                     f"shape {leaf.shape}; pass an axis of x.")
+      leaf = jnp.moveaxis(leaf, local_axis, 0)
+      stack = _gather_vmap(leaf, vaxes)
+      stack = stack.reshape((-1,) + leaf.shape[1:])
+    else:
+      stack = _gather_vmap(leaf, vaxes)
+    if reproducible or op in ("max", "min"):
+      out += _all_reduce_leaves([stack], mesh_axes, op, algorithm, deterministic, reproducible,
+                                0, 0, tag)
+      continue
+    _check_leaf("all_reduce", leaf, op, reproducible)
+    part = base.ordered_reduce(stack, "sum").astype(leaf.dtype)
+    y, = _all_reduce_leaves([part], mesh_axes, "sum", algorithm, deterministic, None, None, 0,
+                            tag)
+    if op == "mean":
+      y = fixed_point.ieee_divide(y, nv * base.axis_size(mesh_axes))
+    out.append(y)
+  return out
+
+
+def _all_reduce_leaves(leaves, axes, op, algorithm, deterministic, reproducible, local_axis,
+                       bucket_bytes, tag):
+  vaxes = _vmap_axes(axes)
+  with _vmap_errors("all_reduce", axes):
+    if vaxes and len(vaxes) < len(axes):
+      mesh_axes = tuple(a for a in axes if a not in vaxes)
+      return _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic,
+                               reproducible, local_axis, tag)
+    return _all_reduce_plain(leaves, axes, op, algorithm, deterministic, reproducible,
+                             local_axis, bucket_bytes, tag)
+
+
+def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, reproducible, local_axis,
+                      bucket_bytes, tag):
+  typed = _typed_axes(axes)
   leaves = [jnp.asarray(leaf) for leaf in leaves]
   if op == "mean":
     _warn_invariant_mean(leaves, typed)
@@ -415,15 +521,11 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
                                      f"shape {leaf.shape}; pass an axis of x.")
       la = local_axis % leaf.ndim
       k = leaf.shape[la]
-    specs.append(_Spec(axes, op, algorithm, bool(deterministic), reproducible, la, k, typed, tag))
-  if bucket_bytes is None:
-    bucket_bytes = config.get_int("DTENJAX_BUCKET_BYTES")
+    specs.append(_Spec(axes, op, algorithm, deterministic, reproducible, la, k, typed, tag))
   if len(leaves) > 1 and bucket_bytes > 0 and local_axis is None:
-    out = buckets.bucketed_apply(leaves, lambda flat: _all_reduce_array(flat, specs[0]),
-                                 bucket_bytes)
-  else:
-    out = [_all_reduce_array(leaf, s) for leaf, s in zip(leaves, specs)]
-  return jax.tree_util.tree_unflatten(treedef, out)
+    return buckets.bucketed_apply(leaves, lambda flat: _all_reduce_array(flat, specs[0]),
+                                  bucket_bytes)
+  return [_all_reduce_array(leaf, s) for leaf, s in zip(leaves, specs)]
 
 
 # --- reduce_scatter / all_gather: transposes of each other ----------------------------------------
@@ -437,6 +539,7 @@ class _RSSpec:
   dim: int
   tiled: bool = True
   reproducible: str | None = None   # None, "v3" or "exact"
+  invariant: bool = False           # all_gather(to="invarying") over typed axes
 
 
 def _rs_impl(x, s: _RSSpec):
@@ -459,7 +562,9 @@ def _rs_impl(x, s: _RSSpec):
 
 def _ag_impl(x, s: _RSSpec):
   n = base.axis_size(s.axes)
-  if s.algorithm == "ring":
+  if s.invariant:                                         # XLA's all-gather, typed invariant
+    g = jaxapi.all_gather_invariant(x, s.axes)
+  elif s.algorithm == "ring":
     g = ring.gather_chunks(x, s.axes, n)                 # [n, *x.shape]
   else:
     g = lax.all_gather(x, s.axes) if n > 1 else x[None]
@@ -503,6 +608,12 @@ def _ag_fwd(x, s):
 
 
 def _ag_bwd(s, _, ct):
+  if s.invariant:            # one cotangent on every device: rank r's input gets its block r
+    r = lax.axis_index(s.axes)
+    if s.tiled:
+      size = ct.shape[s.dim] // base.axis_size(s.axes)
+      return (lax.dynamic_slice_in_dim(ct, r * size, size, s.dim),)
+    return (lax.dynamic_index_in_dim(ct, r, s.dim, keepdims=False),)
   rs = dataclasses.replace(s, op="sum", algorithm="auto")
   if s.tiled:
     return (_rs_impl(ct, rs),)
@@ -526,15 +637,25 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
   Algorithms: "ring" (ppermute ring), "butterfly" (recursive halving over ppermute, power-of-two
   worlds), "one_shot" (all_gather + ordered reduction of the owned block), "two_shot"
   (all_to_all + ordered reduction), "xla" (psum_scatter where its order is fixed, see
-  ``algorithms/xla.py``), "auto". ``reproducible=True`` (contract v3) or ``"exact"``
-  (v2): the codes are MAX-reduced over the full input, the int32 words reduce-scattered, rank r
-  decodes block r (the same bits as ``all_reduce(..., reproducible=...)`` of that block).
+  ``algorithms/xla.py``), "auto". ``reproducible=True`` (contract v3) or ``"v2"``
+  (``"exact"``, deprecated): the codes are MAX-reduced over the full input, the int32 words
+  reduce-scattered, rank r decodes block r (the same bits as ``all_reduce(...,
+  reproducible=...)`` of that block).
   """
   _check_common("reduce_scatter", op, algorithm)
   reproducible = repro.contract_of(reproducible)
   axes = check_axes(axis_name, "reduce_scatter")
-  n = base.axis_size(axes)
   leaves, treedef = jax.tree_util.tree_flatten(x)
+  args = (axes, axis_name, scatter_dimension, bool(tiled), op, algorithm, bool(deterministic),
+          reproducible)
+  with _vmap_errors("reduce_scatter", axes):
+    out = _eager_or_traced("reduce_scatter", _reduce_scatter_leaves, leaves, args)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _reduce_scatter_leaves(leaves, axes, axis_name, scatter_dimension, tiled, op, algorithm,
+                           deterministic, reproducible):
+  n = base.axis_size(axes)
   problems, out = [], []
   typed = _typed_axes(axes)
   for i, leaf in enumerate(leaves):
@@ -555,27 +676,51 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
                       f"is not divisible by the size {n} of axis {axis_name!r}; pad it to a "
                       f"multiple of {n} or pick another scatter_dimension")
       continue
-    y = _reduce_scatter_array(leaf, _RSSpec(axes, op, algorithm, bool(deterministic), dim,
+    y = _reduce_scatter_array(leaf, _RSSpec(axes, op, algorithm, deterministic, dim,
                                             reproducible=reproducible))
     out.append(y if tiled else jnp.squeeze(y, dim))
   if problems:
     raise errors.CollectiveError(errors.join_problems("reduce_scatter: bad inputs", problems))
-  return jax.tree_util.tree_unflatten(treedef, out)
+  return out
+
+
+ALL_GATHER_TO = ("varying", "invarying")
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
-               algorithm: str = "auto", deterministic: bool = True):
+               to: str = "varying", algorithm: str = "auto", deterministic: bool = True):
   """Gathers ``x`` from every rank along ``axis`` (stacked, or concatenated when ``tiled``).
 
   Pure data movement, so the bits never depend on the algorithm: "ring" is a ppermute ring,
   every other name uses XLA's all-gather. The transpose is :func:`reduce_scatter` (chosen by
   ``auto`` with the same ``deterministic``).
+
+  ``to`` is ``lax.all_gather``'s (jax 0.10.2 and 0.11.2): the result's type over typed manual
+  axes (``shard_map(check_vma=True)``). "varying" (default): it varies over ``axis_name`` (the
+  transpose is a reduce-scatter). "invarying": every device holds the same gathered value, typed
+  invariant (it can leave through ``out_specs=P()``); XLA's all-gather for any ``algorithm``,
+  and the transpose takes rank r's block of the (invariant) cotangent, with no communication.
+  Over vmap axes or without the type check there are no types and both are the same. lax's
+  third value, "reduced", belongs to its unreduced/reduced types and is refused here (use
+  ``jax.lax.all_gather(..., to="reduced")``).
   """
   _check_common("all_gather", "sum", algorithm)
+  if to not in ALL_GATHER_TO:
+    raise errors.CollectiveError(
+        f"all_gather: to={to!r} is not one of {ALL_GATHER_TO} (lax.all_gather's varying and "
+        "invarying result types); for to='reduced' call jax.lax.all_gather directly.")
   axes = check_axes(axis_name, "all_gather")
   leaves, treedef = jax.tree_util.tree_flatten(x)
+  args = (axes, axis, bool(tiled), algorithm, bool(deterministic), to)
+  with _vmap_errors("all_gather", axes):
+    out = _eager_or_traced("all_gather", _all_gather_leaves, leaves, args)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _all_gather_leaves(leaves, axes, axis, tiled, algorithm, deterministic, to="varying"):
   out, problems = [], []
   typed = _typed_axes(axes)
+  invariant = to == "invarying" and bool(axes) and set(typed) == set(axes)
   for i, leaf in enumerate(leaves):
     leaf = jaxapi.to_varying(jnp.asarray(leaf), typed)     # as lax.all_gather
     nd = leaf.ndim if tiled else leaf.ndim + 1
@@ -583,11 +728,11 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
       problems.append(f"leaf {i} shape {leaf.shape}: axis={axis} is out of range "
                       f"(tiled={tiled})")
       continue
-    out.append(_all_gather_array(leaf, _RSSpec(axes, "sum", algorithm, bool(deterministic),
-                                               axis % nd, bool(tiled))))
+    out.append(_all_gather_array(leaf, _RSSpec(axes, "sum", algorithm, deterministic,
+                                               axis % nd, tiled, invariant=invariant)))
   if problems:
     raise errors.CollectiveError(errors.join_problems("all_gather: bad inputs", problems))
-  return jax.tree_util.tree_unflatten(treedef, out)
+  return out
 
 
 # --- the choice as data ----------------------------------------------------------------------------

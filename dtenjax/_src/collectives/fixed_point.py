@@ -130,12 +130,13 @@ def encode(x, code_max):
   return jnp.stack([jnp.where(special, fhi, hi), jnp.where(special, flo, lo)])
 
 
-def _decode_values(hi, lo, c):
-  """float32 ``RNE(v * 2**(e - 40))`` of summed value words (finite, nonzero C)."""
+def _decode_values(hi, lo, c, shift: int = 0):
+  """float32 ``RNE(v * 2**(e - 40 - shift))`` of summed value words (finite, nonzero C): the
+  sum, or with ``shift`` the sum scaled down by ``2**shift`` (see :func:`mean_of`)."""
   h = hi + jnp.right_shift(lo, LO_BITS)
   l = lo & LO_MASK
   v = h.astype(jnp.float32) * np.float32(1 << LO_BITS) + l.astype(jnp.float32)
-  t = c - (126 + FRAC_BITS)
+  t = c - (126 + FRAC_BITS + shift)
   vb = jax.lax.bitcast_convert_type(v, _I32)
   f = (jnp.right_shift(vb, 23) & 0xFF) + t      # exponent field of the exact result
   normal = jax.lax.bitcast_convert_type(vb + jnp.left_shift(t, 23), jnp.float32)
@@ -146,11 +147,36 @@ def _decode_values(hi, lo, c):
   return jnp.where(v == 0, jnp.float32(0.0), r)
 
 
-def decode_f32(words, code_max):
-  """float32 value of summed words (step 5), before any rounding to a narrower dtype."""
+def mean_of(decode_at, c, n: int):
+  """The float32 mean of ``n`` contributions whose sum ``S`` has the codes ``c``:
+  ``RNE(RNE(S) / n)``, where ``decode_at(k)`` is ``RNE(S / 2**k)`` (a decode with the exponent
+  lowered by ``k``; meaningless where ``c`` is 0 or 255, which callers override).
+
+  ``RNE(S)`` alone overflows where ``S`` does although the mean does not (8 x 3e38): where
+  ``|S| < n * 2**(c - 126)`` can pass float32's range (``c + ceil(log2 n) > 254``) the sum is
+  decoded scaled down by ``2**m >= n`` instead, divided, and scaled back. There ``S`` is a
+  multiple of a unit far above the subnormal range, so both roundings are of normal numbers and
+  commute with the power-of-two scaling: the bits are ``RNE(RNE(S) / n)`` wherever that is
+  finite, and a finite mean is never inf. Error bound: the sum's own bound divided by ``n``, plus
+  half an ulp of the result (docs/collectives.md)."""
+  r = decode_at(0)
+  if n == 1:
+    return r
+  m = (n - 1).bit_length()
+  big = (c + m > 254) & (c < CODE_SPECIAL)
+  q = divide(jnp.where(big, decode_at(m), r), n)
+  return jnp.where(big, q * np.float32(2.0 ** m), q)
+
+
+def decode_f32(words, code_max, mean_count: int | None = None):
+  """float32 value of summed words (step 5), before any rounding to a narrower dtype; with
+  ``mean_count`` the mean of that many contributions (:func:`mean_of`)."""
   hi, lo = words[0].astype(_I32), words[1].astype(_I32)
   c = jnp.broadcast_to(code_max, hi.shape).astype(_I32)
-  r = _decode_values(hi, lo, c)
+  if mean_count is None:
+    r = _decode_values(hi, lo, c)
+  else:
+    r = mean_of(lambda k: _decode_values(hi, lo, c, k), c, mean_count)
   special = jnp.where((hi > 0) & (lo > 0), jnp.float32(jnp.nan),
                       jnp.where(lo > 0, jnp.float32(jnp.inf), jnp.float32(-jnp.inf)))
   r = jnp.where(c == CODE_SPECIAL, special, r)
@@ -163,9 +189,10 @@ def decode(words, code_max, dtype):
   return decode_f32(words, code_max).astype(dtype)
 
 
-def local_sum_f32(stack):
-  """Contract-v2 sum over axis 0 of ``stack`` on one device, as float32 (not yet rounded to a
-  narrower dtype): the same bits as the collective word exchange of the same contributions.
+def local_sum_f32(stack, mean: bool = False):
+  """Contract-v2 sum (``mean``: mean, :func:`mean_of`) over axis 0 of ``stack`` on one device,
+  as float32 (not yet rounded to a narrower dtype): the same bits as the collective word
+  exchange of the same contributions.
 
   Written as elementwise folds over the contributions (XLA:CPU reduces over a leading axis
   slowly), with the per-element work hoisted out of the per-contribution loop:
@@ -206,7 +233,10 @@ def local_sum_f32(stack):
     l = (q - h * np.float32(1 << LO_BITS)).astype(_I32)
     h = h.astype(_I32)
     hi, lo = (h, l) if hi is None else (hi + h, lo + l)
-  r = _decode_values(hi, lo, c)
+  if mean:
+    r = mean_of(lambda m: _decode_values(hi, lo, c, m), c, k)
+  else:
+    r = _decode_values(hi, lo, c)
   special = jnp.where(jnp.isnan(hi_f) | ((hi_f == jnp.inf) & (lo_f == -jnp.inf)),
                       jnp.float32(jnp.nan), jnp.where(hi_f == jnp.inf, jnp.float32(jnp.inf),
                                                       jnp.float32(-jnp.inf)))

@@ -14,7 +14,10 @@ the contributions are split over devices, computed as an integer sum. Per elemen
    ``Q = sum q`` fits int32 (``ceil(log2 N)`` bits of headroom) and is exact in any order.
 4. ``sum``: ``RNE_dtype(Q * U)``, rounded ONCE to the output dtype (subnormals kept, overflow to
    +-inf, ``Q == 0`` gives +0.0). ``mean``: ``RNE_f32(Q * U)`` divided by ``N`` (IEEE float32,
-   subnormal quotients kept), then rounded to the dtype.
+   subnormal quotients kept), then rounded to the dtype; where ``Q * U`` could pass float32's
+   range the division happens at ``Q * U / 2**m`` (``2**m >= N``) and is scaled back, so a finite
+   mean is never inf (``fixed_point.mean_of``: the same bits wherever ``RNE_f32(Q * U)`` is
+   finite).
 
 Error bound (sum, finite contributions, ``2**e > max |x_c|`` with ``e = C - 126``):
 ``|result - S| <= N * U / 2 + ulp_dtype(result) / 2`` with ``U = 2**(e - P)``; for ``N == 2`` the
@@ -155,11 +158,11 @@ def _finish(q, c, special, n: int, op: str, dtype):
   the special results (used where ``c == 255``)."""
   t = c - (126 + precision(n))
   if op == "mean" or jnp.dtype(dtype) == jnp.dtype(jnp.float32):
-    r = round_scaled(q, t, 24)
-    r = jnp.where(c == 255, special, jnp.where(c == 0, 0, r))
-    r = jax.lax.bitcast_convert_type(r, jnp.float32)
-    if op == "mean":
-      r = fixed_point.divide(r, n)
+    def at(k):                                        # RNE_f32(Q * U / 2**k)
+      return jax.lax.bitcast_convert_type(round_scaled(q, t - k, 24), jnp.float32)
+    r = fixed_point.mean_of(at, c, n) if op == "mean" else at(0)
+    r = jnp.where(c == 255, jax.lax.bitcast_convert_type(special, jnp.float32),
+                  jnp.where(c == 0, jnp.float32(0.0), r))
     return r.astype(dtype)
   r = round_scaled(q, t, 8)                           # bfloat16 sum: one rounding
   r = jnp.where(c == 255, jnp.right_shift(special, 16), jnp.where(c == 0, 0, r))

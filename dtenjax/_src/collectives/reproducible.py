@@ -1,5 +1,6 @@
 """The reproducible sums on XLA's collectives: contract v3 (``reproducible=True``,
-``fixed_point_v3.py``) and the exact contract v2 (``reproducible="exact"``, ``fixed_point.py``).
+``fixed_point_v3.py``) and contract v2 (``reproducible="v2"``, formerly ``"exact"``,
+``fixed_point.py``).
 
 Three ways to move the data, all with the same bits (they depend only on the multiset of
 contributions, never on the algorithm, the order or how contributions are split over devices,
@@ -33,16 +34,31 @@ from dtenjax._src.collectives import fixed_point_v3 as v3
 from dtenjax._src.collectives.algorithms import base
 
 def contract_of(reproducible) -> str | None:
-  """The contract a ``reproducible=`` argument asks for: None (False), "v3" (True) or "exact"."""
+  """The contract a ``reproducible=`` argument asks for: None (False), "v3" (True) or "exact"
+  (``"v2"``; the internal tag of contract v2).
+
+  Contract v2 was public as ``reproducible="exact"``, but it is not the correctly rounded sum:
+  each value keeps 40 bits below the element's largest exponent, so under deep cancellation the
+  result is off by up to its documented bound (docs/collectives.md). Its public name is now
+  ``"v2"``; ``"exact"`` still works and warns (a :class:`DtenjaxWarning`) that it is deprecated."""
   if reproducible is False or reproducible is None:
     return None
   if reproducible is True or reproducible == "v3":
     return "v3"
+  if reproducible == "v2":
+    return "exact"
   if reproducible == "exact":
+    errors.warn_once(
+        "reproducible-exact",
+        "dtenjax: reproducible='exact' is deprecated: it is contract v2, a fixed-point sum with "
+        "40 bits below each element's largest exponent, not the correctly rounded sum (off by up "
+        "to N * 2**(e - 41) + 2 ulp under cancellation, docs/collectives.md). Pass "
+        "reproducible='v2' for the same bits, or reproducible=True (contract v3).")
     return "exact"
   raise errors.CollectiveError(
       f"reproducible={reproducible!r} is not a reproducible mode; use False, True (contract v3: "
-      "one integer word per value) or 'exact' (contract v2: the exact fixed-point sum).")
+      "one integer word per value) or 'v2' (contract v2: two words per value, a finer "
+      "fixed-point grid; 'exact' is its deprecated name).")
 
 
 def contract_for(contract: str, contributions: int) -> str:
@@ -62,10 +78,7 @@ def local_sum(stack, op: str, contract: str, dtype=None):
   fixed_point.check_contributions(n)       # v3 hands more than 32 to the exact contract
   if contract_for(contract, n) == "v3":
     return v3.local_sum(stack, op, dtype)
-  r = fixed_point.local_sum_f32(stack)
-  if op == "mean":
-    r = fixed_point.divide(r, n)
-  return r.astype(dtype)
+  return fixed_point.local_sum_f32(stack, mean=op == "mean").astype(dtype)
 
 
 def gather_all_reduce(stack, call: base.Call):
@@ -107,9 +120,7 @@ def all_reduce(stack, call: base.Call, record: base.Algorithm):
   codes = _code_max(jnp.max(fixed_point.codes(stack), axis=0), call, record)
   words = jnp.sum(fixed_point.encode(stack, codes), axis=1)           # [2, ...], exact
   total = record.all_reduce(words, _int_call(call), lambda y: y)
-  r = fixed_point.decode_f32(total, codes)
-  if call.op == "mean":
-    r = fixed_point.divide(r, count)
+  r = fixed_point.decode_f32(total, codes, count if call.op == "mean" else None)
   return r.astype(stack.dtype)
 
 
@@ -130,6 +141,5 @@ def reduce_scatter(blocks, call: base.Call, record: base.Algorithm):
   codes = _code_max(fixed_point.codes(blocks), call, record)         # [n, ...]
   words = jnp.moveaxis(fixed_point.encode(blocks, codes), 1, 0)     # [n, 2, ...]
   mine = record.reduce_scatter(words, _int_call(call))               # [2, ...]
-  r = fixed_point.decode_f32(mine, mine_of(codes))
-  r = fixed_point.divide(r, count) if call.op == "mean" else r
+  r = fixed_point.decode_f32(mine, mine_of(codes), count if call.op == "mean" else None)
   return r.astype(blocks.dtype)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -382,7 +383,12 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
   ``placement`` is a :class:`Placement` (each leaf planned on its own shape for "auto"), a
   ``NamedSharding``, a bare ``PartitionSpec`` (on the context mesh: ``jax.set_mesh`` or
   :func:`dtenjax.use_mesh`), or a pytree prefix of ``x`` holding those (as ``jax.device_put``
-  takes). Flax-boxed leaves (``nn.with_partitioning``, ``nn.with_logical_partitioning``,
+  takes). A placement tree written for the parameters also places an optimizer state: every
+  part of ``x`` with the parameters' key paths (optax's ``mu`` / ``nu``, ``nnx.state(optimizer)``)
+  gets it leaf by leaf, the rest is replicated. A ``jax.sharding.Mesh`` puts ``x``'s arrays on
+  that mesh with the PartitionSpecs they have: arrays on two meshes (``Placement(mesh=(2, 4))``
+  and ``jax.make_mesh``'s) cannot meet in one jit, ``shard(tree, mesh)`` puts them on one.
+  Flax-boxed leaves (``nn.with_partitioning``, ``nn.with_logical_partitioning``,
   ``nnx.Variable`` with ``out_sharding``) are laid out by their names (see the module docstring)
   and returned in their box; a fixed strategy that disagrees with the names is an error.
 
@@ -401,7 +407,9 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
         "shard: give exactly one of placement (how to lay x out) and like= (a tree of arrays "
         "or NamedShardings whose layout x should follow, e.g. like=params for an optax state)")
   if like is not None:
-    return _shard_like(x, like)
+    return _shard_like(x, like)[0]
+  if isinstance(placement, Mesh):
+    return _onto_mesh(x, placement)
   if not _is_placement(placement):
     def sub(p, subtree):
       if p is None:
@@ -417,6 +425,11 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
     except ValueError as e:
       if isinstance(e, errors.DtenjaxError):
         raise
+      # Not a prefix of x: an optimizer state whose parts mirror the tree the placements were
+      # written for (optax's mu / nu, nnx.state(optimizer)) gets them part by part.
+      out, found = _shard_like(x, placement, placements=True)
+      if found:
+        return out
       raise errors.PlacementError(
           f"shard: the placement tree is not a prefix of x's tree ({e}); give one placement, "
           "or a tree of them with x's outer structure") from None
@@ -425,6 +438,24 @@ def shard(x: Any, placement: Placement | NamedSharding | P | Any = None, *,
     return _shard_one(leaf, placement, f"leaf {jax.tree_util.keystr(path) or '(root)'}")
 
   return jax.tree_util.tree_map_with_path(one, x, is_leaf=_is_box)
+
+
+def _onto_mesh(x, mesh: Mesh):
+  """``x``'s arrays on ``mesh`` with the PartitionSpecs they have (unplaced ones replicated):
+  arrays placed on two meshes (``Placement(mesh=(2, 4))`` and ``jax.make_mesh``'s, say) cannot
+  meet in one jit ("Mesh for all inputs should be equal"); this puts them on one."""
+  def one(path, leaf):
+    value = _leaf_value(leaf)
+    if not hasattr(value, "shape"):
+      return leaf
+    sharding = getattr(value, "sharding", None) if not _is_tracer(value) else None
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
+    where = f"shard(x, mesh): leaf {jax.tree_util.keystr(path) or '(root)'}"
+    check_divisible(tuple(value.shape), spec, mesh, where)
+    return _shard_one(leaf, _named_sharding(mesh, spec, getattr(sharding, "memory_kind", None)),
+                      where)
+  return jax.tree_util.tree_map_with_path(one, x, is_leaf=lambda v: _is_box(v) or
+                                          _is_variable(v))
 
 
 def _sharding_of(leaf, where: str) -> NamedSharding:
@@ -445,36 +476,71 @@ def _sharding_of(leaf, where: str) -> NamedSharding:
   return sharding
 
 
-def _shard_like(x, like):
-  unbox = lambda v: _box_value(v) if _is_box(v) else v  # noqa: E731
-  template = jax.tree.map(unbox, like, is_leaf=_is_box)
-  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(
-      template, is_leaf=lambda v: isinstance(v, NamedSharding))
+def _is_variable(x) -> bool:
+  """An ``nnx.Variable`` (Param, OptState, OptVariable, ...), boxed by flax or not."""
+  variablelib = sys.modules.get("flax.nnx.variablelib")
+  return variablelib is not None and isinstance(x, variablelib.Variable)
+
+
+def _leaf_value(v):
+  if _is_box(v):
+    return _box_value(v)
+  return v.get_value() if _is_variable(v) else v
+
+
+def _shard_like(x, like, *, placements: bool = False):
+  """``x``'s parts with ``like``'s key paths (and shapes) laid out leaf by leaf like ``like``'s
+  leaves, everything else replicated. Matching goes by key paths, not node types: an optax
+  state's ``mu`` (dicts or ``nnx.State`` of ``OptVariable``) mirrors the parameters (dicts or
+  ``nnx.State`` of ``Param``). ``placements``: ``like`` holds Placements / NamedShardings /
+  PartitionSpecs (a placement tree for the parameters) instead of arrays."""
+  var_leaf = lambda v: _is_box(v) or _is_variable(v)  # noqa: E731
+  like_leaf = lambda v: var_leaf(v) or isinstance(v, NamedSharding) or (  # noqa: E731
+      placements and _is_placement(v))
+  paths_leaves = jax.tree_util.tree_flatten_with_path(like, is_leaf=like_leaf)[0]
   if not paths_leaves:
     raise errors.PlacementError("shard(like=...): like has no arrays to follow")
-  shardings = [_sharding_of(v, f"like leaf {jax.tree_util.keystr(p) or '(root)'}")
-               for p, v in paths_leaves]
-  shapes = [None if isinstance(v, NamedSharding) else tuple(v.shape) for _, v in paths_leaves]
-  replicated = NamedSharding(shardings[0].mesh, P())
+  keys = tuple(jax.tree_util.keystr(p) for p, _ in paths_leaves)
+  if placements:
+    targets = [v for _, v in paths_leaves]
+    shapes = [None] * len(targets)
+    first = targets[0]
+    mesh = (first.mesh if isinstance(first, NamedSharding) else
+            _spec_mesh(first, "shard") if isinstance(first, P) else first.resolved_mesh())
+  else:
+    values = [_leaf_value(v) for _, v in paths_leaves]
+    targets = [_sharding_of(v, f"like leaf {jax.tree_util.keystr(p) or '(root)'}")
+               for (p, _), v in zip(paths_leaves, values)]
+    shapes = [None if isinstance(v, NamedSharding) else tuple(v.shape) for v in values]
+    mesh = targets[0].mesh
+  replicated = NamedSharding(mesh, P())
+
+  def parts(node):
+    return jax.tree_util.tree_flatten_with_path(node, is_leaf=var_leaf)[0]
 
   def matches(node) -> bool:
-    if jax.tree.structure(node, is_leaf=_is_box) != treedef:
+    pl = parts(node)
+    if len(pl) != len(keys) or tuple(jax.tree_util.keystr(p) for p, _ in pl) != keys:
       return False
-    leaves = jax.tree.leaves(node, is_leaf=_is_box)
-    return all(want is None or tuple(jnp.shape(unbox(v))) == want
-               for v, want in zip(leaves, shapes))
+    return all(want is None or tuple(jnp.shape(_leaf_value(v))) == want
+               for (_, v), want in zip(pl, shapes))
 
-  def put(leaf, sharding, where):
-    return _shard_one(leaf, sharding, where) if hasattr(unbox(leaf), "shape") else leaf
+  def put(leaf, target, where):
+    return _shard_one(leaf, target, where) if hasattr(_leaf_value(leaf), "shape") else leaf
+
+  found = []
 
   def visit(path, node):
     where = f"leaf {jax.tree_util.keystr(path) or '(root)'}"
     if matches(node):
-      leaves = jax.tree.leaves(node, is_leaf=_is_box)
-      return jax.tree.unflatten(treedef, [put(v, s, where) for v, s in zip(leaves, shardings)])
+      found.append(path)
+      leaves, treedef = jax.tree_util.tree_flatten(node, is_leaf=var_leaf)
+      return jax.tree_util.tree_unflatten(
+          treedef, [put(v, t, where) for v, t in zip(leaves, targets)])
     return put(node, replicated, where)
 
-  return jax.tree_util.tree_map_with_path(visit, x, is_leaf=lambda n: _is_box(n) or matches(n))
+  out = jax.tree_util.tree_map_with_path(visit, x, is_leaf=lambda n: var_leaf(n) or matches(n))
+  return out, bool(found)
 
 
 _INITS: dict[str, Callable] = {
@@ -485,11 +551,156 @@ _INITS: dict[str, Callable] = {
 }
 
 
+# --- random inits generated in chunks --------------------------------------------------------
+# jax.random under jax_threefry_partitionable=True gives element i of an array the bits
+# threefry2x32(key, (hi(i), lo(i))) of its linear index i, and normal / uniform are elementwise
+# functions of those bits. So a device can generate its shard in chunks of global indices,
+# through a PRNG implementation whose key also carries the chunk's offset, and get
+# jax.random's values with temporaries of one chunk instead of several shards (XLA:CPU keeps
+# the counters and both threefry outputs of the whole shard: 3x the shard). Used only where a
+# probe on this jax gives jax.random's bits exactly; elsewhere the plain jit runs.
+
+_CHUNK_FRACTION = 64       # a chunk is at most 1/64 of the shard: its temporaries < 1/4 of it
+
+
+def _offset_bits(key_data, bit_width: int, shape):
+  """random_bits of the offset PRNG: key_data = (k1, k2, offset_hi, offset_lo); the bits
+  threefry's partitionable random_bits gives the linear indices offset, offset + 1, ..."""
+  from jax.extend import random as xrandom  # pylint: disable=g-import-not-at-top
+  n = math.prod(shape)
+  step = jax.lax.iota(jnp.uint32, n)
+  lo = key_data[3] + step
+  hi = key_data[2] + (lo < step).astype(jnp.uint32)          # the carry
+  b1, b2 = xrandom.threefry2x32_p.bind(jnp.broadcast_to(key_data[0], (n,)),
+                                       jnp.broadcast_to(key_data[1], (n,)), hi, lo)
+  bits = b1 ^ b2
+  if bit_width != 32:
+    bits = jax.lax.convert_element_type(bits, {8: jnp.uint8, 16: jnp.uint16}[bit_width])
+  return bits.reshape(shape)
+
+
+def _unsupported(*_):
+  raise errors.PlacementError("internal: dtenjax's offset PRNG only draws bits for tensor()")
+
+
+@functools.cache
+def _offset_impl():
+  from jax.extend import random as xrandom  # pylint: disable=g-import-not-at-top
+  return xrandom.define_prng_impl(key_shape=(4,), seed=_unsupported, split=_unsupported,
+                                  random_bits=_offset_bits, fold_in=_unsupported,
+                                  name="dtenjax_offset_threefry", tag="dto")
+
+
+def _draw(init: str, key_data, offset, size: int, dtype):
+  """``size`` values of ``init`` for the global linear indices ``offset ...``."""
+  data = jnp.stack([key_data[0], key_data[1], jnp.uint32(0), offset.astype(jnp.uint32)])
+  key = jax.random.wrap_key_data(data, impl=_offset_impl())
+  return _INITS[init](key, (size,), dtype)
+
+
+@functools.cache
+def _chunks_match_jax(init: str, dtype_name: str) -> bool:
+  """Whether chunked drawing gives ``jax.random``'s bits on this jax (a small probe: offsets
+  that carry into the second word included)."""
+  try:
+    with jax.threefry_partitionable(True):
+      key = jax.random.key(11)
+      want = np.asarray(_INITS[init](key, (6, 7), jnp.dtype(dtype_name)))
+      data = jax.random.key_data(key)
+      got = np.concatenate([np.asarray(_draw(init, data, jnp.uint32(o), n, jnp.dtype(dtype_name)))
+                            for o, n in ((0, 5), (5, 30), (35, 7))])
+    return got.tobytes() == want.reshape(-1).tobytes()
+  except Exception:  # pylint: disable=broad-except  (a jax whose PRNG internals moved)
+    return False
+
+
+def _chunked_init(init, key, shape, dtype, sharding: NamedSharding):
+  """The array of ``init(key, shape, dtype)`` generated in chunks per device, or None where
+  that does not apply: not a built-in random init, a key that is not threefry's, a shard that is
+  not one contiguous range of the array (only its first dimension sharded), 2**32 elements or
+  more, host memory, or a probe that says this jax draws otherwise."""
+  if not isinstance(init, str) or init not in ("normal", "uniform"):
+    return None
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize > 4 or not shape:
+    return None
+  if math.prod(shape) >= 2 ** 32 or sharding.memory_kind not in (None, "device"):
+    return None
+  try:
+    if "threefry" not in str(jax.random.key_impl(key)):
+      return None
+    key_data = jax.random.key_data(key)
+  except (TypeError, ValueError):
+    return None
+  spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+  if any(e is not None for e in spec[1:]) or key_data.shape != (2,):
+    return None
+  if not _chunks_match_jax(init, dtype.name):
+    return None
+  return _chunked_program(init, tuple(shape), dtype.name, sharding)(key_data)
+
+
+@functools.lru_cache(maxsize=256)
+def _chunked_program(init: str, shape: tuple[int, ...], dtype_name: str,
+                     sharding: NamedSharding):
+  """The jitted chunked generator of :func:`_chunked_init` (one per init, shape, dtype and
+  sharding): key data in, the sharded array out."""
+  dtype = jnp.dtype(dtype_name)
+  spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+  mesh = sharding.mesh
+  axes0 = () if spec[0] is None else (spec[0] if isinstance(spec[0], tuple) else (spec[0],))
+  parts = math.prod(dict(mesh.shape)[a] for a in axes0)
+  local = (shape[0] // parts,) + tuple(shape[1:])
+  size, row = math.prod(local), math.prod(local[1:])
+  # the temporaries are 32-bit (counters, threefry words): count a 16-bit chunk at 4 bytes
+  target = max(1, size * dtype.itemsize // (4 * _CHUNK_FRACTION))
+  # Whole rows per chunk where a row is small enough (the buffer keeps the shard's shape, so
+  # XLA updates the output in place); else flat chunks of a 1-D buffer.
+  rows = max(1, target // row) if row <= target else 0
+  unit, count = (rows * row, local[0] // rows) if rows else (target, size // target)
+  rest = size - unit * count
+  buf_shape = local if rows else (size,)
+
+  def body(kd):
+    base = (jax.lax.axis_index(axes0) * size).astype(jnp.uint32) if axes0 else jnp.uint32(0)
+    out = jnp.zeros(buf_shape, dtype)
+    if axes0:
+      out = jax.lax.pcast(out, axes0, to="varying")
+
+    def draw(start, n):
+      vals = _draw(init, kd, base + start, n, dtype)
+      return vals.reshape((n // row,) + local[1:]) if rows else vals
+
+    def step(i, acc):
+      start = (i * unit).astype(jnp.uint32)
+      at = i * rows if rows else i * unit
+      return jax.lax.dynamic_update_slice_in_dim(acc, draw(start, unit), at, 0)
+    out = jax.lax.fori_loop(0, count, step, out)
+    if rest:
+      at = count * rows if rows else count * unit
+      out = jax.lax.dynamic_update_slice_in_dim(out, draw(jnp.uint32(count * unit), rest), at, 0)
+    return out.reshape(local)
+
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(*spec),
+                         axis_names=set(mesh.axis_names))
+  return jax.jit(mapped, out_shardings=sharding)
+
+
 def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None = None,
            init: str | Callable = "zeros", key: jax.Array | None = None) -> jax.Array:
   """Creates an array directly in its sharded layout: each device computes only its shard (the
   initialiser runs under jit with ``out_shardings``), so the whole array never sits on one
   device.
+
+  Random inits run with ``jax_threefry_partitionable=True`` (JAX's default) whatever the global
+  flag says: with it off, XLA generates the random bits of the whole array on every device and
+  slices (measured on CPU: 68 MiB of temporaries per device for an 8 MiB shard of a 64 MiB
+  array). So the values are those of ``jax.random.normal(key, shape)`` (or ``uniform``, or your
+  ``init``) under JAX's default flag, on every layout. Memory per device: "normal" and "uniform"
+  with a threefry key on a layout that shards only the first dimension (or none) are drawn in
+  chunks of the shard (at most 1.25x the shard in all, e.g. 8 + 1.6 MiB for an 8 MiB shard);
+  other layouts and callables run as one jitted draw, whose temporaries XLA sizes (on CPU 3x the
+  shard for jax.random's generators); "zeros" and "ones" need none.
 
   Args:
     shape, dtype: of the array.
@@ -520,4 +731,8 @@ def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None 
     init_fn = init
   sharding = placement.sharding(shape, dtype)
   key = jax.random.key(0) if key is None else key   # zeros / ones ignore it
-  return jax.jit(lambda k: init_fn(k, shape, dtype), out_shardings=sharding)(key)
+  with jax.threefry_partitionable(True):      # per-shard generation, whatever the global flag
+    chunked = _chunked_init(init, key, shape, dtype, sharding)
+    if chunked is not None:
+      return chunked
+    return jax.jit(lambda k: init_fn(k, shape, dtype), out_shardings=sharding)(key)

@@ -150,7 +150,11 @@ def reproducible_step(fn: Callable | None = None, /, *, compiler_options: dict |
   process makes it). Your own ``compiler_options`` may add options, not contradict the pinned
   ones. Not covered on any backend: different reduction algorithms for the same sum (``lax.psum``
   vs ``one_shot``; use ``reproducible=True`` collectives), different device counts, jax/XLA
-  versions, CPU or GPU models.
+  versions, CPU or GPU models. Across device counts the usual trap is a ``jax.vmap`` over a
+  device's share of micro-batches: its batch size changes with the device count, and so do the
+  kernels XLA compiles for it; loop with ``lax.map`` and sum the stacked gradients with
+  ``all_reduce(..., reproducible=True, local_axis=0)`` (docs/reproducibility.md, "Across device
+  counts"). The vmap is gone from the jaxpr, so this function cannot detect it.
   """
   if fn is None:
     return functools.partial(reproducible_step, compiler_options=compiler_options,

@@ -9,7 +9,9 @@ chunk r). That is log2(n) exchanges where ``ring`` needs n - 1, with the same by
 Order per element: the balanced binary tree over the ranks in rank order, the lower block first,
 ``((x_0 + x_1) + (x_2 + x_3)) + ((x_4 + x_5) + (x_6 + x_7))`` for n = 8 (step s adds the partial
 sums of two neighbouring blocks of 2^s ranks), in the accumulation dtype (float32 for 16-bit
-floats), rounded once; the same tree for every element, whatever the buffer length.
+floats), rounded once; the same tree for every element, whatever the buffer length. Float sums
+run on inputs scaled by 2^-ceil(log2 n) (exact) so that no partial sum overflows: NaN only where
+an input is NaN or both infinities occur, as with lax.psum (see :func:`_overflow_scale`).
 reduce_scatter: the same tree for block r on rank r. Float max/min run on order keys.
 """
 
@@ -40,9 +42,35 @@ def reduce_chunks(chunks, axes, op: str):
   """``[n, c]`` chunks in (n a power of two), rank r's chunk reduced over every rank in tree
   order (accumulation dtype) out."""
   n = chunks.shape[0]
+  scale = _overflow_scale(chunks.dtype, op, n)
   chunks = chunks.astype(base.acc_dtype(chunks.dtype, op))
   if n == 1:
     return chunks[0]
+  if scale is not None:
+    chunks = chunks * jnp.asarray(1 / scale, chunks.dtype)
+    return _tree(chunks, axes, op, n) * jnp.asarray(scale, chunks.dtype)
+  return _tree(chunks, axes, op, n)
+
+
+def _overflow_scale(dtype, op: str, n: int) -> float | None:
+  """The power of two ``2^m >= n`` the inputs of a float sum are divided by (and the result
+  multiplied by) so that no partial sum of the tree can overflow: a tree adds two partial sums
+  that may each have overflowed, with opposite signs, into a NaN that no input and no rank-order
+  fold (lax.psum) gives. Scaled, a partial sum is at most ``n * max / 2^m <= max``: the result is
+  NaN only where an input is NaN or both infinities occur, and +-inf where an input is or the sum
+  itself overflows. The scaling is exact, so the bits are the unscaled tree's except for inputs
+  below ``2^(m - 126)``, which lose their last m bits (flushed to zero on XLA:CPU, whose adds
+  flush subnormals anyway): an absolute error of at most ``n * 2^(m - 126)``. None for max/min,
+  non-float dtypes and accumulators with room (float16 sums in float32)."""
+  if op not in ("sum", "mean") or n <= 1 or not jnp.issubdtype(dtype, jnp.floating):
+    return None
+  acc = base.acc_dtype(dtype, op)
+  if float(jnp.finfo(acc).max) >= n * float(jnp.finfo(dtype).max):
+    return None
+  return 2.0 ** (n - 1).bit_length()
+
+
+def _tree(chunks, axes, op: str, n: int):
   comb = base.combiner(op)
   r = lax.axis_index(axes)
   held = chunks[_bit_reversed(n)]      # position p holds chunk bitrev(p); rank r ends at bitrev(r)

@@ -3,7 +3,7 @@
 Same bits as the XLA-native form of their family (the p2p contract): sum/mean are the rank-order
 float32 fold rounded once (``one_shot``'s order; two_shot reduces each segment on its owner with the
 same fold), max/min propagate NaN, the reproducible sums (contract v3, and v2 for
-``reproducible="exact"``) are fused into the kernel. The
+``reproducible="v2"``) are fused into the kernel. The
 concrete mesh is resolved by ``p2p`` at lowering time; when its set-up fails there it logs why
 once and lowers ``fallback`` instead, which is the bit-identical XLA-native form computed here.
 """

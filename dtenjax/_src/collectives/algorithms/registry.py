@@ -96,9 +96,9 @@ def _rank(call: base.Call, records: Sequence[base.Algorithm], group: Sequence[in
   try:
     topology.slowest_link(list(group))
   except errors.TopologyError as e:
-    config.log_once(f"auto-topology:{topology.name}",
-                    f"dtenjax: the topology {topology.name!r} does not describe the devices of "
-                    f"this collective ({e}); algorithm='auto' ranks with the detected topology.")
+    errors.warn_once(f"auto-topology:{topology.name}",
+                     f"dtenjax: the topology {topology.name!r} does not describe the devices of "
+                     f"this collective ({e}); algorithm='auto' ranks with the detected topology.")
     topology = _detected()
   times = {a.name: a.time(call, group, topology) for a in records}
   return sorted(times.items(), key=lambda kv: (kv[1], kv[0]))

@@ -1,0 +1,92 @@
+"""Eager (outside jit) dtenjax collectives against an eager ``lax.psum``, and both jitted.
+
+A user debugging a step, or chex's ``variants(without_jit=True)``, runs ``jax.shard_map`` outside
+``jax.jit``: JAX then evaluates the body primitive by primitive, compiling a program for each
+primitive on every call. dtenjax runs each collective there as one program cached per call
+signature (``jaxapi.run_eager``), so an eager call should cost about what an eager ``lax.psum``
+does (target: at most 2x). Per algorithm and reproducible mode, the median wall time of one call
+of ``shard_map(all_reduce)`` (eager, then the same function under ``jax.jit``), interleaved with
+``lax.psum`` in the same mode; ``x psum`` = time / psum's time in that mode (lower is better).
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/eager.py --json eager.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import _harness
+
+DEFAULT_ALGORITHMS = ("xla", "ring", "one_shot", "two_shot", "butterfly")
+
+
+def measure(algorithms, nbytes: int, iters: int, warmup: int, world: int):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  import dtenjax  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.make_mesh((world,), ("i",))
+  count = max(1, nbytes // 4)
+  x = jax.device_put(jnp.arange(world * count, dtype=jnp.float32).reshape(world, count) / count,
+                     NamedSharding(mesh, P("i")))
+
+  def smap(body):
+    return jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P())
+
+  fns = {("lax.psum", False): smap(lambda v: jax.lax.psum(v, "i"))}
+  for a in algorithms:
+    for r in (False, True):
+      fns[(a, r)] = smap(lambda v, a=a, r=r: dtenjax.all_reduce(v, "i", algorithm=a,
+                                                               reproducible=r))
+  rows = []
+  for mode in ("eager", "jit"):
+    cands = {k: (f if mode == "eager" else jax.jit(f)) for k, f in fns.items()}
+    samples = _harness.interleaved(cands, (x,), warmup=warmup, iters=iters)
+    for (a, r), ts in samples.items():
+      rows.append(dict(_harness.nccl_columns(count * 4, "float32", _harness.median(ts), world),
+                       algorithm=a, reproducible=r, mode=mode, world=world,
+                       candidate=f"{a}{' repro' if r else ''}"))
+  _harness.add_ratios(rows, "lax.psum", candidate="candidate", group=("mode",),
+                      ratio_key="speedup")
+  for row in rows:
+    row["x_psum"] = 1 / row["speedup"] if row["speedup"] else None
+  return rows
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m dtenjax bench eager", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
+                  help="comma-separated algorithm families")
+  ap.add_argument("--size", type=_harness.parse_size, default=32 << 10,
+                  help="bytes per device (K/M allowed)")
+  ap.add_argument("--iters", type=_harness.positive_int, default=7)
+  ap.add_argument("--warmup", type=_harness.positive_int, default=1)
+  ap.add_argument("--json", default=None, help="write the rows to this path")
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = ap.parse_args(argv)
+  import jax  # pylint: disable=g-import-not-at-top
+  world = jax.device_count()
+  _harness.require_world("bench/eager.py", world, 2,
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")
+  algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+  rows = measure(algorithms, args.size, args.iters, args.warmup, world)
+  if args.json:
+    _harness.write_json(args.json, _harness.document(
+        "eager", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"}, rows,
+        devices=jax.devices()))
+  print(f"one all-reduce of {args.size} B per device over {world} {jax.default_backend()} "
+        f"devices ({os.cpu_count()} cores), median of {args.iters} interleaved calls; "
+        "x psum = time / lax.psum's time in the same mode (lower is better; target <= 2 eager)")
+  print(_harness.table(rows, (("mode", "mode", "s"), ("candidate", "candidate", "s")) +
+                       _harness.NCCL_TABLE + _harness.NCCL_TAIL +
+                       (("x psum", "x_psum", ".2f"),)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -352,7 +352,9 @@ def _price(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: _Layout, m: 
     pr.compute = flops / batch_div / m.topology.peak_flops()
   # memory per device
   pr.memory["params"] = primary.nbytes / shards
-  pr.memory["grads"] = primary.nbytes / shards
+  # a weight gathered for compute (StepPlan.jit) gets its whole gradient before the reduction
+  gathered_weight = zero and (use is not None or primary.index in graph.gathered)
+  pr.memory["grads"] = grad if gathered_weight else primary.nbytes / shards
   pr.memory["opt_state"] = sum(lf.nbytes for lf in leaves[1:]) / shards
   # without donation the step's new state is a second copy (jax.jit's outputs)
   pr.memory["outputs"] = 0.0 if donate else sum(lf.nbytes for lf in leaves) / shards

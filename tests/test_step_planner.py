@@ -164,8 +164,10 @@ def test_8b_on_8_h200_is_not_replicated():
   plan = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h200_8"))
   dp = next(r for r in plan.recipes if r.name == "DP")
   assert not dp.cost.fits                              # 128 GB of state per replica
-  big = [lp for lp in plan.leaves if lp.path.startswith("[0]['layers']")]
-  assert all(lp.spec != P() for lp in big if len(lp.shape) >= 3), plan.table()
+  params = [lp for lp in plan.leaves if lp.path.startswith("[0]")]
+  total = sum(np.prod(lp.shape) for lp in params)
+  sharded = sum(np.prod(lp.shape) for lp in params if lp.spec != P())
+  assert sharded >= 0.75 * total, plan.table()          # most of the parameters are sharded
   assert plan.cost.fits and plan.cost.memory["total"] <= plan.budget_bytes
 
 

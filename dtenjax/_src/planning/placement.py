@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import math
 import operator
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 

@@ -248,6 +248,10 @@ class _Pricer:
   def __init__(self, m: _Mesh, price: planner.AllReduceTime):
     self.m, self.price = m, price
     self.cache: dict[tuple, float] = {}
+    first = int(m.ids.ravel()[0])
+    bw = costmodel.backend_costs(m.topology.device(first).platform).local_bandwidth_gbps
+    # seconds per byte of a local elementwise pass (the optimizer's update)
+    self.local_s_per_byte = (m.topology.spec("local").beta if bw is None else 1.0 / (bw * 1e9))
 
   def __call__(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
     axes = tuple(a for a in AXES if a in axes and self.m.size[a] > 1)
@@ -350,6 +354,10 @@ def _price(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: _Layout, m: 
       if leaf == primary.index:
         flops += f / (m.size["tensor"] if pr.tp == ("col", k) else 1)
     pr.compute = flops / batch_div / m.topology.peak_flops()
+  # the optimizer's update reads the parameter, its gradient and its moments and writes the
+  # parameter and moments: each device updates its shard only (the work FSDP saves beside memory)
+  update_bytes = (2 * sum(lf.nbytes for lf in leaves) + primary.nbytes) / shards
+  pr.compute += update_bytes * pricer.local_s_per_byte
   # memory per device
   pr.memory["params"] = primary.nbytes / shards
   # a weight gathered for compute (StepPlan.jit) gets its whole gradient before the reduction

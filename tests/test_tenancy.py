@@ -79,7 +79,7 @@ def test_token_bucket_direct():
     tenancy.throttle("t-bucket", 100_000)
   elapsed = time.monotonic() - t0
   assert elapsed >= 0.8 * (1e6 - 1e5) / 2e6
-  with pytest.raises(errors.CollectiveTimeoutError, match="token bucket"):
+  with pytest.raises(errors.CollectiveTimeoutError, match="token bucket of tenant 't-bucket'"):
     tenancy.throttle("t-bucket", 10_000_000, timeout_s=0.5)   # would need ~5 s
 
 

@@ -1,6 +1,8 @@
 // Provider registry and the blocking frame helpers every provider shares.
 #include "csrc/transport/provider.h"
 
+#include "csrc/transport/peer_text.h"
+
 #include <cstring>
 
 namespace dtenjax::transport {
@@ -86,8 +88,9 @@ Status RecvSealed(Conn* c, FrameType type, void* payload, uint64_t n, double dea
         DTENJAX_RETURN_IF_ERROR(OpenBody(*c->session, f, c->peer));
         Counters().aborts_received.fetch_add(1);
         const int code = text.empty() ? 7 : static_cast<unsigned char>(text[0]);
-        const std::string why = text.empty() ? "(no reason given)" : text.substr(1);
-        return Status(code >= 1 && code <= 7 ? static_cast<Code>(code) : Code::kInternal,
+        const std::string why =
+            text.empty() ? "(no reason given)" : PeerText(text.data() + 1, text.size() - 1);
+        return Status(PeerCode(code),
                       "dtenjax transport: " + c->peer + " gave up instead of sending a " +
                           FrameTypeName(uint16_t(type)) + " frame: " + why);
       }

@@ -60,10 +60,13 @@ def counters() -> dict[str, int]:
   return dict(transport().counters())
 
 
-def register_site(tag: int, text: str) -> None:
-  """Tells the native layer the text of a site tag (for error messages; tags come from
-  :mod:`dtenjax._src.net.callsite`)."""
-  transport().register_site(checks.integer("site tag", tag, 0, checks.U32_MAX), str(text))
+def register_site(site_id: int, text: str, signature: str = "") -> None:
+  """Tells the native layer what call ``site_id`` is: its call stack ``text`` and its
+  ``signature`` (dtype, shape, algorithm, contract). Both are part of the fingerprint every rank
+  checks (:func:`dtenjax._src.net.callsite.site_id` makes the id); an id registered again with
+  other texts raises ConfigurationError."""
+  transport().register_site(checks.integer("site id", site_id, 0, checks.I64_MAX), str(text),
+                            str(signature))
 
 
 # --- libcrypto ------------------------------------------------------------------------------------

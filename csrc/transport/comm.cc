@@ -490,6 +490,7 @@ class Comm::Ring {
       bool p = false;
       DTENJAX_RETURN_IF_ERROR(c->provider->recv_some(c, f, &p));
       if (f->stage == InFrame::kDone) break;
+      if (c_.closing_.load()) return c_.ClosedLocally("while it read a frame from " + c->peer);
       if (NowSeconds() >= until) {
         return DTENJAX_ERROR(Code::kDeadlineExceeded,
                              std::string("dtenjax transport: timed out reading a ") +
@@ -545,7 +546,7 @@ class Comm::Ring {
     const bool full = c_.fp_sent_ != fp_->digest || c_.fp_sent_ == 0;
     const std::string payload = EncodeFingerprint(*fp_, full);
     Status s = SendSealed(c_.next_, FrameType::kFingerprint, desc_, payload.data(),
-                          payload.size(), NowSeconds() + c_.opts_.timeout_s);
+                          payload.size(), NowSeconds() + c_.opts_.timeout_s, &c_.closing_);
     if (!s.ok()) return Fail(ReverseAbort(s), false, true);
     c_.fp_sent_ = fp_->digest;
     return Status::Ok();

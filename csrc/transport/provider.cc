@@ -39,7 +39,7 @@ Status TimedOut(const Conn* c, const std::string& what) {
 }  // namespace
 
 Status SendSealed(Conn* c, FrameType type, const Descriptor& d, const void* payload, uint64_t n,
-                  double deadline) {
+                  double deadline, const std::atomic<bool>* cancel) {
   if (!c->session) return DTENJAX_ERROR(Code::kInternal, "connection has no session");
   OutFrame f;
   DTENJAX_RETURN_IF_ERROR(Seal(*c->session, type, c->job_id, uint32_t(c->my_rank), d, payload, n, &f));
@@ -49,6 +49,11 @@ Status SendSealed(Conn* c, FrameType type, const Descriptor& d, const void* payl
     if (f.done()) break;
     if (NowSeconds() >= deadline) {
       return TimedOut(c, std::string("sending a ") + FrameTypeName(uint16_t(type)) + " frame to");
+    }
+    if (cancel && cancel->load()) {
+      return DTENJAX_ERROR(Code::kCancelled, std::string("dtenjax transport: stopped sending a ") +
+                                                 FrameTypeName(uint16_t(type)) + " frame to " +
+                                                 c->peer + " (closed locally)");
     }
     if (!progress) {
       WaitItem w{c, true, false};

@@ -20,10 +20,11 @@ CPU devices of one process deadlocks XLA's CPU runtime (measured: docs/architect
 custom call here only waits for peers in other processes, and asynchronously: the handler queues the
 collective on the communicator's own thread and returns an ``xla::ffi::Future``, so XLA's threads
 are never blocked on the network. The call has side effects, so XLA keeps program order among
-them; every frame names its collective (number, op, dtype, count, call site = the user call
-stack of the traced equation, and the caller's ``tag``), so processes that issue different
-collectives, or the same ones in different orders, get an error on every rank naming both sides
-and both call stacks, not wrong data. What stays undetectable: collectives identical in all of
+them; every collective's fingerprint (number, op, dtype, count, the caller's ``tag``, its
+signature -- the dtype and shape of the caller's value, algorithm, contract -- and call site, the
+user call stack of the traced equation) is checked by every rank before any payload is combined,
+so processes that issue different collectives, or the same ones in different orders, get an
+error on every rank naming both sides and both call stacks, not wrong data. What stays undetectable: collectives identical in all of
 these, e.g. iterations of one loop without a tag (docs/reliability.md, "Look-alike
 collectives"). A dead or stalled peer makes every survivor fail within
 ``DTENJAX_COLLECTIVE_TIMEOUT`` seconds (a dead peer's sockets close at once; a stalled one times out

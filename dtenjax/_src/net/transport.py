@@ -12,10 +12,11 @@ derived in that handshake. Both come from OpenSSL's libcrypto
 connection is made (fail closed): creating a multi-process communicator raises
 ExtensionUnavailableError saying so.
 
-Every collective carries (number, op, dtype, count, call site, tag) in its frames; processes that
-issue different collectives get an error on every rank that names both sides and both call
-stacks (see :func:`~dtenjax._src.net.callsite.call_site` and
-:func:`~dtenjax._src.net.callsite.tag_value`).
+Every collective has a fingerprint (op, dtype, count, tag, the call's signature and call site,
+the issuing thread; a keyed 64-bit digest of them, csrc/transport/fingerprint.h) that every rank
+checks against its previous rank's before it combines any payload; processes that issue
+different collectives get an error on every rank that names both sides (see
+:func:`~dtenjax._src.net.callsite.call_site` and :func:`~dtenjax._src.net.callsite.tag_value`).
 """
 
 from __future__ import annotations

@@ -398,8 +398,9 @@ def test_a_second_thread_on_one_communicator_is_refused_never_mixed():
         out.append(("error", i, e))
         break
     results[(r, k)] = out
-  ts = [threading.Thread(target=worker, args=(r, k), daemon=True) for r in range(2)
-        for k in range(2)]
+  # thread k of each rank has one name, as thread k of each process would
+  ts = [threading.Thread(target=worker, args=(r, k), name=f"thread-{k}", daemon=True)
+        for r in range(2) for k in range(2)]
   for t in ts:
     t.start()
   for t in ts:

@@ -97,7 +97,7 @@ def _python_rank1(ep0: str, lsock: socket.socket, x1: np.ndarray, site: str, out
   record = dict(op=0, dtype=0, count=count, tag=0, signature=f"float32[{count}]", site=site,
                 thread="MainThread")
   digest = ref.fingerprint_digest(key, **record)
-  desc = dict(site=digest & 0xFFFFFFFF, coll_seq=1, count=count, op=0, dtype=0)
+  desc = dict(site=digest & 0xFFFFFFFF, tag=digest >> 32, coll_seq=1, count=count, op=0, dtype=0)
   to_next.send(ref.FINGERPRINT, ref.fingerprint_payload(digest, **record), **desc)
   # reduce-scatter: send chunk 1, receive chunk 0 and add
   lo, hi = chunks[1]
@@ -136,8 +136,9 @@ def test_python_peer_speaks_the_protocol():
   assert y0.tobytes() == expected.tobytes()
   assert peer["result"].tobytes() == expected.tobytes()
   h = peer["header0"]   # what the native side put on the wire
-  assert (h["type"], h["src"], h["site"], h["coll_seq"], h["count"], h["op"], h["dtype"],
-          h["step"]) == (ref.DATA, 0, peer["digest"] & 0xFFFFFFFF, 1, 1001, 0, 0, 0)
+  assert (h["type"], h["src"], h["site"], h["tag"], h["coll_seq"], h["count"], h["op"],
+          h["dtype"], h["step"]) == (ref.DATA, 0, peer["digest"] & 0xFFFFFFFF, peer["digest"] >> 32,
+                                     1, 1001, 0, 0, 0)
   # rank 0's fingerprint came once, in full, before its data, and its digest is the one the
   # specification gives for the same call (the keyed hash of op, dtype, count, tag and texts)
   assert peer["fingerprints"] == [dict(digest=peer["digest"], full=True, op=0, dtype=0, tag=0,

@@ -435,16 +435,13 @@ class Comm::Ring {
   Ring(Comm& comm, const RingPlan& plan, const uint8_t* src, uint8_t* dst, uint8_t* tmp,
        const Descriptor& desc, DType dt, ReduceOp op, OutFrame* of, const Fingerprint* fp)
       : c_(comm), p_(plan), src_(src), dst_(dst), tmp_(tmp), desc_(desc), dt_(dt), op_(op),
-        of_(of), T_(plan.steps()), fp_(fp), fp_checked_(fp == nullptr),
-        mine_(fp ? "all_reduce #" + std::to_string(desc.coll_seq) + " (" +
-                       DescribeFingerprint(*fp) + ")"
-                 : Describe(desc)) {}
+        of_(of), T_(plan.steps()), fp_(fp) {}
 
   Status Run() {
     DTENJAX_RETURN_IF_ERROR(SendFingerprint());
     while (st_ < T_ || rt_ < T_) {
       if (c_.closing_.load()) {
-        return Fail(c_.ClosedLocally("while " + mine_ + " was in flight"), true, true);
+        return Fail(c_.ClosedLocally("while " + Mine() + " was in flight"), true, true);
       }
       bool progress = false;
       if (st_ < T_) DTENJAX_RETURN_IF_ERROR(SendSide(&progress));
@@ -461,11 +458,28 @@ class Comm::Ring {
   }
 
  private:
+  // This rank's collective, described in full (for messages only: built when one is written).
+  std::string Mine() const {
+    return fp_ ? "all_reduce #" + std::to_string(desc_.coll_seq) + " (" +
+                     DescribeFingerprint(*fp_) + ")"
+               : Describe(desc_);
+  }
+
+  // The previous rank's collective of header h: in full when its fingerprint record is known.
+  std::string Theirs(const FrameHeader& h) const {
+    const Descriptor d = DescriptorOf(h);
+    if (h.coll_seq > 0 && c_.have_fp_received_ && c_.fp_received_.digest == DigestOf(d)) {
+      return "all_reduce #" + std::to_string(h.coll_seq) + " (" +
+             DescribeFingerprint(c_.fp_received_) + ")";
+    }
+    return Describe(d);
+  }
+
   Status Fail(Status s, bool tell_next, bool tell_prev) {
     if (c_.closing_.load() && s.code() != Code::kCancelled) {
       // Closed here while it failed (e.g. a neighbour of this process closed first): the close
       // is the cause this rank reports.
-      s = c_.ClosedLocally("while " + mine_ + " was in flight [" + s.message() + "]");
+      s = c_.ClosedLocally("while " + Mine() + " was in flight [" + s.message() + "]");
     }
     c_.SendAborts(s, desc_, tell_next, tell_prev, of_);
     return s;
@@ -515,7 +529,7 @@ class Comm::Ring {
     if (text.compare(0, prefix.size(), prefix) == 0) text = text.substr(prefix.size());
     *out = Status(code, "dtenjax transport: rank " + std::to_string(h.src_rank) + " aborted " +
                             Describe(DescriptorOf(h)) + ": " + text + " [this rank (" +
-                            std::to_string(p_.r) + ") was in " + mine_ + "]");
+                            std::to_string(p_.r) + ") was in " + Mine() + "]");
     return Status::Ok();
   }
 
@@ -539,16 +553,17 @@ class Comm::Ring {
     return fallback;
   }
 
-  // The next rank gets this collective's fingerprint before its first segment: in full when it
-  // differs from the last one sent on this connection, else as its digest.
+  // The next rank gets this collective's fingerprint record before its first segment when it
+  // differs from the last one sent on this connection (a loop of identical collectives sends
+  // one); every DATA header carries the 64-bit digest, which the receiver checks either way.
   Status SendFingerprint() {
-    if (fp_ == nullptr) return Status::Ok();
-    const bool full = c_.fp_sent_ != fp_->digest || c_.fp_sent_ == 0;
-    const std::string payload = EncodeFingerprint(*fp_, full);
+    if (fp_ == nullptr || (c_.have_fp_sent_ && c_.fp_sent_ == fp_->digest)) return Status::Ok();
+    const std::string payload = EncodeFingerprint(*fp_, true);
     Status s = SendSealed(c_.next_, FrameType::kFingerprint, desc_, payload.data(),
                           payload.size(), NowSeconds() + c_.opts_.timeout_s, &c_.closing_);
     if (!s.ok()) return Fail(ReverseAbort(s), false, true);
     c_.fp_sent_ = fp_->digest;
+    c_.have_fp_sent_ = true;
     return Status::Ok();
   }
 
@@ -561,18 +576,15 @@ class Comm::Ring {
     bool full = false;
     s = DecodeFingerprint(in_.dst, in_.payload_bytes, prev->peer, &theirs, &full);
     if (!s.ok()) return Fail(s, true, true);
-    if (full) {
-      c_.fp_received_ = theirs;
-      c_.have_fp_received_ = true;
-    } else if (!c_.have_fp_received_ || c_.fp_received_.digest != theirs.digest) {
+    if (!full) {
       Counters().rejected_bad_header.fetch_add(1);
-      return Fail(DTENJAX_ERROR(Code::kDataLoss,
-                                "dtenjax transport: rejected FINGERPRINT frame from " + prev->peer +
-                                    ": a digest-only record that is not the last full one"),
+      return Fail(DTENJAX_ERROR(Code::kDataLoss, "dtenjax transport: rejected FINGERPRINT frame "
+                                                 "from " + prev->peer + ": a record without its "
+                                                 "fields"),
                   true, true);
-    } else {
-      theirs = c_.fp_received_;
     }
+    c_.fp_received_ = theirs;
+    c_.have_fp_received_ = true;
     in_.Reset();
     if (fp_ == nullptr || h.coll_seq != desc_.coll_seq || theirs.digest != fp_->digest) {
       Counters().rejected_mismatch.fetch_add(1);
@@ -585,7 +597,6 @@ class Comm::Ring {
                                     : ""),
                   true, true);
     }
-    fp_checked_ = true;
     return Status::Ok();
   }
 
@@ -665,15 +676,6 @@ class Comm::Ring {
       return AcceptFingerprint(h);
     }
     const Descriptor theirs = DescriptorOf(h);
-    if (h.type == uint16_t(FrameType::kData) && !fp_checked_) {
-      Counters().rejected_mismatch.fetch_add(1);
-      return Fail(MismatchError(std::to_string(h.src_rank),
-                                "sent a segment of " + Describe(theirs) +
-                                    " without its fingerprint first (another protocol, or a "
-                                    "peer that skipped the check)",
-                                ""),
-                  true, true);
-    }
     if (h.type != uint16_t(FrameType::kData) || !SameCollective(theirs, desc_) ||
         theirs.step != rt_) {
       Counters().rejected_mismatch.fetch_add(1);
@@ -686,7 +688,7 @@ class Comm::Ring {
       return Fail(DTENJAX_ERROR(Code::kInvalidArgument,
                                 "dtenjax transport: rank " + std::to_string(h.src_rank) +
                                     " sent a segment of " + std::to_string(h.payload_bytes) +
-                                    " bytes for " + mine_ + ", this rank expects " +
+                                    " bytes for " + Mine() + ", this rank expects " +
                                     std::to_string(bytes) +
                                     " (DTENJAX_TRANSPORT_SEGMENT_BYTES must be equal on every "
                                     "process)"),
@@ -704,7 +706,7 @@ class Comm::Ring {
     std::string what =
         h.type != uint16_t(FrameType::kData)
             ? std::string("sent a ") + FrameTypeName(h.type) + " frame"
-            : "sent a frame of " + Describe(theirs) +
+            : "sent a frame of " + Theirs(h) +
                   (SameCollective(theirs, desc_)
                        ? " at ring step " + std::to_string(theirs.step) + " (expected " +
                              std::to_string(rt_) + ")"
@@ -717,7 +719,7 @@ class Comm::Ring {
     const std::string r = std::to_string(p_.r);
     return DTENJAX_ERROR(Code::kInvalidArgument,
                          "dtenjax transport: collective mismatch between rank " + src +
-                             " and rank " + r + ": rank " + r + " runs " + mine_ + " but rank " +
+                             " and rank " + r + ": rank " + r + " runs " + Mine() + " but rank " +
                              src + " " + what + detail +
                              ". Every process must issue the same collectives (same op, dtype, "
                              "shape, algorithm, call stack, thread and tag) in the same order; "
@@ -752,7 +754,7 @@ class Comm::Ring {
     return Fail(DTENJAX_ERROR(Code::kDeadlineExceeded,
                               "dtenjax transport: rank " + std::to_string(p_.r) +
                                   " timed out after " + Seconds(c_.opts_.timeout_s) +
-                                  " s without progress " + waiting + " in " + mine_ +
+                                  " s without progress " + waiting + " in " + Mine() +
                                   " (DTENJAX_COLLECTIVE_TIMEOUT); the peer is stalled, dead or "
                                   "running a different program"),
                 true, true);
@@ -811,8 +813,6 @@ class Comm::Ring {
   uint8_t text_buf_[kMaxAbortText > kMaxFingerprintBytes ? kMaxAbortText : kMaxFingerprintBytes];
   double last_progress_ = NowSeconds();
   const Fingerprint* fp_;   // nullptr: the ring set-up check
-  bool fp_checked_;         // the previous rank's fingerprint of this collective matched
-  const std::string mine_;  // this rank's collective, described in full
 };
 
 Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, DType dt,
@@ -858,10 +858,21 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
   d.dtype = uint8_t(dt);
   const int n = opts_.size, r = opts_.rank;
   Status s;
-  Fingerprint fp;
+  const Fingerprint* fp = nullptr;
   if (n > 1) {
-    s = MakeFingerprint(fp_key_, d, site, thread, &fp);
-    d.site = uint32_t(fp.digest);
+    // The digest of the last collective is reused when nothing in it changed (a loop).
+    if (!fp_cache_valid_ || fp_cache_site_ != site || fp_cache_.tag != tag ||
+        fp_cache_.op != d.op || fp_cache_.dtype != d.dtype || fp_cache_.count != count ||
+        fp_cache_.thread != thread) {
+      fp_cache_valid_ = false;
+      s = MakeFingerprint(fp_key_, d, site, thread, &fp_cache_);
+      if (s.ok()) fp_cache_valid_ = true, fp_cache_site_ = site;
+    }
+    fp = &fp_cache_;
+    const Fingerprint& fp_ref = fp_cache_;
+    // Every frame header carries the whole digest (the user tag is inside it).
+    d.site = uint32_t(fp_ref.digest);
+    d.tag = uint32_t(fp_ref.digest >> 32);
     // What a mismatch found later should say about the collectives before it.
     run_hint_.clear();
     if (run_len_ >= 2) {
@@ -872,10 +883,10 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
                   "partners and their results are mixed (nothing on the wire tells them apart). "
                   "Give each a tag (e.g. its key or step number) and recompute them";
     }
-    if (tag == 0 && run_len_ > 0 && fp.digest == run_digest_) {
+    if (tag == 0 && run_len_ > 0 && fp_ref.digest == run_digest_) {
       ++run_len_;
     } else if (tag == 0) {
-      run_digest_ = fp.digest, run_first_ = d.coll_seq, run_len_ = 1;
+      run_digest_ = fp_ref.digest, run_first_ = d.coll_seq, run_len_ = 1;
     } else {
       run_len_ = 0;
     }
@@ -911,8 +922,7 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
   if (!s.ok()) {
     SendAborts(s, d, next_closed_.ok(), true, &of);
   } else {
-    s = RunRing(static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), d, dt, op, &of,
-                &fp);
+    s = RunRing(static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), d, dt, op, &of, fp);
   }
   if (!s.ok()) broken_ = s;
   return s;

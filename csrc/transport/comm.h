@@ -133,7 +133,11 @@ class Comm {
   Status next_closed_;
   uint64_t coll_seq_ = 0;
   uint8_t fp_key_[kFingerprintKeyBytes] = {};  // keys the fingerprint digests (job secret)
-  uint64_t fp_sent_ = 0;          // digest of the last full fingerprint sent to the next rank
+  uint64_t fp_sent_ = 0;          // digest of the last fingerprint record sent to the next rank
+  bool have_fp_sent_ = false;
+  Fingerprint fp_cache_;          // the last collective's fingerprint (reused while unchanged)
+  uint64_t fp_cache_site_ = 0;
+  bool fp_cache_valid_ = false;
   Fingerprint fp_received_;       // the last full fingerprint received from the previous rank
   bool have_fp_received_ = false;
   // Consecutive collectives with one digest and no tag (the undetectable case if the ranks

@@ -13,11 +13,12 @@
 // 17,396 tries). The collective number is not in the digest: it travels in every frame header and
 // is compared there.
 //
-// On the wire (frame type FINGERPRINT) every rank sends its fingerprint to the next rank before
-// the first segment of every collective; the receiver compares it with its own before it reads
-// any payload. The full record travels when its digest differs from the last one sent on that
-// connection; otherwise only the digest (the receiver keeps the last record). Texts received are
-// peer data: decoded with PeerText before they reach a message.
+// On the wire every frame header of a collective carries its 64-bit digest (the `site` and `tag`
+// fields: low and high 32 bits), which the receiver compares with its own before it reads any
+// payload. The record itself (frame type FINGERPRINT) goes to the next rank before the first
+// segment of a collective whose digest differs from the last record sent on that connection, so
+// the receiver can name both sides of a mismatch; a loop of identical collectives sends it once.
+// Texts received are peer data: decoded with PeerText before they reach a message.
 #pragma once
 
 #include <cstdint>
@@ -52,8 +53,9 @@ Status DeriveFingerprintKey(const std::string& secret, uint64_t job_id,
 // `site_id`, issued by `thread`, and computes its digest.
 Status MakeFingerprint(const uint8_t key[kFingerprintKeyBytes], const Descriptor& d,
                        uint64_t site_id, const std::string& thread, Fingerprint* out);
-// The FINGERPRINT frame's payload: digest (u64) | full (u8) | when full: op u8, dtype u8,
-// tag u32, count u64, then three texts, each u16 length + bytes (signature, site, thread).
+// The FINGERPRINT frame's payload: digest (u64) | full (u8, 1) | op u8, dtype u8, tag u32,
+// count u64, then three texts, each u16 length + bytes (signature, site, thread). (full=0, the
+// digest alone, is decoded but never sent: the receiver refuses it.)
 std::string EncodeFingerprint(const Fingerprint& f, bool full);
 // Decodes a received payload; its texts are escaped (PeerText). *full: whether it was a full
 // record (else only out->digest is set).

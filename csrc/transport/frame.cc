@@ -66,11 +66,11 @@ Descriptor DescriptorOf(const FrameHeader& h) {
 
 std::string Describe(const Descriptor& d) {
   if (d.coll_seq == 0) return "the ring set-up check";
-  char fp[16];
-  std::snprintf(fp, sizeof(fp), "0x%08x", d.site);
+  char fp[24];
+  std::snprintf(fp, sizeof(fp), "0x%016llx", static_cast<unsigned long long>(DigestOf(d)));
   return "all_reduce #" + std::to_string(d.coll_seq) + " (op=" + ReduceOpName(d.op) +
          ", dtype=" + DTypeName(d.dtype) + ", count=" + std::to_string(d.count) +
-         (d.tag ? ", tag=" + std::to_string(d.tag) : std::string()) + ", fingerprint " + fp + ")";
+         ", fingerprint " + fp + ")";
 }
 
 namespace {

@@ -97,13 +97,13 @@ struct FrameHeader {
   uint64_t seq;            // frame counter of this direction (0 for handshake frames)
   uint64_t payload_bytes;
   uint32_t src_rank;
-  uint32_t site;           // low 32 bits of the collective's fingerprint digest
+  uint32_t site;           // low 32 bits of the collective's fingerprint digest (fingerprint.h)
   uint64_t coll_seq;       // number of the collective on its communicator (1, 2, ...)
   uint64_t count;          // elements of the whole collective
   uint8_t op;              // ReduceOp
   uint8_t dtype;           // DType
   uint16_t step;           // ring step of this segment
-  uint32_t tag;            // user tag of the collective (0: none), e.g. the step number
+  uint32_t tag;            // high 32 bits of the digest (the user's tag is inside the digest)
 };
 static_assert(sizeof(FrameHeader) == 64, "FrameHeader must be 64 bytes with no padding");
 constexpr size_t kTagBytes = crypto::kTagBytes;
@@ -114,7 +114,7 @@ struct Descriptor {
   uint64_t coll_seq = 0;   // 0: the ring set-up check (ConnectRing), 1, 2, ...: collectives
   uint64_t count = 0;
   uint32_t site = 0;       // low 32 bits of the fingerprint digest (0 for the set-up check)
-  uint32_t tag = 0;
+  uint32_t tag = 0;        // the user's tag until the digest is made, then its high 32 bits
   uint8_t op = 0;
   uint8_t dtype = 0;
   uint16_t step = 0;
@@ -124,6 +124,7 @@ Descriptor DescriptorOf(const FrameHeader& h);
 // "all_reduce #3 (op=sum, dtype=float32, count=1000, tag=7, fingerprint 0x1234abcd)": what a
 // header says; a rank describes its own collective in full (DescribeFingerprint).
 std::string Describe(const Descriptor& d);
+inline uint64_t DigestOf(const Descriptor& d) { return (uint64_t(d.tag) << 32) | d.site; }
 
 // Per-connection authentication state, created by the handshake.
 struct Session {

@@ -90,6 +90,7 @@ def call_site(depth_limit: int = 256) -> tuple[int, str]:
   return site_id(text), text
 
 
+@functools.lru_cache(maxsize=4096)   # a loop asks for the same call's id again and again
 def site_id(text: str, signature: str = "", base: int = 0) -> int:
   """The id under which a call (its call-stack ``text`` and ``signature``) is registered with the
   native layer: 63 bits of BLAKE2b over both (and a caller's own ``base`` id), so it fits the FFI

@@ -59,7 +59,9 @@ def run_ranks(fns, join_s: float = 60.0) -> tuple[list, list, float]:
     except BaseException as e:  # noqa: BLE001
       errs[r] = e
 
-  ts = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(n)]
+  # One name for every rank's thread: the issuing thread's name is part of a collective's
+  # fingerprint, and ranks that are processes would each run it on a thread of one name.
+  ts = [threading.Thread(target=go, args=(r,), name="rank-thread", daemon=True) for r in range(n)]
   t0 = time.monotonic()
   for t in ts:
     t.start()

@@ -469,9 +469,12 @@ class FakeHostColl:
   def spans_processes(self, axis_name, mesh=None):
     return True
 
-  def all_reduce(self, x, axis_name, *, algorithm="ring", op="sum", tag=None):
+  def all_reduce(self, x, axis_name, *, algorithm="ring", op="sum", tag=None, origin=None):
     axes = jaxapi.axis_tuple(axis_name)
     problems = []
+    # origin: what the caller reduces when x is a widened form of it (a str, for the fingerprint)
+    if not (origin is None or isinstance(origin, str)):
+      problems.append(f"origin={origin!r}")
     # hostcoll.all_reduce's documented tags: None, an int in 0..2**32-1, a str, an int scalar
     if not (tag is None or isinstance(tag, str) or
             (isinstance(tag, int) and not isinstance(tag, bool) and 0 <= tag < 2**32) or

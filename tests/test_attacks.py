@@ -609,11 +609,25 @@ def test_across_processes_floods_look_alikes_and_algorithm_mismatches(tmp_path):
   either rank connects: the ring forms in < 1 s and the jitted all_reduce is right; (2) one
   helper called from two lines in the other order on rank 1: both raise naming both stacks;
   (3) a tagged step that rank 1 skips (hostcoll's traced tag, and dtenjax.all_reduce's static
-  one): both raise naming tag=1 and tag=2; (4) rank 0 asks for
+  one): both raise naming tag=1 and tag=2; (3b) the public all_reduce in lax.fori_loop tagged
+  with its traced index, rank 1 one iteration ahead: both raise naming the tags (the same loop on
+  every rank computes); one line reducing another shape or dtype (same element count) on rank 1:
+  both raise naming both; (4) rank 0 asks for
   the host ring while rank 1 runs XLA's collective: rank 0 raises within the timeout naming
   process 1 and algorithm=, and rank 1 is released by rank 0's own XLA collective after it."""
-  codes, res, logs = _launch(tmp_path, 2, "flood,lookalike,tagged,algorithms")
+  codes, res, logs = _launch(tmp_path, 2, "flood,lookalike,tagged,fori,differ,algorithms")
   assert codes == [0, 0], logs
+  x = np.stack([np.full(8, 10.0 ** r, np.float32) for r in range(2)])
+  for _ in range(3):       # fori_same: c + 0.5 * sum over ranks, three times
+    x = x + 0.5 * x.sum(0)
+  for r in res:   # issue 35: traced tags, shapes and dtypes are part of the fingerprint
+    assert r["fori_same"]["error"] is None and r["fori_same"]["value"] == [x[r["rank"]].tolist()], r
+    for case, named in (("fori", ("tag=1",)), ("shapes", ("float32[1000]", "float32[4, 250]")),
+                        ("dtypes", ("float32 contract=none", "bfloat16 contract=none"))):
+      err = r[case]["error"]
+      assert err and "collective mismatch" in err and all(v in err for v in named), (case, err)
+      assert r[case]["seconds"] < 4, (case, r[case])
+      measured(f"2 processes, jit: {case} mismatch raised (rank {r['rank']})", r[case]["seconds"])
   for r in res:
     assert "exception" not in r, r
     f = r["flood"]

@@ -50,7 +50,7 @@ def test_limits():
     with pytest.raises(errors.ConfigurationError, match="cannot acquire"):
       pool.acquire(64 << 10)
     held = [pool.acquire(16 << 10) for _ in range(3)]
-    with pytest.raises(errors.QuotaExceededError, match="buffer pool full"):
+    with pytest.raises(errors.QuotaExceededError, match="buffer pool of tenant 'pool-lim' full"):
       pool.acquire(4096)
     for b in held:
       pool.release(b)
@@ -98,7 +98,7 @@ def test_huge_request_with_huge_limits_fails_fast():
         pool.acquire(n)
       assert time.monotonic() - t0 < 1.0
     t0 = time.monotonic()
-    with pytest.raises(errors.QuotaExceededError, match="allocating 4611686018427387904 bytes"):
+    with pytest.raises(errors.QuotaExceededError, match="tenant 'pool-huge': allocating 4611686018427387904 bytes"):
       pool.acquire(2**62)   # fits the size classes, but no machine has 4 EiB
     assert time.monotonic() - t0 < 1.0
 

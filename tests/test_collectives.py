@@ -526,7 +526,7 @@ def test_a_mean_of_an_already_summed_gradient_is_flagged_once():
       step(True)(w + 1, x)
 
 
-def test_all_reduce_tag_is_checked_and_refuses_a_traced_value(cpu_devices):
+def test_all_reduce_tag_is_checked_and_takes_a_traced_value(cpu_devices):
   mesh = jax.sharding.Mesh(np.array(cpu_devices[:2]), ("i",))
   x = jnp.arange(4.0)
   run = lambda **kw: jax.jit(jax.shard_map(lambda v: dtenjax.all_reduce(v, "i", **kw), mesh=mesh,
@@ -535,9 +535,21 @@ def test_all_reduce_tag_is_checked_and_refuses_a_traced_value(cpu_devices):
   np.testing.assert_array_equal(run(tag="grad/w"), run())
   with pytest.raises(dtenjax.DtenjaxError, match="tag=-1"):
     run(tag=-1)
-  with pytest.raises(dtenjax.DtenjaxError, match="traced value"):
-    jax.jit(jax.shard_map(lambda v, t: dtenjax.all_reduce(v, "i", tag=t), mesh=mesh,
-                          in_specs=(P("i"), P()), out_specs=P()))(x, jnp.int32(3))
+  # A traced integer (the index of lax.fori_loop) travels with the collective (issue 35); the
+  # host transport compares it on every rank (tests/test_attacks.py), XLA's collective ignores it.
+  traced = jax.jit(jax.shard_map(lambda v, t: dtenjax.all_reduce(v, "i", tag=t), mesh=mesh,
+                                 in_specs=(P("i"), P()), out_specs=P()))(x, jnp.int32(3))
+  np.testing.assert_array_equal(traced, run())
+  looped = jax.jit(jax.shard_map(
+      lambda v: jax.lax.fori_loop(0, 3, lambda i, c: c + 0 * dtenjax.all_reduce(c, "i", tag=i), v),
+      mesh=mesh, in_specs=P("i"), out_specs=P("i")))(x)
+  np.testing.assert_array_equal(looped, x)
+  grad = jax.jit(jax.grad(jax.shard_map(
+      lambda v, t: dtenjax.all_reduce(v * v, "i", tag=t).sum(), mesh=mesh,
+      in_specs=(P("i"), P()), out_specs=P())))(x, jnp.int32(5))
+  np.testing.assert_allclose(grad, 2 * x)        # as without a tag: d/dv sum(psum(v*v))
+  with pytest.raises(dtenjax.DtenjaxError, match="tag="):
+    run(tag=jnp.float32(1.5))                      # not an integer
 
 
 @pytest.mark.parametrize("contract", [True, "exact"])

@@ -423,3 +423,78 @@ def test_a_clock_that_turns_bad_is_named_where_it_is_read():
   assert isinstance(err.__cause__, errors.ConfigurationError)
   with pytest.raises(S.SchedulerClosedError, match="clock returned '12:00'"):
     sch.shutdown(timeout=30)
+
+
+# ---- re-entrancy: the scheduler called from its own done-callbacks (issue 35 item 6) -------------
+
+def _held_scheduler(**kw):
+  """A scheduler whose step waits (a host callback inside it) until ``hold`` is set, so a
+  done-callback can be attached to a batch that is certainly not done yet (it then runs on the
+  dispatcher thread); ``sch.entered`` is set once a batch is running (it left its queue)."""
+  hold, entered = threading.Event(), threading.Event()
+
+  def gate(x):
+    entered.set()
+    assert hold.wait(60)
+    return np.zeros((), np.float32)
+
+  def held_step(batch):
+    return step(batch) + jax.pure_callback(gate, jax.ShapeDtypeStruct((), jnp.float32),
+                                           batch[0, 0])
+  sch = S.GraphScheduler(held_step, batch_spec=SPEC, **kw)
+  sch.entered = entered
+  return sch, hold
+
+
+def test_shutdown_from_a_done_callback_works_and_runs_the_accepted_batches():
+  sch, hold = _held_scheduler()
+  b = batch_of(0)
+  seen = []
+  first = sch.submit(b)
+  rest = [sch.submit(b) for _ in range(3)]
+
+  def on_done(f):
+    seen.append(threading.current_thread().name)
+    try:
+      sch.shutdown(timeout=5)      # on the dispatcher thread: must neither raise nor wait
+      seen.append(None)
+    except BaseException as e:     # noqa: BLE001 - reported below
+      seen.append(e)
+  first.add_done_callback(on_done)
+  hold.set()
+  for f in [first, *rest]:
+    assert f.result(timeout=60).shape == (N,)
+  assert seen == ["dtenjax-graph-scheduler", None], seen
+  sch._d.thread.join(30)           # the dispatcher drained what was accepted and exited
+  assert not sch._d.thread.is_alive()
+  with pytest.raises(S.SchedulerClosedError, match="shut down"):
+    sch.submit(b)
+  sch.shutdown(timeout=5)          # a later shutdown from outside returns at once
+
+
+def test_submit_from_a_done_callback_into_a_full_queue_raises_at_once():
+  sch, hold = _held_scheduler(max_queue=1)
+  b = batch_of(0)
+  box = {}
+
+  def on_done(f):
+    box["thread"] = threading.current_thread().name
+    t0 = time.monotonic()
+    try:
+      sch.submit(b, timeout=20)    # the main queue is full: only this thread could make room
+    except BaseException as e:     # noqa: BLE001 - reported below
+      box["error"] = e
+    box["seconds"] = time.monotonic() - t0
+  first = sch.submit(b)
+  first.add_done_callback(on_done)
+  assert sch.entered.wait(60)
+  queued = sch.submit(b)           # fills the queue behind the held batch
+  with pytest.raises(S.QueueFullError):
+    sch.submit(b)
+  hold.set()
+  assert queued.result(timeout=60).shape == (N,)
+  assert box["thread"] == "dtenjax-graph-scheduler", box
+  assert box["seconds"] < 1.0, box          # not the 20 s timeout
+  assert isinstance(box["error"], S.QueueFullError), box
+  assert "dispatcher thread" in str(box["error"]) and "max_queue=1" in str(box["error"])
+  sch.shutdown(timeout=60)

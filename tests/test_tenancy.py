@@ -58,7 +58,8 @@ def test_token_bucket_shapes_ring_traffic():
   def run(r):
     outs[r] = comms[r].all_reduce(xs[r])
   t0 = time.monotonic()
-  ts = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+  # one name for both: the issuing thread's name is part of the fingerprint
+  ts = [threading.Thread(target=run, args=(r,), name="rank-thread") for r in range(2)]
   [t.start() for t in ts]
   [t.join(60) for t in ts]
   elapsed = time.monotonic() - t0
@@ -79,7 +80,7 @@ def test_token_bucket_direct():
     tenancy.throttle("t-bucket", 100_000)
   elapsed = time.monotonic() - t0
   assert elapsed >= 0.8 * (1e6 - 1e5) / 2e6
-  with pytest.raises(errors.CollectiveTimeoutError, match="token bucket"):
+  with pytest.raises(errors.CollectiveTimeoutError, match="token bucket of tenant 't-bucket'"):
     tenancy.throttle("t-bucket", 10_000_000, timeout_s=0.5)   # would need ~5 s
 
 

@@ -81,7 +81,7 @@ def test_gmac_matches_the_specification():
     assert t.gmac(key, 9, 2, data) == ref.gmac(key, ref.nonce(9, 2), data), n
 
 
-def _python_rank1(ep0: str, lsock: socket.socket, x1: np.ndarray, site: int, out: dict):
+def _python_rank1(ep0: str, lsock: socket.socket, x1: np.ndarray, site: str, out: dict):
   """Rank 1 of a 2-rank ring, in Python: accepts rank 0, connects to rank 0, runs the ring."""
   conn, _ = lsock.accept()
   conn.settimeout(10)
@@ -92,7 +92,13 @@ def _python_rank1(ep0: str, lsock: socket.socket, x1: np.ndarray, site: int, out
   half = count // 2 + count % 2
   chunks = [(0, half), (half, count)]
   acc = x1.copy()
-  desc = dict(site=site, coll_seq=1, count=count, op=0, dtype=0)
+  # The fingerprint, computed from the specification: the same call as rank 0's
+  key = ref.fingerprint_key(SECRET, JOB)
+  record = dict(op=0, dtype=0, count=count, tag=0, signature=f"float32[{count}]", site=site,
+                thread="MainThread")
+  digest = ref.fingerprint_digest(key, **record)
+  desc = dict(site=digest & 0xFFFFFFFF, tag=digest >> 32, coll_seq=1, count=count, op=0, dtype=0)
+  to_next.send(ref.FINGERPRINT, ref.fingerprint_payload(digest, **record), **desc)
   # reduce-scatter: send chunk 1, receive chunk 0 and add
   lo, hi = chunks[1]
   to_next.send(ref.DATA, acc[lo:hi].tobytes(), step=0, **desc)
@@ -106,7 +112,8 @@ def _python_rank1(ep0: str, lsock: socket.socket, x1: np.ndarray, site: int, out
   lo, hi = chunks[1]
   acc[lo:hi] = np.frombuffer(payload, np.float32)
   out["result"] = acc
-  out["sites"] = dict(from_prev.sites)
+  out["fingerprints"] = list(from_prev.fingerprints)
+  out["digest"] = digest
   del n
 
 
@@ -118,7 +125,7 @@ def test_python_peer_speaks_the_protocol():
   x0, x1 = rng.randn(1001).astype(np.float32), rng.randn(1001).astype(np.float32)
   site = (0xABCD1234, "peer-test (here:1)")
   peer: dict = {}
-  t = threading.Thread(target=_python_rank1, args=(comm0.endpoint, lsock, x1, site[0], peer),
+  t = threading.Thread(target=_python_rank1, args=(comm0.endpoint, lsock, x1, site[1], peer),
                        daemon=True)
   t.start()
   transport.connect(comm0, ep1)
@@ -129,9 +136,14 @@ def test_python_peer_speaks_the_protocol():
   assert y0.tobytes() == expected.tobytes()
   assert peer["result"].tobytes() == expected.tobytes()
   h = peer["header0"]   # what the native side put on the wire
-  assert (h["type"], h["src"], h["site"], h["coll_seq"], h["count"], h["op"], h["dtype"],
-          h["step"]) == (ref.DATA, 0, site[0], 1, 1001, 0, 0, 0)
-  assert peer["sites"] == {site[0]: site[1]}   # the site's text came once, before the data
+  assert (h["type"], h["src"], h["site"], h["tag"], h["coll_seq"], h["count"], h["op"],
+          h["dtype"], h["step"]) == (ref.DATA, 0, peer["digest"] & 0xFFFFFFFF, peer["digest"] >> 32,
+                                     1, 1001, 0, 0, 0)
+  # rank 0's fingerprint came once, in full, before its data, and its digest is the one the
+  # specification gives for the same call (the keyed hash of op, dtype, count, tag and texts)
+  assert peer["fingerprints"] == [dict(digest=peer["digest"], full=True, op=0, dtype=0, tag=0,
+                                       count=1001, signature="float32[1001]", site=site[1],
+                                       thread="MainThread")]
   comm0.close()
   lsock.close()
 
@@ -180,7 +192,7 @@ def test_server_rejects_bad_peers_and_accepts_the_authenticated_one():
   # id that differs: the version is what it hears about).
   cls, code, text = attempt(ref.header(ref.HELLO, **{**hello, "version": 2, "job": 7}) + n)
   assert (cls, code) == (ref.FATAL, 1), (cls, code, text)
-  assert "speaks transport protocol version 2, this process version 3" in text, text
+  assert "speaks transport protocol version 2, this process version 4" in text, text
   wrong = b"wrong key, same length as right1"
   with pytest.raises(PermissionError):     # we see the server's proof does not match our key ...
     ref.client_handshake(comm0.endpoint, wrong, JOB, me=1, server=0)
@@ -215,7 +227,7 @@ def test_old_protocol_listener_is_named_by_the_client():
         return
       conn.close()               # what a version-2 listener does with a frame it cannot read
 
-  for answer, fragment in ((True, "speaks transport protocol version 2, this process version 3"),
+  for answer, fragment in ((True, "speaks transport protocol version 2, this process version 4"),
                            (False, "closed the connection 3 times in a row without saying why")):
     th = threading.Thread(target=old_server, args=(answer,), daemon=True)
     th.start()

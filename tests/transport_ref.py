@@ -1,7 +1,7 @@
-"""An independent pure-Python implementation of the host transport's wire protocol (version 3),
+"""An independent pure-Python implementation of the host transport's wire protocol (version 4),
 written from docs/transport.md, for tests: AES-256 (FIPS 197), GMAC (NIST SP 800-38D with the
 data as additional authenticated data only), frame layout, handshake (with REJECT frames), key
-derivation and the ring set-up check.
+derivation, the ring set-up check and the collectives' fingerprints (FINGERPRINT frames).
 
 Slow (pure Python): meant for small frames. Nothing here imports dtenjax, so tests that compare
 the native transport with it check the implementation against the specification, not itself.
@@ -123,8 +123,8 @@ def gmac(key: bytes, nonce: bytes, aad: bytes) -> bytes:
 
 # --- frames ----------------------------------------------------------------------------------------
 
-MAGIC, VERSION = 0x584A5444, 3
-HELLO, CHALLENGE, RESPONSE, ACCEPT, DATA, ABORT, CONTROL, SITE, REJECT = 1, 2, 3, 4, 5, 6, 7, 8, 9
+MAGIC, VERSION = 0x584A5444, 4
+HELLO, CHALLENGE, RESPONSE, ACCEPT, DATA, ABORT, CONTROL, FINGERPRINT, REJECT = range(1, 10)
 RETRY, FATAL = 1, 2   # REJECT classes
 HEADER = struct.Struct("<IHHQQQIIQQBBHI")
 assert HEADER.size == 64
@@ -214,7 +214,7 @@ class Channel:
     self.sock, self.job, self.me, self.peer = sock, job, me, peer
     self.send_key, self.recv_key = send_key, recv_key
     self.send_seq, self.recv_seq = send_seq, recv_seq
-    self.sites: dict[int, str] = {}
+    self.fingerprints: list[dict] = []   # the full records received, in order
     self.pushback = b""   # a header already read from the socket
 
   def send(self, ftype: int, payload: bytes = b"", **desc) -> bytes:
@@ -224,12 +224,15 @@ class Channel:
     self.sock.sendall(frame)
     return frame
 
-  def recv(self, skip_sites: bool = True) -> tuple[dict, bytes]:
-    """The next frame; SITE frames (call-site texts) are recorded in self.sites and skipped."""
+  def recv(self, skip_fingerprints: bool = True) -> tuple[dict, bytes]:
+    """The next frame; FINGERPRINT frames are decoded into self.fingerprints and skipped."""
     while True:
       h, payload = self._recv_one()
-      if skip_sites and h["type"] == SITE:
-        self.sites[h["site"]] = payload.decode()
+      if skip_fingerprints and h["type"] == FINGERPRINT:
+        record = parse_fingerprint(payload)
+        self.fingerprints.append(record if record["full"] else
+                                 dict(self.fingerprints[-1], full=False))
+        assert record["digest"] == self.fingerprints[-1]["digest"], record
         continue
       return h, payload
 
@@ -292,6 +295,54 @@ def server_handshake(sock: socket.socket, secret: bytes, job: int, me: int, clie
   ch = Channel(sock, job, me, client, send_key=s2c, recv_key=c2s)
   ch.send(ACCEPT)
   return ch
+
+
+# --- fingerprints (csrc/transport/fingerprint.h) -------------------------------------------------
+
+def fingerprint_key(secret: bytes, job: int) -> bytes:
+  return hmac.new(secret, b"dtenjax-fingerprint-key" + struct.pack("<Q", job),
+                  hashlib.sha256).digest()
+
+
+def _texts(*texts: str, width: int) -> bytes:
+  out = b""
+  for t in texts:
+    b = t.encode()
+    out += len(b).to_bytes(width, "little") + b
+  return out
+
+
+def fingerprint_digest(key: bytes, *, op: int, dtype: int, count: int, tag: int = 0,
+                       signature: str = "", site: str = "", thread: str = "") -> int:
+  """The keyed 64-bit digest: HMAC-SHA256 of the fields and the three texts, first 8 bytes."""
+  msg = (b"dtenjax-fingerprint-v1" + bytes([op, dtype]) + struct.pack("<QI", count, tag) +
+         _texts(signature, site, thread, width=4))
+  return int.from_bytes(hmac.new(key, msg, hashlib.sha256).digest()[:8], "little")
+
+
+def fingerprint_payload(digest: int, *, full: bool = True, op: int = 0, dtype: int = 0,
+                        count: int = 0, tag: int = 0, signature: str = "", site: str = "",
+                        thread: str = "") -> bytes:
+  out = struct.pack("<QB", digest, int(full))
+  if full:
+    out += struct.pack("<BBIQ", op, dtype, tag, count) + _texts(signature, site, thread, width=2)
+  return out
+
+
+def parse_fingerprint(p: bytes) -> dict:
+  digest, full = struct.unpack_from("<QB", p)
+  if not full:
+    assert len(p) == 9, len(p)
+    return dict(digest=digest, full=False)
+  op, dtype, tag, count = struct.unpack_from("<BBIQ", p, 9)
+  at, texts = 9 + 14, []
+  for _ in range(3):
+    n = int.from_bytes(p[at:at + 2], "little")
+    texts.append(p[at + 2:at + 2 + n].decode())
+    at += 2 + n
+  assert at == len(p)
+  return dict(digest=digest, full=True, op=op, dtype=dtype, tag=tag, count=count,
+              signature=texts[0], site=texts[1], thread=texts[2])
 
 
 SETUP = dict(coll_seq=0, count=1, op=OPS["max"], dtype=DTYPES["int32"], site=0, tag=0)

@@ -30,7 +30,8 @@ namespace dtenjax {
   X(kResourceExhausted, 4, "resource_exhausted") /* a pool or quota is full */                    \
   X(kPermissionDenied, 5, "permission_denied") /* authentication or ownership check failed */     \
   X(kDataLoss, 6, "data_loss")                 /* corrupt frame / tag mismatch */                 \
-  X(kInternal, 7, "internal")
+  X(kInternal, 7, "internal")                                                                     \
+  X(kCancelled, 8, "cancelled")                /* this process closed what the call needed */
 
 // Helpers to expand a vocabulary list X(enumerator, value, name, ...) into an enum, a membership
 // test (case labels), and a text for error messages (" 0 (one_shot) 1 (two_shot)").

@@ -92,7 +92,8 @@ Status BufferPool::RegisterNew(uint64_t cls, int* id) {
   if (cls > opts_.max_bytes - std::min(opts_.max_bytes, st_.registered_bytes) ||
       st_.registered_buffers + 1 > opts_.max_buffers) {
     return DTENJAX_ERROR(Code::kResourceExhausted,
-                         "buffer pool full: " + std::to_string(st_.registered_buffers) + " buffers, " +
+                         "buffer pool of tenant '" + opts_.tenant + "' full: " +
+                             std::to_string(st_.registered_buffers) + " buffers, " +
                              std::to_string(st_.registered_bytes) + " of " +
                              std::to_string(opts_.max_bytes) + " bytes registered and in use; "
                              "raise max_bytes/max_buffers or release buffers");
@@ -111,7 +112,8 @@ Status BufferPool::RegisterNew(uint64_t cls, int* id) {
     tenant_->UnchargeRegistered(int64_t(cls));
     ++st_.reg_failures;
     return DTENJAX_ERROR(Code::kResourceExhausted,
-                         "buffer pool: allocating " + std::to_string(cls) + " bytes failed");
+                         "buffer pool of tenant '" + opts_.tenant + "': allocating " +
+                             std::to_string(cls) + " bytes failed");
   }
   std::memset(b.ptr, 0, cls);  // touch the pages so pinning and first use cost nothing later
   Status s;
@@ -126,6 +128,9 @@ Status BufferPool::RegisterNew(uint64_t cls, int* id) {
   if (!s.ok()) {
     std::free(b.ptr);
     tenant_->UnchargeRegistered(int64_t(cls));
+    if (s.code() == Code::kResourceExhausted) {   // the device's room, charged to this tenant
+      return Status(s.code(), "buffer pool of tenant '" + opts_.tenant + "': " + s.message());
+    }
     return s;
   }
   if (opts_.pin) {

@@ -1,6 +1,9 @@
 #include "csrc/transport/comm.h"
 
+#include "csrc/transport/peer_text.h"
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -169,6 +172,8 @@ struct WorkQueue {
   std::deque<std::function<void()>> items;
   bool stop = false;
   bool started = false;
+  bool exited = false;          // the worker thread has left its loop (Close waits for this)
+  std::thread::id worker;       // the worker thread, once started
 };
 
 Comm::Comm(const CommOptions& opts) : opts_(opts), tenant_(GetTenant(opts.tenant)) {
@@ -186,6 +191,7 @@ Status Comm::Create(const CommOptions& opts, std::shared_ptr<Comm>* out) {
   if (opts.size > 1) {
     // Fail closed: no communicator without the library that authenticates its frames.
     DTENJAX_RETURN_IF_ERROR(crypto::Loaded());
+    DTENJAX_RETURN_IF_ERROR(DeriveFingerprintKey(opts.secret, opts.job_id, c->fp_key_));
     DTENJAX_RETURN_IF_ERROR(c->opts_.provider->listen(opts.bind_address, &c->listener_));
     c->endpoint_ = c->listener_->endpoint;
   }
@@ -193,7 +199,25 @@ Status Comm::Create(const CommOptions& opts, std::shared_ptr<Comm>* out) {
   return Status::Ok();
 }
 
+Status Comm::ClosedLocally(const std::string& what) const {
+  return DTENJAX_ERROR(Code::kCancelled,
+                       "dtenjax transport: the communicator of rank " + std::to_string(opts_.rank) +
+                           " was closed locally (close() in this process) " + what);
+}
+
+void Comm::Close(double join_s) {
+  closing_.store(true);
+  std::shared_ptr<WorkQueue> q = queue_;
+  std::unique_lock<std::mutex> l(q->mu);
+  q->stop = true;
+  q->cv.notify_all();
+  if (!q->started || q->exited || q->worker == std::this_thread::get_id()) return;
+  // Queued collectives fail at once (closing_), the one in flight within a wait slice.
+  q->cv.wait_for(l, std::chrono::duration<double>(join_s), [&] { return q->exited; });
+}
+
 Comm::~Comm() {
+  closing_.store(true);
   {
     std::lock_guard<std::mutex> lock(queue_->mu);
     queue_->stop = true;
@@ -241,9 +265,10 @@ Status Comm::ConnectRing(const std::string& next_endpoint) {
     Conn* conn = nullptr;
   };
   auto sh = std::make_shared<Shared>();
-  Handshake to_next{opts_.job_id, r, (r + 1) % n, opts_.secret, nullptr, nullptr,
+  // Close() (closing_) stops both within a poll slice; ConnectRing outlives the acceptor's use.
+  Handshake to_next{opts_.job_id, r, (r + 1) % n, opts_.secret, &closing_, nullptr,
                     opts_.handshake_timeout_s, opts_.max_pending_handshakes};
-  Handshake from_prev{opts_.job_id, r, (r - 1 + n) % n, opts_.secret, nullptr, &sh->give_up_at,
+  Handshake from_prev{opts_.job_id, r, (r - 1 + n) % n, opts_.secret, &closing_, &sh->give_up_at,
                       opts_.handshake_timeout_s, opts_.max_pending_handshakes};
   Listener* listener = listener_;
   const Provider* provider = opts_.provider;
@@ -281,8 +306,11 @@ Status Comm::ConnectRing(const std::string& next_endpoint) {
   next_ = next;
   opts_.provider->close_listener(listener_);
   listener_ = nullptr;
-  // The first cause wins: this rank's quota, then connecting, then accepting.
-  Status failure = !quota.ok() ? quota : !s.ok() ? s : accept_status;
+  // The first cause wins: a local close, this rank's quota, then connecting, then accepting.
+  Status failure = closing_.load() ? ClosedLocally("while it connected its ring")
+                   : !quota.ok()   ? quota
+                   : !s.ok()       ? s
+                                   : accept_status;
   Descriptor setup;  // coll_seq 0: the ring set-up check
   if (failure.ok()) {
     // Every rank confirms the whole ring: a one-element max all-reduce over both connections.
@@ -318,7 +346,10 @@ void Comm::SendAborts(const Status& why, const Descriptor& d, bool to_next, bool
   std::string text;
   text.push_back(char(static_cast<int>(why.code())));
   text += why.message().substr(0, kMaxAbortText - 1);
-  const double deadline = NowSeconds() + std::min(2.0, opts_.timeout_s);
+  // Best effort within 2 % of the timeout (at most 2 s): a neighbour that reads gets the ABORT
+  // at once, and one that stopped reading (SIGSTOP) must not push this rank's error past
+  // DTENJAX_COLLECTIVE_TIMEOUT by more than that.
+  const double deadline = NowSeconds() + std::min(2.0, 0.02 * opts_.timeout_s);
   auto send = [&](Conn* c) {
     Status s = SendSealed(c, FrameType::kAbort, d, text.data(), text.size(), deadline);
     if (s.ok()) Counters().aborts_sent.fetch_add(1);
@@ -360,8 +391,8 @@ std::string AbortText(const InFrame& f, Code* code) {
     return "(no reason given)";
   }
   const int c = static_cast<unsigned char>(p[0]);
-  *code = IsCode(c) && c != static_cast<int>(Code::kOk) ? static_cast<Code>(c) : Code::kInternal;
-  return std::string(p + 1, p + f.payload_bytes);
+  *code = PeerCode(c);
+  return PeerText(p + 1, f.payload_bytes - 1, kMaxAbortText);  // the peer's words: escaped
 }
 
 }  // namespace
@@ -402,13 +433,16 @@ struct RingPlan {
 class Comm::Ring {
  public:
   Ring(Comm& comm, const RingPlan& plan, const uint8_t* src, uint8_t* dst, uint8_t* tmp,
-       const Descriptor& desc, DType dt, ReduceOp op, OutFrame* of)
+       const Descriptor& desc, DType dt, ReduceOp op, OutFrame* of, const Fingerprint* fp)
       : c_(comm), p_(plan), src_(src), dst_(dst), tmp_(tmp), desc_(desc), dt_(dt), op_(op),
-        of_(of), T_(plan.steps()) {}
+        of_(of), T_(plan.steps()), fp_(fp) {}
 
   Status Run() {
-    DTENJAX_RETURN_IF_ERROR(SendSiteText());
+    DTENJAX_RETURN_IF_ERROR(SendFingerprint());
     while (st_ < T_ || rt_ < T_) {
+      if (c_.closing_.load()) {
+        return Fail(c_.ClosedLocally("while " + Mine() + " was in flight"), true, true);
+      }
       bool progress = false;
       if (st_ < T_) DTENJAX_RETURN_IF_ERROR(SendSide(&progress));
       DTENJAX_RETURN_IF_ERROR(ReceiveSide(&progress));
@@ -424,7 +458,29 @@ class Comm::Ring {
   }
 
  private:
+  // This rank's collective, described in full (for messages only: built when one is written).
+  std::string Mine() const {
+    return fp_ ? "all_reduce #" + std::to_string(desc_.coll_seq) + " (" +
+                     DescribeFingerprint(*fp_) + ")"
+               : Describe(desc_);
+  }
+
+  // The previous rank's collective of header h: in full when its fingerprint record is known.
+  std::string Theirs(const FrameHeader& h) const {
+    const Descriptor d = DescriptorOf(h);
+    if (h.coll_seq > 0 && c_.have_fp_received_ && c_.fp_received_.digest == DigestOf(d)) {
+      return "all_reduce #" + std::to_string(h.coll_seq) + " (" +
+             DescribeFingerprint(c_.fp_received_) + ")";
+    }
+    return Describe(d);
+  }
+
   Status Fail(Status s, bool tell_next, bool tell_prev) {
+    if (c_.closing_.load() && s.code() != Code::kCancelled) {
+      // Closed here while it failed (e.g. a neighbour of this process closed first): the close
+      // is the cause this rank reports.
+      s = c_.ClosedLocally("while " + Mine() + " was in flight [" + s.message() + "]");
+    }
     c_.SendAborts(s, desc_, tell_next, tell_prev, of_);
     return s;
   }
@@ -448,6 +504,7 @@ class Comm::Ring {
       bool p = false;
       DTENJAX_RETURN_IF_ERROR(c->provider->recv_some(c, f, &p));
       if (f->stage == InFrame::kDone) break;
+      if (c_.closing_.load()) return c_.ClosedLocally("while it read a frame from " + c->peer);
       if (NowSeconds() >= until) {
         return DTENJAX_ERROR(Code::kDeadlineExceeded,
                              std::string("dtenjax transport: timed out reading a ") +
@@ -472,7 +529,7 @@ class Comm::Ring {
     if (text.compare(0, prefix.size(), prefix) == 0) text = text.substr(prefix.size());
     *out = Status(code, "dtenjax transport: rank " + std::to_string(h.src_rank) + " aborted " +
                             Describe(DescriptorOf(h)) + ": " + text + " [this rank (" +
-                            std::to_string(p_.r) + ") was in " + Describe(desc_) + "]");
+                            std::to_string(p_.r) + ") was in " + Mine() + "]");
     return Status::Ok();
   }
 
@@ -496,16 +553,50 @@ class Comm::Ring {
     return fallback;
   }
 
-  // The next rank learns the text of this collective's call site once (for its error messages).
-  Status SendSiteText() {
-    if (desc_.coll_seq == 0 || c_.sites_sent_.count(desc_.site)) return Status::Ok();
-    const std::string text = SiteText(desc_.site);
-    if (!text.empty()) {
-      Status s = SendSealed(c_.next_, FrameType::kSite, desc_, text.data(), text.size(),
-                            NowSeconds() + c_.opts_.timeout_s);
-      if (!s.ok()) return Fail(ReverseAbort(s), false, true);
+  // The next rank gets this collective's fingerprint record before its first segment when it
+  // differs from the last one sent on this connection (a loop of identical collectives sends
+  // one); every DATA header carries the 64-bit digest, which the receiver checks either way.
+  Status SendFingerprint() {
+    if (fp_ == nullptr || (c_.have_fp_sent_ && c_.fp_sent_ == fp_->digest)) return Status::Ok();
+    const std::string payload = EncodeFingerprint(*fp_, true);
+    Status s = SendSealed(c_.next_, FrameType::kFingerprint, desc_, payload.data(),
+                          payload.size(), NowSeconds() + c_.opts_.timeout_s, &c_.closing_);
+    if (!s.ok()) return Fail(ReverseAbort(s), false, true);
+    c_.fp_sent_ = fp_->digest;
+    c_.have_fp_sent_ = true;
+    return Status::Ok();
+  }
+
+  // The previous rank's fingerprint, compared with this rank's before any of its payload is read.
+  Status AcceptFingerprint(const FrameHeader& h) {
+    Conn* prev = c_.prev_;
+    Status s = ReadText(prev, &in_, kMaxFingerprintBytes);
+    if (!s.ok()) return Fail(s, true, true);
+    Fingerprint theirs;
+    bool full = false;
+    s = DecodeFingerprint(in_.dst, in_.payload_bytes, prev->peer, &theirs, &full);
+    if (!s.ok()) return Fail(s, true, true);
+    if (!full) {
+      Counters().rejected_bad_header.fetch_add(1);
+      return Fail(DTENJAX_ERROR(Code::kDataLoss, "dtenjax transport: rejected FINGERPRINT frame "
+                                                 "from " + prev->peer + ": a record without its "
+                                                 "fields"),
+                  true, true);
     }
-    c_.sites_sent_.insert(desc_.site);
+    c_.fp_received_ = theirs;
+    c_.have_fp_received_ = true;
+    in_.Reset();
+    if (fp_ == nullptr || h.coll_seq != desc_.coll_seq || theirs.digest != fp_->digest) {
+      Counters().rejected_mismatch.fetch_add(1);
+      const std::string src = std::to_string(h.src_rank);
+      const std::string what =
+          "all_reduce #" + std::to_string(h.coll_seq) + " (" + DescribeFingerprint(theirs) + ")";
+      return Fail(MismatchError(src, "runs " + what,
+                                fp_ && h.coll_seq == desc_.coll_seq
+                                    ? " (they differ in: " + FingerprintDifference(*fp_, theirs) + ")"
+                                    : ""),
+                  true, true);
+    }
     return Status::Ok();
   }
 
@@ -535,7 +626,11 @@ class Comm::Ring {
     const uint64_t bytes = p_.seg_len(c, sj_) * p_.esz;
     uint64_t slept = 0;
     Status s = c_.tenant_->bucket().Take(bytes, NowSeconds() + c_.opts_.timeout_s, &slept);
-    if (!s.ok()) return Fail(s, true, true);
+    if (!s.ok()) {
+      return Fail(Status(s.code(), "dtenjax transport: rank " + std::to_string(p_.r) + ": " +
+                                       s.message()),
+                  true, true);
+    }
     if (slept) Counters().throttled_ns.fetch_add(slept);
     Descriptor d = desc_;
     d.step = uint16_t(st_);
@@ -576,13 +671,9 @@ class Comm::Ring {
       s = ReadAbort(prev, &in_, &why);
       return Fail(s.ok() ? why : s, true, false);
     }
-    if (h.type == uint16_t(FrameType::kSite)) {
-      s = ReadText(prev, &in_, kMaxSiteText);
-      if (!s.ok()) return Fail(s, true, true);
-      RegisterSite(h.site, std::string(reinterpret_cast<const char*>(in_.dst), in_.payload_bytes));
-      in_.Reset();
+    if (h.type == uint16_t(FrameType::kFingerprint)) {
       *progress = true;
-      return Status::Ok();
+      return AcceptFingerprint(h);
     }
     const Descriptor theirs = DescriptorOf(h);
     if (h.type != uint16_t(FrameType::kData) || !SameCollective(theirs, desc_) ||
@@ -597,7 +688,7 @@ class Comm::Ring {
       return Fail(DTENJAX_ERROR(Code::kInvalidArgument,
                                 "dtenjax transport: rank " + std::to_string(h.src_rank) +
                                     " sent a segment of " + std::to_string(h.payload_bytes) +
-                                    " bytes for " + Describe(desc_) + ", this rank expects " +
+                                    " bytes for " + Mine() + ", this rank expects " +
                                     std::to_string(bytes) +
                                     " (DTENJAX_TRANSPORT_SEGMENT_BYTES must be equal on every "
                                     "process)"),
@@ -612,23 +703,28 @@ class Comm::Ring {
   }
 
   Status Mismatch(const FrameHeader& h, const Descriptor& theirs) const {
-    const std::string r = std::to_string(p_.r), src = std::to_string(h.src_rank);
     std::string what =
         h.type != uint16_t(FrameType::kData)
             ? std::string("sent a ") + FrameTypeName(h.type) + " frame"
-            : "sent a frame of " + Describe(theirs) +
+            : "sent a frame of " + Theirs(h) +
                   (SameCollective(theirs, desc_)
                        ? " at ring step " + std::to_string(theirs.step) + " (expected " +
                              std::to_string(rt_) + ")"
                        : "");
+    return MismatchError(std::to_string(h.src_rank), what, "");
+  }
+
+  Status MismatchError(const std::string& src, const std::string& what,
+                       const std::string& detail) const {
+    const std::string r = std::to_string(p_.r);
     return DTENJAX_ERROR(Code::kInvalidArgument,
                          "dtenjax transport: collective mismatch between rank " + src +
-                             " and rank " + r + ": rank " + r + " runs " + Describe(desc_) +
-                             " but rank " + src + " " + what +
+                             " and rank " + r + ": rank " + r + " runs " + Mine() + " but rank " +
+                             src + " " + what + detail +
                              ". Every process must issue the same collectives (same op, dtype, "
-                             "shape, call stack and tag) in the same order; collectives that "
-                             "look alike (e.g. iterations of one loop) are told apart only by a "
-                             "tag");
+                             "shape, algorithm, call stack, thread and tag) in the same order; "
+                             "collectives that look alike (e.g. iterations of one loop) are told "
+                             "apart only by a tag" + c_.run_hint_);
   }
 
   // A segment's body has arrived: authenticate it, reduce it (reduce-scatter steps), move on.
@@ -658,7 +754,7 @@ class Comm::Ring {
     return Fail(DTENJAX_ERROR(Code::kDeadlineExceeded,
                               "dtenjax transport: rank " + std::to_string(p_.r) +
                                   " timed out after " + Seconds(c_.opts_.timeout_s) +
-                                  " s without progress " + waiting + " in " + Describe(desc_) +
+                                  " s without progress " + waiting + " in " + Mine() +
                                   " (DTENJAX_COLLECTIVE_TIMEOUT); the peer is stalled, dead or "
                                   "running a different program"),
                 true, true);
@@ -714,12 +810,13 @@ class Comm::Ring {
   uint64_t sj_ = 0, rj_ = 0;   // segment within the step
   bool next_done_ = false;     // the next rank closed after everything for it was sent
   InFrame in_, rev_;           // from the previous rank / backwards from the next one
-  uint8_t text_buf_[kMaxAbortText];
+  uint8_t text_buf_[kMaxAbortText > kMaxFingerprintBytes ? kMaxAbortText : kMaxFingerprintBytes];
   double last_progress_ = NowSeconds();
+  const Fingerprint* fp_;   // nullptr: the ring set-up check
 };
 
 Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, DType dt,
-                     ReduceOp op, OutFrame* of) {
+                     ReduceOp op, OutFrame* of, const Fingerprint* fp) {
   const size_t esz = DTypeSize(dt);
   uint64_t seg_bytes = opts_.segment_bytes;
   if (opts_.provider->max_payload) seg_bytes = std::min(seg_bytes, opts_.provider->max_payload);
@@ -736,12 +833,15 @@ Status Comm::RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& desc, D
     int b;
     ~Release() { p->Release(b); }
   } release{pool_.get(), buf};
-  return Ring(*this, plan, src, dst, static_cast<uint8_t*>(tmp), desc, dt, op, of).Run();
+  return Ring(*this, plan, src, dst, static_cast<uint8_t*>(tmp), desc, dt, op, of, fp).Run();
 }
 
 Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, ReduceOp op,
-                       uint32_t site, int64_t ring_position, uint32_t tag) {
+                       uint64_t site, int64_t ring_position, uint32_t tag,
+                       const std::string& thread) {
+  if (closing_.load()) return ClosedLocally("before this all_reduce ran");
   std::lock_guard<std::mutex> lock(op_mu_);
+  if (closing_.load()) return ClosedLocally("before this all_reduce ran");
   if (!broken_.ok()) {
     return Status(broken_.code(), "dtenjax transport: communicator of rank " +
                                       std::to_string(opts_.rank) +
@@ -753,12 +853,44 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
   Descriptor d;
   d.coll_seq = ++coll_seq_;
   d.count = count;
-  d.site = site;
   d.tag = tag;
   d.op = uint8_t(op);
   d.dtype = uint8_t(dt);
   const int n = opts_.size, r = opts_.rank;
   Status s;
+  const Fingerprint* fp = nullptr;
+  if (n > 1) {
+    // The digest of the last collective is reused when nothing in it changed (a loop).
+    if (!fp_cache_valid_ || fp_cache_site_ != site || fp_cache_.tag != tag ||
+        fp_cache_.op != d.op || fp_cache_.dtype != d.dtype || fp_cache_.count != count ||
+        fp_cache_.thread != thread) {
+      fp_cache_valid_ = false;
+      s = MakeFingerprint(fp_key_, d, site, thread, &fp_cache_);
+      if (s.ok()) fp_cache_valid_ = true, fp_cache_site_ = site;
+    }
+    fp = &fp_cache_;
+    const Fingerprint& fp_ref = fp_cache_;
+    // Every frame header carries the whole digest (the user tag is inside it).
+    d.site = uint32_t(fp_ref.digest);
+    d.tag = uint32_t(fp_ref.digest >> 32);
+    // What a mismatch found later should say about the collectives before it.
+    run_hint_.clear();
+    if (run_len_ >= 2) {
+      run_hint_ = ". Collectives #" + std::to_string(run_first_) + " to #" +
+                  std::to_string(run_first_ + run_len_ - 1) +
+                  " before this one had identical fingerprints and no tag on this rank: if the "
+                  "ranks issued them in different orders, they were paired with the wrong "
+                  "partners and their results are mixed (nothing on the wire tells them apart). "
+                  "Give each a tag (e.g. its key or step number) and recompute them";
+    }
+    if (tag == 0 && run_len_ > 0 && fp_ref.digest == run_digest_) {
+      ++run_len_;
+    } else if (tag == 0) {
+      run_digest_ = fp_ref.digest, run_first_ = d.coll_seq, run_len_ = 1;
+    } else {
+      run_len_ = 0;
+    }
+  }
   if (!next_closed_.ok()) {
     s = Status(Code::kUnavailable,
                "dtenjax transport: " + next_->peer + " closed its connection after the previous "
@@ -790,7 +922,7 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
   if (!s.ok()) {
     SendAborts(s, d, next_closed_.ok(), true, &of);
   } else {
-    s = RunRing(static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), d, dt, op, &of);
+    s = RunRing(static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), d, dt, op, &of, fp);
   }
   if (!s.ok()) broken_ = s;
   return s;
@@ -799,9 +931,24 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
 Status Comm::Submit(std::function<void()> fn) {
   std::shared_ptr<WorkQueue> q = queue_;
   std::lock_guard<std::mutex> lock(q->mu);
+  if (q->stop) return ClosedLocally("before this collective was queued");
   if (!q->started) {
     Status s = StartDetachedThread(
         [q] {
+          {
+            std::lock_guard<std::mutex> l(q->mu);
+            q->worker = std::this_thread::get_id();
+          }
+          // Close() waits for this (the thread is detached, so a Comm dropped on it never joins
+          // itself; the flag is its join).
+          struct Exit {
+            WorkQueue* q;
+            ~Exit() {
+              std::lock_guard<std::mutex> l(q->mu);
+              q->exited = true;
+              q->cv.notify_all();
+            }
+          } exit_flag{q.get()};
           while (true) {
             std::function<void()> item;
             {

@@ -2,8 +2,9 @@
 // deterministic all-reduce over host memory. Collectives of one communicator run one at a time in
 // submission order on its own worker thread (Submit), so an XLA thread never blocks on the network.
 //
-// Every collective carries a Descriptor (its number on the communicator, op, dtype, element count
-// and call-site tag) in every frame; a rank that receives a frame of another collective fails
+// Every collective carries a Descriptor (its number on the communicator, op, dtype, element count,
+// tag and fingerprint digest) in every frame, and its full fingerprint (fingerprint.h) before its
+// first segment; a rank that receives a frame of another collective fails
 // with an error naming both, and tells its neighbours with ABORT frames that travel around the
 // ring in both directions, so every rank raises (naming the detector's finding and its own
 // collective) instead of some ranks returning wrong numbers or waiting for a timeout.
@@ -21,6 +22,7 @@
 
 #include "csrc/common/status.h"
 #include "csrc/transport/bufferpool.h"
+#include "csrc/transport/fingerprint.h"
 #include "csrc/transport/frame.h"
 #include "csrc/transport/provider.h"
 #include "csrc/transport/tenancy.h"
@@ -77,10 +79,24 @@ class Comm {
   // gives its text). `ring_position` >= 0: this process's index along the reduced mesh axis as
   // XLA computed it; it must equal rank() (else an error explains the mesh order dtenjax needs).
   // `tag`: the caller's tag of this collective (e.g. a step number); every rank must pass the same.
+  // `site`: the call's id in the table of calls (RegisterSite: its call stack and signature);
+  // `thread`: the issuing thread's name ("" for jitted programs). With op, dtype, count and tag
+  // they form the collective's fingerprint, which every rank checks against its previous rank's
+  // before it combines any payload (fingerprint.h).
   Status AllReduce(const void* src, void* dst, uint64_t count, DType dt, ReduceOp op,
-                   uint32_t site, int64_t ring_position = -1, uint32_t tag = 0);
-  // Runs fn on this communicator's worker thread after everything submitted before it.
+                   uint64_t site, int64_t ring_position = -1, uint32_t tag = 0,
+                   const std::string& thread = "");
+  // Runs fn on this communicator's worker thread after everything submitted before it; refused
+  // (kCancelled) once Close was called.
   Status Submit(std::function<void()> fn);
+  // Closes this communicator from any thread: the collective in flight stops within one wait
+  // slice (20 ms) and fails with kCancelled ("closed locally"; its neighbours hear it by ABORT
+  // frames), every queued one fails the same way without touching the network, a connect in
+  // progress gives up, and later calls are refused. Returns once the worker thread has exited
+  // (at most `join_s` seconds; at once when called from the worker thread itself). The
+  // connections are closed when the last reference goes (~Comm).
+  void Close(double join_s = 5.0);
+  bool closing() const { return closing_.load(); }
   BufferPool& pool() { return *pool_; }
 
  private:
@@ -88,7 +104,7 @@ class Comm {
   explicit Comm(const CommOptions& opts);
   // One ring all-reduce over the connected ring (AllReduce's body; Comm::Ring does the work).
   Status RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& d, DType dt, ReduceOp op,
-                 OutFrame* out);
+                 OutFrame* out, const Fingerprint* fp = nullptr);
   // Sends an ABORT frame carrying `why` (best effort, bounded time) to the chosen neighbours,
   // finishing a half-sent frame to `next` first so the stream stays parseable.
   void SendAborts(const Status& why, const Descriptor& d, bool to_next, bool to_prev,
@@ -98,7 +114,11 @@ class Comm {
   // How long a rank whose connect failed still accepts its previous rank, to tell it why.
   static constexpr double kTellWindowSeconds = 1.0;
 
+  // The error of a call that Close interrupted or refused.
+  Status ClosedLocally(const std::string& what) const;
+
   CommOptions opts_;
+  std::atomic<bool> closing_{false};
   Tenant* tenant_;
   Listener* listener_ = nullptr;
   std::string endpoint_;
@@ -112,7 +132,18 @@ class Comm {
   // (it closed its communicator); the next collective fails with this, naming it.
   Status next_closed_;
   uint64_t coll_seq_ = 0;
-  std::set<uint32_t> sites_sent_;  // call-site tags whose text the next rank has been sent
+  uint8_t fp_key_[kFingerprintKeyBytes] = {};  // keys the fingerprint digests (job secret)
+  uint64_t fp_sent_ = 0;          // digest of the last fingerprint record sent to the next rank
+  bool have_fp_sent_ = false;
+  Fingerprint fp_cache_;          // the last collective's fingerprint (reused while unchanged)
+  uint64_t fp_cache_site_ = 0;
+  bool fp_cache_valid_ = false;
+  Fingerprint fp_received_;       // the last full fingerprint received from the previous rank
+  bool have_fp_received_ = false;
+  // Consecutive collectives with one digest and no tag (the undetectable case if the ranks
+  // issued them in different orders): first collective number and how many.
+  uint64_t run_digest_ = 0, run_first_ = 0, run_len_ = 0;
+  std::string run_hint_;  // said by a mismatch of the collective in flight (about that run)
   std::unique_ptr<BufferPool> pool_;
   std::shared_ptr<WorkQueue> queue_;
 };

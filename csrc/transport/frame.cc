@@ -17,7 +17,7 @@ const char* FrameTypeName(uint16_t type) {
     case FrameType::kData: return "DATA";
     case FrameType::kAbort: return "ABORT";
     case FrameType::kControl: return "CONTROL";
-    case FrameType::kSite: return "SITE";
+    case FrameType::kFingerprint: return "FINGERPRINT";
     case FrameType::kReject: return "REJECT";
   }
   return "unknown";
@@ -64,34 +64,13 @@ Descriptor DescriptorOf(const FrameHeader& h) {
   return d;
 }
 
-namespace {
-std::mutex g_sites_mu;
-std::map<uint32_t, std::string>& Sites() {
-  static auto* sites = new std::map<uint32_t, std::string>();
-  return *sites;
-}
-}  // namespace
-
-void RegisterSite(uint32_t tag, const std::string& text) {
-  std::lock_guard<std::mutex> lock(g_sites_mu);
-  if (Sites().size() < 100000 || Sites().count(tag)) Sites()[tag] = text.substr(0, kMaxSiteText);
-}
-
-std::string SiteText(uint32_t tag) {
-  std::lock_guard<std::mutex> lock(g_sites_mu);
-  auto it = Sites().find(tag);
-  return it == Sites().end() ? "" : it->second;
-}
-
 std::string Describe(const Descriptor& d) {
   if (d.coll_seq == 0) return "the ring set-up check";
-  char tag[16];
-  std::snprintf(tag, sizeof(tag), "0x%08x", d.site);
-  std::string site = SiteText(d.site);
+  char fp[24];
+  std::snprintf(fp, sizeof(fp), "0x%016llx", static_cast<unsigned long long>(DigestOf(d)));
   return "all_reduce #" + std::to_string(d.coll_seq) + " (op=" + ReduceOpName(d.op) +
          ", dtype=" + DTypeName(d.dtype) + ", count=" + std::to_string(d.count) +
-         (d.tag ? ", tag=" + std::to_string(d.tag) : std::string()) + ", site " +
-         (site.empty() ? std::string(tag) : "'" + site + "' [" + tag + "]") + ")";
+         ", fingerprint " + fp + ")";
 }
 
 namespace {
@@ -150,7 +129,7 @@ Status CheckCommon(const FrameHeader& h, uint64_t job_id, int64_t src_rank, bool
                               h.type == uint16_t(FrameType::kData) ||
                               h.type == uint16_t(FrameType::kAbort) ||
                               h.type == uint16_t(FrameType::kControl) ||
-                              h.type == uint16_t(FrameType::kSite);
+                              h.type == uint16_t(FrameType::kFingerprint);
   if (sealed != is_sealed_type) {
     return Reject(c.rejected_bad_header, Code::kDataLoss, peer,
                   std::string("unexpected frame type ") + std::to_string(h.type) + " (" +

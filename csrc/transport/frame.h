@@ -9,14 +9,15 @@
 //   against an attacker only the keyed tags count (version 2 had a CRC32C; it was redundant).
 // * A receiver checks the magic, then the protocol version, before anything else, so a peer of
 //   another version is reported as such, whatever else differs.
-// * Every frame after the handshake (ACCEPT, DATA, ABORT, CONTROL, SITE) is authenticated with
+// * Every frame after the handshake (ACCEPT, DATA, ABORT, CONTROL, FINGERPRINT) is authenticated with
 //   AES-256-GMAC under a per-connection, per-direction key derived in the handshake. The nonce is
 //   the frame counter `seq` of that direction, so a frame cannot be modified (header tag over the
 //   header, payload tag over header || payload), replayed (its counter is not the next one) or
 //   moved to another connection (other key) without being rejected and counted.
 // * Every DATA and ABORT frame names the collective it belongs to: its number on the
-//   communicator, op, dtype, element count, call-site tag and user tag (Descriptor). A receiver
-//   compares it with its own and rejects a frame of a different collective, naming both sides.
+//   communicator, op, dtype, element count, fingerprint digest and user tag (Descriptor). A
+//   receiver compares it with its own and rejects a frame of a different collective, naming both
+//   sides; before the first segment of a collective comes its full fingerprint (fingerprint.h).
 #pragma once
 
 #include <atomic>
@@ -30,12 +31,12 @@
 namespace dtenjax::transport {
 
 constexpr uint32_t kFrameMagic = 0x584A5444;  // "DTJX" little-endian
-constexpr uint16_t kFrameVersion = 3;
+constexpr uint16_t kFrameVersion = 4;  // 4: FINGERPRINT frames (fingerprint.h) replace SITE
 // Hard ceiling on one frame's payload, whatever the receiver expects (1 GiB).
 constexpr uint64_t kMaxFramePayload = uint64_t(1) << 30;
 // Longest text an ABORT frame may carry.
 constexpr uint64_t kMaxAbortText = 4096;
-// Longest call-site text a SITE frame may carry (a user call stack).
+// Longest call-site text a FINGERPRINT frame may carry (a user call stack).
 constexpr uint64_t kMaxSiteText = 2048;
 // Longest payload of a REJECT frame (class byte + text).
 constexpr uint64_t kMaxRejectText = 1024;
@@ -48,7 +49,7 @@ enum class FrameType : uint16_t {
   kData = 5,       // one segment of a collective
   kAbort = 6,      // text: why the sender gave up on the collective; forwarded around the ring
   kControl = 7,    // provider set-up data (verbs QP information)
-  kSite = 8,       // text of a call-site tag, sent once per tag and connection before its data
+  kFingerprint = 8,  // a collective's fingerprint (fingerprint.h), before its first segment
   kReject = 9,     // either side of a handshake, unauthenticated: why it closes (RejectClass + text)
 };
 
@@ -96,13 +97,13 @@ struct FrameHeader {
   uint64_t seq;            // frame counter of this direction (0 for handshake frames)
   uint64_t payload_bytes;
   uint32_t src_rank;
-  uint32_t site;           // call-site tag of the collective
+  uint32_t site;           // low 32 bits of the collective's fingerprint digest (fingerprint.h)
   uint64_t coll_seq;       // number of the collective on its communicator (1, 2, ...)
   uint64_t count;          // elements of the whole collective
   uint8_t op;              // ReduceOp
   uint8_t dtype;           // DType
   uint16_t step;           // ring step of this segment
-  uint32_t tag;            // user tag of the collective (0: none), e.g. the step number
+  uint32_t tag;            // high 32 bits of the digest (the user's tag is inside the digest)
 };
 static_assert(sizeof(FrameHeader) == 64, "FrameHeader must be 64 bytes with no padding");
 constexpr size_t kTagBytes = crypto::kTagBytes;
@@ -112,20 +113,18 @@ constexpr size_t kSealedHeadBytes = sizeof(FrameHeader) + kTagBytes;  // header 
 struct Descriptor {
   uint64_t coll_seq = 0;   // 0: the ring set-up check (ConnectRing), 1, 2, ...: collectives
   uint64_t count = 0;
-  uint32_t site = 0;
-  uint32_t tag = 0;
+  uint32_t site = 0;       // low 32 bits of the fingerprint digest (0 for the set-up check)
+  uint32_t tag = 0;        // the user's tag until the digest is made, then its high 32 bits
   uint8_t op = 0;
   uint8_t dtype = 0;
   uint16_t step = 0;
 };
 bool SameCollective(const Descriptor& a, const Descriptor& b);  // all but `step`
 Descriptor DescriptorOf(const FrameHeader& h);
-// "all_reduce #3 (op=sum, dtype=float32, count=1000, tag=7, site 'f (x.py:10) < g (x.py:20)')";
-// the site text comes
-// from the process-wide table of call sites (RegisterSite) when this process knows the tag.
+// "all_reduce #3 (op=sum, dtype=float32, count=1000, tag=7, fingerprint 0x1234abcd)": what a
+// header says; a rank describes its own collective in full (DescribeFingerprint).
 std::string Describe(const Descriptor& d);
-void RegisterSite(uint32_t tag, const std::string& text);
-std::string SiteText(uint32_t tag);  // "" if unknown
+inline uint64_t DigestOf(const Descriptor& d) { return (uint64_t(d.tag) << 32) | d.site; }
 
 // Per-connection authentication state, created by the handshake.
 struct Session {

@@ -1,6 +1,8 @@
 // Provider registry and the blocking frame helpers every provider shares.
 #include "csrc/transport/provider.h"
 
+#include "csrc/transport/peer_text.h"
+
 #include <cstring>
 
 namespace dtenjax::transport {
@@ -37,7 +39,7 @@ Status TimedOut(const Conn* c, const std::string& what) {
 }  // namespace
 
 Status SendSealed(Conn* c, FrameType type, const Descriptor& d, const void* payload, uint64_t n,
-                  double deadline) {
+                  double deadline, const std::atomic<bool>* cancel) {
   if (!c->session) return DTENJAX_ERROR(Code::kInternal, "connection has no session");
   OutFrame f;
   DTENJAX_RETURN_IF_ERROR(Seal(*c->session, type, c->job_id, uint32_t(c->my_rank), d, payload, n, &f));
@@ -47,6 +49,11 @@ Status SendSealed(Conn* c, FrameType type, const Descriptor& d, const void* payl
     if (f.done()) break;
     if (NowSeconds() >= deadline) {
       return TimedOut(c, std::string("sending a ") + FrameTypeName(uint16_t(type)) + " frame to");
+    }
+    if (cancel && cancel->load()) {
+      return DTENJAX_ERROR(Code::kCancelled, std::string("dtenjax transport: stopped sending a ") +
+                                                 FrameTypeName(uint16_t(type)) + " frame to " +
+                                                 c->peer + " (closed locally)");
     }
     if (!progress) {
       WaitItem w{c, true, false};
@@ -86,8 +93,9 @@ Status RecvSealed(Conn* c, FrameType type, void* payload, uint64_t n, double dea
         DTENJAX_RETURN_IF_ERROR(OpenBody(*c->session, f, c->peer));
         Counters().aborts_received.fetch_add(1);
         const int code = text.empty() ? 7 : static_cast<unsigned char>(text[0]);
-        const std::string why = text.empty() ? "(no reason given)" : text.substr(1);
-        return Status(code >= 1 && code <= 7 ? static_cast<Code>(code) : Code::kInternal,
+        const std::string why =
+            text.empty() ? "(no reason given)" : PeerText(text.data() + 1, text.size() - 1);
+        return Status(PeerCode(code),
                       "dtenjax transport: " + c->peer + " gave up instead of sending a " +
                           FrameTypeName(uint16_t(type)) + " frame: " + why);
       }

@@ -104,9 +104,9 @@ struct ProviderRegistrar {
   static ::dtenjax::transport::ProviderRegistrar dtenjax_provider_registrar_##name(getter())
 
 // --- blocking helpers over any provider (handshake ACCEPT, control frames, aborts) ---------------
-// Sends one authenticated frame by `deadline`.
+// Sends one authenticated frame by `deadline`; stops early (kCancelled) once *cancel is set.
 Status SendSealed(Conn* c, FrameType type, const Descriptor& d, const void* payload, uint64_t n,
-                  double deadline);
+                  double deadline, const std::atomic<bool>* cancel = nullptr);
 // Receives one authenticated frame of `type` with exactly `n` payload bytes into `payload`. An
 // ABORT frame instead is the peer's reason to give up: it is returned as the error.
 Status RecvSealed(Conn* c, FrameType type, void* payload, uint64_t n, double deadline);

@@ -54,6 +54,7 @@
 
 #include "csrc/transport/crypto.h"
 #include "csrc/transport/frame.h"
+#include "csrc/transport/peer_text.h"
 #include "csrc/transport/provider.h"
 
 namespace dtenjax::transport {
@@ -137,7 +138,8 @@ Status ParseEndpoint(const std::string& ep, sockaddr_in* addr) {
 int PollMs(double until) {
   double left = until - NowSeconds();
   if (left <= 0) return 0;
-  return int(std::min(left, 0.1) * 1000) + 1;
+  // Slices of at most 20 ms: a waiter notices a cancellation (Comm::Close) within that.
+  return int(std::min(left, 0.02) * 1000) + 1;
 }
 
 std::string Seconds(double s) {
@@ -171,9 +173,15 @@ Status Closed(const std::string& peer, const std::string& why) {
 }
 
 // Sends or receives exactly n bytes on a non-blocking socket by `deadline` (handshake only).
-Status IoAll(int fd, bool write, void* buf, size_t n, double deadline, const std::string& peer) {
+// `hs`: when set, the wait also ends as soon as the set-up gives up (GiveUp: Comm::Close).
+Status IoAll(int fd, bool write, void* buf, size_t n, double deadline, const std::string& peer,
+             const Handshake* hs = nullptr) {
   uint8_t* p = static_cast<uint8_t*>(buf);
   while (n > 0) {
+    if (hs && GiveUp(*hs)) {
+      return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: stopped the handshake with " +
+                                                   peer + " because this rank's set-up gave up");
+    }
     ssize_t k = write ? ::send(fd, p, n, MSG_NOSIGNAL) : ::recv(fd, p, n, 0);
     if (k > 0) { p += k; n -= size_t(k); continue; }
     if (k == 0) return Closed(peer, "closed the connection");
@@ -227,8 +235,8 @@ Status ReadReject(int fd, const FrameHeader& h, double deadline, const std::stri
   DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, buf.data(), buf.size(), deadline, peer));
   *cls = buf[0] == char(RejectClass::kRetry) ? RejectClass::kRetry : RejectClass::kFatal;
   const int c = static_cast<unsigned char>(buf[1]);
-  *code = c >= 1 && c <= 7 ? static_cast<Code>(c) : Code::kInternal;
-  *text = buf.substr(2);
+  *code = PeerCode(c);
+  *text = PeerText(buf.data() + 2, buf.size() - 2);  // the peer's words: data, escaped
   Counters().rejects_received.fetch_add(1);
   return Status::Ok();
 }
@@ -320,7 +328,7 @@ Status ClientHandshake(int fd, const Handshake& hs, double deadline, const std::
   DTENJAX_RETURN_IF_ERROR(crypto::RandomBytes(nonce_c, 32));
   DTENJAX_RETURN_IF_ERROR(SendPlain(fd, FrameType::kHello, hs, nonce_c, 32, deadline, peer));
   FrameHeader h;
-  Status s = IoAll(fd, false, &h, kHdr, deadline, peer);
+  Status s = IoAll(fd, false, &h, kHdr, deadline, peer, &hs);
   if (!s.ok()) {
     *silent = s.code() == Code::kUnavailable;
     return *silent ? Closed(peer, "closed the connection after our HELLO without saying why") : s;
@@ -331,7 +339,7 @@ Status ClientHandshake(int fd, const Handshake& hs, double deadline, const std::
   DTENJAX_RETURN_IF_ERROR(
       CheckPlainHeader(h, FrameExpect{FrameType::kChallenge, hs.job_id, hs.peer_rank, 64}, peer));
   *retry = true;
-  DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, challenge, 64, deadline, peer));
+  DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, challenge, 64, deadline, peer, &hs));
   *retry = false;
   DTENJAX_RETURN_IF_ERROR(Proof(hs, "dtenjax-server", hs.my_rank, hs.peer_rank, nonce_c, challenge, mine));
   if (!crypto::Equal(mine, challenge + 32, 32)) {
@@ -346,7 +354,7 @@ Status ClientHandshake(int fd, const Handshake& hs, double deadline, const std::
       Proof(hs, "dtenjax-client", hs.my_rank, hs.peer_rank, challenge, nonce_c, response));
   *retry = true;
   DTENJAX_RETURN_IF_ERROR(SendPlain(fd, FrameType::kResponse, hs, response, 32, deadline, peer));
-  s = IoAll(fd, false, &h, kHdr, deadline, peer);
+  s = IoAll(fd, false, &h, kHdr, deadline, peer, &hs);
   if (!s.ok()) {
     *silent = s.code() == Code::kUnavailable;
     return *silent ? Closed(peer, "closed the connection after our RESPONSE without saying why") : s;
@@ -361,7 +369,7 @@ Status ClientHandshake(int fd, const Handshake& hs, double deadline, const std::
   InFrame f;
   std::memcpy(f.head, &h, kHdr);
   *retry = true;
-  DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, f.head + kHdr, kTagBytes, deadline, peer));
+  DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, f.head + kHdr, kTagBytes, deadline, peer, &hs));
   *retry = false;
   f.stage = InFrame::kHeadReady;
   DTENJAX_RETURN_IF_ERROR(OpenHead(*session, f, hs.job_id, hs.peer_rank, peer));
@@ -371,7 +379,7 @@ Status ClientHandshake(int fd, const Handshake& hs, double deadline, const std::
                                               FrameTypeName(h.type) + " where ACCEPT belongs");
   }
   *retry = true;
-  DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, f.ptag, kTagBytes, deadline, peer));
+  DTENJAX_RETURN_IF_ERROR(IoAll(fd, false, f.ptag, kTagBytes, deadline, peer, &hs));
   *retry = false;
   f.stage = InFrame::kDone;
   DTENJAX_RETURN_IF_ERROR(OpenBody(*session, f, peer));
@@ -643,10 +651,10 @@ Verdict Advance(Pending* p, const Handshake& hs, const std::string& peer, bool r
   if (h.type == uint16_t(FrameType::kReject)) {
     const int c = static_cast<unsigned char>(p->in[kHdr + 1]);
     Counters().rejects_received.fetch_add(1);
-    v.status = Status(c >= 1 && c <= 7 ? static_cast<Code>(c) : Code::kInternal,
+    v.status = Status(PeerCode(c),
                       "dtenjax transport: " + peer + " refused our CHALLENGE: " +
-                          std::string(reinterpret_cast<const char*>(p->in) + kHdr + 2,
-                                      p->have - kHdr - 2));
+                          PeerText(reinterpret_cast<const char*>(p->in) + kHdr + 2,
+                                   p->have - kHdr - 2));
     return v;
   }
   v.tell = true;

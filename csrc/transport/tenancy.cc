@@ -57,7 +57,8 @@ Status TokenBucket::Take(uint64_t bytes, double deadline, uint64_t* slept_ns) {
     if (now + wait > deadline) {
       tokens_ += double(bytes);
       return DTENJAX_ERROR(Code::kDeadlineExceeded,
-                           "token bucket: sending " + std::to_string(bytes) + " bytes at " +
+                           "token bucket of tenant '" + tenant_ + "': sending " +
+                               std::to_string(bytes) + " bytes at " +
                                std::to_string(rate_) + " B/s needs " + std::to_string(wait) +
                                " s, past the collective timeout; raise the tenant's rate_bytes_per_s "
                                "or DTENJAX_COLLECTIVE_TIMEOUT");

@@ -27,6 +27,7 @@ Status ValidateQuota(const TenantQuota& q);
 
 class TokenBucket {
  public:
+  explicit TokenBucket(std::string tenant = "") : tenant_(std::move(tenant)) {}
   void Configure(double rate_bytes_per_s, double burst_bytes);
   // Blocks until `bytes` tokens are available (the bucket may go into debt for one oversize
   // request so large sends are shaped, not refused). Fails with kDeadlineExceeded if the wait would
@@ -36,6 +37,7 @@ class TokenBucket {
 
  private:
   std::mutex mu_;
+  std::string tenant_;  // named in its errors
   double rate_ = 0, burst_ = 0, tokens_ = 0, last_ = -1;
 };
 
@@ -48,7 +50,7 @@ struct TenantUsage {
 
 class Tenant {
  public:
-  explicit Tenant(std::string name) : name_(std::move(name)) {}
+  explicit Tenant(std::string name) : name_(std::move(name)), bucket_(name_) {}
   const std::string& name() const { return name_; }
   Status SetQuota(const TenantQuota& q);
   TenantQuota quota();

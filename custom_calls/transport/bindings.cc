@@ -26,6 +26,7 @@
 #include "csrc/transport/bufferpool.h"
 #include "csrc/transport/comm.h"
 #include "csrc/transport/crypto.h"
+#include "csrc/transport/fingerprint.h"
 #include "csrc/transport/frame.h"
 #include "csrc/transport/provider.h"
 #include "csrc/transport/tenancy.h"
@@ -93,8 +94,8 @@ class PyComm {
     ThrowIfError(s);
   }
 
-  void AllReduce(ConstBytes src, Bytes dst, uint64_t count, int dtype, int op, uint32_t site,
-                 uint32_t tag) {
+  void AllReduce(ConstBytes src, Bytes dst, uint64_t count, int dtype, int op, uint64_t site,
+                 uint32_t tag, const std::string& thread) {
     std::shared_ptr<tp::Comm> c = Get();
     const size_t esz = tp::DTypeSize(static_cast<tp::DType>(dtype));
     if (esz == 0) ThrowIfError(Status(Code::kInvalidArgument, "unknown dtype code " + std::to_string(dtype)));
@@ -119,7 +120,7 @@ class PyComm {
         Status st;
         try {
           st = c->AllReduce(in, ptr, count, static_cast<tp::DType>(dtype),
-                            static_cast<tp::ReduceOp>(op), site, -1, tag);
+                            static_cast<tp::ReduceOp>(op), site, -1, tag, thread);
         } catch (const std::exception& e) {
           st = DTENJAX_ERROR(Code::kInternal, std::string("all_reduce raised: ") + e.what());
         }
@@ -130,8 +131,20 @@ class PyComm {
     ThrowIfError(s);
   }
 
+  // Interrupts what runs and refuses what comes (Close without waiting); close() still drops it.
+  void Interrupt() {
+    if (comm_) comm_->Close(0.0);
+  }
+
+  // Interrupts the collective in flight and fails the queued ones ("closed locally"), waits for
+  // the worker thread, then drops the communicator (its connections close with the last user).
   void Close() {
     if (comm_) {
+      std::shared_ptr<tp::Comm> c = comm_;
+      {
+        nb::gil_scoped_release release;
+        c->Close();
+      }
       tp::DestroyComm(id_);
       comm_.reset();
     }
@@ -207,7 +220,9 @@ void BindTransport(nb::module_& root) {
     ThrowIfError(g.Tag(counter, label, data.c_str(), data.size(), nullptr, 0, out));
     return nb::bytes(reinterpret_cast<const char*>(out), sizeof(out));
   });
-  m.def("register_site", [](uint32_t tag, const std::string& text) { tp::RegisterSite(tag, text); });
+  m.def("register_site", [](uint64_t id, const std::string& site, const std::string& signature) {
+    ThrowIfError(tp::RegisterSite(id, site, signature));
+  }, nb::arg("id"), nb::arg("site"), nb::arg("signature") = "");
 
   nb::class_<PyComm>(m, "Comm")
       .def(nb::init<uint64_t, int, int, nb::bytes, double, const std::string&, const std::string&,
@@ -223,7 +238,9 @@ void BindTransport(nb::module_& root) {
       .def_prop_ro("closed", &PyComm::closed)
       .def("connect_ring", &PyComm::ConnectRing)
       .def("all_reduce", &PyComm::AllReduce, nb::arg("src"), nb::arg("dst"), nb::arg("count"),
-           nb::arg("dtype"), nb::arg("op"), nb::arg("site"), nb::arg("tag") = 0)
+           nb::arg("dtype"), nb::arg("op"), nb::arg("site"), nb::arg("tag") = 0,
+           nb::arg("thread") = "")
+      .def("interrupt", &PyComm::Interrupt)
       .def("close", &PyComm::Close);
 
   nb::class_<tp::BufferPool>(m, "BufferPool")

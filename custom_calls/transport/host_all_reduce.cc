@@ -4,7 +4,7 @@
 //              the caller's tag of this collective: 0 or e.g. the step number, compared by the
 //              ring like the other fields of the collective's descriptor)
 //     attrs: comm_ids: int64[k] (one communicator per process-local ring slot), op: int32,
-//            site: int64 (call-site tag; hostcoll registers its text)
+//            site: int64 (the call's id; hostcoll registers its call stack and signature)
 // Asynchronous: the handler queues the collective on the communicator's own worker thread and
 // returns an xla::ffi::Future, so XLA's threads never block on the network. Collectives of one
 // communicator run in the order XLA issues them (the call has side effects, so XLA keeps program
@@ -87,7 +87,7 @@ ffi::Future HostAllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> where,
                                             promise]() mutable {
     try {
       dtenjax::Status s = comm->AllReduce(src, dst, count, dt, static_cast<tp::ReduceOp>(op),
-                                          uint32_t(uint64_t(site)), position, tag);
+                                          uint64_t(site), position, tag);
       if (s.ok()) {
         promise.SetAvailable();
       } else {

@@ -112,7 +112,7 @@ ffi::Error HostAllReduceCudaImpl(cudaStream_t stream, ffi::AnyBuffer x,
     dtenjax::Status st;
     try {
       st = comm->AllReduce(host, host, bytes / tp::DTypeSize(dt), dt,
-                           static_cast<tp::ReduceOp>(op), uint32_t(uint64_t(site)), position,
+                           static_cast<tp::ReduceOp>(op), uint64_t(site), position,
                            tag);
     } catch (const std::exception& ex) {
       st = DTENJAX_ERROR(dtenjax::Code::kInternal, std::string("exception: ") + ex.what());

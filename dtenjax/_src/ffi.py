@@ -33,6 +33,7 @@ STATUS_ERRORS: dict[str, type[Exception]] = {
     "permission_denied": errors.TransportError,       # authentication / ownership
     "data_loss": errors.TransportError,               # corrupt frame
     "internal": errors.NativeError,
+    "cancelled": errors.CollectiveError,             # closed locally while the call was in flight
 }
 
 _lock = threading.Lock()

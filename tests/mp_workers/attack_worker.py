@@ -8,6 +8,10 @@ DTENJAX_TEST_PHASES), in this order:
   other order;
 * tagged: a jitted step whose collective is tagged with the (traced) step number; rank 1 skips
   step 1;
+* fori: the public all_reduce inside lax.fori_loop tagged with the traced index; first every rank
+  runs iterations 0..2, then rank 1 runs 1..3;
+* differ: one helper line reduces a (4, 250) array on rank 1 and a (1000,) one elsewhere, then
+  bfloat16 on rank 1 and float32 elsewhere;
 * algorithms: rank 0 asks for algorithm="ring", the others for "xla"; afterwards rank 0 runs the
   xla collective too, which releases the others;
 * peer_loss: the last rank exits between two collectives; the others run the second one;
@@ -136,6 +140,35 @@ def main():
       attempt("tagged_public", public_loop)
       hostcoll.reset()
       common.barrier("tagged-public-done")
+
+    if "fori" in phases:   # the public all_reduce in lax.fori_loop, tagged with its index
+      def loop_step(start):
+        def body(i, c):
+          return c + 0.5 * dtenjax.all_reduce(c, "p", algorithm="ring", tag=i)
+        return jit(lambda x: jax.lax.fori_loop(start, start + 3, body, x))
+      attempt("fori_same", lambda: rows(loop_step(0)(arr)))            # every rank 0..2
+      attempt("fori", lambda: rows(loop_step(1 if rank == 1 else 0)(arr)))  # rank 1: 1..3
+      hostcoll.reset()
+      common.barrier("fori-done")
+
+    if "differ" in phases:   # one line, another shape or dtype on rank 1 (same element count)
+      def helper(v):
+        return dtenjax.all_reduce(v, "p", algorithm="ring")
+
+      def shapes(x):
+        v = jnp.tile(x.reshape(-1), 125)                       # 1000 elements
+        y = helper(v.reshape(4, 250) if rank == 1 else v)
+        return x + y.reshape(-1)[:8].reshape(x.shape)
+
+      def dtypes(x):
+        v = x.astype(jnp.bfloat16) if rank == 1 else x
+        return helper(v).astype(jnp.float32)
+      attempt("shapes", lambda: rows(jit(shapes)(arr)))
+      hostcoll.reset()
+      common.barrier("shapes-done")
+      attempt("dtypes", lambda: rows(jit(dtypes)(arr)))
+      hostcoll.reset()
+      common.barrier("dtypes-done")
 
     if "algorithms" in phases:
       xla = jit(lambda x: dtenjax.all_reduce(x, "p", algorithm="xla"))

@@ -252,28 +252,35 @@ class _Spec:
   local_axis: int | None = None
   local_size: int = 1
   typed: tuple[str, ...] = ()     # the axes with vma types (see _typed_axes)
-  tag: int | str | None = None    # checked by _static_tag
+  tag: int | str | None = None    # static part, checked by _split_tag
 
 
-def _static_tag(tag):
-  """``tag`` checked as the transport reads it; a traced integer is refused (the spec is static)."""
+def _split_tag(tag):
+  """``tag`` checked as the transport reads it: (static tag for the spec, traced tag or None).
+
+  A traced integer scalar (e.g. the index of ``lax.fori_loop``) cannot live in the static spec:
+  it travels as an operand of the collective instead (the host transport compares its value on
+  every rank, like a static tag's)."""
   if tag is None or isinstance(tag, str) or (isinstance(tag, (int, np.integer))
                                              and not isinstance(tag, bool)):
     callsite.tag_value(tag)                 # raises CollectiveError naming a bad value
-    return tag if tag is None or isinstance(tag, str) else int(tag)
-  raise errors.CollectiveError(
-      f"all_reduce: tag={tag!r} must be None, a Python int in 0..2**32-1 or a str; a traced "
-      "value (e.g. the index of lax.fori_loop) is not accepted here: tag each call with a "
-      "static int (the step number of a Python loop) or a str.")
+    return (tag if tag is None or isinstance(tag, str) else int(tag)), None
+  try:
+    if callsite.tag_value(tag)[0] is None:  # an integer scalar array: traced or concrete
+      return None, jnp.asarray(tag)
+  except errors.CollectiveError as e:
+    raise errors.CollectiveError(f"all_reduce: {e}") from None
+  raise errors.CollectiveError(f"all_reduce: tag={tag!r} is not a tag.")  # pragma: no cover
 
 
-def _forward(x, spec: _Spec):
+def _forward(x, spec: _Spec, traced_tag=None):
   ctx = _context(spec.axes)
   k = spec.local_size
   nbytes = x.size // k * jnp.dtype(x.dtype).itemsize
   repro_sum = spec.reproducible if spec.op in ("sum", "mean") else None   # the contract
   call = _make_call("all_reduce", x.dtype, nbytes, ctx, spec.axes, spec.op, spec.algorithm,
-                    spec.deterministic, repro_sum, k if repro_sum else 1, spec.tag)
+                    spec.deterministic, repro_sum, k if repro_sum else 1,
+                    spec.tag if traced_tag is None else traced_tag)
   record = _resolve(spec.algorithm, call, ctx)
   if repro_sum:
     stack = jnp.moveaxis(x, spec.local_axis, 0) if spec.local_axis is not None else x[None]
@@ -314,31 +321,36 @@ def _mean_scale(dtype, op: str, count: int) -> float | None:
   return 2.0 ** math.ceil(math.log2(count))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _all_reduce_array(x, spec: _Spec):
-  return _forward(x, spec)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _all_reduce_array(x, traced_tag, spec: _Spec):
+  return _forward(x, spec, traced_tag)
 
 
-def _ar_fwd(x, spec: _Spec):
-  y = _forward(x, spec)
-  return y, ((x, y) if spec.op in ("max", "min") else None)
+def _ar_fwd(x, traced_tag, spec: _Spec):
+  y = _forward(x, spec, traced_tag)
+  return y, (((x, y) if spec.op in ("max", "min") else None), traced_tag)
 
 
 def _float0_like(shape):
   return np.zeros(shape, jax.dtypes.float0)
 
 
-def _sum_untyped(ct, spec: _Spec):
+def _sum_untyped(ct, spec: _Spec, traced_tag=None):
   """The cotangent summed over the axes without vma types (pmap's transpose of psum is psum);
   over typed axes the invariant cotangent is one value and needs no communication."""
   plain = tuple(a for a in spec.axes if a not in spec.typed)
   if not plain:
     return ct
   return _forward(ct, dataclasses.replace(spec, axes=plain, op="sum", local_axis=None,
-                                          local_size=1, typed=()))
+                                          local_size=1, typed=()), traced_tag)
 
 
 def _ar_bwd(spec: _Spec, res, ct):
+  res, traced_tag = res
+  return _ar_bwd_x(spec, res, ct, traced_tag) + (None,)
+
+
+def _ar_bwd_x(spec: _Spec, res, ct, traced_tag):
   """The transpose of lax.psum / pmean in both of JAX's typings: over typed axes, invariant
   cotangent -> varying (``pcast``, no communication); over untyped axes, a sum of cotangents."""
   la, k = spec.local_axis, spec.local_size
@@ -346,7 +358,7 @@ def _ar_bwd(spec: _Spec, res, ct):
   if ct.dtype == jax.dtypes.float0:
     return (_float0_like(x_shape),)
   if spec.op in ("sum", "mean"):
-    g = _sum_untyped(ct, spec)
+    g = _sum_untyped(ct, spec, traced_tag)
     if spec.op == "mean":
       g = g / jnp.asarray(base.axis_size(spec.axes) * k, g.dtype)
     if la is not None:
@@ -358,7 +370,7 @@ def _ar_bwd(spec: _Spec, res, ct):
   mask = ((x == yb) | (jnp.isnan(x) & jnp.isnan(yb))).astype(ct.dtype)
   count = mask if la is None else jnp.sum(mask, axis=la)
   plain = dataclasses.replace(spec, op="sum", local_axis=None, local_size=1, reproducible=False)
-  share = _sum_untyped(ct, plain) / _forward(count, plain)
+  share = _sum_untyped(ct, plain, traced_tag) / _forward(count, plain, traced_tag)
   return (jaxapi.to_varying(mask * (jnp.expand_dims(share, la) if la is not None else share),
                             spec.typed),)
 
@@ -387,13 +399,14 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
     bucket_bytes: pytree leaves are packed into flat buffers of at most this many bytes
       (default DTENJAX_BUCKET_BYTES; 0 = one collective per leaf).
     tag: tells apart collectives across processes whose call stacks look alike, e.g. the
-      iterations of a Python loop around one step (pass the step number, an int in 0..2**32-1)
-      or collectives issued in a process-dependent order (a str naming each). The host transport
-      compares it on every rank and raises on a mismatch (docs/reliability.md); the other
-      algorithms need none (XLA orders its collectives) and ignore it.
+      iterations of a Python loop around one step (pass the step number, an int in 0..2**32-1),
+      of a ``lax.fori_loop`` (pass its traced index: an integer scalar array) or collectives
+      issued in a process-dependent order (a str naming each). The host transport compares it
+      on every rank and raises on a mismatch (docs/reliability.md); the other algorithms need
+      none (XLA orders its collectives) and ignore it.
   """
   _check_common("all_reduce", op, algorithm)
-  tag = _static_tag(tag)
+  tag, traced_tag = _split_tag(tag)
   reproducible = repro.contract_of(reproducible)
   axes = check_axes(axis_name, "all_reduce")
   if local_axis is not None and not reproducible and op in ("sum", "mean"):
@@ -405,7 +418,10 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
     bucket_bytes = config.get_int("DTENJAX_BUCKET_BYTES")
   args = (axes, op, algorithm, bool(deterministic), reproducible, local_axis, int(bucket_bytes),
           tag)
-  out = _eager_or_traced("all_reduce", _all_reduce_leaves, leaves, args)
+  if traced_tag is None:
+    out = _eager_or_traced("all_reduce", _all_reduce_leaves, leaves, args)
+  else:         # a tag that is a value travels as an operand: no cached eager program keys it
+    out = _all_reduce_leaves(leaves, *args, traced_tag=traced_tag)
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -455,7 +471,7 @@ def _gather_vmap(leaf, vaxes: tuple[str, ...]):
 
 
 def _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic, reproducible,
-                      local_axis, tag):
+                      local_axis, tag, traced_tag=None):
   """An all-reduce over mesh axes and vmap axes together, with lax.psum's semantics: the vmap
   lanes' values are gathered (a local stack, rank order of the vmap axes), then reduced over the
   mesh axes with the algorithm asked for -- exactly (``local_axis``) for reproducible sums and
@@ -478,12 +494,12 @@ def _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic, re
       stack = _gather_vmap(leaf, vaxes)
     if reproducible or op in ("max", "min"):
       out += _all_reduce_leaves([stack], mesh_axes, op, algorithm, deterministic, reproducible,
-                                0, 0, tag)
+                                0, 0, tag, traced_tag)
       continue
     _check_leaf("all_reduce", leaf, op, reproducible)
     part = base.ordered_reduce(stack, "sum").astype(leaf.dtype)
     y, = _all_reduce_leaves([part], mesh_axes, "sum", algorithm, deterministic, None, None, 0,
-                            tag)
+                            tag, traced_tag)
     if op == "mean":
       y = fixed_point.ieee_divide(y, nv * base.axis_size(mesh_axes))
     out.append(y)
@@ -491,19 +507,19 @@ def _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic, re
 
 
 def _all_reduce_leaves(leaves, axes, op, algorithm, deterministic, reproducible, local_axis,
-                       bucket_bytes, tag):
+                       bucket_bytes, tag, traced_tag=None):
   vaxes = _vmap_axes(axes)
   with _vmap_errors("all_reduce", axes):
     if vaxes and len(vaxes) < len(axes):
       mesh_axes = tuple(a for a in axes if a not in vaxes)
       return _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic,
-                               reproducible, local_axis, tag)
+                               reproducible, local_axis, tag, traced_tag)
     return _all_reduce_plain(leaves, axes, op, algorithm, deterministic, reproducible,
-                             local_axis, bucket_bytes, tag)
+                             local_axis, bucket_bytes, tag, traced_tag)
 
 
 def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, reproducible, local_axis,
-                      bucket_bytes, tag):
+                      bucket_bytes, tag, traced_tag=None):
   typed = _typed_axes(axes)
   leaves = [jnp.asarray(leaf) for leaf in leaves]
   if op == "mean":
@@ -523,9 +539,9 @@ def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, reproducible, 
       k = leaf.shape[la]
     specs.append(_Spec(axes, op, algorithm, deterministic, reproducible, la, k, typed, tag))
   if len(leaves) > 1 and bucket_bytes > 0 and local_axis is None:
-    return buckets.bucketed_apply(leaves, lambda flat: _all_reduce_array(flat, specs[0]),
-                                  bucket_bytes)
-  return [_all_reduce_array(leaf, s) for leaf, s in zip(leaves, specs)]
+    return buckets.bucketed_apply(
+        leaves, lambda flat: _all_reduce_array(flat, traced_tag, specs[0]), bucket_bytes)
+  return [_all_reduce_array(leaf, traced_tag, s) for leaf, s in zip(leaves, specs)]
 
 
 # --- reduce_scatter / all_gather: transposes of each other ----------------------------------------

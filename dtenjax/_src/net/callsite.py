@@ -8,10 +8,10 @@ module only walks the Python stack and checks tags; it holds no state and needs 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 import sysconfig
-import zlib
 
 import numpy as np
 
@@ -69,8 +69,8 @@ def call_site(depth_limit: int = 256) -> tuple[int, str]:
   first, as ``"helper (a.py:3) < body (train.py:10) < step (train.py:20)"`` (at most
   MAX_SITE_FRAMES), and stops where jax began tracing: frames above the outermost ``jax.jit`` /
   trace are where the function was first *called* (which may differ between processes that run
-  the same program, e.g. one lowered it for a log line), not part of the collective. The tag is
-  the text's CRC32. So one helper called from two lines gets two sites, and ranks that issue
+  the same program, e.g. one lowered it for a log line), not part of the collective. The id is
+  :func:`site_id` of the text. So one helper called from two lines gets two sites, and ranks that issue
   them in different orders are told apart; only iterations of one loop (same stack) look the
   same: give those a ``tag`` (see :func:`tag_value`)."""
   frames = []
@@ -85,9 +85,21 @@ def call_site(depth_limit: int = 256) -> tuple[int, str]:
   parts = [f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}:{f.f_lineno})"
            for f in frames if not _is_library(f.f_code.co_filename)]
   if not parts:
-    return 0, "unknown"
+    return site_id("unknown"), "unknown"
   text = " < ".join(parts[:MAX_SITE_FRAMES]) + (" < ..." if len(parts) > MAX_SITE_FRAMES else "")
-  return zlib.crc32(text.encode()), text
+  return site_id(text), text
+
+
+@functools.lru_cache(maxsize=4096)   # a loop asks for the same call's id again and again
+def site_id(text: str, signature: str = "", base: int = 0) -> int:
+  """The id under which a call (its call-stack ``text`` and ``signature``) is registered with the
+  native layer: 63 bits of BLAKE2b over both (and a caller's own ``base`` id), so it fits the FFI
+  call's int64 attribute. Only this process uses it; what travels is the keyed 64-bit digest of
+  the texts themselves (csrc/transport/fingerprint.h), so ids never need to agree across
+  processes, and a collision of two ids in one process is refused when registered."""
+  h = hashlib.blake2b(f"{base}\0{text}\0{signature}".encode("utf-8", "backslashreplace"),
+                      digest_size=8)
+  return int.from_bytes(h.digest(), "little") & (2**63 - 1)
 
 
 def tag_value(tag) -> tuple[int | None, str]:

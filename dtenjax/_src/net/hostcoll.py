@@ -20,10 +20,11 @@ CPU devices of one process deadlocks XLA's CPU runtime (measured: docs/architect
 custom call here only waits for peers in other processes, and asynchronously: the handler queues the
 collective on the communicator's own thread and returns an ``xla::ffi::Future``, so XLA's threads
 are never blocked on the network. The call has side effects, so XLA keeps program order among
-them; every frame names its collective (number, op, dtype, count, call site = the user call
-stack of the traced equation, and the caller's ``tag``), so processes that issue different
-collectives, or the same ones in different orders, get an error on every rank naming both sides
-and both call stacks, not wrong data. What stays undetectable: collectives identical in all of
+them; every collective's fingerprint (number, op, dtype, count, the caller's ``tag``, its
+signature -- the dtype and shape of the caller's value, algorithm, contract -- and call site, the
+user call stack of the traced equation) is checked by every rank before any payload is combined,
+so processes that issue different collectives, or the same ones in different orders, get an
+error on every rank naming both sides and both call stacks, not wrong data. What stays undetectable: collectives identical in all of
 these, e.g. iterations of one loop without a tag (docs/reliability.md, "Look-alike
 collectives"). A dead or stalled peer makes every survivor fail within
 ``DTENJAX_COLLECTIVE_TIMEOUT`` seconds (a dead peer's sockets close at once; a stalled one times out
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import math
 import threading
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -197,8 +197,18 @@ def _ring_call(x, position, slot, comm_ids: Sequence[int], op: str, site: int,
               site=np.int64(site))
 
 
+def signature(x, algorithm: str, origin: str | None = None) -> str:
+  """What a collective is, for its fingerprint: the dtype and shape of ``x``, ``origin`` (what
+  the caller reduces when ``x`` is a widened form of it, e.g. ``"bfloat16 contract=none"`` for
+  bfloat16 carried as float32) and the algorithm: ``"float32[4, 250] (bfloat16 contract=none)
+  algorithm=ring"``."""
+  return (f"{jnp.dtype(x.dtype).name}{list(x.shape)}" + (f" ({origin})" if origin else "")
+          + f" algorithm={algorithm}")
+
+
 def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
-               tenant: str = "default", site: tuple[int, str] | None = None, tag=None):
+               tenant: str = "default", site: tuple[int, str] | None = None, tag=None,
+               origin: str | None = None):
   """All-reduce of ``x`` over ``axis_name`` across processes, through the host transport.
 
   Call inside ``jax.shard_map`` (or ``dtenjax.mesh_map``); see the module docstring for the
@@ -208,7 +218,12 @@ def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
   stacks are the same, e.g. the iterations of a loop: an int in [0, 2**32), an integer scalar
   array (traced, e.g. the step number inside ``lax.fori_loop``), or a str naming the collective
   (:func:`dtenjax._src.net.callsite.tag_value`). Every process must pass the same tag for the
-  same collective; a rank that differs raises on every rank, naming both.
+  same collective; a rank that differs raises on every rank, naming both. ``origin`` says what
+  the caller reduces when ``x`` is a widened form of it (see :func:`signature`).
+
+  Every rank checks, before it combines any payload, that its previous rank runs the same
+  collective: op, dtype, element count, tag, signature (dtype and shape of the caller's value,
+  algorithm, contract) and call site, under a keyed 64-bit digest (docs/reliability.md).
   """
   axes = jaxapi.axis_tuple(axis_name)
   nproc, local = _check(x, axes, algorithm, op)
@@ -216,24 +231,25 @@ def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
   if site is None:
     site = callsite.call_site()
   if suffix:
-    site = (zlib.crc32((site[1] + suffix).encode()), site[1] + suffix)
+    site = (site[0], site[1] + suffix)
   tag = value if value is not None else tag   # a traced tag travels as an operand
+  sig = signature(x, algorithm, origin)
   if op == "mean":
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise errors.CollectiveError(
           f"op='mean' needs a floating dtype, got {jnp.dtype(x.dtype).name}; cast first or use "
           "op='sum'.")
     total = all_reduce(x, axis_name, algorithm=algorithm, op="sum", tenant=tenant, site=site,
-                       tag=tag)
+                       tag=tag, origin=f"{origin or jnp.dtype(x.dtype).name} mean")
     return (total / jnp.asarray(nproc * local, total.dtype)).astype(x.dtype)
   if jax.process_count() == 1:
     # one process, one device on the axes: nothing to combine (the gather of one is typed as
     # the all-reduce's result)
     return jaxapi.all_gather_invariant(x, axes)[0]
   comms = communicators(local, tenant)
-  native.register_site(*site)
+  site_tag = callsite.site_id(site[1], sig, base=site[0])
+  native.register_site(site_tag, site[1], sig)
   ids = [c.comm_id for c in comms]
-  site_tag = site[0]
   if algorithm == "ring":
     return _ring_call(x, jax.lax.axis_index(axes), 0, ids, op, site_tag, axes, tag)
   outer, inner = axes

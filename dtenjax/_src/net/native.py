@@ -60,10 +60,20 @@ def counters() -> dict[str, int]:
   return dict(transport().counters())
 
 
-def register_site(tag: int, text: str) -> None:
-  """Tells the native layer the text of a site tag (for error messages; tags come from
-  :mod:`dtenjax._src.net.callsite`)."""
-  transport().register_site(checks.integer("site tag", tag, 0, checks.U32_MAX), str(text))
+_registered: dict[int, tuple[str, str]] = {}   # what this process told the native table
+
+
+def register_site(site_id: int, text: str, signature: str = "") -> None:
+  """Tells the native layer what call ``site_id`` is: its call stack ``text`` and its
+  ``signature`` (dtype, shape, algorithm, contract). Both are part of the fingerprint every rank
+  checks (:func:`dtenjax._src.net.callsite.site_id` makes the id); an id registered again with
+  other texts raises ConfigurationError."""
+  value = (str(text), str(signature))
+  if _registered.get(site_id) == value:
+    return                      # already there (the native table keeps every call)
+  transport().register_site(checks.integer("site id", site_id, 0, checks.I64_MAX), *value)
+  if len(_registered) < 1 << 16:
+    _registered[site_id] = value
 
 
 # --- libcrypto ------------------------------------------------------------------------------------

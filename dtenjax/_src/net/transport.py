@@ -12,17 +12,20 @@ derived in that handshake. Both come from OpenSSL's libcrypto
 connection is made (fail closed): creating a multi-process communicator raises
 ExtensionUnavailableError saying so.
 
-Every collective carries (number, op, dtype, count, call site, tag) in its frames; processes that
-issue different collectives get an error on every rank that names both sides and both call
-stacks (see :func:`~dtenjax._src.net.callsite.call_site` and
-:func:`~dtenjax._src.net.callsite.tag_value`).
+Every collective has a fingerprint (op, dtype, count, tag, the call's signature and call site,
+the issuing thread; a keyed 64-bit digest of them, csrc/transport/fingerprint.h) that every rank
+checks against its previous rank's before it combines any payload; processes that issue
+different collectives get an error on every rank that names both sides (see
+:func:`~dtenjax._src.net.callsite.call_site` and :func:`~dtenjax._src.net.callsite.tag_value`).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import threading
-import zlib
+import weakref
 
 import numpy as np
 
@@ -78,8 +81,57 @@ def _peer_errors(e: errors.ExtensionUnavailableError) -> errors.TransportError:
   return errors.TransportError(str(e))
 
 
+# Teardown (issue 35 item 3). A Python thread blocked in a native call (GIL released) that wakes
+# while the interpreter finalizes is ended by CPython with pthread_exit, whose unwinding through
+# the binding's GIL guard terminates the process ("terminate called without an active
+# exception"). So at exit every live communicator is closed, which interrupts its calls, and exit
+# waits until every thread has left its native call.
+_calls = threading.Condition()
+_threads_in_native = 0
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+EXIT_WAIT_S = 5.0   # how long interpreter exit waits for threads to leave native calls
+
+
+@contextlib.contextmanager
+def _native_call():
+  global _threads_in_native
+  with _calls:
+    _threads_in_native += 1
+  try:
+    yield
+  finally:
+    with _calls:
+      _threads_in_native -= 1
+      _calls.notify_all()
+
+
+def _close_at_exit() -> None:
+  comms = list(_live)
+  for comm in comms:     # first interrupt them all: closing one must not fail its ring
+    try:                 # neighbours in this process with "lost connection" instead
+      comm._native.interrupt()  # pylint: disable=protected-access
+    except Exception:  # pylint: disable=broad-except  # noqa: BLE001 - exiting anyway
+      pass
+  for comm in comms:
+    try:
+      comm.close()
+    except Exception:  # pylint: disable=broad-except  # noqa: BLE001 - exiting anyway
+      pass
+  with _calls:
+    _calls.wait_for(lambda: _threads_in_native == 0, timeout=EXIT_WAIT_S)
+
+
+atexit.register(_close_at_exit)
+
+
 class Communicator:
-  """One rank of an authenticated ring of processes (a native communicator)."""
+  """One rank of an authenticated ring of processes (a native communicator).
+
+  One thread issues its collectives (:meth:`all_reduce`): the first that does owns it, and
+  another thread is refused with CollectiveError while the owner lives. Two threads' collectives
+  would be queued in a different order on each rank and paired wrongly; give each thread its own
+  communicator. :meth:`close` may be called from any thread: it interrupts the collective in
+  flight (CollectiveError "closed locally", within about 20 ms) and every queued one."""
 
   def __init__(self, name: str, rank: int, size: int, tenant: str, provider: str, native_comm):
     self.name, self.rank, self.size = name, rank, size
@@ -87,6 +139,24 @@ class Communicator:
     self._native = native_comm
     self.comm_id = int(native_comm.id)
     self.endpoint = native_comm.endpoint
+    self._owner: threading.Thread | None = None
+    self._owner_lock = threading.Lock()
+    _live.add(self)
+
+  def _claim(self) -> None:
+    """The calling thread owns this communicator's collectives, or CollectiveError at once."""
+    me = threading.current_thread()
+    with self._owner_lock:
+      if self._owner is None or self._owner is me or not self._owner.is_alive():
+        self._owner = me
+        return
+      owner = self._owner
+    raise errors.CollectiveError(
+        f"communicator {self.name!r} (rank {self.rank} of {self.size}) issues the collectives of "
+        f"thread {owner.name!r}; thread {me.name!r} may not use it too: the collectives of two "
+        "threads would be queued in a different order on each rank and paired with the wrong "
+        "partners (mixed data). Give each thread its own communicator (create_communicator with "
+        "a name per thread), or issue every collective from one thread.")
 
   def __repr__(self) -> str:
     return (f"Communicator({self.name!r}, rank={self.rank}, size={self.size}, "
@@ -114,21 +184,28 @@ class Communicator:
     if value is None:
       raise errors.CollectiveError("Communicator.all_reduce takes a Python int or str tag (an "
                                    "array tag belongs inside jit: hostcoll.all_reduce).")
-    site_tag, text = callsite.call_site() if site is None else site
-    if suffix:
-      text += suffix
-      site_tag = zlib.crc32(text.encode())
-    native.register_site(site_tag, text)
+    base, text = callsite.call_site() if site is None else site
+    text += suffix
+    sig = f"{x.dtype.name}{list(x.shape)}"
+    site_id = callsite.site_id(text, sig, base=base)
+    native.register_site(site_id, text, sig)
+    self._claim()
     out = np.empty_like(x)
     try:
-      self._native.all_reduce(x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8),
-                              out.size, dtype_codes[x.dtype], op_codes[op], site_tag, value)
+      with _native_call():
+        self._native.all_reduce(x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8),
+                                out.size, dtype_codes[x.dtype], op_codes[op], site_id, value,
+                                threading.current_thread().name)
     except errors.ExtensionUnavailableError as e:
       raise _peer_errors(e) from None
     return out
 
   def close(self) -> None:
+    """Closes this communicator (from any thread): its collective in flight and the queued ones
+    fail with CollectiveError "closed locally", a connect in progress gives up, its worker thread
+    is joined. Closing twice is harmless."""
     self._native.close()
+    _live.discard(self)
 
   @property
   def closed(self) -> bool:
@@ -178,7 +255,8 @@ def connect(comm: Communicator, next_endpoint: str) -> None:
   failure every rank of the ring raises with the first cause, and a second call raises too."""
   checks.name("next_endpoint", next_endpoint)
   try:
-    comm._native.connect_ring(next_endpoint)  # pylint: disable=protected-access
+    with _native_call():
+      comm._native.connect_ring(next_endpoint)  # pylint: disable=protected-access
   except errors.ExtensionUnavailableError as e:
     raise _peer_errors(e) from None
 

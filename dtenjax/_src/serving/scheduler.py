@@ -280,6 +280,7 @@ class _Dispatcher:
     self.low: list[tuple[float, int, _Item]] = []   # heap by deadline
     self.seq = itertools.count()
     self.closing = False
+    self.close_prom_on_exit = False  # shutdown() from the dispatcher thread leaves it to run()
     self.closed_by = ""              # why work is refused: "shutdown", "collected", a failure
     self.failure: BaseException | None = None
     self.in_flight: _Item | None = None
@@ -307,6 +308,14 @@ class _Dispatcher:
         depth = len(self.main) if queue == MAIN else len(self.low)
         if depth < self.max_queue:
           break
+        if threading.current_thread() is self.thread:
+          # A done-callback (they run on the dispatcher thread) cannot wait for room: only this
+          # thread makes room, so waiting would stall every batch for the whole timeout.
+          raise QueueFullError(
+              f"the {queue} queue is full (max_queue={self.max_queue}) and this {queue} batch "
+              "was offered from the scheduler's dispatcher thread (a future's done-callback), "
+              "which cannot wait for room: only it makes room. Submit from another thread, or "
+              "raise max_queue.")
         left = end - time.monotonic()
         if left <= 0:
           raise QueueFullError(
@@ -361,7 +370,7 @@ class _Dispatcher:
                           "every pending batch was failed with SchedulerClosedError.",
                           type(e).__name__, e, exc_info=e)
     finally:
-      if self.prom and self.closed_by == COLLECTED:
+      if self.prom and (self.closed_by == COLLECTED or self.close_prom_on_exit):
         self.prom.close()
 
   def fail_all(self, e: BaseException) -> None:
@@ -596,6 +605,13 @@ class GraphScheduler:
     """
     timeout = _check_timeout("timeout", timeout)
     self._d.close("shut down")
+    if threading.current_thread() is self._d.thread:
+      # From a done-callback: this thread is the dispatcher, which cannot wait for itself. Work
+      # is refused from now on; the dispatcher runs what was accepted once the callback returns,
+      # then exits (and closes the metrics endpoint).
+      self._finalizer.detach()
+      self._d.close_prom_on_exit = True
+      return
     self._d.thread.join(timeout)
     if self._d.thread.is_alive():
       with self._d.cv:

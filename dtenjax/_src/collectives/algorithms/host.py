@@ -51,22 +51,31 @@ def _name(axes):
   return axes[0] if len(axes) == 1 else axes
 
 
+def _origin(call: base.Call) -> str:
+  """What the caller reduces, for the transport's fingerprint: the ring may carry a widened or
+  keyed form of it (bfloat16 as float32), and ranks that differ in it must not be combined."""
+  return f"{call.dtype.name} contract={call.contract if call.reproducible else 'none'}"
+
+
 def _all_reduce(family: str, x, call: base.Call, finish):
   axis = _name(call.axes)
   if call.op in ("max", "min"):
     if base.uses_keys(x.dtype):
       k = base.to_key(x, call.op)
       wide = jnp.int32 if k.dtype.itemsize <= 4 else jnp.int64
-      red = hostcoll.all_reduce(k.astype(wide), axis, algorithm=family, op=call.op, tag=call.tag)
+      red = hostcoll.all_reduce(k.astype(wide), axis, algorithm=family, op=call.op, tag=call.tag,
+                                origin=_origin(call))
       return finish(base.from_key(red.astype(k.dtype), x.dtype))
-    return finish(hostcoll.all_reduce(x, axis, algorithm=family, op=call.op, tag=call.tag))
+    return finish(hostcoll.all_reduce(x, axis, algorithm=family, op=call.op, tag=call.tag,
+                                      origin=_origin(call)))
   acc = x.astype(base.acc_dtype(x.dtype, call.op))
-  return finish(hostcoll.all_reduce(acc, axis, algorithm=family, op="sum", tag=call.tag))
+  return finish(hostcoll.all_reduce(acc, axis, algorithm=family, op="sum", tag=call.tag,
+                                    origin=_origin(call)))
 
 
 def _code_max(family: str, codes, call: base.Call):
   red = hostcoll.all_reduce(codes.astype(jnp.int32), _name(call.axes), algorithm=family, op="max",
-                            tag=call.tag)
+                            tag=call.tag, origin=_origin(call) + " codes")
   return red.astype(codes.dtype)
 
 

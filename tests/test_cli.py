@@ -202,3 +202,137 @@ def test_bench_without_a_name_lists_them(capsys):
   err = capsys.readouterr().err
   assert "dtenjax bench: error: which benchmark? give NAME: allreduce," in err
   assert "_harness" not in err
+
+
+# --- error paths of every command: one line, no traceback, 2 for usage and 1 for failures -----
+
+
+def _main(argv, capsys, cwd=None, monkeypatch=None):
+  """(exit status, stderr) of the command line run in this process."""
+  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  if cwd is not None:
+    monkeypatch.chdir(cwd)
+  try:
+    rc = main(argv, prog="dtenjax")
+  except SystemExit as e:          # argparse's usage errors
+    rc = e.code
+  err = capsys.readouterr().err
+  assert "Traceback" not in err, err
+  return rc, err
+
+
+def _one_error_line(err, command):
+  lines = err.splitlines()
+  assert lines and lines[-1].startswith(f"dtenjax {command}: error: "), err
+  return lines[-1]
+
+
+FAILING_USER_CODE = textwrap.dedent("""
+    import jax.numpy as jnp
+
+    def make_args():
+      return helper()
+
+    def helper():
+      raise RuntimeError("no data here")
+
+    def step(x):
+      return jnp.sum(x) / undefined_name      # NameError while traced
+""")
+
+
+@pytest.fixture()
+def failing_dir(tmp_path):
+  (tmp_path / "failing_user.py").write_text(FAILING_USER_CODE)
+  (tmp_path / "broken_import.py").write_text("import json\nvalue = json.loads('{')\n")
+  (tmp_path / "bad_syntax.py").write_text("def f(:\n  pass\n")
+  (tmp_path / "okstep.py").write_text("import jax.numpy as jnp\ndef f(x):\n  return x * 2\n")
+  return tmp_path
+
+
+def test_explain_user_code_that_fails_shows_the_users_frame_and_exits_1(failing_dir, capsys,
+                                                                        monkeypatch):
+  path = failing_dir / "failing_user.py"
+  rc, err = _main(["explain", f"{path}:step", "--args", f"{path}:make_args"], capsys,
+                  failing_dir, monkeypatch)
+  line = _one_error_line(err, "explain")
+  assert rc == 1, err
+  assert "the --args factory" in line and "RuntimeError: no data here" in line
+  assert f"{path}:8 in helper" in line             # the user's innermost frame, not ours
+  rc, err = _main(["explain", f"{path}:step", "--shape-args", "f32[4]"], capsys)
+  line = _one_error_line(err, "explain")
+  assert rc == 1 and "NameError" in line and "undefined_name" in line, err
+  assert f"{path}:11 in step" in line
+  broken = failing_dir / "broken_import.py"
+  rc, err = _main(["explain", f"{broken}:value"], capsys)
+  line = _one_error_line(err, "explain")
+  assert rc == 1 and "importing" in line and "JSONDecodeError" in line
+  assert f"{broken}:2 in <module>" in line
+  rc, err = _main(["explain", "bad_syntax:f"], capsys, failing_dir, monkeypatch)
+  line = _one_error_line(err, "explain")
+  assert rc == 1 and "SyntaxError" in line and "bad_syntax.py:1" in line, err
+
+
+def test_explain_unwritable_outputs_exit_1_in_one_line(failing_dir, capsys, monkeypatch):
+  nowhere = failing_dir / "no-such-dir" / "out"
+  for flag in ("--json", "--dump-hlo"):
+    rc, err = _main(["explain", "okstep:f", "--shape-args", "f32[8]", flag, str(nowhere)],
+                    capsys, failing_dir, monkeypatch)
+    line = _one_error_line(err, "explain")
+    assert rc == 1 and line.startswith(f"dtenjax explain: error: {flag} ") and "cannot write" in line
+    assert err.count("\n") == 1
+
+
+def test_explain_usage_errors_exit_2(failing_dir, capsys, monkeypatch):
+  for argv, message in [
+      (["explain", "okstep"], "is not MODULE:FUNCTION"),
+      (["explain", "no_such_module:f"], "no module 'no_such_module'"),
+      (["explain", "okstep:nope"], "has no attribute 'nope'"),
+      (["explain", "okstep:f", "--shape-args", "f33[2]"], "'f33' is unknown"),
+      (["explain", "okstep:f", "--mesh", "data=64"], "needs 64 devices"),
+      (["explain", "--mesh", "data=2"], "name it first"),
+      (["explain", "okstep:f", "--no-such-flag"], "unrecognized arguments: --no-such-flag")]:
+    rc, err = _main(argv, capsys, failing_dir, monkeypatch)
+    assert rc == 2 and message in _one_error_line(err, "explain"), (argv, err)
+
+
+def test_explain_json_alone_prints_json_instead_of_the_table(failing_dir, capsys, monkeypatch):
+  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(failing_dir)
+  assert main(["explain", "okstep:f", "--shape-args", "f32[8]", "--json"], prog="dtenjax") == 0
+  data = json.loads(capsys.readouterr().out)
+  assert data["target"] == "okstep:f" and data["collectives"] == []
+
+
+def test_bench_failures_pass_through_and_usage_is_2(tmp_path, capsys, monkeypatch):
+  from dtenjax._src.cli import bench  # pylint: disable=g-import-not-at-top
+  (tmp_path / "exits3.py").write_text("import sys\nprint('cannot measure here', file=sys.stderr)\n"
+                                      "sys.exit(3)\n")
+  monkeypatch.setattr(bench, "BENCH_DIR", tmp_path)
+  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  assert main(["bench", "exits3"], prog="dtenjax") == 3     # the benchmark's own status
+  rc, err = _main(["bench", "nosuch"], capsys)
+  assert rc == 2 and "no benchmark 'nosuch'" in _one_error_line(err, "bench")
+
+
+def test_help_texts_are_plain_text(capsys):
+  from dtenjax._src.cli.main import COMMANDS, main  # pylint: disable=g-import-not-at-top
+  for command in (*COMMANDS, None):
+    with pytest.raises(SystemExit):
+      main([command, "--help"] if command else ["--help"], prog="dtenjax")
+    out = capsys.readouterr().out
+    assert not re.search(r":[a-z]+:`|``", out), (command, out)
+
+
+def test_json_means_the_same_in_every_command():
+  """--json [FILE]: the result as JSON to FILE, or to stdout without FILE (cli/common.py)."""
+  from dtenjax._src.cli.main import build_parser  # pylint: disable=g-import-not-at-top
+  parser = build_parser("dtenjax")
+  sub = next(a for a in parser._actions if a.dest == "command")  # pylint: disable=protected-access
+  seen = {}
+  for name, p in sub.choices.items():
+    for action in p._actions:  # pylint: disable=protected-access
+      if "--json" in action.option_strings:
+        seen[name] = (action.nargs, action.const, action.metavar)
+  assert set(seen) == {"topo", "explain", "info"}, seen
+  assert set(seen.values()) == {("?", "-", "FILE")}, seen

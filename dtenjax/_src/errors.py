@@ -54,6 +54,15 @@ class QuotaExceededError(DtenjaxError, RuntimeError):
   """A tenant asked for more connections, registered bytes or bandwidth than its quota."""
 
 
+# The public classes print as dtenjax.MeshError (tracebacks, repr of the class, pickling), the
+# name users catch them by, not as the module that happens to define them.
+for _cls in (DtenjaxError, ConfigurationError, TopologyError, MeshError, PlacementError,
+             CollectiveError, ExtensionUnavailableError, TransportError, CollectiveTimeoutError,
+             NativeError, QuotaExceededError):
+  _cls.__module__ = "dtenjax"
+del _cls
+
+
 def join_problems(header: str, problems: Iterable[str]) -> str:
   """Formats several problems into one message: a header line, then one bullet per problem."""
   lines = [header]

@@ -111,10 +111,17 @@ def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], axis_types=
     if len(shape) >= 1 and len(devices) % math.prod(shape[1:] or (1,)) == 0:
       fixed = (len(devices) // math.prod(shape[1:] or (1,)),) + shape[1:]
       hint = f" For example shape={fixed}."
+    platform = devices[0].platform if devices else "none"
+    simulate = ""
+    if platform == "cpu" and math.prod(shape) > len(devices):
+      simulate = (f" On CPU, JAX simulates {math.prod(shape)} devices when the process starts "
+                  "with XLA_FLAGS=--xla_force_host_platform_device_count="
+                  f"{math.prod(shape)} (set it in the environment, or in os.environ before "
+                  "the first import of jax).")
     raise errors.MeshError(
         f"mesh shape {shape} holds {math.prod(shape)} devices but {len(devices)} are available "
-        f"({devices[0].platform if devices else 'none'}). Choose a shape whose product is "
-        f"{len(devices)}, or pass devices=[...] with {math.prod(shape)} devices.{hint}")
+        f"({platform}).{simulate} Otherwise choose a shape whose product is {len(devices)}, or "
+        f"pass devices=[...] with {math.prod(shape)} devices.{hint}")
   if topology is None:
     topology = Topology.current()
   return _make_mesh_cached(shape, axis_names, topology, tuple(devices), types)

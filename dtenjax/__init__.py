@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from dtenjax._src.gpu import environment as _environment
 
-_environment.pin()   # before any NCCL communicator exists: NVLS off unless the user chose
+_environment.pin_if_asked()   # only with DTENJAX_PIN_NCCL=1: importing changes no environment
 
 from dtenjax import compression as compression
 from dtenjax import testing as testing
@@ -29,6 +29,7 @@ from dtenjax._src.planning.explain import explain as explain
 from dtenjax._src.ffi import build_info as build_info
 from dtenjax._src.gpu.graphs import CudaGraphPolicy as CudaGraphPolicy
 from dtenjax._src.gpu.graphs import graph_report as graph_report
+from dtenjax._src.gpu.environment import pin as pin_nccl
 from dtenjax._src.gpu.graphs import jit as jit
 from dtenjax._src.planning.mesh import current_mesh as current_mesh
 from dtenjax._src.planning.mesh import make_mesh as make_mesh
@@ -87,6 +88,7 @@ __all__ = [
     "memory_plan",
     "mesh_map",
     "plan_all_reduce",
+    "pin_nccl",
     "pmap",
     "preemption_decision",
     "reduce_scatter",

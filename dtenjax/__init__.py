@@ -32,9 +32,10 @@ from dtenjax._src.gpu.graphs import graph_report as graph_report
 from dtenjax._src.gpu.environment import pin as pin_nccl
 from dtenjax._src.gpu.graphs import jit as jit
 from dtenjax._src.planning.mesh import current_mesh as current_mesh
-from dtenjax._src.planning.mesh import make_mesh as make_mesh
+from dtenjax._src.planning.mesh import deprecated_make_mesh as make_mesh
 from dtenjax._src.planning.mesh import mesh_map as mesh_map
 from dtenjax._src.planning.mesh import pmap as pmap
+from dtenjax._src.planning.mesh import topology_mesh as topology_mesh
 from dtenjax._src.planning.mesh import use_mesh as use_mesh
 from dtenjax._src.collectives.passes.fusion import fuse_collectives as fuse_collectives
 from dtenjax._src.collectives.passes.memory import MemoryPlan as MemoryPlan
@@ -97,5 +98,6 @@ __all__ = [
     "substitute_psum",
     "tensor",
     "testing",
+    "topology_mesh",
     "use_mesh",
 ]

@@ -86,7 +86,7 @@ QUOTES = quotes()
 
 def test_quotes_are_found():
   names = {q.values[0].removeprefix("dtenjax.") for q in QUOTES}
-  assert {"all_reduce", "Placement", "make_mesh", "mesh_map"} <= names, names
+  assert {"all_reduce", "Placement", "topology_mesh", "mesh_map"} <= names, names
 
 
 @pytest.mark.parametrize("name,args,sig", QUOTES)

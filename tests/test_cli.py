@@ -47,9 +47,15 @@ def _run(args, cwd, timeout=300):
 
 
 @pytest.fixture()
-def user_dir(tmp_path):
+def user_dir(tmp_path, monkeypatch):
   (tmp_path / "mystep.py").write_text(USER_STEP)
-  return tmp_path
+  # Tests that run the command line in this process import the user's modules: leave no trace.
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  for name in ("mystep", "axes"):
+    monkeypatch.delitem(sys.modules, name, raising=False)
+  yield tmp_path
+  for name in ("mystep", "axes"):
+    sys.modules.pop(name, None)
 
 
 def _check_user_rows(data):
@@ -90,16 +96,18 @@ def test_explain_a_user_step_from_a_file_and_an_args_factory(user_dir, tmp_path_
   _check_user_rows(json.loads(out.read_text()))
 
 
-def test_explain_errors_name_the_bad_value_and_exit_2(user_dir):
-  r = _run(["explain", "nosuchmodule:f"], user_dir)
-  assert r.returncode == 2 and "no module 'nosuchmodule'" in r.stderr
-  r = _run(["explain", "mystep:nosuchfn"], user_dir)
-  assert r.returncode == 2 and "'nosuchfn'" in r.stderr and "grad_step" in r.stderr
-  r = _run(["explain", "mystep:grad_step", "--shape-args", "f33[2],f32[3]{model}"], user_dir)
-  assert r.returncode == 2
-  assert "'f33' is unknown" in r.stderr and "no --mesh" in r.stderr
-  r = _run(["explain", "mystep:grad_step", "--mesh", "data=3,model=4"], user_dir)
-  assert r.returncode == 2 and "needs 12 devices" in r.stderr
+def test_explain_errors_name_the_bad_value_and_exit_2(user_dir, capsys, monkeypatch):
+  """In this process (the command line's own parsing and loading; the subprocess tests above
+  run it as users start it)."""
+  rc, err = _main(["explain", "nosuchmodule:f"], capsys, user_dir, monkeypatch)
+  assert rc == 2 and "no module 'nosuchmodule'" in err
+  rc, err = _main(["explain", "mystep:nosuchfn"], capsys)
+  assert rc == 2 and "'nosuchfn'" in err and "grad_step" in err
+  rc, err = _main(["explain", "mystep:grad_step", "--shape-args", "f33[2],f32[3]{model}"], capsys)
+  assert rc == 2
+  assert "'f33' is unknown" in err and "no --mesh" in err
+  rc, err = _main(["explain", "mystep:grad_step", "--mesh", "data=3,model=4"], capsys)
+  assert rc == 2 and "needs 12 devices" in err
 
 
 @pytest.mark.slow
@@ -118,17 +126,19 @@ def test_explain_without_a_target_lists_every_collective_of_the_demo_step(tmp_pa
   assert all(c["groups"] for c in rows if not c["kind"].startswith("custom:"))
 
 
-def test_bench_passes_arguments_and_exit_status_through(tmp_path):
+def test_bench_passes_arguments_and_exit_status_through(tmp_path, capfd):
+  """``bench NAME ARGS`` from this process (the benchmark is a child process either way)."""
+  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
   out = tmp_path / "b.json"
-  r = _run(["bench", "cuda_graphs", "--quick", "--cases", "loop", "--json", str(out)], tmp_path)
-  assert r.returncode == 0, r.stderr[-3000:]
+  assert main(["bench", "cuda_graphs", "--quick", "--cases", "loop", "--json", str(out)]) == 0
   assert {row["case"] for row in json.loads(out.read_text())["rows"]} == {"loop"}
-  r = _run(["bench", "cuda_graphs", "--no-such-flag"], tmp_path)
-  assert r.returncode == 2 and "--no-such-flag" in r.stderr          # argparse's status
-  r = _run(["bench", "cuda_graphs", "--quick", "--cases", "nosuchcase"], tmp_path)
-  assert r.returncode == 2 and "nosuchcase" in r.stderr              # the bench's argparse
-  r = _run(["bench", "no_such_bench"], tmp_path)
-  assert r.returncode == 2 and "available" in r.stderr
+  capfd.readouterr()
+  assert main(["bench", "cuda_graphs", "--no-such-flag"]) == 2        # argparse's status
+  assert "--no-such-flag" in capfd.readouterr().err
+  assert main(["bench", "cuda_graphs", "--quick", "--cases", "nosuchcase"]) == 2
+  assert "nosuchcase" in capfd.readouterr().err                      # the bench's argparse
+  assert main(["bench", "no_such_bench"]) == 2
+  assert "available" in capfd.readouterr().err
 
 
 # --- the command line itself: help everywhere, prog, one-line errors -------------------------
@@ -172,7 +182,8 @@ def test_console_script_and_module_name_themselves():
                                        "less than 1")
 
 
-def test_explain_absent_axis_and_indivisible_shape_are_one_line_errors(user_dir):
+def test_explain_absent_axis_and_indivisible_shape_are_one_line_errors(user_dir, capsys,
+                                                                      monkeypatch):
   (user_dir / "axes.py").write_text(textwrap.dedent("""
       import jax
       from jax.sharding import PartitionSpec as P
@@ -187,11 +198,12 @@ def test_explain_absent_axis_and_indivisible_shape_are_one_line_errors(user_dir)
       (["mystep:grad_step", "--mesh", "data=2,model=4", "--shape-args", "f32[8,64]{tensor,-}"],
        "axis ['tensor'] is not in the mesh ['data', 'model']"),
   ]
+  monkeypatch.chdir(user_dir)
   for argv, message in cases:
-    r = _run(["explain", *argv], user_dir)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr and message in r.stderr, r.stderr
-    assert r.stderr.startswith("python -m dtenjax explain: error: ")
+    rc, err = _main(["explain", *argv], capsys)
+    assert rc == 2, err[-2000:]
+    assert message in err, err
+    assert err.startswith("dtenjax explain: error: ") and err.count("\n") == 1
 
 
 def test_bench_without_a_name_lists_them(capsys):

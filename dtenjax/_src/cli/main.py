@@ -102,6 +102,10 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
   simulated_devices()          # before anything imports jax (the parsers list fixtures)
+  # The command line is an application: it pins NCCL as the docs tell GPU users to
+  # (dtenjax.pin_nccl(); a value the user set is kept), before any collective runs.
+  from dtenjax._src.gpu import environment  # pylint: disable=g-import-not-at-top
+  environment.pin()
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = build_parser(prog)
   if argv[:1] == ["bench"] and len(argv) > 2:   # bench NAME ARGS...: ARGS belong to the bench

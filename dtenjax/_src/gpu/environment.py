@@ -7,7 +7,8 @@ determinism for float sums only when ``NCCL_NVLS_ENABLE=0`` is in the environmen
 deterministic float sums use dtenjax's own algorithms. NCCL reads the variable when jax creates
 its communicators (at the first collective), so it must be set before that:
 ``dtenjax.pin_nccl()`` does it explicitly, or ``DTENJAX_PIN_NCCL=1`` in the environment has
-``import dtenjax`` do it. Importing dtenjax changes no environment variable by default. A value
+``import dtenjax`` do it. Importing dtenjax changes no environment variable by default; the
+``dtenjax`` command line (an application, cli/main.py) pins it, and so does the test suite. A value
 the user set is never overwritten. ``dtenjax.reproducible_step`` refuses a process with several
 devices where NVLS is not off (``planning/reproducible.py``). Nothing else about NCCL is pinned.
 """

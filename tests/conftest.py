@@ -47,6 +47,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CACHE_DIR_VAR = "DTENJAX_TEST_COMPILE_CACHE_DIR"
 
 
+_CREATED: list[str] = []     # the cache directory this process made (and removes at the end)
+
+
 def _share_compiled_programs() -> str | None:
   """Points JAX's persistent compilation cache at this run's directory (see the docstring)."""
   if os.environ.get("DTENJAX_TEST_COMPILE_CACHE", "1") == "0" or (
@@ -56,6 +59,7 @@ def _share_compiled_programs() -> str | None:
   if not path:          # the first process of the run (pytest-xdist's workers inherit it)
     path = tempfile.mkdtemp(prefix="dtenjax-test-compiled-")
     os.environ[CACHE_DIR_VAR] = path
+    _CREATED.append(path)
     atexit.register(shutil.rmtree, path, ignore_errors=True)
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
@@ -64,6 +68,13 @@ def _share_compiled_programs() -> str | None:
 
 
 COMPILE_CACHE_DIR = _share_compiled_programs()
+
+
+def pytest_unconfigure(config):
+  """The run's cache directory goes with the run (atexit repeats it for other exits)."""
+  del config
+  for path in _CREATED:
+    shutil.rmtree(path, ignore_errors=True)
 
 # --- the time budget per test -------------------------------------------------------------------
 

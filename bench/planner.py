@@ -33,6 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import _harness  # noqa: E402
+import dtenjax  # noqa: E402
 from dtenjax._src.planning import mesh as mesh_lib  # noqa: E402
 from dtenjax._src.planning import placement as placement_lib  # noqa: E402
 from dtenjax._src.planning import planner  # noqa: E402
@@ -101,16 +102,19 @@ FIXTURE_MESHES = (("dgx_a100_8", (2, 4), ("x", "y")), ("roce_a100_4x8", (4, 8), 
                   ("h200_8", (2, 4), ("x", "y")), ("pcie_8", (2, 4), ("x", "y")))
 
 
-def explain_fixtures(shape=(4096, 4096), dtype="bfloat16") -> str:
+def explain_fixtures(shape=(4096, 4096), dtype="bfloat16", markdown: bool = True) -> str:
   """The planner's candidate table for ``shape`` on every topology fixture (default Workload),
-  the fixture's devices laid out as make_mesh orders them."""
+  the fixture's devices laid out as make_mesh orders them: Markdown for docs/planner.md, or
+  plain text (``markdown=False``, what ``--explain`` prints on a terminal)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   out = []
   for name, mesh_shape, names in FIXTURE_MESHES:
     topo = Topology.fixture(name)
     ids = np.array(sorted(topo.device_ids, key=topo.hierarchy_key)).reshape(mesh_shape)
     plan = planner.plan_tensor(shape, dtype, mesh_shape, names, ids, topo)
-    out.append(f"### {name}, mesh {dict(zip(names, mesh_shape))}\n\n```text\n{plan.table()}\n```")
+    title = f"{name}, mesh {dict(zip(names, mesh_shape))}"
+    out.append(f"### {title}\n\n```text\n{plan.table()}\n```" if markdown else
+               f"{title}\n{'-' * len(title)}\n{plan.table()}")
   return "\n\n".join(out)
 
 
@@ -150,13 +154,19 @@ def main(argv=None) -> int:
   ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
   mode = ap.add_mutually_exclusive_group()
   mode.add_argument("--explain", action="store_true",
-                    help="print the candidate table of a 4096 x 4096 bf16 weight on each fixture")
+                    help="print the candidate table of a 4096 x 4096 bf16 weight on each fixture "
+                    "(as plain text; --markdown: as docs/planner.md quotes it)")
+  ap.add_argument("--markdown", action="store_true",
+                  help="with --explain: Markdown headings and fences")
   mode.add_argument("--update-docs", action="store_true",
                     help="rewrite the --explain tables quoted in docs/planner.md")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
+  # The tables are those of a GPU user who followed the docs (dtenjax.pin_nccl(): NVLink SHARP
+  # off); without it deterministic all-reduces cannot use XLA's collective and are priced higher.
+  dtenjax.pin_nccl()
   if args.explain:
-    print(explain_fixtures())
+    print(explain_fixtures(markdown=args.markdown))
     return 0
   if args.update_docs:
     print(f"{DOCS}: " + ("updated" if update_docs() else "already up to date"))

@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from dtenjax._src.gpu import environment as _environment
 
-_environment.pin()   # before any NCCL communicator exists: NVLS off unless the user chose
+_environment.pin_if_asked()   # only with DTENJAX_PIN_NCCL=1: importing changes no environment
 
 from dtenjax import checkpoint as checkpoint
 from dtenjax import compression as compression
@@ -32,11 +32,13 @@ from dtenjax._src.planning.explain import explain as explain
 from dtenjax._src.ffi import build_info as build_info
 from dtenjax._src.gpu.graphs import CudaGraphPolicy as CudaGraphPolicy
 from dtenjax._src.gpu.graphs import graph_report as graph_report
+from dtenjax._src.gpu.environment import pin as pin_nccl
 from dtenjax._src.gpu.graphs import jit as jit
 from dtenjax._src.planning.mesh import current_mesh as current_mesh
-from dtenjax._src.planning.mesh import make_mesh as make_mesh
+from dtenjax._src.planning.mesh import deprecated_make_mesh as make_mesh
 from dtenjax._src.planning.mesh import mesh_map as mesh_map
 from dtenjax._src.planning.mesh import pmap as pmap
+from dtenjax._src.planning.mesh import topology_mesh as topology_mesh
 from dtenjax._src.planning.mesh import use_mesh as use_mesh
 from dtenjax._src.collectives.passes.fusion import fuse_collectives as fuse_collectives
 from dtenjax._src.collectives.passes.memory import MemoryPlan as MemoryPlan
@@ -97,6 +99,7 @@ __all__ = [
     "mesh_map",
     "plan",
     "plan_all_reduce",
+    "pin_nccl",
     "pmap",
     "preemption_decision",
     "reduce_scatter",
@@ -105,5 +108,6 @@ __all__ = [
     "substitute_psum",
     "tensor",
     "testing",
+    "topology_mesh",
     "use_mesh",
 ]

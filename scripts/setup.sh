@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VPY=.venv/bin/python
 STAMP=.venv/.dtenjax-setup-done
-BUILD_REQS=("scikit-build-core>=0.10" "nanobind>=2.0" "jax>=0.10.2" "jaxlib>=0.10.2" cmake ninja)
+BUILD_REQS=("scikit-build-core>=0.10" "nanobind>=2.0" "jax>=0.10.2,<0.12" "jaxlib>=0.10.2,<0.12" cmake ninja)
 
 # Exit status 0: every requirement is installed and dtenjax is this checkout's editable install.
 requirements_met() {

@@ -1,13 +1,40 @@
-"""Test set-up: 8 simulated CPU devices unless a GPU run asks otherwise.
+"""Test set-up: 8 simulated CPU devices unless a GPU run asks otherwise, compiled programs shared
+within a run, and a time budget per test.
 
 XLA_FLAGS must be set before JAX initialises its backends, so this runs at import time of the
 test session. On the GPU machine set DTENJAX_TEST_PLATFORM=gpu to keep the GPU as default backend.
+
+Shared compiled programs (CPU runs): the suite's processes (both pytest-xdist workers) use one
+JAX persistent compilation cache in a temporary directory made for this run (removed at its
+end), so a test that compiles a program another test already compiled -- the same HLO, the same
+options, e.g. one collective under ``mesh_map`` and under ``jax.shard_map`` -- loads it instead
+of compiling it again. It is set through ``jax.config`` in this process only: processes that
+tests start (fresh-process reproducibility checks, the CLI, multi-process rings) compile for
+themselves. ``DTENJAX_TEST_COMPILE_CACHE=0`` turns it off.
+
+Time budget: a test that takes more than ``DTENJAX_TEST_TIME_LIMIT`` seconds (default 60; 0 turns
+the check off) on both clocks -- wall time, and the CPU time of the test's process and the
+processes it waited for (one worker has about one core of the 2-core machine, so on a quiet
+machine the two agree; on a busy one the wall clock alone would blame the test for others'
+load) -- fails, unless it is marked ``slow`` and listed with its reason in docs/testing.md.
 """
 
+import atexit
 import os
+import pathlib
+import re
+import resource
+import shutil
+import tempfile
+import time
 
 if os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") == "cpu":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite runs as the docs tell GPU users to run: NVLink SHARP off (dtenjax.pin_nccl()), which
+# importing dtenjax no longer does by itself. The planner prices deterministic all-reduces with
+# XLA's collective only then (collectives/algorithms/xla.py), so plans on the GPU fixtures depend
+# on it. Tests of the unpinned behaviour remove it from their own environment.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
   os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
@@ -15,6 +42,92 @@ if "xla_force_host_platform_device_count" not in flags:
 import jax  # noqa: E402  (must follow the environment set-up)
 import pytest  # noqa: E402
 from procs import PROCS  # noqa: E402  (tests/procs.py: why such tests share a group)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CACHE_DIR_VAR = "DTENJAX_TEST_COMPILE_CACHE_DIR"
+
+
+_CREATED: list[str] = []     # the cache directory this process made (and removes at the end)
+
+
+def _share_compiled_programs() -> str | None:
+  """Points JAX's persistent compilation cache at this run's directory (see the docstring)."""
+  if os.environ.get("DTENJAX_TEST_COMPILE_CACHE", "1") == "0" or (
+      os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") != "cpu"):
+    return None
+  path = os.environ.get(CACHE_DIR_VAR)
+  if not path:          # the first process of the run (pytest-xdist's workers inherit it)
+    path = tempfile.mkdtemp(prefix="dtenjax-test-compiled-")
+    os.environ[CACHE_DIR_VAR] = path
+    _CREATED.append(path)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
+
+
+COMPILE_CACHE_DIR = _share_compiled_programs()
+
+
+def pytest_unconfigure(config):
+  """The run's cache directory goes with the run (atexit repeats it for other exits)."""
+  del config
+  for path in _CREATED:
+    shutil.rmtree(path, ignore_errors=True)
+
+# --- the time budget per test -------------------------------------------------------------------
+
+TIME_LIMIT_S = float(os.environ.get("DTENJAX_TEST_TIME_LIMIT", "60"))
+TESTING_DOC = ROOT / "docs" / "testing.md"
+# a row of the table in docs/testing.md: | `tests/test_x.py::test_y` | reason |
+_ALLOWED_ROW = re.compile(r"^\|[ \t]*`(tests/[^`\n]+::[^`\n]+)`[ \t]*\|[ \t]*([^|\n]*[^|\s])[ \t]*\|[ \t]*$",
+                          re.M)
+
+
+def allowed_long_tests(doc: pathlib.Path = TESTING_DOC) -> dict[str, str]:
+  """{node id (without parameters): reason} of the tests docs/testing.md allows over the limit."""
+  try:
+    text = doc.read_text(encoding="utf-8")
+  except OSError:
+    return {}
+  return dict(_ALLOWED_ROW.findall(text))
+
+
+ALLOWED_LONG = allowed_long_tests()
+
+
+def _cpu_s() -> float:
+  own = resource.getrusage(resource.RUSAGE_SELF)
+  kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+  wall0, cpu0 = time.perf_counter(), _cpu_s()
+  yield
+  item.user_properties.append(("time_s", (time.perf_counter() - wall0, _cpu_s() - cpu0)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  report = outcome.get_result()
+  if call.when != "call" or not report.passed or TIME_LIMIT_S <= 0:
+    return
+  wall, cpu = dict(item.user_properties).get("time_s", (0.0, 0.0))
+  if min(wall, cpu) <= TIME_LIMIT_S:
+    return
+  base = item.nodeid.split("[")[0].split("@")[0]
+  if base in ALLOWED_LONG and item.get_closest_marker("slow") is not None:
+    return
+  report.outcome = "failed"
+  report.longrepr = (
+      f"{item.nodeid} took {wall:.0f} s (wall) and {cpu:.0f} s (CPU, with the processes it "
+      f"waited for), over the {TIME_LIMIT_S:g} s budget of one test (tests/conftest.py). Move "
+      "its checks to a cheaper program, or mark it slow and list it with its reason in "
+      "docs/testing.md.")
 
 
 def _has_gpu() -> bool:

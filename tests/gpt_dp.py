@@ -2,13 +2,17 @@
 defaults (``check_vma=True``), replicated parameters, the batch sharded over "data", per-device
 gradients averaged with ``lax.pmean`` -- or with ``dtenjax.all_reduce(op="mean")`` in its place.
 
-Used by ``tests/test_gpt_dp.py``; ``python tests/gpt_dp.py`` (with
-``--xla_force_host_platform_device_count=N`` in ``XLA_FLAGS``) trains the reproducible variant on
-N devices and prints the digest of its loss curve.
+Used by ``tests/test_gpt_dp.py``; ``python tests/gpt_dp.py [N ...]`` trains the reproducible
+variant on a mesh of the first N devices for each N (default: all devices, as many as
+``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` gives) and prints one line per N with
+the digest of its loss curve. One process trains every device count: a mesh of the first N of 8
+devices compiles the same N-partition program as a process of N devices, and the model's
+initialisation (eager flax, the slow part of a fresh start) is done once.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 
@@ -62,7 +66,10 @@ def data(seed: int = 0):
   return jnp.asarray(np.concatenate(seq, -1), jnp.int32)
 
 
+@functools.cache
 def init():
+  """The initial parameters (computed once per process: eager flax init takes seconds; jax
+  arrays are immutable and the step does not donate them, so sharing them is safe)."""
   return MODEL.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
 
 
@@ -110,9 +117,14 @@ def digest(losses: np.ndarray) -> str:
   return hashlib.sha256(np.ascontiguousarray(losses, np.float32).tobytes()).hexdigest()[:16]
 
 
+def mesh_of(n: int):
+  """A 1D Auto mesh named "data" over the first ``n`` devices."""
+  return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
 if __name__ == "__main__":
-  n = len(jax.devices())
-  curve = train(jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)),
-                reproducible=True)
-  print(f"devices={n} losses={curve.tolist()} digest={digest(curve)}")
+  for n in [int(a) for a in sys.argv[1:]] or [len(jax.devices())]:
+    curve = train(mesh_of(n), reproducible=True)
+    print(f"devices={n} losses={curve.tolist()} digest={digest(curve)}", flush=True)
   sys.exit(0)

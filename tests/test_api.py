@@ -9,6 +9,7 @@ PUBLIC = {
     "QuotaExceededError", "NativeError", "DtenjaxWarning",
     # topology, mesh, placement, planner
     "Topology", "LinkSpec", "make_mesh", "mesh_map", "pmap", "use_mesh", "current_mesh",
+    "pin_nccl", "topology_mesh",
     "Placement", "shard", "tensor", "Plan", "Workload", "plan", "StepPlan",
     # collectives and passes
     "all_reduce", "reduce_scatter", "all_gather", "plan_all_reduce", "AlgorithmChoice",

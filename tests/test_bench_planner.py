@@ -22,6 +22,15 @@ def test_docs_quote_the_explain_output_exactly():
       "docs/planner.md is stale: run .venv/bin/python bench/planner.py --update-docs")
 
 
+def test_explain_prints_plain_text_and_markdown_on_request(capsys):
+  assert planner.main(["--explain"]) == 0
+  plain = capsys.readouterr().out
+  assert "```" not in plain and "###" not in plain
+  assert "dgx_a100_8, mesh {'x': 2, 'y': 4}\n" in plain and "\n*2d " in plain
+  assert planner.main(["--explain", "--markdown"]) == 0
+  assert capsys.readouterr().out == planner.explain_fixtures() + "\n"
+
+
 def test_the_prose_matches_the_quoted_choices():
   """The paragraph above the quote says 2D on the 8 x A100 node and row-wise on 4 x 8 A100."""
   sections = {part.split(",")[0].strip(): part for part in

@@ -136,7 +136,7 @@ def test_restore_chain_2x4_4x2_8_1_reads_each_byte_once(tmp_path):
 def test_restore_takes_a_placement(tmp_path):
   ref = np.arange(64, dtype=np.float32).reshape(8, 8)
   ckpt.save(tmp_path / "c", {"w": _sharded((2, 4), ("a", "b"), P("a", "b"), ref)})
-  placement = dtenjax.Placement("row", mesh=dtenjax.make_mesh((8,), ("x",)))
+  placement = dtenjax.Placement("row", mesh=dtenjax.topology_mesh((8,), ("x",)))
   out = ckpt.restore(tmp_path / "c", shardings=placement)
   assert out["w"].sharding == placement.sharding((8, 8))
   assert _bits(out["w"]) == _bits(ref)

@@ -47,9 +47,15 @@ def _run(args, cwd, timeout=300):
 
 
 @pytest.fixture()
-def user_dir(tmp_path):
+def user_dir(tmp_path, monkeypatch):
   (tmp_path / "mystep.py").write_text(USER_STEP)
-  return tmp_path
+  # Tests that run the command line in this process import the user's modules: leave no trace.
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  for name in ("mystep", "axes"):
+    monkeypatch.delitem(sys.modules, name, raising=False)
+  yield tmp_path
+  for name in ("mystep", "axes"):
+    sys.modules.pop(name, None)
 
 
 def _check_user_rows(data):
@@ -90,16 +96,18 @@ def test_explain_a_user_step_from_a_file_and_an_args_factory(user_dir, tmp_path_
   _check_user_rows(json.loads(out.read_text()))
 
 
-def test_explain_errors_name_the_bad_value_and_exit_2(user_dir):
-  r = _run(["explain", "nosuchmodule:f"], user_dir)
-  assert r.returncode == 2 and "no module 'nosuchmodule'" in r.stderr
-  r = _run(["explain", "mystep:nosuchfn"], user_dir)
-  assert r.returncode == 2 and "'nosuchfn'" in r.stderr and "grad_step" in r.stderr
-  r = _run(["explain", "mystep:grad_step", "--shape-args", "f33[2],f32[3]{model}"], user_dir)
-  assert r.returncode == 2
-  assert "'f33' is unknown" in r.stderr and "no --mesh" in r.stderr
-  r = _run(["explain", "mystep:grad_step", "--mesh", "data=3,model=4"], user_dir)
-  assert r.returncode == 2 and "needs 12 devices" in r.stderr
+def test_explain_errors_name_the_bad_value_and_exit_2(user_dir, capsys, monkeypatch):
+  """In this process (the command line's own parsing and loading; the subprocess tests above
+  run it as users start it)."""
+  rc, err = _main(["explain", "nosuchmodule:f"], capsys, user_dir, monkeypatch)
+  assert rc == 2 and "no module 'nosuchmodule'" in err
+  rc, err = _main(["explain", "mystep:nosuchfn"], capsys)
+  assert rc == 2 and "'nosuchfn'" in err and "grad_step" in err
+  rc, err = _main(["explain", "mystep:grad_step", "--shape-args", "f33[2],f32[3]{model}"], capsys)
+  assert rc == 2
+  assert "'f33' is unknown" in err and "no --mesh" in err
+  rc, err = _main(["explain", "mystep:grad_step", "--mesh", "data=3,model=4"], capsys)
+  assert rc == 2 and "needs 12 devices" in err
 
 
 @pytest.mark.slow
@@ -118,17 +126,19 @@ def test_explain_without_a_target_lists_every_collective_of_the_demo_step(tmp_pa
   assert all(c["groups"] for c in rows if not c["kind"].startswith("custom:"))
 
 
-def test_bench_passes_arguments_and_exit_status_through(tmp_path):
+def test_bench_passes_arguments_and_exit_status_through(tmp_path, capfd):
+  """``bench NAME ARGS`` from this process (the benchmark is a child process either way)."""
+  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
   out = tmp_path / "b.json"
-  r = _run(["bench", "cuda_graphs", "--quick", "--cases", "loop", "--json", str(out)], tmp_path)
-  assert r.returncode == 0, r.stderr[-3000:]
+  assert main(["bench", "cuda_graphs", "--quick", "--cases", "loop", "--json", str(out)]) == 0
   assert {row["case"] for row in json.loads(out.read_text())["rows"]} == {"loop"}
-  r = _run(["bench", "cuda_graphs", "--no-such-flag"], tmp_path)
-  assert r.returncode == 2 and "--no-such-flag" in r.stderr          # argparse's status
-  r = _run(["bench", "cuda_graphs", "--quick", "--cases", "nosuchcase"], tmp_path)
-  assert r.returncode == 2 and "nosuchcase" in r.stderr              # the bench's argparse
-  r = _run(["bench", "no_such_bench"], tmp_path)
-  assert r.returncode == 2 and "available" in r.stderr
+  capfd.readouterr()
+  assert main(["bench", "cuda_graphs", "--no-such-flag"]) == 2        # argparse's status
+  assert "--no-such-flag" in capfd.readouterr().err
+  assert main(["bench", "cuda_graphs", "--quick", "--cases", "nosuchcase"]) == 2
+  assert "nosuchcase" in capfd.readouterr().err                      # the bench's argparse
+  assert main(["bench", "no_such_bench"]) == 2
+  assert "available" in capfd.readouterr().err
 
 
 # --- the command line itself: help everywhere, prog, one-line errors -------------------------
@@ -172,7 +182,8 @@ def test_console_script_and_module_name_themselves():
                                        "less than 1")
 
 
-def test_explain_absent_axis_and_indivisible_shape_are_one_line_errors(user_dir):
+def test_explain_absent_axis_and_indivisible_shape_are_one_line_errors(user_dir, capsys,
+                                                                      monkeypatch):
   (user_dir / "axes.py").write_text(textwrap.dedent("""
       import jax
       from jax.sharding import PartitionSpec as P
@@ -187,11 +198,12 @@ def test_explain_absent_axis_and_indivisible_shape_are_one_line_errors(user_dir)
       (["mystep:grad_step", "--mesh", "data=2,model=4", "--shape-args", "f32[8,64]{tensor,-}"],
        "axis ['tensor'] is not in the mesh ['data', 'model']"),
   ]
+  monkeypatch.chdir(user_dir)
   for argv, message in cases:
-    r = _run(["explain", *argv], user_dir)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr and message in r.stderr, r.stderr
-    assert r.stderr.startswith("python -m dtenjax explain: error: ")
+    rc, err = _main(["explain", *argv], capsys)
+    assert rc == 2, err[-2000:]
+    assert message in err, err
+    assert err.startswith("dtenjax explain: error: ") and err.count("\n") == 1
 
 
 def test_bench_without_a_name_lists_them(capsys):
@@ -202,3 +214,137 @@ def test_bench_without_a_name_lists_them(capsys):
   err = capsys.readouterr().err
   assert "dtenjax bench: error: which benchmark? give NAME: allreduce," in err
   assert "_harness" not in err
+
+
+# --- error paths of every command: one line, no traceback, 2 for usage and 1 for failures -----
+
+
+def _main(argv, capsys, cwd=None, monkeypatch=None):
+  """(exit status, stderr) of the command line run in this process."""
+  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  if cwd is not None:
+    monkeypatch.chdir(cwd)
+  try:
+    rc = main(argv, prog="dtenjax")
+  except SystemExit as e:          # argparse's usage errors
+    rc = e.code
+  err = capsys.readouterr().err
+  assert "Traceback" not in err, err
+  return rc, err
+
+
+def _one_error_line(err, command):
+  lines = err.splitlines()
+  assert lines and lines[-1].startswith(f"dtenjax {command}: error: "), err
+  return lines[-1]
+
+
+FAILING_USER_CODE = textwrap.dedent("""
+    import jax.numpy as jnp
+
+    def make_args():
+      return helper()
+
+    def helper():
+      raise RuntimeError("no data here")
+
+    def step(x):
+      return jnp.sum(x) / undefined_name      # NameError while traced
+""")
+
+
+@pytest.fixture()
+def failing_dir(tmp_path):
+  (tmp_path / "failing_user.py").write_text(FAILING_USER_CODE)
+  (tmp_path / "broken_import.py").write_text("import json\nvalue = json.loads('{')\n")
+  (tmp_path / "bad_syntax.py").write_text("def f(:\n  pass\n")
+  (tmp_path / "okstep.py").write_text("import jax.numpy as jnp\ndef f(x):\n  return x * 2\n")
+  return tmp_path
+
+
+def test_explain_user_code_that_fails_shows_the_users_frame_and_exits_1(failing_dir, capsys,
+                                                                        monkeypatch):
+  path = failing_dir / "failing_user.py"
+  rc, err = _main(["explain", f"{path}:step", "--args", f"{path}:make_args"], capsys,
+                  failing_dir, monkeypatch)
+  line = _one_error_line(err, "explain")
+  assert rc == 1, err
+  assert "the --args factory" in line and "RuntimeError: no data here" in line
+  assert f"{path}:8 in helper" in line             # the user's innermost frame, not ours
+  rc, err = _main(["explain", f"{path}:step", "--shape-args", "f32[4]"], capsys)
+  line = _one_error_line(err, "explain")
+  assert rc == 1 and "NameError" in line and "undefined_name" in line, err
+  assert f"{path}:11 in step" in line
+  broken = failing_dir / "broken_import.py"
+  rc, err = _main(["explain", f"{broken}:value"], capsys)
+  line = _one_error_line(err, "explain")
+  assert rc == 1 and "importing" in line and "JSONDecodeError" in line
+  assert f"{broken}:2 in <module>" in line
+  rc, err = _main(["explain", "bad_syntax:f"], capsys, failing_dir, monkeypatch)
+  line = _one_error_line(err, "explain")
+  assert rc == 1 and "SyntaxError" in line and "bad_syntax.py:1" in line, err
+
+
+def test_explain_unwritable_outputs_exit_1_in_one_line(failing_dir, capsys, monkeypatch):
+  nowhere = failing_dir / "no-such-dir" / "out"
+  for flag in ("--json", "--dump-hlo"):
+    rc, err = _main(["explain", "okstep:f", "--shape-args", "f32[8]", flag, str(nowhere)],
+                    capsys, failing_dir, monkeypatch)
+    line = _one_error_line(err, "explain")
+    assert rc == 1 and line.startswith(f"dtenjax explain: error: {flag} ") and "cannot write" in line
+    assert err.count("\n") == 1
+
+
+def test_explain_usage_errors_exit_2(failing_dir, capsys, monkeypatch):
+  for argv, message in [
+      (["explain", "okstep"], "is not MODULE:FUNCTION"),
+      (["explain", "no_such_module:f"], "no module 'no_such_module'"),
+      (["explain", "okstep:nope"], "has no attribute 'nope'"),
+      (["explain", "okstep:f", "--shape-args", "f33[2]"], "'f33' is unknown"),
+      (["explain", "okstep:f", "--mesh", "data=64"], "needs 64 devices"),
+      (["explain", "--mesh", "data=2"], "name it first"),
+      (["explain", "okstep:f", "--no-such-flag"], "unrecognized arguments: --no-such-flag")]:
+    rc, err = _main(argv, capsys, failing_dir, monkeypatch)
+    assert rc == 2 and message in _one_error_line(err, "explain"), (argv, err)
+
+
+def test_explain_json_alone_prints_json_instead_of_the_table(failing_dir, capsys, monkeypatch):
+  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(failing_dir)
+  assert main(["explain", "okstep:f", "--shape-args", "f32[8]", "--json"], prog="dtenjax") == 0
+  data = json.loads(capsys.readouterr().out)
+  assert data["target"] == "okstep:f" and data["collectives"] == []
+
+
+def test_bench_failures_pass_through_and_usage_is_2(tmp_path, capsys, monkeypatch):
+  from dtenjax._src.cli import bench  # pylint: disable=g-import-not-at-top
+  (tmp_path / "exits3.py").write_text("import sys\nprint('cannot measure here', file=sys.stderr)\n"
+                                      "sys.exit(3)\n")
+  monkeypatch.setattr(bench, "BENCH_DIR", tmp_path)
+  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  assert main(["bench", "exits3"], prog="dtenjax") == 3     # the benchmark's own status
+  rc, err = _main(["bench", "nosuch"], capsys)
+  assert rc == 2 and "no benchmark 'nosuch'" in _one_error_line(err, "bench")
+
+
+def test_help_texts_are_plain_text(capsys):
+  from dtenjax._src.cli.main import COMMANDS, main  # pylint: disable=g-import-not-at-top
+  for command in (*COMMANDS, None):
+    with pytest.raises(SystemExit):
+      main([command, "--help"] if command else ["--help"], prog="dtenjax")
+    out = capsys.readouterr().out
+    assert not re.search(r":[a-z]+:`|``", out), (command, out)
+
+
+def test_json_means_the_same_in_every_command():
+  """--json [FILE]: the result as JSON to FILE, or to stdout without FILE (cli/common.py)."""
+  from dtenjax._src.cli.main import build_parser  # pylint: disable=g-import-not-at-top
+  parser = build_parser("dtenjax")
+  sub = next(a for a in parser._actions if a.dest == "command")  # pylint: disable=protected-access
+  seen = {}
+  for name, p in sub.choices.items():
+    for action in p._actions:  # pylint: disable=protected-access
+      if "--json" in action.option_strings:
+        seen[name] = (action.nargs, action.const, action.metavar)
+  assert set(seen) == {"topo", "explain", "info"}, seen
+  assert set(seen.values()) == {("?", "-", "FILE")}, seen

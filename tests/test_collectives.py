@@ -186,7 +186,7 @@ def test_vmap_named_axis_is_a_valid_axis_name(reproducible):
 
 
 def test_reproducible_vmap_inside_mesh_map(cpu_devices):
-  mesh = dtenjax.make_mesh((8,), ("x",), devices=cpu_devices)
+  mesh = dtenjax.topology_mesh((8,), ("x",), devices=cpu_devices)
   x = ref.contributions(8, 6 * 4, seed=13).reshape(8, 6, 4)       # [device, batch, m]
   f = dtenjax.mesh_map(lambda v: jax.vmap(lambda e: dtenjax.all_reduce(e, "x", reproducible=True))
                        (v[0])[None], mesh, in_specs=P("x"), out_specs=P("x"))
@@ -497,7 +497,7 @@ def test_a_mean_of_an_already_summed_gradient_is_flagged_once():
   it); per-device gradients (pvary'd params) are averaged silently."""
   from dtenjax._src import errors as errors_lib
   errors_lib._warned.discard("invariant-mean")
-  mesh = dtenjax.make_mesh((8,), ("d",))
+  mesh = dtenjax.topology_mesh((8,), ("d",))
   w = jnp.ones(3)
   x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
 
@@ -675,7 +675,7 @@ _PLAIN_SCRIPT = """
 import jax, jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import dtenjax
-mesh = dtenjax.make_mesh((2,), ("d",))
+mesh = dtenjax.topology_mesh((2,), ("d",))
 def body(w, xb):
   g = jax.grad(lambda p: jnp.sum(p * xb))(w)       # replicated params: already summed
   return dtenjax.all_reduce(g, "d", op="mean")

@@ -145,13 +145,26 @@ def test_the_knob_scan_sees_every_form_of_read(tmp_path):
   assert _ENV_READ.findall('const char* v = std::getenv("DTENJAX_E");') == ["DTENJAX_E"]
 
 
-def test_nccl_environment_is_pinned_unless_the_user_chose(monkeypatch):
+def test_nccl_environment_is_pinned_when_asked_unless_the_user_chose(monkeypatch):
+  import dtenjax  # pylint: disable=g-import-not-at-top
   from dtenjax._src.gpu import environment  # pylint: disable=g-import-not-at-top
   monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
   monkeypatch.delenv("DTENJAX_PIN_NCCL", raising=False)
-  assert environment.pin() and os.environ["NCCL_NVLS_ENABLE"] == "0"
+  assert not environment.pin_if_asked() and "NCCL_NVLS_ENABLE" not in os.environ   # default
+  assert dtenjax.pin_nccl() and os.environ["NCCL_NVLS_ENABLE"] == "0"             # explicit
   monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
-  assert not environment.pin() and os.environ["NCCL_NVLS_ENABLE"] == "1"   # the user's choice
+  assert not dtenjax.pin_nccl() and os.environ["NCCL_NVLS_ENABLE"] == "1"   # the user's choice
   monkeypatch.delenv("NCCL_NVLS_ENABLE")
-  monkeypatch.setenv("DTENJAX_PIN_NCCL", "0")
-  assert not environment.pin() and "NCCL_NVLS_ENABLE" not in os.environ
+  monkeypatch.setenv("DTENJAX_PIN_NCCL", "1")
+  assert environment.pin_if_asked() and os.environ["NCCL_NVLS_ENABLE"] == "0"   # the knob
+
+
+def test_importing_dtenjax_changes_no_environment_variable():
+  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  code = ("import os, json; before = dict(os.environ); import dtenjax; after = dict(os.environ); "
+          "print(json.dumps(sorted(k for k in set(before) | set(after) "
+          "if before.get(k) != after.get(k))))")
+  env = {k: v for k, v in os.environ.items() if k not in ("NCCL_NVLS_ENABLE", "DTENJAX_PIN_NCCL")}
+  r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                     timeout=120, check=True)
+  assert r.stdout.strip() == "[]", r.stdout

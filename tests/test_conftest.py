@@ -4,6 +4,7 @@ the groups (pytest-dev/pytest-xdist#1386; hence pyproject's pytest<9.2)."""
 
 import json
 import os
+import re
 import pathlib
 import shutil
 import subprocess
@@ -53,3 +54,96 @@ def test_a_group_runs_in_one_worker(tmp_path):
   assert len(workers) == 11, workers
   assert len({workers[g] for g in ("g0", "g1", "g2", "g3")}) == 1, workers
   assert set(workers.values()) == {"gw0", "gw1"}, workers      # and the rest was spread
+
+
+BUDGET_TESTS = textwrap.dedent("""
+    import time
+    import pytest
+
+    def _burn(seconds):
+      end = time.process_time() + seconds
+      while time.process_time() < end:
+        pass
+
+    def test_quick(): _burn(0.05)
+    def test_busy(): _burn(1.0)
+    @pytest.mark.slow
+    def test_listed_and_slow(): _burn(1.0)
+    def test_listed_not_slow(): _burn(1.0)
+    @pytest.mark.slow
+    @pytest.mark.parametrize("i", [0])
+    def test_listed_parametrized(i): _burn(1.0)
+    def test_waits(): time.sleep(1.0)      # wall time only: a busy machine, not the test
+""")
+TESTING_DOC = textwrap.dedent("""
+    | test | reason |
+    | --- | --- |
+    | `tests/test_budget.py::test_listed_and_slow` | burns a second on purpose |
+    | `tests/test_budget.py::test_listed_not_slow` | listed, but not marked slow |
+    | `tests/test_budget.py::test_listed_parametrized` | every parameter of it |
+""")
+
+
+def test_a_test_over_the_budget_fails_unless_marked_slow_and_listed(tmp_path):
+  (tmp_path / "tests").mkdir()
+  (tmp_path / "docs").mkdir()
+  for name in ("conftest.py", "procs.py"):
+    shutil.copy(ROOT / "tests" / name, tmp_path / "tests" / name)
+  (tmp_path / "tests" / "test_budget.py").write_text(BUDGET_TESTS)
+  (tmp_path / "docs" / "testing.md").write_text(TESTING_DOC)
+  env = dict(os.environ, DTENJAX_TEST_TIME_LIMIT="0.5", DTENJAX_TEST_COMPILE_CACHE="0")
+  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                      "-W", "ignore::pytest.PytestUnknownMarkWarning", "-rfE",
+                      "tests/test_budget.py"], cwd=tmp_path, env=env, capture_output=True,
+                     text=True, timeout=240, check=False)
+  out = r.stdout
+  failed = set(re.findall(r"^FAILED tests/test_budget.py::(\w+)", out, re.M))
+  assert failed == {"test_busy", "test_listed_not_slow"}, out[-3000:]
+  assert "over the 0.5 s budget of one test" in out and "docs/testing.md" in out
+  assert "4 passed" in out, out[-2000:]
+
+
+def test_the_listed_long_tests_exist_are_marked_slow_and_say_why():
+  import conftest  # pylint: disable=g-import-not-at-top
+  allowed = conftest.allowed_long_tests()
+  rows = [ln for ln in conftest.TESTING_DOC.read_text().splitlines() if ln.startswith("| `tests/")]
+  assert allowed and len(allowed) == len(rows), (sorted(allowed), rows)   # every row is read
+  for node, reason in allowed.items():
+    path, name = node.split("::")
+    source = (ROOT / path).read_text()
+    m = re.search(rf"((?:^@.*\n)*)^def {name}\(", source, re.M)
+    assert m, f"{node} (docs/testing.md) does not exist"
+    assert "@pytest.mark.slow" in m.group(1), f"{node} is listed but not marked slow"
+    assert len(reason.split()) >= 5, (node, reason)
+
+
+def test_tests_share_compiled_programs_through_this_runs_cache():
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import conftest  # pylint: disable=g-import-not-at-top
+  if conftest.COMPILE_CACHE_DIR is None:
+    import pytest  # pylint: disable=g-import-not-at-top
+    pytest.skip("the compile cache is off (DTENJAX_TEST_COMPILE_CACHE=0 or a GPU run)")
+  assert jax.config.jax_compilation_cache_dir == conftest.COMPILE_CACHE_DIR
+  assert os.environ[conftest.CACHE_DIR_VAR] == conftest.COMPILE_CACHE_DIR
+  assert "JAX_COMPILATION_CACHE_DIR" not in os.environ      # not for the processes tests start
+  hits = []
+
+  def listener(event, **kwargs):
+    del kwargs
+    if event == "/jax/compilation_cache/cache_hits":
+      hits.append(event)
+  jax.monitoring.register_event_listener(listener)
+  try:
+    def make():                  # a new function object each time: no in-memory cache hit
+      def program(x):            # slow enough to compile to pass the cache's 0.2 s threshold
+        for i in range(60):
+          x = jnp.sin(x @ x.T + i) @ x
+        return x
+      return program
+    x = jnp.ones((16, 16))
+    jax.jit(make()).lower(x).compile()
+    jax.jit(make()).lower(x).compile()                # another test's copy of the same program
+  finally:
+    jax.monitoring.unregister_event_listener(listener)
+  assert hits, "the second compile of the same program did not load it from the cache"

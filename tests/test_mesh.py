@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import dtenjax
 from dtenjax._src import errors
 from dtenjax._src.planning import mesh as mesh_lib
 from dtenjax._src.topology import model as topo
@@ -352,3 +353,48 @@ def test_pmap_argument_errors(cpu_devices):
                                                                           jnp.ones((8,)))
   with pytest.raises(errors.MeshError, match="in_axes 2 is not one of its axes"):
     mesh_lib.pmap(lambda a: a, in_axes=2, devices=cpu_devices)(jnp.ones((8, 2)))
+
+
+def test_a_mesh_larger_than_the_cpu_devices_says_how_to_simulate_them(cpu_devices):
+  import traceback  # pylint: disable=g-import-not-at-top
+  with pytest.raises(dtenjax.MeshError) as e:
+    dtenjax.topology_mesh((4, 4), ("a", "b"), devices=cpu_devices)
+  msg = str(e.value)
+  assert "XLA_FLAGS=--xla_force_host_platform_device_count=16" in msg
+  assert "before the first import of jax" in msg and "16 devices but 8 are available" in msg
+  line = traceback.format_exception_only(e.type, e.value)[-1]
+  assert line.startswith("dtenjax.MeshError: mesh shape (4, 4)"), line
+
+
+def test_public_errors_print_as_dtenjax_names():
+  import pickle  # pylint: disable=g-import-not-at-top
+  for name in ("DtenjaxError", "MeshError", "PlacementError", "ConfigurationError",
+               "TopologyError", "CollectiveError", "ExtensionUnavailableError", "TransportError",
+               "CollectiveTimeoutError", "NativeError", "QuotaExceededError"):
+    cls = getattr(dtenjax, name)
+    assert f"{cls.__module__}.{cls.__qualname__}" == f"dtenjax.{name}"
+    assert type(pickle.loads(pickle.dumps(cls("x")))) is cls       # pickles by that name
+
+
+def test_make_mesh_is_deprecated_for_topology_mesh(cpu_devices):
+  import inspect  # pylint: disable=g-import-not-at-top
+  with pytest.warns(DeprecationWarning, match="dtenjax.topology_mesh"):
+    old = dtenjax.make_mesh((2, 4), ("a", "b"), devices=cpu_devices)
+  new = dtenjax.topology_mesh((2, 4), ("a", "b"), devices=cpu_devices)
+  assert old == new and set(new.axis_types) == {jax.sharding.AxisType.Auto}
+  assert inspect.signature(dtenjax.make_mesh).parameters.keys() == (
+      inspect.signature(dtenjax.topology_mesh).parameters.keys())
+
+
+def test_mesh_map_takes_shard_maps_keywords_and_defaults(cpu_devices):
+  import inspect  # pylint: disable=g-import-not-at-top
+  ours = inspect.signature(dtenjax.mesh_map).parameters
+  theirs = inspect.signature(jax.shard_map).parameters
+  assert ours["out_specs"].default is inspect.Parameter.empty      # required, as in shard_map
+  assert theirs["out_specs"].default is inspect.Parameter.empty
+  assert repr(ours["in_specs"].default) == "Infer"                    # not <object object ...>
+  for name in ("axis_names", "check_vma"):
+    assert ours[name].default == theirs[name].default, name
+  mesh = dtenjax.topology_mesh((8,), ("i",), devices=cpu_devices)
+  with pytest.raises(TypeError, match="out_specs"):
+    dtenjax.mesh_map(lambda x: x, mesh, in_specs=P("i"))   # pylint: disable=missing-kwoa

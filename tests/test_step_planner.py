@@ -254,7 +254,7 @@ def test_two_processes_plan_alike_and_train_on_one_mesh(tmp_path):
   assert results[0]["digest"] == results[1]["digest"]          # the same plan in each process
   assert results[0]["mesh_processes"] == [0, 1]                # one mesh over both processes
   assert results[0]["mesh_devices"] == results[1]["mesh_devices"]
-  # dtenjax.make_mesh of the planned shape lays the devices out as the plan does
+  # dtenjax.topology_mesh of the planned shape lays the devices out as the plan does
   assert results[0]["make_mesh_devices"] == results[0]["mesh_devices"]
   # the loss of the same step on one device
   step, args = models.mlp_step(d=64, f=256, layers=2, batch=16, seq=8)

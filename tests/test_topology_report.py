@@ -69,11 +69,13 @@ def test_topo_fixture_json_and_save(tmp_path, capsys):
   printed = capsys.readouterr().out
   assert "Topology 'h200_8'" in printed and "saved to" in printed
   assert Topology.from_json(out) == Topology.fixture("h200_8")
-  assert cli(["topo", "--json", str(out)]) == 0
+  assert cli(["topo", "--load", str(out)]) == 0
   assert "NVS" in capsys.readouterr().out
+  assert cli(["topo", "--load", str(out), "--json"]) == 0          # bare --json: to stdout
+  assert Topology.from_json(capsys.readouterr().out) == Topology.fixture("h200_8")
 
 
-def test_topo_errors_are_one_line_exit_2(tmp_path, capsys):
+def test_topo_errors_are_one_line_exit_2_for_usage_and_1_for_files(tmp_path, capsys):
   with pytest.raises(SystemExit) as e:
     cli(["topo", "--fixture", "nope"], prog="dtenjax")
   assert e.value.code == 2
@@ -82,12 +84,21 @@ def test_topo_errors_are_one_line_exit_2(tmp_path, capsys):
   assert "dgx_a100_8" in err and "Traceback" not in err
   bad = tmp_path / "bad.json"
   bad.write_text("{not json")
-  assert cli(["topo", "--json", str(bad)], prog="dtenjax") == 2
+  assert cli(["topo", "--load", str(bad)], prog="dtenjax") == 1
   err = capsys.readouterr().err
   assert err.startswith("dtenjax topo: error: ") and "is not valid JSON" in err
   assert err.count("\n") == 1
+  assert cli(["topo", "--load", str(tmp_path / "missing.json")], prog="dtenjax") == 1
+  err = capsys.readouterr().err
+  assert "cannot read topology file" in err and err.count("\n") == 1
+  unwritable = tmp_path / "no-such-dir" / "t.json"
+  for flag in ("--json", "--save"):
+    assert cli(["topo", "--fixture", "h200_8", flag, str(unwritable)], prog="dtenjax") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dtenjax topo: error: --json ") and "cannot write it" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
   with pytest.raises(SystemExit) as e:
-    cli(["topo", "--fixture", "dgx_a100_8", "--json", str(bad)])
+    cli(["topo", "--fixture", "dgx_a100_8", "--load", str(bad)])
   assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
   assert cli(["topo", "--fixture", "dgx_a100_8", "--probe"], prog="dtenjax") == 2
   assert "none of topology 'dgx_a100_8'" in capsys.readouterr().err
@@ -99,3 +110,13 @@ def test_topo_detect_and_probe(cpu_devices, capsys):
   text = capsys.readouterr().out
   assert "CPU0" in text and "SHM" in text and "source: probed" in text
   assert "probed shared_memory" in text
+
+
+def test_transport_notes_say_why_once_and_without_native_source_paths():
+  reason = ("pyverbs is not installed; libibverbs.so.1 lists no RDMA device "
+            "(ibv_get_device_list: Function not implemented)")
+  notes = report._transport_notes([  # pylint: disable=protected-access
+      f"no RDMA NIC: {reason} (/src/dtenjax/csrc/transport/verbs.cc:338)",
+      f"host transport: tcp (verbs is not usable: {reason} (/src/dtenjax/csrc/transport/verbs.cc:338))"])
+  assert notes == [f"no RDMA NIC: {reason}",
+                   "host transport: tcp (verbs is not usable: no RDMA NIC (above))"]

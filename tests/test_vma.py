@@ -63,7 +63,7 @@ def _runner(mode: str, check_vma: bool, body, nargs: int = 1):
                               check_vma=check_vma))
     # Explicit axes: shard_map's in_specs are assertions, so the input is resharded first.
     return (lambda *xs: f(*(jax.sharding.reshard(x, P("i")) for x in xs))), jax.set_mesh(mesh)
-  mesh = dtenjax.make_mesh((N,), ("i",))
+  mesh = dtenjax.topology_mesh((N,), ("i",))
   specs = (P("i"),) * nargs
   if mode == "mesh_map":
     return jax.jit(dtenjax.mesh_map(body, mesh, in_specs=specs, out_specs=P(),
@@ -150,7 +150,7 @@ def test_all_reduce_is_typed_and_differentiated_like_lax(op, reproducible, mode,
 
 def test_readme_pattern_types_under_shard_map_defaults():
   """The README's quickstart shape: out_specs=P() of a reproducible all-reduce, jax defaults."""
-  mesh = dtenjax.make_mesh((N,), ("i",))
+  mesh = dtenjax.topology_mesh((N,), ("i",))
   f = jax.jit(jax.shard_map(
       lambda v: dtenjax.all_reduce(v, "i", algorithm="auto", reproducible=True),
       mesh=mesh, in_specs=P("i"), out_specs=P()))
@@ -159,7 +159,7 @@ def test_readme_pattern_types_under_shard_map_defaults():
 
 
 def _two_axis_mesh():
-  return dtenjax.make_mesh((2, 4), ("a", "b"))
+  return dtenjax.topology_mesh((2, 4), ("a", "b"))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS + ("hierarchical",))
@@ -186,7 +186,7 @@ def test_reducing_one_axis_of_two_keeps_the_other_varying(algorithm):
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_an_invariant_input_is_summed_like_psum_does(algorithm):
   """psum of a replicated value is n times it, and its gradient comes back through the cast."""
-  mesh = dtenjax.make_mesh((N,), ("i",))
+  mesh = dtenjax.topology_mesh((N,), ("i",))
 
   def run(red):
     return jax.jit(jax.shard_map(lambda w: red(w * 1.0), mesh=mesh, in_specs=P(),
@@ -200,7 +200,7 @@ def test_an_invariant_input_is_summed_like_psum_does(algorithm):
 
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_reduce_scatter_and_all_gather_are_typed_like_lax(check_vma):
-  mesh = dtenjax.make_mesh((N,), ("i",))
+  mesh = dtenjax.topology_mesh((N,), ("i",))
   types = []
 
   def body(v):
@@ -226,7 +226,7 @@ def test_reduce_scatter_and_all_gather_are_typed_like_lax(check_vma):
 def test_reduce_scatter_defaults_are_psum_scatters():
   """scatter_dimension=0, tiled=False, as lax.psum_scatter's defaults: the scattered dimension
   disappears."""
-  mesh = dtenjax.make_mesh((N,), ("i",))
+  mesh = dtenjax.topology_mesh((N,), ("i",))
   x = jnp.asarray(_data(3, per=N * 3)).reshape(N * N, 3)
   mk = lambda red: jax.jit(jax.shard_map(red, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
   ours = mk(lambda v: dtenjax.reduce_scatter(v, "i"))
@@ -258,7 +258,7 @@ def test_pytrees_buckets_and_local_axis_are_typed_like_psum():
 
 @pytest.mark.parametrize("algorithm", ("auto", "one_shot", "ring"))
 def test_vmap_and_jit_around_a_typed_collective(algorithm):
-  mesh = dtenjax.make_mesh((N,), ("i",))
+  mesh = dtenjax.topology_mesh((N,), ("i",))
   f = jax.shard_map(lambda v: dtenjax.all_reduce(v, "i", algorithm=algorithm), mesh=mesh,
                     in_specs=P("i"), out_specs=P())
   xs = jnp.stack([jnp.asarray(_data(s)) for s in range(3)])

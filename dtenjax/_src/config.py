@@ -70,8 +70,9 @@ KNOBS: dict[str, Knob] = {
              "(planning/costmodel.py BackendCosts), e.g. calibrated from bench/allreduce.py"),
         Knob("DTENJAX_P2P_BUFFER_BYTES", str(64 << 20),
              "bytes of the registered symmetric buffer per GPU for the NVLink kernels"),
-        Knob("DTENJAX_PIN_NCCL", "1",
-             "1 sets NCCL_NVLS_ENABLE=0 at import when unset (NVLS is not deterministic)"),
+        Knob("DTENJAX_PIN_NCCL", "0",
+             "1: import dtenjax sets NCCL_NVLS_ENABLE=0 when unset, as dtenjax.pin_nccl() does "
+             "(NVLS is not deterministic); 0: importing dtenjax sets nothing"),
         Knob("DTENJAX_P2P_MAX_BLOCKS", "128",
              "most thread blocks per GPU an NVLink kernel call uses (same on every process)"),
         Knob("DTENJAX_CHECKPOINT_IO", "auto",

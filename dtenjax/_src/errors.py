@@ -100,6 +100,15 @@ def warn_once(key: str, message: str) -> bool:
   return True
 
 
+# The public classes print as dtenjax.MeshError (tracebacks, repr of the class, pickling), the
+# name users catch them by, not as the module that happens to define them.
+for _cls in (DtenjaxError, ConfigurationError, TopologyError, MeshError, PlacementError,
+             CollectiveError, ExtensionUnavailableError, TransportError, CollectiveTimeoutError,
+             NativeError, QuotaExceededError, CheckpointError, DtenjaxWarning):
+  _cls.__module__ = "dtenjax"
+del _cls
+
+
 def join_problems(header: str, problems: Iterable[str]) -> str:
   """Formats several problems into one message: a header line, then one bullet per problem."""
   lines = [header]

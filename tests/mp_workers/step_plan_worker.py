@@ -22,7 +22,7 @@ def main():
   step, args = models.mlp_step(d=64, f=256, layers=2, batch=16, seq=8)
   plan = dtenjax.plan(step, *args, mesh={"data": 4, "tensor": 2})
   mesh = plan.mesh()
-  made = dtenjax.make_mesh(plan.mesh_shape, plan.axis_names)     # the same mesh, by hand
+  made = dtenjax.topology_mesh(plan.mesh_shape, plan.axis_names)     # the same mesh, by hand
   rng = np.random.default_rng(0)
   params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), args[0])
   opt = optax.adamw(1e-3).init(params)

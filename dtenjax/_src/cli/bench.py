@@ -13,7 +13,7 @@ import pathlib
 import subprocess
 import sys
 
-from dtenjax._src import errors
+from dtenjax._src.cli import common
 
 HELP = "run bench/NAME.py from a source checkout; ARGS and the exit status pass through"
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
   if args.name not in names:
     where = (f"available: {', '.join(names)}" if names else
              "no bench/ directory here; benchmarks run from a source checkout of dtenjax")
-    raise errors.ConfigurationError(f"no benchmark {args.name!r} in {BENCH_DIR} ({where}).")
+    raise common.UsageError(f"no benchmark {args.name!r} in {BENCH_DIR} ({where}).")
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
       [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])

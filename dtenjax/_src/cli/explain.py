@@ -23,7 +23,8 @@ Like a profiler, it loads your step by name and compiles it with example argumen
 
 Without a target it explains the demo's training step (``python -m dtenjax demo``). The command
 prints every collective with its device groups, bytes and predicted time, then the compiled
-memory; ``--json`` writes the same as data and ``--dump-hlo`` the optimised HLO text.
+memory; ``--json FILE`` writes the same as data (``--json`` alone prints it instead of the table)
+and ``--dump-hlo FILE`` the optimised HLO text.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
-import json
 import os
 import pathlib
 import re
@@ -40,6 +40,7 @@ import sys
 from typing import Any
 
 from dtenjax._src import errors
+from dtenjax._src.cli import common
 
 _DTYPES = {
     "pred": "bool", "bool": "bool", "s8": "int8", "i8": "int8", "s16": "int16", "i16": "int16",
@@ -89,7 +90,7 @@ def parse_mesh(text: str):
   if len(set(names)) != len(names):
     problems.append(f"axis names {names} repeat a name")
   if problems:
-    raise errors.ConfigurationError(errors.join_problems(
+    raise common.UsageError(errors.join_problems(
         f"--mesh {text!r}: write it as NAME=SIZE,... (e.g. data=2,model=4):", problems))
   return jax.sharding.Mesh(np.array(devices[:n]).reshape(sizes), tuple(names))
 
@@ -150,7 +151,7 @@ def parse_shape_args(text: str, mesh=None) -> list[Any]:
       sharding = NamedSharding(mesh, P(*spec))
     out.append(jax.ShapeDtypeStruct(dims, dtype, sharding=sharding))
   if problems:
-    raise errors.ConfigurationError(errors.join_problems(
+    raise common.UsageError(errors.join_problems(
         f"--shape-args {text!r}: write one DTYPE[DIMS] per argument, e.g. "
         "'f32[8,128],bf16[128]{model}':", problems))
   return out
@@ -159,15 +160,15 @@ def parse_shape_args(text: str, mesh=None) -> list[Any]:
 def load_object(spec: str, what: str = "target") -> Any:
   """``module:attr.path`` or ``path/file.py:attr`` -> the object (like profilers load targets)."""
   if ":" not in spec:
-    raise errors.ConfigurationError(
+    raise common.UsageError(
         f"{what} {spec!r} is not MODULE:FUNCTION; write e.g. train:step or path/train.py:step.")
   mod_name, attr = spec.rsplit(":", 1)
   if not mod_name or not attr:
-    raise errors.ConfigurationError(f"{what} {spec!r}: both MODULE and FUNCTION are needed.")
+    raise common.UsageError(f"{what} {spec!r}: both MODULE and FUNCTION are needed.")
   if mod_name.endswith(".py") or os.sep in mod_name:
     path = pathlib.Path(mod_name).resolve()
     if not path.is_file():
-      raise errors.ConfigurationError(f"{what} {spec!r}: no file {path}.")
+      raise common.UsageError(f"{what} {spec!r}: no file {path}.")
     if str(path.parent) not in sys.path:
       sys.path.insert(0, str(path.parent))
     name = path.stem
@@ -176,7 +177,11 @@ def load_object(spec: str, what: str = "target") -> Any:
       mspec = importlib.util.spec_from_file_location(name, path)
       module = importlib.util.module_from_spec(mspec)
       sys.modules[name] = module
-      mspec.loader.exec_module(module)
+      try:
+        mspec.loader.exec_module(module)
+      except Exception as e:  # pylint: disable=broad-except  (the user's module, any error)
+        del sys.modules[name]
+        raise common.user_code_failed(f"importing {path}", e) from None
   else:
     if os.getcwd() not in sys.path and "" not in sys.path:
       sys.path.insert(0, os.getcwd())
@@ -184,26 +189,31 @@ def load_object(spec: str, what: str = "target") -> Any:
       module = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
       if e.name and mod_name.startswith(e.name):
-        raise errors.ConfigurationError(
+        raise common.UsageError(
             f"{what} {spec!r}: no module {mod_name!r} on the path (current directory "
             f"{os.getcwd()}); run from the directory that holds it or give path/to/file.py:"
             f"{attr}.") from None
-      raise
+      raise common.user_code_failed(f"importing {mod_name!r}", e) from None
+    except Exception as e:  # pylint: disable=broad-except  (the user's module, any error)
+      raise common.user_code_failed(f"importing {mod_name!r}", e) from None
   obj = module
   for part in attr.split("."):
     if not hasattr(obj, part):
       names = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n)))
-      raise errors.ConfigurationError(
+      raise common.UsageError(
           f"{what} {spec!r}: {type(obj).__name__} {getattr(obj, '__name__', obj)!r} has no "
           f"attribute {part!r}; callables there: {names[:20]}")
     obj = getattr(obj, part)
   if not callable(obj):
-    raise errors.ConfigurationError(f"{what} {spec!r} is a {type(obj).__name__}, not callable.")
+    raise common.UsageError(f"{what} {spec!r} is a {type(obj).__name__}, not callable.")
   return obj
 
 
-def _factory_args(factory) -> tuple[tuple, dict]:
-  made = factory()
+def _factory_args(factory, spec: str) -> tuple[tuple, dict]:
+  try:
+    made = factory()
+  except Exception as e:  # pylint: disable=broad-except  (the user's factory, any error)
+    raise common.user_code_failed(f"the --args factory {spec}", e) from None
   if isinstance(made, dict) and set(made) <= {"args", "kwargs"}:
     return tuple(made.get("args", ())), dict(made.get("kwargs", {}))
   if isinstance(made, (tuple, list)):
@@ -255,7 +265,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                   help="a device mesh for --shape-args placements (and the current mesh)")
   ap.add_argument("--fixture", metavar="NAME",
                   help="predict times on a shipped topology instead of this machine's")
-  ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+  common.add_json_argument(ap, "the collectives, memory and predicted times")
   ap.add_argument("--dump-hlo", metavar="FILE", help="write the optimised HLO text")
 
 
@@ -267,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
   mesh = parse_mesh(args.mesh) if args.mesh else None
   if args.target is None:
     if args.shape_args or args.factory or args.mesh:
-      raise errors.ConfigurationError(
+      raise common.UsageError(
           "--shape-args, --args and --mesh describe the arguments of your own step; name it "
           "first: python -m dtenjax explain MODULE:FUNCTION --shape-args ...")
     from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
@@ -277,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
   else:
     fn = load_object(args.target)
     if args.factory:
-      call_args, call_kwargs = _factory_args(load_object(args.factory, "--args factory"))
+      call_args, call_kwargs = _factory_args(load_object(args.factory, "--args factory"),
+                                             args.factory)
     elif args.shape_args is not None:
       call_args, call_kwargs = tuple(parse_shape_args(args.shape_args, mesh)), {}
     else:
@@ -290,25 +301,37 @@ def run(args: argparse.Namespace) -> int:
     with ctx:
       compiled = jitted.lower(*call_args, **call_kwargs).compile()
   except TypeError as e:
-    raise errors.ConfigurationError(
+    raise common.UsageError(
         f"{label} could not be compiled with the example arguments ({_one_line(e)}); describe "
         "every positional argument with --shape-args or return them from an --args "
         "factory.") from None
-  except (ValueError, NameError) as e:   # jax: an axis name not in the mesh, a bad sharding
-    raise errors.ConfigurationError(
+  except NameError as e:
+    if re.match(r"name '.*' is not defined", str(e)):     # Python's own: a bug in the step
+      raise common.user_code_failed(f"{label}, traced with the example arguments,", e) from None
+    raise common.UsageError(                              # jax: an axis name not in the mesh
+        f"{label} could not be compiled with the example arguments: {_one_line(e)} (check "
+        "the axis names the step uses against --mesh).") from None
+  except ValueError as e:   # jax: a bad sharding, an axis name not in the mesh
+    raise common.UsageError(
         f"{label} could not be compiled with the example arguments: {_one_line(e)} (check "
         "the axis names the step uses against --mesh, and that every sharded dimension "
         "divides its mesh axes).") from None
+  except Exception as e:  # pylint: disable=broad-except  (the user's step raised while traced)
+    where = common.user_frame(e)
+    if where is None:
+      raise
+    raise common.user_code_failed(f"{label}, traced with the example arguments,", e) from None
   explanation = explain_lib.explain(compiled, topology=topology)
-  print(f"== explain({label}) on {len(jax.devices())} {jax.devices()[0].platform} device(s) ==")
-  print(explanation.table())
+  if not common.json_to_stdout(args):
+    print(f"== explain({label}) on {len(jax.devices())} {jax.devices()[0].platform} "
+          "device(s) ==")
+    print(explanation.table())
   if args.dump_hlo:
-    pathlib.Path(args.dump_hlo).write_text(compiled.as_text() or "", encoding="utf-8")
-  if args.json:
-    data = {"target": label, "topology": explanation.topology, "source": explanation.source,
-            "memory": explanation.memory, "collectives": _rows(explanation),
-            "total_predicted_us": explanation.total_predicted_s * 1e6}
-    pathlib.Path(args.json).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    common.write_text(args.dump_hlo, compiled.as_text() or "", "--dump-hlo")
+  common.write_json(args, {
+      "target": label, "topology": explanation.topology, "source": explanation.source,
+      "memory": explanation.memory, "collectives": _rows(explanation),
+      "total_predicted_us": explanation.total_predicted_s * 1e6})
   return 0
 
 

@@ -1,9 +1,13 @@
-"""``dtenjax topo``: the link matrix of this machine, a fixture or a saved topology, in the spirit
-of ``nvidia-smi topo -m``, with the bandwidth and latency the cost model uses per link class."""
+"""dtenjax topo: the link matrix of this machine, a fixture or a saved topology, in the spirit
+of nvidia-smi topo -m, with the bandwidth and latency the cost model uses per link class."""
 
 from __future__ import annotations
 
 import argparse
+import pathlib
+
+from dtenjax._src import errors
+from dtenjax._src.cli import common
 
 HELP = "print the device link matrix with the bandwidths the cost model uses"
 DESCRIPTION = __doc__
@@ -14,10 +18,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
   src = ap.add_mutually_exclusive_group()
   src.add_argument("--fixture", metavar="NAME", choices=Topology.fixtures(),
                    help=f"a shipped topology: {', '.join(Topology.fixtures())}")
-  src.add_argument("--json", metavar="FILE", help="a topology JSON file (Topology.to_json())")
+  src.add_argument("--load", metavar="FILE",
+                   help="a saved topology (what --json FILE or Topology.to_json() wrote)")
   ap.add_argument("--probe", action="store_true",
                   help="measure alpha/beta of the link classes present (this machine only)")
-  ap.add_argument("--save", metavar="FILE", help="write the topology shown as JSON")
+  common.add_json_argument(ap, "the topology shown (Topology.to_json(), for --load)")
+  ap.add_argument("--save", metavar="FILE", dest="json",
+                  help="the same as --json FILE")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,15 +33,23 @@ def run(args: argparse.Namespace) -> int:
   from dtenjax._src.topology.model import Topology
   if args.fixture:
     topology = Topology.fixture(args.fixture)
-  elif args.json:
-    topology = Topology.from_json(args.json)
+  elif args.load:
+    topology = Topology.from_json(pathlib.Path(args.load))   # TopologyError names the file
   else:
     topology = Topology.detect()
   if args.probe:
-    topology = topology.probe()
+    try:
+      topology = topology.probe()
+    except errors.TopologyError as e:
+      if args.fixture or args.load:     # a topology of other devices: the arguments clash
+        raise common.UsageError(f"--probe measures this machine's devices: {e}") from None
+      raise
+  text = topology.to_json() + "\n"
+  if common.json_to_stdout(args):
+    print(text, end="")
+    return 0
   print(report.link_matrix_table(topology))
-  if args.save:
-    with open(args.save, "w", encoding="utf-8") as f:
-      f.write(topology.to_json() + "\n")
-    print(f"\nsaved to {args.save}")
+  if args.json is not None:
+    common.write_text(args.json, text, "--json")
+    print(f"\nsaved to {args.json}")
   return 0

@@ -23,6 +23,7 @@ import contextvars
 import difflib
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,13 +112,48 @@ def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], axis_types=
     if len(shape) >= 1 and len(devices) % math.prod(shape[1:] or (1,)) == 0:
       fixed = (len(devices) // math.prod(shape[1:] or (1,)),) + shape[1:]
       hint = f" For example shape={fixed}."
+    platform = devices[0].platform if devices else "none"
+    simulate = ""
+    if platform == "cpu" and math.prod(shape) > len(devices):
+      simulate = (f" On CPU, JAX simulates {math.prod(shape)} devices when the process starts "
+                  "with XLA_FLAGS=--xla_force_host_platform_device_count="
+                  f"{math.prod(shape)} (set it in the environment, or in os.environ before "
+                  "the first import of jax).")
     raise errors.MeshError(
         f"mesh shape {shape} holds {math.prod(shape)} devices but {len(devices)} are available "
-        f"({devices[0].platform if devices else 'none'}). Choose a shape whose product is "
-        f"{len(devices)}, or pass devices=[...] with {math.prod(shape)} devices.{hint}")
+        f"({platform}).{simulate} Otherwise choose a shape whose product is {len(devices)}, or "
+        f"pass devices=[...] with {math.prod(shape)} devices.{hint}")
   if topology is None:
     topology = Topology.current()
   return _make_mesh_cached(shape, axis_names, topology, tuple(devices), types)
+
+
+def topology_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], axis_types=None, *,
+                  devices: Sequence[Any] | None = None,
+                  topology: Topology | None = None) -> Mesh:
+  """A ``jax.sharding.Mesh`` whose inner axes stay on the fastest links, with Auto axes unless
+  ``axis_types`` says otherwise (``jax.make_mesh`` makes Explicit ones; hence its own name).
+
+  Args:
+    axis_shapes: mesh axis sizes, outermost first; their product must equal the device count.
+    axis_names: one name per axis.
+    axis_types: ``jax.sharding.AxisType`` for every axis (``AxisType.Explicit``, say) or a tuple
+      of one per axis; default all ``Auto``.
+    devices: devices to use; default ``jax.devices()``.
+    topology: the topology to order by; default ``Topology.current()``.
+  """
+  return make_mesh(axis_shapes, axis_names, axis_types, devices=devices, topology=topology)
+
+
+def deprecated_make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], axis_types=None,
+                         *, devices: Sequence[Any] | None = None,
+                         topology: Topology | None = None) -> Mesh:
+  """``dtenjax.make_mesh``: deprecated, the same as :func:`topology_mesh` (which see)."""
+  warnings.warn(
+      "dtenjax.make_mesh is deprecated: it makes Auto axes where jax.make_mesh makes Explicit "
+      "ones, so it is now dtenjax.topology_mesh (same arguments); for JAX's behaviour use "
+      "jax.make_mesh.", DeprecationWarning, stacklevel=2)
+  return make_mesh(axis_shapes, axis_names, axis_types, devices=devices, topology=topology)
 
 
 @functools.lru_cache(maxsize=256)
@@ -157,7 +193,7 @@ def use_mesh(mesh: Mesh):
   cost model). It does not enter ``jax.set_mesh``: jit programs keep their own context."""
   if not isinstance(mesh, Mesh):
     raise errors.MeshError(f"use_mesh takes a jax.sharding.Mesh, got {type(mesh).__name__}: "
-                           f"{mesh!r}; build one with dtenjax.make_mesh or jax.make_mesh.")
+                           f"{mesh!r}; build one with dtenjax.topology_mesh or jax.make_mesh.")
   token = _current_mesh.set(mesh)
   try:
     yield mesh
@@ -250,16 +286,24 @@ def _bind(f: Callable, mesh: Mesh) -> Callable:
   return body
 
 
-_INFER = object()   # in_specs not given: jax.shard_map's own default (inferred from Explicit axes)
+class _InferSpecs:
+  """``in_specs`` left out: ``jax.shard_map``'s own default (inferred from Explicit axes)."""
+
+  def __repr__(self) -> str:
+    return "Infer"
+
+
+_INFER = _InferSpecs()
 
 
 def mesh_map(f: Callable | None = None, mesh: Mesh | Sequence[int] | None = None, *,
-             out_specs: Any = P(), in_specs: Any = _INFER, axis_names=frozenset(),
+             out_specs: Any, in_specs: Any = _INFER, axis_names=frozenset(),
              check_vma: bool = True) -> Callable:
   """Runs ``f`` once per device on its shard, like ``pmap`` but over a (multi-axis) mesh.
 
-  A thin, validated layer over ``jax.shard_map`` with its keyword arguments and meaning
-  (``in_specs`` may be left out where jax infers it, on Explicit axes; ``axis_names`` makes only
+  A thin, validated layer over ``jax.shard_map`` with its keyword arguments, defaults and
+  meaning (``out_specs`` is required, as there; ``in_specs`` may be left out where jax infers it,
+  on Explicit axes; ``axis_names`` makes only
   those axes manual; without ``f`` it returns a decorator). ``mesh`` may also be a shape such as
   ``(2, 4)`` or None (the context mesh). ``check_vma`` defaults to True as in ``jax.shard_map``:
   values from ``in_specs=P()`` are invariant across devices, ``jax.grad`` with respect to them

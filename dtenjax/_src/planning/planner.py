@@ -3,7 +3,7 @@
 A tensor of shape ``[..., m, n]`` is treated as the weight of ``Y = X @ W`` in a training step
 (:class:`Workload`: tokens per step, micro-batches, how much of the gradient synchronisation hides
 behind the backward pass). On a mesh ``(outer, inner)`` -- ``inner`` on the fastest links, as
-:func:`dtenjax.make_mesh` lays it out -- the candidates are:
+:func:`dtenjax.topology_mesh` lays it out -- the candidates are:
 
 ==========  ==================  ===========================================================
 replicate   ``P()``             data parallel everywhere: one gradient all-reduce of W per step

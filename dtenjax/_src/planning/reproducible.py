@@ -15,9 +15,9 @@ Two different promises, and what each backend needs for them:
   the autotuner (``xla_gpu_autotune_level=0``: XLA's heuristic choice, no timing; or
   ``autotune="cache"``: results stored in a directory, so every later process reads the first
   one's choices). Collectives: NCCL chooses its algorithm from a static model of the topology,
-  the same in every run, except NVLink SHARP (NVLS), which reduces in the switch; dtenjax sets
-  ``NCCL_NVLS_ENABLE=0`` at import (``gpu/environment.py``) and :func:`reproducible_step`
-  refuses a multi-device process where it was set otherwise. Nothing else is pinned.
+  the same in every run, except NVLink SHARP (NVLS), which reduces in the switch;
+  ``dtenjax.pin_nccl()`` sets ``NCCL_NVLS_ENABLE=0`` (``gpu/environment.py``) and
+  :func:`reproducible_step` refuses a multi-device process where it is not 0. Nothing else is pinned.
 * **Across differently fused programs** (the same step with ``fuse_collectives`` or
   ``substitute_psum``, another ``bucket_bytes``): changing how gradients are reduced changes which
   operations XLA fuses together, and inside a fused loop LLVM contracts ``a * b + c`` into one
@@ -187,8 +187,8 @@ def reproducible_step(fn: Callable | None = None, /, *, compiler_options: dict |
               f"reproducible_step on {b}: NCCL_NVLS_ENABLE="
               f"{os.environ.get('NCCL_NVLS_ENABLE')!r} with {jax.device_count()} devices. "
               "NVLink SHARP reduces in the switch in no fixed order; set NCCL_NVLS_ENABLE=0 "
-              "before the first collective (dtenjax does at import unless you set it or "
-              "DTENJAX_PIN_NCCL=0), or pass check_flags=False.")
+              "before the first collective (dtenjax.pin_nccl() does, or DTENJAX_PIN_NCCL=1 at "
+              "import), or pass check_flags=False.")
       clash = sorted(k for k in user if k in pinned and user[k] != pinned[k])
       if clash:
         raise errors.ConfigurationError(

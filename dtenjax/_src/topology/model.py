@@ -12,7 +12,7 @@ A :class:`Topology` is a frozen value. It comes from one of three places:
 
 Every pair of devices has a *link class*; each class has a :class:`LinkSpec` (bandwidth per
 direction, latency). Classes are ordered fastest first (:data:`LINK_ORDER`), which is how
-:func:`dtenjax.make_mesh` keeps inner mesh axes on the fastest links.
+:func:`dtenjax.topology_mesh` keeps inner mesh axes on the fastest links.
 """
 
 from __future__ import annotations

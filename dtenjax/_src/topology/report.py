@@ -10,6 +10,8 @@ priced like PCIe until ``--probe`` measures them. The tables are laid out by ric
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Sequence
 
 from dtenjax._src import tables
@@ -95,13 +97,32 @@ def link_matrix_table(topology: Topology) -> str:
     for node in topology.numa_nodes:
       lines.append(f"  NUMA node {node.id} on {node.host!r}: cpus {node.cpus or '?'}")
   # What the host transport runs on (and an emulated RDMA device, shown as such) comes first.
-  transport = [n for n in topology.notes if n.startswith(TRANSPORT_NOTES)]
+  transport = _transport_notes([n for n in topology.notes if n.startswith(TRANSPORT_NOTES)])
   others = [n for n in topology.notes if not n.startswith(TRANSPORT_NOTES)]
   if transport:
     lines += ["", "Transport:"] + [f"  {note}" for note in transport]
   if others:
     lines += ["", "Notes:"] + [f"  - {note}" for note in others]
   return "\n".join(lines)
+
+
+# " (/path/to/csrc/transport/verbs.cc:338)": where a native status was made, for developers
+_SOURCE_LOCATION = re.compile(r"\s*\((?:/|[A-Za-z]:\\)[^()]*\.(?:cc|cu|cpp|h|cuh):\d+\)")
+
+
+def _transport_notes(notes: list[str]) -> list[str]:
+  """The transport notes as a reader wants them: without native source locations, and the
+  reason there is no RDMA NIC said once (the host transport's note repeats it as why verbs is
+  not usable)."""
+  notes = [_SOURCE_LOCATION.sub("", n) for n in notes]
+  reasons = [n[len("no RDMA NIC: "):] for n in notes if n.startswith("no RDMA NIC: ")]
+  out = []
+  for n in notes:
+    for r in reasons:
+      if n.startswith("host transport:") and r and r in n:
+        n = n.replace(r, "no RDMA NIC (above)")
+    out.append(n)
+  return out
 
 
 def _ranges(ids: Sequence[int]) -> str:

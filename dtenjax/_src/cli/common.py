@@ -1,0 +1,111 @@
+"""What every command shares: the two kinds of failure and their exit status, the ``--json``
+flag, writing files, and running the user's own code.
+
+Exit status (cli/main.py): 0 done; 2 a usage error (argparse's own, or :class:`UsageError`: an
+argument dtenjax cannot use, such as an unknown module, a bad ``--shape-args`` or a mesh larger
+than the devices); 1 a failure while doing the job (any other ``DtenjaxError``: a file that
+cannot be read or written, the user's code raising, a missing optional package). Both print one
+``PROG: error: ...`` line and no traceback. A traceback means a bug in dtenjax.
+
+``--json`` means the same in every command: the command's result as JSON, written to FILE (the
+table is still printed), or printed to stdout in place of the table when FILE is ``-`` or left
+out (``dtenjax info --json``). The benchmarks' ``--json PATH`` (``dtenjax bench``) is the FILE
+form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sysconfig
+import traceback
+from typing import Any
+
+from dtenjax._src import errors
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+class UsageError(errors.ConfigurationError):
+  """A command-line argument the command cannot use (exit status 2)."""
+
+
+class CommandError(errors.DtenjaxError):
+  """The command could not do its job: a file, the user's code, the environment (exit 1)."""
+
+
+def add_json_argument(ap: argparse.ArgumentParser, what: str) -> None:
+  ap.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                  help=f"{what} as JSON: written to FILE (the table is printed too), or to "
+                  "stdout instead of the table without FILE or with '-'")
+
+
+def json_to_stdout(args: argparse.Namespace) -> bool:
+  return getattr(args, "json", None) == "-"
+
+
+def write_json(args: argparse.Namespace, data: Any) -> None:
+  """``data`` as JSON where ``--json`` says (nothing without the flag)."""
+  if getattr(args, "json", None) is None:
+    return
+  text = json.dumps(data, indent=1, default=str) + "\n"
+  if args.json == "-":
+    print(text, end="")
+  else:
+    write_text(args.json, text, "--json")
+
+
+def write_text(path: str | os.PathLike, text: str, flag: str) -> None:
+  """Writes ``text`` to ``path``; a path that cannot be written is one CommandError line."""
+  try:
+    pathlib.Path(path).write_text(text, encoding="utf-8")
+  except OSError as e:
+    raise CommandError(f"{flag} {str(path)!r}: cannot write it ({e.strerror or e}); give a path "
+                       "in a directory you can write to.") from None
+
+
+def read_text(path: str | os.PathLike, flag: str) -> str:
+  try:
+    return pathlib.Path(path).read_text(encoding="utf-8")
+  except OSError as e:
+    raise CommandError(f"{flag} {str(path)!r}: cannot read it ({e.strerror or e}).") from None
+
+
+def _ours(filename: str) -> bool:
+  """Frames of dtenjax itself, of installed packages (JAX) and of Python's standard library
+  (the import machinery, json, ...): not the user's code."""
+  import dtenjax  # pylint: disable=g-import-not-at-top
+  if filename.startswith("<"):            # <frozen importlib._bootstrap>, <string>
+    return True
+  f = os.path.realpath(filename)
+  roots = {os.path.dirname(os.path.realpath(dtenjax.__file__))}
+  roots |= {os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "purelib", "platlib")}
+  return any(f.startswith(r + os.sep) for r in roots) or f"{os.sep}site-packages{os.sep}" in f
+
+
+def user_frame(e: BaseException) -> str | None:
+  """``file:line in function`` of the innermost frame of the traceback that is the user's code
+  (not dtenjax's, JAX's or the import machinery's); for a SyntaxError, where it is."""
+  if isinstance(e, SyntaxError) and e.filename:
+    return f"{e.filename}:{e.lineno}"
+  frames = traceback.extract_tb(e.__traceback__)
+  mine = [f for f in frames if not _ours(f.filename)]
+  if not mine:
+    return None
+  f = mine[-1]
+  return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+def one_line(e: BaseException, limit: int = 400) -> str:
+  text = " ".join(str(e).split())
+  text = text if len(text) <= limit else text[:limit] + " ..."
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def user_code_failed(what: str, e: BaseException) -> CommandError:
+  """The error for the user's code (a module being imported, a factory called) raising ``e``."""
+  where = user_frame(e)
+  return CommandError(f"{what} raised {one_line(e)}" + (f" (at {where})" if where else ""))

@@ -1,0 +1,78 @@
+"""Install truth: what pyproject.toml declares is what dtenjax needs, the README lists it, the
+jax bound admits the versions the suite passed on, and the version is written once."""
+
+import importlib.metadata
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+import dtenjax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+DEPENDENCIES = {Requirement(r).name: Requirement(r) for r in PYPROJECT["project"]["dependencies"]}
+# The jax releases the whole suite has passed on: CPU CI (Python 3.11) and the GPU machine
+# (Python 3.12). Add one here when the suite passes on it, then raise the bound in pyproject.toml.
+PASSED_ON = ("0.10.2", "0.11.2")
+
+
+def test_every_import_time_dependency_is_declared():
+  """The third-party distributions whose modules ``import dtenjax`` loads (beyond what importing
+  jax loads, which jax declares) are dependencies in pyproject.toml."""
+  code = ("import sys, json; import jax; before = set(sys.modules); import dtenjax; "
+          "print(json.dumps(sorted({m.split('.')[0] for m in set(sys.modules) - before})))")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                     check=True)
+  top = [m for m in json.loads(r.stdout)
+         if m not in sys.stdlib_module_names and not m.startswith("_") and m != "dtenjax"]
+  owners = importlib.metadata.packages_distributions()
+  dists = {Requirement(d).name.lower() for m in top for d in owners.get(m, [m])}
+  assert "protobuf" in dists, dists                          # hlo/proto.py, at import
+  missing = dists - {n.lower() for n in DEPENDENCIES}
+  assert not missing, f"imported by `import dtenjax` but not declared: {missing}"
+
+
+def test_the_readme_install_line_lists_every_dependency():
+  line = next(ln for ln in (ROOT / "README.md").read_text().splitlines()
+              if ln.startswith("pip install .  "))
+  for name in DEPENDENCIES:
+    assert name in line, (name, line)
+
+
+def test_the_jax_bound_admits_the_versions_passed_on_and_no_untested_minor():
+  newest = max(map(Version, PASSED_ON))
+  next_minor = Version(f"{newest.major}.{newest.minor + 1}")
+  for name in ("jax", "jaxlib"):
+    spec = DEPENDENCIES[name].specifier
+    for v in PASSED_ON:
+      assert spec.contains(v), (name, v, spec)
+    assert not spec.contains(str(next_minor)), (name, spec, "no upper bound past", newest)
+    assert {s.operator for s in spec} == {">=", "<"} and any(
+        s.operator == "<" and Version(s.version) == next_minor for s in spec), spec
+    assert spec.contains(importlib.metadata.version(name)), "the installed one is outside"
+
+
+def test_the_build_requirements_and_setup_script_use_the_same_jax_bound():
+  build = {Requirement(r).name: Requirement(r) for r in PYPROJECT["build-system"]["requires"]}
+  setup = (ROOT / "scripts" / "setup.sh").read_text()
+  reqs = re.search(r"^BUILD_REQS=\((.*)\)$", setup, re.M).group(1)
+  setup_reqs = {Requirement(r).name: Requirement(r) for r in re.findall(r'"([^"]+)"', reqs)}
+  for name in ("jax", "jaxlib"):
+    assert build[name].specifier == DEPENDENCIES[name].specifier, name
+    assert setup_reqs[name].specifier == DEPENDENCIES[name].specifier, name
+
+
+def test_the_version_is_written_once():
+  assert PYPROJECT["project"]["dynamic"] == ["version"] and "version" not in PYPROJECT["project"]
+  config = PYPROJECT["tool"]["scikit-build"]["metadata"]["version"]
+  assert config["input"] == "dtenjax/__init__.py"
+  assert importlib.metadata.version("dtenjax") == dtenjax.__version__
+  versions = re.findall(r"^__version__ = \"([^\"]+)\"$",
+                        (ROOT / "dtenjax" / "__init__.py").read_text(), re.M)
+  assert versions == [dtenjax.__version__]

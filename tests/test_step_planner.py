@@ -360,3 +360,23 @@ def test_tensor_parallel_pairs_shard_the_activations_between_them(mlp):
   assert tp.cost.memory["activations"] < 0.6 * replicated.cost.memory["activations"]
   check = tp.check(step, *args)
   assert check.memory_error <= 0.15, check.table()
+
+
+def test_the_plan_command_reports_mistakes_in_one_line_with_its_exit_code(tmp_path, monkeypatch,
+                                                                       capsys):
+  (tmp_path / "bad.py").write_text(
+      "import jax, jax.numpy as jnp\n"
+      "def step(p, x):\n  return jnp.dot(p['w'], x) + undefined_name\n"
+      "def example():\n  return ({'w': jax.ShapeDtypeStruct((4, 4), jnp.float32)},"
+      " jax.ShapeDtypeStruct((4, 8), jnp.float32))\n"
+      "def broken():\n  raise RuntimeError('no data here')\n")
+  monkeypatch.chdir(tmp_path)
+  from dtenjax._src.cli import main  # pylint: disable=g-import-not-at-top
+  cases = [(["plan", "nosuch:step", "--args", "nosuch:f"], 2, "no module"),
+           (["plan", "bad:step", "--args", "bad:example", "--mesh", "data=x"], 2, "--mesh"),
+           (["plan", "bad:step", "--args", "bad:broken"], 1, "bad.py"),
+           (["plan", "bad:step", "--args", "bad:example"], 1, "bad.py")]
+  for argv, code, word in cases:
+    assert main.main(argv) == code, argv
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and word in err and len(err.strip().splitlines()) == 1, err

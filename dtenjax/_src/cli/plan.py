@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dtenjax._src import errors
+from dtenjax._src.cli import common
 
 HELP = "plan the layout of a whole training step (mesh, specs, memory, recipes)"
 DESCRIPTION = """Plans every argument of a training step: the mesh (data, fsdp, tensor axes over
@@ -41,7 +42,7 @@ def _mesh(text: str | None):
     try:
       out[name.strip()] = int(size)
     except ValueError:
-      raise errors.ConfigurationError(
+      raise common.UsageError(
           f"--mesh {text!r}: write AXIS=SIZE pairs such as data=2,tensor=4") from None
   return out
 
@@ -53,11 +54,17 @@ def run(args: argparse.Namespace) -> int:
   from dtenjax._src.topology.model import Topology
   fn = explain.load_object(args.target, "target")
   factory = explain.load_object(args.factory, "--args")
-  made, _ = explain._factory_args(factory)  # pylint: disable=protected-access
+  made, _ = explain._factory_args(factory, args.factory)  # pylint: disable=protected-access
   topology = Topology.fixture(args.fixture) if args.fixture else None
   budget = args.budget_gib * 2**30 if args.budget_gib else None
-  result = step_lib.plan(fn, *made, mesh=_mesh(args.mesh), topology=topology,
-                         memory_budget=budget, donate=args.donate)
+  mesh = _mesh(args.mesh)
+  try:
+    result = step_lib.plan(fn, *made, mesh=mesh, topology=topology, memory_budget=budget,
+                           donate=args.donate)
+  except errors.PlacementError as e:
+    if isinstance(e.__cause__, Exception) and not isinstance(e.__cause__, errors.DtenjaxError):
+      raise common.user_code_failed(f"tracing {args.target}", e.__cause__) from None
+    raise
   print(result.table())
   if args.check:
     print()

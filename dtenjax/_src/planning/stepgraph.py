@@ -190,9 +190,8 @@ class _Reader:
     self.eqn_count = 0
     # value -> list of (equation, position) that read it, over every jaxpr walked
     self.uses: dict[Any, list[tuple[Any, int]]] = {}
-    # an inner jaxpr's invar -> the outer value it stands for (for pair propagation out of bodies)
-    self.inner_to_outer: dict[Any, Any] = {}
-    self.outer_of_outvar: dict[Any, Any] = {}
+    # a body's outvar -> (the outer value it becomes, the dimension shift of a scan's stack)
+    self.outer_of_outvar: dict[Any, tuple[Any, int]] = {}
     self.origin_all: dict[Any, tuple[int, tuple[int | None, ...]]] = {}
     self.state_derived: set[Any] = set()     # values computed from any state leaf
     self.eqn_flops: dict[int, float] = {}     # id(product equation) -> flops per step
@@ -235,7 +234,6 @@ class _Reader:
     for k, (o, i) in enumerate(zip(outer, sub.invars)):
       if not _is_var(o):
         continue
-      self.inner_to_outer[i] = o
       if o in self.state_derived or o in origin:
         self.state_derived.add(i)
       org = origin.get(o)

@@ -1083,16 +1083,7 @@ def _report(graph, prob: _Problem, choice, cost, recipes, budget, topology, seco
     spec = _trim(spec)
     leaves.append(LeafPlan(lf.path, lf.shape, lf.dtype, spec, reason))
     specs_flat.append(spec)
-  specs = []
-  k = 0
-  for a in args:
-    leaves_a, treedef = jax.tree_util.tree_flatten(a)
-    specs.append(jax.tree_util.tree_unflatten(treedef, specs_flat[k:k + len(leaves_a)]))
-    k += len(leaves_a)
-  notes = []
-  if not budget:
-    notes.append("memory: the devices' memory is unknown (as on CPU), so no budget was checked; "
-                 "pass memory_budget= to check one")
+  specs = _per_arg(args, specs_flat)
   compute_flat = []
   for lf, spec in zip(graph.leaves, specs_flat):
     weight = lf.index in graph.weights or lf.index in graph.gathered
@@ -1101,14 +1092,8 @@ def _report(graph, prob: _Problem, choice, cost, recipes, budget, topology, seco
                if e is not None else None for e in spec]
     gathered_spec = _trim(P(*entries))
     compute_flat.append(gathered_spec if weight and gathered_spec != spec else None)
-  compute_specs = []
-  k = 0
-  for a in args:
-    leaves_a, treedef = jax.tree_util.tree_flatten(a)
-    part = compute_flat[k:k + len(leaves_a)]
-    compute_specs.append(None if all(c is None for c in part) else
-                         jax.tree_util.tree_unflatten(treedef, part))
-    k += len(leaves_a)
+  compute_specs = [None if all(c is None for c in jax.tree.leaves(t, is_leaf=_is_none)) else t
+                   for t in _per_arg(args, compute_flat)]
   out_specs_flat = []
   for shape, _, rep in graph.outputs:
     spec = spec_of.get(rep, (P(),))[0] if rep is not None else P()
@@ -1116,12 +1101,29 @@ def _report(graph, prob: _Problem, choice, cost, recipes, budget, topology, seco
       spec = P()
     out_specs_flat.append(_trim(spec))
   out_specs = jax.tree_util.tree_unflatten(graph.out_tree, out_specs_flat)
+  notes = () if budget else (
+      "memory: the devices' memory is unknown (as on CPU), so no budget was checked; pass "
+      "memory_budget= to check one",)
   return StepPlan(axis_names=AXES, mesh_shape=m.shape, out_specs=out_specs,
                   compute_specs=tuple(compute_specs),
                   device_ids=tuple(int(i) for i in m.ids.ravel()), axes=_axis_links(m),
                   leaves=tuple(leaves), specs=tuple(specs), cost=cost, recipes=recipes,
                   budget_bytes=budget, topology=topology.name, planning_s=seconds,
-                  meshes_tried=tried, notes=tuple(notes))
+                  meshes_tried=tried, notes=notes)
+
+
+def _is_none(x) -> bool:
+  return x is None
+
+
+def _per_arg(args, flat: list) -> list:
+  """``flat`` (one entry per argument leaf, in order) in the trees of ``args``, one per argument."""
+  out, k = [], 0
+  for a in args:
+    treedef = jax.tree_util.tree_structure(a)
+    out.append(jax.tree_util.tree_unflatten(treedef, flat[k:k + treedef.num_leaves]))
+    k += treedef.num_leaves
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,12 +18,15 @@ contributions, never on the algorithm, the order or how contributions are split 
 
 More than ``fixed_point_v3.MAX_CONTRIBUTIONS`` contributions need more than one word per value:
 ``reproducible=True`` then runs contract v2 (:func:`contract_for`). The contract arrives as a
-:class:`~dtenjax._src.contract.Contract`, parsed once at the public API (``contract.parse``).
+:class:`~dtenjax._src.contract.Contract`, parsed once at the public API (``contract.parse``);
+:data:`ARITHMETIC` maps each to its arithmetic (adding a contract: docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -33,6 +36,38 @@ from dtenjax._src.contract import Contract
 from dtenjax._src.collectives import fixed_point
 from dtenjax._src.collectives import fixed_point_v3 as v3
 from dtenjax._src.collectives.algorithms import base
+
+class Arithmetic(NamedTuple):
+  """One contract's fixed-point arithmetic, in the four steps the three data movements share.
+
+  ``codes(stack)``: per-element codes (0..255) of the ``[k, ...]`` contributions, MAX-reduced
+  over axis 0; the devices MAX-reduce them too. ``encode(stack, codes, count)``: the exact
+  integer words of the stack's sum against the reduced codes, for ``count`` contributions in
+  all (word axes, if any, first); the devices add them up. ``decode(words, codes, count, op,
+  dtype)``: the rounded result. ``local_sum(stack, op, dtype)``: all of it on one device, the
+  same bits."""
+  codes: Callable
+  encode: Callable
+  decode: Callable
+  local_sum: Callable
+
+
+ARITHMETIC: dict[Contract, Arithmetic] = {
+    Contract.V3: Arithmetic(
+        codes=v3.stack_codes,
+        encode=lambda stack, codes, count: v3.encode(stack, codes.astype(jnp.int32), count),
+        decode=lambda words, codes, count, op, dtype: v3.decode(
+            words, codes.astype(jnp.int32), count, op, dtype),
+        local_sum=v3.local_sum),
+    Contract.V2: Arithmetic(
+        codes=lambda stack: jnp.max(fixed_point.codes(stack), axis=0),
+        encode=lambda stack, codes, count: jnp.sum(fixed_point.encode(stack, codes), axis=1),
+        decode=lambda words, codes, count, op, dtype: fixed_point.decode_f32(
+            words, codes, count if op == "mean" else None).astype(dtype),
+        local_sum=lambda stack, op, dtype: fixed_point.local_sum_f32(
+            stack, mean=op == "mean").astype(dtype)),
+}
+
 
 def contract_for(contract: Contract, contributions: int) -> Contract:
   """The contract that runs for ``contributions`` in all: v3 needs one word per value, which
@@ -48,10 +83,8 @@ def local_sum(stack, op: str, contract: Contract, dtype=None):
   contributions spread over devices."""
   dtype = stack.dtype if dtype is None else dtype
   n = stack.shape[0]
-  fixed_point.check_contributions(n)       # v3 hands more than 32 to the exact contract
-  if contract_for(contract, n) is Contract.V3:
-    return v3.local_sum(stack, op, dtype)
-  return fixed_point.local_sum_f32(stack, mean=op == "mean").astype(dtype)
+  fixed_point.check_contributions(n)       # v3 hands more than 32 to contract v2
+  return ARITHMETIC[contract_for(contract, n)].local_sum(stack, op, dtype)
 
 
 def gather_all_reduce(stack, call: base.Call):
@@ -73,6 +106,7 @@ def _u8(codes):
 
 
 def _code_max(codes, call: base.Call, record: base.Algorithm):
+  codes = _u8(codes)
   if record.code_max is not None:
     return record.code_max(codes, call)
   return lax.pmax(codes, call.axes)
@@ -85,16 +119,11 @@ def all_reduce(stack, call: base.Call, record: base.Algorithm):
   k = stack.shape[0]
   count = k * call.world
   fixed_point.check_contributions(count)
-  if contract_for(call.contract, count) is Contract.V3:
-    codes = _code_max(_u8(v3.stack_codes(stack)), call, record).astype(jnp.int32)
-    words = v3.encode(stack, codes, count)                             # int32, exact
-    total = record.all_reduce(words, _int_call(call), lambda y: y)
-    return v3.decode(total, codes, count, call.op, stack.dtype)
-  codes = _code_max(jnp.max(fixed_point.codes(stack), axis=0), call, record)
-  words = jnp.sum(fixed_point.encode(stack, codes), axis=1)           # [2, ...], exact
+  arith = ARITHMETIC[contract_for(call.contract, count)]
+  codes = _code_max(arith.codes(stack), call, record)
+  words = arith.encode(stack, codes, count)                           # exact
   total = record.all_reduce(words, _int_call(call), lambda y: y)
-  r = fixed_point.decode_f32(total, codes, count if call.op == "mean" else None)
-  return r.astype(stack.dtype)
+  return arith.decode(total, codes, count, call.op, stack.dtype)
 
 
 def reduce_scatter(blocks, call: base.Call, record: base.Algorithm):
@@ -106,13 +135,9 @@ def reduce_scatter(blocks, call: base.Call, record: base.Algorithm):
   fixed_point.check_contributions(count)
   mine_of = lambda a: lax.dynamic_index_in_dim(a, lax.axis_index(call.axes) if n > 1 else 0,
                                                axis=0, keepdims=False)
-  if contract_for(call.contract, count) is Contract.V3:
-    codes = _code_max(_u8(v3.codes(v3.bits(blocks))), call, record).astype(jnp.int32)
-    words = v3.encode(blocks[None], codes, count)                    # [n, ...]
-    mine = record.reduce_scatter(words, _int_call(call))
-    return v3.decode(mine, mine_of(codes), count, call.op, blocks.dtype)
-  codes = _code_max(fixed_point.codes(blocks), call, record)         # [n, ...]
-  words = jnp.moveaxis(fixed_point.encode(blocks, codes), 1, 0)     # [n, 2, ...]
-  mine = record.reduce_scatter(words, _int_call(call))               # [2, ...]
-  r = fixed_point.decode_f32(mine, mine_of(codes), count if call.op == "mean" else None)
-  return r.astype(blocks.dtype)
+  arith = ARITHMETIC[contract_for(call.contract, count)]
+  codes = _code_max(arith.codes(blocks[None]), call, record)         # [n, ...]
+  words = arith.encode(blocks[None], codes, count)                   # [words..., n, ...]
+  words = jnp.moveaxis(words, words.ndim - blocks.ndim, 0)           # [n, words..., ...]
+  mine = record.reduce_scatter(words, _int_call(call))
+  return arith.decode(mine, mine_of(codes), count, call.op, blocks.dtype)

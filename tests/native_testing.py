@@ -99,10 +99,12 @@ def p2p_selftest(x, *, algorithm: str = "one_shot", op: str = "sum",
   DTENJAX_COLLECTIVE_TIMEOUT).
   """
   contract = contract_lib.parse(reproducible)
-  if x.ndim != 2 or x.shape[0] < 2:
-    raise errors.CollectiveError(f"p2p_selftest input must be [ranks >= 2, n], got {x.shape}")
+  most = p2p.vocabulary().limits.max_world
+  if x.ndim != 2 or not 2 <= x.shape[0] <= most:
+    raise errors.CollectiveError(
+        f"p2p_selftest input must be [2 <= ranks <= {most}, n], got {x.shape}")
   verdict = p2p.gate(world=x.shape[0], dtype=x.dtype, op=op, contract=contract,
-                     algorithm=algorithm)
+                     algorithm=algorithm, deployment=False)   # its own ranks, on one GPU
   if not verdict.ok:
     raise errors.CollectiveError(f"p2p_selftest cannot run: {verdict.reason}")
   count = x.shape[1] if count is None else count

@@ -119,6 +119,9 @@ def test_deployment_is_asked_of_the_process(monkeypatch):
   monkeypatch.setattr(p2p, "unavailable_reason", lambda: "no CUDA GPU is visible (test)")
   v = p2p.gate(**BASE)
   assert not v.ok and v.failed == ("deployment",) and "no CUDA GPU is visible (test)" in v.reason
+  if ffi.is_built():      # the simulated-rank harness brings its own devices
+    assert p2p.gate(**BASE, deployment=False).ok
+    assert p2p.gate(**{**BASE, "world": 9}, deployment=False).failed == ("world",)
 
 
 @needs_extension

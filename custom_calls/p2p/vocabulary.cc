@@ -1,6 +1,6 @@
 // dtenjax._ffi.vocabulary["p2p.*"]: the p2p all-reduce's lists and limits
-// (csrc/p2p/vocabulary.h) for dtenjax/_src/gpu/p2p.py. Host code, in every build: a build without CUDA has no p2p kernels,
-// but Python and the tests still read the one table.
+// (csrc/p2p/vocabulary.h) for dtenjax/_src/gpu/p2p.py. Host code, in every build: a build
+// without CUDA has no p2p kernels, but Python and the tests still read the one table.
 #include "csrc/p2p/vocabulary.h"
 #include "custom_calls/python.h"
 

@@ -20,8 +20,8 @@ rank r = position along the (combined) mesh axes:
   reproducible sum of contract v3 (docs/collectives.md), fused into the same kernels: each rank
   reads its peers' float data, derives the per-element exponent from the values it read, sums one
   int32 word per value in registers and rounds once (no extra pass, no extra bytes).
-  ``Contract.V2`` (``reproducible="v2"``): contract v2 the same way, with 64-bit integers. Same bits as the XLA path on any backend and
-  any device count.
+  ``Contract.V2`` (``reproducible="v2"``): contract v2 the same way, with 64-bit integers. Same
+  bits as the XLA path on any backend and any device count.
 
 Whether a call may run on the kernels is decided in one place, :func:`gate` (world, dtype, op,
 contract, memory knobs, deployment and trace state; the limits come from the native vocabulary,
@@ -204,7 +204,8 @@ def refusals():
 def gate(*, world: int, dtype, op: str = "sum", contract: Contract = Contract.NONE,
          algorithm: str = "one_shot", backend: str = "gpu", kind: str = "all_reduce",
          axes: Sequence[str] = ("x",), vmap_axes: Sequence[str] = (), contributions: int = 1,
-         platforms: Sequence[str] | None = None, axis_context: str | None = None) -> Verdict:
+         platforms: Sequence[str] | None = None, axis_context: str | None = None,
+         deployment: bool = True) -> Verdict:
   """May an all-reduce run on the NVLink kernels? The one place that reads their conditions.
 
   deployment: a GPU backend and a build with the CUDA kernels and a visible GPU. kind: an
@@ -214,15 +215,16 @@ def gate(*, world: int, dtype, op: str = "sum", contract: Contract = Contract.NO
   knobs ``DTENJAX_P2P_BUFFER_BYTES`` and ``DTENJAX_P2P_MAX_BLOCKS`` within the limits. graph:
   not over a ``jax.vmap`` axis (``vmap_axes``) and, while lowering, lowered for CUDA only
   (``platforms``) inside a shard_map over a concrete mesh (``axis_context``: the axis context's
-  name when there is none). Any message size works (large ones run in chunks). Which GPUs take
+  name when there is none). ``deployment=False`` leaves out whether this process can run the
+  kernels (the test extension's simulated ranks bring their own). Any message size works (large ones run in chunks). Which GPUs take
   part is known only when the call is lowered; a set-up failure there makes that call fall back
   (the module docstring).
   """
   problems: list[tuple[str, str]] = []
-  if backend != "gpu":
-    problems.append(("deployment", f"the NVLink kernels run on GPUs (backend {backend!r}); use "
-                     "algorithm='auto' or 'xla'"))
-  why = unavailable_reason()
+  if backend != "gpu":       # nothing else matters off GPU (and every CPU collective asks)
+    return _verdict([("deployment", f"the NVLink kernels run on GPUs (backend {backend!r}); "
+                      "use algorithm='auto' or 'xla'")], backend)
+  why = unavailable_reason() if deployment or not ffi.is_built() else None
   if why:
     problems.append(("deployment", why))
   if not ffi.is_built():     # no vocabulary to check the rest against

@@ -77,7 +77,7 @@ def all_reduce(x, call: base.Call, finish):
 def reduce_scatter(blocks, call: base.Call):
   n = blocks.shape[0]
   flat = blocks.reshape(n, -1)
-  if call.op not in base.SUMS:    # max/min: no pmax_scatter: reduce everything, keep the owned block
+  if call.op not in base.SUMS:   # max/min: no pmax_scatter; reduce everything, keep the owned one
     red = lax.pmax if call.op == "max" else lax.pmin
     full = base.from_key(red(base.to_key(flat, call.op), call.axes), flat.dtype)
     out = lax.dynamic_index_in_dim(full, lax.axis_index(call.axes), axis=0, keepdims=False)

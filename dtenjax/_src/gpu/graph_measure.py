@@ -170,7 +170,7 @@ def measure(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, An
     return _CACHE[fp]
   t0 = time.perf_counter()
   module = hlo.read_compiled(default_compiled)
-  trips = (pred.trip_counts_from_text(default_compiled.as_text())
+  trips = (hlo.trip_counts_from_text(default_compiled.as_text())
            if any(op.opcode == "while" for op in module.instructions()) else {})
   cands = candidates(module, trips)
   default = gp.CudaGraphPolicy.from_mode("measure")

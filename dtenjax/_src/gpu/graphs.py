@@ -85,7 +85,7 @@ class GraphDecision:
 def _trip_counts(module: hlo.Module, compiled: Any) -> dict[str, int]:
   if not any(op.opcode == "while" for op in module.instructions()):
     return {}
-  return pred.trip_counts_from_text(compiled.as_text())
+  return hlo.trip_counts_from_text(compiled.as_text())
 
 
 def _adaptive(policy: CudaGraphPolicy) -> bool:
@@ -153,7 +153,7 @@ class GraphJitted:
         policy, reason = pred.decide_auto_without_loops()
       else:
         policy, reason = pred.decide_auto(hlo.read_compiled(compiled),
-                                          pred.trip_counts_from_text(text))
+                                          hlo.trip_counts_from_text(text))
     else:
       measured = graph_measure.measure(
           self.fn, args, kwargs, jit_kwargs=self._jit_kwargs, user_options=self._user_options,

@@ -393,3 +393,18 @@ def parse_text(text: str) -> Module:
   r = int(reps.group(1)) if reps else 1
   p = int(parts.group(1)) if parts else 1
   return Module(name_m.group(1) if name_m else "", entry, computations, "text", (), r, p)
+
+
+_TRIP_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\swhile\(.*?\"known_trip_count\":"
+                      r"\{\"n\":\"(\d+)\"\}")
+
+
+def trip_counts_from_text(text: str) -> dict[str, int]:
+  """{while op name: known trip count} from printed compiled HLO (the loops' ``backend_config``;
+  a loop XLA could not count is left out). Every module of the text is read."""
+  out = {}
+  for line in text.splitlines():
+    m = _TRIP_RE.match(line)
+    if m:
+      out[m.group(1)] = int(m.group(2))
+  return out

@@ -41,8 +41,7 @@ import time
 
 import _harness
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
-from tests.mp_workers import launch  # noqa: E402  pylint: disable=g-import-not-at-top
+from dtenjax.testing.ports import free_port
 
 CANDIDATES = ("psum", "psum_oneshot", "psum_nccl", "xla", "ring", "one_shot", "two_shot",
               "hierarchical", "auto", "reproducible", "exact")
@@ -222,7 +221,7 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
 
 def _launch(args, argv: list[str]) -> list[dict]:
   """Runs this script as args.procs processes of one GPU each; returns the merged rows."""
-  port = launch.free_port()
+  port = free_port()
   with tempfile.TemporaryDirectory() as out:
     procs = []
     for r in range(args.procs):

@@ -23,7 +23,7 @@ from dtenjax._src.gpu import graph_measure
 from dtenjax._src.gpu import graph_policy as gp
 from dtenjax._src.gpu import graph_prediction as pred
 from dtenjax._src.gpu import graphs
-from tests import native_testing
+from dtenjax.testing import native as native_testing
 
 
 class _Compiles:

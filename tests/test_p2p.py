@@ -9,6 +9,7 @@ dtenjax.mesh_map, 2-D meshes, messages larger than the registered buffer); one p
 (jax.distributed on 127.0.0.1, CUDA IPC); and a peer that never arrives (the step must fail).
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ from dtenjax._src.gpu import p2p
 from dtenjax.testing import native as native_testing
 from dtenjax.testing.native import p2p_selftest
 from tests import fixed_point_ref as fpref
+from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -151,9 +153,7 @@ def test_all_reduce_rejects_bad_arguments():
     p2p.all_reduce(jnp.zeros((4,), jnp.float32), "x", op="max", reproducible=True)
 
 
-def _smap(mesh, body, axes=("x",)):
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P(axes), out_specs=jax.P(axes),
-                               check_vma=False))
+_smap = functools.partial(helpers.smap, axes=("x",))
 
 
 def test_unavailable_without_fallback_names_fix(cpu_devices):

@@ -1,10 +1,15 @@
-"""What several test files share: jitted ``shard_map`` over one mesh, and data whose sums depend
-on the order they are taken in (with the left fold that states one such order)."""
+"""What several test files share: jitted ``shard_map`` over one mesh, data whose sums depend on
+the order they are taken in (with the left fold that states one such order), and waiting for a
+condition instead of sleeping for a time."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import jax
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 
@@ -28,3 +33,14 @@ def fold(rows, start=None, dtype=np.float32):
   for r in (rows[1:] if start is None else rows):
     acc = (acc + r.astype(dtype)).astype(dtype)
   return acc
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+  """Returns as soon as ``condition()`` holds (checked every millisecond, for state such as the
+  native counters that has no event to wait on); fails the test naming ``what`` after
+  ``timeout_s``. Timing tests order their events with this, never with a fixed sleep."""
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    if time.monotonic() > deadline:
+      pytest.fail(f"waited {timeout_s:g} s for {what}; it never happened", pytrace=False)
+    time.sleep(0.001)

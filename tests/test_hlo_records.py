@@ -91,6 +91,9 @@ def test_trip_counts_come_from_the_compiled_text(n):
   c = jax.jit(f).lower(jnp.ones((8,), jnp.float32)).compile()
   trips = hlo.trip_counts_from_text(c.as_text())
   assert list(trips.values()) == [n]
+  # both readers find it: the proto's backend_config field and the printed one
+  assert hlo.read_compiled(c).trip_counts() == trips
+  assert hlo.read_compiled(c, prefer="text").trip_counts() == trips
   (name,) = trips
   module = hlo.read_compiled(c)
   loops = [i for comp in module.computations.values() for i in comp.instructions
@@ -100,9 +103,29 @@ def test_trip_counts_come_from_the_compiled_text(n):
   assert report.is_prediction
 
 
+def test_nested_loops_have_their_own_counts_in_both_readers():
+  def f(x):
+    y = lax.fori_loop(0, 7, lambda i, v: jnp.sin(v), x)
+    return lax.fori_loop(0, 3, lambda i, v: lax.fori_loop(0, 5, lambda j, w: w * 2.0, v), y)
+
+  c = jax.jit(f).lower(jnp.ones((8,), jnp.float32)).compile()
+  proto, text = hlo.read_compiled(c), hlo.read_compiled(c, prefer="text")
+  assert sorted(proto.trip_counts().values()) == [3, 5, 7]
+  assert proto.trip_counts() == text.trip_counts()
+  inner = [i for i in proto.instructions() if i.trip_count == 5]
+  assert [i.computation for i in inner] != [proto.entry]   # the inner loop sits in a loop body
+
+
+def test_a_backend_config_that_is_not_json_gives_no_count():
+  assert hlo.known_trip_count('{"known_trip_count":{"n":"4"}}') == 4
+  assert hlo.known_trip_count(b'{"known_trip_count":{"n":"4"}}') == 4
+  for bad in ("", "{not json", "[]", '{"known_trip_count":"x"}', '{"other":1}'):
+    assert hlo.known_trip_count(bad) is None, bad
+
+
 def test_a_loop_without_a_known_count_is_left_out():
   def f(x):
     return lax.while_loop(lambda v: v[0] < 100.0, lambda v: v * 2.0, x)
 
   c = jax.jit(f).lower(jnp.ones((8,), jnp.float32)).compile()
-  assert hlo.trip_counts_from_text(c.as_text()) == {}
+  assert hlo.trip_counts_from_text(c.as_text()) == {} == hlo.read_compiled(c).trip_counts()

@@ -420,8 +420,8 @@ def report_from_module(module: hlo.Module, policy: gp.CudaGraphPolicy, platform:
 def report_from_hlo(text: str, policy: gp.CudaGraphPolicy, platform: str,
                     reason: str = "") -> GraphReport:
   """:func:`report_from_module` of printed HLO text (trip counts read from the same text)."""
-  return report_from_module(hlo.parse_text(text), policy, platform,
-                            hlo.trip_counts_from_text(text), reason)
+  module = hlo.parse_text(text)
+  return report_from_module(module, policy, platform, module.trip_counts(), reason)
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from dtenjax._src.hlo.records import Module as Module
 from dtenjax._src.hlo.records import NUMPY_NAMES as NUMPY_NAMES
 from dtenjax._src.hlo.records import Shape as Shape
 from dtenjax._src.hlo.records import collective_bytes as collective_bytes
+from dtenjax._src.hlo.records import known_trip_count as known_trip_count
 from dtenjax._src.hlo.records import numpy_name as numpy_name
 from dtenjax._src.hlo.text import parse_text as parse_text
 from dtenjax._src.hlo.text import tokenize as tokenize

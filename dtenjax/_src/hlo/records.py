@@ -1,6 +1,7 @@
-"""What compiled HLO is made of, as dtenjax reads it: element types, shapes, instructions,
-computations, modules and the collectives in them (kind, operand and result shapes, bytes per
-participant, replica groups as lists of logical ids, channel id, the async start/done pair).
+"""What compiled HLO is made of, as dtenjax reads it: element types (with their numpy names),
+shapes, instructions (a while loop with its known trip count), computations, modules and the
+collectives in them (kind, operand and result shapes, bytes per participant, replica groups as
+lists of logical ids, channel id, the async start/done pair).
 
 :meth:`Module.device_groups` turns logical ids into device ids through the module's device
 assignment. The readers (:mod:`.proto`, :mod:`.text`) build these records.
@@ -9,6 +10,7 @@ assignment. The readers (:mod:`.proto`, :mod:`.text`) build these records.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -79,6 +81,18 @@ COLLECTIVE_OPCODES = (frozenset(COLLECTIVE_KINDS) | frozenset(_STARTS)
 COLLECTIVE_TARGETS = ("dtenjax_p2p_all_reduce", "dtenjax_host_all_reduce")
 
 
+def known_trip_count(backend_config: str | bytes) -> int | None:
+  """The ``known_trip_count`` of a while loop's backend config (XLA's JSON
+  ``{"known_trip_count":{"n":"7"},...}``); None where it has none or is not JSON."""
+  if not backend_config:
+    return None
+  try:
+    n = json.loads(backend_config).get("known_trip_count", {}).get("n")
+    return int(n) if n is not None else None
+  except (ValueError, TypeError, AttributeError):
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Shape:
   """An HLO shape: an array (``dtype`` and ``dims``) or a tuple of shapes (``dtype == 'tuple'``)."""
@@ -126,6 +140,7 @@ class Instruction:
   dimensions: tuple[int, ...] = ()
   op_name: str = ""
   id: int = 0
+  trip_count: int | None = None           # a while loop's known trip count, where XLA knows it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +196,11 @@ class Module:
   def instructions(self) -> Iterator[Instruction]:
     for comp in self.computations.values():
       yield from comp.instructions
+
+  def trip_counts(self) -> dict[str, int]:
+    """{while op name: its known trip count}; a loop XLA could not count is left out."""
+    return {i.name: i.trip_count for i in self.instructions()
+            if i.opcode == "while" and i.trip_count is not None}
 
   def callers(self) -> dict[str, list[Instruction]]:
     """{computation name: the instructions that call it}."""

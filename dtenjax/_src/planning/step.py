@@ -1194,7 +1194,7 @@ def _loop_repeats(compiled) -> Callable[[str], int]:
   while loops around it (1 outside loops, or where XLA knows no trip count)."""
   from dtenjax._src import hlo  # pylint: disable=g-import-not-at-top
   module = hlo.read_compiled(compiled)
-  trips = hlo.trip_counts_from_text(compiled.as_text())
+  trips = module.trip_counts()
   callers = module.callers()
   memo: dict[str, int] = {}
 

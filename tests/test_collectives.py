@@ -19,6 +19,7 @@ import dtenjax
 from dtenjax._src import errors
 from dtenjax._src.collectives import fixed_point
 import fixed_point_ref as ref
+from tests import helpers
 
 AX = ("o", "i")
 ALGOS = ("xla", "ring", "one_shot", "two_shot", "hierarchical")
@@ -29,9 +30,7 @@ def mesh(cpu_devices):
   return Mesh(np.array(cpu_devices).reshape(2, 4), AX)
 
 
-def _smap(mesh, f, jit=True, check_vma=False):
-  g = jax.shard_map(f, mesh=mesh, in_specs=P(AX), out_specs=P(AX), check_vma=check_vma)
-  return jax.jit(g) if jit else g
+_smap = helpers.smap     # over AX
 
 
 def _rows(seed=0, m=6):

@@ -12,7 +12,7 @@ import pytest
 
 from dtenjax._src import errors
 from dtenjax._src import ffi
-from tests import native_testing
+from dtenjax.testing import native as native_testing
 
 # Text only the transport's fault injection would put into a binary.
 TRANSPORT_ONLY = (b"injected thread-start failure", b"injected registration failure",

@@ -6,9 +6,9 @@ needs it fails (never skips) when it is missing: that is a broken build, not a m
 
 Besides the transport's fault injection and the graph-probe kernel it holds the p2p kernels'
 simulated-rank harness (:func:`p2p_selftest`), which tests/test_p2p.py and bench/p2p_allreduce.py
-run (the bench imports this module by path, as bench/cuda_graphs.py does for the probe kernel).
-It lives here rather than in dtenjax/ because it only works with the test extension, which a
-wheel does not contain.
+run (bench/cuda_graphs.py uses the probe kernel). It is shipped with dtenjax.testing so that the
+tests and the benchmarks share it (benchmarks import nothing from tests/); in a wheel, which has
+no test extension, every function here raises ExtensionUnavailableError saying how to build it.
 """
 
 import importlib

@@ -13,6 +13,7 @@ of the script Python runs, and ``python -m dtenjax bench NAME`` runs the same sc
 * JSON: :func:`document` builds the one schema every bench writes (:data:`SCHEMA`: bench,
   command, date, machine, versions, params, rows, notes), :func:`write_json` validates and writes
   it and says where, :func:`validate` lists every problem of a document;
+* candidates: :func:`algorithm_families`, the algorithms to compare, from the registry;
 * refusals: :func:`refuse` (exit status :data:`EXIT_CANNOT_MEASURE`, one line saying why),
   :func:`require_gpu`, :func:`require_world`.
 """
@@ -194,6 +195,17 @@ def require_world(bench: str, world: int, minimum: int = 2, how: str = "") -> No
   if world < minimum:
     refuse(bench, f"a collective over {world} rank(s) moves no data; it needs at least "
            f"{minimum}. {how}".rstrip())
+
+
+# --- what is compared ------------------------------------------------------------------------------
+
+def algorithm_families() -> tuple[str, ...]:
+  """The values of ``algorithm=`` besides "auto": the registry's families
+  (``collectives/algorithms/registry.py``), read from it so a bench's list of candidates never
+  falls behind the algorithms dtenjax has. Imports dtenjax (jax reads XLA_FLAGS later, when a
+  backend starts)."""
+  from dtenjax._src.collectives.algorithms import registry  # pylint: disable=g-import-not-at-top
+  return registry.FAMILIES
 
 
 # --- the JSON document -----------------------------------------------------------------------------

@@ -156,10 +156,10 @@ def part_fusion(args) -> dict:
   import functools  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import dtenjax  # pylint: disable=g-import-not-at-top
-  import reproducible_step as bench  # pylint: disable=g-import-not-at-top
+  import _repro_variants  # pylint: disable=g-import-not-at-top
   loose = functools.partial(dtenjax.reproducible_step, check_flags=False)
   steps = 2 if args.tiny else 5
-  out = bench.run_variants(loose, steps, ("subst one_shot", "fuse 64KiB"),
+  out = _repro_variants.run_variants(loose, steps, ("subst one_shot", "fuse 64KiB"),
                            devices=jax.devices()[:8])
   return {"differing_parameters_vs_subst_one_shot": out["diffs"], "parameters": out["params"],
           "devices": out["devices"]}

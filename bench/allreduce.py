@@ -20,8 +20,8 @@ Per candidate and size it measures, in one run:
   algbw = size / time, busbw = algbw * 2(n-1)/n (GB/s, nccl-tests), ratio = psum time / time.
 Candidates: psum (lax.psum, XLA defaults), psum_oneshot / psum_nccl (XLA's own one-shot
 all-reduce kernel forced on / off by per-executable compiler option, where this jax has the
-option), and dtenjax.all_reduce with algorithm xla, ring, one_shot, two_shot, hierarchical (2-D
-mesh only), auto, `reproducible` (auto + reproducible=True, contract v3) and `exact` (auto +
+option), and dtenjax.all_reduce with every algorithm of the registry (``algorithm=`` families;
+hierarchical on the 2-D mesh only), auto, `reproducible` (auto + reproducible=True, contract v3) and `exact` (auto +
 reproducible="v2", contract v2).
 
 The table comes last; ``--json`` writes bench/_harness.py's one schema (machine, versions,
@@ -41,11 +41,11 @@ import time
 
 import _harness
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
-from tests.mp_workers import launch  # noqa: E402  pylint: disable=g-import-not-at-top
+from dtenjax.testing.ports import free_port
 
-CANDIDATES = ("psum", "psum_oneshot", "psum_nccl", "xla", "ring", "one_shot", "two_shot",
-              "hierarchical", "auto", "reproducible", "exact")
+# XLA's psum three ways, then every algorithm of the registry, auto, reproducible and exact.
+CANDIDATES = (("psum", "psum_oneshot", "psum_nccl") + _harness.algorithm_families()
+              + ("auto", "reproducible", "exact"))
 DEFAULT = "psum,psum_oneshot,psum_nccl,xla,one_shot,two_shot,auto,reproducible"
 DEFAULT_SIZES = "8,64,512,4K,8K,32K,64K,256K,1M,4M,16M,64M,256M"
 # Per-executable options that force XLA's own one-shot all-reduce kernel on / off, by jax version
@@ -222,7 +222,7 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
 
 def _launch(args, argv: list[str]) -> list[dict]:
   """Runs this script as args.procs processes of one GPU each; returns the merged rows."""
-  port = launch.free_port()
+  port = free_port()
   with tempfile.TemporaryDirectory() as out:
     procs = []
     for r in range(args.procs):

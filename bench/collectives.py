@@ -32,11 +32,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                              " --xla_force_host_platform_device_count=8").strip()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-CANDIDATES = ("psum", "auto", "xla", "one_shot", "two_shot", "ring", "hierarchical",
-              "reproducible", "reproducible_xla", "reproducible_one_shot",
-              "reproducible_two_shot", "exact", "exact_xla", "exact_one_shot", "exact_two_shot",
-              "lax.pmax", "lax.all_to_all", "lax.all_gather", "lax.all_gather_fold")
-# reproducible*: reproducible=True (contract v3); exact*: reproducible="v2" (contract v2).
+_FAMILIES = _harness.algorithm_families()
+CANDIDATES = (("psum", "auto") + _FAMILIES + ("reproducible",)
+              + tuple(f"reproducible_{a}" for a in _FAMILIES) + ("exact",)
+              + tuple(f"exact_{a}" for a in _FAMILIES)
+              + ("lax.pmax", "lax.all_to_all", "lax.all_gather", "lax.all_gather_fold"))
+# Every algorithm of the registry, plain, reproducible=True (reproducible*, contract v3) and
+# reproducible="v2" (exact*, contract v2).
 # lax.*: XLA's building blocks on the same bytes (all_gather of each rank's 1/n, so its output is
 # the size of the others' input), for reading what the algorithms cost.
 BUS_OP = {"lax.all_to_all": "all_to_all", "lax.all_gather": "all_gather"}   # others: all_reduce

@@ -50,8 +50,8 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-sys.path.insert(0, str(ROOT))   # the probe kernel lives in the test extension (tests/native_testing.py)
-from tests import native_testing  # noqa: E402  pylint: disable=g-import-not-at-top
+# the probe kernel lives in the test extension (dtenjax/testing/native.py)
+from dtenjax.testing import native as native_testing  # noqa: E402
 from dtenjax._src.gpu import graph_policy as gp  # noqa: E402
 from dtenjax._src.gpu import graphs  # noqa: E402
 

@@ -19,7 +19,8 @@ import sys
 
 import _harness
 
-DEFAULT_ALGORITHMS = ("xla", "ring", "one_shot", "two_shot", "butterfly")
+# Every algorithm of the registry that runs on this bench's one mesh axis (hierarchical needs two).
+DEFAULT_ALGORITHMS = tuple(a for a in _harness.algorithm_families() if a != "hierarchical")
 
 
 def measure(algorithms, nbytes: int, iters: int, warmup: int, world: int):

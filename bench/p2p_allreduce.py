@@ -1,8 +1,8 @@
 """Benchmark of the p2p all-reduce kernels with N simulated ranks on one GPU.
 
 Every rank's kernel runs on the same GPU (the simulated-rank harness of the test extension,
-dtenjax._ffi_testing, through tests/native_testing.py, as in tests/test_p2p.py), so the number that
-means something is the fraction of the GPU's memory bandwidth the kernel reaches, against a
+dtenjax._ffi_testing, through dtenjax/testing/native.py, as in tests/test_p2p.py), so the number
+that means something is the fraction of the GPU's memory bandwidth the kernel reaches, against a
 device-to-device copy measured in the same run. Per rank and message of n bytes, the fewest
 bytes through HBM are: one-shot 4n (read input, write stage, read stage, write output; the other
 ranks' reads of a stage hit L2 at best), two-shot 5n (+ the in-place write of the reduced
@@ -27,7 +27,6 @@ pip install --no-build-isolation -e .), and refuses (exit status 3, one line) wi
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
 import sys
 import time
@@ -40,8 +39,7 @@ import _harness
 from dtenjax._src import errors
 from dtenjax._src import ffi
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # the harness: tests/
-from tests import native_testing  # noqa: E402  pylint: disable=g-import-not-at-top
+from dtenjax.testing import native as native_testing
 
 K1 = 2
 

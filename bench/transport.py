@@ -38,8 +38,7 @@ import time
 
 import _harness
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
-from tests.mp_workers import launch  # noqa: E402  pylint: disable=g-import-not-at-top
+from dtenjax.testing.ports import free_port
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)   # bytes
 
@@ -145,7 +144,7 @@ def crypto(mib: int) -> int:
 
 def run(procs: int, sizes, iters: int, timeout_s: float) -> list[dict]:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  port = launch.free_port()
+  port = free_port()
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "rows.json")
     ps = []

@@ -2,7 +2,7 @@
 // with XLA_FFI_DEFINE_HANDLER_SYMBOL and registers them here with DTENJAX_REGISTER_FFI; module.cc
 // exposes the whole table to Python as dtenjax._ffi.registrations(), and exactly one Python module
 // (dtenjax/_src/ffi.py) registers them with jax.ffi.register_ffi_target. The test extension
-// (custom_calls/testing/) has a registry of its own, registered by tests/native_testing.py.
+// (custom_calls/testing/) has a registry of its own, registered by dtenjax/testing/native.py.
 #pragma once
 
 #include <string>

@@ -104,10 +104,15 @@ def make_step(mesh, reduce=None, *, reproducible=False):
 
 def train(mesh, reduce=None, *, reproducible=False) -> np.ndarray:
   tx, step = make_step(mesh, reduce, reproducible=reproducible)
-  params = init()
-  opt_state = tx.init(params)
+  # Placed on the mesh as the step returns them, so that every call finds the same input
+  # shardings and the step compiles once (from single-device arrays, the first call would
+  # compile a second program).
+  replicated = jax.sharding.NamedSharding(mesh, P())
+  params = jax.device_put(init(), replicated)
+  opt_state = jax.device_put(tx.init(params), replicated)
+  batches = jax.device_put(data(), jax.sharding.NamedSharding(mesh, P(None, "data")))
   losses = []
-  for batch in data():
+  for batch in batches:
     params, opt_state, loss = step(params, opt_state, batch)
     losses.append(loss)
   return np.asarray(losses, np.float32)

@@ -1,6 +1,6 @@
 """Runtime agent: load reports published to the store and read back for the planner."""
 
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -45,13 +45,37 @@ def test_reports_reflect_transport_load():
     c.close()
 
 
+class _CountingClient(kvstore.InMemoryClient):
+  """The in-memory store, counting the writes so a test can wait for the n-th."""
+
+  def __init__(self):
+    super().__init__()
+    self.writes = 0
+    self.written = threading.Condition()
+
+  def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+    super().key_value_set(key, value, allow_overwrite)
+    with self.written:
+      self.writes += 1
+      self.written.notify_all()
+
+  def wait_for_writes(self, n: int, timeout_s: float = 20.0) -> None:
+    with self.written:
+      if not self.written.wait_for(lambda: self.writes >= n, timeout=timeout_s):
+        pytest.fail(f"the agent published {self.writes} report(s) in {timeout_s:g} s, "
+                    f"not {n}", pytrace=False)
+
+
 def test_periodic_publishing():
-  store = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=1)
+  client = _CountingClient()
+  store = kvstore.KVStore(client, timeout_s=1)
   ag = agent.Agent(3, store=store, topology={}).start(interval_s=0.05)
-  time.sleep(0.3)
+  client.wait_for_writes(3)           # three periods have passed, each with one report
   ag.stop()
-  assert ag.published >= 3
+  published = ag.published
+  assert published >= 3
   assert 3 in agent.read_peer_loads(store)
+  assert ag.published == published    # stopped: no report after stop() returned
   for bad in (0, -1, float("nan"), float("inf")):
     with pytest.raises(errors.ConfigurationError, match="interval_s="):
       agent.Agent(0, store=store, topology={}).start(interval_s=bad)

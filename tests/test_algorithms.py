@@ -25,6 +25,7 @@ from dtenjax._src.contract import Contract
 from dtenjax._src.gpu import p2p
 from dtenjax._src.net import hostcoll
 from dtenjax._src.planning import costmodel
+from tests import helpers
 
 ALGOS = ("xla", "ring", "one_shot", "two_shot", "hierarchical")
 AX = ("o", "i")
@@ -35,23 +36,9 @@ def mesh(cpu_devices):
   return Mesh(np.array(cpu_devices).reshape(2, 4), AX)
 
 
-def _smap(mesh, f, axes=AX):
-  return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
-                               check_vma=False))
-
-
-def _wide(shape, seed):
-  """Random data over a wide exponent range: different summation orders give different bits."""
-  rng = np.random.default_rng(seed)
-  return (rng.standard_normal(shape) * np.exp(rng.uniform(-15, 15, shape))).astype(np.float32)
-
-
-def _fold(rows, start=None, dtype=np.float32):
-  """Left fold in the given order: from ``start`` (e.g. +0.0) or from the first row."""
-  acc = rows[0].astype(dtype) if start is None else np.full(rows[0].shape, start, dtype)
-  for r in (rows[1:] if start is None else rows):
-    acc = (acc + r.astype(dtype)).astype(dtype)
-  return acc
+_smap = helpers.smap     # over AX, unchecked vma
+_wide = helpers.wide
+_fold = helpers.fold
 
 
 # --- documented orders ---------------------------------------------------------------------------

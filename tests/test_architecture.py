@@ -1,4 +1,5 @@
-"""The layering of dtenjax/_src (docs/architecture.md): imports flow downward, never in a circle.
+"""The layering of dtenjax/_src (docs/architecture.md): imports flow downward, never in a circle;
+no import cycle in the whole package or in bench/, and no bench imports from tests/.
 
 Reads every module's imports (module level and inside functions) with ``ast``, so a lazy import
 that climbs a layer or closes a cycle fails here as surely as a top-level one.
@@ -95,8 +96,8 @@ def test_imports_flow_downward():
   assert not problems, "imports that climb or cross a layer:\n" + "\n".join(problems)
 
 
-def test_no_import_cycles():
-  graph = _graph()
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """Every cycle a depth-first walk of ``graph`` closes, each as ``[a, b, ..., a]``."""
   state: dict[str, int] = {}
   cycles = []
 
@@ -114,7 +115,113 @@ def test_no_import_cycles():
   for node in sorted(graph):
     if node not in state:
       visit(node, [])
-  assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+  return cycles
+
+
+def _no_cycles(graph: dict[str, set[str]], what: str) -> None:
+  cycles = _cycles(graph)
+  assert not cycles, f"import cycles in {what}:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_import_cycles():
+  _no_cycles(_graph(), "dtenjax/_src")
+
+
+# --- the whole package and bench/ ---------------------------------------------------------------
+
+ROOT = SRC.parents[1]
+BENCH = ROOT / "bench"
+
+
+def _package_graph() -> dict[str, set[str]]:
+  """Every module of dtenjax (the public modules, dtenjax.testing, _src) -> the dtenjax modules
+  it imports. A package's ``__init__`` importing its own submodules is how packages are built,
+  and a submodule's import of a name from its parent package runs that ``__init__`` first, so
+  edges from a module up to a package that contains it are left out."""
+  out = {}
+  pkg = ROOT / "dtenjax"
+  for path in pkg.rglob("*.py"):
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    out[".".join(parts)] = path
+  known = set(out)
+  graph = {}
+  for m, p in out.items():
+    deps = set()
+    tree = ast.parse(p.read_text(), filename=str(p))
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        targets = [f"{node.module}.{a.name}" for a in node.names]
+      else:
+        continue
+      for t in targets:
+        while t and t not in known:
+          t = t.rpartition(".")[0]
+        if t and t != m and not m.startswith(t + "."):
+          deps.add(t)
+    graph[m] = deps
+  return graph
+
+
+def _bench_graph(bench: pathlib.Path = BENCH) -> dict[str, set[str]]:
+  """bench/'s scripts and helpers -> the bench modules each imports (``import _harness``: the
+  directory of the script Python runs is on the path)."""
+  scripts = {p.stem: p for p in bench.glob("*.py")}
+  graph = {}
+  for name, path in scripts.items():
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+      if isinstance(node, ast.Import):
+        deps |= {a.name.split(".")[0] for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        deps.add(node.module.split(".")[0])
+    graph[name] = {d for d in deps if d in scripts and d != name}
+  return graph
+
+
+def test_no_import_cycles_in_the_package():
+  graph = _package_graph()
+  assert "dtenjax.testing.native" in graph and "dtenjax._src.hlo.text" in graph
+  _no_cycles(graph, "dtenjax")
+
+
+def test_no_import_cycles_in_bench():
+  graph = _bench_graph()
+  assert "_harness" in graph["allreduce"]     # the reader sees bench's own imports
+  _no_cycles(graph, "bench/")
+
+
+def test_the_cycle_finder_names_the_cycle(tmp_path):
+  (tmp_path / "a.py").write_text("import b\n")
+  (tmp_path / "b.py").write_text("def f():\n  from c import x\n  return x\n")
+  (tmp_path / "c.py").write_text("import os\nimport a\n")
+  (tmp_path / "d.py").write_text("import a\n")
+  graph = _bench_graph(tmp_path)
+  assert _cycles(graph) == [["a", "b", "c", "a"]]
+  with pytest.raises(AssertionError, match="a -> b -> c -> a"):
+    _no_cycles(graph, "tmp")
+
+
+def test_benches_import_nothing_from_tests():
+  """What benches and tests share lives in dtenjax (dtenjax.testing) or bench/_harness.py."""
+  bench_modules = {p.stem for p in BENCH.glob("*.py")}
+  test_modules = ({p.stem for p in (ROOT / "tests").glob("*.py")}
+                  | {p.name for p in (ROOT / "tests").iterdir() if p.is_dir()} | {"tests"})
+  test_modules -= bench_modules
+  problems = []
+  for path in sorted(BENCH.glob("*.py")):
+    text = path.read_text()
+    for node in ast.walk(ast.parse(text, filename=str(path))):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+      problems += [f"bench/{path.name}:{node.lineno} imports {n}" for n in names
+                   if n.split(".")[0] in test_modules]
+    if re.search(r"sys\.path\.insert\([^\n]*tests", text):
+      problems.append(f"bench/{path.name} puts tests/ on sys.path")
+  assert not problems, "\n".join(problems)
 
 
 def test_the_checker_sees_lazy_imports(tmp_path):

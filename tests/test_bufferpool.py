@@ -10,7 +10,7 @@ import pytest
 from dtenjax._src.net import bufferpool as bp
 from dtenjax._src import errors
 from dtenjax._src.net import tenancy
-from tests import native_testing
+from dtenjax.testing import native as native_testing
 from tests.net_helpers import requires_native
 
 pytestmark = requires_native

@@ -2,6 +2,8 @@
 numpy tree written from the docstring, its typing under check_vma=True, its gate (power-of-two
 worlds) and that the registry, auto and the planner treat it as any other record."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,14 +17,12 @@ from dtenjax._src import errors
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import butterfly
 from dtenjax._src.collectives.algorithms import registry
+from tests import helpers
 
 AX = ("o", "i")
 
 
-def _wide(shape, seed):
-  """Random data over a wide exponent range: different summation orders give different bits."""
-  rng = np.random.default_rng(seed)
-  return (rng.standard_normal(shape) * np.exp(rng.uniform(-15, 15, shape))).astype(np.float32)
+_wide = helpers.wide
 
 
 def _tree(rows, dtype=np.float32):
@@ -33,11 +33,7 @@ def _tree(rows, dtype=np.float32):
   return (_tree(rows[:half], dtype) + _tree(rows[half:], dtype)).astype(dtype)
 
 
-def _fold(rows):
-  acc = rows[0]
-  for r in rows[1:]:
-    acc = (acc + r).astype(np.float32)
-  return acc
+_fold = helpers.fold
 
 
 def _vma(x) -> frozenset:
@@ -46,10 +42,7 @@ def _vma(x) -> frozenset:
   return frozenset(mat.varying) if mat is not None else frozenset()
 
 
-def _smap(mesh, f, axes, out_specs=None, check_vma=True):
-  return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(axes),
-                               out_specs=P(axes) if out_specs is None else out_specs,
-                               check_vma=check_vma))
+_smap = functools.partial(helpers.smap, check_vma=True)
 
 
 def test_numpy_tree_is_not_another_order():

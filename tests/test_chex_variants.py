@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import dtenjax
+from tests import helpers
 
 N = 8
 
@@ -29,9 +30,10 @@ def _rows(m=6, seed=0, dtype=jnp.float32):
 
 class CollectivesVariantsTest(parameterized.TestCase):
 
-  def _smap(self, body, out_specs=P("d"), in_specs=P("d")):
-    return self.variant(jax.shard_map(body, mesh=_mesh(), in_specs=in_specs,
-                                      out_specs=out_specs))
+  def _smap(self, body, out_specs=P("d")):
+    """shard_map over "d" (vma checked, as jax's default), then chex's variant: jit or not."""
+    return self.variant(helpers.smap(_mesh(), body, "d", out_specs=out_specs, check_vma=True,
+                                     jit=False))
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_sum_xla_is_lax_psum_bit_for_bit(self):

@@ -19,6 +19,7 @@ import dtenjax
 from dtenjax._src import errors
 from dtenjax._src.collectives import fixed_point
 import fixed_point_ref as ref
+from tests import helpers
 
 AX = ("o", "i")
 ALGOS = ("xla", "ring", "one_shot", "two_shot", "hierarchical")
@@ -29,9 +30,7 @@ def mesh(cpu_devices):
   return Mesh(np.array(cpu_devices).reshape(2, 4), AX)
 
 
-def _smap(mesh, f, jit=True, check_vma=False):
-  g = jax.shard_map(f, mesh=mesh, in_specs=P(AX), out_specs=P(AX), check_vma=check_vma)
-  return jax.jit(g) if jit else g
+_smap = helpers.smap     # over AX
 
 
 def _rows(seed=0, m=6):
@@ -60,6 +59,34 @@ def test_pytree_all_reduce_buckets_and_matches_per_leaf(mesh):
   # the two f32 leaves share one bucket, the int leaf has its own: 2 gathers instead of 3
   assert _count(fused.lower(tree).compile().as_text(), "all-gather") == 2
   assert _count(single.lower(tree).compile().as_text(), "all-gather") == 3
+
+
+@pytest.mark.parametrize("algorithm", ("xla", "one_shot"))
+def test_stacked_contributions_are_bucketed_with_the_same_bits_and_gradients(mesh, algorithm):
+  """``local_axis`` leaves (a reproducible step's per-micro-batch gradients) share buckets of
+  [contributions, values]: fewer collectives, the bits and the gradient of reducing leaf by leaf,
+  under plain ``jax.shard_map`` (check_vma=True)."""
+  keys = jax.random.split(jax.random.key(7), 3)
+  tree = {"w": jax.random.normal(keys[0], (24, 4, 5)), "b": jax.random.normal(keys[1], (24, 7)),
+          "s": jax.random.normal(keys[2], (24,))}
+
+  def build(bucket_bytes):
+    body = lambda t: dtenjax.all_reduce(t, AX, op="mean", algorithm=algorithm, reproducible=True,
+                                        local_axis=0, bucket_bytes=bucket_bytes)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX),), out_specs=P()))
+  bucketed, per_leaf = build(1 << 20), build(0)
+  a, b = bucketed(tree), per_leaf(tree)
+  chex.assert_trees_all_equal(a, b)
+  for k, v in tree.items():     # the mean of all 24 contributions, rounded once
+    np.testing.assert_allclose(a[k], np.asarray(v, np.float64).mean(0), rtol=1e-6, atol=1e-7)
+  # The collectives the step asks for (XLA may combine per-leaf ones later, not the encodes).
+  count = lambda f: len(re.findall(r"stablehlo\.(all_gather|all_reduce|all_to_all)\b",
+                                   f.lower(tree).as_text()))
+  assert count(bucketed) < count(per_leaf), (count(bucketed), count(per_leaf))
+
+  def loss(f):
+    return lambda t: sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(f(t)))
+  chex.assert_trees_all_equal(jax.grad(loss(bucketed))(tree), jax.grad(loss(per_leaf))(tree))
 
 
 def test_eager_and_jit_agree_and_do_not_retrace(mesh):

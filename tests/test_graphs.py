@@ -23,7 +23,7 @@ from dtenjax._src.gpu import graph_measure
 from dtenjax._src.gpu import graph_policy as gp
 from dtenjax._src.gpu import graph_prediction as pred
 from dtenjax._src.gpu import graphs
-from tests import native_testing
+from dtenjax.testing import native as native_testing
 
 
 class _Compiles:
@@ -138,7 +138,7 @@ def test_auto_records_a_loop_whose_body_is_recordable_and_changes_nothing_else()
   assert "WHILE" in g.compiler_options["xla_gpu_enable_command_buffer"]
   compiled = jax.jit(_loop).lower(x, x).compile()
   module = hlo.read_compiled(compiled)
-  trips = pred.trip_counts_from_text(compiled.as_text())
+  trips = hlo.trip_counts_from_text(compiled.as_text())
   assert list(trips.values()) == [100]
   default = pred.plan(module, gp.CudaGraphPolicy.from_mode("xla"), trips)
   chosen = pred.plan(module, policy, trips)
@@ -260,7 +260,7 @@ def test_convolutions_split_graphs_and_a_while_counts_as_one_thunk():
 ])
 def test_auto_rule(entry, expected):
   text = _module(entry)
-  policy, reason = pred.decide_auto(hlo.parse_text(text), pred.trip_counts_from_text(text))
+  policy, reason = pred.decide_auto(hlo.parse_text(text), hlo.trip_counts_from_text(text))
   if expected is None:
     assert policy.is_xla_default and policy.compiler_options() == {}, reason
   else:
@@ -277,7 +277,7 @@ def test_auto_leaves_a_loop_already_launched_as_one_graph_per_iteration(body_len
   # measured on an H200: a decode loop whose body is one graph per iteration under XLA's
   # defaults ran 0.985x as a device loop (docs/benchmarks.md)
   text = _module("ffwff", body_len=body_len, trip=trip)
-  policy, reason = pred.decide_auto(hlo.parse_text(text), pred.trip_counts_from_text(text))
+  policy, reason = pred.decide_auto(hlo.parse_text(text), hlo.trip_counts_from_text(text))
   assert ("WHILE" in policy.commands) == on_device, reason
   if not on_device:
     assert policy.compiler_options() == {} and "one graph per iteration" in reason
@@ -342,7 +342,7 @@ def test_measure_compiles_the_candidates_and_caches_by_fingerprint(tmp_path):
 
 def _module_and_trips(fn, *args):
   c = jax.jit(fn).lower(*args).compile()
-  return hlo.read_compiled(c), pred.trip_counts_from_text(c.as_text())
+  return hlo.read_compiled(c), hlo.trip_counts_from_text(c.as_text())
 
 
 def test_measure_has_nothing_to_time_when_no_policy_launches_differently():

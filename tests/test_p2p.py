@@ -2,13 +2,14 @@
 
 CPU: gating, error messages, rank order of mesh groups, the lowering-time fallback, that a CUDA
 build contains the targets, and the argument checks of the simulated-rank harness (the test
-extension's, tests/native_testing.py). GPU (marked `gpu`): the kernels with N simulated ranks
+extension's, dtenjax/testing/native.py). GPU (marked `gpu`): the kernels with N simulated ranks
 on one GPU against independent numpy references, bit for bit, inside and outside CUDA graphs; the PUBLIC
 dtenjax.all_reduce on every GPU of the machine in one process (plain jax.shard_map, jax.set_mesh,
 dtenjax.mesh_map, 2-D meshes, messages larger than the registered buffer); one process per GPU
 (jax.distributed on 127.0.0.1, CUDA IPC); and a peer that never arrives (the step must fail).
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -27,9 +28,10 @@ from dtenjax._src import errors
 from dtenjax._src import ffi
 from dtenjax._src.contract import Contract
 from dtenjax._src.gpu import p2p
+from dtenjax.testing import native as native_testing
+from dtenjax.testing.native import p2p_selftest
 from tests import fixed_point_ref as fpref
-from tests import native_testing
-from tests.native_testing import p2p_selftest
+from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -157,9 +159,7 @@ def test_all_reduce_rejects_bad_arguments(cpu_devices):
     p2p.all_reduce(jnp.zeros((4,), jnp.float32), "x")
 
 
-def _smap(mesh, body, axes=("x",)):
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P(axes), out_specs=jax.P(axes),
-                               check_vma=False))
+_smap = functools.partial(helpers.smap, axes=("x",))
 
 
 def test_unavailable_without_fallback_names_fix(cpu_devices):
@@ -451,7 +451,7 @@ def test_peer_that_never_arrives_fails_the_step():
   code = """
 import numpy as np, jax
 from dtenjax._src.gpu import p2p
-from tests.native_testing import p2p_selftest
+from dtenjax.testing.native import p2p_selftest
 x = np.ones((2, 1024), np.float32)
 try:
   y = jax.jit(lambda v: p2p_selftest(v, mode=3, iters=1))(x)

@@ -18,7 +18,8 @@ from dtenjax._src import errors
 from dtenjax._src.net import credentials
 from dtenjax._src.net import native
 from dtenjax._src.net import transport
-from tests import native_testing
+from dtenjax.testing import native as native_testing
+from tests import helpers
 from tests import transport_ref as ref
 from tests.net_helpers import (both_ranks, close_all, delta, listener, native_ring,
                                requires_native, run_ranks)
@@ -143,8 +144,9 @@ def test_idle_unauthenticated_connections_do_not_stop_the_ring():
   is longer than the ring's, so serving them one at a time would miss the ring's deadline."""
   cs = [transport.create_local_comm(r, 2, creds(), timeout_s=3, handshake_timeout_s=10)
         for r in range(2)]
+  # Pending before the ring starts: create_connection returns once the kernel has completed the
+  # TCP handshake, so each idle connection is in its listener's backlog ahead of the peers'.
   idle = [socket.create_connection(ref.host_port(c.endpoint)) for c in cs for _ in range(2)]
-  time.sleep(0.2)   # the idle ones are pending before the ring starts
   _, errs, seconds = run_ranks([lambda: transport.connect(cs[0], cs[1].endpoint),
                                 lambda: transport.connect(cs[1], cs[0].endpoint)])
   assert errs == [None, None] and seconds < 3, (errs, seconds)
@@ -166,7 +168,14 @@ def test_pending_handshakes_are_capped_and_time_out():
   idle = [socket.create_connection(ref.host_port(c0.endpoint)) for _ in range(6)]
   t = threading.Thread(target=transport.connect, args=(c0, c1.endpoint), daemon=True)
   t.start()
-  time.sleep(1.0)    # the first connections are served (cap 3) or turned away, then time out
+
+  def served_and_timed_out():   # the first 3 served (the cap), the others turned away, one timed out
+    d = delta(before, native.counters())
+    return (d.get("handshakes_evicted", 0) + d.get("handshakes_refused", 0) >= 3
+            and d.get("handshakes_timed_out", 0) >= 1)
+
+  helpers.wait_until(served_and_timed_out, "rank 0's listener to turn away 3 of the 6 idle "
+                     "connections and time out a served one")
   transport.connect(c1, c0.endpoint)
   t.join(10)
   d = delta(before, native.counters())
@@ -280,10 +289,8 @@ def test_hostile_abort_text_from_a_keyed_peer_is_escaped():
 
 
 def _wait_in_flight(k: int = 1) -> None:
-  end = time.monotonic() + 20
-  while native.counters()["ops_in_flight"] < k:   # a gauge: the collective is running
-    assert time.monotonic() < end, "the collective never started"
-    time.sleep(0.001)
+  helpers.wait_until(lambda: native.counters()["ops_in_flight"] >= k,   # a gauge: it is running
+                     f"{k} collective(s) in flight")
 
 
 def test_close_interrupts_an_all_reduce_in_flight_within_100_ms():

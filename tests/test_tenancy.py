@@ -13,7 +13,7 @@ from dtenjax._src import errors
 from dtenjax._src.net import tenancy
 from dtenjax._src.net import credentials
 from dtenjax._src.net import native
-from tests import native_testing
+from dtenjax.testing import native as native_testing
 from tests.net_helpers import native_ring, requires_native
 
 pytestmark = requires_native

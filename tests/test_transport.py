@@ -24,7 +24,7 @@ from dtenjax._src.net import credentials
 from dtenjax._src.net import native
 from dtenjax._src.net import providers
 from dtenjax._src.net import transport
-from tests import native_testing
+from dtenjax.testing import native as native_testing
 from tests import transport_ref as ref
 from tests.net_helpers import close_all, delta, listener, native_ring, requires_native, run_ranks
 

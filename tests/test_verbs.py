@@ -1,6 +1,6 @@
 """The RDMA verbs data path, end to end, on the emulated device (tests/fakeverbs/).
 
-The provider (csrc/transport/verbs.cc) loads the emulated libibverbs through
+The provider (csrc/transport/verbs_*.cc) loads the emulated libibverbs through
 DTENJAX_IBVERBS_LIBRARY and runs exactly as it would on a NIC: QPs, MRs, CQs, completion
 channels, RDMA WRITE WITH IMM, credits. The device enforces the verbs contract
 (tests/test_verbs_fake.py checks it against the man pages) and counts every refused call

@@ -72,20 +72,46 @@ template <> struct Vec<float> {
   }
 };
 
-template <> struct Vec<__nv_bfloat16> {
-  static constexpr int kElems = 8;
-  __device__ __forceinline__ static float2 Pair(uint32_t w) {
-    __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&w);
-    return __bfloat1622float2(h);
+// The 16-bit floats: 8 per vector, two per 32-bit lane. Vec16 is their vector code, once;
+// Conv16<T> names T's pair type and CUDA's conversions, the only thing the two types differ in.
+template <typename T> struct Conv16;
+
+template <> struct Conv16<__nv_bfloat16> {
+  using Pair = __nv_bfloat162;
+  __device__ __forceinline__ static float2 PairToF32(Pair h) { return __bfloat1622float2(h); }
+  __device__ __forceinline__ static Pair PairFromF32(float a, float b) {
+    return __floats2bfloat162_rn(a, b);
   }
-  __device__ __forceinline__ static uint32_t Pack(float a, float b) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ __forceinline__ static float ScalarToF32(__nv_bfloat16 x) { return __bfloat162float(x); }
-  __device__ __forceinline__ static __nv_bfloat16 ScalarFromF32(float x) {
+  __device__ __forceinline__ static float ToF32(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ __forceinline__ static __nv_bfloat16 FromF32(float x) {
     return __float2bfloat16_rn(x);
   }
+};
+
+template <> struct Conv16<__half> {
+  using Pair = __half2;
+  __device__ __forceinline__ static float2 PairToF32(Pair h) { return __half22float2(h); }
+  __device__ __forceinline__ static Pair PairFromF32(float a, float b) {
+    return __floats2half2_rn(a, b);
+  }
+  __device__ __forceinline__ static float ToF32(__half x) { return __half2float(x); }
+  __device__ __forceinline__ static __half FromF32(float x) { return __float2half_rn(x); }
+};
+
+template <typename T>
+struct Vec16 {
+  using C = Conv16<T>;
+  static_assert(sizeof(T) == 2 && sizeof(typename C::Pair) == 4, "a 16-bit float and its pair");
+  static constexpr int kElems = 8;
+  __device__ __forceinline__ static float2 Pair(uint32_t w) {
+    return C::PairToF32(*reinterpret_cast<typename C::Pair*>(&w));
+  }
+  __device__ __forceinline__ static uint32_t Pack(float a, float b) {
+    typename C::Pair h = C::PairFromF32(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static float ScalarToF32(T x) { return C::ToF32(x); }
+  __device__ __forceinline__ static T ScalarFromF32(float x) { return C::FromF32(x); }
   __device__ __forceinline__ static void WordToF32(const uint2& v, float* f) {
     float2 a = Pair(v.x), b = Pair(v.y);
     f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
@@ -95,26 +121,8 @@ template <> struct Vec<__nv_bfloat16> {
   }
 };
 
-template <> struct Vec<__half> {
-  static constexpr int kElems = 8;
-  __device__ __forceinline__ static float2 Pair(uint32_t w) {
-    __half2 h = *reinterpret_cast<__half2*>(&w);
-    return __half22float2(h);
-  }
-  __device__ __forceinline__ static uint32_t Pack(float a, float b) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  __device__ __forceinline__ static float ScalarToF32(__half x) { return __half2float(x); }
-  __device__ __forceinline__ static __half ScalarFromF32(float x) { return __float2half_rn(x); }
-  __device__ __forceinline__ static void WordToF32(const uint2& v, float* f) {
-    float2 a = Pair(v.x), b = Pair(v.y);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-  }
-  __device__ __forceinline__ static uint2 WordFromF32(const float* f) {
-    return make_uint2(Pack(f[0], f[1]), Pack(f[2], f[3]));
-  }
-};
+template <> struct Vec<__nv_bfloat16> : Vec16<__nv_bfloat16> {};
+template <> struct Vec<__half> : Vec16<__half> {};
 
 // --- per-element reductions over the W ranks' values ------------------------------------------
 

@@ -1,3 +1,5 @@
+// The registered buffer pool (bufferpool.h): size classes, registration through the hooks,
+// the buffers' state machine, eviction of idle buffers under the tenant's quota.
 #include "csrc/transport/bufferpool.h"
 
 #include <sys/mman.h>

@@ -29,10 +29,6 @@
 
 namespace dtenjax::transport {
 
-// out[i] = own[i] (op) in[i] (out may alias own). Sum/prod are commutative in IEEE arithmetic,
-// so every rank that combines the same two values gets the same bits. max/min propagate NaN.
-Status Reduce(void* out, const void* own, const void* in, uint64_t count, DType dt, ReduceOp op);
-
 struct CommOptions {
   uint64_t job_id = 0;
   int rank = 0;
@@ -100,7 +96,7 @@ class Comm {
   BufferPool& pool() { return *pool_; }
 
  private:
-  class Ring;   // the state and steps of one RunRing call (comm.cc)
+  class Ring;   // the state and steps of one RunRing call (ring.cc)
   explicit Comm(const CommOptions& opts);
   // One ring all-reduce over the connected ring (AllReduce's body; Comm::Ring does the work).
   Status RunRing(const uint8_t* src, uint8_t* dst, const Descriptor& d, DType dt, ReduceOp op,

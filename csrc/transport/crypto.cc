@@ -1,3 +1,5 @@
+// libcrypto loaded at run time (crypto.h): HMAC-SHA256, constant-time comparison, random bytes
+// and the GMAC that tags frames.
 #include "csrc/transport/crypto.h"
 
 #include <dlfcn.h>

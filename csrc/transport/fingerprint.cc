@@ -1,3 +1,5 @@
+// Fingerprints of collectives (fingerprint.h): their key, digest, wire encoding, descriptions and
+// differences, and the table of call sites.
 #include "csrc/transport/fingerprint.h"
 
 #include <cstdio>

@@ -1,3 +1,5 @@
+// The frames of the host transport (frame.h): names, header checks, session keys, sealing and
+// opening, REJECT frames, the counters.
 #include "csrc/transport/frame.h"
 
 #include <cstdio>

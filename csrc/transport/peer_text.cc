@@ -1,3 +1,4 @@
+// A peer's text made safe for messages and logs (peer_text.h), and a peer's status code.
 #include "csrc/transport/peer_text.h"
 
 #include <cstdint>

@@ -1,10 +1,11 @@
-// The transport provider interface: a small table of functions, one provider per file (tcp.cc,
-// verbs.cc), as NCCL's src/transport/ does, and a registry the providers add themselves to:
+// The transport provider interface: a small table of functions, one provider per group of files
+// (tcp*.cc, verbs*.cc), as NCCL's src/transport/ does, and a registry the providers add
+// themselves to:
 //
 //   DTENJAX_REGISTER_PROVIDER(tcp, TcpProvider);   // at the end of tcp.cc
 //
 // A provider moves bytes and authenticates connections; frames, tags, collective descriptors and
-// the ring schedule are provider-independent (frame.h, comm.cc). Adding a provider is one file
+// the ring schedule are provider-independent (frame.h, ring.cc). Adding a provider is one file
 // here plus one line in the Python provider table (dtenjax/_src/net/transport.py PROVIDERS).
 #pragma once
 
@@ -74,8 +75,8 @@ struct Provider {
   // cannot change (another protocol version, job, ring position or secret), naming the reason.
   Status (*connect)(const std::string& endpoint, const Handshake& hs, double deadline, Conn** out);
   // Accept and authenticate one peer. Unauthenticated connections are served concurrently, each
-  // with its own deadline and at most hs.max_pending at once (tcp.cc says which one gives way to
-  // a newcomer); every rejected one is told why (REJECT frame), counted and skipped.
+  // with its own deadline and at most hs.max_pending at once (tcp_accept.cc says which one gives
+  // way to a newcomer); every rejected one is told why (REJECT frame), counted and skipped.
   Status (*accept)(Listener* l, const Handshake& hs, double deadline, Conn** out);
   // Hands as much of `f` to the connection as it takes now; never blocks.
   Status (*send_some)(Conn* c, OutFrame* f, bool* progress);

@@ -1,3 +1,4 @@
+// Tenants of the host transport (tenancy.h): quotas, usage, the token bucket, the monotonic clock.
 #include "csrc/transport/tenancy.h"
 
 #include <chrono>

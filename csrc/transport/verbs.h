@@ -1,7 +1,8 @@
 // RDMA verbs provider: what the rest of the transport and the Python bindings see of it. The
 // device-free logic (transitions, masks, GID choice, validation, imm encoding) is unit-tested on
 // any machine; the data path runs in the test suite on an emulated device (tests/fakeverbs/) that
-// the provider loads in place of libibverbs (LoadLibrary). The provider itself is in verbs.cc.
+// the provider loads in place of libibverbs (LoadLibrary). The provider itself is in verbs_*.cc
+// (verbs_impl.h says which file holds what).
 #pragma once
 
 #include <array>

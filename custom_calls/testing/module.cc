@@ -1,6 +1,6 @@
 // dtenjax._ffi_testing: native code that exists only for dtenjax's own tests and benchmarks (a
 // separate extension, built only with -DDTENJAX_BUILD_TESTING=ON; a wheel never contains it).
-// Python reaches it through tests/native_testing.py, which registers its FFI handlers
+// Python reaches it through dtenjax/testing/native.py, which registers its FFI handlers
 // (registrations(), the same form as dtenjax._ffi's) with jax.
 //   transport.*                       fault injection into the host transport (transport.cc)
 //   dtenjax_graph_probe_scale_add     CUDA: a small command-buffer compatible kernel (CUDA builds)

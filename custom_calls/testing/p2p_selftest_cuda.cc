@@ -1,5 +1,5 @@
 // The p2p kernels' simulated-rank harness, for dtenjax's own tests and bench/p2p_allreduce.py
-// only (dtenjax._ffi_testing; Python: tests/native_testing.py, p2p_selftest). N simulated ranks on
+// only (dtenjax._ffi_testing; Python: dtenjax.testing.native.p2p_selftest). N simulated ranks on
 // one GPU run the shipped kernels in one launch (blockIdx.y = rank): an arena of N regions on the
 // device and one block of error words, with as many blocks per rank as let all N ranks' blocks be
 // resident together. Everything it does to dtenjax._ffi goes through the seams that extension
@@ -131,7 +131,7 @@ ffi::Error Selftest(bool create, cudaStream_t stream, int32_t ordinal, ffi::AnyB
   constexpr const char* kWhat = "dtenjax_p2p_selftest";
   if (g_seams == nullptr) {
     return ffi::Error::Internal("dtenjax_p2p_selftest: dtenjax._ffi_testing was not imported "
-                                "(tests/native_testing.py imports it and loads the p2p seams)");
+                                "(dtenjax/testing/native.py imports it and loads the p2p seams)");
   }
   auto decoded = p2p::attributes::ToKernel(x.element_type(), algorithm, op, reproducible, kWhat);
   if (decoded.has_error()) return decoded.error();

@@ -1,5 +1,5 @@
 // An emulated RDMA device for dtenjax's tests: a shared library exporting the ibv_* entry points
-// the verbs provider loads (csrc/transport/verbs.cc dlopens it through DTENJAX_IBVERBS_LIBRARY),
+// the verbs provider loads (csrc/transport/verbs_loader.cc dlopens it through DTENJAX_IBVERBS_LIBRARY),
 // with the semantics rdma-core's man pages and the InfiniBand specification's verbs and RC
 // transport chapters document. It is built only by the test suite (tests/fakeverbs/__init__.py)
 // and is never installed. It exports `fakeverbs_is_emulated`, which no real libibverbs has; the

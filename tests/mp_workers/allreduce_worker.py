@@ -205,7 +205,7 @@ def main():
           os.environ["DTENJAX_TRANSPORT"] = provider
           # Everyone is done with the previous communicators before any closes them (a rank
           # whose next neighbour closed early fails its collective even with nothing left to
-          # send it: comm.cc treats the end of that stream as the neighbour's death).
+          # send it: ring.cc treats the end of that stream as the neighbour's death).
           common.barrier(f"same-bits-{dtype}-{n}-{provider}")
           hostcoll.reset()
           before = native.counters()["collectives"]

@@ -1,6 +1,6 @@
 """Launches N worker processes with a local jax.distributed coordinator on 127.0.0.1.
 
-Used by the multiprocess tests and bench/transport.py. Every worker has a timeout; stragglers are
+Used by the multiprocess tests. Every worker has a timeout; stragglers are
 killed. Each worker writes a JSON result to ``{out_dir}/rank{r}.json``.
 """
 
@@ -8,41 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
 
-
-def _ephemeral_ports() -> tuple[int, int]:
-  try:
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-      lo, hi = (int(v) for v in f.read().split())
-    return lo, hi
-  except (OSError, ValueError):
-    return 32768, 60999        # Linux's default range
-
-
-def free_port() -> int:
-  """A free loopback port for the coordinator, outside the kernel's ephemeral range.
-
-  A port the kernel hands out for ``bind(0)`` is released before the coordinator binds it, and
-  any connection made meanwhile (the transport tests in the other pytest-xdist worker connect
-  a lot) may take it as its local port. Ports below the ephemeral range are only ever taken by
-  an explicit bind.
-  """
-  lo, _ = _ephemeral_ports()
-  rng = random.Random()
-  for _ in range(200):
-    port = rng.randrange(10000, max(10001, lo))
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-      try:
-        s.bind(("127.0.0.1", port))
-      except OSError:
-        continue
-      return port
-  raise RuntimeError(f"no free loopback port in 10000..{lo - 1} after 200 tries")
+from dtenjax.testing.ports import free_port
 
 
 def launch(module: str, nprocs: int, out_dir: str, *, devices_per_proc: int = 1,

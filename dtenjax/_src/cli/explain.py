@@ -40,14 +40,12 @@ import sys
 from typing import Any
 
 from dtenjax._src import errors
+from dtenjax._src import hlo
 from dtenjax._src.cli import common
 
-_DTYPES = {
-    "pred": "bool", "bool": "bool", "s8": "int8", "i8": "int8", "s16": "int16", "i16": "int16",
-    "s32": "int32", "i32": "int32", "s64": "int64", "i64": "int64", "u8": "uint8",
-    "u16": "uint16", "u32": "uint32", "u64": "uint64", "f16": "float16", "bf16": "bfloat16",
-    "f32": "float32", "f64": "float64", "c64": "complex64", "c128": "complex128",
-}
+# HLO's element type names (hlo/records.py), with i8..i64 for s8..s64 and "bool" for pred.
+_DTYPES = {**hlo.NUMPY_NAMES, "bool": "bool",
+           **{"i" + n[1:]: v for n, v in hlo.NUMPY_NAMES.items() if n[0] == "s"}}
 _ARG_RE = re.compile(r"^\s*([A-Za-z][A-Za-z0-9_]*)\[([0-9,\s]*)\]\s*(?:\{([^}]*)\})?\s*$")
 
 

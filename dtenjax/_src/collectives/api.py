@@ -549,6 +549,13 @@ def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, contract, loca
   if len(leaves) > 1 and bucket_bytes > 0 and local_axis is None:
     return buckets.bucketed_apply(
         leaves, lambda flat: _all_reduce_array(flat, traced_tag, specs[0]), bucket_bytes)
+  if len(leaves) > 1 and bucket_bytes > 0 and len({s.local_size for s in specs}) == 1:
+    # Contributions stacked on local_axis (a reproducible step's per-micro-batch gradients):
+    # buckets of [contributions, values], one collective and one encode per bucket, not per leaf.
+    moved = [jnp.moveaxis(leaf, s.local_axis, 0) for leaf, s in zip(leaves, specs)]
+    spec = dataclasses.replace(specs[0], local_axis=0)
+    return buckets.bucketed_apply(
+        moved, lambda flat: _all_reduce_array(flat, traced_tag, spec), bucket_bytes, stacked=True)
   return [_all_reduce_array(leaf, traced_tag, s) for leaf, s in zip(leaves, specs)]
 
 

@@ -40,21 +40,29 @@ def plan_buckets(sizes_dtypes: Sequence[tuple[int, object]], bucket_bytes: int) 
   return buckets
 
 
-def bucketed_apply(leaves: Sequence, fn: Callable, bucket_bytes: int) -> list:
-  """Applies an elementwise-layout collective ``fn`` (flat array -> flat array) per bucket."""
+def bucketed_apply(leaves: Sequence, fn: Callable, bucket_bytes: int, *,
+                   stacked: bool = False) -> list:
+  """Applies an elementwise-layout collective ``fn`` (flat array -> flat array) per bucket.
+
+  ``stacked``: every leaf holds its local contributions on axis 0 (the same number in each), which
+  ``fn`` reduces away: a bucket is then a ``[contributions, values]`` buffer and ``fn`` returns
+  the ``[values]`` result. Each value is still reduced on its own, so the bits are the same as
+  per leaf."""
   out: list = [None] * len(leaves)
   plan = plan_buckets([(int(np.prod(jnp.shape(l))), jnp.result_type(l)) for l in leaves],
                       bucket_bytes)
+  lead = (jnp.shape(leaves[0])[0],) if stacked else ()
   for bucket in plan:
     if len(bucket) == 1:
       i = bucket[0]
       out[i] = fn(leaves[i])
       continue
-    flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in bucket])
+    flat = jnp.concatenate([jnp.reshape(leaves[i], lead + (-1,)) for i in bucket], axis=-1)
     red = fn(flat)
     off = 0
     for i in bucket:
-      size = int(np.prod(jnp.shape(leaves[i])))
-      out[i] = red[off:off + size].reshape(jnp.shape(leaves[i]))
+      shape = jnp.shape(leaves[i])[len(lead):]
+      size = int(np.prod(shape))
+      out[i] = red[off:off + size].reshape(shape)
       off += size
   return out

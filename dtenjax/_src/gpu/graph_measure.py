@@ -170,8 +170,7 @@ def measure(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, An
     return _CACHE[fp]
   t0 = time.perf_counter()
   module = hlo.read_compiled(default_compiled)
-  trips = (pred.trip_counts_from_text(default_compiled.as_text())
-           if any(op.opcode == "while" for op in module.instructions()) else {})
+  trips = module.trip_counts()
   cands = candidates(module, trips)
   default = gp.CudaGraphPolicy.from_mode("measure")
   described = {BASELINE: default.describe(), **{k: v.describe() for k, v in cands.items()}}

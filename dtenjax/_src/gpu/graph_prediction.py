@@ -34,7 +34,6 @@ a 16-token decode loop run on the device was 0.985x the host-driven one.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,10 +44,6 @@ _NOOPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "aft
           "opt-barrier", "add-dependency"}
 # Thunks XLA records as FUSION commands without being kernels (memset / memcpy on the device).
 _FUSION_LIKE = {"partition-id", "replica-id", "copy"}
-_COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-                "all-reduce-start", "all-reduce-done", "all-gather-start", "all-gather-done",
-                "collective-permute-start", "collective-permute-done", "collective-broadcast",
-                "ragged-all-to-all"}
 _HOST = {"send", "recv", "send-done", "recv-done", "infeed", "outfeed"}
 # Ops that become kernels (a fusion on GPU) when they appear unfused, e.g. in CPU HLO.
 _KERNEL_LIKE = {"sort", "dot", "reduce", "broadcast", "transpose", "reshape", "slice",
@@ -111,7 +106,7 @@ def classify(op: hlo.Instruction, module: hlo.Module, commands: Sequence[str],
                      "kCmdBufferCompatible and CUSTOM_CALL is enabled; assumed not")
   if opc == "convolution":
     return "split", "convolution (cuDNN on GPU) has no command-buffer command in XLA"
-  if opc in _COLLECTIVES:
+  if opc in hlo.COLLECTIVE_OPCODES:
     return need("COLLECTIVES", f"collective {opc}")
   if opc in _HOST:
     return "split", f"{opc} synchronises with the host"
@@ -133,20 +128,6 @@ def classify(op: hlo.Instruction, module: hlo.Module, commands: Sequence[str],
   if opc.startswith("async") or opc.endswith("-start") or opc.endswith("-done"):
     return "split", f"asynchronous {opc} is recorded only with its matching start/done"
   return "split", f"{opc} has no command-buffer command in XLA"
-
-
-_TRIP_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\swhile\(.*?\"known_trip_count\":"
-                      r"\{\"n\":\"(\d+)\"\}")
-
-
-def trip_counts_from_text(text: str) -> dict[str, int]:
-  """{while op name: known trip count} from printed compiled HLO (``backend_config``)."""
-  out = {}
-  for line in text.splitlines():
-    m = _TRIP_RE.match(line)
-    if m:
-      out[m.group(1)] = int(m.group(2))
-  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,8 +420,8 @@ def report_from_module(module: hlo.Module, policy: gp.CudaGraphPolicy, platform:
 def report_from_hlo(text: str, policy: gp.CudaGraphPolicy, platform: str,
                     reason: str = "") -> GraphReport:
   """:func:`report_from_module` of printed HLO text (trip counts read from the same text)."""
-  return report_from_module(hlo.parse_text(text), policy, platform, trip_counts_from_text(text),
-                            reason)
+  module = hlo.parse_text(text)
+  return report_from_module(module, policy, platform, module.trip_counts(), reason)
 
 
 # --------------------------------------------------------------------------------------------

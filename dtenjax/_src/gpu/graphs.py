@@ -82,12 +82,6 @@ class GraphDecision:
   measured: graph_measure.MeasuredChoice | None = None
 
 
-def _trip_counts(module: hlo.Module, compiled: Any) -> dict[str, int]:
-  if not any(op.opcode == "while" for op in module.instructions()):
-    return {}
-  return pred.trip_counts_from_text(compiled.as_text())
-
-
 def _adaptive(policy: CudaGraphPolicy) -> bool:
   return policy.mode in ("auto", "measure") and not policy.explicit
 
@@ -152,8 +146,8 @@ class GraphJitted:
       if " while(" not in text:           # no loop at all: skip reading the module
         policy, reason = pred.decide_auto_without_loops()
       else:
-        policy, reason = pred.decide_auto(hlo.read_compiled(compiled),
-                                          pred.trip_counts_from_text(text))
+        module = hlo.read_compiled(compiled)
+        policy, reason = pred.decide_auto(module, module.trip_counts())
     else:
       measured = graph_measure.measure(
           self.fn, args, kwargs, jit_kwargs=self._jit_kwargs, user_options=self._user_options,
@@ -281,7 +275,7 @@ def graph_report(fn_or_compiled: Any, *args, cuda_graphs: str | CudaGraphPolicy 
     policy, reason = g.decision.policy, g.decision.reason
     module = hlo.read_compiled(compiled)
     platform = _compiled_platform(compiled)
-    trips = _trip_counts(module, compiled)
+    trips = module.trip_counts()
     if g.platform != "gpu" and _adaptive(g.policy) and g.policy.mode == "auto":
       policy, why = pred.decide_auto(module, trips)
       reason = f"{reason}; on a GPU auto would choose {policy.describe()}: {why}"
@@ -297,7 +291,7 @@ def graph_report(fn_or_compiled: Any, *args, cuda_graphs: str | CudaGraphPolicy 
         f"graph_report got {type(fn_or_compiled).__name__}; pass a function, a jitted function "
         f"or a jax.stages.Compiled (from jax.jit(f).lower(*args).compile()).")
   module = hlo.read_compiled(compiled)
-  trips = _trip_counts(module, compiled)
+  trips = module.trip_counts()
   mode = cuda_graphs or "xla"
   if mode == "measure" or getattr(mode, "mode", None) == "measure":
     raise errors.ConfigurationError(

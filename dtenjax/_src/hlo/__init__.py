@@ -19,16 +19,21 @@ from dtenjax._src.hlo.groups import mesh_axes_groups as mesh_axes_groups
 from dtenjax._src.hlo.proto import parse_proto as parse_proto
 from dtenjax._src.hlo.records import BITS as BITS
 from dtenjax._src.hlo.records import COLLECTIVE_KINDS as COLLECTIVE_KINDS
+from dtenjax._src.hlo.records import COLLECTIVE_OPCODES as COLLECTIVE_OPCODES
 from dtenjax._src.hlo.records import COLLECTIVE_TARGETS as COLLECTIVE_TARGETS
 from dtenjax._src.hlo.records import Collective as Collective
 from dtenjax._src.hlo.records import Computation as Computation
 from dtenjax._src.hlo.records import HloReadError as HloReadError
 from dtenjax._src.hlo.records import Instruction as Instruction
 from dtenjax._src.hlo.records import Module as Module
+from dtenjax._src.hlo.records import NUMPY_NAMES as NUMPY_NAMES
 from dtenjax._src.hlo.records import Shape as Shape
 from dtenjax._src.hlo.records import collective_bytes as collective_bytes
+from dtenjax._src.hlo.records import known_trip_count as known_trip_count
+from dtenjax._src.hlo.records import numpy_name as numpy_name
 from dtenjax._src.hlo.text import parse_text as parse_text
 from dtenjax._src.hlo.text import tokenize as tokenize
+from dtenjax._src.hlo.text import trip_counts_from_text as trip_counts_from_text
 
 
 def serialized_modules(compiled: Any) -> list[bytes] | None:

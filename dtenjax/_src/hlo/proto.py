@@ -27,7 +27,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message, message_fa
 
 from dtenjax._src.hlo.groups import iota_groups, mesh_axes_groups
 from dtenjax._src.hlo.records import (PRIMITIVE_TYPES, Computation, HloReadError, Instruction,
-                                      Module, Shape)
+                                      Module, Shape, known_trip_count)
 
 # message -> fields as (name, number, type[, oneof]); a type is a scalar, "PrimitiveType" (XLA's
 # enum) or a message of this table, "*" in front for a repeated field. A dotted message is nested
@@ -54,7 +54,7 @@ SCHEMA: dict[str, tuple[tuple, ...]] = {
         ("custom_call_target", 28, "string"), ("id", 35, "int64"),
         ("operand_ids", 36, "*int64"), ("called_computation_ids", 38, "*int64"),
         ("replica_groups", 49, "*ReplicaGroup"), ("source_target_pairs", 52, "*SourceTarget"),
-        ("use_global_device_ids", 71, "bool"),
+        ("backend_config", 43, "bytes"), ("use_global_device_ids", 71, "bool"),
         ("collective_device_list", 87, "CollectiveDeviceListProto", "replica_group_list"),
         ("iota_collective_device_list", 92, "IotaReplicaGroupListProto", "replica_group_list"),
         ("mesh_axes_replica_group_list", 93, "MeshAxesReplicaGroupListProto",
@@ -88,7 +88,7 @@ SCHEMA: dict[str, tuple[tuple, ...]] = {
 
 _F = descriptor_pb2.FieldDescriptorProto
 _SCALARS = {"string": _F.TYPE_STRING, "int64": _F.TYPE_INT64, "int32": _F.TYPE_INT32,
-            "bool": _F.TYPE_BOOL}
+            "bool": _F.TYPE_BOOL, "bytes": _F.TYPE_BYTES}
 
 
 def file_descriptor() -> descriptor_pb2.FileDescriptorProto:
@@ -205,7 +205,9 @@ def parse_proto(data: bytes) -> Module:
           channel_id=im.channel_id or None, use_global_device_ids=im.use_global_device_ids,
           replica_groups=groups, group_form=form,
           source_target_pairs=tuple((p.source, p.target) for p in im.source_target_pairs),
-          dimensions=tuple(im.dimensions), op_name=im.metadata.op_name, id=im.id)))
+          dimensions=tuple(im.dimensions), op_name=im.metadata.op_name, id=im.id,
+          trip_count=(known_trip_count(im.backend_config) if im.opcode == "while"
+                      else None))))
     if c.id in schedule:
       pos = {iid: k for k, iid in enumerate(schedule[c.id])}
       records.sort(key=lambda r: pos.get(r[0], len(pos)))

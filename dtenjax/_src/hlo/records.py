@@ -1,6 +1,7 @@
-"""What compiled HLO is made of, as dtenjax reads it: element types, shapes, instructions,
-computations, modules and the collectives in them (kind, operand and result shapes, bytes per
-participant, replica groups as lists of logical ids, channel id, the async start/done pair).
+"""What compiled HLO is made of, as dtenjax reads it: element types (with their numpy names),
+shapes, instructions (a while loop with its known trip count), computations, modules and the
+collectives in them (kind, operand and result shapes, bytes per participant, replica groups as
+lists of logical ids, channel id, the async start/done pair).
 
 :meth:`Module.device_groups` turns logical ids into device ids through the module's device
 assignment. The readers (:mod:`.proto`, :mod:`.text`) build these records.
@@ -9,7 +10,9 @@ assignment. The readers (:mod:`.proto`, :mod:`.text`) build these records.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 from collections.abc import Iterator, Sequence
 
 from dtenjax._src import errors
@@ -34,6 +37,28 @@ PRIMITIVE_TYPES = {
     33: ("f8e8m0fnu", 8), 34: ("buffer", 0), 35: ("f6e3m2fn", 6), 36: ("f6e2m3fn", 6),
 }
 BITS = {name: bits for name, bits in PRIMITIVE_TYPES.values()}
+_NOT_ARRAYS = ("tuple", "opaque", "token", "buffer")
+_KIND_PREFIXES = {"s": "int", "u": "uint", "f": "float", "c": "complex"}
+
+
+def numpy_name(hlo_name: str) -> str | None:
+  """The numpy / ml_dtypes name of an HLO element type (``f32`` -> ``float32``, ``bf16`` ->
+  ``bfloat16``, ``f8e4m3fn`` -> ``float8_e4m3fn``); None for tuples, tokens and other non-arrays."""
+  if hlo_name in _NOT_ARRAYS or hlo_name not in BITS:
+    return None
+  if hlo_name == "pred":
+    return "bool"
+  if hlo_name == "bf16":
+    return "bfloat16"
+  m = re.fullmatch(r"([sufc])(\d+)(.*)", hlo_name)
+  if m is None:
+    return None
+  kind, bits, rest = m.groups()
+  return f"{_KIND_PREFIXES[kind]}{bits}" + (f"_{rest}" if rest else "")
+
+
+# {HLO element type name: numpy name} for every array type of PRIMITIVE_TYPES.
+NUMPY_NAMES = {n: numpy_name(n) for n in BITS if numpy_name(n) is not None}
 
 # Collective opcodes and the kind name explain reports them as.
 COLLECTIVE_KINDS = {
@@ -47,9 +72,25 @@ COLLECTIVE_KINDS = {
 }
 _STARTS = {f"{op}-start": op for op in COLLECTIVE_KINDS}
 _DONES = {f"{op}-done" for op in COLLECTIVE_KINDS} | {"async-done"}
+# Every opcode of an XLA collective: the synchronous forms and the start/done halves of the async
+# ones (the generic async-start/async-done wrappers are not collectives by themselves).
+COLLECTIVE_OPCODES = (frozenset(COLLECTIVE_KINDS) | frozenset(_STARTS)
+                      | frozenset(_DONES - {"async-done"}))
 # dtenjax's custom calls that are collectives (the others, such as the top-k pack kernel, are local
 # work and not listed by ``collectives``); tests/test_explain.py checks it against the targets.
 COLLECTIVE_TARGETS = ("dtenjax_p2p_all_reduce", "dtenjax_host_all_reduce")
+
+
+def known_trip_count(backend_config: str | bytes) -> int | None:
+  """The ``known_trip_count`` of a while loop's backend config (XLA's JSON
+  ``{"known_trip_count":{"n":"7"},...}``); None where it has none or is not JSON."""
+  if not backend_config:
+    return None
+  try:
+    n = json.loads(backend_config).get("known_trip_count", {}).get("n")
+    return int(n) if n is not None else None
+  except (ValueError, TypeError, AttributeError):
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +140,7 @@ class Instruction:
   dimensions: tuple[int, ...] = ()
   op_name: str = ""
   id: int = 0
+  trip_count: int | None = None           # a while loop's known trip count, where XLA knows it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +196,11 @@ class Module:
   def instructions(self) -> Iterator[Instruction]:
     for comp in self.computations.values():
       yield from comp.instructions
+
+  def trip_counts(self) -> dict[str, int]:
+    """{while op name: its known trip count}; a loop XLA could not count is left out."""
+    return {i.name: i.trip_count for i in self.instructions()
+            if i.opcode == "while" and i.trip_count is not None}
 
   def callers(self) -> dict[str, list[Instruction]]:
     """{computation name: the instructions that call it}."""

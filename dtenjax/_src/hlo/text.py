@@ -6,13 +6,15 @@ naming the line, an instruction it cannot read instead of skipping it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from dtenjax._src.hlo.groups import iota_groups, mesh_axes_groups
-from dtenjax._src.hlo.records import BITS, Computation, HloReadError, Instruction, Module, Shape
+from dtenjax._src.hlo.records import (BITS, Computation, HloReadError, Instruction, Module, Shape,
+                                      known_trip_count)
 
 
 _TOKEN_RE = re.compile(r"""
@@ -281,6 +283,14 @@ _CALL_ATTRS = ("calls", "to_apply", "body", "condition", "true_computation",
                "false_computation", "branch_computations", "called_computations")
 
 
+def _config_text(toks: Sequence[_Tok]) -> str:
+  """A ``backend_config=`` value as the JSON XLA printed: a JSON object (its tokens put back
+  together, strings quoted again) or a string holding one."""
+  if len(toks) == 1 and toks[0].kind == "str":
+    return toks[0].text
+  return "".join(json.dumps(t.text) if t.kind == "str" else t.text for t in toks)
+
+
 def _text_instruction(line: str, computation: str) -> tuple[Instruction, list[str]]:
   cur = _Cursor(tokenize(line), line)
   if cur.at("ROOT"):
@@ -334,6 +344,7 @@ def _text_instruction(line: str, computation: str) -> tuple[Instruction, list[st
   target = attrs.get("custom_call_target")
   kind = attrs.get("kind")
   use_global = attrs.get("use_global_device_ids")
+  config = attrs.get("backend_config")
   ins = Instruction(
       name=name, opcode=opcode, shape=shape, computation=computation, called=tuple(called),
       fusion_kind=kind[0].text if kind else "",
@@ -342,7 +353,8 @@ def _text_instruction(line: str, computation: str) -> tuple[Instruction, list[st
       use_global_device_ids=bool(use_global and use_global[0].text == "true"),
       replica_groups=groups, group_form=form, source_target_pairs=pairs,
       dimensions=tuple(_ints_in(attrs.get("dimensions", ()))),
-      op_name=_metadata_op_name(attrs.get("metadata", ())))
+      op_name=_metadata_op_name(attrs.get("metadata", ())),
+      trip_count=known_trip_count(_config_text(config)) if opcode == "while" and config else None)
   return ins, operand_names
 
 
@@ -393,3 +405,10 @@ def parse_text(text: str) -> Module:
   r = int(reps.group(1)) if reps else 1
   p = int(parts.group(1)) if parts else 1
   return Module(name_m.group(1) if name_m else "", entry, computations, "text", (), r, p)
+
+
+
+def trip_counts_from_text(text: str) -> dict[str, int]:
+  """{while op name: known trip count} of printed compiled HLO (its first module), as
+  :meth:`Module.trip_counts` of :func:`parse_text`."""
+  return parse_text(text).trip_counts()

@@ -54,14 +54,24 @@ from dtenjax._src.net import native
 from dtenjax._src.net import transport
 
 TARGET = "dtenjax_host_all_reduce"
-ALGORITHMS = ("ring", "hierarchical")
-OPS = ("sum", "max", "min")         # of the transport's ops (native.codes()), those offered here
-ALL_OPS = OPS + ("mean",)          # mean = sum / axis size
+# Stage 1 of "hierarchical" reduces over the process's own devices with XLA before the ring: the
+# ops with such a local reduction are the transport's ops (frame.h) this module can offer.
+_LOCAL_REDUCE = {"sum": jax.lax.psum_scatter, "max": jax.lax.pmax, "min": jax.lax.pmin}
+
+
+def _ops() -> tuple[str, ...]:
+  """The transport's ops (as the extension exports them) that have a local stage-1 reduction."""
+  return tuple(op for op in native.codes()[1] if op in _LOCAL_REDUCE)
 
 
 def __getattr__(name: str):
-  if name == "DTYPES":   # what the frames carry, from the extension (no copy kept here)
+  # What the frames carry and which ops they combine come from the extension (no copy kept here).
+  if name == "DTYPES":
     return tuple(native.codes()[0])
+  if name == "OPS":
+    return _ops()
+  if name == "ALL_OPS":   # mean = sum / axis size
+    return _ops() + ("mean",)
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _lock = threading.Lock()
@@ -116,8 +126,9 @@ def _check(x, axes: tuple[str, ...], algorithm: str, op: str) -> tuple[int, int]
   problems = []
   if algorithm not in ALGORITHMS:
     problems.append(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
-  if op not in ALL_OPS:
-    problems.append(f"op={op!r} is not one of {sorted(ALL_OPS)}")
+  all_ops = _ops() + ("mean",)
+  if op not in all_ops:
+    problems.append(f"op={op!r} is not one of {sorted(all_ops)}")
   dtypes = tuple(native.codes()[0])
   if jnp.dtype(x.dtype) not in dtypes:
     problems.append(f"dtype {jnp.dtype(x.dtype).name} is not one of {[d.name for d in dtypes]}")
@@ -250,8 +261,15 @@ def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
   site_tag = callsite.site_id(site[1], sig, base=site[0])
   native.register_site(site_tag, site[1], sig)
   ids = [c.comm_id for c in comms]
-  if algorithm == "ring":
-    return _ring_call(x, jax.lax.axis_index(axes), 0, ids, op, site_tag, axes, tag)
+  return _ALGORITHMS[algorithm](x, axes, local, ids, op, site_tag, tag)
+
+
+def _ring(x, axes, local, ids, op, site_tag, tag):
+  del local   # one device per process (checked)
+  return _ring_call(x, jax.lax.axis_index(axes), 0, ids, op, site_tag, axes, tag)
+
+
+def _hierarchical(x, axes, local, ids, op, site_tag, tag):
   outer, inner = axes
   position = jax.lax.axis_index(outer)
   if local == 1:
@@ -259,15 +277,20 @@ def all_reduce(x, axis_name, *, algorithm: str = "ring", op: str = "sum",
   slot = jax.lax.axis_index(inner)
   if op != "sum":
     # max/min: reduce locally, then every slot reduces the whole array on its own ring.
-    local_red = {"max": jax.lax.pmax, "min": jax.lax.pmin}[op](x, inner)
+    local_red = _LOCAL_REDUCE[op](x, inner)
     return _ring_call(local_red, position, slot, ids, op, site_tag, axes, tag)
   flat = x.reshape(-1)
   pad = (-flat.size) % local
   flat = jnp.pad(flat, (0, pad))
-  shard = jax.lax.psum_scatter(flat.reshape(local, -1), inner, scatter_dimension=0, tiled=False)
+  shard = _LOCAL_REDUCE["sum"](flat.reshape(local, -1), inner, scatter_dimension=0, tiled=False)
   shard = _ring_call(shard, position, slot, ids, op, site_tag, (outer,), tag)
   full = jaxapi.all_gather_invariant(shard, (inner,), axis=0, tiled=False).reshape(-1)
   return full[:flat.size - pad].reshape(x.shape) if pad else full.reshape(x.shape)
+
+
+# The algorithms: their names are the keys of this table of implementations.
+_ALGORITHMS = {"ring": _ring, "hierarchical": _hierarchical}
+ALGORITHMS = tuple(_ALGORITHMS)
 
 
 def status() -> dict[str, Any]:

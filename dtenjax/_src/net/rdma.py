@@ -8,7 +8,7 @@ Units are explicit: ``rate_gbit_s`` is the port's data rate in gigaBITS per seco
 prints, e.g. 200 for HDR 4x) and ``bandwidth_gbps`` the same in gigaBYTES per second (25 for HDR
 4x), the unit of :class:`dtenjax._src.topology.parts.NicInfo` and every ``LinkSpec``. The topology
 module turns this into link bandwidths. The data plane (QPs, MRs, CQs) is C++ in
-csrc/transport/verbs.cc.
+csrc/transport/verbs_*.cc.
 
 Sources, in order: pyverbs (``pip install dtenjax[rdma]`` or Debian's python3-pyverbs; with no
 device it raises PyverbsRDMAError rather than returning an empty list: that means "no RDMA"),
@@ -70,7 +70,7 @@ def select_gid_index(gids: list[dict[str, Any]], link_layer: str) -> int:
   """The GID index to use: InfiniBand -> 0; RoCE -> the first RoCE v2 GID holding an IPv4-mapped
   address (::ffff:a.b.c.d), else the first RoCE v2 GID, else the first non-zero one; -1 if none.
 
-  Same rule as the C++ provider's SelectGidIndex (csrc/transport/verbs.cc)."""
+  Same rule as the C++ provider's SelectGidIndex (csrc/transport/verbs_rules.cc)."""
   if link_layer_name(link_layer) == "InfiniBand":
     return 0 if gids else -1
   valid = [g for g in gids if g.get("gid") and set(g["gid"].replace(":", "")) != {"0"}]

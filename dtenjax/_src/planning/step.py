@@ -1193,9 +1193,8 @@ def _loop_repeats(compiled) -> Callable[[str], int]:
   """computation name -> how often it runs per step: the product of the known trip counts of the
   while loops around it (1 outside loops, or where XLA knows no trip count)."""
   from dtenjax._src import hlo  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.gpu import graph_prediction  # pylint: disable=g-import-not-at-top
   module = hlo.read_compiled(compiled)
-  trips = graph_prediction.trip_counts_from_text(compiled.as_text())
+  trips = module.trip_counts()
   callers = module.callers()
   memo: dict[str, int] = {}
 

@@ -104,9 +104,9 @@ class Algorithm:
 
   Attributes:
     name: registry key; ``algorithm=name`` forces this record.
-    family: the public algorithm it implements ("xla", "ring", "hierarchical", "one_shot",
-      "two_shot"); ``algorithm=family`` takes the first record of the family (registry order)
-      that supports the call.
+    family: the public algorithm it implements (one of ``registry.FAMILIES``);
+      ``algorithm=family`` takes the first record of the family (registry order) that supports
+      the call.
     order: the reduction order it guarantees, in words (docs and ``explain``).
     cost: its cost formulas (all-reduce, reduce-scatter, reproducible sum), written in the terms
       of ``planning/costmodel.py``.

@@ -4,6 +4,10 @@
 * :func:`assert_bitwise_equal` -- two arrays (or pytrees) have identical bits, reporting the first
   differing index and both values;
 * :func:`assert_plan_strategy` -- a placement (or a Plan) picked this strategy for a shape.
+
+Shared by dtenjax's own tests and benchmarks (benchmarks import nothing from tests/), and imported
+by name: ``dtenjax.testing.native`` (the test-only extension ``dtenjax._ffi_testing``, present in
+editable installs only) and ``dtenjax.testing.ports`` (loopback ports for a local coordinator).
 """
 
 from __future__ import annotations

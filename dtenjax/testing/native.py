@@ -6,9 +6,9 @@ needs it fails (never skips) when it is missing: that is a broken build, not a m
 
 Besides the transport's fault injection and the graph-probe kernel it holds the p2p kernels'
 simulated-rank harness (:func:`p2p_selftest`), which tests/test_p2p.py and bench/p2p_allreduce.py
-run (the bench imports this module by path, as bench/cuda_graphs.py does for the probe kernel).
-It lives here rather than in dtenjax/ because it only works with the test extension, which a
-wheel does not contain.
+run (bench/cuda_graphs.py uses the probe kernel). It is shipped with dtenjax.testing so that the
+tests and the benchmarks share it (benchmarks import nothing from tests/); in a wheel, which has
+no test extension, every function here raises ExtensionUnavailableError saying how to build it.
 """
 
 import importlib
@@ -99,12 +99,12 @@ def p2p_selftest(x, *, algorithm: str = "one_shot", op: str = "sum",
   DTENJAX_COLLECTIVE_TIMEOUT).
   """
   contract = contract_lib.parse(reproducible)
-  most = p2p.vocabulary().limits.max_world
-  if x.ndim != 2 or not 2 <= x.shape[0] <= most:
-    raise errors.CollectiveError(
-        f"p2p_selftest input must be [2 <= ranks <= {most}, n], got {x.shape}")
+  if x.ndim != 2 or x.shape[0] < 2:
+    raise errors.CollectiveError(f"p2p_selftest input must be [ranks >= 2, n], got {x.shape}")
+  # the NVLink gate on the call's arguments (world, dtype, op, contract, knobs); the harness
+  # brings its own ranks on one GPU, so not on this process's deployment
   verdict = p2p.gate(world=x.shape[0], dtype=x.dtype, op=op, contract=contract,
-                     algorithm=algorithm, deployment=False)   # its own ranks, on one GPU
+                     algorithm=algorithm, deployment=False)
   if not verdict.ok:
     raise errors.CollectiveError(f"p2p_selftest cannot run: {verdict.reason}")
   count = x.shape[1] if count is None else count

@@ -1,0 +1,46 @@
+"""What several test files share: jitted ``shard_map`` over one mesh, data whose sums depend on
+the order they are taken in (with the left fold that states one such order), and waiting for a
+condition instead of sleeping for a time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+
+def smap(mesh, f, axes=("o", "i"), *, out_specs=None, check_vma=False, jit=True):
+  """``jax.shard_map(f)`` with every input and (by default) output sharded over ``axes``,
+  jitted unless ``jit=False``."""
+  g = jax.shard_map(f, mesh=mesh, in_specs=P(axes),
+                    out_specs=P(axes) if out_specs is None else out_specs, check_vma=check_vma)
+  return jax.jit(g) if jit else g
+
+
+def wide(shape, seed):
+  """Random data over a wide exponent range: different summation orders give different bits."""
+  rng = np.random.default_rng(seed)
+  return (rng.standard_normal(shape) * np.exp(rng.uniform(-15, 15, shape))).astype(np.float32)
+
+
+def fold(rows, start=None, dtype=np.float32):
+  """Left fold in the given order: from ``start`` (e.g. +0.0) or from the first row."""
+  acc = rows[0].astype(dtype) if start is None else np.full(rows[0].shape, start, dtype)
+  for r in (rows[1:] if start is None else rows):
+    acc = (acc + r.astype(dtype)).astype(dtype)
+  return acc
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+  """Returns as soon as ``condition()`` holds (checked every millisecond, for state such as the
+  native counters that has no event to wait on); fails the test naming ``what`` after
+  ``timeout_s``. Timing tests order their events with this, never with a fixed sleep."""
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    if time.monotonic() > deadline:
+      pytest.fail(f"waited {timeout_s:g} s for {what}; it never happened", pytrace=False)
+    time.sleep(0.001)

@@ -21,6 +21,8 @@ from dtenjax._src.collectives.algorithms import host
 from dtenjax._src.collectives.algorithms import nvlink
 from dtenjax._src.collectives.algorithms import registry
 from dtenjax._src.collectives.algorithms import xla
+from dtenjax._src.contract import Contract
+from dtenjax._src.gpu import p2p
 from dtenjax._src.net import hostcoll
 from dtenjax._src.planning import costmodel
 from tests import helpers
@@ -317,35 +319,47 @@ class FakeP2P:
   def __init__(self):
     self.calls = []
 
-  def supported(self, world, nbytes, dtype, *, op="sum", reproducible=False):
+  def gate(self, *, world, dtype, op="sum", contract=Contract.NONE, algorithm="one_shot",
+           backend="gpu", kind="all_reduce", axes=("x",), vmap_axes=(), contributions=1):
     problems = []
-    if jnp.dtype(dtype) not in self.DTYPES:
-      problems.append(f"dtype {jnp.dtype(dtype).name} is not float32, bfloat16 or float16")
+    if backend != "gpu":
+      problems.append(f"the NVLink kernels run on GPUs, not {backend!r}")
+    if kind != "all_reduce":
+      problems.append(f"no {kind}")
+    if len(axes) != 1:
+      problems.append(f"one mesh axis only, got axis_name={tuple(axes)!r}")
+    if algorithm not in ("one_shot", "two_shot"):
+      problems.append(f"p2p algorithm {algorithm!r}")
     if not 1 <= world <= 8:
       problems.append(f"world size {world} is outside [1, 8]")
+    if jnp.dtype(dtype) not in self.DTYPES:
+      problems.append(f"dtype {jnp.dtype(dtype).name} is not float32, bfloat16 or float16")
     if op not in self.OPS:
       problems.append(f"op {op!r} is not one of {self.OPS}")
-    if reproducible and jnp.dtype(dtype) not in self.DTYPES[:2]:
+    if contract.reproducible and jnp.dtype(dtype) in self.DTYPES[2:]:
       problems.append("reproducible needs float32 or bfloat16")
-    if reproducible and op not in ("sum", "mean"):
+    if contract.reproducible and op in ("max", "min"):
       problems.append(f"op {op!r} has no reproducible form")
-    if nbytes < 0:
-      problems.append("negative size")
-    return (not problems, "; ".join(problems))
+    if contract.reproducible and contributions != 1:
+      problems.append(f"{contributions} contributions on local_axis")
+    if vmap_axes:
+      problems.append(f"vmap axes {vmap_axes}")
+    return p2p.Verdict(not problems, "; ".join(problems))
 
-  def all_reduce(self, x, axis_name, *, algorithm, op, reproducible=False, fallback):
+  def all_reduce(self, x, axis_name, *, algorithm, op, contract=Contract.NONE, fallback):
     if not isinstance(axis_name, str):
       raise errors.CollectiveError(f"p2p all_reduce takes one axis name, got {axis_name!r}")
-    if algorithm not in ("one_shot", "two_shot"):
-      raise errors.CollectiveError(f"p2p algorithm {algorithm!r}")
+    if not isinstance(contract, Contract):
+      raise errors.CollectiveError(f"p2p all_reduce takes a Contract, got {contract!r}")
     world = int(lax.axis_size(axis_name))           # NameError when the axis is not bound
-    ok, why = self.supported(world, x.size * x.dtype.itemsize, x.dtype, op=op,
-                             reproducible=reproducible)
-    if not ok:
-      raise errors.CollectiveError(f"p2p all_reduce cannot run: {why}")
+    verdict = self.gate(world=world, dtype=x.dtype, op=op, contract=contract,
+                        algorithm=algorithm, axes=(axis_name,))
+    if not verdict.ok:
+      raise errors.CollectiveError(f"p2p all_reduce cannot run: {verdict.reason}")
     if not callable(fallback):
       raise TypeError("fallback must be callable")
-    self.calls.append((axis_name, algorithm, op, reproducible, jnp.dtype(x.dtype).name))
+    self.calls.append((axis_name, algorithm, op, contract.value if contract.reproducible
+                       else False, jnp.dtype(x.dtype).name))
     return fallback(x)
 
 
@@ -362,21 +376,24 @@ def fake_gpu(monkeypatch):
 
 
 def test_fake_p2p_rejects_what_the_real_one_rejects(monkeypatch):
-  """The fake's supported() against gpu/p2p.py's own, call for call, over worlds, dtypes, ops and
-  both reproducible contracts, with the real one told the kernels are built (on a machine without
-  them it refuses everything, which says nothing about the contract)."""
-  from dtenjax._src.gpu import p2p  # pylint: disable=g-import-not-at-top
+  """The fake's gate against gpu/p2p.py's own, call for call, over worlds, dtypes, ops, every
+  contract, contributions, axes, kinds and backends, with the real one told the kernels are
+  built (on a machine without them it refuses everything, which says nothing about the rest)."""
   monkeypatch.setattr(p2p, "unavailable_reason", lambda: None)
-  fake, accepted = FakeP2P(), 0
+  fake, accepted, asked = FakeP2P(), 0, 0
   for world in (0, 1, 2, 7, 8, 9, 16):
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64, jnp.int32, jnp.uint8):
       for op in ("sum", "mean", "max", "min", "prod"):
-        for reproducible in (False, "v3", "exact"):
-          args, kw = (world, 4096, dtype), dict(op=op, reproducible=reproducible)
-          want, why = p2p.supported(*args, **kw)
-          assert fake.supported(*args, **kw)[0] == want, (args, kw, why)
-          accepted += want
-  assert 0 < accepted < 7 * 6 * 5 * 3 // 2               # the grid holds both answers
+        for contract in Contract:
+          for where in (dict(), dict(contributions=2), dict(axes=("a", "b")),
+                        dict(kind="reduce_scatter"), dict(backend="cpu"),
+                        dict(vmap_axes=("x",)), dict(algorithm="three_shot")):
+            kw = dict(world=world, dtype=dtype, op=op, contract=contract, **where)
+            want = p2p.gate(**kw)
+            assert fake.gate(**kw).ok == want.ok, (kw, want.reason)
+            accepted += want.ok
+            asked += 1
+  assert 0 < accepted < asked // 2                        # the grid holds both answers
 
 
 def test_gpu_one_shot_and_two_shot_dispatch_to_p2p_with_the_contract_fallback(mesh, fake_gpu):
@@ -403,7 +420,7 @@ def test_gpu_records_refuse_what_p2p_cannot_run(mesh, fake_gpu):
   assert "one mesh axis" in nvlink.ONE_SHOT.why_not(_call(backend="gpu", axes=AX,
                                                           axis_sizes=(2, 4)))
   assert "world size 16" in nvlink.ONE_SHOT.why_not(_call(backend="gpu", axis_sizes=(16,)))
-  assert "local_axis" in nvlink.ONE_SHOT.why_not(_call(backend="gpu", reproducible=True,
+  assert "local_axis" in nvlink.ONE_SHOT.why_not(_call(backend="gpu", contract=Contract.V3,
                                                        contributions=2))
 
 
@@ -411,12 +428,11 @@ def test_auto_never_picks_a_record_that_rejects_the_call(fake_gpu, monkeypatch):
   """On a GPU topology where the NVLink kernel is the cheapest record, auto (traced and
   plan_all_reduce) and the planner take it exactly when its supports() accepts the call: here a
   p2p that rejects op="mean", as the first kernel did."""
-  real = fake_gpu.supported
+  real = fake_gpu.gate
 
-  def no_mean(world, nbytes, dtype, *, op="sum", reproducible=False):
-    return (False, "op 'mean' is not supported") if op == "mean" else real(
-        world, nbytes, dtype, op=op, reproducible=reproducible)
-  monkeypatch.setattr(fake_gpu, "supported", no_mean)
+  def no_mean(**kw):
+    return p2p.Verdict(False, "op 'mean' is not supported") if kw["op"] == "mean" else real(**kw)
+  monkeypatch.setattr(fake_gpu, "gate", no_mean)
   dgx = C.Topology.fixture("dgx_a100_8")
   monkeypatch.setattr(C.Topology, "current", classmethod(lambda cls: dgx))
   x = _wide((4, 64), 3).reshape(-1)

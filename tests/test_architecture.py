@@ -58,7 +58,7 @@ def _imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
   return found
 
 
-BASE = ("errors", "config", "ffi", "hlo", "jaxapi", "tables")   # one group: base modules may import each other
+BASE = ("errors", "config", "ffi", "hlo", "jaxapi", "tables", "contract")  # base modules: one group
 
 
 def _layer_of(module: str) -> tuple[str, int]:

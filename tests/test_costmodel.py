@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
+from dtenjax._src import contract
 from dtenjax._src import errors
 from dtenjax._src import hlo
 from dtenjax._src.collectives import api as C
@@ -108,8 +109,7 @@ def test_every_formula_charges_the_collectives_and_link_bytes_its_program_has(
   missing (inf), fails here."""
   mesh = Mesh(np.array(cpu_devices).reshape(2, 4), AX)
   call = base.Call(kind, "sum", jnp.float32, AX, (2, 4), NB, backend="cpu",
-                   reproducible=bool(reproducible),
-                   contract="exact" if reproducible == "exact" else "v3")
+                   contract=contract.parse(reproducible))
   records = [a for a in registry.REGISTRY if a.why_not(call) is None]
   assert {"xla", "ring", "one_shot", "two_shot"} <= {a.name for a in records}
   for a in records:

@@ -13,8 +13,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dtenjax
+from dtenjax._src import contract as contract_lib
 from dtenjax._src.collectives import fixed_point_v3 as v3
 from dtenjax._src.collectives import reproducible as repro
+from dtenjax._src.contract import Contract
 import fixed_point_ref as ref
 
 REF_FILE = pathlib.Path(__file__).parent / "data" / "reproducible_v3_ref.npz"
@@ -198,10 +200,10 @@ def test_error_bound_against_fsum_and_never_worse_than_a_float32_fold(dtype, n):
 def test_more_than_32_contributions_run_the_exact_contract():
   x = jnp.asarray(ref.contributions(40, 500, seed=9))
   for n in (33, 40):
-    got = repro.local_sum(x[:n], "sum", "v3")
+    got = repro.local_sum(x[:n], "sum", Contract.V3)
     _assert_bits(got, ref.exact_sum(np.asarray(x[:n])), n)
     _assert_bits(got, ref.v3_sum(np.asarray(x[:n])), n)     # the reference says the same
-  _assert_bits(repro.local_sum(x[:32], "sum", "v3"), ref.v3_sum(np.asarray(x[:32])), 32)
+  _assert_bits(repro.local_sum(x[:32], "sum", Contract.V3), ref.v3_sum(np.asarray(x[:32])), 32)
 
 
 def test_reference_file_holds_the_contract_bits():
@@ -214,13 +216,13 @@ def test_reference_file_holds_the_contract_bits():
         want = data[f"{op}_{dtype}_{w}"]
         np.testing.assert_array_equal(ref.bits(ref.v3_sum(x[:w], mean=op == "mean")), want,
                                       err_msg=f"reference drifted: {op} {dtype} {w}")
-        got = repro.local_sum(jnp.asarray(x[:w]), op, "v3")
+        got = repro.local_sum(jnp.asarray(x[:w]), op, Contract.V3)
         np.testing.assert_array_equal(ref.bits(np.asarray(got)), want,
                                       err_msg=f"{op} {dtype} {w}")
   wide = data["wide_float32"]
   for w in (16, 32, 33, 40):
     for op in ("sum", "mean"):
-      got = repro.local_sum(jnp.asarray(wide[:w]), op, "v3")
+      got = repro.local_sum(jnp.asarray(wide[:w]), op, Contract.V3)
       np.testing.assert_array_equal(ref.bits(np.asarray(got)), data[f"{op}_wide_{w}"],
                                     err_msg=f"wide {op} {w}")
 
@@ -229,21 +231,26 @@ def test_reproducible_modes_are_named_clearly():
   """Contract v2 is public as "v2"; "exact" (its old name, which promised a correctly rounded
   sum it does not give) is a deprecated alias that warns once with the new name."""
   from dtenjax._src import errors as errors_lib
-  assert repro.contract_of(True) == "v3" and repro.contract_of("v2") == "exact"
-  assert repro.contract_of(False) is None
+  assert contract_lib.parse(True) is Contract.V3 and contract_lib.parse("v2") is Contract.V2
+  assert contract_lib.parse(False) is Contract.NONE and contract_lib.parse(None) is Contract.NONE
+  assert contract_lib.parse("v3") is Contract.V3 and contract_lib.parse(Contract.V2) is Contract.V2
   errors_lib._warned.discard("reproducible-exact")
   with pytest.warns(dtenjax.DtenjaxWarning, match=r"'exact' is deprecated.*reproducible='v2'"):
-    assert repro.contract_of("exact") == "exact"
-  with pytest.raises(dtenjax.CollectiveError, match=r"reproducible='fast'.*True.*'v2'"):
-    repro.contract_of("fast")
+    assert contract_lib.parse("exact") is Contract.V2
+  for bad in ("fast", "none", 1, 0.0):
+    with pytest.raises(dtenjax.CollectiveError, match=r"reproducible=.*True.*'v2'"):
+      contract_lib.parse(bad)
+  with pytest.raises(dtenjax.CollectiveError, match=r"reproducible='fast'"):
+    dtenjax.all_reduce(jnp.ones(2), "d", reproducible="fast")
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
   x = jnp.asarray(np.random.default_rng(3).standard_normal((8, 5)) * 1e5, jnp.float32)
   run = lambda mode: np.asarray(jax.jit(jax.shard_map(
       lambda v: dtenjax.all_reduce(v, "d", reproducible=mode), mesh=mesh, in_specs=P("d"),
       out_specs=P()))(x))
   np.testing.assert_array_equal(run("v2").view(np.uint32), run("exact").view(np.uint32))
-  assert repro.contract_for("v3", 32) == "v3" and repro.contract_for("v3", 33) == "exact"
-  assert repro.contract_for("exact", 2) == "exact"
+  assert repro.contract_for(Contract.V3, 32) is Contract.V3
+  assert repro.contract_for(Contract.V3, 33) is Contract.V2
+  assert repro.contract_for(Contract.V2, 2) is Contract.V2
 
 
 def test_no_retrace_on_repeated_calls():

@@ -26,6 +26,7 @@ from jax import lax
 import dtenjax
 from dtenjax._src import errors
 from dtenjax._src import ffi
+from dtenjax._src.contract import Contract
 from dtenjax._src.gpu import p2p
 from dtenjax.testing import native as native_testing
 from dtenjax.testing.native import p2p_selftest
@@ -117,40 +118,45 @@ def test_native_setup_errors_are_dtenjax_errors():
     ffi.module().p2p_connect(0, 1, 0, 2, b"x" * 128)
 
 
-def test_supported_lists_every_problem(monkeypatch):
+def test_gate_lists_every_problem(monkeypatch):
   monkeypatch.setenv("DTENJAX_P2P_MAX_BLOCKS", "500")
-  ok, why = p2p.supported(9, 1 << 40, jnp.int32, op="prod")
-  assert not ok
+  v = p2p.gate(world=9, dtype=jnp.int32, op="prod")
+  assert not v.ok
   for part in ("int32", "world size 9", "'prod'", "DTENJAX_P2P_MAX_BLOCKS=500"):
-    assert part in why, (part, why)
-  assert "bytes" not in why            # any size is fine: large messages run in chunks
-  ok, why = p2p.supported(2, 64, jnp.float16, op="max", reproducible=True)
-  assert not ok and "float16" in why and "'max' has no reproducible form" in why
+    assert part in v.reason, (part, v.reason)
+  assert "bytes" not in v.reason.replace("BUFFER_BYTES", "")   # any size: large ones chunk
+  v = p2p.gate(world=2, dtype=jnp.float16, op="max", contract=Contract.V3)
+  assert not v.ok and "float16" in v.reason and "'max' has no reproducible form" in v.reason
 
 
-def test_supported_without_gpu_says_why():
+def test_gate_without_gpu_says_why():
   if jax.default_backend() != "cpu":
     pytest.skip("CPU-only check")
-  ok, why = p2p.supported(2, 1024, jnp.bfloat16)
-  assert not ok and ("no CUDA GPU" in why or "not built" in why or "no CUDA kernels" in why)
+  v = p2p.gate(world=2, dtype=jnp.bfloat16)
+  assert not v.ok and v.failed[0] == "deployment"
+  assert "no CUDA GPU" in v.reason or "not built" in v.reason or "no CUDA kernels" in v.reason
 
 
 def test_bad_buffer_knob(monkeypatch):
   monkeypatch.setenv("DTENJAX_P2P_BUFFER_BYTES", "1000")
-  with pytest.raises(errors.ConfigurationError, match="DTENJAX_P2P_BUFFER_BYTES=1000"):
-    p2p.capacity_bytes()
-  ok, why = p2p.supported(2, 64, jnp.float32)
-  assert not ok and "multiple of 16" in why
+  v = p2p.gate(world=2, dtype=jnp.float32)
+  assert not v.ok and "DTENJAX_P2P_BUFFER_BYTES=1000" in v.reason
+  assert "multiple of 16" in v.reason     # the kernels' 16-byte vectors (csrc/p2p/vocabulary.h)
 
 
-def test_all_reduce_rejects_bad_arguments():
-  x = jnp.zeros((4,), jnp.int32)
+def test_all_reduce_rejects_bad_arguments(cpu_devices):
+  mesh = jax.sharding.Mesh(np.array(cpu_devices[:2]), ("x",))
+  run = lambda x, **kw: _smap(mesh, lambda v: p2p.all_reduce(v, "x", **kw))(x)
   with pytest.raises(errors.CollectiveError) as e:
-    p2p.all_reduce(x, "x", algorithm="three_shot", op="prod")
+    run(jnp.zeros((4,), jnp.int32), algorithm="three_shot", op="prod")
   msg = str(e.value)
   assert "three_shot" in msg and "'prod'" in msg and "int32" in msg
   with pytest.raises(errors.CollectiveError, match="no reproducible form"):
-    p2p.all_reduce(jnp.zeros((4,), jnp.float32), "x", op="max", reproducible=True)
+    run(jnp.zeros((4,), jnp.float32), op="max", contract=Contract.V3)
+  with pytest.raises(errors.CollectiveError, match="is not a Contract"):
+    run(jnp.zeros((4,), jnp.float32), contract="v3")
+  with pytest.raises(errors.CollectiveError, match="'x' is not bound here"):
+    p2p.all_reduce(jnp.zeros((4,), jnp.float32), "x")
 
 
 _smap = functools.partial(helpers.smap, axes=("x",))
@@ -174,15 +180,12 @@ def test_unavailable_with_fallback_runs_the_fallback(cpu_devices):
   np.testing.assert_array_equal(np.asarray(f(x)), np.tile(x.reshape(4, 2).sum(0) + 1, 4))
 
 
-@pytest.mark.parametrize("reproducible", [True, "exact", "v3"])
-def test_every_contract_name_the_collectives_layer_passes_is_accepted(cpu_devices, reproducible):
-  # the nvlink records pass call.contract ("v3" for reproducible=True, from
-  # collectives.reproducible.contract_of); a name p2p does not know must not reach the user as
-  # an error on GPU only
-  from dtenjax._src.collectives import reproducible as repro  # pylint: disable=import-outside-toplevel
-  assert repro.contract_of(True) in ("v3",)
+@pytest.mark.parametrize("contract", list(Contract))
+def test_every_contract_reaches_the_gate_and_falls_back_off_gpu(cpu_devices, contract):
+  # the nvlink records pass call.contract, a Contract parsed once at the public API; on a
+  # machine without the kernels each one falls back with the gate's reason instead of failing
   mesh = jax.sharding.Mesh(np.array(cpu_devices[:2]), ("x",))
-  f = _smap(mesh, lambda v: p2p.all_reduce(v, "x", reproducible=reproducible,
+  f = _smap(mesh, lambda v: p2p.all_reduce(v, "x", contract=contract,
                                            fallback=lambda u: lax.psum(u, "x")))
   x = np.arange(8, dtype=np.float32)
   np.testing.assert_array_equal(np.asarray(f(x)), np.tile(x.reshape(2, 4).sum(0), 2))
@@ -196,7 +199,7 @@ def test_lowering_falls_back_when_not_cuda(cpu_devices, caplog):
 
   def body(fallback):
     return lambda v: p2p._p2p_p.bind(v, axes=("x",), algorithm="one_shot", op="sum",
-                                     reproducible=False, fallback=fallback)
+                                     contract=Contract.NONE, world=4, fallback=fallback)
 
   f = _smap(mesh, body(lambda u: lax.psum(u, "x") * 2))
   np.testing.assert_array_equal(np.asarray(f(x)), np.tile(x.reshape(4, 2).sum(0) * 2, 4))
@@ -207,7 +210,7 @@ def test_lowering_falls_back_when_not_cuda(cpu_devices, caplog):
 
 def _bind(fallback, axes=("x",)):
   return lambda v: p2p._p2p_p.bind(v, axes=axes, algorithm="one_shot", op="sum",
-                                   reproducible=False, fallback=fallback)
+                                   contract=Contract.NONE, world=4, fallback=fallback)
 
 
 def test_vmap_over_the_reduced_axis_uses_the_fallback():

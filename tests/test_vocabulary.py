@@ -13,6 +13,7 @@ import pytest
 import dtenjax
 from dtenjax._src import errors
 from dtenjax._src import ffi
+from dtenjax._src.contract import Contract
 from dtenjax._src.gpu import p2p
 from dtenjax._src.net import hostcoll
 from dtenjax._src.net import native
@@ -22,7 +23,8 @@ import transport_ref
 def test_extension_exports_every_vocabulary():
   tables = ffi.module().vocabulary
   assert set(tables) >= {"status", "p2p.algorithm", "p2p.op", "p2p.reproducible", "p2p.dtype",
-                         "p2p.dtype_reproducible", "transport.dtype", "transport.op"}
+                         "p2p.dtype_reproducible", "p2p.limits", "transport.dtype",
+                         "transport.op"}
   with pytest.raises(errors.ExtensionUnavailableError, match="no vocabulary 'nope'"):
     ffi.vocabulary("nope")
 
@@ -48,26 +50,47 @@ def test_p2p_vocabulary_is_the_exported_one():
   native_ops = ffi.vocabulary("p2p.op")
   assert set(native_ops) == {"sum", "max", "min"}   # no op code means "reproducible sum"
   assert v.ops == {**native_ops, "mean": native_ops["sum"]}
-  assert set(v.reproducible) == {"none", "v3", "exact"}
+  assert set(v.reproducible) == {"none", "v3", "v2"}
   assert {d.name for d in v.dtypes} == {"float32", "bfloat16", "float16"}
   assert {d.name for d in v.reproducible_dtypes} == {"float32", "bfloat16"}
 
 
+def test_p2p_limits_are_the_native_constants():
+  # the documented limits (docs/p2p.md: 2..8 GPUs, DTENJAX_P2P_MAX_BLOCKS <= 128, 16-byte
+  # vectors) and the descriptor the extension's p2p_register returns
+  assert ffi.vocabulary("p2p.limits") == {"max_world": 8, "max_blocks": 128,
+                                          "vector_bytes": 16, "descriptor_bytes": 128}
+  assert p2p.vocabulary().limits == p2p.Limits(**ffi.vocabulary("p2p.limits"))
+  if ffi.build_info()["cuda"]:
+    with pytest.raises(errors.ConfigurationError, match="128 bytes per rank of a world in"
+                       r" \[1, 8\]"):
+      ffi.module().p2p_connect(0, 1, 0, 2, b"x" * 100)
+
+
+def test_every_native_contract_is_a_python_contract():
+  # the kernels' contracts are named as Python's Contract members; a Python contract the
+  # kernels lack runs on XLA's collectives (the gate refuses it), never the other way round
+  native = ffi.vocabulary("p2p.reproducible")
+  assert set(native) <= {c.value for c in Contract}
+  assert native["none"] == 0 and Contract.NONE.value == "none"
+  assert {"v3", "v2"} <= set(native)          # docs/p2p.md: both contracts run in the kernels
+
+
 def test_reproducible_is_its_own_attribute():
   v = p2p.vocabulary()
-  attrs = p2p._attributes("two_shot", "mean", "v3")
+  attrs = p2p._attributes("two_shot", "mean", Contract.V3)
   assert attrs == dict(algorithm=v.algorithms["two_shot"], op=v.ops["sum"],
                        reproducible=v.reproducible["v3"], mean=1)
-  plain = p2p._attributes("one_shot", "max", None)
+  plain = p2p._attributes("one_shot", "max", Contract.NONE)
   assert plain["reproducible"] == v.reproducible["none"] and plain["op"] == v.ops["max"]
-  assert p2p._attributes("one_shot", "sum", "exact")["op"] == v.ops["sum"]
+  assert p2p._attributes("one_shot", "sum", Contract.V2)["op"] == v.ops["sum"]
 
 
-def test_p2p_checks_name_the_exported_entries():
-  x = jnp.ones((4,), jnp.float16)
-  with pytest.raises(dtenjax.CollectiveError, match="reproducible sum takes float32, bfloat16"):
-    p2p._check(x, "one_shot", "sum", "v3")
-  with pytest.raises(dtenjax.CollectiveError, match="not one of"):
-    p2p._check(jnp.ones((4,), jnp.int32), "three_shot", "sum", None)
-  ok, why = p2p.supported(2, 64, "float64")
-  assert not ok and "float64 is not one of float32, bfloat16, float16" in why
+def test_p2p_checks_name_the_exported_entries(monkeypatch):
+  monkeypatch.setattr(p2p, "unavailable_reason", lambda: None)
+  v = p2p.gate(world=2, dtype=jnp.float16, contract=Contract.V3)
+  assert not v.ok and "reproducible sum takes float32, bfloat16" in v.reason
+  v = p2p.gate(world=2, dtype=jnp.int32, algorithm="three_shot")
+  assert not v.ok and "not one of ['one_shot', 'two_shot']" in v.reason
+  v = p2p.gate(world=2, dtype="float64")
+  assert not v.ok and "float64 is not one of float32, bfloat16, float16" in v.reason

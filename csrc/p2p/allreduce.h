@@ -27,8 +27,8 @@
 
 namespace dtenjax::p2p {
 
-constexpr int kMaxRanks = 8;
-constexpr int kMaxBlocks = 128;          // landing slots per rank; a launch uses at most this many
+// kMaxRanks, kMaxBlocks (landing slots per rank; a launch uses at most this many) and
+// kVectorBytes: csrc/p2p/vocabulary.h's DTENJAX_P2P_LIMITS.
 constexpr int kThreads = 512;            // threads per block
 constexpr size_t kHeaderBytes = 8192;    // >= kMaxBlocks * kMaxRanks * 4 + control words, aligned
 constexpr size_t kEpochOffset = kMaxBlocks * kMaxRanks * 4;

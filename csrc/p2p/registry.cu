@@ -129,9 +129,10 @@ void StartWatchdog() {
 }  // namespace
 
 Status RegisterRegion(int ordinal, size_t capacity, Descriptor* out) {
-  DTENJAX_CHECK_ARG(capacity > 0 && capacity % 16 == 0,
+  DTENJAX_CHECK_ARG(capacity > 0 && capacity % kVectorBytes == 0,
                     "p2p: buffer bytes " + std::to_string(capacity) +
-                        " must be a positive multiple of 16 (DTENJAX_P2P_BUFFER_BYTES)");
+                        " must be a positive multiple of " + std::to_string(kVectorBytes) +
+                        " (DTENJAX_P2P_BUFFER_BYTES)");
   Registry& reg = Reg();
   std::lock_guard<std::mutex> lock(reg.mu);
   auto it = reg.regions.find(ordinal);
@@ -173,7 +174,8 @@ Status RegisterRegion(int ordinal, size_t capacity, Descriptor* out) {
 
 Status Connect(int ordinal, uint64_t key, int rank, int world, const Descriptor* all) {
   DTENJAX_CHECK_ARG(world >= 1 && world <= kMaxRanks,
-                    "p2p: world size " + std::to_string(world) + " is outside [1, 8]");
+                    "p2p: world size " + std::to_string(world) + " is outside [1, " +
+                        std::to_string(kMaxRanks) + "]");
   DTENJAX_CHECK_ARG(rank >= 0 && rank < world,
                     "p2p: rank " + std::to_string(rank) + " is outside [0, " +
                         std::to_string(world) + ")");

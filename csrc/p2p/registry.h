@@ -29,7 +29,7 @@ struct Descriptor {
   cudaIpcMemHandle_t handle;
   uint8_t reserved[16];
 };
-static_assert(sizeof(Descriptor) == 128, "Descriptor must be 128 bytes");
+static_assert(sizeof(Descriptor) == kDescriptorBytes, "Descriptor must be kDescriptorBytes");
 constexpr uint64_t kDescriptorMagic = 0x64746a7032700001ull;  // "dtjp2p" v1
 
 // A communicator as seen by one device of this process.

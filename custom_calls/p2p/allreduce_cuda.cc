@@ -1,7 +1,8 @@
 // The NVLink peer-to-peer all-reduce at the boundaries (csrc/p2p/):
 //
 // Python bindings (eager set-up, outside any trace; called by dtenjax/_src/gpu/p2p.py):
-//   p2p_register(ordinal, capacity) -> bytes[128]       this device's region descriptor
+//   p2p_register(ordinal, capacity) -> bytes             this device's region descriptor
+//                                                        (kDescriptorBytes bytes, vocabulary.h)
 //   p2p_connect(ordinal, key, rank, world, descriptors)  maps every rank's region
 //   p2p_kernel_timeouts() -> [str]                       regions whose kernel timed out
 //   _p2p_seams                                           a capsule of the seams the test
@@ -125,8 +126,10 @@ DTENJAX_PYTHON_BINDINGS(p2p, [](nb::module_& m) {
       [](int ordinal, int64_t key, int rank, int world, nb::bytes descriptors) {
         DTENJAX_CHECK_PY(world >= 1 && world <= p2p::kMaxRanks &&
                              descriptors.size() == sizeof(p2p::Descriptor) * world,
-                         "p2p_connect: descriptors must hold 128 bytes per rank of a world in "
-                         "[1, 8]");
+                         "p2p_connect: descriptors must hold " +
+                             std::to_string(p2p::kDescriptorBytes) +
+                             " bytes per rank of a world in [1, " +
+                             std::to_string(p2p::kMaxRanks) + "]");
         const std::string all(descriptors.c_str(), descriptors.size());
         nb::gil_scoped_release release;
         dtenjax::python::ThrowIfError(

@@ -1,6 +1,6 @@
-// dtenjax._ffi.vocabulary["p2p.*"]: the p2p all-reduce's lists (csrc/p2p/vocabulary.h) for
-// dtenjax/_src/gpu/p2p.py. Host code, in every build: a build without CUDA has no p2p kernels,
-// but Python and the tests still read the one table.
+// dtenjax._ffi.vocabulary["p2p.*"]: the p2p all-reduce's lists and limits
+// (csrc/p2p/vocabulary.h) for dtenjax/_src/gpu/p2p.py. Host code, in every build: a build
+// without CUDA has no p2p kernels, but Python and the tests still read the one table.
 #include "csrc/p2p/vocabulary.h"
 #include "custom_calls/python.h"
 
@@ -16,6 +16,7 @@ void BindP2PVocabulary(nanobind::module_& m) {
   AddVocabulary(m, "p2p.reproducible", {DTENJAX_P2P_REPRODUCIBLE(DTENJAX_VOCAB_ENTRY)});
   AddVocabulary(m, "p2p.dtype", {DTENJAX_P2P_DTYPES(DTENJAX_VOCAB_ENTRY)});
   AddVocabulary(m, "p2p.dtype_reproducible", {DTENJAX_P2P_DTYPES(DTENJAX_P2P_REP_ENTRY)});
+  AddVocabulary(m, "p2p.limits", {DTENJAX_P2P_LIMITS(DTENJAX_VOCAB_ENTRY)});
 }
 
 }  // namespace

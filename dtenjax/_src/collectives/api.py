@@ -49,6 +49,7 @@ import numpy as np
 from jax import lax
 
 from dtenjax._src import config
+from dtenjax._src import contract as contract_lib
 from dtenjax._src import errors
 from dtenjax._src import jaxapi
 from dtenjax._src.collectives import buckets
@@ -57,6 +58,7 @@ from dtenjax._src.collectives import reproducible as repro
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import registry
 from dtenjax._src.collectives.algorithms import ring
+from dtenjax._src.contract import Contract
 from dtenjax._src.net import callsite
 from dtenjax._src.planning import mesh as mesh_lib
 from dtenjax._src.planning import planner
@@ -102,18 +104,24 @@ def _check_common(what: str, op: str, algorithm: str):
     raise errors.CollectiveError(errors.join_problems(f"{what}: bad arguments", problems))
 
 
-def _check_leaf(what: str, x, op: str, reproducible: str | None):
+def _contract_of(op: str, reproducible) -> Contract:
+  """The public ``reproducible=`` parsed (``contract.parse``: a bad value raises, "exact" warns),
+  NONE for max and min, which are exact in any order: the one contract every layer below takes."""
+  contract = contract_lib.parse(reproducible)
+  return contract if op in base.SUMS else Contract.NONE
+
+
+def _check_leaf(what: str, x, op: str, contract: Contract):
   dtype = jnp.dtype(jnp.result_type(x))
-  if reproducible and op in ("sum", "mean"):
-    fixed_point.check_dtype(
-        dtype, f"{what}(reproducible={True if reproducible == 'v3' else reproducible!r})")
-  if dtype == jnp.dtype(bool) and op in ("sum", "mean"):
+  if contract.reproducible and op in base.SUMS:
+    fixed_point.check_dtype(dtype, f"{what}(reproducible={contract.public!r})")
+  if dtype == jnp.dtype(bool) and op in base.SUMS:
     raise errors.CollectiveError(f"{what}: op={op!r} on a bool array; cast it first "
                                  "(x.astype(jnp.int32)).")
   if op == "mean" and not jnp.issubdtype(dtype, jnp.inexact):
     raise errors.CollectiveError(f"{what}: op='mean' on {dtype.name} would truncate; "
                                  "cast to a float dtype or use op='sum'.")
-  if op in ("max", "min") and jnp.issubdtype(dtype, jnp.complexfloating):
+  if op not in base.SUMS and jnp.issubdtype(dtype, jnp.complexfloating):
     raise errors.CollectiveError(f"{what}: op={op!r} on {dtype.name} has no order; reduce "
                                  "jnp.abs(x) or the real and imaginary parts separately.")
 
@@ -185,11 +193,10 @@ def _xla_reaches_processes(backend: str) -> bool:
 
 
 def _make_call(kind: str, dtype, nbytes: int, ctx: _Context, axes, op, algorithm, deterministic,
-               reproducible, contributions=1, tag=None) -> base.Call:
+               contract: Contract, contributions=1, tag=None) -> base.Call:
   return base.Call(kind=kind, op=op, dtype=dtype, axes=axes, axis_sizes=ctx.axis_sizes,
                    nbytes=int(nbytes), backend=ctx.backend, deterministic=bool(deterministic),
-                   reproducible=bool(reproducible), contract=reproducible or "v3",
-                   contributions=int(contributions),
+                   contract=contract, contributions=int(contributions),
                    mesh_axes=ctx.mesh_axes, processes=ctx.processes,
                    xla_reaches_processes=ctx.xla_reaches_processes, requested=algorithm, tag=tag)
 
@@ -248,7 +255,7 @@ class _Spec:
   op: str
   algorithm: str
   deterministic: bool
-  reproducible: str | None          # None, "v3" or "exact" (reproducible.contract_of)
+  contract: Contract                # parsed once, by all_reduce (contract.parse)
   local_axis: int | None = None
   local_size: int = 1
   typed: tuple[str, ...] = ()     # the axes with vma types (see _typed_axes)
@@ -277,12 +284,11 @@ def _forward(x, spec: _Spec, traced_tag=None):
   ctx = _context(spec.axes)
   k = spec.local_size
   nbytes = x.size // k * jnp.dtype(x.dtype).itemsize
-  repro_sum = spec.reproducible if spec.op in ("sum", "mean") else None   # the contract
   call = _make_call("all_reduce", x.dtype, nbytes, ctx, spec.axes, spec.op, spec.algorithm,
-                    spec.deterministic, repro_sum, k if repro_sum else 1,
+                    spec.deterministic, spec.contract, k if spec.contract.reproducible else 1,
                     spec.tag if traced_tag is None else traced_tag)
   record = _resolve(spec.algorithm, call, ctx)
-  if repro_sum:
+  if call.reproducible:
     stack = jnp.moveaxis(x, spec.local_axis, 0) if spec.local_axis is not None else x[None]
     if record.reproducible is not None:
       return _check_reduced_type(x, record.reproducible(stack, call), spec.axes, record.name)
@@ -328,7 +334,7 @@ def _all_reduce_array(x, traced_tag, spec: _Spec):
 
 def _ar_fwd(x, traced_tag, spec: _Spec):
   y = _forward(x, spec, traced_tag)
-  return y, (((x, y) if spec.op in ("max", "min") else None), traced_tag)
+  return y, (((x, y) if spec.op not in base.SUMS else None), traced_tag)
 
 
 def _float0_like(shape):
@@ -357,7 +363,7 @@ def _ar_bwd_x(spec: _Spec, res, ct, traced_tag):
   x_shape = ct.shape if la is None else ct.shape[:la] + (k,) + ct.shape[la:]
   if ct.dtype == jax.dtypes.float0:
     return (_float0_like(x_shape),)
-  if spec.op in ("sum", "mean"):
+  if spec.op in base.SUMS:
     g = _sum_untyped(ct, spec, traced_tag)
     if spec.op == "mean":
       g = g / jnp.asarray(base.axis_size(spec.axes) * k, g.dtype)
@@ -369,7 +375,8 @@ def _ar_bwd_x(spec: _Spec, res, ct, traced_tag):
   yb = jnp.expand_dims(y, la) if la is not None else y
   mask = ((x == yb) | (jnp.isnan(x) & jnp.isnan(yb))).astype(ct.dtype)
   count = mask if la is None else jnp.sum(mask, axis=la)
-  plain = dataclasses.replace(spec, op="sum", local_axis=None, local_size=1, reproducible=False)
+  plain = dataclasses.replace(spec, op="sum", local_axis=None, local_size=1,
+                              contract=Contract.NONE)
   share = _sum_untyped(ct, plain, traced_tag) / _forward(count, plain, traced_tag)
   return (jaxapi.to_varying(mask * (jnp.expand_dims(share, la) if la is not None else share),
                             spec.typed),)
@@ -407,16 +414,16 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
   """
   _check_common("all_reduce", op, algorithm)
   tag, traced_tag = _split_tag(tag)
-  reproducible = repro.contract_of(reproducible)
+  contract = _contract_of(op, reproducible)
   axes = check_axes(axis_name, "all_reduce")
-  if local_axis is not None and not reproducible and op in ("sum", "mean"):
+  if local_axis is not None and not contract.reproducible and op in base.SUMS:
     raise errors.CollectiveError(
         f"all_reduce: local_axis={local_axis} with op={op!r} needs reproducible=True (it is the "
         "exact sum of stacked local contributions); sum the axis yourself otherwise.")
   leaves, treedef = jax.tree_util.tree_flatten(x)
   if bucket_bytes is None:
     bucket_bytes = config.get_int("DTENJAX_BUCKET_BYTES")
-  args = (axes, op, algorithm, bool(deterministic), reproducible, local_axis, int(bucket_bytes),
+  args = (axes, op, algorithm, bool(deterministic), contract, local_axis, int(bucket_bytes),
           tag)
   if traced_tag is None:
     out = _eager_or_traced("all_reduce", _all_reduce_leaves, leaves, args)
@@ -470,7 +477,7 @@ def _gather_vmap(leaf, vaxes: tuple[str, ...]):
   return g.reshape((-1,) + leaf.shape)
 
 
-def _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic, reproducible,
+def _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic, contract,
                       local_axis, tag, traced_tag=None):
   """An all-reduce over mesh axes and vmap axes together, with lax.psum's semantics: the vmap
   lanes' values are gathered (a local stack, rank order of the vmap axes), then reduced over the
@@ -492,13 +499,14 @@ def _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic, re
       stack = stack.reshape((-1,) + leaf.shape[1:])
     else:
       stack = _gather_vmap(leaf, vaxes)
-    if reproducible or op in ("max", "min"):
-      out += _all_reduce_leaves([stack], mesh_axes, op, algorithm, deterministic, reproducible,
+    if contract.reproducible or op not in base.SUMS:
+      out += _all_reduce_leaves([stack], mesh_axes, op, algorithm, deterministic, contract,
                                 0, 0, tag, traced_tag)
       continue
-    _check_leaf("all_reduce", leaf, op, reproducible)
+    _check_leaf("all_reduce", leaf, op, contract)
     part = base.ordered_reduce(stack, "sum").astype(leaf.dtype)
-    y, = _all_reduce_leaves([part], mesh_axes, "sum", algorithm, deterministic, None, None, 0,
+    y, = _all_reduce_leaves([part], mesh_axes, "sum", algorithm, deterministic, Contract.NONE,
+                            None, 0,
                             tag, traced_tag)
     if op == "mean":
       y = fixed_point.ieee_divide(y, nv * base.axis_size(mesh_axes))
@@ -506,19 +514,19 @@ def _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic, re
   return out
 
 
-def _all_reduce_leaves(leaves, axes, op, algorithm, deterministic, reproducible, local_axis,
+def _all_reduce_leaves(leaves, axes, op, algorithm, deterministic, contract, local_axis,
                        bucket_bytes, tag, traced_tag=None):
   vaxes = _vmap_axes(axes)
   with _vmap_errors("all_reduce", axes):
     if vaxes and len(vaxes) < len(axes):
       mesh_axes = tuple(a for a in axes if a not in vaxes)
       return _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic,
-                               reproducible, local_axis, tag, traced_tag)
-    return _all_reduce_plain(leaves, axes, op, algorithm, deterministic, reproducible,
+                               contract, local_axis, tag, traced_tag)
+    return _all_reduce_plain(leaves, axes, op, algorithm, deterministic, contract,
                              local_axis, bucket_bytes, tag, traced_tag)
 
 
-def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, reproducible, local_axis,
+def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, contract, local_axis,
                       bucket_bytes, tag, traced_tag=None):
   typed = _typed_axes(axes)
   leaves = [jnp.asarray(leaf) for leaf in leaves]
@@ -529,7 +537,7 @@ def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, reproducible, 
   leaves = [jaxapi.to_varying(leaf, typed) for leaf in leaves]
   specs = []
   for leaf in leaves:
-    _check_leaf("all_reduce", leaf, op, reproducible)
+    _check_leaf("all_reduce", leaf, op, contract)
     la, k = None, 1
     if local_axis is not None:
       if not -leaf.ndim <= local_axis < leaf.ndim:
@@ -537,7 +545,7 @@ def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, reproducible, 
                                      f"shape {leaf.shape}; pass an axis of x.")
       la = local_axis % leaf.ndim
       k = leaf.shape[la]
-    specs.append(_Spec(axes, op, algorithm, deterministic, reproducible, la, k, typed, tag))
+    specs.append(_Spec(axes, op, algorithm, deterministic, contract, la, k, typed, tag))
   if len(leaves) > 1 and bucket_bytes > 0 and local_axis is None:
     return buckets.bucketed_apply(
         leaves, lambda flat: _all_reduce_array(flat, traced_tag, specs[0]), bucket_bytes)
@@ -561,20 +569,19 @@ class _RSSpec:
   deterministic: bool
   dim: int
   tiled: bool = True
-  reproducible: str | None = None   # None, "v3" or "exact"
+  contract: Contract = Contract.NONE   # parsed once, by reduce_scatter
   invariant: bool = False           # all_gather(to="invarying") over typed axes
 
 
 def _rs_impl(x, s: _RSSpec):
   ctx = _context(s.axes)
   n = math.prod(ctx.axis_sizes)
-  repro_sum = s.reproducible if s.op in ("sum", "mean") else None       # the contract
   call = _make_call("reduce_scatter", x.dtype, x.size * jnp.dtype(x.dtype).itemsize, ctx,
-                    s.axes, s.op, s.algorithm, s.deterministic, repro_sum)
+                    s.axes, s.op, s.algorithm, s.deterministic, s.contract)
   record = _resolve(s.algorithm, call, ctx)
   blocks = jnp.moveaxis(x, s.dim, 0)
   blocks = blocks.reshape((n, blocks.shape[0] // n) + blocks.shape[1:])
-  if repro_sum:
+  if call.reproducible:
     y = repro.reduce_scatter(blocks, call, record)
   else:
     y = record.reduce_scatter(blocks, call)
@@ -666,24 +673,24 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
   reproducible=...)`` of that block).
   """
   _check_common("reduce_scatter", op, algorithm)
-  reproducible = repro.contract_of(reproducible)
+  contract = _contract_of(op, reproducible)
   axes = check_axes(axis_name, "reduce_scatter")
   leaves, treedef = jax.tree_util.tree_flatten(x)
   args = (axes, axis_name, scatter_dimension, bool(tiled), op, algorithm, bool(deterministic),
-          reproducible)
+          contract)
   with _vmap_errors("reduce_scatter", axes):
     out = _eager_or_traced("reduce_scatter", _reduce_scatter_leaves, leaves, args)
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _reduce_scatter_leaves(leaves, axes, axis_name, scatter_dimension, tiled, op, algorithm,
-                           deterministic, reproducible):
+                           deterministic, contract):
   n = base.axis_size(axes)
   problems, out = [], []
   typed = _typed_axes(axes)
   for i, leaf in enumerate(leaves):
     leaf = jaxapi.to_varying(jnp.asarray(leaf), typed)     # as lax.psum_scatter
-    _check_leaf("reduce_scatter", leaf, op, reproducible)
+    _check_leaf("reduce_scatter", leaf, op, contract)
     if not -leaf.ndim <= scatter_dimension < leaf.ndim:
       problems.append(f"leaf {i} shape {leaf.shape}: scatter_dimension={scatter_dimension} is "
                       "out of range")
@@ -700,7 +707,7 @@ def _reduce_scatter_leaves(leaves, axes, axis_name, scatter_dimension, tiled, op
                       f"multiple of {n} or pick another scatter_dimension")
       continue
     y = _reduce_scatter_array(leaf, _RSSpec(axes, op, algorithm, deterministic, dim,
-                                            reproducible=reproducible))
+                                            contract=contract))
     out.append(y if tiled else jnp.squeeze(y, dim))
   if problems:
     raise errors.CollectiveError(errors.join_problems("reduce_scatter: bad inputs", problems))
@@ -775,7 +782,7 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None
   if kind not in base.KINDS:
     raise errors.CollectiveError(f"plan_all_reduce: kind={kind!r} is not one of {base.KINDS}")
   _check_common("plan_all_reduce", op, "auto")
-  contract = repro.contract_of(reproducible)
+  contract = _contract_of(op, reproducible)
   given = group
   try:
     group = [operator.index(g) for g in group]
@@ -797,8 +804,7 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None
   call = base.Call(kind=kind, op=op, dtype=dtype, axes=tuple(f"axis{i}" for i in range(len(sizes))),
                    axis_sizes=sizes, nbytes=int(nbytes), backend=backend,
                    deterministic=deterministic,
-                   reproducible=contract is not None and op in ("sum", "mean"),
-                   contract=contract or "v3", processes=processes,
+                   contract=contract, processes=processes,
                    xla_reaches_processes=_xla_reaches_processes(backend))
   return registry.choose(call, group, topology)
 

@@ -17,68 +17,74 @@ contributions, never on the algorithm, the order or how contributions are split 
   associative, so the record and XLA's order cannot change the result.
 
 More than ``fixed_point_v3.MAX_CONTRIBUTIONS`` contributions need more than one word per value:
-``reproducible=True`` then runs the exact contract (:func:`contract_for`).
+``reproducible=True`` then runs contract v2 (:func:`contract_for`). The contract arrives as a
+:class:`~dtenjax._src.contract.Contract`, parsed once at the public API (``contract.parse``);
+:data:`ARITHMETIC` maps each to its arithmetic (adding a contract: docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 
-from dtenjax._src import errors
 from dtenjax._src import jaxapi
+from dtenjax._src.contract import Contract
 from dtenjax._src.collectives import fixed_point
 from dtenjax._src.collectives import fixed_point_v3 as v3
 from dtenjax._src.collectives.algorithms import base
 
-def contract_of(reproducible) -> str | None:
-  """The contract a ``reproducible=`` argument asks for: None (False), "v3" (True) or "exact"
-  (``"v2"``; the internal tag of contract v2).
+class Arithmetic(NamedTuple):
+  """One contract's fixed-point arithmetic, in the four steps the three data movements share.
 
-  Contract v2 was public as ``reproducible="exact"``, but it is not the correctly rounded sum:
-  each value keeps 40 bits below the element's largest exponent, so under deep cancellation the
-  result is off by up to its documented bound (docs/collectives.md). Its public name is now
-  ``"v2"``; ``"exact"`` still works and warns (a :class:`DtenjaxWarning`) that it is deprecated."""
-  if reproducible is False or reproducible is None:
-    return None
-  if reproducible is True or reproducible == "v3":
-    return "v3"
-  if reproducible == "v2":
-    return "exact"
-  if reproducible == "exact":
-    errors.warn_once(
-        "reproducible-exact",
-        "dtenjax: reproducible='exact' is deprecated: it is contract v2, a fixed-point sum with "
-        "40 bits below each element's largest exponent, not the correctly rounded sum (off by up "
-        "to N * 2**(e - 41) + 2 ulp under cancellation, docs/collectives.md). Pass "
-        "reproducible='v2' for the same bits, or reproducible=True (contract v3).")
-    return "exact"
-  raise errors.CollectiveError(
-      f"reproducible={reproducible!r} is not a reproducible mode; use False, True (contract v3: "
-      "one integer word per value) or 'v2' (contract v2: two words per value, a finer "
-      "fixed-point grid; 'exact' is its deprecated name).")
+  ``codes(stack)``: per-element codes (0..255) of the ``[k, ...]`` contributions, MAX-reduced
+  over axis 0; the devices MAX-reduce them too. ``encode(stack, codes, count)``: the exact
+  integer words of the stack's sum against the reduced codes, for ``count`` contributions in
+  all (word axes, if any, first); the devices add them up. ``decode(words, codes, count, op,
+  dtype)``: the rounded result. ``local_sum(stack, op, dtype)``: all of it on one device, the
+  same bits."""
+  codes: Callable
+  encode: Callable
+  decode: Callable
+  local_sum: Callable
 
 
-def contract_for(contract: str, contributions: int) -> str:
+ARITHMETIC: dict[Contract, Arithmetic] = {
+    Contract.V3: Arithmetic(
+        codes=v3.stack_codes,
+        encode=lambda stack, codes, count: v3.encode(stack, codes.astype(jnp.int32), count),
+        decode=lambda words, codes, count, op, dtype: v3.decode(
+            words, codes.astype(jnp.int32), count, op, dtype),
+        local_sum=v3.local_sum),
+    Contract.V2: Arithmetic(
+        codes=lambda stack: jnp.max(fixed_point.codes(stack), axis=0),
+        encode=lambda stack, codes, count: jnp.sum(fixed_point.encode(stack, codes), axis=1),
+        decode=lambda words, codes, count, op, dtype: fixed_point.decode_f32(
+            words, codes, count if op == "mean" else None).astype(dtype),
+        local_sum=lambda stack, op, dtype: fixed_point.local_sum_f32(
+            stack, mean=op == "mean").astype(dtype)),
+}
+
+
+def contract_for(contract: Contract, contributions: int) -> Contract:
   """The contract that runs for ``contributions`` in all: v3 needs one word per value, which
-  holds up to ``fixed_point_v3.MAX_CONTRIBUTIONS`` of them; past that, the exact contract."""
-  if contract == "v3" and v3.supports(contributions):
-    return "v3"
-  return "exact"
+  holds up to ``fixed_point_v3.MAX_CONTRIBUTIONS`` of them; past that, contract v2."""
+  if contract is Contract.V3 and not v3.supports(contributions):
+    return Contract.V2
+  return contract
 
 
-def local_sum(stack, op: str, contract: str, dtype=None):
+def local_sum(stack, op: str, contract: Contract, dtype=None):
   """Reproducible sum (or mean) over axis 0 of the contributions ``stack`` on one device, rounded
   to ``dtype`` (default ``stack``'s): the same bits as the word exchange of the same
   contributions spread over devices."""
   dtype = stack.dtype if dtype is None else dtype
   n = stack.shape[0]
-  fixed_point.check_contributions(n)       # v3 hands more than 32 to the exact contract
-  if contract_for(contract, n) == "v3":
-    return v3.local_sum(stack, op, dtype)
-  return fixed_point.local_sum_f32(stack, mean=op == "mean").astype(dtype)
+  fixed_point.check_contributions(n)       # v3 hands more than 32 to contract v2
+  return ARITHMETIC[contract_for(contract, n)].local_sum(stack, op, dtype)
 
 
 def gather_all_reduce(stack, call: base.Call):
@@ -90,7 +96,7 @@ def gather_all_reduce(stack, call: base.Call):
 
 
 def _int_call(call: base.Call) -> base.Call:
-  return dataclasses.replace(call, op="sum", dtype=jnp.int32, reproducible=False,
+  return dataclasses.replace(call, op="sum", dtype=jnp.int32, contract=Contract.NONE,
                              contributions=1)
 
 
@@ -100,6 +106,7 @@ def _u8(codes):
 
 
 def _code_max(codes, call: base.Call, record: base.Algorithm):
+  codes = _u8(codes)
   if record.code_max is not None:
     return record.code_max(codes, call)
   return lax.pmax(codes, call.axes)
@@ -112,16 +119,11 @@ def all_reduce(stack, call: base.Call, record: base.Algorithm):
   k = stack.shape[0]
   count = k * call.world
   fixed_point.check_contributions(count)
-  if contract_for(call.contract, count) == "v3":
-    codes = _code_max(_u8(v3.stack_codes(stack)), call, record).astype(jnp.int32)
-    words = v3.encode(stack, codes, count)                             # int32, exact
-    total = record.all_reduce(words, _int_call(call), lambda y: y)
-    return v3.decode(total, codes, count, call.op, stack.dtype)
-  codes = _code_max(jnp.max(fixed_point.codes(stack), axis=0), call, record)
-  words = jnp.sum(fixed_point.encode(stack, codes), axis=1)           # [2, ...], exact
+  arith = ARITHMETIC[contract_for(call.contract, count)]
+  codes = _code_max(arith.codes(stack), call, record)
+  words = arith.encode(stack, codes, count)                           # exact
   total = record.all_reduce(words, _int_call(call), lambda y: y)
-  r = fixed_point.decode_f32(total, codes, count if call.op == "mean" else None)
-  return r.astype(stack.dtype)
+  return arith.decode(total, codes, count, call.op, stack.dtype)
 
 
 def reduce_scatter(blocks, call: base.Call, record: base.Algorithm):
@@ -133,13 +135,9 @@ def reduce_scatter(blocks, call: base.Call, record: base.Algorithm):
   fixed_point.check_contributions(count)
   mine_of = lambda a: lax.dynamic_index_in_dim(a, lax.axis_index(call.axes) if n > 1 else 0,
                                                axis=0, keepdims=False)
-  if contract_for(call.contract, count) == "v3":
-    codes = _code_max(_u8(v3.codes(v3.bits(blocks))), call, record).astype(jnp.int32)
-    words = v3.encode(blocks[None], codes, count)                    # [n, ...]
-    mine = record.reduce_scatter(words, _int_call(call))
-    return v3.decode(mine, mine_of(codes), count, call.op, blocks.dtype)
-  codes = _code_max(fixed_point.codes(blocks), call, record)         # [n, ...]
-  words = jnp.moveaxis(fixed_point.encode(blocks, codes), 1, 0)     # [n, 2, ...]
-  mine = record.reduce_scatter(words, _int_call(call))               # [2, ...]
-  r = fixed_point.decode_f32(mine, mine_of(codes), count if call.op == "mean" else None)
-  return r.astype(blocks.dtype)
+  arith = ARITHMETIC[contract_for(call.contract, count)]
+  codes = _code_max(arith.codes(blocks[None]), call, record)         # [n, ...]
+  words = arith.encode(blocks[None], codes, count)                   # [words..., n, ...]
+  words = jnp.moveaxis(words, words.ndim - blocks.ndim, 0)           # [n, words..., ...]
+  mine = record.reduce_scatter(words, _int_call(call))
+  return arith.decode(mine, mine_of(codes), count, call.op, blocks.dtype)

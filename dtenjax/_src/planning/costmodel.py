@@ -47,7 +47,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from dtenjax._src import config
+from dtenjax._src import contract as contract_lib
 from dtenjax._src import errors
+from dtenjax._src.contract import Contract
 from dtenjax._src.topology.model import INTRA_HOST
 from dtenjax._src.topology.model import Topology
 
@@ -278,8 +280,8 @@ class Cost:
 
 def word_exchange(cost: Cost, t: Terms, N: float, itemsize: int, k: int, word_bytes: int) -> float:
   """The reproducible sum by the word exchange (``collectives/reproducible.py``): a MAX of the
-  per-element codes, ``cost``'s all-reduce of ``word_bytes`` per value (4: contract v3, 8: the
-  exact contract), ``k N`` bytes converted and ``N`` decoded."""
+  per-element codes, ``cost``'s all-reduce of ``word_bytes`` per value (4: contract v3, 8:
+  contract v2; ``Contract.word_bytes``), ``k N`` bytes converted and ``N`` decoded."""
   E = N / itemsize
   codes = cost.code_max(t, E) if cost.code_max is not None else XLA.all_reduce(t, E)
   return codes + cost.all_reduce(t, word_bytes * E) + 2 * t.P + (k + 1) * N * t.f
@@ -323,7 +325,8 @@ _MOVES = ("all_gather", "all_to_all", "ppermute")
 
 
 def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topology,
-                    cost: Cost = XLA, *, reproducible: bool | str = False, itemsize: int = 4,
+                    cost: Cost = XLA, *, reproducible: Contract | bool | str = Contract.NONE,
+                    itemsize: int = 4,
                     contributions: int = 1, costs: BackendCosts | None = None) -> float:
   """Estimated seconds for one collective.
 
@@ -335,8 +338,9 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
     cost: the algorithm's formulas (an algorithm record's ``cost``; default XLA's own
       collectives). ``inf`` where it does not apply (no reduce-scatter, ``hierarchical`` without
       a proper island split, NVLink kernels off GPU).
-    reproducible: a reproducible sum of ``itemsize``-byte floats (True or "v3": contract v3,
-      "exact": contract v2), with ``contributions`` stacked per device (``local_axis``).
+    reproducible: the :class:`~dtenjax._src.contract.Contract` of a reproducible sum of
+      ``itemsize``-byte floats (or a public ``reproducible=`` value, parsed by
+      ``contract.parse``), with ``contributions`` stacked per device (``local_axis``).
     costs: override the backend's fixed costs (default: :func:`backend_costs`).
   """
   _check(kind, cost, nbytes)
@@ -350,16 +354,17 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
     return t.L + t.hops * t.a + (n - 1) / n * nbytes * t.b
   if kind == "all_gather":
     return xla_all_gather(t, nbytes)
-  word_bytes = 8 if reproducible == "exact" else 4
+  contract = contract_lib.parse(reproducible)
+  word_bytes = contract.word_bytes
   if kind == "all_reduce":
-    if not reproducible:
+    if not contract.reproducible:
       return cost.all_reduce(t, nbytes)
     if cost.reproducible is not None:
       return cost.reproducible(t, nbytes, itemsize, contributions)
     return word_exchange(cost, t, nbytes, itemsize, contributions, word_bytes)
   if cost.reduce_scatter is None:
     return INF
-  if not reproducible:
+  if not contract.reproducible:
     return cost.reduce_scatter(t, nbytes)
   # codes of the full input, words scattered, the owned block decoded
   E = nbytes / itemsize

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from dtenjax._src import hlo
+from dtenjax._src.gpu import p2p
 from dtenjax._src.planning import costmodel
 from dtenjax._src.topology.model import Topology
 
@@ -156,16 +157,21 @@ def explain(fn: Callable | Any, *args, topology: Topology | None = None, **kwarg
   """Compiles ``fn(*args, **kwargs)`` and reports its collectives and memory.
 
   ``fn`` may be a plain function, a ``jax.jit``-wrapped one (its shardings are kept), or an
-  already compiled ``jax.stages.Compiled`` (then ``args`` are ignored). A ``StepPlan``
+  already compiled ``jax.stages.Compiled`` (then ``args`` are ignored). On GPU the table ends
+  with every reason the NVLink gate (``gpu/p2p.gate``) gave, while the step was traced and
+  lowered here, for not running a collective on the NVLink kernels (a step jax had already
+  traced is not asked again). A ``StepPlan``
   (:func:`dtenjax.plan`) is returned as it is: its ``table()`` is the plan's report.
   """
   if hasattr(fn, "leaves") and hasattr(fn, "recipes") and hasattr(fn, "table"):
     return fn
+  refused: list[str] = []
   if hasattr(fn, "as_text") and hasattr(fn, "memory_analysis"):
     compiled = fn
   else:
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    compiled = jitted.lower(*args, **kwargs).compile()
+    with p2p.refusals() as refused:      # the NVLink gate's reasons, asked while tracing/lowering
+      compiled = jitted.lower(*args, **kwargs).compile()
   topology = topology if topology is not None else Topology.current()
   module = hlo.read_compiled(compiled)
   ops = collective_ops(module, topology, _jax_device_assignment(compiled, module))
@@ -175,5 +181,6 @@ def explain(fn: Callable | Any, *args, topology: Topology | None = None, **kwarg
     for key in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
                 "alias_size_in_bytes", "generated_code_size_in_bytes"):
       mem[key.replace("_size_in_bytes", "")] = int(getattr(stats, key, 0) or 0)
-  return Explanation(collectives=tuple(ops), memory=mem, topology=topology.name,
+  extra = tuple(("NVLink kernels not used", why) for why in dict.fromkeys(refused))
+  return Explanation(collectives=tuple(ops), memory=mem, topology=topology.name, extra=extra,
                      source=module.source)

@@ -20,10 +20,14 @@ import numpy as np
 from jax import lax
 
 from dtenjax._src import jaxapi
+from dtenjax._src.contract import Contract
 from dtenjax._src.planning import costmodel
 
 AxisName = str | tuple[str, ...]
 OPS = ("sum", "mean", "max", "min")
+# The ops whose result is a sum (mean: the sum divided by the count): they accumulate in float32
+# for 16-bit floats, and the reproducible contracts apply to them only.
+SUMS = frozenset(("sum", "mean"))
 KINDS = ("all_reduce", "reduce_scatter")
 
 
@@ -40,9 +44,9 @@ class Call:
     nbytes: bytes per participant (reduce_scatter: the full, unscattered input).
     backend: platform of the devices ("cpu", "gpu", "tpu").
     deterministic: the caller needs a fixed reduction order.
-    reproducible: a reproducible fixed-point sum of float contributions (``collectives/
-      reproducible.py``), in the contract ``contract``.
-    contract: "v3" (``reproducible=True``: one integer word per value) or "exact" (contract v2).
+    contract: the reproducible sum that runs (``collectives/reproducible.py``), a
+      :class:`~dtenjax._src.contract.Contract` parsed from the public ``reproducible=``;
+      NONE unless ``op`` is one of :data:`SUMS`.
     contributions: contributions stacked on each device (``local_axis``), 1 otherwise.
     mesh_axes: every axis is a manual mesh axis (shard_map / mesh_map), not a vmap axis.
     processes: processes the group spans (1: every participant is in this process).
@@ -59,8 +63,7 @@ class Call:
   nbytes: int
   backend: str = "cpu"
   deterministic: bool = True
-  reproducible: bool = False
-  contract: str = "v3"
+  contract: Contract = Contract.NONE
   contributions: int = 1
   mesh_axes: bool = True
   processes: int = 1
@@ -70,6 +73,16 @@ class Call:
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    if not isinstance(self.contract, Contract):
+      raise TypeError(f"Call.contract must be a Contract (contract.parse), got {self.contract!r}")
+    if self.contract.reproducible and self.op not in SUMS:
+      raise ValueError(f"Call: contract {self.contract.value} with op={self.op!r}; the "
+                       "reproducible contracts apply to sums only")
+
+  @property
+  def reproducible(self) -> bool:
+    """Whether a reproducible fixed-point sum runs (``contract`` is not NONE)."""
+    return self.contract.reproducible
 
   @property
   def world(self) -> int:
@@ -82,7 +95,7 @@ class Call:
   @property
   def exact(self) -> bool:
     """Whether every order of reduction gives the same bits (integer sums, max and min)."""
-    return self.op in ("max", "min") or not jnp.issubdtype(self.dtype, jnp.inexact)
+    return self.op not in SUMS or not jnp.issubdtype(self.dtype, jnp.inexact)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +145,7 @@ class Algorithm:
     """The cost model's seconds for this record running ``call`` over the device ids ``group``."""
     return costmodel.collective_time(
         call.kind, int(call.nbytes), list(group), topology, self.cost,
-        reproducible=(call.contract if call.reproducible and call.op in ("sum", "mean")
-                      else False),
+        reproducible=call.contract,
         itemsize=call.itemsize, contributions=call.contributions, costs=costs)
 
 
@@ -147,7 +159,7 @@ def axis_size(axis_name: AxisName) -> int:
 def acc_dtype(dtype, op: str):
   """Accumulation dtype: float32 for sums of 16-bit floats, the input dtype otherwise."""
   dtype = jnp.dtype(dtype)
-  if op in ("sum", "mean") and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+  if op in SUMS and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return jnp.dtype(jnp.float32)
   return dtype
 

@@ -62,7 +62,7 @@ def _overflow_scale(dtype, op: str, n: int) -> float | None:
   below ``2^(m - 126)``, which lose their last m bits (flushed to zero on XLA:CPU, whose adds
   flush subnormals anyway): an absolute error of at most ``n * 2^(m - 126)``. None for max/min,
   non-float dtypes and accumulators with room (float16 sums in float32)."""
-  if op not in ("sum", "mean") or n <= 1 or not jnp.issubdtype(dtype, jnp.floating):
+  if op not in base.SUMS or n <= 1 or not jnp.issubdtype(dtype, jnp.floating):
     return None
   acc = base.acc_dtype(dtype, op)
   if float(jnp.finfo(acc).max) >= n * float(jnp.finfo(dtype).max):

@@ -54,7 +54,7 @@ def _name(axes):
 def _origin(call: base.Call) -> str:
   """What the caller reduces, for the transport's fingerprint: the ring may carry a widened or
   keyed form of it (bfloat16 as float32), and ranks that differ in it must not be combined."""
-  return f"{call.dtype.name} contract={call.contract if call.reproducible else 'none'}"
+  return f"{call.dtype.name} contract={call.contract.value}"
 
 
 def _all_reduce(family: str, x, call: base.Call, finish):

@@ -3,7 +3,8 @@
 Same bits as the XLA-native form of their family (the p2p contract): sum/mean are the rank-order
 float32 fold rounded once (``one_shot``'s order; two_shot reduces each segment on its owner with the
 same fold), max/min propagate NaN, the reproducible sums (contract v3, and v2 for
-``reproducible="v2"``) are fused into the kernel. The
+``reproducible="v2"``) are fused into the kernel. Which calls they take is the NVLink gate's
+answer (``p2p.gate``), which :func:`supports` returns. The
 concrete mesh is resolved by ``p2p`` at lowering time; when its set-up fails there it logs why
 once and lowers ``fallback`` instead, which is the bit-identical XLA-native form computed here.
 """
@@ -24,31 +25,25 @@ _TWIN = {"one_shot": one_shot.ALGORITHM, "two_shot": two_shot.ALGORITHM}
 
 
 def supports(call: base.Call) -> str | None:
-  if call.backend != "gpu":
-    return f"the NVLink kernels run on GPUs (backend {call.backend!r})"
-  if call.kind != "all_reduce":
-    return "the NVLink kernels only all-reduce"
-  if len(call.axes) != 1 or not call.mesh_axes:
-    return (f"the NVLink kernels reduce over one mesh axis of a shard_map/mesh_map, got "
-            f"axis_name={call.axes!r}" + ("" if call.mesh_axes else " (a vmap axis)"))
-  if call.reproducible and call.contributions != 1:
-    return (f"the fused reproducible kernel takes one contribution per GPU, got "
-            f"{call.contributions} stacked on local_axis")
-  ok, why = p2p.supported(call.world, call.nbytes, call.dtype, op=call.op,
-                          reproducible=call.reproducible)
-  return None if ok else why
+  """None when the NVLink gate (``gpu/p2p.gate``, the one place that checks the kernels'
+  conditions) admits ``call``, else its reason."""
+  verdict = p2p.gate(world=call.world, dtype=call.dtype, op=call.op, contract=call.contract,
+                     backend=call.backend, kind=call.kind, axes=call.axes,
+                     vmap_axes=() if call.mesh_axes else call.axes,
+                     contributions=call.contributions)
+  return None if verdict.ok else verdict.reason
 
 
 def _all_reduce(family: str, x, call: base.Call, finish):
   twin = _TWIN[family]
-  return p2p.all_reduce(x, call.axes[0], algorithm=family, op=call.op, reproducible=False,
+  return p2p.all_reduce(x, call.axes[0], algorithm=family, op=call.op,
                         fallback=lambda v: twin.all_reduce(v, call, finish))
 
 
 def _reproducible(family: str, stack, call: base.Call):
   fallback = lambda v: repro.all_reduce(v[None], call, xla.ALGORITHM)
   return p2p.all_reduce(stack[0], call.axes[0], algorithm=family, op=call.op,
-                        reproducible=call.contract, fallback=fallback)
+                        contract=call.contract, fallback=fallback)
 
 
 def _one_shot_time(t: costmodel.Terms, N: float) -> float:

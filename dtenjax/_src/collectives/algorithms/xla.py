@@ -68,7 +68,7 @@ def supports(call: base.Call) -> str | None:
 
 
 def all_reduce(x, call: base.Call, finish):
-  if call.op in ("sum", "mean"):
+  if call.op in base.SUMS:
     return finish(lax.psum(x.astype(base.acc_dtype(x.dtype, call.op)), call.axes))
   red = lax.pmax if call.op == "max" else lax.pmin
   return finish(base.from_key(red(base.to_key(x, call.op), call.axes), x.dtype))
@@ -77,7 +77,7 @@ def all_reduce(x, call: base.Call, finish):
 def reduce_scatter(blocks, call: base.Call):
   n = blocks.shape[0]
   flat = blocks.reshape(n, -1)
-  if call.op in ("max", "min"):    # no pmax_scatter: reduce everything, keep the owned block
+  if call.op not in base.SUMS:   # max/min: no pmax_scatter; reduce everything, keep the owned one
     red = lax.pmax if call.op == "max" else lax.pmin
     full = base.from_key(red(base.to_key(flat, call.op), call.axes), flat.dtype)
     out = lax.dynamic_index_in_dim(full, lax.axis_index(call.axes), axis=0, keepdims=False)

@@ -25,7 +25,7 @@ from dtenjax._src.collectives.passes import substitute
 
 def fuse_collectives(fn: Callable, *, bucket_bytes: int | None = None,
                      algorithm: str = "one_shot", deterministic: bool = True,
-                     reproducible: bool = False) -> Callable:
+                     reproducible: bool | str = False) -> Callable:
   """``fn`` with its ``lax.psum``s deferred and bucketed into few ``dtenjax.all_reduce`` calls.
 
   Apply it to the per-device body (inside ``shard_map``) or to a function that contains the

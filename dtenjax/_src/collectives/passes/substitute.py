@@ -21,15 +21,19 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from dtenjax._src import contract as contract_lib
 from dtenjax._src.collectives import api as collectives
+from dtenjax._src.collectives import fixed_point
+from dtenjax._src.contract import Contract
 
 _PSUMS = ("psum", "psum_invariant")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
 
 
 class _Options:
-  def __init__(self, algorithm, deterministic, reproducible, bucket_bytes):
-    self.kw = dict(algorithm=algorithm, deterministic=deterministic, reproducible=reproducible)
+  def __init__(self, algorithm, deterministic, contract: Contract, bucket_bytes):
+    self.kw = dict(algorithm=algorithm, deterministic=deterministic)
+    self.contract = contract
     self.bucket_bytes = bucket_bytes
     self.count = 0   # psums rewritten (for tests and reports)
 
@@ -44,16 +48,14 @@ def _reduce(vals, axes, opts: _Options):
   out = []
   for v in vals:
     v = jnp.asarray(v)
-    kw = dict(opts.kw)
-    if kw["reproducible"] and v.dtype not in (jnp.float32, jnp.bfloat16):
-      kw["reproducible"] = False
     if v.dtype == jnp.bool_:
       v = v.astype(jnp.int32)
     out.append(v)
   # one call per group of equal options; all_reduce buckets the list itself
-  groups: dict[bool, list[int]] = {}
+  # the contract covers the floats it takes; the other psums (integers, float16) stay plain sums
+  groups: dict[Contract, list[int]] = {}
   for i, v in enumerate(out):
-    rep = opts.kw["reproducible"] if v.dtype in (jnp.float32, jnp.bfloat16) else False
+    rep = opts.contract if v.dtype in fixed_point.SUPPORTED_DTYPES else Contract.NONE
     groups.setdefault(rep, []).append(i)
   res = [None] * len(out)
   for rep, idx in groups.items():
@@ -153,16 +155,18 @@ def _shard_map(eqn, invals, opts: _Options):
 
 
 def substitute_psum(fn: Callable, *, algorithm: str = "auto", deterministic: bool = True,
-                    reproducible: bool = False, bucket_bytes: int = 0) -> Callable:
+                    reproducible: bool | str = False, bucket_bytes: int = 0) -> Callable:
   """``fn`` with every named-axis ``lax.psum`` replaced by ``dtenjax.all_reduce``.
 
   ``pmean`` is covered (it is a psum and a division). The returned function has ``fn``'s
   signature; ``.psum_count`` on it reports how many psums the last call rewrote.
+  ``reproducible`` takes ``all_reduce``'s values, for the float32 and bfloat16 psums.
   """
+  contract = contract_lib.parse(reproducible, "substitute_psum: reproducible")
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
-    opts = _Options(algorithm, deterministic, reproducible, bucket_bytes)
+    opts = _Options(algorithm, deterministic, contract, bucket_bytes)
     flat_args = jax.tree_util.tree_leaves((args, kwargs))
     outs = _eval_jaxpr(closed.jaxpr, closed.consts, flat_args, opts)
     wrapped.psum_count = opts.count

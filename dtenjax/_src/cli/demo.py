@@ -89,10 +89,9 @@ def loss_fn(params, x, y):
 MICRO_BATCHES = 8
 
 
-def make_step(lr: float, mesh):
-  """The jitted data-parallel step over every axis of ``mesh`` (see the module docstring)."""
-  import optax  # pylint: disable=g-import-not-at-top
-  opt = optax.adam(lr)
+def make_grads(mesh):
+  """``grads_of(params, x, y) -> (loss, grads)``: the step's mean loss and reproducibly
+  all-reduced gradients over every axis of ``mesh`` (see the module docstring)."""
   axes = tuple(mesh.axis_names)
 
   def local_grads(params, xb, yb):
@@ -102,8 +101,15 @@ def make_step(lr: float, mesh):
     loss = collectives.all_reduce(losses, axes, op="mean", reproducible=True, local_axis=0)
     return loss, grads
 
-  grads_of = jax.shard_map(local_grads, mesh=mesh, in_specs=(P(), P(axes), P(axes)),
-                           out_specs=(P(), P()), check_vma=False)
+  return jax.shard_map(local_grads, mesh=mesh, in_specs=(P(), P(axes), P(axes)),
+                       out_specs=(P(), P()), check_vma=False)
+
+
+def make_step(lr: float, mesh):
+  """The jitted data-parallel step over every axis of ``mesh`` (see the module docstring)."""
+  import optax  # pylint: disable=g-import-not-at-top
+  opt = optax.adam(lr)
+  grads_of = make_grads(mesh)
 
   def step(params, opt_state, x, y):
     loss, grads = grads_of(params, x, y)

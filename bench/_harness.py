@@ -88,12 +88,12 @@ def positive_int(text: str) -> int:
 # --- timing ----------------------------------------------------------------------------------------
 
 def block(value: Any) -> Any:
-  """Waits for a jax value (or a tuple of them) to be computed."""
-  if hasattr(value, "block_until_ready"):
-    return value.block_until_ready()
-  if isinstance(value, (tuple, list)):
-    for v in value:
-      block(v)
+  """Waits for every jax value in ``value`` (any pytree: a dict of gradients too) to be
+  computed."""
+  import jax  # pylint: disable=g-import-not-at-top
+  for leaf in jax.tree.leaves(value):
+    if hasattr(leaf, "block_until_ready"):
+      leaf.block_until_ready()
   return value
 
 

@@ -212,3 +212,36 @@ def test_eager_bench_writes_psum_ratios_for_both_modes(tmp_path):
   assert all(row["x_psum"] > 0 for row in rows) and "x psum" in r.stdout
   r = _run("eager", "--iters", "1")                      # one device: a clear refusal
   assert r.returncode == 3 and "moves no data" in r.stderr
+
+
+def test_stacked_buckets_bench_compares_per_leaf_and_bucketed_with_the_same_bits(tmp_path):
+  out = tmp_path / "s.json"
+  r = _run("stacked_buckets", "--layers", "1", "--d", "8", "--iters", "1", "--json", str(out),
+           env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = _doc(out, "stacked_buckets")["rows"]
+  assert {(row["contract"], row["candidate"]) for row in rows} == {
+      (c, k) for c in ("True", "v2") for k in ("per leaf", "bucketed")}
+  assert all(row["same_bits"] for row in rows)
+  per_leaf = {row["contract"]: row["collectives"] for row in rows if row["candidate"] == "per leaf"}
+  for row in rows:            # 8 leaves of one layer, one bucket of them
+    if row["candidate"] == "bucketed":
+      assert row["collectives"] < per_leaf[row["contract"]], rows
+  assert all(row["speedup"] > 0 and row["busbw"] > 0 for row in rows)
+  r = _run("stacked_buckets", "--iters", "1")             # one device: a clear refusal
+  assert r.returncode == 3
+
+
+def test_block_waits_for_every_leaf_of_a_pytree():
+  """What the benches time: a dict of results (a gradient tree) is waited for leaf by leaf."""
+  class Leaf:
+    def __init__(self):
+      self.waited = False
+
+    def block_until_ready(self):
+      self.waited = True
+      return self
+  tree = {"a": Leaf(), "b": [Leaf(), (Leaf(),)], "c": 3}
+  assert _harness.block(tree) is tree
+  import jax  # pylint: disable=g-import-not-at-top
+  assert all(leaf.waited for leaf in jax.tree.leaves(tree) if isinstance(leaf, Leaf))

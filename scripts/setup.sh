@@ -80,9 +80,7 @@ fi
 
 # Build requirements first, so the extension can be built without build isolation against the
 # same jaxlib it will run with (the XLA FFI headers come from jaxlib).
-# --no-compile: pip would byte-compile every module of every package (scipy, scikit-learn, ...),
-# about 10 s of the set-up; Python compiles what it imports anyway, once, on first import.
-"$VPY" -m pip install -q --no-compile "${BUILD_REQS[@]}"
-"$VPY" -m pip install -q --no-compile --no-build-isolation -e ".[test]"
+"$VPY" -m pip install -q "${BUILD_REQS[@]}"
+"$VPY" -m pip install -q --no-build-isolation -e ".[test]"
 touch "$STAMP"
 report

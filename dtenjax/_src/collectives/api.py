@@ -404,7 +404,9 @@ def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "aut
     local_axis: with reproducible=True or op max/min, the axis of ``x`` holding several local
       contributions (summed exactly with the other devices'; the axis is removed).
     bucket_bytes: pytree leaves are packed into flat buffers of at most this many bytes
-      (default DTENJAX_BUCKET_BYTES; 0 = one collective per leaf).
+      (default DTENJAX_BUCKET_BYTES; 0 = one collective per leaf); with ``local_axis``, into
+      ``[contributions, values]`` buffers when every leaf holds as many contributions (each
+      value is still reduced on its own: the same bits as leaf by leaf).
     tag: tells apart collectives across processes whose call stacks look alike, e.g. the
       iterations of a Python loop around one step (pass the step number, an int in 0..2**32-1),
       of a ``lax.fori_loop`` (pass its traced index: an integer scalar array) or collectives

@@ -80,7 +80,13 @@ fi
 
 # Build requirements first, so the extension can be built without build isolation against the
 # same jaxlib it will run with (the XLA FFI headers come from jaxlib).
-"$VPY" -m pip install -q "${BUILD_REQS[@]}"
-"$VPY" -m pip install -q --no-build-isolation -e ".[test]"
+# pip byte-compiles what it installs one file after another (about 10 s here); without it every
+# process would import from source where PYTHONDONTWRITEBYTECODE is set, so the packages are
+# compiled afterwards on every core (compileall, as pip does it; like pip, a file of a package
+# that does not compile, e.g. a template, is not an error of the set-up).
+"$VPY" -m pip install -q --no-compile "${BUILD_REQS[@]}"
+"$VPY" -m pip install -q --no-compile --no-build-isolation -e ".[test]"
+"$VPY" -m compileall -q -j 0 "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+  >/dev/null || true
 touch "$STAMP"
 report

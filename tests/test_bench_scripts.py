@@ -228,8 +228,6 @@ def test_stacked_buckets_bench_compares_per_leaf_and_bucketed_with_the_same_bits
     if row["candidate"] == "bucketed":
       assert row["collectives"] < per_leaf[row["contract"]], rows
   assert all(row["speedup"] > 0 and row["busbw"] > 0 for row in rows)
-  r = _run("stacked_buckets", "--iters", "1")             # one device: a clear refusal
-  assert r.returncode == 3
 
 
 def test_block_waits_for_every_leaf_of_a_pytree():

@@ -607,16 +607,15 @@ def _ag_impl(x, s: _RSSpec):
   return g.reshape(shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _reduce_scatter_array(x, s: _RSSpec):
-  return _rs_impl(x, s)
+def _with_transpose(impl, transpose):
+  """``impl(x, spec)`` as a differentiable collective whose derivative is
+  ``transpose(spec, ct)`` (a tuple of one cotangent; nothing saved from the forward pass)."""
+  f = jax.custom_vjp(impl, nondiff_argnums=(1,))
+  f.defvjp(lambda x, s: (impl(x, s), None), lambda s, _, ct: transpose(s, ct))
+  return f
 
 
-def _rs_fwd(x, s):
-  return _rs_impl(x, s), None
-
-
-def _rs_bwd(s, _, ct):
+def _rs_transpose(s, ct):
   if ct.dtype == jax.dtypes.float0:
     shape = list(ct.shape)
     shape[s.dim] *= base.axis_size(s.axes)
@@ -627,19 +626,7 @@ def _rs_bwd(s, _, ct):
   return (out,)
 
 
-_reduce_scatter_array.defvjp(_rs_fwd, _rs_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _all_gather_array(x, s: _RSSpec):
-  return _ag_impl(x, s)
-
-
-def _ag_fwd(x, s):
-  return _ag_impl(x, s), None
-
-
-def _ag_bwd(s, _, ct):
+def _ag_transpose(s, ct):
   if s.invariant:            # one cotangent on every device: rank r's input gets its block r
     r = lax.axis_index(s.axes)
     if s.tiled:
@@ -654,7 +641,8 @@ def _ag_bwd(s, _, ct):
   return (out[0],)
 
 
-_all_gather_array.defvjp(_ag_fwd, _ag_bwd)
+_reduce_scatter_array = _with_transpose(_rs_impl, _rs_transpose)
+_all_gather_array = _with_transpose(_ag_impl, _ag_transpose)
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False,

@@ -508,8 +508,7 @@ def _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic, co
     _check_leaf("all_reduce", leaf, op, contract)
     part = base.ordered_reduce(stack, "sum").astype(leaf.dtype)
     y, = _all_reduce_leaves([part], mesh_axes, "sum", algorithm, deterministic, Contract.NONE,
-                            None, 0,
-                            tag, traced_tag)
+                            None, 0, tag, traced_tag)
     if op == "mean":
       y = fixed_point.ieee_divide(y, nv * base.axis_size(mesh_axes))
     out.append(y)
@@ -548,16 +547,15 @@ def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, contract, loca
       la = local_axis % leaf.ndim
       k = leaf.shape[la]
     specs.append(_Spec(axes, op, algorithm, deterministic, contract, la, k, typed, tag))
-  if len(leaves) > 1 and bucket_bytes > 0 and local_axis is None:
-    return buckets.bucketed_apply(
-        leaves, lambda flat: _all_reduce_array(flat, traced_tag, specs[0]), bucket_bytes)
   if len(leaves) > 1 and bucket_bytes > 0 and len({s.local_size for s in specs}) == 1:
-    # Contributions stacked on local_axis (a reproducible step's per-micro-batch gradients):
-    # buckets of [contributions, values], one collective and one encode per bucket, not per leaf.
-    moved = [jnp.moveaxis(leaf, s.local_axis, 0) for leaf, s in zip(leaves, specs)]
-    spec = dataclasses.replace(specs[0], local_axis=0)
+    spec, stacked = specs[0], local_axis is not None
+    if stacked:   # contributions on local_axis (a reproducible step's per-micro-batch gradients):
+      # buckets of [contributions, values], one encode and collective per bucket, not per leaf
+      leaves = [jnp.moveaxis(leaf, s.local_axis, 0) for leaf, s in zip(leaves, specs)]
+      spec = dataclasses.replace(spec, local_axis=0)
     return buckets.bucketed_apply(
-        moved, lambda flat: _all_reduce_array(flat, traced_tag, spec), bucket_bytes, stacked=True)
+        leaves, lambda flat: _all_reduce_array(flat, traced_tag, spec), bucket_bytes,
+        stacked=stacked)
   return [_all_reduce_array(leaf, traced_tag, s) for leaf, s in zip(leaves, specs)]
 
 

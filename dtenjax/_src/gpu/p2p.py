@@ -216,9 +216,9 @@ def gate(*, world: int, dtype, op: str = "sum", contract: Contract = Contract.NO
   not over a ``jax.vmap`` axis (``vmap_axes``) and, while lowering, lowered for CUDA only
   (``platforms``) inside a shard_map over a concrete mesh (``axis_context``: the axis context's
   name when there is none). ``deployment=False`` leaves out whether this process can run the
-  kernels (the test extension's simulated ranks bring their own). Any message size works (large ones run in chunks). Which GPUs take
-  part is known only when the call is lowered; a set-up failure there makes that call fall back
-  (the module docstring).
+  kernels (the test extension's simulated ranks bring their own). Any message size works (large
+  ones run in chunks). Which GPUs take part is known only when the call is lowered; a set-up
+  failure there makes that call fall back (the module docstring).
   """
   problems: list[tuple[str, str]] = []
   if backend != "gpu":       # nothing else matters off GPU (and every CPU collective asks)

@@ -64,14 +64,19 @@ def _ops() -> tuple[str, ...]:
   return tuple(op for op in native.codes()[1] if op in _LOCAL_REDUCE)
 
 
+def _all_ops() -> tuple[str, ...]:
+  """:func:`_ops` and mean (sum / axis size)."""
+  return _ops() + ("mean",)
+
+
 def __getattr__(name: str):
   # What the frames carry and which ops they combine come from the extension (no copy kept here).
   if name == "DTYPES":
     return tuple(native.codes()[0])
   if name == "OPS":
     return _ops()
-  if name == "ALL_OPS":   # mean = sum / axis size
-    return _ops() + ("mean",)
+  if name == "ALL_OPS":
+    return _all_ops()
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _lock = threading.Lock()
@@ -126,7 +131,7 @@ def _check(x, axes: tuple[str, ...], algorithm: str, op: str) -> tuple[int, int]
   problems = []
   if algorithm not in ALGORITHMS:
     problems.append(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
-  all_ops = _ops() + ("mean",)
+  all_ops = _all_ops()
   if op not in all_ops:
     problems.append(f"op={op!r} is not one of {sorted(all_ops)}")
   dtypes = tuple(native.codes()[0])

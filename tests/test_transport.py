@@ -94,8 +94,9 @@ def _python_rank1(ep0: str, lsock: socket.socket, x1: np.ndarray, site: str, out
   acc = x1.copy()
   # The fingerprint, computed from the specification: the same call as rank 0's
   key = ref.fingerprint_key(SECRET, JOB)
+  # (the stream is the creating thread's default one: an empty text, never a thread's name)
   record = dict(op=0, dtype=0, count=count, tag=0, signature=f"float32[{count}]", site=site,
-                thread="MainThread")
+                thread="")
   digest = ref.fingerprint_digest(key, **record)
   desc = dict(site=digest & 0xFFFFFFFF, tag=digest >> 32, coll_seq=1, count=count, op=0, dtype=0)
   to_next.send(ref.FINGERPRINT, ref.fingerprint_payload(digest, **record), **desc)
@@ -143,7 +144,7 @@ def test_python_peer_speaks_the_protocol():
   # specification gives for the same call (the keyed hash of op, dtype, count, tag and texts)
   assert peer["fingerprints"] == [dict(digest=peer["digest"], full=True, op=0, dtype=0, tag=0,
                                        count=1001, signature="float32[1001]", site=site[1],
-                                       thread="MainThread")]
+                                       thread="")]
   comm0.close()
   lsock.close()
 

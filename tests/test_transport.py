@@ -255,6 +255,24 @@ def test_native_ring_with_mismatched_secret_fails_fast():
   close_all([c0, c1])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_host_ring_keeps_the_sign_of_a_sum_of_negative_zeros(dtype):
+  """IEEE: -0 + -0 = -0. The ring folds each chunk from its first rank's value (not from +0, as
+  XLA's reduction does), so a sum of only -0.0 stays -0.0, and a +0.0 anywhere makes it +0.0."""
+  comms, errs = native_ring(3, credentials.JobCredentials(0x44, SECRET))
+  assert not errs
+  for values in ([-0.0, -0.0, -0.0], [-0.0, 0.0, -0.0]):
+    xs = [np.full(7, v, dtype) for v in values]    # 7 elements: chunks of 3, 2, 2
+    outs, errs, _ = run_ranks([lambda r=r: comms[r].all_reduce(xs[r], site=(0x44, "zeros"))
+                               for r in range(3)])
+    assert errs == [None] * 3, errs
+    want = -1.0 if all(np.signbit(values)) else 1.0    # IEEE, not the code under test
+    for y in outs:
+      assert np.all(y == 0) and np.all(np.copysign(1.0, y) == want), (values, y)
+      assert y.tobytes() == ref.reference_ring_sum(xs).tobytes()
+  close_all(comms)
+
+
 def test_stalled_peer_times_out_with_clear_error():
   comms, errs = native_ring(2, credentials.JobCredentials(6, b"c" * 32), timeout_s=1.0)
   assert not errs

@@ -476,6 +476,17 @@ def test_a_thread_that_did_not_create_the_communicator_needs_a_stream_key():
   close_all(comms)
 
 
+def test_a_communicator_forgets_the_stream_keys_of_ended_threads():
+  """A key per short-lived thread (e.g. one per request) must not grow a table without bound."""
+  comm = transport.create_local_comm(0, 1, creds())
+  for i in range(transport._STREAMS_KEPT + 44):
+    t = threading.Thread(target=comm._claim, args=(f"request-{i}",))
+    t.start()
+    t.join(10)
+  assert len(comm._streams) <= transport._STREAMS_KEPT, len(comm._streams)
+  comm.close()
+
+
 # --- issue 35 item 1: the full fingerprint -------------------------------------------------------
 
 def _crc_colliding_tags(text: str) -> tuple[str, str]:

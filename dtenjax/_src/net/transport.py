@@ -159,6 +159,9 @@ def stream(key: str):
     _stream.reset(token)
 
 
+_STREAMS_KEPT = 256   # a communicator forgets the keys of ended threads beyond this many
+
+
 class Communicator:
   """One rank of an authenticated ring of processes (a native communicator).
 
@@ -205,6 +208,8 @@ class Communicator:
     with self._owner_lock:
       owner = self._streams.get(key)
       if owner is None or owner is me or not owner.is_alive():
+        if owner is None and len(self._streams) >= _STREAMS_KEPT:   # keys of ended threads go
+          self._streams = {k: t for k, t in self._streams.items() if t.is_alive()}
         self._streams[key] = me
         return callsite.wire_text(key, callsite.STREAM_TEXT_BYTES)
     raise errors.CollectiveError(

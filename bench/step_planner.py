@@ -22,7 +22,13 @@ Parts (``--parts``, default all):
   loop trip counts) and timed side by side (interleaved rounds, medians); the plan's step time
   over the fastest recipe's, its predicted time next to the measured one.
 
+* ``gpu`` -- (GPU machine) the same comparison compiled by XLA's GPU compiler for a mocked host of
+  8 GPUs (``jax_mock_gpu_topology``, set before the backend starts: ``--mock-gpus 8``), nothing
+  run: the plan's predicted memory and collective bytes per kind against the compiled ones, next
+  to the hand-written recipes' compiled memory and bytes.
+
 Run:  .venv/bin/python bench/step_planner.py [--parts predict,clusters,time,wins] [--json PATH]
+      python3 bench/step_planner.py --parts gpu --mock-gpus 8   (one real GPU is enough)
 """
 
 from __future__ import annotations
@@ -34,13 +40,18 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--mock-gpus" not in sys.argv:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+if "--mock-gpus" in sys.argv:     # before the backend starts: XLA's mock NCCL, compile only
+  jax.config.update("jax_mock_gpu_topology",
+                    f"1x1x{sys.argv[sys.argv.index('--mock-gpus') + 1]}")
 
 import _harness  # noqa: E402
 import _step_models as models  # noqa: E402
@@ -159,6 +170,47 @@ def compiled_profile(compiled) -> dict:
   return {"mem": float(mem), "temp": float(stats.temp_size_in_bytes), "bytes": kinds}
 
 
+def gpu_rows(names, size: str) -> tuple[list[dict], list[str]]:
+  """Compile-only on the (mocked) GPUs: the plan's prediction against XLA's GPU compiler, and the
+  hand-written recipes' compiled memory and bytes (bench/_families.py)."""
+  import _families as fams  # pylint: disable=g-import-not-at-top
+  topo = dtenjax.Topology.fixture("h200_8")
+  rows, notes = [], []
+  for name in names:
+    if name == "llama-1b":
+      step, args = models.llama_step("1b", batch=8, seq=2048, remat=True, dtype=jnp.bfloat16)
+      fam = None
+    else:
+      fam = fams.FAMILIES[name]() if size == "small" else fams.FAMILIES[name](batch=64)
+      step, args = fam.make()
+    for recipe in (None, "DP", "FSDP", "FSDP x TP"):
+      plan = dtenjax.plan(step, *args, topology=topo, recipe=recipe, memory_budget=1 << 50)
+      check = plan.check(step, *args)
+      rows.append({
+          "family": name, "layout": f"plan({recipe})" if recipe else "plan",
+          "mesh": "x".join(map(str, plan.mesh_shape)),
+          "mem_pred_mib": check.predicted_memory["total"] / 2**20,
+          "mem_xla_mib": check.compiled_memory["total"] / 2**20, "mem_err": check.memory_error,
+          "pred_kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in
+                                 sorted(check.predicted_bytes.items()) if v),
+          "xla_kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in
+                                sorted(check.compiled_bytes.items()) if v),
+          "bytes_err": check.bytes_error})
+    if fam is not None:
+      for rn in fams.RECIPES:
+        r = fams.recipe(fam, rn)
+        if r is None:
+          continue
+        fn, _ = fams.recipe_jit(fam, r)
+        prof = compiled_profile(fn.lower(*args).compile())
+        rows.append({"family": name, "layout": f"user {rn}",
+                     "mesh": "x".join(map(str, r.mesh.shape.values())),
+                     "mem_xla_mib": prof["mem"] / 2**20,
+                     "xla_kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in
+                                           sorted(prof["bytes"].items()) if v)})
+  return rows, notes
+
+
 def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
   import _families as fams  # pylint: disable=g-import-not-at-top
   rows, notes = [], []
@@ -208,6 +260,9 @@ def main(argv=None) -> int:
                   help="model families of the wins part (bench/_families.py)")
   ap.add_argument("--models", default=",".join(PREDICT), help="models of the predict part")
   ap.add_argument("--iters", type=_harness.positive_int, default=10)
+  ap.add_argument("--mock-gpus", type=int, default=0,
+                  help="gpu part: mock a host of this many GPUs on the one present")
+  ap.add_argument("--gpu-families", default="llama-1b,llama_scan,llama_loop,encdec,moe,shared")
   ap.add_argument("--json", metavar="PATH")
   ap.add_argument("--child", help=argparse.SUPPRESS)
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -254,6 +309,18 @@ def main(argv=None) -> int:
                          title="planning an 8B step on 64 devices, fresh processes"))
     notes.append(f"time: same plan in every process: {len({r['specs_hash'] for r in rows}) == 1}")
     doc_rows += [{"part": "time", **r} for r in rows]
+  if "gpu" in parts:
+    rows, gnotes = gpu_rows(args.gpu_families.split(","), "large")
+    print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
+                                ("mesh", "mesh", "s"), ("mem pred MiB", "mem_pred_mib", ".1f"),
+                                ("mem XLA MiB", "mem_xla_mib", ".1f"), ("mem err", "mem_err", ".1%"),
+                                ("predicted per kind MiB", "pred_kinds", "s"),
+                                ("compiled per kind MiB", "xla_kinds", "s"),
+                                ("bytes err", "bytes_err", ".1%")),
+                         title=f"XLA's GPU compiler, {len(jax.devices())} "
+                         f"{jax.devices()[0].device_kind} (mocked), compile only"))
+    notes += gnotes
+    doc_rows += [{"part": "gpu", **r} for r in rows]
   if "wins" in parts:
     rows, win_notes = wins_rows(args.families.split(","), args.iters)
     print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),

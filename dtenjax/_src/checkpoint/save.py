@@ -24,11 +24,11 @@ background part. Every process must save the same trees to the same paths in the
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import threading
 import time
 from typing import Any
@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from dtenjax._src import errors
-from dtenjax._src.checkpoint import integrity, io as ckio, layout
+from dtenjax._src.checkpoint import integrity, io as ckio, layout, storage as storage_mod
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -150,16 +150,8 @@ def _as_bytes(data: np.ndarray, chunks: tuple[int, ...]) -> memoryview:
   return memoryview(flat.view(np.uint8))
 
 
-def _fsync_dir(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def _write_json(path: str, obj: Any, backend: ckio.PosixIO) -> None:
-  backend.write_file(path, memoryview(json.dumps(obj, indent=1).encode()))
+def _json_bytes(obj: Any) -> memoryview:
+  return memoryview(json.dumps(obj, indent=1).encode())
 
 
 def _barrier(store, name: str, timeout_s: float, what: str) -> None:
@@ -185,82 +177,93 @@ class _Sequence:
 
 def write(p: _Plan, *, overwrite: bool, backend: ckio.PosixIO, threads: int,
           block_bytes: int, digest: str, timeout_s: float, seq: int,
-          blocking_seconds: float | None) -> SaveReport:
+          blocking_seconds: float | None,
+          store_to: storage_mod.Storage | None = None) -> SaveReport:
   """Steps 2 and 3 (in the background thread of an asynchronous save)."""
   from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
+  st = store_to if store_to is not None else storage_mod.LocalStorage(backend)
   pid, nproc = jax.process_index(), jax.process_count()
   store = kvstore.default() if nproc > 1 else None
   tag = f"checkpoint-{seq}-{hashlib.sha256(p.path.encode()).hexdigest()[:12]}"
   meet = (lambda stage: _barrier(store, f"{tag}-{stage}", timeout_s,
                                  f"saving {p.path} ({stage})")) if store else (lambda stage: None)
-  tmp = layout.tmp_path(p.path)
   by_name = {leaf.name: leaf for leaf in p.leaves}
   stored = [leaf for leaf in p.leaves if leaf.value_type != "None"]
-  if pid == 0:
-    os.makedirs(os.path.dirname(p.path), exist_ok=True)
-    if os.path.lexists(tmp):
-      shutil.rmtree(tmp)       # a save that was killed before its commit
-    os.makedirs(os.path.join(tmp, layout.DTENJAX_DIR))
-    os.makedirs(os.path.join(tmp, "array_metadatas"))
-    for leaf in stored:
-      os.makedirs(os.path.join(tmp, leaf.name))
-  meet("open")
+  needed = sum(by_name[name].chunk_nbytes for name, _, _ in p.writes)
+  with contextlib.ExitStack() as held:
+    tmp = None
+    try:
+      if pid == 0:
+        held.enter_context(st.lock(p.path, timeout_s))
+        if os.path.lexists(p.path) and not overwrite:
+          raise errors.CheckpointError(
+              f"{p.path} appeared before this save began (another save of it committed "
+              "first); nothing was replaced: pass overwrite=True or save to another path")
+        try:
+          tmp = st.begin(p.path, needed_bytes=needed)
+          for rel in [layout.DTENJAX_DIR, "array_metadatas"] + [leaf.name for leaf in stored]:
+            st.makedirs(tmp, rel)
+        except BaseException as e:
+          if store is not None:
+            store.set(store.key(tag, "tmp"), f"error: {e}")
+          raise
+        if store is not None:
+          store.set(store.key(tag, "tmp"), tmp)
+      else:
+        tmp = store.get(store.key(tag, "tmp"), timeout_s=timeout_s)
+        if tmp.startswith("error: "):
+          raise errors.CheckpointError(f"saving {p.path}: process 0 failed to begin: {tmp[7:]}")
+      meet("open")
 
-  def one(item):
-    name, fname, data = item
-    view = _as_bytes(data, by_name[name].chunks)
-    digests = integrity.block_digests(view, block_bytes, digest)
-    backend.write_file(os.path.join(tmp, name, fname), view)
-    return name, fname, len(view), digests
+      def one(item):
+        name, fname, data = item
+        view = _as_bytes(data, by_name[name].chunks)
+        digests = integrity.block_digests(view, block_bytes, digest)
+        st.write(tmp, f"{name}/{fname}", view, needed_bytes=needed)
+        return name, fname, len(view), digests
 
-  manifest: dict[str, dict[str, dict]] = {}
-  nbytes = 0
-  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-    for name, fname, n, digests in pool.map(one, p.writes):
-      manifest.setdefault(name, {})[fname] = {"size": n, "digests": digests}
-      nbytes += n
-  _write_json(os.path.join(tmp, layout.DTENJAX_DIR, f"process_{pid}.json"),
-              {"format": layout.FORMAT, "process": pid, "chunks": manifest}, backend)
-  _write_json(os.path.join(tmp, "array_metadatas", f"process_{pid}"),
-              {"array_metadatas": [{"array_metadata": {
-                  "param_name": leaf.name, "write_shape": list(leaf.chunks),
-                  "chunk_shape": list(leaf.chunks), "ext_metadata": None}}
-                  for leaf in p.leaves if leaf.value_type == "jax.Array"]}, backend)
-  for name in manifest:
-    _fsync_dir(os.path.join(tmp, name))
-  if pid == 0:
-    for leaf in stored:
-      _write_json(os.path.join(tmp, leaf.name, ".zarray"), layout.zarray(leaf), backend)
-      _fsync_dir(os.path.join(tmp, leaf.name))
-    _write_json(os.path.join(tmp, "_METADATA"), layout.orbax_tree_metadata(p.leaves), backend)
-    backend.write_file(os.path.join(tmp, "_sharding"),
-                       memoryview(layout.sharding_file(p.shardings).encode()))
-    now = time.time_ns()
-    _write_json(os.path.join(tmp, "_CHECKPOINT_METADATA"), {
-        "item_handlers": "orbax.checkpoint._src.handlers.pytree_checkpoint_handler."
-                         "PyTreeCheckpointHandler",
-        "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now,
-        "commit_timestamp_nsecs": now, "custom_metadata": {}}, backend)
-    _write_json(os.path.join(tmp, layout.DTENJAX_DIR, layout.MANIFEST), {
-        "format": layout.FORMAT, "processes": nproc, "io": backend.name, "digest": digest,
-        "block_bytes": block_bytes, "leaves": [leaf.to_json() for leaf in p.leaves]}, backend)
-  meet("written")
-  if pid == 0:
-    _fsync_dir(os.path.join(tmp, layout.DTENJAX_DIR))
-    _fsync_dir(os.path.join(tmp, "array_metadatas"))
-    _fsync_dir(tmp)
-    old = os.path.join(os.path.dirname(p.path), f".{os.path.basename(p.path)}.dtenjax-old")
-    if os.path.lexists(p.path):
-      if not overwrite:
-        raise errors.CheckpointError(
-            f"{p.path} appeared while it was being saved; the new checkpoint is left in {tmp}")
-      if os.path.lexists(old):
-        shutil.rmtree(old)
-      os.rename(p.path, old)
-    os.rename(tmp, p.path)
-    _fsync_dir(os.path.dirname(p.path))
-    if os.path.lexists(old):
-      shutil.rmtree(old)
+      manifest: dict[str, dict[str, dict]] = {}
+      nbytes = 0
+      with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for name, fname, n, digests in pool.map(one, p.writes):
+          manifest.setdefault(name, {})[fname] = {"size": n, "digests": digests}
+          nbytes += n
+      st.write(tmp, f"{layout.DTENJAX_DIR}/process_{pid}.json",
+               _json_bytes({"format": layout.FORMAT, "process": pid, "chunks": manifest}))
+      st.write(tmp, f"array_metadatas/process_{pid}", _json_bytes({"array_metadatas": [
+          {"array_metadata": {"param_name": leaf.name, "write_shape": list(leaf.chunks),
+                              "chunk_shape": list(leaf.chunks), "ext_metadata": None}}
+          for leaf in p.leaves if leaf.value_type == "jax.Array"]}))
+      if pid == 0:
+        for leaf in stored:
+          st.write(tmp, f"{leaf.name}/.zarray", _json_bytes(layout.zarray(leaf)))
+        st.write(tmp, "_METADATA", _json_bytes(layout.orbax_tree_metadata(p.leaves)))
+        st.write(tmp, "_sharding", memoryview(layout.sharding_file(p.shardings).encode()))
+        now = time.time_ns()
+        st.write(tmp, "_CHECKPOINT_METADATA", _json_bytes({
+            "item_handlers": "orbax.checkpoint._src.handlers.pytree_checkpoint_handler."
+                             "PyTreeCheckpointHandler",
+            "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now,
+            "commit_timestamp_nsecs": now, "custom_metadata": {layout.MARKER: layout.FORMAT}}))
+        st.write(tmp, f"{layout.DTENJAX_DIR}/{layout.MANIFEST}", _json_bytes({
+            "format": layout.FORMAT, "processes": nproc, "io": backend.name, "digest": digest,
+            "block_bytes": block_bytes, "leaves": [leaf.to_json() for leaf in p.leaves]}))
+        st.sync_dirs(tmp, [leaf.name for leaf in stored])
+      else:
+        st.sync_dirs(tmp, list(manifest))
+      meet("written")
+      if pid == 0:
+        st.sync_dirs(tmp, [layout.DTENJAX_DIR, "array_metadatas"])
+        st.commit(tmp, p.path, overwrite=overwrite)
+        tmp = None
+    except BaseException as e:
+      if tmp is not None:
+        st.abort(tmp)
+        if isinstance(e, errors.CheckpointError) and getattr(e, "errno", None) is not None:
+          raise errors.CheckpointError(
+              f"{e} (the save's temporary directory {tmp} was removed; nothing was "
+              "committed)") from None
+      raise
   meet("committed")
   total = time.perf_counter() - p.t0
   return SaveReport(p.path, len(p.leaves), len(p.writes), nbytes, total,

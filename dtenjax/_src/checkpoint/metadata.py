@@ -52,7 +52,7 @@ def load_json(st: Any, root: str, rel: str) -> Any:
 
 
 def field(obj: Any, name: str, kind: type | tuple[type, ...], file: str, where: str = "") -> Any:
-  label = f"{where}{name!r}" if where else repr(name)
+  label = f"{where}{name}" if where else repr(name)
   if not isinstance(obj, dict):
     raise bad(file, where.rstrip(".") or "the top level", f"is a {type(obj).__name__}, not an "
               "object")

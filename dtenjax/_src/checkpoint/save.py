@@ -195,12 +195,13 @@ def write(p: _Plan, *, overwrite: bool, backend: ckio.PosixIO, threads: int,
     try:
       if pid == 0:
         held.enter_context(st.lock(p.path, timeout_s))
-        if os.path.lexists(p.path) and not overwrite:
-          raise errors.CheckpointError(
-              f"{p.path} appeared before this save began (another save of it committed "
-              "first); nothing was replaced: pass overwrite=True or save to another path")
         try:
           tmp = st.begin(p.path, needed_bytes=needed)
+          if os.path.lexists(p.path) and not overwrite:
+            raise errors.CheckpointError(
+                f"{p.path} exists (another save of it committed first, or an interrupted "
+                "overwrite left it); nothing was replaced: pass overwrite=True or save to "
+                "another path")
           for rel in [layout.DTENJAX_DIR, "array_metadatas"] + [leaf.name for leaf in stored]:
             st.makedirs(tmp, rel)
         except BaseException as e:
@@ -259,10 +260,14 @@ def write(p: _Plan, *, overwrite: bool, backend: ckio.PosixIO, threads: int,
     except BaseException as e:
       if tmp is not None:
         st.abort(tmp)
-        if isinstance(e, errors.CheckpointError) and getattr(e, "errno", None) is not None:
-          raise errors.CheckpointError(
-              f"{e} (the save's temporary directory {tmp} was removed; nothing was "
-              "committed)") from None
+        code = getattr(e, "errno", None) if isinstance(e, errors.CheckpointError) else None
+        if code is not None:
+          free = storage_mod.free_bytes(p.path)
+          err = errors.CheckpointError(
+              f"{e} (the save's temporary directory {tmp} was removed, nothing was committed; "
+              f"{'?' if free is None else free} bytes are free there now)")
+          err.errno = code  # type: ignore[attr-defined]
+          raise err from None
       raise
   meet("committed")
   total = time.perf_counter() - p.t0

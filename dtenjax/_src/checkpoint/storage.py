@@ -38,7 +38,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from dtenjax._src import errors
 from dtenjax._src.checkpoint import io as ckio
@@ -46,6 +46,7 @@ from dtenjax._src.checkpoint import io as ckio
 LOCK_POLL_S = 0.02
 
 
+@runtime_checkable
 class Storage(Protocol):
   """The operations save and restore need from where checkpoints live (see the module doc)."""
   name: str
@@ -94,7 +95,7 @@ def _existing_ancestor(path: str) -> str:
   return path or "."
 
 
-def _free_bytes(path: str) -> int | None:
+def free_bytes(path: str) -> int | None:
   try:
     return shutil.disk_usage(_existing_ancestor(path)).free
   except OSError:
@@ -108,7 +109,7 @@ def os_error(e: OSError, path: str, doing: str, *, needed_bytes: int = 0,
   what = os.strerror(code) if code else str(e)
   msg = f"{doing} {path} failed: {what}"
   if code in (errno.ENOSPC, errno.EDQUOT):
-    free = _free_bytes(path)
+    free = free_bytes(path)
     msg += (f"; this save needs {needed_bytes} bytes, the file system has "
             f"{'an unknown number of' if free is None else free} bytes free: free space or "
             "save to another file system")

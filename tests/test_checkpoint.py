@@ -5,6 +5,7 @@ process counts) with reproducible collectives."""
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -469,6 +470,17 @@ def test_two_processes_write_their_own_shards_and_read_only_theirs(tmp_path):
                                                  "rep": NamedSharding(m, P()), "step": None})
   ref = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
   assert _bits(full["x"]) == _bits(ref) and full["step"] == 7
+
+
+def test_reports_print_small_figures_in_a_unit_that_shows_them(tmp_path):
+  report = ckpt.save(tmp_path / "c", {"x": jnp.ones((1 << 10,), jnp.float32)})
+  text = str(report)
+  assert "4.10 kB in" in text and "0.00 GB/s" not in text, text
+  assert re.search(r"\(\d+\.\d\d (MB|kB|GB)/s;", text), text
+  _, rr = ckpt.restore(tmp_path / "c", report=True)
+  assert "0.00 GB/s" not in str(rr) and re.search(r"\d\.\d\d (GB|MB|kB)/s", str(rr)), str(rr)
+  assert ckio.rate(1e6, 1.0) == "1.00 MB/s" and ckio.rate(5e9, 2.0) == "2.50 GB/s"
+  assert ckio.rate(10, 1.0) == "10 B/s"
 
 
 def test_checkpoint_io_is_in_dtenjax_info():

@@ -43,7 +43,8 @@ class RestoreReport:
 
   def __str__(self) -> str:
     return (f"restored {self.path} ({self.source}): {self.leaves} leaves, read "
-            f"{self.bytes / 1e6:.1f} MB in {self.seconds:.3f} s ({self.gbps:.2f} GB/s), io "
+            f"{ckio.size(self.bytes)} in {self.seconds:.3f} s "
+            f"({ckio.rate(self.bytes, self.seconds)}), io "
             f"{self.io}, digests {self.digest or 'not checked'}")
 
 

@@ -62,8 +62,9 @@ class SaveReport:
 
   def __str__(self) -> str:
     return (f"saved {self.path}: {self.leaves} leaves, process {self.process}/{self.processes} "
-            f"wrote {self.files} files, {self.bytes / 1e6:.1f} MB in {self.seconds:.3f} s "
-            f"({self.gbps:.2f} GB/s; the caller waited {self.blocking_seconds:.3f} s), "
+            f"wrote {self.files} files, {ckio.size(self.bytes)} in {self.seconds:.3f} s "
+            f"({ckio.rate(self.bytes, self.seconds)}; the caller waited "
+            f"{self.blocking_seconds:.3f} s), "
             f"io {self.io}, digest {self.digest}")
 
 
@@ -223,35 +224,41 @@ def write(p: _Plan, *, overwrite: bool, backend: ckio.PosixIO, threads: int,
         st.write(tmp, f"{name}/{fname}", view, needed_bytes=needed)
         return name, fname, len(view), digests
 
+      # the metadata that depends only on the plan is written by the same pool as the chunks,
+      # so that its many small files' fsyncs overlap the chunks' writes
+      files = [(f"array_metadatas/process_{pid}", _json_bytes({"array_metadatas": [
+          {"array_metadata": {"param_name": leaf.name, "write_shape": list(leaf.chunks),
+                              "chunk_shape": list(leaf.chunks), "ext_metadata": None}}
+          for leaf in p.leaves if leaf.value_type == "jax.Array"]}))]
+      if pid == 0:
+        now = time.time_ns()
+        files += [(f"{leaf.name}/.zarray", _json_bytes(layout.zarray(leaf))) for leaf in stored]
+        files += [
+            ("_METADATA", _json_bytes(layout.orbax_tree_metadata(p.leaves))),
+            ("_sharding", memoryview(layout.sharding_file(p.shardings).encode())),
+            ("_CHECKPOINT_METADATA", _json_bytes({
+                "item_handlers": "orbax.checkpoint._src.handlers.pytree_checkpoint_handler."
+                                 "PyTreeCheckpointHandler",
+                "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now,
+                "commit_timestamp_nsecs": now,
+                "custom_metadata": {layout.MARKER: layout.FORMAT}})),
+            (f"{layout.DTENJAX_DIR}/{layout.MANIFEST}", _json_bytes({
+                "format": layout.FORMAT, "processes": nproc, "io": backend.name,
+                "digest": digest, "block_bytes": block_bytes,
+                "leaves": [leaf.to_json() for leaf in p.leaves]}))]
       manifest: dict[str, dict[str, dict]] = {}
       nbytes = 0
       with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        small = [pool.submit(st.write, tmp, rel, data) for rel, data in files]
         for name, fname, n, digests in pool.map(one, p.writes):
           manifest.setdefault(name, {})[fname] = {"size": n, "digests": digests}
           nbytes += n
-      st.write(tmp, f"{layout.DTENJAX_DIR}/process_{pid}.json",
-               _json_bytes({"format": layout.FORMAT, "process": pid, "chunks": manifest}))
-      st.write(tmp, f"array_metadatas/process_{pid}", _json_bytes({"array_metadatas": [
-          {"array_metadata": {"param_name": leaf.name, "write_shape": list(leaf.chunks),
-                              "chunk_shape": list(leaf.chunks), "ext_metadata": None}}
-          for leaf in p.leaves if leaf.value_type == "jax.Array"]}))
-      if pid == 0:
-        for leaf in stored:
-          st.write(tmp, f"{leaf.name}/.zarray", _json_bytes(layout.zarray(leaf)))
-        st.write(tmp, "_METADATA", _json_bytes(layout.orbax_tree_metadata(p.leaves)))
-        st.write(tmp, "_sharding", memoryview(layout.sharding_file(p.shardings).encode()))
-        now = time.time_ns()
-        st.write(tmp, "_CHECKPOINT_METADATA", _json_bytes({
-            "item_handlers": "orbax.checkpoint._src.handlers.pytree_checkpoint_handler."
-                             "PyTreeCheckpointHandler",
-            "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now,
-            "commit_timestamp_nsecs": now, "custom_metadata": {layout.MARKER: layout.FORMAT}}))
-        st.write(tmp, f"{layout.DTENJAX_DIR}/{layout.MANIFEST}", _json_bytes({
-            "format": layout.FORMAT, "processes": nproc, "io": backend.name, "digest": digest,
-            "block_bytes": block_bytes, "leaves": [leaf.to_json() for leaf in p.leaves]}))
-        st.sync_dirs(tmp, [leaf.name for leaf in stored])
-      else:
-        st.sync_dirs(tmp, list(manifest))
+        st.write(tmp, f"{layout.DTENJAX_DIR}/process_{pid}.json",
+                 _json_bytes({"format": layout.FORMAT, "process": pid, "chunks": manifest}))
+        for f in small:
+          f.result()
+        dirs = [leaf.name for leaf in stored] if pid == 0 else list(manifest)
+        list(pool.map(lambda d: st.sync_dirs(tmp, [d]), dirs))
       meet("written")
       if pid == 0:
         st.sync_dirs(tmp, [layout.DTENJAX_DIR, "array_metadatas"])

@@ -275,3 +275,106 @@ def test_a_kill_between_the_two_renames_of_an_overwrite_loses_nothing(tmp_path):
   with pytest.raises(dtenjax.CheckpointError, match="overwrite=True"):
     ckpt.save(tmp_path / "d", _tree(5))
   assert _check(tmp_path / "d", {4}) == 4
+
+
+class MemoryStorage:
+  """A second tier in a dict, written against the Storage protocol's documented contract (a
+  save's files are invisible until its commit; the commit replaces the whole checkpoint at once;
+  paths stay inside a checkpoint), to show the interface is all save and restore need."""
+  name = "memory"
+
+  def __init__(self):
+    self.committed_dirs: dict[str, dict[str, bytes]] = {}
+    self.pending: dict[str, dict[str, bytes]] = {}
+    self.locks: dict[str, threading.Lock] = {}
+    self.ops: list[str] = []
+
+  @contextlib.contextmanager
+  def lock(self, path, timeout_s):
+    lk = self.locks.setdefault(path, threading.Lock())
+    if not lk.acquire(timeout=timeout_s):
+      raise dtenjax.CheckpointError(f"another save of {path} held its lock")
+    try:
+      yield
+    finally:
+      lk.release()
+
+  def begin(self, path, *, needed_bytes=0):
+    tmp = f"{path}#tmp{len(self.ops)}"
+    self.pending[tmp] = {}
+    self.ops.append("begin")
+    return tmp
+
+  def makedirs(self, tmp, rel):
+    pass
+
+  def write(self, tmp, rel, data, *, needed_bytes=0):
+    self.pending[tmp][rel] = bytes(data)
+    return len(data)
+
+  def sync_dirs(self, tmp, rels):
+    pass
+
+  def commit(self, tmp, path, *, overwrite):
+    if path in self.committed_dirs and not overwrite:
+      raise dtenjax.CheckpointError(f"{path} exists")
+    self.committed_dirs[path] = self.pending.pop(tmp)
+    self.ops.append("commit")
+
+  def abort(self, tmp):
+    self.pending.pop(tmp, None)
+
+  def committed(self, path):
+    return path in self.committed_dirs
+
+  def open_checkpoint(self, path):
+    if path not in self.committed_dirs:
+      raise dtenjax.CheckpointError(f"no checkpoint at {path}")
+    return path, None
+
+  def check_links(self, root):
+    pass
+
+  def resolve(self, root, rel):
+    if rel.startswith("/") or ".." in rel.split("/"):
+      raise dtenjax.CheckpointError(f"{rel!r} is outside {root}")
+    return rel
+
+  def exists(self, root, rel):
+    files = self.committed_dirs[root]
+    return rel in files or any(k.startswith(rel + "/") for k in files)
+
+  def size(self, root, rel):
+    return len(self.committed_dirs[root][self.resolve(root, rel)])
+
+  def read_range(self, root, rel, offset, out):
+    data = self.committed_dirs[root][self.resolve(root, rel)][offset:offset + len(out)]
+    out[:len(data)] = data
+    return len(data)
+
+  def read_bytes(self, root, rel, limit):
+    return self.committed_dirs[root][self.resolve(root, rel)][:limit + 1]
+
+
+def test_a_second_tier_is_one_more_storage_implementation(tmp_path):
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mem = MemoryStorage()
+  assert isinstance(mem, storage.Storage)
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  ref = np.arange(8 * 32, dtype=np.float32).reshape(8, 32)
+  w = jax.make_array_from_callback(ref.shape, NamedSharding(mesh, P("a", "b")), lambda i: ref[i])
+  path = str(tmp_path / "mem" / "step_1")
+  with ckpt.Checkpointer(storage=mem) as c:
+    c.save(path, {"w": w, "step": 1})
+  assert mem.ops == ["begin", "commit"] and not mem.pending
+  assert not os.path.exists(tmp_path / "mem")                  # nothing touched the disk
+  assert "w/1.3" in mem.committed_dirs[path] and "_dtenjax/checkpoint.json" in mem.committed_dirs[path]
+  rows = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+  out = ckpt.restore(path, shardings={"w": rows, "step": None}, storage=mem)
+  np.testing.assert_array_equal(np.asarray(out["w"]), ref)
+  assert out["w"].sharding == rows and out["step"] == 1
+  mem.committed_dirs[path]["w/1.3"] = b"\0" * len(mem.committed_dirs[path]["w/1.3"])
+  with pytest.raises(dtenjax.CheckpointError, match="corrupted"):   # digests in every tier
+    ckpt.restore(path, storage=mem)
+  with pytest.raises(dtenjax.ConfigurationError, match="exists"):
+    ckpt.save(path, {"w": w}, storage=mem)

@@ -305,6 +305,10 @@ def _open(path: str, st: storage_mod.Storage, verify: bool):
     raise errors.CheckpointError(
         f"{root} is not a checkpoint: it has neither {mrel} nor orbax's _METADATA (an "
         "incomplete copy?)")
+  if not isinstance(st, storage_mod.LocalStorage):
+    raise errors.CheckpointError(
+        f"{root} in {st.name} storage has no {mrel}: only dtenjax's own checkpoints are read "
+        "from storage other than the file system")
   meta = metadata.load_json(st, root, "_METADATA")
   entries = metadata.orbax_tree(meta, f"{root}/_METADATA")
   src = _Tensorstore(root, meta, st)
@@ -355,7 +359,7 @@ def _resolve(s, leaf: layout.Leaf):
 
 def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = None,
             verify: bool = True, io: str | None = None, threads: int | None = None,
-            report: bool = False) -> Any:
+            report: bool = False, storage: storage_mod.Storage | None = None) -> Any:
   """The tree saved at ``path``, laid out as asked.
 
   ``target``: a tree like the saved one (jax Arrays, ``jax.ShapeDtypeStruct``s with shardings,
@@ -364,11 +368,12 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
   ``jax.sharding.Sharding`` or ``dtenjax.Placement`` for every array, or a tree of them shaped
   like the target. Without either, arrays come back with their saved shardings (when those
   devices exist) in nested dicts and lists, as orbax restores without a target.
-  ``report=True`` returns ``(tree, RestoreReport)``.
+  ``report=True`` returns ``(tree, RestoreReport)``. ``storage``: where checkpoints live
+  (default: the file system); orbax-written checkpoints are read from the file system only.
   """
   t0 = time.perf_counter()
   path = os.path.abspath(os.fspath(path))
-  st = storage_mod.LocalStorage(ckio.backend(io))
+  st = storage if storage is not None else storage_mod.LocalStorage(ckio.backend(io))
   src, leaves, saved_shardings, io_name, kind, root = _open(path, st, verify)
   by_name = {leaf.name: leaf for leaf in leaves}
   problems: list[str] = []
@@ -483,10 +488,11 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
                             src.digest, kind)
 
 
-def leaves(path: str | os.PathLike) -> dict[str, dict]:
+def leaves(path: str | os.PathLike, *,
+           storage: storage_mod.Storage | None = None) -> dict[str, dict]:
   """``{leaf name: {"value_type", "shape", "dtype", "chunks"}}`` of the checkpoint at ``path``."""
-  src, found, _, _, _, _ = _open(os.path.abspath(os.fspath(path)), storage_mod.LocalStorage(),
-                                 verify=False)
+  st = storage if storage is not None else storage_mod.LocalStorage()
+  src, found, _, _, _, _ = _open(os.path.abspath(os.fspath(path)), st, verify=False)
   del src
   return {leaf.name: {"value_type": leaf.value_type, "shape": leaf.shape,
                       "dtype": leaf.np_dtype.name if leaf.dtype else None, "chunks": leaf.chunks}

@@ -198,7 +198,7 @@ def write(p: _Plan, *, overwrite: bool, backend: ckio.PosixIO, threads: int,
         held.enter_context(st.lock(p.path, timeout_s))
         try:
           tmp = st.begin(p.path, needed_bytes=needed)
-          if os.path.lexists(p.path) and not overwrite:
+          if st.committed(p.path) and not overwrite:
             raise errors.CheckpointError(
                 f"{p.path} exists (another save of it committed first, or an interrupted "
                 "overwrite left it); nothing was replaced: pass overwrite=True or save to "
@@ -325,8 +325,9 @@ class Checkpointer:
 
   def __init__(self, *, io: str | None = None, threads: int | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S, block_bytes: int = integrity.BLOCK_BYTES,
-               digest: str | None = None):
+               digest: str | None = None, storage: storage_mod.Storage | None = None):
     self.backend = ckio.backend(io)
+    self.storage = storage if storage is not None else storage_mod.LocalStorage(self.backend)
     self.threads = threads or min(16, (os.cpu_count() or 1) * 2)
     if not isinstance(block_bytes, int) or block_bytes < 4096 or block_bytes % 16:
       raise errors.ConfigurationError(
@@ -341,7 +342,7 @@ class Checkpointer:
     self.wait()
     t0 = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
-    if os.path.lexists(path) and not overwrite:
+    if self.storage.committed(path) and not overwrite:
       raise errors.ConfigurationError(
           f"checkpoint path {path} exists; pass overwrite=True to replace it or save to a new "
           "path (one directory per step, e.g. ckpt/step_000100)")
@@ -351,7 +352,7 @@ class Checkpointer:
     self._pending = PendingSave(path, lambda: write(
         p, overwrite=overwrite, backend=self.backend, threads=self.threads,
         block_bytes=self.block_bytes, digest=self.digest, timeout_s=self.timeout_s, seq=seq,
-        blocking_seconds=blocking))
+        blocking_seconds=blocking, store_to=self.storage))
     return self._pending
 
   def wait(self, timeout_s: float | None = None) -> SaveReport | None:
@@ -366,6 +367,7 @@ class Checkpointer:
     self.wait()
     kwargs.setdefault("threads", self.threads)
     kwargs.setdefault("io", self.backend.name.split("-")[0])
+    kwargs.setdefault("storage", self.storage)
     return ckrestore.restore(path, target, **kwargs)
 
   def __enter__(self) -> "Checkpointer":
@@ -377,16 +379,19 @@ class Checkpointer:
 
 def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, io: str | None = None,
          threads: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-         block_bytes: int = integrity.BLOCK_BYTES) -> SaveReport:
+         block_bytes: int = integrity.BLOCK_BYTES,
+         storage: storage_mod.Storage | None = None) -> SaveReport:
   """Saves ``tree`` to the directory ``path`` and returns when it is committed (on every
-  process). ``Checkpointer().save`` is the asynchronous form."""
+  process). ``Checkpointer().save`` is the asynchronous form. ``storage``: where checkpoints
+  live (default: the file system, :class:`LocalStorage`)."""
   path = os.path.abspath(os.fspath(path))
-  c = Checkpointer(io=io, threads=threads, timeout_s=timeout_s, block_bytes=block_bytes)
-  if os.path.lexists(path) and not overwrite:
+  c = Checkpointer(io=io, threads=threads, timeout_s=timeout_s, block_bytes=block_bytes,
+                   storage=storage)
+  if c.storage.committed(path) and not overwrite:
     raise errors.ConfigurationError(
         f"checkpoint path {path} exists; pass overwrite=True to replace it or save to a new "
         "path (one directory per step, e.g. ckpt/step_000100)")
   p = plan(path, tree, asynchronous=False)
   return write(p, overwrite=overwrite, backend=c.backend, threads=c.threads,
                block_bytes=c.block_bytes, digest=c.digest, timeout_s=c.timeout_s,
-               seq=_Sequence.next(), blocking_seconds=None)
+               seq=_Sequence.next(), blocking_seconds=None, store_to=c.storage)

@@ -56,6 +56,9 @@ def _c_strides(shape) -> tuple[int, ...]:
   return tuple(reversed(out))
 
 
+REREADS = 3     # reads again when an overwrite commits during a restore
+
+
 def memory_bound() -> int:
   """Bytes a restore may allocate in this process: the host's physical memory."""
   try:
@@ -374,6 +377,23 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
   t0 = time.perf_counter()
   path = os.path.abspath(os.fspath(path))
   st = storage if storage is not None else storage_mod.LocalStorage(ckio.backend(io))
+  for attempt in range(REREADS + 1):
+    before = st.identity(path)
+    try:
+      out = _restore_once(path, st, target, shardings, verify, threads, report, t0)
+    except errors.CheckpointError:
+      if attempt < REREADS and st.identity(path) != before:
+        continue          # an overwrite committed while we read: read the new checkpoint
+      raise
+    if st.identity(path) == before:
+      return out
+  raise errors.CheckpointError(
+      f"{path} was replaced by {REREADS + 1} overwrites while it was being read; restore it "
+      "when saves of it pause, or save each step to its own path")
+
+
+def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: Any, verify: bool,
+                  threads: int | None, report: bool, t0: float) -> Any:
   src, leaves, saved_shardings, io_name, kind, root = _open(path, st, verify)
   by_name = {leaf.name: leaf for leaf in leaves}
   problems: list[str] = []

@@ -258,10 +258,15 @@ def write(p: _Plan, *, overwrite: bool, backend: ckio.PosixIO, threads: int,
         for f in small:
           f.result()
         dirs = [leaf.name for leaf in stored] if pid == 0 else list(manifest)
+        if nproc == 1:      # nobody else writes: the top directories too, in the same batch
+          dirs += [layout.DTENJAX_DIR, "array_metadatas", ""]
         list(pool.map(lambda d: st.sync_dirs(tmp, [d]), dirs))
       meet("written")
       if pid == 0:
-        st.sync_dirs(tmp, [layout.DTENJAX_DIR, "array_metadatas"])
+        if nproc > 1:
+          with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+            list(pool.map(lambda d: st.sync_dirs(tmp, [d]),
+                          [layout.DTENJAX_DIR, "array_metadatas", ""]))
         st.commit(tmp, p.path, overwrite=overwrite)
         tmp = None
     except BaseException as e:

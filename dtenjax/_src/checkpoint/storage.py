@@ -7,15 +7,16 @@ A save through a :class:`Storage` is::
       tmp = storage.begin(path)                 # a fresh, unique temporary directory
       storage.makedirs(tmp, "leaf")             # any process, once process 0 made tmp
       storage.write(tmp, "leaf/0.0", data)      # the whole file, durable when it returns
-      storage.sync_dirs(tmp, ["leaf", ""])      # directory entries durable
+      storage.sync_dirs(tmp, ["leaf", ""])      # directory entries durable ("" is tmp itself)
       storage.commit(tmp, path, overwrite=...)  # the checkpoint appears whole, or not at all
     # on any failure: storage.abort(tmp)
 
 and a restore reads through :meth:`Storage.open_checkpoint` (which finds the checkpoint, also
 the one an overwrite interrupted between its two renames) and then ``size``/``read_range``/
 ``read_bytes`` of paths *relative to the checkpoint*; :meth:`Storage.resolve` refuses any that
-leaves it (``..``, absolute paths, symlinks pointing out). A second tier (host memory, a peer)
-implements the same methods.
+leaves it (``..``, absolute paths, symlinks pointing out). ``identity(path)`` changes when a
+commit replaces ``path``, so that a restore racing an overwrite reads again rather than mixing
+two checkpoints. A second tier (host memory, a peer) implements the same methods.
 
 :class:`LocalStorage` is the POSIX file system: ``.NAME.dtenjax-tmp-<token>`` next to the target,
 renamed to ``NAME`` at the commit; an overwrite renames the old checkpoint to
@@ -44,6 +45,7 @@ from dtenjax._src import errors
 from dtenjax._src.checkpoint import io as ckio
 
 LOCK_POLL_S = 0.02
+COMMIT_WAIT_S = 5.0     # how long a restore waits for a commit between its two renames
 
 
 @runtime_checkable
@@ -59,6 +61,7 @@ class Storage(Protocol):
   def commit(self, tmp: str, path: str, *, overwrite: bool) -> None: ...
   def abort(self, tmp: str) -> None: ...
   def committed(self, path: str) -> bool: ...
+  def identity(self, path: str) -> object: ...
   def open_checkpoint(self, path: str) -> tuple[str, str | None]: ...
   def check_links(self, root: str) -> None: ...
   def resolve(self, root: str, rel: str) -> str: ...
@@ -233,11 +236,11 @@ class LocalStorage:
         raise os_error(e, p, "syncing the directory") from None
 
   def commit(self, tmp: str, path: str, *, overwrite: bool) -> None:
-    """(Under the lock.) Renames ``tmp`` to ``path``; an existing ``path`` is renamed away first
-    (``overwrite``) and deleted after."""
+    """(Under the lock, after ``sync_dirs`` made ``tmp``'s files and directories durable,
+    ``tmp`` itself included.) Renames ``tmp`` to ``path``; an existing ``path`` is renamed away
+    first (``overwrite``) and deleted after."""
     old = old_path(path)
     try:
-      _fsync_dir(tmp)
       if os.path.lexists(path):
         if not overwrite:
           raise errors.CheckpointError(
@@ -260,6 +263,15 @@ class LocalStorage:
     """Whether a checkpoint (or anything) is at ``path``."""
     return os.path.lexists(path)
 
+  def identity(self, path: str) -> object:
+    """What changes when a commit replaces ``path`` (its directory's device and inode; None
+    when absent): a restore that sees it change reads again."""
+    try:
+      st = os.stat(path)
+    except OSError:
+      return None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns)
+
   # --- reading -----------------------------------------------------------------------------------
 
   def open_checkpoint(self, path: str) -> tuple[str, str | None]:
@@ -268,11 +280,22 @@ class LocalStorage:
     if os.path.isdir(path):
       return path, None
     old = old_path(path)
+    saving = self.saving(path)
+    if saving and os.path.isdir(old):     # a commit between its two renames: wait for it
+      deadline = time.monotonic() + COMMIT_WAIT_S
+      while not os.path.isdir(path) and time.monotonic() < deadline:
+        time.sleep(LOCK_POLL_S / 4)
+      if os.path.isdir(path):
+        return path, None
     if not os.path.lexists(path) and os.path.isdir(old):
       return old, (f"{path} is missing and {old} holds the checkpoint an overwrite of it "
                    "replaced when it was interrupted between its two renames; restoring that "
                    "one (the next save of this path puts it back first)")
     left = leftovers(path)
+    if left and saving:
+      raise errors.CheckpointError(
+          f"no checkpoint at {path} yet: its first save is in progress ({left[0]}); wait for "
+          "it (Checkpointer.wait()) or restore an earlier checkpoint")
     if left:
       raise errors.CheckpointError(
           f"no checkpoint at {path}: its save did not commit (an interrupted save left "
@@ -280,6 +303,22 @@ class LocalStorage:
     if os.path.exists(path):
       raise errors.CheckpointError(f"{path} is a file, not a checkpoint directory")
     raise errors.CheckpointError(f"no checkpoint at {path} (no such directory)")
+
+  def saving(self, path: str) -> bool:
+    """Whether a save of ``path`` holds its lock now (on this host's view of the lock)."""
+    try:
+      fd = os.open(lock_path(path), os.O_RDONLY)
+    except OSError:
+      return False
+    try:
+      fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+      return True
+    except OSError:
+      return False
+    finally:
+      os.close(fd)        # also releases the shared lock when it was taken
+    return False
 
   def resolve(self, root: str, rel: str) -> str:
     """The real path of ``rel`` inside the checkpoint ``root``; refused if it leaves ``root``."""

@@ -43,9 +43,11 @@ def test_checkpoint_bench_writes_both_candidates_and_ratios(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["2026-12-02_cpu8_checkpoint.json",
-                                  "2026-12-02_h200_checkpoint_dtenjax.json"])
+                                  "2026-12-02_h200_checkpoint_dtenjax.json",
+                                  "2026-12-05_cpu8_checkpoint.json",
+                                  "2026-12-05_cpu8_checkpoint_512M.json"])
 def test_stored_checkpoint_results_keep_the_schema(name):
   """docs/benchmarks.md quotes these runs."""
   doc = _harness.load(str(ROOT / "bench" / "results" / name))
   assert doc["bench"] == "checkpoint"
-  assert {r["candidate"] for r in doc["rows"]} <= {"dtenjax", "orbax"}
+  assert {r["candidate"] for r in doc["rows"]} <= {"dtenjax", "orbax", "orbax_zarr", "disk"}

@@ -6,7 +6,12 @@ bytes needed are a span of the chunk file from the box's first element to its la
 the restore reads the digest blocks covering that span, checks each block's digest and copies
 the box out. Devices holding the same box (replicas) share one read. A checkpoint orbax wrote
 (no ``_dtenjax`` directory) is read through tensorstore (the ``checkpoint`` extra), which reads
-only the chunks a box needs; orbax keeps no digests, so none are checked.
+only the chunks a box needs; orbax keeps no digests, so none are checked (a warning says so).
+
+A checkpoint is untrusted input: every metadata file goes through ``metadata`` (validated
+fields, numeric dtypes only, sizes checked against the files and the host's memory before
+anything is allocated), every path through ``Storage.resolve`` (nothing outside the checkpoint),
+and a checkpoint dtenjax wrote whose digests are missing is refused unless ``verify=False``.
 """
 
 from __future__ import annotations

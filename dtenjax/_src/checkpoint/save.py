@@ -8,14 +8,19 @@ Python scalars such as a step counter) are written by process 0. The sequence of
 1. (the caller's thread) check the tree, copy every owned shard to host memory (the
    asynchronous device-to-host copies are started for all shards first), so that the caller may
    go on, donate or delete its arrays;
-2. (a background thread) process 0 creates ``.NAME.dtenjax-tmp`` next to the target, all meet;
-   every process writes its chunk files from a thread pool (digests per block, each file
-   fsynced), then its manifest; process 0 writes the orbax and dtenjax metadata; the directories
-   are fsynced; all meet;
-3. process 0 renames the temporary directory to the target and fsyncs the parent; all meet.
+2. (a background thread) process 0 takes the save lock of the target (one save of a path at a
+   time), creates this save's own temporary directory ``.NAME.dtenjax-tmp-<random>`` next to it
+   and tells the others its name, all meet; every process writes its chunk files and the
+   metadata from a thread pool (digests per block, each file fsynced), then its manifest; the
+   directories are fsynced; all meet;
+3. process 0 renames the temporary directory to the target (an old checkpoint there is renamed
+   away first and deleted after), fsyncs the parent and releases the lock; all meet.
 
-A process killed anywhere before 3 leaves the temporary directory and no target: earlier
-checkpoints are untouched, and the next save to that target removes the leftover.
+All file-system work goes through a :class:`storage.Storage` (``LocalStorage`` by default),
+which turns every ``OSError`` into a ``CheckpointError`` naming the file; a failed save removes
+its temporary directory. A process killed anywhere before 3 leaves the temporary directory and
+no target: earlier checkpoints are untouched, and the next save to that target removes the
+leftover (and puts back an old checkpoint a kill between the two renames left aside).
 ``Checkpointer.save`` returns after 1; its ``wait()``, the next ``save`` and ``restore`` join the
 background part. Every process must save the same trees to the same paths in the same order
 (the meetings are barriers of the coordination store, with a timeout).

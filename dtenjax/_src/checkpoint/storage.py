@@ -336,12 +336,20 @@ class LocalStorage:
     return real
 
   def check_links(self, root: str) -> None:
-    """Refuses a checkpoint with any symbolic link that leads outside it."""
-    for d, dirs, files in os.walk(root):
-      for n in dirs + files:
-        p = os.path.join(d, n)
-        if os.path.islink(p):
-          self.resolve(root, os.path.relpath(p, root))
+    """Refuses a checkpoint with any symbolic link that leads outside it (one directory scan;
+    links are not followed into other directories)."""
+    todo = [root]
+    while todo:
+      d = todo.pop()
+      try:
+        entries = list(os.scandir(d))
+      except OSError as e:
+        raise os_error(e, d, "listing") from None
+      for entry in entries:
+        if entry.is_symlink():
+          self.resolve(root, os.path.relpath(entry.path, root))
+        elif entry.is_dir(follow_symlinks=False):
+          todo.append(entry.path)
 
   def exists(self, root: str, rel: str) -> bool:
     return os.path.lexists(os.path.join(root, rel))

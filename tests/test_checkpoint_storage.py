@@ -47,6 +47,8 @@ def _leftovers(parent):
 
 
 def test_local_storage_is_a_storage_and_each_save_gets_its_own_directory(tmp_path):
+  assert ckpt.Storage is storage.Storage and ckpt.LocalStorage is storage.LocalStorage
+  assert {"Storage", "LocalStorage"} <= set(ckpt.__all__)
   st = storage.LocalStorage()
   assert isinstance(st, storage.Storage)
   path = str(tmp_path / "c")

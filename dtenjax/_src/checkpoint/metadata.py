@@ -21,6 +21,7 @@ import base64
 import binascii
 import json
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,14 @@ MAX_RANK = 64
 MAX_PROCESSES = 1 << 20
 NUMERIC_KINDS = "biufc"
 FIX = "the checkpoint is damaged or was not written by dtenjax or orbax: restore another one"
+
+
+def memory_bound() -> int:
+  """Bytes a restore may allocate in this process: the host's physical memory."""
+  try:
+    return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+  except (ValueError, OSError, AttributeError):
+    return 1 << 40
 
 
 def bad(file: str, field: str, problem: str) -> errors.CheckpointError:

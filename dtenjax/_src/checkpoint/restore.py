@@ -5,7 +5,7 @@ For a shard (a box ``[lo, hi)`` of the global array) and each saved chunk it int
 bytes needed are a span of the chunk file from the box's first element to its last (C order);
 the restore reads the digest blocks covering that span, checks each block's digest and copies
 the box out. Devices holding the same box (replicas) share one read. A checkpoint orbax wrote
-(no ``_dtenjax`` directory) is read through tensorstore (the ``checkpoint`` extra), which reads
+(no ``_dtenjax`` directory) is read through tensorstore (``orbax_read``) (the ``checkpoint`` extra), which reads
 only the chunks a box needs; orbax keeps no digests, so none are checked (a warning says so).
 
 A checkpoint is untrusted input: every metadata file goes through ``metadata`` (validated
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import os
 import threading
 import time
@@ -29,7 +28,8 @@ import jax
 import numpy as np
 
 from dtenjax._src import errors
-from dtenjax._src.checkpoint import integrity, io as ckio, layout, metadata, storage as storage_mod
+from dtenjax._src.checkpoint import integrity, io as ckio, layout, metadata, orbax_read
+from dtenjax._src.checkpoint import storage as storage_mod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +62,6 @@ def _c_strides(shape) -> tuple[int, ...]:
 
 
 REREADS = 3     # reads again when an overwrite commits during a restore
-
-
-def memory_bound() -> int:
-  """Bytes a restore may allocate in this process: the host's physical memory."""
-  try:
-    return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-  except (ValueError, OSError, AttributeError):
-    return 1 << 40
 
 
 class _Files:
@@ -191,89 +183,6 @@ class _Files:
     return out
 
 
-class _Tensorstore:
-  """Leaves of a checkpoint orbax wrote, opened with tensorstore (OCDBT or plain zarr), each
-  ``.zarray`` validated first (tensorstore aborts the process on some absurd shapes)."""
-
-  def __init__(self, path: str, meta: dict, st: storage_mod.Storage):
-    try:
-      import tensorstore as ts  # pylint: disable=g-import-not-at-top
-    except ImportError:
-      raise errors.ConfigurationError(
-          f"{path} was written by orbax-checkpoint (it has no {layout.DTENJAX_DIR}/); reading "
-          "it needs tensorstore: pip install 'dtenjax[checkpoint]'") from None
-    self.ts, self.path, self.st = ts, path, st
-    self.driver = "zarr3" if meta.get("use_zarr3") else "zarr"
-    self.ocdbt = bool(meta.get("use_ocdbt"))
-    self.stores: dict[str, Any] = {}
-    self.lock = threading.Lock()
-    self.nbytes = 0
-    self.digest = None
-    self._kv = None
-
-  def _zarray(self, name: str) -> dict:
-    rel = f"{name}/.zarray"
-    file = f"{self.path}/{rel}"
-    if self.driver != "zarr":
-      raise errors.CheckpointError(
-          f"{self.path} uses zarr v3 (use_zarr3=True), which dtenjax does not read; restore it "
-          "with orbax.checkpoint")
-    if not self.ocdbt:
-      if not self.st.exists(self.path, rel):
-        raise errors.CheckpointError(f"{file} is missing; the checkpoint is incomplete")
-      return metadata.load_json(self.st, self.path, rel)
-    try:
-      if self._kv is None:
-        self._kv = self.ts.KvStore.open({"driver": "ocdbt",
-                                         "base": f"file://{self.path}"}).result()
-      raw = self._kv.read(rel).result().value
-    except Exception as e:  # noqa: BLE001 - tensorstore's status errors
-      raise errors.CheckpointError(f"{file} (inside OCDBT) cannot be read: {e}") from None
-    if len(raw) > metadata.MAX_METADATA_BYTES:
-      raise metadata.bad(file, "the file", "is too large")
-    try:
-      return json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-      raise errors.CheckpointError(f"{file} is not valid JSON ({e}); {metadata.FIX}") from None
-
-  def geometry(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...], np.dtype]:
-    file = f"{self.path}/{name}/.zarray"
-    shape, chunks, dtype = metadata.zarray(self._zarray(name), file)
-    chunk_bytes = dtype.itemsize
-    for c in chunks:
-      chunk_bytes *= c
-    if chunk_bytes > memory_bound():
-      raise errors.CheckpointError(
-          f"{file}: a chunk of {list(chunks)} {dtype.name} is {chunk_bytes} bytes, more than "
-          f"this host's memory ({memory_bound()} bytes); {metadata.FIX}")
-    return shape, chunks, dtype
-
-  def open(self, name: str):
-    if name not in self.stores:
-      if self.ocdbt:
-        kv = {"driver": "ocdbt", "base": f"file://{self.path}", "path": name}
-      else:
-        kv = {"driver": "file", "path": self.st.resolve(self.path, name)}
-      try:
-        self.stores[name] = self.ts.open({"driver": self.driver, "kvstore": kv},
-                                         open=True).result()
-      except Exception as e:  # noqa: BLE001 - tensorstore raises its own status errors
-        raise errors.CheckpointError(f"leaf {name!r} of {self.path} cannot be opened: {e}") \
-            from None
-    return self.stores[name]
-
-  def read(self, leaf: layout.Leaf, lo, hi) -> np.ndarray:
-    store = self.open(leaf.name)
-    try:
-      out = np.asarray(store[tuple(slice(a, b) for a, b in zip(lo, hi))].read().result())
-    except Exception as e:  # noqa: BLE001
-      raise errors.CheckpointError(f"leaf {leaf.name!r} of {self.path} cannot be read: {e}") \
-          from None
-    with self.lock:
-      self.nbytes += out.nbytes
-    return out
-
-
 def _dtenjax_marker(st: storage_mod.Storage, root: str) -> bool:
   """Whether ``_CHECKPOINT_METADATA`` says dtenjax wrote the checkpoint."""
   if not st.exists(root, "_CHECKPOINT_METADATA"):
@@ -313,25 +222,7 @@ def _open(path: str, st: storage_mod.Storage, verify: bool):
     raise errors.CheckpointError(
         f"{root} is not a checkpoint: it has neither {mrel} nor orbax's _METADATA (an "
         "incomplete copy?)")
-  if not isinstance(st, storage_mod.LocalStorage):
-    raise errors.CheckpointError(
-        f"{root} in {st.name} storage has no {mrel}: only dtenjax's own checkpoints are read "
-        "from storage other than the file system")
-  meta = metadata.load_json(st, root, "_METADATA")
-  entries = metadata.orbax_tree(meta, f"{root}/_METADATA")
-  src = _Tensorstore(root, meta, st)
-  leaves = []
-  for keys, vtype in entries:
-    if vtype == "None":
-      leaves.append(layout.Leaf(keys, "None"))
-      continue
-    name = ".".join(k for k, _ in keys)
-    if vtype not in layout.VALUE_TYPES:
-      raise errors.CheckpointError(
-          f"{root}/_METADATA: leaf {name!r} has value type {vtype!r}; dtenjax restores arrays "
-          f"and scalars ({', '.join(layout.VALUE_TYPES)}): restore this one with orbax")
-    shape, chunks, dtype = src.geometry(name)
-    leaves.append(layout.Leaf(keys, vtype, shape, layout.dtype_to_zarr(dtype), chunks))
+  src, leaves = orbax_read.open_orbax(root, st)
   if verify:
     warnings.warn(f"{root} was written by orbax-checkpoint, which keeps no digests: its bytes "
                   "are not verified (only dtenjax's own checkpoints carry digests)",
@@ -479,10 +370,10 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
   need = sum(v[0].np_dtype.itemsize * int(np.prod([b - a for a, b in zip(v[1], v[2])],
                                                   dtype=object))
              for v in boxes.values())
-  if need > memory_bound():
+  if need > metadata.memory_bound():
     raise errors.CheckpointError(
         f"restoring {path} onto this process's devices needs {need} bytes of host memory, more "
-        f"than the host has ({memory_bound()} bytes); restore onto more processes, restore "
+        f"than the host has ({metadata.memory_bound()} bytes); restore onto more processes, restore "
         "fewer leaves, or check the checkpoint's shapes (a hostile checkpoint may declare huge "
         "arrays)")
   workers = threads or min(16, (os.cpu_count() or 1) * 2)

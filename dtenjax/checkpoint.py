@@ -20,12 +20,16 @@ from dtenjax._src.checkpoint.save import Checkpointer as Checkpointer
 from dtenjax._src.checkpoint.save import PendingSave as PendingSave
 from dtenjax._src.checkpoint.save import SaveReport as SaveReport
 from dtenjax._src.checkpoint.save import save as save
+from dtenjax._src.checkpoint.storage import LocalStorage as LocalStorage
+from dtenjax._src.checkpoint.storage import Storage as Storage
 
 __all__ = [
     "Checkpointer",
+    "LocalStorage",
     "PendingSave",
     "RestoreReport",
     "SaveReport",
+    "Storage",
     "io_info",
     "leaves",
     "restore",

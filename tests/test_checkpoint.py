@@ -5,6 +5,7 @@ process counts) with reproducible collectives."""
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -256,7 +257,8 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path):
   try:
     ready, _, _ = select.select([p.stdout], [], [], 120)
     assert ready and p.stdout.readline().strip() == "WROTE", p.stderr.read()[-3000:]
-    assert (tmp_path / ".c.dtenjax-tmp" / "x").is_dir()     # the new save was under way
+    (tmp,) = tmp_path.glob(".c.dtenjax-tmp-*")              # this save's own directory
+    assert (tmp / "x").is_dir()                              # the new save was under way
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
   finally:
@@ -266,11 +268,11 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path):
   out = ckpt.restore(path)                                 # the old checkpoint, intact
   assert _bits(out["params"]["w"]) == _bits(ref) and out["step"] == 3
   ckpt.save(tmp_path / "d", {"a": jnp.ones(2)})            # later saves are unaffected
-  os.rename(tmp_path / ".c.dtenjax-tmp", tmp_path / ".e.dtenjax-tmp")
+  os.rename(tmp, tmp_path / ".e.dtenjax-tmp-killed")
   with pytest.raises(dtenjax.CheckpointError, match="save did not commit"):
     ckpt.restore(tmp_path / "e")
   ckpt.save(tmp_path / "e", {"a": jnp.ones(2)})            # and clean up what a kill left
-  assert not (tmp_path / ".e.dtenjax-tmp").exists()
+  assert not list(tmp_path.glob(".e.dtenjax-*"))
 
 
 def test_orbax_restores_what_dtenjax_saved(tmp_path):
@@ -381,8 +383,9 @@ def test_kvikio_when_installed_and_the_report_says_so(tmp_path, monkeypatch, com
   ref = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
   report = ckpt.save(tmp_path / "k", {"x": _sharded((8,), ("x",), P("x"), ref)})
   chunks = str(tmp_path / "k" / "x")
-  written = str(tmp_path / ".k.dtenjax-tmp" / "x")      # renamed to k/ at the commit
-  assert report.io == name and sum(op == "pwrite" and p.startswith(written) and "zarray" not in p
+  written = str(tmp_path / ".k.dtenjax-tmp-")            # renamed to k/ at the commit
+  assert report.io == name and sum(op == "pwrite" and p.startswith(written) and "/x/" in p
+                                   and "zarray" not in p
                                    for op, p in fake.calls) == 8
   out, rr = ckpt.restore(tmp_path / "k", report=True)
   assert rr.io == name and ("pread", chunks + "/3.0") in fake.calls and _bits(out["x"]) == _bits(ref)
@@ -467,6 +470,17 @@ def test_two_processes_write_their_own_shards_and_read_only_theirs(tmp_path):
                                                  "rep": NamedSharding(m, P()), "step": None})
   ref = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
   assert _bits(full["x"]) == _bits(ref) and full["step"] == 7
+
+
+def test_reports_print_small_figures_in_a_unit_that_shows_them(tmp_path):
+  report = ckpt.save(tmp_path / "c", {"x": jnp.ones((1 << 10,), jnp.float32)})
+  text = str(report)
+  assert "4.10 kB in" in text and "0.00 GB/s" not in text, text
+  assert re.search(r"\(\d+\.\d\d (MB|kB|GB)/s;", text), text
+  _, rr = ckpt.restore(tmp_path / "c", report=True)
+  assert "0.00 GB/s" not in str(rr) and re.search(r"\d\.\d\d (GB|MB|kB)/s", str(rr)), str(rr)
+  assert ckio.rate(1e6, 1.0) == "1.00 MB/s" and ckio.rate(5e9, 2.0) == "2.50 GB/s"
+  assert ckio.rate(10, 1.0) == "10 B/s"
 
 
 def test_checkpoint_io_is_in_dtenjax_info():

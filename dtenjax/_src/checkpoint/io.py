@@ -143,3 +143,23 @@ def describe() -> dict[str, Any]:
          "kvikio-gds": "KvikIO through cuFile (GPUDirect Storage where nvidia-fs is loaded)",
          "kvikio-compat": "KvikIO in its POSIX compatibility mode (no cuFile/GDS here)"}[path]
   return {"path": path, "choice": choice, "kvikio": version, "why": why}
+
+
+def rate(nbytes: float, seconds: float) -> str:
+  """``nbytes / seconds`` in the unit that shows it: GB/s, MB/s, kB/s or B/s (a 1 MB save is
+  "12.3 MB/s", not "0.01 GB/s")."""
+  if not seconds:
+    return "- B/s"
+  r = nbytes / seconds
+  for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+    if r >= scale:
+      return f"{r / scale:.2f} {unit}"
+  return f"{r:.0f} B/s"
+
+
+def size(nbytes: float) -> str:
+  """Bytes in the unit that shows them (GB, MB, kB, B)."""
+  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if nbytes >= scale:
+      return f"{nbytes / scale:.2f} {unit}"
+  return f"{nbytes:.0f} B"

@@ -23,7 +23,6 @@ import base64
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +34,7 @@ from dtenjax._src import errors
 FORMAT = "dtenjax.checkpoint/1"
 DTENJAX_DIR = "_dtenjax"
 MANIFEST = "checkpoint.json"
+MARKER = "dtenjax.format"    # in _CHECKPOINT_METADATA's custom_metadata: dtenjax wrote this
 SEQUENCE, DICT = 1, 2
 VALUE_TYPES = ("jax.Array", "np.ndarray", "scalar", "None")
 RESERVED = ("_METADATA", "_sharding", "_CHECKPOINT_METADATA", "array_metadatas", DTENJAX_DIR)
@@ -88,12 +88,6 @@ class Leaf:
   def from_json(d: dict) -> "Leaf":
     return Leaf(tuple((str(k), int(t)) for k, t in d["keys"]), d["value_type"],
                 tuple(d["shape"]), d["dtype"], tuple(d["chunks"]))
-
-
-def tmp_path(path: str) -> str:
-  """Where a save of ``path`` writes before its commit renames it to ``path``."""
-  parent, name = os.path.split(path)
-  return os.path.join(parent, f".{name}.dtenjax-tmp")
 
 
 def chunk_file(index: Sequence[int]) -> str:

@@ -5,26 +5,31 @@ For a shard (a box ``[lo, hi)`` of the global array) and each saved chunk it int
 bytes needed are a span of the chunk file from the box's first element to its last (C order);
 the restore reads the digest blocks covering that span, checks each block's digest and copies
 the box out. Devices holding the same box (replicas) share one read. A checkpoint orbax wrote
-(no ``_dtenjax`` directory) is read through tensorstore (the ``checkpoint`` extra), which reads
-only the chunks a box needs; orbax keeps no digests, so none are checked.
+(no ``_dtenjax`` directory) is read through tensorstore (``orbax_read``) (the ``checkpoint`` extra), which reads
+only the chunks a box needs; orbax keeps no digests, so none are checked (a warning says so).
+
+A checkpoint is untrusted input: every metadata file goes through ``metadata`` (validated
+fields, numeric dtypes only, sizes checked against the files and the host's memory before
+anything is allocated), every path through ``Storage.resolve`` (nothing outside the checkpoint),
+and a checkpoint dtenjax wrote whose digests are missing is refused unless ``verify=False``.
 """
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import dataclasses
-import json
 import os
 import threading
 import time
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
 from dtenjax._src import errors
-from dtenjax._src.checkpoint import integrity, io as ckio, layout
+from dtenjax._src.checkpoint import integrity, io as ckio, layout, metadata, orbax_read
+from dtenjax._src.checkpoint import storage as storage_mod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +48,9 @@ class RestoreReport:
 
   def __str__(self) -> str:
     return (f"restored {self.path} ({self.source}): {self.leaves} leaves, read "
-            f"{self.bytes / 1e6:.1f} MB in {self.seconds:.3f} s ({self.gbps:.2f} GB/s), io "
+            f"{ckio.size(self.bytes)} in {self.seconds:.3f} s "
+            f"({ckio.rate(self.bytes, self.seconds)}), io "
             f"{self.io}, digests {self.digest or 'not checked'}")
-
-
-def _read_json(path: str, what: str) -> Any:
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except FileNotFoundError:
-    raise errors.CheckpointError(f"{what} {path} is missing; the checkpoint is incomplete "
-                                 "(restore an earlier one)") from None
-  except (OSError, ValueError) as e:
-    raise errors.CheckpointError(f"{what} {path} cannot be read: {e}") from None
 
 
 def _c_strides(shape) -> tuple[int, ...]:
@@ -66,36 +61,70 @@ def _c_strides(shape) -> tuple[int, ...]:
   return tuple(reversed(out))
 
 
-class _Files:
-  """Chunk files written by dtenjax: sizes and block digests from the process manifests."""
+REREADS = 3     # reads again when an overwrite commits during a restore
 
-  def __init__(self, path: str, manifest: dict, backend: ckio.PosixIO, verify: bool):
-    self.path, self.backend = path, backend
-    self.block = int(manifest["block_bytes"])
+
+class _Files:
+  """Chunk files written by dtenjax: sizes and block digests from the process manifests,
+  checked against every leaf's chunk grid before anything is read."""
+
+  def __init__(self, root: str, manifest: dict, st: storage_mod.Storage, verify: bool):
+    self.path, self.st = root, st
+    self.block = manifest["block_bytes"]
     self.digest = manifest["digest"] if verify else None
     self.hash = integrity.hasher(self.digest) if verify else None
     self.table: dict[str, dict[str, dict]] = {}
-    for pid in range(int(manifest["processes"])):
-      mf = os.path.join(path, layout.DTENJAX_DIR, f"process_{pid}.json")
-      for name, chunks in _read_json(mf, f"the manifest of process {pid}")["chunks"].items():
-        self.table.setdefault(name, {}).update(chunks)
+    for pid in range(manifest["processes"]):
+      rel = f"{layout.DTENJAX_DIR}/process_{pid}.json"
+      if not st.exists(root, rel):
+        raise errors.CheckpointError(
+            f"the manifest of process {pid} {root}/{rel} is missing; the checkpoint is "
+            "incomplete (restore an earlier one)")
+      chunks = metadata.process_manifest(metadata.load_json(st, root, rel), f"{root}/{rel}",
+                                         self.block)
+      for name, files in chunks.items():
+        self.table.setdefault(name, {}).update(files)
+    for leaf in manifest["leaves"]:
+      if leaf.value_type == "None":
+        continue
+      files = self.table.get(leaf.name, {})
+      grid = leaf.grid
+      count = 1
+      for g in grid:
+        count *= g
+      where = f"{root}/{layout.DTENJAX_DIR}"
+      if len(files) != count:
+        raise errors.CheckpointError(
+            f"leaf {leaf.name!r}: {list(leaf.shape)} in chunks of {list(leaf.chunks)} is "
+            f"{count} chunk files, the process manifests in {where} list {len(files)}; the "
+            "checkpoint is incomplete or damaged (restore an earlier one)")
+      for fname, entry in files.items():
+        parts = fname.split(".")
+        ok = (len(parts) == max(1, len(grid)) and all(p.isdigit() for p in parts)
+              and (not grid or all(int(p) < g for p, g in zip(parts, grid))))
+        if not ok or entry["size"] != leaf.chunk_nbytes:
+          raise errors.CheckpointError(
+              f"leaf {leaf.name!r}: chunk {fname!r} in {where} is {entry['size']} bytes in a "
+              f"grid of {list(grid)}; a chunk of {list(leaf.chunks)} {leaf.np_dtype.name} is "
+              f"{leaf.chunk_nbytes} bytes at an index inside the grid: the checkpoint is "
+              "damaged (restore an earlier one)")
     self.lock = threading.Lock()
     self.nbytes = 0
 
   def region(self, leaf: layout.Leaf, index: tuple[int, ...], llo, lhi) -> np.ndarray:
     fname = layout.chunk_file(index)
-    file = os.path.join(self.path, leaf.name, fname)
+    rel = f"{leaf.name}/{fname}"
+    file = os.path.join(self.path, rel)
     entry = self.table.get(leaf.name, {}).get(fname)
     if entry is None:
       raise errors.CheckpointError(
           f"leaf {leaf.name!r}: chunk {fname} ({file}) is in no process's manifest; the "
           "checkpoint is incomplete")
-    try:
-      size = self.backend.size(file)
-    except FileNotFoundError:
+    if not self.st.exists(self.path, rel):
       raise errors.CheckpointError(
           f"leaf {leaf.name!r}: chunk file {file} is missing (the checkpoint lost a file; "
-          "restore an earlier checkpoint)") from None
+          "restore an earlier checkpoint)")
+    size = self.st.size(self.path, rel)
     if size != entry["size"] or size != leaf.chunk_nbytes:
       raise errors.CheckpointError(
           f"leaf {leaf.name!r}: chunk file {file} has {size} bytes, the checkpoint wrote "
@@ -111,7 +140,7 @@ class _Files:
     else:
       start, end = first * it, last * it
     buf = np.empty(end - start, np.uint8)
-    n = self.backend.read_range(file, start, memoryview(buf))
+    n = self.st.read_range(self.path, rel, start, memoryview(buf))
     if n != len(buf):
       raise errors.CheckpointError(
           f"leaf {leaf.name!r}: reading bytes {start}-{end} of {file} returned {n} bytes "
@@ -154,90 +183,65 @@ class _Files:
     return out
 
 
-class _Tensorstore:
-  """Leaves of a checkpoint orbax wrote, opened with tensorstore (OCDBT or plain zarr)."""
-
-  def __init__(self, path: str, meta: dict):
-    try:
-      import tensorstore as ts  # pylint: disable=g-import-not-at-top
-    except ImportError:
-      raise errors.ConfigurationError(
-          f"{path} was written by orbax-checkpoint (it has no {layout.DTENJAX_DIR}/); reading "
-          "it needs tensorstore: pip install 'dtenjax[checkpoint]'") from None
-    self.ts, self.path = ts, path
-    self.driver = "zarr3" if meta.get("use_zarr3") else "zarr"
-    self.ocdbt = bool(meta.get("use_ocdbt"))
-    self.stores: dict[str, Any] = {}
-    self.lock = threading.Lock()
-    self.nbytes = 0
-    self.digest = None
-
-  def open(self, name: str):
-    if name not in self.stores:
-      kv = ({"driver": "ocdbt", "base": f"file://{self.path}", "path": name} if self.ocdbt
-            else {"driver": "file", "path": os.path.join(self.path, name)})
-      try:
-        self.stores[name] = self.ts.open({"driver": self.driver, "kvstore": kv},
-                                         open=True).result()
-      except Exception as e:  # noqa: BLE001 - tensorstore raises its own status errors
-        raise errors.CheckpointError(f"leaf {name!r} of {self.path} cannot be opened: {e}") \
-            from None
-    return self.stores[name]
-
-  def read(self, leaf: layout.Leaf, lo, hi) -> np.ndarray:
-    store = self.open(leaf.name)
-    try:
-      out = np.asarray(store[tuple(slice(a, b) for a, b in zip(lo, hi))].read().result())
-    except Exception as e:  # noqa: BLE001
-      raise errors.CheckpointError(f"leaf {leaf.name!r} of {self.path} cannot be read: {e}") \
-          from None
-    with self.lock:
-      self.nbytes += out.nbytes
-    return out
+def _dtenjax_marker(st: storage_mod.Storage, root: str) -> bool:
+  """Whether ``_CHECKPOINT_METADATA`` says dtenjax wrote the checkpoint."""
+  if not st.exists(root, "_CHECKPOINT_METADATA"):
+    return False
+  try:
+    meta = metadata.load_json(st, root, "_CHECKPOINT_METADATA")
+  except errors.CheckpointError:
+    return False
+  custom = meta.get("custom_metadata") if isinstance(meta, dict) else None
+  return isinstance(custom, dict) and layout.MARKER in custom
 
 
-def _open(path: str, backend: ckio.PosixIO, verify: bool):
-  """(source, leaves, saved shardings by name, io name, source kind)."""
-  if not os.path.isdir(path):
-    tmp = layout.tmp_path(path)
-    if os.path.isdir(tmp):
+def _open(path: str, st: storage_mod.Storage, verify: bool):
+  """(source, leaves, saved shardings by name, io name, source kind, directory read)."""
+  root, note = st.open_checkpoint(path)
+  if note:
+    warnings.warn(note, errors.DtenjaxWarning, stacklevel=3)
+  st.check_links(root)
+  shardings: dict[str, Any] = {}
+  if st.exists(root, "_sharding"):
+    shardings = metadata.sharding_file(metadata.load_json(st, root, "_sharding"),
+                                       f"{root}/_sharding")
+  mrel = f"{layout.DTENJAX_DIR}/{layout.MANIFEST}"
+  if st.exists(root, mrel):
+    manifest = metadata.manifest(metadata.load_json(st, root, mrel), f"{root}/{mrel}")
+    leaves = manifest["leaves"]
+    return (_Files(root, manifest, st, verify), leaves, shardings, st.name, "dtenjax", root)
+  if st.exists(root, layout.DTENJAX_DIR) or _dtenjax_marker(st, root):
+    if verify:
       raise errors.CheckpointError(
-          f"no checkpoint at {path}: its save did not commit (an interrupted save left {tmp}); "
-          "restore an earlier checkpoint")
-    raise errors.CheckpointError(f"no checkpoint at {path} (no such directory)")
-  shardings = {}
-  sfile = os.path.join(path, "_sharding")
-  if os.path.exists(sfile):
-    raw = _read_json(sfile, "the sharding file")
-    shardings = {base64.b64decode(k).decode(): json.loads(v) for k, v in raw.items()}
-  mfile = os.path.join(path, layout.DTENJAX_DIR, layout.MANIFEST)
-  if os.path.exists(mfile):
-    manifest = _read_json(mfile, "the checkpoint manifest")
-    if manifest.get("format") != layout.FORMAT:
-      raise errors.CheckpointError(
-          f"{mfile} has format {manifest.get('format')!r}; this dtenjax reads "
-          f"{layout.FORMAT!r} (a newer dtenjax wrote it?)")
-    leaves = [layout.Leaf.from_json(d) for d in manifest["leaves"]]
-    return _Files(path, manifest, backend, verify), leaves, shardings, backend.name, "dtenjax"
-  ofile = os.path.join(path, "_METADATA")
-  if not os.path.exists(ofile):
+          f"{root} was written by dtenjax, and its digests ({mrel}) are missing: the checkpoint "
+          "was damaged or tampered with, and cannot be verified. Restore an earlier one, or pass "
+          "verify=False to read it without digests (as an orbax checkpoint)")
+    warnings.warn(f"{root}: dtenjax's digests ({mrel}) are missing; reading it without them "
+                  "(verify=False)", errors.DtenjaxWarning, stacklevel=3)
+  if not st.exists(root, "_METADATA"):
     raise errors.CheckpointError(
-        f"{path} is not a checkpoint: it has neither {layout.DTENJAX_DIR}/{layout.MANIFEST} nor "
-        "orbax's _METADATA (an incomplete copy?)")
-  meta = _read_json(ofile, "orbax's tree metadata")
-  src = _Tensorstore(path, meta)
-  leaves = []
-  for entry in meta["tree_metadata"].values():
-    keys = tuple((str(k["key"]), int(k["key_type"])) for k in entry["key_metadata"])
-    vtype = entry["value_metadata"]["value_type"]
-    if vtype == "None":
-      leaves.append(layout.Leaf(keys, "None"))
-      continue
-    store = src.open(".".join(k for k, _ in keys))
-    shape = tuple(int(n) for n in store.shape)
-    leaves.append(layout.Leaf(keys, vtype, shape, layout.dtype_to_zarr(store.dtype.numpy_dtype),
-                              tuple(store.chunk_layout.read_chunk.shape or shape)))
-  return src, leaves, shardings, "tensorstore", "orbax"
+        f"{root} is not a checkpoint: it has neither {mrel} nor orbax's _METADATA (an "
+        "incomplete copy?)")
+  src, leaves = orbax_read.open_orbax(root, st)
+  if verify:
+    warnings.warn(f"{root} was written by orbax-checkpoint, which keeps no digests: its bytes "
+                  "are not verified (only dtenjax's own checkpoints carry digests)",
+                  errors.DtenjaxWarning, stacklevel=3)
+  return src, leaves, shardings, "tensorstore", "orbax", root
+
+
+def _saved_sharding(meta: Any, leaf: layout.Leaf, root: str):
+  """The sharding ``_sharding`` records for ``leaf`` (None when its devices are not here)."""
+  fix = ("pass shardings= (a Sharding, a dtenjax.Placement or a tree of them) or a target to "
+         "restore it without the saved sharding")
+  if isinstance(meta, str):
+    raise errors.CheckpointError(f"{meta}; {fix}")
+  try:
+    return layout.sharding_from_metadata(meta)
+  except Exception as e:  # noqa: BLE001 - hostile entries make jax and numpy raise anything
+    raise errors.CheckpointError(
+        f"{root}/_sharding: the entry of leaf {leaf.name!r} does not describe a sharding "
+        f"({type(e).__name__}: {e}); {fix}") from None
 
 
 def _is_sharding_leaf(x) -> bool:
@@ -254,7 +258,7 @@ def _resolve(s, leaf: layout.Leaf):
 
 def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = None,
             verify: bool = True, io: str | None = None, threads: int | None = None,
-            report: bool = False) -> Any:
+            report: bool = False, storage: storage_mod.Storage | None = None) -> Any:
   """The tree saved at ``path``, laid out as asked.
 
   ``target``: a tree like the saved one (jax Arrays, ``jax.ShapeDtypeStruct``s with shardings,
@@ -263,12 +267,30 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
   ``jax.sharding.Sharding`` or ``dtenjax.Placement`` for every array, or a tree of them shaped
   like the target. Without either, arrays come back with their saved shardings (when those
   devices exist) in nested dicts and lists, as orbax restores without a target.
-  ``report=True`` returns ``(tree, RestoreReport)``.
+  ``report=True`` returns ``(tree, RestoreReport)``. ``storage``: where checkpoints live
+  (default: the file system); orbax-written checkpoints are read from the file system only.
   """
   t0 = time.perf_counter()
   path = os.path.abspath(os.fspath(path))
-  backend = ckio.backend(io)
-  src, leaves, saved_shardings, io_name, kind = _open(path, backend, verify)
+  st = storage if storage is not None else storage_mod.LocalStorage(ckio.backend(io))
+  for attempt in range(REREADS + 1):
+    before = st.identity(path)
+    try:
+      out = _restore_once(path, st, target, shardings, verify, threads, report, t0)
+    except errors.CheckpointError:
+      if attempt < REREADS and st.identity(path) != before:
+        continue          # an overwrite committed while we read: read the new checkpoint
+      raise
+    if st.identity(path) == before:
+      return out
+  raise errors.CheckpointError(
+      f"{path} was replaced by {REREADS + 1} overwrites while it was being read; restore it "
+      "when saves of it pause, or save each step to its own path")
+
+
+def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: Any, verify: bool,
+                  threads: int | None, report: bool, t0: float) -> Any:
+  src, leaves, saved_shardings, io_name, kind, root = _open(path, st, verify)
   by_name = {leaf.name: leaf for leaf in leaves}
   problems: list[str] = []
   if target is not None:
@@ -311,7 +333,7 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
       if sharding is None and t is not None:
         sharding = getattr(t, "sharding", None)
       if sharding is None and leaf.name in saved_shardings:
-        sharding = layout.sharding_from_metadata(saved_shardings[leaf.name])
+        sharding = _saved_sharding(saved_shardings[leaf.name], leaf, root)
       if sharding is None:
         problems.append(f"leaf {leaf.name!r}: no sharding to restore it onto (the saved one is "
                         "not a NamedSharding over devices present here); pass shardings= (a "
@@ -345,6 +367,15 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
       box = tuple((0, n) for n in leaf.shape)
       boxes[(leaf.name, box)] = (leaf, [0] * len(leaf.shape), list(leaf.shape))
       where.append(box)
+  need = sum(v[0].np_dtype.itemsize * int(np.prod([b - a for a, b in zip(v[1], v[2])],
+                                                  dtype=object))
+             for v in boxes.values())
+  if need > metadata.memory_bound():
+    raise errors.CheckpointError(
+        f"restoring {path} onto this process's devices needs {need} bytes of host memory, more "
+        f"than the host has ({metadata.memory_bound()} bytes); restore onto more processes, restore "
+        "fewer leaves, or check the checkpoint's shapes (a hostile checkpoint may declare huge "
+        "arrays)")
   workers = threads or min(16, (os.cpu_count() or 1) * 2)
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
     futures = {k: pool.submit(src.read, *v) for k, v in boxes.items()}
@@ -373,9 +404,11 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
                             src.digest, kind)
 
 
-def leaves(path: str | os.PathLike) -> dict[str, dict]:
+def leaves(path: str | os.PathLike, *,
+           storage: storage_mod.Storage | None = None) -> dict[str, dict]:
   """``{leaf name: {"value_type", "shape", "dtype", "chunks"}}`` of the checkpoint at ``path``."""
-  src, found, _, _, _ = _open(os.path.abspath(os.fspath(path)), ckio.PosixIO(), verify=False)
+  st = storage if storage is not None else storage_mod.LocalStorage()
+  src, found, _, _, _, _ = _open(os.path.abspath(os.fspath(path)), st, verify=False)
   del src
   return {leaf.name: {"value_type": leaf.value_type, "shape": leaf.shape,
                       "dtype": leaf.np_dtype.name if leaf.dtype else None, "chunks": leaf.chunks}

@@ -8,14 +8,19 @@ Python scalars such as a step counter) are written by process 0. The sequence of
 1. (the caller's thread) check the tree, copy every owned shard to host memory (the
    asynchronous device-to-host copies are started for all shards first), so that the caller may
    go on, donate or delete its arrays;
-2. (a background thread) process 0 creates ``.NAME.dtenjax-tmp`` next to the target, all meet;
-   every process writes its chunk files from a thread pool (digests per block, each file
-   fsynced), then its manifest; process 0 writes the orbax and dtenjax metadata; the directories
-   are fsynced; all meet;
-3. process 0 renames the temporary directory to the target and fsyncs the parent; all meet.
+2. (a background thread) process 0 takes the save lock of the target (one save of a path at a
+   time), creates this save's own temporary directory ``.NAME.dtenjax-tmp-<random>`` next to it
+   and tells the others its name, all meet; every process writes its chunk files and the
+   metadata from a thread pool (digests per block, each file fsynced), then its manifest; the
+   directories are fsynced; all meet;
+3. process 0 renames the temporary directory to the target (an old checkpoint there is renamed
+   away first and deleted after), fsyncs the parent and releases the lock; all meet.
 
-A process killed anywhere before 3 leaves the temporary directory and no target: earlier
-checkpoints are untouched, and the next save to that target removes the leftover.
+All file-system work goes through a :class:`storage.Storage` (``LocalStorage`` by default),
+which turns every ``OSError`` into a ``CheckpointError`` naming the file; a failed save removes
+its temporary directory. A process killed anywhere before 3 leaves the temporary directory and
+no target: earlier checkpoints are untouched, and the next save to that target removes the
+leftover (and puts back an old checkpoint a kill between the two renames left aside).
 ``Checkpointer.save`` returns after 1; its ``wait()``, the next ``save`` and ``restore`` join the
 background part. Every process must save the same trees to the same paths in the same order
 (the meetings are barriers of the coordination store, with a timeout).
@@ -24,11 +29,11 @@ background part. Every process must save the same trees to the same paths in the
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import threading
 import time
 from typing import Any
@@ -37,7 +42,7 @@ import jax
 import numpy as np
 
 from dtenjax._src import errors
-from dtenjax._src.checkpoint import integrity, io as ckio, layout
+from dtenjax._src.checkpoint import integrity, io as ckio, layout, storage as storage_mod
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -62,8 +67,9 @@ class SaveReport:
 
   def __str__(self) -> str:
     return (f"saved {self.path}: {self.leaves} leaves, process {self.process}/{self.processes} "
-            f"wrote {self.files} files, {self.bytes / 1e6:.1f} MB in {self.seconds:.3f} s "
-            f"({self.gbps:.2f} GB/s; the caller waited {self.blocking_seconds:.3f} s), "
+            f"wrote {self.files} files, {ckio.size(self.bytes)} in {self.seconds:.3f} s "
+            f"({ckio.rate(self.bytes, self.seconds)}; the caller waited "
+            f"{self.blocking_seconds:.3f} s), "
             f"io {self.io}, digest {self.digest}")
 
 
@@ -150,16 +156,8 @@ def _as_bytes(data: np.ndarray, chunks: tuple[int, ...]) -> memoryview:
   return memoryview(flat.view(np.uint8))
 
 
-def _fsync_dir(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def _write_json(path: str, obj: Any, backend: ckio.PosixIO) -> None:
-  backend.write_file(path, memoryview(json.dumps(obj, indent=1).encode()))
+def _json_bytes(obj: Any) -> memoryview:
+  return memoryview(json.dumps(obj, indent=1).encode())
 
 
 def _barrier(store, name: str, timeout_s: float, what: str) -> None:
@@ -185,82 +183,109 @@ class _Sequence:
 
 def write(p: _Plan, *, overwrite: bool, backend: ckio.PosixIO, threads: int,
           block_bytes: int, digest: str, timeout_s: float, seq: int,
-          blocking_seconds: float | None) -> SaveReport:
+          blocking_seconds: float | None,
+          store_to: storage_mod.Storage | None = None) -> SaveReport:
   """Steps 2 and 3 (in the background thread of an asynchronous save)."""
   from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
+  st = store_to if store_to is not None else storage_mod.LocalStorage(backend)
   pid, nproc = jax.process_index(), jax.process_count()
   store = kvstore.default() if nproc > 1 else None
   tag = f"checkpoint-{seq}-{hashlib.sha256(p.path.encode()).hexdigest()[:12]}"
   meet = (lambda stage: _barrier(store, f"{tag}-{stage}", timeout_s,
                                  f"saving {p.path} ({stage})")) if store else (lambda stage: None)
-  tmp = layout.tmp_path(p.path)
   by_name = {leaf.name: leaf for leaf in p.leaves}
   stored = [leaf for leaf in p.leaves if leaf.value_type != "None"]
-  if pid == 0:
-    os.makedirs(os.path.dirname(p.path), exist_ok=True)
-    if os.path.lexists(tmp):
-      shutil.rmtree(tmp)       # a save that was killed before its commit
-    os.makedirs(os.path.join(tmp, layout.DTENJAX_DIR))
-    os.makedirs(os.path.join(tmp, "array_metadatas"))
-    for leaf in stored:
-      os.makedirs(os.path.join(tmp, leaf.name))
-  meet("open")
+  needed = sum(by_name[name].chunk_nbytes for name, _, _ in p.writes)
+  with contextlib.ExitStack() as held:
+    tmp = None
+    try:
+      if pid == 0:
+        held.enter_context(st.lock(p.path, timeout_s))
+        try:
+          tmp = st.begin(p.path, needed_bytes=needed)
+          if st.committed(p.path) and not overwrite:
+            raise errors.CheckpointError(
+                f"{p.path} exists (another save of it committed first, or an interrupted "
+                "overwrite left it); nothing was replaced: pass overwrite=True or save to "
+                "another path")
+          for rel in [layout.DTENJAX_DIR, "array_metadatas"] + [leaf.name for leaf in stored]:
+            st.makedirs(tmp, rel)
+        except BaseException as e:
+          if store is not None:
+            store.set(store.key(tag, "tmp"), f"error: {e}")
+          raise
+        if store is not None:
+          store.set(store.key(tag, "tmp"), tmp)
+      else:
+        tmp = store.get(store.key(tag, "tmp"), timeout_s=timeout_s)
+        if tmp.startswith("error: "):
+          raise errors.CheckpointError(f"saving {p.path}: process 0 failed to begin: {tmp[7:]}")
+      meet("open")
 
-  def one(item):
-    name, fname, data = item
-    view = _as_bytes(data, by_name[name].chunks)
-    digests = integrity.block_digests(view, block_bytes, digest)
-    backend.write_file(os.path.join(tmp, name, fname), view)
-    return name, fname, len(view), digests
+      def one(item):
+        name, fname, data = item
+        view = _as_bytes(data, by_name[name].chunks)
+        digests = integrity.block_digests(view, block_bytes, digest)
+        st.write(tmp, f"{name}/{fname}", view, needed_bytes=needed)
+        return name, fname, len(view), digests
 
-  manifest: dict[str, dict[str, dict]] = {}
-  nbytes = 0
-  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-    for name, fname, n, digests in pool.map(one, p.writes):
-      manifest.setdefault(name, {})[fname] = {"size": n, "digests": digests}
-      nbytes += n
-  _write_json(os.path.join(tmp, layout.DTENJAX_DIR, f"process_{pid}.json"),
-              {"format": layout.FORMAT, "process": pid, "chunks": manifest}, backend)
-  _write_json(os.path.join(tmp, "array_metadatas", f"process_{pid}"),
-              {"array_metadatas": [{"array_metadata": {
-                  "param_name": leaf.name, "write_shape": list(leaf.chunks),
-                  "chunk_shape": list(leaf.chunks), "ext_metadata": None}}
-                  for leaf in p.leaves if leaf.value_type == "jax.Array"]}, backend)
-  for name in manifest:
-    _fsync_dir(os.path.join(tmp, name))
-  if pid == 0:
-    for leaf in stored:
-      _write_json(os.path.join(tmp, leaf.name, ".zarray"), layout.zarray(leaf), backend)
-      _fsync_dir(os.path.join(tmp, leaf.name))
-    _write_json(os.path.join(tmp, "_METADATA"), layout.orbax_tree_metadata(p.leaves), backend)
-    backend.write_file(os.path.join(tmp, "_sharding"),
-                       memoryview(layout.sharding_file(p.shardings).encode()))
-    now = time.time_ns()
-    _write_json(os.path.join(tmp, "_CHECKPOINT_METADATA"), {
-        "item_handlers": "orbax.checkpoint._src.handlers.pytree_checkpoint_handler."
-                         "PyTreeCheckpointHandler",
-        "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now,
-        "commit_timestamp_nsecs": now, "custom_metadata": {}}, backend)
-    _write_json(os.path.join(tmp, layout.DTENJAX_DIR, layout.MANIFEST), {
-        "format": layout.FORMAT, "processes": nproc, "io": backend.name, "digest": digest,
-        "block_bytes": block_bytes, "leaves": [leaf.to_json() for leaf in p.leaves]}, backend)
-  meet("written")
-  if pid == 0:
-    _fsync_dir(os.path.join(tmp, layout.DTENJAX_DIR))
-    _fsync_dir(os.path.join(tmp, "array_metadatas"))
-    _fsync_dir(tmp)
-    old = os.path.join(os.path.dirname(p.path), f".{os.path.basename(p.path)}.dtenjax-old")
-    if os.path.lexists(p.path):
-      if not overwrite:
-        raise errors.CheckpointError(
-            f"{p.path} appeared while it was being saved; the new checkpoint is left in {tmp}")
-      if os.path.lexists(old):
-        shutil.rmtree(old)
-      os.rename(p.path, old)
-    os.rename(tmp, p.path)
-    _fsync_dir(os.path.dirname(p.path))
-    if os.path.lexists(old):
-      shutil.rmtree(old)
+      # the metadata that depends only on the plan is written by the same pool as the chunks,
+      # so that its many small files' fsyncs overlap the chunks' writes
+      files = [(f"array_metadatas/process_{pid}", _json_bytes({"array_metadatas": [
+          {"array_metadata": {"param_name": leaf.name, "write_shape": list(leaf.chunks),
+                              "chunk_shape": list(leaf.chunks), "ext_metadata": None}}
+          for leaf in p.leaves if leaf.value_type == "jax.Array"]}))]
+      if pid == 0:
+        now = time.time_ns()
+        files += [(f"{leaf.name}/.zarray", _json_bytes(layout.zarray(leaf))) for leaf in stored]
+        files += [
+            ("_METADATA", _json_bytes(layout.orbax_tree_metadata(p.leaves))),
+            ("_sharding", memoryview(layout.sharding_file(p.shardings).encode())),
+            ("_CHECKPOINT_METADATA", _json_bytes({
+                "item_handlers": "orbax.checkpoint._src.handlers.pytree_checkpoint_handler."
+                                 "PyTreeCheckpointHandler",
+                "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now,
+                "commit_timestamp_nsecs": now,
+                "custom_metadata": {layout.MARKER: layout.FORMAT}})),
+            (f"{layout.DTENJAX_DIR}/{layout.MANIFEST}", _json_bytes({
+                "format": layout.FORMAT, "processes": nproc, "io": backend.name,
+                "digest": digest, "block_bytes": block_bytes,
+                "leaves": [leaf.to_json() for leaf in p.leaves]}))]
+      manifest: dict[str, dict[str, dict]] = {}
+      nbytes = 0
+      with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        small = [pool.submit(st.write, tmp, rel, data) for rel, data in files]
+        for name, fname, n, digests in pool.map(one, p.writes):
+          manifest.setdefault(name, {})[fname] = {"size": n, "digests": digests}
+          nbytes += n
+        st.write(tmp, f"{layout.DTENJAX_DIR}/process_{pid}.json",
+                 _json_bytes({"format": layout.FORMAT, "process": pid, "chunks": manifest}))
+        for f in small:
+          f.result()
+        dirs = [leaf.name for leaf in stored] if pid == 0 else list(manifest)
+        if nproc == 1:      # nobody else writes: the top directories too, in the same batch
+          dirs += [layout.DTENJAX_DIR, "array_metadatas", ""]
+        list(pool.map(lambda d: st.sync_dirs(tmp, [d]), dirs))
+      meet("written")
+      if pid == 0:
+        if nproc > 1:
+          with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+            list(pool.map(lambda d: st.sync_dirs(tmp, [d]),
+                          [layout.DTENJAX_DIR, "array_metadatas", ""]))
+        st.commit(tmp, p.path, overwrite=overwrite)
+        tmp = None
+    except BaseException as e:
+      if tmp is not None:
+        st.abort(tmp)
+        code = getattr(e, "errno", None) if isinstance(e, errors.CheckpointError) else None
+        if code is not None:
+          free = storage_mod.free_bytes(p.path)
+          err = errors.CheckpointError(
+              f"{e} (the save's temporary directory {tmp} was removed, nothing was committed; "
+              f"{'?' if free is None else free} bytes are free there now)")
+          err.errno = code  # type: ignore[attr-defined]
+          raise err from None
+      raise
   meet("committed")
   total = time.perf_counter() - p.t0
   return SaveReport(p.path, len(p.leaves), len(p.writes), nbytes, total,
@@ -310,8 +335,9 @@ class Checkpointer:
 
   def __init__(self, *, io: str | None = None, threads: int | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S, block_bytes: int = integrity.BLOCK_BYTES,
-               digest: str | None = None):
+               digest: str | None = None, storage: storage_mod.Storage | None = None):
     self.backend = ckio.backend(io)
+    self.storage = storage if storage is not None else storage_mod.LocalStorage(self.backend)
     self.threads = threads or min(16, (os.cpu_count() or 1) * 2)
     if not isinstance(block_bytes, int) or block_bytes < 4096 or block_bytes % 16:
       raise errors.ConfigurationError(
@@ -326,7 +352,7 @@ class Checkpointer:
     self.wait()
     t0 = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
-    if os.path.lexists(path) and not overwrite:
+    if self.storage.committed(path) and not overwrite:
       raise errors.ConfigurationError(
           f"checkpoint path {path} exists; pass overwrite=True to replace it or save to a new "
           "path (one directory per step, e.g. ckpt/step_000100)")
@@ -336,7 +362,7 @@ class Checkpointer:
     self._pending = PendingSave(path, lambda: write(
         p, overwrite=overwrite, backend=self.backend, threads=self.threads,
         block_bytes=self.block_bytes, digest=self.digest, timeout_s=self.timeout_s, seq=seq,
-        blocking_seconds=blocking))
+        blocking_seconds=blocking, store_to=self.storage))
     return self._pending
 
   def wait(self, timeout_s: float | None = None) -> SaveReport | None:
@@ -351,6 +377,7 @@ class Checkpointer:
     self.wait()
     kwargs.setdefault("threads", self.threads)
     kwargs.setdefault("io", self.backend.name.split("-")[0])
+    kwargs.setdefault("storage", self.storage)
     return ckrestore.restore(path, target, **kwargs)
 
   def __enter__(self) -> "Checkpointer":
@@ -362,16 +389,19 @@ class Checkpointer:
 
 def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, io: str | None = None,
          threads: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-         block_bytes: int = integrity.BLOCK_BYTES) -> SaveReport:
+         block_bytes: int = integrity.BLOCK_BYTES,
+         storage: storage_mod.Storage | None = None) -> SaveReport:
   """Saves ``tree`` to the directory ``path`` and returns when it is committed (on every
-  process). ``Checkpointer().save`` is the asynchronous form."""
+  process). ``Checkpointer().save`` is the asynchronous form. ``storage``: where checkpoints
+  live (default: the file system, :class:`LocalStorage`)."""
   path = os.path.abspath(os.fspath(path))
-  c = Checkpointer(io=io, threads=threads, timeout_s=timeout_s, block_bytes=block_bytes)
-  if os.path.lexists(path) and not overwrite:
+  c = Checkpointer(io=io, threads=threads, timeout_s=timeout_s, block_bytes=block_bytes,
+                   storage=storage)
+  if c.storage.committed(path) and not overwrite:
     raise errors.ConfigurationError(
         f"checkpoint path {path} exists; pass overwrite=True to replace it or save to a new "
         "path (one directory per step, e.g. ckpt/step_000100)")
   p = plan(path, tree, asynchronous=False)
   return write(p, overwrite=overwrite, backend=c.backend, threads=c.threads,
                block_bytes=c.block_bytes, digest=c.digest, timeout_s=c.timeout_s,
-               seq=_Sequence.next(), blocking_seconds=None)
+               seq=_Sequence.next(), blocking_seconds=None, store_to=c.storage)

@@ -60,7 +60,7 @@ def encode(step: int, rank: int, world: int, tree: Any) -> tuple[dict, list[np.n
   leaves, pending = [], []
   for path, leaf in pairs:
     name = _name(path)
-    if isinstance(leaf, jax.Array):
+    if hasattr(leaf, "addressable_shards"):      # a jax.Array (or a view of one's shards)
       mine = [s for s in leaf.addressable_shards if s.replica_id == 0]
       for s in mine:
         s.data.copy_to_host_async()

@@ -231,6 +231,12 @@ def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline:
       bad = [r for r, c in enumerate(codes) if c is not None and c != 0]
       if bad or reports:
         g.detected = time.time()
+        # lost: the processes dead of a signal when the failure was first seen. JAX aborts
+        # (SIGABRT) the survivors of a dead coordinator within a second: where another signal
+        # killed a process, a SIGABRT beside it is that collateral, not a second loss.
+        signalled = {r: c for r, c in enumerate(codes) if c is not None and c < 0}
+        if any(c != -signal.SIGABRT for c in signalled.values()):
+          signalled = {r: c for r, c in signalled.items() if c != -signal.SIGABRT}
         time.sleep(0.2)                # let the other survivors' reports land
         codes = [p.poll() for p in procs]
         reports = sorted(glob.glob(os.path.join(run_dir, f"lost.g{g.index}.r*.json")))
@@ -238,8 +244,7 @@ def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline:
           with open(path) as f:
             g.reports.append(json.load(f))
         named = {r for rep in g.reports for r in rep["lost"]}
-        signalled = {r for r, c in enumerate(codes) if c is not None and c < 0}
-        g.lost = sorted(named | signalled)
+        g.lost = sorted(named | set(signalled))
         _kill(procs)
         g.codes = [p.returncode for p in procs]
         for r in g.lost:            # a lost process that was still there was stopped: killed
@@ -257,3 +262,32 @@ def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline:
   except BaseException:
     _kill(procs)
     raise
+
+
+def qualification(argv: Sequence[str], env: dict[str, str] | None = None) -> list[tuple[bool, str]]:
+  """What can be checked before the start about whether a run that loses processes continues with
+  the uninterrupted run's bits (docs/elastic.md lists the rest): ``[(ok, finding), ...]``."""
+  from dtenjax._src.planning import reproducible  # pylint: disable=g-import-not-at-top
+  e = {**os.environ, **(env or {})}
+  platforms = e.get("JAX_PLATFORMS", "").lower()
+  gpu = "cuda" in platforms or "gpu" in platforms or (
+      not platforms and os.path.exists("/dev/nvidia0"))
+  out = []
+  missing = reproducible.missing_process_flags("gpu" if gpu else "cpu", environ=e,
+                                               num_devices=2)
+  out.append((not missing, "process settings for reproducible steps: " + (
+      f"missing {' '.join(missing)}" + (" (pass --reproducible)" if not gpu else "")
+      if missing else "present")))
+  try:
+    with open(argv[0], encoding="utf-8") as f:
+      source = f.read()
+  except (OSError, IndexError):
+    source = None
+  if source is not None:
+    for needle, what in (("elastic.init(", "joins the elastic job (dtenjax.elastic.init)"),
+                         ("step_done(", "snapshots its state (ctx.step_done)"),
+                         ("reproducible_step(", "compiles its step with dtenjax.reproducible_step"),
+                         ("reproducible=True", "reduces with reproducible=True")):
+      found = needle in source
+      out.append((found, f"the script {what}: " + ("yes" if found else "not found")))
+  return out

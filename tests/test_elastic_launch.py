@@ -1,0 +1,131 @@
+"""dtenjax.elastic.launch with loopback processes: 4 processes x 2 CPU devices train; processes
+are killed (-9, process 0 included) or stopped (SIGSTOP) at a step; the job continues on fewer
+processes from the in-memory tier (peers' replicas), and every logged loss and the final
+parameters are bit-identical to an uninterrupted 8-device run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import dtenjax
+import dtenjax.checkpoint as ckpt
+import dtenjax.elastic
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "mp_workers", "elastic_worker.py")
+STEPS = 8
+HEARTBEAT_S = 4.0
+FLAGS = "--xla_cpu_max_isa=AVX"     # reproducible_step's CPU flag (docs/reproducibility.md)
+
+
+def _env(devices):
+  return {"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FLAGS}"}
+
+
+def _losses(out_dir):
+  """{step: loss hex}; a step computed twice (after a restore from an earlier snapshot) must have
+  given the same bits both times."""
+  by_step = {}
+  with open(os.path.join(out_dir, "losses.jsonl")) as f:
+    for line in f:
+      e = json.loads(line)
+      assert by_step.setdefault(e["step"], e["loss"]) == e["loss"], e
+  return [by_step[s] for s in sorted(by_step)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """The uninterrupted run: one process of 8 devices, no launcher."""
+  out = tmp_path_factory.mktemp("reference")
+  r = subprocess.run([sys.executable, WORKER, str(out), str(STEPS)], env={**os.environ,
+                     **_env(8)}, capture_output=True, text=True, timeout=240, check=False)
+  assert r.returncode == 0, r.stderr[-3000:]
+  with open(out / "final.json") as f:
+    final = json.load(f)
+  assert final["devices"] == 8 and final["step"] == STEPS
+  return _losses(out), final["digest"]
+
+
+def _launch(tmp_path, faults, **kwargs):
+  out = tmp_path / "out"
+  out.mkdir()
+  result = dtenjax.elastic.launch(
+      [WORKER, str(out), str(STEPS), faults], 4, min_nprocs=2, env=_env(2),
+      run_dir=str(tmp_path / "run"), snapshot_every=2, heartbeat_timeout_s=HEARTBEAT_S,
+      timeout_s=300, quiet=True, **kwargs)
+  with open(out / "final.json") as f:
+    final = json.load(f)
+  return result, _losses(out), final
+
+
+def _first(events, kind, **match):
+  return min(e["t"] for e in events if e["event"] == kind
+             and all(e.get(k) == v for k, v in match.items()))
+
+
+@pytest.mark.multiprocess
+def test_kill_9_of_one_process_continues_on_3_from_peers_memory(tmp_path, reference):
+  ref_losses, ref_digest = reference
+  result, losses, final = _launch(tmp_path, "0:2:4:KILL", checkpoint_dir=str(tmp_path / "ck"),
+                                  checkpoint_every=2)
+  g0, g1 = result.generations
+  assert (g0.world, g0.lost, g1.world) == (4, [2], 3) and result.code == 0
+  # persistent checkpoints were written (step 2 before the kill, 6 and 8 after), but the
+  # in-memory tier held a step at least as new: the restore read no checkpoint
+  assert ckpt.CheckpointManager(tmp_path / "ck").all_steps()[-1] == 8
+  assert g1.restore["source"] == "memory" and g1.restore["step"] in (2, 4)
+  events = result.events()
+  assert {e["source"] for e in events if e["event"] == "restored" and e["generation"] == 1} == {
+      "memory"}
+  assert final["devices"] == 6 and final["restored_from"] == "memory"
+  assert losses == ref_losses                          # every step's loss, bit for bit
+  assert final["digest"] == ref_digest                 # parameters and optimizer state
+  fault = _first(events, "fault")
+  detect = _first(events, "detected") - fault
+  resumed = _first(events, "first_step", generation=1) - fault
+  print(f"kill -9 at step 4: detected after {detect:.2f} s, first step on 3 processes after "
+        f"{resumed:.1f} s")
+  assert detect < 2.0 and resumed < 200
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_process_0_killed_then_one_stopped_two_failures_same_bits(tmp_path, reference):
+  """kill -9 of process 0 (the coordination service's host) at step 2, then SIGSTOP of a
+  process of the 3-process job at step 6: the survivors name it within the heartbeat timeout
+  + 10 %, and the job ends on 2 processes with the uninterrupted run's bits."""
+  ref_losses, ref_digest = reference
+  result, losses, final = _launch(tmp_path, "0:0:2:KILL,1:1:6:STOP")
+  g0, g1, g2 = result.generations
+  assert [(g.world, g.lost) for g in result.generations] == [(4, [0]), (3, [1]), (2, [])]
+  assert g1.restore["source"] == g2.restore["source"] == "memory"
+  assert g1.restore["step"] == 2 and g2.restore["step"] in (4, 6)
+  # the survivors of generation 1 (ranks 0 and 2) each named rank 1
+  assert sorted(r["rank"] for r in g1.reports) == [0, 2] and all(
+      r["lost"] == [1] and "lost rank 1" in r["message"] and "no heartbeat within 4 s"
+      in r["message"] for r in g1.reports)
+  stopped = _first(result.events(), "fault", generation=1)
+  detected = min(r["t"] for r in g1.reports) - stopped
+  print(f"SIGSTOP at step 6: named by a survivor after {detected:.2f} s "
+        f"(timeout {HEARTBEAT_S:g} s)")
+  assert detected <= HEARTBEAT_S * 1.1
+  assert g1.codes[1] is None                           # stopped, then killed by the launcher
+  assert final["devices"] == 4
+  assert losses == ref_losses and final["digest"] == ref_digest
+
+
+def test_fewer_than_min_nprocs_stops_the_job_with_the_lost_ranks(tmp_path):
+  script = tmp_path / "die.py"
+  script.write_text("import os, signal\n"
+                    "if os.environ['DTENJAX_ELASTIC_RANK'] == '1':\n"
+                    "  os.kill(os.getpid(), signal.SIGKILL)\n"
+                    "import time; time.sleep(60)\n")
+  with pytest.raises(dtenjax.ProcessLostError) as e:
+    dtenjax.elastic.launch([str(script)], 2, min_nprocs=2, run_dir=str(tmp_path / "run"),
+                           timeout_s=60, quiet=True)
+  assert e.value.lost == (1,)
+  assert "1 processes would remain, fewer than min_nprocs=2" in str(e.value)

@@ -129,3 +129,34 @@ def test_fewer_than_min_nprocs_stops_the_job_with_the_lost_ranks(tmp_path):
                            timeout_s=60, quiet=True)
   assert e.value.lost == (1,)
   assert "1 processes would remain, fewer than min_nprocs=2" in str(e.value)
+
+
+@pytest.mark.multiprocess
+def test_dtenjax_launch_says_what_it_checked_and_runs_the_job(tmp_path):
+  script = tmp_path / "hello.py"
+  script.write_text("import sys, dtenjax.elastic\n"
+                    "ctx = dtenjax.elastic.init()\n"
+                    "print('rank', ctx.rank, 'of', ctx.world, sys.argv[1:])\n"
+                    "ctx.finish()\n")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+  env.pop("XLA_FLAGS", None)
+  r = subprocess.run([sys.executable, "-m", "dtenjax", "launch", "--nprocs", "2",
+                      "--cpu-devices-per-proc", "1", "--reproducible", "--run-dir",
+                      str(tmp_path / "run"), str(script), "--steps", "3"],
+                     env=env, capture_output=True, text=True, timeout=180, check=False)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "ok  process settings for reproducible steps: present" in r.stdout
+  assert "ok  the script joins the elastic job (dtenjax.elastic.init): yes" in r.stdout
+  assert "NO  the script compiles its step with dtenjax.reproducible_step: not found" in r.stdout
+  assert "generation 0: 2 processes from the start; finished" in r.stdout
+  for rank in (0, 1):
+    log = (tmp_path / "run" / f"g0.r{rank}.log").read_text()
+    assert f"rank {rank} of 2 ['--steps', '3']" in log
+  r = subprocess.run([sys.executable, "-m", "dtenjax", "launch", "--nprocs", "2",
+                      str(tmp_path / "nosuch.py")], env=env, capture_output=True, text=True,
+                     timeout=120, check=False)
+  assert r.returncode == 2 and "is not a file" in r.stderr
+  r = subprocess.run([sys.executable, "-m", "dtenjax", "launch", "--nprocs", "2", "--min-nprocs",
+                      "3", str(script)], env=env, capture_output=True, text=True, timeout=120,
+                     check=False)
+  assert r.returncode == 1 and "min_nprocs=3 must be an int in [1, nprocs=2]" in r.stderr

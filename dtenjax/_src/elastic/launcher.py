@@ -139,7 +139,8 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
   ``snapshot_every``: steps between in-memory snapshots (0: none); ``checkpoint_dir`` and
   ``checkpoint_every``: the persistent tier (a :class:`dtenjax.checkpoint.CheckpointManager`).
   ``heartbeat_timeout_s``: how long a silent worker is waited for. ``timeout_s`` bounds the
-  whole run. Raises :class:`dtenjax.ProcessLostError` when fewer than ``min_nprocs`` remain or
+  whole run. ``memory_root``: where the in-memory tier keeps its records (a RAM file system;
+  default ``/dev/shm``), in a directory of this run that is removed at the end. Raises :class:`dtenjax.ProcessLostError` when fewer than ``min_nprocs`` remain or
   more than ``max_restarts`` restarts were needed; returns the :class:`LaunchResult` otherwise.
   """
   min_nprocs = nprocs if min_nprocs is None else min_nprocs
@@ -160,7 +161,7 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
   run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="dtenjax-launch-"))
   os.makedirs(run_dir, exist_ok=True)
   job = os.path.basename(run_dir.rstrip("/"))
-  memory_base = memory_root or os.path.join(memory.default_root(), job)
+  memory_base = os.path.join(memory_root or memory.default_root(), job)   # removed at the end
   deadline = time.monotonic() + timeout_s
   generations: list[Generation] = []
   world, restore, restarts = nprocs, None, 0

@@ -184,9 +184,10 @@ class MemoryTier:
 
   def snapshot(self, step: int, tree: Any) -> None:
     """Copies this process's shards to host memory and returns; the rest runs in the
-    background (the previous snapshot is joined first)."""
-    self.wait()
+    background. The previous snapshot is joined first: ``stall_s`` counts that wait and the
+    device-to-host copies, all the time the caller is held."""
     t0 = time.perf_counter()
+    self.wait()
     header, buffers = encode(step, self.rank, self.world, tree)
     self.stall_s.append(time.perf_counter() - t0)
     self._thread = threading.Thread(target=self._finish, args=(step, header, buffers),

@@ -76,7 +76,7 @@ class Context:
   def restore(self, target: Any) -> tuple[Any, int]:
     """``(state, step)``: the state the launcher says to continue from, laid out like
     ``target`` (the initial state on this generation's mesh), or ``(target, 0)`` on a first
-    start. ``target`` must hold the step counter nowhere special: the step is returned."""
+    start. The step is returned beside the state (the state need not hold it)."""
     src = self.restore_from
     t0 = time.perf_counter()
     if not src:

@@ -130,7 +130,8 @@ def main(argv=None) -> None:
                  "redone": args.fail_at - split["restored_step"], **split})
   stall_table = _harness.table(
       [r for r in rows if r["run"] in ("off", "on")],
-      [("snapshots", "run", "s"), ("step (ms)", "step_ms", ".2f"), ("stall (ms)", "stall_ms", ".3f"),
+      [("snapshots", "run", "s"), ("step (ms)", "step_ms", ".2f"),
+       ("stall (ms)", "stall_ms", ".3f"),
        ("stall / step", "stall_pct", ".2f"), ("off / on", "ratio", "ratio")],
       title=f"in-memory snapshots every {args.snapshot_every} steps, {args.procs} processes x "
             f"{args.devices_per_proc} devices, width {args.width}")

@@ -33,7 +33,8 @@ def test_saves_every_n_steps_and_keeps_the_last_k(tmp_path):
     out = m.restore(None, _state(0)[0])
     assert out["step"] == 8
     np.testing.assert_array_equal(np.asarray(out["w"]), _state(8)[1])
-    with pytest.raises(dtenjax.CheckpointError, match=r"step 4 has no complete checkpoint.*\[6, 8\]"):
+    with pytest.raises(dtenjax.CheckpointError,
+                       match=r"step 4 has no complete checkpoint.*\[6, 8\]"):
       m.restore(4)
 
 

@@ -1,4 +1,5 @@
-"""``dtenjax launch --nprocs N [--min-nprocs M] SCRIPT ARGS...``: an elastic JAX job on this host."""
+"""``dtenjax launch --nprocs N [--min-nprocs M] SCRIPT ARGS...``: an elastic JAX job on this
+host."""
 
 from __future__ import annotations
 

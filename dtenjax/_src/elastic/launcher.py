@@ -140,8 +140,9 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
   ``checkpoint_every``: the persistent tier (a :class:`dtenjax.checkpoint.CheckpointManager`).
   ``heartbeat_timeout_s``: how long a silent worker is waited for. ``timeout_s`` bounds the
   whole run. ``memory_root``: where the in-memory tier keeps its records (a RAM file system;
-  default ``/dev/shm``), in a directory of this run that is removed at the end. Raises :class:`dtenjax.ProcessLostError` when fewer than ``min_nprocs`` remain or
-  more than ``max_restarts`` restarts were needed; returns the :class:`LaunchResult` otherwise.
+  default ``/dev/shm``), in a directory of this run that is removed at the end. Raises
+  :class:`dtenjax.ProcessLostError` when fewer than ``min_nprocs`` remain or more than
+  ``max_restarts`` restarts were needed; returns the :class:`LaunchResult` otherwise.
   """
   min_nprocs = nprocs if min_nprocs is None else min_nprocs
   problems = []

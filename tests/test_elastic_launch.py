@@ -160,3 +160,48 @@ def test_dtenjax_launch_says_what_it_checked_and_runs_the_job(tmp_path):
                       "3", str(script)], env=env, capture_output=True, text=True, timeout=120,
                      check=False)
   assert r.returncode == 1 and "min_nprocs=3 must be an int in [1, nprocs=2]" in r.stderr
+
+
+GROW = """
+import json, os, signal, sys, time
+import numpy as np
+import dtenjax.elastic
+ctx = dtenjax.elastic.init()
+state, step = ctx.restore({"x": np.zeros(4)})
+while step < 24:
+  state = {"x": state["x"] + step}
+  step += 1
+  time.sleep(0.05)
+  ctx.step_done(step, state)
+  if (ctx.generation, ctx.rank, step) == (0, 1, 4):
+    os.kill(os.getpid(), signal.SIGKILL)
+if ctx.rank == 0:
+  with open(sys.argv[1], "w") as f:
+    json.dump({"x": state["x"].tolist(), "world": ctx.world}, f)
+ctx.finish()
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_shrunk_job_grows_back_at_the_next_snapshot_when_capacity_returns(tmp_path):
+  script = tmp_path / "grow.py"
+  script.write_text(GROW)
+  out = tmp_path / "out.json"
+  looks = []
+
+  def capacity():                         # no room at the launcher's first look, then room for 2
+    looks.append(1)
+    return 1 if len(looks) == 1 else 2
+  result = dtenjax.elastic.launch(
+      [str(script), str(out)], 2, min_nprocs=1, run_dir=str(tmp_path / "run"), quiet=True,
+      heartbeat_timeout_s=4, timeout_s=180, env={"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT},
+      capacity=capacity)
+  worlds = [g.world for g in result.generations]
+  assert worlds == [2, 1, 2], result.summary()
+  g0, g1, g2 = result.generations
+  assert g0.lost == [1] and g1.grown_at is not None and not g1.lost
+  assert g2.restore == {"source": "memory", "root": g2.restore["root"], "world": 1, "lost": [],
+                        "step": g1.grown_at}
+  assert f"stopped to grow at step {g1.grown_at}" in result.summary()
+  final = json.loads(out.read_text())
+  assert final == {"x": [float(sum(range(24)))] * 4, "world": 2}

@@ -38,6 +38,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                   help="seconds a silent process is waited for before it is lost (default 10)")
   ap.add_argument("--timeout", type=float, default=24 * 3600.0, metavar="S",
                   help="bound on the whole run (default one day)")
+  ap.add_argument("--grow", action="store_true",
+                  help="after a shrink, grow back to N processes at the next complete in-memory "
+                  "snapshot (this host's slots are free again once the lost process is gone)")
   ap.add_argument("--run-dir", metavar="DIR",
                   help="where the logs (g<generation>.r<rank>.log) and events go (default: a "
                   "new temporary directory)")
@@ -73,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
       argv, args.nprocs, min_nprocs=args.min_nprocs, max_restarts=args.max_restarts,
       env=env, run_dir=args.run_dir, snapshot_every=args.snapshot_every,
       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-      heartbeat_timeout_s=args.heartbeat_timeout, timeout_s=args.timeout)
+      heartbeat_timeout_s=args.heartbeat_timeout, timeout_s=args.timeout,
+      capacity=(lambda: args.nprocs) if args.grow else None)
   print(result.summary())
   print(f"logs and events: {result.run_dir}")
   return result.code

@@ -51,6 +51,7 @@ class Generation:
   lost: list[int] = dataclasses.field(default_factory=list)
   detected: float | None = None      # when the launcher knew of the loss
   reports: list[dict] = dataclasses.field(default_factory=list)   # the survivors' errors
+  grown_at: int | None = None        # stopped to grow at this complete snapshot step
 
 
 @dataclasses.dataclass
@@ -78,6 +79,7 @@ class LaunchResult:
       src = (f"from {g.restore['source']} step {g.restore['step']}" if g.restore
              else "from the start")
       end = (f"lost {g.lost}" if g.lost else
+             f"stopped to grow at step {g.grown_at}" if g.grown_at is not None else
              "finished" if all(c == 0 for c in g.codes) else f"exit codes {g.codes}")
       lines.append(f"generation {g.index}: {g.world} processes {src}; {end}")
     return "\n".join(lines)
@@ -132,7 +134,8 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
            run_dir: str | None = None, snapshot_every: int = 1,
            checkpoint_dir: str | None = None, checkpoint_every: int = 100,
            heartbeat_timeout_s: float = 10.0, timeout_s: float = 3600.0,
-           memory_root: str | None = None, quiet: bool = False) -> LaunchResult:
+           memory_root: str | None = None, capacity=None,
+           quiet: bool = False) -> LaunchResult:
   """Runs ``python argv...`` as an elastic job of ``nprocs`` processes (see the module doc).
 
   ``min_nprocs``: the smallest job to continue with (default ``nprocs``: no shrinking).
@@ -140,7 +143,10 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
   ``checkpoint_every``: the persistent tier (a :class:`dtenjax.checkpoint.CheckpointManager`).
   ``heartbeat_timeout_s``: how long a silent worker is waited for. ``timeout_s`` bounds the
   whole run. ``memory_root``: where the in-memory tier keeps its records (a RAM file system;
-  default ``/dev/shm``), in a directory of this run that is removed at the end. Raises
+  default ``/dev/shm``), in a directory of this run that is removed at the end.
+  ``capacity``: a callable giving how many processes could run now (None: never grow); when a
+  shrunk job has room to grow, the launcher waits for the next complete in-memory snapshot (a
+  checkpoint boundary), stops the generation and restarts it larger from that step. Raises
   :class:`dtenjax.ProcessLostError` when fewer than ``min_nprocs`` remain or more than
   ``max_restarts`` restarts were needed; returns the :class:`LaunchResult` otherwise.
   """
@@ -193,8 +199,20 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
                    restore=restore)
       say(f"generation {g.index}: {world} processes"
           + (f", continuing from {restore['source']} step {restore['step']}" if restore else ""))
-      failed = _watch(g, procs, run_dir, deadline)
+      grow = None
+      if capacity is not None and world < nprocs and snapshot_every:
+        grow = lambda w=world: min(nprocs, int(capacity())) > w    # noqa: E731
+      failed = _watch(g, procs, run_dir, deadline, grow=grow, mem_root=mem_root)
       g.ended = time.time()
+      if g.grown_at is not None:
+        new_world = min(nprocs, int(capacity()))
+        restore = {"source": "memory", "root": mem_root, "world": world, "lost": [],
+                   "step": g.grown_at}
+        worker.event(run_dir, "grow", generation=g.index, world=new_world, step=g.grown_at)
+        say(f"generation {g.index}: capacity for {new_world} processes; growing at step "
+            f"{g.grown_at}")
+        world = new_world
+        continue
       if not failed:
         say(f"generation {g.index} finished")
         return LaunchResult(generations, run_dir, 0)
@@ -221,8 +239,12 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
     shutil.rmtree(memory_base, ignore_errors=True)
 
 
-def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline: float) -> bool:
-  """Waits for the generation to end; True when it failed (g.lost, g.codes filled in)."""
+def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline: float, *,
+           grow=None, mem_root: str | None = None) -> bool:
+  """Waits for the generation to end; True when it failed (g.lost, g.codes filled in). With
+  ``grow`` (a callable: is there room for more processes?), a generation that has room is
+  stopped at the first snapshot step completed after the room appeared (g.grown_at)."""
+  grow_after: int | None = None      # the newest complete step when room appeared
   try:
     while True:
       codes = [p.poll() for p in procs]
@@ -253,6 +275,15 @@ def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline:
           if codes[r] is None:
             g.codes[r] = None
         return True
+      if grow is not None and mem_root is not None:
+        steps = memory.complete_steps(mem_root, g.world)
+        if grow_after is None and grow():
+          grow_after = steps[-1] if steps else -1
+        elif grow_after is not None and steps and steps[-1] > grow_after:
+          g.grown_at = steps[-1]
+          _kill(procs)
+          g.codes = [p.returncode for p in procs]
+          return False
       if time.monotonic() > deadline:
         g.detected = time.time()
         _kill(procs)

@@ -8,6 +8,7 @@ _environment.pin_if_asked()   # only with DTENJAX_PIN_NCCL=1: importing changes 
 
 from dtenjax import checkpoint as checkpoint
 from dtenjax import compression as compression
+from dtenjax import elastic as elastic
 from dtenjax import testing as testing
 from dtenjax._src.collectives.api import AlgorithmChoice as AlgorithmChoice
 from dtenjax._src.collectives.api import all_gather as all_gather
@@ -24,6 +25,7 @@ from dtenjax._src.errors import ExtensionUnavailableError as ExtensionUnavailabl
 from dtenjax._src.errors import MeshError as MeshError
 from dtenjax._src.errors import NativeError as NativeError
 from dtenjax._src.errors import PlacementError as PlacementError
+from dtenjax._src.errors import ProcessLostError as ProcessLostError
 from dtenjax._src.errors import QuotaExceededError as QuotaExceededError
 from dtenjax._src.errors import TopologyError as TopologyError
 from dtenjax._src.errors import TransportError as TransportError
@@ -78,6 +80,7 @@ __all__ = [
     "PlacementError",
     "Plan",
     "PreemptionPolicy",
+    "ProcessLostError",
     "QuotaExceededError",
     "StepPlan",
     "Topology",
@@ -90,6 +93,7 @@ __all__ = [
     "checkpoint",
     "compression",
     "current_mesh",
+    "elastic",
     "explain",
     "fuse_collectives",
     "graph_report",

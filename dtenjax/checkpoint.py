@@ -13,6 +13,7 @@ and dtenjax restores what orbax saves (through tensorstore). See docs/checkpoint
 """
 
 from dtenjax._src.checkpoint.io import describe as io_info
+from dtenjax._src.checkpoint.manager import CheckpointManager as CheckpointManager
 from dtenjax._src.checkpoint.restore import RestoreReport as RestoreReport
 from dtenjax._src.checkpoint.restore import leaves as leaves
 from dtenjax._src.checkpoint.restore import restore as restore
@@ -24,6 +25,7 @@ from dtenjax._src.checkpoint.storage import LocalStorage as LocalStorage
 from dtenjax._src.checkpoint.storage import Storage as Storage
 
 __all__ = [
+    "CheckpointManager",
     "Checkpointer",
     "LocalStorage",
     "PendingSave",

@@ -21,6 +21,8 @@ PUBLIC = {
     "compression", "testing", "build_info",
     # checkpoints
     "checkpoint", "CheckpointError",
+    # elastic jobs
+    "elastic", "ProcessLostError",
 }
 
 
@@ -35,3 +37,4 @@ def test_submodules():
   assert callable(dtenjax.compression.topk_ef)
   assert callable(testing.assert_bitwise_equal)
   assert dtenjax.testing is testing          # README: `import dtenjax; dtenjax.testing`
+  assert callable(dtenjax.elastic.launch) and callable(dtenjax.checkpoint.CheckpointManager)

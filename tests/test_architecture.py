@@ -19,7 +19,7 @@ LAYERS = {
     "topology": 2,
     "planning": 3,
     "collectives": 4, "checkpoint": 4,
-    "compression": 5, "serving": 5,
+    "compression": 5, "serving": 5, "elastic": 5,
     "cli": 6,
 }
 

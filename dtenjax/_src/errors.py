@@ -49,6 +49,15 @@ class CollectiveTimeoutError(TransportError, TimeoutError):
   """A wait for a peer, key or completion ran past its timeout."""
 
 
+class ProcessLostError(TransportError):
+  """A process of the job stopped answering (killed, stopped or cut off); names the lost rank
+  and what was waited for. ``lost`` holds the ranks."""
+
+  def __init__(self, message: str, lost: Iterable[int] = ()):
+    super().__init__(message)
+    self.lost = tuple(sorted(set(lost)))
+
+
 class NativeError(DtenjaxError, RuntimeError):
   """Native code failed in a way no other class describes (a CUDA or system call, say)."""
 
@@ -104,7 +113,8 @@ def warn_once(key: str, message: str) -> bool:
 # name users catch them by, not as the module that happens to define them.
 for _cls in (DtenjaxError, ConfigurationError, TopologyError, MeshError, PlacementError,
              CollectiveError, ExtensionUnavailableError, TransportError, CollectiveTimeoutError,
-             NativeError, QuotaExceededError, CheckpointError, DtenjaxWarning):
+             NativeError, QuotaExceededError, CheckpointError, ProcessLostError,
+             DtenjaxWarning):
   _cls.__module__ = "dtenjax"
 del _cls
 

@@ -40,6 +40,7 @@ COMMANDS = {
     "plan": "plan",
     "bench": "bench",
     "info": "info",
+    "launch": "launch",
 }
 
 

@@ -1,0 +1,324 @@
+"""The in-memory tier: every few steps each process copies the shards it owns to host memory, and
+keeps a replica of its ring neighbour's, so that a lost process's shards survive on another.
+
+Storage is host memory that outlives the process: a directory on a RAM file system (``/dev/shm``
+by default, as orbax's emergency checkpointing uses a local RAM disk), one per holder::
+
+  ROOT/holder<r>/own.<r>.<step>        process r's shards at step
+  ROOT/holder<r>/replica.<q>.<step>    process q = (r - 1) mod world's shards, received over the
+                                       coordination store
+
+One *record* (:func:`encode`) is one process's owned shards (``replica_id == 0``) of every leaf,
+with their boxes in the global array, plus the leaves that are not arrays (the step counter). The
+training step waits only for the device-to-host copies (:meth:`MemoryTier.snapshot`); writing the
+record and moving it to the neighbour run on a background thread that overlaps the next steps.
+A step is *complete* for a job of ``world`` processes of which ``lost`` are gone when every
+process's record exists at a holder that is not lost (:func:`complete_steps`): with one lost
+process, or several that are not neighbours, the newest snapshot survives.
+
+Records are moved through jax.distributed's key-value store (``key_value_set_bytes``, in chunks),
+which is meant for small states: every byte goes through process 0's coordination service. The
+interface is four calls (``snapshot``, ``wait``, ``complete_steps``, ``restore``) so that another
+mover (dtenjax's TCP transport, point to point) or another storage (a tier of
+``dtenjax.checkpoint``'s storage) can replace either half.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+from dtenjax._src import errors
+
+CHUNK_BYTES = 1 << 20          # per key of the coordination store
+KEEP = 2                       # snapshots kept per holder (the complete one and the one in flight)
+MAGIC = b"DTJXMEM1"
+
+
+def default_root() -> str:
+  base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+  import tempfile  # pylint: disable=g-import-not-at-top
+  return os.path.join(base or tempfile.gettempdir(), f"dtenjax-memory-{os.getuid()}")
+
+
+def _name(path) -> str:
+  return jax.tree_util.keystr(path)
+
+
+def encode(step: int, rank: int, world: int, tree: Any) -> tuple[dict, list[np.ndarray]]:
+  """The header and host buffers of this process's record (the device-to-host copies are all
+  started before the first is waited for)."""
+  pairs, _ = jax.tree_util.tree_flatten_with_path(tree)
+  leaves, pending = [], []
+  for path, leaf in pairs:
+    name = _name(path)
+    if hasattr(leaf, "addressable_shards"):      # a jax.Array (or a view of one's shards)
+      mine = [s for s in leaf.addressable_shards if s.replica_id == 0]
+      for s in mine:
+        s.data.copy_to_host_async()
+      boxes = [[[sl.start or 0 for sl in s.index] if s.index else [],
+                [n if sl.stop is None else sl.stop for sl, n in zip(s.index, leaf.shape)]
+                if s.index else []] for s in mine]
+      leaves.append({"name": name, "kind": "array", "shape": list(leaf.shape),
+                     "dtype": np.dtype(leaf.dtype).str, "boxes": boxes})
+      pending.extend(s.data for s in mine)
+    elif isinstance(leaf, (bool, int, float, np.generic, np.ndarray)):
+      arr = np.asarray(leaf)
+      leaves.append({"name": name, "kind": "value", "shape": list(arr.shape),
+                     "dtype": arr.dtype.str, "boxes": [[[0] * arr.ndim, list(arr.shape)]],
+                     "python": type(leaf).__name__ if isinstance(leaf, (bool, int, float))
+                     else None})
+      pending.append(arr)
+    elif leaf is None:
+      continue
+    else:
+      raise errors.ConfigurationError(
+          f"leaf {name} is a {type(leaf).__name__}; the in-memory tier holds jax Arrays, numpy "
+          "arrays and Python scalars")
+  # np.array(copy=True): the device buffers may be donated to the next step
+  buffers = [np.array(np.asarray(d), copy=True) for d in pending]
+  return {"step": step, "rank": rank, "world": world, "leaves": leaves}, buffers
+
+
+def pack(header: dict, buffers: Iterable[np.ndarray]) -> bytes:
+  head = json.dumps(header).encode()
+  parts = [MAGIC, struct.pack("<Q", len(head)), head]
+  parts.extend(np.ascontiguousarray(b).tobytes() for b in buffers)
+  return b"".join(parts)
+
+
+def unpack(blob: bytes, where: str) -> tuple[dict, list[np.ndarray]]:
+  if blob[:8] != MAGIC:
+    raise errors.CheckpointError(f"{where} is not an in-memory snapshot record")
+  (n,) = struct.unpack("<Q", blob[8:16])
+  header = json.loads(blob[16:16 + n])
+  off, buffers = 16 + n, []
+  for leaf in header["leaves"]:
+    dt = np.dtype(leaf["dtype"])
+    for lo, hi in leaf["boxes"]:
+      shape = tuple(b - a for a, b in zip(lo, hi))
+      size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+      if off + size > len(blob):
+        raise errors.CheckpointError(f"{where} is truncated (leaf {leaf['name']})")
+      buffers.append(np.frombuffer(blob, dt, count=size // dt.itemsize, offset=off).reshape(shape))
+      off += size
+  return header, buffers
+
+
+def _write_atomic(path: str, blob: bytes) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "wb") as f:
+    f.write(blob)
+  os.replace(tmp, path)
+
+
+def _steps_in(folder: str, kind: str, rank: int) -> set[int]:
+  try:
+    names = os.listdir(folder)
+  except FileNotFoundError:
+    return set()
+  out = set()
+  for n in names:
+    parts = n.split(".")
+    if len(parts) == 3 and parts[0] == kind and parts[1] == str(rank) and parts[2].isdigit():
+      out.add(int(parts[2]))
+  return out
+
+
+def holder(root: str, r: int) -> str:
+  return os.path.join(root, f"holder{r}")
+
+
+def record_paths(root: str, world: int, lost: Iterable[int], step: int) -> dict[int, str] | None:
+  """Where each process's record of ``step`` is (its own copy unless it is lost, else its right
+  neighbour's replica); None when some process's record is nowhere."""
+  lost = set(lost)
+  out = {}
+  for r in range(world):
+    own = os.path.join(holder(root, r), f"own.{r}.{step}")
+    right = (r + 1) % world
+    rep = os.path.join(holder(root, right), f"replica.{r}.{step}")
+    if r not in lost and os.path.exists(own):
+      out[r] = own
+    elif right not in lost and right != r and os.path.exists(rep):
+      out[r] = rep
+    else:
+      return None
+  return out
+
+
+def complete_steps(root: str, world: int, lost: Iterable[int] = ()) -> list[int]:
+  """The snapshot steps from which a job of ``world`` processes that lost ``lost`` can be
+  restored, ascending."""
+  lost = set(lost)
+  candidates: set[int] = set()
+  for r in range(world):
+    candidates |= _steps_in(holder(root, r), "own", r)
+  return sorted(s for s in candidates if record_paths(root, world, lost, s) is not None)
+
+
+class MemoryTier:
+  """One process's side of the tier: ``snapshot(step, tree)`` every few steps, ``wait()``."""
+
+  def __init__(self, root: str, rank: int, world: int, *, client: Any = None,
+               namespace: str = "dtenjax/elastic/mem", timeout_s: float = 60.0,
+               keep: int = KEEP):
+    self.root, self.rank, self.world = root, rank, world
+    self.client = client
+    self.namespace = namespace.rstrip("/")
+    self.timeout_s = float(timeout_s)
+    self.keep = keep
+    os.makedirs(holder(root, rank), exist_ok=True)
+    self._thread: threading.Thread | None = None
+    self._error: BaseException | None = None
+    self.stall_s: list[float] = []          # how long each snapshot held the caller
+    self.last_complete: int | None = None   # the newest step this process finished (own + replica)
+
+  def snapshot(self, step: int, tree: Any) -> None:
+    """Copies this process's shards to host memory and returns; the rest runs in the
+    background. The previous snapshot is joined first: ``stall_s`` counts that wait and the
+    device-to-host copies, all the time the caller is held."""
+    t0 = time.perf_counter()
+    self.wait()
+    header, buffers = encode(step, self.rank, self.world, tree)
+    self.stall_s.append(time.perf_counter() - t0)
+    self._thread = threading.Thread(target=self._finish, args=(step, header, buffers),
+                                    name="dtenjax-memory-tier", daemon=True)
+    self._thread.start()
+
+  def _key(self, dst: int, step: int) -> str:
+    return f"{self.namespace}/{dst}/{step}"
+
+  def _finish(self, step: int, header: dict, buffers: list[np.ndarray]) -> None:
+    try:
+      blob = pack(header, buffers)
+      _write_atomic(os.path.join(holder(self.root, self.rank), f"own.{self.rank}.{step}"), blob)
+      if self.world > 1 and self.client is not None:
+        right, left = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        chunks = [blob[i:i + CHUNK_BYTES] for i in range(0, len(blob), CHUNK_BYTES)] or [b""]
+        key = self._key(right, step)
+        for i, c in enumerate(chunks):
+          self.client.key_value_set_bytes(f"{key}/{i}", c)
+        self.client.key_value_set(f"{key}/n", str(len(chunks)))
+        src = self._key(self.rank, step)
+        ms = int(self.timeout_s * 1000)
+        try:
+          n = int(self.client.blocking_key_value_get(f"{src}/n", ms))
+          got = b"".join(self.client.blocking_key_value_get_bytes(f"{src}/{i}", ms)
+                         for i in range(n))
+        except Exception as e:  # noqa: BLE001
+          raise errors.ProcessLostError(
+              f"process {self.rank}: the snapshot of step {step} from rank {left} did not "
+              f"arrive within {self.timeout_s:g} s (waited for key {src}/n): {e}", [left]) from e
+        unpack(got, f"the replica of rank {left}'s step {step}")
+        _write_atomic(os.path.join(holder(self.root, self.rank), f"replica.{left}.{step}"), got)
+        for i in range(n):
+          self.client.key_value_delete(f"{src}/{i}")
+        self.client.key_value_delete(f"{src}/n")
+      self.last_complete = step
+      self._prune()
+    except BaseException as e:  # noqa: BLE001 - handed to wait()
+      self._error = e
+
+  def _prune(self) -> None:
+    """Keeps this holder's ``keep`` newest steps (own and replica records alike)."""
+    folder = holder(self.root, self.rank)
+    files = [(int(n.split(".")[2]), n) for n in os.listdir(folder)
+             if len(n.split(".")) == 3 and n.split(".")[2].isdigit()]
+    newest = sorted({s for s, _ in files})[-self.keep:]
+    for s, n in files:
+      if s not in newest:
+        os.remove(os.path.join(folder, n))
+
+  def wait(self) -> None:
+    """Joins the snapshot in flight; raises what failed in it."""
+    t, self._thread = self._thread, None
+    if t is not None:
+      t.join(self.timeout_s * 2)
+      if t.is_alive():
+        raise errors.CollectiveTimeoutError(
+            f"process {self.rank}: the in-memory snapshot did not finish within "
+            f"{self.timeout_s * 2:g} s (writing to {self.root} and the ring replica)")
+    err, self._error = self._error, None
+    if err is not None:
+      raise err
+
+
+def load(root: str, world: int, lost: Iterable[int], step: int) -> tuple[dict, dict]:
+  """Every leaf of the snapshot of ``step``: ``({name: (shape, dtype, [(lo, hi, data)])},
+  {name: python value})`` from the records :func:`record_paths` finds."""
+  paths = record_paths(root, world, lost, step)
+  if paths is None:
+    raise errors.CheckpointError(
+        f"the in-memory tier in {root} has no complete snapshot of step {step} for {world} "
+        f"processes without {sorted(set(lost))} (complete: "
+        f"{complete_steps(root, world, lost)})")
+  arrays: dict[str, tuple] = {}
+  values: dict[str, Any] = {}
+  for r, path in sorted(paths.items()):
+    with open(path, "rb") as f:
+      header, buffers = unpack(f.read(), path)
+    if header["step"] != step or header["rank"] != r or header["world"] != world:
+      raise errors.CheckpointError(
+          f"{path} holds step {header['step']} of rank {header['rank']}/{header['world']}, "
+          f"not step {step} of rank {r}/{world}")
+    it = iter(buffers)
+    for leaf in header["leaves"]:
+      parts = [(lo, hi, next(it)) for lo, hi in leaf["boxes"]]
+      if leaf["kind"] == "value":
+        if r == 0:
+          v = parts[0][2].copy()
+          py = leaf.get("python")
+          values[leaf["name"]] = {"int": int, "float": float, "bool": bool}[py](v) if py else v
+        continue
+      entry = arrays.setdefault(leaf["name"], (tuple(leaf["shape"]), np.dtype(leaf["dtype"]), []))
+      entry[2].extend(parts)
+  return arrays, values
+
+
+def restore(root: str, world: int, lost: Iterable[int], step: int, target: Any) -> Any:
+  """The snapshot of ``step`` laid out like ``target`` (a tree of jax Arrays or
+  ``jax.ShapeDtypeStruct``s with shardings, and scalars): each device gets its box, cut from the
+  assembled global arrays."""
+  arrays, values = load(root, world, lost, step)
+  pairs, treedef = jax.tree_util.tree_flatten_with_path(target)
+  out, problems = [], []
+  for path, t in pairs:
+    name = _name(path)
+    if name in values:
+      out.append(values[name])
+      continue
+    if name not in arrays:
+      problems.append(f"target leaf {name} is not in the snapshot")
+      out.append(None)
+      continue
+    shape, dtype, parts = arrays[name]
+    if tuple(t.shape) != shape or np.dtype(t.dtype) != dtype:
+      problems.append(f"leaf {name}: the target is {np.dtype(t.dtype).name}{list(t.shape)}, "
+                      f"the snapshot holds {dtype.name}{list(shape)}")
+      out.append(None)
+      continue
+    full = np.empty(shape, dtype)
+    covered = np.zeros(shape, bool)
+    for lo, hi, data in parts:
+      box = tuple(slice(a, b) for a, b in zip(lo, hi))
+      full[box] = data
+      covered[box] = True
+    if not covered.all():
+      problems.append(f"leaf {name}: the records cover {int(covered.sum())} of "
+                      f"{covered.size} elements")
+      out.append(None)
+      continue
+    out.append(jax.make_array_from_callback(shape, t.sharding, lambda i, a=full: a[i]))
+  if problems:
+    raise errors.CheckpointError(errors.join_problems(
+        f"the in-memory snapshot of step {step} cannot be restored onto the target:", problems))
+  return jax.tree_util.tree_unflatten(treedef, out)

@@ -1,0 +1,113 @@
+"""Worker of tests/test_elastic_launch.py: a small MLP trained data parallel over every device the
+job has, through dtenjax.elastic (alone, or under dtenjax.elastic.launch).
+
+  python tests/mp_workers/elastic_worker.py OUT_DIR STEPS [FAULTS]
+
+FAULTS: ``generation:rank:step:signal,...`` -- that process sends itself the signal (KILL or
+STOP) after that many steps, once the step's snapshot is taken. Rank 0 of each generation
+appends ``{"step", "loss", "generation", "devices"}`` lines to OUT_DIR/losses.jsonl and, at the
+end, writes OUT_DIR/final.json (the parameters' and optimizer state's digest).
+
+Micro-batches: 24 per step (divisible by 8, 6 and 4 devices), summed by
+dtenjax.all_reduce(reproducible=True); the batch of step s comes from numpy's generator seeded
+with s; the step is dtenjax.reproducible_step (XLA_FLAGS carries --xla_cpu_max_isa=AVX).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+MICRO = 24
+
+
+def main() -> None:
+  out_dir, steps = sys.argv[1], int(sys.argv[2])
+  faults = [f.split(":") for f in sys.argv[3].split(",")] if len(sys.argv) > 3 else []
+  import jax  # pylint: disable=g-import-not-at-top
+  import dtenjax  # pylint: disable=g-import-not-at-top
+  import dtenjax.elastic  # pylint: disable=g-import-not-at-top
+
+  ctx = dtenjax.elastic.init()
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+  def layout(x):
+    return NamedSharding(mesh, P("data") if x.ndim and x.shape[0] % n == 0 else P())
+
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {"w1": jax.random.normal(k1, (24, 32)) * 0.3, "b1": jnp.zeros(32),
+            "w2": jax.random.normal(k2, (32, 4)) * 0.3, "b2": jnp.zeros(4)}
+  opt = optax.adam(1e-2)
+  state = {"params": params, "opt": opt.init(params)}
+  shardings = jax.tree.map(layout, state)
+  state = jax.device_put(state, shardings)
+  ctx.mark("planned", devices=n)
+  state, step = ctx.restore(state)
+
+  def loss_fn(p, x, y):
+    h = jax.nn.tanh(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
+
+  def local(p, x, y):
+    losses, grads = jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(p, *b), (x, y))
+    grads = dtenjax.all_reduce(grads, "data", op="mean", reproducible=True, local_axis=0)
+    loss = dtenjax.all_reduce(losses, "data", op="mean", reproducible=True, local_axis=0)
+    return loss, grads
+
+  grads_of = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                           out_specs=(P(), P()), check_vma=False)
+
+  def train_step(s, x, y):
+    p_all = jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, P())),
+                         s["params"])
+    loss, grads = grads_of(p_all, x, y)
+    updates, o = opt.update(grads, s["opt"], p_all)
+    new = {"params": optax.apply_updates(p_all, updates), "opt": o}
+    return jax.tree.map(lambda a, sh: jax.sharding.reshard(a, sh), new, shardings), loss
+
+  jstep = dtenjax.reproducible_step(train_step)
+  batch = NamedSharding(mesh, P("data"))
+  log = open(os.path.join(out_dir, "losses.jsonl"), "a") if jax.process_index() == 0 else None
+  while step < steps:
+    rng = np.random.default_rng(step)
+    x = rng.standard_normal((MICRO, 2, 24), dtype=np.float32)
+    y = rng.standard_normal((MICRO, 2, 4), dtype=np.float32)
+    x, y = (jax.make_array_from_callback(a.shape, batch, lambda i, a=a: a[i]) for a in (x, y))
+    state, loss = jstep(state, x, y)
+    step += 1
+    if log is not None:
+      log.write(json.dumps({"step": step, "loss": np.float32(loss.addressable_data(0)).tobytes()
+                            .hex(), "generation": ctx.generation, "devices": n}) + "\n")
+      log.flush()
+    ctx.step_done(step, state)
+    for g, r, s, sig in faults:
+      if (int(g), int(r), int(s)) == (ctx.generation, ctx.rank, step):
+        if ctx.tier is not None:
+          ctx.tier.wait()            # the fault comes after the step's snapshot is complete
+        ctx.mark("fault", signal=sig, step=step)
+        os.kill(os.getpid(), getattr(signal, "SIG" + sig))
+        time.sleep(3600)
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(state):
+    full = (jax.experimental.multihost_utils.process_allgather(leaf, tiled=True)
+            if jax.process_count() > 1 else leaf)
+    h.update(np.ascontiguousarray(jax.device_get(full)).tobytes())
+  if jax.process_index() == 0:
+    with open(os.path.join(out_dir, "final.json"), "w") as f:
+      json.dump({"digest": h.hexdigest(), "step": step, "devices": n,
+                 "generation": ctx.generation, "restored_from": ctx.restored_from}, f)
+  ctx.finish()
+
+
+if __name__ == "__main__":
+  main()

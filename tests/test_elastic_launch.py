@@ -1,0 +1,206 @@
+"""dtenjax.elastic.launch with loopback processes: 4 processes x 2 CPU devices train; processes
+are killed (-9, process 0 included) or stopped (SIGSTOP) at a step; the job continues on fewer
+processes from the in-memory tier (peers' replicas), and every logged loss and the final
+parameters are bit-identical to an uninterrupted 8-device run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import dtenjax
+import dtenjax.checkpoint as ckpt
+import dtenjax.elastic
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "mp_workers", "elastic_worker.py")
+STEPS = 8
+HEARTBEAT_S = 4.0
+FLAGS = "--xla_cpu_max_isa=AVX"     # reproducible_step's CPU flag (docs/reproducibility.md)
+
+
+def _env(devices):
+  return {"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FLAGS}"}
+
+
+def _losses(out_dir):
+  """{step: loss hex}; a step computed twice (after a restore from an earlier snapshot) must have
+  given the same bits both times."""
+  by_step = {}
+  with open(os.path.join(out_dir, "losses.jsonl")) as f:
+    for line in f:
+      e = json.loads(line)
+      assert by_step.setdefault(e["step"], e["loss"]) == e["loss"], e
+  return [by_step[s] for s in sorted(by_step)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """The uninterrupted run: one process of 8 devices, no launcher."""
+  out = tmp_path_factory.mktemp("reference")
+  r = subprocess.run([sys.executable, WORKER, str(out), str(STEPS)], env={**os.environ,
+                     **_env(8)}, capture_output=True, text=True, timeout=240, check=False)
+  assert r.returncode == 0, r.stderr[-3000:]
+  with open(out / "final.json") as f:
+    final = json.load(f)
+  assert final["devices"] == 8 and final["step"] == STEPS
+  return _losses(out), final["digest"]
+
+
+def _launch(tmp_path, faults, **kwargs):
+  out = tmp_path / "out"
+  out.mkdir()
+  result = dtenjax.elastic.launch(
+      [WORKER, str(out), str(STEPS), faults], 4, min_nprocs=2, env=_env(2),
+      run_dir=str(tmp_path / "run"), snapshot_every=2, heartbeat_timeout_s=HEARTBEAT_S,
+      timeout_s=300, quiet=True, **kwargs)
+  with open(out / "final.json") as f:
+    final = json.load(f)
+  return result, _losses(out), final
+
+
+def _first(events, kind, **match):
+  return min(e["t"] for e in events if e["event"] == kind
+             and all(e.get(k) == v for k, v in match.items()))
+
+
+@pytest.mark.multiprocess
+def test_kill_9_of_one_process_continues_on_3_from_peers_memory(tmp_path, reference):
+  ref_losses, ref_digest = reference
+  result, losses, final = _launch(tmp_path, "0:2:4:KILL", checkpoint_dir=str(tmp_path / "ck"),
+                                  checkpoint_every=2)
+  g0, g1 = result.generations
+  assert (g0.world, g0.lost, g1.world) == (4, [2], 3) and result.code == 0
+  # persistent checkpoints were written (step 2 before the kill, 6 and 8 after), but the
+  # in-memory tier held a step at least as new: the restore read no checkpoint
+  assert ckpt.CheckpointManager(tmp_path / "ck").all_steps()[-1] == 8
+  assert g1.restore["source"] == "memory" and g1.restore["step"] in (2, 4)
+  events = result.events()
+  assert {e["source"] for e in events if e["event"] == "restored" and e["generation"] == 1} == {
+      "memory"}
+  assert final["devices"] == 6 and final["restored_from"] == "memory"
+  assert losses == ref_losses                          # every step's loss, bit for bit
+  assert final["digest"] == ref_digest                 # parameters and optimizer state
+  fault = _first(events, "fault")
+  detect = _first(events, "detected") - fault
+  resumed = _first(events, "first_step", generation=1) - fault
+  print(f"kill -9 at step 4: detected after {detect:.2f} s, first step on 3 processes after "
+        f"{resumed:.1f} s")
+  assert detect < 2.0 and resumed < 200
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_process_0_killed_then_one_stopped_two_failures_same_bits(tmp_path, reference):
+  """kill -9 of process 0 (the coordination service's host) at step 2, then SIGSTOP of a
+  process of the 3-process job at step 6: the survivors name it within the heartbeat timeout
+  + 10 %, and the job ends on 2 processes with the uninterrupted run's bits."""
+  ref_losses, ref_digest = reference
+  result, losses, final = _launch(tmp_path, "0:0:2:KILL,1:1:6:STOP")
+  g0, g1, g2 = result.generations
+  assert [(g.world, g.lost) for g in result.generations] == [(4, [0]), (3, [1]), (2, [])]
+  assert g1.restore["source"] == g2.restore["source"] == "memory"
+  assert g1.restore["step"] == 2 and g2.restore["step"] in (4, 6)
+  # the survivors of generation 1 (ranks 0 and 2) each named rank 1
+  assert sorted(r["rank"] for r in g1.reports) == [0, 2] and all(
+      r["lost"] == [1] and "lost rank 1" in r["message"] and "no heartbeat within 4 s"
+      in r["message"] for r in g1.reports)
+  stopped = _first(result.events(), "fault", generation=1)
+  detected = min(r["t"] for r in g1.reports) - stopped
+  print(f"SIGSTOP at step 6: named by a survivor after {detected:.2f} s "
+        f"(timeout {HEARTBEAT_S:g} s)")
+  assert detected <= HEARTBEAT_S * 1.1
+  assert g1.codes[1] is None                           # stopped, then killed by the launcher
+  assert final["devices"] == 4
+  assert losses == ref_losses and final["digest"] == ref_digest
+
+
+def test_fewer_than_min_nprocs_stops_the_job_with_the_lost_ranks(tmp_path):
+  script = tmp_path / "die.py"
+  script.write_text("import os, signal\n"
+                    "if os.environ['DTENJAX_ELASTIC_RANK'] == '1':\n"
+                    "  os.kill(os.getpid(), signal.SIGKILL)\n"
+                    "import time; time.sleep(60)\n")
+  with pytest.raises(dtenjax.ProcessLostError) as e:
+    dtenjax.elastic.launch([str(script)], 2, min_nprocs=2, run_dir=str(tmp_path / "run"),
+                           timeout_s=60, quiet=True)
+  assert e.value.lost == (1,)
+  assert "1 processes would remain, fewer than min_nprocs=2" in str(e.value)
+
+
+@pytest.mark.multiprocess
+def test_dtenjax_launch_says_what_it_checked_and_runs_the_job(tmp_path):
+  script = tmp_path / "hello.py"
+  script.write_text("import sys, dtenjax.elastic\n"
+                    "ctx = dtenjax.elastic.init()\n"
+                    "print('rank', ctx.rank, 'of', ctx.world, sys.argv[1:])\n"
+                    "ctx.finish()\n")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+  env.pop("XLA_FLAGS", None)
+  r = subprocess.run([sys.executable, "-m", "dtenjax", "launch", "--nprocs", "1",
+                      "--cpu-devices-per-proc", "1", "--reproducible", "--run-dir",
+                      str(tmp_path / "run"), str(script), "--steps", "3"],
+                     env=env, capture_output=True, text=True, timeout=180, check=False)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "ok  process settings for reproducible steps: present" in r.stdout
+  assert "ok  the script joins the elastic job (dtenjax.elastic.init): yes" in r.stdout
+  assert "NO  the script compiles its step with dtenjax.reproducible_step: not found" in r.stdout
+  assert "generation 0: 1 processes from the start; finished" in r.stdout
+  log = (tmp_path / "run" / "g0.r0.log").read_text()
+  assert "rank 0 of 1 ['--steps', '3']" in log      # the script's own arguments reach it
+  r = subprocess.run([sys.executable, "-m", "dtenjax", "launch", "--nprocs", "2",
+                      str(tmp_path / "nosuch.py")], env=env, capture_output=True, text=True,
+                     timeout=120, check=False)
+  assert r.returncode == 2 and "is not a file" in r.stderr
+  r = subprocess.run([sys.executable, "-m", "dtenjax", "launch", "--nprocs", "2", "--min-nprocs",
+                      "3", str(script)], env=env, capture_output=True, text=True, timeout=120,
+                     check=False)
+  assert r.returncode == 1 and "min_nprocs=3 must be an int in [1, nprocs=2]" in r.stderr
+
+
+GROW = """
+import json, os, signal, sys, time
+import numpy as np
+import dtenjax.elastic
+ctx = dtenjax.elastic.init()
+state, step = ctx.restore({"x": np.zeros(4)})
+while step < 24:
+  state = {"x": state["x"] + step}
+  step += 1
+  time.sleep(0.05)
+  ctx.step_done(step, state)
+  if (ctx.generation, ctx.rank, step) == (0, 1, 4):
+    os.kill(os.getpid(), signal.SIGKILL)
+if ctx.rank == 0:
+  with open(sys.argv[1], "w") as f:
+    json.dump({"x": state["x"].tolist(), "world": ctx.world}, f)
+ctx.finish()
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_shrunk_job_grows_back_at_the_next_snapshot_when_capacity_returns(tmp_path):
+  script = tmp_path / "grow.py"
+  script.write_text(GROW)
+  out = tmp_path / "out.json"
+  looks = []
+
+  def capacity():                         # no room at the launcher's first look, then room for 2
+    looks.append(1)
+    return 1 if len(looks) == 1 else 2
+  result = dtenjax.elastic.launch(
+      [str(script), str(out)], 2, min_nprocs=1, run_dir=str(tmp_path / "run"), quiet=True,
+      heartbeat_timeout_s=4, timeout_s=180, env={"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT},
+      capacity=capacity)
+  worlds = [g.world for g in result.generations]
+  assert worlds == [2, 1, 2], result.summary()
+  g0, g1, g2 = result.generations
+  assert g0.lost == [1] and g1.grown_at is not None and not g1.lost
+  assert g2.restore == {"source": "memory", "root": g2.restore["root"], "world": 1, "lost": [],
+                        "step": g1.grown_at}
+  assert f"stopped to grow at step {g1.grown_at}" in result.summary()
+  final = json.loads(out.read_text())
+  assert final == {"x": [float(sum(range(24)))] * 4, "world": 2}

@@ -59,7 +59,7 @@ def _collectives(hlo: str) -> int:
                         r"(-start)?\(", hlo))
 
 
-def measure(candidates, blocks: int, d: int, repeats: int):
+def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False):
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
@@ -74,12 +74,16 @@ def measure(candidates, blocks: int, d: int, repeats: int):
 
   def build(kwargs):
     if kwargs is None:
-      body = lambda t: jax.lax.psum(t, "data")
+      reduce = lambda t: jax.lax.psum(t, "data")
     else:
-      body = lambda t: dtenjax.all_reduce(t, "data", **kwargs)
+      reduce = lambda t: dtenjax.all_reduce(t, "data", **kwargs)
+    if step:     # the reduced gradients consumed by an SGD update, as in a training step
+      body = lambda t: jax.tree.map(lambda g, p: p[0] - 1e-3 * g, reduce(t), t)
+    else:
+      body = lambda t: reduce(t)
     # a fresh function each time: nothing of an earlier trace or compile is reused
     return jax.jit(jax.shard_map(lambda t: body(t), mesh=mesh, in_specs=(P("data"),),
-                                 out_specs=P()))
+                                 out_specs=P(), check_vma=not step))
 
   samples = {label: [] for label, _ in candidates}
   sizes, outs = {}, {}
@@ -119,6 +123,9 @@ def main(argv=None) -> int:
                   help="blocks of 6 parameters (default 10: a 60-leaf tree)")
   ap.add_argument("--d", type=_harness.positive_int, default=64, help="model width")
   ap.add_argument("--repeats", type=_harness.positive_int, default=3)
+  ap.add_argument("--step", action="store_true",
+                  help="follow the all-reduce with an SGD update of each leaf (a training step's "
+                       "use of the gradients) instead of returning the reduced leaves")
   ap.add_argument("--candidates", default=",".join(label for label, _ in CANDIDATES),
                   help="comma-separated labels of " + ", ".join(l for l, _ in CANDIDATES))
   ap.add_argument("--json", default=None, help="write the rows to this path")
@@ -135,7 +142,8 @@ def main(argv=None) -> int:
   world = jax.device_count()
   _harness.require_world("bench/compile_time.py", world, 2,
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")
-  rows, outs = measure([(l, known[l]) for l in labels], args.blocks, args.d, args.repeats)
+  rows, outs = measure([(l, known[l]) for l in labels], args.blocks, args.d, args.repeats,
+                       args.step)
   want = outs["lax.psum"]
   for row in rows:   # every candidate computes the same sums (the data is exact in float32)
     row["agrees"] = all(np.array_equal(np.asarray(a), np.asarray(b))
@@ -144,7 +152,8 @@ def main(argv=None) -> int:
     _harness.write_json(args.json, _harness.document(
         "compile_time", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"},
         rows, devices=jax.devices(), kind="other"))
-  print(f"jit(shard_map(all-reduce)) of {rows[0]['leaves']} leaves ({rows[0]['bytes']} B per "
+  what = "all-reduce + SGD update" if args.step else "all-reduce"
+  print(f"jit(shard_map({what})) of {rows[0]['leaves']} leaves ({rows[0]['bytes']} B per "
         f"device) over {world} {jax.default_backend()} devices, median of {args.repeats} fresh "
         "compiles; x psum = (lower + compile) / lax.psum's (lower is better; target <= 2)")
   print(_harness.table(rows, (("candidate", "candidate", "s"), ("lower(ms)", "lower_ms", ".1f"),

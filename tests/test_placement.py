@@ -511,11 +511,14 @@ def test_shard_nnx_optimizer_state_like_the_model_state_and_with_the_placement_t
 
 
 @pytest.mark.parametrize("partitionable", [True, False])
-def test_tensor_generates_per_shard_whatever_jax_threefry_partitionable_says(partitionable):
-  """With jax_threefry_partitionable=False a jitted jax.random.normal with out_shardings makes
-  every device generate the whole array and slice it. dtenjax.tensor gives jax.random's values
-  under JAX's default flag either way, drawn in chunks: its program holds at most 1.25x the shard
-  per device (output and temporaries), for normal and uniform, float32 and bfloat16."""
+def test_tensor_gives_jax_random_values_under_the_users_flag_drawn_per_shard(partitionable):
+  """tensor(init="normal", key=k) is jax.random.normal(k, shape) under the process's own
+  jax_threefry_partitionable, both settings (the README's promise), without the whole array on a
+  device: with the flag off a jitted jax.random.normal with out_shardings makes every device
+  generate the whole array and slice it, while tensor's program holds at most 1.25x the shard
+  per device (output and temporaries), for normal and uniform, float32 and bfloat16 (whose
+  uniform jax draws as 8-bit words). Column layouts, which are not one range of the array, get
+  the same values (with the flag off drawn in rows and moved)."""
   from dtenjax._src.planning import placement as placement_lib
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
   shape, p = (512, 256), Placement(P("x", None), mesh=mesh)
@@ -527,16 +530,24 @@ def test_tensor_generates_per_shard_whatever_jax_threefry_partitionable_says(par
     plain_temp = plain.lower(key).compile().memory_analysis().temp_size_in_bytes
     for init, dtype in (("normal", jnp.float32), ("uniform", jnp.bfloat16)):
       t = tensor(shape, dtype, p, init=init, key=key)
-      with jax.threefry_partitionable(True):
-        want = getattr(jax.random, init)(key, shape, dtype)
+      want = getattr(jax.random, init)(key, shape, dtype)       # under the user's flag
       np.testing.assert_array_equal(np.asarray(t, np.float32), np.asarray(want, np.float32))
       assert t.sharding == p.sharding(shape, dtype)
       prog = placement_lib._chunked_program(init, shape, jnp.dtype(dtype).name,
-                                            p.sharding(shape, dtype))
+                                            p.sharding(shape, dtype), partitionable)
       mem = prog.lower(jax.random.key_data(key)).compile().memory_analysis()
       shard_bytes = 512 * 256 * jnp.dtype(dtype).itemsize // 8
       assert mem.output_size_in_bytes == shard_bytes
       assert mem.output_size_in_bytes + mem.temp_size_in_bytes <= 1.25 * shard_bytes, mem
+    odd = (9, 24)                   # an odd word count: the legacy draw pads its counters
+    for spec in (P(None, "x"), P()):
+      q = Placement(spec, mesh=mesh)
+      for init, dtype in (("normal", jnp.float32), ("normal", jnp.bfloat16)):
+        t = tensor(odd, dtype, q, init=init, key=key)
+        np.testing.assert_array_equal(np.asarray(t, np.float32),
+                                      np.asarray(getattr(jax.random, init)(key, odd, dtype),
+                                                 np.float32))
+        assert t.sharding == q.sharding(odd, dtype)
   finally:
     jax.config.update("jax_threefry_partitionable", before)
   if not partitionable:

@@ -584,3 +584,54 @@ def test_shard_onto_a_mesh_lets_arrays_of_two_meshes_meet_in_one_jit():
   np.testing.assert_array_equal(add(moved["w"], b), 2 * np.ones((8, 16)))
   with pytest.raises(errors.PlacementError, match=r"mesh axes \['data'\].*check the spelling"):
     shard(moved, jax.make_mesh((8,), ("x",)))
+
+
+def test_auto_on_jax_make_mesh_places_so_unchanged_steps_type_check():
+  """jax.make_mesh gives Explicit axes, where JAX types every product: a weight sharded on its
+  last dimension ("col", "2d", or a bias sharded like one) makes the next `@` raise
+  ShardingTypeError. Placement("auto") there picks among the layouts that type-check (row for
+  matrices, replicated vectors) and says why, so the plain MLP step -- forward, grad, an optax
+  update under jax.jit -- runs unchanged with the values of the same step on unplaced arrays;
+  on the same devices with Auto axes the planner's first choice (here Megatron's column/row
+  pair) stays."""
+  ex = jax.make_mesh((2, 4), ("data", "model"))
+  auto = jax.sharding.Mesh(ex.devices, ex.axis_names)             # Auto axes, same devices
+  keys = jax.random.split(jax.random.key(0), 3)
+  params = {"w": jax.random.normal(keys[0], (1024, 4096)) * 0.02, "b": jnp.zeros((4096,)),
+            "v": jax.random.normal(keys[1], (4096, 1024)) * 0.02}
+  x = jax.random.normal(keys[2], (16, 1024))
+  topology = Topology.fixture("pcie_8")          # its plan for w is a column layout, v rows
+  on_auto = Placement("auto", mesh=auto, topology=topology)
+
+  def last_dim(spec, ndim):
+    return (tuple(spec) + (None,) * ndim)[ndim - 1]
+  sharded_last = [k for k, p in params.items() if last_dim(on_auto.spec(p.shape), p.ndim)]
+  assert sharded_last, "the fixture no longer makes the planner pick a column layout"
+
+  def loss(p, x):
+    return jnp.mean(((jax.nn.relu(x @ p["w"] + p["b"])) @ p["v"]) ** 2)
+  opt = optax.adam(1e-3)
+
+  def step(p, s, x):
+    l, g = jax.value_and_grad(loss)(p, x)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s, l
+
+  want = jax.jit(step)(params, opt.init(params), x)
+  with jax.set_mesh(ex):
+    placement = Placement("auto", topology=topology)
+    placed = shard(params, placement)
+    for name, a in placed.items():
+      assert last_dim(a.sharding.spec, a.ndim) is None, (name, a.sharding.spec)
+    for name in sharded_last:
+      plan = placement.plan(params[name].shape)
+      assert plan.strategy in ("row", "replicate") and "Explicit mesh axes" in plan.reason
+    xs = jax.device_put(x, NamedSharding(ex, P("data")))
+    got = jax.jit(step)(placed, opt.init(placed), xs)
+    # what it avoids: the Auto mesh's first choices, laid on the Explicit axes, fail in JAX
+    untyped = {k: jax.device_put(p, NamedSharding(ex, on_auto.spec(p.shape)))
+               for k, p in params.items()}
+    with pytest.raises(Exception, match="Contracting dimensions are sharded"):
+      jax.jit(loss)(untyped, xs)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)   # adam: ~lr

@@ -122,8 +122,9 @@ class Placement:
 
   def _plan(self, mesh: Mesh, shape: Sequence[int], dtype) -> planner.Plan:
     ids, topology = _planning_inputs(mesh, self._topology())
-    return planner.plan_tensor(shape, dtype, tuple(mesh.devices.shape), tuple(mesh.axis_names),
+    plan = planner.plan_tensor(shape, dtype, tuple(mesh.devices.shape), tuple(mesh.axis_names),
                                ids, topology, self.workload)
+    return _typed_for_explicit_axes(plan, mesh, self.workload.time_tolerance)
 
   def _spec(self, mesh: Mesh, shape: Sequence[int], dtype) -> P:
     if isinstance(self.strategy, P):
@@ -154,6 +155,44 @@ class Placement:
     if self.strategy == "auto":
       return head + "\n" + self._plan(mesh, shape, dtype).table()
     return head + f"\n=> {self._spec(mesh, tuple(shape), dtype)} (fixed strategy, no planning)"
+
+
+EXPLICIT_STRATEGIES = ("replicate", "row")   # for arrays of 2 or more dimensions
+_EXPLICIT_NOTE = ("not on Explicit mesh axes: it shards the last dimension, and a matmul on "
+                  "such a product raises JAX's ShardingTypeError without out_sharding")
+
+
+def _typed_for_explicit_axes(plan: planner.Plan, mesh: Mesh, tolerance: float) -> planner.Plan:
+  """``plan`` restricted, on a mesh with Explicit axes (``jax.make_mesh``'s default), to layouts
+  that the user's unchanged ``x @ w`` chains type-check with under JAX's sharding in types.
+
+  With Explicit axes JAX types every product: ``x @ w`` with ``w`` sharded on its first
+  (contracting) dimension gathers it, but a product whose last dimension is sharded -- after a
+  "col" or "2d" weight, or a bias sharded like one -- cannot meet a row-sharded weight in the
+  next product (JAX asks for ``out_sharding``). So there "auto" picks among "replicate" and
+  "row" for matrices (the first of the last two dimensions, stacked layers unsharded) and
+  replicates vectors; the whole-step planner (``dtenjax.plan``) sees the products and may do
+  more. Auto axes keep every candidate (XLA propagates shardings itself)."""
+  if not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+    return plan
+  allowed = EXPLICIT_STRATEGIES if len(plan.shape) >= 2 else ("replicate",)
+  if plan.strategy in allowed:
+    return plan
+  cands = tuple(c if c.strategy in allowed or not c.feasible else
+                dataclasses.replace(c, feasible=False, note=_EXPLICIT_NOTE)
+                for c in plan.candidates)
+  feasible = [c for c in cands if c.feasible]
+  if not feasible:
+    return dataclasses.replace(plan, strategy="replicate", spec=P(), candidates=cands,
+                               reason="Explicit mesh axes: replicated (no typed layout fits)")
+  best = min(c.time_s for c in feasible)
+  close = [c for c in feasible if c.time_s <= best * (1 + tolerance) + 1e-12]
+  pick = min(close, key=lambda c: (c.memory_bytes, planner.STRATEGIES.index(c.strategy)))
+  return dataclasses.replace(
+      plan, strategy=pick.strategy, spec=pick.spec, candidates=cands,
+      reason=(f"Explicit mesh axes: {plan.strategy!r} (estimated fastest) would shard a product's "
+              f"last dimension, which JAX's sharding in types rejects in the next matmul; "
+              f"{pick.strategy!r} is the best layout that type-checks ({pick.time_s * 1e6:.1f} us)"))
 
 
 @functools.lru_cache(maxsize=256)

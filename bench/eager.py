@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     _harness.write_json(args.json, _harness.document(
         "eager", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"}, rows,
         devices=jax.devices()))
-  print(f"one all-reduce of {args.leaves} x {args.size} B per device over {world} {jax.default_backend()} "
+  print(f"one all-reduce of {args.leaves} x {args.size} B per device over {world} "
+        f"{jax.default_backend()} "
         f"devices ({os.cpu_count()} cores), median of {args.iters} interleaved calls; "
         "x psum = time / lax.psum's time in the same mode (lower is better; target <= 2 eager)")
   print(_harness.table(rows, (("mode", "mode", "s"), ("candidate", "candidate", "s")) +

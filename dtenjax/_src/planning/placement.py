@@ -190,9 +190,10 @@ def _typed_for_explicit_axes(plan: planner.Plan, mesh: Mesh, tolerance: float) -
   pick = min(close, key=lambda c: (c.memory_bytes, planner.STRATEGIES.index(c.strategy)))
   return dataclasses.replace(
       plan, strategy=pick.strategy, spec=pick.spec, candidates=cands,
-      reason=(f"Explicit mesh axes: {plan.strategy!r} (estimated fastest) would shard a product's "
-              f"last dimension, which JAX's sharding in types rejects in the next matmul; "
-              f"{pick.strategy!r} is the best layout that type-checks ({pick.time_s * 1e6:.1f} us)"))
+      reason=(f"Explicit mesh axes: {plan.strategy!r} (estimated fastest) would shard a "
+              "product's last dimension, which JAX's sharding in types rejects in the next "
+              f"matmul; {pick.strategy!r} is the best layout that type-checks "
+              f"({pick.time_s * 1e6:.1f} us)"))
 
 
 @functools.lru_cache(maxsize=256)

@@ -131,9 +131,10 @@ def make_step(lr: float, mesh):
 def step_jit(step, backend: str | None = None):
   """How the demo compiles its step: with ``reproducible_step``'s pins (GPU: run-to-run bits;
   CPU: no fast math, and with the FMA-free ISA the same bits on every device count). The
-  process check is the demo's own (:func:`same_bits_across_device_counts` says what holds)."""
-  del backend   # reproducible_step pins per backend itself
-  return reproducible.reproducible_step(step, donate_argnums=(0, 1), check_flags=False)
+  process check is reproducible_step's on GPU (NCCL_NVLS_ENABLE with several GPUs), the demo's
+  own on CPU (:func:`same_bits_across_device_counts` says what holds)."""
+  on_gpu = (backend or jax.default_backend()) == "gpu"
+  return reproducible.reproducible_step(step, donate_argnums=(0, 1), check_flags=on_gpu)
 
 
 def start_without_fma() -> None:

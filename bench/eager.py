@@ -1,12 +1,15 @@
-"""Eager (outside jit) dtenjax collectives against an eager ``lax.psum``, and both jitted.
+"""Eager (outside jit) dtenjax collectives against an eager ``lax.psum``, forward and gradient,
+and both jitted.
 
 A user debugging a step, or chex's ``variants(without_jit=True)``, runs ``jax.shard_map`` outside
 ``jax.jit``: JAX then evaluates the body primitive by primitive, compiling a program for each
 primitive on every call. dtenjax runs each collective there as one program cached per call
-signature (``jaxapi.run_eager``), so an eager call should cost about what an eager ``lax.psum``
-does (target: at most 2x). Per algorithm and reproducible mode, the median wall time of one call
-of ``shard_map(all_reduce)`` (eager, then the same function under ``jax.jit``), interleaved with
-``lax.psum`` in the same mode; ``x psum`` = time / psum's time in that mode (lower is better).
+signature (``jaxapi.run_eager``), and under an eager ``jax.grad`` its forward and backward rules
+too, so an eager call should cost about what an eager ``lax.psum`` does (target: at most 2x).
+Per algorithm and reproducible mode, the median wall time of one call of ``shard_map(all_reduce)``
+(mode ``eager``), of ``jax.value_and_grad`` of a loss through it (``eager grad``), and of the
+forward under ``jax.jit`` (``jit``), interleaved with ``lax.psum`` in the same mode; ``x psum`` =
+time / psum's time in that mode (lower is better). ``--leaves N`` reduces a tree of N arrays.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/eager.py --json eager.json
 """
@@ -23,7 +26,11 @@ import _harness
 DEFAULT_ALGORITHMS = tuple(a for a in _harness.algorithm_families() if a != "hierarchical")
 
 
-def measure(algorithms, nbytes: int, iters: int, warmup: int, world: int):
+MODES = ("eager", "eager grad", "jit")
+
+
+def measure(algorithms, nbytes: int, iters: int, warmup: int, world: int, leaves: int = 1,
+            modes=MODES):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
@@ -34,6 +41,8 @@ def measure(algorithms, nbytes: int, iters: int, warmup: int, world: int):
   count = max(1, nbytes // 4)
   x = jax.device_put(jnp.arange(world * count, dtype=jnp.float32).reshape(world, count) / count,
                      NamedSharding(mesh, P("i")))
+  if leaves > 1:
+    x = [x + i for i in range(leaves)]
 
   def smap(body):
     return jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P())
@@ -43,10 +52,19 @@ def measure(algorithms, nbytes: int, iters: int, warmup: int, world: int):
     for r in (False, True):
       fns[(a, r)] = smap(lambda v, a=a, r=r: dtenjax.all_reduce(v, "i", algorithm=a,
                                                                reproducible=r))
+  def wrap(f, mode):
+    if mode == "jit":
+      return jax.jit(f)
+    if mode == "eager grad":
+      return jax.value_and_grad(lambda v: sum(jnp.sum(jnp.sin(y))
+                                              for y in jax.tree_util.tree_leaves(f(v))))
+    return f
+
   rows = []
-  for mode in ("eager", "jit"):
-    cands = {k: (f if mode == "eager" else jax.jit(f)) for k, f in fns.items()}
-    samples = _harness.interleaved(cands, (x,), warmup=warmup, iters=iters)
+  for mode in modes:
+    cands = {k: wrap(f, mode) for k, f in fns.items()}
+    with jax.set_mesh(mesh):     # jax.make_mesh's Explicit axes: the scalar loss needs it
+      samples = _harness.interleaved(cands, (x,), warmup=warmup, iters=iters)
     for (a, r), ts in samples.items():
       rows.append(dict(_harness.nccl_columns(count * 4, "float32", _harness.median(ts), world),
                        algorithm=a, reproducible=r, mode=mode, world=world,
@@ -65,6 +83,9 @@ def main(argv=None) -> int:
                   help="comma-separated algorithm families")
   ap.add_argument("--size", type=_harness.parse_size, default=32 << 10,
                   help="bytes per device (K/M allowed)")
+  ap.add_argument("--leaves", type=_harness.positive_int, default=1,
+                  help="arrays in the reduced tree (each of --size bytes)")
+  ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + str(MODES))
   ap.add_argument("--iters", type=_harness.positive_int, default=7)
   ap.add_argument("--warmup", type=_harness.positive_int, default=1)
   ap.add_argument("--json", default=None, help="write the rows to this path")
@@ -75,12 +96,16 @@ def main(argv=None) -> int:
   _harness.require_world("bench/eager.py", world, 2,
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")
   algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-  rows = measure(algorithms, args.size, args.iters, args.warmup, world)
+  modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  if not modes or set(modes) - set(MODES):
+    ap.error(f"--modes={args.modes!r}: pick from {MODES}")
+  rows = measure(algorithms, args.size, args.iters, args.warmup, world, args.leaves, modes)
   if args.json:
     _harness.write_json(args.json, _harness.document(
         "eager", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"}, rows,
         devices=jax.devices()))
-  print(f"one all-reduce of {args.size} B per device over {world} {jax.default_backend()} "
+  print(f"one all-reduce of {args.leaves} x {args.size} B per device over {world} "
+        f"{jax.default_backend()} "
         f"devices ({os.cpu_count()} cores), median of {args.iters} interleaved calls; "
         "x psum = time / lax.psum's time in the same mode (lower is better; target <= 2 eager)")
   print(_harness.table(rows, (("mode", "mode", "s"), ("candidate", "candidate", "s")) +

@@ -201,17 +201,33 @@ def test_collectives_lax_candidates_compute_what_they_stand_for(cpu_devices):
     assert np.allclose(got, want[None], rtol=1e-6), name       # every rank: the sum
 
 
-def test_eager_bench_writes_psum_ratios_for_both_modes(tmp_path):
+def test_eager_bench_writes_psum_ratios_for_every_mode(tmp_path):
   out = tmp_path / "e.json"
   r = _run("eager", "--algorithms", "xla", "--iters", "1", "--size", "1K", "--json", str(out),
            env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
   assert r.returncode == 0, r.stderr[-3000:]
   rows = _doc(out, "eager")["rows"]
   assert {(row["mode"], row["candidate"]) for row in rows} == {
-      (m, c) for m in ("eager", "jit") for c in ("lax.psum", "xla", "xla repro")}
+      (m, c) for m in ("eager", "eager grad", "jit") for c in ("lax.psum", "xla", "xla repro")}
   assert all(row["x_psum"] > 0 for row in rows) and "x psum" in r.stdout
   r = _run("eager", "--iters", "1")                      # one device: a clear refusal
   assert r.returncode == 3 and "moves no data" in r.stderr
+
+
+def test_compile_time_bench_reports_program_sizes_and_psum_ratios(tmp_path):
+  out = tmp_path / "ct.json"
+  r = _run("compile_time", "--blocks", "2", "--d", "8", "--repeats", "1", "--candidates",
+           "auto,reproducible", "--json", str(out),
+           env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = {row["candidate"]: row for row in _doc(out, "compile_time")["rows"]}
+  assert set(rows) == {"lax.psum", "auto", "reproducible"}        # psum: the anchor, always
+  assert all(row["leaves"] == 12 and row["agrees"] for row in rows.values())
+  assert rows["lax.psum"]["x_psum"] == 1 and all(row["x_psum"] > 0 for row in rows.values())
+  # auto on CPU is XLA's all-reduce: the program lax.psum compiles to, not a bucket
+  assert rows["auto"]["hlo_ops"] == rows["lax.psum"]["hlo_ops"]
+  assert rows["reproducible"]["stablehlo_ops"] > rows["lax.psum"]["stablehlo_ops"]
+  assert "x psum" in r.stdout
 
 
 def test_stacked_buckets_bench_compares_per_leaf_and_bucketed_with_the_same_bits(tmp_path):

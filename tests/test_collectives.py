@@ -61,6 +61,31 @@ def test_pytree_all_reduce_buckets_and_matches_per_leaf(mesh):
   assert _count(single.lower(tree).compile().as_text(), "all-gather") == 3
 
 
+def test_a_tree_on_xla_collectives_is_left_to_xla_s_combiner(mesh):
+  """Where the buckets would run on XLA's own all-reduce (``auto`` on CPU, ``xla``), dtenjax
+  does not pack them: XLA combines the leaves' all-reduces itself, so the program is the one
+  ``lax.psum`` of the tree compiles to (no copy into a bucket and out of it, which is a compiled
+  kernel per leaf: bench/compile_time.py), one collective for the tree, the bits of the bucket
+  and of leaf by leaf, and the gradient of lax.psum."""
+  keys = jax.random.split(jax.random.key(3), 6)
+  tree = [jax.random.normal(k, (8, 3 + i)) for i, k in enumerate(keys)]
+
+  def build(body, bucket_bytes=None):
+    return jax.jit(jax.shard_map(lambda t: body(t, bucket_bytes), mesh=mesh, in_specs=(P(AX),),
+                                 out_specs=P()))
+  ours = lambda t, b: dtenjax.all_reduce(t, AX, algorithm="auto", bucket_bytes=b)
+  theirs = lambda t, _: jax.lax.psum(t, AX)
+  f, per_leaf, psum = build(ours), build(ours, 0), build(theirs)
+  hlo = f.lower(tree).compile().as_text()
+  assert _count(hlo, "all-reduce") == 1, hlo
+  assert _count(hlo, "fusion") <= _count(psum.lower(tree).compile().as_text(), "fusion")
+  assert "concatenate(" not in hlo
+  chex.assert_trees_all_equal(f(tree), per_leaf(tree))
+  chex.assert_trees_all_close(f(tree), psum(tree), rtol=1e-6, atol=1e-6)
+  loss = lambda g: jax.jit(jax.grad(lambda t: sum(jnp.sum(jnp.sin(y)) for y in g(t))))
+  chex.assert_trees_all_close(loss(f)(tree), loss(psum)(tree), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("algorithm", ("xla", "one_shot"))
 def test_stacked_contributions_are_bucketed_with_the_same_bits_and_gradients(mesh, algorithm):
   """``local_axis`` leaves (a reproducible step's per-micro-batch gradients) share buckets of
@@ -713,6 +738,69 @@ def test_an_eager_collective_is_one_program_compiled_once_per_signature(cpu_devi
   jitted = jax.jit(f("one_shot"))(x)
   for y in (first, again):
     np.testing.assert_array_equal(np.asarray(y).view(np.uint32), np.asarray(jitted).view(np.uint32))
+
+
+def _compilations(fn, *args):
+  """XLA compilations during one call of ``fn`` (JAX's own compile-time events)."""
+  from jax import monitoring  # pylint: disable=g-import-not-at-top
+  seen = []
+
+  def listener(event, _duration, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      seen.append(event)
+  monitoring.register_event_duration_secs_listener(listener)
+  try:
+    out = jax.block_until_ready(fn(*args))
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+  return out, len(seen)
+
+
+@pytest.mark.parametrize("collective,algorithm,reproducible", [
+    ("all_reduce", "ring", False), ("all_reduce", "auto", True),
+    ("all_reduce_max", "two_shot", False), ("reduce_scatter", "one_shot", False),
+    ("all_gather", "ring", False)])
+def test_an_eager_gradient_reuses_cached_programs(cpu_devices, collective, algorithm,
+                                                 reproducible):
+  """jax.grad of an un-jitted shard_map (a debugging session, chex's without_jit): the forward and
+  backward rules of a dtenjax collective each run as one program cached per signature, so a
+  second call compiles nothing for the collective -- no more programs than the same loss with
+  JAX's own collective, whose primitives eager shard_map compiles itself -- and the gradient is
+  the jitted one, bit for bit. A pytree goes through the buckets in the same programs."""
+  from dtenjax._src import jaxapi  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(cpu_devices[:4]), ("d",))
+  tree = {"a": jax.random.normal(jax.random.key(0), (4, 8)),
+          "b": jax.random.normal(jax.random.key(1), (4, 4, 3))}
+  tree = jax.device_put(tree, jax.sharding.NamedSharding(mesh, P("d")))
+  ours = {
+      "all_reduce": lambda t: dtenjax.all_reduce(t, "d", algorithm=algorithm,
+                                                 reproducible=reproducible),
+      "all_reduce_max": lambda t: dtenjax.all_reduce(t, "d", op="max", algorithm=algorithm),
+      "reduce_scatter": lambda t: dtenjax.reduce_scatter(t, "d", scatter_dimension=1, tiled=True,
+                                                         algorithm=algorithm),
+      "all_gather": lambda t: dtenjax.all_gather(t, "d", tiled=True, algorithm=algorithm)}
+  theirs = {
+      "all_reduce": lambda t: jax.lax.psum(t, "d"),
+      "all_reduce_max": lambda t: jax.tree.map(lambda y: jax.lax.all_gather(y, "d").max(0), t),
+      "reduce_scatter": lambda t: jax.lax.psum_scatter(t, "d", scatter_dimension=1, tiled=True),
+      "all_gather": lambda t: jax.lax.all_gather(t, "d", tiled=True)}
+
+  def grad_of(body):
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    return jax.grad(lambda t: sum(jnp.sum(jnp.sin(y)) for y in jax.tree.leaves(f(t))))
+
+  g, lax_g = grad_of(ours[collective]), grad_of(theirs[collective])
+  first, _ = _compilations(g, tree)
+  programs = jaxapi.eager_cache_size()
+  again, n_ours = _compilations(g, tree)
+  _compilations(lax_g, tree)                      # JAX's own per-primitive programs, warmed up
+  want, n_lax = _compilations(lax_g, tree)
+  assert jaxapi.eager_cache_size() == programs    # nothing new was traced for the second call
+  assert n_ours <= n_lax, (n_ours, n_lax)
+  jitted = jax.jit(g)(tree)
+  for y in (first, again):
+    chex.assert_trees_all_equal(y, jitted)
+  chex.assert_trees_all_close(again, want, rtol=1e-5, atol=1e-5)
 
 
 _PLAIN_SCRIPT = """

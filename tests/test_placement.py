@@ -511,11 +511,14 @@ def test_shard_nnx_optimizer_state_like_the_model_state_and_with_the_placement_t
 
 
 @pytest.mark.parametrize("partitionable", [True, False])
-def test_tensor_generates_per_shard_whatever_jax_threefry_partitionable_says(partitionable):
-  """With jax_threefry_partitionable=False a jitted jax.random.normal with out_shardings makes
-  every device generate the whole array and slice it. dtenjax.tensor gives jax.random's values
-  under JAX's default flag either way, drawn in chunks: its program holds at most 1.25x the shard
-  per device (output and temporaries), for normal and uniform, float32 and bfloat16."""
+def test_tensor_gives_jax_random_values_under_the_users_flag_drawn_per_shard(partitionable):
+  """tensor(init="normal", key=k) is jax.random.normal(k, shape) under the process's own
+  jax_threefry_partitionable, both settings (the README's promise), without the whole array on a
+  device: with the flag off a jitted jax.random.normal with out_shardings makes every device
+  generate the whole array and slice it, while tensor's program holds at most 1.25x the shard
+  per device (output and temporaries), for normal and uniform, float32 and bfloat16 (whose
+  uniform jax draws as 8-bit words). Column layouts, which are not one range of the array, get
+  the same values (with the flag off drawn in rows and moved)."""
   from dtenjax._src.planning import placement as placement_lib
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
   shape, p = (512, 256), Placement(P("x", None), mesh=mesh)
@@ -527,16 +530,24 @@ def test_tensor_generates_per_shard_whatever_jax_threefry_partitionable_says(par
     plain_temp = plain.lower(key).compile().memory_analysis().temp_size_in_bytes
     for init, dtype in (("normal", jnp.float32), ("uniform", jnp.bfloat16)):
       t = tensor(shape, dtype, p, init=init, key=key)
-      with jax.threefry_partitionable(True):
-        want = getattr(jax.random, init)(key, shape, dtype)
+      want = getattr(jax.random, init)(key, shape, dtype)       # under the user's flag
       np.testing.assert_array_equal(np.asarray(t, np.float32), np.asarray(want, np.float32))
       assert t.sharding == p.sharding(shape, dtype)
       prog = placement_lib._chunked_program(init, shape, jnp.dtype(dtype).name,
-                                            p.sharding(shape, dtype))
+                                            p.sharding(shape, dtype), partitionable)
       mem = prog.lower(jax.random.key_data(key)).compile().memory_analysis()
       shard_bytes = 512 * 256 * jnp.dtype(dtype).itemsize // 8
       assert mem.output_size_in_bytes == shard_bytes
       assert mem.output_size_in_bytes + mem.temp_size_in_bytes <= 1.25 * shard_bytes, mem
+    odd = (9, 24)                   # an odd word count: the legacy draw pads its counters
+    for spec in (P(None, "x"), P()):
+      q = Placement(spec, mesh=mesh)
+      for init, dtype in (("normal", jnp.float32), ("normal", jnp.bfloat16)):
+        t = tensor(odd, dtype, q, init=init, key=key)
+        np.testing.assert_array_equal(np.asarray(t, np.float32),
+                                      np.asarray(getattr(jax.random, init)(key, odd, dtype),
+                                                 np.float32))
+        assert t.sharding == q.sharding(odd, dtype)
   finally:
     jax.config.update("jax_threefry_partitionable", before)
   if not partitionable:
@@ -573,3 +584,54 @@ def test_shard_onto_a_mesh_lets_arrays_of_two_meshes_meet_in_one_jit():
   np.testing.assert_array_equal(add(moved["w"], b), 2 * np.ones((8, 16)))
   with pytest.raises(errors.PlacementError, match=r"mesh axes \['data'\].*check the spelling"):
     shard(moved, jax.make_mesh((8,), ("x",)))
+
+
+def test_auto_on_jax_make_mesh_places_so_unchanged_steps_type_check():
+  """jax.make_mesh gives Explicit axes, where JAX types every product: a weight sharded on its
+  last dimension ("col", "2d", or a bias sharded like one) makes the next `@` raise
+  ShardingTypeError. Placement("auto") there picks among the layouts that type-check (row for
+  matrices, replicated vectors) and says why, so the plain MLP step -- forward, grad, an optax
+  update under jax.jit -- runs unchanged with the values of the same step on unplaced arrays;
+  on the same devices with Auto axes the planner's first choice (here Megatron's column/row
+  pair) stays."""
+  ex = jax.make_mesh((2, 4), ("data", "model"))
+  auto = jax.sharding.Mesh(ex.devices, ex.axis_names)             # Auto axes, same devices
+  keys = jax.random.split(jax.random.key(0), 3)
+  params = {"w": jax.random.normal(keys[0], (1024, 4096)) * 0.02, "b": jnp.zeros((4096,)),
+            "v": jax.random.normal(keys[1], (4096, 1024)) * 0.02}
+  x = jax.random.normal(keys[2], (16, 1024))
+  topology = Topology.fixture("pcie_8")          # its plan for w is a column layout, v rows
+  on_auto = Placement("auto", mesh=auto, topology=topology)
+
+  def last_dim(spec, ndim):
+    return (tuple(spec) + (None,) * ndim)[ndim - 1]
+  sharded_last = [k for k, p in params.items() if last_dim(on_auto.spec(p.shape), p.ndim)]
+  assert sharded_last, "the fixture no longer makes the planner pick a column layout"
+
+  def loss(p, x):
+    return jnp.mean(((jax.nn.relu(x @ p["w"] + p["b"])) @ p["v"]) ** 2)
+  opt = optax.adam(1e-3)
+
+  def step(p, s, x):
+    l, g = jax.value_and_grad(loss)(p, x)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s, l
+
+  want = jax.jit(step)(params, opt.init(params), x)
+  with jax.set_mesh(ex):
+    placement = Placement("auto", topology=topology)
+    placed = shard(params, placement)
+    for name, a in placed.items():
+      assert last_dim(a.sharding.spec, a.ndim) is None, (name, a.sharding.spec)
+    for name in sharded_last:
+      plan = placement.plan(params[name].shape)
+      assert plan.strategy in ("row", "replicate") and "Explicit mesh axes" in plan.reason
+    xs = jax.device_put(x, NamedSharding(ex, P("data")))
+    got = jax.jit(step)(placed, opt.init(placed), xs)
+    # what it avoids: the Auto mesh's first choices, laid on the Explicit axes, fail in JAX
+    untyped = {k: jax.device_put(p, NamedSharding(ex, on_auto.spec(p.shape)))
+               for k, p in params.items()}
+    with pytest.raises(Exception, match="Contracting dimensions are sharded"):
+      jax.jit(loss)(untyped, xs)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)   # adam: ~lr

@@ -69,6 +69,21 @@ def test_xlas_no_deterministic_implementation_error_is_explained():
   assert reproducible._explain_compile_error(RuntimeError("out of memory")) is None  # pylint: disable=protected-access
 
 
+def test_arrays_of_two_meshes_meeting_in_the_step_name_the_fix():
+  """The user's real case: parameters placed on dtenjax's own mesh (Placement(mesh=(2, 4))
+  outside jax.set_mesh, Auto axes) and a batch on jax.make_mesh's (Explicit axes) meet in the
+  step; JAX's "Mesh for all inputs should be equal" becomes a MeshError naming the fix."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  placement = dtenjax.Placement(P("data", "model"), mesh=(2, 4), axis_names=("data", "model"))
+  w = dtenjax.shard(jnp.ones((8, 16)), placement)
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data", "model")))
+  step = dtenjax.reproducible_step(lambda w, x: w + x, check_flags=False)
+  with pytest.raises(dtenjax.MeshError, match=r"two meshes.*dtenjax.shard\(tree, mesh\)"):
+    step(w, x)
+  np.testing.assert_array_equal(step(dtenjax.shard(w, mesh), x), 2 * np.ones((8, 16)))
+
+
 def test_refuses_to_run_without_the_process_flag():
   # The test process runs without --xla_cpu_max_isa (conftest sets only the device count).
   assert reproducible.missing_process_flags("cpu")

@@ -139,6 +139,33 @@ def eager_shard_map_trace(leaves):
   return trace
 
 
+def eager_shard_map_below(leaves):
+  """The eager ``shard_map`` trace under the differentiation traces (``jax.grad``'s linearize,
+  ``jax.vjp``) that ``leaves`` belong to, or None. An eager ``jax.grad`` of an eager ``shard_map``
+  runs its body under such a trace: the primal values are computed eagerly below it, primitive
+  by primitive, and so is the backward pass."""
+  try:
+    from jax._src import shard_map as _sm  # pylint: disable=g-import-not-at-top
+    from jax._src.interpreters import ad as _ad  # pylint: disable=g-import-not-at-top
+    diff_traces = (_ad.LinearizeTrace, _ad.JVPTrace)
+    trace_type = _sm.ShardMapTrace
+  except (ImportError, AttributeError):  # pragma: no cover - a jax that moved them
+    return None
+  trace = _jax_core.trace_ctx.trace
+  if not leaves or type(trace) not in diff_traces:
+    return None
+  # pylint: disable-next=protected-access
+  if not all(isinstance(x, _jax_core.Tracer) and x._trace is trace for x in leaves):
+    return None
+  while type(trace) in diff_traces:
+    trace = getattr(trace, "parent_trace", None)
+  if type(trace) is not trace_type:
+    return None
+  if not all(hasattr(trace, a) for a in ("mesh", "manual_axes", "check", "to_val_mat_pair")):
+    return None  # pragma: no cover
+  return trace
+
+
 @contextlib.contextmanager
 def _outside(trace):
   """The context JAX's eager shard_map runs each primitive's program in: no trace, the mesh of
@@ -202,6 +229,13 @@ def run_eager(trace, key, body, leaves):
 def eager_cache_size() -> int:
   """Programs compiled for eager calls so far (tests check that a repeated call adds none)."""
   return len(_EAGER_CACHE)
+
+
+def backends_started() -> bool:
+  """Whether JAX has started its backends (after which XLA_FLAGS is no longer read)."""
+  from jax._src import xla_bridge as _xb  # pylint: disable=g-import-not-at-top
+  started = getattr(_xb, "backends_are_initialized", None)
+  return True if started is None else bool(started())
 
 
 def distributed_state():

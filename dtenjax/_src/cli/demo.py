@@ -16,12 +16,20 @@ same bits whether a device computes 8, 4, 2 or 1 of them. On a GPU the step is c
 ``dtenjax.reproducible_step``'s pins (deterministic ops, no autotuning), without which two fresh
 processes can compile different kernels and print different digests. The printed
 ``losses sha256`` lets you compare runs, processes and ``XLA_FLAGS``.
+
+The losses themselves are bit-identical on 1, 2, 4 and 8 CPU devices: the step is compiled with
+``reproducible_step``'s pins, and the demo starts XLA:CPU without fused multiply-adds
+(``--xla_cpu_max_isa=AVX``, added to ``XLA_FLAGS`` when JAX has not started yet and the flag is
+not set), without which the optimizer's update contracts ``a * b + c`` differently in each device
+count's program (docs/reproducibility.md). The first line says which promise holds in the
+process at hand.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import time
 
 import jax
@@ -31,6 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
+from dtenjax._src import jaxapi
 from dtenjax._src.collectives import api as collectives
 from dtenjax._src.planning import explain as explain_lib
 from dtenjax._src.planning import mesh as mesh_lib
@@ -120,11 +129,35 @@ def make_step(lr: float, mesh):
 
 
 def step_jit(step, backend: str | None = None):
-  """How the demo compiles its step: on GPU with reproducible_step's pins (run-to-run bits),
-  elsewhere with plain jax.jit (XLA:CPU is deterministic run to run already)."""
-  if (backend or jax.default_backend()) == "gpu":
-    return reproducible.reproducible_step(step, donate_argnums=(0, 1))
-  return jax.jit(step, donate_argnums=(0, 1))
+  """How the demo compiles its step: with ``reproducible_step``'s pins (GPU: run-to-run bits;
+  CPU: no fast math, and with the FMA-free ISA the same bits on every device count). The
+  process check is reproducible_step's on GPU (NCCL_NVLS_ENABLE with several GPUs), the demo's
+  own on CPU (:func:`same_bits_across_device_counts` says what holds)."""
+  on_gpu = (backend or jax.default_backend()) == "gpu"
+  return reproducible.reproducible_step(step, donate_argnums=(0, 1), check_flags=on_gpu)
+
+
+def start_without_fma() -> None:
+  """Adds ``--xla_cpu_max_isa=AVX`` to ``XLA_FLAGS`` when JAX has not started its backends yet
+  and no ISA is chosen: XLA:CPU then emits no fused multiply-adds, so each device count's program
+  rounds the optimizer's update alike. Only XLA:CPU reads the flag."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_cpu_max_isa" not in flags and not jaxapi.backends_started():
+    os.environ["XLA_FLAGS"] = (flags + " " + reproducible.PROCESS_FLAGS["cpu"][0]).strip()
+
+
+def same_bits_across_device_counts(platform: str) -> tuple[bool, str]:
+  """(whether the demo's losses are bit-identical on 1, 2, 4 and 8 devices here, why)."""
+  if platform != "cpu":
+    return False, ("losses compared bit for bit across runs; across device counts the "
+                   "all-reduced gradients are reproducible, the losses are checked on CPU only")
+  missing = reproducible.missing_process_flags("cpu")
+  if missing:
+    return False, (f"losses compared bit for bit across runs; across device counts to float32 "
+                   f"rounding only: this process has XLA:CPU's FMAs (XLA_FLAGS lacks "
+                   f"{' '.join(missing)})")
+  return True, ("losses bit-identical on 1, 2, 4 and 8 devices (reproducible all-reduce, "
+                "reproducible_step's pins, XLA:CPU without FMA)")
 
 
 def microbatch_invariance(params, xb, yb, counts=(8, 4, 2, 1)) -> dict[int, str]:
@@ -239,13 +272,15 @@ def main(argv=None) -> int:
 
 def run(args: argparse.Namespace) -> int:
   t0 = time.perf_counter()
+  start_without_fma()
   devices = jax.devices()
   topology = Topology.current()
   shape = mesh_shape_for(len(devices))
   mesh = mesh_lib.make_mesh(shape, ("data", "model"), topology=topology)
   placement = Placement(strategy="auto", mesh=mesh)
+  _, compared = same_bits_across_device_counts(devices[0].platform)
   print(f"dtenjax demo: {len(devices)} {devices[0].platform} device(s), mesh "
-        f"{dict(mesh.shape)}, topology {topology.name}")
+        f"{dict(mesh.shape)}, topology {topology.name}; {compared}")
   print("\n== plan: Placement(strategy='auto') for every parameter ==")
   for name, p in sorted(init_params(jax.random.key(0)).items()):
     plan = placement.plan(p.shape, p.dtype)
@@ -263,7 +298,9 @@ def run(args: argparse.Namespace) -> int:
   print(f"loss {losses1[0]:.4f} -> {losses1[-1]:.4f}; test accuracy {accuracy(params, data):.3f}")
   platform = devices[0].platform
   pins = ("pinned: " + ", ".join(f"{k}={v}" for k, v in reproducible.gpu_options().items())
-          if platform == "gpu" else "XLA:CPU does not autotune")
+          if platform == "gpu" else "pinned: " + ", ".join(
+              [f"{k}={v}" for k, v in reproducible.COMPILER_OPTIONS["cpu"].items()]
+              + ([] if reproducible.missing_process_flags("cpu") else ["--xla_cpu_max_isa=AVX"])))
   print(f"losses sha256 {losses_digest(losses1)} ({len(devices)} {platform} device(s); {pins}; "
         "compare it across fresh processes)")
   (xtr, ytr), _ = data

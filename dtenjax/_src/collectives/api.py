@@ -281,13 +281,22 @@ def _split_tag(tag):
 
 
 def _forward(x, spec: _Spec, traced_tag=None):
-  ctx = _context(spec.axes)
+  """The all-reduce of one array; under an eager ``shard_map`` (also the forward pass of an eager
+  ``jax.grad``, which runs the custom VJP's forward rule there) one cached program."""
+  if traced_tag is None:
+    return _eager_or_traced("forward", lambda ls, s: [_forward_traced(ls[0], s)], [x],
+                            (spec,))[0]
+  return _forward_traced(x, spec, traced_tag)
+
+
+def _forward_traced(x, spec: _Spec, traced_tag=None, record=None, ctx=None):
+  ctx = _context(spec.axes) if ctx is None else ctx
   k = spec.local_size
   nbytes = x.size // k * jnp.dtype(x.dtype).itemsize
   call = _make_call("all_reduce", x.dtype, nbytes, ctx, spec.axes, spec.op, spec.algorithm,
                     spec.deterministic, spec.contract, k if spec.contract.reproducible else 1,
                     spec.tag if traced_tag is None else traced_tag)
-  record = _resolve(spec.algorithm, call, ctx)
+  record = _resolve(spec.algorithm, call, ctx) if record is None else record
   if call.reproducible:
     stack = jnp.moveaxis(x, spec.local_axis, 0) if spec.local_axis is not None else x[None]
     if record.reproducible is not None:
@@ -353,6 +362,14 @@ def _sum_untyped(ct, spec: _Spec, traced_tag=None):
 
 def _ar_bwd(spec: _Spec, res, ct):
   res, traced_tag = res
+  if traced_tag is None and ct.dtype != jax.dtypes.float0:
+    # An eager jax.grad runs this rule under the eager shard_map: one cached program, not one
+    # compilation per primitive on every call.
+    arrays = [ct] + (list(res) if res is not None else [])
+    g = _eager_or_traced(
+        "all_reduce_bwd",
+        lambda ls, s: list(_ar_bwd_x(s, tuple(ls[1:]) or None, ls[0], None)), arrays, (spec,))
+    return tuple(g) + (None,)
   return _ar_bwd_x(spec, res, ct, traced_tag) + (None,)
 
 
@@ -383,6 +400,50 @@ def _ar_bwd_x(spec: _Spec, res, ct, traced_tag):
 
 
 _all_reduce_array.defvjp(_ar_fwd, _ar_bwd)
+
+
+def _xla_combines(leaves, spec: _Spec):
+  """The context and ``xla`` record when every dtype group of ``leaves`` (a sum or mean without
+  stacked contributions) would be bucketed onto XLA's own all-reduce, else None.
+
+  XLA combines the all-reduces of one program itself (its all-reduce combiner: one collective
+  whose operands are the leaves), so dtenjax's buckets would only add a copy into the bucket and
+  a copy out of it per leaf: a compiled kernel per leaf, the compile time of the step."""
+  if spec.op not in base.SUMS or spec.contract.reproducible or spec.local_axis is not None:
+    return None
+  ctx = _context(spec.axes)
+  groups: dict[str, int] = {}
+  for leaf in leaves:
+    dt = jnp.dtype(leaf.dtype)
+    groups[dt.name] = groups.get(dt.name, 0) + leaf.size * dt.itemsize
+  record = None
+  for name, nbytes in groups.items():
+    call = _make_call("all_reduce", jnp.dtype(name), nbytes, ctx, spec.axes, spec.op,
+                      spec.algorithm, spec.deterministic, spec.contract, 1, spec.tag)
+    record = _resolve(spec.algorithm, call, ctx)
+    if record.family != "xla":
+      return None
+  return ctx, record
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _all_reduce_combined(leaves, spec: _Spec):
+  """The leaves all-reduced by the ``xla`` record, one ``lax.psum`` each in one program (XLA
+  combines them): the same bits as leaf by leaf, and as the bucket."""
+  combined = _xla_combines(leaves, spec)
+  ctx, record = combined
+  return tuple(_forward_traced(x, spec, None, record, ctx) for x in leaves)
+
+
+def _combined_fwd(leaves, spec: _Spec):
+  return _all_reduce_combined(leaves, spec), None
+
+
+def _combined_bwd(spec: _Spec, _, cts):
+  return (tuple(_ar_bwd_x(spec, None, ct, None)[0] for ct in cts),)
+
+
+_all_reduce_combined.defvjp(_combined_fwd, _combined_bwd)
 
 
 def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "auto",
@@ -440,9 +501,37 @@ def _eager_or_traced(what: str, body, leaves, args):
   anew on every call."""
   trace = jaxapi.eager_shard_map_trace(leaves)
   if trace is None:
+    if (jaxapi.eager_shard_map_below(leaves) is not None
+        and all(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves)):
+      return list(_eager_differentiable(what, body, args, tuple(leaves)))
     return body(leaves, *args)
   key = (what, args, mesh_lib.current_mesh())
   return jaxapi.run_eager(trace, key, lambda ls: body(ls, *args), leaves)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _eager_differentiable(what, body, args, leaves):
+  """``body(leaves, *args)`` under an eager ``jax.grad`` of an eager ``shard_map``: the forward
+  rule runs below the differentiation trace (on the eager shard_map's values) and the backward
+  rule in the eager shard_map, each as one cached program, so neither the collective nor the
+  packing around it (buckets, casts) is run primitive by primitive on every call."""
+  return _eager_or_traced(what, body, list(leaves), args)
+
+
+def _eager_differentiable_fwd(what, body, args, leaves):
+  return tuple(_eager_or_traced(what, body, list(leaves), args)), leaves
+
+
+def _eager_differentiable_bwd(what, body, args, leaves, cts):
+  n = len(leaves)
+
+  def vjp(ls, *args):     # the VJP of the same body, inside the cached program
+    _, pull = jax.vjp(lambda xs: tuple(body(list(xs), *args)), tuple(ls[:n]))
+    return list(pull(tuple(ls[n:]))[0])
+  return (tuple(_eager_or_traced(what + "_vjp", vjp, list(leaves) + list(cts), args)),)
+
+
+_eager_differentiable.defvjp(_eager_differentiable_fwd, _eager_differentiable_bwd)
 
 
 def _vmap_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -549,6 +638,8 @@ def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, contract, loca
     specs.append(_Spec(axes, op, algorithm, deterministic, contract, la, k, typed, tag))
   if len(leaves) > 1 and bucket_bytes > 0 and len({s.local_size for s in specs}) == 1:
     spec, stacked = specs[0], local_axis is not None
+    if traced_tag is None and _xla_combines(leaves, spec) is not None:
+      return list(_all_reduce_combined(tuple(leaves), spec))
     if stacked:   # contributions on local_axis (a reproducible step's per-micro-batch gradients):
       # buckets of [contributions, values], one encode and collective per bucket, not per leaf
       leaves = [jnp.moveaxis(leaf, s.local_axis, 0) for leaf, s in zip(leaves, specs)]
@@ -607,9 +698,21 @@ def _ag_impl(x, s: _RSSpec):
 
 def _with_transpose(impl, transpose):
   """``impl(x, spec)`` as a differentiable collective whose derivative is
-  ``transpose(spec, ct)`` (a tuple of one cotangent; nothing saved from the forward pass)."""
-  f = jax.custom_vjp(impl, nondiff_argnums=(1,))
-  f.defvjp(lambda x, s: (impl(x, s), None), lambda s, _, ct: transpose(s, ct))
+  ``transpose(spec, ct)`` (a tuple of one cotangent; nothing saved from the forward pass).
+  Both run as one cached program each under an eager ``shard_map`` (an eager ``jax.grad``)."""
+  name = impl.__name__
+
+  def fwd(x, s):
+    return _eager_or_traced(name, lambda ls, s: [impl(ls[0], s)], [x], (s,))[0]
+
+  def bwd(s, ct):
+    if ct.dtype == jax.dtypes.float0:
+      return transpose(s, ct)
+    return tuple(_eager_or_traced(name + "_transpose", lambda ls, s: list(transpose(s, ls[0])),
+                                  [ct], (s,)))
+
+  f = jax.custom_vjp(fwd, nondiff_argnums=(1,))
+  f.defvjp(lambda x, s: (fwd(x, s), None), lambda s, _, ct: bwd(s, ct))
   return f
 
 

@@ -122,8 +122,9 @@ class Placement:
 
   def _plan(self, mesh: Mesh, shape: Sequence[int], dtype) -> planner.Plan:
     ids, topology = _planning_inputs(mesh, self._topology())
-    return planner.plan_tensor(shape, dtype, tuple(mesh.devices.shape), tuple(mesh.axis_names),
+    plan = planner.plan_tensor(shape, dtype, tuple(mesh.devices.shape), tuple(mesh.axis_names),
                                ids, topology, self.workload)
+    return _typed_for_explicit_axes(plan, mesh, self.workload.time_tolerance)
 
   def _spec(self, mesh: Mesh, shape: Sequence[int], dtype) -> P:
     if isinstance(self.strategy, P):
@@ -154,6 +155,45 @@ class Placement:
     if self.strategy == "auto":
       return head + "\n" + self._plan(mesh, shape, dtype).table()
     return head + f"\n=> {self._spec(mesh, tuple(shape), dtype)} (fixed strategy, no planning)"
+
+
+EXPLICIT_STRATEGIES = ("replicate", "row")   # for arrays of 2 or more dimensions
+_EXPLICIT_NOTE = ("not on Explicit mesh axes: it shards the last dimension, and a matmul on "
+                  "such a product raises JAX's ShardingTypeError without out_sharding")
+
+
+def _typed_for_explicit_axes(plan: planner.Plan, mesh: Mesh, tolerance: float) -> planner.Plan:
+  """``plan`` restricted, on a mesh with Explicit axes (``jax.make_mesh``'s default), to layouts
+  that the user's unchanged ``x @ w`` chains type-check with under JAX's sharding in types.
+
+  With Explicit axes JAX types every product: ``x @ w`` with ``w`` sharded on its first
+  (contracting) dimension gathers it, but a product whose last dimension is sharded -- after a
+  "col" or "2d" weight, or a bias sharded like one -- cannot meet a row-sharded weight in the
+  next product (JAX asks for ``out_sharding``). So there "auto" picks among "replicate" and
+  "row" for matrices (the first of the last two dimensions, stacked layers unsharded) and
+  replicates vectors; the whole-step planner (``dtenjax.plan``) sees the products and may do
+  more. Auto axes keep every candidate (XLA propagates shardings itself)."""
+  if not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+    return plan
+  allowed = EXPLICIT_STRATEGIES if len(plan.shape) >= 2 else ("replicate",)
+  if plan.strategy in allowed:
+    return plan
+  cands = tuple(c if c.strategy in allowed or not c.feasible else
+                dataclasses.replace(c, feasible=False, note=_EXPLICIT_NOTE)
+                for c in plan.candidates)
+  feasible = [c for c in cands if c.feasible]
+  if not feasible:
+    return dataclasses.replace(plan, strategy="replicate", spec=P(), candidates=cands,
+                               reason="Explicit mesh axes: replicated (no typed layout fits)")
+  best = min(c.time_s for c in feasible)
+  close = [c for c in feasible if c.time_s <= best * (1 + tolerance) + 1e-12]
+  pick = min(close, key=lambda c: (c.memory_bytes, planner.STRATEGIES.index(c.strategy)))
+  return dataclasses.replace(
+      plan, strategy=pick.strategy, spec=pick.spec, candidates=cands,
+      reason=(f"Explicit mesh axes: {plan.strategy!r} (estimated fastest) would shard a "
+              "product's last dimension, which JAX's sharding in types rejects in the next "
+              f"matmul; {pick.strategy!r} is the best layout that type-checks "
+              f"({pick.time_s * 1e6:.1f} us)"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -580,6 +620,36 @@ def _offset_bits(key_data, bit_width: int, shape):
   return bits.reshape(shape)
 
 
+def _legacy_bits(key_data, bit_width: int, shape):
+  """random_bits of the legacy offset PRNG: key_data = (k1, k2, size, offset); the bits that
+  threefry's original (``jax_threefry_partitionable=False``) random_bits gives the elements
+  offset, offset + 1, ... of an array of ``size`` elements, drawn as ``words = ceil(size *
+  bit_width / 32)`` 32-bit words (jax.random asks for 8-bit ones for bfloat16's uniform, so the
+  width is the one asked here, not the dtype's). There, the counters 0..words-1
+  (padded with one 0 to an even count 2h) are split in halves: word i < h is the first output
+  of threefry2x32(key, (i, i + h)), word i >= h the second output of threefry2x32(key, (i - h,
+  i)); a 16- or 8-bit element e is bits (e % per) * width.. of word e // per."""
+  from jax.extend import random as xrandom  # pylint: disable=g-import-not-at-top
+  n = math.prod(shape)
+  per = 32 // bit_width
+  e = key_data[3] + jax.lax.iota(jnp.uint32, n)
+  w = e // jnp.uint32(per) if per > 1 else e
+  size = key_data[2]
+  words = size // jnp.uint32(per) + (size % jnp.uint32(per) != 0).astype(jnp.uint32)
+  h = (words + words % 2) // 2
+  first = w < h
+  x0 = jnp.where(first, w, w - h)
+  x1 = jnp.where(first, jnp.where(w + h == words, jnp.uint32(0), w + h), w)
+  b0, b1 = xrandom.threefry2x32_p.bind(jnp.broadcast_to(key_data[0], (n,)),
+                                       jnp.broadcast_to(key_data[1], (n,)), x0, x1)
+  bits = jnp.where(first, b0, b1)
+  if per > 1:
+    shift = (e % jnp.uint32(per)) * jnp.uint32(bit_width)
+    bits = jax.lax.convert_element_type(jnp.right_shift(bits, shift),
+                                        {8: jnp.uint8, 16: jnp.uint16}[bit_width])
+  return bits.reshape(shape)
+
+
 def _unsupported(*_):
   raise errors.PlacementError("internal: dtenjax's offset PRNG only draws bits for tensor()")
 
@@ -592,25 +662,44 @@ def _offset_impl():
                                   name="dtenjax_offset_threefry", tag="dto")
 
 
-def _draw(init: str, key_data, offset, size: int, dtype):
-  """``size`` values of ``init`` for the global linear indices ``offset ...``."""
-  data = jnp.stack([key_data[0], key_data[1], jnp.uint32(0), offset.astype(jnp.uint32)])
-  key = jax.random.wrap_key_data(data, impl=_offset_impl())
+@functools.cache
+def _legacy_impl():
+  from jax.extend import random as xrandom  # pylint: disable=g-import-not-at-top
+  return xrandom.define_prng_impl(key_shape=(4,), seed=_unsupported, split=_unsupported,
+                                  random_bits=_legacy_bits, fold_in=_unsupported,
+                                  name="dtenjax_legacy_offset_threefry", tag="dtl")
+
+
+def _draw(init: str, key_data, offset, size: int, dtype, legacy_size: int | None = None):
+  """``size`` values of ``init`` for the global linear indices ``offset ...``: with
+  ``legacy_size`` (the whole array's element count) as ``jax_threefry_partitionable=False``
+  draws them, else as JAX's default flag does."""
+  third = jnp.uint32(0) if legacy_size is None else jnp.uint32(legacy_size)
+  data = jnp.stack([key_data[0], key_data[1], third, offset.astype(jnp.uint32)])
+  impl = _offset_impl() if legacy_size is None else _legacy_impl()
+  key = jax.random.wrap_key_data(data, impl=impl)
   return _INITS[init](key, (size,), dtype)
 
 
 @functools.cache
-def _chunks_match_jax(init: str, dtype_name: str) -> bool:
-  """Whether chunked drawing gives ``jax.random``'s bits on this jax (a small probe: offsets
-  that carry into the second word included)."""
+def _chunks_match_jax(init: str, dtype_name: str, partitionable: bool = True) -> bool:
+  """Whether chunked drawing gives ``jax.random``'s bits on this jax under the flag
+  ``partitionable`` (small probes: an odd and an even element count, chunks of odd sizes, and
+  offsets that carry into the second word)."""
+  dtype = jnp.dtype(dtype_name)
   try:
-    with jax.threefry_partitionable(True):
+    with jax.threefry_partitionable(partitionable):
       key = jax.random.key(11)
-      want = np.asarray(_INITS[init](key, (6, 7), jnp.dtype(dtype_name)))
       data = jax.random.key_data(key)
-      got = np.concatenate([np.asarray(_draw(init, data, jnp.uint32(o), n, jnp.dtype(dtype_name)))
-                            for o, n in ((0, 5), (5, 30), (35, 7))])
-    return got.tobytes() == want.reshape(-1).tobytes()
+      for shape, parts in (((6, 7), ((0, 5), (5, 30), (35, 7))),
+                           ((5, 9), ((0, 3), (3, 23), (26, 19)))):
+        want = np.asarray(_INITS[init](key, shape, dtype))
+        size = None if partitionable else math.prod(shape)
+        got = np.concatenate([np.asarray(_draw(init, data, jnp.uint32(o), n, dtype, size))
+                              for o, n in parts])
+        if got.tobytes() != want.reshape(-1).tobytes():
+          return False
+    return True
   except Exception:  # pylint: disable=broad-except  (a jax whose PRNG internals moved)
     return False
 
@@ -636,17 +725,36 @@ def _chunked_init(init, key, shape, dtype, sharding: NamedSharding):
   spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
   if any(e is not None for e in spec[1:]) or key_data.shape != (2,):
     return None
-  if not _chunks_match_jax(init, dtype.name):
+  partitionable = bool(jax.config.jax_threefry_partitionable)
+  if not _chunks_match_jax(init, dtype.name, partitionable):
     return None
-  return _chunked_program(init, tuple(shape), dtype.name, sharding)(key_data)
+  return _chunked_program(init, tuple(shape), dtype.name, sharding, partitionable)(key_data)
+
+
+def _row_sharding(shape, sharding: NamedSharding) -> NamedSharding | None:
+  """A sharding of ``shape``'s first dimension over as many of the mesh's devices as divide it
+  (axes in mesh order), on the same mesh: a layout :func:`_chunked_init` can draw in."""
+  if not shape:
+    return None
+  mesh = sharding.mesh
+  axes, parts = [], 1
+  for name, size in dict(mesh.shape).items():
+    if size > 1 and shape[0] % (parts * size) == 0:
+      axes.append(name)
+      parts *= size
+  if not axes:
+    return None
+  spec = P(tuple(axes) if len(axes) > 1 else axes[0])
+  return NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
 
 
 @functools.lru_cache(maxsize=256)
 def _chunked_program(init: str, shape: tuple[int, ...], dtype_name: str,
-                     sharding: NamedSharding):
-  """The jitted chunked generator of :func:`_chunked_init` (one per init, shape, dtype and
-  sharding): key data in, the sharded array out."""
+                     sharding: NamedSharding, partitionable: bool = True):
+  """The jitted chunked generator of :func:`_chunked_init` (one per init, shape, dtype,
+  sharding and threefry flag): key data in, the sharded array out."""
   dtype = jnp.dtype(dtype_name)
+  words = None if partitionable else math.prod(shape)   # the legacy draw's element count
   spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
   mesh = sharding.mesh
   axes0 = () if spec[0] is None else (spec[0] if isinstance(spec[0], tuple) else (spec[0],))
@@ -669,7 +777,7 @@ def _chunked_program(init: str, shape: tuple[int, ...], dtype_name: str,
       out = jax.lax.pcast(out, axes0, to="varying")
 
     def draw(start, n):
-      vals = _draw(init, kd, base + start, n, dtype)
+      vals = _draw(init, kd, base + start, n, dtype, words)
       return vals.reshape((n // row,) + local[1:]) if rows else vals
 
     def step(i, acc):
@@ -693,15 +801,16 @@ def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None 
   initialiser runs under jit with ``out_shardings``), so the whole array never sits on one
   device.
 
-  Random inits run with ``jax_threefry_partitionable=True`` (JAX's default) whatever the global
-  flag says: with it off, XLA generates the random bits of the whole array on every device and
-  slices (measured on CPU: 68 MiB of temporaries per device for an 8 MiB shard of a 64 MiB
-  array). So the values are those of ``jax.random.normal(key, shape)`` (or ``uniform``, or your
-  ``init``) under JAX's default flag, on every layout. Memory per device: "normal" and "uniform"
-  with a threefry key on a layout that shards only the first dimension (or none) are drawn in
-  chunks of the shard (at most 1.25x the shard in all, e.g. 8 + 1.6 MiB for an 8 MiB shard);
-  other layouts and callables run as one jitted draw, whose temporaries XLA sizes (on CPU 3x the
-  shard for jax.random's generators); "zeros" and "ones" need none.
+  The values are those of ``jax.random.normal(key, shape)`` (or ``uniform``, or your ``init``)
+  under the process's own ``jax_threefry_partitionable`` flag, on every layout. Memory per
+  device: "normal" and "uniform" with a threefry key on a layout that shards only the first
+  dimension (or none) are drawn in chunks of the shard (at most 1.25x the shard in all, e.g. 8 +
+  1.6 MiB for an 8 MiB shard), under either flag. Other layouts and callables run as one jitted
+  draw, whose temporaries XLA sizes (on CPU 3x the shard for jax.random's generators), except
+  "normal" and "uniform" under ``jax_threefry_partitionable=False``: there a jitted draw would
+  generate the whole array's bits on every device and slice them (68 MiB of temporaries per
+  device for an 8 MiB shard of a 64 MiB array, measured on CPU), so they are drawn in chunks
+  sharded by rows and moved to the layout (one all-to-all). "zeros" and "ones" need none.
 
   Args:
     shape, dtype: of the array.
@@ -732,8 +841,15 @@ def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None 
     init_fn = init
   sharding = placement.sharding(shape, dtype)
   key = jax.random.key(0) if key is None else key   # zeros / ones ignore it
-  with jax.threefry_partitionable(True):      # per-shard generation, whatever the global flag
-    chunked = _chunked_init(init, key, shape, dtype, sharding)
-    if chunked is not None:
-      return chunked
-    return jax.jit(lambda k: init_fn(k, shape, dtype), out_shardings=sharding)(key)
+  chunked = _chunked_init(init, key, shape, dtype, sharding)
+  if chunked is not None:
+    return chunked
+  if not jax.config.jax_threefry_partitionable and isinstance(init, str) and init in (
+      "normal", "uniform"):
+    # The original threefry draws the whole array's bits on every device under jit: draw in
+    # rows instead (the same values) and move them to the layout asked for.
+    rows = _row_sharding(shape, sharding)
+    drawn = None if rows is None else _chunked_init(init, key, shape, dtype, rows)
+    if drawn is not None:
+      return jax.device_put(drawn, sharding)
+  return jax.jit(lambda k: init_fn(k, shape, dtype), out_shardings=sharding)(key)

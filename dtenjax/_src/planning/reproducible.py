@@ -108,8 +108,20 @@ def missing_process_flags(backend: str | None = None, xla_flags: str | None = No
   return []
 
 
+_TWO_MESHES = "Mesh for all inputs should be equal"
+
+
 def _explain_compile_error(e: Exception) -> Exception | None:
   text = str(e)
+  if _TWO_MESHES in text:
+    return errors.MeshError(
+        f"the step's arguments live on two meshes (JAX: {text.strip()[:400]!r}); arrays on two "
+        "meshes cannot meet in one jit (e.g. arrays placed with Placement(mesh=(2, 4)) outside "
+        "jax.set_mesh, which makes dtenjax's own mesh with Auto axes, and arrays on "
+        "jax.make_mesh's, Explicit by default). Put them on one: move a placed tree with "
+        "dtenjax.shard(tree, mesh) (it keeps every PartitionSpec), or place under "
+        "jax.set_mesh(mesh) / with Placement(mesh=mesh) (docs/planner.md, 'Meshes: yours or "
+        "dtenjax's').")
   if _NONDETERMINISTIC not in text:
     return None
   op = re.search(r"HLO instruction (\S+)", text)

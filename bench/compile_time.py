@@ -1,0 +1,174 @@
+"""Compile time of an all-reduce of a gradient tree: dtenjax against ``lax.psum``, side by side.
+
+A training step reduces one gradient per parameter; a model of 60 arrays (the default: 10 blocks
+of 4 weights and 2 biases, as a small transformer's) asks for an all-reduce of 60 leaves. The
+program dtenjax lowers for it must not make the step compile much slower than ``lax.psum`` of the
+same tree does (target: at most 2x for the bucketed and the reproducible sums). Per candidate,
+one fresh ``jax.jit(jax.shard_map(...))`` over every device, no persistent compilation cache:
+the trace-and-lower time, XLA's compile time, their sum (``total``), the size of the program
+(StableHLO operations of the lowering, HLO instructions after XLA's optimisation) and the
+collectives in it; ``x psum`` = total / lax.psum's total (lower is better). Each candidate is
+compiled ``--repeats`` times, interleaved, median reported.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/compile_time.py \
+      --json compile_time.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+import _harness
+
+# (label, all_reduce keyword arguments); None = lax.psum itself.
+CANDIDATES = (
+    ("lax.psum", None),
+    ("auto", {}),
+    ("auto per leaf", {"bucket_bytes": 0}),
+    ("two_shot", {"algorithm": "two_shot"}),
+    ("ring", {"algorithm": "ring"}),
+    ("reproducible", {"reproducible": True}),
+    ("reproducible two_shot", {"reproducible": True, "algorithm": "two_shot"}),
+    ("reproducible per leaf", {"reproducible": True, "bucket_bytes": 0}),
+)
+
+
+# "reproducible per leaf" compiles for a minute on a 2-core VM (60 encodes and decodes): on request
+DEFAULT = tuple(label for label, _ in CANDIDATES if label != "reproducible per leaf")
+
+
+def gradient_tree(blocks: int, d: int, world: int):
+  """{name: [world, ...]}: one gradient per parameter of ``blocks`` blocks (4 ``d x d``
+  weights, 2 biases each) on every device."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  shapes = {}
+  for i in range(blocks):
+    for w in ("q", "k", "v", "o"):
+      shapes[f"{i}.{w}"] = (d, d)
+    shapes[f"{i}.b1"], shapes[f"{i}.b2"] = (d,), (4 * d,)
+  return {name: jnp.full((world, *s), 1.0 + (j % 8) / 4, jnp.float32)   # sums exact in f32
+          for j, (name, s) in enumerate(shapes.items())}
+
+
+def _count_ops(text: str) -> int:
+  """Operations of a StableHLO or HLO module's text: lines that define a value."""
+  return sum(1 for line in text.splitlines() if re.match(r"\s*(%|ROOT )", line))
+
+
+def _collectives(hlo: str) -> int:
+  return len(re.findall(r" (all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
+                        r"(-start)?\(", hlo))
+
+
+def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False):
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  import dtenjax  # pylint: disable=g-import-not-at-top
+
+  jax.config.update("jax_enable_compilation_cache", False)
+  world = jax.device_count()
+  mesh = jax.make_mesh((world,), ("data",))
+  tree = jax.device_put(gradient_tree(blocks, d, world), NamedSharding(mesh, P("data")))
+  leaves = len(jax.tree.leaves(tree))
+  nbytes = sum(v.nbytes for v in jax.tree.leaves(tree)) // world
+
+  def build(kwargs):
+    if kwargs is None:
+      reduce = lambda t: jax.lax.psum(t, "data")
+    else:
+      reduce = lambda t: dtenjax.all_reduce(t, "data", **kwargs)
+    if step:     # the reduced gradients consumed by an SGD update, as in a training step
+      body = lambda t: jax.tree.map(lambda g, p: p[0] - 1e-3 * g, reduce(t), t)
+    else:
+      body = lambda t: reduce(t)
+    # a fresh function each time: nothing of an earlier trace or compile is reused
+    return jax.jit(jax.shard_map(lambda t: body(t), mesh=mesh, in_specs=(P("data"),),
+                                 out_specs=P(), check_vma=not step))
+
+  samples = {label: [] for label, _ in candidates}
+  sizes, outs = {}, {}
+  for _ in range(repeats):
+    for label, kwargs in candidates:
+      f = build(kwargs)
+      t0 = time.perf_counter()
+      lowered = f.lower(tree)
+      t1 = time.perf_counter()
+      compiled = lowered.compile()
+      t2 = time.perf_counter()
+      samples[label].append((t1 - t0, t2 - t1))
+      if label not in sizes:
+        hlo = compiled.as_text()
+        sizes[label] = (_count_ops(lowered.as_text()), _count_ops(hlo), _collectives(hlo))
+        outs[label] = jax.tree.leaves(compiled(tree))
+  rows = []
+  for label, _ in candidates:
+    lower = _harness.median(s[0] for s in samples[label])
+    comp = _harness.median(s[1] for s in samples[label])
+    stablehlo, hlo, colls = sizes[label]
+    rows.append(dict(candidate=label, leaves=leaves, bytes=nbytes, world=world,
+                     lower_ms=lower * 1e3, compile_ms=comp * 1e3,
+                     time_us=(lower + comp) * 1e6, total_ms=(lower + comp) * 1e3,
+                     stablehlo_ops=stablehlo, hlo_ops=hlo, collectives=colls))
+  _harness.add_ratios(rows, "lax.psum", candidate="candidate", group=("leaves",),
+                      ratio_key="speedup")
+  for row in rows:
+    row["x_psum"] = 1 / row["speedup"] if row["speedup"] else None
+  return rows, outs
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python bench/compile_time.py", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--blocks", type=_harness.positive_int, default=10,
+                  help="blocks of 6 parameters (default 10: a 60-leaf tree)")
+  ap.add_argument("--d", type=_harness.positive_int, default=64, help="model width")
+  ap.add_argument("--repeats", type=_harness.positive_int, default=3)
+  ap.add_argument("--step", action="store_true",
+                  help="follow the all-reduce with an SGD update of each leaf (a training step's "
+                       "use of the gradients) instead of returning the reduced leaves")
+  ap.add_argument("--candidates", default=",".join(DEFAULT),
+                  help="comma-separated labels of " + ", ".join(l for l, _ in CANDIDATES))
+  ap.add_argument("--json", default=None, help="write the rows to this path")
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = ap.parse_args(argv)
+  known = dict(CANDIDATES)
+  labels = [c.strip() for c in args.candidates.split(",") if c.strip()]
+  if not labels or set(labels) - set(known):
+    ap.error(f"--candidates={args.candidates!r}: pick from {list(known)}")
+  if "lax.psum" not in labels:
+    labels.insert(0, "lax.psum")                 # the anchor every ratio is taken against
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  world = jax.device_count()
+  _harness.require_world("bench/compile_time.py", world, 2,
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")
+  rows, outs = measure([(l, known[l]) for l in labels], args.blocks, args.d, args.repeats,
+                       args.step)
+  want = outs["lax.psum"]
+  for row in rows:   # every candidate computes the same sums (the data is exact in float32)
+    row["agrees"] = all(np.array_equal(np.asarray(a), np.asarray(b))
+                        for a, b in zip(outs[row["candidate"]], want))
+  if args.json:
+    _harness.write_json(args.json, _harness.document(
+        "compile_time", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"},
+        rows, devices=jax.devices(), kind="other"))
+  what = "all-reduce + SGD update" if args.step else "all-reduce"
+  print(f"jit(shard_map({what})) of {rows[0]['leaves']} leaves ({rows[0]['bytes']} B per "
+        f"device) over {world} {jax.default_backend()} devices, median of {args.repeats} fresh "
+        "compiles; x psum = (lower + compile) / lax.psum's (lower is better; target <= 2)")
+  print(_harness.table(rows, (("candidate", "candidate", "s"), ("lower(ms)", "lower_ms", ".1f"),
+                              ("compile(ms)", "compile_ms", ".1f"),
+                              ("total(ms)", "total_ms", ".1f"),
+                              ("stablehlo ops", "stablehlo_ops", "d"), ("hlo ops", "hlo_ops", "d"),
+                              ("collectives", "collectives", "d"), ("agrees", "agrees", "")),
+                       ) + "\n" + _harness.table(rows, (("candidate", "candidate", "s"),
+                                                        ("x psum", "x_psum", ".2f"))))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

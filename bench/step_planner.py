@@ -49,9 +49,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-if "--mock-gpus" in sys.argv:     # before the backend starts: XLA's mock NCCL, compile only
+if "--mock-gpus" in sys.argv:     # before the backend starts: XLA's mock NCCL, compile only.
+  # jax 0.11 wants the mocked host's device count to be the local one: N hosts of 1 GPU.
   jax.config.update("jax_mock_gpu_topology",
-                    f"1x1x{sys.argv[sys.argv.index('--mock-gpus') + 1]}")
+                    f"1x{sys.argv[sys.argv.index('--mock-gpus') + 1]}x1")
 
 import _harness  # noqa: E402
 import _step_models as models  # noqa: E402

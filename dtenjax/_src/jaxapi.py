@@ -32,6 +32,16 @@ from jax._src import distributed as _jax_distributed
 from jax._src import mesh as _jax_mesh
 
 
+def scan_counts(params) -> tuple[int, int]:
+  """``(num_consts, num_carry)`` of a ``scan`` equation's parameters: jax 0.10 names them; jax
+  0.11 gives ``ft_in = (consts, carry, xs)``, one entry per operand of each group (and leaves out
+  of the equation the outputs that only forward an input)."""
+  if "num_consts" in params:
+    return int(params["num_consts"]), int(params["num_carry"])
+  consts, carry, _ = params["ft_in"]
+  return len(consts), len(carry)
+
+
 def vma_checked() -> bool:
   """Whether values carry vma types here (inside ``shard_map(check_vma=True)``)."""
   return bool(_jax_config._check_vma.value)  # pylint: disable=protected-access

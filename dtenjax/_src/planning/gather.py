@@ -36,6 +36,8 @@ import jax.extend.core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dtenjax._src import jaxapi
+
 # Equations whose operands the products need whole (gather: only its operand, not the indices).
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
 _GATHERS = frozenset({"gather", "dynamic_slice"})
@@ -223,7 +225,7 @@ class _Evaluator:
 
   def _scan(self, eqn, vals, tracked):
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = jaxapi.scan_counts(p)
     body = p["jaxpr"]
     inner: dict = {}
     for k, (ov, iv) in enumerate(zip(eqn.invars, body.jaxpr.invars)):

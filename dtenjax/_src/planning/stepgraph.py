@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from dtenjax._src import errors
+from dtenjax._src import jaxapi
 
 # Primitives whose output dimension i is the input's dimension i (operands broadcast as scalars
 # or of the same shape): the sharded dimension of a pair survives them.
@@ -229,8 +230,7 @@ class _Reader:
     if name == "cond":
       outer = outer[1:]
     inner_origin, inner_tie = {}, {}
-    n_consts = eqn.params.get("num_consts", 0)
-    n_carry = eqn.params.get("num_carry", 0)
+    n_consts, n_carry = jaxapi.scan_counts(eqn.params) if name == "scan" else (0, 0)
     for k, (o, i) in enumerate(zip(outer, sub.invars)):
       if not _is_var(o):
         continue
@@ -345,6 +345,8 @@ def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: in
       name = eqn.primitive.name
       out = eqn.outvars[0] if eqn.outvars else None
       shape = tuple(var.aval.shape)
+      if d >= len(shape):     # a use that does not see the followed dimension (jax 0.11's jaxprs)
+        continue
       if name in _ELEMENTWISE:
         if out is not None and tuple(out.aval.shape) == shape:
           nxt.extend((o, d) for o in eqn.outvars)
@@ -394,7 +396,7 @@ def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: in
           k = pos - (1 if name == "cond" else 0)
           if 0 <= k < len(sub.invars):
             inner = sub.invars[k]
-            if name == "scan" and k >= eqn.params["num_consts"] + eqn.params["num_carry"]:
+            if name == "scan" and k >= sum(jaxapi.scan_counts(eqn.params)):
               if d == 0:
                 continue
               nxt.append((inner, d - 1))

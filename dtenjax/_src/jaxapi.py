@@ -32,14 +32,16 @@ from jax._src import distributed as _jax_distributed
 from jax._src import mesh as _jax_mesh
 
 
-def scan_counts(params) -> tuple[int, int]:
-  """``(num_consts, num_carry)`` of a ``scan`` equation's parameters: jax 0.10 names them; jax
-  0.11 gives ``ft_in = (consts, carry, xs)``, one entry per operand of each group (and leaves out
-  of the equation the outputs that only forward an input)."""
+def scan_counts(eqn) -> tuple[int, int]:
+  """``(num_consts, num_carry)`` of a ``scan`` equation: jax 0.10 names them in its parameters;
+  jax 0.11 gives ``ft_in``, a flat tree over the operands whose three top-level groups are the
+  consts, the carry and the scanned-over operands (and leaves out of the equation the outputs
+  that only forward an input)."""
+  params = eqn.params
   if "num_consts" in params:
     return int(params["num_consts"]), int(params["num_carry"])
-  consts, carry, _ = params["ft_in"]
-  return len(consts), len(carry)
+  consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+  return len(list(consts)), len(list(carry))
 
 
 def vma_checked() -> bool:

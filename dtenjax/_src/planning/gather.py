@@ -225,7 +225,7 @@ class _Evaluator:
 
   def _scan(self, eqn, vals, tracked):
     p = eqn.params
-    nc, nk = jaxapi.scan_counts(p)
+    nc, nk = jaxapi.scan_counts(eqn)
     body = p["jaxpr"]
     inner: dict = {}
     for k, (ov, iv) in enumerate(zip(eqn.invars, body.jaxpr.invars)):

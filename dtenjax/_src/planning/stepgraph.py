@@ -230,7 +230,7 @@ class _Reader:
     if name == "cond":
       outer = outer[1:]
     inner_origin, inner_tie = {}, {}
-    n_consts, n_carry = jaxapi.scan_counts(eqn.params) if name == "scan" else (0, 0)
+    n_consts, n_carry = jaxapi.scan_counts(eqn) if name == "scan" else (0, 0)
     for k, (o, i) in enumerate(zip(outer, sub.invars)):
       if not _is_var(o):
         continue
@@ -396,7 +396,7 @@ def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: in
           k = pos - (1 if name == "cond" else 0)
           if 0 <= k < len(sub.invars):
             inner = sub.invars[k]
-            if name == "scan" and k >= sum(jaxapi.scan_counts(eqn.params)):
+            if name == "scan" and k >= sum(jaxapi.scan_counts(eqn)):
               if d == 0:
                 continue
               nxt.append((inner, d - 1))

@@ -39,13 +39,13 @@ def build(name: str, tiny: bool = False) -> dict:
   if name == "demo":
     from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
     from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+    import dtenjax  # pylint: disable=g-import-not-at-top
     from dtenjax._src.cli import demo  # pylint: disable=g-import-not-at-top
-    from dtenjax._src.planning import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    from dtenjax._src.planning.placement import Placement  # pylint: disable=g-import-not-at-top
-    from dtenjax._src.planning.placement import shard  # pylint: disable=g-import-not-at-top
+    from dtenjax import Placement  # pylint: disable=g-import-not-at-top
+    from dtenjax import shard  # pylint: disable=g-import-not-at-top
     devices = jax.devices()
     n = max(d for d in (1, 2, 4, 8) if d <= len(devices))
-    mesh = mesh_lib.make_mesh(demo.mesh_shape_for(n), ("data", "model"))
+    mesh = dtenjax.topology_mesh(demo.mesh_shape_for(n), ("data", "model"))
     placement = Placement(strategy="auto", mesh=mesh)
     (xtr, ytr), _ = demo.load_digits(0)
     batch = 128

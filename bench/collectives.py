@@ -48,7 +48,7 @@ BUS_OP = {"lax.all_to_all": "all_to_all", "lax.all_gather": "all_gather"}   # ot
 
 def _op(name, axes):
   from jax import lax
-  from dtenjax._src.collectives import api
+  import dtenjax  # pylint: disable=g-import-not-at-top
   if name == "none":
     return lambda y: y
   if name == "psum":
@@ -72,16 +72,16 @@ def _op(name, axes):
       return total
     return gather_fold
   if name == "reproducible":
-    return lambda y: api.all_reduce(y, axes, reproducible=True)
+    return lambda y: dtenjax.all_reduce(y, axes, reproducible=True)
   if name.startswith("reproducible_"):
     algorithm = name[len("reproducible_"):]
-    return lambda y: api.all_reduce(y, axes, algorithm=algorithm, reproducible=True)
+    return lambda y: dtenjax.all_reduce(y, axes, algorithm=algorithm, reproducible=True)
   if name == "exact":
-    return lambda y: api.all_reduce(y, axes, reproducible="v2")
+    return lambda y: dtenjax.all_reduce(y, axes, reproducible="v2")
   if name.startswith("exact_"):
     algorithm = name[len("exact_"):]
-    return lambda y: api.all_reduce(y, axes, algorithm=algorithm, reproducible="v2")
-  return lambda y: api.all_reduce(y, axes, algorithm=name)
+    return lambda y: dtenjax.all_reduce(y, axes, algorithm=algorithm, reproducible="v2")
+  return lambda y: dtenjax.all_reduce(y, axes, algorithm=name)
 
 
 def _chain(name, mesh, axes, length, scale):

@@ -37,7 +37,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import _harness  # noqa: E402
-from dtenjax._src.compression import error_feedback as compression  # noqa: E402
+from dtenjax import compression  # noqa: E402
 from dtenjax._src.cli import demo  # noqa: E402
 
 AXIS = "data"

@@ -53,7 +53,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 # the probe kernel lives in the test extension (dtenjax/testing/native.py)
 from dtenjax.testing import native as native_testing  # noqa: E402
 from dtenjax._src.gpu import graph_policy as gp  # noqa: E402
-from dtenjax._src.gpu import graphs  # noqa: E402
+import dtenjax  # noqa: E402
+from dtenjax import testing  # noqa: E402
 
 CASES = ("launch", "loop", "split", "decode", "decode_loop", "resnet50_b16", "gpt2",
          "resnet50_b64", "gpt2_scan")
@@ -177,7 +178,7 @@ def _make(name: str, fn, donate, prof_opts: dict, measure_kw: dict, backend: str
     return jax.jit(fn, donate_argnums=donate, compiler_options=opts or None)
   mode = AUTO_V1 if name == "auto_v1" else name
   extra = {"measure": measure_kw} if name == "measure" else {}
-  return graphs.jit(fn, mode, donate_argnums=donate, compiler_options=opts or None,
+  return dtenjax.jit(fn, mode, donate_argnums=donate, compiler_options=opts or None,
                     backend=backend, **extra)
 
 
@@ -203,7 +204,7 @@ def run_case(case: str, args, counter: _CompileCounter, on_gpu: bool) -> dict:
     text = compiled.as_text()
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     baseline_hlo = digest if name == "jax.jit" else baseline_hlo
-    rep = graphs.graph_report(jitted if name != "jax.jit" else compiled, *a)
+    rep = dtenjax.graph_report(jitted if name != "jax.jit" else compiled, *a)
     decision = getattr(jitted, "decision", None)
     measured = decision.measured if decision else None
     rows.append({
@@ -263,8 +264,8 @@ def run_case(case: str, args, counter: _CompileCounter, on_gpu: bool) -> dict:
         out = f(*holder["s"])
         holder["s"] = advance(holder["s"], out)
         return out
-      obs = graphs.observe_launches(one, steps=3, warmup=1)
-      row["observed"] = {**graphs.per_step_summary(obs), "executions": obs.executions,
+      obs = testing.observe_launches(one, steps=3, warmup=1)
+      row["observed"] = {**testing.per_step_summary(obs), "executions": obs.executions,
                          "applies": obs.applies, "graphs_kept_under_profiler": bool(prof)}
   return {"status": "ok", "config": spec["config"], "candidates": rows}
 

@@ -68,29 +68,15 @@ def _split_top(text: str) -> list[str]:
 
 
 def parse_mesh(text: str):
-  """``data=2,model=4`` -> a jax.sharding.Mesh over the first 8 devices."""
+  """``data=2,model=4`` -> a jax.sharding.Mesh over the first devices (as many as it needs)."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  names, sizes, problems = [], [], []
-  for part in _split_top(text):
-    m = re.match(r"^\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*$", part)
-    if not m:
-      problems.append(f"{part.strip()!r} is not NAME=SIZE")
-      continue
-    names.append(m.group(1))
-    sizes.append(int(m.group(2)))
-  n = int(np.prod(sizes)) if sizes else 0
+  axes = common.mesh_axes(text)
+  n = int(np.prod(list(axes.values())))
   devices = jax.devices()
-  if not problems and not names:
-    problems.append("no axes given")
-  if not problems and (n < 1 or n > len(devices)):
-    problems.append(f"the mesh needs {n} devices; {len(devices)} are visible")
-  if len(set(names)) != len(names):
-    problems.append(f"axis names {names} repeat a name")
-  if problems:
-    raise common.UsageError(errors.join_problems(
-        f"--mesh {text!r}: write it as NAME=SIZE,... (e.g. data=2,model=4):", problems))
-  return jax.sharding.Mesh(np.array(devices[:n]).reshape(sizes), tuple(names))
+  if n > len(devices):
+    raise common.mesh_size_error(text, n, len(devices), "this machine")
+  return jax.sharding.Mesh(np.array(devices[:n]).reshape(list(axes.values())), tuple(axes))
 
 
 def parse_shape_args(text: str, mesh=None) -> list[Any]:
@@ -261,8 +247,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    help="a function returning the example arguments")
   ap.add_argument("--mesh", metavar="NAME=SIZE,...",
                   help="a device mesh for --shape-args placements (and the current mesh)")
-  ap.add_argument("--fixture", metavar="NAME",
-                  help="predict times on a shipped topology instead of this machine's")
+  common.add_fixture_argument(ap, "predict times on a shipped topology instead of this machine's")
   common.add_json_argument(ap, "the collectives, memory and predicted times")
   ap.add_argument("--dump-hlo", metavar="FILE", help="write the optimised HLO text")
 
@@ -271,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   from dtenjax._src.planning import explain as explain_lib  # pylint: disable=g-import-not-at-top
   from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
-  topology = Topology.fixture(args.fixture) if args.fixture else Topology.current()
+  topology = common.fixture(args.fixture) if args.fixture else Topology.current()
   mesh = parse_mesh(args.mesh) if args.mesh else None
   if args.target is None:
     if args.shape_args or args.factory or args.mesh:

@@ -4,6 +4,7 @@ of nvidia-smi topo -m, with the bandwidth and latency the cost model uses per li
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 
 from dtenjax._src import errors
@@ -14,10 +15,10 @@ DESCRIPTION = __doc__
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-  from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
   src = ap.add_mutually_exclusive_group()
-  src.add_argument("--fixture", metavar="NAME", choices=Topology.fixtures(),
-                   help=f"a shipped topology: {', '.join(Topology.fixtures())}")
+  common.add_fixture_argument(src, "a shipped topology instead of this machine's")
+  src.add_argument("--list-fixtures", action="store_true",
+                   help="list the shipped topologies' names (one per line) and exit")
   src.add_argument("--load", metavar="FILE",
                    help="a saved topology (what --json FILE or Topology.to_json() wrote)")
   ap.add_argument("--probe", action="store_true",
@@ -31,8 +32,15 @@ def run(args: argparse.Namespace) -> int:
   # pylint: disable=g-import-not-at-top
   from dtenjax._src.topology import report
   from dtenjax._src.topology.model import Topology
+  if args.list_fixtures:
+    names = list(Topology.fixtures())
+    if common.json_to_stdout(args):
+      print(json.dumps(names))
+    else:
+      print("\n".join(names))
+    return 0
   if args.fixture:
-    topology = Topology.fixture(args.fixture)
+    topology = common.fixture(args.fixture)
   elif args.load:
     topology = Topology.from_json(pathlib.Path(args.load))   # TopologyError names the file
   else:

@@ -116,11 +116,11 @@ class Placement:
   def _topology(self) -> Topology:
     return self.topology if self.topology is not None else Topology.current()
 
-  def plan(self, shape: Sequence[int], dtype=jnp.float32) -> planner.Plan:
+  def plan(self, shape: Sequence[int], dtype=jnp.float32) -> planner.ArrayPlan:
     """The planner's decision for an array of ``shape``/``dtype`` on this placement's mesh."""
     return self._plan(self.resolved_mesh(), shape, dtype)
 
-  def _plan(self, mesh: Mesh, shape: Sequence[int], dtype) -> planner.Plan:
+  def _plan(self, mesh: Mesh, shape: Sequence[int], dtype) -> planner.ArrayPlan:
     ids, topology = _planning_inputs(mesh, self._topology())
     return planner.plan_tensor(shape, dtype, tuple(mesh.devices.shape), tuple(mesh.axis_names),
                                ids, topology, self.workload)

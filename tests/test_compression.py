@@ -443,3 +443,20 @@ def test_example_trains_with_per_device_gradients():
   spec.loader.exec_module(mod)
   acc = mod.main(steps=30)
   assert 0.0 <= acc <= 1.0
+
+
+def test_topk_ef_names_every_option_with_the_config_default():
+  """help(topk_ef) shows every option (no **options): its keyword arguments are TopKConfig's
+  fields, with the same defaults, so the two cannot drift apart."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import inspect  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.compression.error_feedback import TopKConfig  # pylint: disable=g-import-not-at-top
+  params = inspect.signature(dtenjax.compression.topk_ef).parameters
+  assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+  fields = {f.name: f.default for f in dataclasses.fields(TopKConfig)}
+  assert {n: p.default for n, p in params.items()} == fields
+  doc = inspect.getdoc(dtenjax.compression.topk_ef)
+  for name in fields:
+    assert f"\n  {name}: " in doc, name
+  with pytest.raises(TypeError, match="unexpected keyword"):
+    dtenjax.compression.topk_ef(0.01, momentun=0.9)      # a typo fails at the call

@@ -89,3 +89,15 @@ def test_shared_dependencies_are_bounded_no_lower_than_jax_bounds_them():
     theirs = [Version(s.version) for s in jax_reqs[name].specifier if s.operator == ">="]
     assert ours and theirs, (name, DEPENDENCIES[name], jax_reqs.get(name))
     assert ours[0] >= theirs[0], f"{name}: ours {ours[0]} is below jax's floor {theirs[0]}"
+
+
+def test_dtenjax_info_reports_every_extra_with_its_packages():
+  """``dtenjax info`` lists each extra of pyproject.toml and checks a module of each of its
+  distributions."""
+  from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
+  extras = PYPROJECT["project"]["optional-dependencies"]
+  assert set(info.EXTRAS) == set(extras)
+  for extra, requirements in extras.items():
+    declared = {Requirement(r).name.lower().replace("_", "-") for r in requirements}
+    shown = {info.PACKAGES[m].lower().replace("_", "-") for m in info.EXTRAS[extra]}
+    assert shown == declared, (extra, shown, declared)

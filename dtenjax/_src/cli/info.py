@@ -18,9 +18,14 @@ from dtenjax._src.cli import common
 HELP = "versions, devices, the native extension's build and the optional packages present"
 DESCRIPTION = __doc__
 # extra -> the modules it provides (what `pip install 'dtenjax[extra]'` adds)
+# (every extra of pyproject.toml: tests/test_install.py keeps the two lists together)
 EXTRAS = {"gpu": ("cuda.bindings", "pynvml"), "demo": ("sklearn", "optax"),
           "plot": ("matplotlib",), "rdma": ("pyverbs",), "flax": ("flax",),
-          "scheduler": ("prometheus_client",)}
+          "scheduler": ("prometheus_client",),
+          "checkpoint": ("xxhash", "orbax.checkpoint", "tensorstore"), "gds": ("kvikio",),
+          "test": ("pytest", "pytest_timeout", "xdist", "chex", "optax", "flax", "sklearn",
+                   "prometheus_client", "jsonschema", "xxhash", "orbax.checkpoint",
+                   "tensorstore")}
 # the distributions whose versions describe a JAX installation on GPU (jax[cuda12] and friends)
 CUDA_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
                       "jax-cuda13-pjrt")
@@ -35,7 +40,10 @@ def _present(module: str) -> bool:
 
 PACKAGES = {"cuda.bindings": "cuda-python", "pynvml": "nvidia-ml-py", "sklearn": "scikit-learn",
             "optax": "optax", "matplotlib": "matplotlib", "pyverbs": "pyverbs", "flax": "flax",
-            "prometheus_client": "prometheus_client"}
+            "prometheus_client": "prometheus_client", "xxhash": "xxhash",
+            "orbax.checkpoint": "orbax-checkpoint", "tensorstore": "tensorstore",
+            "kvikio": "kvikio-cu12", "pytest": "pytest", "pytest_timeout": "pytest-timeout",
+            "xdist": "pytest-xdist", "chex": "chex", "jsonschema": "jsonschema"}
 
 
 def require(extra: str, what: str) -> None:

@@ -90,7 +90,7 @@ def positive_int(text: str) -> int:
 def block(value: Any) -> Any:
   """Waits for every jax value in ``value`` (any pytree: a dict of gradients too) to be
   computed."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   for leaf in jax.tree.leaves(value):
     if hasattr(leaf, "block_until_ready"):
       leaf.block_until_ready()
@@ -129,7 +129,7 @@ def bus_factor(op: str, world: int) -> float:
 def nccl_columns(nbytes: int, dtype: str, seconds: float, world: int,
                  op: str = "all_reduce") -> dict[str, Any]:
   """size (bytes per rank), count (elements), type, time_us, algbw and busbw (GB/s, 1e9 B/s)."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
   itemsize = jnp.dtype(dtype).itemsize
   algbw = nbytes / seconds / 1e9
   return {"size": int(nbytes), "count": int(nbytes // itemsize), "type": str(dtype),
@@ -156,7 +156,7 @@ def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, s
           title: str | None = None) -> str:
   """Rows as text: ``columns`` are (header, key, format) with format a ``format()`` spec, or
   ``"ratio"`` for ``1.23x``. Text columns (format ``"s"``) are left-aligned, numbers right."""
-  from dtenjax._src import tables  # pylint: disable=g-import-not-at-top
+  from dtenjax._src import tables
 
   def cell(v, f):
     if v is None:
@@ -182,7 +182,7 @@ def refuse(bench: str, why: str) -> None:
 
 def require_gpu(bench: str, what: str) -> None:
   """Refuses unless jax's default backend is a GPU."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   backend = jax.default_backend()
   if backend != "gpu":
     refuse(bench, f"it needs a CUDA GPU ({what}), and jax's backend is {backend!r} "
@@ -204,7 +204,7 @@ def algorithm_families() -> tuple[str, ...]:
   (``collectives/algorithms/registry.py``), read from it so a bench's list of candidates never
   falls behind the algorithms dtenjax has. Imports dtenjax (jax reads XLA_FLAGS later, when a
   backend starts)."""
-  from dtenjax._src.collectives.algorithms import registry  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.collectives.algorithms import registry
   return registry.FAMILIES
 
 

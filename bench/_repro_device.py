@@ -121,9 +121,9 @@ def part_demo(args) -> dict:
 
 def part_device_counts(args) -> dict:
   del args
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.cli import demo  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import jax
+  from dtenjax._src.cli import demo
   (xtr, ytr), _ = demo.load_digits(0)
   micro = 128 // demo.MICRO_BATCHES
   xb = jnp.asarray(xtr[:128].reshape(demo.MICRO_BATCHES, micro, -1))
@@ -134,9 +134,9 @@ def part_device_counts(args) -> dict:
 
 def part_select_and_scatter(args) -> dict:
   del args
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import dtenjax
 
   def pooled_grad(x):
     pool = lambda v: jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1),
@@ -153,10 +153,10 @@ def part_select_and_scatter(args) -> dict:
 
 
 def part_fusion(args) -> dict:
-  import functools  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  import _repro_variants  # pylint: disable=g-import-not-at-top
+  import functools
+  import jax
+  import dtenjax
+  import _repro_variants
   loose = functools.partial(dtenjax.reproducible_step, check_flags=False)
   steps = 2 if args.tiny else 5
   out = _repro_variants.run_variants(loose, steps, ("subst one_shot", "fuse 64KiB"),
@@ -166,9 +166,9 @@ def part_fusion(args) -> dict:
 
 
 def part_costs(args) -> dict:
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import _repro_workloads as rw  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import _repro_workloads as rw
   models = [m for m in args.models.split(",") if m]
   pins = ["jax.jit", "autotune", "reproducible_step"] + (["ops", "cache"] if args.all_pins
                                                          else [])
@@ -186,7 +186,7 @@ def part_costs(args) -> dict:
       t0 = time.perf_counter()
       try:
         f.lower(*a).compile()
-      except Exception as e:  # pylint: disable=broad-except  (record it, time the others)
+      except Exception as e:  # (record it, time the others)
         rows[p] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
         continue
       rows[p] = {"compile_s": time.perf_counter() - t0}
@@ -251,7 +251,7 @@ def print_part(name: str, res: dict) -> None:
 
 
 def main(args, ap) -> int:
-  import _repro_workloads as rw  # pylint: disable=g-import-not-at-top
+  import _repro_workloads as rw
   args.budget_s = args.budget_s or (200.0 if args.quick else 360.0)
   parts = [p for p in args.parts.split(",") if p]
   bad = [p for p in parts if p not in PARTS]
@@ -264,7 +264,7 @@ def main(args, ap) -> int:
   if args.tiny:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, str(HERE))
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   path = os.path.join(args.out, "reproducible_step.json") if args.out else args.json
   if path:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -288,7 +288,7 @@ def main(args, ap) -> int:
       t0 = time.perf_counter()
       try:
         results[name] = PARTS[name](args)
-      except Exception as e:  # pylint: disable=broad-except  (keep measuring the other parts)
+      except Exception as e:  # (keep measuring the other parts)
         failed = True
         results[name] = {"status": "error", "why": f"{type(e).__name__}: {e}",
                          "traceback": traceback.format_exc()[-4000:]}

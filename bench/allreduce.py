@@ -89,7 +89,7 @@ def _compile(body, mesh, axes, x, options_list):
   for opts in options_list:
     try:
       return jax.jit(f, compiler_options=opts).lower(x).compile(), opts
-    except Exception as e:  # pylint: disable=broad-except  (unknown option on this jax)
+    except Exception as e:  # (unknown option on this jax)
       last = e
   raise RuntimeError(f"no accepted compiler options among {options_list}: {last}")
 
@@ -147,7 +147,7 @@ def measure(args) -> list[dict]:
         fk, opts = _compile(chain, mesh, axes, x, _options(a))
         f0, _ = _compile(lambda v: v * jnp.ones((), v.dtype), mesh, axes, x, (opts,))
         f1, _ = _compile(coll, mesh, axes, x, (opts,))
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         print(f"# {a} at {size} B: not available ({type(e).__name__}: {str(e)[:200]})",
               file=sys.stderr)
         continue
@@ -182,9 +182,9 @@ def table(rows: list[dict]) -> str:
 
 def _plot_module():
   try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
+    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    import matplotlib.pyplot as plt
     return plt
   except ImportError:
     return None
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
       p.error(f"--plot {args.plot} needs matplotlib, which is not installed: "
               "pip install 'dtenjax[plot]' (or drop --plot)")
   if args.worker:
-    import jax  # pylint: disable=g-import-not-at-top
+    import jax
     jax.distributed.initialize(os.environ["DTENJAX_BENCH_COORDINATOR"],
                                num_processes=args.procs,
                                process_id=int(os.environ["DTENJAX_BENCH_RANK"]),

@@ -34,15 +34,15 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
-import _harness  # noqa: E402
+import _harness
 
 CANDIDATES = ("dtenjax", "orbax")
 
 
 def make_state(total: int, leaves: int):
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
   n = len(jax.devices())
   mesh = jax.make_mesh((2, n // 2) if n % 2 == 0 else (1, n), ("a", "b"))
   sharding = NamedSharding(mesh, P("a", "b"))
@@ -60,19 +60,19 @@ def make_state(total: int, leaves: int):
 
 
 def _same(a, b) -> bool:
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
   return all(np.array_equal(np.asarray(x.data).view(np.uint32), np.asarray(y.data).view(np.uint32))
              for k in a for x, y in zip(a[k].addressable_shards, b[k].addressable_shards))
 
 
 def run(candidate: str, state, sharding, root: str) -> tuple[float, float, str]:
   """(save seconds, restore seconds, io path) of one candidate, checked bit for bit."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   path = tempfile.mkdtemp(prefix=f"{candidate}-", dir=root)
   os.rmdir(path)
   try:
     if candidate == "dtenjax":
-      import dtenjax.checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+      import dtenjax.checkpoint as ckpt
       t0 = time.perf_counter()
       report = ckpt.save(path, state)
       t1 = time.perf_counter()
@@ -81,7 +81,7 @@ def run(candidate: str, state, sharding, root: str) -> tuple[float, float, str]:
       t2 = time.perf_counter()
       io = report.io
     else:
-      import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+      import orbax.checkpoint as ocp
       ckptr = ocp.PyTreeCheckpointer()
       t0 = time.perf_counter()
       ckptr.save(path, state)
@@ -120,11 +120,11 @@ def main(argv=None) -> int:
     ap.error(f"--candidates {args.candidates!r}: choose from {', '.join(CANDIDATES)}")
   if "orbax" in cands:
     try:
-      import orbax.checkpoint  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+      import orbax.checkpoint  # noqa: F401  (is it installed?)
     except ImportError:
       _harness.refuse("checkpoint", "orbax-checkpoint, the baseline, is not installed: pip "
                       "install '.[checkpoint]' (or --candidates dtenjax, without ratios)")
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   root = args.dir or tempfile.gettempdir()
   free = shutil.disk_usage(root).free
   if max(args.sizes) * 1.2 > free:

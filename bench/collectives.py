@@ -48,7 +48,7 @@ BUS_OP = {"lax.all_to_all": "all_to_all", "lax.all_gather": "all_gather"}   # ot
 
 def _op(name, axes):
   from jax import lax
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import dtenjax
   if name == "none":
     return lambda y: y
   if name == "psum":
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     p.error(f"unknown candidate(s) {bad}; choose from {list(CANDIDATES)}")
   rows = run(args)
   if args.json:
-    import jax  # pylint: disable=g-import-not-at-top
+    import jax
     argv = sys.argv[1:] if argv is None else list(argv)
     _harness.write_json(args.json, _harness.document(
         "collectives", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"},

@@ -24,11 +24,11 @@ DEFAULT_ALGORITHMS = tuple(a for a in _harness.algorithm_families() if a != "hie
 
 
 def measure(algorithms, nbytes: int, iters: int, warmup: int, world: int):
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import dtenjax
 
   mesh = jax.make_mesh((world,), ("i",))
   count = max(1, nbytes // 4)
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, help="write the rows to this path")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   world = jax.device_count()
   _harness.require_world("bench/eager.py", world, 2,
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")

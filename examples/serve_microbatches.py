@@ -92,8 +92,8 @@ def main(argv=None) -> int:
     m, episodes, lost = serve(step, spec, preempt, sla, args.low, gap, args.metrics_port)
     rows.append((preempt, m, episodes, lost))
 
-  from rich.console import Console  # pylint: disable=g-import-not-at-top
-  from rich.table import Table  # pylint: disable=g-import-not-at-top
+  from rich.console import Console
+  from rich.table import Table
   table = Table(title="GraphScheduler: main-queue flood + latency-bound micro-batches")
   for col in ("preemption", "queue", "done", "P50 ms", "P95 ms", "P99 ms", "deadline misses",
               "preemptions", "episodes", "lost"):

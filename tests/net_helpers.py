@@ -35,7 +35,7 @@ def native_ring(n: int, creds: credentials.JobCredentials, *, timeout_s: float =
   def go(r):
     try:
       transport.connect(comms[r], comms[(r + 1) % n].endpoint)
-    except BaseException as e:  # noqa: BLE001 - reported to the test
+    except BaseException as e:
       errs[r] = e
 
   ts = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(n)]
@@ -56,7 +56,7 @@ def run_ranks(fns, join_s: float = 60.0) -> tuple[list, list, float]:
   def go(r):
     try:
       outs[r] = fns[r]()
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
       errs[r] = e
 
   # One name for every rank's thread: the issuing thread's name is part of a collective's

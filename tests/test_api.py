@@ -34,7 +34,7 @@ def test_public_surface_is_pinned():
 
 
 def test_submodules():
-  from dtenjax import testing  # noqa: F401
+  from dtenjax import testing
   assert callable(dtenjax.compression.topk_ef)
   assert callable(testing.assert_bitwise_equal)
   assert dtenjax.testing is testing          # README: `import dtenjax; dtenjax.testing`
@@ -43,7 +43,7 @@ def test_submodules():
 def test_plan_is_a_deprecated_alias_of_array_plan():
   """``dtenjax.plan`` returns a whole-step ``StepPlan``; the per-array result is ``ArrayPlan``.
   The old name still resolves for one release and says what to use."""
-  import warnings  # pylint: disable=g-import-not-at-top
+  import warnings
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     old = dtenjax.Plan
@@ -54,7 +54,7 @@ def test_plan_is_a_deprecated_alias_of_array_plan():
   placement = dtenjax.Placement(strategy="auto", mesh=dtenjax.topology_mesh((8,), ("data",)))
   assert isinstance(placement.plan((64, 64)), dtenjax.ArrayPlan)
   try:
-    dtenjax.NoSuchName  # pylint: disable=pointless-statement
+    dtenjax.NoSuchName
   except AttributeError as e:
     assert "NoSuchName" in str(e)
   else:
@@ -62,7 +62,7 @@ def test_plan_is_a_deprecated_alias_of_array_plan():
 
 
 def test_the_scheduler_errors_docs_scheduler_md_names_are_importable_from_dtenjax():
-  import re  # pylint: disable=g-import-not-at-top
+  import re
   doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "scheduler.md").read_text()
   named = set(re.findall(r"`(\w+Error)`", doc))
   assert {"QueueFullError", "SchedulerClosedError", "SchedulerTimeoutError"} <= named, named
@@ -101,7 +101,7 @@ BENCH_PRIVATE_IMPORTS = {
 
 
 def _private_imports(path: pathlib.Path) -> set[str]:
-  import ast  # pylint: disable=g-import-not-at-top
+  import ast
   found = set()
   for node in ast.walk(ast.parse(path.read_text())):
     if isinstance(node, ast.Import):

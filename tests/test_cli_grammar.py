@@ -103,8 +103,8 @@ def test_json_is_json_in_every_command_that_offers_it(step_dir, capsys):
 
 def test_help_texts_name_only_options_and_commands_that_exist(capsys):
   parser = cli.build_parser("dtenjax")
-  subparsers = next(a for a in parser._actions if a.choices and "topo" in a.choices)  # pylint: disable=protected-access
-  options = {name: {o for a in p._actions for o in a.option_strings}  # pylint: disable=protected-access
+  subparsers = next(a for a in parser._actions if a.choices and "topo" in a.choices)
+  options = {name: {o for a in p._actions for o in a.option_strings}
              for name, p in subparsers.choices.items()}
   texts = [parser.format_help()] + [p.format_help() for p in subparsers.choices.values()]
   named = [(c, f) for t in texts for c, f in re.findall(r"dtenjax ([a-z]+) (--[\w-]+)",

@@ -282,7 +282,8 @@ def test_error_feedback_keeps_digits_accuracy_at_0_1_percent(mesh):
   no EF 75.83%. Dense and EF agree within about a point; without EF accuracy falls by twenty.
   The tolerances catch broken error feedback and a step that stops compressing.
   """
-  import sys, pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
+  import sys
+  import pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
   import compression_convergence as cc  # pylint: disable=g-import-not-at-top
   data = cc.load_digits(8)
@@ -348,7 +349,8 @@ def _step_hlo(mesh, tx, params, grads_of, **shard_map_kw):
 
 
 def _float_all_reduces(hlo):
-  import sys, pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
+  import sys
+  import pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
   import compression_convergence as cc  # pylint: disable=g-import-not-at-top
   return [c for c in cc.collectives_in_hlo(hlo, 8) if c["op"] == "all-reduce"
@@ -436,7 +438,8 @@ def test_axis_name_outside_shard_map_is_a_clear_error():
 
 
 def test_example_trains_with_per_device_gradients():
-  import importlib.util, pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
+  import importlib.util
+  import pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
   path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "compressed_training.py"
   spec = importlib.util.spec_from_file_location("compressed_training", path)
   mod = importlib.util.module_from_spec(spec)

@@ -94,7 +94,7 @@ def test_shared_dependencies_are_bounded_no_lower_than_jax_bounds_them():
 def test_dtenjax_info_reports_every_extra_with_its_packages():
   """``dtenjax info`` lists each extra of pyproject.toml and checks a module of each of its
   distributions."""
-  from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli import info
   extras = PYPROJECT["project"]["optional-dependencies"]
   assert set(info.EXTRAS) == set(extras)
   for extra, requirements in extras.items():

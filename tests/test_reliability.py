@@ -301,7 +301,7 @@ def test_close_interrupts_an_all_reduce_in_flight_within_100_ms():
   def waiter():
     try:
       comms[0].all_reduce(np.ones(1000, np.float32), site=(0x35, "close test"))
-    except BaseException as e:  # noqa: BLE001 - checked below
+    except BaseException as e:
       box["error"], box["at"] = e, time.monotonic()
   t = threading.Thread(target=waiter, daemon=True)
   t.start()
@@ -339,7 +339,7 @@ def test_close_interrupts_a_connect_in_flight_within_100_ms():
   def connecting():
     try:
       transport.connect(c0, ep)
-    except BaseException as e:  # noqa: BLE001 - checked below
+    except BaseException as e:
       box["error"], box["at"] = e, time.monotonic()
   t = threading.Thread(target=connecting, daemon=True)
   t.start()
@@ -468,7 +468,7 @@ def test_collectives_that_differ_only_beyond_the_old_header_raise_on_every_rank(
   def run(r):
     try:
       outs[r] = calls[r]()
-    except BaseException as e:  # noqa: BLE001 - checked below
+    except BaseException as e:
       errs[r] = e
   ts = [threading.Thread(target=run, args=(r,), name=f"worker-{'ab'[r]}", daemon=True)
         for r in range(2)]

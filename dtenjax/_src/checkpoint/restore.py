@@ -179,7 +179,7 @@ class _Tensorstore:
       try:
         self.stores[name] = self.ts.open({"driver": self.driver, "kvstore": kv},
                                          open=True).result()
-      except Exception as e:  # noqa: BLE001 - tensorstore raises its own status errors
+      except Exception as e:
         raise errors.CheckpointError(f"leaf {name!r} of {self.path} cannot be opened: {e}") \
             from None
     return self.stores[name]
@@ -188,7 +188,7 @@ class _Tensorstore:
     store = self.open(leaf.name)
     try:
       out = np.asarray(store[tuple(slice(a, b) for a, b in zip(lo, hi))].read().result())
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       raise errors.CheckpointError(f"leaf {leaf.name!r} of {self.path} cannot be read: {e}") \
           from None
     with self.lock:
@@ -319,7 +319,7 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
         continue
       try:
         sharding.shard_shape(leaf.shape)
-      except Exception as e:  # noqa: BLE001 - jax says why the shape does not divide
+      except Exception as e:
         problems.append(f"leaf {leaf.name!r} {list(leaf.shape)}: {sharding} does not fit: {e}")
         continue
     plans.append((leaf, how, sharding))

@@ -47,7 +47,7 @@ def add_fixture_argument(ap: argparse.ArgumentParser, what: str) -> None:
 
 def fixture(name: str):
   """The shipped topology ``name``; an unknown name is a UsageError listing the names."""
-  from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology.model import Topology
   names = Topology.fixtures()
   if name not in names:
     raise UsageError(f"--fixture {name!r}: no shipped topology has that name; choose one of "
@@ -123,7 +123,7 @@ def read_text(path: str | os.PathLike, flag: str) -> str:
 def _ours(filename: str) -> bool:
   """Frames of dtenjax itself, of installed packages (JAX) and of Python's standard library
   (the import machinery, json, ...): not the user's code."""
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import dtenjax
   if filename.startswith("<"):            # <frozen importlib._bootstrap>, <string>
     return True
   f = os.path.realpath(filename)

@@ -69,8 +69,8 @@ def _split_top(text: str) -> list[str]:
 
 def parse_mesh(text: str):
   """``data=2,model=4`` -> a jax.sharding.Mesh over the first devices (as many as it needs)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
   axes = common.mesh_axes(text)
   n = int(np.prod(list(axes.values())))
   devices = jax.devices()
@@ -81,10 +81,10 @@ def parse_mesh(text: str):
 
 def parse_shape_args(text: str, mesh=None) -> list[Any]:
   """``'f32[8,128],f32[128]{model}'`` -> ShapeDtypeStructs (sharded over ``mesh`` if given)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   out, problems = [], []
   for i, part in enumerate(_split_top(text)):
     m = _ARG_RE.match(part)
@@ -163,7 +163,7 @@ def load_object(spec: str, what: str = "target") -> Any:
       sys.modules[name] = module
       try:
         mspec.loader.exec_module(module)
-      except Exception as e:  # pylint: disable=broad-except  (the user's module, any error)
+      except Exception as e:  # (the user's module, any error)
         del sys.modules[name]
         raise common.user_code_failed(f"importing {path}", e) from None
   else:
@@ -178,7 +178,7 @@ def load_object(spec: str, what: str = "target") -> Any:
             f"{os.getcwd()}); run from the directory that holds it or give path/to/file.py:"
             f"{attr}.") from None
       raise common.user_code_failed(f"importing {mod_name!r}", e) from None
-    except Exception as e:  # pylint: disable=broad-except  (the user's module, any error)
+    except Exception as e:  # (the user's module, any error)
       raise common.user_code_failed(f"importing {mod_name!r}", e) from None
   obj = module
   for part in attr.split("."):
@@ -196,7 +196,7 @@ def load_object(spec: str, what: str = "target") -> Any:
 def _factory_args(factory, spec: str) -> tuple[tuple, dict]:
   try:
     made = factory()
-  except Exception as e:  # pylint: disable=broad-except  (the user's factory, any error)
+  except Exception as e:  # (the user's factory, any error)
     raise common.user_code_failed(f"the --args factory {spec}", e) from None
   if isinstance(made, dict) and set(made) <= {"args", "kwargs"}:
     return tuple(made.get("args", ())), dict(made.get("kwargs", {}))
@@ -207,11 +207,11 @@ def _factory_args(factory, spec: str) -> tuple[tuple, dict]:
 
 def _demo_step(seed: int = 0, batch: int = 128):
   """The demo's jitted training step and the arguments of its first step."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.cli import demo  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.planning import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.planning.placement import Placement  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
+  import jax
+  from dtenjax._src.cli import demo
+  from dtenjax._src.planning import mesh as mesh_lib
+  from dtenjax._src.planning.placement import Placement
+  from dtenjax._src.topology.model import Topology
   topology = Topology.current()
   shape = demo.mesh_shape_for(len(jax.devices()))
   mesh = mesh_lib.make_mesh(shape, ("data", "model"), topology=topology)
@@ -253,9 +253,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  import jax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.planning import explain as explain_lib  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
+  import jax
+  from dtenjax._src.planning import explain as explain_lib
+  from dtenjax._src.topology.model import Topology
   topology = common.fixture(args.fixture) if args.fixture else Topology.current()
   mesh = parse_mesh(args.mesh) if args.mesh else None
   if args.target is None:
@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
       raise common.UsageError(
           "--shape-args, --args and --mesh describe the arguments of your own step; name it "
           "first: python -m dtenjax explain MODULE:FUNCTION --shape-args ...")
-    from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.cli import info
     info.require("demo", "explaining the demo's step (explain without MODULE:FUNCTION)")
     fn, call_args, call_kwargs = _demo_step()
     label = "the demo's training step"
@@ -299,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
         f"{label} could not be compiled with the example arguments: {_one_line(e)} (check "
         "the axis names the step uses against --mesh, and that every sharded dimension "
         "divides its mesh axes).") from None
-  except Exception as e:  # pylint: disable=broad-except  (the user's step raised while traced)
+  except Exception as e:  # (the user's step raised while traced)
     where = common.user_frame(e)
     if where is None:
       raise

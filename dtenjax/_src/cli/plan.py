@@ -37,7 +37,7 @@ def _mesh(text: str | None, topology, fixture: str | None) -> dict[str, int] | N
   """``--mesh`` for the planner: its axes only, sizes that cover every device of the topology."""
   if not text:
     return None
-  from dtenjax._src.planning import step as step_lib  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.planning import step as step_lib
   axes = common.mesh_axes(text)
   unknown = [a for a in axes if a not in step_lib.AXES]
   if unknown:
@@ -69,13 +69,12 @@ def _plan_json(result) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-  # pylint: disable=g-import-not-at-top
   from dtenjax._src.cli import explain
   from dtenjax._src.planning import step as step_lib
   from dtenjax._src.topology.model import Topology
   fn = explain.load_object(args.target, "target")
   factory = explain.load_object(args.factory, "--args")
-  made, _ = explain._factory_args(factory, args.factory)  # pylint: disable=protected-access
+  made, _ = explain._factory_args(factory, args.factory)
   topology = common.fixture(args.fixture) if args.fixture else None
   budget = args.budget_gib * 2**30 if args.budget_gib else None
   mesh = _mesh(args.mesh, topology or Topology.current(), args.fixture)

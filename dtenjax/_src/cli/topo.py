@@ -29,7 +29,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  # pylint: disable=g-import-not-at-top
   from dtenjax._src.topology import report
   from dtenjax._src.topology.model import Topology
   if args.list_fixtures:

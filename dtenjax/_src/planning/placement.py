@@ -495,8 +495,8 @@ def _shard_like(x, like, *, placements: bool = False):
   state's ``mu`` (dicts or ``nnx.State`` of ``OptVariable``) mirrors the parameters (dicts or
   ``nnx.State`` of ``Param``). ``placements``: ``like`` holds Placements / NamedShardings /
   PartitionSpecs (a placement tree for the parameters) instead of arrays."""
-  var_leaf = lambda v: _is_box(v) or _is_variable(v)  # noqa: E731
-  like_leaf = lambda v: var_leaf(v) or isinstance(v, NamedSharding) or (  # noqa: E731
+  var_leaf = lambda v: _is_box(v) or _is_variable(v)
+  like_leaf = lambda v: var_leaf(v) or isinstance(v, NamedSharding) or (
       placements and _is_placement(v))
   paths_leaves = jax.tree_util.tree_flatten_with_path(like, is_leaf=like_leaf)[0]
   if not paths_leaves:

@@ -36,7 +36,8 @@ def test_cli_info_and_unknown(capsys):
   assert cli.main(["info", "--json"]) == 0
   info = json.loads(capsys.readouterr().out)
   assert {"built", "cuda", "verbs", "targets"} <= set(info["extension"])
-  assert set(info["extras"]) == {"gpu", "demo", "plot", "rdma", "flax", "scheduler"}
+  assert set(info["extras"]) == {"gpu", "demo", "plot", "rdma", "flax", "scheduler", "checkpoint",
+                                 "gds", "test"}
   assert info["extras"]["demo"] == {"sklearn": True, "optax": True}     # the test extra has them
   v = info["versions"]
   assert (v["dtenjax"], v["jax"], v["jaxlib"], v["python"]) == (

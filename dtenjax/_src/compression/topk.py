@@ -156,8 +156,12 @@ def pack_method(method: str = "auto") -> tuple[str, str]:
       raise errors.ExtensionUnavailableError(
           f"the top-k pack kernel has no {backend!r} implementation; use pack='cumsum'.")
     ffi.require(TARGET, platform)
+    why = ffi.gpu_kernels_reason() if platform == "CUDA" else None
+    if why:
+      raise errors.ExtensionUnavailableError(f"pack='ffi': {why}; or use pack='cumsum'.")
     return "ffi", platform
-  if platform and ffi.has_target(TARGET, platform):
+  if platform and ffi.has_target(TARGET, platform) and (
+      platform != "CUDA" or ffi.gpu_kernels_reason() is None):   # kernels for this GPU's arch
     return "ffi", platform
   return "cumsum", ""
 

@@ -63,6 +63,14 @@ def parse_size(text: str) -> int:
   return int(value)
 
 
+def format_size(nbytes: int) -> str:
+  """8 -> "8 B", 65536 -> "64 KiB", 1.5 * 2**20 -> "1.5 MiB" (the inverse of parse_size)."""
+  for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if nbytes >= factor:
+      return f"{nbytes / factor:g} {unit}"
+  return f"{nbytes} B"
+
+
 def sizes_arg(text: str) -> list[int]:
   """argparse ``type=`` for a comma list of sizes (a bad one is argparse's one-line error)."""
   try:
@@ -124,6 +132,44 @@ def bus_factor(op: str, world: int) -> float:
   if op not in _BUS_FACTOR:
     raise ValueError(f"unknown collective {op!r}; known: {sorted(_BUS_FACTOR)}")
   return _BUS_FACTOR[op](world) if world > 1 else 1.0
+
+
+# A chain is "measured" only when it took clearly longer than the same chain without the ops:
+# within this fraction of the empty chain's time the difference is timer and scheduling noise.
+NOISE_FRACTION = 0.02
+
+
+def per_op_seconds(chain_s: float, base_s: float, ops: int, *, what: str = "") -> float | None:
+  """Seconds per op of a chain of ``ops`` ops timed at ``chain_s`` against the same chain
+  without them at ``base_s``; None (and a note on stderr) when the difference is within the
+  noise, so that no table prints an unmeasured row as a time and a ratio."""
+  diff = chain_s - base_s
+  if diff <= NOISE_FRACTION * base_s:
+    print(f"# {what or 'a candidate'}: its chain of {ops} took {chain_s * 1e6:.1f} us against "
+          f"{base_s * 1e6:.1f} us without the ops, within the noise: not reported (raise "
+          "--chain or the size)", file=sys.stderr, flush=True)
+    return None
+  return diff / ops
+
+
+def progress(items: Sequence[Any], what: str, label: Callable[[Any], str] = str):
+  """``items``, reporting each step on stderr: a rich progress bar on a terminal, one line per
+  item in a log, so a long bench never looks hung (stdout keeps only the tables)."""
+  items = list(items)
+  if sys.stderr.isatty():
+    from rich.progress import Progress
+    with Progress(transient=True) as bar:
+      task = bar.add_task(what, total=len(items))
+      for item in items:
+        bar.update(task, description=f"{what}: {label(item)}")
+        yield item
+        bar.advance(task)
+    return
+  t0 = time.perf_counter()
+  for i, item in enumerate(items):
+    print(f"# {what}: {label(item)} ({i + 1} of {len(items)}, {time.perf_counter() - t0:.0f} s so "
+          "far)", file=sys.stderr, flush=True)
+    yield item
 
 
 def nccl_columns(nbytes: int, dtype: str, seconds: float, world: int,

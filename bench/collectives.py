@@ -120,7 +120,7 @@ def run(args) -> list[dict]:
   dtype = jnp.dtype(args.dtype)
   names = [c for c in args.candidates.split(",") if c]
   rows = []
-  for size in args.sizes:
+  for size in _harness.progress(args.sizes, "collectives", _harness.format_size):
     count = max(size // dtype.itemsize, 1)
     x = jax.random.normal(jax.random.key(0), (n * count,), jnp.float32).astype(dtype)
     x = jax.device_put(x, NamedSharding(mesh, P(axes)))
@@ -133,8 +133,10 @@ def run(args) -> list[dict]:
         samples[c].append(_once(f, x))
     stat = min if args.stat == "min" else statistics.median
     base = stat(samples["none"])
-    per_op = {c: max(stat(samples[c]) - base, 1e-9) / args.chain for c in names}
-    for c in names:
+    per_op = {c: _harness.per_op_seconds(stat(samples[c]), base, args.chain,
+                                         what=f"{c} at {count * dtype.itemsize} B")
+              for c in names}
+    for c in [c for c in names if per_op[c] is not None]:
       rows.append(dict(_harness.nccl_columns(count * dtype.itemsize, dtype.name, per_op[c], n,
                                              BUS_OP.get(c, "all_reduce")),
                        candidate=c, world=n, backend=jax.default_backend()))

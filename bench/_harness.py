@@ -360,7 +360,66 @@ def write_json(path: str, doc: Mapping[str, Any]) -> str:
     json.dump(doc, f, indent=1)
     f.write("\n")
   print(f"wrote {path}", file=sys.stderr)
+  chart_next_to(path, doc)
   return path
+
+
+def _series(rows: Sequence[Mapping[str, Any]]):
+  """(x key, y key, y label, series key) of a result's chart, or None when it has none: busbw
+  over the message size for collectives (nccl-tests' plot), GB/s over the size for checkpoints."""
+  keys = set().union(*(r.keys() for r in rows)) if rows else set()
+  name = next((k for k in ("algorithm", "candidate") if k in keys), None)
+  if name and {"size", "busbw"} <= keys:
+    return "size", "busbw", "busbw (GB/s)", lambda r: str(r[name])
+  if name and {"size", "gbps", "op"} <= keys:
+    return "size", "gbps", "GB/s", lambda r: f"{r[name]} {r['op']}"
+  return None
+
+
+def chart(doc: Mapping[str, Any], path: str) -> str | None:
+  """A PNG chart of a bench result (matplotlib, the `plot` extra) at ``path``: one line per
+  candidate over the message size, titled with the machine; None when the result has no
+  chart (rows without sizes)."""
+  rows = [r for r in doc.get("rows", []) if isinstance(r, Mapping)]
+  series = _series(rows)
+  if series is None:
+    return None
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  xk, yk, ylabel, key = series
+  fig, ax = plt.subplots(figsize=(7, 4), dpi=80)
+  for label in sorted({key(r) for r in rows}):
+    pts = sorted((r[xk], r[yk]) for r in rows if key(r) == label and r.get(yk) is not None)
+    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=3, label=label)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("bytes per rank" if yk == "busbw" else "bytes")
+  ax.set_ylabel(ylabel)
+  devices = (doc.get("machine") or {}).get("devices") or {}
+  kinds = ", ".join(f"{n} x {k}" for k, n in (devices.get("kinds") or {}).items())
+  ax.set_title(f"bench/{doc.get('bench')}.py, {str(doc.get('date', ''))[:10]}, "
+               f"{kinds or devices.get('backend', '?')}, {devices.get('processes', '?')} "
+               "process(es)", fontsize=9)
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+  return os.path.abspath(path)
+
+
+def chart_next_to(json_path: str, doc: Mapping[str, Any]) -> str | None:
+  """The chart of ``doc`` as ``<json_path without .json>.png``, when matplotlib is installed."""
+  try:
+    import matplotlib  # noqa: F401  (is the plot extra installed?)
+  except ImportError:
+    print("# no chart: matplotlib is not installed (pip install 'dtenjax[plot]')",
+          file=sys.stderr)
+    return None
+  out = chart(doc, os.path.splitext(json_path)[0] + ".png")
+  if out:
+    print(f"wrote {out}", file=sys.stderr)
+  return out
 
 
 def load(path: str) -> dict[str, Any]:
@@ -371,3 +430,10 @@ def load(path: str) -> dict[str, Any]:
   if problems:
     raise ValueError(f"{path} is not a {SCHEMA} document: " + "; ".join(problems))
   return doc
+
+
+if __name__ == "__main__":    # python bench/_harness.py chart RESULT.json OUT.png
+  if len(sys.argv) != 4 or sys.argv[1] != "chart":
+    sys.exit("usage: python bench/_harness.py chart RESULT.json OUT.png")
+  written = chart(load(sys.argv[2]), sys.argv[3])
+  sys.exit(0 if written else f"{sys.argv[2]}: its rows have no chart (no sizes)")

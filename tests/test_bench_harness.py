@@ -169,3 +169,18 @@ def test_progress_reports_every_step_on_stderr_in_a_log(capsys):
   assert [ln.split(" (")[0] for ln in lines] == ["# allreduce: 8 B", "# allreduce: 64 KiB",
                                                  "# allreduce: 1 MiB"]
   assert "(3 of 3," in lines[-1]
+
+
+def test_a_result_with_sizes_gets_a_chart_next_to_its_json(tmp_path, capsys):
+  pytest.importorskip("matplotlib", reason="the plot extra (in the test extra)")
+  rows = [dict(h.nccl_columns(size, "float32", t, 8), algorithm=a, world=8, backend="cpu")
+          for size, t in ((1024, 2e-5), (65536, 8e-5)) for a in ("psum", "ring")]
+  doc = h.document("collectives", "bench/collectives.py", ["--sizes", "1K,64K"], {}, rows)
+  path = h.write_json(str(tmp_path / "r.json"), doc)
+  png = tmp_path / "r.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"              # a PNG beside the JSON
+  assert f"wrote {png}" in capsys.readouterr().err
+  assert h.load(path)["rows"] == rows
+  table_only = dict(doc, rows=[{"model": "mlp", "step_ms": 3.0}])
+  assert h.chart(table_only, str(tmp_path / "none.png")) is None     # nothing to draw
+  assert not (tmp_path / "none.png").exists()

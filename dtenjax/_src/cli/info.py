@@ -25,7 +25,7 @@ EXTRAS = {"gpu": ("cuda.bindings", "pynvml"), "demo": ("sklearn", "optax"),
           "checkpoint": ("xxhash", "orbax.checkpoint", "tensorstore"), "gds": ("kvikio",),
           "test": ("pytest", "pytest_timeout", "xdist", "chex", "optax", "flax", "sklearn",
                    "prometheus_client", "jsonschema", "xxhash", "orbax.checkpoint",
-                   "tensorstore", "ruff", "sphinx")}
+                   "tensorstore", "ruff", "sphinx", "matplotlib")}
 # the distributions whose versions describe a JAX installation on GPU (jax[cuda12] and friends)
 CUDA_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
                       "jax-cuda13-pjrt")

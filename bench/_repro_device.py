@@ -20,6 +20,8 @@ import traceback
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import _harness  # bench/_harness.py: the one table renderer of the benches
 # Rough H200 seconds per part (compiles dominate), to keep the run inside --budget-s.
 ESTIMATE_S = {"processes": 110, "costs": 155, "demo": 30, "device_counts": 10,
               "select_and_scatter": 10, "fusion": 20}
@@ -229,23 +231,29 @@ def print_part(name: str, res: dict) -> None:
     print(f"{res['status']}: {res.get('why', '')}")
     return
   if name == "processes":
-    print(f"{'workload / pins':<34} {'processes':>9} {'distinct digests':>17}  digests")
-    for k, v in res.items():
-      if isinstance(v, dict) and "digests" in v:
-        print(f"{k:<34} {v['ok']:>4} of {v['processes']:<2} {v['distinct_digests']:>17}  "
-              f"{' '.join(v['digests'])}" + (f"  errors: {v['errors']}" if v["errors"] else ""))
+    rows = [{"what": k, "ok": f"{v['ok']} of {v['processes']}",
+             "distinct": v["distinct_digests"],
+             "digests": " ".join(v["digests"]) + (f"  errors: {v['errors']}" if v["errors"]
+                                                   else "")}
+            for k, v in res.items() if isinstance(v, dict) and "digests" in v]
+    print(_harness.table(rows, (("workload / pins", "what", "s"), ("processes", "ok", ">"),
+                                ("distinct digests", "distinct", "d"), ("digests", "digests", "s"))))
   elif name == "costs":
-    print(f"{'model':<14} {'pins':<18} {'compile s':>9} {'ms/step':>10} {'x vs jax.jit':>22}")
+    rows = []
     for model, m in res.items():
       if not isinstance(m, dict) or "pins" not in m:
         continue
       for p, r in m["pins"].items():
-        if "error" in r:
-          print(f"{model:<14} {p:<18} error: {r['error'][:120]}")
+        if "error" in r:      # said below the table, never as a row of numbers
+          print(f"# {model} {p}: error: {r['error'][:120]}", file=sys.stderr)
           continue
         x = (f"{r['x_vs_jax_jit']:.3f} ({r['x_min']:.2f}..{r['x_max']:.2f})"
-             if "x_vs_jax_jit" in r else "-")
-        print(f"{model:<14} {p:<18} {r['compile_s']:>9.1f} {r['ms_per_step']:>10.3f} {x:>22}")
+             if "x_vs_jax_jit" in r else None)
+        rows.append({"model": model, "pins": p, "compile_s": r["compile_s"],
+                     "ms": r["ms_per_step"], "x": x})
+    print(_harness.table(rows, (("model", "model", "s"), ("pins", "pins", "s"),
+                                ("compile s", "compile_s", ".1f"), ("ms/step", "ms", ".3f"),
+                                ("x vs jax.jit", "x", ">"))))
   else:
     print(json.dumps({k: v for k, v in res.items() if k != "seconds"}, indent=1, default=str))
 

@@ -45,6 +45,8 @@ MISTAKES = {
     "mesh not NAME=SIZE": (["--mesh", "data=x"], ("explain", "plan"), 2,
                            "--mesh 'data=x': write it as NAME=SIZE,... (e.g. data=2,model=4): "
                            "'data=x' is not NAME=SIZE"),
+    "--draw to a format it cannot write": (["--draw", "mesh.jpg"], ("topo", "plan"), 2,
+                                           "--draw 'mesh.jpg': name a .png, .svg, .pdf file"),
     "unwritable --json": (["--json", NOWHERE], ("topo", "explain", "plan", "info"), 1,
                           f"--json '{NOWHERE}': cannot write it (No such file or directory); "
                           "give a path in a directory you can write to."),
@@ -114,3 +116,21 @@ def test_help_texts_name_only_options_and_commands_that_exist(capsys):
     assert command in options and flag in options[command], (command, flag)
   rc, out, _ = _run(["topo", "--list-fixtures"], capsys)
   assert rc == 0 and "dgx_a100_8" in out.split() and "h100_16" in out.split()
+
+
+def test_topo_and_plan_draw_the_mesh_over_the_topology(step_dir, capsys):
+  pytest.importorskip("matplotlib", reason="the plot extra (in the test extra)")
+  rc, out, err = _run(["topo", "--fixture", "roce_a100_4x8", "--draw", "topo.svg"], capsys)
+  assert rc == 0, err
+  svg = (step_dir / "topo.svg").read_text()
+  assert "roce_a100_4x8: 32 devices, 4 host(s)" in svg
+  for label in ("nvlink: 300 GB/s", "roce: 12.5 GB/s"):        # the fixture's link classes
+    assert label in svg, label
+  rc, out, err = _run(BASE["plan"] + ["--fixture", "h100_16", "--draw", "plan.svg"], capsys)
+  assert rc == 0, err
+  svg = (step_dir / "plan.svg").read_text()
+  plan = json.loads(_run(BASE["plan"] + ["--fixture", "h100_16", "--json"], capsys)[1])
+  for axis, size in plan["mesh"].items():
+    if size > 1:                   # each axis of the mesh with the links it runs over
+      assert f"{axis} ({size}): " in svg, axis
+  assert "host 1" in svg                                       # 16 devices over two hosts

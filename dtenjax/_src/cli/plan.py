@@ -7,6 +7,7 @@ import math
 
 from dtenjax._src import errors
 from dtenjax._src.cli import common
+from dtenjax._src.cli import draw
 
 HELP = "plan the layout of a whole training step (mesh, specs, memory, recipes)"
 DESCRIPTION = """Plans every argument of a training step: the mesh (data, fsdp, tensor axes over
@@ -31,6 +32,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                   help="also compile the step with the plan and compare the prediction with "
                   "XLA's memory and collective bytes (needs the planned devices)")
   common.add_json_argument(ap, "the plan (mesh, one spec per leaf, predicted cost, recipes)")
+  ap.add_argument("--draw", metavar="FILE",
+                  help="also draw the planned mesh over the topology (which axis runs over "
+                  "which links) to a PNG, SVG or PDF file (needs the plot extra)")
 
 
 def _mesh(text: str | None, topology, fixture: str | None) -> dict[str, int] | None:
@@ -72,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
   from dtenjax._src.cli import explain
   from dtenjax._src.planning import step as step_lib
   from dtenjax._src.topology.model import Topology
+  draw.check_path(args.draw)
   fn = explain.load_object(args.target, "target")
   factory = explain.load_object(args.factory, "--args")
   made, _ = explain._factory_args(factory, args.factory)
@@ -85,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(e.__cause__, Exception) and not isinstance(e.__cause__, errors.DtenjaxError):
       raise common.user_code_failed(f"tracing {args.target}", e.__cause__) from None
     raise
+  if args.draw:
+    draw.plan(result, topology or Topology.current(), args.draw)
   if common.json_to_stdout(args):
     common.write_json(args, _plan_json(result))
     return 0

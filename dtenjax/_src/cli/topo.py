@@ -9,6 +9,7 @@ import pathlib
 
 from dtenjax._src import errors
 from dtenjax._src.cli import common
+from dtenjax._src.cli import draw
 
 HELP = "print the device link matrix with the bandwidths the cost model uses"
 DESCRIPTION = __doc__
@@ -26,11 +27,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
   common.add_json_argument(ap, "the topology shown (Topology.to_json(), for --load)")
   ap.add_argument("--save", metavar="FILE", dest="json",
                   help="the same as --json FILE")
+  ap.add_argument("--draw", metavar="FILE",
+                  help="also draw the link matrix (link class per pair of devices) to a PNG, "
+                  "SVG or PDF file (needs the plot extra)")
 
 
 def run(args: argparse.Namespace) -> int:
   from dtenjax._src.topology import report
   from dtenjax._src.topology.model import Topology
+  draw.check_path(args.draw)
   if args.list_fixtures:
     names = list(Topology.fixtures())
     if common.json_to_stdout(args):
@@ -51,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
       if args.fixture or args.load:     # a topology of other devices: the arguments clash
         raise common.UsageError(f"--probe measures this machine's devices: {e}") from None
       raise
+  if args.draw:
+    draw.topology(topology, args.draw)
   text = topology.to_json() + "\n"
   if common.json_to_stdout(args):
     print(text, end="")

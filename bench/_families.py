@@ -103,7 +103,7 @@ def _mlp(use, pre, y, p):
 
 
 def _layer_shapes(d, h, ffn, lead=()):
-  s = lambda *shape: jax.ShapeDtypeStruct(lead + shape, jnp.float32)  # noqa: E731
+  s = lambda *shape: jax.ShapeDtypeStruct(lead + shape, jnp.float32)
   hd = d // h
   return {"attn_norm": s(d), "mlp_norm": s(d), "wq": s(d, h, hd), "wk": s(d, h, hd),
           "wv": s(d, h, hd), "wo": s(h, hd, d), "w_gate": s(d, ffn), "w_up": s(d, ffn),
@@ -201,7 +201,7 @@ def encdec(*, vocab=2048, d=256, heads=8, ffn=1024, layers=2, batch=16, seq=64):
 
 def convnet(*, channels=(32, 64, 128), blocks=2, batch=32, image=32, classes=10):
   def make(use=_identity):
-    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     params, stats = {"stem": s(3, 3, 3, channels[0])}, {}
     cin = channels[0]
     for i, c in enumerate(channels):
@@ -432,7 +432,7 @@ def recipe_jit(family: Family, r: Recipe, donate: bool = False):
   ospecs = _like_params(opt, params, pspecs)
   bax = r.batch_axes[0] if len(r.batch_axes) == 1 else r.batch_axes
   bspecs = jax.tree.map(lambda b: P(bax), batch)
-  named = lambda t: jax.tree.map(lambda s: NamedSharding(r.mesh, s), t,  # noqa: E731
+  named = lambda t: jax.tree.map(lambda s: NamedSharding(r.mesh, s), t,
                                  is_leaf=lambda s: isinstance(s, P))
   ins = (named(pspecs), named(ospecs), named(bspecs))
   outs = (ins[0], ins[1], NamedSharding(r.mesh, P()))

@@ -63,6 +63,14 @@ def parse_size(text: str) -> int:
   return int(value)
 
 
+def format_size(nbytes: int) -> str:
+  """8 -> "8 B", 65536 -> "64 KiB", 1.5 * 2**20 -> "1.5 MiB" (the inverse of parse_size)."""
+  for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if nbytes >= factor:
+      return f"{nbytes / factor:g} {unit}"
+  return f"{nbytes} B"
+
+
 def sizes_arg(text: str) -> list[int]:
   """argparse ``type=`` for a comma list of sizes (a bad one is argparse's one-line error)."""
   try:
@@ -90,7 +98,7 @@ def positive_int(text: str) -> int:
 def block(value: Any) -> Any:
   """Waits for every jax value in ``value`` (any pytree: a dict of gradients too) to be
   computed."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   for leaf in jax.tree.leaves(value):
     if hasattr(leaf, "block_until_ready"):
       leaf.block_until_ready()
@@ -126,10 +134,48 @@ def bus_factor(op: str, world: int) -> float:
   return _BUS_FACTOR[op](world) if world > 1 else 1.0
 
 
+# A chain is "measured" only when it took clearly longer than the same chain without the ops:
+# within this fraction of the empty chain's time the difference is timer and scheduling noise.
+NOISE_FRACTION = 0.02
+
+
+def per_op_seconds(chain_s: float, base_s: float, ops: int, *, what: str = "") -> float | None:
+  """Seconds per op of a chain of ``ops`` ops timed at ``chain_s`` against the same chain
+  without them at ``base_s``; None (and a note on stderr) when the difference is within the
+  noise, so that no table prints an unmeasured row as a time and a ratio."""
+  diff = chain_s - base_s
+  if diff <= NOISE_FRACTION * base_s:
+    print(f"# {what or 'a candidate'}: its chain of {ops} took {chain_s * 1e6:.1f} us against "
+          f"{base_s * 1e6:.1f} us without the ops, within the noise: not reported (raise "
+          "--chain or the size)", file=sys.stderr, flush=True)
+    return None
+  return diff / ops
+
+
+def progress(items: Sequence[Any], what: str, label: Callable[[Any], str] = str):
+  """``items``, reporting each step on stderr: a rich progress bar on a terminal, one line per
+  item in a log, so a long bench never looks hung (stdout keeps only the tables)."""
+  items = list(items)
+  if sys.stderr.isatty():
+    from rich.progress import Progress
+    with Progress(transient=True) as bar:
+      task = bar.add_task(what, total=len(items))
+      for item in items:
+        bar.update(task, description=f"{what}: {label(item)}")
+        yield item
+        bar.advance(task)
+    return
+  t0 = time.perf_counter()
+  for i, item in enumerate(items):
+    print(f"# {what}: {label(item)} ({i + 1} of {len(items)}, {time.perf_counter() - t0:.0f} s so "
+          "far)", file=sys.stderr, flush=True)
+    yield item
+
+
 def nccl_columns(nbytes: int, dtype: str, seconds: float, world: int,
                  op: str = "all_reduce") -> dict[str, Any]:
   """size (bytes per rank), count (elements), type, time_us, algbw and busbw (GB/s, 1e9 B/s)."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
   itemsize = jnp.dtype(dtype).itemsize
   algbw = nbytes / seconds / 1e9
   return {"size": int(nbytes), "count": int(nbytes // itemsize), "type": str(dtype),
@@ -156,7 +202,7 @@ def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, s
           title: str | None = None) -> str:
   """Rows as text: ``columns`` are (header, key, format) with format a ``format()`` spec, or
   ``"ratio"`` for ``1.23x``. Text columns (format ``"s"``) are left-aligned, numbers right."""
-  from dtenjax._src import tables  # pylint: disable=g-import-not-at-top
+  from dtenjax._src import tables
 
   def cell(v, f):
     if v is None:
@@ -182,7 +228,7 @@ def refuse(bench: str, why: str) -> None:
 
 def require_gpu(bench: str, what: str) -> None:
   """Refuses unless jax's default backend is a GPU."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   backend = jax.default_backend()
   if backend != "gpu":
     refuse(bench, f"it needs a CUDA GPU ({what}), and jax's backend is {backend!r} "
@@ -204,7 +250,7 @@ def algorithm_families() -> tuple[str, ...]:
   (``collectives/algorithms/registry.py``), read from it so a bench's list of candidates never
   falls behind the algorithms dtenjax has. Imports dtenjax (jax reads XLA_FLAGS later, when a
   backend starts)."""
-  from dtenjax._src.collectives.algorithms import registry  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.collectives.algorithms import registry
   return registry.FAMILIES
 
 
@@ -314,7 +360,66 @@ def write_json(path: str, doc: Mapping[str, Any]) -> str:
     json.dump(doc, f, indent=1)
     f.write("\n")
   print(f"wrote {path}", file=sys.stderr)
+  chart_next_to(path, doc)
   return path
+
+
+def _series(rows: Sequence[Mapping[str, Any]]):
+  """(x key, y key, y label, series key) of a result's chart, or None when it has none: busbw
+  over the message size for collectives (nccl-tests' plot), GB/s over the size for checkpoints."""
+  keys = set().union(*(r.keys() for r in rows)) if rows else set()
+  name = next((k for k in ("algorithm", "candidate") if k in keys), None)
+  if name and {"size", "busbw"} <= keys:
+    return "size", "busbw", "busbw (GB/s)", lambda r: str(r[name])
+  if name and {"size", "gbps", "op"} <= keys:
+    return "size", "gbps", "GB/s", lambda r: f"{r[name]} {r['op']}"
+  return None
+
+
+def chart(doc: Mapping[str, Any], path: str) -> str | None:
+  """A PNG chart of a bench result (matplotlib, the `plot` extra) at ``path``: one line per
+  candidate over the message size, titled with the machine; None when the result has no
+  chart (rows without sizes)."""
+  rows = [r for r in doc.get("rows", []) if isinstance(r, Mapping)]
+  series = _series(rows)
+  if series is None:
+    return None
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  xk, yk, ylabel, key = series
+  fig, ax = plt.subplots(figsize=(7, 4), dpi=80)
+  for label in sorted({key(r) for r in rows}):
+    pts = sorted((r[xk], r[yk]) for r in rows if key(r) == label and r.get(yk) is not None)
+    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=3, label=label)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("bytes per rank" if yk == "busbw" else "bytes")
+  ax.set_ylabel(ylabel)
+  devices = (doc.get("machine") or {}).get("devices") or {}
+  kinds = ", ".join(f"{n} x {k}" for k, n in (devices.get("kinds") or {}).items())
+  ax.set_title(f"bench/{doc.get('bench')}.py, {str(doc.get('date', ''))[:10]}, "
+               f"{kinds or devices.get('backend', '?')}, {devices.get('processes', '?')} "
+               "process(es)", fontsize=9)
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+  return os.path.abspath(path)
+
+
+def chart_next_to(json_path: str, doc: Mapping[str, Any]) -> str | None:
+  """The chart of ``doc`` as ``<json_path without .json>.png``, when matplotlib is installed."""
+  try:
+    import matplotlib  # noqa: F401  (is the plot extra installed?)
+  except ImportError:
+    print("# no chart: matplotlib is not installed (pip install 'dtenjax[plot]')",
+          file=sys.stderr)
+    return None
+  out = chart(doc, os.path.splitext(json_path)[0] + ".png")
+  if out:
+    print(f"wrote {out}", file=sys.stderr)
+  return out
 
 
 def load(path: str) -> dict[str, Any]:
@@ -325,3 +430,10 @@ def load(path: str) -> dict[str, Any]:
   if problems:
     raise ValueError(f"{path} is not a {SCHEMA} document: " + "; ".join(problems))
   return doc
+
+
+if __name__ == "__main__":    # python bench/_harness.py chart RESULT.json OUT.png
+  if len(sys.argv) != 4 or sys.argv[1] != "chart":
+    sys.exit("usage: python bench/_harness.py chart RESULT.json OUT.png")
+  written = chart(load(sys.argv[2]), sys.argv[3])
+  sys.exit(0 if written else f"{sys.argv[2]}: its rows have no chart (no sizes)")

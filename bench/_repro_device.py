@@ -20,6 +20,8 @@ import traceback
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import _harness  # bench/_harness.py: the one table renderer of the benches
 # Rough H200 seconds per part (compiles dominate), to keep the run inside --budget-s.
 ESTIMATE_S = {"processes": 110, "costs": 155, "demo": 30, "device_counts": 10,
               "select_and_scatter": 10, "fusion": 20}
@@ -121,9 +123,9 @@ def part_demo(args) -> dict:
 
 def part_device_counts(args) -> dict:
   del args
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.cli import demo  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import jax
+  from dtenjax._src.cli import demo
   (xtr, ytr), _ = demo.load_digits(0)
   micro = 128 // demo.MICRO_BATCHES
   xb = jnp.asarray(xtr[:128].reshape(demo.MICRO_BATCHES, micro, -1))
@@ -134,9 +136,9 @@ def part_device_counts(args) -> dict:
 
 def part_select_and_scatter(args) -> dict:
   del args
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import dtenjax
 
   def pooled_grad(x):
     pool = lambda v: jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1),
@@ -153,10 +155,10 @@ def part_select_and_scatter(args) -> dict:
 
 
 def part_fusion(args) -> dict:
-  import functools  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  import _repro_variants  # pylint: disable=g-import-not-at-top
+  import functools
+  import jax
+  import dtenjax
+  import _repro_variants
   loose = functools.partial(dtenjax.reproducible_step, check_flags=False)
   steps = 2 if args.tiny else 5
   out = _repro_variants.run_variants(loose, steps, ("subst one_shot", "fuse 64KiB"),
@@ -166,9 +168,9 @@ def part_fusion(args) -> dict:
 
 
 def part_costs(args) -> dict:
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import _repro_workloads as rw  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import _repro_workloads as rw
   models = [m for m in args.models.split(",") if m]
   pins = ["jax.jit", "autotune", "reproducible_step"] + (["ops", "cache"] if args.all_pins
                                                          else [])
@@ -186,7 +188,7 @@ def part_costs(args) -> dict:
       t0 = time.perf_counter()
       try:
         f.lower(*a).compile()
-      except Exception as e:  # pylint: disable=broad-except  (record it, time the others)
+      except Exception as e:  # (record it, time the others)
         rows[p] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
         continue
       rows[p] = {"compile_s": time.perf_counter() - t0}
@@ -229,29 +231,35 @@ def print_part(name: str, res: dict) -> None:
     print(f"{res['status']}: {res.get('why', '')}")
     return
   if name == "processes":
-    print(f"{'workload / pins':<34} {'processes':>9} {'distinct digests':>17}  digests")
-    for k, v in res.items():
-      if isinstance(v, dict) and "digests" in v:
-        print(f"{k:<34} {v['ok']:>4} of {v['processes']:<2} {v['distinct_digests']:>17}  "
-              f"{' '.join(v['digests'])}" + (f"  errors: {v['errors']}" if v["errors"] else ""))
+    rows = [{"what": k, "ok": f"{v['ok']} of {v['processes']}",
+             "distinct": v["distinct_digests"],
+             "digests": " ".join(v["digests"]) + (f"  errors: {v['errors']}" if v["errors"]
+                                                   else "")}
+            for k, v in res.items() if isinstance(v, dict) and "digests" in v]
+    print(_harness.table(rows, (("workload / pins", "what", "s"), ("processes", "ok", ">"),
+                                ("distinct digests", "distinct", "d"), ("digests", "digests", "s"))))
   elif name == "costs":
-    print(f"{'model':<14} {'pins':<18} {'compile s':>9} {'ms/step':>10} {'x vs jax.jit':>22}")
+    rows = []
     for model, m in res.items():
       if not isinstance(m, dict) or "pins" not in m:
         continue
       for p, r in m["pins"].items():
-        if "error" in r:
-          print(f"{model:<14} {p:<18} error: {r['error'][:120]}")
+        if "error" in r:      # said below the table, never as a row of numbers
+          print(f"# {model} {p}: error: {r['error'][:120]}", file=sys.stderr)
           continue
         x = (f"{r['x_vs_jax_jit']:.3f} ({r['x_min']:.2f}..{r['x_max']:.2f})"
-             if "x_vs_jax_jit" in r else "-")
-        print(f"{model:<14} {p:<18} {r['compile_s']:>9.1f} {r['ms_per_step']:>10.3f} {x:>22}")
+             if "x_vs_jax_jit" in r else None)
+        rows.append({"model": model, "pins": p, "compile_s": r["compile_s"],
+                     "ms": r["ms_per_step"], "x": x})
+    print(_harness.table(rows, (("model", "model", "s"), ("pins", "pins", "s"),
+                                ("compile s", "compile_s", ".1f"), ("ms/step", "ms", ".3f"),
+                                ("x vs jax.jit", "x", ">"))))
   else:
     print(json.dumps({k: v for k, v in res.items() if k != "seconds"}, indent=1, default=str))
 
 
 def main(args, ap) -> int:
-  import _repro_workloads as rw  # pylint: disable=g-import-not-at-top
+  import _repro_workloads as rw
   args.budget_s = args.budget_s or (200.0 if args.quick else 360.0)
   parts = [p for p in args.parts.split(",") if p]
   bad = [p for p in parts if p not in PARTS]
@@ -264,7 +272,7 @@ def main(args, ap) -> int:
   if args.tiny:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, str(HERE))
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   path = os.path.join(args.out, "reproducible_step.json") if args.out else args.json
   if path:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -288,7 +296,7 @@ def main(args, ap) -> int:
       t0 = time.perf_counter()
       try:
         results[name] = PARTS[name](args)
-      except Exception as e:  # pylint: disable=broad-except  (keep measuring the other parts)
+      except Exception as e:  # (keep measuring the other parts)
         failed = True
         results[name] = {"status": "error", "why": f"{type(e).__name__}: {e}",
                          "traceback": traceback.format_exc()[-4000:]}

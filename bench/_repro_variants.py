@@ -17,12 +17,12 @@ def run_variants(jit, steps: int, variants=VARIANTS, devices=None) -> dict:
   """Each variant's step, jitted with ``jit``, run ``steps`` steps from the same start; returns
   differing-parameter counts at CHECK_STEPS (vs "subst one_shot", which must be among
   ``variants``) and median seconds per step."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  import optax
+  import flax.linen as nn
+  from jax.sharding import Mesh, PartitionSpec as P
+  import dtenjax
 
   ax = "d"
   devices = jax.devices()[:8] if devices is None else devices

@@ -34,18 +34,18 @@ PINS = ("jax.jit", "ops", "autotune", "reproducible_step", "cache")
 
 def build(name: str, tiny: bool = False) -> dict:
   """{fn, args, donate, advance(args, out) -> args, loss(out)} of one workload."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
   if name == "demo":
-    from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-    from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-    from dtenjax._src.cli import demo  # pylint: disable=g-import-not-at-top
-    from dtenjax._src.planning import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    from dtenjax._src.planning.placement import Placement  # pylint: disable=g-import-not-at-top
-    from dtenjax._src.planning.placement import shard  # pylint: disable=g-import-not-at-top
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    import dtenjax
+    from dtenjax._src.cli import demo
+    from dtenjax import Placement
+    from dtenjax import shard
     devices = jax.devices()
     n = max(d for d in (1, 2, 4, 8) if d <= len(devices))
-    mesh = mesh_lib.make_mesh(demo.mesh_shape_for(n), ("data", "model"))
+    mesh = dtenjax.topology_mesh(demo.mesh_shape_for(n), ("data", "model"))
     placement = Placement(strategy="auto", mesh=mesh)
     (xtr, ytr), _ = demo.load_digits(0)
     batch = 128
@@ -59,7 +59,7 @@ def build(name: str, tiny: bool = False) -> dict:
             "donate": (0, 1), "advance": lambda a, out: (out[0], out[1], a[2], a[3]),
             "loss": lambda out: out[2], "config": {"devices": n, "batch": batch}}
   if name.startswith("gpt2"):
-    import gpt2_train as g2  # pylint: disable=g-import-not-at-top
+    import gpt2_train as g2
     cfg = dict(g2.CONFIGS["tiny" if tiny else "small"])
     if name == "gpt2_mid" and not tiny:
       cfg.update(ctx=256, layers=4, heads=8, width=512)
@@ -70,7 +70,7 @@ def build(name: str, tiny: bool = False) -> dict:
             "donate": (0, 1), "advance": lambda a, out: (out[0], out[1], a[2]),
             "loss": lambda out: out[2], "config": {**cfg, "batch": batch}}
   if name in ("resnet_mid", "resnet50_b16"):
-    import resnet50_train as rn  # pylint: disable=g-import-not-at-top
+    import resnet50_train as rn
     if tiny:
       stages, width, classes, image, batch = (1, 1), 4, 10, 32, 2
     elif name == "resnet_mid":
@@ -90,9 +90,9 @@ def build(name: str, tiny: bool = False) -> dict:
 
 def jit_with(pins: str, fn, donate, cache_dir: str | None = None):
   """``fn`` compiled as ``pins`` says (see the module docstring)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.planning import reproducible  # pylint: disable=g-import-not-at-top
+  import jax
+  import dtenjax
+  from dtenjax._src.planning import reproducible
   if pins == "jax.jit":
     return jax.jit(fn, donate_argnums=donate)
   if pins in ("ops", "autotune"):
@@ -108,8 +108,8 @@ def jit_with(pins: str, fn, donate, cache_dir: str | None = None):
 
 
 def digest(tree, losses) -> str:
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
   h = hashlib.sha256()
   for leaf in jax.tree.leaves(tree):
     h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
@@ -120,7 +120,7 @@ def digest(tree, losses) -> str:
 def run(name: str, pins: str, steps: int, tiny: bool = False,
         cache_dir: str | None = None) -> dict:
   """``steps`` steps of a workload from its fixed start; the digest of where they end."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   spec = build(name, tiny)
   f = jit_with(pins, spec["fn"], spec["donate"], cache_dir)
   args = spec["args"]

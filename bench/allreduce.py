@@ -89,7 +89,7 @@ def _compile(body, mesh, axes, x, options_list):
   for opts in options_list:
     try:
       return jax.jit(f, compiler_options=opts).lower(x).compile(), opts
-    except Exception as e:  # pylint: disable=broad-except  (unknown option on this jax)
+    except Exception as e:  # (unknown option on this jax)
       last = e
   raise RuntimeError(f"no accepted compiler options among {options_list}: {last}")
 
@@ -123,7 +123,7 @@ def measure(args) -> list[dict]:
   sizes = args.sizes
   k = args.chain
   rows = []
-  for size in sizes:
+  for size in _harness.progress(sizes, "allreduce", _harness.format_size):
     count = max(1, size // dtype.itemsize)
     rng = np.random.default_rng(size)
     local = rng.standard_normal((len(jax.local_devices()), count)).astype(np.float32)
@@ -147,7 +147,7 @@ def measure(args) -> list[dict]:
         fk, opts = _compile(chain, mesh, axes, x, _options(a))
         f0, _ = _compile(lambda v: v * jnp.ones((), v.dtype), mesh, axes, x, (opts,))
         f1, _ = _compile(coll, mesh, axes, x, (opts,))
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         print(f"# {a} at {size} B: not available ({type(e).__name__}: {str(e)[:200]})",
               file=sys.stderr)
         continue
@@ -158,16 +158,16 @@ def measure(args) -> list[dict]:
                 file=sys.stderr)
       compiled[(a, "chain")], compiled[(a, "base")], compiled[(a, "one")] = fk, f0, f1
     med = _interleaved_medians(compiled, x, args.warmup, args.iters)
-    times = {a: (max(med[(a, "chain")] - med[(a, "base")], 1e-9) / k, med[(a, "one")])
+    times = {a: (_harness.per_op_seconds(med[(a, "chain")], med[(a, "base")], k,
+                                         what=f"{a} at {size} B"), med[(a, "one")])
              for a, kind in compiled if kind == "chain"}
+    times = {a: v for a, v in times.items() if v[0] is not None}
     for a, (t, lat) in times.items():
       rows.append(dict(_harness.nccl_columns(count * dtype.itemsize, dtype.name, t, n),
                        algorithm=a, lat_us=lat * 1e6, world=n, procs=jax.process_count(),
                        backend=jax.default_backend(), device_kind=devs[0].device_kind,
                        chain=k))
     _harness.add_ratios(rows, "psum")
-    if args.progress:
-      print(f"# {size} B done", file=sys.stderr, flush=True)
   return rows
 
 
@@ -182,9 +182,9 @@ def table(rows: list[dict]) -> str:
 
 def _plot_module():
   try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
+    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    import matplotlib.pyplot as plt
     return plt
   except ImportError:
     return None
@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--procs", type=int, default=0,
                  help="run as N processes of one GPU each (jax.distributed on 127.0.0.1)")
   p.add_argument("--timeout", type=float, default=900, help="seconds for --procs workers")
-  p.add_argument("--progress", action="store_true")
+  p.add_argument("--progress", action="store_true",
+                 help="(kept for old command lines: progress is always shown on stderr)")
   p.add_argument("--json", metavar="PATH")
   p.add_argument("--plot", metavar="FILE.png", help="needs matplotlib (pip install dtenjax[plot])")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
       p.error(f"--plot {args.plot} needs matplotlib, which is not installed: "
               "pip install 'dtenjax[plot]' (or drop --plot)")
   if args.worker:
-    import jax  # pylint: disable=g-import-not-at-top
+    import jax
     jax.distributed.initialize(os.environ["DTENJAX_BENCH_COORDINATOR"],
                                num_processes=args.procs,
                                process_id=int(os.environ["DTENJAX_BENCH_RANK"]),

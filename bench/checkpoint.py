@@ -44,7 +44,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
-import _harness  # noqa: E402
+import _harness
 
 CANDIDATES = ("dtenjax", "orbax", "orbax_zarr", "disk")
 ORBAX = {"orbax": "tensorstore (ocdbt, zstd)", "orbax_zarr": "tensorstore (zarr, zstd)"}
@@ -94,9 +94,9 @@ def _disk_roofline(state, path: str, threads: int) -> float:
 
 
 def make_state(total: int, leaves: int):
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
   n = len(jax.devices())
   mesh = jax.make_mesh((2, n // 2) if n % 2 == 0 else (1, n), ("a", "b"))
   sharding = NamedSharding(mesh, P("a", "b"))
@@ -114,14 +114,14 @@ def make_state(total: int, leaves: int):
 
 
 def _same(a, b) -> bool:
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
   return all(np.array_equal(np.asarray(x.data).view(np.uint32), np.asarray(y.data).view(np.uint32))
              for k in a for x, y in zip(a[k].addressable_shards, b[k].addressable_shards))
 
 
 def run(candidate: str, state, sharding, root: str) -> tuple[float, float | None, str]:
   """(save seconds, restore seconds, io path) of one candidate, checked bit for bit."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   path = tempfile.mkdtemp(prefix=f"{candidate}-", dir=root)
   if candidate != "disk":
     os.rmdir(path)
@@ -130,7 +130,7 @@ def run(candidate: str, state, sharding, root: str) -> tuple[float, float | None
       threads = min(16, (os.cpu_count() or 1) * 2)      # dtenjax's default
       return _disk_roofline(state, path, threads), None, f"posix, {threads} threads"
     if candidate == "dtenjax":
-      import dtenjax.checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+      import dtenjax.checkpoint as ckpt
       t0 = time.perf_counter()
       report = ckpt.save(path, state)
       t1 = time.perf_counter()
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     ap.error(f"--candidates {args.candidates!r}: choose from {', '.join(CANDIDATES)}")
   if {"orbax", "orbax_zarr"} & set(cands):
     try:
-      import orbax.checkpoint  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+      import orbax.checkpoint  # noqa: F401  (is it installed?)
     except ImportError:
       _harness.refuse("checkpoint", "orbax-checkpoint, the baseline, is not installed: pip "
                       "install '.[checkpoint]' (or --candidates dtenjax,disk, without orbax's ratios)")

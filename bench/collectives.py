@@ -48,7 +48,7 @@ BUS_OP = {"lax.all_to_all": "all_to_all", "lax.all_gather": "all_gather"}   # ot
 
 def _op(name, axes):
   from jax import lax
-  from dtenjax._src.collectives import api
+  import dtenjax
   if name == "none":
     return lambda y: y
   if name == "psum":
@@ -72,16 +72,16 @@ def _op(name, axes):
       return total
     return gather_fold
   if name == "reproducible":
-    return lambda y: api.all_reduce(y, axes, reproducible=True)
+    return lambda y: dtenjax.all_reduce(y, axes, reproducible=True)
   if name.startswith("reproducible_"):
     algorithm = name[len("reproducible_"):]
-    return lambda y: api.all_reduce(y, axes, algorithm=algorithm, reproducible=True)
+    return lambda y: dtenjax.all_reduce(y, axes, algorithm=algorithm, reproducible=True)
   if name == "exact":
-    return lambda y: api.all_reduce(y, axes, reproducible="v2")
+    return lambda y: dtenjax.all_reduce(y, axes, reproducible="v2")
   if name.startswith("exact_"):
     algorithm = name[len("exact_"):]
-    return lambda y: api.all_reduce(y, axes, algorithm=algorithm, reproducible="v2")
-  return lambda y: api.all_reduce(y, axes, algorithm=name)
+    return lambda y: dtenjax.all_reduce(y, axes, algorithm=algorithm, reproducible="v2")
+  return lambda y: dtenjax.all_reduce(y, axes, algorithm=name)
 
 
 def _chain(name, mesh, axes, length, scale):
@@ -120,7 +120,7 @@ def run(args) -> list[dict]:
   dtype = jnp.dtype(args.dtype)
   names = [c for c in args.candidates.split(",") if c]
   rows = []
-  for size in args.sizes:
+  for size in _harness.progress(args.sizes, "collectives", _harness.format_size):
     count = max(size // dtype.itemsize, 1)
     x = jax.random.normal(jax.random.key(0), (n * count,), jnp.float32).astype(dtype)
     x = jax.device_put(x, NamedSharding(mesh, P(axes)))
@@ -133,8 +133,10 @@ def run(args) -> list[dict]:
         samples[c].append(_once(f, x))
     stat = min if args.stat == "min" else statistics.median
     base = stat(samples["none"])
-    per_op = {c: max(stat(samples[c]) - base, 1e-9) / args.chain for c in names}
-    for c in names:
+    per_op = {c: _harness.per_op_seconds(stat(samples[c]), base, args.chain,
+                                         what=f"{c} at {count * dtype.itemsize} B")
+              for c in names}
+    for c in [c for c in names if per_op[c] is not None]:
       rows.append(dict(_harness.nccl_columns(count * dtype.itemsize, dtype.name, per_op[c], n,
                                              BUS_OP.get(c, "all_reduce")),
                        candidate=c, world=n, backend=jax.default_backend()))
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
     p.error(f"unknown candidate(s) {bad}; choose from {list(CANDIDATES)}")
   rows = run(args)
   if args.json:
-    import jax  # pylint: disable=g-import-not-at-top
+    import jax
     argv = sys.argv[1:] if argv is None else list(argv)
     _harness.write_json(args.json, _harness.document(
         "collectives", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"},

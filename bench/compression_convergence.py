@@ -24,28 +24,28 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                              " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import argparse
+import dataclasses
+import re
+import sys
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
 
-import _harness  # noqa: E402
-from dtenjax._src.compression import error_feedback as compression  # noqa: E402
-from dtenjax._src.cli import demo  # noqa: E402
+import _harness
+from dtenjax import compression
+from dtenjax._src.cli import demo
 
 AXIS = "data"
 
 
 def load_digits(num_devices: int, seed: int = 0):
   """(x_train [D, m, 64], y_train [D, m], x_test, y_test): a fixed split, sharded per device."""
-  from sklearn.datasets import load_digits as _load  # pylint: disable=g-import-not-at-top
+  from sklearn.datasets import load_digits as _load
   d = _load()
   x = (d.data / 16.0).astype(np.float32)
   y = d.target.astype(np.int32)

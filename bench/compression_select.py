@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import _harness
+from dtenjax import compression
 from dtenjax._src import ffi
 from dtenjax._src.compression import topk
 
@@ -55,7 +56,7 @@ def timeit(fn, x, *, calls: int, repeats: int) -> float:
 
 def candidates(k: int, sample_ratio: float, has_kernel: bool):
   def thresh(x):
-    return topk.sample_threshold(x, k, sample_ratio=sample_ratio)
+    return compression.sample_threshold(x, k, sample_ratio=sample_ratio)
 
   def with_nonzero(x):
     t = thresh(x)
@@ -63,14 +64,14 @@ def candidates(k: int, sample_ratio: float, has_kernel: bool):
     return idx, x.at[idx].get(mode="fill", fill_value=0)
 
   c = {
-      "top_k": lambda x: topk.exact_topk(x, k),
+      "top_k": lambda x: compression.exact_topk(x, k),
       "thresh": thresh,
       "+nonzero": with_nonzero,
-      "+cumsum": lambda x: topk.pack(x, thresh(x), k, pack="cumsum"),
+      "+cumsum": lambda x: compression.pack(x, thresh(x), k, pack="cumsum"),
   }
   if has_kernel:
-    c["+kernel"] = lambda x: topk.pack(x, thresh(x), k, pack="ffi")
-  c["select"] = lambda x: topk.select(x, k, sample_ratio=sample_ratio)
+    c["+kernel"] = lambda x: compression.pack(x, thresh(x), k, pack="ffi")
+  c["select"] = lambda x: compression.select(x, k, sample_ratio=sample_ratio)
   c["copy"] = lambda x: x + 1.0
   return {name: jax.jit(f) for name, f in c.items()}
 
@@ -111,8 +112,8 @@ def main(argv=None) -> int:
       check = {}
       if has_kernel:
         t = fns["thresh"](x)
-        a = jax.jit(lambda x, t: topk.pack(x, t, k, pack="ffi"))(x, t)
-        b = jax.jit(lambda x, t: topk.pack(x, t, k, pack="cumsum"))(x, t)
+        a = jax.jit(lambda x, t: compression.pack(x, t, k, pack="ffi"))(x, t)
+        b = jax.jit(lambda x, t: compression.pack(x, t, k, pack="cumsum"))(x, t)
         check["kernel_equals_cumsum"] = all(bool(jnp.array_equal(u, v)) for u, v in zip(a, b))
         check["count"] = int(a[2])
       sel = fns["select"](x)

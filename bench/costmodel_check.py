@@ -26,7 +26,7 @@ CPU_FORMULA = {"one_shot": "one_shot", "two_shot": "two_shot"}
 
 
 def _topology(args, world: int, platform: str):
-  from dtenjax._src.topology import model as topo  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology import model as topo
   if args.topology:
     return topo.Topology.from_json(args.topology)
   if args.fixture:
@@ -46,8 +46,8 @@ def main(argv=None) -> int:
   src.add_argument("--fixture", metavar="NAME")
   p.add_argument("--intra", default="nvlink", help="link class of the default uniform topology")
   args = p.parse_args(argv)
-  from dtenjax._src.collectives.algorithms import registry  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.planning import costmodel  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.collectives.algorithms import registry
+  from dtenjax._src.planning import costmodel
   try:
     data = _harness.load(args.results)
   except (OSError, ValueError) as e:

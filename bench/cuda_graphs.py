@@ -51,9 +51,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 # the probe kernel lives in the test extension (dtenjax/testing/native.py)
-from dtenjax.testing import native as native_testing  # noqa: E402
-from dtenjax._src.gpu import graph_policy as gp  # noqa: E402
-from dtenjax._src.gpu import graphs  # noqa: E402
+from dtenjax.testing import native as native_testing
+from dtenjax._src.gpu import graph_policy as gp
+import dtenjax
+from dtenjax import testing
 
 CASES = ("launch", "loop", "split", "decode", "decode_loop", "resnet50_b16", "gpt2",
          "resnet50_b64", "gpt2_scan")
@@ -120,7 +121,7 @@ def build(case: str, tiny: bool, on_gpu: bool) -> dict:
     return {"fn": fn, "args": (x, y), "donate": (), "advance": lambda a, out: a,
             "config": {"layers": layers, "n": n, "dtenjax_custom_call": native}, "unit": None}
   if case.startswith("resnet50"):
-    import resnet50_train as rn  # pylint: disable=g-import-not-at-top
+    import resnet50_train as rn
     batch = 2 if tiny else int(case.split("_b")[1])
     stages, width, classes, image = ((1, 1), 4, 10, 32) if tiny else ((3, 4, 6, 3), 64, 1000, 224)
     params = rn.init_resnet(0, stages, width, classes)
@@ -130,7 +131,7 @@ def build(case: str, tiny: bool, on_gpu: bool) -> dict:
             "donate": (0, 1), "advance": lambda a, out: (out[0], out[1]) + tuple(a[2:]),
             "config": {"batch": batch, "image": image, "stages": stages, "width": width},
             "unit": ("images/s", batch)}
-  import gpt2_train as g2  # pylint: disable=g-import-not-at-top
+  import gpt2_train as g2
   cfg = g2.CONFIGS["tiny" if tiny else "small"]
   batch = 2 if tiny else 8
   if case in ("gpt2", "gpt2_scan"):
@@ -177,7 +178,7 @@ def _make(name: str, fn, donate, prof_opts: dict, measure_kw: dict, backend: str
     return jax.jit(fn, donate_argnums=donate, compiler_options=opts or None)
   mode = AUTO_V1 if name == "auto_v1" else name
   extra = {"measure": measure_kw} if name == "measure" else {}
-  return graphs.jit(fn, mode, donate_argnums=donate, compiler_options=opts or None,
+  return dtenjax.jit(fn, mode, donate_argnums=donate, compiler_options=opts or None,
                     backend=backend, **extra)
 
 
@@ -203,7 +204,7 @@ def run_case(case: str, args, counter: _CompileCounter, on_gpu: bool) -> dict:
     text = compiled.as_text()
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     baseline_hlo = digest if name == "jax.jit" else baseline_hlo
-    rep = graphs.graph_report(jitted if name != "jax.jit" else compiled, *a)
+    rep = dtenjax.graph_report(jitted if name != "jax.jit" else compiled, *a)
     decision = getattr(jitted, "decision", None)
     measured = decision.measured if decision else None
     rows.append({
@@ -263,8 +264,8 @@ def run_case(case: str, args, counter: _CompileCounter, on_gpu: bool) -> dict:
         out = f(*holder["s"])
         holder["s"] = advance(holder["s"], out)
         return out
-      obs = graphs.observe_launches(one, steps=3, warmup=1)
-      row["observed"] = {**graphs.per_step_summary(obs), "executions": obs.executions,
+      obs = testing.observe_launches(one, steps=3, warmup=1)
+      row["observed"] = {**testing.per_step_summary(obs), "executions": obs.executions,
                          "applies": obs.applies, "graphs_kept_under_profiler": bool(prof)}
   return {"status": "ok", "config": spec["config"], "candidates": rows}
 
@@ -276,7 +277,7 @@ def _fmt(v, nd=1):
 
 
 def print_case(case: str, res: dict, console) -> None:
-  from rich.table import Table  # pylint: disable=g-import-not-at-top
+  from rich.table import Table
   if res["status"] != "ok":
     console.print(f"[{case}] {res['status']}: {res.get('why', '')}")
     return
@@ -336,7 +337,7 @@ def main(argv=None) -> int:
   if path:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
-  from rich.console import Console  # pylint: disable=g-import-not-at-top
+  from rich.console import Console
   console = Console(width=220)
   on_gpu = jax.default_backend() == "gpu"
   meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "backend": jax.default_backend(),
@@ -361,7 +362,7 @@ def main(argv=None) -> int:
       t0 = time.perf_counter()
       try:
         results[case] = run_case(case, args, counter, on_gpu)
-      except Exception as e:  # pylint: disable=broad-except  (keep measuring the other cases)
+      except Exception as e:  # (keep measuring the other cases)
         failed = True
         results[case] = {"status": "error", "why": f"{type(e).__name__}: {e}",
                          "traceback": traceback.format_exc()[-4000:]}
@@ -374,7 +375,7 @@ def main(argv=None) -> int:
               for r in res["candidates"]]
       with open(path, "w") as fh:
         json.dump({"meta": meta, "cases": results, "rows": rows}, fh, indent=1, default=str)
-  from rich.table import Table  # pylint: disable=g-import-not-at-top
+  from rich.table import Table
   summary = Table(title=f"auto vs jax.jit's default on {meta['device']} (jax {meta['jax']}), "
                   f"median of {args.repeats} interleaved blocks of {args.steps} steps")
   for col in ("case", "jax.jit ms/step", "auto x", "auto_v1 x", "measure x", "off x",

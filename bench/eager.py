@@ -35,7 +35,7 @@ def measure(algorithms, nbytes: int, iters: int, warmup: int, world: int, leaves
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import dtenjax
 
   mesh = jax.make_mesh((world,), ("i",))
   count = max(1, nbytes // 4)
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, help="write the rows to this path")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   world = jax.device_count()
   _harness.require_world("bench/eager.py", world, 2,
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")

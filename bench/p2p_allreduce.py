@@ -36,8 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import _harness
-from dtenjax._src import errors
-from dtenjax._src import ffi
+import dtenjax
 
 from dtenjax.testing import native as native_testing
 
@@ -80,13 +79,13 @@ def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
   _harness.require_gpu("bench/p2p_allreduce.py", "the NVLink p2p kernels")
-  if not ffi.build_info().get("cuda"):
+  if not dtenjax.build_info().get("cuda"):
     _harness.refuse("bench/p2p_allreduce.py",
                     "the native extension was built without CUDA (python -m dtenjax info); "
                     "rebuild it where nvcc is found: pip install --no-build-isolation -e .")
   try:
     native_testing.require(native_testing.P2P_SELFTEST, "CUDA")
-  except errors.ExtensionUnavailableError as e:
+  except dtenjax.ExtensionUnavailableError as e:
     _harness.refuse("bench/p2p_allreduce.py", f"the simulated-rank harness is missing: {e}")
   worlds = (2, 8) if args.quick else (2, 4, 8)
   sizes = ((8 << 10, 256 << 10, 1 << 20, 16 << 20, 64 << 20) if not args.quick

@@ -29,15 +29,15 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import _harness  # noqa: E402
-import dtenjax  # noqa: E402
-from dtenjax._src.planning import mesh as mesh_lib  # noqa: E402
-from dtenjax._src.planning import placement as placement_lib  # noqa: E402
-from dtenjax._src.planning import planner  # noqa: E402
-from dtenjax._src.topology.model import Topology  # noqa: E402
+import _harness
+import dtenjax
+from dtenjax._src.planning import mesh as mesh_lib
+from dtenjax._src.planning import placement as placement_lib
+from dtenjax._src.planning import planner
+from dtenjax._src.topology.model import Topology
 
 
 def transformer_params(n_leaves: int, d: int = 1024, vocab: int = 32768) -> dict:

@@ -63,9 +63,9 @@ DEVICE_PARTS = ("processes", "costs", "demo", "device_counts", "select_and_scatt
 def worker(mode: str, steps: int, variants=VARIANTS) -> dict:
   """Runs ``variants`` for ``steps`` steps in this process, the step jitted by jax.jit or
   dtenjax.reproducible_step as ``mode`` says."""
-  import functools  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import functools
+  import jax
+  import dtenjax
   how = MODES[mode][1]
   if how == "reproducible_step":
     jit = dtenjax.reproducible_step
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
   if args.device:
-    import _repro_device  # pylint: disable=g-import-not-at-top
+    import _repro_device
     return _repro_device.main(args, ap)
   if args.worker:
     print(json.dumps(worker(args.worker, args.steps, tuple(args.variants.split(",")))))

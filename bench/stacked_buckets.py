@@ -27,7 +27,7 @@ import _harness
 def gradient_tree(layers: int, d: int, micro: int, world: int):
   """{name: [world * micro, ...]}: one contribution per micro-batch, shaped like a transformer's
   gradients (attention and MLP weights, biases, norm scales)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   shapes = {}
   for i in range(layers):
     for w in ("q", "k", "v", "o"):
@@ -41,11 +41,11 @@ def gradient_tree(layers: int, d: int, micro: int, world: int):
 
 
 def measure(layers: int, d: int, micro: int, iters: int, warmup: int, contracts):
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import dtenjax
 
   jax.config.update("jax_enable_compilation_cache", False)
   world = jax.device_count()
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, help="write the rows to this path")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   world = jax.device_count()
   _harness.require_world("bench/stacked_buckets.py", world, 2,
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")

@@ -46,18 +46,18 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
 if "--mock-gpus" in sys.argv:     # before the backend starts: XLA's mock NCCL, compile only.
   # jax 0.11 wants the mocked host's device count to be the local one: N hosts of 1 GPU.
   jax.config.update("jax_mock_gpu_topology",
                     f"1x{sys.argv[sys.argv.index('--mock-gpus') + 1]}x1")
 
-import _harness  # noqa: E402
-import _step_models as models  # noqa: E402
-import dtenjax  # noqa: E402
-from dtenjax._src.planning import step as step_lib  # noqa: E402
+import _harness
+import _step_models as models
+import dtenjax
+from dtenjax._src.planning import step as step_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # (model, device counts) compiled in the predict part

@@ -46,18 +46,18 @@ DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)   # by
 def _worker() -> None:
   rank = int(os.environ["DTENJAX_BENCH_RANK"])
   nprocs = int(os.environ["DTENJAX_BENCH_NPROCS"])
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   try:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   except (AttributeError, ValueError):
     pass
   jax.distributed.initialize(coordinator_address=os.environ["DTENJAX_BENCH_COORD"],
                              num_processes=nprocs, process_id=rank, initialization_timeout=60)
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.net import native  # pylint: disable=g-import-not-at-top
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  import dtenjax
+  from dtenjax._src.net import kvstore
+  from dtenjax._src.net import native
 
   sizes = [int(s) for s in os.environ["DTENJAX_BENCH_SIZES"].split(",")]
   iters = int(os.environ["DTENJAX_BENCH_ITERS"])
@@ -115,14 +115,14 @@ def _worker() -> None:
 
 
 def _cpu_s() -> float:
-  import resource  # pylint: disable=g-import-not-at-top
+  import resource
   r = resource.getrusage(resource.RUSAGE_SELF)
   return r.ru_utime + r.ru_stime
 
 
 def crypto(mib: int) -> int:
   """Throughput of HMAC-SHA256 and AES-256-GMAC from libcrypto, side by side, one core."""
-  from dtenjax._src.net import native  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import native
   lib = native.ensure_crypto()
   t = native.transport()
   data = os.urandom(mib << 20)
@@ -135,10 +135,12 @@ def crypto(mib: int) -> int:
       t0 = time.perf_counter()
       f()
       best[k] = min(best[k], time.perf_counter() - t0)
-  print(f"MAC throughput over {mib} MiB, best of 5, {lib} ({os.cpu_count()} cores)")
-  for k, v in best.items():
-    print(f"  {k:<13} {len(data) / v / 1e9:6.2f} GB/s")
-  print(f"  ratio GMAC/HMAC {best['HMAC-SHA256'] / best['AES-256-GMAC']:.2f}")
+  rows = [{"mac": k, "gbps": len(data) / v / 1e9,
+           "ratio": best["HMAC-SHA256"] / v} for k, v in best.items()]
+  print(_harness.table(rows, (("MAC", "mac", "s"), ("GB/s", "gbps", ".2f"),
+                              ("vs HMAC", "ratio", "ratio")),
+                       title=f"MAC throughput over {mib} MiB, best of 5, {lib} "
+                       f"({os.cpu_count()} cores)"))
   return 0
 
 

@@ -49,19 +49,23 @@ from dtenjax._src.collectives.passes.substitute import substitute_psum as substi
 from dtenjax._src.planning.placement import Placement as Placement
 from dtenjax._src.planning.placement import shard as shard
 from dtenjax._src.planning.placement import tensor as tensor
-from dtenjax._src.planning.planner import Plan as Plan
+from dtenjax._src.planning.planner import ArrayPlan as ArrayPlan
 from dtenjax._src.planning.planner import Workload as Workload
 from dtenjax._src.planning.reproducible import reproducible_step as reproducible_step
 from dtenjax._src.planning.step import StepPlan as StepPlan
 from dtenjax._src.planning.step import plan as plan
 from dtenjax._src.serving.scheduler import GraphScheduler as GraphScheduler
 from dtenjax._src.serving.scheduler import PreemptionPolicy as PreemptionPolicy
+from dtenjax._src.serving.scheduler import QueueFullError as QueueFullError
+from dtenjax._src.serving.scheduler import SchedulerClosedError as SchedulerClosedError
+from dtenjax._src.serving.scheduler import SchedulerTimeoutError as SchedulerTimeoutError
 from dtenjax._src.serving.scheduler import preemption_decision as preemption_decision
 from dtenjax._src.topology.model import LinkSpec as LinkSpec
 from dtenjax._src.topology.model import Topology as Topology
 
 __all__ = [
     "AlgorithmChoice",
+    "ArrayPlan",
     "CheckpointError",
     "CollectiveError",
     "CollectiveTimeoutError",
@@ -78,10 +82,12 @@ __all__ = [
     "NativeError",
     "Placement",
     "PlacementError",
-    "Plan",
     "PreemptionPolicy",
     "ProcessLostError",
+    "QueueFullError",
     "QuotaExceededError",
+    "SchedulerClosedError",
+    "SchedulerTimeoutError",
     "StepPlan",
     "Topology",
     "TopologyError",
@@ -115,3 +121,20 @@ __all__ = [
     "topology_mesh",
     "use_mesh",
 ]
+
+
+# Deprecated names: each still works for this release and warns once per use, saying what to use.
+_DEPRECATED = {
+    "Plan": ("ArrayPlan", "dtenjax.Plan is deprecated: the per-array planner's result is now "
+             "dtenjax.ArrayPlan (dtenjax.plan returns the whole-step dtenjax.StepPlan, not a "
+             "Plan); use dtenjax.ArrayPlan."),
+}
+
+
+def __getattr__(name: str):
+  if name in _DEPRECATED:
+    import warnings  # pylint: disable=g-import-not-at-top
+    new, message = _DEPRECATED[name]
+    warnings.warn(message, DeprecationWarning, stacklevel=2)
+    return globals()[new]
+  raise AttributeError(f"module 'dtenjax' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Checkpoints of pytrees of sharded jax.Arrays, in orbax-checkpoint's layout.
+"""Checkpoints of pytrees of sharded jax.Arrays, in orbax-checkpoint's layout::
 
     import dtenjax.checkpoint as ckpt
     ckpt.save("ckpt/step_10", {"params": params, "opt": opt_state, "step": 10})

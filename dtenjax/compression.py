@@ -1,4 +1,4 @@
-"""Top-k error-feedback gradient compression (Deep Gradient Compression) for JAX.
+"""Top-k error-feedback gradient compression (Deep Gradient Compression) for JAX::
 
     tx = optax.chain(dtenjax.compression.topk_ef(0.001, axis_name="data", momentum=0.9),
                      optax.sgd(0.1))

@@ -11,14 +11,14 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
+from sklearn.datasets import load_digits
 
-from dtenjax import compression  # noqa: E402
+from dtenjax import compression
 
 AXIS = "data"
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtenjax._src.gpu import graphs
+import dtenjax
 
 DT = jnp.bfloat16
 CONFIGS = {
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     args.batch, args.steps = 2, 3
   modes = [m for m in args.modes.split(",") if m]
   for m in modes:
-    graphs.CudaGraphPolicy.from_mode(m)          # a clear error for a bad mode, before compiling
+    dtenjax.CudaGraphPolicy.from_mode(m)          # a clear error for a bad mode, before compiling
   params = init_params(0, cfg, scan=args.scan and not args.decode)
   tokens = synthetic_tokens(1, args.batch, cfg)
   print(f"GPT-2 {'tiny' if args.tiny else 'small'}: {n_params(params) / 1e6:.1f} M parameters, "
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
   for name in ["jax.jit"] + modes:
     if args.decode:
       jitted = (jax.jit(fn, donate_argnums=1) if name == "jax.jit"
-                else graphs.jit(fn, name, donate_argnums=1))
+                else dtenjax.jit(fn, name, donate_argnums=1))
       tok0 = tokens[:, 0].astype(jnp.int32)
 
       def one(state, jitted=jitted, pb=pb):
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
       unit = f"{args.batch / secs:.1f} tokens/s"
     else:
       jitted = (jax.jit(fn, donate_argnums=(0, 1)) if name == "jax.jit"
-                else graphs.jit(fn, name, donate_argnums=(0, 1)))
+                else dtenjax.jit(fn, name, donate_argnums=(0, 1)))
 
       def one(state, jitted=jitted):
         p, o, _ = state

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtenjax._src.gpu import graphs
+import dtenjax
+from dtenjax import testing
 
 DT = jnp.bfloat16
 
@@ -139,13 +140,13 @@ def make_train_step(strides, lr=0.1, momentum=0.9, pool="reduce_window"):
 
 def run(mode, fn, params, data, steps, warmup=2):
   step = (jax.jit(fn, donate_argnums=(0, 1)) if mode == "jax.jit"
-          else graphs.jit(fn, mode, donate_argnums=(0, 1)))
+          else dtenjax.jit(fn, mode, donate_argnums=(0, 1)))
   p = jax.tree.map(jnp.array, params)
   m = jax.tree.map(jnp.zeros_like, params)
   images, labels = data
   t0 = time.perf_counter()
   compiled = step.lower(p, m, images, labels).compile()   # one compile, used for both
-  rep = graphs.graph_report(step if mode != "jax.jit" else compiled, p, m, images, labels)
+  rep = dtenjax.graph_report(step if mode != "jax.jit" else compiled, p, m, images, labels)
   jitted, step = step, compiled
   p, m, loss = step(p, m, images, labels)
   jax.block_until_ready(loss)
@@ -167,8 +168,8 @@ def run(mode, fn, params, data, steps, warmup=2):
     def one_step():   # threads the donated state through, as training does
       state["p"], state["m"], step_loss = step(state["p"], state["m"], images, labels)
       return step_loss
-    obs = graphs.observe_launches(one_step, steps=3, warmup=1)
-    observed = graphs.per_step_summary(obs)
+    obs = testing.observe_launches(one_step, steps=3, warmup=1)
+    observed = testing.per_step_summary(obs)
   decision = getattr(jitted, "decision", None)
   return {"mode": mode, "images_per_s": steps * images.shape[0] / dt,
           "ms_per_step": 1e3 * dt / steps, "compile_s": compile_s,
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
   on_gpu = jax.default_backend() == "gpu"
   modes = ["jax.jit"] + [m for m in args.modes.split(",") if m and m != "jax.jit"]
   for m in modes[1:]:
-    graphs.CudaGraphPolicy.from_mode(m)          # a clear error for a bad mode, before compiling
+    dtenjax.CudaGraphPolicy.from_mode(m)          # a clear error for a bad mode, before compiling
 
   params = init_resnet(0, cfg["stages"], cfg["width"], cfg["classes"])
   n_params = sum(x.size for x in jax.tree.leaves(params))

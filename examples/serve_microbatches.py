@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dtenjax._src.serving import scheduler as sched
+import dtenjax
 
 
 def make_step(d: int, layers: int):
@@ -36,7 +36,7 @@ def make_step(d: int, layers: int):
 
 def measure(step, spec) -> float:
   """Seconds per batch when the dispatcher runs them back to back."""
-  with sched.GraphScheduler(step, batch_spec=spec) as s:
+  with dtenjax.GraphScheduler(step, batch_spec=spec) as s:
     b = np.zeros(spec.shape, spec.dtype)
     s.submit(b).result(timeout=120)
     t0 = time.perf_counter()
@@ -47,8 +47,8 @@ def measure(step, spec) -> float:
 
 
 def serve(step, spec, preempt: bool, sla: float, n_low: int, gap: int, port: int | None):
-  policy = sched.PreemptionPolicy(enabled=preempt, p95_seconds=sla * 110 / 120)
-  s = sched.GraphScheduler(step, batch_spec=spec, latency_sla=sla, preemption=policy,
+  policy = dtenjax.PreemptionPolicy(enabled=preempt, p95_seconds=sla * 110 / 120)
+  s = dtenjax.GraphScheduler(step, batch_spec=spec, latency_sla=sla, preemption=policy,
                            metrics_port=port)
   rng = np.random.default_rng(0)
   bulk = rng.standard_normal(spec.shape).astype(spec.dtype)
@@ -92,15 +92,15 @@ def main(argv=None) -> int:
     m, episodes, lost = serve(step, spec, preempt, sla, args.low, gap, args.metrics_port)
     rows.append((preempt, m, episodes, lost))
 
-  from rich.console import Console  # pylint: disable=g-import-not-at-top
-  from rich.table import Table  # pylint: disable=g-import-not-at-top
+  from rich.console import Console
+  from rich.table import Table
   table = Table(title="GraphScheduler: main-queue flood + latency-bound micro-batches")
   for col in ("preemption", "queue", "done", "P50 ms", "P95 ms", "P99 ms", "deadline misses",
               "preemptions", "episodes", "lost"):
     table.add_column(col)
   ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"
   for preempt, m, episodes, lost in rows:
-    for q in sched.QUEUES:
+    for q in m:               # the queues, main first
       st = m[q]
       table.add_row("on" if preempt else "off", q, str(st.completed), ms(st.p50), ms(st.p95),
                     ms(st.p99), str(st.deadline_misses), str(st.preemptions), str(episodes),

@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# Sets up the development environment of the README's test command from scratch on a fresh
-# Debian machine with Python 3.11: a virtual environment in .venv with the dependencies (the test
-# extra), Debian's libibverbs-dev when we can install it (so the RDMA verbs provider compiles),
-# and the native extension built into an editable install (kept in build/ for fast rebuilds).
+# Sets up the development environment of the README's commands from scratch on a fresh Debian 12
+# or Ubuntu 24.04 machine with Python 3.11+: the system packages a bare image lacks (python3-venv,
+# python3-dev, g++; installed with apt-get when run as root, otherwise named with the command to
+# install them), a virtual environment in .venv with the dependencies and one extra (default
+# `test`; scripts/demo.sh asks for `demo`), Debian's libibverbs-dev when we can install it (so the
+# RDMA verbs provider compiles), and the native extension built into an editable install (kept
+# in build/ for fast rebuilds). Each step prints one line with the seconds so far.
+#   bash scripts/setup.sh [EXTRA]        EXTRA: test (default), demo, or any extra of pyproject
+#   bash scripts/setup.sh --check-system  only say which system packages are missing (exit 1 if any)
+# CUDA kernels are built when nvcc is on the PATH, for the GPU this machine has (CMakeLists.txt:
+# DTENJAX_CUDA_ARCHS or CMAKE_CUDA_ARCHITECTURES override it).
 #
 # Run again, it does only what is missing, and nothing (no network, no build) when everything is
 # in place: the venv exists, every requirement of pyproject.toml (dependencies, the test extra,
@@ -16,17 +23,65 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VPY=.venv/bin/python
 STAMP=.venv/.dtenjax-setup-done
+EXTRA=test
+CHECK_ONLY=0
+case "${1:-}" in
+  --check-system) CHECK_ONLY=1 ;;
+  "") ;;
+  -*) echo "setup: unknown option $1 (usage: bash scripts/setup.sh [EXTRA | --check-system])" >&2
+      exit 2 ;;
+  *) EXTRA=$1 ;;
+esac
+T0=$SECONDS
+step() { echo "setup [$((SECONDS - T0)) s]: $*"; }
+
+# The Debian/Ubuntu packages a bare image lacks for this set-up: venv with pip (Debian splits
+# ensurepip into python3-venv), Python's headers (the extension compiles against them) and a C++
+# compiler. CMake and Ninja come from pip.
+missing_system_packages() {
+  local missing=()
+  "$PY" -c "import venv, ensurepip" >/dev/null 2>&1 || missing+=(python3-venv)
+  "$PY" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
+    >/dev/null 2>&1 || missing+=(python3-dev)
+  command -v "${CXX:-c++}" >/dev/null 2>&1 || missing+=(g++)
+  echo "${missing[@]}"
+}
+
+ensure_system_packages() {
+  if ! command -v "$PY" >/dev/null 2>&1; then
+    echo "setup: no $PY on the PATH; install Python 3.11 or newer (apt-get install python3)" >&2
+    exit 1
+  fi
+  local missing
+  missing=$(missing_system_packages)
+  [ -z "$missing" ] && return 0
+  if [ "$CHECK_ONLY" = 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    step "installing the system packages this machine lacks: $missing (apt-get)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+    missing=$(missing_system_packages)
+    [ -z "$missing" ] && return 0
+  fi
+  echo "setup: missing system packages: $missing; install them first: sudo apt-get install -y" \
+    "$missing (Debian/Ubuntu; other systems: Python's venv with ensurepip, Python's headers and a C++17 compiler)" >&2
+  exit 1
+}
+
+if [ "$CHECK_ONLY" = 1 ]; then
+  ensure_system_packages
+  echo "setup: the system has what the set-up needs (python3-venv, python3-dev, a C++ compiler)"
+  exit 0
+fi
 BUILD_REQS=("scikit-build-core>=0.10" "nanobind>=2.0" "jax>=0.10.2,<0.12" "jaxlib>=0.10.2,<0.12" cmake ninja)
 
 # Exit status 0: every requirement is installed and dtenjax is this checkout's editable install.
 requirements_met() {
-  "$VPY" - "${BUILD_REQS[@]}" <<'EOF' 2>/dev/null
+  SETUP_EXTRA=$EXTRA "$VPY" - "${BUILD_REQS[@]}" <<'EOF' 2>/dev/null
 import importlib.metadata as md, importlib.util, os, sys
 from packaging.requirements import Requirement
 reqs = [Requirement(r) for r in sys.argv[1:]]
 reqs += [Requirement(r) for r in md.requires("dtenjax") or []]
 for r in reqs:
-    if r.marker is not None and not r.marker.evaluate({"extra": "test"}):
+    if r.marker is not None and not r.marker.evaluate({"extra": os.environ["SETUP_EXTRA"]}):
         continue
     try:
         have = md.version(r.name)
@@ -67,13 +122,16 @@ if [ -x "$VPY" ] && [ -f "$STAMP" ] && requirements_met; then
   fi
 fi
 
+ensure_system_packages
 if [ ! -x "$VPY" ]; then
+  step "creating .venv with $("$PY" --version 2>&1)"
   "$PY" -m venv .venv
   "$VPY" -m pip install -q --upgrade pip >/dev/null
 fi
 
 # Headers for the verbs provider (libibverbs is dlopen'ed at run time, never required).
 if [ ! -f /usr/include/infiniband/verbs.h ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  step "installing libibverbs-dev (headers of the RDMA verbs provider)"
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs-dev) \
     >/dev/null 2>&1 || echo "setup: could not install libibverbs-dev; the verbs provider will not be built"
 fi
@@ -84,9 +142,19 @@ fi
 # process would import from source where PYTHONDONTWRITEBYTECODE is set, so the packages are
 # compiled afterwards on every core (compileall, as pip does it; like pip, a file of a package
 # that does not compile, e.g. a template, is not an error of the set-up).
+step "installing the build requirements: ${BUILD_REQS[*]}"
 "$VPY" -m pip install -q --no-compile "${BUILD_REQS[@]}"
-"$VPY" -m pip install -q --no-compile --no-build-isolation -e ".[test]"
+step "installing dtenjax[$EXTRA] and building the native extension (the longest step:" \
+  "$(command -v nvcc >/dev/null 2>&1 && echo "C++ and CUDA" || echo "C++ only, no nvcc")); build log: build/setup.log"
+mkdir -p build
+"$VPY" -m pip install -v --no-compile --no-build-isolation -e ".[$EXTRA]" >build/setup.log 2>&1 || {
+  tail -40 build/setup.log >&2
+  echo "setup: installing dtenjax[$EXTRA] failed; the whole log: build/setup.log" >&2
+  exit 1
+}
+step "byte-compiling the installed packages"
 "$VPY" -m compileall -q -j 0 "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
   >/dev/null || true
 touch "$STAMP"
+step "done"
 report

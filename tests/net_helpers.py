@@ -35,7 +35,7 @@ def native_ring(n: int, creds: credentials.JobCredentials, *, timeout_s: float =
   def go(r):
     try:
       transport.connect(comms[r], comms[(r + 1) % n].endpoint)
-    except BaseException as e:  # noqa: BLE001 - reported to the test
+    except BaseException as e:
       errs[r] = e
 
   ts = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(n)]
@@ -58,7 +58,7 @@ def run_ranks(fns, join_s: float = 60.0) -> tuple[list, list, float]:
     try:
       with transport.stream("rank-thread"):
         outs[r] = fns[r]()
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
       errs[r] = e
 
   # The communicators were created on the test's thread: each rank's thread names one stream,

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from dtenjax._src import errors
 from dtenjax._src import jaxapi

@@ -147,3 +147,40 @@ def test_require_gpu_refuses_on_cpu(cpu_devices, capsys):
   assert e.value.code == 3
   err = capsys.readouterr().err
   assert "needs a CUDA GPU (the p2p kernels), and jax's backend is 'cpu'" in err and err.count("\n") == 1
+
+
+def test_a_chain_no_slower_than_the_empty_one_is_not_reported(capsys):
+  """A candidate whose chain took no longer than the empty chain (the timer's noise) gives no
+  row: no "0.0 us ... 275579x" printed as if measured."""
+  assert h.per_op_seconds(1.5e-3, 1.0e-3, 10) == pytest.approx(5e-5)
+  assert h.per_op_seconds(1.0e-3, 1.0e-3, 10, what="psum at 8 B") is None
+  assert h.per_op_seconds(0.9e-3, 1.0e-3, 10) is None          # faster than nothing
+  assert h.per_op_seconds(1.01e-3, 1.0e-3, 10) is None         # within 2 %
+  err = capsys.readouterr().err
+  assert "psum at 8 B" in err and "not reported" in err
+
+
+def test_progress_reports_every_step_on_stderr_in_a_log(capsys):
+  seen = list(h.progress([8, 65536, 2**20], "allreduce", h.format_size))
+  assert seen == [8, 65536, 2**20]
+  out, err = capsys.readouterr()
+  assert out == ""                                          # stdout keeps only the tables
+  lines = err.splitlines()
+  assert [ln.split(" (")[0] for ln in lines] == ["# allreduce: 8 B", "# allreduce: 64 KiB",
+                                                 "# allreduce: 1 MiB"]
+  assert "(3 of 3," in lines[-1]
+
+
+def test_a_result_with_sizes_gets_a_chart_next_to_its_json(tmp_path, capsys):
+  pytest.importorskip("matplotlib", reason="the plot extra (in the test extra)")
+  rows = [dict(h.nccl_columns(size, "float32", t, 8), algorithm=a, world=8, backend="cpu")
+          for size, t in ((1024, 2e-5), (65536, 8e-5)) for a in ("psum", "ring")]
+  doc = h.document("collectives", "bench/collectives.py", ["--sizes", "1K,64K"], {}, rows)
+  path = h.write_json(str(tmp_path / "r.json"), doc)
+  png = tmp_path / "r.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"              # a PNG beside the JSON
+  assert f"wrote {png}" in capsys.readouterr().err
+  assert h.load(path)["rows"] == rows
+  table_only = dict(doc, rows=[{"model": "mlp", "step_ms": 3.0}])
+  assert h.chart(table_only, str(tmp_path / "none.png")) is None     # nothing to draw
+  assert not (tmp_path / "none.png").exists()

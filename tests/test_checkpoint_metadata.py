@@ -8,7 +8,6 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P

@@ -71,7 +71,7 @@ def test_two_threads_saving_one_path_50_times_never_lose_a_commit(tmp_path):
       for i in range(25):
         c.save(path, _tree(base + i), overwrite=True)
         c.wait()
-    except Exception as e:  # noqa: BLE001 - collected and reported by the test
+    except Exception as e:
       errors_seen.append(e)
 
   threads = [threading.Thread(target=worker, args=(b,)) for b in (0, 1000)]

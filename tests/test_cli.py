@@ -346,5 +346,5 @@ def test_json_means_the_same_in_every_command():
     for action in p._actions:  # pylint: disable=protected-access
       if "--json" in action.option_strings:
         seen[name] = (action.nargs, action.const, action.metavar)
-  assert set(seen) == {"topo", "explain", "info"}, seen
+  assert set(seen) == {"topo", "explain", "plan", "info"}, seen
   assert set(seen.values()) == {("?", "-", "FILE")}, seen

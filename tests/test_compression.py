@@ -282,7 +282,8 @@ def test_error_feedback_keeps_digits_accuracy_at_0_1_percent(mesh):
   no EF 75.83%. Dense and EF agree within about a point; without EF accuracy falls by twenty.
   The tolerances catch broken error feedback and a step that stops compressing.
   """
-  import sys, pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
+  import sys
+  import pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
   import compression_convergence as cc  # pylint: disable=g-import-not-at-top
   data = cc.load_digits(8)
@@ -348,7 +349,8 @@ def _step_hlo(mesh, tx, params, grads_of, **shard_map_kw):
 
 
 def _float_all_reduces(hlo):
-  import sys, pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
+  import sys
+  import pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
   import compression_convergence as cc  # pylint: disable=g-import-not-at-top
   return [c for c in cc.collectives_in_hlo(hlo, 8) if c["op"] == "all-reduce"
@@ -436,10 +438,28 @@ def test_axis_name_outside_shard_map_is_a_clear_error():
 
 
 def test_example_trains_with_per_device_gradients():
-  import importlib.util, pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
+  import importlib.util
+  import pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
   path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "compressed_training.py"
   spec = importlib.util.spec_from_file_location("compressed_training", path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   acc = mod.main(steps=30)
   assert 0.0 <= acc <= 1.0
+
+
+def test_topk_ef_names_every_option_with_the_config_default():
+  """help(topk_ef) shows every option (no **options): its keyword arguments are TopKConfig's
+  fields, with the same defaults, so the two cannot drift apart."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import inspect  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.compression.error_feedback import TopKConfig  # pylint: disable=g-import-not-at-top
+  params = inspect.signature(dtenjax.compression.topk_ef).parameters
+  assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+  fields = {f.name: f.default for f in dataclasses.fields(TopKConfig)}
+  assert {n: p.default for n, p in params.items()} == fields
+  doc = inspect.getdoc(dtenjax.compression.topk_ef)
+  for name in fields:
+    assert f"\n  {name}: " in doc, name
+  with pytest.raises(TypeError, match="unexpected keyword"):
+    dtenjax.compression.topk_ef(0.01, momentun=0.9)      # a typo fails at the call

@@ -160,7 +160,8 @@ def test_nccl_environment_is_pinned_when_asked_unless_the_user_chose(monkeypatch
 
 
 def test_importing_dtenjax_changes_no_environment_variable():
-  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  import subprocess
+  import sys  # pylint: disable=g-import-not-at-top,multiple-imports
   code = ("import os, json; before = dict(os.environ); import dtenjax; after = dict(os.environ); "
           "print(json.dumps(sorted(k for k in set(before) | set(after) "
           "if before.get(k) != after.get(k))))")

@@ -39,3 +39,17 @@ def test_no_page_or_module_names_design_md():
   files = PAGES + sorted((ROOT / "dtenjax").rglob("*.py")) + sorted((ROOT / "bench").glob("*.py"))
   named = [str(p.relative_to(ROOT)) for p in files if "DESIGN.md" in p.read_text(encoding="utf-8")]
   assert not named, named
+
+
+def test_every_image_a_page_shows_exists_and_is_small():
+  """Markdown images (![alt](path), relative to the page) are committed PNG/SVG files, each
+  small enough for the repository (charts, not screenshots)."""
+  shown = 0
+  for page in PAGES:
+    for alt, ref in re.findall(r"!\[([^\]]*)\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+      path = (page.parent / ref).resolve()
+      assert alt.strip(), (page.name, ref, "an image needs alt text")
+      assert path.is_file() and path.suffix in (".png", ".svg"), (page.name, ref)
+      assert path.stat().st_size < 200_000, (page.name, ref, path.stat().st_size)
+      shown += 1
+  assert shown >= 4            # docs/benchmarks.md's charts

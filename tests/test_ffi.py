@@ -48,3 +48,38 @@ except dtenjax.ExtensionUnavailableError as e:
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.splitlines()[0] == "4.0"
   assert "ERR" in r.stdout and "could not be imported" in r.stdout and "setup.sh" in r.stdout
+
+
+# CUDA's binary compatibility (CUDA C++ Programming Guide, "Binary Compatibility" and "PTX
+# Compatibility"): SASS for X.Y runs on X.Z with Z >= Y only; PTX for X.Y is JIT-compiled for any
+# GPU >= X.Y; arch-specific targets (sm_90a) run on exactly 9.0.
+@pytest.mark.parametrize("archs, capability, runs", [
+    ("90", "9.0", True),
+    ("90", "8.0", False),             # neither the SASS (major 9) nor the PTX (newer) fits
+    ("80-real;90", "8.6", True),      # sm_80 SASS on an RTX 30xx / A10
+    ("80-real;90", "8.9", True),
+    ("80-real;90", "10.0", True),     # B200: compute_90 PTX, compiled by the driver
+    ("80-real;90-real", "10.0", False),
+    ("86-real", "8.0", False),        # SASS never runs on a lower minor version
+    ("90a", "9.0", True),
+    ("90a", "10.0", False),           # arch-specific code is not forward compatible
+    ("80-virtual", "12.0", True),
+])
+def test_arch_mismatch_follows_cudas_compatibility_rules(archs, capability, runs):
+  why = ffi.arch_mismatch(archs, capability)
+  assert (why is None) == runs, why
+  if not runs:
+    major, minor = capability.split(".")
+    assert capability in why and f"DTENJAX_CUDA_ARCHS={major}{minor}" in why
+
+
+def test_a_gpu_without_kernels_falls_back_to_xla_saying_why(monkeypatch):
+  import types  # pylint: disable=g-import-not-at-top
+  info = dict(ffi.build_info(), cuda_archs="90")
+  monkeypatch.setattr(ffi, "build_info", lambda: info)
+  a100 = types.SimpleNamespace(id=0, device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
+  h100 = types.SimpleNamespace(id=1, device_kind="NVIDIA H100", compute_capability="9.0")
+  assert ffi.gpu_kernels_reason([h100]) is None
+  why = ffi.gpu_kernels_reason([h100, a100])
+  assert why.startswith("GPU 0 (NVIDIA A100-SXM4-80GB)") and "8.0" in why
+  assert ffi.arch_mismatch("", "9.0") == "the build records no CUDA architecture"

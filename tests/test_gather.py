@@ -20,7 +20,7 @@ from dtenjax._src import hlo
 from dtenjax._src.planning import gather
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-import _families as families  # noqa: E402  pylint: disable=g-import-not-at-top
+import _families as families
 
 
 def _scan_family():

@@ -15,8 +15,8 @@ from jax.sharding import AxisType
 import dtenjax
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import gpt_dp  # noqa: E402  pylint: disable=wrong-import-position
-import procs  # noqa: E402  pylint: disable=wrong-import-position
+import gpt_dp
+import procs
 
 # The digest of the reproducible loss curve on 2, 4 and 8 devices, per jax version, with
 # --xla_cpu_max_isa=AVX (no FMA: the bits do not depend on the CPU model). Recorded with
@@ -65,7 +65,7 @@ def _curves_on(counts):
   (stdout,) = procs.run_at_once({0: ([script, *map(str, counts)], env)}, timeout=540).values()
   out = {}
   for m in re.finditer(r"devices=(\d+) losses=(\[.*\]) digest=(\w+)", stdout):
-    out[int(m.group(1))] = (np.asarray(eval(m.group(2)), np.float32),  # noqa: S307 - ours
+    out[int(m.group(1))] = (np.asarray(eval(m.group(2)), np.float32),
                             m.group(3))
   assert sorted(out) == sorted(counts), stdout
   return out

@@ -76,3 +76,28 @@ def test_the_version_is_written_once():
   versions = re.findall(r"^__version__ = \"([^\"]+)\"$",
                         (ROOT / "dtenjax" / "__init__.py").read_text(), re.M)
   assert versions == [dtenjax.__version__]
+
+
+def test_shared_dependencies_are_bounded_no_lower_than_jax_bounds_them():
+  """numpy and scipy (the step planner's MILP) are dtenjax's own dependencies too: a floor below
+  the installed jax's floor promises an install that pip cannot make."""
+  jax_reqs = {r.name: r for r in map(Requirement, importlib.metadata.requires("jax") or [])
+              if r.marker is None}
+  assert "scipy" in DEPENDENCIES, "step.py imports scipy.optimize: declare it"
+  for name in ("numpy", "scipy"):
+    ours = [Version(s.version) for s in DEPENDENCIES[name].specifier if s.operator == ">="]
+    theirs = [Version(s.version) for s in jax_reqs[name].specifier if s.operator == ">="]
+    assert ours and theirs, (name, DEPENDENCIES[name], jax_reqs.get(name))
+    assert ours[0] >= theirs[0], f"{name}: ours {ours[0]} is below jax's floor {theirs[0]}"
+
+
+def test_dtenjax_info_reports_every_extra_with_its_packages():
+  """``dtenjax info`` lists each extra of pyproject.toml and checks a module of each of its
+  distributions."""
+  from dtenjax._src.cli import info
+  extras = PYPROJECT["project"]["optional-dependencies"]
+  assert set(info.EXTRAS) == set(extras)
+  for extra, requirements in extras.items():
+    declared = {Requirement(r).name.lower().replace("_", "-") for r in requirements}
+    shown = {info.PACKAGES[m].lower().replace("_", "-") for m in info.EXTRAS[extra]}
+    assert shown == declared, (extra, shown, declared)

@@ -29,14 +29,14 @@ def test_demo_trains_places_explains_and_is_bit_identical(capsys):
 
 
 def test_cli_info_and_unknown(capsys):
-  import jax  # pylint: disable=g-import-not-at-top
   import jaxlib  # pylint: disable=g-import-not-at-top
   import platform  # pylint: disable=g-import-not-at-top
   import dtenjax  # pylint: disable=g-import-not-at-top
   assert cli.main(["info", "--json"]) == 0
   info = json.loads(capsys.readouterr().out)
   assert {"built", "cuda", "verbs", "targets"} <= set(info["extension"])
-  assert set(info["extras"]) == {"gpu", "demo", "plot", "rdma", "flax", "scheduler"}
+  assert set(info["extras"]) == {"gpu", "demo", "plot", "rdma", "flax", "scheduler", "checkpoint",
+                                 "gds", "test"}
   assert info["extras"]["demo"] == {"sklearn": True, "optax": True}     # the test extra has them
   v = info["versions"]
   assert (v["dtenjax"], v["jax"], v["jaxlib"], v["python"]) == (

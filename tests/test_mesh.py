@@ -148,7 +148,7 @@ def test_mesh_map_composes_with_jit_and_grad():
   loss = mesh_lib.mesh_map(loss_shard, mesh, in_specs=(P(), P("x")), out_specs=P())
   x = jnp.arange(16.0)
   w = jnp.float32(0.5)
-  ref = lambda w: jnp.sum((x * w) ** 2)  # noqa: E731
+  ref = lambda w: jnp.sum((x * w) ** 2)
   np.testing.assert_allclose(jax.jit(loss)(w, x), ref(w), rtol=1e-6)
   np.testing.assert_allclose(jax.jit(jax.grad(loss))(w, x), jax.grad(ref)(w), rtol=1e-6)
 
@@ -279,7 +279,7 @@ def test_pmap_in_axes_none_for_scalars_and_unreplicated_params(cpu_devices):
     ours = mesh_lib.pmap(f, "i", in_axes=in_axes, devices=cpu_devices)(x, w, 0.5)
     _same(ours, jax.pmap(f, "i", in_axes=(0, None, None), devices=cpu_devices)(x, w, 0.5))
   # A pytree prefix: one dict entry mapped, one broadcast.
-  g = lambda d: d["a"] + d["b"]                        # noqa: E731
+  g = lambda d: d["a"] + d["b"]
   args = ({"a": x, "b": w},)
   _same(mesh_lib.pmap(g, in_axes=({"a": 0, "b": None},), devices=cpu_devices)(*args),
         jax.pmap(g, in_axes=({"a": 0, "b": None},), devices=cpu_devices)(*args))
@@ -287,7 +287,7 @@ def test_pmap_in_axes_none_for_scalars_and_unreplicated_params(cpu_devices):
 
 def test_pmap_other_axes_and_out_axes(cpu_devices):
   xt = jnp.arange(3 * 8, dtype=jnp.float32).reshape(3, 8)      # mapped over axis 1
-  f = lambda a: (a * 2, jax.lax.psum(a.sum(), "i"))            # noqa: E731
+  f = lambda a: (a * 2, jax.lax.psum(a.sum(), "i"))
   for kw in (dict(in_axes=1), dict(in_axes=1, out_axes=(1, None)), dict(in_axes=1, out_axes=0)):
     _same(mesh_lib.pmap(f, "i", devices=cpu_devices, **kw)(xt),
           jax.pmap(f, "i", devices=cpu_devices, **kw)(xt))

@@ -10,7 +10,6 @@ dtenjax.mesh_map, 2-D meshes, messages larger than the registered buffer); one p
 """
 
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -28,7 +27,6 @@ from dtenjax._src import errors
 from dtenjax._src import ffi
 from dtenjax._src.contract import Contract
 from dtenjax._src.gpu import p2p
-from dtenjax.testing import native as native_testing
 from dtenjax.testing.native import p2p_selftest
 from tests import fixed_point_ref as fpref
 from tests import helpers

@@ -171,7 +171,7 @@ def test_tensor_created_sharded(mesh24):
 
 def test_tensor_never_materialises_the_whole_array(mesh24):
   p = Placement("2d", mesh=mesh24)
-  init = lambda k, s, d: jnp.zeros(s, d)  # noqa: E731
+  init = lambda k, s, d: jnp.zeros(s, d)
   lowered = jax.jit(lambda k: init(k, (8, 16), jnp.float32),
                     out_shardings=p.sharding((8, 16))).lower(jax.random.key(0))
   # After SPMD partitioning each device's program only builds its (4, 4) shard.

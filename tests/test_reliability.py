@@ -304,7 +304,7 @@ def test_close_interrupts_an_all_reduce_in_flight_within_100_ms():
     try:
       comms[0].all_reduce(np.ones(1000, np.float32), site=(0x35, "close test"),
                           stream="waiter")
-    except BaseException as e:  # noqa: BLE001 - checked below
+    except BaseException as e:
       box["error"], box["at"] = e, time.monotonic()
   t = threading.Thread(target=waiter, daemon=True)
   t.start()
@@ -342,7 +342,7 @@ def test_close_interrupts_a_connect_in_flight_within_100_ms():
   def connecting():
     try:
       transport.connect(c0, ep)
-    except BaseException as e:  # noqa: BLE001 - checked below
+    except BaseException as e:
       box["error"], box["at"] = e, time.monotonic()
   t = threading.Thread(target=connecting, daemon=True)
   t.start()
@@ -530,7 +530,7 @@ def test_collectives_that_differ_only_beyond_the_old_header_raise_on_every_rank(
     try:
       with transport.stream("same"):   # the calls' own stream= wins over the block's key
         outs[r] = calls[r]()
-    except BaseException as e:  # noqa: BLE001 - checked below
+    except BaseException as e:
       errs[r] = e
   ts = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
   for t in ts:

@@ -14,8 +14,8 @@ import dtenjax
 from dtenjax._src.planning import reproducible
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-import reproducible_step as bench  # noqa: E402  pylint: disable=g-import-not-at-top
-import procs  # noqa: E402  pylint: disable=g-import-not-at-top  (tests/ is on sys.path under pytest)
+import reproducible_step as bench
+import procs
 
 
 def _cpu_has_fma() -> bool:

@@ -487,7 +487,7 @@ def test_shutdown_from_a_done_callback_works_and_runs_the_accepted_batches():
     try:
       sch.shutdown(timeout=5)      # on the dispatcher thread: must neither raise nor wait
       seen.append(None)
-    except BaseException as e:     # noqa: BLE001 - reported below
+    except BaseException as e:
       seen.append(e)
   first.add_done_callback(on_done)
   hold.set()
@@ -511,7 +511,7 @@ def test_submit_from_a_done_callback_into_a_full_queue_raises_at_once():
     t0 = time.monotonic()
     try:
       sch.submit(b, timeout=20)    # the main queue is full: only this thread could make room
-    except BaseException as e:     # noqa: BLE001 - reported below
+    except BaseException as e:
       box["error"] = e
     box["seconds"] = time.monotonic() - t0
   first = sch.submit(b)

@@ -16,7 +16,7 @@ from dtenjax._src.planning import stepgraph
 from dtenjax._src.topology.parts import LinkSpec
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-import _step_models as models  # noqa: E402  pylint: disable=g-import-not-at-top
+import _step_models as models
 
 
 def _paths(graph, leaves):

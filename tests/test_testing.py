@@ -54,7 +54,7 @@ def test_assert_bitwise_equal_reports_first_difference():
 
 def _plan(strategy):
   cand = planner.CandidateCost(strategy, P("y", None), 1e-3, 1e-4, 9e-4, 1024.0, True)
-  return planner.Plan((8, 8), "float32", strategy, P("y", None), (cand,), "constructed")
+  return planner.ArrayPlan((8, 8), "float32", strategy, P("y", None), (cand,), "constructed")
 
 
 def test_assert_plan_strategy_on_a_constructed_plan():

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import dtenjax

@@ -7,10 +7,8 @@ under test.
 """
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-import dtenjax
 from dtenjax._src import errors
 from dtenjax._src import ffi
 from dtenjax._src.contract import Contract

@@ -119,6 +119,63 @@ def register_all() -> dict[str, set[str]]:
     return _registered
 
 
+def arch_mismatch(archs: str, capability: str) -> str | None:
+  """Why kernels built for CMake's CUDA architecture list ``archs`` (``"80-real;90"``: SASS for
+  sm_80, SASS and PTX for sm_90) cannot run on a GPU of compute capability ``capability``
+  (``"8.6"``); None when they can.
+
+  CUDA's compatibility rules: SASS for sm_XY runs on a GPU X.Z with Z >= Y (same major; the
+  ``a``/``f`` variants such as ``90a`` only on X.Y itself); PTX for compute_XY is compiled by the
+  driver for any GPU of capability >= X.Y. An entry ``NN`` is both SASS and PTX, ``NN-real`` SASS
+  only, ``NN-virtual`` PTX only.
+  """
+  try:
+    major, minor = (int(v) for v in str(capability).split(".")[:2])
+  except ValueError:
+    return f"the GPU reports compute capability {capability!r}, not MAJOR.MINOR"
+  entries = [e.strip() for e in str(archs).replace(",", ";").split(";") if e.strip()]
+  if not entries:
+    return "the build records no CUDA architecture"
+  for entry in entries:
+    if entry in ("all", "all-major", "native"):   # CMake's own keywords: trust the build
+      return None
+    code, _, kind = entry.partition("-")
+    digits = code.rstrip("af")
+    if not digits.isdigit() or len(digits) < 2 or kind not in ("", "real", "virtual"):
+      return f"the build's CUDA architecture {entry!r} is not one CMake writes"
+    a_major, a_minor, specific = int(digits[:-1]), int(digits[-1]), code != digits
+    if kind in ("", "real"):
+      if specific and (a_major, a_minor) == (major, minor):
+        return None
+      if not specific and a_major == major and a_minor <= minor:
+        return None
+    if kind in ("", "virtual") and not specific and (a_major, a_minor) <= (major, minor):
+      return None
+  return (f"the CUDA kernels of this build are for {';'.join(entries)} (SASS runs on the same "
+          f"major version, PTX on newer GPUs), not for this GPU's compute capability "
+          f"{major}.{minor}; rebuild with DTENJAX_CUDA_ARCHS={major}{minor} "
+          "(`DTENJAX_CUDA_ARCHS=... bash scripts/setup.sh`, README: Install)")
+
+
+def gpu_kernels_reason(devices=None) -> str | None:
+  """Why this build's CUDA kernels cannot run on the visible GPUs (each device's
+  ``compute_capability`` against the build's recorded architectures); None when they can."""
+  if devices is None:
+    try:
+      devices = jax.devices("gpu")
+    except RuntimeError:
+      devices = []
+  archs = build_info().get("cuda_archs", "")
+  for d in devices:
+    cap = getattr(d, "compute_capability", None)
+    if cap is None:
+      continue                     # a backend that does not say: nothing to check against
+    why = arch_mismatch(archs, cap)
+    if why:
+      return f"GPU {d.id} ({getattr(d, 'device_kind', 'GPU')}): {why}"
+  return None
+
+
 def has_target(target: str, platform: str = "cpu") -> bool:
   """Whether ``target`` is built and registered for ``platform`` ("cpu" or "CUDA")."""
   if not is_built():

@@ -26,8 +26,8 @@ def render(columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
       the others, as numeric tables read best).
     title: an optional line above the table.
   """
-  from rich.console import Console  # pylint: disable=g-import-not-at-top
-  from rich.table import Table  # pylint: disable=g-import-not-at-top
+  from rich.console import Console
+  from rich.table import Table
   n = len(columns)
   if align is None:
     align = ["left"] + ["right"] * (n - 1)

@@ -3,7 +3,10 @@
 * :func:`assert_placement` -- an array is laid out with this spec / mesh / memory kind;
 * :func:`assert_bitwise_equal` -- two arrays (or pytrees) have identical bits, reporting the first
   differing index and both values;
-* :func:`assert_plan_strategy` -- a placement (or a Plan) picked this strategy for a shape.
+* :func:`assert_plan_strategy` -- a placement (or an ArrayPlan) picked this strategy for a shape;
+* :func:`observe_launches`, :func:`per_step_summary` -- what a GPU really launched for a step
+  (CUDA graph launches, kernels inside and outside graphs), from a profiler trace: the
+  measurement behind ``dtenjax.jit(cuda_graphs=...)``'s claims, for examples and benchmarks.
 
 Shared by dtenjax's own tests and benchmarks (benchmarks import nothing from tests/), and imported
 by name: ``dtenjax.testing.native`` (the test-only extension ``dtenjax._ffi_testing``, present in
@@ -20,10 +23,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dtenjax._src.gpu.graph_observation import observe_launches as observe_launches
+from dtenjax._src.gpu.graph_observation import per_step_summary as per_step_summary
 from dtenjax._src.planning import planner
 from dtenjax._src.planning.placement import Placement
 
-__all__ = ["assert_bitwise_equal", "assert_placement", "assert_plan_strategy"]
+__all__ = ["assert_bitwise_equal", "assert_placement", "assert_plan_strategy", "observe_launches",
+           "per_step_summary"]
 
 
 def _norm_spec(spec: P, ndim: int) -> tuple:
@@ -86,7 +92,7 @@ def assert_bitwise_equal(actual: Any, expected: Any, *, name: str = "") -> None:
     raise AssertionError("not bitwise equal:\n  - " + "\n  - ".join(problems))
 
 
-def assert_plan_strategy(plan_or_placement: planner.Plan | Placement, strategy: str,
+def assert_plan_strategy(plan_or_placement: planner.ArrayPlan | Placement, strategy: str,
                          shape: Sequence[int] | None = None, dtype=np.float32) -> None:
   """Asserts the planner picked ``strategy``; with a Placement, ``shape`` says for what array."""
   if isinstance(plan_or_placement, Placement):

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import fixed_point_ref as ref  # noqa: E402
+import fixed_point_ref as ref
 
 WIDE = (16, 32, 33, 40)
 

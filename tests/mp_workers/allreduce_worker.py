@@ -21,7 +21,6 @@ from tests.mp_workers import common
 def main():
   rank, nprocs = common.init()
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, PartitionSpec as P
 

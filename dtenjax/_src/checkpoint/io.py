@@ -29,7 +29,7 @@ CHOICES = ("auto", "posix", "kvikio")
 def _kvikio() -> Any | None:
   try:
     import kvikio  # pylint: disable=g-import-not-at-top
-  except Exception:  # noqa: BLE001 - a broken CUDA install raises more than ImportError
+  except Exception:
     return None
   return kvikio
 
@@ -41,7 +41,7 @@ def _kvikio_compat(kvikio: Any) -> bool:
   if hasattr(defaults, "get"):
     try:
       mode = defaults.get("compat_mode")
-    except Exception:  # noqa: BLE001
+    except Exception:
       mode = None
   if mode is None and hasattr(defaults, "compat_mode"):
     mode = defaults.compat_mode()

@@ -122,7 +122,7 @@ class CheckpointManager:
       try:
         self.last_report = pending.wait(None)
         self._delete_old()
-      except BaseException as e:  # noqa: BLE001 - handed to wait_until_finished()
+      except BaseException as e:
         self._cleanup_error = e
     self._cleanup = threading.Thread(target=finish, name="dtenjax-checkpoint-manager",
                                      daemon=True)

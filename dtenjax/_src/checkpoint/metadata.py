@@ -98,7 +98,7 @@ def dtype(text: Any, file: str, label: str) -> np.dtype:
     raise bad(file, label, f"is {_short(text)}, not a dtype name")
   try:
     d = layout.dtype_from_zarr(text)
-  except Exception:  # noqa: BLE001 - numpy raises TypeError, ValueError, SyntaxError ...
+  except Exception:
     raise bad(file, label, f"{text!r} is not a dtype numpy or ml_dtypes knows") from None
   ml = d.kind == "V" and d.fields is None and d.type.__module__.startswith("ml_dtypes")
   if d.fields is not None or d.subdtype is not None or not (d.kind in NUMERIC_KINDS or ml):

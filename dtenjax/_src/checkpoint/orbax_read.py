@@ -55,7 +55,7 @@ class TensorstoreReader:
         self._kv = self.ts.KvStore.open({"driver": "ocdbt",
                                          "base": f"file://{self.path}"}).result()
       raw = self._kv.read(rel).result().value
-    except Exception as e:  # noqa: BLE001 - tensorstore's status errors
+    except Exception as e:
       raise errors.CheckpointError(f"{file} (inside OCDBT) cannot be read: {e}") from None
     if len(raw) > metadata.MAX_METADATA_BYTES:
       raise metadata.bad(file, "the file", "is too large")
@@ -85,7 +85,7 @@ class TensorstoreReader:
       try:
         self.stores[name] = self.ts.open({"driver": self.driver, "kvstore": kv},
                                          open=True).result()
-      except Exception as e:  # noqa: BLE001 - tensorstore raises its own status errors
+      except Exception as e:
         raise errors.CheckpointError(f"leaf {name!r} of {self.path} cannot be opened: {e}") \
             from None
     return self.stores[name]
@@ -94,7 +94,7 @@ class TensorstoreReader:
     store = self.open(leaf.name)
     try:
       out = np.asarray(store[tuple(slice(a, b) for a, b in zip(lo, hi))].read().result())
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       raise errors.CheckpointError(f"leaf {leaf.name!r} of {self.path} cannot be read: {e}") \
           from None
     with self.lock:

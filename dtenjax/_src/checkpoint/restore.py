@@ -238,7 +238,7 @@ def _saved_sharding(meta: Any, leaf: layout.Leaf, root: str):
     raise errors.CheckpointError(f"{meta}; {fix}")
   try:
     return layout.sharding_from_metadata(meta)
-  except Exception as e:  # noqa: BLE001 - hostile entries make jax and numpy raise anything
+  except Exception as e:
     raise errors.CheckpointError(
         f"{root}/_sharding: the entry of leaf {leaf.name!r} does not describe a sharding "
         f"({type(e).__name__}: {e}); {fix}") from None
@@ -341,7 +341,7 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
         continue
       try:
         sharding.shard_shape(leaf.shape)
-      except Exception as e:  # noqa: BLE001 - jax says why the shape does not divide
+      except Exception as e:
         problems.append(f"leaf {leaf.name!r} {list(leaf.shape)}: {sharding} does not fit: {e}")
         continue
     plans.append((leaf, how, sharding))

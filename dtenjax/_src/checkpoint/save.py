@@ -305,7 +305,7 @@ class PendingSave:
     def run():
       try:
         self._result = fn()
-      except BaseException as e:  # noqa: BLE001 - handed to wait()
+      except BaseException as e:
         self._error = e
       finally:
         self._done.set()

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import sysconfig
 import traceback
 from typing import Any
@@ -35,6 +36,51 @@ class UsageError(errors.ConfigurationError):
 
 class CommandError(errors.DtenjaxError):
   """The command could not do its job: a file, the user's code, the environment (exit 1)."""
+
+
+def add_fixture_argument(ap: argparse.ArgumentParser, what: str) -> None:
+  """``--fixture NAME``, the same in every command: the name is checked when the command runs
+  (:func:`fixture`), so a wrong one is one line with exit status 2 everywhere."""
+  ap.add_argument("--fixture", metavar="NAME",
+                  help=f"{what} (the names: dtenjax topo --list-fixtures)")
+
+
+def fixture(name: str):
+  """The shipped topology ``name``; an unknown name is a UsageError listing the names."""
+  from dtenjax._src.topology.model import Topology
+  names = Topology.fixtures()
+  if name not in names:
+    raise UsageError(f"--fixture {name!r}: no shipped topology has that name; choose one of "
+                     f"{', '.join(names)}")
+  return Topology.fixture(name)
+
+
+def mesh_axes(text: str) -> dict[str, int]:
+  """``--mesh data=2,model=4`` -> ``{"data": 2, "model": 4}``, the same grammar in every
+  command; every syntax problem at once, as one UsageError."""
+  out, problems = {}, []
+  for part in text.split(",") if text.strip() else []:
+    m = re.match(r"^\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*$", part)
+    if not m:
+      problems.append(f"{part.strip()!r} is not NAME=SIZE")
+    elif m.group(1) in out:
+      problems.append(f"axis {m.group(1)!r} is given twice")
+    elif int(m.group(2)) < 1:
+      problems.append(f"axis {m.group(1)!r} has size {m.group(2)}; sizes are at least 1")
+    else:
+      out[m.group(1)] = int(m.group(2))
+  if not out and not problems:
+    problems.append("no axes given")
+  if problems:
+    raise UsageError(f"--mesh {text!r}: write it as NAME=SIZE,... (e.g. data=2,model=4): "
+                     + "; ".join(problems))
+  return out
+
+
+def mesh_size_error(text: str, needed: int, available: int, where: str) -> UsageError:
+  """The one message for a mesh that does not fit the devices, in every command."""
+  return UsageError(f"--mesh {text!r}: the mesh needs {needed} devices; {where} has "
+                    f"{available}")
 
 
 def add_json_argument(ap: argparse.ArgumentParser, what: str) -> None:
@@ -77,7 +123,7 @@ def read_text(path: str | os.PathLike, flag: str) -> str:
 def _ours(filename: str) -> bool:
   """Frames of dtenjax itself, of installed packages (JAX) and of Python's standard library
   (the import machinery, json, ...): not the user's code."""
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import dtenjax
   if filename.startswith("<"):            # <frozen importlib._bootstrap>, <string>
     return True
   f = os.path.realpath(filename)

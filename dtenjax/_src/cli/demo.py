@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
 from dtenjax._src import jaxapi
+from dtenjax._src import tables
 from dtenjax._src.collectives import api as collectives
 from dtenjax._src.planning import explain as explain_lib
 from dtenjax._src.planning import mesh as mesh_lib
@@ -282,11 +283,14 @@ def run(args: argparse.Namespace) -> int:
   print(f"dtenjax demo: {len(devices)} {devices[0].platform} device(s), mesh "
         f"{dict(mesh.shape)}, topology {topology.name}; {compared}")
   print("\n== plan: Placement(strategy='auto') for every parameter ==")
+  rows = []
   for name, p in sorted(init_params(jax.random.key(0)).items()):
     plan = placement.plan(p.shape, p.dtype)
     best = next(c for c in plan.candidates if c.strategy == plan.strategy)
-    print(f"  {name:<4} {str(p.shape):<12} -> {plan.strategy:<9} {str(plan.spec):<18} "
-          f"est. {best.time_s * 1e6:9.1f} us  ({plan.reason})")
+    rows.append((name, str(p.shape), plan.strategy, str(plan.spec),
+                 f"{best.time_s * 1e6:.1f}", plan.reason))
+  print(tables.render(["param", "shape", "strategy", "spec", "est. (us)", "why"], rows,
+                      align=["left"] * 4 + ["right", "left"]))
   w = init_params(jax.random.key(0))["w1"]
   print("\n" + placement.explain(w.shape, w.dtype))
 

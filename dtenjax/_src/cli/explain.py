@@ -68,37 +68,23 @@ def _split_top(text: str) -> list[str]:
 
 
 def parse_mesh(text: str):
-  """``data=2,model=4`` -> a jax.sharding.Mesh over the first 8 devices."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  names, sizes, problems = [], [], []
-  for part in _split_top(text):
-    m = re.match(r"^\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*$", part)
-    if not m:
-      problems.append(f"{part.strip()!r} is not NAME=SIZE")
-      continue
-    names.append(m.group(1))
-    sizes.append(int(m.group(2)))
-  n = int(np.prod(sizes)) if sizes else 0
+  """``data=2,model=4`` -> a jax.sharding.Mesh over the first devices (as many as it needs)."""
+  import jax
+  import numpy as np
+  axes = common.mesh_axes(text)
+  n = int(np.prod(list(axes.values())))
   devices = jax.devices()
-  if not problems and not names:
-    problems.append("no axes given")
-  if not problems and (n < 1 or n > len(devices)):
-    problems.append(f"the mesh needs {n} devices; {len(devices)} are visible")
-  if len(set(names)) != len(names):
-    problems.append(f"axis names {names} repeat a name")
-  if problems:
-    raise common.UsageError(errors.join_problems(
-        f"--mesh {text!r}: write it as NAME=SIZE,... (e.g. data=2,model=4):", problems))
-  return jax.sharding.Mesh(np.array(devices[:n]).reshape(sizes), tuple(names))
+  if n > len(devices):
+    raise common.mesh_size_error(text, n, len(devices), "this machine")
+  return jax.sharding.Mesh(np.array(devices[:n]).reshape(list(axes.values())), tuple(axes))
 
 
 def parse_shape_args(text: str, mesh=None) -> list[Any]:
   """``'f32[8,128],f32[128]{model}'`` -> ShapeDtypeStructs (sharded over ``mesh`` if given)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   out, problems = [], []
   for i, part in enumerate(_split_top(text)):
     m = _ARG_RE.match(part)
@@ -177,7 +163,7 @@ def load_object(spec: str, what: str = "target") -> Any:
       sys.modules[name] = module
       try:
         mspec.loader.exec_module(module)
-      except Exception as e:  # pylint: disable=broad-except  (the user's module, any error)
+      except Exception as e:  # (the user's module, any error)
         del sys.modules[name]
         raise common.user_code_failed(f"importing {path}", e) from None
   else:
@@ -192,7 +178,7 @@ def load_object(spec: str, what: str = "target") -> Any:
             f"{os.getcwd()}); run from the directory that holds it or give path/to/file.py:"
             f"{attr}.") from None
       raise common.user_code_failed(f"importing {mod_name!r}", e) from None
-    except Exception as e:  # pylint: disable=broad-except  (the user's module, any error)
+    except Exception as e:  # (the user's module, any error)
       raise common.user_code_failed(f"importing {mod_name!r}", e) from None
   obj = module
   for part in attr.split("."):
@@ -210,7 +196,7 @@ def load_object(spec: str, what: str = "target") -> Any:
 def _factory_args(factory, spec: str) -> tuple[tuple, dict]:
   try:
     made = factory()
-  except Exception as e:  # pylint: disable=broad-except  (the user's factory, any error)
+  except Exception as e:  # (the user's factory, any error)
     raise common.user_code_failed(f"the --args factory {spec}", e) from None
   if isinstance(made, dict) and set(made) <= {"args", "kwargs"}:
     return tuple(made.get("args", ())), dict(made.get("kwargs", {}))
@@ -221,11 +207,11 @@ def _factory_args(factory, spec: str) -> tuple[tuple, dict]:
 
 def _demo_step(seed: int = 0, batch: int = 128):
   """The demo's jitted training step and the arguments of its first step."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.cli import demo  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.planning import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.planning.placement import Placement  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
+  import jax
+  from dtenjax._src.cli import demo
+  from dtenjax._src.planning import mesh as mesh_lib
+  from dtenjax._src.planning.placement import Placement
+  from dtenjax._src.topology.model import Topology
   topology = Topology.current()
   shape = demo.mesh_shape_for(len(jax.devices()))
   mesh = mesh_lib.make_mesh(shape, ("data", "model"), topology=topology)
@@ -261,24 +247,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    help="a function returning the example arguments")
   ap.add_argument("--mesh", metavar="NAME=SIZE,...",
                   help="a device mesh for --shape-args placements (and the current mesh)")
-  ap.add_argument("--fixture", metavar="NAME",
-                  help="predict times on a shipped topology instead of this machine's")
+  common.add_fixture_argument(ap, "predict times on a shipped topology instead of this machine's")
   common.add_json_argument(ap, "the collectives, memory and predicted times")
   ap.add_argument("--dump-hlo", metavar="FILE", help="write the optimised HLO text")
 
 
 def run(args: argparse.Namespace) -> int:
-  import jax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.planning import explain as explain_lib  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
-  topology = Topology.fixture(args.fixture) if args.fixture else Topology.current()
+  import jax
+  from dtenjax._src.planning import explain as explain_lib
+  from dtenjax._src.topology.model import Topology
+  topology = common.fixture(args.fixture) if args.fixture else Topology.current()
   mesh = parse_mesh(args.mesh) if args.mesh else None
   if args.target is None:
     if args.shape_args or args.factory or args.mesh:
       raise common.UsageError(
           "--shape-args, --args and --mesh describe the arguments of your own step; name it "
           "first: python -m dtenjax explain MODULE:FUNCTION --shape-args ...")
-    from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.cli import info
     info.require("demo", "explaining the demo's step (explain without MODULE:FUNCTION)")
     fn, call_args, call_kwargs = _demo_step()
     label = "the demo's training step"
@@ -314,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
         f"{label} could not be compiled with the example arguments: {_one_line(e)} (check "
         "the axis names the step uses against --mesh, and that every sharded dimension "
         "divides its mesh axes).") from None
-  except Exception as e:  # pylint: disable=broad-except  (the user's step raised while traced)
+  except Exception as e:  # (the user's step raised while traced)
     where = common.user_frame(e)
     if where is None:
       raise

@@ -18,9 +18,14 @@ from dtenjax._src.cli import common
 HELP = "versions, devices, the native extension's build and the optional packages present"
 DESCRIPTION = __doc__
 # extra -> the modules it provides (what `pip install 'dtenjax[extra]'` adds)
+# (every extra of pyproject.toml: tests/test_install.py keeps the two lists together)
 EXTRAS = {"gpu": ("cuda.bindings", "pynvml"), "demo": ("sklearn", "optax"),
           "plot": ("matplotlib",), "rdma": ("pyverbs",), "flax": ("flax",),
-          "scheduler": ("prometheus_client",)}
+          "scheduler": ("prometheus_client",),
+          "checkpoint": ("xxhash", "orbax.checkpoint", "tensorstore"), "gds": ("kvikio",),
+          "test": ("pytest", "pytest_timeout", "xdist", "chex", "optax", "flax", "sklearn",
+                   "prometheus_client", "jsonschema", "xxhash", "orbax.checkpoint",
+                   "tensorstore", "ruff", "sphinx", "matplotlib")}
 # the distributions whose versions describe a JAX installation on GPU (jax[cuda12] and friends)
 CUDA_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
                       "jax-cuda13-pjrt")
@@ -35,12 +40,16 @@ def _present(module: str) -> bool:
 
 PACKAGES = {"cuda.bindings": "cuda-python", "pynvml": "nvidia-ml-py", "sklearn": "scikit-learn",
             "optax": "optax", "matplotlib": "matplotlib", "pyverbs": "pyverbs", "flax": "flax",
-            "prometheus_client": "prometheus_client"}
+            "prometheus_client": "prometheus_client", "xxhash": "xxhash",
+            "orbax.checkpoint": "orbax-checkpoint", "tensorstore": "tensorstore",
+            "kvikio": "kvikio-cu12", "pytest": "pytest", "pytest_timeout": "pytest-timeout",
+            "xdist": "pytest-xdist", "chex": "chex", "jsonschema": "jsonschema", "ruff": "ruff",
+            "sphinx": "sphinx"}
 
 
 def require(extra: str, what: str) -> None:
   """Raises a ConfigurationError naming the missing packages of ``extra`` and the pip command."""
-  from dtenjax._src import errors  # pylint: disable=g-import-not-at-top
+  from dtenjax._src import errors
   missing = [PACKAGES[m] for m in EXTRAS[extra] if not _present(m)]
   if missing:
     raise errors.ConfigurationError(
@@ -60,14 +69,14 @@ def _driver() -> str | None:
   """The NVIDIA driver version (NVML when installed, else nvidia-smi), None without one."""
   if _present("pynvml"):
     try:
-      import pynvml  # pylint: disable=g-import-not-at-top
+      import pynvml
       pynvml.nvmlInit()
       try:
         v = pynvml.nvmlSystemGetDriverVersion()
         return v.decode() if isinstance(v, bytes) else str(v)
       finally:
         pynvml.nvmlShutdown()
-    except Exception:  # pylint: disable=broad-except  (no driver, no GPU: NVMLError subclasses)
+    except Exception:  # (no driver, no GPU: NVMLError subclasses)
       pass
   smi = shutil.which("nvidia-smi")
   if smi is None:
@@ -83,10 +92,10 @@ def _driver() -> str | None:
 
 def versions() -> dict:
   """dtenjax, jax, jaxlib, Python and the platform; CUDA packages and the driver when present."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jaxlib  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import jax
+  import jaxlib
+  import numpy as np
+  import dtenjax
   out = {"dtenjax": dtenjax.__version__, "dtenjax_path": os.path.dirname(dtenjax.__file__),
          "jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", _version("jaxlib")),
          "numpy": np.__version__, "python": platform.python_version(),
@@ -100,7 +109,7 @@ def versions() -> dict:
 def devices() -> dict:
   """The backend JAX uses and its devices (kind and count), and XLA_FLAGS as this process saw
   it (where simulated CPU devices come from)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   devs = jax.devices()
   kinds: dict[str, int] = {}
   for d in devs:
@@ -111,8 +120,8 @@ def devices() -> dict:
 
 
 def describe() -> dict:
-  from dtenjax._src import ffi  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.checkpoint import io as checkpoint_io  # pylint: disable=g-import-not-at-top
+  from dtenjax._src import ffi
+  from dtenjax._src.checkpoint import io as checkpoint_io
   ext = ffi.build_info()
   ext["targets"] = [f"{t} ({p})" for t, p in ext.get("targets", [])]
   return {"versions": versions(), "devices": devices(), "extension": ext,
@@ -139,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
   if common.json_to_stdout(args):
     common.write_json(args, data)
     return 0
-  from dtenjax._src import tables  # pylint: disable=g-import-not-at-top
+  from dtenjax._src import tables
   v, d = data["versions"], data["devices"]
   rows = [["dtenjax", f"{v['dtenjax']} ({v['dtenjax_path']})"],
           ["jax", v["jax"]], ["jaxlib", v["jaxlib"]], ["numpy", v["numpy"]],

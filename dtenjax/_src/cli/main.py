@@ -59,11 +59,11 @@ def simulated_devices() -> None:
 
 
 def _version() -> str:
-  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  from importlib import metadata
   try:
     return metadata.version("dtenjax")
   except metadata.PackageNotFoundError:
-    import dtenjax  # pylint: disable=g-import-not-at-top
+    import dtenjax
     return dtenjax.__version__
 
 
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
   simulated_devices()          # before anything imports jax (the parsers list fixtures)
   # The command line is an application: it pins NCCL as the docs tell GPU users to
   # (dtenjax.pin_nccl(); a value the user set is kept), before any collective runs.
-  from dtenjax._src.gpu import environment  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.gpu import environment
   environment.pin()
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = build_parser(prog)
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
       args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
   try:
     if args.extra:
-      from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
+      from dtenjax._src.cli import info
       info.require(args.extra, args.command)
     return int(args.run(args) or 0)
   except common.UsageError as e:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from dtenjax._src import errors
 from dtenjax._src.cli import common
+from dtenjax._src.cli import draw
 
 HELP = "plan the layout of a whole training step (mesh, specs, memory, recipes)"
 DESCRIPTION = """Plans every argument of a training step: the mesh (data, fsdp, tensor axes over
@@ -19,9 +21,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("target", metavar="MODULE:STEP", help="the training step function")
   ap.add_argument("--args", metavar="MODULE:FACTORY", dest="factory", required=True,
                   help="a function returning the step's example arguments as a tuple")
-  ap.add_argument("--fixture", metavar="NAME",
-                  help="plan for a reference topology (dtenjax topo --list-fixtures) instead of "
-                  "this machine")
+  common.add_fixture_argument(ap, "plan for a shipped topology instead of this machine")
   ap.add_argument("--mesh", metavar="AXIS=SIZE,...",
                   help="plan on this mesh shape, e.g. data=2,tensor=4 (default: propose one)")
   ap.add_argument("--budget-gib", type=float, metavar="GIB",
@@ -31,33 +31,58 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--check", action="store_true",
                   help="also compile the step with the plan and compare the prediction with "
                   "XLA's memory and collective bytes (needs the planned devices)")
+  common.add_json_argument(ap, "the plan (mesh, one spec per leaf, predicted cost, recipes)")
+  ap.add_argument("--draw", metavar="FILE",
+                  help="also draw the planned mesh over the topology (which axis runs over "
+                  "which links) to a PNG, SVG or PDF file (needs the plot extra)")
 
 
-def _mesh(text: str | None):
+def _mesh(text: str | None, topology, fixture: str | None) -> dict[str, int] | None:
+  """``--mesh`` for the planner: its axes only, sizes that cover every device of the topology."""
   if not text:
     return None
-  out = {}
-  for part in text.split(","):
-    name, _, size = part.partition("=")
-    try:
-      out[name.strip()] = int(size)
-    except ValueError:
-      raise common.UsageError(
-          f"--mesh {text!r}: write AXIS=SIZE pairs such as data=2,tensor=4") from None
-  return out
+  from dtenjax._src.planning import step as step_lib
+  axes = common.mesh_axes(text)
+  unknown = [a for a in axes if a not in step_lib.AXES]
+  if unknown:
+    raise common.UsageError(f"--mesh {text!r}: the planner's axes are {', '.join(step_lib.AXES)}; "
+                            f"{', '.join(map(repr, unknown))} is not one of them")
+  needed, have = math.prod(axes.values()), topology.num_devices
+  where = f"the fixture {fixture!r}" if fixture else "this machine"
+  if needed > have:
+    raise common.mesh_size_error(text, needed, have, where)
+  if needed < have:
+    raise common.UsageError(f"--mesh {text!r}: a plan spans every device; {where} has {have}, "
+                            f"the mesh {needed}")
+  return axes
+
+
+def _plan_json(result) -> dict:
+  cost = lambda c: None if c is None else {
+      "total_s": c.total_s, "compute_s": c.compute_s, "exposed_s": c.exposed_s,
+      "comm_s": dict(c.comm_s), "memory_bytes": dict(c.memory), "fits": c.fits}
+  return {"topology": result.topology,
+          "mesh": dict(zip(result.axis_names, result.mesh_shape)),
+          "device_ids": list(result.device_ids),
+          "leaves": [{"path": lf.path, "shape": list(lf.shape), "dtype": lf.dtype,
+                      "spec": str(lf.spec), "reason": lf.reason} for lf in result.leaves],
+          "cost": cost(result.cost),
+          "recipes": [{"name": r.name, "mesh": dict(r.mesh_shape), "cost": cost(r.cost),
+                       "note": r.note} for r in result.recipes],
+          "budget_bytes": result.budget_bytes, "notes": list(result.notes)}
 
 
 def run(args: argparse.Namespace) -> int:
-  # pylint: disable=g-import-not-at-top
   from dtenjax._src.cli import explain
   from dtenjax._src.planning import step as step_lib
   from dtenjax._src.topology.model import Topology
+  draw.check_path(args.draw)
   fn = explain.load_object(args.target, "target")
   factory = explain.load_object(args.factory, "--args")
-  made, _ = explain._factory_args(factory, args.factory)  # pylint: disable=protected-access
-  topology = Topology.fixture(args.fixture) if args.fixture else None
+  made, _ = explain._factory_args(factory, args.factory)
+  topology = common.fixture(args.fixture) if args.fixture else None
   budget = args.budget_gib * 2**30 if args.budget_gib else None
-  mesh = _mesh(args.mesh)
+  mesh = _mesh(args.mesh, topology or Topology.current(), args.fixture)
   try:
     result = step_lib.plan(fn, *made, mesh=mesh, topology=topology, memory_budget=budget,
                            donate=args.donate)
@@ -65,7 +90,13 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(e.__cause__, Exception) and not isinstance(e.__cause__, errors.DtenjaxError):
       raise common.user_code_failed(f"tracing {args.target}", e.__cause__) from None
     raise
+  if args.draw:
+    draw.plan(result, topology or Topology.current(), args.draw)
+  if common.json_to_stdout(args):
+    common.write_json(args, _plan_json(result))
+    return 0
   print(result.table())
+  common.write_json(args, _plan_json(result))
   if args.check:
     print()
     print(result.check(fn, *made).table())

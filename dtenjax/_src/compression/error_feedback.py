@@ -445,22 +445,42 @@ class TopKTransform(NamedTuple):
   update: Callable[..., tuple[PyTree, TopKEFState]]
 
 
-def topk_ef(ratio: float = 0.01, *, axis_name=None, **options):
+def topk_ef(ratio: float = 0.01, *, axis_name: Any = None, error_feedback: bool = True,
+            momentum: float = 0.0, momentum_masking: bool = True, clip_norm: float | None = None,
+            warmup_steps: int = 0, warmup_start_ratio: float = 0.25, warmup_stages: int = 4,
+            selection: str = "sampled", sample_ratio: float = 0.01,
+            fallback_bounds: tuple[float, float] = (0.5, 1.5), pack: str = "auto"):
   """Top-k error-feedback compression (DGC) as an optax-style gradient transformation.
 
+  Every argument is the :class:`TopKConfig` field of the same name (which validates them, listing
+  every problem at once).
+
   Args:
-    ratio: fraction of each gradient leaf sent per step, in (0, 1].
+    ratio: fraction of each gradient leaf sent per step, in (0, 1]; 0.001 is DGC's 99.9%.
     axis_name: shard_map axis to all-reduce over (None: compress locally, no communication).
-    **options: further :class:`TopKConfig` fields: ``error_feedback``, ``momentum``,
-      ``momentum_masking``, ``clip_norm``, ``warmup_steps``, ``warmup_start_ratio``,
-      ``warmup_stages``, ``selection``, ``sample_ratio``, ``fallback_bounds``, ``pack``.
+    error_feedback: keep what was not sent in the residual (False: drop it; the ablation).
+    momentum: DGC momentum correction factor, in [0, 1) (0 disables).
+    momentum_masking: zero the momentum of entries that were sent (DGC's momentum factor masking).
+    clip_norm: local gradient clipping threshold; None disables.
+    warmup_steps: length of the sparsity warm-up; 0 disables.
+    warmup_start_ratio: density at step 0 of the warm-up.
+    warmup_stages: number of geometric stages of the warm-up.
+    selection: "sampled" (DGC sampled threshold + packing) or "exact" (lax.top_k).
+    sample_ratio: fraction of each leaf sampled to find the threshold.
+    fallback_bounds: (lo, hi): recompute exactly when the sampled cut keeps fewer than lo * k or
+      more than hi * k entries.
+    pack: "auto" (native kernel when built for the backend, else cumsum), "ffi" or "cumsum".
 
   Returns:
     ``optax.GradientTransformation(init, update)`` when optax is installed, else a NamedTuple
     with the same two fields. ``update(grads, state, params=None)`` returns the mean over the
     axis of the sparse updates and the new :class:`TopKEFState`.
   """
-  config = TopKConfig(ratio=ratio, axis_name=axis_name, **options)
+  config = TopKConfig(ratio=ratio, axis_name=axis_name, error_feedback=error_feedback,
+                      momentum=momentum, momentum_masking=momentum_masking, clip_norm=clip_norm,
+                      warmup_steps=warmup_steps, warmup_start_ratio=warmup_start_ratio,
+                      warmup_stages=warmup_stages, selection=selection,
+                      sample_ratio=sample_ratio, fallback_bounds=fallback_bounds, pack=pack)
 
   def init_fn(params):
     return init_state(params, config)

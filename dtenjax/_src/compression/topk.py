@@ -58,7 +58,7 @@ def num_selected(n: int, ratio: float) -> int:
 
 
 def exact_topk(x, k: int):
-  """Reference: (idx int32[k], val[k]) of the k largest |x| (``lax.top_k``; value order)."""
+  """Reference: (idx int32[k], val[k]) of the k largest ``|x|`` (``lax.top_k``; value order)."""
   x = jnp.ravel(x)
   _, idx = jax.lax.top_k(jnp.abs(x.astype(jnp.float32)), k)
   idx = idx.astype(jnp.int32)
@@ -156,14 +156,18 @@ def pack_method(method: str = "auto") -> tuple[str, str]:
       raise errors.ExtensionUnavailableError(
           f"the top-k pack kernel has no {backend!r} implementation; use pack='cumsum'.")
     ffi.require(TARGET, platform)
+    why = ffi.gpu_kernels_reason() if platform == "CUDA" else None
+    if why:
+      raise errors.ExtensionUnavailableError(f"pack='ffi': {why}; or use pack='cumsum'.")
     return "ffi", platform
-  if platform and ffi.has_target(TARGET, platform):
+  if platform and ffi.has_target(TARGET, platform) and (
+      platform != "CUDA" or ffi.gpu_kernels_reason() is None):   # kernels for this GPU's arch
     return "ffi", platform
   return "cumsum", ""
 
 
 def pack(x, threshold, k: int, *, pack: str = "auto"):  # pylint: disable=redefined-outer-name
-  """(idx int32[k], val[k], count int32[]): the first k elements with |x| >= threshold.
+  """(idx int32[k], val[k], count int32[]): the first k elements with ``|x| >= threshold``.
 
   ``pack``: "auto", "ffi" (the native kernel) or "cumsum" -- the same name and values as
   ``TopKConfig(pack=)`` and :func:`select`.
@@ -189,7 +193,7 @@ _pack = pack   # select's ``pack`` argument shadows the function
 
 def select(x, k: int, *, selection: str = "sampled", sample_ratio: float = 0.01,
            bounds: tuple[float, float] = (0.5, 1.5), pack: str = "auto"):  # pylint: disable=redefined-outer-name
-  """(idx int32[k], val[k], count int32[]) of about the k largest |x|, without a full sort.
+  """(idx int32[k], val[k], count int32[]) of about the k largest ``|x|``, without a full sort.
 
   ``selection="exact"`` is ``lax.top_k`` (count = k). ``"sampled"`` takes the cut from
   :func:`sample_threshold`, packs with :func:`pack`, and recomputes exactly when ``count`` falls

@@ -86,7 +86,7 @@ class Watchdog:
             v = entries.get(self.key(r), "")
             if v != value:
               self._seen[r] = (v, now)
-      except Exception as e:  # noqa: BLE001 - the store's own status errors
+      except Exception as e:
         with self._lock:
           self._store_error = f"{type(e).__name__}: {e}"
       self._stop.wait(self.interval_s)

@@ -201,7 +201,7 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
           + (f", continuing from {restore['source']} step {restore['step']}" if restore else ""))
       grow = None
       if capacity is not None and world < nprocs and snapshot_every:
-        grow = lambda w=world: min(nprocs, int(capacity())) > w    # noqa: E731
+        grow = lambda w=world: min(nprocs, int(capacity())) > w
       failed = _watch(g, procs, run_dir, deadline, grow=grow, mem_root=mem_root)
       g.ended = time.time()
       if g.grown_at is not None:

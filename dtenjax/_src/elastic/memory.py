@@ -214,7 +214,7 @@ class MemoryTier:
           n = int(self.client.blocking_key_value_get(f"{src}/n", ms))
           got = b"".join(self.client.blocking_key_value_get_bytes(f"{src}/{i}", ms)
                          for i in range(n))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
           raise errors.ProcessLostError(
               f"process {self.rank}: the snapshot of step {step} from rank {left} did not "
               f"arrive within {self.timeout_s:g} s (waited for key {src}/n): {e}", [left]) from e
@@ -225,7 +225,7 @@ class MemoryTier:
         self.client.key_value_delete(f"{src}/n")
       self.last_complete = step
       self._prune()
-    except BaseException as e:  # noqa: BLE001 - handed to wait()
+    except BaseException as e:
       self._error = e
 
   def _prune(self) -> None:

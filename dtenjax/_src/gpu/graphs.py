@@ -256,8 +256,9 @@ def graph_report(fn_or_compiled: Any, *args, cuda_graphs: str | CudaGraphPolicy 
   Args:
     fn_or_compiled: a :func:`jit` result, a ``jax.jit`` function, a plain function, or an
       already compiled ``jax.stages.Compiled``.
-    *args, **kwargs: example arguments (arrays or ShapeDtypeStructs) to lower with; not used for a
+    *args: example arguments (arrays or ShapeDtypeStructs) to lower with; not used for a
       Compiled.
+    **kwargs: example keyword arguments, likewise.
     cuda_graphs: the policy to report. For a :func:`jit` result or a plain function it is the
       policy compiled with (default: the :func:`jit` result's own, else "xla"); for a ``jax.jit``
       function or a Compiled the executable is read as it is, under this policy's rules ("auto"

@@ -157,6 +157,9 @@ def unavailable_reason() -> str | None:
     gpus = []
   if not gpus:
     return f"no CUDA GPU is visible to jax (backend {jax.default_backend()!r})"
+  why = ffi.gpu_kernels_reason(gpus)
+  if why:
+    return why
   if not ffi.has_target(TARGET, "CUDA"):
     return f"FFI target {TARGET!r} could not be registered for CUDA"
   return None

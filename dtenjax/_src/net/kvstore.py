@@ -175,7 +175,7 @@ class KVStore:
       return fn(client)
     except errors.DtenjaxError:
       raise
-    except Exception as e:  # noqa: BLE001 - the client raises its own status errors
+    except Exception as e:
       raise _store_error(op, key, e, timeout_s) from e
 
   def set(self, key: str, value: str, *, overwrite: bool = False) -> None:

@@ -120,12 +120,12 @@ def _close_at_exit() -> None:
   for comm in comms:     # first interrupt them all: closing one must not fail its ring
     try:                 # neighbours in this process with "lost connection" instead
       comm._native.interrupt()  # pylint: disable=protected-access
-    except Exception:  # pylint: disable=broad-except  # noqa: BLE001 - exiting anyway
+    except Exception:  # pylint: disable=broad-except
       pass
   for comm in comms:
     try:
       comm.close()
-    except Exception:  # pylint: disable=broad-except  # noqa: BLE001 - exiting anyway
+    except Exception:  # pylint: disable=broad-except
       pass
   with _calls:
     _calls.wait_for(lambda: _threads_in_native == 0, timeout=EXIT_WAIT_S)

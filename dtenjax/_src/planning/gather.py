@@ -218,7 +218,7 @@ class _Evaluator:
     if name in _CALLS:
       return self.run(inner_jaxpr, inner_consts, vals, inner)
     if name in _REMATS:
-      fn = lambda *a: self.run(inner_jaxpr, inner_consts, a, inner)   # noqa: E731
+      fn = lambda *a: self.run(inner_jaxpr, inner_consts, a, inner)
       return list(jax.checkpoint(fn, prevent_cse=eqn.params.get("prevent_cse", True),
                                  policy=eqn.params.get("policy"))(*vals))
     return None

@@ -116,11 +116,11 @@ class Placement:
   def _topology(self) -> Topology:
     return self.topology if self.topology is not None else Topology.current()
 
-  def plan(self, shape: Sequence[int], dtype=jnp.float32) -> planner.Plan:
+  def plan(self, shape: Sequence[int], dtype=jnp.float32) -> planner.ArrayPlan:
     """The planner's decision for an array of ``shape``/``dtype`` on this placement's mesh."""
     return self._plan(self.resolved_mesh(), shape, dtype)
 
-  def _plan(self, mesh: Mesh, shape: Sequence[int], dtype) -> planner.Plan:
+  def _plan(self, mesh: Mesh, shape: Sequence[int], dtype) -> planner.ArrayPlan:
     ids, topology = _planning_inputs(mesh, self._topology())
     plan = planner.plan_tensor(shape, dtype, tuple(mesh.devices.shape), tuple(mesh.axis_names),
                                ids, topology, self.workload)
@@ -535,8 +535,8 @@ def _shard_like(x, like, *, placements: bool = False):
   state's ``mu`` (dicts or ``nnx.State`` of ``OptVariable``) mirrors the parameters (dicts or
   ``nnx.State`` of ``Param``). ``placements``: ``like`` holds Placements / NamedShardings /
   PartitionSpecs (a placement tree for the parameters) instead of arrays."""
-  var_leaf = lambda v: _is_box(v) or _is_variable(v)  # noqa: E731
-  like_leaf = lambda v: var_leaf(v) or isinstance(v, NamedSharding) or (  # noqa: E731
+  var_leaf = lambda v: _is_box(v) or _is_variable(v)
+  like_leaf = lambda v: var_leaf(v) or isinstance(v, NamedSharding) or (
       placements and _is_placement(v))
   paths_leaves = jax.tree_util.tree_flatten_with_path(like, is_leaf=like_leaf)[0]
   if not paths_leaves:

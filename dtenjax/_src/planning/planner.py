@@ -114,7 +114,7 @@ class CandidateCost:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ArrayPlan:
   """The planner's answer for one tensor: the strategy, its spec, and every candidate's cost."""
   shape: tuple[int, ...]
   dtype: str
@@ -189,7 +189,7 @@ def _allreduce_s(nbytes: int, group: tuple[int, ...], axis_sizes: tuple[int, ...
 def plan_tensor(shape: Sequence[int], dtype, mesh_shape: Sequence[int], axis_names: Sequence[str],
                 device_ids: np.ndarray, topology: Topology,
                 workload: Workload = Workload(), *,
-                all_reduce_time: AllReduceTime | None = None) -> Plan:
+                all_reduce_time: AllReduceTime | None = None) -> ArrayPlan:
   """Costs every strategy for one tensor and picks one (see the module docstring).
 
   ``all_reduce_time`` prices the all-reduces (default: the algorithm registry's, installed by the
@@ -202,7 +202,7 @@ def plan_tensor(shape: Sequence[int], dtype, mesh_shape: Sequence[int], axis_nam
 
 @functools.lru_cache(maxsize=16384)
 def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, workload,
-                 price) -> Plan:
+                 price) -> ArrayPlan:
   itemsize = np.dtype(dtype).itemsize
   outer, a, inner, b = _axes(mesh_shape, axis_names)
   groups = _Groups(np.asarray(device_ids).reshape(mesh_shape))
@@ -260,7 +260,7 @@ def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, wor
   feasible = [c for c in cands if c.feasible]
   if not feasible:
     replicate = next(c for c in cands if c.strategy == "replicate")
-    return Plan(shape, dtype, "replicate", P(), tuple(cands),
+    return ArrayPlan(shape, dtype, "replicate", P(), tuple(cands),
                 "no candidate fits: " + (replicate.note or "falling back to replication"))
   best = min(c.time_s for c in feasible)
   close = [c for c in feasible if c.time_s <= best * (1 + w.time_tolerance) + 1e-12]
@@ -278,4 +278,4 @@ def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, wor
                "input or output dimensions, such as a flax attention kernel (features, heads, "
                "head_dim), give it flax logical axis names (Placement(rules=...)) or a "
                "PartitionSpec")
-  return Plan(shape, dtype, pick.strategy, pick.spec, tuple(cands), reason)
+  return ArrayPlan(shape, dtype, pick.strategy, pick.spec, tuple(cands), reason)

@@ -808,7 +808,7 @@ def _pinned_specs(pinned, args) -> dict[int, P]:
     raise errors.PlacementError(
         f"plan: pinned= must be a tuple with one entry per argument ({len(args)}), each None "
         "(plan it) or a pytree prefix of that argument holding PartitionSpecs or None")
-  is_spec = lambda s: isinstance(s, P) or s is None  # noqa: E731
+  is_spec = lambda s: isinstance(s, P) or s is None
   out: dict[int, P] = {}
   offset = 0
   for argnum, (tree, arg) in enumerate(zip(pinned, args)):

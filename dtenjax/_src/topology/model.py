@@ -424,7 +424,7 @@ class Topology:
   def from_json(cls, text_or_path: str | os.PathLike) -> Topology:
     """Parses JSON text, or reads a file when given a path."""
     text = os.fspath(text_or_path)
-    if isinstance(text_or_path, os.PathLike) or not text.lstrip()[:1] in ("{", "["):
+    if isinstance(text_or_path, os.PathLike) or text.lstrip()[:1] not in ("{", "["):
       origin = text
       try:
         with open(text, encoding="utf-8") as f:

@@ -8,7 +8,6 @@ block after gathering every block.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jax import lax
 
 from dtenjax._src import jaxapi

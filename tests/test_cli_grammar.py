@@ -1,0 +1,136 @@
+"""One grammar for every command: the same mistake gives the same exit status and the same
+one-line message whichever command it is made in (a table of commands x mistakes), ``--json``
+where the docs promise it, and help texts that name only options that exist."""
+
+import json
+import re
+import textwrap
+
+import pytest
+
+from dtenjax._src.cli import main as cli
+
+STEP = textwrap.dedent("""
+    import jax, jax.numpy as jnp
+
+    def step(p, x):
+      return jnp.sum(jnp.tanh(x @ p["w"]))
+
+    def example():
+      return ({"w": jax.ShapeDtypeStruct((32, 32), jnp.float32)},
+              jax.ShapeDtypeStruct((16, 32), jnp.float32))
+""")
+
+# The commands' own arguments before the mistake (a valid step where the command needs one).
+BASE = {
+    "demo": ["demo"],
+    "topo": ["topo"],
+    "explain": ["explain", "gstep:step", "--args", "gstep:example"],
+    "plan": ["plan", "gstep:step", "--args", "gstep:example"],
+    "info": ["info"],
+}
+NOWHERE = "/nonexistent-dir/out.json"
+
+# mistake -> (the commands it can be made in, exit status, what the one error line says after
+# "PROG COMMAND: error: "; identical in every command)
+MISTAKES = {
+    "unknown option": (["--no-such-option"], ("demo", "topo", "explain", "plan", "info"), 2,
+                       "unrecognized arguments: --no-such-option"),
+    "unknown fixture": (["--fixture", "nosuch"], ("topo", "explain", "plan"), 2,
+                        "--fixture 'nosuch': no shipped topology has that name; choose one of "
+                        "dgx_a100_8, "),
+    "mesh larger than the devices": (["--mesh", "data=16"], ("explain", "plan"), 2,
+                                     "--mesh 'data=16': the mesh needs 16 devices; this machine "
+                                     "has 8"),
+    "mesh not NAME=SIZE": (["--mesh", "data=x"], ("explain", "plan"), 2,
+                           "--mesh 'data=x': write it as NAME=SIZE,... (e.g. data=2,model=4): "
+                           "'data=x' is not NAME=SIZE"),
+    "--draw to a format it cannot write": (["--draw", "mesh.jpg"], ("topo", "plan"), 2,
+                                           "--draw 'mesh.jpg': name a .png, .svg, .pdf file"),
+    "unwritable --json": (["--json", NOWHERE], ("topo", "explain", "plan", "info"), 1,
+                          f"--json '{NOWHERE}': cannot write it (No such file or directory); "
+                          "give a path in a directory you can write to."),
+}
+
+
+@pytest.fixture()
+def step_dir(tmp_path, monkeypatch):
+  (tmp_path / "gstep.py").write_text(STEP)
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  return tmp_path
+
+
+def _run(argv, capsys):
+  try:
+    rc = cli.main(argv, prog="dtenjax")
+  except SystemExit as e:            # argparse's usage errors
+    rc = e.code
+  out, err = capsys.readouterr()
+  assert "Traceback" not in err, err
+  return rc, out, err
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_the_same_mistake_reads_the_same_in_every_command(mistake, step_dir, capsys):
+  extra, commands, code, message = MISTAKES[mistake]
+  seen = {}
+  for command in commands:
+    rc, _, err = _run(BASE[command] + extra, capsys)
+    lines = err.strip().splitlines()
+    prefix = f"dtenjax {command}: error: "
+    assert rc == code, (command, rc, err)
+    assert lines and lines[-1].startswith(prefix), (command, err)
+    # one line of message (argparse's own errors put its usage line above it)
+    assert len(lines) == 1 or lines[0].startswith("usage: "), (command, err)
+    seen[command] = lines[-1].removeprefix(prefix)
+    assert seen[command].startswith(message), (command, seen[command])
+  assert len(set(seen.values())) == 1, seen
+
+
+def test_json_is_json_in_every_command_that_offers_it(step_dir, capsys):
+  for command, key in (("topo", "devices"), ("info", None), ("plan", "leaves"),
+                       ("explain", None)):
+    rc, out, err = _run(BASE[command] + ["--json"], capsys)
+    assert rc == 0, (command, err)
+    data = json.loads(out)                      # nothing but JSON on stdout
+    assert isinstance(data, dict) and data, command
+    if key:
+      assert key in data, (command, sorted(data))
+    rc, out, _ = _run(BASE[command] + ["--json", str(step_dir / f"{command}.json")], capsys)
+    assert rc == 0 and json.loads((step_dir / f"{command}.json").read_text()) == data, command
+  plan = json.loads((step_dir / "plan.json").read_text())
+  assert plan["mesh"] and all(leaf["spec"] for leaf in plan["leaves"])
+
+
+def test_help_texts_name_only_options_and_commands_that_exist(capsys):
+  parser = cli.build_parser("dtenjax")
+  subparsers = next(a for a in parser._actions if a.choices and "topo" in a.choices)
+  options = {name: {o for a in p._actions for o in a.option_strings}
+             for name, p in subparsers.choices.items()}
+  texts = [parser.format_help()] + [p.format_help() for p in subparsers.choices.values()]
+  named = [(c, f) for t in texts for c, f in re.findall(r"dtenjax ([a-z]+) (--[\w-]+)",
+                                                        " ".join(t.split()))]
+  assert ("topo", "--list-fixtures") in named                # plan's and explain's --fixture
+  for command, flag in named:
+    assert command in options and flag in options[command], (command, flag)
+  rc, out, _ = _run(["topo", "--list-fixtures"], capsys)
+  assert rc == 0 and "dgx_a100_8" in out.split() and "h100_16" in out.split()
+
+
+def test_topo_and_plan_draw_the_mesh_over_the_topology(step_dir, capsys):
+  pytest.importorskip("matplotlib", reason="the plot extra (in the test extra)")
+  rc, out, err = _run(["topo", "--fixture", "roce_a100_4x8", "--draw", "topo.svg"], capsys)
+  assert rc == 0, err
+  svg = (step_dir / "topo.svg").read_text()
+  assert "roce_a100_4x8: 32 devices, 4 host(s)" in svg
+  for label in ("nvlink: 300 GB/s", "roce: 12.5 GB/s"):        # the fixture's link classes
+    assert label in svg, label
+  rc, out, err = _run(BASE["plan"] + ["--fixture", "h100_16", "--draw", "plan.svg"], capsys)
+  assert rc == 0, err
+  svg = (step_dir / "plan.svg").read_text()
+  plan = json.loads(_run(BASE["plan"] + ["--fixture", "h100_16", "--json"], capsys)[1])
+  for axis, size in plan["mesh"].items():
+    if size > 1:                   # each axis of the mesh with the links it runs over
+      assert f"{axis} ({size}): " in svg, axis
+  assert "host 1" in svg                                       # 16 devices over two hosts

@@ -21,6 +21,9 @@ PUBLIC = {
     "compression", "testing", "build_info",
     # checkpoints
     "checkpoint", "CheckpointError",
+    # pipeline parallelism
+    "pipeline", "Pipeline", "Schedule", "GPipe", "OneFOneB", "Interleaved", "pipeline_cost",
+    "PipelineCost", "pipeline_transport", "PipelineTransport",
 }
 
 

@@ -79,7 +79,7 @@ def pipelined(stages: int, schedule: str, devices, *, remat: bool = False) -> st
   return _digest(loss, new)
 
 
-def reference(data: int, devices) -> str:
+def reference(data: int, devices, *, remat: bool = False) -> str:
   mesh = _mesh((data,), ("data",), devices[:data])
   tx = optax.adamw(1e-2)
   params = pm.init()
@@ -87,7 +87,8 @@ def reference(data: int, devices) -> str:
   opt = tx.init(params)
   ospecs = pm.opt_specs(opt, params, specs)
   toks = pm.tokens(data * MICRO * ROWS)
-  step = jax.jit(jax.shard_map(pm.reference_step(MICRO, tx, data_size=data), mesh=mesh,
+  layer = jax.checkpoint(pm.body) if remat else pm.body
+  step = jax.jit(jax.shard_map(pm.reference_step(MICRO, tx, data_size=data, layer=layer), mesh=mesh,
                                in_specs=(specs, ospecs, P("data")), out_specs=(specs, ospecs, P())))
   with jax.set_mesh(mesh):
     new, _, loss = step(params, opt, toks)
@@ -100,11 +101,12 @@ def main(argv):
   for spec in argv:
     stages, schedule, *rest = spec.split(":")
     stages = int(stages)
-    data = len(devices) // stages
-    if data not in refs:
-      refs[data] = reference(data, devices)
-    got = pipelined(stages, schedule, devices, remat="remat" in rest)
-    print(json.dumps({"config": spec, "pipelined": got, "reference": refs[data]}), flush=True)
+    data, remat = len(devices) // stages, "remat" in rest
+    if (data, remat) not in refs:
+      refs[data, remat] = reference(data, devices, remat=remat)
+    got = pipelined(stages, schedule, devices, remat=remat)
+    print(json.dumps({"config": spec, "pipelined": got, "reference": refs[data, remat]}),
+          flush=True)
 
 
 if __name__ == "__main__":

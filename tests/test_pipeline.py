@@ -219,24 +219,49 @@ def test_loss_and_gradients_match_the_accumulation_loop_within_float_tolerance()
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def _bits(*configs, timeout=600):
+BITS_CONFIGS = ("2:1f1b:remat", "4:interleaved", "8:gpipe")
+
+
+@pytest.fixture(scope="module")
+def bits():
+  """tests/pipeline_bits.py in a fresh process with --xla_cpu_max_isa=AVX: per configuration the
+  digests of the pipelined and the unpipelined step."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX",
              JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  out = run_at_once({"bits": ([str(ROOT / "tests" / "pipeline_bits.py"), *configs], env)},
-                    timeout)["bits"]
-  return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+  out = run_at_once({"bits": ([str(ROOT / "tests" / "pipeline_bits.py"), *BITS_CONFIGS], env)},
+                    600)["bits"]
+  return {r["config"]: r for r in map(json.loads, filter(None, out.splitlines()))}
 
 
 @pytest.mark.multiprocess
-def test_pipelined_step_has_the_unpipelined_steps_bits():
+def test_pipelined_step_has_the_unpipelined_steps_bits(bits):
   """One adamw step of the small Llama with data-parallel gradients through the reproducible sum:
-  pipelined over 2, 4 and 8 stages (each schedule once, and 1F1B with jax.checkpoint around the
+  pipelined over 2, 4 and 8 stages (each schedule once; 1F1B with jax.checkpoint around the
   layer) and unpipelined with the same micro-batches give the same loss and parameters, bit for
-  bit. (The full 3 x 3 matrix: docs/pipeline.md.)"""
-  rows = _bits("2:1f1b:remat", "4:interleaved", "8:gpipe")
-  assert [r["config"] for r in rows] == ["2:1f1b:remat", "4:interleaved", "8:gpipe"]
-  for r in rows:
+  bit. (The whole 3 x 3 matrix: docs/pipeline.md.)"""
+  assert sorted(bits) == sorted(BITS_CONFIGS)
+  for r in bits.values():
     assert r["pipelined"] == r["reference"], r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nprocs,stages,schedule,same_as", [(2, 2, "1f1b", "2:1f1b:remat"),
+                                                            (4, 4, "gpipe", "4:interleaved")])
+def test_stages_in_separate_processes_give_the_same_bits(bits, tmp_path, nprocs, stages, schedule,
+                                                         same_as):
+  """The same step with its stage axis across 2 and 4 processes (jax.distributed on 127.0.0.1,
+  8 CPU devices in all, XLA's collective-permute over gloo) has the bits of the unpipelined step
+  in one process; every process says which path its stages took and why."""
+  from mp_workers import launch  # pylint: disable=g-import-not-at-top
+  codes, results, logs = launch.launch(
+      "tests.mp_workers.pipeline_worker", nprocs, str(tmp_path), devices_per_proc=8 // nprocs,
+      timeout_s=300, args=[str(stages), schedule],
+      env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // nprocs} "
+                        "--xla_cpu_max_isa=AVX"})
+  assert codes == [0] * nprocs, [log[-2000:] for log in logs]
+  for r in results:
+    assert r["digest"] == bits[same_as]["reference"], r
+    assert (r["path"], r["processes"]) == ("xla", nprocs) and "gloo" in r["reason"], r
 
 
 def test_transport_choice_says_which_path_and_why():
@@ -246,3 +271,9 @@ def test_transport_choice_says_which_path_and_why():
   assert "xla" in choice.table()
   with pytest.raises(dtenjax.MeshError, match="no axis 'stage'"):
     dtenjax.pipeline_transport(jax.make_mesh((8,), ("data",)))
+  from dtenjax._src.pipeline import transport  # pylint: disable=g-import-not-at-top
+  assert transport.decide(4, "gpu", None).path == "xla"
+  assert "NCCL" in transport.decide(4, "gpu", None).reason
+  assert transport.decide(2, "cpu", "gloo").path == "xla"
+  refused = transport.decide(2, "cpu", "none")
+  assert refused.path == "none" and "'gloo'" in refused.reason and "'none'" in refused.reason

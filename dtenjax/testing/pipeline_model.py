@@ -109,10 +109,11 @@ def pipelined_step(pipe, tx, *, data_axis: str = "data", data_size: int = 1,
 
 
 def reference_step(microbatches, tx, *, data_axis: str = "data", data_size: int = 1,
-                   reproducible: bool = True):
+                   reproducible: bool = True, layer=body):
   """The same step unpipelined (every layer on every device; inside ``jax.shard_map`` over
   ``data_axis``): embedding over the whole batch, then a gradient-accumulation loop over
-  ``microbatches`` micro-batches through all layers."""
+  ``microbatches`` micro-batches through all layers (``layer``: the body, e.g. under
+  ``jax.checkpoint`` as the pipelined step's)."""
   def step(params, opt_state, toks):
     p = dtenjax.compression.pvary(params, data_axis)
     x, embed_vjp = jax.vjp(lambda e: embed(e, toks[:, :-1]), p["embed"])
@@ -120,7 +121,7 @@ def reference_step(microbatches, tx, *, data_axis: str = "data", data_size: int 
     xs, ts = split(x), split(toks[:, 1:])
 
     def micro(layers, head, xm, tm):
-      return loss_fn(head, lax.scan(body, xm, layers)[0], tm)
+      return loss_fn(head, lax.scan(layer, xm, layers)[0], tm)
 
     def accumulate(acc, mb):
       xm, tm = mb

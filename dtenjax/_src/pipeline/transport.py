@@ -54,18 +54,24 @@ def choose(mesh, axis: str = "stage") -> TransportChoice:
   groups = jaxapi.device_groups(mesh.devices, mesh.axis_names, (axis,))
   processes = max(len({d.process_index for d in row}) for row in groups)
   backend = np.asarray(mesh.devices).flat[0].platform
+  return decide(processes, backend, getattr(jax.config, "jax_cpu_collectives_implementation", None))
+
+
+def decide(processes: int, backend: str, cpu_collectives: str | None) -> TransportChoice:
+  """The rule of :func:`choose` on its inputs: how many processes one pipeline's stages span,
+  the platform, and XLA's CPU collectives implementation."""
   if processes == 1:
     return TransportChoice("xla", "every stage of a pipeline is in one process: XLA's in-process "
                            "collective-permute", 1, backend)
   if backend != "cpu":
     return TransportChoice("xla", f"stages in {processes} processes on {backend}: XLA's "
                            "collective-permute over NCCL send/recv", processes, backend)
-  impl = getattr(jax.config, "jax_cpu_collectives_implementation", None)
-  if impl in ("gloo", "mpi"):
+  if cpu_collectives in ("gloo", "mpi"):
     return TransportChoice("xla", f"stages in {processes} processes on CPU: XLA's "
-                           f"collective-permute over {impl}", processes, backend)
+                           f"collective-permute over {cpu_collectives}", processes, backend)
   return TransportChoice(
       "none", f"stages in {processes} processes on CPU, and XLA's CPU collectives reach no other "
-      f"process (jax_cpu_collectives_implementation={impl!r}); dtenjax's host transport does not "
-      "carry pipeline activations yet. Set jax.config.update('jax_cpu_collectives_implementation', "
-      "'gloo') before jax.distributed.initialize()", processes, backend)
+      f"process (jax_cpu_collectives_implementation={cpu_collectives!r}); dtenjax's host "
+      "transport does not carry pipeline activations yet. Set "
+      "jax.config.update('jax_cpu_collectives_implementation', 'gloo') before "
+      "jax.distributed.initialize()", processes, backend)

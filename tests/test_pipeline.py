@@ -168,6 +168,12 @@ def test_bad_calls_name_the_value_and_the_fix():
     _call(dtenjax.pipeline(pm.body, pm.loss_fn, stages=2, microbatches=5), mesh, params, toks)
   with pytest.raises(dtenjax.ConfigurationError, match=r"'stage' has 2 devices but stages=4"):
     _call(dtenjax.pipeline(pm.body, pm.loss_fn, stages=4, microbatches=4), mesh, params, toks)
+  specs = pm.param_specs(params, "stage")
+  unchecked = jax.shard_map(lambda p, t: pipe(p["layers"], p["head"], pm.embed(p["embed"], t[:, :-1]),
+                                              t[:, 1:]),
+                            mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"check_vma=False.*default check_vma=True"):
+    jax.jit(unchecked).lower(params, toks)
 
 
 @functools.partial(jax.jit, static_argnums=2)

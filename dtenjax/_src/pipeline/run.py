@@ -158,6 +158,11 @@ class Pipeline:
           f"mesh with a {self.axis!r} axis of size {self.stages}, e.g. "
           f"jax.make_mesh(({self.stages}, n), ({self.axis!r}, 'data')), or pass axis= the name "
           "of your stage axis")
+    if not jaxapi.vma_checked():
+      raise errors.ConfigurationError(
+          "pipeline: the enclosing jax.shard_map has check_vma=False; the pipeline relies on its "
+          "types to sum the gradients of stage-replicated inputs (head, x) over the stage axis: "
+          "use jax.shard_map's default check_vma=True")
     if sizes[self.axis] != self.stages:
       problems.append(f"the mesh axis {self.axis!r} has {sizes[self.axis]} devices but "
                       f"stages={self.stages}: make them equal")
@@ -188,7 +193,7 @@ class Pipeline:
 
 
 def pipeline(body: Callable, loss_fn: Callable, *, stages: int, microbatches: int,
-             schedule: sched.Schedule | None = None, axis: str = "stage") -> Pipeline:
+             schedule: sched.Schedule = sched.OneFOneB(), axis: str = "stage") -> Pipeline:
   """A pipelined loss over the mesh axis ``axis`` (see :class:`Pipeline` for the call).
 
   Args:
@@ -201,18 +206,17 @@ def pipeline(body: Callable, loss_fn: Callable, *, stages: int, microbatches: in
     schedule: ``OneFOneB()`` (the default), ``GPipe()`` or ``Interleaved(virtual=2)``.
     axis: the mesh axis the stages lie along.
   """
-  return Pipeline(body, loss_fn, stages, microbatches,
-                  sched.OneFOneB() if schedule is None else schedule, axis)
+  return Pipeline(body, loss_fn, stages, microbatches, schedule, axis)
 
 
-def pipeline_cost(stages: int, microbatches: int, schedule: sched.Schedule | None = None, *,
+def pipeline_cost(stages: int, microbatches: int, schedule: sched.Schedule = sched.OneFOneB(), *,
                   forward: float = 1.0, backward: float = 3.0, input_bytes: float = 0.0
                   ) -> sched.PipelineCost:
   """Predicted bubble fraction, lockstep time and held micro-batch inputs of a schedule: a pure
   function of the numbers (no devices, no compilation), for planners. See
   :func:`dtenjax._src.pipeline.schedule.predict`."""
-  return sched.predict(sched.OneFOneB() if schedule is None else schedule, stages, microbatches,
-                       forward=forward, backward=backward, input_bytes=input_bytes)
+  return sched.predict(schedule, stages, microbatches, forward=forward, backward=backward,
+                       input_bytes=input_bytes)
 
 
 # --- the executor ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -283,3 +284,50 @@ def test_transport_choice_says_which_path_and_why():
   assert transport.decide(2, "cpu", "gloo").path == "xla"
   refused = transport.decide(2, "cpu", "none")
   assert refused.path == "none" and "'gloo'" in refused.reason and "'none'" in refused.reason
+
+
+def test_fsdp_on_the_data_axis_gathers_per_layer_inside_the_stage():
+  """FSDP on the other axis: a layer weight also split over "data" and gathered one layer at a
+  time inside the layer body (lax.all_gather, whose transpose reduce-scatters its gradient); the
+  gradients summed over the data shards match the accumulation loop's, per shard, summed."""
+  layers, d, vocab, seq = 4, 8, 16, 4
+  rng = np.random.default_rng(0)
+  normal = lambda *s: jnp.asarray(rng.normal(0, 0.3, s), jnp.float32)
+  params = {"embed": normal(vocab, d), "head": {"unembed": normal(d, vocab)},
+            "layers": {"w1": normal(layers, d, d), "w2": normal(layers, d, d)}}
+  toks = jnp.asarray(rng.integers(0, vocab, (16, seq + 1)), jnp.int32)
+
+  def plain(h, w):
+    return h + jnp.tanh(h @ w["w1"]) @ w["w2"], None
+
+  def sharded(h, w):
+    return plain(h, {**w, "w1": lax.all_gather(w["w1"], "data", axis=1, tiled=True)})
+
+  def loss_fn(head, h, t):
+    return optax.softmax_cross_entropy_with_integer_labels(h @ head["unembed"], t).mean()
+
+  mesh = jax.make_mesh((2, 4), ("stage", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  pipe = dtenjax.pipeline(sharded, loss_fn, stages=2, microbatches=2)
+  specs = {"embed": P(), "head": {"unembed": P()},
+           "layers": {"w1": P("stage", None, "data"), "w2": P("stage")}}
+
+  def f(p, t):
+    def loss(p):
+      return pipe(p["layers"], p["head"], jnp.take(p["embed"], t[:, :-1], axis=0), t[:, 1:])
+    return jax.grad(loss)(p)["layers"]           # summed over data: w1 reduce-scattered, w2 psum
+
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(specs, P("data")),
+                                out_specs=specs["layers"]))(params, toks)
+
+  @jax.jit
+  def shard_grads(p, t):
+    x = jnp.take(p["embed"], t[:, :-1], axis=0).reshape(2, -1, seq, d)
+    ts = t[:, 1:].reshape(2, -1, seq)
+    loss = lambda w: (loss_fn(p["head"], lax.scan(plain, x[0], w)[0], ts[0]) +
+                      loss_fn(p["head"], lax.scan(plain, x[1], w)[0], ts[1])) / 2
+    return jax.grad(loss)(p["layers"])
+  want = jax.tree.map(lambda *g: sum(g), *[shard_grads(params, toks[4 * s:4 * s + 4])
+                                           for s in range(4)])
+  for k in ("w1", "w2"):
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)

@@ -3,10 +3,11 @@
 reproducible sum; prints one JSON line per configuration with the digests of both steps' loss
 and updated parameters (layers back in layer order).
 
-``python tests/pipeline_bits.py STAGES:SCHEDULE[:remat] ...`` (SCHEDULE gpipe, 1f1b or
+``python tests/pipeline_bits.py STAGES[xDATA]:SCHEDULE[:remat] ...`` (SCHEDULE gpipe, 1f1b or
 interleaved; ``remat`` wraps the layer in ``jax.checkpoint``) on 8 devices: each configuration
-uses ``stages x (8 / stages)`` devices, ``MICRO`` micro-batches of ``ROWS`` sequences per data
-shard. Used by ``tests/test_pipeline.py`` (with ``--xla_cpu_max_isa=AVX``, so the bits do not
+uses the first ``stages x data`` devices (``data`` defaults to ``8 / stages``), ``MICRO``
+micro-batches of ``ROWS`` sequences per data shard; configurations with the same ``data`` share
+one unpipelined run. Used by ``tests/test_pipeline.py`` (with ``--xla_cpu_max_isa=AVX``, so the bits do not
 depend on how XLA fuses the two programs) and by the multi-process worker
 (``tests/mp_workers/pipeline_worker.py``), which runs the pipelined step across processes.
 """
@@ -99,12 +100,13 @@ def main(argv):
   devices = jax.devices()
   refs = {}
   for spec in argv:
-    stages, schedule, *rest = spec.split(":")
+    shape, schedule, *rest = spec.split(":")
+    stages, _, data = shape.partition("x")
     stages = int(stages)
-    data, remat = len(devices) // stages, "remat" in rest
+    data, remat = int(data) if data else len(devices) // stages, "remat" in rest
     if (data, remat) not in refs:
       refs[data, remat] = reference(data, devices, remat=remat)
-    got = pipelined(stages, schedule, devices, remat=remat)
+    got = pipelined(stages, schedule, devices[:stages * data], remat=remat)
     print(json.dumps({"config": spec, "pipelined": got, "reference": refs[data, remat]}),
           flush=True)
 

@@ -10,16 +10,18 @@ A schedule is the order in which each device runs its ``F`` and ``B`` actions:
 
 * :class:`GPipe` -- every forward, then every backward (each in micro-batch order). A device holds
   the inputs of all its micro-batches at once.
-* :class:`OneFOneB` -- ``stages - 1 - d`` forwards to fill the pipe, then one forward and one
-  backward in turn: device ``d`` holds at most ``stages - d`` micro-batch inputs, whatever the
-  number of micro-batches.
+* :class:`OneFOneB` -- ``2 (stages - 1 - d)`` forwards to fill the pipe (a message takes a tick
+  to the neighbour, so the first backward returns after a round trip), then one forward and one
+  backward per tick: device ``d`` holds at most ``2 (stages - d) - 1`` micro-batch inputs,
+  whatever the number of micro-batches.
 * :class:`Interleaved` -- 1F1B over ``virtual`` chunks per device (Megatron's interleaved
   schedule): the bubble shrinks by ``virtual``; it needs ``microbatches % stages == 0``.
 
-:func:`timetable` turns a schedule into the static table the pipelined step runs: one action per
-device per *tick*, a device starting its next action as soon as its inputs have arrived (one tick
-after the neighbour produced them). Every device runs in lockstep (one SPMD program), so a tick
-lasts as long as its slowest action. :func:`predict` prices that table -- bubble fraction, time in
+:func:`timetable` turns a schedule into the static table the pipelined step runs: per device per
+*tick* at most one forward and then one backward, taken in the schedule's order as soon as their
+inputs have arrived (one tick after the neighbour produced them; the last chunk's backward may
+follow its own forward in the same tick, since that forward only keeps its input). Every device
+runs in lockstep (one SPMD program), so a tick lasts as long as its slowest device's work. :func:`predict` prices that table -- bubble fraction, time in
 units of a forward, and the peak number of micro-batch inputs each device holds -- as a pure
 function of the numbers, so a planner can weigh schedules without compiling anything.
 """
@@ -85,7 +87,7 @@ class GPipe(Schedule):
 
 @dataclasses.dataclass(frozen=True)
 class OneFOneB(Schedule):
-  """One forward, one backward (PipeDream-flush): at most ``stages`` micro-batch inputs held."""
+  """One forward, one backward (PipeDream-flush): fewer than ``2 stages`` micro-batch inputs held."""
 
   def orders(self, stages, microbatches):
     out = []

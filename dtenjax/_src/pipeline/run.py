@@ -73,7 +73,8 @@ class Pipeline:
           f"pipeline(body={self.body!r}, loss_fn={self.loss_fn!r}): both must be callables, "
           "body(h, layer) -> (h, _) as for lax.scan and loss_fn(head, h, targets) -> scalar")
     if not isinstance(self.axis, str):
-      raise errors.ConfigurationError(f"axis={self.axis!r} must be one mesh axis name, e.g. 'stage'")
+      raise errors.ConfigurationError(
+          f"axis={self.axis!r} must be one mesh axis name, e.g. 'stage'")
 
   @property
   def chunks(self) -> int:
@@ -107,7 +108,7 @@ class Pipeline:
     sched.check(self.schedule, self.stages, self.microbatches, layers=sizes[0])
     return sizes[0]
 
-  # --- prices and report ----------------------------------------------------------------------------
+  # --- prices and report -------------------------------------------------------------------------
 
   def cost(self, *, forward: float = 1.0, backward: float = 3.0, input_bytes: float = 0.0
            ) -> sched.PipelineCost:
@@ -126,7 +127,7 @@ class Pipeline:
   def __str__(self):
     return self.report()
 
-  # --- the call -------------------------------------------------------------------------------------
+  # --- the call ----------------------------------------------------------------------------------
 
   def __call__(self, layers: PyTree, head: PyTree, x, targets: PyTree):
     self._check_call(layers, x, targets)
@@ -219,7 +220,7 @@ def pipeline_cost(stages: int, microbatches: int, schedule: sched.Schedule = sch
                        input_bytes=input_bytes)
 
 
-# --- the executor ------------------------------------------------------------------------------------
+# --- the executor -------------------------------------------------------------------------------
 
 def _zero_cotangent(t):
   if jnp.issubdtype(jnp.result_type(t), jnp.inexact):
@@ -232,7 +233,6 @@ def _like(ct, primal):
   does not (what JAX's own transpose of the implicit cast does), cast to varying where
   ``primal`` varies and ``ct`` does not."""
   def one(c, p):
-
     extra = tuple(sorted(jaxapi.vma(c) - jaxapi.vma(p)))
     if extra:
       c = lax.psum(c, extra)
@@ -247,8 +247,8 @@ def _execute(pipe: Pipeline, layers, head, x, targets, *, backward: bool):
   table = sched.timetable(pipe.schedule, p, mbs, backward)
   ka, kc = table.activation_slots, table.cotangent_slots
   d = lax.axis_index(axis)
-  axes = tuple(sorted(set().union(*(jaxapi.vma(a) for a in jax.tree.leaves((layers, head, x, targets))),
-                                  {axis})))
+  leaves = jax.tree.leaves((layers, head, x, targets))
+  axes = tuple(sorted(set().union(*(jaxapi.vma(a) for a in leaves), {axis})))
   vary = lambda t: jax.tree.map(lambda a: jaxapi.to_varying(a, axes), t)
 
   # Every operand typed varying over all axes before the loop: a value used inside a branch
@@ -308,8 +308,8 @@ def _execute(pipe: Pipeline, layers, head, x, targets, *, backward: bool):
   def send_back(s, vc, m, first, dp, dh):
     s = {**s, "grads": vary(add(s["grads"], vc, dp))}
     old = lax.dynamic_index_in_dim(s["dx"], m, 0, False)
-    return {**s, "dx": vary(lax.dynamic_update_index_in_dim(s["dx"], jnp.where(first, dh, old), m, 0)),
-            "send_b": vary(dh)}
+    dx = lax.dynamic_update_index_in_dim(s["dx"], jnp.where(first, dh, old), m, 0)
+    return {**s, "dx": vary(dx), "send_b": vary(dh)}
 
   def backward_inner(s, vc, m, first):
     _, pull = jax.vjp(stage, pick(chunks, vc), h_in(s, vc, m, first))

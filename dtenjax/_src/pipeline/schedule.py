@@ -21,9 +21,10 @@ A schedule is the order in which each device runs its ``F`` and ``B`` actions:
 *tick* at most one forward and then one backward, taken in the schedule's order as soon as their
 inputs have arrived (one tick after the neighbour produced them; the last chunk's backward may
 follow its own forward in the same tick, since that forward only keeps its input). Every device
-runs in lockstep (one SPMD program), so a tick lasts as long as its slowest device's work. :func:`predict` prices that table -- bubble fraction, time in
-units of a forward, and the peak number of micro-batch inputs each device holds -- as a pure
-function of the numbers, so a planner can weigh schedules without compiling anything.
+runs in lockstep (one SPMD program), so a tick lasts as long as its slowest device's work.
+:func:`predict` prices that table -- bubble fraction, time in units of a forward, and the peak
+number of micro-batch inputs each device holds -- as a pure function of the numbers, so a planner
+can weigh schedules without compiling anything.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class GPipe(Schedule):
-  """All forwards, then all backwards: the bubble of 1F1B, activation memory for every micro-batch."""
+  """All forwards, then all backwards: 1F1B's bubble, an input held for every micro-batch."""
 
   def orders(self, stages, microbatches):
     return [[("F", 0, m) for m in range(microbatches)] + [("B", 0, m) for m in range(microbatches)]
@@ -87,7 +88,7 @@ class GPipe(Schedule):
 
 @dataclasses.dataclass(frozen=True)
 class OneFOneB(Schedule):
-  """One forward, one backward (PipeDream-flush): fewer than ``2 stages`` micro-batch inputs held."""
+  """One forward, one backward (PipeDream-flush): fewer than ``2 stages`` inputs held."""
 
   def orders(self, stages, microbatches):
     out = []
@@ -193,8 +194,7 @@ def check(schedule, stages, microbatches, layers=None, batch=None) -> None:
     near = [n for n in range(1, layers + 1) if layers % (n * schedule.virtual) == 0]
     problems.append(
         f"{layers} layers do not split into {stages} stages x {schedule.virtual} virtual chunks "
-        f"({chunks} equal chunks): use a number of stages dividing {layers // schedule.virtual if layers % schedule.virtual == 0 else layers} "
-        f"(here {near}) or another number of layers")
+        f"({chunks} equal chunks): use stages in {near}, or a layer count divisible by {chunks}")
   if batch is not None and batch % microbatches:
     divisors = [n for n in range(1, batch + 1) if batch % n == 0]
     problems.append(f"microbatches={microbatches} does not divide the batch of {batch} rows: use "
@@ -315,8 +315,9 @@ def predict(schedule: Schedule, stages: int, microbatches: int, *, forward: floa
   step's: its backward recomputes the stage's forward from the saved input (1) and then runs the
   backward proper (about 2). Every tick lasts as long as the slowest action of any device (one
   SPMD program in lockstep); in a tick a device runs a forward and a backward, so 1F1B's steady
-  state keeps every device busy. ``input_bytes`` (one micro-batch's activation at a stage boundary) turns the peak count of
-  held inputs into bytes; the step also holds one chunk's residuals while it runs a backward.
+  state keeps every device busy. ``input_bytes`` (one micro-batch's activation at a stage
+  boundary) turns the peak count of held inputs into bytes; the step also holds one chunk's
+  residuals while it runs a backward.
   """
   table = timetable(schedule, stages, microbatches)
   v = schedule.virtual

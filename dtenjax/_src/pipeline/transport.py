@@ -49,8 +49,9 @@ class TransportChoice:
 def choose(mesh, axis: str = "stage") -> TransportChoice:
   """The path a pipeline along ``axis`` of ``mesh`` (a concrete ``jax.sharding.Mesh``) takes."""
   if axis not in mesh.axis_names:
-    raise errors.MeshError(f"pipeline: the mesh has no axis {axis!r} (axes {list(mesh.axis_names)}): "
-                           f"make one, e.g. jax.make_mesh((stages, n), ({axis!r}, 'data'))")
+    raise errors.MeshError(
+        f"pipeline: the mesh has no axis {axis!r} (axes {list(mesh.axis_names)}): make one, "
+        f"e.g. jax.make_mesh((stages, n), ({axis!r}, 'data'))")
   groups = jaxapi.device_groups(mesh.devices, mesh.axis_names, (axis,))
   processes = max(len({d.process_index for d in row}) for row in groups)
   backend = np.asarray(mesh.devices).flat[0].platform

@@ -46,6 +46,16 @@ from dtenjax._src.collectives.passes.fusion import fuse_collectives as fuse_coll
 from dtenjax._src.collectives.passes.memory import MemoryPlan as MemoryPlan
 from dtenjax._src.collectives.passes.memory import memory_plan as memory_plan
 from dtenjax._src.collectives.passes.substitute import substitute_psum as substitute_psum
+from dtenjax._src.pipeline.run import Pipeline as Pipeline
+from dtenjax._src.pipeline.run import pipeline as pipeline
+from dtenjax._src.pipeline.run import pipeline_cost as pipeline_cost
+from dtenjax._src.pipeline.schedule import GPipe as GPipe
+from dtenjax._src.pipeline.schedule import Interleaved as Interleaved
+from dtenjax._src.pipeline.schedule import OneFOneB as OneFOneB
+from dtenjax._src.pipeline.schedule import PipelineCost as PipelineCost
+from dtenjax._src.pipeline.schedule import Schedule as Schedule
+from dtenjax._src.pipeline.transport import TransportChoice as PipelineTransport
+from dtenjax._src.pipeline.transport import choose as pipeline_transport
 from dtenjax._src.planning.placement import Placement as Placement
 from dtenjax._src.planning.placement import shard as shard
 from dtenjax._src.planning.placement import tensor as tensor
@@ -75,17 +85,24 @@ __all__ = [
     "DtenjaxWarning",
     "Explanation",
     "ExtensionUnavailableError",
+    "GPipe",
     "GraphScheduler",
+    "Interleaved",
     "LinkSpec",
     "MemoryPlan",
     "MeshError",
     "NativeError",
+    "OneFOneB",
+    "Pipeline",
+    "PipelineCost",
+    "PipelineTransport",
     "Placement",
     "PlacementError",
     "PreemptionPolicy",
     "ProcessLostError",
     "QueueFullError",
     "QuotaExceededError",
+    "Schedule",
     "SchedulerClosedError",
     "SchedulerTimeoutError",
     "StepPlan",
@@ -110,6 +127,9 @@ __all__ = [
     "plan",
     "plan_all_reduce",
     "pin_nccl",
+    "pipeline",
+    "pipeline_cost",
+    "pipeline_transport",
     "pmap",
     "preemption_decision",
     "reduce_scatter",

@@ -26,6 +26,9 @@ PUBLIC = {
     "checkpoint", "CheckpointError",
     # elastic jobs
     "elastic", "ProcessLostError",
+    # pipeline parallelism
+    "pipeline", "Pipeline", "Schedule", "GPipe", "OneFOneB", "Interleaved", "pipeline_cost",
+    "PipelineCost", "pipeline_transport", "PipelineTransport",
 }
 
 
@@ -98,6 +101,8 @@ BENCH_PRIVATE_IMPORTS = {
     # the top-k kernel's FFI target and its count rule, timed against lax.top_k
     ("bench/compression_select.py", "dtenjax._src"),
     ("bench/compression_select.py", "dtenjax._src.compression"),
+    # the checkpoint I/O backends, timed as the disk's own roofline
+    ("bench/checkpoint.py", "dtenjax._src.checkpoint"),
     # the native transport and its key-value store, timed directly
     ("bench/transport.py", "dtenjax._src.net"),
 }

@@ -22,7 +22,7 @@ def _documented() -> dict[str, set[str]]:
   for line in INDEX.read_text().splitlines():
     if m := re.match(r"\.\. currentmodule:: (\S+)", line):
       module = m.group(1)
-    elif m := re.match(r"\.\. auto(?:function|class|exception):: (\S+)", line):
+    elif m := re.match(r"\.\. auto(?:function|class|exception|data):: (\S+)", line):
       out.setdefault(module, set()).add(m.group(1))
   return out
 

@@ -18,7 +18,7 @@ LAYERS = {
     "net": 1, "gpu": 1,
     "topology": 2,
     "planning": 3,
-    "collectives": 4, "checkpoint": 4,
+    "collectives": 4, "checkpoint": 4, "pipeline": 4,
     "compression": 5, "serving": 5, "elastic": 5,
     "cli": 6,
 }

@@ -1,0 +1,115 @@
+"""One training step of the small Llama (``dtenjax.testing.pipeline_model``) pipelined over a
+``stage`` mesh axis and unpipelined, with the gradients averaged over ``data`` by dtenjax's
+reproducible sum; prints one JSON line per configuration with the digests of both steps' loss
+and updated parameters (layers back in layer order).
+
+``python tests/pipeline_bits.py STAGES[xDATA]:SCHEDULE[:remat] ...`` (SCHEDULE gpipe, 1f1b or
+interleaved; ``remat`` wraps the layer in ``jax.checkpoint``) on 8 devices: each configuration
+uses the first ``stages x data`` devices (``data`` defaults to ``8 / stages``), ``MICRO``
+micro-batches of ``ROWS`` sequences per data shard; configurations with the same ``data`` share
+one unpipelined run. Used by ``tests/test_pipeline.py`` (with ``--xla_cpu_max_isa=AVX``, so the bits do not
+depend on how XLA fuses the two programs) and by the multi-process worker
+(``tests/mp_workers/pipeline_worker.py``), which runs the pipelined step across processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dtenjax
+from dtenjax.testing import pipeline_model as pm
+
+MICRO, ROWS = 8, 2
+SCHEDULES = {"gpipe": dtenjax.GPipe(), "1f1b": dtenjax.OneFOneB(),
+             "interleaved": dtenjax.Interleaved(virtual=2)}
+
+
+def _mesh(shape, names, devices):
+  return jax.sharding.Mesh(np.asarray(devices).reshape(shape), names)
+
+
+def _place(tree, mesh, specs):
+  def one(x, spec):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
+  return jax.tree.map(one, tree, specs)
+
+
+def _digest(loss, params) -> str:
+  h = hashlib.sha256()
+  for leaf in [loss] + jax.tree.leaves(params):
+    h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+  return h.hexdigest()[:16]
+
+
+def _gathered(tree):
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  if jax.process_count() == 1:
+    return jax.tree.map(np.asarray, tree)
+  return jax.tree.map(lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
+
+
+def pipelined(stages: int, schedule: str, devices, *, remat: bool = False) -> str:
+  data = len(devices) // stages
+  mesh = _mesh((stages, data), ("stage", "data"), devices)
+  body = jax.checkpoint(pm.body) if remat else pm.body
+  pipe = dtenjax.pipeline(body, pm.loss_fn, stages=stages, microbatches=MICRO,
+                          schedule=SCHEDULES[schedule])
+  tx = optax.adamw(1e-2)
+  params = pm.init()
+  staged = {**params, "layers": jax.tree.map(np.asarray, pipe.to_stages(params["layers"]))}
+  specs = pm.param_specs(params, "stage")
+  opt = tx.init(staged)
+  ospecs = pm.opt_specs(opt, params, specs)
+  toks = pm.tokens(data * MICRO * ROWS)
+  step = jax.jit(jax.shard_map(pm.pipelined_step(pipe, tx, data_size=data), mesh=mesh,
+                               in_specs=(specs, ospecs, P("data")), out_specs=(specs, ospecs, P())))
+  with jax.set_mesh(mesh):
+    new, _, loss = step(_place(staged, mesh, specs), _place(opt, mesh, ospecs),
+                        _place(toks, mesh, P("data")))
+  new, loss = _gathered(new), _gathered(loss)
+  new = {**new, "layers": jax.tree.map(np.asarray, pipe.from_stages(new["layers"]))}
+  return _digest(loss, new)
+
+
+def reference(data: int, devices, *, remat: bool = False) -> str:
+  mesh = _mesh((data,), ("data",), devices[:data])
+  tx = optax.adamw(1e-2)
+  params = pm.init()
+  specs = pm.param_specs(params, None)
+  opt = tx.init(params)
+  ospecs = pm.opt_specs(opt, params, specs)
+  toks = pm.tokens(data * MICRO * ROWS)
+  layer = jax.checkpoint(pm.body) if remat else pm.body
+  step = jax.jit(jax.shard_map(pm.reference_step(MICRO, tx, data_size=data, layer=layer), mesh=mesh,
+                               in_specs=(specs, ospecs, P("data")), out_specs=(specs, ospecs, P())))
+  with jax.set_mesh(mesh):
+    new, _, loss = step(params, opt, toks)
+  return _digest(np.asarray(loss), jax.tree.map(np.asarray, new))
+
+
+def main(argv):
+  devices = jax.devices()
+  refs = {}
+  for spec in argv:
+    shape, schedule, *rest = spec.split(":")
+    stages, _, data = shape.partition("x")
+    stages = int(stages)
+    data, remat = int(data) if data else len(devices) // stages, "remat" in rest
+    if (data, remat) not in refs:
+      refs[data, remat] = reference(data, devices, remat=remat)
+    got = pipelined(stages, schedule, devices[:stages * data], remat=remat)
+    print(json.dumps({"config": spec, "pipelined": got, "reference": refs[data, remat]}),
+          flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

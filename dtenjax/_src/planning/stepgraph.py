@@ -47,6 +47,8 @@ optimization_barrier sharding_constraint
 _ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
                       "reduce_precision"))
 _SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# jax.checkpoint's primitive (its name differs between JAX versions)
+_REMAT = frozenset(("checkpoint", "remat", "remat2"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,8 @@ class WeightUse:
   primitive: str
   flops: float = 0.0              # of the products that read it, and of its gradient's
   input_grad: bool = True         # the partner depends on the state, so its gradient is needed
+  layers: int = 1                 # slices the product reads one at a time (a scan over a stack)
+  remat: bool = False             # read inside jax.checkpoint (the backward recomputes it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +125,9 @@ class StepGraph:
   carried: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
   # (leaf, free dim) -> the share of activation_bytes sharded with that dim (its pair complete)
   act_share: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+  # gathered leaf -> (the dimensions the gather indexes, e.g. the vocabulary of an embedding
+  # table; the bytes of the rows it reads per step, global)
+  lookups: dict[int, tuple[tuple[int, ...], int]] = dataclasses.field(default_factory=dict)
 
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:
@@ -187,6 +194,8 @@ class _Reader:
     self.ties = _UnionFind()
     self.flops = 0.0
     self.gathered: set[int] = set()
+    # leaf -> (its dimensions a gather indexes, bytes the gathers read out of it per step)
+    self.lookups: dict[int, tuple[tuple[int, ...], int]] = {}
     self.eqn_count = 0
     # value -> list of (equation, position) that read it, over every jaxpr walked
     self.uses: dict[Any, list[tuple[Any, int]]] = {}
@@ -195,6 +204,8 @@ class _Reader:
     self.origin_all: dict[Any, tuple[int, tuple[int | None, ...]]] = {}
     self.state_derived: set[Any] = set()     # values computed from any state leaf
     self.eqn_flops: dict[int, float] = {}     # id(product equation) -> flops per step
+    self.remat_depth = 0                      # > 0 inside a jax.checkpoint body
+    self.remat_read: set[int] = set()         # leaves a product reads inside a checkpoint body
 
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
   def walk(self, jaxpr, origin: dict, tie: dict, repeats: int) -> None:
@@ -214,14 +225,23 @@ class _Reader:
         self._product(eqn, ins, repeats)
       elif name == "gather" and ins and ins[0] is not None:
         self.gathered.add(ins[0][0])
+        leaf, dims = ins[0]
+        indexed = tuple(sorted(dims[d] for d in eqn.params["dimension_numbers"].start_index_map
+                               if d < len(dims) and dims[d] is not None))
+        seen = self.lookups.get(leaf, ((), 0))
+        self.lookups[leaf] = (indexed or seen[0],
+                              seen[1] + _nbytes(eqn.outvars[0].aval) * repeats)
       if name in _ALIASES and ins[0] is not None:
         origin[eqn.outvars[0]] = ins[0]
       elif name == "transpose" and ins[0] is not None:
         perm = eqn.params["permutation"]
         origin[eqn.outvars[0]] = (ins[0][0], tuple(ins[0][1][p] for p in perm))
       self._tie(eqn, tie)
+      remat = name in _REMAT
+      self.remat_depth += remat
       for sub, length in _sub_jaxprs(eqn):
         self._enter(eqn, sub, origin, tie, repeats * length)
+      self.remat_depth -= remat
 
   def _enter(self, eqn, sub, origin, tie, repeats):
     name = eqn.primitive.name
@@ -294,6 +314,8 @@ class _Reader:
         continue
       leaf, dims = org
       self.leaf_flops[leaf] = self.leaf_flops.get(leaf, 0.0) + flops
+      if self.remat_depth:
+        self.remat_read.add(leaf)
       if leaf in self.weights or self.leaves[leaf].is_batch:
         continue
       self.weights[leaf] = WeightUse(
@@ -305,6 +327,7 @@ class _Reader:
           tokens=int(math.prod(partner.shape[d] for d in pfree)),
           act_itemsize=_itemsize(partner.dtype),
           repeats=repeats, primitive=name,
+          layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
           input_grad=_is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived)
       self.first_out[leaf] = (eqn, side, dims)
 
@@ -543,7 +566,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     # a gradient's product has the weight's shape (or its transpose): it splits like the reads
     has_grad = (shape in reader.shape_flops or tuple(reversed(shape)) in reader.shape_flops)
     reads = reader.leaf_flops.get(leaf, 0.0)
-    weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0))
+    weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
+                                        remat=leaf in reader.remat_read)
   groups: dict[int, list[int]] = {}
   for leaf in leaves:
     if not leaf.is_batch:
@@ -573,7 +597,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    activation_bytes=int(act), gathered=frozenset(reader.gathered),
                    outputs=tuple(outputs), num_eqns=reader.eqn_count,
                    out_tree=jax.tree.structure(out_shape), carried=carried,
-                   act_share=act_share)
+                   act_share=act_share, lookups=dict(reader.lookups))
 
 
 def _top_ties(jaxpr, leaves, reader: _Reader) -> dict:

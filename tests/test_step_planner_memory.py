@@ -3,6 +3,8 @@ user writes without dtenjax: plain ``jax.jit`` with the plan's NamedShardings, e
 a ``lax.scan`` stack gathered one layer at a time inside the loop body (a sharding constraint on
 the layer's slice, as MaxText does). Compile only: abstract arguments, nothing runs."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -155,3 +157,42 @@ def test_check_compares_per_kind_and_honours_donation():
 def test_the_plan_records_its_batch_arguments_for_the_check():
   step, args = scan_step(n=2, d=256, f=512, batch=16, seq=32)
   assert dtenjax.plan(step, *args).batch_argnums == (2,)
+
+
+@pytest.mark.parametrize("fixture", ["h200_8", "dgx_a100_8", "pcie_8"])
+def test_no_mesh_axis_computes_the_same_step_twice(fixture):
+  # a model too small to gain much from tensor parallelism: every axis of more than one device
+  # splits the batch (data, fsdp) or shards most of the weights (tensor); never 8 copies of one
+  # step with a weight or two sharded
+  step, args = scan_step(n=2, d=64, f=128, batch=64, seq=8)
+  plan = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture(fixture))
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  params = [lp for lp in plan.leaves if lp.path.startswith("[0]")]
+  total = sum(math.prod(lp.shape) for lp in params)
+  over_tensor = sum(math.prod(lp.shape) for lp in params if "tensor" in str(lp.spec))
+  if sizes["tensor"] > 1:
+    assert over_tensor >= 0.75 * total, plan.table()
+  assert sizes["data"] * sizes["fsdp"] > 1 or over_tensor >= 0.75 * total, plan.table()
+
+
+def test_a_budget_plain_fsdp_fits_is_never_refused():
+  step, args = scan_step()
+  fsdp = dtenjax.plan(step, *args, recipe="FSDP")
+  need = fsdp.cost.memory["total"]
+  plan = dtenjax.plan(step, *args, memory_budget=need * 1.0001)
+  assert plan.cost.fits and plan.cost.memory["total"] <= need * 1.0001, plan.table()
+
+
+def test_a_refusal_names_the_least_memory_any_layout_needs():
+  step, args = scan_step()
+  fsdp = dtenjax.plan(step, *args, recipe="FSDP")
+  budget = 0.5 * fsdp.cost.memory["total"]
+  with pytest.raises(dtenjax.PlacementError, match="GiB short") as info:
+    dtenjax.plan(step, *args, memory_budget=budget)
+  import re  # pylint: disable=g-import-not-at-top
+  need = float(re.search(r"the smallest needs ([0-9.]+) GiB", str(info.value)).group(1)) * 2**30
+  # the least memory over every mesh and layout: at most plain FSDP's, and more than the budget
+  assert budget < need <= fsdp.cost.memory["total"] * 1.001, str(info.value)
+  # and the plan at exactly that budget exists
+  plan = dtenjax.plan(step, *args, memory_budget=need * 1.001)
+  assert plan.cost.memory["total"] <= need * 1.001

@@ -773,16 +773,16 @@ def _solve(prob: _Problem, graph: stepgraph.StepGraph, budget: float,
     hi.append(0.0)
     r += 1
   if proposed and prob.m.size["tensor"] > 1:              # no duplicated work over 'tensor'
-    tensor_vars = [index[(gi, ci)] for gi, g in enumerate(prob.groups)
-                   for ci, lay in enumerate(prob.cands[gi])
-                   if "tensor" in lay.used() and g[0] in graph.weights]
-    if not tensor_vars:
+    split = _tensor_split_flops(prob, graph)
+    total = sum(u.flops for u in graph.weights.values())
+    if not split or sum(max(fs.values()) for fs in split.values()) < SPLIT_SHARE * total:
       return None
-    for v in tensor_vars:
-      rows.append(r)
-      cols.append(v)
-      vals.append(1.0)
-    lo.append(1.0)
+    for gi, fs in split.items():
+      for ci, fl in fs.items():
+        rows.append(r)
+        cols.append(index[(gi, ci)])
+        vals.append(fl)
+    lo.append(SPLIT_SHARE * total)
     hi.append(np.inf)
     r += 1
   for gi, cands in enumerate(prob.cands):                 # one layout per group
@@ -1071,17 +1071,18 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
       best = (key, shape, prob, rchoice, cost)
   if best is None and shortfall is None:
     raise errors.PlacementError(
-        f"plan: every mesh of {len(ids)} devices tried ({[dict(zip(AXES, s)) for s, _ in problems]}) "
-        "has a 'tensor' axis over which no weight of this step can be sharded: its devices would "
-        "compute the same step on the same data. Give a mesh without 'tensor' (mesh={'data': "
+        f"plan: every mesh of {len(ids)} devices tried "
+        f"({[dict(zip(AXES, s)) for s, _ in problems]}) has a 'tensor' axis over which too "
+        "little of this step's weights can be sharded: its devices would compute the same step "
+        "on the same data. Give a mesh without 'tensor' (mesh={'data': "
         f"{len(ids)}}}) or let the planner choose (mesh=None)")
   if best is None:
     gib = 2**30
     floor, shape = shortfall
     raise errors.PlacementError(
-        f"plan: no layout of this step fits {budget / gib:.2f} GiB per device on "
-        f"{len(ids)} devices of {topology.name!r}: the smallest needs {floor / gib:.2f} GiB "
-        f"(mesh {dict(zip(AXES, shape))}), {(floor - budget) / gib:.2f} GiB short. Use more "
+        f"plan: no layout of this step fits {budget / gib:.4g} GiB per device on "
+        f"{len(ids)} devices of {topology.name!r}: the smallest needs {floor / gib:.4g} GiB "
+        f"(mesh {dict(zip(AXES, shape))}), {(floor - budget) / gib:.4g} GiB short. Use more "
         "devices, a smaller batch per step, jax.checkpoint (remat) on the layers, or pipeline "
         "stages (dtenjax does not plan pipeline parallelism)")
   _, shape, prob, choice, cost = best
@@ -1089,12 +1090,33 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
                  time.perf_counter() - t0, len(problems), args, donate)
 
 
+# On a mesh the planner proposes, a 'tensor' axis (over which the batch is replicated) must split
+# at least this share of the weights' product flops; otherwise most of the step would be computed
+# once per device of the axis: duplicated work, which data parallelism turns into a split batch.
+SPLIT_SHARE = 0.75
+
+
+def _tensor_split_flops(prob: _Problem, graph: stepgraph.StepGraph) -> dict[int, dict[int, float]]:
+  """group -> candidate -> the product flops it splits over 'tensor' (those that shard it)."""
+  out: dict[int, dict[int, float]] = {}
+  for gi, g in enumerate(prob.groups):
+    use = graph.weights.get(g[0])
+    if use is None:
+      continue
+    for ci, lay in enumerate(prob.cands[gi]):
+      if "tensor" in lay.used() and use.flops > 0:
+        out.setdefault(gi, {})[ci] = use.flops
+  return out
+
+
 def _uses_its_axes(prob: _Problem, choice: Sequence[int], graph: stepgraph.StepGraph) -> bool:
-  """Whether a 'tensor' axis of more than one device shards some weight (see _solve)."""
+  """Whether a 'tensor' axis of more than one device splits enough of the work (see _solve)."""
   if prob.m.size["tensor"] == 1:
     return True
-  return any("tensor" in prob.cands[gi][c].used() and g[0] in graph.weights
-             for gi, (g, c) in enumerate(zip(prob.groups, choice)))
+  split = _tensor_split_flops(prob, graph)
+  done = sum(split.get(gi, {}).get(c, 0.0) for gi, c in enumerate(choice))
+  total = sum(u.flops for u in graph.weights.values())
+  return total > 0 and done >= SPLIT_SHARE * total
 
 
 def _order(topology: Topology, ids: Sequence[int]) -> list[int]:

@@ -478,6 +478,7 @@ class StepPlan:
   # (the spec without the batch axes) and None for every other leaf
   compute_specs: tuple[Any, ...] = ()
   donate: bool = False           # planned for a step whose state arguments are donated
+  nvls: bool = False             # the topology's NVLink SHARP state the plan was priced with
   batch_argnums: tuple[int, ...] = ()
 
   # --- applying it -----------------------------------------------------------------------------
@@ -556,8 +557,8 @@ class StepPlan:
   def table(self) -> str:
     gib = 2**30
     lines = [f"mesh {dict(zip(self.axis_names, self.mesh_shape))} on {self.topology} "
-             f"({len(self.device_ids)} devices), planned in {self.planning_s * 1e3:.0f} ms over "
-             f"{self.meshes_tried} meshes"]
+             f"({len(self.device_ids)} devices, NVLink SHARP {'on' if self.nvls else 'off'}), "
+             f"planned in {self.planning_s * 1e3:.0f} ms over {self.meshes_tried} meshes"]
     for a in self.axes:
       lines.append(f"  axis {a.name!r} x{a.size}: {a.link} {a.span}, alpha {a.alpha_us:.1f} us, "
                    f"{a.bandwidth_gbps:.1f} GB/s ({a.source})")
@@ -1242,7 +1243,7 @@ def _report(graph, prob: _Problem, choice, cost, recipes, budget, topology, seco
       "memory: the devices' memory is unknown (as on CPU), so no budget was checked; pass "
       "memory_budget= to check one",)
   return StepPlan(axis_names=AXES, mesh_shape=m.shape, out_specs=out_specs,
-                  compute_specs=tuple(compute_specs), donate=donate,
+                  compute_specs=tuple(compute_specs), donate=donate, nvls=topology.nvls,
                   batch_argnums=tuple(sorted({lf.argnum for lf in graph.leaves if lf.is_batch})),
                   device_ids=tuple(int(i) for i in m.ids.ravel()), axes=_axis_links(m),
                   leaves=tuple(leaves), specs=tuple(specs), cost=cost, recipes=recipes,

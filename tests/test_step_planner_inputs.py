@@ -6,6 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import dtenjax
@@ -95,3 +96,43 @@ def test_nvls_on_prices_xlas_all_reduce_as_not_deterministic(module):
 def dataclasses_replace(obj, **kw):
   import dataclasses  # pylint: disable=g-import-not-at-top
   return dataclasses.replace(obj, **kw)
+
+
+def _tiny():
+  def step(p, x):
+    return jnp.sum(x @ p["w"])
+  return step, {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}, jax.ShapeDtypeStruct(
+      (8, 4), jnp.float32)
+
+
+@pytest.mark.parametrize("leaf, words", [
+    (np.array([object()] * 16, dtype=object).reshape(4, 4), r"\['w'\] has dtype object"),
+    (np.array(["a"] * 16).reshape(4, 4), r"\['w'\] has dtype <U1"),
+    (jax.ShapeDtypeStruct((-1, 4), jnp.float32), r"\['w'\] has shape \(-1, 4\)"),
+])
+def test_a_bad_leaf_is_named(leaf, words):
+  step, _, x = _tiny()
+  with pytest.raises(dtenjax.PlacementError, match=r"argument 0 leaf " + words):
+    dtenjax.plan(step, {"w": leaf}, x)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"memory_budget": "1e9"}, r"memory_budget='1e9' must be a number of bytes"),
+    ({"memory_budget": -5}, r"memory_budget=-5 must be a number of bytes"),
+    ({"overlap": "0.5"}, r"overlap='0.5' must be a number in \[0, 1\]"),
+    ({"mesh": {"data": -8}}, r"sizes \{'data': -8\} are not positive ints"),
+    ({"mesh": {"data": 8.0}}, r"sizes \{'data': 8.0\} are not positive ints"),
+    ({"mesh": {"data": 2.5, "fsdp": 3.2}}, r"sizes \{'data': 2.5, 'fsdp': 3.2\}"),
+])
+def test_bad_planner_arguments_are_named(kwargs, words):
+  step, params, x = _tiny()
+  with pytest.raises(dtenjax.PlacementError, match=words):
+    dtenjax.plan(step, params, x, **kwargs)
+
+
+def test_per_array_planner_inputs_are_named():
+  with pytest.raises(dtenjax.PlacementError, match=r"mesh=\(2.5, 4\) must be"):
+    dtenjax.Placement("auto", mesh=(2.5, 4))
+  with pytest.raises(dtenjax.PlacementError, match=r"shape=\(-1, 4\) must be a tuple of"):
+    dtenjax.Placement("auto", mesh=(2, 4), topology=dtenjax.Topology.fixture("h200_8")).plan(
+        (-1, 4))

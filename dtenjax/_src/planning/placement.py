@@ -89,7 +89,7 @@ class Placement:
                       f"{tuple(MEMORY_KINDS)}")
     if self.mesh is not None and not isinstance(self.mesh, Mesh):
       try:
-        shape = tuple(int(s) for s in self.mesh)
+        shape = tuple(operator.index(s) for s in self.mesh)
       except TypeError:
         shape = None
       if shape is None or not shape or any(s < 1 for s in shape):

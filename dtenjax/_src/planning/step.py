@@ -991,8 +991,12 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   if not args:
     raise errors.PlacementError("plan: give the step's example arguments, e.g. "
                                 "plan(step, params, opt_state, batch)")
-  if not 0.0 <= overlap <= 1.0:
-    raise errors.PlacementError(f"plan: overlap={overlap!r} must be in [0, 1]")
+  if not _is_real(overlap) or not 0.0 <= overlap <= 1.0:
+    raise errors.PlacementError(f"plan: overlap={overlap!r} must be a number in [0, 1]")
+  if memory_budget is not None and (not _is_real(memory_budget) or not memory_budget > 0):
+    raise errors.PlacementError(
+        f"plan: memory_budget={memory_budget!r} must be a number of bytes > 0 (e.g. 16 * 2**30), "
+        "or None: the devices' memory less the reserve")
   if batch_argnums is None:
     batch_argnums = (len(args) - 1,)
   elif isinstance(batch_argnums, int):
@@ -1120,6 +1124,11 @@ def _uses_its_axes(prob: _Problem, choice: Sequence[int], graph: stepgraph.StepG
   return total > 0 and done >= SPLIT_SHARE * total
 
 
+def _is_real(x) -> bool:
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and (
+      math.isfinite(x))
+
+
 def _order(topology: Topology, ids: Sequence[int]) -> list[int]:
   return sorted(ids, key=topology.hierarchy_key)
 
@@ -1144,6 +1153,12 @@ def _resolve_mesh(mesh, topology):
   ids = list(topology.device_ids)
   if isinstance(mesh, dict):
     unknown = [k for k in mesh if k not in AXES]
+    bad = {k: v for k, v in mesh.items()
+           if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1}
+    if bad:
+      raise errors.PlacementError(
+          f"plan: mesh={mesh!r}: sizes {bad} are not positive ints; give each axis a whole "
+          f"number of devices, e.g. {{'data': 2, 'fsdp': {max(1, len(ids) // 2)}}}")
     if unknown or math.prod(mesh.values()) != len(ids):
       raise errors.PlacementError(
           f"plan: mesh={mesh!r} must map axes among {AXES} to sizes whose product is the "

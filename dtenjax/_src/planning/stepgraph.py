@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,6 +74,27 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
   except TypeError:
     return int(getattr(dtype, "itemsize", 0) or 0)
+
+
+def _checked_shape(shape, name: str) -> tuple[int, ...]:
+  try:
+    dims = tuple(operator.index(d) for d in shape)
+  except TypeError:
+    dims = None
+  if dims is None or any(d < 0 for d in dims):
+    raise errors.PlacementError(
+        f"plan: {name} has shape {tuple(shape)!r}; every dimension must be a non-negative int "
+        "(give the concrete shape, e.g. jax.ShapeDtypeStruct((8, 4), jnp.float32), not -1 or "
+        "None)")
+  return dims
+
+
+def _numeric(dtype) -> bool:
+  try:
+    kind = np.dtype(dtype).kind
+  except TypeError:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  return kind in "biufc" or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _dtype_name(dtype) -> str:
@@ -515,8 +537,15 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
           f"plan: argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'} is "
           f"{type(leaf).__name__}, not an array; pass arrays or jax.ShapeDtypeStruct leaves "
           "(static values belong in functools.partial)")
+    name = f"argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'}"
+    shape = _checked_shape(leaf.shape, name)
+    if not _numeric(leaf.dtype):
+      raise errors.PlacementError(
+          f"plan: {name} has dtype {leaf.dtype}, which is not an array type JAX computes with; "
+          "pass numeric, bool or PRNG key arrays (or jax.ShapeDtypeStruct leaves); strings and "
+          "Python objects belong in functools.partial, outside the step's arguments")
     leaves.append(Leaf(i, argnum, f"[{argnum}]{jax.tree_util.keystr(path)}",
-                       tuple(int(s) for s in leaf.shape), _dtype_name(leaf.dtype),
+                       shape, _dtype_name(leaf.dtype),
                        argnum in batch_argnums, _itemsize(leaf.dtype)))
   abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg) for arg in args]
   try:

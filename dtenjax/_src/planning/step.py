@@ -97,6 +97,10 @@ class _Mesh:
   def size(self) -> dict[str, int]:
     return dict(zip(AXES, self.shape))
 
+  @functools.cached_property
+  def peak_flops(self) -> float:
+    return self.topology.peak_flops()
+
   def group(self, axes: Sequence[str]) -> tuple[int, ...]:
     """Device ids of the first group spanning ``axes`` (rank order)."""
     index = tuple(slice(None) if a in axes else 0 for a in AXES)
@@ -145,7 +149,12 @@ def _mesh_shapes(n: int, topology: Topology, ids: Sequence[int]) -> list[tuple[i
     rest = n // t
     fs = {1, rest}
     if per_host % t == 0 and rest % (per_host // t) == 0:
-      fs.add(per_host // t)
+      # HSDP: fsdp over the rest of one host, or of 2, 4, ... hosts (a model whose state does
+      # not fit one host's devices), data parallel across those groups
+      f = per_host // t
+      while f < rest and rest % f == 0:
+        fs.add(f)
+        f *= 2
     for f in sorted(fs):
       shapes.append((rest // f, f, t))
   return sorted(set(shapes), key=lambda s: (s[2], s[1]))
@@ -390,7 +399,7 @@ def _price(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: _Layout, m: 
     for (leaf, k), f in graph.carried.items():
       if leaf == primary.index:
         flops += f / (m.size["tensor"] if pr.tp == ("col", k) else 1)
-    pr.compute = flops / batch_div / m.topology.peak_flops()
+    pr.compute = flops / batch_div / m.peak_flops
   # the optimizer's update reads the parameter, its gradient and its moments and writes the
   # parameter and moments: each device updates its shard only (the work FSDP saves beside memory)
   update_bytes = (2 * sum(lf.nbytes for lf in leaves) + primary.nbytes) / shards
@@ -1186,7 +1195,7 @@ def _problem(graph, m: _Mesh, price, pins, overlap, donate) -> _Problem | None:
   # products without a weight (attention scores, ...) split over the batch axes only
   rest = max(0.0, graph.flops - sum(u.flops for u in graph.weights.values()) -
              sum(graph.carried.values()))
-  compute = rest / bdiv / m.topology.peak_flops()
+  compute = rest / bdiv / m.peak_flops
   fixed = {"activations": graph.activation_bytes / bdiv,
            "batch": sum(lf.nbytes / (bdiv if _splits(lf, bdiv) else 1) for lf in batch_leaves)}
 

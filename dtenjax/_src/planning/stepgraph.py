@@ -90,11 +90,13 @@ def _checked_shape(shape, name: str) -> tuple[int, ...]:
 
 
 def _numeric(dtype) -> bool:
+  """Numbers (bfloat16 and the float8 types included), bools and PRNG keys."""
   try:
-    kind = np.dtype(dtype).kind
+    return bool(jax.dtypes.issubdtype(dtype, np.number) or
+                jax.dtypes.issubdtype(dtype, np.bool_) or
+                jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
   except TypeError:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-  return kind in "biufc" or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return False
 
 
 def _dtype_name(dtype) -> str:

@@ -1,0 +1,192 @@
+"""Candidate meshes and candidate layouts of the whole-step planner.
+
+Meshes: the axes of :mod:`~dtenjax._src.planning.roles` over the topology's devices in hierarchy
+order, ``tensor`` of every size dividing the smallest fast island, ``fsdp`` over 1, the rest of a
+host or of 2, 4, ... hosts (HSDP), or everything, ``data`` the remainder. Layouts: per tied group
+of state leaves, every combination of the roles' shard options (replicated included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from dtenjax._src.planning import stepgraph
+from dtenjax._src.planning.roles import AXES
+from dtenjax._src.topology.model import INTRA_HOST, Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisLink:
+  """What one mesh axis runs over: the slowest link class between its members, where that lies
+  (inside an NVLink island, inside a host, across hosts) and whether alpha/beta are measured."""
+  name: str
+  size: int
+  link: str
+  span: str
+  source: str          # "measured" (Topology.probe) or "prior" (the topology's table)
+  alpha_us: float
+  bandwidth_gbps: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateMesh:
+  shape: tuple[int, ...]             # (data, fsdp, tensor)
+  ids: np.ndarray                    # device ids, shape `shape`
+  topology: Topology
+
+  @functools.cached_property
+  def size(self) -> dict[str, int]:
+    return dict(zip(AXES, self.shape))
+
+  @functools.cached_property
+  def peak_flops(self) -> float:
+    return self.topology.peak_flops()
+
+  def group(self, axes: Sequence[str]) -> tuple[int, ...]:
+    """Device ids of the first group spanning ``axes`` (rank order)."""
+    index = tuple(slice(None) if a in axes else 0 for a in AXES)
+    return tuple(int(i) for i in self.ids[index].ravel())
+
+  def axis_sizes(self, axes: Sequence[str]) -> tuple[int, ...]:
+    return tuple(self.size[a] for a in AXES if a in axes)
+
+
+def _span(link: str, topology: Topology) -> str:
+  if link in ("nvswitch", "nvlink"):
+    return "inside an NVLink island"
+  if link == "shared_memory":
+    return "inside one process's devices"
+  if link in INTRA_HOST:
+    return "inside a host"
+  return "across hosts"
+
+
+def axis_links(m: CandidateMesh) -> tuple[AxisLink, ...]:
+  out = []
+  measured = set(getattr(m.topology, "measured", ()) or ())
+  for a in AXES:
+    if m.size[a] == 1:
+      continue
+    cls, spec = m.topology.slowest_link(m.group((a,)))
+    out.append(AxisLink(a, m.size[a], cls, _span(cls, m.topology),
+                        "measured" if cls in measured else "prior", spec.latency_us,
+                        spec.bandwidth_gbps))
+  return tuple(out)
+
+
+def _divisors(n: int) -> list[int]:
+  return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def mesh_shapes(n: int, topology: Topology, ids: Sequence[int]) -> list[tuple[int, int, int]]:
+  """The meshes worth pricing: tensor within the smallest fast island, fsdp over 1, the rest of a
+  host, or everything; data the remainder."""
+  island = min((len([i for i in isl if i in set(ids)]) for isl in topology.fast_islands()
+                if any(i in set(ids) for i in isl)), default=1)
+  hosts = [h for h in topology.hosts() if any(i in set(ids) for i in h)]
+  per_host = min(len(h) for h in hosts) if hosts else n
+  shapes = []
+  for t in _divisors(math.gcd(island, n)):
+    rest = n // t
+    fs = {1, rest}
+    if per_host % t == 0 and rest % (per_host // t) == 0:
+      # HSDP: fsdp over the rest of one host, or of 2, 4, ... hosts (a model whose state does
+      # not fit one host's devices), data parallel across those groups
+      f = per_host // t
+      while f < rest and rest % f == 0:
+        fs.add(f)
+        f *= 2
+    for f in sorted(fs):
+      shapes.append((rest // f, f, t))
+  return sorted(set(shapes), key=lambda s: (s[2], s[1]))
+
+
+def order(topology: Topology, ids: Sequence[int]) -> list[int]:
+  return sorted(ids, key=topology.hierarchy_key)
+
+
+def splits_batch(leaf: stepgraph.Leaf, bdiv: int) -> bool:
+  """Whether a batch leaf is split over the batch axes (its dimension 0 divides); others (a PRNG
+  key, a scalar, a per-step constant) are replicated."""
+  return bool(leaf.shape) and leaf.shape[0] % bdiv == 0 and leaf.dtype.find("key") < 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  spec: tuple[Any, ...]              # per dimension: None, an axis name, or a tuple of names
+  note: str
+
+  def axes_of(self, dim: int) -> tuple[str, ...]:
+    e = self.spec[dim]
+    return () if e is None else (e if isinstance(e, tuple) else (e,))
+
+  def used(self) -> dict[str, int]:
+    """mesh axis -> the dimension it shards"""
+    return {a: d for d in range(len(self.spec)) for a in self.axes_of(d)}
+
+
+def spec_entry(axes: Sequence[str]):
+  axes = tuple(axes)
+  return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+def make_layout(shape, tp: tuple[str, int] | None, fsdp_dim: int | None, note: str) -> Layout:
+  entries: list[list[str]] = [[] for _ in shape]
+  if fsdp_dim is not None:
+    entries[fsdp_dim].append("fsdp")
+  if tp is not None:
+    entries[tp[1]].append("tensor")
+  return Layout(tuple(spec_entry(e) for e in entries), note)
+
+
+def fsdp_dims(shape, m: CandidateMesh, exclude: int | None, use) -> list[int]:
+  """The dimension FSDP shards: a contracted one first (the largest that divides), as MaxText's
+  "embed" -> fsdp rule does; sharding a free dimension over the axis that also shards the batch
+  makes XLA's partitioner move activations (all-to-all) instead of gathering the weight."""
+  f = m.size["fsdp"]
+  dims = [d for d in range(len(shape)) if d != exclude and shape[d] % f == 0 and shape[d] >= f]
+  contracted = set(use.contracted) if use is not None else set()
+  return sorted(dims, key=lambda d: (d not in contracted, -shape[d], d))[:1]
+
+
+def layouts(graph: stepgraph.StepGraph, group: tuple[int, ...], m: CandidateMesh,
+                pinned: tuple[P, str] | None) -> list[Layout]:
+  leaf = graph.leaves[group[0]]
+  shape = leaf.shape
+  if pinned is not None:
+    spec, why = pinned
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return [Layout(entries, why)]
+  use = graph.weights.get(group[0])
+  t, f = m.size["tensor"], m.size["fsdp"]
+  tps: list[tuple[str, int] | None] = [None]
+  if use is not None and t > 1 and group[0] not in graph.gathered:
+    tps += [("col", k) for k in use.free if shape[k] % t == 0]
+    tps += [("row", k) for k in use.contracted if shape[k] % t == 0]
+  if use is None and t > 1 and group[0] in graph.lookups:
+    # vocab-parallel: a table only read by lookups, sharded over the dimension they index
+    tps += [("vocab", k) for k in graph.lookups[group[0]][0] if shape[k] % t == 0]
+  out = []
+  for tp in tps:
+    fdims: list[int | None] = [None]
+    if f > 1 and len(shape) >= 1:
+      fdims += fsdp_dims(shape, m, tp[1] if tp else None, use)
+    for fd in fdims:
+      parts = []
+      if tp and tp[0] == "vocab":
+        parts.append(f"vocab-parallel over 'tensor' (dimension {tp[1]}, indexed by the lookup: "
+                     "masked lookup, then an all-reduce of the rows)")
+      elif tp:
+        parts.append(f"{'column' if tp[0] == 'col' else 'row'}-parallel over 'tensor' "
+                     f"(dimension {tp[1]}, {'free' if tp[0] == 'col' else 'contracted'})")
+      if fd is not None:
+        parts.append(f"FSDP: dimension {fd} over 'fsdp'")
+      out.append(make_layout(shape, tp, fd, ", ".join(parts) or "replicated"))
+  return out

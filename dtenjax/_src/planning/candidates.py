@@ -18,7 +18,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src.planning import stepgraph
+from dtenjax._src.planning import roles
 from dtenjax._src.planning.roles import AXES
+from dtenjax._src.planning.roles.base import LeafContext
+from dtenjax._src.planning.roles.base import Option
 from dtenjax._src.topology.model import INTRA_HOST, Topology
 
 
@@ -137,27 +140,11 @@ def spec_entry(axes: Sequence[str]):
   return None if not axes else (axes[0] if len(axes) == 1 else axes)
 
 
-def make_layout(shape, tp: tuple[str, int] | None, fsdp_dim: int | None, note: str) -> Layout:
-  entries: list[list[str]] = [[] for _ in shape]
-  if fsdp_dim is not None:
-    entries[fsdp_dim].append("fsdp")
-  if tp is not None:
-    entries[tp[1]].append("tensor")
-  return Layout(tuple(spec_entry(e) for e in entries), note)
-
-
-def fsdp_dims(shape, m: CandidateMesh, exclude: int | None, use) -> list[int]:
-  """The dimension FSDP shards: a contracted one first (the largest that divides), as MaxText's
-  "embed" -> fsdp rule does; sharding a free dimension over the axis that also shards the batch
-  makes XLA's partitioner move activations (all-to-all) instead of gathering the weight."""
-  f = m.size["fsdp"]
-  dims = [d for d in range(len(shape)) if d != exclude and shape[d] % f == 0 and shape[d] >= f]
-  contracted = set(use.contracted) if use is not None else set()
-  return sorted(dims, key=lambda d: (d not in contracted, -shape[d], d))[:1]
-
-
 def layouts(graph: stepgraph.StepGraph, group: tuple[int, ...], m: CandidateMesh,
-                pinned: tuple[P, str] | None) -> list[Layout]:
+            pinned: tuple[P, str] | None) -> list[Layout]:
+  """Every combination of the roles' options for ``group`` on ``m`` (each role shards at most one
+  dimension, no dimension twice), replicated first; a pinned group keeps its spec. The innermost
+  role chooses first (``tensor``, then ``fsdp`` on what is left, as a user layers FSDP x TP)."""
   leaf = graph.leaves[group[0]]
   shape = leaf.shape
   if pinned is not None:
@@ -165,28 +152,24 @@ def layouts(graph: stepgraph.StepGraph, group: tuple[int, ...], m: CandidateMesh
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
     return [Layout(entries, why)]
   use = graph.weights.get(group[0])
-  t, f = m.size["tensor"], m.size["fsdp"]
-  tps: list[tuple[str, int] | None] = [None]
-  if use is not None and t > 1 and group[0] not in graph.gathered:
-    tps += [("col", k) for k in use.free if shape[k] % t == 0]
-    tps += [("row", k) for k in use.contracted if shape[k] % t == 0]
-  if use is None and t > 1 and group[0] in graph.lookups:
-    # vocab-parallel: a table only read by lookups, sharded over the dimension they index
-    tps += [("vocab", k) for k in graph.lookups[group[0]][0] if shape[k] % t == 0]
-  out = []
-  for tp in tps:
-    fdims: list[int | None] = [None]
-    if f > 1 and len(shape) >= 1:
-      fdims += fsdp_dims(shape, m, tp[1] if tp else None, use)
-    for fd in fdims:
-      parts = []
-      if tp and tp[0] == "vocab":
-        parts.append(f"vocab-parallel over 'tensor' (dimension {tp[1]}, indexed by the lookup: "
-                     "masked lookup, then an all-reduce of the rows)")
-      elif tp:
-        parts.append(f"{'column' if tp[0] == 'col' else 'row'}-parallel over 'tensor' "
-                     f"(dimension {tp[1]}, {'free' if tp[0] == 'col' else 'contracted'})")
-      if fd is not None:
-        parts.append(f"FSDP: dimension {fd} over 'fsdp'")
-      out.append(make_layout(shape, tp, fd, ", ".join(parts) or "replicated"))
+  lookup = graph.lookups.get(group[0]) if use is None else None
+  active = [r for r in reversed(roles.REGISTRY) if r.options is not None and m.size[r.name] > 1
+            and shape]
+  out: list[Layout] = []
+
+  def walk(k: int, chosen: list[tuple[str, Option]]) -> None:
+    if k == len(active):
+      entries: list[list[str]] = [[] for _ in shape]
+      for name, opt in chosen:
+        entries[opt.dim].append(name)
+      ordered = [[a for a in AXES if a in e] for e in entries]
+      notes = [opt.note for _, opt in chosen]
+      out.append(Layout(tuple(spec_entry(e) for e in ordered), ", ".join(notes) or "replicated"))
+      return
+    role = active[k]
+    walk(k + 1, chosen)
+    ctx = LeafContext(shape, use, lookup, group[0] in graph.gathered, m.size[role.name])
+    for opt in role.options(ctx, frozenset(o.dim for _, o in chosen)):
+      walk(k + 1, chosen + [(role.name, opt)])
+  walk(0, [])
   return out

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from dtenjax._src.planning import costmodel
 from dtenjax._src.planning import planner
+from dtenjax._src.planning import roles
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning.candidates import CandidateMesh
 from dtenjax._src.planning.candidates import Layout
@@ -75,6 +76,31 @@ class Pricer:
 
 def axis_key(axes: Sequence[str]) -> str:
   return "+".join(a for a in AXES if a in axes)
+
+
+@dataclasses.dataclass
+class PriceContext:
+  """One layout of one tied group being priced: what a role's ``price`` reads, and the
+  :class:`Price` it adds to (through :meth:`add`)."""
+  graph: stepgraph.StepGraph
+  primary: stepgraph.Leaf
+  use: stepgraph.WeightUse | None
+  used: dict[str, int]               # mesh axis -> the dimension it shards
+  m: CandidateMesh
+  pricer: Pricer
+  batch_div: int
+  dtype: str
+  grad: float                        # the gradient's bytes per device before any reduction
+  vocab_axes: list[str]              # axes sharding the dimension a lookup indexes
+  price: Price
+
+  def add(self, kind: str, nbytes: float, axes: Sequence[str], *, blocking: bool,
+          times: int = 1) -> None:
+    """``times`` collectives of ``kind`` moving ``nbytes`` per participant over ``axes``."""
+    key = axis_key(axes)
+    acc(self.price.blocking if blocking else self.price.overlappable, key,
+        times * self.pricer(kind, nbytes, axes, self.dtype))
+    acc(self.price.bytes, f"{kind}[{key}]", times * nbytes)
 
 
 def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout, m: CandidateMesh,
@@ -146,37 +172,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       pr.gathered_peak = grad / max(1, use.layers)
     else:
       pr.memory["gathered"] = grad
-  # tensor parallelism
-  if "tensor" in used and use is not None and m.size["tensor"] > 1:
-    d = used["tensor"]
-    tokens = use.tokens * use.repeats / batch_div
-    item = use.act_itemsize
-    width_in = math.prod(shape[k] for k in use.contracted)
-    width_out = math.prod(shape[k] for k in use.free)
-    if d in use.free:
-      pr.tp = ("col", d)
-      share = graph.act_share.get((primary.index, d), 0.0)
-      pr.act_saving = (share * graph.activation_bytes / batch_div *
-                       (1 - 1 / m.size["tensor"]))
-      if use.input_grad:     # the input's gradient is a partial sum over 'tensor'
-        nb = tokens * width_in * item
-        acc(pr.blocking, "tensor", pricer("all_reduce", nb, ("tensor",), dtype))
-        acc(pr.bytes, "all_reduce[tensor]", nb)
-      pr.ag_fwd_bytes = tokens * width_out * item
-      pr.ag_fwd = pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), dtype)
-    elif d in use.contracted:
-      pr.tp = ("row", d)
-      nb = tokens * width_out * item
-      acc(pr.blocking, "tensor", pricer("all_reduce", nb, ("tensor",), dtype))
-      acc(pr.bytes, "all_reduce[tensor]", nb)
-      if use.input_grad:
-        pr.ag_bwd_bytes = tokens * width_in * item
-        pr.ag_bwd = pricer("all_gather", pr.ag_bwd_bytes, ("tensor",), dtype)
-  elif "tensor" in used and not vocab_axes:
-    # a stacked dimension over 'tensor': gathered like FSDP
-    acc(pr.overlappable, "tensor", 2 * pricer("all_gather", grad * t_shard, ("tensor",),
-                                                  dtype))
-    acc(pr.bytes, "all_gather[tensor]", 2 * grad * t_shard)
+  # the roles' own collectives (tensor parallelism's activation all-reduces and gathers, ...)
+  ctx = PriceContext(graph, primary, use, used, m, pricer, batch_div, dtype, grad, vocab_axes, pr)
+  for role in roles.REGISTRY:
+    if role.price is not None and role.name in used:
+      role.price(ctx)
   if use is not None:
     split = m.size["tensor"] if pr.tp is not None else 1
     flops = use.flops / split

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtenjax._src.planning import roles
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning.candidates import CandidateMesh
 from dtenjax._src.planning.candidates import Layout
@@ -150,33 +151,41 @@ def _quiet_stdout():
     os.close(saved)
 
 
-# On a mesh the planner proposes, a 'tensor' axis (over which the batch is replicated) must split
+# On a mesh the planner proposes, an axis over which the batch is replicated ('tensor') must split
 # at least this share of the weights' product flops; otherwise most of the step would be computed
 # once per device of the axis: duplicated work, which data parallelism turns into a split batch.
 SPLIT_SHARE = 0.75
 
 
-def tensor_split_flops(prob: Problem, graph: stepgraph.StepGraph) -> dict[int, dict[int, float]]:
-  """group -> candidate -> the product flops it splits over 'tensor' (those that shard it)."""
+def replicated_axes(m: CandidateMesh) -> list[str]:
+  """The mesh's axes of more than one device over which the batch is not split (the roles that
+  do not split it: ``tensor``)."""
+  return [r.name for r in roles.REGISTRY if not r.splits_batch and m.size[r.name] > 1]
+
+
+def split_flops(prob: Problem, graph: stepgraph.StepGraph,
+                axis: str) -> dict[int, dict[int, float]]:
+  """group -> candidate -> the product flops it splits over ``axis`` (those that shard it)."""
   out: dict[int, dict[int, float]] = {}
   for gi, g in enumerate(prob.groups):
     use = graph.weights.get(g[0])
     if use is None:
       continue
     for ci, lay in enumerate(prob.cands[gi]):
-      if "tensor" in lay.used() and use.flops > 0:
+      if axis in lay.used() and use.flops > 0:
         out.setdefault(gi, {})[ci] = use.flops
   return out
 
 
 def uses_its_axes(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph) -> bool:
-  """Whether a 'tensor' axis of more than one device splits enough of the work (see solve)."""
-  if prob.m.size["tensor"] == 1:
-    return True
-  split = tensor_split_flops(prob, graph)
-  done = sum(split.get(gi, {}).get(c, 0.0) for gi, c in enumerate(choice))
+  """Whether every axis that does not split the batch splits enough of the work (see solve)."""
   total = sum(u.flops for u in graph.weights.values())
-  return total > 0 and done >= SPLIT_SHARE * total
+  for axis in replicated_axes(prob.m):
+    split = split_flops(prob, graph, axis)
+    done = sum(split.get(gi, {}).get(c, 0.0) for gi, c in enumerate(choice))
+    if not (total > 0 and done >= SPLIT_SHARE * total):
+      return False
+  return True
 
 
 def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
@@ -259,8 +268,8 @@ def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
     lo.append(-np.inf)
     hi.append(0.0)
     r += 1
-  if proposed and prob.m.size["tensor"] > 1:              # no duplicated work over 'tensor'
-    split = tensor_split_flops(prob, graph)
+  for axis in replicated_axes(prob.m) if proposed else ():  # no duplicated work over it
+    split = split_flops(prob, graph, axis)
     total = sum(u.flops for u in graph.weights.values())
     if not split or sum(max(fs.values()) for fs in split.values()) < SPLIT_SHARE * total:
       return None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,3 +27,27 @@ class Role:
   collectives: str
   memory: str
   applied: str
+  # (LeafContext, dims taken by the roles chosen before it) -> the ways it may shard the group
+  options: Callable[["LeafContext", frozenset[int]], list["Option"]] | None = None
+  # (PriceContext) -> None: adds its collectives, compute and memory to ctx.price for a layout
+  # that shards a dimension over it
+  price: Callable[[Any], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """A role sharding one dimension of a group's leaves: ``kind`` says how (role specific: for
+  ``tensor`` "col", "row" or "vocab"), ``note`` is the reason the report prints."""
+  dim: int
+  kind: str
+  note: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafContext:
+  """What a role may look at to offer options for one tied group on one mesh."""
+  shape: tuple[int, ...]
+  use: Any                   # the stepgraph.WeightUse of its first product, or None
+  lookup: Any                # (indexed dims, bytes) when only gathers read it, else None
+  gathered: bool             # read by a gather (an embedding table), maybe also by a product
+  size: int                  # the role's mesh axis size

@@ -1,7 +1,21 @@
 """``fsdp``: parameters, gradients and optimizer state sharded, each weight gathered for compute
 (ZeRO-3 / FSDP), on its own slice of the batch."""
 
+from dtenjax._src.planning.roles.base import LeafContext
+from dtenjax._src.planning.roles.base import Option
 from dtenjax._src.planning.roles.base import Role
+
+
+def options(ctx: LeafContext, taken: frozenset[int]) -> list[Option]:
+  """The dimension FSDP shards: a contracted one first (the largest that divides), as MaxText's
+  "embed" -> fsdp rule does; sharding a free dimension over the axis that also shards the batch
+  makes XLA's partitioner move activations (all-to-all) instead of gathering the weight."""
+  f = ctx.size
+  dims = [d for d in range(len(ctx.shape)) if d not in taken and ctx.shape[d] % f == 0 and
+          ctx.shape[d] >= f]
+  contracted = set(ctx.use.contracted) if ctx.use is not None else set()
+  best = sorted(dims, key=lambda d: (d not in contracted, -ctx.shape[d], d))[:1]
+  return [Option(d, "fsdp", f"FSDP: dimension {d} over 'fsdp'") for d in best]
 
 ROLE = Role(
     name="fsdp",
@@ -14,4 +28,5 @@ ROLE = Role(
     memory="state / fsdp per device; the gathered weight while it is used (one layer of a "
     "rematerialised scan, else kept for the backward)",
     applied="the leaf's NamedSharding; plan.jit gathers each weight where it is used",
+    options=options,
 )

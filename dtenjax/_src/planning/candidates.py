@@ -21,6 +21,7 @@ from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning import roles
 from dtenjax._src.planning.roles import AXES
 from dtenjax._src.planning.roles.base import LeafContext
+from dtenjax._src.planning.roles.base import MeshContext
 from dtenjax._src.planning.roles.base import Option
 from dtenjax._src.topology.model import INTRA_HOST, Topology
 
@@ -40,7 +41,7 @@ class AxisLink:
 
 @dataclasses.dataclass(frozen=True)
 class CandidateMesh:
-  shape: tuple[int, ...]             # (data, fsdp, tensor)
+  shape: tuple[int, ...]             # axis sizes, in roles.AXES order
   ids: np.ndarray                    # device ids, shape `shape`
   topology: Topology
 
@@ -84,31 +85,30 @@ def axis_links(m: CandidateMesh) -> tuple[AxisLink, ...]:
   return tuple(out)
 
 
-def _divisors(n: int) -> list[int]:
-  return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def mesh_shapes(n: int, topology: Topology, ids: Sequence[int]) -> list[tuple[int, int, int]]:
-  """The meshes worth pricing: tensor within the smallest fast island, fsdp over 1, the rest of a
-  host, or everything; data the remainder."""
-  island = min((len([i for i in isl if i in set(ids)]) for isl in topology.fast_islands()
-                if any(i in set(ids) for i in isl)), default=1)
-  hosts = [h for h in topology.hosts() if any(i in set(ids) for i in h)]
+def mesh_shapes(n: int, topology: Topology, ids: Sequence[int]) -> list[tuple[int, ...]]:
+  """The meshes worth pricing (sizes in :data:`AXES` order): each role, innermost first, proposes
+  its sizes for the devices the roles inside it left (``tensor`` within the smallest fast island,
+  ``fsdp`` over 1, the rest of 1, 2, 4... hosts, or everything); ``data`` takes the remainder."""
+  present = set(ids)
+  island = min((len([i for i in isl if i in present]) for isl in topology.fast_islands()
+                if any(i in present for i in isl)), default=1)
+  hosts = [h for h in topology.hosts() if any(i in present for i in h)]
   per_host = min(len(h) for h in hosts) if hosts else n
-  shapes = []
-  for t in _divisors(math.gcd(island, n)):
-    rest = n // t
-    fs = {1, rest}
-    if per_host % t == 0 and rest % (per_host // t) == 0:
-      # HSDP: fsdp over the rest of one host, or of 2, 4, ... hosts (a model whose state does
-      # not fit one host's devices), data parallel across those groups
-      f = per_host // t
-      while f < rest and rest % f == 0:
-        fs.add(f)
-        f *= 2
-    for f in sorted(fs):
-      shapes.append((rest // f, f, t))
-  return sorted(set(shapes), key=lambda s: (s[2], s[1]))
+  shapes = set()
+
+  def walk(k: int, inner: int, chosen: dict[str, int]) -> None:
+    if k < 0:
+      shapes.add(tuple(chosen.get(a, 1) for a in AXES))
+      return
+    role = roles.REGISTRY[k]
+    rest = n // inner
+    options = ([rest] if role.sizes is None else
+               role.sizes(MeshContext(n, rest, inner, island, per_host)))
+    for size in options:
+      if rest % size == 0:
+        walk(k - 1, inner * size, {**chosen, role.name: size})
+  walk(len(roles.REGISTRY) - 1, 1, {})
+  return sorted((s for s in shapes if math.prod(s) == n), key=lambda s: tuple(reversed(s)))
 
 
 def order(topology: Topology, ids: Sequence[int]) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from dtenjax._src.planning import stepgraph
+from dtenjax._src.planning.roles import AXES
 from dtenjax._src.planning.solver import Problem
 
 
@@ -41,10 +42,11 @@ def recipe_choice(prob: Problem, graph: stepgraph.StepGraph, recipe: str) -> lis
   return out
 
 
-def recipe_shape(recipe: str, n: int, island: int) -> tuple[int, int, int]:
+def recipe_shape(recipe: str, n: int, island: int) -> tuple[int, ...]:
   """DP over every device; FSDP over every device; TP over the fast island with data parallel
   across islands; FSDP x TP: TP over (at most half of) the island, FSDP over the rest."""
   t = math.gcd(island, n)
   t2 = t if n // t > 1 else max(1, t // 2)
-  return {"DP": (n, 1, 1), "FSDP": (1, n, 1), "TP": (n // t, 1, t),
-          "FSDP x TP": (1, n // t2, t2)}[recipe]
+  sizes = {"DP": {"data": n}, "FSDP": {"fsdp": n}, "TP": {"data": n // t, "tensor": t},
+           "FSDP x TP": {"fsdp": n // t2, "tensor": t2}}[recipe]
+  return tuple(sizes.get(a, 1) for a in AXES)

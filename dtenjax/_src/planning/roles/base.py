@@ -32,6 +32,20 @@ class Role:
   # (PriceContext) -> None: adds its collectives, compute and memory to ctx.price for a layout
   # that shards a dimension over it
   price: Callable[[Any], None] | None = None
+  # (MeshContext) -> the axis sizes worth trying, given the roles inside it; None: the axis takes
+  # the devices the others leave (one role, the outermost: data)
+  sizes: Callable[["MeshContext"], list[int]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshContext:
+  """What a role may look at to propose its axis sizes: ``rest`` devices are left after the
+  roles inside it took ``inner``; the smallest fast island and host of the planned devices."""
+  n: int
+  rest: int
+  inner: int
+  island: int
+  per_host: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 (ZeRO-3 / FSDP), on its own slice of the batch."""
 
 from dtenjax._src.planning.roles.base import LeafContext
+from dtenjax._src.planning.roles.base import MeshContext
 from dtenjax._src.planning.roles.base import Option
 from dtenjax._src.planning.roles.base import Role
 
@@ -17,6 +18,18 @@ def options(ctx: LeafContext, taken: frozenset[int]) -> list[Option]:
   best = sorted(dims, key=lambda d: (d not in contracted, -ctx.shape[d], d))[:1]
   return [Option(d, "fsdp", f"FSDP: dimension {d} over 'fsdp'") for d in best]
 
+def sizes(ctx: MeshContext) -> list[int]:
+  """1, everything left, and HSDP: the rest of one host, or of 2, 4, ... hosts (a model whose
+  state does not fit one host's devices), data parallel across those groups."""
+  out = {1, ctx.rest}
+  if ctx.per_host % ctx.inner == 0 and ctx.rest % (ctx.per_host // ctx.inner) == 0:
+    f = ctx.per_host // ctx.inner
+    while f < ctx.rest and ctx.rest % f == 0:
+      out.add(f)
+      f *= 2
+  return sorted(out)
+
+
 ROLE = Role(
     name="fsdp",
     splits_batch=True,
@@ -29,4 +42,5 @@ ROLE = Role(
     "rematerialised scan, else kept for the backward)",
     applied="the leaf's NamedSharding; plan.jit gathers each weight where it is used",
     options=options,
+    sizes=sizes,
 )

@@ -4,6 +4,7 @@ over it."""
 import math
 
 from dtenjax._src.planning.roles.base import LeafContext
+from dtenjax._src.planning.roles.base import MeshContext
 from dtenjax._src.planning.roles.base import Option
 from dtenjax._src.planning.roles.base import Role
 
@@ -23,6 +24,12 @@ def options(ctx: LeafContext, taken: frozenset[int]) -> list[Option]:
                    "lookup: masked lookup, then an all-reduce of the rows)")
             for k in ctx.lookup[0] if shape[k] % t == 0 and k not in taken]
   return out
+
+def sizes(ctx: MeshContext) -> list[int]:
+  """Every size dividing the smallest fast island (tensor parallelism stays on NVLink)."""
+  g = math.gcd(ctx.island, ctx.rest)
+  return [k for k in range(1, g + 1) if g % k == 0]
+
 
 def price(ctx) -> None:
   """Megatron's collectives for a weight sharded over 'tensor' (``ctx``: a PriceContext): a
@@ -71,4 +78,5 @@ ROLE = Role(
     applied="the leaf's NamedSharding; XLA's partitioner inserts the activation collectives",
     options=options,
     price=price,
+    sizes=sizes,
 )

@@ -14,10 +14,21 @@ Parts (``--parts``, default all):
 * ``time`` -- planning an 8B Llama-shaped step on 64 devices, cold (imports of scipy's solver
   and the tracing included), in fresh processes: wall and process CPU time, with the load
   average (the CPU time barely moves when other work shares the machine).
-* ``rank`` -- a shrunk GPT-2 step on 8 CPU devices: the chosen plan and the recipes executed and
-  timed side by side (interleaved), the predicted order against the measured one.
+* ``wins`` -- six model families (bench/_families.py: a scanned and a looped Llama-shaped decoder,
+  an encoder-decoder, a convnet with batch norm, a mixture-of-experts transformer, weights shared
+  across layers) on this machine's devices: the plan's ``plan.jit`` step against the layouts a
+  user writes by hand with plain ``jax.jit`` and ``NamedSharding`` (DP, FSDP gathering per layer
+  inside the scan, FSDP x TP, HSDP), compiled (memory per device, collective bytes per kind with
+  loop trip counts) and timed side by side (interleaved rounds, medians); the plan's step time
+  over the fastest recipe's, its predicted time next to the measured one.
 
-Run:  .venv/bin/python bench/step_planner.py [--parts predict,clusters,time,rank] [--json PATH]
+* ``gpu`` -- (GPU machine) the same comparison compiled by XLA's GPU compiler for a mocked host of
+  8 GPUs (``jax_mock_gpu_topology``, set before the backend starts: ``--mock-gpus 8``), nothing
+  run: the plan's predicted memory and collective bytes per kind against the compiled ones, next
+  to the hand-written recipes' compiled memory and bytes.
+
+Run:  .venv/bin/python bench/step_planner.py [--parts predict,clusters,time,wins] [--json PATH]
+      python3 bench/step_planner.py --parts gpu --mock-gpus 8   (one real GPU is enough)
 """
 
 from __future__ import annotations
@@ -29,13 +40,18 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--mock-gpus" not in sys.argv:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+if "--mock-gpus" in sys.argv:     # before the backend starts: XLA's mock NCCL, compile only
+  jax.config.update("jax_mock_gpu_topology",
+                    f"1x1x{sys.argv[sys.argv.index('--mock-gpus') + 1]}")
 
 import _harness  # noqa: E402
 import _step_models as models  # noqa: E402
@@ -140,49 +156,113 @@ def time_rows(repeats: int = 3) -> list[dict]:
   return rows
 
 
-def rank_rows(iters: int) -> tuple[list[dict], list[str]]:
-  step, args = models.gpt2_step(batch=16, seq=64, layers=2, d=256, heads=4, vocab=2048)
-  key = jax.random.key(0)
-  params = jax.tree.map(lambda s: 0.02 * jax.random.normal(key, s.shape, s.dtype), args[0])
-  import optax  # pylint: disable=g-import-not-at-top
-  opt = optax.adamw(1e-3).init(params)
-  tokens = jax.random.randint(jax.random.key(1), args[2].shape, 0, 2048)
-  chosen = dtenjax.plan(step, *args)
-  plans = {}
-  for r in step_lib.RECIPES:
-    plans[r] = dtenjax.plan(step, *args, recipe=r)
-  same = [r for r, p in plans.items() if (p.mesh_shape, p.specs) == (chosen.mesh_shape,
-                                                                     chosen.specs)]
-  if not same:
-    plans["chosen"] = chosen
-  fns, placed = {}, {}
-  for name, plan in plans.items():
-    placed[name] = plan.shard(params, opt, tokens)
-    fns[name] = plan.jit(step)
-  samples = _harness.interleaved({k: (lambda k=k: fns[k](*placed[k])) for k in fns}, (),
-                                 warmup=2, iters=iters)
-  rows = []
-  for name, plan in plans.items():
-    rows.append({"plan": name, "mesh": "x".join(map(str, plan.mesh_shape)),
-                 "predicted_ms": plan.cost.total_s * 1e3,
-                 "measured_ms": _harness.median(samples[name]) * 1e3})
-  fastest = min(r["measured_ms"] for r in rows)
-  for r in rows:
-    r["vs_fastest"] = fastest / r["measured_ms"]
-  pred = [r["plan"] for r in sorted(rows, key=lambda r: r["predicted_ms"])]
-  meas = [r["plan"] for r in sorted(rows, key=lambda r: r["measured_ms"])]
-  notes = [f"the chosen plan is {'the recipe ' + same[0] if same else 'its own'}",
-           f"predicted order {pred}", f"measured order {meas}",
-           f"top three agree: {pred[:3] == meas[:3]}"]
+def compiled_profile(compiled) -> dict:
+  """Per-device memory (arguments + outputs not aliased + temp) and collective bytes per kind per
+  step (a loop body's collectives once per iteration) of a compiled step."""
+  from dtenjax._src.planning.step import _loop_repeats  # pylint: disable=g-import-not-at-top
+  stats = compiled.memory_analysis()
+  mem = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+         + stats.temp_size_in_bytes)
+  repeats = _loop_repeats(compiled)
+  kinds: dict[str, float] = {}
+  for c in dtenjax.explain(compiled).collectives:
+    kinds[c.kind] = kinds.get(c.kind, 0.0) + c.nbytes * repeats(c.computation)
+  return {"mem": float(mem), "temp": float(stats.temp_size_in_bytes), "bytes": kinds}
+
+
+def gpu_rows(names, size: str) -> tuple[list[dict], list[str]]:
+  """Compile-only on the (mocked) GPUs: the plan's prediction against XLA's GPU compiler, and the
+  hand-written recipes' compiled memory and bytes (bench/_families.py)."""
+  import _families as fams  # pylint: disable=g-import-not-at-top
+  topo = dtenjax.Topology.fixture("h200_8")
+  rows, notes = [], []
+  for name in names:
+    if name == "llama-1b":
+      step, args = models.llama_step("1b", batch=8, seq=2048, remat=True, dtype=jnp.bfloat16)
+      fam = None
+    else:
+      fam = fams.FAMILIES[name]() if size == "small" else fams.FAMILIES[name](batch=64)
+      step, args = fam.make()
+    for recipe in (None, "DP", "FSDP", "FSDP x TP"):
+      plan = dtenjax.plan(step, *args, topology=topo, recipe=recipe, memory_budget=1 << 50)
+      check = plan.check(step, *args)
+      rows.append({
+          "family": name, "layout": f"plan({recipe})" if recipe else "plan",
+          "mesh": "x".join(map(str, plan.mesh_shape)),
+          "mem_pred_mib": check.predicted_memory["total"] / 2**20,
+          "mem_xla_mib": check.compiled_memory["total"] / 2**20, "mem_err": check.memory_error,
+          "pred_kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in
+                                 sorted(check.predicted_bytes.items()) if v),
+          "xla_kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in
+                                sorted(check.compiled_bytes.items()) if v),
+          "bytes_err": check.bytes_error})
+    if fam is not None:
+      for rn in fams.RECIPES:
+        r = fams.recipe(fam, rn)
+        if r is None:
+          continue
+        fn, _ = fams.recipe_jit(fam, r)
+        prof = compiled_profile(fn.lower(*args).compile())
+        rows.append({"family": name, "layout": f"user {rn}",
+                     "mesh": "x".join(map(str, r.mesh.shape.values())),
+                     "mem_xla_mib": prof["mem"] / 2**20,
+                     "xla_kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in
+                                           sorted(prof["bytes"].items()) if v)})
+  return rows, notes
+
+
+def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
+  import _families as fams  # pylint: disable=g-import-not-at-top
+  rows, notes = [], []
+  for name in names:
+    fam = fams.FAMILIES[name]()
+    step, args = fam.make()
+    real = fams.real_args(fam)
+    plan = dtenjax.plan(step, *args)
+    cands = {"plan": (plan.jit(step), plan.shardings())}
+    for rn in fams.RECIPES:
+      r = fams.recipe(fam, rn)
+      if r is not None:
+        cands[rn] = fams.recipe_jit(fam, r)
+    prof, placed = {}, {}
+    for cname, (fn, shardings) in cands.items():
+      prof[cname] = compiled_profile(fn.lower(*args).compile())
+      placed[cname] = jax.device_put(real, shardings)
+    samples = _harness.interleaved(
+        {k: (lambda k=k: cands[k][0](*placed[k])) for k in cands}, (), warmup=2, iters=iters)
+    times = {k: _harness.median(v) for k, v in samples.items()}
+    recipes_only = {k: v for k, v in times.items() if k != "plan"}
+    best = min(recipes_only, key=recipes_only.get)
+    for cname in cands:
+      rows.append({
+          "family": name, "layout": cname,
+          "mesh": ("x".join(f"{a}{n}" for a, n in zip(plan.axis_names, plan.mesh_shape) if n > 1)
+                   if cname == "plan" else "x".join(f"{a}{n}" for a, n in
+                                                    fams.recipe(fam, cname).mesh.shape.items())),
+          "measured_ms": times[cname] * 1e3,
+          "predicted_ms": plan.cost.total_s * 1e3 if cname == "plan" else None,
+          "mem_mib": prof[cname]["mem"] / 2**20,
+          "coll_mib": sum(prof[cname]["bytes"].values()) / 2**20,
+          "kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in sorted(prof[cname]["bytes"].items())),
+          "vs_best_recipe": times[cname] / times[best],
+          "mem_vs_best_recipe": prof[cname]["mem"] / prof[best]["mem"],
+      })
+    notes.append(f"{name}: plan {plan.mesh_shape} {times['plan'] / times[best]:.2f}x the fastest "
+                 f"recipe ({best}), memory {prof['plan']['mem'] / prof[best]['mem']:.2f}x")
   return rows, notes
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="bench/step_planner.py", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--parts", default="predict,clusters,time,rank")
+  ap.add_argument("--parts", default="predict,clusters,time,wins")
+  ap.add_argument("--families", default="llama_scan,llama_loop,encdec,convnet,moe,shared",
+                  help="model families of the wins part (bench/_families.py)")
   ap.add_argument("--models", default=",".join(PREDICT), help="models of the predict part")
   ap.add_argument("--iters", type=_harness.positive_int, default=10)
+  ap.add_argument("--mock-gpus", type=int, default=0,
+                  help="gpu part: mock a host of this many GPUs on the one present")
+  ap.add_argument("--gpu-families", default="llama-1b,llama_scan,llama_loop,encdec,moe,shared")
   ap.add_argument("--json", metavar="PATH")
   ap.add_argument("--child", help=argparse.SUPPRESS)
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -229,16 +309,31 @@ def main(argv=None) -> int:
                          title="planning an 8B step on 64 devices, fresh processes"))
     notes.append(f"time: same plan in every process: {len({r['specs_hash'] for r in rows}) == 1}")
     doc_rows += [{"part": "time", **r} for r in rows]
-  if "rank" in parts:
-    rows, rank_notes = rank_rows(args.iters)
-    print(_harness.table(rows, (("plan", "plan", "s"), ("mesh", "mesh", "s"),
+  if "gpu" in parts:
+    rows, gnotes = gpu_rows(args.gpu_families.split(","), "large")
+    print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
+                                ("mesh", "mesh", "s"), ("mem pred MiB", "mem_pred_mib", ".1f"),
+                                ("mem XLA MiB", "mem_xla_mib", ".1f"), ("mem err", "mem_err", ".1%"),
+                                ("predicted per kind MiB", "pred_kinds", "s"),
+                                ("compiled per kind MiB", "xla_kinds", "s"),
+                                ("bytes err", "bytes_err", ".1%")),
+                         title=f"XLA's GPU compiler, {len(jax.devices())} "
+                         f"{jax.devices()[0].device_kind} (mocked), compile only"))
+    notes += gnotes
+    doc_rows += [{"part": "gpu", **r} for r in rows]
+  if "wins" in parts:
+    rows, win_notes = wins_rows(args.families.split(","), args.iters)
+    print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
+                                ("mesh", "mesh", "s"), ("measured ms", "measured_ms", ".2f"),
                                 ("predicted ms", "predicted_ms", ".2f"),
-                                ("measured ms", "measured_ms", ".2f"),
-                                ("fastest/this", "vs_fastest", "ratio")),
-                         title="8 CPU devices, GPT-2-shaped (2 layers, d=256, vocab 2048), "
-                         "measured"))
-    notes += rank_notes
-    doc_rows += [{"part": "rank", **r} for r in rows]
+                                ("/fastest recipe", "vs_best_recipe", ".2f"),
+                                ("MiB/dev", "mem_mib", ".1f"),
+                                ("mem/fastest's", "mem_vs_best_recipe", ".2f"),
+                                ("coll MiB", "coll_mib", ".1f"), ("per kind", "kinds", "s")),
+                         title=f"the plan against hand-written layouts, {len(jax.devices())} "
+                         f"{jax.devices()[0].platform.upper()} devices, measured"))
+    notes += win_notes
+    doc_rows += [{"part": "wins", **r} for r in rows]
   for n in notes:
     print(n)
   if args.json:

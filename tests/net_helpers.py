@@ -48,20 +48,22 @@ def native_ring(n: int, creds: credentials.JobCredentials, *, timeout_s: float =
 
 
 def run_ranks(fns, join_s: float = 60.0) -> tuple[list, list, float]:
-  """Runs fns[r]() on one thread each; returns (results, errors, seconds)."""
+  """Runs fns[r]() on one thread each, in stream "rank-thread"; returns (results, errors,
+  seconds)."""
   n = len(fns)
   outs: list = [None] * n
   errs: list = [None] * n
 
   def go(r):
     try:
-      outs[r] = fns[r]()
+      with transport.stream("rank-thread"):
+        outs[r] = fns[r]()
     except BaseException as e:  # noqa: BLE001
       errs[r] = e
 
-  # One name for every rank's thread: the issuing thread's name is part of a collective's
-  # fingerprint, and ranks that are processes would each run it on a thread of one name.
-  ts = [threading.Thread(target=go, args=(r,), name="rank-thread", daemon=True) for r in range(n)]
+  # The communicators were created on the test's thread: each rank's thread names one stream,
+  # the same on every rank, as one thread per process doing this work would.
+  ts = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(n)]
   t0 = time.monotonic()
   for t in ts:
     t.start()

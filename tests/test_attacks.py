@@ -603,6 +603,48 @@ def _launch(tmp_path, nprocs, phases, timeout_s=120, env=None):
                        timeout_s=timeout_s, env=e)
 
 
+THREAD_TRIALS = 50
+
+
+def _check_thread_trials(res: list[dict]) -> dict:
+  """Issue 44 (the worker's "threads" phase): two worker threads per process with default names
+  ("Thread-N (worker)"), started in the opposite order on rank 1, each reduce their job's array
+  (100 k + rank + 1): thread names coincide across the ranks while the jobs do not. In
+  THREAD_TRIALS trials of each variant every outcome is the right sum or a clear error, never a
+  mix: on one communicator without a stream key both threads are refused; with
+  stream=f"job-{k}" on a shared communicator a different queue order is a mismatch naming both
+  streams; with a communicator of its own per thread every sum is right. (With thread names in
+  the fingerprint, half of the shared variant's outcomes were mixed sums.)"""
+  counts = {}
+  for r in res:
+    for variant, runs in r["threads"]["outcomes"].items():
+      assert len(runs) == THREAD_TRIALS, (variant, len(runs))
+      for run in runs:
+        assert all(re.fullmatch(r"Thread-\d+ \(worker\)", n) for n in run["names"]), run
+        for k, out in run["jobs"].items():
+          key = (variant, "sum" if "value" in out else "error")
+          counts[key] = counts.get(key, 0) + 1
+          if "value" in out:
+            assert out["value"] == [2 * 100.0 * int(k) + 3] * 8, (r["rank"], variant, run)
+          elif variant == "shared":
+            assert out["error"].startswith("CollectiveError") and (
+                "without a stream key" in out["error"]), out
+          elif variant == "keyed":
+            assert any(m in out["error"] for m in (
+                "collective mismatch", "unusable after an earlier failure")), out
+          else:
+            raise AssertionError(("a communicator of its own failed", r["rank"], run))
+    measured(f"2 processes, {THREAD_TRIALS} trials x 3 variants of two threads "
+             f"(rank {r['rank']})", r["threads"]["seconds"])
+  assert counts.get(("shared", "sum"), 0) == 0, counts       # refused before anything is sent
+  assert counts[("own", "sum")] == 2 * 2 * THREAD_TRIALS, counts   # both ranks, jobs, trials
+  keyed_errors = [o["error"] for r in res for run in r["threads"]["outcomes"]["keyed"]
+                  for o in run["jobs"].values() if "error" in o]
+  if keyed_errors:     # a mismatch names both streams (the record's stream field)
+    assert any("thread 'job-0'" in e and "thread 'job-1'" in e for e in keyed_errors), keyed_errors
+  return counts
+
+
 @pytest.mark.multiprocess
 def test_across_processes_floods_look_alikes_and_algorithm_mismatches(tmp_path):
   """Two processes: (1) 1000 connections that never authenticate per listener, queued before
@@ -614,9 +656,14 @@ def test_across_processes_floods_look_alikes_and_algorithm_mismatches(tmp_path):
   every rank computes); one line reducing another shape or dtype (same element count) on rank 1:
   both raise naming both; (4) rank 0 asks for
   the host ring while rank 1 runs XLA's collective: rank 0 raises within the timeout naming
-  process 1 and algorithm=, and rank 1 is released by rank 0's own XLA collective after it."""
-  codes, res, logs = _launch(tmp_path, 2, "flood,lookalike,tagged,fori,differ,algorithms")
+  process 1 and algorithm=, and rank 1 is released by rank 0's own XLA collective after it;
+  (5) threads started in opposite orders (:func:`_check_thread_trials`)."""
+  codes, res, logs = _launch(tmp_path, 2, "flood,lookalike,tagged,fori,differ,threads,algorithms",
+                             env={"DTENJAX_TEST_THREAD_TRIALS": str(THREAD_TRIALS)})
   assert codes == [0, 0], logs
+  for r in res:
+    assert "exception" not in r, r["exception"]
+  print("thread trials:", _check_thread_trials(res))
   x = np.stack([np.full(8, 10.0 ** r, np.float32) for r in range(2)])
   for _ in range(3):       # fori_same: c + 0.5 * sum over ranks, three times
     x = x + 0.5 * x.sum(0)

@@ -7,6 +7,7 @@ the way), idle unauthenticated connections, and a Python peer that holds the key
 protocol. tests/test_attacks.py has the floods, look-alike collectives and teardown races.
 """
 
+import hashlib
 import socket
 import threading
 import time
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from dtenjax._src import errors
+from dtenjax._src.net import callsite
 from dtenjax._src.net import credentials
 from dtenjax._src.net import native
 from dtenjax._src.net import transport
@@ -300,7 +302,8 @@ def test_close_interrupts_an_all_reduce_in_flight_within_100_ms():
 
   def waiter():
     try:
-      comms[0].all_reduce(np.ones(1000, np.float32), site=(0x35, "close test"))
+      comms[0].all_reduce(np.ones(1000, np.float32), site=(0x35, "close test"),
+                          stream="waiter")
     except BaseException as e:  # noqa: BLE001 - checked below
       box["error"], box["at"] = e, time.monotonic()
   t = threading.Thread(target=waiter, daemon=True)
@@ -384,10 +387,12 @@ def test_teardown_with_a_collective_in_flight_exits_zero(mode):
   assert "waiter: CollectiveError" in p.stdout and "closed locally" in p.stdout, p.stdout
 
 
-def test_a_second_thread_on_one_communicator_is_refused_never_mixed():
-  """Two threads of each rank issue collectives on that rank's communicator at once: the queue
-  order of the two would differ between ranks and pair the wrong partners. The second thread is
-  refused at once; every result that comes back is right."""
+def test_a_second_thread_on_one_stream_is_refused_never_mixed():
+  """Two threads of each rank issue collectives on one stream of that rank's communicator at
+  once: the queue order of the two would differ between ranks and pair the wrong partners. The
+  second thread is refused at once; every result that comes back is right. (Both threads do the
+  same work here: a key names the work, so threads doing different work under one key are the
+  program differing between ranks, which no transport can see; they need keys of their own.)"""
   comms, errs = native_ring(2, creds(), timeout_s=20)
   assert not errs
   trials = 10
@@ -399,15 +404,15 @@ def test_a_second_thread_on_one_communicator_is_refused_never_mixed():
     out = []
     for i in range(trials):
       try:
-        out.append(("ok", i, comms[r].all_reduce(np.full(64, 10 * k + i + 1, np.float32),
-                                                 site=(0x36, "one line"), tag=i)))
+        out.append(("ok", i, comms[r].all_reduce(np.full(64, i + 1, np.float32),
+                                                 site=(0x36, "one line"), tag=i,
+                                                 stream="work")))
       except errors.DtenjaxError as e:
         out.append(("error", i, e))
         break
     results[(r, k)] = out
-    done.wait(30)   # owners stay alive until every thread has tried (a dead owner is replaced)
-  # thread k of each rank has one name, as thread k of each process would
-  ts = [threading.Thread(target=worker, args=(r, k), name=f"thread-{k}", daemon=True)
+    done.wait(30)   # holders stay alive until every thread has tried (a dead one is replaced)
+  ts = [threading.Thread(target=worker, args=(r, k), daemon=True)
         for r in range(2) for k in range(2)]
   for t in ts:
     t.start()
@@ -418,12 +423,68 @@ def test_a_second_thread_on_one_communicator_is_refused_never_mixed():
   for (r, k), out in results.items():
     for kind, i, value in out:
       if kind == "ok":
-        assert value.tolist() == [2.0 * (10 * k + i + 1)] * 64, (r, k, i, value[:3])
-      elif "may not use it too" in str(value):
+        assert value.tolist() == [2.0 * (i + 1)] * 64, (r, k, i, value[:3])
+      elif "may not issue on it too" in str(value):
         assert isinstance(value, errors.CollectiveError)
+        assert "stream 'work'" in str(value), str(value)
         refused += 1
   assert refused == 2, results   # on each rank, the thread that came second
   close_all(comms)
+
+
+def test_a_thread_that_did_not_create_the_communicator_needs_a_stream_key():
+  """Issue 44: thread names are not identities (default names follow creation order on each
+  rank). A thread other than the creator that names no stream is refused before anything is
+  sent; with a key (argument or transport.stream block) it runs, and the creator's own calls
+  need none."""
+  comms, errs = native_ring(2, creds(), timeout_s=20)
+  assert not errs
+  before = native.counters()["frames_sent"]
+  box = {}
+
+  def keyless():
+    try:
+      comms[0].all_reduce(np.ones(8, np.float32), site=(0x44, "keyless"))
+    except errors.DtenjaxError as e:
+      box["error"] = e
+  t = threading.Thread(target=keyless, name="Thread-1 (worker)")
+  t.start()
+  t.join(10)
+  e = box["error"]
+  assert isinstance(e, errors.CollectiveError), e
+  for fragment in ("created by thread 'MainThread'", "thread 'Thread-1 (worker)'",
+                   "without a stream key", "stream='<key>'", "transport.stream(key)"):
+    assert fragment in str(e), str(e)
+  assert native.counters()["frames_sent"] == before      # refused before anything was sent
+  for stream in ("job", None):   # an explicit key, then the enclosing block's
+    def keyed(r, stream=stream):
+      if stream is not None:
+        return comms[r].all_reduce(np.full(8, r + 1, np.float32), site=(0x44, "keyed"),
+                                   stream=stream)
+      with transport.stream("job"):
+        return comms[r].all_reduce(np.full(8, r + 1, np.float32), site=(0x44, "keyed"))
+    outs = [None, None]
+    ts = [threading.Thread(target=lambda r=r: outs.__setitem__(r, keyed(r))) for r in range(2)]
+    for t in ts:
+      t.start()
+    for t in ts:
+      t.join(20)
+    assert [o.tolist() for o in outs] == [[3.0] * 8] * 2, outs
+  for bad in ("", 7, "a\0b"):
+    with pytest.raises(errors.CollectiveError, match="must be a non-empty str"):
+      comms[0].all_reduce(np.ones(8, np.float32), stream=bad)
+  close_all(comms)
+
+
+def test_a_communicator_forgets_the_stream_keys_of_ended_threads():
+  """A key per short-lived thread (e.g. one per request) must not grow a table without bound."""
+  comm = transport.create_local_comm(0, 1, creds())
+  for i in range(transport._STREAMS_KEPT + 44):
+    t = threading.Thread(target=comm._claim, args=(f"request-{i}",))
+    t.start()
+    t.join(10)
+  assert len(comm._streams) <= transport._STREAMS_KEPT, len(comm._streams)
+  comm.close()
 
 
 # --- issue 35 item 1: the full fingerprint -------------------------------------------------------
@@ -442,11 +503,11 @@ def _crc_colliding_tags(text: str) -> tuple[str, str]:
 B16 = np.ones(1000, np.float32).astype(__import__("ml_dtypes").bfloat16)
 
 
-@pytest.mark.parametrize("case", ["shape_4x250_vs_1000", "crc32_colliding_tags", "thread_names"])
+@pytest.mark.parametrize("case", ["shape_4x250_vs_1000", "crc32_colliding_tags", "streams"])
 def test_collectives_that_differ_only_beyond_the_old_header_raise_on_every_rank(case):
   """Collectives the 32-bit header could not tell apart: same op, dtype and element count, but
-  another shape; str tags whose CRC32s collide; another issuing thread. Every rank raises naming
-  both sides; no rank returns a sum."""
+  another shape; str tags whose CRC32s collide; another stream. Every rank raises naming both
+  sides; no rank returns a sum."""
   comms, errs = native_ring(2, creds(), timeout_s=20)
   assert not errs
   x = np.arange(1000, dtype=np.float32)
@@ -460,18 +521,18 @@ def test_collectives_that_differ_only_beyond_the_old_header_raise_on_every_rank(
              lambda: comms[1].all_reduce(x, site=(1, "line A"), tag=b)]
     named = (f"[tag {a!r}]", f"[tag {b!r}]")
   else:
-    calls = [lambda: comms[0].all_reduce(x, site=(1, "line A")),
-             lambda: comms[1].all_reduce(x, site=(1, "line A"))]
-    named = ("thread 'worker-a'", "thread 'worker-b'")
+    calls = [lambda: comms[0].all_reduce(x, site=(1, "line A"), stream="worker-a"),
+             lambda: comms[1].all_reduce(x, site=(1, "line A"), stream="worker-b")]
+    named = ("thread 'worker-a'", "thread 'worker-b'")   # the record's stream field
   outs, errs = [None, None], [None, None]
 
   def run(r):
     try:
-      outs[r] = calls[r]()
+      with transport.stream("same"):   # the calls' own stream= wins over the block's key
+        outs[r] = calls[r]()
     except BaseException as e:  # noqa: BLE001 - checked below
       errs[r] = e
-  ts = [threading.Thread(target=run, args=(r,), name=f"worker-{'ab'[r]}", daemon=True)
-        for r in range(2)]
+  ts = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
   for t in ts:
     t.start()
   for t in ts:
@@ -481,6 +542,49 @@ def test_collectives_that_differ_only_beyond_the_old_header_raise_on_every_rank(
     assert isinstance(e, errors.ConfigurationError), (r, e)
     assert "collective mismatch" in str(e) and all(v in str(e) for v in named), (r, str(e))
   close_all(comms)
+
+
+@pytest.mark.parametrize("case", ["site_text", "str_tag", "multibyte_site_text"])
+def test_texts_that_differ_only_past_the_record_limit_raise_on_every_rank(case):
+  """Issue 44: a fingerprint record holds 2,048 bytes of call site; texts that differed only
+  after them (a long call stack, a long str tag) were summed. Now a longer text travels as its
+  beginning and the digest of the whole, so the ranks raise naming both."""
+  comms, errs = native_ring(2, creds(), timeout_s=20)
+  assert not errs
+  x = np.ones(8, np.float32)
+  common = ("é" if case.startswith("multibyte") else "x") * 3000   # 3,000 or 6,000 bytes
+  if case == "str_tag":
+    calls = [lambda r=r: comms[r].all_reduce(x, site=(1, "line A"), tag=common + "AB"[r])
+             for r in range(2)]
+  else:
+    calls = [lambda r=r: comms[r].all_reduce(x, site=(1, common + "AB"[r])) for r in range(2)]
+  outs, errs, _ = run_ranks(calls)
+  assert outs == [None, None], outs        # no sum
+  length = len((common + "A").encode()) + (len("line A [tag '']") if case == "str_tag" else 0)
+  for r, e in enumerate(errs):
+    assert isinstance(e, errors.ConfigurationError), (r, e)
+    assert "collective mismatch" in str(e) and f"[{length} bytes, blake2b " in str(e), str(e)
+  # the rank that detected it names both sides, each digested, and the field that differs (the
+  # other rank gets that text in an ABORT, whose length is capped)
+  assert any(str(e).count(f"[{length} bytes, blake2b ") == 2 and "differ in: call site" in str(e)
+             for e in errs), errs
+  close_all(comms)
+
+
+def test_wire_text_keeps_short_texts_and_digests_long_ones_whole():
+  assert callsite.wire_text("helper (a.py:3)", 2048) == "helper (a.py:3)"
+  fit = "y" * 2048
+  assert callsite.wire_text(fit, 2048) == fit           # exactly the limit: unchanged
+  for head in ("z", "é", "\U0001F600"):                # 1-, 2- and 4-byte characters
+    a, b = head * 3000 + "a", head * 3000 + "b"
+    wa, wb = callsite.wire_text(a, 2048), callsite.wire_text(b, 2048)
+    assert wa != wb
+    for w, full in ((wa, a), (wb, b)):
+      raw = full.encode()
+      assert len(w.encode()) <= 2048 and w.startswith(head * 100), (head, len(w.encode()))
+      assert w.endswith(f"[{len(raw)} bytes, blake2b "
+                        f"{hashlib.blake2b(raw, digest_size=32).hexdigest()}]")
+  assert len(callsite.wire_text("s" * 300, callsite.STREAM_TEXT_BYTES).encode()) <= 256
 
 
 def test_float32_and_bfloat16_from_one_line_raise_on_every_rank():

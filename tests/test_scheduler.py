@@ -353,6 +353,35 @@ def test_constructor_refuses_values_of_the_wrong_kind(kwargs, fragment):
     S.GraphScheduler(step, batch_spec=SPEC, **kwargs)
 
 
+@pytest.mark.parametrize("batch_spec,fragments", [
+    (None, ["batch_spec=None holds no array", "jax.ShapeDtypeStruct((32, 128), jnp.float32)"]),
+    ({"x": None, "y": []}, ["holds no array"]),
+    (np.array(["a", "b"]), ["batch_spec: dtype <U1 is not numeric or bool"]),
+    ({"tokens": np.array([object()])}, ["['tokens']: dtype object is not numeric or bool"]),
+    ((SPEC, jax.ShapeDtypeStruct((-1, 4), jnp.float32)),
+     ["[1]: shape (-1, 4) must be non-negative integer sizes"]),
+])
+def test_batch_specs_a_step_cannot_take_are_named_before_compiling(batch_spec, fragments):
+  """GraphScheduler(batch_spec=None) used to reach the user's step as None (a raw TypeError from
+  inside it); str/object arrays and negative sizes reached XLA (TypeError, MLIRError)."""
+  with pytest.raises(errors.ConfigurationError) as e:
+    S.GraphScheduler(step, batch_spec=batch_spec)
+  assert all(f in str(e.value) for f in fragments), str(e.value)
+
+
+@pytest.mark.parametrize("step_fn,fragment", [
+    (lambda: 1, "TypeError: <lambda>() takes 0 positional arguments but 1 was given"),
+    (lambda b: b @ jnp.ones((3, 3)), "TypeError: dot_general requires contracting dimensions"),
+])
+def test_a_step_that_cannot_take_the_batch_spec_is_a_configuration_error(step_fn, fragment):
+  with pytest.raises(errors.ConfigurationError) as e:
+    S.GraphScheduler(step_fn, batch_spec=jax.ShapeDtypeStruct((2,), jnp.float32))
+  msg = str(e.value)
+  assert "step_fn could not be compiled for one batch of batch_spec float32[2]" in msg, msg
+  assert fragment in msg and "fix batch_spec or step_fn" in msg, msg
+  assert isinstance(e.value.__cause__, TypeError)     # the step's own error is kept
+
+
 @pytest.mark.parametrize("kwargs,fragment", [
     (dict(backlog_batches=True), "backlog_batches=True must be an integer"),
     (dict(backlog_release="0.5"), "backlog_release='0.5' must be a finite number (got str)"),

@@ -94,8 +94,9 @@ def _python_rank1(ep0: str, lsock: socket.socket, x1: np.ndarray, site: str, out
   acc = x1.copy()
   # The fingerprint, computed from the specification: the same call as rank 0's
   key = ref.fingerprint_key(SECRET, JOB)
+  # (the stream is the creating thread's default one: an empty text, never a thread's name)
   record = dict(op=0, dtype=0, count=count, tag=0, signature=f"float32[{count}]", site=site,
-                thread="MainThread")
+                thread="")
   digest = ref.fingerprint_digest(key, **record)
   desc = dict(site=digest & 0xFFFFFFFF, tag=digest >> 32, coll_seq=1, count=count, op=0, dtype=0)
   to_next.send(ref.FINGERPRINT, ref.fingerprint_payload(digest, **record), **desc)
@@ -143,7 +144,7 @@ def test_python_peer_speaks_the_protocol():
   # specification gives for the same call (the keyed hash of op, dtype, count, tag and texts)
   assert peer["fingerprints"] == [dict(digest=peer["digest"], full=True, op=0, dtype=0, tag=0,
                                        count=1001, signature="float32[1001]", site=site[1],
-                                       thread="MainThread")]
+                                       thread="")]
   comm0.close()
   lsock.close()
 
@@ -252,6 +253,24 @@ def test_native_ring_with_mismatched_secret_fails_fast():
   assert any("authentication" in str(e) for e in errs), errs
   assert seconds < 6
   close_all([c0, c1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_host_ring_keeps_the_sign_of_a_sum_of_negative_zeros(dtype):
+  """IEEE: -0 + -0 = -0. The ring folds each chunk from its first rank's value (not from +0, as
+  XLA's reduction does), so a sum of only -0.0 stays -0.0, and a +0.0 anywhere makes it +0.0."""
+  comms, errs = native_ring(3, credentials.JobCredentials(0x44, SECRET))
+  assert not errs
+  for values in ([-0.0, -0.0, -0.0], [-0.0, 0.0, -0.0]):
+    xs = [np.full(7, v, dtype) for v in values]    # 7 elements: chunks of 3, 2, 2
+    outs, errs, _ = run_ranks([lambda r=r: comms[r].all_reduce(xs[r], site=(0x44, "zeros"))
+                               for r in range(3)])
+    assert errs == [None] * 3, errs
+    want = -1.0 if all(np.signbit(values)) else 1.0    # IEEE, not the code under test
+    for y in outs:
+      assert np.all(y == 0) and np.all(np.copysign(1.0, y) == want), (values, y)
+      assert y.tobytes() == ref.reference_ring_sum(xs).tobytes()
+  close_all(comms)
 
 
 def test_stalled_peer_times_out_with_clear_error():

@@ -210,7 +210,8 @@ def test_a_peer_that_goes_away_is_noticed_at_once_not_at_the_timeout(fake):
     t0 = time.monotonic()
     errs = {}
     t = threading.Thread(target=lambda: errs.setdefault(
-        1, _capture(lambda: comms[1].all_reduce(np.ones(1000, np.float32), site=(11, "t")))))
+        1, _capture(lambda: comms[1].all_reduce(np.ones(1000, np.float32), site=(11, "t"),
+                                             stream="waiter"))))
     t.start()
     time.sleep(0.3)
     comms[0].close()

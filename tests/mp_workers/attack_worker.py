@@ -12,6 +12,11 @@ DTENJAX_TEST_PHASES), in this order:
   runs iterations 0..2, then rank 1 runs 1..3;
 * differ: one helper line reduces a (4, 250) array on rank 1 and a (1000,) one elsewhere, then
   bfloat16 on rank 1 and float32 elsewhere;
+* threads: THREAD_TRIALS trials of two worker threads per rank (default names, one target, data
+  that depends on the thread's job), started in the opposite order on rank 1, each reducing its
+  job's array through Communicator.all_reduce: (shared) on one communicator of the main thread,
+  no stream key; (keyed) on one communicator per trial, stream=f"job-{k}"; (own) each on a
+  communicator its thread creates; every outcome (sum or error text) is recorded;
 * algorithms: rank 0 asks for algorithm="ring", the others for "xla"; afterwards rank 0 runs the
   xla collective too, which releases the others;
 * peer_loss: the last rank exits between two collectives; the others run the second one;
@@ -169,6 +174,53 @@ def main():
       attempt("dtypes", lambda: rows(jit(dtypes)(arr)))
       hostcoll.reset()
       common.barrier("dtypes-done")
+
+    if "threads" in phases:
+      import threading  # pylint: disable=g-import-not-at-top
+      trials = int(os.environ.get("DTENJAX_TEST_THREAD_TRIALS", "50"))
+      outcomes = {"shared": [], "keyed": [], "own": []}
+      shared = transport.create_communicator("threads-shared")
+      order = [0, 1] if rank == 0 else [1, 0]      # rank 1 starts its threads the other way round
+
+      def run_trial(variant, t, comm):
+        box = {}
+        def worker(k):
+          x = np.full(8, 100.0 * k + rank + 1, np.float32)   # job k's data on this rank
+          try:
+            if variant == "shared":
+              y = shared.all_reduce(x)
+            elif variant == "keyed":
+              y = comm.all_reduce(x, stream=f"job-{k}")
+            else:
+              own = transport.create_communicator(f"threads-own-{k}-{t}")
+              try:
+                y = own.all_reduce(x)
+              finally:
+                own.close()
+            box[k] = {"value": y.tolist()}
+          except Exception as e:  # pylint: disable=broad-except
+            box[k] = {"error": f"{type(e).__name__}: {e}"[:600]}
+        ts = [threading.Thread(target=worker, args=(k,)) for k in order]   # "Thread-N (worker)"
+        for th in ts:
+          th.start()
+        for th in ts:
+          th.join(30)
+        outcomes[variant].append({"trial": t, "names": [th.name for th in ts],
+                                  "jobs": {str(k): v for k, v in box.items()}})
+
+      t0 = time.monotonic()
+      for t in range(trials):
+        common.barrier(f"threads-{t}")
+        run_trial("shared", t, None)
+        keyed = transport.create_communicator(f"threads-keyed-{t}")
+        try:
+          run_trial("keyed", t, keyed)
+        finally:
+          keyed.close()
+        run_trial("own", t, None)
+      shared.close()
+      res["threads"] = {"outcomes": outcomes, "seconds": time.monotonic() - t0}
+      common.write(res)
 
     if "algorithms" in phases:
       xla = jit(lambda x: dtenjax.all_reduce(x, "p", algorithm="xla"))

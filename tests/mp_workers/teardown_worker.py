@@ -33,7 +33,7 @@ def main(mode: str) -> None:
 
   def waiter():
     try:
-      comms[0].all_reduce(np.ones(1 << 16, np.float32), site=(7, "teardown"))
+      comms[0].all_reduce(np.ones(1 << 16, np.float32), site=(7, "teardown"), stream="waiter")
     except BaseException as e:  # noqa: BLE001 - reported on stdout
       box["error"] = e
       print(f"waiter: {type(e).__name__}: {e}", flush=True)

@@ -61,6 +61,30 @@ def _is_library(filename: str) -> bool:
 
 MAX_SITE_FRAMES = 16
 
+# The longest texts a fingerprint record carries, in UTF-8 bytes (csrc/transport/frame.h's
+# kMaxSiteText, fingerprint.h's kMaxSignatureText and kMaxThreadText): native code keeps only the
+# first this many bytes of a longer text, so every text is made to fit here (:func:`wire_text`).
+SITE_TEXT_BYTES = 2048
+SIGNATURE_TEXT_BYTES = 512
+STREAM_TEXT_BYTES = 256
+
+
+@functools.lru_cache(maxsize=4096)   # a loop registers the same call again and again
+def wire_text(text: str, limit: int) -> str:
+  """``text`` in at most ``limit`` UTF-8 bytes that still stand for all of it: the text itself
+  when it fits, else its beginning and the BLAKE2b-256 digest of the whole, as
+  ``"<beginning> ... [5000 bytes, blake2b 3f2a...]"``. The fingerprint's keyed digest covers the
+  text as it travels, so two texts that differ anywhere, however far in (a long call stack, a
+  long str tag), have different fingerprints: the native layer's cut at ``limit`` bytes never
+  makes two collectives look alike."""
+  raw = text.encode("utf-8", "backslashreplace")
+  if len(raw) <= limit:
+    return text
+  digest = hashlib.blake2b(raw, digest_size=32).hexdigest()
+  suffix = f" ... [{len(raw)} bytes, blake2b {digest}]"
+  head = raw[:max(0, limit - len(suffix))].decode("utf-8", "ignore")   # whole characters only
+  return head + suffix
+
 
 def call_site(depth_limit: int = 256) -> tuple[int, str]:
   """(tag, text) of the user code that issued the current collective: its user call stack.
@@ -110,7 +134,7 @@ def tag_value(tag) -> tuple[int | None, str]:
   * an integer scalar array, e.g. the traced step number inside ``lax.fori_loop``: (None, ""):
     the caller passes the array itself, which reaches the native layer as an operand.
   * a str naming the collective: (0, " [tag 'name']"): it joins the call site's text (so
-    messages show it) and hash.
+    messages show it) and hash; a str of any length counts whole (:func:`wire_text`).
   Anything else raises CollectiveError naming the value."""
   if tag is None:
     return 0, ""

@@ -26,9 +26,12 @@ user call stack of the traced equation) is checked by every rank before any payl
 so processes that issue different collectives, or the same ones in different orders, get an
 error on every rank naming both sides and both call stacks, not wrong data. What stays undetectable: collectives identical in all of
 these, e.g. iterations of one loop without a tag (docs/reliability.md, "Look-alike
-collectives"). A dead or stalled peer makes every survivor fail within
-``DTENJAX_COLLECTIVE_TIMEOUT`` seconds (a dead peer's sockets close at once; a stalled one times out
-and the survivors that detect it close their sockets, which wakes the rest).
+collectives"), and two Python threads running such programs at once on one process, which share
+this process's communicators (run them from one thread; docs/transport.md, "The identity rule").
+Call-site texts and str tags count whole, however long (:func:`callsite.wire_text`). A dead or
+stalled peer makes every survivor fail within ``DTENJAX_COLLECTIVE_TIMEOUT`` seconds (a dead
+peer's sockets close at once; a stalled one times out and the survivors that detect it close
+their sockets, which wakes the rest).
 
 Determinism: ring chunk ``c`` is combined in the fixed rank order ``c, c+1, ..., c-1`` (mod n),
 and every rank receives the same reduced bits, so results are identical on all ranks and in every

@@ -21,6 +21,7 @@ import numpy as np
 from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src import ffi
+from dtenjax._src.net import callsite
 from dtenjax._src.net import checks
 
 
@@ -67,8 +68,10 @@ def register_site(site_id: int, text: str, signature: str = "") -> None:
   """Tells the native layer what call ``site_id`` is: its call stack ``text`` and its
   ``signature`` (dtype, shape, algorithm, contract). Both are part of the fingerprint every rank
   checks (:func:`dtenjax._src.net.callsite.site_id` makes the id); an id registered again with
-  other texts raises ConfigurationError."""
-  value = (str(text), str(signature))
+  other texts raises ConfigurationError. Texts longer than a fingerprint record holds travel as
+  their beginning and the digest of the whole (:func:`dtenjax._src.net.callsite.wire_text`)."""
+  value = (callsite.wire_text(str(text), callsite.SITE_TEXT_BYTES),
+           callsite.wire_text(str(signature), callsite.SIGNATURE_TEXT_BYTES))
   if _registered.get(site_id) == value:
     return                      # already there (the native table keeps every call)
   transport().register_site(checks.integer("site id", site_id, 0, checks.I64_MAX), *value)

@@ -12,17 +12,27 @@ derived in that handshake. Both come from OpenSSL's libcrypto
 connection is made (fail closed): creating a multi-process communicator raises
 ExtensionUnavailableError saying so.
 
-Every collective has a fingerprint (op, dtype, count, tag, the call's signature and call site,
-the issuing thread; a keyed 64-bit digest of them, csrc/transport/fingerprint.h) that every rank
-checks against its previous rank's before it combines any payload; processes that issue
-different collectives get an error on every rank that names both sides (see
-:func:`~dtenjax._src.net.callsite.call_site` and :func:`~dtenjax._src.net.callsite.tag_value`).
+Identity of a collective (docs/transport.md, "The identity rule"): the communicator, its number
+on that communicator (in every frame header), and its fingerprint: op, dtype, count, tag, the
+call's signature and call site (texts of any length, counted whole:
+:func:`~dtenjax._src.net.callsite.wire_text`) and its stream, under a keyed 64-bit digest
+(csrc/transport/fingerprint.h) that every rank checks against its previous rank's before it
+combines any payload; processes that issue different collectives get an error on every rank that
+names both sides (see :func:`~dtenjax._src.net.callsite.call_site` and
+:func:`~dtenjax._src.net.callsite.tag_value`).
+
+The stream is never a thread's name: default names such as ``Thread-1 (worker)`` follow the
+order in which a process created its threads, so they coincide across processes for threads
+doing different work. A communicator's collectives come from the thread that created it (its
+default stream), or from threads that name their stream explicitly (``stream=`` or
+:func:`stream`), one live thread per key.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import dataclasses
 import threading
 import weakref
@@ -124,14 +134,48 @@ def _close_at_exit() -> None:
 atexit.register(_close_at_exit)
 
 
+_stream: contextvars.ContextVar[str | None] = contextvars.ContextVar("dtenjax_stream",
+                                                                     default=None)
+
+
+def _check_stream(key) -> str:
+  if not isinstance(key, str) or not key or "\0" in key:
+    raise errors.CollectiveError(
+        f"stream={key!r} must be a non-empty str without NUL characters that names the work of "
+        "the issuing thread and is the same on every rank (e.g. 'prefetch' or f'job-{job_id}').")
+  return key
+
+
+@contextlib.contextmanager
+def stream(key: str):
+  """The collectives this thread issues inside the block (on any :class:`Communicator`) belong to
+  stream ``key``, as if each passed ``stream=key``: wrap the body of a worker thread that uses a
+  communicator it did not create. The key names the thread's work and must be the same on every
+  rank (never the thread's name, which follows creation order)."""
+  token = _stream.set(_check_stream(key))
+  try:
+    yield
+  finally:
+    _stream.reset(token)
+
+
+_STREAMS_KEPT = 256   # a communicator forgets the keys of ended threads beyond this many
+
+
 class Communicator:
   """One rank of an authenticated ring of processes (a native communicator).
 
-  One thread issues its collectives (:meth:`all_reduce`): the first that does owns it, and
-  another thread is refused with CollectiveError while the owner lives. Two threads' collectives
-  would be queued in a different order on each rank and paired wrongly; give each thread its own
-  communicator. :meth:`close` may be called from any thread: it interrupts the collective in
-  flight (CollectiveError "closed locally", within about 20 ms) and every queued one."""
+  Its collectives (:meth:`all_reduce`) belong to streams. Without a key they belong to its
+  default stream, which only the thread that created it may issue on; any other thread is
+  refused with CollectiveError at once, before anything is sent: a thread's name says nothing
+  about which thread of another process it corresponds to (default names follow creation order),
+  so two threads per rank would pair with the wrong partners and mix data. A thread that uses a
+  communicator it did not create names its stream (``stream=`` or :func:`stream`), with a key
+  that means the same work on every rank; the key travels in every collective's fingerprint, and
+  one live thread holds a key at a time. Collectives of two streams issued in a different order
+  on each rank raise on every rank, naming both streams. :meth:`close` may be called from any
+  thread: it interrupts the collective in flight (CollectiveError "closed locally", within about
+  20 ms) and every queued one."""
 
   def __init__(self, name: str, rank: int, size: int, tenant: str, provider: str, native_comm):
     self.name, self.rank, self.size = name, rank, size
@@ -139,39 +183,58 @@ class Communicator:
     self._native = native_comm
     self.comm_id = int(native_comm.id)
     self.endpoint = native_comm.endpoint
-    self._owner: threading.Thread | None = None
+    self._creator = threading.current_thread()
+    self._streams: dict[str, threading.Thread] = {}   # stream key -> the thread issuing on it
     self._owner_lock = threading.Lock()
     _live.add(self)
 
-  def _claim(self) -> None:
-    """The calling thread owns this communicator's collectives, or CollectiveError at once."""
+  def _claim(self, key: str | None) -> str:
+    """The stream text of the calling thread's collective ("" for the default stream), or
+    CollectiveError at once when this thread may not issue on that stream."""
     me = threading.current_thread()
+    where = f"communicator {self.name!r} (rank {self.rank} of {self.size})"
+    if key is None:
+      if me is self._creator:
+        return ""
+      raise errors.CollectiveError(
+          f"{where} was created by thread {self._creator.name!r}; thread {me.name!r} issues a "
+          "collective on it without a stream key. A thread's name does not say which thread of "
+          "another process it pairs with (default names such as 'Thread-1 (worker)' follow the "
+          "order threads were created), so collectives of threads other than the creator could "
+          "be paired with another thread's collectives on the other ranks (mixed data). Pass "
+          "stream='<key>' naming this thread's work, the same key on every rank (or wrap the "
+          "thread's body in transport.stream(key)), or give the thread a communicator of its "
+          "own (create_communicator in that thread, with a name for its work).")
     with self._owner_lock:
-      if self._owner is None or self._owner is me or not self._owner.is_alive():
-        self._owner = me
-        return
-      owner = self._owner
+      owner = self._streams.get(key)
+      if owner is None or owner is me or not owner.is_alive():
+        if owner is None and len(self._streams) >= _STREAMS_KEPT:   # keys of ended threads go
+          self._streams = {k: t for k, t in self._streams.items() if t.is_alive()}
+        self._streams[key] = me
+        return callsite.wire_text(key, callsite.STREAM_TEXT_BYTES)
     raise errors.CollectiveError(
-        f"communicator {self.name!r} (rank {self.rank} of {self.size}) issues the collectives of "
-        f"thread {owner.name!r}; thread {me.name!r} may not use it too: the collectives of two "
-        "threads would be queued in a different order on each rank and paired with the wrong "
-        "partners (mixed data). Give each thread its own communicator (create_communicator with "
-        "a name per thread), or issue every collective from one thread.")
+        f"stream {key!r} of {where} is issued by thread {owner.name!r}; thread {me.name!r} may "
+        "not issue on it too: the collectives of two threads would be queued in a different "
+        "order on each rank and paired with the wrong partners (mixed data). Give each thread "
+        "a stream key of its own, or its own communicator.")
 
   def __repr__(self) -> str:
     return (f"Communicator({self.name!r}, rank={self.rank}, size={self.size}, "
             f"tenant={self.tenant!r}, provider={self.provider!r}, id={self.comm_id})")
 
   def all_reduce(self, x: np.ndarray, op: str = "sum", *, site: tuple[int, str] | None = None,
-                 tag: int | str | None = None) -> np.ndarray:
+                 tag: int | str | None = None, stream: str | None = None) -> np.ndarray:
     """Ring all-reduce of a host array (outside jit: tests, benchmarks). Returns a new array.
 
     ``site`` (tag, text) names the call site carried in every frame; default
     :func:`~dtenjax._src.net.callsite.call_site`. ``tag`` (see
     :func:`~dtenjax._src.net.callsite.tag_value`) tells apart collectives with the same call
     stack, e.g. the iterations of a loop: every rank must pass the same one for the same
-    collective.
+    collective. ``stream``: the key of the issuing thread's stream (default: the one of an
+    enclosing :func:`stream` block, else the communicator's default stream, which only its
+    creating thread may use; see :class:`Communicator`).
     """
+    stream = _stream.get() if stream is None else _check_stream(stream)
     x = np.ascontiguousarray(x)
     dtype_codes, op_codes = native.codes()
     if x.dtype not in dtype_codes:
@@ -189,13 +252,13 @@ class Communicator:
     sig = f"{x.dtype.name}{list(x.shape)}"
     site_id = callsite.site_id(text, sig, base=base)
     native.register_site(site_id, text, sig)
-    self._claim()
+    stream_text = self._claim(stream)
     out = np.empty_like(x)
     try:
       with _native_call():
         self._native.all_reduce(x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8),
                                 out.size, dtype_codes[x.dtype], op_codes[op], site_id, value,
-                                threading.current_thread().name)
+                                stream_text)
     except errors.ExtensionUnavailableError as e:
       raise _peer_errors(e) from None
     return out

@@ -160,15 +160,16 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     acc(pr.bytes, f"all_reduce[{k}]", nb)
   if zero and not vocab_axes:
     k = axis_key(zero)
-    # gathered before its product; a read inside jax.checkpoint is gathered again for the
-    # backward (the recomputed forward), and the gathered copy is not kept in between: only the
-    # slice being used (one layer of a scanned stack) is live. Otherwise XLA keeps the gathered
+    # gathered where its product reads it (StepPlan.jit); a read inside jax.checkpoint, or a
+    # layer of a lax.scan stack (gathered inside the loop body, once per layer, in the forward
+    # and again in the backward's loop), is gathered twice per step and the gathered copy is not
+    # kept in between: only the slice being used is live. Otherwise XLA keeps the gathered
     # weight for the backward.
-    remat = use is not None and use.remat
-    times = 2 if remat else 1
+    regather = use is not None and (use.remat or use.layers > 1)
+    times = 2 if regather else 1
     acc(pr.overlappable, k, times * pricer("all_gather", grad, zero, dtype))
     acc(pr.bytes, f"all_gather[{k}]", times * grad)
-    if remat:
+    if regather:
       pr.gathered_peak = grad / max(1, use.layers)
     else:
       pr.memory["gathered"] = grad

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
 from dtenjax._src.planning import check as check_lib
+from dtenjax._src.planning import gather
 from dtenjax._src.planning.candidates import AxisLink
 from dtenjax._src.planning.candidates import axis_links
 from dtenjax._src.planning.candidates import spec_entry
@@ -111,18 +112,8 @@ class StepPlan:
     constraint XLA's partitioner, seeing the batch and the weight sharded over the same axis,
     often picks all-to-alls of activations and all-reduces of partial products (measured:
     10x the bytes on a GPT-2 step; docs/benchmarks.md). Values are unchanged."""
-    mesh = self.mesh()
-
-    def gather(x, spec):
-      return x if spec is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-    def planned(*args):
-      args = tuple(jax.tree.map(gather, a, c, is_leaf=lambda v: v is None)
-                   if c is not None else a for a, c in zip(args, self.compute_specs))
-      return step(*args)
-    planned.__name__ = getattr(step, "__name__", "step")
-    planned.__wrapped__ = step
-    return jax.jit(planned, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
+    fn = gather.gather_for_compute(step, self.mesh(), self.compute_specs)
+    return jax.jit(fn, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
                    **jit_kwargs)
 
   def check(self, step: Callable, *args) -> "Check":

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dtenjax._src import config
@@ -220,9 +221,51 @@ def _check_leaves(tree: Any, what: str) -> None:
         "np.asarray(...) of the data (a generator or iterator must be materialised first):", bad))
 
 
+def _leaf_problem(path: str, leaf: Any) -> str | None:
+  """Why a batch_spec leaf cannot be a batch's array (None if it can): a numeric or bool dtype,
+  and a shape of non-negative integer sizes."""
+  try:
+    dtype, shape = np.result_type(leaf), tuple(np.shape(leaf))
+  except (TypeError, ValueError) as e:
+    return f"{path}: {type(leaf).__name__} has no array dtype and shape ({e})"
+  if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
+    return (f"{path}: dtype {dtype} is not numeric or bool (a jitted step takes numeric arrays; "
+            "encode strings or objects as numbers first)")
+  if any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0 for d in shape):
+    return f"{path}: shape {shape} must be non-negative integer sizes"
+  return None
+
+
 def _spec_of(tree: Any) -> Any:
   _check_leaves(tree, "batch_spec")
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  if not leaves:
+    raise errors.ConfigurationError(
+        f"batch_spec={tree!r} holds no array: pass one batch's shape and dtype, e.g. "
+        "batch_spec=jax.ShapeDtypeStruct((32, 128), jnp.float32), or an example batch (any "
+        "pytree of arrays).")
+  problems = [_leaf_problem(jax.tree_util.keystr(path) or "batch_spec", leaf)
+              for path, leaf in leaves]
+  problems = [p for p in problems if p]
+  if problems:
+    raise errors.ConfigurationError(errors.join_problems(
+        "batch_spec leaves must be numeric or bool arrays of non-negative sizes:", problems))
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x)), tree)
+
+
+def _compile(step: Any, spec: Any) -> Any:
+  """The step compiled for one batch of ``spec``; a step that cannot take such a batch (it
+  raises while tracing or compiling) is a ConfigurationError naming step_fn and batch_spec."""
+  try:
+    return step.lower(spec).compile()
+  except errors.DtenjaxError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # the user's step: any error it raises
+    shapes = jax.tree.map(lambda s: f"{s.dtype}{list(s.shape)}", spec)
+    raise errors.ConfigurationError(
+        f"step_fn could not be compiled for one batch of batch_spec {shapes}: "
+        f"{type(e).__name__}: {str(e).strip()[:2000].rstrip('.')}. step_fn must take one argument shaped "
+        "like batch_spec (the batch the scheduler passes); fix batch_spec or step_fn.") from e
 
 
 def check_batch(spec: Any, batch: Any) -> None:
@@ -534,7 +577,7 @@ class GraphScheduler:
     self.poll_interval = float(poll_interval)
     self.batch_spec = _spec_of(batch_spec)
     self.step = graphs.jit(step_fn, cuda_graphs)
-    compiled = self.step.lower(self.batch_spec).compile()
+    compiled = _compile(self.step, self.batch_spec)
     prom = _PromMetrics(metrics_port) if metrics_port is not None else None
     self._d = _Dispatcher(
         compiled, self.batch_spec, latency_sla=self.latency_sla, preemption=self.preemption,

@@ -1,0 +1,268 @@
+"""FSDP as users write it: every sharded weight gathered where a product reads it.
+
+A plan lays an FSDP parameter out sharded over ``fsdp`` (and the batch over the same axis); the
+products need the weight whole along ``fsdp``. Users of MaxText or FSDP2 gather a weight inside the
+layer that uses it: a weight stacked for ``lax.scan`` is gathered one layer at a time inside the
+loop body, so only one layer's gathered weights are alive, and its gradient is reduce-scattered
+layer by layer. A constraint applied to the whole stacked weight before the step would instead
+gather every layer at once (the memory of an unsharded model).
+
+:func:`gather_for_compute` does what such a user writes, without touching their code. It traces the
+step to a jaxpr once (the forward and the backward pass are both in it: a training step calls
+``jax.grad`` itself) and evaluates it again, equation by equation, inside ``jax.jit``. Where a
+product (``dot_general``, a convolution, a ``gather`` such as an embedding lookup) reads a planned
+weight -- directly or through casts, transposes and reshapes -- the weight first goes through
+``with_sharding_constraint`` to its compute layout. A weight that enters a ``lax.scan`` as a
+scanned-over operand is followed into the loop body as one layer's slice, with the stacked
+dimension dropped from its layout, so the constraint (and XLA's all-gather) runs once per layer
+inside the loop; the backward loop, which reads the same weights, gets its own per-layer gathers.
+Nothing else changes: elementwise optimizer updates still read the sharded weight, every other
+equation is bound as it was traced, and a sharding constraint changes no value (XLA may sum a
+product's partial results in another order for another layout: float rounding, nothing more).
+
+This is FSDP2's default (``reshard_after_forward=True``): a layer's weights are gathered for the
+forward pass and again for the backward pass, so gathered weights never outlive their layer; two
+all-gathers and one gradient reduction per layer and step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# Equations whose operands the products need whole (gather: only its operand, not the indices).
+_PRODUCTS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
+_GATHERS = frozenset({"gather", "dynamic_slice"})
+# Single-operand equations that only change a value's dtype or layout: a weight read by one of
+# them on its way to a product is followed through (the layout moves along with a transpose).
+_SAME_LAYOUT = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
+_STRUCTURAL = _SAME_LAYOUT | frozenset({"transpose", "reshape", "broadcast_in_dim", "squeeze",
+                                        "expand_dims", "rev", "slice"})
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_REMATS = frozenset({"checkpoint", "remat", "remat2"})
+
+
+def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...]) -> Callable:
+  """``step`` with each weight that ``compute_specs`` names gathered to that layout where a
+  product uses it (one layer at a time inside ``lax.scan``; see the module docstring).
+
+  ``compute_specs`` has one entry per positional argument of ``step``: None, or a pytree of the
+  argument's structure holding a ``PartitionSpec`` (the layout the products need, for the whole
+  weight) for each weight to gather and None for every other leaf. The result is meant to be
+  wrapped by ``jax.jit``; called outside it, it runs the same equations eagerly."""
+
+  def planned(*args):
+    flat, tree = jax.tree.flatten(args)
+    specs: list[P | None] = []
+    for a, c in zip(args, tuple(compute_specs) + (None,) * (len(args) - len(compute_specs))):
+      n = len(jax.tree.leaves(a))
+      if c is None:
+        specs += [None] * n
+      else:
+        cs = jax.tree.leaves(c, is_leaf=lambda s: s is None or isinstance(s, P))
+        specs += list(cs) if len(cs) == n else [None] * n
+    if not any(s is not None for s in specs):
+      return step(*args)
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
+    closed, out_shape = jax.make_jaxpr(
+        lambda *leaves: step(*jax.tree.unflatten(tree, leaves)), return_shape=True)(*abstract)
+    tracked = {v: s for v, s in zip(closed.jaxpr.invars, specs) if s is not None}
+    outs = _Evaluator(mesh).run(closed.jaxpr, closed.consts, flat, tracked)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  planned.__name__ = getattr(step, "__name__", "step")
+  planned.__wrapped__ = step
+  return planned
+
+
+def _read(env, v):
+  return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def _sub_jaxpr(eqn) -> tuple[Any, tuple] | None:
+  """The (jaxpr, consts) an equation calls with its own operands, one to one; None otherwise."""
+  name, params = eqn.primitive.name, eqn.params
+  if name in _CALLS:
+    closed = params.get("jaxpr", params.get("call_jaxpr"))
+  elif name == "scan":
+    closed = params["jaxpr"]
+  elif name in _REMATS:
+    closed = params.get("jaxpr")
+  else:
+    return None
+  if closed is None:
+    return None
+  if isinstance(closed, jcore.ClosedJaxpr):
+    return closed.jaxpr, tuple(closed.consts)
+  return closed, ()
+
+
+_FEEDS_MEMO: dict[int, tuple[Any, frozenset]] = {}
+
+
+def _feeds_products(jaxpr) -> frozenset:
+  """The variables of ``jaxpr`` whose value reaches an operand of a product, directly, through
+  single-operand layout changes, or through the jaxprs it calls."""
+  hit = _FEEDS_MEMO.get(id(jaxpr))
+  if hit is not None and hit[0] is jaxpr:
+    return hit[1]
+  feeds: set = set()
+  for eqn in reversed(jaxpr.eqns):
+    name = eqn.primitive.name
+    if name in _PRODUCTS:
+      feeds.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    elif name in _GATHERS:
+      if not isinstance(eqn.invars[0], jcore.Literal):
+        feeds.add(eqn.invars[0])
+    elif name in _STRUCTURAL:
+      if any(o in feeds for o in eqn.outvars) and not isinstance(eqn.invars[0], jcore.Literal):
+        feeds.add(eqn.invars[0])
+    else:
+      sub = _sub_jaxpr(eqn)
+      if sub is not None and len(sub[0].invars) == len(eqn.invars):
+        inner = _feeds_products(sub[0])
+        feeds.update(o for o, i in zip(eqn.invars, sub[0].invars)
+                     if i in inner and not isinstance(o, jcore.Literal))
+  out = frozenset(feeds)
+  _FEEDS_MEMO[id(jaxpr)] = (jaxpr, out)
+  return out
+
+
+def _drop_leading(spec: P) -> P | None:
+  """The layout of one layer of a stacked weight laid out as ``spec`` (None when the stacked
+  dimension itself is sharded: a layer's slice then lives on some devices only)."""
+  entries = tuple(spec)
+  if entries and entries[0] is not None:
+    return None
+  return P(*entries[1:])
+
+
+class _Evaluator:
+  """Evaluates a jaxpr with the planned weights gathered at their products."""
+
+  def __init__(self, mesh):
+    self.mesh = mesh
+
+  def constrain(self, x, spec: P):
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+  def run(self, jaxpr, consts, args, tracked: Mapping[Any, P]) -> list:
+    env: dict = {}
+    for v, x in zip(jaxpr.constvars, consts):
+      env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+      env[v] = x
+    tracked = dict(tracked)
+    feeds = _feeds_products(jaxpr)
+    gathered: dict = {}                # tracked var -> its gathered value in this scope
+
+    def gathered_value(v):
+      if v not in gathered:
+        gathered[v] = self.constrain(env[v], tracked[v])
+      return gathered[v]
+
+    for eqn in jaxpr.eqns:
+      vals = [_read(env, v) for v in eqn.invars]
+      hits = [i for i, v in enumerate(eqn.invars)
+              if not isinstance(v, jcore.Literal) and v in tracked]
+      outs = None
+      if hits:
+        outs = self._eqn_with_tracked(eqn, vals, hits, tracked, feeds, gathered_value)
+      if outs is None:
+        outs = _bind(eqn, vals)
+      for v, x in zip(eqn.outvars, outs):
+        if not isinstance(v, jcore.DropVar):
+          env[v] = x
+    return [_read(env, v) for v in jaxpr.outvars]
+
+  def _eqn_with_tracked(self, eqn, vals, hits, tracked, feeds, gathered_value):
+    """Evaluates an equation that reads planned weights; None: bind it unchanged."""
+    name = eqn.primitive.name
+    if name in _PRODUCTS or name in _GATHERS:
+      operands = hits if name in _PRODUCTS else [i for i in hits if i == 0]
+      if not operands:
+        return None                    # a gather's indices
+      for i in operands:
+        vals[i] = gathered_value(eqn.invars[i])
+      return _bind(eqn, vals)
+    if name in _STRUCTURAL:
+      v = eqn.invars[0]
+      if not any(o in feeds for o in eqn.outvars):
+        return None                    # e.g. the optimizer's cast: stays sharded
+      out = eqn.outvars[0]
+      if name in _SAME_LAYOUT:
+        tracked[out] = tracked[v]      # follow the weight through the cast
+        return None
+      if name == "transpose":
+        entries = tuple(tracked[v]) + (None,) * (len(eqn.invars[0].aval.shape) - len(tracked[v]))
+        tracked[out] = P(*(entries[d] for d in eqn.params["permutation"]))
+        return None
+      vals[0] = gathered_value(v)      # other layout changes: gather first
+      return _bind(eqn, vals)
+    if name == "scan":
+      return self._scan(eqn, vals, tracked)
+    sub = _sub_jaxpr(eqn)
+    if sub is None or len(sub[0].invars) != len(eqn.invars):
+      return None
+    inner_jaxpr, inner_consts = sub
+    inner = {iv: tracked[ov] for iv, ov in zip(inner_jaxpr.invars, eqn.invars)
+             if not isinstance(ov, jcore.Literal) and ov in tracked}
+    if name in _CALLS:
+      return self.run(inner_jaxpr, inner_consts, vals, inner)
+    if name in _REMATS:
+      fn = lambda *a: self.run(inner_jaxpr, inner_consts, a, inner)   # noqa: E731
+      return list(jax.checkpoint(fn, prevent_cse=eqn.params.get("prevent_cse", True),
+                                 policy=eqn.params.get("policy"))(*vals))
+    return None
+
+  def _scan(self, eqn, vals, tracked):
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    body = p["jaxpr"]
+    inner: dict = {}
+    for k, (ov, iv) in enumerate(zip(eqn.invars, body.jaxpr.invars)):
+      if isinstance(ov, jcore.Literal) or ov not in tracked:
+        continue
+      if k < nc:
+        inner[iv] = tracked[ov]
+      elif k >= nc + nk:
+        layer = _drop_leading(tracked[ov])
+        if layer is not None:
+          inner[iv] = layer
+    if not inner:
+      return None
+    consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
+
+    def step(c, x):
+      outs = self.run(body.jaxpr, body.consts, [*consts, *c, *x], inner)
+      return outs[:nk], outs[nk:]
+
+    carry_out, ys = jax.lax.scan(step, list(carry), list(xs), length=p["length"],
+                                 reverse=p["reverse"], unroll=p.get("unroll", 1))
+    # A loop that hands one layer's weight out as a residual (for the backward loop) hands out
+    # the stacked weight again: follow it there too.
+    for ov, iv in zip(eqn.outvars[nk:], body.jaxpr.outvars[nk:]):
+      if not isinstance(iv, jcore.Literal) and iv in inner and not isinstance(ov, jcore.DropVar):
+        k = body.jaxpr.invars.index(iv)
+        if k >= nc + nk:
+          tracked[ov] = tracked[eqn.invars[k]]
+    return [*carry_out, *ys]
+
+
+def _bind(eqn, vals) -> list:
+  """Binds ``eqn``'s primitive to ``vals`` as ``jax.core.eval_jaxpr`` does (its parameters as
+  the primitive wants them bound, under the equation's context: jax 0.10 and 0.11 alike)."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  subfuns = ()
+  if isinstance(params, tuple):            # older JAX: (subfuns, params)
+    subfuns, params = params
+  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+  with ctx if ctx is not None else contextlib.nullcontext():
+    out = eqn.primitive.bind(*subfuns, *vals, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]

@@ -1,0 +1,164 @@
+"""plan.jit gathers FSDP weights where products read them (dtenjax/_src/planning/gather.py): one
+layer at a time inside lax.scan, never the whole stack, the optimizer's update left sharded, and
+the same values as the step itself.
+
+The yardstick is what a user writes without dtenjax: plain jax.jit with NamedShardings, FSDP over
+all devices (bench/_families.py's hand-written recipes)."""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dtenjax
+from dtenjax._src import hlo
+from dtenjax._src.planning import gather
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+import _families as families  # noqa: E402  pylint: disable=g-import-not-at-top
+
+
+def _scan_family():
+  return families.llama(scan=True, vocab=512, d=128, heads=4, ffn=256, layers=3, batch=16, seq=128)
+
+
+@pytest.fixture(scope="module")
+def scanned():
+  fam = _scan_family()
+  step, args = fam.make()
+  plan = dtenjax.plan(step, *args, recipe="FSDP")
+  compiled = plan.jit(step).lower(*args).compile()
+  return fam, step, args, plan, compiled
+
+
+def _memory(compiled) -> int:
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes)
+
+
+def nbytes(compiled) -> int:
+  """Collective bytes per step: a collective in a loop body counts once per iteration."""
+  module = hlo.read_compiled(compiled)
+  trips = {name: ins.trip_count or 1 for ins in module.instructions() if ins.opcode == "while"
+           for name in ins.called}
+  return sum(c.nbytes * trips.get(c.computation, 1) for c in module.collectives())
+
+
+def _gathers(compiled):
+  """(all-gathers inside while-loop bodies, all-gathers outside), with their result bytes."""
+  module = hlo.read_compiled(compiled)
+  bodies = {name for ins in module.instructions() if ins.opcode == "while"
+            for name in ins.called}
+  inside, outside = [], []
+  for c in module.collectives():
+    if c.kind == "all_gather":
+      (inside if c.computation in bodies else outside).append(c)
+  return inside, outside
+
+
+def test_a_stacked_weight_is_gathered_one_layer_at_a_time_inside_the_loop(scanned):
+  fam, step, args, plan, compiled = scanned
+  del fam, step
+  inside, outside = _gathers(compiled)
+  layers = args[0]["layers"]
+  # every stacked kernel sharded by the plan is gathered in the loop bodies, a layer's slice each
+  slice_shapes = {tuple(x.shape[1:]) for k, x in layers.items() if x.ndim >= 3 or
+                  k.startswith("w_")}
+  # (XLA gathers the dynamic slice of one layer: a leading dimension of 1)
+  gathered_in_loop = {tuple(c.result_shape.dims)[1:] if c.result_shape.dims[:1] == (1,) else
+                      tuple(c.result_shape.dims) for c in inside}
+  assert slice_shapes <= gathered_in_loop, (slice_shapes, gathered_in_loop)
+  # and nothing outside the loops gathers a stacked weight (which would gather every layer)
+  n = layers["wq"].shape[0]
+  assert not [c for c in outside if len(c.result_shape.dims) >= 3 and c.result_shape.dims[0] == n]
+  del plan
+
+
+def test_memory_and_bytes_against_the_fsdp_a_user_writes(scanned):
+  fam, step, args, plan, compiled = scanned
+  del step, plan
+  r = families.recipe(fam, "FSDP")
+  user, _ = families.recipe_jit(fam, r)
+  user_c = user.lower(*args).compile()
+  # plain jax.jit with the same FSDP shardings and no gathers at all
+  bare_fn, bare_step = families.recipe_jit(fam, families.Recipe("FSDP", r.mesh, r.param_specs,
+                                                                {}, r.batch_axes))
+  del bare_step
+  bare_c = bare_fn.lower(*args).compile()
+  assert _memory(compiled) <= 1.10 * _memory(user_c), (_memory(compiled), _memory(user_c))
+  assert _memory(compiled) <= 1.10 * _memory(bare_c), (_memory(compiled), _memory(bare_c))
+
+  # Bytes per step (a loop body's collectives once per iteration) are no more than plain FSDP's
+  # under jax.jit, which moves activations instead of gathering.
+  assert nbytes(compiled) <= nbytes(bare_c), (nbytes(compiled), nbytes(bare_c))
+
+
+def test_the_gathered_step_computes_what_the_step_computes(scanned):
+  # A sharding constraint changes no value; XLA may sum partial products in another order for
+  # another layout, so values agree to float32 rounding, not bit for bit.
+  fam, step, _, plan, _ = scanned
+  real = families.real_args(fam)
+  want = jax.jit(step)(*real)
+  got = plan.jit(step)(*plan.shard(*real))
+  assert float(got[2]) == pytest.approx(float(want[2]), rel=1e-6)
+  for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_the_optimizer_update_reads_the_sharded_weight():
+  # a weight read by a product and by elementwise optimizer arithmetic: only the product's read
+  # is gathered, so the update stays sharded (no gather of the moments or the update)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8), ("fsdp",))
+
+  def step(w, x):
+    y = x @ w.astype(jnp.bfloat16).astype(jnp.float32)
+    g = jnp.sum(y)
+    return w * 0.9 + g, y
+
+  fn = gather.gather_for_compute(step, mesh, (P(None, None), None))
+  jaxpr = jax.make_jaxpr(fn)(jnp.ones((64, 32)), jnp.ones((16, 64)))
+  constraints = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "sharding_constraint"]
+  assert len(constraints) == 1
+  # the weight is followed through its casts and gathered where the product reads it; the
+  # update reads the sharded weight itself
+  (c,) = constraints
+  users = [e.primitive.name for e in jaxpr.jaxpr.eqns if c.outvars[0] in e.invars]
+  assert users == ["dot_general"]
+  (mul,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "mul"]
+  assert mul.invars[0] is jaxpr.jaxpr.invars[0]
+
+
+def test_weights_followed_through_nested_jit_and_transpose():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8), ("fsdp",))
+
+  @jax.jit
+  def inner(w, x):
+    return x @ w.T
+
+  def step(w, x):
+    return inner(w, x).sum()
+
+  fn = gather.gather_for_compute(step, mesh, (P("fsdp", None), None))
+  text = str(jax.make_jaxpr(fn)(jnp.ones((64, 32)), jnp.ones((16, 32))))
+  # the transposed weight (32, 64) is constrained with the transposed layout, inside the call
+  assert "sharding_constraint" in text
+  w = jax.device_put(jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32),
+                     NamedSharding(mesh, P("fsdp", None)))
+  x = jnp.ones((16, 32))
+  np.testing.assert_array_equal(jax.jit(fn)(w, x), jax.jit(step)(w, x))
+
+
+def test_nothing_planned_is_the_step_itself():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8), ("fsdp",))
+
+  def step(w):
+    return w @ w
+
+  fn = gather.gather_for_compute(step, mesh, (None,))
+  assert "sharding_constraint" not in str(jax.make_jaxpr(fn)(jnp.ones((8, 8))))

@@ -1,44 +1,28 @@
-"""The whole-step planner: one layout for every array of a training step, a mesh for it, and the
-memory it needs (``dtenjax.plan``; ``Placement("auto")`` with ``step=``).
+"""The whole-step planner's entry point: one layout for every array of a training step, a mesh for
+it, and the memory it needs (``dtenjax.plan``; ``Placement("auto")`` with ``step=``).
 
-What it reads. :func:`~dtenjax._src.planning.stepgraph.read_step` gives the step's weights with
-the role of each dimension (contracted, free, stacked), the tensor-parallel pairs, the optimizer
-state tied to each parameter, the flops and the activation bytes.
+The parts, one module each:
 
-What it proposes. A mesh of up to three logical axes, outermost first: ``data`` (replicas),
-``fsdp`` (parameters, gradients and optimizer state sharded, gathered for compute: ZeRO-3) and
-``tensor`` (Megatron-style tensor parallelism: a column-parallel weight shards a free dimension,
-a row-parallel one a contracted dimension; a column->row pair keeps the activation between them
-sharded). Devices are ordered by the topology so that ``tensor`` stays inside an NVLink island,
-``fsdp`` next, ``data`` outermost (across hosts). The batch is sharded over ``data`` and ``fsdp``.
+* :mod:`~dtenjax._src.planning.stepgraph` reads the step's jaxpr: the weights with the role of
+  each dimension (contracted, free, stacked), scan layers and rematerialised reads, lookups,
+  the tensor-parallel pairs, the optimizer state tied to each parameter, flops and activations;
+* :mod:`~dtenjax._src.planning.roles` is the registry of mesh axis roles (``data``, ``fsdp``,
+  ``tensor``; outermost first), each with its shard options, axis sizes and collectives;
+* :mod:`~dtenjax._src.planning.candidates` proposes meshes (HSDP included) and layouts;
+* :mod:`~dtenjax._src.planning.pricing` prices a layout: collectives per kind for the backend the
+  plan is for, with the loop structure (a scanned FSDP stack gathered per layer, twice per step),
+  compute, and memory as XLA compiles the step;
+* :mod:`~dtenjax._src.planning.solver` solves one mixed-integer program per mesh (scipy's
+  ``milp``) under the memory budget, with no axis of duplicated work;
+* :mod:`~dtenjax._src.planning.recipes` lays out DP, FSDP, TP and FSDP x TP, priced alike (a
+  recipe that fits is a candidate, so the plan is never worse than the best one);
+* :mod:`~dtenjax._src.planning.result` is the answer (:class:`StepPlan`) and its application
+  (``plan.jit`` gathers FSDP weights where products read them,
+  :mod:`~dtenjax._src.planning.gather`); :mod:`~dtenjax._src.planning.check` compares it with
+  what XLA compiles.
 
-How it prices. For every mesh, every tied group of state leaves gets candidate layouts
-(replicate, FSDP on each divisible dimension it is worth, column/row tensor parallel on each free /
-contracted dimension, and their products), each with its collectives per step:
-
-* gradient synchronisation over the batch axes it is not sharded on (an all-reduce, or a
-  reduce-scatter over ``fsdp`` then an all-reduce over ``data``), overlappable with the backward
-  pass;
-* FSDP all-gathers of the parameter, two per step (forward, and again for the backward),
-  overlappable (prefetched);
-* tensor-parallel activation collectives, blocking: a row-parallel product all-reduces its output
-  (forward), a column-parallel one its input gradient (backward); an unpaired column-parallel
-  output is all-gathered, and so is an unpaired row-parallel input gradient.
-
-Collectives are priced as ``algorithm="auto"`` prices them (the algorithm registry, through
-:func:`dtenjax._src.planning.planner.set_all_reduce_time`; all-gathers and reduce-scatters as XLA's
-own ops), with the alpha and beta of the slowest link on that mesh axis: measured ones where
-``Topology.probe`` measured the class, the topology's priors otherwise. Step time = compute (the
-step's flops over all devices) + blocking collectives + the part of the overlappable ones that
-does not fit in ``overlap`` x compute.
-
-How it chooses. One mixed-integer program per mesh (scipy's ``milp``, HiGHS): one binary per
-(group, candidate), pair variables, the exposed-time variable, and the memory constraint (per
-device: parameters, gradients, optimizer state, activations and the batch at most the budget).
-The cheapest mesh wins; ties go to less memory, then the fixed order of the mesh list. The
-standard recipes (DP, FSDP, TP, FSDP x TP) are priced by the same function, and their
-assignments are candidates of the same program, so the plan is never worse than the best recipe
-that fits.
+A plan depends only on the arguments: the topology (with its NVLink SHARP state), the step and
+its example arguments, and the options below; nothing is read from NCCL's environment.
 """
 
 from __future__ import annotations

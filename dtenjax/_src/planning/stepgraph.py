@@ -44,6 +44,14 @@ log1p logistic max min mul ne eq ge gt le lt neg nextafter not or pow real reduc
 round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor pvary stop_gradient
 optimization_barrier sharding_constraint
 """.split())
+# Values XLA computes inside the fusion of their consumer (recomputed there, never materialised)
+# when every consumer is such an op: elementwise ops and cheap data movement; reductions take
+# fused producers as their input (XLA's input fusions) but are fusion roots themselves.
+_FUSIBLE = _ELEMENTWISE | frozenset(
+    "broadcast_in_dim slice pad reshape squeeze expand_dims concatenate iota rev select_n "
+    "convert_element_type".split())
+_FUSED_INTO_CONSUMERS = _FUSIBLE | frozenset(
+    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
 # Primitives that only rename a value of the same shape (a state leaf keeps its identity).
 _ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
                       "reduce_precision"))
@@ -486,7 +494,7 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
     for v in eqn.invars:
       if _is_var(v):
         last_use[v] = i
-        if eqn.primitive.name not in _ELEMENTWISE:
+        if eqn.primitive.name not in _FUSED_INTO_CONSUMERS:
           feeds_fusion_boundary.add(v)
   for v in jaxpr.outvars:
     if _is_var(v):
@@ -514,7 +522,7 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
         # XLA fuses chains of elementwise ops into their consumers (recomputing them in the
         # backward's fusions): such a value is materialised only when a non-elementwise op
         # reads it
-        if eqn.primitive.name in _ELEMENTWISE and o not in feeds_fusion_boundary:
+        if eqn.primitive.name in _FUSIBLE and o not in feeds_fusion_boundary:
           continue
         live += nb
         ends[end] = ends.get(end, 0) + nb

@@ -208,3 +208,16 @@ def test_a_refusal_names_the_least_memory_any_layout_needs():
   # and the plan at exactly that budget exists
   plan = dtenjax.plan(step, *args, memory_budget=need * 1.001)
   assert plan.cost.memory["total"] <= need * 1.001
+
+
+def test_the_tp_recipe_of_a_scanned_stack_is_megatrons_and_its_bytes_are_priced():
+  # w1 -> w2 is a column -> row pair inside the scan body: the TP recipe makes w1 column- and w2
+  # row-parallel (w2 also feeds the output projection, but its output is reduced anyway); the
+  # carry of layer 2 on depends on the weights, so the column-parallel input gradient is
+  # all-reduced in the backward, as XLA compiles it
+  step, args = scan_step()
+  plan = dtenjax.plan(step, *args, recipe="TP")
+  by = {lp.path: lp.spec for lp in plan.leaves}
+  assert by["[0]['w1']"] == P(None, None, "tensor") and by["[0]['w2']"] == P(None, "tensor")
+  check = plan.check(step, *args)
+  assert check.kind_errors["all_reduce"] <= 0.10, check.table()

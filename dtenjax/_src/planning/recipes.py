@@ -17,17 +17,13 @@ def recipe_choice(prob: Problem, graph: stepgraph.StepGraph, recipe: str) -> lis
   """The standard recipe's layout per group on ``prob``'s mesh (replicated where it cannot
   apply): Megatron pairs for TP (a pair's source column-, its destination row-parallel), the
   largest divisible dimension over 'fsdp' for FSDP."""
-  srcs = {(p.src, p.src_dim) for p in graph.pairs}
-  dsts = {(p.dst, p.dst_dim) for p in graph.pairs}
+  megatron = _megatron(graph) if recipe in ("TP", "FSDP x TP") else {}
   out = []
   for gi, g in enumerate(prob.groups):
     want_tp = None
-    if recipe in ("TP", "FSDP x TP"):
-      for ci, pr in enumerate(prob.prices[gi]):
-        if pr.tp and ((pr.tp[0] == "col" and (g[0], pr.tp[1]) in srcs) or
-                      (pr.tp[0] == "row" and (g[0], pr.tp[1]) in dsts)):
-          want_tp = pr.tp
-          break
+    if g[0] in megatron:
+      available = {pr.tp for pr in prob.prices[gi] if pr.tp}
+      want_tp = megatron[g[0]] if megatron[g[0]] in available else None
     want_fsdp = recipe in ("FSDP", "FSDP x TP")
     best = 0
     for ci, lay in enumerate(prob.cands[gi]):
@@ -39,6 +35,34 @@ def recipe_choice(prob: Problem, graph: stepgraph.StepGraph, recipe: str) -> lis
       if pr.tp == want_tp and not has_f:
         best = ci
     out.append(best)
+  return out
+
+
+def _megatron(graph: stepgraph.StepGraph) -> dict[int, tuple[str, int]]:
+  """Megatron's assignment along the column -> row pairs: a weight that only feeds pairs is
+  column-parallel, its partners row-parallel; a weight both fed and feeding (the output kernel of
+  one pair, the input of the next) is row-parallel, since its output is reduced anyway; the
+  chain restarts column-parallel after a row."""
+  as_dst = {}
+  for p in graph.pairs:
+    as_dst.setdefault(p.dst, p.dst_dim)
+  out: dict[int, tuple[str, int]] = {}
+  for p in graph.pairs:
+    if p.src not in as_dst:
+      out.setdefault(p.src, ("col", p.src_dim))
+  changed = True
+  while changed:
+    changed = False
+    for p in graph.pairs:
+      if out.get(p.src, ("",))[0] == "col" and p.dst not in out:
+        out[p.dst] = ("row", p.dst_dim)
+        changed = True
+      elif out.get(p.src, ("",))[0] == "row" and p.dst not in out and p.dst not in as_dst:
+        pass
+      elif p.src not in out and out.get(next((q.src for q in graph.pairs if q.dst == p.src),
+                                             None), ("",))[0] == "row":
+        out[p.src] = ("col", p.src_dim)
+        changed = True
   return out
 
 

@@ -283,6 +283,10 @@ class _Reader:
     inner_origin, inner_tie = {}, {}
     n_consts = eqn.params.get("num_consts", 0)
     n_carry = eqn.params.get("num_carry", 0)
+    if name == "scan" and any(_is_var(o) and (o in self.state_derived or o in origin)
+                              for o in outer):
+      # the carry of the second iteration on was computed from the state the body reads
+      self.state_derived.update(sub.invars[n_consts:n_consts + n_carry])
     for k, (o, i) in enumerate(zip(outer, sub.invars)):
       if not _is_var(o):
         continue

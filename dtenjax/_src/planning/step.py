@@ -46,6 +46,8 @@ from dtenjax._src.planning.candidates import CandidateMesh
 from dtenjax._src.planning.candidates import mesh_shapes
 from dtenjax._src.planning.candidates import order
 from dtenjax._src.planning.check import Check as Check
+# bench/step_planner.py imports it from here under its old name
+from dtenjax._src.planning.check import loop_repeats as _loop_repeats  # noqa: F401
 from dtenjax._src.planning.pricing import StepCost as StepCost
 from dtenjax._src.planning.recipes import RECIPES as RECIPES
 from dtenjax._src.planning.recipes import recipe_choice

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import dtenjax
 from dtenjax._src import hlo
 from dtenjax._src.planning import explain as explain_lib
+from dtenjax._src.planning import stepgraph
 
 
 def scan_step(n=8, d=512, f=2048, batch=32, seq=64, remat=True, gather=None):
@@ -221,3 +222,19 @@ def test_the_tp_recipe_of_a_scanned_stack_is_megatrons_and_its_bytes_are_priced(
   assert by["[0]['w1']"] == P(None, None, "tensor") and by["[0]['w2']"] == P(None, "tensor")
   check = plan.check(step, *args)
   assert check.kind_errors["all_reduce"] <= 0.10, check.table()
+
+
+def test_a_weight_shared_across_layers_has_one_gradient_reduction_per_use():
+  # ALBERT-style: one block's weights applied at 6 depths; XLA reduces each use's gradient part
+  # before adding them, and the planner prices 6 reductions of those weights
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+  import _families  # pylint: disable=g-import-not-at-top,import-error
+  step, args = _families.FAMILIES["shared"](depth=6).make(_families._identity)  # pylint: disable=protected-access
+  graph = stepgraph.read_step(step, args, (2,))
+  parts = {graph.leaves[k].path: u.grad_parts for k, u in graph.weights.items()}
+  assert parts["[0]['block']['wq']"] == 6 and parts["[0]['block']['w_down']"] == 6, parts
+  for recipe in ("DP", "FSDP"):
+    check = dtenjax.plan(step, *args, recipe=recipe).check(step, *args)
+    assert check.kind_errors["all_reduce"] <= 0.10, check.table()

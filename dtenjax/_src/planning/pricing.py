@@ -120,6 +120,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # a leaf both looked up (gather) and multiplied (tied embeddings) has two gradient parts,
   # which XLA synchronises separately before adding them (seen on XLA:CPU)
   parts = 2 if (use is not None and primary.index in graph.gathered) else 1
+  # a weight read at several depths (shared across layers) has one gradient part per read
+  parts = max(parts, use.grad_parts if use is not None else 1)
   # gradient synchronisation
   if batch:
     if zero:
@@ -127,8 +129,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # XLA:CPU lowers a reduce-scatter as an all-reduce of the whole gradient followed by a
       # slice; the GPU compiler keeps the reduce-scatter: price what the plan's backend runs
       rs = "all_reduce" if pricer.backend == "cpu" else "reduce_scatter"
-      acc(pr.overlappable, k, pricer(rs, grad, zero, dtype))
-      acc(pr.bytes, f"{rs}[{k}]", grad)
+      # a weight shared across layers: each use's gradient reduced on its own (not a tied
+      # embedding's lookup part, which XLA scatters into the sharded table)
+      uses = use.grad_parts if use is not None else 1
+      acc(pr.overlappable, k, uses * pricer(rs, grad, zero, dtype))
+      acc(pr.bytes, f"{rs}[{k}]", uses * grad)
       rest = [a for a in batch if a not in zero]
       if rest:
         g2 = grad / math.prod(m.size[a] for a in zero)

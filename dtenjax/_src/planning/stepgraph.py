@@ -128,6 +128,7 @@ class WeightUse:
   flops: float = 0.0              # of the products that read it, and of its gradient's
   input_grad: bool = True         # the partner depends on the state, so its gradient is needed
   layers: int = 1                 # slices the product reads one at a time (a scan over a stack)
+  grad_parts: int = 1             # gradient products per step (a weight shared across layers)
   remat: bool = False             # read inside jax.checkpoint (the backward recomputes it)
 
 
@@ -223,6 +224,7 @@ class _Reader:
     self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...]]] = {}
     self.leaf_flops: dict[int, float] = {}
     self.shape_flops: dict[tuple[int, ...], float] = {}   # products whose result has this shape
+    self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
     self.ties = _UnionFind()
     self.flops = 0.0
     self.gathered: set[int] = set()
@@ -350,6 +352,7 @@ class _Reader:
         continue
       leaf, dims = org
       self.leaf_flops[leaf] = self.leaf_flops.get(leaf, 0.0) + flops
+      self.leaf_reads[leaf] = self.leaf_reads.get(leaf, 0) + 1
       if self.remat_depth:
         self.remat_read.add(leaf)
       if leaf in self.weights or self.leaves[leaf].is_batch:
@@ -610,7 +613,9 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     has_grad = (shape in reader.shape_flops or tuple(reversed(shape)) in reader.shape_flops)
     reads = reader.leaf_flops.get(leaf, 0.0)
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
-                                        remat=leaf in reader.remat_read)
+                                        remat=leaf in reader.remat_read,
+                                        grad_parts=_grad_parts(use, reader.leaf_reads.get(leaf, 1),
+                                                               leaf in reader.remat_read))
   groups: dict[int, list[int]] = {}
   for leaf in leaves:
     if not leaf.is_batch:
@@ -641,6 +646,17 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    outputs=tuple(outputs), num_eqns=reader.eqn_count,
                    out_tree=jax.tree.structure(out_shape), carried=carried,
                    act_share=act_share, lookups=dict(reader.lookups))
+
+
+def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:
+  """How many times a weight is used per step, hence how many gradient parts XLA reduces before
+  adding them (weights shared across layers): each use reads it in the forward product, again in
+  the input gradient's product (when that is needed) and once more where jax.checkpoint
+  recomputes the forward. A scanned stack's layers are one use (accumulated in the loop)."""
+  if use.layers > 1:
+    return 1
+  per_use = 1 + int(use.input_grad) + int(remat)
+  return max(1, reads // per_use)
 
 
 def _top_ties(jaxpr, leaves, reader: _Reader) -> dict:

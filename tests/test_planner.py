@@ -13,10 +13,12 @@ Two kinds of expected values, neither computed with the code under test:
   mb (AR(T/mb x n/b) outer + AR(T/mb x m/a) inner); memory = 4 W / shards.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import dtenjax
 from dtenjax._src import errors
 from dtenjax._src.planning import planner
 from dtenjax._src.planning.planner import Workload
@@ -216,3 +218,25 @@ def test_workload_validation_lists_all():
   for part in ("tokens=0", "microbatches=0", "grad_overlap=2.0", "state_factor=0",
                "time_tolerance=-1"):
     assert part in msg
+
+
+@pytest.mark.parametrize("nvls_env", [None, "0", "1"])
+def test_the_docs_tables_are_what_the_public_call_prints(nvls_env, monkeypatch):
+  # docs/planner.md quotes one candidate table per fixture; the public call the docs show,
+  # Placement("auto", mesh=..., topology=fixture).explain(...), prints each of them, whatever
+  # NCCL_NVLS_ENABLE says and whatever devices this process has
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  if nvls_env is None:
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+  else:
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", nvls_env)
+  docs = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "planner.md").read_text()
+  quoted = re.findall(r"### (\w+), mesh (\{[^}]*\})\n\n```text\n(.*?)\n```", docs, re.S)
+  assert len(quoted) == 4
+  for name, mesh_text, table in quoted:
+    sizes = eval(mesh_text)  # pylint: disable=eval-used  (a dict literal of the docs)
+    placement = dtenjax.Placement("auto", mesh=tuple(sizes.values()),
+                                  axis_names=tuple(sizes), topology=Topology.fixture(name))
+    printed = placement.explain((4096, 4096), jnp.bfloat16)
+    assert printed.split("\n", 1)[1] == table, name

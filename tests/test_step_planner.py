@@ -242,7 +242,7 @@ def test_explain_shows_the_plan_and_the_cli_prints_it(mlp, capsys, tmp_path, mon
   assert main.main(["plan", "mystep:step", "--args", "mystep:example", "--fixture",
                     "h100_16"]) == 0
   out = capsys.readouterr().out
-  assert "on h100_16 (16 devices)" in out and "recipe" in out
+  assert "on h100_16 (16 devices, NVLink SHARP off)" in out and "recipe" in out
 
 
 @pytest.mark.multiprocess

@@ -896,7 +896,7 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None
                    axis_sizes=sizes, nbytes=int(nbytes), backend=backend,
                    deterministic=deterministic,
                    contract=contract, processes=processes,
-                   xla_reaches_processes=_xla_reaches_processes(backend))
+                   xla_reaches_processes=_xla_reaches_processes(backend), nvls=topology.nvls)
   return registry.choose(call, group, topology)
 
 

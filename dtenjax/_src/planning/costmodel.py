@@ -169,16 +169,28 @@ def island_groups(group: Sequence[int], topology: Topology) -> tuple[tuple[int, 
   """``group`` split by the topology's fast islands, or None when that split is not a proper
   two-level hierarchy (fewer than two islands, islands of one device, or unequal sizes)."""
   members = set(group)
-  parts = []
-  for isl in topology.fast_islands():
-    part = tuple(d for d in group if d in isl)
-    if part:
-      parts.append(part)
+  island_of = _island_of(topology)
+  by_island: dict[int, list[int]] = {}
+  for d in group:
+    for k in island_of.get(d, ()):
+      by_island.setdefault(k, []).append(d)
+  parts = [tuple(by_island[k]) for k in sorted(by_island)]
   if len(parts) < 2 or len({len(p) for p in parts}) != 1 or len(parts[0]) < 2:
     return None
   if sum(map(len, parts)) != len(members):      # fast islands overlap: not a partition
     return None
   return tuple(parts)
+
+
+@functools.lru_cache(maxsize=32)
+def _island_of(topology: Topology) -> dict[int, tuple[int, ...]]:
+  """device id -> the indices of the fast islands holding it (computed once per topology: a
+  1,024-device cluster prices hundreds of groups per plan)."""
+  out: dict[int, list[int]] = {}
+  for k, isl in enumerate(topology.fast_islands()):
+    for d in isl:
+      out.setdefault(d, []).append(k)
+  return {d: tuple(ks) for d, ks in out.items()}
 
 
 class Split(NamedTuple):

@@ -89,7 +89,7 @@ class Placement:
                       f"{tuple(MEMORY_KINDS)}")
     if self.mesh is not None and not isinstance(self.mesh, Mesh):
       try:
-        shape = tuple(int(s) for s in self.mesh)
+        shape = tuple(operator.index(s) for s in self.mesh)
       except TypeError:
         shape = None
       if shape is None or not shape or any(s < 1 for s in shape):
@@ -117,8 +117,30 @@ class Placement:
     return self.topology if self.topology is not None else Topology.current()
 
   def plan(self, shape: Sequence[int], dtype=jnp.float32) -> planner.ArrayPlan:
-    """The planner's decision for an array of ``shape``/``dtype`` on this placement's mesh."""
+    """The planner's decision for an array of ``shape``/``dtype`` on this placement's mesh.
+
+    With a ``topology`` and a mesh shape covering all of its devices (a fixture, say), the plan
+    is made on that topology's own devices in its order: it depends on the arguments only, not on
+    the local devices or a context mesh."""
+    own = self._topology_mesh()
+    if own is not None:
+      mesh_shape, names, ids = own
+      return planner.plan_tensor(shape, dtype, mesh_shape, names, ids, self.topology,
+                                 self.workload)
     return self._plan(self.resolved_mesh(), shape, dtype)
+
+  def _topology_mesh(self):
+    """(shape, axis names, device ids) of this placement's mesh laid over its own topology's
+    devices, when a topology and a mesh shape of all its devices are given; else None."""
+    if self.topology is None or self.mesh is None or isinstance(self.mesh, Mesh):
+      return None
+    mesh_shape = tuple(int(s) for s in self.mesh)
+    if math.prod(mesh_shape) != self.topology.num_devices:
+      return None
+    names = (tuple(self.axis_names) if self.axis_names is not None else
+             mesh_lib.DEFAULT_AXIS_NAMES[:len(mesh_shape)])
+    ids = tuple(sorted(self.topology.device_ids, key=self.topology.hierarchy_key))
+    return mesh_shape, names, ids
 
   def _plan(self, mesh: Mesh, shape: Sequence[int], dtype) -> planner.ArrayPlan:
     ids, topology = _planning_inputs(mesh, self._topology())
@@ -148,12 +170,15 @@ class Placement:
   def explain(self, shape: Sequence[int], dtype=jnp.float32) -> str:
     """Why this placement lays out an array of ``shape`` the way it does: every candidate's
     estimated cost for "auto", the fixed spec otherwise."""
-    mesh = self.resolved_mesh()
-    head = (f"Placement(strategy={self.strategy!r}, mesh={dict(mesh.shape)}, "
+    own = self._topology_mesh() if self.strategy == "auto" else None
+    mesh = self.resolved_mesh() if own is None else None
+    sizes = dict(mesh.shape) if own is None else dict(zip(own[1], own[0]))
+    head = (f"Placement(strategy={self.strategy!r}, mesh={sizes}, "
             f"memory_policy={self.memory_policy!r}) for {tuple(shape)} "
             f"{jnp.dtype(dtype).name}:")
     if self.strategy == "auto":
-      return head + "\n" + self._plan(mesh, shape, dtype).table()
+      return head + "\n" + (self.plan(shape, dtype) if own is not None else
+                            self._plan(mesh, shape, dtype)).table()
     return head + f"\n=> {self._spec(mesh, tuple(shape), dtype)} (fixed strategy, no planning)"
 
 
@@ -162,7 +187,7 @@ _EXPLICIT_NOTE = ("not on Explicit mesh axes: it shards the last dimension, and 
                   "such a product raises JAX's ShardingTypeError without out_sharding")
 
 
-def _typed_for_explicit_axes(plan: planner.Plan, mesh: Mesh, tolerance: float) -> planner.Plan:
+def _typed_for_explicit_axes(plan: planner.ArrayPlan, mesh: Mesh, tolerance: float) -> planner.ArrayPlan:
   """``plan`` restricted, on a mesh with Explicit axes (``jax.make_mesh``'s default), to layouts
   that the user's unchanged ``x @ w`` chains type-check with under JAX's sharding in types.
 

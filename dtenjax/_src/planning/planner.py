@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -195,6 +196,14 @@ def plan_tensor(shape: Sequence[int], dtype, mesh_shape: Sequence[int], axis_nam
   ``all_reduce_time`` prices the all-reduces (default: the algorithm registry's, installed by the
   collectives layer: the cheapest record whose ``supports`` accepts a sum of ``dtype``)."""
   price = all_reduce_time if all_reduce_time is not None else _default_all_reduce_time()
+  try:
+    dims = tuple(operator.index(s) for s in shape)
+  except TypeError:
+    dims = None
+  if dims is None or any(d < 0 for d in dims):
+    raise errors.PlacementError(
+        f"plan_tensor: shape={tuple(shape) if dims is None else dims!r} must be a tuple of "
+        "non-negative ints (the array's shape, e.g. (4096, 4096))")
   return _plan_cached(tuple(int(s) for s in shape), np.dtype(dtype).name, tuple(mesh_shape),
                       tuple(axis_names), tuple(int(i) for i in np.asarray(device_ids).ravel()),
                       topology, workload, price)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,10 +45,20 @@ log1p logistic max min mul ne eq ge gt le lt neg nextafter not or pow real reduc
 round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor pvary stop_gradient
 optimization_barrier sharding_constraint
 """.split())
+# Values XLA computes inside the fusion of their consumer (recomputed there, never materialised)
+# when every consumer is such an op: elementwise ops and cheap data movement; reductions take
+# fused producers as their input (XLA's input fusions) but are fusion roots themselves.
+_FUSIBLE = _ELEMENTWISE | frozenset(
+    "broadcast_in_dim slice pad reshape squeeze expand_dims concatenate iota rev select_n "
+    "convert_element_type".split())
+_FUSED_INTO_CONSUMERS = _FUSIBLE | frozenset(
+    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
 # Primitives that only rename a value of the same shape (a state leaf keeps its identity).
 _ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
                       "reduce_precision"))
 _SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# jax.checkpoint's primitive (its name differs between JAX versions)
+_REMAT = frozenset(("checkpoint", "remat", "remat2"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +85,29 @@ def _itemsize(dtype) -> int:
     return int(getattr(dtype, "itemsize", 0) or 0)
 
 
+def _checked_shape(shape, name: str) -> tuple[int, ...]:
+  try:
+    dims = tuple(operator.index(d) for d in shape)
+  except TypeError:
+    dims = None
+  if dims is None or any(d < 0 for d in dims):
+    raise errors.PlacementError(
+        f"plan: {name} has shape {tuple(shape)!r}; every dimension must be a non-negative int "
+        "(give the concrete shape, e.g. jax.ShapeDtypeStruct((8, 4), jnp.float32), not -1 or "
+        "None)")
+  return dims
+
+
+def _numeric(dtype) -> bool:
+  """Numbers (bfloat16 and the float8 types included), bools and PRNG keys."""
+  try:
+    return bool(jax.dtypes.issubdtype(dtype, np.number) or
+                jax.dtypes.issubdtype(dtype, np.bool_) or
+                jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+  except TypeError:
+    return False
+
+
 def _dtype_name(dtype) -> str:
   try:
     return np.dtype(dtype).name
@@ -94,6 +128,9 @@ class WeightUse:
   primitive: str
   flops: float = 0.0              # of the products that read it, and of its gradient's
   input_grad: bool = True         # the partner depends on the state, so its gradient is needed
+  layers: int = 1                 # slices the product reads one at a time (a scan over a stack)
+  grad_parts: int = 1             # gradient products per step (a weight shared across layers)
+  remat: bool = False             # read inside jax.checkpoint (the backward recomputes it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +159,9 @@ class StepGraph:
   carried: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
   # (leaf, free dim) -> the share of activation_bytes sharded with that dim (its pair complete)
   act_share: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+  # gathered leaf -> (the dimensions the gather indexes, e.g. the vocabulary of an embedding
+  # table; the bytes of the rows it reads per step, global)
+  lookups: dict[int, tuple[tuple[int, ...], int]] = dataclasses.field(default_factory=dict)
 
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:
@@ -185,9 +225,12 @@ class _Reader:
     self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...]]] = {}
     self.leaf_flops: dict[int, float] = {}
     self.shape_flops: dict[tuple[int, ...], float] = {}   # products whose result has this shape
+    self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
     self.ties = _UnionFind()
     self.flops = 0.0
     self.gathered: set[int] = set()
+    # leaf -> (its dimensions a gather indexes, bytes the gathers read out of it per step)
+    self.lookups: dict[int, tuple[tuple[int, ...], int]] = {}
     self.eqn_count = 0
     # value -> list of (equation, position) that read it, over every jaxpr walked
     self.uses: dict[Any, list[tuple[Any, int]]] = {}
@@ -196,6 +239,8 @@ class _Reader:
     self.origin_all: dict[Any, tuple[int, tuple[int | None, ...]]] = {}
     self.state_derived: set[Any] = set()     # values computed from any state leaf
     self.eqn_flops: dict[int, float] = {}     # id(product equation) -> flops per step
+    self.remat_depth = 0                      # > 0 inside a jax.checkpoint body
+    self.remat_read: set[int] = set()         # leaves a product reads inside a checkpoint body
 
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
   def walk(self, jaxpr, origin: dict, tie: dict, repeats: int) -> None:
@@ -215,14 +260,23 @@ class _Reader:
         self._product(eqn, ins, repeats)
       elif name == "gather" and ins and ins[0] is not None:
         self.gathered.add(ins[0][0])
+        leaf, dims = ins[0]
+        indexed = tuple(sorted(dims[d] for d in eqn.params["dimension_numbers"].start_index_map
+                               if d < len(dims) and dims[d] is not None))
+        seen = self.lookups.get(leaf, ((), 0))
+        self.lookups[leaf] = (indexed or seen[0],
+                              seen[1] + _nbytes(eqn.outvars[0].aval) * repeats)
       if name in _ALIASES and ins[0] is not None:
         origin[eqn.outvars[0]] = ins[0]
       elif name == "transpose" and ins[0] is not None:
         perm = eqn.params["permutation"]
         origin[eqn.outvars[0]] = (ins[0][0], tuple(ins[0][1][p] for p in perm))
       self._tie(eqn, tie)
+      remat = name in _REMAT
+      self.remat_depth += remat
       for sub, length in _sub_jaxprs(eqn):
         self._enter(eqn, sub, origin, tie, repeats * length)
+      self.remat_depth -= remat
 
   def _enter(self, eqn, sub, origin, tie, repeats):
     name = eqn.primitive.name
@@ -231,6 +285,10 @@ class _Reader:
       outer = outer[1:]
     inner_origin, inner_tie = {}, {}
     n_consts, n_carry = jaxapi.scan_counts(eqn) if name == "scan" else (0, 0)
+    if name == "scan" and any(_is_var(o) and (o in self.state_derived or o in origin)
+                              for o in outer):
+      # the carry of the second iteration on was computed from the state the body reads
+      self.state_derived.update(sub.invars[n_consts:n_consts + n_carry])
     for k, (o, i) in enumerate(zip(outer, sub.invars)):
       if not _is_var(o):
         continue
@@ -294,6 +352,9 @@ class _Reader:
         continue
       leaf, dims = org
       self.leaf_flops[leaf] = self.leaf_flops.get(leaf, 0.0) + flops
+      self.leaf_reads[leaf] = self.leaf_reads.get(leaf, 0) + 1
+      if self.remat_depth:
+        self.remat_read.add(leaf)
       if leaf in self.weights or self.leaves[leaf].is_batch:
         continue
       self.weights[leaf] = WeightUse(
@@ -305,6 +366,7 @@ class _Reader:
           tokens=int(math.prod(partner.shape[d] for d in pfree)),
           act_itemsize=_itemsize(partner.dtype),
           repeats=repeats, primitive=name,
+          layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
           input_grad=_is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived)
       self.first_out[leaf] = (eqn, side, dims)
 
@@ -441,7 +503,7 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
     for v in eqn.invars:
       if _is_var(v):
         last_use[v] = i
-        if eqn.primitive.name not in _ELEMENTWISE:
+        if eqn.primitive.name not in _FUSED_INTO_CONSUMERS:
           feeds_fusion_boundary.add(v)
   for v in jaxpr.outvars:
     if _is_var(v):
@@ -469,7 +531,7 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
         # XLA fuses chains of elementwise ops into their consumers (recomputing them in the
         # backward's fusions): such a value is materialised only when a non-elementwise op
         # reads it
-        if eqn.primitive.name in _ELEMENTWISE and o not in feeds_fusion_boundary:
+        if eqn.primitive.name in _FUSIBLE and o not in feeds_fusion_boundary:
           continue
         live += nb
         ends[end] = ends.get(end, 0) + nb
@@ -494,8 +556,15 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
           f"plan: argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'} is "
           f"{type(leaf).__name__}, not an array; pass arrays or jax.ShapeDtypeStruct leaves "
           "(static values belong in functools.partial)")
+    name = f"argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'}"
+    shape = _checked_shape(leaf.shape, name)
+    if not _numeric(leaf.dtype):
+      raise errors.PlacementError(
+          f"plan: {name} has dtype {leaf.dtype}, which is not an array type JAX computes with; "
+          "pass numeric, bool or PRNG key arrays (or jax.ShapeDtypeStruct leaves); strings and "
+          "Python objects belong in functools.partial, outside the step's arguments")
     leaves.append(Leaf(i, argnum, f"[{argnum}]{jax.tree_util.keystr(path)}",
-                       tuple(int(s) for s in leaf.shape), _dtype_name(leaf.dtype),
+                       shape, _dtype_name(leaf.dtype),
                        argnum in batch_argnums, _itemsize(leaf.dtype)))
   abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg) for arg in args]
   try:
@@ -545,7 +614,10 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     # a gradient's product has the weight's shape (or its transpose): it splits like the reads
     has_grad = (shape in reader.shape_flops or tuple(reversed(shape)) in reader.shape_flops)
     reads = reader.leaf_flops.get(leaf, 0.0)
-    weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0))
+    weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
+                                        remat=leaf in reader.remat_read,
+                                        grad_parts=_grad_parts(use, reader.leaf_reads.get(leaf, 1),
+                                                               leaf in reader.remat_read))
   groups: dict[int, list[int]] = {}
   for leaf in leaves:
     if not leaf.is_batch:
@@ -575,7 +647,18 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    activation_bytes=int(act), gathered=frozenset(reader.gathered),
                    outputs=tuple(outputs), num_eqns=reader.eqn_count,
                    out_tree=jax.tree.structure(out_shape), carried=carried,
-                   act_share=act_share)
+                   act_share=act_share, lookups=dict(reader.lookups))
+
+
+def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:
+  """How many times a weight is used per step, hence how many gradient parts XLA reduces before
+  adding them (weights shared across layers): each use reads it in the forward product, again in
+  the input gradient's product (when that is needed) and once more where jax.checkpoint
+  recomputes the forward. A scanned stack's layers are one use (accumulated in the loop)."""
+  if use.layers > 1:
+    return 1
+  per_use = 1 + int(use.input_grad) + int(remat)
+  return max(1, reads // per_use)
 
 
 def _top_ties(jaxpr, leaves, reader: _Reader) -> dict:

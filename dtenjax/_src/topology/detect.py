@@ -391,7 +391,11 @@ def describe(devices: Sequence[Any] | None = None, *, cudart: Any = None, nvml: 
   if platform == "cpu":
     notes.append(f"{len(devices)} CPU devices of {n_proc} process(es); devices of one process "
                  "share memory ('shared_memory' links)")
+  # NVLink SHARP: NCCL uses it on NVSwitch systems unless NCCL_NVLS_ENABLE=0; read once here so
+  # that plans depend on the Topology, not on the environment at plan time
+  nvls = (platform == "gpu" and os.environ.get("NCCL_NVLS_ENABLE", "") != "0" and
+          any("nvswitch" in row for row in matrix))
   return dict(name=f"detected:{host}:{platform}x{len(devices)}", devices=tuple(infos),
               link_matrix=matrix, nics=tuple(nics), numa_nodes=tuple(_numa_nodes(host, sysfs)),
-              source="detected", notes=tuple(notes))
+              source="detected", notes=tuple(notes), nvls=nvls)
 

@@ -82,6 +82,10 @@ class Topology:
   source: str = "fixture"        # "fixture", "detected", "probed", "json"
   notes: tuple[str, ...] = ()
   measured: tuple[str, ...] = ()  # link classes whose LinkSpec was measured, not the table's
+  # NCCL may reduce in the NVSwitch (NVLink SHARP): set from NCCL_NVLS_ENABLE once, when the
+  # machine is detected; fixtures describe NCCL as dtenjax.pin_nccl() leaves it (off). Plans read
+  # it here, never from the environment, so the same inputs give the same plan everywhere.
+  nvls: bool = False
 
   def __post_init__(self):
     problems = []
@@ -126,7 +130,7 @@ class Topology:
     h = self.__dict__.get("_hash")
     if h is None:
       h = hash((self.name, self.devices, self.link_matrix, self.links, self.nics,
-                self.numa_nodes, self.source, self.notes, self.measured))
+                self.numa_nodes, self.source, self.notes, self.measured, self.nvls))
       object.__setattr__(self, "_hash", h)
     return h
 
@@ -311,6 +315,7 @@ class Topology:
         "numa_nodes": [dataclasses.asdict(n) for n in self.numa_nodes],
         "notes": list(self.notes),
         **({"measured": list(self.measured)} if self.measured else {}),
+        **({"nvls": True} if self.nvls else {}),
     }
 
   def to_json(self, indent: int | None = 1) -> str:
@@ -335,7 +340,7 @@ class Topology:
            "again with this one)." if newer else f". {hint}"))
     problems = [f"missing key {k!r}" for k in ("name", "devices", "link_matrix") if k not in data]
     known = {"format", "name", "devices", "link_matrix", "links", "nics", "numa_nodes", "source",
-             "notes", "measured"}
+             "notes", "measured", "nvls"}
     problems += [f"unknown key {k!r}" for k in sorted(set(data) - known)]
     for k, t in (("name", str), ("source", str)):
       if k in data and not isinstance(data[k], t):
@@ -344,6 +349,8 @@ class Topology:
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
       problems.append("'notes' must be a list of strings")
       notes = []
+    if not isinstance(data.get("nvls", False), bool):
+      problems.append(f"'nvls' must be true or false, got {data['nvls']!r}")
     measured = data.get("measured", [])
     if not isinstance(measured, list) or not all(m in LINK_ORDER for m in measured):
       problems.append(f"'measured' must be a list of link classes from {LINK_ORDER}")
@@ -416,6 +423,7 @@ class Topology:
           source=data.get("source", "json"),
           notes=tuple(notes),
           measured=tuple(measured),
+          nvls=data.get("nvls", False) is True,
       )
     except errors.TopologyError as e:
       raise errors.TopologyError(f"{origin}: {e}") from None

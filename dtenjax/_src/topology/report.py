@@ -61,8 +61,10 @@ def link_matrix_table(topology: Topology) -> str:
   labels = [_label(topology, i) for i in range(n)]
   multi_host = len(topology.hosts()) > 1
   bus = any(d.pci_bus_id for d in topology.devices)
+  gpu = any(d.platform == "gpu" for d in topology.devices)
+  nvls = f", NVLink SHARP {'on' if topology.nvls else 'off'}" if gpu else ""
   lines = [f"Topology {topology.name!r} (source: {topology.source}, {n} devices, "
-           f"{len(topology.hosts())} host(s))", ""]
+           f"{len(topology.hosts())} host(s){nvls})", ""]
   columns = ["", *labels, "NUMA"] + (["PCI bus id"] if bus else []) + (["host"] if multi_host
                                                                        else [])
   rows = []

@@ -52,6 +52,8 @@ class Call:
     processes: processes the group spans (1: every participant is in this process).
     xla_reaches_processes: XLA's own collectives work across those processes here.
     requested: the ``algorithm=`` the caller passed ("auto", a family or a record name).
+    nvls: NCCL may use NVLink SHARP (from ``Topology.nvls`` when planning; None reads
+      NCCL_NVLS_ENABLE).
     tag: the caller's ``tag=`` (None, an int or a str): the host transport compares it on every
       rank (``net/callsite.tag_value``); no choice or cost depends on it.
   """
@@ -70,6 +72,9 @@ class Call:
   xla_reaches_processes: bool = True
   requested: str = "auto"
   tag: int | str | None = dataclasses.field(default=None, compare=False)
+  # NVLink SHARP in use (GPU): the Topology's ``nvls`` when the planner asks; None: the process
+  # environment (NCCL_NVLS_ENABLE) at trace time
+  nvls: bool | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))

@@ -43,11 +43,15 @@ def psum_order(call: base.Call) -> tuple[str | None, str]:
     return None, f"XLA:CPU across processes uses {impl!r} collectives, whose order is not pinned"
   if call.backend == "gpu":
     problems = []
-    if os.environ.get("NCCL_NVLS_ENABLE", "") != "0":
+    # planning (call.nvls from the Topology) reads nothing from the environment: the Topology
+    # describes the machine; a traced collective reads the process's NCCL settings
+    planning = call.nvls is not None
+    nvls = call.nvls if planning else os.environ.get("NCCL_NVLS_ENABLE", "") != "0"
+    if nvls:
       problems.append("NVLink SHARP may be used (set NCCL_NVLS_ENABLE=0)")
-    if os.environ.get("NCCL_COLLNET_ENABLE", "0") not in ("", "0"):
+    if not planning and os.environ.get("NCCL_COLLNET_ENABLE", "0") not in ("", "0"):
       problems.append("CollNet is enabled (NCCL_COLLNET_ENABLE)")
-    if os.environ.get("NCCL_TUNER_PLUGIN", "") not in ("", "none"):
+    if not planning and os.environ.get("NCCL_TUNER_PLUGIN", "") not in ("", "none"):
       problems.append("an NCCL tuner plugin is loaded (NCCL_TUNER_PLUGIN)")
     if problems:
       return None, "NCCL's order is not fixed here: " + "; ".join(problems)

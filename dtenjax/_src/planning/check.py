@@ -1,0 +1,123 @@
+"""A plan's prediction against what XLA compiles for it: per-device memory (``memory_analysis()``,
+donation honoured) and collective bytes per kind, a loop body's collectives counted once per
+iteration (:meth:`StepPlan.check`). It compiles the function ``plan.jit`` returns."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from dtenjax._src import tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+  """A plan's prediction next to what XLA compiled for it (:meth:`StepPlan.check`)."""
+  predicted_memory: dict[str, float]     # arguments, outputs, temp, total
+  compiled_memory: dict[str, float]
+  predicted_bytes: dict[str, float]      # collective kind -> bytes per participant
+  compiled_bytes: dict[str, float]
+
+  @staticmethod
+  def _err(pred: float, got: float) -> float:
+    return abs(pred - got) / got if got else (0.0 if not pred else math.inf)
+
+  @property
+  def memory_error(self) -> float:
+    return self._err(self.predicted_memory["total"], self.compiled_memory["total"])
+
+  @property
+  def kind_errors(self) -> dict[str, float]:
+    """Per collective kind (all_reduce, all_gather, reduce_scatter, all_to_all, ppermute, ...):
+    the relative error of the predicted bytes per step."""
+    return {k: self._err(self.predicted_bytes.get(k, 0.0), self.compiled_bytes.get(k, 0.0))
+            for k in sorted(set(self.predicted_bytes) | set(self.compiled_bytes))
+            if self.predicted_bytes.get(k) or self.compiled_bytes.get(k)}
+
+  @property
+  def bytes_error(self) -> float:
+    """The largest error of any collective kind, relative to the step's total compiled bytes
+    (a kind of a few bytes missed does not count as 100 %)."""
+    total = sum(self.compiled_bytes.values())
+    worst = 0.0
+    for k in set(self.predicted_bytes) | set(self.compiled_bytes):
+      miss = abs(self.predicted_bytes.get(k, 0.0) - self.compiled_bytes.get(k, 0.0))
+      worst = max(worst, miss / total if total else (math.inf if miss else 0.0))
+    return worst
+
+  def table(self) -> str:
+    mib = 2**20
+    rows = []
+    for k in ("arguments", "outputs", "temp", "total"):
+      p, g = self.predicted_memory.get(k, 0), self.compiled_memory.get(k, 0)
+      rows.append((f"memory {k}", f"{p / mib:.2f}", f"{g / mib:.2f}", "MiB",
+                   f"{self._err(p, g):.1%}" if k == "total" else ""))
+    for k, e in self.kind_errors.items():
+      rows.append((f"{k} bytes", f"{self.predicted_bytes.get(k, 0) / mib:.2f}",
+                   f"{self.compiled_bytes.get(k, 0) / mib:.2f}", "MiB", f"{e:.1%}"))
+    return tables.render(("", "predicted", "compiled", "unit", "error"), rows,
+                         align=("left", "right", "right", "left", "right")) + (
+        f"\nmemory off by {self.memory_error:.1%}, collective bytes by {self.bytes_error:.1%} "
+        "(the largest miss of one kind, of all compiled bytes)")
+
+  def __str__(self) -> str:
+    return self.table()
+
+
+def compare(plan_: Any, step: Callable, args) -> Check:
+  """``plan_`` (a StepPlan) compiled as its ``jit`` runs it, against its prediction."""
+  from dtenjax._src.planning import explain as explain_lib  # pylint: disable=g-import-not-at-top
+  abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), a) for a in args]
+  kwargs = {}
+  if plan_.donate:
+    kwargs["donate_argnums"] = tuple(i for i in range(len(args))
+                                     if i not in plan_.batch_argnums)
+  compiled = plan_.jit(step, **kwargs).lower(*abstract).compile()
+  stats = compiled.memory_analysis()
+  got = {"arguments": float(stats.argument_size_in_bytes),
+         "outputs": float(stats.output_size_in_bytes - stats.alias_size_in_bytes),
+         "temp": float(stats.temp_size_in_bytes)}
+  got["total"] = sum(got.values())
+  exp = explain_lib.explain(compiled)
+  repeats = loop_repeats(compiled)
+  compiled_bytes: dict[str, float] = {}
+  for c in exp.collectives:      # per step: a collective in a loop body runs once per iteration
+    compiled_bytes[c.kind] = compiled_bytes.get(c.kind, 0.0) + c.nbytes * repeats(c.computation)
+  predicted_bytes: dict[str, float] = {}
+  for k, v in plan_.cost.collective_bytes.items():
+    kind = k.split("[")[0]
+    predicted_bytes[kind] = predicted_bytes.get(kind, 0.0) + v
+  mem = plan_.cost.memory
+  pred = {"arguments": mem["params"] + mem["opt_state"] + mem["batch"],
+          "outputs": mem.get("outputs", 0.0),
+          "temp": mem["grads"] + mem["activations"] + mem.get("gathered", 0.0)}
+  pred["total"] = sum(pred.values())
+  return Check(pred, got, predicted_bytes, compiled_bytes)
+
+
+def loop_repeats(compiled) -> Callable[[str], int]:
+  """computation name -> how often it runs per step: the product of the known trip counts of the
+  while loops around it (1 outside loops, or where XLA knows no trip count)."""
+  from dtenjax._src import hlo  # pylint: disable=g-import-not-at-top
+  module = hlo.read_compiled(compiled)
+  trips = module.trip_counts()
+  callers = module.callers()
+  memo: dict[str, int] = {}
+
+  def repeats(comp: str, depth: int = 0) -> int:
+    if comp in memo:
+      return memo[comp]
+    out = 1
+    calls = callers.get(comp, [])
+    if calls and depth < 64:
+      ins = calls[0]
+      out = repeats(ins.computation, depth + 1)
+      if ins.opcode == "while":
+        out *= trips.get(ins.name, 1)
+    memo[comp] = out
+    return out
+  return repeats

@@ -1,0 +1,231 @@
+"""What a candidate layout costs per step and per device: collective times and bytes by kind
+and mesh axes, compute, and memory (:class:`Price` per layout, :class:`StepCost` per plan).
+
+Collectives are priced as ``algorithm="auto"`` prices them (the algorithm registry's chooser,
+passed in as an :data:`~dtenjax._src.planning.planner.AllReduceTime`), all-gathers and
+reduce-scatters as XLA's own ops, for the backend the plan is for: XLA:CPU lowers a
+reduce-scatter as an all-reduce of the whole gradient, the GPU compiler keeps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from dtenjax._src.planning import costmodel
+from dtenjax._src.planning import planner
+from dtenjax._src.planning import roles
+from dtenjax._src.planning import stepgraph
+from dtenjax._src.planning.candidates import CandidateMesh
+from dtenjax._src.planning.candidates import Layout
+from dtenjax._src.planning.roles import AXES
+from dtenjax._src.planning.roles import BATCH_AXES
+
+
+@dataclasses.dataclass
+class Price:
+  """A candidate's per-step collectives and memory, by mesh axes."""
+  blocking: dict[str, float] = dataclasses.field(default_factory=dict)
+  overlappable: dict[str, float] = dataclasses.field(default_factory=dict)
+  bytes: dict[str, float] = dataclasses.field(default_factory=dict)      # collective -> bytes
+  memory: dict[str, float] = dataclasses.field(default_factory=dict)
+  ag_fwd: float = 0.0          # an unpaired column-parallel output's all-gather (s), and bytes
+  ag_fwd_bytes: float = 0.0
+  ag_bwd: float = 0.0          # an unpaired row-parallel input gradient's all-gather
+  ag_bwd_bytes: float = 0.0
+  tp: tuple[str, int] | None = None
+  compute: float = 0.0         # seconds of the products it takes part in, per device
+  act_saving: float = 0.0      # activation bytes per device a complete column->row pair shards
+  # bytes of this weight gathered at once when its gathered copy is not kept between the forward
+  # and the backward (a rematerialised read: one layer of a scanned stack); the step's peak is the
+  # largest of these, not their sum
+  gathered_peak: float = 0.0
+
+
+def acc(where: dict[str, float], key: str, value: float) -> None:
+  where[key] = where.get(key, 0.0) + value
+
+
+class Pricer:
+  """Collective times on one mesh, cached by (kind, bytes, axes)."""
+
+  def __init__(self, m: CandidateMesh, price: planner.AllReduceTime):
+    self.m, self.price = m, price
+    self.cache: dict[tuple, float] = {}
+    first = int(m.ids.ravel()[0])
+    self.backend = m.topology.device(first).platform
+    bw = costmodel.backend_costs(self.backend).local_bandwidth_gbps
+    # seconds per byte of a local elementwise pass (the optimizer's update)
+    self.local_s_per_byte = (m.topology.spec("local").beta if bw is None else 1.0 / (bw * 1e9))
+
+  def __call__(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
+    axes = tuple(a for a in AXES if a in axes and self.m.size[a] > 1)
+    if not axes or nbytes <= 0:
+      return 0.0
+    key = (kind, int(nbytes), axes, dtype)
+    if key not in self.cache:
+      group = self.m.group(axes)
+      if kind == "all_reduce":
+        t = self.price(int(nbytes), group, self.m.axis_sizes(axes), self.m.topology, dtype)
+      else:
+        t = costmodel.collective_time(kind, int(nbytes), group, self.m.topology)
+      self.cache[key] = t
+    return self.cache[key]
+
+
+def axis_key(axes: Sequence[str]) -> str:
+  return "+".join(a for a in AXES if a in axes)
+
+
+@dataclasses.dataclass
+class PriceContext:
+  """One layout of one tied group being priced: what a role's ``price`` reads, and the
+  :class:`Price` it adds to (through :meth:`add`)."""
+  graph: stepgraph.StepGraph
+  primary: stepgraph.Leaf
+  use: stepgraph.WeightUse | None
+  used: dict[str, int]               # mesh axis -> the dimension it shards
+  m: CandidateMesh
+  pricer: Pricer
+  batch_div: int
+  dtype: str
+  grad: float                        # the gradient's bytes per device before any reduction
+  vocab_axes: list[str]              # axes sharding the dimension a lookup indexes
+  price: Price
+
+  def add(self, kind: str, nbytes: float, axes: Sequence[str], *, blocking: bool,
+          times: int = 1) -> None:
+    """``times`` collectives of ``kind`` moving ``nbytes`` per participant over ``axes``."""
+    key = axis_key(axes)
+    acc(self.price.blocking if blocking else self.price.overlappable, key,
+        times * self.pricer(kind, nbytes, axes, self.dtype))
+    acc(self.price.bytes, f"{kind}[{key}]", times * nbytes)
+
+
+def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout, m: CandidateMesh,
+           pricer: Pricer, batch_div: int, donate: bool) -> Price:
+  leaves = [graph.leaves[i] for i in group]
+  primary = leaves[0]
+  used = lay.used()
+  shards = math.prod(m.size[a] for a in used)
+  t_shard = m.size["tensor"] if "tensor" in used else 1
+  zero = [a for a in BATCH_AXES if a in used and m.size[a] > 1]
+  batch = [a for a in BATCH_AXES if m.size[a] > 1]
+  pr = Price()
+  dtype = primary.dtype
+  use = graph.weights.get(primary.index)
+  grad = primary.nbytes / t_shard
+  # a leaf both looked up (gather) and multiplied (tied embeddings) has two gradient parts,
+  # which XLA synchronises separately before adding them (seen on XLA:CPU)
+  parts = 2 if (use is not None and primary.index in graph.gathered) else 1
+  # a weight read at several depths (shared across layers) has one gradient part per read
+  parts = max(parts, use.grad_parts if use is not None else 1)
+  # gradient synchronisation
+  if batch:
+    if zero:
+      k = axis_key(zero)
+      # XLA:CPU lowers a reduce-scatter as an all-reduce of the whole gradient followed by a
+      # slice; the GPU compiler keeps the reduce-scatter: price what the plan's backend runs
+      rs = "all_reduce" if pricer.backend == "cpu" else "reduce_scatter"
+      # a weight shared across layers: each use's gradient reduced on its own (not a tied
+      # embedding's lookup part, which XLA scatters into the sharded table)
+      uses = use.grad_parts if use is not None else 1
+      acc(pr.overlappable, k, uses * pricer(rs, grad, zero, dtype))
+      acc(pr.bytes, f"{rs}[{k}]", uses * grad)
+      rest = [a for a in batch if a not in zero]
+      if rest:
+        g2 = grad / math.prod(m.size[a] for a in zero)
+        k2 = axis_key(rest)
+        acc(pr.overlappable, k2, pricer("all_reduce", g2, rest, dtype) -
+               pricer("all_reduce", 1, rest, dtype))
+        acc(pr.bytes, f"all_reduce[{k2}]", g2)
+    else:
+      # XLA combines the gradients' all-reduces into few large ones: each leaf adds its bytes'
+      # share, and the problem adds one latency (make_problem)
+      k = axis_key(batch)
+      acc(pr.overlappable, k, parts * (pricer("all_reduce", grad, batch, dtype) -
+                                          pricer("all_reduce", 1, batch, dtype)))
+      acc(pr.bytes, f"all_reduce[{k}]", parts * grad)
+  # FSDP: the parameter gathered for the forward; XLA keeps the gathered copy for the backward
+  # (one all-gather per step, the copy live in between)
+  # a table only read by lookups, sharded over the dimension they index (vocab-parallel): each
+  # device looks up the rows it holds (the others masked to zero) and the rows are all-reduced
+  # over the axes sharding the table, for every token of the batch those axes do not split;
+  # nothing is gathered and the gradient is a local scatter into the shard
+  lookup = graph.lookups.get(primary.index) if use is None else None
+  vocab_axes = ([a for a in used if m.size[a] > 1 and used[a] in lookup[0]]
+                if lookup is not None else [])
+  if vocab_axes:
+    k = axis_key(vocab_axes)
+    unsplit = math.prod(m.size[a] for a in batch if a not in vocab_axes)
+    nb = lookup[1] / unsplit
+    acc(pr.blocking, k, pricer("all_reduce", nb, vocab_axes, dtype))
+    acc(pr.bytes, f"all_reduce[{k}]", nb)
+  if zero and not vocab_axes:
+    k = axis_key(zero)
+    # gathered where its product reads it (StepPlan.jit); a read inside jax.checkpoint, or a
+    # layer of a lax.scan stack (gathered inside the loop body, once per layer, in the forward
+    # and again in the backward's loop), is gathered twice per step and the gathered copy is not
+    # kept in between: only the slice being used is live. Otherwise XLA keeps the gathered
+    # weight for the backward.
+    regather = use is not None and (use.remat or use.layers > 1)
+    times = 2 if regather else 1
+    acc(pr.overlappable, k, times * pricer("all_gather", grad, zero, dtype))
+    acc(pr.bytes, f"all_gather[{k}]", times * grad)
+    if regather:
+      pr.gathered_peak = grad / max(1, use.layers)
+    else:
+      pr.memory["gathered"] = grad
+  # the roles' own collectives (tensor parallelism's activation all-reduces and gathers, ...)
+  ctx = PriceContext(graph, primary, use, used, m, pricer, batch_div, dtype, grad, vocab_axes, pr)
+  for role in roles.REGISTRY:
+    if role.price is not None and role.name in used:
+      role.price(ctx)
+  if use is not None:
+    split = m.size["tensor"] if pr.tp is not None else 1
+    flops = use.flops / split
+    for (leaf, k), f in graph.carried.items():
+      if leaf == primary.index:
+        flops += f / (m.size["tensor"] if pr.tp == ("col", k) else 1)
+    pr.compute = flops / batch_div / m.peak_flops
+  # the optimizer's update reads the parameter, its gradient and its moments and writes the
+  # parameter and moments: each device updates its shard only (the work FSDP saves beside memory)
+  update_bytes = (2 * sum(lf.nbytes for lf in leaves) + primary.nbytes) / shards
+  pr.compute += update_bytes * pricer.local_s_per_byte
+  # memory per device
+  pr.memory["params"] = primary.nbytes / shards
+  # A gradient is a temporary: whole before its reduction where the weight is gathered for
+  # compute, sharded as the parameter otherwise. A scanned stack's gradient is accumulated layer
+  # by layer into one stacked buffer, which without donation is the new state's output buffer
+  # (the optimizer's update is elementwise and in place): no memory of its own (measured on
+  # XLA:CPU); with donation the outputs alias the inputs and it is a temporary again.
+  gathered_weight = zero and not vocab_axes and (use is not None or
+                                                 primary.index in graph.gathered)
+  scanned = use is not None and use.layers > 1
+  if scanned:
+    pr.memory["grads"] = primary.nbytes / shards if donate else 0.0
+  else:
+    pr.memory["grads"] = grad if gathered_weight else primary.nbytes / shards
+  pr.memory["opt_state"] = sum(lf.nbytes for lf in leaves[1:]) / shards
+  pr.memory["outputs"] = 0.0 if donate else sum(lf.nbytes for lf in leaves) / shards
+  return pr
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  """Predicted per step and per device."""
+  compute_s: float
+  comm_s: dict[str, float]          # per mesh axis (or axes), blocking + overlappable
+  exposed_s: float                  # the communication not hidden behind compute
+  memory: dict[str, float]          # params, grads, opt_state, activations, batch, total
+  collective_bytes: dict[str, float]   # "kind[axes]" -> bytes per participant (explain's count)
+  fits: bool
+
+  @property
+  def total_s(self) -> float:
+    return self.compute_s + self.exposed_s
+
+  @property
+  def comm_total_s(self) -> float:
+    return sum(self.comm_s.values())

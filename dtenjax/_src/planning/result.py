@@ -1,0 +1,259 @@
+"""The whole-step planner's answer (:class:`StepPlan`) and how it is applied: the mesh, one
+NamedSharding per argument leaf, ``jit`` with them, and the report."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dtenjax._src import errors
+from dtenjax._src.planning import check as check_lib
+from dtenjax._src.planning import gather
+from dtenjax._src.planning.candidates import AxisLink
+from dtenjax._src.planning.candidates import axis_links
+from dtenjax._src.planning.candidates import spec_entry
+from dtenjax._src.planning.candidates import splits_batch
+from dtenjax._src.planning.pricing import StepCost
+from dtenjax._src.planning.roles import AXES
+from dtenjax._src.planning.roles import BATCH_AXES
+from dtenjax._src.planning.solver import Problem
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  spec: P
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternative:
+  """A standard recipe (or another mesh) priced by the same model."""
+  name: str
+  mesh_shape: dict[str, int]
+  cost: StepCost | None
+  note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  """The planner's answer for a whole step (see the module docstring).
+
+  ``specs`` holds one PartitionSpec per argument leaf, in the arguments' tree structure;
+  :meth:`shardings` turns them into NamedShardings on :meth:`mesh`, and :meth:`shard` places
+  arguments with them. ``table()`` (or ``str(plan)``) is the report."""
+  axis_names: tuple[str, ...]
+  mesh_shape: tuple[int, ...]
+  device_ids: tuple[int, ...]
+  axes: tuple[AxisLink, ...]
+  leaves: tuple[LeafPlan, ...]
+  specs: tuple[Any, ...]
+  cost: StepCost
+  recipes: tuple[Alternative, ...]
+  budget_bytes: float
+  topology: str
+  planning_s: float
+  meshes_tried: int
+  notes: tuple[str, ...] = ()
+  out_specs: Any = None          # PartitionSpecs of the step's outputs (state outputs like state)
+  # per argument: None, or a tree holding, for each FSDP-sharded weight, its layout for compute
+  # (the spec without the batch axes) and None for every other leaf
+  compute_specs: tuple[Any, ...] = ()
+  donate: bool = False           # planned for a step whose state arguments are donated
+  nvls: bool = False             # the topology's NVLink SHARP state the plan was priced with
+  batch_argnums: tuple[int, ...] = ()
+
+  # --- applying it -----------------------------------------------------------------------------
+
+  def mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
+    """The planned mesh over ``devices`` (default ``jax.devices()``, every process's), in the
+    planned device order."""
+    devices = list(jax.devices() if devices is None else devices)
+    by_id = {d.id: d for d in devices}
+    missing = [i for i in self.device_ids if i not in by_id]
+    if missing:
+      raise errors.MeshError(
+          f"the plan was made for devices {list(self.device_ids)[:8]}... of topology "
+          f"{self.topology!r}; devices {missing[:8]} are not among the {len(devices)} present. "
+          "Plan with the topology of the devices you run on (topology=None), or run where the "
+          "planned devices exist.")
+    arr = np.asarray([by_id[i] for i in self.device_ids], dtype=object)
+    return Mesh(arr.reshape(self.mesh_shape), self.axis_names)
+
+  def shardings(self, devices: Sequence[Any] | None = None) -> tuple[Any, ...]:
+    """One NamedSharding per argument leaf, in the arguments' structure."""
+    mesh = self.mesh(devices)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), self.specs,
+                        is_leaf=lambda s: isinstance(s, P))
+
+  def out_shardings(self, devices: Sequence[Any] | None = None) -> Any:
+    """NamedShardings for the step's outputs: new state laid out as the state, the rest
+    replicated (pass as ``jax.jit(step, out_shardings=...)``)."""
+    mesh = self.mesh(devices)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), self.out_specs,
+                        is_leaf=lambda s: isinstance(s, P))
+
+  def jit(self, step: Callable, **jit_kwargs):
+    """``jax.jit(step)`` with this plan's input and output shardings, and its FSDP parameters
+    gathered where the step's products read them.
+
+    FSDP lays a parameter out sharded over ``fsdp``; the products need it whole. The returned
+    function re-evaluates the step's jaxpr with each FSDP-sharded weight constrained to its
+    gathered layout (:attr:`compute_specs`) at the products that read it, as FSDP's users write
+    it: a weight stacked for ``lax.scan`` is gathered one layer at a time inside the loop body,
+    for the forward and again for the backward pass (FSDP2's ``reshard_after_forward``), and the
+    optimizer's update reads the sharded weight (dtenjax/_src/planning/gather.py). Without the
+    gathers XLA's partitioner, seeing the batch and the weight sharded over the same axis, often
+    moves the activations instead (all-to-alls, all-reduces of partial products: 10x the bytes
+    on a GPT-2 step); gathering the whole stack before the step would hold every layer's
+    gathered weights at once. Values are those of ``step`` up to XLA's summation order."""
+    fn = gather.gather_for_compute(step, self.mesh(), self.compute_specs)
+    return jax.jit(fn, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
+                   **jit_kwargs)
+
+  def check(self, step: Callable, *args) -> check_lib.Check:
+    """Compiles ``step`` with this plan's shardings (abstract arguments are fine: nothing runs)
+    and compares the prediction with what XLA compiled: per-device memory
+    (``memory_analysis()``) and collective bytes (read from the compiled HLO as
+    :func:`dtenjax.explain` reads them)."""
+    return check_lib.compare(self, step, args)
+
+  def shard(self, *args):
+    """Places ``args`` (the step's arguments, as planned) with :meth:`shardings`."""
+    if len(args) != len(self.specs):
+      raise errors.PlacementError(
+          f"StepPlan.shard: the plan has {len(self.specs)} arguments, got {len(args)}; pass the "
+          "step's arguments in the order they were planned")
+    out = tuple(jax.device_put(a, s) for a, s in zip(args, self.shardings()))
+    return out if len(out) > 1 else out[0]
+
+  # --- reading it ------------------------------------------------------------------------------
+
+  def table(self) -> str:
+    gib = 2**30
+    lines = [f"mesh {dict(zip(self.axis_names, self.mesh_shape))} on {self.topology} "
+             f"({len(self.device_ids)} devices, NVLink SHARP {'on' if self.nvls else 'off'}), "
+             f"planned in {self.planning_s * 1e3:.0f} ms over {self.meshes_tried} meshes"]
+    for a in self.axes:
+      lines.append(f"  axis {a.name!r} x{a.size}: {a.link} {a.span}, alpha {a.alpha_us:.1f} us, "
+                   f"{a.bandwidth_gbps:.1f} GB/s ({a.source})")
+    c = self.cost
+    lines.append(f"step time {c.total_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + "
+                 f"exposed communication {c.exposed_s * 1e3:.3f} ms")
+    for k, v in c.comm_s.items():
+      lines.append(f"  communication over {k}: {v * 1e3:.3f} ms")
+    mem = ", ".join(f"{k} {v / gib:.3f}" for k, v in c.memory.items())
+    budget = f"{self.budget_bytes / gib:.1f} GiB" if self.budget_bytes else "unknown"
+    lines.append(f"memory per device (GiB): {mem} (budget {budget})")
+    lines.append("")
+    lines.append(f"{'recipe':<12} {'mesh':<34} {'step (ms)':>10} {'exposed':>9} "
+                 f"{'mem (GiB)':>10}  note")
+    rows = [Alternative("chosen", dict(zip(self.axis_names, self.mesh_shape)), self.cost)]
+    for r in rows + list(self.recipes):
+      if r.cost is None:
+        lines.append(f"{r.name:<12} {str(r.mesh_shape):<34} {'-':>10} {'-':>9} {'-':>10}  "
+                     f"{r.note}")
+        continue
+      fit = "" if r.cost.fits else "does not fit; "
+      lines.append(f"{r.name:<12} {str(r.mesh_shape):<34} {r.cost.total_s * 1e3:10.3f} "
+                   f"{r.cost.exposed_s * 1e3:9.3f} {r.cost.memory['total'] / gib:10.3f}  "
+                   f"{fit}{r.note}")
+    lines.append("")
+    width = max((len(lp.path) for lp in self.leaves), default=4)
+    lines.append(f"{'leaf':<{width}} {'shape':<18} {'spec':<28} reason")
+    for lp in self.leaves:
+      lines.append(f"{lp.path:<{width}} {str(lp.shape):<18} {str(lp.spec):<28} {lp.reason}")
+    lines.extend(self.notes)
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.table()
+
+
+def report(graph, prob: Problem, choice, cost, recipes, budget, topology, seconds, tried,
+            args, donate: bool) -> StepPlan:
+  m = prob.m
+  spec_of: dict[int, tuple[P, str]] = {}
+  for g, lays, c in zip(prob.groups, prob.cands, choice):
+    lay = lays[c]
+    spec = P(*lay.spec)
+    reason = lay.note
+    use = graph.weights.get(g[0])
+    if use is not None and not reason.startswith("pinned"):
+      reason += (f"; product contracts dims {list(use.contracted)}, keeps {list(use.free)}")
+    for k, leaf in enumerate(g):
+      spec_of[leaf] = (spec, reason if k == 0 else f"tied to {graph.leaves[g[0]].path}")
+  batch_axes = tuple(a for a in BATCH_AXES if m.size[a] > 1)
+  bspec_entry = spec_entry(batch_axes)
+  leaves = []
+  specs_flat = []
+  for lf in graph.leaves:
+    if lf.is_batch:
+      if bspec_entry is None:
+        spec, reason = P(), "the batch: replicated (the mesh has no data or fsdp axis)"
+      elif splits_batch(lf, m.size["data"] * m.size["fsdp"]):
+        spec, reason = P(bspec_entry), "the batch: dimension 0 over the data-parallel axes"
+      else:
+        spec, reason = P(), "a batch argument whose dimension 0 does not split: replicated"
+    else:
+      spec, reason = spec_of.get(lf.index, (P(), "replicated"))
+    spec = trim(spec)
+    leaves.append(LeafPlan(lf.path, lf.shape, lf.dtype, spec, reason))
+    specs_flat.append(spec)
+  specs = per_arg(args, specs_flat)
+  compute_flat = []
+  for lf, spec in zip(graph.leaves, specs_flat):
+    weight = lf.index in graph.weights or lf.index in graph.gathered
+    drop = set(BATCH_AXES) if weight else set()
+    entries = [spec_entry([a for a in (e if isinstance(e, tuple) else (e,)) if a not in drop])
+               if e is not None else None for e in spec]
+    gathered_spec = trim(P(*entries))
+    compute_flat.append(gathered_spec if weight and gathered_spec != spec else None)
+  compute_specs = [None if all(c is None for c in jax.tree.leaves(t, is_leaf=_is_none)) else t
+                   for t in per_arg(args, compute_flat)]
+  out_specs_flat = []
+  for shape, _, rep in graph.outputs:
+    spec = spec_of.get(rep, (P(),))[0] if rep is not None else P()
+    if rep is not None and graph.leaves[rep].shape != shape:
+      spec = P()
+    out_specs_flat.append(trim(spec))
+  out_specs = jax.tree_util.tree_unflatten(graph.out_tree, out_specs_flat)
+  notes = () if budget else (
+      "memory: the devices' memory is unknown (as on CPU), so no budget was checked; pass "
+      "memory_budget= to check one",)
+  return StepPlan(axis_names=AXES, mesh_shape=m.shape, out_specs=out_specs,
+                  compute_specs=tuple(compute_specs), donate=donate, nvls=topology.nvls,
+                  batch_argnums=tuple(sorted({lf.argnum for lf in graph.leaves if lf.is_batch})),
+                  device_ids=tuple(int(i) for i in m.ids.ravel()), axes=axis_links(m),
+                  leaves=tuple(leaves), specs=tuple(specs), cost=cost, recipes=recipes,
+                  budget_bytes=budget, topology=topology.name, planning_s=seconds,
+                  meshes_tried=tried, notes=notes)
+
+
+def _is_none(x) -> bool:
+  return x is None
+
+
+def per_arg(args, flat: list) -> list:
+  """``flat`` (one entry per argument leaf, in order) in the trees of ``args``, one per argument."""
+  out, k = [], 0
+  for a in args:
+    treedef = jax.tree_util.tree_structure(a)
+    out.append(jax.tree_util.tree_unflatten(treedef, flat[k:k + treedef.num_leaves]))
+    k += treedef.num_leaves
+  return out
+
+
+def trim(spec: P) -> P:
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)

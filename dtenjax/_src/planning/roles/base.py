@@ -1,0 +1,67 @@
+"""The record of a mesh axis role (:mod:`dtenjax._src.planning.roles`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+  """One mesh axis role of the whole-step planner.
+
+  Attributes:
+    name: the mesh axis it names (and the name in PartitionSpecs).
+    splits_batch: the batch's dimension 0 is split over it (data-parallel work); an axis that
+      does not split the batch must shard most of the weights' work, or its devices would
+      compute the same step twice.
+    shards: which leaves and dimensions it may shard.
+    collectives: what it costs per step, with the loop structure.
+    memory: its effect on the memory per device.
+    applied: how the layout is applied when the step runs.
+  """
+  name: str
+  splits_batch: bool
+  shards: str
+  collectives: str
+  memory: str
+  applied: str
+  # (LeafContext, dims taken by the roles chosen before it) -> the ways it may shard the group
+  options: Callable[["LeafContext", frozenset[int]], list["Option"]] | None = None
+  # (PriceContext) -> None: adds its collectives, compute and memory to ctx.price for a layout
+  # that shards a dimension over it
+  price: Callable[[Any], None] | None = None
+  # (MeshContext) -> the axis sizes worth trying, given the roles inside it; None: the axis takes
+  # the devices the others leave (one role, the outermost: data)
+  sizes: Callable[["MeshContext"], list[int]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshContext:
+  """What a role may look at to propose its axis sizes: ``rest`` devices are left after the
+  roles inside it took ``inner``; the smallest fast island and host of the planned devices."""
+  n: int
+  rest: int
+  inner: int
+  island: int
+  per_host: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """A role sharding one dimension of a group's leaves: ``kind`` says how (role specific: for
+  ``tensor`` "col", "row" or "vocab"), ``note`` is the reason the report prints."""
+  dim: int
+  kind: str
+  note: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafContext:
+  """What a role may look at to offer options for one tied group on one mesh."""
+  shape: tuple[int, ...]
+  use: Any                   # the stepgraph.WeightUse of its first product, or None
+  lookup: Any                # (indexed dims, bytes) when only gathers read it, else None
+  gathered: bool             # read by a gather (an embedding table), maybe also by a product
+  size: int                  # the role's mesh axis size

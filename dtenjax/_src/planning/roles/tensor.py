@@ -1,0 +1,82 @@
+"""``tensor``: Megatron-style tensor parallelism inside an NVLink island; the batch is replicated
+over it."""
+
+import math
+
+from dtenjax._src.planning.roles.base import LeafContext
+from dtenjax._src.planning.roles.base import MeshContext
+from dtenjax._src.planning.roles.base import Option
+from dtenjax._src.planning.roles.base import Role
+
+
+def options(ctx: LeafContext, taken: frozenset[int]) -> list[Option]:
+  """Column-parallel on a free dimension, row-parallel on a contracted one (a product's weight
+  that no gather reads), vocab-parallel on the dimension a lookup-only table's gathers index."""
+  t, shape, use = ctx.size, ctx.shape, ctx.use
+  out = []
+  if use is not None and not ctx.gathered:
+    out += [Option(k, "col", f"column-parallel over 'tensor' (dimension {k}, free)")
+            for k in use.free if shape[k] % t == 0 and k not in taken]
+    out += [Option(k, "row", f"row-parallel over 'tensor' (dimension {k}, contracted)")
+            for k in use.contracted if shape[k] % t == 0 and k not in taken]
+  if use is None and ctx.lookup is not None:
+    out += [Option(k, "vocab", f"vocab-parallel over 'tensor' (dimension {k}, indexed by the "
+                   "lookup: masked lookup, then an all-reduce of the rows)")
+            for k in ctx.lookup[0] if shape[k] % t == 0 and k not in taken]
+  return out
+
+def sizes(ctx: MeshContext) -> list[int]:
+  """Every size dividing the smallest fast island (tensor parallelism stays on NVLink)."""
+  g = math.gcd(ctx.island, ctx.rest)
+  return [k for k in range(1, g + 1) if g % k == 0]
+
+
+def price(ctx) -> None:
+  """Megatron's collectives for a weight sharded over 'tensor' (``ctx``: a PriceContext): a
+  column-parallel product all-reduces its input's gradient (backward) and, unpaired, all-gathers
+  its output; a row-parallel one all-reduces its output (forward) and, unpaired, all-gathers its
+  input's gradient (the pair terms are settled by the solver); a stacked dimension over 'tensor'
+  is gathered like FSDP, twice per step."""
+  use, pr, m = ctx.use, ctx.price, ctx.m
+  shape = ctx.primary.shape
+  if use is not None and m.size["tensor"] > 1:
+    d = ctx.used["tensor"]
+    tokens = use.tokens * use.repeats / ctx.batch_div
+    item = use.act_itemsize
+    width_in = math.prod(shape[k] for k in use.contracted)
+    width_out = math.prod(shape[k] for k in use.free)
+    if d in use.free:
+      pr.tp = ("col", d)
+      share = ctx.graph.act_share.get((ctx.primary.index, d), 0.0)
+      pr.act_saving = (share * ctx.graph.activation_bytes / ctx.batch_div *
+                       (1 - 1 / m.size["tensor"]))
+      if use.input_grad:     # the input's gradient is a partial sum over 'tensor'
+        ctx.add("all_reduce", tokens * width_in * item, ("tensor",), blocking=True)
+      pr.ag_fwd_bytes = tokens * width_out * item
+      pr.ag_fwd = ctx.pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), ctx.dtype)
+    elif d in use.contracted:
+      pr.tp = ("row", d)
+      ctx.add("all_reduce", tokens * width_out * item, ("tensor",), blocking=True)
+      if use.input_grad:
+        pr.ag_bwd_bytes = tokens * width_in * item
+        pr.ag_bwd = ctx.pricer("all_gather", pr.ag_bwd_bytes, ("tensor",), ctx.dtype)
+  elif not ctx.vocab_axes:
+    # a stacked dimension over 'tensor': gathered like FSDP
+    t_shard = m.size["tensor"]
+    ctx.add("all_gather", ctx.grad * t_shard, ("tensor",), blocking=False, times=2)
+
+
+ROLE = Role(
+    name="tensor",
+    splits_batch=False,
+    shards="a free dimension of a product's weight (column-parallel), a contracted one "
+    "(row-parallel), a lookup table's indexed dimension (vocab-parallel)",
+    collectives="blocking, per product and per layer: a row-parallel output all-reduced "
+    "(forward), a column-parallel input gradient all-reduced (backward), an unpaired output or "
+    "input gradient all-gathered; a column -> row pair keeps the activation between them sharded",
+    memory="the sharded weights and state / tensor; a pair's activations / tensor",
+    applied="the leaf's NamedSharding; XLA's partitioner inserts the activation collectives",
+    options=options,
+    price=price,
+    sizes=sizes,
+)

@@ -1,0 +1,345 @@
+"""The whole-step planner's solver: one mixed-integer program per mesh (scipy's ``milp``, HiGHS)
+over the candidate layouts of every tied group, the column -> row pair savings, the exposed
+communication and the memory budget; and the evaluation of one assignment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from dtenjax._src.planning import roles
+from dtenjax._src.planning import stepgraph
+from dtenjax._src.planning.candidates import CandidateMesh
+from dtenjax._src.planning.candidates import Layout
+from dtenjax._src.planning.candidates import layouts
+from dtenjax._src.planning.candidates import splits_batch
+from dtenjax._src.planning.pricing import Price
+from dtenjax._src.planning.pricing import Pricer
+from dtenjax._src.planning.pricing import StepCost
+from dtenjax._src.planning.pricing import price_layout
+from dtenjax._src.planning.roles import BATCH_AXES
+
+
+@dataclasses.dataclass
+class Problem:
+  m: CandidateMesh
+  groups: list[tuple[int, ...]]
+  cands: list[list[Layout]]
+  prices: list[list[Price]]
+  compute_s: float
+  fixed_memory: dict[str, float]
+  overlap: float
+  grad_latency_s: float = 0.0
+
+
+def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Problem | None:
+  bdiv = m.size["data"] * m.size["fsdp"]
+  batch_leaves = [lf for lf in graph.leaves if lf.is_batch]
+  if bdiv > 1 and not any(splits_batch(lf, bdiv) for lf in batch_leaves):
+    return None
+  pricer = Pricer(m, price)
+  groups = [g for g in graph.groups]
+  cands, prices = [], []
+  for g in groups:
+    cs = layouts(graph, g, m, pins.get(g[0]))
+    cands.append(cs)
+    prices.append([price_layout(graph, g, c, m, pricer, bdiv, donate) for c in cs])
+  # products without a weight (attention scores, ...) split over the batch axes only
+  rest = max(0.0, graph.flops - sum(u.flops for u in graph.weights.values()) -
+             sum(graph.carried.values()))
+  compute = rest / bdiv / m.peak_flops
+  fixed = {"activations": graph.activation_bytes / bdiv,
+           "batch": sum(lf.nbytes / (bdiv if splits_batch(lf, bdiv) else 1) for lf in batch_leaves)}
+
+  # one latency for the combined gradient all-reduce(s) (see price_layout)
+  batch = [a for a in BATCH_AXES if m.size[a] > 1]
+  latency = 0.0
+  if batch:
+    latency = pricer("all_reduce", 1, batch, "float32")
+    if "fsdp" in batch and "data" in batch:
+      latency = max(latency, pricer("all_reduce", 1, ["data"], "float32"))
+  return Problem(m, groups, cands, prices, compute, fixed, overlap, latency)
+
+
+def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
+              budget: float) -> StepCost:
+  """The cost of one assignment (the program's objective, with the pair terms at their best)."""
+  comm: dict[str, float] = {}
+  blocking = overlappable = 0.0
+  memory = {"params": 0.0, "grads": 0.0, "opt_state": 0.0, "gathered": 0.0, "outputs": 0.0,
+            **prob.fixed_memory}
+  nbytes: dict[str, float] = {}
+  tp_of = {}
+  compute = prob.compute_s
+  for gi, (g, c) in enumerate(zip(prob.groups, choice)):
+    pr = prob.prices[gi][c]
+    tp_of[g[0]] = pr.tp
+    compute += pr.compute
+    for k, v in pr.blocking.items():
+      comm[k] = comm.get(k, 0.0) + v
+      blocking += v
+    for k, v in pr.overlappable.items():
+      comm[k] = comm.get(k, 0.0) + v
+      overlappable += v
+    for k, v in pr.memory.items():
+      memory[k] += v
+    for k, v in pr.bytes.items():
+      nbytes[k] = nbytes.get(k, 0.0) + v
+  sources, dests = pair_maps(graph)
+  for gi, (g, c) in enumerate(zip(prob.groups, choice)):
+    pr = prob.prices[gi][c]
+    if pr.tp is None:
+      continue
+    kind, d = pr.tp
+    if kind == "col":
+      ok = bool(sources.get((g[0], d))) and all(
+          tp_of.get(dst) == ("row", q) for dst, q in sources[(g[0], d)])
+      if ok:
+        memory["activations"] -= pr.act_saving
+      if not ok and pr.ag_fwd_bytes:
+        comm["tensor"] = comm.get("tensor", 0.0) + pr.ag_fwd
+        blocking += pr.ag_fwd
+        nbytes["all_gather[tensor]"] = nbytes.get("all_gather[tensor]", 0.0) + pr.ag_fwd_bytes
+    else:
+      ok = bool(dests.get((g[0], d))) and all(
+          tp_of.get(src) == ("col", k) for src, k in dests[(g[0], d)])
+      if not ok and pr.ag_bwd_bytes:
+        comm["tensor"] = comm.get("tensor", 0.0) + pr.ag_bwd
+        blocking += pr.ag_bwd
+        nbytes["all_gather[tensor]"] = nbytes.get("all_gather[tensor]", 0.0) + pr.ag_bwd_bytes
+  overlappable += prob.grad_latency_s
+  exposed = blocking + max(0.0, overlappable - prob.overlap * compute)
+  memory["gathered"] += max((prob.prices[gi][c].gathered_peak for gi, c in enumerate(choice)),
+                            default=0.0)
+  memory["total"] = sum(memory.values())
+  fits = not budget or memory["total"] <= budget
+  return StepCost(compute, comm, exposed, memory, nbytes, fits)
+
+
+def pair_maps(graph: stepgraph.StepGraph):
+  sources: dict[tuple[int, int], list[tuple[int, int]]] = {}
+  dests: dict[tuple[int, int], list[tuple[int, int]]] = {}
+  for p in graph.pairs:
+    sources.setdefault((p.src, p.src_dim), []).append((p.dst, p.dst_dim))
+    dests.setdefault((p.dst, p.dst_dim), []).append((p.src, p.src_dim))
+  return sources, dests
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+  """HiGHS (inside scipy 1.16-1.18) prints debugging lines such as
+  "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();" to the process's
+  standard output even with disp=False; they are not for the user."""
+  try:
+    fd = sys.stdout.fileno()
+  except (AttributeError, OSError, ValueError):     # a replaced sys.stdout (pytest's capture)
+    fd = 1
+  sys.stdout.flush()
+  saved = os.dup(fd)
+  try:
+    with open(os.devnull, "w", encoding="utf-8") as null:
+      os.dup2(null.fileno(), fd)
+      yield
+  finally:
+    os.dup2(saved, fd)
+    os.close(saved)
+
+
+# On a mesh the planner proposes, an axis over which the batch is replicated ('tensor') must split
+# at least this share of the weights' product flops; otherwise most of the step would be computed
+# once per device of the axis: duplicated work, which data parallelism turns into a split batch.
+SPLIT_SHARE = 0.75
+
+
+def replicated_axes(m: CandidateMesh) -> list[str]:
+  """The mesh's axes of more than one device over which the batch is not split (the roles that
+  do not split it: ``tensor``)."""
+  return [r.name for r in roles.REGISTRY if not r.splits_batch and m.size[r.name] > 1]
+
+
+def split_flops(prob: Problem, graph: stepgraph.StepGraph,
+                axis: str) -> dict[int, dict[int, float]]:
+  """group -> candidate -> the product flops it splits over ``axis`` (those that shard it)."""
+  out: dict[int, dict[int, float]] = {}
+  for gi, g in enumerate(prob.groups):
+    use = graph.weights.get(g[0])
+    if use is None:
+      continue
+    for ci, lay in enumerate(prob.cands[gi]):
+      if axis in lay.used() and use.flops > 0:
+        out.setdefault(gi, {})[ci] = use.flops
+  return out
+
+
+def uses_its_axes(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph) -> bool:
+  """Whether every axis that does not split the batch splits enough of the work (see solve)."""
+  total = sum(u.flops for u in graph.weights.values())
+  for axis in replicated_axes(prob.m):
+    split = split_flops(prob, graph, axis)
+    done = sum(split.get(gi, {}).get(c, 0.0) for gi, c in enumerate(choice))
+    if not (total > 0 and done >= SPLIT_SHARE * total):
+      return False
+  return True
+
+
+def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
+           objective: str = "time", proposed: bool = True) -> list[int] | None:
+  """The cheapest assignment that fits (scipy.optimize.milp), or None when none fits; with
+  ``objective="memory"`` the assignment of least memory per device (no budget).
+
+  On a mesh the planner proposes (``proposed``), a ``tensor`` axis must shard at least one
+  weight over it: otherwise the devices along that axis would compute the same step on the same
+  data (duplicated work). A mesh the user gave is planned as given."""
+  from scipy import optimize, sparse  # pylint: disable=g-import-not-at-top
+  index = {}
+  costs: list[float] = []
+  mem: list[float] = []
+  over: list[float] = []
+  for gi, (g, cands) in enumerate(zip(prob.groups, prob.cands)):
+    for ci in range(len(cands)):
+      pr = prob.prices[gi][ci]
+      index[(gi, ci)] = len(costs)
+      costs.append(sum(pr.blocking.values()) + pr.ag_fwd + pr.ag_bwd + pr.compute)
+      mem.append(sum(pr.memory.values()))
+      # e >= overlappable - overlap * compute: both sides depend on the layout
+      over.append(sum(pr.overlappable.values()) - prob.overlap * pr.compute)
+  nx = len(costs)
+  group_of_leaf = {g[0]: gi for gi, g in enumerate(prob.groups)}
+  sources, dests = pair_maps(graph)
+
+  def tp_vars(leaf, want):
+    gi = group_of_leaf.get(leaf)
+    if gi is None:
+      return []
+    return [index[(gi, ci)] for ci, pr in enumerate(prob.prices[gi]) if pr.tp == want]
+
+  # pair variables: u = the candidate's gather is saved; u <= its own tp vars, u <= each partner's
+  saves = []           # (saving seconds, activation bytes, own vars, [partner vars...])
+  for gi, g in enumerate(prob.groups):
+    for ci, pr in enumerate(prob.prices[gi]):
+      if pr.tp is None:
+        continue
+      kind, d = pr.tp
+      partners = (sources if kind == "col" else dests).get((g[0], d))
+      saving = pr.ag_fwd if kind == "col" else pr.ag_bwd
+      act = pr.act_saving if kind == "col" else 0.0
+      if not partners or (saving <= 0 and act <= 0):
+        continue
+      want = "row" if kind == "col" else "col"
+      plist = [tp_vars(leaf, (want, q)) for leaf, q in partners]
+      if all(plist):
+        saves.append((saving, act, [index[(gi, ci)]], plist))
+  nu = len(saves)
+  peaks = [[prob.prices[gi][ci].gathered_peak for ci in range(len(cands))]
+           for gi, cands in enumerate(prob.cands)]
+  ip = nx + nu                             # the gathered-peak variable p
+  n = nx + nu + 2                          # + p and the exposed-time variable e
+  c = np.zeros(n)
+  if objective == "memory":
+    c[:nx] = mem
+    for j, (_, act, _, _) in enumerate(saves):
+      c[nx + j] = -act
+    c[ip] = 1.0
+    budget = 0.0
+  else:
+    c[:nx] = costs
+    for j, (saving, _, _, _) in enumerate(saves):
+      c[nx + j] = -saving
+    c[-1] = 1.0
+  rows, cols, vals, lo, hi = [], [], [], [], []
+  r = 0
+  for gi, ps in enumerate(peaks):                         # p >= each group's gathered peak
+    if not any(ps):
+      continue
+    for ci, pk in enumerate(ps):
+      if pk:
+        rows.append(r)
+        cols.append(index[(gi, ci)])
+        vals.append(pk)
+    rows.append(r)
+    cols.append(ip)
+    vals.append(-1.0)
+    lo.append(-np.inf)
+    hi.append(0.0)
+    r += 1
+  for axis in replicated_axes(prob.m) if proposed else ():  # no duplicated work over it
+    split = split_flops(prob, graph, axis)
+    total = sum(u.flops for u in graph.weights.values())
+    if not split or sum(max(fs.values()) for fs in split.values()) < SPLIT_SHARE * total:
+      return None
+    for gi, fs in split.items():
+      for ci, fl in fs.items():
+        rows.append(r)
+        cols.append(index[(gi, ci)])
+        vals.append(fl)
+    lo.append(SPLIT_SHARE * total)
+    hi.append(np.inf)
+    r += 1
+  for gi, cands in enumerate(prob.cands):                 # one layout per group
+    for ci in range(len(cands)):
+      rows.append(r)
+      cols.append(index[(gi, ci)])
+      vals.append(1.0)
+    lo.append(1.0)
+    hi.append(1.0)
+    r += 1
+  for j, (_, _, own, plist) in enumerate(saves):          # u <= own, u <= each partner
+    for vs in [own] + plist:
+      rows.append(r)
+      cols.append(nx + j)
+      vals.append(1.0)
+      for v in vs:
+        rows.append(r)
+        cols.append(v)
+        vals.append(-1.0)
+      lo.append(-np.inf)
+      hi.append(0.0)
+      r += 1
+  # e >= overlappable - overlap x compute (both per candidate, see over[]) - the fixed terms
+  for k in range(nx):
+    rows.append(r)
+    cols.append(k)
+    vals.append(over[k])
+  rows.append(r)
+  cols.append(n - 1)
+  vals.append(-1.0)
+  lo.append(-np.inf)
+  hi.append(prob.overlap * prob.compute_s - prob.grad_latency_s)
+  r += 1
+  if budget:                                              # memory per device
+    for k in range(nx):
+      rows.append(r)
+      cols.append(k)
+      vals.append(mem[k])
+    for j, (_, act, _, _) in enumerate(saves):
+      if act:
+        rows.append(r)
+        cols.append(nx + j)
+        vals.append(-act)
+    rows.append(r)
+    cols.append(ip)
+    vals.append(1.0)
+    lo.append(-np.inf)
+    hi.append(budget - sum(prob.fixed_memory.values()))
+    r += 1
+  a = sparse.csr_array((vals, (rows, cols)), shape=(r, n))
+  integrality = np.zeros(n)
+  integrality[:nx] = 1
+  bounds = optimize.Bounds(np.zeros(n), np.r_[np.ones(nx + nu), np.inf, np.inf])
+  with _quiet_stdout():
+    res = optimize.milp(c, constraints=optimize.LinearConstraint(a, lo, hi),
+                        integrality=integrality, bounds=bounds,
+                        options={"disp": False, "time_limit": 10.0})
+  if res.x is None:
+    return None
+  choice = []
+  for gi, cands in enumerate(prob.cands):
+    vals_g = [res.x[index[(gi, ci)]] for ci in range(len(cands))]
+    choice.append(int(np.argmax(vals_g)))
+  return choice

@@ -1,0 +1,138 @@
+"""A plan depends only on its inputs: the same call gives the same plan from a script and from the
+command line, whatever NCCL's environment says (NVLink SHARP is part of the Topology), and bad
+inputs are named before anything is traced."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dtenjax
+
+STEP_MODULE = '''
+import jax, jax.numpy as jnp, optax
+
+def step(params, opt, x):
+  def loss(p):
+    h = jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+    return jnp.mean(h ** 2)
+  g = jax.grad(loss)(params)
+  u, opt = optax.adam(1e-3).update(g, opt, params)
+  return optax.apply_updates(params, u), opt
+
+def example():
+  p = {"w1": jax.ShapeDtypeStruct((256, 1024), jnp.float32),
+       "w2": jax.ShapeDtypeStruct((1024, 256), jnp.float32)}
+  return p, jax.eval_shape(optax.adam(1e-3).init, p), jax.ShapeDtypeStruct((1024, 256), jnp.float32)
+'''
+
+
+def _timeless(text: str) -> str:
+  return re.sub(r"planned in \d+ ms", "planned in - ms", text)
+
+
+@pytest.fixture
+def module(tmp_path, monkeypatch):
+  (tmp_path / "planstep.py").write_text(STEP_MODULE)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  import planstep  # pylint: disable=g-import-not-at-top,import-error
+  return planstep
+
+
+@pytest.mark.parametrize("fixture", dtenjax.Topology.fixtures())
+def test_the_cli_and_a_script_give_the_same_plan(fixture, module, capsys, monkeypatch):
+  from dtenjax._src.cli import main  # pylint: disable=g-import-not-at-top
+  # a script that never pinned NCCL, and the command line, which pins NCCL_NVLS_ENABLE=0
+  monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+  script = dtenjax.plan(module.step, *module.example(),
+                        topology=dtenjax.Topology.fixture(fixture))
+  assert main.main(["plan", "planstep:step", "--args", "planstep:example", "--fixture",
+                    fixture]) == 0
+  printed = capsys.readouterr().out
+  assert _timeless(printed.strip()) == _timeless(script.table().strip())
+  assert "NVLink SHARP off" in printed
+
+
+def test_nccls_environment_does_not_change_a_plan(module, monkeypatch):
+  topo = dtenjax.Topology.fixture("dgx_a100_8")
+  plans = []
+  for value in (None, "0", "1"):
+    if value is None:
+      monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    else:
+      monkeypatch.setenv("NCCL_NVLS_ENABLE", value)
+    plans.append(dtenjax.plan(module.step, *module.example(), topology=topo))
+  assert len({(p.mesh_shape, str(p.specs), p.cost.total_s) for p in plans}) == 1
+
+
+def test_nvls_is_a_field_of_the_topology_and_travels_with_it():
+  topo = dtenjax.Topology.fixture("h200_8")
+  assert topo.nvls is False
+  on = dataclasses_replace(topo, nvls=True)
+  assert dtenjax.Topology.from_json(on.to_json()).nvls is True
+  assert dtenjax.Topology.from_json(topo.to_json()).nvls is False
+  from dtenjax._src.topology import report  # pylint: disable=g-import-not-at-top
+  assert "NVLink SHARP on" in report.link_matrix_table(on)
+  assert "NVLink SHARP off" in report.link_matrix_table(topo)
+  with pytest.raises(dtenjax.TopologyError, match="'nvls' must be true or false"):
+    dtenjax.Topology.from_dict({**topo.to_dict(), "nvls": "yes"})
+
+
+def test_nvls_on_prices_xlas_all_reduce_as_not_deterministic(module):
+  # with NVLink SHARP on, NCCL's reduction order is not fixed: the deterministic all-reduce the
+  # planner prices is not XLA's; the plan says which state it assumed
+  topo = dtenjax.Topology.fixture("h200_8")
+  on = dataclasses_replace(topo, nvls=True)
+  from dtenjax._src.collectives import api  # pylint: disable=g-import-not-at-top
+  group = list(topo.device_ids)
+  assert "xla" in api.plan_all_reduce(1 << 20, group, topo).times
+  assert "xla" not in api.plan_all_reduce(1 << 20, group, on).times
+  plan = dtenjax.plan(module.step, *module.example(), topology=on)
+  assert "NVLink SHARP on" in plan.table()
+
+
+def dataclasses_replace(obj, **kw):
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  return dataclasses.replace(obj, **kw)
+
+
+def _tiny():
+  def step(p, x):
+    return jnp.sum(x @ p["w"])
+  return step, {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}, jax.ShapeDtypeStruct(
+      (8, 4), jnp.float32)
+
+
+@pytest.mark.parametrize("leaf, words", [
+    (np.array([object()] * 16, dtype=object).reshape(4, 4), r"\['w'\] has dtype object"),
+    (np.array(["a"] * 16).reshape(4, 4), r"\['w'\] has dtype <U1"),
+    (jax.ShapeDtypeStruct((-1, 4), jnp.float32), r"\['w'\] has shape \(-1, 4\)"),
+])
+def test_a_bad_leaf_is_named(leaf, words):
+  step, _, x = _tiny()
+  with pytest.raises(dtenjax.PlacementError, match=r"argument 0 leaf " + words):
+    dtenjax.plan(step, {"w": leaf}, x)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"memory_budget": "1e9"}, r"memory_budget='1e9' must be a number of bytes"),
+    ({"memory_budget": -5}, r"memory_budget=-5 must be a number of bytes"),
+    ({"overlap": "0.5"}, r"overlap='0.5' must be a number in \[0, 1\]"),
+    ({"mesh": {"data": -8}}, r"sizes \{'data': -8\} are not positive ints"),
+    ({"mesh": {"data": 8.0}}, r"sizes \{'data': 8.0\} are not positive ints"),
+    ({"mesh": {"data": 2.5, "fsdp": 3.2}}, r"sizes \{'data': 2.5, 'fsdp': 3.2\}"),
+])
+def test_bad_planner_arguments_are_named(kwargs, words):
+  step, params, x = _tiny()
+  with pytest.raises(dtenjax.PlacementError, match=words):
+    dtenjax.plan(step, params, x, **kwargs)
+
+
+def test_per_array_planner_inputs_are_named():
+  with pytest.raises(dtenjax.PlacementError, match=r"mesh=\(2.5, 4\) must be"):
+    dtenjax.Placement("auto", mesh=(2.5, 4))
+  with pytest.raises(dtenjax.PlacementError, match=r"shape=\(-1, 4\) must be a tuple of"):
+    dtenjax.Placement("auto", mesh=(2, 4), topology=dtenjax.Topology.fixture("h200_8")).plan(
+        (-1, 4))

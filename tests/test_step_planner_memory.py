@@ -1,0 +1,240 @@
+"""The whole-step planner's memory and collective model against what XLA compiles for the layout a
+user writes without dtenjax: plain ``jax.jit`` with the plan's NamedShardings, each FSDP weight of
+a ``lax.scan`` stack gathered one layer at a time inside the loop body (a sharding constraint on
+the layer's slice, as MaxText does). Compile only: abstract arguments, nothing runs."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dtenjax
+from dtenjax._src import hlo
+from dtenjax._src.planning import explain as explain_lib
+from dtenjax._src.planning import stepgraph
+
+
+def scan_step(n=8, d=512, f=2048, batch=32, seq=64, remat=True, gather=None):
+  """Residual MLP layers stacked for ``lax.scan`` (``jax.checkpoint`` on the body when
+  ``remat``), an output projection, AdamW. ``gather(p)`` is applied to each layer's slice."""
+  s = jax.ShapeDtypeStruct
+  params = {"w1": s((n, d, f), jnp.float32), "w2": s((n, f, d), jnp.float32),
+            "out": s((d, d), jnp.float32)}
+
+  def layer(x, p):
+    if gather is not None:
+      p = gather(p)
+    return x + jax.nn.gelu(x @ p["w1"]) @ p["w2"], None
+
+  body = jax.checkpoint(layer) if remat else layer
+
+  def loss(p, x):
+    h, _ = jax.lax.scan(body, x, {"w1": p["w1"], "w2": p["w2"]})
+    return jnp.mean((h @ p["out"]) ** 2)
+
+  tx = optax.adamw(1e-3)
+
+  def step(params, opt, x):
+    v, g = jax.value_and_grad(loss)(params, x)
+    u, opt = tx.update(g, opt, params)
+    return optax.apply_updates(params, u), opt, v
+
+  return step, (params, jax.eval_shape(tx.init, params), s((batch, seq, d), jnp.float32))
+
+
+def per_layer_gather(plan):
+  """The user's FSDP: inside the scan body, each layer's slice constrained to its layout for
+  compute (the plan's compute spec without the stacked dimension)."""
+  mesh = plan.mesh()
+  specs = plan.compute_specs[0]
+
+  def gather(p):
+    if specs is None:
+      return p
+    return {k: v if specs[k] is None else jax.lax.with_sharding_constraint(
+        v, NamedSharding(mesh, P(*tuple(specs[k])[1:]))) for k, v in p.items()}
+  return gather
+
+
+def compiled(plan, step, args, donate=False):
+  """Per-device memory (arguments, outputs not aliased, temp) and collective bytes per kind with
+  the loop trip counts, read from XLA's compilation of plain jax.jit with the plan's shardings."""
+  fn = jax.jit(step, in_shardings=plan.shardings(), out_shardings=plan.out_shardings(),
+               donate_argnums=(0, 1) if donate else ())
+  exe = fn.lower(*args).compile()
+  stats = exe.memory_analysis()
+  memory = (stats.argument_size_in_bytes + stats.output_size_in_bytes -
+            stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  module = hlo.read_compiled(exe)
+  trips, callers = module.trip_counts(), module.callers()
+
+  def repeats(comp):
+    out, seen = 1, set()
+    while comp in callers and comp not in seen:
+      seen.add(comp)
+      ins = callers[comp][0]
+      if ins.opcode == "while":
+        out *= trips.get(ins.name, 1)
+      comp = ins.computation
+    return out
+  kinds = {}
+  for c in explain_lib.explain(exe).collectives:
+    kinds[c.kind] = kinds.get(c.kind, 0) + c.nbytes * repeats(c.computation)
+  return memory, kinds
+
+
+def predicted_kinds(plan):
+  out = {}
+  for key, nbytes in plan.cost.collective_bytes.items():
+    if nbytes:
+      out[key.split("[")[0]] = out.get(key.split("[")[0], 0) + nbytes
+  return out
+
+
+@pytest.mark.parametrize("recipe", ["FSDP", "DP"])
+def test_memory_and_bytes_per_kind_match_the_users_per_layer_fsdp(recipe):
+  step0, args = scan_step()
+  plan = dtenjax.plan(step0, *args, recipe=recipe)
+  step, _ = scan_step(gather=per_layer_gather(plan))
+  memory, kinds = compiled(plan, step, args)
+  assert plan.cost.memory["total"] == pytest.approx(memory, rel=0.10), (plan.cost.memory, memory)
+  pred = predicted_kinds(plan)
+  assert set(pred) == set(kinds), (pred, kinds)
+  for kind, nbytes in kinds.items():
+    assert pred[kind] == pytest.approx(nbytes, rel=0.10), (kind, pred, kinds)
+
+
+def test_fsdp_of_a_scanned_stack_is_priced_one_layer_at_a_time():
+  # the 8 layers of w1 and w2 are 64 MiB; one layer of w1 (the largest slice gathered) is 4 MiB:
+  # the plan's gathered memory is that slice, not the stack
+  step, args = scan_step()
+  plan = dtenjax.plan(step, *args, recipe="FSDP")
+  layer = 512 * 2048 * 4
+  assert plan.cost.memory["gathered"] < 2 * layer, plan.cost.memory
+  # rematerialised layers gather their weights again for the backward; XLA:CPU reduces the
+  # gradients with all-reduces (it lowers reduce-scatter that way)
+  stack = 2 * 8 * layer
+  assert plan.cost.collective_bytes["all_gather[fsdp]"] == pytest.approx(2 * stack + 512 * 512 * 4)
+  assert "reduce_scatter[fsdp]" not in plan.cost.collective_bytes
+
+
+def test_without_remat_a_scanned_stack_is_still_gathered_layer_by_layer():
+  # plan.jit gathers each layer inside the loop body: the backward's loop gathers it again, and
+  # only one layer is live, with or without jax.checkpoint
+  step, args = scan_step(remat=False)
+  plan = dtenjax.plan(step, *args, recipe="FSDP")
+  layer, stack = 512 * 2048 * 4, 2 * 8 * 512 * 2048 * 4
+  assert plan.cost.memory["gathered"] < 2 * layer
+  assert plan.cost.collective_bytes["all_gather[fsdp]"] == pytest.approx(2 * stack + 512 * 512 * 4)
+  check = plan.check(step, *args)
+  assert check.memory_error <= 0.10 and check.bytes_error <= 0.10, check.table()
+
+
+def test_the_check_of_plan_jit_agrees_with_the_prediction():
+  # plan.jit (FSDP gathered per layer inside the scan) compiled: memory and bytes per kind
+  step, args = scan_step()
+  check = dtenjax.plan(step, *args, recipe="FSDP").check(step, *args)
+  assert check.memory_error <= 0.10, check.table()
+  assert all(e <= 0.10 for e in check.kind_errors.values()), check.table()
+
+
+def test_a_gpu_plan_prices_reduce_scatter():
+  step, args = scan_step(batch=64)
+  plan = dtenjax.plan(step, *args, recipe="FSDP", topology=dtenjax.Topology.fixture("h200_8"))
+  # the GPU compiler keeps reduce-scatter: the weights' gradients are reduce-scattered (only the
+  # optimizer's step count, a replicated scalar, is all-reduced)
+  assert plan.cost.collective_bytes["reduce_scatter[fsdp]"] >= 2 * 8 * 512 * 2048 * 4
+  assert plan.cost.collective_bytes.get("all_reduce[fsdp]", 0) < 1024
+
+
+def test_check_compares_per_kind_and_honours_donation():
+  step, args = scan_step(n=2, d=256, f=512, batch=16, seq=32, remat=False)
+  plain = dtenjax.plan(step, *args, recipe="FSDP")
+  donated = dtenjax.plan(step, *args, recipe="FSDP", donate=True)
+  assert donated.donate and not plain.donate
+  check = donated.check(step, *args)
+  # the new state aliases the donated old one: no outputs of their own, predicted and compiled
+  assert check.compiled_memory["outputs"] < 0.01 * check.compiled_memory["arguments"]
+  assert check.predicted_memory["outputs"] == 0
+  assert plain.check(step, *args).compiled_memory["outputs"] > 0
+  # per kind: XLA:CPU all-gathers the weights and all-reduces their gradients
+  assert set(check.kind_errors) == {"all_gather", "all_reduce"}, check.table()
+  assert check.bytes_error <= 0.10, check.table()
+  assert "all_gather bytes" in check.table()
+
+
+def test_the_plan_records_its_batch_arguments_for_the_check():
+  step, args = scan_step(n=2, d=256, f=512, batch=16, seq=32)
+  assert dtenjax.plan(step, *args).batch_argnums == (2,)
+
+
+@pytest.mark.parametrize("fixture", ["h200_8", "dgx_a100_8", "pcie_8"])
+def test_no_mesh_axis_computes_the_same_step_twice(fixture):
+  # a model too small to gain much from tensor parallelism: every axis of more than one device
+  # splits the batch (data, fsdp) or shards most of the weights (tensor); never 8 copies of one
+  # step with a weight or two sharded
+  step, args = scan_step(n=2, d=64, f=128, batch=64, seq=8)
+  plan = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture(fixture))
+  sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+  params = [lp for lp in plan.leaves if lp.path.startswith("[0]")]
+  total = sum(math.prod(lp.shape) for lp in params)
+  over_tensor = sum(math.prod(lp.shape) for lp in params if "tensor" in str(lp.spec))
+  if sizes["tensor"] > 1:
+    assert over_tensor >= 0.75 * total, plan.table()
+  assert sizes["data"] * sizes["fsdp"] > 1 or over_tensor >= 0.75 * total, plan.table()
+
+
+def test_a_budget_plain_fsdp_fits_is_never_refused():
+  step, args = scan_step()
+  fsdp = dtenjax.plan(step, *args, recipe="FSDP")
+  need = fsdp.cost.memory["total"]
+  plan = dtenjax.plan(step, *args, memory_budget=need * 1.0001)
+  assert plan.cost.fits and plan.cost.memory["total"] <= need * 1.0001, plan.table()
+
+
+def test_a_refusal_names_the_least_memory_any_layout_needs():
+  step, args = scan_step()
+  fsdp = dtenjax.plan(step, *args, recipe="FSDP")
+  budget = 0.5 * fsdp.cost.memory["total"]
+  with pytest.raises(dtenjax.PlacementError, match="GiB short") as info:
+    dtenjax.plan(step, *args, memory_budget=budget)
+  import re  # pylint: disable=g-import-not-at-top
+  need = float(re.search(r"the smallest needs ([0-9.]+) GiB", str(info.value)).group(1)) * 2**30
+  # the least memory over every mesh and layout: at most plain FSDP's, and more than the budget
+  assert budget < need <= fsdp.cost.memory["total"] * 1.001, str(info.value)
+  # and the plan at exactly that budget exists
+  plan = dtenjax.plan(step, *args, memory_budget=need * 1.001)
+  assert plan.cost.memory["total"] <= need * 1.001
+
+
+def test_the_tp_recipe_of_a_scanned_stack_is_megatrons_and_its_bytes_are_priced():
+  # w1 -> w2 is a column -> row pair inside the scan body: the TP recipe makes w1 column- and w2
+  # row-parallel (w2 also feeds the output projection, but its output is reduced anyway); the
+  # carry of layer 2 on depends on the weights, so the column-parallel input gradient is
+  # all-reduced in the backward, as XLA compiles it
+  step, args = scan_step()
+  plan = dtenjax.plan(step, *args, recipe="TP")
+  by = {lp.path: lp.spec for lp in plan.leaves}
+  assert by["[0]['w1']"] == P(None, None, "tensor") and by["[0]['w2']"] == P(None, "tensor")
+  check = plan.check(step, *args)
+  assert check.kind_errors["all_reduce"] <= 0.10, check.table()
+
+
+def test_a_weight_shared_across_layers_has_one_gradient_reduction_per_use():
+  # ALBERT-style: one block's weights applied at 6 depths; XLA reduces each use's gradient part
+  # before adding them, and the planner prices 6 reductions of those weights
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+  import _families  # pylint: disable=g-import-not-at-top,import-error
+  step, args = _families.FAMILIES["shared"](depth=6).make(_families._identity)  # pylint: disable=protected-access
+  graph = stepgraph.read_step(step, args, (2,))
+  parts = {graph.leaves[k].path: u.grad_parts for k, u in graph.weights.items()}
+  assert parts["[0]['block']['wq']"] == 6 and parts["[0]['block']['w_down']"] == 6, parts
+  for recipe in ("DP", "FSDP"):
+    check = dtenjax.plan(step, *args, recipe=recipe).check(step, *args)
+    assert check.kind_errors["all_reduce"] <= 0.10, check.table()

@@ -160,11 +160,11 @@ def time_rows(repeats: int = 3) -> list[dict]:
 def compiled_profile(compiled) -> dict:
   """Per-device memory (arguments + outputs not aliased + temp) and collective bytes per kind per
   step (a loop body's collectives once per iteration) of a compiled step."""
-  from dtenjax._src.planning.step import _loop_repeats  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.planning.check import loop_repeats  # pylint: disable=g-import-not-at-top
   stats = compiled.memory_analysis()
   mem = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
          + stats.temp_size_in_bytes)
-  repeats = _loop_repeats(compiled)
+  repeats = loop_repeats(compiled)
   kinds: dict[str, float] = {}
   for c in dtenjax.explain(compiled).collectives:
     kinds[c.kind] = kinds.get(c.kind, 0.0) + c.nbytes * repeats(c.computation)
@@ -220,7 +220,9 @@ def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
     step, args = fam.make()
     real = fams.real_args(fam)
     plan = dtenjax.plan(step, *args)
-    cands = {"plan": (plan.jit(step), plan.shardings())}
+    measured = dtenjax.plan(step, *args, measure=6)
+    plans = {"plan": plan, "plan measured": measured}
+    cands = {k: (p.jit(step), p.shardings()) for k, p in plans.items()}
     for rn in fams.RECIPES:
       r = fams.recipe(fam, rn)
       if r is not None:
@@ -232,24 +234,27 @@ def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
     samples = _harness.interleaved(
         {k: (lambda k=k: cands[k][0](*placed[k])) for k in cands}, (), warmup=2, iters=iters)
     times = {k: _harness.median(v) for k, v in samples.items()}
-    recipes_only = {k: v for k, v in times.items() if k != "plan"}
+    recipes_only = {k: v for k, v in times.items() if k not in plans}
     best = min(recipes_only, key=recipes_only.get)
     for cname in cands:
+      p = plans.get(cname)
       rows.append({
           "family": name, "layout": cname,
-          "mesh": ("x".join(f"{a}{n}" for a, n in zip(plan.axis_names, plan.mesh_shape) if n > 1)
-                   if cname == "plan" else "x".join(f"{a}{n}" for a, n in
-                                                    fams.recipe(fam, cname).mesh.shape.items())),
+          "mesh": ("x".join(f"{a}{n}" for a, n in zip(p.axis_names, p.mesh_shape) if n > 1)
+                   if p is not None else "x".join(f"{a}{n}" for a, n in
+                                                  fams.recipe(fam, cname).mesh.shape.items())),
           "measured_ms": times[cname] * 1e3,
-          "predicted_ms": plan.cost.total_s * 1e3 if cname == "plan" else None,
+          "predicted_ms": p.cost.total_s * 1e3 if p is not None else None,
           "mem_mib": prof[cname]["mem"] / 2**20,
           "coll_mib": sum(prof[cname]["bytes"].values()) / 2**20,
           "kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in sorted(prof[cname]["bytes"].items())),
           "vs_best_recipe": times[cname] / times[best],
           "mem_vs_best_recipe": prof[cname]["mem"] / prof[best]["mem"],
       })
-    notes.append(f"{name}: plan {plan.mesh_shape} {times['plan'] / times[best]:.2f}x the fastest "
-                 f"recipe ({best}), memory {prof['plan']['mem'] / prof[best]['mem']:.2f}x")
+    for k, p in plans.items():
+      notes.append(f"{name}: {k} {dict(zip(p.axis_names, p.mesh_shape))} "
+                   f"{times[k] / times[best]:.2f}x the fastest hand-written recipe ({best}), "
+                   f"memory {prof[k]['mem'] / prof[best]['mem']:.2f}x")
   return rows, notes
 
 

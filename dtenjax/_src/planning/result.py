@@ -70,6 +70,8 @@ class StepPlan:
   donate: bool = False           # planned for a step whose state arguments are donated
   nvls: bool = False             # the topology's NVLink SHARP state the plan was priced with
   batch_argnums: tuple[int, ...] = ()
+  # plan(..., measure=True): (candidate, median seconds per step) on the devices, fastest first
+  measured: tuple[tuple[str, float], ...] = ()
 
   # --- applying it -----------------------------------------------------------------------------
 

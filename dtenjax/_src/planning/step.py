@@ -27,6 +27,7 @@ its example arguments, and the options below; nothing is read from NCCL's enviro
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -41,13 +42,12 @@ from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src.planning import boxes
 from dtenjax._src.planning import planner
+from dtenjax._src.planning import measure as measure_lib
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning.candidates import CandidateMesh
 from dtenjax._src.planning.candidates import mesh_shapes
 from dtenjax._src.planning.candidates import order
 from dtenjax._src.planning.check import Check as Check
-# bench/step_planner.py imports it from here under its old name
-from dtenjax._src.planning.check import loop_repeats as _loop_repeats  # noqa: F401
 from dtenjax._src.planning.pricing import StepCost as StepCost
 from dtenjax._src.planning.recipes import RECIPES as RECIPES
 from dtenjax._src.planning.recipes import recipe_choice
@@ -129,7 +129,8 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
          topology: Topology | None = None, memory_budget: float | None = None,
          batch_argnums: int | Sequence[int] | None = None, pinned: Sequence[Any] | None = None,
          rules: Sequence[tuple[str, Any]] | None = None, overlap: float = 0.5,
-         donate: bool = False, recipe: str | None = None) -> StepPlan:
+         donate: bool = False, recipe: str | None = None,
+         measure: bool | int = False) -> StepPlan:
   """Plans the layout of every argument of a training step, and the mesh.
 
   Args:
@@ -156,6 +157,12 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
       layout priced and laid out instead of the planner's choice (its mesh and assignment).
     donate: the step is jitted with its state donated (``donate_argnums``), so its new state
       reuses the old one's memory; default False, as ``jax.jit``: outputs count as a copy.
+    measure: False (default) to choose by the cost model alone; True (or a number of timed runs
+      per candidate, default 6) to compile the model's choice and every recipe that fits, run
+      each on the devices planned for (on random arrays when ``args`` are abstract) and keep the
+      fastest (``dtenjax/_src/planning/measure.py``): the objective is then the measured step.
+      Costs one compilation and a few steps per candidate; the plan's ``measured`` field and
+      report give every candidate's time.
 
   Raises PlacementError when no layout fits the budget, naming the smallest shortfall."""
   t0 = time.perf_counter()
@@ -265,8 +272,33 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
         "devices, a smaller batch per step, jax.checkpoint (remat) on the layers, or pipeline "
         "stages (dtenjax does not plan pipeline parallelism)")
   _, shape, prob, choice, cost = best
-  return report(graph, prob, choice, cost, tuple(recipes), budget, topology,
-                 time.perf_counter() - t0, len(problems), args, donate)
+  chosen = report(graph, prob, choice, cost, tuple(recipes), budget, topology,
+                  time.perf_counter() - t0, len(problems), args, donate)
+  if not measure or recipe is not None:
+    return chosen
+  return _measured(chosen, step, args, 6 if measure is True else int(measure),
+                   dict(mesh=mesh, topology=topology, memory_budget=memory_budget,
+                        batch_argnums=batch_argnums, pinned=pinned, rules=rules,
+                        overlap=overlap, donate=donate))
+
+
+def _measured(chosen: StepPlan, step: Callable, args, iters: int, kwargs) -> StepPlan:
+  """``chosen`` or the recipe that ran fastest on the devices (see ``measure`` of :func:`plan`),
+  with every candidate's measured time."""
+  candidates = {"model's choice": chosen}
+  for name in RECIPES:
+    try:
+      alt = plan(step, *args, recipe=name, **kwargs)
+    except errors.PlacementError:
+      continue                      # the batch does not divide its mesh, or it does not fit
+    if alt.cost.fits and not any(measure_lib.same_layout(alt, c) for c in candidates.values()):
+      candidates[name] = alt
+  times = measure_lib.time_plans(step, candidates, args, iters=iters)
+  kept = min(times, key=times.get)
+  out = candidates[kept]
+  return dataclasses.replace(
+      out, measured=tuple(sorted(times.items(), key=lambda kv: kv[1])),
+      notes=out.notes + (measure_lib.summary(times, kept),))
 
 
 def _is_real(x) -> bool:

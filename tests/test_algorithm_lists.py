@@ -35,6 +35,8 @@ SUBSETS = {
         "the same subset, in the docs",
     ("docs/collectives.md", "--candidates psum,auto,xla,one_shot,two_shot,ring,hierarchical"):
         "the command line of a recorded run",
+    ("docs/benchmarks.md", "| eager | xla / ring / one_shot / two_shot / butterfly |"):
+        "the algorithms one recorded eager run measured",
 }
 _QUOTED = re.compile(r'``([A-Za-z_]\w*)``|`([A-Za-z_]\w*)`|"([A-Za-z_]\w*)"')
 _NAME = re.compile(r"\b(?:%s)\b" % "|".join(sorted(FAMILIES)))

@@ -39,7 +39,8 @@ def test_checkpoint_bench_writes_both_candidates_and_ratios(tmp_path):
   assert rows[("dtenjax", "save")]["io"] == "posix"
   header = r.stdout.splitlines()[1]
   assert "vs orbax" in header and "vs orbax_zarr" in header and "of disk" in header
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]    # checkpoints removed
+  # checkpoints removed; the JSON and, where matplotlib is installed, its chart stay
+  assert sorted(p.name for p in tmp_path.iterdir()) in (["c.json"], ["c.json", "c.png"])
 
 
 @pytest.mark.parametrize("name", ["2026-12-02_cpu8_checkpoint.json",

@@ -15,7 +15,7 @@ import dtenjax
 from dtenjax._src.planning import measure
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-import _step_models as models  # noqa: E402  pylint: disable=g-import-not-at-top
+import _step_models as models
 
 
 def test_the_kept_layout_is_the_fastest_candidate_measured():

@@ -270,7 +270,7 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
         f"{len(ids)} devices of {topology.name!r}: the smallest needs {floor / gib:.4g} GiB "
         f"(mesh {dict(zip(AXES, shape))}), {(floor - budget) / gib:.4g} GiB short. Use more "
         "devices, a smaller batch per step, jax.checkpoint (remat) on the layers, or pipeline "
-        "stages (dtenjax does not plan pipeline parallelism)")
+        "stages (dtenjax.pipeline; the planner does not choose stages)")
   _, shape, prob, choice, cost = best
   chosen = report(graph, prob, choice, cost, tuple(recipes), budget, topology,
                   time.perf_counter() - t0, len(problems), args, donate)

@@ -255,6 +255,7 @@ def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
       notes.append(f"{name}: {k} {dict(zip(p.axis_names, p.mesh_shape))} "
                    f"{times[k] / times[best]:.2f}x the fastest hand-written recipe ({best}), "
                    f"memory {prof[k]['mem'] / prof[best]['mem']:.2f}x")
+      print(notes[-1], file=sys.stderr, flush=True)      # progress: one family at a time
   return rows, notes
 
 

@@ -395,7 +395,9 @@ def _check_leaks(res):
     cycles = r["leaks"]["cycles"]
     assert all(all(v == 0 for v in c["live_closed"].values()) for c in cycles), cycles
     assert cycles[0]["live_open"]["qps"] >= 2 and cycles[-1]["live_open"] == cycles[0]["live_open"]
-    assert cycles[-1]["fds"] == cycles[1]["fds"], cycles   # after a warm-up cycle: flat
+    # after a warm-up cycle no growth (a leak grows; one fewer descriptor at the end, e.g. a
+    # file the runtime opened during warm-up and closed since, is not one)
+    assert cycles[-1]["fds"] <= cycles[1]["fds"], cycles
     assert r["leaks"]["fake"]["violations"] == 0, r["leaks"]["last_violation"]
 
 

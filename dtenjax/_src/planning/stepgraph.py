@@ -307,6 +307,10 @@ class _Reader:
       if _is_var(i):
         # a scan's stacked outputs (after the carry) gain the leading length dimension
         self.outer_of_outvar[i] = (o, 1 if name == "scan" and k >= n_carry else 0)
+        # a tie made inside a call carries on after it: an optimizer update split over nested
+        # jits (jax 0.11's optax update has two more than 0.10's) ties the parameter to its moments
+        if name != "scan" and i in inner_tie and _is_var(o):
+          tie[o] = inner_tie[i]
 
   def _tie(self, eqn, tie) -> None:
     """Elementwise ops over operands of one shape tie the state leaves they carry."""
@@ -637,10 +641,10 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   act_share = {key: sum(counted[v] / owners[v] for v in cone if v in counted) / total
                for key, cone in cones.items()}
   outputs = []
-  top_tie = _top_ties(jaxpr, leaves, reader)
   for v in jaxpr.outvars:
     aval = v.aval
-    rep = top_tie.get(v) if _is_var(v) else None
+    # the walk's ties of the top level: which state leaf group each output updates
+    rep = reader.ties.find(tie[v]) if _is_var(v) and v in tie else None
     outputs.append((tuple(int(s) for s in aval.shape), _dtype_name(aval.dtype), rep))
   return StepGraph(leaves=tuple(leaves), weights=weights, pairs=pairs,
                    groups=tuple(tuple(g) for g in groups.values()), flops=reader.flops,
@@ -659,19 +663,3 @@ def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:
     return 1
   per_use = 1 + int(use.input_grad) + int(remat)
   return max(1, reads // per_use)
-
-
-def _top_ties(jaxpr, leaves, reader: _Reader) -> dict:
-  """Top-level values -> the state leaf group (representative leaf) they are tied to."""
-  tie = {var: reader.ties.find(lf.index) for lf, var in zip(leaves, jaxpr.invars)
-         if not lf.is_batch}
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name not in _ELEMENTWISE or not eqn.outvars:
-      continue
-    shape = tuple(eqn.outvars[0].aval.shape)
-    reps = [tie[v] for v in eqn.invars if _is_var(v) and v in tie and
-            tuple(v.aval.shape) == shape]
-    if reps:
-      for o in eqn.outvars:
-        tie[o] = reader.ties.find(reps[0])
-  return tie

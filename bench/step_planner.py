@@ -50,6 +50,10 @@ import jax
 import jax.numpy as jnp
 
 if "--mock-gpus" in sys.argv:     # before the backend starts: XLA's mock NCCL, compile only.
+  # No GEMM autotuning: with mocked devices it ran for minutes per program (a 1.5 s CPU compile
+  # of the llama_scan family had not finished after 96 s on an H100); nothing here is run, and
+  # without it XLA takes its default kernels, whose workspace (part of temp) may differ a little.
+  os.environ["XLA_FLAGS"] += " --xla_gpu_autotune_level=0"
   # jax 0.11 wants the mocked host's device count to be the local one: N hosts of 1 GPU.
   jax.config.update("jax_mock_gpu_topology",
                     f"1x{sys.argv[sys.argv.index('--mock-gpus') + 1]}x1")
@@ -185,6 +189,7 @@ def gpu_rows(names, size: str) -> tuple[list[dict], list[str]]:
       fam = fams.FAMILIES[name]() if size == "small" else fams.FAMILIES[name](batch=64)
       step, args = fam.make()
     for recipe in (None, "DP", "FSDP", "FSDP x TP"):
+      t0 = time.perf_counter()
       plan = dtenjax.plan(step, *args, topology=topo, recipe=recipe, memory_budget=1 << 50)
       check = plan.check(step, *args)
       rows.append({
@@ -197,19 +202,29 @@ def gpu_rows(names, size: str) -> tuple[list[dict], list[str]]:
           "xla_kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in
                                 sorted(check.compiled_bytes.items()) if v),
           "bytes_err": check.bytes_error})
+      _progress(rows[-1], t0)
     if fam is not None:
       for rn in fams.RECIPES:
         r = fams.recipe(fam, rn)
         if r is None:
           continue
         fn, _ = fams.recipe_jit(fam, r)
+        t0 = time.perf_counter()
         prof = compiled_profile(fn.lower(*args).compile())
         rows.append({"family": name, "layout": f"user {rn}",
                      "mesh": "x".join(map(str, r.mesh.shape.values())),
                      "mem_xla_mib": prof["mem"] / 2**20,
                      "xla_kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in
                                            sorted(prof["bytes"].items()) if v)})
+        _progress(rows[-1], t0)
   return rows, notes
+
+
+def _progress(row: dict, t0: float) -> None:
+  """One line per compiled row on stderr, so that a run cut short by a time limit keeps what it
+  compiled (the GPU compiler takes tens of seconds per Llama-sized program)."""
+  shown = {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items()}
+  print(f"[{time.perf_counter() - t0:.1f} s] {shown}", file=sys.stderr, flush=True)
 
 
 def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:

@@ -223,7 +223,7 @@ class _Evaluator:
       vals[0] = gathered_value(v)      # other layout changes: gather first
       return _bind(eqn, vals)
     if name == "scan":
-      return self._scan(eqn, vals, tracked)
+      return self._scan(eqn, vals, tracked, routes)
     sub = _sub_jaxpr(eqn)
     if sub is None or len(sub[0].invars) != len(eqn.invars):
       return None
@@ -245,7 +245,7 @@ class _Evaluator:
         routes[ov] = r
     return outs
 
-  def _scan(self, eqn, vals, tracked):
+  def _scan(self, eqn, vals, tracked, routes=None):
     p = eqn.params
     nc, nk = jaxapi.scan_counts(eqn)
     body = p["jaxpr"]
@@ -262,13 +262,24 @@ class _Evaluator:
     if not inner:
       return None
     consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
+    # routed tokens cross the loop's boundary (routing.py): a stacked operand's routes lose the
+    # loop dimension inside, a stacked output's gain it outside
+    routes = {} if routes is None else routes
+    routes_in = [_shift(routes.get(ov), -1) if k >= nc + nk else
+                 (routes.get(ov) if k < nc else None) if not isinstance(ov, jcore.Literal)
+                 else None for k, ov in enumerate(eqn.invars)]
+    out_routes: list = []
 
     def step(c, x):
-      outs = self.run(body.jaxpr, body.consts, [*consts, *c, *x], inner)
+      outs = self.run(body.jaxpr, body.consts, [*consts, *c, *x], inner, routes_in)
+      out_routes[:] = self.out_routes
       return outs[:nk], outs[nk:]
 
     carry_out, ys = jax.lax.scan(step, list(carry), list(xs), length=p["length"],
                                  reverse=p["reverse"], unroll=p.get("unroll", 1))
+    for ov, r in zip(eqn.outvars[nk:], out_routes[nk:]):
+      if r and not isinstance(ov, jcore.DropVar):
+        routes[ov] = _shift(r, 1)
     # A loop that hands one layer's weight out as a residual (for the backward loop) hands out
     # the stacked weight again: follow it there too.
     for ov, iv in zip(eqn.outvars[nk:], body.jaxpr.outvars[nk:]):
@@ -277,6 +288,14 @@ class _Evaluator:
         if k >= nc + nk:
           tracked[ov] = tracked[eqn.invars[k]]
     return [*carry_out, *ys]
+
+
+def _shift(route, by: int):
+  """A route ({dimension: mesh axes}) with its dimensions moved by ``by`` (a loop's stacked
+  dimension added or removed); None when it routed the loop dimension itself."""
+  if not route or any(d + by < 0 for d in route):
+    return None
+  return {d + by: a for d, a in route.items()}
 
 
 def _bind(eqn, vals) -> list:

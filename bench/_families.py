@@ -274,9 +274,10 @@ def moe(*, vocab=2048, d=256, heads=8, ffn=512, experts=8, layers=2, batch=16, s
       keep = (pos < cap) & (pos >= 0)
       dispatch = jax.nn.one_hot(jnp.where(keep, pos, -1), cap, dtype=y.dtype)   # b s e c
       combine = dispatch * jnp.sum(gates * onehot, -1)[..., None, None]
-      xin = jnp.einsum("bsec,bsd->ebcd", dispatch, y)
+      # "dispatch"/"combine": where expert parallelism by hand routes the tokens (expert_recipe)
+      xin = use(pre + "dispatch", jnp.einsum("bsec,bsd->ebcd", dispatch, y))
       hid = jax.nn.gelu(jnp.einsum("ebcd,edf->ebcf", xin, use(pre + "e_in", q["e_in"])))
-      out = jnp.einsum("ebcf,efd->ebcd", hid, use(pre + "e_out", q["e_out"]))
+      out = use(pre + "combine", jnp.einsum("ebcf,efd->ebcd", hid, use(pre + "e_out", q["e_out"])))
       return jnp.einsum("bsec,ebcd->bsd", combine, out)
 
     def loss(p, tokens):
@@ -342,14 +343,17 @@ class Recipe:
   name: str
   mesh: Mesh
   param_specs: Any       # a PartitionSpec per parameter leaf
-  compute: dict[str, P]  # weight path -> the layout its product needs (FSDP gathers)
+  compute: dict[str, Any]  # weight path -> the layout its product needs (FSDP gathers); a list
+                           # of layouts is applied in turn (expert parallelism's routed tokens)
   batch_axes: tuple[str, ...]
 
   def use(self, path, w):
     spec = self.compute.get(path)
     if spec is None:
       return w
-    return jax.lax.with_sharding_constraint(w, NamedSharding(self.mesh, P(*tuple(spec)[-w.ndim:])))
+    for s in spec if isinstance(spec, list) else [spec]:
+      w = jax.lax.with_sharding_constraint(w, NamedSharding(self.mesh, P(*tuple(s)[-w.ndim:])))
+    return w
 
 
 def _fsdp_dim(shape, skip: set[int], n: int) -> int | None:
@@ -406,6 +410,30 @@ def recipe(family: Family, name: str, devices=None, island: int = 4) -> Recipe |
     return None
   batch_axes = tuple(a for a in mesh.axis_names if a != "tensor")
   return Recipe(name, mesh, param_specs, compute, batch_axes)
+
+
+def expert_recipe(family: Family, devices=None) -> Recipe | None:
+  """Expert parallelism as GShard and MaxText users write it, for the ``moe`` family (None for
+  the others): every expert weight sharded over ``expert`` on its expert dimension, the rest
+  replicated, the batch split over ``expert``; the dispatched tokens constrained first as the
+  batch holds them, then onto their experts' devices (one all-to-all), and the experts' output
+  the other way back."""
+  if family.name != "moe":
+    return None
+  devices = np.asarray(jax.devices() if devices is None else devices)
+  mesh = Mesh(devices.reshape(devices.size), ("expert",))
+  _, args = family.make()
+  u = P.UNCONSTRAINED
+  there, home = P("expert", u, u, u), P(None, u, u, u)
+  compute: dict[str, Any] = {}
+  for key in args[0]:
+    if key.startswith("l"):
+      compute[f"{key}/dispatch"] = [home, there]
+      compute[f"{key}/combine"] = [there, home]
+  param_specs = jax.tree_util.tree_map_with_path(
+      lambda kp, leaf: P("expert") if _path(kp).split("/")[-1] in ("e_in", "e_out") else P(),
+      args[0])
+  return Recipe("EP", mesh, param_specs, compute, ("expert",))
 
 
 def _like_params(opt_state, params, param_specs):

@@ -105,6 +105,8 @@ BENCH_PRIVATE_IMPORTS = {
     ("bench/checkpoint.py", "dtenjax._src.checkpoint"),
     # the native transport and its key-value store, timed directly
     ("bench/transport.py", "dtenjax._src.net"),
+    # the loop trip counts plan.check uses, for the hand-written recipes' compiled bytes
+    ("bench/expert_parallel.py", "dtenjax._src.planning.check"),
 }
 
 

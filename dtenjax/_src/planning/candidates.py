@@ -85,10 +85,12 @@ def axis_links(m: CandidateMesh) -> tuple[AxisLink, ...]:
   return tuple(out)
 
 
-def mesh_shapes(n: int, topology: Topology, ids: Sequence[int]) -> list[tuple[int, ...]]:
+def mesh_shapes(n: int, topology: Topology, ids: Sequence[int],
+                graph: stepgraph.StepGraph | None = None) -> list[tuple[int, ...]]:
   """The meshes worth pricing (sizes in :data:`AXES` order): each role, innermost first, proposes
   its sizes for the devices the roles inside it left (``tensor`` within the smallest fast island,
-  ``fsdp`` over 1, the rest of 1, 2, 4... hosts, or everything); ``data`` takes the remainder."""
+  ``fsdp`` over 1, the rest of 1, 2, 4... hosts, or everything; ``expert`` only where ``graph``
+  has expert weights); ``data`` takes the remainder."""
   present = set(ids)
   island = min((len([i for i in isl if i in present]) for isl in topology.fast_islands()
                 if any(i in present for i in isl)), default=1)
@@ -103,7 +105,7 @@ def mesh_shapes(n: int, topology: Topology, ids: Sequence[int]) -> list[tuple[in
     role = roles.REGISTRY[k]
     rest = n // inner
     options = ([rest] if role.sizes is None else
-               role.sizes(MeshContext(n, rest, inner, island, per_host)))
+               role.sizes(MeshContext(n, rest, inner, island, per_host, graph)))
     for size in options:
       if rest % size == 0:
         walk(k - 1, inner * size, {**chosen, role.name: size})
@@ -113,6 +115,11 @@ def mesh_shapes(n: int, topology: Topology, ids: Sequence[int]) -> list[tuple[in
 
 def order(topology: Topology, ids: Sequence[int]) -> list[int]:
   return sorted(ids, key=topology.hierarchy_key)
+
+
+def batch_div(m: CandidateMesh) -> int:
+  """The devices the batch's dimension 0 is split over (every batch axis of ``m``)."""
+  return math.prod(m.size[r.name] for r in roles.REGISTRY if r.splits_batch)
 
 
 def splits_batch(leaf: stepgraph.Leaf, bdiv: int) -> bool:

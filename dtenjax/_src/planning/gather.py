@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import jaxapi
+from dtenjax._src.planning import routing
 
 # Equations whose operands the products need whole (gather: only its operand, not the indices).
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
@@ -150,12 +151,15 @@ class _Evaluator:
 
   def __init__(self, mesh):
     self.mesh = mesh
+    self.out_routes: list = []         # the routes of the last run's outputs (routing.py)
 
   def constrain(self, x, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-  def run(self, jaxpr, consts, args, tracked: Mapping[Any, P]) -> list:
+  def run(self, jaxpr, consts, args, tracked: Mapping[Any, P], routes_in=None) -> list:
     env: dict = {}
+    # value -> {dimension: mesh axes}: tokens routed to a weight's shards (routing.py)
+    routes: dict = {v: r for v, r in zip(jaxpr.invars, routes_in or ()) if r}
     for v, x in zip(jaxpr.constvars, consts):
       env[v] = x
     for v, x in zip(jaxpr.invars, args):
@@ -173,27 +177,38 @@ class _Evaluator:
       vals = [_read(env, v) for v in eqn.invars]
       hits = [i for i, v in enumerate(eqn.invars)
               if not isinstance(v, jcore.Literal) and v in tracked]
+      routed = routes and any(not isinstance(v, jcore.Literal) and v in routes
+                              for v in eqn.invars)
       outs = None
-      if hits:
-        outs = self._eqn_with_tracked(eqn, vals, hits, tracked, feeds, gathered_value)
+      if hits or routed:
+        outs = self._eqn_with_tracked(eqn, vals, hits, tracked, feeds, gathered_value, routes,
+                                       env)
       if outs is None:
         outs = _bind(eqn, vals)
+        if routed:
+          routing.follow(eqn, routes)
       for v, x in zip(eqn.outvars, outs):
         if not isinstance(v, jcore.DropVar):
           env[v] = x
+    self.out_routes = [routes.get(v) if not isinstance(v, jcore.Literal) else None
+                       for v in jaxpr.outvars]
     return [_read(env, v) for v in jaxpr.outvars]
 
-  def _eqn_with_tracked(self, eqn, vals, hits, tracked, feeds, gathered_value):
-    """Evaluates an equation that reads planned weights; None: bind it unchanged."""
+  def _eqn_with_tracked(self, eqn, vals, hits, tracked, feeds, gathered_value, routes, env):
+    """Evaluates an equation that reads planned weights or routed tokens; None: bind it
+    unchanged."""
     name = eqn.primitive.name
     if name in _PRODUCTS or name in _GATHERS:
       operands = hits if name in _PRODUCTS else [i for i in hits if i == 0]
-      if not operands:
-        return None                    # a gather's indices
       for i in operands:
         vals[i] = gathered_value(eqn.invars[i])
+      if name == "dot_general":
+        return routing.product(eqn, vals, tracked, routes, env, self.constrain,
+                               _bind)
+      if not operands:
+        return None                    # a gather's indices
       return _bind(eqn, vals)
-    if name in _STRUCTURAL:
+    if name in _STRUCTURAL and hits:
       v = eqn.invars[0]
       if not any(o in feeds for o in eqn.outvars):
         return None                    # e.g. the optimizer's cast: stays sharded
@@ -208,22 +223,29 @@ class _Evaluator:
       vals[0] = gathered_value(v)      # other layout changes: gather first
       return _bind(eqn, vals)
     if name == "scan":
-      return self._scan(eqn, vals, tracked)
+      return self._scan(eqn, vals, tracked, routes)
     sub = _sub_jaxpr(eqn)
     if sub is None or len(sub[0].invars) != len(eqn.invars):
       return None
     inner_jaxpr, inner_consts = sub
     inner = {iv: tracked[ov] for iv, ov in zip(inner_jaxpr.invars, eqn.invars)
              if not isinstance(ov, jcore.Literal) and ov in tracked}
+    routes_in = [routes.get(ov) if not isinstance(ov, jcore.Literal) else None
+                 for ov in eqn.invars]
     if name in _CALLS:
-      return self.run(inner_jaxpr, inner_consts, vals, inner)
-    if name in _REMATS:
-      fn = lambda *a: self.run(inner_jaxpr, inner_consts, a, inner)
-      return list(jax.checkpoint(fn, prevent_cse=eqn.params.get("prevent_cse", True),
+      outs = self.run(inner_jaxpr, inner_consts, vals, inner, routes_in)
+    elif name in _REMATS:
+      fn = lambda *a: self.run(inner_jaxpr, inner_consts, a, inner, routes_in)
+      outs = list(jax.checkpoint(fn, prevent_cse=eqn.params.get("prevent_cse", True),
                                  policy=eqn.params.get("policy"))(*vals))
-    return None
+    else:
+      return None
+    for ov, r in zip(eqn.outvars, self.out_routes):
+      if r:
+        routes[ov] = r
+    return outs
 
-  def _scan(self, eqn, vals, tracked):
+  def _scan(self, eqn, vals, tracked, routes=None):
     p = eqn.params
     nc, nk = jaxapi.scan_counts(eqn)
     body = p["jaxpr"]
@@ -240,13 +262,24 @@ class _Evaluator:
     if not inner:
       return None
     consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
+    # routed tokens cross the loop's boundary (routing.py): a stacked operand's routes lose the
+    # loop dimension inside, a stacked output's gain it outside
+    routes = {} if routes is None else routes
+    routes_in = [_shift(routes.get(ov), -1) if k >= nc + nk else
+                 (routes.get(ov) if k < nc else None) if not isinstance(ov, jcore.Literal)
+                 else None for k, ov in enumerate(eqn.invars)]
+    out_routes: list = []
 
     def step(c, x):
-      outs = self.run(body.jaxpr, body.consts, [*consts, *c, *x], inner)
+      outs = self.run(body.jaxpr, body.consts, [*consts, *c, *x], inner, routes_in)
+      out_routes[:] = self.out_routes
       return outs[:nk], outs[nk:]
 
     carry_out, ys = jax.lax.scan(step, list(carry), list(xs), length=p["length"],
                                  reverse=p["reverse"], unroll=p.get("unroll", 1))
+    for ov, r in zip(eqn.outvars[nk:], out_routes[nk:]):
+      if r and not isinstance(ov, jcore.DropVar):
+        routes[ov] = _shift(r, 1)
     # A loop that hands one layer's weight out as a residual (for the backward loop) hands out
     # the stacked weight again: follow it there too.
     for ov, iv in zip(eqn.outvars[nk:], body.jaxpr.outvars[nk:]):
@@ -255,6 +288,14 @@ class _Evaluator:
         if k >= nc + nk:
           tracked[ov] = tracked[eqn.invars[k]]
     return [*carry_out, *ys]
+
+
+def _shift(route, by: int):
+  """A route ({dimension: mesh axes}) with its dimensions moved by ``by`` (a loop's stacked
+  dimension added or removed); None when it routed the loop dimension itself."""
+  if not route or any(d + by < 0 for d in route):
+    return None
+  return {d + by: a for d, a in route.items()}
 
 
 def _bind(eqn, vals) -> list:

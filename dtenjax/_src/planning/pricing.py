@@ -21,6 +21,7 @@ from dtenjax._src.planning.candidates import CandidateMesh
 from dtenjax._src.planning.candidates import Layout
 from dtenjax._src.planning.roles import AXES
 from dtenjax._src.planning.roles import BATCH_AXES
+from dtenjax._src.planning.roles import ROUTED_AXES
 
 
 @dataclasses.dataclass
@@ -110,12 +111,15 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   used = lay.used()
   shards = math.prod(m.size[a] for a in used)
   t_shard = m.size["tensor"] if "tensor" in used else 1
-  zero = [a for a in BATCH_AXES if a in used and m.size[a] > 1]
-  batch = [a for a in BATCH_AXES if m.size[a] > 1]
+  # a weight's shards over a routed axis (expert) stay put: the tokens come to them, and each
+  # gradient shard is complete where it lies (no gather, no reduction over that axis)
+  routed = [a for a in ROUTED_AXES if a in used and m.size[a] > 1]
+  zero = [a for a in BATCH_AXES if a in used and m.size[a] > 1 and a not in routed]
+  batch = [a for a in BATCH_AXES if m.size[a] > 1 and a not in routed]
   pr = Price()
   dtype = primary.dtype
   use = graph.weights.get(primary.index)
-  grad = primary.nbytes / t_shard
+  grad = primary.nbytes / t_shard / math.prod(m.size[a] for a in routed)
   # a leaf both looked up (gather) and multiplied (tied embeddings) has two gradient parts,
   # which XLA synchronises separately before adding them (seen on XLA:CPU)
   parts = 2 if (use is not None and primary.index in graph.gathered) else 1

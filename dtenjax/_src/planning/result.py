@@ -17,11 +17,13 @@ from dtenjax._src.planning import check as check_lib
 from dtenjax._src.planning import gather
 from dtenjax._src.planning.candidates import AxisLink
 from dtenjax._src.planning.candidates import axis_links
+from dtenjax._src.planning.candidates import batch_div
 from dtenjax._src.planning.candidates import spec_entry
 from dtenjax._src.planning.candidates import splits_batch
 from dtenjax._src.planning.pricing import StepCost
 from dtenjax._src.planning.roles import AXES
 from dtenjax._src.planning.roles import BATCH_AXES
+from dtenjax._src.planning.roles import ROUTED_AXES
 from dtenjax._src.planning.solver import Problem
 
 
@@ -201,7 +203,7 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
     if lf.is_batch:
       if bspec_entry is None:
         spec, reason = P(), "the batch: replicated (the mesh has no data or fsdp axis)"
-      elif splits_batch(lf, m.size["data"] * m.size["fsdp"]):
+      elif splits_batch(lf, batch_div(m)):
         spec, reason = P(bspec_entry), "the batch: dimension 0 over the data-parallel axes"
       else:
         spec, reason = P(), "a batch argument whose dimension 0 does not split: replicated"
@@ -214,11 +216,15 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
   compute_flat = []
   for lf, spec in zip(graph.leaves, specs_flat):
     weight = lf.index in graph.weights or lf.index in graph.gathered
-    drop = set(BATCH_AXES) if weight else set()
+    # gathered over the batch axes for its products, except where the tokens are routed to the
+    # weight's shards (an expert dimension): gather.py routes them there
+    drop = set(BATCH_AXES) - set(ROUTED_AXES) if weight else set()
     entries = [spec_entry([a for a in (e if isinstance(e, tuple) else (e,)) if a not in drop])
                if e is not None else None for e in spec]
     gathered_spec = trim(P(*entries))
-    compute_flat.append(gathered_spec if weight and gathered_spec != spec else None)
+    routed = any(a in ROUTED_AXES for e in spec if e is not None
+                 for a in (e if isinstance(e, tuple) else (e,)))
+    compute_flat.append(gathered_spec if weight and (gathered_spec != spec or routed) else None)
   compute_specs = [None if all(c is None for c in jax.tree.leaves(t, is_leaf=_is_none)) else t
                    for t in per_arg(args, compute_flat)]
   out_specs_flat = []

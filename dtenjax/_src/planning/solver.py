@@ -17,6 +17,7 @@ from dtenjax._src.planning import roles
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning.candidates import CandidateMesh
 from dtenjax._src.planning.candidates import Layout
+from dtenjax._src.planning.candidates import batch_div
 from dtenjax._src.planning.candidates import layouts
 from dtenjax._src.planning.candidates import splits_batch
 from dtenjax._src.planning.pricing import Price
@@ -39,7 +40,7 @@ class Problem:
 
 
 def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Problem | None:
-  bdiv = m.size["data"] * m.size["fsdp"]
+  bdiv = batch_div(m)
   batch_leaves = [lf for lf in graph.leaves if lf.is_batch]
   if bdiv > 1 and not any(splits_batch(lf, bdiv) for lf in batch_leaves):
     return None

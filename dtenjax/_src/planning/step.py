@@ -193,7 +193,7 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
              _box_pins(args, rules).items()},
           **{k: (v, "pinned by you") for k, v in _pinned_specs(pinned, args).items()}}
   graph = stepgraph.read_step(step, args, batch_argnums)
-  topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology)
+  topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology, graph)
   if recipe is not None:
     island = min((len(i) for i in topology.fast_islands()), default=1)
     shapes = [recipe_shape(recipe, len(ids), island)]
@@ -306,7 +306,7 @@ def _is_real(x) -> bool:
       math.isfinite(x))
 
 
-def _resolve_mesh(mesh, topology):
+def _resolve_mesh(mesh, topology, graph=None):
   if isinstance(mesh, Mesh):
     names = tuple(mesh.axis_names)
     unknown = [n for n in names if n not in AXES]
@@ -341,4 +341,4 @@ def _resolve_mesh(mesh, topology):
   if mesh is not None:
     raise errors.PlacementError(f"plan: mesh={mesh!r} must be None, a dict of axis sizes or a "
                                 "jax.sharding.Mesh")
-  return topology, ids, mesh_shapes(len(ids), topology, ids), None
+  return topology, ids, mesh_shapes(len(ids), topology, ids, graph), None

@@ -122,7 +122,7 @@ class WeightUse:
   contracted: tuple[int, ...]
   free: tuple[int, ...]
   stacked: tuple[int, ...]
-  tokens: int                     # the partner's free elements per product (global batch)
+  tokens: int                     # the partner's free x batch elements per product (global)
   act_itemsize: int               # bytes per element of the partner (the activation)
   repeats: int                    # how often the product runs per step (scan lengths)
   primitive: str
@@ -367,7 +367,9 @@ class _Reader:
           free=tuple(sorted(dims[d] for d in free if dims[d] is not None)),
           stacked=tuple(sorted({d for d in range(len(self.leaves[leaf].shape))} -
                                {dims[d] for d in (*contracted, *free) if dims[d] is not None})),
-          tokens=int(math.prod(partner.shape[d] for d in pfree)),
+          # the product's batch dimensions count too: every expert's tokens of a batched product
+          tokens=int(math.prod(partner.shape[d] for d in pfree) *
+                     math.prod(eqn.invars[side].aval.shape[d] for d in batched)),
           act_itemsize=_itemsize(partner.dtype),
           repeats=repeats, primitive=name,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),

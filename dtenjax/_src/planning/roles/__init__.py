@@ -13,6 +13,7 @@ each role for its part. A new role is one module defining ``ROLE`` and one line 
 from __future__ import annotations
 
 from dtenjax._src.planning.roles import data
+from dtenjax._src.planning.roles import expert
 from dtenjax._src.planning.roles import fsdp
 from dtenjax._src.planning.roles import tensor
 from dtenjax._src.planning.roles.base import Role
@@ -21,9 +22,12 @@ from dtenjax._src.planning.roles.base import Role
 REGISTRY: tuple[Role, ...] = (
     data.ROLE,
     fsdp.ROLE,
+    expert.ROLE,
     tensor.ROLE,
 )
 
 AXES = tuple(r.name for r in REGISTRY)
 BATCH_AXES = tuple(r.name for r in REGISTRY if r.splits_batch)
 BY_NAME = {r.name: r for r in REGISTRY}
+# batch axes whose weight shards stay put for their products, the tokens routed to them
+ROUTED_AXES = tuple(r.name for r in REGISTRY if r.routes and r.splits_batch)

@@ -20,6 +20,10 @@ class Role:
     collectives: what it costs per step, with the loop structure.
     memory: its effect on the memory per device.
     applied: how the layout is applied when the step runs.
+    routes: a weight sharded over it stays sharded where a product reads it along a dimension
+      the product batches over (an expert dimension): the tokens are routed to the shards
+      (all-to-all) instead of the weight being gathered, and its gradient needs no reduction
+      over the axis. Only for an axis that splits the batch.
   """
   name: str
   splits_batch: bool
@@ -35,17 +39,20 @@ class Role:
   # (MeshContext) -> the axis sizes worth trying, given the roles inside it; None: the axis takes
   # the devices the others leave (one role, the outermost: data)
   sizes: Callable[["MeshContext"], list[int]] | None = None
+  routes: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshContext:
   """What a role may look at to propose its axis sizes: ``rest`` devices are left after the
-  roles inside it took ``inner``; the smallest fast island and host of the planned devices."""
+  roles inside it took ``inner``; the smallest fast island and host of the planned devices; the
+  step (a role with nothing to shard in it proposes size 1 only)."""
   n: int
   rest: int
   inner: int
   island: int
   per_host: int
+  graph: Any = None          # the step's stepgraph.StepGraph (None: any step)
 
 
 @dataclasses.dataclass(frozen=True)

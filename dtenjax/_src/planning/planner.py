@@ -54,12 +54,17 @@ def set_all_reduce_time(price: AllReduceTime) -> None:
 
   The planner sits below the collectives layer and prices all-reduces with its algorithm
   registry, which it takes as an argument rather than importing: ``collectives/api.py`` installs
-  ``algorithm="auto"``'s own chooser here when it is imported (importing any dtenjax module
-  imports ``dtenjax``, hence it, first)."""
+  ``algorithm="auto"``'s own chooser here when it is imported (``dtenjax.all_reduce``'s module;
+  :func:`_default_all_reduce_time` loads it through the package when nothing has yet)."""
   _all_reduce_time["default"] = price
 
 
 def _default_all_reduce_time() -> AllReduceTime:
+  if "default" not in _all_reduce_time:
+    # dtenjax loads its public names on first use (dtenjax/__init__.py): a caller of the _src
+    # modules may not have used one yet, so load the one that installs the price.
+    import dtenjax
+    _ = dtenjax.all_reduce        # importing its module installs the price
   try:
     return _all_reduce_time["default"]
   except KeyError:

@@ -151,3 +151,28 @@ def test_topo_and_plan_draw_the_mesh_over_the_topology(step_dir, capsys):
                         if d in members}) > 1
   assert spans_hosts                    # one axis crosses the two hosts' links
   assert "host 1" in svg                                       # 16 devices over two hosts
+
+
+def test_long_steps_show_a_spinner_on_a_terminal_and_nothing_in_a_log(step_dir, capsys,
+                                                                      monkeypatch):
+  """plan and explain trace and compile the user's step (seconds): on a terminal a spinner on
+  stderr says what runs; in a log or a pipe (as in every other test here) nothing; stdout, the
+  table or the JSON, is the same either way."""
+  import io
+  import sys
+
+  class Terminal(io.StringIO):
+    def isatty(self):
+      return True
+  rc, quiet_out, quiet_err = _run(BASE["plan"] + ["--json"], capsys)
+  assert rc == 0 and quiet_err == ""
+  for command, says in (("plan", "planning gstep:step"), ("explain", "compiling gstep:step")):
+    term = Terminal()
+    with monkeypatch.context() as m:
+      m.setattr(sys, "stderr", term)
+      rc, out, _ = _run(BASE[command] + ["--json"], capsys)
+    assert rc == 0, command
+    if command == "plan":
+      assert json.loads(out)["leaves"] == json.loads(quiet_out)["leaves"]
+    assert json.loads(out), command                     # stdout: only the JSON
+    assert says in term.getvalue() and "\x1b[" in term.getvalue(), (command, term.getvalue())

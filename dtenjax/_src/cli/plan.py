@@ -87,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
   budget = args.budget_gib * 2**30 if args.budget_gib else None
   mesh = _mesh(args.mesh, topology or Topology.current(), args.fixture)
   try:
-    result = step_lib.plan(fn, *made, mesh=mesh, topology=topology, memory_budget=budget,
-                           donate=args.donate)
+    with common.status(f"planning {args.target}: tracing it, pricing every mesh"):
+      result = step_lib.plan(fn, *made, mesh=mesh, topology=topology, memory_budget=budget,
+                             donate=args.donate)
   except errors.PlacementError as e:
     if isinstance(e.__cause__, Exception) and not isinstance(e.__cause__, errors.DtenjaxError):
       raise common.user_code_failed(f"tracing {args.target}", e.__cause__) from None
@@ -102,5 +103,7 @@ def run(args: argparse.Namespace) -> int:
   common.write_json(args, _plan_json(result))
   if args.check:
     print()
-    print(result.check(fn, *made).table())
+    with common.status(f"compiling {args.target} with the plan's shardings"):
+      check = result.check(fn, *made)
+    print(check.table())
   return 0

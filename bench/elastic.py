@@ -115,11 +115,15 @@ def main(argv=None) -> None:
       result, wall = _run(args, os.path.join(work, mode), snapshot_every=every)
       t = _times(os.path.join(work, mode))
       step_s[mode] = statistics.median(t["steps"][3:] or t["steps"])
-      stall = statistics.median(t["stall"][1:] or t["stall"]) if t["stall"] else 0.0
-      rows.append({"run": mode, "step_ms": step_s[mode] * 1e3, "stall_ms": stall * 1e3,
+      # no snapshots: no stall; snapshots that recorded no stall: not measured (no number)
+      stall = (statistics.median(t["stall"][1:] or t["stall"]) if t["stall"] else
+               0.0 if not every else None)
+      rows.append({"run": mode, "step_ms": step_s[mode] * 1e3,
+                   "stall_ms": None if stall is None else stall * 1e3,
                    "wall_s": wall, "generations": len(result.generations)})
     for r in rows:
-      r["stall_pct"] = 100 * r["stall_ms"] / (step_s["off"] * 1e3)
+      r["stall_pct"] = (None if r["stall_ms"] is None else
+                        100 * r["stall_ms"] / (step_s["off"] * 1e3))
       r["ratio"] = step_s["off"] / (r["step_ms"] / 1e3)
     fault = f"0:1:{args.fail_at}"
     for mode, every in (("memory", args.snapshot_every), ("persistent", 0)):

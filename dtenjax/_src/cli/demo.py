@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -221,9 +222,11 @@ def train(steps: int, batch: int, placement: Placement, data, seed: int = 0,
   rng = np.random.default_rng(seed)
   losses = np.zeros(steps, np.float32)
   bar = None
-  if progress:
-    from rich.progress import Progress  # pylint: disable=g-import-not-at-top
-    bar = Progress(transient=False)
+  if progress and sys.stderr.isatty():   # on the terminal's stderr; nothing in a log or a pipe
+    from rich.console import Console
+    from rich.progress import Progress
+    bar = Progress(console=Console(stderr=True), transient=False,
+                   redirect_stdout=sys.stdout.isatty())
     task = bar.add_task(f"training seed={seed}", total=steps)
     bar.start()
   micro = batch // MICRO_BATCHES
@@ -286,7 +289,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--batch", type=_batch, default=128,
                   help=f"global batch, a multiple of {MICRO_BATCHES} (the micro-batch split)")
   ap.add_argument("--seed", type=_at_least(0), default=0)
-  ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+  ap.add_argument("--no-progress", action="store_true",
+                  help="no progress bar (there is none when stderr is not a terminal)")
 
 
 def main(argv=None) -> int:

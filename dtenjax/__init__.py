@@ -230,23 +230,25 @@ _DEPRECATED = {
 }
 
 
-def __getattr__(name: str):
-  target = _EXPORTS.get(name)
-  if target is not None:
-    import importlib
-    module_name, _, attribute = target.partition(":")
-    value = importlib.import_module(module_name)
-    if attribute:
-      value = getattr(value, attribute)
-    globals()[name] = value          # loaded once: later lookups do not come here
-    return value
-  if name in _DEPRECATED:
-    import warnings
-    new, message = _DEPRECATED[name]
-    warnings.warn(message, DeprecationWarning, stacklevel=2)
-    return __getattr__(new)
-  raise AttributeError(f"module 'dtenjax' has no attribute {name!r}")
+# Runtime only: type checkers see the TYPE_CHECKING imports, and a misspelt name stays an error
+# for them (a module __getattr__ would make every attribute look defined).
+if not TYPE_CHECKING:
+  def __getattr__(name: str):
+    target = _EXPORTS.get(name)
+    if target is not None:
+      import importlib
+      module_name, _, attribute = target.partition(":")
+      value = importlib.import_module(module_name)
+      if attribute:
+        value = getattr(value, attribute)
+      globals()[name] = value          # loaded once: later lookups do not come here
+      return value
+    if name in _DEPRECATED:
+      import warnings
+      new, message = _DEPRECATED[name]
+      warnings.warn(message, DeprecationWarning, stacklevel=2)
+      return __getattr__(new)
+    raise AttributeError(f"module 'dtenjax' has no attribute {name!r}")
 
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(__all__))
+  def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -21,6 +21,7 @@ of the script Python runs, and ``python -m dtenjax bench NAME`` runs the same sc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -153,23 +154,41 @@ def per_op_seconds(chain_s: float, base_s: float, ops: int, *, what: str = "") -
 
 
 def progress(items: Sequence[Any], what: str, label: Callable[[Any], str] = str):
-  """``items``, reporting each step on stderr: a rich progress bar on a terminal, one line per
-  item in a log, so a long bench never looks hung (stdout keeps only the tables)."""
+  """``items``, reporting each step on stderr (:func:`steps`)."""
   items = list(items)
+  with steps(what, len(items)) as step:
+    for item in items:
+      step(label(item))
+      yield item
+
+
+@contextlib.contextmanager
+def steps(what: str, total: int):
+  """Progress of ``total`` steps on stderr, for loops :func:`progress` does not fit (nested
+  ones): ``with steps("checkpoint", n) as step:`` and ``step("1 GiB, dtenjax")`` as each step
+  starts. On a terminal a rich progress bar (gone when the bench ends), in a log one line per
+  step with the time so far, so that a long bench never looks hung; stdout keeps the tables."""
+  t0, done = time.perf_counter(), [0]
   if sys.stderr.isatty():
+    from rich.console import Console
     from rich.progress import Progress
-    with Progress(transient=True) as bar:
-      task = bar.add_task(what, total=len(items))
-      for item in items:
-        bar.update(task, description=f"{what}: {label(item)}")
-        yield item
-        bar.advance(task)
+    # the bar on stderr; prints to stdout go above it when stdout is the terminal too, and
+    # straight to stdout (a pipe, a file) otherwise
+    with Progress(console=Console(stderr=True), transient=True,
+                  redirect_stdout=sys.stdout.isatty()) as bar:
+      task = bar.add_task(what, total=total)
+
+      def step(label: str) -> None:
+        bar.update(task, completed=done[0], description=f"{what}: {label}")
+        done[0] += 1
+      yield step
     return
-  t0 = time.perf_counter()
-  for i, item in enumerate(items):
-    print(f"# {what}: {label(item)} ({i + 1} of {len(items)}, {time.perf_counter() - t0:.0f} s so "
-          "far)", file=sys.stderr, flush=True)
-    yield item
+
+  def step(label: str) -> None:
+    done[0] += 1
+    print(f"# {what}: {label} ({done[0]} of {total}, {time.perf_counter() - t0:.0f} s so far)",
+          file=sys.stderr, flush=True)
+  yield step
 
 
 def nccl_columns(nbytes: int, dtype: str, seconds: float, world: int,

@@ -285,7 +285,7 @@ def main(args, ap) -> int:
   failed = False
   t_start = time.perf_counter()
   ratios = []          # measured / estimated seconds of the big parts done so far
-  for name in parts:
+  for name in _harness.progress(parts, "reproducible_step --device"):
     elapsed = time.perf_counter() - t_start
     scale = min(max(statistics.median(ratios), 0.5), 3.0) if ratios else 1.0
     est = ESTIMATE_S[name] * (0.6 if args.quick else 1.0) * scale

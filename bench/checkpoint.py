@@ -191,30 +191,32 @@ def main(argv=None) -> int:
     _harness.refuse("checkpoint", f"{max(args.sizes)} bytes of state need as much free disk in "
                     f"{root}, which has {free}; pass --dir or smaller --sizes")
   rows, io_path = [], ""
-  for size in args.sizes:
-    state, sharding = make_state(size, args.leaves)
-    nbytes = sum(v.nbytes for v in state.values())
-    times = {c: {"save": [], "restore": []} for c in cands}
-    ios = {}
-    for rep in range(args.reps):
-      for c in (cands if rep % 2 == 0 else cands[::-1]):
-        s, r, io = run(c, state, sharding, root)
-        times[c]["save"].append(s)
-        if r is not None:
-          times[c]["restore"].append(r)
-        ios[c] = io
-        if c == "dtenjax":
-          io_path = io
-    for op in ("save", "restore"):
-      for c in cands:
-        if not times[c][op]:
-          continue
-        t = _harness.median(times[c][op])
-        rows.append({"size": nbytes, "candidate": c, "op": op, "seconds": t,
-                     "gbps": nbytes / t / 1e9, "samples": times[c][op], "io": ios[c],
-                     "time": duration(t), "bandwidth": ckio.rate(nbytes, t),
-                     "best": duration(min(times[c][op]))})
-    del state
+  with _harness.steps("checkpoint", len(args.sizes) * args.reps * len(cands)) as step:
+    for size in args.sizes:
+      state, sharding = make_state(size, args.leaves)
+      nbytes = sum(v.nbytes for v in state.values())
+      times = {c: {"save": [], "restore": []} for c in cands}
+      ios = {}
+      for rep in range(args.reps):
+        for c in (cands if rep % 2 == 0 else cands[::-1]):
+          step(f"{_harness.format_size(size)}, {c}, {rep + 1} of {args.reps}")
+          s, r, io = run(c, state, sharding, root)
+          times[c]["save"].append(s)
+          if r is not None:
+            times[c]["restore"].append(r)
+          ios[c] = io
+          if c == "dtenjax":
+            io_path = io
+      for op in ("save", "restore"):
+        for c in cands:
+          if not times[c][op]:
+            continue
+          t = _harness.median(times[c][op])
+          rows.append({"size": nbytes, "candidate": c, "op": op, "seconds": t,
+                       "gbps": nbytes / t / 1e9, "samples": times[c][op], "io": ios[c],
+                       "time": duration(t), "bandwidth": ckio.rate(nbytes, t),
+                       "best": duration(min(times[c][op]))})
+      del state
   _harness.add_ratios(rows, "orbax", candidate="candidate", group=("size", "op"),
                       time_key="seconds", ratio_key="vs_orbax")
   _harness.add_ratios(rows, "orbax_zarr", candidate="candidate", group=("size", "op"),

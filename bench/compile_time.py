@@ -91,8 +91,9 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False):
 
   samples = {label: [] for label, _ in candidates}
   sizes, outs = {}, {}
-  for _ in range(repeats):
-    for label, kwargs in candidates:
+  for r in range(repeats):
+    for label, kwargs in _harness.progress(candidates, f"compile_time, repeat {r + 1} of {repeats}",
+                                           lambda c: c[0]):
       f = build(kwargs)
       t0 = time.perf_counter()
       lowered = f.lower(tree)

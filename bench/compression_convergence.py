@@ -244,15 +244,17 @@ def main(argv=None) -> int:
                     "without a device count (the bench sets 8 simulated CPU devices).")
   data = load_digits(8)
   rows = []
-  for cand in CANDIDATES:
-    accs = []
-    for seed in range(args.seeds):
-      acc, per_step, total, secs, predicted = train(cand, data, steps=args.steps, seed=seed)
-      accs.append(acc)
-    rows.append(dict(name=cand.name, ratio=cand.ratio, error_feedback=cand.error_feedback,
-                     momentum=cand.momentum, lr=cand.lr,
-                     accuracy=float(np.mean(accs)), accuracies=accs, bytes_per_step=per_step,
-                     predicted_bytes_per_step=predicted, total_bytes=total, seconds=secs))
+  with _harness.steps("compression_convergence", len(CANDIDATES) * args.seeds) as step:
+    for cand in CANDIDATES:
+      accs = []
+      for seed in range(args.seeds):
+        step(f"{cand.name}, seed {seed}")
+        acc, per_step, total, secs, predicted = train(cand, data, steps=args.steps, seed=seed)
+        accs.append(acc)
+      rows.append(dict(name=cand.name, ratio=cand.ratio, error_feedback=cand.error_feedback,
+                       momentum=cand.momentum, lr=cand.lr,
+                       accuracy=float(np.mean(accs)), accuracies=accs, bytes_per_step=per_step,
+                       predicted_bytes_per_step=predicted, total_bytes=total, seconds=secs))
   for r in rows:
     dense = [d for d in rows if d["ratio"] is None and d["momentum"] == r["momentum"]][0]
     r["gap_pp"] = 100 * (r["accuracy"] - dense["accuracy"])

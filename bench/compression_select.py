@@ -104,31 +104,33 @@ def main(argv=None) -> int:
   has_kernel = bool(platform) and ffi.has_target(topk.TARGET, platform)
   skip = {s for s in args.skip.split(",") if s}
   rows = []
-  for n in args.sizes:
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-    for ratio in args.ratios:
-      k = topk.num_selected(n, ratio)
-      fns = candidates(k, args.sample_ratio, has_kernel)
-      check = {}
-      if has_kernel:
-        t = fns["thresh"](x)
-        a = jax.jit(lambda x, t: compression.pack(x, t, k, pack="ffi"))(x, t)
-        b = jax.jit(lambda x, t: compression.pack(x, t, k, pack="cumsum"))(x, t)
-        check["kernel_equals_cumsum"] = all(bool(jnp.array_equal(u, v)) for u, v in zip(a, b))
-        check["count"] = int(a[2])
-      sel = fns["select"](x)
-      ref = fns["top_k"](x)[0] if "top_k" not in skip else None
-      if ref is not None:
-        got = np.asarray(sel[0])
-        check["select_overlap_with_exact"] = len(
-            set(got[got < n].tolist()) & set(np.asarray(ref).tolist())) / k
-      times = {}
-      for name, fn in fns.items():
-        if name in skip:
-          continue
-        times[name] = timeit(fn, x, calls=args.calls, repeats=args.repeats)
-      rows.append(dict(n=n, ratio=ratio, k=k, backend=backend, times_s=times, check=check))
-      print(f"n={n} ratio={ratio} k={k} check={check}", flush=True)
+  with _harness.steps("compression_select", len(args.sizes) * len(args.ratios)) as step:
+    for n in args.sizes:
+      x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+      for ratio in args.ratios:
+        step(f"n={n}, ratio={ratio}")
+        k = topk.num_selected(n, ratio)
+        fns = candidates(k, args.sample_ratio, has_kernel)
+        check = {}
+        if has_kernel:
+          t = fns["thresh"](x)
+          a = jax.jit(lambda x, t: compression.pack(x, t, k, pack="ffi"))(x, t)
+          b = jax.jit(lambda x, t: compression.pack(x, t, k, pack="cumsum"))(x, t)
+          check["kernel_equals_cumsum"] = all(bool(jnp.array_equal(u, v)) for u, v in zip(a, b))
+          check["count"] = int(a[2])
+        sel = fns["select"](x)
+        ref = fns["top_k"](x)[0] if "top_k" not in skip else None
+        if ref is not None:
+          got = np.asarray(sel[0])
+          check["select_overlap_with_exact"] = len(
+              set(got[got < n].tolist()) & set(np.asarray(ref).tolist())) / k
+        times = {}
+        for name, fn in fns.items():
+          if name in skip:
+            continue
+          times[name] = timeit(fn, x, calls=args.calls, repeats=args.repeats)
+        rows.append(dict(n=n, ratio=ratio, k=k, backend=backend, times_s=times, check=check))
+        print(f"n={n} ratio={ratio} k={k} check={check}", flush=True)
   if args.json:
     _harness.write_json(args.json, _harness.document(
         "compression_select", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"},

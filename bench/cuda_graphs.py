@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import _harness
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -276,34 +278,42 @@ def _fmt(v, nd=1):
   return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
 
-def print_case(case: str, res: dict, console) -> None:
-  from rich.table import Table
+# (header, key) of a case's table; text cells left-aligned, numbers right (_harness.table)
+CASE_COLUMNS = (("candidate", "candidate", "s"), ("policy", "policy", "s"),
+                ("compile s", "compile", ">"), ("new exe", "new", ">"),
+                ("HLO = jax.jit", "same", "s"), ("pred. graphs", "graphs", ">"),
+                ("pred. graph launches/step", "launches", ">"),
+                ("pred. ops 1-by-1/step", "outside", ">"),
+                ("obs. graph launches/step", "obs_launches", ">"),
+                ("obs. kernels in/out per step", "obs_in_out", ">"), ("ms/step", "ms", ">"),
+                ("x vs jax.jit (min..max)", "x", ">"))
+
+
+def print_case(case: str, res: dict) -> None:
   if res["status"] != "ok":
-    console.print(f"[{case}] {res['status']}: {res.get('why', '')}")
+    print(f"[{case}] {res['status']}: {res.get('why', '')}")
     return
-  t = Table(title=f"{case} {res['config']}")
-  for col in ("candidate", "policy", "compile s", "new exe", "HLO = jax.jit", "pred. graphs",
-              "pred. graph launches/step", "pred. ops 1-by-1/step", "obs. graph launches/step",
-              "obs. kernels in/out per step", "ms/step", "x vs jax.jit (min..max)"):
-    t.add_column(col)
+  rows = []
   for r in res["candidates"]:
     p, o = r["predicted"], r.get("observed") or {}
     obs_in_out = (f"{_fmt(o.get('kernels_in_graphs_per_step'))} / "
                   f"{_fmt(o.get('kernels_outside_per_step'))}" if o else "-")
-    t.add_row(r["candidate"], r["policy"][:48], f"{r['compile_s']:.1f}",
-              str(r["new_executables"]), "yes" if r["same_hlo_as_jax_jit"] else "no",
-              str(p["graphs"]), _fmt(p["graph_launches_per_step"]),
-              _fmt(p["ops_outside_per_step"]), _fmt(o.get("graph_launches_per_step")),
-              obs_in_out, f"{r['ms_per_step']:.3f}",
-              f"{r['x_vs_jax_jit']:.3f} ({r['x_min']:.2f}..{r['x_max']:.2f})")
-  console.print(t)
+    rows.append({"candidate": r["candidate"], "policy": r["policy"][:48],
+                 "compile": f"{r['compile_s']:.1f}", "new": str(r["new_executables"]),
+                 "same": "yes" if r["same_hlo_as_jax_jit"] else "no",
+                 "graphs": str(p["graphs"]), "launches": _fmt(p["graph_launches_per_step"]),
+                 "outside": _fmt(p["ops_outside_per_step"]),
+                 "obs_launches": _fmt(o.get("graph_launches_per_step")),
+                 "obs_in_out": obs_in_out, "ms": f"{r['ms_per_step']:.3f}",
+                 "x": f"{r['x_vs_jax_jit']:.3f} ({r['x_min']:.2f}..{r['x_max']:.2f})"})
+  print(_harness.table(rows, CASE_COLUMNS, title=f"{case} {res['config']}"))
   for r in res["candidates"]:
     if r["reason"]:
-      console.print(f"  {r['candidate']}: {r['reason']}")
+      print(f"  {r['candidate']}: {r['reason']}")
     if r["measure"]:
       m = r["measure"]
-      console.print(f"  measure: cost {m['cost_s']:.1f} s, candidates {m['candidates']}, "
-                    f"medians (ms) {({k: round(v * 1e3, 3) for k, v in m['seconds'].items()})}")
+      print(f"  measure: cost {m['cost_s']:.1f} s, candidates {m['candidates']}, "
+            f"medians (ms) {({k: round(v * 1e3, 3) for k, v in m['seconds'].items()})}")
 
 
 def main(argv=None) -> int:
@@ -337,8 +347,6 @@ def main(argv=None) -> int:
   if path:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
-  from rich.console import Console
-  console = Console(width=220)
   on_gpu = jax.default_backend() == "gpu"
   meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "backend": jax.default_backend(),
           "device": jax.devices()[0].device_kind, "jax": jax.__version__,
@@ -350,7 +358,7 @@ def main(argv=None) -> int:
   t_start = time.perf_counter()
   failed = False
   ratios = []          # measured / estimated seconds of the cases done so far
-  for case in cases:
+  for case in _harness.progress(cases, "cuda_graphs"):
     elapsed = time.perf_counter() - t_start
     scale = min(max(statistics.median(ratios), 0.5), 3.0) if ratios else 1.0
     need = ESTIMATE_S[case] * (0.6 if args.quick else 1) * scale
@@ -369,28 +377,29 @@ def main(argv=None) -> int:
       results[case]["seconds"] = time.perf_counter() - t0
       if results[case]["status"] == "ok" and ESTIMATE_S[case] >= 40:    # compile-bound cases
         ratios.append(results[case]["seconds"] / (ESTIMATE_S[case] * (0.6 if args.quick else 1)))
-    print_case(case, results[case], console)
+    print_case(case, results[case])
     if path:
       rows = [{"case": c, **r} for c, res in results.items() if res["status"] == "ok"
               for r in res["candidates"]]
       with open(path, "w") as fh:
         json.dump({"meta": meta, "cases": results, "rows": rows}, fh, indent=1, default=str)
-  from rich.table import Table
-  summary = Table(title=f"auto vs jax.jit's default on {meta['device']} (jax {meta['jax']}), "
-                  f"median of {args.repeats} interleaved blocks of {args.steps} steps")
-  for col in ("case", "jax.jit ms/step", "auto x", "auto_v1 x", "measure x", "off x",
-              "auto policy"):
-    summary.add_column(col)
+  summary = []
   for case, res in results.items():
-    if res["status"] != "ok":
-      summary.add_row(case, res["status"], "", "", "", "", res.get("why", "")[:60])
+    if res["status"] != "ok":          # not measured: its status and why, no numbers
+      summary.append({"case": case, "jit": res["status"], "policy": res.get("why", "")[:60]})
       continue
     by = {r["candidate"]: r for r in res["candidates"]}
     x = lambda n: (f"{by[n]['x_vs_jax_jit']:.3f} ({by[n]['x_min']:.2f}..{by[n]['x_max']:.2f})"
-                   if n in by else "-")
-    summary.add_row(case, f"{by['jax.jit']['ms_per_step']:.3f}", x("auto"), x("auto_v1"),
-                    x("measure"), x("off"), by["auto"]["policy"][:60])
-  console.print(summary)
+                   if n in by else None)
+    summary.append({"case": case, "jit": f"{by['jax.jit']['ms_per_step']:.3f}", "auto": x("auto"),
+                    "auto_v1": x("auto_v1"), "measure": x("measure"), "off": x("off"),
+                    "policy": by["auto"]["policy"][:60]})
+  print(_harness.table(summary, (
+      ("case", "case", "s"), ("jax.jit ms/step", "jit", ">"), ("auto x", "auto", ">"),
+      ("auto_v1 x", "auto_v1", ">"), ("measure x", "measure", ">"), ("off x", "off", ">"),
+      ("auto policy", "policy", "s")),
+      title=f"auto vs jax.jit's default on {meta['device']} (jax {meta['jax']}), median of "
+            f"{args.repeats} interleaved blocks of {args.steps} steps"))
   if not on_gpu:
     print(f"note: backend {jax.default_backend()!r}: command buffers do not apply; the "
           "candidates compile the same program and their times differ only by noise.")

@@ -61,7 +61,7 @@ def measure(algorithms, nbytes: int, iters: int, warmup: int, world: int, leaves
     return f
 
   rows = []
-  for mode in modes:
+  for mode in _harness.progress(modes, "eager"):
     cands = {k: wrap(f, mode) for k, f in fns.items()}
     with jax.set_mesh(mesh):     # jax.make_mesh's Explicit axes: the scalar loss needs it
       samples = _harness.interleaved(cands, (x,), warmup=warmup, iters=iters)

@@ -109,25 +109,32 @@ def main(argv=None) -> None:
   work = tempfile.mkdtemp(prefix="dtenjax-bench-elastic-")
   rows = []
   step_s = {}
-  for mode, every in (("off", 0), ("on", args.snapshot_every)):
-    result, wall = _run(args, os.path.join(work, mode), snapshot_every=every)
-    t = _times(os.path.join(work, mode))
-    step_s[mode] = statistics.median(t["steps"][3:] or t["steps"])
-    stall = statistics.median(t["stall"][1:] or t["stall"]) if t["stall"] else 0.0
-    rows.append({"run": mode, "step_ms": step_s[mode] * 1e3, "stall_ms": stall * 1e3,
-                 "wall_s": wall, "generations": len(result.generations)})
-  for r in rows:
-    r["stall_pct"] = 100 * r["stall_ms"] / (step_s["off"] * 1e3)
-    r["ratio"] = step_s["off"] / (r["step_ms"] / 1e3)
-  fault = f"0:1:{args.fail_at}"
-  for mode, every in (("memory", args.snapshot_every), ("persistent", 0)):
-    out = os.path.join(work, mode)
-    result, wall = _run(args, out, snapshot_every=every, fault=fault,
-                        checkpoint_dir=os.path.join(out, "ck"))
-    split = _split(result)
-    rows.append({"run": mode, "wall_s": wall, "generations": len(result.generations),
-                 "goodput": args.steps * step_s["on"] / wall,
-                 "redone": args.fail_at - split["restored_step"], **split})
+  with _harness.steps("elastic", 4) as step:
+    for mode, every in (("off", 0), ("on", args.snapshot_every)):
+      step(f"snapshots {mode}")
+      result, wall = _run(args, os.path.join(work, mode), snapshot_every=every)
+      t = _times(os.path.join(work, mode))
+      step_s[mode] = statistics.median(t["steps"][3:] or t["steps"])
+      # no snapshots: no stall; snapshots that recorded no stall: not measured (no number)
+      stall = (statistics.median(t["stall"][1:] or t["stall"]) if t["stall"] else
+               0.0 if not every else None)
+      rows.append({"run": mode, "step_ms": step_s[mode] * 1e3,
+                   "stall_ms": None if stall is None else stall * 1e3,
+                   "wall_s": wall, "generations": len(result.generations)})
+    for r in rows:
+      r["stall_pct"] = (None if r["stall_ms"] is None else
+                        100 * r["stall_ms"] / (step_s["off"] * 1e3))
+      r["ratio"] = step_s["off"] / (r["step_ms"] / 1e3)
+    fault = f"0:1:{args.fail_at}"
+    for mode, every in (("memory", args.snapshot_every), ("persistent", 0)):
+      step(f"kill -9, restart from {mode}")
+      out = os.path.join(work, mode)
+      result, wall = _run(args, out, snapshot_every=every, fault=fault,
+                          checkpoint_dir=os.path.join(out, "ck"))
+      split = _split(result)
+      rows.append({"run": mode, "wall_s": wall, "generations": len(result.generations),
+                   "goodput": args.steps * step_s["on"] / wall,
+                   "redone": args.fail_at - split["restored_step"], **split})
   stall_table = _harness.table(
       [r for r in rows if r["run"] in ("off", "on")],
       [("snapshots", "run", "s"), ("step (ms)", "step_ms", ".2f"),

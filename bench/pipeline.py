@@ -69,57 +69,60 @@ def bubble_and_memory(args):
   cfg = dict(layers=args.layers, d=args.d, ffn=2 * args.d, seq=args.seq)
   params = pm.init(**cfg)
   rows = []
-  for p in args.stages:
-    if p > jax.device_count() or args.layers % p:
-      continue
-    mesh = jax.sharding.Mesh(jax.devices()[:p], ("stage",))
-    specs = pm.param_specs(params, "stage")
-    stage_layers = jax.tree.map(lambda a: a[:args.layers // p], params["layers"])
-    for m in args.micro:
-      toks = pm.tokens(m * args.rows, **cfg)
-      xs = pm.embed(params["embed"], toks[:, :-1]).reshape(m, args.rows, args.seq, args.d)
-
-      def work(layers, xs):       # one stage alone: forward, then the recomputing backward
-        stage = lambda w, h: lax.scan(pm.body, h, w)[0]
-
-        def one(acc, x):
-          y = stage(layers, x)
-          _, pull = jax.vjp(stage, layers, x)
-          g, _ = pull(y)
-          return jax.tree.map(jnp.add, acc, g), None
-        return lax.scan(one, jax.tree.map(jnp.zeros_like, layers), xs)[0]
-      alone = jax.jit(work)
-      fns, exes = {"alone": lambda: alone(stage_layers, xs)}, {}
-      for name in args.schedules:
-        s = _schedule(name)
-        if s.check(p, m) or args.layers % (p * s.virtual):
-          continue
-        pipe = dtenjax.pipeline(pm.body, pm.loss_fn, stages=p, microbatches=m, schedule=s)
-        staged = {**params, "layers": pipe.to_stages(params["layers"])}
-
-        def step(prm, t, pipe=pipe):
-          def loss(q):
-            return pipe(q["layers"], q["head"], pm.embed(q["embed"], t[:, :-1]), t[:, 1:])
-          return jax.value_and_grad(loss)(prm)
-        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P()), out_specs=(P(), specs)))
-        exe = f.lower(staged, toks).compile()
-        exes[name] = (exe, pipe)
-        fns[name] = lambda exe=exe, staged=staged: exe(staged, toks)
-      if not exes:
+  stages = [p for p in args.stages if p <= jax.device_count() and not args.layers % p]
+  with _harness.steps("pipeline: bubble and memory", len(stages) * len(args.micro)) as step:
+    for p in args.stages:
+      if p > jax.device_count() or args.layers % p:
         continue
-      samples = _harness.interleaved(fns, (), warmup=args.warmup, iters=args.iters)
-      t_alone = _harness.median(samples["alone"])
-      input_bytes = args.rows * args.seq * args.d * 4
-      for name, (exe, pipe) in exes.items():
-        t = _harness.median(samples[name])
-        cost = pipe.cost(input_bytes=input_bytes)
-        mem = exe.memory_analysis()
-        rows.append({"schedule": repr(pipe.schedule), "stages": p, "microbatches": m,
-                     "time_ms": t * 1e3, "alone_ms": t_alone * 1e3,
-                     "bubble": 1 - t_alone / t, "theory": cost.theory_bubble,
-                     "predicted": cost.bubble, "inputs_held": cost.live_inputs,
-                     "input_bytes": input_bytes,
-                     "temp_bytes": getattr(mem, "temp_size_in_bytes", None)})
+      mesh = jax.sharding.Mesh(jax.devices()[:p], ("stage",))
+      specs = pm.param_specs(params, "stage")
+      stage_layers = jax.tree.map(lambda a: a[:args.layers // p], params["layers"])
+      for m in args.micro:
+        step(f"{p} stages, {m} micro-batches")
+        toks = pm.tokens(m * args.rows, **cfg)
+        xs = pm.embed(params["embed"], toks[:, :-1]).reshape(m, args.rows, args.seq, args.d)
+
+        def work(layers, xs):       # one stage alone: forward, then the recomputing backward
+          stage = lambda w, h: lax.scan(pm.body, h, w)[0]
+
+          def one(acc, x):
+            y = stage(layers, x)
+            _, pull = jax.vjp(stage, layers, x)
+            g, _ = pull(y)
+            return jax.tree.map(jnp.add, acc, g), None
+          return lax.scan(one, jax.tree.map(jnp.zeros_like, layers), xs)[0]
+        alone = jax.jit(work)
+        fns, exes = {"alone": lambda: alone(stage_layers, xs)}, {}
+        for name in args.schedules:
+          s = _schedule(name)
+          if s.check(p, m) or args.layers % (p * s.virtual):
+            continue
+          pipe = dtenjax.pipeline(pm.body, pm.loss_fn, stages=p, microbatches=m, schedule=s)
+          staged = {**params, "layers": pipe.to_stages(params["layers"])}
+
+          def step(prm, t, pipe=pipe):
+            def loss(q):
+              return pipe(q["layers"], q["head"], pm.embed(q["embed"], t[:, :-1]), t[:, 1:])
+            return jax.value_and_grad(loss)(prm)
+          f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P()), out_specs=(P(), specs)))
+          exe = f.lower(staged, toks).compile()
+          exes[name] = (exe, pipe)
+          fns[name] = lambda exe=exe, staged=staged: exe(staged, toks)
+        if not exes:
+          continue
+        samples = _harness.interleaved(fns, (), warmup=args.warmup, iters=args.iters)
+        t_alone = _harness.median(samples["alone"])
+        input_bytes = args.rows * args.seq * args.d * 4
+        for name, (exe, pipe) in exes.items():
+          t = _harness.median(samples[name])
+          cost = pipe.cost(input_bytes=input_bytes)
+          mem = exe.memory_analysis()
+          rows.append({"schedule": repr(pipe.schedule), "stages": p, "microbatches": m,
+                       "time_ms": t * 1e3, "alone_ms": t_alone * 1e3,
+                       "bubble": 1 - t_alone / t, "theory": cost.theory_bubble,
+                       "predicted": cost.bubble, "inputs_held": cost.live_inputs,
+                       "input_bytes": input_bytes,
+                       "temp_bytes": getattr(mem, "temp_size_in_bytes", None)})
   return rows
 
 
@@ -149,28 +152,32 @@ def step_times(args):
   ref_exe = ref.lower(params, opt, toks).compile()
   fns["unpipelined"] = lambda: ref_exe(params, opt, toks)
   shapes = {"unpipelined": f"{n} data"}
-  for p in args.stages:
-    if p > n or n % p or args.layers % p:
-      continue
-    for name in args.schedules:
-      s = _schedule(name)
-      mp = m * p      # each of the n/p data shards has p times the rows: the same micro-batch size
-      if s.check(p, mp) or args.layers % (p * s.virtual):
+  stages = [p for p in args.stages if p <= n and not n % p and not args.layers % p]
+  with _harness.steps("pipeline: step times", len(stages) * len(args.schedules) + 1) as step:
+    for p in args.stages:
+      if p > n or n % p or args.layers % p:
         continue
-      mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(p, n // p), ("stage", "data"))
-      pipe = dtenjax.pipeline(pm.body, pm.loss_fn, stages=p, microbatches=mp, schedule=s)
-      staged = {**params, "layers": pipe.to_stages(params["layers"])}
-      specs = pm.param_specs(params, "stage")
-      sopt = tx.init(staged)
-      ospecs = pm.opt_specs(sopt, params, specs)
-      f = jax.jit(jax.shard_map(
-          pm.pipelined_step(pipe, tx, data_size=n // p, reproducible=False), mesh=mesh,
-          in_specs=(specs, ospecs, P("data")), out_specs=(specs, ospecs, P())))
-      exe = f.lower(staged, sopt, toks).compile()
-      key = f"{name} p={p}"
-      fns[key] = lambda exe=exe, staged=staged, sopt=sopt: exe(staged, sopt, toks)
-      shapes[key] = f"{p} stages x {n // p} data, {mp} micro"
-  samples = _harness.interleaved(fns, (), warmup=args.warmup, iters=args.iters)
+      for name in args.schedules:
+        step(f"compile {name}, {p} stages")
+        s = _schedule(name)
+        mp = m * p      # each of the n/p data shards has p times the rows: the same micro-batch size
+        if s.check(p, mp) or args.layers % (p * s.virtual):
+          continue
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(p, n // p), ("stage", "data"))
+        pipe = dtenjax.pipeline(pm.body, pm.loss_fn, stages=p, microbatches=mp, schedule=s)
+        staged = {**params, "layers": pipe.to_stages(params["layers"])}
+        specs = pm.param_specs(params, "stage")
+        sopt = tx.init(staged)
+        ospecs = pm.opt_specs(sopt, params, specs)
+        f = jax.jit(jax.shard_map(
+            pm.pipelined_step(pipe, tx, data_size=n // p, reproducible=False), mesh=mesh,
+            in_specs=(specs, ospecs, P("data")), out_specs=(specs, ospecs, P())))
+        exe = f.lower(staged, sopt, toks).compile()
+        key = f"{name} p={p}"
+        fns[key] = lambda exe=exe, staged=staged, sopt=sopt: exe(staged, sopt, toks)
+        shapes[key] = f"{p} stages x {n // p} data, {mp} micro"
+    step(f"time {len(fns)} steps, {args.iters} rounds")
+    samples = _harness.interleaved(fns, (), warmup=args.warmup, iters=args.iters)
   base = _harness.median(samples["unpipelined"])
   for key, sample in samples.items():
     t = _harness.median(sample)

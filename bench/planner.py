@@ -174,7 +174,8 @@ def main(argv=None) -> int:
   tree = transformer_params(args.leaves)
   cases = [("dgx_a100_8 (fixture)", lambda: Topology.fixture("dgx_a100_8")),
            ("detected CPU x8", lambda: Topology.detect(jax.devices()))]
-  rows = [run(name, make, tree, args.repeats) for name, make in cases]
+  rows = [run(name, make, tree, args.repeats)
+          for name, make in _harness.progress(cases, "planner", lambda case: case[0])]
   if args.json:
     _harness.write_json(args.json, _harness.document(
         "planner", __file__, argv, {"leaves": args.leaves, "repeats": args.repeats,

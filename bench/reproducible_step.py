@@ -120,7 +120,7 @@ def main(argv=None) -> int:
   if args.worker:
     print(json.dumps(worker(args.worker, args.steps, tuple(args.variants.split(",")))))
     return 0
-  results = {m: run_mode(m, args.steps) for m in MODES}
+  results = {m: run_mode(m, args.steps) for m in _harness.progress(list(MODES), "reproducible_step")}
   base = results["jax.jit"]["seconds"]
   rows = [dict(mode=m, variant=v, differing=r["diffs"][v], ms_per_step=1e3 * r["seconds"][v],
                vs_jit=r["seconds"][v] / base[v],

@@ -53,22 +53,25 @@ def measure(layers: int, d: int, micro: int, iters: int, warmup: int, contracts)
   tree = jax.device_put(gradient_tree(layers, d, micro, world), NamedSharding(mesh, P("data")))
   nbytes = sum(v.nbytes for v in jax.tree.leaves(tree)) // world
   rows, compiled, outs = [], {}, {}
-  for contract in contracts:
-    for name, bucket_bytes in (("per leaf", 0), ("bucketed", None)):
-      body = lambda t, c=contract, b=bucket_bytes: dtenjax.all_reduce(
-          t, "data", op="mean", reproducible=c, local_axis=0, bucket_bytes=b)
-      f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"),), out_specs=P()))
-      lowered = f.lower(tree)
-      t0 = time.perf_counter()
-      exe = lowered.compile()
-      compile_s = time.perf_counter() - t0
-      asked = len(re.findall(r"stablehlo\.(all_gather|all_reduce|all_to_all|reduce_scatter)\b",
-                             lowered.as_text()))
-      compiled[(contract, name)] = exe
-      outs[(contract, name)] = jax.device_get(exe(tree))
-      rows.append({"contract": str(contract), "candidate": name, "collectives": asked,
-                   "compile_s": compile_s, "world": world})
-  samples = _harness.interleaved(compiled, (tree,), warmup=warmup, iters=iters)
+  with _harness.steps("stacked_buckets", 2 * len(contracts) + 1) as step:
+    for contract in contracts:
+      for name, bucket_bytes in (("per leaf", 0), ("bucketed", None)):
+        step(f"compile reproducible={contract}, {name}")
+        body = lambda t, c=contract, b=bucket_bytes: dtenjax.all_reduce(
+            t, "data", op="mean", reproducible=c, local_axis=0, bucket_bytes=b)
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"),), out_specs=P()))
+        lowered = f.lower(tree)
+        t0 = time.perf_counter()
+        exe = lowered.compile()
+        compile_s = time.perf_counter() - t0
+        asked = len(re.findall(r"stablehlo\.(all_gather|all_reduce|all_to_all|reduce_scatter)\b",
+                               lowered.as_text()))
+        compiled[(contract, name)] = exe
+        outs[(contract, name)] = jax.device_get(exe(tree))
+        rows.append({"contract": str(contract), "candidate": name, "collectives": asked,
+                     "compile_s": compile_s, "world": world})
+    step(f"time {len(compiled)} candidates, {iters} rounds")
+    samples = _harness.interleaved(compiled, (tree,), warmup=warmup, iters=iters)
   for row in rows:
     key = (row["contract"] if row["contract"] != "True" else True, row["candidate"])
     row.update(_harness.nccl_columns(nbytes, "float32", _harness.median(samples[key]),

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,9 @@ def _worker() -> None:
   rows = []
   store = kvstore.default()
   for nbytes in sizes:
+    if rank == 0:                      # the parent shows it (run()): the size now measured
+      with open(os.environ["DTENJAX_BENCH_OUT"] + ".progress", "a") as fh:
+        fh.write(f"{nbytes}\n")
     count = max(1, nbytes // 4)
     full = np.random.RandomState(count).randn(nprocs, count).astype(np.float32)
     arr = jax.make_array_from_callback(full.shape, NamedSharding(mesh, spec), lambda i: full[i])
@@ -149,7 +153,7 @@ def run(procs: int, sizes, iters: int, timeout_s: float) -> list[dict]:
   port = free_port()
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "rows.json")
-    ps = []
+    ps, log_paths = [], []
     for r in range(procs):
       env = dict(os.environ, JAX_PLATFORMS="cpu",
                  XLA_FLAGS="--xla_force_host_platform_device_count=1",
@@ -158,16 +162,28 @@ def run(procs: int, sizes, iters: int, timeout_s: float) -> list[dict]:
                  DTENJAX_BENCH_SIZES=",".join(map(str, sizes)), DTENJAX_BENCH_ITERS=str(iters),
                  DTENJAX_BIND_ADDRESS="127.0.0.1",
                  PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-      ps.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+      log_paths.append(os.path.join(tmp, f"rank{r}.log"))
+      with open(log_paths[-1], "w") as log:    # a file, not a pipe: nobody reads it meanwhile
+        ps.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout_s
-    logs = []
+    with _harness.steps("transport", len(sizes)) as step:
+      shown = 0
+      while any(p.poll() is None for p in ps) and time.monotonic() < deadline:
+        try:
+          with open(out + ".progress") as fh:
+            started = len(fh.read().split())
+        except FileNotFoundError:
+          started = 0
+        for nbytes in sizes[shown:started]:
+          step(f"{_harness.format_size(nbytes)} on {procs} processes")
+        shown = max(shown, started)
+        time.sleep(0.2)
     for p in ps:
-      try:
-        logs.append(p.communicate(timeout=max(1, deadline - time.monotonic()))[0])
-      except subprocess.TimeoutExpired:
+      if p.poll() is None:
         p.kill()
-        logs.append(p.communicate()[0])
+      p.wait()
+    logs = [pathlib.Path(path).read_text() for path in log_paths]
     if not os.path.exists(out):
       raise RuntimeError("benchmark workers produced no result; rank 0 log:\n" + logs[0][-3000:])
     return json.load(open(out))

@@ -1,5 +1,6 @@
 """Pins the public surface: adding or removing a public name must be a deliberate change."""
 
+import importlib
 import pathlib
 
 import dtenjax
@@ -36,6 +37,28 @@ def test_public_surface_is_pinned():
   assert set(dtenjax.__all__) == PUBLIC
   for name in PUBLIC:
     assert getattr(dtenjax, name) is not None, name
+
+
+def test_the_lazy_names_are_the_type_checkers_names():
+  """``dtenjax/__init__.py`` loads each public name on first use from ``_EXPORTS``; type
+  checkers and readers see the ``if TYPE_CHECKING:`` imports. Both must say the same."""
+  import ast
+  tree = ast.parse((pathlib.Path(dtenjax.__file__)).read_text())
+  block = next(n for n in tree.body if isinstance(n, ast.If)
+               and getattr(n.test, "id", None) == "TYPE_CHECKING")
+  static = {}
+  for node in block.body:
+    assert isinstance(node, ast.ImportFrom) and len(node.names) == 1, ast.dump(node)
+    alias = node.names[0]
+    assert alias.asname, f"{alias.name}: re-export as 'import X as X' (one name per line)"
+    static[alias.asname] = (f"{node.module}.{alias.name}" if node.module == "dtenjax"
+                            else f"{node.module}:{alias.name}")
+  assert static == dtenjax._EXPORTS  # pylint: disable=protected-access
+  assert set(dtenjax.__all__) == set(static)
+  for name, target in static.items():       # each target names what it claims
+    module, _, attribute = target.partition(":")
+    value = importlib.import_module(module)
+    assert getattr(dtenjax, name) is (getattr(value, attribute) if attribute else value), name
 
 
 def test_submodules():
@@ -137,3 +160,4 @@ def test_examples_and_benches_import_only_public_names():
       "examples and benches use dtenjax's public names (dtenjax, dtenjax.compression, "
       f"dtenjax.checkpoint, dtenjax.testing); these import dtenjax._src: {offenders}")
   assert not stale, f"allowed private imports that are gone (remove them from the list): {stale}"
+

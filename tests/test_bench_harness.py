@@ -171,6 +171,61 @@ def test_progress_reports_every_step_on_stderr_in_a_log(capsys):
   assert "(3 of 3," in lines[-1]
 
 
+def test_progress_on_a_terminal_is_a_bar_on_stderr_that_leaves_stdout_to_the_tables(
+    monkeypatch, capsys):
+  import io
+
+  class Terminal(io.StringIO):
+    def isatty(self):
+      return True
+  term = Terminal()
+  monkeypatch.setattr(sys, "stderr", term)
+  with h.steps("checkpoint", 4) as step:
+    for size in ("1 GiB", "4 GiB"):
+      for candidate in ("dtenjax", "orbax"):
+        step(f"{size}, {candidate}")
+        print(f"row {size} {candidate}")                  # a bench's output inside the loop
+  assert capsys.readouterr().out.splitlines() == [
+      "row 1 GiB dtenjax", "row 1 GiB orbax", "row 4 GiB dtenjax", "row 4 GiB orbax"]
+  drawn = term.getvalue()
+  assert "checkpoint: 4 GiB, orbax" in drawn and "\x1b[" in drawn    # a live bar, redrawn
+  assert "# checkpoint" not in drawn                       # not the log's lines
+
+
+# Benches that finish in a moment need no progress (costmodel_check reads a stored result);
+# step_planner's parts report themselves (it is the lead's).
+QUICK_OR_OWN = {"costmodel_check", "step_planner"}
+
+
+def test_every_bench_reports_its_progress():
+  """Each bench that runs longer than a few seconds steps a progress report (:func:`steps`,
+  :func:`progress`) through its loop, itself or in the helper module it hands the work to
+  (tests/test_bench_scripts.py sees the lines of several on a real run)."""
+  import ast
+  bench = ROOT / "bench"
+
+  def calls(name: str) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse((bench / f"{name}.py").read_text())):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and getattr(node.func.value, "id", None) == "_harness"):
+        found.add(node.func.attr)
+      elif isinstance(node, ast.Import):
+        found |= {f"import {a.name}" for a in node.names if a.name.startswith("_")}
+    return found
+  silent = []
+  for path in sorted(bench.glob("*.py")):
+    if path.stem.startswith("_") or path.stem in QUICK_OR_OWN:
+      continue
+    seen = calls(path.stem)
+    for helper in [s.removeprefix("import ") for s in seen if s.startswith("import _")]:
+      if helper != "_harness":
+        seen |= calls(helper)
+    if not {"steps", "progress"} & seen:
+      silent.append(path.name)
+  assert not silent, f"benches without a progress report: {silent}"
+
+
 def test_a_result_with_sizes_gets_a_chart_next_to_its_json(tmp_path, capsys):
   pytest.importorskip("matplotlib", reason="the plot extra (in the test extra)")
   rows = [dict(h.nccl_columns(size, "float32", t, 8), algorithm=a, world=8, backend="cpu")

@@ -121,6 +121,7 @@ def test_transport_rows_side_by_side(tmp_path):
     assert row["size"] == 4096 and row["count"] == 1024 and row["world"] == 2
     assert row["busbw"] == pytest.approx(row["algbw"])               # 2(n-1)/n = 1 for n = 2
   assert rows[1]["ratio"] == pytest.approx(rows[0]["time_us"] / rows[1]["time_us"])
+  assert "# transport: 4 KiB on 2 processes (1 of 1, " in r.stderr    # progress from rank 0
 
 
 def test_planner_and_compression_select_write_the_schema(tmp_path):
@@ -130,12 +131,14 @@ def test_planner_and_compression_select_write_the_schema(tmp_path):
   doc = _doc(out, "planner")
   assert doc["kind"] == "other" and doc["params"]["target_ms"] == 50
   assert [row["leaves"] for row in doc["rows"]] == [20, 20]
+  assert "# planner: detected CPU x8 (2 of 2, " in r.stderr
   out = tmp_path / "s.json"
   r = _run("compression_select", "--sizes", "64K", "--ratios", "0.01", "--calls", "1",
            "--repeats", "1", "--json", str(out))
   assert r.returncode == 0, r.stderr[-3000:]
   rows = _doc(out, "compression_select")["rows"]
   assert rows[0]["n"] == 65536 and rows[0]["k"] == 656          # ceil(0.01 * 65536)
+  assert "# compression_select: n=65536, ratio=0.01 (1 of 1, " in r.stderr
 
 
 def test_costmodel_check_reads_only_allreduce_results(tmp_path):
@@ -166,8 +169,11 @@ def test_convergence_and_reproducible_step_write_the_schema(tmp_path, monkeypatc
   rows = {r["name"]: r for r in _doc(out, "compression_convergence")["rows"]}
   assert rows["top-k EF 1%"]["gap_pp"] == pytest.approx(-10.0)
   assert rows["top-k EF 1%"]["bytes_ratio"] == pytest.approx(10.0)
-  table = capsys.readouterr().out.splitlines()
+  printed = capsys.readouterr()
+  table = printed.out.splitlines()
   assert table[-len(rows) - 1].split()[:3] == ["candidate", "test", "acc"]
+  assert f"# compression_convergence: top-k EF 1%, seed 0 (2 of {len(cc.CANDIDATES)}, " in (
+      printed.err)
   assert any(ln.split()[:4] == ["top-k", "EF", "1%", "80.00"] for ln in table)
 
   def mode(m, steps):
@@ -183,6 +189,8 @@ def test_convergence_and_reproducible_step_write_the_schema(tmp_path, monkeypatc
   pinned = [r for r in rows if r["mode"] == "reproducible_step"]
   assert {r["differing_text"] for r in pinned} == {"0"}
   assert {r["vs_jit"] for r in pinned} == {2.0}
+  assert f"# reproducible_step: reproducible_step ({len(rs.MODES)} of {len(rs.MODES)}, " in (
+      capsys.readouterr().err)
 
 
 def test_collectives_lax_candidates_compute_what_they_stand_for(cpu_devices):
@@ -213,6 +221,7 @@ def test_eager_bench_writes_psum_ratios_for_every_mode(tmp_path):
   assert {(row["mode"], row["candidate"]) for row in rows} == {
       (m, c) for m in ("eager", "eager grad", "jit") for c in ("lax.psum", "xla", "xla repro")}
   assert all(row["x_psum"] > 0 for row in rows) and "x psum" in r.stdout
+  assert "# eager: jit (3 of 3, " in r.stderr
   r = _run("eager", "--iters", "1")                      # one device: a clear refusal
   assert r.returncode == 3 and "moves no data" in r.stderr
 
@@ -247,6 +256,7 @@ def test_stacked_buckets_bench_compares_per_leaf_and_bucketed_with_the_same_bits
     if row["candidate"] == "bucketed":
       assert row["collectives"] < per_leaf[row["contract"]], rows
   assert all(row["speedup"] > 0 and row["busbw"] > 0 for row in rows)
+  assert "# stacked_buckets: time 4 candidates, 1 rounds (5 of 5, " in r.stderr
 
 
 def test_block_waits_for_every_leaf_of_a_pytree():

@@ -348,3 +348,50 @@ def test_json_means_the_same_in_every_command():
         seen[name] = (action.nargs, action.const, action.metavar)
   assert set(seen) == {"topo", "explain", "plan", "info"}, seen
   assert set(seen.values()) == {("?", "-", "FILE")}, seen
+
+
+# --- --version and --help without jax -------------------------------------------------------
+
+NO_JAX = """raise ImportError("jax must not be imported here (tests/test_cli.py)")\n"""
+
+
+def test_version_and_every_help_answer_without_importing_jax(tmp_path):
+  """``import dtenjax`` loads its public names on first use, and the command modules import jax
+  inside the functions that run a command: ``--version`` and every ``--help`` answer with jax
+  made unimportable (a ``jax`` package on PYTHONPATH that raises), as a user starts them."""
+  for name in ("jax", "jaxlib"):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text(NO_JAX)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+  env.pop("XLA_FLAGS", None)
+  r = subprocess.run([sys.executable, "-m", "dtenjax", "--version"], env=env, cwd=tmp_path,
+                     capture_output=True, text=True, timeout=60, check=False)
+  assert (r.returncode, r.stdout, r.stderr) == (0, "dtenjax 0.1.0\n", ""), r.stderr
+  script = textwrap.dedent("""
+      import contextlib, io, sys
+      import dtenjax
+      from dtenjax.__main__ import main           # what the console script runs
+      from dtenjax._src.cli.main import COMMANDS
+      sys.argv[0] = "dtenjax"
+      assert dtenjax.__version__ == "0.1.0" and "shard" in dir(dtenjax)
+      for argv in (["--version"], ["--help"], *([c, "--help"] for c in COMMANDS)):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+          try:
+            main(argv)
+          except SystemExit as e:
+            assert e.code == 0, (argv, e.code)
+        assert out.getvalue().startswith("dtenjax 0.1.0" if argv == ["--version"]
+                                         else "usage: dtenjax"), (argv, out.getvalue()[:200])
+      assert not [m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib")]
+      try:
+        dtenjax.shard                              # the first use of a name needs jax
+      except ImportError as e:
+        assert "must not be imported" in str(e)
+      else:
+        raise AssertionError("dtenjax.shard loaded without jax")
+      print("ok", len(COMMANDS))
+  """)
+  r = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                     capture_output=True, text=True, timeout=60, check=False)
+  assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout + r.stderr[-3000:]

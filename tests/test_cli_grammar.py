@@ -130,7 +130,49 @@ def test_topo_and_plan_draw_the_mesh_over_the_topology(step_dir, capsys):
   assert rc == 0, err
   svg = (step_dir / "plan.svg").read_text()
   plan = json.loads(_run(BASE["plan"] + ["--fixture", "h100_16", "--json"], capsys)[1])
-  for axis, size in plan["mesh"].items():
-    if size > 1:                   # each axis of the mesh with the links it runs over
-      assert f"{axis} ({size}): " in svg, axis
+  # Each axis of the mesh with the link it runs over: the slowest link class between devices
+  # of one of its groups, worked out from the fixture's own link matrix.
+  import numpy as np
+  from dtenjax._src.topology.model import Topology
+  topo = Topology.fixture("h100_16")
+  ids = np.asarray(plan["device_ids"]).reshape(tuple(plan["mesh"].values()))
+  links = {a["name"]: a["link"] for a in plan["axes"]}
+  assert set(links) == {axis for axis, size in plan["mesh"].items() if size > 1}, plan["axes"]
+  spans_hosts = False
+  for k, (axis, size) in enumerate(plan["mesh"].items()):
+    if size == 1:
+      continue
+    group = [int(d) for d in np.moveaxis(ids, k, -1).reshape(-1, size)[0]]
+    classes = {topo.link_class(a, b) for a in group for b in group if a != b}
+    slowest = min(classes, key=lambda c: topo.spec(c).bandwidth_gbps)
+    assert links[axis] == slowest, (axis, links[axis], classes)
+    assert f"{axis} ({size}): {slowest} " in svg, axis
+    spans_hosts |= len({h for h, members in enumerate(topo.hosts()) for d in group
+                        if d in members}) > 1
+  assert spans_hosts                    # one axis crosses the two hosts' links
   assert "host 1" in svg                                       # 16 devices over two hosts
+
+
+def test_long_steps_show_a_spinner_on_a_terminal_and_nothing_in_a_log(step_dir, capsys,
+                                                                      monkeypatch):
+  """plan and explain trace and compile the user's step (seconds): on a terminal a spinner on
+  stderr says what runs; in a log or a pipe (as in every other test here) nothing; stdout, the
+  table or the JSON, is the same either way."""
+  import io
+  import sys
+
+  class Terminal(io.StringIO):
+    def isatty(self):
+      return True
+  rc, quiet_out, quiet_err = _run(BASE["plan"] + ["--json"], capsys)
+  assert rc == 0 and quiet_err == ""
+  for command, says in (("plan", "planning gstep:step"), ("explain", "compiling gstep:step")):
+    term = Terminal()
+    with monkeypatch.context() as m:
+      m.setattr(sys, "stderr", term)
+      rc, out, _ = _run(BASE[command] + ["--json"], capsys)
+    assert rc == 0, command
+    if command == "plan":
+      assert json.loads(out)["leaves"] == json.loads(quiet_out)["leaves"]
+    assert json.loads(out), command                     # stdout: only the JSON
+    assert says in term.getvalue() and "\x1b[" in term.getvalue(), (command, term.getvalue())

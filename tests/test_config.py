@@ -162,7 +162,8 @@ def test_nccl_environment_is_pinned_when_asked_unless_the_user_chose(monkeypatch
 def test_importing_dtenjax_changes_no_environment_variable():
   import subprocess
   import sys  # pylint: disable=g-import-not-at-top,multiple-imports
-  code = ("import os, json; before = dict(os.environ); import dtenjax; after = dict(os.environ); "
+  code = ("import os, json; before = dict(os.environ); import dtenjax; "
+          "[getattr(dtenjax, n) for n in dtenjax.__all__]; after = dict(os.environ); "   # loaded
           "print(json.dumps(sorted(k for k in set(before) | set(after) "
           "if before.get(k) != after.get(k))))")
   env = {k: v for k, v in os.environ.items() if k not in ("NCCL_NVLS_ENABLE", "DTENJAX_PIN_NCCL")}

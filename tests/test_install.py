@@ -3,12 +3,14 @@ jax bound admits the versions the suite passed on, and the version is written on
 
 import importlib.metadata
 import json
+import os
 import pathlib
 import re
 import subprocess
 import sys
 import tomllib
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -22,14 +24,48 @@ DEPENDENCIES = {Requirement(r).name: Requirement(r) for r in PYPROJECT["project"
 PASSED_ON = ("0.10.2", "0.11.2")
 
 
-def test_every_import_time_dependency_is_declared():
-  """The third-party distributions whose modules ``import dtenjax`` loads (beyond what importing
-  jax loads, which jax declares) are dependencies in pyproject.toml."""
-  code = ("import sys, json; import jax; before = set(sys.modules); import dtenjax; "
-          "print(json.dumps(sorted({m.split('.')[0] for m in set(sys.modules) - before})))")
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                     check=True)
-  top = [m for m in json.loads(r.stdout)
+# One fresh process for two claims (starting jax is most of its time): it plans through the
+# _src modules alone, before anything loaded the collectives layer, then loads every public name.
+FRESH = """
+import json, sys
+import jax
+before = set(sys.modules)
+import numpy as np
+from dtenjax._src.planning import planner
+from dtenjax._src.topology.model import Topology
+untouched = "dtenjax._src.collectives.api" not in sys.modules
+t = Topology.fixture("dgx_a100_8")
+p = planner.plan_tensor((4096, 4096), "bfloat16", (2, 4), ("x", "y"),
+                        np.array(sorted(t.device_ids)).reshape(2, 4), t)
+import dtenjax
+[getattr(dtenjax, n) for n in dtenjax.__all__]
+print(json.dumps({"modules": sorted({m.split(".")[0] for m in set(sys.modules) - before}),
+                  "untouched": untouched, "strategy": p.strategy,
+                  "comm_s": min(c.comm_s for c in p.candidates if c.feasible)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh():
+  r = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"), check=False)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return json.loads(r.stdout.splitlines()[-1])
+
+
+def test_planning_through_the_src_modules_alone_finds_the_default_pricing(fresh):
+  """The planner prices all-reduces with the collectives layer's chooser, which that layer
+  installs when imported; with the public names loaded on first use, a caller of the _src
+  modules (the command line, a bench) may plan before anything loaded it."""
+  assert fresh["untouched"]                   # nothing had loaded the collectives layer
+  assert fresh["strategy"] == "2d" and fresh["comm_s"] > 0, fresh
+
+
+def test_every_import_time_dependency_is_declared(fresh):
+  """The third-party distributions whose modules ``import dtenjax`` loads with every public name
+  (they load on first use; beyond what importing jax loads, which jax declares) are dependencies
+  in pyproject.toml."""
+  top = [m for m in fresh["modules"]
          if m not in sys.stdlib_module_names and not m.startswith("_") and m != "dtenjax"]
   owners = importlib.metadata.packages_distributions()
   dists = {Requirement(d).name.lower() for m in top for d in owners.get(m, [m])}

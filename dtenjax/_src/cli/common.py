@@ -16,10 +16,12 @@ form.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
 import re
+import sys
 import sysconfig
 import traceback
 from typing import Any
@@ -36,6 +38,19 @@ class UsageError(errors.ConfigurationError):
 
 class CommandError(errors.DtenjaxError):
   """The command could not do its job: a file, the user's code, the environment (exit 1)."""
+
+
+@contextlib.contextmanager
+def status(text: str):
+  """A spinner with ``text`` on stderr while a long step runs (tracing, compiling, probing),
+  on a terminal only: in a log, a pipe or a test nothing is printed, and stdout (tables,
+  ``--json``) is never touched. Gone when the step ends."""
+  if not sys.stderr.isatty():
+    yield
+    return
+  from rich.console import Console
+  with Console(stderr=True).status(text):
+    yield
 
 
 def add_fixture_argument(ap: argparse.ArgumentParser, what: str) -> None:

@@ -30,24 +30,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import sys
 import time
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
-from dtenjax._src import jaxapi
-from dtenjax._src import tables
-from dtenjax._src.collectives import api as collectives
-from dtenjax._src.planning import explain as explain_lib
-from dtenjax._src.planning import mesh as mesh_lib
-from dtenjax._src.planning import reproducible
-from dtenjax._src.planning.placement import Placement
-from dtenjax._src.planning.placement import shard
-from dtenjax._src.topology.model import Topology
+
+if TYPE_CHECKING:
+  from dtenjax._src.planning.placement import Placement
+
+# jax and the layers below the command line are imported inside the functions that use them, so
+# that building the command line's parser (``dtenjax --help``, ``--version``) imports no jax.
 
 
 def load_digits(seed: int = 0):
@@ -74,6 +69,8 @@ def mesh_shape_for(n: int) -> tuple[int, int]:
 
 
 def init_params(key, sizes=(64, 256, 256, 10)):
+  import jax
+  import jax.numpy as jnp
   params = {}
   for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
     key, sub = jax.random.split(key)
@@ -83,6 +80,7 @@ def init_params(key, sizes=(64, 256, 256, 10)):
 
 
 def forward(params, x):
+  import jax
   n = len(params) // 2
   for i in range(n):
     x = x @ params[f"w{i}"] + params[f"b{i}"]
@@ -92,6 +90,8 @@ def forward(params, x):
 
 
 def loss_fn(params, x, y):
+  import jax
+  import jax.numpy as jnp
   logits = forward(params, x)
   return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
 
@@ -102,6 +102,11 @@ MICRO_BATCHES = 8
 def make_grads(mesh):
   """``grads_of(params, x, y) -> (loss, grads)``: the step's mean loss and reproducibly
   all-reduced gradients over every axis of ``mesh`` (see the module docstring)."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  from dtenjax._src.collectives import api as collectives
+
   axes = tuple(mesh.axis_names)
 
   def local_grads(params, xb, yb):
@@ -134,6 +139,10 @@ def step_jit(step, backend: str | None = None):
   CPU: no fast math, and with the FMA-free ISA the same bits on every device count). The
   process check is reproducible_step's on GPU (NCCL_NVLS_ENABLE with several GPUs), the demo's
   own on CPU (:func:`same_bits_across_device_counts` says what holds)."""
+  import jax
+
+  from dtenjax._src.planning import reproducible
+
   on_gpu = (backend or jax.default_backend()) == "gpu"
   return reproducible.reproducible_step(step, donate_argnums=(0, 1), check_flags=on_gpu)
 
@@ -142,6 +151,9 @@ def start_without_fma() -> None:
   """Adds ``--xla_cpu_max_isa=AVX`` to ``XLA_FLAGS`` when JAX has not started its backends yet
   and no ISA is chosen: XLA:CPU then emits no fused multiply-adds, so each device count's program
   rounds the optimizer's update alike. Only XLA:CPU reads the flag."""
+  from dtenjax._src import jaxapi
+  from dtenjax._src.planning import reproducible
+
   flags = os.environ.get("XLA_FLAGS", "")
   if "--xla_cpu_max_isa" not in flags and not jaxapi.backends_started():
     os.environ["XLA_FLAGS"] = (flags + " " + reproducible.PROCESS_FLAGS["cpu"][0]).strip()
@@ -149,6 +161,8 @@ def start_without_fma() -> None:
 
 def same_bits_across_device_counts(platform: str) -> tuple[bool, str]:
   """(whether the demo's losses are bit-identical on 1, 2, 4 and 8 devices here, why)."""
+  from dtenjax._src.planning import reproducible
+
   if platform != "cpu":
     return False, ("losses compared bit for bit across runs; across device counts the "
                    "all-reduced gradients are reproducible, the losses are checked on CPU only")
@@ -166,6 +180,10 @@ def microbatch_invariance(params, xb, yb, counts=(8, 4, 2, 1)) -> dict[int, str]
   one device as a device of an ``8 // k``-device mesh computes its share (``lax.map`` over ``k``
   micro-batches, the step's own loop and function), for each ``k`` in ``counts``. Equal digests
   mean that what the reproducible all-reduce sums does not depend on the device count here."""
+  import jax
+
+  from dtenjax._src.planning import reproducible
+
   def grads(p, x, y):
     return jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(p, *b), (x, y))
 
@@ -183,6 +201,12 @@ def microbatch_invariance(params, xb, yb, counts=(8, 4, 2, 1)) -> dict[int, str]
 
 def train(steps: int, batch: int, placement: Placement, data, seed: int = 0,
           progress: bool = True, lr: float = 3e-3, jit=None):
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from dtenjax._src.planning.placement import shard
+
   (xtr, ytr), _ = data
   mesh = placement.resolved_mesh()
   axes = tuple(mesh.axis_names)
@@ -198,9 +222,11 @@ def train(steps: int, batch: int, placement: Placement, data, seed: int = 0,
   rng = np.random.default_rng(seed)
   losses = np.zeros(steps, np.float32)
   bar = None
-  if progress:
-    from rich.progress import Progress  # pylint: disable=g-import-not-at-top
-    bar = Progress(transient=False)
+  if progress and sys.stderr.isatty():   # on the terminal's stderr; nothing in a log or a pipe
+    from rich.console import Console
+    from rich.progress import Progress
+    bar = Progress(console=Console(stderr=True), transient=False,
+                   redirect_stdout=sys.stdout.isatty())
     task = bar.add_task(f"training seed={seed}", total=steps)
     bar.start()
   micro = batch // MICRO_BATCHES
@@ -225,6 +251,8 @@ def losses_digest(losses: np.ndarray) -> str:
 
 
 def accuracy(params, data) -> float:
+  import jax.numpy as jnp
+
   _, (xte, yte) = data
   pred = np.asarray(jnp.argmax(forward(params, jnp.asarray(xte)), axis=-1))
   return float(np.mean(pred == yte))
@@ -261,7 +289,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--batch", type=_batch, default=128,
                   help=f"global batch, a multiple of {MICRO_BATCHES} (the micro-batch split)")
   ap.add_argument("--seed", type=_at_least(0), default=0)
-  ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+  ap.add_argument("--no-progress", action="store_true",
+                  help="no progress bar (there is none when stderr is not a terminal)")
 
 
 def main(argv=None) -> int:
@@ -272,6 +301,16 @@ def main(argv=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+  import jax
+  import jax.numpy as jnp
+
+  from dtenjax._src import tables
+  from dtenjax._src.planning import explain as explain_lib
+  from dtenjax._src.planning import mesh as mesh_lib
+  from dtenjax._src.planning import reproducible
+  from dtenjax._src.planning.placement import Placement
+  from dtenjax._src.topology.model import Topology
+
   t0 = time.perf_counter()
   start_without_fma()
   devices = jax.devices()

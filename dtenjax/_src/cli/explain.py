@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
   ctx = jax.set_mesh(mesh) if mesh is not None and hasattr(jax, "set_mesh") else (
       contextlib.nullcontext())
   try:
-    with ctx:
+    with ctx, common.status(f"compiling {label}"):
       compiled = jitted.lower(*call_args, **call_kwargs).compile()
   except TypeError as e:
     raise common.UsageError(

@@ -59,12 +59,11 @@ def simulated_devices() -> None:
 
 
 def _version() -> str:
-  from importlib import metadata
-  try:
-    return metadata.version("dtenjax")
-  except metadata.PackageNotFoundError:
-    import dtenjax
-    return dtenjax.__version__
+  """The running package's ``__version__`` (pyproject.toml reads the same line): importing
+  ``dtenjax`` imports no jax (its names load on first use), and nothing here imports the
+  commands' heavy modules, so ``--version`` and ``--help`` answer without starting jax."""
+  import dtenjax
+  return dtenjax.__version__
 
 
 def _plain(text: str | None) -> str | None:

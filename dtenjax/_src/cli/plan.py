@@ -64,6 +64,9 @@ def _plan_json(result) -> dict:
   return {"topology": result.topology,
           "mesh": dict(zip(result.axis_names, result.mesh_shape)),
           "device_ids": list(result.device_ids),
+          "axes": [{"name": a.name, "size": a.size, "link": a.link, "span": a.span,
+                    "alpha_us": a.alpha_us, "bandwidth_gbps": a.bandwidth_gbps,
+                    "source": a.source} for a in result.axes],
           "leaves": [{"path": lf.path, "shape": list(lf.shape), "dtype": lf.dtype,
                       "spec": str(lf.spec), "reason": lf.reason} for lf in result.leaves],
           "cost": cost(result.cost),
@@ -84,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
   budget = args.budget_gib * 2**30 if args.budget_gib else None
   mesh = _mesh(args.mesh, topology or Topology.current(), args.fixture)
   try:
-    result = step_lib.plan(fn, *made, mesh=mesh, topology=topology, memory_budget=budget,
-                           donate=args.donate)
+    with common.status(f"planning {args.target}: tracing it, pricing every mesh"):
+      result = step_lib.plan(fn, *made, mesh=mesh, topology=topology, memory_budget=budget,
+                             donate=args.donate)
   except errors.PlacementError as e:
     if isinstance(e.__cause__, Exception) and not isinstance(e.__cause__, errors.DtenjaxError):
       raise common.user_code_failed(f"tracing {args.target}", e.__cause__) from None
@@ -99,5 +103,7 @@ def run(args: argparse.Namespace) -> int:
   common.write_json(args, _plan_json(result))
   if args.check:
     print()
-    print(result.check(fn, *made).table())
+    with common.status(f"compiling {args.target} with the plan's shardings"):
+      check = result.check(fn, *made)
+    print(check.table())
   return 0

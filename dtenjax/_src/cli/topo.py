@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     topology = Topology.detect()
   if args.probe:
     try:
-      topology = topology.probe()
+      with common.status("probing the links between the devices"):
+        topology = topology.probe()
     except errors.TopologyError as e:
       if args.fixture or args.load:     # a topology of other devices: the arguments clash
         raise common.UsageError(f"--probe measures this machine's devices: {e}") from None

@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec
 
 from dtenjax._src import errors
 from dtenjax._src import jaxapi
+from dtenjax._src import tables
 from dtenjax._src.collectives import api as collectives
 from dtenjax._src.compression import topk
 
@@ -182,13 +183,13 @@ class CompressionPlan:
     return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
 
   def table(self) -> str:
-    rows = [f"{'leaf':<32} {'n':>10} {'k':>9} {'mode':>6} {'bytes/dev':>12} {'dense':>12}"]
-    for l in self.leaves:
-      rows.append(f"{l.path:<32} {l.n:>10} {l.k:>9} {l.mode:>6} {l.bytes_sent:>12.0f} "
-                  f"{l.dense_bytes:>12.0f}")
-    rows.append(f"{'total':<32} {'':>10} {'':>9} {'':>6} {self.bytes_sent:>12.0f} "
-                f"{self.dense_bytes:>12.0f}  ({self.compression:.1f}x less)")
-    return "\n".join(rows)
+    """One row per leaf (``k`` of its ``n`` values sent, the bytes each device sends and the
+    dense all-reduce's), then the total and the compression."""
+    rows = [(l.path, l.n, l.k, l.mode, f"{l.bytes_sent:.0f}", f"{l.dense_bytes:.0f}")
+            for l in self.leaves]
+    rows.append(("total", "", "", "", f"{self.bytes_sent:.0f}", f"{self.dense_bytes:.0f}"))
+    return (tables.render(["leaf", "n", "k", "mode", "bytes/dev", "dense"], rows)
+            + f"\ncompression: {self.compression:.1f}x fewer bytes than the dense all-reduce")
 
 
 def _leaf_plan(path: str, shape, dtype, ratio: float, num_devices: int) -> LeafPlan:

@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dtenjax._src import hlo
+from dtenjax._src import tables
 from dtenjax._src.gpu import graph_policy as gp
 
 _NOOPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
@@ -247,37 +248,34 @@ class GraphReport:
         "splitters": [dataclasses.asdict(s) for s in self.splitters],
     }
 
-  def table(self):
-    """A rich Table: one row per graph / op run outside / splitting op."""
-    from rich.table import Table  # pylint: disable=g-import-not-at-top
+  def table(self) -> str:
+    """A summary line, one row per graph / op run outside / splitting op (``?``: a count the
+    compiled module does not give), and where the rows come from."""
     note = ("" if self.applies else
-            f" — command buffers do not apply on {self.platform}; rows show what a GPU would capture")
+            f" -- command buffers do not apply on {self.platform}; rows show what a GPU would "
+            "capture")
     what = "PREDICTED (not observed)" if self.is_prediction else "observed in the compiled HLO"
     fmt = lambda v: "?" if v is None else str(v)
-    t = Table(title=(f"CUDA graphs, {what}, policy {self.policy.mode} "
-                     f"({self.policy.describe()}): {self.ops_inside} ops in {self.num_graphs} "
-                     f"graphs, {self.ops_outside} outside; per step "
-                     f"{fmt(self.graph_launches_per_step())} graph launches + "
-                     f"{fmt(self.ops_outside_per_step())} ops launched one by one{note}"),
-              caption=SOURCES[self.source] + (f"; {self.reason}" if self.reason else ""))
-    for col in ("#", "where", "ops", "x/step", "first .. last", "why"):
-      t.add_column(col)
+    title = (f"CUDA graphs, {what}, policy {self.policy.mode} ({self.policy.describe()}): "
+             f"{self.ops_inside} ops in {self.num_graphs} graphs, {self.ops_outside} outside; "
+             f"per step {fmt(self.graph_launches_per_step())} graph launches + "
+             f"{fmt(self.ops_outside_per_step())} ops launched one by one{note}")
+    rows = []
     for i, s in enumerate(self.segments):
       span = s.ops[0] if len(s.ops) == 1 else f"{s.ops[0]} .. {s.ops[-1]}"
       where = ("graph" if s.captured else "outside") + (f" ({s.computation})" if s.computation
                                                         else "")
-      t.add_row(str(i), where, str(len(s.ops)), fmt(s.repeat), span, s.reason)
+      rows.append((i, where, len(s.ops), fmt(s.repeat), span, s.reason))
     for sp in self.splitters:
-      t.add_row("-", "splits" + (f" ({sp.computation})" if sp.computation else ""), "1",
-                fmt(sp.repeat), f"{sp.op} ({sp.what})", sp.reason)
-    return t
+      rows.append(("-", "splits" + (f" ({sp.computation})" if sp.computation else ""), 1,
+                   fmt(sp.repeat), f"{sp.op} ({sp.what})", sp.reason))
+    text = tables.render(["#", "where", "ops", "x/step", "first .. last", "why"], rows,
+                         align=["right", "left", "right", "right", "left", "left"], title=title)
+    return text + "\n" + SOURCES[self.source] + (f"; {self.reason}" if self.reason else "")
 
-  def render(self, width: int = 160) -> str:
-    from rich.console import Console  # pylint: disable=g-import-not-at-top
-    console = Console(width=width, record=True, file=None, force_terminal=False)
-    with console.capture() as cap:
-      console.print(self.table())
-    return cap.get()
+  def render(self) -> str:
+    """The report as text (:meth:`table`)."""
+    return self.table()
 
   def __str__(self) -> str:
     return self.render()

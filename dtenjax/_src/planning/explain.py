@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from dtenjax._src import hlo
+from dtenjax._src import tables
 from dtenjax._src.gpu import p2p
 from dtenjax._src.planning import costmodel
 from dtenjax._src.topology.model import Topology
@@ -60,8 +61,8 @@ class Explanation:
     return sum(1 for c in self.collectives if kind is None or c.kind == kind)
 
   def table(self) -> str:
-    lines = [f"{'#':>3} {'collective':<22} {'operands':<20} {'bytes':>10} {'groups':<34} "
-             f"{'predicted (us)':>14}  jax op"]
+    """One row per collective of the compiled step, then the totals and the compiled memory."""
+    rows = []
     for i, c in enumerate(self.collectives):
       groups = _groups_text(c.groups, pairs=c.kind == "ppermute") or (
           "-" if c.kind.startswith("custom:") else "(all)")
@@ -70,10 +71,13 @@ class Explanation:
       else:
         operands = f"{c.dtype}[{','.join(map(str, c.shape))}]"
       kind = c.kind + (" (async)" if c.done else "")
-      lines.append(f"{i:>3} {kind:<22} {operands:<20} {c.nbytes:>10} {groups:<34} "
-                   f"{c.predicted_s * 1e6:>14.1f}  {c.op_name[-40:]}")
+      rows.append((i, kind, operands, c.nbytes, groups, f"{c.predicted_s * 1e6:.1f}",
+                   c.op_name[-40:]))
+    lines = [tables.render(["#", "collective", "operands", "bytes", "groups", "predicted (us)",
+                            "jax op"], rows,
+                           align=["right", "left", "left", "right", "left", "right", "left"])]
     if not self.collectives:
-      lines.append("    (no collectives)")
+      lines.append("  (no collectives)")
     lines.append(f"total predicted communication: {self.total_predicted_s * 1e6:.1f} us "
                  f"({len(self.collectives)} collectives, topology {self.topology}, HLO read "
                  f"from {self.source or '?'})")

@@ -38,6 +38,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
+from dtenjax._src import tables
 from dtenjax._src.topology.model import Topology
 
 STRATEGIES = ("2d", "row", "col", "replicate")     # also the tie-break order
@@ -54,12 +55,17 @@ def set_all_reduce_time(price: AllReduceTime) -> None:
 
   The planner sits below the collectives layer and prices all-reduces with its algorithm
   registry, which it takes as an argument rather than importing: ``collectives/api.py`` installs
-  ``algorithm="auto"``'s own chooser here when it is imported (importing any dtenjax module
-  imports ``dtenjax``, hence it, first)."""
+  ``algorithm="auto"``'s own chooser here when it is imported (``dtenjax.all_reduce``'s module;
+  :func:`_default_all_reduce_time` loads it through the package when nothing has yet)."""
   _all_reduce_time["default"] = price
 
 
 def _default_all_reduce_time() -> AllReduceTime:
+  if "default" not in _all_reduce_time:
+    # dtenjax loads its public names on first use (dtenjax/__init__.py): a caller of the _src
+    # modules may not have used one yet, so load the one that installs the price.
+    import dtenjax
+    _ = dtenjax.all_reduce        # importing its module installs the price
   try:
     return _all_reduce_time["default"]
   except KeyError:
@@ -125,15 +131,15 @@ class ArrayPlan:
   reason: str
 
   def table(self) -> str:
-    rows = [f"{'strategy':<10} {'spec':<22} {'time (us)':>10} {'comm (us)':>10} "
-            f"{'mem/dev (MiB)':>14}  note"]
-    for c in self.candidates:
-      mark = "*" if c.strategy == self.strategy else " "
-      t = f"{c.time_s * 1e6:10.1f}" if c.feasible else f"{'-':>10}"
-      cm = f"{c.comm_s * 1e6:10.1f}" if c.feasible else f"{'-':>10}"
-      rows.append(f"{mark}{c.strategy:<9} {str(c.spec):<22} {t} {cm} "
-                  f"{c.memory_bytes / 2**20:14.2f}  {c.note}")
-    return "\n".join(rows) + f"\n=> {self.strategy}: {self.reason}"
+    """Every candidate's cost (``*`` marks the chosen one; ``-``: it does not fit), then the
+    choice and why."""
+    rows = [(("*" if c.strategy == self.strategy else " ") + c.strategy, str(c.spec),
+             f"{c.time_s * 1e6:.1f}" if c.feasible else None,
+             f"{c.comm_s * 1e6:.1f}" if c.feasible else None,
+             f"{c.memory_bytes / 2**20:.2f}", c.note) for c in self.candidates]
+    text = tables.render(["strategy", "spec", "time (us)", "comm (us)", "mem/dev (MiB)", "note"],
+                         rows, align=["left"] * 2 + ["right"] * 3 + ["left"])
+    return text + f"\n=> {self.strategy}: {self.reason}"
 
 
 def _axes(mesh_shape: Sequence[int], axis_names: Sequence[str]):

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
+from dtenjax._src import tables
 from dtenjax._src.planning import check as check_lib
 from dtenjax._src.planning import gather
 from dtenjax._src.planning.candidates import AxisLink
@@ -158,28 +159,31 @@ class StepPlan:
     budget = f"{self.budget_bytes / gib:.1f} GiB" if self.budget_bytes else "unknown"
     lines.append(f"memory per device (GiB): {mem} (budget {budget})")
     lines.append("")
-    lines.append(f"{'recipe':<12} {'mesh':<34} {'step (ms)':>10} {'exposed':>9} "
-                 f"{'mem (GiB)':>10}  note")
-    rows = [Alternative("chosen", dict(zip(self.axis_names, self.mesh_shape)), self.cost)]
-    for r in rows + list(self.recipes):
-      if r.cost is None:
-        lines.append(f"{r.name:<12} {str(r.mesh_shape):<34} {'-':>10} {'-':>9} {'-':>10}  "
-                     f"{r.note}")
-        continue
-      fit = "" if r.cost.fits else "does not fit; "
-      lines.append(f"{r.name:<12} {str(r.mesh_shape):<34} {r.cost.total_s * 1e3:10.3f} "
-                   f"{r.cost.exposed_s * 1e3:9.3f} {r.cost.memory['total'] / gib:10.3f}  "
-                   f"{fit}{r.note}")
+    lines.append(_recipe_table(
+        [Alternative("chosen", dict(zip(self.axis_names, self.mesh_shape)), self.cost)]
+        + list(self.recipes)))
     lines.append("")
-    width = max((len(lp.path) for lp in self.leaves), default=4)
-    lines.append(f"{'leaf':<{width}} {'shape':<18} {'spec':<28} reason")
-    for lp in self.leaves:
-      lines.append(f"{lp.path:<{width}} {str(lp.shape):<18} {str(lp.spec):<28} {lp.reason}")
+    lines.append(tables.render(["leaf", "shape", "spec", "reason"],
+                               [(lp.path, str(lp.shape), str(lp.spec), lp.reason)
+                                for lp in self.leaves], align=["left"] * 4))
     lines.extend(self.notes)
     return "\n".join(lines)
 
   def __str__(self) -> str:
     return self.table()
+
+
+def _recipe_table(alternatives) -> str:
+  """The chosen layout beside each recipe: step time, exposed communication, memory (``-``:
+  not priced)."""
+  gib, rows = 2**30, []
+  for r in alternatives:
+    c = r.cost
+    rows.append((r.name, str(r.mesh_shape)) + ((None, None, None, r.note) if c is None else (
+        f"{c.total_s * 1e3:.3f}", f"{c.exposed_s * 1e3:.3f}", f"{c.memory['total'] / gib:.3f}",
+        ("" if c.fits else "does not fit; ") + r.note)))
+  return tables.render(["recipe", "mesh", "step (ms)", "exposed", "mem (GiB)", "note"], rows,
+                       align=["left", "left", "right", "right", "right", "left"])
 
 
 def report(graph, prob: Problem, choice, cost, recipes, budget, topology, seconds, tried,

@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from dtenjax._src import tables
+
 
 @dataclasses.dataclass(frozen=True)
 class BufferRow:
@@ -40,10 +42,12 @@ class MemoryPlan:
   xla: dict[str, int]         # compiled.memory_analysis() fields, when available
 
   def table(self) -> str:
-    lines = [f"{'id':>4} {'shape':>18} {'dtype':>8} {'bytes':>10} {'live':>11} {'slot':>4}  op"]
-    for r in self.rows:
-      lines.append(f"{r.buffer_id:>4} {str(r.shape):>18} {r.dtype:>8} {r.nbytes:>10} "
-                   f"{f'[{r.start},{r.end}]':>11} {r.slot:>4}  {r.producer}")
+    """One row per buffer (``live``: the equations from its definition to its last read), then
+    the totals and XLA's own numbers."""
+    rows = [(r.buffer_id, str(r.shape), r.dtype, r.nbytes, f"[{r.start},{r.end}]", r.slot,
+             r.producer) for r in self.rows]
+    lines = [tables.render(["id", "shape", "dtype", "bytes", "live", "slot", "op"], rows,
+                           align=["right"] * 6 + ["left"])]
     lines.append(f"peak live {self.peak_live_bytes} B, planned {self.planned_bytes} B with "
                  f"reuse, {self.naive_bytes} B without")
     if self.xla:

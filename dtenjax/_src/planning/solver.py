@@ -277,8 +277,8 @@ def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
       for ci, fl in fs.items():
         rows.append(r)
         cols.append(index[(gi, ci)])
-        vals.append(fl)
-    lo.append(SPLIT_SHARE * total)
+        vals.append(fl / total)      # shares: HiGHS refuses coefficients above 1e15 (8B: flops)
+    lo.append(SPLIT_SHARE)
     hi.append(np.inf)
     r += 1
   for gi, cands in enumerate(prob.cands):                 # one layout per group

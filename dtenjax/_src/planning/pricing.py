@@ -41,6 +41,9 @@ class Price:
   # and the backward (a rematerialised read: one layer of a scanned stack); the step's peak is the
   # largest of these, not their sum
   gathered_peak: float = 0.0
+  # a role's factor on the time of the products it takes part in (a pipeline's bubble and
+  # recomputed forward, set by roles.stage)
+  compute_scale: float = 1.0
 
 
 def acc(where: dict[str, float], key: str, value: float) -> None:
@@ -109,13 +112,15 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   primary = leaves[0]
   used = lay.used()
   shards = math.prod(m.size[a] for a in used)
-  t_shard = m.size["tensor"] if "tensor" in used else 1
+  # the axes sharding it that do not split the batch ('tensor', a pipeline's 'stage') divide the
+  # gradient each device computes; the batch axes only split the work
+  g_shard = math.prod(m.size[a] for a in used if a not in BATCH_AXES)
   zero = [a for a in BATCH_AXES if a in used and m.size[a] > 1]
   batch = [a for a in BATCH_AXES if m.size[a] > 1]
   pr = Price()
   dtype = primary.dtype
   use = graph.weights.get(primary.index)
-  grad = primary.nbytes / t_shard
+  grad = primary.nbytes / g_shard
   # a leaf both looked up (gather) and multiplied (tied embeddings) has two gradient parts,
   # which XLA synchronises separately before adding them (seen on XLA:CPU)
   parts = 2 if (use is not None and primary.index in graph.gathered) else 1
@@ -188,7 +193,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     for (leaf, k), f in graph.carried.items():
       if leaf == primary.index:
         flops += f / (m.size["tensor"] if pr.tp == ("col", k) else 1)
-    pr.compute = flops / batch_div / m.peak_flops
+    pr.compute = flops / batch_div / m.peak_flops * pr.compute_scale
   # the optimizer's update reads the parameter, its gradient and its moments and writes the
   # parameter and moments: each device updates its shard only (the work FSDP saves beside memory)
   update_bytes = (2 * sum(lf.nbytes for lf in leaves) + primary.nbytes) / shards

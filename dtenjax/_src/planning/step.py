@@ -58,6 +58,7 @@ from dtenjax._src.planning.result import StepPlan as StepPlan
 from dtenjax._src.planning.result import report
 from dtenjax._src.planning.roles import AXES as AXES
 from dtenjax._src.planning.roles import BATCH_AXES as BATCH_AXES
+from dtenjax._src.planning.roles import stage as stage_role
 from dtenjax._src.planning.solver import Problem
 from dtenjax._src.planning.solver import evaluate
 from dtenjax._src.planning.solver import make_problem
@@ -193,7 +194,8 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
              _box_pins(args, rules).items()},
           **{k: (v, "pinned by you") for k, v in _pinned_specs(pinned, args).items()}}
   graph = stepgraph.read_step(step, args, batch_argnums)
-  topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology)
+  stack = graph.stack()
+  topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology, stack[0] if stack else 0)
   if recipe is not None:
     island = min((len(i) for i in topology.fast_islands()), default=1)
     shapes = [recipe_shape(recipe, len(ids), island)]
@@ -202,7 +204,10 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   ordered = order(topology, ids)
   problems: list[tuple[tuple[int, int, int], Problem]] = []
   for shape in shapes:
-    m = CandidateMesh(shape, np.asarray(ordered).reshape(shape), topology)
+    m = _with_pipeline(CandidateMesh(shape, np.asarray(ordered).reshape(shape), topology), graph,
+                       budget, fixed_mesh is not None)
+    if m is None:
+      continue
     prob = make_problem(graph, m, price, pins, overlap, donate)
     if prob is not None:
       problems.append((shape, prob))
@@ -270,12 +275,20 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
         f"{len(ids)} devices of {topology.name!r}: the smallest needs {floor / gib:.4g} GiB "
         f"(mesh {dict(zip(AXES, shape))}), {(floor - budget) / gib:.4g} GiB short. Use more "
         "devices, a smaller batch per step, jax.checkpoint (remat) on the layers, or pipeline "
-        "stages (dtenjax.pipeline; the planner does not choose stages)")
+        "stages (dtenjax.pipeline; the planner tries them across hosts for a step whose layers "
+        "are a lax.scan over stacked weights, or give mesh={'stage': k, ...})")
   _, shape, prob, choice, cost = best
+  recipes += _stage_alternatives(solved, prob)
   chosen = report(graph, prob, choice, cost, tuple(recipes), budget, topology,
                   time.perf_counter() - t0, len(problems), args, donate)
+  chosen = dataclasses.replace(chosen, notes=chosen.notes + _stage_notes(graph, topology, ids,
+                                                                         solved, prob, cost))
   if not measure or recipe is not None:
     return chosen
+  if chosen.pipeline is not None:
+    return dataclasses.replace(chosen, notes=chosen.notes + (
+        "measure: not timed: plan.jit cannot run a pipeline plan (write the step with "
+        "dtenjax.pipeline); the cost model chose it",))
   return _measured(chosen, step, args, 6 if measure is True else int(measure),
                    dict(mesh=mesh, topology=topology, memory_budget=memory_budget,
                         batch_argnums=batch_argnums, pinned=pinned, rules=rules,
@@ -306,7 +319,79 @@ def _is_real(x) -> bool:
       math.isfinite(x))
 
 
-def _resolve_mesh(mesh, topology):
+def _with_pipeline(m: CandidateMesh, graph, budget: float, fixed: bool) -> CandidateMesh | None:
+  """``m`` with its pipeline (roles.stage.choose) when it has a 'stage' axis; None when it cannot
+  run one (a mesh the user gave then gets an error saying why)."""
+  if m.size.get("stage", 1) <= 1:
+    return m
+  pipe = stage_role.choose(graph, m, budget)
+  if pipe is not None:
+    return dataclasses.replace(m, pipeline=pipe)
+  if not fixed:
+    return None
+  stack = graph.stack()
+  why = ("the step has no lax.scan over stacked layers (dtenjax.pipeline splits such a stack)"
+         if stack is None else
+         f"its scanned stack has {stack[0]} layers, which do not split into {m.size['stage']} "
+         f"equal stages (stage counts that divide: "
+         f"{[k for k in range(1, stack[0] + 1) if stack[0] % k == 0]})" if stack[0] % m.size["stage"]
+         else "its batch has fewer rows per pipeline than one per micro-batch")
+  raise errors.PlacementError(
+      f"plan: mesh {dict(m.size)} has a 'stage' axis of {m.size['stage']}, but {why}; give a mesh "
+      "without 'stage' (or stage 1), or write the step's layers as a lax.scan over stacked "
+      "weights")
+
+
+def _stage_alternatives(solved, prob: Problem) -> list[Alternative]:
+  """The best plan on the other side of the stage question (with stages when the chosen has
+  none, without when it has them), for the report."""
+  staged = prob.m.pipeline is not None
+  other = [(s, p, c) for s, p, _, c in solved if (p.m.pipeline is not None) != staged]
+  if not other:
+    return []
+  shape, p, cost = min(other, key=lambda x: (round(x[2].total_s, 12), x[2].memory["total"]))
+  if staged:
+    return [Alternative("no stages", dict(zip(AXES, shape)), cost,
+                        "the best plan without a pipeline")]
+  pipe = p.m.pipeline
+  return [Alternative("pipeline", dict(zip(AXES, shape)), cost,
+                      f"{pipe.microbatches} micro-batches, {pipe.schedule!r}, bubble "
+                      f"{pipe.chosen.cost.bubble:.3f}")]
+
+
+def _stage_notes(graph, topology: Topology, ids, solved, prob: Problem,
+                 cost: StepCost) -> tuple[str, ...]:
+  """Why the plan has a pipeline or not, with the numbers."""
+  if prob.m.pipeline is not None:
+    best_flat = min((c for _, p, _, c in solved if p.m.pipeline is None),
+                    key=lambda c: c.total_s, default=None)
+    head = "pipeline chosen"
+    if best_flat is not None:
+      head += (f": {prob.m.pipeline.stages} stages price the step at "
+               f"{cost.total_s * 1e3:.3f} ms "
+               f"against {best_flat.total_s * 1e3:.3f} ms for the best plan without stages "
+               f"(whose exposed communication is {best_flat.exposed_s * 1e3:.3f} ms)")
+    return (head,) + tuple(stage_role.summary(prob.m.pipeline))
+  staged = [(p, c) for _, p, _, c in solved if p.m.pipeline is not None]
+  if staged:
+    p, c = min(staged, key=lambda x: x[1].total_s)
+    return (f"no pipeline: the best with stages ({p.m.pipeline.stages} stages, "
+            f"{p.m.pipeline.microbatches} micro-batches, {p.m.pipeline.schedule!r}, bubble "
+            f"{p.m.pipeline.chosen.cost.bubble:.3f}, sends {p.m.pipeline.chosen.send_s * 1e3:.3f}"
+            f" ms) prices the step at {c.total_s * 1e3:.3f} ms, slower than the plan's",)
+  stack = graph.stack()
+  hosts = len([h for h in topology.hosts() if any(i in set(ids) for i in h)])
+  if stack is None:
+    why = "the step has no lax.scan over stacked layers to split into stages"
+  elif hosts <= 1:
+    why = "all devices are on one host (stages are tried across hosts only)"
+  else:
+    why = (f"no stage count of at most {stage_role.MAX_STAGES} divides both the {stack[0]} "
+           f"layers and the {hosts} hosts, or no such mesh fits or splits the batch")
+  return (f"no pipeline: {why}",)
+
+
+def _resolve_mesh(mesh, topology, layers: int = 0):
   if isinstance(mesh, Mesh):
     names = tuple(mesh.axis_names)
     unknown = [n for n in names if n not in AXES]
@@ -341,4 +426,4 @@ def _resolve_mesh(mesh, topology):
   if mesh is not None:
     raise errors.PlacementError(f"plan: mesh={mesh!r} must be None, a dict of axis sizes or a "
                                 "jax.sharding.Mesh")
-  return topology, ids, mesh_shapes(len(ids), topology, ids), None
+  return topology, ids, mesh_shapes(len(ids), topology, ids, layers), None

@@ -35,6 +35,9 @@ class Role:
   # (MeshContext) -> the axis sizes worth trying, given the roles inside it; None: the axis takes
   # the devices the others leave (one role, the outermost: data)
   sizes: Callable[["MeshContext"], list[int]] | None = None
+  # a group it offers an option for must take one (on a mesh where its axis has more than one
+  # device): a pipeline's stages hold every layer of the stack, none holds them all
+  mandatory: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,7 @@ class MeshContext:
   inner: int
   island: int
   per_host: int
+  layers: int = 0            # the length of the step's longest scanned stack (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,3 +69,4 @@ class LeafContext:
   lookup: Any                # (indexed dims, bytes) when only gathers read it, else None
   gathered: bool             # read by a gather (an embedding table), maybe also by a product
   size: int                  # the role's mesh axis size
+  stacked: int | None = None  # the dimension a scan over the step's stack of layers slices

@@ -62,6 +62,7 @@ from dtenjax._src.planning.placement import tensor as tensor
 from dtenjax._src.planning.planner import ArrayPlan as ArrayPlan
 from dtenjax._src.planning.planner import Workload as Workload
 from dtenjax._src.planning.reproducible import reproducible_step as reproducible_step
+from dtenjax._src.planning.result import PipelinePlan as PipelinePlan
 from dtenjax._src.planning.step import StepPlan as StepPlan
 from dtenjax._src.planning.step import plan as plan
 from dtenjax._src.serving.scheduler import GraphScheduler as GraphScheduler
@@ -95,6 +96,7 @@ __all__ = [
     "OneFOneB",
     "Pipeline",
     "PipelineCost",
+    "PipelinePlan",
     "PipelineTransport",
     "Placement",
     "PlacementError",

@@ -28,7 +28,7 @@ PUBLIC = {
     "elastic", "ProcessLostError",
     # pipeline parallelism
     "pipeline", "Pipeline", "Schedule", "GPipe", "OneFOneB", "Interleaved", "pipeline_cost",
-    "PipelineCost", "pipeline_transport", "PipelineTransport",
+    "PipelineCost", "pipeline_transport", "PipelineTransport", "PipelinePlan",
 }
 
 

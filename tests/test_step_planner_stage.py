@@ -33,7 +33,8 @@ def _inter_host(topo, factor):
 
 
 def _stage_specs(plan):
-  return {lp.path: lp.spec for lp in plan.leaves if "layers" in lp.path and lp.path.startswith("[0]")}
+  return {lp.path: lp.spec for lp in plan.leaves
+          if "layers" in lp.path and lp.path.startswith("[0]")}
 
 
 def test_roce_cluster_plans_a_pipeline_for_70b_and_says_why():
@@ -95,9 +96,9 @@ def test_the_pipeline_is_priced_per_schedule_from_pipeline_cost():
   assert one.live_inputs < 2 * 4 and gpipe.live_inputs == 8
 
 
-@pytest.mark.parametrize("fixture", ["h100_256", "h100_1024"])
-def test_slow_inter_host_links_get_stages_and_the_fixtures_links_do_not(fixture):
-  topo = dtenjax.Topology.fixture(fixture)
+def test_slow_inter_host_links_get_stages_and_the_fixtures_links_do_not():
+  """8B on h100_256 (h100_1024 plans alike, docs/planner.md; one cluster keeps the test short)."""
+  topo = dtenjax.Topology.fixture("h100_256")
   step, args = models.llama_step("8b", batch=topo.num_devices, seq=2048, remat=True,
                                  dtype=jnp.bfloat16)
   fast = dtenjax.plan(step, *args, topology=topo)
@@ -114,7 +115,7 @@ def test_slow_inter_host_links_get_stages_and_the_fixtures_links_do_not(fixture)
 
 
 def test_a_faster_link_removes_the_70b_stages():
-  topo = dtenjax.Topology.fixture("h100_256")
+  topo = dtenjax.Topology.fixture("h100_64")
   step, args = decoder_70b(batch=topo.num_devices)
   slow = dtenjax.plan(step, *args, topology=_inter_host(topo, 4.0))
   fast = dtenjax.plan(step, *args, topology=_inter_host(topo, 0.5))
@@ -145,7 +146,7 @@ def test_never_more_stages_than_layers():
 
 # --- the planned pipeline runs ------------------------------------------------------------------
 
-LAYERS, D, VOCAB, SEQ, BATCH = 8, 16, 32, 8, 32
+LAYERS, D, VOCAB, SEQ, BATCH = 4, 8, 16, 4, 16
 
 
 def _body(h, w):
@@ -179,10 +180,10 @@ def test_the_planned_pipeline_runs_to_the_unpipelined_loss():
             "layers": {"w1": normal(LAYERS, D, D), "w2": normal(LAYERS, D, D)}}
   opt_state = TX.init(params)
   tokens = jnp.asarray(rng.integers(0, VOCAB, (BATCH, SEQ + 1)), jnp.int32)
-  plan = dtenjax.plan(_step, params, opt_state, tokens, mesh={"stage": 4, "data": 2})
+  plan = dtenjax.plan(_step, params, opt_state, tokens, mesh={"stage": 2, "data": 4})
   pipe_plan = plan.pipeline
-  assert pipe_plan is not None and pipe_plan.stages == 4 and pipe_plan.layers == LAYERS
-  assert (BATCH // 2) % pipe_plan.microbatches == 0
+  assert pipe_plan is not None and pipe_plan.stages == 2 and pipe_plan.layers == LAYERS
+  assert (BATCH // 4) % pipe_plan.microbatches == 0
   specs = plan.specs
   assert specs[0]["layers"] == {"w1": P("stage"), "w2": P("stage")}
   assert specs[2] == P("data")

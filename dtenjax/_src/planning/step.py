@@ -365,8 +365,9 @@ def _stage_notes(graph, topology: Topology, ids, solved, prob: Problem,
   if prob.m.pipeline is not None:
     best_flat = min((c for _, p, _, c in solved if p.m.pipeline is None),
                     key=lambda c: c.total_s, default=None)
-    head = "pipeline chosen"
+    head = "pipeline chosen: no plan without stages fits the budget and splits the batch"
     if best_flat is not None:
+      head = "pipeline chosen"
       head += (f": {prob.m.pipeline.stages} stages price the step at "
                f"{cost.total_s * 1e3:.3f} ms "
                f"against {best_flat.total_s * 1e3:.3f} ms for the best plan without stages "

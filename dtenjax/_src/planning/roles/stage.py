@@ -224,8 +224,9 @@ def summary(pipe: Choice) -> list[str]:
   lines = [f"pipeline: {pipe.layers} layers in {pipe.stages} stages of "
            f"{pipe.layers // pipe.stages} over 'stage' ({pipe.link}), {c.microbatches} "
            f"micro-batches, {c.schedule!r}: bubble {c.cost.bubble:.3f}, {c.cost.ticks} ticks, "
-           f"{c.cost.live_inputs} inputs held; the stack's compute {c.compute_s * 1e3:.3f} ms "
-           f"(unpipelined on this mesh {pipe.plain_compute_s * 1e3:.3f} ms); sends "
+           f"{c.cost.live_inputs} inputs held; the stack's compute per device "
+           f"{c.compute_s * 1e3:.3f} ms (every layer on one device for the same batch: "
+           f"{pipe.plain_compute_s * 1e3:.3f} ms); sends "
            f"{2 * c.cost.ticks} x {pipe.send_bytes / 2**20:.3f} MiB = {c.send_s * 1e3:.3f} ms"]
   lines.append(f"  {'schedule':<24} {'micro':>5} {'bubble':>7} {'ticks':>6} {'compute ms':>11} "
                f"{'sends ms':>9} {'act GiB':>8}")

@@ -140,8 +140,10 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     *args: example arguments: arrays or ``jax.ShapeDtypeStruct`` pytrees (``jax.eval_shape`` of
       the init gives them without allocating).
     mesh: None to let the planner propose the mesh; a dict ``{"data": 2, "fsdp": 4}`` of axis
-      sizes (axes among ``data``, ``fsdp``, ``tensor``) to plan on that shape; or a
-      ``jax.sharding.Mesh`` whose axes are named among those.
+      sizes (axes among ``data``, ``stage``, ``fsdp``, ``tensor``) to plan on that shape; or a
+      ``jax.sharding.Mesh`` whose axes are named among those. A ``stage`` axis of more than one
+      device runs the step's scanned stack of layers as a pipeline (``plan.pipeline``: write the
+      step with :func:`dtenjax.pipeline`); proposed meshes try stages of whole hosts.
     topology: the hardware (default: ``Topology.current()``; a fixture plans for a machine you
       are not on).
     memory_budget: bytes per device; default the smallest device memory less
@@ -263,9 +265,10 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   if best is None and shortfall is None:
     raise errors.PlacementError(
         f"plan: every mesh of {len(ids)} devices tried "
-        f"({[dict(zip(AXES, s)) for s, _ in problems]}) has a 'tensor' axis over which too "
-        "little of this step's weights can be sharded: its devices would compute the same step "
-        "on the same data. Give a mesh without 'tensor' (mesh={'data': "
+        f"({[dict(zip(AXES, s)) for s, _ in problems]}) has an axis that does not split the "
+        "batch ('tensor', or 'stage' over a stack with too little of the step's work) over which "
+        "too little of this step's weights can be sharded: its devices would compute the same "
+        "step on the same data. Give a mesh without it (mesh={'data': "
         f"{len(ids)}}}) or let the planner choose (mesh=None)")
   if best is None:
     gib = 2**30

@@ -104,9 +104,11 @@ def test_slow_inter_host_links_get_stages_and_the_fixtures_links_do_not():
   fast = dtenjax.plan(step, *args, topology=topo)
   assert fast.pipeline is None and dict(zip(fast.axis_names, fast.mesh_shape))["stage"] == 1
   note = next(n for n in fast.notes if n.startswith("no pipeline"))
-  best = next(r for r in fast.recipes if r.name == "pipeline")
-  assert f"{best.cost.total_s * 1e3:.3f} ms, slower than the plan's" in note
-  assert best.cost.total_s > fast.cost.total_s
+  assert note.startswith("no pipeline: the best with stages (") and "slower than the plan's" in note
+  best = next((r for r in fast.recipes if r.name == "pipeline"), None)
+  if best is not None:        # priced in full (else bounded below by its pipeline alone)
+    assert f"{best.cost.total_s * 1e3:.3f} ms, slower than the plan's" in note
+    assert best.cost.total_s > fast.cost.total_s
   slow = dtenjax.plan(step, *args, topology=_inter_host(topo, 4.0))
   assert slow.pipeline is not None and slow.pipeline.stages > 1, slow.table()
   assert slow.pipeline.link == "infiniband"

@@ -205,15 +205,20 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   price = planner._default_all_reduce_time()  # pylint: disable=protected-access
   ordered = order(topology, ids)
   problems: list[tuple[tuple[int, int, int], Problem]] = []
+  staged: list[tuple[tuple[int, ...], CandidateMesh]] = []
+  pruned: list[tuple[float, CandidateMesh]] = []
   for shape in shapes:
     m = _with_pipeline(CandidateMesh(shape, np.asarray(ordered).reshape(shape), topology), graph,
                        budget, fixed_mesh is not None)
     if m is None:
       continue
+    if m.pipeline is not None and fixed_mesh is None:
+      staged.append((shape, m))           # priced after the meshes without stages (see below)
+      continue
     prob = make_problem(graph, m, price, pins, overlap, donate)
     if prob is not None:
       problems.append((shape, prob))
-  if not problems:
+  if not problems and not staged:
     raise errors.PlacementError(
         f"plan: no mesh of {len(ids)} devices divides the batch (batch dimension sizes "
         f"{sorted({graph.leaves[i].shape[0] for i in range(len(graph.leaves)) if graph.leaves[i].is_batch and graph.leaves[i].shape})}); "
@@ -221,7 +226,22 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   best = None
   shortfall = None
   solved = []
-  for shape, prob in problems:
+
+  def to_solve():
+    """The meshes without stages, then those with stages whose pipeline alone (the stack's
+    compute and the sends, a lower bound of their step) beats the best plan so far."""
+    yield from list(problems)
+    for shape, m in sorted(staged, key=lambda x: stage_role.lower_bound(x[1].pipeline)):
+      bound = stage_role.lower_bound(m.pipeline)
+      if best is not None and bound >= best[0][0]:
+        pruned.append((bound, m))
+        continue
+      prob = make_problem(graph, m, price, pins, overlap, donate)
+      if prob is not None:
+        problems.append((shape, prob))
+        yield shape, prob
+
+  for shape, prob in to_solve():
     choice = (solve(prob, graph, budget, proposed=fixed_mesh is None) if recipe is None else
               recipe_choice(prob, graph, recipe))
     if choice is None:
@@ -285,7 +305,8 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   chosen = report(graph, prob, choice, cost, tuple(recipes), budget, topology,
                   time.perf_counter() - t0, len(problems), args, donate)
   chosen = dataclasses.replace(chosen, notes=chosen.notes + _stage_notes(graph, topology, ids,
-                                                                         solved, prob, cost))
+                                                                         solved, prob, cost,
+                                                                         pruned))
   if not measure or recipe is not None:
     return chosen
   if chosen.pipeline is not None:
@@ -363,7 +384,7 @@ def _stage_alternatives(solved, prob: Problem) -> list[Alternative]:
 
 
 def _stage_notes(graph, topology: Topology, ids, solved, prob: Problem,
-                 cost: StepCost) -> tuple[str, ...]:
+                 cost: StepCost, pruned=()) -> tuple[str, ...]:
   """Why the plan has a pipeline or not, with the numbers."""
   if prob.m.pipeline is not None:
     best_flat = min((c for _, p, _, c in solved if p.m.pipeline is None),
@@ -383,6 +404,13 @@ def _stage_notes(graph, topology: Topology, ids, solved, prob: Problem,
             f"{p.m.pipeline.microbatches} micro-batches, {p.m.pipeline.schedule!r}, bubble "
             f"{p.m.pipeline.chosen.cost.bubble:.3f}, sends {p.m.pipeline.chosen.send_s * 1e3:.3f}"
             f" ms) prices the step at {c.total_s * 1e3:.3f} ms, slower than the plan's",)
+  if pruned:
+    bound, m = min(pruned, key=lambda x: x[0])
+    pipe = m.pipeline
+    return (f"no pipeline: the best with stages ({pipe.stages} stages, {pipe.microbatches} "
+            f"micro-batches, {pipe.schedule!r}, bubble {pipe.chosen.cost.bubble:.3f}) needs at "
+            f"least {bound * 1e3:.3f} ms for its stack's compute and sends alone, slower than "
+            f"the plan's {cost.total_s * 1e3:.3f} ms",)
   stack = graph.stack()
   hosts = len([h for h in topology.hosts() if any(i in set(ids) for i in h)])
   if stack is None:

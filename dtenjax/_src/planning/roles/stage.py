@@ -198,6 +198,12 @@ def choose(graph, m, budget: float) -> Choice | None:
                 carry / bdiv / best.microbatches, link, plain)
 
 
+def lower_bound(pipe: Choice) -> float:
+  """Seconds a step on the pipeline's mesh takes at least: the stack's compute (with tensor
+  parallelism splitting all of it) and the sends; the rest of the step only adds."""
+  return pipe.chosen.compute_s + pipe.chosen.send_s
+
+
 def adjust(prob, graph) -> None:
   """The pipeline's terms of a problem on a mesh with stages (``prob.m.pipeline``): the stack's
   leaves laid out over 'stage' only, the products no weight reads stretched like the stack's,

@@ -6,8 +6,10 @@ The parts, one module each:
 * :mod:`~dtenjax._src.planning.stepgraph` reads the step's jaxpr: the weights with the role of
   each dimension (contracted, free, stacked), scan layers and rematerialised reads, lookups,
   the tensor-parallel pairs, the optimizer state tied to each parameter, flops and activations;
-* :mod:`~dtenjax._src.planning.roles` is the registry of mesh axis roles (``data``, ``fsdp``,
-  ``tensor``; outermost first), each with its shard options, axis sizes and collectives;
+* :mod:`~dtenjax._src.planning.roles` is the registry of mesh axis roles (``data``, ``stage``,
+  ``fsdp``, ``tensor``; outermost first), each with its shard options, axis sizes and
+  collectives; ``stage`` splits a scanned stack of layers into pipeline stages across hosts and
+  chooses their schedule and micro-batches (:attr:`StepPlan.pipeline`);
 * :mod:`~dtenjax._src.planning.candidates` proposes meshes (HSDP included) and layouts;
 * :mod:`~dtenjax._src.planning.pricing` prices a layout: collectives per kind for the backend the
   plan is for, with the loop structure (a scanned FSDP stack gathered per layer, twice per step),

@@ -71,6 +71,7 @@ if TYPE_CHECKING:   # the same names as _EXPORTS (tests/test_api.py keeps the tw
   from dtenjax._src.planning.planner import ArrayPlan as ArrayPlan
   from dtenjax._src.planning.planner import Workload as Workload
   from dtenjax._src.planning.reproducible import reproducible_step as reproducible_step
+  from dtenjax._src.planning.result import PipelinePlan as PipelinePlan
   from dtenjax._src.planning.step import StepPlan as StepPlan
   from dtenjax._src.planning.step import plan as plan
   from dtenjax._src.serving.scheduler import GraphScheduler as GraphScheduler
@@ -140,6 +141,7 @@ _EXPORTS = {
     "ArrayPlan": "dtenjax._src.planning.planner:ArrayPlan",
     "Workload": "dtenjax._src.planning.planner:Workload",
     "reproducible_step": "dtenjax._src.planning.reproducible:reproducible_step",
+    "PipelinePlan": "dtenjax._src.planning.result:PipelinePlan",
     "StepPlan": "dtenjax._src.planning.step:StepPlan",
     "plan": "dtenjax._src.planning.step:plan",
     "GraphScheduler": "dtenjax._src.serving.scheduler:GraphScheduler",
@@ -174,6 +176,7 @@ __all__ = [
     "OneFOneB",
     "Pipeline",
     "PipelineCost",
+    "PipelinePlan",
     "PipelineTransport",
     "Placement",
     "PlacementError",

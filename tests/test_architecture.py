@@ -16,9 +16,9 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "dtenjax" / "_src"
 # Package (or base module) -> layer; a module may import its own package and lower layers only.
 LAYERS = {
     "net": 1, "gpu": 1,
-    "topology": 2,
+    "topology": 2, "pipeline": 2,
     "planning": 3,
-    "collectives": 4, "checkpoint": 4, "pipeline": 4,
+    "collectives": 4, "checkpoint": 4,
     "compression": 5, "serving": 5, "elastic": 5,
     "cli": 6,
 }

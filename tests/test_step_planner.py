@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dtenjax
+from dtenjax._src.planning import step as step_lib
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.topology.parts import LinkSpec
 
@@ -111,7 +112,7 @@ def mlp():
   return models.mlp_step(d=256, f=1024, layers=2, batch=32, seq=128)
 
 
-@pytest.mark.parametrize("recipe", dtenjax._src.planning.step.RECIPES)
+@pytest.mark.parametrize("recipe", step_lib.RECIPES)
 def test_predicted_collective_bytes_match_the_compiled_step(mlp, recipe):
   step, args = mlp
   plan = dtenjax.plan(step, *args, recipe=recipe)

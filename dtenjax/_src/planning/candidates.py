@@ -44,6 +44,9 @@ class CandidateMesh:
   shape: tuple[int, ...]             # axis sizes, in roles.AXES order
   ids: np.ndarray                    # device ids, shape `shape`
   topology: Topology
+  # on a mesh with a 'stage' axis: the pipeline's schedule, micro-batches and their prices
+  # (roles.stage.choose); None otherwise
+  pipeline: Any = None
 
   @functools.cached_property
   def size(self) -> dict[str, int]:
@@ -86,11 +89,13 @@ def axis_links(m: CandidateMesh) -> tuple[AxisLink, ...]:
 
 
 def mesh_shapes(n: int, topology: Topology, ids: Sequence[int],
-                graph: stepgraph.StepGraph | None = None) -> list[tuple[int, ...]]:
+                graph: stepgraph.StepGraph | None = None, layers: int = 0
+                ) -> list[tuple[int, ...]]:
   """The meshes worth pricing (sizes in :data:`AXES` order): each role, innermost first, proposes
   its sizes for the devices the roles inside it left (``tensor`` within the smallest fast island,
   ``fsdp`` over 1, the rest of 1, 2, 4... hosts, or everything; ``expert`` only where ``graph``
-  has expert weights); ``data`` takes the remainder."""
+  has expert weights; ``stage`` over whole hosts dividing the ``layers`` of the step's scanned
+  stack); ``data`` takes the remainder."""
   present = set(ids)
   island = min((len([i for i in isl if i in present]) for isl in topology.fast_islands()
                 if any(i in present for i in isl)), default=1)
@@ -105,7 +110,7 @@ def mesh_shapes(n: int, topology: Topology, ids: Sequence[int],
     role = roles.REGISTRY[k]
     rest = n // inner
     options = ([rest] if role.sizes is None else
-               role.sizes(MeshContext(n, rest, inner, island, per_host, graph)))
+               role.sizes(MeshContext(n, rest, inner, island, per_host, graph, layers)))
     for size in options:
       if rest % size == 0:
         walk(k - 1, inner * size, {**chosen, role.name: size})
@@ -160,6 +165,8 @@ def layouts(graph: stepgraph.StepGraph, group: tuple[int, ...], m: CandidateMesh
     return [Layout(entries, why)]
   use = graph.weights.get(group[0])
   lookup = graph.lookups.get(group[0]) if use is None else None
+  stack = graph.stack()
+  stacked = stack[1].get(group[0]) if stack is not None else None
   active = [r for r in reversed(roles.REGISTRY) if r.options is not None and m.size[r.name] > 1
             and shape]
   out: list[Layout] = []
@@ -174,9 +181,12 @@ def layouts(graph: stepgraph.StepGraph, group: tuple[int, ...], m: CandidateMesh
       out.append(Layout(tuple(spec_entry(e) for e in ordered), ", ".join(notes) or "replicated"))
       return
     role = active[k]
-    walk(k + 1, chosen)
-    ctx = LeafContext(shape, use, lookup, group[0] in graph.gathered, m.size[role.name])
-    for opt in role.options(ctx, frozenset(o.dim for _, o in chosen)):
+    ctx = LeafContext(shape, use, lookup, group[0] in graph.gathered, m.size[role.name],
+                      stacked)
+    opts = role.options(ctx, frozenset(o.dim for _, o in chosen))
+    if not (role.mandatory and opts):
+      walk(k + 1, chosen)
+    for opt in opts:
       walk(k + 1, chosen + [(role.name, opt)])
   walk(0, [])
   return out

@@ -42,6 +42,9 @@ class Price:
   # and the backward (a rematerialised read: one layer of a scanned stack); the step's peak is the
   # largest of these, not their sum
   gathered_peak: float = 0.0
+  # a role's factor on the time of the products it takes part in (a pipeline's bubble and
+  # recomputed forward, set by roles.stage)
+  compute_scale: float = 1.0
 
 
 def acc(where: dict[str, float], key: str, value: float) -> None:
@@ -110,7 +113,6 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   primary = leaves[0]
   used = lay.used()
   shards = math.prod(m.size[a] for a in used)
-  t_shard = m.size["tensor"] if "tensor" in used else 1
   # a weight's shards over a routed axis (expert) stay put: the tokens come to them, and each
   # gradient shard is complete where it lies (no gather, no reduction over that axis)
   routed = [a for a in ROUTED_AXES if a in used and m.size[a] > 1]
@@ -119,7 +121,10 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   pr = Price()
   dtype = primary.dtype
   use = graph.weights.get(primary.index)
-  grad = primary.nbytes / t_shard / math.prod(m.size[a] for a in routed)
+  # the axes sharding it that do not split the batch ('tensor', a pipeline's 'stage'), and the
+  # routed ones, divide the gradient each device computes; the other batch axes only split work
+  grad = primary.nbytes / math.prod(m.size[a] for a in used
+                                    if a not in BATCH_AXES or a in routed)
   # a leaf both looked up (gather) and multiplied (tied embeddings) has two gradient parts,
   # which XLA synchronises separately before adding them (seen on XLA:CPU)
   parts = 2 if (use is not None and primary.index in graph.gathered) else 1
@@ -192,7 +197,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     for (leaf, k), f in graph.carried.items():
       if leaf == primary.index:
         flops += f / (m.size["tensor"] if pr.tp == ("col", k) else 1)
-    pr.compute = flops / batch_div / m.peak_flops
+    pr.compute = flops / batch_div / m.peak_flops * pr.compute_scale
   # the optimizer's update reads the parameter, its gradient and its moments and writes the
   # parameter and moments: each device updates its shard only (the work FSDP saves beside memory)
   update_bytes = (2 * sum(lf.nbytes for lf in leaves) + primary.nbytes) / shards

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
 from dtenjax._src import tables
+from dtenjax._src.pipeline import run as run_lib
 from dtenjax._src.planning import check as check_lib
 from dtenjax._src.planning import gather
 from dtenjax._src.planning.candidates import AxisLink
@@ -47,6 +48,40 @@ class Alternative:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+  """The pipeline a :class:`StepPlan` chose (``plan.pipeline``; None when it has no stages): the
+  values :func:`dtenjax.pipeline` takes, and what the planner predicted for them.
+
+  ``stages`` is the size of the plan's ``stage`` mesh axis (``plan.mesh()`` has it), over which
+  the ``layers`` of the step's scanned stack are split into contiguous stages of
+  ``layers // stages``; ``microbatches`` splits the batch each pipeline sees (the global batch
+  over the plan's data and fsdp axes); ``schedule`` is a :class:`dtenjax.Schedule`.
+  ``pipe = plan.pipeline.make(body, loss_fn)`` builds the pipelined loss; the stacked leaves'
+  specs in ``plan.specs`` put their layer dimension over ``stage`` (``P("stage", ...)``), as
+  ``pipe.to_stages`` expects."""
+  stages: int
+  microbatches: int
+  schedule: Any
+  layers: int
+  axis: str = "stage"
+  bubble: float = 0.0             # dtenjax.pipeline_cost's lockstep bubble for these numbers
+  ticks: int = 0
+  inputs_held: int = 0            # micro-batch inputs one device holds at most
+  message_bytes: float = 0.0      # one micro-batch's activation at a stage boundary, per device
+  send_s: float = 0.0             # the sends of one step (activations and cotangents)
+  link: str = ""                  # the link class between neighbouring stages
+
+  def kwargs(self) -> dict[str, Any]:
+    """``dict(stages=, microbatches=, schedule=, axis=)`` for ``dtenjax.pipeline``."""
+    return dict(stages=self.stages, microbatches=self.microbatches, schedule=self.schedule,
+                axis=self.axis)
+
+  def make(self, body: Callable, loss_fn: Callable):
+    """``dtenjax.pipeline(body, loss_fn, **self.kwargs())``."""
+    return run_lib.pipeline(body, loss_fn, **self.kwargs())
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
   """The planner's answer for a whole step (see the module docstring).
 
@@ -75,6 +110,8 @@ class StepPlan:
   batch_argnums: tuple[int, ...] = ()
   # plan(..., measure=True): (candidate, median seconds per step) on the devices, fastest first
   measured: tuple[tuple[str, float], ...] = ()
+  # the pipeline over the 'stage' axis (None: the plan has no stages)
+  pipeline: PipelinePlan | None = None
 
   # --- applying it -----------------------------------------------------------------------------
 
@@ -120,6 +157,15 @@ class StepPlan:
     moves the activations instead (all-to-alls, all-reduces of partial products: 10x the bytes
     on a GPT-2 step); gathering the whole stack before the step would hold every layer's
     gathered weights at once. Values are those of ``step`` up to XLA's summation order."""
+    if self.pipeline is not None:
+      p = self.pipeline
+      raise errors.PlacementError(
+          f"StepPlan.jit: this plan runs the step's {p.layers} layers as a pipeline of "
+          f"{p.stages} stages, which plan.jit cannot apply to an arbitrary step. Write the step "
+          "with dtenjax.pipeline inside jax.shard_map over plan.mesh(): "
+          f"dtenjax.pipeline(body, loss_fn, stages={p.stages}, microbatches={p.microbatches}, "
+          f"schedule={p.schedule!r}) (plan.pipeline.make(body, loss_fn)), with plan.specs as "
+          "the in_specs; or plan without stages (mesh= a dict without 'stage')")
     fn = gather.gather_for_compute(step, self.mesh(), self.compute_specs)
     return jax.jit(fn, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
                    **jit_kwargs)
@@ -241,7 +287,13 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
   notes = () if budget else (
       "memory: the devices' memory is unknown (as on CPU), so no budget was checked; pass "
       "memory_budget= to check one",)
-  return StepPlan(axis_names=AXES, mesh_shape=m.shape, out_specs=out_specs,
+  pipe = m.pipeline
+  pipeline = None if pipe is None else PipelinePlan(
+      stages=pipe.stages, microbatches=pipe.microbatches, schedule=pipe.schedule,
+      layers=pipe.layers, bubble=pipe.chosen.cost.bubble, ticks=pipe.chosen.cost.ticks,
+      inputs_held=pipe.chosen.cost.live_inputs, message_bytes=pipe.send_bytes,
+      send_s=pipe.chosen.send_s, link=pipe.link)
+  return StepPlan(axis_names=AXES, mesh_shape=m.shape, out_specs=out_specs, pipeline=pipeline,
                   compute_specs=tuple(compute_specs), donate=donate, nvls=topology.nvls,
                   batch_argnums=tuple(sorted({lf.argnum for lf in graph.leaves if lf.is_batch})),
                   device_ids=tuple(int(i) for i in m.ids.ravel()), axes=axis_links(m),

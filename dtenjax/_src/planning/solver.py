@@ -25,6 +25,7 @@ from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
 from dtenjax._src.planning.pricing import price_layout
 from dtenjax._src.planning.roles import BATCH_AXES
+from dtenjax._src.planning.roles import stage
 
 
 @dataclasses.dataclass
@@ -37,6 +38,8 @@ class Problem:
   fixed_memory: dict[str, float]
   overlap: float
   grad_latency_s: float = 0.0
+  # per mesh axis: blocking seconds no layout choice changes (a pipeline's sends, roles.stage)
+  fixed_blocking: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Problem | None:
@@ -65,7 +68,17 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
     latency = pricer("all_reduce", 1, batch, "float32")
     if "fsdp" in batch and "data" in batch:
       latency = max(latency, pricer("all_reduce", 1, ["data"], "float32"))
-  return Problem(m, groups, cands, prices, compute, fixed, overlap, latency)
+  prob = Problem(m, groups, cands, prices, compute, fixed, overlap, latency)
+  return _with_stages(prob, graph)
+
+
+def _with_stages(prob: Problem, graph) -> Problem | None:
+  """A pipeline's terms (roles.stage.adjust) on a mesh with stages; None when some group has no
+  layout left."""
+  if prob.m.pipeline is None:
+    return prob
+  stage.adjust(prob, graph)
+  return prob if all(prob.cands) else None
 
 
 def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
@@ -115,6 +128,9 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
         blocking += pr.ag_bwd
         nbytes["all_gather[tensor]"] = nbytes.get("all_gather[tensor]", 0.0) + pr.ag_bwd_bytes
   overlappable += prob.grad_latency_s
+  for k, v in prob.fixed_blocking.items():
+    comm[k] = comm.get(k, 0.0) + v
+    blocking += v
   exposed = blocking + max(0.0, overlappable - prob.overlap * compute)
   memory["gathered"] += max((prob.prices[gi][c].gathered_peak for gi, c in enumerate(choice)),
                             default=0.0)
@@ -278,8 +294,8 @@ def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
       for ci, fl in fs.items():
         rows.append(r)
         cols.append(index[(gi, ci)])
-        vals.append(fl)
-    lo.append(SPLIT_SHARE * total)
+        vals.append(fl / total)      # shares: HiGHS refuses coefficients above 1e15 (8B: flops)
+    lo.append(SPLIT_SHARE)
     hi.append(np.inf)
     r += 1
   for gi, cands in enumerate(prob.cands):                 # one layout per group

@@ -6,8 +6,10 @@ The parts, one module each:
 * :mod:`~dtenjax._src.planning.stepgraph` reads the step's jaxpr: the weights with the role of
   each dimension (contracted, free, stacked), scan layers and rematerialised reads, lookups,
   the tensor-parallel pairs, the optimizer state tied to each parameter, flops and activations;
-* :mod:`~dtenjax._src.planning.roles` is the registry of mesh axis roles (``data``, ``fsdp``,
-  ``tensor``; outermost first), each with its shard options, axis sizes and collectives;
+* :mod:`~dtenjax._src.planning.roles` is the registry of mesh axis roles (``data``, ``stage``,
+  ``fsdp``, ``tensor``; outermost first), each with its shard options, axis sizes and
+  collectives; ``stage`` splits a scanned stack of layers into pipeline stages across hosts and
+  chooses their schedule and micro-batches (:attr:`StepPlan.pipeline`);
 * :mod:`~dtenjax._src.planning.candidates` proposes meshes (HSDP included) and layouts;
 * :mod:`~dtenjax._src.planning.pricing` prices a layout: collectives per kind for the backend the
   plan is for, with the loop structure (a scanned FSDP stack gathered per layer, twice per step),
@@ -58,6 +60,7 @@ from dtenjax._src.planning.result import StepPlan as StepPlan
 from dtenjax._src.planning.result import report
 from dtenjax._src.planning.roles import AXES as AXES
 from dtenjax._src.planning.roles import BATCH_AXES as BATCH_AXES
+from dtenjax._src.planning.roles import stage as stage_role
 from dtenjax._src.planning.solver import Problem
 from dtenjax._src.planning.solver import evaluate
 from dtenjax._src.planning.solver import make_problem
@@ -139,8 +142,10 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     *args: example arguments: arrays or ``jax.ShapeDtypeStruct`` pytrees (``jax.eval_shape`` of
       the init gives them without allocating).
     mesh: None to let the planner propose the mesh; a dict ``{"data": 2, "fsdp": 4}`` of axis
-      sizes (axes among ``data``, ``fsdp``, ``tensor``) to plan on that shape; or a
-      ``jax.sharding.Mesh`` whose axes are named among those.
+      sizes (axes among ``data``, ``stage``, ``fsdp``, ``tensor``) to plan on that shape; or a
+      ``jax.sharding.Mesh`` whose axes are named among those. A ``stage`` axis of more than one
+      device runs the step's scanned stack of layers as a pipeline (``plan.pipeline``: write the
+      step with :func:`dtenjax.pipeline`); proposed meshes try stages of whole hosts.
     topology: the hardware (default: ``Topology.current()``; a fixture plans for a machine you
       are not on).
     memory_budget: bytes per device; default the smallest device memory less
@@ -193,7 +198,9 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
              _box_pins(args, rules).items()},
           **{k: (v, "pinned by you") for k, v in _pinned_specs(pinned, args).items()}}
   graph = stepgraph.read_step(step, args, batch_argnums)
-  topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology, graph)
+  stack = graph.stack()
+  topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology, graph,
+                                                    stack[0] if stack else 0)
   if recipe is not None:
     island = min((len(i) for i in topology.fast_islands()), default=1)
     shapes = [recipe_shape(recipe, len(ids), island)]
@@ -201,12 +208,20 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   price = planner._default_all_reduce_time()  # pylint: disable=protected-access
   ordered = order(topology, ids)
   problems: list[tuple[tuple[int, int, int], Problem]] = []
+  staged: list[tuple[tuple[int, ...], CandidateMesh]] = []
+  pruned: list[tuple[float, CandidateMesh]] = []
   for shape in shapes:
-    m = CandidateMesh(shape, np.asarray(ordered).reshape(shape), topology)
+    m = _with_pipeline(CandidateMesh(shape, np.asarray(ordered).reshape(shape), topology), graph,
+                       budget, fixed_mesh is not None)
+    if m is None:
+      continue
+    if m.pipeline is not None and fixed_mesh is None:
+      staged.append((shape, m))           # priced after the meshes without stages (see below)
+      continue
     prob = make_problem(graph, m, price, pins, overlap, donate)
     if prob is not None:
       problems.append((shape, prob))
-  if not problems:
+  if not problems and not staged:
     raise errors.PlacementError(
         f"plan: no mesh of {len(ids)} devices divides the batch (batch dimension sizes "
         f"{sorted({graph.leaves[i].shape[0] for i in range(len(graph.leaves)) if graph.leaves[i].is_batch and graph.leaves[i].shape})}); "
@@ -214,7 +229,22 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   best = None
   shortfall = None
   solved = []
-  for shape, prob in problems:
+
+  def to_solve():
+    """The meshes without stages, then those with stages whose pipeline alone (the stack's
+    compute and the sends, a lower bound of their step) beats the best plan so far."""
+    yield from list(problems)
+    for shape, m in sorted(staged, key=lambda x: stage_role.lower_bound(x[1].pipeline)):
+      bound = stage_role.lower_bound(m.pipeline)
+      if best is not None and bound >= best[0][0]:
+        pruned.append((bound, m))
+        continue
+      prob = make_problem(graph, m, price, pins, overlap, donate)
+      if prob is not None:
+        problems.append((shape, prob))
+        yield shape, prob
+
+  for shape, prob in to_solve():
     choice = (solve(prob, graph, budget, proposed=fixed_mesh is None) if recipe is None else
               recipe_choice(prob, graph, recipe))
     if choice is None:
@@ -258,9 +288,10 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   if best is None and shortfall is None:
     raise errors.PlacementError(
         f"plan: every mesh of {len(ids)} devices tried "
-        f"({[dict(zip(AXES, s)) for s, _ in problems]}) has a 'tensor' axis over which too "
-        "little of this step's weights can be sharded: its devices would compute the same step "
-        "on the same data. Give a mesh without 'tensor' (mesh={'data': "
+        f"({[dict(zip(AXES, s)) for s, _ in problems]}) has an axis that does not split the "
+        "batch ('tensor', or 'stage' over a stack with too little of the step's work) over which "
+        "too little of this step's weights can be sharded: its devices would compute the same "
+        "step on the same data. Give a mesh without it (mesh={'data': "
         f"{len(ids)}}}) or let the planner choose (mesh=None)")
   if best is None:
     gib = 2**30
@@ -270,12 +301,21 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
         f"{len(ids)} devices of {topology.name!r}: the smallest needs {floor / gib:.4g} GiB "
         f"(mesh {dict(zip(AXES, shape))}), {(floor - budget) / gib:.4g} GiB short. Use more "
         "devices, a smaller batch per step, jax.checkpoint (remat) on the layers, or pipeline "
-        "stages (dtenjax.pipeline; the planner does not choose stages)")
+        "stages (dtenjax.pipeline; the planner tries them across hosts for a step whose layers "
+        "are a lax.scan over stacked weights, or give mesh={'stage': k, ...})")
   _, shape, prob, choice, cost = best
+  recipes += _stage_alternatives(solved, prob)
   chosen = report(graph, prob, choice, cost, tuple(recipes), budget, topology,
                   time.perf_counter() - t0, len(problems), args, donate)
+  chosen = dataclasses.replace(chosen, notes=chosen.notes + _stage_notes(graph, topology, ids,
+                                                                         solved, prob, cost,
+                                                                         pruned))
   if not measure or recipe is not None:
     return chosen
+  if chosen.pipeline is not None:
+    return dataclasses.replace(chosen, notes=chosen.notes + (
+        "measure: not timed: plan.jit cannot run a pipeline plan (write the step with "
+        "dtenjax.pipeline); the cost model chose it",))
   return _measured(chosen, step, args, 6 if measure is True else int(measure),
                    dict(mesh=mesh, topology=topology, memory_budget=memory_budget,
                         batch_argnums=batch_argnums, pinned=pinned, rules=rules,
@@ -306,7 +346,87 @@ def _is_real(x) -> bool:
       math.isfinite(x))
 
 
-def _resolve_mesh(mesh, topology, graph=None):
+def _with_pipeline(m: CandidateMesh, graph, budget: float, fixed: bool) -> CandidateMesh | None:
+  """``m`` with its pipeline (roles.stage.choose) when it has a 'stage' axis; None when it cannot
+  run one (a mesh the user gave then gets an error saying why)."""
+  if m.size.get("stage", 1) <= 1:
+    return m
+  pipe = stage_role.choose(graph, m, budget)
+  if pipe is not None:
+    return dataclasses.replace(m, pipeline=pipe)
+  if not fixed:
+    return None
+  stack = graph.stack()
+  why = ("the step has no lax.scan over stacked layers (dtenjax.pipeline splits such a stack)"
+         if stack is None else
+         f"its scanned stack has {stack[0]} layers, which do not split into {m.size['stage']} "
+         f"equal stages (stage counts that divide: "
+         f"{[k for k in range(1, stack[0] + 1) if stack[0] % k == 0]})" if stack[0] % m.size["stage"]
+         else "its batch has fewer rows per pipeline than one per micro-batch")
+  raise errors.PlacementError(
+      f"plan: mesh {dict(m.size)} has a 'stage' axis of {m.size['stage']}, but {why}; give a mesh "
+      "without 'stage' (or stage 1), or write the step's layers as a lax.scan over stacked "
+      "weights")
+
+
+def _stage_alternatives(solved, prob: Problem) -> list[Alternative]:
+  """The best plan on the other side of the stage question (with stages when the chosen has
+  none, without when it has them), for the report."""
+  staged = prob.m.pipeline is not None
+  other = [(s, p, c) for s, p, _, c in solved if (p.m.pipeline is not None) != staged]
+  if not other:
+    return []
+  shape, p, cost = min(other, key=lambda x: (round(x[2].total_s, 12), x[2].memory["total"]))
+  if staged:
+    return [Alternative("no stages", dict(zip(AXES, shape)), cost,
+                        "the best plan without a pipeline")]
+  pipe = p.m.pipeline
+  return [Alternative("pipeline", dict(zip(AXES, shape)), cost,
+                      f"{pipe.microbatches} micro-batches, {pipe.schedule!r}, bubble "
+                      f"{pipe.chosen.cost.bubble:.3f}")]
+
+
+def _stage_notes(graph, topology: Topology, ids, solved, prob: Problem,
+                 cost: StepCost, pruned=()) -> tuple[str, ...]:
+  """Why the plan has a pipeline or not, with the numbers."""
+  if prob.m.pipeline is not None:
+    best_flat = min((c for _, p, _, c in solved if p.m.pipeline is None),
+                    key=lambda c: c.total_s, default=None)
+    head = "pipeline chosen: no plan without stages fits the budget and splits the batch"
+    if best_flat is not None:
+      head = "pipeline chosen"
+      head += (f": {prob.m.pipeline.stages} stages price the step at "
+               f"{cost.total_s * 1e3:.3f} ms "
+               f"against {best_flat.total_s * 1e3:.3f} ms for the best plan without stages "
+               f"(whose exposed communication is {best_flat.exposed_s * 1e3:.3f} ms)")
+    return (head,) + tuple(stage_role.summary(prob.m.pipeline))
+  staged = [(p, c) for _, p, _, c in solved if p.m.pipeline is not None]
+  if staged:
+    p, c = min(staged, key=lambda x: x[1].total_s)
+    return (f"no pipeline: the best with stages ({p.m.pipeline.stages} stages, "
+            f"{p.m.pipeline.microbatches} micro-batches, {p.m.pipeline.schedule!r}, bubble "
+            f"{p.m.pipeline.chosen.cost.bubble:.3f}, sends {p.m.pipeline.chosen.send_s * 1e3:.3f}"
+            f" ms) prices the step at {c.total_s * 1e3:.3f} ms, slower than the plan's",)
+  if pruned:
+    bound, m = min(pruned, key=lambda x: x[0])
+    pipe = m.pipeline
+    return (f"no pipeline: the best with stages ({pipe.stages} stages, {pipe.microbatches} "
+            f"micro-batches, {pipe.schedule!r}, bubble {pipe.chosen.cost.bubble:.3f}) needs at "
+            f"least {bound * 1e3:.3f} ms for its stack's compute and sends alone, slower than "
+            f"the plan's {cost.total_s * 1e3:.3f} ms",)
+  stack = graph.stack()
+  hosts = len([h for h in topology.hosts() if any(i in set(ids) for i in h)])
+  if stack is None:
+    why = "the step has no lax.scan over stacked layers to split into stages"
+  elif hosts <= 1:
+    why = "all devices are on one host (stages are tried across hosts only)"
+  else:
+    why = (f"no stage count of at most {stage_role.MAX_STAGES} divides both the {stack[0]} "
+           f"layers and the {hosts} hosts, or no such mesh fits or splits the batch")
+  return (f"no pipeline: {why}",)
+
+
+def _resolve_mesh(mesh, topology, graph=None, layers: int = 0):
   if isinstance(mesh, Mesh):
     names = tuple(mesh.axis_names)
     unknown = [n for n in names if n not in AXES]
@@ -341,4 +461,4 @@ def _resolve_mesh(mesh, topology, graph=None):
   if mesh is not None:
     raise errors.PlacementError(f"plan: mesh={mesh!r} must be None, a dict of axis sizes or a "
                                 "jax.sharding.Mesh")
-  return topology, ids, mesh_shapes(len(ids), topology, ids, graph), None
+  return topology, ids, mesh_shapes(len(ids), topology, ids, graph, layers), None

@@ -162,6 +162,20 @@ class StepGraph:
   # gathered leaf -> (the dimensions the gather indexes, e.g. the vocabulary of an embedding
   # table; the bytes of the rows it reads per step, global)
   lookups: dict[int, tuple[tuple[int, ...], int]] = dataclasses.field(default_factory=dict)
+  # the scanned stacks of layers: scan length -> (state leaf -> the leaf dimension the scan
+  # slices, the bytes of the forward scan's carry, global); a pipeline's stages split one of them
+  stacks: dict[int, tuple[dict[int, int], int]] = dataclasses.field(default_factory=dict)
+
+  def stack(self) -> tuple[int, dict[int, int], int] | None:
+    """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
+    the most product flops (the one a pipeline splits into stages), or None without one."""
+    def flops(item):
+      length, (leaves, _) = item
+      return (sum(self.weights[i].flops for i in leaves if i in self.weights), length)
+    best = max((kv for kv in self.stacks.items() if kv[0] > 1), key=flops, default=None)
+    if best is None or flops(best)[0] <= 0:
+      return None
+    return best[0], best[1][0], best[1][1]
 
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:
@@ -241,6 +255,7 @@ class _Reader:
     self.eqn_flops: dict[int, float] = {}     # id(product equation) -> flops per step
     self.remat_depth = 0                      # > 0 inside a jax.checkpoint body
     self.remat_read: set[int] = set()         # leaves a product reads inside a checkpoint body
+    self.stacks: dict[int, tuple[dict[int, int], int]] = {}   # see StepGraph.stacks
 
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
   def walk(self, jaxpr, origin: dict, tie: dict, repeats: int) -> None:
@@ -289,6 +304,8 @@ class _Reader:
                               for o in outer):
       # the carry of the second iteration on was computed from the state the body reads
       self.state_derived.update(sub.invars[n_consts:n_consts + n_carry])
+    if name == "scan":
+      self._stack(eqn, sub, origin, n_consts, n_carry)
     for k, (o, i) in enumerate(zip(outer, sub.invars)):
       if not _is_var(o):
         continue
@@ -311,6 +328,22 @@ class _Reader:
         # jits (jax 0.11's optax update has two more than 0.10's) ties the parameter to its moments
         if name != "scan" and i in inner_tie and _is_var(o):
           tie[o] = inner_tie[i]
+
+  def _stack(self, eqn, sub, origin, n_consts: int, n_carry: int) -> None:
+    """Records the state leaves a scan slices (and the leaf dimension it slices) under the
+    scan's length; the first such scan (the forward) gives the carry's bytes."""
+    found = {}
+    for o in eqn.invars[n_consts + n_carry:]:
+      org = origin.get(o) if _is_var(o) else None
+      if org is not None and org[1] and org[1][0] is not None:
+        found[org[0]] = org[1][0]
+    if not found:
+      return
+    length = int(eqn.params.get("length", 1))
+    leaves, carry = self.stacks.get(length, ({}, None))
+    if carry is None:
+      carry = sum(_nbytes(v.aval) for v in sub.invars[n_consts:n_consts + n_carry])
+    self.stacks[length] = ({**found, **leaves}, carry)
 
   def _tie(self, eqn, tie) -> None:
     """Elementwise ops over operands of one shape tie the state leaves they carry."""
@@ -653,7 +686,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    activation_bytes=int(act), gathered=frozenset(reader.gathered),
                    outputs=tuple(outputs), num_eqns=reader.eqn_count,
                    out_tree=jax.tree.structure(out_shape), carried=carried,
-                   act_share=act_share, lookups=dict(reader.lookups))
+                   act_share=act_share, lookups=dict(reader.lookups),
+                   stacks=dict(reader.stacks))
 
 
 def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:

@@ -15,12 +15,14 @@ from __future__ import annotations
 from dtenjax._src.planning.roles import data
 from dtenjax._src.planning.roles import expert
 from dtenjax._src.planning.roles import fsdp
+from dtenjax._src.planning.roles import stage
 from dtenjax._src.planning.roles import tensor
 from dtenjax._src.planning.roles.base import Role
 
 # outermost first: the order of the planned mesh's axes
 REGISTRY: tuple[Role, ...] = (
     data.ROLE,
+    stage.ROLE,
     fsdp.ROLE,
     expert.ROLE,
     tensor.ROLE,

@@ -40,6 +40,9 @@ class Role:
   # the devices the others leave (one role, the outermost: data)
   sizes: Callable[["MeshContext"], list[int]] | None = None
   routes: bool = False
+  # a group it offers an option for must take one (on a mesh where its axis has more than one
+  # device): a pipeline's stages hold every layer of the stack, none holds them all
+  mandatory: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,7 @@ class MeshContext:
   island: int
   per_host: int
   graph: Any = None          # the step's stepgraph.StepGraph (None: any step)
+  layers: int = 0            # the length of the step's longest scanned stack (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +76,4 @@ class LeafContext:
   lookup: Any                # (indexed dims, bytes) when only gathers read it, else None
   gathered: bool             # read by a gather (an embedding table), maybe also by a product
   size: int                  # the role's mesh axis size
+  stacked: int | None = None  # the dimension a scan over the step's stack of layers slices

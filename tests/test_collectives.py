@@ -89,6 +89,40 @@ def test_a_tree_on_xla_collectives_is_left_to_xla_s_combiner(mesh):
   chex.assert_trees_all_close(loss(f)(tree), loss(psum)(tree), rtol=1e-6, atol=1e-6)
 
 
+def _kernels(hlo: str) -> int:
+  """The distinct kernels XLA compiles (bench/compile_time.py's count)."""
+  import importlib
+  import sys
+  bench = str(pathlib.Path(__file__).resolve().parents[1] / "bench")
+  if bench not in sys.path:
+    sys.path.insert(0, bench)
+  return importlib.import_module("compile_time")._kernels(hlo)
+
+
+@pytest.mark.parametrize("kwargs", ({"algorithm": "two_shot"}, {"reproducible": True}),
+                         ids=("two_shot", "reproducible"))
+def test_a_bucket_compiles_a_kernel_per_leaf_shape_not_per_leaf(mesh, kwargs):
+  """XLA compiles a kernel per distinct fused computation (XLA:CPU: an LLVM module each, tens of
+  ms): copies out of a bucket at constant offsets were one per leaf, 10x psum's compile time for
+  a 60-leaf tree (bench/compile_time.py). With run-time offsets, a tree of 4 blocks compiles the
+  kernels of a tree of 1 block of the same shapes (lax.psum's tree compiles no kernel at all,
+  and XLA reuses a kernel per shape for per-leaf work such as an update). The bits are leaf by
+  leaf's (test_pytree_all_reduce_buckets_and_matches_per_leaf, the stacked buckets' test)."""
+  def tree(blocks):
+    out = {}
+    for b in range(blocks):
+      for w in "qkvo":
+        out[f"{b}{w}"] = jnp.full((8, 4, 4), 1.0 + b, jnp.float32)
+      out[f"{b}b1"], out[f"{b}b2"] = jnp.full((8, 4), 0.5, jnp.float32), jnp.ones((8, 16))
+    return out
+
+  f = jax.jit(jax.shard_map(lambda t: dtenjax.all_reduce(t, AX, **kwargs), mesh=mesh,
+                             in_specs=(P(AX),), out_specs=P()))
+  small, big = tree(1), tree(4)
+  kernels = {n: _kernels(f.lower(t).compile().as_text()) for n, t in ((6, small), (24, big))}
+  assert kernels[24] <= kernels[6], kernels          # (6 leaves need padding, 24 do not)
+
+
 @pytest.mark.parametrize("algorithm", ("xla", "one_shot"))
 def test_stacked_contributions_are_bucketed_with_the_same_bits_and_gradients(mesh, algorithm):
   """``local_axis`` leaves (a reproducible step's per-micro-batch gradients) share buckets of

@@ -7,9 +7,9 @@ Each block is taken from its page (tests/test_doc_code.py's extraction), its mes
 fails without it, with plain ``jax.shard_map`` too). ``jax.shard_map`` calls are spelled
 ``dtenjax.mesh_map``: on Explicit axes ``jax.shard_map``'s ``in_specs`` only assert where the
 inputs already are, and ``mesh_map`` lays them out (as ``jax.shard_map`` does on Auto axes), so
-the steps' unplaced batches work unchanged. The blocks run as written on their own meshes in
-tests/test_doc_code.py; docs/checkpoint.md's manager and docs/elastic.md's job already build
-their meshes with ``jax.make_mesh`` there.
+the steps' unplaced batches work unchanged. The pipeline step's mesh loses its Auto axis types.
+The blocks run as written on their own meshes in tests/test_doc_code.py; docs/checkpoint.md's
+manager and docs/elastic.md's job already build their meshes with ``jax.make_mesh`` there.
 """
 
 import os
@@ -46,10 +46,20 @@ STEPS = {
          "  with jax.set_mesh(mesh):\n    bits.add(np.asarray(f(w, data)).tobytes())"),
         ("jax.shard_map(", "dtenjax.mesh_map("),
     ]),
+    "readme-checkpoint-step": ("README.md", "def train_step(state):", [
+        ('mesh = dtenjax.topology_mesh((2, 4), ("a", "b"))',
+         'mesh = jax.make_mesh((2, 4), ("a", "b"))'),
+        ('mesh2 = dtenjax.topology_mesh((4, 2), ("a", "b"))',
+         'mesh2 = jax.make_mesh((4, 2), ("a", "b"))'),
+    ]),
+    "pipeline-step": ("docs/pipeline.md", "LAYERS, D, VOCAB, SEQ", [
+        ('mesh = jax.make_mesh((4, 2), ("stage", "data"), axis_types=(jax.sharding.AxisType.Auto,)'
+         ' * 2)', 'mesh = jax.make_mesh((4, 2), ("stage", "data"))'),
+        ("jax.shard_map(", "dtenjax.mesh_map("),
+    ]),
 }
 # the mesh the whole block runs under (None: the block's edits enter jax.set_mesh themselves)
-MESHES = {"readme-quickstart": None, "compression-step": ((8,), ("data",)),
-          "reproducibility-step": None}
+MESHES = {"compression-step": ((8,), ("data",))}
 
 
 def _step(name):
@@ -68,7 +78,7 @@ def test_doc_step_runs_on_a_jax_make_mesh_mesh(name, cpu_devices, monkeypatch):
   code = _step(name)
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))   # the blocks append to it
   namespace = {"__name__": f"doc_step_{name}"}
-  shape = MESHES[name]
+  shape = MESHES.get(name)
   if shape is None:
     exec(compile(code, name, "exec"), namespace)        # pylint: disable=exec-used
     return

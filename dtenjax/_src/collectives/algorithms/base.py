@@ -256,7 +256,10 @@ def opaque(axes: tuple[str, ...], world: int, backend: str, mesh_axes: bool = Tr
   def values_of(values: tuple[int, ...]):
     if not values or max(values) >= 2**31:
       return tuple(values)
-    return lax.pmax(tuple(np.int32(v) for v in values), axes, axis_index_groups=groups)
+    try:
+      return lax.pmax(tuple(np.int32(v) for v in values), axes, axis_index_groups=groups)
+    except (NotImplementedError, ValueError, TypeError):   # a JAX without axis_index_groups here
+      return tuple(values)
   return values_of
 
 

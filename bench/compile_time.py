@@ -6,9 +6,12 @@ program dtenjax lowers for it must not make the step compile much slower than ``
 same tree does (target: at most 2x for the bucketed and the reproducible sums). Per candidate,
 one fresh ``jax.jit(jax.shard_map(...))`` over every device, no persistent compilation cache:
 the trace-and-lower time, XLA's compile time, their sum (``total``), the size of the program
-(StableHLO operations of the lowering, HLO instructions after XLA's optimisation) and the
-collectives in it; ``x psum`` = total / lax.psum's total (lower is better). Each candidate is
-compiled ``--repeats`` times, interleaved, median reported.
+(StableHLO operations of the lowering, HLO instructions after XLA's optimisation, the distinct
+kernels XLA compiles -- XLA:CPU builds an LLVM module for each) and the collectives in it;
+``x psum`` = total / lax.psum's total (lower is better). Each candidate is compiled
+``--repeats`` times, interleaved, median reported. ``run(us)``: the median of ``--run-iters``
+interleaved calls of each compiled program (``run x psum``: against lax.psum's), so that a
+change that compiles faster is seen not to run slower.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/compile_time.py \
       --json compile_time.json
@@ -58,12 +61,43 @@ def _count_ops(text: str) -> int:
   return sum(1 for line in text.splitlines() if re.match(r"\s*(%|ROOT )", line))
 
 
+def _kernels(hlo: str) -> int:
+  """Kernels XLA compiles for an optimized HLO module: its distinct fused computations (XLA
+  reuses one kernel for fusions whose computations are the same up to names) and standalone
+  concatenates. XLA:CPU compiles each as an LLVM module of its own."""
+  bodies, name, cur = {}, None, None
+  for line in hlo.splitlines():
+    m = re.match(r"^%?([\w.\-]+) \(.*\{$", line)
+    if m and cur is None:
+      name, cur = m.group(1), []
+    elif cur is not None and line.startswith("}"):
+      bodies[name], cur = cur, None
+    elif cur is not None:
+      cur.append(line)
+
+  def canon(text: str) -> str:
+    return re.sub(r"%[\w.\-]+", "%", re.sub(r", metadata=\{[^}]*\}", "", text)).strip()
+  seen = set()
+  for line in hlo.splitlines():
+    m = re.search(r" fusion\(.*calls=%?([\w.\-]+)", line)
+    if m:
+      seen.add("\n".join(canon(b) for b in bodies.get(m.group(1), [m.group(1)])))
+    elif " concatenate(" in line:
+      seen.add(canon(line.split("=", 1)[1]))
+  return len(seen)
+
+
 def _collectives(hlo: str) -> int:
-  return len(re.findall(r" (all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)"
-                        r"(-start)?\(", hlo))
+  """Collectives that move data: not the all-reduces over groups of one device each (dtenjax's
+  run-time offsets, ``algorithms/base.py``'s ``opaque``)."""
+  return sum(len(re.findall(r" (all-reduce|all-gather|all-to-all|reduce-scatter|"
+                            r"collective-permute)(-start)?\(", line))
+             for line in hlo.splitlines()
+             if not re.search(r"replica_groups=\{\{\d+\}(,\{\d+\})*\}", line))
 
 
-def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False):
+def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
+            run_iters: int = 5):
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
@@ -90,7 +124,7 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False):
                                  out_specs=P(), check_vma=not step))
 
   samples = {label: [] for label, _ in candidates}
-  sizes, outs = {}, {}
+  sizes, outs, programs = {}, {}, {}
   for r in range(repeats):
     for label, kwargs in _harness.progress(candidates, f"compile_time, repeat {r + 1} of {repeats}",
                                            lambda c: c[0]):
@@ -103,21 +137,29 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False):
       samples[label].append((t1 - t0, t2 - t1))
       if label not in sizes:
         hlo = compiled.as_text()
-        sizes[label] = (_count_ops(lowered.as_text()), _count_ops(hlo), _collectives(hlo))
+        sizes[label] = (_count_ops(lowered.as_text()), _count_ops(hlo), _kernels(hlo),
+                        _collectives(hlo))
         outs[label] = jax.tree.leaves(compiled(tree))
+        programs[label] = compiled
+  # run time of each compiled program, interleaved: the compile-time changes must not cost it
+  runs = _harness.interleaved(programs, (tree,), warmup=1, iters=run_iters) if run_iters else {}
   rows = []
   for label, _ in candidates:
     lower = _harness.median(s[0] for s in samples[label])
     comp = _harness.median(s[1] for s in samples[label])
-    stablehlo, hlo, colls = sizes[label]
+    stablehlo, hlo, kernels, colls = sizes[label]
+    run = _harness.median(runs[label]) * 1e6 if runs else None
     rows.append(dict(candidate=label, leaves=leaves, bytes=nbytes, world=world,
                      lower_ms=lower * 1e3, compile_ms=comp * 1e3,
                      time_us=(lower + comp) * 1e6, total_ms=(lower + comp) * 1e3,
-                     stablehlo_ops=stablehlo, hlo_ops=hlo, collectives=colls))
+                     stablehlo_ops=stablehlo, hlo_ops=hlo, kernels=kernels, collectives=colls,
+                     run_us=run))
   _harness.add_ratios(rows, "lax.psum", candidate="candidate", group=("leaves",),
                       ratio_key="speedup")
+  base = next(row for row in rows if row["candidate"] == "lax.psum")
   for row in rows:
     row["x_psum"] = 1 / row["speedup"] if row["speedup"] else None
+    row["run_x_psum"] = row["run_us"] / base["run_us"] if row["run_us"] else None
   return rows, outs
 
 
@@ -131,6 +173,9 @@ def main(argv=None) -> int:
   ap.add_argument("--step", action="store_true",
                   help="follow the all-reduce with an SGD update of each leaf (a training step's "
                        "use of the gradients) instead of returning the reduced leaves")
+  ap.add_argument("--run-iters", type=int, default=5,
+                  help="calls of each compiled program timed (interleaved, median) for the run "
+                       "column; 0 skips it")
   ap.add_argument("--candidates", default=",".join(DEFAULT),
                   help="comma-separated labels of " + ", ".join(l for l, _ in CANDIDATES))
   ap.add_argument("--json", default=None, help="write the rows to this path")
@@ -148,7 +193,7 @@ def main(argv=None) -> int:
   _harness.require_world("bench/compile_time.py", world, 2,
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")
   rows, outs = measure([(l, known[l]) for l in labels], args.blocks, args.d, args.repeats,
-                       args.step)
+                       args.step, max(0, args.run_iters))
   want = outs["lax.psum"]
   for row in rows:   # every candidate computes the same sums (the data is exact in float32)
     row["agrees"] = all(np.array_equal(np.asarray(a), np.asarray(b))
@@ -165,9 +210,11 @@ def main(argv=None) -> int:
                               ("compile(ms)", "compile_ms", ".1f"),
                               ("total(ms)", "total_ms", ".1f"),
                               ("stablehlo ops", "stablehlo_ops", "d"), ("hlo ops", "hlo_ops", "d"),
-                              ("collectives", "collectives", "d"), ("agrees", "agrees", "")),
+                              ("kernels", "kernels", "d"), ("collectives", "collectives", "d"),
+                              ("run(us)", "run_us", ".0f"), ("agrees", "agrees", "")),
                        ) + "\n" + _harness.table(rows, (("candidate", "candidate", "s"),
-                                                        ("x psum", "x_psum", ".2f"))))
+                                                        ("x psum", "x_psum", ".2f"),
+                                                        ("run x psum", "run_x_psum", ".2f"))))
   return 0
 
 

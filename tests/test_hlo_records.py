@@ -129,3 +129,18 @@ def test_a_loop_without_a_known_count_is_left_out():
 
   c = jax.jit(f).lower(jnp.ones((8,), jnp.float32)).compile()
   assert hlo.trip_counts_from_text(c.as_text()) == {} == hlo.read_compiled(c).trip_counts()
+
+
+def test_a_collective_over_groups_of_one_device_is_not_a_collective():
+  # lax.psum over singleton groups moves nothing between devices (XLA:CPU keeps it; the
+  # collective algorithms use one to read their offsets at run time): no record; the same psum
+  # over pairs is one
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+
+  def compiled(groups):
+    f = jax.jit(jax.shard_map(lambda v: lax.psum(v, "x", axis_index_groups=groups), mesh=mesh,
+                              in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    return hlo.read_compiled(f.lower(jnp.ones((32,), jnp.float32)).compile())
+
+  assert [c.kind for c in compiled([[0], [1], [2], [3]]).collectives()] == []
+  assert [c.kind for c in compiled([[0, 1], [2, 3]]).collectives()] == ["all_reduce"]

@@ -128,8 +128,9 @@ def test_fused_and_unfused_steps_agree_bit_for_bit_with_it():
   if not fma:
     pytest.skip("this CPU has no FMA, so plain jax.jit cannot show the difference")
   plain = runs["jax.jit"].result()
-  assert plain["diffs"]["fuse 64KiB"]["5"] > 0, plain["diffs"]
-  assert plain["diffs"]["subst two_shot"]["5"] > 0, plain["diffs"]
+  # Which variant XLA contracts differently depends on its fusions (the buckets' copies out at
+  # run-time offsets, base.opaque, changed the 64 KiB one's): at least one differs.
+  assert any(plain["diffs"][v]["5"] > 0 for v in variants), plain["diffs"]
 
 
 @pytest.mark.gpu

@@ -646,8 +646,14 @@ def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, contract, loca
       spec = dataclasses.replace(spec, local_axis=0)
     return buckets.bucketed_apply(
         leaves, lambda flat: _all_reduce_array(flat, traced_tag, spec), bucket_bytes,
-        stacked=stacked)
+        stacked=stacked, offsets=_opaque_offsets(spec.axes))
   return [_all_reduce_array(leaf, traced_tag, s) for leaf, s in zip(leaves, specs)]
+
+
+def _opaque_offsets(axes: tuple[str, ...]):
+  """``buckets.bucketed_apply``'s ``offsets`` for a bucket over ``axes`` (``base.opaque``)."""
+  ctx = _context(axes)
+  return base.opaque(axes, math.prod(ctx.axis_sizes), ctx.backend, ctx.mesh_axes, ctx.processes)
 
 
 # --- reduce_scatter / all_gather: transposes of each other ----------------------------------------

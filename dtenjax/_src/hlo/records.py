@@ -284,6 +284,10 @@ class Module:
           done=done_of.get(ins.name, ""), op_name=ins.op_name)
     else:
       return None
+    if inner.replica_groups and all(len(g) == 1 for g in inner.replica_groups):
+      # every group one device: nothing moves between devices (the CPU all-reduces that hand a
+      # collective algorithm its offsets at run time, algorithms/base.opaque), not a collective
+      return None
     shapes = inner.operand_shapes if inner is not ins else ins.operand_shapes
     return Collective(
         kind=COLLECTIVE_KINDS[base], name=ins.name, computation=ins.computation,

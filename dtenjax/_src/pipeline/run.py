@@ -88,6 +88,8 @@ class Pipeline:
     ``d, d + stages, ...`` in order. The identity unless the schedule is interleaved."""
     n = self._layers(stacked, "to_stages")
     v, p = self.schedule.virtual, self.stages
+    if v == 1:      # nothing moves (and no reshape, which Explicit mesh axes would refuse)
+      return stacked
     return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(v, p, n // (v * p), *a.shape[1:]), 0, 1)
                         .reshape(a.shape), stacked)
 
@@ -95,6 +97,8 @@ class Pipeline:
     """The inverse of :meth:`to_stages`: back to layer order (for gradients, checkpoints)."""
     n = self._layers(staged, "from_stages")
     v, p = self.schedule.virtual, self.stages
+    if v == 1:
+      return staged
     return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(p, v, n // (v * p), *a.shape[1:]), 0, 1)
                         .reshape(a.shape), staged)
 

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
@@ -331,7 +331,31 @@ def mesh_map(f: Callable | None = None, mesh: Mesh | Sequence[int] | None = None
                 check_vma=check_vma)
   if in_specs is not _INFER:
     kwargs["in_specs"] = in_specs
-  return jax.shard_map(_bind(f, mesh), **kwargs)
+  mapped = jax.shard_map(_bind(f, mesh), **kwargs)
+  if in_specs is _INFER or AxisType.Explicit not in tuple(getattr(mesh, "axis_types", ())):
+    return mapped
+
+  @functools.wraps(f)
+  def laid_out(*args):
+    # On Explicit axes (jax.make_mesh's default) jax.shard_map's in_specs only assert how the
+    # inputs are sharded; mesh_map's lay the inputs out first (jax.sharding.reshard, under jit or
+    # not), as jax.shard_map does on Auto axes: the same call works on either mesh.
+    specs = in_specs if isinstance(in_specs, tuple) else (in_specs,) * len(args)
+    if len(specs) != len(args):
+      return mapped(*args)       # jax.shard_map's own error names the mismatch
+    return mapped(*(_reshard(arg, spec, mesh) for arg, spec in zip(args, specs)))
+  return laid_out
+
+
+def _reshard(arg, spec, mesh: Mesh):
+  """``arg`` (a pytree) laid out as ``spec`` (a prefix of it) says on ``mesh``."""
+  is_spec = lambda x: x is None or isinstance(x, P)
+  leaves, tree = jax.tree_util.tree_flatten(arg)
+  specs = jax.tree_util.tree_leaves(jax.tree.broadcast(spec, arg, is_leaf=is_spec),
+                                    is_leaf=is_spec)
+  return jax.tree_util.tree_unflatten(tree, [
+      x if sp is None or not hasattr(x, "shape") else
+      jax.sharding.reshard(x, NamedSharding(mesh, sp)) for x, sp in zip(leaves, specs)])
 
 
 # --- pmap -------------------------------------------------------------------------------------

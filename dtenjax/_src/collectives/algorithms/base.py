@@ -236,13 +236,58 @@ def ordered_reduce(stack, op: str, dtype=None):
   return acc
 
 
-def chunked(x, n: int):
-  """Flat ``x`` padded with zeros to ``n`` equal chunks: ``[n, c]`` and the true size."""
+def opaque(axes: tuple[str, ...], world: int, backend: str, mesh_axes: bool = True,
+           processes: int = 1) -> Callable | None:
+  """``values -> traced int32 scalars`` equal to the Python ints ``values`` that XLA cannot fold
+  into a kernel, where XLA:CPU compiles kernels; else None (use constants).
+
+  XLA compiles one kernel per distinct fused computation, and XLA:CPU compiles each as an LLVM
+  module of its own (tens of milliseconds). Copies out of one buffer at constant offsets (the
+  leaves out of a bucket, the chunks of an all-to-all) are distinct computations, one kernel
+  each; at offsets read at run time, the copies of one shape are one kernel. The values leave
+  through one ``lax.pmax`` over groups of one device each: an all-reduce with nobody to wait
+  for (no data moves between devices), typed invariant over ``axes`` like any ``pmax``. Only on
+  CPU, in one process, over manual mesh axes (a vmap axis or a group across processes has no
+  such free all-reduce)."""
+  if backend != "cpu" or not mesh_axes or processes != 1:
+    return None
+  groups = [[r] for r in range(world)]
+
+  def values_of(values: tuple[int, ...]):
+    if not values or max(values) >= 2**31:
+      return tuple(values)
+    try:
+      return lax.pmax(tuple(np.int32(v) for v in values), axes, axis_index_groups=groups)
+    except (NotImplementedError, ValueError, TypeError):   # a JAX without axis_index_groups here
+      return tuple(values)
+  return values_of
+
+
+def opaque_of(call: Call) -> Callable | None:
+  """:func:`opaque` for the devices of ``call``."""
+  return opaque(call.axes, call.world, call.backend, call.mesh_axes, call.processes)
+
+
+def chunked(x, n: int, offsets: Callable | None = None):
+  """Flat ``x`` padded with zeros to ``n`` equal chunks: ``[n, c]`` and the true size.
+
+  With ``offsets`` (:func:`opaque`), the chunks are copied out at run-time offsets and stacked,
+  so that an all-to-all of them (which XLA splits into one copy per chunk) compiles one kernel
+  for all n copies instead of n."""
   flat = x.reshape(-1)
   size = flat.shape[0]
   c = -(-size // n) if size else 1
   flat = jnp.pad(flat, (0, n * c - size))
-  return flat.reshape(n, c), size
+  return rows(flat, n, c, offsets), size
+
+
+def rows(flat, n: int, c: int, offsets: Callable | None = None):
+  """``[..., n * c]`` -> ``[n, ..., c]``: chunk j of the last axis (see :func:`chunked`)."""
+  if offsets is None or n == 1:
+    return jnp.moveaxis(flat.reshape(flat.shape[:-1] + (n, c)), -2, 0)
+  starts = offsets(tuple(j * c for j in range(n)))
+  return jnp.stack([lax.dynamic_slice_in_dim(flat, s, c, axis=flat.ndim - 1,
+                                             allow_negative_indices=False) for s in starts])
 
 
 def take(chunks, i):
@@ -269,22 +314,30 @@ def keyed_scatter(fn: Callable) -> Callable:
   return wrapped
 
 
-def scatter_then_gather(reduce_chunks: Callable) -> tuple[Callable, Callable]:
+def scatter_then_gather(reduce_chunks: Callable, *,
+                        opaque_steps: bool = False) -> tuple[Callable, Callable]:
   """``(all_reduce, reduce_scatter)`` of an algorithm whose core ``reduce_chunks(chunks[n, c],
   axes, op)`` leaves on rank i the reduction of every rank's chunk i, in the algorithm's order.
 
   The all-reduce pads ``x`` to n chunks, reduces them and ends with XLA's all-gather: data
-  movement only (the bits are fixed by the reduction), typed invariant as lax.psum's result."""
+  movement only (the bits are fixed by the reduction), typed invariant as lax.psum's result.
+  ``opaque_steps``: ``reduce_chunks`` also takes ``opaque=`` (:func:`opaque_of` the call) to
+  read its step numbers at run time."""
+  def core(chunks, call: Call):
+    if opaque_steps:
+      return reduce_chunks(chunks, call.axes, call.op, opaque=opaque_of(call))
+    return reduce_chunks(chunks, call.axes, call.op)
+
   @keyed
   def all_reduce(x, call: Call, finish: Callable):
-    chunks, size = chunked(x, call.world)
-    mine = finish(reduce_chunks(chunks, call.axes, call.op))
+    chunks, size = chunked(x, call.world, opaque_of(call))
+    mine = finish(core(chunks, call))
     full = jaxapi.all_gather_invariant(mine, call.axes, tiled=True)
     return full[:size].reshape(x.shape)
 
   @keyed_scatter
   def reduce_scatter(blocks, call: Call):
     flat = blocks.reshape(blocks.shape[0], -1)
-    return reduce_chunks(flat, call.axes, call.op).reshape(blocks.shape[1:])
+    return core(flat, call).reshape(blocks.shape[1:])
 
   return all_reduce, reduce_scatter

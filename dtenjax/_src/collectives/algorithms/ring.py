@@ -19,8 +19,11 @@ def supports(call: base.Call) -> str | None:
   return base.xla_reaches(call)
 
 
-def reduce_chunks(chunks, axes, op: str):
-  """Ring reduce-scatter: rank r ends with chunk r reduced (accumulation dtype)."""
+def reduce_chunks(chunks, axes, op: str, opaque=None):
+  """Ring reduce-scatter: rank r ends with chunk r reduced (accumulation dtype).
+
+  ``opaque`` (``base.opaque``): the step numbers are read at run time, so the n - 1 steps' adds
+  are one compiled kernel instead of one each."""
   n = chunks.shape[0]
   chunks = chunks.astype(base.acc_dtype(chunks.dtype, op))
   if n == 1:
@@ -29,7 +32,8 @@ def reduce_chunks(chunks, axes, op: str):
   r = lax.axis_index(axes)
   perm = [(i, (i + 1) % n) for i in range(n)]
   send = base.take(chunks, (r - 1) % n)
-  for s in range(n - 1):
+  steps = opaque(tuple(range(n - 1))) if opaque is not None else range(n - 1)
+  for s in steps:
     recv = lax.ppermute(send, axes, perm)
     send = comb(recv, base.take(chunks, (r - 2 - s) % n))
   return send
@@ -50,7 +54,7 @@ def gather_chunks(chunk, axes, n: int):
   return out
 
 
-all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks)
+all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks, opaque_steps=True)
 
 
 def _all_reduce_time(t: costmodel.Terms, N: float) -> float:

@@ -41,7 +41,7 @@ def reproducible(stack, call: base.Call):
   flat = stack.reshape(k, -1)
   size = flat.shape[1]
   c = -(-size // n) if size else 1
-  chunks = jnp.pad(flat, ((0, 0), (0, n * c - size))).reshape(k, n, c).transpose(1, 0, 2)
+  chunks = base.rows(jnp.pad(flat, ((0, 0), (0, n * c - size))), n, c, base.opaque_of(call))
   if n > 1:
     chunks = lax.all_to_all(chunks, call.axes, 0, 0)          # [source rank, k, c]
   r = repro.local_sum(chunks.reshape(n * k, c), call.op, call.contract)

@@ -152,9 +152,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     with open(path, "w", encoding="utf-8") as f:
       json.dump({k: {"wall_s": round(w, 3), "cpu_s": round(c, 3)} for k, (w, c) in _TIMES.items()},
                 f, indent=1, sort_keys=True)
-  n = config.getoption("durations", None) or 0
-  if n <= 0:
+  n = config.getoption("durations", None)
+  if n is None or n < 0:
     return
+  n = n or len(_TIMES)                  # --durations=0: all of them, as pytest's own list
   wall, cpu = (sum(t[i] for t in _TIMES.values()) for i in (0, 1))
   terminalreporter.write_sep("=", f"slowest {n} by CPU time (set-up + call + teardown; "
                                   f"all {len(_TIMES)} tests: {cpu:.0f} s CPU, {wall:.0f} s wall)")

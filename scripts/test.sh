@@ -3,8 +3,9 @@
 # then runs pytest on 8 simulated CPU devices in two pytest-xdist workers (the CI machine has two
 # cores; most tests are single-threaded XLA compiles). Tests in one xdist_group run one after
 # another in one worker (tests/conftest.py puts every test that starts several processes in
-# "procs"). Every run ends with the 15 slowest tests (--durations=15), so the budget stays visible
-# (docs/testing.md: under 8 minutes on 2 cores, 60 s per test). Extra arguments go to pytest,
+# "procs"). Every run ends with the 15 slowest tests (--durations=15), by wall clock and by CPU
+# time (tests/conftest.py; DTENJAX_TEST_TIMES=PATH writes every test's times as JSON), so the
+# budget stays visible (docs/testing.md: under 8 minutes on 2 cores, 60 s per test). Extra arguments go to pytest,
 # after ours: `-n 0` runs everything in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -20,6 +20,7 @@ load) -- fails, unless it is marked ``slow`` and listed with its reason in docs/
 """
 
 import atexit
+import json
 import os
 import pathlib
 import re
@@ -103,11 +104,63 @@ def _cpu_s() -> float:
   return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
+def _timed(item, key):
   wall0, cpu0 = time.perf_counter(), _cpu_s()
   yield
-  item.user_properties.append(("time_s", (time.perf_counter() - wall0, _cpu_s() - cpu0)))
+  item.user_properties.append((key, (time.perf_counter() - wall0, _cpu_s() - cpu0)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+  yield from _timed(item, "setup_s")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+  yield from _timed(item, "time_s")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+  yield from _timed(item, "teardown_s")
+
+
+# --- both clocks of every test, reported at the end ---------------------------------------------
+# The controller (or the only process) collects each test's (wall, CPU) seconds from its teardown
+# report (pytest-xdist sends user_properties along), fixtures' set-up included: a module fixture
+# that starts processes is paid by the first test that uses it. The summary lists the slowest by
+# CPU beside --durations' wall-clock list (CPU time is what a shared machine does not inflate);
+# DTENJAX_TEST_TIMES=PATH also writes every test's times as JSON.
+_TIMES: dict[str, tuple[float, float]] = {}
+
+
+def pytest_runtest_logreport(report):
+  if report.when != "teardown":
+    return
+  props = dict(report.user_properties)
+  phases = [props[k] for k in ("setup_s", "time_s", "teardown_s") if k in props]
+  if phases:
+    _TIMES[report.nodeid] = (sum(w for w, _ in phases), sum(c for _, c in phases))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+  del exitstatus
+  if not _TIMES or os.environ.get("PYTEST_XDIST_WORKER"):
+    return
+  path = os.environ.get("DTENJAX_TEST_TIMES")
+  if path:
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump({k: {"wall_s": round(w, 3), "cpu_s": round(c, 3)} for k, (w, c) in _TIMES.items()},
+                f, indent=1, sort_keys=True)
+  n = config.getoption("durations", None)
+  if n is None or n < 0:
+    return
+  n = n or len(_TIMES)                  # --durations=0: all of them, as pytest's own list
+  wall, cpu = (sum(t[i] for t in _TIMES.values()) for i in (0, 1))
+  terminalreporter.write_sep("=", f"slowest {n} by CPU time (set-up + call + teardown; "
+                                  f"all {len(_TIMES)} tests: {cpu:.0f} s CPU, {wall:.0f} s wall)")
+  for node, (w, c) in sorted(_TIMES.items(), key=lambda kv: -kv[1][1])[:n]:
+    terminalreporter.write_line(f"{c:7.2f}s cpu {w:7.2f}s wall  {node}")
 
 
 @pytest.hookimpl(hookwrapper=True)

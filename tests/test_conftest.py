@@ -91,9 +91,11 @@ def test_a_test_over_the_budget_fails_unless_marked_slow_and_listed(tmp_path):
     shutil.copy(ROOT / "tests" / name, tmp_path / "tests" / name)
   (tmp_path / "tests" / "test_budget.py").write_text(BUDGET_TESTS)
   (tmp_path / "docs" / "testing.md").write_text(TESTING_DOC)
-  env = dict(os.environ, DTENJAX_TEST_TIME_LIMIT="0.5", DTENJAX_TEST_COMPILE_CACHE="0")
+  times = tmp_path / "times.json"
+  env = dict(os.environ, DTENJAX_TEST_TIME_LIMIT="0.5", DTENJAX_TEST_COMPILE_CACHE="0",
+             DTENJAX_TEST_TIMES=str(times))
   r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
-                      "-W", "ignore::pytest.PytestUnknownMarkWarning", "-rfE",
+                      "-W", "ignore::pytest.PytestUnknownMarkWarning", "-rfE", "--durations=2",
                       "tests/test_budget.py"], cwd=tmp_path, env=env, capture_output=True,
                      text=True, timeout=240, check=False)
   out = r.stdout
@@ -101,6 +103,15 @@ def test_a_test_over_the_budget_fails_unless_marked_slow_and_listed(tmp_path):
   assert failed == {"test_busy", "test_listed_not_slow"}, out[-3000:]
   assert "over the 0.5 s budget of one test" in out and "docs/testing.md" in out
   assert "4 passed" in out, out[-2000:]
+  # both clocks of every test: the summary's slowest by CPU (the burners, not the sleeper) and
+  # the JSON of all six
+  m = re.search(r"slowest 2 by CPU time .*\n(.*)\n(.*)\n", out)
+  assert m and all("s cpu" in ln and "test_waits" not in ln for ln in m.groups()), out[-3000:]
+  recorded = json.loads(times.read_text())
+  assert len(recorded) == 6, recorded
+  waits = recorded["tests/test_budget.py::test_waits"]
+  assert waits["wall_s"] >= 1.0 and waits["cpu_s"] < 0.5, waits
+  assert recorded["tests/test_budget.py::test_busy"]["cpu_s"] >= 0.9
 
 
 def test_the_listed_long_tests_exist_are_marked_slow_and_say_why():

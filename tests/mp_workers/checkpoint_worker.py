@@ -43,9 +43,13 @@ def train(steps: int, restore: str | None, save: str | None) -> dict:
   def layout(x):
     return NamedSharding(mesh, P("data") if x.ndim and x.shape[0] % n == 0 else P())
 
-  k1, k2 = jax.random.split(jax.random.key(0))
-  params = {"w1": jax.random.normal(k1, (16, 32)) * 0.3, "b1": jnp.zeros(32),
-            "w2": jax.random.normal(k2, (32, 4)) * 0.3, "b2": jnp.zeros(4)}
+  # drawn with numpy: jax.random's eager draws would compile a few one-device programs in every
+  # process (about a second of CPU each on the test machine)
+  rng = np.random.default_rng(0)
+  params = {"w1": np.float32(0.3) * rng.standard_normal((16, 32), dtype=np.float32),
+            "b1": np.zeros(32, np.float32),
+            "w2": np.float32(0.3) * rng.standard_normal((32, 4), dtype=np.float32),
+            "b2": np.zeros(4, np.float32)}
   opt = optax.adam(1e-2)
   state = {"params": params, "opt": opt.init(params), "step": 0}
   shardings = jax.tree.map(layout, {"params": params, "opt": state["opt"]})

@@ -12,6 +12,7 @@ candidates in opposite orders, and the median of its runs is kept. The times are
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -24,6 +25,25 @@ import jax.numpy as jnp
 from dtenjax._src import errors
 
 
+@functools.lru_cache(maxsize=256)
+def _maker(shape: tuple[int, ...], dtype, sharding) -> Callable:
+  """The jitted program that makes one abstract leaf in its layout from a key: one per shape,
+  dtype and layout, so that candidates (and the timing's second pass) with the same leaf reuse
+  its compiled program instead of compiling a closure per call."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    def make(key):
+      del key
+      return jax.random.split(jax.random.key(0), max(1, math.prod(shape))).reshape(shape)
+  elif jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating):
+    def make(key):
+      return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+  else:
+    def make(key):
+      del key
+      return jnp.zeros(shape, dtype)
+  return jax.jit(make, out_shardings=sharding)
+
+
 def placed_arguments(args: Sequence[Any], shardings: Sequence[Any]) -> tuple[Any, ...]:
   """The step's arguments laid out with ``shardings``: arrays are placed as they are; abstract
   ``ShapeDtypeStruct`` leaves become values made directly in their layout (normal draws for
@@ -31,17 +51,7 @@ def placed_arguments(args: Sequence[Any], shardings: Sequence[Any]) -> tuple[Any
   def one(x, sharding, key):
     if not isinstance(x, jax.ShapeDtypeStruct):
       return jax.device_put(x, sharding)
-    shape, dtype = tuple(x.shape), x.dtype
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-      def make():
-        return jax.random.split(jax.random.key(0), max(1, math.prod(shape))).reshape(shape)
-    elif jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating):
-      def make():
-        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-    else:
-      def make():
-        return jnp.zeros(shape, dtype)
-    return jax.jit(make, out_shardings=sharding)()
+    return _maker(tuple(x.shape), x.dtype, sharding)(key)
 
   out = []
   for i, (a, s) in enumerate(zip(args, shardings)):

@@ -145,7 +145,9 @@ def pytest_runtest_logreport(report):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
   del exitstatus
-  if not _TIMES or os.environ.get("PYTEST_XDIST_WORKER"):
+  # an xdist worker has workerinput (its environment variable would also reach the pytest runs
+  # that tests start, tests/test_conftest.py's among them)
+  if not _TIMES or hasattr(config, "workerinput"):
     return
   path = os.environ.get("DTENJAX_TEST_TIMES")
   if path:

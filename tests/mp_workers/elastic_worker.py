@@ -31,6 +31,7 @@ def main() -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import dtenjax  # pylint: disable=g-import-not-at-top
   import dtenjax.elastic  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.elastic import memory  # pylint: disable=g-import-not-at-top
 
   ctx = dtenjax.elastic.init()
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -97,7 +98,13 @@ def main() -> None:
     for g, r, s, sig in faults:
       if (int(g), int(r), int(s)) == (ctx.generation, ctx.rank, step):
         if ctx.tier is not None:
-          ctx.tier.wait()            # the fault comes after the step's snapshot is complete
+          ctx.tier.wait()            # the fault comes after the step's snapshot is complete:
+          # this process's own record, and its replica on the right neighbour, which that
+          # process writes in its own time (on a loaded machine, after this one is gone)
+          t_end = time.monotonic() + 60
+          while ctx.tier.world > 1 and step not in memory.complete_steps(ctx.tier.root, ctx.tier.world, [ctx.rank]):
+            assert time.monotonic() < t_end, f"step {step}'s snapshot never became complete"
+            time.sleep(0.01)
         ctx.mark("fault", signal=sig, step=step)
         os.kill(os.getpid(), getattr(signal, "SIG" + sig))
         time.sleep(3600)

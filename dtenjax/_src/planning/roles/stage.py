@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from dtenjax._src import tables
 from dtenjax._src.pipeline import schedule as sched
 from dtenjax._src.planning import costmodel
 from dtenjax._src.planning.roles.base import LeafContext
@@ -234,11 +235,11 @@ def summary(pipe: Choice) -> list[str]:
            f"{c.compute_s * 1e3:.3f} ms (every layer on one device for the same batch: "
            f"{pipe.plain_compute_s * 1e3:.3f} ms); sends "
            f"{2 * c.cost.ticks} x {pipe.send_bytes / 2**20:.3f} MiB = {c.send_s * 1e3:.3f} ms"]
-  lines.append(f"  {'schedule':<24} {'micro':>5} {'bubble':>7} {'ticks':>6} {'compute ms':>11} "
-               f"{'sends ms':>9} {'act GiB':>8}")
-  for k in pipe.tried:
-    mark = "*" if k is c else " "
-    lines.append(f" {mark}{k.schedule!r:<24} {k.microbatches:>5} {k.cost.bubble:7.3f} "
-                 f"{k.cost.ticks:>6} {k.compute_s * 1e3:11.3f} {k.send_s * 1e3:9.3f} "
-                 f"{k.activation_bytes / 2**30:8.3f}{'' if k.fits else '  does not fit'}")
+  rows = [[("*" if k is c else " ") + repr(k.schedule), k.microbatches, f"{k.cost.bubble:.3f}",
+           k.cost.ticks, f"{k.compute_s * 1e3:.3f}", f"{k.send_s * 1e3:.3f}",
+           f"{k.activation_bytes / 2**30:.3f}" + ("" if k.fits else "  does not fit")]
+          for k in pipe.tried]
+  table = tables.render(["schedule", "micro", "bubble", "ticks", "compute ms", "sends ms",
+                         "act GiB"], rows)
+  lines += ["  " + line for line in table.splitlines()]
   return lines

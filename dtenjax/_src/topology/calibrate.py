@@ -73,7 +73,8 @@ def measure(topology, *, repeats: int = 3, chain: int = 4,
             sizes: dict | None = None) -> topo.Calibration:
   """The :class:`~dtenjax._src.topology.parts.Calibration` of ``topology``'s devices on this host
   (see the module docstring). ``sizes`` replaces the platform's defaults (keys ``matmul``,
-  ``memory``, ``collectives``, ``latency``; tests use small ones)."""
+  ``memory``, ``collectives``, ``latency``, 0 to leave ``latency_s`` at 0; tests use small
+  ones)."""
   if repeats < 1 or chain < 1:
     raise errors.ConfigurationError(
         f"calibrate: repeats={repeats} and chain={chain} must be >= 1")
@@ -143,7 +144,7 @@ def measure(topology, *, repeats: int = 3, chain: int = 4,
 
   # one small collective between products
   latency = 0.0
-  if n > 1:
+  if n > 1 and cfg["latency"] > 0:
     a = put((cfg["latency"], cfg["latency"]))
     plain = per_step(lambda v: jnp.tanh(v @ v), a)
     met = per_step(lambda v: jnp.tanh(v @ v) + lax.psum(v[:1, :8], "c").sum() * 1e-9, a)

@@ -298,6 +298,19 @@ class Topology:
                                                 self._cpu_devices().get(d.host, 0))
                for d in self.devices)
 
+  def pricing_summary(self) -> str:
+    """What compute is priced with, in one line: the calibration's measurements, or the table
+    prior (on a CPU scaled by the cores its devices share)."""
+    if self.calibration is not None:
+      return self.calibration.summary()
+    d = min(self.devices, key=lambda x: (x.peak_flops, x.id))
+    shared = ""
+    if d.platform == "cpu":
+      shared = (f", {self._cpu_devices().get(d.host, 0)} CPU devices sharing "
+                f"{self._host_cores().get(d.host, 0) or 'an unknown number of'} cores")
+    return (f"table priors: {self.peak_flops() / 1e9:.1f} GFLOP/s per device ({d.kind}"
+            f"{shared}); Topology.calibrate() measures them")
+
   def _host_cores(self) -> dict[str, int]:
     """host -> CPU cores listed by its NUMA nodes (0 when none are listed)."""
     got = self._derived.get("cores")

@@ -103,8 +103,9 @@ class PriceContext:
   price: Price
 
   def add(self, kind: str, nbytes: float, axes: Sequence[str], *, blocking: bool,
-          times: int = 1) -> None:
-    """``times`` collectives of ``kind`` moving ``nbytes`` per participant over ``axes``."""
+          times: float = 1) -> None:
+    """``times`` collectives of ``kind`` moving ``nbytes`` per participant over ``axes`` (a
+    fraction: this leaf's share of one collective several leaves share)."""
     key = axis_key(axes)
     acc(self.price.blocking if blocking else self.price.overlappable, key,
         times * self.pricer(kind, nbytes, axes, self.dtype))

@@ -25,6 +25,9 @@ Parts (``--parts``, default all):
   ``Topology.calibrate()`` ("calibrated"; the plan made with it is a row of its own, "plan
   calibrated"). A hand-written layout is predicted as the plan with its specs pinned.
 
+* ``priced`` -- the wins part's plan and hand-written layouts priced by the cost model only
+  (nothing compiled or run), beside a recorded wins run's measured times (``--measured-json``).
+
 * ``gpu`` -- (GPU machine) the same comparison compiled by XLA's GPU compiler for a mocked host of
   8 GPUs (``jax_mock_gpu_topology``, set before the backend starts: ``--mock-gpus 8``), nothing
   run: the plan's predicted memory and collective bytes per kind against the compiled ones, next
@@ -288,6 +291,38 @@ def wins_rows(names, iters: int, calibrated=None) -> tuple[list[dict], list[str]
   return rows, notes
 
 
+def priced_rows(names, measured_json: str | None) -> list[dict]:
+  """The ``priced`` part: the cost model's step time of the plan and of every hand-written
+  layout of the wins part (planning only, nothing runs), beside the measured times of a recorded
+  wins run (``measured_json``, this bench's JSON) where it has the same family and layout."""
+  import _families as fams  # pylint: disable=g-import-not-at-top
+  measured = {}
+  if measured_json:
+    with open(measured_json, encoding="utf-8") as f:
+      measured = {(r["family"], r["layout"]): r["measured_ms"] for r in json.load(f)["rows"]
+                  if r.get("part") == "wins"}
+  rows = []
+  for name in names:
+    fam = fams.FAMILIES[name]()
+    step, args = fam.make()
+    plan = dtenjax.plan(step, *args)
+    rows.append({"family": name, "layout": "plan",
+                 "mesh": "x".join(f"{a}{n}" for a, n in zip(plan.axis_names, plan.mesh_shape)
+                                  if n > 1),
+                 "predicted_ms": plan.cost.total_s * 1e3})
+    for rn in fams.RECIPES:
+      r = fams.recipe(fam, rn)
+      if r is not None:
+        rows.append({"family": name, "layout": rn,
+                     "mesh": "x".join(f"{a}{n}" for a, n in r.mesh.shape.items()),
+                     "predicted_ms": _ms(predicted_recipe(fam, r, step, args, None)),
+                     "measured_ms": measured.get((name, rn))})
+    for row in rows:
+      if row.get("measured_ms") and row.get("predicted_ms"):
+        row["predicted_vs_measured"] = row["predicted_ms"] / row["measured_ms"]
+  return rows
+
+
 def _ms(seconds: float | None) -> float | None:
   return None if seconds is None else seconds * 1e3
 
@@ -303,6 +338,8 @@ def main(argv=None) -> int:
   ap.add_argument("--mock-gpus", type=int, default=0,
                   help="gpu part: mock a host of this many GPUs on the one present")
   ap.add_argument("--gpu-families", default="llama-1b,llama_scan,llama_loop,encdec,moe,shared")
+  ap.add_argument("--measured-json", metavar="PATH",
+                  help="priced part: a recorded wins run whose measured times go beside")
   ap.add_argument("--no-calibrate", action="store_true",
                   help="wins part: skip Topology.calibrate() and the calibrated plan")
   ap.add_argument("--json", metavar="PATH")
@@ -363,6 +400,15 @@ def main(argv=None) -> int:
                          f"{jax.devices()[0].device_kind} (mocked), compile only"))
     notes += gnotes
     doc_rows += [{"part": "gpu", **r} for r in rows]
+  if "priced" in parts:
+    rows = priced_rows(args.families.split(","), args.measured_json)
+    print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
+                                ("mesh", "mesh", "s"), ("predicted ms", "predicted_ms", ".1f"),
+                                ("measured ms", "measured_ms", ".1f"),
+                                ("predicted/measured", "predicted_vs_measured", ".2f")),
+                         title="the cost model's step times (table priors of this host's "
+                         "devices), nothing run"))
+    doc_rows += [{"part": "priced", **r} for r in rows]
   if "wins" in parts:
     calibrated = None
     if not args.no_calibrate:

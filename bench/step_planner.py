@@ -20,7 +20,13 @@ Parts (``--parts``, default all):
   user writes by hand with plain ``jax.jit`` and ``NamedSharding`` (DP, FSDP gathering per layer
   inside the scan, FSDP x TP, HSDP), compiled (memory per device, collective bytes per kind with
   loop trip counts) and timed side by side (interleaved rounds, medians); the plan's step time
-  over the fastest recipe's, its predicted time next to the measured one.
+  over the fastest recipe's. Every row has the cost model's predicted time next to the measured
+  one, twice: with the table priors ("predicted") and with this machine's
+  ``Topology.calibrate()`` ("calibrated"; the plan made with it is a row of its own, "plan
+  calibrated"). A hand-written layout is predicted as the plan with its specs pinned.
+
+* ``priced`` -- the wins part's plan and hand-written layouts priced by the cost model only
+  (nothing compiled or run), beside a recorded wins run's measured times (``--measured-json``).
 
 * ``gpu`` -- (GPU machine) the same comparison compiled by XLA's GPU compiler for a mocked host of
   8 GPUs (``jax_mock_gpu_topology``, set before the backend starts: ``--mock-gpus 8``), nothing
@@ -227,7 +233,23 @@ def _progress(row: dict, t0: float) -> None:
   print(f"[{time.perf_counter() - t0:.1f} s] {shown}", file=sys.stderr, flush=True)
 
 
-def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
+def predicted_recipe(fam, r, step, args, topology) -> float | None:
+  """The cost model's step time (s) of the hand-written layout ``r``: the plan of ``step`` on
+  ``r``'s mesh with every parameter and optimizer-state leaf pinned to ``r``'s specs."""
+  import _families as fams  # pylint: disable=g-import-not-at-top
+  params, opt, _ = args
+  try:
+    p = dtenjax.plan(step, *args, mesh=dict(r.mesh.shape), topology=topology,
+                     pinned=[r.param_specs, fams._like_params(opt, params, r.param_specs), None],  # pylint: disable=protected-access
+                     memory_budget=1 << 50)
+  except dtenjax.PlacementError:
+    return None
+  return p.cost.total_s
+
+
+def wins_rows(names, iters: int, calibrated=None) -> tuple[list[dict], list[str]]:
+  """``calibrated``: a calibrated Topology (``Topology.calibrate()``): its plan is measured too,
+  and every row gets its prediction beside the uncalibrated model's."""
   import _families as fams  # pylint: disable=g-import-not-at-top
   rows, notes = [], []
   for name in names:
@@ -237,11 +259,20 @@ def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
     plan = dtenjax.plan(step, *args)
     measured = dtenjax.plan(step, *args, measure=6)
     plans = {"plan": plan, "plan measured": measured}
+    if calibrated is not None:
+      plans["plan calibrated"] = dtenjax.plan(step, *args, topology=calibrated)
     cands = {k: (p.jit(step), p.shardings()) for k, p in plans.items()}
+    # each layout priced by the table priors and by the calibration (the same layout pinned)
+    predicted = {k: (p.cost.total_s, None if calibrated is None else dtenjax.plan(
+        step, *args, topology=calibrated, mesh=dict(zip(p.axis_names, p.mesh_shape)),
+        pinned=list(p.specs), memory_budget=1 << 50).cost.total_s) for k, p in plans.items()}
     for rn in fams.RECIPES:
       r = fams.recipe(fam, rn)
       if r is not None:
         cands[rn] = fams.recipe_jit(fam, r)
+        predicted[rn] = (predicted_recipe(fam, r, step, args, None),
+                         None if calibrated is None else
+                         predicted_recipe(fam, r, step, args, calibrated))
     prof, placed = {}, {}
     for cname, (fn, shardings) in cands.items():
       prof[cname] = compiled_profile(fn.lower(*args).compile())
@@ -259,7 +290,8 @@ def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
                    if p is not None else "x".join(f"{a}{n}" for a, n in
                                                   fams.recipe(fam, cname).mesh.shape.items())),
           "measured_ms": times[cname] * 1e3,
-          "predicted_ms": p.cost.total_s * 1e3 if p is not None else None,
+          "predicted_ms": _ms(predicted[cname][0]),
+          "calibrated_ms": _ms(predicted[cname][1]),
           "mem_mib": prof[cname]["mem"] / 2**20,
           "coll_mib": sum(prof[cname]["bytes"].values()) / 2**20,
           "kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in sorted(prof[cname]["bytes"].items())),
@@ -274,6 +306,42 @@ def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
   return rows, notes
 
 
+def priced_rows(names, measured_json: str | None) -> list[dict]:
+  """The ``priced`` part: the cost model's step time of the plan and of every hand-written
+  layout of the wins part (planning only, nothing runs), beside the measured times of a recorded
+  wins run (``measured_json``, this bench's JSON) where it has the same family and layout."""
+  import _families as fams  # pylint: disable=g-import-not-at-top
+  measured = {}
+  if measured_json:
+    with open(measured_json, encoding="utf-8") as f:
+      measured = {(r["family"], r["layout"]): r["measured_ms"] for r in json.load(f)["rows"]
+                  if r.get("part") == "wins"}
+  rows = []
+  for name in names:
+    fam = fams.FAMILIES[name]()
+    step, args = fam.make()
+    plan = dtenjax.plan(step, *args)
+    rows.append({"family": name, "layout": "plan",
+                 "mesh": "x".join(f"{a}{n}" for a, n in zip(plan.axis_names, plan.mesh_shape)
+                                  if n > 1),
+                 "predicted_ms": plan.cost.total_s * 1e3})
+    for rn in fams.RECIPES:
+      r = fams.recipe(fam, rn)
+      if r is not None:
+        rows.append({"family": name, "layout": rn,
+                     "mesh": "x".join(f"{a}{n}" for a, n in r.mesh.shape.items()),
+                     "predicted_ms": _ms(predicted_recipe(fam, r, step, args, None)),
+                     "measured_ms": measured.get((name, rn))})
+    for row in rows:
+      if row.get("measured_ms") and row.get("predicted_ms"):
+        row["predicted_vs_measured"] = row["predicted_ms"] / row["measured_ms"]
+  return rows
+
+
+def _ms(seconds: float | None) -> float | None:
+  return None if seconds is None else seconds * 1e3
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="bench/step_planner.py", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -285,6 +353,10 @@ def main(argv=None) -> int:
   ap.add_argument("--mock-gpus", type=int, default=0,
                   help="gpu part: mock a host of this many GPUs on the one present")
   ap.add_argument("--gpu-families", default="llama-1b,llama_scan,llama_loop,encdec,moe,shared")
+  ap.add_argument("--measured-json", metavar="PATH",
+                  help="priced part: a recorded wins run whose measured times go beside")
+  ap.add_argument("--no-calibrate", action="store_true",
+                  help="wins part: skip Topology.calibrate() and the calibrated plan")
   ap.add_argument("--json", metavar="PATH")
   ap.add_argument("--child", help=argparse.SUPPRESS)
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -343,11 +415,26 @@ def main(argv=None) -> int:
                          f"{jax.devices()[0].device_kind} (mocked), compile only"))
     notes += gnotes
     doc_rows += [{"part": "gpu", **r} for r in rows]
+  if "priced" in parts:
+    rows = priced_rows(args.families.split(","), args.measured_json)
+    print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
+                                ("mesh", "mesh", "s"), ("predicted ms", "predicted_ms", ".1f"),
+                                ("measured ms", "measured_ms", ".1f"),
+                                ("predicted/measured", "predicted_vs_measured", ".2f")),
+                         title="the cost model's step times (table priors of this host's "
+                         "devices), nothing run"))
+    doc_rows += [{"part": "priced", **r} for r in rows]
   if "wins" in parts:
-    rows, win_notes = wins_rows(args.families.split(","), args.iters)
+    calibrated = None
+    if not args.no_calibrate:
+      calibrated = dtenjax.Topology.current().calibrate()
+      notes.append(f"wins: {calibrated.calibration.summary()}")
+      print(notes[-1], file=sys.stderr, flush=True)
+    rows, win_notes = wins_rows(args.families.split(","), args.iters, calibrated)
     print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
                                 ("mesh", "mesh", "s"), ("measured ms", "measured_ms", ".2f"),
                                 ("predicted ms", "predicted_ms", ".2f"),
+                                ("calibrated ms", "calibrated_ms", ".2f"),
                                 ("/fastest recipe", "vs_best_recipe", ".2f"),
                                 ("MiB/dev", "mem_mib", ".1f"),
                                 ("mem/fastest's", "mem_vs_best_recipe", ".2f"),

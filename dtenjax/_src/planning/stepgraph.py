@@ -131,6 +131,10 @@ class WeightUse:
   layers: int = 1                 # slices the product reads one at a time (a scan over a stack)
   grad_parts: int = 1             # gradient products per step (a weight shared across layers)
   remat: bool = False             # read inside jax.checkpoint (the backward recomputes it)
+  # weights whose first products read the same activation as this one (itself included): their
+  # input gradients are added before any reduction (XLA reassociates all-reduce(a) +
+  # all-reduce(b) into all-reduce(a + b)), so column-parallel siblings share one all-reduce
+  siblings: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +240,7 @@ class _Reader:
   def __init__(self, leaves: Sequence[Leaf]):
     self.leaves = leaves
     self.weights: dict[int, WeightUse] = {}
+    self.partner: dict[int, Any] = {}     # weight leaf -> the activation its first product reads
     self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...]]] = {}
     self.leaf_flops: dict[int, float] = {}
     self.shape_flops: dict[tuple[int, ...], float] = {}   # products whose result has this shape
@@ -408,6 +413,8 @@ class _Reader:
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
           input_grad=_is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived)
       self.first_out[leaf] = (eqn, side, dims)
+      if _is_var(eqn.invars[1 - side]):
+        self.partner[leaf] = eqn.invars[1 - side]
 
 
 def _out_dim_of(eqn, side: int, leaf_dims, leaf_dim: int) -> int | None:
@@ -648,6 +655,9 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
       carried[key] = carried.get(key, 0.0) + reader.eqn_flops.get(e, 0.0) / len(srcs)
   pairs = tuple(sorted(set(pairs), key=lambda p: (p.src, p.src_dim, p.dst, p.dst_dim)))
   weights = {}
+  readers: dict[Any, int] = {}
+  for v in reader.partner.values():
+    readers[v] = readers.get(v, 0) + 1
   for leaf, use in reader.weights.items():
     shape = leaves[leaf].shape
     # a gradient's product has the weight's shape (or its transpose): it splits like the reads
@@ -655,6 +665,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     reads = reader.leaf_flops.get(leaf, 0.0)
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
                                         remat=leaf in reader.remat_read,
+                                        siblings=readers.get(reader.partner.get(leaf), 1),
                                         grad_parts=_grad_parts(use, reader.leaf_reads.get(leaf, 1),
                                                                leaf in reader.remat_read))
   groups: dict[int, list[int]] = {}

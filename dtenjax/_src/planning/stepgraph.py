@@ -144,6 +144,19 @@ class Pair:
 
 
 @dataclasses.dataclass(frozen=True)
+class Live:
+  """A value the step materialises at its top level (or the peak of a loop body's values while
+  the loop runs), live from equation ``start`` to its last use ``end``: what XLA's buffer
+  assignment places, in a temporary buffer or in an output's buffer before the output is
+  written (:func:`dtenjax._src.planning.solver.simulate_memory`)."""
+  start: int
+  end: int
+  nbytes: int                          # global
+  grad: tuple[int, ...] | None = None  # a state leaf's shape: a gradient (sized by its layout)
+  owners: tuple[tuple[int, int], ...] = ()   # (leaf, free dim) cones that shard it (pairs)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepGraph:
   leaves: tuple[Leaf, ...]
   weights: dict[int, WeightUse]
@@ -162,6 +175,9 @@ class StepGraph:
   # gathered leaf -> (the dimensions the gather indexes, e.g. the vocabulary of an embedding
   # table; the bytes of the rows it reads per step, global)
   lookups: dict[int, tuple[tuple[int, ...], int]] = dataclasses.field(default_factory=dict)
+  # the values the step materialises, in the jaxpr's order (activations, residuals kept for the
+  # backward, loop bodies' peaks, gradients): the memory the layout's sizes are simulated over
+  timeline: tuple[Live, ...] = ()
 
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:
@@ -493,9 +509,14 @@ def _reshape_dim(old: tuple[int, ...], new: tuple[int, ...], d: int) -> int | No
 
 
 def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
-              counted: dict[Any, int] | None = None) -> int:
+              counted: dict[Any, int] | None = None,
+              timeline: list[tuple[Any, int, int, int, tuple[int, ...] | None]] | None = None
+              ) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
-  calls add their own peak while they run); ``counted`` collects the values it counts."""
+  calls add their own peak while they run); ``counted`` collects the values it counts and
+  ``timeline`` (value or None, start, end, bytes, state shape or None) every materialised
+  batch-derived value, the gradients (values of a state leaf's shape) included, and each body's
+  peak as a value of one equation; the step's own outputs are not in it."""
   tainted = set(batch_vars)
   last_use: dict[Any, int] = {}
   feeds_fusion_boundary: set[Any] = set()
@@ -505,9 +526,9 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
         last_use[v] = i
         if eqn.primitive.name not in _FUSED_INTO_CONSUMERS:
           feeds_fusion_boundary.add(v)
-  for v in jaxpr.outvars:
-    if _is_var(v):
-      last_use[v] = len(jaxpr.eqns)
+  outvars = {v for v in jaxpr.outvars if _is_var(v)}
+  for v in outvars:
+    last_use[v] = len(jaxpr.eqns)
   live = 0
   peak = 0
   ends: dict[int, int] = {}
@@ -519,11 +540,11 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
         sub_batch = {sv for sv, ov in zip(sub.invars, list(eqn.invars)[-n_outer:])
                      if _is_var(ov) and ov in tainted}
         inner = max(inner, _liveness(sub, sub_batch, excluded_shapes))
+      if timeline is not None and inner:
+        timeline.append((None, i, i, inner, None))
       for o in eqn.outvars:
         tainted.add(o)
         shape = tuple(o.aval.shape)
-        if shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes:
-          continue
         nb = _nbytes(o.aval)
         end = last_use.get(o)
         if end is None or nb == 0:
@@ -532,6 +553,11 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
         # backward's fusions): such a value is materialised only when a non-elementwise op
         # reads it
         if eqn.primitive.name in _FUSIBLE and o not in feeds_fusion_boundary:
+          continue
+        state = shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes
+        if timeline is not None and o not in outvars:
+          timeline.append((o, i, end, nb, shape if state else None))
+        if state:
           continue
         live += nb
         ends[end] = ends.get(end, 0) + nb
@@ -625,7 +651,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   state_shapes = {lf.shape for lf in leaves if not lf.is_batch and len(lf.shape) >= 2}
   batch_vars = {v for lf, v in zip(leaves, jaxpr.invars) if lf.is_batch}
   counted: dict[Any, int] = {}
-  act = _liveness(jaxpr, batch_vars, state_shapes, counted)
+  lives: list[tuple[Any, int, int, int, tuple[int, ...] | None]] = []
+  act = _liveness(jaxpr, batch_vars, state_shapes, counted, lives)
   # the share of the counted activation bytes each column-parallel source shards (a value in
   # several sources' cones is split among them)
   owners: dict[Any, int] = {}
@@ -636,6 +663,13 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   total = sum(counted.values()) or 1
   act_share = {key: sum(counted[v] / owners[v] for v in cone if v in counted) / total
                for key, cone in cones.items()}
+  cone_keys: dict[Any, list[tuple[int, int]]] = {}
+  for key, cone in sorted(cones.items()):
+    for v in cone:
+      cone_keys.setdefault(v, []).append(key)
+  timeline = tuple(Live(start, end, nb, grad, tuple(cone_keys.get(v, ())) if v is not None
+                        else ())
+                   for v, start, end, nb, grad in lives)
   outputs = []
   top_tie = _top_ties(jaxpr, leaves, reader)
   for v in jaxpr.outvars:
@@ -647,7 +681,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    activation_bytes=int(act), gathered=frozenset(reader.gathered),
                    outputs=tuple(outputs), num_eqns=reader.eqn_count,
                    out_tree=jax.tree.structure(out_shape), carried=carried,
-                   act_share=act_share, lookups=dict(reader.lookups))
+                   act_share=act_share, lookups=dict(reader.lookups), timeline=timeline)
 
 
 def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:

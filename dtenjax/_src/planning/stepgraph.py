@@ -540,6 +540,8 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
         sub_batch = {sv for sv, ov in zip(sub.invars, list(eqn.invars)[-n_outer:])
                      if _is_var(ov) and ov in tainted}
         inner = max(inner, _liveness(sub, sub_batch, excluded_shapes))
+      if eqn.primitive.name == "conv_general_dilated":
+        inner += _conv_copies(eqn, tainted)
       if timeline is not None and inner:
         timeline.append((None, i, i, inner, None))
       for o in eqn.outvars:
@@ -566,6 +568,25 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
       peak = max(peak, live + inner)
     live -= ends.pop(i, 0)
   return peak
+
+
+def _conv_copies(eqn, tainted: set) -> int:
+  """Bytes of the batch-derived operands and result of a convolution whose dimensions are not in
+  the order the backend's convolution kernels take (batch, spatial..., feature; a kernel's
+  spatial..., input, output): XLA transposes them into a copy while the convolution runs. The
+  gradients' convolutions are of this kind (the kernel gradient contracts the batch)."""
+  dn = eqn.params["dimension_numbers"]
+  n = len(eqn.outvars[0].aval.shape)
+  spatial = tuple(range(1, n - 1))
+  extra = 0
+  lhs, rhs = eqn.invars[0], eqn.invars[1]
+  if _is_var(lhs) and lhs in tainted and tuple(dn.lhs_spec) != (0, n - 1, *spatial):
+    extra += _nbytes(lhs.aval)
+  if _is_var(rhs) and rhs in tainted and tuple(dn.rhs_spec) != (n - 1, n - 2, *range(n - 2)):
+    extra += _nbytes(rhs.aval)
+  if tuple(dn.out_spec) != (0, n - 1, *spatial):
+    extra += _nbytes(eqn.outvars[0].aval)
+  return extra
 
 
 def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGraph:

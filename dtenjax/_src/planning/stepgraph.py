@@ -520,12 +520,24 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
   tainted = set(batch_vars)
   last_use: dict[Any, int] = {}
   feeds_fusion_boundary: set[Any] = set()
+  users: dict[Any, int] = {}
   for i, eqn in enumerate(jaxpr.eqns):
+    boundary = eqn.primitive.name not in _FUSED_INTO_CONSUMERS or _keeps_minor(eqn)
     for v in eqn.invars:
       if _is_var(v):
         last_use[v] = i
-        if eqn.primitive.name not in _FUSED_INTO_CONSUMERS:
+        users[v] = users.get(v, 0) + 1
+        if boundary:
           feeds_fusion_boundary.add(v)
+  # values an elementwise chain carries into a reduction over leading dimensions (which XLA:CPU
+  # does not fuse its producers into): a producer there that also has other users is computed
+  # once and kept, not duplicated into each user's fusion
+  into_major: set[Any] = set()
+  for eqn in reversed(jaxpr.eqns):
+    if _keeps_minor(eqn) or (eqn.primitive.name in _FUSIBLE and
+                             any(o in into_major for o in eqn.outvars)):
+      into_major.update(v for v in eqn.invars if _is_var(v))
+  feeds_fusion_boundary.update(v for v in into_major if users.get(v, 0) >= 2)
   outvars = {v for v in jaxpr.outvars if _is_var(v)}
   for v in outvars:
     last_use[v] = len(jaxpr.eqns)
@@ -568,6 +580,17 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
       peak = max(peak, live + inner)
     live -= ends.pop(i, 0)
   return peak
+
+
+def _keeps_minor(eqn) -> bool:
+  """A reduction over leading dimensions only (batch norm's statistics, a bias's gradient):
+  XLA:CPU fuses elementwise producers into reductions over the minor (last) dimension, not
+  into these, so their input is materialised."""
+  axes = eqn.params.get("axes")
+  if not eqn.primitive.name.startswith("reduce_") or axes is None or not eqn.invars:
+    return False
+  ndim = len(getattr(eqn.invars[0].aval, "shape", ()))
+  return ndim > 1 and (ndim - 1) not in tuple(axes)
 
 
 def _conv_copies(eqn, tainted: set) -> int:

@@ -53,6 +53,12 @@ _FUSIBLE = _ELEMENTWISE | frozenset(
     "convert_element_type".split())
 _FUSED_INTO_CONSUMERS = _FUSIBLE | frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
+# Elementwise primitives XLA counts as expensive (HloInstruction::IsExpensive): it does not
+# duplicate them into several consumers' fusions.
+_EXPENSIVE = frozenset("""
+acos acosh asin asinh atan atan2 atanh cbrt cos cosh div erf erf_inv erfc exp exp2 expm1 log log1p
+logistic pow rsqrt sin sinh sqrt tan tanh
+""".split())
 # Primitives that only rename a value of the same shape (a state leaf keeps its identity).
 _ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
                       "reduce_precision"))
@@ -538,6 +544,18 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
                              any(o in into_major for o in eqn.outvars)):
       into_major.update(v for v in eqn.invars if _is_var(v))
   feeds_fusion_boundary.update(v for v in into_major if users.get(v, 0) >= 2)
+  # XLA duplicates a producer into each of its users' fusions only when it is cheap: the result
+  # of an expensive elementwise op (tanh, exp, a division, ...) read by several is computed once
+  # and kept -- unless a reduction over the minor dimension reads it (softmax's exponentials),
+  # whose fusion XLA makes produce both
+  into_minor = {v for eqn in jaxpr.eqns
+                if eqn.primitive.name in _FUSED_INTO_CONSUMERS and
+                eqn.primitive.name not in _FUSIBLE and not _keeps_minor(eqn)
+                for v in eqn.invars if _is_var(v)}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in _EXPENSIVE:
+      feeds_fusion_boundary.update(o for o in eqn.outvars
+                                   if users.get(o, 0) >= 2 and o not in into_minor)
   outvars = {v for v in jaxpr.outvars if _is_var(v)}
   for v in outvars:
     last_use[v] = len(jaxpr.eqns)

@@ -244,7 +244,7 @@ class _Reader:
   def __init__(self, leaves: Sequence[Leaf]):
     self.leaves = leaves
     self.weights: dict[int, WeightUse] = {}
-    self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...]]] = {}
+    self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...], tuple]] = {}
     self.leaf_flops: dict[int, float] = {}
     self.shape_flops: dict[tuple[int, ...], float] = {}   # products whose result has this shape
     self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
@@ -263,6 +263,10 @@ class _Reader:
     self.eqn_flops: dict[int, float] = {}     # id(product equation) -> flops per step
     self.remat_depth = 0                      # > 0 inside a jax.checkpoint body
     self.remat_read: set[int] = set()         # leaves a product reads inside a checkpoint body
+    # the calls the walk is inside, outermost first: (equation, body). JAX shares one body
+    # between calls of the same jitted function (jnp.einsum's), so a body's values stand for a
+    # different call's values at each call site: the frames say which.
+    self.frames: tuple[tuple[Any, Any], ...] = ()
 
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
   def walk(self, jaxpr, origin: dict, tie: dict, repeats: int) -> None:
@@ -324,7 +328,10 @@ class _Reader:
           inner_origin[i] = org
       if o in tie and name != "scan":
         inner_tie[i] = tie[o]
+    saved = self.frames
+    self.frames = saved + ((eqn, sub),)
     self.walk(sub, inner_origin, inner_tie, repeats)
+    self.frames = saved
     for k, (i, o) in enumerate(zip(sub.outvars, eqn.outvars)):
       if _is_var(i):
         # a scan's stacked outputs (after the carry) gain the leading length dimension
@@ -390,7 +397,7 @@ class _Reader:
           repeats=repeats, primitive=name,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
           input_grad=_is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived)
-      self.first_out[leaf] = (eqn, side, dims)
+      self.first_out[leaf] = (eqn, side, dims, self.frames)
 
 
 def _out_dim_of(eqn, side: int, leaf_dims, leaf_dim: int) -> int | None:
@@ -407,22 +414,33 @@ def _out_dim_of(eqn, side: int, leaf_dims, leaf_dim: int) -> int | None:
   return None
 
 
-def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: int = 4000
-            ) -> tuple[list[Pair], set[int], set[Any]]:
+def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, frames: tuple = (),
+            budget: int = 4000) -> tuple[list[Pair], set[int], set[Any]]:
   """Pairs reached from ``start``'s dimension ``dim`` (see the module docstring), the products
   between activations that the dimension passes through unreduced (attention's score and value
-  products under head sharding), which split with it, and the values that carry it."""
-  pairs, todo, seen = [], [(start, dim)], set()
+  products under head sharding), which split with it, and the values that carry it. ``frames``
+  are the calls ``start`` is inside (:attr:`_Reader.frames`): a body shared by several calls
+  leaves through the call it was entered from."""
+  pairs, todo, seen = [], [(start, dim, tuple(frames))], set()
   carried: set[int] = set()
   dirty = False
   while todo and budget > 0 and not dirty:
-    var, d = todo.pop()
-    if (var, d) in seen:
+    var, d, ctx = todo.pop()
+    key = (var, d, tuple(id(e) for e, _ in ctx))
+    if key in seen:
       continue
-    seen.add((var, d))
+    seen.add(key)
     budget -= 1
     nxt = []
-    if var in reader.outer_of_outvar:
+    if ctx:
+      call, body = ctx[-1]
+      n_carry = jaxapi.scan_counts(call)[1] if call.primitive.name == "scan" else 0
+      for k, o in enumerate(body.outvars):
+        if o is var and k < len(call.outvars):
+          # a scan's stacked outputs (after the carry) gain the leading length dimension
+          shift = 1 if call.primitive.name == "scan" and k >= n_carry else 0
+          todo.append((call.outvars[k], d + shift, ctx[:-1]))
+    elif var in reader.outer_of_outvar:
       outer, shift = reader.outer_of_outvar[var]
       nxt.append((outer, d + shift))
     for eqn, pos in reader.uses.get(var, ()):
@@ -455,7 +473,7 @@ def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: in
         other_c = rc if pos == 0 else lc
         other = eqn.invars[1 - pos]
         if d in mine_c:
-          org = _origin_of(reader, other)
+          org = _origin_in(reader, other, ctx)
           if org is None:
             dirty = True          # a partial sum of activations: needs the gathered value
           elif org[0] != src and org[0] in reader.weights:
@@ -467,7 +485,7 @@ def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: in
           nr = len(eqn.invars[1].aval.shape)
           lfree = [k for k in range(nl) if k not in lc and k not in lb]
           rfree = [k for k in range(nr) if k not in rc and k not in rb]
-          if _origin_of(reader, other) is None:
+          if _origin_in(reader, other, ctx) is None:
             carried.add(id(eqn))
           if d in mine_b:
             nxt.append((out, list(mine_b).index(d)))
@@ -478,22 +496,40 @@ def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: in
       elif eqn.params.get("jaxpr") is not None or name in ("scan", "while", "cond"):
         for sub, _ in _sub_jaxprs(eqn):
           k = pos - (1 if name == "cond" else 0)
+          inner_ctx = ctx + ((eqn, sub),)
           if 0 <= k < len(sub.invars):
             inner = sub.invars[k]
             if name == "scan" and k >= sum(jaxapi.scan_counts(eqn)):
               if d == 0:
                 continue
-              nxt.append((inner, d - 1))
+              todo.append((inner, d - 1, inner_ctx))
             else:
-              nxt.append((inner, d))
-    todo.extend(x for x in nxt if x[0] is not None and _is_var(x[0]))
+              todo.append((inner, d, inner_ctx))
+    todo.extend((v, dd, ctx) for v, dd in nxt if v is not None and _is_var(v))
   if dirty or todo:
     return [], set(), set()
-  return pairs, carried, {v for v, _ in seen}
+  return pairs, carried, {v for v, _, _ in seen}
 
 
 def _origin_of(reader: _Reader, var):
   """The (leaf, dims) a product operand stands for, or None for an activation."""
+  return reader.origin_all.get(var)
+
+
+def _origin_in(reader: _Reader, var, ctx: tuple):
+  """:func:`_origin_of` at one call site: a body's input stands for the call's operand there."""
+  while ctx:
+    call, body = ctx[-1]
+    k = next((k for k, v in enumerate(body.invars) if v is var), None)
+    if k is None:
+      break
+    outer = list(call.invars)[k + (1 if call.primitive.name == "cond" else 0)]
+    if not _is_var(outer):
+      return None
+    org = _origin_in(reader, outer, ctx[:-1])
+    if org is not None and call.primitive.name == "scan" and k >= sum(jaxapi.scan_counts(call)):
+      org = (org[0], org[1][1:])                      # one layer of a stacked leaf
+    return org
   return reader.origin_all.get(var)
 
 
@@ -679,13 +715,13 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   reached: dict[int, list[tuple[int, int]]] = {}     # product -> the sources that split it
   cones: dict[tuple[int, int], set[Any]] = {}        # (source, dim) -> values sharded with it
   for leaf, use in sorted(reader.weights.items()):
-    eqn, side, dims = reader.first_out[leaf]
+    eqn, side, dims, frames = reader.first_out[leaf]
     if eqn.primitive.name != "dot_general":
       continue
     for k in use.free:
       j = _out_dim_of(eqn, side, dims, k)
       if j is not None:
-        found, through, cone = _follow(reader, leaf, k, eqn.outvars[0], j)
+        found, through, cone = _follow(reader, leaf, k, eqn.outvars[0], j, frames)
         pairs.extend(found)
         if found:
           cones[(leaf, k)] = cone

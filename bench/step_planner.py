@@ -3,7 +3,9 @@ reference clusters, planning time, and the measured ranking of plans on 8 CPU de
 
 Parts (``--parts``, default all):
 
-* ``predict`` -- for each model and device count, the chosen plan and the four standard recipes
+* ``predict`` -- for each model (an MLP, GPT-2, Llama-shaped 1B and 8B, and the six families of
+  bench/_families.py with a global batch that grows with the devices) and device count
+  (``--devices`` picks among them), the chosen plan and the four standard recipes
   (DP, FSDP, TP, FSDP x TP) are compiled for the CPU with simulated devices (a fresh process per
   device count, ``--xla_force_host_platform_device_count=N``; abstract arguments, nothing runs)
   and the prediction is compared with ``memory_analysis()`` (arguments + outputs + temp) and with

@@ -63,7 +63,7 @@ from dtenjax._src.planning import step as step_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # (model, device counts) compiled in the predict part
-PREDICT = {"mlp": (8, 16), "gpt2": (8, 16, 32), "llama-1b": (16, 32), "llama-8b": (64,),
+PREDICT = {"mlp": (8, 16), "gpt2": (8, 16, 32), "llama-1b": (8, 16, 32), "llama-8b": (64,),
            **{f: (8, 16, 32, 64) for f in ("llama_scan", "llama_loop", "encdec", "convnet", "moe",
                                            "shared")}}
 # global batch per device of the families (bench/_families.py; their default at 8 devices)

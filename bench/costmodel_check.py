@@ -47,7 +47,7 @@ def main(argv=None) -> int:
   p.add_argument("--intra", default="nvlink", help="link class of the default uniform topology")
   args = p.parse_args(argv)
   from dtenjax._src.collectives.algorithms import registry
-  from dtenjax._src.planning import costmodel
+  from dtenjax._src.pricing import costmodel
   try:
     data = _harness.load(args.results)
   except (OSError, ValueError) as e:

@@ -3,11 +3,13 @@ reference clusters, planning time, and the measured ranking of plans on 8 CPU de
 
 Parts (``--parts``, default all):
 
-* ``predict`` -- for each model and device count, the chosen plan and the four standard recipes
+* ``predict`` -- for each model (an MLP, GPT-2, Llama-shaped 1B and 8B, and the six families of
+  bench/_families.py with a global batch that grows with the devices) and device count
+  (``--devices`` picks among them), the chosen plan and the four standard recipes
   (DP, FSDP, TP, FSDP x TP) are compiled for the CPU with simulated devices (a fresh process per
   device count, ``--xla_force_host_platform_device_count=N``; abstract arguments, nothing runs)
   and the prediction is compared with ``memory_analysis()`` (arguments + outputs + temp) and with
-  the collective bytes ``dtenjax.explain`` reads from the compiled HLO. Every miss of the 15 % /
+  the collective bytes ``dtenjax.explain`` reads from the compiled HLO. Every miss of the 10 % /
   10 % targets is listed.
 * ``clusters`` -- the Llama-shaped 1B and 8B steps planned on every fixture (8 x H200, 32 x A100
   over RoCE, 16 to 1,024 H100): the chosen mesh and time against the best recipe that fits.
@@ -20,7 +22,13 @@ Parts (``--parts``, default all):
   user writes by hand with plain ``jax.jit`` and ``NamedSharding`` (DP, FSDP gathering per layer
   inside the scan, FSDP x TP, HSDP), compiled (memory per device, collective bytes per kind with
   loop trip counts) and timed side by side (interleaved rounds, medians); the plan's step time
-  over the fastest recipe's, its predicted time next to the measured one.
+  over the fastest recipe's. Every row has the cost model's predicted time next to the measured
+  one, twice: with the table priors ("predicted") and with this machine's
+  ``Topology.calibrate()`` ("calibrated"; the plan made with it is a row of its own, "plan
+  calibrated"). A hand-written layout is predicted as the plan with its specs pinned.
+
+* ``priced`` -- the wins part's plan and hand-written layouts priced by the cost model only
+  (nothing compiled or run), beside a recorded wins run's measured times (``--measured-json``).
 
 * ``gpu`` -- (GPU machine) the same comparison compiled by XLA's GPU compiler for a mocked host of
   8 GPUs (``jax_mock_gpu_topology``, set before the backend starts: ``--mock-gpus 8``), nothing
@@ -65,7 +73,11 @@ from dtenjax._src.planning import step as step_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # (model, device counts) compiled in the predict part
-PREDICT = {"mlp": (8, 16), "gpt2": (8, 16, 32), "llama-1b": (16, 32), "llama-8b": (64,)}
+PREDICT = {"mlp": (8, 16), "gpt2": (8, 16, 32), "llama-1b": (8, 16, 32), "llama-8b": (64,),
+           **{f: (8, 16, 32, 64) for f in ("llama_scan", "llama_loop", "encdec", "convnet", "moe",
+                                           "shared")}}
+# global batch per device of the families (bench/_families.py; their default at 8 devices)
+_FAMILY_BATCH = {"convnet": 4}
 
 
 def make(model: str, devices: int):
@@ -74,6 +86,9 @@ def make(model: str, devices: int):
     return models.mlp_step(d=512, f=2048, layers=2, batch=4 * devices, seq=256)
   if model == "gpt2":          # GPT-2 small's width and vocabulary, 4 of its 12 layers
     return models.gpt2_step(batch=2 * devices, seq=512, layers=4)
+  if "-" not in model:         # a family of bench/_families.py
+    import _families as fams  # pylint: disable=g-import-not-at-top
+    return fams.FAMILIES[model](batch=_FAMILY_BATCH.get(model, 2) * devices).make()
   size = model.split("-")[1]
   return models.llama_step(size, batch=devices, seq=2048, remat=True, dtype=jnp.float32)
 
@@ -94,6 +109,7 @@ def predict_rows(model: str, devices: int) -> list[dict]:
         "bytes_pred_mib": sum(check.predicted_bytes.values()) / 2**20,
         "bytes_xla_mib": sum(check.compiled_bytes.values()) / 2**20,
         "bytes_err": check.bytes_error, "compile_s": time.perf_counter() - t0,
+        "kind_errs": ",".join(f"{k}:{e:.0%}" for k, e in check.kind_errors.items()),
         "xla_kinds": ",".join(sorted(k for k, v in check.compiled_bytes.items() if v)),
     })
   return rows
@@ -227,7 +243,23 @@ def _progress(row: dict, t0: float) -> None:
   print(f"[{time.perf_counter() - t0:.1f} s] {shown}", file=sys.stderr, flush=True)
 
 
-def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
+def predicted_recipe(fam, r, step, args, topology) -> float | None:
+  """The cost model's step time (s) of the hand-written layout ``r``: the plan of ``step`` on
+  ``r``'s mesh with every parameter and optimizer-state leaf pinned to ``r``'s specs."""
+  import _families as fams  # pylint: disable=g-import-not-at-top
+  params, opt, _ = args
+  try:
+    p = dtenjax.plan(step, *args, mesh=dict(r.mesh.shape), topology=topology,
+                     pinned=[r.param_specs, fams._like_params(opt, params, r.param_specs), None],  # pylint: disable=protected-access
+                     memory_budget=1 << 50)
+  except dtenjax.PlacementError:
+    return None
+  return p.cost.total_s
+
+
+def wins_rows(names, iters: int, calibrated=None) -> tuple[list[dict], list[str]]:
+  """``calibrated``: a calibrated Topology (``Topology.calibrate()``): its plan is measured too,
+  and every row gets its prediction beside the uncalibrated model's."""
   import _families as fams  # pylint: disable=g-import-not-at-top
   rows, notes = [], []
   for name in names:
@@ -237,11 +269,20 @@ def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
     plan = dtenjax.plan(step, *args)
     measured = dtenjax.plan(step, *args, measure=6)
     plans = {"plan": plan, "plan measured": measured}
+    if calibrated is not None:
+      plans["plan calibrated"] = dtenjax.plan(step, *args, topology=calibrated)
     cands = {k: (p.jit(step), p.shardings()) for k, p in plans.items()}
+    # each layout priced by the table priors and by the calibration (the same layout pinned)
+    predicted = {k: (p.cost.total_s, None if calibrated is None else dtenjax.plan(
+        step, *args, topology=calibrated, mesh=dict(zip(p.axis_names, p.mesh_shape)),
+        pinned=list(p.specs), memory_budget=1 << 50).cost.total_s) for k, p in plans.items()}
     for rn in fams.RECIPES:
       r = fams.recipe(fam, rn)
       if r is not None:
         cands[rn] = fams.recipe_jit(fam, r)
+        predicted[rn] = (predicted_recipe(fam, r, step, args, None),
+                         None if calibrated is None else
+                         predicted_recipe(fam, r, step, args, calibrated))
     prof, placed = {}, {}
     for cname, (fn, shardings) in cands.items():
       prof[cname] = compiled_profile(fn.lower(*args).compile())
@@ -259,7 +300,8 @@ def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
                    if p is not None else "x".join(f"{a}{n}" for a, n in
                                                   fams.recipe(fam, cname).mesh.shape.items())),
           "measured_ms": times[cname] * 1e3,
-          "predicted_ms": p.cost.total_s * 1e3 if p is not None else None,
+          "predicted_ms": _ms(predicted[cname][0]),
+          "calibrated_ms": _ms(predicted[cname][1]),
           "mem_mib": prof[cname]["mem"] / 2**20,
           "coll_mib": sum(prof[cname]["bytes"].values()) / 2**20,
           "kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in sorted(prof[cname]["bytes"].items())),
@@ -274,6 +316,42 @@ def wins_rows(names, iters: int) -> tuple[list[dict], list[str]]:
   return rows, notes
 
 
+def priced_rows(names, measured_json: str | None) -> list[dict]:
+  """The ``priced`` part: the cost model's step time of the plan and of every hand-written
+  layout of the wins part (planning only, nothing runs), beside the measured times of a recorded
+  wins run (``measured_json``, this bench's JSON) where it has the same family and layout."""
+  import _families as fams  # pylint: disable=g-import-not-at-top
+  measured = {}
+  if measured_json:
+    with open(measured_json, encoding="utf-8") as f:
+      measured = {(r["family"], r["layout"]): r["measured_ms"] for r in json.load(f)["rows"]
+                  if r.get("part") == "wins"}
+  rows = []
+  for name in names:
+    fam = fams.FAMILIES[name]()
+    step, args = fam.make()
+    plan = dtenjax.plan(step, *args)
+    rows.append({"family": name, "layout": "plan",
+                 "mesh": "x".join(f"{a}{n}" for a, n in zip(plan.axis_names, plan.mesh_shape)
+                                  if n > 1),
+                 "predicted_ms": plan.cost.total_s * 1e3})
+    for rn in fams.RECIPES:
+      r = fams.recipe(fam, rn)
+      if r is not None:
+        rows.append({"family": name, "layout": rn,
+                     "mesh": "x".join(f"{a}{n}" for a, n in r.mesh.shape.items()),
+                     "predicted_ms": _ms(predicted_recipe(fam, r, step, args, None)),
+                     "measured_ms": measured.get((name, rn))})
+    for row in rows:
+      if row.get("measured_ms") and row.get("predicted_ms"):
+        row["predicted_vs_measured"] = row["predicted_ms"] / row["measured_ms"]
+  return rows
+
+
+def _ms(seconds: float | None) -> float | None:
+  return None if seconds is None else seconds * 1e3
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="bench/step_planner.py", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -281,10 +359,16 @@ def main(argv=None) -> int:
   ap.add_argument("--families", default="llama_scan,llama_loop,encdec,convnet,moe,shared",
                   help="model families of the wins part (bench/_families.py)")
   ap.add_argument("--models", default=",".join(PREDICT), help="models of the predict part")
+  ap.add_argument("--devices", default="",
+                  help="predict part: only these device counts (e.g. 8,16; default all listed)")
   ap.add_argument("--iters", type=_harness.positive_int, default=10)
   ap.add_argument("--mock-gpus", type=int, default=0,
                   help="gpu part: mock a host of this many GPUs on the one present")
   ap.add_argument("--gpu-families", default="llama-1b,llama_scan,llama_loop,encdec,moe,shared")
+  ap.add_argument("--measured-json", metavar="PATH",
+                  help="priced part: a recorded wins run whose measured times go beside")
+  ap.add_argument("--no-calibrate", action="store_true",
+                  help="wins part: skip Topology.calibrate() and the calibrated plan")
   ap.add_argument("--json", metavar="PATH")
   ap.add_argument("--child", help=argparse.SUPPRESS)
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -299,17 +383,19 @@ def main(argv=None) -> int:
     rows = []
     for model in args.models.split(","):
       for n in PREDICT[model]:
-        rows += _child(model, n)
-    misses = [r for r in rows if r["mem_err"] > 0.15 or r["bytes_err"] > 0.10]
+        if not args.devices or str(n) in args.devices.split(","):
+          rows += _child(model, n)
+    misses = [r for r in rows if r["mem_err"] > 0.10 or r["bytes_err"] > 0.10]
     print(_harness.table(rows, (("model", "model", "s"), ("N", "devices", "d"),
                                 ("plan", "plan", "s"), ("mesh", "mesh", "s"),
                                 ("mem pred MiB", "mem_pred_mib", ".1f"),
                                 ("mem XLA MiB", "mem_xla_mib", ".1f"), ("mem err", "mem_err", ".1%"),
                                 ("coll pred MiB", "bytes_pred_mib", ".1f"),
                                 ("coll XLA MiB", "bytes_xla_mib", ".1f"),
-                                ("coll err", "bytes_err", ".1%"), ("XLA emits", "xla_kinds", "s")),
+                                ("coll err", "bytes_err", ".1%"),
+                                ("per kind", "kind_errs", "s")),
                          title="predictions against compilation"))
-    notes.append(f"predict: {len(misses)} of {len(rows)} rows miss (memory > 15 % or collective "
+    notes.append(f"predict: {len(misses)} of {len(rows)} rows miss (memory > 10 % or collective "
                  f"bytes > 10 %): " + "; ".join(f"{r['model']}/{r['devices']}/{r['plan']}"
                                                  for r in misses))
     doc_rows += [{"part": "predict", **r} for r in rows]
@@ -343,11 +429,26 @@ def main(argv=None) -> int:
                          f"{jax.devices()[0].device_kind} (mocked), compile only"))
     notes += gnotes
     doc_rows += [{"part": "gpu", **r} for r in rows]
+  if "priced" in parts:
+    rows = priced_rows(args.families.split(","), args.measured_json)
+    print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
+                                ("mesh", "mesh", "s"), ("predicted ms", "predicted_ms", ".1f"),
+                                ("measured ms", "measured_ms", ".1f"),
+                                ("predicted/measured", "predicted_vs_measured", ".2f")),
+                         title="the cost model's step times (table priors of this host's "
+                         "devices), nothing run"))
+    doc_rows += [{"part": "priced", **r} for r in rows]
   if "wins" in parts:
-    rows, win_notes = wins_rows(args.families.split(","), args.iters)
+    calibrated = None
+    if not args.no_calibrate:
+      calibrated = dtenjax.Topology.current().calibrate()
+      notes.append(f"wins: {calibrated.calibration.summary()}")
+      print(notes[-1], file=sys.stderr, flush=True)
+    rows, win_notes = wins_rows(args.families.split(","), args.iters, calibrated)
     print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
                                 ("mesh", "mesh", "s"), ("measured ms", "measured_ms", ".2f"),
                                 ("predicted ms", "predicted_ms", ".2f"),
+                                ("calibrated ms", "calibrated_ms", ".2f"),
                                 ("/fastest recipe", "vs_best_recipe", ".2f"),
                                 ("MiB/dev", "mem_mib", ".1f"),
                                 ("mem/fastest's", "mem_vs_best_recipe", ".2f"),

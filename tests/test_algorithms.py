@@ -24,7 +24,8 @@ from dtenjax._src.collectives.algorithms import xla
 from dtenjax._src.contract import Contract
 from dtenjax._src.gpu import p2p
 from dtenjax._src.net import hostcoll
-from dtenjax._src.planning import costmodel
+from dtenjax._src.pricing import algorithms as price_records
+from dtenjax._src.pricing import costmodel
 from tests import helpers
 
 ALGOS = ("xla", "ring", "one_shot", "two_shot", "hierarchical")
@@ -366,7 +367,8 @@ class FakeP2P:
 @pytest.fixture
 def fake_gpu(monkeypatch):
   fake = FakeP2P()
-  monkeypatch.setattr(nvlink, "p2p", fake)
+  monkeypatch.setattr(nvlink, "p2p", fake)          # the kernels' dispatch
+  monkeypatch.setattr(price_records, "p2p", fake)   # their price records' gate (supports)
   real_context = C._context
 
   def on_gpu(axes):

@@ -118,7 +118,7 @@ BENCH_PRIVATE_IMPORTS = {
     # the cost model checked against measurements, on hand-built topologies
     ("bench/costmodel_check.py", "dtenjax._src.topology"),
     ("bench/costmodel_check.py", "dtenjax._src.collectives.algorithms"),
-    ("bench/costmodel_check.py", "dtenjax._src.planning"),
+    ("bench/costmodel_check.py", "dtenjax._src.pricing"),
     # the graph policy's profiling option and XLA's accepted option keys
     ("bench/cuda_graphs.py", "dtenjax._src.gpu"),
     # the top-k kernel's FFI target and its count rule, timed against lax.top_k

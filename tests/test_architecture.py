@@ -17,10 +17,11 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "dtenjax" / "_src"
 LAYERS = {
     "net": 1, "gpu": 1,
     "topology": 2, "pipeline": 2,
-    "planning": 3,
-    "collectives": 4, "checkpoint": 4,
-    "compression": 5, "serving": 5, "elastic": 5,
-    "cli": 6,
+    "pricing": 3,
+    "planning": 4,
+    "collectives": 5, "checkpoint": 5,
+    "compression": 6, "serving": 6, "elastic": 6,
+    "cli": 7,
 }
 
 
@@ -337,3 +338,46 @@ def test_the_assert_check_sees_a_bare_assert(tmp_path):
   (tmp_path / "m.py").write_text("def f(x, y):\n  assert isinstance(x, int)\n  assert y is not None"
                                  "\n  assert x > 0\n")
   assert _bare_asserts(tmp_path) == [f"{tmp_path / 'm.py'}:4: assert x > 0"]
+
+
+# --- nothing installs itself into a lower layer at import ----------------------------------------
+
+def _module_level_calls(tree: ast.Module):
+  """Call nodes of statements that run at import (module level, outside functions and classes)."""
+  for stmt in tree.body:
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      continue
+    yield from (n for n in ast.walk(stmt) if isinstance(n, ast.Call))
+
+
+def test_no_module_installs_into_another_package_at_import():
+  """Pricing sits below planning and the collectives, which both import it; before, importing
+  collectives/api.py installed the planner's all-reduce price with a setter
+  (``planner.set_all_reduce_time``), a dependency that ran upward at import time. No module may
+  call a ``set_*``/``install*``/``register*`` function of another dtenjax package's module at
+  import, and the planning layer defines no such setter."""
+  mods = _modules()
+  problems = []
+  for name, path in sorted(mods.items()):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    imported = {}     # local alias -> dtenjax module it names
+    for node in tree.body:
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dtenjax."):
+        for a in node.names:
+          full = f"{node.module}.{a.name}"
+          if full in mods:
+            imported[a.asname or a.name] = full
+    top = (name.split(".") + [""])[2]
+    for call in _module_level_calls(tree):
+      f = call.func
+      if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and
+          f.value.id in imported and f.attr.startswith(("set_", "install", "register")) and
+          (imported[f.value.id].split(".") + [""])[2] != top):
+        problems.append(f"{name} calls {imported[f.value.id]}.{f.attr} at import")
+  for name, path in mods.items():
+    if name.startswith("dtenjax._src.planning"):
+      tree = ast.parse(path.read_text())
+      problems += [f"{name} defines {n.name}" for n in tree.body
+                   if isinstance(n, ast.FunctionDef) and n.name.startswith(("set_all_reduce",
+                                                                            "install"))]
+  assert not problems, "\n".join(problems)

@@ -1,4 +1,4 @@
-"""Tests of dtenjax._src.planning.costmodel, none of which copies a formula: what a formula
+"""Tests of dtenjax._src.pricing.costmodel, none of which copies a formula: what a formula
 charges (its collectives, kernels, latencies and bytes per link class, read as its derivatives)
 against what the compiled HLO of the algorithm's program holds, and properties (monotone in
 bytes, linear in the limit, which link carries what across hosts, two-level schedules beating a
@@ -21,7 +21,7 @@ from dtenjax._src import hlo
 from dtenjax._src.collectives import api as C
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import registry
-from dtenjax._src.planning import costmodel as cm
+from dtenjax._src.pricing import costmodel as cm
 from dtenjax._src.topology.model import LinkSpec, Topology
 
 DGX = Topology.fixture("dgx_a100_8")

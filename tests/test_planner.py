@@ -22,6 +22,7 @@ import dtenjax
 from dtenjax._src import errors
 from dtenjax._src.planning import planner
 from dtenjax._src.planning.planner import Workload
+from dtenjax._src.pricing import registry
 from dtenjax._src.topology.model import Topology
 
 DGX = Topology.fixture("dgx_a100_8")
@@ -50,9 +51,9 @@ def _linear(nbytes, group, axis_sizes, topology, dtype):
 
 @pytest.fixture
 def linear_costs(monkeypatch):
-  """The planner's default all-reduce pricing (the registry's, installed by the collectives
-  layer) replaced by :func:`_linear`."""
-  monkeypatch.setitem(planner._all_reduce_time, "default", _linear)
+  """The planner's default all-reduce pricing (the pricing layer's registry) replaced by
+  :func:`_linear`."""
+  monkeypatch.setattr(registry, "all_reduce_time", _linear)
 
 
 # --- the seed's reference table (real cost model) --------------------------------------------

@@ -356,7 +356,7 @@ def test_every_topology_dtenjax_writes_matches_the_json_schema(cpu_devices):
 
 
 def test_unknown_links_are_priced_as_pcie_and_group_by_host():
-  from dtenjax._src.planning import costmodel  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.pricing import costmodel  # pylint: disable=g-import-not-at-top
   devs = [_dev(i, host=f"h{i // 4}") for i in range(8)]
   unknown = topo.uniform("u", devs, intra="unknown", inter="roce")
   pcie = topo.uniform("p", devs, intra="pcie", inter="roce")

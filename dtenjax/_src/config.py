@@ -67,7 +67,7 @@ KNOBS: dict[str, Knob] = {
              "workspace and fragmentation: the default budget is memory x (1 - this)"),
         Knob("DTENJAX_COST_PARAMS", "",
              "path of a JSON file overriding the cost model's per-backend fixed costs "
-             "(planning/costmodel.py BackendCosts), e.g. calibrated from bench/allreduce.py"),
+             "(pricing/costmodel.py BackendCosts), e.g. calibrated from bench/allreduce.py"),
         Knob("DTENJAX_P2P_BUFFER_BYTES", str(64 << 20),
              "bytes of the registered symmetric buffer per GPU for the NVLink kernels"),
         Knob("DTENJAX_PIN_NCCL", "0",

@@ -1,4 +1,4 @@
-"""Layer 4: checkpoints of pytrees of sharded jax.Arrays (docs/checkpoint.md).
+"""Layer 5: checkpoints of pytrees of sharded jax.Arrays (docs/checkpoint.md).
 
 ``layout`` names the leaves and writes the files orbax-checkpoint writes (its PyTree layout
 without OCDBT: one zarr v2 array per leaf, one raw chunk per saved shard), ``integrity`` the

@@ -1,3 +1,3 @@
-"""Layer 6: what ``python -m dtenjax`` runs: the demo and other commands. The top layer; imports
+"""Layer 7: what ``python -m dtenjax`` runs: the demo and other commands. The top layer; imports
 anything.
 """

@@ -61,7 +61,6 @@ from dtenjax._src.collectives.algorithms import ring
 from dtenjax._src.contract import Contract
 from dtenjax._src.net import callsite
 from dtenjax._src.planning import mesh as mesh_lib
-from dtenjax._src.planning import planner
 from dtenjax._src.topology.model import Topology
 
 AxisName = base.AxisName
@@ -904,15 +903,3 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None
                    contract=contract, processes=processes,
                    xla_reaches_processes=_xla_reaches_processes(backend), nvls=topology.nvls)
   return registry.choose(call, group, topology)
-
-
-def _cheapest_all_reduce(nbytes: int, group: Sequence[int], axis_sizes: Sequence[int],
-                         topology: Topology, dtype) -> float:
-  """The planner's price of an all-reduce (``planner.AllReduceTime``): the cost of what
-  ``algorithm="auto"`` picks for a sum with ``all_reduce``'s defaults, so the planner and the
-  collectives rank the same records (those whose ``supports`` accepts the call)."""
-  return min(plan_all_reduce(nbytes, group, topology, dtype=dtype,
-                             axis_sizes=axis_sizes).times.values())
-
-
-planner.set_all_reduce_time(_cheapest_all_reduce)

@@ -21,7 +21,7 @@ import jax
 from dtenjax._src import hlo
 from dtenjax._src import tables
 from dtenjax._src.gpu import p2p
-from dtenjax._src.planning import costmodel
+from dtenjax._src.pricing import costmodel
 from dtenjax._src.topology.model import Topology
 
 

@@ -39,40 +39,17 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
 from dtenjax._src import tables
+from dtenjax._src.pricing import registry
 from dtenjax._src.topology.model import Topology
 
 STRATEGIES = ("2d", "row", "col", "replicate")     # also the tie-break order
 
 # How the planner prices one all-reduce: ``(nbytes, group, axis_sizes, topology, dtype) ->
 # seconds`` of the cheapest algorithm that can run a sum of ``nbytes`` of ``dtype`` per participant
-# over the device ids ``group`` (rank order) split into mesh axes of ``axis_sizes``.
+# over the device ids ``group`` (rank order) split into mesh axes of ``axis_sizes``. The default
+# is the pricing layer's (``pricing.registry.all_reduce_time``: the records ``algorithm="auto"``
+# ranks), which planning imports from below; nothing installs it.
 AllReduceTime = Callable[[int, tuple[int, ...], tuple[int, ...], Topology, str], float]
-_all_reduce_time: dict[str, AllReduceTime] = {}
-
-
-def set_all_reduce_time(price: AllReduceTime) -> None:
-  """Installs the default :data:`AllReduceTime` of :func:`plan_tensor`.
-
-  The planner sits below the collectives layer and prices all-reduces with its algorithm
-  registry, which it takes as an argument rather than importing: ``collectives/api.py`` installs
-  ``algorithm="auto"``'s own chooser here when it is imported (``dtenjax.all_reduce``'s module;
-  :func:`_default_all_reduce_time` loads it through the package when nothing has yet)."""
-  _all_reduce_time["default"] = price
-
-
-def _default_all_reduce_time() -> AllReduceTime:
-  if "default" not in _all_reduce_time:
-    # dtenjax loads its public names on first use (dtenjax/__init__.py): a caller of the _src
-    # modules may not have used one yet, so load the one that installs the price.
-    import dtenjax
-    _ = dtenjax.all_reduce        # importing its module installs the price
-  try:
-    return _all_reduce_time["default"]
-  except KeyError:
-    raise errors.PlacementError(
-        "internal error: no all-reduce pricing is installed for the planner (it is installed "
-        "when dtenjax._src.collectives.api is imported); pass all_reduce_time= to "
-        "plan_tensor") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,9 +176,10 @@ def plan_tensor(shape: Sequence[int], dtype, mesh_shape: Sequence[int], axis_nam
                 all_reduce_time: AllReduceTime | None = None) -> ArrayPlan:
   """Costs every strategy for one tensor and picks one (see the module docstring).
 
-  ``all_reduce_time`` prices the all-reduces (default: the algorithm registry's, installed by the
-  collectives layer: the cheapest record whose ``supports`` accepts a sum of ``dtype``)."""
-  price = all_reduce_time if all_reduce_time is not None else _default_all_reduce_time()
+  ``all_reduce_time`` prices the all-reduces (default: the pricing layer's,
+  ``pricing.registry.all_reduce_time``: the cheapest record whose ``supports`` accepts a sum of
+  ``dtype``)."""
+  price = all_reduce_time if all_reduce_time is not None else registry.all_reduce_time
   try:
     dims = tuple(operator.index(s) for s in shape)
   except TypeError:

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from dtenjax._src.planning import costmodel
+from dtenjax._src.pricing import costmodel
 from dtenjax._src.planning import planner
 from dtenjax._src.planning import roles
 from dtenjax._src.planning import stepgraph
@@ -59,9 +59,17 @@ class Pricer:
     self.cache: dict[tuple, float] = {}
     first = int(m.ids.ravel()[0])
     self.backend = m.topology.device(first).platform
-    bw = costmodel.backend_costs(self.backend).local_bandwidth_gbps
-    # seconds per byte of a local elementwise pass (the optimizer's update)
-    self.local_s_per_byte = (m.topology.spec("local").beta if bw is None else 1.0 / (bw * 1e9))
+    costs = costmodel.backend_costs(self.backend)
+    bw = costs.local_bandwidth_gbps
+    # seconds per byte of a local elementwise pass (the optimizer's update): the calibration's
+    # measured rate, else the backend's prior
+    self.local_s_per_byte = m.topology.local_s_per_byte(
+        m.topology.spec("local").beta if bw is None else 1.0 / (bw * 1e9))
+    # what one collective adds inside the step beyond its own time (the devices' rendezvous after
+    # their share of compute): measured by the calibration, else the backend's prior
+    cal = m.topology.calibration
+    self.step_latency = (cal.latency_s if cal is not None and cal.platform == self.backend else
+                         costs.step_collective_us * 1e-6)
 
   def __call__(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
     axes = tuple(a for a in AXES if a in axes and self.m.size[a] > 1)
@@ -74,7 +82,7 @@ class Pricer:
         t = self.price(int(nbytes), group, self.m.axis_sizes(axes), self.m.topology, dtype)
       else:
         t = costmodel.collective_time(kind, int(nbytes), group, self.m.topology)
-      self.cache[key] = t
+      self.cache[key] = t + self.step_latency
     return self.cache[key]
 
 
@@ -99,8 +107,9 @@ class PriceContext:
   price: Price
 
   def add(self, kind: str, nbytes: float, axes: Sequence[str], *, blocking: bool,
-          times: int = 1) -> None:
-    """``times`` collectives of ``kind`` moving ``nbytes`` per participant over ``axes``."""
+          times: float = 1) -> None:
+    """``times`` collectives of ``kind`` moving ``nbytes`` per participant over ``axes`` (a
+    fraction: this leaf's share of one collective several leaves share)."""
     key = axis_key(axes)
     acc(self.price.blocking if blocking else self.price.overlappable, key,
         times * self.pricer(kind, nbytes, axes, self.dtype))
@@ -140,7 +149,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # a weight shared across layers: each use's gradient reduced on its own (not a tied
       # embedding's lookup part, which XLA scatters into the sharded table)
       uses = use.grad_parts if use is not None else 1
-      acc(pr.overlappable, k, uses * pricer(rs, grad, zero, dtype))
+      if rs == "all_reduce":
+        # XLA:CPU combines these all-reduces with the others after the backward (5 in all for
+        # a scanned decoder's FSDP step, as for DP): each leaf adds its bytes' share, and the
+        # problem one latency (make_problem)
+        acc(pr.overlappable, k, uses * (pricer(rs, grad, zero, dtype) -
+                                        pricer(rs, 1, zero, dtype)))
+      else:
+        acc(pr.overlappable, k, uses * pricer(rs, grad, zero, dtype))
       acc(pr.bytes, f"{rs}[{k}]", uses * grad)
       rest = [a for a in batch if a not in zero]
       if rest:
@@ -180,7 +196,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     # weight for the backward.
     regather = use is not None and (use.remat or use.layers > 1)
     times = 2 if regather else 1
-    acc(pr.overlappable, k, times * pricer("all_gather", grad, zero, dtype))
+    # a scanned stack is gathered one layer per loop iteration: one collective per layer
+    per = use.layers if use is not None and use.layers > 1 else 1
+    acc(pr.overlappable, k, times * per * pricer("all_gather", grad / per, zero, dtype))
     acc(pr.bytes, f"all_gather[{k}]", times * grad)
     if regather:
       pr.gathered_peak = grad / max(1, use.layers)

@@ -112,6 +112,9 @@ class StepPlan:
   measured: tuple[tuple[str, float], ...] = ()
   # the pipeline over the 'stage' axis (None: the plan has no stages)
   pipeline: PipelinePlan | None = None
+  # what compute and collectives were priced with (Topology.pricing_summary: the calibration's
+  # measurements or the table priors)
+  priced_with: str = ""
 
   # --- applying it -----------------------------------------------------------------------------
 
@@ -196,6 +199,8 @@ class StepPlan:
     for a in self.axes:
       lines.append(f"  axis {a.name!r} x{a.size}: {a.link} {a.span}, alpha {a.alpha_us:.1f} us, "
                    f"{a.bandwidth_gbps:.1f} GB/s ({a.source})")
+    if self.priced_with:
+      lines.append(f"  priced with {self.priced_with}")
     c = self.cost
     lines.append(f"step time {c.total_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + "
                  f"exposed communication {c.exposed_s * 1e3:.3f} ms")
@@ -299,7 +304,7 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
                   device_ids=tuple(int(i) for i in m.ids.ravel()), axes=axis_links(m),
                   leaves=tuple(leaves), specs=tuple(specs), cost=cost, recipes=recipes,
                   budget_bytes=budget, topology=topology.name, planning_s=seconds,
-                  meshes_tried=tried, notes=notes)
+                  meshes_tried=tried, notes=notes, priced_with=topology.pricing_summary())
 
 
 def _is_none(x) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ class Problem:
   grad_latency_s: float = 0.0
   # per mesh axis: blocking seconds no layout choice changes (a pipeline's sends, roles.stage)
   fixed_blocking: dict[str, float] = dataclasses.field(default_factory=dict)
+  donate: bool = False
 
 
 def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Problem | None:
@@ -68,7 +70,8 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
     latency = pricer("all_reduce", 1, batch, "float32")
     if "fsdp" in batch and "data" in batch:
       latency = max(latency, pricer("all_reduce", 1, ["data"], "float32"))
-  prob = Problem(m, groups, cands, prices, compute, fixed, overlap, latency)
+  prob = Problem(m, groups, cands, prices, compute, fixed, overlap, latency,
+                 donate=bool(donate))
   return _with_stages(prob, graph)
 
 
@@ -134,9 +137,94 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
   exposed = blocking + max(0.0, overlappable - prob.overlap * compute)
   memory["gathered"] += max((prob.prices[gi][c].gathered_peak for gi, c in enumerate(choice)),
                             default=0.0)
+  if graph.timeline:
+    memory.update(simulate_memory(prob, choice, graph, tp_of))
   memory["total"] = sum(memory.values())
   fits = not budget or memory["total"] <= budget
   return StepCost(compute, comm, exposed, memory, nbytes, fits)
+
+
+def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
+                    tp_of: dict[int, tuple[str, int] | None]) -> dict[str, float]:
+  """The activations and gradients per device that XLA keeps in its temporary buffer, by
+  placing the step's values (``graph.timeline``, sized for this layout) as XLA's buffer
+  assignment places them: largest first, each into the first output buffer, largest first, that
+  is at least its size and holds no value live at the same time (an output is written by the
+  optimizer's update at the end of the step; before that its buffer is free, and a gradient the
+  size of an output buffer becomes that output in place); what finds no output buffer goes to
+  the temporary buffer, whose size is the peak of its live values. With donation the outputs are
+  the donated inputs' buffers, live all along: everything goes to the temporary buffer.
+
+  Sizes per device: an activation is split over the batch axes (and over ``tensor`` where it
+  lies between a column- and a row-parallel weight of a pair the layout completes); a gradient
+  is whole (over ``tensor``'s shard) until it is reduced, except a ``lax.scan`` stack's under
+  FSDP, which is reduce-scattered layer by layer inside the loop."""
+  m = prob.m
+  bdiv = m.size["data"] * m.size["fsdp"]
+  tensor = m.size["tensor"]
+  sources, _ = pair_maps(graph)
+  complete = set()
+  grad_sizes: dict[tuple[int, ...], list[float]] = {}
+  outputs: list[float] = []
+  for gi, (g, c) in enumerate(zip(prob.groups, choice)):
+    used = prob.cands[gi][c].used()
+    shards = math.prod(m.size[a] for a in used)
+    tp = tp_of.get(g[0])
+    if tp is not None and tp[0] == "col" and sources.get((g[0], tp[1])) and all(
+        tp_of.get(dst) == ("row", q) for dst, q in sources[(g[0], tp[1])]):
+      complete.add((g[0], tp[1]))
+    primary = graph.leaves[g[0]]
+    use = graph.weights.get(g[0])
+    zero = any(a in used and m.size[a] > 1 for a in BATCH_AXES)
+    t_shard = tensor if "tensor" in used else 1
+    per_device = (primary.nbytes / shards if zero and use is not None and use.layers > 1
+                  else primary.nbytes / t_shard)
+    for shape in (primary.shape, tuple(reversed(primary.shape))):
+      grad_sizes.setdefault(shape, []).append(per_device)
+    if not prob.donate:
+      outputs.extend(graph.leaves[i].nbytes / shards for i in g)
+  values = []
+  for v in graph.timeline:
+    if v.grad is not None:
+      sizes = grad_sizes.get(v.grad)
+      nb = sum(sizes) / len(sizes) if sizes else v.nbytes / bdiv
+    else:
+      nb = v.nbytes / bdiv
+      if tensor > 1 and any(k in complete for k in v.owners):
+        nb /= tensor
+    if nb > 0:
+      values.append((nb, v))
+  # XLA's buffer assignment: live-out buffers first, then the rest largest first, each into the
+  # first existing buffer it fits that holds nothing live at the same time
+  outputs.sort(reverse=True)
+  held: list[list[tuple[int, float]]] = [[] for _ in outputs]   # (start, end) per output buffer
+  temp: list[tuple[float, stepgraph.Live]] = []
+  for nb, v in sorted(values, key=lambda x: -x[0]):
+    end = math.inf if v.grad is not None else v.end
+    placed = False
+    for k, size in enumerate(outputs):
+      if size < nb:
+        break
+      if all(v.start > e or end < s for s, e in held[k]):
+        held[k].append((v.start, end))
+        placed = True
+        break
+    if not placed:
+      temp.append((nb, v))
+  events: dict[int, list[tuple[float, float]]] = {}
+  for nb, v in temp:
+    is_grad = v.grad is not None
+    events.setdefault(v.start, []).append((nb * (not is_grad), nb * is_grad))
+    events.setdefault(v.end + 1, []).append((-nb * (not is_grad), -nb * is_grad))
+  act = grads = 0.0
+  peak = (0.0, 0.0)
+  for t in sorted(events):
+    for da, dg in events[t]:
+      act += da
+      grads += dg
+    if act + grads > sum(peak):
+      peak = (act, grads)
+  return {"activations": peak[0], "grads": peak[1]}
 
 
 def pair_maps(graph: stepgraph.StepGraph):

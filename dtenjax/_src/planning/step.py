@@ -43,7 +43,6 @@ from jax.sharding import PartitionSpec as P
 from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src.planning import boxes
-from dtenjax._src.planning import planner
 from dtenjax._src.planning import measure as measure_lib
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning.candidates import CandidateMesh
@@ -66,6 +65,8 @@ from dtenjax._src.planning.solver import evaluate
 from dtenjax._src.planning.solver import make_problem
 from dtenjax._src.planning.solver import solve
 from dtenjax._src.planning.solver import uses_its_axes
+from dtenjax._src.pricing import costmodel
+from dtenjax._src.pricing import registry
 from dtenjax._src.topology.model import Topology
 
 
@@ -131,7 +132,7 @@ def _box_pins(args, rules) -> dict[int, P]:
 def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
          topology: Topology | None = None, memory_budget: float | None = None,
          batch_argnums: int | Sequence[int] | None = None, pinned: Sequence[Any] | None = None,
-         rules: Sequence[tuple[str, Any]] | None = None, overlap: float = 0.5,
+         rules: Sequence[tuple[str, Any]] | None = None, overlap: float | None = None,
          donate: bool = False, recipe: str | None = None,
          measure: bool | int = False) -> StepPlan:
   """Plans the layout of every argument of a training step, and the mesh.
@@ -157,7 +158,9 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     rules: flax logical axis rules (``(("embed", "fsdp"), ("mlp", "tensor"), ...)``) for
       leaves boxed with flax partitioning metadata: those leaves are pinned to the layout their
       names give (the box's own rules, these, or flax's rules context), the rest is planned.
-    overlap: share of the compute time that can hide gradient and FSDP traffic (0..1).
+    overlap: share of the compute time that can hide gradient and FSDP traffic (0..1); default
+      the backend's (``BackendCosts.overlap``: 0 on CPU, whose collectives are copies by the
+      cores that compute; 0.5 on GPU).
     recipe: one of :data:`RECIPES` ("DP", "FSDP", "TP", "FSDP x TP") to get that standard
       layout priced and laid out instead of the planner's choice (its mesh and assignment).
     donate: the step is jitted with its state donated (``donate_argnums``), so its new state
@@ -177,7 +180,7 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   if not args:
     raise errors.PlacementError("plan: give the step's example arguments, e.g. "
                                 "plan(step, params, opt_state, batch)")
-  if not _is_real(overlap) or not 0.0 <= overlap <= 1.0:
+  if overlap is not None and (not _is_real(overlap) or not 0.0 <= overlap <= 1.0):
     raise errors.PlacementError(f"plan: overlap={overlap!r} must be a number in [0, 1]")
   if memory_budget is not None and (not _is_real(memory_budget) or not memory_budget > 0):
     raise errors.PlacementError(
@@ -205,7 +208,9 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     island = min((len(i) for i in topology.fast_islands()), default=1)
     shapes = [recipe_shape(recipe, len(ids), island)]
   budget = _budget(topology, ids, memory_budget)
-  price = planner._default_all_reduce_time()  # pylint: disable=protected-access
+  if overlap is None:
+    overlap = costmodel.backend_costs(topology.device(ids[0]).platform).overlap
+  price = registry.all_reduce_time
   ordered = order(topology, ids)
   problems: list[tuple[tuple[int, int, int], Problem]] = []
   staged: list[tuple[tuple[int, ...], CandidateMesh]] = []

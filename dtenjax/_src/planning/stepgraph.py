@@ -53,6 +53,12 @@ _FUSIBLE = _ELEMENTWISE | frozenset(
     "convert_element_type".split())
 _FUSED_INTO_CONSUMERS = _FUSIBLE | frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
+# Elementwise primitives XLA counts as expensive (HloInstruction::IsExpensive): it does not
+# duplicate them into several consumers' fusions.
+_EXPENSIVE = frozenset("""
+acos acosh asin asinh atan atan2 atanh cbrt cos cosh div erf erf_inv erfc exp exp2 expm1 log log1p
+logistic pow rsqrt sin sinh sqrt tan tanh
+""".split())
 # Primitives that only rename a value of the same shape (a state leaf keeps its identity).
 _ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
                       "reduce_precision"))
@@ -131,6 +137,10 @@ class WeightUse:
   layers: int = 1                 # slices the product reads one at a time (a scan over a stack)
   grad_parts: int = 1             # gradient products per step (a weight shared across layers)
   remat: bool = False             # read inside jax.checkpoint (the backward recomputes it)
+  # weights whose first products read the same activation as this one (itself included): their
+  # input gradients are added before any reduction (XLA reassociates all-reduce(a) +
+  # all-reduce(b) into all-reduce(a + b)), so column-parallel siblings share one all-reduce
+  siblings: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +151,19 @@ class Pair:
   src_dim: int
   dst: int
   dst_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Live:
+  """A value the step materialises at its top level (or the peak of a loop body's values while
+  the loop runs), live from equation ``start`` to its last use ``end``: what XLA's buffer
+  assignment places, in a temporary buffer or in an output's buffer before the output is
+  written (:func:`dtenjax._src.planning.solver.simulate_memory`)."""
+  start: int
+  end: int
+  nbytes: int                          # global
+  grad: tuple[int, ...] | None = None  # a state leaf's shape: a gradient (sized by its layout)
+  owners: tuple[tuple[int, int], ...] = ()   # (leaf, free dim) cones that shard it (pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +199,9 @@ class StepGraph:
     if best is None or flops(best)[0] <= 0:
       return None
     return best[0], best[1][0], best[1][1]
+  # the values the step materialises, in the jaxpr's order (activations, residuals kept for the
+  # backward, loop bodies' peaks, gradients): the memory the layout's sizes are simulated over
+  timeline: tuple[Live, ...] = ()
 
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:
@@ -236,7 +262,8 @@ class _Reader:
   def __init__(self, leaves: Sequence[Leaf]):
     self.leaves = leaves
     self.weights: dict[int, WeightUse] = {}
-    self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...]]] = {}
+    self.partner: dict[int, Any] = {}     # weight leaf -> the activation its first product reads
+    self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...], tuple]] = {}
     self.leaf_flops: dict[int, float] = {}
     self.shape_flops: dict[tuple[int, ...], float] = {}   # products whose result has this shape
     self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
@@ -256,6 +283,10 @@ class _Reader:
     self.remat_depth = 0                      # > 0 inside a jax.checkpoint body
     self.remat_read: set[int] = set()         # leaves a product reads inside a checkpoint body
     self.stacks: dict[int, tuple[dict[int, int], int]] = {}   # see StepGraph.stacks
+    # the calls the walk is inside, outermost first: (equation, body). JAX shares one body
+    # between calls of the same jitted function (jnp.einsum's), so a body's values stand for a
+    # different call's values at each call site: the frames say which.
+    self.frames: tuple[tuple[Any, Any], ...] = ()
 
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
   def walk(self, jaxpr, origin: dict, tie: dict, repeats: int) -> None:
@@ -319,7 +350,10 @@ class _Reader:
           inner_origin[i] = org
       if o in tie and name != "scan":
         inner_tie[i] = tie[o]
+    saved = self.frames
+    self.frames = saved + ((eqn, sub),)
     self.walk(sub, inner_origin, inner_tie, repeats)
+    self.frames = saved
     for k, (i, o) in enumerate(zip(sub.outvars, eqn.outvars)):
       if _is_var(i):
         # a scan's stacked outputs (after the carry) gain the leading length dimension
@@ -407,7 +441,9 @@ class _Reader:
           repeats=repeats, primitive=name,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
           input_grad=_is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived)
-      self.first_out[leaf] = (eqn, side, dims)
+      self.first_out[leaf] = (eqn, side, dims, self.frames)
+      if _is_var(eqn.invars[1 - side]):
+        self.partner[leaf] = eqn.invars[1 - side]
 
 
 def _out_dim_of(eqn, side: int, leaf_dims, leaf_dim: int) -> int | None:
@@ -424,22 +460,33 @@ def _out_dim_of(eqn, side: int, leaf_dims, leaf_dim: int) -> int | None:
   return None
 
 
-def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: int = 4000
-            ) -> tuple[list[Pair], set[int], set[Any]]:
+def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, frames: tuple = (),
+            budget: int = 4000) -> tuple[list[Pair], set[int], set[Any]]:
   """Pairs reached from ``start``'s dimension ``dim`` (see the module docstring), the products
   between activations that the dimension passes through unreduced (attention's score and value
-  products under head sharding), which split with it, and the values that carry it."""
-  pairs, todo, seen = [], [(start, dim)], set()
+  products under head sharding), which split with it, and the values that carry it. ``frames``
+  are the calls ``start`` is inside (:attr:`_Reader.frames`): a body shared by several calls
+  leaves through the call it was entered from."""
+  pairs, todo, seen = [], [(start, dim, tuple(frames))], set()
   carried: set[int] = set()
   dirty = False
   while todo and budget > 0 and not dirty:
-    var, d = todo.pop()
-    if (var, d) in seen:
+    var, d, ctx = todo.pop()
+    key = (var, d, tuple(id(e) for e, _ in ctx))
+    if key in seen:
       continue
-    seen.add((var, d))
+    seen.add(key)
     budget -= 1
     nxt = []
-    if var in reader.outer_of_outvar:
+    if ctx:
+      call, body = ctx[-1]
+      n_carry = jaxapi.scan_counts(call)[1] if call.primitive.name == "scan" else 0
+      for k, o in enumerate(body.outvars):
+        if o is var and k < len(call.outvars):
+          # a scan's stacked outputs (after the carry) gain the leading length dimension
+          shift = 1 if call.primitive.name == "scan" and k >= n_carry else 0
+          todo.append((call.outvars[k], d + shift, ctx[:-1]))
+    elif var in reader.outer_of_outvar:
       outer, shift = reader.outer_of_outvar[var]
       nxt.append((outer, d + shift))
     for eqn, pos in reader.uses.get(var, ()):
@@ -472,7 +519,7 @@ def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: in
         other_c = rc if pos == 0 else lc
         other = eqn.invars[1 - pos]
         if d in mine_c:
-          org = _origin_of(reader, other)
+          org = _origin_in(reader, other, ctx)
           if org is None:
             dirty = True          # a partial sum of activations: needs the gathered value
           elif org[0] != src and org[0] in reader.weights:
@@ -484,7 +531,7 @@ def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: in
           nr = len(eqn.invars[1].aval.shape)
           lfree = [k for k in range(nl) if k not in lc and k not in lb]
           rfree = [k for k in range(nr) if k not in rc and k not in rb]
-          if _origin_of(reader, other) is None:
+          if _origin_in(reader, other, ctx) is None:
             carried.add(id(eqn))
           if d in mine_b:
             nxt.append((out, list(mine_b).index(d)))
@@ -495,22 +542,40 @@ def _follow(reader: _Reader, src: int, src_dim: int, start, dim: int, budget: in
       elif eqn.params.get("jaxpr") is not None or name in ("scan", "while", "cond"):
         for sub, _ in _sub_jaxprs(eqn):
           k = pos - (1 if name == "cond" else 0)
+          inner_ctx = ctx + ((eqn, sub),)
           if 0 <= k < len(sub.invars):
             inner = sub.invars[k]
             if name == "scan" and k >= sum(jaxapi.scan_counts(eqn)):
               if d == 0:
                 continue
-              nxt.append((inner, d - 1))
+              todo.append((inner, d - 1, inner_ctx))
             else:
-              nxt.append((inner, d))
-    todo.extend(x for x in nxt if x[0] is not None and _is_var(x[0]))
+              todo.append((inner, d, inner_ctx))
+    todo.extend((v, dd, ctx) for v, dd in nxt if v is not None and _is_var(v))
   if dirty or todo:
     return [], set(), set()
-  return pairs, carried, {v for v, _ in seen}
+  return pairs, carried, {v for v, _, _ in seen}
 
 
 def _origin_of(reader: _Reader, var):
   """The (leaf, dims) a product operand stands for, or None for an activation."""
+  return reader.origin_all.get(var)
+
+
+def _origin_in(reader: _Reader, var, ctx: tuple):
+  """:func:`_origin_of` at one call site: a body's input stands for the call's operand there."""
+  while ctx:
+    call, body = ctx[-1]
+    k = next((k for k, v in enumerate(body.invars) if v is var), None)
+    if k is None:
+      break
+    outer = list(call.invars)[k + (1 if call.primitive.name == "cond" else 0)]
+    if not _is_var(outer):
+      return None
+    org = _origin_in(reader, outer, ctx[:-1])
+    if org is not None and call.primitive.name == "scan" and k >= sum(jaxapi.scan_counts(call)):
+      org = (org[0], org[1][1:])                      # one layer of a stacked leaf
+    return org
   return reader.origin_all.get(var)
 
 
@@ -532,21 +597,50 @@ def _reshape_dim(old: tuple[int, ...], new: tuple[int, ...], d: int) -> int | No
 
 
 def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
-              counted: dict[Any, int] | None = None) -> int:
+              counted: dict[Any, int] | None = None,
+              timeline: list[tuple[Any, int, int, int, tuple[int, ...] | None]] | None = None
+              ) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
-  calls add their own peak while they run); ``counted`` collects the values it counts."""
+  calls add their own peak while they run); ``counted`` collects the values it counts and
+  ``timeline`` (value or None, start, end, bytes, state shape or None) every materialised
+  batch-derived value, the gradients (values of a state leaf's shape) included, and each body's
+  peak as a value of one equation; the step's own outputs are not in it."""
   tainted = set(batch_vars)
   last_use: dict[Any, int] = {}
   feeds_fusion_boundary: set[Any] = set()
+  users: dict[Any, int] = {}
   for i, eqn in enumerate(jaxpr.eqns):
+    boundary = eqn.primitive.name not in _FUSED_INTO_CONSUMERS or _keeps_minor(eqn)
     for v in eqn.invars:
       if _is_var(v):
         last_use[v] = i
-        if eqn.primitive.name not in _FUSED_INTO_CONSUMERS:
+        users[v] = users.get(v, 0) + 1
+        if boundary:
           feeds_fusion_boundary.add(v)
-  for v in jaxpr.outvars:
-    if _is_var(v):
-      last_use[v] = len(jaxpr.eqns)
+  # values an elementwise chain carries into a reduction over leading dimensions (which XLA:CPU
+  # does not fuse its producers into): a producer there that also has other users is computed
+  # once and kept, not duplicated into each user's fusion
+  into_major: set[Any] = set()
+  for eqn in reversed(jaxpr.eqns):
+    if _keeps_minor(eqn) or (eqn.primitive.name in _FUSIBLE and
+                             any(o in into_major for o in eqn.outvars)):
+      into_major.update(v for v in eqn.invars if _is_var(v))
+  feeds_fusion_boundary.update(v for v in into_major if users.get(v, 0) >= 2)
+  # XLA duplicates a producer into each of its users' fusions only when it is cheap: the result
+  # of an expensive elementwise op (tanh, exp, a division, ...) read by several is computed once
+  # and kept -- unless a reduction over the minor dimension reads it (softmax's exponentials),
+  # whose fusion XLA makes produce both
+  into_minor = {v for eqn in jaxpr.eqns
+                if eqn.primitive.name in _FUSED_INTO_CONSUMERS and
+                eqn.primitive.name not in _FUSIBLE and not _keeps_minor(eqn)
+                for v in eqn.invars if _is_var(v)}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in _EXPENSIVE:
+      feeds_fusion_boundary.update(o for o in eqn.outvars
+                                   if users.get(o, 0) >= 2 and o not in into_minor)
+  outvars = {v for v in jaxpr.outvars if _is_var(v)}
+  for v in outvars:
+    last_use[v] = len(jaxpr.eqns)
   live = 0
   peak = 0
   ends: dict[int, int] = {}
@@ -558,11 +652,13 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
         sub_batch = {sv for sv, ov in zip(sub.invars, list(eqn.invars)[-n_outer:])
                      if _is_var(ov) and ov in tainted}
         inner = max(inner, _liveness(sub, sub_batch, excluded_shapes))
+      if eqn.primitive.name == "conv_general_dilated":
+        inner += _conv_copies(eqn, tainted)
+      if timeline is not None and inner:
+        timeline.append((None, i, i, inner, None))
       for o in eqn.outvars:
         tainted.add(o)
         shape = tuple(o.aval.shape)
-        if shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes:
-          continue
         nb = _nbytes(o.aval)
         end = last_use.get(o)
         if end is None or nb == 0:
@@ -572,6 +668,11 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
         # reads it
         if eqn.primitive.name in _FUSIBLE and o not in feeds_fusion_boundary:
           continue
+        state = shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes
+        if timeline is not None and o not in outvars:
+          timeline.append((o, i, end, nb, shape if state else None))
+        if state:
+          continue
         live += nb
         ends[end] = ends.get(end, 0) + nb
         if counted is not None:
@@ -579,6 +680,36 @@ def _liveness(jaxpr, batch_vars: set, excluded_shapes: set,
       peak = max(peak, live + inner)
     live -= ends.pop(i, 0)
   return peak
+
+
+def _keeps_minor(eqn) -> bool:
+  """A reduction over leading dimensions only (batch norm's statistics, a bias's gradient):
+  XLA:CPU fuses elementwise producers into reductions over the minor (last) dimension, not
+  into these, so their input is materialised."""
+  axes = eqn.params.get("axes")
+  if not eqn.primitive.name.startswith("reduce_") or axes is None or not eqn.invars:
+    return False
+  ndim = len(getattr(eqn.invars[0].aval, "shape", ()))
+  return ndim > 1 and (ndim - 1) not in tuple(axes)
+
+
+def _conv_copies(eqn, tainted: set) -> int:
+  """Bytes of the batch-derived operands and result of a convolution whose dimensions are not in
+  the order the backend's convolution kernels take (batch, spatial..., feature; a kernel's
+  spatial..., input, output): XLA transposes them into a copy while the convolution runs. The
+  gradients' convolutions are of this kind (the kernel gradient contracts the batch)."""
+  dn = eqn.params["dimension_numbers"]
+  n = len(eqn.outvars[0].aval.shape)
+  spatial = tuple(range(1, n - 1))
+  extra = 0
+  lhs, rhs = eqn.invars[0], eqn.invars[1]
+  if _is_var(lhs) and lhs in tainted and tuple(dn.lhs_spec) != (0, n - 1, *spatial):
+    extra += _nbytes(lhs.aval)
+  if _is_var(rhs) and rhs in tainted and tuple(dn.rhs_spec) != (n - 1, n - 2, *range(n - 2)):
+    extra += _nbytes(rhs.aval)
+  if tuple(dn.out_spec) != (0, n - 1, *spatial):
+    extra += _nbytes(eqn.outvars[0].aval)
+  return extra
 
 
 def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGraph:
@@ -630,13 +761,13 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   reached: dict[int, list[tuple[int, int]]] = {}     # product -> the sources that split it
   cones: dict[tuple[int, int], set[Any]] = {}        # (source, dim) -> values sharded with it
   for leaf, use in sorted(reader.weights.items()):
-    eqn, side, dims = reader.first_out[leaf]
+    eqn, side, dims, frames = reader.first_out[leaf]
     if eqn.primitive.name != "dot_general":
       continue
     for k in use.free:
       j = _out_dim_of(eqn, side, dims, k)
       if j is not None:
-        found, through, cone = _follow(reader, leaf, k, eqn.outvars[0], j)
+        found, through, cone = _follow(reader, leaf, k, eqn.outvars[0], j, frames)
         pairs.extend(found)
         if found:
           cones[(leaf, k)] = cone
@@ -648,6 +779,9 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
       carried[key] = carried.get(key, 0.0) + reader.eqn_flops.get(e, 0.0) / len(srcs)
   pairs = tuple(sorted(set(pairs), key=lambda p: (p.src, p.src_dim, p.dst, p.dst_dim)))
   weights = {}
+  readers: dict[Any, int] = {}
+  for v in reader.partner.values():
+    readers[v] = readers.get(v, 0) + 1
   for leaf, use in reader.weights.items():
     shape = leaves[leaf].shape
     # a gradient's product has the weight's shape (or its transpose): it splits like the reads
@@ -655,6 +789,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     reads = reader.leaf_flops.get(leaf, 0.0)
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
                                         remat=leaf in reader.remat_read,
+                                        siblings=readers.get(reader.partner.get(leaf), 1),
                                         grad_parts=_grad_parts(use, reader.leaf_reads.get(leaf, 1),
                                                                leaf in reader.remat_read))
   groups: dict[int, list[int]] = {}
@@ -664,7 +799,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   state_shapes = {lf.shape for lf in leaves if not lf.is_batch and len(lf.shape) >= 2}
   batch_vars = {v for lf, v in zip(leaves, jaxpr.invars) if lf.is_batch}
   counted: dict[Any, int] = {}
-  act = _liveness(jaxpr, batch_vars, state_shapes, counted)
+  lives: list[tuple[Any, int, int, int, tuple[int, ...] | None]] = []
+  act = _liveness(jaxpr, batch_vars, state_shapes, counted, lives)
   # the share of the counted activation bytes each column-parallel source shards (a value in
   # several sources' cones is split among them)
   owners: dict[Any, int] = {}
@@ -675,6 +811,13 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   total = sum(counted.values()) or 1
   act_share = {key: sum(counted[v] / owners[v] for v in cone if v in counted) / total
                for key, cone in cones.items()}
+  cone_keys: dict[Any, list[tuple[int, int]]] = {}
+  for key, cone in sorted(cones.items()):
+    for v in cone:
+      cone_keys.setdefault(v, []).append(key)
+  timeline = tuple(Live(start, end, nb, grad, tuple(cone_keys.get(v, ())) if v is not None
+                        else ())
+                   for v, start, end, nb, grad in lives)
   outputs = []
   for v in jaxpr.outvars:
     aval = v.aval
@@ -687,7 +830,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    outputs=tuple(outputs), num_eqns=reader.eqn_count,
                    out_tree=jax.tree.structure(out_shape), carried=carried,
                    act_share=act_share, lookups=dict(reader.lookups),
-                   stacks=dict(reader.stacks))
+                   stacks=dict(reader.stacks), timeline=timeline)
 
 
 def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:

@@ -1,4 +1,4 @@
-"""Layer 5: the latency-bound micro-batch scheduler over compiled steps.
+"""Layer 6: the latency-bound micro-batch scheduler over compiled steps.
 
 Depends on ``gpu`` (CUDA-graph policies) and the base modules.
 """

@@ -27,9 +27,12 @@ from typing import Any
 
 from dtenjax._src import config
 from dtenjax._src import errors
+from dtenjax._src.topology import calibrate as calibrate_lib
 from dtenjax._src.topology import detect as detect_lib
 from dtenjax._src.topology import probe as probe_lib
+from dtenjax._src.topology.parts import CALIBRATED_KINDS as CALIBRATED_KINDS
 from dtenjax._src.topology.parts import DEFAULT_LINKS as DEFAULT_LINKS
+from dtenjax._src.topology.parts import Calibration as Calibration
 from dtenjax._src.topology.parts import INTRA_HOST as INTRA_HOST
 from dtenjax._src.topology.parts import LINK_ORDER as LINK_ORDER
 from dtenjax._src.topology.parts import PEAK_FLOPS as PEAK_FLOPS
@@ -86,9 +89,14 @@ class Topology:
   # machine is detected; fixtures describe NCCL as dtenjax.pin_nccl() leaves it (off). Plans read
   # it here, never from the environment, so the same inputs give the same plan everywhere.
   nvls: bool = False
+  # measured compute and collective speeds of the devices working together (calibrate()); None:
+  # the table priors price the plan
+  calibration: Calibration | None = None
 
   def __post_init__(self):
     problems = []
+    if self.calibration is not None and not isinstance(self.calibration, Calibration):
+      problems.append(f"calibration={self.calibration!r} must be a Calibration or None")
     n = len(self.devices)
     if n == 0:
       problems.append("it has no devices")
@@ -130,7 +138,8 @@ class Topology:
     h = self.__dict__.get("_hash")
     if h is None:
       h = hash((self.name, self.devices, self.link_matrix, self.links, self.nics,
-                self.numa_nodes, self.source, self.notes, self.measured, self.nvls))
+                self.numa_nodes, self.source, self.notes, self.measured, self.nvls,
+                self.calibration))
       object.__setattr__(self, "_hash", h)
     return h
 
@@ -279,7 +288,72 @@ class Topology:
       raise
 
   def peak_flops(self) -> float:
-    return min(d.peak_flops for d in self.devices)
+    """FLOP/s of the slowest device while all compute: the calibration's measured rate when
+    there is one, else the table's prior, on a CPU scaled by the host's cores over its CPU
+    devices (simulated devices of one process share the cores)."""
+    if self.calibration is not None:
+      return self.calibration.matmul_flops
+    return min(calibrate_lib.scaled_prior_flops(d.peak_flops, d.platform,
+                                                self._host_cores().get(d.host, 0),
+                                                self._cpu_devices().get(d.host, 0))
+               for d in self.devices)
+
+  def pricing_summary(self) -> str:
+    """What compute is priced with, in one line: the calibration's measurements, or the table
+    prior (on a CPU scaled by the cores its devices share)."""
+    if self.calibration is not None:
+      return self.calibration.summary()
+    d = min(self.devices, key=lambda x: (x.peak_flops, x.id))
+    shared = ""
+    if d.platform == "cpu":
+      shared = (f", {self._cpu_devices().get(d.host, 0)} CPU devices sharing "
+                f"{self._host_cores().get(d.host, 0) or 'an unknown number of'} cores")
+    return (f"table priors: {self.peak_flops() / 1e9:.1f} GFLOP/s per device ({d.kind}"
+            f"{shared}); Topology.calibrate() measures them")
+
+  def _host_cores(self) -> dict[str, int]:
+    """host -> CPU cores listed by its NUMA nodes (0 when none are listed)."""
+    got = self._derived.get("cores")
+    if got is None:
+      got = {}
+      for node in self.numa_nodes:
+        got[node.host] = got.get(node.host, 0) + _count_cpus(node.cpus)
+      self._derived["cores"] = got
+    return got
+
+  def _cpu_devices(self) -> dict[str, int]:
+    got = self._derived.get("cpu_devices")
+    if got is None:
+      got = {}
+      for d in self.devices:
+        if d.platform == "cpu":
+          got[d.host] = got.get(d.host, 0) + 1
+      self._derived["cpu_devices"] = got
+    return got
+
+  def within_host(self, group: Sequence[int], platform: str) -> bool:
+    """Whether the device ids ``group`` are all on one host and of ``platform``."""
+    key = ("within_host", tuple(group), platform)
+    memo = self._derived
+    if key not in memo:
+      infos = [self.device(g) for g in group]
+      memo[key] = len({d.host for d in infos}) == 1 and all(d.platform == platform
+                                                            for d in infos)
+    return memo[key]
+
+  def local_s_per_byte(self, prior: float) -> float:
+    """Seconds per byte of one device's elementwise pass (read + write counted): measured by the
+    calibration, else ``prior`` (the backend's table value)."""
+    if self.calibration is not None:
+      return 1.0 / (self.calibration.memory_gbps * 1e9)
+    return prior
+
+  def calibrate(self, **kwargs) -> Topology:
+    """Measures this host's devices computing and running XLA's collectives together
+    (``topology/calibrate.py``) and returns a copy with :attr:`calibration` set: an explicit input
+    of the plans made with it, saved by :meth:`to_json` and printed by their reports."""
+    cal = calibrate_lib.measure(self, **kwargs)
+    return dataclasses.replace(self, calibration=cal, notes=self.notes + (cal.summary(),))
 
   def with_links(self, links: Mapping[str, LinkSpec], source: str = "probed",
                  notes: Sequence[str] = (), measured: bool = True) -> Topology:
@@ -316,6 +390,7 @@ class Topology:
         "notes": list(self.notes),
         **({"measured": list(self.measured)} if self.measured else {}),
         **({"nvls": True} if self.nvls else {}),
+        **({"calibration": _calibration_dict(self.calibration)} if self.calibration else {}),
     }
 
   def to_json(self, indent: int | None = 1) -> str:
@@ -340,7 +415,7 @@ class Topology:
            "again with this one)." if newer else f". {hint}"))
     problems = [f"missing key {k!r}" for k in ("name", "devices", "link_matrix") if k not in data]
     known = {"format", "name", "devices", "link_matrix", "links", "nics", "numa_nodes", "source",
-             "notes", "measured", "nvls"}
+             "notes", "measured", "nvls", "calibration"}
     problems += [f"unknown key {k!r}" for k in sorted(set(data) - known)]
     for k, t in (("name", str), ("source", str)):
       if k in data and not isinstance(data[k], t):
@@ -351,6 +426,12 @@ class Topology:
       notes = []
     if not isinstance(data.get("nvls", False), bool):
       problems.append(f"'nvls' must be true or false, got {data['nvls']!r}")
+    calibration = None
+    if data.get("calibration") is not None:
+      try:
+        calibration = _calibration_from(data["calibration"])
+      except (TypeError, ValueError, KeyError, errors.TopologyError) as e:
+        problems.append(f"'calibration' is invalid ({e}); write it as Topology.to_json() does")
     measured = data.get("measured", [])
     if not isinstance(measured, list) or not all(m in LINK_ORDER for m in measured):
       problems.append(f"'measured' must be a list of link classes from {LINK_ORDER}")
@@ -424,6 +505,7 @@ class Topology:
           notes=tuple(notes),
           measured=tuple(measured),
           nvls=data.get("nvls", False) is True,
+          calibration=calibration,
       )
     except errors.TopologyError as e:
       raise errors.TopologyError(f"{origin}: {e}") from None
@@ -500,6 +582,36 @@ class Topology:
 
 
 _current: Topology | None = None
+
+
+def _count_cpus(cpus: str) -> int:
+  """CPUs in a sysfs cpulist such as ``"0-3,8-11"`` (0 when empty or unreadable)."""
+  total = 0
+  for part in cpus.split(","):
+    lo, _, hi = part.strip().partition("-")
+    try:
+      total += int(hi or lo) - int(lo) + 1
+    except ValueError:
+      continue
+  return total
+
+
+def _calibration_dict(cal: Calibration) -> dict[str, Any]:
+  out = dataclasses.asdict(cal)
+  out["collectives"] = {k: [[b, t] for b, t in pts] for k, pts in cal.collectives}
+  return out
+
+
+def _calibration_from(data: Mapping[str, Any]) -> Calibration:
+  if not isinstance(data, Mapping):
+    raise TypeError(f"expected an object, got {type(data).__name__}")
+  fields = dict(data)
+  coll = fields.pop("collectives", {})
+  if not isinstance(coll, Mapping):
+    raise TypeError("'collectives' must map a kind to [[nbytes, seconds], ...]")
+  fields["collectives"] = tuple((str(k), tuple((int(b), float(t)) for b, t in pts))
+                                for k, pts in coll.items())
+  return Calibration(**fields)
 
 # Generated fixtures for planning beyond this machine: hosts of 8 H100 SXM (80 GB, NVLink4 through
 # NVSwitch), one 400 Gb/s NIC per GPU (InfiniBand NDR, 50 GB/s per direction); too large to ship

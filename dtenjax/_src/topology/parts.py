@@ -109,3 +109,85 @@ class NumaNode:
 
 def local_host_name() -> str:
   return socket.gethostname() or _platform.node() or "localhost"
+
+
+# Kinds of collective a Calibration may time (XLA's own ops over all the measured devices).
+CALIBRATED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """Measured speeds of one host's devices while all of them work at once
+  (:meth:`Topology.calibrate`): what the planner prices compute and XLA's collectives with in
+  place of the table priors.
+
+  Attributes:
+    platform: the devices' platform ("cpu", "gpu", ...).
+    devices: how many devices ran each measurement together (the whole host's).
+    cores: host CPU cores (devices of a CPU platform share them).
+    matmul_flops: FLOP/s of one device's float32 matrix products while every device computes.
+    memory_gbps: bytes/s (1e9) one device reads plus writes in elementwise passes, all at once.
+    collectives: ``((kind, ((nbytes, seconds), ...)), ...)``: one XLA collective over all the
+      measured devices, ``nbytes`` per participant (all-gather and reduce-scatter: the full,
+      gathered or unscattered buffer), from a jitted chain; sizes ascending.
+    latency_s: the extra seconds of one small collective placed between products (the devices'
+      rendezvous while they share the host; on a CPU more than the collective alone).
+  """
+  platform: str
+  devices: int
+  cores: int
+  matmul_flops: float
+  memory_gbps: float
+  collectives: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+  latency_s: float = 0.0
+
+  def __post_init__(self):
+    problems = []
+    if self.devices < 1 or self.cores < 1:
+      problems.append(f"devices={self.devices} and cores={self.cores} must be >= 1")
+    if not self.matmul_flops > 0 or not self.memory_gbps > 0:
+      problems.append(f"matmul_flops={self.matmul_flops} and memory_gbps={self.memory_gbps} must "
+                      "be > 0")
+    if not self.latency_s >= 0:
+      problems.append(f"latency_s={self.latency_s} must be >= 0")
+    for kind, points in self.collectives:
+      if kind not in CALIBRATED_KINDS:
+        problems.append(f"collectives has kind {kind!r}; use one of {CALIBRATED_KINDS}")
+      sizes = [b for b, _ in points]
+      if not points or sizes != sorted(set(sizes)) or any(b <= 0 or not t > 0 for b, t in points):
+        problems.append(f"collectives[{kind!r}] = {points!r} must be (nbytes > 0, seconds > 0) "
+                        "pairs with sizes strictly ascending")
+    if problems:
+      raise errors.TopologyError(errors.join_problems("invalid Calibration:", problems))
+
+  def collective_s(self, kind: str, nbytes: float) -> float | None:
+    """Seconds of one ``kind`` of ``nbytes`` (per participant) over the measured devices:
+    piecewise linear between the measured sizes, the last segment's slope beyond them, the
+    smallest size's time below it; None when ``kind`` was not measured."""
+    points = dict(self.collectives).get(kind)
+    if not points:
+      return None
+    if nbytes <= points[0][0] or len(points) == 1:
+      if len(points) == 1:
+        return points[0][1] * max(1.0, nbytes / points[0][0])
+      return points[0][1]
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+      if nbytes <= b1:
+        return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+    (b0, t0), (b1, t1) = points[-2], points[-1]
+    return t1 + max(t1 - t0, 0.0) / (b1 - b0) * (nbytes - b1)
+
+  def summary(self) -> str:
+    kinds = ", ".join(f"{k} " + "/".join(f"{t * 1e3:.2f}" for _, t in pts) + " ms at " +
+                      "/".join(_size(b) for b, _ in pts) for k, pts in self.collectives)
+    return (f"calibrated on {self.devices} {self.platform} devices sharing {self.cores} cores: "
+            f"{self.matmul_flops / 1e9:.1f} GFLOP/s and {self.memory_gbps:.2f} GB/s per device, "
+            f"a collective between products {self.latency_s * 1e6:.0f} us"
+            + (f"; {kinds}" if kinds else ""))
+
+
+def _size(nbytes: int) -> str:
+  for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    if nbytes >= 1 << shift:
+      return f"{nbytes / (1 << shift):g} {unit}"
+  return f"{nbytes} B"

@@ -1,17 +1,16 @@
-"""What every algorithm record is made of: the :class:`Call` it is asked about, the
-:class:`Algorithm` record itself, and the building blocks the XLA-native algorithms share.
+"""What every runnable algorithm is made of: its price record (``pricing/algorithms.py``: which
+calls it supports, its order, its cost) and its implementation, plus the building blocks the
+XLA-native algorithms share.
 
-A record answers three questions about a call: can you run it (``supports``), what would it cost
-(``cost``: its own formulas, a ``planning/costmodel.py`` :class:`~costmodel.Cost` written in that
-module's terms), and how (``all_reduce`` / ``reduce_scatter`` / ``reproducible``). ``registry.py``
-lists the records; ``algorithm="auto"`` and the planner rank only the ones whose ``supports``
-returns None, so neither can pick one that would raise.
+The :class:`Call` it is asked about and the vocabulary of ops live in ``pricing/calls.py`` (the
+layer below, which the planner reads too) and are re-exported here. ``registry.py`` lists the
+algorithms; ``algorithm="auto"`` and the planner rank only the records whose ``supports`` returns
+None (``pricing/registry.py``), so neither can pick one that would raise.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,138 +19,80 @@ import numpy as np
 from jax import lax
 
 from dtenjax._src import jaxapi
-from dtenjax._src.contract import Contract
-from dtenjax._src.planning import costmodel
+from dtenjax._src.pricing import algorithms as prices
+from dtenjax._src.pricing import costmodel
+from dtenjax._src.pricing.calls import KINDS as KINDS
+from dtenjax._src.pricing.calls import OPS as OPS
+from dtenjax._src.pricing.calls import SUMS as SUMS
+from dtenjax._src.pricing.calls import Call as Call
+from dtenjax._src.pricing.calls import acc_dtype as acc_dtype
+from dtenjax._src.pricing.calls import uses_keys as uses_keys
+from dtenjax._src.pricing.calls import xla_reaches as xla_reaches
 
 AxisName = str | tuple[str, ...]
-OPS = ("sum", "mean", "max", "min")
-# The ops whose result is a sum (mean: the sum divided by the count): they accumulate in float32
-# for 16-bit floats, and the reproducible contracts apply to them only.
-SUMS = frozenset(("sum", "mean"))
-KINDS = ("all_reduce", "reduce_scatter")
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-  """Everything an algorithm may depend on to accept or cost one collective (static values).
-
-  Attributes:
-    kind: "all_reduce" or "reduce_scatter".
-    op: "sum", "mean", "max" or "min".
-    dtype: element type of the data.
-    axes: the named axes reduced over, in order (their product is the group).
-    axis_sizes: size of each axis.
-    nbytes: bytes per participant (reduce_scatter: the full, unscattered input).
-    backend: platform of the devices ("cpu", "gpu", "tpu").
-    deterministic: the caller needs a fixed reduction order.
-    contract: the reproducible sum that runs (``collectives/reproducible.py``), a
-      :class:`~dtenjax._src.contract.Contract` parsed from the public ``reproducible=``;
-      NONE unless ``op`` is one of :data:`SUMS`.
-    contributions: contributions stacked on each device (``local_axis``), 1 otherwise.
-    mesh_axes: every axis is a manual mesh axis (shard_map / mesh_map), not a vmap axis.
-    processes: processes the group spans (1: every participant is in this process).
-    xla_reaches_processes: XLA's own collectives work across those processes here.
-    requested: the ``algorithm=`` the caller passed ("auto", a family or a record name).
-    nvls: NCCL may use NVLink SHARP (from ``Topology.nvls`` when planning; None reads
-      NCCL_NVLS_ENABLE).
-    tag: the caller's ``tag=`` (None, an int or a str): the host transport compares it on every
-      rank (``net/callsite.tag_value``); no choice or cost depends on it.
-  """
-  kind: str
-  op: str
-  dtype: Any
-  axes: tuple[str, ...]
-  axis_sizes: tuple[int, ...]
-  nbytes: int
-  backend: str = "cpu"
-  deterministic: bool = True
-  contract: Contract = Contract.NONE
-  contributions: int = 1
-  mesh_axes: bool = True
-  processes: int = 1
-  xla_reaches_processes: bool = True
-  requested: str = "auto"
-  tag: int | str | None = dataclasses.field(default=None, compare=False)
-  # NVLink SHARP in use (GPU): the Topology's ``nvls`` when the planner asks; None: the process
-  # environment (NCCL_NVLS_ENABLE) at trace time
-  nvls: bool | None = None
-
-  def __post_init__(self):
-    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
-    if not isinstance(self.contract, Contract):
-      raise TypeError(f"Call.contract must be a Contract (contract.parse), got {self.contract!r}")
-    if self.contract.reproducible and self.op not in SUMS:
-      raise ValueError(f"Call: contract {self.contract.value} with op={self.op!r}; the "
-                       "reproducible contracts apply to sums only")
-
-  @property
-  def reproducible(self) -> bool:
-    """Whether a reproducible fixed-point sum runs (``contract`` is not NONE)."""
-    return self.contract.reproducible
-
-  @property
-  def world(self) -> int:
-    return math.prod(self.axis_sizes)
-
-  @property
-  def itemsize(self) -> int:
-    return self.dtype.itemsize
-
-  @property
-  def exact(self) -> bool:
-    """Whether every order of reduction gives the same bits (integer sums, max and min)."""
-    return self.op not in SUMS or not jnp.issubdtype(self.dtype, jnp.inexact)
 
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-  """One collective algorithm.
+  """One collective algorithm: its price record and how it runs.
 
   Attributes:
-    name: registry key; ``algorithm=name`` forces this record.
-    family: the public algorithm it implements (one of ``registry.FAMILIES``);
-      ``algorithm=family`` takes the first record of the family (registry order) that supports
-      the call.
-    order: the reduction order it guarantees, in words (docs and ``explain``).
-    cost: its cost formulas (all-reduce, reduce-scatter, reproducible sum), written in the terms
-      of ``planning/costmodel.py``.
-    supports: ``call -> None`` when it can run the call, else the reason it cannot.
+    price: what it supports, its order and its cost (``pricing/algorithms.py``); ``name``,
+      ``family``, ``order``, ``cost``, ``supports``, ``applies``, :meth:`why_not` and
+      :meth:`time` read it.
     all_reduce: ``(x, call, finish) -> result``; ``finish`` maps the accumulated value (the
       accumulation dtype, see :func:`acc_dtype`) to the result (mean division, final cast).
     reduce_scatter: ``(blocks, call) -> owned block`` in the accumulation dtype, where
-      ``blocks`` is ``[n, ...]`` and rank r owns block r; None when the algorithm has none.
+      ``blocks`` is ``[n, ...]`` and rank r owns block r; None when the algorithm has none
+      (then ``price.has_reduce_scatter`` is False).
     reproducible: ``(stack, call) -> result`` for reproducible sums of ``stack`` (``[k, ...]``
       local contributions, ``call.contract``); None uses the generic word exchange
       (``collectives/reproducible.py``) with this record's integer all-reduce for the words.
     code_max: ``(codes, call) -> reduced codes`` for that composition; None uses ``lax.pmax``.
-    applies: whether the record is relevant to the call at all (its backend, a process span);
-      a family passes silently over records that do not apply and logs once when it passes
-      over one that does but cannot run the call.
   """
-  name: str
-  family: str
-  order: str
-  cost: costmodel.Cost
-  supports: Callable[[Call], str | None]
+  price: prices.Record
   all_reduce: Callable[..., Any]
   reduce_scatter: Callable[..., Any] | None = None
   reproducible: Callable[..., Any] | None = None
   code_max: Callable[..., Any] | None = None
-  applies: Callable[[Call], bool] = lambda call: True
+
+  def __post_init__(self):
+    if (self.reduce_scatter is not None) != self.price.has_reduce_scatter:
+      raise ValueError(f"algorithm {self.price.name!r}: its reduce_scatter "
+                       f"({self.reduce_scatter!r}) and its price record's has_reduce_scatter "
+                       f"({self.price.has_reduce_scatter}) disagree")
+
+  @property
+  def name(self) -> str:
+    return self.price.name
+
+  @property
+  def family(self) -> str:
+    return self.price.family
+
+  @property
+  def order(self) -> str:
+    return self.price.order
+
+  @property
+  def cost(self) -> costmodel.Cost:
+    return self.price.cost
+
+  @property
+  def supports(self) -> Callable[[Call], str | None]:
+    return self.price.supports
+
+  @property
+  def applies(self) -> Callable[[Call], bool]:
+    return self.price.applies
 
   def why_not(self, call: Call) -> str | None:
-    """None when this record can run ``call``; otherwise the reason (kind checks included)."""
-    if call.kind == "reduce_scatter" and self.reduce_scatter is None:
-      return (f"{self.name} has no reduce_scatter; use algorithm='auto', 'two_shot' or "
-              "'ring'")
-    return self.supports(call)
+    """None when this algorithm can run ``call``; otherwise the reason (kind checks included)."""
+    return self.price.why_not(call)
 
   def time(self, call: Call, group, topology, costs: costmodel.BackendCosts | None = None) -> float:
-    """The cost model's seconds for this record running ``call`` over the device ids ``group``."""
-    return costmodel.collective_time(
-        call.kind, int(call.nbytes), list(group), topology, self.cost,
-        reproducible=call.contract,
-        itemsize=call.itemsize, contributions=call.contributions, costs=costs)
+    """The cost model's seconds for this algorithm running ``call`` over the device ids ``group``."""
+    return self.price.time(call, group, topology, costs)
 
 
 # --- shared building blocks ---------------------------------------------------------------------
@@ -161,33 +102,11 @@ def axis_size(axis_name: AxisName) -> int:
   return int(lax.axis_size(jaxapi.axis_tuple(axis_name)))
 
 
-def acc_dtype(dtype, op: str):
-  """Accumulation dtype: float32 for sums of 16-bit floats, the input dtype otherwise."""
-  dtype = jnp.dtype(dtype)
-  if op in SUMS and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return jnp.dtype(jnp.float32)
-  return dtype
-
-
-def xla_reaches(call: Call) -> str | None:
-  """None when XLA's own collectives connect the call's processes, else why not."""
-  if call.processes > 1 and not call.xla_reaches_processes:
-    return (f"the axes span {call.processes} processes and XLA's {call.backend} collectives do "
-            "not reach across processes here (set jax_cpu_collectives_implementation='gloo' "
-            "before jax.distributed.initialize, or use the host transport: "
-            "algorithm='ring'/'hierarchical')")
-  return None
-
-
 # Order keys: a float's bits mapped to a signed integer whose order is the float's total order
 # (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN). MAX/MIN of keys is exact and order-free, and
 # with NaN made +NaN for max (-NaN for min) any NaN wins, so every algorithm propagates NaN and
 # gives the same bits (XLA's pmax/pmin drop NaN on CPU, gloo and NCCL: see docs/collectives.md).
 _INT_OF = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
-
-
-def uses_keys(dtype) -> bool:
-  return jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
 
 
 def to_key(x, op: str):

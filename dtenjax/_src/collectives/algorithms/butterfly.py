@@ -22,15 +22,7 @@ import numpy as np
 from jax import lax
 
 from dtenjax._src.collectives.algorithms import base
-from dtenjax._src.planning import costmodel
-
-
-def supports(call: base.Call) -> str | None:
-  n = call.world
-  if n & (n - 1):
-    return (f"butterfly needs a power-of-two number of ranks, got {n} over "
-            f"axis_name={call.axes!r}; use algorithm='two_shot' or 'ring'")
-  return base.xla_reaches(call)
+from dtenjax._src.pricing import algorithms as prices
 
 
 def _bit_reversed(n: int) -> np.ndarray:
@@ -87,21 +79,5 @@ def _tree(chunks, axes, op: str, n: int):
 all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks)
 
 
-def _reduce_scatter_time(t: costmodel.Terms, N: float) -> float:
-  """log2(n) exchanges of N/2, N/4, ..., N/n (an add after each): (n-1)/n N over the links."""
-  steps = t.n.bit_length() - 1
-  return steps * (t.L + t.a + t.P) + (t.n - 1) / t.n * N * t.b + 2 * N * t.m
-
-
-def _all_reduce_time(t: costmodel.Terms, N: float) -> float:
-  """The reduce-scatter, then one all-gather of N/n from each rank."""
-  gather = t.L + t.hops * t.a + (t.n - 1) / t.n * N * t.b
-  return _reduce_scatter_time(t, N) + gather + N * t.m
-
-
-ALGORITHM = base.Algorithm(
-    name="butterfly", family="butterfly",
-    order="balanced binary tree over ranks 0..n-1, lower block first: ((x_0 + x_1) + (x_2 + "
-          "x_3)) + ...; the same for every element",
-    cost=costmodel.Cost(all_reduce=_all_reduce_time, reduce_scatter=_reduce_scatter_time),
-    supports=supports, all_reduce=all_reduce, reduce_scatter=reduce_scatter)
+ALGORITHM = base.Algorithm(price=prices.BUTTERFLY, all_reduce=all_reduce,
+                           reduce_scatter=reduce_scatter)

@@ -13,11 +13,7 @@ from jax import lax
 from dtenjax._src import jaxapi
 from dtenjax._src.collectives import reproducible as repro
 from dtenjax._src.collectives.algorithms import base
-from dtenjax._src.planning import costmodel
-
-
-def supports(call: base.Call) -> str | None:
-  return base.xla_reaches(call)
+from dtenjax._src.pricing import algorithms as prices
 
 
 @base.keyed
@@ -46,29 +42,5 @@ def reproducible(stack, call: base.Call):
   return repro.gather_all_reduce(stack, call)
 
 
-def _all_reduce_time(t: costmodel.Terms, N: float) -> float:
-  """All-gather (n N written) and a fold reading n N."""
-  return t.L + t.hops * t.a + (t.n - 1) * N * t.b + t.P + 2 * t.n * N * t.m
-
-
-def _reduce_scatter_time(t: costmodel.Terms, N: float) -> float:
-  """Gather everything, fold the owned block."""
-  return t.L + t.hops * t.a + (t.n - 1) * N * t.b + t.P + (t.n + 1) * N * t.m
-
-
-def _reproducible_time(t: costmodel.Terms, N: float, itemsize: int, k: int) -> float:
-  """The raw floats all-gathered (``k`` per device), every rank converts all ``n k N``."""
-  del itemsize
-  n = t.n
-  return (t.L + t.hops * t.a + (n - 1) * k * N * t.b + t.P + n * k * N * t.m +
-          n * k * N * t.f)
-
-
-COST = costmodel.Cost(all_reduce=_all_reduce_time, reduce_scatter=_reduce_scatter_time,
-                      reproducible=_reproducible_time)
-
-ALGORITHM = base.Algorithm(
-    name="one_shot", family="one_shot",
-    order="ranks 0, 1, ..., n-1 (left fold from x_0, accumulation dtype, one rounding)",
-    cost=COST, supports=supports, all_reduce=all_reduce, reduce_scatter=reduce_scatter,
-    reproducible=reproducible)
+ALGORITHM = base.Algorithm(price=prices.ONE_SHOT, all_reduce=all_reduce,
+                           reduce_scatter=reduce_scatter, reproducible=reproducible)

@@ -1,25 +1,25 @@
-"""The algorithm registry: one record per algorithm, and the choice among them.
+"""The algorithm registry: one runnable algorithm per price record, and the choice among them.
 
 Order matters only within a family: ``algorithm="one_shot"`` takes the first record of that family
 that supports the call (the NVLink kernel on GPU, the XLA-native form elsewhere), and
-``algorithm="ring"`` across processes the host transport. ``algorithm="auto"`` ranks every record
-that supports the call by the cost model (``planning/costmodel.py``) and takes the cheapest
+``algorithm="ring"`` across processes the host transport. ``algorithm="auto"`` takes what
+``pricing/registry.py`` chooses: the cheapest record that supports the call by the cost model
 (ties: the name that sorts first). A record's own name forces it (an error says why when it
 cannot run the call).
 
-Everything else is derived from :data:`REGISTRY`: the families (and so the values ``algorithm=``
-accepts), the candidates of ``auto`` and of the planner (``planning/planner.py`` prices all-reduces
-with :func:`choose`, handed to it by ``collectives/api.py``).
+Everything else is derived from :data:`REGISTRY`, which lists the algorithms in the order of the
+price records (``pricing.registry.RECORDS``; the import fails if they differ): the families (and
+so the values ``algorithm=`` accepts) and the candidates of ``auto``. The planner ranks the same
+records from the pricing layer below, without importing this one.
 
-Adding an algorithm: write ``algorithms/<name>.py`` defining a :class:`~base.Algorithm` (supports,
-implementation, order, its cost formulas) and add it to :data:`REGISTRY` below.
+Adding an algorithm: its price record (supports, order, cost formulas) in
+``pricing/algorithms.py`` and a line in ``pricing/registry.py``; its implementation in
+``algorithms/<name>.py`` (a :class:`~base.Algorithm` of that record) and a line below.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from dtenjax._src import config
 from dtenjax._src import errors
@@ -32,6 +32,8 @@ from dtenjax._src.collectives.algorithms import one_shot
 from dtenjax._src.collectives.algorithms import ring
 from dtenjax._src.collectives.algorithms import two_shot
 from dtenjax._src.collectives.algorithms import xla
+from dtenjax._src.pricing import registry as prices
+from dtenjax._src.pricing.registry import AlgorithmChoice as AlgorithmChoice
 from dtenjax._src.topology.model import Topology
 
 REGISTRY: tuple[base.Algorithm, ...] = (
@@ -46,6 +48,9 @@ REGISTRY: tuple[base.Algorithm, ...] = (
     two_shot.ALGORITHM,
     butterfly.ALGORITHM,
 )
+if tuple(a.price for a in REGISTRY) != prices.RECORDS:  # pragma: no cover - a list edited alone
+  raise ImportError("collectives/algorithms/registry.py: REGISTRY must list one algorithm per "
+                    "price record of pricing/registry.py's RECORDS, in the same order")
 
 # The public algorithms: every record's family, those with an XLA-native record of that name first.
 FAMILIES = tuple(dict.fromkeys(a.family for a in sorted(REGISTRY, key=lambda a: a.name != a.family)))
@@ -67,57 +72,16 @@ def get(name: str) -> base.Algorithm:
   raise errors.CollectiveError(f"no algorithm record named {name!r}; known: {list(names())}")
 
 
-class AlgorithmChoice(NamedTuple):
-  """What was chosen for one collective and why: data for ``explain``."""
-  algorithm: str                  # the record name, e.g. "xla", "two_shot", "nvlink_one_shot"
-  times: dict[str, float]         # the cost model's seconds for every record that supports it
-  reason: str
-
-
 def supported(call: base.Call) -> tuple[list[base.Algorithm], dict[str, str]]:
-  """Records that can run ``call`` (registry order) and, for the others, why not."""
-  ok, why = [], {}
-  for a in REGISTRY:
-    reason = a.why_not(call)
-    if reason is None:
-      ok.append(a)
-    else:
-      why[a.name] = reason
-  return ok, why
-
-
-@functools.cache
-def _detected() -> Topology:
-  return Topology.detect()
-
-
-def _rank(call: base.Call, records: Sequence[base.Algorithm], group: Sequence[int],
-          topology: Topology) -> list[tuple[str, float]]:
-  try:
-    topology.slowest_link(list(group))
-  except errors.TopologyError as e:
-    errors.warn_once(f"auto-topology:{topology.name}",
-                     f"dtenjax: the topology {topology.name!r} does not describe the devices of "
-                     f"this collective ({e}); algorithm='auto' ranks with the detected topology.")
-    topology = _detected()
-  times = {a.name: a.time(call, group, topology) for a in records}
-  return sorted(times.items(), key=lambda kv: (kv[1], kv[0]))
+  """Algorithms that can run ``call`` (registry order) and, for the others, why not."""
+  ok, why = prices.supported(call)
+  names = {r.name for r in ok}
+  return [a for a in REGISTRY if a.name in names], why
 
 
 def choose(call: base.Call, group: Sequence[int], topology: Topology) -> AlgorithmChoice:
-  """The cheapest record that supports ``call`` (``algorithm="auto"``)."""
-  ok, why = supported(call)
-  if not ok:
-    raise errors.CollectiveError(errors.join_problems(
-        f"no algorithm can run this {call.kind} (op={call.op!r}, dtype={call.dtype.name}, "
-        f"axes={call.axes!r}):", [f"{k}: {v}" for k, v in why.items()]))
-  ranked = _rank(call, ok, group, topology)
-  best = ranked[0][0]
-  reason = (f"cost model: {best} is fastest for {call.nbytes} B over {call.world} ranks on "
-            f"{call.backend} (" + ", ".join(f"{k}={v * 1e6:.1f}us" for k, v in ranked) + ")")
-  if why:
-    reason += "; not eligible: " + "; ".join(f"{k}: {v}" for k, v in why.items())
-  return AlgorithmChoice(best, dict(ranked), reason)
+  """The cheapest algorithm that supports ``call`` (``algorithm="auto"``)."""
+  return prices.choose(call, group, topology)
 
 
 def resolve(requested: str, call: base.Call, group: Sequence[int],

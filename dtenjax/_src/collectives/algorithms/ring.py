@@ -12,11 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dtenjax._src.collectives.algorithms import base
-from dtenjax._src.planning import costmodel
-
-
-def supports(call: base.Call) -> str | None:
-  return base.xla_reaches(call)
+from dtenjax._src.pricing import algorithms as prices
 
 
 def reduce_chunks(chunks, axes, op: str, opaque=None):
@@ -57,22 +53,5 @@ def gather_chunks(chunk, axes, n: int):
 all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks, opaque_steps=True)
 
 
-def _all_reduce_time(t: costmodel.Terms, N: float) -> float:
-  """n - 1 ppermutes of N/n, each followed by an add of N/n, then one all-gather of N/n each."""
-  steps = t.n - 1
-  gather = t.L + t.hops * t.a + (t.n - 1) / t.n * N * t.b
-  return steps * (t.L + t.a + N / t.n * t.b) + steps * t.P + gather + 3 * N * t.m
-
-
-def _reduce_scatter_time(t: costmodel.Terms, N: float) -> float:
-  """The n - 1 ppermute steps of the all-reduce, without the all-gather."""
-  n = t.n
-  return (n - 1) * (t.L + t.a + N / n * t.b) + (n - 1) * t.P + 2 * N * t.m
-
-
-COST = costmodel.Cost(all_reduce=_all_reduce_time, reduce_scatter=_reduce_scatter_time)
-
-ALGORITHM = base.Algorithm(
-    name="ring", family="ring",
-    order="chunk c of the padded flat buffer: ranks c+1, c+2, ..., c (mod n)",
-    cost=COST, supports=supports, all_reduce=all_reduce, reduce_scatter=reduce_scatter)
+ALGORITHM = base.Algorithm(price=prices.RING, all_reduce=all_reduce,
+                           reduce_scatter=reduce_scatter)

@@ -14,11 +14,7 @@ from jax import lax
 from dtenjax._src import jaxapi
 from dtenjax._src.collectives import reproducible as repro
 from dtenjax._src.collectives.algorithms import base
-from dtenjax._src.planning import costmodel
-
-
-def supports(call: base.Call) -> str | None:
-  return base.xla_reaches(call)
+from dtenjax._src.pricing import algorithms as prices
 
 
 def reduce_chunks(chunks, axes, op: str):
@@ -49,31 +45,5 @@ def reproducible(stack, call: base.Call):
   return full[:size].reshape(stack.shape[1:])
 
 
-def _all_reduce_time(t: costmodel.Terms, N: float) -> float:
-  """All-to-all (N), a fold of the owned chunk over n ranks (N), all-gather (N)."""
-  return 2 * t.L + 2 * t.hops * t.a + 2 * (t.n - 1) / t.n * N * t.b + t.P + 3 * N * t.m
-
-
-def _reduce_scatter_time(t: costmodel.Terms, N: float) -> float:
-  """All-to-all, fold the owned block."""
-  n = t.n
-  return t.L + t.hops * t.a + (n - 1) / n * N * t.b + t.P + 2 * N * t.m
-
-
-def _reproducible_time(t: costmodel.Terms, N: float, itemsize: int, k: int) -> float:
-  """The raw floats all-to-all (``k`` per device), the owner converts ``k N``, the rounded chunk
-  all-gathered."""
-  del itemsize
-  n = t.n
-  return (2 * t.L + 2 * t.hops * t.a + (n - 1) / n * (k + 1) * N * t.b + t.P +
-          (k + 1) * N * t.m + k * N * t.f + N / n * t.f)
-
-
-COST = costmodel.Cost(all_reduce=_all_reduce_time, reduce_scatter=_reduce_scatter_time,
-                      reproducible=_reproducible_time)
-
-ALGORITHM = base.Algorithm(
-    name="two_shot", family="two_shot",
-    order="ranks 0, 1, ..., n-1 on the owned chunk (same bits as one_shot)",
-    cost=COST, supports=supports, all_reduce=all_reduce, reduce_scatter=reduce_scatter,
-    reproducible=reproducible)
+ALGORITHM = base.Algorithm(price=prices.TWO_SHOT, all_reduce=all_reduce,
+                           reduce_scatter=reduce_scatter, reproducible=reproducible)

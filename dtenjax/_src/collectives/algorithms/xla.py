@@ -1,7 +1,8 @@
 """``xla``: XLA's own all-reduce (``lax.psum``) and reduce-scatter (``lax.psum_scatter``).
 
 The reduction order is XLA's, which is fixed per backend for the same compiled program and mesh
-where :func:`psum_order` says so (research and tests: docs/collectives.md, "Determinism"):
+where :func:`psum_order` (``pricing/algorithms.py``, which this record's ``supports`` asks)
+says so (research and tests: docs/collectives.md, "Determinism"):
 
 * XLA:CPU in one process (the in-process communicator): per element a left fold in rank (mesh
   position) order starting from +0, ``((0 + x_0) + x_1) + ...``; bf16 is promoted to f32 by XLA
@@ -22,53 +23,11 @@ float pmax/pmin drop NaN (CPU: ``std::max`` from -inf; NCCL: ``fmaxf``), dtenjax
 
 from __future__ import annotations
 
-import os
-
-import jax
 from jax import lax
 
 from dtenjax._src.collectives.algorithms import base
-from dtenjax._src.planning import costmodel
-
-
-def psum_order(call: base.Call) -> tuple[str | None, str]:
-  """``(order, why)``: the fixed order of XLA's reduction for ``call``, or None and the reason."""
-  if call.backend == "cpu":
-    if call.processes <= 1:
-      return ("rank-order left fold from +0 (XLA:CPU in-process communicator; bf16 promoted to "
-              "f32)", "")
-    impl = getattr(jax.config, "jax_cpu_collectives_implementation", None)
-    if impl == "gloo":
-      return "gloo ring: per chunk, a fixed chain around the ring (depends on size and n)", ""
-    return None, f"XLA:CPU across processes uses {impl!r} collectives, whose order is not pinned"
-  if call.backend == "gpu":
-    problems = []
-    # planning (call.nvls from the Topology) reads nothing from the environment: the Topology
-    # describes the machine; a traced collective reads the process's NCCL settings
-    planning = call.nvls is not None
-    nvls = call.nvls if planning else os.environ.get("NCCL_NVLS_ENABLE", "") != "0"
-    if nvls:
-      problems.append("NVLink SHARP may be used (set NCCL_NVLS_ENABLE=0)")
-    if not planning and os.environ.get("NCCL_COLLNET_ENABLE", "0") not in ("", "0"):
-      problems.append("CollNet is enabled (NCCL_COLLNET_ENABLE)")
-    if not planning and os.environ.get("NCCL_TUNER_PLUGIN", "") not in ("", "none"):
-      problems.append("an NCCL tuner plugin is loaded (NCCL_TUNER_PLUGIN)")
-    if problems:
-      return None, "NCCL's order is not fixed here: " + "; ".join(problems)
-    return "NCCL/XLA kernel: fixed by NCCL's static model for this size and environment", ""
-  return None, f"the reduction order of {call.backend!r} collectives has not been established"
-
-
-def supports(call: base.Call) -> str | None:
-  why = base.xla_reaches(call)
-  if why:
-    return why
-  if call.deterministic and not call.exact and not call.reproducible:
-    order, reason = psum_order(call)
-    if order is None:
-      return (f"deterministic=True needs a fixed reduction order and {reason}; use a dtenjax "
-              "algorithm ('one_shot', 'two_shot', 'ring') or deterministic=False")
-  return None
+from dtenjax._src.pricing import algorithms as prices
+from dtenjax._src.pricing.algorithms import psum_order as psum_order
 
 
 def all_reduce(x, call: base.Call, finish):
@@ -93,7 +52,5 @@ def reduce_scatter(blocks, call: base.Call):
   return out.reshape(blocks.shape[1:])
 
 
-ALGORITHM = base.Algorithm(
-    name="xla", family="xla",
-    order="XLA's: fixed where psum_order() establishes it (CPU, gloo, pinned NCCL)",
-    cost=costmodel.XLA, supports=supports, all_reduce=all_reduce, reduce_scatter=reduce_scatter)
+ALGORITHM = base.Algorithm(price=prices.XLA, all_reduce=all_reduce,
+                           reduce_scatter=reduce_scatter)

@@ -25,7 +25,7 @@ import math
 
 from dtenjax._src import tables
 from dtenjax._src.pipeline import schedule as sched
-from dtenjax._src.planning import costmodel
+from dtenjax._src.pricing import costmodel
 from dtenjax._src.planning.roles.base import LeafContext
 from dtenjax._src.planning.roles.base import MeshContext
 from dtenjax._src.planning.roles.base import Option

@@ -33,7 +33,8 @@ def sizes(ctx: MeshContext) -> list[int]:
 
 def price(ctx) -> None:
   """Megatron's collectives for a weight sharded over 'tensor' (``ctx``: a PriceContext): a
-  column-parallel product all-reduces its input's gradient (backward) and, unpaired, all-gathers
+  column-parallel product all-reduces its input's gradient (backward; one all-reduce shared by
+  the weights that read the same input, ``WeightUse.siblings``) and, unpaired, all-gathers
   its output; a row-parallel one all-reduces its output (forward) and, unpaired, all-gathers its
   input's gradient (the pair terms are settled by the solver); a stacked dimension over 'tensor'
   is gathered like FSDP, twice per step."""
@@ -51,7 +52,10 @@ def price(ctx) -> None:
       pr.act_saving = (share * ctx.graph.activation_bytes / ctx.batch_div *
                        (1 - 1 / m.size["tensor"]))
       if use.input_grad:     # the input's gradient is a partial sum over 'tensor'
-        ctx.add("all_reduce", tokens * width_in * item, ("tensor",), blocking=True)
+        # weights reading the same input (q, k and v; gate and up; a cross-attention's k and v
+        # in every decoder layer) add their partial gradients first: one all-reduce among them
+        ctx.add("all_reduce", tokens * width_in * item, ("tensor",), blocking=True,
+                times=1.0 / use.siblings)
       pr.ag_fwd_bytes = tokens * width_out * item
       pr.ag_fwd = ctx.pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), ctx.dtype)
     elif d in use.contracted:

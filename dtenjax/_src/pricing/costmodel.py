@@ -70,6 +70,12 @@ class BackendCosts:
     host_step_us: one message step of the host transport (FFI call, socket round trip).
     fixed_point_gbps: float bytes/s (1e9) of the reproducible sum's conversion passes (codes,
       encode into int32 words and sum, decode), per byte of float input.
+    overlap: share of a step's compute that collectives may hide behind (the planner's default
+      ``overlap``). XLA:CPU's collectives are copies by the same cores that compute (0); a GPU
+      runs NCCL kernels beside compute kernels.
+    step_collective_us: what one collective adds inside a step beyond its own time: the
+      rendezvous of devices that arrive after their share of compute (on a CPU, devices that
+      share cores arrive one after another). :meth:`Topology.calibrate` measures it.
   """
   xla_collective_us: float
   local_pass_us: float
@@ -77,6 +83,8 @@ class BackendCosts:
   nvlink_kernel_us: float
   host_step_us: float
   fixed_point_gbps: float
+  overlap: float = 0.5
+  step_collective_us: float = 0.0
 
   def __post_init__(self):
     bad = [f.name for f in dataclasses.fields(self)
@@ -85,6 +93,8 @@ class BackendCosts:
       bad.append("local_bandwidth_gbps")
     if not self.fixed_point_gbps > 0:
       bad.append("fixed_point_gbps")
+    if not 0.0 <= self.overlap <= 1.0:
+      bad.append("overlap")
     if bad:
       raise errors.ConfigurationError(
           f"BackendCosts {self} has invalid fields {sorted(set(bad))}: times must be >= 0 and "
@@ -92,12 +102,16 @@ class BackendCosts:
 
 
 # Defaults. cpu: fitted on the 2-core CI VM with 8 simulated devices (see the module docstring;
-# psum 82 us at 64 B and 1.6 ms at 1 MiB, minimum over repetitions; host_step_us not measured);
+# psum 82 us at 64 B and 1.6 ms at 1 MiB, minimum over repetitions; host_step_us not measured;
+# step_collective_us: on that VM a tiny psum between products cost 1.3-4.2 ms under load, and
+# the six model families' FSDP steps, with 54-84 all-gathers of 0.4 MiB, ran 160-260 ms slower
+# than their DP steps with 5 all-reduces: about 3 ms a collective beyond its bytes);
 # gpu: the 2 x H200 measurements in docs/benchmarks.md (psum ~19-28 us at 8 KB-1 MB, the NVLink one-shot
 # kernel ~9.5 us at 8 KB; fixed_point_gbps not measured); tpu: unmeasured placeholders.
 BACKEND_COSTS: Mapping[str, BackendCosts] = {
     "cpu": BackendCosts(xla_collective_us=80.0, local_pass_us=5.0, local_bandwidth_gbps=1.35,
-                        nvlink_kernel_us=INF, host_step_us=60.0, fixed_point_gbps=0.6),
+                        nvlink_kernel_us=INF, host_step_us=60.0, fixed_point_gbps=0.6,
+                        overlap=0.0, step_collective_us=3000.0),
     "gpu": BackendCosts(xla_collective_us=18.0, local_pass_us=4.0, local_bandwidth_gbps=None,
                         nvlink_kernel_us=6.0, host_step_us=40.0, fixed_point_gbps=500.0),
     "tpu": BackendCosts(xla_collective_us=10.0, local_pass_us=3.0, local_bandwidth_gbps=None,
@@ -359,6 +373,11 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
   n = len(group)
   if n <= 1:
     return 0.0
+  contract = contract_lib.parse(reproducible)
+  if cost is XLA and not contract.reproducible:
+    measured = calibrated_time(kind, nbytes, group, topology)
+    if measured is not None:
+      return measured
   t = Terms(group, topology, costs)
   if kind == "ppermute":
     return t.L + t.a + nbytes * t.b
@@ -366,7 +385,6 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
     return t.L + t.hops * t.a + (n - 1) / n * nbytes * t.b
   if kind == "all_gather":
     return xla_all_gather(t, nbytes)
-  contract = contract_lib.parse(reproducible)
   word_bytes = contract.word_bytes
   if kind == "all_reduce":
     if not contract.reproducible:
@@ -382,6 +400,22 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
   E = nbytes / itemsize
   return (XLA.all_reduce(t, E) + cost.reduce_scatter(t, word_bytes * E) + 2 * t.P +
           (nbytes + nbytes / n) * t.f)
+
+
+def calibrated_time(kind: str, nbytes: float, group: Sequence[int],
+                    topology: Topology) -> float | None:
+  """XLA's own ``kind`` of ``nbytes`` per participant over ``group`` as the topology's
+  :class:`~dtenjax.Calibration` measured it (interpolated between its sizes), or None: no
+  calibration, the kind not measured, or a group that leaves the calibrated host or platform.
+  The calibration timed one collective over all the host's devices at once; a smaller group of
+  that host is priced alike, since the host's other devices run their own group's collective at
+  the same time (a planned step runs the same collective on every group)."""
+  cal = topology.calibration
+  if cal is None:
+    return None
+  if not topology.within_host(group, cal.platform):
+    return None
+  return cal.collective_s(kind, nbytes)
 
 
 def crossover_bytes(small: Cost, large: Cost, group: Sequence[int], topology: Topology,

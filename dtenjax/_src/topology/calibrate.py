@@ -1,0 +1,166 @@
+"""Measures how fast this host's devices compute and run XLA's collectives while all of them work
+at once (:meth:`Topology.calibrate`), for the planner to price a step with instead of the table
+priors.
+
+Every number is device time of a jitted program over all the host's local devices of the
+topology's platform (``jax.shard_map``, one shard each), so devices that share something -- the
+CPU devices of one process share the host's cores and memory -- are measured sharing it:
+
+* ``matmul_flops``: a chain of float32 products per device, ``2 m k n`` FLOP each, at two sizes
+  (the median of their rates).
+* ``memory_gbps``: a chain of elementwise passes per device (each step behind an optimization
+  barrier, so XLA cannot fuse the chain into one pass): read + write bytes per second.
+* ``collectives``: XLA's all-reduce, all-gather and reduce-scatter over all the devices at three
+  sizes, a chain of dependent ops minus the same chain without them.
+* ``latency_s``: rounds of a product followed by a tiny all-reduce of its result, minus the rounds
+  without it: the cost of one rendezvous in the middle of compute (on a CPU, 8 devices sharing 2
+  cores meet at a collective after their share of the compute, which costs far more than the
+  same collective alone).
+
+A calibration is an explicit input: ``Topology.detect().calibrate()`` returns a new topology
+whose :attr:`~Topology.calibration` holds the numbers (saved by ``to_json``, printed by the plan's
+report), and a plan made with it depends on those numbers only, never on a measurement taken
+behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dtenjax._src import errors
+from dtenjax._src.topology import parts as topo
+
+# Defaults per platform: product sizes (m, k, n), the elementwise buffer, the collective sizes
+# (bytes per participant), and the product of the latency rounds.
+_SIZES = {
+    "cpu": {"matmul": ((512, 512, 512),), "memory": 4 << 20,
+            "collectives": (64 << 10, 1 << 20, 8 << 20), "latency": 256},
+    "gpu": {"matmul": ((4096, 4096, 4096), (8192, 2048, 8192)), "memory": 256 << 20,
+            "collectives": (1 << 20, 16 << 20, 128 << 20), "latency": 2048},
+}
+
+
+def _wall(f, args, repeats: int) -> float:
+  jax.block_until_ready(f(*args))                       # compile and warm up
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(time.perf_counter() - t0)
+  return min(ts)       # the least-disturbed run: other work on the host is not the step's
+
+
+def _devices(topology) -> list:
+  local = {d.id: d for d in jax.local_devices()}
+  ids = [i for i in topology.device_ids
+         if i in local and local[i].platform == topology.device(i).platform]
+  if len(ids) < 1:
+    raise errors.TopologyError(
+        f"none of topology {topology.name!r}'s devices are local to this process (local: "
+        f"{len(local)} {next(iter(local.values())).platform if local else 'no'} devices); "
+        "calibrate the topology of the devices you run on (Topology.detect().calibrate()).")
+  host = topology.device(ids[0]).host
+  return [local[i] for i in ids if topology.device(i).host == host]
+
+
+def measure(topology, *, repeats: int = 3, chain: int = 4,
+            sizes: dict | None = None) -> topo.Calibration:
+  """The :class:`~dtenjax._src.topology.parts.Calibration` of ``topology``'s devices on this host
+  (see the module docstring). ``sizes`` replaces the platform's defaults (keys ``matmul``,
+  ``memory``, ``collectives``, ``latency``, 0 to leave ``latency_s`` at 0; tests use small
+  ones)."""
+  if repeats < 1 or chain < 1:
+    raise errors.ConfigurationError(
+        f"calibrate: repeats={repeats} and chain={chain} must be >= 1")
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  devs = _devices(topology)
+  platform = devs[0].platform
+  cfg = dict(_SIZES.get(platform, _SIZES["gpu"]))
+  cfg.update(sizes or {})
+  n = len(devs)
+  mesh = Mesh(np.array(devs), ("c",))
+
+  def program(body, *specs):
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("c"),
+                                 check_vma=False))
+
+  def put(shape):
+    host = np.full((n * shape[0],) + tuple(shape[1:]), 1.0 / max(shape[-1], 1), np.float32)
+    return jax.device_put(host, NamedSharding(mesh, P("c")))
+
+  def per_step(step, *args) -> float:
+    """Device seconds of one ``step`` (a function of the carried value and the other arguments):
+    a ``fori_loop`` of ``2 chain`` steps minus one of ``chain``, divided by ``chain``; both are one
+    dispatch of one program, so launch overhead cancels and no pass is fused with the next."""
+    def prog(trips):
+      def body(v, *rest):
+        return lax.fori_loop(0, trips, lambda i, u: step(u, *rest), v)
+      return program(body, *(P("c") for _ in args))
+    long, short = _wall(prog(2 * chain), args, repeats), _wall(prog(chain), args, repeats)
+    # on a busy host the difference can drown in noise: then the long loop's mean (dispatch
+    # included, so an upper bound) is the estimate
+    return (long - short) / chain if long - short > long / 8 else long / (2 * chain)
+
+  # products: (m, k) -> (m, n) -> (m, k), 4 m k n FLOP a step
+  rates = []
+  for m, k, nn in cfg["matmul"]:
+    t = per_step(lambda x, b, p: jnp.tanh((x @ b) @ p), put((m, k)), put((k, nn)), put((nn, k)))
+    rates.append(4.0 * m * k * nn / t)
+  flops = statistics.median(rates)
+
+  # elementwise passes: one read and one write of the buffer a step
+  words = max(1, cfg["memory"] // 4)
+  t = per_step(lambda v: v * jnp.float32(1.0000001) + jnp.float32(1e-7), put((words,)))
+  memory_gbps = 2.0 * words * 4 / t / 1e9
+
+  # collectives: a step is the collective and one elementwise pass; the pass alone is subtracted
+  table = []
+  if n > 1:
+    points = {k: [] for k in topo.CALIBRATED_KINDS}
+    for nbytes in sorted(cfg["collectives"]):
+      w = max(n, nbytes // 4 // n * n)
+      x = put((w,))
+      scale = jnp.float32(1.0 / n)
+      ops = {
+          "all_reduce": lambda v: lax.psum(v, "c") * scale,
+          "all_gather": lambda v: lax.all_gather(v[:w // n], "c", tiled=True) * scale,
+          "reduce_scatter": lambda v: jnp.tile(lax.psum_scatter(v, "c", tiled=True), n) * scale,
+      }
+      base = per_step(lambda v: v * scale, x)
+      for kind, op in ops.items():
+        points[kind].append((w * 4, max(per_step(op, x) - base, 1e-7)))
+    for kind in topo.CALIBRATED_KINDS:
+      pts, last = [], 0.0
+      for b, t in points[kind]:
+        last = max(last, t)            # a larger message never costs less (noise on a busy host)
+        pts.append((b, last))
+      table.append((kind, tuple(pts)))
+
+  # one small collective between products
+  latency = 0.0
+  if n > 1 and cfg["latency"] > 0:
+    a = put((cfg["latency"], cfg["latency"]))
+    plain = per_step(lambda v: jnp.tanh(v @ v), a)
+    met = per_step(lambda v: jnp.tanh(v @ v) + lax.psum(v[:1, :8], "c").sum() * 1e-9, a)
+    latency = max(0.0, met - plain)
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return topo.Calibration(platform=platform, devices=n, cores=int(cores or 1),
+                          matmul_flops=float(flops), memory_gbps=float(memory_gbps),
+                          collectives=tuple(table), latency_s=float(latency))
+
+
+def scaled_prior_flops(kind_flops: float, platform: str, cores: int,
+                       devices_on_host: int) -> float:
+  """The table prior of one device's FLOP/s when nothing was measured: a CPU device of a process
+  that simulates several shares the host's cores (``n`` devices on ``c`` cores run about ``n /
+  c`` times slower each; the table's CPU figure is one core's), other devices are their own."""
+  if platform != "cpu" or devices_on_host <= 0:
+    return kind_flops
+  return kind_flops * min(1.0, max(1, cores) / devices_on_host)
+

@@ -272,7 +272,8 @@ def moe(*, vocab=2048, d=256, heads=8, ffn=512, experts=8, layers=2, batch=16, s
       onehot = jax.nn.one_hot(choice, experts, dtype=y.dtype)              # b s e
       pos = jnp.cumsum(onehot, axis=1) * onehot - 1.0                      # slot per expert
       keep = (pos < cap) & (pos >= 0)
-      dispatch = jax.nn.one_hot(jnp.where(keep, pos, -1), cap, dtype=y.dtype)   # b s e c
+      dispatch = jax.nn.one_hot(jnp.where(keep, pos, -1).astype(jnp.int32), cap,
+                                dtype=y.dtype)                             # b s e c
       combine = dispatch * jnp.sum(gates * onehot, -1)[..., None, None]
       # "dispatch"/"combine": where expert parallelism by hand routes the tokens (expert_recipe)
       xin = use(pre + "dispatch", jnp.einsum("bsec,bsd->ebcd", dispatch, y))

@@ -35,7 +35,8 @@ def _moe_layer(p, x, *, cap, hook):
   gates = jax.nn.softmax(jnp.einsum("bsd,de->bse", x, p["router"]), -1)
   onehot = jax.nn.one_hot(jnp.argmax(gates, -1), experts, dtype=x.dtype)
   pos = jnp.cumsum(onehot, axis=1) * onehot - 1.0
-  dispatch = jax.nn.one_hot(jnp.where((pos < cap) & (pos >= 0), pos, -1), cap, dtype=x.dtype)
+  dispatch = jax.nn.one_hot(jnp.where((pos < cap) & (pos >= 0), pos, -1).astype(jnp.int32), cap,
+                            dtype=x.dtype)
   combine = dispatch * jnp.sum(gates * onehot, -1)[..., None, None]
   xin = hook("dispatch", jnp.einsum("bsec,bsd->ebcd", dispatch, x))
   hid = jax.nn.gelu(jnp.einsum("ebcd,edf->ebcf", xin, p["e_in"]))

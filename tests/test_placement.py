@@ -635,3 +635,18 @@ def test_auto_on_jax_make_mesh_places_so_unchanged_steps_type_check():
       jax.jit(loss)(untyped, xs)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)   # adam: ~lr
+
+
+@pytest.mark.parametrize("spec", [P("data"), P(None, "model")])
+def test_tensor_placed_on_its_own_mesh_inside_another_context_mesh(spec):
+  # a placement that names mesh A, made while jax.set_mesh(B) is active (a user's habit: one
+  # mesh for the model, another context): the array is on A with jax.random's values (JAX alone
+  # refuses the program over A inside B's context)
+  a = jax.make_mesh((2, 4), ("data", "model"))
+  b = jax.make_mesh((8,), ("x",))
+  key = jax.random.key(3)
+  with jax.set_mesh(b):
+    t = tensor((64, 32), jnp.float32, placement=Placement(spec, mesh=a), init="normal",
+               key=key)
+  assert t.sharding.mesh == a and t.sharding.spec == spec
+  np.testing.assert_array_equal(np.asarray(t), np.asarray(jax.random.normal(key, (64, 32))))

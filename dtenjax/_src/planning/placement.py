@@ -866,6 +866,17 @@ def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None 
     init_fn = init
   sharding = placement.sharding(shape, dtype)
   key = jax.random.key(0) if key is None else key   # zeros / ones ignore it
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty and context != sharding.mesh.abstract_mesh:
+    # the placement names its own mesh and jax.set_mesh another: make the array on the
+    # placement's (JAX refuses a program over one mesh inside the other's context)
+    with jax.set_mesh(sharding.mesh):
+      return _create(init, init_fn, key, shape, dtype, sharding)
+  return _create(init, init_fn, key, shape, dtype, sharding)
+
+
+def _create(init, init_fn, key, shape, dtype, sharding: NamedSharding) -> jax.Array:
+  """:func:`tensor`'s array, made in ``sharding``'s layout."""
   chunked = _chunked_init(init, key, shape, dtype, sharding)
   if chunked is not None:
     return chunked

@@ -90,6 +90,26 @@ def test_two_threads_saving_one_path_50_times_never_lose_a_commit(tmp_path):
   assert _leftovers(tmp_path) == []
 
 
+def test_a_read_that_an_overwrite_mixed_up_is_read_again(tmp_path, monkeypatch):
+  # the fifty-saves test above once saw a restore fail "as asked" (no _sharding entry: read
+  # between an overwrite's two renames); whatever a read that raced a commit concludes, the
+  # restore reads the new checkpoint again
+  from dtenjax._src.checkpoint import restore as restore_mod
+  path = tmp_path / "c"
+  ckpt.save(path, _tree(1))
+  real, calls = restore_mod._restore_once, []
+
+  def racing(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 1:
+      ckpt.save(path, _tree(2), overwrite=True)     # the commit lands during this read
+      raise dtenjax.ConfigurationError("cannot restore as asked: a leaf without its sharding")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(restore_mod, "_restore_once", racing)
+  assert int(ckpt.restore(path)["step"]) == 2 and len(calls) == 2
+
+
 def test_without_overwrite_the_second_of_two_saves_is_refused_clearly(tmp_path):
   path = tmp_path / "c"
   results = []

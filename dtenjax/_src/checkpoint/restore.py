@@ -277,9 +277,11 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
     before = st.identity(path)
     try:
       out = _restore_once(path, st, target, shardings, verify, threads, report, t0)
-    except errors.CheckpointError:
+    except (errors.CheckpointError, errors.ConfigurationError):
+      # an overwrite committed while we read (what we read may mix the two checkpoints, e.g. no
+      # _sharding seen between the commit's renames): read the new checkpoint
       if attempt < REREADS and st.identity(path) != before:
-        continue          # an overwrite committed while we read: read the new checkpoint
+        continue
       raise
     if st.identity(path) == before:
       return out

@@ -85,6 +85,12 @@ class Pricer:
       self.cache[key] = t + self.step_latency
     return self.cache[key]
 
+  def share(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
+    """One leaf's share of a collective XLA combines with the other leaves' (the gradients'
+    all-reduces after the backward): its time less one latency, which the problem adds once
+    (solver.make_problem)."""
+    return self(kind, nbytes, axes, dtype) - self(kind, 1, axes, dtype)
+
 
 def axis_key(axes: Sequence[str]) -> str:
   return "+".join(a for a in AXES if a in axes)
@@ -149,28 +155,21 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # a weight shared across layers: each use's gradient reduced on its own (not a tied
       # embedding's lookup part, which XLA scatters into the sharded table)
       uses = use.grad_parts if use is not None else 1
-      if rs == "all_reduce":
-        # XLA:CPU combines these all-reduces with the others after the backward (5 in all for
-        # a scanned decoder's FSDP step, as for DP): each leaf adds its bytes' share, and the
-        # problem one latency (make_problem)
-        acc(pr.overlappable, k, uses * (pricer(rs, grad, zero, dtype) -
-                                        pricer(rs, 1, zero, dtype)))
-      else:
-        acc(pr.overlappable, k, uses * pricer(rs, grad, zero, dtype))
+      # XLA:CPU combines these all-reduces with the others after the backward (5 in all for a
+      # scanned decoder's FSDP step, as for DP)
+      time = pricer.share if rs == "all_reduce" else pricer
+      acc(pr.overlappable, k, uses * time(rs, grad, zero, dtype))
       acc(pr.bytes, f"{rs}[{k}]", uses * grad)
       rest = [a for a in batch if a not in zero]
       if rest:
         g2 = grad / math.prod(m.size[a] for a in zero)
         k2 = axis_key(rest)
-        acc(pr.overlappable, k2, pricer("all_reduce", g2, rest, dtype) -
-               pricer("all_reduce", 1, rest, dtype))
+        acc(pr.overlappable, k2, pricer.share("all_reduce", g2, rest, dtype))
         acc(pr.bytes, f"all_reduce[{k2}]", g2)
     else:
-      # XLA combines the gradients' all-reduces into few large ones: each leaf adds its bytes'
-      # share, and the problem adds one latency (make_problem)
+      # XLA combines the gradients' all-reduces into few large ones
       k = axis_key(batch)
-      acc(pr.overlappable, k, parts * (pricer("all_reduce", grad, batch, dtype) -
-                                          pricer("all_reduce", 1, batch, dtype)))
+      acc(pr.overlappable, k, parts * pricer.share("all_reduce", grad, batch, dtype))
       acc(pr.bytes, f"all_reduce[{k}]", parts * grad)
   # FSDP: the parameter gathered for the forward; XLA keeps the gathered copy for the backward
   # (one all-gather per step, the copy live in between)

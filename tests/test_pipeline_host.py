@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 
 import dtenjax
+from dtenjax._src import ffi
 from dtenjax._src.net import kvstore
 from dtenjax._src.pipeline import transport
 from tests import pipeline_host_model as m
 from tests.net_helpers import requires_native
+from tests.test_verbs import fake  # noqa: F401  (the emulated RDMA device's fixture)
 
 pytestmark = requires_native
 
@@ -179,6 +181,36 @@ def test_bad_input_names_the_value_and_the_fix():
     assert "sharing one leading dimension" in outs[d][1]
   assert "ShapeDtypeStruct on the first stage" in outs[0][2]
   assert "the last stage needs targets" in outs[1][2]
+
+
+@pytest.mark.skipif(not (ffi.is_built() and ffi.build_info().get("verbs")),
+                    reason="the verbs provider is not in this build")
+def test_the_links_run_over_verbs_on_the_emulated_device(fake):  # noqa: F811 (the fixture)
+  """The links are host-transport communicators: over the RDMA verbs provider (the emulated
+  device of tests/fakeverbs/, no NIC here) a 1F1B step moves RDMA writes, breaks none of the
+  device's rules, and gives the bits of the same step over TCP."""
+  stacked, head, x, targets = m.init()
+  pipe = dtenjax.pipeline(m.body, m.loss_fn, stages=2, microbatches=m.MICRO,
+                          schedule=dtenjax.OneFOneB())
+  results = {}
+  for provider in ("tcp", "verbs"):
+    store = _store()
+    before = fake.counters()
+
+    def stage(d, provider=provider, store=store):
+      mine = jax.tree.map(lambda a: a[3 * d:3 * d + 3], stacked)
+      with dtenjax.HostPipeline(pipe, stage=d, store=store, timeout_s=60, provider=provider,
+                                name=provider) as hp:
+        assert all(link.provider == provider for link in hp.links.values())
+        return hp.value_and_grad(mine, head, x, targets)
+
+    outs, errs = _on_threads(2, stage)
+    assert errs == [None, None], errs
+    results[provider] = [np.asarray(a) for a in jax.tree.leaves(outs)]
+    moved = fake.counters()["messages_received"] - before["messages_received"]
+    assert (moved > 0) == (provider == "verbs"), (provider, moved)
+  assert fake.counters()["violations"] == fake.violations_before, fake.last_violation()
+  assert [a.tobytes() for a in results["verbs"]] == [a.tobytes() for a in results["tcp"]]
 
 
 def test_the_choice_lists_both_paths_and_why():

@@ -39,6 +39,7 @@ from jax import lax
 
 from dtenjax._src import errors
 from dtenjax._src.net import pair
+from dtenjax._src.pipeline import run
 from dtenjax._src.pipeline import schedule as sched
 from dtenjax._src.pipeline import transport
 
@@ -83,12 +84,14 @@ class HostPipeline:
   on the first, ``None`` elsewhere. :meth:`loss` runs the forwards only. The links belong to
   the thread that made them: call from that thread. ``stage`` defaults to
   ``jax.process_index()`` (then the job needs one process per stage); ``timeout_s`` bounds every
-  wait (default ``DTENJAX_COLLECTIVE_TIMEOUT``); ``name`` tells apart pipelines of one job.
+  wait (default ``DTENJAX_COLLECTIVE_TIMEOUT``); ``name`` tells apart pipelines of one job;
+  ``provider`` forces ``"tcp"`` or ``"verbs"`` (default: the provider table's choice,
+  ``DTENJAX_TRANSPORT``); ``store`` is the coordination store the endpoints travel through
+  (default: jax.distributed's). ``transport`` is the choice made, with the paths not taken.
   """
 
   def __init__(self, pipe, *, stage: int | None = None, timeout_s: float | None = None,
                name: str = "pipeline", store=None, provider: str | None = None):
-    from dtenjax._src.pipeline import run  # pylint: disable=g-import-not-at-top
     if not isinstance(pipe, run.Pipeline):
       raise errors.ConfigurationError(
           f"HostPipeline(pipe={pipe!r}): pass the value dtenjax.pipeline(body, loss_fn, "

@@ -8,7 +8,8 @@ one run:
 * ``xla``: the SPMD pipeline (``dtenjax.pipeline`` inside ``jax.shard_map`` over a ``stage`` mesh
   axis spanning the processes): one program per process in lockstep, activations and cotangents
   by XLA's collective-permute over gloo (jax.distributed, ``jax_cpu_collectives_implementation``
-  ``gloo``) -- what a user writes without dtenjax's transport;
+  ``gloo``), or over NCCL with ``--backend gpu`` (GPU r for process r) -- what a user writes
+  without dtenjax's transport;
 * ``host``: ``dtenjax.HostPipeline``: each stage its own jitted programs and tick loop,
   messages over the host transport (TCP on loopback here; authenticated and MAC'd).
 
@@ -18,6 +19,7 @@ have the same bits. On a loaded 2-core machine with more busy processes than cor
 noisy; the JSON records the load.
 
   python bench/pipeline_host.py --procs 2 --json pipeline_host.json
+  python bench/pipeline_host.py --procs 2 --backend gpu --json pipeline_host_gpu.json
 """
 
 from __future__ import annotations
@@ -88,7 +90,9 @@ def _measure(args) -> list[dict]:
     for path, times in samples.items():
       rows.append({"schedule": name, "path": path, "stages": procs,
                    "microbatches": args.microbatches, "time_ms": _harness.median(times) * 1e3,
-                   "same_loss_bits": same, "transport": "gloo" if path == "xla" else provider})
+                   "same_loss_bits": same,
+                   "transport": (("gloo" if args.backend == "cpu" else "nccl") if path == "xla"
+                                 else provider)})
   return rows
 
 
@@ -111,10 +115,10 @@ def _launch(args, argv) -> list[dict]:
     procs = []
     for r in range(args.procs):
       env = dict(os.environ, DTENJAX_BENCH_RANK=str(r), DTENJAX_BENCH_OUT=out,
-                 DTENJAX_BENCH_COORDINATOR=f"127.0.0.1:{port}", JAX_PLATFORMS="cpu",
-                 XLA_FLAGS="--xla_force_host_platform_device_count=1",
-                 DTENJAX_BIND_ADDRESS="127.0.0.1",
+                 DTENJAX_BENCH_COORDINATOR=f"127.0.0.1:{port}", DTENJAX_BIND_ADDRESS="127.0.0.1",
                  PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+      if args.backend == "cpu":
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
       procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
                                      *argv], env=env))
     deadline = time.monotonic() + args.timeout
@@ -136,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   p = argparse.ArgumentParser(prog="dtenjax bench pipeline_host", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--procs", type=int, default=2, help="processes = stages (one CPU device each)")
+  p.add_argument("--procs", type=int, default=2, help="processes = stages (one device each)")
+  p.add_argument("--backend", default="cpu", choices=["cpu", "gpu"],
+                 help="cpu: one CPU device per process, XLA's path over gloo; gpu: GPU r for "
+                 "process r, XLA's path over NCCL")
   p.add_argument("--schedules", default=",".join(SCHEDULES),
                  type=lambda s: [v for v in s.split(",") if v], help="comma list of gpipe,1f1b")
   p.add_argument("--microbatches", type=_harness.positive_int, default=8)
@@ -159,10 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     p.error(f"--layers {args.layers} does not split into {args.procs} stages")
   if args.worker:
     import jax
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    rank = int(os.environ["DTENJAX_BENCH_RANK"])
+    if args.backend == "cpu":
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(os.environ["DTENJAX_BENCH_COORDINATOR"],
-                               num_processes=args.procs,
-                               process_id=int(os.environ["DTENJAX_BENCH_RANK"]),
+                               num_processes=args.procs, process_id=rank,
+                               local_device_ids=[rank] if args.backend == "gpu" else None,
                                initialization_timeout=120)
     rows = _measure(args)
     with open(os.path.join(os.environ["DTENJAX_BENCH_OUT"],
@@ -170,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
       json.dump(rows, f)
     return 0
   rows = _launch(args, argv)
-  params = {k: getattr(args, k) for k in ("procs", "schedules", "microbatches", "rows", "layers",
+  params = {k: getattr(args, k) for k in ("procs", "backend", "schedules", "microbatches", "rows", "layers",
                                           "d", "iters", "warmup")}
   if args.json:
     _harness.write_json(args.json, _harness.document(
@@ -182,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                               ("transport", "transport", "s"), ("step (ms)", "time_ms", ".2f"),
                               ("xla/host", "ratio", "ratio"),
                               ("same loss bits", "same_loss_bits", "")),
-                       title=f"pipelined step, {args.procs} stages in {args.procs} processes, "
+                       title=f"pipelined step, {args.procs} stages in {args.procs} processes "
+                       f"({args.backend}), "
                        f"{args.microbatches} micro-batches of {args.rows} sequences"))
   return 0
 

@@ -21,6 +21,7 @@ import pytest
 import dtenjax
 from dtenjax._src import ffi
 from dtenjax._src.net import kvstore
+from dtenjax._src.net import pair
 from dtenjax._src.pipeline import transport
 from tests import pipeline_host_model as m
 from tests.net_helpers import requires_native
@@ -211,6 +212,42 @@ def test_the_links_run_over_verbs_on_the_emulated_device(fake):  # noqa: F811 (t
     assert (moved > 0) == (provider == "verbs"), (provider, moved)
   assert fake.counters()["violations"] == fake.violations_before, fake.last_violation()
   assert [a.tobytes() for a in results["verbs"]] == [a.tobytes() for a in results["tcp"]]
+
+
+def test_pair_links_carry_exact_bytes_both_ways_and_refuse_mismatches():
+  """The exchange under the pipeline: each side's messages arrive with their exact bytes (a
+  float sum would turn -0.0 into +0.0 and may quiet a NaN's payload; odd byte counts are padded),
+  in slot order; a side that sends another layout fails on both sides, naming the link."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  special = np.array([-0.0, np.nan, np.inf, 1e-45, -3.5], np.float32)
+  special.view(np.uint32)[1] = 0x7fa00001                       # a NaN with a payload
+  odd = np.arange(3, dtype=ml_dtypes.bfloat16)                  # 6 bytes: padded to 8
+  slots = [pair.Slot(0, (5,), np.float32), pair.Slot(1, (3,), odd.dtype),
+           pair.Slot(0, (), np.int64)]
+  store = _store()
+
+  def side(s):
+    link = pair.connect("unit", s, 1 - s, store=store, timeout_s=20, context="unit test")
+    try:
+      mine = [special, np.int64(-7)] if s == 0 else [odd]
+      got = link.exchange(slots, mine, tag=5, what="the unit test's exchange")
+      with pytest.raises(dtenjax.CollectiveError, match="messages passed for the"):
+        link.exchange(slots, [], tag=6)                          # refused before sending
+      wrong = [pair.Slot(0, (6,), np.float32)] if s == 0 else [pair.Slot(1, (2,), np.float32)]
+      with pytest.raises(dtenjax.DtenjaxError) as e:
+        link.exchange(wrong, [np.zeros(6 if s == 0 else 2, np.float32)], tag=7)
+      return got, str(e.value)
+    finally:
+      link.close()
+
+  outs, errs = _on_threads(2, side)
+  assert errs == [None, None], errs
+  (got0, err0), (got1, err1) = outs
+  assert [a.tobytes() for a in got1] == [special.tobytes(), np.int64(-7).tobytes()]
+  assert got1[0].dtype == np.float32 and got1[1].shape == ()
+  assert [a.tobytes() for a in got0] == [odd.tobytes()] and got0[0].dtype == odd.dtype
+  for text in (err0, err1):
+    assert "unit 0-1" in text and "at tag 7" in text and "collective mismatch" in text, text
 
 
 def test_the_choice_lists_both_paths_and_why():

@@ -55,6 +55,7 @@ if TYPE_CHECKING:   # the same names as _EXPORTS (tests/test_api.py keeps the tw
   from dtenjax._src.collectives.passes.memory import MemoryPlan as MemoryPlan
   from dtenjax._src.collectives.passes.memory import memory_plan as memory_plan
   from dtenjax._src.collectives.passes.substitute import substitute_psum as substitute_psum
+  from dtenjax._src.pipeline.host import HostPipeline as HostPipeline
   from dtenjax._src.pipeline.run import Pipeline as Pipeline
   from dtenjax._src.pipeline.run import pipeline as pipeline
   from dtenjax._src.pipeline.run import pipeline_cost as pipeline_cost
@@ -125,6 +126,7 @@ _EXPORTS = {
     "MemoryPlan": "dtenjax._src.collectives.passes.memory:MemoryPlan",
     "memory_plan": "dtenjax._src.collectives.passes.memory:memory_plan",
     "substitute_psum": "dtenjax._src.collectives.passes.substitute:substitute_psum",
+    "HostPipeline": "dtenjax._src.pipeline.host:HostPipeline",
     "Pipeline": "dtenjax._src.pipeline.run:Pipeline",
     "pipeline": "dtenjax._src.pipeline.run:pipeline",
     "pipeline_cost": "dtenjax._src.pipeline.run:pipeline_cost",
@@ -168,6 +170,7 @@ __all__ = [
     "ExtensionUnavailableError",
     "GPipe",
     "GraphScheduler",
+    "HostPipeline",
     "Interleaved",
     "LinkSpec",
     "MemoryPlan",

@@ -29,7 +29,7 @@ PUBLIC = {
     "elastic", "ProcessLostError",
     # pipeline parallelism
     "pipeline", "Pipeline", "Schedule", "GPipe", "OneFOneB", "Interleaved", "pipeline_cost",
-    "PipelineCost", "pipeline_transport", "PipelineTransport", "PipelinePlan",
+    "PipelineCost", "pipeline_transport", "PipelineTransport", "PipelinePlan", "HostPipeline",
 }
 
 

@@ -190,7 +190,11 @@ class Pipeline:
     mesh = jaxapi.concrete_mesh()
     if mesh is not None and self.axis in mesh.axis_names:
       choice = transport.choose(mesh, self.axis)
-      if choice.path == "none":
+      if choice.path == "host":
+        problems.append(f"{choice.reason}. The host path runs each stage as programs of its own, "
+                        "not inside jax.shard_map: call dtenjax.HostPipeline(pipe) in each "
+                        "process (one device per stage) instead")
+      elif choice.path == "none":
         problems.append(choice.reason)
     if problems:
       raise errors.ConfigurationError("pipeline: " + "; ".join(problems))

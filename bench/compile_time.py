@@ -102,8 +102,51 @@ def _collectives(hlo: str) -> int:
              if not re.search(r"replica_groups=\{\{\d+\}(,\{\d+\})*\}", line))
 
 
+# XLA's trace events (jax.profiler) of one compile: every XLA pass and the CPU backend, which
+# emits and compiles the kernels (an LLVM module each)
+_XLA, _BACKEND = "PjRtCpuClient::Compile", "CpuCompiler::RunBackend"
+
+
+def phases(lowered) -> dict[str, float] | None:
+  """Milliseconds of ``lowered.compile()`` (a fresh lowering: JAX keeps the executable of one it
+  has compiled) by phase, from XLA's own trace events
+  (``jax.profiler``): ``backend_ms`` (XLA:CPU's backend: the kernels, from their emission to
+  the LLVM object code), ``passes_ms`` (XLA's HLO passes: sharding, simplification, fusion,
+  layout...) and ``other_ms`` (the rest of the compile call: StableHLO to HLO, JAX's side).
+  None where the trace has no such events (another backend, another XLA)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+  path = tempfile.mkdtemp(prefix="compile_time_trace_")
+  try:
+    jax.profiler.start_trace(path)
+    t0 = time.perf_counter()
+    lowered.compile()
+    wall = time.perf_counter() - t0
+    jax.profiler.stop_trace()
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+                   if f.endswith(".xplane.pb"))
+    if not files:
+      return None
+    spans = {_XLA: 0.0, _BACKEND: 0.0}
+    for plane in jax.profiler.ProfileData.from_file(files[-1]).planes:
+      for line in plane.lines:
+        for ev in line.events:
+          if ev.name in spans:
+            spans[ev.name] += ev.duration_ns / 1e6
+  except Exception:  # pylint: disable=broad-except   (a profiler missing here: no breakdown)
+    return None
+  finally:
+    shutil.rmtree(path, ignore_errors=True)
+  if not spans[_XLA]:
+    return None
+  return dict(backend_ms=spans[_BACKEND], passes_ms=spans[_XLA] - spans[_BACKEND],
+              other_ms=wall * 1e3 - spans[_XLA])
+
+
 def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
-            run_iters: int = 5, warmup: int = 1):
+            run_iters: int = 5, warmup: int = 1, with_phases: bool = False):
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
@@ -153,6 +196,9 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
                         _collectives(hlo))
         outs[label] = jax.tree.leaves(compiled(tree))
         programs[label] = compiled
+  # where one more compile of each goes, by XLA's trace events (not counted above)
+  split = ({label: phases(build(kwargs).lower(tree)) for label, kwargs in candidates}
+           if with_phases else {})
   # run time of each compiled program, interleaved: the compile-time changes must not cost it
   runs = _harness.interleaved(programs, (tree,), warmup=1, iters=run_iters) if run_iters else {}
   rows = []
@@ -166,7 +212,7 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
                      time_us=(lower + comp) * 1e6, total_ms=(lower + comp) * 1e3,
                      first_ms=first[label] * 1e3,
                      stablehlo_ops=stablehlo, hlo_ops=hlo, kernels=kernels, collectives=colls,
-                     run_us=run))
+                     run_us=run, **(split.get(label) or {})))
   _harness.add_ratios(rows, "lax.psum", candidate="candidate", group=("leaves",),
                       ratio_key="speedup")
   base = next(row for row in rows if row["candidate"] == "lax.psum")
@@ -194,6 +240,10 @@ def main(argv=None) -> int:
                        "column; 0 skips it")
   ap.add_argument("--candidates", default=",".join(DEFAULT),
                   help="comma-separated labels of " + ", ".join(l for l, _ in CANDIDATES))
+  ap.add_argument("--phases", action="store_true",
+                  help="compile each candidate once more under jax.profiler and split that "
+                       "compile by XLA's trace events: its HLO passes, its CPU backend (the "
+                       "kernels) and the rest")
   ap.add_argument("--json", default=None, help="write the rows to this path")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
@@ -210,7 +260,7 @@ def main(argv=None) -> int:
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")
   load_before = os.getloadavg()
   rows, outs = measure([(l, known[l]) for l in labels], args.blocks, args.d, args.repeats,
-                       args.step, max(0, args.run_iters), max(0, args.warmup))
+                       args.step, max(0, args.run_iters), max(0, args.warmup), args.phases)
   want = outs["lax.psum"]
   for row in rows:   # every candidate computes the same sums (the data is exact in float32)
     row["agrees"] = all(np.array_equal(np.asarray(a), np.asarray(b))
@@ -235,6 +285,15 @@ def main(argv=None) -> int:
                        ) + "\n" + _harness.table(rows, (("candidate", "candidate", "s"),
                                                         ("x psum", "x_psum", ".2f"),
                                                         ("run x psum", "run_x_psum", ".2f"))))
+  if all("backend_ms" in row for row in rows):
+    print("one more compile of each, split by XLA's trace events (jax.profiler): the HLO passes, "
+          "the CPU backend (emitting and compiling the kernels) and the rest (StableHLO to HLO)")
+    print(_harness.table(rows, (("candidate", "candidate", "s"),
+                                ("hlo passes(ms)", "passes_ms", ".1f"),
+                                ("backend(ms)", "backend_ms", ".1f"),
+                                ("other(ms)", "other_ms", ".1f"), ("kernels", "kernels", "d"))))
+  elif args.phases:
+    print("--phases: this jax/XLA gave no PjRtCpuClient::Compile trace events; no breakdown")
   return 0
 
 

@@ -63,3 +63,21 @@ def test_a_bucket_compiles_three_kernels_more_than_psum_with_per_leaf_work(mesh,
   out = compiled(tree)
   for k, v in tree.items():                         # exact in float32: any order gives these
     np.testing.assert_array_equal(out[k][0], np.asarray(v).sum(0))
+
+
+@pytest.mark.parametrize("kwargs", ({"algorithm": "ring"},
+                                    {"reproducible": True, "algorithm": "two_shot"}),
+                         ids=("ring", "reproducible_two_shot"))
+def test_the_leaner_buckets_differentiate_as_lax_psum(mesh, kwargs):
+  """Ring's chunks read in place and the owner sum reading what the all-to-all received: the
+  gradient through the bucket under plain jax.shard_map (check_vma=True) is lax.psum's."""
+  tree = {k: v * (1 + 0.25 * i) for i, (k, v) in enumerate(_tree(1).items())}
+
+  def grad(reduce):
+    step = jax.shard_map(lambda t: reduce(t), mesh=mesh, in_specs=(P(AX),), out_specs=P())
+    return jax.jit(jax.grad(lambda t: sum(jnp.sum(jnp.sin(y)) for y in
+                                          jax.tree.leaves(step(t)))))(tree)
+  ours = grad(lambda t: dtenjax.all_reduce(t, AX, **kwargs))
+  theirs = grad(lambda t: jax.lax.psum(t, AX))
+  for k in tree:
+    np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-6, atol=1e-6)

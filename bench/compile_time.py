@@ -9,9 +9,14 @@ the trace-and-lower time, XLA's compile time, their sum (``total``), the size of
 (StableHLO operations of the lowering, HLO instructions after XLA's optimisation, the distinct
 kernels XLA compiles -- XLA:CPU builds an LLVM module for each) and the collectives in it;
 ``x psum`` = total / lax.psum's total (lower is better). Each candidate is compiled
-``--repeats`` times, interleaved, median reported. ``run(us)``: the median of ``--run-iters``
-interleaved calls of each compiled program (``run x psum``: against lax.psum's), so that a
-change that compiles faster is seen not to run slower.
+``--repeats`` times, interleaved, median reported, after ``--warmup`` rounds of every candidate
+that are not counted: a process's first compile of a program also pays one-time costs (JAX's
+own first lowering of shard_map and of the jnp functions it calls, dtenjax's modules imported on
+first use) that a training step's compile shares with everything compiled before it; the first
+round's total is reported apart (``first(ms)``, in the order the candidates run, so only
+indicative). ``run(us)``: the median of ``--run-iters`` interleaved calls of each compiled
+program (``run x psum``: against lax.psum's), so that a change that compiles faster is seen not
+to run slower.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/compile_time.py \
       --json compile_time.json
@@ -20,6 +25,7 @@ change that compiles faster is seen not to run slower.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -96,8 +102,51 @@ def _collectives(hlo: str) -> int:
              if not re.search(r"replica_groups=\{\{\d+\}(,\{\d+\})*\}", line))
 
 
+# XLA's trace events (jax.profiler) of one compile: every XLA pass and the CPU backend, which
+# emits and compiles the kernels (an LLVM module each)
+_XLA, _BACKEND = "PjRtCpuClient::Compile", "CpuCompiler::RunBackend"
+
+
+def phases(lowered) -> dict[str, float] | None:
+  """Milliseconds of ``lowered.compile()`` (a fresh lowering: JAX keeps the executable of one it
+  has compiled) by phase, from XLA's own trace events
+  (``jax.profiler``): ``backend_ms`` (XLA:CPU's backend: the kernels, from their emission to
+  the LLVM object code), ``passes_ms`` (XLA's HLO passes: sharding, simplification, fusion,
+  layout...) and ``other_ms`` (the rest of the compile call: StableHLO to HLO, JAX's side).
+  None where the trace has no such events (another backend, another XLA)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+  path = tempfile.mkdtemp(prefix="compile_time_trace_")
+  try:
+    jax.profiler.start_trace(path)
+    t0 = time.perf_counter()
+    lowered.compile()
+    wall = time.perf_counter() - t0
+    jax.profiler.stop_trace()
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+                   if f.endswith(".xplane.pb"))
+    if not files:
+      return None
+    spans = {_XLA: 0.0, _BACKEND: 0.0}
+    for plane in jax.profiler.ProfileData.from_file(files[-1]).planes:
+      for line in plane.lines:
+        for ev in line.events:
+          if ev.name in spans:
+            spans[ev.name] += ev.duration_ns / 1e6
+  except Exception:  # pylint: disable=broad-except   (a profiler missing here: no breakdown)
+    return None
+  finally:
+    shutil.rmtree(path, ignore_errors=True)
+  if not spans[_XLA]:
+    return None
+  return dict(backend_ms=spans[_BACKEND], passes_ms=spans[_XLA] - spans[_BACKEND],
+              other_ms=wall * 1e3 - spans[_XLA])
+
+
 def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
-            run_iters: int = 5):
+            run_iters: int = 5, warmup: int = 1, with_phases: bool = False):
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
@@ -110,11 +159,13 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
   leaves = len(jax.tree.leaves(tree))
   nbytes = sum(v.nbytes for v in jax.tree.leaves(tree)) // world
 
+  all_reduce = dtenjax.all_reduce      # imported here (dtenjax loads it on first use), not timed
+
   def build(kwargs):
     if kwargs is None:
       reduce = lambda t: jax.lax.psum(t, "data")
     else:
-      reduce = lambda t: dtenjax.all_reduce(t, "data", **kwargs)
+      reduce = lambda t: all_reduce(t, "data", **kwargs)
     if step:     # the reduced gradients consumed by an SGD update, as in a training step
       body = lambda t: jax.tree.map(lambda g, p: p[0] - 1e-3 * g, reduce(t), t)
     else:
@@ -124,23 +175,30 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
                                  out_specs=P(), check_vma=not step))
 
   samples = {label: [] for label, _ in candidates}
+  first = {}
   sizes, outs, programs = {}, {}, {}
-  for r in range(repeats):
-    for label, kwargs in _harness.progress(candidates, f"compile_time, repeat {r + 1} of {repeats}",
-                                           lambda c: c[0]):
+  for r in range(warmup + repeats):
+    what = (f"compile_time, warm-up {r + 1} of {warmup}" if r < warmup
+            else f"compile_time, repeat {r - warmup + 1} of {repeats}")
+    for label, kwargs in _harness.progress(candidates, what, lambda c: c[0]):
       f = build(kwargs)
       t0 = time.perf_counter()
       lowered = f.lower(tree)
       t1 = time.perf_counter()
       compiled = lowered.compile()
       t2 = time.perf_counter()
-      samples[label].append((t1 - t0, t2 - t1))
+      first.setdefault(label, t2 - t0)
+      if r >= warmup:
+        samples[label].append((t1 - t0, t2 - t1))
       if label not in sizes:
         hlo = compiled.as_text()
         sizes[label] = (_count_ops(lowered.as_text()), _count_ops(hlo), _kernels(hlo),
                         _collectives(hlo))
         outs[label] = jax.tree.leaves(compiled(tree))
         programs[label] = compiled
+  # where one more compile of each goes, by XLA's trace events (not counted above)
+  split = ({label: phases(build(kwargs).lower(tree)) for label, kwargs in candidates}
+           if with_phases else {})
   # run time of each compiled program, interleaved: the compile-time changes must not cost it
   runs = _harness.interleaved(programs, (tree,), warmup=1, iters=run_iters) if run_iters else {}
   rows = []
@@ -152,8 +210,9 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
     rows.append(dict(candidate=label, leaves=leaves, bytes=nbytes, world=world,
                      lower_ms=lower * 1e3, compile_ms=comp * 1e3,
                      time_us=(lower + comp) * 1e6, total_ms=(lower + comp) * 1e3,
+                     first_ms=first[label] * 1e3,
                      stablehlo_ops=stablehlo, hlo_ops=hlo, kernels=kernels, collectives=colls,
-                     run_us=run))
+                     run_us=run, **(split.get(label) or {})))
   _harness.add_ratios(rows, "lax.psum", candidate="candidate", group=("leaves",),
                       ratio_key="speedup")
   base = next(row for row in rows if row["candidate"] == "lax.psum")
@@ -170,6 +229,9 @@ def main(argv=None) -> int:
                   help="blocks of 6 parameters (default 10: a 60-leaf tree)")
   ap.add_argument("--d", type=_harness.positive_int, default=64, help="model width")
   ap.add_argument("--repeats", type=_harness.positive_int, default=3)
+  ap.add_argument("--warmup", type=int, default=1,
+                  help="untimed rounds of every candidate before the timed ones (default 1; "
+                       "the first round's totals are printed as first(ms) either way)")
   ap.add_argument("--step", action="store_true",
                   help="follow the all-reduce with an SGD update of each leaf (a training step's "
                        "use of the gradients) instead of returning the reduced leaves")
@@ -178,6 +240,10 @@ def main(argv=None) -> int:
                        "column; 0 skips it")
   ap.add_argument("--candidates", default=",".join(DEFAULT),
                   help="comma-separated labels of " + ", ".join(l for l, _ in CANDIDATES))
+  ap.add_argument("--phases", action="store_true",
+                  help="compile each candidate once more under jax.profiler and split that "
+                       "compile by XLA's trace events: its HLO passes, its CPU backend (the "
+                       "kernels) and the rest")
   ap.add_argument("--json", default=None, help="write the rows to this path")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
@@ -192,8 +258,9 @@ def main(argv=None) -> int:
   world = jax.device_count()
   _harness.require_world("bench/compile_time.py", world, 2,
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")
+  load_before = os.getloadavg()
   rows, outs = measure([(l, known[l]) for l in labels], args.blocks, args.d, args.repeats,
-                       args.step, max(0, args.run_iters))
+                       args.step, max(0, args.run_iters), max(0, args.warmup), args.phases)
   want = outs["lax.psum"]
   for row in rows:   # every candidate computes the same sums (the data is exact in float32)
     row["agrees"] = all(np.array_equal(np.asarray(a), np.asarray(b))
@@ -205,16 +272,28 @@ def main(argv=None) -> int:
   what = "all-reduce + SGD update" if args.step else "all-reduce"
   print(f"jit(shard_map({what})) of {rows[0]['leaves']} leaves ({rows[0]['bytes']} B per "
         f"device) over {world} {jax.default_backend()} devices, median of {args.repeats} fresh "
-        "compiles; x psum = (lower + compile) / lax.psum's (lower is better; target <= 2)")
+        f"compiles after {max(0, args.warmup)} untimed round(s); x psum = (lower + compile) / "
+        "lax.psum's (lower is better; target <= 2); load average "
+        f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after (the times are the "
+        "machine's: compare the ratios)")
   print(_harness.table(rows, (("candidate", "candidate", "s"), ("lower(ms)", "lower_ms", ".1f"),
                               ("compile(ms)", "compile_ms", ".1f"),
-                              ("total(ms)", "total_ms", ".1f"),
+                              ("total(ms)", "total_ms", ".1f"), ("first(ms)", "first_ms", ".1f"),
                               ("stablehlo ops", "stablehlo_ops", "d"), ("hlo ops", "hlo_ops", "d"),
                               ("kernels", "kernels", "d"), ("collectives", "collectives", "d"),
                               ("run(us)", "run_us", ".0f"), ("agrees", "agrees", "")),
                        ) + "\n" + _harness.table(rows, (("candidate", "candidate", "s"),
                                                         ("x psum", "x_psum", ".2f"),
                                                         ("run x psum", "run_x_psum", ".2f"))))
+  if all("backend_ms" in row for row in rows):
+    print("one more compile of each, split by XLA's trace events (jax.profiler): the HLO passes, "
+          "the CPU backend (emitting and compiling the kernels) and the rest (StableHLO to HLO)")
+    print(_harness.table(rows, (("candidate", "candidate", "s"),
+                                ("hlo passes(ms)", "passes_ms", ".1f"),
+                                ("backend(ms)", "backend_ms", ".1f"),
+                                ("other(ms)", "other_ms", ".1f"), ("kernels", "kernels", "d"))))
+  elif args.phases:
+    print("--phases: this jax/XLA gave no PjRtCpuClient::Compile trace events; no breakdown")
   return 0
 
 

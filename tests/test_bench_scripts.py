@@ -228,14 +228,17 @@ def test_eager_bench_writes_psum_ratios_for_every_mode(tmp_path):
 
 def test_compile_time_bench_reports_program_sizes_and_psum_ratios(tmp_path):
   out = tmp_path / "ct.json"
-  r = _run("compile_time", "--blocks", "2", "--d", "8", "--repeats", "1", "--candidates",
-           "auto,reproducible", "--json", str(out),
+  r = _run("compile_time", "--blocks", "2", "--d", "8", "--repeats", "1", "--warmup", "0",
+           "--phases", "--candidates", "auto,reproducible", "--json", str(out),
            env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
   assert r.returncode == 0, r.stderr[-3000:]
   rows = {row["candidate"]: row for row in _doc(out, "compile_time")["rows"]}
   assert set(rows) == {"lax.psum", "auto", "reproducible"}        # psum: the anchor, always
   assert all(row["leaves"] == 12 and row["agrees"] for row in rows.values())
   assert rows["lax.psum"]["x_psum"] == 1 and all(row["x_psum"] > 0 for row in rows.values())
+  assert all(row["first_ms"] > 0 for row in rows.values())    # the first round, apart
+  # --phases: one more compile each, split by XLA's trace events (jax.profiler)
+  assert all(row["backend_ms"] > 0 and row["passes_ms"] > 0 for row in rows.values())
   # auto on CPU is XLA's all-reduce: the program lax.psum compiles to, not a bucket
   assert rows["auto"]["hlo_ops"] == rows["lax.psum"]["hlo_ops"]
   assert rows["reproducible"]["stablehlo_ops"] > rows["lax.psum"]["stablehlo_ops"]

@@ -78,7 +78,16 @@ def _pow2(k):
                                       jnp.float32)
 
 
-def quantize(b, c, n: int):
+def scales(c, n: int):
+  """The three powers of two :func:`quantize` multiplies by, which depend on the codes ``c`` only:
+  computed once for all the contributions of a sum (tracing them per contribution was most of
+  the lowering time of a reproducible all-reduce)."""
+  s = precision(n) + 126 - c
+  s1 = jnp.minimum(s, 127)
+  return _pow2(s1), _pow2(s - s1), _pow2(s - 149)
+
+
+def quantize(b, c, n: int, scale=None):
   """int32 word ``q`` of finite ``x`` (float32 bits ``b``) against the common code ``c``:
   ``x / U = x * 2**s`` with ``s = P + 126 - c``, rounded to an integer. Meaningless where
   ``c == 255`` (the caller overrides those).
@@ -89,17 +98,16 @@ def quantize(b, c, n: int):
   below 1/2); a subnormal ``x = +-m * 2**-149`` is the exact integer ``+-m`` times
   ``2**(s - 149)``, a normal power of two whenever the word can be nonzero. Round to odd reads
   whether anything was cut from the product, and a nonzero ``x`` whose product vanished from the
-  bits.
+  bits. ``scale``: :func:`scales` of ``c``, if the caller has them.
   """
-  s = precision(n) + 126 - c
-  s1 = jnp.minimum(s, 127)
+  p1, p2, p3 = scales(c, n) if scale is None else scale
   x = jax.lax.bitcast_convert_type(b, jnp.float32)
-  normal = (x * _pow2(s1)) * _pow2(s - s1)
+  normal = (x * p1) * p2
   m = b & 0x7FFFFF
-  sub = jnp.where(b < 0, -m, m).astype(jnp.float32) * _pow2(s - 149)
-  y = jnp.where((b & 0x7F800000) == 0, sub, normal)
-  if n != 2:
-    return jnp.round(y).astype(_I32)                # nearest, ties to even
+  sub = jax.lax.select(b < 0, -m, m).astype(jnp.float32) * p3
+  y = jax.lax.select((b & 0x7F800000) == 0, sub, normal)
+  if n != 2:                                        # nearest, ties to even
+    return jax.lax.round(y, jax.lax.RoundingMethod.TO_NEAREST_EVEN).astype(_I32)
   a = jnp.abs(y)                                    # round to odd: truncate, then set the
   t = a.astype(_I32)                                # lowest bit if anything was cut
   cut = (t.astype(jnp.float32) != a) | ((a == 0) & ((b & 0x7FFFFFFF) != 0))
@@ -117,10 +125,10 @@ def _special_word(b):
 def encode(stack, c, n: int):
   """int32 sum of the words of ``stack``'s contributions (axis 0) against the reduced codes
   ``c``, for ``n`` contributions in all (what the collectives add up)."""
-  total = None
+  total, scale = None, scales(c, n)
   for i in range(stack.shape[0]):
     b = bits(stack[i])
-    w = jnp.where(c == 255, _special_word(b), quantize(b, c, n))
+    w = jnp.where(c == 255, _special_word(b), quantize(b, c, n, scale))
     total = w if total is None else total + w
   return total
 
@@ -189,25 +197,30 @@ def stack_codes(stack):
 
 
 def local_sum(stack, op: str = "sum", dtype=None):
-  """Contract-v3 sum (or mean) over axis 0 of ``stack`` on one device: the same bits as the
-  collective word exchange of the same contributions. ``dtype`` defaults to ``stack``'s.
+  """Contract-v3 sum (or mean) over axis 0 of ``stack`` (an array, or a list of the
+  contributions) on one device: the same bits as the collective word exchange of the same
+  contributions. ``dtype`` defaults to ``stack``'s.
 
   Elementwise folds over the contributions (XLA:CPU reduces over a leading axis slowly): two
   integer maxima per contribution, ``hi = max(bits)`` and ``lo = max(bits ^ sign)``, see the
   positive and the negative contributions' magnitudes, so they give the largest magnitude
   (hence ``C``) and, for the special values, whether +inf (or a NaN) and -inf occur.
   """
-  n = stack.shape[0]
-  dtype = stack.dtype if dtype is None else dtype
-  b = [bits(stack[i]) for i in range(n)]
+  if isinstance(stack, (list, tuple)):   # the contributions one by one (reproducible.local_sum)
+    rows = list(stack)
+  else:
+    rows = [stack[i] for i in range(stack.shape[0])]
+  n = len(rows)
+  dtype = rows[0].dtype if dtype is None else dtype
+  b = [bits(r) for r in rows]
   hi, lo = b[0], b[0] ^ _SIGN
   for v in b[1:]:
     hi, lo = jnp.maximum(hi, v), jnp.maximum(lo, v ^ _SIGN)
   mag = jnp.maximum(hi, lo)
   c = codes(mag)
-  q = None
+  q, scale = None, scales(c, n)
   for v in b:
-    w = quantize(v, c, n)
+    w = quantize(v, c, n, scale)
     q = w if q is None else q + w
   nan = (mag > _INF) | ((hi == _INF) & (lo == _INF))
   special = jnp.where(nan, _I32(_NAN), jnp.where(hi == _INF, _I32(_INF), _I32(_INF | _SIGN)))

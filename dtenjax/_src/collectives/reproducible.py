@@ -80,11 +80,20 @@ def contract_for(contract: Contract, contributions: int) -> Contract:
 def local_sum(stack, op: str, contract: Contract, dtype=None):
   """Reproducible sum (or mean) over axis 0 of the contributions ``stack`` on one device, rounded
   to ``dtype`` (default ``stack``'s): the same bits as the word exchange of the same
-  contributions spread over devices."""
-  dtype = stack.dtype if dtype is None else dtype
-  n = stack.shape[0]
+  contributions spread over devices.
+
+  ``stack`` may be a list of the contributions (arrays of one shape) rather than one array:
+  contract v3 reads them one by one, so the outputs of a collective need not be stacked into
+  one buffer first (on XLA:CPU an all-to-all's outputs are separate buffers, and stacking them
+  is a kernel of its own)."""
+  rows = isinstance(stack, (list, tuple))
+  dtype = (stack[0] if rows else stack).dtype if dtype is None else dtype
+  n = len(stack) if rows else stack.shape[0]
   fixed_point.check_contributions(n)       # v3 hands more than 32 to contract v2
-  return ARITHMETIC[contract_for(contract, n)].local_sum(stack, op, dtype)
+  contract = contract_for(contract, n)
+  if rows and contract is not Contract.V3:
+    stack = jnp.stack(stack)
+  return ARITHMETIC[contract].local_sum(stack, op, dtype)
 
 
 def gather_all_reduce(stack, call: base.Call):

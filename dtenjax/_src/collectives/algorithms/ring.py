@@ -27,11 +27,20 @@ def reduce_chunks(chunks, axes, op: str, opaque=None):
   comb = base.combiner(op)
   r = lax.axis_index(axes)
   perm = [(i, (i + 1) % n) for i in range(n)]
-  send = base.take(chunks, (r - 1) % n)
+  c = chunks.shape[1]
+  if chunks.size < 2**31:
+    # chunk i as a slice of the flat buffer at i * c: read in place, and a step's kernel reads
+    # c values of it (indexing the [n, c] view reads through a reshape of the whole buffer,
+    # which XLA:CPU's cost model then splits over threads: measured slower on CPU)
+    flat = chunks.reshape(-1)
+    take = lambda i: lax.dynamic_slice_in_dim(flat, i * c, c, allow_negative_indices=False)
+  else:
+    take = lambda i: base.take(chunks, i)
+  send = take((r - 1) % n)
   steps = opaque(tuple(range(n - 1))) if opaque is not None else range(n - 1)
   for s in steps:
     recv = lax.ppermute(send, axes, perm)
-    send = comb(recv, base.take(chunks, (r - 2 - s) % n))
+    send = comb(recv, take((r - 2 - s) % n))
   return send
 
 

@@ -40,7 +40,10 @@ def reproducible(stack, call: base.Call):
   chunks = base.rows(jnp.pad(flat, ((0, 0), (0, n * c - size))), n, c, base.opaque_of(call))
   if n > 1:
     chunks = lax.all_to_all(chunks, call.axes, 0, 0)          # [source rank, k, c]
-  r = repro.local_sum(chunks.reshape(n * k, c), call.op, call.contract)
+  # the contributions one by one: each received chunk is read where the all-to-all left it
+  # (stacking them would be a copy, and on XLA:CPU a kernel of its own)
+  r = repro.local_sum([chunks[j, i] for j in range(n) for i in range(k)], call.op,
+                      call.contract)
   full = jaxapi.all_gather_invariant(r, call.axes, tiled=True)
   return full[:size].reshape(stack.shape[1:])
 

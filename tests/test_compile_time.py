@@ -1,0 +1,83 @@
+"""What the all-reduce of a gradient tree asks XLA to compile, against ``lax.psum``'s program for
+the same tree (issue 43 item 3; bench/compile_time.py times it).
+
+XLA:CPU compiles every distinct fused computation (and every standalone concatenate) as an LLVM
+module of its own, tens of milliseconds each, whatever its size: the kernels are where the compile
+time of a bucketed or reproducible all-reduce goes. The anchor is XLA's own count for per-leaf
+work after ``lax.psum`` (one kernel per leaf shape: XLA reuses a kernel for fusions that are the
+same computation), not a number of ours.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import dtenjax
+from tests.test_collectives import _kernels
+
+AX = "d"
+
+
+@pytest.fixture(scope="module")
+def mesh(cpu_devices):
+  return Mesh(np.array(cpu_devices), (AX,))
+
+
+def _tree(blocks: int = 2):
+  """``blocks`` blocks of 4 weights and 2 biases (3 leaf shapes), 168 values per device: a
+  multiple of 8, so no bucket is padded."""
+  out = {}
+  for b in range(blocks):
+    for w in "qkvo":
+      out[f"{b}{w}"] = jnp.full((8, 4, 4), 1.0 + b, jnp.float32)
+    out[f"{b}b1"], out[f"{b}b2"] = jnp.full((8, 4), 0.5, jnp.float32), jnp.ones((8, 16))
+  return out
+
+
+def _compiled(mesh, body, tree):
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX),), out_specs=P()))
+  return f.lower(tree).compile()
+
+
+@pytest.mark.parametrize("kwargs", ({"algorithm": "two_shot"}, {"algorithm": "ring"},
+                                    {"reproducible": True},
+                                    {"reproducible": True, "algorithm": "two_shot"}),
+                         ids=("two_shot", "ring", "reproducible", "reproducible_two_shot"))
+def test_a_bucket_compiles_three_kernels_more_than_psum_with_per_leaf_work(mesh, kwargs):
+  """A bucket costs the kernels of its leaves' shapes (the copies out of it, as XLA's per-leaf
+  work after lax.psum costs) plus three: the bucket's concatenate, the copy of the chunks an
+  all-to-all takes (ring: the first chunk sent) and the fold (ring: a step's add; reproducible:
+  the exact sum). Ring stacked its chunks into one more buffer and the reproducible owner sum
+  stacked what the all-to-all received, a kernel each (7 where 6 now, bench/compile_time.py)."""
+  tree = _tree()
+  shapes = len({v.shape for v in tree.values()})
+  anchor = _kernels(_compiled(
+      mesh, lambda t: jax.tree.map(lambda g: g * 2, jax.lax.psum(t, AX)), tree).as_text())
+  assert anchor == shapes, anchor                   # XLA: one kernel per leaf shape
+  compiled = _compiled(mesh, lambda t: dtenjax.all_reduce(t, AX, **kwargs), tree)
+  assert _kernels(compiled.as_text()) <= anchor + 3
+  out = compiled(tree)
+  for k, v in tree.items():                         # exact in float32: any order gives these
+    np.testing.assert_array_equal(out[k][0], np.asarray(v).sum(0))
+
+
+@pytest.mark.parametrize("kwargs", ({"algorithm": "ring"},
+                                    {"reproducible": True, "algorithm": "two_shot"}),
+                         ids=("ring", "reproducible_two_shot"))
+def test_the_leaner_buckets_differentiate_as_lax_psum(mesh, kwargs):
+  """Ring's chunks read in place and the owner sum reading what the all-to-all received: the
+  gradient through the bucket under plain jax.shard_map (check_vma=True) is lax.psum's."""
+  tree = {k: v * (1 + 0.25 * i) for i, (k, v) in enumerate(_tree(1).items())}
+
+  def grad(reduce):
+    step = jax.shard_map(lambda t: reduce(t), mesh=mesh, in_specs=(P(AX),), out_specs=P())
+    return jax.jit(jax.grad(lambda t: sum(jnp.sum(jnp.sin(y)) for y in
+                                          jax.tree.leaves(step(t)))))(tree)
+  ours = grad(lambda t: dtenjax.all_reduce(t, AX, **kwargs))
+  theirs = grad(lambda t: jax.lax.psum(t, AX))
+  for k in tree:
+    np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-6, atol=1e-6)

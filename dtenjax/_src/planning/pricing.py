@@ -66,10 +66,8 @@ class Pricer:
     self.local_s_per_byte = m.topology.local_s_per_byte(
         m.topology.spec("local").beta if bw is None else 1.0 / (bw * 1e9))
     # what one collective adds inside the step beyond its own time (the devices' rendezvous after
-    # their share of compute): measured by the calibration, else the backend's prior
-    cal = m.topology.calibration
-    self.step_latency = (cal.latency_s if cal is not None and cal.platform == self.backend else
-                         costs.step_collective_us * 1e-6)
+    # their share of compute): measured by the calibration, else the prior of the host's sharing
+    self.step_latency = m.topology.meeting_s(self.backend, costs.step_collective_us * 1e-6)
 
   def __call__(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
     axes = tuple(a for a in AXES if a in axes and self.m.size[a] > 1)

@@ -93,3 +93,22 @@ def test_plan_jit_of_the_dp_mesh_compiles_the_users_dp_program(cpu_devices):
                    c.memory_analysis().output_size_in_bytes)
   assert mem(ours) == mem(users)
   assert _normalized(ours.as_text()) == _normalized(users.as_text())
+
+
+def test_tensor_collectives_of_a_weight_shared_across_layers_grow_with_its_uses(cpu_devices):
+  """A block shared across depths (ALBERT-style) under tensor parallelism runs its activation
+  all-reduces at every use: XLA's compiled all-reduce bytes grow 7x from one use to three here.
+  The prediction must grow alike (it priced one use's collectives only: 1.0x, the `shared`
+  family's tensor plans predicted at a quarter of the compiled bytes and chosen over DP)."""
+  del cpu_devices
+  fams = _families()
+  pred, xla = {}, {}
+  for depth in (1, 3):
+    step, args = fams.shared(vocab=256, d=128, heads=8, ffn=256, depth=depth, batch=8,
+                             seq=16).make()
+    plan = dtenjax.plan(step, *args, mesh={"tensor": 8}, memory_budget=1 << 50)
+    check = plan.check(step, *args)
+    pred[depth] = check.predicted_bytes.get("all_reduce", 0.0)
+    xla[depth] = check.compiled_bytes.get("all_reduce", 0.0)
+  assert xla[3] > 4 * xla[1] > 0, xla          # what XLA compiles: per use
+  assert pred[3] / pred[1] >= 0.75 * xla[3] / xla[1], (pred, xla)

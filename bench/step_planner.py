@@ -35,6 +35,10 @@ Parts (``--parts``, default all):
   run: the plan's predicted memory and collective bytes per kind against the compiled ones, next
   to the hand-written recipes' compiled memory and bytes.
 
+The wins part prints each family's table as soon as it is measured and, with ``--json``, rewrites
+the JSON after each family, so a run stopped by a time limit keeps the families it finished;
+``--families`` picks a subset.
+
 Run:  .venv/bin/python bench/step_planner.py [--parts predict,clusters,time,wins] [--json PATH]
       python3 bench/step_planner.py --parts gpu --mock-gpus 8   (one real GPU is enough)
 """
@@ -257,9 +261,51 @@ def predicted_recipe(fam, r, step, args, topology) -> float | None:
   return p.cost.total_s
 
 
-def wins_rows(names, iters: int, calibrated=None) -> tuple[list[dict], list[str]]:
+def _rotated(fns: dict, *, warmup: int, iters: int) -> dict[str, list[float]]:
+  """Wall seconds per call of each candidate, ``iters`` rounds after ``warmup`` calls each; each
+  round runs every candidate once, starting one candidate later than the round before (no
+  candidate always runs right after the same one)."""
+  names = list(fns)
+  for k in names:
+    for _ in range(warmup):
+      _harness.block(fns[k]())
+  samples: dict[str, list[float]] = {k: [] for k in names}
+  for i in range(iters):
+    for k in names[i % len(names):] + names[:i % len(names)]:
+      t0 = time.perf_counter()
+      _harness.block(fns[k]())
+      samples[k].append(time.perf_counter() - t0)
+  return samples
+
+
+def _program(compiled) -> str:
+  """A compiled step's instructions without names and source metadata: two layouts with the same
+  text run the same program."""
+  import re  # pylint: disable=g-import-not-at-top
+  out = []
+  for line in compiled.as_text().splitlines():
+    if "=" in line and "file_name_id" not in line and "file_location_id" not in line:
+      out.append(re.sub(r", metadata=\{[^}]*\}", "", re.sub(r"%[\w.-]+", "%v", line)).strip())
+  return "\n".join(sorted(out))
+
+
+WINS_COLUMNS = (("family", "family", "s"), ("layout", "layout", "s"), ("mesh", "mesh", "s"),
+                ("same program as", "same_as", "s"), ("measured ms", "measured_ms", ".2f"),
+                ("predicted ms", "predicted_ms", ".2f"), ("calibrated ms", "calibrated_ms", ".2f"),
+                ("/fastest recipe", "vs_best_recipe", ".2f"), ("spread", "ratio_spread", ".2f"),
+                ("MiB/dev", "mem_mib", ".1f"), ("mem/fastest's", "mem_vs_best_recipe", ".2f"),
+                ("coll MiB", "coll_mib", ".1f"), ("per kind", "kinds", "s"))
+
+
+def wins_rows(names, iters: int, calibrated=None, on_family=None) -> tuple[list[dict], list[str]]:
   """``calibrated``: a calibrated Topology (``Topology.calibrate()``): its plan is measured too,
-  and every row gets its prediction beside the uncalibrated model's."""
+  and every row gets its prediction beside the uncalibrated model's. ``on_family(rows, notes)``
+  is called after each family (the rows and notes so far), so a run cut short keeps them.
+
+  "/fastest recipe" is the median over the rounds of the candidate's time over the fastest
+  hand-written layout's time in the same round (paired: drift of the machine cancels), and
+  "spread" the half-width of the middle half of those ratios; "same program as" names the
+  hand-written layout whose compiled program is the plan's, instruction for instruction."""
   import _families as fams  # pylint: disable=g-import-not-at-top
   rows, notes = [], []
   for name in names:
@@ -283,15 +329,19 @@ def wins_rows(names, iters: int, calibrated=None) -> tuple[list[dict], list[str]
         predicted[rn] = (predicted_recipe(fam, r, step, args, None),
                          None if calibrated is None else
                          predicted_recipe(fam, r, step, args, calibrated))
-    prof, placed = {}, {}
+    prof, placed, programs = {}, {}, {}
     for cname, (fn, shardings) in cands.items():
-      prof[cname] = compiled_profile(fn.lower(*args).compile())
+      compiled = fn.lower(*args).compile()
+      prof[cname] = compiled_profile(compiled)
+      programs[cname] = _program(compiled)
       placed[cname] = jax.device_put(real, shardings)
-    samples = _harness.interleaved(
-        {k: (lambda k=k: cands[k][0](*placed[k])) for k in cands}, (), warmup=2, iters=iters)
+    samples = _rotated({k: (lambda k=k: cands[k][0](*placed[k])) for k in cands},
+                       warmup=2, iters=iters)
     times = {k: _harness.median(v) for k, v in samples.items()}
     recipes_only = {k: v for k, v in times.items() if k not in plans}
     best = min(recipes_only, key=recipes_only.get)
+    ratios = {k: sorted(a / b for a, b in zip(samples[k], samples[best])) for k in cands}
+    first = len(rows)
     for cname in cands:
       p = plans.get(cname)
       rows.append({
@@ -305,18 +355,43 @@ def wins_rows(names, iters: int, calibrated=None) -> tuple[list[dict], list[str]
           "mem_mib": prof[cname]["mem"] / 2**20,
           "coll_mib": sum(prof[cname]["bytes"].values()) / 2**20,
           "kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in sorted(prof[cname]["bytes"].items())),
-          "vs_best_recipe": times[cname] / times[best],
+          "vs_best_recipe": _harness.median(ratios[cname]),
+          "ratio_spread": _spread(ratios[cname]),
+          "same_as": ",".join(r for r in cands if r not in plans and r != cname
+                              and programs[r] == programs[cname]) or "-",
           "mem_vs_best_recipe": prof[cname]["mem"] / prof[best]["mem"],
       })
     for k, p in plans.items():
+      same = [r for r in cands if r not in plans and programs[r] == programs[k]]
       notes.append(f"{name}: {k} {dict(zip(p.axis_names, p.mesh_shape))} "
-                   f"{times[k] / times[best]:.2f}x the fastest hand-written recipe ({best}), "
-                   f"memory {prof[k]['mem'] / prof[best]['mem']:.2f}x")
+                   f"{_harness.median(ratios[k]):.2f}x the fastest hand-written recipe ({best}), "
+                   f"memory {prof[k]['mem'] / prof[best]['mem']:.2f}x" +
+                   (f"; the same program as {', '.join(same)}" if same else ""))
       print(notes[-1], file=sys.stderr, flush=True)      # progress: one family at a time
+    print(_harness.table(rows[first:], WINS_COLUMNS, title=f"{name}, measured"), flush=True)
+    if on_family is not None:
+      on_family(rows, notes)
   return rows, notes
 
 
-def priced_rows(names, measured_json: str | None) -> list[dict]:
+def _spread(xs: list[float]) -> float:
+  """Half the distance between the first and third quartiles of ``xs`` (sorted)."""
+  q = lambda f: xs[min(len(xs) - 1, int(f * (len(xs) - 1) + 0.5))]
+  return (q(0.75) - q(0.25)) / 2
+
+
+def described_host(cores: int):
+  """This host's topology with its devices' host described as having ``cores`` CPU cores: the
+  machine a recorded run was measured on (``--cores``)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology.parts import NumaNode  # pylint: disable=g-import-not-at-top
+  topo = dtenjax.Topology.current()
+  hosts = sorted({d.host for d in topo.devices})
+  return dataclasses.replace(topo, numa_nodes=tuple(NumaNode(h, 0, f"0-{cores - 1}")
+                                                    for h in hosts))
+
+
+def priced_rows(names, measured_json: str | None, topology=None) -> list[dict]:
   """The ``priced`` part: the cost model's step time of the plan and of every hand-written
   layout of the wins part (planning only, nothing runs), beside the measured times of a recorded
   wins run (``measured_json``, this bench's JSON) where it has the same family and layout."""
@@ -330,7 +405,7 @@ def priced_rows(names, measured_json: str | None) -> list[dict]:
   for name in names:
     fam = fams.FAMILIES[name]()
     step, args = fam.make()
-    plan = dtenjax.plan(step, *args)
+    plan = dtenjax.plan(step, *args, topology=topology)
     rows.append({"family": name, "layout": "plan",
                  "mesh": "x".join(f"{a}{n}" for a, n in zip(plan.axis_names, plan.mesh_shape)
                                   if n > 1),
@@ -340,7 +415,7 @@ def priced_rows(names, measured_json: str | None) -> list[dict]:
       if r is not None:
         rows.append({"family": name, "layout": rn,
                      "mesh": "x".join(f"{a}{n}" for a, n in r.mesh.shape.items()),
-                     "predicted_ms": _ms(predicted_recipe(fam, r, step, args, None)),
+                     "predicted_ms": _ms(predicted_recipe(fam, r, step, args, topology)),
                      "measured_ms": measured.get((name, rn))})
     for row in rows:
       if row.get("measured_ms") and row.get("predicted_ms"):
@@ -367,6 +442,9 @@ def main(argv=None) -> int:
   ap.add_argument("--gpu-families", default="llama-1b,llama_scan,llama_loop,encdec,moe,shared")
   ap.add_argument("--measured-json", metavar="PATH",
                   help="priced part: a recorded wins run whose measured times go beside")
+  ap.add_argument("--cores", type=_harness.positive_int, default=0,
+                  help="priced part: price this host's devices as sharing this many cores (the "
+                  "machine of --measured-json; default: this host's)")
   ap.add_argument("--no-calibrate", action="store_true",
                   help="wins part: skip Topology.calibrate() and the calibrated plan")
   ap.add_argument("--json", metavar="PATH")
@@ -430,13 +508,15 @@ def main(argv=None) -> int:
     notes += gnotes
     doc_rows += [{"part": "gpu", **r} for r in rows]
   if "priced" in parts:
-    rows = priced_rows(args.families.split(","), args.measured_json)
+    rows = priced_rows(args.families.split(","), args.measured_json,
+                       described_host(args.cores) if args.cores else None)
     print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
                                 ("mesh", "mesh", "s"), ("predicted ms", "predicted_ms", ".1f"),
                                 ("measured ms", "measured_ms", ".1f"),
                                 ("predicted/measured", "predicted_vs_measured", ".2f")),
                          title="the cost model's step times (table priors of this host's "
-                         "devices), nothing run"))
+                         "devices" + (f", described as {args.cores} cores" if args.cores else "")
+                         + "), nothing run"))
     doc_rows += [{"part": "priced", **r} for r in rows]
   if "wins" in parts:
     calibrated = None
@@ -444,15 +524,12 @@ def main(argv=None) -> int:
       calibrated = dtenjax.Topology.current().calibrate()
       notes.append(f"wins: {calibrated.calibration.summary()}")
       print(notes[-1], file=sys.stderr, flush=True)
-    rows, win_notes = wins_rows(args.families.split(","), args.iters, calibrated)
-    print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
-                                ("mesh", "mesh", "s"), ("measured ms", "measured_ms", ".2f"),
-                                ("predicted ms", "predicted_ms", ".2f"),
-                                ("calibrated ms", "calibrated_ms", ".2f"),
-                                ("/fastest recipe", "vs_best_recipe", ".2f"),
-                                ("MiB/dev", "mem_mib", ".1f"),
-                                ("mem/fastest's", "mem_vs_best_recipe", ".2f"),
-                                ("coll MiB", "coll_mib", ".1f"), ("per kind", "kinds", "s")),
+    def keep(rows_so_far, notes_so_far):       # a run cut short keeps every finished family
+      if args.json:
+        _write(args, argv, parts, doc_rows + [{"part": "wins", **r} for r in rows_so_far],
+               notes + notes_so_far)
+    rows, win_notes = wins_rows(args.families.split(","), args.iters, calibrated, keep)
+    print(_harness.table(rows, WINS_COLUMNS,
                          title=f"the plan against hand-written layouts, {len(jax.devices())} "
                          f"{jax.devices()[0].platform.upper()} devices, measured"))
     notes += win_notes
@@ -460,10 +537,14 @@ def main(argv=None) -> int:
   for n in notes:
     print(n)
   if args.json:
-    _harness.write_json(args.json, _harness.document(
-        "step_planner", __file__, argv, {"parts": parts}, doc_rows, kind="other",
-        devices=jax.devices(), notes=notes))
+    _write(args, argv, parts, doc_rows, notes)
   return 0
+
+
+def _write(args, argv, parts, doc_rows, notes) -> None:
+  _harness.write_json(args.json, _harness.document(
+      "step_planner", __file__, argv, {"parts": parts}, doc_rows, kind="other",
+      devices=jax.devices(), notes=notes))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 import dtenjax
@@ -44,6 +45,43 @@ def test_the_cpu_prior_divides_the_cores_among_the_devices():
   assert _cpu_host(2, "0-15").peak_flops() == pytest.approx(5e10)       # never above one core each
   assert Topology.fixture("h200_8").peak_flops() == pytest.approx(989e12)
   assert "8 CPU devices sharing 2 cores" in _cpu_host().pricing_summary()
+
+
+def test_the_cpu_priors_of_passes_and_meetings_follow_the_share_of_the_host():
+  """Elementwise passes at 2.5 FLOP per byte of the device's share (8 devices on 2 cores: 12.5
+  GFLOP/s, so 5 GB/s; on 16 cores 50 GFLOP/s, 20 GB/s); a collective between products costs the
+  devices' wake-up (60 us) plus, while devices outnumber cores, 4 ms times the share of devices
+  without a core (3 of 4 on 2 cores). A calibration replaces both; a GPU keeps its table."""
+  two, sixteen = _cpu_host(8, "0-1"), _cpu_host(8, "0-15")
+  assert two.local_s_per_byte(1.0) == pytest.approx(1 / 5e9)
+  assert sixteen.local_s_per_byte(1.0) == pytest.approx(1 / 20e9)
+  assert two.meeting_s("cpu", 1.0) == pytest.approx(60e-6 + 0.75 * 4e-3)
+  assert sixteen.meeting_s("cpu", 1.0) == pytest.approx(60e-6)
+  assert _cpu_host(8, "").meeting_s("cpu", 1.0) == pytest.approx(60e-6 + 7 / 8 * 4e-3)  # unknown
+  cal = dataclasses.replace(two, calibration=CAL)
+  assert cal.meeting_s("cpu", 1.0) == 2e-3 and cal.local_s_per_byte(1.0) == pytest.approx(1 / 2e9)
+  gpu = Topology.fixture("h200_8")
+  assert gpu.meeting_s("gpu", 7e-6) == 7e-6 and gpu.local_s_per_byte(3e-12) == 3e-12
+
+
+def test_cost_params_the_user_sets_win_over_the_cpu_host_priors(tmp_path, monkeypatch):
+  """DTENJAX_COST_PARAMS is the user's statement of the machine: a field it sets is what the
+  planner prices with, over the host-sharing priors of CPU devices."""
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.pricing import Pricer
+  from dtenjax._src.planning.roles import AXES
+  shape = tuple(8 if a == "data" else 1 for a in AXES)
+  m = CandidateMesh(shape, np.arange(8).reshape(shape), _cpu_host(8, "0-1"))
+  monkeypatch.delenv("DTENJAX_COST_PARAMS", raising=False)
+  prior = Pricer(m, None)
+  assert prior.step_latency == pytest.approx(60e-6 + 0.75 * 4e-3)
+  assert prior.local_s_per_byte == pytest.approx(1 / 5e9)
+  path = tmp_path / "costs.json"
+  path.write_text(json.dumps({"cpu": {"step_collective_us": 250.0, "local_bandwidth_gbps": 40.0}}))
+  monkeypatch.setenv("DTENJAX_COST_PARAMS", str(path))
+  user = Pricer(m, None)
+  assert user.step_latency == pytest.approx(250e-6)
+  assert user.local_s_per_byte == pytest.approx(1 / 40e9)
 
 
 def test_collective_times_interpolate_between_the_measured_sizes():
@@ -121,22 +159,36 @@ def test_calibrate_measures_the_devices_working_together(cpu_devices):
     Topology.current().calibrate(repeats=0)
 
 
-# Measured on 8 CPU devices of the 2-core VM, 2026-12-05 (docs/benchmarks.md, "The plan against
-# the layouts a user writes"): the hand-written DP step against the hand-written FSDP step.
-# llama_scan 640 / 900 ms, llama_loop 514 / 674 ms, moe 285 / 261 ms.
-MEASURED_DP_VS_FSDP = {"llama_scan": "DP", "llama_loop": "DP", "moe": "FSDP"}
+# The hand-written layouts measured on 8 CPU devices (bench/step_planner.py --parts wins): the
+# 2-core development VM and the 16-core CPU of the GPU machine, 2026-12-05.
+RECORDED = {2: "2026-12-05_step_planner_wins_cpu8.json",
+            16: "2026-12-05_step_planner_wins_recipes_cpu16.json"}
+# a difference below this share is within the runs' noise (identical programs timed in one
+# interleaved run differed by up to 18 %; 10 % keeps the pairs that both machines resolve)
+DECISIVE = 0.10
 
 
-@pytest.mark.parametrize("family", sorted(MEASURED_DP_VS_FSDP))
-def test_dp_against_fsdp_ranks_as_measured_on_8_cpu_devices(family, cpu_devices):
-  """The model (table priors of this 2-core host's 8 devices) prices the planner's DP and FSDP
-  layouts in the order the hand-written ones ran: where 54-84 per-layer all-gathers cost more
-  than DP's optimizer update over whole copies (the decoders), DP; where DP's update of the
-  experts' weights is the larger cost (moe), FSDP."""
+def recorded_times(cores: int) -> dict[tuple[str, str], float]:
+  doc = json.loads((ROOT / "bench" / "results" / RECORDED[cores]).read_text())
+  return {(r["family"], r["layout"]): r["measured_ms"] for r in doc["rows"]
+          if r.get("part") == "wins"}
+
+
+@pytest.mark.parametrize("cores,family", [(c, f) for c in sorted(RECORDED)
+                                          for f in ("llama_loop", "llama_scan", "moe")])
+def test_dp_against_fsdp_ranks_as_measured_on_8_cpu_devices(cores, family, cpu_devices):
+  """The model (table priors of 8 devices sharing ``cores`` cores) prices the planner's DP and
+  FSDP layouts in the order the hand-written ones ran on such a host, wherever the measured
+  difference is beyond the noise: the expected order is read from the recorded runs."""
   del cpu_devices
+  times = recorded_times(cores)
+  dp, fsdp = times[(family, "DP")], times[(family, "FSDP")]
+  if abs(dp - fsdp) < DECISIVE * min(dp, fsdp):
+    pytest.skip(f"{family} on {cores} cores: DP {dp:.0f} ms and FSDP {fsdp:.0f} ms are within "
+                "the noise")
   fams = _small_step()
   step, args = fams.FAMILIES[family]().make()
-  topo = _cpu_host(8, "0-1")
+  topo = _cpu_host(8, f"0-{cores - 1}")
   recipes = {r.name: r.cost.total_s for r in dtenjax.plan(step, *args, topology=topo).recipes}
   faster = "DP" if recipes["DP"] < recipes["FSDP"] else "FSDP"
-  assert faster == MEASURED_DP_VS_FSDP[family], recipes
+  assert faster == ("DP" if dp < fsdp else "FSDP"), (recipes, dp, fsdp)

@@ -63,13 +63,15 @@ class Pricer:
     bw = costs.local_bandwidth_gbps
     # seconds per byte of a local elementwise pass (the optimizer's update): the calibration's
     # measured rate, else the backend's prior
-    self.local_s_per_byte = m.topology.local_s_per_byte(
-        m.topology.spec("local").beta if bw is None else 1.0 / (bw * 1e9))
     # what one collective adds inside the step beyond its own time (the devices' rendezvous after
-    # their share of compute): measured by the calibration, else the backend's prior
-    cal = m.topology.calibration
-    self.step_latency = (cal.latency_s if cal is not None and cal.platform == self.backend else
-                         costs.step_collective_us * 1e-6)
+    # their share of compute): measured by the calibration, else the prior of the host's sharing.
+    # A value the user sets in DTENJAX_COST_PARAMS wins over both.
+    user = costmodel.user_overrides(self.backend)
+    prior_s_per_byte = m.topology.spec("local").beta if bw is None else 1.0 / (bw * 1e9)
+    self.local_s_per_byte = (prior_s_per_byte if user.get("local_bandwidth_gbps") is not None
+                             else m.topology.local_s_per_byte(prior_s_per_byte))
+    self.step_latency = (costs.step_collective_us * 1e-6 if "step_collective_us" in user
+                         else m.topology.meeting_s(self.backend, costs.step_collective_us * 1e-6))
 
   def __call__(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
     axes = tuple(a for a in AXES if a in axes and self.m.size[a] > 1)

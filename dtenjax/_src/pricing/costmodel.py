@@ -170,10 +170,16 @@ def _read_overrides(path: str, mtime_ns: int, size: int) -> dict[str, dict[str, 
   return data
 
 
+def user_overrides(platform: str) -> dict[str, Any]:
+  """The fields of ``platform``'s costs that the ``DTENJAX_COST_PARAMS`` file sets: they win over
+  every prior, the host-sharing priors of CPU devices included."""
+  return dict(_overrides(config.get_str("DTENJAX_COST_PARAMS")).get(platform, {}))
+
+
 def backend_costs(platform: str) -> BackendCosts:
   """The fixed costs of ``platform``: :data:`BACKEND_COSTS` with ``DTENJAX_COST_PARAMS`` applied."""
   base = BACKEND_COSTS.get(platform, BACKEND_COSTS["gpu"])
-  extra = _overrides(config.get_str("DTENJAX_COST_PARAMS")).get(platform, {})
+  extra = user_overrides(platform)
   return dataclasses.replace(base, **extra) if extra else base
 
 

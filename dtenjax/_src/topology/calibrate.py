@@ -155,6 +155,49 @@ def measure(topology, *, repeats: int = 3, chain: int = 4,
                           collectives=tuple(table), latency_s=float(latency))
 
 
+# --- the table priors of CPU devices that share a host's cores -------------------------------------
+#
+# The CPU devices of one process (``--xla_force_host_platform_device_count``) share the host's
+# cores and memory. Without a calibration the planner prices them with a model of that sharing:
+#
+# * products: one core's FLOP/s (the device table's figure) times the cores each device gets,
+#   at most one (:func:`scaled_prior_flops`);
+# * elementwise passes (the optimizer's update): the same share of the host, at
+#   :data:`CPU_FLOP_PER_BYTE` FLOP per byte read or written (:func:`prior_cpu_s_per_byte`). A
+#   fixed bandwidth prior that does not scale with the share priced the update of 8 devices on 16
+#   cores 40x above what the calibration measures (1.35 against 67.7 GB/s), so every layout that
+#   shards the optimizer's state looked 100 ms cheaper than DP on a 170 ms step;
+# * a collective between products (:func:`prior_cpu_meeting_s`): the devices' wake-up when every
+#   device has a core of its own (the calibration measures 63 us for 8 devices on 16 cores), plus,
+#   when devices outnumber the cores, a share of the operating system's scheduling slice: a
+#   device that arrives last waits for a core (about 3 ms a collective on 2 cores for 8 devices,
+#   from the six families' FSDP steps against their DP steps).
+#
+# Measured on 8 devices of a 16-core host (Topology.calibrate(), 2026-12-05): 108 GFLOP/s and
+# 67.7 GB/s per device, 1.6 FLOP per byte; on the loaded 2-core VM three calibrations gave
+# 2-5 FLOP per byte. 2.5 sits between them.
+CPU_FLOP_PER_BYTE = 2.5
+CPU_WAKE_S = 60e-6
+CPU_SLICE_S = 4e-3
+
+
+def prior_cpu_s_per_byte(device_flops: float) -> float:
+  """Seconds per byte (read + write) of one CPU device's elementwise pass, from its FLOP/s
+  prior (already scaled by the device's share of the cores): the host's balance of compute and
+  memory, :data:`CPU_FLOP_PER_BYTE`."""
+  return CPU_FLOP_PER_BYTE / device_flops
+
+
+def prior_cpu_meeting_s(cores: int, devices_on_host: int) -> float:
+  """What one collective between products adds to a step of ``devices_on_host`` CPU devices
+  sharing ``cores`` cores (0 or less: unknown, priced as one): the wake-up of the devices, and
+  while devices outnumber cores, the scheduling slice a device waits for a core, in proportion
+  to the share of devices without one (``1 - cores / devices``)."""
+  cores = max(1, cores)
+  waiting = max(0.0, 1.0 - cores / max(1, devices_on_host))
+  return CPU_WAKE_S + CPU_SLICE_S * waiting
+
+
 def scaled_prior_flops(kind_flops: float, platform: str, cores: int,
                        devices_on_host: int) -> float:
   """The table prior of one device's FLOP/s when nothing was measured: a CPU device of a process

@@ -343,9 +343,26 @@ class Topology:
 
   def local_s_per_byte(self, prior: float) -> float:
     """Seconds per byte of one device's elementwise pass (read + write counted): measured by the
-    calibration, else ``prior`` (the backend's table value)."""
+    calibration, else for CPU devices the share of their host (``calibrate.prior_cpu_s_per_byte``
+    of :meth:`peak_flops`), else ``prior`` (the backend's table value)."""
     if self.calibration is not None:
       return 1.0 / (self.calibration.memory_gbps * 1e9)
+    if all(d.platform == "cpu" for d in self.devices):
+      return calibrate_lib.prior_cpu_s_per_byte(self.peak_flops())
+    return prior
+
+  def meeting_s(self, platform: str, prior: float) -> float:
+    """What one collective between products adds to a step of ``platform``'s devices beyond its
+    own time: the calibration's measured rendezvous, else for CPU devices the sharing of their
+    host's cores (``calibrate.prior_cpu_meeting_s``, the busiest host), else ``prior`` (the
+    backend's ``step_collective_us``)."""
+    cal = self.calibration
+    if cal is not None and cal.platform == platform:
+      return cal.latency_s
+    if platform == "cpu" and any(d.platform == "cpu" for d in self.devices):
+      cores, devices = self._host_cores(), self._cpu_devices()
+      return max(calibrate_lib.prior_cpu_meeting_s(cores.get(h, 0), n)
+                 for h, n in devices.items())
     return prior
 
   def calibrate(self, **kwargs) -> Topology:

@@ -42,7 +42,9 @@ def price(ctx) -> None:
   shape = ctx.primary.shape
   if use is not None and m.size["tensor"] > 1:
     d = ctx.used["tensor"]
-    tokens = use.tokens * use.repeats / ctx.batch_div
+    # every use of a weight shared across layers (grad_parts) runs its own activation
+    # collectives, as every layer of a scan (repeats) does
+    tokens = use.tokens * use.repeats * use.grad_parts / ctx.batch_div
     item = use.act_itemsize
     width_in = math.prod(shape[k] for k in use.contracted)
     width_out = math.prod(shape[k] for k in use.free)

@@ -44,7 +44,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from dtenjax._src import config
 from dtenjax._src import contract as contract_lib

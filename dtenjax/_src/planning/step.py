@@ -44,6 +44,7 @@ from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src.planning import boxes
 from dtenjax._src.planning import measure as measure_lib
+from dtenjax._src.planning import sequence as sequence_lib
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning.candidates import CandidateMesh
 from dtenjax._src.planning.candidates import mesh_shapes
@@ -143,10 +144,13 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     *args: example arguments: arrays or ``jax.ShapeDtypeStruct`` pytrees (``jax.eval_shape`` of
       the init gives them without allocating).
     mesh: None to let the planner propose the mesh; a dict ``{"data": 2, "fsdp": 4}`` of axis
-      sizes (axes among ``data``, ``stage``, ``fsdp``, ``tensor``) to plan on that shape; or a
-      ``jax.sharding.Mesh`` whose axes are named among those. A ``stage`` axis of more than one
-      device runs the step's scanned stack of layers as a pipeline (``plan.pipeline``: write the
-      step with :func:`dtenjax.pipeline`); proposed meshes try stages of whole hosts.
+      sizes (axes among ``data``, ``stage``, ``fsdp``, ``sequence``, ``expert``, ``tensor``) to
+      plan on that shape; or a ``jax.sharding.Mesh`` whose axes are named among those. A
+      ``stage`` axis of more than one device runs the step's scanned stack of layers as a
+      pipeline (``plan.pipeline``: write the step with :func:`dtenjax.pipeline`); proposed meshes
+      try stages of whole hosts. A ``sequence`` axis shards the batch's sequence dimension
+      (context parallelism; the step must have a self-attention over it, whose length the axis
+      divides).
     topology: the hardware (default: ``Topology.current()``; a fixture plans for a machine you
       are not on).
     memory_budget: bytes per device; default the smallest device memory less
@@ -204,6 +208,8 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   stack = graph.stack()
   topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology, graph,
                                                     stack[0] if stack else 0)
+  if fixed_mesh is not None:
+    sequence_lib.check_mesh(graph.sequence, fixed_mesh[AXES.index("sequence")])
   if recipe is not None:
     island = min((len(i) for i in topology.fast_islands()), default=1)
     shapes = [recipe_shape(recipe, len(ids), island)]

@@ -35,6 +35,7 @@ import numpy as np
 
 from dtenjax._src import errors
 from dtenjax._src import jaxapi
+from dtenjax._src.planning import sequence as sequence_lib
 
 # Primitives whose output dimension i is the input's dimension i (operands broadcast as scalars
 # or of the same shape): the sharded dimension of a pair survives them.
@@ -188,6 +189,9 @@ class StepGraph:
   # the scanned stacks of layers: scan length -> (state leaf -> the leaf dimension the scan
   # slices, the bytes of the forward scan's carry, global); a pipeline's stages split one of them
   stacks: dict[int, tuple[dict[int, int], int]] = dataclasses.field(default_factory=dict)
+  # the batch's sequence dimension and the forward's attentions (planning/sequence.py's Facts;
+  # None: no self-attention over a batch dimension)
+  sequence: Any = None
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
@@ -830,7 +834,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    outputs=tuple(outputs), num_eqns=reader.eqn_count,
                    out_tree=jax.tree.structure(out_shape), carried=carried,
                    act_share=act_share, lookups=dict(reader.lookups),
-                   stacks=dict(reader.stacks), timeline=timeline)
+                   stacks=dict(reader.stacks), timeline=timeline,
+                   sequence=sequence_lib.read(jaxpr, leaves))
 
 
 def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:

@@ -59,10 +59,12 @@ class Attention:
 @dataclasses.dataclass(frozen=True)
 class Facts:
   """The sequence dimension of a step: its ``length``, the batch leaves that have it
-  (leaf index -> dimension), and the forward pass's attentions."""
+  (leaf index -> dimension), the forward pass's attentions, and the batch's sequences per step
+  (those leaves' dimension 0)."""
   length: int
   dims: dict[int, int]
   attention: tuple[Attention, ...]
+  rows: int = 1
 
 
 @dataclasses.dataclass
@@ -322,7 +324,8 @@ def read(jaxpr, leaves) -> Facts | None:
     return None
   lengths = {leaves[leaf].shape[d] for leaf, d in dims.items()}
   attention = tuple(Attention(_nbytes(k), _nbytes(v), r) for k, v, r in reader.attention)
-  return Facts(min(lengths), dims, attention)
+  rows = math.gcd(*(leaves[leaf].shape[0] for leaf in dims))
+  return Facts(min(lengths), dims, attention, rows)
 
 
 # --- pricing ----------------------------------------------------------------------------------
@@ -352,8 +355,11 @@ def _lengths(facts: Facts) -> dict[int, int]:
 
 
 def sizes(facts: Facts | None, rest: int) -> list[int]:
-  """1, and where the step has a sequence dimension every size dividing both it and ``rest``."""
-  if facts is None:
+  """1, and where the step has a sequence dimension and its batch cannot be split over the
+  ``rest`` of the devices, every size dividing both the sequence length and ``rest``. (Where the
+  batch fills the devices, the axis would only divide the activations' memory; that mesh is not
+  proposed, to keep the number of meshes small: a mesh given to the planner may have one.)"""
+  if facts is None or facts.rows % rest == 0:
     return [1]
   g = math.gcd(rest, facts.length)
   return [k for k in range(1, g + 1) if g % k == 0]

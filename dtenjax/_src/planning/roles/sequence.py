@@ -24,7 +24,8 @@ AXIS = "sequence"
 
 
 def sizes(ctx: MeshContext) -> list[int]:
-  """1, and every size dividing both the step's sequence length and the devices left."""
+  """1, and where the batch cannot be split over the devices left, every size dividing both
+  the step's sequence length and those devices (planning/sequence.py's sizes)."""
   facts = getattr(ctx.graph, "sequence", None) if ctx.graph is not None else None
   return seq_lib.sizes(facts, ctx.rest)
 

@@ -22,7 +22,7 @@ Columns: compiled memory per device (arguments + outputs not aliased + temp), co
 per kind per step (a loop body's once per iteration), the planner's predicted bytes and memory
 for its rows, the median step time and its ratio to the hand-written CP (> 1: slower).
 
-  python bench/sequence_parallel.py [--batch 2] [--seq 2048] [--iters 10] [--json out.json]
+  python bench/sequence_parallel.py [--batch 2] [--seq 1024] [--d 128] [--layers 2] [--iters 10] [--json out.json]
 """
 
 from __future__ import annotations
@@ -143,9 +143,9 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
-  parser.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-  parser.add_argument("--d", type=int, default=256, help="model width (default 256)")
-  parser.add_argument("--layers", type=int, default=4, help="layers (default 4)")
+  parser.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+  parser.add_argument("--d", type=int, default=128, help="model width (default 128)")
+  parser.add_argument("--layers", type=int, default=2, help="layers (default 2)")
   parser.add_argument("--iters", type=int, default=10, help="timed rounds (default 10)")
   parser.add_argument("--devices", type=int, default=8,
                       help="simulated CPU devices when no XLA_FLAGS says otherwise (default 8)")

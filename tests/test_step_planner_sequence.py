@@ -133,7 +133,8 @@ def test_plan_jit_matches_plain_jit_and_its_prediction():
 def test_a_sequence_axis_that_cannot_shard_the_step_is_refused():
   step, args = _model(2, 100)
   with pytest.raises(dtenjax.PlacementError, match=r"'sequence' axis of 8 devices does not divide "
-                     r"the sequence length 100.*\[1, 2, 4, 5, 10, 20, 25, 50\]"):
+                     r"the sequence length 100; give a 'sequence' size that divides it \(of "
+                     r"those dividing 8: \[1, 2, 4\]"):
     dtenjax.plan(step, *args, mesh={"sequence": 8})
   step, args = _model(2, 64, attention=False)
   with pytest.raises(dtenjax.PlacementError, match="no self-attention"):

@@ -67,12 +67,6 @@ class Facts:
   rows: int = 1
 
 
-@dataclasses.dataclass
-class _Scope:
-  kv: dict                        # var -> ("k" | "v" | "q", row dim or None, sequence dim)
-  attention: list
-
-
 class _Reader:
   """Labels the dimensions of the values of a jaxpr (see the module docstring)."""
 
@@ -340,18 +334,14 @@ def check_mesh(facts: Facts | None, size: int) -> None:
         "self-attention over a dimension of its batch (a product q k^T whose output the softmax "
         "hands to a product with v), so there is no sequence dimension to shard; give a mesh "
         "without 'sequence' (or sequence 1), or let the planner choose (mesh=None)")
-  bad = {d: n for d, n in _lengths(facts).items() if n % size}
-  if bad:
-    divisors = [k for k in range(1, facts.length + 1) if facts.length % k == 0 and k <= 64]
+  if facts.length % size:
+    g = math.gcd(facts.length, size)
+    divisors = [k for k in range(1, g + 1) if g % k == 0]
     raise errors.PlacementError(
         f"plan: the mesh's 'sequence' axis of {size} devices does not divide the sequence length "
-        f"{facts.length} (batch dimension sizes {sorted(set(bad.values()))}); give a "
-        f"'sequence' size that divides it ({divisors}), or pad the sequence to a multiple of "
+        f"{facts.length}; give a 'sequence' size that divides it (of those dividing {size}: "
+        f"{divisors}, the other devices on other axes), or pad the sequence to a multiple of "
         f"{size}")
-
-
-def _lengths(facts: Facts) -> dict[int, int]:
-  return {leaf: facts.length for leaf in facts.dims}
 
 
 def sizes(facts: Facts | None, rest: int) -> list[int]:

@@ -18,8 +18,10 @@ from dtenjax._src.planning import stepgraph
 VOCAB, D, HEADS, FFN, LAYERS = 128, 64, 2, 128, 2
 
 
-def _model(batch: int, seq: int, *, scan: bool = True, attention: bool = True):
-  """A causal decoder step (AdamW), its layers a lax.scan over stacked weights or a loop."""
+def _model(batch: int, seq: int, *, scan: bool = True, attention: bool = True,
+           remat: bool = False):
+  """A causal decoder step (AdamW), its layers a lax.scan over stacked weights or a loop, each
+  layer inside jax.checkpoint with ``remat``."""
   s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   hd = D // HEADS
   lead = (LAYERS,) if scan else ()
@@ -40,6 +42,9 @@ def _model(batch: int, seq: int, *, scan: bool = True, attention: bool = True):
       x = x + jnp.einsum("bqhk,hkd->bqd", attn, p["wo"])
     return x + jnp.einsum("bsf,fd->bsd", jax.nn.gelu(jnp.einsum("bsd,df->bsf", x, p["w1"])),
                           p["w2"])
+
+  if remat:
+    block = jax.checkpoint(block)
 
   def loss(p, tokens):
     x = jnp.take(p["embed"], tokens, axis=0)
@@ -77,6 +82,10 @@ def test_the_sequence_dimension_is_found_through_the_step():
     kv = 2 * 64 * D * 4                       # one layer's keys (batch 2 x 64 x D, f32)
     assert sum(a.repeats for a in facts.attention) == LAYERS
     assert all(a.k_bytes == kv and a.v_bytes == kv for a in facts.attention)
+  # inside jax.checkpoint the backward recomputes each layer's attention: its keys and values
+  # are gathered again there
+  step, args = _model(2, 64, remat=True)
+  assert [a.recomputed for a in _facts(step, args).attention] == [False, True]
   # no attention: sharding the tokens would be data parallelism by another name
   step, args = _model(2, 64, attention=False)
   assert _facts(step, args) is None
@@ -131,15 +140,16 @@ def test_plan_jit_matches_plain_jit_and_its_prediction():
   assert check.memory_error <= 0.10, check
 
 
-def test_beside_fsdp_the_prediction_holds():
+def test_beside_fsdp_and_under_remat_the_prediction_holds():
   # weights sharded over 'fsdp' (pinned: the solver keeps this small model replicated), the
-  # sequence over 'sequence': the weights' per-layer gathers, the keys' and values' gathers and
-  # the reductions compile to the priced bytes; memory within 10 % (compile only)
+  # sequence over 'sequence', each layer rematerialised: the weights' per-layer gathers, the
+  # keys' and values' gathers (forward and recomputation) and the reductions compile to the
+  # priced bytes; memory within 10 % (compile only)
   def pin(path, w):
     first = 1 if "layers" in jax.tree_util.keystr(path) else 0
     d = max(range(first, w.ndim), key=lambda i: w.shape[i])
     return P(*[("fsdp" if i == d else None) for i in range(w.ndim)])
-  step, args = _model(2, 256)
+  step, args = _model(2, 256, remat=True)
   p = dtenjax.plan(step, *args, mesh={"fsdp": 2, "sequence": 4},
                    pinned=(jax.tree_util.tree_map_with_path(pin, args[0]), None, None))
   assert "fsdp" in str(p.leaves[0].spec)

@@ -50,10 +50,13 @@ ROW = 0                          # the label of the batch's dimension 0 (every b
 @dataclasses.dataclass(frozen=True)
 class Attention:
   """One self-attention of the forward pass: its keys and values (global bytes of one call) and
-  the calls per step (the trips of the loops around it)."""
+  the calls per step (the trips of the loops around it); ``recomputed``: the backward's
+  recomputation of a forward attention inside ``jax.checkpoint`` (its keys and values are
+  gathered again there, and the forward's are not kept)."""
   k_bytes: int
   v_bytes: int
   repeats: int
+  recomputed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +77,7 @@ class _Reader:
     self.parent: dict[int, int] = {}
     self.lab: dict[Any, tuple] = {}          # var -> per dimension: (class, origin) or None
     self.kv: dict = {}                       # var -> (role, row dim, sequence dim)
-    self.attention: list[tuple[Any, Any, int]] = []   # (k var, v var, repeats)
+    self.attention: list[tuple[Any, Any, int, bool]] = []   # (k, v, repeats, recomputed)
     self.recorded: set = set()
     self.enter: set = set()                  # ids of equations whose bodies hold kv values
     self.classes: dict[int, tuple[int, int]] = {}           # class -> (leaf, dim)
@@ -95,22 +98,29 @@ class _Reader:
       return ()
     return self.lab.get(v, ())
 
-  def walk(self, jaxpr, labels: list, repeats: int, backward: bool) -> list:
-    """Labels ``jaxpr``'s values given its inputs' labels; returns its outputs' labels."""
+  def walk(self, jaxpr, labels: list, repeats: int, backward: bool,
+           recomputed: bool = False) -> list:
+    """Labels ``jaxpr``'s values given its inputs' labels; returns its outputs' labels. An
+    equation is the backward's when JAX's name stack puts it under ``transpose(...)`` (inside a
+    loop or call: when the equation calling it is), except the forward that ``jax.checkpoint``
+    recomputes there (``rematted_computation``)."""
     for v, lab in zip(jaxpr.invars, labels):
       if lab:
         self.lab[v] = lab
     for eqn in jaxpr.eqns:
-      bwd = backward or "transpose(" in str(getattr(eqn.source_info, "name_stack", ""))
-      self.eqn(eqn, repeats, bwd)
+      names = str(getattr(eqn.source_info, "name_stack", ""))
+      if "rematted_computation" in names:
+        self.eqn(eqn, repeats, False, True)
+      else:
+        self.eqn(eqn, repeats, backward or "transpose(" in names, recomputed)
     return [self.get(v) for v in jaxpr.outvars]
 
-  def eqn(self, eqn, repeats: int, backward: bool) -> None:
+  def eqn(self, eqn, repeats: int, backward: bool, recomputed: bool = False) -> None:
     name = eqn.primitive.name
     ins = [self.get(v) for v in eqn.invars]
     outs: list[tuple] = [()] * len(eqn.outvars)
     if name == "dot_general":
-      outs[0] = self.product(eqn, ins, repeats, backward)
+      outs[0] = self.product(eqn, ins, repeats, backward, recomputed)
     elif name in _SAME:
       shape = tuple(eqn.outvars[0].aval.shape)
       merged: list = [None] * len(shape)
@@ -146,9 +156,9 @@ class _Reader:
     elif name == "gather":
       outs[0] = _gathered(eqn, ins)
     elif name == "scan":
-      outs = self.scan(eqn, ins, repeats, backward)
+      outs = self.scan(eqn, ins, repeats, backward, recomputed)
     elif name in _CALLS:
-      outs = self.call(eqn, ins, repeats, backward)
+      outs = self.call(eqn, ins, repeats, backward, recomputed)
     for v, lab in zip(eqn.outvars, outs):
       if lab and any(x is not None for x in lab) and not isinstance(v, jcore.DropVar):
         self.lab[v] = lab
@@ -156,7 +166,7 @@ class _Reader:
   def seq_dims(self, lab: tuple, skip=()) -> list[int]:
     return [d for d, x in enumerate(lab) if x is not None and x[0] != ROW and d not in skip]
 
-  def product(self, eqn, ins, repeats: int, backward: bool) -> tuple:
+  def product(self, eqn, ins, repeats: int, backward: bool, recomputed: bool) -> tuple:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lhs, rhs = ins
     nl, nr = len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape)
@@ -199,12 +209,12 @@ class _Reader:
             seqs = self.seq_dims(lab)
             if len(seqs) == 1:
               self.kv[var] = (role, rows[0] if rows else None, seqs[0], self.find(lab[seqs[0]][0]))
-          self.attention.append((k, v, repeats))
+          self.attention.append((k, v, repeats, recomputed))
     out += [lab_l[d] for d in lf]
     out += [lab_r[d] for d in rf]
     return tuple(out)
 
-  def scan(self, eqn, ins, repeats: int, backward: bool) -> list:
+  def scan(self, eqn, ins, repeats: int, backward: bool, recomputed: bool) -> list:
     nc, nk = jaxapi.scan_counts(eqn)
     body = eqn.params["jaxpr"]
     inner = []
@@ -214,13 +224,14 @@ class _Reader:
       else:
         inner.append(lab)
     before = len(self.kv)
-    outs = self.walk(body.jaxpr, inner, repeats * int(eqn.params["length"]), backward)
+    outs = self.walk(body.jaxpr, inner, repeats * int(eqn.params["length"]), backward,
+                     recomputed)
     if len(self.kv) > before:
       self.enter.add(id(eqn))
     res = [lab if k < nk else ((None,) + lab if lab else ()) for k, lab in enumerate(outs)]
     return res[:len(eqn.outvars)]
 
-  def call(self, eqn, ins, repeats: int, backward: bool) -> list:
+  def call(self, eqn, ins, repeats: int, backward: bool, recomputed: bool) -> list:
     sub = None
     for p in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
       if p in eqn.params:
@@ -232,7 +243,7 @@ class _Reader:
     if len(jaxpr.invars) != len(eqn.invars):
       return [()] * len(eqn.outvars)
     before = len(self.kv)
-    outs = self.walk(jaxpr, ins, repeats, backward)
+    outs = self.walk(jaxpr, ins, repeats, backward, recomputed)
     if len(self.kv) > before:
       self.enter.add(id(eqn))
     return outs[:len(eqn.outvars)] + [()] * (len(eqn.outvars) - len(outs))
@@ -317,7 +328,8 @@ def read(jaxpr, leaves) -> Facts | None:
   if not dims:
     return None
   lengths = {leaves[leaf].shape[d] for leaf, d in dims.items()}
-  attention = tuple(Attention(_nbytes(k), _nbytes(v), r) for k, v, r in reader.attention)
+  attention = tuple(Attention(_nbytes(k), _nbytes(v), r, rec)
+                    for k, v, r, rec in reader.attention)
   rows = math.gcd(*(leaves[leaf].shape[0] for leaf in dims))
   return Facts(min(lengths), dims, attention, rows)
 

@@ -58,7 +58,9 @@ def adjust(prob, graph, pricer) -> None:
   (``plan.jit`` constrains them, as MaxText gathers them) and, in the backward, a reduction of
   their cotangents (XLA:CPU all-reduces them; the GPU compiler reduce-scatters). Memory: the
   gathered keys and values of every layer are kept for the backward, and one layer's
-  whole-sequence cotangents are alive until their reduction."""
+  whole-sequence cotangents are alive until their reduction. An attention inside
+  ``jax.checkpoint`` is gathered again where the backward recomputes it, and only one layer's
+  gathered keys and values are alive at a time."""
   m = prob.m
   size = m.size.get(AXIS, 1)
   facts = getattr(graph, "sequence", None)
@@ -67,15 +69,20 @@ def adjust(prob, graph, pricer) -> None:
   rows = row_div(m)
   rs = "all_reduce" if pricer.backend == "cpu" else "reduce_scatter"
   t = nb_ag = nb_rs = kept = cotangent = 0.0
+  recomputed = any(a.recomputed for a in facts.attention)
   for a in facts.attention:
     kv = (a.k_bytes + a.v_bytes) / rows
     t += a.repeats * (pricer("all_gather", a.k_bytes / rows, [AXIS], "float32") +
-                      pricer("all_gather", a.v_bytes / rows, [AXIS], "float32") +
-                      pricer(rs, kv, [AXIS], "float32"))
+                      pricer("all_gather", a.v_bytes / rows, [AXIS], "float32"))
     nb_ag += a.repeats * kv
+    cotangent = max(cotangent, kv)
+    if a.recomputed:
+      continue
+    t += a.repeats * pricer(rs, kv, [AXIS], "float32")
     nb_rs += a.repeats * kv
     kept += a.repeats * kv
-    cotangent = max(cotangent, kv)
+  if recomputed:
+    kept = cotangent
   prob.fixed_blocking[AXIS] = prob.fixed_blocking.get(AXIS, 0.0) + t
   prob.fixed_bytes[f"all_gather[{AXIS}]"] = nb_ag
   prob.fixed_bytes[f"{rs}[{AXIS}]"] = nb_rs

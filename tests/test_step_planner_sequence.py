@@ -106,6 +106,8 @@ def test_planner_chooses_sequence_only_where_the_batch_does_not_split():
     assert axes.get("sequence", 1) >= 8 // batch, axes
     tokens = p.leaves[-1]
     assert "sequence" in str(tokens.spec) and "sequence" in tokens.reason
+    assert any(n.startswith(f"sequence: the batch's {batch} sequences of 512 tokens") and
+               f"{LAYERS} attention calls per step" in n for n in p.notes), p.notes
   # a batch that splits over every device: the sequence axis is not worth its gathers
   step, args = _model(8, 512)
   p = dtenjax.plan(step, *args)

@@ -60,6 +60,7 @@ from dtenjax._src.planning.result import StepPlan as StepPlan
 from dtenjax._src.planning.result import report
 from dtenjax._src.planning.roles import AXES as AXES
 from dtenjax._src.planning.roles import BATCH_AXES as BATCH_AXES
+from dtenjax._src.planning.roles import sequence as sequence_role
 from dtenjax._src.planning.roles import stage as stage_role
 from dtenjax._src.planning.solver import Problem
 from dtenjax._src.planning.solver import evaluate
@@ -320,7 +321,8 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
                   time.perf_counter() - t0, len(problems), args, donate)
   chosen = dataclasses.replace(chosen, notes=chosen.notes + _stage_notes(graph, topology, ids,
                                                                          solved, prob, cost,
-                                                                         pruned))
+                                                                         pruned)
+                               + sequence_role.notes(graph, prob.m, cost))
   if not measure or recipe is not None:
     return chosen
   if chosen.pipeline is not None:

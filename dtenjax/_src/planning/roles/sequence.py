@@ -89,6 +89,21 @@ def adjust(prob, graph, pricer) -> None:
   prob.fixed_memory["gathered"] = prob.fixed_memory.get("gathered", 0.0) + kept + cotangent
 
 
+def notes(graph, m, cost) -> tuple[str, ...]:
+  """The report's line on the sequence axis of the chosen mesh ``m`` (none without one)."""
+  facts = getattr(graph, "sequence", None)
+  size = m.size.get(AXIS, 1)
+  if size <= 1 or facts is None:
+    return ()
+  gathered = cost.collective_bytes.get(f"all_gather[{AXIS}]", 0.0)
+  calls = sum(a.repeats for a in facts.attention if not a.recomputed)
+  return (f"sequence: the batch's {facts.rows} sequences of {facts.length} tokens split over "
+          f"{row_div(m)} devices and each sequence over 'sequence' x{size} "
+          f"({facts.length // size} tokens per device); {calls} attention calls per step gather "
+          f"their keys and values over it, {gathered / 2**20:.2f} MiB per step and device "
+          "(ring attention is not built)",)
+
+
 ROLE = Role(
     name=AXIS,
     splits_batch=True,

@@ -19,14 +19,15 @@ VOCAB, D, HEADS, FFN, LAYERS = 128, 64, 2, 128, 2
 
 
 def _model(batch: int, seq: int, *, scan: bool = True, attention: bool = True,
-           remat: bool = False):
+           remat: bool = False, kv_heads: int = HEADS):
   """A causal decoder step (AdamW), its layers a lax.scan over stacked weights or a loop, each
-  layer inside jax.checkpoint with ``remat``."""
+  layer inside jax.checkpoint with ``remat``; fewer ``kv_heads`` than heads: grouped-query
+  attention (the keys' and values' heads repeated)."""
   s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   hd = D // HEADS
   lead = (LAYERS,) if scan else ()
-  layer = lambda: {"wq": s(*lead, D, HEADS, hd), "wk": s(*lead, D, HEADS, hd),
-                   "wv": s(*lead, D, HEADS, hd), "wo": s(*lead, HEADS, hd, D),
+  layer = lambda: {"wq": s(*lead, D, HEADS, hd), "wk": s(*lead, D, kv_heads, hd),
+                   "wv": s(*lead, D, kv_heads, hd), "wo": s(*lead, HEADS, hd, D),
                    "w1": s(*lead, D, FFN), "w2": s(*lead, FFN, D)}
   params = {"embed": s(VOCAB, D), "unembed": s(D, VOCAB),
             **({"layers": layer()} if scan else {f"l{i}": layer() for i in range(LAYERS)})}
@@ -34,8 +35,8 @@ def _model(batch: int, seq: int, *, scan: bool = True, attention: bool = True,
   def block(x, p):
     if attention:
       q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
-      k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
-      v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
+      k = jnp.repeat(jnp.einsum("bsd,dhk->bshk", x, p["wk"]), HEADS // kv_heads, axis=2)
+      v = jnp.repeat(jnp.einsum("bsd,dhk->bshk", x, p["wv"]), HEADS // kv_heads, axis=2)
       scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(hd)
       scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -1e9)
       attn = jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(scores, -1), v)
@@ -86,6 +87,9 @@ def test_the_sequence_dimension_is_found_through_the_step():
   # are gathered again there
   step, args = _model(2, 64, remat=True)
   assert [a.recomputed for a in _facts(step, args).attention] == [False, True]
+  # grouped-query attention: the keys and values are gathered before their heads are repeated
+  step, args = _model(2, 64, kv_heads=1)
+  assert [a.k_bytes for a in _facts(step, args).attention] == [2 * 64 * (D // HEADS) * 4]
   # no attention: sharding the tokens would be data parallelism by another name
   step, args = _model(2, 64, attention=False)
   assert _facts(step, args) is None

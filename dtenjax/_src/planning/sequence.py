@@ -82,6 +82,9 @@ class _Reader:
     self.enter: set = set()                  # ids of equations whose bodies hold kv values
     self.classes: dict[int, tuple[int, int]] = {}           # class -> (leaf, dim)
     self.scores: dict[int, Any] = {}         # id -> a scores product (q k^T) of the forward
+    # var -> the value it repeats or reshapes (broadcast_in_dim, reshape): grouped-query
+    # attention's keys and values are gathered before their heads are repeated
+    self.source: dict = {}
 
   def find(self, c: int) -> int:
     while self.parent.get(c, c) != c:
@@ -145,12 +148,14 @@ class _Reader:
       for d, x in zip(eqn.params["broadcast_dimensions"], ins[0] or ()):
         out[d] = x
       outs[0] = tuple(out)
+      self.source[eqn.outvars[0]] = self.source.get(eqn.invars[0], eqn.invars[0])
     elif name in _REDUCE:
       axes = set(eqn.params.get("axes", ()))
       outs[0] = tuple(x for d, x in enumerate(ins[0]) if d not in axes) if ins[0] else ()
     elif name in ("reshape", "squeeze", "expand_dims"):
       outs[0] = _reshaped(ins[0], tuple(eqn.invars[0].aval.shape),
                           tuple(eqn.outvars[0].aval.shape))
+      self.source[eqn.outvars[0]] = self.source.get(eqn.invars[0], eqn.invars[0])
     elif name == "slice":
       outs[0] = ins[0]
     elif name == "gather":
@@ -198,6 +203,7 @@ class _Reader:
           s_eqn = self.scores[x[1][0]]
           k, q = s_eqn.invars[x[1][1]], s_eqn.invars[1 - x[1][1]]
           v = eqn.invars[side]
+          k, v = self._unrepeated(k), self._unrepeated(v)
           if (k, v) in self.recorded:
             continue
           self.recorded.add((k, v))
@@ -213,6 +219,15 @@ class _Reader:
     out += [lab_l[d] for d in lf]
     out += [lab_r[d] for d in rf]
     return tuple(out)
+
+  def _unrepeated(self, v):
+    """``v``, or the value it repeats or reshapes where that keeps the sequence dimension."""
+    if isinstance(v, jcore.Literal):
+      return v
+    src = self.source.get(v)
+    if src is None or isinstance(src, jcore.Literal) or len(self.seq_dims(self.get(src))) != 1:
+      return v
+    return src
 
   def scan(self, eqn, ins, repeats: int, backward: bool, recomputed: bool) -> list:
     nc, nk = jaxapi.scan_counts(eqn)

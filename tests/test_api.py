@@ -130,6 +130,7 @@ BENCH_PRIVATE_IMPORTS = {
     ("bench/transport.py", "dtenjax._src.net"),
     # the loop trip counts plan.check uses, for the hand-written recipes' compiled bytes
     ("bench/expert_parallel.py", "dtenjax._src.planning.check"),
+    ("bench/sequence_parallel.py", "dtenjax._src.planning.check"),
 }
 
 

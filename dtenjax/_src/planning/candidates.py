@@ -53,6 +53,11 @@ class CandidateMesh:
     return dict(zip(AXES, self.shape))
 
   @functools.cached_property
+  def batch_axes(self) -> frozenset[str]:
+    """The axes that split the batch's work (roles.BATCH_AXES)."""
+    return frozenset(roles.BATCH_AXES)
+
+  @functools.cached_property
   def peak_flops(self) -> float:
     return self.topology.peak_flops()
 

@@ -51,14 +51,19 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _REMATS = frozenset({"checkpoint", "remat", "remat2"})
 
 
-def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...]) -> Callable:
+def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
+                       sequence=None) -> Callable:
   """``step`` with each weight that ``compute_specs`` names gathered to that layout where a
   product uses it (one layer at a time inside ``lax.scan``; see the module docstring).
 
   ``compute_specs`` has one entry per positional argument of ``step``: None, or a pytree of the
   argument's structure holding a ``PartitionSpec`` (the layout the products need, for the whole
   weight) for each weight to gather and None for every other leaf. The result is meant to be
-  wrapped by ``jax.jit``; called outside it, it runs the same equations eagerly."""
+  wrapped by ``jax.jit``; called outside it, it runs the same equations eagerly.
+
+  ``sequence`` (a :class:`~dtenjax._src.planning.sequence.Application`, or None) also constrains
+  each attention's keys and values to their gathered layout, and its queries to the sharded one,
+  where the forward pass makes them (inside the loop body of scanned layers)."""
 
   def planned(*args):
     flat, tree = jax.tree.flatten(args)
@@ -70,13 +75,16 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...]) -> 
       else:
         cs = jax.tree.leaves(c, is_leaf=lambda s: s is None or isinstance(s, P))
         specs += list(cs) if len(cs) == n else [None] * n
-    if not any(s is not None for s in specs):
+    if not any(s is not None for s in specs) and sequence is None:
       return step(*args)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
     closed, out_shape = jax.make_jaxpr(
         lambda *leaves: step(*jax.tree.unflatten(tree, leaves)), return_shape=True)(*abstract)
     tracked = {v: s for v, s in zip(closed.jaxpr.invars, specs) if s is not None}
-    outs = _Evaluator(mesh).run(closed.jaxpr, closed.consts, flat, tracked)
+    ev = _Evaluator(mesh)
+    if sequence is not None:
+      ev.attend, ev.enter = sequence.constraints(closed.jaxpr, args)
+    outs = ev.run(closed.jaxpr, closed.consts, flat, tracked)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
   planned.__name__ = getattr(step, "__name__", "step")
@@ -152,6 +160,8 @@ class _Evaluator:
   def __init__(self, mesh):
     self.mesh = mesh
     self.out_routes: list = []         # the routes of the last run's outputs (routing.py)
+    self.attend: dict = {}             # attention operand -> its layout (planning/sequence.py)
+    self.enter: frozenset = frozenset()   # ids of loops and calls whose bodies hold one
 
   def constrain(self, x, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -163,7 +173,7 @@ class _Evaluator:
     for v, x in zip(jaxpr.constvars, consts):
       env[v] = x
     for v, x in zip(jaxpr.invars, args):
-      env[v] = x
+      env[v] = self.constrain(x, self.attend[v]) if v in self.attend else x
     tracked = dict(tracked)
     feeds = _feeds_products(jaxpr)
     gathered: dict = {}                # tracked var -> its gathered value in this scope
@@ -180,7 +190,7 @@ class _Evaluator:
       routed = routes and any(not isinstance(v, jcore.Literal) and v in routes
                               for v in eqn.invars)
       outs = None
-      if hits or routed:
+      if hits or routed or id(eqn) in self.enter:
         outs = self._eqn_with_tracked(eqn, vals, hits, tracked, feeds, gathered_value, routes,
                                        env)
       if outs is None:
@@ -189,7 +199,7 @@ class _Evaluator:
           routing.follow(eqn, routes)
       for v, x in zip(eqn.outvars, outs):
         if not isinstance(v, jcore.DropVar):
-          env[v] = x
+          env[v] = self.constrain(x, self.attend[v]) if v in self.attend else x
     self.out_routes = [routes.get(v) if not isinstance(v, jcore.Literal) else None
                        for v in jaxpr.outvars]
     return [_read(env, v) for v in jaxpr.outvars]
@@ -259,7 +269,7 @@ class _Evaluator:
         layer = _drop_leading(tracked[ov])
         if layer is not None:
           inner[iv] = layer
-    if not inner:
+    if not inner and id(eqn) not in self.enter:
       return None
     consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
     # routed tokens cross the loop's boundary (routing.py): a stacked operand's routes lose the

@@ -22,6 +22,7 @@ from dtenjax._src.planning.candidates import Layout
 from dtenjax._src.planning.roles import AXES
 from dtenjax._src.planning.roles import BATCH_AXES
 from dtenjax._src.planning.roles import ROUTED_AXES
+from dtenjax._src.planning.roles import sequence
 
 
 @dataclasses.dataclass
@@ -169,10 +170,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
         acc(pr.overlappable, k2, pricer.share("all_reduce", g2, rest, dtype))
         acc(pr.bytes, f"all_reduce[{k2}]", g2)
     else:
-      # XLA combines the gradients' all-reduces into few large ones
-      k = axis_key(batch)
-      acc(pr.overlappable, k, parts * pricer.share("all_reduce", grad, batch, dtype))
-      acc(pr.bytes, f"all_reduce[{k}]", parts * grad)
+      # XLA combines the gradients' all-reduces into few large ones (one per group of axes:
+      # the sequence's is separate, roles.sequence)
+      for axes in sequence.reduction_groups(batch):
+        k = axis_key(axes)
+        acc(pr.overlappable, k, parts * pricer.share("all_reduce", grad, axes, dtype))
+        acc(pr.bytes, f"all_reduce[{k}]", parts * grad)
   # FSDP: the parameter gathered for the forward; XLA keeps the gathered copy for the backward
   # (one all-gather per step, the copy live in between)
   # a table only read by lookups, sharded over the dimension they index (vocab-parallel): each

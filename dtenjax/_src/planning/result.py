@@ -17,15 +17,17 @@ from dtenjax._src import tables
 from dtenjax._src.pipeline import run as run_lib
 from dtenjax._src.planning import check as check_lib
 from dtenjax._src.planning import gather
+from dtenjax._src.planning import sequence as sequence_lib
 from dtenjax._src.planning.candidates import AxisLink
 from dtenjax._src.planning.candidates import axis_links
-from dtenjax._src.planning.candidates import batch_div
 from dtenjax._src.planning.candidates import spec_entry
 from dtenjax._src.planning.candidates import splits_batch
 from dtenjax._src.planning.pricing import StepCost
 from dtenjax._src.planning.roles import AXES
 from dtenjax._src.planning.roles import BATCH_AXES
 from dtenjax._src.planning.roles import ROUTED_AXES
+from dtenjax._src.planning.roles import SEQUENCE_AXES
+from dtenjax._src.planning.roles import sequence as sequence_role
 from dtenjax._src.planning.solver import Problem
 
 
@@ -169,7 +171,10 @@ class StepPlan:
           f"dtenjax.pipeline(body, loss_fn, stages={p.stages}, microbatches={p.microbatches}, "
           f"schedule={p.schedule!r}) (plan.pipeline.make(body, loss_fn)), with plan.specs as "
           "the in_specs; or plan without stages (mesh= a dict without 'stage')")
-    fn = gather.gather_for_compute(step, self.mesh(), self.compute_specs)
+    fn = gather.gather_for_compute(
+        step, self.mesh(), self.compute_specs,
+        sequence=sequence_lib.application(dict(zip(self.axis_names, self.mesh_shape)),
+                                          SEQUENCE_AXES, BATCH_AXES, self.batch_argnums))
     return jax.jit(fn, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
                    **jit_kwargs)
 
@@ -250,18 +255,27 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
       reason += (f"; product contracts dims {list(use.contracted)}, keeps {list(use.free)}")
     for k, leaf in enumerate(g):
       spec_of[leaf] = (spec, reason if k == 0 else f"tied to {graph.leaves[g[0]].path}")
-  batch_axes = tuple(a for a in BATCH_AXES if m.size[a] > 1)
+  batch_axes = tuple(a for a in BATCH_AXES if m.size[a] > 1 and a not in SEQUENCE_AXES)
   bspec_entry = spec_entry(batch_axes)
+  seq_axes = tuple(a for a in SEQUENCE_AXES if m.size[a] > 1)
+  seq_dims = graph.sequence.dims if seq_axes and graph.sequence is not None else {}
   leaves = []
   specs_flat = []
   for lf in graph.leaves:
     if lf.is_batch:
       if bspec_entry is None:
         spec, reason = P(), "the batch: replicated (the mesh has no data or fsdp axis)"
-      elif splits_batch(lf, batch_div(m)):
+      elif splits_batch(lf, sequence_role.row_div(m)):
         spec, reason = P(bspec_entry), "the batch: dimension 0 over the data-parallel axes"
       else:
         spec, reason = P(), "a batch argument whose dimension 0 does not split: replicated"
+      if lf.index in seq_dims:
+        entries = list(spec) + [None] * (len(lf.shape) - len(spec))
+        entries[seq_dims[lf.index]] = spec_entry(seq_axes)
+        spec = P(*entries)
+        reason = (f"the batch: dimension {seq_dims[lf.index]} (the sequence) over "
+                  f"{spec_entry(seq_axes)!r}" + (", dimension 0 over the data-parallel axes"
+                                                 if entries[0] is not None else ""))
     else:
       spec, reason = spec_of.get(lf.index, (P(), "replicated"))
     spec = trim(spec)

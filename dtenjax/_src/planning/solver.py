@@ -26,6 +26,7 @@ from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
 from dtenjax._src.planning.pricing import price_layout
 from dtenjax._src.planning.roles import BATCH_AXES
+from dtenjax._src.planning.roles import sequence
 from dtenjax._src.planning.roles import stage
 
 
@@ -42,12 +43,16 @@ class Problem:
   # per mesh axis: blocking seconds no layout choice changes (a pipeline's sends, roles.stage)
   fixed_blocking: dict[str, float] = dataclasses.field(default_factory=dict)
   donate: bool = False
+  # collective bytes per step no layout choice changes ("kind[axes]" -> bytes per participant:
+  # the keys' and values' gathers of roles.sequence)
+  fixed_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Problem | None:
   bdiv = batch_div(m)
+  rdiv = sequence.row_div(m)         # bdiv but the axes that split the sequence
   batch_leaves = [lf for lf in graph.leaves if lf.is_batch]
-  if bdiv > 1 and not any(splits_batch(lf, bdiv) for lf in batch_leaves):
+  if rdiv > 1 and not any(splits_batch(lf, rdiv) for lf in batch_leaves):
     return None
   pricer = Pricer(m, price)
   groups = [g for g in graph.groups]
@@ -61,7 +66,8 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
              sum(graph.carried.values()))
   compute = rest / bdiv / m.peak_flops
   fixed = {"activations": graph.activation_bytes / bdiv,
-           "batch": sum(lf.nbytes / (bdiv if splits_batch(lf, bdiv) else 1) for lf in batch_leaves)}
+           "batch": sum(lf.nbytes / (rdiv if splits_batch(lf, rdiv) else 1) /
+                        sequence.leaf_div(lf, m, graph) for lf in batch_leaves)}
 
   # one latency for the combined gradient all-reduce(s) (see price_layout)
   batch = [a for a in BATCH_AXES if m.size[a] > 1]
@@ -72,6 +78,7 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
       latency = max(latency, pricer("all_reduce", 1, ["data"], "float32"))
   prob = Problem(m, groups, cands, prices, compute, fixed, overlap, latency,
                  donate=bool(donate))
+  sequence.adjust(prob, graph, pricer)
   return _with_stages(prob, graph)
 
 
@@ -131,6 +138,8 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
         blocking += pr.ag_bwd
         nbytes["all_gather[tensor]"] = nbytes.get("all_gather[tensor]", 0.0) + pr.ag_bwd_bytes
   overlappable += prob.grad_latency_s
+  for k, v in prob.fixed_bytes.items():
+    nbytes[k] = nbytes.get(k, 0.0) + v
   for k, v in prob.fixed_blocking.items():
     comm[k] = comm.get(k, 0.0) + v
     blocking += v
@@ -160,7 +169,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   is whole (over ``tensor``'s shard) until it is reduced, except a ``lax.scan`` stack's under
   FSDP, which is reduce-scattered layer by layer inside the loop."""
   m = prob.m
-  bdiv = m.size["data"] * m.size["fsdp"]
+  bdiv = m.size["data"] * m.size["fsdp"] * m.size["sequence"]
   tensor = m.size["tensor"]
   sources, _ = pair_maps(graph)
   complete = set()

@@ -44,6 +44,7 @@ from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src.planning import boxes
 from dtenjax._src.planning import measure as measure_lib
+from dtenjax._src.planning import sequence as sequence_lib
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning.candidates import CandidateMesh
 from dtenjax._src.planning.candidates import mesh_shapes
@@ -59,6 +60,7 @@ from dtenjax._src.planning.result import StepPlan as StepPlan
 from dtenjax._src.planning.result import report
 from dtenjax._src.planning.roles import AXES as AXES
 from dtenjax._src.planning.roles import BATCH_AXES as BATCH_AXES
+from dtenjax._src.planning.roles import sequence as sequence_role
 from dtenjax._src.planning.roles import stage as stage_role
 from dtenjax._src.planning.solver import Problem
 from dtenjax._src.planning.solver import evaluate
@@ -143,10 +145,13 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     *args: example arguments: arrays or ``jax.ShapeDtypeStruct`` pytrees (``jax.eval_shape`` of
       the init gives them without allocating).
     mesh: None to let the planner propose the mesh; a dict ``{"data": 2, "fsdp": 4}`` of axis
-      sizes (axes among ``data``, ``stage``, ``fsdp``, ``tensor``) to plan on that shape; or a
-      ``jax.sharding.Mesh`` whose axes are named among those. A ``stage`` axis of more than one
-      device runs the step's scanned stack of layers as a pipeline (``plan.pipeline``: write the
-      step with :func:`dtenjax.pipeline`); proposed meshes try stages of whole hosts.
+      sizes (axes among ``data``, ``stage``, ``fsdp``, ``sequence``, ``expert``, ``tensor``) to
+      plan on that shape; or a ``jax.sharding.Mesh`` whose axes are named among those. A
+      ``stage`` axis of more than one device runs the step's scanned stack of layers as a
+      pipeline (``plan.pipeline``: write the step with :func:`dtenjax.pipeline`); proposed meshes
+      try stages of whole hosts. A ``sequence`` axis shards the batch's sequence dimension
+      (context parallelism; the step must have a self-attention over it, whose length the axis
+      divides).
     topology: the hardware (default: ``Topology.current()``; a fixture plans for a machine you
       are not on).
     memory_budget: bytes per device; default the smallest device memory less
@@ -204,6 +209,8 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   stack = graph.stack()
   topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology, graph,
                                                     stack[0] if stack else 0)
+  if fixed_mesh is not None:
+    sequence_lib.check_mesh(graph.sequence, fixed_mesh[AXES.index("sequence")])
   if recipe is not None:
     island = min((len(i) for i in topology.fast_islands()), default=1)
     shapes = [recipe_shape(recipe, len(ids), island)]
@@ -314,7 +321,8 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
                   time.perf_counter() - t0, len(problems), args, donate)
   chosen = dataclasses.replace(chosen, notes=chosen.notes + _stage_notes(graph, topology, ids,
                                                                          solved, prob, cost,
-                                                                         pruned))
+                                                                         pruned)
+                               + sequence_role.notes(graph, prob.m, cost))
   if not measure or recipe is not None:
     return chosen
   if chosen.pipeline is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dtenjax._src.planning.roles import data
 from dtenjax._src.planning.roles import expert
 from dtenjax._src.planning.roles import fsdp
+from dtenjax._src.planning.roles import sequence
 from dtenjax._src.planning.roles import stage
 from dtenjax._src.planning.roles import tensor
 from dtenjax._src.planning.roles.base import Role
@@ -24,6 +25,7 @@ REGISTRY: tuple[Role, ...] = (
     data.ROLE,
     stage.ROLE,
     fsdp.ROLE,
+    sequence.ROLE,
     expert.ROLE,
     tensor.ROLE,
 )
@@ -33,3 +35,5 @@ BATCH_AXES = tuple(r.name for r in REGISTRY if r.splits_batch)
 BY_NAME = {r.name: r for r in REGISTRY}
 # batch axes whose weight shards stay put for their products, the tokens routed to them
 ROUTED_AXES = tuple(r.name for r in REGISTRY if r.routes and r.splits_batch)
+# batch axes that split the batch's sequence dimension instead of its dimension 0
+SEQUENCE_AXES = tuple(r.name for r in REGISTRY if r.sequence and r.splits_batch)

@@ -43,6 +43,9 @@ class Role:
   # a group it offers an option for must take one (on a mesh where its axis has more than one
   # device): a pipeline's stages hold every layer of the stack, none holds them all
   mandatory: bool = False
+  # it splits the batch's work along the batch's sequence dimension (planning/sequence.py), not
+  # along dimension 0: context parallelism
+  sequence: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,206 @@
+"""The tensor-parallel pairs of a step: a free dimension of one weight's product followed
+through elementwise ops, reshapes, transposes and the batch and free dimensions of later products,
+until a product with another weight contracts it. These are the column-parallel / row-parallel
+pairs of Megatron-style tensor parallelism (the MLP's two kernels, the attention's q/k/v and
+output kernels), whose activation between them stays sharded. The walk also records the products
+between activations the dimension passes through unreduced (attention's score and value products
+under head sharding, which split with it) and the values that carry it (its *cone*, the
+activation bytes sharded with it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from dtenjax._src import jaxapi
+from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
+from dtenjax._src.planning.jaxpr_reader import Reader
+from dtenjax._src.planning.jaxpr_reader import is_var
+from dtenjax._src.planning.jaxpr_reader import sub_jaxprs
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  """``src``'s free dimension ``src_dim`` flows, unreduced, into a product with ``dst`` that
+  contracts ``dst``'s dimension ``dst_dim``."""
+  src: int
+  src_dim: int
+  dst: int
+  dst_dim: int
+
+
+def find_pairs(reader: Reader) -> tuple[tuple[Pair, ...], dict[tuple[int, int], float],
+                                         dict[tuple[int, int], set[Any]]]:
+  """The pairs the walked step holds (sorted), the flops of the activation products each
+  ``(leaf, free dim)`` splits when sharded (a product reached from several is split among them),
+  and each paired ``(leaf, free dim)``'s cone: the values sharded with it."""
+  pairs = []
+  reached: dict[int, list[tuple[int, int]]] = {}     # product -> the sources that split it
+  cones: dict[tuple[int, int], set[Any]] = {}        # (source, dim) -> values sharded with it
+  for leaf, use in sorted(reader.weights.items()):
+    eqn, side, dims, frames = reader.first_out[leaf]
+    if eqn.primitive.name != "dot_general":
+      continue
+    for k in use.free:
+      j = _out_dim_of(eqn, side, dims, k)
+      if j is not None:
+        found, through, cone = _follow(reader, leaf, k, eqn.outvars[0], j, frames)
+        pairs.extend(found)
+        if found:
+          cones[(leaf, k)] = cone
+        for e in through:
+          reached.setdefault(e, []).append((leaf, k))
+  carried: dict[tuple[int, int], float] = {}
+  for e, srcs in reached.items():
+    for key in srcs:
+      carried[key] = carried.get(key, 0.0) + reader.eqn_flops.get(e, 0.0) / len(srcs)
+  ordered = tuple(sorted(set(pairs), key=lambda p: (p.src, p.src_dim, p.dst, p.dst_dim)))
+  return ordered, carried, cones
+
+
+def _out_dim_of(eqn, side: int, leaf_dims, leaf_dim: int) -> int | None:
+  """The output dimension of a dot_general that holds ``leaf_dim`` of operand ``side``."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  nl, nr = len(eqn.invars[0].aval.shape), len(eqn.invars[1].aval.shape)
+  lfree = [d for d in range(nl) if d not in lc and d not in lb]
+  rfree = [d for d in range(nr) if d not in rc and d not in rb]
+  layout = [("b", k) for k in range(len(lb))] + [("l", d) for d in lfree] + [("r", d) for d in rfree]
+  for k, d in enumerate(leaf_dims):
+    if d == leaf_dim:
+      want = ("l", k) if side == 0 else ("r", k)
+      return layout.index(want) if want in layout else None
+  return None
+
+
+def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tuple = (),
+            budget: int = 4000) -> tuple[list[Pair], set[int], set[Any]]:
+  """Pairs reached from ``start``'s dimension ``dim`` (see the module docstring), the products
+  between activations that the dimension passes through unreduced (attention's score and value
+  products under head sharding), which split with it, and the values that carry it. ``frames``
+  are the calls ``start`` is inside (:attr:`Reader.frames`): a body shared by several calls
+  leaves through the call it was entered from."""
+  pairs, todo, seen = [], [(start, dim, tuple(frames))], set()
+  carried: set[int] = set()
+  dirty = False
+  while todo and budget > 0 and not dirty:
+    var, d, ctx = todo.pop()
+    key = (var, d, tuple(id(e) for e, _ in ctx))
+    if key in seen:
+      continue
+    seen.add(key)
+    budget -= 1
+    nxt = []
+    if ctx:
+      call, body = ctx[-1]
+      n_carry = jaxapi.scan_counts(call)[1] if call.primitive.name == "scan" else 0
+      for k, o in enumerate(body.outvars):
+        if o is var and k < len(call.outvars):
+          # a scan's stacked outputs (after the carry) gain the leading length dimension
+          shift = 1 if call.primitive.name == "scan" and k >= n_carry else 0
+          todo.append((call.outvars[k], d + shift, ctx[:-1]))
+    elif var in reader.outer_of_outvar:
+      outer, shift = reader.outer_of_outvar[var]
+      nxt.append((outer, d + shift))
+    for eqn, pos in reader.uses.get(var, ()):
+      name = eqn.primitive.name
+      out = eqn.outvars[0] if eqn.outvars else None
+      shape = tuple(var.aval.shape)
+      if d >= len(shape):     # a use that does not see the followed dimension (jax 0.11's jaxprs)
+        continue
+      if name in ELEMENTWISE:
+        if out is not None and tuple(out.aval.shape) == shape:
+          nxt.extend((o, d) for o in eqn.outvars)
+      elif name == "transpose":
+        nxt.append((out, list(eqn.params["permutation"]).index(d)))
+      elif name == "reshape":
+        new = tuple(out.aval.shape)
+        m = _reshape_dim(shape, new, d)
+        if m is not None:
+          nxt.append((out, m))
+      elif name == "broadcast_in_dim":
+        nxt.append((out, eqn.params["broadcast_dimensions"][d]))
+      elif name in ("reduce_max", "reduce_sum", "reduce_min", "argmax", "reduce_and", "reduce_or"):
+        axes = tuple(eqn.params.get("axes", ()))
+        if d in axes:
+          dirty = True
+        else:
+          nxt.append((out, d - sum(1 for a in axes if a < d)))
+      elif name == "dot_general":
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        mine_c, mine_b = (lc, lb) if pos == 0 else (rc, rb)
+        other_c = rc if pos == 0 else lc
+        other = eqn.invars[1 - pos]
+        if d in mine_c:
+          org = _origin_in(reader, other, ctx)
+          if org is None:
+            dirty = True          # a partial sum of activations: needs the gathered value
+          elif org[0] != src and org[0] in reader.weights:
+            leaf_dim = org[1][other_c[list(mine_c).index(d)]]
+            if leaf_dim is not None and leaf_dim in reader.weights[org[0]].contracted:
+              pairs.append(Pair(src, src_dim, org[0], leaf_dim))
+        else:
+          nl = len(eqn.invars[0].aval.shape)
+          nr = len(eqn.invars[1].aval.shape)
+          lfree = [k for k in range(nl) if k not in lc and k not in lb]
+          rfree = [k for k in range(nr) if k not in rc and k not in rb]
+          if _origin_in(reader, other, ctx) is None:
+            carried.add(id(eqn))
+          if d in mine_b:
+            nxt.append((out, list(mine_b).index(d)))
+          else:
+            base = len(lb) + (0 if pos == 0 else len(lfree))
+            free = lfree if pos == 0 else rfree
+            nxt.append((out, base + free.index(d)))
+      elif eqn.params.get("jaxpr") is not None or name in ("scan", "while", "cond"):
+        for sub, _ in sub_jaxprs(eqn):
+          k = pos - (1 if name == "cond" else 0)
+          inner_ctx = ctx + ((eqn, sub),)
+          if 0 <= k < len(sub.invars):
+            inner = sub.invars[k]
+            if name == "scan" and k >= sum(jaxapi.scan_counts(eqn)):
+              if d == 0:
+                continue
+              todo.append((inner, d - 1, inner_ctx))
+            else:
+              todo.append((inner, d, inner_ctx))
+    todo.extend((v, dd, ctx) for v, dd in nxt if v is not None and is_var(v))
+  if dirty or todo:
+    return [], set(), set()
+  return pairs, carried, {v for v, _, _ in seen}
+
+
+def _origin_in(reader: Reader, var, ctx: tuple):
+  """The (leaf, dims) a product operand stands for at one call site (a body's input stands for
+  the call's operand there), or None for an activation."""
+  while ctx:
+    call, body = ctx[-1]
+    k = next((k for k, v in enumerate(body.invars) if v is var), None)
+    if k is None:
+      break
+    outer = list(call.invars)[k + (1 if call.primitive.name == "cond" else 0)]
+    if not is_var(outer):
+      return None
+    org = _origin_in(reader, outer, ctx[:-1])
+    if org is not None and call.primitive.name == "scan" and k >= sum(jaxapi.scan_counts(call)):
+      org = (org[0], org[1][1:])                      # one layer of a stacked leaf
+    return org
+  return reader.origin_all.get(var)
+
+
+def _reshape_dim(old: tuple[int, ...], new: tuple[int, ...], d: int) -> int | None:
+  """Where dimension ``d`` of ``old`` goes in ``new`` when it keeps its size or splits with it
+  leading (features -> heads x head_dim), or merges as the leading part; None otherwise."""
+  before = math.prod(old[:d])
+  acc = 1
+  for k, s in enumerate(new):
+    if acc == before:
+      if s == old[d] or (s > 1 and old[d] % s == 0) or (s % old[d] == 0 and
+                                                         math.prod(old[d + 1:]) % (s // old[d]) == 0):
+        return k
+      return None
+    acc *= s
+    if acc > before:
+      return None
+  return None

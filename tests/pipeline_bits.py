@@ -4,8 +4,9 @@ reproducible sum; prints one JSON line per configuration with the digests of bot
 and updated parameters (layers back in layer order).
 
 ``python tests/pipeline_bits.py STAGES[xDATA]:SCHEDULE[:remat] ...`` (SCHEDULE gpipe, 1f1b or
-interleaved; ``remat`` wraps the layer in ``jax.checkpoint``) on 8 devices: each configuration
-uses the first ``stages x data`` devices (``data`` defaults to ``8 / stages``), ``MICRO``
+interleaved; ``remat`` wraps the layer in ``jax.checkpoint``) on the process's devices (8, or 16
+for 8 stages x 2 data shards): each configuration uses the first ``stages x data`` devices
+(``data`` defaults to all devices / ``stages``), ``MICRO``
 micro-batches of ``ROWS`` sequences per data shard; configurations with the same ``data`` share
 one unpipelined run. Used by ``tests/test_pipeline.py`` (with ``--xla_cpu_max_isa=AVX``, so the bits do not
 depend on how XLA fuses the two programs) and by the multi-process worker

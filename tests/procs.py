@@ -5,6 +5,11 @@ scripts/test.sh runs two pytest-xdist workers on a 2-core machine; two such test
 many busy processes on 2 cores (their timeouts were chosen for one test at a time), so they share
 the group ``procs`` (tests/conftest.py adds it to every ``multiprocess`` test) and run one after
 another in one worker while the other worker goes on with the rest.
+
+A test that starts one busy process at a time (a fresh process for a process-wide flag such as
+``--xla_cpu_max_isa=AVX``, processes run one after another) keeps one core busy while pytest
+waits for it, as a test in the pytest process does: it stays out of the group, so that the
+group's worker, which runs every test of the group in a row, is not the last to finish.
 """
 
 import subprocess

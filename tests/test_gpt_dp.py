@@ -71,8 +71,9 @@ def _curves_on(counts):
   return out
 
 
+# One fresh process (the AVX flag), which keeps one core busy while this test waits for it: no
+# more load than a test in the pytest process, so outside the "procs" group (tests/procs.py).
 @pytest.mark.timeout(600)    # about 26 s on a free core; far longer on a machine others load
-@procs.PROCS     # a process of its own (the AVX flag)
 def test_reproducible_curves_have_the_same_bits_on_2_4_and_8_devices():
   runs = _curves_on((8, 1, 4, 2))
   digests = {n: d for n, (_, d) in runs.items() if n > 1}

@@ -225,17 +225,18 @@ def test_loss_and_gradients_match_the_accumulation_loop_within_float_tolerance()
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-# In this process's fixture: 4 and 8 stages; 2 stages (1F1B, 2 data shards) run across 2
-# processes below, against the same 2-shard reference (one compile of the pipelined step fewer:
-# each costs about 6 s of CPU on the 2-core machine, whatever the model's size).
-BITS_CONFIGS = ("4x2:interleaved", "8x1:gpipe")
+# In this process's fixture: 4 and 8 stages, each with 2 data shards (16 simulated devices), so
+# that one unpipelined step with 2 data shards is the reference of both and of the multi-process
+# test below (each pipelined or unpipelined step costs about 6 s of XLA:CPU compile on the 2-core
+# machine whatever the model's size: some 500 fused kernels, each compiled by LLVM on its own).
+BITS_CONFIGS = ("4x2:interleaved", "8x2:gpipe")
 
 
 @pytest.fixture(scope="module")
 def bits():
   """tests/pipeline_bits.py in a fresh process with --xla_cpu_max_isa=AVX: per configuration the
   digests of the pipelined and the unpipelined step."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX",
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16 --xla_cpu_max_isa=AVX",
              JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
   out = run_at_once({"bits": ([str(ROOT / "tests" / "pipeline_bits.py"), *BITS_CONFIGS], env)},
                     600)["bits"]
@@ -245,33 +246,41 @@ def bits():
 @pytest.mark.multiprocess
 def test_pipelined_step_has_the_unpipelined_steps_bits(bits):
   """One adamw step of the small Llama with data-parallel gradients through the reproducible sum:
-  pipelined over 4 stages x 2 data shards (interleaved) and 8 stages (GPipe), and unpipelined
-  with the same micro-batches, give the same loss and parameters, bit for bit. (2 stages with
-  1F1B: the test below, across 2 processes. The whole 3 x 3 matrix, and jax.checkpoint around
-  the layer: docs/pipeline.md.)"""
+  pipelined over 4 stages x 2 data shards (interleaved) and 8 stages x 2 data shards (GPipe),
+  and unpipelined with the same micro-batches, give the same loss and parameters, bit for bit.
+  (4 stages with GPipe and 2 stages with 1F1B: the test below, across 4 and 2 processes. The
+  whole 3 x 3 matrix, and jax.checkpoint around the layer: docs/pipeline.md.)"""
   assert sorted(bits) == sorted(BITS_CONFIGS)
+  assert len({r["reference"] for r in bits.values()}) == 1       # one reference for both
   for r in bits.values():
     assert r["pipelined"] == r["reference"], r
 
 
+# The processes' configurations: 4 stages (GPipe) across all 4 processes, then 2 stages (1F1B)
+# across the first 2 (the others skip it): one set of processes for both.
+PROCESS_CONFIGS = {"4:gpipe": 4, "2:1f1b": 2}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nprocs,stages,schedule,same_as", [(2, 2, "1f1b", "4x2:interleaved"),
-                                                            (4, 4, "gpipe", "4x2:interleaved")])
-def test_stages_in_separate_processes_give_the_same_bits(bits, tmp_path, nprocs, stages, schedule,
-                                                         same_as):
-  """The same step with its stage axis across 2 and 4 processes (jax.distributed on 127.0.0.1,
-  2 CPU devices each: 2 data shards per stage, XLA's collective-permute over gloo) has the bits
-  of the unpipelined step with 2 data shards in one process (the fixture's reference); every
-  process says which path its stages took and why."""
+@pytest.mark.slow
+def test_stages_in_separate_processes_give_the_same_bits(bits, tmp_path):
+  """The same step with its stage axis across 4 processes (GPipe) and across 2 of them (1F1B)
+  (jax.distributed on 127.0.0.1, 2 CPU devices each: 2 data shards per stage, XLA's
+  collective-permute over gloo) has the bits of the unpipelined step with 2 data shards in one
+  process (the fixture's reference); every process says which path its stages took and why."""
   from mp_workers import launch  # pylint: disable=g-import-not-at-top
   codes, results, logs = launch.launch(
-      "tests.mp_workers.pipeline_worker", nprocs, str(tmp_path), devices_per_proc=2,
-      timeout_s=300, args=[str(stages), schedule],
+      "tests.mp_workers.pipeline_worker", 4, str(tmp_path), devices_per_proc=2,
+      timeout_s=420, args=list(PROCESS_CONFIGS),
       env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_max_isa=AVX"})
-  assert codes == [0] * nprocs, [log[-2000:] for log in logs]
+  assert codes == [0] * 4, [log[-2000:] for log in logs]
+  want = bits["4x2:interleaved"]["reference"]
   for r in results:
-    assert r["digest"] == bits[same_as]["reference"], r
-    assert (r["path"], r["processes"]) == ("xla", nprocs) and "gloo" in r["reason"], r
+    assert sorted(r["runs"]) == sorted(c for c, n in PROCESS_CONFIGS.items() if r["rank"] < n), r
+    for config, run in r["runs"].items():
+      assert run["digest"] == want, (config, r)
+      assert (run["path"], run["processes"]) == ("xla", PROCESS_CONFIGS[config]), (config, r)
+      assert "gloo" in run["reason"], (config, r)
 
 
 def test_transport_choice_says_which_path_and_why():

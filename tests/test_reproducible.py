@@ -1,6 +1,5 @@
 """Tests of dtenjax.reproducible_step: whole-step bit identity across differently fused programs."""
 
-import concurrent.futures
 import functools
 import pathlib
 import sys
@@ -15,7 +14,6 @@ from dtenjax._src.planning import reproducible
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import reproducible_step as bench
-import procs
 
 
 def _cpu_has_fma() -> bool:
@@ -110,24 +108,22 @@ def test_jits_with_the_pinned_options_and_checks_user_options():
 
 
 @pytest.mark.slow
-@procs.PROCS     # two processes
 def test_fused_and_unfused_steps_agree_bit_for_bit_with_it():
   """The same adamw step around substitute_psum and fuse_collectives(64 KiB): identical
   parameters after 5 steps under reproducible_step (its process flag set); without it they
   differ (measured: 1067 of 26,378 parameters, bench/reproducible_step.py) on a CPU with FMA."""
   variants = ("subst one_shot", "fuse 64KiB", "subst two_shot")
   fma = _cpu_has_fma()
-  # Both fresh processes at once (each is mostly single-threaded compilation).
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    runs = {mode: pool.submit(bench.run_mode, mode, 5, variants)
-            for mode in ("reproducible_step", "jax.jit")[:2 if fma else 1]}
-  pinned = runs["reproducible_step"].result()
+  # One fresh process after the other (each is mostly single-threaded compilation): one busy
+  # process at a time, no more load than a test in the pytest process, so this test stays out of
+  # the "procs" group (tests/procs.py) and runs beside it.
+  pinned = bench.run_mode("reproducible_step", 5, variants)
   assert pinned["xla_flags"].endswith("--xla_cpu_max_isa=AVX")
   for v in variants:
     assert pinned["diffs"][v] == {"1": 0, "5": 0}, (v, pinned["diffs"])
   if not fma:
     pytest.skip("this CPU has no FMA, so plain jax.jit cannot show the difference")
-  plain = runs["jax.jit"].result()
+  plain = bench.run_mode("jax.jit", 5, variants)
   # Which variant XLA contracts differently depends on its fusions (the buckets' copies out at
   # run-time offsets, base.opaque, changed the 64 KiB one's): at least one differs.
   assert any(plain["diffs"][v]["5"] > 0 for v in variants), plain["diffs"]

@@ -1,8 +1,12 @@
 """Worker of tests/test_checkpoint.py: trains, saves and restores in a fresh process (one of
 several under jax.distributed when DTENJAX_TEST_COORDINATOR is set).
 
-  python -m tests.mp_workers.checkpoint_worker train --steps N [--restore DIR] [--save DIR]
+  python -m tests.mp_workers.checkpoint_worker train --steps N [--restore DIR] [--save DIR] \
+      [--geometry CKPT_DIR]
   python -m tests.mp_workers.checkpoint_worker geometry CKPT_DIR
+
+(``train ... --geometry CKPT_DIR`` does both in the same processes, the geometry's result under
+the key ``geometry``: one set of processes for both of the multi-process tests.)
 
 The result is one JSON line on stdout, or (under jax.distributed) tests/mp_workers/common.py's
 rank file.
@@ -148,6 +152,8 @@ def main() -> None:
     args = sys.argv[2:]
     opt = {args[i]: args[i + 1] for i in range(0, len(args), 2)}
     result = train(int(opt["--steps"]), opt.get("--restore"), opt.get("--save"))
+    if "--geometry" in opt:
+      result["geometry"] = geometry(opt["--geometry"])
   else:
     result = geometry(sys.argv[2])
   if _multi():

@@ -1,8 +1,10 @@
 """One process of the pipeline's multi-process test: jax.distributed on the test's coordinator
-(XLA's CPU collectives over gloo), then one pipelined training step of tests/pipeline_bits.py
-whose stage axis spans the processes (the mesh is process-major: stage s on process s's devices
-when there are as many processes as stages). Writes the digest of the loss and updated
-parameters, and the transport the pipeline chose."""
+(XLA's CPU collectives over gloo), then, per ``STAGES:SCHEDULE`` argument, one pipelined training
+step of tests/pipeline_bits.py whose stage axis spans the first ``STAGES`` processes (one stage
+per process, on its devices: the mesh is process-major); processes beyond them skip it. Writes
+per configuration the digest of the loss and updated parameters, and the transport the pipeline
+chose. One set of processes thus checks the stage axis across 4 processes and across 2 (the
+first two), paying for the processes' start once."""
 
 import sys
 
@@ -16,13 +18,22 @@ def main():
   rank, nprocs = common.init()
   import dtenjax  # pylint: disable=g-import-not-at-top
   from tests import pipeline_bits  # pylint: disable=g-import-not-at-top
-  stages, schedule = int(sys.argv[1]), sys.argv[2]
-  devices = jax.devices()
-  mesh = jax.sharding.Mesh(pipeline_bits.np.asarray(devices).reshape(stages, -1), ("stage", "data"))
-  choice = dtenjax.pipeline_transport(mesh)
-  digest = pipeline_bits.pipelined(stages, schedule, devices)
-  common.finish({"rank": rank, "nprocs": nprocs, "digest": digest, "path": choice.path,
-                 "processes": choice.processes, "reason": choice.reason})
+  out = {}
+  for spec in sys.argv[1:]:
+    stages, schedule = spec.split(":")
+    stages = int(stages)
+    if rank >= stages:          # not one of this configuration's processes
+      continue
+    devices = jax.devices()[:stages * jax.local_device_count()]
+    mesh = jax.sharding.Mesh(pipeline_bits.np.asarray(devices).reshape(stages, -1),
+                             ("stage", "data"))
+    choice = dtenjax.pipeline_transport(mesh)
+    out[spec] = {"digest": pipeline_bits.pipelined(stages, schedule, devices),
+                 "path": choice.path, "processes": choice.processes, "reason": choice.reason}
+  # a process that leaves early would look crashed to the coordination service, which then ends
+  # the others: every process stays until all are done
+  common.barrier("pipeline-done", timeout_s=300)
+  common.finish({"rank": rank, "nprocs": nprocs, "runs": out})
 
 
 if __name__ == "__main__":

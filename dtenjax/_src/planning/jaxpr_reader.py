@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import jax
+import jax.extend.core as jcore
 import numpy as np
 
 from dtenjax._src import jaxapi
@@ -84,7 +84,7 @@ class _UnionFind:
 
 
 def is_var(v) -> bool:
-  return not isinstance(v, jax.extend.core.Literal)
+  return not isinstance(v, jcore.Literal)
 
 
 def nbytes(aval) -> int:
@@ -120,6 +120,9 @@ class Reader:
     self.weights: dict[int, WeightUse] = {}
     self.partner: dict[int, Any] = {}     # weight leaf -> the activation its first product reads
     self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...], tuple]] = {}
+    # weight leaf -> every dot_general that reads it, as first_out (the forward recomputed in
+    # the backward under jax.checkpoint, the other depths of a weight shared across layers)
+    self.reads: dict[int, list[tuple[Any, int, tuple[int | None, ...], tuple]]] = {}
     self.leaf_flops: dict[int, float] = {}
     self.shape_flops: dict[tuple[int, ...], float] = {}   # products whose result has this shape
     self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
@@ -269,7 +272,11 @@ class Reader:
       self.leaf_reads[leaf] = self.leaf_reads.get(leaf, 0) + 1
       if self.remat_depth:
         self.remat_read.add(leaf)
-      if leaf in self.weights or self.leaves[leaf].is_batch:
+      if self.leaves[leaf].is_batch:
+        continue
+      if name == "dot_general":
+        self.reads.setdefault(leaf, []).append((eqn, side, dims, self.frames))
+      if leaf in self.weights:
         continue
       self.weights[leaf] = WeightUse(
           leaf=leaf,

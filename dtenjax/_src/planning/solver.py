@@ -184,6 +184,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if not prob.donate:
       outputs.extend(graph.leaves[i].nbytes / shards for i in g)
   values = []
+  bodies: dict[int, tuple[float, stepgraph.Live]] = {}
   for v in graph.timeline:
     if v.grad is not None:
       sizes = grad_sizes.get(v.grad)
@@ -192,8 +193,12 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       nb = v.nbytes / bdiv
       if tensor > 1 and any(k in complete for k in v.owners):
         nb /= tensor
-    if nb > 0:
+    if v.body:           # a loop body's values at its peak, each sized, placed as one block
+      total, first = bodies.get(v.start, (0.0, v))
+      bodies[v.start] = (total + nb, first)
+    elif nb > 0:
       values.append((nb, v))
+  values.extend((nb, v) for nb, v in bodies.values() if nb > 0)
   # XLA's buffer assignment: live-out buffers first, then the rest largest first, each into the
   # first existing buffer it fits that holds nothing live at the same time
   outputs.sort(reverse=True)

@@ -143,8 +143,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # a leaf both looked up (gather) and multiplied (tied embeddings) has two gradient parts,
   # which XLA synchronises separately before adding them (seen on XLA:CPU)
   parts = 2 if (use is not None and primary.index in graph.gathered) else 1
-  # a weight read at several depths (shared across layers) has one gradient part per read
-  parts = max(parts, use.grad_parts if use is not None else 1)
+  # a weight read at several depths (shared across layers) has one gradient part per read:
+  # XLA:CPU reduces each part on its own before adding them; XLA's GPU compiler adds the parts
+  # first and reduces their sum once (compiled for a mocked 8-GPU host: 8 MiB of all-reduce on
+  # the shared family's DP step, where one reduction per use would be 28)
+  uses = use.grad_parts if use is not None and pricer.backend == "cpu" else 1
+  parts = max(parts, uses)
   # gradient synchronisation
   if batch:
     if zero:
@@ -152,9 +156,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # XLA:CPU lowers a reduce-scatter as an all-reduce of the whole gradient followed by a
       # slice; the GPU compiler keeps the reduce-scatter: price what the plan's backend runs
       rs = "all_reduce" if pricer.backend == "cpu" else "reduce_scatter"
-      # a weight shared across layers: each use's gradient reduced on its own (not a tied
-      # embedding's lookup part, which XLA scatters into the sharded table)
-      uses = use.grad_parts if use is not None else 1
+      # a weight shared across layers: on CPU each use's gradient reduced on its own (not a
+      # tied embedding's lookup part, which XLA scatters into the sharded table)
       # XLA:CPU combines these all-reduces with the others after the backward (5 in all for a
       # scanned decoder's FSDP step, as for DP)
       time = pricer.share if rs == "all_reduce" else pricer

@@ -128,6 +128,7 @@ class Reader:
     self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
     self.ties = _UnionFind()
     self.flops = 0.0
+    self.products = 0                         # products run per step (loop trips counted)
     self.gathered: set[int] = set()
     # leaf -> (its dimensions a gather indexes, bytes the gathers read out of it per step)
     self.lookups: dict[int, tuple[tuple[int, ...], int]] = {}
@@ -260,6 +261,7 @@ class Reader:
       lspec = dn.lhs_spec
       sides = ((1, tuple(rspec[1:]), (), (rspec[0],), lhs, (lspec[0], *lspec[2:])),)
     self.flops += flops
+    self.products += repeats
     self.eqn_flops[id(eqn)] = flops
     out_shape = tuple(eqn.outvars[0].aval.shape)
     self.shape_flops[out_shape] = self.shape_flops.get(out_shape, 0.0) + flops

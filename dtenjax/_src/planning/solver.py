@@ -49,7 +49,10 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
   batch_leaves = [lf for lf in graph.leaves if lf.is_batch]
   if bdiv > 1 and not any(splits_batch(lf, bdiv) for lf in batch_leaves):
     return None
-  pricer = Pricer(m, price)
+  # the compute per device between two collectives is about one product's (the step's
+  # products split over every device): what a collective's meeting can cost at most
+  between = graph.flops / max(1, graph.products) / m.ids.size / m.peak_flops
+  pricer = Pricer(m, price, between)
   groups = [g for g in graph.groups]
   cands, prices = [], []
   for g in groups:

@@ -26,6 +26,7 @@ from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
 from dtenjax._src.planning.pricing import price_layout
 from dtenjax._src.planning.roles import BATCH_AXES
+from dtenjax._src.planning.roles import ROUTED_AXES
 from dtenjax._src.planning.roles import stage
 
 
@@ -163,7 +164,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   is whole (over ``tensor``'s shard) until it is reduced, except a ``lax.scan`` stack's under
   FSDP, which is reduce-scattered layer by layer inside the loop."""
   m = prob.m
-  bdiv = m.size["data"] * m.size["fsdp"]
+  bdiv = batch_div(m)             # every axis that splits the batch (data, fsdp, expert)
   tensor = m.size["tensor"]
   sources, _ = pair_maps(graph)
   complete = set()
@@ -180,6 +181,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     use = graph.weights.get(g[0])
     zero = any(a in used and m.size[a] > 1 for a in BATCH_AXES)
     t_shard = tensor if "tensor" in used else 1
+    # a routed axis's shards (expert) hold complete gradients where they lie
+    t_shard *= math.prod(m.size[a] for a in ROUTED_AXES if a in used)
     per_device = (primary.nbytes / shards if zero and use is not None and use.layers > 1
                   else primary.nbytes / t_shard)
     for shape in (primary.shape, tuple(reversed(primary.shape))):

@@ -1,6 +1,7 @@
 """roles/tensor.py's price: column-parallel weights that read the same input (attention's q, k and
-v; an MLP's gate and up) share one all-reduce of that input's gradient, as XLA compiles them (its
-all-reduce reassociation adds the partial gradients first)."""
+v; an MLP's gate and up) share one all-reduce of that input's gradient. XLA:CPU compiles it as one
+tuple all-reduce of the three partial gradients (one meeting of the devices, each operand's
+bytes); XLA's GPU compiler reassociates all-reduce(a) + all-reduce(b) into all-reduce(a + b)."""
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,8 @@ def _step(params, batch):
     x = jnp.tanh(batch @ p["w0"])                     # depends on the state: its gradient flows
     q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]   # three column-parallel reads of x
     return jnp.sum(((jnp.tanh(q) * k + v) @ p["wo"]) ** 2)
-  g = jax.grad(loss)(params)
-  return jax.tree.map(lambda w, d: w - 1e-3 * d, params, g), loss(params)
+  value, g = jax.value_and_grad(loss)(params)
+  return jax.tree.map(lambda w, d: w - 1e-3 * d, params, g), value
 
 
 def _args():
@@ -36,8 +37,9 @@ def test_weights_reading_one_input_are_siblings():
 
 def test_the_shared_input_gradient_is_priced_as_one_all_reduce_as_compiled(cpu_devices):
   """Megatron on tensor = 2: q, k, v column-parallel, wo row-parallel. XLA:CPU compiles one
-  all-reduce for x's gradient (not three) and one for wo's output; the plan's all-reduce bytes
-  match the compiled ones within 10 %."""
+  all-reduce instruction for x's gradient, a tuple of its three partial sums (jax 0.10.2), and
+  one for wo's output; the plan's all-reduce bytes match the compiled ones within 2 % (pricing
+  the three partial sums as one reduced sum had the tensor axis's bytes at half the compiled)."""
   del cpu_devices
   params, batch = _args()
   col, row = P(None, "tensor"), P("tensor", None)
@@ -45,4 +47,4 @@ def test_the_shared_input_gradient_is_priced_as_one_all_reduce_as_compiled(cpu_d
   plan = dtenjax.plan(_step, params, batch, mesh={"data": 4, "tensor": 2}, pinned=pins)
   check = plan.check(_step, params, batch)
   assert check.compiled_bytes.get("all_reduce", 0) > 0
-  assert check.kind_errors["all_reduce"] < 0.10, check.table()
+  assert check.kind_errors["all_reduce"] < 0.02, check.table()

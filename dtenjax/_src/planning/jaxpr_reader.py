@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import jax
+import jax.extend.core as jcore
 import numpy as np
 
 from dtenjax._src import jaxapi
@@ -84,7 +84,7 @@ class _UnionFind:
 
 
 def is_var(v) -> bool:
-  return not isinstance(v, jax.extend.core.Literal)
+  return not isinstance(v, jcore.Literal)
 
 
 def nbytes(aval) -> int:
@@ -120,11 +120,15 @@ class Reader:
     self.weights: dict[int, WeightUse] = {}
     self.partner: dict[int, Any] = {}     # weight leaf -> the activation its first product reads
     self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...], tuple]] = {}
+    # weight leaf -> every dot_general that reads it, as first_out (the forward recomputed in
+    # the backward under jax.checkpoint, the other depths of a weight shared across layers)
+    self.reads: dict[int, list[tuple[Any, int, tuple[int | None, ...], tuple]]] = {}
     self.leaf_flops: dict[int, float] = {}
     self.shape_flops: dict[tuple[int, ...], float] = {}   # products whose result has this shape
     self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
     self.ties = _UnionFind()
     self.flops = 0.0
+    self.products = 0                         # products run per step (loop trips counted)
     self.gathered: set[int] = set()
     # leaf -> (its dimensions a gather indexes, bytes the gathers read out of it per step)
     self.lookups: dict[int, tuple[tuple[int, ...], int]] = {}
@@ -257,6 +261,7 @@ class Reader:
       lspec = dn.lhs_spec
       sides = ((1, tuple(rspec[1:]), (), (rspec[0],), lhs, (lspec[0], *lspec[2:])),)
     self.flops += flops
+    self.products += repeats
     self.eqn_flops[id(eqn)] = flops
     out_shape = tuple(eqn.outvars[0].aval.shape)
     self.shape_flops[out_shape] = self.shape_flops.get(out_shape, 0.0) + flops
@@ -269,7 +274,11 @@ class Reader:
       self.leaf_reads[leaf] = self.leaf_reads.get(leaf, 0) + 1
       if self.remat_depth:
         self.remat_read.add(leaf)
-      if leaf in self.weights or self.leaves[leaf].is_batch:
+      if self.leaves[leaf].is_batch:
+        continue
+      if name == "dot_general":
+        self.reads.setdefault(leaf, []).append((eqn, side, dims, self.frames))
+      if leaf in self.weights:
         continue
       self.weights[leaf] = WeightUse(
           leaf=leaf,

@@ -46,6 +46,9 @@ class Live:
   nbytes: int                          # global
   grad: tuple[int, ...] | None = None  # a state leaf's shape: a gradient (sized by its layout)
   owners: tuple[tuple[int, int], ...] = ()   # (leaf, free dim) cones that shard it (pairs)
+  # one of the values live at the peak of the body of the call at ``start`` (a loop's, whose
+  # values are placed together, as one block, while it runs)
+  body: bool = False
 
 
 def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], set[Any]]
@@ -57,7 +60,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   state_shapes = {lf.shape for lf in leaves if not lf.is_batch and len(lf.shape) >= 2}
   batch_vars = {v for lf, v in zip(leaves, jaxpr.invars) if lf.is_batch}
   counted: dict[Any, int] = {}
-  lives: list[tuple[Any, int, int, int, tuple[int, ...] | None]] = []
+  lives: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] = []
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives)
   owners: dict[Any, int] = {}
   for cone in cones.values():
@@ -72,20 +75,29 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
     for v in cone:
       cone_keys.setdefault(v, []).append(key)
   timeline = tuple(Live(start, end, nb, grad, tuple(cone_keys.get(v, ())) if v is not None
-                        else ())
-                   for v, start, end, nb, grad in lives)
+                        else (), body)
+                   for v, start, end, nb, grad, body in lives)
   return int(act), act_share, timeline
 
 
 def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
-              counted: dict[Any, int] | None = None,
-              timeline: list[tuple[Any, int, int, int, tuple[int, ...] | None]] | None = None
-              ) -> int:
+          counted: dict[Any, int] | None = None,
+          timeline: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] | None = None,
+          at_peak: list[tuple[Any, int]] | None = None) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
-  ``timeline`` (value or None, start, end, bytes, state shape or None) every materialised
-  batch-derived value, the gradients (values of a state leaf's shape) included, and each body's
-  peak as a value of one equation; the step's own outputs are not in it."""
+  ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
+  materialised
+  batch-derived value, the gradients (values of a state leaf's shape) included, and the values
+  live at each body's peak as values of one equation (so that a layout sizes each of them); the
+  step's own outputs are not in it. ``at_peak`` receives the (value, bytes) live at the peak.
+  A loop's stacked output repeated in its body counts once, live until its copies' last use
+  (:func:`_duplicates`)."""
+  canon = _duplicates(jaxpr)
+
+  def same(v):
+    return canon.get(v, v)
+
   tainted = set(batch_vars)
   last_use: dict[Any, int] = {}
   feeds_fusion_boundary: set[Any] = set()
@@ -94,6 +106,7 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
     boundary = eqn.primitive.name not in _FUSED_INTO_CONSUMERS or _keeps_minor(eqn)
     for v in eqn.invars:
       if is_var(v):
+        v = same(v)
         last_use[v] = i
         users[v] = users.get(v, 0) + 1
         if boundary:
@@ -104,14 +117,14 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   into_major: set[Any] = set()
   for eqn in reversed(jaxpr.eqns):
     if _keeps_minor(eqn) or (eqn.primitive.name in _FUSIBLE and
-                             any(o in into_major for o in eqn.outvars)):
-      into_major.update(v for v in eqn.invars if is_var(v))
+                             any(same(o) in into_major for o in eqn.outvars)):
+      into_major.update(same(v) for v in eqn.invars if is_var(v))
   feeds_fusion_boundary.update(v for v in into_major if users.get(v, 0) >= 2)
   # XLA duplicates a producer into each of its users' fusions only when it is cheap: the result
   # of an expensive elementwise op (tanh, exp, a division, ...) read by several is computed once
   # and kept -- unless a reduction over the minor dimension reads it (softmax's exponentials),
   # whose fusion XLA makes produce both
-  into_minor = {v for eqn in jaxpr.eqns
+  into_minor = {same(v) for eqn in jaxpr.eqns
                 if eqn.primitive.name in _FUSED_INTO_CONSUMERS and
                 eqn.primitive.name not in _FUSIBLE and not _keeps_minor(eqn)
                 for v in eqn.invars if is_var(v)}
@@ -119,26 +132,36 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
     if eqn.primitive.name in _EXPENSIVE:
       feeds_fusion_boundary.update(o for o in eqn.outvars
                                    if users.get(o, 0) >= 2 and o not in into_minor)
-  outvars = {v for v in jaxpr.outvars if is_var(v)}
+  outvars = {same(v) for v in jaxpr.outvars if is_var(v)}
   for v in outvars:
     last_use[v] = len(jaxpr.eqns)
   live = 0
   peak = 0
-  ends: dict[int, int] = {}
+  ends: dict[int, list[Any]] = {}
+  live_set: dict[Any, int] = {}
   for i, eqn in enumerate(jaxpr.eqns):
     if any(is_var(v) and v in tainted for v in eqn.invars):
-      inner = 0
+      inner, inner_set = 0, []
       for sub, _ in sub_jaxprs(eqn):
         n_outer = len(eqn.invars) - (1 if eqn.primitive.name == "cond" else 0)
         sub_batch = {sv for sv, ov in zip(sub.invars, list(eqn.invars)[-n_outer:])
                      if is_var(ov) and ov in tainted}
-        inner = max(inner, _peak(sub, sub_batch, excluded_shapes))
+        sub_set: list[tuple[Any, int]] = []
+        sub_peak = _peak(sub, sub_batch, excluded_shapes, at_peak=sub_set)
+        if sub_peak > inner:
+          inner, inner_set = sub_peak, sub_set
       if eqn.primitive.name == "conv_general_dilated":
-        inner += _conv_copies(eqn, tainted)
-      if timeline is not None and inner:
-        timeline.append((None, i, i, inner, None))
-      for o in eqn.outvars:
+        copies = _conv_copies(eqn, tainted)
+        inner += copies
+        inner_set = inner_set + [(None, copies)] if copies else inner_set
+      if timeline is not None:
+        timeline.extend((v, i, i, nb, None, True) for v, nb in inner_set if nb)
+      for o, computed in zip(eqn.outvars, _from_batch(eqn, tainted)):
+        if not computed:
+          continue
         tainted.add(o)
+        if o in canon:                # computed once, as the value it repeats
+          continue
         shape = tuple(o.aval.shape)
         nb = nbytes(o.aval)
         end = last_use.get(o)
@@ -151,16 +174,103 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           continue
         state = shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes
         if timeline is not None and o not in outvars:
-          timeline.append((o, i, end, nb, shape if state else None))
+          timeline.append((o, i, end, nb, shape if state else None, False))
         if state:
           continue
         live += nb
-        ends[end] = ends.get(end, 0) + nb
+        live_set[o] = nb
+        ends.setdefault(end, []).append(o)
         if counted is not None:
           counted[o] = nb
-      peak = max(peak, live + inner)
-    live -= ends.pop(i, 0)
+      if live + inner > peak:
+        peak = live + inner
+        if at_peak is not None:
+          at_peak[:] = list(live_set.items()) + inner_set
+    for v in ends.pop(i, ()):
+      live -= live_set.pop(v)
   return peak
+
+
+def _duplicates(jaxpr) -> dict[Any, Any]:
+  """value -> the earlier value it equals: a ``lax.scan``'s stacked outputs computed alike in its
+  body (differentiation saves some twice: a norm's residuals for each product that reads it)
+  are one buffer, because XLA's common-subexpression elimination makes them one value of the
+  loop body and its while-loop simplifier merges the repeated elements of the loop's tuple.
+  (Repeated equations outside loops are left alone: there XLA's fusion decides what is kept,
+  and merging them under-counted the unrolled decoder's values.)"""
+  canon: dict[Any, Any] = {}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      body = eqn.params["jaxpr"].jaxpr
+      inner = _value_keys(body, [("in", k) for k in range(len(body.invars))])
+      stacked: dict[Any, Any] = {}
+      n_carry = eqn.params["num_carry"]
+      for bo, o in zip(body.outvars[n_carry:], eqn.outvars[n_carry:]):
+        k = inner.get(bo) if is_var(bo) else None
+        if k is not None and stacked.setdefault(k, o) is not o:
+          canon.setdefault(o, stacked[k])
+  return canon
+
+
+def _value_keys(jaxpr, in_keys) -> dict[Any, Any]:
+  """A key per value of ``jaxpr``, equal for values computed alike from the same inputs (the
+  primitive, its parameters and its operands' keys; a body by identity); None for an equation
+  with effects."""
+  intern: dict[Any, int] = {}
+  keys: dict[Any, Any] = dict(zip(jaxpr.invars, in_keys))
+  for eqn in jaxpr.eqns:
+    if eqn.effects:
+      continue
+    ins = []
+    for v in eqn.invars:
+      if is_var(v):
+        k = keys.get(v)
+        if k is None:
+          break
+        ins.append(k)
+      else:
+        ins.append(("literal", str(v.aval), repr(v.val)))
+    else:
+      try:
+        base = (eqn.primitive.name, _params_key(eqn.params), tuple(ins))
+        n = intern.setdefault(base, len(intern))
+      except TypeError:             # a parameter that cannot be compared
+        continue
+      for j, o in enumerate(eqn.outvars):
+        keys[o] = (n, j)
+  return keys
+
+
+def _params_key(params) -> tuple:
+  def key(p):
+    if hasattr(p, "eqns") or hasattr(p, "jaxpr"):      # a body (Jaxpr, ClosedJaxpr)
+      return ("body", id(p))
+    if isinstance(p, (tuple, list)):
+      return tuple(key(x) for x in p)
+    if isinstance(p, dict):
+      return tuple(sorted((k, key(v)) for k, v in p.items()))
+    hash(p)
+    return p
+  return tuple(sorted((k, key(v)) for k, v in params.items()))
+
+
+def _from_batch(eqn, tainted: set) -> list[bool]:
+  """Which of ``eqn``'s outputs are computed from the batch (``tainted``). A call's (``jit``,
+  ``jax.checkpoint``, a custom derivative) are followed into its body: under differentiation a
+  call also returns residuals that are not, such as ``jnp.where``'s broadcast mask and its zeros,
+  which XLA fuses into their consumers as broadcasts of constants and never materialises. A
+  loop's outputs all are (its carry mixes them)."""
+  subs = sub_jaxprs(eqn)
+  if eqn.primitive.name in ("scan", "while", "cond") or len(subs) != 1:
+    return [True] * len(eqn.outvars)
+  sub = subs[0][0]
+  if len(sub.invars) != len(eqn.invars) or len(sub.outvars) != len(eqn.outvars):
+    return [True] * len(eqn.outvars)
+  inner = {sv for sv, ov in zip(sub.invars, eqn.invars) if is_var(ov) and ov in tainted}
+  for e in sub.eqns:
+    if any(is_var(v) and v in inner for v in e.invars):
+      inner.update(o for o, t in zip(e.outvars, _from_batch(e, inner)) if t)
+  return [is_var(o) and o in inner for o in sub.outvars]
 
 
 def _keeps_minor(eqn) -> bool:

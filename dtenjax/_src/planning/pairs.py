@@ -52,6 +52,16 @@ def find_pairs(reader: Reader) -> tuple[tuple[Pair, ...], dict[tuple[int, int], 
           cones[(leaf, k)] = cone
         for e in through:
           reached.setdefault(e, []).append((leaf, k))
+        if not found:
+          continue
+        # the weight's other reads (the forward jax.checkpoint recomputes in the backward, the
+        # other depths of a weight shared across layers) carry the same dimension: the values
+        # it reaches unreduced are sharded with it too (the backward's recomputed activation
+        # may meet no row-parallel product: only its gradient does)
+        for other, o_side, o_dims, o_frames in reader.reads.get(leaf, ())[1:]:
+          o_j = _out_dim_of(other, o_side, o_dims, k)
+          if o_j is not None:
+            cone.update(_follow(reader, leaf, k, other.outvars[0], o_j, o_frames)[2])
   carried: dict[tuple[int, int], float] = {}
   for e, srcs in reached.items():
     for key in srcs:

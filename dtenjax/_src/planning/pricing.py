@@ -55,24 +55,30 @@ def acc(where: dict[str, float], key: str, value: float) -> None:
 class Pricer:
   """Collective times on one mesh, cached by (kind, bytes, axes)."""
 
-  def __init__(self, m: CandidateMesh, price: planner.AllReduceTime):
+  def __init__(self, m: CandidateMesh, price: planner.AllReduceTime,
+               between: float | None = None):
     self.m, self.price = m, price
     self.cache: dict[tuple, float] = {}
     first = int(m.ids.ravel()[0])
     self.backend = m.topology.device(first).platform
     costs = costmodel.backend_costs(self.backend)
     bw = costs.local_bandwidth_gbps
-    # seconds per byte of a local elementwise pass (the optimizer's update): the calibration's
-    # measured rate, else the backend's prior
-    # what one collective adds inside the step beyond its own time (the devices' rendezvous after
-    # their share of compute): measured by the calibration, else the prior of the host's sharing.
-    # A value the user sets in DTENJAX_COST_PARAMS wins over both.
+    # seconds per byte of a local elementwise pass (the optimizer's update), and what one
+    # collective adds inside the step beyond its own time (the devices' rendezvous after their
+    # share of compute): measured by the calibration, else the prior of the host's sharing. A
+    # value the user sets in DTENJAX_COST_PARAMS wins over both.
     user = costmodel.user_overrides(self.backend)
     prior_s_per_byte = m.topology.spec("local").beta if bw is None else 1.0 / (bw * 1e9)
     self.local_s_per_byte = (prior_s_per_byte if user.get("local_bandwidth_gbps") is not None
                              else m.topology.local_s_per_byte(prior_s_per_byte))
     self.step_latency = (costs.step_collective_us * 1e-6 if "step_collective_us" in user
                          else m.topology.meeting_s(self.backend, costs.step_collective_us * 1e-6))
+    # that meeting is the devices waiting for the slowest of them to finish its compute since
+    # the previous collective: no longer than that compute (``between``, a product's time per
+    # device). A step of tiny products pays little per collective (measured on the 8-device
+    # CPU VM: 0.09 ms per psum between products of 0.09 ms, 0.9 ms between products of 5 ms)
+    if between is not None:
+      self.step_latency = min(self.step_latency, between)
 
   def __call__(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
     axes = tuple(a for a in AXES if a in axes and self.m.size[a] > 1)
@@ -146,8 +152,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # a leaf both looked up (gather) and multiplied (tied embeddings) has two gradient parts,
   # which XLA synchronises separately before adding them (seen on XLA:CPU)
   parts = 2 if (use is not None and primary.index in graph.gathered) else 1
-  # a weight read at several depths (shared across layers) has one gradient part per read
-  parts = max(parts, use.grad_parts if use is not None else 1)
+  # a weight read at several depths (shared across layers) has one gradient part per read:
+  # XLA:CPU reduces each part on its own before adding them; XLA's GPU compiler adds the parts
+  # first and reduces their sum once (compiled for a mocked 8-GPU host: 8 MiB of all-reduce on
+  # the shared family's DP step, where one reduction per use would be 28)
+  uses = use.grad_parts if use is not None and pricer.backend == "cpu" else 1
+  parts = max(parts, uses)
   # gradient synchronisation
   if batch:
     if zero:
@@ -155,9 +165,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # XLA:CPU lowers a reduce-scatter as an all-reduce of the whole gradient followed by a
       # slice; the GPU compiler keeps the reduce-scatter: price what the plan's backend runs
       rs = "all_reduce" if pricer.backend == "cpu" else "reduce_scatter"
-      # a weight shared across layers: each use's gradient reduced on its own (not a tied
-      # embedding's lookup part, which XLA scatters into the sharded table)
-      uses = use.grad_parts if use is not None else 1
+      # a weight shared across layers: on CPU each use's gradient reduced on its own (not a
+      # tied embedding's lookup part, which XLA scatters into the sharded table)
       # XLA:CPU combines these all-reduces with the others after the backward (5 in all for a
       # scanned decoder's FSDP step, as for DP)
       time = pricer.share if rs == "all_reduce" else pricer

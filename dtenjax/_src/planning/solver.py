@@ -26,6 +26,7 @@ from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
 from dtenjax._src.planning.pricing import price_layout
 from dtenjax._src.planning.roles import BATCH_AXES
+from dtenjax._src.planning.roles import ROUTED_AXES
 from dtenjax._src.planning.roles import sequence
 from dtenjax._src.planning.roles import stage
 
@@ -54,7 +55,10 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
   batch_leaves = [lf for lf in graph.leaves if lf.is_batch]
   if rdiv > 1 and not any(splits_batch(lf, rdiv) for lf in batch_leaves):
     return None
-  pricer = Pricer(m, price)
+  # the compute per device between two collectives is about one product's (the step's
+  # products split over every device): what a collective's meeting can cost at most
+  between = graph.flops / max(1, graph.products) / m.ids.size / m.peak_flops
+  pricer = Pricer(m, price, between)
   groups = [g for g in graph.groups]
   cands, prices = [], []
   for g in groups:
@@ -169,7 +173,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   is whole (over ``tensor``'s shard) until it is reduced, except a ``lax.scan`` stack's under
   FSDP, which is reduce-scattered layer by layer inside the loop."""
   m = prob.m
-  bdiv = m.size["data"] * m.size["fsdp"] * m.size["sequence"]
+  bdiv = batch_div(m)      # every axis that splits the batch (data, fsdp, sequence, expert)
   tensor = m.size["tensor"]
   sources, _ = pair_maps(graph)
   complete = set()
@@ -186,6 +190,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     use = graph.weights.get(g[0])
     zero = any(a in used and m.size[a] > 1 for a in BATCH_AXES)
     t_shard = tensor if "tensor" in used else 1
+    # a routed axis's shards (expert) hold complete gradients where they lie
+    t_shard *= math.prod(m.size[a] for a in ROUTED_AXES if a in used)
     per_device = (primary.nbytes / shards if zero and use is not None and use.layers > 1
                   else primary.nbytes / t_shard)
     for shape in (primary.shape, tuple(reversed(primary.shape))):
@@ -193,6 +199,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if not prob.donate:
       outputs.extend(graph.leaves[i].nbytes / shards for i in g)
   values = []
+  bodies: dict[int, tuple[float, stepgraph.Live]] = {}
   for v in graph.timeline:
     if v.grad is not None:
       sizes = grad_sizes.get(v.grad)
@@ -201,8 +208,12 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       nb = v.nbytes / bdiv
       if tensor > 1 and any(k in complete for k in v.owners):
         nb /= tensor
-    if nb > 0:
+    if v.body:           # a loop body's values at its peak, each sized, placed as one block
+      total, first = bodies.get(v.start, (0.0, v))
+      bodies[v.start] = (total + nb, first)
+    elif nb > 0:
       values.append((nb, v))
+  values.extend((nb, v) for nb, v in bodies.values() if nb > 0)
   # XLA's buffer assignment: live-out buffers first, then the rest largest first, each into the
   # first existing buffer it fits that holds nothing live at the same time
   outputs.sort(reverse=True)

@@ -114,6 +114,8 @@ class StepGraph:
   # slices, the bytes of the forward scan's carry, global); a pipeline's stages split one of them
   stacks: dict[int, tuple[dict[int, int], int]] = dataclasses.field(default_factory=dict)
 
+  # products (dot_general, convolutions) run per step, loop trips counted
+  products: int = 0
   # the values the step materialises, in the jaxpr's order (activations, residuals kept for the
   # backward, loop bodies' peaks, gradients): the memory the layout's sizes are simulated over
   timeline: tuple[Live, ...] = ()
@@ -211,7 +213,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    out_tree=jax.tree.structure(out_shape), carried=carried,
                    act_share=act_share, lookups=dict(reader.lookups),
                    stacks=stacks.read(reader.scans), timeline=timeline,
-                   sequence=sequence_lib.read(jaxpr, leaves))
+                   products=reader.products, sequence=sequence_lib.read(jaxpr, leaves))
 
 
 def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:

@@ -54,10 +54,20 @@ def price(ctx) -> None:
       pr.act_saving = (share * ctx.graph.activation_bytes / ctx.batch_div *
                        (1 - 1 / m.size["tensor"]))
       if use.input_grad:     # the input's gradient is a partial sum over 'tensor'
-        # weights reading the same input (q, k and v; gate and up; a cross-attention's k and v
-        # in every decoder layer) add their partial gradients first: one all-reduce among them
-        ctx.add("all_reduce", tokens * width_in * item, ("tensor",), blocking=True,
-                times=1.0 / use.siblings)
+        nbytes = tokens * width_in * item
+        if use.siblings > 1 and ctx.pricer.backend == "cpu":
+          # weights reading the same input (q, k and v; gate and up; a cross-attention's k and
+          # v in every decoder layer): XLA:CPU reduces their partial gradients in one tuple
+          # all-reduce, one meeting of the devices that moves each operand's bytes
+          ctx.price.blocking["tensor"] = ctx.price.blocking.get("tensor", 0.0) + (
+              ctx.pricer.share("all_reduce", nbytes, ("tensor",), ctx.dtype) +
+              ctx.pricer("all_reduce", 1, ("tensor",), ctx.dtype) / use.siblings)
+          ctx.price.bytes["all_reduce[tensor]"] = (ctx.price.bytes.get("all_reduce[tensor]", 0.0)
+                                                   + nbytes)
+        else:
+          # XLA's GPU compiler adds the siblings' partial gradients first (it reassociates
+          # all-reduce(a) + all-reduce(b) into all-reduce(a + b)): one all-reduce among them
+          ctx.add("all_reduce", nbytes, ("tensor",), blocking=True, times=1.0 / use.siblings)
       pr.ag_fwd_bytes = tokens * width_out * item
       pr.ag_fwd = ctx.pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), ctx.dtype)
     elif d in use.contracted:

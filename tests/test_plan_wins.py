@@ -97,9 +97,11 @@ def test_plan_jit_of_the_dp_mesh_compiles_the_users_dp_program(cpu_devices):
 
 def test_tensor_collectives_of_a_weight_shared_across_layers_grow_with_its_uses(cpu_devices):
   """A block shared across depths (ALBERT-style) under tensor parallelism runs its activation
-  all-reduces at every use: XLA's compiled all-reduce bytes grow 7x from one use to three here.
-  The prediction must grow alike (it priced one use's collectives only: 1.0x, the `shared`
-  family's tensor plans predicted at a quarter of the compiled bytes and chosen over DP)."""
+  all-reduces at every use: XLA's compiled all-reduce bytes more than double from one use to
+  three here. The prediction must follow them at each depth (it priced one use's collectives
+  only: the `shared` family's tensor plans were predicted at a quarter of the compiled bytes and
+  chosen over DP). The plans' layouts may differ between depths, so each is compared with its
+  own compilation."""
   del cpu_devices
   fams = _families()
   pred, xla = {}, {}
@@ -110,5 +112,6 @@ def test_tensor_collectives_of_a_weight_shared_across_layers_grow_with_its_uses(
     check = plan.check(step, *args)
     pred[depth] = check.predicted_bytes.get("all_reduce", 0.0)
     xla[depth] = check.compiled_bytes.get("all_reduce", 0.0)
-  assert xla[3] > 4 * xla[1] > 0, xla          # what XLA compiles: per use
-  assert pred[3] / pred[1] >= 0.75 * xla[3] / xla[1], (pred, xla)
+  assert xla[3] > 2 * xla[1] > 0, xla          # what XLA compiles: per use
+  for depth in (1, 3):
+    assert pred[depth] == pytest.approx(xla[depth], rel=0.10), (depth, pred, xla)

@@ -45,6 +45,7 @@ def test_a_group_runs_in_one_worker(tmp_path):
   (tmp_path / "test_groups.py").write_text(TESTS)
   ran = tmp_path / "ran.jsonl"
   env = dict(os.environ, RAN=str(ran))
+  env.pop("DTENJAX_TEST_TIMES", None)     # the outer run's file: this run's tests are not its own
   r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
                       "--dist", "loadgroup", "-W", "ignore::pytest.PytestUnknownMarkWarning",
                       "test_groups.py"], cwd=tmp_path, env=env, capture_output=True, text=True,

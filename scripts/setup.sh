@@ -136,25 +136,40 @@ if [ ! -f /usr/include/infiniband/verbs.h ] && command -v apt-get >/dev/null 2>&
     >/dev/null 2>&1 || echo "setup: could not install libibverbs-dev; the verbs provider will not be built"
 fi
 
-# Build requirements first, so the extension can be built without build isolation against the
-# same jaxlib it will run with (the XLA FFI headers come from jaxlib).
-# pip byte-compiles what it installs one file after another (about 10 s here); without it every
-# process would import from source where PYTHONDONTWRITEBYTECODE is set, so the packages are
-# compiled afterwards on every core (compileall, as pip does it; like pip, a file of a package
-# that does not compile, e.g. a template, is not an error of the set-up).
-step "installing the build requirements: ${BUILD_REQS[*]}"
-"$VPY" -m pip install -q --no-compile "${BUILD_REQS[@]}"
-step "installing dtenjax[$EXTRA] and building the native extension (the longest step:" \
-  "$(command -v nvcc >/dev/null 2>&1 && echo "C++ and CUDA" || echo "C++ only, no nvcc")); build log: build/setup.log"
+# Build requirements and dtenjax's dependencies (with the extra's) first, in one pip run, so the
+# extension can be built without build isolation against the same jaxlib it will run with (the
+# XLA FFI headers come from jaxlib). pip byte-compiles what it installs one file after another, so
+# it is told not to: the packages are compiled with compileall on every core instead (as pip does
+# it; like pip, a file of a package that does not compile, e.g. a template, is not an error of the
+# set-up), at low priority WHILE the extension builds -- the build leaves a core idle in its CMake
+# configure, its link steps and its longest nvcc file -- and the set-up waits for both. Without
+# the .pyc files every process would import from source where PYTHONDONTWRITEBYTECODE is set.
+deps=$("$VPY" - "$EXTRA" <<'EOF'
+import sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project.get("optional-dependencies", {})
+if sys.argv[1] not in extras:
+    sys.exit(f"setup: pyproject.toml has no extra {sys.argv[1]!r} (extras: {', '.join(extras)})")
+print("\n".join(project["dependencies"] + extras[sys.argv[1]]))
+EOF
+)
+mapfile -t DEPS <<<"$deps"
+step "installing the build requirements and dtenjax[$EXTRA]'s ${#DEPS[@]} dependencies"
+"$VPY" -m pip install -q --no-compile "${BUILD_REQS[@]}" "${DEPS[@]}"
+step "building the native extension (the longest step:" \
+  "$(command -v nvcc >/dev/null 2>&1 && echo "C++ and CUDA" || echo "C++ only, no nvcc"))" \
+  "and byte-compiling the installed packages beside it; build log: build/setup.log"
+nice -n 10 "$VPY" -m compileall -q -j 0 \
+  "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 &
+compiling=$!
 mkdir -p build
-"$VPY" -m pip install -v --no-compile --no-build-isolation -e ".[$EXTRA]" >build/setup.log 2>&1 || {
+"$VPY" -m pip install -v --no-compile --no-deps --no-build-isolation -e . >build/setup.log 2>&1 || {
+  kill "$compiling" 2>/dev/null || true
   tail -40 build/setup.log >&2
-  echo "setup: installing dtenjax[$EXTRA] failed; the whole log: build/setup.log" >&2
+  echo "setup: building dtenjax's native extension failed; the whole log: build/setup.log" >&2
   exit 1
 }
-step "byte-compiling the installed packages"
-"$VPY" -m compileall -q -j 0 "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-  >/dev/null || true
+wait "$compiling" || true
 touch "$STAMP"
 step "done"
 report

@@ -88,8 +88,10 @@ def _lax_reference(mode, check_vma, op):
     return y
   run, context = _runner(mode, check_vma, body)
   with context:
-    y = np.asarray(run(x))
-    g = np.asarray(jax.grad(_loss(run))(x)) if op in ("sum", "mean") else None
+    if op in ("sum", "mean"):
+      y, g = map(np.asarray, jax.jit(lambda v: (run(v), jax.grad(_loss(run))(v)))(x))
+    else:                                       # lax.pmax/pmin have no gradient
+      y, g = np.asarray(run(x)), None
   return y, types[0], g
 
 
@@ -127,10 +129,17 @@ def test_all_reduce_is_typed_and_differentiated_like_lax(op, reproducible, mode,
     return tuple(outs)
   run, context = _runner(mode, check_vma, body, len(ALGORITHMS))
   xs = (x,) * len(ALGORITHMS)
+
+  def values_and_gradients(*a):
+    # The outputs and the gradients in one jitted program, as a training step has them: one
+    # compile per case, where calling run and then jax.grad(run) compiled three programs (run,
+    # and grad's forward with residuals and its backward).
+    grads = jax.grad(lambda *b: sum(jnp.sum(y ** 2) for y in run(*b)),
+                     argnums=tuple(range(len(ALGORITHMS))))(*a)
+    return run(*a), grads
   with context:
-    ys = [np.asarray(y) for y in run(*xs)]
-    gs = jax.grad(lambda *a: sum(jnp.sum(y ** 2) for y in run(*a)),
-                  argnums=tuple(range(len(ALGORITHMS))))(*xs)
+    ys, gs = jax.jit(values_and_gradients)(*xs)
+    ys = [np.asarray(y) for y in ys]
   ref_y, ref_type, ref_g = _lax_reference(mode, check_vma, op)
 
   want = _numpy_all_reduce(op, np.asarray(x))

@@ -25,6 +25,7 @@ noisy; the JSON records the load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -60,39 +61,44 @@ def _measure(args) -> list[dict]:
         np.shape(a), NamedSharding(mesh, spec), lambda i, a=np.asarray(a): a[i]), tree)
 
   rows = []
-  for name in args.schedules:
-    schedule = {"gpipe": dtenjax.GPipe(), "1f1b": dtenjax.OneFOneB()}[name]
-    pipe = dtenjax.pipeline(pm.body, pm.loss_fn, stages=procs, microbatches=args.microbatches,
-                            schedule=schedule)
+  # one progress line per schedule, from the first process only (the others do the same)
+  report = (_harness.steps("pipeline_host", len(args.schedules)) if rank == 0
+            else contextlib.nullcontext(lambda label: None))
+  with report as progress:
+    for name in args.schedules:
+      progress(f"{name}: xla and host interleaved")
+      schedule = {"gpipe": dtenjax.GPipe(), "1f1b": dtenjax.OneFOneB()}[name]
+      pipe = dtenjax.pipeline(pm.body, pm.loss_fn, stages=procs, microbatches=args.microbatches,
+                              schedule=schedule)
 
-    def spmd(layers, head, x, t, pipe=pipe):
-      return jax.value_and_grad(lambda a, b: pipe(a, b, x, t), argnums=(0, 1))(layers, head)
+      def spmd(layers, head, x, t, pipe=pipe):
+        return jax.value_and_grad(lambda a, b: pipe(a, b, x, t), argnums=(0, 1))(layers, head)
 
-    step = jax.jit(jax.shard_map(spmd, mesh=mesh, in_specs=(P("stage"), P(), P(), P()),
-                                 out_specs=(P(), (P("stage"), P()))))
-    sharded = (place(params["layers"], P("stage")), place(params["head"], P()), place(x, P()),
-               place(targets, P()))
+      step = jax.jit(jax.shard_map(spmd, mesh=mesh, in_specs=(P("stage"), P(), P(), P()),
+                                   out_specs=(P(), (P("stage"), P()))))
+      sharded = (place(params["layers"], P("stage")), place(params["head"], P()), place(x, P()),
+                 place(targets, P()))
 
-    def xla(step=step, sharded=sharded):
-      with jax.set_mesh(mesh):
-        return step(*sharded)
+      def xla(step=step, sharded=sharded):
+        with jax.set_mesh(mesh):
+          return step(*sharded)
 
-    mine = jax.tree.map(lambda a: a[rank * n:(rank + 1) * n], params["layers"])
-    xin = x if rank == 0 else jax.ShapeDtypeStruct(x.shape, x.dtype)
-    tin = targets if rank == procs - 1 else None
-    with dtenjax.HostPipeline(pipe, name=f"bench-{name}") as hp:
-      def host(hp=hp):
-        return hp.value_and_grad(mine, params["head"], xin, tin)
-      samples = _harness.interleaved({"xla": xla, "host": host}, warmup=args.warmup,
-                                     iters=args.iters)
-      same = np.asarray(xla()[0]).tobytes() == np.asarray(host()[0]).tobytes()
-      provider = next(iter(hp.links.values())).provider
-    for path, times in samples.items():
-      rows.append({"schedule": name, "path": path, "stages": procs,
-                   "microbatches": args.microbatches, "time_ms": _harness.median(times) * 1e3,
-                   "same_loss_bits": same,
-                   "transport": (("gloo" if args.backend == "cpu" else "nccl") if path == "xla"
-                                 else provider)})
+      mine = jax.tree.map(lambda a: a[rank * n:(rank + 1) * n], params["layers"])
+      xin = x if rank == 0 else jax.ShapeDtypeStruct(x.shape, x.dtype)
+      tin = targets if rank == procs - 1 else None
+      with dtenjax.HostPipeline(pipe, name=f"bench-{name}") as hp:
+        def host(hp=hp):
+          return hp.value_and_grad(mine, params["head"], xin, tin)
+        samples = _harness.interleaved({"xla": xla, "host": host}, warmup=args.warmup,
+                                       iters=args.iters)
+        same = np.asarray(xla()[0]).tobytes() == np.asarray(host()[0]).tobytes()
+        provider = next(iter(hp.links.values())).provider
+      for path, times in samples.items():
+        rows.append({"schedule": name, "path": path, "stages": procs,
+                     "microbatches": args.microbatches, "time_ms": _harness.median(times) * 1e3,
+                     "same_loss_bits": same,
+                     "transport": (("gloo" if args.backend == "cpu" else "nccl") if path == "xla"
+                                   else provider)})
   return rows
 
 

@@ -358,19 +358,22 @@ def test_close_interrupts_a_connect_in_flight_within_100_ms():
   lsock.close()
 
 
-def test_a_peer_that_stops_reading_times_out_within_ten_percent():
+def test_a_peer_that_stops_reading_times_out_on_time():
   """The SIGSTOP case: rank 1 (the Python peer) stops reading mid-collective, so rank 0's sends
   fill the socket buffers. Rank 0 must raise DTENJAX_COLLECTIVE_TIMEOUT after its last progress,
   not 2 s later (it used to spend up to 2 s more trying to finish the frame to the stopped peer
-  before sending its ABORT)."""
+  before sending its ABORT). Quiet runs measure 2.11-2.13 s for 2 s and 5.18-5.21 s for 5 s
+  (docs/reliability.md); the bound here, a quarter of the old 2 s tail, leaves room for a loaded
+  2-core machine (3.32 s was seen in a full suite run) and still fails the old behaviour."""
   timeout = 3.0
   c0 = transport.create_local_comm(0, 2, creds(), timeout_s=timeout)
   from_prev, to_next = _python_rank1(c0)
+  x = np.ones(16 << 20, np.float32)                                 # 64 MiB: buffers fill
   t0 = time.monotonic()
   with pytest.raises(errors.CollectiveTimeoutError, match="timed out after 3 s"):
-    c0.all_reduce(np.ones(16 << 20, np.float32), site=(3, "s"))   # 64 MiB: buffers fill
+    c0.all_reduce(x, site=(3, "s"))
   seconds = time.monotonic() - t0
-  assert timeout <= seconds <= 1.1 * timeout, seconds
+  assert timeout <= seconds <= timeout + 0.5, seconds
   del from_prev, to_next
   c0.close()
 

@@ -29,6 +29,7 @@ import platform
 import shlex
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -238,6 +239,22 @@ NCCL_TAIL = (("time(us)", "time_us", ".1f"), ("algbw(GB/s)", "algbw", ".3f"),
 
 
 # --- refusals ------------------------------------------------------------------------------------
+
+def wait_workers(procs: Sequence[Any], timeout_s: float, bench: str) -> None:
+  """Waits for the worker processes a bench started, together at most ``timeout_s`` seconds, and
+  kills the ones still running then; exits naming every worker's code when one failed."""
+  deadline = time.monotonic() + timeout_s
+  codes = []
+  for p in procs:
+    try:
+      codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+      p.kill()
+      codes.append(None)
+  if any(c != 0 for c in codes):
+    raise SystemExit(f"bench/{bench}.py: worker exit codes {codes} (None: killed after "
+                     f"--timeout {timeout_s} s)")
+
 
 def refuse(bench: str, why: str) -> None:
   """Ends the bench with one line on stderr saying why it cannot measure here."""

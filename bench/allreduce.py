@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import _harness
 
@@ -231,17 +230,7 @@ def _launch(args, argv: list[str]) -> list[dict]:
                  NCCL_NVLS_ENABLE="0")
       cmd = [sys.executable, os.path.abspath(__file__), "--worker"] + argv
       procs.append(subprocess.Popen(cmd, env=env))
-    deadline = time.monotonic() + args.timeout
-    codes = []
-    for p in procs:
-      try:
-        codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-      except subprocess.TimeoutExpired:
-        p.kill()
-        codes.append(None)
-    if any(c != 0 for c in codes):
-      raise SystemExit(f"bench/allreduce.py: worker exit codes {codes} (None: killed after "
-                       f"--timeout {args.timeout} s)")
+    _harness.wait_workers(procs, args.timeout, "allreduce")
     return _merge([json.load(open(os.path.join(out, f"rank{r}.json")))
                    for r in range(args.procs)])
 

@@ -31,7 +31,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import _harness
 
@@ -127,17 +126,7 @@ def _launch(args, argv) -> list[dict]:
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
       procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
                                      *argv], env=env))
-    deadline = time.monotonic() + args.timeout
-    codes = []
-    for p in procs:
-      try:
-        codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-      except subprocess.TimeoutExpired:
-        p.kill()
-        codes.append(None)
-    if any(c != 0 for c in codes):
-      raise SystemExit(f"bench/pipeline_host.py: worker exit codes {codes} (None: killed after "
-                       f"--timeout {args.timeout} s)")
+    _harness.wait_workers(procs, args.timeout, "pipeline_host")
     return _merge([json.load(open(os.path.join(out, f"rank{r}.json")))
                    for r in range(args.procs)])
 

@@ -35,6 +35,19 @@ def fold(rows, start=None, dtype=np.float32):
   return acc
 
 
+def block_tree(blocks: int = 2) -> dict:
+  """A gradient tree of ``blocks`` blocks of 4 weights and 2 biases (3 leaf shapes, 168 values
+  per device of 8: a multiple of 8, so no bucket is padded), each block's weights filled with its
+  own value."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  out = {}
+  for b in range(blocks):
+    for w in "qkvo":
+      out[f"{b}{w}"] = jnp.full((8, 4, 4), 1.0 + b, jnp.float32)
+    out[f"{b}b1"], out[f"{b}b2"] = jnp.full((8, 4), 0.5, jnp.float32), jnp.ones((8, 16))
+  return out
+
+
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
   """Returns as soon as ``condition()`` holds (checked every millisecond, for state such as the
   native counters that has no event to wait on); fails the test naming ``what`` after

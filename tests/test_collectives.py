@@ -108,17 +108,9 @@ def test_a_bucket_compiles_a_kernel_per_leaf_shape_not_per_leaf(mesh, kwargs):
   kernels of a tree of 1 block of the same shapes (lax.psum's tree compiles no kernel at all,
   and XLA reuses a kernel per shape for per-leaf work such as an update). The bits are leaf by
   leaf's (test_pytree_all_reduce_buckets_and_matches_per_leaf, the stacked buckets' test)."""
-  def tree(blocks):
-    out = {}
-    for b in range(blocks):
-      for w in "qkvo":
-        out[f"{b}{w}"] = jnp.full((8, 4, 4), 1.0 + b, jnp.float32)
-      out[f"{b}b1"], out[f"{b}b2"] = jnp.full((8, 4), 0.5, jnp.float32), jnp.ones((8, 16))
-    return out
-
   f = jax.jit(jax.shard_map(lambda t: dtenjax.all_reduce(t, AX, **kwargs), mesh=mesh,
                              in_specs=(P(AX),), out_specs=P()))
-  small, big = tree(1), tree(4)
+  small, big = helpers.block_tree(1), helpers.block_tree(4)
   kernels = {n: _kernels(f.lower(t).compile().as_text()) for n, t in ((6, small), (24, big))}
   assert kernels[24] <= kernels[6], kernels          # (6 leaves need padding, 24 do not)
 

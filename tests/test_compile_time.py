@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import dtenjax
+from tests.helpers import block_tree
 from tests.test_collectives import _kernels
 
 AX = "d"
@@ -25,17 +26,6 @@ AX = "d"
 @pytest.fixture(scope="module")
 def mesh(cpu_devices):
   return Mesh(np.array(cpu_devices), (AX,))
-
-
-def _tree(blocks: int = 2):
-  """``blocks`` blocks of 4 weights and 2 biases (3 leaf shapes), 168 values per device: a
-  multiple of 8, so no bucket is padded."""
-  out = {}
-  for b in range(blocks):
-    for w in "qkvo":
-      out[f"{b}{w}"] = jnp.full((8, 4, 4), 1.0 + b, jnp.float32)
-    out[f"{b}b1"], out[f"{b}b2"] = jnp.full((8, 4), 0.5, jnp.float32), jnp.ones((8, 16))
-  return out
 
 
 def _compiled(mesh, body, tree):
@@ -53,7 +43,7 @@ def test_a_bucket_compiles_three_kernels_more_than_psum_with_per_leaf_work(mesh,
   all-to-all takes (ring: the first chunk sent) and the fold (ring: a step's add; reproducible:
   the exact sum). Ring stacked its chunks into one more buffer and the reproducible owner sum
   stacked what the all-to-all received, a kernel each (7 where 6 now, bench/compile_time.py)."""
-  tree = _tree()
+  tree = block_tree()
   shapes = len({v.shape for v in tree.values()})
   anchor = _kernels(_compiled(
       mesh, lambda t: jax.tree.map(lambda g: g * 2, jax.lax.psum(t, AX)), tree).as_text())
@@ -71,7 +61,7 @@ def test_a_bucket_compiles_three_kernels_more_than_psum_with_per_leaf_work(mesh,
 def test_the_leaner_buckets_differentiate_as_lax_psum(mesh, kwargs):
   """Ring's chunks read in place and the owner sum reading what the all-to-all received: the
   gradient through the bucket under plain jax.shard_map (check_vma=True) is lax.psum's."""
-  tree = {k: v * (1 + 0.25 * i) for i, (k, v) in enumerate(_tree(1).items())}
+  tree = {k: v * (1 + 0.25 * i) for i, (k, v) in enumerate(block_tree(1).items())}
 
   def grad(reduce):
     step = jax.shard_map(lambda t: reduce(t), mesh=mesh, in_specs=(P(AX),), out_specs=P())

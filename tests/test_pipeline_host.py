@@ -12,6 +12,7 @@ bad input.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import jax
@@ -25,27 +26,15 @@ from dtenjax._src.net import pair
 from dtenjax._src.pipeline import transport
 from tests import pipeline_host_model as m
 from tests.net_helpers import requires_native
+from tests.net_helpers import run_ranks
 from tests.test_verbs import fake  # noqa: F401  (the emulated RDMA device's fixture)
 
 pytestmark = requires_native
 
 
 def _on_threads(stages: int, fn, join_s: float = 120.0) -> tuple[list, list]:
-  """fn(stage) on one thread per stage; (results, errors) by stage."""
-  outs, errs = [None] * stages, [None] * stages
-
-  def go(d):
-    try:
-      outs[d] = fn(d)
-    except BaseException as e:  # pylint: disable=broad-except
-      errs[d] = e
-
-  ts = [threading.Thread(target=go, args=(d,), daemon=True) for d in range(stages)]
-  for t in ts:
-    t.start()
-  for t in ts:
-    t.join(join_s)
-  assert not any(t.is_alive() for t in ts), "a stage did not finish within the join limit"
+  """fn(stage) on one thread per stage (net_helpers.run_ranks); (results, errors) by stage."""
+  outs, errs, _ = run_ranks([functools.partial(fn, d) for d in range(stages)], join_s=join_s)
   return outs, errs
 
 

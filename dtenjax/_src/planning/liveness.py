@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
+from dtenjax._src import jaxapi
 from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
 from dtenjax._src.planning.jaxpr_reader import is_var
 from dtenjax._src.planning.jaxpr_reader import nbytes
@@ -204,7 +205,7 @@ def _duplicates(jaxpr) -> dict[Any, Any]:
       body = eqn.params["jaxpr"].jaxpr
       inner = _value_keys(body, [("in", k) for k in range(len(body.invars))])
       stacked: dict[Any, Any] = {}
-      n_carry = eqn.params["num_carry"]
+      n_carry = jaxapi.scan_counts(eqn)[1]
       for bo, o in zip(body.outvars[n_carry:], eqn.outvars[n_carry:]):
         k = inner.get(bo) if is_var(bo) else None
         if k is not None and stacked.setdefault(k, o) is not o:

@@ -49,9 +49,11 @@ def run_at_once(runs: dict, timeout: float) -> dict:
 # joins, flushes). What it does not pay is importing jax, numpy and dtenjax (1-2 s of CPU each time
 # on the 2-core CI machine).
 _SERVER = r"""
-import json, os, signal, sys, time, types, builtins
-import jax, dtenjax, numpy
-assert not jax._src.xla_bridge._backends, "the fork server must not start a jax backend"
+import importlib, json, os, signal, sys, time, types, builtins
+for name in sys.argv[1:]:
+  importlib.import_module(name)
+if "jax" in sys.modules:
+  assert not sys.modules["jax"]._src.xla_bridge._backends, "the fork server started a jax backend"
 print("ready", flush=True)
 for line in sys.stdin:
   batch = json.loads(line)                 # {"runs": [run, ...], "timeout": seconds}
@@ -110,7 +112,7 @@ argv = req["argv"]
 main = types.ModuleType("__main__")
 main.__builtins__ = builtins
 sys.modules["__main__"] = main
-del json, signal, time, types, builtins, line, null, fd, path, pid, pids, batch
+del importlib, json, signal, time, types, builtins, line, null, fd, path, pid, pids, batch
 if argv[0] == "-c":                      # python -c CODE ARGS
   sys.argv = ["-c", *argv[2:]]
   sys.path[0] = ""
@@ -130,43 +132,59 @@ else:                                    # python SCRIPT ARGS
 
 class ForkServer:
   """``python ARGV`` in processes forked from one that has already imported jax, numpy and dtenjax
-  (and started no jax backend): for tests whose claim is about what a script, a module or a code
+  (``preload``; and started no jax backend): for tests whose claim is about what a script, a module or a code
   block does, not about how long a fresh interpreter takes to import jax. ``run`` returns a
   ``subprocess.CompletedProcess`` as ``subprocess.run(..., capture_output=True, text=True)`` does.
 
   Environment variables that jax reads when it is imported (``JAX_*``) must be the server's: a
   run that asks for others is refused (start a real process for it)."""
 
-  def __init__(self, env: dict, cwd: str, tmp_dir: str):
+  def __init__(self, env: dict, cwd: str, tmp_dir: str,
+               preload: tuple = ("jax", "dtenjax", "numpy")):
     self.env, self.cwd, self.tmp_dir, self.count = dict(env), str(cwd), str(tmp_dir), 0
-    self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], env=self.env, cwd=self.cwd,
+    self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, *preload], env=self.env,
+                                 cwd=self.cwd,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert self.proc.stdout.readline().strip() == "ready"
 
-  def _check_env(self, env: dict) -> dict:
-    env = dict(self.env if env is None else env)
-    jax_vars = {k: v for k, v in env.items() if k.startswith("JAX_")}
-    assert jax_vars == {k: v for k, v in self.env.items() if k.startswith("JAX_")}, (
-        "jax reads JAX_* variables at import: run this in a process of its own")
-    return env
+  @staticmethod
+  def _fixed(env: dict) -> dict:
+    """What a process reads only when it starts: jax's ``JAX_*`` variables (read at jax's
+    import), ``PYTHONPATH`` (sys.path) and the other ``PYTHON*`` settings (the hash seed...)."""
+    return {k: v for k, v in env.items() if k.startswith(("JAX_", "PYTHON"))}
 
   def compatible(self, env: dict) -> bool:
-    """Whether a run with this environment can be forked (its ``JAX_*`` variables are ours)."""
-    return ({k: v for k, v in env.items() if k.startswith("JAX_")} ==
-            {k: v for k, v in self.env.items() if k.startswith("JAX_")})
+    """Whether a run with this environment can be forked: what a process reads at its start
+    (``_fixed``) is the server's."""
+    return self._fixed(env) == self._fixed(self.env)
 
-  def run_many(self, runs: list, timeout: float) -> list:
+  def _check_env(self, env: dict) -> dict:
+    env = dict(self.env if env is None else env)
+    assert self.compatible(env), (
+        "a forked process keeps the server's JAX_* and PYTHON* settings (read at the start): run "
+        f"this in a process of its own ({self._fixed(env)} against {self._fixed(self.env)})")
+    return env
+
+  def submit(self, runs: list, timeout: float) -> None:
     """Starts every ``(argv, env, cwd, stdout_path, stderr_path)`` at once (stdout and stderr may
-    be one path); waits up to ``timeout`` seconds in all. Returns their exit codes (negative: the
-    signal that ended one; None: still running at the deadline, then killed with its process
-    group)."""
-    reqs = [{"argv": [str(a) for a in argv], "env": self._check_env(env), "cwd": str(cwd or self.cwd),
-             "stdout": str(out), "stderr": str(err)} for argv, env, cwd, out, err in runs]
+    be one path); ``collect`` waits for them."""
+    reqs = [{"argv": [str(a) for a in argv], "env": self._check_env(env),
+             "cwd": str(cwd or self.cwd), "stdout": str(out), "stderr": str(err)}
+            for argv, env, cwd, out, err in runs]
     self.proc.stdin.write(json.dumps({"runs": reqs, "timeout": timeout}) + "\n")
     self.proc.stdin.flush()
+
+  def collect(self) -> list:
+    """The exit codes of the last ``submit``'s runs, once all have ended or the timeout has
+    passed (negative: the signal that ended one; None: still running at the deadline, then
+    killed with its process group)."""
     reply = self.proc.stdout.readline()
     assert reply, "the fork server died"
     return json.loads(reply)["codes"]
+
+  def run_many(self, runs: list, timeout: float) -> list:
+    self.submit(runs, timeout)
+    return self.collect()
 
   def run(self, argv: list, *, env: dict | None = None, cwd=None,
           timeout: float = 240) -> subprocess.CompletedProcess:

@@ -1,5 +1,6 @@
-"""Tests that start processes of their own: the xdist group they share and a runner that starts
-them all at once.
+"""Tests that start processes of their own: the xdist group they share, a runner that starts
+them all at once, and a fork server (``ForkServer``) that starts them without paying jax's import
+each time.
 
 scripts/test.sh runs two pytest-xdist workers on a 2-core machine; two such tests at once would put
 many busy processes on 2 cores (their timeouts were chosen for one test at a time), so they share
@@ -43,7 +44,8 @@ def run_at_once(runs: dict, timeout: float) -> dict:
 
 
 # The fork server's own program (``python -c``): imports jax and dtenjax once -- without starting a
-# backend, so each child still reads its own XLA_FLAGS -- then forks one child per request. A child
+# backend, so each child still reads its own XLA_FLAGS -- then forks one child per run of a batch
+# (several at once for a multi-process job), waits for them and answers with their exit codes. A child
 # is a fresh process as far as what it runs can tell: its own environment, working directory,
 # argv, ``__main__`` module and jax backend, and a normal interpreter exit (atexit handlers, thread
 # joins, flushes). What it does not pay is importing jax, numpy and dtenjax (1-2 s of CPU each time

@@ -1,5 +1,6 @@
-"""Tests that start processes of their own: the xdist group they share and a runner that starts
-them all at once.
+"""Tests that start processes of their own: the xdist group they share, a runner that starts
+them all at once, and a fork server (``ForkServer``) that starts them without paying jax's import
+each time.
 
 scripts/test.sh runs two pytest-xdist workers on a 2-core machine; two such tests at once would put
 many busy processes on 2 cores (their timeouts were chosen for one test at a time), so they share
@@ -12,6 +13,8 @@ waits for it, as a test in the pytest process does: it stays out of the group, s
 group's worker, which runs every test of the group in a row, is not the last to finish.
 """
 
+import json
+import os
 import subprocess
 import sys
 
@@ -38,3 +41,168 @@ def run_at_once(runs: dict, timeout: float) -> dict:
       if p.poll() is None:
         p.kill()
   return out
+
+
+# The fork server's own program (``python -c``): imports jax and dtenjax once -- without starting a
+# backend, so each child still reads its own XLA_FLAGS -- then forks one child per run of a batch
+# (several at once for a multi-process job), waits for them and answers with their exit codes. A child
+# is a fresh process as far as what it runs can tell: its own environment, working directory,
+# argv, ``__main__`` module and jax backend, and a normal interpreter exit (atexit handlers, thread
+# joins, flushes). What it does not pay is importing jax, numpy and dtenjax (1-2 s of CPU each time
+# on the 2-core CI machine).
+_SERVER = r"""
+import importlib, json, os, signal, sys, time, types, builtins
+for name in sys.argv[1:]:
+  importlib.import_module(name)
+if "jax" in sys.modules:
+  assert not sys.modules["jax"]._src.xla_bridge._backends, "the fork server started a jax backend"
+print("ready", flush=True)
+for line in sys.stdin:
+  batch = json.loads(line)                 # {"runs": [run, ...], "timeout": seconds}
+  sys.stdout.flush(); sys.stderr.flush()
+  pids = []
+  for req in batch["runs"]:
+    pid = os.fork()
+    if pid == 0:
+      break
+    try:
+      os.setpgid(pid, pid)
+    except OSError:
+      pass
+    pids.append(pid)
+  else:
+    deadline, codes = time.monotonic() + batch["timeout"], {}
+    while len(codes) < len(pids):
+      for pid in pids:
+        if pid not in codes:
+          done, st = os.waitpid(pid, os.WNOHANG)
+          if done:
+            codes[pid] = os.waitstatus_to_exitcode(st)
+      if len(codes) < len(pids) and time.monotonic() > deadline:
+        for pid in pids:
+          if pid not in codes:
+            try:
+              os.killpg(pid, signal.SIGKILL)
+            except OSError:
+              os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            codes[pid] = None
+      time.sleep(0.02)
+    print(json.dumps({"codes": [codes[pid] for pid in pids]}), flush=True)
+    continue
+  break
+else:
+  sys.exit(0)
+try:
+  os.setpgid(0, 0)
+except OSError:
+  pass
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+sys.stdin = open(0, closefd=False)
+for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+  if fd == 2 and path == req["stdout"]:  # one log for both, as stderr=subprocess.STDOUT
+    os.dup2(1, 2)
+    break
+  f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  os.dup2(f, fd)
+  os.close(f)
+os.environ.clear()
+os.environ.update(req["env"])
+os.chdir(req["cwd"])
+argv = req["argv"]
+main = types.ModuleType("__main__")
+main.__builtins__ = builtins
+sys.modules["__main__"] = main
+del importlib, json, signal, time, types, builtins, line, null, fd, path, pid, pids, batch
+if argv[0] == "-c":                      # python -c CODE ARGS
+  sys.argv = ["-c", *argv[2:]]
+  sys.path[0] = ""
+  exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+elif argv[0] == "-m":                    # python -m MODULE ARGS
+  import runpy
+  sys.argv = [argv[1], *argv[2:]]
+  sys.path[0] = os.getcwd()
+  runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+else:                                    # python SCRIPT ARGS
+  import runpy
+  sys.argv = list(argv)
+  sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+  runpy.run_path(argv[0], run_name="__main__")
+"""
+
+
+class ForkServer:
+  """``python ARGV`` in processes forked from one that has already imported jax, numpy and dtenjax
+  (``preload``; and started no jax backend): for tests whose claim is about what a script, a module or a code
+  block does, not about how long a fresh interpreter takes to import jax. ``run`` returns a
+  ``subprocess.CompletedProcess`` as ``subprocess.run(..., capture_output=True, text=True)`` does.
+
+  Environment variables that jax reads when it is imported (``JAX_*``) must be the server's: a
+  run that asks for others is refused (start a real process for it)."""
+
+  def __init__(self, env: dict, cwd: str, tmp_dir: str,
+               preload: tuple = ("jax", "dtenjax", "numpy")):
+    self.env, self.cwd, self.tmp_dir, self.count = dict(env), str(cwd), str(tmp_dir), 0
+    self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, *preload], env=self.env,
+                                 cwd=self.cwd,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert self.proc.stdout.readline().strip() == "ready"
+
+  @staticmethod
+  def _fixed(env: dict) -> dict:
+    """What a process reads only when it starts: jax's ``JAX_*`` variables (read at jax's
+    import), ``PYTHONPATH`` (sys.path) and the other ``PYTHON*`` settings (the hash seed...)."""
+    return {k: v for k, v in env.items() if k.startswith(("JAX_", "PYTHON"))}
+
+  def compatible(self, env: dict) -> bool:
+    """Whether a run with this environment can be forked: what a process reads at its start
+    (``_fixed``) is the server's."""
+    return self._fixed(env) == self._fixed(self.env)
+
+  def _check_env(self, env: dict) -> dict:
+    env = dict(self.env if env is None else env)
+    assert self.compatible(env), (
+        "a forked process keeps the server's JAX_* and PYTHON* settings (read at the start): run "
+        f"this in a process of its own ({self._fixed(env)} against {self._fixed(self.env)})")
+    return env
+
+  def submit(self, runs: list, timeout: float) -> None:
+    """Starts every ``(argv, env, cwd, stdout_path, stderr_path)`` at once (stdout and stderr may
+    be one path); ``collect`` waits for them."""
+    reqs = [{"argv": [str(a) for a in argv], "env": self._check_env(env),
+             "cwd": str(cwd or self.cwd), "stdout": str(out), "stderr": str(err)}
+            for argv, env, cwd, out, err in runs]
+    self.proc.stdin.write(json.dumps({"runs": reqs, "timeout": timeout}) + "\n")
+    self.proc.stdin.flush()
+
+  def collect(self) -> list:
+    """The exit codes of the last ``submit``'s runs, once all have ended or the timeout has
+    passed (negative: the signal that ended one; None: still running at the deadline, then
+    killed with its process group)."""
+    reply = self.proc.stdout.readline()
+    assert reply, "the fork server died"
+    return json.loads(reply)["codes"]
+
+  def run_many(self, runs: list, timeout: float) -> list:
+    self.submit(runs, timeout)
+    return self.collect()
+
+  def run(self, argv: list, *, env: dict | None = None, cwd=None,
+          timeout: float = 240) -> subprocess.CompletedProcess:
+    self.count += 1
+    out = os.path.join(self.tmp_dir, f"run{self.count}")
+    (code,) = self.run_many([(argv, env, cwd, out + ".out", out + ".err")], timeout)
+    if code is None:
+      raise subprocess.TimeoutExpired(argv, timeout)
+    with open(out + ".out") as f, open(out + ".err") as g:
+      return subprocess.CompletedProcess(argv, code, f.read(), g.read())
+
+  def close(self):
+    self.proc.stdin.close()
+    try:
+      self.proc.wait(timeout=30)
+    finally:
+      if self.proc.poll() is None:
+        self.proc.kill()
+        self.proc.wait()

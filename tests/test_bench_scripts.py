@@ -13,22 +13,46 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import _harness  # noqa: E402  pylint: disable=g-import-not-at-top
+import procs  # noqa: E402  pylint: disable=g-import-not-at-top
 
 BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_"))
 
 
-def _run(name, *args, env=None, timeout=600):
+def _env(extra=None):
   e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   e.pop("XLA_FLAGS", None)
-  e.update(env or {})
+  e.update(extra or {})
+  return e
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+  """``python bench/NAME.py`` in processes forked from one that imported jax (tests/procs.py):
+  each run a process of its own, without paying jax's import (1-2 s of CPU) every time."""
+  server = procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("bench_runs"))
+  yield server
+  server.close()
+
+
+@pytest.fixture
+def run(forks):
+  def run(name, *args, env=None, timeout=600):
+    return forks.run([str(ROOT / "bench" / f"{name}.py"), *args], env=_env(env), timeout=timeout)
+  return run
+
+
+def _run(name, *args, env=None, timeout=600):
+  """A real ``python bench/NAME.py`` (the transport bench: its processes are the check)."""
   return subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), *args],
-                        capture_output=True, text=True, env=e, timeout=timeout, check=False)
+                        capture_output=True, text=True, env=_env(env), timeout=timeout,
+                        check=False)
 
 
 HELP_ALL = """
 import runpy, sys
+sys.path.insert(0, sys.argv[1])
 bad = []
-for path in sys.argv[1:]:
+for path in sys.argv[2:]:
   sys.argv = [path, "--help"]
   try:
     runpy.run_path(path, run_name="__main__")
@@ -40,12 +64,11 @@ print("BAD", bad)
 """
 
 
-def test_every_bench_has_help():
-  """All of them in one process (each import of jax costs seconds on the CI machine)."""
-  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{ROOT / 'bench'}{os.pathsep}{ROOT}")
-  r = subprocess.run([sys.executable, "-c", HELP_ALL,
-                      *(str(ROOT / "bench" / f"{b}.py") for b in BENCHES)],
-                     capture_output=True, text=True, env=e, timeout=600, check=False)
+def test_every_bench_has_help(forks):
+  """All of them in one (forked) process: the benches import what they need (optax, flax ...)
+  once for all of them."""
+  r = forks.run(["-c", HELP_ALL, str(ROOT / "bench"),
+                 *(str(ROOT / "bench" / f"{b}.py") for b in BENCHES)], timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   assert r.stdout.strip().splitlines()[-1] == "BAD []", r.stdout[-3000:]
   assert r.stdout.count("usage: ") == len(BENCHES) >= 10
@@ -58,8 +81,8 @@ def test_every_bench_has_help():
     ("compression_select", ("--ratios", "2"), "densities '2' must lie in (0, 1]"),
     ("planner", ("--explain", "--update-docs"), "not allowed with argument"),
 ])
-def test_bad_arguments_are_argparse_errors(name, args, message):
-  r = _run(name, *args)
+def test_bad_arguments_are_argparse_errors(name, args, message, run):
+  r = run(name, *args)
   assert r.returncode == 2, (name, r.stderr)
   assert message in r.stderr.splitlines()[-1], (name, r.stderr)
   assert "Traceback" not in r.stderr
@@ -72,12 +95,12 @@ def _doc(path, bench):
   return doc
 
 
-def test_collectives_rows_have_nccl_columns_and_ratios(tmp_path):
+def test_collectives_rows_have_nccl_columns_and_ratios(tmp_path, run):
   out = tmp_path / "c.json"
   # a chain of 4 over the median of 3 at 256 KiB: a candidate not measurably slower than the
   # empty chain gets no row (never a made-up time), and at 8 KiB an all-gather can drown in the
   # noise of the suite's other worker
-  r = _run("collectives", "--sizes", "256K", "--chain", "4", "--reps", "3",
+  r = run("collectives", "--sizes", "256K", "--chain", "4", "--reps", "3",
            "--candidates", "psum,lax.all_gather,lax.all_gather_fold", "--json", str(out))
   assert r.returncode == 0, r.stderr[-3000:]
   rows = {row["candidate"]: row for row in _doc(out, "collectives")["rows"]}
@@ -94,8 +117,8 @@ def test_collectives_rows_have_nccl_columns_and_ratios(tmp_path):
                     "busbw(GB/s)", "vs", "psum"]
 
 
-def test_collectives_refuses_one_device():
-  r = _run("collectives", "--sizes", "8K", env={
+def test_collectives_refuses_one_device(run):
+  r = run("collectives", "--sizes", "8K", env={
       "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
   assert r.returncode == 3
   assert r.stderr.strip().startswith("bench/collectives.py: cannot measure here: a collective "
@@ -103,8 +126,8 @@ def test_collectives_refuses_one_device():
   assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_p2p_bench_refuses_without_a_gpu():
-  r = _run("p2p_allreduce", "--quick")
+def test_p2p_bench_refuses_without_a_gpu(run):
+  r = run("p2p_allreduce", "--quick")
   assert r.returncode == 3, r.stderr[-3000:]
   assert r.stderr.strip() == (
       "bench/p2p_allreduce.py: cannot measure here: it needs a CUDA GPU (the NVLink p2p "
@@ -124,16 +147,16 @@ def test_transport_rows_side_by_side(tmp_path):
   assert "# transport: 4 KiB on 2 processes (1 of 1, " in r.stderr    # progress from rank 0
 
 
-def test_planner_and_compression_select_write_the_schema(tmp_path):
+def test_planner_and_compression_select_write_the_schema(tmp_path, run):
   out = tmp_path / "p.json"
-  r = _run("planner", "--leaves", "20", "--repeats", "1", "--json", str(out))
+  r = run("planner", "--leaves", "20", "--repeats", "1", "--json", str(out))
   assert r.returncode == 0, r.stderr[-3000:]
   doc = _doc(out, "planner")
   assert doc["kind"] == "other" and doc["params"]["target_ms"] == 50
   assert [row["leaves"] for row in doc["rows"]] == [20, 20]
   assert "# planner: detected CPU x8 (2 of 2, " in r.stderr
   out = tmp_path / "s.json"
-  r = _run("compression_select", "--sizes", "64K", "--ratios", "0.01", "--calls", "1",
+  r = run("compression_select", "--sizes", "64K", "--ratios", "0.01", "--calls", "1",
            "--repeats", "1", "--json", str(out))
   assert r.returncode == 0, r.stderr[-3000:]
   rows = _doc(out, "compression_select")["rows"]
@@ -141,17 +164,17 @@ def test_planner_and_compression_select_write_the_schema(tmp_path):
   assert "# compression_select: n=65536, ratio=0.01 (1 of 1, " in r.stderr
 
 
-def test_costmodel_check_reads_only_allreduce_results(tmp_path):
+def test_costmodel_check_reads_only_allreduce_results(tmp_path, run):
   for name in ("2026-11-30_h200x2_1proc_f32.json", "2026-11-30_h200x2_2procs_f32.json"):
     _doc(ROOT / "bench" / "results" / name, "allreduce")     # stored results keep the schema
   other = tmp_path / "c.json"
   _harness.write_json(str(other), _harness.document("collectives", "bench/collectives.py", [],
                                                     {}, []))
-  r = _run("costmodel_check", str(other))
+  r = run("costmodel_check", str(other))
   assert r.returncode == 2
   assert "holds bench/collectives.py results" in r.stderr
   (tmp_path / "old.json").write_text(json.dumps({"argv": [], "rows": []}))
-  r = _run("costmodel_check", str(tmp_path / "old.json"))
+  r = run("costmodel_check", str(tmp_path / "old.json"))
   assert r.returncode == 2 and "is not a dtenjax.bench/1 document" in r.stderr
 
 
@@ -212,9 +235,9 @@ def test_collectives_lax_candidates_compute_what_they_stand_for(cpu_devices):
     assert np.allclose(got, want[None], rtol=1e-6), name       # every rank: the sum
 
 
-def test_eager_bench_writes_psum_ratios_for_every_mode(tmp_path):
+def test_eager_bench_writes_psum_ratios_for_every_mode(tmp_path, run):
   out = tmp_path / "e.json"
-  r = _run("eager", "--algorithms", "xla", "--iters", "1", "--size", "1K", "--json", str(out),
+  r = run("eager", "--algorithms", "xla", "--iters", "1", "--size", "1K", "--json", str(out),
            env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
   assert r.returncode == 0, r.stderr[-3000:]
   rows = _doc(out, "eager")["rows"]
@@ -222,13 +245,13 @@ def test_eager_bench_writes_psum_ratios_for_every_mode(tmp_path):
       (m, c) for m in ("eager", "eager grad", "jit") for c in ("lax.psum", "xla", "xla repro")}
   assert all(row["x_psum"] > 0 for row in rows) and "x psum" in r.stdout
   assert "# eager: jit (3 of 3, " in r.stderr
-  r = _run("eager", "--iters", "1")                      # one device: a clear refusal
+  r = run("eager", "--iters", "1")                      # one device: a clear refusal
   assert r.returncode == 3 and "moves no data" in r.stderr
 
 
-def test_compile_time_bench_reports_program_sizes_and_psum_ratios(tmp_path):
+def test_compile_time_bench_reports_program_sizes_and_psum_ratios(tmp_path, run):
   out = tmp_path / "ct.json"
-  r = _run("compile_time", "--blocks", "2", "--d", "8", "--repeats", "1", "--warmup", "0",
+  r = run("compile_time", "--blocks", "2", "--d", "8", "--repeats", "1", "--warmup", "0",
            "--phases", "--candidates", "auto,reproducible", "--json", str(out),
            env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
   assert r.returncode == 0, r.stderr[-3000:]
@@ -245,9 +268,9 @@ def test_compile_time_bench_reports_program_sizes_and_psum_ratios(tmp_path):
   assert "x psum" in r.stdout
 
 
-def test_stacked_buckets_bench_compares_per_leaf_and_bucketed_with_the_same_bits(tmp_path):
+def test_stacked_buckets_bench_compares_per_leaf_and_bucketed_with_the_same_bits(tmp_path, run):
   out = tmp_path / "s.json"
-  r = _run("stacked_buckets", "--layers", "1", "--d", "8", "--iters", "1", "--json", str(out),
+  r = run("stacked_buckets", "--layers", "1", "--d", "8", "--iters", "1", "--json", str(out),
            env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
   assert r.returncode == 0, r.stderr[-3000:]
   rows = _doc(out, "stacked_buckets")["rows"]

@@ -248,7 +248,8 @@ ckpt.save(sys.argv[1], {"x": x, "step": 99}, overwrite=True)
 """
 
 
-@pytest.mark.multiprocess
+# One process at a time (not "several processes talking over loopback"): outside the procs
+# group (tests/procs.py), so the other worker may run it.
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path):
   path, ref = _saved(tmp_path)
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")

@@ -273,7 +273,8 @@ ckpt.save(path, {"w": jnp.full((256,), 2.0, jnp.float32), "b": np.full((4,), 2, 
 """
 
 
-@pytest.mark.multiprocess
+# One process at a time (not "several processes talking over loopback"): outside the procs
+# group (tests/procs.py), so the other worker may run it.
 def test_a_kill_between_the_two_renames_of_an_overwrite_loses_nothing(tmp_path):
   path = tmp_path / "c"
   ckpt.save(path, _tree(1))

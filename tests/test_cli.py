@@ -1,4 +1,7 @@
-"""``python -m dtenjax explain`` and ``bench`` through a subprocess, as a user runs them.
+"""``python -m dtenjax explain`` and ``bench`` through a subprocess, as a user runs them (the
+``explain`` runs in processes forked from one that has imported jax: tests/procs.py's ForkServer,
+``python -m dtenjax`` without paying jax's import each time; ``demo`` and the console script in
+processes of their own).
 
 The explain tests load a step the test writes (a Megatron-style MLP on a 2 x 4 mesh) and check
 its rows against what the construction implies: the forward partial sums are reduced over
@@ -14,6 +17,8 @@ import sys
 import textwrap
 
 import pytest
+
+import procs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -38,12 +43,30 @@ ROWS = [[0, 1, 2, 3], [4, 5, 6, 7]]          # mesh rows: reduction over "model"
 COLS = [[0, 4], [1, 5], [2, 6], [3, 7]]      # mesh columns: reduction over "data"
 
 
-def _run(args, cwd, timeout=300):
+def _env():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)                 # the CLI sets 8 simulated devices itself
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  return subprocess.run([sys.executable, "-m", "dtenjax", *args], cwd=cwd, env=env,
+  return env
+
+
+def _run(args, cwd, timeout=300):
+  return subprocess.run([sys.executable, "-m", "dtenjax", *args], cwd=cwd, env=_env(),
                         capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+  server = procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("cli_runs"))
+  yield server
+  server.close()
+
+
+@pytest.fixture
+def run(forks):
+  """``python -m dtenjax ARGS`` in a process forked from the server."""
+  return lambda args, cwd, timeout=300: forks.run(["-m", "dtenjax", *args], cwd=cwd,
+                                                  timeout=timeout)
 
 
 @pytest.fixture()
@@ -68,17 +91,17 @@ def _check_user_rows(data):
   assert len(dp["operand_shapes"]) == 3
 
 
-def test_explain_help_is_its_own():
-  r = _run(["explain", "--help"], ROOT)
+def test_explain_help_is_its_own(run):
+  r = run(["explain", "--help"], ROOT)
   assert r.returncode == 0, r.stderr
   assert "usage: python -m dtenjax explain" in r.stdout
   assert "--shape-args" in r.stdout and "MODULE:FUNCTION" in r.stdout
   assert "--steps" not in r.stdout          # not the demo's help
 
 
-def test_explain_a_user_step_from_shape_args(user_dir):
+def test_explain_a_user_step_from_shape_args(user_dir, run):
   out = user_dir / "rows.json"
-  r = _run(["explain", "mystep:grad_step", "--mesh", "data=2,model=4", "--shape-args",
+  r = run(["explain", "mystep:grad_step", "--mesh", "data=2,model=4", "--shape-args",
             SHAPE_ARGS, "--json", str(out)], user_dir)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "explain(mystep:grad_step) on 8 cpu device(s)" in r.stdout
@@ -87,10 +110,10 @@ def test_explain_a_user_step_from_shape_args(user_dir):
   _check_user_rows(json.loads(out.read_text()))
 
 
-def test_explain_a_user_step_from_a_file_and_an_args_factory(user_dir, tmp_path_factory):
+def test_explain_a_user_step_from_a_file_and_an_args_factory(user_dir, tmp_path_factory, run):
   elsewhere = tmp_path_factory.mktemp("cwd")
   out = elsewhere / "rows.json"
-  r = _run(["explain", str(user_dir / "mystep.py") + ":grad_step", "--args", "mystep:make_args",
+  r = run(["explain", str(user_dir / "mystep.py") + ":grad_step", "--args", "mystep:make_args",
             "--json", str(out)], elsewhere)
   assert r.returncode == 0, r.stderr[-3000:]
   _check_user_rows(json.loads(out.read_text()))
@@ -111,9 +134,9 @@ def test_explain_errors_name_the_bad_value_and_exit_2(user_dir, capsys, monkeypa
 
 
 @pytest.mark.slow
-def test_explain_without_a_target_lists_every_collective_of_the_demo_step(tmp_path):
+def test_explain_without_a_target_lists_every_collective_of_the_demo_step(tmp_path, run):
   hlo_file, out = tmp_path / "step.hlo", tmp_path / "rows.json"
-  r = _run(["explain", "--dump-hlo", str(hlo_file), "--json", str(out)], tmp_path)
+  r = run(["explain", "--dump-hlo", str(hlo_file), "--json", str(out)], tmp_path)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "explain(the demo's training step)" in r.stdout
   # Independent count: collective instructions in the dumped HLO text (async forms once), but

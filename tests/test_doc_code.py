@@ -3,7 +3,13 @@ on a CPU-only machine as a reader would paste it into plain ``python`` -- withou
 XLA_FLAGS, so a block that needs several devices says how it gets them (the
 ``--xla_force_host_platform_device_count`` line at its top) -- from the repository root, with
 JAX's defaults. Fences indented under a list item count too (their indentation is removed, as
-Markdown does). Fragments that are not complete programs belong in another fence (```text)."""
+Markdown does). Fragments that are not complete programs belong in another fence (```text).
+
+README's first block (the quickstart) runs as ``python -c`` in a process of its own; the others in
+processes forked from one that has imported jax and dtenjax but started no jax backend
+(tests/procs.py's ForkServer: each block still gets its own XLA_FLAGS, ``__main__``, backend and
+interpreter exit), which saves each block the 1-2 s of CPU that importing jax costs. A block that
+sets a ``JAX_*`` variable (read when jax is imported) runs in a process of its own too."""
 
 import os
 import pathlib
@@ -13,6 +19,8 @@ import sys
 import textwrap
 
 import pytest
+
+import procs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
@@ -56,11 +64,41 @@ def test_every_page_with_a_python_fence_is_collected():
   assert len(BLOCKS) == opening
 
 
-@pytest.mark.parametrize("code", BLOCKS)
-def test_block_runs_as_written(code, tmp_path):
+def _env():
   env = dict(os.environ, JAX_PLATFORMS="cpu")       # a CPU-only machine
   for var in ("XLA_FLAGS", "PYTHONPATH"):           # not the suite's 8 devices, not its paths
     env.pop(var, None)
-  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                     text=True, timeout=240)
+  return env
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+  server = procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("doc_blocks"))
+  yield server
+  server.close()
+
+
+def _fresh(code):
+  return code is BLOCKS[0].values[0] or re.search(r"environ\b.*[\"']JAX_", code) is not None
+
+
+def test_the_forked_blocks_see_their_own_xla_flags_and_a_fresh_main(forks):
+  """What the forked processes rely on: the block's own XLA_FLAGS line takes effect (no backend
+  was started before it), and its ``__main__`` holds only what it defines."""
+  code = ('import os\nos.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"\n'
+          'import jax, sys\nprint(jax.device_count(), sorted(k for k in dir() if k[0] != "_"), '
+          'sys.argv, os.getcwd())\n')
+  for _ in range(2):
+    r = forks.run(["-c", code])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["3", "['jax',", "'os',", "'sys']", "['-c']", str(ROOT)]
+
+
+@pytest.mark.parametrize("code", BLOCKS)
+def test_block_runs_as_written(code, forks):
+  if _fresh(code):
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=240)
+  else:
+    r = forks.run(["-c", code], timeout=240)
   assert r.returncode == 0, f"stdout:\n{r.stdout[-2000:]}\nstderr:\n{r.stderr[-4000:]}"

@@ -126,7 +126,8 @@ def test_fewer_than_min_nprocs_stops_the_job_with_the_lost_ranks(tmp_path):
   assert "1 processes would remain, fewer than min_nprocs=2" in str(e.value)
 
 
-@pytest.mark.multiprocess
+# One process at a time (not "several processes talking over loopback"): outside the procs
+# group (tests/procs.py), so the other worker may run it.
 def test_dtenjax_launch_says_what_it_checked_and_runs_the_job(tmp_path):
   script = tmp_path / "hello.py"
   script.write_text("import sys, dtenjax.elastic\n"

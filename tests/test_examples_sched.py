@@ -1,4 +1,8 @@
-"""Smoke tests: the scheduler/CUDA-graph examples and benchmark run end to end (tiny, on CPU)."""
+"""Smoke tests: the scheduler/CUDA-graph examples and benchmark run end to end (tiny, on CPU).
+
+Each runs as ``python FILE``: the serving example in a process of its own, the others in processes
+forked from one that has imported jax (tests/procs.py's ForkServer: the same ``__main__`` run
+without paying jax's import each time)."""
 
 import json
 import os
@@ -7,20 +11,44 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+import procs
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run(args, timeout=300):
+def _env():
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+  return env
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+  server = procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("examples"))
+  yield server
+  server.close()
+
+
+@pytest.fixture
+def run(forks):
+  def run(args, timeout=300):
+    proc = forks.run(args, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+  return run
+
+
+def _run(args, timeout=300):
+  proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True,
                         text=True, timeout=timeout, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return proc.stdout
 
 
-def test_resnet50_tiny_trains(tmp_path):
-  out = _run(["examples/resnet50_train.py", "--tiny", "--json", str(tmp_path / "r.json")])
+def test_resnet50_tiny_trains(tmp_path, run):
+  out = run(["examples/resnet50_train.py", "--tiny", "--json", str(tmp_path / "r.json")])
   assert "images/s" in out and "auto vs jax.jit's default" in out
   results = json.loads((tmp_path / "r.json").read_text())["results"]
   assert [r["mode"] for r in results] == ["jax.jit", "auto"]      # jax.jit's default first
@@ -43,12 +71,12 @@ def test_resnet50_sliced_pooling_matches_reduce_window_forward():
                                   rn.max_pool_3x3_s2(x, "reduce_window"))
 
 
-def test_gpt2_tiny_trains_and_decodes(tmp_path):
-  out = _run(["examples/gpt2_train.py", "--tiny", "--modes", "auto", "--json",
+def test_gpt2_tiny_trains_and_decodes(tmp_path, run):
+  out = run(["examples/gpt2_train.py", "--tiny", "--modes", "auto", "--json",
               str(tmp_path / "g.json")])
   res = json.loads((tmp_path / "g.json").read_text())["results"]
   assert [r["mode"] for r in res] == ["jax.jit", "auto"] and "tokens/s" in out
-  out = _run(["examples/gpt2_train.py", "--tiny", "--decode", "--modes", "auto"])
+  out = run(["examples/gpt2_train.py", "--tiny", "--decode", "--modes", "auto"])
   assert "auto vs jax.jit's default" in out
 
 
@@ -60,8 +88,8 @@ def test_serve_microbatches_quick_loses_nothing():
   assert done[("off", "low_latency")] == done[("on", "low_latency")] == 20
 
 
-def test_cuda_graphs_bench_tiny_compares_with_jax_jit_first(tmp_path):
-  _run(["bench/cuda_graphs.py", "--tiny", "--cases", "loop,split", "--out", str(tmp_path)])
+def test_cuda_graphs_bench_tiny_compares_with_jax_jit_first(tmp_path, run):
+  run(["bench/cuda_graphs.py", "--tiny", "--cases", "loop,split", "--out", str(tmp_path)])
   data = json.loads((tmp_path / "cuda_graphs.json").read_text())
   loop = {r["candidate"]: r for r in data["cases"]["loop"]["candidates"]}
   assert list(loop) == ["jax.jit", "auto", "auto_v1", "measure", "off"]   # jax.jit first

@@ -1,0 +1,87 @@
+"""tests/procs.py's ForkServer, which the tests that run scripts, doc blocks and multi-process jobs
+use instead of a fresh ``python`` each time: what a forked run must share with a fresh process
+(its own environment, argv, ``__main__``, exit status, output, a timeout that kills it) and what
+tests/mp_workers/launch.py adds (neighbouring ranks with different hash seeds, as processes started
+apart have). The servers here import nothing (``preload=()``): the runs are plain Python."""
+
+import os
+import subprocess
+
+import pytest
+
+import procs
+from tests.mp_workers import launch
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  server = procs.ForkServer(env, os.getcwd(), tmp_path_factory.mktemp("forks"), preload=())
+  yield server
+  server.close()
+
+
+def test_a_forked_run_is_a_process_of_its_own(forks, tmp_path):
+  code = ("import os, sys\nprint(os.getpid() != int(sys.argv[1]), sys.argv[1:], __name__,\n"
+          "      sorted(k for k in dir() if not k.startswith('_')), os.environ['ONLY_HERE'],\n"
+          "      os.getcwd())\nprint('to stderr', file=sys.stderr)\nsys.exit(7)\n")
+  r = forks.run(["-c", code, str(os.getpid()), "x"], env=dict(forks.env, ONLY_HERE="1"),
+                cwd=tmp_path)
+  assert r.returncode == 7, r.stderr
+  assert r.stdout == f"True ['{os.getpid()}', 'x'] __main__ ['os', 'sys'] 1 {tmp_path}\n"
+  assert r.stderr == "to stderr\n"
+  r = forks.run(["-c", "import os\nprint('ONLY_HERE' in os.environ)\n1 / 0\n"])
+  assert r.returncode == 1 and r.stdout == "False\n"               # the previous run's env: gone
+  assert r.stderr.rstrip().endswith("ZeroDivisionError: division by zero")
+  script = tmp_path / "script.py"
+  script.write_text("import sys, atexit\natexit.register(print, 'atexit ran')\n"
+                    "print(sys.argv, sys.path[0])\n")
+  r = forks.run([str(script), "--flag"])
+  assert r.returncode == 0, r.stderr
+  assert r.stdout == f"[{str(script)!r}, '--flag'] {tmp_path}\natexit ran\n"
+
+
+def test_a_run_past_its_timeout_is_killed_with_what_it_started(forks, tmp_path):
+  pid_file = tmp_path / "child.pid"
+  code = ("import subprocess, sys, time\n"
+          "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+          f"open({str(pid_file)!r}, 'w').write(str(p.pid))\ntime.sleep(60)\n")
+  with pytest.raises(subprocess.TimeoutExpired):
+    forks.run(["-c", code], timeout=3)
+  child = int(pid_file.read_text())
+  # the grandchild was in the run's process group: killed too (a zombie until its parent's
+  # reaper, init, collects it; never left running)
+  for _ in range(100):
+    try:
+      state = open(f"/proc/{child}/stat").read().split()[2]
+    except FileNotFoundError:
+      break
+    if state == "Z":
+      break
+    import time  # pylint: disable=g-import-not-at-top
+    time.sleep(0.05)
+  else:
+    raise AssertionError(f"process {child} is still running")
+
+
+def test_what_a_process_reads_at_its_start_is_refused(forks):
+  with pytest.raises(AssertionError, match="JAX_\\*"):
+    forks.run(["-c", "pass"], env=dict(forks.env, JAX_PLATFORMS="cuda"))
+  with pytest.raises(AssertionError, match="PYTHON"):
+    forks.run(["-c", "pass"], env=dict(forks.env, PYTHONPATH="/elsewhere"))
+
+
+def test_neighbouring_ranks_of_a_launch_have_different_hash_seeds(tmp_path):
+  """Forked from two servers: ranks 0 and 1 differ in their string hashes (so a rank whose work
+  depends on a set's order disagrees with its neighbour, as processes started apart would); ranks
+  0 and 2 are forks of one server."""
+  with launch.shared_forks(preload=()) as slot:
+    codes, results, logs = launch.launch("tests.mp_workers.hash_worker", 4, str(tmp_path),
+                                         timeout_s=60)
+    servers = [s.proc.pid for s in slot["servers"]]
+  assert codes == [0] * 4, logs
+  assert [r["parent"] for r in results] == [servers[0], servers[1]] * 2
+  assert len({r["pid"] for r in results}) == 4
+  h = [r["hash"] for r in results]
+  if os.environ.get("PYTHONHASHSEED", "random") == "random":    # else every process has one seed
+    assert h[0] == h[2] != h[1] == h[3]

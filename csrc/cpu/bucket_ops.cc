@@ -169,13 +169,20 @@ Status Fold(const void* const* operands, int count, int64_t values, Float in, Fl
             void* result) {
   DTENJAX_CHECK_ARG(count >= 1, "fold: no operand");
   FloatMode mode(/*flush=*/true);
-  if (in == Float::kF32 && out == Float::kF32) {   // the common case, vectorizable
+  if (in == Float::kF32 && out == Float::kF32) {
+    // the common case, one pass per operand (vectorized): ((x0 + x1) + x2) + ... per element
     const float* const* x = reinterpret_cast<const float* const*>(operands);
     float* y = static_cast<float*>(result);
-    for (int64_t e = 0; e < values; ++e) {
-      float acc = x[0][e];
-      for (int p = 1; p < count; ++p) acc = acc + x[p][e];
-      y[e] = acc;
+    if (count == 1) {
+      std::memcpy(y, x[0], values * sizeof(float));
+      return Status::Ok();
+    }
+    const float* a = x[0];
+    const float* b = x[1];
+    for (int64_t e = 0; e < values; ++e) y[e] = a[e] + b[e];
+    for (int p = 2; p < count; ++p) {
+      const float* c = x[p];
+      for (int64_t e = 0; e < values; ++e) y[e] = y[e] + c[e];
     }
     return Status::Ok();
   }
@@ -192,11 +199,23 @@ Status RingStep(const void* flat, int64_t total, const float* recv, int64_t chun
   DTENJAX_CHECK_ARG(c >= 0 && total >= 0, "ring step: negative sizes");
   FloatMode mode(/*flush=*/true);
   const int64_t start = chunk * c;
+  const int64_t inside = start >= total ? 0 : (total - start < c ? total - start : c);
+  if (in == Float::kF32 && out == Float::kF32) {   // the common case (vectorized)
+    const float* x = static_cast<const float*>(flat) + start;
+    float* y = static_cast<float*>(result);
+    if (recv != nullptr) {
+      for (int64_t e = 0; e < inside; ++e) y[e] = recv[e] + x[e];
+      for (int64_t e = inside; e < c; ++e) y[e] = recv[e] + 0.0f;
+    } else {
+      if (inside) std::memcpy(y, x, inside * sizeof(float));
+      for (int64_t e = inside; e < c; ++e) y[e] = 0.0f;
+    }
+    return Status::Ok();
+  }
   for (int64_t e = 0; e < c; ++e) {
-    const int64_t i = start + e;
     // a widened bfloat16 or a float32 read as it is: the flushing applies to the addition only
     // (XLA's convert of a subnormal bfloat16 keeps it, and a lone chunk is a copy)
-    const float x = i < total ? Widen(flat, i, in) : 0.0f;
+    const float x = e < inside ? Widen(flat, start + e, in) : 0.0f;
     Store(result, e, recv != nullptr ? recv[e] + x : x, out);
   }
   return Status::Ok();

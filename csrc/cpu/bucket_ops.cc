@@ -11,6 +11,9 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 #endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace dtenjax::cpu {
 namespace {
@@ -82,18 +85,89 @@ inline void Store(void* data, int64_t i, float x, Float type) {
   }
 }
 
+#if defined(__SSE2__)
+// Four elements at a time (SSE2), for float32 contributions and result, W >= 3: the same
+// operations as RepSumWords in the same order -- the code from an integer maximum, two exact
+// products, the conversion to int32 in the current rounding mode (nearest even), the int32 sum,
+// its conversion and one exact scaling (and the mean's division) -- so the same bits. Lanes that
+// leave that path (a NaN or an infinity, a result that may be subnormal, a mean whose sum may
+// pass float32's range) are recomputed by RepSum.
+inline __m128i Max32(__m128i a, __m128i b) {
+  const __m128i gt = _mm_cmpgt_epi32(a, b);
+  return _mm_or_si128(_mm_and_si128(gt, a), _mm_andnot_si128(gt, b));
+}
+
+inline __m128i Min32(__m128i a, __m128i b) {
+  const __m128i gt = _mm_cmpgt_epi32(a, b);
+  return _mm_or_si128(_mm_and_si128(gt, b), _mm_andnot_si128(gt, a));
+}
+
+inline __m128 Pow2x4(__m128i k) {   // 2^k for k in [-126, 127]
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(k, _mm_set1_epi32(127)), 23));
+}
+
+template <int W>
+int64_t RepSumF32x4(const float* const* row, bool mean, int64_t c, float* y) {
+  constexpr int L = p2p::v3::CeilLog2(W), P = 31 - L;
+  const __m128i abs_mask = _mm_set1_epi32(0x7fffffff), one = _mm_set1_epi32(1);
+  const __m128 count = _mm_set1_ps(static_cast<float>(W));
+  int64_t e = 0;
+  for (; e + 4 <= c; e += 4) {
+    __m128 v[W];
+    __m128i mag = _mm_setzero_si128();
+    for (int p = 0; p < W; ++p) {
+      v[p] = _mm_loadu_ps(row[p] + e);
+      mag = Max32(mag, _mm_and_si128(_mm_castps_si128(v[p]), abs_mask));
+    }
+    const __m128i code = Max32(_mm_srli_epi32(mag, 23), one);
+    const __m128i sh = _mm_sub_epi32(_mm_set1_epi32(P + 126), code);
+    const __m128i sh1 = Min32(sh, _mm_set1_epi32(127));
+    const __m128 p1 = Pow2x4(sh1), p2 = Pow2x4(_mm_sub_epi32(sh, sh1));
+    __m128i q = _mm_setzero_si128();
+    for (int p = 0; p < W; ++p) {
+      q = _mm_add_epi32(q, _mm_cvtps_epi32(_mm_mul_ps(_mm_mul_ps(v[p], p1), p2)));
+    }
+    const __m128i t = _mm_sub_epi32(code, _mm_set1_epi32(126 + P));
+    __m128 r = _mm_mul_ps(_mm_cvtepi32_ps(q), Pow2x4(Max32(t, _mm_set1_epi32(-126))));
+    if (mean) r = _mm_div_ps(r, count);
+    _mm_storeu_ps(y + e, r);
+    __m128i other = _mm_or_si128(_mm_cmpgt_epi32(mag, _mm_set1_epi32(0x7f7fffff)),
+                                 _mm_cmplt_epi32(t, _mm_set1_epi32(-123)));
+    if (mean) other = _mm_or_si128(other, _mm_cmpgt_epi32(code, _mm_set1_epi32(254 - L)));
+    const int lanes = _mm_movemask_ps(_mm_castsi128_ps(other));
+    if (lanes) {
+      for (int l = 0; l < 4; ++l) {
+        if (!(lanes & (1 << l))) continue;
+        float w[W];
+        for (int p = 0; p < W; ++p) w[p] = row[p][e + l];
+        y[e + l] = p2p::v3::RepSum<W, false>(w, mean);
+      }
+    }
+  }
+  return e;
+}
+#endif
+
 template <int W, bool kBf16In, bool kBf16Out>
 void RepSumTyped(const std::vector<const void*>& rows_of, bool mean, int64_t c, void* result) {
   constexpr Float in = kBf16In ? Float::kBf16 : Float::kF32;
   constexpr Float out = kBf16Out ? Float::kBf16 : Float::kF32;
   const void* row[W];
   for (int p = 0; p < W; ++p) row[p] = rows_of[p];
+  int64_t e = 0;
+#if defined(__SSE2__)
+  if constexpr (W >= 3 && !kBf16In && !kBf16Out) {
+    e = RepSumF32x4<W>(reinterpret_cast<const float* const*>(row), mean, c,
+                       static_cast<float*>(result));
+  }
+#endif
   float v[W];
-  for (int64_t e = 0; e < c; ++e) {
+  for (; e < c; ++e) {
     for (int p = 0; p < W; ++p) v[p] = Widen(row[p], e, in);
     Store(result, e, p2p::v3::RepSum<W, kBf16In>(v, mean), out);
   }
 }
+
 
 template <int W>
 void RepSumW(const std::vector<const void*>& rows_of, Float in, bool mean, Float out,

@@ -95,27 +95,6 @@ def test_fold_gives_ordered_reduce_s_bits_with_xla_cpu_s_flushing(dtype):
              fpref.fold_f32(normal, out_dtype=np.float32))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_ring_step_reads_the_chunk_at_the_rank_and_adds_the_partial(dtype):
-  n, size = 4, 37
-  c = -(-size // n)
-  flat = _contributions(1, dtype, m=size + 20)[0, 20 - size % 20:][:size]
-  flat[:3] = np.float32([np.nan, -0.0, 1e-40])
-  padded = np.pad(flat.astype(np.float32), (0, n * c - size))
-  recv = _contributions(1, np.float32, m=c + 20, seed=5)[0, 20:]
-  for rank in range(n):
-    for shift in (-1, -2, 5):
-      idx = (rank + shift) % n
-      chunk = padded[idx * c:(idx + 1) * c]
-      got = cpu_ffi.ring_step(jnp.asarray(flat), jnp.int32(rank), None, n, shift, c)
-      _same_bits(got, chunk, (rank, shift))
-      want = jax.jit(lambda a, b: a + b)(recv, chunk)       # XLA:CPU's add: flushed
-      for out in DTYPES:
-        got = cpu_ffi.ring_step(jnp.asarray(flat), jnp.int32(rank), jnp.asarray(recv), n, shift,
-                                c, out)
-        _same_bits(got, np.asarray(want).astype(out), (rank, shift, out))
-
-
 @pytest.mark.parametrize("dtype", (np.int32, BF16, np.float32), ids=str)
 def test_pack_and_unpack_are_concatenate_and_slices_and_each_other_s_transpose(dtype):
   rng = np.random.default_rng(1)
@@ -158,9 +137,6 @@ def test_the_calls_batch_under_vmap():
   got = jax.vmap(lambda s: cpu_ffi.repro_sum([s[:3], s[3:]], "sum", jnp.float32))(stack)
   for i in range(3):
     _same_bits(got[i], fpref.v3_sum(stack[i]))
-  got = jax.vmap(lambda f: cpu_ffi.ring_step(f, jnp.int32(1), None, 4, -1, 3))(stack[:, 0, :10])
-  for i in range(3):
-    _same_bits(got[i], stack[i, 0, :3])
 
 
 def _call(target, outs, *operands, **attrs):
@@ -179,12 +155,6 @@ def test_bad_buffers_are_ffi_errors_naming_the_mismatch():
       (lambda: _call(cpu_ffi.UNPACK, [s((2, 2), f32), s((1, 2), f32)], x), "leading dim"),
       (lambda: _call(cpu_ffi.FOLD, s((2, 3), f32), x, y), "has not the result's 6 values"),
       (lambda: _call(cpu_ffi.FOLD, s((2, 3), i32), x.astype(i32)), "f32 or bf16"),
-      (lambda: _call(cpu_ffi.RING_STEP, s((2,), f32), x[0], jnp.float32(0), n=2, shift=0),
-       "rank must be int32"),
-      (lambda: _call(cpu_ffi.RING_STEP, s((1,), f32), x[0], jnp.int32(0), n=2, shift=0),
-       "do not cover"),
-      (lambda: _call(cpu_ffi.RING_STEP, s((2,), f32), x[0], jnp.int32(0), n=0, shift=0),
-       "must be positive"),
       (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), jnp.ones((33, 3), f32), mean=0),
        "33 contributions"),
       (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), jnp.ones((1, 3), f32), mean=0),

@@ -268,33 +268,6 @@ Status Fold(const void* const* operands, int count, int64_t values, Float in, Fl
   return Status::Ok();
 }
 
-Status RingStep(const void* flat, int64_t total, const float* recv, int64_t chunk, int64_t c,
-                Float in, Float out, void* result) {
-  DTENJAX_CHECK_ARG(c >= 0 && total >= 0, "ring step: negative sizes");
-  FloatMode mode(/*flush=*/true);
-  const int64_t start = chunk * c;
-  const int64_t inside = start >= total ? 0 : (total - start < c ? total - start : c);
-  if (in == Float::kF32 && out == Float::kF32) {   // the common case (vectorized)
-    const float* x = static_cast<const float*>(flat) + start;
-    float* y = static_cast<float*>(result);
-    if (recv != nullptr) {
-      for (int64_t e = 0; e < inside; ++e) y[e] = recv[e] + x[e];
-      for (int64_t e = inside; e < c; ++e) y[e] = recv[e] + 0.0f;
-    } else {
-      if (inside) std::memcpy(y, x, inside * sizeof(float));
-      for (int64_t e = inside; e < c; ++e) y[e] = 0.0f;
-    }
-    return Status::Ok();
-  }
-  for (int64_t e = 0; e < c; ++e) {
-    // a widened bfloat16 or a float32 read as it is: the flushing applies to the addition only
-    // (XLA's convert of a subnormal bfloat16 keeps it, and a lone chunk is a copy)
-    const float x = e < inside ? Widen(flat, start + e, in) : 0.0f;
-    Store(result, e, recv != nullptr ? recv[e] + x : x, out);
-  }
-  return Status::Ok();
-}
-
 Status RepSum(const void* const* operands, const int64_t* contributions, int count,
               int64_t rows, int64_t c, Float in, bool mean, Float out, void* result) {
   int64_t w = 0;

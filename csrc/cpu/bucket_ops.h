@@ -13,9 +13,6 @@
 //   Fold:    n operands of `count` values each, folded left to right in float32
 //            ((x0 + x1) + x2) + ..., rounded once to the result's type; subnormal inputs and
 //            results are flushed to zero as XLA:CPU's own kernels do (FTZ and DAZ).
-//   RingStep: chunk `chunk` (c values) of a flat buffer of `total` values (zeros past its end),
-//            widened to float32, plus the received partial `recv` (if given) added first:
-//            one step of the ring's reduce-scatter, with the fold's flushing.
 //   RepSum:  contract v3 (csrc/p2p/repro_v3.h) of the W = sum(contributions) values of each
 //            element, IEEE arithmetic (no flushing, as the contract requires).
 #pragma once
@@ -37,9 +34,6 @@ Status Unpack(const void* operand, int64_t rows, int64_t total, void* const* res
 
 Status Fold(const void* const* operands, int count, int64_t values, Float in, Float out,
             void* result);
-
-Status RingStep(const void* flat, int64_t total, const float* recv, int64_t chunk, int64_t c,
-                Float in, Float out, void* result);
 
 // operand i is [rows, contributions[i], c]; the result [rows, c].
 Status RepSum(const void* const* operands, const int64_t* contributions, int count,

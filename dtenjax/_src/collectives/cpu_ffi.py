@@ -16,8 +16,6 @@ Each call gives the bits of the jnp formulation it replaces (tests/test_cpu_ffi.
 * :func:`fold`: ``base.ordered_reduce`` of float32/bfloat16 contributions, a left fold in float32
   with XLA:CPU's flushing of subnormals (its kernels run with flush-to-zero and
   denormals-are-zero, so the handler does too).
-* :func:`ring_step`: one step of ring's reduce-scatter (the chunk read at a run-time rank, plus
-  the received partial).
 * :func:`repro_sum`: contract v3's local sum (``fixed_point_v3.local_sum``) of 2..32
   contributions, per element as the NVLink kernels compute it (``csrc/p2p/repro_v3.h``), with
   IEEE arithmetic.
@@ -43,9 +41,8 @@ from dtenjax._src import jaxapi
 PACK = "dtenjax_cpu_pack"
 UNPACK = "dtenjax_cpu_unpack"
 FOLD = "dtenjax_cpu_fold"
-RING_STEP = "dtenjax_cpu_ring_step"
 REPRO_SUM = "dtenjax_cpu_repro_sum"
-TARGETS = (PACK, UNPACK, FOLD, RING_STEP, REPRO_SUM)
+TARGETS = (PACK, UNPACK, FOLD, REPRO_SUM)
 FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_CONTRIBUTIONS = 32          # the handler's contract-v3 sums (fixed_point_v3.MAX_CONTRIBUTIONS)
 
@@ -70,7 +67,7 @@ def active_for(call) -> bool:
 
 
 def folds(call, dtype) -> bool:
-  """Whether :func:`fold` / :func:`ring_step` run ``call``'s float sum (or mean) of ``dtype``."""
+  """Whether :func:`fold` runs ``call``'s float sum (or mean) of ``dtype``."""
   return call.op in ("sum", "mean") and jnp.dtype(dtype) in FLOATS and active_for(call)
 
 
@@ -154,16 +151,6 @@ def fold(parts: Sequence, dtype=jnp.float32):
   to ``dtype`` (float32 or bfloat16)."""
   shape = parts[0].shape
   return _ffi(FOLD, jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), list(parts))[0]
-
-
-def ring_step(flat, rank, recv, n: int, shift: int, c: int, dtype=jnp.float32):
-  """``recv + chunk`` (or the chunk alone where ``recv`` is None), in float32 rounded to
-  ``dtype``: chunk ``(rank + shift) mod n`` of ``c`` values of the flat ``[size]`` buffer, read
-  as if it were padded with zeros to ``n * c``. ``rank``: ``lax.axis_index`` of the ring."""
-  lead = flat.shape[:-1]
-  operands = [flat, rank.astype(jnp.int32)] + ([recv] if recv is not None else [])
-  return _ffi(RING_STEP, jax.ShapeDtypeStruct(lead + (c,), jnp.dtype(dtype)), operands,
-              n=n, shift=shift)[0]
 
 
 def repro_sum(groups: Sequence, op: str, dtype):

@@ -11,8 +11,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from dtenjax._src import jaxapi
-from dtenjax._src.collectives import cpu_ffi
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.pricing import algorithms as prices
 
@@ -61,28 +59,7 @@ def gather_chunks(chunk, axes, n: int):
   return out
 
 
-_all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks, opaque_steps=True)
-
-
-@base.keyed
-def all_reduce(x, call: base.Call, finish):
-  """``scatter_then_gather``'s all-reduce of :func:`reduce_chunks`; on XLA:CPU
-  (``cpu_ffi.folds``) every step's chunk read and add is a custom call reading the flat buffer
-  at the ring's run-time rank (the same order and bits, no compiled kernel)."""
-  if not cpu_ffi.folds(call, x.dtype):
-    return _all_reduce(x, call, finish)
-  n = call.world
-  flat = x.reshape(-1)
-  size = flat.shape[0]
-  c = -(-size // n) if size else 1
-  acc = base.acc_dtype(x.dtype, call.op)
-  r = lax.axis_index(call.axes)
-  send = cpu_ffi.ring_step(flat, r, None, n, -1, c, acc)
-  perm = [(i, (i + 1) % n) for i in range(n)]
-  for s in range(n - 1):
-    send = cpu_ffi.ring_step(flat, r, lax.ppermute(send, call.axes, perm), n, -2 - s, c, acc)
-  full = jaxapi.all_gather_invariant(finish(send), call.axes, tiled=True)
-  return full[:size].reshape(x.shape)
+all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks, opaque_steps=True)
 
 
 ALGORITHM = base.Algorithm(price=prices.RING, all_reduce=all_reduce,

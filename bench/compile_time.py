@@ -25,6 +25,7 @@ to run slower.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -45,8 +46,32 @@ CANDIDATES = (
 )
 
 
+# The same, with the per-element work as jnp (XLA:CPU compiles kernels for it) instead of
+# dtenjax's custom calls (cpu_ffi.py): DTENJAX_CPU_FFI=0 while the candidate is traced.
+JNP = " (jnp)"
+CANDIDATES += tuple((label + JNP, kwargs) for label, kwargs in CANDIDATES
+                    if kwargs and ("algorithm" in kwargs or kwargs.get("reproducible")))
+
 # "reproducible per leaf" compiles for a minute on a 2-core VM (60 encodes and decodes): on request
-DEFAULT = tuple(label for label, _ in CANDIDATES if label != "reproducible per leaf")
+DEFAULT = tuple(label for label, _ in CANDIDATES if not label.startswith("reproducible per leaf")
+                and label not in ("auto per leaf (jnp)", "reproducible two_shot (jnp)"))
+
+
+@contextlib.contextmanager
+def _formulation(label: str):
+  """DTENJAX_CPU_FFI=0 while a " (jnp)" candidate is traced and lowered."""
+  if not label.endswith(JNP):
+    yield
+    return
+  old = os.environ.get("DTENJAX_CPU_FFI")
+  os.environ["DTENJAX_CPU_FFI"] = "0"
+  try:
+    yield
+  finally:
+    if old is None:
+      del os.environ["DTENJAX_CPU_FFI"]
+    else:
+      os.environ["DTENJAX_CPU_FFI"] = old
 
 
 def gradient_tree(blocks: int, d: int, world: int):
@@ -183,7 +208,8 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
     for label, kwargs in _harness.progress(candidates, what, lambda c: c[0]):
       f = build(kwargs)
       t0 = time.perf_counter()
-      lowered = f.lower(tree)
+      with _formulation(label):
+        lowered = f.lower(tree)
       t1 = time.perf_counter()
       compiled = lowered.compile()
       t2 = time.perf_counter()
@@ -197,7 +223,10 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
         outs[label] = jax.tree.leaves(compiled(tree))
         programs[label] = compiled
   # where one more compile of each goes, by XLA's trace events (not counted above)
-  split = ({label: phases(build(kwargs).lower(tree)) for label, kwargs in candidates}
+  def lower(label, kwargs):
+    with _formulation(label):
+      return build(kwargs).lower(tree)
+  split = ({label: phases(lower(label, kwargs)) for label, kwargs in candidates}
            if with_phases else {})
   # run time of each compiled program, interleaved: the compile-time changes must not cost it
   runs = _harness.interleaved(programs, (tree,), warmup=1, iters=run_iters) if run_iters else {}

@@ -2,8 +2,9 @@
 the same tree (issue 43 item 3; bench/compile_time.py times it).
 
 XLA:CPU compiles every distinct fused computation (and every standalone concatenate) as an LLVM
-module of its own, tens of milliseconds each, whatever its size: the kernels are where the compile
-time of a bucketed or reproducible all-reduce goes. The anchor is XLA's own count for per-leaf
+module of its own, tens of milliseconds each, whatever its size: the kernels were where the
+compile time of a bucketed or reproducible all-reduce went, and on XLA:CPU that work is now
+custom calls (``collectives/cpu_ffi.py``), which compile none. The anchor is XLA's own count for per-leaf
 work after ``lax.psum`` (one kernel per leaf shape: XLA reuses a kernel for fusions that are the
 same computation), not a number of ours.
 """
@@ -17,6 +18,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import dtenjax
+from dtenjax._src.collectives import cpu_ffi
 from tests.helpers import block_tree
 from tests.test_collectives import _kernels
 
@@ -28,27 +30,68 @@ def mesh(cpu_devices):
   return Mesh(np.array(cpu_devices), (AX,))
 
 
-def _compiled(mesh, body, tree):
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX),), out_specs=P()))
+def _compiled(mesh, body, tree, out_specs=P()):
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX),), out_specs=out_specs))
   return f.lower(tree).compile()
 
 
-@pytest.mark.parametrize("kwargs", ({"algorithm": "two_shot"}, {"algorithm": "ring"},
-                                    {"reproducible": True},
-                                    {"reproducible": True, "algorithm": "two_shot"}),
-                         ids=("two_shot", "ring", "reproducible", "reproducible_two_shot"))
-def test_a_bucket_compiles_three_kernels_more_than_psum_with_per_leaf_work(mesh, kwargs):
-  """A bucket costs the kernels of its leaves' shapes (the copies out of it, as XLA's per-leaf
+_KINDS = ({"algorithm": "two_shot"}, {"algorithm": "ring"}, {"reproducible": True},
+          {"reproducible": True, "algorithm": "two_shot"},
+          {"reproducible": True, "algorithm": "one_shot"})
+_IDS = ("two_shot", "ring", "reproducible", "reproducible_two_shot", "reproducible_one_shot")
+
+
+@pytest.mark.skipif(not cpu_ffi.built(), reason="dtenjax._ffi without the CPU targets")
+@pytest.mark.parametrize("kwargs", _KINDS, ids=_IDS)
+def test_with_the_custom_calls_a_bucket_compiles_the_kernels_lax_psum_s_tree_compiles(
+    mesh, kwargs, monkeypatch):
+  """On XLA:CPU the bucket's packing, the chunks an all-to-all sends, the fold or the exact sum
+  and the copies out of the bucket are custom calls (cpu_ffi.py): thunks, no compiled kernel.
+  The program then compiles what lax.psum's program for the same tree compiles (none), and with
+  the update a step makes of the gradients what psum's step compiles (a kernel per leaf shape).
+  Ring's steps stay jnp (as custom calls they ran slower in a step, docs/benchmarks.md): it
+  compiles the jnp formulation's kernels less the bucket's concatenate and its copies out (one
+  per leaf shape), as XLA counts both programs. The sums are exact in float32."""
+  tree = block_tree()
+  shapes = len({v.shape for v in tree.values()})
+  ring = kwargs.get("algorithm") == "ring"
+  step = lambda reduce: lambda t: jax.tree.map(lambda g: g * 2, reduce(t))
+  ours = lambda t: dtenjax.all_reduce(t, AX, **kwargs)
+  if ring:
+    monkeypatch.setenv("DTENJAX_CPU_FFI", "0")
+    anchor = _kernels(_compiled(mesh, ours, tree).as_text()) - 1 - shapes
+    step_anchor = _kernels(_compiled(mesh, step(ours), tree).as_text()) - 1
+    monkeypatch.delenv("DTENJAX_CPU_FFI")
+  else:
+    anchor = _kernels(_compiled(mesh, lambda t: jax.lax.psum(t, AX), tree).as_text())
+    step_anchor = _kernels(_compiled(mesh, step(lambda t: jax.lax.psum(t, AX)), tree).as_text())
+    assert step_anchor == shapes, step_anchor         # XLA: one kernel per leaf shape
+  compiled = _compiled(mesh, ours, tree)
+  assert "dtenjax_cpu_" in compiled.as_text()
+  assert _kernels(compiled.as_text()) <= anchor, anchor
+  out = compiled(tree)
+  for k, v in tree.items():
+    np.testing.assert_array_equal(out[k][0], np.asarray(v).sum(0))
+  assert _kernels(_compiled(mesh, step(ours), tree).as_text()) <= step_anchor, step_anchor
+
+
+@pytest.mark.parametrize("kwargs", _KINDS[:4], ids=_IDS[:4])
+def test_a_bucket_compiles_three_kernels_more_than_psum_with_per_leaf_work(mesh, kwargs,
+                                                                           monkeypatch):
+  """Without the custom calls (no extension, or DTENJAX_CPU_FFI=0: the jnp formulation), a
+  bucket costs the kernels of its leaves' shapes (the copies out of it, as XLA's per-leaf
   work after lax.psum costs) plus three: the bucket's concatenate, the copy of the chunks an
   all-to-all takes (ring: the first chunk sent) and the fold (ring: a step's add; reproducible:
   the exact sum). Ring stacked its chunks into one more buffer and the reproducible owner sum
   stacked what the all-to-all received, a kernel each (7 where 6 now, bench/compile_time.py)."""
+  monkeypatch.setenv("DTENJAX_CPU_FFI", "0")
   tree = block_tree()
   shapes = len({v.shape for v in tree.values()})
   anchor = _kernels(_compiled(
       mesh, lambda t: jax.tree.map(lambda g: g * 2, jax.lax.psum(t, AX)), tree).as_text())
   assert anchor == shapes, anchor                   # XLA: one kernel per leaf shape
   compiled = _compiled(mesh, lambda t: dtenjax.all_reduce(t, AX, **kwargs), tree)
+  assert "dtenjax_cpu_" not in compiled.as_text()
   assert _kernels(compiled.as_text()) <= anchor + 3
   out = compiled(tree)
   for k, v in tree.items():                         # exact in float32: any order gives these

@@ -20,6 +20,14 @@
 #include <cstdint>
 #include <cstring>
 
+// Host builds of x86 (not nvcc's) convert with SSE, where nearbyint would be a library call.
+#if !defined(__CUDACC__) && (defined(__SSE2__) || defined(__x86_64__))
+#include <xmmintrin.h>
+#define DTENJAX_HOST_SSE 1
+#else
+#define DTENJAX_HOST_SSE 0
+#endif
+
 #if defined(__CUDACC__)
 #define DTENJAX_HD __host__ __device__ __forceinline__
 #define DTENJAX_UNROLL _Pragma("unroll")
@@ -83,6 +91,9 @@ DTENJAX_HD float DivRn(float a, float b) {
 DTENJAX_HD int32_t FloatToIntRn(float y) {  // |y| < 2^31, round to nearest even
 #if defined(__CUDA_ARCH__)
   return __float2int_rn(y);
+#elif DTENJAX_HOST_SSE
+  return _mm_cvtss_si32(_mm_set_ss(y));   // one instruction, in the default rounding mode (the
+                                          // host callers keep it: nearest even)
 #else
   return static_cast<int32_t>(std::nearbyint(y));   // the default rounding mode
 #endif
@@ -230,3 +241,4 @@ DTENJAX_HD float RepSum(const float* v, bool mean) {
 
 #undef DTENJAX_HD
 #undef DTENJAX_UNROLL
+#undef DTENJAX_HOST_SSE

@@ -62,6 +62,9 @@ KNOBS: dict[str, Knob] = {
              "largest frame payload of the host ring; chunks are pipelined in segments of this "
              "size (must be equal on every process)"),
         Knob("DTENJAX_BUCKET_BYTES", str(4 << 20), "default bucket size of the fusion pass"),
+        Knob("DTENJAX_CPU_FFI", "1",
+             "0 runs the collectives' per-element work on XLA:CPU as jnp (compiled kernels) "
+             "instead of dtenjax's custom calls (the same bits; docs/collectives.md)"),
         Knob("DTENJAX_MEMORY_RESERVE", "0.1",
              "share of each device's memory the step planner (dtenjax.plan) keeps free for XLA's "
              "workspace and fragmentation: the default budget is memory x (1 - this)"),

@@ -53,6 +53,7 @@ from dtenjax._src import contract as contract_lib
 from dtenjax._src import errors
 from dtenjax._src import jaxapi
 from dtenjax._src.collectives import buckets
+from dtenjax._src.collectives import cpu_ffi
 from dtenjax._src.collectives import fixed_point
 from dtenjax._src.collectives import reproducible as repro
 from dtenjax._src.collectives.algorithms import base
@@ -643,10 +644,21 @@ def _all_reduce_plain(leaves, axes, op, algorithm, deterministic, contract, loca
       # buckets of [contributions, values], one encode and collective per bucket, not per leaf
       leaves = [jnp.moveaxis(leaf, s.local_axis, 0) for leaf, s in zip(leaves, specs)]
       spec = dataclasses.replace(spec, local_axis=0)
+    copies = _bucket_copies(spec.axes)
     return buckets.bucketed_apply(
         leaves, lambda flat: _all_reduce_array(flat, traced_tag, spec), bucket_bytes,
-        stacked=stacked, offsets=_opaque_offsets(spec.axes))
+        stacked=stacked, copies=copies,
+        offsets=None if copies is not None else _opaque_offsets(spec.axes))
   return [_all_reduce_array(leaf, traced_tag, s) for leaf, s in zip(leaves, specs)]
+
+
+def _bucket_copies(axes: tuple[str, ...]) -> buckets.Copies | None:
+  """The custom calls that pack and unpack a bucket over ``axes`` where they run
+  (``cpu_ffi.active``: XLA:CPU, one process), padding it to a multiple of the world size."""
+  ctx = _context(axes)
+  if not cpu_ffi.active(ctx.backend, ctx.mesh_axes, ctx.processes):
+    return None
+  return buckets.Copies(cpu_ffi.pack, cpu_ffi.unpack, math.prod(ctx.axis_sizes))
 
 
 def _opaque_offsets(axes: tuple[str, ...]):

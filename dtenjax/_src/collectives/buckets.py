@@ -20,10 +20,25 @@ one shape share one kernel: the kernels grow with the distinct shapes, not with 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+
+class Copies(NamedTuple):
+  """How a bucket is packed and unpacked without a compiled kernel (``cpu_ffi.pack`` and
+  ``unpack``): ``pack(parts, total)`` lays the ``[*lead, s_i]`` parts one after the other and
+  pads with zeros to ``total``, ``unpack(x, sizes)`` cuts the pieces back out of the reduced
+  ``[>= sum(sizes)]`` buffer. The bucket is padded to a multiple of ``multiple`` (the world size):
+  an algorithm that splits it into that many equal chunks then pads nothing and slices nothing
+  off (a copy each, and a kernel each on XLA:CPU). The bits stay those of the unpadded bucket:
+  every algorithm reduces each element on its own, and ring's chunks keep their bounds (a chunk
+  is ``ceil(size / world)`` values either way)."""
+  pack: Callable
+  unpack: Callable
+  multiple: int = 1
 
 
 def plan_buckets(sizes_dtypes: Sequence[tuple[int, object]], bucket_bytes: int) -> list[list[int]]:
@@ -49,7 +64,8 @@ def plan_buckets(sizes_dtypes: Sequence[tuple[int, object]], bucket_bytes: int) 
 
 
 def bucketed_apply(leaves: Sequence, fn: Callable, bucket_bytes: int, *,
-                   stacked: bool = False, offsets: Callable | None = None) -> list:
+                   stacked: bool = False, offsets: Callable | None = None,
+                   copies: Copies | None = None) -> list:
   """Applies an elementwise-layout collective ``fn`` (flat array -> flat array) per bucket.
 
   ``stacked``: every leaf holds its local contributions on axis 0 (the same number in each), which
@@ -66,6 +82,14 @@ def bucketed_apply(leaves: Sequence, fn: Callable, bucket_bytes: int, *,
     if len(bucket) == 1:
       i = bucket[0]
       out[i] = fn(leaves[i])
+      continue
+    if copies is not None:
+      shapes = [jnp.shape(leaves[i])[len(lead):] for i in bucket]
+      sizes = [int(np.prod(shape)) for shape in shapes]
+      total = -(-sum(sizes) // copies.multiple) * copies.multiple
+      flat = copies.pack([jnp.reshape(leaves[i], lead + (-1,)) for i in bucket], total)
+      for i, part, shape in zip(bucket, copies.unpack(fn(flat), sizes), shapes):
+        out[i] = part.reshape(shape)
       continue
     flat = jnp.concatenate([jnp.reshape(leaves[i], lead + (-1,)) for i in bucket], axis=-1)
     red = fn(flat)

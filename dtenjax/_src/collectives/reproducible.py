@@ -33,6 +33,7 @@ from jax import lax
 
 from dtenjax._src import jaxapi
 from dtenjax._src.contract import Contract
+from dtenjax._src.collectives import cpu_ffi
 from dtenjax._src.collectives import fixed_point
 from dtenjax._src.collectives import fixed_point_v3 as v3
 from dtenjax._src.collectives.algorithms import base
@@ -101,6 +102,10 @@ def gather_all_reduce(stack, call: base.Call):
   ``k * world`` of them exactly on every device. Returns the call's dtype."""
   k, n = stack.shape[0], call.world
   g = jaxapi.all_gather_invariant(stack, call.axes)                   # [n, k, ...]
+  if (cpu_ffi.active_for(call) and cpu_ffi.repro_sums(n * k, stack.dtype)
+      and contract_for(call.contract, n * k) is Contract.V3):        # the sum as a custom call
+    r = cpu_ffi.repro_sum([g.reshape(n * k, -1)], call.op, stack.dtype)
+    return r.reshape(stack.shape[1:])
   return local_sum(g.reshape((n * k,) + stack.shape[1:]), call.op, call.contract)
 
 

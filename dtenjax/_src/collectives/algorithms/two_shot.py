@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from dtenjax._src import jaxapi
+from dtenjax._src.contract import Contract
+from dtenjax._src.collectives import cpu_ffi
 from dtenjax._src.collectives import reproducible as repro
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.pricing import algorithms as prices
@@ -24,7 +26,26 @@ def reduce_chunks(chunks, axes, op: str):
   return base.ordered_reduce(lax.all_to_all(chunks, axes, 0, 0), op)
 
 
-all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks)
+_all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks)
+
+
+@base.keyed
+def all_reduce(x, call: base.Call, finish):
+  """``scatter_then_gather``'s all-reduce of :func:`reduce_chunks`; on XLA:CPU
+  (``cpu_ffi.folds``) its chunks, the all-to-all's operands, are written by a custom call and
+  the fold is one (the same bits, no compiled kernel)."""
+  if not cpu_ffi.folds(call, x.dtype):
+    return _all_reduce(x, call, finish)
+  n = call.world
+  flat = x.reshape(-1)
+  size = flat.shape[0]
+  chunks = cpu_ffi.split(flat, n)
+  if n > 1:   # each chunk received is read where the all-to-all left it
+    got = lax.all_to_all(jnp.stack(chunks), call.axes, 0, 0)
+    chunks = [got[j] for j in range(n)]
+  mine = finish(cpu_ffi.fold(chunks, base.acc_dtype(x.dtype, call.op)))
+  full = jaxapi.all_gather_invariant(mine, call.axes, tiled=True)
+  return full[:size].reshape(x.shape)
 
 
 def reproducible(stack, call: base.Call):
@@ -37,6 +58,17 @@ def reproducible(stack, call: base.Call):
   flat = stack.reshape(k, -1)
   size = flat.shape[1]
   c = -(-size // n) if size else 1
+  if (cpu_ffi.active_for(call) and cpu_ffi.repro_sums(k * n, stack.dtype)
+      and repro.contract_for(call.contract, k * n) is Contract.V3):
+    # on XLA:CPU: the chunks written by a custom call, the exact sum of what the all-to-all
+    # received by another (contract v3 in C++, the same bits), no compiled kernel
+    groups = cpu_ffi.split(flat, n)                           # n x [k, c]
+    if n > 1:
+      got = lax.all_to_all(jnp.stack(groups), call.axes, 0, 0)
+      groups = [got[j] for j in range(n)]
+    r = cpu_ffi.repro_sum(groups, call.op, stack.dtype)
+    full = jaxapi.all_gather_invariant(r, call.axes, tiled=True)
+    return full[:size].reshape(stack.shape[1:])
   chunks = base.rows(jnp.pad(flat, ((0, 0), (0, n * c - size))), n, c, base.opaque_of(call))
   if n > 1:
     chunks = lax.all_to_all(chunks, call.axes, 0, 0)          # [source rank, k, c]

@@ -1,0 +1,295 @@
+// Host implementations of csrc/cpu/bucket_ops.h.
+#include "csrc/cpu/bucket_ops.h"
+
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "csrc/p2p/repro_v3.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+namespace dtenjax::cpu {
+namespace {
+
+// The floating-point environment of one call: rounding to nearest even, and `flush` sets
+// flush-to-zero and denormals-are-zero (XLA:CPU's kernels run so), otherwise both are cleared
+// (IEEE, as contract v3 needs); the caller's state is restored on exit. On a CPU without such a mode (neither x86
+// nor aarch64) nothing is changed.
+class FloatMode {
+ public:
+  explicit FloatMode(bool flush) {
+#if defined(__x86_64__) || defined(__i386__)
+    saved_ = _mm_getcsr();
+    constexpr unsigned kFtzDaz = 0x8040u;   // FTZ (bit 15) | DAZ (bit 6)
+    constexpr unsigned kRounding = 0x6000u; // 0: to nearest even
+    _mm_setcsr((flush ? (saved_ | kFtzDaz) : (saved_ & ~kFtzDaz)) & ~kRounding);
+#elif defined(__aarch64__)
+    uint64_t fpcr;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
+    saved_ = fpcr;
+    constexpr uint64_t kFz = 1ull << 24, kRounding = 3ull << 22;   // RMode 0: nearest even
+    fpcr = (flush ? (fpcr | kFz) : (fpcr & ~kFz)) & ~kRounding;
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(fpcr));
+#else
+    (void)flush;
+#endif
+  }
+  ~FloatMode() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_setcsr(saved_);
+#elif defined(__aarch64__)
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_));
+#endif
+  }
+  FloatMode(const FloatMode&) = delete;
+  FloatMode& operator=(const FloatMode&) = delete;
+
+ private:
+#if defined(__aarch64__)
+  uint64_t saved_ = 0;
+#else
+  unsigned saved_ = 0;
+#endif
+};
+
+inline float Widen(const void* data, int64_t i, Float type) {
+  if (type == Float::kF32) return static_cast<const float*>(data)[i];
+  const uint32_t b = static_cast<uint32_t>(static_cast<const uint16_t*>(data)[i]) << 16;
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
+// float32 -> bfloat16 bits, round to nearest even; a NaN becomes the quiet NaN of its sign
+// (what XLA:CPU's conversion gives).
+inline uint16_t ToBf16(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>(((b >> 16) & 0x8000u) | 0x7fc0u);
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return static_cast<uint16_t>(b >> 16);
+}
+
+inline void Store(void* data, int64_t i, float x, Float type) {
+  if (type == Float::kF32) {
+    static_cast<float*>(data)[i] = x;
+  } else {
+    static_cast<uint16_t*>(data)[i] = ToBf16(x);
+  }
+}
+
+#if defined(__SSE2__)
+// Four elements at a time (SSE2), for float32 contributions and result, W >= 3: the same
+// operations as RepSumWords in the same order -- the code from an integer maximum, two exact
+// products, the conversion to int32 in the current rounding mode (nearest even), the int32 sum,
+// its conversion and one exact scaling (and the mean's division) -- so the same bits. Lanes that
+// leave that path (a NaN or an infinity, a result that may be subnormal, a mean whose sum may
+// pass float32's range) are recomputed by RepSum.
+inline __m128i Max32(__m128i a, __m128i b) {
+  const __m128i gt = _mm_cmpgt_epi32(a, b);
+  return _mm_or_si128(_mm_and_si128(gt, a), _mm_andnot_si128(gt, b));
+}
+
+inline __m128i Min32(__m128i a, __m128i b) {
+  const __m128i gt = _mm_cmpgt_epi32(a, b);
+  return _mm_or_si128(_mm_and_si128(gt, b), _mm_andnot_si128(gt, a));
+}
+
+inline __m128 Pow2x4(__m128i k) {   // 2^k for k in [-126, 127]
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_add_epi32(k, _mm_set1_epi32(127)), 23));
+}
+
+template <int W>
+int64_t RepSumF32x4(const float* const* row, bool mean, int64_t c, float* y) {
+  constexpr int L = p2p::v3::CeilLog2(W), P = 31 - L;
+  const __m128i abs_mask = _mm_set1_epi32(0x7fffffff), one = _mm_set1_epi32(1);
+  const __m128 count = _mm_set1_ps(static_cast<float>(W));
+  int64_t e = 0;
+  for (; e + 4 <= c; e += 4) {
+    __m128 v[W];
+    __m128i mag = _mm_setzero_si128();
+    for (int p = 0; p < W; ++p) {
+      v[p] = _mm_loadu_ps(row[p] + e);
+      mag = Max32(mag, _mm_and_si128(_mm_castps_si128(v[p]), abs_mask));
+    }
+    const __m128i code = Max32(_mm_srli_epi32(mag, 23), one);
+    const __m128i sh = _mm_sub_epi32(_mm_set1_epi32(P + 126), code);
+    const __m128i sh1 = Min32(sh, _mm_set1_epi32(127));
+    const __m128 p1 = Pow2x4(sh1), p2 = Pow2x4(_mm_sub_epi32(sh, sh1));
+    __m128i q = _mm_setzero_si128();
+    for (int p = 0; p < W; ++p) {
+      q = _mm_add_epi32(q, _mm_cvtps_epi32(_mm_mul_ps(_mm_mul_ps(v[p], p1), p2)));
+    }
+    const __m128i t = _mm_sub_epi32(code, _mm_set1_epi32(126 + P));
+    __m128 r = _mm_mul_ps(_mm_cvtepi32_ps(q), Pow2x4(Max32(t, _mm_set1_epi32(-126))));
+    if (mean) r = _mm_div_ps(r, count);
+    _mm_storeu_ps(y + e, r);
+    __m128i other = _mm_or_si128(_mm_cmpgt_epi32(mag, _mm_set1_epi32(0x7f7fffff)),
+                                 _mm_cmplt_epi32(t, _mm_set1_epi32(-123)));
+    if (mean) other = _mm_or_si128(other, _mm_cmpgt_epi32(code, _mm_set1_epi32(254 - L)));
+    const int lanes = _mm_movemask_ps(_mm_castsi128_ps(other));
+    if (lanes) {
+      for (int l = 0; l < 4; ++l) {
+        if (!(lanes & (1 << l))) continue;
+        float w[W];
+        for (int p = 0; p < W; ++p) w[p] = row[p][e + l];
+        y[e + l] = p2p::v3::RepSum<W, false>(w, mean);
+      }
+    }
+  }
+  return e;
+}
+#endif
+
+template <int W, bool kBf16In, bool kBf16Out>
+void RepSumTyped(const std::vector<const void*>& rows_of, bool mean, int64_t c, void* result) {
+  constexpr Float in = kBf16In ? Float::kBf16 : Float::kF32;
+  constexpr Float out = kBf16Out ? Float::kBf16 : Float::kF32;
+  const void* row[W];
+  for (int p = 0; p < W; ++p) row[p] = rows_of[p];
+  int64_t e = 0;
+#if defined(__SSE2__)
+  if constexpr (W >= 3 && !kBf16In && !kBf16Out) {
+    e = RepSumF32x4<W>(reinterpret_cast<const float* const*>(row), mean, c,
+                       static_cast<float*>(result));
+  }
+#endif
+  float v[W];
+  for (; e < c; ++e) {
+    for (int p = 0; p < W; ++p) v[p] = Widen(row[p], e, in);
+    Store(result, e, p2p::v3::RepSum<W, kBf16In>(v, mean), out);
+  }
+}
+
+
+template <int W>
+void RepSumW(const std::vector<const void*>& rows_of, Float in, bool mean, Float out,
+             int64_t c, void* result, int64_t result_row) {
+  const size_t width = out == Float::kF32 ? 4 : 2;
+  void* dst = static_cast<char*>(result) + result_row * c * static_cast<int64_t>(width);
+  if (in == Float::kF32) {
+    if (out == Float::kF32) return RepSumTyped<W, false, false>(rows_of, mean, c, dst);
+    return RepSumTyped<W, false, true>(rows_of, mean, c, dst);
+  }
+  if (out == Float::kF32) return RepSumTyped<W, true, false>(rows_of, mean, c, dst);
+  return RepSumTyped<W, true, true>(rows_of, mean, c, dst);
+}
+
+using RepSumFn = void (*)(const std::vector<const void*>&, Float, bool, Float, int64_t, void*,
+                          int64_t);
+
+template <int... Ws>
+constexpr RepSumFn RepSumOf(int w, std::integer_sequence<int, Ws...>) {
+  RepSumFn fn = nullptr;
+  ((fn = (w == Ws + 2) ? &RepSumW<Ws + 2> : fn), ...);
+  return fn;
+}
+
+constexpr int kMaxContributions = 32;   // fixed_point_v3.MAX_CONTRIBUTIONS: one int32 word
+
+}  // namespace
+
+Status Pack(const void* const* operands, const int64_t* sizes, int count, int64_t rows,
+            int64_t total, size_t width, void* out) {
+  int64_t used = 0;
+  for (int i = 0; i < count; ++i) {
+    DTENJAX_CHECK_ARG(sizes[i] >= 0, "pack: operand " + std::to_string(i) + " has a negative size");
+    used += sizes[i];
+  }
+  DTENJAX_CHECK_ARG(rows >= 0 && used <= total,
+                    "pack: the operands hold " + std::to_string(used) + " values per row, more "
+                    "than the result's " + std::to_string(total));
+  char* dst = static_cast<char*>(out);
+  for (int64_t r = 0; r < rows; ++r) {
+    char* row = dst + r * total * width;
+    int64_t at = 0;
+    for (int i = 0; i < count; ++i) {
+      const char* src = static_cast<const char*>(operands[i]) + r * sizes[i] * width;
+      if (sizes[i]) std::memcpy(row + at * width, src, sizes[i] * width);
+      at += sizes[i];
+    }
+    if (total > at) std::memset(row + at * width, 0, (total - at) * width);
+  }
+  return Status::Ok();
+}
+
+Status Unpack(const void* operand, int64_t rows, int64_t total, void* const* results,
+              const int64_t* sizes, int count, size_t width) {
+  DTENJAX_CHECK_ARG(rows >= 0 && total >= 0, "unpack: negative rows or row length");
+  const char* src = static_cast<const char*>(operand);
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = src + r * total * width;
+    int64_t at = 0;
+    for (int i = 0; i < count; ++i) {
+      DTENJAX_CHECK_ARG(sizes[i] >= 0, "unpack: result " + std::to_string(i) + " has a negative size");
+      char* dst = static_cast<char*>(results[i]) + r * sizes[i] * width;
+      const int64_t have = at >= total ? 0 : (total - at < sizes[i] ? total - at : sizes[i]);
+      if (have) std::memcpy(dst, row + at * width, have * width);
+      if (sizes[i] > have) std::memset(dst + have * width, 0, (sizes[i] - have) * width);
+      at += sizes[i];
+    }
+  }
+  return Status::Ok();
+}
+
+Status Fold(const void* const* operands, int count, int64_t values, Float in, Float out,
+            void* result) {
+  DTENJAX_CHECK_ARG(count >= 1, "fold: no operand");
+  FloatMode mode(/*flush=*/true);
+  if (in == Float::kF32 && out == Float::kF32) {
+    // the common case, one pass per operand (vectorized): ((x0 + x1) + x2) + ... per element
+    const float* const* x = reinterpret_cast<const float* const*>(operands);
+    float* y = static_cast<float*>(result);
+    if (count == 1) {
+      std::memcpy(y, x[0], values * sizeof(float));
+      return Status::Ok();
+    }
+    const float* a = x[0];
+    const float* b = x[1];
+    for (int64_t e = 0; e < values; ++e) y[e] = a[e] + b[e];
+    for (int p = 2; p < count; ++p) {
+      const float* c = x[p];
+      for (int64_t e = 0; e < values; ++e) y[e] = y[e] + c[e];
+    }
+    return Status::Ok();
+  }
+  for (int64_t e = 0; e < values; ++e) {
+    float acc = Widen(operands[0], e, in);
+    for (int p = 1; p < count; ++p) acc = acc + Widen(operands[p], e, in);
+    Store(result, e, acc, out);
+  }
+  return Status::Ok();
+}
+
+Status RepSum(const void* const* operands, const int64_t* contributions, int count,
+              int64_t rows, int64_t c, Float in, bool mean, Float out, void* result) {
+  int64_t w = 0;
+  for (int i = 0; i < count; ++i) w += contributions[i];
+  DTENJAX_CHECK_ARG(w >= 2 && w <= kMaxContributions,
+                    "reproducible sum: " + std::to_string(w) + " contributions; the handler "
+                    "takes 2.." + std::to_string(kMaxContributions));
+  const RepSumFn fn =
+      RepSumOf(static_cast<int>(w), std::make_integer_sequence<int, kMaxContributions - 1>());
+  FloatMode mode(/*flush=*/false);
+  const size_t width = in == Float::kF32 ? 4 : 2;
+  std::vector<const void*> rows_of(static_cast<size_t>(w));
+  for (int64_t r = 0; r < rows; ++r) {
+    size_t p = 0;
+    for (int i = 0; i < count; ++i) {
+      const char* base = static_cast<const char*>(operands[i]) +
+                         r * contributions[i] * c * static_cast<int64_t>(width);
+      for (int64_t j = 0; j < contributions[i]; ++j) rows_of[p++] = base + j * c * width;
+    }
+    fn(rows_of, in, mean, out, c, result, r);
+  }
+  return Status::Ok();
+}
+
+}  // namespace dtenjax::cpu

@@ -1,0 +1,42 @@
+// The per-element work of dtenjax's XLA-native collectives on XLA:CPU, as plain host code (no
+// XLA, no CUDA): the custom calls of custom_calls/cpu/bucket_ops.cc run it, so that XLA:CPU
+// compiles no LLVM kernel for it (XLA:CPU compiles every fused computation as an LLVM module of
+// its own, tens of milliseconds each; a custom call is a thunk). The bits are those of the jnp
+// formulation each replaces (dtenjax/_src/collectives/cpu_ffi.py says which, the tests compare).
+//
+// Layouts: every buffer is row-major; `rows` leading rows (a batch, or the contributions of a
+// stacked bucket) are handled alike, each row of `width`-byte elements.
+//   Pack:    operand i is [rows, sizes[i]], the result [rows, total] with total >= sum(sizes):
+//            the operands' rows one after the other, zeros after them.
+//   Unpack:  the operand is [rows, total], result i is [rows, sizes[i]]: consecutive pieces of
+//            each row from its start, zeros where a piece runs past the row's end.
+//   Fold:    n operands of `count` values each, folded left to right in float32
+//            ((x0 + x1) + x2) + ..., rounded once to the result's type; subnormal inputs and
+//            results are flushed to zero as XLA:CPU's own kernels do (FTZ and DAZ).
+//   RepSum:  contract v3 (csrc/p2p/repro_v3.h) of the W = sum(contributions) values of each
+//            element, IEEE arithmetic (no flushing, as the contract requires).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "csrc/common/status.h"
+
+namespace dtenjax::cpu {
+
+enum class Float { kF32, kBf16 };
+
+Status Pack(const void* const* operands, const int64_t* sizes, int count, int64_t rows,
+            int64_t total, size_t width, void* out);
+
+Status Unpack(const void* operand, int64_t rows, int64_t total, void* const* results,
+              const int64_t* sizes, int count, size_t width);
+
+Status Fold(const void* const* operands, int count, int64_t values, Float in, Float out,
+            void* result);
+
+// operand i is [rows, contributions[i], c]; the result [rows, c].
+Status RepSum(const void* const* operands, const int64_t* contributions, int count,
+              int64_t rows, int64_t c, Float in, bool mean, Float out, void* result);
+
+}  // namespace dtenjax::cpu

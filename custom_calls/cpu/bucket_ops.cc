@@ -1,0 +1,194 @@
+// CPU FFI handlers for the per-element work of the XLA-native collectives
+// (csrc/cpu/bucket_ops.h; dtenjax/_src/collectives/cpu_ffi.py calls them). A custom call is a
+// thunk on XLA:CPU: XLA compiles no kernel for it. Every handler checks its buffers (counts,
+// ranks, dimensions, dtypes) and returns an FFI error naming the mismatch.
+//
+//   dtenjax_cpu_pack(x_0[..., s_0], ..., x_k[..., s_k]) -> out[..., total]   (any one dtype)
+//   dtenjax_cpu_unpack(x[..., total]) -> (out_0[..., s_0], ..., out_k[..., s_k])
+//   dtenjax_cpu_fold(x_0[...], ..., x_k[...]) -> out[...]        (f32/bf16 in, f32/bf16 out)
+//   dtenjax_cpu_repro_sum(x_0[..., m_0, c], ..., x_k[..., m_k, c]) -> out[..., c]
+//       attribute mean (0 or 1)
+// The leading dimensions "..." are the same for every buffer of a call (vmap's batch, or none).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "csrc/cpu/bucket_ops.h"
+#include "custom_calls/registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using Dims = ffi::AnyBuffer::Dimensions;
+
+std::string Shape(Dims d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? "," : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+int64_t Product(Dims d, size_t n) {
+  int64_t p = 1;
+  for (size_t i = 0; i < n; ++i) p *= d[i];
+  return p;
+}
+
+// Whether a's first n dimensions are b's first n.
+bool SameLead(Dims a, Dims b, size_t n) {
+  if (a.size() < n || b.size() < n) return false;
+  for (size_t i = 0; i < n; ++i) {
+    if (a[i] != b[i]) return false;
+  }
+  return true;
+}
+
+ffi::Error Bad(const char* target, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + what);
+}
+
+bool FloatOf(ffi::DataType t, dtenjax::cpu::Float* out) {
+  if (t == ffi::DataType::F32) { *out = dtenjax::cpu::Float::kF32; return true; }
+  if (t == ffi::DataType::BF16) { *out = dtenjax::cpu::Float::kBf16; return true; }
+  return false;
+}
+
+// --- pack / unpack ---------------------------------------------------------------------------
+
+ffi::Error PackImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* kName = "dtenjax_cpu_pack";
+  const Dims od = out->dimensions();
+  if (od.size() < 1) return Bad(kName, "the result must have at least one dimension");
+  const size_t lead = od.size() - 1;
+  const size_t width = ffi::ByteWidth(out->element_type());
+  if (width == 0) return Bad(kName, "the result's dtype has no byte width");
+  std::vector<const void*> ptrs(args.size());
+  std::vector<int64_t> sizes(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto a = args.get<ffi::AnyBuffer>(i);
+    if (a.has_error()) return a.error();
+    const Dims d = a->dimensions();
+    if (a->element_type() != out->element_type()) {
+      return Bad(kName, "operand " + std::to_string(i) + " has another dtype than the result");
+    }
+    if (d.size() != od.size() || !SameLead(d, od, lead)) {
+      return Bad(kName, "operand " + std::to_string(i) + " of shape " + Shape(d) +
+                            " does not share the leading dimensions of the result " + Shape(od));
+    }
+    ptrs[i] = a->untyped_data();
+    sizes[i] = d[lead];
+  }
+  return dtenjax::ffi::ToFfiError(dtenjax::cpu::Pack(
+      ptrs.data(), sizes.data(), static_cast<int>(args.size()), Product(od, lead), od[lead],
+      width, out->untyped_data()));
+}
+
+ffi::Error UnpackImpl(ffi::AnyBuffer x, ffi::RemainingRets rets) {
+  constexpr const char* kName = "dtenjax_cpu_unpack";
+  const Dims xd = x.dimensions();
+  if (xd.size() < 1) return Bad(kName, "the operand must have at least one dimension");
+  const size_t lead = xd.size() - 1;
+  const size_t width = ffi::ByteWidth(x.element_type());
+  if (width == 0) return Bad(kName, "the operand's dtype has no byte width");
+  std::vector<void*> ptrs(rets.size());
+  std::vector<int64_t> sizes(rets.size());
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto r = rets.get<ffi::AnyBuffer>(i);
+    if (r.has_error()) return r.error();
+    const Dims d = (*r)->dimensions();
+    if ((*r)->element_type() != x.element_type()) {
+      return Bad(kName, "result " + std::to_string(i) + " has another dtype than the operand");
+    }
+    if (d.size() != xd.size() || !SameLead(d, xd, lead)) {
+      return Bad(kName, "result " + std::to_string(i) + " of shape " + Shape(d) +
+                            " does not share the leading dimensions of the operand " + Shape(xd));
+    }
+    ptrs[i] = (*r)->untyped_data();
+    sizes[i] = d[lead];
+  }
+  return dtenjax::ffi::ToFfiError(dtenjax::cpu::Unpack(
+      x.untyped_data(), Product(xd, lead), xd[lead], ptrs.data(), sizes.data(),
+      static_cast<int>(rets.size()), width));
+}
+
+// --- the folds ----------------------------------------------------------------------------------
+
+ffi::Error FoldImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* kName = "dtenjax_cpu_fold";
+  dtenjax::cpu::Float in{}, ot{};
+  if (!FloatOf(out->element_type(), &ot)) return Bad(kName, "the result must be f32 or bf16");
+  if (args.size() < 1) return Bad(kName, "no operand");
+  std::vector<const void*> ptrs(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto a = args.get<ffi::AnyBuffer>(i);
+    if (a.has_error()) return a.error();
+    dtenjax::cpu::Float t{};
+    if (!FloatOf(a->element_type(), &t) || (i > 0 && t != in)) {
+      return Bad(kName, "operand " + std::to_string(i) + " is not of the first operand's f32 or "
+                        "bf16 dtype");
+    }
+    in = t;
+    if (a->element_count() != out->element_count()) {
+      return Bad(kName, "operand " + std::to_string(i) + " of shape " + Shape(a->dimensions()) +
+                            " has not the result's " + std::to_string(out->element_count()) +
+                            " values");
+    }
+    ptrs[i] = a->untyped_data();
+  }
+  return dtenjax::ffi::ToFfiError(dtenjax::cpu::Fold(
+      ptrs.data(), static_cast<int>(args.size()), static_cast<int64_t>(out->element_count()), in,
+      ot, out->untyped_data()));
+}
+
+ffi::Error ReproSumImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out, int64_t mean) {
+  constexpr const char* kName = "dtenjax_cpu_repro_sum";
+  dtenjax::cpu::Float in{}, ot{};
+  if (!FloatOf(out->element_type(), &ot)) return Bad(kName, "the result must be f32 or bf16");
+  const Dims od = out->dimensions();
+  if (od.size() < 1) return Bad(kName, "the result must have at least one dimension");
+  const size_t lead = od.size() - 1;
+  if (args.size() < 1) return Bad(kName, "no operand");
+  std::vector<const void*> ptrs(args.size());
+  std::vector<int64_t> counts(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto a = args.get<ffi::AnyBuffer>(i);
+    if (a.has_error()) return a.error();
+    dtenjax::cpu::Float t{};
+    if (!FloatOf(a->element_type(), &t) || (i > 0 && t != in)) {
+      return Bad(kName, "operand " + std::to_string(i) + " is not of the first operand's f32 or "
+                        "bf16 dtype");
+    }
+    in = t;
+    const Dims d = a->dimensions();
+    if (d.size() != od.size() + 1 || !SameLead(d, od, lead) || d[lead + 1] != od[lead]) {
+      return Bad(kName, "operand " + std::to_string(i) + " of shape " + Shape(d) +
+                            " is not [..., contributions, values] for the result " + Shape(od));
+    }
+    ptrs[i] = a->untyped_data();
+    counts[i] = d[lead];
+  }
+  if (mean != 0 && mean != 1) return Bad(kName, "mean must be 0 or 1");
+  return dtenjax::ffi::ToFfiError(dtenjax::cpu::RepSum(
+      ptrs.data(), counts.data(), static_cast<int>(args.size()), Product(od, lead), od[lead], in,
+      mean == 1, ot, out->untyped_data()));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuPack, PackImpl,
+                              ffi::Ffi::Bind().RemainingArgs().Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuUnpack, UnpackImpl,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFold, FoldImpl,
+                              ffi::Ffi::Bind().RemainingArgs().Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuReproSum, ReproSumImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("mean"));
+
+DTENJAX_REGISTER_FFI("dtenjax_cpu_pack", "cpu", CpuPack);
+DTENJAX_REGISTER_FFI("dtenjax_cpu_unpack", "cpu", CpuUnpack);
+DTENJAX_REGISTER_FFI("dtenjax_cpu_fold", "cpu", CpuFold);
+DTENJAX_REGISTER_FFI("dtenjax_cpu_repro_sum", "cpu", CpuReproSum);

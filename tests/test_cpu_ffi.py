@@ -1,0 +1,225 @@
+"""The collectives' per-element work as XLA:CPU custom calls (``collectives/cpu_ffi.py``,
+``custom_calls/cpu/``): each handler gives the bits of the jnp formulation it replaces and of the
+numpy references (tests/fixed_point_ref.py, written from the contracts), on the contracts'
+corner cases; bad buffers are FFI errors; the collectives that use them keep their bits, their
+gradients and vmap. What they are for -- no compiled kernel -- is tests/test_compile_time.py's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import dtenjax
+from dtenjax._src.collectives import cpu_ffi
+from dtenjax._src.collectives import fixed_point_v3 as v3
+from dtenjax._src.collectives.algorithms import base
+from tests import fixed_point_ref as fpref
+
+pytestmark = pytest.mark.skipif(not cpu_ffi.built(), reason="dtenjax._ffi without the CPU targets")
+
+AX = "d"
+BF16 = jnp.dtype(jnp.bfloat16)
+DTYPES = (np.dtype(np.float32), BF16)
+
+
+def _bits(a):
+  return fpref.bits(np.asarray(a))
+
+
+def _same_bits(got, want, what=""):
+  got, want = _bits(got), _bits(want)
+  bad = np.nonzero(got != want)
+  assert bad[0].size == 0, (what, bad[0][:5], got[bad][:5], want[bad][:5])
+
+
+def _contributions(w: int, dtype, m: int = 400, seed: int = 0):
+  """``[w, m]``: the contracts' corner cases (NaN, +-inf, -0.0, subnormals, float32's largest
+  values) first, then values over a wide range of magnitudes."""
+  with np.errstate(invalid="ignore", over="ignore"):
+    return fpref.contributions(w, m, seed=seed + w).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_repro_sum_is_contract_v3_of_the_numpy_reference(dtype):
+  """Sum and mean of W = 2..8, 17 and 32 contributions: the reference's bits, whatever way the
+  contributions are grouped into the call's operands (an all-to-all leaves one per source)."""
+  for w in (*range(2, 9), 17, 32):
+    x = _contributions(w, dtype)
+    for op in ("sum", "mean"):
+      want = fpref.v3_sum(x, mean=op == "mean")
+      _same_bits(cpu_ffi.repro_sum([jnp.asarray(x)], op, dtype), want, (w, op))
+      groups = [jnp.asarray(x[:1]), jnp.asarray(x[1:])]
+      _same_bits(cpu_ffi.repro_sum(groups, op, dtype), want, (w, op, "groups"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_repro_sum_gives_the_jnp_path_s_bits(dtype):
+  xs = [_contributions(w, dtype, m=200) for w in (2, 3, 8)]
+  ops = ("sum", "mean")
+  jnp_path = jax.jit(lambda xs: [v3.local_sum(x, op) for x in xs for op in ops])(xs)
+  ours = [cpu_ffi.repro_sum([jnp.asarray(x)], op, dtype) for x in xs for op in ops]
+  for a, b in zip(ours, jnp_path):
+    _same_bits(a, b)
+
+
+def _nan_payloads(w: int, dtype):
+  """Columns of NaNs of both signs and other payloads, among finite values."""
+  nans = np.array([0x7FC00000, 0xFFC00000, 0x7FC00001, 0x7F800001, 0xFFF00000], np.uint32)
+  cols = np.ones((w, 2 * len(nans)), np.float32)
+  for j, b in enumerate(nans):
+    cols[j % w, j] = nans.view(np.float32)[j]
+    cols[:, len(nans) + j] = nans.view(np.float32)[j]
+  with np.errstate(invalid="ignore"):
+    return cols.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fold_gives_ordered_reduce_s_bits_with_xla_cpu_s_flushing(dtype):
+  """The rank-order fold in float32 of W = 2, 3, 5, 8 parts, rounded to float32 and to bfloat16: the
+  bits XLA:CPU's kernel of ``base.ordered_reduce`` gives, subnormals flushed as that kernel
+  flushes them (the numpy fold, which keeps them, differs there)."""
+  xs = [np.concatenate([_contributions(w, dtype), _nan_payloads(w, dtype)], axis=1)
+        for w in (2, 3, 5, 8)]
+  jnp_path = jax.jit(lambda xs: [base.ordered_reduce(x, "sum", jnp.float32).astype(out)
+                                 for x in xs for out in DTYPES])(xs)
+  ours = [cpu_ffi.fold([jnp.asarray(p) for p in x], out) for x in xs for out in DTYPES]
+  for i, (a, b) in enumerate(zip(ours, jnp_path)):
+    _same_bits(a, b, (i // 2, DTYPES[i % 2]))
+  normal = np.float32([[1.0, 3e38, -2.5], [2.0, 3e38, 2.5], [4.0, 1.0, 1e-30]]).astype(dtype)
+  _same_bits(cpu_ffi.fold([jnp.asarray(p) for p in normal], jnp.float32),
+             fpref.fold_f32(normal, out_dtype=np.float32))
+
+
+@pytest.mark.parametrize("dtype", (np.int32, BF16, np.float32), ids=str)
+def test_pack_and_unpack_are_concatenate_and_slices_and_each_other_s_transpose(dtype):
+  rng = np.random.default_rng(1)
+  parts = [rng.integers(-9, 9, (3, s)).astype(dtype) for s in (5, 1, 0, 7)]
+  total = 16
+  packed = cpu_ffi.pack([jnp.asarray(p) for p in parts], total)
+  want = np.pad(np.concatenate(parts, axis=1), ((0, 0), (0, total - 13)))
+  _same_bits(packed, want)
+  sizes = (5, 1, 0, 7, 6)                       # the last piece runs past the end: zeros
+  got = cpu_ffi.unpack(packed[:, :15], sizes)
+  cut = np.pad(want[:, :15], ((0, 0), (0, 24 - 15)))
+  for g, a, s in zip(got, np.cumsum((0,) + sizes[:-1]), sizes):
+    _same_bits(g, cut[:, a:a + s])
+  if dtype == np.int32:
+    return
+  # derivatives: each is the other's transpose, as concatenate's and slicing's
+  w = [jnp.asarray(rng.standard_normal(p.shape), dtype) for p in parts]
+  ours = jax.grad(lambda ps: jnp.sum(cpu_ffi.pack(ps, total)[:, :13] * jnp.concatenate(w, 1)))
+  theirs = jax.grad(lambda ps: jnp.sum(jnp.concatenate(ps, 1) * jnp.concatenate(w, 1)))
+  loss = lambda pieces: sum(jnp.sum(p * p) for p in pieces)
+  out = jax.jit(lambda xs, f: (
+      ours(xs), theirs(xs), jax.grad(lambda f: loss(cpu_ffi.unpack(f, (5, 8))))(f),
+      jax.grad(lambda f: loss([f[:, :5], f[:, 5:13]]))(f)))([jnp.asarray(p) for p in parts],
+                                                            jnp.asarray(want))
+  for a, b in zip(out[0], out[1]):
+    _same_bits(a, b)
+  _same_bits(out[2], out[3])
+
+
+def test_the_calls_batch_under_vmap():
+  """Under jax.vmap every operand gets the batch dimension in front (broadcast_all), which each
+  handler reads as leading dimensions: the results of calling it per batch element."""
+  rng = np.random.default_rng(2)
+  a, b = rng.standard_normal((4, 3, 5), np.float32), rng.standard_normal((3, 2), np.float32)
+  got = jax.vmap(lambda u: cpu_ffi.pack([u, jnp.asarray(b)], 8))(a)
+  for i in range(4):
+    _same_bits(got[i], cpu_ffi.pack([a[i], b], 8))
+  x = _contributions(8, np.float32, m=60)
+  with np.errstate(over="ignore"):
+    stack = np.stack([x, x[::-1] * 3, x * 0.5])
+  got = jax.vmap(lambda s: cpu_ffi.repro_sum([s[:3], s[3:]], "sum", jnp.float32))(stack)
+  for i in range(3):
+    _same_bits(got[i], fpref.v3_sum(stack[i]))
+
+
+def _call(target, outs, *operands, **attrs):
+  return jax.ffi.ffi_call(target, outs)(*operands, **{k: np.int64(v) for k, v in attrs.items()})
+
+
+def test_bad_buffers_are_ffi_errors_naming_the_mismatch():
+  cpu_ffi.built()                                   # registers the targets
+  f32, i32 = jnp.float32, jnp.int32
+  s = jax.ShapeDtypeStruct
+  x, y = jnp.ones((2, 3), f32), jnp.ones((2, 4), f32)
+  cases = [
+      (lambda: _call(cpu_ffi.PACK, s((2, 10), f32), x, y.astype(i32)), "another dtype"),
+      (lambda: _call(cpu_ffi.PACK, s((2, 5), f32), x, y), "more than the result's 5"),
+      (lambda: _call(cpu_ffi.PACK, s((3, 10), f32), x, y), "leading dimensions"),
+      (lambda: _call(cpu_ffi.UNPACK, [s((2, 2), f32), s((1, 2), f32)], x), "leading dim"),
+      (lambda: _call(cpu_ffi.FOLD, s((2, 3), f32), x, y), "has not the result's 6 values"),
+      (lambda: _call(cpu_ffi.FOLD, s((2, 3), i32), x.astype(i32)), "f32 or bf16"),
+      (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), jnp.ones((33, 3), f32), mean=0),
+       "33 contributions"),
+      (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), jnp.ones((1, 3), f32), mean=0),
+       "1 contributions"),
+      (lambda: _call(cpu_ffi.REPRO_SUM, s((4,), f32), x, mean=0), r"\[\.\.\., contributions"),
+      (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), x, mean=2), "mean must be 0 or 1"),
+  ]
+  for fn, match in cases:
+    with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+      jax.block_until_ready(fn())
+
+
+# --- the collectives through them ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mesh(cpu_devices):
+  return Mesh(np.array(cpu_devices[:4]), (AX,))
+
+
+def _tree():
+  """Leaves of several shapes and both float dtypes, with the corner cases in them."""
+  x = _contributions(4, np.float32, m=90, seed=3)
+  return {"a": x[:, :40].reshape(4, 5, 8), "b": x[:, 40:47], "c": x[:, 47:].astype(ml_dtypes.bfloat16),
+          "d": x[:, 50:52] * 0 + 1}
+
+
+def _program(mesh, kwargs):
+  body = lambda t: dtenjax.all_reduce(t, AX, **kwargs)
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX),), out_specs=P()))
+
+
+@pytest.mark.parametrize("kwargs", (
+    {"algorithm": "two_shot"}, {"algorithm": "ring"}, {"algorithm": "two_shot", "op": "mean"},
+    {"reproducible": True}, {"reproducible": True, "algorithm": "one_shot", "op": "mean"}),
+    ids=("two_shot", "ring", "two_shot_mean", "reproducible", "reproducible_one_shot_mean"))
+def test_a_bucket_through_the_calls_has_the_jnp_formulation_s_bits(mesh, kwargs, monkeypatch):
+  """The same tree (bucketed: one dtype group per bucket) with the custom calls and with
+  DTENJAX_CPU_FFI=0: the same bits; only the first program calls dtenjax's targets."""
+  tree = _tree()
+  ours = _program(mesh, kwargs).lower(tree).compile()
+  monkeypatch.setenv("DTENJAX_CPU_FFI", "0")
+  theirs = _program(mesh, kwargs).lower(tree).compile()
+  assert "dtenjax_cpu_" in ours.as_text() and "dtenjax_cpu_" not in theirs.as_text()
+  a, b = ours(tree), theirs(tree)
+  for k in tree:
+    _same_bits(a[k], b[k], k)
+  if kwargs.get("reproducible"):
+    for k in tree:
+      _same_bits(a[k][0], fpref.v3_sum(tree[k], mean=kwargs.get("op") == "mean"), k)
+
+
+@pytest.mark.parametrize("kwargs", ({"algorithm": "two_shot"}, {"reproducible": True}),
+                         ids=("two_shot", "reproducible"))
+def test_a_bucket_through_the_calls_under_vmap(mesh, kwargs):
+  """jax.vmap over a batch dimension of each device's leaves: every batch element reduced as
+  on its own."""
+  tree = {k: v for k, v in _tree().items() if k != "c"}
+  with np.errstate(over="ignore"):
+    batch = {k: np.stack([v, v * 2, -v]) for k, v in tree.items()}
+  f = jax.jit(jax.shard_map(jax.vmap(lambda t: dtenjax.all_reduce(t, AX, **kwargs)), mesh=mesh,
+                            in_specs=(P(None, AX),), out_specs=P()))
+  one = _program(mesh, kwargs)
+  got = f(batch)
+  for i in range(3):
+    want = one({k: v[i] for k, v in batch.items()})
+    for k in tree:
+      _same_bits(got[k][i], want[k], (i, k))

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import dtenjax
-from dtenjax._src.collectives import cpu_ffi
+from dtenjax._src import ffi
 from tests.helpers import block_tree
 from tests.test_collectives import _kernels
 
@@ -41,7 +41,8 @@ _KINDS = ({"algorithm": "two_shot"}, {"algorithm": "ring"}, {"reproducible": Tru
 _IDS = ("two_shot", "ring", "reproducible", "reproducible_two_shot", "reproducible_one_shot")
 
 
-@pytest.mark.skipif(not cpu_ffi.built(), reason="dtenjax._ffi without the CPU targets")
+@pytest.mark.skipif(not ffi.is_built(),
+                    reason="the native extension is not built (bash scripts/setup.sh builds it)")
 @pytest.mark.parametrize("kwargs", _KINDS, ids=_IDS)
 def test_with_the_custom_calls_a_bucket_compiles_the_kernels_lax_psum_s_tree_compiles(
     mesh, kwargs, monkeypatch):

@@ -80,7 +80,7 @@ def _ffi(target: str, outs, operands, **attrs):
   ``broadcast_all``: under ``jax.vmap`` every operand gets the batch dimensions in front, which
   every handler reads as leading dimensions shared by all its buffers."""
   vma = frozenset().union(*(jaxapi.vma(x) for x in operands))
-  res = jax.ffi.ffi_call(target, outs, vmap_method="broadcast_all")(
+  res = jax.ffi.ffi_call(ffi.require(target), outs, vmap_method="broadcast_all")(
       *operands, **{k: np.int64(v) for k, v in attrs.items()})
   res = list(res) if isinstance(res, (list, tuple)) else [res]
   return [jaxapi.to_varying(r, tuple(vma)) for r in res]

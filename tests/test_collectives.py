@@ -33,8 +33,14 @@ def mesh(cpu_devices):
 _smap = helpers.smap     # over AX
 
 
+def _normal(seed, shape, dtype=jnp.float32):
+  """Standard normal test data made on the host: an eager jax.random.normal is a program
+  compiled per shape (0.3-1 s of CPU each, some twenty shapes in this file)."""
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
 def _rows(seed=0, m=6):
-  return jax.random.normal(jax.random.key(seed), (8, m), jnp.float32)
+  return _normal(seed, (8, m))
 
 
 _SINGLETONS = re.compile(r"replica_groups = dense<\[\[\d+\](, \[\d+\])*\]>")
@@ -70,8 +76,7 @@ def test_a_tree_on_xla_collectives_is_left_to_xla_s_combiner(mesh):
   ``lax.psum`` of the tree compiles to (no copy into a bucket and out of it, which is a compiled
   kernel per leaf: bench/compile_time.py), one collective for the tree, the bits of the bucket
   and of leaf by leaf, and the gradient of lax.psum."""
-  keys = jax.random.split(jax.random.key(3), 6)
-  tree = [jax.random.normal(k, (8, 3 + i)) for i, k in enumerate(keys)]
+  tree = [_normal(30 + i, (8, 3 + i)) for i in range(6)]
 
   def build(body, bucket_bytes=None):
     return jax.jit(jax.shard_map(lambda t: body(t, bucket_bytes), mesh=mesh, in_specs=(P(AX),),
@@ -120,9 +125,7 @@ def test_stacked_contributions_are_bucketed_with_the_same_bits_and_gradients(mes
   """``local_axis`` leaves (a reproducible step's per-micro-batch gradients) share buckets of
   [contributions, values]: fewer collectives, the bits and the gradient of reducing leaf by leaf,
   under plain ``jax.shard_map`` (check_vma=True)."""
-  keys = jax.random.split(jax.random.key(7), 3)
-  tree = {"w": jax.random.normal(keys[0], (24, 4, 5)), "b": jax.random.normal(keys[1], (24, 7)),
-          "s": jax.random.normal(keys[2], (24,))}
+  tree = {"w": _normal(70, (24, 4, 5)), "b": _normal(71, (24, 7)), "s": _normal(72, (24,))}
 
   def build(bucket_bytes):
     body = lambda t: dtenjax.all_reduce(t, AX, op="mean", algorithm=algorithm, reproducible=True,
@@ -167,7 +170,7 @@ def test_check_vma_true_with_varying_out_specs(mesh, algorithm):
 
 
 def test_reduce_scatter_and_all_gather(mesh):
-  x = jax.random.normal(jax.random.key(5), (8, 16, 3))
+  x = _normal(5, (8, 16, 3))
   rs = {a: _smap(mesh, lambda v, a=a: dtenjax.reduce_scatter(v[0], AX, scatter_dimension=0,
                                                              tiled=True, algorithm=a)[None])(x)
         for a in ("ring", "one_shot", "two_shot", "xla", "auto")}
@@ -224,8 +227,8 @@ def test_forward_mode_is_refused_clearly(mesh):
 
 
 def test_reduce_scatter_and_all_gather_transpose_into_each_other(mesh):
-  x = jax.random.normal(jax.random.key(9), (8, 16))
-  ct = jax.random.normal(jax.random.key(10), (8, 2))
+  x = _normal(9, (8, 16))
+  ct = _normal(10, (8, 2))
   rs = lambda v: _smap(mesh, lambda u: dtenjax.reduce_scatter(u, AX, scatter_dimension=1,
                                                               tiled=True, algorithm="ring"))(v)
   _, vjp = jax.vjp(rs, x)
@@ -242,7 +245,7 @@ def test_reduce_scatter_and_all_gather_transpose_into_each_other(mesh):
 
 @pytest.mark.parametrize("reproducible", [False, True])
 def test_vmap_over_batch_reduces_each_element(mesh, reproducible):
-  x = jax.random.normal(jax.random.key(11), (8, 3, 5))     # [device, batch, m]
+  x = _normal(11, (8, 3, 5))     # [device, batch, m]
   for alg in ("ring", "xla", "auto"):
     f = _smap(mesh, lambda v: jax.vmap(lambda e: dtenjax.all_reduce(
         e, AX, algorithm=alg, reproducible=reproducible), in_axes=1, out_axes=1)(v))
@@ -567,7 +570,7 @@ def test_mean_of_huge_values_is_finite_where_the_mean_is(mesh, algorithm, dtype)
   assert np.all(np.isfinite(y.astype(np.float32)))
   np.testing.assert_allclose(y.astype(np.float32), np.float32(x[0, 0]),
                              rtol=2 * float(jnp.finfo(dtype).eps))   # rounding of the 8-term sum
-  r = jax.random.normal(jax.random.key(7), (8, 32), dtype)
+  r = _normal(7, (8, 32), dtype)
   mean = _smap(mesh, lambda v: dtenjax.all_reduce(v, AX, op="mean", algorithm=algorithm))(r)
   total = _smap(mesh, lambda v: dtenjax.all_reduce(v.astype(jnp.float32), AX,
                                                    algorithm=algorithm))(r)
@@ -818,8 +821,7 @@ def test_an_eager_gradient_reuses_cached_programs(cpu_devices, collective, algor
   the jitted one, bit for bit. A pytree goes through the buckets in the same programs."""
   from dtenjax._src import jaxapi  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(cpu_devices[:4]), ("d",))
-  tree = {"a": jax.random.normal(jax.random.key(0), (4, 8)),
-          "b": jax.random.normal(jax.random.key(1), (4, 4, 3))}
+  tree = {"a": _normal(0, (4, 8)), "b": _normal(1, (4, 4, 3))}
   tree = jax.device_put(tree, jax.sharding.NamedSharding(mesh, P("d")))
   ours = {
       "all_reduce": lambda t: dtenjax.all_reduce(t, "d", algorithm=algorithm,

@@ -87,14 +87,15 @@ def test_flax_and_optax_state_round_trip(tmp_path):
   del flax
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(8)])
-  params = model.init(jax.random.key(0), jnp.ones((1, 8)))
+  # flax's init and optax's update jitted: eagerly each of their ops compiled a program of its own
+  params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8)))
   mesh = jax.make_mesh((2, 4), ("a", "b"))
   params = jax.tree.map(lambda x: jax.device_put(
       x, NamedSharding(mesh, P(None, "b") if x.ndim == 2 else P())), params)
   tx = optax.adamw(1e-3)
-  opt_state = tx.init(params)
-  grads = jax.tree.map(jnp.ones_like, params)
-  _, opt_state = tx.update(grads, opt_state, params)
+  with jax.set_mesh(mesh):          # jax.make_mesh's axes are Explicit: a jit runs inside it
+    opt_state = jax.jit(lambda p: tx.update(jax.tree.map(jnp.ones_like, p), tx.init(p), p)[1])(
+        params)
   state = {"params": params, "opt_state": opt_state, "step": jnp.int32(1)}
   ckpt.save(tmp_path / "s", state)
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),

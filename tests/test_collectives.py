@@ -33,8 +33,14 @@ def mesh(cpu_devices):
 _smap = helpers.smap     # over AX
 
 
+def _normal(seed, shape, dtype=jnp.float32):
+  """Standard normal test data made on the host: an eager jax.random.normal is a program
+  compiled per shape (0.3-1 s of CPU each, some twenty shapes in this file)."""
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
 def _rows(seed=0, m=6):
-  return jax.random.normal(jax.random.key(seed), (8, m), jnp.float32)
+  return _normal(seed, (8, m))
 
 
 _SINGLETONS = re.compile(r"replica_groups = dense<\[\[\d+\](, \[\d+\])*\]>")
@@ -70,8 +76,7 @@ def test_a_tree_on_xla_collectives_is_left_to_xla_s_combiner(mesh):
   ``lax.psum`` of the tree compiles to (no copy into a bucket and out of it, which is a compiled
   kernel per leaf: bench/compile_time.py), one collective for the tree, the bits of the bucket
   and of leaf by leaf, and the gradient of lax.psum."""
-  keys = jax.random.split(jax.random.key(3), 6)
-  tree = [jax.random.normal(k, (8, 3 + i)) for i, k in enumerate(keys)]
+  tree = [_normal(30 + i, (8, 3 + i)) for i in range(6)]
 
   def build(body, bucket_bytes=None):
     return jax.jit(jax.shard_map(lambda t: body(t, bucket_bytes), mesh=mesh, in_specs=(P(AX),),
@@ -120,16 +125,19 @@ def test_stacked_contributions_are_bucketed_with_the_same_bits_and_gradients(mes
   """``local_axis`` leaves (a reproducible step's per-micro-batch gradients) share buckets of
   [contributions, values]: fewer collectives, the bits and the gradient of reducing leaf by leaf,
   under plain ``jax.shard_map`` (check_vma=True)."""
-  keys = jax.random.split(jax.random.key(7), 3)
-  tree = {"w": jax.random.normal(keys[0], (24, 4, 5)), "b": jax.random.normal(keys[1], (24, 7)),
-          "s": jax.random.normal(keys[2], (24,))}
+  tree = {"w": _normal(70, (24, 4, 5)), "b": _normal(71, (24, 7)), "s": _normal(72, (24,))}
 
   def build(bucket_bytes):
     body = lambda t: dtenjax.all_reduce(t, AX, op="mean", algorithm=algorithm, reproducible=True,
                                         local_axis=0, bucket_bytes=bucket_bytes)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX),), out_specs=P()))
   bucketed, per_leaf = build(1 << 20), build(0)
-  a, b = bucketed(tree), per_leaf(tree)
+
+  def step(f):      # the values and their gradient in one program, as a training step has them
+    loss = lambda t: (lambda y: (sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(y)), y))(f(t))
+    (_, values), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(tree)
+    return values, grad
+  (a, grad_a), (b, grad_b) = step(bucketed), step(per_leaf)
   chex.assert_trees_all_equal(a, b)
   for k, v in tree.items():     # the mean of all 24 contributions, rounded once
     np.testing.assert_allclose(a[k], np.asarray(v, np.float64).mean(0), rtol=1e-6, atol=1e-7)
@@ -139,10 +147,7 @@ def test_stacked_contributions_are_bucketed_with_the_same_bits_and_gradients(mes
                          if re.search(r"stablehlo\.(all_gather|all_reduce|all_to_all)\b", line)
                          and not _SINGLETONS.search(line)])
   assert count(bucketed) < count(per_leaf), (count(bucketed), count(per_leaf))
-
-  def loss(f):
-    return lambda t: sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(f(t)))
-  chex.assert_trees_all_equal(jax.grad(loss(bucketed))(tree), jax.grad(loss(per_leaf))(tree))
+  chex.assert_trees_all_equal(grad_a, grad_b)
 
 
 def test_eager_and_jit_agree_and_do_not_retrace(mesh):
@@ -165,7 +170,7 @@ def test_check_vma_true_with_varying_out_specs(mesh, algorithm):
 
 
 def test_reduce_scatter_and_all_gather(mesh):
-  x = jax.random.normal(jax.random.key(5), (8, 16, 3))
+  x = _normal(5, (8, 16, 3))
   rs = {a: _smap(mesh, lambda v, a=a: dtenjax.reduce_scatter(v[0], AX, scatter_dimension=0,
                                                              tiled=True, algorithm=a)[None])(x)
         for a in ("ring", "one_shot", "two_shot", "xla", "auto")}
@@ -222,8 +227,8 @@ def test_forward_mode_is_refused_clearly(mesh):
 
 
 def test_reduce_scatter_and_all_gather_transpose_into_each_other(mesh):
-  x = jax.random.normal(jax.random.key(9), (8, 16))
-  ct = jax.random.normal(jax.random.key(10), (8, 2))
+  x = _normal(9, (8, 16))
+  ct = _normal(10, (8, 2))
   rs = lambda v: _smap(mesh, lambda u: dtenjax.reduce_scatter(u, AX, scatter_dimension=1,
                                                               tiled=True, algorithm="ring"))(v)
   _, vjp = jax.vjp(rs, x)
@@ -240,7 +245,7 @@ def test_reduce_scatter_and_all_gather_transpose_into_each_other(mesh):
 
 @pytest.mark.parametrize("reproducible", [False, True])
 def test_vmap_over_batch_reduces_each_element(mesh, reproducible):
-  x = jax.random.normal(jax.random.key(11), (8, 3, 5))     # [device, batch, m]
+  x = _normal(11, (8, 3, 5))     # [device, batch, m]
   for alg in ("ring", "xla", "auto"):
     f = _smap(mesh, lambda v: jax.vmap(lambda e: dtenjax.all_reduce(
         e, AX, algorithm=alg, reproducible=reproducible), in_axes=1, out_axes=1)(v))
@@ -254,10 +259,17 @@ def test_vmap_over_batch_reduces_each_element(mesh, reproducible):
 
 @pytest.mark.parametrize("reproducible", [False, True])
 def test_vmap_named_axis_is_a_valid_axis_name(reproducible):
+  """Every algorithm takes a jax.vmap axis as its axis: all of them in one jitted program (one
+  compile, where eager vmap compiled each primitive of each algorithm on its own), and ``auto``
+  also eagerly, with the same bits."""
   x = ref.contributions(4, 64, seed=12)
-  for a in ("ring", "one_shot", "two_shot", "xla", "auto"):
-    y = jax.vmap(lambda e: dtenjax.all_reduce(e, "v", algorithm=a, reproducible=reproducible),
-                 axis_name="v")(jnp.asarray(x))
+  algos = ("ring", "one_shot", "two_shot", "xla", "auto")
+  run = lambda a, e: dtenjax.all_reduce(e, "v", algorithm=a, reproducible=reproducible)
+  every = jax.jit(jax.vmap(lambda e: tuple(run(a, e) for a in algos), axis_name="v"))(
+      jnp.asarray(x))
+  eager = jax.vmap(lambda e: run("auto", e), axis_name="v")(jnp.asarray(x))
+  np.testing.assert_array_equal(ref.bits(np.asarray(eager)), ref.bits(np.asarray(every[-1])))
+  for a, y in zip(algos, every):
     y = np.asarray(y)
     if reproducible:
       np.testing.assert_array_equal(ref.bits(y), ref.bits(np.broadcast_to(
@@ -297,46 +309,55 @@ def _split_run(devs, g, op="sum", reproducible=True):
   return np.asarray(f(jnp.asarray(g)))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("op", ["sum", "mean"])
-def test_reproducible_bits_for_every_algorithm_and_device_count(cpu_devices, dtype, op):
-  g = ref.contributions(8, 300, seed=14)
-  g = g.astype(ref.BF16) if dtype == "bfloat16" else g
-  want = ref.bits(ref.reproducible_sum(g, mean=op == "mean"))
-  for n in (1, 2, 4, 8):
+# Which (dtype, op) cases run on which device counts. What an algorithm does with the data -- the
+# word exchange (xla, ring, hierarchical), the gather (one_shot), the owner form (two_shot) -- and
+# how the 8 contributions are split over devices (local_axis: 8/n each) depend on the device count
+# and on the dtype (one_shot and two_shot move the raw floats); the op changes only the decode
+# (and local_sum), which every algorithm and device count shares, with the count of
+# contributions (8 whatever n). So every device count runs float32 sums and bfloat16 means
+# (both dtypes, both ops, a split of 8/n), and 8 devices every pair.
+_ALL_CASES = (("float32", "sum"), ("float32", "mean"), ("bfloat16", "sum"), ("bfloat16", "mean"))
+_CASES = {8: _ALL_CASES, 4: _ALL_CASES[::3], 2: _ALL_CASES[::3], 1: _ALL_CASES[::3]}
+_DATA = pathlib.Path(__file__).parent / "data"
+
+
+def _stored_contributions(stored, dtype):
+  x = stored[f"x_{dtype}"]
+  return x.view(ref.BF16) if dtype == "bfloat16" else x
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_reproducible_bits_for_every_algorithm_and_device_count(cpu_devices, n):
+  """reproducible=True (contract v3): the 8 contributions of tests/data/reproducible_v3_ref.npz
+  (the bits the GPU suite also checks) split over n devices give, with every algorithm, on every
+  rank, the independent numpy reference's bits and the stored ones."""
+  stored = np.load(_DATA / "reproducible_v3_ref.npz")
+  for dtype, op in _CASES[n]:
+    g = _stored_contributions(stored, dtype)
+    want = ref.bits(ref.reproducible_sum(g, mean=op == "mean"))
+    np.testing.assert_array_equal(want, stored[f"{op}_{dtype}_8"])
     res = _split_run(cpu_devices[:n], g, op)
     for r in range(res.shape[0]):
       for j, alg in enumerate(ALGOS + ("auto",)):
         np.testing.assert_array_equal(ref.bits(res[r, j]), want,
-                                      err_msg=f"{n} devices, rank {r}, {alg}")
+                                      err_msg=f"{dtype} {op}: {n} devices, rank {r}, {alg}")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("op", ["sum", "mean"])
-def test_exact_contract_bits_for_every_algorithm_and_device_count(cpu_devices, dtype, op):
-  """reproducible="exact" is contract v2 (the exact fixed-point sum) everywhere."""
-  g = ref.contributions(8, 300, seed=15)
-  g = g.astype(ref.BF16) if dtype == "bfloat16" else g
-  want = ref.bits(ref.exact_sum(g, mean=op == "mean"))
-  for n in (1, 2, 8):
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_exact_contract_bits_for_every_algorithm_and_device_count(cpu_devices, n):
+  """reproducible="exact" is contract v2 (the exact fixed-point sum) everywhere: the
+  contributions of tests/data/reproducible_ref.npz, as above, against the reference and the
+  stored bits."""
+  stored = np.load(_DATA / "reproducible_ref.npz")
+  for dtype, op in _CASES[n]:
+    g = _stored_contributions(stored, dtype)
+    want = ref.bits(ref.exact_sum(g, mean=op == "mean"))
+    np.testing.assert_array_equal(want, stored[f"{op}_{dtype}"])
     res = _split_run(cpu_devices[:n], g, op, reproducible="exact")
     for r in range(res.shape[0]):
       for j, alg in enumerate(ALGOS + ("auto",)):
         np.testing.assert_array_equal(ref.bits(res[r, j]), want,
-                                      err_msg=f"exact: {n} devices, rank {r}, {alg}")
-
-
-def test_reproducible_reference_file_bits(cpu_devices):
-  """The stored bits the GPU suite also checks: contract v3 (reproducible=True) and the exact
-  contract (reproducible="exact"), with the 8 contributions split over 2 and 8 devices."""
-  data = pathlib.Path(__file__).parent / "data"
-  v3 = np.load(data / "reproducible_v3_ref.npz")
-  v2 = np.load(data / "reproducible_ref.npz")
-  for n in (2, 8):
-    res = _split_run(cpu_devices[:n], v3["x_float32"])
-    np.testing.assert_array_equal(ref.bits(res[0, 0]), v3["sum_float32_8"])
-    res = _split_run(cpu_devices[:n], v2["x_float32"], reproducible="exact")
-    np.testing.assert_array_equal(ref.bits(res[0, 0]), v2["sum_float32"])
+                                      err_msg=f"exact {dtype} {op}: {n} devices, rank {r}, {alg}")
 
 
 @pytest.mark.parametrize("algorithm", ["xla", "ring", "one_shot", "two_shot", "auto"])
@@ -549,7 +570,7 @@ def test_mean_of_huge_values_is_finite_where_the_mean_is(mesh, algorithm, dtype)
   assert np.all(np.isfinite(y.astype(np.float32)))
   np.testing.assert_allclose(y.astype(np.float32), np.float32(x[0, 0]),
                              rtol=2 * float(jnp.finfo(dtype).eps))   # rounding of the 8-term sum
-  r = jax.random.normal(jax.random.key(7), (8, 32), dtype)
+  r = _normal(7, (8, 32), dtype)
   mean = _smap(mesh, lambda v: dtenjax.all_reduce(v, AX, op="mean", algorithm=algorithm))(r)
   total = _smap(mesh, lambda v: dtenjax.all_reduce(v.astype(jnp.float32), AX,
                                                    algorithm=algorithm))(r)
@@ -800,8 +821,7 @@ def test_an_eager_gradient_reuses_cached_programs(cpu_devices, collective, algor
   the jitted one, bit for bit. A pytree goes through the buckets in the same programs."""
   from dtenjax._src import jaxapi  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(cpu_devices[:4]), ("d",))
-  tree = {"a": jax.random.normal(jax.random.key(0), (4, 8)),
-          "b": jax.random.normal(jax.random.key(1), (4, 4, 3))}
+  tree = {"a": _normal(0, (4, 8)), "b": _normal(1, (4, 4, 3))}
   tree = jax.device_put(tree, jax.sharding.NamedSharding(mesh, P("d")))
   ours = {
       "all_reduce": lambda t: dtenjax.all_reduce(t, "d", algorithm=algorithm,

@@ -323,9 +323,12 @@ def test_topk_ef_on_gpu_kernel_equals_cumsum_formulation():
 # --- per-device gradients under jax.shard_map's default check_vma=True -----------------------
 
 def _mlp_params():
-  k1, k2 = jax.random.split(jax.random.key(0))
-  return {"w0": jax.random.normal(k1, (64, 128)) * 0.1, "b0": jnp.zeros(128),
-          "w1": jax.random.normal(k2, (128, 10)) * 0.1, "b1": jnp.zeros(10)}
+  # on the host: the tests that take these only compile steps (eager jax.random draws compiled
+  # a program per shape)
+  rng = np.random.default_rng(0)
+  return {"w0": jnp.asarray(rng.standard_normal((64, 128)) * 0.1, jnp.float32),
+          "b0": jnp.zeros(128), "b1": jnp.zeros(10),
+          "w1": jnp.asarray(rng.standard_normal((128, 10)) * 0.1, jnp.float32)}
 
 
 def _mlp_loss(p, x, y):

@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -34,6 +35,29 @@ def scanned():
   plan = dtenjax.plan(step, *args, recipe="FSDP")
   compiled = plan.jit(step).lower(*args).compile()
   return fam, step, args, plan, compiled
+
+
+@pytest.fixture(scope="module")
+def bare(scanned):
+  """Plain jax.jit with the FSDP recipe's shardings and no gathers at all: (jitted, compiled)."""
+  fam, _, args, _, _ = scanned
+  r = families.recipe(fam, "FSDP")
+  fn, _ = families.recipe_jit(fam, families.Recipe("FSDP", r.mesh, r.param_specs, {},
+                                                   r.batch_axes))
+  return fn, fn.lower(*args).compile()
+
+
+def _real_args(fam, seed: int = 0):
+  """Concrete arguments as families.real_args makes them (small random parameters, adamw's
+  state, the family's batch), on the host: the parameters drawn with numpy, the optimizer state
+  from one jitted init. families.real_args draws each leaf with an eager jax.random.normal, a
+  program compiled per leaf shape (7 s of CPU for this model; one jitted program of all the
+  draws still 5 s), and its device arrays made the step's first call compile a reshard."""
+  _, (params, _, batch) = fam.make()
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(lambda l: (0.02 * rng.standard_normal(l.shape)).astype(l.dtype), params)
+  opt = jax.tree.map(np.asarray, jax.jit(optax.adamw(1e-3).init)(params))
+  return params, opt, jax.tree.map(np.asarray, fam.real_batch(batch))
 
 
 def _memory(compiled) -> int:
@@ -80,17 +104,13 @@ def test_a_stacked_weight_is_gathered_one_layer_at_a_time_inside_the_loop(scanne
   del plan
 
 
-def test_memory_and_bytes_against_the_fsdp_a_user_writes(scanned):
+def test_memory_and_bytes_against_the_fsdp_a_user_writes(scanned, bare):
   fam, step, args, plan, compiled = scanned
   del step, plan
   r = families.recipe(fam, "FSDP")
   user, _ = families.recipe_jit(fam, r)
   user_c = user.lower(*args).compile()
-  # plain jax.jit with the same FSDP shardings and no gathers at all
-  bare_fn, bare_step = families.recipe_jit(fam, families.Recipe("FSDP", r.mesh, r.param_specs,
-                                                                {}, r.batch_axes))
-  del bare_step
-  bare_c = bare_fn.lower(*args).compile()
+  _, bare_c = bare            # plain jax.jit with the same FSDP shardings, no gathers at all
   assert _memory(compiled) <= 1.10 * _memory(user_c), (_memory(compiled), _memory(user_c))
   assert _memory(compiled) <= 1.10 * _memory(bare_c), (_memory(compiled), _memory(bare_c))
 
@@ -103,7 +123,7 @@ def test_the_gathered_step_computes_what_the_step_computes(scanned):
   # A sharding constraint changes no value; XLA may sum partial products in another order for
   # another layout, so values agree to float32 rounding, not bit for bit.
   fam, step, _, plan, _ = scanned
-  real = families.real_args(fam)
+  real = _real_args(fam)
   want = jax.jit(step)(*real)
   got = plan.jit(step)(*plan.shard(*real))
   assert float(got[2]) == pytest.approx(float(want[2]), rel=1e-6)

@@ -1,5 +1,6 @@
 """Tests of dtenjax._src.planning.placement: strategies to NamedSharding, memory kinds, shard, tensor."""
 
+import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -325,10 +326,17 @@ def _boxes(tree):
       tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))}
 
 
+@functools.cache
+def _block_variables():
+  """_Block's boxed variables, initialised in one jitted program (eagerly, flax's init compiled
+  each of its ops on its own); shared by the tests that place them."""
+  return jax.jit(_Block().init)(jax.random.key(0), jnp.ones((1, 4, 16)))
+
+
 def test_shard_honours_flax_logical_names_with_rules(mesh24):
   from jax.sharding import Mesh
   mesh = Mesh(mesh24.devices, ("data", "model"))
-  variables = _Block().init(jax.random.key(0), jnp.ones((1, 4, 16)))
+  variables = _block_variables()
   out = _boxes(shard(variables, Placement("auto", mesh=mesh, rules=RULES)))
   # flax.linen.logical_to_mesh_axes with RULES, worked by hand:
   want = {
@@ -353,7 +361,7 @@ def test_shard_honours_flax_logical_names_with_rules(mesh24):
 def test_flax_boxes_errors_name_the_leaf_and_the_fix(mesh24):
   from jax.sharding import Mesh
   mesh = Mesh(mesh24.devices, ("data", "model"))
-  variables = _Block().init(jax.random.key(0), jnp.ones((1, 4, 16)))
+  variables = _block_variables()
   with pytest.raises(errors.PlacementError) as e:
     shard(variables, Placement("auto", mesh=mesh))                 # no rules anywhere
   msg = str(e.value)

@@ -475,8 +475,13 @@ def real_args(family: Family, seed: int = 0):
   step, (params, _, batch) = family.make()
   del step
   leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  vals = [0.02 * jax.random.normal(k, l.shape, l.dtype) for k, l in zip(keys, leaves)]
-  params = jax.tree.unflatten(tree, vals)
-  opt = optax.adamw(1e-3).init(params)
+
+  @jax.jit
+  def init(key):   # one program: eager draws compiled a program per leaf shape
+    keys = jax.random.split(key, len(leaves))
+    p = jax.tree.unflatten(tree, [0.02 * jax.random.normal(k, l.shape, l.dtype)
+                                  for k, l in zip(keys, leaves)])
+    return p, optax.adamw(1e-3).init(p)
+
+  params, opt = init(jax.random.key(seed))
   return params, opt, family.real_batch(batch)

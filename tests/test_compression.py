@@ -276,10 +276,12 @@ def test_public_surface():
 
 def test_error_feedback_keeps_digits_accuracy_at_0_1_percent(mesh):
   """Dense vs top-k EF at 0.1% vs the same without error feedback (digits MLP, 8 devices, each
-  compressing its own gradient; SGD lr 0.4, 400 steps).
+  compressing its own gradient; SGD lr 0.4, 150 steps).
 
-  Measured on the CPU CI machine (jax 0.10.2) with this very test: dense 98.33%, EF 97.22%,
-  no EF 75.83%. Dense and EF agree within about a point; without EF accuracy falls by twenty.
+  Measured on the 2-core development VM (jax 0.10.2) with this very test: dense 96.94%, EF
+  96.11%, no EF 66.67% (at 400 steps 98.33 / 97.22 / 75.83%, at 200 97.78 / 96.11 / 70.00%:
+  the gap is there from the start; most of the test's time is the three steps' compiles, not
+  the steps). Dense and EF agree within about a point; without EF accuracy falls by thirty.
   The tolerances catch broken error feedback and a step that stops compressing.
   """
   import sys
@@ -287,7 +289,7 @@ def test_error_feedback_keeps_digits_accuracy_at_0_1_percent(mesh):
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
   import compression_convergence as cc  # pylint: disable=g-import-not-at-top
   data = cc.load_digits(8)
-  steps = 400
+  steps = 150
   dense = cc.train(cc.Candidate("dense", None, momentum=0.0), data, steps=steps)
   ef = cc.train(cc.Candidate("ef", 0.001, momentum=0.0), data, steps=steps)
   no_ef = cc.train(cc.Candidate("no ef", 0.001, momentum=0.0, error_feedback=False), data,

@@ -50,6 +50,15 @@ class Live:
   # one of the values live at the peak of the body of the call at ``start`` (a loop's, whose
   # values are placed together, as one block, while it runs)
   body: bool = False
+  # a transposed copy of a product's operand that XLA:CPU's kernels make (:func:`_dot_copies`,
+  # :func:`_conv_copies`); a GPU's libraries read transposed operands in place
+  copy: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Copy:
+  """The transposed copy of the value ``of`` (each copy a value of its own)."""
+  of: Any
 
 
 def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], set[Any]]
@@ -75,8 +84,10 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   for key, cone in sorted(cones.items()):
     for v in cone:
       cone_keys.setdefault(v, []).append(key)
-  timeline = tuple(Live(start, end, nb, grad, tuple(cone_keys.get(v, ())) if v is not None
-                        else (), body)
+  def owners(v):
+    v = v.of if isinstance(v, _Copy) else v
+    return tuple(cone_keys.get(v, ())) if v is not None else ()
+  timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, _Copy))
                    for v, start, end, nb, grad, body in lives)
   return int(act), act_share, timeline
 
@@ -144,7 +155,6 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   peak = 0
   ends: dict[int, list[Any]] = {}
   live_set: dict[Any, int] = {}
-  copy_of: dict[Any, Any] = {}     # a transposed copy's key in live_set -> the value it copies
   # a scan body's sliced batch-derived inputs that a product reads: copied out of their stacks
   # when the body starts (XLA schedules these slices first) and live until their last use
   read = {v for eqn in jaxpr.eqns if eqn.primitive.name in ("dot_general", "conv_general_dilated")
@@ -178,11 +188,9 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
                 _dot_copies(eqn, tainted) if eqn.primitive.name == "dot_general" else [])
       if copies and i in runs_until:     # made before the input gradient's product runs
         for v, nb in copies:
-          key = ("copy", i, v)
-          copy_of[key] = v
           live += nb
-          live_set[key] = nb
-          ends.setdefault(runs_until[i], []).append(key)
+          live_set[v] = nb
+          ends.setdefault(runs_until[i], []).append(v)
           if timeline is not None:
             timeline.append((v, i, runs_until[i], nb, None, False))
       elif copies:
@@ -219,7 +227,7 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
       if live + inner > peak:
         peak = live + inner
         if at_peak is not None:
-          at_peak[:] = [(copy_of.get(k, k), nb) for k, nb in live_set.items()] + inner_set
+          at_peak[:] = list(live_set.items()) + inner_set
     for v in ends.pop(i, ()):
       live -= live_set.pop(v)
   return peak
@@ -366,7 +374,7 @@ def _dot_copies(eqn, tainted: set) -> list[tuple[Any, int]]:
     orders = [batch + free + contract] if k == 0 else [batch + contract + free,
                                                        batch + free + contract]
     if tuple(range(ndim)) not in orders:
-      extra.append((var, nbytes(var.aval)))
+      extra.append((_Copy(var), nbytes(var.aval)))
   return extra
 
 
@@ -381,9 +389,9 @@ def _conv_copies(eqn, tainted: set) -> list[tuple[Any, int]]:
   extra = []
   lhs, rhs, out = eqn.invars[0], eqn.invars[1], eqn.outvars[0]
   if is_var(lhs) and lhs in tainted and tuple(dn.lhs_spec) != (0, n - 1, *spatial):
-    extra.append((lhs, nbytes(lhs.aval)))
+    extra.append((_Copy(lhs), nbytes(lhs.aval)))
   if is_var(rhs) and rhs in tainted and tuple(dn.rhs_spec) != (n - 1, n - 2, *range(n - 2)):
-    extra.append((rhs, nbytes(rhs.aval)))
+    extra.append((_Copy(rhs), nbytes(rhs.aval)))
   if tuple(dn.out_spec) != (0, n - 1, *spatial):
-    extra.append((out, nbytes(out.aval)))
+    extra.append((_Copy(out), nbytes(out.aval)))
   return extra

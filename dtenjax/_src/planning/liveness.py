@@ -50,6 +50,15 @@ class Live:
   # one of the values live at the peak of the body of the call at ``start`` (a loop's, whose
   # values are placed together, as one block, while it runs)
   body: bool = False
+  # a transposed copy of a product's operand that XLA:CPU's kernels make (:func:`_dot_copies`,
+  # :func:`_conv_copies`); a GPU's libraries read transposed operands in place
+  copy: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Copy:
+  """The transposed copy of the value ``of`` (each copy a value of its own)."""
+  of: Any
 
 
 def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], set[Any]]
@@ -75,8 +84,10 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   for key, cone in sorted(cones.items()):
     for v in cone:
       cone_keys.setdefault(v, []).append(key)
-  timeline = tuple(Live(start, end, nb, grad, tuple(cone_keys.get(v, ())) if v is not None
-                        else (), body)
+  def owners(v):
+    v = v.of if isinstance(v, _Copy) else v
+    return tuple(cone_keys.get(v, ())) if v is not None else ()
+  timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, _Copy))
                    for v, start, end, nb, grad, body in lives)
   return int(act), act_share, timeline
 
@@ -84,7 +95,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
 def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           counted: dict[Any, int] | None = None,
           timeline: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] | None = None,
-          at_peak: list[tuple[Any, int]] | None = None) -> int:
+          at_peak: list[tuple[Any, int]] | None = None, sliced: frozenset = frozenset()) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -93,7 +104,10 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   live at each body's peak as values of one equation (so that a layout sizes each of them); the
   step's own outputs are not in it. ``at_peak`` receives the (value, bytes) live at the peak.
   A loop's stacked output repeated in its body counts once, live until its copies' last use
-  (:func:`_duplicates`)."""
+  (:func:`_duplicates`). ``sliced`` are the inputs of a ``lax.scan`` body that are one layer's
+  slice of a stacked operand: XLA copies such a slice out of its stack when a product reads it
+  (its ``dynamic-slice`` is not fused into the dot kernel's operand), at the body's start (its
+  scheduler puts the slices first), live until the slice's last use in the body."""
   canon = _duplicates(jaxpr)
 
   def same(v):
@@ -133,6 +147,7 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
     if eqn.primitive.name in _EXPENSIVE:
       feeds_fusion_boundary.update(o for o in eqn.outvars
                                    if users.get(o, 0) >= 2 and o not in into_minor)
+  runs_until = _input_gradient_first(jaxpr, excluded_shapes, same, last_use)
   outvars = {same(v) for v in jaxpr.outvars if is_var(v)}
   for v in outvars:
     last_use[v] = len(jaxpr.eqns)
@@ -140,6 +155,21 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   peak = 0
   ends: dict[int, list[Any]] = {}
   live_set: dict[Any, int] = {}
+  # a scan body's sliced batch-derived inputs that a product reads: copied out of their stacks
+  # when the body starts (XLA schedules these slices first) and live until their last use
+  read = {v for eqn in jaxpr.eqns if eqn.primitive.name in ("dot_general", "conv_general_dilated")
+          for v in eqn.invars[:2] if is_var(v)}
+  for v in jaxpr.invars:
+    if v not in sliced or v not in tainted or v not in read:
+      continue
+    nb = nbytes(v.aval)
+    if timeline is not None:
+      timeline.append((v, 0, last_use[v], nb, None, False))
+    live += nb
+    live_set[v] = nb
+    ends.setdefault(last_use[v], []).append(v)
+    if counted is not None:
+      counted[v] = nb
   for i, eqn in enumerate(jaxpr.eqns):
     if any(is_var(v) and v in tainted for v in eqn.invars):
       inner, inner_set = 0, []
@@ -148,13 +178,24 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         sub_batch = {sv for sv, ov in zip(sub.invars, list(eqn.invars)[-n_outer:])
                      if is_var(ov) and ov in tainted}
         sub_set: list[tuple[Any, int]] = []
-        sub_peak = _peak(sub, sub_batch, excluded_shapes, at_peak=sub_set)
+        xs = (frozenset(sub.invars[sum(jaxapi.scan_counts(eqn)):])
+              if eqn.primitive.name == "scan" else frozenset())
+        sub_peak = _peak(sub, sub_batch, excluded_shapes, at_peak=sub_set, sliced=xs)
         if sub_peak > inner:
           inner, inner_set = sub_peak, sub_set
-      if eqn.primitive.name == "conv_general_dilated":
-        copies = _conv_copies(eqn, tainted)
-        inner += copies
-        inner_set = inner_set + [(None, copies)] if copies else inner_set
+      # the transposed copies of a product's operands, each sharded as the value it copies
+      copies = (_conv_copies(eqn, tainted) if eqn.primitive.name == "conv_general_dilated" else
+                _dot_copies(eqn, tainted) if eqn.primitive.name == "dot_general" else [])
+      if copies and i in runs_until:     # made before the input gradient's product runs
+        for v, nb in copies:
+          live += nb
+          live_set[v] = nb
+          ends.setdefault(runs_until[i], []).append(v)
+          if timeline is not None:
+            timeline.append((v, i, runs_until[i], nb, None, False))
+      elif copies:
+        inner += sum(nb for _, nb in copies)
+        inner_set = inner_set + copies
       if timeline is not None:
         timeline.extend((v, i, i, nb, None, True) for v, nb in inner_set if nb)
       for o, computed in zip(eqn.outvars, _from_batch(eqn, tainted)):
@@ -190,6 +231,35 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
     for v in ends.pop(i, ()):
       live -= live_set.pop(v)
   return peak
+
+
+def _input_gradient_first(jaxpr, state_shapes: set, same,
+                          last_use: dict[Any, int]) -> dict[int, int]:
+  """The backward of ``y = x @ W`` is two products that read the cotangent ``dy``: the weight's
+  gradient (``dy^T @ x``, of the weight's shape) and the input's (``dy @ W^T``); differentiation
+  writes the weight's first, XLA's scheduler runs the input's first. The weight gradient's
+  operands (``x``, the forward's residual) and their transposed copies stay live until the input
+  gradient's product, whose result is then live beside them. Returns the weight gradient's
+  equation -> the input gradient's."""
+  runs_until: dict[int, int] = {}
+  readers: dict[Any, list[tuple[int, Any]]] = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    if eqn.primitive.name == "dot_general":
+      for v in eqn.invars[:2]:
+        if is_var(v):
+          readers.setdefault(same(v), []).append((i, eqn))
+  for uses in readers.values():
+    for i, eqn in uses:
+      shape = tuple(eqn.outvars[0].aval.shape)
+      if shape not in state_shapes and tuple(reversed(shape)) not in state_shapes:
+        continue                       # not a weight's gradient
+      later = [j for j, e in uses if j > i and tuple(e.outvars[0].aval.shape) != shape]
+      if later:
+        runs_until[i] = later[0]
+        for v in eqn.invars[:2]:
+          if is_var(v) and last_use.get(same(v), -1) < later[0]:
+            last_use[same(v)] = later[0]
+  return runs_until
 
 
 def _duplicates(jaxpr) -> dict[Any, Any]:
@@ -285,20 +355,43 @@ def _keeps_minor(eqn) -> bool:
   return ndim > 1 and (ndim - 1) not in tuple(axes)
 
 
-def _conv_copies(eqn, tainted: set) -> int:
-  """Bytes of the batch-derived operands and result of a convolution whose dimensions are not in
+def _dot_copies(eqn, tainted: set) -> list[tuple[Any, int]]:
+  """The batch-derived operands (value, bytes) of a product that XLA:CPU's dot kernels cannot read in
+  place: it canonicalises a product to ``[batch..., rows, contracted] x [batch..., contracted,
+  cols]`` (the right operand may also come as ``[batch..., cols, contracted]``) and copies an
+  operand whose dimensions are in another order into a transposed buffer while the product runs.
+  The weights' gradients are of this kind: ``dy^T @ x`` contracts the tokens, the leading
+  dimensions of its left operand."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  extra = []
+  for k, (var, contract, batch) in enumerate(((eqn.invars[0], lc, lb), (eqn.invars[1], rc, rb))):
+    if not is_var(var) or var not in tainted:
+      continue
+    ndim = len(var.aval.shape)
+    contract, batch = tuple(contract), tuple(batch)
+    free = tuple(d for d in range(ndim) if d not in contract and d not in batch)
+    # the operand's dimensions in the order the kernel reads them in place
+    orders = [batch + free + contract] if k == 0 else [batch + contract + free,
+                                                       batch + free + contract]
+    if tuple(range(ndim)) not in orders:
+      extra.append((_Copy(var), nbytes(var.aval)))
+  return extra
+
+
+def _conv_copies(eqn, tainted: set) -> list[tuple[Any, int]]:
+  """The batch-derived operands and result of a convolution (value, bytes) whose dimensions are not in
   the order the backend's convolution kernels take (batch, spatial..., feature; a kernel's
   spatial..., input, output): XLA transposes them into a copy while the convolution runs. The
   gradients' convolutions are of this kind (the kernel gradient contracts the batch)."""
   dn = eqn.params["dimension_numbers"]
   n = len(eqn.outvars[0].aval.shape)
   spatial = tuple(range(1, n - 1))
-  extra = 0
-  lhs, rhs = eqn.invars[0], eqn.invars[1]
+  extra = []
+  lhs, rhs, out = eqn.invars[0], eqn.invars[1], eqn.outvars[0]
   if is_var(lhs) and lhs in tainted and tuple(dn.lhs_spec) != (0, n - 1, *spatial):
-    extra += nbytes(lhs.aval)
+    extra.append((_Copy(lhs), nbytes(lhs.aval)))
   if is_var(rhs) and rhs in tainted and tuple(dn.rhs_spec) != (n - 1, n - 2, *range(n - 2)):
-    extra += nbytes(rhs.aval)
+    extra.append((_Copy(rhs), nbytes(rhs.aval)))
   if tuple(dn.out_spec) != (0, n - 1, *spatial):
-    extra += nbytes(eqn.outvars[0].aval)
+    extra.append((_Copy(out), nbytes(out.aval)))
   return extra

@@ -62,6 +62,14 @@ def find_pairs(reader: Reader) -> tuple[tuple[Pair, ...], dict[tuple[int, int], 
           o_j = _out_dim_of(other, o_side, o_dims, k)
           if o_j is not None:
             cone.update(_follow(reader, leaf, k, other.outvars[0], o_j, o_frames)[2])
+        # the row-parallel partner's products that keep its sharded (contracted) dimension
+        # free -- the backward's input gradient ``dy @ W2^T`` -- produce values sharded with
+        # the pair too, up to the column-parallel weight's transposed product that contracts it
+        for p in found:
+          for other, o_side, o_dims, o_frames in reader.reads.get(p.dst, ()):
+            o_j = _out_dim_of(other, o_side, o_dims, p.dst_dim)
+            if o_j is not None:
+              cone.update(_follow(reader, p.dst, p.dst_dim, other.outvars[0], o_j, o_frames)[2])
   carried: dict[tuple[int, int], float] = {}
   for e, srcs in reached.items():
     for key in srcs:

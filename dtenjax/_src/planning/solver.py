@@ -200,7 +200,10 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       outputs.extend(graph.leaves[i].nbytes / shards for i in g)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
+  cpu = m.topology.device(int(m.ids.ravel()[0])).platform == "cpu"
   for v in graph.timeline:
+    if v.copy and not cpu:      # XLA:CPU's transposed operand copies (a GPU's kernels need none)
+      continue
     if v.grad is not None:
       sizes = grad_sizes.get(v.grad)
       nb = sum(sizes) / len(sizes) if sizes else v.nbytes / bdiv

@@ -63,6 +63,33 @@ def decoder_70b(batch: int, seq: int = 2048):
   return step, (params, jax.eval_shape(tx.init, params), s((batch, seq), jnp.int32))
 
 
+# The chosen mesh (its axes of more than one device), the plan's step time and every recipe's, in
+# seconds, as `dtenjax.plan` priced these steps at commit d80c5a3, before planning was made
+# faster (each distinct collective priced once per plan, island splits and peak FLOP/s once per
+# topology, meshes whose lower bound exceeds the best plan found not solved). Copied from that
+# commit's output, not derived: the claim they pin is "no plan and no price changed".
+PINNED = {
+    ("8b", "h100_64"): ({"fsdp": 32, "tensor": 2}, 0.21009113933998322, {
+        "DP": 0.23860676811561848, "FSDP": 0.31338629749611846, "FSDP x TP": 0.5444014488861312,
+        "TP": 0.5174672902941312, "pipeline": 0.2471032646425636}),
+    ("70b", "h100_64"): ({"data": 4, "fsdp": 8, "tensor": 2}, 2.101469657032561, {
+        "DP": 2.111068186620937, "FSDP": 2.643121897629881, "FSDP x TP": 3.939444532138685,
+        "TP": 3.9273617737386846, "pipeline": 2.1319239639873397}),
+    ("8b", "h100_256"): ({"fsdp": 128, "tensor": 2}, 0.2176904133183582, {
+        "DP": 0.24627913803186846, "FSDP": 0.38916094761266007, "FSDP x TP": 0.6854258830901767,
+        "TP": 0.5174672902941312, "pipeline": 0.2538858801975636}),
+    ("70b", "h100_256"): ({"data": 16, "fsdp": 8, "tensor": 2}, 2.168184511497811, {
+        "DP": 2.177356286457187, "FSDP": 2.8837547972210897, "FSDP x TP": 4.196734022314685,
+        "TP": 3.9273617737386846, "pipeline": 2.1961870432863395}),
+    ("8b", "h100_1024"): ({"fsdp": 512, "tensor": 2}, 0.22078510693469672, {
+        "DP": 0.24873723051093094, "FSDP": 0.48947913328490666, "FSDP x TP": 1.3519767695381768,
+        "TP": 0.5174672902941312, "pipeline": 0.2565517922215636}),
+    ("70b", "h100_1024"): ({"data": 64, "fsdp": 8, "tensor": 2}, 2.1868848785694777, {
+        "DP": 2.1944683114162493, "FSDP": 3.162137068405115, "FSDP x TP": 5.252123227498684,
+        "TP": 3.9273617737386846, "pipeline": 2.2127831256343398}),
+}
+
+
 @pytest.mark.parametrize("fixture", ["h100_64", "h100_256", "h100_1024"])
 def test_8b_and_70b_on_a_cluster(fixture):
   topo = dtenjax.Topology.fixture(fixture)
@@ -74,6 +101,11 @@ def test_8b_and_70b_on_a_cluster(fixture):
     plan = dtenjax.plan(step, *args, topology=topo)
     cpu = time.process_time() - t0
     assert cpu < 2.0, (name, fixture, cpu)
+    mesh, total, recipes = PINNED[(name, fixture)]
+    assert {a: k for a, k in zip(plan.axis_names, plan.mesh_shape) if k > 1} == mesh
+    assert plan.cost.total_s == pytest.approx(total, rel=1e-12, abs=0)
+    assert {r.name: r.cost.total_s for r in plan.recipes if r.cost is not None} == pytest.approx(
+        recipes, rel=1e-12, abs=0)
     fitting = [r for r in plan.recipes if r.cost is not None and r.cost.fits]
     assert plan.cost.fits
     for r in fitting:

@@ -59,15 +59,30 @@ class CandidateMesh:
 
   @functools.cached_property
   def peak_flops(self) -> float:
-    return self.topology.peak_flops()
+    return _peak_flops(self.topology)
+
+  @functools.cached_property
+  def _groups(self) -> dict[tuple[str, ...], tuple[int, ...]]:
+    return {}
 
   def group(self, axes: Sequence[str]) -> tuple[int, ...]:
     """Device ids of the first group spanning ``axes`` (rank order)."""
-    index = tuple(slice(None) if a in axes else 0 for a in AXES)
-    return tuple(int(i) for i in self.ids[index].ravel())
+    key = tuple(a for a in AXES if a in axes)
+    out = self._groups.get(key)
+    if out is None:
+      index = tuple(slice(None) if a in key else 0 for a in AXES)
+      out = self._groups[key] = tuple(int(i) for i in self.ids[index].ravel())
+    return out
 
   def axis_sizes(self, axes: Sequence[str]) -> tuple[int, ...]:
     return tuple(self.size[a] for a in AXES if a in axes)
+
+
+@functools.lru_cache(maxsize=32)
+def _peak_flops(topology: Topology) -> float:
+  """The topology's (a frozen value) FLOP/s, read once per topology: on 1,024 devices it is a walk
+  over all of them, and a plan has dozens of candidate meshes."""
+  return topology.peak_flops()
 
 
 def _span(link: str, topology: Topology) -> str:

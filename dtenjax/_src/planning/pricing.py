@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 
 from dtenjax._src.pricing import costmodel
+from dtenjax._src.topology import calibrate as calibrate_lib
 from dtenjax._src.planning import planner
 from dtenjax._src.planning import roles
 from dtenjax._src.planning import stepgraph
@@ -48,6 +49,13 @@ class Price:
   compute_scale: float = 1.0
 
 
+# The meeting of devices at a collective between products (Pricer): the devices' wake-up and the
+# share of a product's compute by which their arrivals spread (fitted to the two measurements
+# quoted in Pricer; docs/benchmarks.md, "The CPU expert choice").
+MEETING_WAKE_S = calibrate_lib.CPU_WAKE_S
+MEETING_SPREAD = 1 / 6
+
+
 def acc(where: dict[str, float], key: str, value: float) -> None:
   where[key] = where.get(key, 0.0) + value
 
@@ -74,11 +82,13 @@ class Pricer:
     self.step_latency = (costs.step_collective_us * 1e-6 if "step_collective_us" in user
                          else m.topology.meeting_s(self.backend, costs.step_collective_us * 1e-6))
     # that meeting is the devices waiting for the slowest of them to finish its compute since
-    # the previous collective: no longer than that compute (``between``, a product's time per
-    # device). A step of tiny products pays little per collective (measured on the 8-device
-    # CPU VM: 0.09 ms per psum between products of 0.09 ms, 0.9 ms between products of 5 ms)
+    # the previous collective: their wake-up plus the spread of their arrivals, a share of that
+    # compute (``between``, a product's time per device). Measured on the 8-device CPU VM: 0.09
+    # ms per psum between products of 0.09 ms, 0.9 ms between products of 5 ms, which
+    # wake-up + between / 6 gives (75 us and 0.89 ms); capping at the whole product (as before)
+    # priced the second at the 3.06 ms prior, the collectives of tensor-parallel layouts 3x over
     if between is not None:
-      self.step_latency = min(self.step_latency, between)
+      self.step_latency = min(self.step_latency, MEETING_WAKE_S + MEETING_SPREAD * between)
 
   def __call__(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
     axes = tuple(a for a in AXES if a in axes and self.m.size[a] > 1)

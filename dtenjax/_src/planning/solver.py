@@ -305,6 +305,16 @@ def split_flops(prob: Problem, graph: stepgraph.StepGraph,
   return out
 
 
+def lower_bound(prob: Problem) -> float:
+  """A step time no assignment of ``prob`` goes below (seconds): the fixed compute and blocking
+  terms plus, per group, its cheapest layout's compute and blocking communication. The terms it
+  leaves out (unpaired gathers, the exposed overlappable time) are never negative, so a mesh
+  whose bound exceeds a plan already found cannot win and need not be solved."""
+  return prob.compute_s + sum(prob.fixed_blocking.values()) + sum(
+      min((pr.compute + sum(pr.blocking.values()) for pr in prs), default=0.0)
+      for prs in prob.prices)
+
+
 def uses_its_axes(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph) -> bool:
   """Whether every axis that does not split the batch splits enough of the work (see solve)."""
   total = sum(u.flops for u in graph.weights.values())

@@ -64,6 +64,7 @@ from dtenjax._src.planning.roles import sequence as sequence_role
 from dtenjax._src.planning.roles import stage as stage_role
 from dtenjax._src.planning.solver import Problem
 from dtenjax._src.planning.solver import evaluate
+from dtenjax._src.planning.solver import lower_bound
 from dtenjax._src.planning.solver import make_problem
 from dtenjax._src.planning.solver import solve
 from dtenjax._src.planning.solver import uses_its_axes
@@ -217,7 +218,7 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   budget = _budget(topology, ids, memory_budget)
   if overlap is None:
     overlap = costmodel.backend_costs(topology.device(ids[0]).platform).overlap
-  price = registry.all_reduce_time
+  price = registry.AllReducePrices()        # each distinct all-reduce priced once
   ordered = order(topology, ids)
   problems: list[tuple[tuple[int, int, int], Problem]] = []
   staged: list[tuple[tuple[int, ...], CandidateMesh]] = []
@@ -243,9 +244,14 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   solved = []
 
   def to_solve():
-    """The meshes without stages, then those with stages whose pipeline alone (the stack's
-    compute and the sends, a lower bound of their step) beats the best plan so far."""
-    yield from list(problems)
+    """The meshes without stages whose bound (solver.lower_bound) does not exceed the best plan
+    so far, then those with stages whose pipeline alone (the stack's compute and the sends, a
+    lower bound of their step) beats it. A mesh left out could not have been chosen: its plan
+    would cost more than one already found (by more than the choice's rounding)."""
+    for shape, prob in list(problems):
+      if best is not None and lower_bound(prob) > best[0][0] + 1e-9:
+        continue
+      yield shape, prob
     for shape, m in sorted(staged, key=lambda x: stage_role.lower_bound(x[1].pipeline)):
       bound = stage_role.lower_bound(m.pipeline)
       if best is not None and bound >= best[0][0]:

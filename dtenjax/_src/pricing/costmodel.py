@@ -237,6 +237,7 @@ class Terms:
   def __init__(self, group: Sequence[int], topology: Topology, costs: BackendCosts | None):
     self.group, self.topology = list(group), topology
     self.n = len(group)
+    self._split: Split | None | bool = False         # not computed yet (:meth:`split`)
     self.cls, spec = topology.slowest_link(group)
     self.a, self.b = spec.alpha, spec.beta
     self.intra_host = self.cls in INTRA_HOST
@@ -252,14 +253,31 @@ class Terms:
 
   def split(self) -> Split | None:
     """The group's proper island split (:func:`island_groups`) with its links, or None."""
-    parts = island_groups(self.group, self.topology)
-    if parts is None:
-      return None
-    _, inner = self.topology.slowest_link(list(parts[0]))
-    outer = [p[0] for p in parts]
-    cls, spec = self.topology.slowest_link(outer)
-    return Split(len(parts[0]), len(parts), inner.alpha, inner.beta, spec.alpha, spec.beta,
-                 1 if cls in INTRA_HOST else len(parts) - 1)
+    if self._split is False:
+      self._split = _split(tuple(self.group), self.topology)
+    return self._split
+
+
+@functools.lru_cache(maxsize=4096)
+def _split(group: tuple[int, ...], topology: Topology) -> Split | None:
+  """:meth:`Terms.split` of ``group``, computed once per group and topology (a frozen value): a
+  plan prices thousands of collectives over a few dozen groups, and splitting a group of 512
+  devices by island is a walk over all of them."""
+  parts = island_groups(group, topology)
+  if parts is None:
+    return None
+  _, inner = topology.slowest_link(list(parts[0]))
+  outer = [p[0] for p in parts]
+  cls, spec = topology.slowest_link(outer)
+  return Split(len(parts[0]), len(parts), inner.alpha, inner.beta, spec.alpha, spec.beta,
+               1 if cls in INTRA_HOST else len(parts) - 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _terms(group: tuple[int, ...], topology: Topology, costs: BackendCosts) -> Terms:
+  """The :class:`Terms` of ``group`` under ``costs``, made once per (group, topology, costs):
+  they depend on nothing else (a :class:`Terms` is read, never written, by the formulas)."""
+  return Terms(group, topology, costs)
 
 
 def _platform(group: Sequence[int], topology: Topology) -> str:
@@ -384,7 +402,8 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
     measured = calibrated_time(kind, nbytes, group, topology)
     if measured is not None:
       return measured
-  t = Terms(group, topology, costs)
+  t = _terms(tuple(group), topology,
+             costs if costs is not None else backend_costs(_platform(group, topology)))
   if kind == "ppermute":
     return t.L + t.a + nbytes * t.b
   if kind == "all_to_all":

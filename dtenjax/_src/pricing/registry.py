@@ -102,9 +102,35 @@ def all_reduce_time(nbytes: int, group: Sequence[int], axis_sizes: Sequence[int]
   if math.prod(sizes) != len(group):
     raise errors.CollectiveError(f"all_reduce_time: axis_sizes={sizes} do not multiply to the "
                                  f"group size {len(group)}")
-  infos = [topology.device(g) for g in group]
+  group = tuple(group)
+  platform, processes = _where(group, topology)
   call = Call(kind="all_reduce", op="sum", dtype=dtype,
               axes=tuple(f"axis{i}" for i in range(len(sizes))), axis_sizes=sizes,
-              nbytes=int(nbytes), backend=infos[0].platform,
-              processes=len({d.process_index for d in infos}), nvls=topology.nvls)
+              nbytes=int(nbytes), backend=platform, processes=processes, nvls=topology.nvls)
   return min(choose(call, list(group), topology).times.values())
+
+
+@functools.lru_cache(maxsize=1024)
+def _where(group: tuple[int, ...], topology: Topology) -> tuple[str, int]:
+  """The platform of ``group``'s first device and the processes it spans (once per group and
+  topology, a frozen value)."""
+  infos = [topology.device(g) for g in group]
+  return infos[0].platform, len({d.process_index for d in infos})
+
+
+class AllReducePrices:
+  """:func:`all_reduce_time` with its answers kept: one planning prices the same all-reduce
+  (bytes, group, dtype) on many candidate layouts and meshes. Keep one for one planning only: a
+  price also reads the process's settings (``DTENJAX_COST_PARAMS``, the NVLink kernels'
+  availability), which may change between plans."""
+
+  def __init__(self):
+    self._times: dict[tuple, float] = {}
+
+  def __call__(self, nbytes: int, group: Sequence[int], axis_sizes: Sequence[int],
+               topology: Topology, dtype) -> float:
+    key = (int(nbytes), tuple(group), tuple(axis_sizes), topology, str(dtype))
+    t = self._times.get(key)
+    if t is None:
+      t = self._times[key] = all_reduce_time(nbytes, group, axis_sizes, topology, dtype)
+    return t

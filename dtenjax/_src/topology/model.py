@@ -207,9 +207,17 @@ class Topology:
     if key not in memo:
       pos = [self.position(a) for a in group]
       rank = {c: LINK_ORDER.index(c) for c in LINK_ORDER}
-      worst = max(((self.link_matrix[p][q] for p in pos for q in pos if p != q)),
-                  key=rank.__getitem__)
-      memo[key] = worst
+      if "slowest_rank" not in memo:     # the slowest class anywhere: no group has a slower one
+        memo["slowest_rank"] = max(rank[c] for row in self.link_matrix for c in set(row))
+      worst = -1
+      for p in pos:                      # row by row, done once the slowest class is found
+        row = self.link_matrix[p]
+        worst = max([worst] + [rank[row[q]] for q in pos if q != p])
+        if worst == memo["slowest_rank"]:
+          break
+      if worst < 0:
+        raise ValueError(f"slowest_link: {group!r} names one device only")
+      memo[key] = LINK_ORDER[worst]
     return memo[key], self.spec(memo[key])
 
   def hosts(self) -> tuple[tuple[int, ...], ...]:
@@ -237,6 +245,7 @@ class Topology:
     rank = {c: LINK_ORDER.index(c) for c in LINK_ORDER}
     seen: set[int] = set()
     out = []
+    ids = self.device_ids
     for d in self.devices:
       if d.id in seen:
         continue
@@ -246,7 +255,7 @@ class Topology:
         a = todo.pop()
         comp.append(a)
         row = self.link_matrix[self.position(a)]
-        for q, b in enumerate(self.device_ids):
+        for q, b in enumerate(ids):
           if b not in seen and rank[row[q]] <= limit:
             seen.add(b)
             todo.append(b)

@@ -114,31 +114,46 @@ ffi::Error UnpackImpl(ffi::AnyBuffer x, ffi::RemainingRets rets) {
 
 // --- the folds ----------------------------------------------------------------------------------
 
-ffi::Error FoldImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
-  constexpr const char* kName = "dtenjax_cpu_fold";
-  dtenjax::cpu::Float in{}, ot{};
-  if (!FloatOf(out->element_type(), &ot)) return Bad(kName, "the result must be f32 or bf16");
-  if (args.size() < 1) return Bad(kName, "no operand");
-  std::vector<const void*> ptrs(args.size());
+// The operands of a float handler: all of the first one's f32 or bf16 dtype, each shape accepted
+// by `why_not` (which returns what is wrong, or "" when nothing is); their data into `ptrs`.
+template <typename WhyNot>
+ffi::Error FloatOperands(const char* name, ffi::RemainingArgs args, dtenjax::cpu::Float* in,
+                         std::vector<const void*>* ptrs, WhyNot why_not) {
+  if (args.size() < 1) return Bad(name, "no operand");
+  ptrs->resize(args.size());
   for (size_t i = 0; i < args.size(); ++i) {
     auto a = args.get<ffi::AnyBuffer>(i);
     if (a.has_error()) return a.error();
     dtenjax::cpu::Float t{};
-    if (!FloatOf(a->element_type(), &t) || (i > 0 && t != in)) {
-      return Bad(kName, "operand " + std::to_string(i) + " is not of the first operand's f32 or "
-                        "bf16 dtype");
+    if (!FloatOf(a->element_type(), &t) || (i > 0 && t != *in)) {
+      return Bad(name, "operand " + std::to_string(i) + " is not of the first operand's f32 or "
+                       "bf16 dtype");
     }
-    in = t;
-    if (a->element_count() != out->element_count()) {
-      return Bad(kName, "operand " + std::to_string(i) + " of shape " + Shape(a->dimensions()) +
-                            " has not the result's " + std::to_string(out->element_count()) +
-                            " values");
+    *in = t;
+    const std::string why = why_not(i, a->dimensions());
+    if (!why.empty()) {
+      return Bad(name, "operand " + std::to_string(i) + " of shape " + Shape(a->dimensions()) +
+                           why);
     }
-    ptrs[i] = a->untyped_data();
+    (*ptrs)[i] = a->untyped_data();
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error FoldImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
+  constexpr const char* kName = "dtenjax_cpu_fold";
+  dtenjax::cpu::Float in{}, ot{};
+  if (!FloatOf(out->element_type(), &ot)) return Bad(kName, "the result must be f32 or bf16");
+  const int64_t n = static_cast<int64_t>(out->element_count());
+  std::vector<const void*> ptrs;
+  ffi::Error err = FloatOperands(kName, args, &in, &ptrs, [n](size_t, Dims d) {
+    return Product(d, d.size()) == n
+               ? std::string()
+               : " has not the result's " + std::to_string(n) + " values";
+  });
+  if (err.failure()) return err;
   return dtenjax::ffi::ToFfiError(dtenjax::cpu::Fold(
-      ptrs.data(), static_cast<int>(args.size()), static_cast<int64_t>(out->element_count()), in,
-      ot, out->untyped_data()));
+      ptrs.data(), static_cast<int>(args.size()), n, in, ot, out->untyped_data()));
 }
 
 ffi::Error ReproSumImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out, int64_t mean) {
@@ -148,26 +163,16 @@ ffi::Error ReproSumImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out
   const Dims od = out->dimensions();
   if (od.size() < 1) return Bad(kName, "the result must have at least one dimension");
   const size_t lead = od.size() - 1;
-  if (args.size() < 1) return Bad(kName, "no operand");
-  std::vector<const void*> ptrs(args.size());
+  std::vector<const void*> ptrs;
   std::vector<int64_t> counts(args.size());
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto a = args.get<ffi::AnyBuffer>(i);
-    if (a.has_error()) return a.error();
-    dtenjax::cpu::Float t{};
-    if (!FloatOf(a->element_type(), &t) || (i > 0 && t != in)) {
-      return Bad(kName, "operand " + std::to_string(i) + " is not of the first operand's f32 or "
-                        "bf16 dtype");
-    }
-    in = t;
-    const Dims d = a->dimensions();
+  ffi::Error err = FloatOperands(kName, args, &in, &ptrs, [&](size_t i, Dims d) {
     if (d.size() != od.size() + 1 || !SameLead(d, od, lead) || d[lead + 1] != od[lead]) {
-      return Bad(kName, "operand " + std::to_string(i) + " of shape " + Shape(d) +
-                            " is not [..., contributions, values] for the result " + Shape(od));
+      return " is not [..., contributions, values] for the result " + Shape(od);
     }
-    ptrs[i] = a->untyped_data();
     counts[i] = d[lead];
-  }
+    return std::string();
+  });
+  if (err.failure()) return err;
   if (mean != 0 && mean != 1) return Bad(kName, "mean must be 0 or 1");
   return dtenjax::ffi::ToFfiError(dtenjax::cpu::RepSum(
       ptrs.data(), counts.data(), static_cast<int>(args.size()), Product(od, lead), od[lead], in,

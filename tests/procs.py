@@ -198,6 +198,12 @@ class ForkServer:
     with open(out + ".out") as f, open(out + ".err") as g:
       return subprocess.CompletedProcess(argv, code, f.read(), g.read())
 
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
   def close(self):
     self.proc.stdin.close()
     try:

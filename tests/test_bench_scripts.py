@@ -29,9 +29,8 @@ def _env(extra=None):
 def forks(tmp_path_factory):
   """``python bench/NAME.py`` in processes forked from one that imported jax (tests/procs.py):
   each run a process of its own, without paying jax's import (1-2 s of CPU) every time."""
-  server = procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("bench_runs"))
-  yield server
-  server.close()
+  with procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("bench_runs")) as server:
+    yield server
 
 
 @pytest.fixture

@@ -57,9 +57,8 @@ def _run(args, cwd, timeout=300):
 
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
-  server = procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("cli_runs"))
-  yield server
-  server.close()
+  with procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("cli_runs")) as server:
+    yield server
 
 
 @pytest.fixture

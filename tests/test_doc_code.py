@@ -73,9 +73,8 @@ def _env():
 
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
-  server = procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("doc_blocks"))
-  yield server
-  server.close()
+  with procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("doc_blocks")) as server:
+    yield server
 
 
 def _fresh(code):

@@ -26,9 +26,8 @@ def _env():
 
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
-  server = procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("examples"))
-  yield server
-  server.close()
+  with procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("examples")) as server:
+    yield server
 
 
 @pytest.fixture

@@ -16,9 +16,8 @@ from tests.mp_workers import launch
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  server = procs.ForkServer(env, os.getcwd(), tmp_path_factory.mktemp("forks"), preload=())
-  yield server
-  server.close()
+  with procs.ForkServer(env, os.getcwd(), tmp_path_factory.mktemp("forks"), preload=()) as server:
+    yield server
 
 
 def test_a_forked_run_is_a_process_of_its_own(forks, tmp_path):

@@ -18,6 +18,18 @@ from dtenjax._src.planning import explain as explain_lib
 from dtenjax._src.planning import stepgraph
 
 
+def _adamw_step(loss, params, batch):
+  """An AdamW training step of ``loss`` and its abstract arguments (parameters, state, batch)."""
+  tx = optax.adamw(1e-3)
+
+  def step(params, opt, x):
+    v, g = jax.value_and_grad(loss)(params, x)
+    u, opt = tx.update(g, opt, params)
+    return optax.apply_updates(params, u), opt, v
+
+  return step, (params, jax.eval_shape(tx.init, params), batch)
+
+
 def scan_step(n=8, d=512, f=2048, batch=32, seq=64, remat=True, gather=None):
   """Residual MLP layers stacked for ``lax.scan`` (``jax.checkpoint`` on the body when
   ``remat``), an output projection, AdamW. ``gather(p)`` is applied to each layer's slice."""
@@ -36,14 +48,7 @@ def scan_step(n=8, d=512, f=2048, batch=32, seq=64, remat=True, gather=None):
     h, _ = jax.lax.scan(body, x, {"w1": p["w1"], "w2": p["w2"]})
     return jnp.mean((h @ p["out"]) ** 2)
 
-  tx = optax.adamw(1e-3)
-
-  def step(params, opt, x):
-    v, g = jax.value_and_grad(loss)(params, x)
-    u, opt = tx.update(g, opt, params)
-    return optax.apply_updates(params, u), opt, v
-
-  return step, (params, jax.eval_shape(tx.init, params), s((batch, seq, d), jnp.float32))
+  return _adamw_step(loss, params, s((batch, seq, d), jnp.float32))
 
 
 def per_layer_gather(plan):
@@ -313,14 +318,7 @@ def residual_mlp_step(d, f, batch, seq, layers=2):
 
   params = {f"l{i}": {"w1": s((d, f), jnp.float32), "w2": s((f, d), jnp.float32)}
             for i in range(layers)}
-  tx = optax.adamw(1e-3)
-
-  def step(params, opt, x):
-    v, g = jax.value_and_grad(loss)(params, x)
-    u, opt = tx.update(g, opt, params)
-    return optax.apply_updates(params, u), opt, v
-
-  return step, (params, jax.eval_shape(tx.init, params), s((batch, seq, d), jnp.float32))
+  return _adamw_step(loss, params, s((batch, seq, d), jnp.float32))
 
 
 @pytest.mark.parametrize("recipe,d,f,batch,seq", [("DP", 128, 512, 64, 256),

@@ -43,6 +43,12 @@ CANDIDATES = (
     ("reproducible", {"reproducible": True}),
     ("reproducible two_shot", {"reproducible": True, "algorithm": "two_shot"}),
     ("reproducible per leaf", {"reproducible": True, "bucket_bytes": 0}),
+    ("one_shot", {"algorithm": "one_shot"}),
+    ("butterfly", {"algorithm": "butterfly"}),
+    ("reproducible one_shot", {"reproducible": True, "algorithm": "one_shot"}),
+    ("reproducible ring", {"reproducible": True, "algorithm": "ring"}),
+    ("reproducible xla", {"reproducible": True, "algorithm": "xla"}),
+    ("reproducible butterfly", {"reproducible": True, "algorithm": "butterfly"}),
 )
 
 
@@ -52,14 +58,30 @@ JNP = " (jnp)"
 CANDIDATES += tuple((label + JNP, kwargs) for label, kwargs in CANDIDATES
                     if kwargs and ("algorithm" in kwargs or kwargs.get("reproducible")))
 
-# "reproducible per leaf" compiles for a minute on a 2-core VM (60 encodes and decodes): on request
-DEFAULT = tuple(label for label, _ in CANDIDATES if not label.startswith("reproducible per leaf")
-                and label not in ("auto per leaf (jnp)", "reproducible two_shot (jnp)"))
+# Ring's steps as jnp (XLA:CPU compiles their kernels) with the bucket's copies still custom
+# calls: cpu_ffi.folds answers False while the candidate is traced (ring's form before its steps
+# were custom calls).
+JNP_STEPS = " (jnp steps)"
+CANDIDATES += (("ring" + JNP_STEPS, {"algorithm": "ring"}),)
+
+# "reproducible per leaf" compiles for a minute on a 2-core VM (60 encodes and decodes), the
+# other algorithms a user can name (and their jnp forms) on request
+DEFAULT = ("lax.psum", "auto", "auto per leaf", "two_shot", "ring", "reproducible",
+           "reproducible two_shot", "two_shot (jnp)", "ring (jnp)", "ring (jnp steps)",
+           "reproducible (jnp)")
 
 
 @contextlib.contextmanager
 def _formulation(label: str):
-  """DTENJAX_CPU_FFI=0 while a " (jnp)" candidate is traced and lowered."""
+  """DTENJAX_CPU_FFI=0 while a " (jnp)" candidate is traced and lowered; cpu_ffi.folds False
+  while a " (jnp steps)" one is."""
+  if label.endswith(JNP_STEPS):
+    from unittest import mock  # pylint: disable=g-import-not-at-top
+
+    from dtenjax._src.collectives import cpu_ffi  # pylint: disable=g-import-not-at-top
+    with mock.patch.object(cpu_ffi, "folds", lambda call, dtype: False):
+      yield
+    return
   if not label.endswith(JNP):
     yield
     return

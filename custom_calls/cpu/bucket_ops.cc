@@ -6,6 +6,9 @@
 //   dtenjax_cpu_pack(x_0[..., s_0], ..., x_k[..., s_k]) -> out[..., total]   (any one dtype)
 //   dtenjax_cpu_unpack(x[..., total]) -> (out_0[..., s_0], ..., out_k[..., s_k])
 //   dtenjax_cpu_fold(x_0[...], ..., x_k[...]) -> out[...]        (f32/bf16 in, f32/bf16 out)
+//   dtenjax_cpu_ring_step(flat[..., total], rank s32[...], [recv f32[..., c]]) -> out[..., c]
+//       attributes n, shift: the chunk ((rank + shift) mod n) of each row of flat, plus recv
+//       (the result may alias recv)
 //   dtenjax_cpu_repro_sum(x_0[..., m_0, c], ..., x_k[..., m_k, c]) -> out[..., c]
 //       attribute mean (0 or 1)
 // The leading dimensions "..." are the same for every buffer of a call (vmap's batch, or none).
@@ -156,6 +159,54 @@ ffi::Error FoldImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
       ptrs.data(), static_cast<int>(args.size()), n, in, ot, out->untyped_data()));
 }
 
+ffi::Error RingStepImpl(ffi::AnyBuffer flat, ffi::AnyBuffer rank, ffi::RemainingArgs recv,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t shift) {
+  constexpr const char* kName = "dtenjax_cpu_ring_step";
+  dtenjax::cpu::Float in{}, ot{};
+  if (!FloatOf(flat.element_type(), &in) || !FloatOf(out->element_type(), &ot)) {
+    return Bad(kName, "the flat buffer and the result must be f32 or bf16");
+  }
+  if (n < 1) return Bad(kName, "n = " + std::to_string(n) + " must be positive");
+  const Dims fd = flat.dimensions(), od = out->dimensions();
+  if (fd.size() < 1 || od.size() != fd.size() || !SameLead(fd, od, fd.size() - 1)) {
+    return Bad(kName, "the flat buffer " + Shape(fd) + " and the result " + Shape(od) +
+                          " must share their leading dimensions");
+  }
+  const size_t lead = fd.size() - 1;
+  const int64_t rows = Product(fd, lead), total = fd[lead], c = od[lead];
+  if (c * n < total) {
+    return Bad(kName, std::to_string(n) + " chunks of " + std::to_string(c) +
+                          " values do not cover the flat buffer's " + std::to_string(total));
+  }
+  if (rank.element_type() != ffi::DataType::S32 ||
+      (static_cast<int64_t>(rank.element_count()) != rows && rank.element_count() != 1)) {
+    return Bad(kName, "the rank must be int32, one value or one per row");
+  }
+  const float* partial = nullptr;
+  if (recv.size() > 1) return Bad(kName, "at most one received partial");
+  if (recv.size() == 1) {
+    auto r = recv.get<ffi::AnyBuffer>(0);
+    if (r.has_error()) return r.error();
+    if (r->element_type() != ffi::DataType::F32 ||
+        r->element_count() != out->element_count()) {
+      return Bad(kName, "the received partial must be f32 of the result's shape " + Shape(od));
+    }
+    partial = static_cast<const float*>(r->untyped_data());
+  }
+  const int32_t* ranks = rank.typed_data<int32_t>();
+  const size_t in_w = ffi::ByteWidth(flat.element_type());
+  const size_t out_w = ffi::ByteWidth(out->element_type());
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t k = ranks[rank.element_count() == 1 ? 0 : r];
+    const dtenjax::Status s = dtenjax::cpu::RingStep(
+        static_cast<const char*>(flat.untyped_data()) + r * total * in_w, total, in,
+        partial != nullptr ? partial + r * c : nullptr, (((k + shift) % n) + n) % n, c, ot,
+        static_cast<char*>(out->untyped_data()) + r * c * out_w);
+    if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error ReproSumImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out, int64_t mean) {
   constexpr const char* kName = "dtenjax_cpu_repro_sum";
   dtenjax::cpu::Float in{}, ot{};
@@ -187,6 +238,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuUnpack, UnpackImpl,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().RemainingRets());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFold, FoldImpl,
                               ffi::Ffi::Bind().RemainingArgs().Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuRingStep, RingStepImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("shift"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuReproSum, ReproSumImpl,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
@@ -196,4 +255,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuReproSum, ReproSumImpl,
 DTENJAX_REGISTER_FFI("dtenjax_cpu_pack", "cpu", CpuPack);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_unpack", "cpu", CpuUnpack);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_fold", "cpu", CpuFold);
+DTENJAX_REGISTER_FFI("dtenjax_cpu_ring_step", "cpu", CpuRingStep);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_repro_sum", "cpu", CpuReproSum);

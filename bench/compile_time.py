@@ -16,7 +16,9 @@ first use) that a training step's compile shares with everything compiled before
 round's total is reported apart (``first(ms)``, in the order the candidates run, so only
 indicative). ``run(us)``: the median of ``--run-iters`` interleaved calls of each compiled
 program (``run x psum``: against lax.psum's), so that a change that compiles faster is seen not
-to run slower.
+to run slower. A `` (jnp)`` candidate is the same all-reduce with dtenjax's XLA:CPU custom calls
+off (``DTENJAX_CPU_FFI=0``), ``ring (jnp steps)`` ring with only its steps as jnp (the bucket's
+copies still custom calls): the forms each custom call replaced, in the same run.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/compile_time.py \
       --json compile_time.json

@@ -95,6 +95,11 @@ def test_fold_gives_ordered_reduce_s_bits_with_xla_cpu_s_flushing(dtype):
   ours = [cpu_ffi.fold([jnp.asarray(p) for p in x], out) for x in xs for out in DTYPES]
   for i, (a, b) in enumerate(zip(ours, jnp_path)):
     _same_bits(a, b, (i // 2, DTYPES[i % 2]))
+  # the contributions as rows of [m, c] operands (one_shot's gathered buffer), in operand order
+  for i, x in enumerate(xs):
+    for parts in ([jnp.asarray(x)], [jnp.asarray(x[:1]), jnp.asarray(x[1])] + (
+        [jnp.asarray(x[2:])] if len(x) > 2 else [])):
+      _same_bits(cpu_ffi.fold(parts, jnp.float32, x.shape[1:]), jnp_path[2 * i], (i, "rows"))
   normal = np.float32([[1.0, 3e38, -2.5], [2.0, 3e38, 2.5], [4.0, 1.0, 1e-30]]).astype(dtype)
   _same_bits(cpu_ffi.fold([jnp.asarray(p) for p in normal], jnp.float32),
              fpref.fold_f32(normal, out_dtype=np.float32))
@@ -248,8 +253,10 @@ def _program(mesh, kwargs):
 
 @pytest.mark.parametrize("kwargs", (
     {"algorithm": "two_shot"}, {"algorithm": "ring"}, {"algorithm": "two_shot", "op": "mean"},
-    {"reproducible": True}, {"reproducible": True, "algorithm": "one_shot", "op": "mean"}),
-    ids=("two_shot", "ring", "two_shot_mean", "reproducible", "reproducible_one_shot_mean"))
+    {"algorithm": "one_shot", "op": "mean"}, {"reproducible": True},
+    {"reproducible": True, "algorithm": "one_shot", "op": "mean"}),
+    ids=("two_shot", "ring", "two_shot_mean", "one_shot_mean", "reproducible",
+         "reproducible_one_shot_mean"))
 def test_a_bucket_through_the_calls_has_the_jnp_formulation_s_bits(mesh, kwargs, monkeypatch):
   """The same tree (bucketed: one dtype group per bucket) with the custom calls and with
   DTENJAX_CPU_FFI=0: the same bits; only the first program calls dtenjax's targets."""
@@ -266,8 +273,9 @@ def test_a_bucket_through_the_calls_has_the_jnp_formulation_s_bits(mesh, kwargs,
       _same_bits(a[k][0], fpref.v3_sum(tree[k], mean=kwargs.get("op") == "mean"), k)
 
 
-@pytest.mark.parametrize("kwargs", ({"algorithm": "two_shot"}, {"reproducible": True}),
-                         ids=("two_shot", "reproducible"))
+@pytest.mark.parametrize("kwargs", ({"algorithm": "two_shot"}, {"algorithm": "one_shot"},
+                                    {"algorithm": "ring"}, {"reproducible": True}),
+                         ids=("two_shot", "one_shot", "ring", "reproducible"))
 def test_a_bucket_through_the_calls_under_vmap(mesh, kwargs):
   """jax.vmap over a batch dimension of each device's leaves: every batch element reduced as
   on its own."""

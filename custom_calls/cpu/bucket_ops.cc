@@ -6,6 +6,7 @@
 //   dtenjax_cpu_pack(x_0[..., s_0], ..., x_k[..., s_k]) -> out[..., total]   (any one dtype)
 //   dtenjax_cpu_unpack(x[..., total]) -> (out_0[..., s_0], ..., out_k[..., s_k])
 //   dtenjax_cpu_fold(x_0[...], ..., x_k[...]) -> out[...]        (f32/bf16 in, f32/bf16 out)
+//       an operand [..., m, c] for a result [..., c] holds m contributions
 //   dtenjax_cpu_ring_step(flat[..., total], rank s32[...], [recv f32[..., c]]) -> out[..., c]
 //       attributes n, shift: the chunk ((rank + shift) mod n) of each row of flat, plus recv
 //       (the result may alias recv)
@@ -148,15 +149,45 @@ ffi::Error FoldImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
   dtenjax::cpu::Float in{}, ot{};
   if (!FloatOf(out->element_type(), &ot)) return Bad(kName, "the result must be f32 or bf16");
   const int64_t n = static_cast<int64_t>(out->element_count());
+  const Dims od = out->dimensions();
+  const size_t lead = od.size() == 0 ? 0 : od.size() - 1;
+  // contributions per operand: 1 (the result's values), or m ([..., m, c] for a result [..., c])
+  std::vector<int64_t> counts(args.size(), 1);
   std::vector<const void*> ptrs;
-  ffi::Error err = FloatOperands(kName, args, &in, &ptrs, [n](size_t, Dims d) {
-    return Product(d, d.size()) == n
-               ? std::string()
-               : " has not the result's " + std::to_string(n) + " values";
+  ffi::Error err = FloatOperands(kName, args, &in, &ptrs, [&](size_t i, Dims d) {
+    if (Product(d, d.size()) == n) return std::string();
+    if (od.size() > 0 && d.size() == od.size() + 1 && SameLead(d, od, lead) &&
+        d[lead + 1] == od[lead]) {
+      counts[i] = d[lead];
+      return std::string();
+    }
+    return " has not the result's " + std::to_string(n) + " values, nor is it [..., m, values] "
+           "for the result " + Shape(od);
   });
   if (err.failure()) return err;
-  return dtenjax::ffi::ToFfiError(dtenjax::cpu::Fold(
-      ptrs.data(), static_cast<int>(args.size()), n, in, ot, out->untyped_data()));
+  int64_t total = 0;
+  for (int64_t m : counts) total += m;
+  if (total == static_cast<int64_t>(args.size())) {   // one contribution per operand
+    return dtenjax::ffi::ToFfiError(dtenjax::cpu::Fold(
+        ptrs.data(), static_cast<int>(args.size()), n, in, ot, out->untyped_data()));
+  }
+  // per row of the leading dimensions: the contributions in operand order, then row order
+  const int64_t c = od[lead], rows = Product(od, lead);
+  const size_t in_w = in == dtenjax::cpu::Float::kF32 ? 4 : 2;
+  const size_t out_w = ot == dtenjax::cpu::Float::kF32 ? 4 : 2;
+  std::vector<const void*> row(static_cast<size_t>(total));
+  for (int64_t r = 0; r < rows; ++r) {
+    size_t p = 0;
+    for (size_t i = 0; i < ptrs.size(); ++i) {
+      const char* base = static_cast<const char*>(ptrs[i]) + r * counts[i] * c * in_w;
+      for (int64_t j = 0; j < counts[i]; ++j) row[p++] = base + j * c * in_w;
+    }
+    const dtenjax::Status s = dtenjax::cpu::Fold(
+        row.data(), static_cast<int>(total), c, in, ot,
+        static_cast<char*>(out->untyped_data()) + r * c * out_w);
+    if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error RingStepImpl(ffi::AnyBuffer flat, ffi::AnyBuffer rank, ffi::RemainingArgs recv,

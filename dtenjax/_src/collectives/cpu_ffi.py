@@ -155,11 +155,12 @@ def split(x, n: int):
 
 # --- folds: no derivative of their own (they run inside the collectives' custom VJPs) -----------
 
-def fold(parts: Sequence, dtype=jnp.float32):
+def fold(parts: Sequence, dtype=jnp.float32, shape=None):
   """``base.ordered_reduce(jnp.stack(parts), "sum", jnp.float32).astype(dtype)``: the left fold
   ``((p0 + p1) + p2) + ...`` in float32 of float32 or bfloat16 arrays of one shape, rounded once
-  to ``dtype`` (float32 or bfloat16)."""
-  shape = parts[0].shape
+  to ``dtype`` (float32 or bfloat16). With ``shape`` ``[c]``, a part may also be ``[m, c]``: its
+  m rows are m contributions in order, read where they lie (no copy of a row)."""
+  shape = parts[0].shape if shape is None else tuple(shape)
   return _ffi(FOLD, jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), list(parts))[0]
 
 

@@ -14,9 +14,13 @@ that are not counted: a process's first compile of a program also pays one-time 
 own first lowering of shard_map and of the jnp functions it calls, dtenjax's modules imported on
 first use) that a training step's compile shares with everything compiled before it; the first
 round's total is reported apart (``first(ms)``, in the order the candidates run, so only
-indicative). ``run(us)``: the median of ``--run-iters`` interleaved calls of each compiled
-program (``run x psum``: against lax.psum's), so that a change that compiles faster is seen not
-to run slower.
+indicative). ``run(us)``: the median of ``--run-iters`` calls of each compiled program, the
+candidates in turn, in reverse every other round (``run x psum``: against lax.psum's), so that a
+change that compiles faster is seen not to run slower; ``run cpu(us)``: the CPU time of those
+calls (every thread of the process). A `` (jnp)`` candidate is the same all-reduce with
+dtenjax's XLA:CPU custom calls off (``DTENJAX_CPU_FFI=0``), ``ring (jnp steps)`` ring with only
+its steps as jnp (the bucket's copies still custom calls): the forms each custom call replaced,
+in the same run.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/compile_time.py \
       --json compile_time.json
@@ -43,6 +47,12 @@ CANDIDATES = (
     ("reproducible", {"reproducible": True}),
     ("reproducible two_shot", {"reproducible": True, "algorithm": "two_shot"}),
     ("reproducible per leaf", {"reproducible": True, "bucket_bytes": 0}),
+    ("one_shot", {"algorithm": "one_shot"}),
+    ("butterfly", {"algorithm": "butterfly"}),
+    ("reproducible one_shot", {"reproducible": True, "algorithm": "one_shot"}),
+    ("reproducible ring", {"reproducible": True, "algorithm": "ring"}),
+    ("reproducible xla", {"reproducible": True, "algorithm": "xla"}),
+    ("reproducible butterfly", {"reproducible": True, "algorithm": "butterfly"}),
 )
 
 
@@ -52,14 +62,30 @@ JNP = " (jnp)"
 CANDIDATES += tuple((label + JNP, kwargs) for label, kwargs in CANDIDATES
                     if kwargs and ("algorithm" in kwargs or kwargs.get("reproducible")))
 
-# "reproducible per leaf" compiles for a minute on a 2-core VM (60 encodes and decodes): on request
-DEFAULT = tuple(label for label, _ in CANDIDATES if not label.startswith("reproducible per leaf")
-                and label not in ("auto per leaf (jnp)", "reproducible two_shot (jnp)"))
+# Ring's steps as jnp (XLA:CPU compiles their kernels) with the bucket's copies still custom
+# calls: cpu_ffi.folds answers False while the candidate is traced (ring's form before its steps
+# were custom calls).
+JNP_STEPS = " (jnp steps)"
+CANDIDATES += (("ring" + JNP_STEPS, {"algorithm": "ring"}),)
+
+# "reproducible per leaf" compiles for a minute on a 2-core VM (60 encodes and decodes), the
+# other algorithms a user can name (and their jnp forms) on request
+DEFAULT = ("lax.psum", "auto", "auto per leaf", "two_shot", "ring", "reproducible",
+           "reproducible two_shot", "two_shot (jnp)", "ring (jnp)", "ring (jnp steps)",
+           "reproducible (jnp)")
 
 
 @contextlib.contextmanager
 def _formulation(label: str):
-  """DTENJAX_CPU_FFI=0 while a " (jnp)" candidate is traced and lowered."""
+  """DTENJAX_CPU_FFI=0 while a " (jnp)" candidate is traced and lowered; cpu_ffi.folds False
+  while a " (jnp steps)" one is."""
+  if label.endswith(JNP_STEPS):
+    from unittest import mock  # pylint: disable=g-import-not-at-top
+
+    from dtenjax._src.collectives import cpu_ffi  # pylint: disable=g-import-not-at-top
+    with mock.patch.object(cpu_ffi, "folds", lambda call, dtype: False):
+      yield
+    return
   if not label.endswith(JNP):
     yield
     return
@@ -170,6 +196,25 @@ def phases(lowered) -> dict[str, float] | None:
               other_ms=wall * 1e3 - spans[_XLA])
 
 
+def _run_times(programs: dict, tree, iters: int) -> dict[str, list[tuple[float, float]]]:
+  """(wall, CPU) seconds per call of each compiled program, ``iters`` rounds after one untimed
+  call each. CPU: ``time.process_time``, every thread of the process (the devices' threads
+  included), which the other jobs of a shared machine disturb less than the wall time. The order
+  is reversed every other round: a program always timed after the same other one inherits its
+  threads' wake-ups."""
+  import jax  # pylint: disable=g-import-not-at-top
+  for f in programs.values():
+    jax.block_until_ready(f(tree))
+  samples = {label: [] for label in programs}
+  order = list(programs)
+  for i in range(iters):
+    for label in (order if i % 2 == 0 else order[::-1]):
+      c0, t0 = time.process_time(), time.perf_counter()
+      jax.block_until_ready(programs[label](tree))
+      samples[label].append((time.perf_counter() - t0, time.process_time() - c0))
+  return samples
+
+
 def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
             run_iters: int = 5, warmup: int = 1, with_phases: bool = False):
   import jax  # pylint: disable=g-import-not-at-top
@@ -229,25 +274,28 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
   split = ({label: phases(lower(label, kwargs)) for label, kwargs in candidates}
            if with_phases else {})
   # run time of each compiled program, interleaved: the compile-time changes must not cost it
-  runs = _harness.interleaved(programs, (tree,), warmup=1, iters=run_iters) if run_iters else {}
+  runs = _run_times(programs, tree, run_iters) if run_iters else {}
   rows = []
   for label, _ in candidates:
     lower = _harness.median(s[0] for s in samples[label])
     comp = _harness.median(s[1] for s in samples[label])
     stablehlo, hlo, kernels, colls = sizes[label]
-    run = _harness.median(runs[label]) * 1e6 if runs else None
+    run = _harness.median(w for w, _ in runs[label]) * 1e6 if runs else None
+    cpu = _harness.median(c for _, c in runs[label]) * 1e6 if runs else None
     rows.append(dict(candidate=label, leaves=leaves, bytes=nbytes, world=world,
                      lower_ms=lower * 1e3, compile_ms=comp * 1e3,
                      time_us=(lower + comp) * 1e6, total_ms=(lower + comp) * 1e3,
                      first_ms=first[label] * 1e3,
                      stablehlo_ops=stablehlo, hlo_ops=hlo, kernels=kernels, collectives=colls,
-                     run_us=run, **(split.get(label) or {})))
+                     run_us=run, run_cpu_us=cpu, **(split.get(label) or {})))
   _harness.add_ratios(rows, "lax.psum", candidate="candidate", group=("leaves",),
                       ratio_key="speedup")
   base = next(row for row in rows if row["candidate"] == "lax.psum")
   for row in rows:
     row["x_psum"] = 1 / row["speedup"] if row["speedup"] else None
     row["run_x_psum"] = row["run_us"] / base["run_us"] if row["run_us"] else None
+    row["run_cpu_x_psum"] = (row["run_cpu_us"] / base["run_cpu_us"] if row["run_cpu_us"]
+                             else None)
   return rows, outs
 
 
@@ -310,10 +358,13 @@ def main(argv=None) -> int:
                               ("total(ms)", "total_ms", ".1f"), ("first(ms)", "first_ms", ".1f"),
                               ("stablehlo ops", "stablehlo_ops", "d"), ("hlo ops", "hlo_ops", "d"),
                               ("kernels", "kernels", "d"), ("collectives", "collectives", "d"),
-                              ("run(us)", "run_us", ".0f"), ("agrees", "agrees", "")),
+                              ("run(us)", "run_us", ".0f"), ("run cpu(us)", "run_cpu_us", ".0f"),
+                              ("agrees", "agrees", "")),
                        ) + "\n" + _harness.table(rows, (("candidate", "candidate", "s"),
                                                         ("x psum", "x_psum", ".2f"),
-                                                        ("run x psum", "run_x_psum", ".2f"))))
+                                                        ("run x psum", "run_x_psum", ".2f"),
+                                                        ("run cpu x psum", "run_cpu_x_psum",
+                                                         ".2f"))))
   if all("backend_ms" in row for row in rows):
     print("one more compile of each, split by XLA's trace events (jax.profiler): the HLO passes, "
           "the CPU backend (emitting and compiling the kernels) and the rest (StableHLO to HLO)")

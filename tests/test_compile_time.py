@@ -37,43 +37,42 @@ def _compiled(mesh, body, tree, out_specs=P()):
 
 _KINDS = ({"algorithm": "two_shot"}, {"algorithm": "ring"}, {"reproducible": True},
           {"reproducible": True, "algorithm": "two_shot"},
-          {"reproducible": True, "algorithm": "one_shot"})
-_IDS = ("two_shot", "ring", "reproducible", "reproducible_two_shot", "reproducible_one_shot")
+          {"reproducible": True, "algorithm": "one_shot"}, {"algorithm": "one_shot"})
+_IDS = ("two_shot", "ring", "reproducible", "reproducible_two_shot", "reproducible_one_shot",
+        "one_shot")
 
 
 @pytest.mark.skipif(not ffi.is_built(),
                     reason="the native extension is not built (bash scripts/setup.sh builds it)")
 @pytest.mark.parametrize("kwargs", _KINDS, ids=_IDS)
-def test_with_the_custom_calls_a_bucket_compiles_the_kernels_lax_psum_s_tree_compiles(
-    mesh, kwargs, monkeypatch):
-  """On XLA:CPU the bucket's packing, the chunks an all-to-all sends, the fold or the exact sum
-  and the copies out of the bucket are custom calls (cpu_ffi.py): thunks, no compiled kernel.
-  The program then compiles what lax.psum's program for the same tree compiles (none), and with
-  the update a step makes of the gradients what psum's step compiles (a kernel per leaf shape).
-  Ring's steps stay jnp (as custom calls they ran slower in a step, docs/benchmarks.md): it
-  compiles the jnp formulation's kernels less the bucket's concatenate and its copies out (one
-  per leaf shape), as XLA counts both programs. The sums are exact in float32."""
+def test_with_the_custom_calls_a_bucket_compiles_the_kernels_lax_psum_s_tree_compiles(mesh,
+                                                                                   kwargs):
+  """On XLA:CPU the bucket's packing, the chunks an all-to-all sends, the fold, ring's steps or
+  the exact sum and the copies out of the bucket are custom calls (cpu_ffi.py): thunks, no
+  compiled kernel. The program then compiles what lax.psum's program for the same tree compiles
+  (none), and ring what lax.axis_index costs besides (its rank picks the chunk each step reads);
+  with the update a step makes of the gradients, what psum's step compiles (a kernel per leaf
+  shape), ring's rank besides. The sums are exact in float32: any order gives them."""
   tree = block_tree()
   shapes = len({v.shape for v in tree.values()})
-  ring = kwargs.get("algorithm") == "ring"
+  psum = lambda t: jax.lax.psum(t, AX)
+  rank = 0
+  if kwargs.get("algorithm") == "ring":
+    rank = _kernels(_compiled(mesh, lambda t: (psum(t), jax.lax.axis_index(AX)[None]), tree,
+                              (P(), P(AX))).as_text()) - _kernels(_compiled(mesh, psum, tree)
+                                                                   .as_text())
   step = lambda reduce: lambda t: jax.tree.map(lambda g: g * 2, reduce(t))
+  anchor = _kernels(_compiled(mesh, psum, tree).as_text())
+  step_anchor = _kernels(_compiled(mesh, step(psum), tree).as_text())
+  assert step_anchor == shapes, step_anchor         # XLA: one kernel per leaf shape
   ours = lambda t: dtenjax.all_reduce(t, AX, **kwargs)
-  if ring:
-    monkeypatch.setenv("DTENJAX_CPU_FFI", "0")
-    anchor = _kernels(_compiled(mesh, ours, tree).as_text()) - 1 - shapes
-    step_anchor = _kernels(_compiled(mesh, step(ours), tree).as_text()) - 1
-    monkeypatch.delenv("DTENJAX_CPU_FFI")
-  else:
-    anchor = _kernels(_compiled(mesh, lambda t: jax.lax.psum(t, AX), tree).as_text())
-    step_anchor = _kernels(_compiled(mesh, step(lambda t: jax.lax.psum(t, AX)), tree).as_text())
-    assert step_anchor == shapes, step_anchor         # XLA: one kernel per leaf shape
   compiled = _compiled(mesh, ours, tree)
   assert "dtenjax_cpu_" in compiled.as_text()
-  assert _kernels(compiled.as_text()) <= anchor, anchor
+  assert _kernels(compiled.as_text()) <= anchor + rank, (anchor, rank)
   out = compiled(tree)
   for k, v in tree.items():
     np.testing.assert_array_equal(out[k][0], np.asarray(v).sum(0))
-  assert _kernels(_compiled(mesh, step(ours), tree).as_text()) <= step_anchor, step_anchor
+  assert _kernels(_compiled(mesh, step(ours), tree).as_text()) <= step_anchor + rank, step_anchor
 
 
 @pytest.mark.parametrize("kwargs", _KINDS[:4], ids=_IDS[:4])

@@ -95,9 +95,52 @@ def test_fold_gives_ordered_reduce_s_bits_with_xla_cpu_s_flushing(dtype):
   ours = [cpu_ffi.fold([jnp.asarray(p) for p in x], out) for x in xs for out in DTYPES]
   for i, (a, b) in enumerate(zip(ours, jnp_path)):
     _same_bits(a, b, (i // 2, DTYPES[i % 2]))
+  # the contributions as rows of [m, c] operands (one_shot's gathered buffer), in operand order
+  for i, x in enumerate(xs):
+    for parts in ([jnp.asarray(x)], [jnp.asarray(x[:1]), jnp.asarray(x[1])] + (
+        [jnp.asarray(x[2:])] if len(x) > 2 else [])):
+      _same_bits(cpu_ffi.fold(parts, jnp.float32, x.shape[1:]), jnp_path[2 * i], (i, "rows"))
   normal = np.float32([[1.0, 3e38, -2.5], [2.0, 3e38, 2.5], [4.0, 1.0, 1e-30]]).astype(dtype)
   _same_bits(cpu_ffi.fold([jnp.asarray(p) for p in normal], jnp.float32),
              fpref.fold_f32(normal, out_dtype=np.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ring_step_reads_the_chunk_at_the_rank_and_adds_the_partial(dtype):
+  """A ring step's bits: the chunk of the flat buffer at ``(rank + shift) mod n`` (the last one
+  padded with zeros) copied as it is, or added to the received partial as XLA:CPU's jnp add
+  does it (subnormals flushed), on the corner cases; chunks long enough for the vectorized loop
+  and its tails (38 values: 16 + 16 + 4 + 2)."""
+  n, size = 4, 150
+  c = -(-size // n)
+  flat = _contributions(1, dtype, m=size)[0]
+  padded = np.pad(flat.astype(np.float32), (0, n * c - size))
+  recv = _contributions(1, np.float32, m=c + 20, seed=5)[0, 20:]
+  add = jax.jit(lambda a, b: a + b)                        # XLA:CPU's add: flushed
+  for rank in range(n):
+    for shift in (-1, -2, 5):
+      idx = (rank + shift) % n
+      chunk = padded[idx * c:(idx + 1) * c]
+      got = cpu_ffi.ring_step(jnp.asarray(flat), jnp.int32(rank), None, n, shift, c)
+      _same_bits(got, chunk, (rank, shift))
+      got = cpu_ffi.ring_step(jnp.asarray(flat), jnp.int32(rank), jnp.asarray(recv), n, shift, c)
+      _same_bits(got, add(recv, chunk), (rank, shift, "recv"))
+
+
+def test_ring_step_writes_over_the_partial_it_received(mesh):
+  """A step's result aliases the received partial (input_output_aliases): in ring's program
+  every step writes where ppermute left the partial, and XLA adds no copy for it; where the
+  partial is read again XLA copies it first, so it keeps its value."""
+  x = np.arange(4 * 50, dtype=np.float32).reshape(4, 50)
+  hlo = _program(mesh, {"algorithm": "ring"}).lower(x).compile().as_text()
+  steps = [l for l in hlo.splitlines() if "dtenjax_cpu_ring_step" in l]
+  assert len(steps) == 4 and sum("output_to_operand_aliasing" in l for l in steps) == 3, steps
+  assert "copy(" not in hlo, hlo
+  flat, recv = jnp.arange(8, dtype=jnp.float32), jnp.ones(4, jnp.float32)
+  out, again = jax.jit(lambda f, r: (cpu_ffi.ring_step(f, jnp.int32(1), r, 2, 0, 4), r + 0))(
+      flat, recv)
+  _same_bits(out, np.float32([5, 6, 7, 8]))
+  _same_bits(again, np.ones(4, np.float32))
 
 
 @pytest.mark.parametrize("dtype", (np.int32, BF16, np.float32), ids=str)
@@ -143,6 +186,14 @@ def test_the_calls_batch_under_vmap():
   got = jax.vmap(lambda s: cpu_ffi.repro_sum([s[:3], s[3:]], "sum", jnp.float32))(stack)
   for i in range(3):
     _same_bits(got[i], fpref.v3_sum(stack[i]))
+  got = jax.vmap(lambda f: cpu_ffi.ring_step(f, jnp.int32(1), None, 4, -1, 3))(stack[:, 0, :10])
+  for i in range(3):
+    _same_bits(got[i], stack[i, 0, :3])
+  recv = stack[:, 1, :3]
+  got = jax.vmap(lambda f, r: cpu_ffi.ring_step(f, jnp.int32(2), r, 4, 0, 3))(stack[:, 0, :10],
+                                                                              recv)
+  for i in range(3):
+    _same_bits(got[i], cpu_ffi.ring_step(stack[i, 0, :10], jnp.int32(2), recv[i], 4, 0, 3))
 
 
 def _call(target, outs, *operands, **attrs):
@@ -161,6 +212,14 @@ def test_bad_buffers_are_ffi_errors_naming_the_mismatch():
       (lambda: _call(cpu_ffi.UNPACK, [s((2, 2), f32), s((1, 2), f32)], x), "leading dim"),
       (lambda: _call(cpu_ffi.FOLD, s((2, 3), f32), x, y), "has not the result's 6 values"),
       (lambda: _call(cpu_ffi.FOLD, s((2, 3), i32), x.astype(i32)), "f32 or bf16"),
+      (lambda: _call(cpu_ffi.RING_STEP, s((2,), f32), x[0], jnp.float32(0), n=2, shift=0),
+       "rank must be int32"),
+      (lambda: _call(cpu_ffi.RING_STEP, s((1,), f32), x[0], jnp.int32(0), n=2, shift=0),
+       "do not cover"),
+      (lambda: _call(cpu_ffi.RING_STEP, s((2,), f32), x[0], jnp.int32(0), n=0, shift=0),
+       "must be positive"),
+      (lambda: _call(cpu_ffi.RING_STEP, s((2,), f32), x[0], jnp.int32(0), x[0, :2].astype(
+          jnp.bfloat16), n=2, shift=0), "received partial must be f32"),
       (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), jnp.ones((33, 3), f32), mean=0),
        "33 contributions"),
       (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), jnp.ones((1, 3), f32), mean=0),
@@ -194,8 +253,10 @@ def _program(mesh, kwargs):
 
 @pytest.mark.parametrize("kwargs", (
     {"algorithm": "two_shot"}, {"algorithm": "ring"}, {"algorithm": "two_shot", "op": "mean"},
-    {"reproducible": True}, {"reproducible": True, "algorithm": "one_shot", "op": "mean"}),
-    ids=("two_shot", "ring", "two_shot_mean", "reproducible", "reproducible_one_shot_mean"))
+    {"algorithm": "one_shot", "op": "mean"}, {"reproducible": True},
+    {"reproducible": True, "algorithm": "one_shot", "op": "mean"}),
+    ids=("two_shot", "ring", "two_shot_mean", "one_shot_mean", "reproducible",
+         "reproducible_one_shot_mean"))
 def test_a_bucket_through_the_calls_has_the_jnp_formulation_s_bits(mesh, kwargs, monkeypatch):
   """The same tree (bucketed: one dtype group per bucket) with the custom calls and with
   DTENJAX_CPU_FFI=0: the same bits; only the first program calls dtenjax's targets."""
@@ -212,8 +273,9 @@ def test_a_bucket_through_the_calls_has_the_jnp_formulation_s_bits(mesh, kwargs,
       _same_bits(a[k][0], fpref.v3_sum(tree[k], mean=kwargs.get("op") == "mean"), k)
 
 
-@pytest.mark.parametrize("kwargs", ({"algorithm": "two_shot"}, {"reproducible": True}),
-                         ids=("two_shot", "reproducible"))
+@pytest.mark.parametrize("kwargs", ({"algorithm": "two_shot"}, {"algorithm": "one_shot"},
+                                    {"algorithm": "ring"}, {"reproducible": True}),
+                         ids=("two_shot", "one_shot", "ring", "reproducible"))
 def test_a_bucket_through_the_calls_under_vmap(mesh, kwargs):
   """jax.vmap over a batch dimension of each device's leaves: every batch element reduced as
   on its own."""

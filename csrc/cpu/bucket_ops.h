@@ -13,6 +13,10 @@
 //   Fold:    n operands of `count` values each, folded left to right in float32
 //            ((x0 + x1) + x2) + ..., rounded once to the result's type; subnormal inputs and
 //            results are flushed to zero as XLA:CPU's own kernels do (FTZ and DAZ).
+//   RingStep: chunk `chunk` of `c` values of the flat `total`-value buffer, read as if it were
+//            padded with zeros to a multiple of c, widened to float32, plus the received float32
+//            partial `recv` where there is one (received first, own second), with XLA:CPU's
+//            flushing, rounded to the result's type. `result` may be `recv` (in place).
 //   RepSum:  contract v3 (csrc/p2p/repro_v3.h) of the W = sum(contributions) values of each
 //            element, IEEE arithmetic (no flushing, as the contract requires).
 #pragma once
@@ -34,6 +38,9 @@ Status Unpack(const void* operand, int64_t rows, int64_t total, void* const* res
 
 Status Fold(const void* const* operands, int count, int64_t values, Float in, Float out,
             void* result);
+
+Status RingStep(const void* flat, int64_t total, Float in, const float* recv, int64_t chunk,
+                int64_t c, Float out, void* result);
 
 // operand i is [rows, contributions[i], c]; the result [rows, c].
 Status RepSum(const void* const* operands, const int64_t* contributions, int count,

@@ -6,6 +6,10 @@
 //   dtenjax_cpu_pack(x_0[..., s_0], ..., x_k[..., s_k]) -> out[..., total]   (any one dtype)
 //   dtenjax_cpu_unpack(x[..., total]) -> (out_0[..., s_0], ..., out_k[..., s_k])
 //   dtenjax_cpu_fold(x_0[...], ..., x_k[...]) -> out[...]        (f32/bf16 in, f32/bf16 out)
+//       an operand [..., m, c] for a result [..., c] holds m contributions
+//   dtenjax_cpu_ring_step(flat[..., total], rank s32[...], [recv f32[..., c]]) -> out[..., c]
+//       attributes n, shift: the chunk ((rank + shift) mod n) of each row of flat, plus recv
+//       (the result may alias recv)
 //   dtenjax_cpu_repro_sum(x_0[..., m_0, c], ..., x_k[..., m_k, c]) -> out[..., c]
 //       attribute mean (0 or 1)
 // The leading dimensions "..." are the same for every buffer of a call (vmap's batch, or none).
@@ -145,15 +149,93 @@ ffi::Error FoldImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
   dtenjax::cpu::Float in{}, ot{};
   if (!FloatOf(out->element_type(), &ot)) return Bad(kName, "the result must be f32 or bf16");
   const int64_t n = static_cast<int64_t>(out->element_count());
+  const Dims od = out->dimensions();
+  const size_t lead = od.size() == 0 ? 0 : od.size() - 1;
+  // contributions per operand: 1 (the result's values), or m ([..., m, c] for a result [..., c])
+  std::vector<int64_t> counts(args.size(), 1);
   std::vector<const void*> ptrs;
-  ffi::Error err = FloatOperands(kName, args, &in, &ptrs, [n](size_t, Dims d) {
-    return Product(d, d.size()) == n
-               ? std::string()
-               : " has not the result's " + std::to_string(n) + " values";
+  ffi::Error err = FloatOperands(kName, args, &in, &ptrs, [&](size_t i, Dims d) {
+    if (Product(d, d.size()) == n) return std::string();
+    if (od.size() > 0 && d.size() == od.size() + 1 && SameLead(d, od, lead) &&
+        d[lead + 1] == od[lead]) {
+      counts[i] = d[lead];
+      return std::string();
+    }
+    return " has not the result's " + std::to_string(n) + " values, nor is it [..., m, values] "
+           "for the result " + Shape(od);
   });
   if (err.failure()) return err;
-  return dtenjax::ffi::ToFfiError(dtenjax::cpu::Fold(
-      ptrs.data(), static_cast<int>(args.size()), n, in, ot, out->untyped_data()));
+  int64_t total = 0;
+  for (int64_t m : counts) total += m;
+  if (total == static_cast<int64_t>(args.size())) {   // one contribution per operand
+    return dtenjax::ffi::ToFfiError(dtenjax::cpu::Fold(
+        ptrs.data(), static_cast<int>(args.size()), n, in, ot, out->untyped_data()));
+  }
+  // per row of the leading dimensions: the contributions in operand order, then row order
+  const int64_t c = od[lead], rows = Product(od, lead);
+  const size_t in_w = in == dtenjax::cpu::Float::kF32 ? 4 : 2;
+  const size_t out_w = ot == dtenjax::cpu::Float::kF32 ? 4 : 2;
+  std::vector<const void*> row(static_cast<size_t>(total));
+  for (int64_t r = 0; r < rows; ++r) {
+    size_t p = 0;
+    for (size_t i = 0; i < ptrs.size(); ++i) {
+      const char* base = static_cast<const char*>(ptrs[i]) + r * counts[i] * c * in_w;
+      for (int64_t j = 0; j < counts[i]; ++j) row[p++] = base + j * c * in_w;
+    }
+    const dtenjax::Status s = dtenjax::cpu::Fold(
+        row.data(), static_cast<int>(total), c, in, ot,
+        static_cast<char*>(out->untyped_data()) + r * c * out_w);
+    if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RingStepImpl(ffi::AnyBuffer flat, ffi::AnyBuffer rank, ffi::RemainingArgs recv,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t shift) {
+  constexpr const char* kName = "dtenjax_cpu_ring_step";
+  dtenjax::cpu::Float in{}, ot{};
+  if (!FloatOf(flat.element_type(), &in) || !FloatOf(out->element_type(), &ot)) {
+    return Bad(kName, "the flat buffer and the result must be f32 or bf16");
+  }
+  if (n < 1) return Bad(kName, "n = " + std::to_string(n) + " must be positive");
+  const Dims fd = flat.dimensions(), od = out->dimensions();
+  if (fd.size() < 1 || od.size() != fd.size() || !SameLead(fd, od, fd.size() - 1)) {
+    return Bad(kName, "the flat buffer " + Shape(fd) + " and the result " + Shape(od) +
+                          " must share their leading dimensions");
+  }
+  const size_t lead = fd.size() - 1;
+  const int64_t rows = Product(fd, lead), total = fd[lead], c = od[lead];
+  if (c * n < total) {
+    return Bad(kName, std::to_string(n) + " chunks of " + std::to_string(c) +
+                          " values do not cover the flat buffer's " + std::to_string(total));
+  }
+  if (rank.element_type() != ffi::DataType::S32 ||
+      (static_cast<int64_t>(rank.element_count()) != rows && rank.element_count() != 1)) {
+    return Bad(kName, "the rank must be int32, one value or one per row");
+  }
+  const float* partial = nullptr;
+  if (recv.size() > 1) return Bad(kName, "at most one received partial");
+  if (recv.size() == 1) {
+    auto r = recv.get<ffi::AnyBuffer>(0);
+    if (r.has_error()) return r.error();
+    if (r->element_type() != ffi::DataType::F32 ||
+        r->element_count() != out->element_count()) {
+      return Bad(kName, "the received partial must be f32 of the result's shape " + Shape(od));
+    }
+    partial = static_cast<const float*>(r->untyped_data());
+  }
+  const int32_t* ranks = rank.typed_data<int32_t>();
+  const size_t in_w = ffi::ByteWidth(flat.element_type());
+  const size_t out_w = ffi::ByteWidth(out->element_type());
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t k = ranks[rank.element_count() == 1 ? 0 : r];
+    const dtenjax::Status s = dtenjax::cpu::RingStep(
+        static_cast<const char*>(flat.untyped_data()) + r * total * in_w, total, in,
+        partial != nullptr ? partial + r * c : nullptr, (((k + shift) % n) + n) % n, c, ot,
+        static_cast<char*>(out->untyped_data()) + r * c * out_w);
+    if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error ReproSumImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out, int64_t mean) {
@@ -187,6 +269,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuUnpack, UnpackImpl,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().RemainingRets());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuFold, FoldImpl,
                               ffi::Ffi::Bind().RemainingArgs().Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuRingStep, RingStepImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("shift"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuReproSum, ReproSumImpl,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
@@ -196,4 +286,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuReproSum, ReproSumImpl,
 DTENJAX_REGISTER_FFI("dtenjax_cpu_pack", "cpu", CpuPack);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_unpack", "cpu", CpuUnpack);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_fold", "cpu", CpuFold);
+DTENJAX_REGISTER_FFI("dtenjax_cpu_ring_step", "cpu", CpuRingStep);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_repro_sum", "cpu", CpuReproSum);

@@ -16,6 +16,9 @@ Each call gives the bits of the jnp formulation it replaces (tests/test_cpu_ffi.
 * :func:`fold`: ``base.ordered_reduce`` of float32/bfloat16 contributions, a left fold in float32
   with XLA:CPU's flushing of subnormals (its kernels run with flush-to-zero and
   denormals-are-zero, so the handler does too).
+* :func:`ring_step`: a step of ring's reduce-scatter, ``recv + chunk`` with the chunk read out
+  of the flat buffer at the ring's rank (``algorithms/ring.py``'s order: received partial
+  first), with XLA:CPU's flushing as the fold.
 * :func:`repro_sum`: contract v3's local sum (``fixed_point_v3.local_sum``) of 2..32
   contributions, per element as the NVLink kernels compute it (``csrc/p2p/repro_v3.h``), with
   IEEE arithmetic.
@@ -41,8 +44,9 @@ from dtenjax._src import jaxapi
 PACK = "dtenjax_cpu_pack"
 UNPACK = "dtenjax_cpu_unpack"
 FOLD = "dtenjax_cpu_fold"
+RING_STEP = "dtenjax_cpu_ring_step"
 REPRO_SUM = "dtenjax_cpu_repro_sum"
-TARGETS = (PACK, UNPACK, FOLD, REPRO_SUM)
+TARGETS = (PACK, UNPACK, FOLD, RING_STEP, REPRO_SUM)
 FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_CONTRIBUTIONS = 32          # the handler's contract-v3 sums (fixed_point_v3.MAX_CONTRIBUTIONS)
 
@@ -67,20 +71,23 @@ def active_for(call) -> bool:
 
 
 def folds(call, dtype) -> bool:
-  """Whether :func:`fold` runs ``call``'s float sum (or mean) of ``dtype``: float32 only.
+  """Whether :func:`fold` (two_shot) and :func:`ring_step` (ring) run ``call``'s float sum (or
+  mean) of ``dtype``: float32 only.
   XLA:CPU runs a bfloat16 all-to-all and all-gather in float32 with conversions around them,
   which XLA fuses into jnp chunk copies and a jnp fold but must compile on their own around
   custom calls (a 12-leaf bfloat16 tree: 13 kernels with the jnp chunks and fold, 21 without)."""
   return call.op in ("sum", "mean") and jnp.dtype(dtype) == FLOATS[0] and active_for(call)
 
 
-def _ffi(target: str, outs, operands, **attrs):
-  """``ffi_call`` of ``target``, its results typed as varying over every manual axis an operand
-  varies over (as a jnp operation's would be; an FFI call's results are otherwise invariant).
+def _ffi(target: str, outs, operands, aliases=None, **attrs):
+  """``ffi_call`` of ``target`` (``aliases``: its ``input_output_aliases``), its results typed
+  as varying over every manual axis an operand varies over (as a jnp operation's would be; an
+  FFI call's results are otherwise invariant).
   ``broadcast_all``: under ``jax.vmap`` every operand gets the batch dimensions in front, which
   every handler reads as leading dimensions shared by all its buffers."""
   vma = frozenset().union(*(jaxapi.vma(x) for x in operands))
-  res = jax.ffi.ffi_call(ffi.require(target), outs, vmap_method="broadcast_all")(
+  res = jax.ffi.ffi_call(ffi.require(target), outs, vmap_method="broadcast_all",
+                         input_output_aliases=aliases)(
       *operands, **{k: np.int64(v) for k, v in attrs.items()})
   res = list(res) if isinstance(res, (list, tuple)) else [res]
   return [jaxapi.to_varying(r, tuple(vma)) for r in res]
@@ -148,12 +155,25 @@ def split(x, n: int):
 
 # --- folds: no derivative of their own (they run inside the collectives' custom VJPs) -----------
 
-def fold(parts: Sequence, dtype=jnp.float32):
+def fold(parts: Sequence, dtype=jnp.float32, shape=None):
   """``base.ordered_reduce(jnp.stack(parts), "sum", jnp.float32).astype(dtype)``: the left fold
   ``((p0 + p1) + p2) + ...`` in float32 of float32 or bfloat16 arrays of one shape, rounded once
-  to ``dtype`` (float32 or bfloat16)."""
-  shape = parts[0].shape
+  to ``dtype`` (float32 or bfloat16). With ``shape`` ``[c]``, a part may also be ``[m, c]``: its
+  m rows are m contributions in order, read where they lie (no copy of a row)."""
+  shape = parts[0].shape if shape is None else tuple(shape)
   return _ffi(FOLD, jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)), list(parts))[0]
+
+
+def ring_step(flat, rank, recv, n: int, shift: int, c: int):
+  """``recv + chunk`` in float32 (the chunk alone where ``recv`` is None): chunk
+  ``(rank + shift) mod n`` of ``c`` values of the flat ``[*lead, size]`` float32 or bfloat16
+  buffer, read as if it were padded with zeros to ``n * c``; ``rank``: ``lax.axis_index`` of the
+  ring. The result is written over ``recv`` (XLA copies it first where ``recv`` is used again):
+  a ring step's received partial is read once."""
+  lead = flat.shape[:-1]
+  operands = [flat, rank.astype(jnp.int32)] + ([recv] if recv is not None else [])
+  return _ffi(RING_STEP, jax.ShapeDtypeStruct(lead + (c,), jnp.float32), operands,
+              {2: 0} if recv is not None else None, n=n, shift=shift)[0]
 
 
 def repro_sum(groups: Sequence, op: str, dtype):

@@ -11,6 +11,7 @@ None (``pricing/registry.py``), so neither can pick one that would raise.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -187,6 +188,19 @@ def opaque_of(call: Call) -> Callable | None:
   return opaque(call.axes, call.world, call.backend, call.mesh_axes, call.processes)
 
 
+def chunk_len(size: int, n: int) -> int:
+  """Values per chunk of a flat buffer of ``size`` values cut into ``n`` equal chunks (the last
+  ones padded with zeros)."""
+  return -(-size // n) if size else 1
+
+
+def gather_flat(mine, axes, shape):
+  """XLA's all-gather of every rank's reduced chunk ``mine``, typed invariant as lax.psum's
+  result, cut back to the ``shape`` of the all-reduced array (data movement only)."""
+  full = jaxapi.all_gather_invariant(mine, axes, tiled=True)
+  return full[:math.prod(shape)].reshape(shape)
+
+
 def chunked(x, n: int, offsets: Callable | None = None):
   """Flat ``x`` padded with zeros to ``n`` equal chunks: ``[n, c]`` and the true size.
 
@@ -195,7 +209,7 @@ def chunked(x, n: int, offsets: Callable | None = None):
   for all n copies instead of n."""
   flat = x.reshape(-1)
   size = flat.shape[0]
-  c = -(-size // n) if size else 1
+  c = chunk_len(size, n)
   flat = jnp.pad(flat, (0, n * c - size))
   return rows(flat, n, c, offsets), size
 
@@ -254,10 +268,8 @@ def scatter_then_gather(reduce_chunks: Callable, *,
     # chunks copied out at opaque offsets where a collective takes them as operands (XLA
     # splits an all-to-all into one copy per chunk); a plain reshape for a core that
     # indexes them at run time
-    chunks, size = chunked(x, call.world, None if opaque_steps else opaque_of(call))
-    mine = finish(core(chunks, call))
-    full = jaxapi.all_gather_invariant(mine, call.axes, tiled=True)
-    return full[:size].reshape(x.shape)
+    chunks, _ = chunked(x, call.world, None if opaque_steps else opaque_of(call))
+    return gather_flat(finish(core(chunks, call)), call.axes, x.shape)
 
   @keyed_scatter
   def reduce_scatter(blocks, call: Call):

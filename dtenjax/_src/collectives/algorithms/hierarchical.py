@@ -18,12 +18,10 @@ from dtenjax._src.pricing import algorithms as prices
 def all_reduce(x, call: base.Call, finish):
   outer, inner = call.axes[:-1], call.axes[-1]
   m = call.axis_sizes[-1]
-  chunks, size = base.chunked(x, m)
+  chunks, _ = base.chunked(x, m)
   part = two_shot.reduce_chunks(chunks, inner, call.op)
   part = base.ordered_reduce(jaxapi.all_gather_invariant(part, outer), call.op, part.dtype)
-  mine = finish(part)
-  full = jaxapi.all_gather_invariant(mine, (inner,), tiled=True)
-  return full[:size].reshape(x.shape)
+  return base.gather_flat(finish(part), (inner,), x.shape)
 
 
 ALGORITHM = base.Algorithm(price=prices.HIERARCHICAL, all_reduce=all_reduce)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from jax import lax
 
 from dtenjax._src import jaxapi
+from dtenjax._src.collectives import cpu_ffi
 from dtenjax._src.collectives import reproducible as repro
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.pricing import algorithms as prices
@@ -18,8 +19,13 @@ from dtenjax._src.pricing import algorithms as prices
 
 @base.keyed
 def all_reduce(x, call: base.Call, finish):
-  # Every rank folds the same gathered values: the result is invariant over the axes, and the
-  # gather is typed so (as lax.psum's result is).
+  """Every rank folds the same gathered values: the result is invariant over the axes, and the
+  gather is typed so (as lax.psum's result is). On XLA:CPU (``cpu_ffi.folds``) the fold is a
+  custom call reading the gathered rows where they lie (the same bits, no compiled kernel)."""
+  if cpu_ffi.folds(call, x.dtype) and call.world > 1:
+    gathered = jaxapi.all_gather_invariant(x.reshape(-1), call.axes)      # [n, size]
+    acc = base.acc_dtype(x.dtype, call.op)
+    return finish(cpu_ffi.fold([gathered], acc, (x.size,)).reshape(x.shape))
   return finish(base.ordered_reduce(jaxapi.all_gather_invariant(x, call.axes), call.op))
 
 

@@ -11,8 +11,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from dtenjax._src.collectives import cpu_ffi
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.pricing import algorithms as prices
+
+
+def _next(n: int) -> list[tuple[int, int]]:
+  """The ring's permutation: rank i sends to rank i + 1."""
+  return [(i, (i + 1) % n) for i in range(n)]
 
 
 def reduce_chunks(chunks, axes, op: str, opaque=None):
@@ -26,7 +32,6 @@ def reduce_chunks(chunks, axes, op: str, opaque=None):
     return chunks[0]
   comb = base.combiner(op)
   r = lax.axis_index(axes)
-  perm = [(i, (i + 1) % n) for i in range(n)]
   c = chunks.shape[1]
   if chunks.size < 2**31:
     # chunk i as a slice of the flat buffer at i * c: read in place, and a step's kernel reads
@@ -39,7 +44,7 @@ def reduce_chunks(chunks, axes, op: str, opaque=None):
   send = take((r - 1) % n)
   steps = opaque(tuple(range(n - 1))) if opaque is not None else range(n - 1)
   for s in steps:
-    recv = lax.ppermute(send, axes, perm)
+    recv = lax.ppermute(send, axes, _next(n))
     send = comb(recv, take((r - 2 - s) % n))
   return send
 
@@ -49,17 +54,34 @@ def gather_chunks(chunk, axes, n: int):
   if n == 1:
     return chunk[None]
   r = lax.axis_index(axes)
-  perm = [(i, (i + 1) % n) for i in range(n)]
   out = jnp.zeros((n,) + chunk.shape, chunk.dtype)
   out = lax.dynamic_update_index_in_dim(out, chunk, r, axis=0)
   cur = chunk
   for s in range(n - 1):
-    cur = lax.ppermute(cur, axes, perm)
+    cur = lax.ppermute(cur, axes, _next(n))
     out = lax.dynamic_update_index_in_dim(out, cur, (r - 1 - s) % n, axis=0)
   return out
 
 
-all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks, opaque_steps=True)
+_all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks, opaque_steps=True)
+
+
+@base.keyed
+def all_reduce(x, call: base.Call, finish):
+  """``scatter_then_gather``'s all-reduce of :func:`reduce_chunks`; on XLA:CPU
+  (``cpu_ffi.folds``) the first chunk sent and every step's add are custom calls reading the
+  flat buffer at the ring's rank, each step written over the partial it received: the same
+  order and bits, and no compiled kernel but ``lax.axis_index``'s."""
+  if not cpu_ffi.folds(call, x.dtype):
+    return _all_reduce(x, call, finish)
+  n = call.world
+  flat = x.reshape(-1)
+  c = base.chunk_len(flat.shape[0], n)
+  r = lax.axis_index(call.axes)
+  send = cpu_ffi.ring_step(flat, r, None, n, -1, c)
+  for s in range(n - 1):
+    send = cpu_ffi.ring_step(flat, r, lax.ppermute(send, call.axes, _next(n)), n, -2 - s, c)
+  return base.gather_flat(finish(send), call.axes, x.shape)
 
 
 ALGORITHM = base.Algorithm(price=prices.RING, all_reduce=all_reduce,

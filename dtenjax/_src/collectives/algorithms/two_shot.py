@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from dtenjax._src import jaxapi
 from dtenjax._src.contract import Contract
 from dtenjax._src.collectives import cpu_ffi
 from dtenjax._src.collectives import reproducible as repro
@@ -37,15 +36,12 @@ def all_reduce(x, call: base.Call, finish):
   if not cpu_ffi.folds(call, x.dtype):
     return _all_reduce(x, call, finish)
   n = call.world
-  flat = x.reshape(-1)
-  size = flat.shape[0]
-  chunks = cpu_ffi.split(flat, n)
+  chunks = cpu_ffi.split(x.reshape(-1), n)
   if n > 1:   # each chunk received is read where the all-to-all left it
     got = lax.all_to_all(jnp.stack(chunks), call.axes, 0, 0)
     chunks = [got[j] for j in range(n)]
   mine = finish(cpu_ffi.fold(chunks, base.acc_dtype(x.dtype, call.op)))
-  full = jaxapi.all_gather_invariant(mine, call.axes, tiled=True)
-  return full[:size].reshape(x.shape)
+  return base.gather_flat(mine, call.axes, x.shape)
 
 
 def reproducible(stack, call: base.Call):
@@ -57,7 +53,7 @@ def reproducible(stack, call: base.Call):
   k, n = stack.shape[0], call.world
   flat = stack.reshape(k, -1)
   size = flat.shape[1]
-  c = -(-size // n) if size else 1
+  c = base.chunk_len(size, n)
   if (cpu_ffi.active_for(call) and cpu_ffi.repro_sums(k * n, stack.dtype)
       and repro.contract_for(call.contract, k * n) is Contract.V3):
     # on XLA:CPU: the chunks written by a custom call, the exact sum of what the all-to-all
@@ -66,9 +62,8 @@ def reproducible(stack, call: base.Call):
     if n > 1:
       got = lax.all_to_all(jnp.stack(groups), call.axes, 0, 0)
       groups = [got[j] for j in range(n)]
-    r = cpu_ffi.repro_sum(groups, call.op, stack.dtype)
-    full = jaxapi.all_gather_invariant(r, call.axes, tiled=True)
-    return full[:size].reshape(stack.shape[1:])
+    return base.gather_flat(cpu_ffi.repro_sum(groups, call.op, stack.dtype), call.axes,
+                            stack.shape[1:])
   chunks = base.rows(jnp.pad(flat, ((0, 0), (0, n * c - size))), n, c, base.opaque_of(call))
   if n > 1:
     chunks = lax.all_to_all(chunks, call.axes, 0, 0)          # [source rank, k, c]
@@ -76,8 +71,7 @@ def reproducible(stack, call: base.Call):
   # (stacking them would be a copy, and on XLA:CPU a kernel of its own)
   r = repro.local_sum([chunks[j, i] for j in range(n) for i in range(k)], call.op,
                       call.contract)
-  full = jaxapi.all_gather_invariant(r, call.axes, tiled=True)
-  return full[:size].reshape(stack.shape[1:])
+  return base.gather_flat(r, call.axes, stack.shape[1:])
 
 
 ALGORITHM = base.Algorithm(price=prices.TWO_SHOT, all_reduce=all_reduce,

@@ -130,8 +130,6 @@ def test_fewer_than_min_nprocs_stops_the_job_with_the_lost_ranks(tmp_path):
 
 _LAGGING_SURVIVOR = """\
 import os, sys, time
-import dtenjax
-from dtenjax._src.elastic import worker
 rank = int(os.environ["DTENJAX_ELASTIC_RANK"])
 run = os.environ["DTENJAX_ELASTIC_RUN_DIR"]
 if os.environ["DTENJAX_ELASTIC_GENERATION"] != "0":
@@ -140,6 +138,8 @@ pid_file = os.path.join(run, "rank0.pid")
 if rank == 1:                    # stopped: never exits, never reports
   time.sleep(60)
   sys.exit(1)
+import dtenjax                   # (the worker module imports jax: only the survivors import it)
+from dtenjax._src.elastic import worker
 if rank == 2:                    # imported: ready to watch
   open(os.path.join(run, "rank2.ready"), "w").close()
 if rank == 0:                    # process 0 sees rank 1 silent first

@@ -21,7 +21,7 @@ def run_variants(jit, steps: int, variants=VARIANTS, devices=None) -> dict:
   import numpy as np
   import optax
   import flax.linen as nn
-  from jax.sharding import Mesh, PartitionSpec as P
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import dtenjax
 
   ax = "d"
@@ -62,10 +62,14 @@ def run_variants(jit, steps: int, variants=VARIANTS, devices=None) -> dict:
     step = jit(jax.shard_map(b, mesh=mesh, in_specs=(P(), P(), P(ax), P(ax)),
                              out_specs=(P(), P()), check_vma=False))
     p, s = params, tx.init(params)
+    # on the mesh as the step returns them, so that every step finds the same input shardings
+    # and one program is compiled (from single-device arrays the first step compiled another)
+    p, s = jax.device_put((p, s), NamedSharding(mesh, P()))
+    xs, ys = jax.device_put((x, y), NamedSharding(mesh, P(ax)))
     hist[name], times = [], []
     for _ in range(steps):
       t0 = time.perf_counter()
-      p, s = jax.block_until_ready(step(p, s, x, y))
+      p, s = jax.block_until_ready(step(p, s, xs, ys))
       times.append(time.perf_counter() - t0)
       hist[name].append([np.asarray(a) for a in jax.tree.leaves(p)])
     secs[name] = float(np.median(times[1:] or times))

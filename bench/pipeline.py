@@ -152,12 +152,13 @@ def step_times(args):
   ref_exe = ref.lower(params, opt, toks).compile()
   fns["unpipelined"] = lambda: ref_exe(params, opt, toks)
   shapes = {"unpipelined": f"{n} data"}
+  schedules = args.schedules if args.step_schedules is None else args.step_schedules
   stages = [p for p in args.stages if p <= n and not n % p and not args.layers % p]
-  with _harness.steps("pipeline: step times", len(stages) * len(args.schedules) + 1) as step:
+  with _harness.steps("pipeline: step times", len(stages) * len(schedules) + 1) as step:
     for p in args.stages:
       if p > n or n % p or args.layers % p:
         continue
-      for name in args.schedules:
+      for name in schedules:
         step(f"compile {name}, {p} stages")
         s = _schedule(name)
         mp = m * p      # each of the n/p data shards has p times the rows: the same micro-batch size
@@ -192,6 +193,9 @@ def main(argv=None) -> int:
   ap.add_argument("--stages", type=_ints, default=[2, 4, 8])
   ap.add_argument("--micro", type=_ints, default=[4, 8, 16, 32], help="micro-batches per step")
   ap.add_argument("--schedules", type=_schedules, default=list(SCHEDULE_NAMES))
+  ap.add_argument("--step-schedules", type=_schedules, default=None,
+                  help="the schedules of the step table (default: --schedules); each is one more "
+                  "compiled step with its optimizer")
   ap.add_argument("--layers", type=_harness.positive_int, default=16)
   ap.add_argument("--d", type=_harness.positive_int, default=64, help="model width")
   ap.add_argument("--seq", type=_harness.positive_int, default=16)
@@ -222,8 +226,10 @@ def main(argv=None) -> int:
                        title="one adamw step on every device; speedup = unpipelined / this"))
   if args.json:
     rows = [dict(r, table="bubble") for r in bubble] + [dict(r, table="step") for r in steps]
+    config = {k: v for k, v in vars(args).items()      # the default run's config as before
+              if k != "json" and not (k == "step_schedules" and v is None)}
     _harness.write_json(args.json, _harness.document(
-        "pipeline", __file__, argv, {k: v for k, v in vars(args).items() if k != "json"}, rows,
+        "pipeline", __file__, argv, config, rows,
         devices=jax.devices(), kind="other", machine_extra={"cores": cores}))
   return 0
 

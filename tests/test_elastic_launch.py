@@ -128,6 +128,56 @@ def test_fewer_than_min_nprocs_stops_the_job_with_the_lost_ranks(tmp_path):
   assert "1 processes would remain, fewer than min_nprocs=2" in str(e.value)
 
 
+_LAGGING_SURVIVOR = """\
+import os, sys, time
+rank = int(os.environ["DTENJAX_ELASTIC_RANK"])
+run = os.environ["DTENJAX_ELASTIC_RUN_DIR"]
+if os.environ["DTENJAX_ELASTIC_GENERATION"] != "0":
+  sys.exit(0)
+pid_file = os.path.join(run, "rank0.pid")
+if rank == 1:                    # stopped: never exits, never reports
+  time.sleep(60)
+  sys.exit(1)
+import dtenjax                   # (the worker module imports jax: only the survivors import it)
+from dtenjax._src.elastic import worker
+if rank == 2:                    # imported: ready to watch
+  open(os.path.join(run, "rank2.ready"), "w").close()
+if rank == 0:                    # process 0 sees rank 1 silent first
+  while not os.path.exists(os.path.join(run, "rank2.ready")):
+    time.sleep(0.01)
+  with open(pid_file + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+  os.replace(pid_file + ".tmp", pid_file)
+  worker._lost(run, 0, 3, 0, 5.0)(dtenjax.ProcessLostError("process 0/3: lost rank 1", [1]))
+while not os.path.exists(pid_file):
+  time.sleep(0.01)
+time.sleep(1.5)                  # rank 2 sees it 1.5 s later (a loaded host)
+try:                             # its store is process 0's: gone if process 0 has left
+  with open("/proc/%s/stat" % open(pid_file).read()) as f:
+    store_up = f.read().rsplit(")", 1)[1].split()[0] != "Z"
+except OSError:
+  store_up = False
+worker._lost(run, 2, 3, 0, 5.0)(dtenjax.ProcessLostError(
+    "process 2/3: lost rank " + ("1" if store_up else "0"), [1] if store_up else [0]))
+"""
+
+
+def test_a_survivor_that_sees_a_stopped_peer_later_is_waited_for(tmp_path):
+  """Process 0 names a silent rank 1 first; rank 2 names it 1.5 s later. Process 0 hosts the
+  coordination store, so it must stay until rank 2 has reported (else rank 2's store fails and
+  it names rank 0, as a loaded run of the kill -9 test once did), and the launcher must wait for
+  rank 2's report (it waited 0.2 s): only rank 1 is lost, named by both survivors."""
+  script = tmp_path / "lag.py"
+  script.write_text(_LAGGING_SURVIVOR)
+  result = dtenjax.elastic.launch([str(script)], 3, min_nprocs=1, env={"PYTHONPATH": ROOT},
+                                  run_dir=str(tmp_path / "run"), heartbeat_timeout_s=5.0,
+                                  snapshot_every=0, timeout_s=60, quiet=True)
+  g0 = result.generations[0]
+  assert [(g.world, g.lost) for g in result.generations] == [(3, [1]), (2, [])], result.summary()
+  assert [(r["rank"], r["lost"]) for r in g0.reports] == [(0, [1]), (2, [1])]
+  assert g0.codes[1] is None                           # stopped, then killed by the launcher
+
+
 # One process at a time (not "several processes talking over loopback"): outside the procs
 # group (tests/procs.py), so the other worker may run it.
 def test_dtenjax_launch_says_what_it_checked_and_runs_the_job(tmp_path):

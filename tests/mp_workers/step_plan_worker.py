@@ -34,7 +34,10 @@ def main():
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
   placed = [jax.tree.map(place, a, s) for a, s in zip((params, opt, batch), shardings)]
-  _, _, loss = plan.jit(step)(*placed)
+  # every local device's part of the step, not only the first device's loss: a process that
+  # leaves while another of its devices is still inside a collective breaks its peers' (gloo)
+  _, _, loss = jax.block_until_ready(plan.jit(step)(*placed))
+  common.barrier("step-done")
   digest = hashlib.sha256(repr((plan.mesh_shape, plan.device_ids, plan.specs)).encode())
   common.finish({"rank": rank, "nprocs": nprocs, "digest": digest.hexdigest(),
                  "mesh_devices": [int(d.id) for d in mesh.devices.flat],

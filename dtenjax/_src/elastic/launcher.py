@@ -24,7 +24,6 @@ memory, the checkpoint directory and the coordination service.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import shutil
@@ -202,7 +201,8 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
       grow = None
       if capacity is not None and world < nprocs and snapshot_every:
         grow = lambda w=world: min(nprocs, int(capacity())) > w
-      failed = _watch(g, procs, run_dir, deadline, grow=grow, mem_root=mem_root)
+      failed = _watch(g, procs, run_dir, deadline, heartbeat_timeout_s, grow=grow,
+                      mem_root=mem_root)
       g.ended = time.time()
       if g.grown_at is not None:
         new_world = min(nprocs, int(capacity()))
@@ -239,7 +239,8 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
     shutil.rmtree(memory_base, ignore_errors=True)
 
 
-def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline: float, *,
+def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline: float,
+           heartbeat_timeout_s: float, *,
            grow=None, mem_root: str | None = None) -> bool:
   """Waits for the generation to end; True when it failed (g.lost, g.codes filled in). With
   ``grow`` (a callable: is there room for more processes?), a generation that has room is
@@ -248,7 +249,7 @@ def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline:
   try:
     while True:
       codes = [p.poll() for p in procs]
-      reports = sorted(glob.glob(os.path.join(run_dir, f"lost.g{g.index}.r*.json")))
+      reports = worker.reports(run_dir, g.index)
       if all(c == 0 for c in codes):
         g.codes = codes
         return False
@@ -261,13 +262,20 @@ def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline:
         signalled = {r: c for r, c in enumerate(codes) if c is not None and c < 0}
         if any(c != -signal.SIGABRT for c in signalled.values()):
           signalled = {r: c for r, c in signalled.items() if c != -signal.SIGABRT}
-        time.sleep(0.2)                # let the other survivors' reports land
-        codes = [p.poll() for p in procs]
-        reports = sorted(glob.glob(os.path.join(run_dir, f"lost.g{g.index}.r*.json")))
-        for path in reports:
-          with open(path) as f:
-            g.reports.append(json.load(f))
-        named = {r for rep in g.reports for r in rep["lost"]}
+        # let the other survivors' reports land: 0.2 s after an exit; after a loss that only a
+        # survivor's watchdog saw (a stopped or cut-off process), until every process has
+        # exited, reported or been named, for at most one heartbeat timeout (each survivor sees
+        # the silent peer within about one beat of the first, later on a loaded host)
+        wait_until = time.monotonic() + (0.2 if signalled or not reports else heartbeat_timeout_s)
+        while True:
+          time.sleep(0.05)
+          codes = [p.poll() for p in procs]
+          reports = worker.reports(run_dir, g.index)
+          named = {r for rep in reports.values() for r in rep["lost"]}
+          if time.monotonic() >= wait_until or (not signalled and all(
+              c is not None or r in reports or r in named for r, c in enumerate(codes))):
+            break
+        g.reports = [reports[r] for r in sorted(reports)]
         g.lost = sorted(named | set(signalled))
         _kill(procs)
         g.codes = [p.returncode for p in procs]

@@ -140,15 +140,41 @@ class Context:
     os._exit(code)
 
 
-def _lost(run_dir: str, rank: int, generation: int):
+def report_path(run_dir: str, generation: int, rank: int) -> str:
+  """Where a survivor of ``generation`` writes the loss it saw (read by the launcher)."""
+  return os.path.join(run_dir, f"lost.g{generation}.r{rank}.json")
+
+
+def reports(run_dir: str, generation: int) -> dict[int, dict]:
+  """The survivors' loss reports of ``generation`` so far, by rank."""
+  out = {}
+  prefix = f"lost.g{generation}.r"
+  for name in sorted(os.listdir(run_dir)):
+    if name.startswith(prefix) and name.endswith(".json"):
+      with open(os.path.join(run_dir, name)) as f:
+        report = json.load(f)
+      out[int(report["rank"])] = report
+  return out
+
+
+def _lost(run_dir: str, rank: int, world: int, generation: int, timeout_s: float):
   def on_lost(err: errors.ProcessLostError) -> None:
     report = {"t": time.time(), "rank": rank, "generation": generation, "lost": list(err.lost),
               "message": str(err)}
-    path = os.path.join(run_dir, f"lost.g{generation}.r{rank}.json")
+    path = report_path(run_dir, generation, rank)
     with open(path + ".tmp", "w") as f:
       json.dump(report, f)
     os.replace(path + ".tmp", path)
     print(f"dtenjax.elastic: {err}", file=sys.stderr, flush=True)
+    if rank == 0 and 0 not in err.lost:
+      # process 0 hosts the coordination service: leaving at once would take the store from
+      # the other survivors, which are about to see the same loss, and they would name rank 0
+      # (and JAX would abort them). It stays until every other survivor has reported, at most
+      # one heartbeat timeout (a survivor sees the same silent peer within about one beat)
+      others = set(range(1, world)) - set(err.lost)
+      deadline = time.monotonic() + timeout_s
+      while time.monotonic() < deadline and not others <= set(reports(run_dir, generation)):
+        time.sleep(0.02)
     os._exit(EXIT_PEER_LOST)
   return on_lost
 
@@ -177,7 +203,7 @@ def init(*, heartbeat_interval_s: float | None = None) -> Context:
   watchdog = None
   if world > 1:
     watchdog = heartbeat.Watchdog(
-        rank, world, _lost(run_dir, rank, generation), client=client,
+        rank, world, _lost(run_dir, rank, world, generation, timeout_s), client=client,
         namespace=f"dtenjax/elastic/hb-{generation}",
         interval_s=heartbeat_interval_s or min(0.1, timeout_s / 20), timeout_s=timeout_s).start()
   every = int(_env("SNAPSHOT_EVERY", "0"))

@@ -51,13 +51,24 @@ class Live:
   # values are placed together, as one block, while it runs)
   body: bool = False
   # a transposed copy of a product's operand that XLA:CPU's kernels make (:func:`_dot_copies`,
-  # :func:`_conv_copies`); a GPU's libraries read transposed operands in place
+  # :func:`_conv_copies`), or a pad's second buffer beside such a copy (:func:`_pad_buffers`);
+  # a GPU's libraries read transposed operands in place
   copy: bool = False
+  # kept only because XLA:CPU does not duplicate its op (f32 exp, division, square roots) into
+  # several users' fusions; XLA:GPU recomputes them in each (:func:`_cheap_on_gpu`)
+  cheap_on_gpu: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Copy:
   """The transposed copy of the value ``of`` (each copy a value of its own)."""
+  of: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Again:
+  """One more buffer of the value ``of``, computed again for another product that reads it
+  (:func:`_pad_buffers`)."""
   of: Any
 
 
@@ -71,7 +82,8 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   batch_vars = {v for lf, v in zip(leaves, jaxpr.invars) if lf.is_batch}
   counted: dict[Any, int] = {}
   lives: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] = []
-  act = _peak(jaxpr, batch_vars, state_shapes, counted, lives)
+  gpu_fused: set[Any] = set()
+  act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused)
   owners: dict[Any, int] = {}
   for cone in cones.values():
     for v in cone:
@@ -85,17 +97,18 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
     for v in cone:
       cone_keys.setdefault(v, []).append(key)
   def owners(v):
-    v = v.of if isinstance(v, _Copy) else v
+    v = v.of if isinstance(v, (_Copy, _Again)) else v
     return tuple(cone_keys.get(v, ())) if v is not None else ()
-  timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, _Copy))
-                   for v, start, end, nb, grad, body in lives)
+  timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, (_Copy, _Again)),
+                        v in gpu_fused) for v, start, end, nb, grad, body in lives)
   return int(act), act_share, timeline
 
 
 def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           counted: dict[Any, int] | None = None,
           timeline: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] | None = None,
-          at_peak: list[tuple[Any, int]] | None = None, sliced: frozenset = frozenset()) -> int:
+          at_peak: list[tuple[Any, int]] | None = None, sliced: frozenset = frozenset(),
+          gpu_fused: set | None = None) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -107,7 +120,9 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   (:func:`_duplicates`). ``sliced`` are the inputs of a ``lax.scan`` body that are one layer's
   slice of a stacked operand: XLA copies such a slice out of its stack when a product reads it
   (its ``dynamic-slice`` is not fused into the dot kernel's operand), at the body's start (its
-  scheduler puts the slices first), live until the slice's last use in the body."""
+  scheduler puts the slices first), live until the slice's last use in the body. ``gpu_fused``
+  receives the values kept only because XLA:CPU counts their op expensive where XLA:GPU does
+  not (:func:`_cheap_on_gpu`)."""
   canon = _duplicates(jaxpr)
 
   def same(v):
@@ -137,16 +152,16 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   feeds_fusion_boundary.update(v for v in into_major if users.get(v, 0) >= 2)
   # XLA duplicates a producer into each of its users' fusions only when it is cheap: the result
   # of an expensive elementwise op (tanh, exp, a division, ...) read by several is computed once
-  # and kept -- unless a reduction over the minor dimension reads it (softmax's exponentials),
-  # whose fusion XLA makes produce both
-  into_minor = {same(v) for eqn in jaxpr.eqns
-                if eqn.primitive.name in _FUSED_INTO_CONSUMERS and
-                eqn.primitive.name not in _FUSIBLE and not _keeps_minor(eqn)
-                for v in eqn.invars if is_var(v)}
+  # and kept (softmax's exponentials too: XLA:CPU materialises them for the sum, the division
+  # and the backward, which reads them). XLA:GPU counts f32 exp, division and square roots
+  # cheap and recomputes them in each user's fusion (:func:`_cheap_on_gpu`).
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in _EXPENSIVE:
-      feeds_fusion_boundary.update(o for o in eqn.outvars
-                                   if users.get(o, 0) >= 2 and o not in into_minor)
+      for o in eqn.outvars:
+        if users.get(o, 0) >= 2 and o not in feeds_fusion_boundary:
+          feeds_fusion_boundary.add(o)
+          if gpu_fused is not None and _cheap_on_gpu(eqn):
+            gpu_fused.add(o)
   runs_until = _input_gradient_first(jaxpr, excluded_shapes, same, last_use)
   outvars = {same(v) for v in jaxpr.outvars if is_var(v)}
   for v in outvars:
@@ -157,8 +172,13 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   live_set: dict[Any, int] = {}
   # a scan body's sliced batch-derived inputs that a product reads: copied out of their stacks
   # when the body starts (XLA schedules these slices first) and live until their last use
-  read = {v for eqn in jaxpr.eqns if eqn.primitive.name in ("dot_general", "conv_general_dilated")
-          for v in eqn.invars[:2] if is_var(v)}
+  readers: dict[Any, int] = {}       # value -> the products that read it
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+      for v in set(eqn.invars[:2]):
+        if is_var(v):
+          readers[same(v)] = readers.get(same(v), 0) + 1
+  read = set(readers)
   for v in jaxpr.invars:
     if v not in sliced or v not in tainted or v not in read:
       continue
@@ -219,11 +239,14 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           timeline.append((o, i, end, nb, shape if state else None, False))
         if state:
           continue
-        live += nb
-        live_set[o] = nb
-        ends.setdefault(end, []).append(o)
-        if counted is not None:
-          counted[o] = nb
+        for w in [o] + [_Again(o) for _ in range(_pad_buffers(eqn, readers.get(o, 0)) - 1)]:
+          if w is not o and timeline is not None:
+            timeline.append((w, i, end, nb, None, False))
+          live += nb
+          live_set[w] = nb
+          ends.setdefault(end, []).append(w)
+          if counted is not None:
+            counted[w] = nb
       if live + inner > peak:
         peak = live + inner
         if at_peak is not None:
@@ -231,6 +254,18 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
     for v in ends.pop(i, ()):
       live -= live_set.pop(v)
   return peak
+
+
+def _pad_buffers(eqn, products: int) -> int:
+  """The buffers XLA:CPU keeps of a ``pad``'s result that ``products`` products read: one each.
+  The backward of a slice (``logits[:, :-1]``) is a pad that the weight's and the input's
+  gradient products both read; the pad is cheap, so XLA:CPU fuses a copy of it into the input
+  gradient's operand (a bitcast to rows x vocabulary), while the transposed copy of the weight
+  gradient's operand reads a buffer of its own: three buffers of the logits' size at the step's
+  peak (the buffer assignment's ``pad_bitcast_fusion``, ``wrapped_pad`` and the copy), where the
+  model kept two. The extra buffers are priced on the CPU only (``Live.copy``): a GPU's gemm
+  reads the pad's one buffer transposed in place."""
+  return max(1, products) if eqn.primitive.name == "pad" else 1
 
 
 def _input_gradient_first(jaxpr, state_shapes: set, same,
@@ -342,6 +377,14 @@ def _from_batch(eqn, tainted: set) -> list[bool]:
     if any(is_var(v) and v in inner for v in e.invars):
       inner.update(o for o, t in zip(e.outvars, _from_batch(e, inner)) if t)
   return [is_var(o) and o in inner for o in sub.outvars]
+
+
+def _cheap_on_gpu(eqn) -> bool:
+  """An op XLA:CPU counts expensive (never duplicated into several users' fusions) and XLA:GPU
+  does not: exp, division, square root and reciprocal square root of f32 or f16 values, which
+  its fusion recomputes in each user (``GpuInstructionFusion::IsExpensive``)."""
+  return (eqn.primitive.name in ("exp", "div", "sqrt", "rsqrt") and
+          all(str(o.aval.dtype) in ("float32", "float16") for o in eqn.outvars))
 
 
 def _keeps_minor(eqn) -> bool:

@@ -202,7 +202,9 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
   cpu = m.topology.device(int(m.ids.ravel()[0])).platform == "cpu"
   for v in graph.timeline:
-    if v.copy and not cpu:      # XLA:CPU's transposed operand copies (a GPU's kernels need none)
+    # XLA:CPU's transposed operand copies (a GPU's kernels need none) and the results of ops
+    # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion)
+    if (v.copy or v.cheap_on_gpu) and not cpu:
       continue
     if v.grad is not None:
       sizes = grad_sizes.get(v.grad)

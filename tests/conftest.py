@@ -38,7 +38,19 @@ if os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") == "cpu":
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-  os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+  flags += " --xla_force_host_platform_device_count=8"
+# XLA:CPU's LLVM IR emitters for fused kernels instead of its MLIR fusion emitters (the default):
+# the same bits in every program the suite checks (the stored reference bits; the sample in
+# tests/test_conftest.py) for 20-30 % less CPU in the files that compile most. The optimised HLO
+# differs (other fusion boundaries, scatters expanded into loops, other temp bytes), so a check of
+# a compiled program's structure that must be the users' program compiles with the default
+# emitters (helpers.DEFAULT_CPU_EMITTERS; docs/testing.md, ninth round). Naming the flag in
+# XLA_FLAGS (=true) gives XLA's default back to the whole run. Not on GPU runs.
+FUSION_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
+if (os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") == "cpu"
+    and "xla_cpu_use_fusion_emitters" not in flags):
+  flags += " " + FUSION_EMITTERS_FLAG
+os.environ["XLA_FLAGS"] = flags.strip()
 
 import jax  # noqa: E402  (must follow the environment set-up)
 import pytest  # noqa: E402

@@ -13,6 +13,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 
+# A program's own compiler option that gives it XLA:CPU's default (MLIR) fusion emitters back:
+# tests/conftest.py compiles the suite with the LLVM IR emitters (the same bits, less compile
+# time, but another optimised HLO), so a check of a compiled program's structure that must be
+# the program users get (its loops, its fusions) compiles with this.
+DEFAULT_CPU_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+
+
 def smap(mesh, f, axes=("o", "i"), *, out_specs=None, check_vma=False, jit=True):
   """``jax.shard_map(f)`` with every input and (by default) output sharded over ``axes``,
   jitted unless ``jit=False``."""

@@ -173,7 +173,7 @@ def test_the_suites_xla_cpu_emitters_give_the_default_emitters_bits():
   import optax  # pylint: disable=g-import-not-at-top
   import pytest  # pylint: disable=g-import-not-at-top
   import conftest  # pylint: disable=g-import-not-at-top
-  from helpers import DEFAULT_CPU_EMITTERS  # pylint: disable=g-import-not-at-top
+  from tests.helpers import DEFAULT_CPU_EMITTERS  # pylint: disable=g-import-not-at-top
   if conftest.FUSION_EMITTERS_FLAG not in os.environ["XLA_FLAGS"].split():
     pytest.skip("this run chose its own emitters in XLA_FLAGS (or is a GPU run)")
   rng = np.random.default_rng(0)

@@ -24,7 +24,7 @@ from dtenjax._src.gpu import graph_policy as gp
 from dtenjax._src.gpu import graph_prediction as pred
 from dtenjax._src.gpu import graphs
 from dtenjax.testing import native as native_testing
-from helpers import DEFAULT_CPU_EMITTERS
+from tests.helpers import DEFAULT_CPU_EMITTERS
 
 
 class _Compiles:

@@ -1,5 +1,6 @@
-"""Test set-up: 8 simulated CPU devices unless a GPU run asks otherwise, compiled programs shared
-within a run, and a time budget per test.
+"""Test set-up: 8 simulated CPU devices unless a GPU run asks otherwise, XLA:CPU's quicker-to-compile
+LLVM IR emitters (the same bits; see below), compiled programs shared within a run, and a time
+budget per test.
 
 XLA_FLAGS must be set before JAX initialises its backends, so this runs at import time of the
 test session. On the GPU machine set DTENJAX_TEST_PLATFORM=gpu to keep the GPU as default backend.
@@ -38,7 +39,19 @@ if os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") == "cpu":
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-  os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+  flags += " --xla_force_host_platform_device_count=8"
+# XLA:CPU's LLVM IR emitters for fused kernels instead of its MLIR fusion emitters (the default):
+# the same bits in every program the suite checks (the stored reference bits; the sample in
+# tests/test_conftest.py) for 20-30 % less CPU in the files that compile most. The optimised HLO
+# differs (other fusion boundaries, scatters expanded into loops, other temp bytes), so a check of
+# a compiled program's structure that must be the users' program compiles with the default
+# emitters (helpers.DEFAULT_CPU_EMITTERS; docs/testing.md, ninth round). Naming the flag in
+# XLA_FLAGS (=true) gives XLA's default back to the whole run. Not on GPU runs.
+FUSION_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
+if (os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") == "cpu"
+    and "xla_cpu_use_fusion_emitters" not in flags):
+  flags += " " + FUSION_EMITTERS_FLAG
+os.environ["XLA_FLAGS"] = flags.strip()
 
 import jax  # noqa: E402  (must follow the environment set-up)
 import pytest  # noqa: E402

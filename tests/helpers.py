@@ -1,9 +1,11 @@
 """What several test files share: jitted ``shard_map`` over one mesh, data whose sums depend on
 the order they are taken in (with the left fold that states one such order), and waiting for a
-condition instead of sleeping for a time."""
+condition instead of sleeping for a time, and the compiler option that gives a program XLA:CPU's
+default fusion emitters back."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -11,6 +13,15 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+
+
+# A program's own compiler option that gives it XLA:CPU's default (MLIR) fusion emitters back:
+# tests/conftest.py compiles the suite with the LLVM IR emitters (the same bits, less compile
+# time, but another optimised HLO), so a check of a compiled program's structure that must be
+# the program users get (its loops, its fusions) compiles with this. Empty on GPU runs (the
+# suite leaves their flags alone).
+DEFAULT_CPU_EMITTERS = ({"xla_cpu_use_fusion_emitters": True}
+                        if os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") == "cpu" else {})
 
 
 def smap(mesh, f, axes=("o", "i"), *, out_specs=None, check_vma=False, jit=True):

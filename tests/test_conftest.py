@@ -157,3 +157,77 @@ def test_tests_share_compiled_programs_through_this_runs_cache():
   finally:
     jax.monitoring.unregister_event_listener(listener)
   assert hits, "the second compile of the same program did not load it from the cache"
+
+
+def test_the_suites_xla_cpu_emitters_give_the_default_emitters_bits():
+  """tests/conftest.py compiles the suite with XLA:CPU's LLVM IR emitters for fused kernels
+  (``--xla_cpu_use_fusion_emitters=false``: about 40 % less compile CPU). What makes that sound
+  is that no result changes a bit: the stored reference bits of the collectives check it on their
+  programs; this checks a sample of the other kinds of program the suite runs, each compiled in
+  this process both ways (``compiler_options`` per program): an expression LLVM may contract to
+  an FMA, the transcendental functions, reductions in float32 and bfloat16, dots, a scatter-add
+  with a gather, top-k and a sort, and an AdamW step of a small MLP with layer norm and GELU."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import pytest  # pylint: disable=g-import-not-at-top
+  import conftest  # pylint: disable=g-import-not-at-top
+  from tests.helpers import DEFAULT_CPU_EMITTERS  # pylint: disable=g-import-not-at-top
+  if conftest.FUSION_EMITTERS_FLAG not in os.environ["XLA_FLAGS"].split():
+    pytest.skip("this run chose its own emitters in XLA_FLAGS (or is a GPU run)")
+  rng = np.random.default_rng(0)
+  x, y, z = (rng.standard_normal(4096, np.float32) * 3 for _ in range(3))
+  m = rng.standard_normal((333, 1027), np.float32)
+  w = rng.standard_normal((1027, 40), np.float32)
+  idx = rng.integers(0, 1027, 500).astype(np.int32)
+
+  def elementwise(a, b, c):
+    return (a * b + c, jnp.exp(a), jnp.log(jnp.abs(a) + 1e-3), jnp.tanh(a), jnp.sin(a),
+            jax.lax.erf(a), jax.nn.sigmoid(a), jax.nn.gelu(a), jnp.power(jnp.abs(a), 1.7),
+            jax.lax.rsqrt(jnp.abs(a) + 1), jnp.expm1(a), jnp.log1p(jnp.abs(a)),
+            jnp.exp(a.astype(jnp.bfloat16)), a.astype(jnp.bfloat16) * b.astype(jnp.bfloat16) + 1)
+
+  def reductions(a, b, i):
+    h = a.astype(jnp.bfloat16)
+    return (a.sum(), a.sum(0), a.mean(1), a.var(0), jnp.cumsum(a, 1)[:, ::97], h.sum(1),
+            jax.nn.softmax(a, -1)[::50], jax.nn.logsumexp(a, 0), jnp.linalg.norm(a, axis=1),
+            a @ b, (h @ b.astype(jnp.bfloat16)).astype(jnp.float32),
+            a.at[:, i].add(1.5)[::50], a[:, i] * 2.0 - 1.0, jax.lax.top_k(a[0], 17),
+            jnp.argsort(a[1]))
+
+  def adamw_step(params, xb, yb):
+    def loss(p):
+      h = xb
+      for k, (wk, bk) in enumerate(p):
+        h = h @ wk + bk
+        if k < len(p) - 1:
+          mu, var = h.mean(-1, keepdims=True), h.var(-1, keepdims=True)
+          h = jax.nn.gelu((h - mu) * jax.lax.rsqrt(var + 1e-5))
+      return optax.softmax_cross_entropy_with_integer_labels(h, yb).mean()
+    tx = optax.adamw(1e-2)
+    state = tx.init(params)
+    for _ in range(2):
+      grads = jax.grad(loss)(params)
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    return params
+
+  sizes = (64, 96, 10)
+  params = [(rng.standard_normal((a, b), np.float32) / np.sqrt(a), np.zeros(b, np.float32))
+            for a, b in zip(sizes[:-1], sizes[1:])]
+  xb = rng.standard_normal((32, 64), np.float32)
+  yb = rng.integers(0, 10, 32).astype(np.int32)
+  cases = {"elementwise": (elementwise, (x, y, z)), "reductions": (reductions, (m, w, idx)),
+           "adamw": (adamw_step, (params, xb, yb))}
+  differing_hlo = []
+  for name, (fn, args) in cases.items():
+    suites = jax.jit(fn).lower(*args).compile()
+    default = jax.jit(fn, compiler_options=DEFAULT_CPU_EMITTERS).lower(*args).compile()
+    for got, want in zip(jax.tree.leaves(suites(*args)), jax.tree.leaves(default(*args))):
+      got, want = np.atleast_1d(np.asarray(got)), np.atleast_1d(np.asarray(want))
+      np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=name)
+    if suites.as_text() != default.as_text():
+      differing_hlo.append(name)
+  # The flag is in effect: the suite's programs are not the default emitters' programs.
+  assert differing_hlo, "the suite's XLA_FLAGS did not change how XLA:CPU compiles"

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import dtenjax
 from dtenjax._src import hlo
+from tests.helpers import DEFAULT_CPU_EMITTERS as EMITTERS  # memory of the program users get
 from dtenjax._src.planning import explain as explain_lib
 from dtenjax._src.planning import stepgraph
 
@@ -71,7 +72,7 @@ def compiled(plan, step, args, donate=False):
   the loop trip counts, read from XLA's compilation of plain jax.jit with the plan's shardings."""
   fn = jax.jit(step, in_shardings=plan.shardings(), out_shardings=plan.out_shardings(),
                donate_argnums=(0, 1) if donate else ())
-  exe = fn.lower(*args).compile()
+  exe = fn.lower(*args).compile(EMITTERS)
   stats = exe.memory_analysis()
   memory = (stats.argument_size_in_bytes + stats.output_size_in_bytes -
             stats.alias_size_in_bytes + stats.temp_size_in_bytes)
@@ -136,14 +137,14 @@ def test_without_remat_a_scanned_stack_is_still_gathered_layer_by_layer():
   layer, stack = 512 * 2048 * 4, 2 * 8 * 512 * 2048 * 4
   assert plan.cost.memory["gathered"] < 2 * layer
   assert plan.cost.collective_bytes["all_gather[fsdp]"] == pytest.approx(2 * stack + 512 * 512 * 4)
-  check = plan.check(step, *args)
+  check = plan.check(step, *args, compiler_options=EMITTERS)
   assert check.memory_error <= 0.10 and check.bytes_error <= 0.10, check.table()
 
 
 def test_the_check_of_plan_jit_agrees_with_the_prediction():
   # plan.jit (FSDP gathered per layer inside the scan) compiled: memory and bytes per kind
   step, args = scan_step()
-  check = dtenjax.plan(step, *args, recipe="FSDP").check(step, *args)
+  check = dtenjax.plan(step, *args, recipe="FSDP").check(step, *args, compiler_options=EMITTERS)
   assert check.memory_error <= 0.10, check.table()
   assert all(e <= 0.10 for e in check.kind_errors.values()), check.table()
 
@@ -162,11 +163,11 @@ def test_check_compares_per_kind_and_honours_donation():
   plain = dtenjax.plan(step, *args, recipe="FSDP")
   donated = dtenjax.plan(step, *args, recipe="FSDP", donate=True)
   assert donated.donate and not plain.donate
-  check = donated.check(step, *args)
+  check = donated.check(step, *args, compiler_options=EMITTERS)
   # the new state aliases the donated old one: no outputs of their own, predicted and compiled
   assert check.compiled_memory["outputs"] < 0.01 * check.compiled_memory["arguments"]
   assert check.predicted_memory["outputs"] == 0
-  assert plain.check(step, *args).compiled_memory["outputs"] > 0
+  assert plain.check(step, *args, compiler_options=EMITTERS).compiled_memory["outputs"] > 0
   # per kind: XLA:CPU all-gathers the weights and all-reduces their gradients
   assert set(check.kind_errors) == {"all_gather", "all_reduce"}, check.table()
   assert check.bytes_error <= 0.10, check.table()
@@ -227,7 +228,7 @@ def test_the_tp_recipe_of_a_scanned_stack_is_megatrons_and_its_bytes_are_priced(
   plan = dtenjax.plan(step, *args, recipe="TP")
   by = {lp.path: lp.spec for lp in plan.leaves}
   assert by["[0]['w1']"] == P(None, None, "tensor") and by["[0]['w2']"] == P(None, "tensor")
-  check = plan.check(step, *args)
+  check = plan.check(step, *args, compiler_options=EMITTERS)
   assert check.kind_errors["all_reduce"] <= 0.10, check.table()
   # memory: the hidden activation between the pair is sharded over 'tensor' in both loops --
   # the forward's, and the backward's where jax.checkpoint recomputes it (read from the
@@ -248,7 +249,7 @@ def test_a_weight_shared_across_layers_has_one_gradient_reduction_per_use():
   parts = {graph.leaves[k].path: u.grad_parts for k, u in graph.weights.items()}
   assert parts["[0]['block']['wq']"] == 6 and parts["[0]['block']['w_down']"] == 6, parts
   for recipe in ("DP", "FSDP"):
-    check = dtenjax.plan(step, *args, recipe=recipe).check(step, *args)
+    check = dtenjax.plan(step, *args, recipe=recipe).check(step, *args, compiler_options=EMITTERS)
     assert check.kind_errors["all_reduce"] <= 0.10, check.table()
 
 
@@ -297,7 +298,7 @@ def test_memory_follows_what_xla_compiles_without_scan(family, recipe, donate):
   # (29-38 % under before). Expected: XLA's memory_analysis of what plan.jit compiles.
   step, args = _small_family(family)
   plan = dtenjax.plan(step, *args, recipe=recipe, donate=donate)
-  check = plan.check(step, *args)
+  check = plan.check(step, *args, compiler_options=EMITTERS)
   assert check.memory_error <= 0.10, check.table()
   if donate:
     assert check.compiled_memory["outputs"] < 0.01 * check.compiled_memory["arguments"]
@@ -333,7 +334,7 @@ def test_a_products_backward_keeps_what_xla_keeps(recipe, d, f, batch, seq):
   # gradient reads) is sharded like the activation between the pair: it was counted whole,
   # 31.4 % over. Expected: XLA's memory_analysis of what plan.jit compiles.
   step, args = residual_mlp_step(d=d, f=f, batch=batch, seq=seq)
-  check = dtenjax.plan(step, *args, recipe=recipe).check(step, *args)
+  check = dtenjax.plan(step, *args, recipe=recipe).check(step, *args, compiler_options=EMITTERS)
   assert check.memory_error <= 0.10, check.table()
 
 
@@ -348,7 +349,7 @@ def test_the_backward_keeps_softmaxs_exponentials_and_the_slices_pad(recipe, siz
   # the unembedding's weight and input gradient products read) is also kept once per product.
   # Expected: memory_analysis() of what plan.jit compiles.
   step, args = _small_family("llama_loop", **sizes)
-  check = dtenjax.plan(step, *args, recipe=recipe).check(step, *args)
+  check = dtenjax.plan(step, *args, recipe=recipe).check(step, *args, compiler_options=EMITTERS)
   assert check.memory_error <= 0.05, check.table()
 
 
@@ -381,3 +382,12 @@ def test_exponentials_xla_gpu_recomputes_are_priced_on_cpu_only(monkeypatch):
   # on the CPU both are priced; on GPUs the exponentials of 2 of 16 sequences per device are not
   assert memory[None, False] == memory[None, True]
   assert memory["h200_8", True] - memory["h200_8", False] >= scores / 8
+
+
+def test_the_check_compiles_with_the_steps_compiler_options():
+  # a user who jits the step with compiler options gets them in the check too: XLA refuses an
+  # option it does not know, so the error proves the options reached the compile
+  step, args = residual_mlp_step(d=32, f=64, batch=8, seq=4)
+  plan = dtenjax.plan(step, *args, recipe="DP")
+  with pytest.raises(Exception, match="xla_no_such_option"):
+    plan.check(step, *args, compiler_options={"xla_no_such_option": True})

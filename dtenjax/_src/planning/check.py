@@ -68,15 +68,16 @@ class Check:
     return self.table()
 
 
-def compare(plan_: Any, step: Callable, args) -> Check:
-  """``plan_`` (a StepPlan) compiled as its ``jit`` runs it, against its prediction."""
+def compare(plan_: Any, step: Callable, args, compiler_options: dict | None = None) -> Check:
+  """``plan_`` (a StepPlan) compiled as its ``jit`` runs it (with ``compiler_options``), against
+  its prediction."""
   from dtenjax._src.planning import explain as explain_lib  # pylint: disable=g-import-not-at-top
   abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), a) for a in args]
   kwargs = {}
   if plan_.donate:
     kwargs["donate_argnums"] = tuple(i for i in range(len(args))
                                      if i not in plan_.batch_argnums)
-  compiled = plan_.jit(step, **kwargs).lower(*abstract).compile()
+  compiled = plan_.jit(step, **kwargs).lower(*abstract).compile(compiler_options)
   stats = compiled.memory_analysis()
   got = {"arguments": float(stats.argument_size_in_bytes),
          "outputs": float(stats.output_size_in_bytes - stats.alias_size_in_bytes),

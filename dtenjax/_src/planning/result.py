@@ -178,12 +178,14 @@ class StepPlan:
     return jax.jit(fn, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
                    **jit_kwargs)
 
-  def check(self, step: Callable, *args) -> check_lib.Check:
+  def check(self, step: Callable, *args,
+            compiler_options: dict | None = None) -> check_lib.Check:
     """Compiles ``step`` with this plan's shardings (abstract arguments are fine: nothing runs)
     and compares the prediction with what XLA compiled: per-device memory
     (``memory_analysis()``) and collective bytes (read from the compiled HLO as
-    :func:`dtenjax.explain` reads them)."""
-    return check_lib.compare(self, step, args)
+    :func:`dtenjax.explain` reads them). ``compiler_options``: XLA's options, as the step's own
+    ``jax.jit(..., compiler_options=...)`` passes them, so the check compiles what will run."""
+    return check_lib.compare(self, step, args, compiler_options)
 
   def shard(self, *args):
     """Places ``args`` (the step's arguments, as planned) with :meth:`shardings`."""

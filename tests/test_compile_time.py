@@ -19,6 +19,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import dtenjax
 from dtenjax._src import ffi
+from tests.helpers import DEFAULT_CPU_EMITTERS
 from tests.helpers import block_tree
 from tests.test_collectives import _kernels
 
@@ -31,8 +32,9 @@ def mesh(cpu_devices):
 
 
 def _compiled(mesh, body, tree, out_specs=P()):
+  # the kernels of the program users get: XLA:CPU's default emitters (the suite's differ)
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AX),), out_specs=out_specs))
-  return f.lower(tree).compile()
+  return f.lower(tree).compile(DEFAULT_CPU_EMITTERS)
 
 
 _KINDS = ({"algorithm": "two_shot"}, {"algorithm": "ring"}, {"reproducible": True},

@@ -113,6 +113,9 @@ BENCH_PRIVATE_IMPORTS = {
     ("bench/compression_convergence.py", "dtenjax._src.cli"),
     # reproducible_step's pinned GPU flags, compared against
     ("bench/_repro_workloads.py", "dtenjax._src.planning"),
+    # the compile-time bench's "(jnp steps)" rows: the form before, traced by switching the
+    # custom-call steps off in the module that chooses them
+    ("bench/compile_time.py", "dtenjax._src.collectives"),
     # the rich table renderer and the algorithm registry's families
     ("bench/_harness.py", "dtenjax._src"), ("bench/_harness.py", "dtenjax._src.collectives.algorithms"),
     # the cost model checked against measurements, on hand-built topologies

@@ -496,3 +496,14 @@ def test_cpu_products_do_work_that_does_not_shrink_with_the_batch(tmp_path, monk
   # not priced by default (docs/planner.md): the intercept is the optimizer's update alone
   lo, hi = compute(32, {"data": 8}, P()), compute(512, {"data": 8}, P())
   assert lo / ((hi - lo) / (512 - 32)) - 32 < 11.7 / 8
+
+
+def test_the_rows_part_measures_the_cpu_time_of_a_products_rows():
+  """bench/step_planner.py --parts rows (where the 17.8 rows above come from): 32x the rows of a
+  product cost more CPU time per device, and the line through them is reported in rows."""
+  import step_planner  # pylint: disable=g-import-not-at-top
+  rows, notes = step_planner.product_rows(rows=(8, 256), iters=1)
+  assert [r["rows"] for r in rows] == [8, 256]
+  assert rows[1]["cpu_us"] > 4 * rows[0]["cpu_us"]
+  assert rows[1]["line_us"] == pytest.approx(rows[1]["cpu_us"])   # two points: the line
+  assert "rows of work that does not grow with the rows" in notes[0]

@@ -31,6 +31,12 @@ Parts (``--parts``, default all):
 * ``priced`` -- the wins part's plan and hand-written layouts priced by the cost model only
   (nothing compiled or run), beside a recorded wins run's measured times (``--measured-json``).
 
+* ``rows`` -- the work of one product that does not grow with its rows (the cost model's
+  ``product_fixed_rows``): the forward and backward of a float32 ``[M, 256] x [256, 1024]``
+  product on every device at once, this process's CPU seconds against ``M`` (32 to 512 rows per
+  device, interleaved rounds, medians), and the straight line's intercept in rows. CPU seconds,
+  not wall time: other work on a shared machine stretches the wall time, not the work.
+
 * ``gpu`` -- (GPU machine) the same comparison compiled by XLA's GPU compiler for a mocked host of
   8 GPUs (``jax_mock_gpu_topology``, set before the backend starts: ``--mock-gpus 8``), nothing
   run: the plan's predicted memory and collective bytes per kind against the compiled ones, next
@@ -384,6 +390,50 @@ def wins_rows(names, iters: int, calibrated=None, on_family=None) -> tuple[list[
   return rows, notes
 
 
+def product_rows(rows=(32, 64, 128, 256, 512), iters: int = 7, k: int = 256,
+                 n: int = 1024) -> tuple[list[dict], list[str]]:
+  """The ``rows`` part: CPU seconds per device of a product's forward and backward against its
+  rows per device (every device at once, as in a step), and the line's intercept in rows."""
+  import resource  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  devs = np.array(jax.devices())
+  mesh = Mesh(devs, ("c",))
+  reps = 8                                     # products per program, one dispatch
+
+  def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+  def local(x, w):
+    loss = lambda x, w: jnp.tanh(x @ w).sum()
+    def body(_, acc):
+      gx, gw = jax.grad(loss, argnums=(0, 1))(x + acc * 1e-9, w + acc * 1e-9)
+      return acc + gx.sum() + gw.sum()
+    return jax.lax.fori_loop(0, reps, body, jnp.float32(0))[None]
+
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("c"), P("c")), out_specs=P("c"),
+                             check_vma=False))
+  put = lambda shape: jax.device_put(np.full(shape, 0.01, np.float32), NamedSharding(mesh, P("c")))
+  progs = {m: (put((devs.size * m, k)), put((devs.size * k, n))) for m in rows}
+  for a in progs.values():
+    _harness.block(fn(*a))
+  samples: dict[int, list[float]] = {m: [] for m in rows}
+  for _ in range(iters):
+    for m, a in progs.items():
+      c0 = cpu_s()
+      _harness.block(fn(*a))
+      samples[m].append((cpu_s() - c0) / (devs.size * reps))
+  per = {m: _harness.median(v) for m, v in samples.items()}
+  slope, intercept = np.polyfit(list(rows), [per[m] for m in rows], 1)
+  out = [{"rows": m, "k": k, "n": n, "devices": int(devs.size), "cpu_us": per[m] * 1e6,
+          "line_us": (slope * m + intercept) * 1e6} for m in rows]
+  return out, [f"rows: {devs.size} devices, {os.cpu_count()} cores: {slope * 1e9:.0f} ns of CPU "
+               f"per row + {intercept * 1e6:.0f} us per product = {intercept / slope:.1f} rows "
+               f"of work that does not grow with the rows (load average "
+               f"{os.getloadavg()[0]:.1f})"]
+
+
 def _spread(xs: list[float]) -> float:
   """Half the distance between the first and third quartiles of ``xs`` (sorted)."""
   q = lambda f: xs[min(len(xs) - 1, int(f * (len(xs) - 1) + 0.5))]
@@ -522,6 +572,14 @@ def main(argv=None) -> int:
                          f"{jax.devices()[0].device_kind} (mocked), compile only"))
     notes += gnotes
     doc_rows += [{"part": "gpu", **r} for r in rows]
+  if "rows" in parts:
+    rows, rnotes = product_rows(iters=args.iters)
+    print(_harness.table(rows, (("rows/device", "rows", "d"),
+                                ("CPU us per product", "cpu_us", ".1f"),
+                                ("line us", "line_us", ".1f")),
+                         title="a product's forward and backward per device, CPU time"))
+    notes += rnotes
+    doc_rows += [{"part": "rows", **r} for r in rows]
   if "priced" in parts:
     rows = priced_rows(args.families.split(","), args.measured_json,
                        described_host(args.cores) if args.cores else None)

@@ -452,3 +452,61 @@ def test_a_collective_between_products_costs_what_the_vm_measured():
     assert Pricer(m, None, between).step_latency == pytest.approx(measured, rel=0.2)
   assert Pricer(m, None, 1.0).step_latency == pytest.approx(Pricer(m, None).step_latency)
   assert Pricer(m, None).step_latency == pytest.approx(60e-6 + 0.75 * 4e-3)
+
+
+def test_cpu_products_do_work_that_does_not_shrink_with_the_batch(tmp_path, monkeypatch):
+  """Measured on the 2-core VM (docs/benchmarks.md, "ninth round"): the forward and backward of a
+  float32 [M, 256] x [256, 1024] product per device took CPU time in a straight line of M with an
+  intercept of 17.8 rows with 8 devices on the 2 cores and 11.7-13.4 rows with 2 (XLA:CPU packs
+  the weight for its kernel on every call, whatever the rows). Priced with that measurement
+  (``product_fixed_rows`` 16, through DTENJAX_COST_PARAMS), the planner's compute of a weight read
+  by 8 products on 8 devices of a 2-core host, at two batch sizes, has its intercept in the
+  measured range; sharding the weight over 'tensor' 2 (rows per device doubled, weight halved,
+  the same FLOPs) saves half of it, which splitting the batch alone never does."""
+  from dtenjax._src.topology.model import DeviceInfo, NumaNode, uniform
+  path = tmp_path / "costs.json"
+  path.write_text('{"cpu": {"product_fixed_rows": 16}}')
+  monkeypatch.setenv("DTENJAX_COST_PARAMS", str(path))
+  devices = [DeviceInfo(id=i, platform="cpu", kind="cpu", memory_bytes=0, process_index=0,
+                        host="h0") for i in range(8)]
+  host = uniform("cpu8", devices, intra="shared_memory",
+                 numa_nodes=[NumaNode(host="h0", id=0, cpus="0-1")])
+  d = 512
+
+  def step(w, x):
+    def loss(w):
+      y = x
+      for _ in range(8):          # one weight, 8 products: its update is small beside them
+        y = jnp.tanh(y @ w)
+      return y.sum()
+    return w - 0.1 * jax.grad(loss)(w)
+
+  w = jax.ShapeDtypeStruct((d, d), jnp.float32)
+
+  def compute(rows, mesh, spec):
+    x = jax.ShapeDtypeStruct((rows * mesh.get("data", 1), d), jnp.float32)
+    return dtenjax.plan(step, w, x, mesh=mesh, topology=host, pinned=[spec, None],
+                        memory_budget=1 << 40).cost.compute_s
+
+  lo, hi = compute(32, {"data": 8}, P()), compute(512, {"data": 8}, P())
+  per_row = (hi - lo) / (512 - 32)
+  intercept = lo / per_row - 32
+  assert 11.7 <= intercept <= 17.8 * 1.05
+  # the same global batch over data 4 x tensor 2: 64 rows per device of half the weight
+  tp = compute(64, {"data": 4, "tensor": 2}, P(None, "tensor"))
+  assert (lo - tp) / per_row == pytest.approx(intercept / 2, rel=0.1)
+  monkeypatch.delenv("DTENJAX_COST_PARAMS")
+  # not priced by default (docs/planner.md): the intercept is the optimizer's update alone
+  lo, hi = compute(32, {"data": 8}, P()), compute(512, {"data": 8}, P())
+  assert lo / ((hi - lo) / (512 - 32)) - 32 < 11.7 / 8
+
+
+def test_the_rows_part_measures_the_cpu_time_of_a_products_rows():
+  """bench/step_planner.py --parts rows (where the 17.8 rows above come from): 32x the rows of a
+  product cost more CPU time per device, and the line through them is reported in rows."""
+  import step_planner  # pylint: disable=g-import-not-at-top
+  rows, notes = step_planner.product_rows(rows=(8, 256), iters=1)
+  assert [r["rows"] for r in rows] == [8, 256]
+  assert rows[1]["cpu_us"] > 4 * rows[0]["cpu_us"]
+  assert rows[1]["line_us"] == pytest.approx(rows[1]["cpu_us"])   # two points: the line
+  assert "rows of work that does not grow with the rows" in notes[0]

@@ -81,6 +81,7 @@ class Pricer:
                              else m.topology.local_s_per_byte(prior_s_per_byte))
     self.step_latency = (costs.step_collective_us * 1e-6 if "step_collective_us" in user
                          else m.topology.meeting_s(self.backend, costs.step_collective_us * 1e-6))
+    self.product_fixed_rows = costs.product_fixed_rows
     # that meeting is the devices waiting for the slowest of them to finish its compute since
     # the previous collective: their wake-up plus the spread of their arrivals, a share of that
     # compute (``between``, a product's time per device). Measured on the 8-device CPU VM: 0.09
@@ -238,7 +239,16 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     for (leaf, k), f in graph.carried.items():
       if leaf == primary.index:
         flops += f / (m.size["tensor"] if pr.tp == ("col", k) else 1)
-    pr.compute = flops / batch_div / m.peak_flops * pr.compute_scale
+    # each product that reads the weight also does work that grows with the weight a device
+    # holds and not with the rows it multiplies (BackendCosts.product_fixed_rows: XLA:CPU packs
+    # the weight for its kernel on every call), as if that many more rows were multiplied: the
+    # products' FLOPs per row (every call, forward and backward, and every expert of a batched
+    # product) times those rows, for the share of the weight a device holds ('tensor' and the
+    # routed axes shard it; splitting the batch does not)
+    batched = math.prod(primary.shape[k] for k in use.stacked) / max(1, use.layers)
+    fixed = (pricer.product_fixed_rows * use.flops / max(1, use.tokens) * batched *
+             grad / max(1, primary.nbytes))
+    pr.compute = (flops / batch_div + fixed) / m.peak_flops * pr.compute_scale
   # the optimizer's update reads the parameter, its gradient and its moments and writes the
   # parameter and moments: each device updates its shard only (the work FSDP saves beside memory)
   update_bytes = (2 * sum(lf.nbytes for lf in leaves) + primary.nbytes) / shards

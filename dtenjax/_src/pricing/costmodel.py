@@ -76,6 +76,13 @@ class BackendCosts:
     step_collective_us: what one collective adds inside a step beyond its own time: the
       rendezvous of devices that arrive after their share of compute (on a CPU, devices that
       share cores arrive one after another). :meth:`Topology.calibrate` measures it.
+    product_fixed_rows: the work of one product beyond its multiply-adds that grows with its
+      weight and not with the batch, in rows of the product (a ``[M, K] x [K, N]`` product costs
+      as much as ``M + product_fixed_rows`` rows would): XLA:CPU's kernels pack the weight
+      operand into their own layout on every call, and the backward transposes it and writes
+      its whole gradient, however few rows a device multiplies (measured on CPU: 12-18 rows,
+      below; 0 until the model prices what else tensor parallelism costs in a scanned loop).
+      A GPU's kernels read the weight in place (0).
   """
   xla_collective_us: float
   local_pass_us: float
@@ -85,6 +92,7 @@ class BackendCosts:
   fixed_point_gbps: float
   overlap: float = 0.5
   step_collective_us: float = 0.0
+  product_fixed_rows: float = 0.0
 
   def __post_init__(self):
     bad = [f.name for f in dataclasses.fields(self)
@@ -108,6 +116,13 @@ class BackendCosts:
 # than their DP steps with 5 all-reduces: about 3 ms a collective beyond its bytes);
 # gpu: the 2 x H200 measurements in docs/benchmarks.md (psum ~19-28 us at 8 KB-1 MB, the NVLink one-shot
 # kernel ~9.5 us at 8 KB; fixed_point_gbps not measured); tpu: unmeasured placeholders.
+# cpu product_fixed_rows: measured, not yet the default. A float32 [M, 256] x [256, 1024]
+# product's forward and backward per device on the 2-core VM, CPU seconds against M = 32..512 (a
+# straight line), has 17.8 rows' worth of work that does not grow with M with 8 devices on the 2
+# cores, 11.7-13.4 with 2 (two runs). {"cpu": {"product_fixed_rows": 16}} in DTENJAX_COST_PARAMS
+# prices it. As the default it makes the encoder-decoder's tensor-parallel plan the VM's choice
+# (0.82x DP's CPU time) but also the scanned decoder's, whose tensor-parallel plan does 1.12x DP's
+# work for a reason the model does not price yet (docs/benchmarks.md, "ninth round").
 BACKEND_COSTS: Mapping[str, BackendCosts] = {
     "cpu": BackendCosts(xla_collective_us=80.0, local_pass_us=5.0, local_bandwidth_gbps=1.35,
                         nvlink_kernel_us=INF, host_step_us=60.0, fixed_point_gbps=0.6,

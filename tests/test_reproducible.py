@@ -108,10 +108,15 @@ def test_jits_with_the_pinned_options_and_checks_user_options():
 
 
 @pytest.mark.slow
-def test_fused_and_unfused_steps_agree_bit_for_bit_with_it():
+def test_fused_and_unfused_steps_agree_bit_for_bit_with_it(monkeypatch):
   """The same adamw step around substitute_psum and fuse_collectives(64 KiB): identical
   parameters after 5 steps under reproducible_step (its process flag set); without it they
-  differ (measured: 1067 of 26,378 parameters, bench/reproducible_step.py) on a CPU with FMA."""
+  differ (measured: 1067 of 26,378 parameters, bench/reproducible_step.py) on a CPU with FMA.
+  Both runs trace the collectives' sums as XLA operations (DTENJAX_CPU_FFI=0, as on a GPU or
+  without the extension): on XLA:CPU the custom calls sum outside XLA's fusions, so plain
+  jax.jit's fused and unfused steps then agree (0 differences in every variant) and would show
+  nothing about the pins."""
+  monkeypatch.setenv("DTENJAX_CPU_FFI", "0")      # the processes run_mode starts inherit it
   variants = ("subst one_shot", "fuse 64KiB", "subst two_shot")
   fma = _cpu_has_fma()
   # One fresh process after the other (each is mostly single-threaded compilation): one busy

@@ -220,6 +220,19 @@ def test_bad_buffers_are_ffi_errors_naming_the_mismatch():
        "must be positive"),
       (lambda: _call(cpu_ffi.RING_STEP, s((2,), f32), x[0], jnp.int32(0), x[0, :2].astype(
           jnp.bfloat16), n=2, shift=0), "received partial must be f32"),
+      (lambda: _call(cpu_ffi.BUTTERFLY, [s((1, 3), f32)] * 2, x[0], jnp.int32(0), n=3, step=-1,
+                     scale_log2=2), "power of two"),
+      (lambda: _call(cpu_ffi.BUTTERFLY, [s((1, 3), f32)] * 2, x[0], jnp.int32(0), x[0], n=2,
+                     step=-1, scale_log2=1), "takes no received buffer"),
+      (lambda: _call(cpu_ffi.BUTTERFLY, [s((1, 3), f32)] * 2, x[0], jnp.float32(0), n=2,
+                     step=-1, scale_log2=1), "rank must be int32"),
+      (lambda: _call(cpu_ffi.BUTTERFLY, [s((1, 1), f32)] * 2, x[0], jnp.int32(0), n=2,
+                     step=-1, scale_log2=1), "2 chunks of 1 values do not cover 3"),
+      (lambda: _call(cpu_ffi.BUTTERFLY, [s((2, 3), f32)] * 2, x[0], jnp.int32(0), n=2,
+                     step=-1, scale_log2=1), "does not fit the results"),
+      (lambda: _call(cpu_ffi.BUTTERFLY, s((3,), f32), x[:1], jnp.int32(0),
+                     y[:1, :3].astype(jnp.bfloat16), n=2, step=0, scale_log2=1),
+       "received buffer must be f32 of the source"),
       (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), jnp.ones((33, 3), f32), mean=0),
        "33 contributions"),
       (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), jnp.ones((1, 3), f32), mean=0),
@@ -252,10 +265,11 @@ def _program(mesh, kwargs):
 
 
 @pytest.mark.parametrize("kwargs", (
-    {"algorithm": "two_shot"}, {"algorithm": "ring"}, {"algorithm": "two_shot", "op": "mean"},
+    {"algorithm": "two_shot"}, {"algorithm": "ring"}, {"algorithm": "butterfly"},
+    {"algorithm": "butterfly", "op": "mean"}, {"algorithm": "two_shot", "op": "mean"},
     {"algorithm": "one_shot", "op": "mean"}, {"reproducible": True},
     {"reproducible": True, "algorithm": "one_shot", "op": "mean"}),
-    ids=("two_shot", "ring", "two_shot_mean", "one_shot_mean", "reproducible",
+    ids=("two_shot", "ring", "butterfly", "butterfly_mean", "two_shot_mean", "one_shot_mean", "reproducible",
          "reproducible_one_shot_mean"))
 def test_a_bucket_through_the_calls_has_the_jnp_formulation_s_bits(mesh, kwargs, monkeypatch):
   """The same tree (bucketed: one dtype group per bucket) with the custom calls and with
@@ -273,9 +287,33 @@ def test_a_bucket_through_the_calls_has_the_jnp_formulation_s_bits(mesh, kwargs,
       _same_bits(a[k][0], fpref.v3_sum(tree[k], mean=kwargs.get("op") == "mean"), k)
 
 
+@pytest.mark.parametrize("n", (2, 8))
+@pytest.mark.parametrize("op", ("sum", "mean"))
+def test_butterfly_s_steps_give_its_jnp_tree_s_bits(cpu_devices, n, op, monkeypatch):
+  """Butterfly over 2 and 8 devices (one step and three): its steps are custom calls
+  (log2(n) + 1 of them) and the result has the jnp tree's bits, NaN payloads, infinities,
+  -0.0, subnormals and sizes that leave the last chunks padded (and the vectorized add's tails)
+  included."""
+  mesh = Mesh(np.array(cpu_devices[:n]), (AX,))
+  x = _contributions(n, np.float32, m=203, seed=n)
+  with np.errstate(invalid="ignore", over="ignore"):
+    x = np.concatenate([x, x[::-1] * np.float32(3e37)], axis=1)
+  f = lambda: jax.jit(jax.shard_map(lambda t: dtenjax.all_reduce(t, AX, algorithm="butterfly",
+                                                                  op=op),
+                                    mesh=mesh, in_specs=(P(AX),), out_specs=P()))
+  ours = f().lower(x).compile()
+  calls = [l for l in ours.as_text().splitlines() if "dtenjax_cpu_butterfly" in l and "=" in l]
+  assert len(calls) == n.bit_length(), calls
+  monkeypatch.setenv("DTENJAX_CPU_FFI", "0")
+  theirs = f().lower(x).compile()
+  assert "dtenjax_cpu_butterfly" not in theirs.as_text()
+  _same_bits(ours(x), theirs(x))
+
+
 @pytest.mark.parametrize("kwargs", ({"algorithm": "two_shot"}, {"algorithm": "one_shot"},
-                                    {"algorithm": "ring"}, {"reproducible": True}),
-                         ids=("two_shot", "one_shot", "ring", "reproducible"))
+                                    {"algorithm": "ring"}, {"algorithm": "butterfly"},
+                                    {"reproducible": True}),
+                         ids=("two_shot", "one_shot", "ring", "butterfly", "reproducible"))
 def test_a_bucket_through_the_calls_under_vmap(mesh, kwargs):
   """jax.vmap over a batch dimension of each device's leaves: every batch element reduced as
   on its own."""

@@ -148,29 +148,53 @@ int64_t RepSumF32x4(const float* const* row, bool mean, int64_t c, float* y) {
 }
 #endif
 
-// y = a + b elementwise over n float32 values, in the current floating-point mode (y may be a
-// or b). Four lanes at a time, four vectors per round: the extension is built for size (nanobind
-// adds -Os), which leaves a plain loop scalar, one value per iteration, where XLA's own add
-// kernel is vectorized. Each lane is the one IEEE addition the scalar loop would do: the same
-// bits.
-void AddF32(const float* a, const float* b, float* y, int64_t n) {
+// y = a + b (kScale false) or y = a * s (kScale true) elementwise over n float32 values, in the
+// current floating-point mode (y may be a or b). Four lanes at a time, four vectors per round: the
+// extension is built for size (nanobind adds -Os), which leaves a plain loop scalar, one value per
+// iteration, where XLA's own kernels are vectorized. Each lane is the one IEEE operation the
+// scalar loop would do: the same bits.
+template <bool kScale>
+void ArithF32(const float* a, const float* b, float s, float* y, int64_t n) {
   int64_t e = 0;
 #if defined(__SSE2__)
+  const __m128 sv = _mm_set1_ps(s);
+  const auto op = [&](int64_t i) {
+    const __m128 x = _mm_loadu_ps(a + i);
+    return kScale ? _mm_mul_ps(x, sv) : _mm_add_ps(x, _mm_loadu_ps(b + i));
+  };
   for (; e + 16 <= n; e += 16) {
-    const __m128 s0 = _mm_add_ps(_mm_loadu_ps(a + e), _mm_loadu_ps(b + e));
-    const __m128 s1 = _mm_add_ps(_mm_loadu_ps(a + e + 4), _mm_loadu_ps(b + e + 4));
-    const __m128 s2 = _mm_add_ps(_mm_loadu_ps(a + e + 8), _mm_loadu_ps(b + e + 8));
-    const __m128 s3 = _mm_add_ps(_mm_loadu_ps(a + e + 12), _mm_loadu_ps(b + e + 12));
+    const __m128 s0 = op(e), s1 = op(e + 4), s2 = op(e + 8), s3 = op(e + 12);
     _mm_storeu_ps(y + e, s0);
     _mm_storeu_ps(y + e + 4, s1);
     _mm_storeu_ps(y + e + 8, s2);
     _mm_storeu_ps(y + e + 12, s3);
   }
-  for (; e + 4 <= n; e += 4) {
-    _mm_storeu_ps(y + e, _mm_add_ps(_mm_loadu_ps(a + e), _mm_loadu_ps(b + e)));
-  }
+  for (; e + 4 <= n; e += 4) _mm_storeu_ps(y + e, op(e));
 #endif
-  for (; e < n; ++e) y[e] = a[e] + b[e];
+  for (; e < n; ++e) y[e] = kScale ? a[e] * s : a[e] + b[e];
+}
+
+void AddF32(const float* a, const float* b, float* y, int64_t n) {
+  ArithF32<false>(a, b, 0.0f, y, n);
+}
+
+// y = a * 2^k (k != 0), or a copy of a (k == 0: no multiplication, as the jnp path has none).
+void ScaleF32(const float* a, int k, float* y, int64_t n) {
+  if (k != 0) return ArithF32<true>(a, nullptr, p2p::v3::Pow2(k), y, n);
+  if (n && y != a) std::memcpy(y, a, n * sizeof(float));
+}
+
+// The values of chunk `chunk` of `c` values of a flat buffer of `total` values that lie inside
+// it (the rest read as zeros).
+int64_t Inside(int64_t total, int64_t chunk, int64_t c) {
+  const int64_t start = chunk * c;
+  return start >= total ? 0 : (total - start < c ? total - start : c);
+}
+
+int64_t BitReversed(int64_t p, int64_t n) {   // n a power of two
+  int64_t r = 0;
+  for (int64_t bit = 1; bit < n; bit <<= 1) r = (r << 1) | ((p & bit) ? 1 : 0);
+  return r;
 }
 
 template <int W, bool kBf16In, bool kBf16Out>
@@ -293,7 +317,7 @@ Status RingStep(const void* flat, int64_t total, Float in, const float* recv, in
   DTENJAX_CHECK_ARG(c >= 0 && total >= 0 && chunk >= 0, "ring step: negative sizes");
   FloatMode mode(/*flush=*/true);
   const int64_t start = chunk * c;
-  const int64_t inside = start >= total ? 0 : (total - start < c ? total - start : c);
+  const int64_t inside = Inside(total, chunk, c);
   if (in == Float::kF32 && out == Float::kF32) {   // the common case (vectorized)
     const float* x = static_cast<const float*>(flat) + start;
     float* y = static_cast<float*>(result);
@@ -312,6 +336,42 @@ Status RingStep(const void* flat, int64_t total, Float in, const float* recv, in
     const float x = e < inside ? Widen(flat, start + e, in) : 0.0f;
     Store(result, e, recv != nullptr ? recv[e] + x : x, out);
   }
+  return Status::Ok();
+}
+
+Status ButterflyFirst(const float* flat, int64_t total, int64_t n, int upper, int64_t c,
+                      int scale_log2, float* keep, float* send) {
+  DTENJAX_CHECK_ARG(n >= 2 && (n & (n - 1)) == 0, "butterfly: n = " + std::to_string(n) +
+                                                      " is not a power of two >= 2");
+  DTENJAX_CHECK_ARG(c >= 0 && total >= 0 && total <= n * c && (upper == 0 || upper == 1),
+                    "butterfly: " + std::to_string(n) + " chunks of " + std::to_string(c) +
+                        " values do not cover " + std::to_string(total) + " values");
+  FloatMode mode(/*flush=*/true);
+  const int64_t h = n / 2;
+  for (int64_t p = 0; p < n; ++p) {   // position p holds chunk bitrev(p)
+    float* dst = (p / h == upper ? keep : send) + (p % h) * c;
+    const int64_t chunk = BitReversed(p, n), inside = Inside(total, chunk, c);
+    ScaleF32(flat + chunk * c, -scale_log2, dst, inside);
+    if (c > inside) std::memset(dst + inside, 0, (c - inside) * sizeof(float));
+  }
+  return Status::Ok();
+}
+
+Status ButterflyStep(const float* keep, const float* recv, int64_t h, int64_t c, int upper,
+                     int next_upper, int scale_log2, float* out_keep, float* out_send) {
+  DTENJAX_CHECK_ARG(h >= 1 && (h == 1 || h % 2 == 0) && c >= 0,
+                    "butterfly: " + std::to_string(h) + " rows is neither 1 nor even");
+  FloatMode mode(/*flush=*/true);
+  const float* lower = upper ? recv : keep;   // the lower block's partial sum first
+  const float* higher = upper ? keep : recv;
+  if (h == 1) {
+    AddF32(lower, higher, out_keep, c);
+    ScaleF32(out_keep, scale_log2, out_keep, c);
+    return Status::Ok();
+  }
+  const int64_t half = h / 2 * c, mine = next_upper ? half : 0, theirs = half - mine;
+  AddF32(lower + mine, higher + mine, out_keep, half);
+  AddF32(lower + theirs, higher + theirs, out_send, half);
   return Status::Ok();
 }
 

@@ -17,6 +17,14 @@
 //            padded with zeros to a multiple of c, widened to float32, plus the received float32
 //            partial `recv` where there is one (received first, own second), with XLA:CPU's
 //            flushing, rounded to the result's type. `result` may be `recv` (in place).
+//   Butterfly: a step of algorithms/butterfly.py's recursive halving in float32 (XLA:CPU's
+//            flushing). The first, from the flat buffer: the `n` chunks of `c` values (read as
+//            if padded with zeros) in bit-reversed order, each scaled by 2^-scale_log2, their
+//            half `upper` into `keep` and the other half into `send` ([n/2, c] each). A later
+//            one: `h` rows of `keep` plus the partner's `recv` (the lower block's first: `keep +
+//            recv` where `upper` is 0, `recv + keep` where it is 1), then either (h == 1) that
+//            row scaled by 2^scale_log2 into `out_keep`, or its half `next_upper` into `out_keep`
+//            and the other half into `out_send`.
 //   RepSum:  contract v3 (csrc/p2p/repro_v3.h) of the W = sum(contributions) values of each
 //            element, IEEE arithmetic (no flushing, as the contract requires).
 #pragma once
@@ -41,6 +49,12 @@ Status Fold(const void* const* operands, int count, int64_t values, Float in, Fl
 
 Status RingStep(const void* flat, int64_t total, Float in, const float* recv, int64_t chunk,
                 int64_t c, Float out, void* result);
+
+Status ButterflyFirst(const float* flat, int64_t total, int64_t n, int upper, int64_t c,
+                      int scale_log2, float* keep, float* send);
+
+Status ButterflyStep(const float* keep, const float* recv, int64_t h, int64_t c, int upper,
+                     int next_upper, int scale_log2, float* out_keep, float* out_send);
 
 // operand i is [rows, contributions[i], c]; the result [rows, c].
 Status RepSum(const void* const* operands, const int64_t* contributions, int count,

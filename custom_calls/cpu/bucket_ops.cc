@@ -10,6 +10,12 @@
 //   dtenjax_cpu_ring_step(flat[..., total], rank s32[...], [recv f32[..., c]]) -> out[..., c]
 //       attributes n, shift: the chunk ((rank + shift) mod n) of each row of flat, plus recv
 //       (the result may alias recv)
+//   dtenjax_cpu_butterfly(src f32, rank s32[...], [recv f32]) -> (keep f32[..., h, c],
+//                                                               send f32[..., h, c])
+//                                                          or out f32[..., c] (the last step)
+//       attributes n, step, scale_log2: step -1 reads src[..., total] as n chunks (the first
+//       send); step s >= 0 adds recv[..., 2h, c] to src[..., 2h, c] (the kept half) at the
+//       rank's bit s and splits the sum at its bit s + 1
 //   dtenjax_cpu_repro_sum(x_0[..., m_0, c], ..., x_k[..., m_k, c]) -> out[..., c]
 //       attribute mean (0 or 1)
 // The leading dimensions "..." are the same for every buffer of a call (vmap's batch, or none).
@@ -190,6 +196,19 @@ ffi::Error FoldImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
   return ffi::Error::Success();
 }
 
+// The rank of leading row r: one value for every row, or one per row.
+ffi::Error Ranks(const char* name, ffi::AnyBuffer rank, int64_t rows) {
+  if (rank.element_type() != ffi::DataType::S32 ||
+      (static_cast<int64_t>(rank.element_count()) != rows && rank.element_count() != 1)) {
+    return Bad(name, "the rank must be int32, one value or one per row");
+  }
+  return ffi::Error::Success();
+}
+
+int64_t RankOf(ffi::AnyBuffer rank, int64_t r) {
+  return rank.typed_data<int32_t>()[rank.element_count() == 1 ? 0 : r];
+}
+
 ffi::Error RingStepImpl(ffi::AnyBuffer flat, ffi::AnyBuffer rank, ffi::RemainingArgs recv,
                         ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t shift) {
   constexpr const char* kName = "dtenjax_cpu_ring_step";
@@ -209,10 +228,8 @@ ffi::Error RingStepImpl(ffi::AnyBuffer flat, ffi::AnyBuffer rank, ffi::Remaining
     return Bad(kName, std::to_string(n) + " chunks of " + std::to_string(c) +
                           " values do not cover the flat buffer's " + std::to_string(total));
   }
-  if (rank.element_type() != ffi::DataType::S32 ||
-      (static_cast<int64_t>(rank.element_count()) != rows && rank.element_count() != 1)) {
-    return Bad(kName, "the rank must be int32, one value or one per row");
-  }
+  ffi::Error err = Ranks(kName, rank, rows);
+  if (err.failure()) return err;
   const float* partial = nullptr;
   if (recv.size() > 1) return Bad(kName, "at most one received partial");
   if (recv.size() == 1) {
@@ -224,15 +241,90 @@ ffi::Error RingStepImpl(ffi::AnyBuffer flat, ffi::AnyBuffer rank, ffi::Remaining
     }
     partial = static_cast<const float*>(r->untyped_data());
   }
-  const int32_t* ranks = rank.typed_data<int32_t>();
   const size_t in_w = ffi::ByteWidth(flat.element_type());
   const size_t out_w = ffi::ByteWidth(out->element_type());
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t k = ranks[rank.element_count() == 1 ? 0 : r];
+    const int64_t k = RankOf(rank, r);
     const dtenjax::Status s = dtenjax::cpu::RingStep(
         static_cast<const char*>(flat.untyped_data()) + r * total * in_w, total, in,
         partial != nullptr ? partial + r * c : nullptr, (((k + shift) % n) + n) % n, c, ot,
         static_cast<char*>(out->untyped_data()) + r * c * out_w);
+    if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ButterflyImpl(ffi::AnyBuffer src, ffi::AnyBuffer rank, ffi::RemainingArgs recv,
+                         ffi::RemainingRets rets, int64_t n, int64_t step, int64_t scale_log2) {
+  constexpr const char* kName = "dtenjax_cpu_butterfly";
+  if (n < 2 || (n & (n - 1)) != 0) {
+    return Bad(kName, "n = " + std::to_string(n) + " must be a power of two >= 2");
+  }
+  if (step < -1 || step > 61 || (step >= 0 && (int64_t{2} << step) > n) || scale_log2 < 0 || scale_log2 > 126) {
+    return Bad(kName, "step " + std::to_string(step) + " or scale_log2 " +
+                          std::to_string(scale_log2) + " out of range for n = " +
+                          std::to_string(n));
+  }
+  const bool first = step < 0;
+  const int64_t h = n >> (step + 1);     // the rows of src at a step, of the split's halves first
+  const size_t results = first || h > 1 ? 2 : 1;
+  if (recv.size() != (first ? 0u : 1u) || rets.size() != results) {
+    return Bad(kName, "step " + std::to_string(step) + " of n = " + std::to_string(n) +
+                          " takes " + (first ? "no" : "one") + " received buffer and gives " +
+                          std::to_string(results) + " result(s)");
+  }
+  std::vector<float*> outs(results);
+  Dims od;
+  for (size_t i = 0; i < results; ++i) {
+    auto o = rets.get<ffi::AnyBuffer>(i);
+    if (o.has_error()) return o.error();
+    if ((*o)->element_type() != ffi::DataType::F32) return Bad(kName, "the results must be f32");
+    if (i > 0 && (*o)->dimensions().size() != od.size()) return Bad(kName, "unequal results");
+    od = (*o)->dimensions();
+    outs[i] = (*o)->typed_data<float>();
+  }
+  // [..., rows of the result, c]: h / 2 rows per half after a step, n / 2 after the first
+  const size_t cut = results == 2 ? 2 : 1;
+  if (src.element_type() != ffi::DataType::F32 || od.size() < cut) {
+    return Bad(kName, "the source must be f32 and the results [..., rows, c]");
+  }
+  const size_t lead = od.size() - cut;
+  const int64_t c = od[od.size() - 1], rows = Product(od, lead);
+  const int64_t out_rows = results == 1 ? 1 : od[lead];
+  const Dims sd = src.dimensions();
+  const bool src_ok = first ? (sd.size() == lead + 1 && SameLead(sd, od, lead) &&
+                               out_rows == n / 2)
+                            : (sd.size() == lead + 2 && SameLead(sd, od, lead) &&
+                               sd[lead] == h && sd[lead + 1] == c &&
+                               out_rows == (h > 1 ? h / 2 : 1));
+  if (!src_ok) {
+    return Bad(kName, "the source " + Shape(sd) + " does not fit the results " + Shape(od) +
+                          " at step " + std::to_string(step) + " of n = " + std::to_string(n));
+  }
+  ffi::Error err = Ranks(kName, rank, rows);
+  if (err.failure()) return err;
+  const float* partner = nullptr;
+  if (!first) {
+    auto r = recv.get<ffi::AnyBuffer>(0);
+    if (r.has_error()) return r.error();
+    if (r->element_type() != ffi::DataType::F32 || r->element_count() != src.element_count()) {
+      return Bad(kName, "the received buffer must be f32 of the source's shape " + Shape(sd));
+    }
+    partner = r->typed_data<float>();
+  }
+  const int64_t in_row = first ? sd[lead] : h * c, out_row = out_rows * c;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t k = RankOf(rank, r);
+    const float* x = src.typed_data<float>() + r * in_row;
+    float* keep = outs[0] + r * out_row;
+    float* send = results == 2 ? outs[1] + r * out_row : nullptr;
+    const dtenjax::Status s =
+        first ? dtenjax::cpu::ButterflyFirst(x, in_row, n, static_cast<int>(k & 1), c,
+                                             static_cast<int>(scale_log2), keep, send)
+              : dtenjax::cpu::ButterflyStep(
+                    x, partner + r * in_row, h, c, static_cast<int>((k >> step) & 1),
+                    static_cast<int>((k >> (step + 1)) & 1), static_cast<int>(scale_log2),
+                    keep, send);
     if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
   }
   return ffi::Error::Success();
@@ -277,6 +369,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuRingStep, RingStepImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("n")
                                   .Attr<int64_t>("shift"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuButterfly, ButterflyImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("step")
+                                  .Attr<int64_t>("scale_log2"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuReproSum, ReproSumImpl,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
@@ -287,4 +388,5 @@ DTENJAX_REGISTER_FFI("dtenjax_cpu_pack", "cpu", CpuPack);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_unpack", "cpu", CpuUnpack);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_fold", "cpu", CpuFold);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_ring_step", "cpu", CpuRingStep);
+DTENJAX_REGISTER_FFI("dtenjax_cpu_butterfly", "cpu", CpuButterfly);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_repro_sum", "cpu", CpuReproSum);

@@ -19,6 +19,9 @@ Each call gives the bits of the jnp formulation it replaces (tests/test_cpu_ffi.
 * :func:`ring_step`: a step of ring's reduce-scatter, ``recv + chunk`` with the chunk read out
   of the flat buffer at the ring's rank (``algorithms/ring.py``'s order: received partial
   first), with XLA:CPU's flushing as the fold.
+* :func:`butterfly_step`: a step of butterfly's recursive halving (``algorithms/butterfly.py``:
+  the chunks in bit-reversed order, scaled against overflow, the half kept and the half sent at
+  the rank's bit, the lower block's partial sum first), with XLA:CPU's flushing as the fold.
 * :func:`repro_sum`: contract v3's local sum (``fixed_point_v3.local_sum``) of 2..32
   contributions, per element as the NVLink kernels compute it (``csrc/p2p/repro_v3.h``), with
   IEEE arithmetic.
@@ -45,8 +48,9 @@ PACK = "dtenjax_cpu_pack"
 UNPACK = "dtenjax_cpu_unpack"
 FOLD = "dtenjax_cpu_fold"
 RING_STEP = "dtenjax_cpu_ring_step"
+BUTTERFLY = "dtenjax_cpu_butterfly"
 REPRO_SUM = "dtenjax_cpu_repro_sum"
-TARGETS = (PACK, UNPACK, FOLD, RING_STEP, REPRO_SUM)
+TARGETS = (PACK, UNPACK, FOLD, RING_STEP, BUTTERFLY, REPRO_SUM)
 FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_CONTRIBUTIONS = 32          # the handler's contract-v3 sums (fixed_point_v3.MAX_CONTRIBUTIONS)
 
@@ -71,7 +75,7 @@ def active_for(call) -> bool:
 
 
 def folds(call, dtype) -> bool:
-  """Whether :func:`fold` (two_shot) and :func:`ring_step` (ring) run ``call``'s float sum (or
+  """Whether :func:`fold` (two_shot), :func:`ring_step` (ring) and :func:`butterfly_step` run ``call``'s float sum (or
   mean) of ``dtype``: float32 only.
   XLA:CPU runs a bfloat16 all-to-all and all-gather in float32 with conversions around them,
   which XLA fuses into jnp chunk copies and a jnp fold but must compile on their own around
@@ -174,6 +178,25 @@ def ring_step(flat, rank, recv, n: int, shift: int, c: int):
   operands = [flat, rank.astype(jnp.int32)] + ([recv] if recv is not None else [])
   return _ffi(RING_STEP, jax.ShapeDtypeStruct(lead + (c,), jnp.float32), operands,
               {2: 0} if recv is not None else None, n=n, shift=shift)[0]
+
+
+def butterfly_step(src, rank, recv, n: int, step: int, c: int, scale_log2: int):
+  """Step ``step`` of butterfly's reduce-scatter over ``n`` (a power of two) ranks, float32.
+
+  ``step`` -1 (``recv`` None): the flat ``[*lead, size]`` float32 buffer as ``n`` chunks of
+  ``c`` values (padded with zeros) in bit-reversed order, times ``2^-scale_log2``: ``(keep,
+  send)``, the halves ``[*lead, n/2, c]`` at and off the rank's bit 0. ``step`` s >= 0: ``src``
+  (the kept half, ``[*lead, h, c]``) plus ``recv`` (the partner's half), the lower block's
+  partial first (``src + recv`` where the rank's bit s is 0): its halves at and off bit s + 1
+  as ``(keep, send)``, or at the last step (h = 1) the rank's chunk ``[*lead, c]`` times
+  ``2^scale_log2``. ``rank``: ``lax.axis_index`` of the group."""
+  lead = src.shape[:-1] if recv is None else src.shape[:-2]
+  h = n // 2 if recv is None else src.shape[-2] // 2
+  outs = ([jax.ShapeDtypeStruct(lead + (h, c), jnp.float32)] * 2 if h >= 1
+          else [jax.ShapeDtypeStruct(lead + (c,), jnp.float32)])
+  operands = [src, rank.astype(jnp.int32)] + ([recv] if recv is not None else [])
+  res = _ffi(BUTTERFLY, outs, operands, n=n, step=step, scale_log2=scale_log2)
+  return tuple(res) if h >= 1 else res[0]
 
 
 def repro_sum(groups: Sequence, op: str, dtype):

@@ -38,9 +38,9 @@ def _compiled(mesh, body, tree, out_specs=P()):
 _KINDS = ({"algorithm": "two_shot"}, {"algorithm": "ring"}, {"reproducible": True},
           {"reproducible": True, "algorithm": "two_shot"},
           {"reproducible": True, "algorithm": "one_shot"}, {"algorithm": "one_shot"},
-          {"algorithm": "butterfly"})
+          {"algorithm": "butterfly"}, {"reproducible": True, "algorithm": "xla"})
 _IDS = ("two_shot", "ring", "reproducible", "reproducible_two_shot", "reproducible_one_shot",
-        "one_shot", "butterfly")
+        "one_shot", "butterfly", "reproducible_xla")
 
 
 @pytest.mark.skipif(not ffi.is_built(),

@@ -268,9 +268,12 @@ def _program(mesh, kwargs):
     {"algorithm": "two_shot"}, {"algorithm": "ring"}, {"algorithm": "butterfly"},
     {"algorithm": "butterfly", "op": "mean"}, {"algorithm": "two_shot", "op": "mean"},
     {"algorithm": "one_shot", "op": "mean"}, {"reproducible": True},
-    {"reproducible": True, "algorithm": "one_shot", "op": "mean"}),
+    {"reproducible": True, "algorithm": "one_shot", "op": "mean"},
+    {"reproducible": True, "algorithm": "xla"}, {"reproducible": True, "algorithm": "xla", "op": "mean"},
+    {"reproducible": True, "algorithm": "ring"}, {"reproducible": True, "algorithm": "butterfly"}),
     ids=("two_shot", "ring", "butterfly", "butterfly_mean", "two_shot_mean", "one_shot_mean", "reproducible",
-         "reproducible_one_shot_mean"))
+         "reproducible_one_shot_mean", "reproducible_xla", "reproducible_xla_mean",
+         "reproducible_ring", "reproducible_butterfly"))
 def test_a_bucket_through_the_calls_has_the_jnp_formulation_s_bits(mesh, kwargs, monkeypatch):
   """The same tree (bucketed: one dtype group per bucket) with the custom calls and with
   DTENJAX_CPU_FFI=0: the same bits; only the first program calls dtenjax's targets."""
@@ -308,6 +311,56 @@ def test_butterfly_s_steps_give_its_jnp_tree_s_bits(cpu_devices, n, op, monkeypa
   theirs = f().lower(x).compile()
   assert "dtenjax_cpu_butterfly" not in theirs.as_text()
   _same_bits(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_word_calls_are_stack_codes_encode_and_decode(dtype):
+  """The word exchange's codes, encode (k = 1, 3 local contributions of 2, 3, 8 and 32 in all)
+  and decode (sum and mean) as custom calls: fixed_point_v3's jnp functions' bits, on the
+  corner cases, and the numpy reference's sum of the same words."""
+  for count in (2, 3, 8, 32):
+    x = _contributions(count, dtype)
+    for k in sorted({1, min(3, count)}):
+      stack = jnp.asarray(x[:k])
+      want = v3.stack_codes(stack)
+      codes = cpu_ffi.repro_codes(stack)
+      assert codes.dtype == jnp.uint8
+      _same_bits(codes.astype(jnp.int32), want, (count, k, "codes"))
+      _same_bits(cpu_ffi.repro_encode(stack, codes, count), v3.encode(stack, want, count),
+                 (count, k, "encode"))
+    codes = v3.stack_codes(jnp.asarray(x))
+    words = v3.encode(jnp.asarray(x), codes, count)     # every contribution on one device
+    for op in ("sum", "mean"):
+      got = cpu_ffi.repro_decode(words, codes.astype(jnp.uint8), count, op, dtype)
+      _same_bits(got, v3.decode(words, codes, count, op, dtype), (count, op, "decode"))
+      _same_bits(got, fpref.v3_sum(x, mean=op == "mean"), (count, op, "reference"))
+
+
+@pytest.mark.parametrize("n", (2, 8))
+@pytest.mark.parametrize("algorithm", ("xla", "ring", "butterfly"))
+def test_the_word_exchange_through_the_calls_has_the_reference_s_bits(cpu_devices, n, algorithm,
+                                                                        monkeypatch):
+  """reproducible=True with the algorithms that only all-reduce, over 2 devices (round to odd)
+  and 8: the codes, encode and decode are custom calls, and the sum and the mean of float32
+  and bfloat16 leaves are the numpy reference's and the jnp path's bits."""
+  mesh = Mesh(np.array(cpu_devices[:n]), (AX,))
+  x = _contributions(n, np.float32, m=150, seed=7)
+  tree = {"f": x, "b": x.astype(ml_dtypes.bfloat16)}
+  for op in ("sum", "mean"):
+    f = lambda: jax.jit(jax.shard_map(
+        lambda t: dtenjax.all_reduce(t, AX, reproducible=True, algorithm=algorithm, op=op),
+        mesh=mesh, in_specs=(P(AX),), out_specs=P()))
+    monkeypatch.delenv("DTENJAX_CPU_FFI", raising=False)
+    ours = f().lower(tree).compile()
+    for t in (cpu_ffi.REPRO_CODES, cpu_ffi.REPRO_ENCODE, cpu_ffi.REPRO_DECODE):
+      assert t in ours.as_text(), t
+    monkeypatch.setenv("DTENJAX_CPU_FFI", "0")
+    theirs = f().lower(tree).compile()
+    assert cpu_ffi.REPRO_ENCODE not in theirs.as_text()
+    a, b = ours(tree), theirs(tree)
+    for k in tree:
+      _same_bits(a[k], b[k], (op, k))
+      _same_bits(a[k][0], fpref.v3_sum(tree[k], mean=op == "mean"), (op, k))
 
 
 @pytest.mark.parametrize("kwargs", ({"algorithm": "two_shot"}, {"algorithm": "one_shot"},

@@ -146,6 +146,75 @@ int64_t RepSumF32x4(const float* const* row, bool mean, int64_t c, float* y) {
   }
   return e;
 }
+
+// The word exchange's common cases four elements at a time, float32 (the same operations as the
+// scalar loops below, lane by lane: the same bits); each returns where the scalar loop resumes
+// and leaves the lanes it cannot take (`redo`, one bit per lane of every group of four) to it.
+inline __m128i Codes4(const uint8_t* codes) {
+  int32_t four;
+  std::memcpy(&four, codes, 4);
+  const __m128i z = _mm_setzero_si128();
+  return _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(four), z), z);
+}
+
+int64_t ReproCodesF32x4(const float* x, int64_t k, int64_t c, uint8_t* codes) {
+  const __m128i abs_mask = _mm_set1_epi32(0x7fffffff), one = _mm_set1_epi32(1);
+  int64_t e = 0;
+  for (; e + 4 <= c; e += 4) {
+    __m128i mag = _mm_setzero_si128();
+    for (int64_t p = 0; p < k; ++p) {
+      mag = Max32(mag, _mm_and_si128(_mm_castps_si128(_mm_loadu_ps(x + p * c + e)), abs_mask));
+    }
+    const __m128i code = Max32(_mm_srli_epi32(mag, 23), Min32(mag, one));
+    const int32_t four = _mm_cvtsi128_si32(_mm_packus_epi16(_mm_packs_epi32(code, code), code));
+    std::memcpy(codes + e, &four, 4);
+  }
+  return e;
+}
+
+// count >= 3 (two contributions round to odd); lanes of code 255 are the scalar loop's.
+int64_t ReproEncodeF32x4(const float* x, int64_t k, int64_t c, const uint8_t* codes, int P,
+                         int32_t* words, std::vector<int64_t>* redo) {
+  int64_t e = 0;
+  for (; e + 4 <= c; e += 4) {
+    const __m128i code = Codes4(codes + e);
+    const __m128i sh = _mm_sub_epi32(_mm_set1_epi32(P + 126), code);
+    const __m128i sh1 = Min32(sh, _mm_set1_epi32(127));
+    const __m128 p1 = Pow2x4(sh1), p2 = Pow2x4(_mm_sub_epi32(sh, sh1));
+    __m128i q = _mm_setzero_si128();
+    for (int64_t p = 0; p < k; ++p) {
+      q = _mm_add_epi32(q, _mm_cvtps_epi32(_mm_mul_ps(_mm_mul_ps(_mm_loadu_ps(x + p * c + e),
+                                                                 p1), p2)));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(words + e), q);
+    if (_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(code, _mm_set1_epi32(255))))) {
+      redo->push_back(e);
+    }
+  }
+  return e;
+}
+
+// Lanes of code 0 or 255, of a possibly subnormal result, or of a mean whose sum may pass
+// float32's range are the scalar loop's.
+int64_t ReproDecodeF32x4(const int32_t* words, const uint8_t* codes, int64_t c, int count,
+                         bool mean, float* y, std::vector<int64_t>* redo) {
+  const int L = p2p::v3::CeilLog2(count), P = 31 - L;
+  const __m128 n = _mm_set1_ps(static_cast<float>(count));
+  int64_t e = 0;
+  for (; e + 4 <= c; e += 4) {
+    const __m128i code = Codes4(codes + e);
+    const __m128i t = _mm_sub_epi32(code, _mm_set1_epi32(126 + P));
+    __m128 r = _mm_mul_ps(_mm_cvtepi32_ps(_mm_loadu_si128(
+                              reinterpret_cast<const __m128i*>(words + e))),
+                          Pow2x4(Max32(t, _mm_set1_epi32(-126))));
+    if (mean && count > 1) r = _mm_div_ps(r, n);
+    _mm_storeu_ps(y + e, r);
+    __m128i other = _mm_or_si128(_mm_cmpgt_epi32(code, _mm_set1_epi32(254 - (mean ? L : 0))),
+                                 _mm_cmplt_epi32(t, _mm_set1_epi32(-123)));
+    if (_mm_movemask_ps(_mm_castsi128_ps(other))) redo->push_back(e);
+  }
+  return e;
+}
 #endif
 
 // y = a + b (kScale false) or y = a * s (kScale true) elementwise over n float32 values, in the
@@ -242,6 +311,27 @@ constexpr RepSumFn RepSumOf(int w, std::integer_sequence<int, Ws...>) {
 }
 
 constexpr int kMaxContributions = 32;   // fixed_point_v3.MAX_CONTRIBUTIONS: one int32 word
+
+inline uint32_t BitsOf(const void* data, int64_t i, Float type) {   // float32 bits, widened
+  return p2p::v3::Bits(Widen(data, i, type));
+}
+
+// fixed_point_v3.quantize: the word of finite x (bits b) against the code `code`, with the
+// three scales of `code`; round to odd for two contributions, else to nearest even.
+inline int32_t Quantize(uint32_t b, float p1, float p2, float p3, bool two) {
+  using p2p::v3::FromBits;
+  const uint32_t m = b & 0x7fffffu;
+  const float sub = static_cast<float>((b >> 31) ? -static_cast<int32_t>(m)
+                                                 : static_cast<int32_t>(m)) * p3;
+  const float y = (b & 0x7f800000u) == 0 ? sub : (FromBits(b) * p1) * p2;
+  if (!two) return p2p::v3::FloatToIntRn(y);
+  const float a = y < 0 ? -y : y;
+  int32_t t = static_cast<int32_t>(a);
+  if (static_cast<float>(t) != a || (a == 0.0f && (b & 0x7fffffffu) != 0)) t |= 1;
+  return (b >> 31) ? -t : t;
+}
+
+inline float Pow2Clipped(int k) { return p2p::v3::Pow2(k < -126 ? -126 : (k > 127 ? 127 : k)); }
 
 }  // namespace
 
@@ -372,6 +462,103 @@ Status ButterflyStep(const float* keep, const float* recv, int64_t h, int64_t c,
   const int64_t half = h / 2 * c, mine = next_upper ? half : 0, theirs = half - mine;
   AddF32(lower + mine, higher + mine, out_keep, half);
   AddF32(lower + theirs, higher + theirs, out_send, half);
+  return Status::Ok();
+}
+
+Status ReproCodes(const void* x, int64_t k, int64_t c, Float in, uint8_t* codes) {
+  DTENJAX_CHECK_ARG(k >= 1 && c >= 0, "reproducible codes: no contribution");
+  int64_t e = 0;
+#if defined(__SSE2__)
+  if (in == Float::kF32) e = ReproCodesF32x4(static_cast<const float*>(x), k, c, codes);
+#endif
+  for (; e < c; ++e) {
+    uint32_t mag = 0;
+    for (int64_t p = 0; p < k; ++p) {
+      const uint32_t m = BitsOf(x, p * c + e, in) & 0x7fffffffu;
+      mag = m > mag ? m : mag;
+    }
+    codes[e] = static_cast<uint8_t>((mag >> 23) > 1 ? (mag >> 23) : (mag != 0 ? 1 : 0));
+  }
+  return Status::Ok();
+}
+
+Status ReproEncode(const void* x, int64_t k, int64_t c, Float in, const uint8_t* codes,
+                   int count, int32_t* words) {
+  DTENJAX_CHECK_ARG(k >= 1 && count >= k && count <= kMaxContributions,
+                    "reproducible encode: " + std::to_string(count) + " contributions; the "
+                    "handler takes " + std::to_string(k) + ".." +
+                    std::to_string(kMaxContributions));
+  FloatMode mode(/*flush=*/false);
+  const int P = 31 - p2p::v3::CeilLog2(count);
+  std::vector<int64_t> todo;   // elements for the scalar loop
+  int64_t start = 0;
+#if defined(__SSE2__)
+  std::vector<int64_t> redo;
+  if (in == Float::kF32 && count >= 3) {
+    start = ReproEncodeF32x4(static_cast<const float*>(x), k, c, codes, P, words, &redo);
+    for (int64_t g : redo) for (int64_t l = 0; l < 4; ++l) todo.push_back(g + l);
+  }
+#endif
+  for (int64_t e = start; e < c; ++e) todo.push_back(e);
+  for (int64_t e : todo) {
+    const int code = codes[e];
+    const int sh = P + 126 - code, sh1 = sh < 127 ? sh : 127;
+    const float p1 = Pow2Clipped(sh1), p2 = Pow2Clipped(sh - sh1), p3 = Pow2Clipped(sh - 149);
+    uint32_t w = 0;   // the int32 sum, wrapping as XLA's
+    for (int64_t p = 0; p < k; ++p) {
+      const uint32_t b = BitsOf(x, p * c + e, in);
+      if (code == 255) {   // (NaN or -inf) + 2^16 (NaN or +inf)
+        const bool nan = (b & 0x7fffffffu) > 0x7f800000u;
+        w += (nan || b == 0xff800000u ? 1u : 0u) + (nan || b == 0x7f800000u ? 1u << 16 : 0u);
+      } else {
+        w += static_cast<uint32_t>(Quantize(b, p1, p2, p3, count == 2));
+      }
+    }
+    words[e] = static_cast<int32_t>(w);
+  }
+  return Status::Ok();
+}
+
+Status ReproDecode(const int32_t* words, const uint8_t* codes, int64_t c, int count, bool mean,
+                   Float out, void* result) {
+  DTENJAX_CHECK_ARG(count >= 1 && count <= kMaxContributions,
+                    "reproducible decode: " + std::to_string(count) + " contributions");
+  using p2p::v3::FromBits;
+  using p2p::v3::RoundScaled;
+  FloatMode mode(/*flush=*/false);
+  const int P = 31 - p2p::v3::CeilLog2(count), m = p2p::v3::CeilLog2(count);
+  std::vector<int64_t> todo;   // elements for the scalar loop
+  int64_t start = 0;
+#if defined(__SSE2__)
+  std::vector<int64_t> redo;
+  if (out == Float::kF32) {
+    start = ReproDecodeF32x4(words, codes, c, count, mean, static_cast<float*>(result), &redo);
+    for (int64_t g : redo) for (int64_t l = 0; l < 4; ++l) todo.push_back(g + l);
+  }
+#endif
+  for (int64_t e = start; e < c; ++e) todo.push_back(e);
+  for (int64_t e : todo) {
+    const int32_t q = words[e];
+    const int code = codes[e], t = code - 126 - P;
+    uint32_t bits;   // float32 bits (bfloat16's in the high half for a bfloat16 sum)
+    if (code == 255) {
+      const bool neg = (q & 0xffff) > 0, pos = (q >> 16) > 0;
+      bits = neg && pos ? 0x7fc00000u : (pos ? 0x7f800000u : 0xff800000u);
+    } else if (code == 0) {
+      bits = 0;
+    } else if (!mean && out == Float::kBf16) {   // one rounding to bfloat16
+      bits = RoundScaled(q, t, 8) << 16;
+    } else if (!mean) {
+      bits = RoundScaled(q, t, 24);
+    } else {   // fixed_point.mean_of: RNE(RNE(S) / n), scaled where RNE(S) may overflow
+      const bool big = count > 1 && code + m > 254;
+      float r = FromBits(RoundScaled(q, big ? t - m : t, 24));
+      if (count > 1) r = p2p::v3::DivRn(r, static_cast<float>(count));
+      if (big) r = p2p::v3::MulRn(r, p2p::v3::Pow2(m));
+      bits = p2p::v3::Bits(r);
+    }
+    Store(result, e, FromBits(bits), out);
+  }
   return Status::Ok();
 }
 

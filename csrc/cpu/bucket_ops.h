@@ -56,6 +56,18 @@ Status ButterflyFirst(const float* flat, int64_t total, int64_t n, int upper, in
 Status ButterflyStep(const float* keep, const float* recv, int64_t h, int64_t c, int upper,
                      int next_upper, int scale_log2, float* out_keep, float* out_send);
 
+// Contract v3's word exchange (fixed_point_v3.py's stack_codes, encode, decode), per element,
+// IEEE arithmetic, `k` contributions [k, c] of `in` read where they lie:
+//   ReproCodes:  the code of the largest magnitude of the k contributions (uint8).
+//   ReproEncode: the int32 sum of the k contributions' words against the reduced codes, for
+//                `count` contributions in all.
+//   ReproDecode: the rounded result of the words summed over every device.
+Status ReproCodes(const void* x, int64_t k, int64_t c, Float in, uint8_t* codes);
+Status ReproEncode(const void* x, int64_t k, int64_t c, Float in, const uint8_t* codes,
+                   int count, int32_t* words);
+Status ReproDecode(const int32_t* words, const uint8_t* codes, int64_t c, int count, bool mean,
+                   Float out, void* result);
+
 // operand i is [rows, contributions[i], c]; the result [rows, c].
 Status RepSum(const void* const* operands, const int64_t* contributions, int count,
               int64_t rows, int64_t c, Float in, bool mean, Float out, void* result);

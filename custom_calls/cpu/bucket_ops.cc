@@ -16,6 +16,11 @@
 //       attributes n, step, scale_log2: step -1 reads src[..., total] as n chunks (the first
 //       send); step s >= 0 adds recv[..., 2h, c] to src[..., 2h, c] (the kept half) at the
 //       rank's bit s and splits the sum at its bit s + 1
+//   dtenjax_cpu_repro_codes(x[..., k, c]) -> codes u8[..., c]
+//   dtenjax_cpu_repro_encode(x[..., k, c], codes u8[..., c]) -> words s32[..., c]
+//       attribute count: the contributions over every device
+//   dtenjax_cpu_repro_decode(words s32[..., c], codes u8[..., c]) -> out[..., c]
+//       attributes count, mean (0 or 1)
 //   dtenjax_cpu_repro_sum(x_0[..., m_0, c], ..., x_k[..., m_k, c]) -> out[..., c]
 //       attribute mean (0 or 1)
 // The leading dimensions "..." are the same for every buffer of a call (vmap's batch, or none).
@@ -330,6 +335,80 @@ ffi::Error ButterflyImpl(ffi::AnyBuffer src, ffi::AnyBuffer rank, ffi::Remaining
   return ffi::Error::Success();
 }
 
+// The [..., k, c] contributions of the word exchange: their type, rows (the leading dimensions'
+// product), k and c, checked against `codes` ([..., c], uint8).
+ffi::Error WordOperands(const char* name, ffi::AnyBuffer x, Dims cd, dtenjax::cpu::Float* in,
+                        int64_t* rows, int64_t* k, int64_t* c) {
+  const Dims xd = x.dimensions();
+  if (!FloatOf(x.element_type(), in)) return Bad(name, "the contributions must be f32 or bf16");
+  if (xd.size() < 2 || cd.size() + 1 != xd.size() || !SameLead(xd, cd, xd.size() - 2) ||
+      cd[cd.size() - 1] != xd[xd.size() - 1]) {
+    return Bad(name, "the contributions " + Shape(xd) + " are not [..., k, c] for the codes " +
+                         Shape(cd));
+  }
+  *rows = Product(xd, xd.size() - 2);
+  *k = xd[xd.size() - 2];
+  *c = xd[xd.size() - 1];
+  return ffi::Error::Success();
+}
+
+ffi::Error ReproCodesImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> codes) {
+  constexpr const char* kName = "dtenjax_cpu_repro_codes";
+  if (codes->element_type() != ffi::DataType::U8) return Bad(kName, "the codes must be u8");
+  dtenjax::cpu::Float in{};
+  int64_t rows = 0, k = 0, c = 0;
+  ffi::Error err = WordOperands(kName, x, codes->dimensions(), &in, &rows, &k, &c);
+  if (err.failure()) return err;
+  const size_t w = ffi::ByteWidth(x.element_type());
+  for (int64_t r = 0; r < rows; ++r) {
+    const dtenjax::Status s = dtenjax::cpu::ReproCodes(
+        static_cast<const char*>(x.untyped_data()) + r * k * c * w, k, c, in,
+        codes->typed_data<uint8_t>() + r * c);
+    if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ReproEncodeImpl(ffi::AnyBuffer x, ffi::AnyBuffer codes,
+                           ffi::Result<ffi::AnyBuffer> words, int64_t count) {
+  constexpr const char* kName = "dtenjax_cpu_repro_encode";
+  if (codes.element_type() != ffi::DataType::U8 || words->element_type() != ffi::DataType::S32 ||
+      words->element_count() != codes.element_count()) {
+    return Bad(kName, "the codes must be u8 and the words s32 of the codes' shape");
+  }
+  dtenjax::cpu::Float in{};
+  int64_t rows = 0, k = 0, c = 0;
+  ffi::Error err = WordOperands(kName, x, codes.dimensions(), &in, &rows, &k, &c);
+  if (err.failure()) return err;
+  const size_t w = ffi::ByteWidth(x.element_type());
+  for (int64_t r = 0; r < rows; ++r) {
+    const dtenjax::Status s = dtenjax::cpu::ReproEncode(
+        static_cast<const char*>(x.untyped_data()) + r * k * c * w, k, c, in,
+        codes.typed_data<uint8_t>() + r * c, static_cast<int>(count),
+        words->typed_data<int32_t>() + r * c);
+    if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ReproDecodeImpl(ffi::AnyBuffer words, ffi::AnyBuffer codes,
+                           ffi::Result<ffi::AnyBuffer> out, int64_t count, int64_t mean) {
+  constexpr const char* kName = "dtenjax_cpu_repro_decode";
+  dtenjax::cpu::Float ot{};
+  if (!FloatOf(out->element_type(), &ot)) return Bad(kName, "the result must be f32 or bf16");
+  if (words.element_type() != ffi::DataType::S32 || codes.element_type() != ffi::DataType::U8 ||
+      words.element_count() != codes.element_count() ||
+      out->element_count() != codes.element_count()) {
+    return Bad(kName, "the words (s32), the codes (u8) and the result must have one shape");
+  }
+  if (mean != 0 && mean != 1) return Bad(kName, "mean must be 0 or 1");
+  if (count > INT32_MAX) return Bad(kName, "count out of range");
+  return dtenjax::ffi::ToFfiError(dtenjax::cpu::ReproDecode(
+      words.typed_data<int32_t>(), codes.typed_data<uint8_t>(),
+      static_cast<int64_t>(codes.element_count()), static_cast<int>(count), mean == 1, ot,
+      out->untyped_data()));
+}
+
 ffi::Error ReproSumImpl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out, int64_t mean) {
   constexpr const char* kName = "dtenjax_cpu_repro_sum";
   dtenjax::cpu::Float in{}, ot{};
@@ -378,6 +457,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuButterfly, ButterflyImpl,
                                   .Attr<int64_t>("n")
                                   .Attr<int64_t>("step")
                                   .Attr<int64_t>("scale_log2"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuReproCodes, ReproCodesImpl,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuReproEncode, ReproEncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("count"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuReproDecode, ReproDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("count")
+                                  .Attr<int64_t>("mean"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuReproSum, ReproSumImpl,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
@@ -389,4 +483,7 @@ DTENJAX_REGISTER_FFI("dtenjax_cpu_unpack", "cpu", CpuUnpack);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_fold", "cpu", CpuFold);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_ring_step", "cpu", CpuRingStep);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_butterfly", "cpu", CpuButterfly);
+DTENJAX_REGISTER_FFI("dtenjax_cpu_repro_codes", "cpu", CpuReproCodes);
+DTENJAX_REGISTER_FFI("dtenjax_cpu_repro_encode", "cpu", CpuReproEncode);
+DTENJAX_REGISTER_FFI("dtenjax_cpu_repro_decode", "cpu", CpuReproDecode);
 DTENJAX_REGISTER_FFI("dtenjax_cpu_repro_sum", "cpu", CpuReproSum);

@@ -22,6 +22,9 @@ Each call gives the bits of the jnp formulation it replaces (tests/test_cpu_ffi.
 * :func:`butterfly_step`: a step of butterfly's recursive halving (``algorithms/butterfly.py``:
   the chunks in bit-reversed order, scaled against overflow, the half kept and the half sent at
   the rank's bit, the lower block's partial sum first), with XLA:CPU's flushing as the fold.
+* :func:`repro_codes`, :func:`repro_encode`, :func:`repro_decode`: contract v3's word exchange
+  (``fixed_point_v3.stack_codes``, ``encode``, ``decode``), for the algorithms that only
+  all-reduce (``reproducible.py``), IEEE arithmetic.
 * :func:`repro_sum`: contract v3's local sum (``fixed_point_v3.local_sum``) of 2..32
   contributions, per element as the NVLink kernels compute it (``csrc/p2p/repro_v3.h``), with
   IEEE arithmetic.
@@ -34,6 +37,7 @@ or with ``DTENJAX_CPU_FFI=0``, the jnp formulation runs, with the same bits.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -50,7 +54,11 @@ FOLD = "dtenjax_cpu_fold"
 RING_STEP = "dtenjax_cpu_ring_step"
 BUTTERFLY = "dtenjax_cpu_butterfly"
 REPRO_SUM = "dtenjax_cpu_repro_sum"
-TARGETS = (PACK, UNPACK, FOLD, RING_STEP, BUTTERFLY, REPRO_SUM)
+REPRO_CODES = "dtenjax_cpu_repro_codes"
+REPRO_ENCODE = "dtenjax_cpu_repro_encode"
+REPRO_DECODE = "dtenjax_cpu_repro_decode"
+TARGETS = (PACK, UNPACK, FOLD, RING_STEP, BUTTERFLY, REPRO_SUM, REPRO_CODES, REPRO_ENCODE,
+           REPRO_DECODE)
 FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_CONTRIBUTIONS = 32          # the handler's contract-v3 sums (fixed_point_v3.MAX_CONTRIBUTIONS)
 
@@ -207,6 +215,28 @@ def repro_sum(groups: Sequence, op: str, dtype):
   c = groups[0].shape[-1]
   return _ffi(REPRO_SUM, jax.ShapeDtypeStruct(lead + (c,), jnp.dtype(dtype)), list(groups),
               mean=int(op == "mean"))[0]
+
+
+def repro_codes(stack):
+  """``fixed_point_v3.stack_codes`` of the ``[k, ...]`` contributions as uint8 (``[...]``)."""
+  flat = stack.reshape(stack.shape[0], math.prod(stack.shape[1:]))
+  return _ffi(REPRO_CODES, jax.ShapeDtypeStruct(flat.shape[1:], jnp.uint8),
+              [flat])[0].reshape(stack.shape[1:])
+
+
+def repro_encode(stack, codes, count: int):
+  """``fixed_point_v3.encode``: the int32 sum of the words of the ``[k, ...]`` contributions
+  ``stack`` against the reduced uint8 ``codes``, for ``count`` contributions in all."""
+  flat = stack.reshape(stack.shape[0], math.prod(stack.shape[1:]))
+  return _ffi(REPRO_ENCODE, jax.ShapeDtypeStruct(flat.shape[1:], jnp.int32),
+              [flat, codes.reshape(-1)], count=count)[0].reshape(stack.shape[1:])
+
+
+def repro_decode(words, codes, count: int, op: str, dtype):
+  """``fixed_point_v3.decode``: the ``dtype`` sum (or mean, ``op``) of ``count`` contributions
+  from their summed int32 ``words`` and their uint8 ``codes``."""
+  return _ffi(REPRO_DECODE, jax.ShapeDtypeStruct(words.shape, jnp.dtype(dtype)),
+              [words, codes], count=count, mean=int(op == "mean"))[0]
 
 
 def repro_sums(count: int, dtype) -> bool:

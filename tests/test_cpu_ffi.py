@@ -232,7 +232,7 @@ def test_bad_buffers_are_ffi_errors_naming_the_mismatch():
                      step=-1, scale_log2=1), "does not fit the results"),
       (lambda: _call(cpu_ffi.BUTTERFLY, s((3,), f32), x[:1], jnp.int32(0),
                      y[:1, :3].astype(jnp.bfloat16), n=2, step=0, scale_log2=1),
-       "received buffer must be f32 of the source"),
+       "received buffer must be of the source's type"),
       (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), jnp.ones((33, 3), f32), mean=0),
        "33 contributions"),
       (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), jnp.ones((1, 3), f32), mean=0),
@@ -296,7 +296,7 @@ def test_butterfly_s_steps_give_its_jnp_tree_s_bits(cpu_devices, n, op, monkeypa
   """Butterfly over 2 and 8 devices (one step and three): its steps are custom calls
   (log2(n) + 1 of them) and the result has the jnp tree's bits, NaN payloads, infinities,
   -0.0, subnormals and sizes that leave the last chunks padded (and the vectorized add's tails)
-  included."""
+  included; int32 sums (the reproducible words) wrap as numpy's."""
   mesh = Mesh(np.array(cpu_devices[:n]), (AX,))
   x = _contributions(n, np.float32, m=203, seed=n)
   with np.errstate(invalid="ignore", over="ignore"):
@@ -311,6 +311,13 @@ def test_butterfly_s_steps_give_its_jnp_tree_s_bits(cpu_devices, n, op, monkeypa
   theirs = f().lower(x).compile()
   assert "dtenjax_cpu_butterfly" not in theirs.as_text()
   _same_bits(ours(x), theirs(x))
+  if op == "sum":                        # int32 sums (wrapping): numpy's sum, every rank's
+    ints = np.random.default_rng(n).integers(-2**31, 2**31, size=(n, 203), dtype=np.int32)
+    monkeypatch.delenv("DTENJAX_CPU_FFI")
+    ours = f().lower(ints).compile()
+    assert "dtenjax_cpu_butterfly" in ours.as_text()
+    with np.errstate(over="ignore"):
+      np.testing.assert_array_equal(np.asarray(ours(ints)), ints.sum(0, dtype=np.int32)[None])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

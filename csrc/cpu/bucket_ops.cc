@@ -429,8 +429,24 @@ Status RingStep(const void* flat, int64_t total, Float in, const float* recv, in
   return Status::Ok();
 }
 
-Status ButterflyFirst(const float* flat, int64_t total, int64_t n, int upper, int64_t c,
-                      int scale_log2, float* keep, float* send) {
+namespace {
+
+// The adds and scalings of a butterfly step for float32 (XLA:CPU's flushing, SSE2) and int32
+// (wrapping, as XLA's integer add; no scaling).
+void Add(const float* a, const float* b, float* y, int64_t n) { AddF32(a, b, y, n); }
+void Add(const int32_t* a, const int32_t* b, int32_t* y, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) {
+    y[e] = static_cast<int32_t>(static_cast<uint32_t>(a[e]) + static_cast<uint32_t>(b[e]));
+  }
+}
+void Scale(const float* a, int k, float* y, int64_t n) { ScaleF32(a, k, y, n); }
+void Scale(const int32_t* a, int, int32_t* y, int64_t n) {
+  if (n && y != a) std::memcpy(y, a, n * sizeof(int32_t));
+}
+
+template <typename T>
+Status ButterflyFirstT(const T* flat, int64_t total, int64_t n, int upper, int64_t c,
+                       int scale_log2, T* keep, T* send) {
   DTENJAX_CHECK_ARG(n >= 2 && (n & (n - 1)) == 0, "butterfly: n = " + std::to_string(n) +
                                                       " is not a power of two >= 2");
   DTENJAX_CHECK_ARG(c >= 0 && total >= 0 && total <= n * c && (upper == 0 || upper == 1),
@@ -439,30 +455,53 @@ Status ButterflyFirst(const float* flat, int64_t total, int64_t n, int upper, in
   FloatMode mode(/*flush=*/true);
   const int64_t h = n / 2;
   for (int64_t p = 0; p < n; ++p) {   // position p holds chunk bitrev(p)
-    float* dst = (p / h == upper ? keep : send) + (p % h) * c;
+    T* dst = (p / h == upper ? keep : send) + (p % h) * c;
     const int64_t chunk = BitReversed(p, n), inside = Inside(total, chunk, c);
-    ScaleF32(flat + chunk * c, -scale_log2, dst, inside);
-    if (c > inside) std::memset(dst + inside, 0, (c - inside) * sizeof(float));
+    Scale(flat + chunk * c, -scale_log2, dst, inside);
+    if (c > inside) std::memset(dst + inside, 0, (c - inside) * sizeof(T));
   }
   return Status::Ok();
 }
 
-Status ButterflyStep(const float* keep, const float* recv, int64_t h, int64_t c, int upper,
-                     int next_upper, int scale_log2, float* out_keep, float* out_send) {
+template <typename T>
+Status ButterflyStepT(const T* keep, const T* recv, int64_t h, int64_t c, int upper,
+                      int next_upper, int scale_log2, T* out_keep, T* out_send) {
   DTENJAX_CHECK_ARG(h >= 1 && (h == 1 || h % 2 == 0) && c >= 0,
                     "butterfly: " + std::to_string(h) + " rows is neither 1 nor even");
   FloatMode mode(/*flush=*/true);
-  const float* lower = upper ? recv : keep;   // the lower block's partial sum first
-  const float* higher = upper ? keep : recv;
+  const T* lower = upper ? recv : keep;   // the lower block's partial sum first
+  const T* higher = upper ? keep : recv;
   if (h == 1) {
-    AddF32(lower, higher, out_keep, c);
-    ScaleF32(out_keep, scale_log2, out_keep, c);
+    Add(lower, higher, out_keep, c);
+    Scale(out_keep, scale_log2, out_keep, c);
     return Status::Ok();
   }
   const int64_t half = h / 2 * c, mine = next_upper ? half : 0, theirs = half - mine;
-  AddF32(lower + mine, higher + mine, out_keep, half);
-  AddF32(lower + theirs, higher + theirs, out_send, half);
+  Add(lower + mine, higher + mine, out_keep, half);
+  Add(lower + theirs, higher + theirs, out_send, half);
   return Status::Ok();
+}
+
+}  // namespace
+
+Status ButterflyFirst(const float* flat, int64_t total, int64_t n, int upper, int64_t c,
+                      int scale_log2, float* keep, float* send) {
+  return ButterflyFirstT(flat, total, n, upper, c, scale_log2, keep, send);
+}
+
+Status ButterflyFirst(const int32_t* flat, int64_t total, int64_t n, int upper, int64_t c,
+                      int32_t* keep, int32_t* send) {
+  return ButterflyFirstT(flat, total, n, upper, c, 0, keep, send);
+}
+
+Status ButterflyStep(const float* keep, const float* recv, int64_t h, int64_t c, int upper,
+                     int next_upper, int scale_log2, float* out_keep, float* out_send) {
+  return ButterflyStepT(keep, recv, h, c, upper, next_upper, scale_log2, out_keep, out_send);
+}
+
+Status ButterflyStep(const int32_t* keep, const int32_t* recv, int64_t h, int64_t c, int upper,
+                     int next_upper, int32_t* out_keep, int32_t* out_send) {
+  return ButterflyStepT(keep, recv, h, c, upper, next_upper, 0, out_keep, out_send);
 }
 
 Status ReproCodes(const void* x, int64_t k, int64_t c, Float in, uint8_t* codes) {

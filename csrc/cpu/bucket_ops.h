@@ -18,7 +18,7 @@
 //            partial `recv` where there is one (received first, own second), with XLA:CPU's
 //            flushing, rounded to the result's type. `result` may be `recv` (in place).
 //   Butterfly: a step of algorithms/butterfly.py's recursive halving in float32 (XLA:CPU's
-//            flushing). The first, from the flat buffer: the `n` chunks of `c` values (read as
+//            flushing) or int32 (wrapping adds, no scaling). The first, from the flat buffer: the `n` chunks of `c` values (read as
 //            if padded with zeros) in bit-reversed order, each scaled by 2^-scale_log2, their
 //            half `upper` into `keep` and the other half into `send` ([n/2, c] each). A later
 //            one: `h` rows of `keep` plus the partner's `recv` (the lower block's first: `keep +
@@ -55,6 +55,13 @@ Status ButterflyFirst(const float* flat, int64_t total, int64_t n, int upper, in
 
 Status ButterflyStep(const float* keep, const float* recv, int64_t h, int64_t c, int upper,
                      int next_upper, int scale_log2, float* out_keep, float* out_send);
+
+// The same for int32 sums (wrapping adds, no scaling): the word exchange's words.
+Status ButterflyFirst(const int32_t* flat, int64_t total, int64_t n, int upper, int64_t c,
+                      int32_t* keep, int32_t* send);
+
+Status ButterflyStep(const int32_t* keep, const int32_t* recv, int64_t h, int64_t c, int upper,
+                     int next_upper, int32_t* out_keep, int32_t* out_send);
 
 // Contract v3's word exchange (fixed_point_v3.py's stack_codes, encode, decode), per element,
 // IEEE arithmetic, `k` contributions [k, c] of `in` read where they lie:

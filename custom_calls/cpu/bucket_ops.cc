@@ -10,9 +10,9 @@
 //   dtenjax_cpu_ring_step(flat[..., total], rank s32[...], [recv f32[..., c]]) -> out[..., c]
 //       attributes n, shift: the chunk ((rank + shift) mod n) of each row of flat, plus recv
 //       (the result may alias recv)
-//   dtenjax_cpu_butterfly(src f32, rank s32[...], [recv f32]) -> (keep f32[..., h, c],
-//                                                               send f32[..., h, c])
-//                                                          or out f32[..., c] (the last step)
+//   dtenjax_cpu_butterfly(src, rank s32[...], [recv]) -> (keep[..., h, c], send[..., h, c])
+//                                                  or out[..., c] (the last step)
+//       all f32, or all s32 (an integer sum: scale_log2 0)
 //       attributes n, step, scale_log2: step -1 reads src[..., total] as n chunks (the first
 //       send); step s >= 0 adds recv[..., 2h, c] to src[..., 2h, c] (the kept half) at the
 //       rank's bit s and splits the sum at its bit s + 1
@@ -278,20 +278,25 @@ ffi::Error ButterflyImpl(ffi::AnyBuffer src, ffi::AnyBuffer rank, ffi::Remaining
                           " takes " + (first ? "no" : "one") + " received buffer and gives " +
                           std::to_string(results) + " result(s)");
   }
-  std::vector<float*> outs(results);
+  const ffi::DataType dt = src.element_type();   // f32, or s32 (integer sums, no scaling)
+  if ((dt != ffi::DataType::F32 && dt != ffi::DataType::S32) ||
+      (dt == ffi::DataType::S32 && scale_log2 != 0)) {
+    return Bad(kName, "the source must be f32, or s32 with scale_log2 0");
+  }
+  std::vector<void*> outs(results);
   Dims od;
   for (size_t i = 0; i < results; ++i) {
     auto o = rets.get<ffi::AnyBuffer>(i);
     if (o.has_error()) return o.error();
-    if ((*o)->element_type() != ffi::DataType::F32) return Bad(kName, "the results must be f32");
+    if ((*o)->element_type() != dt) return Bad(kName, "the results must be of the source's type");
     if (i > 0 && (*o)->dimensions().size() != od.size()) return Bad(kName, "unequal results");
     od = (*o)->dimensions();
-    outs[i] = (*o)->typed_data<float>();
+    outs[i] = (*o)->untyped_data();
   }
   // [..., rows of the result, c]: h / 2 rows per half after a step, n / 2 after the first
   const size_t cut = results == 2 ? 2 : 1;
-  if (src.element_type() != ffi::DataType::F32 || od.size() < cut) {
-    return Bad(kName, "the source must be f32 and the results [..., rows, c]");
+  if (od.size() < cut) {
+    return Bad(kName, "the results must be [..., rows, c]");
   }
   const size_t lead = od.size() - cut;
   const int64_t c = od[od.size() - 1], rows = Product(od, lead);
@@ -308,28 +313,41 @@ ffi::Error ButterflyImpl(ffi::AnyBuffer src, ffi::AnyBuffer rank, ffi::Remaining
   }
   ffi::Error err = Ranks(kName, rank, rows);
   if (err.failure()) return err;
-  const float* partner = nullptr;
+  const char* partner = nullptr;
   if (!first) {
     auto r = recv.get<ffi::AnyBuffer>(0);
     if (r.has_error()) return r.error();
-    if (r->element_type() != ffi::DataType::F32 || r->element_count() != src.element_count()) {
-      return Bad(kName, "the received buffer must be f32 of the source's shape " + Shape(sd));
+    if (r->element_type() != dt || r->element_count() != src.element_count()) {
+      return Bad(kName, "the received buffer must be of the source's type and shape " + Shape(sd));
     }
-    partner = r->typed_data<float>();
+    partner = static_cast<const char*>(r->untyped_data());
   }
   const int64_t in_row = first ? sd[lead] : h * c, out_row = out_rows * c;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t k = RankOf(rank, r);
-    const float* x = src.typed_data<float>() + r * in_row;
-    float* keep = outs[0] + r * out_row;
-    float* send = results == 2 ? outs[1] + r * out_row : nullptr;
-    const dtenjax::Status s =
-        first ? dtenjax::cpu::ButterflyFirst(x, in_row, n, static_cast<int>(k & 1), c,
-                                             static_cast<int>(scale_log2), keep, send)
-              : dtenjax::cpu::ButterflyStep(
-                    x, partner + r * in_row, h, c, static_cast<int>((k >> step) & 1),
-                    static_cast<int>((k >> (step + 1)) & 1), static_cast<int>(scale_log2),
-                    keep, send);
+    const int upper = static_cast<int>(first ? k & 1 : (k >> step) & 1);
+    const int next = static_cast<int>(first ? 0 : (k >> (step + 1)) & 1);
+    const auto at = [&](auto* base, int64_t row) {   // row r of a buffer of `row` values a row
+      return base == nullptr ? nullptr : base + r * row;
+    };
+    dtenjax::Status s;
+    if (dt == ffi::DataType::F32) {
+      const float* x = at(src.typed_data<float>(), in_row);
+      float* keep = at(static_cast<float*>(outs[0]), out_row);
+      float* send = results == 2 ? at(static_cast<float*>(outs[1]), out_row) : nullptr;
+      s = first ? dtenjax::cpu::ButterflyFirst(x, in_row, n, upper, c,
+                                               static_cast<int>(scale_log2), keep, send)
+                : dtenjax::cpu::ButterflyStep(x, at(reinterpret_cast<const float*>(partner),
+                                                    in_row), h, c, upper, next,
+                                              static_cast<int>(scale_log2), keep, send);
+    } else {
+      const int32_t* x = at(src.typed_data<int32_t>(), in_row);
+      int32_t* keep = at(static_cast<int32_t*>(outs[0]), out_row);
+      int32_t* send = results == 2 ? at(static_cast<int32_t*>(outs[1]), out_row) : nullptr;
+      s = first ? dtenjax::cpu::ButterflyFirst(x, in_row, n, upper, c, keep, send)
+                : dtenjax::cpu::ButterflyStep(x, at(reinterpret_cast<const int32_t*>(partner),
+                                                    in_row), h, c, upper, next, keep, send);
+    }
     if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
   }
   return ffi::Error::Success();

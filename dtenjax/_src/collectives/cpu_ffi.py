@@ -91,6 +91,12 @@ def folds(call, dtype) -> bool:
   return call.op in ("sum", "mean") and jnp.dtype(dtype) == FLOATS[0] and active_for(call)
 
 
+def int_sums(call, dtype) -> bool:
+  """Whether :func:`butterfly_step` runs ``call``'s sum of ``dtype``: int32 (the reproducible
+  word exchange's words; an integer sum has the same bits in any order)."""
+  return call.op == "sum" and jnp.dtype(dtype) == jnp.dtype(jnp.int32) and active_for(call)
+
+
 def _ffi(target: str, outs, operands, aliases=None, **attrs):
   """``ffi_call`` of ``target`` (``aliases``: its ``input_output_aliases``), its results typed
   as varying over every manual axis an operand varies over (as a jnp operation's would be; an
@@ -189,7 +195,8 @@ def ring_step(flat, rank, recv, n: int, shift: int, c: int):
 
 
 def butterfly_step(src, rank, recv, n: int, step: int, c: int, scale_log2: int):
-  """Step ``step`` of butterfly's reduce-scatter over ``n`` (a power of two) ranks, float32.
+  """Step ``step`` of butterfly's reduce-scatter over ``n`` (a power of two) ranks, float32 (or
+  int32, :func:`int_sums`, with ``scale_log2`` 0).
 
   ``step`` -1 (``recv`` None): the flat ``[*lead, size]`` float32 buffer as ``n`` chunks of
   ``c`` values (padded with zeros) in bit-reversed order, times ``2^-scale_log2``: ``(keep,
@@ -200,8 +207,8 @@ def butterfly_step(src, rank, recv, n: int, step: int, c: int, scale_log2: int):
   ``2^scale_log2``. ``rank``: ``lax.axis_index`` of the group."""
   lead = src.shape[:-1] if recv is None else src.shape[:-2]
   h = n // 2 if recv is None else src.shape[-2] // 2
-  outs = ([jax.ShapeDtypeStruct(lead + (h, c), jnp.float32)] * 2 if h >= 1
-          else [jax.ShapeDtypeStruct(lead + (c,), jnp.float32)])
+  outs = ([jax.ShapeDtypeStruct(lead + (h, c), src.dtype)] * 2 if h >= 1
+          else [jax.ShapeDtypeStruct(lead + (c,), src.dtype)])
   operands = [src, rank.astype(jnp.int32)] + ([recv] if recv is not None else [])
   res = _ffi(BUTTERFLY, outs, operands, n=n, step=step, scale_log2=scale_log2)
   return tuple(res) if h >= 1 else res[0]

@@ -87,11 +87,12 @@ _all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks)
 @base.keyed
 def all_reduce(x, call: base.Call, finish):
   """``scatter_then_gather``'s all-reduce of :func:`reduce_chunks`; on XLA:CPU
-  (``cpu_ffi.folds``) the bit-reversed chunks, the halves kept and sent, the adds and the
+  (``cpu_ffi.folds``; ``cpu_ffi.int_sums``: int32 sums, the reproducible word exchange's) the
+  bit-reversed chunks, the halves kept and sent, the adds and the
   overflow scaling are custom calls at the rank's bits (``cpu_ffi.butterfly_step``): the same
   order and bits, and no compiled kernel but ``lax.axis_index``'s."""
   n = call.world
-  if n == 1 or not cpu_ffi.folds(call, x.dtype):
+  if n == 1 or not (cpu_ffi.folds(call, x.dtype) or cpu_ffi.int_sums(call, x.dtype)):
     return _all_reduce(x, call, finish)
   scale = _overflow_scale(x.dtype, call.op, n)
   scale_log2 = 0 if scale is None else int(np.log2(scale))

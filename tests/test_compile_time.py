@@ -38,9 +38,11 @@ def _compiled(mesh, body, tree, out_specs=P()):
 _KINDS = ({"algorithm": "two_shot"}, {"algorithm": "ring"}, {"reproducible": True},
           {"reproducible": True, "algorithm": "two_shot"},
           {"reproducible": True, "algorithm": "one_shot"}, {"algorithm": "one_shot"},
-          {"algorithm": "butterfly"}, {"reproducible": True, "algorithm": "xla"})
+          {"algorithm": "butterfly"}, {"reproducible": True, "algorithm": "xla"},
+          {"reproducible": True, "algorithm": "ring"},
+          {"reproducible": True, "algorithm": "butterfly"})
 _IDS = ("two_shot", "ring", "reproducible", "reproducible_two_shot", "reproducible_one_shot",
-        "one_shot", "butterfly", "reproducible_xla")
+        "one_shot", "butterfly", "reproducible_xla", "reproducible_ring", "reproducible_butterfly")
 
 
 @pytest.mark.skipif(not ffi.is_built(),

@@ -296,7 +296,7 @@ def test_butterfly_s_steps_give_its_jnp_tree_s_bits(cpu_devices, n, op, monkeypa
   """Butterfly over 2 and 8 devices (one step and three): its steps are custom calls
   (log2(n) + 1 of them) and the result has the jnp tree's bits, NaN payloads, infinities,
   -0.0, subnormals and sizes that leave the last chunks padded (and the vectorized add's tails)
-  included; int32 sums (the reproducible words) wrap as numpy's."""
+  included."""
   mesh = Mesh(np.array(cpu_devices[:n]), (AX,))
   x = _contributions(n, np.float32, m=203, seed=n)
   with np.errstate(invalid="ignore", over="ignore"):
@@ -311,13 +311,21 @@ def test_butterfly_s_steps_give_its_jnp_tree_s_bits(cpu_devices, n, op, monkeypa
   theirs = f().lower(x).compile()
   assert "dtenjax_cpu_butterfly" not in theirs.as_text()
   _same_bits(ours(x), theirs(x))
-  if op == "sum":                        # int32 sums (wrapping): numpy's sum, every rank's
-    ints = np.random.default_rng(n).integers(-2**31, 2**31, size=(n, 203), dtype=np.int32)
-    monkeypatch.delenv("DTENJAX_CPU_FFI")
-    ours = f().lower(ints).compile()
-    assert "dtenjax_cpu_butterfly" in ours.as_text()
-    with np.errstate(over="ignore"):
-      np.testing.assert_array_equal(np.asarray(ours(ints)), ints.sum(0, dtype=np.int32)[None])
+
+
+@pytest.mark.parametrize("n", (2, 8))
+@pytest.mark.parametrize("algorithm", ("ring", "butterfly"))
+def test_ring_and_butterfly_sum_int32_through_their_steps(cpu_devices, n, algorithm):
+  """int32 sums (the reproducible word exchange's words) through ring's and butterfly's step
+  handlers: numpy's wrapping sum on every rank."""
+  mesh = Mesh(np.array(cpu_devices[:n]), (AX,))
+  ints = np.random.default_rng(n).integers(-2**31, 2**31, size=(n, 203), dtype=np.int32)
+  f = jax.jit(jax.shard_map(lambda t: dtenjax.all_reduce(t, AX, algorithm=algorithm), mesh=mesh,
+                            in_specs=(P(AX),), out_specs=P()))
+  ours = f.lower(ints).compile()
+  assert f"dtenjax_cpu_{'ring_step' if algorithm == 'ring' else 'butterfly'}" in ours.as_text()
+  with np.errstate(over="ignore"):
+    np.testing.assert_array_equal(np.asarray(ours(ints)), ints.sum(0, dtype=np.int32)[None])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -402,37 +402,10 @@ Status Fold(const void* const* operands, int count, int64_t values, Float in, Fl
   return Status::Ok();
 }
 
-Status RingStep(const void* flat, int64_t total, Float in, const float* recv, int64_t chunk,
-                int64_t c, Float out, void* result) {
-  DTENJAX_CHECK_ARG(c >= 0 && total >= 0 && chunk >= 0, "ring step: negative sizes");
-  FloatMode mode(/*flush=*/true);
-  const int64_t start = chunk * c;
-  const int64_t inside = Inside(total, chunk, c);
-  if (in == Float::kF32 && out == Float::kF32) {   // the common case (vectorized)
-    const float* x = static_cast<const float*>(flat) + start;
-    float* y = static_cast<float*>(result);
-    if (recv != nullptr) {
-      AddF32(recv, x, y, inside);
-      for (int64_t e = inside; e < c; ++e) y[e] = recv[e] + 0.0f;
-    } else {
-      if (inside) std::memcpy(y, x, inside * sizeof(float));
-      if (c > inside) std::memset(y + inside, 0, (c - inside) * sizeof(float));
-    }
-    return Status::Ok();
-  }
-  for (int64_t e = 0; e < c; ++e) {
-    // a widened bfloat16 or a float32 read as it is: the flushing applies to the addition only
-    // (XLA's convert of a subnormal bfloat16 keeps it, and a lone chunk is a copy)
-    const float x = e < inside ? Widen(flat, start + e, in) : 0.0f;
-    Store(result, e, recv != nullptr ? recv[e] + x : x, out);
-  }
-  return Status::Ok();
-}
-
 namespace {
 
-// The adds and scalings of a butterfly step for float32 (XLA:CPU's flushing, SSE2) and int32
-// (wrapping, as XLA's integer add; no scaling).
+// The adds and scalings of ring's and butterfly's steps for float32 (XLA:CPU's flushing, SSE2)
+// and int32 (wrapping, as XLA's integer add; no scaling).
 void Add(const float* a, const float* b, float* y, int64_t n) { AddF32(a, b, y, n); }
 void Add(const int32_t* a, const int32_t* b, int32_t* y, int64_t n) {
   for (int64_t e = 0; e < n; ++e) {
@@ -482,7 +455,47 @@ Status ButterflyStepT(const T* keep, const T* recv, int64_t h, int64_t c, int up
   return Status::Ok();
 }
 
+// Ring's step where the buffer, the partial and the result are of one type T: the partial plus
+// the chunk's values inside the buffer, the partial alone (plus zero) past it.
+template <typename T>
+void RingStepT(const T* x, const T* recv, int64_t inside, int64_t c, T* y) {
+  if (recv != nullptr) {
+    Add(recv, x, y, inside);
+    for (int64_t e = inside; e < c; ++e) y[e] = recv[e] + T(0);
+  } else {
+    if (inside) std::memcpy(y, x, inside * sizeof(T));
+    if (c > inside) std::memset(y + inside, 0, (c - inside) * sizeof(T));
+  }
+}
+
 }  // namespace
+
+Status RingStep(const void* flat, int64_t total, Float in, const float* recv, int64_t chunk,
+                int64_t c, Float out, void* result) {
+  DTENJAX_CHECK_ARG(c >= 0 && total >= 0 && chunk >= 0, "ring step: negative sizes");
+  FloatMode mode(/*flush=*/true);
+  const int64_t start = chunk * c;
+  const int64_t inside = Inside(total, chunk, c);
+  if (in == Float::kF32 && out == Float::kF32) {   // the common case (vectorized)
+    RingStepT(static_cast<const float*>(flat) + start, recv, inside, c,
+              static_cast<float*>(result));
+    return Status::Ok();
+  }
+  for (int64_t e = 0; e < c; ++e) {
+    // a widened bfloat16 or a float32 read as it is: the flushing applies to the addition only
+    // (XLA's convert of a subnormal bfloat16 keeps it, and a lone chunk is a copy)
+    const float x = e < inside ? Widen(flat, start + e, in) : 0.0f;
+    Store(result, e, recv != nullptr ? recv[e] + x : x, out);
+  }
+  return Status::Ok();
+}
+
+Status RingStep(const int32_t* flat, int64_t total, const int32_t* recv, int64_t chunk,
+                int64_t c, int32_t* result) {
+  DTENJAX_CHECK_ARG(c >= 0 && total >= 0 && chunk >= 0, "ring step: negative sizes");
+  RingStepT(flat + chunk * c, recv, Inside(total, chunk, c), c, result);
+  return Status::Ok();
+}
 
 Status ButterflyFirst(const float* flat, int64_t total, int64_t n, int upper, int64_t c,
                       int scale_log2, float* keep, float* send) {

@@ -16,7 +16,8 @@
 //   RingStep: chunk `chunk` of `c` values of the flat `total`-value buffer, read as if it were
 //            padded with zeros to a multiple of c, widened to float32, plus the received float32
 //            partial `recv` where there is one (received first, own second), with XLA:CPU's
-//            flushing, rounded to the result's type. `result` may be `recv` (in place).
+//            flushing, rounded to the result's type. `result` may be `recv` (in place). Or all
+//            int32 (wrapping adds).
 //   Butterfly: a step of algorithms/butterfly.py's recursive halving in float32 (XLA:CPU's
 //            flushing) or int32 (wrapping adds, no scaling). The first, from the flat buffer: the `n` chunks of `c` values (read as
 //            if padded with zeros) in bit-reversed order, each scaled by 2^-scale_log2, their
@@ -49,6 +50,10 @@ Status Fold(const void* const* operands, int count, int64_t values, Float in, Fl
 
 Status RingStep(const void* flat, int64_t total, Float in, const float* recv, int64_t chunk,
                 int64_t c, Float out, void* result);
+
+// The same for int32 sums (wrapping adds): the word exchange's words.
+Status RingStep(const int32_t* flat, int64_t total, const int32_t* recv, int64_t chunk,
+                int64_t c, int32_t* result);
 
 Status ButterflyFirst(const float* flat, int64_t total, int64_t n, int upper, int64_t c,
                       int scale_log2, float* keep, float* send);

@@ -8,6 +8,7 @@
 //   dtenjax_cpu_fold(x_0[...], ..., x_k[...]) -> out[...]        (f32/bf16 in, f32/bf16 out)
 //       an operand [..., m, c] for a result [..., c] holds m contributions
 //   dtenjax_cpu_ring_step(flat[..., total], rank s32[...], [recv f32[..., c]]) -> out[..., c]
+//       (or flat, recv and out all s32: an integer sum)
 //       attributes n, shift: the chunk ((rank + shift) mod n) of each row of flat, plus recv
 //       (the result may alias recv)
 //   dtenjax_cpu_butterfly(src, rank s32[...], [recv]) -> (keep[..., h, c], send[..., h, c])
@@ -218,9 +219,13 @@ ffi::Error RingStepImpl(ffi::AnyBuffer flat, ffi::AnyBuffer rank, ffi::Remaining
                         ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t shift) {
   constexpr const char* kName = "dtenjax_cpu_ring_step";
   dtenjax::cpu::Float in{}, ot{};
-  if (!FloatOf(flat.element_type(), &in) || !FloatOf(out->element_type(), &ot)) {
-    return Bad(kName, "the flat buffer and the result must be f32 or bf16");
+  // all s32 (an integer sum), or f32/bf16 with an f32 partial
+  const bool ints = flat.element_type() == ffi::DataType::S32 &&
+                    out->element_type() == ffi::DataType::S32;
+  if (!ints && (!FloatOf(flat.element_type(), &in) || !FloatOf(out->element_type(), &ot))) {
+    return Bad(kName, "the flat buffer and the result must be f32 or bf16, or both s32");
   }
+  const ffi::DataType partial_type = ints ? ffi::DataType::S32 : ffi::DataType::F32;
   if (n < 1) return Bad(kName, "n = " + std::to_string(n) + " must be positive");
   const Dims fd = flat.dimensions(), od = out->dimensions();
   if (fd.size() < 1 || od.size() != fd.size() || !SameLead(fd, od, fd.size() - 1)) {
@@ -235,25 +240,30 @@ ffi::Error RingStepImpl(ffi::AnyBuffer flat, ffi::AnyBuffer rank, ffi::Remaining
   }
   ffi::Error err = Ranks(kName, rank, rows);
   if (err.failure()) return err;
-  const float* partial = nullptr;
+  const char* partial = nullptr;
   if (recv.size() > 1) return Bad(kName, "at most one received partial");
   if (recv.size() == 1) {
     auto r = recv.get<ffi::AnyBuffer>(0);
     if (r.has_error()) return r.error();
-    if (r->element_type() != ffi::DataType::F32 ||
-        r->element_count() != out->element_count()) {
-      return Bad(kName, "the received partial must be f32 of the result's shape " + Shape(od));
+    if (r->element_type() != partial_type || r->element_count() != out->element_count()) {
+      return Bad(kName, std::string("the received partial must be ") + (ints ? "s32" : "f32") +
+                            " of the result's shape " + Shape(od));
     }
-    partial = static_cast<const float*>(r->untyped_data());
+    partial = static_cast<const char*>(r->untyped_data());
   }
   const size_t in_w = ffi::ByteWidth(flat.element_type());
   const size_t out_w = ffi::ByteWidth(out->element_type());
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t k = RankOf(rank, r);
-    const dtenjax::Status s = dtenjax::cpu::RingStep(
-        static_cast<const char*>(flat.untyped_data()) + r * total * in_w, total, in,
-        partial != nullptr ? partial + r * c : nullptr, (((k + shift) % n) + n) % n, c, ot,
-        static_cast<char*>(out->untyped_data()) + r * c * out_w);
+    const int64_t k = RankOf(rank, r), chunk = (((k + shift) % n) + n) % n;
+    const char* x = static_cast<const char*>(flat.untyped_data()) + r * total * in_w;
+    const char* p = partial != nullptr ? partial + r * c * 4 : nullptr;
+    char* y = static_cast<char*>(out->untyped_data()) + r * c * out_w;
+    const dtenjax::Status s =
+        ints ? dtenjax::cpu::RingStep(reinterpret_cast<const int32_t*>(x), total,
+                                      reinterpret_cast<const int32_t*>(p), chunk, c,
+                                      reinterpret_cast<int32_t*>(y))
+             : dtenjax::cpu::RingStep(x, total, in, reinterpret_cast<const float*>(p), chunk, c,
+                                      ot, y);
     if (!s.ok()) return dtenjax::ffi::ToFfiError(s);
   }
   return ffi::Error::Success();

@@ -92,7 +92,7 @@ def folds(call, dtype) -> bool:
 
 
 def int_sums(call, dtype) -> bool:
-  """Whether :func:`butterfly_step` runs ``call``'s sum of ``dtype``: int32 (the reproducible
+  """Whether :func:`ring_step` and :func:`butterfly_step` run ``call``'s sum of ``dtype``: int32 (the reproducible
   word exchange's words; an integer sum has the same bits in any order)."""
   return call.op == "sum" and jnp.dtype(dtype) == jnp.dtype(jnp.int32) and active_for(call)
 
@@ -185,12 +185,14 @@ def fold(parts: Sequence, dtype=jnp.float32, shape=None):
 def ring_step(flat, rank, recv, n: int, shift: int, c: int):
   """``recv + chunk`` in float32 (the chunk alone where ``recv`` is None): chunk
   ``(rank + shift) mod n`` of ``c`` values of the flat ``[*lead, size]`` float32 or bfloat16
-  buffer, read as if it were padded with zeros to ``n * c``; ``rank``: ``lax.axis_index`` of the
+  buffer (or all int32, :func:`int_sums`), read as if it were padded with zeros to ``n * c``;
+  ``rank``: ``lax.axis_index`` of the
   ring. The result is written over ``recv`` (XLA copies it first where ``recv`` is used again):
   a ring step's received partial is read once."""
   lead = flat.shape[:-1]
   operands = [flat, rank.astype(jnp.int32)] + ([recv] if recv is not None else [])
-  return _ffi(RING_STEP, jax.ShapeDtypeStruct(lead + (c,), jnp.float32), operands,
+  acc = jnp.int32 if flat.dtype == jnp.int32 else jnp.float32
+  return _ffi(RING_STEP, jax.ShapeDtypeStruct(lead + (c,), acc), operands,
               {2: 0} if recv is not None else None, n=n, shift=shift)[0]
 
 

@@ -19,7 +19,7 @@ candidates in turn, in reverse every other round (``run x psum``: against lax.ps
 change that compiles faster is seen not to run slower; ``run cpu(us)``: the CPU time of those
 calls (every thread of the process). A `` (jnp)`` candidate is the same all-reduce with
 dtenjax's XLA:CPU custom calls off (``DTENJAX_CPU_FFI=0``), ``ring (jnp steps)`` ring with only
-its steps as jnp (the bucket's copies still custom calls): the forms each custom call replaced,
+its steps as jnp (``butterfly (jnp steps)`` the same for butterfly) (the bucket's copies still custom calls): the forms each custom call replaced,
 in the same run.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/compile_time.py \
@@ -62,11 +62,12 @@ JNP = " (jnp)"
 CANDIDATES += tuple((label + JNP, kwargs) for label, kwargs in CANDIDATES
                     if kwargs and ("algorithm" in kwargs or kwargs.get("reproducible")))
 
-# Ring's steps as jnp (XLA:CPU compiles their kernels) with the bucket's copies still custom
-# calls: cpu_ffi.folds answers False while the candidate is traced (ring's form before its steps
-# were custom calls).
+# Ring's and butterfly's steps as jnp (XLA:CPU compiles their kernels) with the bucket's copies
+# still custom calls: cpu_ffi.folds answers False while the candidate is traced (their form
+# before their steps were custom calls).
 JNP_STEPS = " (jnp steps)"
-CANDIDATES += (("ring" + JNP_STEPS, {"algorithm": "ring"}),)
+CANDIDATES += (("ring" + JNP_STEPS, {"algorithm": "ring"}),
+               ("butterfly" + JNP_STEPS, {"algorithm": "butterfly"}))
 
 # "reproducible per leaf" compiles for a minute on a 2-core VM (60 encodes and decodes), the
 # other algorithms a user can name (and their jnp forms) on request

@@ -39,9 +39,12 @@ def _compiled(mesh, body, tree, out_specs=P()):
 
 _KINDS = ({"algorithm": "two_shot"}, {"algorithm": "ring"}, {"reproducible": True},
           {"reproducible": True, "algorithm": "two_shot"},
-          {"reproducible": True, "algorithm": "one_shot"}, {"algorithm": "one_shot"})
+          {"reproducible": True, "algorithm": "one_shot"}, {"algorithm": "one_shot"},
+          {"algorithm": "butterfly"}, {"reproducible": True, "algorithm": "xla"},
+          {"reproducible": True, "algorithm": "ring"},
+          {"reproducible": True, "algorithm": "butterfly"})
 _IDS = ("two_shot", "ring", "reproducible", "reproducible_two_shot", "reproducible_one_shot",
-        "one_shot")
+        "one_shot", "butterfly", "reproducible_xla", "reproducible_ring", "reproducible_butterfly")
 
 
 @pytest.mark.skipif(not ffi.is_built(),
@@ -52,14 +55,14 @@ def test_with_the_custom_calls_a_bucket_compiles_the_kernels_lax_psum_s_tree_com
   """On XLA:CPU the bucket's packing, the chunks an all-to-all sends, the fold, ring's steps or
   the exact sum and the copies out of the bucket are custom calls (cpu_ffi.py): thunks, no
   compiled kernel. The program then compiles what lax.psum's program for the same tree compiles
-  (none), and ring what lax.axis_index costs besides (its rank picks the chunk each step reads);
-  with the update a step makes of the gradients, what psum's step compiles (a kernel per leaf
-  shape), ring's rank besides. The sums are exact in float32: any order gives them."""
+  (none), and ring and butterfly what lax.axis_index costs besides (the rank picks the chunk each
+  step reads, or the half it keeps); with the update a step makes of the gradients, what psum's
+  step compiles (a kernel per leaf shape), the rank besides. The sums are exact in float32: any order gives them."""
   tree = block_tree()
   shapes = len({v.shape for v in tree.values()})
   psum = lambda t: jax.lax.psum(t, AX)
   rank = 0
-  if kwargs.get("algorithm") == "ring":
+  if kwargs.get("algorithm") in ("ring", "butterfly"):
     rank = _kernels(_compiled(mesh, lambda t: (psum(t), jax.lax.axis_index(AX)[None]), tree,
                               (P(), P(AX))).as_text()) - _kernels(_compiled(mesh, psum, tree)
                                                                    .as_text())

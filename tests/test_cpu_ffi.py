@@ -220,6 +220,19 @@ def test_bad_buffers_are_ffi_errors_naming_the_mismatch():
        "must be positive"),
       (lambda: _call(cpu_ffi.RING_STEP, s((2,), f32), x[0], jnp.int32(0), x[0, :2].astype(
           jnp.bfloat16), n=2, shift=0), "received partial must be f32"),
+      (lambda: _call(cpu_ffi.BUTTERFLY, [s((1, 3), f32)] * 2, x[0], jnp.int32(0), n=3, step=-1,
+                     scale_log2=2), "power of two"),
+      (lambda: _call(cpu_ffi.BUTTERFLY, [s((1, 3), f32)] * 2, x[0], jnp.int32(0), x[0], n=2,
+                     step=-1, scale_log2=1), "takes no received buffer"),
+      (lambda: _call(cpu_ffi.BUTTERFLY, [s((1, 3), f32)] * 2, x[0], jnp.float32(0), n=2,
+                     step=-1, scale_log2=1), "rank must be int32"),
+      (lambda: _call(cpu_ffi.BUTTERFLY, [s((1, 1), f32)] * 2, x[0], jnp.int32(0), n=2,
+                     step=-1, scale_log2=1), "2 chunks of 1 values do not cover 3"),
+      (lambda: _call(cpu_ffi.BUTTERFLY, [s((2, 3), f32)] * 2, x[0], jnp.int32(0), n=2,
+                     step=-1, scale_log2=1), "does not fit the results"),
+      (lambda: _call(cpu_ffi.BUTTERFLY, s((3,), f32), x[:1], jnp.int32(0),
+                     y[:1, :3].astype(jnp.bfloat16), n=2, step=0, scale_log2=1),
+       "received buffer must be of the source's type"),
       (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), jnp.ones((33, 3), f32), mean=0),
        "33 contributions"),
       (lambda: _call(cpu_ffi.REPRO_SUM, s((3,), f32), jnp.ones((1, 3), f32), mean=0),
@@ -252,11 +265,15 @@ def _program(mesh, kwargs):
 
 
 @pytest.mark.parametrize("kwargs", (
-    {"algorithm": "two_shot"}, {"algorithm": "ring"}, {"algorithm": "two_shot", "op": "mean"},
+    {"algorithm": "two_shot"}, {"algorithm": "ring"}, {"algorithm": "butterfly"},
+    {"algorithm": "butterfly", "op": "mean"}, {"algorithm": "two_shot", "op": "mean"},
     {"algorithm": "one_shot", "op": "mean"}, {"reproducible": True},
-    {"reproducible": True, "algorithm": "one_shot", "op": "mean"}),
-    ids=("two_shot", "ring", "two_shot_mean", "one_shot_mean", "reproducible",
-         "reproducible_one_shot_mean"))
+    {"reproducible": True, "algorithm": "one_shot", "op": "mean"},
+    {"reproducible": True, "algorithm": "xla"}, {"reproducible": True, "algorithm": "xla", "op": "mean"},
+    {"reproducible": True, "algorithm": "ring"}, {"reproducible": True, "algorithm": "butterfly"}),
+    ids=("two_shot", "ring", "butterfly", "butterfly_mean", "two_shot_mean", "one_shot_mean", "reproducible",
+         "reproducible_one_shot_mean", "reproducible_xla", "reproducible_xla_mean",
+         "reproducible_ring", "reproducible_butterfly"))
 def test_a_bucket_through_the_calls_has_the_jnp_formulation_s_bits(mesh, kwargs, monkeypatch):
   """The same tree (bucketed: one dtype group per bucket) with the custom calls and with
   DTENJAX_CPU_FFI=0: the same bits; only the first program calls dtenjax's targets."""
@@ -273,9 +290,98 @@ def test_a_bucket_through_the_calls_has_the_jnp_formulation_s_bits(mesh, kwargs,
       _same_bits(a[k][0], fpref.v3_sum(tree[k], mean=kwargs.get("op") == "mean"), k)
 
 
+@pytest.mark.parametrize("n", (2, 8))
+@pytest.mark.parametrize("op", ("sum", "mean"))
+def test_butterfly_s_steps_give_its_jnp_tree_s_bits(cpu_devices, n, op, monkeypatch):
+  """Butterfly over 2 and 8 devices (one step and three): its steps are custom calls
+  (log2(n) + 1 of them) and the result has the jnp tree's bits, NaN payloads, infinities,
+  -0.0, subnormals and sizes that leave the last chunks padded (and the vectorized add's tails)
+  included."""
+  mesh = Mesh(np.array(cpu_devices[:n]), (AX,))
+  x = _contributions(n, np.float32, m=203, seed=n)
+  with np.errstate(invalid="ignore", over="ignore"):
+    x = np.concatenate([x, x[::-1] * np.float32(3e37)], axis=1)
+  f = lambda: jax.jit(jax.shard_map(lambda t: dtenjax.all_reduce(t, AX, algorithm="butterfly",
+                                                                  op=op),
+                                    mesh=mesh, in_specs=(P(AX),), out_specs=P()))
+  ours = f().lower(x).compile()
+  calls = [l for l in ours.as_text().splitlines() if "dtenjax_cpu_butterfly" in l and "=" in l]
+  assert len(calls) == n.bit_length(), calls
+  monkeypatch.setenv("DTENJAX_CPU_FFI", "0")
+  theirs = f().lower(x).compile()
+  assert "dtenjax_cpu_butterfly" not in theirs.as_text()
+  _same_bits(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("n", (2, 8))
+@pytest.mark.parametrize("algorithm", ("ring", "butterfly"))
+def test_ring_and_butterfly_sum_int32_through_their_steps(cpu_devices, n, algorithm):
+  """int32 sums (the reproducible word exchange's words) through ring's and butterfly's step
+  handlers: numpy's wrapping sum on every rank."""
+  mesh = Mesh(np.array(cpu_devices[:n]), (AX,))
+  ints = np.random.default_rng(n).integers(-2**31, 2**31, size=(n, 203), dtype=np.int32)
+  f = jax.jit(jax.shard_map(lambda t: dtenjax.all_reduce(t, AX, algorithm=algorithm), mesh=mesh,
+                            in_specs=(P(AX),), out_specs=P()))
+  ours = f.lower(ints).compile()
+  assert f"dtenjax_cpu_{'ring_step' if algorithm == 'ring' else 'butterfly'}" in ours.as_text()
+  with np.errstate(over="ignore"):
+    np.testing.assert_array_equal(np.asarray(ours(ints)), ints.sum(0, dtype=np.int32)[None])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_word_calls_are_stack_codes_encode_and_decode(dtype):
+  """The word exchange's codes, encode (k = 1, 3 local contributions of 2, 3, 8 and 32 in all)
+  and decode (sum and mean) as custom calls: fixed_point_v3's jnp functions' bits, on the
+  corner cases, and the numpy reference's sum of the same words."""
+  for count in (2, 3, 8, 32):
+    x = _contributions(count, dtype)
+    for k in sorted({1, min(3, count)}):
+      stack = jnp.asarray(x[:k])
+      want = v3.stack_codes(stack)
+      codes = cpu_ffi.repro_codes(stack)
+      assert codes.dtype == jnp.uint8
+      _same_bits(codes.astype(jnp.int32), want, (count, k, "codes"))
+      _same_bits(cpu_ffi.repro_encode(stack, codes, count), v3.encode(stack, want, count),
+                 (count, k, "encode"))
+    codes = v3.stack_codes(jnp.asarray(x))
+    words = v3.encode(jnp.asarray(x), codes, count)     # every contribution on one device
+    for op in ("sum", "mean"):
+      got = cpu_ffi.repro_decode(words, codes.astype(jnp.uint8), count, op, dtype)
+      _same_bits(got, v3.decode(words, codes, count, op, dtype), (count, op, "decode"))
+      _same_bits(got, fpref.v3_sum(x, mean=op == "mean"), (count, op, "reference"))
+
+
+@pytest.mark.parametrize("n", (2, 8))
+@pytest.mark.parametrize("algorithm", ("xla", "ring", "butterfly"))
+def test_the_word_exchange_through_the_calls_has_the_reference_s_bits(cpu_devices, n, algorithm,
+                                                                        monkeypatch):
+  """reproducible=True with the algorithms that only all-reduce, over 2 devices (round to odd)
+  and 8: the codes, encode and decode are custom calls, and the sum and the mean of float32
+  and bfloat16 leaves are the numpy reference's and the jnp path's bits."""
+  mesh = Mesh(np.array(cpu_devices[:n]), (AX,))
+  x = _contributions(n, np.float32, m=150, seed=7)
+  tree = {"f": x, "b": x.astype(ml_dtypes.bfloat16)}
+  for op in ("sum", "mean"):
+    f = lambda: jax.jit(jax.shard_map(
+        lambda t: dtenjax.all_reduce(t, AX, reproducible=True, algorithm=algorithm, op=op),
+        mesh=mesh, in_specs=(P(AX),), out_specs=P()))
+    monkeypatch.delenv("DTENJAX_CPU_FFI", raising=False)
+    ours = f().lower(tree).compile()
+    for t in (cpu_ffi.REPRO_CODES, cpu_ffi.REPRO_ENCODE, cpu_ffi.REPRO_DECODE):
+      assert t in ours.as_text(), t
+    monkeypatch.setenv("DTENJAX_CPU_FFI", "0")
+    theirs = f().lower(tree).compile()
+    assert cpu_ffi.REPRO_ENCODE not in theirs.as_text()
+    a, b = ours(tree), theirs(tree)
+    for k in tree:
+      _same_bits(a[k], b[k], (op, k))
+      _same_bits(a[k][0], fpref.v3_sum(tree[k], mean=op == "mean"), (op, k))
+
+
 @pytest.mark.parametrize("kwargs", ({"algorithm": "two_shot"}, {"algorithm": "one_shot"},
-                                    {"algorithm": "ring"}, {"reproducible": True}),
-                         ids=("two_shot", "one_shot", "ring", "reproducible"))
+                                    {"algorithm": "ring"}, {"algorithm": "butterfly"},
+                                    {"reproducible": True}),
+                         ids=("two_shot", "one_shot", "ring", "butterfly", "reproducible"))
 def test_a_bucket_through_the_calls_under_vmap(mesh, kwargs):
   """jax.vmap over a batch dimension of each device's leaves: every batch element reduced as
   on its own."""

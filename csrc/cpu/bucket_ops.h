@@ -16,7 +16,16 @@
 //   RingStep: chunk `chunk` of `c` values of the flat `total`-value buffer, read as if it were
 //            padded with zeros to a multiple of c, widened to float32, plus the received float32
 //            partial `recv` where there is one (received first, own second), with XLA:CPU's
-//            flushing, rounded to the result's type. `result` may be `recv` (in place).
+//            flushing, rounded to the result's type. `result` may be `recv` (in place). Or all
+//            int32 (wrapping adds).
+//   Butterfly: a step of algorithms/butterfly.py's recursive halving in float32 (XLA:CPU's
+//            flushing) or int32 (wrapping adds, no scaling). The first, from the flat buffer: the `n` chunks of `c` values (read as
+//            if padded with zeros) in bit-reversed order, each scaled by 2^-scale_log2, their
+//            half `upper` into `keep` and the other half into `send` ([n/2, c] each). A later
+//            one: `h` rows of `keep` plus the partner's `recv` (the lower block's first: `keep +
+//            recv` where `upper` is 0, `recv + keep` where it is 1), then either (h == 1) that
+//            row scaled by 2^scale_log2 into `out_keep`, or its half `next_upper` into `out_keep`
+//            and the other half into `out_send`.
 //   RepSum:  contract v3 (csrc/p2p/repro_v3.h) of the W = sum(contributions) values of each
 //            element, IEEE arithmetic (no flushing, as the contract requires).
 #pragma once
@@ -41,6 +50,35 @@ Status Fold(const void* const* operands, int count, int64_t values, Float in, Fl
 
 Status RingStep(const void* flat, int64_t total, Float in, const float* recv, int64_t chunk,
                 int64_t c, Float out, void* result);
+
+// The same for int32 sums (wrapping adds): the word exchange's words.
+Status RingStep(const int32_t* flat, int64_t total, const int32_t* recv, int64_t chunk,
+                int64_t c, int32_t* result);
+
+Status ButterflyFirst(const float* flat, int64_t total, int64_t n, int upper, int64_t c,
+                      int scale_log2, float* keep, float* send);
+
+Status ButterflyStep(const float* keep, const float* recv, int64_t h, int64_t c, int upper,
+                     int next_upper, int scale_log2, float* out_keep, float* out_send);
+
+// The same for int32 sums (wrapping adds, no scaling): the word exchange's words.
+Status ButterflyFirst(const int32_t* flat, int64_t total, int64_t n, int upper, int64_t c,
+                      int32_t* keep, int32_t* send);
+
+Status ButterflyStep(const int32_t* keep, const int32_t* recv, int64_t h, int64_t c, int upper,
+                     int next_upper, int32_t* out_keep, int32_t* out_send);
+
+// Contract v3's word exchange (fixed_point_v3.py's stack_codes, encode, decode), per element,
+// IEEE arithmetic, `k` contributions [k, c] of `in` read where they lie:
+//   ReproCodes:  the code of the largest magnitude of the k contributions (uint8).
+//   ReproEncode: the int32 sum of the k contributions' words against the reduced codes, for
+//                `count` contributions in all.
+//   ReproDecode: the rounded result of the words summed over every device.
+Status ReproCodes(const void* x, int64_t k, int64_t c, Float in, uint8_t* codes);
+Status ReproEncode(const void* x, int64_t k, int64_t c, Float in, const uint8_t* codes,
+                   int count, int32_t* words);
+Status ReproDecode(const int32_t* words, const uint8_t* codes, int64_t c, int count, bool mean,
+                   Float out, void* result);
 
 // operand i is [rows, contributions[i], c]; the result [rows, c].
 Status RepSum(const void* const* operands, const int64_t* contributions, int count,

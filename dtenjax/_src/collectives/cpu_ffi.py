@@ -19,6 +19,12 @@ Each call gives the bits of the jnp formulation it replaces (tests/test_cpu_ffi.
 * :func:`ring_step`: a step of ring's reduce-scatter, ``recv + chunk`` with the chunk read out
   of the flat buffer at the ring's rank (``algorithms/ring.py``'s order: received partial
   first), with XLA:CPU's flushing as the fold.
+* :func:`butterfly_step`: a step of butterfly's recursive halving (``algorithms/butterfly.py``:
+  the chunks in bit-reversed order, scaled against overflow, the half kept and the half sent at
+  the rank's bit, the lower block's partial sum first), with XLA:CPU's flushing as the fold.
+* :func:`repro_codes`, :func:`repro_encode`, :func:`repro_decode`: contract v3's word exchange
+  (``fixed_point_v3.stack_codes``, ``encode``, ``decode``), for the algorithms that only
+  all-reduce (``reproducible.py``), IEEE arithmetic.
 * :func:`repro_sum`: contract v3's local sum (``fixed_point_v3.local_sum``) of 2..32
   contributions, per element as the NVLink kernels compute it (``csrc/p2p/repro_v3.h``), with
   IEEE arithmetic.
@@ -31,6 +37,7 @@ or with ``DTENJAX_CPU_FFI=0``, the jnp formulation runs, with the same bits.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -45,8 +52,13 @@ PACK = "dtenjax_cpu_pack"
 UNPACK = "dtenjax_cpu_unpack"
 FOLD = "dtenjax_cpu_fold"
 RING_STEP = "dtenjax_cpu_ring_step"
+BUTTERFLY = "dtenjax_cpu_butterfly"
 REPRO_SUM = "dtenjax_cpu_repro_sum"
-TARGETS = (PACK, UNPACK, FOLD, RING_STEP, REPRO_SUM)
+REPRO_CODES = "dtenjax_cpu_repro_codes"
+REPRO_ENCODE = "dtenjax_cpu_repro_encode"
+REPRO_DECODE = "dtenjax_cpu_repro_decode"
+TARGETS = (PACK, UNPACK, FOLD, RING_STEP, BUTTERFLY, REPRO_SUM, REPRO_CODES, REPRO_ENCODE,
+           REPRO_DECODE)
 FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_CONTRIBUTIONS = 32          # the handler's contract-v3 sums (fixed_point_v3.MAX_CONTRIBUTIONS)
 
@@ -71,12 +83,18 @@ def active_for(call) -> bool:
 
 
 def folds(call, dtype) -> bool:
-  """Whether :func:`fold` (two_shot) and :func:`ring_step` (ring) run ``call``'s float sum (or
+  """Whether :func:`fold` (two_shot), :func:`ring_step` (ring) and :func:`butterfly_step` run ``call``'s float sum (or
   mean) of ``dtype``: float32 only.
   XLA:CPU runs a bfloat16 all-to-all and all-gather in float32 with conversions around them,
   which XLA fuses into jnp chunk copies and a jnp fold but must compile on their own around
   custom calls (a 12-leaf bfloat16 tree: 13 kernels with the jnp chunks and fold, 21 without)."""
   return call.op in ("sum", "mean") and jnp.dtype(dtype) == FLOATS[0] and active_for(call)
+
+
+def int_sums(call, dtype) -> bool:
+  """Whether :func:`ring_step` and :func:`butterfly_step` run ``call``'s sum of ``dtype``: int32 (the reproducible
+  word exchange's words; an integer sum has the same bits in any order)."""
+  return call.op == "sum" and jnp.dtype(dtype) == jnp.dtype(jnp.int32) and active_for(call)
 
 
 def _ffi(target: str, outs, operands, aliases=None, **attrs):
@@ -167,13 +185,35 @@ def fold(parts: Sequence, dtype=jnp.float32, shape=None):
 def ring_step(flat, rank, recv, n: int, shift: int, c: int):
   """``recv + chunk`` in float32 (the chunk alone where ``recv`` is None): chunk
   ``(rank + shift) mod n`` of ``c`` values of the flat ``[*lead, size]`` float32 or bfloat16
-  buffer, read as if it were padded with zeros to ``n * c``; ``rank``: ``lax.axis_index`` of the
+  buffer (or all int32, :func:`int_sums`), read as if it were padded with zeros to ``n * c``;
+  ``rank``: ``lax.axis_index`` of the
   ring. The result is written over ``recv`` (XLA copies it first where ``recv`` is used again):
   a ring step's received partial is read once."""
   lead = flat.shape[:-1]
   operands = [flat, rank.astype(jnp.int32)] + ([recv] if recv is not None else [])
-  return _ffi(RING_STEP, jax.ShapeDtypeStruct(lead + (c,), jnp.float32), operands,
+  acc = jnp.int32 if flat.dtype == jnp.int32 else jnp.float32
+  return _ffi(RING_STEP, jax.ShapeDtypeStruct(lead + (c,), acc), operands,
               {2: 0} if recv is not None else None, n=n, shift=shift)[0]
+
+
+def butterfly_step(src, rank, recv, n: int, step: int, c: int, scale_log2: int):
+  """Step ``step`` of butterfly's reduce-scatter over ``n`` (a power of two) ranks, float32 (or
+  int32, :func:`int_sums`, with ``scale_log2`` 0).
+
+  ``step`` -1 (``recv`` None): the flat ``[*lead, size]`` float32 buffer as ``n`` chunks of
+  ``c`` values (padded with zeros) in bit-reversed order, times ``2^-scale_log2``: ``(keep,
+  send)``, the halves ``[*lead, n/2, c]`` at and off the rank's bit 0. ``step`` s >= 0: ``src``
+  (the kept half, ``[*lead, h, c]``) plus ``recv`` (the partner's half), the lower block's
+  partial first (``src + recv`` where the rank's bit s is 0): its halves at and off bit s + 1
+  as ``(keep, send)``, or at the last step (h = 1) the rank's chunk ``[*lead, c]`` times
+  ``2^scale_log2``. ``rank``: ``lax.axis_index`` of the group."""
+  lead = src.shape[:-1] if recv is None else src.shape[:-2]
+  h = n // 2 if recv is None else src.shape[-2] // 2
+  outs = ([jax.ShapeDtypeStruct(lead + (h, c), src.dtype)] * 2 if h >= 1
+          else [jax.ShapeDtypeStruct(lead + (c,), src.dtype)])
+  operands = [src, rank.astype(jnp.int32)] + ([recv] if recv is not None else [])
+  res = _ffi(BUTTERFLY, outs, operands, n=n, step=step, scale_log2=scale_log2)
+  return tuple(res) if h >= 1 else res[0]
 
 
 def repro_sum(groups: Sequence, op: str, dtype):
@@ -184,6 +224,28 @@ def repro_sum(groups: Sequence, op: str, dtype):
   c = groups[0].shape[-1]
   return _ffi(REPRO_SUM, jax.ShapeDtypeStruct(lead + (c,), jnp.dtype(dtype)), list(groups),
               mean=int(op == "mean"))[0]
+
+
+def repro_codes(stack):
+  """``fixed_point_v3.stack_codes`` of the ``[k, ...]`` contributions as uint8 (``[...]``)."""
+  flat = stack.reshape(stack.shape[0], math.prod(stack.shape[1:]))
+  return _ffi(REPRO_CODES, jax.ShapeDtypeStruct(flat.shape[1:], jnp.uint8),
+              [flat])[0].reshape(stack.shape[1:])
+
+
+def repro_encode(stack, codes, count: int):
+  """``fixed_point_v3.encode``: the int32 sum of the words of the ``[k, ...]`` contributions
+  ``stack`` against the reduced uint8 ``codes``, for ``count`` contributions in all."""
+  flat = stack.reshape(stack.shape[0], math.prod(stack.shape[1:]))
+  return _ffi(REPRO_ENCODE, jax.ShapeDtypeStruct(flat.shape[1:], jnp.int32),
+              [flat, codes.reshape(-1)], count=count)[0].reshape(stack.shape[1:])
+
+
+def repro_decode(words, codes, count: int, op: str, dtype):
+  """``fixed_point_v3.decode``: the ``dtype`` sum (or mean, ``op``) of ``count`` contributions
+  from their summed int32 ``words`` and their uint8 ``codes``."""
+  return _ffi(REPRO_DECODE, jax.ShapeDtypeStruct(words.shape, jnp.dtype(dtype)),
+              [words, codes], count=count, mean=int(op == "mean"))[0]
 
 
 def repro_sums(count: int, dtype) -> bool:

@@ -70,6 +70,23 @@ ARITHMETIC: dict[Contract, Arithmetic] = {
 }
 
 
+# Contract v3's codes, encode and decode as XLA:CPU custom calls (cpu_ffi.py), the same bits;
+# only the word exchange's all-reduce uses them (:func:`_arithmetic`).
+_V3_CPU = ARITHMETIC[Contract.V3]._replace(
+    codes=cpu_ffi.repro_codes, encode=cpu_ffi.repro_encode,
+    decode=lambda words, codes, count, op, dtype: cpu_ffi.repro_decode(
+        words, codes.astype(jnp.uint8), count, op, dtype))
+
+
+def _arithmetic(call: base.Call, contract: Contract, dtype) -> Arithmetic:
+  """:data:`ARITHMETIC`'s, or contract v3's as custom calls where ``cpu_ffi`` runs the call's
+  per-element work and the dtype is float32 or bfloat16."""
+  if (contract is Contract.V3 and cpu_ffi.active_for(call)
+      and jnp.dtype(dtype) in cpu_ffi.FLOATS):
+    return _V3_CPU
+  return ARITHMETIC[contract]
+
+
 def contract_for(contract: Contract, contributions: int) -> Contract:
   """The contract that runs for ``contributions`` in all: v3 needs one word per value, which
   holds up to ``fixed_point_v3.MAX_CONTRIBUTIONS`` of them; past that, contract v2."""
@@ -133,7 +150,7 @@ def all_reduce(stack, call: base.Call, record: base.Algorithm):
   k = stack.shape[0]
   count = k * call.world
   fixed_point.check_contributions(count)
-  arith = ARITHMETIC[contract_for(call.contract, count)]
+  arith = _arithmetic(call, contract_for(call.contract, count), stack.dtype)
   codes = _code_max(arith.codes(stack), call, record)
   words = arith.encode(stack, codes, count)                           # exact
   total = record.all_reduce(words, _int_call(call), lambda y: y)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dtenjax._src.collectives import cpu_ffi
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.pricing import algorithms as prices
 
@@ -62,6 +63,10 @@ def _overflow_scale(dtype, op: str, n: int) -> float | None:
   return 2.0 ** (n - 1).bit_length()
 
 
+def _partners(n: int, s: int) -> list[tuple[int, int]]:
+  return [(i, i ^ (1 << s)) for i in range(n)]
+
+
 def _tree(chunks, axes, op: str, n: int):
   comb = base.combiner(op)
   r = lax.axis_index(axes)
@@ -70,13 +75,37 @@ def _tree(chunks, axes, op: str, n: int):
     upper = (r >> s) & 1               # rank r keeps the upper half when bit s of r is set
     halves = held.reshape(2, held.shape[0] // 2, held.shape[1])
     mine, theirs = base.take(halves, upper), base.take(halves, 1 - upper)
-    got = lax.ppermute(theirs, axes, [(i, i ^ (1 << s)) for i in range(n)])
+    got = lax.ppermute(theirs, axes, _partners(n, s))
     lower, higher = jnp.where(upper == 0, mine, got), jnp.where(upper == 0, got, mine)
     held = comb(lower, higher)         # the lower block's partial sum first
   return held[0]
 
 
-all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks)
+_all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks)
+
+
+@base.keyed
+def all_reduce(x, call: base.Call, finish):
+  """``scatter_then_gather``'s all-reduce of :func:`reduce_chunks`; on XLA:CPU
+  (``cpu_ffi.folds``; ``cpu_ffi.int_sums``: int32 sums, the reproducible word exchange's) the
+  bit-reversed chunks, the halves kept and sent, the adds and the
+  overflow scaling are custom calls at the rank's bits (``cpu_ffi.butterfly_step``): the same
+  order and bits, and no compiled kernel but ``lax.axis_index``'s."""
+  n = call.world
+  if n == 1 or not (cpu_ffi.folds(call, x.dtype) or cpu_ffi.int_sums(call, x.dtype)):
+    return _all_reduce(x, call, finish)
+  scale = _overflow_scale(x.dtype, call.op, n)
+  scale_log2 = 0 if scale is None else int(np.log2(scale))
+  flat = x.reshape(-1)
+  c = base.chunk_len(flat.shape[0], n)
+  r = lax.axis_index(call.axes)
+  keep, send = cpu_ffi.butterfly_step(flat, r, None, n, -1, c, scale_log2)
+  for s in range(n.bit_length() - 1):
+    got = lax.ppermute(send, call.axes, _partners(n, s))
+    out = cpu_ffi.butterfly_step(keep, r, got, n, s, c, scale_log2)
+    if s < n.bit_length() - 2:
+      keep, send = out
+  return base.gather_flat(finish(out), call.axes, x.shape)
 
 
 ALGORITHM = base.Algorithm(price=prices.BUTTERFLY, all_reduce=all_reduce,

@@ -69,10 +69,11 @@ _all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks, opaque_ste
 @base.keyed
 def all_reduce(x, call: base.Call, finish):
   """``scatter_then_gather``'s all-reduce of :func:`reduce_chunks`; on XLA:CPU
-  (``cpu_ffi.folds``) the first chunk sent and every step's add are custom calls reading the
+  (``cpu_ffi.folds``; ``cpu_ffi.int_sums``: int32 sums, the reproducible word exchange's) the
+  first chunk sent and every step's add are custom calls reading the
   flat buffer at the ring's rank, each step written over the partial it received: the same
   order and bits, and no compiled kernel but ``lax.axis_index``'s."""
-  if not cpu_ffi.folds(call, x.dtype):
+  if not (cpu_ffi.folds(call, x.dtype) or cpu_ffi.int_sums(call, x.dtype)):
     return _all_reduce(x, call, finish)
   n = call.world
   flat = x.reshape(-1)

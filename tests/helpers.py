@@ -18,10 +18,11 @@ from jax.sharding import PartitionSpec as P
 # A program's own compiler option that gives it XLA:CPU's default (MLIR) fusion emitters back:
 # tests/conftest.py compiles the suite with the LLVM IR emitters (the same bits, less compile
 # time, but another optimised HLO), so a check of a compiled program's structure that must be
-# the program users get (its loops, its fusions) compiles with this. Empty on GPU runs (the
-# suite leaves their flags alone).
+# the program users get (its loops, its fusions) compiles with this. Empty where the run kept
+# XLA's emitters (GPU runs, a jaxlib without the flag, a run that named it in XLA_FLAGS).
 DEFAULT_CPU_EMITTERS = ({"xla_cpu_use_fusion_emitters": True}
-                        if os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") == "cpu" else {})
+                        if "--xla_cpu_use_fusion_emitters=false" in
+                        os.environ.get("XLA_FLAGS", "").split() else {})
 
 
 def smap(mesh, f, axes=("o", "i"), *, out_specs=None, check_vma=False, jit=True):

@@ -37,6 +37,26 @@ def _compiled(mesh, body, tree, out_specs=P()):
   return f.lower(tree).compile(DEFAULT_CPU_EMITTERS)
 
 
+@pytest.mark.skipif(not ffi.is_built(),
+                    reason="the native extension is not built (bash scripts/setup.sh builds it)")
+def test_hierarchical_compiles_the_kernels_lax_psum_s_tree_compiles(cpu_devices):
+  """hierarchical over (outer, inner): the inner chunks and both rank-order folds are custom calls
+  on XLA:CPU, so its program compiles what psum's over both axes compiles (none)."""
+  mesh2 = Mesh(np.array(cpu_devices).reshape(2, 4), ("o", "i"))
+  tree = block_tree()
+
+  def compiled(reduce):
+    f = jax.jit(jax.shard_map(reduce, mesh=mesh2, in_specs=(P(("o", "i")),), out_specs=P()))
+    return f.lower(tree).compile(DEFAULT_CPU_EMITTERS)
+  anchor = _kernels(compiled(lambda t: jax.lax.psum(t, ("o", "i"))).as_text())
+  ours = compiled(lambda t: dtenjax.all_reduce(t, ("o", "i"), algorithm="hierarchical"))
+  assert "dtenjax_cpu_fold" in ours.as_text()
+  assert _kernels(ours.as_text()) <= anchor, anchor
+  out = ours(tree)
+  for k, v in tree.items():
+    np.testing.assert_array_equal(out[k][0], np.asarray(v).sum(0))   # exact: small integers
+
+
 _KINDS = ({"algorithm": "two_shot"}, {"algorithm": "ring"}, {"reproducible": True},
           {"reproducible": True, "algorithm": "two_shot"},
           {"reproducible": True, "algorithm": "one_shot"}, {"algorithm": "one_shot"},

@@ -8,7 +8,11 @@ partial sums in outer-rank order.
 from __future__ import annotations
 
 
+import jax.numpy as jnp
+from jax import lax
+
 from dtenjax._src import jaxapi
+from dtenjax._src.collectives import cpu_ffi
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import two_shot
 from dtenjax._src.pricing import algorithms as prices
@@ -16,8 +20,20 @@ from dtenjax._src.pricing import algorithms as prices
 
 @base.keyed
 def all_reduce(x, call: base.Call, finish):
+  """On XLA:CPU (``cpu_ffi.folds``) the inner chunks are written by a custom call and both folds
+  are one each, as two_shot's (the same bits, no compiled kernel)."""
   outer, inner = call.axes[:-1], call.axes[-1]
   m = call.axis_sizes[-1]
+  if cpu_ffi.folds(call, x.dtype):
+    chunks = cpu_ffi.split(x.reshape(-1), m)
+    if m > 1:   # each chunk received is read where the all-to-all left it
+      got = lax.all_to_all(jnp.stack(chunks), inner, 0, 0)
+      chunks = [got[j] for j in range(m)]
+    acc = base.acc_dtype(x.dtype, call.op)
+    part = cpu_ffi.fold(chunks, acc)
+    # the outer partial sums' rows, in outer-rank order, read where the all-gather left them
+    part = cpu_ffi.fold([jaxapi.all_gather_invariant(part, outer)], acc, part.shape)
+    return base.gather_flat(finish(part), (inner,), x.shape)
   chunks, _ = base.chunked(x, m)
   part = two_shot.reduce_chunks(chunks, inner, call.op)
   part = base.ordered_reduce(jaxapi.all_gather_invariant(part, outer), call.op, part.dtype)

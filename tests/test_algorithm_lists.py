@@ -37,6 +37,12 @@ SUBSETS = {
         "the command line of a recorded run",
     ("docs/benchmarks.md", "| eager | xla / ring / one_shot / two_shot / butterfly |"):
         "the algorithms one recorded eager run measured",
+    ("docs/collectives.md", "the rank-order folds of two_shot, one_shot and hierarchical"):
+        "the algorithms whose per-element work is a custom call on XLA:CPU",
+    ("docs/collectives.md", "| XLA:CPU, mesh axes of one process, extension built"):
+        "the kernels each algorithm compiles there, one table cell",
+    ("docs/collectives.md", "all-reduce (xla, ring, butterfly, hierarchical) run `reproducible=True`"):
+        "the algorithms that run reproducible=True as the word exchange",
 }
 _QUOTED = re.compile(r'``([A-Za-z_]\w*)``|`([A-Za-z_]\w*)`|"([A-Za-z_]\w*)"')
 _NAME = re.compile(r"\b(?:%s)\b" % "|".join(sorted(FAMILIES)))

@@ -39,9 +39,11 @@ def _compiled(mesh, body, tree, out_specs=P()):
 
 @pytest.mark.skipif(not ffi.is_built(),
                     reason="the native extension is not built (bash scripts/setup.sh builds it)")
-def test_hierarchical_compiles_the_kernels_lax_psum_s_tree_compiles(cpu_devices):
-  """hierarchical over (outer, inner): the inner chunks and both rank-order folds are custom calls
-  on XLA:CPU, so its program compiles what psum's over both axes compiles (none)."""
+@pytest.mark.parametrize("reproducible", (False, True))
+def test_hierarchical_compiles_the_kernels_lax_psum_s_tree_compiles(cpu_devices, reproducible):
+  """hierarchical over (outer, inner): the inner chunks and both rank-order folds (or, for
+  reproducible=True's int32 words, both sums) are custom calls on XLA:CPU, so its program
+  compiles what psum's over both axes compiles (none)."""
   mesh2 = Mesh(np.array(cpu_devices).reshape(2, 4), ("o", "i"))
   tree = block_tree()
 
@@ -49,8 +51,9 @@ def test_hierarchical_compiles_the_kernels_lax_psum_s_tree_compiles(cpu_devices)
     f = jax.jit(jax.shard_map(reduce, mesh=mesh2, in_specs=(P(("o", "i")),), out_specs=P()))
     return f.lower(tree).compile(DEFAULT_CPU_EMITTERS)
   anchor = _kernels(compiled(lambda t: jax.lax.psum(t, ("o", "i"))).as_text())
-  ours = compiled(lambda t: dtenjax.all_reduce(t, ("o", "i"), algorithm="hierarchical"))
-  assert "dtenjax_cpu_fold" in ours.as_text()
+  ours = compiled(lambda t: dtenjax.all_reduce(t, ("o", "i"), algorithm="hierarchical",
+                                               reproducible=reproducible))
+  assert ("dtenjax_cpu_ring_step" if reproducible else "dtenjax_cpu_fold") in ours.as_text()
   assert _kernels(ours.as_text()) <= anchor, anchor
   out = ours(tree)
   for k, v in tree.items():

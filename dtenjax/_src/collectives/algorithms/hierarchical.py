@@ -34,10 +34,31 @@ def all_reduce(x, call: base.Call, finish):
     # the outer partial sums' rows, in outer-rank order, read where the all-gather left them
     part = cpu_ffi.fold([jaxapi.all_gather_invariant(part, outer)], acc, part.shape)
     return base.gather_flat(finish(part), (inner,), x.shape)
+  if cpu_ffi.int_sums(call, x.dtype):   # the reproducible word exchange's int32 words
+    chunks = cpu_ffi.split(x.reshape(-1), m)
+    if m > 1:   # each chunk received is read where the all-to-all left it
+      got = lax.all_to_all(jnp.stack(chunks), inner, 0, 0)
+      chunks = [got[j] for j in range(m)]
+    part = _int_sum(chunks)
+    gathered = jaxapi.all_gather_invariant(part, outer)           # [outer ranks, c], one buffer
+    part = _int_sum([gathered.reshape(-1)], gathered.shape[0])
+    return base.gather_flat(finish(part), (inner,), x.shape)
   chunks, _ = base.chunked(x, m)
   part = two_shot.reduce_chunks(chunks, inner, call.op)
   part = base.ordered_reduce(jaxapi.all_gather_invariant(part, outer), call.op, part.dtype)
   return base.gather_flat(finish(part), (inner,), x.shape)
+
+
+def _int_sum(buffers, rows: int = 1):
+  """The sum of int32 chunks: ``buffers`` of ``rows`` chunks each, every chunk added where it
+  lies by ring's step handler (``recv + chunk j`` of a flat buffer, rank 0): a wrapping integer
+  sum, the same bits in any order, no compiled kernel."""
+  c = buffers[0].shape[-1] // rows
+  zero, acc = jnp.zeros((), jnp.int32), None
+  for flat in buffers:
+    for j in range(rows):
+      acc = cpu_ffi.ring_step(flat, zero, acc, rows, j, c)
+  return acc
 
 
 ALGORITHM = base.Algorithm(price=prices.HIERARCHICAL, all_reduce=all_reduce)

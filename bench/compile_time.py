@@ -53,6 +53,9 @@ CANDIDATES = (
     ("reproducible ring", {"reproducible": True, "algorithm": "ring"}),
     ("reproducible xla", {"reproducible": True, "algorithm": "xla"}),
     ("reproducible butterfly", {"reproducible": True, "algorithm": "butterfly"}),
+    # two mesh axes (--outer): over (outer, inner)
+    ("hierarchical", {"algorithm": "hierarchical"}),
+    ("reproducible hierarchical", {"reproducible": True, "algorithm": "hierarchical"}),
 )
 
 
@@ -217,7 +220,7 @@ def _run_times(programs: dict, tree, iters: int) -> dict[str, list[tuple[float, 
 
 
 def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
-            run_iters: int = 5, warmup: int = 1, with_phases: bool = False):
+            run_iters: int = 5, warmup: int = 1, with_phases: bool = False, outer: int = 1):
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
@@ -225,8 +228,12 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
 
   jax.config.update("jax_enable_compilation_cache", False)
   world = jax.device_count()
-  mesh = jax.make_mesh((world,), ("data",))
-  tree = jax.device_put(gradient_tree(blocks, d, world), NamedSharding(mesh, P("data")))
+  # one axis, or (outer, data) for the algorithms over two (hierarchical): every candidate and
+  # psum reduce over all of them
+  axes = "data" if outer == 1 else ("outer", "data")
+  mesh = (jax.make_mesh((world,), (axes,)) if outer == 1
+          else jax.make_mesh((outer, world // outer), axes))
+  tree = jax.device_put(gradient_tree(blocks, d, world), NamedSharding(mesh, P(axes)))
   leaves = len(jax.tree.leaves(tree))
   nbytes = sum(v.nbytes for v in jax.tree.leaves(tree)) // world
 
@@ -234,15 +241,15 @@ def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
 
   def build(kwargs):
     if kwargs is None:
-      reduce = lambda t: jax.lax.psum(t, "data")
+      reduce = lambda t: jax.lax.psum(t, axes)
     else:
-      reduce = lambda t: all_reduce(t, "data", **kwargs)
+      reduce = lambda t: all_reduce(t, axes, **kwargs)
     if step:     # the reduced gradients consumed by an SGD update, as in a training step
       body = lambda t: jax.tree.map(lambda g, p: p[0] - 1e-3 * g, reduce(t), t)
     else:
       body = lambda t: reduce(t)
     # a fresh function each time: nothing of an earlier trace or compile is reused
-    return jax.jit(jax.shard_map(lambda t: body(t), mesh=mesh, in_specs=(P("data"),),
+    return jax.jit(jax.shard_map(lambda t: body(t), mesh=mesh, in_specs=(P(axes),),
                                  out_specs=P(), check_vma=not step))
 
   samples = {label: [] for label, _ in candidates}
@@ -322,6 +329,9 @@ def main(argv=None) -> int:
                   help="compile each candidate once more under jax.profiler and split that "
                        "compile by XLA's trace events: its HLO passes, its CPU backend (the "
                        "kernels) and the rest")
+  ap.add_argument("--outer", type=_harness.positive_int, default=1,
+                  help="a mesh of (outer, devices / outer) instead of one axis, every candidate "
+                       "reducing over both (hierarchical needs two)")
   ap.add_argument("--json", default=None, help="write the rows to this path")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
@@ -336,9 +346,13 @@ def main(argv=None) -> int:
   world = jax.device_count()
   _harness.require_world("bench/compile_time.py", world, 2,
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")
+  if world % args.outer or (args.outer == 1 and any("hierarchical" in l for l in labels)):
+    ap.error(f"--outer={args.outer}: it must divide the {world} devices, and be > 1 for "
+             "hierarchical (two mesh axes), e.g. --outer 2")
   load_before = os.getloadavg()
   rows, outs = measure([(l, known[l]) for l in labels], args.blocks, args.d, args.repeats,
-                       args.step, max(0, args.run_iters), max(0, args.warmup), args.phases)
+                       args.step, max(0, args.run_iters), max(0, args.warmup), args.phases,
+                       args.outer)
   want = outs["lax.psum"]
   for row in rows:   # every candidate computes the same sums (the data is exact in float32)
     row["agrees"] = all(np.array_equal(np.asarray(a), np.asarray(b))

@@ -267,6 +267,22 @@ def test_compile_time_bench_reports_program_sizes_and_psum_ratios(tmp_path, run)
   assert "x psum" in r.stdout
 
 
+def test_compile_time_bench_runs_hierarchical_over_two_mesh_axes(tmp_path, run):
+  out = tmp_path / "h.json"
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  r = run("compile_time", "--blocks", "1", "--d", "8", "--repeats", "1", "--warmup", "0",
+          "--run-iters", "1", "--outer", "2", "--candidates",
+          "hierarchical,reproducible hierarchical", "--json", str(out), env=env)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = {row["candidate"]: row for row in _doc(out, "compile_time")["rows"]}
+  assert set(rows) == {"lax.psum", "hierarchical", "reproducible hierarchical"}
+  assert all(row["agrees"] for row in rows.values())        # psum's sums over both axes
+  # on XLA:CPU both forms' per-element work are custom calls: psum's kernels (none)
+  assert all(row["kernels"] == rows["lax.psum"]["kernels"] for row in rows.values()), rows
+  r = run("compile_time", "--candidates", "hierarchical", env=env)   # one axis: refused
+  assert r.returncode == 2 and "--outer" in r.stderr, r.stderr[-2000:]
+
+
 def test_stacked_buckets_bench_compares_per_leaf_and_bucketed_with_the_same_bits(tmp_path, run):
   out = tmp_path / "s.json"
   r = run("stacked_buckets", "--layers", "1", "--d", "8", "--iters", "1", "--json", str(out),

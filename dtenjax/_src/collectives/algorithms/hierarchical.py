@@ -9,7 +9,6 @@ from __future__ import annotations
 
 
 import jax.numpy as jnp
-from jax import lax
 
 from dtenjax._src import jaxapi
 from dtenjax._src.collectives import cpu_ffi
@@ -20,28 +19,22 @@ from dtenjax._src.pricing import algorithms as prices
 
 @base.keyed
 def all_reduce(x, call: base.Call, finish):
-  """On XLA:CPU (``cpu_ffi.folds``) the inner chunks are written by a custom call and both folds
-  are one each, as two_shot's (the same bits, no compiled kernel)."""
+  """On XLA:CPU the inner chunks are written by a custom call and both folds (``cpu_ffi.folds``)
+  or both int32 sums (``cpu_ffi.int_sums``) are custom calls, as two_shot's (the same bits, no
+  compiled kernel)."""
   outer, inner = call.axes[:-1], call.axes[-1]
   m = call.axis_sizes[-1]
-  if cpu_ffi.folds(call, x.dtype):
-    chunks = cpu_ffi.split(x.reshape(-1), m)
-    if m > 1:   # each chunk received is read where the all-to-all left it
-      got = lax.all_to_all(jnp.stack(chunks), inner, 0, 0)
-      chunks = [got[j] for j in range(m)]
-    acc = base.acc_dtype(x.dtype, call.op)
-    part = cpu_ffi.fold(chunks, acc)
-    # the outer partial sums' rows, in outer-rank order, read where the all-gather left them
-    part = cpu_ffi.fold([jaxapi.all_gather_invariant(part, outer)], acc, part.shape)
-    return base.gather_flat(finish(part), (inner,), x.shape)
-  if cpu_ffi.int_sums(call, x.dtype):   # the reproducible word exchange's int32 words
-    chunks = cpu_ffi.split(x.reshape(-1), m)
-    if m > 1:   # each chunk received is read where the all-to-all left it
-      got = lax.all_to_all(jnp.stack(chunks), inner, 0, 0)
-      chunks = [got[j] for j in range(m)]
-    part = _int_sum(chunks)
-    gathered = jaxapi.all_gather_invariant(part, outer)           # [outer ranks, c], one buffer
-    part = _int_sum([gathered.reshape(-1)], gathered.shape[0])
+  floats, ints = cpu_ffi.folds(call, x.dtype), cpu_ffi.int_sums(call, x.dtype)
+  if floats or ints:   # ints: the reproducible word exchange's int32 words
+    chunks = two_shot.exchanged(x.reshape(-1), m, inner)
+    if floats:
+      acc = base.acc_dtype(x.dtype, call.op)
+      part = cpu_ffi.fold(chunks, acc)
+      # the outer partial sums' rows, in outer-rank order, read where the all-gather left them
+      part = cpu_ffi.fold([jaxapi.all_gather_invariant(part, outer)], acc, part.shape)
+    else:
+      gathered = jaxapi.all_gather_invariant(_int_sum(chunks), outer)   # [outer ranks, c]
+      part = _int_sum([gathered.reshape(-1)], gathered.shape[0])
     return base.gather_flat(finish(part), (inner,), x.shape)
   chunks, _ = base.chunked(x, m)
   part = two_shot.reduce_chunks(chunks, inner, call.op)

@@ -28,6 +28,17 @@ def reduce_chunks(chunks, axes, op: str):
 _all_reduce, reduce_scatter = base.scatter_then_gather(reduce_chunks)
 
 
+def exchanged(flat, n: int, axes) -> list:
+  """``flat``'s n chunks of its last dimension written by a custom call (``cpu_ffi.split``) and
+  sent through the all-to-all over ``axes``: the n chunks this rank receives, in source-rank
+  order, each read where the all-to-all left it (no copy, no compiled kernel)."""
+  chunks = cpu_ffi.split(flat, n)
+  if n == 1:
+    return chunks
+  got = lax.all_to_all(jnp.stack(chunks), axes, 0, 0)
+  return [got[j] for j in range(n)]
+
+
 @base.keyed
 def all_reduce(x, call: base.Call, finish):
   """``scatter_then_gather``'s all-reduce of :func:`reduce_chunks`; on XLA:CPU
@@ -35,11 +46,7 @@ def all_reduce(x, call: base.Call, finish):
   the fold is one (the same bits, no compiled kernel)."""
   if not cpu_ffi.folds(call, x.dtype):
     return _all_reduce(x, call, finish)
-  n = call.world
-  chunks = cpu_ffi.split(x.reshape(-1), n)
-  if n > 1:   # each chunk received is read where the all-to-all left it
-    got = lax.all_to_all(jnp.stack(chunks), call.axes, 0, 0)
-    chunks = [got[j] for j in range(n)]
+  chunks = exchanged(x.reshape(-1), call.world, call.axes)
   mine = finish(cpu_ffi.fold(chunks, base.acc_dtype(x.dtype, call.op)))
   return base.gather_flat(mine, call.axes, x.shape)
 
@@ -58,10 +65,7 @@ def reproducible(stack, call: base.Call):
       and repro.contract_for(call.contract, k * n) is Contract.V3):
     # on XLA:CPU: the chunks written by a custom call, the exact sum of what the all-to-all
     # received by another (contract v3 in C++, the same bits), no compiled kernel
-    groups = cpu_ffi.split(flat, n)                           # n x [k, c]
-    if n > 1:
-      got = lax.all_to_all(jnp.stack(groups), call.axes, 0, 0)
-      groups = [got[j] for j in range(n)]
+    groups = exchanged(flat, n, call.axes)                    # n x [k, c]
     return base.gather_flat(cpu_ffi.repro_sum(groups, call.op, stack.dtype), call.axes,
                             stack.shape[1:])
   chunks = base.rows(jnp.pad(flat, ((0, 0), (0, n * c - size))), n, c, base.opaque_of(call))

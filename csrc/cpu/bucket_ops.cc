@@ -534,6 +534,15 @@ Status ReproCodes(const void* x, int64_t k, int64_t c, Float in, uint8_t* codes)
   return Status::Ok();
 }
 
+// `f(e)` for every element the four-lane loop left: the lanes of its `redo` groups, then the
+// elements from `start` on (all of them where no vector loop ran). No index list is built: a
+// custom call's scalar path allocated one per element on every call.
+template <typename F>
+void ForScalarRest(const std::vector<int64_t>& redo, int64_t start, int64_t c, F f) {
+  for (int64_t g : redo) for (int64_t l = 0; l < 4; ++l) f(g + l);
+  for (int64_t e = start; e < c; ++e) f(e);
+}
+
 Status ReproEncode(const void* x, int64_t k, int64_t c, Float in, const uint8_t* codes,
                    int count, int32_t* words) {
   DTENJAX_CHECK_ARG(k >= 1 && count >= k && count <= kMaxContributions,
@@ -542,17 +551,14 @@ Status ReproEncode(const void* x, int64_t k, int64_t c, Float in, const uint8_t*
                     std::to_string(kMaxContributions));
   FloatMode mode(/*flush=*/false);
   const int P = 31 - p2p::v3::CeilLog2(count);
-  std::vector<int64_t> todo;   // elements for the scalar loop
   int64_t start = 0;
+  std::vector<int64_t> redo;   // four-lane groups the vector loop left to the scalar one
 #if defined(__SSE2__)
-  std::vector<int64_t> redo;
   if (in == Float::kF32 && count >= 3) {
     start = ReproEncodeF32x4(static_cast<const float*>(x), k, c, codes, P, words, &redo);
-    for (int64_t g : redo) for (int64_t l = 0; l < 4; ++l) todo.push_back(g + l);
   }
 #endif
-  for (int64_t e = start; e < c; ++e) todo.push_back(e);
-  for (int64_t e : todo) {
+  ForScalarRest(redo, start, c, [&](int64_t e) {
     const int code = codes[e];
     const int sh = P + 126 - code, sh1 = sh < 127 ? sh : 127;
     const float p1 = Pow2Clipped(sh1), p2 = Pow2Clipped(sh - sh1), p3 = Pow2Clipped(sh - 149);
@@ -567,7 +573,7 @@ Status ReproEncode(const void* x, int64_t k, int64_t c, Float in, const uint8_t*
       }
     }
     words[e] = static_cast<int32_t>(w);
-  }
+  });
   return Status::Ok();
 }
 
@@ -579,17 +585,14 @@ Status ReproDecode(const int32_t* words, const uint8_t* codes, int64_t c, int co
   using p2p::v3::RoundScaled;
   FloatMode mode(/*flush=*/false);
   const int P = 31 - p2p::v3::CeilLog2(count), m = p2p::v3::CeilLog2(count);
-  std::vector<int64_t> todo;   // elements for the scalar loop
   int64_t start = 0;
+  std::vector<int64_t> redo;   // four-lane groups the vector loop left to the scalar one
 #if defined(__SSE2__)
-  std::vector<int64_t> redo;
   if (out == Float::kF32) {
     start = ReproDecodeF32x4(words, codes, c, count, mean, static_cast<float*>(result), &redo);
-    for (int64_t g : redo) for (int64_t l = 0; l < 4; ++l) todo.push_back(g + l);
   }
 #endif
-  for (int64_t e = start; e < c; ++e) todo.push_back(e);
-  for (int64_t e : todo) {
+  ForScalarRest(redo, start, c, [&](int64_t e) {
     const int32_t q = words[e];
     const int code = codes[e], t = code - 126 - P;
     uint32_t bits;   // float32 bits (bfloat16's in the high half for a bfloat16 sum)
@@ -610,7 +613,7 @@ Status ReproDecode(const int32_t* words, const uint8_t* codes, int64_t c, int co
       bits = p2p::v3::Bits(r);
     }
     Store(result, e, FromBits(bits), out);
-  }
+  });
   return Status::Ok();
 }
 

@@ -28,6 +28,8 @@ log1p logistic max min mul ne eq ge gt le lt neg nextafter not or pow real reduc
 round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor pvary stop_gradient
 optimization_barrier sharding_constraint
 """.split())
+# Calls XLA inlines: jax.jit inside the step, jax.nn's activations
+CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
 # Primitives that only rename a value of the same shape (a state leaf keeps its identity).
 _ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
                       "reduce_precision"))

@@ -4,7 +4,9 @@ fuses into their consumers, keeps the ones it does not duplicate (expensive ops 
 inputs of reductions over leading dimensions, convolutions' transposed copies), and records the
 gradients. The solver simulates XLA's buffer assignment over this timeline with each layout's
 sizes (:func:`dtenjax._src.planning.solver.simulate_memory`); its peak of batch-derived values is
-the step's activation bytes.
+the step's activation bytes. What only XLA:CPU keeps is marked (``Live.cheap_on_gpu``: XLA:GPU
+recomputes it in its users' fusions), with the later last use on XLA:GPU of the values it is
+recomputed from (``Live.gpu_end``): the solver prices the backend the plan is for.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dtenjax._src import jaxapi
+from dtenjax._src.planning.jaxpr_reader import CALLS
 from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
 from dtenjax._src.planning.jaxpr_reader import is_var
 from dtenjax._src.planning.jaxpr_reader import nbytes
@@ -57,6 +60,9 @@ class Live:
   # kept only because XLA:CPU does not duplicate its op (f32 exp, division, square roots) into
   # several users' fusions; XLA:GPU recomputes them in each (:func:`_cheap_on_gpu`)
   cheap_on_gpu: bool = False
+  # the last use on XLA:GPU, later than ``end`` where a value its fusions recompute reads this
+  # one (:func:`_gpu_ends`); None: ``end``
+  gpu_end: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -83,7 +89,9 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   counted: dict[Any, int] = {}
   lives: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] = []
   gpu_fused: set[Any] = set()
-  act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused)
+  gpu_ends: dict[Any, int] = {}
+  act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
+              gpu_ends=gpu_ends)
   owners: dict[Any, int] = {}
   for cone in cones.values():
     for v in cone:
@@ -100,7 +108,8 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
     v = v.of if isinstance(v, (_Copy, _Again)) else v
     return tuple(cone_keys.get(v, ())) if v is not None else ()
   timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, (_Copy, _Again)),
-                        v in gpu_fused) for v, start, end, nb, grad, body in lives)
+                        v in gpu_fused, gpu_ends.get(v) if gpu_ends.get(v, -1) > end else None)
+                   for v, start, end, nb, grad, body in lives)
   return int(act), act_share, timeline
 
 
@@ -108,7 +117,7 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           counted: dict[Any, int] | None = None,
           timeline: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] | None = None,
           at_peak: list[tuple[Any, int]] | None = None, sliced: frozenset = frozenset(),
-          gpu_fused: set | None = None) -> int:
+          gpu_fused: set | None = None, gpu_ends: dict[Any, int] | None = None) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -122,7 +131,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   (its ``dynamic-slice`` is not fused into the dot kernel's operand), at the body's start (its
   scheduler puts the slices first), live until the slice's last use in the body. ``gpu_fused``
   receives the values kept only because XLA:CPU counts their op expensive where XLA:GPU does
-  not (:func:`_cheap_on_gpu`)."""
+  not (:func:`_cheap_on_gpu`, :func:`_cheap_call_on_gpu`), and ``gpu_ends`` the later last use
+  on XLA:GPU of the values those are recomputed from (:func:`_gpu_ends`)."""
   canon = _duplicates(jaxpr)
 
   def same(v):
@@ -162,6 +172,10 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           feeds_fusion_boundary.add(o)
           if gpu_fused is not None and _cheap_on_gpu(eqn):
             gpu_fused.add(o)
+  if gpu_fused is not None:
+    gpu_fused.update(_kept_on_cpu_only(jaxpr, same, users, feeds_fusion_boundary))
+    if gpu_ends is not None:
+      gpu_ends.update(_gpu_ends(jaxpr, same, last_use, feeds_fusion_boundary, gpu_fused))
   runs_until = _input_gradient_first(jaxpr, excluded_shapes, same, last_use)
   outvars = {same(v) for v in jaxpr.outvars if is_var(v)}
   for v in outvars:
@@ -382,9 +396,72 @@ def _from_batch(eqn, tainted: set) -> list[bool]:
 def _cheap_on_gpu(eqn) -> bool:
   """An op XLA:CPU counts expensive (never duplicated into several users' fusions) and XLA:GPU
   does not: exp, division, square root and reciprocal square root of f32 or f16 values, which
-  its fusion recomputes in each user (``GpuInstructionFusion::IsExpensive``)."""
-  return (eqn.primitive.name in ("exp", "div", "sqrt", "rsqrt") and
+  its fusion recomputes in each user (``GpuInstructionFusion::IsExpensive``), and the logistic
+  function, which XLA:GPU rewrites into an exp and a division before fusing
+  (``LogisticExpander``: its optimised HLO has no logistic)."""
+  return (eqn.primitive.name in ("exp", "div", "sqrt", "rsqrt", "logistic") and
           all(str(o.aval.dtype) in ("float32", "float16") for o in eqn.outvars))
+
+
+def _cheap_call_on_gpu(eqn) -> bool:
+  """A call (``jit``) whose body only has ops XLA:GPU fuses into their users and recomputes
+  there (cheap elementwise ops, data movement, calls of the same kind): XLA inlines it, so on
+  XLA:GPU its results are recomputed in each user's fusion, never materialised."""
+  if eqn.primitive.name not in CALLS:
+    return False
+  subs = sub_jaxprs(eqn)
+  return len(subs) == 1 and all(
+      (e.primitive.name in _FUSIBLE and e.primitive.name not in _EXPENSIVE) or
+      _cheap_on_gpu(e) or _cheap_call_on_gpu(e) for e in subs[0][0].eqns)
+
+
+def _kept_on_cpu_only(jaxpr, same, users: dict[Any, int], kept: set[Any]) -> set[Any]:
+  """The values of ``kept`` (materialised on XLA:CPU) that XLA:GPU recomputes in each user's
+  fusion instead: a call of cheap elementwise ops (``jax.nn.silu``'s jit: a logistic and
+  products), which XLA inlines; and an elementwise result kept only because a reduction over
+  leading dimensions reads it (an RMS norm's normalised input, read again by the norm weight's
+  gradient), since XLA:GPU fuses producers into such (column) reductions too."""
+  hard: set[Any] = set()             # read by an op no producer is fused into, on any backend
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name not in _FUSED_INTO_CONSUMERS:
+      hard.update(same(v) for v in eqn.invars if is_var(v))
+  out: set[Any] = set()
+  for eqn in jaxpr.eqns:
+    if _cheap_call_on_gpu(eqn):
+      out.update(eqn.outvars)
+    elif eqn.primitive.name in _FUSIBLE:
+      expensive = (eqn.primitive.name in _EXPENSIVE and not _cheap_on_gpu(eqn))
+      out.update(o for o in eqn.outvars if o in kept and o not in hard and
+                 not (expensive and users.get(o, 0) >= 2))
+  return out
+
+
+def _gpu_ends(jaxpr, same, last_use: dict[Any, int], materialised: set[Any],
+              gpu_fused: set[Any]) -> dict[Any, int]:
+  """value -> its last use on XLA:GPU, for the values XLA:GPU's fusions read to recompute a
+  value it does not keep (``gpu_fused``): the backward's fusion that reads the softmax's
+  exponentials recomputes them from the attention scores, so the scores' buffer lives until
+  then (XLA:GPU's buffer assignment of the unrolled decoder: the scores' product output live
+  from the forward to the backward's softmax fusion)."""
+  sources: dict[Any, set[Any]] = {}     # a value XLA:GPU recomputes -> the kept values it reads
+  for eqn in jaxpr.eqns:
+    fused = eqn.primitive.name in _FUSIBLE or _cheap_call_on_gpu(eqn)
+    for o in eqn.outvars:
+      o = same(o)
+      if not fused or (o in materialised and o not in gpu_fused):
+        continue
+      srcs: set[Any] = set()
+      for v in eqn.invars:
+        if is_var(v):
+          v = same(v)
+          srcs |= sources.get(v, {v})
+      sources[o] = srcs
+  ends: dict[Any, int] = {}
+  for o in gpu_fused:
+    for v in sources.get(same(o), ()):
+      if v is not same(o) and last_use.get(o, -1) > last_use.get(v, -1):
+        ends[v] = max(ends.get(v, -1), last_use[o])
+  return ends
 
 
 def _keeps_minor(eqn) -> bool:

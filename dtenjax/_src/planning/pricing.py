@@ -142,6 +142,18 @@ class PriceContext:
     acc(self.price.bytes, f"{kind}[{key}]", times * nbytes)
 
 
+def _vocab_axes(lookup, used, m: CandidateMesh, zero: list[str], backend: str) -> list[str]:
+  """The axes over which a table read only by lookups is looked up in place (vocab-parallel:
+  sharded over the dimension the lookups index). On a GPU, not the batch axes that plan.jit
+  gathers the table over (its compute layout, as for any FSDP weight): XLA:GPU all-gathers the
+  table and looks up locally (llama_loop's FSDP plan on a mocked 8-GPU host: all-gather 20.0 MiB,
+  no all-reduce, where the masked lookup priced 8 MiB of all-reduce)."""
+  if lookup is None:
+    return []
+  return [a for a in used if m.size[a] > 1 and used[a] in lookup[0] and
+          (backend == "cpu" or a not in zero)]
+
+
 def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout, m: CandidateMesh,
            pricer: Pricer, batch_div: int, donate: bool) -> Price:
   leaves = [graph.leaves[i] for i in group]
@@ -203,8 +215,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # over the axes sharding the table, for every token of the batch those axes do not split;
   # nothing is gathered and the gradient is a local scatter into the shard
   lookup = graph.lookups.get(primary.index) if use is None else None
-  vocab_axes = ([a for a in used if m.size[a] > 1 and used[a] in lookup[0]]
-                if lookup is not None else [])
+  vocab_axes = _vocab_axes(lookup, used, m, zero, pricer.backend)
   if vocab_axes:
     k = axis_key(vocab_axes)
     unsplit = math.prod(m.size[a] for a in batch if a not in vocab_axes)

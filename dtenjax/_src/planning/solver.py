@@ -206,6 +206,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion)
     if (v.copy or v.cheap_on_gpu) and not cpu:
       continue
+    if v.gpu_end is not None and not cpu:   # read by a fusion that recomputes a dropped value
+      v = dataclasses.replace(v, end=v.gpu_end)
     if v.grad is not None:
       sizes = grad_sizes.get(v.grad)
       nb = sum(sizes) / len(sizes) if sizes else v.nbytes / bdiv

@@ -37,7 +37,8 @@ ROLE = Role(
     "table read by lookups on the dimension they index (vocab-parallel)",
     collectives="an all-gather of the weight before its product, again for the backward where "
     "the read is rematerialised (jax.checkpoint), once per layer inside a lax.scan; the gradient "
-    "reduce-scattered (XLA:CPU: all-reduced); a vocab-parallel lookup all-reduces its rows",
+    "reduce-scattered (XLA:CPU: all-reduced); a vocab-parallel lookup all-reduces its rows "
+    "(priced on XLA:CPU; on a GPU the table is gathered like any FSDP weight)",
     memory="state / fsdp per device; the gathered weight while it is used (one layer of a "
     "rematerialised scan, else kept for the backward)",
     applied="the leaf's NamedSharding; plan.jit gathers each weight where it is used",

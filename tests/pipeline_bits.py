@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import dtenjax
 from dtenjax.testing import pipeline_model as pm
+from tests.mp_workers import common
 
 MICRO, ROWS = 8, 2
 SCHEDULES = {"gpipe": dtenjax.GPipe(), "1f1b": dtenjax.OneFOneB(),
@@ -51,13 +52,6 @@ def _digest(loss, params) -> str:
   return h.hexdigest()[:16]
 
 
-def _gathered(tree):
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  if jax.process_count() == 1:
-    return jax.tree.map(np.asarray, tree)
-  return jax.tree.map(lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
-
-
 def pipelined(stages: int, schedule: str, devices, *, remat: bool = False) -> str:
   data = len(devices) // stages
   mesh = _mesh((stages, data), ("stage", "data"), devices)
@@ -76,7 +70,7 @@ def pipelined(stages: int, schedule: str, devices, *, remat: bool = False) -> st
   with jax.set_mesh(mesh):
     new, _, loss = step(_place(staged, mesh, specs), _place(opt, mesh, ospecs),
                         _place(toks, mesh, P("data")))
-  new, loss = _gathered(new), _gathered(loss)
+  new, loss = common.gathered((new, loss))
   new = {**new, "layers": jax.tree.map(np.asarray, pipe.from_stages(new["layers"]))}
   return _digest(loss, new)
 

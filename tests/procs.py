@@ -13,10 +13,12 @@ waits for it, as a test in the pytest process does: it stays out of the group, s
 group's worker, which runs every test of the group in a row, is not the last to finish.
 """
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -58,19 +60,37 @@ if "jax" in sys.modules:
   assert not sys.modules["jax"]._src.xla_bridge._backends, "the fork server started a jax backend"
 print("ready", flush=True)
 for line in sys.stdin:
-  batch = json.loads(line)                 # {"runs": [run, ...], "timeout": seconds}
+  batch = json.loads(line)                 # {"runs": [run, ...], "timeout": seconds[, "adopt": 1]}
   sys.stdout.flush(); sys.stderr.flush()
   pids = []
   for req in batch["runs"]:
+    if batch.get("adopt"):                 # the run's process is left to the client (a subreaper)
+      pid_r, pid_w = os.pipe()
     pid = os.fork()
     if pid == 0:
+      if batch.get("adopt"):               # a go-between that leaves at once: the run is orphaned
+        os.close(pid_r)
+        if os.fork():
+          os._exit(0)
+        os.write(pid_w, str(os.getpid()).encode())
+        os.close(pid_w)
+        del pid_r, pid_w
       break
+    if batch.get("adopt"):
+      os.close(pid_w)
+      pids.append(int(os.read(pid_r, 32)))
+      os.close(pid_r)
+      os.waitpid(pid, 0)                   # gone: the run is the client's child from now on
+      continue
     try:
       os.setpgid(pid, pid)
     except OSError:
       pass
     pids.append(pid)
   else:
+    if batch.get("adopt"):
+      print(json.dumps({"pids": pids}), flush=True)
+      continue
     deadline, codes = time.monotonic() + batch["timeout"], {}
     while len(codes) < len(pids):
       for pid in pids:
@@ -198,6 +218,21 @@ class ForkServer:
     with open(out + ".out") as f, open(out + ".err") as g:
       return subprocess.CompletedProcess(argv, code, f.read(), g.read())
 
+  def start(self, argv: list, env: dict, log: str) -> "Adopted":
+    """``python ARGV`` forked and handed to this process, which must be a child subreaper
+    (``adopting()``), as ``subprocess.Popen(..., stdout=log, stderr=STDOUT)`` started at once:
+    the hook dtenjax.elastic.launch's tests give its launcher, which polls, signals and waits
+    for its workers."""
+    assert _subreaper(), "start() needs this process to adopt the run: inside procs.adopting()"
+    self.proc.stdin.write(json.dumps({"runs": [{
+        "argv": [str(a) for a in argv], "env": self._check_env(env), "cwd": os.getcwd(),
+        "stdout": str(log), "stderr": str(log)}], "timeout": 0, "adopt": 1}) + "\n")
+    self.proc.stdin.flush()
+    reply = self.proc.stdout.readline()
+    assert reply, "the fork server died"
+    (pid,) = json.loads(reply)["pids"]
+    return Adopted(pid, argv)
+
   def __enter__(self):
     return self
 
@@ -212,3 +247,59 @@ class ForkServer:
       if self.proc.poll() is None:
         self.proc.kill()
         self.proc.wait()
+
+
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37     # linux/prctl.h
+
+
+def _prctl(option: int, arg) -> None:
+  import ctypes  # pylint: disable=g-import-not-at-top
+  libc = ctypes.CDLL(None, use_errno=True)
+  if libc.prctl(option, arg, 0, 0, 0) != 0:
+    raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+
+
+def _subreaper() -> bool:
+  import ctypes  # pylint: disable=g-import-not-at-top
+  flag = ctypes.c_int(0)
+  _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag))
+  return bool(flag.value)
+
+
+@contextlib.contextmanager
+def adopting():
+  """This process as a child subreaper (Linux): a descendant whose parent leaves becomes its child,
+  so that it can wait for it (``ForkServer.start``). Turned off again at the exit; a run started
+  inside and still running then stays this process's child."""
+  _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+  try:
+    yield
+  finally:
+    _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+
+
+class Adopted:
+  """A process that ``ForkServer.start`` forked and this process adopted: the part of
+  ``subprocess.Popen`` a launcher uses (pid, poll, wait, send_signal, returncode)."""
+
+  def __init__(self, pid: int, argv: list):
+    self.pid, self.args, self.returncode = pid, argv, None
+
+  def poll(self) -> int | None:
+    if self.returncode is None:
+      pid, status = os.waitpid(self.pid, os.WNOHANG)
+      if pid:
+        self.returncode = os.waitstatus_to_exitcode(status)
+    return self.returncode
+
+  def wait(self, timeout: float | None = None) -> int:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while self.poll() is None:
+      if deadline is not None and time.monotonic() > deadline:
+        raise subprocess.TimeoutExpired(self.args, timeout)
+      time.sleep(0.01)
+    return self.returncode
+
+  def send_signal(self, sig: int) -> None:
+    if self.poll() is None:
+      os.kill(self.pid, sig)

@@ -708,10 +708,19 @@ def test_across_processes_floods_look_alikes_and_algorithm_mismatches(tmp_path):
   assert res[0]["released"] == [[11.0] * 8]
 
 
+@pytest.fixture(scope="module")
+def recoverable_forks():
+  """The launches below with JAX_ENABLE_RECOVERABILITY=1 (6 processes) fork their workers from
+  one pair of servers that imported jax with it set (tests/mp_workers/launch.py); the one with
+  it 0, whose JAX_* differ from the servers', starts fresh processes."""
+  with launch.shared_forks(env={"JAX_ENABLE_RECOVERABILITY": "1"}):
+    yield
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("recoverable", [True, False])
 def test_a_dead_process_is_a_dtenjax_error_and_jax_recoverability_keeps_the_survivors(
-    tmp_path, recoverable):
+    tmp_path, recoverable, recoverable_forks):
   """The last of 3 processes exits between two collectives. The survivors' next jitted
   all_reduce raises at once in both cases, naming the lost rank. Then JAX decides: with
   jax_enable_recoverability its coordination service lets them live (exit 0); without it, it
@@ -738,7 +747,7 @@ def test_a_dead_process_is_a_dtenjax_error_and_jax_recoverability_keeps_the_surv
 
 
 @pytest.mark.multiprocess
-def test_the_coordinator_is_a_single_point_of_failure(tmp_path):
+def test_the_coordinator_is_a_single_point_of_failure(tmp_path, recoverable_forks):
   """SIGKILL of process 0, which hosts jax.distributed's coordination service: JAX aborts every
   other process (SIGABRT) within moments, before dtenjax can raise anything. No option of
   jax.distributed (0.10.2, 0.11) changes this (docs/reliability.md, "Coordinator loss"): this

@@ -418,7 +418,9 @@ def _train(*args):
   return ["-m", "tests.mp_workers.checkpoint_worker", "train", *args]
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: the `slow` test below runs first in its xdist worker (tests/conftest.py), far
+# from the other; a module fixture was torn down between them and its job run twice.
+@pytest.fixture(scope="session")
 def two_processes(tmp_path_factory):
   """One jax.distributed job of 2 processes x 4 devices for both tests below (the processes'
   start paid once): 10 training steps saved at step 10, then the 2 x 4 geometry checkpoint.

@@ -14,6 +14,8 @@ import pytest
 import dtenjax
 import dtenjax.checkpoint as ckpt
 import dtenjax.elastic
+import procs
+from dtenjax._src.elastic import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_workers", "elastic_worker.py")
@@ -38,12 +40,47 @@ def _losses(out_dir):
   return [by_step[s] for s in sorted(by_step)]
 
 
+# The workers of the jobs below are forked (tests/procs.py) from two servers that have imported
+# jax and dtenjax, even ranks from one and odd ranks from the other (so that neighbours differ in
+# their hash seeds, as processes started apart do), through the launcher's one seam for starting
+# a worker (``launcher._start``): a job's 10 process starts no longer pay jax's import (1-2 s of
+# CPU each). This process adopts them (a child subreaper), so the launcher polls, signals and
+# waits for them as for its own children. The launcher's own ``subprocess.Popen`` path is what
+# the other tests here (and `dtenjax launch`'s) run. DTENJAX_TEST_FORK=0 starts them as the
+# launcher does. Session-scoped: the slow test runs first in its xdist worker, apart from the
+# grow test (tests/conftest.py).
+FORK = os.environ.get("DTENJAX_TEST_FORK", "1") != "0"
+
+
+@pytest.fixture(scope="session")
+def forks(tmp_path_factory):
+  env = {**os.environ, **_env(1)}
+  env.pop("XLA_FLAGS")
+  servers = [procs.ForkServer(env, ROOT, tmp_path_factory.mktemp("elastic_forks"))
+             for _ in range(2 if FORK else 0)]
+  yield servers
+  for server in servers:
+    server.close()
+
+
+@pytest.fixture
+def forked_workers(forks, monkeypatch):
+  if not forks:
+    yield
+    return
+  monkeypatch.setattr(launcher, "_start", lambda argv, env, log: forks[
+      int(env["DTENJAX_ELASTIC_RANK"]) % 2].start(argv, env, log))
+  with procs.adopting():
+    yield
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, forks):
   """The uninterrupted run: one process of 8 devices, no launcher."""
   out = tmp_path_factory.mktemp("reference")
-  r = subprocess.run([sys.executable, WORKER, str(out), str(STEPS)], env={**os.environ,
-                     **_env(8)}, capture_output=True, text=True, timeout=240, check=False)
+  argv, env = [WORKER, str(out), str(STEPS)], {**os.environ, **_env(8)}
+  r = (forks[0].run(argv, env=env, timeout=240) if forks else subprocess.run(
+      [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=240, check=False))
   assert r.returncode == 0, r.stderr[-3000:]
   with open(out / "final.json") as f:
     final = json.load(f)
@@ -72,7 +109,8 @@ def _first(events, kind, **match):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_kill_9_of_process_0_then_a_stop_then_a_kill_9_same_bits(tmp_path, reference):
+def test_kill_9_of_process_0_then_a_stop_then_a_kill_9_same_bits(tmp_path, reference,
+                                                                  forked_workers):
   """Three failures in one run, one generation each (4, 3, 2 and 1 processes: the scenarios of
   two runs in ten process starts instead of sixteen), with persistent checkpoints every 2 steps:
   kill -9 of process 0 (the coordination service's host) at step 2; SIGSTOP of process 1 of the
@@ -230,7 +268,8 @@ ctx.finish()
 
 
 @pytest.mark.multiprocess
-def test_a_shrunk_job_grows_back_at_the_next_snapshot_when_capacity_returns(tmp_path):
+def test_a_shrunk_job_grows_back_at_the_next_snapshot_when_capacity_returns(tmp_path,
+                                                                            forked_workers):
   script = tmp_path / "grow.py"
   script.write_text(GROW)
   out = tmp_path / "out.json"

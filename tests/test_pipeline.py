@@ -232,7 +232,10 @@ def test_loss_and_gradients_match_the_accumulation_loop_within_float_tolerance()
 BITS_CONFIGS = ("4x2:interleaved", "8x2:1f1b")
 
 
-@pytest.fixture(scope="module")
+# Session-scoped, not module-scoped: each xdist worker runs its `slow` tests first
+# (tests/conftest.py), which puts the 4-process test below far ahead of the fixture's own test; a
+# module fixture was torn down between them and its process run twice (about 20 s of CPU).
+@pytest.fixture(scope="session")
 def bits():
   """tests/pipeline_bits.py in a fresh process with --xla_cpu_max_isa=AVX: per configuration the
   digests of the pipelined and the unpipelined step."""

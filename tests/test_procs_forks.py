@@ -2,10 +2,13 @@
 use instead of a fresh ``python`` each time: what a forked run must share with a fresh process
 (its own environment, argv, ``__main__``, exit status, output, a timeout that kills it) and what
 tests/mp_workers/launch.py adds (neighbouring ranks with different hash seeds, as processes started
-apart have). The servers here import nothing (``preload=()``): the runs are plain Python."""
+apart have), and ``start``, a run handed to this process as a ``subprocess.Popen`` child (the
+elastic launcher's workers in tests/test_elastic_launch.py). The servers here import nothing (``preload=()``): the runs are plain Python."""
 
 import os
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -84,3 +87,32 @@ def test_neighbouring_ranks_of_a_launch_have_different_hash_seeds(tmp_path):
   h = [r["hash"] for r in results]
   if os.environ.get("PYTHONHASHSEED", "random") == "random":    # else every process has one seed
     assert h[0] == h[2] != h[1] == h[3]
+
+
+def _parent(pid: int) -> int:
+  return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_started_run_is_this_processs_child_as_popen_makes_one(forks, tmp_path):
+  """``start`` (dtenjax.elastic.launch's workers in tests/test_elastic_launch.py): the run is
+  forked and adopted by this process, which polls, signals and waits for it as the launcher does
+  a ``subprocess.Popen``: exit status, death by a signal, a stopped run, a wait that times out."""
+  log = tmp_path / "run.log"
+  with pytest.raises(AssertionError, match="adopting"):
+    forks.start(["-c", "pass"], forks.env, log)
+  with procs.adopting():
+    p = forks.start(["-c", "import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)"],
+                    forks.env, log)
+    assert p.wait(timeout=30) == 3 and p.poll() == 3 and p.returncode == 3
+    assert sorted(log.read_text().split()) == ["err", "out"]          # one log for both
+    p = forks.start(["-c", "import time\ntime.sleep(60)"], forks.env, tmp_path / "sleep.log")
+    assert _parent(p.pid) == os.getpid() and p.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+      p.wait(timeout=0.2)
+    p.send_signal(signal.SIGSTOP)            # stopped is not ended
+    time.sleep(0.1)
+    assert p.poll() is None
+    p.send_signal(signal.SIGKILL)
+    assert p.wait(timeout=30) == -signal.SIGKILL
+    p.send_signal(signal.SIGKILL)            # after its end: nothing to signal, as Popen
+  assert not procs._subreaper()              # pylint: disable=protected-access

@@ -25,6 +25,8 @@ import json
 import os
 import sys
 
+from tests.mp_workers import common
+
 MICRO = 8
 
 
@@ -100,9 +102,7 @@ def train(steps: int, restore: str | None, save: str | None) -> dict:
   if save:
     report = str(ckpt.save(save, state))
   h = hashlib.sha256()
-  for leaf in jax.tree.leaves({"params": state["params"], "opt": state["opt"]}):
-    full = jax.device_get(jax.experimental.multihost_utils.process_allgather(leaf, tiled=True)
-                          if _multi() else leaf)
+  for full in jax.tree.leaves(common.gathered({"params": state["params"], "opt": state["opt"]})):
     h.update(np.ascontiguousarray(full).tobytes())
   return {"losses": losses, "digest": h.hexdigest(), "step": state["step"], "devices": n,
           "processes": jax.process_count(), "report": report}
@@ -146,7 +146,6 @@ def geometry(ckpt_dir: str) -> dict:
 def main() -> None:
   mode = sys.argv[1]
   if _multi():
-    from tests.mp_workers import common  # pylint: disable=g-import-not-at-top
     common.init()
   if mode == "train":
     args = sys.argv[2:]
@@ -157,7 +156,6 @@ def main() -> None:
   else:
     result = geometry(sys.argv[2])
   if _multi():
-    from tests.mp_workers import common  # pylint: disable=g-import-not-at-top
     common.finish(result)
   else:
     print(json.dumps(result))

@@ -22,6 +22,8 @@ import signal
 import sys
 import time
 
+from tests.mp_workers import common
+
 MICRO = 24
 
 
@@ -112,10 +114,8 @@ def main() -> None:
         os.kill(os.getpid(), getattr(signal, "SIG" + sig))
         time.sleep(3600)
   h = hashlib.sha256()
-  for leaf in jax.tree.leaves(state):
-    full = (jax.experimental.multihost_utils.process_allgather(leaf, tiled=True)
-            if jax.process_count() > 1 else leaf)
-    h.update(np.ascontiguousarray(jax.device_get(full)).tobytes())
+  for full in jax.tree.leaves(common.gathered(state)):
+    h.update(np.ascontiguousarray(full).tobytes())
   if jax.process_index() == 0:
     with open(os.path.join(out_dir, "final.json"), "w") as f:
       json.dump({"digest": h.hexdigest(), "step": step, "devices": n,

@@ -41,12 +41,12 @@ def _server_env() -> dict:
   return env
 
 
-def _fork_servers(out_dir: str, **kwargs) -> list:
+def _fork_servers(out_dir: str, env: dict, **kwargs) -> list:
   try:
     from tests import procs as procs_lib  # pylint: disable=g-import-not-at-top
   except ImportError:
     import procs as procs_lib  # pylint: disable=g-import-not-at-top
-  return [procs_lib.ForkServer(_server_env(), _root(), out_dir, **kwargs) for _ in range(2)]
+  return [procs_lib.ForkServer(env, _root(), out_dir, **kwargs) for _ in range(2)]
 
 
 def _close(servers) -> None:
@@ -55,10 +55,12 @@ def _close(servers) -> None:
 
 
 @contextlib.contextmanager
-def shared_forks(**kwargs):
+def shared_forks(env: dict[str, str] | None = None, **kwargs):
   """Launches inside share two fork servers (``kwargs``: ForkServer's), started at the first
-  launch and ended (their CPU time accounted to the caller) at the exit."""
-  slot = {"servers": [], "kwargs": kwargs}
+  launch and ended (their CPU time accounted to the caller) at the exit. ``env``: variables the
+  servers start with (``JAX_*`` ones, read at jax's import, e.g. JAX_ENABLE_RECOVERABILITY);
+  only launches whose ``JAX_*`` and ``PYTHON*`` variables are the servers' fork."""
+  slot = {"servers": [], "kwargs": kwargs, "env": {**_server_env(), **(env or {})}}
   _SHARED.append(slot)
   try:
     yield slot
@@ -87,12 +89,13 @@ def launch(module: str, nprocs: int, out_dir: str, *, devices_per_proc: int = 1,
     e.update((per_rank_env or {}).get(r, {}))
     envs.append(e)
   fixed = lambda e: {k: v for k, v in e.items() if k.startswith(("JAX_", "PYTHON"))}
+  server_env = _SHARED[-1]["env"] if _SHARED else _server_env()
   fork = (fork and os.environ.get("DTENJAX_TEST_FORK", "1") != "0" and (_SHARED or nprocs >= 4)
-          and all(fixed(e) == fixed(_server_env()) for e in envs))
+          and all(fixed(e) == fixed(server_env) for e in envs))
   if fork:
     if _SHARED and not _SHARED[-1]["servers"]:
-      _SHARED[-1]["servers"] = _fork_servers(out_dir, **_SHARED[-1]["kwargs"])
-    servers = _SHARED[-1]["servers"] if _SHARED else _fork_servers(out_dir)
+      _SHARED[-1]["servers"] = _fork_servers(out_dir, server_env, **_SHARED[-1]["kwargs"])
+    servers = _SHARED[-1]["servers"] if _SHARED else _fork_servers(out_dir, server_env)
     try:
       logs = [os.path.join(out_dir, f"rank{r}.log") for r in range(nprocs)]
       mine = [[r for r in range(nprocs) if r % 2 == k] for k in (0, 1)]

@@ -1,8 +1,9 @@
 """Worker: faults of the RDMA verbs data path, one process per rank on the emulated device.
 
 For every fault of DTENJAX_TEST_FAULTS (comma list; tests/fakeverbs FAULTS), on fresh
-communicators: a small all-reduce under jit (must be right), then rank DTENJAX_TEST_FAULTY arms
-the fault to fire DTENJAX_TEST_AFTER RDMA writes into a 4 MiB all-reduce (mid-collective) and
+communicators: a 4 MiB all-reduce under jit (must be right), then rank DTENJAX_TEST_FAULTY arms
+the fault to fire DTENJAX_TEST_AFTER RDMA writes into the same all-reduce (mid-collective; one
+compiled program per set of communicators, which a trace bakes in) and
 every rank records what it got: an error and how long it took, or (wrong) a result and whether
 its bits were right. After each fault the communicators are closed and the emulated device's live
 objects and this process's descriptors are recorded. DTENJAX_TEST_KILL=1 ends with the last rank
@@ -49,7 +50,6 @@ def main():
     return np.asarray(y.addressable_shards[0].data).reshape(-1)
 
   res: dict = {"rank": rank, "faults": {}}
-  small_full, small = global_input(1, 3000)
   big_full, big = global_input(2, 1 << 20)
   big_ref = transport_ref.reference_ring_sum(list(big_full))
 
@@ -57,15 +57,16 @@ def main():
     out: dict = {}
     hostcoll.reset()
     common.barrier(f"{kind}-start")
-    y = mine(make()(small))                      # fresh communicators, a good collective
-    out["warmup_ok"] = y.tobytes() == transport_ref.reference_ring_sum(list(small_full)).tobytes()
+    reduce = make()
+    y = mine(reduce(big))                        # fresh communicators, a good collective
+    out["warmup_ok"] = y.tobytes() == big_ref.tobytes()
     common.barrier(f"{kind}-armed")
     fired_before = fake.counters()["faults_fired"]
     if rank == faulty:
       fake.arm(kind, after)
     t0 = time.monotonic()
     try:
-      got = mine(make()(big))
+      got = mine(reduce(big))
       out["error"] = None
       out["bits_right"] = got.tobytes() == big_ref.tobytes()
     except Exception as e:  # pylint: disable=broad-except
@@ -92,14 +93,15 @@ def main():
     if os.environ.get("DTENJAX_TEST_KILL") == "1":
       hostcoll.reset()
       common.barrier("kill-start")
-      mine(make()(small))
+      reduce = make()
+      mine(reduce(big))
       common.barrier("kill-armed")
       common.write(res)
       if rank == nprocs - 1:
         fake.arm("exit", after)
       t0 = time.monotonic()
       try:
-        mine(make()(big))
+        mine(reduce(big))
         res["kill"] = {"error": None}
       except Exception as e:  # pylint: disable=broad-except
         res["kill"] = {"error": str(e)[:3000], "seconds": time.monotonic() - t0}

@@ -89,6 +89,15 @@ def _free_port() -> int:
   return free_port()
 
 
+def _start(argv: Sequence[str], env: dict[str, str], log_path: str) -> subprocess.Popen:
+  """``python argv...``, its output in ``log_path``. The launcher needs of a worker only what it
+  polls, signals and waits for, so a test may replace this (tests/test_elastic_launch.py forks
+  the workers from a process that has imported jax)."""
+  with open(log_path, "w") as log:
+    return subprocess.Popen([sys.executable, *argv], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
 def _kill(procs: Sequence[subprocess.Popen]) -> None:
   for p in procs:
     if p.poll() is None:
@@ -190,10 +199,7 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
             "CHECKPOINT_DIR": checkpoint_dir or "", "CHECKPOINT_EVERY": checkpoint_every,
             "RESTORE": json.dumps(restore) if restore else ""}.items()})
         e.setdefault("DTENJAX_BIND_ADDRESS", "127.0.0.1")
-        log = open(os.path.join(run_dir, f"g{g.index}.r{r}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=log,
-                                      stderr=subprocess.STDOUT))
-        log.close()
+        procs.append(_start(argv, e, os.path.join(run_dir, f"g{g.index}.r{r}.log")))
       worker.event(run_dir, "generation", generation=g.index, world=world,
                    restore=restore)
       say(f"generation {g.index}: {world} processes"

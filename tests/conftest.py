@@ -1,5 +1,5 @@
 """Test set-up: 8 simulated CPU devices unless a GPU run asks otherwise, XLA:CPU's quicker-to-compile
-LLVM IR emitters (the same bits; see below), compiled programs shared within a run, and a time
+LLVM IR emitters (the same bits in what it checks; see below), compiled programs shared within a run, and a time
 budget per test.
 
 XLA_FLAGS must be set before JAX initialises its backends, so this runs at import time of the
@@ -41,8 +41,10 @@ flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
   flags += " --xla_force_host_platform_device_count=8"
 # XLA:CPU's LLVM IR emitters for fused kernels instead of its MLIR fusion emitters (the default):
-# the same bits in every program the suite checks (the stored reference bits; the sample in
-# tests/test_conftest.py) for 20-30 % less CPU in the files that compile most. The optimised HLO
+# the same bits in every program whose bits the pytest processes check (the stored reference bits;
+# the sample in tests/test_conftest.py) for 20-30 % less CPU in the files that compile most. Not
+# in every program: the 4 x 2 pipelined step of tests/pipeline_bits.py gets other bits with it
+# (docs/testing.md, tenth round), so the processes the tests start keep XLA's default emitters. The optimised HLO
 # differs (other fusion boundaries, scatters expanded into loops, other temp bytes), so a check of
 # a compiled program's structure that must be the users' program compiles with the default
 # emitters (helpers.DEFAULT_CPU_EMITTERS; docs/testing.md, ninth round). Naming the flag in

@@ -1,6 +1,6 @@
 """Test set-up: 8 simulated CPU devices unless a GPU run asks otherwise, XLA:CPU's quicker-to-compile
-LLVM IR emitters (the same bits in what it checks; see below), compiled programs shared within a run, and a time
-budget per test.
+LLVM IR emitters (the same bits in what it checks; see below), compiled programs shared within a
+run, and a time budget per test.
 
 XLA_FLAGS must be set before JAX initialises its backends, so this runs at import time of the
 test session. On the GPU machine set DTENJAX_TEST_PLATFORM=gpu to keep the GPU as default backend.

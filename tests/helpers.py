@@ -1,7 +1,7 @@
 """What several test files share: jitted ``shard_map`` over one mesh, data whose sums depend on
 the order they are taken in (with the left fold that states one such order), and waiting for a
-condition instead of sleeping for a time, and the compiler option that gives a program XLA:CPU's
-default fusion emitters back."""
+condition instead of sleeping for a time, and XLA:CPU's fusion emitters: the option that gives a
+program the default ones back, the flag that gives a process the suite's."""
 
 from __future__ import annotations
 
@@ -15,14 +15,24 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 
-# A program's own compiler option that gives it XLA:CPU's default (MLIR) fusion emitters back:
-# tests/conftest.py compiles the suite with the LLVM IR emitters (the same bits, less compile
-# time, but another optimised HLO), so a check of a compiled program's structure that must be
-# the program users get (its loops, its fusions) compiles with this. Empty where the run kept
+# tests/conftest.py compiles the suite with XLA:CPU's LLVM IR emitters (the same bits, less
+# compile time, but another optimised HLO): this flag where it does, empty where the run kept
 # XLA's emitters (GPU runs, a jaxlib without the flag, a run that named it in XLA_FLAGS).
-DEFAULT_CPU_EMITTERS = ({"xla_cpu_use_fusion_emitters": True}
-                        if "--xla_cpu_use_fusion_emitters=false" in
-                        os.environ.get("XLA_FLAGS", "").split() else {})
+SUITE_CPU_EMITTERS = ("--xla_cpu_use_fusion_emitters=false"
+                      if "--xla_cpu_use_fusion_emitters=false" in
+                      os.environ.get("XLA_FLAGS", "").split() else "")
+# A program's own compiler option that gives it XLA:CPU's default (MLIR) fusion emitters back: a
+# check of a compiled program's structure that must be the program users get (its loops, its
+# fusions) compiles with this.
+DEFAULT_CPU_EMITTERS = {"xla_cpu_use_fusion_emitters": True} if SUITE_CPU_EMITTERS else {}
+
+
+def xla_flags(*flags: str) -> str:
+  """``XLA_FLAGS`` for a process a test starts with flags of its own (a device count, the AVX
+  flag): ``flags`` and the suite's emitters flag where the run has it, for a process whose check
+  is about values or bits, which the flag keeps (a stored digest is the guard), not about a
+  compiled program's structure."""
+  return " ".join(f for f in (*flags, SUITE_CPU_EMITTERS) if f)
 
 
 def smap(mesh, f, axes=("o", "i"), *, out_specs=None, check_vma=False, jit=True):

@@ -31,6 +31,9 @@ _FUSIBLE = ELEMENTWISE | frozenset(
     "convert_element_type".split())
 _FUSED_INTO_CONSUMERS = _FUSIBLE | frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
+# Calls of a function with a custom derivative (their primal body is what XLA compiles)
+_CUSTOM_DERIVATIVE_CALLS = frozenset(("custom_jvp_call", "custom_vjp_call",
+                                      "custom_vjp_call_jaxpr"))
 # Elementwise primitives XLA counts as expensive (HloInstruction::IsExpensive): it does not
 # duplicate them into several consumers' fusions.
 _EXPENSIVE = frozenset("""
@@ -407,12 +410,24 @@ def _cheap_call_on_gpu(eqn) -> bool:
   """A call (``jit``) whose body only has ops XLA:GPU fuses into their users and recomputes
   there (cheap elementwise ops, data movement, calls of the same kind): XLA inlines it, so on
   XLA:GPU its results are recomputed in each user's fusion, never materialised."""
-  if eqn.primitive.name not in CALLS:
-    return False
+  return eqn.primitive.name in CALLS and _cheap_body_on_gpu(eqn)
+
+
+def _cheap_body_on_gpu(eqn) -> bool:
+  """Whether the one body of a call has only ops XLA:GPU fuses and recomputes in their users."""
   subs = sub_jaxprs(eqn)
   return len(subs) == 1 and all(
       (e.primitive.name in _FUSIBLE and e.primitive.name not in _EXPENSIVE) or
       _cheap_on_gpu(e) or _cheap_call_on_gpu(e) for e in subs[0][0].eqns)
+
+
+def _fuses_its_inputs_on_gpu(eqn) -> bool:
+  """A custom-derivative call of cheap elementwise ops (``jax.nn.relu``: a ``custom_jvp_call``
+  of a max): XLA inlines its primal body and XLA:GPU fuses the producers of its input into it,
+  so its input is not kept for it (convnet's pre-activation sums ``bn(y) + x``: XLA:GPU's buffer
+  assignment of its FSDP step has none; the backward's fusions recompute the relu's mask from
+  the convolution's output, the statistics and the residual)."""
+  return eqn.primitive.name in _CUSTOM_DERIVATIVE_CALLS and _cheap_body_on_gpu(eqn)
 
 
 def _kept_on_cpu_only(jaxpr, same, users: dict[Any, int], kept: set[Any]) -> set[Any]:
@@ -423,7 +438,7 @@ def _kept_on_cpu_only(jaxpr, same, users: dict[Any, int], kept: set[Any]) -> set
   gradient), since XLA:GPU fuses producers into such (column) reductions too."""
   hard: set[Any] = set()             # read by an op no producer is fused into, on any backend
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name not in _FUSED_INTO_CONSUMERS:
+    if eqn.primitive.name not in _FUSED_INTO_CONSUMERS and not _fuses_its_inputs_on_gpu(eqn):
       hard.update(same(v) for v in eqn.invars if is_var(v))
   out: set[Any] = set()
   for eqn in jaxpr.eqns:

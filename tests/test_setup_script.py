@@ -1,9 +1,13 @@
 """scripts/setup.sh, run again with everything in place (as scripts/test.sh does before every
-run), does nothing: no pip, no apt, no build, so it needs no network."""
+run), does nothing: no pip, no apt, no build, so it needs no network. And which CUDA
+architectures the set-up builds (scripts/cuda_archs.cmake): the test command's one architecture
+on a machine without a GPU, and a build that reports what its set-up asked for."""
 
 import os
 import pathlib
+import shutil
 import subprocess
+import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -24,6 +28,9 @@ def test_setup_does_nothing_when_everything_is_in_place(tmp_path):
   env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", PIP_LOG=str(pip_log),
              PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_EXTRA_INDEX_URL="",
              PIP_FIND_LINKS="", PIP_NO_INDEX="1")
+  # in place = built for what this run asks: scripts/test.sh's architectures if it built them
+  env.pop("DTENJAX_CUDA_ARCHS_WITHOUT_GPU", None)
+  env.update(_stamp_request(stamp))
   t0 = time.monotonic()
   r = subprocess.run(["bash", "scripts/setup.sh"], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=300, check=False)
@@ -33,6 +40,47 @@ def test_setup_does_nothing_when_everything_is_in_place(tmp_path):
   assert not pip_log.exists(), pip_log.read_text()[-2000:]
   assert stamp.stat().st_mtime_ns == before
   assert time.monotonic() - t0 < 120
+
+
+def _stamp_request(stamp: pathlib.Path) -> dict[str, str]:
+  """The CUDA architecture request the set-up recorded in its stamp, as the environment it
+  came from (scripts/setup.sh: report --stamp)."""
+  asked = dict(ln.partition("=")[::2] for ln in stamp.read_text().splitlines() if "=" in ln)
+  return ({"DTENJAX_CUDA_ARCHS_WITHOUT_GPU": asked["cuda_archs_without_gpu"]}
+          if "cuda_archs_without_gpu" in asked else {})
+
+
+def test_a_plain_setup_rebuilds_what_the_test_command_built_for_fewer_architectures(tmp_path):
+  """The stamp of a set-up that scripts/test.sh asked for sm_80 alone makes a plain set-up
+  rebuild the extension (for the default list; no package index), and the test command's next
+  set-up keep it: an image built with `bash scripts/setup.sh` never ships the test build."""
+  repo = tmp_path / "repo"
+  for d in ("scripts", "csrc", "custom_calls", ".venv/bin"):
+    (repo / d).mkdir(parents=True)
+  for f in ("pyproject.toml", "CMakeLists.txt", "scripts/cuda_archs.cmake"):
+    (repo / f).write_text("")
+  (repo / "scripts" / "setup.sh").write_text((ROOT / "scripts" / "setup.sh").read_text())
+  calls = tmp_path / "calls"
+  # A .venv whose python says every requirement is met and records every pip run.
+  (repo / ".venv" / "bin" / "python").write_text(
+      f"#!/bin/sh\nif [ \"$1\" = -m ]; then echo \"$*\" >> {calls}; fi\ncat >/dev/null\n"
+      "echo 'dtenjax 0.1.0 | native: (fake)'\n")
+  (repo / ".venv" / "bin" / "python").chmod(0o755)
+  stamp = repo / ".venv" / ".dtenjax-setup-done"
+  stamp.write_text("cuda_archs_without_gpu=80\n")
+  old = time.time() - 60
+  for f in repo.rglob("*"):
+    os.utime(f, (old, old))
+  base = {k: v for k, v in os.environ.items() if k != "DTENJAX_CUDA_ARCHS_WITHOUT_GPU"}
+  for asked, rebuilds in (("80", False), (None, True), ("90", True)):
+    calls.unlink(missing_ok=True)
+    env = base if asked is None else dict(base, DTENJAX_CUDA_ARCHS_WITHOUT_GPU=asked)
+    r = subprocess.run(["bash", "scripts/setup.sh"], cwd=repo, env=env, capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    ran = calls.read_text() if calls.exists() else ""
+    assert ("pip install -q --no-build-isolation --no-deps -e ." in ran) == rebuilds, (asked, ran)
+    assert ("DTENJAX_CUDA_ARCHS_WITHOUT_GPU=80" in r.stdout) == rebuilds, r.stdout
 
 
 def _fake_python(tmp_path, *, ensurepip: bool, headers: bool) -> pathlib.Path:
@@ -78,3 +126,75 @@ def test_the_demo_command_sets_up_only_the_demo_extra():
   demo = (ROOT / "scripts" / "demo.sh").read_text()
   assert "bash scripts/setup.sh demo" in demo
   assert "[test]" not in demo
+
+
+def test_the_test_command_builds_one_cuda_architecture_without_a_gpu(tmp_path):
+  """scripts/test.sh asks the set-up for sm_80 alone (SASS and PTX) on a machine without a GPU,
+  unless its caller named a list (an empty one gives CMakeLists.txt's default back)."""
+  (tmp_path / "scripts").mkdir()
+  (tmp_path / "scripts" / "test.sh").write_text((ROOT / "scripts" / "test.sh").read_text())
+  seen = tmp_path / "asked"
+  (tmp_path / "scripts" / "setup.sh").write_text(
+      f"echo \"${{DTENJAX_CUDA_ARCHS_WITHOUT_GPU-unset}}\" > {seen}\n")
+  (tmp_path / ".venv" / "bin").mkdir(parents=True)
+  (tmp_path / ".venv" / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
+  (tmp_path / ".venv" / "bin" / "python").chmod(0o755)
+  base = {k: v for k, v in os.environ.items() if k != "DTENJAX_CUDA_ARCHS_WITHOUT_GPU"}
+  for given, asked in ((None, "80"), ("90", "90"), ("", "")):
+    env = base if given is None else dict(base, DTENJAX_CUDA_ARCHS_WITHOUT_GPU=given)
+    r = subprocess.run(["bash", str(tmp_path / "scripts" / "test.sh")], env=env,
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    assert seen.read_text().strip() == asked, (given, seen.read_text())
+
+
+def _cuda_archs(tmp_path, gpus: str | None, defines=(), **env) -> str:
+  """What scripts/cuda_archs.cmake chooses (CMakeLists.txt includes it) with a fake nvidia-smi
+  that lists ``gpus`` (None: fails, as on a machine without a driver)."""
+  fake = tmp_path / "bin"
+  fake.mkdir(exist_ok=True)
+  smi = "exit 9\n" if gpus is None else f"printf '{gpus}'\n"
+  (fake / "nvidia-smi").write_text("#!/bin/sh\n" + smi)
+  (fake / "nvidia-smi").chmod(0o755)
+  clean = {k: v for k, v in os.environ.items() if not k.startswith("DTENJAX_CUDA_ARCH")}
+  r = subprocess.run([str(pathlib.Path(sys.executable).parent / "cmake"), *defines, "-P",
+                      str(ROOT / "scripts" / "cuda_archs.cmake")],
+                     env=dict(clean, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", **env),
+                     capture_output=True, text=True, timeout=60, check=True)
+  return r.stderr.strip()
+
+
+def test_cuda_archs_are_the_gpus_else_the_callers_else_the_default(tmp_path):
+  assert _cuda_archs(tmp_path, None) == "80-real;90 (the default without a GPU)"
+  assert _cuda_archs(tmp_path, None, DTENJAX_CUDA_ARCHS_WITHOUT_GPU="80") == (
+      "80 (DTENJAX_CUDA_ARCHS_WITHOUT_GPU, no GPU here)")
+  assert _cuda_archs(tmp_path, "9.0\n9.0\n8.6\n", DTENJAX_CUDA_ARCHS_WITHOUT_GPU="80") == (
+      "90;86 (this machine's GPUs)")
+  assert _cuda_archs(tmp_path, "9.0\n", DTENJAX_CUDA_ARCHS="100;120",
+                     DTENJAX_CUDA_ARCHS_WITHOUT_GPU="80") == "100;120 (DTENJAX_CUDA_ARCHS)"
+  assert _cuda_archs(tmp_path, None, ["-DCMAKE_CUDA_ARCHITECTURES=75"],
+                     DTENJAX_CUDA_ARCHS_WITHOUT_GPU="80") == "75 (CMAKE_CUDA_ARCHITECTURES)"
+
+
+def test_the_build_has_the_cuda_architectures_its_set_up_asked_for(tmp_path):
+  """The extension in place reports (build_info()["cuda_archs"], as `dtenjax info` and the
+  set-up's last line do) what scripts/cuda_archs.cmake chooses here for the request the stamp
+  recorded (scripts/test.sh's DTENJAX_CUDA_ARCHS_WITHOUT_GPU) and the build directory's cached
+  list (an earlier DTENJAX_CUDA_ARCHS); in CI, no GPU and nvcc: "80"."""
+  from dtenjax._src import ffi
+  info = ffi.build_info()
+  assert info["built"], info["error"]
+  if not info["cuda"]:
+    assert info["cuda_archs"] == ""
+    return
+  stamp = ROOT / ".venv" / ".dtenjax-setup-done"
+  tag = f"cp{sys.version_info.major}{sys.version_info.minor}-"
+  (cache,) = [p for p in (ROOT / "build").glob(f"{tag}*/CMakeCache.txt")]
+  cached = [ln.split("=", 1)[1] for ln in cache.read_text().splitlines()
+            if ln.startswith("CMAKE_CUDA_ARCHITECTURES:")]
+  gpus = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                        capture_output=True, text=True, timeout=60, check=False).stdout \
+      if shutil.which("nvidia-smi") else None
+  chosen = _cuda_archs(tmp_path, gpus or None,
+                       [f"-DCMAKE_CUDA_ARCHITECTURES={c}" for c in cached], **_stamp_request(stamp))
+  assert info["cuda_archs"] == chosen.split(" (")[0].replace(";", ","), (info, chosen)

@@ -18,6 +18,7 @@ import tomllib
 import zipfile
 
 import pytest
+from test_setup_script import _stamp_request
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -52,9 +53,13 @@ def test_only_editable_installs_keep_a_build_directory_in_the_tree():
 def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
   before = _tree_state()
   dist = tmp_path / "dist"
+  # The editable build's CUDA architectures (scripts/test.sh's request, recorded in the set-up's
+  # stamp), so that the reused build directory recompiles nothing the editable build compiled.
+  env = {k: v for k, v in os.environ.items() if k != "DTENJAX_CUDA_ARCHS_WITHOUT_GPU"}
+  env.update(_stamp_request(ROOT / ".venv" / ".dtenjax-setup-done"))
   r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation",
                       "--no-deps", "-w", str(dist), "-C", "build-dir=build/{wheel_tag}", "."],
-                     cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False)
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
   assert r.returncode == 0, r.stderr[-4000:]
   assert _tree_state() == before, "building the wheel wrote into the checkout"
   (wheel,) = dist.glob("dtenjax-*.whl")

@@ -225,7 +225,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   held: list[list[tuple[int, float]]] = [[] for _ in outputs]   # (start, end) per output buffer
   temp: list[tuple[float, stepgraph.Live]] = []
   for nb, v in sorted(values, key=lambda x: -x[0]):
-    end = math.inf if v.grad is not None else v.end
+    end = math.inf if v.grad is not None else _end(v, cpu)
     placed = False
     for k, size in enumerate(outputs):
       if size < nb:
@@ -240,7 +240,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   for nb, v in temp:
     is_grad = v.grad is not None
     events.setdefault(v.start, []).append((nb * (not is_grad), nb * is_grad))
-    events.setdefault(v.end + 1, []).append((-nb * (not is_grad), -nb * is_grad))
+    events.setdefault(_end(v, cpu) + 1, []).append((-nb * (not is_grad), -nb * is_grad))
   act = grads = 0.0
   peak = (0.0, 0.0)
   for t in sorted(events):
@@ -250,6 +250,11 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if act + grads > sum(peak):
       peak = (act, grads)
   return {"activations": peak[0], "grads": peak[1]}
+
+
+def _end(v: stepgraph.Live, cpu: bool) -> int:
+  """A value's last use on the plan's backend (XLA:GPU's fusion ends some elsewhere)."""
+  return v.end if cpu or v.gpu_end is None else v.gpu_end
 
 
 def pair_maps(graph: stepgraph.StepGraph):

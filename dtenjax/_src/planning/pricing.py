@@ -112,6 +112,15 @@ class Pricer:
     return self(kind, nbytes, axes, dtype) - self(kind, 1, axes, dtype)
 
 
+def _gathers_table(backend: str, axis: str) -> bool:
+  """Whether XLA gathers a lookup table whose indexed dimension ``axis`` shards rather than
+  looking up masked rows: XLA:CPU's partitioner does where the axis also splits the tokens
+  (FSDP's; the table's all-gather, 2 MiB on the scanned decoder, where a masked lookup would
+  all-reduce the rows of every token of the global batch, 16 MiB on 64 devices). Not known for
+  XLA:GPU: it keeps the masked lookup there."""
+  return backend == "cpu" and axis in BATCH_AXES
+
+
 def axis_key(axes: Sequence[str]) -> str:
   return "+".join(a for a in AXES if a in axes)
 
@@ -203,8 +212,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # over the axes sharding the table, for every token of the batch those axes do not split;
   # nothing is gathered and the gradient is a local scatter into the shard
   lookup = graph.lookups.get(primary.index) if use is None else None
-  vocab_axes = ([a for a in used if m.size[a] > 1 and used[a] in lookup[0]]
-                if lookup is not None else [])
+  vocab_axes = ([a for a in used if m.size[a] > 1 and used[a] in lookup[0] and
+                 not _gathers_table(pricer.backend, a)] if lookup is not None else [])
   if vocab_axes:
     k = axis_key(vocab_axes)
     unsplit = math.prod(m.size[a] for a in batch if a not in vocab_axes)
@@ -226,8 +235,10 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     acc(pr.bytes, f"all_gather[{k}]", times * grad)
     if regather:
       pr.gathered_peak = grad / max(1, use.layers)
-    else:
+    elif use is not None:
       pr.memory["gathered"] = grad
+    # (a table only read by lookups is not kept: the lookup's backward scatters into zeros and
+    # never reads it, so its gathered copy dies with the forward's lookup)
   # the roles' own collectives (tensor parallelism's activation all-reduces and gathers, ...)
   ctx = PriceContext(graph, primary, use, used, m, pricer, batch_div, dtype, grad, vocab_axes, pr)
   for role in roles.REGISTRY:

@@ -61,6 +61,9 @@ class Live:
   # its last use where XLA:GPU's fusion differs from XLA:CPU's (:func:`_recomputed_unaries`);
   # None where they agree
   gpu_end: int | None = None
+  # a product's result that only a transpose reads: XLA:CPU writes the product in the
+  # transpose's layout, one buffer (:func:`_folded_transposes`); priced on the CPU as that one
+  folded: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -90,6 +93,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   gpu_ends: dict[Any, int] = {}
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
               gpu_ends=gpu_ends)
+  folded = _folded_transposes(jaxpr)
   owners: dict[Any, int] = {}
   for cone in cones.values():
     for v in cone:
@@ -106,7 +110,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
     v = v.of if isinstance(v, (_Copy, _Again)) else v
     return tuple(cone_keys.get(v, ())) if v is not None else ()
   timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, (_Copy, _Again)),
-                        v in gpu_fused, gpu_ends.get(v))
+                        v in gpu_fused, gpu_ends.get(v), v in folded)
                    for v, start, end, nb, grad, body in lives)
   return int(act), act_share, timeline
 
@@ -333,6 +337,22 @@ def _recomputed_unaries(jaxpr, same, last_use: dict[Any, int], materialised: set
         materialised.add(v)
         break
       v = ups[0]
+
+
+def _folded_transposes(jaxpr) -> set[Any]:
+  """The products' results that only a ``transpose`` reads (a weight's gradient ``dy^T @ x``
+  written as ``(x^T @ dy)^T``): XLA:CPU's algebraic simplifier folds the transpose into the
+  product's operands, so the two are one buffer, where the timeline has two values live
+  together at the transpose (2 GiB too many at the 8B step's unembedding gradient)."""
+  users: dict[Any, list[Any]] = {}
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if is_var(v):
+        users.setdefault(v, []).append(eqn)
+  outs = {v for v in jaxpr.outvars if is_var(v)}
+  return {eqn.outvars[0] for eqn in jaxpr.eqns
+          if eqn.primitive.name == "dot_general" and eqn.outvars[0] not in outs and
+          [u.primitive.name for u in users.get(eqn.outvars[0], ())] == ["transpose"]}
 
 
 def _true_rank(v) -> int:

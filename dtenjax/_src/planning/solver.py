@@ -273,10 +273,10 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict, reduced: float
   if not ends:
     events.setdefault(-1, []).append((0.0, 0.0, gathered))
     return
-  last = max(ends)
+  after = max(ends) + 1          # the reduction runs once the last gradient has been made
   events.setdefault(-1, []).append((0.0, 0.0, gathered))
-  events.setdefault(last, []).append((0.0, reduced, -gathered))
-  events.setdefault(last + 1, []).append((0.0, -reduced, 0.0))
+  events.setdefault(after, []).append((0.0, reduced, -gathered))
+  events.setdefault(after + 1, []).append((0.0, -reduced, 0.0))
 
 
 def _end(v: stepgraph.Live, cpu: bool) -> int:

@@ -252,8 +252,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         state = shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes
         if timeline is not None and o not in outvars:
           timeline.append((o, i, end, nb, shape if state else None, False))
-          if gpu_fused is not None and o not in gpu_kept:
-            gpu_fused.add(o)
+          if gpu_fused is not None and eqn.primitive.name in _FUSIBLE and o not in gpu_kept:
+            gpu_fused.add(o)          # kept by XLA:CPU only (_recomputed_unaries)
           if gpu_ends is not None and gpu_last.get(o, end) != end:
             gpu_ends[o] = gpu_last[o]
         if state:

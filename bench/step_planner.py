@@ -121,6 +121,8 @@ def predict_rows(model: str, devices: int) -> list[dict]:
         "bytes_xla_mib": sum(check.compiled_bytes.values()) / 2**20,
         "bytes_err": check.bytes_error, "compile_s": time.perf_counter() - t0,
         "kind_errs": ",".join(f"{k}:{e:.0%}" for k, e in check.kind_errors.items()),
+        "kinds_pred_mib": {k: v / 2**20 for k, v in check.predicted_bytes.items() if v},
+        "kinds_xla_mib": {k: v / 2**20 for k, v in check.compiled_bytes.items() if v},
         "xla_kinds": ",".join(sorted(k for k, v in check.compiled_bytes.items() if v)),
     })
   return rows

@@ -61,11 +61,16 @@ class Live:
   # a GPU's libraries read transposed operands in place
   copy: bool = False
   # kept only because XLA:CPU does not duplicate its op (f32 exp, division, square roots) into
-  # several users' fusions; XLA:GPU recomputes them in each (:func:`_cheap_on_gpu`)
+  # several users' fusions; XLA:GPU recomputes them in each (:func:`_cheap_on_gpu`); or kept
+  # beside a cheap unary XLA:CPU duplicates (:func:`_recomputed_unaries`)
   cheap_on_gpu: bool = False
-  # the last use on XLA:GPU, later than ``end`` where a value its fusions recompute reads this
-  # one (:func:`_gpu_ends`); None: ``end``
+  # its last use on XLA:GPU where that differs from XLA:CPU's: later where a value XLA:GPU's
+  # fusions recompute reads this one (:func:`_gpu_ends`), earlier where only XLA:CPU keeps it
+  # beside a cheap unary it duplicates (:func:`_recomputed_unaries`); None where they agree
   gpu_end: int | None = None
+  # a product's result that only a transpose reads: XLA:CPU writes the product in the
+  # transpose's layout, one buffer (:func:`_folded_transposes`); priced on the CPU as that one
+  folded: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -95,6 +100,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   gpu_ends: dict[Any, int] = {}
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
               gpu_ends=gpu_ends)
+  folded = _folded_transposes(jaxpr)
   owners: dict[Any, int] = {}
   for cone in cones.values():
     for v in cone:
@@ -111,7 +117,8 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
     v = v.of if isinstance(v, (_Copy, _Again)) else v
     return tuple(cone_keys.get(v, ())) if v is not None else ()
   timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, (_Copy, _Again)),
-                        v in gpu_fused, gpu_ends.get(v) if gpu_ends.get(v, -1) > end else None)
+                        v in gpu_fused, gpu_ends.get(v) if gpu_ends.get(v, end) != end else None,
+                        v in folded)
                    for v, start, end, nb, grad, body in lives)
   return int(act), act_share, timeline
 
@@ -134,8 +141,10 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   (its ``dynamic-slice`` is not fused into the dot kernel's operand), at the body's start (its
   scheduler puts the slices first), live until the slice's last use in the body. ``gpu_fused``
   receives the values kept only because XLA:CPU counts their op expensive where XLA:GPU does
-  not (:func:`_cheap_on_gpu`, :func:`_cheap_call_on_gpu`), and ``gpu_ends`` the later last use
-  on XLA:GPU of the values those are recomputed from (:func:`_gpu_ends`)."""
+  not (:func:`_cheap_on_gpu`, :func:`_cheap_call_on_gpu`) or only XLA:CPU keeps
+  (:func:`_recomputed_unaries`), and ``gpu_ends`` the last uses XLA:GPU's fusion moves (later for
+  the values its recomputations read, :func:`_gpu_ends`). The lifetimes counted here are
+  XLA:CPU's."""
   canon = _duplicates(jaxpr)
 
   def same(v):
@@ -179,10 +188,17 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
     gpu_fused.update(_kept_on_cpu_only(jaxpr, same, users, feeds_fusion_boundary))
     if gpu_ends is not None:
       gpu_ends.update(_gpu_ends(jaxpr, same, last_use, feeds_fusion_boundary, gpu_fused))
+  # XLA:GPU's last uses: XLA:CPU's before it keeps cheap unaries' operands, moved later for the
+  # values XLA:GPU's recomputing fusions read
+  gpu_last, gpu_kept = dict(last_use), set(feeds_fusion_boundary)
+  for v, e in (gpu_ends or {}).items():
+    gpu_last[v] = max(gpu_last.get(v, e), e)
+  _recomputed_unaries(jaxpr, same, last_use, feeds_fusion_boundary)
   runs_until = _input_gradient_first(jaxpr, excluded_shapes, same, last_use)
+  _input_gradient_first(jaxpr, excluded_shapes, same, gpu_last)
   outvars = {same(v) for v in jaxpr.outvars if is_var(v)}
   for v in outvars:
-    last_use[v] = len(jaxpr.eqns)
+    last_use[v] = gpu_last[v] = len(jaxpr.eqns)
   live = 0
   peak = 0
   ends: dict[int, list[Any]] = {}
@@ -254,6 +270,10 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         state = shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes
         if timeline is not None and o not in outvars:
           timeline.append((o, i, end, nb, shape if state else None, False))
+          if gpu_fused is not None and eqn.primitive.name in _FUSIBLE and o not in gpu_kept:
+            gpu_fused.add(o)          # kept by XLA:CPU only (_recomputed_unaries)
+          if gpu_ends is not None and gpu_last.get(o, end) != end:
+            gpu_ends[o] = gpu_last[o]
         if state:
           continue
         for w in [o] + [_Again(o) for _ in range(_pad_buffers(eqn, readers.get(o, 0)) - 1)]:
@@ -283,6 +303,78 @@ def _pad_buffers(eqn, products: int) -> int:
   model kept two. The extra buffers are priced on the CPU only (``Live.copy``): a GPU's gemm
   reads the pad's one buffer transposed in place."""
   return max(1, products) if eqn.primitive.name == "pad" else 1
+
+
+def _recomputed_unaries(jaxpr, same, last_use: dict[Any, int], materialised: set) -> None:
+  """XLA:CPU's fusion duplicates a cheap elementwise op with one full-size operand (the others
+  broadcasts or scalars: ``InstructionFusion``'s ``EffectivelyAtMostUnary``) into every
+  consumer that fuses it, and materialises it only for the consumers that cannot (a product):
+  the backward's ``2 h / n`` of a mean square is computed again from ``h`` in each elementwise
+  consumer. Such a value lives until its last unfusing reader, and its operand (through
+  producers fused into it) until its last fusing one; an operand with several full operands of
+  its own is not duplicated but kept (``h``, a residual sum). Updates ``last_use`` and
+  ``materialised`` in place. XLA:GPU's priority fusion fuses a producer into all of its
+  consumers or none, so this is priced on the CPU only (``Live.gpu_end``, ``cheap_on_gpu``)."""
+  producer = {o: eqn for eqn in jaxpr.eqns for o in eqn.outvars}
+  fusing: dict[Any, list[int]] = {}
+  unfusing: dict[Any, list[int]] = {}
+  for j, user in enumerate(jaxpr.eqns):
+    fuses = user.primitive.name in _FUSED_INTO_CONSUMERS and not _keeps_minor(user)
+    for v in {same(v) for v in user.invars if is_var(v)}:
+      (fusing if fuses else unfusing).setdefault(v, []).append(j)
+
+  def op(v):
+    return producer[v].primitive.name if v in producer else None
+
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name not in ELEMENTWISE or name in _EXPENSIVE or len(eqn.outvars) != 1:
+      continue
+    o = same(eqn.outvars[0])
+    if o not in materialised:
+      continue
+    rank = _true_rank(o)
+    full = [v for v in eqn.invars if is_var(v) and _true_rank(v) >= rank and
+            op(v) not in ("broadcast_in_dim", "iota")]
+    if len(full) != 1:
+      continue
+    late, early = max(fusing.get(o, [-1])), max(unfusing.get(o, [-1]))
+    if early < 0 or late <= early:
+      continue
+    last_use[o] = early
+    v = full[0]
+    while True:          # the operand, through producers XLA fuses into this op
+      v = same(v)
+      last_use[v] = max(last_use.get(v, -1), late)
+      up = producer.get(v)
+      if v in materialised or up is None or up.primitive.name not in _FUSIBLE:
+        break
+      ups = [u for u in up.invars if is_var(u) and _true_rank(u) >= rank and
+             op(u) not in ("broadcast_in_dim", "iota")]
+      if len(ups) != 1:      # several full operands: computed once, kept (not duplicated)
+        materialised.add(v)
+        break
+      v = ups[0]
+
+
+def _folded_transposes(jaxpr) -> set[Any]:
+  """The products' results that only a ``transpose`` reads (a weight's gradient ``dy^T @ x``
+  written as ``(x^T @ dy)^T``): XLA:CPU's algebraic simplifier folds the transpose into the
+  product's operands, so the two are one buffer, where the timeline has two values live
+  together at the transpose (2 GiB too many at the 8B step's unembedding gradient)."""
+  users: dict[Any, list[Any]] = {}
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if is_var(v):
+        users.setdefault(v, []).append(eqn)
+  outs = {v for v in jaxpr.outvars if is_var(v)}
+  return {eqn.outvars[0] for eqn in jaxpr.eqns
+          if eqn.primitive.name == "dot_general" and eqn.outvars[0] not in outs and
+          [u.primitive.name for u in users.get(eqn.outvars[0], ())] == ["transpose"]}
+
+
+def _true_rank(v) -> int:
+  return sum(1 for d in getattr(v.aval, "shape", ()) if d != 1)
 
 
 def _input_gradient_first(jaxpr, state_shapes: set, same,

@@ -142,16 +142,17 @@ class PriceContext:
     acc(self.price.bytes, f"{kind}[{key}]", times * nbytes)
 
 
-def _vocab_axes(lookup, used, m: CandidateMesh, zero: list[str], backend: str) -> list[str]:
+def _vocab_axes(lookup, used, m: CandidateMesh, zero: list[str]) -> list[str]:
   """The axes over which a table read only by lookups is looked up in place (vocab-parallel:
-  sharded over the dimension the lookups index). On a GPU, not the batch axes that plan.jit
-  gathers the table over (its compute layout, as for any FSDP weight): XLA:GPU all-gathers the
-  table and looks up locally (llama_loop's FSDP plan on a mocked 8-GPU host: all-gather 20.0 MiB,
-  no all-reduce, where the masked lookup priced 8 MiB of all-reduce)."""
+  sharded over the dimension the lookups index). Not the batch axes that plan.jit gathers the
+  table over (its compute layout, as for any FSDP weight): XLA all-gathers the table and looks up
+  locally, on both backends (llama_loop's FSDP plan: all-gather 20.0 MiB and no all-reduce on a
+  mocked 8-GPU host, where the masked lookup priced 8 MiB of all-reduce; on 64 CPU devices the
+  masked lookup would all-reduce the rows of every token of the global batch, 16 MiB, where XLA:CPU
+  gathers 2 MiB of table)."""
   if lookup is None:
     return []
-  return [a for a in used if m.size[a] > 1 and used[a] in lookup[0] and
-          (backend == "cpu" or a not in zero)]
+  return [a for a in used if m.size[a] > 1 and used[a] in lookup[0] and a not in zero]
 
 
 def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout, m: CandidateMesh,
@@ -215,7 +216,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # over the axes sharding the table, for every token of the batch those axes do not split;
   # nothing is gathered and the gradient is a local scatter into the shard
   lookup = graph.lookups.get(primary.index) if use is None else None
-  vocab_axes = _vocab_axes(lookup, used, m, zero, pricer.backend)
+  vocab_axes = _vocab_axes(lookup, used, m, zero)
   if vocab_axes:
     k = axis_key(vocab_axes)
     unsplit = math.prod(m.size[a] for a in batch if a not in vocab_axes)
@@ -237,8 +238,10 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     acc(pr.bytes, f"all_gather[{k}]", times * grad)
     if regather:
       pr.gathered_peak = grad / max(1, use.layers)
-    else:
+    elif use is not None:
       pr.memory["gathered"] = grad
+    # (a table only read by lookups is not kept: the lookup's backward scatters into zeros and
+    # never reads it, so its gathered copy dies with the forward's lookup)
   # the roles' own collectives (tensor parallelism's activation all-reduces and gathers, ...)
   ctx = PriceContext(graph, primary, use, used, m, pricer, batch_div, dtype, grad, vocab_axes, pr)
   for role in roles.REGISTRY:

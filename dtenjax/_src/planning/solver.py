@@ -151,14 +151,15 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
   memory["gathered"] += max((prob.prices[gi][c].gathered_peak for gi, c in enumerate(choice)),
                             default=0.0)
   if graph.timeline:
-    memory.update(simulate_memory(prob, choice, graph, tp_of))
+    memory.update(simulate_memory(prob, choice, graph, tp_of, memory["gathered"]))
   memory["total"] = sum(memory.values())
   fits = not budget or memory["total"] <= budget
   return StepCost(compute, comm, exposed, memory, nbytes, fits)
 
 
 def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
-                    tp_of: dict[int, tuple[str, int] | None]) -> dict[str, float]:
+                    tp_of: dict[int, tuple[str, int] | None], gathered: float = 0.0
+                    ) -> dict[str, float]:
   """The activations and gradients per device that XLA keeps in its temporary buffer, by
   placing the step's values (``graph.timeline``, sized for this layout) as XLA's buffer
   assignment places them: largest first, each into the first output buffer, largest first, that
@@ -179,6 +180,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   complete = set()
   grad_sizes: dict[tuple[int, ...], list[float]] = {}
   outputs: list[float] = []
+  reduced = 0.0       # whole gradients a batch axis reduces and a layout then shards
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -196,6 +198,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
                   else primary.nbytes / t_shard)
     for shape in (primary.shape, tuple(reversed(primary.shape))):
       grad_sizes.setdefault(shape, []).append(per_device)
+    if zero and per_device > primary.nbytes / shards:
+      reduced += per_device
     if not prob.donate:
       outputs.extend(graph.leaves[i].nbytes / shards for i in g)
   values = []
@@ -203,8 +207,9 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   cpu = m.topology.device(int(m.ids.ravel()[0])).platform == "cpu"
   for v in graph.timeline:
     # XLA:CPU's transposed operand copies (a GPU's kernels need none) and the results of ops
-    # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion)
-    if (v.copy or v.cheap_on_gpu) and not cpu:
+    # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion); on the CPU
+    # a product's result that only a transpose reads is that transpose's buffer
+    if (v.copy or v.cheap_on_gpu) and not cpu or v.folded and cpu:
       continue
     if v.gpu_end is not None and not cpu:   # read by a fusion that recomputes a dropped value
       v = dataclasses.replace(v, end=v.gpu_end)
@@ -227,7 +232,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   held: list[list[tuple[int, float]]] = [[] for _ in outputs]   # (start, end) per output buffer
   temp: list[tuple[float, stepgraph.Live]] = []
   for nb, v in sorted(values, key=lambda x: -x[0]):
-    end = math.inf if v.grad is not None else v.end
+    end = math.inf if v.grad is not None else _end(v, cpu)
     placed = False
     for k, size in enumerate(outputs):
       if size < nb:
@@ -242,16 +247,43 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   for nb, v in temp:
     is_grad = v.grad is not None
     events.setdefault(v.start, []).append((nb * (not is_grad), nb * is_grad))
-    events.setdefault(v.end + 1, []).append((-nb * (not is_grad), -nb * is_grad))
-  act = grads = 0.0
-  peak = (0.0, 0.0)
+    events.setdefault(_end(v, cpu) + 1, []).append((-nb * (not is_grad), -nb * is_grad))
+  if cpu:
+    _combined_reduction(graph, events, reduced, gathered)
+  else:
+    events.setdefault(-1, []).append((0.0, 0.0, gathered))
+  act = grads = held_gathered = 0.0
+  peak = (0.0, 0.0, 0.0)
   for t in sorted(events):
-    for da, dg in events[t]:
+    for da, dg, *dw in events[t]:
       act += da
       grads += dg
-    if act + grads > sum(peak):
-      peak = (act, grads)
-  return {"activations": peak[0], "grads": peak[1]}
+      held_gathered += sum(dw)
+    if act + grads + held_gathered > sum(peak):
+      peak = (act, grads, held_gathered)
+  return {"activations": peak[0], "grads": peak[1], "gathered": peak[2]}
+
+
+def _combined_reduction(graph: stepgraph.StepGraph, events: dict, reduced: float,
+                        gathered: float) -> None:
+  """XLA:CPU's gradient reductions after the backward: one combined all-reduce whose results
+  are new buffers, live beside the unreduced gradients (``reduced`` bytes: the whole gradients
+  an FSDP layout then slices), when the backward's last gradient has been made; the gathered
+  weights kept for the backward (``gathered``) are dead by then. Adds both to ``events``
+  (time -> (activations, gradients, gathered) deltas)."""
+  ends = [v.start for v in graph.timeline if v.grad is not None]
+  if not ends:
+    events.setdefault(-1, []).append((0.0, 0.0, gathered))
+    return
+  after = max(ends) + 1          # the reduction runs once the last gradient has been made
+  events.setdefault(-1, []).append((0.0, 0.0, gathered))
+  events.setdefault(after, []).append((0.0, reduced, -gathered))
+  events.setdefault(after + 1, []).append((0.0, -reduced, 0.0))
+
+
+def _end(v: stepgraph.Live, cpu: bool) -> int:
+  """A value's last use on the plan's backend (XLA:GPU's fusion ends some elsewhere)."""
+  return v.end if cpu or v.gpu_end is None else v.gpu_end
 
 
 def pair_maps(graph: stepgraph.StepGraph):

@@ -2,6 +2,7 @@
 reports publicly (jax.typeof, lax.psum's result type, jax.set_mesh)."""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,3 +108,27 @@ def test_device_groups_follow_lax_axis_index(cpu_devices, axes):
 def test_axis_tuple():
   assert jaxapi.axis_tuple("a") == ("a",)
   assert jaxapi.axis_tuple(("a", "b")) == jaxapi.axis_tuple(["a", "b"]) == ("a", "b")
+
+
+def test_inline_calls_puts_an_inlined_call_s_body_in_place():
+  # jax 0.11 keeps a jax.jit(inline=True) call in the jaxpr (Inline.JAX_LATE) where jax 0.10
+  # inlined it while tracing; the planner reads the inlined form (what XLA compiles). Built on
+  # either version: a plain call's equations, marked inline as jax 0.10 marks them.
+  f = jax.jit(lambda a, b: jnp.tanh(a) * b)
+  closed = jax.make_jaxpr(lambda x, y: f(x, y) + f(y, x))(jnp.ones(3), jnp.ones(3))
+  calls = [e for e in closed.jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
+  assert len(calls) == 2 and not any(jaxapi.inlined_by_jax(e) for e in calls)
+  assert jaxapi.inline_calls(closed) is closed            # nothing to inline: unchanged
+  marked = closed.replace(jaxpr=closed.jaxpr.replace(eqns=[
+      e.replace(params={**e.params, "inline": True}) if e is calls[0] else e
+      for e in closed.jaxpr.eqns]))
+  out = jaxapi.inline_calls(marked)
+  names = [e.primitive.name for e in out.jaxpr.eqns]
+  assert names.count("jit") + names.count("pjit") == 1, names   # the unmarked call stays
+  assert names[:2] == ["tanh", "mul"], names
+  x, y = jnp.arange(3.0), jnp.arange(3.0) + 1
+  np.testing.assert_array_equal(jax.extend.core.jaxpr_as_fun(out)(x, y)[0], f(x, y) + f(y, x))
+  # the real thing where this JAX keeps such calls (0.11; jax 0.10 leaves none to inline)
+  g = jax.jit(lambda a: jnp.exp(a) + 1, inline=True)
+  real = jaxapi.inline_calls(jax.make_jaxpr(lambda x: g(x) * 2)(jnp.ones(3)))
+  assert [e.primitive.name for e in real.jaxpr.eqns] == ["exp", "add", "mul"]

@@ -24,6 +24,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+import jax.extend.core as jcore
 from jax import lax
 import numpy as np
 from jax._src import config as _jax_config
@@ -42,6 +43,55 @@ def scan_counts(eqn) -> tuple[int, int]:
     return int(params["num_consts"]), int(params["num_carry"])
   consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
   return len(list(consts)), len(list(carry))
+
+
+def bind(eqn, vals) -> list:
+  """Binds ``eqn``'s primitive to ``vals`` as ``jax.core.eval_jaxpr`` does (its parameters as
+  the primitive wants them bound, under the equation's context): the outputs, as a list.
+  ``get_bind_params`` returns the parameters (jax 0.11) or a pair (subfuns, parameters)."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  subfuns = ()
+  if isinstance(params, tuple):
+    subfuns, params = params
+  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+  with ctx if ctx is not None else contextlib.nullcontext():
+    out = eqn.primitive.bind(*subfuns, *vals, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def inlined_by_jax(eqn) -> bool:
+  """A call of ``jax.jit(f, inline=True)`` (optax's ``tree_bias_correction``, ...): jax 0.10
+  puts its body into the enclosing jaxpr while tracing; jax 0.11 keeps the call equation
+  (``inline=Inline.JAX_LATE``) and inlines it when lowering. Either way XLA sees no call."""
+  if eqn.primitive.name not in ("jit", "pjit"):
+    return False
+  inline = eqn.params.get("inline")
+  return inline is True or getattr(inline, "name", "") in ("JAX_EARLY", "JAX_LATE")
+
+
+def inline_calls(closed):
+  """``closed`` (a ClosedJaxpr) with the calls :func:`inlined_by_jax` at its top level (and
+  inside those) replaced by their bodies, traced again: the jaxpr jax 0.10 traces, for readers
+  that price what XLA compiles. ``closed`` itself when it has none (always under jax 0.10)."""
+  if not any(inlined_by_jax(e) for e in closed.jaxpr.eqns):
+    return closed
+
+  def run(jaxpr, consts, *args):
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+    for eqn in jaxpr.eqns:
+      vals = [read(v) for v in eqn.invars]
+      if inlined_by_jax(eqn):
+        body = eqn.params["jaxpr"]
+        outs = run(body.jaxpr, body.consts, *vals)
+      else:
+        outs = bind(eqn, vals)
+      env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+  return jax.make_jaxpr(lambda *a: run(closed.jaxpr, closed.consts, *a))(*avals)
 
 
 def vma_checked() -> bool:

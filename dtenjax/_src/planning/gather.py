@@ -27,7 +27,6 @@ all-gathers and one gradient reduction per layer and step.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -194,7 +193,7 @@ class _Evaluator:
         outs = self._eqn_with_tracked(eqn, vals, hits, tracked, feeds, gathered_value, routes,
                                        env)
       if outs is None:
-        outs = _bind(eqn, vals)
+        outs = jaxapi.bind(eqn, vals)
         if routed:
           routing.follow(eqn, routes)
       for v, x in zip(eqn.outvars, outs):
@@ -214,10 +213,10 @@ class _Evaluator:
         vals[i] = gathered_value(eqn.invars[i])
       if name == "dot_general":
         return routing.product(eqn, vals, tracked, routes, env, self.constrain,
-                               _bind)
+                               jaxapi.bind)
       if not operands:
         return None                    # a gather's indices
-      return _bind(eqn, vals)
+      return jaxapi.bind(eqn, vals)
     if name in _STRUCTURAL and hits:
       v = eqn.invars[0]
       if not any(o in feeds for o in eqn.outvars):
@@ -231,7 +230,7 @@ class _Evaluator:
         tracked[out] = P(*(entries[d] for d in eqn.params["permutation"]))
         return None
       vals[0] = gathered_value(v)      # other layout changes: gather first
-      return _bind(eqn, vals)
+      return jaxapi.bind(eqn, vals)
     if name == "scan":
       return self._scan(eqn, vals, tracked, routes)
     sub = _sub_jaxpr(eqn)
@@ -306,16 +305,3 @@ def _shift(route, by: int):
   if not route or any(d + by < 0 for d in route):
     return None
   return {d + by: a for d, a in route.items()}
-
-
-def _bind(eqn, vals) -> list:
-  """Binds ``eqn``'s primitive to ``vals`` as ``jax.core.eval_jaxpr`` does (its parameters as
-  the primitive wants them bound, under the equation's context: jax 0.10 and 0.11 alike)."""
-  params = eqn.primitive.get_bind_params(eqn.params)
-  subfuns = ()
-  if isinstance(params, tuple):            # older JAX: (subfuns, params)
-    subfuns, params = params
-  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-  with ctx if ctx is not None else contextlib.nullcontext():
-    out = eqn.primitive.bind(*subfuns, *vals, **params)
-  return list(out) if eqn.primitive.multiple_results else [out]

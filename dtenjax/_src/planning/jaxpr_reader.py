@@ -20,13 +20,15 @@ import numpy as np
 from dtenjax._src import jaxapi
 
 # Primitives whose output dimension i is the input's dimension i (operands broadcast as scalars
-# or of the same shape): the sharded dimension of a pair survives them.
+# or of the same shape): the sharded dimension of a pair survives them. ``one_minus_square``
+# (``1 - x**2``, lowered to an add, a subtract and a multiply) is jax 0.11's: tanh's derivative,
+# ``sub(1, square(y))`` under jax 0.10.
 ELEMENTWISE = frozenset("""
 abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
 copy copy_p cos cosh div erf erf_inv erfc exp exp2 expm1 floor imag integer_pow is_finite log
-log1p logistic max min mul ne eq ge gt le lt neg nextafter not or pow real reduce_precision rem
-round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor pvary stop_gradient
-optimization_barrier sharding_constraint
+log1p logistic max min mul ne eq ge gt le lt neg nextafter not one_minus_square or pow real
+reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor pvary
+stop_gradient optimization_barrier sharding_constraint
 """.split())
 # Calls XLA inlines: jax.jit inside the step, jax.nn's activations
 CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))

@@ -33,14 +33,11 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
 from dtenjax._src import jaxapi
+from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
 
-_SAME = frozenset("""
-abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
-copy copy_p cos cosh div erf erf_inv erfc exp exp2 expm1 floor imag integer_pow is_finite log
-log1p logistic max min mul ne eq ge gt le lt neg nextafter not or pow real reduce_precision rem
-round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor pvary stop_gradient
-sharding_constraint
-""".split())
+# the step reader's elementwise primitives (jax 0.11's one_minus_square among them); an
+# optimization barrier is not followed
+_SAME = ELEMENTWISE - {"optimization_barrier"}
 _REDUCE = frozenset("reduce_sum reduce_max reduce_min reduce_prod argmax argmin".split())
 _CALLS = frozenset(("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
                     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"))

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from dtenjax._src import errors
+from dtenjax._src import jaxapi
 from dtenjax._src.planning import jaxpr_reader
 from dtenjax._src.planning import liveness
 from dtenjax._src.planning import pairs as pairs_mod
@@ -168,7 +169,11 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     raise errors.PlacementError(
         f"plan: the step could not be traced with the example arguments' shapes: "
         f"{type(e).__name__}: {e}") from e
-  jaxpr = closed.jaxpr
+  # optax's jit(inline=True) helpers are calls in jax 0.11's jaxpr, inlined in jax 0.10's and in
+  # the HLO of both: read the jaxpr XLA compiles (a call's results were materialised values).
+  # The sequence's facts are read from the jaxpr as traced: from the inlined one, under jax 0.11,
+  # they counted 4x the attention calls of tests/test_step_planner_sequence.py (not analysed).
+  jaxpr = jaxapi.inline_calls(closed).jaxpr
   if len(jaxpr.invars) != len(leaves):
     raise errors.PlacementError(
         f"plan: the step's jaxpr has {len(jaxpr.invars)} inputs for {len(leaves)} argument "
@@ -213,7 +218,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    out_tree=jax.tree.structure(out_shape), carried=carried,
                    act_share=act_share, lookups=dict(reader.lookups),
                    stacks=stacks.read(reader.scans), timeline=timeline,
-                   products=reader.products, sequence=sequence_lib.read(jaxpr, leaves))
+                   products=reader.products,
+                   sequence=sequence_lib.read(closed.jaxpr, leaves))
 
 
 def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:

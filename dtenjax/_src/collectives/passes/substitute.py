@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from dtenjax._src import contract as contract_lib
+from dtenjax._src import jaxapi
 from dtenjax._src.collectives import api as collectives
 from dtenjax._src.collectives import fixed_point
 from dtenjax._src.contract import Contract
@@ -123,19 +124,7 @@ def _run_eqn(eqn, invals, opts: _Options):
     return _eval_jaxpr(closed.jaxpr, closed.consts, invals, opts)
   if name == "shard_map":
     return _shard_map(eqn, invals, opts)
-  outs = _bind(eqn, invals)
-  return outs if eqn.primitive.multiple_results else [outs]
-
-
-def _bind(eqn, invals):
-  """Binds ``eqn`` unchanged, across jax versions (get_bind_params returns a dict or a pair)."""
-  got = eqn.primitive.get_bind_params(eqn.params)
-  subfuns, params = got if isinstance(got, tuple) else ((), got)
-  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-  if ctx is None:
-    return eqn.primitive.bind(*subfuns, *invals, **params)
-  with ctx:
-    return eqn.primitive.bind(*subfuns, *invals, **params)
+  return jaxapi.bind(eqn, invals)
 
 
 def _shard_map(eqn, invals, opts: _Options):

@@ -158,8 +158,9 @@ def _collectives(hlo: str) -> int:
 
 
 # XLA's trace events (jax.profiler) of one compile: every XLA pass and the CPU backend, which
-# emits and compiles the kernels (an LLVM module each)
-_XLA, _BACKEND = "PjRtCpuClient::Compile", "CpuCompiler::RunBackend"
+# emits and compiles the kernels (an LLVM module each). The whole compile's event is named
+# PjRtCpuClient::Compile by jaxlib 0.10 and CompileCpuExecutable by 0.11 (read on both).
+_XLA_NAMES, _BACKEND = ("PjRtCpuClient::Compile", "CompileCpuExecutable"), "CpuCompiler::RunBackend"
 
 
 def phases(lowered) -> dict[str, float] | None:
@@ -184,7 +185,7 @@ def phases(lowered) -> dict[str, float] | None:
                    if f.endswith(".xplane.pb"))
     if not files:
       return None
-    spans = {_XLA: 0.0, _BACKEND: 0.0}
+    spans = dict.fromkeys((*_XLA_NAMES, _BACKEND), 0.0)
     for plane in jax.profiler.ProfileData.from_file(files[-1]).planes:
       for line in plane.lines:
         for ev in line.events:
@@ -194,10 +195,11 @@ def phases(lowered) -> dict[str, float] | None:
     return None
   finally:
     shutil.rmtree(path, ignore_errors=True)
-  if not spans[_XLA]:
+  xla = next((spans[n] for n in _XLA_NAMES if spans[n]), 0.0)
+  if not xla:
     return None
-  return dict(backend_ms=spans[_BACKEND], passes_ms=spans[_XLA] - spans[_BACKEND],
-              other_ms=wall * 1e3 - spans[_XLA])
+  return dict(backend_ms=spans[_BACKEND], passes_ms=xla - spans[_BACKEND],
+              other_ms=wall * 1e3 - xla)
 
 
 def _run_times(programs: dict, tree, iters: int) -> dict[str, list[tuple[float, float]]]:

@@ -32,6 +32,8 @@ stop_gradient optimization_barrier sharding_constraint
 """.split())
 # Calls XLA inlines: jax.jit inside the step, jax.nn's activations
 CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
+# Calls of a function with a custom derivative (their primal body is what XLA compiles)
+CUSTOM_DERIVATIVE_CALLS = frozenset(("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"))
 # Primitives that only rename a value of the same shape (a state leaf keeps its identity).
 _ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
                       "reduce_precision"))

@@ -18,6 +18,7 @@ from typing import Any
 
 from dtenjax._src import jaxapi
 from dtenjax._src.planning.jaxpr_reader import CALLS
+from dtenjax._src.planning.jaxpr_reader import CUSTOM_DERIVATIVE_CALLS
 from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
 from dtenjax._src.planning.jaxpr_reader import is_var
 from dtenjax._src.planning.jaxpr_reader import nbytes
@@ -31,9 +32,6 @@ _FUSIBLE = ELEMENTWISE | frozenset(
     "convert_element_type".split())
 _FUSED_INTO_CONSUMERS = _FUSIBLE | frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
-# Calls of a function with a custom derivative (their primal body is what XLA compiles)
-_CUSTOM_DERIVATIVE_CALLS = frozenset(("custom_jvp_call", "custom_vjp_call",
-                                      "custom_vjp_call_jaxpr"))
 # Elementwise primitives XLA counts as expensive (HloInstruction::IsExpensive): it does not
 # duplicate them into several consumers' fusions.
 _EXPENSIVE = frozenset("""
@@ -343,8 +341,11 @@ def _recomputed_unaries(jaxpr, same, last_use: dict[Any, int], materialised: set
     for v in {same(v) for v in user.invars if is_var(v)}:
       (fusing if fuses else unfusing).setdefault(v, []).append(j)
 
-  def op(v):
-    return producer[v].primitive.name if v in producer else None
+  def full_operands(e, rank: int) -> list[Any]:
+    """``e``'s operands of at least ``rank`` true dimensions that are not broadcasts."""
+    return [v for v in e.invars if is_var(v) and _true_rank(v) >= rank and
+            (producer[v].primitive.name if v in producer else None) not in
+            ("broadcast_in_dim", "iota")]
 
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
@@ -354,8 +355,7 @@ def _recomputed_unaries(jaxpr, same, last_use: dict[Any, int], materialised: set
     if o not in materialised:
       continue
     rank = _true_rank(o)
-    full = [v for v in eqn.invars if is_var(v) and _true_rank(v) >= rank and
-            op(v) not in ("broadcast_in_dim", "iota")]
+    full = full_operands(eqn, rank)
     if len(full) != 1:
       continue
     late, early = max(fusing.get(o, [-1])), max(unfusing.get(o, [-1]))
@@ -369,8 +369,7 @@ def _recomputed_unaries(jaxpr, same, last_use: dict[Any, int], materialised: set
       up = producer.get(v)
       if v in materialised or up is None or up.primitive.name not in _FUSIBLE:
         break
-      ups = [u for u in up.invars if is_var(u) and _true_rank(u) >= rank and
-             op(u) not in ("broadcast_in_dim", "iota")]
+      ups = full_operands(up, rank)
       if len(ups) != 1:      # several full operands: computed once, kept (not duplicated)
         materialised.add(v)
         break
@@ -539,7 +538,7 @@ def _fuses_its_inputs_on_gpu(eqn) -> bool:
   so its input is not kept for it (convnet's pre-activation sums ``bn(y) + x``: XLA:GPU's buffer
   assignment of its FSDP step has none; the backward's fusions recompute the relu's mask from
   the convolution's output, the statistics and the residual)."""
-  return eqn.primitive.name in _CUSTOM_DERIVATIVE_CALLS and _cheap_body_on_gpu(eqn)
+  return eqn.primitive.name in CUSTOM_DERIVATIVE_CALLS and _cheap_body_on_gpu(eqn)
 
 
 def _kept_on_cpu_only(jaxpr, same, users: dict[Any, int], kept: set[Any]) -> set[Any]:

@@ -33,14 +33,15 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
 from dtenjax._src import jaxapi
+from dtenjax._src.planning.jaxpr_reader import CALLS
+from dtenjax._src.planning.jaxpr_reader import CUSTOM_DERIVATIVE_CALLS
 from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
 
 # the step reader's elementwise primitives (jax 0.11's one_minus_square among them); an
 # optimization barrier is not followed
 _SAME = ELEMENTWISE - {"optimization_barrier"}
 _REDUCE = frozenset("reduce_sum reduce_max reduce_min reduce_prod argmax argmin".split())
-_CALLS = frozenset(("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
-                    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"))
+_CALLS = CALLS | CUSTOM_DERIVATIVE_CALLS | {"checkpoint", "remat", "remat2"}
 ROW = 0                          # the label of the batch's dimension 0 (every batch leaf's)
 
 

@@ -248,10 +248,9 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     is_grad = v.grad is not None
     events.setdefault(v.start, []).append((nb * (not is_grad), nb * is_grad))
     events.setdefault(_end(v, cpu) + 1, []).append((-nb * (not is_grad), -nb * is_grad))
+  events.setdefault(-1, []).append((0.0, 0.0, gathered))    # the weights gathered for the step
   if cpu:
     _combined_reduction(graph, events, reduced, gathered)
-  else:
-    events.setdefault(-1, []).append((0.0, 0.0, gathered))
   act = grads = held_gathered = 0.0
   peak = (0.0, 0.0, 0.0)
   for t in sorted(events):
@@ -273,10 +272,8 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict, reduced: float
   (time -> (activations, gradients, gathered) deltas)."""
   ends = [v.start for v in graph.timeline if v.grad is not None]
   if not ends:
-    events.setdefault(-1, []).append((0.0, 0.0, gathered))
     return
   after = max(ends) + 1          # the reduction runs once the last gradient has been made
-  events.setdefault(-1, []).append((0.0, 0.0, gathered))
   events.setdefault(after, []).append((0.0, reduced, -gathered))
   events.setdefault(after + 1, []).append((0.0, -reduced, 0.0))
 

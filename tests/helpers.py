@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from conftest import FUSION_EMITTERS_FLAG
+
 
 # tests/conftest.py compiles the suite with XLA:CPU's LLVM IR emitters (the same bits, less
 # compile time, but another optimised HLO): this flag where it does, empty where the run kept
 # XLA's emitters (GPU runs, a jaxlib without the flag, a run that named it in XLA_FLAGS).
-SUITE_CPU_EMITTERS = ("--xla_cpu_use_fusion_emitters=false"
-                      if "--xla_cpu_use_fusion_emitters=false" in
-                      os.environ.get("XLA_FLAGS", "").split() else "")
+SUITE_CPU_EMITTERS = (FUSION_EMITTERS_FLAG
+                      if FUSION_EMITTERS_FLAG in os.environ.get("XLA_FLAGS", "").split() else "")
 # A program's own compiler option that gives it XLA:CPU's default (MLIR) fusion emitters back: a
 # check of a compiled program's structure that must be the program users get (its loops, its
 # fusions) compiles with this.

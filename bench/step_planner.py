@@ -22,11 +22,12 @@ Parts (``--parts``, default all):
   across layers) on this machine's devices: the plan's ``plan.jit`` step against the layouts a
   user writes by hand with plain ``jax.jit`` and ``NamedSharding`` (DP, FSDP gathering per layer
   inside the scan, FSDP x TP, HSDP), compiled (memory per device, collective bytes per kind with
-  loop trip counts) and timed side by side (interleaved rounds, medians); the plan's step time
-  over the fastest recipe's. Every row has the cost model's predicted time next to the measured
-  one, twice: with the table priors ("predicted") and with this machine's
-  ``Topology.calibrate()`` ("calibrated"; the plan made with it is a row of its own, "plan
-  calibrated"). A hand-written layout is predicted as the plan with its specs pinned.
+  loop trip counts) and timed side by side (interleaved rounds, each in a fresh seeded order,
+  each candidate's turn a warm call and two timed ones, medians); the plan's step time over the
+  fastest recipe's. Every row has the cost model's predicted time next to the measured one,
+  twice: with the table priors ("predicted") and with this machine's ``Topology.calibrate()``
+  ("calibrated"; the plan made with it is a row of its own, "plan calibrated"). A hand-written
+  layout is predicted as the plan with its specs pinned.
 
 * ``priced`` -- the wins part's plan and hand-written layouts priced by the cost model only
   (nothing compiled or run), beside a recorded wins run's measured times (``--measured-json``).
@@ -279,32 +280,45 @@ def predicted_recipe(fam, r, step, args, topology) -> float | None:
   return p.cost.total_s
 
 
-def _rotated(fns: dict, *, warmup: int, iters: int) -> dict[str, list[float]]:
-  """Wall seconds per call of each candidate, ``iters`` rounds after ``warmup`` calls each; each
-  round runs every candidate once, starting one candidate later than the round before (no
-  candidate always runs right after the same one)."""
+def _shuffled(fns: dict, *, warmup: int, iters: int, per_turn: int = 2,
+              seed: int = 0) -> dict[str, list[float]]:
+  """Wall seconds per call of each candidate: ``iters`` rounds after ``warmup`` calls each. Each
+  round gives every candidate one turn, in an order drawn afresh (seeded): an untimed call, then
+  ``per_turn`` timed calls back to back, as a training loop repeats its step; the turn's mean is
+  the round's sample. Timed right after another candidate's step, a step pays for the caches
+  and memory that step left: with a fixed rotation (each candidate after the same neighbour in
+  almost every round, one call per turn) the 16-core machine timed the plan's program 1.15-1.19x
+  the user's DP, the same program instruction for instruction."""
+  import random  # pylint: disable=g-import-not-at-top
   names = list(fns)
   for k in names:
     for _ in range(warmup):
       _harness.block(fns[k]())
   samples: dict[str, list[float]] = {k: [] for k in names}
-  for i in range(iters):
-    for k in names[i % len(names):] + names[:i % len(names)]:
-      t0 = time.perf_counter()
+  rng = random.Random(seed)
+  for _ in range(iters):
+    for k in rng.sample(names, len(names)):
       _harness.block(fns[k]())
-      samples[k].append(time.perf_counter() - t0)
+      t0 = time.perf_counter()
+      for _ in range(per_turn):
+        _harness.block(fns[k]())
+      samples[k].append((time.perf_counter() - t0) / per_turn)
   return samples
 
 
-def _program(compiled) -> str:
-  """A compiled step's instructions without names and source metadata: two layouts with the same
-  text run the same program."""
+def program_text(compiled) -> list[str]:
+  """A compiled step's instructions without names and source metadata, sorted: two layouts with
+  the same text run the same program. jax 0.11 prints the mesh in shardings and replica groups,
+  where axes of size 1 name no partition (a plan's mesh lists all six roles): they are left out."""
   import re  # pylint: disable=g-import-not-at-top
   out = []
   for line in compiled.as_text().splitlines():
-    if "=" in line and "file_name_id" not in line and "file_location_id" not in line:
-      out.append(re.sub(r", metadata=\{[^}]*\}", "", re.sub(r"%[\w.-]+", "%v", line)).strip())
-  return "\n".join(sorted(out))
+    if "=" not in line or "file_name_id" in line or "file_location_id" in line:
+      continue
+    line = re.sub(r", metadata=\{[^}]*\}", "", re.sub(r"%[\w.-]+", "%v", line))
+    line = re.sub(r"'\w+'=1,", "", re.sub(r",'\w+'=1\b", "", line))
+    out.append(line.strip())
+  return sorted(out)
 
 
 WINS_COLUMNS = (("family", "family", "s"), ("layout", "layout", "s"), ("mesh", "mesh", "s"),
@@ -351,9 +365,9 @@ def wins_rows(names, iters: int, calibrated=None, on_family=None) -> tuple[list[
     for cname, (fn, shardings) in cands.items():
       compiled = fn.lower(*args).compile()
       prof[cname] = compiled_profile(compiled)
-      programs[cname] = _program(compiled)
+      programs[cname] = program_text(compiled)
       placed[cname] = jax.device_put(real, shardings)
-    samples = _rotated({k: (lambda k=k: cands[k][0](*placed[k])) for k in cands},
+    samples = _shuffled({k: (lambda k=k: cands[k][0](*placed[k])) for k in cands},
                        warmup=2, iters=iters)
     times = {k: _harness.median(v) for k, v in samples.items()}
     recipes_only = {k: v for k, v in times.items() if k not in plans}

@@ -4,14 +4,18 @@ fuses into their consumers, keeps the ones it does not duplicate (expensive ops 
 inputs of reductions over leading dimensions, convolutions' transposed copies), and records the
 gradients. The solver simulates XLA's buffer assignment over this timeline with each layout's
 sizes (:func:`dtenjax._src.planning.solver.simulate_memory`); its peak of batch-derived values is
-the step's activation bytes. What only XLA:CPU keeps is marked (``Live.cheap_on_gpu``: XLA:GPU
-recomputes it in its users' fusions), with the later last use on XLA:GPU of the values it is
-recomputed from (``Live.gpu_end``): the solver prices the backend the plan is for.
+the step's activation bytes (the broadcast operands of XLA:CPU's reducing fusions, which
+depend on the layout, are in the timeline only). What only XLA:CPU keeps is marked
+(``Live.cheap_on_gpu``: XLA:GPU recomputes it in its users' fusions), with the later last use
+on XLA:GPU of the values it is recomputed from (``Live.gpu_end``): the solver prices the
+backend the plan is for.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Collection
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +34,11 @@ from dtenjax._src.planning.jaxpr_reader import sub_jaxprs
 _FUSIBLE = ELEMENTWISE | frozenset(
     "broadcast_in_dim slice pad reshape squeeze expand_dims concatenate iota rev select_n "
     "convert_element_type".split())
+# XLA:CPU gives an op to YNNPACK only where it or an operand has this many elements
+# (IsInstructionPreferredByYnn's kMinElements)
+YNN_MIN_ELEMENTS = 4096
+# ops that only change a value's shape or type (a broadcast's size-1 dimensions)
+_RESHAPES = frozenset("broadcast_in_dim reshape squeeze expand_dims convert_element_type".split())
 _FUSED_INTO_CONSUMERS = _FUSIBLE | frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin".split())
 # Elementwise primitives XLA counts as expensive (HloInstruction::IsExpensive): it does not
@@ -69,11 +78,31 @@ class Live:
   # a product's result that only a transpose reads: XLA:CPU writes the product in the
   # transpose's layout, one buffer (:func:`_folded_transposes`); priced on the CPU as that one
   folded: bool = False
+  # a broadcast operand buffer of XLA:CPU's reducing fusion (:func:`_expanded_operands`): the
+  # global elements of that fusion's reduced result (0 for every other value), and the state
+  # leaf it broadcasts (None: a value the step computes)
+  expands: int = 0
+  expands_leaf: int | None = None
+
+  def made_on_cpu(self, batch_div: float, gathered_per_use: Collection[int]) -> bool:
+    """Whether XLA:CPU makes this value where the batch is split ``batch_div`` ways: a reducing
+    fusion's broadcast operand only where its reduced result has YNN_MIN_ELEMENTS per device,
+    and not of a weight sharded over a batch axis (``gathered_per_use``: XLA's partitioner
+    all-gathers it for each reader, and each broadcast of a gather, read once, is fused)."""
+    return not self.expands or (self.expands / batch_div >= YNN_MIN_ELEMENTS and
+                                self.expands_leaf not in gathered_per_use)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Copy:
   """The transposed copy of the value ``of`` (each copy a value of its own)."""
+  of: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Expanded:
+  """The value ``of`` broadcast to the shape of a reducing fusion that reads it, one buffer
+  (:func:`_expanded_operands`)."""
   of: Any
 
 
@@ -96,8 +125,9 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   lives: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] = []
   gpu_fused: set[Any] = set()
   gpu_ends: dict[Any, int] = {}
+  expanded_rows: dict[Any, tuple[int, int | None]] = {}
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
-              gpu_ends=gpu_ends)
+              gpu_ends=gpu_ends, expanded_rows=expanded_rows)
   folded = _folded_transposes(jaxpr)
   owners: dict[Any, int] = {}
   for cone in cones.values():
@@ -116,7 +146,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
     return tuple(cone_keys.get(v, ())) if v is not None else ()
   timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, (_Copy, _Again)),
                         v in gpu_fused, gpu_ends.get(v) if gpu_ends.get(v, end) != end else None,
-                        v in folded)
+                        v in folded, *expanded_rows.get(v, (0, None)))
                    for v, start, end, nb, grad, body in lives)
   return int(act), act_share, timeline
 
@@ -125,7 +155,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           counted: dict[Any, int] | None = None,
           timeline: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] | None = None,
           at_peak: list[tuple[Any, int]] | None = None, sliced: frozenset = frozenset(),
-          gpu_fused: set | None = None, gpu_ends: dict[Any, int] | None = None) -> int:
+          gpu_fused: set | None = None, gpu_ends: dict[Any, int] | None = None,
+          expanded_rows: dict[Any, tuple[int, int | None]] | None = None) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -141,7 +172,10 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   receives the values kept only because XLA:CPU counts their op expensive where XLA:GPU does
   not (:func:`_cheap_on_gpu`, :func:`_cheap_call_on_gpu`) or only XLA:CPU keeps
   (:func:`_recomputed_unaries`), and ``gpu_ends`` the last uses XLA:GPU's fusion moves (later for
-  the values its recomputations read, :func:`_gpu_ends`). The lifetimes counted here are
+  the values its recomputations read, :func:`_gpu_ends`). ``expanded_rows`` receives the
+  buffers XLA:CPU's reducing fusions make of broadcast operands (:func:`_expanded_operands`;
+  their reduced result's elements and the input leaf they broadcast), which are put in the
+  timeline only: whether XLA makes them depends on the layout. The lifetimes counted here are
   XLA:CPU's."""
   canon = _duplicates(jaxpr)
 
@@ -182,7 +216,11 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           feeds_fusion_boundary.add(o)
           if gpu_fused is not None and _cheap_on_gpu(eqn):
             gpu_fused.add(o)
+  # small values XLA:CPU broadcasts into a buffer of their own for its reducing fusions
+  expanded = (_expanded_operands(jaxpr, same, feeds_fusion_boundary)
+              if expanded_rows is not None else [])
   if gpu_fused is not None:
+    gpu_fused.update(e for e, *_ in expanded)
     gpu_fused.update(_kept_on_cpu_only(jaxpr, same, users, feeds_fusion_boundary))
     if gpu_ends is not None:
       gpu_ends.update(_gpu_ends(jaxpr, same, last_use, feeds_fusion_boundary, gpu_fused))
@@ -211,6 +249,12 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         if is_var(v):
           readers[same(v)] = readers.get(same(v), 0) + 1
   read = set(readers)
+  if timeline is not None and expanded_rows is not None:
+    # priced per layout by the solver (Live.expands), outside the layout-free peak here
+    leaf_of = {v: k for k, v in enumerate(jaxpr.invars)}
+    for v, start, end, nb, rows in expanded:
+      timeline.append((v, start, end, nb, None, False))
+      expanded_rows[v] = (rows, leaf_of.get(v.of))
   for v in jaxpr.invars:
     if v not in sliced or v not in tainted or v not in read:
       continue
@@ -376,6 +420,73 @@ def _recomputed_unaries(jaxpr, same, last_use: dict[Any, int], materialised: set
       v = ups[0]
 
 
+def _expanded_operands(jaxpr, same, materialised: set
+                       ) -> list[tuple[Any, int, int, int, int]]:
+  """The buffers (value, start, end, bytes, rows) XLA:CPU makes of small values broadcast into
+  its reducing fusions. A norm's backward is an elementwise region that sums ``dy * x`` over
+  the features (a reduction over the minor dimension) and computes the input's gradient from
+  that sum. XLA:CPU gives such a region to YNNPACK (``ynn_fusion``, kCustom) through its small
+  per-row ops only where they have YNN_MIN_ELEMENTS elements (``IsInstructionPreferredByYnn``:
+  ``rows``, the reduced result's elements, global here); the fusion then takes an operand it
+  broadcasts from a value made outside it (the norm's weight, its ``rsqrt`` statistic, both
+  read with size-1 dimensions) as a buffer of the region's shape, where a loop fusion reads the
+  small value. One buffer per value and shape (its CSE, which also makes the forward a
+  reader: a broadcast that only the fusion reads is fused into it), made with the value (a
+  weight's at the step's start) and live until the last such fusion: two ``[batch, seq, d]``
+  buffers per RMS norm kept from the forward to the backward. A value the region computes itself (softmax's
+  maximum) is broadcast inside it. XLA:GPU fuses broadcasts into every consumer: the caller
+  marks these ``cheap_on_gpu``."""
+  producer = {same(o): (i, eqn) for i, eqn in enumerate(jaxpr.eqns) for o in eqn.outvars}
+  parent = list(range(len(jaxpr.eqns)))
+
+  def find(i: int) -> int:
+    while parent[i] != i:
+      parent[i] = parent[parent[i]]
+      i = parent[i]
+    return i
+
+  def fused(v) -> bool:        # computed inside the fusion of the op that reads it
+    v = same(v)
+    return v in producer and v not in materialised and (
+        producer[v][1].primitive.name in _FUSED_INTO_CONSUMERS)
+
+  reducing: dict[int, int] = {}     # a minor reduction -> its result's elements
+  for j, eqn in enumerate(jaxpr.eqns):
+    if eqn.primitive.name not in _FUSED_INTO_CONSUMERS:
+      continue
+    for v in eqn.invars:
+      if is_var(v) and fused(v):
+        parent[find(producer[same(v)][0])] = find(j)
+    axes = eqn.params.get("axes")
+    if eqn.primitive.name.startswith("reduce_") and axes is not None and (
+        _true_rank(eqn.invars[0]) >= 2 and len(eqn.invars[0].aval.shape) - 1 in tuple(axes)):
+      reducing[j] = math.prod(eqn.outvars[0].aval.shape)
+  regions: dict[int, int] = {}
+  for j, rows in reducing.items():
+    regions[find(j)] = min(rows, regions.get(find(j), rows))
+  found: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}
+  for j, eqn in enumerate(jaxpr.eqns):
+    if eqn.primitive.name not in ELEMENTWISE or find(j) not in regions:
+      continue
+    shape = tuple(eqn.outvars[0].aval.shape)
+    if str(eqn.outvars[0].aval.dtype) not in ("float32", "bfloat16"):
+      continue
+    for v in eqn.invars:
+      if not is_var(v) or _true_rank(v) < 1 or math.prod(v.aval.shape) >= math.prod(shape):
+        continue
+      src = same(v)
+      while fused(src) and producer[src][1].primitive.name in _RESHAPES:
+        src = same(producer[src][1].invars[0])
+      if fused(src) or not is_var(src):
+        continue               # computed inside the region: broadcast there
+      start = producer[src][0] + 1 if src in producer else 0
+      entry = found.setdefault((src, shape), [_Expanded(src), start, j, math.prod(shape) *
+                                              eqn.outvars[0].aval.dtype.itemsize, regions[find(j)]])
+      entry[2] = max(entry[2], j)
+      entry[4] = min(entry[4], regions[find(j)])
+  return [tuple(e) for e in found.values()]
+
+
 def _folded_transposes(jaxpr) -> set[Any]:
   """The products' results that only a ``transpose`` reads (a weight's gradient ``dy^T @ x``
   written as ``(x^T @ dy)^T``): XLA:CPU's algebraic simplifier folds the transpose into the
@@ -430,9 +541,16 @@ def _duplicates(jaxpr) -> dict[Any, Any]:
   body (differentiation saves some twice: a norm's residuals for each product that reads it)
   are one buffer, because XLA's common-subexpression elimination makes them one value of the
   loop body and its while-loop simplifier merges the repeated elements of the loop's tuple.
-  (Repeated equations outside loops are left alone: there XLA's fusion decides what is kept,
-  and merging them under-counted the unrolled decoder's values.)"""
+  Equations computed alike from the same values are one value too (the same CSE: a norm
+  called twice on one input, for the attention's queries and its keys, is computed once)."""
   canon: dict[Any, Any] = {}
+  keys = _value_keys(jaxpr, [("in", k) for k in range(len(jaxpr.invars))])
+  first: dict[Any, Any] = {}
+  for eqn in jaxpr.eqns:
+    for o in eqn.outvars:
+      k = keys.get(o)
+      if k is not None and first.setdefault(k, o) is not o:
+        canon[o] = first[k]
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "scan":
       body = eqn.params["jaxpr"].jaxpr

@@ -181,6 +181,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   grad_sizes: dict[tuple[int, ...], list[float]] = {}
   outputs: list[float] = []
   reduced = 0.0       # whole gradients a batch axis reduces and a layout then shards
+  gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -191,6 +192,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     primary = graph.leaves[g[0]]
     use = graph.weights.get(g[0])
     zero = any(a in used and m.size[a] > 1 for a in BATCH_AXES)
+    if zero:
+      gathered_per_use.update(g)
     t_shard = tensor if "tensor" in used else 1
     # a routed axis's shards (expert) hold complete gradients where they lie
     t_shard *= math.prod(m.size[a] for a in ROUTED_AXES if a in used)
@@ -209,7 +212,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # XLA:CPU's transposed operand copies (a GPU's kernels need none) and the results of ops
     # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion); on the CPU
     # a product's result that only a transpose reads is that transpose's buffer
-    if (v.copy or v.cheap_on_gpu) and not cpu or v.folded and cpu:
+    if (v.copy or v.cheap_on_gpu) and not cpu or v.folded and cpu or not v.made_on_cpu(
+        bdiv, gathered_per_use):
       continue
     if v.gpu_end is not None and not cpu:   # read by a fusion that recomputes a dropped value
       v = dataclasses.replace(v, end=v.gpu_end)

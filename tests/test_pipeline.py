@@ -23,6 +23,7 @@ import dtenjax
 from dtenjax._src.pipeline import schedule as sched
 from dtenjax.testing import pipeline_model as pm
 from procs import run_at_once
+from tests.mp_workers import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCHEDULES = [dtenjax.GPipe(), dtenjax.OneFOneB(), dtenjax.Interleaved(virtual=2)]
@@ -237,12 +238,13 @@ BITS_CONFIGS = ("4x2:interleaved", "8x2:1f1b")
 # module fixture was torn down between them and its process run twice (about 20 s of CPU).
 @pytest.fixture(scope="session")
 def bits():
-  """tests/pipeline_bits.py in a fresh process with --xla_cpu_max_isa=AVX: per configuration the
-  digests of the pipelined and the unpipelined step."""
+  """tests/pipeline_bits.py in a process of its own (forked from the session's servers) with
+  --xla_cpu_max_isa=AVX: per configuration the digests of the pipelined and the unpipelined
+  step."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16 --xla_cpu_max_isa=AVX",
-             JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+             JAX_PLATFORMS="cpu", PYTHONPATH=launch.pythonpath())
   out = run_at_once({"bits": ([str(ROOT / "tests" / "pipeline_bits.py"), *BITS_CONFIGS], env)},
-                    600)["bits"]
+                    600, launch.fork_servers([env]))["bits"]
   return {r["config"]: r for r in map(json.loads, filter(None, out.splitlines()))}
 
 
@@ -273,7 +275,6 @@ def test_stages_in_separate_processes_give_the_same_bits(bits, tmp_path):
   2 CPU devices each: 2 data shards per stage, XLA's collective-permute over gloo, a ring of
   more than two processes, so each sends to one and receives from another) has the bits of the unpipelined step with 2 data shards in one
   process (the fixture's reference); every process says which path its stages took and why."""
-  from mp_workers import launch  # pylint: disable=g-import-not-at-top
   codes, results, logs = launch.launch(
       "tests.mp_workers.pipeline_worker", 4, str(tmp_path), devices_per_proc=2,
       timeout_s=420, args=list(PROCESS_CONFIGS),

@@ -110,6 +110,16 @@ def pytest_unconfigure(config):
   for path in _CREATED:
     shutil.rmtree(path, ignore_errors=True)
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_pair_of_fork_servers():
+  """Every launch of the session that can fork (tests/mp_workers/launch.py: the `procs` group's
+  jobs, the elastic launcher's workers, their fresh-process runs) forks from one pair of servers
+  that imported jax, started at the first such launch (a worker that runs none starts none)."""
+  from tests.mp_workers import launch  # pylint: disable=g-import-not-at-top
+  with launch.shared_forks():
+    yield
+
+
 # --- the time budget per test -------------------------------------------------------------------
 
 TIME_LIMIT_S = float(os.environ.get("DTENJAX_TEST_TIME_LIMIT", "60"))

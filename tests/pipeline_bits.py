@@ -3,9 +3,10 @@
 reproducible sum; prints one JSON line per configuration with the digests of both steps' loss
 and updated parameters (layers back in layer order).
 
-``python tests/pipeline_bits.py STAGES[xDATA]:SCHEDULE[:remat] ...`` (SCHEDULE gpipe, 1f1b or
-interleaved; ``remat`` wraps the layer in ``jax.checkpoint``) on the process's devices (8, or 16
-for 8 stages x 2 data shards): each configuration uses the first ``stages x data`` devices
+``python tests/pipeline_bits.py [--layers N] STAGES[xDATA]:SCHEDULE[:remat] ...`` (SCHEDULE gpipe,
+1f1b or interleaved; ``remat`` wraps the layer in ``jax.checkpoint``; ``N`` layers, default the
+model's 16) on the process's devices (8, or 16 for 8 stages x 2 data shards): each configuration
+uses the first ``stages x data`` devices
 (``data`` defaults to all devices / ``stages``), ``MICRO``
 micro-batches of ``ROWS`` sequences per data shard; configurations with the same ``data`` share
 one unpipelined run. Used by ``tests/test_pipeline.py`` (with ``--xla_cpu_max_isa=AVX``, so the bits do not
@@ -52,14 +53,22 @@ def _digest(loss, params) -> str:
   return h.hexdigest()[:16]
 
 
-def pipelined(stages: int, schedule: str, devices, *, remat: bool = False) -> str:
+def options(argv: list[str]) -> tuple[int, list[str]]:
+  """``[--layers N] SPEC ...`` -> (the model's layer count, the specs)."""
+  if argv[:1] == ["--layers"]:
+    return int(argv[1]), argv[2:]
+  return pm.CONFIG["layers"], argv
+
+
+def pipelined(stages: int, schedule: str, devices, *, remat: bool = False,
+              layers: int = pm.CONFIG["layers"]) -> str:
   data = len(devices) // stages
   mesh = _mesh((stages, data), ("stage", "data"), devices)
   body = jax.checkpoint(pm.body) if remat else pm.body
   pipe = dtenjax.pipeline(body, pm.loss_fn, stages=stages, microbatches=MICRO,
                           schedule=SCHEDULES[schedule])
   tx = optax.adamw(1e-2)
-  params = pm.init()
+  params = pm.init(layers=layers)
   staged = {**params, "layers": jax.tree.map(np.asarray, pipe.to_stages(params["layers"]))}
   specs = pm.param_specs(params, "stage")
   opt = tx.init(staged)
@@ -75,10 +84,11 @@ def pipelined(stages: int, schedule: str, devices, *, remat: bool = False) -> st
   return _digest(loss, new)
 
 
-def reference(data: int, devices, *, remat: bool = False) -> str:
+def reference(data: int, devices, *, remat: bool = False,
+              layers: int = pm.CONFIG["layers"]) -> str:
   mesh = _mesh((data,), ("data",), devices[:data])
   tx = optax.adamw(1e-2)
-  params = pm.init()
+  params = pm.init(layers=layers)
   specs = pm.param_specs(params, None)
   opt = tx.init(params)
   ospecs = pm.opt_specs(opt, params, specs)
@@ -93,15 +103,16 @@ def reference(data: int, devices, *, remat: bool = False) -> str:
 
 def main(argv):
   devices = jax.devices()
+  layers, specs = options(argv)
   refs = {}
-  for spec in argv:
+  for spec in specs:
     shape, schedule, *rest = spec.split(":")
     stages, _, data = shape.partition("x")
     stages = int(stages)
     data, remat = int(data) if data else len(devices) // stages, "remat" in rest
     if (data, remat) not in refs:
-      refs[data, remat] = reference(data, devices, remat=remat)
-    got = pipelined(stages, schedule, devices[:stages * data], remat=remat)
+      refs[data, remat] = reference(data, devices, remat=remat, layers=layers)
+    got = pipelined(stages, schedule, devices[:stages * data], remat=remat, layers=layers)
     print(json.dumps({"config": spec, "pipelined": got, "reference": refs[data, remat]}),
           flush=True)
 

@@ -16,8 +16,10 @@ group's worker, which runs every test of the group in a row, is not the last to 
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -25,24 +27,62 @@ import pytest
 PROCS = pytest.mark.xdist_group("procs")
 
 
-def run_at_once(runs: dict, timeout: float) -> dict:
+def run_at_once(runs: dict, timeout: float, servers: list | None = None) -> dict:
   """``{key: (argv after python, env)}`` -> ``{key: stdout}``: every ``python argv`` started at
   once (each is mostly single-threaded compilation, so they overlap on 2 cores), each asserted to
-  exit 0 within ``timeout`` seconds; none is left running."""
-  procs = {k: subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-           for k, (argv, env) in runs.items()}
-  out = {}
+  exit 0 within ``timeout`` seconds; none is left running. With ``servers`` (ForkServers, e.g.
+  tests/mp_workers/launch.py's ``fork_servers()``) the runs are forked from them in turn, and
+  adopted by this process, instead of started."""
+  if not servers:
+    procs = {k: subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+             for k, (argv, env) in runs.items()}
+    out = {}
+    try:
+      for k, p in procs.items():
+        stdout, stderr = p.communicate(timeout=timeout)
+        assert p.returncode == 0, (k, stderr[-3000:])
+        out[k] = stdout
+    finally:
+      for p in procs.values():
+        if p.poll() is None:
+          p.kill()
+    return out
+  out, texts = {}, {}
+  with tempfile.TemporaryDirectory(prefix="dtenjax-runs-") as out_dir:
+    files = {k: (os.path.join(out_dir, f"{i}.out"), os.path.join(out_dir, f"{i}.err"))
+             for i, k in enumerate(runs)}
+    with adopting():
+      procs = {k: servers[i % len(servers)].start(argv, env, files[k][0], err=files[k][1])
+               for i, (k, (argv, env)) in enumerate(runs.items())}
+      codes = wait_all(procs, timeout)
+    for k, (stdout, stderr) in files.items():
+      with open(stdout) as f, open(stderr) as g:
+        out[k], texts[k] = f.read(), g.read()
+  for k, code in codes.items():
+    if code is None:
+      raise subprocess.TimeoutExpired(runs[k][0], timeout, out[k], texts[k])
+    assert code == 0, (k, texts[k][-3000:])
+  return out
+
+
+def wait_all(procs: dict, timeout: float) -> dict:
+  """``{key: process}`` (``subprocess.Popen`` or ``Adopted``) -> ``{key: exit code}``, waiting
+  until each has ended or ``timeout`` seconds (for all of them) have passed; one still running
+  then is killed (``Adopted``: with its process group) and its code is None."""
+  deadline, codes = time.monotonic() + timeout, {}
   try:
     for k, p in procs.items():
-      stdout, stderr = p.communicate(timeout=timeout)
-      assert p.returncode == 0, (k, stderr[-3000:])
-      out[k] = stdout
+      try:
+        codes[k] = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        codes[k] = None
   finally:
     for p in procs.values():
       if p.poll() is None:
         p.kill()
-  return out
+        p.wait(timeout=30)
+  return codes
 
 
 # The fork server's own program (``python -c``): imports jax and dtenjax once -- without starting a
@@ -224,15 +264,18 @@ class ForkServer:
     with open(out + ".out") as f, open(out + ".err") as g:
       return subprocess.CompletedProcess(argv, code, f.read(), g.read())
 
-  def start(self, argv: list, env: dict, log: str) -> "Adopted":
+  def start(self, argv: list, env: dict, log: str, *, err: str | None = None,
+            cwd=None) -> "Adopted":
     """``python ARGV`` forked and handed to this process, which must be a child subreaper
-    (``adopting()``), as ``subprocess.Popen(..., stdout=log, stderr=STDOUT)`` started at once:
-    the hook dtenjax.elastic.launch's tests give its launcher, which polls, signals and waits
-    for its workers."""
+    (``adopting()``), as ``subprocess.Popen(..., stdout=log, stderr=err or STDOUT, cwd=cwd)``
+    started at once: this process polls, signals, waits for and reaps it as its own child (and
+    pytest's CPU clock counts it in the test that reaped it). The hook dtenjax.elastic.launch's
+    tests give its launcher; tests/mp_workers/launch.py's and ``run_at_once``'s runs."""
     assert _subreaper(), "start() needs this process to adopt the run: inside procs.adopting()"
     self.proc.stdin.write(json.dumps({"runs": [{
-        "argv": [str(a) for a in argv], "env": self._check_env(env), "cwd": os.getcwd(),
-        "stdout": str(log), "stderr": str(log)}], "timeout": 0, "adopt": 1}) + "\n")
+        "argv": [str(a) for a in argv], "env": self._check_env(env),
+        "cwd": str(cwd or os.getcwd()), "stdout": str(log), "stderr": str(err or log)}],
+        "timeout": 0, "adopt": 1}) + "\n")
     self.proc.stdin.flush()
     reply = self.proc.stdout.readline()
     assert reply, "the fork server died"
@@ -309,3 +352,11 @@ class Adopted:
   def send_signal(self, sig: int) -> None:
     if self.poll() is None:
       os.kill(self.pid, sig)
+
+  def kill(self) -> None:
+    """SIGKILL to the run's process group (what it started too), as the server's timeout does."""
+    if self.poll() is None:
+      try:
+        os.killpg(self.pid, signal.SIGKILL)
+      except OSError:
+        os.kill(self.pid, signal.SIGKILL)

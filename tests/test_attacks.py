@@ -711,8 +711,8 @@ def test_across_processes_floods_look_alikes_and_algorithm_mismatches(tmp_path):
 @pytest.fixture(scope="module")
 def recoverable_forks():
   """The launches below with JAX_ENABLE_RECOVERABILITY=1 (6 processes) fork their workers from
-  one pair of servers that imported jax with it set (tests/mp_workers/launch.py); the one with
-  it 0, whose JAX_* differ from the servers', starts fresh processes."""
+  one pair of servers that imported jax with it set (tests/mp_workers/launch.py); the one
+  without it (jax's default, off) forks from the session's pair."""
   with launch.shared_forks(env={"JAX_ENABLE_RECOVERABILITY": "1"}):
     yield
 
@@ -726,7 +726,7 @@ def test_a_dead_process_is_a_dtenjax_error_and_jax_recoverability_keeps_the_surv
   jax_enable_recoverability its coordination service lets them live (exit 0); without it, it
   terminates them (SIGABRT) once the dead process misses its heartbeats (here 2 s)."""
   env = {"DTENJAX_TEST_HEARTBEAT": "2", "DTENJAX_TEST_WATCH": "5",
-         "JAX_ENABLE_RECOVERABILITY": "1" if recoverable else "0"}
+         **({"JAX_ENABLE_RECOVERABILITY": "1"} if recoverable else {})}
   codes, res, logs = _launch(tmp_path, 3, "peer_loss", timeout_s=90, env=env)
   assert codes[2] == 3, logs
   for r in res[:2]:

@@ -21,10 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dtenjax
 import dtenjax.checkpoint as ckpt
 from dtenjax._src.checkpoint import io as ckio
-from mp_workers import launch as mp_launch
+from tests.mp_workers import launch as mp_launch
 from procs import run_at_once
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bits(x):
@@ -409,7 +407,7 @@ def test_without_kvikio_posix_runs_and_info_says_why(monkeypatch):
 # --- fresh processes: continuation and the 2 x 4 geometry ---------------------------------------
 
 def _env(devices):
-  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=mp_launch.pythonpath(),
            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_cpu_max_isa=AVX")
   return e
 
@@ -450,8 +448,9 @@ def test_continuation_is_bit_identical_across_processes_and_device_counts(two_pr
   assert {**results[1], "report": None, "geometry": None} == {**first, "report": None,
                                                               "geometry": None}
   assert "process 0/2" in first["report"] and "process 1/2" in results[1]["report"]
-  outs = run_at_once({"ref": (_train("--steps", "20"), _env(8)),
-                      "restored": (_train("--steps", "10", "--restore", saved), _env(4))}, 240)
+  runs = {"ref": (_train("--steps", "20"), _env(8)),
+          "restored": (_train("--steps", "10", "--restore", saved), _env(4))}
+  outs = run_at_once(runs, 240, mp_launch.fork_servers([e for _, e in runs.values()]))
   ref, r = (json.loads(outs[k].splitlines()[-1]) for k in ("ref", "restored"))
   assert ref["devices"] == 8 and ref["processes"] == 1 and len(set(ref["losses"])) == 20
   assert first["losses"] == ref["losses"][:10]

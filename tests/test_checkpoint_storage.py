@@ -23,6 +23,8 @@ import pytest
 import dtenjax
 import dtenjax.checkpoint as ckpt
 from dtenjax._src.checkpoint import storage
+from procs import run_at_once
+from tests.mp_workers import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
@@ -151,13 +153,12 @@ print("DONE", flush=True)
 
 @pytest.mark.multiprocess
 def test_two_processes_saving_one_path_50_times_never_lose_a_commit(tmp_path):
+  """Forked from the session's servers (tests/mp_workers/launch.py), both at once."""
   path = tmp_path / "c"
-  procs = [subprocess.Popen([sys.executable, "-c", SAVER, str(path), str(b)], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for b in (0, 1000)]
-  outs = [p.communicate(timeout=240) for p in procs]
-  for p, (out, err) in zip(procs, outs):
-    assert p.returncode == 0 and "DONE" in out, err[-3000:]
+  env = dict(ENV, PYTHONPATH=launch.pythonpath())
+  runs = {b: (["-c", SAVER, str(path), str(b)], env) for b in (0, 1000)}
+  outs = run_at_once(runs, 240, launch.fork_servers([env]))   # each exits 0
+  assert all("DONE" in out for out in outs.values()), outs
   assert _check(path, {24, 1024}) in (24, 1024)
   assert _leftovers(tmp_path) == []
 

@@ -16,6 +16,7 @@ import dtenjax.checkpoint as ckpt
 import dtenjax.elastic
 import procs
 from dtenjax._src.elastic import launcher
+from tests.mp_workers import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_workers", "elastic_worker.py")
@@ -25,7 +26,7 @@ FLAGS = "--xla_cpu_max_isa=AVX"     # reproducible_step's CPU flag (docs/reprodu
 
 
 def _env(devices):
-  return {"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+  return {"JAX_PLATFORMS": "cpu", "PYTHONPATH": launch.pythonpath(),
           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FLAGS}"}
 
 
@@ -40,27 +41,17 @@ def _losses(out_dir):
   return [by_step[s] for s in sorted(by_step)]
 
 
-# The workers of the jobs below are forked (tests/procs.py) from two servers that have imported
-# jax and dtenjax, even ranks from one and odd ranks from the other (so that neighbours differ in
-# their hash seeds, as processes started apart do), through the launcher's one seam for starting
-# a worker (``launcher._start``): a job's 10 process starts no longer pay jax's import (1-2 s of
-# CPU each). This process adopts them (a child subreaper), so the launcher polls, signals and
-# waits for them as for its own children. The launcher's own ``subprocess.Popen`` path is what
-# the other tests here (and `dtenjax launch`'s) run. DTENJAX_TEST_FORK=0 starts them as the
-# launcher does. Session-scoped: the slow test runs first in its xdist worker, apart from the
-# grow test (tests/conftest.py).
-FORK = os.environ.get("DTENJAX_TEST_FORK", "1") != "0"
-
-
+# The workers of the jobs below are forked (tests/procs.py) from the session's two servers
+# (tests/mp_workers/launch.py), which have imported jax and dtenjax, even ranks from one and odd
+# ranks from the other (so that neighbours differ in their hash seeds, as processes started apart
+# do), through the launcher's one seam for starting a worker (``launcher._start``): a job's 10
+# process starts no longer pay jax's import (1-2 s of CPU each). This process adopts them (a
+# child subreaper), so the launcher polls, signals and waits for them as for its own children.
+# The launcher's own ``subprocess.Popen`` path is what the other tests here (and `dtenjax
+# launch`'s) run. DTENJAX_TEST_FORK=0 starts them as the launcher does.
 @pytest.fixture(scope="session")
-def forks(tmp_path_factory):
-  env = {**os.environ, **_env(1)}
-  env.pop("XLA_FLAGS")
-  servers = [procs.ForkServer(env, ROOT, tmp_path_factory.mktemp("elastic_forks"))
-             for _ in range(2 if FORK else 0)]
-  yield servers
-  for server in servers:
-    server.close()
+def forks():
+  return launch.fork_servers([{**os.environ, **_env(1)}])
 
 
 @pytest.fixture
@@ -79,9 +70,7 @@ def reference(tmp_path_factory, forks):
   """The uninterrupted run: one process of 8 devices, no launcher."""
   out = tmp_path_factory.mktemp("reference")
   argv, env = [WORKER, str(out), str(STEPS)], {**os.environ, **_env(8)}
-  r = (forks[0].run(argv, env=env, timeout=240) if forks else subprocess.run(
-      [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=240, check=False))
-  assert r.returncode == 0, r.stderr[-3000:]
+  procs.run_at_once({"reference": (argv, env)}, 240, forks)
   with open(out / "final.json") as f:
     final = json.load(f)
   assert final["devices"] == 8 and final["step"] == STEPS

@@ -23,6 +23,7 @@ import dtenjax
 from dtenjax._src.pipeline import schedule as sched
 from dtenjax.testing import pipeline_model as pm
 from procs import run_at_once
+from tests.mp_workers import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCHEDULES = [dtenjax.GPipe(), dtenjax.OneFOneB(), dtenjax.Interleaved(virtual=2)]
@@ -229,7 +230,10 @@ def test_loss_and_gradients_match_the_accumulation_loop_within_float_tolerance()
 # that one unpipelined step with 2 data shards is the reference of both and of the multi-process
 # test below (each pipelined or unpipelined step costs about 6 s of XLA:CPU compile on the 2-core
 # machine whatever the model's size: some 500 fused kernels, each compiled by LLVM on its own).
+# 24 layers, not the model's 16: 3 stages (the processes below), 4 x 2 chunks (interleaved) and 8
+# stages all divide them; the layers are a lax.scan, so the compile does not grow with them.
 BITS_CONFIGS = ("4x2:interleaved", "8x2:1f1b")
+LAYERS = ["--layers", "24"]
 
 
 # Session-scoped, not module-scoped: each xdist worker runs its `slow` tests first
@@ -237,12 +241,14 @@ BITS_CONFIGS = ("4x2:interleaved", "8x2:1f1b")
 # module fixture was torn down between them and its process run twice (about 20 s of CPU).
 @pytest.fixture(scope="session")
 def bits():
-  """tests/pipeline_bits.py in a fresh process with --xla_cpu_max_isa=AVX: per configuration the
-  digests of the pipelined and the unpipelined step."""
+  """tests/pipeline_bits.py in a process of its own (forked from the session's servers) with
+  --xla_cpu_max_isa=AVX: per configuration the digests of the pipelined and the unpipelined
+  step."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16 --xla_cpu_max_isa=AVX",
-             JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  out = run_at_once({"bits": ([str(ROOT / "tests" / "pipeline_bits.py"), *BITS_CONFIGS], env)},
-                    600)["bits"]
+             JAX_PLATFORMS="cpu", PYTHONPATH=launch.pythonpath())
+  out = run_at_once({"bits": ([str(ROOT / "tests" / "pipeline_bits.py"), *LAYERS, *BITS_CONFIGS],
+                              env)},
+                    600, launch.fork_servers([env]))["bits"]
   return {r["config"]: r for r in map(json.loads, filter(None, out.splitlines()))}
 
 
@@ -251,7 +257,7 @@ def test_pipelined_step_has_the_unpipelined_steps_bits(bits):
   """One adamw step of the small Llama with data-parallel gradients through the reproducible sum:
   pipelined over 4 stages x 2 data shards (interleaved) and 8 stages x 2 data shards (1F1B),
   and unpipelined with the same micro-batches, give the same loss and parameters, bit for bit.
-  (4 stages with GPipe: the test below, across 4 processes. The whole 3 x 3 matrix, and
+  (3 stages with GPipe: the test below, across 3 processes. The whole 3 x 3 matrix, and
   jax.checkpoint around the layer: docs/pipeline.md.)"""
   assert sorted(bits) == sorted(BITS_CONFIGS)
   assert len({r["reference"] for r in bits.values()}) == 1       # one reference for both
@@ -259,26 +265,29 @@ def test_pipelined_step_has_the_unpipelined_steps_bits(bits):
     assert r["pipelined"] == r["reference"], r
 
 
-# The processes' configuration: 4 stages (GPipe) across all 4 processes. (1F1B across the first
-# 2 of them, a second pipelined step of about 7 s of compile in each, is the same fact -- the stage
-# axis's collective-permute between processes -- for another schedule; 1F1B's bits are checked in
-# the fixture's process, 8 x 2.)
-PROCESS_CONFIGS = {"4:gpipe": 4}
+# The processes' configuration: 3 stages (GPipe) across 3 processes, the fewest that make a ring
+# in which each process sends to one and receives from another (a fourth process was a fourth
+# compile of the same step, about 7 s of CPU). (1F1B across 2 of them, a second pipelined step
+# of about 7 s of compile in each, is the same fact -- the stage axis's collective-permute
+# between processes -- for another schedule; 1F1B's bits are checked in the fixture's process,
+# 8 x 2.)
+PROCESS_CONFIGS = {"3:gpipe": 3}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_stages_in_separate_processes_give_the_same_bits(bits, tmp_path):
-  """The same step with its stage axis across 4 processes (GPipe; jax.distributed on 127.0.0.1,
+  """The same step with its stage axis across 3 processes (GPipe; jax.distributed on 127.0.0.1,
   2 CPU devices each: 2 data shards per stage, XLA's collective-permute over gloo, a ring of
-  more than two processes, so each sends to one and receives from another) has the bits of the unpipelined step with 2 data shards in one
-  process (the fixture's reference); every process says which path its stages took and why."""
-  from mp_workers import launch  # pylint: disable=g-import-not-at-top
+  more than two processes, so each sends to one and receives from another) has the bits of the
+  unpipelined step with 2 data shards in one process (the fixture's reference); every process
+  says which path its stages took and why."""
+  nprocs = max(PROCESS_CONFIGS.values())
   codes, results, logs = launch.launch(
-      "tests.mp_workers.pipeline_worker", 4, str(tmp_path), devices_per_proc=2,
-      timeout_s=420, args=list(PROCESS_CONFIGS),
+      "tests.mp_workers.pipeline_worker", nprocs, str(tmp_path), devices_per_proc=2,
+      timeout_s=420, args=[*LAYERS, *PROCESS_CONFIGS],
       env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_max_isa=AVX"})
-  assert codes == [0] * 4, [log[-2000:] for log in logs]
+  assert codes == [0] * nprocs, [log[-2000:] for log in logs]
   want = bits["4x2:interleaved"]["reference"]
   for r in results:
     assert sorted(r["runs"]) == sorted(c for c, n in PROCESS_CONFIGS.items() if r["rank"] < n), r

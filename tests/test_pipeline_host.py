@@ -44,7 +44,7 @@ def _store():
 
 @pytest.mark.multiprocess
 def test_two_processes_give_the_unpipelined_bits_and_a_dying_peer_a_clear_error(tmp_path):
-  from mp_workers import launch  # pylint: disable=g-import-not-at-top
+  from tests.mp_workers import launch  # pylint: disable=g-import-not-at-top
   timeout_s = 20.0
   codes, results, logs = launch.launch(
       "tests.mp_workers.pipeline_host_worker", 2, str(tmp_path), timeout_s=120,

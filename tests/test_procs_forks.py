@@ -43,13 +43,19 @@ def test_a_forked_run_is_a_process_of_its_own(forks, tmp_path):
   assert r.stdout == f"[{str(script)!r}, '--flag'] {tmp_path}\natexit ran\n"
 
 
-def test_a_run_past_its_timeout_is_killed_with_what_it_started(forks, tmp_path):
+@pytest.mark.parametrize("how", ["run", "run_at_once"])
+def test_a_run_past_its_timeout_is_killed_with_what_it_started(forks, tmp_path, how):
+  """The server's timeout (``run``), and this process's for the runs it adopted (``run_at_once``
+  with servers, tests/mp_workers/launch.py's forked workers)."""
   pid_file = tmp_path / "child.pid"
   code = ("import subprocess, sys, time\n"
           "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
           f"open({str(pid_file)!r}, 'w').write(str(p.pid))\ntime.sleep(60)\n")
   with pytest.raises(subprocess.TimeoutExpired):
-    forks.run(["-c", code], timeout=3)
+    if how == "run":
+      forks.run(["-c", code], timeout=3)
+    else:
+      procs.run_at_once({"sleeper": (["-c", code], forks.env)}, 3, [forks])
   child = int(pid_file.read_text())
   # the grandchild was in the run's process group: killed too (a zombie until its parent's
   # reaper, init, collects it; never left running)
@@ -74,19 +80,18 @@ def test_what_a_process_reads_at_its_start_is_refused(forks):
 
 
 def test_neighbouring_ranks_of_a_launch_have_different_hash_seeds(tmp_path):
-  """Forked from two servers: ranks 0 and 1 differ in their string hashes (so a rank whose work
-  depends on a set's order disagrees with its neighbour, as processes started apart would); ranks
-  0 and 2 are forks of one server."""
+  """Forked from two servers: ranks 0 and 2 have the string hashes of one server, ranks 1 and 3
+  those of the other (a fork keeps its server's hash seed), so a rank whose work depends on a
+  set's order disagrees with its neighbour, as processes started apart would."""
   with launch.shared_forks(preload=()) as slot:
     codes, results, logs = launch.launch("tests.mp_workers.hash_worker", 4, str(tmp_path),
                                          timeout_s=60)
-    servers = [s.proc.pid for s in slot["servers"]]
+    seeds = [int(s.run(["-c", "print(hash('dtenjax'))"]).stdout) for s in slot["servers"]]
   assert codes == [0] * 4, logs
-  assert [r["parent"] for r in results] == [servers[0], servers[1]] * 2
   assert len({r["pid"] for r in results}) == 4
-  h = [r["hash"] for r in results]
+  assert [r["hash"] for r in results] == seeds * 2
   if os.environ.get("PYTHONHASHSEED", "random") == "random":    # else every process has one seed
-    assert h[0] == h[2] != h[1] == h[3]
+    assert seeds[0] != seeds[1]
 
 
 def _parent(pid: int) -> int:

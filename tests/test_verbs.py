@@ -34,14 +34,6 @@ from tests.mp_workers import launch
 from tests.net_helpers import close_all, native_ring, requires_native, run_ranks
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_fork_server():
-  """The module's launches fork their workers from two processes that imported jax once each
-  (tests/mp_workers/launch.py), started at the first launch."""
-  with launch.shared_forks():
-    yield
-
-
 HAS_VERBS = ffi.is_built() and bool(ffi.build_info().get("verbs", False))
 pytestmark = [requires_native, pytest.mark.skipif(
     not HAS_VERBS, reason="the verbs provider is not in this build (libibverbs-dev headers were "

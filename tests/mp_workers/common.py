@@ -29,12 +29,31 @@ def write(result: dict) -> None:
   os.replace(path + ".tmp", path)
 
 
+def done(store) -> None:
+  """Counts this process done in the store, with its pid, so that process 0 (``finish``) can wait
+  for it to have exited. A process that leaves on its own (os._exit) right after must call this."""
+  store.set(f"dtenjax/test-pid/{os.environ['DTENJAX_TEST_RANK']}", str(os.getpid()),
+            overwrite=True)
+  store.increment("dtenjax/test-done", 1)
+
+
+def _running(pid: int) -> bool:
+  """Whether ``pid`` has not exited yet (a zombie, exited but not yet reaped, has)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
 def finish(result: dict, code: int = 0, *, expect_done: int | None = None,
            wait_s: float = 30) -> None:
   """Writes the result and exits at once (a jax.distributed shutdown barrier would wait for peers
   that a fault-injection test killed). Process 0 hosts the coordination service, whose exit
-  terminates the others, so it leaves last: every process counts itself done in the store, and
-  process 0 waits (up to ``wait_s``) until ``expect_done`` processes have, then a moment longer."""
+  terminates the others, so it leaves last: every process counts itself done in the store
+  (``done``), and process 0 waits (up to ``wait_s``) until ``expect_done`` processes have and
+  every one of them has exited (all the processes run on this host). It used to wait a fixed
+  0.5 s instead: idle time in every launch, and no guarantee on a loaded machine."""
   import time  # pylint: disable=g-import-not-at-top
   write(result)
   from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
@@ -42,12 +61,14 @@ def finish(result: dict, code: int = 0, *, expect_done: int | None = None,
   rank = int(os.environ["DTENJAX_TEST_RANK"])
   n = int(os.environ["DTENJAX_TEST_NPROCS"]) if expect_done is None else expect_done
   try:
-    store.increment("dtenjax/test-done", 1)
+    done(store)
     if rank == 0:
       deadline = time.monotonic() + wait_s
       while time.monotonic() < deadline and store.increment("dtenjax/test-done", 0) < n:
         time.sleep(0.05)
-      time.sleep(0.5)
+      pids = {int(v) for v in store.dir("dtenjax/test-pid").values()} - {os.getpid()}
+      while time.monotonic() < deadline and any(map(_running, pids)):
+        time.sleep(0.01)
   except Exception:  # pylint: disable=broad-except
     pass
   os._exit(code)

@@ -7,4 +7,4 @@ from tests.mp_workers import common
 
 if __name__ == "__main__":
   common.write({"rank": int(os.environ["DTENJAX_TEST_RANK"]), "hash": hash("dtenjax"),
-                "pid": os.getpid(), "parent": os.getppid()})
+                "pid": os.getpid()})

@@ -10,9 +10,12 @@ environment, XLA_FLAGS, backend and jax.distributed client, but the workers pay 
 even ranks from one and odd ranks from the other: each started on its own, so neighbouring ranks
 have different Python hash seeds, as processes started apart do (a rank whose work depended on
 a set's iteration order would still disagree with its neighbour). Inside ``with
-shared_forks():`` (a test module's fixture) the module's launches share the two servers; a
-launch outside one starts its own, for 4 processes or more (fewer would not pay for the two
-servers). ``fork=False``, ``DTENJAX_TEST_FORK=0`` in the environment, or an environment whose
+shared_forks():`` (tests/conftest.py enters one for the session) launches share the two servers;
+a launch outside one starts its own, for 4 processes or more (fewer would not pay for the two
+servers). The test process adopts the forked workers (``ForkServer.start``: it is a child
+subreaper while they run), so it waits for, kills and reaps them as the ``python -m`` processes
+it would have started, and pytest's CPU clock counts them in the test that ran them.
+``fork=False``, ``DTENJAX_TEST_FORK=0`` in the environment, or an environment whose
 ``JAX_*``/``PYTHON*`` variables differ from the server's (read at a process's start) start the
 workers with ``python -m`` instead.
 """
@@ -24,7 +27,7 @@ import json
 import os
 import subprocess
 import sys
-import time
+import tempfile
 
 from dtenjax.testing.ports import free_port
 
@@ -35,18 +38,33 @@ def _root() -> str:
   return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def pythonpath() -> str:
+  """The ``PYTHONPATH`` of the workers and of the fork servers: the repository first (``-m
+  tests.mp_workers...``), then the caller's. A run whose ``PYTHONPATH`` differs from the servers'
+  cannot be forked (it is read at a process's start), so every test that forks uses this one."""
+  return os.pathsep.join(filter(None, (_root(), os.environ.get("PYTHONPATH"))))
+
+
 def _server_env() -> dict:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=_root() + os.pathsep + env.get("PYTHONPATH", ""))
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=pythonpath())
   return env
 
 
-def _fork_servers(out_dir: str, env: dict, **kwargs) -> list:
+def _fixed(env: dict) -> dict:
+  return {k: v for k, v in env.items() if k.startswith(("JAX_", "PYTHON"))}
+
+
+def _procs_lib():
   try:
     from tests import procs as procs_lib  # pylint: disable=g-import-not-at-top
   except ImportError:
     import procs as procs_lib  # pylint: disable=g-import-not-at-top
-  return [procs_lib.ForkServer(env, _root(), out_dir, **kwargs) for _ in range(2)]
+  return procs_lib
+
+
+def _fork_servers(out_dir: str, env: dict, **kwargs) -> list:
+  return [_procs_lib().ForkServer(env, _root(), out_dir, **kwargs) for _ in range(2)]
 
 
 def _close(servers) -> None:
@@ -57,16 +75,33 @@ def _close(servers) -> None:
 @contextlib.contextmanager
 def shared_forks(env: dict[str, str] | None = None, **kwargs):
   """Launches inside share two fork servers (``kwargs``: ForkServer's), started at the first
-  launch and ended (their CPU time accounted to the caller) at the exit. ``env``: variables the
-  servers start with (``JAX_*`` ones, read at jax's import, e.g. JAX_ENABLE_RECOVERABILITY);
-  only launches whose ``JAX_*`` and ``PYTHON*`` variables are the servers' fork."""
-  slot = {"servers": [], "kwargs": kwargs, "env": {**_server_env(), **(env or {})}}
-  _SHARED.append(slot)
-  try:
-    yield slot
-  finally:
-    _SHARED.remove(slot)
-    _close(slot["servers"])
+  launch and ended (their own CPU time accounted to the caller) at the exit. ``env``: variables
+  the servers start with (``JAX_*`` ones, read at jax's import, e.g. JAX_ENABLE_RECOVERABILITY);
+  only runs whose ``JAX_*`` and ``PYTHON*`` variables are the servers' fork from them (the
+  innermost such ``shared_forks`` of those entered). tests/conftest.py enters one for the whole
+  session, so every test's launches share one pair."""
+  with tempfile.TemporaryDirectory(prefix="dtenjax-forks-") as tmp:    # the servers' run() files
+    slot = {"servers": [], "kwargs": kwargs, "env": {**_server_env(), **(env or {})}, "tmp": tmp}
+    _SHARED.append(slot)
+    try:
+      yield slot
+    finally:
+      _SHARED.remove(slot)
+      _close(slot["servers"])
+
+
+def fork_servers(envs: list[dict] | None = None) -> list:
+  """The two servers of the innermost ``shared_forks`` whose ``JAX_*``/``PYTHON*`` variables are
+  those of every env of ``envs`` (default: the servers' own), started now if not yet; [] if none
+  is, or with ``DTENJAX_TEST_FORK=0``."""
+  if os.environ.get("DTENJAX_TEST_FORK", "1") == "0":
+    return []
+  for slot in reversed(_SHARED):
+    if all(_fixed(e) == _fixed(slot["env"]) for e in envs or [slot["env"]]):
+      if not slot["servers"]:
+        slot["servers"] = _fork_servers(slot["tmp"], slot["env"], **slot["kwargs"])
+      return slot["servers"]
+  return []
 
 
 def launch(module: str, nprocs: int, out_dir: str, *, devices_per_proc: int = 1,
@@ -84,54 +119,34 @@ def launch(module: str, nprocs: int, out_dir: str, *, devices_per_proc: int = 1,
               "DTENJAX_TEST_COORDINATOR": f"127.0.0.1:{port}",
               "DTENJAX_TEST_NPROCS": str(nprocs), "DTENJAX_TEST_RANK": str(r),
               "DTENJAX_TEST_OUT": out_dir, "DTENJAX_BIND_ADDRESS": "127.0.0.1",
-              "PYTHONPATH": root + os.pathsep + e.get("PYTHONPATH", "")})
+              "PYTHONPATH": pythonpath()})
     e.update(env or {})
     e.update((per_rank_env or {}).get(r, {}))
     envs.append(e)
-  fixed = lambda e: {k: v for k, v in e.items() if k.startswith(("JAX_", "PYTHON"))}
-  server_env = _SHARED[-1]["env"] if _SHARED else _server_env()
-  fork = (fork and os.environ.get("DTENJAX_TEST_FORK", "1") != "0" and (_SHARED or nprocs >= 4)
-          and all(fixed(e) == fixed(server_env) for e in envs))
-  if fork:
-    if _SHARED and not _SHARED[-1]["servers"]:
-      _SHARED[-1]["servers"] = _fork_servers(out_dir, server_env, **_SHARED[-1]["kwargs"])
-    servers = _SHARED[-1]["servers"] if _SHARED else _fork_servers(out_dir, server_env)
-    try:
-      logs = [os.path.join(out_dir, f"rank{r}.log") for r in range(nprocs)]
-      mine = [[r for r in range(nprocs) if r % 2 == k] for k in (0, 1)]
-      for server, ranks in zip(servers, mine):
-        if ranks:
-          server.submit([(["-m", module, *(args or [])], envs[r], root, logs[r], logs[r])
-                         for r in ranks], timeout_s)
-      codes: list[int | None] = [None] * nprocs
-      for server, ranks in zip(servers, mine):
-        if ranks:
-          for r, code in zip(ranks, server.collect()):
-            codes[r] = code
-    finally:
-      if not _SHARED:
-        _close(servers)
-    return codes, *_read(out_dir, nprocs)
-  procs, logs = [], []
-  for r, e in enumerate(envs):
-    log = open(os.path.join(out_dir, f"rank{r}.log"), "w")
-    logs.append(log)
-    procs.append(subprocess.Popen([sys.executable, "-m", module] + (args or []), env=e,
-                                  stdout=log, stderr=subprocess.STDOUT, cwd=root))
-  deadline = time.monotonic() + timeout_s
-  codes: list[int | None] = []
-  for p in procs:
-    try:
-      codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-    except subprocess.TimeoutExpired:
-      codes.append(None)
-  for p in procs:
-    if p.poll() is None:
-      p.kill()
-      p.wait(timeout=10)
-  for log in logs:
-    log.close()
-  return codes, *_read(out_dir, nprocs)
+  procs_lib, own = _procs_lib(), []
+  servers = fork_servers(envs) if fork else []
+  if (fork and not servers and nprocs >= 4 and os.environ.get("DTENJAX_TEST_FORK", "1") != "0"
+      and all(_fixed(e) == _fixed(_server_env()) for e in envs)):
+    servers = own = _fork_servers(out_dir, _server_env())   # a pair for this launch alone
+  logs = [os.path.join(out_dir, f"rank{r}.log") for r in range(nprocs)]
+  files = []
+  try:
+    with contextlib.ExitStack() as stack:
+      if servers:     # forked, and adopted by this process: its children, as Popen's are
+        stack.enter_context(procs_lib.adopting())
+        procs = {r: servers[r % 2].start(["-m", module, *(args or [])], envs[r], logs[r], cwd=root)
+                 for r in range(nprocs)}
+      else:
+        files = [open(log, "w") for log in logs]
+        procs = {r: subprocess.Popen([sys.executable, "-m", module] + (args or []), env=envs[r],
+                                     stdout=files[r], stderr=subprocess.STDOUT, cwd=root)
+                 for r in range(nprocs)}
+      codes = procs_lib.wait_all(procs, timeout_s)
+  finally:
+    for f in files:
+      f.close()
+    _close(own)
+  return [codes[r] for r in range(nprocs)], *_read(out_dir, nprocs)
 
 
 def _read(out_dir: str, nprocs: int) -> tuple[list[dict | None], list[str]]:

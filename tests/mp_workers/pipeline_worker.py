@@ -1,10 +1,10 @@
 """One process of the pipeline's multi-process test: jax.distributed on the test's coordinator
-(XLA's CPU collectives over gloo), then, per ``STAGES:SCHEDULE`` argument, one pipelined training
+(XLA's CPU collectives over gloo), then, per ``STAGES:SCHEDULE`` argument (after an optional
+``--layers N``, as tests/pipeline_bits.py takes them), one pipelined training
 step of tests/pipeline_bits.py whose stage axis spans the first ``STAGES`` processes (one stage
 per process, on its devices: the mesh is process-major); processes beyond them skip it. Writes
 per configuration the digest of the loss and updated parameters, and the transport the pipeline
-chose. One set of processes thus checks the stage axis across 4 processes and across 2 (the
-first two), paying for the processes' start once."""
+chose (tests/test_pipeline.py runs one configuration: 3 stages across 3 processes)."""
 
 import sys
 
@@ -19,7 +19,8 @@ def main():
   import dtenjax  # pylint: disable=g-import-not-at-top
   from tests import pipeline_bits  # pylint: disable=g-import-not-at-top
   out = {}
-  for spec in sys.argv[1:]:
+  layers, specs = pipeline_bits.options(sys.argv[1:])
+  for spec in specs:
     stages, schedule = spec.split(":")
     stages = int(stages)
     if rank >= stages:          # not one of this configuration's processes
@@ -28,7 +29,7 @@ def main():
     mesh = jax.sharding.Mesh(pipeline_bits.np.asarray(devices).reshape(stages, -1),
                              ("stage", "data"))
     choice = dtenjax.pipeline_transport(mesh)
-    out[spec] = {"digest": pipeline_bits.pipelined(stages, schedule, devices),
+    out[spec] = {"digest": pipeline_bits.pipelined(stages, schedule, devices, layers=layers),
                  "path": choice.path, "processes": choice.processes, "reason": choice.reason}
   # a process that leaves early would look crashed to the coordination service, which then ends
   # the others: every process stays until all are done

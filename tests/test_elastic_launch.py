@@ -280,3 +280,16 @@ def test_a_shrunk_job_grows_back_at_the_next_snapshot_when_capacity_returns(tmp_
   assert f"stopped to grow at step {g1.grown_at}" in result.summary()
   final = json.loads(out.read_text())
   assert final == {"x": [float(sum(range(24)))] * 4, "world": 2}
+
+
+def test_two_runs_whose_directories_share_a_last_name_get_their_own_memory_tier(tmp_path):
+  """The in-memory tier's directory is removed when its run ends: two jobs on one host whose run
+  directories were both named ``run`` shared ``/dev/shm/dtenjax-memory-UID/run``, and the first
+  to end removed the other's records (a side-by-side test run failed with FileNotFoundError on
+  ``.../run/gen0/holder0/own.0.2.tmp``)."""
+  root = str(tmp_path / "shm")
+  a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
+  dirs = {launcher.memory_dir(root, str(a)), launcher.memory_dir(root, str(b))}
+  assert len(dirs) == 2
+  assert all(os.path.dirname(d) == root and os.path.basename(d).startswith("run-") for d in dirs)
+  assert launcher.memory_dir(root, str(a)) == launcher.memory_dir(root, str(a) + "/")

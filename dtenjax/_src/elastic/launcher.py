@@ -24,6 +24,7 @@ memory, the checkpoint directory and the coordination service.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -119,6 +120,16 @@ def _latest_checkpoint(checkpoint_dir: str | None) -> int | None:
   return manager.CheckpointManager(checkpoint_dir).latest_step()
 
 
+def memory_dir(memory_root: str, run_dir: str) -> str:
+  """The in-memory tier's directory of the run at ``run_dir``, under ``memory_root``: named after
+  the run directory and a digest of its absolute path, so that two jobs on one host whose run
+  directories share a last name (``.../a/run``, ``.../b/run``) never share, and remove, each
+  other's records."""
+  path = os.path.abspath(run_dir).rstrip("/")
+  digest = hashlib.sha1(path.encode()).hexdigest()[:12]
+  return os.path.join(memory_root, f"{os.path.basename(path)}-{digest}")
+
+
 def choose_restore(memory_root: str, world: int, lost: Sequence[int],
                    checkpoint_dir: str | None, previous: dict | None) -> dict | None:
   """Where the next generation continues from: the newest step among the in-memory tier (of
@@ -175,8 +186,7 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
                                                          problems))
   run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="dtenjax-launch-"))
   os.makedirs(run_dir, exist_ok=True)
-  job = os.path.basename(run_dir.rstrip("/"))
-  memory_base = os.path.join(memory_root or memory.default_root(), job)   # removed at the end
+  memory_base = memory_dir(memory_root or memory.default_root(), run_dir)   # removed at the end
   deadline = time.monotonic() + timeout_s
   generations: list[Generation] = []
   world, restore, restarts = nprocs, None, 0

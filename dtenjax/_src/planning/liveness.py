@@ -75,6 +75,11 @@ class Live:
   # whose fusion sums the split parts (:func:`_gemms`)
   gemm: tuple[int, int, int, int] | None = None
   gemm_sum_at: int = 0
+  # one of a call's body values at its peak that is the call's own result, which the timeline
+  # also holds as the call's output from the same equation: one buffer on XLA:GPU (llama-1b's
+  # take_along_axis backward, a jit whose scatter-add writes its f32 logits-sized result in
+  # place: one 1 GiB buffer in XLA:GPU's FSDP x TP step, two in the model); priced there once
+  call_result: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -102,8 +107,9 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   lives: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] = []
   gpu_fused: set[Any] = set()
   gpu_ends: dict[Any, int] = {}
+  call_results: set[Any] = set()
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
-              gpu_ends=gpu_ends)
+              gpu_ends=gpu_ends, call_results=call_results)
   folded = _folded_transposes(jaxpr)
   gemms = _gemms(jaxpr)
   owners: dict[Any, int] = {}
@@ -123,7 +129,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
     return tuple(cone_keys.get(v, ())) if v is not None else ()
   timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, (_Copy, _Again)),
                         v in gpu_fused, gpu_ends.get(v) if gpu_ends.get(v, end) != end else None,
-                        v in folded, *gemms.get(v, (None, 0)))
+                        v in folded, *gemms.get(v, (None, 0)), body and v in call_results)
                    for v, start, end, nb, grad, body in lives)
   return int(act), act_share, timeline
 
@@ -132,7 +138,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           counted: dict[Any, int] | None = None,
           timeline: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] | None = None,
           at_peak: list[tuple[Any, int]] | None = None, sliced: frozenset = frozenset(),
-          gpu_fused: set | None = None, gpu_ends: dict[Any, int] | None = None) -> int:
+          gpu_fused: set | None = None, gpu_ends: dict[Any, int] | None = None,
+          call_results: set | None = None) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -148,8 +155,9 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   receives the values kept only because XLA:CPU counts their op expensive where XLA:GPU does
   not (:func:`_cheap_on_gpu`, :func:`_cheap_call_on_gpu`) or only XLA:CPU keeps
   (:func:`_recomputed_unaries`), and ``gpu_ends`` the last uses XLA:GPU's fusion moves (later for
-  the values its recomputations read, :func:`_gpu_ends`). The lifetimes counted here are
-  XLA:CPU's."""
+  the values its recomputations read, :func:`_gpu_ends`). ``call_results`` receives the values
+  at the peak of a call's body (not a loop's) that are the call's own results. The lifetimes
+  counted here are XLA:CPU's."""
   canon = _duplicates(jaxpr)
 
   def same(v):
@@ -242,6 +250,9 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         sub_peak = _peak(sub, sub_batch, excluded_shapes, at_peak=sub_set, sliced=xs)
         if sub_peak > inner:
           inner, inner_set = sub_peak, sub_set
+          if call_results is not None and eqn.primitive.name not in ("scan", "while", "cond"):
+            outs = {o for o in sub.outvars if is_var(o)}
+            call_results.update(v for v, _ in sub_set if v in outs)
       # the transposed copies of a product's operands, each sharded as the value it copies
       copies = (_conv_copies(eqn, tainted) if eqn.primitive.name == "conv_general_dilated" else
                 _dot_copies(eqn, tainted) if eqn.primitive.name == "dot_general" else [])

@@ -206,10 +206,11 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
   cpu = m.topology.device(int(m.ids.ravel()[0])).platform == "cpu"
   for v in graph.timeline:
-    # XLA:CPU's transposed operand copies (a GPU's kernels need none) and the results of ops
-    # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion); on the CPU
-    # a product's result that only a transpose reads is that transpose's buffer
-    if (v.copy or v.cheap_on_gpu) and not cpu or v.folded and cpu:
+    # XLA:CPU's transposed operand copies (a GPU's kernels need none), the results of ops
+    # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion) and a call's
+    # result counted again in its body (one buffer on XLA:GPU); on the CPU a product's result
+    # that only a transpose reads is that transpose's buffer
+    if (v.copy or v.cheap_on_gpu or v.call_result) and not cpu or v.folded and cpu:
       continue
     if v.gpu_end is not None and not cpu:   # read by a fusion that recomputes a dropped value
       v = dataclasses.replace(v, end=v.gpu_end)

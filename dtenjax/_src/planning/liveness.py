@@ -424,8 +424,9 @@ def _gemms(jaxpr) -> dict[Any, tuple[tuple[int, int, int, int], int]]:
   one product XLA's ``DotMerger`` makes of them, their other operands concatenated (an
   attention's query, key and value projections of one input: one [tokens, 3 x width] product
   in XLA:GPU's buffer assignment of moe's FSDP step, not split; XLA merges products of at
-  most 16 MiB of operands and result, a limit not applied here: products that large have too
-  many result tiles to be split)."""
+  most 16 MiB of operands and result, neither depending on the other: neither condition is
+  checked here, products that large have too many result tiles to be split, and a weight that
+  dependent layers share is counted merged, which only makes a split less likely)."""
   read_in_place: set[Any] = set()
   last: dict[Any, int] = {}
   for i, eqn in enumerate(jaxpr.eqns):

@@ -83,6 +83,16 @@ class Live:
   # leaf it broadcasts (None: a value the step computes)
   expands: int = 0
   expands_leaf: int | None = None
+  # a product's result: its (batch, rows, columns, contraction) elements (global), which
+  # XLA:GPU may compute split over its contraction (``solver.split_k``), and the equation
+  # whose fusion sums the split parts (:func:`_gemms`)
+  gemm: tuple[int, int, int, int] | None = None
+  gemm_sum_at: int = 0
+  # one of a call's body values at its peak that is the call's own result, which the timeline
+  # also holds as the call's output from the same equation: one buffer on XLA:GPU (llama-1b's
+  # take_along_axis backward, a jit whose scatter-add writes its f32 logits-sized result in
+  # place: one 1 GiB buffer in XLA:GPU's FSDP x TP step, two in the model); priced there once
+  call_result: bool = False
 
   def made_on_cpu(self, batch_div: float, gathered_per_use: Collection[int]) -> bool:
     """Whether XLA:CPU makes this value where the batch is split ``batch_div`` ways: a reducing
@@ -126,9 +136,11 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   gpu_fused: set[Any] = set()
   gpu_ends: dict[Any, int] = {}
   expanded_rows: dict[Any, tuple[int, int | None]] = {}
+  call_results: set[Any] = set()
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
-              gpu_ends=gpu_ends, expanded_rows=expanded_rows)
+              gpu_ends=gpu_ends, expanded_rows=expanded_rows, call_results=call_results)
   folded = _folded_transposes(jaxpr)
+  gemms = _gemms(jaxpr)
   owners: dict[Any, int] = {}
   for cone in cones.values():
     for v in cone:
@@ -146,7 +158,8 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
     return tuple(cone_keys.get(v, ())) if v is not None else ()
   timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, (_Copy, _Again)),
                         v in gpu_fused, gpu_ends.get(v) if gpu_ends.get(v, end) != end else None,
-                        v in folded, *expanded_rows.get(v, (0, None)))
+                        v in folded, *expanded_rows.get(v, (0, None)), *gemms.get(v, (None, 0)),
+                        body and v in call_results)
                    for v, start, end, nb, grad, body in lives)
   return int(act), act_share, timeline
 
@@ -156,7 +169,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           timeline: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] | None = None,
           at_peak: list[tuple[Any, int]] | None = None, sliced: frozenset = frozenset(),
           gpu_fused: set | None = None, gpu_ends: dict[Any, int] | None = None,
-          expanded_rows: dict[Any, tuple[int, int | None]] | None = None) -> int:
+          expanded_rows: dict[Any, tuple[int, int | None]] | None = None,
+          call_results: set | None = None) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -175,8 +189,9 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   the values its recomputations read, :func:`_gpu_ends`). ``expanded_rows`` receives the
   buffers XLA:CPU's reducing fusions make of broadcast operands (:func:`_expanded_operands`;
   their reduced result's elements and the input leaf they broadcast), which are put in the
-  timeline only: whether XLA makes them depends on the layout. The lifetimes counted here are
-  XLA:CPU's."""
+  timeline only: whether XLA makes them depends on the layout. ``call_results`` receives the
+  values at the peak of a call's body (not a loop's) that are the call's own results. The
+  lifetimes counted here are XLA:CPU's."""
   canon = _duplicates(jaxpr)
 
   def same(v):
@@ -279,6 +294,9 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         sub_peak = _peak(sub, sub_batch, excluded_shapes, at_peak=sub_set, sliced=xs)
         if sub_peak > inner:
           inner, inner_set = sub_peak, sub_set
+          if call_results is not None and eqn.primitive.name not in ("scan", "while", "cond"):
+            outs = {o for o in sub.outvars if is_var(o)}
+            call_results.update(v for v, _ in sub_set if v in outs)
       # the transposed copies of a product's operands, each sharded as the value it copies
       copies = (_conv_copies(eqn, tainted) if eqn.primitive.name == "conv_general_dilated" else
                 _dot_copies(eqn, tainted) if eqn.primitive.name == "dot_general" else [])
@@ -503,6 +521,66 @@ def _folded_transposes(jaxpr) -> set[Any]:
           [u.primitive.name for u in users.get(eqn.outvars[0], ())] == ["transpose"]}
 
 
+def _gemms(jaxpr) -> dict[Any, tuple[tuple[int, int, int, int], int]]:
+  """The products' results (``dot_general``): their (batch, rows, columns, contraction) element
+  counts and the equation where XLA:GPU sums a split product's parts
+  (``solver.split_k``): the product's own where another product reads the result in place
+  (:func:`_in_kernel_order`) or a convolution reads it, since the sum is then a fusion of its
+  own (the vocabulary's input gradient in moe's FSDP step: the split buffer dies at once);
+  otherwise its last direct reader, whose fusion the sum joins (an MoE expert's output
+  projection, which the combining products read transposed: summed again in the forward's
+  and in the backward's transposing fusions, the split buffer live in between; an attention
+  output's projection: summed in the residual's add). Products of one operand (the same
+  value, on the same side, with the same dimension numbers) with others are counted as the
+  one product XLA's ``DotMerger`` makes of them, their other operands concatenated (an
+  attention's query, key and value projections of one input: one [tokens, 3 x width] product
+  in XLA:GPU's buffer assignment of moe's FSDP step, not split; XLA merges products of at
+  most 16 MiB of operands and result, neither depending on the other: neither condition is
+  checked here, products that large have too many result tiles to be split, and a weight that
+  dependent layers share is counted merged, which only makes a split less likely)."""
+  read_in_place: set[Any] = set()
+  last: dict[Any, int] = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if is_var(v):
+        last[v] = i
+    if eqn.primitive.name == "conv_general_dilated":
+      read_in_place.update(v for v in eqn.invars[:2] if is_var(v))
+    elif eqn.primitive.name == "dot_general":
+      read_in_place.update(v for k, v in enumerate(eqn.invars[:2])
+                           if is_var(v) and _in_kernel_order(eqn, k))
+  dims: dict[Any, list[int]] = {}
+  merged: dict[tuple, list[Any]] = {}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name != "dot_general":
+      continue
+    dn = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = dn
+    lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
+    batch = math.prod(lhs[d] for d in lb)
+    contraction = math.prod(lhs[d] for d in lc)
+    o = eqn.outvars[0]
+    dims[o] = [batch, math.prod(lhs) // max(1, batch * contraction),
+               math.prod(rhs) // max(1, batch * contraction), contraction]
+    # XLA's DotMerger: products of one operand with others made alike are one product
+    for side, (var, kept) in enumerate(((eqn.invars[0], (rb, rc)), (eqn.invars[1], (lb, lc)))):
+      if is_var(var):
+        other = eqn.invars[1 - side].aval.shape
+        key = (var, side, str(dn), tuple(tuple(other[d] for d in ds) for ds in kept))
+        merged.setdefault(key, []).append(o)
+  done: set[Any] = set()
+  for (_, side, _, _), outs in sorted(merged.items(), key=lambda kv: -len(kv[1])):
+    outs = [o for o in outs if o not in done]
+    if len(outs) < 2:
+      continue
+    done.update(outs)
+    total = sum(dims[o][2 - side] for o in outs)    # the concatenated operand's columns/rows
+    for o in outs:
+      dims[o][2 - side] = total
+  return {o: (tuple(dims[o]), i if o in read_in_place else last.get(o, i))
+          for i, eqn in enumerate(jaxpr.eqns) for o in eqn.outvars if o in dims}
+
+
 def _true_rank(v) -> int:
   return sum(1 for d in getattr(v.aval, "shape", ()) if d != 1)
 
@@ -628,10 +706,13 @@ def _from_batch(eqn, tainted: set) -> list[bool]:
 def _cheap_on_gpu(eqn) -> bool:
   """An op XLA:CPU counts expensive (never duplicated into several users' fusions) and XLA:GPU
   does not: exp, division, square root and reciprocal square root of f32 or f16 values, which
-  its fusion recomputes in each user (``GpuInstructionFusion::IsExpensive``), and the logistic
+  its fusion recomputes in each user (``GpuInstructionFusion::IsExpensive``), the logistic
   function, which XLA:GPU rewrites into an exp and a division before fusing
-  (``LogisticExpander``: its optimised HLO has no logistic)."""
-  return (eqn.primitive.name in ("exp", "div", "sqrt", "rsqrt", "logistic") and
+  (``LogisticExpander``: its optimised HLO has no logistic), and tanh: XLA:GPU's buffer
+  assignment of moe's FSDP step keeps no tanh result, its forward's and its backward's fusions
+  each compute the GELU's tanh again from the product's output (two tanh per layer in the
+  optimised HLO), where jax 0.10's jaxpr reads the tanh in both."""
+  return (eqn.primitive.name in ("exp", "div", "sqrt", "rsqrt", "logistic", "tanh") and
           all(str(o.aval.dtype) in ("float32", "float16") for o in eqn.outvars))
 
 
@@ -720,26 +801,27 @@ def _keeps_minor(eqn) -> bool:
 
 
 def _dot_copies(eqn, tainted: set) -> list[tuple[Any, int]]:
-  """The batch-derived operands (value, bytes) of a product that XLA:CPU's dot kernels cannot read in
-  place: it canonicalises a product to ``[batch..., rows, contracted] x [batch..., contracted,
-  cols]`` (the right operand may also come as ``[batch..., cols, contracted]``) and copies an
-  operand whose dimensions are in another order into a transposed buffer while the product runs.
-  The weights' gradients are of this kind: ``dy^T @ x`` contracts the tokens, the leading
-  dimensions of its left operand."""
+  """The batch-derived operands (value, bytes) of a product that XLA:CPU's dot kernels cannot
+  read in place (:func:`_in_kernel_order`) and copy into a transposed buffer while the
+  product runs. The weights' gradients are of this kind: ``dy^T @ x`` contracts the tokens,
+  the leading dimensions of its left operand."""
+  return [(_Copy(v), nbytes(v.aval)) for k, v in enumerate(eqn.invars[:2])
+          if is_var(v) and v in tainted and not _in_kernel_order(eqn, k)]
+
+
+def _in_kernel_order(eqn, k: int) -> bool:
+  """Whether the product ``eqn`` reads its operand ``k`` (0: left, 1: right) in place: a dot
+  kernel takes ``[batch..., rows, contracted] x [batch..., contracted, cols]`` (the right
+  operand may also come as ``[batch..., cols, contracted]``); an operand whose dimensions are
+  in another order is transposed first."""
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  extra = []
-  for k, (var, contract, batch) in enumerate(((eqn.invars[0], lc, lb), (eqn.invars[1], rc, rb))):
-    if not is_var(var) or var not in tainted:
-      continue
-    ndim = len(var.aval.shape)
-    contract, batch = tuple(contract), tuple(batch)
-    free = tuple(d for d in range(ndim) if d not in contract and d not in batch)
-    # the operand's dimensions in the order the kernel reads them in place
-    orders = [batch + free + contract] if k == 0 else [batch + contract + free,
-                                                       batch + free + contract]
-    if tuple(range(ndim)) not in orders:
-      extra.append((_Copy(var), nbytes(var.aval)))
-  return extra
+  var, contract, batch = ((eqn.invars[0], lc, lb), (eqn.invars[1], rc, rb))[k]
+  ndim = len(var.aval.shape)
+  contract, batch = tuple(contract), tuple(batch)
+  free = tuple(d for d in range(ndim) if d not in contract and d not in batch)
+  orders = ([batch + free + contract] if k == 0 else
+            [batch + contract + free, batch + free + contract])
+  return tuple(range(ndim)) in orders
 
 
 def _conv_copies(eqn, tainted: set) -> list[tuple[Any, int]]:

@@ -209,11 +209,13 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
   cpu = m.topology.device(int(m.ids.ravel()[0])).platform == "cpu"
   for v in graph.timeline:
-    # XLA:CPU's transposed operand copies (a GPU's kernels need none) and the results of ops
-    # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion); on the CPU
-    # a product's result that only a transpose reads is that transpose's buffer
-    if (v.copy or v.cheap_on_gpu) and not cpu or v.folded and cpu or not v.made_on_cpu(
-        bdiv, gathered_per_use):
+    # XLA:CPU's transposed operand copies (a GPU's kernels need none), the results of ops
+    # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion) and a call's
+    # result counted again in its body (one buffer on XLA:GPU); on the CPU a product's result
+    # that only a transpose reads is that transpose's buffer, and a reducing fusion's broadcast
+    # operand is made only where its layout keeps it (Live.made_on_cpu)
+    if ((v.copy or v.cheap_on_gpu or v.call_result) and not cpu or v.folded and cpu
+        or not v.made_on_cpu(bdiv, gathered_per_use)):
       continue
     if v.gpu_end is not None and not cpu:   # read by a fusion that recomputes a dropped value
       v = dataclasses.replace(v, end=v.gpu_end)
@@ -224,6 +226,13 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       nb = v.nbytes / bdiv
       if tensor > 1 and any(k in complete for k in v.owners):
         nb /= tensor
+    if v.gemm is not None and not cpu:     # XLA:GPU's product split over its contraction
+      split = _split_bytes(v, nb, bdiv)
+      summed = v.start if v.grad is not None else v.gemm_sum_at
+      if split and summed < v.end:         # summed before the result's last use
+        values.append((split, dataclasses.replace(v, end=summed, grad=None, gpu_end=None)))
+      elif split:                          # the parts are the result until its last use
+        nb = max(nb, split)
     if v.body:           # a loop body's values at its peak, each sized, placed as one block
       total, first = bodies.get(v.start, (0.0, v))
       bodies[v.start] = (total + nb, first)
@@ -265,6 +274,50 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if act + grads + held_gathered > sum(peak):
       peak = (act, grads, held_gathered)
   return {"activations": peak[0], "grads": peak[1], "gathered": peak[2]}
+
+
+def split_k(batch: int, rows: int, cols: int, contraction: int) -> int:
+  """How many parts XLA:GPU splits a product's contraction into (1: none), per device: it
+  computes each part's product into one buffer of ``parts`` times the result's elements, in
+  f32, and sums them (a reduce XLA fuses into the result's readers, or a fusion of its own
+  where a product reads the result). At ``--xla_gpu_autotune_level=0`` XLA's dot cost model
+  picks the tiling among its default configurations; this is the rule its choices in the
+  round-2 XLA:GPU dumps of convnet, moe and llama-1b follow (tests/data/xla_gpu_mock8.json:
+  65 of 67 product shapes, 494 of 508 products, 160 of them split; no product with a
+  contraction under 256 is split; the two shapes it misses, the routers', would split a
+  256-long contraction of an 8-column product, 16-32 KiB results):
+  the most parts, a power of two, with ``2 * parts**2 * tiles <= contraction``, at least 64
+  of the contraction per part and at most 128 parts x tiles, where ``tiles`` are the result's
+  128 x 128 tiles; fewer than 4 parts are not split. A product with few result tiles and a
+  long contraction, such as an MoE expert's output projection or a vocabulary's input
+  gradient, is split into 4-32 parts."""
+  tiles = batch * -(-rows // 128) * -(-cols // 128)
+  parts = 1
+  while (2 * (2 * parts) ** 2 * tiles <= contraction and 64 * 2 * parts <= contraction and
+         2 * parts * tiles <= 128):
+    parts *= 2
+  return parts if parts >= 4 else 1
+
+
+def _split_bytes(v: stepgraph.Live, nb: float, bdiv: int) -> float:
+  """The buffer of XLA:GPU's split product (:func:`split_k`) that makes ``v`` (``nb`` bytes
+  per device), in bytes per device; 0 where it is not split. The product's per-device
+  dimensions are its global ones with the result's share split off its batch, rows, then
+  columns; a weight's gradient contracts the tokens, split over the batch axes (``bdiv``)."""
+  batch, rows, cols, contraction = v.gemm
+  elems = batch * rows * cols
+  if not elems or not v.nbytes or not nb:
+    return 0.0
+  factor = max(1, round(v.nbytes / nb))
+  dims = []
+  for d in (batch, rows, cols):
+    g = math.gcd(d, factor)
+    dims.append(d // g)
+    factor //= g
+  if v.grad is not None:
+    contraction //= bdiv
+  parts = split_k(*dims, contraction)
+  return parts * elems * (nb / v.nbytes) * max(4.0, v.nbytes / elems) if parts > 1 else 0.0
 
 
 def _combined_reduction(graph: stepgraph.StepGraph, events: dict, reduced: float,

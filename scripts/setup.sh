@@ -10,7 +10,8 @@
 #   bash scripts/setup.sh --check-system  only say which system packages are missing (exit 1 if any)
 # CUDA kernels are built when nvcc is on the PATH, for the GPU this machine has (CMakeLists.txt:
 # DTENJAX_CUDA_ARCHS or CMAKE_CUDA_ARCHITECTURES override it; without a GPU,
-# DTENJAX_CUDA_ARCHS_WITHOUT_GPU, which scripts/test.sh sets, replaces the default list).
+# DTENJAX_CUDA_ARCHS_WITHOUT_GPU, which scripts/test.sh sets, replaces the default list and
+# compiles the device code unoptimised, a compile check).
 #
 # Run again, it does only what is missing, and nothing (no network, no build) when everything is
 # in place: the venv exists, every requirement of pyproject.toml (dependencies, the test extra,

@@ -167,7 +167,7 @@ def _cuda_archs(tmp_path, gpus: str | None, defines=(), **env) -> str:
 def test_cuda_archs_are_the_gpus_else_the_callers_else_the_default(tmp_path):
   assert _cuda_archs(tmp_path, None) == "80-real;90 (the default without a GPU)"
   assert _cuda_archs(tmp_path, None, DTENJAX_CUDA_ARCHS_WITHOUT_GPU="80") == (
-      "80 (DTENJAX_CUDA_ARCHS_WITHOUT_GPU, no GPU here)")
+      "80 (DTENJAX_CUDA_ARCHS_WITHOUT_GPU, no GPU here: device code at -O0, a compile check)")
   assert _cuda_archs(tmp_path, "9.0\n9.0\n8.6\n", DTENJAX_CUDA_ARCHS_WITHOUT_GPU="80") == (
       "90;86 (this machine's GPUs)")
   assert _cuda_archs(tmp_path, "9.0\n", DTENJAX_CUDA_ARCHS="100;120",
@@ -198,6 +198,14 @@ def test_the_build_has_the_cuda_architectures_its_set_up_asked_for(tmp_path):
   chosen = _cuda_archs(tmp_path, gpus or None,
                        [f"-DCMAKE_CUDA_ARCHITECTURES={c}" for c in cached], **_stamp_request(stamp))
   assert info["cuda_archs"] == chosen.split(" (")[0].replace(";", ","), (info, chosen)
+  # A build for no GPU here is a compile check of the kernels: every .cu file through NVVM (cicc)
+  # and ptxas, both at -O0; any other build optimises them. Read from the nvcc commands.
+  nvcc = [ln for ln in (cache.parent / "build.ninja").read_text().splitlines()
+          if ln.strip().startswith("FLAGS =") and "--generate-code" in ln]
+  assert nvcc, "no nvcc command in the build directory of a CUDA build"
+  check = "no GPU here" in chosen
+  for flags in nvcc:
+    assert ("-Xcicc -O0" in flags and "-Xptxas -O0" in flags) == check, (chosen, flags)
 
 
 def test_the_set_up_byte_compiles_this_checkouts_modules():

@@ -1,7 +1,8 @@
 # Which CUDA architectures dtenjax's kernels are built for: included by CMakeLists.txt before
 # enable_language(CUDA), and run alone by scripts/setup.sh (`cmake -P scripts/cuda_archs.cmake`
 # prints the list and why, what a build here would choose) for its progress line. Sets
-# DTENJAX_CUDA_ARCHS_CHOSEN (CMake's CUDA_ARCHITECTURES syntax) and DTENJAX_CUDA_ARCHS_SOURCE:
+# DTENJAX_CUDA_ARCHS_CHOSEN (CMake's CUDA_ARCHITECTURES syntax), DTENJAX_CUDA_ARCHS_SOURCE and
+# DTENJAX_CUDA_COMPILE_CHECK (case 3 below):
 # 1. DTENJAX_CUDA_ARCHS in the environment (e.g. "80;90", "100-real;120"), or
 #    CMAKE_CUDA_ARCHITECTURES, when given (the environment variable wins over a value cached by an
 #    earlier configure of the same build directory, so `DTENJAX_CUDA_ARCHS=... bash
@@ -10,11 +11,15 @@
 #    kind, SASS and PTX, so a build for the local GPU costs one nvcc pass per kind;
 # 3. else (no GPU) DTENJAX_CUDA_ARCHS_WITHOUT_GPU from the environment when given: scripts/test.sh
 #    asks for "80", one device-code pass and one ptxas run per .cu file, so the suite's build
-#    still compiles every kernel, for half the CPU of the default list (docs/testing.md);
+#    still compiles every kernel, for half the CPU of the default list (docs/testing.md). Such a
+#    build is a compile check of kernels this machine cannot run, so it also sets
+#    DTENJAX_CUDA_COMPILE_CHECK: CMakeLists.txt compiles the device code unoptimised (cicc and
+#    ptxas at -O0: every kernel still through both, for about a third of their CPU);
 # 4. else sm_80 and sm_90 SASS plus compute_90 PTX, which the driver compiles for newer GPUs
 #    (Blackwell): A100/A10/RTX 30-40 and H100/H200 natively. The README's default for a build
 #    machine without a GPU (images for GPU clusters): an H100 must not JIT from sm_80 PTX.
 # Every extra architecture is one more device-code pass per .cu file in the set-up's build.
+set(DTENJAX_CUDA_COMPILE_CHECK OFF)
 if(DEFINED ENV{DTENJAX_CUDA_ARCHS} AND NOT "$ENV{DTENJAX_CUDA_ARCHS}" STREQUAL "")
   set(DTENJAX_CUDA_ARCHS_CHOSEN "$ENV{DTENJAX_CUDA_ARCHS}")
   set(DTENJAX_CUDA_ARCHS_SOURCE "DTENJAX_CUDA_ARCHS")
@@ -46,7 +51,9 @@ else()
   elseif(DEFINED ENV{DTENJAX_CUDA_ARCHS_WITHOUT_GPU}
          AND NOT "$ENV{DTENJAX_CUDA_ARCHS_WITHOUT_GPU}" STREQUAL "")
     set(DTENJAX_CUDA_ARCHS_CHOSEN "$ENV{DTENJAX_CUDA_ARCHS_WITHOUT_GPU}")
-    set(DTENJAX_CUDA_ARCHS_SOURCE "DTENJAX_CUDA_ARCHS_WITHOUT_GPU, no GPU here")
+    set(DTENJAX_CUDA_ARCHS_SOURCE
+        "DTENJAX_CUDA_ARCHS_WITHOUT_GPU, no GPU here: device code at -O0, a compile check")
+    set(DTENJAX_CUDA_COMPILE_CHECK ON)
   else()
     set(DTENJAX_CUDA_ARCHS_CHOSEN "80-real;90")
     set(DTENJAX_CUDA_ARCHS_SOURCE "the default without a GPU")

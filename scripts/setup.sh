@@ -10,7 +10,8 @@
 #   bash scripts/setup.sh --check-system  only say which system packages are missing (exit 1 if any)
 # CUDA kernels are built when nvcc is on the PATH, for the GPU this machine has (CMakeLists.txt:
 # DTENJAX_CUDA_ARCHS or CMAKE_CUDA_ARCHITECTURES override it; without a GPU,
-# DTENJAX_CUDA_ARCHS_WITHOUT_GPU, which scripts/test.sh sets, replaces the default list).
+# DTENJAX_CUDA_ARCHS_WITHOUT_GPU, which scripts/test.sh sets, replaces the default list and
+# compiles the device code unoptimised, a compile check).
 #
 # Run again, it does only what is missing, and nothing (no network, no build) when everything is
 # in place: the venv exists, every requirement of pyproject.toml (dependencies, the test extra,
@@ -100,6 +101,17 @@ if importlib.util.find_spec("dtenjax._ffi") is None:
 EOF
 }
 
+# Byte-compiles this checkout's own Python (and the paths appended), at low priority on every
+# core: dtenjax is installed editable, so its sources are not in purelib, and every fresh process
+# the tests start imports it (up to 0.3 s of CPU each from source where PYTHONDONTWRITEBYTECODE
+# is set); bench/, examples/ and the tests' helpers and workers likewise. Not the test modules
+# (tests/test_*.py), which pytest compiles itself, rewriting asserts, nor the packages' own test
+# suites (*/tests/: scikit-learn's, scipy's, numpy's, ...), which nothing here imports: a sixth
+# of purelib's files. compileall skips what is up to date. (A command, not a function, so that
+# the build's failure can kill the background run by its pid.)
+BYTE_COMPILE=(nice -n 10 "$VPY" -m compileall -q -j 0 -x '/tests/|^tests/test_'
+              dtenjax bench examples tests)
+
 newer_inputs() {   # build inputs changed since the last successful set-up
   find pyproject.toml CMakeLists.txt csrc custom_calls scripts/setup.sh scripts/cuda_archs.cmake \
     -newer "$STAMP" -print \
@@ -138,6 +150,7 @@ if [ -x "$VPY" ] && [ -f "$STAMP" ] && requirements_met; then
     echo "setup: build inputs changed ($(echo "$changed" | head -3 | tr '\n' ' ')...); rebuilding" \
       "the extension without the package index"
     "$VPY" -m pip install -q --no-build-isolation --no-deps -e .
+    "${BYTE_COMPILE[@]}" >/dev/null 2>&1 || true
     report --stamp
     exit 0
   fi
@@ -187,11 +200,9 @@ cuda_request() {
   fi
 }
 step "building the native extension (the longest step: $(cuda_request))" \
-  "and byte-compiling the installed packages beside it; build log: build/setup.log"
-# Not the packages' own test suites (*/tests/: scikit-learn's, scipy's, numpy's, ...), which
-# nothing here imports: a sixth of the files.
-nice -n 10 "$VPY" -m compileall -q -j 0 -x '/tests/' \
-  "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 &
+  "and byte-compiling the installed packages and this checkout beside it; build log: build/setup.log"
+"${BYTE_COMPILE[@]}" "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+  >/dev/null 2>&1 &
 compiling=$!
 mkdir -p build
 "$VPY" -m pip install -v --no-compile --no-deps --no-build-isolation -e . >build/setup.log 2>&1 || {

@@ -9,10 +9,12 @@
 # after ours: `-n 0` runs everything in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Without a GPU (CI) the CUDA kernels are built for sm_80 alone, SASS and PTX, unless the caller
-# says otherwise: every .cu file still goes through nvcc's front end and ptxas, so a kernel that
-# does not compile fails the set-up, for half the CPU of the set-up's default list
-# (CMakeLists.txt; docs/testing.md, "tenth round"). A machine with a GPU builds for its GPUs.
+# Without a GPU (CI) the CUDA kernels are built for sm_80 alone, SASS and PTX, with the device
+# code unoptimised (a compile check of kernels this machine cannot run), unless the caller says
+# otherwise: every .cu file still goes through nvcc's front end and ptxas, so a kernel that does
+# not compile fails the set-up, for a fraction of the CPU of the set-up's default list
+# (scripts/cuda_archs.cmake; docs/testing.md, "tenth round", "eleventh round"). A machine with a
+# GPU builds for its GPUs, optimised.
 export DTENJAX_CUDA_ARCHS_WITHOUT_GPU="${DTENJAX_CUDA_ARCHS_WITHOUT_GPU-80}"
 bash scripts/setup.sh
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"

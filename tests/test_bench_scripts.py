@@ -301,6 +301,31 @@ def test_stacked_buckets_bench_compares_per_leaf_and_bucketed_with_the_same_bits
   assert "# stacked_buckets: time 4 candidates, 1 rounds (5 of 5, " in r.stderr
 
 
+
+def test_pipeline_bench_tables_and_json(tmp_path, run):
+  """bench/pipeline.py at a tiny size: the schema, both tables, and what its numbers must show
+  whatever the machine -- GPipe's compiled step holds more temporary memory than 1F1B's once
+  micro-batches outnumber 2 x stages, the held inputs follow the schedules, the unpipelined step
+  is the baseline of the step table, whose rows are the schedules asked for it."""
+  out = tmp_path / "pipeline.json"
+  r = run("pipeline", "--stages", "2", "--micro", "8", "--schedules", "gpipe,1f1b",
+          "--step-schedules", "1f1b", "--layers", "4", "--d", "8", "--seq", "4", "--iters", "1",
+          "--json", str(out), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "bubble and memory" in r.stdout and "speedup = unpipelined / this" in r.stdout
+  doc = _doc(out, "pipeline")
+  bubble = {row["schedule"]: row for row in doc["rows"] if row["table"] == "bubble"}
+  assert set(bubble) == {"GPipe()", "OneFOneB()"}
+  assert bubble["GPipe()"]["inputs_held"] == 8 and bubble["OneFOneB()"]["inputs_held"] <= 3
+  assert bubble["GPipe()"]["temp_bytes"] > bubble["OneFOneB()"]["temp_bytes"] > 0
+  for row in bubble.values():
+    assert row["theory"] == (2 - 1) / (8 + 2 - 1) and row["time_ms"] > 0 and row["alone_ms"] > 0
+  steps = {row["candidate"]: row for row in doc["rows"] if row["table"] == "step"}
+  # the step table's rows are the schedules asked for it (one: each is a pipelined step with its
+  # optimizer, ~6 s of compile; GPipe's full step is checked bit for bit in test_pipeline.py)
+  assert set(steps) == {"unpipelined", "1f1b p=2"}
+  assert steps["unpipelined"]["speedup"] == 1.0 and steps["1f1b p=2"]["layout"].startswith("2 stages")
+
 def test_block_waits_for_every_leaf_of_a_pytree():
   """What the benches time: a dict of results (a gradient tree) is waited for leaf by leaf."""
   class Leaf:

@@ -167,7 +167,7 @@ def _cuda_archs(tmp_path, gpus: str | None, defines=(), **env) -> str:
 def test_cuda_archs_are_the_gpus_else_the_callers_else_the_default(tmp_path):
   assert _cuda_archs(tmp_path, None) == "80-real;90 (the default without a GPU)"
   assert _cuda_archs(tmp_path, None, DTENJAX_CUDA_ARCHS_WITHOUT_GPU="80") == (
-      "80 (DTENJAX_CUDA_ARCHS_WITHOUT_GPU, no GPU here)")
+      "80 (DTENJAX_CUDA_ARCHS_WITHOUT_GPU, no GPU here: device code at -O0, a compile check)")
   assert _cuda_archs(tmp_path, "9.0\n9.0\n8.6\n", DTENJAX_CUDA_ARCHS_WITHOUT_GPU="80") == (
       "90;86 (this machine's GPUs)")
   assert _cuda_archs(tmp_path, "9.0\n", DTENJAX_CUDA_ARCHS="100;120",
@@ -198,3 +198,39 @@ def test_the_build_has_the_cuda_architectures_its_set_up_asked_for(tmp_path):
   chosen = _cuda_archs(tmp_path, gpus or None,
                        [f"-DCMAKE_CUDA_ARCHITECTURES={c}" for c in cached], **_stamp_request(stamp))
   assert info["cuda_archs"] == chosen.split(" (")[0].replace(";", ","), (info, chosen)
+  # A build for no GPU here is a compile check of the kernels: every .cu file through NVVM (cicc)
+  # and ptxas, both at -O0; any other build optimises them. Read from the nvcc commands.
+  nvcc = [ln for ln in (cache.parent / "build.ninja").read_text().splitlines()
+          if ln.strip().startswith("FLAGS =") and "--generate-code" in ln]
+  assert nvcc, "no nvcc command in the build directory of a CUDA build"
+  check = "no GPU here" in chosen
+  for flags in nvcc:
+    assert ("-Xcicc -O0" in flags and "-Xptxas -O0" in flags) == check, (chosen, flags)
+
+
+def test_the_set_up_byte_compiles_this_checkouts_modules():
+  """dtenjax is installed editable, so compileall of the installed packages does not reach its
+  sources: the set-up byte-compiles this checkout's dtenjax/, bench/, examples/ and the tests'
+  helpers and workers too (not tests/test_*.py: pytest compiles those, rewriting asserts), or
+  every fresh process the tests start would compile dtenjax again where PYTHONDONTWRITEBYTECODE
+  is set. Every such module not changed since the set-up finished has a .pyc that Python
+  accepts for its source (a timestamp or a checked hash, as compileall writes them)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  done = (ROOT / ".venv" / ".dtenjax-setup-done").stat().st_mtime
+  checked = 0
+  for src in [p for d in ("dtenjax", "bench", "examples", "tests") for p in (ROOT / d).rglob("*.py")]:
+    stat = src.stat()
+    if (src.parent.name == "tests" and src.name.startswith("test_")) or stat.st_mtime >= done:
+      continue
+    pyc = pathlib.Path(importlib.util.cache_from_source(str(src)))
+    assert pyc.exists(), f"{src.relative_to(ROOT)} has no .pyc"
+    head = pyc.read_bytes()[:16]
+    field = lambda i: int.from_bytes(head[4 * i:4 * i + 4], "little")
+    assert head[:4] == importlib.util.MAGIC_NUMBER, pyc
+    if field(1) == 0:            # timestamp: the source's mtime and size
+      assert (field(2), field(3)) == (int(stat.st_mtime) & 0xFFFFFFFF,
+                                      stat.st_size & 0xFFFFFFFF), f"{pyc} is stale"
+    else:                        # a hash of the source
+      assert head[8:16] == importlib.util.source_hash(src.read_bytes()), f"{pyc} is stale"
+    checked += 1
+  assert checked > 150, checked

@@ -380,7 +380,10 @@ def _folded_transposes(jaxpr) -> set[Any]:
   """The products' results that only a ``transpose`` reads (a weight's gradient ``dy^T @ x``
   written as ``(x^T @ dy)^T``): XLA:CPU's algebraic simplifier folds the transpose into the
   product's operands, so the two are one buffer, where the timeline has two values live
-  together at the transpose (2 GiB too many at the 8B step's unembedding gradient)."""
+  together at the transpose (2 GiB too many at the 8B step's unembedding gradient). Likewise a
+  transpose's result that only a transpose reads: the simplifier merges the two into one (a tied
+  embedding's gradient from ``x @ table.T`` is the product, transposed for ``table.T``'s
+  cotangent and back for the table's; XLA writes the product once, in the table's layout)."""
   users: dict[Any, list[Any]] = {}
   for eqn in jaxpr.eqns:
     for v in eqn.invars:
@@ -388,8 +391,8 @@ def _folded_transposes(jaxpr) -> set[Any]:
         users.setdefault(v, []).append(eqn)
   outs = {v for v in jaxpr.outvars if is_var(v)}
   return {eqn.outvars[0] for eqn in jaxpr.eqns
-          if eqn.primitive.name == "dot_general" and eqn.outvars[0] not in outs and
-          [u.primitive.name for u in users.get(eqn.outvars[0], ())] == ["transpose"]}
+          if eqn.primitive.name in ("dot_general", "transpose") and eqn.outvars[0] not in outs
+          and [u.primitive.name for u in users.get(eqn.outvars[0], ())] == ["transpose"]}
 
 
 def _true_rank(v) -> int:

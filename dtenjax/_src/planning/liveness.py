@@ -202,6 +202,7 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   peak = 0
   ends: dict[int, list[Any]] = {}
   live_set: dict[Any, int] = {}
+  after: dict[Any, int] = {}         # a weight gradient (or its transpose) -> when it is made
   # a scan body's sliced batch-derived inputs that a product reads: copied out of their stacks
   # when the body starts (XLA schedules these slices first) and live until their last use
   readers: dict[Any, int] = {}       # value -> the products that read it
@@ -239,17 +240,22 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
       copies = (_conv_copies(eqn, tainted) if eqn.primitive.name == "conv_general_dilated" else
                 _dot_copies(eqn, tainted) if eqn.primitive.name == "dot_general" else [])
       if copies and i in runs_until:     # made before the input gradient's product runs
-        for v, nb in copies:
+        for v, nb in copies:             # and read by the weight gradient's, after it
           live += nb
           live_set[v] = nb
-          ends.setdefault(runs_until[i], []).append(v)
+          ends.setdefault(runs_until[i] + 1, []).append(v)
           if timeline is not None:
-            timeline.append((v, i, runs_until[i], nb, None, False))
+            timeline.append((v, i, runs_until[i] + 1, nb, None, False))
       elif copies:
         inner += sum(nb for _, nb in copies)
         inner_set = inner_set + copies
       if timeline is not None:
         timeline.extend((v, i, i, nb, None, True) for v, nb in inner_set if nb)
+      for o in eqn.outvars:
+        if i in runs_until:
+          after[o] = runs_until[i] + 1
+        elif eqn.primitive.name == "transpose" and eqn.invars[0] in after:
+          after[o] = after[eqn.invars[0]]
       for o, computed in zip(eqn.outvars, _from_batch(eqn, tainted)):
         if not computed:
           continue
@@ -268,7 +274,10 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           continue
         state = shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes
         if timeline is not None and o not in outvars:
-          timeline.append((o, i, end, nb, shape if state else None, False))
+          # a weight's gradient is made after the input gradient's product (XLA's order), and
+          # so is a transpose of it (the two are one buffer on XLA:CPU, _folded_transposes)
+          start = after.get(o, i) if state else i
+          timeline.append((o, start, max(end, start), nb, shape if state else None, False))
           if gpu_fused is not None and eqn.primitive.name in _FUSIBLE and o not in gpu_kept:
             gpu_fused.add(o)          # kept by XLA:CPU only (_recomputed_unaries)
           if gpu_ends is not None and gpu_last.get(o, end) != end:
@@ -405,8 +414,9 @@ def _input_gradient_first(jaxpr, state_shapes: set, same,
   gradient (``dy^T @ x``, of the weight's shape) and the input's (``dy @ W^T``); differentiation
   writes the weight's first, XLA's scheduler runs the input's first. The weight gradient's
   operands (``x``, the forward's residual) and their transposed copies stay live until the input
-  gradient's product, whose result is then live beside them. Returns the weight gradient's
-  equation -> the input gradient's."""
+  gradient's product, whose result is then live beside them; the weight gradient's result is
+  made after it (:func:`_peak` starts it there). Returns the weight gradient's equation -> the
+  input gradient's."""
   runs_until: dict[int, int] = {}
   readers: dict[Any, list[tuple[int, Any]]] = {}
   for i, eqn in enumerate(jaxpr.eqns):

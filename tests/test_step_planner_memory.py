@@ -528,3 +528,30 @@ def test_the_lookups_gradient_partitioning_is_priced_on_cpu_only():
     kinds[fixture] = predicted_kinds(plan)
   table = 8192 * 128 * 4        # the GPU plan reduces it with the other gradients, not the CPU's
   assert kinds[None]["all_reduce"] == pytest.approx(kinds["h200_8"]["reduce_scatter"] - table)
+
+
+def test_a_weight_gradient_made_after_the_input_gradient_is_priced_on_cpu_only(monkeypatch):
+  # XLA:CPU makes a weight's gradient after the input gradient's product (the unembedding's
+  # beside the logits' cotangent and its copies was the rest of the vocabulary-8192 llama_loop's
+  # 15.8 %); the compiled XLA:GPU rows (tests/data/xla_gpu_mock8.json) went further under with
+  # it, so a GPU plan prices each gradient from its own equation: as if the rule were off.
+  step, args = _small_family("llama_loop", vocab=8192)
+  read = stepgraph.read_step
+
+  def without(*a, **k):
+    graph = read(*a, **k)
+    return dataclasses.replace(graph, timeline=tuple(
+        dataclasses.replace(v, start=v.gpu_start, gpu_start=None) if v.gpu_start is not None
+        else v for v in graph.timeline))
+
+  memory = {}
+  for fixture in ("h200_8", None):
+    topology = dtenjax.Topology.fixture(fixture) if fixture else None
+    for off in (False, True):
+      if off:
+        monkeypatch.setattr(stepgraph, "read_step", without)
+      plan = dtenjax.plan(step, *args, recipe="FSDP", topology=topology)
+      memory[fixture, off] = plan.cost.memory["total"]
+      monkeypatch.undo()
+  assert memory["h200_8", False] == memory["h200_8", True]
+  assert memory[None, True] - memory[None, False] >= 3 * 2**20   # the 4 MiB unembedding's

@@ -69,6 +69,11 @@ class Live:
   # a product's result that only a transpose reads: XLA:CPU writes the product in the
   # transpose's layout, one buffer (:func:`_folded_transposes`); priced on the CPU as that one
   folded: bool = False
+  # its first equation on XLA:GPU where that differs from XLA:CPU's: a weight gradient XLA:CPU
+  # makes after the input gradient's product (:func:`_input_gradient_first`) is made at its own
+  # equation on XLA:GPU (the later start moved its compiled rows of
+  # tests/data/xla_gpu_mock8.json further under: moe FSDP -2.3 % -> -6.4 %); None where they agree
+  gpu_start: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -96,8 +101,9 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   lives: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] = []
   gpu_fused: set[Any] = set()
   gpu_ends: dict[Any, int] = {}
+  gpu_starts: dict[Any, int] = {}
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
-              gpu_ends=gpu_ends)
+              gpu_ends=gpu_ends, gpu_starts=gpu_starts)
   folded = _folded_transposes(jaxpr)
   owners: dict[Any, int] = {}
   for cone in cones.values():
@@ -116,7 +122,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
     return tuple(cone_keys.get(v, ())) if v is not None else ()
   timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, (_Copy, _Again)),
                         v in gpu_fused, gpu_ends.get(v) if gpu_ends.get(v, end) != end else None,
-                        v in folded)
+                        v in folded, gpu_starts.get(v))
                    for v, start, end, nb, grad, body in lives)
   return int(act), act_share, timeline
 
@@ -125,7 +131,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           counted: dict[Any, int] | None = None,
           timeline: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] | None = None,
           at_peak: list[tuple[Any, int]] | None = None, sliced: frozenset = frozenset(),
-          gpu_fused: set | None = None, gpu_ends: dict[Any, int] | None = None) -> int:
+          gpu_fused: set | None = None, gpu_ends: dict[Any, int] | None = None,
+          gpu_starts: dict[Any, int] | None = None) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -141,8 +148,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   receives the values kept only because XLA:CPU counts their op expensive where XLA:GPU does
   not (:func:`_cheap_on_gpu`, :func:`_cheap_call_on_gpu`) or only XLA:CPU keeps
   (:func:`_recomputed_unaries`), and ``gpu_ends`` the last uses XLA:GPU's fusion moves (later for
-  the values its recomputations read, :func:`_gpu_ends`). The lifetimes counted here are
-  XLA:CPU's."""
+  the values its recomputations read, :func:`_gpu_ends`), ``gpu_starts`` the first equations of
+  the weight gradients XLA:CPU makes later. The lifetimes counted here are XLA:CPU's."""
   canon = _duplicates(jaxpr)
 
   def same(v):
@@ -278,6 +285,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           # so is a transpose of it (the two are one buffer on XLA:CPU, _folded_transposes)
           start = after.get(o, i) if state else i
           timeline.append((o, start, max(end, start), nb, shape if state else None, False))
+          if start != i and gpu_starts is not None:
+            gpu_starts[o] = i
           if gpu_fused is not None and eqn.primitive.name in _FUSIBLE and o not in gpu_kept:
             gpu_fused.add(o)          # kept by XLA:CPU only (_recomputed_unaries)
           if gpu_ends is not None and gpu_last.get(o, end) != end:

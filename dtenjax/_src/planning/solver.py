@@ -224,6 +224,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       continue
     if v.gpu_end is not None and not cpu:   # read by a fusion that recomputes a dropped value
       v = dataclasses.replace(v, end=v.gpu_end)
+    if v.gpu_start is not None and not cpu:  # made at its own equation on XLA:GPU
+      v = dataclasses.replace(v, start=v.gpu_start)
     if v.grad is not None:
       sizes = grad_sizes.get(v.grad) or turned.get(v.grad)
       nb = sum(sizes) / len(sizes) if sizes else v.nbytes / bdiv

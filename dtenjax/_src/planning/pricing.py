@@ -165,10 +165,10 @@ class LookupGradient:
 
 
 def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: dict[str, int],
-                    m: CandidateMesh, zero: Sequence[str], backend: str) -> LookupGradient:
+                    m: CandidateMesh, backend: str) -> LookupGradient:
   """How XLA's SPMD partitioner makes a lookup's gradient (a scatter-add of the tokens'
-  cotangent rows into zeros of the table's shape) where axes that split the tokens (``zero``)
-  shard the table: of its methods, the one of least estimated memory (gather_scatter_handler.cc,
+  cotangent rows into zeros of the table's shape) where axes that split the tokens shard the
+  table (FSDP's): of its methods, the one of least estimated memory (gather_scatter_handler.cc,
   compiled on 8 and 16 CPU devices):
 
   * the table sharded on a dimension the lookups do not index (FSDP shards a tied table on its
@@ -183,6 +183,7 @@ def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: d
 
   Priced on XLA:CPU only (measured there); elsewhere the whole gradient, as before."""
   lookup = graph.lookups.get(primary.index)
+  zero = [a for a in BATCH_AXES if a in used and m.size[a] > 1 and a not in ROUTED_AXES]
   if lookup is None or not zero or backend != "cpu":
     return LookupGradient()
   indexed, _, each = lookup
@@ -224,12 +225,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # the shared family's DP step, where one reduction per use would be 28)
   uses = use.grad_parts if use is not None and pricer.backend == "cpu" else 1
   parts = max(parts, uses)
-  scatter = lookup_gradient(graph, primary, used, m, zero, pricer.backend)
+  scatter = lookup_gradient(graph, primary, used, m, pricer.backend)
   if not scatter.whole and use is None:
     uses = 0                 # a table only looked up: its gradient is made in its shard
   for kind in ("all_gather", "all_to_all"):
     nb = getattr(scatter, kind)
-    if nb and zero:
+    if nb:
       acc(pr.overlappable, axis_key(zero), pricer(kind, nb, zero, dtype))
       acc(pr.bytes, f"{kind}[{axis_key(zero)}]", nb)
   # gradient synchronisation

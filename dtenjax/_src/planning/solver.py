@@ -201,9 +201,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # a routed axis's shards (expert) hold complete gradients where they lie
     t_shard *= math.prod(m.size[a] for a in ROUTED_AXES if a in used)
     # a table only looked up whose gradient XLA scatters into its shard (lookup_gradient)
-    in_shard = use is None and zero and not lookup_gradient(
-        graph, primary, used, m, [a for a in BATCH_AXES if a in used and m.size[a] > 1 and
-                                  a not in ROUTED_AXES], backend).whole
+    in_shard = use is None and not lookup_gradient(graph, primary, used, m, backend).whole
     per_device = (primary.nbytes / shards if zero and (in_shard or use is not None and
                                                        use.layers > 1)
                   else primary.nbytes / t_shard)

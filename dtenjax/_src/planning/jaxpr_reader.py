@@ -136,8 +136,9 @@ class Reader:
     self.flops = 0.0
     self.products = 0                         # products run per step (loop trips counted)
     self.gathered: set[int] = set()
-    # leaf -> (its dimensions a gather indexes, bytes the gathers read out of it per step)
-    self.lookups: dict[int, tuple[tuple[int, ...], int]] = {}
+    # leaf -> (its dimensions a gather indexes, bytes the gathers read out of it per step, the
+    # bytes of each gather's rows: XLA partitions each one's gradient on its own)
+    self.lookups: dict[int, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}
     self.eqn_count = 0
     # value -> list of (equation, position) that read it, over every jaxpr walked
     self.uses: dict[Any, list[tuple[Any, int]]] = {}
@@ -176,9 +177,10 @@ class Reader:
         leaf, dims = ins[0]
         indexed = tuple(sorted(dims[d] for d in eqn.params["dimension_numbers"].start_index_map
                                if d < len(dims) and dims[d] is not None))
-        seen = self.lookups.get(leaf, ((), 0))
-        self.lookups[leaf] = (indexed or seen[0],
-                              seen[1] + nbytes(eqn.outvars[0].aval) * repeats)
+        seen = self.lookups.get(leaf, ((), 0, ()))
+        rows = nbytes(eqn.outvars[0].aval)
+        self.lookups[leaf] = (indexed or seen[0], seen[1] + rows * repeats,
+                              seen[2] + (rows,) * repeats)
       if name in _ALIASES and ins[0] is not None:
         origin[eqn.outvars[0]] = ins[0]
       elif name == "transpose" and ins[0] is not None:

@@ -93,6 +93,11 @@ class Live:
   # take_along_axis backward, a jit whose scatter-add writes its f32 logits-sized result in
   # place: one 1 GiB buffer in XLA:GPU's FSDP x TP step, two in the model); priced there once
   call_result: bool = False
+  # its first equation on XLA:GPU where that differs from XLA:CPU's: a weight gradient XLA:CPU
+  # makes after the input gradient's product (:func:`_input_gradient_first`) is made at its own
+  # equation on XLA:GPU (the later start moved its compiled rows of
+  # tests/data/xla_gpu_mock8.json further under: moe FSDP -2.3 % -> -6.4 %); None where they agree
+  gpu_start: int | None = None
 
   def made_on_cpu(self, batch_div: float, gathered_per_use: Collection[int]) -> bool:
     """Whether XLA:CPU makes this value where the batch is split ``batch_div`` ways: a reducing
@@ -137,8 +142,10 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   gpu_ends: dict[Any, int] = {}
   expanded_rows: dict[Any, tuple[int, int | None]] = {}
   call_results: set[Any] = set()
+  gpu_starts: dict[Any, int] = {}
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
-              gpu_ends=gpu_ends, expanded_rows=expanded_rows, call_results=call_results)
+              gpu_ends=gpu_ends, expanded_rows=expanded_rows, call_results=call_results,
+              gpu_starts=gpu_starts)
   folded = _folded_transposes(jaxpr)
   gemms = _gemms(jaxpr)
   owners: dict[Any, int] = {}
@@ -159,7 +166,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, (_Copy, _Again)),
                         v in gpu_fused, gpu_ends.get(v) if gpu_ends.get(v, end) != end else None,
                         v in folded, *expanded_rows.get(v, (0, None)), *gemms.get(v, (None, 0)),
-                        body and v in call_results)
+                        body and v in call_results, gpu_starts.get(v))
                    for v, start, end, nb, grad, body in lives)
   return int(act), act_share, timeline
 
@@ -170,7 +177,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           at_peak: list[tuple[Any, int]] | None = None, sliced: frozenset = frozenset(),
           gpu_fused: set | None = None, gpu_ends: dict[Any, int] | None = None,
           expanded_rows: dict[Any, tuple[int, int | None]] | None = None,
-          call_results: set | None = None) -> int:
+          call_results: set | None = None,
+          gpu_starts: dict[Any, int] | None = None) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -186,7 +194,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   receives the values kept only because XLA:CPU counts their op expensive where XLA:GPU does
   not (:func:`_cheap_on_gpu`, :func:`_cheap_call_on_gpu`) or only XLA:CPU keeps
   (:func:`_recomputed_unaries`), and ``gpu_ends`` the last uses XLA:GPU's fusion moves (later for
-  the values its recomputations read, :func:`_gpu_ends`). ``expanded_rows`` receives the
+  the values its recomputations read, :func:`_gpu_ends`), ``gpu_starts`` the first equations of
+  the weight gradients XLA:CPU makes later. ``expanded_rows`` receives the
   buffers XLA:CPU's reducing fusions make of broadcast operands (:func:`_expanded_operands`;
   their reduced result's elements and the input leaf they broadcast), which are put in the
   timeline only: whether XLA makes them depends on the layout. ``call_results`` receives the
@@ -255,6 +264,7 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   peak = 0
   ends: dict[int, list[Any]] = {}
   live_set: dict[Any, int] = {}
+  after: dict[Any, int] = {}         # a weight gradient (or its transpose) -> when it is made
   # a scan body's sliced batch-derived inputs that a product reads: copied out of their stacks
   # when the body starts (XLA schedules these slices first) and live until their last use
   readers: dict[Any, int] = {}       # value -> the products that read it
@@ -301,17 +311,22 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
       copies = (_conv_copies(eqn, tainted) if eqn.primitive.name == "conv_general_dilated" else
                 _dot_copies(eqn, tainted) if eqn.primitive.name == "dot_general" else [])
       if copies and i in runs_until:     # made before the input gradient's product runs
-        for v, nb in copies:
+        for v, nb in copies:             # and read by the weight gradient's, after it
           live += nb
           live_set[v] = nb
-          ends.setdefault(runs_until[i], []).append(v)
+          ends.setdefault(runs_until[i] + 1, []).append(v)
           if timeline is not None:
-            timeline.append((v, i, runs_until[i], nb, None, False))
+            timeline.append((v, i, runs_until[i] + 1, nb, None, False))
       elif copies:
         inner += sum(nb for _, nb in copies)
         inner_set = inner_set + copies
       if timeline is not None:
         timeline.extend((v, i, i, nb, None, True) for v, nb in inner_set if nb)
+      for o in eqn.outvars:
+        if i in runs_until:
+          after[o] = runs_until[i] + 1
+        elif eqn.primitive.name == "transpose" and eqn.invars[0] in after:
+          after[o] = after[eqn.invars[0]]
       for o, computed in zip(eqn.outvars, _from_batch(eqn, tainted)):
         if not computed:
           continue
@@ -330,7 +345,12 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           continue
         state = shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes
         if timeline is not None and o not in outvars:
-          timeline.append((o, i, end, nb, shape if state else None, False))
+          # a weight's gradient is made after the input gradient's product (XLA's order), and
+          # so is a transpose of it (the two are one buffer on XLA:CPU, _folded_transposes)
+          start = after.get(o, i) if state else i
+          timeline.append((o, start, max(end, start), nb, shape if state else None, False))
+          if start != i and gpu_starts is not None:
+            gpu_starts[o] = i
           if gpu_fused is not None and eqn.primitive.name in _FUSIBLE and o not in gpu_kept:
             gpu_fused.add(o)          # kept by XLA:CPU only (_recomputed_unaries)
           if gpu_ends is not None and gpu_last.get(o, end) != end:
@@ -509,7 +529,10 @@ def _folded_transposes(jaxpr) -> set[Any]:
   """The products' results that only a ``transpose`` reads (a weight's gradient ``dy^T @ x``
   written as ``(x^T @ dy)^T``): XLA:CPU's algebraic simplifier folds the transpose into the
   product's operands, so the two are one buffer, where the timeline has two values live
-  together at the transpose (2 GiB too many at the 8B step's unembedding gradient)."""
+  together at the transpose (2 GiB too many at the 8B step's unembedding gradient). Likewise a
+  transpose's result that only a transpose reads: the simplifier merges the two into one (a tied
+  embedding's gradient from ``x @ table.T`` is the product, transposed for ``table.T``'s
+  cotangent and back for the table's; XLA writes the product once, in the table's layout)."""
   users: dict[Any, list[Any]] = {}
   for eqn in jaxpr.eqns:
     for v in eqn.invars:
@@ -517,8 +540,8 @@ def _folded_transposes(jaxpr) -> set[Any]:
         users.setdefault(v, []).append(eqn)
   outs = {v for v in jaxpr.outvars if is_var(v)}
   return {eqn.outvars[0] for eqn in jaxpr.eqns
-          if eqn.primitive.name == "dot_general" and eqn.outvars[0] not in outs and
-          [u.primitive.name for u in users.get(eqn.outvars[0], ())] == ["transpose"]}
+          if eqn.primitive.name in ("dot_general", "transpose") and eqn.outvars[0] not in outs
+          and [u.primitive.name for u in users.get(eqn.outvars[0], ())] == ["transpose"]}
 
 
 def _gemms(jaxpr) -> dict[Any, tuple[tuple[int, int, int, int], int]]:
@@ -591,8 +614,9 @@ def _input_gradient_first(jaxpr, state_shapes: set, same,
   gradient (``dy^T @ x``, of the weight's shape) and the input's (``dy @ W^T``); differentiation
   writes the weight's first, XLA's scheduler runs the input's first. The weight gradient's
   operands (``x``, the forward's residual) and their transposed copies stay live until the input
-  gradient's product, whose result is then live beside them. Returns the weight gradient's
-  equation -> the input gradient's."""
+  gradient's product, whose result is then live beside them; the weight gradient's result is
+  made after it (:func:`_peak` starts it there). Returns the weight gradient's equation -> the
+  input gradient's."""
   runs_until: dict[int, int] = {}
   readers: dict[Any, list[tuple[int, Any]]] = {}
   for i, eqn in enumerate(jaxpr.eqns):

@@ -194,6 +194,49 @@ def _price_pair_reduction(pr: Price, pricer: Pricer, use, grad: float, zero: lis
     acc(pr.bytes, f"ppermute[{axis_key(moved)}]", shard)
 
 
+@dataclasses.dataclass(frozen=True)
+class LookupGradient:
+  """The collectives of a table's lookups' gradient part, and whether that part is the whole
+  table on every device (then reduced like any FSDP gradient) or made in the device's shard."""
+  all_gather: float = 0.0      # bytes per device
+  all_to_all: float = 0.0
+  whole: bool = True
+
+
+def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: dict[str, int],
+                    m: CandidateMesh, backend: str) -> LookupGradient:
+  """How XLA's SPMD partitioner makes a lookup's gradient (a scatter-add of the tokens'
+  cotangent rows into zeros of the table's shape) where axes that split the tokens shard the
+  table (FSDP's): of its methods, the one of least estimated memory (gather_scatter_handler.cc,
+  compiled on 8 and 16 CPU devices):
+
+  * the table sharded on a dimension the lookups do not index (FSDP shards a tied table on its
+    features, the dimension its product contracts): each device's cotangent rows go to the
+    shard's layout (an all-to-all, "operand passthrough"), the token ids are all-gathered, and
+    the rows are scattered into the shard;
+  * sharded on the indexed one (the vocabulary): where a lookup's rows and its int32 token ids,
+    all-gathered, are no more bytes than the table ("trivially sliced operand": the shard plus
+    the gathered rows and ids, against the whole table plus the local ones), XLA gathers them
+    and scatters into the shard; else each device scatters its tokens into a whole table, which
+    is all-reduced ("index passthrough"). Each lookup is partitioned on its own.
+
+  Priced on XLA:CPU only (measured there); elsewhere the whole gradient, as before."""
+  lookup = graph.lookups.get(primary.index)
+  zero = [a for a in BATCH_AXES if a in used and m.size[a] > 1 and a not in ROUTED_AXES]
+  if lookup is None or not zero or backend != "cpu":
+    return LookupGradient()
+  indexed, _, each = lookup
+  rest = math.prod(m.size[a] for a in BATCH_AXES if m.size[a] > 1 and a not in zero)
+  local = rest * math.prod(m.size[a] for a in zero)
+  row = primary.nbytes / max(1, math.prod(primary.shape[k] for k in indexed))
+  ids = [rows / row * 4 for rows in each]            # int32 token ids of each lookup
+  if not any(used[a] in indexed for a in zero):
+    return LookupGradient(all_gather=sum(ids) / rest, all_to_all=sum(each) / local, whole=False)
+  small = [(rows, i) for rows, i in zip(each, ids) if rows + i <= primary.nbytes]
+  return LookupGradient(all_gather=sum(rows + i for rows, i in small) / rest,
+                        whole=len(small) < len(each))
+
+
 def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout, m: CandidateMesh,
            pricer: Pricer, batch_div: int, donate: bool) -> Price:
   leaves = [graph.leaves[i] for i in group]
@@ -221,6 +264,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # the shared family's DP step, where one reduction per use would be 28)
   uses = use.grad_parts if use is not None and pricer.backend == "cpu" else 1
   parts = max(parts, uses)
+  scatter = lookup_gradient(graph, primary, used, m, pricer.backend)
+  if not scatter.whole and use is None:
+    uses = 0                 # a table only looked up: its gradient is made in its shard
+  for kind in ("all_gather", "all_to_all"):
+    nb = getattr(scatter, kind)
+    if nb:
+      acc(pr.overlappable, axis_key(zero), pricer(kind, nb, zero, dtype))
+      acc(pr.bytes, f"{kind}[{axis_key(zero)}]", nb)
   # gradient synchronisation
   if batch:
     if zero:
@@ -316,8 +367,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # by layer into one stacked buffer, which without donation is the new state's output buffer
   # (the optimizer's update is elementwise and in place): no memory of its own (measured on
   # XLA:CPU); with donation the outputs alias the inputs and it is a temporary again.
-  gathered_weight = zero and not vocab_axes and (use is not None or
-                                                 primary.index in graph.gathered)
+  gathered_weight = zero and not vocab_axes and (use is not None or (
+      primary.index in graph.gathered and scatter.whole))
   scanned = use is not None and use.layers > 1
   if scanned:
     pr.memory["grads"] = primary.nbytes / shards if donate else 0.0

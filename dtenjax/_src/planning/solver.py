@@ -24,6 +24,7 @@ from dtenjax._src.planning.candidates import splits_batch
 from dtenjax._src.planning.pricing import Price
 from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
+from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
 from dtenjax._src.planning.roles import BATCH_AXES
 from dtenjax._src.planning.roles import ROUTED_AXES
@@ -178,10 +179,15 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   tensor = m.size["tensor"]
   sources, _ = pair_maps(graph)
   complete = set()
+  # a gradient value's per-device bytes by its shape: a leaf's own shape first, else a leaf's
+  # reversed (a product's transposed result); an embedding table (vocab, d) and an unembedding
+  # (d, vocab) are sized apart where their layouts differ (lookup_gradient)
   grad_sizes: dict[tuple[int, ...], list[float]] = {}
+  turned: dict[tuple[int, ...], list[float]] = {}
   outputs: list[float] = []
   reduced = 0.0       # whole gradients a batch axis reduces and a layout then shards
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
+  backend = m.topology.device(int(m.ids.ravel()[0])).platform
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -197,17 +203,20 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     t_shard = tensor if "tensor" in used else 1
     # a routed axis's shards (expert) hold complete gradients where they lie
     t_shard *= math.prod(m.size[a] for a in ROUTED_AXES if a in used)
-    per_device = (primary.nbytes / shards if zero and use is not None and use.layers > 1
+    # a table only looked up whose gradient XLA scatters into its shard (lookup_gradient)
+    in_shard = use is None and not lookup_gradient(graph, primary, used, m, backend).whole
+    per_device = (primary.nbytes / shards if zero and (in_shard or use is not None and
+                                                       use.layers > 1)
                   else primary.nbytes / t_shard)
-    for shape in (primary.shape, tuple(reversed(primary.shape))):
-      grad_sizes.setdefault(shape, []).append(per_device)
+    grad_sizes.setdefault(primary.shape, []).append(per_device)
+    turned.setdefault(tuple(reversed(primary.shape)), []).append(per_device)
     if zero and per_device > primary.nbytes / shards:
       reduced += per_device
     if not prob.donate:
       outputs.extend(graph.leaves[i].nbytes / shards for i in g)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
-  cpu = m.topology.device(int(m.ids.ravel()[0])).platform == "cpu"
+  cpu = backend == "cpu"
   for v in graph.timeline:
     # XLA:CPU's transposed operand copies (a GPU's kernels need none), the results of ops
     # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion) and a call's
@@ -219,8 +228,10 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       continue
     if v.gpu_end is not None and not cpu:   # read by a fusion that recomputes a dropped value
       v = dataclasses.replace(v, end=v.gpu_end)
+    if v.gpu_start is not None and not cpu:  # made at its own equation on XLA:GPU
+      v = dataclasses.replace(v, start=v.gpu_start)
     if v.grad is not None:
-      sizes = grad_sizes.get(v.grad)
+      sizes = grad_sizes.get(v.grad) or turned.get(v.grad)
       nb = sum(sizes) / len(sizes) if sizes else v.nbytes / bdiv
     else:
       nb = v.nbytes / bdiv

@@ -109,8 +109,9 @@ class StepGraph:
   # (leaf, free dim) -> the share of activation_bytes sharded with that dim (its pair complete)
   act_share: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
   # gathered leaf -> (the dimensions the gather indexes, e.g. the vocabulary of an embedding
-  # table; the bytes of the rows it reads per step, global)
-  lookups: dict[int, tuple[tuple[int, ...], int]] = dataclasses.field(default_factory=dict)
+  # table; the bytes of the rows it reads per step, global; the bytes of each gather's rows)
+  lookups: dict[int, tuple[tuple[int, ...], int, tuple[int, ...]]] = dataclasses.field(
+      default_factory=dict)
   # the scanned stacks of layers: scan length -> (state leaf -> the leaf dimension the scan
   # slices, the bytes of the forward scan's carry, global); a pipeline's stages split one of them
   stacks: dict[int, tuple[dict[int, int], int]] = dataclasses.field(default_factory=dict)

@@ -38,7 +38,9 @@ ROLE = Role(
     collectives="an all-gather of the weight before its product, again for the backward where "
     "the read is rematerialised (jax.checkpoint), once per layer inside a lax.scan; the gradient "
     "reduce-scattered (XLA:CPU: all-reduced); a vocab-parallel lookup all-reduces its rows "
-    "(priced on XLA:CPU; on a GPU the table is gathered like any FSDP weight)",
+    "(priced on XLA:CPU; on a GPU the table is gathered like any FSDP weight); on XLA:CPU a "
+    "lookup's gradient is scattered into the shard after an all-gather of its rows (where they "
+    "are smaller than the table) or an all-to-all (a table sharded on its features)",
     memory="state / fsdp per device; the gathered weight while it is used (one layer of a "
     "rematerialised scan, else kept for the backward)",
     applied="the leaf's NamedSharding; plan.jit gathers each weight where it is used",

@@ -606,10 +606,12 @@ def test_auto_on_jax_make_mesh_places_so_unchanged_steps_type_check():
   pair) stays."""
   ex = jax.make_mesh((2, 4), ("data", "model"))
   auto = jax.sharding.Mesh(ex.devices, ex.axis_names)             # Auto axes, same devices
-  keys = jax.random.split(jax.random.key(0), 3)
-  params = {"w": jax.random.normal(keys[0], (1024, 4096)) * 0.02, "b": jnp.zeros((4096,)),
-            "v": jax.random.normal(keys[1], (4096, 1024)) * 0.02}
-  x = jax.random.normal(keys[2], (16, 1024))
+  # drawn on the host: eager jax.random.normal compiled a program per shape
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.standard_normal((1024, 4096), np.float32) * 0.02),
+            "b": jnp.zeros((4096,)),
+            "v": jnp.asarray(rng.standard_normal((4096, 1024), np.float32) * 0.02)}
+  x = jnp.asarray(rng.standard_normal((16, 1024), np.float32))
   topology = Topology.fixture("pcie_8")          # its plan for w is a column layout, v rows
   on_auto = Placement("auto", mesh=auto, topology=topology)
 

@@ -9,6 +9,7 @@ keeping it, and keeps the attention scores for the backward's softmax fusion, wh
 the exponentials from them."""
 
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
@@ -30,8 +31,10 @@ def _families():
   return _families
 
 
+@functools.cache
 def _gpu_plan(family: str, recipe: str):
-  """The plan bench/step_planner.py's gpu part compiles on the GPU machine (batch 64)."""
+  """The plan bench/step_planner.py's gpu part compiles on the GPU machine (batch 64); planned
+  once per family and recipe (the FSDP rows' collectives test reads the memory test's plans)."""
   step, args = _families().FAMILIES[family](batch=64).make()
   plan = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h200_8"), recipe=recipe,
                       memory_budget=1 << 50)

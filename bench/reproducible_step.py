@@ -75,15 +75,20 @@ def worker(mode: str, steps: int, variants=VARIANTS) -> dict:
               xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
-def run_mode(mode: str, steps: int, variants=VARIANTS) -> dict:
-  """``worker(mode, steps, variants)`` in a fresh process with the mode's XLA_FLAGS."""
+def run_mode(mode: str, steps: int, variants=VARIANTS, run=None) -> dict:
+  """``worker(mode, steps, variants)`` in a fresh process with the mode's XLA_FLAGS. ``run(argv,
+  env=, timeout=)`` starts ``python argv`` and returns its ``subprocess.CompletedProcess``
+  (default: a new interpreter; the tests pass a fork server's, tests/procs.py)."""
   env = dict(os.environ)
   env["JAX_PLATFORMS"] = "cpu"
   env["XLA_FLAGS"] = " ".join(f for f in ("--xla_force_host_platform_device_count=8",
                                           MODES[mode][0]) if f)
-  cmd = [sys.executable, __file__, "--worker", mode, "--steps", str(steps),
-         "--variants", ",".join(variants)]
-  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
+  argv = [__file__, "--worker", mode, "--steps", str(steps), "--variants", ",".join(variants)]
+  if run is None:
+    out = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
+                         timeout=1800, check=False)
+  else:
+    out = run(argv, env=env, timeout=1800)
   if out.returncode:
     raise RuntimeError(f"worker {mode!r} failed ({out.returncode}):\n{out.stderr[-4000:]}")
   return json.loads(out.stdout.strip().splitlines()[-1])

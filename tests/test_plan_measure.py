@@ -19,7 +19,14 @@ import _step_models as models
 
 
 def test_the_kept_layout_is_the_fastest_candidate_measured():
-  step, args = models.mlp_step(d=64, f=256, layers=2, batch=16, seq=8)
+  step, abstract = models.mlp_step(d=64, f=256, layers=2, batch=16, seq=8)
+  # Concrete arguments, which each candidate's timing places in its layout with device_put: from
+  # abstract ones it compiles a jitted draw per leaf and layout (16 of this test's 21 programs,
+  # about half its CPU); that path is test_abstract_arguments_are_made_in_their_layout's.
+  rng = np.random.default_rng(0)
+  args = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype)
+                      if jnp.issubdtype(s.dtype, jnp.floating) else np.zeros(s.shape, s.dtype),
+                      abstract)
   model_only = dtenjax.plan(step, *args)
   got = dtenjax.plan(step, *args, measure=2)
   names = [n for n, _ in got.measured]

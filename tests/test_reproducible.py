@@ -1,6 +1,7 @@
 """Tests of dtenjax.reproducible_step: whole-step bit identity across differently fused programs."""
 
 import functools
+import os
 import pathlib
 import sys
 
@@ -12,8 +13,12 @@ import pytest
 import dtenjax
 from dtenjax._src.planning import reproducible
 
+import procs
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import reproducible_step as bench
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _cpu_has_fma() -> bool:
@@ -108,7 +113,7 @@ def test_jits_with_the_pinned_options_and_checks_user_options():
 
 
 @pytest.mark.slow
-def test_fused_and_unfused_steps_agree_bit_for_bit_with_it(monkeypatch):
+def test_fused_and_unfused_steps_agree_bit_for_bit_with_it(monkeypatch, tmp_path):
   """The same adamw step around substitute_psum and fuse_collectives(64 KiB): identical
   parameters after 5 steps under reproducible_step (its process flag set); without it they
   differ (measured: 1067 of 26,378 parameters, bench/reproducible_step.py) on a CPU with FMA.
@@ -119,16 +124,20 @@ def test_fused_and_unfused_steps_agree_bit_for_bit_with_it(monkeypatch):
   monkeypatch.setenv("DTENJAX_CPU_FFI", "0")      # the processes run_mode starts inherit it
   variants = ("subst one_shot", "fuse 64KiB", "subst two_shot")
   fma = _cpu_has_fma()
-  # One fresh process after the other (each is mostly single-threaded compilation): one busy
-  # process at a time, no more load than a test in the pytest process, so this test stays out of
-  # the "procs" group (tests/procs.py) and runs beside it.
-  pinned = bench.run_mode("reproducible_step", 5, variants)
-  assert pinned["xla_flags"].endswith("--xla_cpu_max_isa=AVX")
-  for v in variants:
-    assert pinned["diffs"][v] == {"1": 0, "5": 0}, (v, pinned["diffs"])
-  if not fma:
-    pytest.skip("this CPU has no FMA, so plain jax.jit cannot show the difference")
-  plain = bench.run_mode("jax.jit", 5, variants)
+  # One process after the other (each is mostly single-threaded compilation): one busy process
+  # at a time, no more load than a test in the pytest process, so this test stays out of the
+  # "procs" group (tests/procs.py) and runs beside it. Each is forked from a server that has
+  # imported jax, flax and optax (and started no backend, so each reads its own XLA_FLAGS): a
+  # fresh interpreter imported them twice.
+  with procs.ForkServer(dict(os.environ), ROOT, tmp_path,
+                        preload=("jax", "dtenjax", "numpy", "flax.linen", "optax")) as server:
+    pinned = bench.run_mode("reproducible_step", 5, variants, run=server.run)
+    assert pinned["xla_flags"].endswith("--xla_cpu_max_isa=AVX")
+    for v in variants:
+      assert pinned["diffs"][v] == {"1": 0, "5": 0}, (v, pinned["diffs"])
+    if not fma:
+      pytest.skip("this CPU has no FMA, so plain jax.jit cannot show the difference")
+    plain = bench.run_mode("jax.jit", 5, variants, run=server.run)
   # Which variant XLA contracts differently depends on its fusions (the buckets' copies out at
   # run-time offsets, base.opaque, changed the 64 KiB one's): at least one differs.
   assert any(plain["diffs"][v]["5"] > 0 for v in variants), plain["diffs"]

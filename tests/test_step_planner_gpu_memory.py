@@ -13,6 +13,7 @@ product with few result tiles (an expert's output projection, the vocabulary's i
 into parts it sums afterwards, their buffer several times the result's."""
 
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
@@ -36,8 +37,10 @@ def _families():
   return _families
 
 
+@functools.cache
 def _gpu_plan(family: str, recipe: str):
-  """The plan bench/step_planner.py's gpu part compiles on the GPU machine (batch 64)."""
+  """The plan bench/step_planner.py's gpu part compiles on the GPU machine (batch 64); planned
+  once per family and recipe (the FSDP rows' collectives test reads the memory test's plans)."""
   step, args = _families().FAMILIES[family](batch=64).make()
   plan = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h200_8"), recipe=recipe,
                       memory_budget=1 << 50)

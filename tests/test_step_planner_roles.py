@@ -239,13 +239,11 @@ def test_expert_weights_memory_drops_as_priced(expert_plan):
 
 def test_plan_jit_with_experts_gives_the_values_of_plain_jit(expert_plan):
   step, args, plan, compiled, _ = expert_plan
-  @jax.jit                                        # one program makes every input
-  def make():
-    keys = jax.random.split(jax.random.key(0), 6)
-    params = {k: 0.1 * jax.random.normal(kk, a.shape, a.dtype)
-              for (k, a), kk in zip(sorted(args[0].items()), keys)}
-    return params, _TX.init(params), jax.random.normal(keys[-1], args[2].shape, args[2].dtype)
-  params, opt, x = make()
+  # drawn on the host (a jitted program of six threefry draws was a compile of its own)
+  rng = np.random.default_rng(0)
+  normal = lambda a, scale: np.asarray(scale * rng.standard_normal(a.shape), a.dtype)
+  params = {k: normal(a, 0.1) for k, a in sorted(args[0].items())}
+  opt, x = jax.jit(_TX.init)(params), normal(args[2], 1.0)
   want = jax.jit(step)(params, opt, x)
   got = compiled(*plan.shard(params, opt, x))          # plan.jit's program, compiled above
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),

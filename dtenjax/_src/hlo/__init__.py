@@ -11,6 +11,7 @@ available, from the printed module (:mod:`.text`). Both return the records of :m
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any
 
 from dtenjax._src import errors
@@ -46,6 +47,12 @@ def serialized_modules(compiled: Any) -> list[bytes] | None:
     return None
 
 
+# Each executable's module is read once (its records are frozen): StepPlan.check reads it for
+# explain's collectives and again for the loops' trip counts, and a caller may explain the same
+# executable again (reading a step's module is 0.1-0.5 s of CPU).
+_READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def read_compiled(compiled: Any, prefer: str = "proto") -> Module:
   """The optimised module of a ``jax.stages.Compiled`` (its first module; jax makes one).
 
@@ -54,6 +61,16 @@ def read_compiled(compiled: Any, prefer: str = "proto") -> Module:
   """
   if prefer not in ("proto", "text"):
     raise errors.ConfigurationError(f"prefer={prefer!r}; use 'proto' or 'text'")
+  try:
+    read = _READ.setdefault(compiled, {})
+  except TypeError:          # an object that cannot be weakly referenced: read it every time
+    read = {}
+  if prefer not in read:
+    read[prefer] = _read(compiled, prefer)
+  return read[prefer]
+
+
+def _read(compiled: Any, prefer: str) -> Module:
   if prefer == "proto":
     protos = serialized_modules(compiled)
     if protos:

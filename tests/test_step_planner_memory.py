@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import dtenjax
 from dtenjax._src import hlo
 from tests.helpers import DEFAULT_CPU_EMITTERS as EMITTERS  # memory of the program users get
+from dtenjax._src.planning import check as check_lib
 from dtenjax._src.planning import explain as explain_lib
 from dtenjax._src.planning import stepgraph
 
@@ -349,6 +350,31 @@ def test_fsdp_of_a_lookup_table_is_a_gather_of_the_table_on_cpu():
   check = dtenjax.plan(step, *args, recipe="FSDP").check(step, *args, compiler_options=EMITTERS)
   assert set(check.kind_errors) == {"all_gather", "all_reduce"}, check.table()
   assert max(check.kind_errors.values()) <= 0.02, check.table()
+
+
+def test_check_misses_a_kind_off_by_more_than_ten_percent():
+  # A prediction built from XLA's own numbers for FSDP x TP (explain() of the compiled HLO),
+  # then spoiled: the check names what is off by more than 10 %, and nothing within it.
+  step, args = _small_family("llama_loop")
+  xla = dtenjax.plan(step, *args, recipe="FSDP x TP").check(step, *args,
+                                                            compiler_options=EMITTERS)
+  got, mem = xla.compiled_bytes, xla.compiled_memory
+
+  def check(pred_bytes, pred_memory=mem):
+    return check_lib.Check(pred_memory, mem, pred_bytes, got)
+  assert check(dict(got)).misses() == {}
+  assert check({k: 1.05 * v for k, v in got.items()}).misses() == {}
+  assert set(check({**got, "all_reduce": 1.2 * got["all_reduce"]}).misses()) == {"all_reduce"}
+  # the permute XLA inserts, unpredicted (the model before this round's FSDP x TP rows)
+  unpredicted = check({k: v for k, v in got.items() if k != "ppermute"})
+  assert unpredicted.misses() == {"ppermute": 1.0}
+  assert unpredicted.worst_kind() == ("ppermute", 1.0)
+  assert set(check(dict(got), {**mem, "total": 1.15 * mem["total"]}).misses()) == {"memory"}
+  # a kind of a few bytes (under check.NEGLIGIBLE of the step's bytes) is no miss
+  tiny = check({**got, "all_to_all": 0.001 * sum(got.values())})
+  assert tiny.kind_errors["all_to_all"] == math.inf and tiny.misses() == {}
+  with pytest.raises(dtenjax.DtenjaxError, match="tolerance"):
+    check(dict(got)).misses(-0.1)
 
 
 def test_a_cheap_unary_value_is_recomputed_from_its_operand_in_each_fusing_reader():

@@ -155,6 +155,38 @@ def _vocab_axes(lookup, used, m: CandidateMesh, zero: list[str]) -> list[str]:
   return [a for a in used if m.size[a] > 1 and used[a] in lookup[0] and a not in zero]
 
 
+def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, used,
+                      m: CandidateMesh, zero: list[str], backend: str, grad: float,
+                      batch_div: int) -> tuple[int, float]:
+  """Into how many pieces XLA:CPU's partitioner splits the reduction of a weight's gradient
+  that the batch axes ``zero`` shard and 'tensor' replicates (1: not split), and the bytes per
+  device it then permutes.
+
+  Every 'tensor' device of an FSDP group would compute the same gradient, so XLA computes it in
+  as many pieces as the FSDP group has devices, one per 'tensor' sub-group, all-reduces each
+  piece over the FSDP group, and moves each piece to the device whose shard it is with a
+  collective-permute of the piece (compiled: llama_loop's FSDP x TP plan on 8, 16 and 32 CPU
+  devices, `fsdp` 2: the embedding's and the unembedding's gradients, and the attention's where
+  'tensor' does not divide the heads, all-reduced and permuted as halves; the convnet's
+  convolutions). For a lookup table it permutes the tokens' cotangents instead where they are
+  smaller than the piece (the mixture of experts' 512 tokens per device: 0.5 MiB, not 1). Only a
+  gradient a product or a lookup's scatter writes is split; a norm's (a reduce over the tokens)
+  is all-reduced whole. XLA's GPU compiler reduce-scatters these gradients: not priced there."""
+  t = m.size["tensor"]
+  if backend != "cpu" or t <= 1 or "tensor" in used or not zero:
+    return 1, 0.0
+  lookup = graph.lookups.get(primary.index)
+  if use is None and lookup is None:
+    return 1, 0.0
+  f = math.prod(m.size[a] for a in zero)
+  if t % f:
+    return 1, 0.0
+  moved = grad / f
+  if use is None:
+    moved = min(moved, lookup[1] / batch_div)
+  return f, moved
+
+
 def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout, m: CandidateMesh,
            pricer: Pricer, batch_div: int, donate: bool) -> Price:
   leaves = [graph.leaves[i] for i in group]
@@ -194,8 +226,15 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # XLA:CPU combines these all-reduces with the others after the backward (5 in all for a
       # scanned decoder's FSDP step, as for DP)
       time = pricer.share if rs == "all_reduce" else pricer
-      acc(pr.overlappable, k, uses * time(rs, grad, zero, dtype))
-      acc(pr.bytes, f"{rs}[{k}]", uses * grad)
+      spread, moved = _spread_reduction(graph, primary, use, used, m, zero, pricer.backend, grad,
+                                        batch_div)
+      acc(pr.overlappable, k, uses * time(rs, grad / spread, zero, dtype))
+      acc(pr.bytes, f"{rs}[{k}]", uses * grad / spread)
+      if moved:
+        over = zero + ["tensor"]
+        k_over = axis_key(over)
+        acc(pr.overlappable, k_over, uses * pricer("ppermute", moved, over, dtype))
+        acc(pr.bytes, f"ppermute[{k_over}]", uses * moved)
       rest = [a for a in batch if a not in zero]
       if rest:
         g2 = grad / math.prod(m.size[a] for a in zero)

@@ -281,6 +281,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       pr.memory["gathered"] = grad
     # (a table only read by lookups is not kept: the lookup's backward scatters into zeros and
     # never reads it, so its gathered copy dies with the forward's lookup)
+  elif zero and pricer.backend == "cpu":
+    # a vocab-parallel table sharded over a batch axis on another dimension: the lookup reads
+    # whole rows of the tokens that axis splits, so XLA:CPU gathers the table's 'tensor' shard
+    # over it first (compiled: llama_scan's `fsdp` 8 x `tensor` 2 plan on 16 CPU devices, 1 MiB
+    # of the 2 MiB table, not kept for the backward; not seen compiled for the GPU)
+    k = axis_key(zero)
+    acc(pr.overlappable, k, pricer("all_gather", grad, zero, dtype))
+    acc(pr.bytes, f"all_gather[{k}]", grad)
   # the roles' own collectives (tensor parallelism's activation all-reduces and gathers, ...)
   ctx = PriceContext(graph, primary, use, used, m, pricer, batch_div, dtype, grad, vocab_axes, pr)
   for role in roles.REGISTRY:

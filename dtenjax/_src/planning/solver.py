@@ -177,6 +177,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   bdiv = batch_div(m)      # every axis that splits the batch (data, fsdp, sequence, expert)
   tensor = m.size["tensor"]
   sources, _ = pair_maps(graph)
+  cpu = _on_cpu(m)
   complete = set()
   grad_sizes: dict[tuple[int, ...], list[float]] = {}
   outputs: list[float] = []
@@ -186,7 +187,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     shards = math.prod(m.size[a] for a in used)
     tp = tp_of.get(g[0])
     if tp is not None and tp[0] == "col" and complete_column(graph, sources, tp_of, g[0], tp[1],
-                                                             _on_cpu(m)):
+                                                             cpu):
       complete.add((g[0], tp[1]))
     primary = graph.leaves[g[0]]
     use = graph.weights.get(g[0])
@@ -204,7 +205,6 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       outputs.extend(graph.leaves[i].nbytes / shards for i in g)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
-  cpu = _on_cpu(m)
   for v in graph.timeline:
     # XLA:CPU's transposed operand copies (a GPU's kernels need none) and the results of ops
     # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion); on the CPU

@@ -11,7 +11,12 @@ from typing import Any
 
 import jax
 
+from dtenjax._src import errors
 from dtenjax._src import tables
+
+# a collective kind moving less than this share of a step's compiled bytes, predicted and
+# compiled, is not a miss of Check.misses
+NEGLIGIBLE = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,29 @@ class Check:
       miss = abs(self.predicted_bytes.get(k, 0.0) - self.compiled_bytes.get(k, 0.0))
       worst = max(worst, miss / total if total else (math.inf if miss else 0.0))
     return worst
+
+  def misses(self, tolerance: float = 0.10) -> dict[str, float]:
+    """What the prediction misses by more than ``tolerance``: "memory" (per device) and each
+    collective kind (its bytes per step), with the error; empty when all are within. A kind
+    whose predicted and compiled bytes both stay under :data:`NEGLIGIBLE` of the step's compiled
+    bytes does not count (the tokens an embedding's backward permutes beside megabytes of
+    gradients)."""
+    if tolerance < 0:
+      raise errors.ConfigurationError(f"Check.misses: tolerance={tolerance!r} is negative; give a "
+                                "fraction such as 0.10")
+    floor = NEGLIGIBLE * sum(self.compiled_bytes.values())
+    out = {"memory": self.memory_error} if self.memory_error > tolerance else {}
+    for k, e in self.kind_errors.items():
+      big = max(self.predicted_bytes.get(k, 0.0), self.compiled_bytes.get(k, 0.0)) > floor
+      if e > tolerance and big:
+        out[k] = e
+    return out
+
+  def worst_kind(self) -> tuple[str, float] | None:
+    """The collective kind with the largest relative error, and the error (None: no
+    collectives)."""
+    errs = self.kind_errors
+    return max(errs.items(), key=lambda kv: kv[1]) if errs else None
 
   def table(self) -> str:
     mib = 2**20

@@ -237,6 +237,59 @@ def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: d
                         whole=len(small) < len(each))
 
 
+def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, used,
+                      m: CandidateMesh, zero: list[str], backend: str, grad: float,
+                      batch_div: int) -> tuple[int, float]:
+  """Into how many pieces XLA:CPU's partitioner splits the reduction of a weight's gradient
+  that the batch axes ``zero`` shard and 'tensor' replicates (1: not split), and the bytes per
+  device it then permutes.
+
+  Every 'tensor' device of an FSDP group would compute the same gradient, so XLA computes it in
+  pieces, one per 'tensor' sub-group (as many as the smaller of the two axes has devices, where
+  one divides the other), all-reduces each piece over the FSDP group, and moves each device's
+  shard to it with a collective-permute of the shard (compiled: llama_loop's FSDP x TP plan on
+  8, 16 and 32 CPU devices, `fsdp` 2: the embedding's and the unembedding's gradients, and the
+  attention's where 'tensor' does not divide the heads, all-reduced and permuted as halves; the
+  convnet's convolutions; llama_scan's `fsdp` 16 x `tensor` 4 plan on 64: the FSDP table's
+  gradient all-reduced in quarters, 0.5 MiB, and 0.125 MiB permuted). For a lookup table it
+  permutes the tokens' cotangents instead where they are smaller (the mixture of experts' 512
+  tokens per device: 0.5 MiB, not 1). Only a gradient a product or a lookup's scatter writes is
+  split; a norm's (a reduce over the tokens) is all-reduced whole. XLA's GPU compiler
+  reduce-scatters these gradients: not priced there."""
+  t = m.size["tensor"]
+  if backend != "cpu" or t <= 1 or "tensor" in used or not zero:
+    return 1, 0.0
+  lookup = graph.lookups.get(primary.index)
+  if use is None and lookup is None:
+    return 1, 0.0
+  f = math.prod(m.size[a] for a in zero)
+  if t % f and f % t:
+    return 1, 0.0
+  moved = grad / f
+  if use is None:
+    moved = min(moved, lookup[1] / batch_div)
+  return min(f, t), moved
+
+
+def _table_scatter(lookup, vocab_axes: list[str], zero: list[str], m: CandidateMesh,
+                   primary: stepgraph.Leaf, backend: str, batch_div: int
+                   ) -> list[tuple[str, float, list[str]]]:
+  """The collectives (kind, bytes per device, axes) of XLA:CPU's backward of a lookup into a
+  table vocab-parallel over ``vocab_axes`` and sharded over the batch axes ``zero`` on its
+  features (none otherwise): it all-to-alls the tokens' cotangents over ``zero`` (each device's
+  rows, from split by token to split by feature), scatters them into every vocabulary row of
+  its feature shard and all-reduces that over ``vocab_axes``; the table's gradient is never
+  all-reduced over ``zero`` (compiled: llama_scan's `fsdp` 8 x `tensor` 2 plan on 16 CPU
+  devices, 0.5 MiB of all-to-all and a 0.25 MiB all-reduce where the model priced 1 MiB of
+  all-reduce; the mixture of experts' `fsdp` 16 x `tensor` 4 on 64). Not seen compiled for the
+  GPU."""
+  if backend != "cpu" or not (vocab_axes and zero):
+    return []
+  f = math.prod(m.size[a] for a in zero)
+  return [("all_to_all", lookup[1] / batch_div, zero),
+          ("all_reduce", primary.nbytes / f, vocab_axes)]
+
+
 def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout, m: CandidateMesh,
            pricer: Pricer, batch_div: int, donate: bool) -> Price:
   leaves = [graph.leaves[i] for i in group]
@@ -264,7 +317,17 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # the shared family's DP step, where one reduction per use would be 28)
   uses = use.grad_parts if use is not None and pricer.backend == "cpu" else 1
   parts = max(parts, uses)
-  scatter = lookup_gradient(graph, primary, used, m, pricer.backend)
+  lookup = graph.lookups.get(primary.index) if use is None else None
+  vocab_axes = _vocab_axes(lookup, used, m, zero)
+  # XLA:CPU's reductions of a gradient the batch axes shard: a vocab-parallel table's scatter
+  # (_table_scatter), else a gradient 'tensor' replicates reduced in pieces (_spread_reduction),
+  # else a looked-up table's rows gathered into its shard or its gradient made whole
+  # (lookup_gradient)
+  table_sync = _table_scatter(lookup, vocab_axes, zero, m, primary, pricer.backend, batch_div)
+  spread, moved = _spread_reduction(graph, primary, use, used, m, zero, pricer.backend, grad,
+                                    batch_div)
+  scatter = (lookup_gradient(graph, primary, used, m, pricer.backend)
+             if not table_sync and spread == 1 else LookupGradient())
   if not scatter.whole and use is None:
     uses = 0                 # a table only looked up: its gradient is made in its shard
   for kind in ("all_gather", "all_to_all"):
@@ -273,6 +336,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       acc(pr.overlappable, axis_key(zero), pricer(kind, nb, zero, dtype))
       acc(pr.bytes, f"{kind}[{axis_key(zero)}]", nb)
   # gradient synchronisation
+  for kind, nb, axes in table_sync:
+    acc(pr.overlappable, axis_key(axes), pricer(kind, nb, axes, dtype))
+    acc(pr.bytes, f"{kind}[{axis_key(axes)}]", nb)
   if batch:
     if zero:
       k = axis_key(zero)
@@ -287,8 +353,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       if rs == "reduce_scatter" and _reduced_in_tensor_pairs(graph, primary, use, used, m, zero):
         _price_pair_reduction(pr, pricer, use, grad, zero, dtype)
       else:
-        acc(pr.overlappable, k, uses * time(rs, grad, zero, dtype))
-        acc(pr.bytes, f"{rs}[{k}]", uses * grad)
+        if not table_sync:
+          acc(pr.overlappable, k, uses * time(rs, grad / spread, zero, dtype))
+          acc(pr.bytes, f"{rs}[{k}]", uses * grad / spread)
+        if moved:
+          over = zero + ["tensor"]
+          k_over = axis_key(over)
+          acc(pr.overlappable, k_over, uses * pricer("ppermute", moved, over, dtype))
+          acc(pr.bytes, f"ppermute[{k_over}]", uses * moved)
       rest = [a for a in batch if a not in zero]
       if rest:
         g2 = grad / math.prod(m.size[a] for a in zero)
@@ -308,8 +380,6 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # device looks up the rows it holds (the others masked to zero) and the rows are all-reduced
   # over the axes sharding the table, for every token of the batch those axes do not split;
   # nothing is gathered and the gradient is a local scatter into the shard
-  lookup = graph.lookups.get(primary.index) if use is None else None
-  vocab_axes = _vocab_axes(lookup, used, m, zero)
   if vocab_axes:
     k = axis_key(vocab_axes)
     unsplit = math.prod(m.size[a] for a in batch if a not in vocab_axes)
@@ -335,6 +405,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       pr.memory["gathered"] = grad
     # (a table only read by lookups is not kept: the lookup's backward scatters into zeros and
     # never reads it, so its gathered copy dies with the forward's lookup)
+  elif zero and pricer.backend == "cpu":
+    # a vocab-parallel table sharded over a batch axis on another dimension: the lookup reads
+    # whole rows of the tokens that axis splits, so XLA:CPU gathers the table's 'tensor' shard
+    # over it first (compiled: llama_scan's `fsdp` 8 x `tensor` 2 plan on 16 CPU devices, 1 MiB
+    # of the 2 MiB table, not kept for the backward; not seen compiled for the GPU)
+    k = axis_key(zero)
+    acc(pr.overlappable, k, pricer("all_gather", grad, zero, dtype))
+    acc(pr.bytes, f"all_gather[{k}]", grad)
   # the roles' own collectives (tensor parallelism's activation all-reduces and gathers, ...)
   ctx = PriceContext(graph, primary, use, used, m, pricer, batch_div, dtype, grad, vocab_axes, pr)
   for role in roles.REGISTRY:

@@ -121,14 +121,14 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
     for k, v in pr.bytes.items():
       nbytes[k] = nbytes.get(k, 0.0) + v
   sources, dests = pair_maps(graph)
+  cpu = _backend(prob.m) == "cpu"
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     pr = prob.prices[gi][c]
     if pr.tp is None:
       continue
     kind, d = pr.tp
     if kind == "col":
-      ok = bool(sources.get((g[0], d))) and all(
-          tp_of.get(dst) == ("row", q) for dst, q in sources[(g[0], d)])
+      ok = complete_column(graph, sources, tp_of, g[0], d, cpu)
       if ok:
         memory["activations"] -= pr.act_saving
       if not ok and pr.ag_fwd_bytes:
@@ -178,6 +178,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   bdiv = batch_div(m)      # every axis that splits the batch (data, fsdp, sequence, expert)
   tensor = m.size["tensor"]
   sources, _ = pair_maps(graph)
+  backend = _backend(m)
+  cpu = backend == "cpu"
   complete = set()
   # a gradient value's per-device bytes by its shape: a leaf's own shape first, else a leaf's
   # reversed (a product's transposed result); an embedding table (vocab, d) and an unembedding
@@ -187,13 +189,12 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   outputs: list[float] = []
   reduced = 0.0       # whole gradients a batch axis reduces and a layout then shards
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
-  backend = m.topology.device(int(m.ids.ravel()[0])).platform
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
     tp = tp_of.get(g[0])
-    if tp is not None and tp[0] == "col" and sources.get((g[0], tp[1])) and all(
-        tp_of.get(dst) == ("row", q) for dst, q in sources[(g[0], tp[1])]):
+    if tp is not None and tp[0] == "col" and complete_column(graph, sources, tp_of, g[0], tp[1],
+                                                             cpu):
       complete.add((g[0], tp[1]))
     primary = graph.leaves[g[0]]
     use = graph.weights.get(g[0])
@@ -216,7 +217,6 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       outputs.extend(graph.leaves[i].nbytes / shards for i in g)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
-  cpu = backend == "cpu"
   for v in graph.timeline:
     # XLA:CPU's transposed operand copies (a GPU's kernels need none), the results of ops
     # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion) and a call's
@@ -349,6 +349,22 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict, reduced: float
 def _end(v: stepgraph.Live, cpu: bool) -> int:
   """A value's last use on the plan's backend (XLA:GPU's fusion ends some elsewhere)."""
   return v.end if cpu or v.gpu_end is None else v.gpu_end
+
+
+def _backend(m) -> str:
+  """The platform of the devices the plan is for ("cpu", "gpu", ...): the backend it prices."""
+  return m.topology.device(int(m.ids.ravel()[0])).platform
+
+
+def complete_column(graph: stepgraph.StepGraph, sources, tp_of: dict, leaf: int, d: int,
+                    cpu: bool) -> bool:
+  """A column-parallel weight's output stays sharded: every pair it starts has its row-parallel
+  partner, or (XLA:CPU) every reader of its output reduces over the sharded dimension
+  (``StepGraph.reduced``)."""
+  if cpu and (leaf, d) in graph.reduced:
+    return True
+  return bool(sources.get((leaf, d))) and all(
+      tp_of.get(dst) == ("row", q) for dst, q in sources[(leaf, d)])
 
 
 def pair_maps(graph: stepgraph.StepGraph):

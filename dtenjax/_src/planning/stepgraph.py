@@ -112,6 +112,10 @@ class StepGraph:
   # table; the bytes of the rows it reads per step, global; the bytes of each gather's rows)
   lookups: dict[int, tuple[tuple[int, ...], int, tuple[int, ...]]] = dataclasses.field(
       default_factory=dict)
+  # (leaf, free dim)s whose product's output is only reduced over that dim (pairs.reduced_outputs):
+  # column-parallel, complete on its own on XLA:CPU (its output stays sharded, its cone in
+  # act_share)
+  reduced: frozenset[tuple[int, int]] = frozenset()
   # the scanned stacks of layers: scan length -> (state leaf -> the leaf dimension the scan
   # slices, the bytes of the forward scan's carry, global); a pipeline's stages split one of them
   stacks: dict[int, tuple[dict[int, int], int]] = dataclasses.field(default_factory=dict)
@@ -187,6 +191,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
       tie[var] = leaf.index
   reader.walk(jaxpr, origin, tie, 1)
   pairs, carried, cones = pairs_mod.find_pairs(reader)
+  reduced = pairs_mod.reduced_outputs(reader, pairs)
   weights = {}
   readers: dict[Any, int] = {}
   for v in reader.partner.values():
@@ -205,7 +210,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   for leaf in leaves:
     if not leaf.is_batch:
       groups.setdefault(reader.ties.find(leaf.index), []).append(leaf.index)
-  act, act_share, timeline = liveness.activations(jaxpr, leaves, cones)
+  act, act_share, timeline = liveness.activations(jaxpr, leaves, {**cones, **reduced})
   outputs = []
   for v in jaxpr.outvars:
     aval = v.aval
@@ -218,6 +223,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    outputs=tuple(outputs), num_eqns=reader.eqn_count,
                    out_tree=jax.tree.structure(out_shape), carried=carried,
                    act_share=act_share, lookups=dict(reader.lookups),
+                   reduced=frozenset(reduced),
                    stacks=stacks.read(reader.scans), timeline=timeline,
                    products=reader.products,
                    sequence=sequence_lib.read(closed.jaxpr, leaves))

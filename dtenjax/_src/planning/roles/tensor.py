@@ -68,8 +68,12 @@ def price(ctx) -> None:
           # XLA's GPU compiler adds the siblings' partial gradients first (it reassociates
           # all-reduce(a) + all-reduce(b) into all-reduce(a + b)): one all-reduce among them
           ctx.add("all_reduce", nbytes, ("tensor",), blocking=True, times=1.0 / use.siblings)
-      pr.ag_fwd_bytes = tokens * width_out * item
-      pr.ag_fwd = ctx.pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), ctx.dtype)
+      # unpaired, its output is gathered, unless every reader reduces over the sharded
+      # dimension (logits into the loss): XLA:CPU reduces the shards in place
+      # (pairs.reduced_outputs; not seen compiled for the GPU)
+      if not ((ctx.primary.index, d) in ctx.graph.reduced and ctx.pricer.backend == "cpu"):
+        pr.ag_fwd_bytes = tokens * width_out * item
+        pr.ag_fwd = ctx.pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), ctx.dtype)
     elif d in use.contracted:
       pr.tp = ("row", d)
       ctx.add("all_reduce", tokens * width_out * item, ("tensor",), blocking=True)

@@ -254,8 +254,8 @@ def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, 
   gradient all-reduced in quarters, 0.5 MiB, and 0.125 MiB permuted). For a lookup table it
   permutes the tokens' cotangents instead where they are smaller (the mixture of experts' 512
   tokens per device: 0.5 MiB, not 1). Only a gradient a product or a lookup's scatter writes is
-  split; a norm's (a reduce over the tokens) is all-reduced whole. XLA's GPU compiler
-  reduce-scatters these gradients: not priced there."""
+  split; a norm's (a reduce over the tokens) is all-reduced whole. XLA's GPU compiler reduces
+  them another way (:func:`_reduced_in_tensor_pairs`): not priced there."""
   t = m.size["tensor"]
   if backend != "cpu" or t <= 1 or "tensor" in used or not zero:
     return 1, 0.0

@@ -220,10 +220,13 @@ def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: d
     and scatters into the shard; else each device scatters its tokens into a whole table, which
     is all-reduced ("index passthrough"). Each lookup is partitioned on its own.
 
-  Priced on XLA:CPU only (measured there); elsewhere the whole gradient, as before."""
+  Priced on XLA:CPU meshes without a ``tensor`` axis (measured there: FSDP rows); with one,
+  XLA:CPU's forms are :func:`_table_scatter`'s (a vocab-parallel table) and
+  :func:`_spread_reduction`'s (a table ``tensor`` replicates, compiled on FSDP x TP rows), and
+  on other backends the whole gradient is reduced."""
   lookup = graph.lookups.get(primary.index)
   zero = [a for a in BATCH_AXES if a in used and m.size[a] > 1 and a not in ROUTED_AXES]
-  if lookup is None or not zero or backend != "cpu":
+  if lookup is None or not zero or backend != "cpu" or m.size["tensor"] > 1:
     return LookupGradient()
   indexed, _, each = lookup
   rest = math.prod(m.size[a] for a in BATCH_AXES if m.size[a] > 1 and a not in zero)
@@ -326,8 +329,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   table_sync = _table_scatter(lookup, vocab_axes, zero, m, primary, pricer.backend, batch_div)
   spread, moved = _spread_reduction(graph, primary, use, used, m, zero, pricer.backend, grad,
                                     batch_div)
-  scatter = (lookup_gradient(graph, primary, used, m, pricer.backend)
-             if not table_sync and spread == 1 else LookupGradient())
+  scatter = lookup_gradient(graph, primary, used, m, pricer.backend)
   if not scatter.whole and use is None:
     uses = 0                 # a table only looked up: its gradient is made in its shard
   for kind in ("all_gather", "all_to_all"):

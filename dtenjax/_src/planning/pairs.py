@@ -39,37 +39,31 @@ def find_pairs(reader: Reader) -> tuple[tuple[Pair, ...], dict[tuple[int, int], 
   pairs = []
   reached: dict[int, list[tuple[int, int]]] = {}     # product -> the sources that split it
   cones: dict[tuple[int, int], set[Any]] = {}        # (source, dim) -> values sharded with it
-  for leaf, use in sorted(reader.weights.items()):
-    eqn, side, dims, frames = reader.first_out[leaf]
-    if eqn.primitive.name != "dot_general":
+  for leaf, k, eqn, j, frames in _free_outputs(reader):
+    found, through, cone = _follow(reader, leaf, k, eqn.outvars[0], j, frames)
+    pairs.extend(found)
+    if found:
+      cones[(leaf, k)] = cone
+    for e in through:
+      reached.setdefault(e, []).append((leaf, k))
+    if not found:
       continue
-    for k in use.free:
-      j = _out_dim_of(eqn, side, dims, k)
-      if j is not None:
-        found, through, cone = _follow(reader, leaf, k, eqn.outvars[0], j, frames)
-        pairs.extend(found)
-        if found:
-          cones[(leaf, k)] = cone
-        for e in through:
-          reached.setdefault(e, []).append((leaf, k))
-        if not found:
-          continue
-        # the weight's other reads (the forward jax.checkpoint recomputes in the backward, the
-        # other depths of a weight shared across layers) carry the same dimension: the values
-        # it reaches unreduced are sharded with it too (the backward's recomputed activation
-        # may meet no row-parallel product: only its gradient does)
-        for other, o_side, o_dims, o_frames in reader.reads.get(leaf, ())[1:]:
-          o_j = _out_dim_of(other, o_side, o_dims, k)
-          if o_j is not None:
-            cone.update(_follow(reader, leaf, k, other.outvars[0], o_j, o_frames)[2])
-        # the row-parallel partner's products that keep its sharded (contracted) dimension
-        # free -- the backward's input gradient ``dy @ W2^T`` -- produce values sharded with
-        # the pair too, up to the column-parallel weight's transposed product that contracts it
-        for p in found:
-          for other, o_side, o_dims, o_frames in reader.reads.get(p.dst, ()):
-            o_j = _out_dim_of(other, o_side, o_dims, p.dst_dim)
-            if o_j is not None:
-              cone.update(_follow(reader, p.dst, p.dst_dim, other.outvars[0], o_j, o_frames)[2])
+    # the weight's other reads (the forward jax.checkpoint recomputes in the backward, the
+    # other depths of a weight shared across layers) carry the same dimension: the values
+    # it reaches unreduced are sharded with it too (the backward's recomputed activation
+    # may meet no row-parallel product: only its gradient does)
+    for other, o_side, o_dims, o_frames in reader.reads.get(leaf, ())[1:]:
+      o_j = _out_dim_of(other, o_side, o_dims, k)
+      if o_j is not None:
+        cone.update(_follow(reader, leaf, k, other.outvars[0], o_j, o_frames)[2])
+    # the row-parallel partner's products that keep its sharded (contracted) dimension
+    # free -- the backward's input gradient ``dy @ W2^T`` -- produce values sharded with
+    # the pair too, up to the column-parallel weight's transposed product that contracts it
+    for p in found:
+      for other, o_side, o_dims, o_frames in reader.reads.get(p.dst, ()):
+        o_j = _out_dim_of(other, o_side, o_dims, p.dst_dim)
+        if o_j is not None:
+          cone.update(_follow(reader, p.dst, p.dst_dim, other.outvars[0], o_j, o_frames)[2])
   carried: dict[tuple[int, int], float] = {}
   for e, srcs in reached.items():
     for key in srcs:
@@ -88,19 +82,27 @@ def reduced_outputs(reader: Reader, pairs: tuple[Pair, ...]
   its 4 MiB of logits)."""
   paired = {(p.src, p.src_dim) for p in pairs}
   out = {}
+  for leaf, k, eqn, j, frames in _free_outputs(reader):
+    if (leaf, k) in paired:
+      continue
+    ends: list[Any] = []
+    found, _, cone = _follow(reader, leaf, k, eqn.outvars[0], j, frames, ends=ends)
+    if ends and cone and not found:
+      out[(leaf, k)] = cone
+  return out
+
+
+def _free_outputs(reader: Reader):
+  """Each weight's first product (a dot_general) and each free dimension ``k`` of the weight
+  its output keeps: ``(leaf, k, the product, the output's dimension, its frames)``."""
   for leaf, use in sorted(reader.weights.items()):
     eqn, side, dims, frames = reader.first_out[leaf]
     if eqn.primitive.name != "dot_general":
       continue
     for k in use.free:
       j = _out_dim_of(eqn, side, dims, k)
-      if (leaf, k) in paired or j is None:
-        continue
-      ends: list[Any] = []
-      found, _, cone = _follow(reader, leaf, k, eqn.outvars[0], j, frames, ends=ends)
-      if ends and cone and not found:
-        out[(leaf, k)] = cone
-  return out
+      if j is not None:
+        yield leaf, k, eqn, j, frames
 
 
 def _out_dim_of(eqn, side: int, leaf_dims, leaf_dim: int) -> int | None:

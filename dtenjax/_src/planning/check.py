@@ -61,8 +61,8 @@ class Check:
     bytes does not count (the tokens an embedding's backward permutes beside megabytes of
     gradients)."""
     if tolerance < 0:
-      raise errors.ConfigurationError(f"Check.misses: tolerance={tolerance!r} is negative; give a "
-                                "fraction such as 0.10")
+      raise errors.ConfigurationError(
+          f"Check.misses: tolerance={tolerance!r} is negative; give a fraction such as 0.10")
     floor = NEGLIGIBLE * sum(self.compiled_bytes.values())
     out = {"memory": self.memory_error} if self.memory_error > tolerance else {}
     for k, e in self.kind_errors.items():

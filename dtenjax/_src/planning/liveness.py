@@ -163,11 +163,16 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   def owners(v):
     v = v.of if isinstance(v, (_Copy, _Again)) else v
     return tuple(cone_keys.get(v, ())) if v is not None else ()
-  timeline = tuple(Live(start, end, nb, grad, owners(v), body, isinstance(v, (_Copy, _Again)),
-                        v in gpu_fused, gpu_ends.get(v) if gpu_ends.get(v, end) != end else None,
-                        v in folded, *expanded_rows.get(v, (0, None)), *gemms.get(v, (None, 0)),
-                        body and v in call_results, gpu_starts.get(v))
-                   for v, start, end, nb, grad, body in lives)
+  def live(v, start, end, nb, grad, body) -> Live:
+    expands, expands_leaf = expanded_rows.get(v, (0, None))
+    gemm, gemm_sum_at = gemms.get(v, (None, 0))
+    return Live(start, end, nb, grad, owners(v), body,
+                copy=isinstance(v, (_Copy, _Again)), cheap_on_gpu=v in gpu_fused,
+                gpu_end=gpu_ends.get(v) if gpu_ends.get(v, end) != end else None,
+                folded=v in folded, expands=expands, expands_leaf=expands_leaf, gemm=gemm,
+                gemm_sum_at=gemm_sum_at, call_result=body and v in call_results,
+                gpu_start=gpu_starts.get(v))
+  timeline = tuple(live(*entry) for entry in lives)
   return int(act), act_share, timeline
 
 

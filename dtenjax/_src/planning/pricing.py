@@ -177,21 +177,16 @@ def _reduced_in_tensor_pairs(graph: stepgraph.StepGraph, primary: stepgraph.Leaf
   return primary.index in graph.lookups
 
 
-def _price_pair_reduction(pr: Price, pricer: Pricer, use, grad: float, zero: list[str],
-                          dtype: str) -> None:
+def _price_pair_reduction(ctx: PriceContext, zero: list[str]) -> None:
   """The collectives of :func:`_reduced_in_tensor_pairs`: the gradient's shard all-reduced
   over the FSDP axes and, for a matrix product's weight, sent to the device that holds it (a
   collective-permute). A table's scatter and a convolution's kernel gradient land on their
   owners (convnet's FSDP x TP step on XLA:GPU: 0.6 MiB of all-reduce, no reduce-scatter, no
   permute)."""
-  shard = grad / math.prod(pricer.m.size[a] for a in zero)
-  k = axis_key(zero)
-  acc(pr.overlappable, k, pricer("all_reduce", shard, zero, dtype))
-  acc(pr.bytes, f"all_reduce[{k}]", shard)
-  if use is not None and use.primitive == "dot_general":
-    moved = zero + ["tensor"]
-    acc(pr.overlappable, axis_key(moved), pricer("ppermute", shard, moved, dtype))
-    acc(pr.bytes, f"ppermute[{axis_key(moved)}]", shard)
+  shard = ctx.grad / math.prod(ctx.m.size[a] for a in zero)
+  ctx.add("all_reduce", shard, zero, blocking=False)
+  if ctx.use is not None and ctx.use.primitive == "dot_general":
+    ctx.add("ppermute", shard, zero + ["tensor"], blocking=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +317,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   parts = max(parts, uses)
   lookup = graph.lookups.get(primary.index) if use is None else None
   vocab_axes = _vocab_axes(lookup, used, m, zero)
+  ctx = PriceContext(graph, primary, use, used, m, pricer, batch_div, dtype, grad, vocab_axes, pr)
   # XLA:CPU's reductions of a gradient the batch axes shard: a vocab-parallel table's scatter
   # (_table_scatter), else a gradient 'tensor' replicates reduced in pieces (_spread_reduction),
   # else a looked-up table's rows gathered into its shard or its gradient made whole
@@ -333,14 +329,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   if not scatter.whole and use is None:
     uses = 0                 # a table only looked up: its gradient is made in its shard
   for kind in ("all_gather", "all_to_all"):
-    nb = getattr(scatter, kind)
-    if nb:
-      acc(pr.overlappable, axis_key(zero), pricer(kind, nb, zero, dtype))
-      acc(pr.bytes, f"{kind}[{axis_key(zero)}]", nb)
+    if getattr(scatter, kind):
+      ctx.add(kind, getattr(scatter, kind), zero, blocking=False)
   # gradient synchronisation
   for kind, nb, axes in table_sync:
-    acc(pr.overlappable, axis_key(axes), pricer(kind, nb, axes, dtype))
-    acc(pr.bytes, f"{kind}[{axis_key(axes)}]", nb)
+    ctx.add(kind, nb, axes, blocking=False)
   if batch:
     if zero:
       k = axis_key(zero)
@@ -353,16 +346,13 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # scanned decoder's FSDP step, as for DP)
       time = pricer.share if rs == "all_reduce" else pricer
       if rs == "reduce_scatter" and _reduced_in_tensor_pairs(graph, primary, use, used, m, zero):
-        _price_pair_reduction(pr, pricer, use, grad, zero, dtype)
+        _price_pair_reduction(ctx, zero)
       else:
         if not table_sync:
           acc(pr.overlappable, k, uses * time(rs, grad / spread, zero, dtype))
           acc(pr.bytes, f"{rs}[{k}]", uses * grad / spread)
         if moved:
-          over = zero + ["tensor"]
-          k_over = axis_key(over)
-          acc(pr.overlappable, k_over, uses * pricer("ppermute", moved, over, dtype))
-          acc(pr.bytes, f"ppermute[{k_over}]", uses * moved)
+          ctx.add("ppermute", moved, zero + ["tensor"], blocking=False, times=uses)
       rest = [a for a in batch if a not in zero]
       if rest:
         g2 = grad / math.prod(m.size[a] for a in zero)
@@ -383,11 +373,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # over the axes sharding the table, for every token of the batch those axes do not split;
   # nothing is gathered and the gradient is a local scatter into the shard
   if vocab_axes:
-    k = axis_key(vocab_axes)
     unsplit = math.prod(m.size[a] for a in batch if a not in vocab_axes)
-    nb = lookup[1] / unsplit
-    acc(pr.blocking, k, pricer("all_reduce", nb, vocab_axes, dtype))
-    acc(pr.bytes, f"all_reduce[{k}]", nb)
+    ctx.add("all_reduce", lookup[1] / unsplit, vocab_axes, blocking=True)
   if zero and not vocab_axes:
     k = axis_key(zero)
     # gathered where its product reads it (StepPlan.jit); a read inside jax.checkpoint, or a
@@ -412,11 +399,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     # whole rows of the tokens that axis splits, so XLA:CPU gathers the table's 'tensor' shard
     # over it first (compiled: llama_scan's `fsdp` 8 x `tensor` 2 plan on 16 CPU devices, 1 MiB
     # of the 2 MiB table, not kept for the backward; not seen compiled for the GPU)
-    k = axis_key(zero)
-    acc(pr.overlappable, k, pricer("all_gather", grad, zero, dtype))
-    acc(pr.bytes, f"all_gather[{k}]", grad)
+    ctx.add("all_gather", grad, zero, blocking=False)
   # the roles' own collectives (tensor parallelism's activation all-reduces and gathers, ...)
-  ctx = PriceContext(graph, primary, use, used, m, pricer, batch_div, dtype, grad, vocab_axes, pr)
   for role in roles.REGISTRY:
     if role.price is not None and role.name in used:
       role.price(ctx)

@@ -605,7 +605,7 @@ def _small_gpt2(batch):
   import sys  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
   import _step_models  # pylint: disable=g-import-not-at-top,import-error
-  return _step_models.gpt2_step(batch=batch, seq=128, layers=2, d=128, heads=4, vocab=256)
+  return _step_models.gpt2_step(batch=batch, seq=128, layers=2, d=128, heads=4, vocab=512)
 
 
 def test_a_layer_norms_statistic_is_a_buffer_for_its_scales_gradient():

@@ -79,8 +79,9 @@ class Live:
   # transpose's layout, one buffer (:func:`_folded_transposes`); priced on the CPU as that one
   folded: bool = False
   # a broadcast operand buffer of XLA:CPU's reducing fusion (:func:`_expanded_operands`): the
-  # global elements of that fusion's reduced result (0 for every other value), and the state
-  # leaf it broadcasts (None: a value the step computes)
+  # global elements of that fusion's reduced result, or of the product a column statistic's
+  # reduction sums (:func:`_column_statistics`; 0 for every other value), and the state leaf it
+  # broadcasts (None: a value the step computes)
   expands: int = 0
   expands_leaf: int | None = None
   # a product's result: its (batch, rows, columns, contraction) elements (global), which

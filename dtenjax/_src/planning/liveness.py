@@ -79,8 +79,9 @@ class Live:
   # transpose's layout, one buffer (:func:`_folded_transposes`); priced on the CPU as that one
   folded: bool = False
   # a broadcast operand buffer of XLA:CPU's reducing fusion (:func:`_expanded_operands`): the
-  # global elements of that fusion's reduced result (0 for every other value), and the state
-  # leaf it broadcasts (None: a value the step computes)
+  # global elements of that fusion's reduced result, or of the product a column statistic's
+  # reduction sums (:func:`_column_statistics`; 0 for every other value), and the state leaf it
+  # broadcasts (None: a value the step computes)
   expands: int = 0
   expands_leaf: int | None = None
   # a product's result: its (batch, rows, columns, contraction) elements (global), which
@@ -477,8 +478,9 @@ def _expanded_operands(jaxpr, same, materialised: set
   reader: a broadcast that only the fusion reads is fused into it), made with the value (a
   weight's at the step's start) and live until the last such fusion: two ``[batch, seq, d]``
   buffers per RMS norm kept from the forward to the backward. A value the region computes itself (softmax's
-  maximum) is broadcast inside it. XLA:GPU fuses broadcasts into every consumer: the caller
-  marks these ``cheap_on_gpu``."""
+  maximum) is broadcast inside it. A sum over leading dimensions of a per-row statistic's
+  product (flax's ``LayerNorm``, :func:`_column_statistics`) makes the statistic's buffer too.
+  XLA:GPU fuses broadcasts into every consumer: the caller marks these ``cheap_on_gpu``."""
   producer = {same(o): (i, eqn) for i, eqn in enumerate(jaxpr.eqns) for o in eqn.outvars}
   parent = list(range(len(jaxpr.eqns)))
 
@@ -508,6 +510,21 @@ def _expanded_operands(jaxpr, same, materialised: set
   for j, rows in reducing.items():
     regions[find(j)] = min(rows, regions.get(find(j), rows))
   found: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}
+
+  def note(v, out, j: int, rows: int) -> None:
+    """Records the buffer of ``v`` broadcast to ``out``'s shape for the fusion at ``j``."""
+    src = same(v)
+    while fused(src) and producer[src][1].primitive.name in _RESHAPES:
+      src = same(producer[src][1].invars[0])
+    if fused(src) or not is_var(src):
+      return                   # computed inside the region: broadcast there
+    shape = tuple(out.aval.shape)
+    start = producer[src][0] + 1 if src in producer else 0
+    entry = found.setdefault((src, shape), [_Expanded(src), start, j, math.prod(shape) *
+                                            out.aval.dtype.itemsize, rows])
+    entry[2] = max(entry[2], j)
+    entry[4] = min(entry[4], rows)
+
   for j, eqn in enumerate(jaxpr.eqns):
     if eqn.primitive.name not in ELEMENTWISE or find(j) not in regions:
       continue
@@ -515,19 +532,37 @@ def _expanded_operands(jaxpr, same, materialised: set
     if str(eqn.outvars[0].aval.dtype) not in ("float32", "bfloat16"):
       continue
     for v in eqn.invars:
-      if not is_var(v) or _true_rank(v) < 1 or math.prod(v.aval.shape) >= math.prod(shape):
-        continue
-      src = same(v)
-      while fused(src) and producer[src][1].primitive.name in _RESHAPES:
-        src = same(producer[src][1].invars[0])
-      if fused(src) or not is_var(src):
-        continue               # computed inside the region: broadcast there
-      start = producer[src][0] + 1 if src in producer else 0
-      entry = found.setdefault((src, shape), [_Expanded(src), start, j, math.prod(shape) *
-                                              eqn.outvars[0].aval.dtype.itemsize, regions[find(j)]])
-      entry[2] = max(entry[2], j)
-      entry[4] = min(entry[4], regions[find(j)])
+      if is_var(v) and _true_rank(v) >= 1 and math.prod(v.aval.shape) < math.prod(shape):
+        note(v, eqn.outvars[0], j, regions[find(j)])
+  for j, v, out in _column_statistics(jaxpr, same, producer):
+    note(v, out, j, math.prod(out.aval.shape))
   return [tuple(e) for e in found.values()]
+
+
+def _column_statistics(jaxpr, same, producer: Mapping[Any, tuple[int, Any]]
+                       ) -> list[tuple[int, Any, Any]]:
+  """(reduction, statistic, product) of each sum over leading dimensions of a product of a
+  per-row statistic (size 1 in the minor dimension: a layer norm's ``rsqrt``) and a full value:
+  the scale's gradient of flax's ``LayerNorm``, ``sum(rsqrt * (x - mean) * dy)`` over the
+  tokens. XLA:CPU fuses the product into that reduction's YNNPACK fusion (kCustom), which
+  takes the statistic broadcast to the product's shape as a buffer of its own, kept from the
+  forward (XLA's CSE: the forward's ``rsqrt * scale`` reads the same broadcast), at any
+  number of rows: the reduction's operand, not its per-row ops, is what
+  ``IsInstructionPreferredByYnn`` counts (a one-device compile of a norm's gradient makes it at
+  512 to 8192 rows)."""
+  out = []
+  for j, eqn in enumerate(jaxpr.eqns):
+    if eqn.primitive.name != "reduce_sum" or not _keeps_minor(eqn) or not is_var(eqn.invars[0]):
+      continue
+    prod = producer.get(same(eqn.invars[0]))
+    if prod is None or prod[1].primitive.name != "mul":
+      continue
+    product = prod[1].outvars[0]
+    for v in prod[1].invars:
+      if (is_var(v) and _true_rank(v) >= 1 and v.aval.shape[-1] == 1 and
+          product.aval.shape[-1] > 1 and str(product.aval.dtype) in ("float32", "bfloat16")):
+        out.append((j, v, product))
+  return out
 
 
 def _folded_transposes(jaxpr) -> set[Any]:

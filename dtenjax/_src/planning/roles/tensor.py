@@ -35,7 +35,8 @@ def price(ctx) -> None:
   """Megatron's collectives for a weight sharded over 'tensor' (``ctx``: a PriceContext): a
   column-parallel product all-reduces its input's gradient (backward; one all-reduce shared by
   the weights that read the same input, ``WeightUse.siblings``) and, unpaired, all-gathers
-  its output; a row-parallel one all-reduces its output (forward) and, unpaired, all-gathers its
+  its output; a row-parallel one all-reduces its output (forward, and again where
+  jax.checkpoint's backward recomputes it) and, unpaired, all-gathers its
   input's gradient (the pair terms are settled by the solver); a stacked dimension over 'tensor'
   is gathered like FSDP, twice per step."""
   use, pr, m = ctx.use, ctx.price, ctx.m
@@ -76,7 +77,9 @@ def price(ctx) -> None:
         pr.ag_fwd = ctx.pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), ctx.dtype)
     elif d in use.contracted:
       pr.tp = ("row", d)
-      ctx.add("all_reduce", tokens * width_out * item, ("tensor",), blocking=True)
+      # each forward product all-reduces its output: jax.checkpoint's recomputed ones too
+      forward = use.tokens * use.repeats * (use.forward_reads or use.grad_parts) / ctx.batch_div
+      ctx.add("all_reduce", forward * width_out * item, ("tensor",), blocking=True)
       if use.input_grad:
         pr.ag_bwd_bytes = tokens * width_in * item
         pr.ag_bwd = ctx.pricer("all_gather", pr.ag_bwd_bytes, ("tensor",), ctx.dtype)

@@ -101,9 +101,9 @@ def sliced(ctx, zero: list[str], moved: float, uses: int) -> dict:
 def sliced_on(ctx, dim: int, zero: list[str], moved: float, uses: int):
   """The price of a weight 'tensor' replicates (``ctx``: its PriceContext, priced) where its
   product's output meets, on dimension ``dim``, a pair sharded over 'tensor' (a row-parallel
-  partner, beside a
-  column-parallel one: grouped-query attention's k and v kernels where 'tensor' does not divide
-  the kv heads, q's and the output projection's sharded on the heads), or None. XLA:CPU's
+  partner, beside a column-parallel one: grouped-query attention's k and v kernels where
+  'tensor' does not divide the kv heads, q's and the output projection's sharded on the
+  heads), or None. XLA:CPU's
   partitioner slices the output to the pair's shards in place (no collective in the forward)
   and makes the weight's backward sharded over the ``g`` devices that hold distinct slices (the
   gcd of the sliced dimension and 'tensor'): the output's gradient, partial where 'tensor' has
@@ -125,7 +125,7 @@ def sliced_on(ctx, dim: int, zero: list[str], moved: float, uses: int):
   g = math.gcd(primary.shape[dim], t)
   pr = ctx.price
   out = dataclasses.replace(pr, blocking=dict(pr.blocking), overlappable=dict(pr.overlappable),
-                            bytes=dict(pr.bytes), memory=dict(pr.memory))
+                            bytes=dict(pr.bytes), memory=dict(pr.memory), sliced={})
   sub = dataclasses.replace(ctx, price=out)
   tokens = use.tokens * use.repeats * use.grad_parts / ctx.batch_div
   item = use.act_itemsize

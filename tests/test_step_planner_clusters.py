@@ -72,26 +72,30 @@ def decoder_70b(batch: int, seq: int = 2048):
 # embedding table sharded over fsdp is priced as plan.jit and XLA:GPU run it, gathered, no longer
 # as a masked lookup whose rows are all-reduced (pricing._vocab_axes; the bytes are checked
 # against XLA:GPU's in tests/test_step_planner_gpu_memory.py); those are the planner's output
-# after that change. Every chosen mesh and plan time is still d80c5a3's.
+# after that change. Every chosen mesh is still d80c5a3's. The plans' times and the TP and FSDP x
+# TP recipes' moved once more, deliberately: both steps are scans of jax.checkpoint layers, whose
+# backward recomputes the attention's row-parallel output projection and all-reduces it again
+# over 'tensor' (WeightUse.forward_reads; XLA:GPU's compile of Llama 1B's FSDP x TP step,
+# tests/test_step_planner_gpu_memory.py): the planner's output after that change.
 PINNED = {
-    ("8b", "h100_64"): ({"fsdp": 32, "tensor": 2}, 0.21009113933998322, {
-        "DP": 0.23860676811561848, "FSDP": 0.30827093221256296, "FSDP x TP": 0.5056867432221313,
-        "TP": 0.5174672902941312, "pipeline": 0.24576891352434138}),
-    ("70b", "h100_64"): ({"data": 4, "fsdp": 8, "tensor": 2}, 2.101469657032561, {
-        "DP": 2.111068186620937, "FSDP": 2.63292616706277, "FSDP x TP": 3.862075120810685,
-        "TP": 3.9273617737386846, "pipeline": 2.1266525595144508}),
-    ("8b", "h100_256"): ({"fsdp": 128, "tensor": 2}, 0.2176904133183582, {
-        "DP": 0.24627913803186846, "FSDP": 0.35236549307043785, "FSDP x TP": 0.5354900619701767,
-        "TP": 0.5174672902941312, "pipeline": 0.2525515290793414}),
-    ("70b", "h100_256"): ({"data": 16, "fsdp": 8, "tensor": 2}, 2.168184511497811, {
-        "DP": 2.177356286457187, "FSDP": 2.810270888136645, "FSDP x TP": 3.8550801222826854,
-        "TP": 3.9273617737386846, "pipeline": 2.190915638813451}),
-    ("8b", "h100_1024"): ({"fsdp": 512, "tensor": 2}, 0.22078510693469672, {
-        "DP": 0.24873723051093094, "FSDP": 0.48947913328490666, "FSDP x TP": 0.6739644740501767,
-        "TP": 0.5174672902941312, "pipeline": 0.2552174411033414}),
-    ("70b", "h100_1024"): ({"data": 64, "fsdp": 8, "tensor": 2}, 2.1868848785694777, {
-        "DP": 2.1944683114162493, "FSDP": 3.162137068405115, "FSDP x TP": 3.853331372650684,
-        "TP": 3.9273617737386846, "pipeline": 2.207511721161451}),
+    ("8b", "h100_64"): ({"fsdp": 32, "tensor": 2}, 0.21355097410620544, {
+        "DP": 0.23860676811561848, "FSDP": 0.30827093221256296, "FSDP x TP": 0.5266843611136868,
+        "TP": 0.5384649081856867, "pipeline": 0.24576891352434138}),
+    ("70b", "h100_64"): ({"data": 4, "fsdp": 8, "tensor": 2}, 2.1187688308636723, {
+        "DP": 2.111068186620937, "FSDP": 2.63292616706277, "FSDP x TP": 3.9670632102684626,
+        "TP": 4.032349863196463, "pipeline": 2.1266525595144508}),
+    ("8b", "h100_256"): ({"fsdp": 128, "tensor": 2}, 0.22115024808458042, {
+        "DP": 0.24627913803186846, "FSDP": 0.35236549307043785, "FSDP x TP": 0.5564876798617322,
+        "TP": 0.5384649081856867, "pipeline": 0.2525515290793414}),
+    ("70b", "h100_256"): ({"data": 16, "fsdp": 8, "tensor": 2}, 2.185483685328922, {
+        "DP": 2.177356286457187, "FSDP": 2.810270888136645, "FSDP x TP": 3.960068211740463,
+        "TP": 4.032349863196463, "pipeline": 2.190915638813451}),
+    ("8b", "h100_1024"): ({"fsdp": 512, "tensor": 2}, 0.22424494170091896, {
+        "DP": 0.24873723051093094, "FSDP": 0.48947913328490666, "FSDP x TP": 0.6949620919417321,
+        "TP": 0.5384649081856867, "pipeline": 0.2552174411033414}),
+    ("70b", "h100_1024"): ({"data": 64, "fsdp": 8, "tensor": 2}, 2.2041840524005885, {
+        "DP": 2.1944683114162493, "FSDP": 3.162137068405115, "FSDP x TP": 3.9583194621084616,
+        "TP": 4.032349863196463, "pipeline": 2.207511721161451}),
 }
 
 

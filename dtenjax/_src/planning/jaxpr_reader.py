@@ -66,6 +66,10 @@ class WeightUse:
   layers: int = 1                 # slices the product reads one at a time (a scan over a stack)
   grad_parts: int = 1             # gradient products per step (a weight shared across layers)
   remat: bool = False             # read inside jax.checkpoint (the backward recomputes it)
+  # products per step, loop trips not counted, that contract the dimensions the first one does:
+  # the forward's, each use's of a weight shared across layers, and jax.checkpoint's recomputed
+  # ones the backward reads (pairs.forward_reads); 0: not counted (a convolution)
+  forward_reads: int = 0
   # weights whose first products read the same activation as this one (itself included): their
   # input gradients are added before any reduction (XLA reassociates all-reduce(a) +
   # all-reduce(b) into all-reduce(a + b)), so column-parallel siblings share one all-reduce

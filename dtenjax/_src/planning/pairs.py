@@ -92,6 +92,25 @@ def reduced_outputs(reader: Reader, pairs: tuple[Pair, ...]
   return out
 
 
+def forward_reads(reader: Reader, leaf: int) -> int:
+  """How many of a weight's products contract the dimensions its first product contracts (the
+  forward's, not the input gradient's, which contracts its free ones), loop trips not counted.
+  Row-parallel, each one's output is a partial sum all-reduced over 'tensor'. jax.checkpoint's
+  backward recomputes a product only where the backward reads its output: a layer's attention
+  output projection is recomputed (the MLP's norm reads the residual it adds to), its last
+  product is not (compiled: Llama 1B's scan of remat layers under `tensor` 8 on 8 CPU devices,
+  two all-reduces of the output projection's [8, 2048, 2048] per layer, the forward's and the
+  recomputed one, and one of the MLP's down projection). 0 for a convolution's kernel (its reads
+  are not recorded)."""
+  contracted = set(reader.weights[leaf].contracted)
+  n = 0
+  for eqn, side, dims, _ in reader.reads.get(leaf, ()):
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    mine = {dims[d] for d in (lc if side == 0 else rc) if dims[d] is not None}
+    n += mine == contracted
+  return n
+
+
 def _free_outputs(reader: Reader):
   """Each weight's first product (a dot_general) and each free dimension ``k`` of the weight
   its output keeps: ``(leaf, k, the product, the output's dimension, its frames)``."""

@@ -47,6 +47,10 @@ class Price:
   # a role's factor on the time of the products it takes part in (a pipeline's bubble and
   # recomputed forward, set by roles.stage)
   compute_scale: float = 1.0
+  # this layout's price where 'tensor' replicates the weight and its output meets a pair sharded
+  # over 'tensor', which XLA:CPU slices it to, by the free dimension that starts the pair
+  # (roles.tensor.sliced; the solver picks it)
+  sliced: dict[int, "Price"] = dataclasses.field(default_factory=dict)
 
 
 # The meeting of devices at a collective between products (Pricer): the devices' wake-up and the
@@ -440,6 +444,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     pr.memory["grads"] = grad if gathered_weight else primary.nbytes / shards
   pr.memory["opt_state"] = sum(lf.nbytes for lf in leaves[1:]) / shards
   pr.memory["outputs"] = 0.0 if donate else sum(lf.nbytes for lf in leaves) / shards
+  pr.sliced = roles.tensor.sliced(ctx, zero, moved, uses)
   return pr
 
 

@@ -104,11 +104,14 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
   memory = {"params": 0.0, "grads": 0.0, "opt_state": 0.0, "gathered": 0.0, "outputs": 0.0,
             **prob.fixed_memory}
   nbytes: dict[str, float] = {}
-  tp_of = {}
+  tp_of = {g[0]: prob.prices[gi][c].tp for gi, (g, c) in enumerate(zip(prob.groups, choice))}
+  sources, dests = pair_maps(graph)
+  sliced = sliced_leaves(prob, choice, sources, dests, tp_of)
   compute = prob.compute_s
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     pr = prob.prices[gi][c]
-    tp_of[g[0]] = pr.tp
+    if g[0] in sliced:
+      pr = pr.sliced[sliced[g[0]]]
     compute += pr.compute
     for k, v in pr.blocking.items():
       comm[k] = comm.get(k, 0.0) + v
@@ -120,7 +123,6 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
       memory[k] += v
     for k, v in pr.bytes.items():
       nbytes[k] = nbytes.get(k, 0.0) + v
-  sources, dests = pair_maps(graph)
   cpu = _backend(prob.m) == "cpu"
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     pr = prob.prices[gi][c]
@@ -136,8 +138,7 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
         blocking += pr.ag_fwd
         nbytes["all_gather[tensor]"] = nbytes.get("all_gather[tensor]", 0.0) + pr.ag_fwd_bytes
     else:
-      ok = bool(dests.get((g[0], d))) and all(
-          tp_of.get(src) == ("col", k) for src, k in dests[(g[0], d)])
+      ok = complete_row(dests, tp_of, sliced, g[0], d)
       if not ok and pr.ag_bwd_bytes:
         comm["tensor"] = comm.get("tensor", 0.0) + pr.ag_bwd
         blocking += pr.ag_bwd
@@ -367,6 +368,30 @@ def complete_column(graph: stepgraph.StepGraph, sources, tp_of: dict, leaf: int,
       tp_of.get(dst) == ("row", q) for dst, q in sources[(leaf, d)])
 
 
+def complete_row(dests, tp_of: dict, sliced: dict[int, int], leaf: int, d: int) -> bool:
+  """A row-parallel weight's input stays sharded: every pair that ends in it starts at a
+  column-parallel weight, or at one XLA:CPU slices to the pair's shards (``sliced``: 'tensor'
+  replicates it; at least one partner column-parallel)."""
+  srcs = dests.get((leaf, d), [])
+  cols = [tp_of.get(src) == ("col", k) for src, k in srcs]
+  return any(cols) and all(c or sliced.get(src) == k for c, (src, k) in zip(cols, srcs))
+
+
+def sliced_leaves(prob: Problem, choice: Sequence[int], sources, dests,
+                  tp_of: dict) -> dict[int, int]:
+  """The weights of ``choice`` priced at :attr:`pricing.Price.sliced` (leaf -> the dimension
+  sliced): 'tensor' replicates them and a pair they start ends in a row-parallel weight beside a
+  column-parallel source."""
+  out = {}
+  for gi, (g, c) in enumerate(zip(prob.groups, choice)):
+    for k in sorted(prob.prices[gi][c].sliced):
+      if any(tp_of.get(leaf) == ("row", q) and any(
+          tp_of.get(s) == ("col", j) for s, j in dests[(leaf, q)])
+             for leaf, q in sources.get((g[0], k), [])):
+        out.setdefault(g[0], k)
+  return out
+
+
 def pair_maps(graph: stepgraph.StepGraph):
   sources: dict[tuple[int, int], list[tuple[int, int]]] = {}
   dests: dict[tuple[int, int], list[tuple[int, int]]] = {}
@@ -472,7 +497,10 @@ def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
     gi = group_of_leaf.get(leaf)
     if gi is None:
       return []
-    return [index[(gi, ci)] for ci, pr in enumerate(prob.prices[gi]) if pr.tp == want]
+    # a row-parallel weight's partner may also be one XLA:CPU slices to its shards (its price
+    # there, Price.sliced, is left to evaluate)
+    return [index[(gi, ci)] for ci, pr in enumerate(prob.prices[gi])
+            if pr.tp == want or (want[0] == "col" and want[1] in pr.sliced)]
 
   # pair variables: u = the candidate's gather is saved; u <= its own tp vars, u <= each partner's
   saves = []           # (saving seconds, activation bytes, own vars, [partner vars...])

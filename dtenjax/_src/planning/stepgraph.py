@@ -203,6 +203,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     reads = reader.leaf_flops.get(leaf, 0.0)
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
                                         remat=leaf in reader.remat_read,
+                                        forward_reads=pairs_mod.forward_reads(reader, leaf),
                                         siblings=readers.get(reader.partner.get(leaf), 1),
                                         grad_parts=_grad_parts(use, reader.leaf_reads.get(leaf, 1),
                                                                leaf in reader.remat_read))

@@ -1,6 +1,7 @@
 """``tensor``: Megatron-style tensor parallelism inside an NVLink island; the batch is replicated
 over it."""
 
+import dataclasses
 import math
 
 from dtenjax._src.planning.roles.base import LeafContext
@@ -35,7 +36,8 @@ def price(ctx) -> None:
   """Megatron's collectives for a weight sharded over 'tensor' (``ctx``: a PriceContext): a
   column-parallel product all-reduces its input's gradient (backward; one all-reduce shared by
   the weights that read the same input, ``WeightUse.siblings``) and, unpaired, all-gathers
-  its output; a row-parallel one all-reduces its output (forward) and, unpaired, all-gathers its
+  its output; a row-parallel one all-reduces its output (forward, and again where
+  jax.checkpoint's backward recomputes it) and, unpaired, all-gathers its
   input's gradient (the pair terms are settled by the solver); a stacked dimension over 'tensor'
   is gathered like FSDP, twice per step."""
   use, pr, m = ctx.use, ctx.price, ctx.m
@@ -76,7 +78,9 @@ def price(ctx) -> None:
         pr.ag_fwd = ctx.pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), ctx.dtype)
     elif d in use.contracted:
       pr.tp = ("row", d)
-      ctx.add("all_reduce", tokens * width_out * item, ("tensor",), blocking=True)
+      # each forward product all-reduces its output: jax.checkpoint's recomputed ones too
+      forward = use.tokens * use.repeats * (use.forward_reads or use.grad_parts) / ctx.batch_div
+      ctx.add("all_reduce", forward * width_out * item, ("tensor",), blocking=True)
       if use.input_grad:
         pr.ag_bwd_bytes = tokens * width_in * item
         pr.ag_bwd = ctx.pricer("all_gather", pr.ag_bwd_bytes, ("tensor",), ctx.dtype)
@@ -84,6 +88,61 @@ def price(ctx) -> None:
     # a stacked dimension over 'tensor': gathered like FSDP
     t_shard = m.size["tensor"]
     ctx.add("all_gather", ctx.grad * t_shard, ("tensor",), blocking=False, times=2)
+
+
+def sliced(ctx, zero: list[str], moved: float, uses: int) -> dict:
+  """:func:`sliced_on` for each free dimension of the weight that starts a pair (dimension ->
+  the layout's price where its output is sliced on it)."""
+  dims = sorted({p.src_dim for p in ctx.graph.pairs if p.src == ctx.primary.index})
+  out = {k: sliced_on(ctx, k, zero, moved, uses) for k in dims}
+  return {k: v for k, v in out.items() if v is not None}
+
+
+def sliced_on(ctx, dim: int, zero: list[str], moved: float, uses: int):
+  """The price of a weight 'tensor' replicates (``ctx``: its PriceContext, priced) where its
+  product's output meets, on dimension ``dim``, a pair sharded over 'tensor' (a row-parallel
+  partner, beside a column-parallel one: grouped-query attention's k and v kernels where
+  'tensor' does not divide the kv heads, q's and the output projection's sharded on the
+  heads), or None. XLA:CPU's
+  partitioner slices the output to the pair's shards in place (no collective in the forward)
+  and makes the weight's backward sharded over the ``g`` devices that hold distinct slices (the
+  gcd of the sliced dimension and 'tensor'): the output's gradient, partial where 'tensor' has
+  more devices than slices, is all-reduced over the ``t / g`` that share one; the input's
+  gradient is all-reduced over ``g`` where the weight is replicated in place, or the output's
+  gradient all-gathered over ``g`` where it is gathered for its product (FSDP); the optimizer
+  updates each slice and all-gathers the new parameter and state; and of FSDP's permuted pieces
+  (pricing._spread_reduction) only the slice's ``1 / g`` moves. Compiled on 16 and 32 CPU
+  devices (Llama 1B's 32 heads and 8 kv heads under `tensor` 16 and `fsdp` 2 x `tensor` 16, a
+  small one of the same heads; Llama 8B's `fsdp` 2 x `tensor` 32 on 64): f32[16, 128, 1, 16]
+  all-reduced over pairs of devices, f32[16, 128, 512] over 8 (TP) or f32[16, 128, 1, 16]
+  all-gathered over 8 (FSDP x TP), the kernels' [2, 512, 8, 16] and their two moments
+  all-gathered over 8 after the update. Not seen compiled for the GPU."""
+  use, m, primary = ctx.use, ctx.m, ctx.primary
+  t = m.size["tensor"]
+  if (use is None or t < 2 or "tensor" in ctx.used or ctx.pricer.backend != "cpu"
+      or use.primitive != "dot_general"):
+    return None
+  g = math.gcd(primary.shape[dim], t)
+  pr = ctx.price
+  out = dataclasses.replace(pr, blocking=dict(pr.blocking), overlappable=dict(pr.overlappable),
+                            bytes=dict(pr.bytes), memory=dict(pr.memory), sliced={})
+  sub = dataclasses.replace(ctx, price=out)
+  tokens = use.tokens * use.repeats * use.grad_parts / ctx.batch_div
+  item = use.act_itemsize
+  width_in = math.prod(primary.shape[k] for k in use.contracted)
+  width_out = math.prod(primary.shape[k] for k in use.free)
+  if t > g:
+    sub.add("all_reduce", tokens * width_out / g * item, ("tensor",), blocking=True)
+  if zero:
+    sub.add("all_gather", tokens * width_out * item, ("tensor",), blocking=True)
+  else:
+    sub.add("all_reduce", tokens * width_in * item, ("tensor",), blocking=True)
+  sub.add("all_gather", pr.memory["params"] + pr.memory["opt_state"], ("tensor",),
+          blocking=False)
+  if moved:       # the pieces' permute (priced whole, ``uses`` times) moves the slices only
+    sub.add("ppermute", moved, zero + ["tensor"], blocking=False, times=-uses)
+    sub.add("ppermute", moved / g, zero + ["tensor"], blocking=False, times=uses)
+  return out
 
 
 ROLE = Role(

@@ -79,7 +79,8 @@ def reduced_outputs(reader: Reader, pairs: tuple[Pair, ...]
   with their cones: column-parallel, XLA's partitioner reduces each shard in place and
   all-reduces the reduced values (one per token), never gathering the output, which stays
   sharded (compiled: llama_scan's `fsdp` 8 x `tensor` 2 plan on 16 CPU devices, no all-gather of
-  its 4 MiB of logits)."""
+  its 4 MiB of logits). The cone holds the output's gradient as well, which stays sharded too
+  (:func:`_keeps_whole`, :func:`_made_beside`)."""
   paired = {(p.src, p.src_dim) for p in pairs}
   out = {}
   for leaf, k, eqn, j, frames in _free_outputs(reader):
@@ -239,20 +240,25 @@ def _keeps_whole(eqn, pos: int, d: int) -> bool:
 
 def _made_beside(reader: Reader, eqn, pos: int) -> list[Any]:
   """The operands of the elementwise ``eqn`` other than ``pos`` (the value the walk follows) that
-  have its output's shape and are made from smaller inputs only (a scatter into zeros): nothing
-  keeps them whole, and XLA's sharding propagation gives them the sharding of the value they
-  meet (the label pick's gradient, scattered into the logits' shape and added to the softmax's
-  gradient, stays sharded over 'tensor' on the vocabulary: compiled, moe's `expert` 8 x `tensor`
-  4 plan on 32 CPU devices). A call's result comes with its body's, the value the body's peak
-  holds."""
+  have its output's shape and are made from smaller inputs only (a scatter into zeros, whose
+  zeros are a broadcast): nothing keeps them whole, and XLA's sharding propagation gives them the
+  sharding of the value they meet (the label pick's gradient, scattered into the logits' shape
+  and added to the softmax's gradient, stays sharded over 'tensor' on the vocabulary: compiled,
+  moe's `expert` 8 x `tensor` 4 plan on 32 CPU devices). A call's result comes with its body's,
+  the value the body's peak holds."""
   shape = tuple(eqn.outvars[0].aval.shape)
+  size = math.prod(shape)
+
+  def small(v) -> bool:
+    made = reader.producer.get(v)
+    return (math.prod(getattr(v.aval, "shape", ())) < size
+            or made is not None and made.primitive.name == "broadcast_in_dim")
   out = []
   for k, w in enumerate(eqn.invars):
     made = reader.producer.get(w) if k != pos and is_var(w) else None
     if made is None or tuple(w.aval.shape) != shape:
       continue
-    if all(math.prod(getattr(v.aval, "shape", ())) < math.prod(shape)
-           for v in made.invars if is_var(v)):
+    if all(small(v) for v in made.invars if is_var(v)):
       out.append(w)
       out.extend(i for i, (o, _) in reader.outer_of_outvar.items() if o is w)
   return out

@@ -146,6 +146,8 @@ class Reader:
     self.eqn_count = 0
     # value -> list of (equation, position) that read it, over every jaxpr walked
     self.uses: dict[Any, list[tuple[Any, int]]] = {}
+    # value -> the equation that makes it, over every jaxpr walked
+    self.producer: dict[Any, Any] = {}
     # a body's outvar -> (the outer value it becomes, the dimension shift of a scan's stack)
     self.outer_of_outvar: dict[Any, tuple[Any, int]] = {}
     self.origin_all: dict[Any, tuple[int, tuple[int | None, ...]]] = {}
@@ -167,6 +169,7 @@ class Reader:
       for pos, v in enumerate(eqn.invars):
         if is_var(v):
           self.uses.setdefault(v, []).append((eqn, pos))
+      self.producer.update((o, eqn) for o in eqn.outvars)
       name = eqn.primitive.name
       ins = [origin.get(v) if is_var(v) else None for v in eqn.invars]
       for v, org in zip(eqn.invars, ins):

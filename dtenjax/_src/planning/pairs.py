@@ -79,7 +79,8 @@ def reduced_outputs(reader: Reader, pairs: tuple[Pair, ...]
   with their cones: column-parallel, XLA's partitioner reduces each shard in place and
   all-reduces the reduced values (one per token), never gathering the output, which stays
   sharded (compiled: llama_scan's `fsdp` 8 x `tensor` 2 plan on 16 CPU devices, no all-gather of
-  its 4 MiB of logits)."""
+  its 4 MiB of logits). The cone holds the output's gradient as well, which stays sharded too
+  (:func:`_keeps_whole`, :func:`_made_beside`)."""
   paired = {(p.src, p.src_dim) for p in pairs}
   out = {}
   for leaf, k, eqn, j, frames in _free_outputs(reader):
@@ -148,6 +149,7 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
   (all empty), or, where ``ends`` is a list, ends that path (the reduction appended to it)."""
   pairs, todo, seen = [], [(start, dim, tuple(frames))], set()
   carried: set[int] = set()
+  beside: set[Any] = set()
   dirty = False
   while todo and budget > 0 and not dirty:
     var, d, ctx = todo.pop()
@@ -177,6 +179,8 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
       if name in ELEMENTWISE:
         if out is not None and tuple(out.aval.shape) == shape:
           nxt.extend((o, d) for o in eqn.outvars)
+          if ends is not None:
+            beside.update(_made_beside(reader, eqn, pos))
       elif name == "transpose":
         nxt.append((out, list(eqn.params["permutation"]).index(d)))
       elif name == "reshape":
@@ -186,8 +190,8 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
           nxt.append((out, m))
       elif name == "broadcast_in_dim":
         nxt.append((out, eqn.params["broadcast_dimensions"][d]))
-      elif name == "slice" and ends is not None and tuple(out.aval.shape)[d] == shape[d]:
-        nxt.append((out, d))        # a slice of the other dimensions (the loss's shifted tokens)
+      elif ends is not None and _keeps_whole(eqn, pos, d):
+        nxt.append((out, d))        # the loss's shifted tokens, forward (slice) and backward (pad)
       elif name in ("reduce_max", "reduce_sum", "reduce_min", "argmax", "reduce_and", "reduce_or"):
         axes = tuple(eqn.params.get("axes", ()))
         if d in axes and ends is not None:
@@ -237,7 +241,46 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
     todo.extend((v, dd, ctx) for v, dd in nxt if v is not None and is_var(v))
   if dirty or todo:
     return [], set(), set()
-  return pairs, carried, {v for v, _, _ in seen}
+  return pairs, carried, {v for v, _, _ in seen} | beside
+
+
+def _keeps_whole(eqn, pos: int, d: int) -> bool:
+  """Whether ``eqn`` is a slice or a pad of its operand (``pos`` 0) along other dimensions than
+  ``d``, which it leaves whole: XLA's partitioner keeps a value sharded on ``d`` through it (the
+  logits' gradient, padded back from the loss's shifted tokens, stays sharded over 'tensor' on
+  the vocabulary: compiled, moe's `expert` 8 x `tensor` 4 plan on 32 CPU devices)."""
+  name = eqn.primitive.name
+  if pos != 0 or name not in ("slice", "pad"):
+    return False
+  if name == "pad" and tuple(eqn.params["padding_config"][d]) != (0, 0, 0):
+    return False
+  return eqn.outvars[0].aval.shape[d] == eqn.invars[0].aval.shape[d]
+
+
+def _made_beside(reader: Reader, eqn, pos: int) -> list[Any]:
+  """The operands of the elementwise ``eqn`` other than ``pos`` (the value the walk follows) that
+  have its output's shape and are made from smaller inputs only (a scatter into zeros, whose
+  zeros are a broadcast): nothing keeps them whole, and XLA's sharding propagation gives them the
+  sharding of the value they meet (the label pick's gradient, scattered into the logits' shape
+  and added to the softmax's gradient, stays sharded over 'tensor' on the vocabulary: compiled,
+  moe's `expert` 8 x `tensor` 4 plan on 32 CPU devices). A call's result comes with its body's,
+  the value the body's peak holds."""
+  shape = tuple(eqn.outvars[0].aval.shape)
+  size = math.prod(shape)
+
+  def small(v) -> bool:
+    made = reader.producer.get(v)
+    return (math.prod(getattr(v.aval, "shape", ())) < size
+            or made is not None and made.primitive.name == "broadcast_in_dim")
+  out = []
+  for k, w in enumerate(eqn.invars):
+    made = reader.producer.get(w) if k != pos and is_var(w) else None
+    if made is None or tuple(w.aval.shape) != shape:
+      continue
+    if all(small(v) for v in made.invars if is_var(v)):
+      out.append(w)
+      out.extend(i for i, (o, _) in reader.outer_of_outvar.items() if o is w)
+  return out
 
 
 def _origin_in(reader: Reader, var, ctx: tuple):

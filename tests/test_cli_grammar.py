@@ -21,41 +21,63 @@ STEP = textwrap.dedent("""
               jax.ShapeDtypeStruct((16, 32), jnp.float32))
 """)
 
-# The commands' own arguments before the mistake (a valid step where the command needs one).
+# The commands' own arguments before the mistake (a valid step where the command needs one),
+# and after it (launch's SCRIPT comes last).
 BASE = {
     "demo": ["demo"],
     "topo": ["topo"],
     "explain": ["explain", "gstep:step", "--args", "gstep:example"],
     "plan": ["plan", "gstep:step", "--args", "gstep:example"],
+    "bench": ["bench"],
     "info": ["info"],
+    "launch": ["launch", "--nprocs", "2"],
 }
+TAIL = {"launch": ["train.py"]}
 NOWHERE = "/nonexistent-dir/out.json"
+FLAG = "FLAG"      # a mistake made with each command's own flag reads the same but for its name
 
-# mistake -> (the commands it can be made in, exit status, what the one error line says after
-# "PROG COMMAND: error: "; identical in every command)
+# mistake -> (the arguments that make it, per command, exit status, what the one error line says
+# after "PROG COMMAND: error: "; identical in every command, with FLAG standing for the flag)
 MISTAKES = {
-    "unknown option": (["--no-such-option"], ("demo", "topo", "explain", "plan", "info"), 2,
+    "unknown option": ({c: ["--no-such-option"] for c in BASE}, 2,
                        "unrecognized arguments: --no-such-option"),
-    "unknown fixture": (["--fixture", "nosuch"], ("topo", "explain", "plan"), 2,
+    "unknown fixture": ({c: ["--fixture", "nosuch"] for c in ("topo", "explain", "plan")}, 2,
                         "--fixture 'nosuch': no shipped topology has that name; choose one of "
                         "dgx_a100_8, "),
-    "mesh larger than the devices": (["--mesh", "data=16"], ("explain", "plan"), 2,
+    "mesh larger than the devices": ({c: ["--mesh", "data=16"] for c in ("explain", "plan")}, 2,
                                      "--mesh 'data=16': the mesh needs 16 devices; this machine "
                                      "has 8"),
-    "mesh not NAME=SIZE": (["--mesh", "data=x"], ("explain", "plan"), 2,
+    "mesh not NAME=SIZE": ({c: ["--mesh", "data=x"] for c in ("explain", "plan")}, 2,
                            "--mesh 'data=x': write it as NAME=SIZE,... (e.g. data=2,model=4): "
                            "'data=x' is not NAME=SIZE"),
-    "--draw to a format it cannot write": (["--draw", "mesh.jpg"], ("topo", "plan"), 2,
-                                           "--draw 'mesh.jpg': name a .png, .svg, .pdf file"),
-    "unwritable --json": (["--json", NOWHERE], ("topo", "explain", "plan", "info"), 1,
+    "--draw to a format it cannot write": ({c: ["--draw", "mesh.jpg"] for c in ("topo", "plan")},
+                                           2, "--draw 'mesh.jpg': name a .png, .svg, .pdf file"),
+    "unwritable --json": ({c: ["--json", NOWHERE] for c in ("topo", "explain", "plan", "info")}, 1,
                           f"--json '{NOWHERE}': cannot write it (No such file or directory); "
                           "give a path in a directory you can write to."),
+    "--args not MODULE:FUNCTION": ({c: ["--args", "gstep"] for c in ("explain", "plan")}, 2,
+                                   "--args 'gstep' is not MODULE:FUNCTION"),
+    "--args naming nothing": ({c: ["--args", "gstep:nosuch"] for c in ("explain", "plan")}, 2,
+                              "--args 'gstep:nosuch': module 'gstep' has no attribute 'nosuch'"),
+    "a count that is not a whole number": (
+        {"demo": ["--steps", "x"], "launch": ["--nprocs", "x"]}, 2,
+        f"argument {FLAG}: 'x' is not a whole number"),
+    "a count below its minimum": (
+        {"demo": ["--steps", "0"], "launch": ["--cpu-devices-per-proc", "0"]}, 2,
+        f"argument {FLAG}: 0 is less than 1"),
+    "an amount that is not a number": (
+        {"plan": ["--budget-gib", "x"], "launch": ["--timeout", "x"]}, 2,
+        f"argument {FLAG}: 'x' is not a number"),
+    "an amount at or below its floor": (
+        {"plan": ["--budget-gib", "0"], "launch": ["--timeout", "0"]}, 2,
+        f"argument {FLAG}: 0 is not more than 0"),
 }
 
 
 @pytest.fixture()
 def step_dir(tmp_path, monkeypatch):
   (tmp_path / "gstep.py").write_text(STEP)
+  (tmp_path / "train.py").write_text("raise SystemExit('launched: a mistake went unnoticed')\n")
   monkeypatch.chdir(tmp_path)
   monkeypatch.syspath_prepend(str(tmp_path))
   return tmp_path
@@ -73,19 +95,26 @@ def _run(argv, capsys):
 
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_the_same_mistake_reads_the_same_in_every_command(mistake, step_dir, capsys):
-  extra, commands, code, message = MISTAKES[mistake]
+  made, code, message = MISTAKES[mistake]
   seen = {}
-  for command in commands:
-    rc, _, err = _run(BASE[command] + extra, capsys)
+  for command, extra in made.items():
+    rc, _, err = _run(BASE[command] + extra + TAIL.get(command, []), capsys)
     lines = err.strip().splitlines()
     prefix = f"dtenjax {command}: error: "
     assert rc == code, (command, rc, err)
     assert lines and lines[-1].startswith(prefix), (command, err)
-    # one line of message (argparse's own errors put its usage line above it)
+    # one line of message (argparse's own errors put its usage, a line or a few, above it)
     assert len(lines) == 1 or lines[0].startswith("usage: "), (command, err)
     seen[command] = lines[-1].removeprefix(prefix)
+    if FLAG in message:
+      seen[command] = seen[command].replace(f"argument {extra[0]}:", f"argument {FLAG}:", 1)
     assert seen[command].startswith(message), (command, seen[command])
   assert len(set(seen.values())) == 1, seen
+
+
+def test_every_command_is_in_the_table():
+  assert set(BASE) == set(cli.COMMANDS)
+  assert {c for made, _, _ in MISTAKES.values() for c in made} == set(BASE)
 
 
 def test_json_is_json_in_every_command_that_offers_it(step_dir, capsys):

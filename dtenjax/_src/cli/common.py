@@ -98,6 +98,35 @@ def mesh_size_error(text: str, needed: int, available: int, where: str) -> Usage
                     f"{available}")
 
 
+def whole_number(minimum: int):
+  """argparse ``type=`` for a count of at least ``minimum`` (steps, processes, restarts): the
+  same two messages in every command (``argument --steps: 'x' is not a whole number``,
+  ``argument --nprocs: 0 is less than 1``), exit status 2."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < minimum:
+      raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+    return value
+  return parse
+
+
+def number_above(bound: float):
+  """argparse ``type=`` for an amount that must exceed ``bound`` (seconds, GiB), with the
+  messages of :func:`whole_number`'s kind: ``'x' is not a number``, ``0 is not more than 0``."""
+  def parse(text: str) -> float:
+    try:
+      value = float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > bound:            # NaN too
+      raise argparse.ArgumentTypeError(f"{text} is not more than {bound:g}")
+    return value
+  return parse
+
+
 def add_json_argument(ap: argparse.ArgumentParser, what: str) -> None:
   ap.add_argument("--json", nargs="?", const="-", metavar="FILE",
                   help=f"{what} as JSON: written to FILE (the table is printed too), or to "

@@ -53,7 +53,7 @@ def test_the_lazy_names_are_the_type_checkers_names():
     assert alias.asname, f"{alias.name}: re-export as 'import X as X' (one name per line)"
     static[alias.asname] = (f"{node.module}.{alias.name}" if node.module == "dtenjax"
                             else f"{node.module}:{alias.name}")
-  assert static == dtenjax._EXPORTS  # pylint: disable=protected-access
+  assert static == dtenjax._EXPORTS
   assert set(dtenjax.__all__) == set(static)
   for name, target in static.items():       # each target names what it claims
     module, _, attribute = target.partition(":")

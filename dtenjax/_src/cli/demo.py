@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 def load_digits(seed: int = 0):
   try:
-    from sklearn.datasets import load_digits as _load  # pylint: disable=g-import-not-at-top
+    from sklearn.datasets import load_digits as _load
   except ImportError:
     raise errors.ConfigurationError(
         "the demo trains on scikit-learn's digits dataset, and scikit-learn is not installed: "
@@ -123,7 +123,7 @@ def make_grads(mesh):
 
 def make_step(lr: float, mesh):
   """The jitted data-parallel step over every axis of ``mesh`` (see the module docstring)."""
-  import optax  # pylint: disable=g-import-not-at-top
+  import optax
   opt = optax.adam(lr)
   grads_of = make_grads(mesh)
 

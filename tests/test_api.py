@@ -127,7 +127,8 @@ BENCH_PRIVATE_IMPORTS = {
     # the top-k kernel's FFI target and its count rule, timed against lax.top_k
     ("bench/compression_select.py", "dtenjax._src"),
     ("bench/compression_select.py", "dtenjax._src.compression"),
-    # the checkpoint I/O backends, timed as the disk's own roofline
+    # the checkpoint reports' rate in the unit that shows it (checkpoint/io.py's `rate`), so the
+    # bench's bandwidth column reads like restore(report=True)'s
     ("bench/checkpoint.py", "dtenjax._src.checkpoint"),
     # the native transport and its key-value store, timed directly
     ("bench/transport.py", "dtenjax._src.net"),

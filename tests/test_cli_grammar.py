@@ -179,6 +179,9 @@ def test_topo_and_plan_draw_the_mesh_over_the_topology(step_dir, capsys):
     spans_hosts |= len({h for h, members in enumerate(topo.hosts()) for d in group
                         if d in members}) > 1
   assert spans_hosts                    # one axis crosses the two hosts' links
+  # the labels name the axes that shape the grid, not the planner's axes of size 1
+  for axis, size in plan["mesh"].items():
+    assert (f"{axis} ({size})" in svg) if size > 1 else (axis not in svg), (axis, size)
   assert "host 1" in svg                                       # 16 devices over two hosts
 
 

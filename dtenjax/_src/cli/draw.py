@@ -38,7 +38,7 @@ def _pyplot():
 
 def _save(fig, plt, path: str) -> None:
   try:
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")     # the legend and labels outside the axes too
   except OSError as e:
     raise common.CommandError(f"--draw {path!r}: cannot write it ({e.strerror or e}); give a "
                               "path in a directory you can write to.") from None
@@ -104,12 +104,13 @@ def plan(result: Any, topo: Any, path: str) -> None:
   ax.set_aspect("equal")
   ax.set_xticks([])
   ax.set_yticks([])
-  across = result.axis_names[-1]
-  down = " x ".join(result.axis_names[:-1]) or "-"
-  ax.set_xlabel(f"across: {across}", fontsize=9)
-  ax.set_ylabel(f"down: {down}", fontsize=9)
-  mesh = ", ".join(f"{n}={s}" for n, s in zip(result.axis_names, result.mesh_shape))
-  ax.set_title(f"plan on {result.topology}: mesh {mesh}", fontsize=9)
+  # the axes of size 1 take no room in the grid and none in its labels
+  axes = list(zip(result.axis_names, result.mesh_shape))
+  ax.set_xlabel(f"across: {axes[-1][0]} ({axes[-1][1]})", fontsize=9)
+  ax.set_ylabel("down: " + (" x ".join(f"{n} ({s})" for n, s in axes[:-1] if s > 1) or "-"),
+                fontsize=9)
+  mesh = ", ".join(f"{n}={s}" for n, s in axes if s > 1) or "one device"
+  ax.set_title(f"plan on {result.topology}\nmesh {mesh}", fontsize=9)
   legend = [Patch(color="none", label=f"{a.name} ({a.size}): {a.link} {a.span}, "
                   f"{a.bandwidth_gbps:g} GB/s") for a in result.axes]
   legend += [Patch(color=palette[h % 20], label=f"host {h}")

@@ -421,3 +421,18 @@ def test_version_and_every_help_answer_without_importing_jax(tmp_path):
   r = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
                      capture_output=True, text=True, timeout=60, check=False)
   assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout + r.stderr[-3000:]
+
+
+def test_a_long_command_prints_each_line_into_a_pipe_as_it_goes(monkeypatch):
+  """The demo trains for seconds between its sections: into a pipe or a log (`bash
+  scripts/demo.sh | tee log`) each line arrives when printed, not all at the end."""
+  import io
+  import sys
+  from dtenjax._src.cli import common
+  raw = io.BytesIO()
+  monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="utf-8"))
+  print("before")
+  assert raw.getvalue() == b""                    # Python's block buffering into a non-terminal
+  common.line_buffered_stdout()
+  print("after")
+  assert raw.getvalue() == b"before\nafter\n"

@@ -53,6 +53,14 @@ def status(text: str):
     yield
 
 
+def line_buffered_stdout() -> None:
+  """Each line on stdout as it is printed, also into a pipe or a file (`dtenjax demo | tee
+  log`), where Python would otherwise hold a command's report back until it ends."""
+  reconfigure = getattr(sys.stdout, "reconfigure", None)
+  if reconfigure is not None:
+    reconfigure(line_buffering=True)
+
+
 def add_fixture_argument(ap: argparse.ArgumentParser, what: str) -> None:
   """``--fixture NAME``, the same in every command: the name is checked when the command runs
   (:func:`fixture`), so a wrong one is one line with exit status 2 everywhere."""

@@ -301,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
   from dtenjax._src.planning.placement import Placement
   from dtenjax._src.topology.model import Topology
 
+  common.line_buffered_stdout()   # a log shows each section when it is done (training: seconds)
   t0 = time.perf_counter()
   start_without_fma()
   devices = jax.devices()

@@ -44,10 +44,11 @@ MISTAKES = {
     "unknown fixture": ({c: ["--fixture", "nosuch"] for c in ("topo", "explain", "plan")}, 2,
                         "--fixture 'nosuch': no shipped topology has that name; choose one of "
                         "dgx_a100_8, "),
-    "mesh larger than the devices": ({c: ["--mesh", "data=16"] for c in ("explain", "plan")}, 2,
+    "mesh larger than the devices": ({c: ["--mesh", "data=16"] for c in ("topo", "explain", "plan")},
+                                     2,
                                      "--mesh 'data=16': the mesh needs 16 devices; this machine "
                                      "has 8"),
-    "mesh not NAME=SIZE": ({c: ["--mesh", "data=x"] for c in ("explain", "plan")}, 2,
+    "mesh not NAME=SIZE": ({c: ["--mesh", "data=x"] for c in ("topo", "explain", "plan")}, 2,
                            "--mesh 'data=x': write it as NAME=SIZE,... (e.g. data=2,model=4): "
                            "'data=x' is not NAME=SIZE"),
     "--draw to a format it cannot write": ({c: ["--draw", "mesh.jpg"] for c in ("topo", "plan")},
@@ -183,6 +184,30 @@ def test_topo_and_plan_draw_the_mesh_over_the_topology(step_dir, capsys):
   for axis, size in plan["mesh"].items():
     assert (f"{axis} ({size})" in svg) if size > 1 else (axis not in svg), (axis, size)
   assert "host 1" in svg                                       # 16 devices over two hosts
+
+
+def test_topo_shows_and_draws_which_links_each_mesh_axis_runs_over(step_dir, capsys):
+  """roce_a100_4x8 is 4 hosts of 8 A100s: NVLink (300 GB/s) inside a host, RoCE (12.5 GB/s)
+  between hosts. topology_mesh's order keeps the inner axis inside a host, so the axis of 8
+  runs over NVLink and the one of 4 over RoCE; with the sizes swapped the inner axis of 4 is
+  still inside a host and the outer one of 8 crosses hosts."""
+  pytest.importorskip("matplotlib", reason="the plot extra (in the test extra)")
+  for mesh, want in (("data=4,model=8", {"data": "roce", "model": "nvlink"}),
+                     ("model=8,data=4", {"model": "roce", "data": "nvlink"})):
+    rc, out, err = _run(["topo", "--fixture", "roce_a100_4x8", "--mesh", mesh, "--draw",
+                         "mesh.svg"], capsys)
+    assert rc == 0, err
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[-2:]}
+    assert {a: r[2] for a, r in rows.items()} == want, out
+    svg = (step_dir / "mesh.svg").read_text()
+    for axis, link in want.items():
+      size = mesh.split(axis + "=")[1].split(",")[0]
+      gbps = {"nvlink": "300", "roce": "12.5"}[link]
+      assert rows[axis][1] == size and rows[axis][3] == gbps, out
+      assert f"{axis} ({size}): {link}, {gbps} GB/s" in svg, axis
+    assert "host 3" in svg
+  rc, _, err = _run(["topo", "--fixture", "roce_a100_4x8", "--mesh", "data=4"], capsys)
+  assert rc == 2 and "a mesh spans every device; the fixture 'roce_a100_4x8' has 32" in err
 
 
 def test_long_steps_show_a_spinner_on_a_terminal_and_nothing_in_a_log(step_dir, capsys,

@@ -118,6 +118,8 @@ BENCH_PRIVATE_IMPORTS = {
     ("bench/compile_time.py", "dtenjax._src.collectives"),
     # the rich table renderer and the algorithm registry's families
     ("bench/_harness.py", "dtenjax._src"), ("bench/_harness.py", "dtenjax._src.collectives.algorithms"),
+    # the command line's count parser, so that `dtenjax bench NAME --reps 0` reads as any command
+    ("bench/_harness.py", "dtenjax._src.cli"),
     # the cost model checked against measurements, on hand-built topologies
     ("bench/costmodel_check.py", "dtenjax._src.topology"),
     ("bench/costmodel_check.py", "dtenjax._src.collectives.algorithms"),

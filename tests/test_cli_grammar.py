@@ -148,6 +148,37 @@ def test_help_texts_name_only_options_and_commands_that_exist(capsys):
   assert rc == 0 and "dgx_a100_8" in out.split() and "h100_16" in out.split()
 
 
+# `dtenjax CMD ... --flag` (or `python -m dtenjax CMD ...`) inside one code span or table cell
+DOC_COMMAND = re.compile(r"(?:dtenjax|python -m dtenjax) (demo|topo|explain|plan|info|launch)"
+                         r"((?: [^`|;,)]*?)?)(?=`|\||;|\)|$)")
+
+
+def _doc_commands(text: str) -> list[tuple[str, str]]:
+  """(command, flag) for every option the text writes after a dtenjax command."""
+  text = " ".join(text.split())
+  return [(m.group(1), flag) for m in DOC_COMMAND.finditer(text)
+          for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", m.group(2))]
+
+
+def test_the_docs_name_only_options_that_exist():
+  """What README, CONTRIBUTING and docs/ tell a user to type: every `dtenjax CMD --flag` they
+  write is an option of that command (bench's ARGS are the bench's own, not checked here)."""
+  import pathlib
+  root = pathlib.Path(__file__).resolve().parents[1]
+  parser = cli.build_parser("dtenjax")
+  subparsers = next(a for a in parser._actions if a.choices and "topo" in a.choices)
+  options = {name: {o for a in p._actions for o in a.option_strings}
+             for name, p in subparsers.choices.items()}
+  assert _doc_commands("run `dtenjax topo --fixture x --no-such-flag` | `python -m dtenjax plan "
+                       "m:s --json`") == [("topo", "--fixture"), ("topo", "--no-such-flag"),
+                                          ("plan", "--json")]
+  pages = [root / "README.md", root / "CONTRIBUTING.md"] + sorted((root / "docs").glob("*.md"))
+  found = [(p.name, c, f) for p in pages for c, f in _doc_commands(p.read_text())]
+  assert len(found) > 20                                     # the pages do name options
+  wrong = [x for x in found if x[2] not in options[x[1]] | {"--help"}]
+  assert not wrong, wrong
+
+
 def test_topo_and_plan_draw_the_mesh_over_the_topology(step_dir, capsys):
   pytest.importorskip("matplotlib", reason="the plot extra (in the test extra)")
   rc, out, err = _run(["topo", "--fixture", "roce_a100_4x8", "--draw", "topo.svg"], capsys)

@@ -21,14 +21,14 @@ MICRO = 24
 def main() -> None:
   out_dir, steps, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
   fault = tuple(int(v) for v in sys.argv[4].split(":")) if len(sys.argv) > 4 else None
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  import dtenjax.elastic  # pylint: disable=g-import-not-at-top
+  import dtenjax
+  import dtenjax.elastic
   ctx = dtenjax.elastic.init()
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))

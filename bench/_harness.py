@@ -85,14 +85,10 @@ def sizes_arg(text: str) -> list[int]:
 
 
 def positive_int(text: str) -> int:
-  """argparse ``type=`` for counts that must be >= 1 (chain lengths, iterations)."""
-  try:
-    v = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-  if v < 1:
-    raise argparse.ArgumentTypeError(f"{v} must be at least 1")
-  return v
+  """argparse ``type=`` for counts that must be >= 1 (chain lengths, iterations): the command
+  line's own, so that ``dtenjax bench NAME --reps 0`` reads as ``dtenjax demo --steps 0``."""
+  from dtenjax._src.cli import common
+  return common.whole_number(1)(text)
 
 
 # --- timing ----------------------------------------------------------------------------------------

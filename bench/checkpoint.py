@@ -57,8 +57,8 @@ def duration(seconds: float) -> str:
 def _disk_roofline(state, path: str, threads: int) -> float:
   """Seconds to write every addressable shard of ``state`` as its own file (pwrite, fsync each,
   then the directories), from ``threads`` threads: the file system's own speed."""
-  import concurrent.futures  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import concurrent.futures
+  import numpy as np
   jobs = []
   for k, v in state.items():
     for i, s in enumerate(v.addressable_shards):
@@ -139,7 +139,7 @@ def run(candidate: str, state, sharding, root: str) -> tuple[float, float | None
       t2 = time.perf_counter()
       io = report.io
     else:
-      import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+      import orbax.checkpoint as ocp
       ckptr = (ocp.PyTreeCheckpointer() if candidate == "orbax" else
                ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)))
       t0 = time.perf_counter()
@@ -183,8 +183,8 @@ def main(argv=None) -> int:
     except ImportError:
       _harness.refuse("checkpoint", "orbax-checkpoint, the baseline, is not installed: pip "
                       "install '.[checkpoint]' (or --candidates dtenjax,disk, without orbax's ratios)")
-  import jax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.checkpoint import io as ckio  # pylint: disable=g-import-not-at-top
+  import jax
+  from dtenjax._src.checkpoint import io as ckio
   root = args.dir or tempfile.gettempdir()
   free = shutil.disk_usage(root).free
   if max(args.sizes) * 1.2 > free:

@@ -84,9 +84,9 @@ def _formulation(label: str):
   """DTENJAX_CPU_FFI=0 while a " (jnp)" candidate is traced and lowered; cpu_ffi.folds False
   while a " (jnp steps)" one is."""
   if label.endswith(JNP_STEPS):
-    from unittest import mock  # pylint: disable=g-import-not-at-top
+    from unittest import mock
 
-    from dtenjax._src.collectives import cpu_ffi  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.collectives import cpu_ffi
     with mock.patch.object(cpu_ffi, "folds", lambda call, dtype: False):
       yield
     return
@@ -107,7 +107,7 @@ def _formulation(label: str):
 def gradient_tree(blocks: int, d: int, world: int):
   """{name: [world, ...]}: one gradient per parameter of ``blocks`` blocks (4 ``d x d``
   weights, 2 biases each) on every device."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
   shapes = {}
   for i in range(blocks):
     for w in ("q", "k", "v", "o"):
@@ -170,10 +170,10 @@ def phases(lowered) -> dict[str, float] | None:
   the LLVM object code), ``passes_ms`` (XLA's HLO passes: sharding, simplification, fusion,
   layout...) and ``other_ms`` (the rest of the compile call: StableHLO to HLO, JAX's side).
   None where the trace has no such events (another backend, another XLA)."""
-  import shutil  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
+  import shutil
+  import tempfile
 
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   path = tempfile.mkdtemp(prefix="compile_time_trace_")
   try:
     jax.profiler.start_trace(path)
@@ -191,7 +191,7 @@ def phases(lowered) -> dict[str, float] | None:
         for ev in line.events:
           if ev.name in spans:
             spans[ev.name] += ev.duration_ns / 1e6
-  except Exception:  # pylint: disable=broad-except   (a profiler missing here: no breakdown)
+  except Exception:  # a profiler missing here: no breakdown
     return None
   finally:
     shutil.rmtree(path, ignore_errors=True)
@@ -208,7 +208,7 @@ def _run_times(programs: dict, tree, iters: int) -> dict[str, list[tuple[float, 
   included), which the other jobs of a shared machine disturb less than the wall time. The order
   is reversed every other round: a program always timed after the same other one inherits its
   threads' wake-ups."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   for f in programs.values():
     jax.block_until_ready(f(tree))
   samples = {label: [] for label in programs}
@@ -223,10 +223,10 @@ def _run_times(programs: dict, tree, iters: int) -> dict[str, list[tuple[float, 
 
 def measure(candidates, blocks: int, d: int, repeats: int, step: bool = False,
             run_iters: int = 5, warmup: int = 1, with_phases: bool = False, outer: int = 1):
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import dtenjax
 
   jax.config.update("jax_enable_compilation_cache", False)
   world = jax.device_count()
@@ -343,8 +343,8 @@ def main(argv=None) -> int:
     ap.error(f"--candidates={args.candidates!r}: pick from {list(known)}")
   if "lax.psum" not in labels:
     labels.insert(0, "lax.psum")                 # the anchor every ratio is taken against
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
   world = jax.device_count()
   _harness.require_world("bench/compile_time.py", world, 2,
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")

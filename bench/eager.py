@@ -31,9 +31,9 @@ MODES = ("eager", "eager grad", "jit")
 
 def measure(algorithms, nbytes: int, iters: int, warmup: int, world: int, leaves: int = 1,
             modes=MODES):
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
   import dtenjax
 

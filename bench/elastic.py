@@ -42,7 +42,7 @@ WORKER = os.path.join(HERE, "_elastic_worker.py")
 
 
 def _run(args, out, *, snapshot_every, fault=None, checkpoint_dir=None):
-  import dtenjax.elastic  # pylint: disable=g-import-not-at-top
+  import dtenjax.elastic
   os.makedirs(out, exist_ok=True)
   env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_proc} "

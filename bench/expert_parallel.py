@@ -37,11 +37,11 @@ def main(argv=None) -> int:
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}")
-  import jax  # pylint: disable=g-import-not-at-top
-  import _families as fams  # pylint: disable=g-import-not-at-top
-  import _harness  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.planning.check import loop_repeats  # pylint: disable=g-import-not-at-top
+  import jax
+  import _families as fams
+  import _harness
+  import dtenjax
+  from dtenjax._src.planning.check import loop_repeats
 
   n = len(jax.devices())
   fam = fams.moe(experts=args.experts)

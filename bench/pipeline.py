@@ -52,19 +52,19 @@ def _schedules(text: str) -> list[str]:
 
 
 def _schedule(name):
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import dtenjax
   return {"gpipe": dtenjax.GPipe(), "1f1b": dtenjax.OneFOneB(),
           "interleaved": dtenjax.Interleaved(virtual=2)}[name]
 
 
 def bubble_and_memory(args):
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax import lax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax.sharding import PartitionSpec as P
 
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  from dtenjax.testing import pipeline_model as pm  # pylint: disable=g-import-not-at-top
+  import dtenjax
+  from dtenjax.testing import pipeline_model as pm
 
   cfg = dict(layers=args.layers, d=args.d, ffn=2 * args.d, seq=args.seq)
   params = pm.init(**cfg)
@@ -127,13 +127,13 @@ def bubble_and_memory(args):
 
 
 def step_times(args):
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  import optax
+  from jax.sharding import PartitionSpec as P
 
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  from dtenjax.testing import pipeline_model as pm  # pylint: disable=g-import-not-at-top
+  import dtenjax
+  from dtenjax.testing import pipeline_model as pm
 
   n = jax.device_count()
   cfg = dict(layers=args.layers, d=args.d, ffn=2 * args.d, seq=args.seq)
@@ -205,9 +205,9 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, help="write the rows to this path")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
-  import os  # pylint: disable=g-import-not-at-top
+  import os
 
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   _harness.require_world("bench/pipeline.py", jax.device_count(), 2,
                          "XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU")
   bubble = bubble_and_memory(args)

@@ -38,9 +38,9 @@ def model(batch: int, seq: int, *, vocab: int, d: int, heads: int, ffn: int, lay
   """A causal decoder step with AdamW (layers a lax.scan over stacked weights), its abstract
   arguments; ``use(name, w)``, ``act(x)`` and ``kv(t)`` are the hand-written recipes' hooks on
   the weights, on each layer's input and on the keys and values."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import optax
   use = use or (lambda name, w: w)
   act = act or (lambda x: x)
   kv = kv or (lambda t: t)
@@ -89,10 +89,10 @@ def model(batch: int, seq: int, *, vocab: int, d: int, heads: int, ffn: int, lay
 
 def hand_written(name: str, n: int, batch: int, sizes: dict):
   """``(jitted step, shardings of (params, opt, tokens), mesh)`` of a recipe written by hand."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
   devices = np.asarray(jax.devices()[:n])
   hooks = {}
   if name == "CP":
@@ -154,11 +154,11 @@ def main(argv=None) -> int:
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}")
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import _harness  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.planning.check import loop_repeats  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  import _harness
+  import dtenjax
+  from dtenjax._src.planning.check import loop_repeats
 
   n = len(jax.devices())
   if args.batch < 1 or n % args.batch or args.seq % (n // args.batch):

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     policy = ("jax.jit's default" if decision is None else decision.policy.describe()
               if jax.default_backend() == "gpu" else "a plain jax.jit on this backend")
     results.append({"mode": name, "ms_per_step": 1e3 * secs, "policy": policy})
-    print(f"{name:8s} {1e3 * secs:9.3f} ms/step  {unit}  ({results[-1]['policy']})", flush=True)
+    print(f"{name}: {1e3 * secs:.3f} ms/step, {unit} ({results[-1]['policy']})", flush=True)
   base = results[0]["ms_per_step"]
   for r in results[1:]:
     print(f"{r['mode']} vs jax.jit's default: {base / r['ms_per_step']:.3f}x")

@@ -215,8 +215,8 @@ def main(argv=None) -> int:
   for mode in modes:
     r = run(mode, fn, params, (images, labels), args.steps)
     results.append(r)
-    print(f"{mode:8s}: {r['images_per_s']:9.1f} images/s  {r['ms_per_step']:8.2f} "
-          f"ms/step  compile {r['compile_s']:.1f} s  loss {r['first_loss']:.4f} -> "
+    print(f"{mode}: {r['images_per_s']:.1f} images/s, {r['ms_per_step']:.2f} "
+          f"ms/step, compile {r['compile_s']:.1f} s  loss {r['first_loss']:.4f} -> "
           f"{r['last_loss']:.4f}  {r['policy']}; {r['report_source']} per step: "
           f"{r['predicted_graph_launches_per_step']} graph launches + "
           f"{r['predicted_ops_outside_per_step']} ops one by one", flush=True)

@@ -33,8 +33,10 @@ def test_sizes_and_counts_are_argparse_errors():
   with pytest.raises(argparse.ArgumentTypeError, match="names no size"):
     h.sizes_arg(",")
   assert h.positive_int("3") == 3
-  with pytest.raises(argparse.ArgumentTypeError, match="at least 1"):
+  with pytest.raises(argparse.ArgumentTypeError, match="^0 is less than 1$"):
     h.positive_int("0")
+  with pytest.raises(argparse.ArgumentTypeError, match="^'x' is not a whole number$"):
+    h.positive_int("x")
 
 
 def test_nccl_columns_by_hand():

@@ -75,7 +75,7 @@ def test_every_bench_has_help(forks):
 
 @pytest.mark.parametrize("name,args,message", [
     ("allreduce", ("--sizes", "4Q"), "size '4Q' is not a number of bytes"),
-    ("collectives", ("--chain", "0"), "argument --chain: 0 must be at least 1"),
+    ("collectives", ("--chain", "0"), "argument --chain: 0 is less than 1"),
     ("transport", ("--procs", "1"), "--procs must be at least 2"),
     ("compression_select", ("--ratios", "2"), "densities '2' must lie in (0, 1]"),
     ("planner", ("--explain", "--update-docs"), "not allowed with argument"),

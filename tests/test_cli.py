@@ -154,7 +154,7 @@ def test_explain_without_a_target_lists_every_collective_of_the_demo_step(tmp_pa
 
 def test_bench_passes_arguments_and_exit_status_through(tmp_path, capfd):
   """``bench NAME ARGS`` from this process (the benchmark is a child process either way)."""
-  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli.main import main
   out = tmp_path / "b.json"
   assert main(["bench", "cuda_graphs", "--quick", "--cases", "loop", "--json", str(out)]) == 0
   assert {row["case"] for row in json.loads(out.read_text())["rows"]} == {"loop"}
@@ -174,14 +174,14 @@ COMMANDS = ("demo", "topo", "explain", "bench", "info")
 
 
 def test_prog_names_the_way_it_was_started():
-  from dtenjax._src.cli.main import prog_name  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli.main import prog_name
   assert prog_name("/venv/bin/dtenjax") == "dtenjax"
   assert prog_name("/src/dtenjax/__main__.py") == "python -m dtenjax"
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_its_own_help(command, capsys):
-  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli.main import main
   with pytest.raises(SystemExit) as e:
     main([command, "--help"], prog="dtenjax")
   assert e.value.code == 0
@@ -233,7 +233,7 @@ def test_explain_absent_axis_and_indivisible_shape_are_one_line_errors(user_dir,
 
 
 def test_bench_without_a_name_lists_them(capsys):
-  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli.main import main
   with pytest.raises(SystemExit) as e:
     main(["bench"], prog="dtenjax")
   assert e.value.code == 2
@@ -247,7 +247,7 @@ def test_bench_without_a_name_lists_them(capsys):
 
 def _main(argv, capsys, cwd=None, monkeypatch=None):
   """(exit status, stderr) of the command line run in this process."""
-  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli.main import main
   if cwd is not None:
     monkeypatch.chdir(cwd)
   try:
@@ -335,7 +335,7 @@ def test_explain_usage_errors_exit_2(failing_dir, capsys, monkeypatch):
 
 
 def test_explain_json_alone_prints_json_instead_of_the_table(failing_dir, capsys, monkeypatch):
-  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli.main import main
   monkeypatch.chdir(failing_dir)
   assert main(["explain", "okstep:f", "--shape-args", "f32[8]", "--json"], prog="dtenjax") == 0
   data = json.loads(capsys.readouterr().out)
@@ -343,18 +343,18 @@ def test_explain_json_alone_prints_json_instead_of_the_table(failing_dir, capsys
 
 
 def test_bench_failures_pass_through_and_usage_is_2(tmp_path, capsys, monkeypatch):
-  from dtenjax._src.cli import bench  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli import bench
   (tmp_path / "exits3.py").write_text("import sys\nprint('cannot measure here', file=sys.stderr)\n"
                                       "sys.exit(3)\n")
   monkeypatch.setattr(bench, "BENCH_DIR", tmp_path)
-  from dtenjax._src.cli.main import main  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli.main import main
   assert main(["bench", "exits3"], prog="dtenjax") == 3     # the benchmark's own status
   rc, err = _main(["bench", "nosuch"], capsys)
   assert rc == 2 and "no benchmark 'nosuch'" in _one_error_line(err, "bench")
 
 
 def test_help_texts_are_plain_text(capsys):
-  from dtenjax._src.cli.main import COMMANDS, main  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli.main import COMMANDS, main
   for command in (*COMMANDS, None):
     with pytest.raises(SystemExit):
       main([command, "--help"] if command else ["--help"], prog="dtenjax")
@@ -364,12 +364,12 @@ def test_help_texts_are_plain_text(capsys):
 
 def test_json_means_the_same_in_every_command():
   """--json [FILE]: the result as JSON to FILE, or to stdout without FILE (cli/common.py)."""
-  from dtenjax._src.cli.main import build_parser  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli.main import build_parser
   parser = build_parser("dtenjax")
-  sub = next(a for a in parser._actions if a.dest == "command")  # pylint: disable=protected-access
+  sub = next(a for a in parser._actions if a.dest == "command")
   seen = {}
   for name, p in sub.choices.items():
-    for action in p._actions:  # pylint: disable=protected-access
+    for action in p._actions:
       if "--json" in action.option_strings:
         seen[name] = (action.nargs, action.const, action.metavar)
   assert set(seen) == {"topo", "explain", "plan", "info"}, seen
@@ -421,3 +421,18 @@ def test_version_and_every_help_answer_without_importing_jax(tmp_path):
   r = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
                      capture_output=True, text=True, timeout=60, check=False)
   assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout + r.stderr[-3000:]
+
+
+def test_a_long_command_prints_each_line_into_a_pipe_as_it_goes(monkeypatch):
+  """The demo trains for seconds between its sections: into a pipe or a log (`bash
+  scripts/demo.sh | tee log`) each line arrives when printed, not all at the end."""
+  import io
+  import sys
+  from dtenjax._src.cli import common
+  raw = io.BytesIO()
+  monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="utf-8"))
+  print("before")
+  assert raw.getvalue() == b""                    # Python's block buffering into a non-terminal
+  common.line_buffered_stdout()
+  print("after")
+  assert raw.getvalue() == b"before\nafter\n"

@@ -64,6 +64,19 @@ def test_every_page_with_a_python_fence_is_collected():
   assert len(BLOCKS) == opening
 
 
+def test_blocks_that_count_devices_make_their_own():
+  """A block that sizes its mesh with ``jax.device_count()``/``jax.devices()`` runs on a laptop's
+  one CPU device too, and there proves nothing (a sum over one device, one device count of four):
+  it sets the simulated device count itself, the README's line. A block whose devices come from
+  the processes it starts (docs/elastic.md) counts them there."""
+  counting = re.compile(r"jax\.device_count\(\)|jax\.devices\(\)")
+  lacking = [b.id for b in BLOCKS if counting.search(b.values[0])
+             and "xla_force_host_platform_device_count" not in b.values[0]
+             and "subprocess" not in b.values[0]]
+  assert not lacking, ("add the line that makes 8 simulated CPU devices (README's quickstart) to "
+                       f"these blocks: {lacking}")
+
+
 def _env():
   env = dict(os.environ, JAX_PLATFORMS="cpu")       # a CPU-only machine
   for var in ("XLA_FLAGS", "PYTHONPATH"):           # not the suite's 8 devices, not its paths

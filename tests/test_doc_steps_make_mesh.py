@@ -80,10 +80,10 @@ def test_doc_step_runs_on_a_jax_make_mesh_mesh(name, cpu_devices, monkeypatch):
   namespace = {"__name__": f"doc_step_{name}"}
   shape = MESHES.get(name)
   if shape is None:
-    exec(compile(code, name, "exec"), namespace)        # pylint: disable=exec-used
+    exec(compile(code, name, "exec"), namespace)
     return
   mesh = jax.make_mesh(*shape, devices=cpu_devices[:8])
   assert all(t == AxisType.Explicit for t in mesh.axis_types)
   namespace["MESH"] = mesh
   with jax.set_mesh(mesh):
-    exec(compile(code, name, "exec"), namespace)        # pylint: disable=exec-used
+    exec(compile(code, name, "exec"), namespace)

@@ -53,3 +53,14 @@ def test_every_image_a_page_shows_exists_and_is_small():
       assert path.stat().st_size < 200_000, (page.name, ref, path.stat().st_size)
       shown += 1
   assert shown >= 4            # docs/benchmarks.md's charts
+
+
+def test_the_readme_api_table_names_every_public_name():
+  """README's "Public API" table is the index a reader scans: every name of ``dtenjax.__all__``
+  is in it (the API reference, docs/api, documents each)."""
+  import dtenjax
+  text = (ROOT / "README.md").read_text()
+  table = text[text.index("## Public API"):]
+  table = table[:table.index("\n## ")]
+  missing = [n for n in dtenjax.__all__ if not re.search(rf"\b{n}\b", table)]
+  assert not missing, f"add these to README's Public API table: {missing}"

@@ -12,10 +12,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Cleaned of `# pylint: disable=...` comments (silencing a linter nobody runs). The rest of the
 # tree follows file by file: add a directory here once it holds none.
-NO_PYLINT_COMMENTS = ["dtenjax/_src/cli/common.py", "dtenjax/_src/cli/main.py",
-                      "dtenjax/_src/cli/topo.py", "dtenjax/_src/cli/explain.py",
-                      "dtenjax/_src/cli/info.py", "dtenjax/_src/cli/bench.py",
-                      "dtenjax/_src/cli/plan.py", "dtenjax/_src/tables.py", "examples", "scripts"]
+NO_PYLINT_COMMENTS = ["dtenjax/__init__.py", "dtenjax/_src/cli", "dtenjax/_src/tables.py",
+                      "examples", "scripts", "tests/test_api.py", "tests/test_cli.py",
+                      "tests/test_cli_grammar.py", "tests/test_doc_code.py",
+                      "tests/test_doc_steps_make_mesh.py"]
+# bench/ but the planner benches, which the lead's planning work edits now
+NO_PYLINT_COMMENTS += [f"bench/{p.name}" for p in sorted((ROOT / "bench").glob("*.py"))
+                       if p.name not in ("step_planner.py", "planner.py", "_step_models.py")]
 
 
 def test_ruff_is_a_test_dependency_configured_with_two_space_indentation():

@@ -53,6 +53,14 @@ def status(text: str):
     yield
 
 
+def line_buffered_stdout() -> None:
+  """Each line on stdout as it is printed, also into a pipe or a file (`dtenjax demo | tee
+  log`), where Python would otherwise hold a command's report back until it ends."""
+  reconfigure = getattr(sys.stdout, "reconfigure", None)
+  if reconfigure is not None:
+    reconfigure(line_buffering=True)
+
+
 def add_fixture_argument(ap: argparse.ArgumentParser, what: str) -> None:
   """``--fixture NAME``, the same in every command: the name is checked when the command runs
   (:func:`fixture`), so a wrong one is one line with exit status 2 everywhere."""
@@ -96,6 +104,35 @@ def mesh_size_error(text: str, needed: int, available: int, where: str) -> Usage
   """The one message for a mesh that does not fit the devices, in every command."""
   return UsageError(f"--mesh {text!r}: the mesh needs {needed} devices; {where} has "
                     f"{available}")
+
+
+def whole_number(minimum: int):
+  """argparse ``type=`` for a count of at least ``minimum`` (steps, processes, restarts): the
+  same two messages in every command (``argument --steps: 'x' is not a whole number``,
+  ``argument --nprocs: 0 is less than 1``), exit status 2."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < minimum:
+      raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+    return value
+  return parse
+
+
+def number_above(bound: float):
+  """argparse ``type=`` for an amount that must exceed ``bound`` (seconds, GiB), with the
+  messages of :func:`whole_number`'s kind: ``'x' is not a number``, ``0 is not more than 0``."""
+  def parse(text: str) -> float:
+    try:
+      value = float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > bound:            # NaN too
+      raise argparse.ArgumentTypeError(f"{text} is not more than {bound:g}")
+    return value
+  return parse
 
 
 def add_json_argument(ap: argparse.ArgumentParser, what: str) -> None:

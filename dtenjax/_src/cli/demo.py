@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dtenjax._src import errors
+from dtenjax._src.cli import common
 
 if TYPE_CHECKING:
   from dtenjax._src.planning.placement import Placement
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 
 def load_digits(seed: int = 0):
   try:
-    from sklearn.datasets import load_digits as _load  # pylint: disable=g-import-not-at-top
+    from sklearn.datasets import load_digits as _load
   except ImportError:
     raise errors.ConfigurationError(
         "the demo trains on scikit-learn's digits dataset, and scikit-learn is not installed: "
@@ -122,7 +123,7 @@ def make_grads(mesh):
 
 def make_step(lr: float, mesh):
   """The jitted data-parallel step over every axis of ``mesh`` (see the module docstring)."""
-  import optax  # pylint: disable=g-import-not-at-top
+  import optax
   opt = optax.adam(lr)
   grads_of = make_grads(mesh)
 
@@ -263,20 +264,8 @@ DESCRIPTION = __doc__
 EXTRA = "demo"      # scikit-learn's digits and optax: checked before run() (cli/main.py)
 
 
-def _at_least(minimum: int):
-  def parse(text: str) -> int:
-    try:
-      v = int(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if v < minimum:
-      raise argparse.ArgumentTypeError(f"{v} is less than {minimum}")
-    return v
-  return parse
-
-
 def _batch(text: str) -> int:
-  v = _at_least(1)(text)
+  v = common.whole_number(1)(text)
   if v % MICRO_BATCHES:
     raise argparse.ArgumentTypeError(
         f"{v} does not split into {MICRO_BATCHES} equal micro-batches; use a multiple of "
@@ -285,10 +274,11 @@ def _batch(text: str) -> int:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-  ap.add_argument("--steps", type=_at_least(1), default=300, help="training steps (>= 1)")
+  ap.add_argument("--steps", type=common.whole_number(1), default=300,
+                  help="training steps (>= 1)")
   ap.add_argument("--batch", type=_batch, default=128,
                   help=f"global batch, a multiple of {MICRO_BATCHES} (the micro-batch split)")
-  ap.add_argument("--seed", type=_at_least(0), default=0)
+  ap.add_argument("--seed", type=common.whole_number(0), default=0)
   ap.add_argument("--no-progress", action="store_true",
                   help="no progress bar (there is none when stderr is not a terminal)")
 
@@ -311,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
   from dtenjax._src.planning.placement import Placement
   from dtenjax._src.topology.model import Topology
 
+  common.line_buffered_stdout()   # a log shows each section when it is done (training: seconds)
   t0 = time.perf_counter()
   start_without_fma()
   devices = jax.devices()

@@ -3,9 +3,11 @@ planned mesh over it (matplotlib, the ``plot`` extra; PNG, SVG or PDF by the fil
 
 * the topology: its link matrix, one cell per pair of devices coloured by link class (what
   ``dtenjax topo`` prints as text), hosts outlined;
-* a plan: the mesh as a grid of device ids (the last axis across, the others down), each
-  device coloured by its host, and per axis the link class it runs over with its bandwidth
-  (``StepPlan.axes``): which axis crosses which links.
+* a mesh over it (a plan's, or ``topo --mesh``'s in ``dtenjax.topology_mesh``'s device order):
+  the mesh as a grid of device ids (the last axis across, the others down), each device
+  coloured by its host, and per axis the link class it runs over with its bandwidth
+  (``StepPlan.axes``, or the topology's slowest link within the axis): which axis crosses which
+  links.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def _pyplot():
 
 def _save(fig, plt, path: str) -> None:
   try:
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")     # the legend and labels outside the axes too
   except OSError as e:
     raise common.CommandError(f"--draw {path!r}: cannot write it ({e.strerror or e}); give a "
                               "path in a directory you can write to.") from None
@@ -82,11 +84,20 @@ def topology(topo: Any, path: str) -> None:
 
 def plan(result: Any, topo: Any, path: str) -> None:
   """The planned mesh as a grid of device ids, coloured by host, each axis with its link."""
+  mesh(topo, result.axis_names, result.mesh_shape, result.device_ids,
+       [f"{a.name} ({a.size}): {a.link} {a.span}, {a.bandwidth_gbps:g} GB/s" for a in result.axes],
+       f"plan on {result.topology}", path)
+
+
+def mesh(topo: Any, names, shape, device_ids, axis_labels: list[str], title: str,
+         path: str) -> None:
+  """A mesh (``names``/``shape``, ``device_ids`` in its order) as a grid of device ids coloured
+  by host (the last axis across, the others down), with one legend line per axis."""
   plt = _pyplot()
   from matplotlib.patches import Patch
   import numpy as np
-  ids = np.asarray(result.device_ids).reshape(result.mesh_shape)
-  rows = ids.reshape(-1, result.mesh_shape[-1]) if ids.ndim > 1 else ids.reshape(1, -1)
+  ids = np.asarray(device_ids).reshape(shape)
+  rows = ids.reshape(-1, shape[-1]) if ids.ndim > 1 else ids.reshape(1, -1)
   host_of = {d: h for h, members in enumerate(topo.hosts()) for d in members}
   palette = plt.get_cmap("tab20").colors
   nr, nc = rows.shape
@@ -104,14 +115,14 @@ def plan(result: Any, topo: Any, path: str) -> None:
   ax.set_aspect("equal")
   ax.set_xticks([])
   ax.set_yticks([])
-  across = result.axis_names[-1]
-  down = " x ".join(result.axis_names[:-1]) or "-"
-  ax.set_xlabel(f"across: {across}", fontsize=9)
-  ax.set_ylabel(f"down: {down}", fontsize=9)
-  mesh = ", ".join(f"{n}={s}" for n, s in zip(result.axis_names, result.mesh_shape))
-  ax.set_title(f"plan on {result.topology}: mesh {mesh}", fontsize=9)
-  legend = [Patch(color="none", label=f"{a.name} ({a.size}): {a.link} {a.span}, "
-                  f"{a.bandwidth_gbps:g} GB/s") for a in result.axes]
+  # the axes of size 1 take no room in the grid and none in its labels
+  axes = list(zip(names, shape))
+  ax.set_xlabel(f"across: {axes[-1][0]} ({axes[-1][1]})", fontsize=9)
+  ax.set_ylabel("down: " + (" x ".join(f"{n} ({s})" for n, s in axes[:-1] if s > 1) or "-"),
+                fontsize=9)
+  sizes = ", ".join(f"{n}={s}" for n, s in axes if s > 1) or "one device"
+  ax.set_title(f"{title}\nmesh {sizes}", fontsize=9)
+  legend = [Patch(color="none", label=label) for label in axis_labels]
   legend += [Patch(color=palette[h % 20], label=f"host {h}")
              for h in sorted({host_of.get(int(d), 0) for d in ids.flat})][:8]
   ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)

@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
   else:
     fn = load_object(args.target)
     if args.factory:
-      call_args, call_kwargs = _factory_args(load_object(args.factory, "--args factory"),
+      call_args, call_kwargs = _factory_args(load_object(args.factory, "--args"),
                                              args.factory)
     elif args.shape_args is not None:
       call_args, call_kwargs = tuple(parse_shape_args(args.shape_args, mesh)), {}

@@ -22,21 +22,24 @@ EPILOG = """example: dtenjax launch --nprocs 4 --min-nprocs 2 --cpu-devices-per-
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-  ap.add_argument("--nprocs", type=int, required=True, metavar="N",
+  ap.add_argument("--nprocs", type=common.whole_number(1), required=True, metavar="N",
                   help="processes to start")
-  ap.add_argument("--min-nprocs", type=int, metavar="M",
+  ap.add_argument("--min-nprocs", type=common.whole_number(1), metavar="M",
                   help="the smallest job to continue with (default N: no shrinking)")
-  ap.add_argument("--max-restarts", type=int, default=3, metavar="R",
+  ap.add_argument("--max-restarts", type=common.whole_number(0), default=3, metavar="R",
                   help="restarts allowed in all (default 3)")
-  ap.add_argument("--snapshot-every", type=int, default=1, metavar="STEPS",
+  ap.add_argument("--snapshot-every", type=common.whole_number(0), default=1, metavar="STEPS",
                   help="steps between in-memory snapshots (default 1; 0: none)")
   ap.add_argument("--checkpoint-dir", metavar="DIR",
                   help="the persistent tier: a CheckpointManager directory (default: none)")
-  ap.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS",
+  ap.add_argument("--checkpoint-every", type=common.whole_number(1), default=100, metavar="STEPS",
                   help="steps between persistent checkpoints (default 100)")
-  ap.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
-                  help="seconds a silent process is waited for before it is lost (default 10)")
-  ap.add_argument("--timeout", type=float, default=24 * 3600.0, metavar="S",
+  # more than 0.2 s: the launcher's own floor (launcher.launch), checked here so that it is a
+  # usage error like every other bad value
+  ap.add_argument("--heartbeat-timeout", type=common.number_above(0.2), default=10.0,
+                  metavar="S", help="seconds a silent process is waited for before it is lost "
+                  "(default 10; more than 0.2)")
+  ap.add_argument("--timeout", type=common.number_above(0), default=24 * 3600.0, metavar="S",
                   help="bound on the whole run (default one day)")
   ap.add_argument("--grow", action="store_true",
                   help="after a shrink, grow back to N processes at the next complete in-memory "
@@ -44,7 +47,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
   ap.add_argument("--run-dir", metavar="DIR",
                   help="where the logs (g<generation>.r<rank>.log) and events go (default: a "
                   "new temporary directory)")
-  ap.add_argument("--cpu-devices-per-proc", type=int, metavar="D",
+  ap.add_argument("--cpu-devices-per-proc", type=common.whole_number(1), metavar="D",
                   help="simulated CPU devices per process (XLA_FLAGS; default: as XLA_FLAGS says)")
   ap.add_argument("--reproducible", action="store_true",
                   help="add the process settings reproducible steps need on CPU "
@@ -55,13 +58,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  from dtenjax._src.elastic import launcher  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.elastic import launcher
   if not os.path.isfile(args.script):
     raise common.UsageError(f"SCRIPT {args.script!r} is not a file")
   flags = os.environ.get("XLA_FLAGS", "")
+  if args.min_nprocs is not None and args.min_nprocs > args.nprocs:
+    raise common.UsageError(f"--min-nprocs {args.min_nprocs}: more than --nprocs "
+                            f"{args.nprocs}; give at most {args.nprocs}")
   if args.cpu_devices_per_proc is not None:
-    if args.cpu_devices_per_proc < 1:
-      raise common.UsageError(f"--cpu-devices-per-proc {args.cpu_devices_per_proc} must be >= 1")
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags)
     flags += f" --xla_force_host_platform_device_count={args.cpu_devices_per_proc}"
   if args.reproducible and "--xla_cpu_max_isa=" not in flags:

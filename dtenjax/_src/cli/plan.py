@@ -24,7 +24,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
   common.add_fixture_argument(ap, "plan for a shipped topology instead of this machine")
   ap.add_argument("--mesh", metavar="AXIS=SIZE,...",
                   help="plan on this mesh shape, e.g. data=2,tensor=4 (default: propose one)")
-  ap.add_argument("--budget-gib", type=float, metavar="GIB",
+  ap.add_argument("--budget-gib", type=common.number_above(0), metavar="GIB",
                   help="memory budget per device (default: device memory less the reserve)")
   ap.add_argument("--donate", action="store_true",
                   help="the step is jitted with its state donated (outputs reuse it)")
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
   factory = explain.load_object(args.factory, "--args")
   made, _ = explain._factory_args(factory, args.factory)
   topology = common.fixture(args.fixture) if args.fixture else None
-  budget = args.budget_gib * 2**30 if args.budget_gib else None
+  budget = None if args.budget_gib is None else args.budget_gib * 2**30
   mesh = _mesh(args.mesh, topology or Topology.current(), args.fixture)
   try:
     with common.status(f"planning {args.target}: tracing it, pricing every mesh"):

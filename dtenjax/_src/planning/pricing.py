@@ -193,8 +193,10 @@ def _price_pair_reduction(ctx: PriceContext, zero: list[str]) -> None:
 class LookupGradient:
   """The collectives of a table's lookups' gradient part, and whether that part is the whole
   table on every device (then reduced like any FSDP gradient) or made in the device's shard."""
-  all_gather: float = 0.0      # bytes per device
+  all_gather: float = 0.0      # bytes per device, over the batch axes that shard the table
   all_to_all: float = 0.0
+  ppermute: float = 0.0        # over those axes and 'tensor'
+  all_reduce: float = 0.0      # over 'tensor'
   whole: bool = True
 
 
@@ -215,24 +217,47 @@ def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: d
     and scatters into the shard; else each device scatters its tokens into a whole table, which
     is all-reduced ("index passthrough"). Each lookup is partitioned on its own.
 
-  Priced on XLA:CPU meshes without a ``tensor`` axis (measured there: FSDP rows); with one,
-  XLA:CPU's forms are :func:`_table_scatter`'s (a vocab-parallel table) and
-  :func:`_spread_reduction`'s (a table ``tensor`` replicates, compiled on FSDP x TP rows), and
-  on other backends the whole gradient is reduced."""
+  Priced on XLA:CPU (measured there: FSDP rows), and beside a ``tensor`` axis for a table it
+  replicates, sharded on its features (:func:`_lookup_pieces_over_tensor`); XLA:CPU's other
+  forms beside ``tensor`` are :func:`_table_scatter`'s (a vocab-parallel table) and
+  :func:`_spread_reduction`'s (a table sharded on its vocabulary), and on other backends the
+  whole gradient is reduced."""
   lookup = graph.lookups.get(primary.index)
   zero = [a for a in BATCH_AXES if a in used and m.size[a] > 1 and a not in ROUTED_AXES]
-  if lookup is None or not zero or backend != "cpu" or m.size["tensor"] > 1:
+  if lookup is None or not zero or backend != "cpu":
     return LookupGradient()
   indexed, _, each = lookup
   rest = math.prod(m.size[a] for a in BATCH_AXES if m.size[a] > 1 and a not in zero)
   local = rest * math.prod(m.size[a] for a in zero)
   row = primary.nbytes / max(1, math.prod(primary.shape[k] for k in indexed))
   ids = [rows / row * 4 for rows in each]            # int32 token ids of each lookup
-  if not any(used[a] in indexed for a in zero):
+  features = not any(used[a] in indexed for a in zero)
+  if m.size["tensor"] > 1:
+    if not features or "tensor" in used:
+      return LookupGradient()
+    return _lookup_pieces_over_tensor(primary, m, zero, sum(each) / local, sum(ids) / local)
+  if features:
     return LookupGradient(all_gather=sum(ids) / rest, all_to_all=sum(each) / local, whole=False)
   small = [(rows, i) for rows, i in zip(each, ids) if rows + i <= primary.nbytes]
   return LookupGradient(all_gather=sum(rows + i for rows, i in small) / rest,
                         whole=len(small) < len(each))
+
+
+def _lookup_pieces_over_tensor(primary: stepgraph.Leaf, m: CandidateMesh, zero: list[str],
+                               rows: float, ids: float) -> LookupGradient:
+  """A lookup's gradient part on XLA:CPU where the batch axes ``zero`` shard the table on its
+  features and 'tensor' replicates it: each device's cotangent rows (``rows`` bytes) go to the
+  shard's layout by an all-to-all over ``zero``, as without 'tensor'; the 'tensor' devices of
+  an FSDP group then scatter the gathered tokens in pieces (the token ids moved to them by a
+  collective-permute, ``ids`` bytes) into the shard and all-reduce it over a 'tensor'
+  sub-group. Nothing of this part is reduced over ``zero``; a tied table's product part is
+  still :func:`_spread_reduction`'s (compiled: gpt2's FSDP x TP plan, `fsdp` 2 x `tensor` 4, 8
+  and 16 on 8 to 32 CPU devices: an all-to-all of 2 x f32[8,512,1,384] and the shard
+  f32[50304,384] all-reduced over pairs of 'tensor' devices, beside the product's half
+  all-reduced over 'fsdp' and permuted; a lookup-only table alike, `fsdp` 2 x `tensor` 4 and
+  `fsdp` 4 x `tensor` 2)."""
+  shard = primary.nbytes / math.prod(m.size[a] for a in zero)
+  return LookupGradient(all_to_all=rows, ppermute=ids, all_reduce=shard, whole=False)
 
 
 def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, used,
@@ -328,9 +353,10 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   scatter = lookup_gradient(graph, primary, used, m, pricer.backend)
   if not scatter.whole and use is None:
     uses = 0                 # a table only looked up: its gradient is made in its shard
-  for kind in ("all_gather", "all_to_all"):
+  for kind, axes in (("all_gather", zero), ("all_to_all", zero),
+                     ("ppermute", zero + ["tensor"]), ("all_reduce", ["tensor"])):
     if getattr(scatter, kind):
-      ctx.add(kind, getattr(scatter, kind), zero, blocking=False)
+      ctx.add(kind, getattr(scatter, kind), axes, blocking=False)
   # gradient synchronisation
   for kind, nb, axes in table_sync:
     ctx.add(kind, nb, axes, blocking=False)

@@ -290,8 +290,35 @@ def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, 
     return 1, 0.0
   moved = grad / f
   if use is None:
-    moved = min(moved, lookup[1] / batch_div)
+    moved = _moved_per_lookup(primary, lookup, moved, batch_div)
   return min(f, t), moved
+
+
+def _moved_per_lookup(primary: stepgraph.Leaf, lookup, piece: float, batch_div: int) -> float:
+  """What XLA:CPU permutes per lookup of a table :func:`_spread_reduction` reduces in pieces,
+  on average over its lookups: each lookup's gradient is partitioned, reduced and permuted on its
+  own (:func:`_lookup_parts`), and permutes the ``piece`` of the table, or the lookup's local
+  cotangent rows and int32 token ids where they are fewer bytes (compiled: the
+  encoder-decoder's FSDP x TP plan, two lookups of a 2048 x 256 table: on 8 CPU devices two
+  f32[8,64,256] and two s32[8,64,1], on 16 two f32[1024,256] pieces)."""
+  indexed, _, each = lookup
+  row = primary.nbytes / max(1, math.prod(primary.shape[k] for k in indexed))
+  return sum(min(piece, (rows + rows / row * 4) / batch_div) for rows in each) / len(each)
+
+
+def _lookup_parts(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, spread: int) -> int:
+  """The gradient parts XLA:CPU reduces apart for a table only looked up, where its gradient is
+  reduced in ``spread`` pieces: one per lookup (each a scatter of its own, partitioned, all-reduced
+  and permuted before they are added; the encoder-decoder's source and target lookups into one
+  table on 8 to 64 CPU devices: two all-reduced pieces and two permutes, where one was priced).
+  XLA:CPU reduces each lookup's whole gradient apart under DP and FSDP too (22.0 MiB priced, 24.0
+  compiled on the encoder-decoder's DP rows, 8 % under); not priced there, as pricing it moves the
+  encoder-decoder's default plan on 8 devices to a layout the memory model misses (bytes4's
+  finding, eleventh round)."""
+  lookup = graph.lookups.get(primary.index)
+  if spread <= 1 or lookup is None:
+    return 1
+  return len(lookup[2])
 
 
 def _table_scatter(lookup, vocab_axes: list[str], zero: list[str], m: CandidateMesh,
@@ -353,6 +380,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   scatter = lookup_gradient(graph, primary, used, m, pricer.backend)
   if not scatter.whole and use is None:
     uses = 0                 # a table only looked up: its gradient is made in its shard
+  elif use is None:
+    uses = _lookup_parts(graph, primary, spread)
   for kind, axes in (("all_gather", zero), ("all_to_all", zero),
                      ("ppermute", zero + ["tensor"]), ("all_reduce", ["tensor"])):
     if getattr(scatter, kind):

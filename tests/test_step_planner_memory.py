@@ -692,18 +692,20 @@ def test_a_feature_sharded_table_beside_tensor_scatters_its_rows_in_pieces_over_
   assert "all_to_all" not in predicted_kinds(gpu)
 
 
-@pytest.mark.parametrize("batch", [16, 32])
-def test_each_lookup_of_a_table_tensor_replicates_is_reduced_and_permuted_on_its_own(batch):
-  # The encoder-decoder looks its table up twice (source and target tokens). Under FSDP x TP
-  # (fsdp 2 x tensor 4, the table sharded over 'fsdp' on its vocabulary) XLA:CPU partitions each
-  # lookup's gradient on its own: each all-reduces a half table over 'fsdp' and permutes either
-  # its half (batch 32) or its local cotangent rows and token ids where fewer bytes (batch 16).
-  # Before: one lookup priced (all_reduce 0.5 MiB under: 7 % and 4 %; the permute 33 % under at
-  # batch 32). Expected: explain() of the compiled step.
+@pytest.mark.parametrize("recipe,batch", [("FSDP x TP", 16), ("FSDP x TP", 32), ("DP", 16),
+                                          ("FSDP", 64)])
+def test_each_lookup_of_a_table_is_reduced_on_its_own_on_cpu(recipe, batch):
+  # The encoder-decoder looks its table up twice (source and target tokens); XLA:CPU partitions
+  # and all-reduces each lookup's gradient on its own before adding them. Under DP, and FSDP where
+  # each lookup's rows outweigh the table (batch 64), two whole tables are all-reduced. Under FSDP
+  # x TP (fsdp 2 x tensor 4, the table sharded over 'fsdp' on its vocabulary) each lookup
+  # all-reduces a half table over 'fsdp' and permutes its half (batch 32) or its local cotangent
+  # rows and token ids, where fewer bytes (batch 16). Before: one lookup priced (all_reduce 22 %
+  # under (DP), 22 % (FSDP), 8 % and 5 % (FSDP x TP); the permute 33 % under at batch 32).
+  # Expected: explain() of the compiled step.
   step, args = _small_family("encdec", batch=batch)
-  check = dtenjax.plan(step, *args, recipe="FSDP x TP").check(step, *args,
-                                                              compiler_options=EMITTERS)
-  assert set(check.kind_errors) == {"all_gather", "all_reduce", "ppermute"}, check.table()
+  check = dtenjax.plan(step, *args, recipe=recipe).check(step, *args, compiler_options=EMITTERS)
+  assert "all_reduce" in check.kind_errors, check.table()
   assert max(check.kind_errors.values()) <= 0.01, check.table()
 
 

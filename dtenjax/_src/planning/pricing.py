@@ -198,6 +198,7 @@ class LookupGradient:
   ppermute: float = 0.0        # over those axes and 'tensor'
   all_reduce: float = 0.0      # over 'tensor'
   whole: bool = True
+  whole_lookups: int | None = None   # the lookups whose part is the whole table (None: all)
 
 
 def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: dict[str, int],
@@ -240,7 +241,7 @@ def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: d
     return LookupGradient(all_gather=sum(ids) / rest, all_to_all=sum(each) / local, whole=False)
   small = [(rows, i) for rows, i in zip(each, ids) if rows + i <= primary.nbytes]
   return LookupGradient(all_gather=sum(rows + i for rows, i in small) / rest,
-                        whole=len(small) < len(each))
+                        whole=len(small) < len(each), whole_lookups=len(each) - len(small))
 
 
 def _lookup_pieces_over_tensor(primary: stepgraph.Leaf, m: CandidateMesh, zero: list[str],
@@ -306,19 +307,21 @@ def _moved_per_lookup(primary: stepgraph.Leaf, lookup, piece: float, batch_div: 
   return sum(min(piece, (rows + rows / row * 4) / batch_div) for rows in each) / len(each)
 
 
-def _lookup_parts(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, spread: int) -> int:
-  """The gradient parts XLA:CPU reduces apart for a table only looked up, where its gradient is
-  reduced in ``spread`` pieces: one per lookup (each a scatter of its own, partitioned, all-reduced
-  and permuted before they are added; the encoder-decoder's source and target lookups into one
-  table on 8 to 64 CPU devices: two all-reduced pieces and two permutes, where one was priced).
-  XLA:CPU reduces each lookup's whole gradient apart under DP and FSDP too (22.0 MiB priced, 24.0
-  compiled on the encoder-decoder's DP rows, 8 % under); not priced there, as pricing it moves the
-  encoder-decoder's default plan on 8 devices to a layout the memory model misses (bytes4's
-  finding, eleventh round)."""
+def _lookup_parts(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, scatter: LookupGradient,
+                  backend: str) -> int:
+  """The gradient parts XLA:CPU reduces apart for a table only looked up: one per lookup whose
+  part is the whole table (each lookup's gradient is a scatter of its own, partitioned and
+  all-reduced before they are added; compiled: the encoder-decoder's source and target lookups
+  into one table, 24.0 MiB of all-reduce on its DP and FSDP rows where one reduction priced
+  22.0, and under FSDP x TP two pieces all-reduced and two permutes where one was priced, on 8
+  to 64 CPU devices), none where each is made in the table's shard. XLA's GPU compiler: one (not
+  seen compiled with several lookups)."""
   lookup = graph.lookups.get(primary.index)
-  if spread <= 1 or lookup is None:
+  if lookup is None or backend != "cpu":
     return 1
-  return len(lookup[2])
+  if not scatter.whole:
+    return 0
+  return len(lookup[2]) if scatter.whole_lookups is None else scatter.whole_lookups
 
 
 def _table_scatter(lookup, vocab_axes: list[str], zero: list[str], m: CandidateMesh,
@@ -378,10 +381,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   spread, moved = _spread_reduction(graph, primary, use, used, m, zero, pricer.backend, grad,
                                     batch_div)
   scatter = lookup_gradient(graph, primary, used, m, pricer.backend)
-  if not scatter.whole and use is None:
-    uses = 0                 # a table only looked up: its gradient is made in its shard
-  elif use is None:
-    uses = _lookup_parts(graph, primary, spread)
+  if use is None:
+    uses = _lookup_parts(graph, primary, scatter, pricer.backend)
+    parts = max(parts, uses)
   for kind, axes in (("all_gather", zero), ("all_to_all", zero),
                      ("ppermute", zero + ["tensor"]), ("all_reduce", ["tensor"])):
     if getattr(scatter, kind):

@@ -278,8 +278,12 @@ def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, 
   gradient all-reduced in quarters, 0.5 MiB, and 0.125 MiB permuted). For a lookup table it
   permutes the tokens' cotangents instead where they are smaller (the mixture of experts' 512
   tokens per device: 0.5 MiB, not 1). Only a gradient a product or a lookup's scatter writes is
-  split; a norm's (a reduce over the tokens) is all-reduced whole. XLA's GPU compiler reduces
-  them another way (:func:`_reduced_in_tensor_pairs`): not priced there."""
+  split, and a product's only where 'tensor' is at least as large as the FSDP group: with more
+  FSDP devices its gradient is all-reduced whole over them and not permuted (compiled on 8 CPU
+  devices, `fsdp` 4 x `tensor` 2: llama_loop's unembedding f32[512,128] whole, its lookup table
+  still in halves and a quarter permuted; a tied table's product part whole). A norm's gradient
+  (a reduce over the tokens) is all-reduced whole. XLA's GPU compiler reduces them another way
+  (:func:`_reduced_in_tensor_pairs`): not priced there."""
   t = m.size["tensor"]
   if backend != "cpu" or t <= 1 or "tensor" in used or not zero:
     return 1, 0.0
@@ -287,7 +291,7 @@ def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, 
   if use is None and lookup is None:
     return 1, 0.0
   f = math.prod(m.size[a] for a in zero)
-  if t % f and f % t:
+  if (t % f and f % t) or (use is not None and f > t):
     return 1, 0.0
   moved = grad / f
   if use is None:

@@ -252,8 +252,8 @@ def _lookup_pieces_over_tensor(primary: stepgraph.Leaf, m: CandidateMesh, zero: 
   an FSDP group then scatter the gathered tokens in pieces (the token ids moved to them by a
   collective-permute, ``ids`` bytes) into the shard and all-reduce it over a 'tensor'
   sub-group. Nothing of this part is reduced over ``zero``; a tied table's product part is
-  still :func:`_spread_reduction`'s (compiled: gpt2's FSDP x TP plan, `fsdp` 2 x `tensor` 4, 8
-  and 16 on 8 to 32 CPU devices: an all-to-all of 2 x f32[8,512,1,384] and the shard
+  still :func:`_spread_reduction`'s (compiled: gpt2's FSDP x TP plans, `fsdp` 2 x `tensor` 4 to
+  16 on 8 to 32 CPU devices: on 8 an all-to-all of 2 x f32[8,512,1,384] and the shard
   f32[50304,384] all-reduced over pairs of 'tensor' devices, beside the product's half
   all-reduced over 'fsdp' and permuted; a lookup-only table alike, `fsdp` 2 x `tensor` 4 and
   `fsdp` 4 x `tensor` 2)."""

@@ -197,9 +197,12 @@ def _price_pair_reduction(ctx: PriceContext, zero: list[str]) -> None:
 class LookupGradient:
   """The collectives of a table's lookups' gradient part, and whether that part is the whole
   table on every device (then reduced like any FSDP gradient) or made in the device's shard."""
-  all_gather: float = 0.0      # bytes per device
+  all_gather: float = 0.0      # bytes per device, over the batch axes that shard the table
   all_to_all: float = 0.0
+  ppermute: float = 0.0        # over those axes and 'tensor'
+  all_reduce: float = 0.0      # over 'tensor'
   whole: bool = True
+  whole_lookups: int | None = None   # the lookups whose part is the whole table (None: all)
 
 
 def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: dict[str, int],
@@ -219,24 +222,47 @@ def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: d
     and scatters into the shard; else each device scatters its tokens into a whole table, which
     is all-reduced ("index passthrough"). Each lookup is partitioned on its own.
 
-  Priced on XLA:CPU meshes without a ``tensor`` axis (measured there: FSDP rows); with one,
-  XLA:CPU's forms are :func:`_table_scatter`'s (a vocab-parallel table) and
-  :func:`_spread_reduction`'s (a table ``tensor`` replicates, compiled on FSDP x TP rows), and
-  on other backends the whole gradient is reduced."""
+  Priced on XLA:CPU (measured there: FSDP rows), and beside a ``tensor`` axis for a table it
+  replicates, sharded on its features (:func:`_lookup_pieces_over_tensor`); XLA:CPU's other
+  forms beside ``tensor`` are :func:`_table_scatter`'s (a vocab-parallel table) and
+  :func:`_spread_reduction`'s (a table sharded on its vocabulary), and on other backends the
+  whole gradient is reduced."""
   lookup = graph.lookups.get(primary.index)
   zero = [a for a in BATCH_AXES if a in used and m.size[a] > 1 and a not in ROUTED_AXES]
-  if lookup is None or not zero or backend != "cpu" or m.size["tensor"] > 1:
+  if lookup is None or not zero or backend != "cpu":
     return LookupGradient()
   indexed, _, each = lookup
   rest = math.prod(m.size[a] for a in BATCH_AXES if m.size[a] > 1 and a not in zero)
   local = rest * math.prod(m.size[a] for a in zero)
   row = primary.nbytes / max(1, math.prod(primary.shape[k] for k in indexed))
   ids = [rows / row * 4 for rows in each]            # int32 token ids of each lookup
-  if not any(used[a] in indexed for a in zero):
+  features = not any(used[a] in indexed for a in zero)
+  if m.size["tensor"] > 1:
+    if not features or "tensor" in used:
+      return LookupGradient()
+    return _lookup_pieces_over_tensor(primary, m, zero, sum(each) / local, sum(ids) / local)
+  if features:
     return LookupGradient(all_gather=sum(ids) / rest, all_to_all=sum(each) / local, whole=False)
   small = [(rows, i) for rows, i in zip(each, ids) if rows + i <= primary.nbytes]
   return LookupGradient(all_gather=sum(rows + i for rows, i in small) / rest,
-                        whole=len(small) < len(each))
+                        whole=len(small) < len(each), whole_lookups=len(each) - len(small))
+
+
+def _lookup_pieces_over_tensor(primary: stepgraph.Leaf, m: CandidateMesh, zero: list[str],
+                               rows: float, ids: float) -> LookupGradient:
+  """A lookup's gradient part on XLA:CPU where the batch axes ``zero`` shard the table on its
+  features and 'tensor' replicates it: each device's cotangent rows (``rows`` bytes) go to the
+  shard's layout by an all-to-all over ``zero``, as without 'tensor'; the 'tensor' devices of
+  an FSDP group then scatter the gathered tokens in pieces (the token ids moved to them by a
+  collective-permute, ``ids`` bytes) into the shard and all-reduce it over a 'tensor'
+  sub-group. Nothing of this part is reduced over ``zero``; a tied table's product part is
+  still :func:`_spread_reduction`'s (compiled: gpt2's FSDP x TP plans, `fsdp` 2 x `tensor` 4 to
+  16 on 8 to 32 CPU devices: on 8 an all-to-all of 2 x f32[8,512,1,384] and the shard
+  f32[50304,384] all-reduced over pairs of 'tensor' devices, beside the product's half
+  all-reduced over 'fsdp' and permuted; a lookup-only table alike, `fsdp` 2 x `tensor` 4 and
+  `fsdp` 4 x `tensor` 2)."""
+  shard = primary.nbytes / math.prod(m.size[a] for a in zero)
+  return LookupGradient(all_to_all=rows, ppermute=ids, all_reduce=shard, whole=False)
 
 
 def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, used,
@@ -256,8 +282,12 @@ def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, 
   gradient all-reduced in quarters, 0.5 MiB, and 0.125 MiB permuted). For a lookup table it
   permutes the tokens' cotangents instead where they are smaller (the mixture of experts' 512
   tokens per device: 0.5 MiB, not 1). Only a gradient a product or a lookup's scatter writes is
-  split; a norm's (a reduce over the tokens) is all-reduced whole. XLA's GPU compiler reduces
-  them another way (:func:`_reduced_in_tensor_pairs`): not priced there."""
+  split, and a product's only where 'tensor' is at least as large as the FSDP group: with more
+  FSDP devices its gradient is all-reduced whole over them and not permuted (compiled on 8 CPU
+  devices, `fsdp` 4 x `tensor` 2: llama_loop's unembedding f32[512,128] whole, its lookup table
+  still in halves and a quarter permuted; a tied table's product part whole). A norm's gradient
+  (a reduce over the tokens) is all-reduced whole. XLA's GPU compiler reduces them another way
+  (:func:`_reduced_in_tensor_pairs`): not priced there."""
   t = m.size["tensor"]
   if backend != "cpu" or t <= 1 or "tensor" in used or not zero:
     return 1, 0.0
@@ -265,12 +295,41 @@ def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, 
   if use is None and lookup is None:
     return 1, 0.0
   f = math.prod(m.size[a] for a in zero)
-  if t % f and f % t:
+  if (t % f and f % t) or (use is not None and f > t):
     return 1, 0.0
   moved = grad / f
   if use is None:
-    moved = min(moved, lookup[1] / batch_div)
+    moved = _moved_per_lookup(primary, lookup, moved, batch_div)
   return min(f, t), moved
+
+
+def _moved_per_lookup(primary: stepgraph.Leaf, lookup, piece: float, batch_div: int) -> float:
+  """What XLA:CPU permutes per lookup of a table :func:`_spread_reduction` reduces in pieces,
+  on average over its lookups: each lookup's gradient is partitioned, reduced and permuted on its
+  own (:func:`_lookup_parts`), and permutes the ``piece`` of the table, or the lookup's local
+  cotangent rows and int32 token ids where they are fewer bytes (compiled: the
+  encoder-decoder's FSDP x TP plan, two lookups of a 2048 x 256 table: on 8 CPU devices two
+  f32[8,64,256] and two s32[8,64,1], on 16 two f32[1024,256] pieces)."""
+  indexed, _, each = lookup
+  row = primary.nbytes / max(1, math.prod(primary.shape[k] for k in indexed))
+  return sum(min(piece, (rows + rows / row * 4) / batch_div) for rows in each) / len(each)
+
+
+def _lookup_parts(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, scatter: LookupGradient,
+                  backend: str) -> int:
+  """The gradient parts XLA:CPU reduces apart for a table only looked up: one per lookup whose
+  part is the whole table (each lookup's gradient is a scatter of its own, partitioned and
+  all-reduced before they are added; compiled: the encoder-decoder's source and target lookups
+  into one table, 24.0 MiB of all-reduce on its DP and FSDP rows where one reduction priced
+  22.0, and under FSDP x TP two pieces all-reduced and two permutes where one was priced, on 8
+  to 64 CPU devices), none where each is made in the table's shard. XLA's GPU compiler: one (not
+  seen compiled with several lookups)."""
+  lookup = graph.lookups.get(primary.index)
+  if lookup is None or backend != "cpu":
+    return 1
+  if not scatter.whole:
+    return 0
+  return len(lookup[2]) if scatter.whole_lookups is None else scatter.whole_lookups
 
 
 def _table_scatter(lookup, vocab_axes: list[str], zero: list[str], m: CandidateMesh,
@@ -330,11 +389,13 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   spread, moved = _spread_reduction(graph, primary, use, used, m, zero, pricer.backend, grad,
                                     batch_div)
   scatter = lookup_gradient(graph, primary, used, m, pricer.backend)
-  if not scatter.whole and use is None:
-    uses = 0                 # a table only looked up: its gradient is made in its shard
-  for kind in ("all_gather", "all_to_all"):
+  if use is None:
+    uses = _lookup_parts(graph, primary, scatter, pricer.backend)
+    parts = max(parts, uses)
+  for kind, axes in (("all_gather", zero), ("all_to_all", zero),
+                     ("ppermute", zero + ["tensor"]), ("all_reduce", ["tensor"])):
     if getattr(scatter, kind):
-      ctx.add(kind, getattr(scatter, kind), zero, blocking=False)
+      ctx.add(kind, getattr(scatter, kind), axes, blocking=False)
   # gradient synchronisation
   for kind, nb, axes in table_sync:
     ctx.add(kind, nb, axes, blocking=False)

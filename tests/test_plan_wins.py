@@ -180,3 +180,34 @@ def test_measure_keeps_the_fastest_of_every_layout_it_timed(cpu_devices, monkeyp
   assert times["FSDP x TP (fsdp 4 x tensor 2)"] == 1.0 and times["model's choice"] == 9.0
   # each candidate: one warm-up, then 3 rounds of a warm call and 2 timed calls
   assert len(calls) == len(times) * (1 + 3 * 3)
+
+
+def test_the_terms_bench_splits_a_step_into_compute_and_collectives(cpu_devices):
+  """bench/step_terms.py: the step with its local shapes runs no collective and computes each
+  device's share (a tensor-parallel weight's shard, the gathered FSDP weight); the collectives
+  read from the compiled step are placed on the mesh axes their groups join."""
+  del cpu_devices
+  sys.path.insert(0, str(ROOT / "bench"))
+  import step_terms  # pylint: disable=g-import-not-at-top
+  fams = _families()
+  fam = fams.FAMILIES["encdec"](vocab=256, d=64, heads=4, ffn=128, layers=1, batch=8, seq=8)
+  r = fams.recipe(fam, "FSDP x TP")
+  ids = [[d.id for d in row] for row in r.mesh.devices]          # fsdp 4 x tensor 2
+  columns = [list(c) for c in zip(*ids)]
+  assert step_terms._axes_of(ids, r.mesh) == ("tensor",)  # pylint: disable=protected-access
+  assert step_terms._axes_of(columns, r.mesh) == ("fsdp",)  # pylint: disable=protected-access
+  assert step_terms._axes_of([], r.mesh) == ("fsdp", "tensor")  # pylint: disable=protected-access
+  step, args = fam.make()
+  real = fams.real_args(fam)
+  fn, placed = step_terms.local_program(fam, r, real)
+  assert not dtenjax.explain(fn.lower(*placed).compile()).collectives
+  wq = placed[0]["e0"]["wq"]                       # [d, heads, head dim]: heads over tensor
+  assert wq.addressable_shards[0].data.shape == (64, 2, 16)
+  users, _ = fams.recipe_jit(fam, r)
+  colls = step_terms.collective_list(users.lower(*args).compile(), r.mesh)
+  kinds = {k for k, _, _ in colls}
+  assert {"all_gather", "all_reduce"} <= kinds and all(w > 0 for _, w, _ in colls)
+  assert {a for k, _, a in colls if k == "all_gather"} == {("fsdp",)}   # FSDP's gathers
+  (with_, x), (without, _) = step_terms.collective_programs(colls, r.mesh)
+  assert dtenjax.explain(with_.lower(x).compile()).collectives
+  assert not dtenjax.explain(without.lower(x).compile()).collectives

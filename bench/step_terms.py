@@ -14,9 +14,11 @@ medians):
 * ``opt gathered`` / ``opt sharded``: AdamW's update alone (optax, as the families), on every
   device at once, on the weights as ``local`` holds them and as the layout stores them; ``compute``
   is then ``local - opt gathered + opt sharded``: the step's compute without its collectives;
-* ``coll``: the compiled step's collectives alone, each at its size and over its mesh axes (read
-  from the compiled HLO, loop trip counts included), one after another in one program, less the
-  same program without them.
+* ``coll``: the compiled step's collectives alone (each with its operands' shapes, a combined
+  all-reduce as one, over its mesh axes; read from the compiled HLO, loop trip counts included),
+  one after another in one program, less the same program making the same buffers without them;
+* ``step CPU`` / ``local CPU``: this process's CPU milliseconds per call (every device's
+  threads): the work done, where the wall time also counts devices waiting for each other.
 
 Beside them the cost model's parts for the same layout (the plan with that mesh and the layout's
 specs pinned, as the wins part prices a recipe), with the table priors and with this machine's
@@ -124,40 +126,50 @@ def _axes_of(groups, mesh) -> tuple[str, ...]:
   raise ValueError(f"groups {groups} are no set of axes of mesh {dict(mesh.shape)}")
 
 
-def collective_list(compiled, mesh) -> list[tuple[str, int, tuple[str, ...]]]:
-  """(kind, float32 words of the operands per device, axes) of every collective the compiled
-  step runs, repeated by its loop trip counts."""
+def collective_list(compiled, mesh) -> list[tuple[str, tuple, tuple[str, ...]]]:
+  """(kind, the operands' shapes and dtypes per device, axes) of every collective the compiled
+  step runs, repeated by its loop trip counts (a combined all-reduce keeps its operands)."""
   from dtenjax._src.planning.check import loop_repeats  # pylint: disable=g-import-not-at-top
   repeats = loop_repeats(compiled)
   out = []
   for c in dtenjax.explain(compiled).collectives:
-    words = sum(s.nbytes for s in c.operand_shapes) // 4
-    out += [(c.kind, words, _axes_of(c.groups, mesh))] * repeats(c.computation)
+    shapes = tuple((tuple(s.dims), s.dtype) for op in c.operand_shapes for s in op.leaves())
+    out += [(c.kind, shapes, _axes_of(c.groups, mesh))] * repeats(c.computation)
   return out
+
+
+def collective_mib(colls) -> float:
+  """MiB per device of the operands, as the reproduction makes them (float32: the families')."""
+  return sum(4 * math.prod(d) for _, shapes, _ in colls for d, _ in shapes) / 2**20
 
 
 def collective_programs(colls, mesh):
   """(with, without): one program running ``colls`` one after another (each waits for the last
-  one's first element), and the same program making the same buffers without the collectives."""
+  one's first element), on buffers of their operands' shapes, and the same program making the
+  same buffers (kept by an optimization barrier) without the collectives."""
+  def op(kind, x, axes, g):
+    if kind == "all_reduce":
+      return lax.psum(x, axes)
+    if kind == "all_gather":
+      return lax.all_gather(x, axes, tiled=True)
+    if kind == "reduce_scatter":
+      return lax.psum_scatter(x.reshape(-1)[:x.size // g * g], axes, tiled=True)
+    if kind == "all_to_all":
+      return lax.all_to_all(x.reshape(g, -1), axes, 0, 0, tiled=True)
+    raise ValueError(f"collective kind {kind!r} is not reproduced")
+
   def body(x, run: bool):
     s = x[0]
-    for kind, words, axes in colls:
+    for kind, shapes, axes in colls:
       g = math.prod(mesh.shape[a] for a in axes)
-      words = max(g, words // g * g)
-      buf = jnp.full((words,), s, jnp.float32)
+      bufs = [jnp.full(d, s, jnp.float32) for d, _ in shapes]
       if not run:
-        y = buf
-      elif kind == "all_reduce":
-        y = lax.psum(buf, axes)
-      elif kind == "all_gather":
-        y = lax.all_gather(buf, axes, tiled=True)
-      elif kind == "reduce_scatter":
-        y = lax.psum_scatter(buf, axes, tiled=True)
-      elif kind == "all_to_all":
-        y = lax.all_to_all(buf.reshape(g, -1), axes, 0, 0, tiled=True)
+        ys = lax.optimization_barrier(bufs)
+      elif kind == "all_reduce":                  # one all-reduce of all the operands
+        ys = lax.psum(bufs, axes)
       else:
-        raise ValueError(f"collective kind {kind!r} is not reproduced")
-      s = s + y.ravel()[0] * 1e-9
+        ys = [op(kind, b, axes, g) for b in bufs]
+      s = s + sum(y.ravel()[0] for y in ys) * 1e-9
     return s[None]
 
   make = lambda run: jax.jit(jax.shard_map(lambda x: body(x, run), mesh=mesh,
@@ -197,7 +209,20 @@ COLUMNS = (("family", "family", "s"), ("layout", "layout", "s"), ("mesh", "mesh"
            ("pred comm", "p_comm", ".1f"), ("pred total", "p_total", ".1f"),
            ("cal comp", "c_compute", ".1f"), ("cal upd", "c_update", ".1f"),
            ("cal comm", "c_comm", ".1f"), ("cal total", "c_total", ".1f"),
-           ("coll MiB", "coll_mib", ".1f"))
+           ("coll MiB", "coll_mib", ".1f"), ("step CPU", "step_cpu", ".0f"),
+           ("local CPU", "local_cpu", ".0f"))
+
+
+def _cpu_ms(fn, args, calls: int = 3) -> float:
+  """This process's CPU milliseconds per call of ``fn`` (all devices' threads): the work, where
+  wall time also counts the waiting."""
+  import resource  # pylint: disable=g-import-not-at-top
+  use = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+  jax.block_until_ready(fn(*args))
+  c0 = use()
+  for _ in range(calls):
+    jax.block_until_ready(fn(*args))
+  return (use() - c0) / calls * 1e3
 
 
 def family_rows(name: str, iters: int, calibrated) -> list[dict]:
@@ -221,17 +246,19 @@ def family_rows(name: str, iters: int, calibrated) -> list[dict]:
     (cw, x), (cb, _) = collective_programs(colls, r.mesh)
     fns[(rn, "coll_with")] = (cw, (x,))
     fns[(rn, "coll_base")] = (cb, (x,))
-    meta[rn] = (r, sum(4 * w for _, w, _ in colls) / 2**20)
+    meta[rn] = (r, collective_mib(colls))
   samples = measure.time_calls({k: (lambda f=f, a=a: f(*a)) for k, (f, a) in fns.items()},
                                warmup=2, rounds=iters)
   t = {k: _harness.median(v) * 1e3 for k, v in samples.items()}
+  cpu = {k: _cpu_ms(*fns[k]) for k in fns if k[1] in ("step", "local")}
   rows = []
   for rn, (r, coll_mib) in meta.items():
     row = {"family": name, "layout": rn,
            "mesh": "x".join(f"{a}{n}" for a, n in r.mesh.shape.items()),
            "step": t[(rn, "step")], "local": t[(rn, "local")],
            "opt_gathered": t[(rn, "opt_gathered")], "opt_sharded": t[(rn, "opt_sharded")],
-           "coll": t[(rn, "coll_with")] - t[(rn, "coll_base")], "coll_mib": coll_mib}
+           "coll": t[(rn, "coll_with")] - t[(rn, "coll_base")], "coll_mib": coll_mib,
+           "step_cpu": cpu[(rn, "step")], "local_cpu": cpu[(rn, "local")]}
     row["compute"] = row["local"] - row["opt_gathered"] + row["opt_sharded"]
     row["rest"] = row["step"] - row["compute"]
     for prefix, topo in (("p", None), ("c", calibrated)):
@@ -243,12 +270,33 @@ def family_rows(name: str, iters: int, calibrated) -> list[dict]:
   return rows
 
 
+def probe_rows(topology) -> list[dict]:
+  """The calibration's elementwise rate and its collective-between-products cost at several
+  sizes (``--probe``): does the 4 MiB buffer measure the caches, and does the meeting cost grow
+  with the product between the collectives?"""
+  from dtenjax._src.topology import calibrate  # pylint: disable=g-import-not-at-top
+  rows = []
+  tiny = {"matmul": ((64, 64, 64),), "collectives": (4096,)}
+  for mib in (4, 64, 256):
+    cal = calibrate.measure(topology, sizes={**tiny, "memory": mib << 20, "latency": 0})
+    rows.append({"probe": "elementwise", "size": f"{mib} MiB per device",
+                 "value": cal.memory_gbps, "unit": "GB/s per device"})
+  for m in (256, 1024):
+    cal = calibrate.measure(topology, sizes={**tiny, "memory": 1 << 20, "latency": m})
+    rows.append({"probe": "collective between products", "size": f"{m} x {m} product",
+                 "value": cal.latency_s * 1e3, "unit": "ms"})
+  return rows
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="bench/step_terms.py", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--families", default="encdec,llama_loop")
   ap.add_argument("--iters", type=_harness.positive_int, default=8)
   ap.add_argument("--no-calibrate", action="store_true")
+  ap.add_argument("--probe", action="store_true",
+                  help="first, the calibration's elementwise rate and meeting cost at several "
+                  "sizes")
   ap.add_argument("--json", metavar="PATH")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = ap.parse_args(argv)
@@ -258,18 +306,31 @@ def main(argv=None) -> int:
     notes.append(calibrated.calibration.summary())
     print(notes[-1], flush=True)
   rows = []
+  if args.probe:
+    rows += probe_rows(dtenjax.Topology.current())
+    print(_harness.table(rows, (("probe", "probe", "s"), ("size", "size", "s"),
+                                ("value", "value", ".2f"), ("unit", "unit", "s")),
+                         title="the calibration's measurements at other sizes"), flush=True)
   for name in args.families.split(","):
+    if not name:
+      continue
     rows += family_rows(name, args.iters, calibrated)
     print(_harness.table([r for r in rows if r["family"] == name], COLUMNS,
                          title=f"{name}: ms per step, measured and predicted"), flush=True)
-    done = notes + [f"{len(jax.devices())} {jax.devices()[0].platform} devices, "
-                    f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"]
-    if args.json:            # after each family: a run stopped by a time limit keeps it
-      _harness.write_json(args.json, _harness.document(
-          "step_terms", __file__, argv, {"families": args.families, "iters": args.iters},
-          rows, kind="other", devices=jax.devices(), notes=done))
-  print(done[-1])
+    _write(args, argv, rows, notes)     # after each family: a run cut short keeps it
+  print(_write(args, argv, rows, notes))
   return 0
+
+
+def _write(args, argv, rows, notes) -> str:
+  """Writes the JSON (with ``--json``); returns the line on the machine's load."""
+  load = (f"{len(jax.devices())} {jax.devices()[0].platform} devices, {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}")
+  if args.json:
+    _harness.write_json(args.json, _harness.document(
+        "step_terms", __file__, argv, {"families": args.families, "iters": args.iters},
+        rows, kind="other", devices=jax.devices(), notes=notes + [load]))
+  return load
 
 
 if __name__ == "__main__":

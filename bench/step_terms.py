@@ -270,6 +270,11 @@ def family_rows(name: str, iters: int, calibrated) -> list[dict]:
   return rows
 
 
+# --probe's sizes: the elementwise buffer per device (MiB) and the product beside a collective
+PROBE_MIB = (4, 64, 256)
+PROBE_PRODUCTS = (256, 1024)
+
+
 def probe_rows(topology) -> list[dict]:
   """The calibration's elementwise rate and its collective-between-products cost at several
   sizes (``--probe``): does the 4 MiB buffer measure the caches, and does the meeting cost grow
@@ -277,11 +282,11 @@ def probe_rows(topology) -> list[dict]:
   from dtenjax._src.topology import calibrate  # pylint: disable=g-import-not-at-top
   rows = []
   tiny = {"matmul": ((64, 64, 64),), "collectives": (4096,)}
-  for mib in (4, 64, 256):
+  for mib in PROBE_MIB:
     cal = calibrate.measure(topology, sizes={**tiny, "memory": mib << 20, "latency": 0})
     rows.append({"probe": "elementwise", "size": f"{mib} MiB per device",
                  "value": cal.memory_gbps, "unit": "GB/s per device"})
-  for m in (256, 1024):
+  for m in PROBE_PRODUCTS:
     cal = calibrate.measure(topology, sizes={**tiny, "memory": 1 << 20, "latency": m})
     rows.append({"probe": "collective between products", "size": f"{m} x {m} product",
                  "value": cal.latency_s * 1e3, "unit": "ms"})
@@ -305,20 +310,19 @@ def main(argv=None) -> int:
     calibrated = dtenjax.Topology.current().calibrate()
     notes.append(calibrated.calibration.summary())
     print(notes[-1], flush=True)
-  rows = []
-  if args.probe:
-    rows += probe_rows(dtenjax.Topology.current())
-    print(_harness.table(rows, (("probe", "probe", "s"), ("size", "size", "s"),
-                                ("value", "value", ".2f"), ("unit", "unit", "s")),
+  probes = probe_rows(dtenjax.Topology.current()) if args.probe else []
+  if probes:
+    print(_harness.table(probes, (("probe", "probe", "s"), ("size", "size", "s"),
+                                  ("value", "value", ".2f"), ("unit", "unit", "s")),
                          title="the calibration's measurements at other sizes"), flush=True)
-  for name in args.families.split(","):
-    if not name:
-      continue
+    _write(args, argv, probes, notes)
+  rows = []
+  for name in filter(None, args.families.split(",")):
     rows += family_rows(name, args.iters, calibrated)
     print(_harness.table([r for r in rows if r["family"] == name], COLUMNS,
                          title=f"{name}: ms per step, measured and predicted"), flush=True)
-    _write(args, argv, rows, notes)     # after each family: a run cut short keeps it
-  print(_write(args, argv, rows, notes))
+    _write(args, argv, probes + rows, notes)     # after each family: a run cut short keeps it
+  print(_write(args, argv, probes + rows, notes))
   return 0
 
 

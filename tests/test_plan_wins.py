@@ -211,3 +211,25 @@ def test_the_terms_bench_splits_a_step_into_compute_and_collectives(cpu_devices)
   (with_, x), (without, _) = step_terms.collective_programs(colls, r.mesh)
   assert dtenjax.explain(with_.lower(x).compile()).collectives
   assert not dtenjax.explain(without.lower(x).compile()).collectives
+
+
+def test_the_terms_bench_probes_the_calibration_and_writes_its_json(tmp_path, monkeypatch,
+                                                                  cpu_devices):
+  """bench/step_terms.py --probe (small sizes): the elementwise rate per buffer size and the
+  meeting cost per product size, printed and written with the families' rows (with --probe
+  the families' tables once read the probe's rows as family rows and stopped)."""
+  del cpu_devices
+  sys.path.insert(0, str(ROOT / "bench"))
+  import step_terms  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(step_terms, "PROBE_MIB", (1,))
+  monkeypatch.setattr(step_terms, "PROBE_PRODUCTS", (32,))
+  monkeypatch.setattr(step_terms, "family_rows", lambda name, iters, cal: [
+      {"family": name, "layout": "DP", "mesh": "data8", "step": 1.0}])
+  out = tmp_path / "terms.json"
+  assert step_terms.main(["--probe", "--families", "encdec", "--no-calibrate",
+                          "--json", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  probes = [r for r in rows if "probe" in r]
+  assert [r["size"] for r in probes] == ["1 MiB per device", "32 x 32 product"]
+  assert probes[0]["value"] > 0 and probes[1]["value"] >= 0
+  assert [r["family"] for r in rows if "family" in r] == ["encdec"]

@@ -447,7 +447,8 @@ def _like_params(opt_state, params, param_specs):
   def one(kp, leaf):
     path = _path(kp)
     for p_path, spec in by_path.items():
-      if path.endswith(p_path) and len(tuple(spec)) <= leaf.ndim:
+      # whole path components: "mu/unembed" is unembed's moment, not embed's
+      if (path == p_path or path.endswith("/" + p_path)) and len(tuple(spec)) <= leaf.ndim:
         return spec
     return P()
   return jax.tree_util.tree_map_with_path(one, opt_state)

@@ -81,6 +81,7 @@ if "--mock-gpus" in sys.argv:     # before the backend starts: XLA's mock NCCL, 
 import _harness
 import _step_models as models
 import dtenjax
+from dtenjax._src.planning import measure
 from dtenjax._src.planning import step as step_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -282,32 +283,6 @@ def predicted_recipe(fam, r, step, args, topology) -> float | None:
   return p.cost.total_s
 
 
-def _shuffled(fns: dict, *, warmup: int, iters: int, per_turn: int = 2,
-              seed: int = 0) -> dict[str, list[float]]:
-  """Wall seconds per call of each candidate: ``iters`` rounds after ``warmup`` calls each. Each
-  round gives every candidate one turn, in an order drawn afresh (seeded): an untimed call, then
-  ``per_turn`` timed calls back to back, as a training loop repeats its step; the turn's mean is
-  the round's sample. Timed right after another candidate's step, a step pays for the caches
-  and memory that step left: with a fixed rotation (each candidate after the same neighbour in
-  almost every round, one call per turn) the 16-core machine timed the plan's program 1.15-1.19x
-  the user's DP, the same program instruction for instruction."""
-  import random  # pylint: disable=g-import-not-at-top
-  names = list(fns)
-  for k in names:
-    for _ in range(warmup):
-      _harness.block(fns[k]())
-  samples: dict[str, list[float]] = {k: [] for k in names}
-  rng = random.Random(seed)
-  for _ in range(iters):
-    for k in rng.sample(names, len(names)):
-      _harness.block(fns[k]())
-      t0 = time.perf_counter()
-      for _ in range(per_turn):
-        _harness.block(fns[k]())
-      samples[k].append((time.perf_counter() - t0) / per_turn)
-  return samples
-
-
 def program_text(compiled) -> list[str]:
   """A compiled step's instructions without names and source metadata, sorted: two layouts with
   the same text run the same program. jax 0.11 prints the mesh in shardings and replica groups,
@@ -369,8 +344,8 @@ def wins_rows(names, iters: int, calibrated=None, on_family=None) -> tuple[list[
       prof[cname] = compiled_profile(compiled)
       programs[cname] = program_text(compiled)
       placed[cname] = jax.device_put(real, shardings)
-    samples = _shuffled({k: (lambda k=k: cands[k][0](*placed[k])) for k in cands},
-                       warmup=2, iters=iters)
+    samples = measure.time_calls({k: (lambda k=k: cands[k][0](*placed[k])) for k in cands},
+                                 warmup=2, rounds=iters)
     times = {k: _harness.median(v) for k, v in samples.items()}
     recipes_only = {k: v for k, v in times.items() if k not in plans}
     best = min(recipes_only, key=recipes_only.get)

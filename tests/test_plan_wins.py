@@ -2,15 +2,18 @@
 run"): the planner's choice on the machines whose hand-written layouts were measured, and
 plan.jit's program for a mesh a user would also write."""
 
+import functools
 import json
 import pathlib
 import sys
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import dtenjax
+from dtenjax._src.planning import measure
 from dtenjax._src.topology.model import DeviceInfo
 from dtenjax._src.topology.model import NumaNode
 from dtenjax._src.topology.model import uniform
@@ -114,14 +117,13 @@ def test_tensor_collectives_of_a_weight_shared_across_layers_grow_with_its_uses(
 
 
 def test_the_wins_timing_gives_each_candidate_a_warm_turn_in_a_fresh_order_each_round():
-  """The wins part's timing: every round runs each candidate once, in a shuffled order (a fixed
-  rotation put the plan after the same recipe in almost every round and timed its program 1.15x
-  the identical DP program), each turn an untimed call and then the timed ones, back to back."""
-  sys.path.insert(0, str(ROOT / "bench"))
-  import step_planner  # pylint: disable=g-import-not-at-top
+  """The wins part's and measure=True's timing (measure.time_calls): every round runs each
+  candidate once, in a shuffled order (a fixed rotation put the plan after the same recipe in
+  almost every round and timed its program 1.15x the identical DP program), each turn an untimed
+  call and then the timed ones, back to back."""
   calls = []
   fns = {k: (lambda k=k: calls.append(k)) for k in "abcde"}
-  samples = step_planner._shuffled(fns, warmup=1, iters=6, per_turn=2)  # pylint: disable=protected-access
+  samples = measure.time_calls(fns, warmup=1, rounds=6, per_turn=2)
   assert {k: len(v) for k, v in samples.items()} == {k: 6 for k in "abcde"}
   assert calls[:5] == list("abcde")                 # the warm-up, once each
   turns = [calls[i:i + 3] for i in range(5, len(calls), 3)]
@@ -130,3 +132,104 @@ def test_the_wins_timing_gives_each_candidate_a_warm_turn_in_a_fresh_order_each_
   assert all(sorted(r) == list("abcde") for r in rounds)
   predecessors = {k: {r[r.index(k) - 1] for r in rounds if r.index(k)} for k in "abcde"}
   assert all(len(p) > 1 for p in predecessors.values()), rounds    # no fixed neighbour
+
+
+def test_measure_keeps_the_fastest_of_every_layout_it_timed(cpu_devices, monkeypatch):
+  """plan(measure=...)'s contract, with a fake clock that each candidate's step (not run)
+  advances by a time of its own: every layout a user writes that fits is timed (the FSDP x TP splits and HSDP
+  included), each in warm turns in a shuffled order, and the plan kept is the fastest timed.
+  The fake times make fsdp 4 x tensor 2 fastest and the model's choice slowest: what the
+  16-core host measured for the encoder-decoder, where measure=True kept fsdp 8 (it never timed
+  fsdp 4 x tensor 2)."""
+  del cpu_devices
+  sys.path.insert(0, str(ROOT / "bench"))
+  import _step_models  # pylint: disable=g-import-not-at-top
+  step, abstract = _step_models.mlp_step(d=64, f=256, layers=2, batch=16, seq=8)
+  args = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract)
+  chosen = dtenjax.plan(step, *args)
+  now, calls = [0.0], []
+
+  def cost(p) -> float:
+    shape = {a: n for a, n in zip(p.axis_names, p.mesh_shape) if n > 1}
+    if measure.same_layout(p, chosen):
+      return 9.0
+    return 1.0 if shape == {"fsdp": 4, "tensor": 2} else 2.0
+
+  def fake_jit(self, fn):
+    del fn
+    t = cost(self)
+
+    def run(*xs):              # the candidate's step: its time on the fake clock, nothing run
+      calls.append(t)
+      now[0] += t
+      return xs
+    return run
+  monkeypatch.setattr(type(chosen), "jit", fake_jit)
+  monkeypatch.setattr(measure, "time_plans",
+                      functools.partial(measure.time_plans, timer=lambda: now[0]))
+  got = dtenjax.plan(step, *args, measure=3)
+  times = dict(got.measured)
+  island = min(len(i) for i in dtenjax.Topology.current().fast_islands())
+  expected = {"model's choice"} | {measure.layout_name(r, m)
+                                   for r, m in measure.user_layouts(8, island)}
+  # every distinct layout that fits was timed (two names of one layout are timed once)
+  assert "FSDP x TP (fsdp 4 x tensor 2)" in times and "HSDP (data 2 x fsdp 4)" in times
+  assert set(times) <= expected and len(times) >= 6, times
+  shape = {a: n for a, n in zip(got.axis_names, got.mesh_shape) if n > 1}
+  assert shape == {"fsdp": 4, "tensor": 2} and got.measured[0][0] == min(times, key=times.get)
+  assert times["FSDP x TP (fsdp 4 x tensor 2)"] == 1.0 and times["model's choice"] == 9.0
+  # each candidate: one warm-up, then 3 rounds of a warm call and 2 timed calls
+  assert len(calls) == len(times) * (1 + 3 * 3)
+
+
+def test_the_terms_bench_splits_a_step_into_compute_and_collectives(cpu_devices):
+  """bench/step_terms.py: the step with its local shapes runs no collective and computes each
+  device's share (a tensor-parallel weight's shard, the gathered FSDP weight); the collectives
+  read from the compiled step are placed on the mesh axes their groups join."""
+  del cpu_devices
+  sys.path.insert(0, str(ROOT / "bench"))
+  import step_terms  # pylint: disable=g-import-not-at-top
+  fams = _families()
+  fam = fams.FAMILIES["encdec"](vocab=256, d=64, heads=4, ffn=128, layers=1, batch=8, seq=8)
+  r = fams.recipe(fam, "FSDP x TP")
+  ids = [[d.id for d in row] for row in r.mesh.devices]          # fsdp 4 x tensor 2
+  columns = [list(c) for c in zip(*ids)]
+  assert step_terms._axes_of(ids, r.mesh) == ("tensor",)  # pylint: disable=protected-access
+  assert step_terms._axes_of(columns, r.mesh) == ("fsdp",)  # pylint: disable=protected-access
+  assert step_terms._axes_of([], r.mesh) == ("fsdp", "tensor")  # pylint: disable=protected-access
+  step, args = fam.make()
+  real = fams.real_args(fam)
+  fn, placed = step_terms.local_program(fam, r, real)
+  assert not dtenjax.explain(fn.lower(*placed).compile()).collectives
+  wq = placed[0]["e0"]["wq"]                       # [d, heads, head dim]: heads over tensor
+  assert wq.addressable_shards[0].data.shape == (64, 2, 16)
+  users, _ = fams.recipe_jit(fam, r)
+  colls = step_terms.collective_list(users.lower(*args).compile(), r.mesh)
+  kinds = {k for k, _, _ in colls}
+  assert {"all_gather", "all_reduce"} <= kinds and all(shapes for _, shapes, _ in colls)
+  assert {a for k, _, a in colls if k == "all_gather"} == {("fsdp",)}   # FSDP's gathers
+  (with_, x), (without, _) = step_terms.collective_programs(colls, r.mesh)
+  assert dtenjax.explain(with_.lower(x).compile()).collectives
+  assert not dtenjax.explain(without.lower(x).compile()).collectives
+
+
+def test_the_terms_bench_probes_the_calibration_and_writes_its_json(tmp_path, monkeypatch,
+                                                                  cpu_devices):
+  """bench/step_terms.py --probe (small sizes): the elementwise rate per buffer size and the
+  meeting cost per product size, printed and written with the families' rows (with --probe
+  the families' tables once read the probe's rows as family rows and stopped)."""
+  del cpu_devices
+  sys.path.insert(0, str(ROOT / "bench"))
+  import step_terms  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(step_terms, "PROBE_MIB", (1,))
+  monkeypatch.setattr(step_terms, "PROBE_PRODUCTS", (32,))
+  monkeypatch.setattr(step_terms, "family_rows", lambda name, iters, cal: [
+      {"family": name, "layout": "DP", "mesh": "data8", "step": 1.0}])
+  out = tmp_path / "terms.json"
+  assert step_terms.main(["--probe", "--families", "encdec", "--no-calibrate",
+                          "--json", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  probes = [r for r in rows if "probe" in r]
+  assert [r["size"] for r in probes] == ["1 MiB per device", "32 x 32 product"]
+  assert probes[0]["value"] > 0 and probes[1]["value"] >= 0
+  assert [r["family"] for r in rows if "family" in r] == ["encdec"]

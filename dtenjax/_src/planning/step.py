@@ -168,15 +168,19 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
       the backend's (``BackendCosts.overlap``: 0 on CPU, whose collectives are copies by the
       cores that compute; 0.5 on GPU).
     recipe: one of :data:`RECIPES` ("DP", "FSDP", "TP", "FSDP x TP") to get that standard
-      layout priced and laid out instead of the planner's choice (its mesh and assignment).
+      layout priced and laid out instead of the planner's choice: on its standard mesh, or on
+      ``mesh`` when one is given (FSDP x TP as ``{"fsdp": 4, "tensor": 2}``, or FSDP on
+      ``{"data": 2, "fsdp": 4}``: HSDP).
     donate: the step is jitted with its state donated (``donate_argnums``), so its new state
       reuses the old one's memory; default False, as ``jax.jit``: outputs count as a copy.
-    measure: False (default) to choose by the cost model alone; True (or a number of timed runs
-      per candidate, default 6) to compile the model's choice and every recipe that fits, run
-      each on the devices planned for (on random arrays when ``args`` are abstract) and keep the
-      fastest (``dtenjax/_src/planning/measure.py``): the objective is then the measured step.
-      Costs one compilation and a few steps per candidate; the plan's ``measured`` field and
-      report give every candidate's time.
+    measure: False (default) to choose by the cost model alone; True (or a number of timed
+      rounds, default 6) to compile the model's choice and every layout a user writes that fits
+      (``measure.user_layouts``: DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP;
+      the recipes on ``mesh`` when one is given), run each on the devices planned for (on random
+      arrays when ``args`` are abstract) in shuffled rounds and keep the fastest
+      (``dtenjax/_src/planning/measure.py``): the objective is then the measured step. Costs one
+      compilation and a few steps per candidate; the plan's ``measured`` field and report give
+      every candidate's time.
 
   Raises PlacementError when no layout fits the budget, naming the smallest shortfall."""
   t0 = time.perf_counter()
@@ -212,7 +216,7 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
                                                     stack[0] if stack else 0)
   if fixed_mesh is not None:
     sequence_lib.check_mesh(graph.sequence, fixed_mesh[AXES.index("sequence")])
-  if recipe is not None:
+  if recipe is not None and fixed_mesh is None:
     island = min((len(i) for i in topology.fast_islands()), default=1)
     shapes = [recipe_shape(recipe, len(ids), island)]
   budget = _budget(topology, ids, memory_budget)
@@ -341,18 +345,24 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
                         overlap=overlap, donate=donate))
 
 
-def _measured(chosen: StepPlan, step: Callable, args, iters: int, kwargs) -> StepPlan:
-  """``chosen`` or the recipe that ran fastest on the devices (see ``measure`` of :func:`plan`),
-  with every candidate's measured time."""
+def _measured(chosen: StepPlan, step: Callable, args, rounds: int, kwargs) -> StepPlan:
+  """``chosen`` or the layout a user writes that ran fastest on the devices (see ``measure`` of
+  :func:`plan`), with every candidate's measured time."""
   candidates = {"model's choice": chosen}
-  for name in RECIPES:
+  n = len(chosen.device_ids)
+  if kwargs["mesh"] is None:
+    island = min((len(i) for i in kwargs["topology"].fast_islands()), default=1)
+    layouts = measure_lib.user_layouts(n, island)
+  else:
+    layouts = [(name, None) for name in RECIPES]
+  for name, mesh in layouts:
     try:
-      alt = plan(step, *args, recipe=name, **kwargs)
+      alt = plan(step, *args, recipe=name, **{**kwargs, "mesh": mesh or kwargs["mesh"]})
     except errors.PlacementError:
       continue                      # the batch does not divide its mesh, or it does not fit
     if alt.cost.fits and not any(measure_lib.same_layout(alt, c) for c in candidates.values()):
-      candidates[name] = alt
-  times = measure_lib.time_plans(step, candidates, args, iters=iters)
+      candidates[measure_lib.layout_name(name, mesh)] = alt
+  times = measure_lib.time_plans(step, candidates, args, rounds=rounds)
   kept = min(times, key=times.get)
   out = candidates[kept]
   return dataclasses.replace(

@@ -226,22 +226,23 @@ def _test_command(tmp_path, *, pytest_status: int, units: dict[str, str | None])
   with ``pytest_status``, over a build directory that kept PTX for ``units`` ({name: the .ptx
   text, or None for a missing file}); the manifest's ptxas is a fake that refuses a PTX
   containing "bad" (with a message) and writes the cubin otherwise. (returncode, stdout, stderr)."""
-  (tmp_path / "scripts").mkdir(parents=True)
+  (tmp_path / "scripts").mkdir(parents=True, exist_ok=True)
   for f in ("test.sh", "ptxas_check.sh"):
     (tmp_path / "scripts" / f).write_text((ROOT / "scripts" / f).read_text())
   (tmp_path / "scripts" / "setup.sh").write_text("exit 0\n")
   py = tmp_path / ".venv" / "bin" / "python"
-  py.parent.mkdir(parents=True)
+  py.parent.mkdir(parents=True, exist_ok=True)
   py.write_text("#!/bin/sh\nif [ \"$1\" = -c ]; then echo build/cp311-; exit 0; fi\n"
                 f"echo pytest ran; exit {pytest_status}\n")
   ptxas = tmp_path / "ptxas"
   ptxas.write_text("#!/bin/sh\n# -arch=sm_NN -m64 -O0 FILE -o OUT\n"
+                   f"echo \"$4\" >> {tmp_path / 'ptxas_calls'}\n"
                    "if grep -q bad \"$4\"; then echo \"ptxas fatal: $1 $3 refused $4\" >&2; exit 255; fi\n"
                    "echo \"$1 $3\" > \"$6\"\n")
   for f in (py, ptxas):
     f.chmod(0o755)
   ptx = tmp_path / "build" / "cp311-cp311-linux_x86_64" / "ptx"
-  ptx.mkdir(parents=True)
+  ptx.mkdir(parents=True, exist_ok=True)
   (ptx / "manifest").write_text(f"ptxas={ptxas}\n" + "".join(f"unit={u}\n" for u in units))
   for unit, text in units.items():
     if text is not None:
@@ -257,13 +258,24 @@ GOOD_PTX = ".version 9.0\n.target sm_80\n.address_size 64\n"
 def test_the_test_command_runs_ptxas_beside_the_tests_and_fails_on_its_refusal(tmp_path):
   """A compile-check build's kept PTX goes through ptxas (for the PTX's own target, at -O0)
   while pytest runs; a unit ptxas refuses, or one whose PTX is missing, fails the test command
-  even when every test passed, with ptxas's own message; pytest's failure is kept as it is."""
+  even when every test passed, with ptxas's own message; pytest's failure is kept as it is.
+  PTX that passed is not checked again until it changes."""
   code, out, err = _test_command(tmp_path / "ok", pytest_status=0,
                                  units={"kernels_a": GOOD_PTX, "kernels_b": GOOD_PTX})
   assert code == 0, err
   assert "pytest ran" in out
   assert "ptxas check: kernels_a (sm_80) compiled" in out
   assert "ptxas check: kernels_b (sm_80) compiled" in out
+  calls = tmp_path / "ok" / "ptxas_calls"
+  assert len(calls.read_text().splitlines()) == 2
+  code, out, err = _test_command(tmp_path / "ok", pytest_status=0,        # the same PTX again
+                                 units={"kernels_a": GOOD_PTX, "kernels_b": GOOD_PTX})
+  assert code == 0 and "pytest ran" in out and "passed this build's PTX in an earlier run" in out
+  assert len(calls.read_text().splitlines()) == 2, (out, err)              # ptxas not run
+  code, out, err = _test_command(tmp_path / "ok", pytest_status=0,        # one unit changed
+                                 units={"kernels_a": GOOD_PTX, "kernels_b": GOOD_PTX + "bad\n"})
+  assert code == 1 and "ptxas check: kernels_b (sm_80) does not compile" in err, (out, err)
+  assert len(calls.read_text().splitlines()) == 4
   code, out, err = _test_command(tmp_path / "bad", pytest_status=0,
                                  units={"kernels_a": GOOD_PTX, "kernels_b": GOOD_PTX + "bad\n"})
   assert code == 1 and "pytest ran" in out, (code, out, err)

@@ -27,7 +27,7 @@ for unit in "${units[@]}"; do
     failed=1
     continue
   fi
-  target=$(sed -n 's/^\.target[[:space:]]\{1,\}\(sm_[0-9a-z]*\).*/\1/p' "$ptx" | head -1)
+  target=$(sed -n 's/^\.target[[:space:]]\{1,\}\(sm_[0-9a-z]*\).*/\1/p;T;q' "$ptx")
   [ -n "$target" ] || { echo "ptxas check: $unit.ptx names no .target" >&2; failed=1; continue; }
   (
     T0=$SECONDS

@@ -10,11 +10,12 @@
 # 2. else the GPUs of this machine (nvidia-smi's compute capabilities): one architecture per GPU
 #    kind, SASS and PTX, so a build for the local GPU costs one nvcc pass per kind;
 # 3. else (no GPU) DTENJAX_CUDA_ARCHS_WITHOUT_GPU from the environment when given: scripts/test.sh
-#    asks for "80", one device-code pass and one ptxas run per .cu file, so the suite's build
-#    still compiles every kernel, for half the CPU of the default list (docs/testing.md). Such a
-#    build is a compile check of kernels this machine cannot run, so it also sets
-#    DTENJAX_CUDA_COMPILE_CHECK: CMakeLists.txt compiles the device code unoptimised (cicc and
-#    ptxas at -O0: every kernel still through both, for about a third of their CPU);
+#    asks for "80-virtual", one device-code pass per .cu file to compute_80 PTX, so the suite's
+#    build still compiles every kernel, for a fraction of the CPU of the default list
+#    (docs/testing.md). Such a build is a compile check of kernels this machine cannot run, so it
+#    also sets DTENJAX_CUDA_COMPILE_CHECK: CMakeLists.txt compiles the device code unoptimised
+#    (cicc and ptxas at -O0, for about a third of their CPU) and keeps each unit's PTX, which
+#    scripts/test.sh has ptxas compile to sm_80 beside the tests (scripts/ptxas_check.sh);
 # 4. else sm_80 and sm_90 SASS plus compute_90 PTX, which the driver compiles for newer GPUs
 #    (Blackwell): A100/A10/RTX 30-40 and H100/H200 natively. The README's default for a build
 #    machine without a GPU (images for GPU clusters): an H100 must not JIT from sm_80 PTX.

@@ -1,7 +1,8 @@
 """What several test files share: jitted ``shard_map`` over one mesh, data whose sums depend on
 the order they are taken in (with the left fold that states one such order), and waiting for a
-condition instead of sleeping for a time, and XLA:CPU's fusion emitters: the option that gives a
-program the default ones back, the flag that gives a process the suite's."""
+condition instead of sleeping for a time, XLA:CPU's fusion emitters (the option that gives a
+program the default ones back, the flag that gives a process the suite's), and the mark that
+keeps a module's tests in one xdist worker."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ SUITE_CPU_EMITTERS = (FUSION_EMITTERS_FLAG
 # check of a compiled program's structure that must be the program users get (its loops, its
 # fusions) compiles with this.
 DEFAULT_CPU_EMITTERS = {"xla_cpu_use_fusion_emitters": True} if SUITE_CPU_EMITTERS else {}
+
+
+def one_worker(module: str) -> pytest.MarkDecorator:
+  """The mark (a module's ``pytestmark = helpers.one_worker(__name__)``) that keeps a module's
+  tests in one xdist worker (scripts/test.sh's ``--dist loadgroup``), for a module whose
+  module-scoped fixture each worker that runs one of its tests would make again: a fork server
+  that imports jax and dtenjax (about 1.3 s of CPU), a planned FSDP step (1.4 s with the run's
+  compile cache warm), a fresh interpreter's report. Not for a module whose fixture is a mesh."""
+  return pytest.mark.xdist_group(module.rpartition(".")[2])
 
 
 def xla_flags(*flags: str) -> str:

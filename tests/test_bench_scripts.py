@@ -14,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import _harness  # noqa: E402  pylint: disable=g-import-not-at-top
 import procs  # noqa: E402  pylint: disable=g-import-not-at-top
+from tests import helpers  # noqa: E402  pylint: disable=g-import-not-at-top
 
 BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_"))
 
@@ -23,6 +24,9 @@ def _env(extra=None):
   e.pop("XLA_FLAGS", None)
   e.update(extra or {})
   return e
+
+
+pytestmark = helpers.one_worker(__name__)    # its fork server, made once
 
 
 @pytest.fixture(scope="module")

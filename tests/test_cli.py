@@ -19,6 +19,7 @@ import textwrap
 import pytest
 
 import procs
+from tests import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -53,6 +54,9 @@ def _env():
 def _run(args, cwd, timeout=300):
   return subprocess.run([sys.executable, "-m", "dtenjax", *args], cwd=cwd, env=_env(),
                         capture_output=True, text=True, timeout=timeout, check=False)
+
+
+pytestmark = helpers.one_worker(__name__)    # its fork server, made once
 
 
 @pytest.fixture(scope="module")

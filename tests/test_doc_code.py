@@ -21,6 +21,7 @@ import textwrap
 import pytest
 
 import procs
+from tests import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
@@ -82,6 +83,9 @@ def _env():
   for var in ("XLA_FLAGS", "PYTHONPATH"):           # not the suite's 8 devices, not its paths
     env.pop(var, None)
   return env
+
+
+pytestmark = helpers.one_worker(__name__)    # its fork server, made once
 
 
 @pytest.fixture(scope="module")

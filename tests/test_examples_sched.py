@@ -14,6 +14,7 @@ import sys
 import pytest
 
 import procs
+from tests import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -22,6 +23,9 @@ def _env():
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   env.pop("XLA_FLAGS", None)
   return env
+
+
+pytestmark = helpers.one_worker(__name__)    # its fork server, made once
 
 
 @pytest.fixture(scope="module")

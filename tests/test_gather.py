@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import dtenjax
 from dtenjax._src import hlo
 from dtenjax._src.planning import gather
-from tests.helpers import DEFAULT_CPU_EMITTERS
+from tests import helpers
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import _families as families
@@ -29,13 +29,16 @@ def _scan_family():
   return families.llama(scan=True, vocab=512, d=128, heads=4, ffn=256, layers=3, batch=16, seq=128)
 
 
+pytestmark = helpers.one_worker(__name__)    # its planned and compiled FSDP step, made once
+
+
 @pytest.fixture(scope="module")
 def scanned():
   fam = _scan_family()
   step, args = fam.make()
   plan = dtenjax.plan(step, *args, recipe="FSDP")
   # Compiled for its structure (collectives, loops, bytes): the program users get.
-  compiled = plan.jit(step).lower(*args).compile(DEFAULT_CPU_EMITTERS)
+  compiled = plan.jit(step).lower(*args).compile(helpers.DEFAULT_CPU_EMITTERS)
   return fam, step, args, plan, compiled
 
 
@@ -46,7 +49,7 @@ def bare(scanned):
   r = families.recipe(fam, "FSDP")
   fn, _ = families.recipe_jit(fam, families.Recipe("FSDP", r.mesh, r.param_specs, {},
                                                    r.batch_axes))
-  return fn, fn.lower(*args).compile(DEFAULT_CPU_EMITTERS)
+  return fn, fn.lower(*args).compile(helpers.DEFAULT_CPU_EMITTERS)
 
 
 def _real_args(fam, seed: int = 0):
@@ -111,7 +114,7 @@ def test_memory_and_bytes_against_the_fsdp_a_user_writes(scanned, bare):
   del step, plan
   r = families.recipe(fam, "FSDP")
   user, _ = families.recipe_jit(fam, r)
-  user_c = user.lower(*args).compile(DEFAULT_CPU_EMITTERS)
+  user_c = user.lower(*args).compile(helpers.DEFAULT_CPU_EMITTERS)
   _, bare_c = bare            # plain jax.jit with the same FSDP shardings, no gathers at all
   assert _memory(compiled) <= 1.10 * _memory(user_c), (_memory(compiled), _memory(user_c))
   assert _memory(compiled) <= 1.10 * _memory(bare_c), (_memory(compiled), _memory(bare_c))

@@ -15,6 +15,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 import dtenjax
+from tests import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -43,6 +44,9 @@ print(json.dumps({"modules": sorted({m.split(".")[0] for m in set(sys.modules) -
                   "untouched": untouched, "strategy": p.strategy,
                   "comm_s": min(c.comm_s for c in p.candidates if c.feasible)}))
 """
+
+
+pytestmark = helpers.one_worker(__name__)    # its fresh interpreter's report, made once
 
 
 @pytest.fixture(scope="module")

@@ -129,8 +129,9 @@ def test_the_demo_command_sets_up_only_the_demo_extra():
 
 
 def test_the_test_command_builds_one_cuda_architecture_without_a_gpu(tmp_path):
-  """scripts/test.sh asks the set-up for sm_80 alone (SASS and PTX) on a machine without a GPU,
-  unless its caller named a list (an empty one gives CMakeLists.txt's default back)."""
+  """scripts/test.sh asks the set-up for compute_80 PTX alone ("80-virtual": ptxas compiles it to
+  sm_80 beside the tests, below) on a machine without a GPU, unless its caller named a list (an
+  empty one gives CMakeLists.txt's default back)."""
   (tmp_path / "scripts").mkdir()
   (tmp_path / "scripts" / "test.sh").write_text((ROOT / "scripts" / "test.sh").read_text())
   seen = tmp_path / "asked"
@@ -140,7 +141,7 @@ def test_the_test_command_builds_one_cuda_architecture_without_a_gpu(tmp_path):
   (tmp_path / ".venv" / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
   (tmp_path / ".venv" / "bin" / "python").chmod(0o755)
   base = {k: v for k, v in os.environ.items() if k != "DTENJAX_CUDA_ARCHS_WITHOUT_GPU"}
-  for given, asked in ((None, "80"), ("90", "90"), ("", "")):
+  for given, asked in ((None, "80-virtual"), ("90", "90"), ("", "")):
     env = base if given is None else dict(base, DTENJAX_CUDA_ARCHS_WITHOUT_GPU=given)
     r = subprocess.run(["bash", str(tmp_path / "scripts" / "test.sh")], env=env,
                        capture_output=True, text=True, timeout=60, check=False)
@@ -199,13 +200,95 @@ def test_the_build_has_the_cuda_architectures_its_set_up_asked_for(tmp_path):
                        [f"-DCMAKE_CUDA_ARCHITECTURES={c}" for c in cached], **_stamp_request(stamp))
   assert info["cuda_archs"] == chosen.split(" (")[0].replace(";", ","), (info, chosen)
   # A build for no GPU here is a compile check of the kernels: every .cu file through NVVM (cicc)
-  # and ptxas, both at -O0; any other build optimises them. Read from the nvcc commands.
+  # and ptxas, both at -O0, its PTX kept for scripts/ptxas_check.sh; any other build optimises
+  # them and keeps nothing. Read from the nvcc commands and the build directory.
   nvcc = [ln for ln in (cache.parent / "build.ninja").read_text().splitlines()
           if ln.strip().startswith("FLAGS =") and "--generate-code" in ln]
   assert nvcc, "no nvcc command in the build directory of a CUDA build"
   check = "no GPU here" in chosen
+  ptx = cache.parent / "ptx"
   for flags in nvcc:
     assert ("-Xcicc -O0" in flags and "-Xptxas -O0" in flags) == check, (chosen, flags)
+    assert (f"--keep --keep-dir {ptx}" in flags) == check, (chosen, flags)
+  assert ptx.is_dir() == check, (chosen, ptx)
+  if check:      # the manifest names every .cu file the build compiled, and a working ptxas
+    manifest = (ptx / "manifest").read_text().splitlines()
+    units = sorted(ln.removeprefix("unit=") for ln in manifest if ln.startswith("unit="))
+    built = sorted(p.name.removesuffix(".cu.o") for p in cache.parent.glob("CMakeFiles/*/**/*.cu.o"))
+    assert units == built and units, (units, built)
+    assert [u for u in units if not (ptx / f"{u}.ptx").is_file()] == []
+    (ptxas,) = [ln.removeprefix("ptxas=") for ln in manifest if ln.startswith("ptxas=")]
+    assert os.access(ptxas, os.X_OK), ptxas
+
+
+def _test_command(tmp_path, *, pytest_status: int, units: dict[str, str | None]) -> tuple:
+  """scripts/test.sh in a copy of scripts/ whose set-up does nothing and whose pytest exits
+  with ``pytest_status``, over a build directory that kept PTX for ``units`` ({name: the .ptx
+  text, or None for a missing file}); the manifest's ptxas is a fake that refuses a PTX
+  containing "bad" (with a message) and writes the cubin otherwise. (returncode, stdout, stderr)."""
+  (tmp_path / "scripts").mkdir(parents=True, exist_ok=True)
+  for f in ("test.sh", "ptxas_check.sh"):
+    (tmp_path / "scripts" / f).write_text((ROOT / "scripts" / f).read_text())
+  (tmp_path / "scripts" / "setup.sh").write_text("exit 0\n")
+  py = tmp_path / ".venv" / "bin" / "python"
+  py.parent.mkdir(parents=True, exist_ok=True)
+  py.write_text("#!/bin/sh\nif [ \"$1\" = -c ]; then echo build/cp311-; exit 0; fi\n"
+                f"echo pytest ran; exit {pytest_status}\n")
+  ptxas = tmp_path / "ptxas"
+  ptxas.write_text("#!/bin/sh\n# -arch=sm_NN -m64 -O0 FILE -o OUT\n"
+                   f"echo \"$4\" >> {tmp_path / 'ptxas_calls'}\n"
+                   "if grep -q bad \"$4\"; then echo \"ptxas fatal: $1 $3 refused $4\" >&2; exit 255; fi\n"
+                   "echo \"$1 $3\" > \"$6\"\n")
+  for f in (py, ptxas):
+    f.chmod(0o755)
+  ptx = tmp_path / "build" / "cp311-cp311-linux_x86_64" / "ptx"
+  ptx.mkdir(parents=True, exist_ok=True)
+  (ptx / "manifest").write_text(f"ptxas={ptxas}\n" + "".join(f"unit={u}\n" for u in units))
+  for unit, text in units.items():
+    if text is not None:
+      (ptx / f"{unit}.ptx").write_text(text)
+  r = subprocess.run(["bash", str(tmp_path / "scripts" / "test.sh")], capture_output=True,
+                     text=True, timeout=60, check=False)
+  return r.returncode, r.stdout, r.stderr
+
+
+GOOD_PTX = ".version 9.0\n.target sm_80\n.address_size 64\n"
+
+
+def test_the_test_command_runs_ptxas_beside_the_tests_and_fails_on_its_refusal(tmp_path):
+  """A compile-check build's kept PTX goes through ptxas (for the PTX's own target, at -O0)
+  while pytest runs; a unit ptxas refuses, or one whose PTX is missing, fails the test command
+  even when every test passed, with ptxas's own message; pytest's failure is kept as it is.
+  PTX that passed is not checked again until it changes."""
+  code, out, err = _test_command(tmp_path / "ok", pytest_status=0,
+                                 units={"kernels_a": GOOD_PTX, "kernels_b": GOOD_PTX})
+  assert code == 0, err
+  assert "pytest ran" in out
+  assert "ptxas check: kernels_a (sm_80) compiled" in out
+  assert "ptxas check: kernels_b (sm_80) compiled" in out
+  calls = tmp_path / "ok" / "ptxas_calls"
+  assert len(calls.read_text().splitlines()) == 2
+  code, out, err = _test_command(tmp_path / "ok", pytest_status=0,        # the same PTX again
+                                 units={"kernels_a": GOOD_PTX, "kernels_b": GOOD_PTX})
+  assert code == 0 and "pytest ran" in out and "passed this build's PTX in an earlier run" in out
+  assert len(calls.read_text().splitlines()) == 2, (out, err)              # ptxas not run
+  code, out, err = _test_command(tmp_path / "ok", pytest_status=0,        # one unit changed
+                                 units={"kernels_a": GOOD_PTX, "kernels_b": GOOD_PTX + "bad\n"})
+  assert code == 1 and "ptxas check: kernels_b (sm_80) does not compile" in err, (out, err)
+  assert len(calls.read_text().splitlines()) == 4
+  code, out, err = _test_command(tmp_path / "bad", pytest_status=0,
+                                 units={"kernels_a": GOOD_PTX, "kernels_b": GOOD_PTX + "bad\n"})
+  assert code == 1 and "pytest ran" in out, (code, out, err)
+  assert "ptxas fatal: -arch=sm_80 -O0 refused" in err and "kernels_b.ptx" in err, err
+  assert "ptxas check: kernels_b (sm_80) does not compile" in err
+  assert "ptxas check: kernels_a (sm_80) compiled" in err        # the whole log, once
+  assert "test: ptxas refused the kernels' PTX" in err
+  code, _, err = _test_command(tmp_path / "missing", pytest_status=0,
+                               units={"kernels_a": GOOD_PTX, "kernels_b": None})
+  assert code == 1 and "kernels_b.ptx is missing" in err, (code, err)
+  code, out, err = _test_command(tmp_path / "failed", pytest_status=5,
+                                 units={"kernels_a": GOOD_PTX})
+  assert code == 5 and "ptxas check: kernels_a (sm_80) compiled" in out, (code, out, err)
 
 
 def test_the_set_up_byte_compiles_this_checkouts_modules():

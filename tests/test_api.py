@@ -183,10 +183,11 @@ def test_testing_costmodel_prices_records_on_a_hand_built_topology():
   t = {n: costmodel.collective_time("all_reduce", n, list(range(8)), topo, ring)
        for n in (1 << 20, 1 << 26)}
   assert 0 < t[1 << 20] < t[1 << 26]
-  # the model behind dtenjax.plan_all_reduce's times
+  # the model behind dtenjax.plan_all_reduce's times, record by record
   choice = dtenjax.plan_all_reduce(1 << 26, list(range(8)), topo)
-  if "ring" in choice.times:
-    assert choice.times["ring"] == t[1 << 26]
+  assert choice.times["ring"] == t[1 << 26]
+  assert choice.times["xla"] == costmodel.collective_time(
+      "all_reduce", 1 << 26, list(range(8)), topo, costmodel.algorithm("xla").cost)
 
 
 def test_testing_transport_reaches_the_native_transport():

@@ -9,7 +9,7 @@ of the script Python runs, and ``python -m dtenjax bench NAME`` runs the same sc
   (busbw = algbw x :func:`bus_factor`, e.g. 2(n-1)/n for all-reduce);
 * ratios: :func:`add_ratios` puts ``baseline time / candidate time`` next to every row of a group
   (> 1: the candidate is faster), so candidates measured in one run are compared side by side;
-* tables: :func:`table` (laid out by rich through ``dtenjax._src.tables``);
+* tables: :func:`table` (laid out by rich as the CLI's, through ``dtenjax.testing.report``);
 * JSON: :func:`document` builds the one schema every bench writes (:data:`SCHEMA`: bench,
   command, date, machine, versions, params, rows, notes), :func:`write_json` validates and writes
   it and says where, :func:`validate` lists every problem of a document;
@@ -87,8 +87,8 @@ def sizes_arg(text: str) -> list[int]:
 def positive_int(text: str) -> int:
   """argparse ``type=`` for counts that must be >= 1 (chain lengths, iterations): the command
   line's own, so that ``dtenjax bench NAME --reps 0`` reads as ``dtenjax demo --steps 0``."""
-  from dtenjax._src.cli import common
-  return common.whole_number(1)(text)
+  from dtenjax.testing import report
+  return report.whole_number(1)(text)
 
 
 # --- timing ----------------------------------------------------------------------------------------
@@ -218,14 +218,14 @@ def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, s
           title: str | None = None) -> str:
   """Rows as text: ``columns`` are (header, key, format) with format a ``format()`` spec, or
   ``"ratio"`` for ``1.23x``. Text columns (format ``"s"``) are left-aligned, numbers right."""
-  from dtenjax._src import tables
+  from dtenjax.testing import report
 
   def cell(v, f):
     if v is None:
       return "-"
     return fmt_ratio(v) if f == "ratio" else format(v, f)
   body = [[cell(r.get(key), f) for _, key, f in columns] for r in rows]
-  return tables.render([h for h, _, _ in columns], body, title=title,
+  return report.render_table([h for h, _, _ in columns], body, title=title,
                        align=["left" if f == "s" else "right" for _, _, f in columns])
 
 
@@ -282,8 +282,8 @@ def algorithm_families() -> tuple[str, ...]:
   (``collectives/algorithms/registry.py``), read from it so a bench's list of candidates never
   falls behind the algorithms dtenjax has. Imports dtenjax (jax reads XLA_FLAGS later, when a
   backend starts)."""
-  from dtenjax._src.collectives.algorithms import registry
-  return registry.FAMILIES
+  from dtenjax.testing import costmodel
+  return costmodel.ALGORITHM_FAMILIES
 
 
 # --- the JSON document -----------------------------------------------------------------------------

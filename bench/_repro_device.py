@@ -125,7 +125,7 @@ def part_device_counts(args) -> dict:
   del args
   import jax.numpy as jnp
   import jax
-  from dtenjax._src.cli import demo
+  from dtenjax.testing import demo
   (xtr, ytr), _ = demo.load_digits(0)
   micro = 128 // demo.MICRO_BATCHES
   xb = jnp.asarray(xtr[:128].reshape(demo.MICRO_BATCHES, micro, -1))

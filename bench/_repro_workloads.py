@@ -40,7 +40,7 @@ def build(name: str, tiny: bool = False) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     import dtenjax
-    from dtenjax._src.cli import demo
+    from dtenjax.testing import demo
     from dtenjax import Placement
     from dtenjax import shard
     devices = jax.devices()
@@ -92,11 +92,11 @@ def jit_with(pins: str, fn, donate, cache_dir: str | None = None):
   """``fn`` compiled as ``pins`` says (see the module docstring)."""
   import jax
   import dtenjax
-  from dtenjax._src.planning import reproducible
+  from dtenjax.testing import xla
   if pins == "jax.jit":
     return jax.jit(fn, donate_argnums=donate)
   if pins in ("ops", "autotune"):
-    return jax.jit(fn, donate_argnums=donate, compiler_options=reproducible.GPU_PINS[pins][0])
+    return jax.jit(fn, donate_argnums=donate, compiler_options=xla.GPU_PINS[pins][0])
   # On CPU the process-to-process promise needs no process flag (that one is for fusion).
   check = jax.default_backend() == "gpu"
   if pins == "reproducible_step":

@@ -184,7 +184,7 @@ def main(argv=None) -> int:
       _harness.refuse("checkpoint", "orbax-checkpoint, the baseline, is not installed: pip "
                       "install '.[checkpoint]' (or --candidates dtenjax,disk, without orbax's ratios)")
   import jax
-  from dtenjax._src.checkpoint import io as ckio
+  from dtenjax.testing import report
   root = args.dir or tempfile.gettempdir()
   free = shutil.disk_usage(root).free
   if max(args.sizes) * 1.2 > free:
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
           t = _harness.median(times[c][op])
           rows.append({"size": nbytes, "candidate": c, "op": op, "seconds": t,
                        "gbps": nbytes / t / 1e9, "samples": times[c][op], "io": ios[c],
-                       "time": duration(t), "bandwidth": ckio.rate(nbytes, t),
+                       "time": duration(t), "bandwidth": report.format_rate(nbytes, t),
                        "best": duration(min(times[c][op]))})
       del state
   _harness.add_ratios(rows, "orbax", candidate="candidate", group=("size", "op"),

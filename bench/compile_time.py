@@ -81,13 +81,11 @@ DEFAULT = ("lax.psum", "auto", "auto per leaf", "two_shot", "ring", "reproducibl
 
 @contextlib.contextmanager
 def _formulation(label: str):
-  """DTENJAX_CPU_FFI=0 while a " (jnp)" candidate is traced and lowered; cpu_ffi.folds False
-  while a " (jnp steps)" one is."""
+  """DTENJAX_CPU_FFI=0 while a " (jnp)" candidate is traced and lowered; the custom-call steps
+  off (``dtenjax.testing.xla.jnp_steps``) while a " (jnp steps)" one is."""
   if label.endswith(JNP_STEPS):
-    from unittest import mock
-
-    from dtenjax._src.collectives import cpu_ffi
-    with mock.patch.object(cpu_ffi, "folds", lambda call, dtype: False):
+    from dtenjax.testing import xla
+    with xla.jnp_steps():
       yield
     return
   if not label.endswith(JNP):

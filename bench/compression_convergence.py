@@ -38,7 +38,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import _harness
 from dtenjax import compression
-from dtenjax._src.cli import demo
+from dtenjax.testing import demo
 
 AXIS = "data"
 

@@ -35,8 +35,7 @@ import numpy as np
 
 import _harness
 from dtenjax import compression
-from dtenjax._src import ffi
-from dtenjax._src.compression import topk
+from dtenjax.testing import xla
 
 
 def timeit(fn, x, *, calls: int, repeats: int) -> float:
@@ -101,7 +100,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   backend = jax.default_backend()
   platform = {"cpu": "cpu", "gpu": "CUDA", "cuda": "CUDA"}.get(backend, "")
-  has_kernel = bool(platform) and ffi.has_target(topk.TARGET, platform)
+  has_kernel = bool(platform) and xla.has_ffi_target(xla.TOPK_TARGET, platform)
   skip = {s for s in args.skip.split(",") if s}
   rows = []
   with _harness.steps("compression_select", len(args.sizes) * len(args.ratios)) as step:
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
       x = jnp.asarray(np.random.default_rng(0).standard_normal(n, np.float32))
       for ratio in args.ratios:
         step(f"n={n}, ratio={ratio}")
-        k = topk.num_selected(n, ratio)
+        k = compression.num_selected(n, ratio)
         fns = candidates(k, args.sample_ratio, has_kernel)
         check = {}
         if has_kernel:

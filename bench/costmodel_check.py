@@ -26,15 +26,17 @@ CPU_FORMULA = {"one_shot": "one_shot", "two_shot": "two_shot"}
 
 
 def _topology(args, world: int, platform: str):
-  from dtenjax._src.topology import model as topo
+  import dtenjax
+  from dtenjax.testing import costmodel
   if args.topology:
-    return topo.Topology.from_json(args.topology)
+    return dtenjax.Topology.from_json(args.topology)
   if args.fixture:
-    return topo.Topology.fixture(args.fixture)
-  devices = [topo.DeviceInfo(id=i, platform=platform, kind="NVIDIA H200" if platform == "gpu"
-                             else "cpu", memory_bytes=0, process_index=0, host="h",
-                             local_index=i) for i in range(world)]
-  return topo.uniform(f"uniform-{args.intra}-{world}", devices, intra=args.intra)
+    return dtenjax.Topology.fixture(args.fixture)
+  devices = [costmodel.DeviceInfo(id=i, platform=platform,
+                                  kind="NVIDIA H200" if platform == "gpu" else "cpu",
+                                  memory_bytes=0, process_index=0, host="h", local_index=i)
+             for i in range(world)]
+  return costmodel.uniform_topology(f"uniform-{args.intra}-{world}", devices, intra=args.intra)
 
 
 def main(argv=None) -> int:
@@ -46,8 +48,7 @@ def main(argv=None) -> int:
   src.add_argument("--fixture", metavar="NAME")
   p.add_argument("--intra", default="nvlink", help="link class of the default uniform topology")
   args = p.parse_args(argv)
-  from dtenjax._src.collectives.algorithms import registry
-  from dtenjax._src.pricing import costmodel
+  from dtenjax.testing import costmodel
   try:
     data = _harness.load(args.results)
   except (OSError, ValueError) as e:
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
       continue
     topology = _topology(args, r["world"], platform)
     pred = costmodel.collective_time("all_reduce", r["size"], list(range(r["world"])), topology,
-                                     registry.get(formula).cost,
+                                     costmodel.algorithm(formula).cost,
                                      itemsize=4 if r["type"] == "float32" else 2)
     ratio = pred / (r["time_us"] * 1e-6)
     bad += not 0.5 <= ratio <= 2.0

@@ -54,9 +54,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 # the probe kernel lives in the test extension (dtenjax/testing/native.py)
 from dtenjax.testing import native as native_testing
-from dtenjax._src.gpu import graph_policy as gp
 import dtenjax
 from dtenjax import testing
+from dtenjax.testing import xla
 
 CASES = ("launch", "loop", "split", "decode", "decode_loop", "resnet50_b16", "gpt2",
          "resnet50_b64", "gpt2_scan")
@@ -65,7 +65,7 @@ CHEAP = ("launch", "loop", "split", "decode", "decode_loop")
 # Rough H200 seconds per case (compiles dominate), to keep the run inside --budget-s.
 ESTIMATE_S = {"launch": 8, "loop": 8, "split": 8, "decode": 45, "decode_loop": 45,
               "resnet50_b16": 110, "gpt2": 120, "resnet50_b64": 110, "gpt2_scan": 90}
-AUTO_V1 = gp.CudaGraphPolicy.xla_default_plus("auto_v1", ("WHILE",), 2)
+AUTO_V1 = dtenjax.CudaGraphPolicy.xla_default_plus("auto_v1", ("WHILE",), 2)
 
 
 def _candidates(case: str, args) -> list[str]:
@@ -191,8 +191,8 @@ def _copy(tree):
 def run_case(case: str, args, counter: _CompileCounter, on_gpu: bool) -> dict:
   spec = build(case, args.tiny, on_gpu)
   fn, advance = spec["fn"], spec["advance"]
-  prof = ({gp.OPT_PROFILING: True}
-          if on_gpu and gp.OPT_PROFILING in gp.accepted_option_keys() else {})
+  prof = ({xla.OPT_PROFILING: True}
+          if on_gpu and xla.OPT_PROFILING in xla.accepted_option_keys() else {})
   measure_kw = {"steps": 3, "repeats": 3} if args.tiny else {"steps": 10, "repeats": 5}
   rows, state, fns = [], {}, {}
   baseline_hlo = None
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
           "device": jax.devices()[0].device_kind, "jax": jax.__version__,
           "command": " ".join([sys.executable, *sys.argv]), "steps": args.steps,
           "repeats": args.repeats, "tiny": args.tiny,
-          "profiling_option_accepted": gp.OPT_PROFILING in gp.accepted_option_keys()}
+          "profiling_option_accepted": xla.OPT_PROFILING in xla.accepted_option_keys()}
   results: dict = {}
   counter = _CompileCounter()
   t_start = time.perf_counter()

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
   import _families as fams
   import _harness
   import dtenjax
-  from dtenjax._src.planning.check import loop_repeats
+  from dtenjax.testing.xla import loop_repeats
 
   n = len(jax.devices())
   fam = fams.moe(experts=args.experts)

@@ -158,7 +158,7 @@ def main(argv=None) -> int:
   import numpy as np
   import _harness
   import dtenjax
-  from dtenjax._src.planning.check import loop_repeats
+  from dtenjax.testing.xla import loop_repeats
 
   n = len(jax.devices())
   if args.batch < 1 or n % args.batch or args.seq % (n // args.batch):

@@ -57,8 +57,7 @@ def _worker() -> None:
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import dtenjax
-  from dtenjax._src.net import kvstore
-  from dtenjax._src.net import native
+  from dtenjax.testing import transport as native
 
   sizes = [int(s) for s in os.environ["DTENJAX_BENCH_SIZES"].split(",")]
   iters = int(os.environ["DTENJAX_BENCH_ITERS"])
@@ -72,7 +71,7 @@ def _worker() -> None:
          for k, f in cands.items()}
   names = list(fns)
   rows = []
-  store = kvstore.default()
+  store = native.key_value_store()
   for nbytes in sizes:
     if rank == 0:                      # the parent shows it (run()): the size now measured
       with open(os.environ["DTENJAX_BENCH_OUT"] + ".progress", "a") as fh:
@@ -126,7 +125,7 @@ def _cpu_s() -> float:
 
 def crypto(mib: int) -> int:
   """Throughput of HMAC-SHA256 and AES-256-GMAC from libcrypto, side by side, one core."""
-  from dtenjax._src.net import native
+  from dtenjax.testing import transport as native
   lib = native.ensure_crypto()
   t = native.transport()
   data = os.urandom(mib << 20)

@@ -19,6 +19,7 @@ from dtenjax._src.compression.error_feedback import pvary as pvary
 from dtenjax._src.compression.error_feedback import state_specs as state_specs
 from dtenjax._src.compression.error_feedback import topk_ef as topk_ef
 from dtenjax._src.compression.topk import exact_topk as exact_topk
+from dtenjax._src.compression.topk import num_selected as num_selected
 from dtenjax._src.compression.topk import pack as pack
 from dtenjax._src.compression.topk import sample_threshold as sample_threshold
 from dtenjax._src.compression.topk import select as select
@@ -32,6 +33,7 @@ __all__ = [
     "compression_plan",
     "exact_topk",
     "init_state",
+    "num_selected",
     "pack",
     "pvary",
     "sample_threshold",

@@ -8,9 +8,14 @@
   (CUDA graph launches, kernels inside and outside graphs), from a profiler trace: the
   measurement behind ``dtenjax.jit(cuda_graphs=...)``'s claims, for examples and benchmarks.
 
-Shared by dtenjax's own tests and benchmarks (benchmarks import nothing from tests/), and imported
-by name: ``dtenjax.testing.native`` (the test-only extension ``dtenjax._ffi_testing``, present in
-editable installs only) and ``dtenjax.testing.ports`` (loopback ports for a local coordinator).
+Shared by dtenjax's own tests and benchmarks (benchmarks import nothing from tests/ and nothing
+from ``dtenjax._src``), and imported by name: ``dtenjax.testing.native`` (the test-only extension
+``dtenjax._ffi_testing``, present in editable installs only), ``dtenjax.testing.ports`` (loopback
+ports for a local coordinator), and what benchmarks drive besides the public API:
+``dtenjax.testing.demo`` (the ``dtenjax demo`` model), ``.costmodel`` (the collective cost model,
+record by record), ``.report`` (tables and units as the command line prints them), ``.transport``
+(the native TCP transport and its key-value store) and ``.xla`` (XLA's option keys, the
+reproducibility pins, the custom-call steps switched off, loop trip counts).
 """
 
 from __future__ import annotations

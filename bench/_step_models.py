@@ -113,7 +113,7 @@ def gpt2_step(batch: int = 8, seq: int = 128, layers: int = 12, d: int = 768, he
               vocab: int = 50304):
   """GPT-2 small in flax linen (tied embeddings, MultiHeadDotProductAttention kernels of shape
   (features, heads, head_dim)); shrink it with fewer layers or a smaller width."""
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn
 
   class Block(nn.Module):
     @nn.compact

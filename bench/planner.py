@@ -34,10 +34,8 @@ import jax.numpy as jnp
 
 import _harness
 import dtenjax
-from dtenjax._src.planning import mesh as mesh_lib
-from dtenjax._src.planning import placement as placement_lib
-from dtenjax._src.planning import planner
-from dtenjax._src.topology.model import Topology
+from dtenjax import Placement, Topology
+from dtenjax.testing import planning
 
 
 def transformer_params(n_leaves: int, d: int = 1024, vocab: int = 32768) -> dict:
@@ -61,25 +59,15 @@ def transformer_params(n_leaves: int, d: int = 1024, vocab: int = 32768) -> dict
       if len(leaves) > n_leaves else jax.tree.unflatten(treedef, leaves)
 
 
-def clear_caches() -> None:
-  planner._plan_cached.cache_clear()        # pylint: disable=protected-access
-  planner._allreduce_s.cache_clear()        # pylint: disable=protected-access
-  mesh_lib._make_mesh_cached.cache_clear()  # pylint: disable=protected-access
-  mesh_lib._mesh_for_shape.cache_clear()  # pylint: disable=protected-access
-  placement_lib._planning_inputs.cache_clear()  # pylint: disable=protected-access
-  placement_lib._named_sharding.cache_clear()   # pylint: disable=protected-access
-  placement_lib._sharding_for.cache_clear()     # pylint: disable=protected-access
-
-
 def plan_tree(tree, placement):
   return jax.tree.map(lambda leaf: placement.sharding(leaf.shape, leaf.dtype), tree)
 
 
 def run(name: str, make_topology, tree, repeats: int) -> dict:
   n = len(jax.tree.leaves(tree))
-  clear_caches()
+  planning.clear_planner_caches()
   topo = make_topology()
-  p = placement_lib.Placement("auto", mesh=(2, 4), topology=topo)
+  p = Placement("auto", mesh=(2, 4), topology=topo)
   t0, c0 = time.perf_counter(), time.process_time()
   shardings = plan_tree(tree, p)
   cold, cold_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -95,7 +83,7 @@ def run(name: str, make_topology, tree, repeats: int) -> dict:
   return {"topology": name, "leaves": n, "cold_ms": cold * 1e3,
           "warm_ms": statistics.median(warm) * 1e3, "cold_cpu_ms": cold_cpu * 1e3,
           "warm_cpu_ms": statistics.median(warm_cpu) * 1e3, "specs": counts,
-          "distinct_plans": planner._plan_cached.cache_info().currsize}  # pylint: disable=protected-access
+          "distinct_plans": planning.distinct_plans()}
 
 
 FIXTURE_MESHES = (("dgx_a100_8", (2, 4), ("x", "y")), ("roce_a100_4x8", (4, 8), ("host", "gpu")),
@@ -106,12 +94,12 @@ def explain_fixtures(shape=(4096, 4096), dtype="bfloat16", markdown: bool = True
   """The planner's candidate table for ``shape`` on every topology fixture (default Workload),
   the fixture's devices laid out as make_mesh orders them: Markdown for docs/planner.md, or
   plain text (``markdown=False``, what ``--explain`` prints on a terminal)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
   out = []
   for name, mesh_shape, names in FIXTURE_MESHES:
     topo = Topology.fixture(name)
     ids = np.array(sorted(topo.device_ids, key=topo.hierarchy_key)).reshape(mesh_shape)
-    plan = planner.plan_tensor(shape, dtype, mesh_shape, names, ids, topo)
+    plan = planning.plan_tensor(shape, dtype, mesh_shape, names, ids, topo)
     title = f"{name}, mesh {dict(zip(names, mesh_shape))}"
     out.append(f"### {title}\n\n```text\n{plan.table()}\n```" if markdown else
                f"{title}\n{'-' * len(title)}\n{plan.table()}")

@@ -81,8 +81,8 @@ if "--mock-gpus" in sys.argv:     # before the backend starts: XLA's mock NCCL, 
 import _harness
 import _step_models as models
 import dtenjax
-from dtenjax._src.planning import measure
-from dtenjax._src.planning import step as step_lib
+from dtenjax.testing import planning
+from dtenjax.testing.xla import loop_repeats
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # (model, device counts) compiled in the predict part
@@ -100,7 +100,7 @@ def make(model: str, devices: int):
   if model == "gpt2":          # GPT-2 small's width and vocabulary, 4 of its 12 layers
     return models.gpt2_step(batch=2 * devices, seq=512, layers=4)
   if "-" not in model:         # a family of bench/_families.py
-    import _families as fams  # pylint: disable=g-import-not-at-top
+    import _families as fams
     return fams.FAMILIES[model](batch=_FAMILY_BATCH.get(model, 2) * devices).make()
   size = model.split("-")[1]
   return models.llama_step(size, batch=devices, seq=2048, remat=True, dtype=jnp.float32)
@@ -109,7 +109,7 @@ def make(model: str, devices: int):
 def predict_rows(model: str, devices: int) -> list[dict]:
   step, args = make(model, devices)
   rows = []
-  for recipe in (None,) + step_lib.RECIPES:
+  for recipe in (None,) + planning.RECIPES:
     plan = dtenjax.plan(step, *args, recipe=recipe, memory_budget=1 << 50)
     t0 = time.perf_counter()
     check = plan.check(step, *args)
@@ -206,7 +206,6 @@ def time_rows(repeats: int = 3, fixtures=("h100_64", "h100_1024")) -> list[dict]
 def compiled_profile(compiled) -> dict:
   """Per-device memory (arguments + outputs not aliased + temp) and collective bytes per kind per
   step (a loop body's collectives once per iteration) of a compiled step."""
-  from dtenjax._src.planning.check import loop_repeats  # pylint: disable=g-import-not-at-top
   stats = compiled.memory_analysis()
   mem = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
          + stats.temp_size_in_bytes)
@@ -220,7 +219,7 @@ def compiled_profile(compiled) -> dict:
 def gpu_rows(names, size: str) -> tuple[list[dict], list[str]]:
   """Compile-only on the (mocked) GPUs: the plan's prediction against XLA's GPU compiler, and the
   hand-written recipes' compiled memory and bytes (bench/_families.py)."""
-  import _families as fams  # pylint: disable=g-import-not-at-top
+  import _families as fams
   topo = dtenjax.Topology.fixture("h200_8")
   rows, notes = [], []
   for name in names:
@@ -272,11 +271,11 @@ def _progress(row: dict, t0: float) -> None:
 def predicted_recipe(fam, r, step, args, topology) -> float | None:
   """The cost model's step time (s) of the hand-written layout ``r``: the plan of ``step`` on
   ``r``'s mesh with every parameter and optimizer-state leaf pinned to ``r``'s specs."""
-  import _families as fams  # pylint: disable=g-import-not-at-top
+  import _families as fams
   params, opt, _ = args
   try:
     p = dtenjax.plan(step, *args, mesh=dict(r.mesh.shape), topology=topology,
-                     pinned=[r.param_specs, fams._like_params(opt, params, r.param_specs), None],  # pylint: disable=protected-access
+                     pinned=[r.param_specs, fams._like_params(opt, params, r.param_specs), None],
                      memory_budget=1 << 50)
   except dtenjax.PlacementError:
     return None
@@ -287,7 +286,7 @@ def program_text(compiled) -> list[str]:
   """A compiled step's instructions without names and source metadata, sorted: two layouts with
   the same text run the same program. jax 0.11 prints the mesh in shardings and replica groups,
   where axes of size 1 name no partition (a plan's mesh lists all six roles): they are left out."""
-  import re  # pylint: disable=g-import-not-at-top
+  import re
   out = []
   for line in compiled.as_text().splitlines():
     if "=" not in line or "file_name_id" in line or "file_location_id" in line:
@@ -315,7 +314,7 @@ def wins_rows(names, iters: int, calibrated=None, on_family=None) -> tuple[list[
   hand-written layout's time in the same round (paired: drift of the machine cancels), and
   "spread" the half-width of the middle half of those ratios; "same program as" names the
   hand-written layout whose compiled program is the plan's, instruction for instruction."""
-  import _families as fams  # pylint: disable=g-import-not-at-top
+  import _families as fams
   rows, notes = [], []
   for name in names:
     fam = fams.FAMILIES[name]()
@@ -344,7 +343,7 @@ def wins_rows(names, iters: int, calibrated=None, on_family=None) -> tuple[list[
       prof[cname] = compiled_profile(compiled)
       programs[cname] = program_text(compiled)
       placed[cname] = jax.device_put(real, shardings)
-    samples = measure.time_calls({k: (lambda k=k: cands[k][0](*placed[k])) for k in cands},
+    samples = planning.time_calls({k: (lambda k=k: cands[k][0](*placed[k])) for k in cands},
                                  warmup=2, rounds=iters)
     times = {k: _harness.median(v) for k, v in samples.items()}
     recipes_only = {k: v for k, v in times.items() if k not in plans}
@@ -387,9 +386,9 @@ def product_rows(rows=(32, 64, 128, 256, 512), iters: int = 7, k: int = 256,
                  n: int = 1024) -> tuple[list[dict], list[str]]:
   """The ``rows`` part: CPU seconds per device of a product's forward and backward against its
   rows per device (every device at once, as in a step), and the line's intercept in rows."""
-  import resource  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import resource
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   devs = np.array(jax.devices())
   mesh = Mesh(devs, ("c",))
   reps = 8                                     # products per program, one dispatch
@@ -436,11 +435,10 @@ def _spread(xs: list[float]) -> float:
 def described_host(cores: int):
   """This host's topology with its devices' host described as having ``cores`` CPU cores: the
   machine a recorded run was measured on (``--cores``)."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.topology.parts import NumaNode  # pylint: disable=g-import-not-at-top
+  import dataclasses
   topo = dtenjax.Topology.current()
   hosts = sorted({d.host for d in topo.devices})
-  return dataclasses.replace(topo, numa_nodes=tuple(NumaNode(h, 0, f"0-{cores - 1}")
+  return dataclasses.replace(topo, numa_nodes=tuple(planning.NumaNode(h, 0, f"0-{cores - 1}")
                                                     for h in hosts))
 
 
@@ -448,7 +446,7 @@ def priced_rows(names, measured_json: str | None, topology=None) -> list[dict]:
   """The ``priced`` part: the cost model's step time of the plan and of every hand-written
   layout of the wins part (planning only, nothing runs), beside the measured times of a recorded
   wins run (``measured_json``, this bench's JSON) where it has the same family and layout."""
-  import _families as fams  # pylint: disable=g-import-not-at-top
+  import _families as fams
   measured = {}
   if measured_json:
     with open(measured_json, encoding="utf-8") as f:

@@ -52,7 +52,8 @@ from jax.sharding import PartitionSpec as P
 import _families as fams
 import _harness
 import dtenjax
-from dtenjax._src.planning import measure
+from dtenjax.testing import planning
+from dtenjax.testing.xla import loop_repeats
 
 
 def _drop(spec: P, axes: set[str]) -> P:
@@ -72,7 +73,7 @@ def _specs(fam, r):
   fsdp = {a for a in r.mesh.axis_names if a == "fsdp"}
   is_p = lambda s: isinstance(s, P)
   pspecs = r.param_specs
-  ospecs = fams._like_params(opt, params, pspecs)  # pylint: disable=protected-access
+  ospecs = fams._like_params(opt, params, pspecs)
   bax = r.batch_axes[0] if len(r.batch_axes) == 1 else r.batch_axes
   bspecs = jax.tree.map(lambda b: P(bax), batch)
   stored = (pspecs, ospecs, bspecs)
@@ -129,7 +130,6 @@ def _axes_of(groups, mesh) -> tuple[str, ...]:
 def collective_list(compiled, mesh) -> list[tuple[str, tuple, tuple[str, ...]]]:
   """(kind, the operands' shapes and dtypes per device, axes) of every collective the compiled
   step runs, repeated by its loop trip counts (a combined all-reduce keeps its operands)."""
-  from dtenjax._src.planning.check import loop_repeats  # pylint: disable=g-import-not-at-top
   repeats = loop_repeats(compiled)
   out = []
   for c in dtenjax.explain(compiled).collectives:
@@ -185,7 +185,7 @@ def predicted_parts(fam, r, step, args, topology) -> dict[str, float]:
   optimizer's update alone, every collective, the exposed collectives, the total."""
   params, opt, _ = args
   plan = dtenjax.plan(step, *args, mesh=dict(r.mesh.shape), topology=topology,
-                      pinned=[r.param_specs, fams._like_params(opt, params, r.param_specs),  # pylint: disable=protected-access
+                      pinned=[r.param_specs, fams._like_params(opt, params, r.param_specs),
                               None], memory_budget=1 << 50)
   topo = topology or dtenjax.Topology.current()
   per_byte = topo.local_s_per_byte(0.0)
@@ -216,7 +216,7 @@ COLUMNS = (("family", "family", "s"), ("layout", "layout", "s"), ("mesh", "mesh"
 def _cpu_ms(fn, args, calls: int = 3) -> float:
   """This process's CPU milliseconds per call of ``fn`` (all devices' threads): the work, where
   wall time also counts the waiting."""
-  import resource  # pylint: disable=g-import-not-at-top
+  import resource
   use = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
   jax.block_until_ready(fn(*args))
   c0 = use()
@@ -247,7 +247,7 @@ def family_rows(name: str, iters: int, calibrated) -> list[dict]:
     fns[(rn, "coll_with")] = (cw, (x,))
     fns[(rn, "coll_base")] = (cb, (x,))
     meta[rn] = (r, collective_mib(colls))
-  samples = measure.time_calls({k: (lambda f=f, a=a: f(*a)) for k, (f, a) in fns.items()},
+  samples = planning.time_calls({k: (lambda f=f, a=a: f(*a)) for k, (f, a) in fns.items()},
                                warmup=2, rounds=iters)
   t = {k: _harness.median(v) * 1e3 for k, v in samples.items()}
   cpu = {k: _cpu_ms(*fns[k]) for k in fns if k[1] in ("step", "local")}
@@ -279,15 +279,14 @@ def probe_rows(topology) -> list[dict]:
   """The calibration's elementwise rate and its collective-between-products cost at several
   sizes (``--probe``): does the 4 MiB buffer measure the caches, and does the meeting cost grow
   with the product between the collectives?"""
-  from dtenjax._src.topology import calibrate  # pylint: disable=g-import-not-at-top
   rows = []
   tiny = {"matmul": ((64, 64, 64),), "collectives": (4096,)}
   for mib in PROBE_MIB:
-    cal = calibrate.measure(topology, sizes={**tiny, "memory": mib << 20, "latency": 0})
+    cal = planning.calibrate_measure(topology, sizes={**tiny, "memory": mib << 20, "latency": 0})
     rows.append({"probe": "elementwise", "size": f"{mib} MiB per device",
                  "value": cal.memory_gbps, "unit": "GB/s per device"})
   for m in PROBE_PRODUCTS:
-    cal = calibrate.measure(topology, sizes={**tiny, "memory": 1 << 20, "latency": m})
+    cal = planning.calibrate_measure(topology, sizes={**tiny, "memory": 1 << 20, "latency": m})
     rows.append({"probe": "collective between products", "size": f"{m} x {m} product",
                  "value": cal.latency_s * 1e3, "unit": "ms"})
   return rows

@@ -57,7 +57,7 @@ FUSION_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
 def _xla_has_the_emitters_flag() -> bool:
   """jaxlib 0.10.x has it (CI's); 0.11.2 does not. Read without importing jax (the flag must be
   in XLA_FLAGS before jax starts)."""
-  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  from importlib import metadata
   try:
     major, minor = (int(p) for p in metadata.version("jaxlib").split(".")[:2])
   except (metadata.PackageNotFoundError, ValueError):
@@ -115,7 +115,7 @@ def _one_pair_of_fork_servers():
   """Every launch of the session that can fork (tests/mp_workers/launch.py: the `procs` group's
   jobs, the elastic launcher's workers, their fresh-process runs) forks from one pair of servers
   that imported jax, started at the first such launch (a worker that runs none starts none)."""
-  from tests.mp_workers import launch  # pylint: disable=g-import-not-at-top
+  from tests.mp_workers import launch
   with launch.shared_forks():
     yield
 

@@ -72,7 +72,7 @@ def block_tree(blocks: int = 2) -> dict:
   """A gradient tree of ``blocks`` blocks of 4 weights and 2 biases (3 leaf shapes, 168 values
   per device of 8: a multiple of 8, so no bucket is padded), each block's weights filled with its
   own value."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
   out = {}
   for b in range(blocks):
     for w in "qkvo":

@@ -302,14 +302,14 @@ _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37     # linux/prctl.h
 
 
 def _prctl(option: int, arg) -> None:
-  import ctypes  # pylint: disable=g-import-not-at-top
+  import ctypes
   libc = ctypes.CDLL(None, use_errno=True)
   if libc.prctl(option, arg, 0, 0, 0) != 0:
     raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
 
 
 def _subreaper() -> bool:
-  import ctypes  # pylint: disable=g-import-not-at-top
+  import ctypes
   flag = ctypes.c_int(0)
   _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag))
   return bool(flag.value)

@@ -91,7 +91,7 @@ def test_local_topology_says_why_tcp():
 
 def test_docstring_claims_only_what_is_true():
   """Nothing in dtenjax's planner reads peer loads; the module must not say it does."""
-  import inspect  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.planning import planner  # pylint: disable=g-import-not-at-top
+  import inspect
+  from dtenjax._src.planning import planner
   assert "read_peer_loads" not in inspect.getsource(planner)
   assert "planner reads" not in agent.__doc__ and "does not read it" in agent.__doc__

@@ -104,12 +104,7 @@ def test_the_scheduler_errors_docs_scheduler_md_names_are_importable_from_dtenja
 
 # What users copy (examples/) imports only public names, and so do the benches: what a benchmark
 # drives besides the public API is named in dtenjax.testing (its submodules demo, costmodel,
-# report, transport, xla). The exceptions listed here are the planner benches, pending the same
-# move. Shrink this list; never grow it without a reason.
-BENCH_PRIVATE_IMPORTS = {
-    # the lead's planner benches
-    ("bench/_step_models.py", "*"), ("bench/planner.py", "*"), ("bench/step_planner.py", "*"),
-}
+# planning, report, transport, xla).
 
 
 def _private_imports(path: pathlib.Path) -> set[str]:
@@ -125,20 +120,12 @@ def _private_imports(path: pathlib.Path) -> set[str]:
 
 def test_examples_and_benches_import_only_public_names():
   root = pathlib.Path(__file__).resolve().parents[1]
-  offenders, stale = [], {k for k in BENCH_PRIVATE_IMPORTS if k[1] != "*"}
-  for path in sorted((root / "examples").glob("*.py")) + sorted((root / "bench").glob("*.py")):
-    rel = path.relative_to(root).as_posix()
-    for module in sorted(_private_imports(path)):
-      for key in ((rel, module), (rel, "*")):
-        if key in BENCH_PRIVATE_IMPORTS and rel.startswith("bench/"):
-          stale.discard(key)
-          break
-      else:
-        offenders.append(f"{rel}: {module}")
+  offenders = [f"{path.relative_to(root).as_posix()}: {module}"
+               for path in sorted((root / "examples").glob("*.py")) + sorted((root / "bench").glob("*.py"))
+               for module in sorted(_private_imports(path))]
   assert not offenders, (
       "examples and benches use dtenjax's public names (dtenjax, dtenjax.compression, "
       f"dtenjax.checkpoint, dtenjax.testing); these import dtenjax._src: {offenders}")
-  assert not stale, f"allowed private imports that are gone (remove them from the list): {stale}"
 
 
 
@@ -272,3 +259,18 @@ def test_testing_demo_is_the_demo_commands_model(monkeypatch):
   opt, step = demo.make_step(1e-3, mesh)
   new, _, loss = jax.eval_shape(step, params, opt.init(params), xb, yb)   # traced, not compiled
   assert loss.shape == () and jax.tree.structure(new) == jax.tree.structure(params)
+
+
+def test_testing_planning_times_and_clears_what_the_planner_benches_drive():
+  from dtenjax.testing import planning
+  assert tuple(planning.RECIPES) == ("DP", "FSDP", "TP", "FSDP x TP")
+  ticks = iter(range(1000))
+  calls = {"a": lambda: None, "b": lambda: None}
+  samples = planning.time_calls(calls, rounds=3, timer=lambda: float(next(ticks)))
+  assert set(samples) == {"a", "b"} and all(len(v) == 3 for v in samples.values())
+  dtenjax.Placement("auto", mesh=(2, 4)).sharding((64, 32))
+  assert planning.distinct_plans() >= 1
+  planning.clear_planner_caches()
+  assert planning.distinct_plans() == 0
+  node = planning.NumaNode("h0", 0, "0-3")
+  assert (node.host, node.cpus) == ("h0", "0-3")

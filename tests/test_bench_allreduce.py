@@ -12,8 +12,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-import _harness  # noqa: E402  pylint: disable=g-import-not-at-top
-import allreduce as bench  # noqa: E402  pylint: disable=g-import-not-at-top
+import _harness  # noqa: E402
+import allreduce as bench  # noqa: E402
 
 
 def _run(*args, env=None):

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-import _harness  # noqa: E402  pylint: disable=g-import-not-at-top
+import _harness  # noqa: E402
 
 
 def test_checkpoint_bench_writes_both_candidates_and_ratios(tmp_path):

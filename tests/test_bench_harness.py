@@ -11,7 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-import _harness as h  # noqa: E402  pylint: disable=g-import-not-at-top
+import _harness as h  # noqa: E402
 
 
 @pytest.mark.parametrize("text,expected", [("8", 8), ("64K", 65536), ("1M", 1 << 20),

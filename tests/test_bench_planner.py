@@ -8,7 +8,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-import planner  # noqa: E402  pylint: disable=g-import-not-at-top
+import planner  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

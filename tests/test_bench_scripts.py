@@ -12,9 +12,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-import _harness  # noqa: E402  pylint: disable=g-import-not-at-top
-import procs  # noqa: E402  pylint: disable=g-import-not-at-top
-from tests import helpers  # noqa: E402  pylint: disable=g-import-not-at-top
+import _harness  # noqa: E402
+import procs  # noqa: E402
+from tests import helpers  # noqa: E402
 
 BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_"))
 
@@ -185,8 +185,8 @@ def test_costmodel_check_reads_only_allreduce_results(tmp_path, run):
 def test_convergence_and_reproducible_step_write_the_schema(tmp_path, monkeypatch, capsys):
   """Their measurements take minutes (tests/test_compression.py and tests/test_reproducible.py
   run them); here a canned measurement goes through each main() to its JSON and table."""
-  import compression_convergence as cc  # pylint: disable=g-import-not-at-top
-  import reproducible_step as rs  # pylint: disable=g-import-not-at-top
+  import compression_convergence as cc
+  import reproducible_step as rs
   monkeypatch.setattr(cc, "load_digits", lambda n: None)
   monkeypatch.setattr(cc, "train", lambda cand, data, steps, seed: (
       0.9 if cand.ratio is None else 0.8, 100.0 if cand.ratio is None else 10.0,
@@ -221,7 +221,7 @@ def test_convergence_and_reproducible_step_write_the_schema(tmp_path, monkeypatc
 
 
 def test_collectives_lax_candidates_compute_what_they_stand_for(cpu_devices):
-  import collectives  # bench/collectives.py  # pylint: disable=g-import-not-at-top
+  import collectives  # bench/collectives.py
   import jax
   import numpy as np
   from jax.sharding import Mesh, PartitionSpec as P
@@ -341,5 +341,5 @@ def test_block_waits_for_every_leaf_of_a_pytree():
       return self
   tree = {"a": Leaf(), "b": [Leaf(), (Leaf(),)], "c": 3}
   assert _harness.block(tree) is tree
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   assert all(leaf.waited for leaf in jax.tree.leaves(tree) if isinstance(leaf, Leaf))

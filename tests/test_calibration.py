@@ -123,7 +123,7 @@ def test_a_calibration_is_an_input_saved_with_the_topology_and_checked():
 
 def _small_step():
   sys.path.insert(0, str(ROOT / "bench"))
-  import _families  # pylint: disable=g-import-not-at-top
+  import _families
   return _families
 
 

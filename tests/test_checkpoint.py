@@ -83,7 +83,7 @@ def test_flax_and_optax_state_round_trip(tmp_path):
   flax = pytest.importorskip("flax")
   optax = pytest.importorskip("optax")
   del flax
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn
   model = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(8)])
   # flax's init and optax's update jitted: eagerly each of their ops compiled a program of its own
   params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8)))

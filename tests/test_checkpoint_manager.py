@@ -71,7 +71,7 @@ def test_latest_step_after_a_crash_mid_save_is_the_last_complete_one(tmp_path):
   for s in (1, 2):
     m.save(s, _state(s)[0])
   m.wait_until_finished()
-  m._ckpt.storage = ckpt.LocalStorage(_CrashingIO(3))      # pylint: disable=protected-access
+  m._ckpt.storage = ckpt.LocalStorage(_CrashingIO(3))
   m.save(3, _state(3)[0])
   with pytest.raises(dtenjax.CheckpointError, match="killed in the middle"):
     m.wait_until_finished()
@@ -83,7 +83,7 @@ def test_latest_step_after_a_crash_mid_save_is_the_last_complete_one(tmp_path):
   out = m.restore(target=_state(0)[0])
   assert out["step"] == 2
   np.testing.assert_array_equal(np.asarray(out["w"]), _state(2)[1])
-  m._ckpt.storage = ckpt.LocalStorage(ckio.PosixIO())      # pylint: disable=protected-access
+  m._ckpt.storage = ckpt.LocalStorage(ckio.PosixIO())
   assert m.save(3, _state(3)[0])
   m.wait_until_finished()
   assert sorted(os.listdir(tmp_path)) == ["2", "3"]         # leftover removed, K=2 kept
@@ -105,7 +105,7 @@ class _SlowIO(ckio.PosixIO):
 def test_async_saves_overlap_the_next_steps(tmp_path):
   m = ckpt.CheckpointManager(tmp_path)
   slow = _SlowIO()
-  m._ckpt.storage = ckpt.LocalStorage(slow)               # pylint: disable=protected-access
+  m._ckpt.storage = ckpt.LocalStorage(slow)
   state, ref = _state(5)
   step = jax.jit(lambda w: w * 2.0)
   t0 = time.perf_counter()

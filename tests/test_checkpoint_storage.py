@@ -388,7 +388,7 @@ class MemoryStorage:
 
 
 def test_a_second_tier_is_one_more_storage_implementation(tmp_path):
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P
   mem = MemoryStorage()
   assert isinstance(mem, storage.Storage)
   mesh = jax.make_mesh((2, 4), ("a", "b"))

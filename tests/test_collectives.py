@@ -589,7 +589,7 @@ def test_the_sign_of_a_sum_of_negative_zeros_is_pinned_for_every_algorithm(mesh)
   """Issue 44: every algorithm (each family, and auto as resolved by plan_all_reduce), sum and
   mean, reproducible or not, gives the documented sign for eight -0.0; lax.psum is the anchor of
   algorithm='xla'. One program holds every case (one compilation)."""
-  from dtenjax._src.collectives.algorithms import registry  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.collectives.algorithms import registry
   ids = [d.id for d in mesh.devices.flat]
   cases = [(a, op, rep) for a in ("auto",) + registry.FAMILIES for op in ("sum", "mean")
            for rep in (False, True)]
@@ -744,7 +744,7 @@ def test_all_gather_takes_to_like_lax_all_gather(cpu_devices, tiled):
   """to="invarying" (lax.all_gather's, jax 0.10.2 and 0.11.2): the gathered value is typed
   invariant, so it leaves through out_specs=P() under check_vma=True, and its gradient is
   lax's (rank r gets block r of the cotangent); a value lax does not take is a CollectiveError."""
-  import inspect  # pylint: disable=g-import-not-at-top
+  import inspect
   assert inspect.signature(jax.lax.all_gather).parameters["to"].default == "varying"
   assert inspect.signature(dtenjax.all_gather).parameters["to"].default == "varying"
   mesh = Mesh(np.array(cpu_devices[:4]), ("i",))
@@ -794,7 +794,7 @@ def test_an_eager_collective_is_one_program_compiled_once_per_signature(cpu_devi
 
 def _compilations(fn, *args):
   """XLA compilations during one call of ``fn`` (JAX's own compile-time events)."""
-  from jax import monitoring  # pylint: disable=g-import-not-at-top
+  from jax import monitoring
   seen = []
 
   def listener(event, _duration, **_):
@@ -819,7 +819,7 @@ def test_an_eager_gradient_reuses_cached_programs(cpu_devices, collective, algor
   second call compiles nothing for the collective -- no more programs than the same loss with
   JAX's own collective, whose primitives eager shard_map compiles itself -- and the gradient is
   the jitted one, bit for bit. A pytree goes through the buckets in the same programs."""
-  from dtenjax._src import jaxapi  # pylint: disable=g-import-not-at-top
+  from dtenjax._src import jaxapi
   mesh = Mesh(np.array(cpu_devices[:4]), ("d",))
   tree = {"a": _normal(0, (4, 8)), "b": _normal(1, (4, 4, 3))}
   tree = jax.device_put(tree, jax.sharding.NamedSharding(mesh, P("d")))
@@ -870,9 +870,9 @@ print(f(jnp.ones(3), jnp.ones((2, 3))))
 def test_the_summed_gradient_warning_shows_in_a_plain_script():
   """The user's case: a plain `python script.py`, no logging set-up, no pytest: the warning is on
   stderr (Python shows UserWarnings by default)."""
-  import os  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import os
+  import subprocess
+  import sys
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
   r = subprocess.run([sys.executable, "-c", _PLAIN_SCRIPT], capture_output=True, text=True,
                      env=env, timeout=120, check=False)

@@ -285,9 +285,9 @@ def test_error_feedback_keeps_digits_accuracy_at_0_1_percent(mesh):
   The tolerances catch broken error feedback and a step that stops compressing.
   """
   import sys
-  import pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
+  import pathlib
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-  import compression_convergence as cc  # pylint: disable=g-import-not-at-top
+  import compression_convergence as cc
   data = cc.load_digits(8)
   steps = 150
   dense = cc.train(cc.Candidate("dense", None, momentum=0.0), data, steps=steps)
@@ -303,7 +303,7 @@ def test_error_feedback_keeps_digits_accuracy_at_0_1_percent(mesh):
 
 @pytest.mark.gpu
 def test_topk_ef_on_gpu_kernel_equals_cumsum_formulation():
-  from dtenjax._src import ffi  # pylint: disable=g-import-not-at-top
+  from dtenjax._src import ffi
   from dtenjax._src.compression import topk
   if not ffi.has_target(topk.TARGET, "CUDA"):
     pytest.skip("dtenjax_topk_pack is not built for CUDA")
@@ -355,9 +355,9 @@ def _step_hlo(mesh, tx, params, grads_of, **shard_map_kw):
 
 def _float_all_reduces(hlo):
   import sys
-  import pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
+  import pathlib
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-  import compression_convergence as cc  # pylint: disable=g-import-not-at-top
+  import compression_convergence as cc
   return [c for c in cc.collectives_in_hlo(hlo, 8) if c["op"] == "all-reduce"
           and any(a[0] in "fb" for a in c["arrays"])]
 
@@ -444,7 +444,7 @@ def test_axis_name_outside_shard_map_is_a_clear_error():
 
 def test_example_trains_with_per_device_gradients():
   import importlib.util
-  import pathlib  # pylint: disable=g-import-not-at-top,multiple-imports
+  import pathlib
   path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "compressed_training.py"
   spec = importlib.util.spec_from_file_location("compressed_training", path)
   mod = importlib.util.module_from_spec(spec)
@@ -456,9 +456,9 @@ def test_example_trains_with_per_device_gradients():
 def test_topk_ef_names_every_option_with_the_config_default():
   """help(topk_ef) shows every option (no **options): its keyword arguments are TopKConfig's
   fields, with the same defaults, so the two cannot drift apart."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  import inspect  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.compression.error_feedback import TopKConfig  # pylint: disable=g-import-not-at-top
+  import dataclasses
+  import inspect
+  from dtenjax._src.compression.error_feedback import TopKConfig
   params = inspect.signature(dtenjax.compression.topk_ef).parameters
   assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
   fields = {f.name: f.default for f in dataclasses.fields(TopKConfig)}

@@ -146,8 +146,8 @@ def test_the_knob_scan_sees_every_form_of_read(tmp_path):
 
 
 def test_nccl_environment_is_pinned_when_asked_unless_the_user_chose(monkeypatch):
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.gpu import environment  # pylint: disable=g-import-not-at-top
+  import dtenjax
+  from dtenjax._src.gpu import environment
   monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
   monkeypatch.delenv("DTENJAX_PIN_NCCL", raising=False)
   assert not environment.pin_if_asked() and "NCCL_NVLS_ENABLE" not in os.environ   # default
@@ -161,7 +161,7 @@ def test_nccl_environment_is_pinned_when_asked_unless_the_user_chose(monkeypatch
 
 def test_importing_dtenjax_changes_no_environment_variable():
   import subprocess
-  import sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  import sys
   code = ("import os, json; before = dict(os.environ); import dtenjax; "
           "[getattr(dtenjax, n) for n in dtenjax.__all__]; after = dict(os.environ); "   # loaded
           "print(json.dumps(sorted(k for k in set(before) | set(after) "

@@ -116,7 +116,7 @@ def test_a_test_over_the_budget_fails_unless_marked_slow_and_listed(tmp_path):
 
 
 def test_the_listed_long_tests_exist_are_marked_slow_and_say_why():
-  import conftest  # pylint: disable=g-import-not-at-top
+  import conftest
   allowed = conftest.allowed_long_tests()
   rows = [ln for ln in conftest.TESTING_DOC.read_text().splitlines() if ln.startswith("| `tests/")]
   assert allowed and len(allowed) == len(rows), (sorted(allowed), rows)   # every row is read
@@ -130,11 +130,11 @@ def test_the_listed_long_tests_exist_are_marked_slow_and_say_why():
 
 
 def test_tests_share_compiled_programs_through_this_runs_cache():
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import conftest  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import conftest
   if conftest.COMPILE_CACHE_DIR is None:
-    import pytest  # pylint: disable=g-import-not-at-top
+    import pytest
     pytest.skip("the compile cache is off (DTENJAX_TEST_COMPILE_CACHE=0 or a GPU run)")
   assert jax.config.jax_compilation_cache_dir == conftest.COMPILE_CACHE_DIR
   assert os.environ[conftest.CACHE_DIR_VAR] == conftest.COMPILE_CACHE_DIR
@@ -167,13 +167,13 @@ def test_the_suites_xla_cpu_emitters_give_the_default_emitters_bits():
   this process both ways (``compiler_options`` per program): an expression LLVM may contract to
   an FMA, the transcendental functions, reductions in float32 and bfloat16, dots, a scatter-add
   with a gather, top-k and a sort, and an AdamW step of a small MLP with layer norm and GELU."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  import pytest  # pylint: disable=g-import-not-at-top
-  import conftest  # pylint: disable=g-import-not-at-top
-  from tests.helpers import DEFAULT_CPU_EMITTERS  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  import pytest
+  import conftest
+  from tests.helpers import DEFAULT_CPU_EMITTERS
   if conftest.FUSION_EMITTERS_FLAG not in os.environ["XLA_FLAGS"].split():
     pytest.skip("this run chose its own emitters in XLA_FLAGS (or is a GPU run)")
   rng = np.random.default_rng(0)

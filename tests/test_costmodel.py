@@ -409,11 +409,11 @@ def test_errors():
 def test_gpu_predictions_stay_within_2x_of_the_h200_pair_measurements(capsys):
   """bench/results holds bench/allreduce.py runs on 2 x H200 (one process; one per GPU): the GPU
   cost constants must keep every prediction within 2x of them (issue 11 item 6)."""
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import pathlib
+  import sys
   root = pathlib.Path(__file__).resolve().parents[1]
   sys.path.insert(0, str(root / "bench"))
-  import costmodel_check  # pylint: disable=g-import-not-at-top
+  import costmodel_check
   for name in ("2026-11-30_h200x2_1proc_f32.json", "2026-11-30_h200x2_2procs_f32.json"):
     assert costmodel_check.main([str(root / "bench" / "results" / name)]) == 0, capsys.readouterr()
     assert "40 of 40 predictions within 2x" in capsys.readouterr().out
@@ -422,7 +422,7 @@ def test_gpu_predictions_stay_within_2x_of_the_h200_pair_measurements(capsys):
 def test_cost_params_file_is_versioned_and_checked(tmp_path, monkeypatch):
   """DTENJAX_COST_PARAMS: format dtenjax.cost-params/1 (absent: read as that), numbers only; the
   shipped JSON Schema accepts and refuses the same files."""
-  import pathlib  # pylint: disable=g-import-not-at-top
+  import pathlib
   schema = json.loads((pathlib.Path(__file__).resolve().parents[1] / "dtenjax" / "schemas" /
                        "cost-params-1.schema.json").read_text())
   jsonschema = pytest.importorskip("jsonschema")

@@ -63,11 +63,11 @@ def test_resnet50_tiny_trains(tmp_path, run):
 
 
 def test_resnet50_sliced_pooling_matches_reduce_window_forward():
-  import sys  # pylint: disable=g-import-not-at-top
+  import sys
   sys.path.insert(0, str(ROOT / "examples"))
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import resnet50_train as rn  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  import resnet50_train as rn
   for h in (7, 8, 112):
     x = jax.random.normal(jax.random.key(h), (2, h, h + 1, 3))
     np.testing.assert_array_equal(rn.max_pool_3x3_s2(x, "slices"),
@@ -107,8 +107,8 @@ def test_cuda_graphs_bench_tiny_compares_with_jax_jit_first(tmp_path, run):
 
 
 def _bench_module(name):
-  import importlib  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import importlib
+  import sys
   sys.path.insert(0, str(ROOT / "bench"))
   return importlib.import_module(name)
 
@@ -116,8 +116,8 @@ def _bench_module(name):
 def test_every_bench_case_and_workload_traces():
   """Each case the GPU runs measure (and each reproducibility workload, under every pin set)
   traces at toy size: shapes, donation, the state threading, without compiling."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
   # host zeros: jnp.zeros compiled a program per output shape and dtype (51 here)
   zeros = lambda tree: jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), tree)
   cg = _bench_module("cuda_graphs")

@@ -74,7 +74,7 @@ def test_arch_mismatch_follows_cudas_compatibility_rules(archs, capability, runs
 
 
 def test_a_gpu_without_kernels_falls_back_to_xla_saying_why(monkeypatch):
-  import types  # pylint: disable=g-import-not-at-top
+  import types
   info = dict(ffi.build_info(), cuda_archs="90")
   monkeypatch.setattr(ffi, "build_info", lambda: info)
   a100 = types.SimpleNamespace(id=0, device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")

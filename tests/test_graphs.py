@@ -92,10 +92,10 @@ def test_jit_on_cpu_is_plain_jit_and_keeps_jit_kwargs():
 # ---- auto: exactly jax.jit unless a loop can run on the device ------------------------------
 
 def _resnet_step():
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import pathlib
+  import sys
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-  import resnet50_train as rn  # pylint: disable=g-import-not-at-top
+  import resnet50_train as rn
   stages = (1, 1)
   params = rn.init_resnet(0, stages, 4, 10)
   images = jnp.ones((2, 32, 32, 3), rn.DT)
@@ -396,8 +396,8 @@ class _Profile:
 def test_read_launches_counts_a_gpu_trace_layout():
   """The counting rules on the layout jax.profiler.ProfileData has on a GPU (planes, lines,
   events with (name, value) stats); the attribute names are checked against a real trace."""
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
+  import pathlib
+  import tempfile
   with tempfile.TemporaryDirectory() as tmp:
     jax.profiler.start_trace(tmp)
     jnp.ones(4).block_until_ready()

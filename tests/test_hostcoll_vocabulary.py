@@ -21,10 +21,10 @@ def test_ops_are_the_transports_with_a_local_reduction():
 
 def test_an_op_the_wire_has_but_this_module_does_not_is_refused_by_name():
   with pytest.raises(errors.CollectiveError) as e:
-    hostcoll._check(jnp.ones((4,), jnp.float32), ("x",), "ring", "prod")  # pylint: disable=protected-access
+    hostcoll._check(jnp.ones((4,), jnp.float32), ("x",), "ring", "prod")
   assert "op='prod' is not one of ['max', 'mean', 'min', 'sum']" in str(e.value)
   with pytest.raises(errors.CollectiveError) as e:
-    hostcoll._check(jnp.ones((4,), jnp.float32), ("x",), "tree", "sum")  # pylint: disable=protected-access
+    hostcoll._check(jnp.ones((4,), jnp.float32), ("x",), "tree", "sum")
   assert "algorithm='tree' is not one of ('ring', 'hierarchical')" in str(e.value)
   assert "op=" not in str(e.value)
 

@@ -90,7 +90,7 @@ def test_missing_client_is_its_own_kind(monkeypatch):
   with pytest.raises(kvstore.MissingClientError, match="call jax.distributed.initialize"):
     kvstore.KVStore(timeout_s=30).exchange("ns", 0, 2, "v")
   # jax.distributed initialised for 4 processes, then shut down: no silent fallback.
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  from jax._src import distributed
   monkeypatch.setattr(distributed.global_state, "num_processes", 4)
   monkeypatch.setattr(distributed.global_state, "client", None)
   with pytest.raises(kvstore.MissingClientError, match="initialised for 4 processes"):

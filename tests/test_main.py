@@ -29,9 +29,9 @@ def test_demo_trains_places_explains_and_is_bit_identical(capsys):
 
 
 def test_cli_info_and_unknown(capsys):
-  import jaxlib  # pylint: disable=g-import-not-at-top
-  import platform  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import jaxlib
+  import platform
+  import dtenjax
   assert cli.main(["info", "--json"]) == 0
   info = json.loads(capsys.readouterr().out)
   assert {"built", "cuda", "verbs", "targets"} <= set(info["extension"])
@@ -145,8 +145,8 @@ def test_demo_losses_are_bit_identical_on_1_2_4_and_8_devices():
 
 
 def test_demo_without_its_extra_says_how_to_install_it(monkeypatch, capsys):
-  from dtenjax._src.cli import info  # pylint: disable=g-import-not-at-top
-  real = info._present  # pylint: disable=protected-access
+  from dtenjax._src.cli import info
+  real = info._present
   monkeypatch.setattr(info, "_present", lambda m: m != "optax" and real(m))
   assert cli.main(["demo", "--steps", "1"]) == 1       # not a usage error: a missing package
   err = capsys.readouterr().err

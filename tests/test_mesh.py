@@ -356,7 +356,7 @@ def test_pmap_argument_errors(cpu_devices):
 
 
 def test_a_mesh_larger_than_the_cpu_devices_says_how_to_simulate_them(cpu_devices):
-  import traceback  # pylint: disable=g-import-not-at-top
+  import traceback
   with pytest.raises(dtenjax.MeshError) as e:
     dtenjax.topology_mesh((4, 4), ("a", "b"), devices=cpu_devices)
   msg = str(e.value)
@@ -367,7 +367,7 @@ def test_a_mesh_larger_than_the_cpu_devices_says_how_to_simulate_them(cpu_device
 
 
 def test_public_errors_print_as_dtenjax_names():
-  import pickle  # pylint: disable=g-import-not-at-top
+  import pickle
   for name in ("DtenjaxError", "MeshError", "PlacementError", "ConfigurationError",
                "TopologyError", "CollectiveError", "ExtensionUnavailableError", "TransportError",
                "CollectiveTimeoutError", "NativeError", "QuotaExceededError"):
@@ -377,7 +377,7 @@ def test_public_errors_print_as_dtenjax_names():
 
 
 def test_make_mesh_is_deprecated_for_topology_mesh(cpu_devices):
-  import inspect  # pylint: disable=g-import-not-at-top
+  import inspect
   with pytest.warns(DeprecationWarning, match="dtenjax.topology_mesh"):
     old = dtenjax.make_mesh((2, 4), ("a", "b"), devices=cpu_devices)
   new = dtenjax.topology_mesh((2, 4), ("a", "b"), devices=cpu_devices)
@@ -387,7 +387,7 @@ def test_make_mesh_is_deprecated_for_topology_mesh(cpu_devices):
 
 
 def test_mesh_map_takes_shard_maps_keywords_and_defaults(cpu_devices):
-  import inspect  # pylint: disable=g-import-not-at-top
+  import inspect
   ours = inspect.signature(dtenjax.mesh_map).parameters
   theirs = inspect.signature(jax.shard_map).parameters
   assert ours["out_specs"].default is inspect.Parameter.empty      # required, as in shard_map
@@ -397,4 +397,4 @@ def test_mesh_map_takes_shard_maps_keywords_and_defaults(cpu_devices):
     assert ours[name].default == theirs[name].default, name
   mesh = dtenjax.topology_mesh((8,), ("i",), devices=cpu_devices)
   with pytest.raises(TypeError, match="out_specs"):
-    dtenjax.mesh_map(lambda x: x, mesh, in_specs=P("i"))   # pylint: disable=missing-kwoa
+    dtenjax.mesh_map(lambda x: x, mesh, in_specs=P("i"))

@@ -89,7 +89,7 @@ def test_p2p_selftest_checks_its_arguments():
 
 
 def test_p2p_selftest_without_a_gpu_says_so():
-  if native_testing._platforms() != {"cpu"}:  # pylint: disable=protected-access
+  if native_testing._platforms() != {"cpu"}:
     pytest.skip("checks the CPU-only refusal")
   with pytest.raises(errors.ExtensionUnavailableError, match=r"platforms \['cpu'\]"):
     native_testing.p2p_selftest(np.zeros((2, 8), np.float32))

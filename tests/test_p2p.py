@@ -356,7 +356,7 @@ def test_reproducible_kernel_matches_stored_cpu_bits():
 
 
 def _host_compiler():
-  import shutil  # pylint: disable=g-import-not-at-top
+  import shutil
   return next((c for c in (os.environ.get("CXX"), "c++", "g++", "clang++") if c and
                shutil.which(c)), None)
 
@@ -576,7 +576,7 @@ def test_public_all_reduce_over_one_axis_of_a_2d_mesh():
 @pytest.mark.gpu
 def test_public_all_reduce_one_process_per_gpu():
   _need_gpus()
-  from tests.mp_workers import launch  # pylint: disable=g-import-not-at-top
+  from tests.mp_workers import launch
   n = len(_gpus())
   with tempfile.TemporaryDirectory() as out:
     # This pytest process already holds most of every GPU's memory (XLA preallocates).

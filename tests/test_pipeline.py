@@ -309,7 +309,7 @@ def test_transport_choice_says_which_path_and_why():
   assert "xla" in choice.table()
   with pytest.raises(dtenjax.MeshError, match="no axis 'stage'"):
     dtenjax.pipeline_transport(jax.make_mesh((8,), ("data",)))
-  from dtenjax._src.pipeline import transport  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.pipeline import transport
   assert transport.decide(4, "gpu", None).path == "xla"
   assert "NCCL" in transport.decide(4, "gpu", None).reason
   assert transport.decide(2, "cpu", "gloo").path == "xla"

@@ -44,7 +44,7 @@ def _store():
 
 @pytest.mark.multiprocess
 def test_two_processes_give_the_unpipelined_bits_and_a_dying_peer_a_clear_error(tmp_path):
-  from tests.mp_workers import launch  # pylint: disable=g-import-not-at-top
+  from tests.mp_workers import launch
   timeout_s = 20.0
   codes, results, logs = launch.launch(
       "tests.mp_workers.pipeline_host_worker", 2, str(tmp_path), timeout_s=120,
@@ -207,7 +207,7 @@ def test_pair_links_carry_exact_bytes_both_ways_and_refuse_mismatches():
   """The exchange under the pipeline: each side's messages arrive with their exact bytes (a
   float sum would turn -0.0 into +0.0 and may quiet a NaN's payload; odd byte counts are padded),
   in slot order; a side that sends another layout fails on both sides, naming the link."""
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  import ml_dtypes
   special = np.array([-0.0, np.nan, np.inf, 1e-45, -3.5], np.float32)
   special.view(np.uint32)[1] = 0x7fa00001                       # a NaN with a payload
   odd = np.arange(3, dtype=ml_dtypes.bfloat16)                  # 6 bytes: padded to 8

@@ -497,7 +497,7 @@ def test_shard_optax_state_with_the_params_placement_tree_places_each_moment_lik
 def test_shard_nnx_optimizer_state_like_the_model_state_and_with_the_placement_tree():
   """nnx.state(optimizer) holds OptVariables in the model's key paths: like=nnx.state(model)
   works on the NNX states directly (no to_pure_dict), and so does the params' placement tree."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from flax import nnx
 
   class MLP(nnx.Module):
     def __init__(self, rngs):

@@ -64,9 +64,9 @@ def test_abstract_arguments_are_made_in_their_layout():
   assert keys.shape == (4,) and jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
   # a second call (the timing's second pass, or another candidate with these layouts) reuses
   # the programs that made the leaves: no compile per leaf and call
-  hits = measure._maker.cache_info().hits  # pylint: disable=protected-access
+  hits = measure._maker.cache_info().hits
   again = measure.placed_arguments(args, shardings)
-  assert measure._maker.cache_info().hits == hits + 3  # pylint: disable=protected-access
+  assert measure._maker.cache_info().hits == hits + 3
   np.testing.assert_array_equal(np.asarray(again[0]["w"], np.float32),
                                 np.asarray(w["w"], np.float32))
   concrete = measure.placed_arguments((jnp.arange(8.0),), (NamedSharding(mesh, P("data")),))

@@ -26,7 +26,7 @@ RECORDED = {2: "2026-12-05_step_planner_wins_cpu8.json",
 
 def _families():
   sys.path.insert(0, str(ROOT / "bench"))
-  import _families  # pylint: disable=g-import-not-at-top
+  import _families
   return _families
 
 
@@ -65,7 +65,7 @@ def test_the_default_plan_takes_the_measured_fastest_layout(cores, family, cpu_d
 
 def _program_text():
   sys.path.insert(0, str(ROOT / "bench"))
-  import step_planner  # pylint: disable=g-import-not-at-top
+  import step_planner
   return step_planner.program_text
 
 
@@ -143,7 +143,7 @@ def test_measure_keeps_the_fastest_of_every_layout_it_timed(cpu_devices, monkeyp
   fsdp 4 x tensor 2)."""
   del cpu_devices
   sys.path.insert(0, str(ROOT / "bench"))
-  import _step_models  # pylint: disable=g-import-not-at-top
+  import _step_models
   step, abstract = _step_models.mlp_step(d=64, f=256, layers=2, batch=16, seq=8)
   args = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract)
   chosen = dtenjax.plan(step, *args)
@@ -188,15 +188,15 @@ def test_the_terms_bench_splits_a_step_into_compute_and_collectives(cpu_devices)
   read from the compiled step are placed on the mesh axes their groups join."""
   del cpu_devices
   sys.path.insert(0, str(ROOT / "bench"))
-  import step_terms  # pylint: disable=g-import-not-at-top
+  import step_terms
   fams = _families()
   fam = fams.FAMILIES["encdec"](vocab=256, d=64, heads=4, ffn=128, layers=1, batch=8, seq=8)
   r = fams.recipe(fam, "FSDP x TP")
   ids = [[d.id for d in row] for row in r.mesh.devices]          # fsdp 4 x tensor 2
   columns = [list(c) for c in zip(*ids)]
-  assert step_terms._axes_of(ids, r.mesh) == ("tensor",)  # pylint: disable=protected-access
-  assert step_terms._axes_of(columns, r.mesh) == ("fsdp",)  # pylint: disable=protected-access
-  assert step_terms._axes_of([], r.mesh) == ("fsdp", "tensor")  # pylint: disable=protected-access
+  assert step_terms._axes_of(ids, r.mesh) == ("tensor",)
+  assert step_terms._axes_of(columns, r.mesh) == ("fsdp",)
+  assert step_terms._axes_of([], r.mesh) == ("fsdp", "tensor")
   step, args = fam.make()
   real = fams.real_args(fam)
   fn, placed = step_terms.local_program(fam, r, real)
@@ -220,7 +220,7 @@ def test_the_terms_bench_probes_the_calibration_and_writes_its_json(tmp_path, mo
   the families' tables once read the probe's rows as family rows and stopped)."""
   del cpu_devices
   sys.path.insert(0, str(ROOT / "bench"))
-  import step_terms  # pylint: disable=g-import-not-at-top
+  import step_terms
   monkeypatch.setattr(step_terms, "PROBE_MIB", (1,))
   monkeypatch.setattr(step_terms, "PROBE_PRODUCTS", (32,))
   monkeypatch.setattr(step_terms, "family_rows", lambda name, iters, cal: [

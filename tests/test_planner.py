@@ -75,7 +75,7 @@ def test_the_planner_prices_only_what_can_run_the_all_reduce():
   """pcie_8 has two islands of 4, which makes 'hierarchical' the cheapest all-reduce of the
   gradient over a 2-D mesh; on a 1-D mesh that record cannot run (it needs two mesh axes), so the
   planner must price what auto would run there: one chooser, honouring supports()."""
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import dtenjax
   pcie = Topology.fixture("pcie_8")
   ids = list(range(8))
   over = {s: dtenjax.plan_all_reduce(W, ids, pcie, dtype="bfloat16", axis_sizes=s)
@@ -226,8 +226,8 @@ def test_the_docs_tables_are_what_the_public_call_prints(nvls_env, monkeypatch):
   # docs/planner.md quotes one candidate table per fixture; the public call the docs show,
   # Placement("auto", mesh=..., topology=fixture).explain(...), prints each of them, whatever
   # NCCL_NVLS_ENABLE says and whatever devices this process has
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import re  # pylint: disable=g-import-not-at-top
+  import pathlib
+  import re
   if nvls_env is None:
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
   else:
@@ -236,7 +236,7 @@ def test_the_docs_tables_are_what_the_public_call_prints(nvls_env, monkeypatch):
   quoted = re.findall(r"### (\w+), mesh (\{[^}]*\})\n\n```text\n(.*?)\n```", docs, re.S)
   assert len(quoted) == 4
   for name, mesh_text, table in quoted:
-    sizes = eval(mesh_text)  # pylint: disable=eval-used  (a dict literal of the docs)
+    sizes = eval(mesh_text)  # a dict literal of the docs
     placement = dtenjax.Placement("auto", mesh=tuple(sizes.values()),
                                   axis_names=tuple(sizes), topology=Topology.fixture(name))
     printed = placement.explain((4096, 4096), jnp.bfloat16)

@@ -68,7 +68,7 @@ def test_a_run_past_its_timeout_is_killed_with_what_it_started(forks, tmp_path, 
       break
     if state == "Z":
       break
-    import time  # pylint: disable=g-import-not-at-top
+    import time
     time.sleep(0.05)
   else:
     raise AssertionError(f"process {child} is still running")
@@ -122,4 +122,4 @@ def test_a_started_run_is_this_processs_child_as_popen_makes_one(forks, tmp_path
     p.send_signal(signal.SIGKILL)
     assert p.wait(timeout=30) == -signal.SIGKILL
     p.send_signal(signal.SIGKILL)            # after its end: nothing to signal, as Popen
-  assert not procs._subreaper()              # pylint: disable=protected-access
+  assert not procs._subreaper()

@@ -148,9 +148,9 @@ def test_a_200_gbit_infiniband_port_is_25_gbytes_infiniband_in_the_topology(monk
   assert (nic["link_layer"], nic["rate_gbit_s"], nic["bandwidth_gbps"]) == ("InfiniBand", 200.0,
                                                                            25.0)
   assert nic["gid_index"] == 0
-  from dtenjax._src.topology import detect  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.topology import report  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology import detect
+  from dtenjax._src.topology import report
+  from dtenjax._src.topology.model import Topology
   desc = detect.describe()
   (info,) = desc["nics"]
   assert (info.link_layer, info.bandwidth_gbps) == ("InfiniBand", 25.0)

@@ -380,8 +380,8 @@ def test_a_peer_that_stops_reading_times_out_on_time():
 
 @pytest.mark.parametrize("mode", ["close-and-exit", "exit"])   # worker modes: teardown_worker.py
 def test_teardown_with_a_collective_in_flight_exits_zero(mode):
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import subprocess
+  import sys
   p = subprocess.run([sys.executable, "-m", "tests.mp_workers.teardown_worker", mode],
                      capture_output=True, text=True, timeout=60,
                      cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent))
@@ -496,7 +496,7 @@ def _crc_colliding_tags(text: str) -> tuple[str, str]:
   """Two str tags whose site texts, as the old transport built them (text + " [tag '...']"),
   have one CRC32: found by a birthday search over random 12-letter tags (random.Random(35),
   30,863 tries, 0.5 s), kept here so the test does not search again."""
-  import zlib  # pylint: disable=g-import-not-at-top
+  import zlib
   a, b = "GMGtcwflSBbX", "gwNaXcZXejJL"
   crc = lambda tag: zlib.crc32((text + f" [tag {tag!r}]").encode())
   assert text == "line A" and a != b and crc(a) == crc(b)

@@ -66,17 +66,17 @@ def test_xlas_no_deterministic_implementation_error_is_explained():
   # XLA's message (IrEmitterUnnested::AssertNonDeterminismIsOkay) for select-and-scatter
   xla = RuntimeError("UNIMPLEMENTED: HLO instruction select-and-scatter.3 does not have a "
                      "deterministic implementation, but run-to-run determinism is required.")
-  e = reproducible._explain_compile_error(xla)  # pylint: disable=protected-access
+  e = reproducible._explain_compile_error(xla)
   assert isinstance(e, dtenjax.ConfigurationError)
   assert "select-and-scatter.3" in str(e) and "--pool slices" in str(e)
-  assert reproducible._explain_compile_error(RuntimeError("out of memory")) is None  # pylint: disable=protected-access
+  assert reproducible._explain_compile_error(RuntimeError("out of memory")) is None
 
 
 def test_arrays_of_two_meshes_meeting_in_the_step_name_the_fix():
   """The user's real case: parameters placed on dtenjax's own mesh (Placement(mesh=(2, 4))
   outside jax.set_mesh, Auto axes) and a batch on jax.make_mesh's (Explicit axes) meet in the
   step; JAX's "Mesh for all inputs should be equal" becomes a MeshError naming the fix."""
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P
   placement = dtenjax.Placement(P("data", "model"), mesh=(2, 4), axis_names=("data", "model"))
   w = dtenjax.shard(jnp.ones((8, 16)), placement)
   mesh = jax.make_mesh((2, 4), ("data", "model"))

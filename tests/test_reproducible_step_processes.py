@@ -11,7 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-import _repro_device  # noqa: E402  pylint: disable=g-import-not-at-top
+import _repro_device  # noqa: E402
 
 
 def _platform_env(monkeypatch, gpu: bool):

@@ -298,7 +298,7 @@ def test_the_set_up_byte_compiles_this_checkouts_modules():
   every fresh process the tests start would compile dtenjax again where PYTHONDONTWRITEBYTECODE
   is set. Every such module not changed since the set-up finished has a .pyc that Python
   accepts for its source (a timestamp or a checked hash, as compileall writes them)."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
+  import importlib.util
   done = (ROOT / ".venv" / ".dtenjax-setup-done").stat().st_mtime
   checked = 0
   for src in [p for d in ("dtenjax", "bench", "examples", "tests") for p in (ROOT / d).rglob("*.py")]:

@@ -299,7 +299,7 @@ def test_explain_shows_the_plan_and_the_cli_prints_it(mlp, capsys, tmp_path, mon
       "step, args = m.mlp_step(d=64, f=128, layers=1, batch=16, seq=8)\n"
       "def example():\n  return args\n" % str(pathlib.Path(models.__file__).parent))
   monkeypatch.chdir(tmp_path)
-  from dtenjax._src.cli import main  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli import main
   assert main.main(["plan", "mystep:step", "--args", "mystep:example", "--fixture",
                     "h100_16"]) == 0
   out = capsys.readouterr().out
@@ -308,7 +308,7 @@ def test_explain_shows_the_plan_and_the_cli_prints_it(mlp, capsys, tmp_path, mon
 
 @pytest.mark.multiprocess
 def test_two_processes_plan_alike_and_train_on_one_mesh(tmp_path):
-  from tests.mp_workers import launch  # pylint: disable=g-import-not-at-top
+  from tests.mp_workers import launch
   codes, results, logs = launch.launch("tests.mp_workers.step_plan_worker", 2, str(tmp_path),
                                        devices_per_proc=4, timeout_s=120)
   # the results (each process's plan digest and loss) say whether the plans agreed even when a
@@ -331,7 +331,7 @@ def test_two_processes_plan_alike_and_train_on_one_mesh(tmp_path):
 
 
 def test_flax_nnx_step_with_its_optimizer_is_planned_megatron_style():
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from flax import nnx
 
   class MLP(nnx.Module):
     def __init__(self, rngs):
@@ -366,7 +366,7 @@ def test_flax_nnx_step_with_its_optimizer_is_planned_megatron_style():
 
 
 def test_leaves_boxed_with_flax_logical_names_are_pinned_and_the_rest_planned():
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn
 
   class MLP(nn.Module):
     @nn.compact
@@ -435,7 +435,7 @@ def test_the_plan_command_reports_mistakes_in_one_line_with_its_exit_code(tmp_pa
       " jax.ShapeDtypeStruct((4, 8), jnp.float32))\n"
       "def broken():\n  raise RuntimeError('no data here')\n")
   monkeypatch.chdir(tmp_path)
-  from dtenjax._src.cli import main  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli import main
   cases = [(["plan", "nosuch:step", "--args", "nosuch:f"], 2, "no module"),
            (["plan", "bad:step", "--args", "bad:example", "--mesh", "data=x"], 2, "--mesh"),
            (["plan", "bad:step", "--args", "bad:broken"], 1, "bad.py"),
@@ -517,7 +517,7 @@ def test_cpu_products_do_work_that_does_not_shrink_with_the_batch(tmp_path, monk
 def test_the_rows_part_measures_the_cpu_time_of_a_products_rows():
   """bench/step_planner.py --parts rows (where the 17.8 rows above come from): 32x the rows of a
   product cost more CPU time per device, and the line through them is reported in rows."""
-  import step_planner  # pylint: disable=g-import-not-at-top
+  import step_planner
   rows, notes = step_planner.product_rows(rows=(8, 256), iters=1)
   assert [r["rows"] for r in rows] == [8, 256]
   assert rows[1]["cpu_us"] > 4 * rows[0]["cpu_us"]

@@ -33,7 +33,7 @@ _MIB = 2**20
 
 def _families():
   sys.path.insert(0, str(_ROOT / "bench"))
-  import _families  # pylint: disable=g-import-not-at-top,import-error
+  import _families
   return _families
 
 
@@ -203,9 +203,9 @@ def test_moe_fsdp_for_gpus_prices_xla_gpus_split_products_and_recomputed_tanh():
 def _llama_1b_fsdp_x_tp_gpu():
   """bench/step_planner.py's gpu part's Llama 1B (batch 8, bf16) under FSDP x TP (`fsdp` 2 x
   `tensor` 4) for a host of 8 GPUs: the step, its arguments and the plan."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
   _families()
-  import _step_models  # pylint: disable=g-import-not-at-top,import-error
+  import _step_models
   step, args = _step_models.llama_step("1b", batch=8, seq=2048, remat=True, dtype=jnp.bfloat16)
   plan = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h200_8"),
                       recipe="FSDP x TP", memory_budget=1 << 50)

@@ -37,13 +37,13 @@ def _timeless(text: str) -> str:
 def module(tmp_path, monkeypatch):
   (tmp_path / "planstep.py").write_text(STEP_MODULE)
   monkeypatch.syspath_prepend(str(tmp_path))
-  import planstep  # pylint: disable=g-import-not-at-top,import-error
+  import planstep
   return planstep
 
 
 @pytest.mark.parametrize("fixture", dtenjax.Topology.fixtures())
 def test_the_cli_and_a_script_give_the_same_plan(fixture, module, capsys, monkeypatch):
-  from dtenjax._src.cli import main  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.cli import main
   # a script that never pinned NCCL, and the command line, which pins NCCL_NVLS_ENABLE=0
   monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
   script = dtenjax.plan(module.step, *module.example(),
@@ -73,7 +73,7 @@ def test_nvls_is_a_field_of_the_topology_and_travels_with_it():
   on = dataclasses_replace(topo, nvls=True)
   assert dtenjax.Topology.from_json(on.to_json()).nvls is True
   assert dtenjax.Topology.from_json(topo.to_json()).nvls is False
-  from dtenjax._src.topology import report  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology import report
   assert "NVLink SHARP on" in report.link_matrix_table(on)
   assert "NVLink SHARP off" in report.link_matrix_table(topo)
   with pytest.raises(dtenjax.TopologyError, match="'nvls' must be true or false"):
@@ -85,7 +85,7 @@ def test_nvls_on_prices_xlas_all_reduce_as_not_deterministic(module):
   # planner prices is not XLA's; the plan says which state it assumed
   topo = dtenjax.Topology.fixture("h200_8")
   on = dataclasses_replace(topo, nvls=True)
-  from dtenjax._src.collectives import api  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.collectives import api
   group = list(topo.device_ids)
   assert "xla" in api.plan_all_reduce(1 << 20, group, topo).times
   assert "xla" not in api.plan_all_reduce(1 << 20, group, on).times
@@ -94,7 +94,7 @@ def test_nvls_on_prices_xlas_all_reduce_as_not_deterministic(module):
 
 
 def dataclasses_replace(obj, **kw):
-  import dataclasses  # pylint: disable=g-import-not-at-top
+  import dataclasses
   return dataclasses.replace(obj, **kw)
 
 

@@ -211,7 +211,7 @@ def test_a_refusal_names_the_least_memory_any_layout_needs():
   budget = 0.5 * fsdp.cost.memory["total"]
   with pytest.raises(dtenjax.PlacementError, match="GiB short") as info:
     dtenjax.plan(step, *args, memory_budget=budget)
-  import re  # pylint: disable=g-import-not-at-top
+  import re
   need = float(re.search(r"the smallest needs ([0-9.]+) GiB", str(info.value)).group(1)) * 2**30
   # the least memory over every mesh and layout: at most plain FSDP's, and more than the budget
   assert budget < need <= fsdp.cost.memory["total"] * 1.001, str(info.value)
@@ -244,12 +244,12 @@ def test_a_weight_shared_across_layers_has_one_gradient_reduction_per_use():
   # before adding them, and the planner prices 3 reductions of those weights (the depth and the
   # sizes are the small ones of the test below: the family's defaults at 6 depths compiled 12
   # unrolled blocks for the same claim)
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import pathlib
+  import sys
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-  import _families  # pylint: disable=g-import-not-at-top,import-error
+  import _families
   fam = _families.FAMILIES["shared"](vocab=256, d=64, heads=4, ffn=128, depth=3, batch=16, seq=16)
-  step, args = fam.make(_families._identity)  # pylint: disable=protected-access
+  step, args = fam.make(_families._identity)
   graph = stepgraph.read_step(step, args, (2,))
   parts = {graph.leaves[k].path: u.grad_parts for k, u in graph.weights.items()}
   assert parts["[0]['block']['wq']"] == 3 and parts["[0]['block']['w_down']"] == 3, parts
@@ -264,32 +264,32 @@ def test_a_shared_weights_gradient_is_priced_as_the_plans_backend_reduces_it(fix
   # all-reduces their sum once (a DP step's all-reduce bytes are the parameters' bytes); XLA:CPU
   # all-reduces each part (the block's product weights count 3 times). Expected values from the
   # parameters' shapes, planning only.
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import pathlib
+  import sys
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-  import _families  # pylint: disable=g-import-not-at-top,import-error
+  import _families
   fam = _families.FAMILIES["shared"](vocab=256, d=64, heads=4, ffn=128, depth=3, batch=16, seq=16)
-  step, args = fam.make(_families._identity)  # pylint: disable=protected-access
+  step, args = fam.make(_families._identity)
   topology = dtenjax.Topology.fixture(fixture) if fixture else None
   plan = dtenjax.plan(step, *args, recipe="DP", topology=topology)
   params = args[0]
   once = sum(math.prod(a.shape) * 4 for a in jax.tree.leaves(params))
-  products = sum(math.prod(params["block"][k].shape) * 4 for k in _families._TP)  # pylint: disable=protected-access
+  products = sum(math.prod(params["block"][k].shape) * 4 for k in _families._TP)
   expected = once + (2 * products if per_use else 0)
   # (the optimizer's step count, a replicated scalar, adds 4 bytes)
   assert plan.cost.collective_bytes["all_reduce[data]"] == pytest.approx(expected, abs=16)
 
 
 def _small_family(name, **changes):
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import pathlib
+  import sys
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-  import _families  # pylint: disable=g-import-not-at-top,import-error
+  import _families
   sizes = {"llama_loop": dict(vocab=512, d=128, heads=4, ffn=256, layers=2, batch=16, seq=64),
            "convnet": dict(channels=(8, 16), blocks=1, batch=16, image=16),
            "encdec": dict(vocab=2048, d=128, heads=4, ffn=256, layers=1, batch=16, seq=64),
            "moe": dict(vocab=512, d=128, heads=4, ffn=256, experts=8, layers=2, batch=16, seq=64)}
-  return _families.FAMILIES[name](**{**sizes[name], **changes}).make(_families._identity)  # pylint: disable=protected-access
+  return _families.FAMILIES[name](**{**sizes[name], **changes}).make(_families._identity)
 
 
 @pytest.mark.parametrize("family,recipe,donate", [("llama_loop", "DP", False),
@@ -482,10 +482,10 @@ def test_an_fsdp_table_beside_tensor_is_reduced_as_xla_cpu_reduces_it(embed):
 def _step_models(size, remat=True):
   """bench/_step_models.py's Llama (a lax.scan of layers, jax.checkpoint on each) at ``size``
   ("tiny": 4 heads, 2 kv heads, d 128, 2 layers; "small": 8, 4, 256, 4), batch 8, seq 64."""
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import pathlib
+  import sys
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-  import _step_models  # pylint: disable=g-import-not-at-top,import-error
+  import _step_models
   return _step_models.llama_step(size, batch=8, seq=64, remat=remat, dtype=jnp.float32)
 
 
@@ -662,7 +662,7 @@ def test_recomputed_unaries_are_priced_on_cpu_only(monkeypatch):
   # XLA:GPU's priority fusion fuses a producer into all of its consumers or none, so the
   # lifetimes XLA:CPU's duplication of a cheap unary moves (the test above) are not a GPU's:
   # a plan for GPUs prices the step as if the rule were off, a CPU plan does not.
-  from dtenjax._src.planning import liveness  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.planning import liveness
   step, args = residual_mlp_step(d=128, f=256, batch=64, seq=128)
   memory = {}
   for fixture in ("h200_8", None):
@@ -727,10 +727,10 @@ def test_the_memory_of_a_norms_broadcast_buffers(recipe, batch):
 
 def _small_gpt2(batch):
   """bench's GPT-2 in flax (LayerNorm: ``(x - mean) * (rsqrt(var) * scale) + bias``) at d 128."""
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import pathlib
+  import sys
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-  import _step_models  # pylint: disable=g-import-not-at-top,import-error
+  import _step_models
   return _step_models.gpt2_step(batch=batch, seq=128, layers=2, d=128, heads=4, vocab=512)
 
 

@@ -35,10 +35,10 @@ _ROWS = {
     "residual_mlp_dp": (lambda: mem.residual_mlp_step(d=128, f=512, batch=64, seq=256),
                         dict(recipe="DP"), 0.10),
     "scan_tp_remat": (lambda: mem.scan_step(remat=True), dict(recipe="TP"), 0.10),
-    "llama_loop_dp": (lambda: mem._small_family("llama_loop"), dict(recipe="DP"), 0.10),  # pylint: disable=protected-access
-    "llama_loop_dp_donated": (lambda: mem._small_family("llama_loop"),  # pylint: disable=protected-access
+    "llama_loop_dp": (lambda: mem._small_family("llama_loop"), dict(recipe="DP"), 0.10),
+    "llama_loop_dp_donated": (lambda: mem._small_family("llama_loop"),
                               dict(recipe="DP", donate=True), 0.10),
-    "convnet_fsdp": (lambda: mem._small_family("convnet"), dict(recipe="FSDP"), 0.10),  # pylint: disable=protected-access
+    "convnet_fsdp": (lambda: mem._small_family("convnet"), dict(recipe="FSDP"), 0.10),
     "mlp_tp": (lambda: models.mlp_step(d=256, f=1024, layers=2, batch=32, seq=128),
                dict(recipe="TP"), 0.15),
     "moe_data2_expert4": (roles.moe, dict(mesh={"data": 2, "expert": 4}), 0.10),

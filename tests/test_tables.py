@@ -46,7 +46,7 @@ def test_the_rule_sees_every_form(tmp_path):
   bad = tmp_path / "bad.py"
   bad.write_text('w = 8\nrows = [f"{1:>10}", f"{2:<{w}}", f"{3.0:10.3f}", f"{4:^8}", '
                  '"a".ljust(4), "b".rjust(w)]\nok = [f"{5:.2f}", f"{6:,}", f"{7!r}", f"{8:x}", f"{9:03d}"]\n')
-  global ROOT  # pylint: disable=global-statement
+  global ROOT
   root, ROOT = ROOT, tmp_path
   try:
     found = _hand_aligned(bad)

@@ -234,7 +234,7 @@ def test_detect_describes_cpu_devices(cpu_devices):
 
 
 def test_exchange_through_kvstore():
-  from dtenjax._src.topology import detect  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology import detect
   from dtenjax._src.net import kvstore
   store = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=1.0)
   store.set(store.key("topology-gpus", 1), '{"host": "nodeB", "gpus": {}}')  # another process
@@ -271,8 +271,8 @@ def test_probe_refuses_foreign_platform_and_bad_sizes(cpu_devices):
 
 
 def test_inter_host_class_reads_the_link_layer_in_any_spelling():
-  from dtenjax._src.topology import detect  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.topology.parts import NicInfo  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology import detect
+  from dtenjax._src.topology.parts import NicInfo
   nic = lambda layer, state="ACTIVE": NicInfo(name="mlx5_0", host="h", link_layer=layer,
                                               state=state, bandwidth_gbps=25.0)
   assert detect.inter_host_class([nic("INFINIBAND")]) == "infiniband"
@@ -288,7 +288,7 @@ SCHEMA_FILE = "dtenjax/schemas/topology-1.schema.json"
 
 
 def _schema():
-  import pathlib  # pylint: disable=g-import-not-at-top
+  import pathlib
   root = pathlib.Path(__file__).resolve().parents[1]
   return json.loads((root / SCHEMA_FILE).read_text())
 
@@ -356,12 +356,12 @@ def test_every_topology_dtenjax_writes_matches_the_json_schema(cpu_devices):
 
 
 def test_unknown_links_are_priced_as_pcie_and_group_by_host():
-  from dtenjax._src.pricing import costmodel  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.pricing import costmodel
   devs = [_dev(i, host=f"h{i // 4}") for i in range(8)]
   unknown = topo.uniform("u", devs, intra="unknown", inter="roce")
   pcie = topo.uniform("p", devs, intra="pcie", inter="roce")
   assert unknown.spec("unknown") == pcie.spec("pcie") == LinkSpec(24.0, 5.0)
-  from dtenjax._src.collectives.algorithms import registry  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.collectives.algorithms import registry
   for record in registry.REGISTRY:
     for group in ([0, 1, 2, 3], list(range(8))):
       assert costmodel.collective_time("all_reduce", 1 << 20, group, unknown, record.cost) == \

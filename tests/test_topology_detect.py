@@ -52,7 +52,7 @@ class NVMLError(Exception):
 
 def _parse_nvml_bus(text):
   """NVML's accepted spellings -> (domain, bus, device), or None when malformed."""
-  import re  # pylint: disable=g-import-not-at-top
+  import re
   for pat in (r"^([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F]+)$",
               r"^([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)$",
               r"^()([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F]+)$"):
@@ -187,7 +187,7 @@ H200_NUMA = {b: (0 if i < 4 else 1) for i, b in enumerate(H200_BUSES)}
 
 @pytest.fixture(autouse=True)
 def _fresh_log_once():
-  config._said.discard("topology-links-unknown")  # pylint: disable=protected-access
+  config._said.discard("topology-links-unknown")
   yield
 
 
@@ -351,7 +351,7 @@ def _run_processes(per_process, hosts, nvmls, tmp_path):
       out[p] = Topology(**detect.describe(
           devices, cudart=FakeCudart(per_process[p]), nvml=nvmls[p], sysfs=sysfs, store=store,
           process=(p, len(per_process)), host=hosts[p]))
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       errs.append(e)
   threads = [threading.Thread(target=one, args=(p,)) for p in range(len(per_process))]
   for th in threads:

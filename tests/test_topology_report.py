@@ -113,7 +113,7 @@ def test_topo_detect_and_probe(cpu_devices, capsys):
 def test_transport_notes_say_why_once_and_without_native_source_paths():
   reason = ("pyverbs is not installed; libibverbs.so.1 lists no RDMA device "
             "(ibv_get_device_list: Function not implemented)")
-  notes = report._transport_notes([  # pylint: disable=protected-access
+  notes = report._transport_notes([
       f"no RDMA NIC: {reason} (/src/dtenjax/csrc/transport/verbs.cc:338)",
       f"host transport: tcp (verbs is not usable: {reason} (/src/dtenjax/csrc/transport/verbs.cc:338))"])
   assert notes == [f"no RDMA NIC: {reason}",

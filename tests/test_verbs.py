@@ -95,7 +95,7 @@ def _inputs(n, count, dtype, seed=0):
     (2, 1, "float32", None), (3, 1001, "float64", None), (4, 4097, "int32", 4096),
     (3, 70001, "bfloat16", 4096), (2, 1 << 20, "float32", None), (4, 99999, "float32", 256)])
 def test_ring_over_verbs_gives_the_bits_of_the_reference_and_of_tcp(fake, n, count, dtype, segment):
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  import ml_dtypes
   dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
   xs = _inputs(n, count, dt, seed=count)
   before = fake.counters()
@@ -228,7 +228,7 @@ def test_a_peer_that_goes_away_is_noticed_at_once_not_at_the_timeout(fake):
 def _capture(fn):
   try:
     fn()
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     return e
   return None
 
@@ -346,9 +346,9 @@ def test_the_emulated_device_is_reported_as_emulated_and_never_chosen_by_auto(fa
   monkeypatch.setenv("DTENJAX_TRANSPORT", "verbs")
   name, why = providers.select_provider()
   assert name == "verbs" and "EMULATED" in why and "fakeverbs0" in why, why
-  from dtenjax._src.topology import detect  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.topology import report  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.topology.model import Topology  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.topology import detect
+  from dtenjax._src.topology import report
+  from dtenjax._src.topology.model import Topology
   desc = detect.describe()
   assert desc["nics"] == ()   # never a NIC of the topology
   text = report.link_matrix_table(Topology(**desc))
@@ -418,7 +418,7 @@ def _check_same_bits(res, exact):
 
 @pytest.mark.multiprocess
 def test_ring_four_processes_over_verbs(tmp_path):
-  from tests.test_hostcoll import _check_correct  # pylint: disable=g-import-not-at-top
+  from tests.test_hostcoll import _check_correct
   codes, res, logs = launch.launch(
       "tests.mp_workers.allreduce_worker", 4, str(tmp_path), timeout_s=240,
       env=_mp_env("ring4", DTENJAX_TEST_PHASES="correct,same_bits,leaks"))
@@ -430,7 +430,7 @@ def test_ring_four_processes_over_verbs(tmp_path):
 
 @pytest.mark.multiprocess
 def test_hierarchical_two_processes_two_devices_over_verbs(tmp_path):
-  from tests.test_hostcoll import _check_correct  # pylint: disable=g-import-not-at-top
+  from tests.test_hostcoll import _check_correct
   codes, res, logs = launch.launch(
       "tests.mp_workers.allreduce_worker", 2, str(tmp_path), devices_per_proc=2, timeout_s=240,
       env=_mp_env("hier", DTENJAX_TEST_PHASES="correct,same_bits,leaks"))

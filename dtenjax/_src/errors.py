@@ -86,7 +86,7 @@ def _user_stacklevel() -> int:
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep   # .../dtenjax/
   jax_file = getattr(sys.modules.get("jax"), "__file__", None)
   jax_dir = os.path.dirname(os.path.abspath(jax_file)) + os.sep if jax_file else here
-  frame, level = sys._getframe(2), 2  # pylint: disable=protected-access  (caller of warn_once)
+  frame, level = sys._getframe(2), 2  # caller of warn_once
   while frame is not None:
     name = os.path.abspath(frame.f_code.co_filename)
     if not (name.startswith(here) or name.startswith(jax_dir) or "<frozen" in name):

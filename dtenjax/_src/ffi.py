@@ -43,7 +43,7 @@ _registered: dict[str, set[str]] = {}   # target -> platforms registered with XL
 @functools.cache
 def _load() -> tuple[Any, str | None]:
   try:
-    from dtenjax import _ffi  # pylint: disable=g-import-not-at-top
+    from dtenjax import _ffi
   except ImportError as e:
     return None, f"the native extension dtenjax._ffi could not be imported ({e})"
   codes = _ffi.vocabulary["status"]

@@ -96,7 +96,7 @@ def inline_calls(closed):
 
 def vma_checked() -> bool:
   """Whether values carry vma types here (inside ``shard_map(check_vma=True)``)."""
-  return bool(_jax_config._check_vma.value)  # pylint: disable=protected-access
+  return bool(_jax_config._check_vma.value)
 
 
 def vma(x) -> frozenset:
@@ -185,7 +185,7 @@ def eager_shard_map_trace(leaves):
   vmap, grad, outside shard_map, or with a JAX whose internals moved (the caller then takes its
   ordinary path, which is correct, only slower)."""
   try:
-    from jax._src import shard_map as _sm  # pylint: disable=g-import-not-at-top
+    from jax._src import shard_map as _sm
     trace = _jax_core.trace_ctx.trace
     tracer_type = _sm.ShardMapTracer
     trace_type = _sm.ShardMapTrace
@@ -193,7 +193,6 @@ def eager_shard_map_trace(leaves):
     return None
   if type(trace) is not trace_type or not leaves:
     return None
-  # pylint: disable-next=protected-access
   if not all(isinstance(x, tracer_type) and x._trace is trace for x in leaves):
     return None
   if not all(hasattr(trace, a) for a in ("mesh", "manual_axes", "check", "to_val_mat_pair")):
@@ -207,8 +206,8 @@ def eager_shard_map_below(leaves):
   runs its body under such a trace: the primal values are computed eagerly below it, primitive
   by primitive, and so is the backward pass."""
   try:
-    from jax._src import shard_map as _sm  # pylint: disable=g-import-not-at-top
-    from jax._src.interpreters import ad as _ad  # pylint: disable=g-import-not-at-top
+    from jax._src import shard_map as _sm
+    from jax._src.interpreters import ad as _ad
     diff_traces = (_ad.LinearizeTrace, _ad.JVPTrace)
     trace_type = _sm.ShardMapTrace
   except (ImportError, AttributeError):  # pragma: no cover - a jax that moved them
@@ -216,7 +215,6 @@ def eager_shard_map_below(leaves):
   trace = _jax_core.trace_ctx.trace
   if not leaves or type(trace) not in diff_traces:
     return None
-  # pylint: disable-next=protected-access
   if not all(isinstance(x, _jax_core.Tracer) and x._trace is trace for x in leaves):
     return None
   while type(trace) in diff_traces:
@@ -232,9 +230,9 @@ def eager_shard_map_below(leaves):
 def _outside(trace):
   """The context JAX's eager shard_map runs each primitive's program in: no trace, the mesh of
   the shard_map (abstract and concrete) in context."""
-  from jax._src import sharding_impls as _si  # pylint: disable=g-import-not-at-top
+  from jax._src import sharding_impls as _si
   with (_jax_core.eval_context(), _jax_mesh.use_abstract_mesh(trace.amesh),
-        _si._internal_use_concrete_mesh(trace.mesh)):  # pylint: disable=protected-access
+        _si._internal_use_concrete_mesh(trace.mesh)):
     yield
 
 
@@ -247,8 +245,8 @@ def run_eager(trace, key, body, leaves):
   Each value of the eager trace is the global array of the per-device values (a leading
   singleton axis laid out over the axes it varies over); the outputs are typed by what ``body``
   returned while it was traced (their varying axes), as JAX types its own collectives."""
-  from jax._src import shard_map as _sm  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax._src import shard_map as _sm
+  from jax.sharding import PartitionSpec as P
   mesh, manual, check = trace.mesh, frozenset(trace.manual_axes), bool(trace.check)
   vals, mats = zip(*(trace.to_val_mat_pair(x) for x in leaves))
   everything = P(_jax_core.order_wrt_mesh(mesh, manual))
@@ -295,7 +293,7 @@ def eager_cache_size() -> int:
 
 def backends_started() -> bool:
   """Whether JAX has started its backends (after which XLA_FLAGS is no longer read)."""
-  from jax._src import xla_bridge as _xb  # pylint: disable=g-import-not-at-top
+  from jax._src import xla_bridge as _xb
   started = getattr(_xb, "backends_are_initialized", None)
   return True if started is None else bool(started())
 

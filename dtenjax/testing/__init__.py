@@ -13,7 +13,7 @@ from ``dtenjax._src``), and imported by name: ``dtenjax.testing.native`` (the te
 ``dtenjax._ffi_testing``, present in editable installs only), ``dtenjax.testing.ports`` (loopback
 ports for a local coordinator), and what benchmarks drive besides the public API:
 ``dtenjax.testing.demo`` (the ``dtenjax demo`` model), ``.costmodel`` (the collective cost model,
-record by record), ``.report`` (tables and units as the command line prints them), ``.transport``
+record by record), ``.planning`` (the planner's timing routine, recipes and caches), ``.report`` (tables and units as the command line prints them), ``.transport``
 (the native TCP transport and its key-value store) and ``.xla`` (XLA's option keys, the
 reproducibility pins, the custom-call steps switched off, loop trip counts).
 """

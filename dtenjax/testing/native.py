@@ -109,9 +109,9 @@ def p2p_selftest(x, *, algorithm: str = "one_shot", op: str = "sum",
     raise errors.CollectiveError(f"p2p_selftest cannot run: {verdict.reason}")
   count = x.shape[1] if count is None else count
   target = require(P2P_SELFTEST_GRAPH if graph else P2P_SELFTEST, "CUDA")
-  attributes = p2p._attributes(algorithm, op, contract)  # pylint: disable=protected-access
+  attributes = p2p._attributes(algorithm, op, contract)
   return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(
       x, count=np.int64(count), **attributes, iters=np.int64(iters), mode=np.int64(mode),
       capacity=np.int64(capacity if capacity is not None else p2p.capacity_bytes()),
       max_blocks=np.int64(p2p.max_blocks()),
-      timeout_ms=np.int64(p2p._timeout_ms()))  # pylint: disable=protected-access
+      timeout_ms=np.int64(p2p._timeout_ms()))

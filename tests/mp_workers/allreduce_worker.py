@@ -20,7 +20,7 @@ from tests.mp_workers import common
 
 def main():
   rank, nprocs = common.init()
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   import numpy as np
   from jax.sharding import Mesh, PartitionSpec as P
 
@@ -129,7 +129,7 @@ def main():
               "transport_collectives": native.counters()["collectives"] - before,
               "bit_equal_ring_reference": all(y.tobytes() == exact.tobytes() for y in ys),
               "max_abs_err": max(float(np.max(np.abs(y - ref64))) for y in ys)}
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
           public[name] = {"error": traceback.format_exc()[-3000:]}
       res["public"] = public
 
@@ -166,7 +166,7 @@ def main():
               jit(site_a)(arr32).block_until_ready()
             jit(site_b)(arr32).block_until_ready()
           mism[case] = {"error": None}
-        except Exception as e:  # pylint: disable=broad-except
+        except Exception as e:
           mism[case] = {"error": str(e)[:3000], "seconds": time.monotonic() - t0}
         common.barrier(f"mismatch-{case}")
       res["mismatch"] = mism
@@ -185,14 +185,14 @@ def main():
       try:
         f(arr).block_until_ready()
         res["permuted"] = {"error": None}
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         res["permuted"] = {"error": str(e)[:3000], "seconds": time.monotonic() - t0}
 
     if "same_bits" in phases:
       # The same jitted all-reduces over TCP and over the provider under test (fresh
       # communicators each), float32/float64/int32/bfloat16, small and large (4 MiB: many
       # segments): every result's bits must agree between the providers.
-      import ml_dtypes  # pylint: disable=g-import-not-at-top
+      import ml_dtypes
       under_test = os.environ.get("DTENJAX_TRANSPORT", "auto")
       same = {}
       for dtype, n in (("float32", 1000), ("float64", 333), ("int32", 4097),
@@ -211,7 +211,7 @@ def main():
           ys = rows(make(dtype)(arr))
           shas[provider] = {"sha": [hashlib.sha256(y.tobytes()).hexdigest() for y in ys],
                             "collectives": native.counters()["collectives"] - before,
-                            "providers": sorted({c.provider for g in hostcoll._comm_groups.values()  # pylint: disable=protected-access
+                            "providers": sorted({c.provider for g in hostcoll._comm_groups.values()
                                                  for c in g})}
         ref64 = full.astype(np.float64).sum(axis=0)
         same[f"{dtype}-{n}"] = {
@@ -228,7 +228,7 @@ def main():
     if "leaks" in phases:
       # Communicators created and closed again leave nothing behind: descriptors, and on the
       # emulated device every context, PD, MR, CQ, QP and completion channel.
-      from tests import fakeverbs  # pylint: disable=g-import-not-at-top
+      from tests import fakeverbs
       fake = fakeverbs.Fake() if "fakeverbs" in os.environ.get("DTENJAX_IBVERBS_LIBRARY", "") else None
       full, arr = global_input(3, 5000, np.float32)
       counts = []
@@ -256,18 +256,18 @@ def main():
       if rank == nprocs - 1:
         # Die in the middle of the next collective: throttle this rank's sends (4 MiB at 2 MB/s)
         # so the ring is mid-transfer, and exit from a timer thread 0.5 s in.
-        from dtenjax._src.net import tenancy  # pylint: disable=g-import-not-at-top
+        from dtenjax._src.net import tenancy
         tenancy.set_quota("default", tenancy.Quota(rate_bytes_per_s=2e6, burst_bytes=65536))
         threading.Timer(0.5, os._exit, (3,)).start()
       t0 = time.monotonic()
       try:
         f(big).block_until_ready()
         res["kill"] = {"error": None}
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         res["kill"] = {"error": str(e)[:2000], "seconds": time.monotonic() - t0}
       res["counters_after_kill"] = native.counters()
     res["counters"] = native.counters()
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     res["exception"] = traceback.format_exc()[-4000:]
     res["counters"] = native.counters()
   common.finish(res, expect_done=nprocs - 1 if "kill" in phases else nprocs)

@@ -41,7 +41,7 @@ def main():
   if soft < limit:
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
   rank, nprocs = common.init()
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -71,7 +71,7 @@ def main():
     t0 = time.monotonic()
     try:
       res[name] = {"value": fn(), "error": None, "seconds": time.monotonic() - t0}
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       res[name] = {"error": f"{type(e).__name__}: {e}"[:6000], "seconds": time.monotonic() - t0}
     common.write(res)
 
@@ -176,7 +176,7 @@ def main():
       common.barrier("dtypes-done")
 
     if "threads" in phases:
-      import threading  # pylint: disable=g-import-not-at-top
+      import threading
       trials = int(os.environ.get("DTENJAX_TEST_THREAD_TRIALS", "50"))
       outcomes = {"shared": [], "keyed": [], "own": []}
       shared = transport.create_communicator("threads-shared")
@@ -198,7 +198,7 @@ def main():
               finally:
                 own.close()
             box[k] = {"value": y.tolist()}
-          except Exception as e:  # pylint: disable=broad-except
+          except Exception as e:
             box[k] = {"error": f"{type(e).__name__}: {e}"[:600]}
         ts = [threading.Thread(target=worker, args=(k,)) for k in order]   # "Thread-N (worker)"
         for th in ts:
@@ -262,7 +262,7 @@ def main():
         res["beats"].append(time.time())
         common.write(res)
         time.sleep(0.01)
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     res["exception"] = traceback.format_exc()[-4000:]
   common.finish(res)
 

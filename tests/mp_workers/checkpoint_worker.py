@@ -35,13 +35,13 @@ def _multi() -> bool:
 
 
 def train(steps: int, restore: str | None, save: str | None) -> dict:
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  import dtenjax.checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import dtenjax
+  import dtenjax.checkpoint as ckpt
 
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -111,10 +111,10 @@ def train(steps: int, restore: str | None, save: str | None) -> dict:
 def geometry(ckpt_dir: str) -> dict:
   """2 processes x 4 devices: save a 2 x 4-sharded array, restore it onto 4 x 2 and onto rows
   over 8 devices; what each process wrote and read."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  import dtenjax.checkpoint as ckpt  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import dtenjax.checkpoint as ckpt
 
   ref = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
   m24 = jax.make_mesh((2, 4), ("a", "b"))

@@ -13,7 +13,7 @@ from tests.mp_workers import common
 
 def main():
   rank, nprocs = common.init()
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -47,7 +47,7 @@ def main():
           "repeat_equal": all(np.array_equal(a.view(np.uint32), b.view(np.uint32))
                               for a, b in zip(out, again)),
           "host_transport": "dtenjax_host_all_reduce" in hlo}
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       res["cases"][name] = {"exception": f"{type(e).__name__}: {e}",
                             "trace": traceback.format_exc()[-3000:]}
 

@@ -9,7 +9,7 @@ import os
 def init():
   """jax.distributed on the test's coordinator. DTENJAX_TEST_HEARTBEAT sets its
   heartbeat_timeout_seconds (JAX's default is 100)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   extra = {}
   if os.environ.get("DTENJAX_TEST_HEARTBEAT"):
     extra["heartbeat_timeout_seconds"] = int(os.environ["DTENJAX_TEST_HEARTBEAT"])
@@ -54,9 +54,9 @@ def finish(result: dict, code: int = 0, *, expect_done: int | None = None,
   (``done``), and process 0 waits (up to ``wait_s``) until ``expect_done`` processes have and
   every one of them has exited (all the processes run on this host). It used to wait a fixed
   0.5 s instead: idle time in every launch, and no guarantee on a loaded machine."""
-  import time  # pylint: disable=g-import-not-at-top
+  import time
   write(result)
-  from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import kvstore
   store = kvstore.default()
   rank = int(os.environ["DTENJAX_TEST_RANK"])
   n = int(os.environ["DTENJAX_TEST_NPROCS"]) if expect_done is None else expect_done
@@ -69,14 +69,14 @@ def finish(result: dict, code: int = 0, *, expect_done: int | None = None,
       pids = {int(v) for v in store.dir("dtenjax/test-pid").values()} - {os.getpid()}
       while time.monotonic() < deadline and any(map(_running, pids)):
         time.sleep(0.01)
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     pass
   os._exit(code)
 
 
 def barrier(name: str, timeout_s: float = 60) -> None:
   """All processes meet here (through the coordination store)."""
-  from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import kvstore
   kvstore.default().barrier(f"test-{name}", timeout_s=timeout_s)
 
 
@@ -84,9 +84,9 @@ def gathered(tree):
   """The tree's arrays whole, as numpy arrays, in every process: one jitted program replicates
   every leaf (jax.experimental.multihost_utils.process_allgather compiles one program per leaf
   shape, a dozen small compiles in each process of a job)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
   if jax.process_count() > 1:
     tree = jax.jit(lambda t: t, out_shardings=jax.tree.map(
         lambda a: NamedSharding(a.sharding.mesh, P()), tree))(tree)

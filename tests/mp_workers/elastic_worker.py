@@ -30,16 +30,16 @@ MICRO = 24
 def main() -> None:
   out_dir, steps = sys.argv[1], int(sys.argv[2])
   faults = [f.split(":") for f in sys.argv[3].split(",")] if len(sys.argv) > 3 else []
-  import jax  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  import dtenjax.elastic  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.elastic import memory  # pylint: disable=g-import-not-at-top
+  import jax
+  import dtenjax
+  import dtenjax.elastic
+  from dtenjax._src.elastic import memory
 
   ctx = dtenjax.elastic.init()
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))

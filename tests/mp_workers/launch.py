@@ -57,9 +57,9 @@ def _fixed(env: dict) -> dict:
 
 def _procs_lib():
   try:
-    from tests import procs as procs_lib  # pylint: disable=g-import-not-at-top
+    from tests import procs as procs_lib
   except ImportError:
-    import procs as procs_lib  # pylint: disable=g-import-not-at-top
+    import procs as procs_lib
   return procs_lib
 
 

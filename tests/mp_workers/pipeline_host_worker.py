@@ -18,9 +18,9 @@ FAULT_TICK = 3
 
 def main():
   rank, nprocs = common.init()
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
-  from tests import pipeline_host_model as m  # pylint: disable=g-import-not-at-top
+  import dtenjax
+  from dtenjax._src.net import kvstore
+  from tests import pipeline_host_model as m
   timeout_s = float(sys.argv[1])
   stacked, head, x, targets = m.init()
   n = m.LAYERS // nprocs
@@ -54,7 +54,7 @@ def main():
                           schedule=dtenjax.OneFOneB())
   hp = dtenjax.HostPipeline(pipe, name="fault", timeout_s=timeout_s)
   if last:
-    real = hp._exchange   # pylint: disable=protected-access
+    real = hp._exchange
 
     def dying(t, *args):
       if t == FAULT_TICK:
@@ -62,7 +62,7 @@ def main():
         common.done(kvstore.default())
         os._exit(17)
       return real(t, *args)
-    hp._exchange = dying  # pylint: disable=protected-access
+    hp._exchange = dying
   t0 = time.monotonic()
   try:
     hp.value_and_grad(mine, head, xin, tin)

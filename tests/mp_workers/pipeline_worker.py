@@ -16,8 +16,8 @@ from tests.mp_workers import common
 def main():
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   rank, nprocs = common.init()
-  import dtenjax  # pylint: disable=g-import-not-at-top
-  from tests import pipeline_bits  # pylint: disable=g-import-not-at-top
+  import dtenjax
+  from tests import pipeline_bits
   out = {}
   layers, specs = pipeline_bits.options(sys.argv[1:])
   for spec in specs:

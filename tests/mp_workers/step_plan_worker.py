@@ -16,9 +16,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 def main():
   rank, nprocs = common.init()
-  import _step_models as models  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  import dtenjax  # pylint: disable=g-import-not-at-top
+  import _step_models as models
+  import optax
+  import dtenjax
   step, args = models.mlp_step(d=64, f=256, layers=2, batch=16, seq=8)
   plan = dtenjax.plan(step, *args, mesh={"data": 4, "tensor": 2})
   mesh = plan.mesh()

@@ -18,7 +18,7 @@ ALGORITHMS = ("xxh3_64", "blake2b_64")
 
 def _xxh3() -> Callable[[memoryview], str] | None:
   try:
-    import xxhash  # pylint: disable=g-import-not-at-top
+    import xxhash
   except ImportError:
     return None
   return lambda b: xxhash.xxh3_64_hexdigest(b)
@@ -34,7 +34,7 @@ def default_algorithm() -> str:
 
 def hasher(algorithm: str) -> Callable[[memoryview], str]:
   """The digest function of ``algorithm`` (an error naming the package when it is missing)."""
-  from dtenjax._src import errors  # pylint: disable=g-import-not-at-top
+  from dtenjax._src import errors
   if algorithm == "xxh3_64":
     f = _xxh3()
     if f is None:

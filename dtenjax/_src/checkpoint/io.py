@@ -28,7 +28,7 @@ CHOICES = ("auto", "posix", "kvikio")
 
 def _kvikio() -> Any | None:
   try:
-    import kvikio  # pylint: disable=g-import-not-at-top
+    import kvikio
   except Exception:
     return None
   return kvikio

@@ -144,7 +144,7 @@ def dtype_from_zarr(text: str) -> np.dtype:
   try:
     return np.dtype(text)
   except TypeError:
-    import ml_dtypes  # pylint: disable=g-import-not-at-top  (a dependency of jax)
+    import ml_dtypes  # a dependency of jax
     if hasattr(ml_dtypes, text):
       return np.dtype(getattr(ml_dtypes, text))
     raise

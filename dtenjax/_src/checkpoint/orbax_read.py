@@ -25,7 +25,7 @@ class TensorstoreReader:
 
   def __init__(self, path: str, meta: dict, st: storage_mod.Storage):
     try:
-      import tensorstore as ts  # pylint: disable=g-import-not-at-top
+      import tensorstore as ts
     except ImportError:
       raise errors.ConfigurationError(
           f"{path} was written by orbax-checkpoint (it has no {layout.DTENJAX_DIR}/); reading "

@@ -245,12 +245,12 @@ def _saved_sharding(meta: Any, leaf: layout.Leaf, root: str):
 
 
 def _is_sharding_leaf(x) -> bool:
-  from dtenjax._src.planning import placement  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.planning import placement
   return x is None or isinstance(x, (jax.sharding.Sharding, placement.Placement))
 
 
 def _resolve(s, leaf: layout.Leaf):
-  from dtenjax._src.planning import placement  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.planning import placement
   if isinstance(s, placement.Placement):
     return s.sharding(leaf.shape, leaf.np_dtype)
   return s
@@ -309,7 +309,7 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
   by_sharding: dict[str, Any] = {}
   if shardings is not None and single is None:
     spairs, _ = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=_is_sharding_leaf)
-    by_sharding = {".".join(layout._key_of(e)[0] for e in p): s  # pylint: disable=protected-access
+    by_sharding = {".".join(layout._key_of(e)[0] for e in p): s
                    for p, s in spairs}
   plans = []   # (leaf, how, sharding)
   for leaf in order:

@@ -186,7 +186,7 @@ def write(p: _Plan, *, overwrite: bool, backend: ckio.PosixIO, threads: int,
           blocking_seconds: float | None,
           store_to: storage_mod.Storage | None = None) -> SaveReport:
   """Steps 2 and 3 (in the background thread of an asynchronous save)."""
-  from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import kvstore
   st = store_to if store_to is not None else storage_mod.LocalStorage(backend)
   pid, nproc = jax.process_index(), jax.process_count()
   store = kvstore.default() if nproc > 1 else None
@@ -373,7 +373,7 @@ class Checkpointer:
     return pending.wait(self.timeout_s if timeout_s is None else timeout_s)
 
   def restore(self, path, target=None, **kwargs):
-    from dtenjax._src.checkpoint import restore as ckrestore  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.checkpoint import restore as ckrestore
     self.wait()
     kwargs.setdefault("threads", self.threads)
     kwargs.setdefault("io", self.backend.name.split("-")[0])

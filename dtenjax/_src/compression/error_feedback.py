@@ -491,7 +491,7 @@ def topk_ef(ratio: float = 0.01, *, axis_name: Any = None, error_feedback: bool 
     return compressed_all_reduce(updates, state, config.axis_name, config=config)
 
   try:
-    import optax  # pylint: disable=g-import-not-at-top
+    import optax
   except ImportError:
     return TopKTransform(init_fn, update_fn)
   return optax.GradientTransformation(init_fn, update_fn)

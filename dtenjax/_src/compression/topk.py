@@ -166,7 +166,7 @@ def pack_method(method: str = "auto") -> tuple[str, str]:
   return "cumsum", ""
 
 
-def pack(x, threshold, k: int, *, pack: str = "auto"):  # pylint: disable=redefined-outer-name
+def pack(x, threshold, k: int, *, pack: str = "auto"):
   """(idx int32[k], val[k], count int32[]): the first k elements with ``|x| >= threshold``.
 
   ``pack``: "auto", "ffi" (the native kernel) or "cumsum" -- the same name and values as
@@ -192,7 +192,7 @@ _pack = pack   # select's ``pack`` argument shadows the function
 # --- 1 + 2 ----------------------------------------------------------------------------------
 
 def select(x, k: int, *, selection: str = "sampled", sample_ratio: float = 0.01,
-           bounds: tuple[float, float] = (0.5, 1.5), pack: str = "auto"):  # pylint: disable=redefined-outer-name
+           bounds: tuple[float, float] = (0.5, 1.5), pack: str = "auto"):
   """(idx int32[k], val[k], count int32[]) of about the k largest ``|x|``, without a full sort.
 
   ``selection="exact"`` is ``lax.top_k`` (count = k). ``"sampled"`` takes the cut from

@@ -86,7 +86,7 @@ class LaunchResult:
 
 
 def _free_port() -> int:
-  from dtenjax.testing.ports import free_port  # pylint: disable=g-import-not-at-top
+  from dtenjax.testing.ports import free_port
   return free_port()
 
 
@@ -116,7 +116,7 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
 def _latest_checkpoint(checkpoint_dir: str | None) -> int | None:
   if not checkpoint_dir:
     return None
-  from dtenjax._src.checkpoint import manager  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.checkpoint import manager
   return manager.CheckpointManager(checkpoint_dir).latest_step()
 
 
@@ -324,7 +324,7 @@ def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline:
 def qualification(argv: Sequence[str], env: dict[str, str] | None = None) -> list[tuple[bool, str]]:
   """What can be checked before the start about whether a run that loses processes continues with
   the uninterrupted run's bits (docs/elastic.md lists the rest): ``[(ok, finding), ...]``."""
-  from dtenjax._src.planning import reproducible  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.planning import reproducible
   e = {**os.environ, **(env or {})}
   platforms = e.get("JAX_PLATFORMS", "").lower()
   gpu = "cuda" in platforms or "gpu" in platforms or (

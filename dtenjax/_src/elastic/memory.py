@@ -45,7 +45,7 @@ MAGIC = b"DTJXMEM1"
 
 def default_root() -> str:
   base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-  import tempfile  # pylint: disable=g-import-not-at-top
+  import tempfile
   return os.path.join(base or tempfile.gettempdir(), f"dtenjax-memory-{os.getuid()}")
 
 

@@ -122,7 +122,7 @@ class Context:
     self.mark("finished")
     if not self.elastic:
       return
-    from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.net import kvstore
     store = kvstore.default()
     if self.world > 1:
       store.barrier(f"elastic-finish-{self.generation}", timeout_s=timeout_s)
@@ -186,7 +186,7 @@ def init(*, heartbeat_interval_s: float | None = None) -> Context:
   run_dir = _env("RUN_DIR")
   if not run_dir:
     return Context(0, 1, 0, None, 0, None, None, None, None)
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   rank, world = int(_env("RANK")), int(_env("WORLD"))
   generation = int(_env("GENERATION", "0"))
   timeout_s = float(_env("HEARTBEAT_TIMEOUT", "10"))
@@ -198,7 +198,7 @@ def init(*, heartbeat_interval_s: float | None = None) -> Context:
                                process_id=rank, initialization_timeout=int(timeout_s * 6 + 30),
                                heartbeat_timeout_seconds=int(max(30, timeout_s * 4)))
   event(run_dir, "initialized", rank=rank, generation=generation)
-  from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.net import kvstore
   client = kvstore.coordination_client() if world > 1 else None
   watchdog = None
   if world > 1:
@@ -214,7 +214,7 @@ def init(*, heartbeat_interval_s: float | None = None) -> Context:
                              timeout_s=max(10.0, timeout_s * 2))
   manager = None
   if _env("CHECKPOINT_DIR"):
-    from dtenjax._src.checkpoint import manager as ckmanager  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.checkpoint import manager as ckmanager
     manager = ckmanager.CheckpointManager(
         _env("CHECKPOINT_DIR"), save_interval_steps=int(_env("CHECKPOINT_EVERY", "100")),
         max_to_keep=2, timeout_s=max(30.0, timeout_s * 3))

@@ -154,8 +154,8 @@ def observe_launches(fn: Any, *args, steps: int = 10, warmup: int = 3,
   without any kernel raises ConfigurationError (CUPTI unavailable or held by another profiler):
   an empty observation must not read as "nothing was launched".
   """
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
+  import pathlib
+  import tempfile
   if steps < 1 or warmup < 1:
     raise errors.ConfigurationError(
         f"observe_launches(steps={steps}, warmup={warmup}): both must be >= 1 (warm-up runs "

@@ -144,7 +144,7 @@ def accepted_option_keys() -> frozenset[str]:
       jax.jit(lambda x: x + 1, compiler_options={key: value}).lower(
           jax.ShapeDtypeStruct((2,), "float32")).compile()
       accepted.add(key)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       config.log_once(f"graphs:option:{key}",
                       f"dtenjax.jit: this jaxlib rejects compiler option {key!r} ({e}); "
                       f"CUDA-graph policies compile without it.")

@@ -270,8 +270,8 @@ def graph_report(fn_or_compiled: Any, *args, cuda_graphs: str | CudaGraphPolicy 
   if isinstance(fn_or_compiled, GraphJitted):
     g = fn_or_compiled
     if cuda_graphs is not None and CudaGraphPolicy.from_mode(cuda_graphs) != g.policy:
-      g = jit(g.fn, cuda_graphs, backend=g.platform, compiler_options=g._user_options or None,  # pylint: disable=protected-access
-              **g._jit_kwargs)  # pylint: disable=protected-access
+      g = jit(g.fn, cuda_graphs, backend=g.platform, compiler_options=g._user_options or None,
+              **g._jit_kwargs)
     compiled = g.lower(*args, **kwargs).compile()
     policy, reason = g.decision.policy, g.decision.reason
     module = hlo.read_compiled(compiled)

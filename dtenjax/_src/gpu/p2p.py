@@ -360,7 +360,7 @@ def _exchange(key: int, group: list[Any], local: dict[int, bytes]) -> bytes:
       continue
     try:
       raw = client.blocking_key_value_get(f"{_KV_PREFIX}/{key}/{d.id}", _timeout_ms())
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       raise errors.CollectiveTimeoutError(
           f"p2p set-up waited {_timeout_ms()} ms for the buffer descriptor of device {d.id} "
           f"(process {d.process_index}) and got none ({e}); make sure every process runs the "

@@ -43,7 +43,7 @@ def serialized_modules(compiled: Any) -> list[bytes] | None:
     runtime = compiled.runtime_executable()
     modules = runtime.hlo_modules()
     return [m.as_serialized_hlo_module_proto() for m in modules]
-  except Exception:  # pylint: disable=broad-except  (absent API or backend: fall back to text)
+  except Exception:  # absent API or backend: fall back to text
     return None
 
 

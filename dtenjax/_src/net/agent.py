@@ -62,8 +62,8 @@ class LoadReport:
 
 def local_topology() -> dict[str, Any]:
   """What this process contributes to the job's topology: devices, RDMA NICs, provider."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
+  import jax
+  from dtenjax._src.net import rdma
   nics = rdma.discover_nics()
   provider, why = providers.select_provider(list(nics))
   return {
@@ -90,7 +90,7 @@ class Agent:
   def __init__(self, process_index: int | None = None, *, store: kvstore.KVStore | None = None,
                topology: dict[str, Any] | None = None):
     if process_index is None:
-      import jax  # pylint: disable=g-import-not-at-top
+      import jax
       process_index = jax.process_index()
     self.process_index = process_index
     self.store = store or kvstore.default()

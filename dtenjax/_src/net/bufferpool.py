@@ -58,7 +58,7 @@ class BufferPool:
       raise errors.ConfigurationError(f"cfg must be a PoolConfig, got {type(cfg).__name__}.")
     self.config = cfg
     if cfg.registration == "verbs":
-      from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
+      from dtenjax._src.net import rdma
       rdma.load_library()
     self._pool = native.transport().BufferPool(cfg.max_bytes, cfg.max_buffers,
                                                cfg.max_buffer_bytes, cfg.pin, cfg.tenant,

@@ -25,11 +25,11 @@ def _module_dir(module) -> str:
 
 @functools.cache
 def _library_dirs() -> tuple[str, ...]:
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   dirs = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
           _module_dir(jax)]
   try:
-    import jaxlib  # pylint: disable=g-import-not-at-top
+    import jaxlib
     dirs.append(_module_dir(jaxlib))
   except ImportError:  # pragma: no cover
     pass
@@ -44,7 +44,7 @@ def _stdlib_dir() -> str:
 @functools.cache
 def _trace_entry_files() -> tuple[str, ...]:
   """jax's files where tracing starts (jit, lower, make_jaxpr; shard_map, grad inside them)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   src = os.path.join(_module_dir(jax), "_src")
   return (os.path.join(src, "pjit.py"), os.path.join(src, "interpreters", "partial_eval.py"))
 
@@ -98,7 +98,7 @@ def call_site(depth_limit: int = 256) -> tuple[int, str]:
   them in different orders are told apart; only iterations of one loop (same stack) look the
   same: give those a ``tag`` (see :func:`tag_value`)."""
   frames = []
-  frame = sys._getframe(1)  # pylint: disable=protected-access
+  frame = sys._getframe(1)
   while frame is not None and len(frames) < depth_limit:
     frames.append(frame)
     frame = frame.f_back

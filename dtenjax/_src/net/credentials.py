@@ -48,7 +48,7 @@ def job_credentials(store: kvstore.KVStore | None = None, *, process_index: int 
       return _creds
     store = store or kvstore.default()
     if process_index is None:
-      import jax  # pylint: disable=g-import-not-at-top
+      import jax
       process_index = jax.process_index()
     env = config.get_str("DTENJAX_JOB_SECRET")
     if process_index == 0:

@@ -48,7 +48,7 @@ def is_available() -> bool:
 @functools.cache
 def codes() -> tuple[dict[np.dtype, int], dict[str, int]]:
   """({dtype: code}, {op: code}) of the frames, as the extension exports them (frame.h)."""
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  import ml_dtypes
   dtypes = ffi.vocabulary("transport.dtype")
   return ({np.dtype(getattr(ml_dtypes, n, n)): c for n, c in dtypes.items()},
           ffi.vocabulary("transport.op"))

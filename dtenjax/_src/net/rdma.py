@@ -91,8 +91,8 @@ def unavailable_reason() -> str | None:
 @functools.cache
 def _pyverbs():
   try:
-    import pyverbs.device as dev  # pylint: disable=g-import-not-at-top
-    from pyverbs.pyverbs_error import PyverbsRDMAError  # pylint: disable=g-import-not-at-top
+    import pyverbs.device as dev
+    from pyverbs.pyverbs_error import PyverbsRDMAError
   except ImportError as e:
     return None, None, f"pyverbs is not installed ({e}); pip install dtenjax[rdma] or " \
                        "apt-get install python3-pyverbs"

@@ -119,13 +119,13 @@ def _close_at_exit() -> None:
   comms = list(_live)
   for comm in comms:     # first interrupt them all: closing one must not fail its ring
     try:                 # neighbours in this process with "lost connection" instead
-      comm._native.interrupt()  # pylint: disable=protected-access
-    except Exception:  # pylint: disable=broad-except
+      comm._native.interrupt()
+    except Exception:
       pass
   for comm in comms:
     try:
       comm.close()
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
       pass
   with _calls:
     _calls.wait_for(lambda: _threads_in_native == 0, timeout=EXIT_WAIT_S)
@@ -319,7 +319,7 @@ def connect(comm: Communicator, next_endpoint: str) -> None:
   checks.name("next_endpoint", next_endpoint)
   try:
     with _native_call():
-      comm._native.connect_ring(next_endpoint)  # pylint: disable=protected-access
+      comm._native.connect_ring(next_endpoint)
   except errors.ExtensionUnavailableError as e:
     raise _peer_errors(e) from None
 
@@ -334,7 +334,7 @@ def create_communicator(name: str, *, rank: int | None = None, size: int | None 
                         ) -> Communicator:
   """Collectively creates a ring communicator over all processes (every process calls this with
   the same ``name``, in the same order). Endpoints are exchanged through the coordination store."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   rank = jax.process_index() if rank is None else rank
   size = jax.process_count() if size is None else size
   store = store or kvstore.default()

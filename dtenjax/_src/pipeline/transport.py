@@ -60,7 +60,7 @@ class TransportChoice:
 
 def host_status(provider: str | None = None) -> tuple[bool, str]:
   """Whether dtenjax's host transport can connect processes here, and over what (or why not)."""
-  # pylint: disable=g-import-not-at-top
+
   from dtenjax._src.net import native
   from dtenjax._src.net import providers
   try:

@@ -55,7 +55,7 @@ def flax_rules(rules):
   if rules is None:
     yield
     return
-  from flax.core import spmd  # pylint: disable=g-import-not-at-top
+  from flax.core import spmd
   with spmd.logical_axis_rules(tuple(rules) + tuple(spmd.get_logical_axis_rules())):
     yield
 
@@ -63,10 +63,10 @@ def flax_rules(rules):
 def box_spec(box, mesh: Mesh, rules, where: str) -> P:
   """The mesh PartitionSpec flax's metadata gives ``box`` on ``mesh``."""
   kind = box_kind(box)
-  from flax.core import spmd as core_spmd  # pylint: disable=g-import-not-at-top
+  from flax.core import spmd as core_spmd
   with flax_rules(rules):
     if kind == "logical":
-      from flax.linen import spmd  # pylint: disable=g-import-not-at-top
+      from flax.linen import spmd
       names = tuple(box.names)
       if not (box.rules or core_spmd.get_logical_axis_rules()) and any(
           isinstance(n, str) and n not in mesh.axis_names for n in names):
@@ -77,7 +77,7 @@ def box_spec(box, mesh: Mesh, rules, where: str) -> P:
             f"{tuple(mesh.axis_names)}")
       spec = spmd.logical_to_mesh_axes(names, box.rules)
     elif kind == "nnx":
-      from flax.nnx import spmd  # pylint: disable=g-import-not-at-top
+      from flax.nnx import spmd
       spec = spmd.get_var_pspec(box)
     else:
       names = box.get_partition_spec()

@@ -99,7 +99,7 @@ class Check:
 def compare(plan_: Any, step: Callable, args, compiler_options: dict | None = None) -> Check:
   """``plan_`` (a StepPlan) compiled as its ``jit`` runs it (with ``compiler_options``), against
   its prediction."""
-  from dtenjax._src.planning import explain as explain_lib  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.planning import explain as explain_lib
   abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), a) for a in args]
   kwargs = {}
   if plan_.donate:
@@ -131,7 +131,7 @@ def compare(plan_: Any, step: Callable, args, compiler_options: dict | None = No
 def loop_repeats(compiled) -> Callable[[str], int]:
   """computation name -> how often it runs per step: the product of the known trip counts of the
   while loops around it (1 outside loops, or where XLA knows no trip count)."""
-  from dtenjax._src import hlo  # pylint: disable=g-import-not-at-top
+  from dtenjax._src import hlo
   module = hlo.read_compiled(compiled)
   trips = module.trip_counts()
   callers = module.callers()

@@ -121,7 +121,7 @@ def _predict(kind: str, nbytes: int, groups, topology: Topology | None) -> float
   try:
     return max(costmodel.collective_time(kind, nbytes, g, topology)
                for g in (moving if kind == "ppermute" else moving[:1]))
-  except Exception:  # pylint: disable=broad-except  (ids outside the topology)
+  except Exception:  # ids outside the topology
     return float("nan")
 
 

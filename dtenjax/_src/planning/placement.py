@@ -235,7 +235,7 @@ def _planning_inputs(mesh: Mesh, topology: Topology) -> tuple[tuple[int, ...], T
 def _sharding_for(placement: Placement, mesh: Mesh, shape: tuple[int, ...],
                   dtype: str) -> NamedSharding:
   # A pytree has few distinct shapes: one planning per (placement, mesh, shape, dtype).
-  return _named_sharding(mesh, placement._spec(mesh, shape, dtype),  # pylint: disable=protected-access
+  return _named_sharding(mesh, placement._spec(mesh, shape, dtype),
                          MEMORY_KINDS[placement.memory_policy])
 
 
@@ -405,7 +405,7 @@ def _is_placement(p) -> bool:
 
 def _shard_step(x: Any, placement, step, step_args) -> Any:
   """shard(x, placement, step=...): x laid out as the whole-step plan lays out its argument."""
-  from dtenjax._src.planning import step as step_lib  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.planning import step as step_lib
   if isinstance(step, step_lib.StepPlan):
     plan_ = step
   else:
@@ -632,7 +632,7 @@ _CHUNK_FRACTION = 64       # a chunk is at most 1/64 of the shard: its temporari
 def _offset_bits(key_data, bit_width: int, shape):
   """random_bits of the offset PRNG: key_data = (k1, k2, offset_hi, offset_lo); the bits
   threefry's partitionable random_bits gives the linear indices offset, offset + 1, ..."""
-  from jax.extend import random as xrandom  # pylint: disable=g-import-not-at-top
+  from jax.extend import random as xrandom
   n = math.prod(shape)
   step = jax.lax.iota(jnp.uint32, n)
   lo = key_data[3] + step
@@ -654,7 +654,7 @@ def _legacy_bits(key_data, bit_width: int, shape):
   (padded with one 0 to an even count 2h) are split in halves: word i < h is the first output
   of threefry2x32(key, (i, i + h)), word i >= h the second output of threefry2x32(key, (i - h,
   i)); a 16- or 8-bit element e is bits (e % per) * width.. of word e // per."""
-  from jax.extend import random as xrandom  # pylint: disable=g-import-not-at-top
+  from jax.extend import random as xrandom
   n = math.prod(shape)
   per = 32 // bit_width
   e = key_data[3] + jax.lax.iota(jnp.uint32, n)
@@ -681,7 +681,7 @@ def _unsupported(*_):
 
 @functools.cache
 def _offset_impl():
-  from jax.extend import random as xrandom  # pylint: disable=g-import-not-at-top
+  from jax.extend import random as xrandom
   return xrandom.define_prng_impl(key_shape=(4,), seed=_unsupported, split=_unsupported,
                                   random_bits=_offset_bits, fold_in=_unsupported,
                                   name="dtenjax_offset_threefry", tag="dto")
@@ -689,7 +689,7 @@ def _offset_impl():
 
 @functools.cache
 def _legacy_impl():
-  from jax.extend import random as xrandom  # pylint: disable=g-import-not-at-top
+  from jax.extend import random as xrandom
   return xrandom.define_prng_impl(key_shape=(4,), seed=_unsupported, split=_unsupported,
                                   random_bits=_legacy_bits, fold_in=_unsupported,
                                   name="dtenjax_legacy_offset_threefry", tag="dtl")
@@ -729,7 +729,7 @@ def _chunks_match_jax(init: str, dtype_name: str, partitionable: bool = True) ->
         if np.asarray(drawn).tobytes() != want.reshape(-1).tobytes():
           return False
     return True
-  except Exception:  # pylint: disable=broad-except  (a jax whose PRNG internals moved)
+  except Exception:  # a jax whose PRNG internals moved
     return False
 
 

@@ -214,7 +214,7 @@ def reproducible_step(fn: Callable | None = None, /, *, compiler_options: dict |
       return compiled()(*args, **kwargs)
     except errors.DtenjaxError:
       raise
-    except Exception as e:  # pylint: disable=broad-except  (XLA's compile error, explained)
+    except Exception as e:  # XLA's compile error, explained
       explained = _explain_compile_error(e)
       if explained is None:
         raise

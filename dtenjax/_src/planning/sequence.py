@@ -413,7 +413,7 @@ class Application:
     """For the step's jaxpr ``jaxpr`` (traced from ``args``): each attention operand of the
     forward -> the layout to constrain it to (:func:`spec`), and the ids of the equations
     (loops, calls) whose bodies hold one."""
-    import jax  # pylint: disable=g-import-not-at-top
+    import jax
     leaves = []
     for argnum, arg in enumerate(args):
       for x in jax.tree.leaves(arg):

@@ -476,7 +476,7 @@ def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
   On a mesh the planner proposes (``proposed``), a ``tensor`` axis must shard at least one
   weight over it: otherwise the devices along that axis would compute the same step on the same
   data (duplicated work). A mesh the user gave is planned as given."""
-  from scipy import optimize, sparse  # pylint: disable=g-import-not-at-top
+  from scipy import optimize, sparse
   index = {}
   costs: list[float] = []
   mem: list[float] = []

@@ -170,7 +170,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract)
   except errors.DtenjaxError:
     raise
-  except Exception as e:  # pylint: disable=broad-except  (the user's step failed to trace)
+  except Exception as e:  # the user's step failed to trace
     raise errors.PlacementError(
         f"plan: the step could not be traced with the example arguments' shapes: "
         f"{type(e).__name__}: {e}") from e

@@ -260,7 +260,7 @@ def _compile(step: Any, spec: Any) -> Any:
     return step.lower(spec).compile()
   except errors.DtenjaxError:
     raise
-  except Exception as e:  # pylint: disable=broad-except  # the user's step: any error it raises
+  except Exception as e:  # the user's step: any error it raises
     shapes = jax.tree.map(lambda s: f"{s.dtype}{list(s.shape)}", spec)
     raise errors.ConfigurationError(
         f"step_fn could not be compiled for one batch of batch_spec {shapes}: "
@@ -405,7 +405,7 @@ class _Dispatcher:
   def run(self) -> None:
     try:
       self.dispatch_loop()
-    except BaseException as e:  # pylint: disable=broad-except
+    except BaseException as e:
       # A failure on this thread must not leave a caller waiting: resolve the batch in flight and
       # every queued one with the failure, refuse new work, and say so in the log.
       self.fail_all(e)
@@ -451,7 +451,7 @@ class _Dispatcher:
         continue
       try:
         out = _run_step(self.compiled, item.batch)
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:
         self.finish(item, error=e)
       else:
         self.finish(item, result=out)
@@ -689,7 +689,7 @@ class _PromMetrics:
 
   def __init__(self, port: int):
     try:
-      import prometheus_client as pc  # pylint: disable=g-import-not-at-top
+      import prometheus_client as pc
     except ImportError as e:
       raise errors.ConfigurationError(
           f"metrics_port={port} needs prometheus_client ({e}); `pip install prometheus_client` "

@@ -78,7 +78,7 @@ def measure(topology, *, repeats: int = 3, chain: int = 4,
   if repeats < 1 or chain < 1:
     raise errors.ConfigurationError(
         f"calibrate: repeats={repeats} and chain={chain} must be >= 1")
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   devs = _devices(topology)
   platform = devs[0].platform
   cfg = dict(_SIZES.get(platform, _SIZES["gpu"]))

@@ -76,15 +76,15 @@ def numa_node_of(bus_id: str, sysfs: str = "/sys") -> int | None:
 def load_cudart() -> Any:
   """cuda-python's runtime bindings (raises ImportError without them)."""
   try:
-    from cuda.bindings import runtime as cudart  # pylint: disable=g-import-not-at-top
+    from cuda.bindings import runtime as cudart
   except ImportError:
-    from cuda import cudart  # type: ignore  # pylint: disable=g-import-not-at-top
+    from cuda import cudart  # type: ignore
   return cudart
 
 
 def load_nvml() -> Any:
   """nvidia-ml-py's ``pynvml`` (raises ImportError without it)."""
-  import pynvml  # type: ignore  # pylint: disable=g-import-not-at-top
+  import pynvml  # type: ignore
   return pynvml
 
 
@@ -184,7 +184,7 @@ def exchange(namespace: str, value: Any, rank: int, size: int, store: Any = None
   if size == 1:
     return [value]
   if store is None:
-    from dtenjax._src.net import kvstore  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.net import kvstore
     store = kvstore.default()
   return [json.loads(v) for v in store.exchange(namespace, rank, size, json.dumps(value))]
 
@@ -215,7 +215,7 @@ def _numa_nodes(host: str, sysfs: str = "/sys") -> list[topo.NumaNode]:
 def _memory_bytes(d) -> int:
   try:
     stats = d.memory_stats() or {}
-  except Exception:  # pylint: disable=broad-except  (CPU devices raise or return None)
+  except Exception:  # CPU devices raise or return None
     stats = {}
   return int(stats.get("bytes_limit", 0))
 
@@ -235,7 +235,7 @@ def _local_gpu_facts(gpus: Sequence[Any], notes: list[str], cudart: Any,
       return facts
   try:
     bus, more = cuda_bus_ids(gpus, cudart)
-  except Exception as e:  # pylint: disable=broad-except  (a CUDA runtime that cannot start)
+  except Exception as e:  # a CUDA runtime that cannot start
     notes.append(f"cuda-python could not report GPU bus ids ({type(e).__name__}: {e})")
     return facts
   notes += more
@@ -262,7 +262,7 @@ def _host_links(bus_ids: list[str], numa: dict[str, int | None], notes: list[str
       return {}
   try:
     classes = nvlink_classes(nvml, bus_ids, numa)
-  except Exception as e:  # pylint: disable=broad-except  (NVMLError: no driver, lost GPU, ...)
+  except Exception as e:  # NVMLError: no driver, lost GPU, ...
     notes.append(f"NVML could not report NVLink ({type(e).__name__}: {e}); GPU links unknown")
     return {}
   return {f"{a}|{b}": c for (a, b), c in classes.items()}
@@ -271,13 +271,13 @@ def _host_links(bus_ids: list[str], numa: dict[str, int | None], notes: list[str
 def _transport_note() -> str:
   """Which host transport provider communicators would use here, and why (verbs or not)."""
   try:
-    from dtenjax._src.net import native  # pylint: disable=g-import-not-at-top
-    from dtenjax._src.net import providers  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.net import native
+    from dtenjax._src.net import providers
     if not native.is_available():
       return "host transport: unavailable (the native extension has no transport)"
     name, why = providers.select_provider()
     return f"host transport: {name} ({why})"
-  except Exception as e:  # pylint: disable=broad-except  (a bad DTENJAX_TRANSPORT, say)
+  except Exception as e:  # a bad DTENJAX_TRANSPORT, say
     return f"host transport: none can be chosen ({type(e).__name__}: {e})"
 
 
@@ -304,7 +304,7 @@ def describe(devices: Sequence[Any] | None = None, *, cudart: Any = None, nvml: 
           "memory": {str(d.id): _memory_bytes(d) for d in devices if d.process_index == me}}
   try:
     everyone = exchange("topology-gpus", mine, me, n_proc, store)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     notes.append(f"host names and GPUs of other processes unknown ({type(e).__name__}: {e}); "
                  "each process is treated as its own host")
     everyone = [mine if p == me else {"host": f"process{p}", "gpus": {}, "memory": {}}
@@ -327,13 +327,13 @@ def describe(devices: Sequence[Any] | None = None, *, cudart: Any = None, nvml: 
     try:
       published = exchange("topology-links", links, me, n_proc, store)
       host_links = {h: published[p] for h, p in first.items()}
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       notes.append(f"GPU links read by other processes unknown ({type(e).__name__}: {e})")
   notes += link_notes
 
   nics: list[topo.NicInfo] = []
   try:
-    from dtenjax._src.net import rdma  # pylint: disable=g-import-not-at-top
+    from dtenjax._src.net import rdma
     for nic in rdma.discover_nics():
       nics.append(topo.NicInfo(name=nic["name"], host=host, port=int(nic.get("port", 1)),
                                link_layer=nic.get("link_layer", "Ethernet"),
@@ -348,7 +348,7 @@ def describe(devices: Sequence[Any] | None = None, *, cudart: Any = None, nvml: 
                    "test device (DTENJAX_IBVERBS_LIBRARY), not a NIC; no link uses it")
   except ImportError:
     notes.append("no RDMA NIC: dtenjax._src.net.rdma is not available")
-  except Exception as e:  # pylint: disable=broad-except  (pyverbs errors mean "no RDMA")
+  except Exception as e:  # pyverbs errors mean "no RDMA"
     notes.append(f"no RDMA NIC: discovery failed ({type(e).__name__}: {e})")
   inter = inter_host_class(nics)
   notes.append(_transport_note())

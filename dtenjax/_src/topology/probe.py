@@ -37,7 +37,7 @@ def _median_wall(f, x, repeats: int) -> float:
 
 def _per_step(step, mesh, x, chain: int, repeats: int) -> float:
   """Device seconds of one ``step`` from a jitted chain of ``chain`` steps minus zero steps."""
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P
 
   def program(depth):
     def body(v):
@@ -52,7 +52,7 @@ def _per_step(step, mesh, x, chain: int, repeats: int) -> float:
 
 
 def _time_class(cls: str, a, b, nbytes: int, chain: int, repeats: int) -> float:
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   devs = [a] if cls == "local" else [a, b]
   mesh = Mesh(np.array(devs), ("p",))
   n = max(1, nbytes // 4)

@@ -1,0 +1,39 @@
+"""What the planner's benchmarks drive besides ``dtenjax.plan``: the timing routine that
+``plan(measure=True)`` uses, the standard recipes' names, the calibration's raw measurement, a
+host's NUMA record, and the per-array planner's caches (cleared for a cold timing, counted for a
+hit rate).
+
+The benchmarks time the user's own ``jax.jit`` programs with the same routine as the library times
+its candidates, so that the two are compared under one method. For benchmarks and tests; not part
+of the library's API.
+"""
+
+from __future__ import annotations
+
+from dtenjax._src.planning import mesh as _mesh
+from dtenjax._src.planning import placement as _placement
+from dtenjax._src.planning import planner as _planner
+from dtenjax._src.planning.measure import time_calls as time_calls
+from dtenjax._src.planning.planner import plan_tensor as plan_tensor
+from dtenjax._src.planning.recipes import RECIPES as RECIPES
+from dtenjax._src.topology.calibrate import measure as calibrate_measure
+from dtenjax._src.topology.parts import NumaNode as NumaNode
+
+__all__ = ["RECIPES", "NumaNode", "calibrate_measure", "clear_planner_caches", "distinct_plans",
+           "plan_tensor", "time_calls"]
+
+_CACHES = (_planner._plan_cached, _planner._allreduce_s, _mesh._make_mesh_cached,
+           _mesh._mesh_for_shape, _placement._planning_inputs, _placement._named_sharding,
+           _placement._sharding_for)
+
+
+def clear_planner_caches() -> None:
+  """Empties every cache of the per-array planner (plans, all-reduce times, meshes, shardings),
+  so that the next ``Placement("auto")`` call is timed cold."""
+  for cache in _CACHES:
+    cache.cache_clear()
+
+
+def distinct_plans() -> int:
+  """How many distinct per-array plans the planner's cache holds."""
+  return _planner._plan_cached.cache_info().currsize

@@ -18,6 +18,9 @@ from dtenjax._src.topology.parts import LinkSpec
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import _step_models as models
+from tests import helpers
+
+pytestmark = helpers.one_worker(__name__)    # its models, made once
 
 
 def _paths(graph, leaves):

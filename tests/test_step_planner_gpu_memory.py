@@ -25,6 +25,9 @@ import dtenjax
 from dtenjax._src import jaxapi
 from dtenjax._src.planning import solver
 from dtenjax._src.planning import stepgraph
+from tests import helpers
+
+pytestmark = helpers.one_worker(__name__)    # its cached GPU plans, made once
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _DATA = json.loads((_ROOT / "tests" / "data" / "xla_gpu_mock8.json").read_text())

@@ -22,6 +22,9 @@ from dtenjax._src.planning import explain as explain_lib
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning.check import loop_repeats
 from dtenjax._src.planning.roles import expert as expert_role
+from tests import helpers
+
+pytestmark = helpers.one_worker(__name__)    # its planned expert step, made once
 
 U = P.UNCONSTRAINED
 _TX = optax.adamw(1e-3)

@@ -408,25 +408,52 @@ def _series(rows: Sequence[Mapping[str, Any]]):
   return None
 
 
+RATIO_BAR = 1.05    # the planner's wins bar: the plan at most 1.05x the fastest recipe
+
+
+def _ratio_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+  """The rows of a result that compare layouts per model family by their time over the fastest
+  hand-written recipe's (bench/step_planner.py's wins part), else none."""
+  return [r for r in rows if {"family", "layout"} <= r.keys()
+          and isinstance(r.get("vs_best_recipe"), (int, float))]
+
+
+def _draw_ratios(ax, rows: Sequence[Mapping[str, Any]]) -> None:
+  """Grouped bars: one group per family, one bar per layout, the 1.05x bar as a dashed line."""
+  families = list(dict.fromkeys(r["family"] for r in rows))
+  layouts = list(dict.fromkeys(r["layout"] for r in rows))
+  width = 0.8 / len(layouts)
+  for i, layout in enumerate(layouts):
+    ratio = {r["family"]: r["vs_best_recipe"] for r in rows if r["layout"] == layout}
+    xs = [f + (i - (len(layouts) - 1) / 2) * width for f in range(len(families))]
+    ax.bar(xs, [ratio.get(f, 0.0) for f in families], width, label=layout)
+  ax.axhline(RATIO_BAR, color="black", linestyle="--", linewidth=0.8)
+  ax.set_xticks(range(len(families)), families)
+  ax.set_ylabel("step time / fastest hand-written recipe's")
+
+
 def chart(doc: Mapping[str, Any], path: str) -> str | None:
-  """A PNG chart of a bench result (matplotlib, the `plot` extra) at ``path``: one line per
-  candidate over the message size, titled with the machine; None when the result has no
-  chart (rows without sizes)."""
+  """A PNG chart of a bench result (matplotlib, the `plot` extra) at ``path``, titled with the
+  machine: one line per candidate over the message size, or grouped bars of each layout's time
+  over the fastest recipe's per model family; None when the result has neither."""
   rows = [r for r in doc.get("rows", []) if isinstance(r, Mapping)]
-  series = _series(rows)
-  if series is None:
+  series, ratios = _series(rows), _ratio_rows(rows)
+  if series is None and not ratios:
     return None
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  xk, yk, ylabel, key = series
   fig, ax = plt.subplots(figsize=(7, 4), dpi=80)
-  for label in sorted({key(r) for r in rows}):
-    pts = sorted((r[xk], r[yk]) for r in rows if key(r) == label and r.get(yk) is not None)
-    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=3, label=label)
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("bytes per rank" if yk == "busbw" else "bytes")
-  ax.set_ylabel(ylabel)
+  if series is None:
+    _draw_ratios(ax, ratios)
+  else:
+    xk, yk, ylabel, key = series
+    for label in sorted({key(r) for r in rows}):
+      pts = sorted((r[xk], r[yk]) for r in rows if key(r) == label and r.get(yk) is not None)
+      ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes per rank" if yk == "busbw" else "bytes")
+    ax.set_ylabel(ylabel)
   devices = (doc.get("machine") or {}).get("devices") or {}
   kinds = ", ".join(f"{n} x {k}" for k, n in (devices.get("kinds") or {}).items())
   ax.set_title(f"bench/{doc.get('bench')}.py, {str(doc.get('date', ''))[:10]}, "

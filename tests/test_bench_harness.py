@@ -241,3 +241,24 @@ def test_a_result_with_sizes_gets_a_chart_next_to_its_json(tmp_path, capsys):
   table_only = dict(doc, rows=[{"model": "mlp", "step_ms": 3.0}])
   assert h.chart(table_only, str(tmp_path / "none.png")) is None     # nothing to draw
   assert not (tmp_path / "none.png").exists()
+
+
+def test_a_result_of_ratios_per_family_gets_grouped_bars(tmp_path):
+  pytest.importorskip("matplotlib", reason="the plot extra (in the test extra)")
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [{"part": "wins", "family": f, "layout": lay, "vs_best_recipe": v}
+          for f, lay, v in (("encdec", "plan", 0.91), ("encdec", "DP", 0.99),
+                            ("moe", "plan", 0.87), ("moe", "DP", 1.33))]
+  rows.append({"part": "wins", "family": "moe", "layout": "TP", "vs_best_recipe": None})  # not run
+  fig, ax = plt.subplots()
+  h._draw_ratios(ax, h._ratio_rows(rows))
+  heights = {(round(p.get_x() + p.get_width() / 2), round(p.get_height(), 2)) for p in ax.patches}
+  assert heights == {(0, 0.91), (0, 0.99), (1, 0.87), (1, 1.33)}       # 2 families x 2 layouts
+  assert [line.get_ydata()[0] for line in ax.lines] == [1.05]           # the bar to stay under
+  plt.close(fig)
+  doc = h.document("step_planner", "bench/step_planner.py", ["--parts", "wins"], {}, rows)
+  png = tmp_path / "wins.png"
+  assert h.chart(doc, str(png)) == str(png)
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

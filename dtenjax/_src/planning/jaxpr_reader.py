@@ -70,6 +70,10 @@ class WeightUse:
   # input gradients are added before any reduction (XLA reassociates all-reduce(a) +
   # all-reduce(b) into all-reduce(a + b)), so column-parallel siblings share one all-reduce
   siblings: int = 1
+  # products per use that read it as the first one does (contracting the same dimensions): the
+  # forward's, and again where jax.checkpoint's backward recomputes it; JAX drops a recomputed
+  # product no gradient needs (a checkpointed layer's last), which then runs once
+  forward_reads: int = 1
 
 
 class _UnionFind:

@@ -201,11 +201,12 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     # a gradient's product has the weight's shape (or its transpose): it splits like the reads
     has_grad = (shape in reader.shape_flops or tuple(reversed(shape)) in reader.shape_flops)
     reads = reader.leaf_flops.get(leaf, 0.0)
+    parts = _grad_parts(use, reader.leaf_reads.get(leaf, 1), leaf in reader.remat_read)
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
                                         remat=leaf in reader.remat_read,
                                         siblings=readers.get(reader.partner.get(leaf), 1),
-                                        grad_parts=_grad_parts(use, reader.leaf_reads.get(leaf, 1),
-                                                               leaf in reader.remat_read))
+                                        grad_parts=parts,
+                                        forward_reads=_forward_reads(reader, use, parts))
   groups: dict[int, list[int]] = {}
   for leaf in leaves:
     if not leaf.is_batch:
@@ -227,6 +228,16 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    stacks=stacks.read(reader.scans), timeline=timeline,
                    products=reader.products,
                    sequence=sequence_lib.read(closed.jaxpr, leaves))
+
+
+def _forward_reads(reader: jaxpr_reader.Reader, use: WeightUse, parts: int) -> int:
+  """The products per use that contract the weight's dimensions its first product contracts
+  (:attr:`WeightUse.forward_reads`): not its input gradient's, which contracts the free ones."""
+  same = 0
+  for eqn, side, dims, _ in reader.reads.get(use.leaf, ()):
+    contracted = eqn.params["dimension_numbers"][0][side]
+    same += tuple(sorted(dims[d] for d in contracted if dims[d] is not None)) == use.contracted
+  return max(1, round(same / max(1, parts)))
 
 
 def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:

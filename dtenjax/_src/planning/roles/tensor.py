@@ -76,7 +76,8 @@ def price(ctx) -> None:
         pr.ag_fwd = ctx.pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), ctx.dtype)
     elif d in use.contracted:
       pr.tp = ("row", d)
-      ctx.add("all_reduce", tokens * width_out * item, ("tensor",), blocking=True)
+      ctx.add("all_reduce", tokens * width_out * item, ("tensor",), blocking=True,
+              times=_row_reductions(use, ctx.pricer.backend))
       if use.input_grad:
         pr.ag_bwd_bytes = tokens * width_in * item
         pr.ag_bwd = ctx.pricer("all_gather", pr.ag_bwd_bytes, ("tensor",), ctx.dtype)
@@ -84,6 +85,19 @@ def price(ctx) -> None:
     # a stacked dimension over 'tensor': gathered like FSDP
     t_shard = m.size["tensor"]
     ctx.add("all_gather", ctx.grad * t_shard, ("tensor",), blocking=False, times=2)
+
+
+def _row_reductions(use, backend: str) -> int:
+  """All-reduces per use of a row-parallel product's output: one per product that reads the
+  weight as the forward does, so again where jax.checkpoint's backward recomputes the product,
+  unless JAX dropped that recomputation (a checkpointed layer's last product, whose output no
+  gradient needs). llama-1b's FSDP x TP step on a mocked 8-GPU host (module_217552, a scanned
+  and checkpointed layer): 2 all-reduces of [4,2048,2048] per layer in the forward loop and 3
+  in the backward's (the attention output's again, the two column-parallel input gradients),
+  3645 MiB with the fsdp pieces, where one per product priced 2941. Gated on the GPU: XLA:CPU
+  compiles the same (the llama-1b FSDP x TP row on 8 CPU devices: 1408 MiB = 22 x 64 MiB of
+  all-reduce more than priced), but the CPU rows are priced by their own rules."""
+  return use.forward_reads if backend != "cpu" else 1
 
 
 ROLE = Role(

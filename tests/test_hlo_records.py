@@ -144,3 +144,37 @@ def test_a_collective_over_groups_of_one_device_is_not_a_collective():
 
   assert [c.kind for c in compiled([[0], [1], [2], [3]]).collectives()] == []
   assert [c.kind for c in compiled([[0, 1], [2, 3]]).collectives()] == ["all_reduce"]
+
+
+_COMBINED_PERMUTE = """\
+HloModule combined, entry_computation_layout={(f32[1024,256]{1,0}, f32[128,2048]{1,0})->((f32[1024,256]{1,0}, f32[128,2048]{1,0}), (f32[1024,256]{1,0}, f32[128,2048]{1,0}), f32[128,2048]{1,0})}
+
+%async_computation.14 (param_0.2970: f32[1024,256], param_1.3588: f32[128,2048]) -> (f32[1024,256], f32[128,2048]) {
+  %param_0.2970 = f32[1024,256]{1,0} parameter(0)
+  %param_1.3588 = f32[128,2048]{1,0} parameter(1)
+  ROOT %collective-permute.4 = (f32[1024,256]{1,0}, f32[128,2048]{1,0}) collective-permute(%param_0.2970, %param_1.3588), channel_id=78, source_target_pairs={{0,0},{1,1},{4,2},{5,3},{2,4},{3,5},{6,6},{7,7}}
+}
+
+ENTRY %main (p0: f32[1024,256], p1: f32[128,2048]) -> ((f32[1024,256], f32[128,2048]), (f32[1024,256], f32[128,2048]), f32[128,2048]) {
+  %p0 = f32[1024,256]{1,0} parameter(0)
+  %p1 = f32[128,2048]{1,0} parameter(1)
+  %collective-permute-start = ((f32[1024,256]{1,0}, f32[128,2048]{1,0}), (f32[1024,256]{1,0}, f32[128,2048]{1,0})) async-start(%p0, %p1), calls=%async_computation.14
+  %collective-permute-done = (f32[1024,256]{1,0}, f32[128,2048]{1,0}) async-done(%collective-permute-start)
+  %sync = (f32[1024,256]{1,0}, f32[128,2048]{1,0}) collective-permute(%p0, %p1), channel_id=79, source_target_pairs={{0,1},{1,0}}
+  %single = f32[128,2048]{1,0} collective-permute(%p1), channel_id=80, source_target_pairs={{0,1},{1,0}}
+  ROOT %t = ((f32[1024,256]{1,0}, f32[128,2048]{1,0}), (f32[1024,256]{1,0}, f32[128,2048]{1,0}), f32[128,2048]{1,0}) tuple(%collective-permute-done, %sync, %single)
+}
+"""
+
+
+def test_a_combined_collective_permute_moves_every_operand():
+  # XLA:GPU combines the permutes of one set of pairs into one variadic collective-permute, run
+  # through an async-start (the text above is llama_loop's FSDP x TP step on a mocked 8-GPU host,
+  # /work/gpu_dumps/llama_loop/module_44438: the table's gradient half, f32[1024,256], and the
+  # unembedding's piece, f32[128,2048], 1 MiB each). Each device sends both: 2 MiB, where the
+  # first operand alone (1 MiB) was counted. A permute of one operand counts that operand.
+  module = hlo.parse_text(_COMBINED_PERMUTE)
+  got = {c.name: (c.kind, c.nbytes) for c in module.collectives()}
+  both = (1024 * 256 + 128 * 2048) * 4
+  assert got == {"collective-permute-start": ("ppermute", both), "sync": ("ppermute", both),
+                 "single": ("ppermute", 128 * 2048 * 4)}, got

@@ -19,6 +19,7 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import dtenjax
@@ -42,11 +43,17 @@ def _families():
 
 @functools.cache
 def _gpu_plan(family: str, recipe: str):
-  """The plan bench/step_planner.py's gpu part compiles on the GPU machine (batch 64); planned
-  once per family and recipe (the FSDP rows' collectives test reads the memory test's plans)."""
-  step, args = _families().FAMILIES[family](batch=64).make()
-  plan = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h200_8"), recipe=recipe,
-                      memory_budget=1 << 50)
+  """The plan bench/step_planner.py's gpu part compiles on the GPU machine (the families at
+  batch 64, llama-1b as its gpu_rows makes it; recipe "plan": the planner's choice); planned once
+  per family and recipe (the collectives test reads the memory test's plans)."""
+  if family == "llama-1b":
+    sys.path.insert(0, str(_ROOT / "bench"))
+    import _step_models  # pylint: disable=g-import-not-at-top,import-error
+    step, args = _step_models.llama_step("1b", batch=8, seq=2048, remat=True, dtype=jnp.bfloat16)
+  else:
+    step, args = _families().FAMILIES[family](batch=64).make()
+  plan = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h200_8"),
+                      recipe=None if recipe == "plan" else recipe, memory_budget=1 << 50)
   return step, args, plan
 
 
@@ -66,17 +73,23 @@ def test_gpu_memory_is_within_10_percent_of_xla_gpu(row):
   assert abs(predicted - row["mem_mib"]) <= 0.10 * row["mem_mib"], (predicted, row)
 
 
-@pytest.mark.parametrize("row", [r for r in _DATA["rows"] if r["recipe"] in ("FSDP", "FSDP x TP")],
-                         ids=_row_id)
-def test_an_fsdp_plan_for_gpus_prices_the_collectives_xla_gpu_runs(row):
+@pytest.mark.parametrize("row", _DATA["rows"], ids=_row_id)
+def test_a_plan_for_gpus_prices_the_collectives_xla_gpu_runs(row):
   # plan.jit gathers a table read by lookups over fsdp like any FSDP weight, and XLA:GPU looks up
   # the gathered table: an all-gather of the table, no all-reduce of the looked-up rows (priced
   # before as 8 MiB of all-reduce the GPU compile did not have, the table's all-gather missing).
   # Under FSDP x TP the weights outside loops that tensor does not shard (the table, the
-  # unembedding, convnet's kernels) are reduced as shards over the fsdp pairs, the
-  # unembedding's then permuted to its owner: priced before as reduce-scatters of the whole
-  # gradients (8-8.5 MiB where XLA:GPU reduce-scatters 4-4.5, all-reduces 2 MiB more and
-  # permutes 1; convnet: 1.1 MiB of reduce-scatter, XLA:GPU 0.6 of all-reduce)
+  # unembedding, convnet's kernels) are reduced as shards over the fsdp pairs, then permuted
+  # to their owners: priced before as reduce-scatters of the whole gradients (8-8.5 MiB where
+  # XLA:GPU reduce-scatters 4-4.5 and all-reduces 2 MiB more; convnet: 1.1 MiB of
+  # reduce-scatter, XLA:GPU 0.6 of all-reduce). The pieces of a table and of convolutions are
+  # permuted with the unembedding's (a combined permute: llama_loop 2 MiB, where its first
+  # operand's 1 MiB was counted and the unembedding's priced), a table's as its tokens' rows and
+  # ids where smaller (llama-1b FSDP x TP: 94.5 MiB, 62.5 priced); a checkpointed layer's
+  # row-parallel output is all-reduced again where the backward recomputes it (llama-1b FSDP x
+  # TP: 3645 MiB, 2941 priced); a vocabulary-sharded table under fsdp alone gathers its lookup's
+  # cotangent rows and ids and reduce-scatters no table gradient (llama-1b's plan, fsdp 8:
+  # reduce-scatter 301 MiB, 426 priced)
   _, _, plan = _gpu_plan(row["family"], row["recipe"])
   predicted: dict[str, float] = {}
   for key, nb in plan.cost.collective_bytes.items():
@@ -86,8 +99,15 @@ def test_an_fsdp_plan_for_gpus_prices_the_collectives_xla_gpu_runs(row):
   for kind in set(predicted) | set(row["kinds_mib"]):
     want = row["kinds_mib"].get(kind, 0.0)
     got = predicted.get(kind, 0.0)
-    # a kind XLA compiles a few bytes of (the optimizer's step count): at most 1 % of the step's
-    assert abs(got - want) <= (0.10 * want if want else 0.01 * total), (kind, predicted, row)
+    if kind in row.get("first_operand_only", ()):
+      # logged before explain counted a combined permute's every operand: a lower bound
+      assert got >= want, (kind, predicted, row)
+      continue
+    # a kind of a few bytes on both sides (the optimizer's step count, the norms' reduce-scatter
+    # beside convnet's pieces) is not counted, as Check.misses counts none under 1 % of the step
+    if max(got, want) <= 0.01 * total:
+      continue
+    assert abs(got - want) <= 0.10 * want, (kind, predicted, row)
 
 
 def _small_llama_loop():
@@ -243,3 +263,39 @@ def test_llama_1b_fsdp_x_tp_for_gpus_counts_a_calls_in_place_result_once():
   results = [v for v in graph.timeline if v.call_result]
   outputs = {(v.start, v.nbytes) for v in graph.timeline if not v.body}
   assert results and all((v.start, v.nbytes) in outputs for v in results), results
+
+
+def _tensor_all_reduce(plan, step, args) -> tuple[float, float]:
+  """(compiled on this host's CPUs, priced for the GPU fixture) bytes per step of the
+  all-reduces over 'tensor' of an fsdp 2 x tensor 4 plan: the compiled ones over the groups of
+  devices that share an fsdp index, loop trips counted."""
+  from dtenjax._src.planning.check import loop_repeats  # pylint: disable=g-import-not-at-top
+  compiled = plan.jit(step).lower(*args).compile()
+  repeats = loop_repeats(compiled)
+  tensor_groups = {(0, 1, 2, 3), (4, 5, 6, 7)}
+  got = sum(c.nbytes * repeats(c.computation) for c in dtenjax.explain(compiled).collectives
+            if c.kind == "all_reduce" and {tuple(sorted(g)) for g in c.groups} == tensor_groups)
+  gpu = dtenjax.plan(step, *args, recipe="FSDP x TP", topology=dtenjax.Topology.fixture("h200_8"))
+  assert gpu.mesh_shape == plan.mesh_shape == (1, 1, 2, 1, 1, 4)
+  return got, gpu.cost.collective_bytes["all_reduce[tensor]"]
+
+
+def test_a_checkpointed_row_parallel_output_is_all_reduced_again_on_gpus():
+  # jax.checkpoint's backward recomputes a layer's forward up to what its gradients read: the
+  # attention's row-parallel output (the MLP's input reads it) is all-reduced again in the
+  # backward's loop, the MLP's (the layer's output, which no gradient reads) is not: JAX drops
+  # that product. XLA:GPU's llama-1b FSDP x TP step (module_217552): 2 all-reduces of
+  # [4,2048,2048] per layer in the forward loop, 3 in the backward's. XLA:CPU partitions the
+  # step alike: the checkpointed Llama's compiled all-reduces over 'tensor' exceed the
+  # unchecked one's by one [batch / fsdp, seq, d] per layer, which the GPU plan prices (before:
+  # the same for both)
+  sys.path.insert(0, str(_ROOT / "bench"))
+  import _step_models  # pylint: disable=g-import-not-at-top,import-error
+  compiled, priced = {}, {}
+  for remat in (False, True):
+    step, args = _step_models.llama_step("tiny", batch=8, seq=64, remat=remat, dtype=jnp.float32)
+    plan = dtenjax.plan(step, *args, recipe="FSDP x TP")
+    compiled[remat], priced[remat] = _tensor_all_reduce(plan, step, args)
+  layers, per_layer = 2, 8 // 2 * 64 * 128 * 4
+  assert compiled[True] - compiled[False] == layers * per_layer, compiled
+  assert priced[True] - priced[False] == pytest.approx(layers * per_layer), priced

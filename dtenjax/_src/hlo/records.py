@@ -292,7 +292,8 @@ class Module:
     return Collective(
         kind=COLLECTIVE_KINDS[base], name=ins.name, computation=ins.computation,
         operand_shapes=shapes, result_shape=inner.shape,
-        nbytes=collective_bytes(base, shapes, inner.replica_groups or (), self.group_size(inner)),
+        nbytes=collective_bytes(base, shapes, inner.replica_groups or (), self.group_size(inner),
+                                result=inner.shape),
         replica_groups=inner.replica_groups or (), group_form=inner.group_form,
         source_target_pairs=inner.source_target_pairs, channel_id=inner.channel_id,
         use_global_device_ids=inner.use_global_device_ids, done=done_of.get(ins.name, ""),
@@ -349,18 +350,35 @@ class Module:
     return tuple(tuple(dev(r, p) for r in g) for p in range(parts) for g in groups)
 
 
-def collective_bytes(op: str, operand_shapes: Sequence[Shape], groups, group_size: int) -> int:
+def collective_bytes(op: str, operand_shapes: Sequence[Shape], groups, group_size: int,
+                     result: Shape | None = None) -> int:
   """Bytes per participant of a collective: what each device contributes or receives in full.
 
   all-reduce, reduce-scatter, all-to-all, collective-broadcast: the operands (for reduce-scatter
   the whole buffer before scattering); all-gather: the gathered result, operands x group size;
   collective-permute and ragged-all-to-all: the first operand (the others are offsets or the
-  output buffer of in-place forms).
+  output buffer of in-place forms), every operand of a combined collective-permute
+  (:func:`_combined_permute`).
   """
   del groups
+  if op == "collective-permute" and _combined_permute(operand_shapes, result):
+    return sum(s.nbytes for s in operand_shapes)
   if op in ("collective-permute", "ragged-all-to-all"):
     return operand_shapes[0].nbytes if operand_shapes else 0
   total = sum(s.nbytes for s in operand_shapes)
   if op == "all-gather":
     return total * max(group_size, 1)
   return total
+
+
+def _combined_permute(operand_shapes: Sequence[Shape], result: Shape | None) -> bool:
+  """Whether a collective-permute moves all its operands: XLA:GPU combines the permutes of one
+  set of pairs into one variadic op whose result is a tuple of its operands' shapes (llama_loop's
+  FSDP x TP step on a mocked 8-GPU host: ``(f32[1024,256], f32[128,2048]) collective-permute``,
+  the table's and the unembedding's gradient pieces), where the in-place form's result is its
+  output buffer alone. Its ``-start`` form returns that tuple as its first element."""
+  if result is None or not result.is_tuple or len(operand_shapes) < 2:
+    return False
+  operands = tuple(operand_shapes)
+  first = result.elements[0] if result.elements else None
+  return result.elements == operands or (first is not None and first.elements == operands)

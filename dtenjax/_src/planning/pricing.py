@@ -171,7 +171,7 @@ def _reduced_in_tensor_pairs(graph: stepgraph.StepGraph, primary: stepgraph.Leaf
   gradient is a [1024, 32000] product per device, all-reduced over the fsdp pair and then
   moved to its owner by a collective-permute; the table's all-reduced likewise; every FSDP x TP
   row of the recorded runs reduce-scatters 4-4.5 MiB where 8-8.5 were priced, all-reduces 2
-  MiB more and permutes 1 MiB)."""
+  MiB more and permutes 2 MiB, the table's piece and the unembedding's in one combined op)."""
   fsdp = math.prod(m.size[a] for a in zero)
   tensor = m.size["tensor"]
   if tensor < 2 or "tensor" in used or tensor % fsdp:
@@ -183,14 +183,35 @@ def _reduced_in_tensor_pairs(graph: stepgraph.StepGraph, primary: stepgraph.Leaf
 
 def _price_pair_reduction(ctx: PriceContext, zero: list[str]) -> None:
   """The collectives of :func:`_reduced_in_tensor_pairs`: the gradient's shard all-reduced
-  over the FSDP axes and, for a matrix product's weight, sent to the device that holds it (a
-  collective-permute). A table's scatter and a convolution's kernel gradient land on their
-  owners (convnet's FSDP x TP step on XLA:GPU: 0.6 MiB of all-reduce, no reduce-scatter, no
-  permute)."""
+  over the FSDP axes and sent to the device that holds it (a collective-permute), for a
+  product's weight, a convolution's kernel and a looked-up table alike (the combined permutes
+  of the mocked 8-GPU host's FSDP x TP steps: llama_loop's table half and unembedding piece, 1
+  MiB each; convnet's eight kernel pieces, 0.567 MiB; moe's table, routers and unembedding).
+  A table's lookups are partitioned one by one, each reducing and moving its own piece, or
+  its tokens' cotangent rows and their int32 ids where those are smaller
+  (:func:`_moved_table_rows`)."""
   shard = ctx.grad / math.prod(ctx.m.size[a] for a in zero)
-  ctx.add("all_reduce", shard, zero, blocking=False)
-  if ctx.use is not None and ctx.use.primitive == "dot_general":
-    ctx.add("ppermute", shard, zero + ["tensor"], blocking=False)
+  moved = _moved_table_rows(ctx, shard) if ctx.use is None else [shard]
+  ctx.add("all_reduce", shard, zero, blocking=False, times=len(moved))
+  for nbytes in moved:
+    ctx.add("ppermute", nbytes, zero + ["tensor"], blocking=False)
+
+
+def _moved_table_rows(ctx: PriceContext, shard: float) -> list[float]:
+  """The bytes per device XLA:GPU permutes for each lookup of a table whose gradient is reduced
+  in pairs (:func:`_price_pair_reduction`): the table's shard, or, where they are smaller, the
+  cotangent rows of the tokens an FSDP group looks up with their int32 ids, which XLA:GPU moves
+  so that each tensor pair holds every token of its table shard and scatters them there
+  (llama-1b's FSDP x TP step, module_217552: bf16[4,2048,2048] rows and s32[4,2048,1] ids
+  permuted, 32.03 MiB, against a 62.5 MiB half table; the half table's all-reduce is
+  unchanged). The encoder-decoder's table, looked up for the source and the target tokens, is
+  all-reduced as two halves (its FSDP x TP step: 45 MiB of all-reduce compiled, 44 with one)."""
+  lookup = ctx.graph.lookups.get(ctx.primary.index)
+  if lookup is None:
+    return [shard]
+  indexed, _, each = lookup
+  row = ctx.primary.nbytes / max(1, math.prod(ctx.primary.shape[k] for k in indexed))
+  return [min(shard, rows / ctx.batch_div * (1 + 4 / row)) for rows in each]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,26 +243,32 @@ def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: d
     and scatters into the shard; else each device scatters its tokens into a whole table, which
     is all-reduced ("index passthrough"). Each lookup is partitioned on its own.
 
-  Priced on XLA:CPU (measured there: FSDP rows), and beside a ``tensor`` axis for a table it
-  replicates, sharded on its features (:func:`_lookup_pieces_over_tensor`); XLA:CPU's other
-  forms beside ``tensor`` are :func:`_table_scatter`'s (a vocab-parallel table) and
-  :func:`_spread_reduction`'s (a table sharded on its vocabulary), and on other backends the
-  whole gradient is reduced."""
+  Priced on XLA:CPU (measured there: FSDP rows, and beside a ``tensor`` axis for a table it
+  replicates, sharded on its features: :func:`_lookup_pieces_over_tensor`), and on XLA:GPU for
+  the vocabulary-sharded table on meshes without a ``tensor`` axis (its partitioner is the same:
+  llama-1b's `fsdp` 8 plans on a mocked 8-GPU host, module_171787 and module_202297, all-gather
+  the lookup's cotangent rows, bf16[8,2048,2048], and its s32[8,2048] ids, 64.06 MiB, and
+  reduce-scatter no table gradient, where the families' 4 MiB of rows against a 2 MiB table
+  reduce-scatter it). XLA:CPU's other forms beside ``tensor`` are :func:`_table_scatter`'s (a
+  vocab-parallel table) and :func:`_spread_reduction`'s (a table sharded on its vocabulary),
+  XLA:GPU's :func:`_reduced_in_tensor_pairs`'; elsewhere the whole gradient is reduced."""
   lookup = graph.lookups.get(primary.index)
   zero = [a for a in BATCH_AXES if a in used and m.size[a] > 1 and a not in ROUTED_AXES]
-  if lookup is None or not zero or backend != "cpu":
+  if lookup is None or not zero or (backend != "cpu" and m.size["tensor"] > 1):
     return LookupGradient()
   indexed, _, each = lookup
+  vocabulary = any(used[a] in indexed for a in zero)
+  if backend != "cpu" and not vocabulary:      # the feature-sharded table: seen on XLA:CPU only
+    return LookupGradient()
   rest = math.prod(m.size[a] for a in BATCH_AXES if m.size[a] > 1 and a not in zero)
   local = rest * math.prod(m.size[a] for a in zero)
   row = primary.nbytes / max(1, math.prod(primary.shape[k] for k in indexed))
   ids = [rows / row * 4 for rows in each]            # int32 token ids of each lookup
-  features = not any(used[a] in indexed for a in zero)
   if m.size["tensor"] > 1:
-    if not features or "tensor" in used:
+    if vocabulary or "tensor" in used:
       return LookupGradient()
     return _lookup_pieces_over_tensor(primary, m, zero, sum(each) / local, sum(ids) / local)
-  if features:
+  if not vocabulary:
     return LookupGradient(all_gather=sum(ids) / rest, all_to_all=sum(each) / local, whole=False)
   small = [(rows, i) for rows, i in zip(each, ids) if rows + i <= primary.nbytes]
   return LookupGradient(all_gather=sum(rows + i for rows, i in small) / rest,
@@ -322,13 +349,16 @@ def _lookup_parts(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, scatter: 
   all-reduced before they are added; compiled: the encoder-decoder's source and target lookups
   into one table, 24.0 MiB of all-reduce on its DP and FSDP rows where one reduction priced
   22.0, and under FSDP x TP two pieces all-reduced and two permutes where one was priced, on 8
-  to 64 CPU devices), none where each is made in the table's shard. XLA's GPU compiler: one (not
-  seen compiled with several lookups)."""
+  to 64 CPU devices), none where each is made in the table's shard (on both backends:
+  :func:`lookup_gradient`). XLA's GPU compiler otherwise: one (not seen compiled with several
+  lookups)."""
   lookup = graph.lookups.get(primary.index)
-  if lookup is None or backend != "cpu":
+  if lookup is None:
     return 1
   if not scatter.whole:
     return 0
+  if backend != "cpu":
+    return 1
   return len(lookup[2]) if scatter.whole_lookups is None else scatter.whole_lookups
 
 

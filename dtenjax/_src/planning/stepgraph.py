@@ -201,12 +201,12 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     # a gradient's product has the weight's shape (or its transpose): it splits like the reads
     has_grad = (shape in reader.shape_flops or tuple(reversed(shape)) in reader.shape_flops)
     reads = reader.leaf_flops.get(leaf, 0.0)
+    parts = _grad_parts(use, reader.leaf_reads.get(leaf, 1), leaf in reader.remat_read)
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
                                         remat=leaf in reader.remat_read,
                                         forward_reads=pairs_mod.forward_reads(reader, leaf),
                                         siblings=readers.get(reader.partner.get(leaf), 1),
-                                        grad_parts=_grad_parts(use, reader.leaf_reads.get(leaf, 1),
-                                                               leaf in reader.remat_read))
+                                        grad_parts=parts)
   groups: dict[int, list[int]] = {}
   for leaf in leaves:
     if not leaf.is_batch:

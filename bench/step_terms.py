@@ -316,7 +316,7 @@ def main(argv=None) -> int:
                          title="the calibration's measurements at other sizes"), flush=True)
     _write(args, argv, probes, notes)
   rows = []
-  for name in filter(None, args.families.split(",")):
+  for name in _harness.progress(list(filter(None, args.families.split(","))), "families"):
     rows += family_rows(name, args.iters, calibrated)
     print(_harness.table([r for r in rows if r["family"] == name], COLUMNS,
                          title=f"{name}: ms per step, measured and predicted"), flush=True)

@@ -267,8 +267,8 @@ def test_state_has_params_sharding_in_local_mode(mesh):
 def test_public_surface():
   assert set(compression.__all__) == {
       "CompressionPlan", "LeafPlan", "TopKConfig", "TopKEFState", "compressed_all_reduce",
-      "compression_plan", "exact_topk", "init_state", "pack", "pvary", "sample_threshold", "select",
-      "state_specs", "topk_ef"}
+      "compression_plan", "exact_topk", "init_state", "num_selected", "pack", "pvary",
+      "sample_threshold", "select", "state_specs", "topk_ef"}
   assert compression.topk_ef is comp_impl.topk_ef
 
 

@@ -233,7 +233,7 @@ def test_dtenjax_launch_says_what_it_checked_and_runs_the_job(tmp_path):
   r = subprocess.run([sys.executable, "-m", "dtenjax", "launch", "--nprocs", "2", "--min-nprocs",
                       "3", str(script)], env=env, capture_output=True, text=True, timeout=120,
                      check=False)
-  assert r.returncode == 1 and "min_nprocs=3 must be an int in [1, nprocs=2]" in r.stderr
+  assert r.returncode == 2 and "--min-nprocs 3: more than --nprocs 2; give at most 2" in r.stderr
 
 
 GROW = """

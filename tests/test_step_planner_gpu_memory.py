@@ -48,7 +48,7 @@ def _gpu_plan(family: str, recipe: str):
   per family and recipe (the collectives test reads the memory test's plans)."""
   if family == "llama-1b":
     sys.path.insert(0, str(_ROOT / "bench"))
-    import _step_models  # pylint: disable=g-import-not-at-top,import-error
+    import _step_models
     step, args = _step_models.llama_step("1b", batch=8, seq=2048, remat=True, dtype=jnp.bfloat16)
   else:
     step, args = _families().FAMILIES[family](batch=64).make()
@@ -269,7 +269,7 @@ def _tensor_all_reduce(plan, step, args) -> tuple[float, float]:
   """(compiled on this host's CPUs, priced for the GPU fixture) bytes per step of the
   all-reduces over 'tensor' of an fsdp 2 x tensor 4 plan: the compiled ones over the groups of
   devices that share an fsdp index, loop trips counted."""
-  from dtenjax._src.planning.check import loop_repeats  # pylint: disable=g-import-not-at-top
+  from dtenjax._src.planning.check import loop_repeats
   compiled = plan.jit(step).lower(*args).compile()
   repeats = loop_repeats(compiled)
   tensor_groups = {(0, 1, 2, 3), (4, 5, 6, 7)}
@@ -290,7 +290,7 @@ def test_a_checkpointed_row_parallel_output_is_all_reduced_again_on_gpus():
   # unchecked one's by one [batch / fsdp, seq, d] per layer, which the GPU plan prices (before:
   # the same for both)
   sys.path.insert(0, str(_ROOT / "bench"))
-  import _step_models  # pylint: disable=g-import-not-at-top,import-error
+  import _step_models
   compiled, priced = {}, {}
   for remat in (False, True):
     step, args = _step_models.llama_step("tiny", batch=8, seq=64, remat=remat, dtype=jnp.float32)

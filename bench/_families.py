@@ -29,6 +29,7 @@ The recipes (:func:`recipe`), plain ``jax.jit`` with ``NamedSharding``s:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -477,11 +478,14 @@ def real_args(family: Family, seed: int = 0):
   del step
   leaves, tree = jax.tree.flatten(params)
 
+  sizes = [math.prod(leaf.shape) for leaf in leaves]
+
   @jax.jit
-  def init(key):   # one program: eager draws compiled a program per leaf shape
-    keys = jax.random.split(key, len(leaves))
-    p = jax.tree.unflatten(tree, [0.02 * jax.random.normal(k, l.shape, l.dtype)
-                                  for k, l in zip(keys, leaves)])
+  def init(key):   # one program and one draw (a draw per leaf compiled a generator per leaf)
+    flat = 0.02 * jax.random.normal(key, (sum(sizes),), jnp.float32)
+    ends = list(itertools.accumulate(sizes))
+    p = jax.tree.unflatten(tree, [flat[e - n:e].reshape(leaf.shape).astype(leaf.dtype)
+                                  for leaf, n, e in zip(leaves, sizes, ends)])
     return p, optax.adamw(1e-3).init(p)
 
   params, opt = init(jax.random.key(seed))

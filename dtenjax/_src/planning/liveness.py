@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dtenjax._src import jaxapi
+from dtenjax._src.planning import heapslot
 from dtenjax._src.planning.jaxpr_reader import CALLS
 from dtenjax._src.planning.jaxpr_reader import CUSTOM_DERIVATIVE_CALLS
 from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
@@ -99,6 +100,10 @@ class Live:
   # equation on XLA:GPU (the later start moved its compiled rows of
   # tests/data/xla_gpu_mock8.json further under: moe FSDP -2.3 % -> -6.4 %); None where they agree
   gpu_start: int | None = None
+  # not a value: the fourth heap slot XLA:CPU may give a sliced loss's vocabulary chain, one
+  # buffer of the slice's size beside the pad's (heapslot.Slot: what decides it per layout);
+  # the solver prices it on the CPU only, where heapslot.holds_a_fourth says so
+  slot: heapslot.Slot | None = None
 
   def made_on_cpu(self, batch_div: float, gathered_per_use: Collection[int]) -> bool:
     """Whether XLA:CPU makes this value where the batch is split ``batch_div`` ways: a reducing
@@ -119,6 +124,12 @@ class _Copy:
 class _Expanded:
   """The value ``of`` broadcast to the shape of a reducing fusion that reads it, one buffer
   (:func:`_expanded_operands`)."""
+  of: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Slot:
+  """The heap slot beside the vocabulary chain whose sliced value is ``of`` (heapslot)."""
   of: Any
 
 
@@ -147,6 +158,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
               gpu_ends=gpu_ends, expanded_rows=expanded_rows, call_results=call_results,
               gpu_starts=gpu_starts)
+  slots = _heap_slots(jaxpr, state_shapes, lives)
   folded = _folded_transposes(jaxpr)
   gemms = _gemms(jaxpr)
   owners: dict[Any, int] = {}
@@ -162,7 +174,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
     for v in cone:
       cone_keys.setdefault(v, []).append(key)
   def owners(v):
-    v = v.of if isinstance(v, (_Copy, _Again)) else v
+    v = v.of if isinstance(v, (_Copy, _Again, _Slot)) else v
     return tuple(cone_keys.get(v, ())) if v is not None else ()
   def live(v, start, end, nb, grad, body) -> Live:
     expands, expands_leaf = expanded_rows.get(v, (0, None))
@@ -172,9 +184,28 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
                 gpu_end=gpu_ends.get(v) if gpu_ends.get(v, end) != end else None,
                 folded=v in folded, expands=expands, expands_leaf=expands_leaf, gemm=gemm,
                 gemm_sum_at=gemm_sum_at, call_result=body and v in call_results,
-                gpu_start=gpu_starts.get(v))
+                gpu_start=gpu_starts.get(v), slot=slots.get(v))
   timeline = tuple(live(*entry) for entry in lives)
   return int(act), act_share, timeline
+
+
+def _heap_slots(jaxpr, state_shapes: set, lives: list) -> dict[Any, heapslot.Slot]:
+  """Appends to ``lives`` a slot entry per vocabulary chain of ``jaxpr`` (heapslot.find) whose
+  pad the timeline holds: the sliced value's bytes, live with the pad's buffer; returns each
+  entry's value -> its heapslot.Slot (the timeline's indices of the chain's products)."""
+  index = {id(entry[0]): k for k, entry in enumerate(lives) if not entry[5]}
+  out: dict[Any, heapslot.Slot] = {}
+  for chain in heapslot.find(jaxpr, state_shapes):
+    pad = index.get(id(chain.padded))
+    if pad is None:
+      continue
+    v = _Slot(chain.sliced)
+    _, start, end, *_ = lives[pad]
+    out[v] = heapslot.Slot(pad, index.get(id(chain.input_grad)),
+                           index.get(id(chain.weight_grad)), chain.weight_leaf,
+                           chain.frees_operand)
+    lives.append((v, start, end, nbytes(chain.sliced.aval), None, False))
+  return out
 
 
 def _peak(jaxpr, batch_vars: set, excluded_shapes: set,

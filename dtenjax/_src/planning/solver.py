@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtenjax._src.planning import heapslot
 from dtenjax._src.planning import roles
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning.candidates import CandidateMesh
@@ -218,6 +219,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       outputs.extend(graph.leaves[i].nbytes / shards for i in g)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
+  slots: list[tuple[float, stepgraph.Live]] = []
+  sized: dict[int, float] = {}           # id of a timeline value -> its bytes per device
   for v in graph.timeline:
     # XLA:CPU's transposed operand copies (a GPU's kernels need none), the results of ops
     # only XLA:CPU counts expensive (XLA:GPU recomputes them in each user's fusion) and a call's
@@ -245,7 +248,11 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         values.append((split, dataclasses.replace(v, end=summed, grad=None, gpu_end=None)))
       elif split:                          # the parts are the result until its last use
         nb = max(nb, split)
-    if v.body:           # a loop body's values at its peak, each sized, placed as one block
+    sized[id(v)] = nb
+    if v.slot is not None:   # the vocabulary chain's fourth heap slot, decided once placed
+      if cpu:
+        slots.append((nb, v))
+    elif v.body:         # a loop body's values at its peak, each sized, placed as one block
       total, first = bodies.get(v.start, (0.0, v))
       bodies[v.start] = (total + nb, first)
     elif nb > 0:
@@ -268,6 +275,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         break
     if not placed:
       temp.append((nb, v))
+  temp.extend(slot for slot in slots if _fourth_slot(slot, graph, temp, sized, bdiv,
+                                                     gathered_per_use))
   events: dict[int, list[tuple[float, float]]] = {}
   for nb, v in temp:
     is_grad = v.grad is not None
@@ -345,6 +354,37 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict, reduced: float
   after = max(ends) + 1          # the reduction runs once the last gradient has been made
   events.setdefault(after, []).append((0.0, reduced, -gathered))
   events.setdefault(after + 1, []).append((0.0, -reduced, 0.0))
+
+
+def _fourth_slot(slot: tuple[float, stepgraph.Live], graph: stepgraph.StepGraph,
+                 temp: list[tuple[float, stepgraph.Live]], sized: dict[int, float], bdiv: int,
+                 gathered_per_use: set[int]) -> bool:
+  """Whether XLA:CPU's heap gives a sliced loss's vocabulary chain a fourth slot on this
+  layout (heapslot.holds_a_fourth), read from the values placed in the temporary buffer
+  (``temp``; a value placed in an output's buffer is not the heap's): the chain's pad is a heap
+  buffer; no larger heap value starts or ends while the pad is live (kSpatial places the larger
+  first, and one live before and after only moves the chain's base); whether the input
+  gradient's result and the weight's gradient are the heap's; whether the weight is gathered
+  per use (its gathered copy freed by the input gradient's product) and the weight gradient's
+  product reads its operand last (heapslot.Chain.frees_operand). A whole gradient a batch axis
+  reduces (DP's) is the all-reduce's operand, a heap buffer, wherever the placement put it."""
+  _, v = slot
+  s = v.slot
+  pad = graph.timeline[s.pad]
+  on_heap = {id(w) for _, w in temp}
+  if id(pad) not in on_heap:
+    return False
+  size = sized[id(pad)]
+  for nb, w in temp:         # kSpatial places the chain first: its buffers the largest there,
+    if (nb > size * (1 + 1e-9) and w.start <= pad.end and w.end >= pad.start and
+        (w.start >= pad.start or w.end <= pad.end)):
+      return False           # but for larger values live all along (they only move its base)
+  def allocated(k: int | None) -> bool:
+    return k is not None and id(graph.timeline[k]) in on_heap
+  gathered = s.weight_leaf in gathered_per_use
+  whole_reduced = bdiv > 1 and s.weight_grad is not None and not gathered
+  return heapslot.holds_a_fourth(allocated(s.input_grad), gathered,
+                                 allocated(s.weight_grad) or whole_reduced, s.frees_operand)
 
 
 def _end(v: stepgraph.Live, cpu: bool) -> int:

@@ -19,13 +19,22 @@ the heap allocates (a result written into an output's buffer is not the heap's) 
 ``f_w`` the heap buffers they free (a weight gathered for the input gradient's product; the
 activation the weight gradient's product reads last). When ``B`` is placed first (``B`` >= ``C``,
 ties to ``B``, the lower id) and ``C`` before ``P`` (``C`` > ``P``, ties to ``P``), ``B`` shares
-``L``'s slot, ``C`` the next, ``P`` the third; ``E`` (live with ``L`` only) takes ``C``'s and
-``G`` (live with ``E``, ``B`` and ``P``) finds no free slot of the three: a fourth. Otherwise
-``G`` shares a slot and the chain fits in three. Read from the buffer assignments of XLA:CPU's
-compiles (tests/test_step_planner_heap.py), this holds on every compile read: a fourth slot on
-GPT-2 and Llama 1B under TP and FSDP x TP (8-32 devices) and the small GPT-2 under TP; three on
-GPT-2 under DP and with a tensor-sharded table (its whole gradient a heap buffer), and on a
-Llama-shaped step whose input gradient is written into an output's buffer.
+``L``'s slot, ``C`` the next, ``P`` the third. Of the three smaller buffers, ``E`` (live with
+``L`` only) and ``G`` (live with ``E``, then with ``B`` and ``P``) are placed by their own
+intervals: where ``E`` goes first it takes ``C``'s slot and ``G`` finds no free slot of the
+three: a fourth. Where ``G`` goes first it takes ``C``'s slot (``C`` starts after it ends), ``E``
+then ``P``'s, and the chain fits in three. Both span 3 ticks (ties to ``E``, the lower id) unless
+a heap value is allocated between them (``E`` + 1: Llama 1B FSDP x TP's loss scalar) or the
+labels' scatter frees a heap buffer besides the softmax's gradient (``G`` + 1: its updates,
+where XLA did not pack them into an output's buffer). Those are single values of a few bytes the
+model does not see; it assumes ``E`` first, as on every TP compile read, so
+:func:`holds_a_fourth` is the ``B`` / ``C`` / ``P`` half, a necessary condition. Read from
+XLA's own intervals and placement order (``TF_CPP_VMODULE=heap_simulator=2``; docs/benchmarks.md,
+lossheap7): a fourth slot on GPT-2 and Llama 1B under TP (8-32 devices), Llama 1B under FSDP x TP
+on 16 devices and the small GPT-2 under TP; three on GPT-2 under FSDP x TP on 8 (``B``, ``C``,
+``P`` as above, but ``G`` 4 ticks to ``E``'s 3), on GPT-2 under DP and with a tensor-sharded table
+(its whole gradient a heap buffer), and on a Llama-shaped step whose input gradient is written
+into an output's buffer.
 
 :func:`find` marks the chain in a step's top-level jaxpr; :func:`holds_a_fourth` decides the
 slot per layout from the solver's placement of the two products' results.
@@ -110,7 +119,7 @@ def find(jaxpr, state_shapes: set) -> list[Chain]:
 def holds_a_fourth(a_in: bool, f_in: bool, a_w: bool, f_w: bool) -> bool:
   """Whether kSpatial places the chain in four slots, from the clock's ticks of ``B``
   (4 + a_in + f_in), ``C`` (3 + a_in + f_in + a_w + f_w) and ``P`` (4): ``B`` before ``C`` and
-  ``C`` before ``P`` (see the module's docstring)."""
+  ``C`` before ``P``; ``E`` before ``G`` is assumed (see the module's docstring)."""
   b, c = 4 + a_in + f_in, 3 + a_in + f_in + a_w + f_w
   return b >= c and c > 4
 

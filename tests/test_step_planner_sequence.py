@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import dtenjax
 from dtenjax._src.planning import stepgraph
+from tests import compile_only
 
 VOCAB, D, HEADS, FFN, LAYERS = 128, 64, 2, 128, 2
 
@@ -159,7 +160,7 @@ def test_beside_fsdp_and_under_remat_the_prediction_holds():
   p = dtenjax.plan(step, *args, mesh={"fsdp": 2, "sequence": 4},
                    pinned=(jax.tree_util.tree_map_with_path(pin, args[0]), None, None))
   assert "fsdp" in str(p.leaves[0].spec)
-  check = p.check(step, *args)
+  check = p.check(step, *args, compiler_options=compile_only.LLVM_O0)
   for kind in ("all_gather", "all_reduce"):
     assert check.kind_errors[kind] <= 0.10, check
   assert check.memory_error <= 0.10, check

@@ -130,7 +130,7 @@ def expert_plan():
   parallelism and DP on the same mesh, compiled by plain jax.jit."""
   step, args = moe()
   plan = dtenjax.plan(step, *args, mesh={"data": 2, "expert": 4})
-  compiled = plan.jit(step).lower(*args).compile()
+  compiled = plan.jit(step).lower(*args).compile(compile_only.LLVM_O0)   # run for values too
   mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "expert"))
   hand = {name: fn.lower(*a).compile(compile_only.LLVM_O0) for name, (fn, a) in
           {"EP": _by_hand(mesh, True), "DP": _by_hand(mesh, False)}.items()}
@@ -248,7 +248,7 @@ def test_plan_jit_with_experts_gives_the_values_of_plain_jit(expert_plan):
   normal = lambda a, scale: np.asarray(scale * rng.standard_normal(a.shape), a.dtype)
   params = {k: normal(a, 0.1) for k, a in sorted(args[0].items())}
   opt, x = jax.jit(_TX.init)(params), normal(args[2], 1.0)
-  want = jax.jit(step)(params, opt, x)
+  want = jax.jit(step, compiler_options=compile_only.LLVM_O0)(params, opt, x)
   got = compiled(*plan.shard(params, opt, x))          # plan.jit's program, compiled above
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                        rtol=2e-5, atol=2e-6), want, got)

@@ -26,6 +26,7 @@ import dtenjax
 from dtenjax._src import jaxapi
 from dtenjax._src.planning import solver
 from dtenjax._src.planning import stepgraph
+from tests import compile_only
 from tests import helpers
 
 pytestmark = helpers.one_worker(__name__)    # its cached GPU plans, made once
@@ -264,9 +265,11 @@ def test_llama_1b_fsdp_x_tp_for_gpus_counts_a_calls_in_place_result_once():
 def _tensor_all_reduce(plan, step, args) -> tuple[float, float]:
   """(compiled on this host's CPUs, priced for the GPU fixture) bytes per step of the
   all-reduces over 'tensor' of an fsdp 2 x tensor 4 plan: the compiled ones over the groups of
-  devices that share an fsdp index, loop trips counted."""
+  devices that share an fsdp index, loop trips counted. Compiled as
+  tests/test_step_planner_memory.py's check of the same plan compiles it (the run's compile cache
+  then holds one program for both files)."""
   from dtenjax._src.planning.check import loop_repeats
-  compiled = plan.jit(step).lower(*args).compile()
+  compiled = plan.jit(step).lower(*args).compile(compile_only.USERS_PROGRAM)
   repeats = loop_repeats(compiled)
   tensor_groups = {(0, 1, 2, 3), (4, 5, 6, 7)}
   got = sum(c.nbytes * repeats(c.computation) for c in dtenjax.explain(compiled).collectives
@@ -284,14 +287,16 @@ def test_a_checkpointed_row_parallel_output_is_all_reduced_again_on_gpus():
   # [4,2048,2048] per layer in the forward loop, 3 in the backward's. XLA:CPU partitions the
   # step alike: the checkpointed Llama's compiled all-reduces over 'tensor' exceed the
   # unchecked one's by one [batch / fsdp, seq, d] per layer, which the GPU plan prices (before:
-  # the same for both)
+  # the same for both). The "small" Llama (4 layers, d 256) whose CPU plan
+  # test_step_planner_memory.py checks against the same two programs.
   sys.path.insert(0, str(_ROOT / "bench"))
   import _step_models
   compiled, priced = {}, {}
   for remat in (False, True):
-    step, args = _step_models.llama_step("tiny", batch=8, seq=64, remat=remat, dtype=jnp.float32)
+    step, args = _step_models.llama_step("small", batch=8, seq=64, remat=remat,
+                                         dtype=jnp.float32)
     plan = dtenjax.plan(step, *args, recipe="FSDP x TP")
     compiled[remat], priced[remat] = _tensor_all_reduce(plan, step, args)
-  layers, per_layer = 2, 8 // 2 * 64 * 128 * 4
+  layers, per_layer = 4, 8 // 2 * 64 * 256 * 4
   assert compiled[True] - compiled[False] == layers * per_layer, compiled
   assert priced[True] - priced[False] == pytest.approx(layers * per_layer), priced

@@ -5,6 +5,7 @@ the layer's slice, as MaxText does). Compile only: abstract arguments, nothing r
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 import dtenjax
 from dtenjax._src import hlo
 from dtenjax._src import jaxapi
-from tests.helpers import DEFAULT_CPU_EMITTERS as EMITTERS  # memory of the program users get
+from tests.compile_only import USERS_PROGRAM as EMITTERS  # the program users get, compiled only
+from tests.helpers import DEFAULT_CPU_EMITTERS
 from dtenjax._src.planning import check as check_lib
 from dtenjax._src.planning import explain as explain_lib
 from dtenjax._src.planning import stepgraph
@@ -547,6 +549,31 @@ def test_a_kernel_tensor_replicates_is_priced_as_before_for_the_gpu():
   # layer, is still priced as gathered, and nothing of the k and v kernels' backward
   _, _, plan = _kv_replicated("small", {"tensor": 8}, P(), dtenjax.Topology.fixture("h200_8"))
   assert plan.cost.collective_bytes["all_gather[tensor]"] == 4 * 8 * 64 * 256 * 4
+
+
+def _structure(exe) -> str:
+  """The compiled HLO text without source locations (a program loaded from the run's compile cache
+  keeps those of the trace that compiled it first)."""
+  tables = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+  blocks = [b for b in exe.as_text().split("\n\n") if b.split("\n", 1)[0] not in tables]
+  return re.sub(r", metadata=\{[^}]*\}", "", "\n\n".join(blocks))
+
+
+def test_llvm_unoptimised_compiles_the_same_hlo_and_memory():
+  # The checks here compile with LLVM's code generation unoptimised (tests/compile_only.py: 30 %
+  # less CPU for this file): what they read, the optimised HLO and the buffer assignment's
+  # memory, is made before LLVM. If an XLA made an HLO pass depend on the level, this fails: drop
+  # the option then. FSDP x TP has every kind of collective the file reads, and loop-free fusions.
+  step, args = _small_family("llama_loop")
+  lowered = dtenjax.plan(step, *args, recipe="FSDP x TP").jit(step).lower(*args)
+  users, ours = lowered.compile(DEFAULT_CPU_EMITTERS), lowered.compile(EMITTERS)
+  assert EMITTERS != DEFAULT_CPU_EMITTERS
+  assert _structure(users) == _structure(ours)
+  assert "all-gather" in _structure(ours) and "collective-permute" in _structure(ours)
+  read = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+          "temp_size_in_bytes")    # what the checks read of memory_analysis()
+  assert [getattr(users.memory_analysis(), k) for k in read] == [
+      getattr(ours.memory_analysis(), k) for k in read]
 
 
 def test_check_misses_a_kind_off_by_more_than_ten_percent():

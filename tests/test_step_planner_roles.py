@@ -22,6 +22,7 @@ from dtenjax._src.planning import explain as explain_lib
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning.check import loop_repeats
 from dtenjax._src.planning.roles import expert as expert_role
+from tests import compile_only
 from tests import helpers
 
 pytestmark = helpers.one_worker(__name__)    # its planned expert step, made once
@@ -129,9 +130,9 @@ def expert_plan():
   parallelism and DP on the same mesh, compiled by plain jax.jit."""
   step, args = moe()
   plan = dtenjax.plan(step, *args, mesh={"data": 2, "expert": 4})
-  compiled = plan.jit(step).lower(*args).compile()
+  compiled = plan.jit(step).lower(*args).compile(compile_only.LLVM_O0)   # run for values too
   mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "expert"))
-  hand = {name: fn.lower(*a).compile() for name, (fn, a) in
+  hand = {name: fn.lower(*a).compile(compile_only.LLVM_O0) for name, (fn, a) in
           {"EP": _by_hand(mesh, True), "DP": _by_hand(mesh, False)}.items()}
   return step, args, plan, compiled, hand
 
@@ -247,7 +248,7 @@ def test_plan_jit_with_experts_gives_the_values_of_plain_jit(expert_plan):
   normal = lambda a, scale: np.asarray(scale * rng.standard_normal(a.shape), a.dtype)
   params = {k: normal(a, 0.1) for k, a in sorted(args[0].items())}
   opt, x = jax.jit(_TX.init)(params), normal(args[2], 1.0)
-  want = jax.jit(step)(params, opt, x)
+  want = jax.jit(step, compiler_options=compile_only.LLVM_O0)(params, opt, x)
   got = compiled(*plan.shard(params, opt, x))          # plan.jit's program, compiled above
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                        rtol=2e-5, atol=2e-6), want, got)
@@ -260,7 +261,7 @@ def test_routed_tokens_cross_the_scan_over_layers():
   step, args = moe(layers=3)
   plan = dtenjax.plan(step, *args, mesh={"data": 2, "expert": 4})
   assert {lp.path: lp.spec for lp in plan.leaves}["[0]['e_in']"] == P(None, "expert")
-  got = _kind_bytes(plan.jit(step).lower(*args).compile())
+  got = _kind_bytes(plan.jit(step).lower(*args).compile(compile_only.LLVM_O0))
   assert got.get("all_gather", 0) == 0, got
   priced = plan.cost.collective_bytes["all_to_all[expert]"]
   assert priced <= got["all_to_all"] <= 1.25 * priced

@@ -66,19 +66,6 @@ def _megatron(graph: stepgraph.StepGraph) -> dict[int, tuple[str, int]]:
   return out
 
 
-def recipe_on(shape: tuple[int, ...]) -> str | None:
-  """The recipe a user writes on a mesh of these axis sizes (in AXES order): DP on ``data``,
-  FSDP on ``fsdp`` (HSDP with ``data``), TP on ``tensor`` (with ``data``), FSDP x TP on
-  ``fsdp`` x ``tensor``; None where another axis has devices (stage, sequence, expert)."""
-  axes = {a for a, k in zip(AXES, shape) if k > 1}
-  if not axes <= {"data", "fsdp", "tensor"}:
-    return None
-  if "tensor" in axes:
-    return "FSDP x TP" if "fsdp" in axes and "data" not in axes else (
-        None if "fsdp" in axes else "TP")
-  return "FSDP" if "fsdp" in axes else "DP"
-
-
 def recipe_shape(recipe: str, n: int, island: int) -> tuple[int, ...]:
   """DP over every device; FSDP over every device; TP over the fast island with data parallel
   across islands; FSDP x TP: TP over (at most half of) the island, FSDP over the rest."""

@@ -53,7 +53,6 @@ from dtenjax._src.planning.check import Check as Check
 from dtenjax._src.planning.pricing import StepCost as StepCost
 from dtenjax._src.planning.recipes import RECIPES as RECIPES
 from dtenjax._src.planning.recipes import recipe_choice
-from dtenjax._src.planning.recipes import recipe_on
 from dtenjax._src.planning.recipes import recipe_shape
 from dtenjax._src.planning.result import Alternative as Alternative
 from dtenjax._src.planning.result import LeafPlan as LeafPlan
@@ -286,20 +285,6 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
       best = (key, shape, prob, choice, cost)
   island = min((len(i) for i in topology.fast_islands()), default=1)
   recipes = []
-
-  def offer(name: str, shape, prob: Problem) -> StepCost:
-    """The recipe ``name``'s cost on ``prob``'s mesh; where it fits it is a candidate of the
-    program (this keeps the promise "never worse than the best recipe that fits" exact where the
-    solver's tolerances round)."""
-    nonlocal best
-    rchoice = recipe_choice(prob, graph, name)
-    cost = evaluate(prob, rchoice, graph, budget)
-    key = (round(cost.total_s, 12), cost.memory["total"])
-    if (recipe is None and cost.fits and
-        (fixed_mesh is not None or uses_its_axes(prob, rchoice, graph)) and
-        (best is None or key < best[0])):
-      best = (key, shape, prob, rchoice, cost)
-    return cost
   by_shape = {shape: prob for shape, prob in problems}
   for name in RECIPES:
     shape = recipe_shape(name, len(ids), island)
@@ -313,15 +298,16 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
       recipes.append(Alternative(name, dict(zip(AXES, shape)), None,
                                  "the batch does not divide this mesh"))
       continue
-    recipes.append(Alternative(name, dict(zip(AXES, shape)), offer(name, shape, prob)))
-  # the recipes a user also writes on the other meshes priced (FSDP x TP at every split of the
-  # fast island, HSDP): candidates too, so that under a budget the plan is never worse by the
-  # model than one of them that fits (the solver's memory row is only a bound: solve_within)
-  standard = {recipe_shape(name, len(ids), island) for name in RECIPES}
-  for shape, prob in problems:
-    name = recipe_on(shape)
-    if name is not None and shape not in standard:
-      offer(name, shape, prob)
+    rchoice = recipe_choice(prob, graph, name)
+    cost = evaluate(prob, rchoice, graph, budget)
+    recipes.append(Alternative(name, dict(zip(AXES, shape)), cost))
+    # a recipe that fits is a candidate of the program; this keeps the promise "never worse
+    # than the best recipe that fits" exact where the solver's tolerances round
+    key = (round(cost.total_s, 12), cost.memory["total"])
+    if (recipe is None and cost.fits and
+        (fixed_mesh is not None or uses_its_axes(prob, rchoice, graph)) and
+        (best is None or key < best[0])):
+      best = (key, shape, prob, rchoice, cost)
   if best is None and shortfall is None:
     raise errors.PlacementError(
         f"plan: every mesh of {len(ids)} devices tried "

@@ -27,7 +27,12 @@ Parts (``--parts``, default all):
   fastest recipe's. Every row has the cost model's predicted time next to the measured one,
   twice: with the table priors ("predicted") and with this machine's ``Topology.calibrate()``
   ("calibrated"; the plan made with it is a row of its own, "plan calibrated"). A hand-written
-  layout is predicted as the plan with its specs pinned.
+  layout is predicted as the plan with its specs pinned. With ``--budgets [NAMES]`` the plan under
+  ``memory_budget`` = 1.10x the compiled memory of each hand-written layout named (all without
+  names) is a row too ("plan @ FSDP x TP budget", ...; a layout or program already in the table is not timed again, a refusal
+  is a row with its shortfall), and each family's note gives the plan at the fastest layout's
+  budget: its time and memory over that layout's. ``--no-measure`` leaves out the ``measure=6``
+  plan (its own compiles and timings), ``--no-calibrate`` the calibrated one.
 
 * ``priced`` -- the wins part's plan and hand-written layouts priced by the cost model only
   (nothing compiled or run), beside a recorded wins run's measured times (``--measured-json``).
@@ -305,31 +310,35 @@ WINS_COLUMNS = (("family", "family", "s"), ("layout", "layout", "s"), ("mesh", "
                 ("coll MiB", "coll_mib", ".1f"), ("per kind", "kinds", "s"))
 
 
-def wins_rows(names, iters: int, calibrated=None, on_family=None) -> tuple[list[dict], list[str]]:
+def wins_rows(names, iters: int, calibrated=None, on_family=None, budgets=(),
+              measure: bool = True) -> tuple[list[dict], list[str]]:
   """``calibrated``: a calibrated Topology (``Topology.calibrate()``): its plan is measured too,
   and every row gets its prediction beside the uncalibrated model's. ``on_family(rows, notes)``
   is called after each family (the rows and notes so far), so a run cut short keeps them.
+  ``budgets``: hand-written layouts (names of ``_families.RECIPES``) under whose compiled memory
+  x :data:`BUDGET_SLACK` the family is also planned ("plan @ DP budget", ...;
+  :func:`budget_plans`), timed in the same rounds; ``measure``: the ``measure=6`` plan is a row
+  ("plan measured").
 
   "/fastest recipe" is the median over the rounds of the candidate's time over the fastest
   hand-written layout's time in the same round (paired: drift of the machine cancels), and
   "spread" the half-width of the middle half of those ratios; "same program as" names the
-  hand-written layout whose compiled program is the plan's, instruction for instruction."""
+  hand-written layout whose compiled program is the plan's, instruction for instruction. A
+  budget's plan whose layout or program is another candidate's is not timed again: its row
+  takes that candidate's samples and names it."""
   import _families as fams
   rows, notes = [], []
   for name in names:
     fam = fams.FAMILIES[name]()
     step, args = fam.make()
     real = fams.real_args(fam)
-    plan = dtenjax.plan(step, *args)
-    measured = dtenjax.plan(step, *args, measure=6)
-    plans = {"plan": plan, "plan measured": measured}
+    plans = {"plan": dtenjax.plan(step, *args)}
+    if measure:
+      plans["plan measured"] = dtenjax.plan(step, *args, measure=6)
     if calibrated is not None:
       plans["plan calibrated"] = dtenjax.plan(step, *args, topology=calibrated)
     cands = {k: (p.jit(step), p.shardings()) for k, p in plans.items()}
-    # each layout priced by the table priors and by the calibration (the same layout pinned)
-    predicted = {k: (p.cost.total_s, None if calibrated is None else dtenjax.plan(
-        step, *args, topology=calibrated, mesh=dict(zip(p.axis_names, p.mesh_shape)),
-        pinned=list(p.specs), memory_budget=1 << 50).cost.total_s) for k, p in plans.items()}
+    predicted = {}
     for rn in fams.RECIPES:
       r = fams.recipe(fam, rn)
       if r is not None:
@@ -338,19 +347,44 @@ def wins_rows(names, iters: int, calibrated=None, on_family=None) -> tuple[list[
                          None if calibrated is None else
                          predicted_recipe(fam, r, step, args, calibrated))
     prof, placed, programs = {}, {}, {}
-    for cname, (fn, shardings) in cands.items():
+
+    def add(cname, fn, shardings):
       compiled = fn.lower(*args).compile()
       prof[cname] = compiled_profile(compiled)
       programs[cname] = program_text(compiled)
       placed[cname] = jax.device_put(real, shardings)
+    for cname, (fn, shardings) in cands.items():
+      add(cname, fn, shardings)
+    alias, refused = {}, {}
+    if budgets:
+      under, refused = budget_plans(step, args, {rn: prof[rn]["mem"] for rn in budgets
+                                                 if rn in prof})
+      for k, p in under.items():        # the smallest budget first: a layout keeps its name
+        same = next((q for q, other in plans.items() if planning.same_layout(p, other)), None)
+        plans[k], fn = p, p.jit(step)
+        if same is None:
+          add(k, fn, p.shardings())
+          same = next((q for q in cands if programs[q] == programs[k]), None)
+          if same is not None:
+            del placed[k]
+        if same is not None:
+          alias[k] = same
+        else:
+          cands[k] = (fn, p.shardings())
+    # each layout priced by the table priors and by the calibration (the same layout pinned)
+    predicted.update({k: (p.cost.total_s, None if calibrated is None else dtenjax.plan(
+        step, *args, topology=calibrated, mesh=dict(zip(p.axis_names, p.mesh_shape)),
+        pinned=list(p.specs), memory_budget=1 << 50).cost.total_s) for k, p in plans.items()})
     samples = planning.time_calls({k: (lambda k=k: cands[k][0](*placed[k])) for k in cands},
                                  warmup=2, rounds=iters)
+    for k, same in alias.items():
+      samples[k], prof[k], programs[k] = samples[same], prof[same], programs[same]
     times = {k: _harness.median(v) for k, v in samples.items()}
     recipes_only = {k: v for k, v in times.items() if k not in plans}
     best = min(recipes_only, key=recipes_only.get)
-    ratios = {k: sorted(a / b for a, b in zip(samples[k], samples[best])) for k in cands}
+    ratios = {k: sorted(a / b for a, b in zip(samples[k], samples[best])) for k in samples}
     first = len(rows)
-    for cname in cands:
+    for cname in samples:
       p = plans.get(cname)
       rows.append({
           "family": name, "layout": cname,
@@ -365,10 +399,14 @@ def wins_rows(names, iters: int, calibrated=None, on_family=None) -> tuple[list[
           "kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in sorted(prof[cname]["bytes"].items())),
           "vs_best_recipe": _harness.median(ratios[cname]),
           "ratio_spread": _spread(ratios[cname]),
-          "same_as": ",".join(r for r in cands if r not in plans and r != cname
-                              and programs[r] == programs[cname]) or "-",
+          "same_as": ",".join([alias[cname]] if cname in alias else [
+              r for r in cands if r not in plans and r != cname
+              and programs[r] == programs[cname]]) or "-",
           "mem_vs_best_recipe": prof[cname]["mem"] / prof[best]["mem"],
+          **({"budget_mib": p.budget_bytes / 2**20} if cname.endswith(" budget") else {}),
       })
+    rows += [{"family": name, "layout": k, "mesh": "refused", "budget_mib": b / 2**20,
+              "refused": why} for k, (b, why) in refused.items()]
     for k, p in plans.items():
       same = [r for r in cands if r not in plans and programs[r] == programs[k]]
       notes.append(f"{name}: {k} {dict(zip(p.axis_names, p.mesh_shape))} "
@@ -376,10 +414,50 @@ def wins_rows(names, iters: int, calibrated=None, on_family=None) -> tuple[list[
                    f"memory {prof[k]['mem'] / prof[best]['mem']:.2f}x" +
                    (f"; the same program as {', '.join(same)}" if same else ""))
       print(notes[-1], file=sys.stderr, flush=True)      # progress: one family at a time
-    print(_harness.table(rows[first:], WINS_COLUMNS, title=f"{name}, measured"), flush=True)
+    if budgets:
+      notes.append(budget_note(name, best, rows[first:]))
+    print(_harness.table(rows[first:], WINS_COLUMNS + (BUDGET_COLUMNS if budgets else ()),
+                         title=f"{name}, measured"), flush=True)
     if on_family is not None:
       on_family(rows, notes)
   return rows, notes
+
+
+# The budgets of the wins part's --budgets: this times each hand-written layout's compiled memory
+# (issue 39: the plan's memory at most the fastest recipe's plus 10 % whenever it fits)
+BUDGET_SLACK = 1.10
+BUDGET_COLUMNS = (("budget MiB", "budget_mib", ".1f"), ("refused", "refused", "s"))
+
+
+def budget_plans(step, args, compiled_mem: dict[str, float]) -> tuple[dict, dict]:
+  """The default plan of ``step`` under ``memory_budget`` = :data:`BUDGET_SLACK` x each
+  hand-written layout's compiled memory (``compiled_mem``: name -> bytes per device, from
+  ``memory_analysis()`` of the user's plain ``jax.jit`` program), the smallest budget first:
+  ``({"plan @ NAME budget": plan}, {"plan @ NAME budget": (budget, the refusal's message)})``."""
+  plans, refused = {}, {}
+  for rn, mem in sorted(compiled_mem.items(), key=lambda kv: kv[1]):
+    k, budget = f"plan @ {rn} budget", BUDGET_SLACK * mem
+    try:
+      plans[k] = dtenjax.plan(step, *args, memory_budget=budget)
+    except dtenjax.PlacementError as e:
+      refused[k] = (budget, str(e).split(". ")[0])
+  return plans, refused
+
+
+def budget_note(name: str, best: str, rows: list[dict]) -> str:
+  """The family's line of the --budgets part: the plan under the fastest hand-written layout's
+  budget, its time and memory over that layout's."""
+  by = {r["layout"]: r for r in rows}
+  row = by.get(f"plan @ {best} budget")
+  if row is None:
+    return f"{name}: not planned at {best}'s budget (--budgets)"
+  head = f"{name}: at {best}'s budget ({row['budget_mib']:.1f} MiB): "
+  if "refused" in row:
+    return head + row["refused"]
+  return (head + f"{row['mesh']}" + (f" (the program of {row['same_as']})"
+                                     if row["same_as"] != "-" else "") +
+          f", {row['vs_best_recipe']:.2f}x {best}'s time, memory "
+          f"{row['mem_mib'] / by[best]['mem_mib']:.2f}x")
 
 
 def product_rows(rows=(32, 64, 128, 256, 512), iters: int = 7, k: int = 256,
@@ -474,6 +552,16 @@ def priced_rows(names, measured_json: str | None, topology=None) -> list[dict]:
   return rows
 
 
+def _budget_names(flag: str) -> list[str]:
+  """--budgets: the hand-written layouts named (comma-separated), "all" for every one."""
+  import _families as fams
+  names = list(fams.RECIPES) if flag == "all" else [b for b in flag.split(",") if b]
+  bad = [b for b in names if b not in fams.RECIPES]
+  if bad:
+    raise SystemExit(f"--budgets: {bad} are not hand-written layouts; name among {fams.RECIPES}")
+  return names
+
+
 def _ms(seconds: float | None) -> float | None:
   return None if seconds is None else seconds * 1e3
 
@@ -498,6 +586,13 @@ def main(argv=None) -> int:
                   "machine of --measured-json; default: this host's)")
   ap.add_argument("--no-calibrate", action="store_true",
                   help="wins part: skip Topology.calibrate() and the calibrated plan")
+  ap.add_argument("--budgets", nargs="?", const="all", default="",
+                  help="wins part: also plan under 1.10x these hand-written layouts' compiled "
+                  "memory (comma-separated; alone: all of them) and time those plans in the same "
+                  "rounds")
+  ap.add_argument("--no-measure", action="store_true",
+                  help="wins part: skip the measure=6 plan (it compiles and times every layout a "
+                  "user writes once more)")
   ap.add_argument("--json", metavar="PATH")
   ap.add_argument("--child", help=argparse.SUPPRESS)
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -585,6 +680,7 @@ def main(argv=None) -> int:
                          + "), nothing run"))
     doc_rows += [{"part": "priced", **r} for r in rows]
   if "wins" in parts:
+    budgets = _budget_names(args.budgets)
     calibrated = None
     if not args.no_calibrate:
       calibrated = dtenjax.Topology.current().calibrate()
@@ -594,8 +690,10 @@ def main(argv=None) -> int:
       if args.json:
         _write(args, argv, parts, doc_rows + [{"part": "wins", **r} for r in rows_so_far],
                notes + notes_so_far)
-    rows, win_notes = wins_rows(args.families.split(","), args.iters, calibrated, keep)
-    print(_harness.table(rows, WINS_COLUMNS,
+    rows, win_notes = wins_rows(args.families.split(","), args.iters, calibrated, keep,
+                                budgets=budgets,
+                                measure=not args.no_measure)
+    print(_harness.table(rows, WINS_COLUMNS + (BUDGET_COLUMNS if args.budgets else ()),
                          title=f"the plan against hand-written layouts, {len(jax.devices())} "
                          f"{jax.devices()[0].platform.upper()} devices, measured"))
     notes += win_notes

@@ -233,3 +233,88 @@ def test_the_terms_bench_probes_the_calibration_and_writes_its_json(tmp_path, mo
   assert [r["size"] for r in probes] == ["1 MiB per device", "32 x 32 product"]
   assert probes[0]["value"] > 0 and probes[1]["value"] >= 0
   assert [r["family"] for r in rows if "family" in r] == ["encdec"]
+
+
+def test_under_a_budget_the_solver_keeps_the_fastest_assignment_whose_modelled_memory_fits(
+    monkeypatch):
+  """solver.solve_within's rule, on a fake program: the fastest assignment whose memory by
+  ``evaluate`` (the model's buffer placement) fits the budget, where the program's linear memory
+  row overstates it (every gradient and activation held at once). Four assignments (time,
+  row, modelled memory): A (1, 100, 60), B (2, 90, 50), C (3, 70, 45), D (4, 40, 44). Under a
+  budget of 55 the rule's answer is B: A does not fit, B is the fastest that does. A budget on
+  the row itself (what the solver did) admits only D."""
+  from types import SimpleNamespace
+  from dtenjax._src.planning import solver
+  table = {"A": (1.0, 100.0, 60.0), "B": (2.0, 90.0, 50.0), "C": (3.0, 70.0, 45.0),
+           "D": (4.0, 40.0, 44.0)}
+
+  def fake_solve(prob, graph, cap, objective="time", proposed=True):
+    del prob, graph, proposed
+    if objective == "memory":                   # the least row
+      return [min(table, key=lambda k: table[k][1])]
+    fit = [k for k in table if not cap or table[k][1] <= cap]     # the program's statement
+    return [min(fit, key=lambda k: table[k][0])] if fit else None
+
+  def fake_evaluate(prob, choice, graph, budget):
+    del prob, graph
+    t, _, mem = table[choice[0]]
+    return SimpleNamespace(total_s=t, memory={"total": mem}, fits=not budget or mem <= budget)
+  monkeypatch.setattr(solver, "solve", fake_solve)
+  monkeypatch.setattr(solver, "evaluate", fake_evaluate)
+  monkeypatch.setattr(solver, "row_memory", lambda prob, choice: table[choice[0]][1])
+  prob = SimpleNamespace(fixed_memory={"activations": 10.0})
+  assert fake_solve(prob, None, 55.0) == ["D"]
+  assert solver.solve_within(prob, None, 55.0) == ["B"]
+  assert solver.solve_within(prob, None, 0.0) == ["A"]            # no budget: the fastest
+  assert solver.solve_within(prob, None, 61.0) == ["A"]
+  assert solver.solve_within(prob, None, 45.0) == ["C"]
+  assert solver.solve_within(prob, None, 43.0) is None            # nothing fits: refused
+
+
+def test_a_budget_the_users_fsdp_x_tp_fits_is_not_refused_and_the_plan_compiles_within_it(
+    cpu_devices):
+  """Issue 39's budget clause, on a small mixture of experts: the budget is 1.10x the compiled
+  memory of the user's FSDP x TP (plain jax.jit with NamedShardings, compiled here). The solver
+  put the budget on its linear memory row, which holds every gradient and activation at once,
+  and refused it ("the smallest needs 0.0040 GiB", with 0.0054 GiB to spend); the plan must be
+  found, and its own step (plan.jit) must compile within the budget."""
+  del cpu_devices
+  fams = _families()
+  fam = fams.moe(vocab=512, d=128, heads=4, ffn=256, experts=8, layers=1, batch=16, seq=32)
+  step, args = fam.make()
+  fn, _ = fams.recipe_jit(fam, fams.recipe(fam, "FSDP x TP"))
+  budget = 1.10 * _compiled_memory(fn.lower(*args).compile())
+  plan = dtenjax.plan(step, *args, memory_budget=budget)
+  assert plan.cost.fits and plan.cost.memory["total"] <= budget
+  assert _compiled_memory(plan.jit(step).lower(*args).compile()) <= budget, plan.table()
+
+
+def _compiled_memory(compiled) -> float:
+  """Bytes per device of a compiled step: arguments, outputs not aliased to them, temp."""
+  s = compiled.memory_analysis()
+  return (s.argument_size_in_bytes + s.output_size_in_bytes - s.alias_size_in_bytes +
+          s.temp_size_in_bytes)
+
+
+def test_the_wins_bench_plans_under_each_layouts_budget_and_names_a_refusal(cpu_devices):
+  """bench/step_planner.py --budgets: a plan per hand-written layout's budget (1.10x its
+  compiled memory), a budget nothing fits as a refusal with its shortfall, and the family's note
+  read at the fastest layout's budget."""
+  del cpu_devices
+  sys.path.insert(0, str(ROOT / "bench"))
+  import step_planner
+  step, args = _families().FAMILIES["llama_loop"](vocab=256, d=64, heads=4, ffn=128, layers=1,
+                                                   batch=8, seq=16).make()
+  plans, refused = step_planner.budget_plans(step, args, {"DP": 2**30, "FSDP": 2**10})
+  assert list(plans) == ["plan @ DP budget"] and list(refused) == ["plan @ FSDP budget"]
+  assert plans["plan @ DP budget"].budget_bytes == pytest.approx(1.10 * 2**30)
+  budget, why = refused["plan @ FSDP budget"]
+  assert budget == pytest.approx(1.10 * 2**10) and "GiB short" in why
+  rows = [{"layout": "DP", "mem_mib": 10.0},
+          {"layout": "plan @ DP budget", "mesh": "data8", "budget_mib": 11.0, "same_as": "DP",
+           "vs_best_recipe": 1.02, "mem_mib": 10.0},
+          {"layout": "plan @ FSDP budget", "mesh": "refused", "budget_mib": 0.0, "refused": why}]
+  assert step_planner.budget_note("f", "DP", rows) == (
+      "f: at DP's budget (11.0 MiB): data8 (the program of DP), 1.02x DP's time, memory 1.00x")
+  assert step_planner.budget_note("f", "FSDP", rows).endswith(why)
+  assert "not planned" in step_planner.budget_note("f", "HSDP", rows)

@@ -1,7 +1,7 @@
 """What the planner's benchmarks drive besides ``dtenjax.plan``: the timing routine that
-``plan(measure=True)`` uses, the standard recipes' names, the calibration's raw measurement, a
-host's NUMA record, and the per-array planner's caches (cleared for a cold timing, counted for a
-hit rate).
+``plan(measure=True)`` uses and its test of two plans laying a step out alike, the standard
+recipes' names, the calibration's raw measurement, a host's NUMA record, and the per-array
+planner's caches (cleared for a cold timing, counted for a hit rate).
 
 The benchmarks time the user's own ``jax.jit`` programs with the same routine as the library times
 its candidates, so that the two are compared under one method. For benchmarks and tests; not part
@@ -13,6 +13,7 @@ from __future__ import annotations
 from dtenjax._src.planning import mesh as _mesh
 from dtenjax._src.planning import placement as _placement
 from dtenjax._src.planning import planner as _planner
+from dtenjax._src.planning.measure import same_layout as same_layout
 from dtenjax._src.planning.measure import time_calls as time_calls
 from dtenjax._src.planning.planner import plan_tensor as plan_tensor
 from dtenjax._src.planning.recipes import RECIPES as RECIPES
@@ -20,7 +21,7 @@ from dtenjax._src.topology.calibrate import measure as calibrate_measure
 from dtenjax._src.topology.parts import NumaNode as NumaNode
 
 __all__ = ["RECIPES", "NumaNode", "calibrate_measure", "clear_planner_caches", "distinct_plans",
-           "plan_tensor", "time_calls"]
+           "plan_tensor", "same_layout", "time_calls"]
 
 _CACHES = (_planner._plan_cached, _planner._allreduce_s, _mesh._make_mesh_cached,
            _mesh._mesh_for_shape, _placement._planning_inputs, _placement._named_sharding,

@@ -508,6 +508,61 @@ def uses_its_axes(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGra
   return True
 
 
+# Bisections of the program's memory cap in solve_within: the cap's interval shrinks 256-fold.
+CAP_STEPS = 8
+
+
+def row_memory(prob: Problem, choice: Sequence[int]) -> float:
+  """The program's memory row of ``choice`` without the pair savings (bytes per device): every
+  layout's memory, the largest gathered peak and the fixed memory. An assignment fits a cap at
+  least this large; ``evaluate``'s memory (XLA's buffer placement) is below it."""
+  prices = [prob.prices[gi][c] for gi, c in enumerate(choice)]
+  return (sum(sum(pr.memory.values()) for pr in prices) + sum(prob.fixed_memory.values()) +
+          max((pr.gathered_peak for pr in prices), default=0.0))
+
+
+def solve_within(prob: Problem, graph: stepgraph.StepGraph, budget: float,
+                 proposed: bool = True) -> list[int] | None:
+  """The fastest assignment the search finds whose memory by :func:`evaluate` fits ``budget``
+  (0: no budget), or None when none does.
+
+  The program's memory row is linear: it adds every gradient and activation as if all were live
+  at once, up to 2.6x the memory :func:`evaluate` places (the moe family's ``tensor 8``: 107 MiB
+  against 42), so a budget put on the row refused layouts that fit (moe under 1.10x its user
+  FSDP x TP's compiled memory, "-0.0125 GiB short"). The row's cap is searched instead: the
+  fastest assignment when it fits; else the cap is bisected (:data:`CAP_STEPS`) between the
+  rows of the least-memory assignment and of the fastest, each solution checked by
+  :func:`evaluate`, and the fastest that fits is kept (the least-memory assignment if it fits
+  and nothing faster does)."""
+  fastest = solve(prob, graph, 0.0, proposed=proposed)
+  if fastest is None or not budget:
+    return fastest
+  cost = evaluate(prob, fastest, graph, budget)
+  if cost.fits:
+    return fastest
+  least = solve(prob, graph, 0.0, objective="memory", proposed=proposed)
+  if least is None:
+    return None
+  found = [(evaluate(prob, least, graph, budget), least)]
+  # no assignment's row is below the fixed memory; the fastest's is at most row_memory (the
+  # program's row also subtracts the activations a complete pair shards)
+  lo, hi = sum(prob.fixed_memory.values()), row_memory(prob, fastest)
+  for _ in range(CAP_STEPS):
+    cap = (lo + hi) / 2
+    choice = solve(prob, graph, cap, proposed=proposed)
+    if choice is None:                 # nothing fits the cap: a larger one
+      lo = cap
+      continue
+    cost = evaluate(prob, choice, graph, budget)
+    found.append((cost, choice))
+    if cost.fits:
+      lo = cap
+    else:
+      hi = cap
+  fits = [(c.total_s, k, choice) for k, (c, choice) in enumerate(found) if c.fits]
+  return min(fits)[2] if fits else None
+
+
 def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
            objective: str = "time", proposed: bool = True) -> list[int] | None:
   """The cheapest assignment that fits (scipy.optimize.milp), or None when none fits; with

@@ -67,6 +67,7 @@ from dtenjax._src.planning.solver import evaluate
 from dtenjax._src.planning.solver import lower_bound
 from dtenjax._src.planning.solver import make_problem
 from dtenjax._src.planning.solver import solve
+from dtenjax._src.planning.solver import solve_within
 from dtenjax._src.planning.solver import uses_its_axes
 from dtenjax._src.pricing import costmodel
 from dtenjax._src.pricing import registry
@@ -267,8 +268,8 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
         yield shape, prob
 
   for shape, prob in to_solve():
-    choice = (solve(prob, graph, budget, proposed=fixed_mesh is None) if recipe is None else
-              recipe_choice(prob, graph, recipe))
+    choice = (solve_within(prob, graph, budget, proposed=fixed_mesh is None) if recipe is None
+              else recipe_choice(prob, graph, recipe))
     if choice is None:
       least = solve(prob, graph, 0.0, objective="memory", proposed=fixed_mesh is None)
       if least is None:          # no layout uses this mesh without duplicated work

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from sklearn.datasets import load_digits
 
 from dtenjax import compression
@@ -36,6 +36,9 @@ def main(steps: int = 1500) -> float:
   key1, key2 = jax.random.split(jax.random.key(0))
   params = {"w0": jax.random.normal(key1, (64, 128)) * 0.18, "b0": jnp.zeros(128),
             "w1": jax.random.normal(key2, (128, 10)) * 0.13, "b1": jnp.zeros(10)}
+  # Replicated on the mesh from the start, as the step returns them: the step compiles once (with
+  # the eager arrays' single-device placement, the second step would compile it again).
+  params = jax.device_put(params, NamedSharding(mesh, P()))
 
   def predict(p, x):
     return jax.nn.relu(x @ p["w0"] + p["b0"]) @ p["w1"] + p["b1"]

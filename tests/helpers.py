@@ -1,8 +1,8 @@
 """What several test files share: jitted ``shard_map`` over one mesh, data whose sums depend on
 the order they are taken in (with the left fold that states one such order), and waiting for a
 condition instead of sleeping for a time, XLA:CPU's fusion emitters (the option that gives a
-program the default ones back, the flag that gives a process the suite's), and the mark that
-keeps a module's tests in one xdist worker."""
+program the default ones back, the flag that gives a process the suite's), the mark that keeps
+a module's tests in one xdist worker, and a jax that cannot be imported."""
 
 from __future__ import annotations
 
@@ -90,3 +90,14 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0
     if time.monotonic() > deadline:
       pytest.fail(f"waited {timeout_s:g} s for {what}; it never happened", pytrace=False)
     time.sleep(0.001)
+
+
+def without_jax(path) -> str:
+  """A directory with ``jax`` and ``jaxlib`` packages that raise when imported, made under
+  ``path`` (a ``pathlib.Path``): first on a process's PYTHONPATH, it shows that what the process
+  runs never imports jax."""
+  for name in ("jax", "jaxlib"):
+    (path / name).mkdir(parents=True)
+    (path / name / "__init__.py").write_text(
+        'raise ImportError("jax must not be imported here (tests/helpers.py without_jax)")\n')
+  return str(path)

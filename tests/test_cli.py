@@ -382,17 +382,11 @@ def test_json_means_the_same_in_every_command():
 
 # --- --version and --help without jax -------------------------------------------------------
 
-NO_JAX = """raise ImportError("jax must not be imported here (tests/test_cli.py)")\n"""
-
-
 def test_version_and_every_help_answer_without_importing_jax(tmp_path):
   """``import dtenjax`` loads its public names on first use, and the command modules import jax
   inside the functions that run a command: ``--version`` and every ``--help`` answer with jax
   made unimportable (a ``jax`` package on PYTHONPATH that raises), as a user starts them."""
-  for name in ("jax", "jaxlib"):
-    (tmp_path / name).mkdir()
-    (tmp_path / name / "__init__.py").write_text(NO_JAX)
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([helpers.without_jax(tmp_path), str(ROOT)]))
   env.pop("XLA_FLAGS", None)
   r = subprocess.run([sys.executable, "-m", "dtenjax", "--version"], env=env, cwd=tmp_path,
                      capture_output=True, text=True, timeout=60, check=False)

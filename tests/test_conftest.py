@@ -11,6 +11,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+from tests import helpers
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TESTS = textwrap.dedent("""
@@ -37,24 +41,6 @@ TESTS = textwrap.dedent("""
     @pytest.mark.parametrize("i", range(4))
     def test_s3(i): _ran(f"s3{i}")
 """)
-
-
-def test_a_group_runs_in_one_worker(tmp_path):
-  for name in ("conftest.py", "procs.py"):
-    shutil.copy(ROOT / "tests" / name, tmp_path / name)
-  (tmp_path / "test_groups.py").write_text(TESTS)
-  ran = tmp_path / "ran.jsonl"
-  env = dict(os.environ, RAN=str(ran))
-  env.pop("DTENJAX_TEST_TIMES", None)     # the outer run's file: this run's tests are not its own
-  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                      "--dist", "loadgroup", "-W", "ignore::pytest.PytestUnknownMarkWarning",
-                      "test_groups.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                     timeout=240, check=False)
-  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-  workers = dict(json.loads(line) for line in ran.read_text().splitlines())
-  assert len(workers) == 11, workers
-  assert len({workers[g] for g in ("g0", "g1", "g2", "g3")}) == 1, workers
-  assert set(workers.values()) == {"gw0", "gw1"}, workers      # and the rest was spread
 
 
 BUDGET_TESTS = textwrap.dedent("""
@@ -85,31 +71,56 @@ TESTING_DOC = textwrap.dedent("""
 """)
 
 
-def test_a_test_over_the_budget_fails_unless_marked_slow_and_listed(tmp_path):
-  (tmp_path / "tests").mkdir()
-  (tmp_path / "docs").mkdir()
+
+# One inner run for both checks below (a controller and two workers, each importing jax through
+# the copied conftest: about 2 s of CPU a process): the groups' tests and the budget's, as
+# scripts/test.sh runs the suite (-n 2 --dist loadgroup), with a 0.25 s budget. The module stays
+# in one worker, so that the run is made once.
+pytestmark = helpers.one_worker(__name__)
+
+
+@pytest.fixture(scope="module")
+def inner_run(tmp_path_factory):
+  root = tmp_path_factory.mktemp("inner_run")
+  (root / "tests").mkdir()
+  (root / "docs").mkdir()
   for name in ("conftest.py", "procs.py"):
-    shutil.copy(ROOT / "tests" / name, tmp_path / "tests" / name)
-  (tmp_path / "tests" / "test_budget.py").write_text(BUDGET_TESTS)
-  (tmp_path / "docs" / "testing.md").write_text(TESTING_DOC)
-  times = tmp_path / "times.json"
-  env = dict(os.environ, DTENJAX_TEST_TIME_LIMIT="0.25", DTENJAX_TEST_COMPILE_CACHE="0",
-             DTENJAX_TEST_TIMES=str(times))
-  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
-                      "-W", "ignore::pytest.PytestUnknownMarkWarning", "-rfE", "--durations=2",
-                      "tests/test_budget.py"], cwd=tmp_path, env=env, capture_output=True,
-                     text=True, timeout=240, check=False)
+    shutil.copy(ROOT / "tests" / name, root / "tests" / name)
+  (root / "tests" / "test_groups.py").write_text(TESTS)
+  (root / "tests" / "test_budget.py").write_text(BUDGET_TESTS)
+  (root / "docs" / "testing.md").write_text(TESTING_DOC)
+  ran, times = root / "ran.jsonl", root / "times.json"
+  env = dict(os.environ, RAN=str(ran), DTENJAX_TEST_TIME_LIMIT="0.25",
+             DTENJAX_TEST_COMPILE_CACHE="0", DTENJAX_TEST_TIMES=str(times))
+  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+                      "--dist", "loadgroup", "-W", "ignore::pytest.PytestUnknownMarkWarning",
+                      "-rfE", "--durations=2", "tests/test_groups.py", "tests/test_budget.py"],
+                     cwd=root, env=env, capture_output=True, text=True, timeout=240, check=False)
+  return r, ran, times
+
+
+def test_a_group_runs_in_one_worker(inner_run):
+  r, ran, _ = inner_run
+  assert not re.findall(r"^(?:FAILED|ERROR) tests/test_groups.py", r.stdout, re.M), r.stdout[-3000:]
+  workers = dict(json.loads(line) for line in ran.read_text().splitlines())
+  assert len(workers) == 11, workers
+  assert len({workers[g] for g in ("g0", "g1", "g2", "g3")}) == 1, workers
+  assert set(workers.values()) == {"gw0", "gw1"}, workers      # and the rest was spread
+
+
+def test_a_test_over_the_budget_fails_unless_marked_slow_and_listed(inner_run):
+  r, _, times = inner_run
   out = r.stdout
   failed = set(re.findall(r"^FAILED tests/test_budget.py::(\w+)", out, re.M))
   assert failed == {"test_busy", "test_listed_not_slow"}, out[-3000:]
   assert "over the 0.25 s budget of one test" in out and "docs/testing.md" in out
-  assert "4 passed" in out, out[-2000:]
-  # both clocks of every test: the summary's slowest by CPU (the burners, not the sleeper) and
-  # the JSON of all six
+  assert "2 failed, 15 passed" in out, out[-2000:]      # the budget's 4 and the groups' 11
+  # both clocks of every test: the summary's slowest by CPU (the burners, not the sleepers) and
+  # the JSON of all
   m = re.search(r"slowest 2 by CPU time .*\n(.*)\n(.*)\n", out)
   assert m and all("s cpu" in ln and "test_waits" not in ln for ln in m.groups()), out[-3000:]
   recorded = json.loads(times.read_text())
-  assert len(recorded) == 6, recorded
+  assert len(recorded) == 17, recorded
   waits = recorded["tests/test_budget.py::test_waits"]
   assert waits["wall_s"] >= 0.6 and waits["cpu_s"] < 0.25, waits
   assert recorded["tests/test_budget.py::test_busy"]["cpu_s"] >= 0.4

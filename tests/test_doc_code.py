@@ -78,8 +78,11 @@ def test_blocks_that_count_devices_make_their_own():
                        f"these blocks: {lacking}")
 
 
-def _env():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")       # a CPU-only machine
+def _env(tmp):
+  # A CPU-only machine; what the blocks write to temporary directories (tempfile.mkdtemp, the
+  # elastic launcher's run directory) goes under this run's ``tmp``, not /tmp, where a directory
+  # per block and run stayed behind.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp))
   for var in ("XLA_FLAGS", "PYTHONPATH"):           # not the suite's 8 devices, not its paths
     env.pop(var, None)
   return env
@@ -89,8 +92,13 @@ pytestmark = helpers.one_worker(__name__)    # its fork server, made once
 
 
 @pytest.fixture(scope="module")
-def forks(tmp_path_factory):
-  with procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("doc_blocks")) as server:
+def blocks_tmp(tmp_path_factory):
+  return tmp_path_factory.mktemp("doc_blocks_tmp")
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory, blocks_tmp):
+  with procs.ForkServer(_env(blocks_tmp), ROOT, tmp_path_factory.mktemp("doc_blocks")) as server:
     yield server
 
 
@@ -98,23 +106,25 @@ def _fresh(code):
   return code is BLOCKS[0].values[0] or re.search(r"environ\b.*[\"']JAX_", code) is not None
 
 
-def test_the_forked_blocks_see_their_own_xla_flags_and_a_fresh_main(forks):
+def test_the_forked_blocks_see_their_own_xla_flags_and_a_fresh_main(forks, blocks_tmp):
   """What the forked processes rely on: the block's own XLA_FLAGS line takes effect (no backend
-  was started before it), and its ``__main__`` holds only what it defines."""
+  was started before it), and its ``__main__`` holds only what it defines. Their temporary
+  directories are the run's (``_env``), and so are the elastic launcher's run directories."""
   code = ('import os\nos.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"\n'
-          'import jax, sys\nprint(jax.device_count(), sorted(k for k in dir() if k[0] != "_"), '
-          'sys.argv, os.getcwd())\n')
+          'import jax, sys, tempfile\nprint(jax.device_count(), sorted(k for k in dir() if k[0] '
+          '!= "_"), sys.argv, os.getcwd(), os.path.dirname(tempfile.mkdtemp()))\n')
   for _ in range(2):
     r = forks.run(["-c", code])
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["3", "['jax',", "'os',", "'sys']", "['-c']", str(ROOT)]
+    assert r.stdout.split() == ["3", "['jax',", "'os',", "'sys',", "'tempfile']", "['-c']",
+                                str(ROOT), str(blocks_tmp)]
 
 
 @pytest.mark.parametrize("code", BLOCKS)
-def test_block_runs_as_written(code, forks):
+def test_block_runs_as_written(code, forks, blocks_tmp):
   if _fresh(code):
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=240)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(blocks_tmp),
+                       capture_output=True, text=True, timeout=240)
   else:
     r = forks.run(["-c", code], timeout=240)
   assert r.returncode == 0, f"stdout:\n{r.stdout[-2000:]}\nstderr:\n{r.stderr[-4000:]}"

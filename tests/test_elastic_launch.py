@@ -16,6 +16,7 @@ import dtenjax.checkpoint as ckpt
 import dtenjax.elastic
 import procs
 from dtenjax._src.elastic import launcher
+from tests import helpers
 from tests.mp_workers import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,10 +227,13 @@ def test_dtenjax_launch_says_what_it_checked_and_runs_the_job(tmp_path):
   assert "generation 0: 1 processes from the start; finished" in r.stdout
   log = (tmp_path / "run" / "g0.r0.log").read_text()
   assert "rank 0 of 1 ['--steps', '3']" in log      # the script's own arguments reach it
+  # Usage errors come before jax is imported (1.3 s of CPU each): here jax cannot be imported,
+  # and the errors are still the usage errors.
+  env["PYTHONPATH"] = os.pathsep.join([helpers.without_jax(tmp_path / "nojax"), ROOT])
   r = subprocess.run([sys.executable, "-m", "dtenjax", "launch", "--nprocs", "2",
                       str(tmp_path / "nosuch.py")], env=env, capture_output=True, text=True,
                      timeout=120, check=False)
-  assert r.returncode == 2 and "is not a file" in r.stderr
+  assert r.returncode == 2 and "is not a file" in r.stderr, r.stderr[-2000:]
   r = subprocess.run([sys.executable, "-m", "dtenjax", "launch", "--nprocs", "2", "--min-nprocs",
                       "3", str(script)], env=env, capture_output=True, text=True, timeout=120,
                      check=False)

@@ -113,7 +113,7 @@ def _bench_module(name):
   return importlib.import_module(name)
 
 
-def test_every_bench_case_and_workload_traces():
+def test_every_bench_case_and_workload_traces(tmp_path):
   """Each case the GPU runs measure (and each reproducibility workload, under every pin set)
   traces at toy size: shapes, donation, the state threading, without compiling."""
   import jax
@@ -134,4 +134,4 @@ def test_every_bench_case_and_workload_traces():
     assert jax.tree.structure(spec["advance"](spec["args"], out)) == jax.tree.structure(
         spec["args"]), name
     for pins in rw.PINS:
-      rw.jit_with(pins, spec["fn"], spec["donate"], cache_dir="/tmp/dtenjax-test-autotune")
+      rw.jit_with(pins, spec["fn"], spec["donate"], cache_dir=str(tmp_path / "autotune"))

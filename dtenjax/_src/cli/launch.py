@@ -58,13 +58,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  from dtenjax._src.elastic import launcher
   if not os.path.isfile(args.script):
     raise common.UsageError(f"SCRIPT {args.script!r} is not a file")
   flags = os.environ.get("XLA_FLAGS", "")
   if args.min_nprocs is not None and args.min_nprocs > args.nprocs:
     raise common.UsageError(f"--min-nprocs {args.min_nprocs}: more than --nprocs "
                             f"{args.nprocs}; give at most {args.nprocs}")
+  # after the usage checks: the launcher imports jax (its in-memory tier), 1.3 s of CPU that a
+  # mistyped command line need not wait for
+  from dtenjax._src.elastic import launcher
   if args.cpu_devices_per_proc is not None:
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags)
     flags += f" --xla_force_host_platform_device_count={args.cpu_devices_per_proc}"

@@ -17,6 +17,7 @@ from dtenjax._src.planning import measure
 from dtenjax._src.topology.model import DeviceInfo
 from dtenjax._src.topology.model import NumaNode
 from dtenjax._src.topology.model import uniform
+from tests import compile_only
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # bench/step_planner.py --parts wins on 8 CPU devices, 2026-12-05: host cores -> recorded run
@@ -79,9 +80,11 @@ def test_plan_jit_of_the_dp_mesh_compiles_the_users_dp_program(cpu_devices):
   fam = fams.FAMILIES["llama_loop"](vocab=256, d=64, heads=4, ffn=128, layers=1, batch=8, seq=16)
   step, args = fam.make()
   plan = dtenjax.plan(step, *args, mesh={"data": 8}, memory_budget=1 << 50)
-  ours = plan.jit(step).lower(*args).compile()
+  # Read, never run: LLVM unoptimised (tests/compile_only.py; the same HLO text and memory as
+  # the default level, which the bench's column compiles: 1.6 -> 0.4 s of CPU a compile).
+  ours = plan.jit(step).lower(*args).compile(compile_only.LLVM_O0)
   fn, _ = fams.recipe_jit(fam, fams.recipe(fam, "DP"))
-  users = fn.lower(*args).compile()
+  users = fn.lower(*args).compile(compile_only.LLVM_O0)
   kinds = lambda c: sorted((x.kind, x.nbytes) for x in dtenjax.explain(c).collectives)
   assert kinds(ours) == kinds(users) and kinds(users)
   mem = lambda c: (c.memory_analysis().argument_size_in_bytes,
@@ -91,7 +94,7 @@ def test_plan_jit_of_the_dp_mesh_compiles_the_users_dp_program(cpu_devices):
   text = _program_text()   # the bench's "same program as" column compares the same text
   assert text(ours) == text(users)
   fsdp, _ = fams.recipe_jit(fam, fams.recipe(fam, "FSDP"))
-  assert text(fsdp.lower(*args).compile()) != text(users)    # the text tells programs apart
+  assert text(fsdp.lower(*args).compile(compile_only.LLVM_O0)) != text(users)    # the text tells programs apart
 
 
 def test_tensor_collectives_of_a_weight_shared_across_layers_grow_with_its_uses(cpu_devices):
@@ -108,7 +111,7 @@ def test_tensor_collectives_of_a_weight_shared_across_layers_grow_with_its_uses(
     step, args = fams.shared(vocab=256, d=128, heads=8, ffn=256, depth=depth, batch=8,
                              seq=16).make()
     plan = dtenjax.plan(step, *args, mesh={"tensor": 8}, memory_budget=1 << 50)
-    check = plan.check(step, *args)
+    check = plan.check(step, *args, compiler_options=compile_only.LLVM_O0)   # read, never run
     pred[depth] = check.predicted_bytes.get("all_reduce", 0.0)
     xla[depth] = check.compiled_bytes.get("all_reduce", 0.0)
   assert xla[3] > 2 * xla[1] > 0, xla          # what XLA compiles: per use
@@ -198,19 +201,21 @@ def test_the_terms_bench_splits_a_step_into_compute_and_collectives(cpu_devices)
   assert step_terms._axes_of(columns, r.mesh) == ("fsdp",)
   assert step_terms._axes_of([], r.mesh) == ("fsdp", "tensor")
   step, args = fam.make()
-  real = fams.real_args(fam)
-  fn, placed = step_terms.local_program(fam, r, real)
-  assert not dtenjax.explain(fn.lower(*placed).compile()).collectives
+  # The programs are read, never run (LLVM unoptimised: tests/compile_only.py), so the placed
+  # arguments are zeros made by numpy (fams.real_args compiles its draws).
+  zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), args)
+  fn, placed = step_terms.local_program(fam, r, zeros)
+  assert not dtenjax.explain(fn.lower(*placed).compile(compile_only.LLVM_O0)).collectives
   wq = placed[0]["e0"]["wq"]                       # [d, heads, head dim]: heads over tensor
   assert wq.addressable_shards[0].data.shape == (64, 2, 16)
   users, _ = fams.recipe_jit(fam, r)
-  colls = step_terms.collective_list(users.lower(*args).compile(), r.mesh)
+  colls = step_terms.collective_list(users.lower(*args).compile(compile_only.LLVM_O0), r.mesh)
   kinds = {k for k, _, _ in colls}
   assert {"all_gather", "all_reduce"} <= kinds and all(shapes for _, shapes, _ in colls)
   assert {a for k, _, a in colls if k == "all_gather"} == {("fsdp",)}   # FSDP's gathers
   (with_, x), (without, _) = step_terms.collective_programs(colls, r.mesh)
-  assert dtenjax.explain(with_.lower(x).compile()).collectives
-  assert not dtenjax.explain(without.lower(x).compile()).collectives
+  assert dtenjax.explain(with_.lower(x).compile(compile_only.LLVM_O0)).collectives
+  assert not dtenjax.explain(without.lower(x).compile(compile_only.LLVM_O0)).collectives
 
 
 def test_the_terms_bench_probes_the_calibration_and_writes_its_json(tmp_path, monkeypatch,
@@ -283,10 +288,12 @@ def test_a_budget_the_users_fsdp_x_tp_fits_is_not_refused_and_the_plan_compiles_
   fam = fams.moe(vocab=512, d=128, heads=4, ffn=256, experts=8, layers=1, batch=16, seq=32)
   step, args = fam.make()
   fn, _ = fams.recipe_jit(fam, fams.recipe(fam, "FSDP x TP"))
-  budget = 1.10 * _compiled_memory(fn.lower(*args).compile())
+  # Both compiled for their memory only: LLVM unoptimised (tests/compile_only.py).
+  budget = 1.10 * _compiled_memory(fn.lower(*args).compile(compile_only.LLVM_O0))
   plan = dtenjax.plan(step, *args, memory_budget=budget)
   assert plan.cost.fits and plan.cost.memory["total"] <= budget
-  assert _compiled_memory(plan.jit(step).lower(*args).compile()) <= budget, plan.table()
+  assert _compiled_memory(plan.jit(step).lower(*args).compile(compile_only.LLVM_O0)) <= budget, (
+      plan.table())
 
 
 def _compiled_memory(compiled) -> float:

@@ -12,7 +12,8 @@ import pytest
 
 import dtenjax
 from dtenjax._src.planning import heapslot
-from tests.helpers import DEFAULT_CPU_EMITTERS as EMITTERS  # memory of the program users get
+# memory of the program users get, LLVM unoptimised (read, never run: tests/compile_only.py)
+from tests.compile_only import USERS_PROGRAM as EMITTERS
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import _step_models

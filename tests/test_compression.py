@@ -9,6 +9,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import dtenjax
 from dtenjax import compression
 from dtenjax._src.compression import error_feedback as comp_impl
+from tests import compile_only
 
 AXIS = "d"
 
@@ -350,7 +351,9 @@ def _step_hlo(mesh, tx, params, grads_of, **shard_map_kw):
                                out_specs=(P(), specs), **shard_map_kw))
   x = jax.ShapeDtypeStruct((128, 64), jnp.float32)
   y = jax.ShapeDtypeStruct((128,), jnp.int32)
-  return step.lower(params, jax.eval_shape(init, params), x, y).compile().as_text()
+  # read, never run: LLVM unoptimised (tests/compile_only.py), the same HLO
+  return step.lower(params, jax.eval_shape(init, params), x, y).compile(
+      compile_only.LLVM_O0).as_text()
 
 
 def _float_all_reduces(hlo):

@@ -24,7 +24,7 @@ from dtenjax._src.gpu import graph_policy as gp
 from dtenjax._src.gpu import graph_prediction as pred
 from dtenjax._src.gpu import graphs
 from dtenjax.testing import native as native_testing
-from tests.helpers import DEFAULT_CPU_EMITTERS
+from tests.compile_only import USERS_PROGRAM
 
 
 class _Compiles:
@@ -108,15 +108,16 @@ def test_auto_without_a_device_loop_is_the_jax_jit_executable():
   """A ResNet step (convolutions cut it into short runs, the case where the previous auto lost):
   auto passes XLA nothing, so it reuses the very executable jax.jit compiled. Compiled with
   XLA:CPU's default emitters (the suite's legacy ones expand the backward pass's scatters into
-  loops, which auto would then record): the step users get has no loop."""
+  loops, which auto would then record): the step users get has no loop. Never run, only read:
+  LLVM unoptimised (tests/compile_only.py), the user's options that auto must pass on as they are."""
   step, args = _resnet_step()
-  baseline = jax.jit(step, compiler_options=DEFAULT_CPU_EMITTERS).lower(*args).compile()
+  baseline = jax.jit(step, compiler_options=USERS_PROGRAM).lower(*args).compile()
   before = COMPILES.n
   g = graphs.jit(step, "auto", backend="gpu",       # GPU rules, compiled on this CPU
-                 compiler_options=DEFAULT_CPU_EMITTERS)
+                 compiler_options=USERS_PROGRAM)
   compiled = g.lower(*args).compile()
   assert COMPILES.n == before, "auto compiled a new executable"
-  assert g.decision.policy.is_xla_default and g.compiler_options == DEFAULT_CPU_EMITTERS
+  assert g.decision.policy.is_xla_default and g.compiler_options == USERS_PROGRAM
   assert "no loop" in g.decision.reason
   assert compiled.as_text() == baseline.as_text()
   # The short runs the previous auto (min_graph_size 2) captured are there: auto leaves them.

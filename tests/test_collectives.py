@@ -360,19 +360,20 @@ def test_exact_contract_bits_for_every_algorithm_and_device_count(cpu_devices, n
                                       err_msg=f"exact {dtype} {op}: {n} devices, rank {r}, {alg}")
 
 
-@pytest.mark.parametrize("algorithm", ["xla", "ring", "one_shot", "two_shot", "auto"])
 @pytest.mark.parametrize("contract", [True, "exact"])
-def test_reproducible_reduce_scatter(mesh, algorithm, contract):
+def test_reproducible_reduce_scatter(mesh, contract):
+  """Every algorithm's sum and mean, each its own reduce-scatter, in one program (one compile per
+  contract, where a case per algorithm compiled two programs each)."""
   g = ref.contributions(8, 8 * 12, seed=15)          # rank r owns block r of 12 columns
   want_of = ref.reproducible_sum if contract is True else ref.exact_sum
-  y = np.asarray(_smap(mesh, lambda v: dtenjax.reduce_scatter(
-      v[0], AX, scatter_dimension=0, tiled=True, algorithm=algorithm,
-      reproducible=contract)[None])(g))
-  np.testing.assert_array_equal(ref.bits(y.reshape(-1)), ref.bits(want_of(g)))
-  m = np.asarray(_smap(mesh, lambda v: dtenjax.reduce_scatter(
-      v[0], AX, scatter_dimension=0, tiled=True, op="mean", algorithm=algorithm,
-      reproducible=contract)[None])(g))
-  np.testing.assert_array_equal(ref.bits(m.reshape(-1)), ref.bits(want_of(g, mean=True)))
+  cases = [(a, op) for a in ("xla", "ring", "one_shot", "two_shot", "auto")
+           for op in ("sum", "mean")]
+  outs = _smap(mesh, lambda v: tuple(dtenjax.reduce_scatter(
+      v[0], AX, scatter_dimension=0, tiled=True, op=op, algorithm=a,
+      reproducible=contract)[None] for a, op in cases))(g)
+  for (a, op), y in zip(cases, outs):
+    np.testing.assert_array_equal(ref.bits(np.asarray(y).reshape(-1)),
+                                  ref.bits(want_of(g, mean=op == "mean")), err_msg=f"{a} {op}")
 
 
 @pytest.mark.parametrize("n", [2, 8])
@@ -560,22 +561,28 @@ def test_plan_all_reduce_names_a_bad_group(group):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("algorithm", ("auto",) + ALGOS)
-def test_mean_of_huge_values_is_finite_where_the_mean_is(mesh, algorithm, dtype):
+def test_mean_of_huge_values_is_finite_where_the_mean_is(mesh, dtype):
   """8 x 3e38 sums past float32's range, but the mean is 3e38: dtenjax divides by a power of
-  two first (exactly), so the result is finite; ordinary values keep the bits of sum / n."""
+  two first (exactly), so the result is finite; ordinary values keep the bits of sum / n. Every
+  algorithm's three all-reduces in one program (one compile per dtype, where a case per
+  algorithm compiled three programs)."""
   x = jnp.full((8, 4), 3e38, dtype)
-  y = np.asarray(_smap(mesh, lambda v: dtenjax.all_reduce(v, AX, op="mean",
-                                                          algorithm=algorithm))(x))
-  assert np.all(np.isfinite(y.astype(np.float32)))
-  np.testing.assert_allclose(y.astype(np.float32), np.float32(x[0, 0]),
-                             rtol=2 * float(jnp.finfo(dtype).eps))   # rounding of the 8-term sum
   r = _normal(7, (8, 32), dtype)
-  mean = _smap(mesh, lambda v: dtenjax.all_reduce(v, AX, op="mean", algorithm=algorithm))(r)
-  total = _smap(mesh, lambda v: dtenjax.all_reduce(v.astype(jnp.float32), AX,
-                                                   algorithm=algorithm))(r)
-  want = np.asarray(total) / np.float32(8)                   # the same sum, divided once (IEEE)
-  np.testing.assert_array_equal(np.asarray(mean, np.float32), want.astype(dtype).astype(np.float32))
+  algorithms = ("auto",) + ALGOS
+
+  def body(v, u):
+    return tuple((dtenjax.all_reduce(v, AX, op="mean", algorithm=a),
+                  dtenjax.all_reduce(u, AX, op="mean", algorithm=a),
+                  dtenjax.all_reduce(u.astype(jnp.float32), AX, algorithm=a)) for a in algorithms)
+  for algorithm, (y, mean, total) in zip(algorithms, _smap(mesh, body)(x, r)):
+    y = np.asarray(y)
+    assert np.all(np.isfinite(y.astype(np.float32))), algorithm
+    np.testing.assert_allclose(y.astype(np.float32), np.float32(x[0, 0]),
+                               rtol=2 * float(jnp.finfo(dtype).eps),    # rounding of the 8-term sum
+                               err_msg=algorithm)
+    want = np.asarray(total) / np.float32(8)                 # the same sum, divided once (IEEE)
+    np.testing.assert_array_equal(np.asarray(mean, np.float32),
+                                  want.astype(dtype).astype(np.float32), err_msg=algorithm)
 
 
 def _documented_zero_sign(algorithm: str, reproducible: bool) -> float:

@@ -160,8 +160,9 @@ def test_the_chosen_plan_runs_and_trains_like_one_device(mlp):
   opt = optax.adamw(1e-3).init(params)
   batch = jnp.asarray(rng.standard_normal(args[2].shape), args[2].dtype)
   placed = plan.shard(params, opt, batch)
-  want = jax.jit(step)(params, opt, batch)
-  got = plan.jit(step)(*placed)
+  # compared within float32 rounding, not bit for bit: LLVM unoptimised (tests/compile_only.py)
+  want = jax.jit(step, compiler_options=compile_only.LLVM_O0)(params, opt, batch)
+  got = plan.jit(step, compiler_options=compile_only.LLVM_O0)(*placed)
   np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
   for leaf, spec in zip(jax.tree.leaves(got[0]), jax.tree.leaves(plan.specs[0],
                                                                  is_leaf=lambda s: isinstance(s, P))):
@@ -368,8 +369,10 @@ def test_flax_nnx_step_with_its_optimizer_is_planned_megatron_style():
     for layer in ("l1", "l2"):
       assert (spec[f"[0][1]['opt_state'][0]['{moment}']['{layer}']['kernel'].value"] ==
               spec[f"[0][0]['{layer}']['kernel'].value"])
-  new_state, loss = plan.jit(step)(*plan.shard(state, x))
-  assert float(loss) == pytest.approx(float(jax.jit(step)(state, x)[1]), rel=1e-5)
+  # compared within float32 rounding, not bit for bit: LLVM unoptimised (tests/compile_only.py)
+  new_state, loss = plan.jit(step, compiler_options=compile_only.LLVM_O0)(*plan.shard(state, x))
+  want = jax.jit(step, compiler_options=compile_only.LLVM_O0)(state, x)[1]
+  assert float(loss) == pytest.approx(float(want), rel=1e-5)
 
 
 def test_leaves_boxed_with_flax_logical_names_are_pinned_and_the_rest_planned():

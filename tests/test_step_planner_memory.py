@@ -4,6 +4,7 @@ a ``lax.scan`` stack gathered one layer at a time inside the loop body (a shardi
 the layer's slice, as MaxText does). Compile only: abstract arguments, nothing runs."""
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -106,10 +107,42 @@ def predicted_kinds(plan):
   return out
 
 
+def _shared_family():
+  """bench/_families.py's "shared" (one block's weights applied at 3 depths), small."""
+  import pathlib
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+  import _families
+  fam = _families.FAMILIES["shared"](vocab=256, d=64, heads=4, ffn=128, depth=3, batch=16, seq=16)
+  return fam.make(_families._identity)
+
+
+_MODELS = {"scan": scan_step, "shared": _shared_family,
+           "llama_loop": lambda: _small_family("llama_loop"),
+           "llama_loop_8192": lambda: _small_family("llama_loop", vocab=8192),
+           "convnet": lambda: _small_family("convnet")}
+
+
+@functools.cache
+def _planned(model: str, recipe: str, fixture: str | None = None):
+  """(step, args, plan) of ``_MODELS[model]`` planned with ``recipe`` for ``fixture``'s topology
+  (None: this host's CPUs), once per process: several tests read the same plan (never call it
+  under a monkeypatch)."""
+  step, args = _MODELS[model]()
+  topology = dtenjax.Topology.fixture(fixture) if fixture else None
+  return step, args, dtenjax.plan(step, *args, recipe=recipe, topology=topology)
+
+
+@functools.cache
+def _checked(model: str, recipe: str):
+  """``_planned(model, recipe)``'s check, compiled once per process for the tests that read it."""
+  step, args, plan = _planned(model, recipe)
+  return plan.check(step, *args, compiler_options=EMITTERS)
+
+
 @pytest.mark.parametrize("recipe", ["FSDP", "DP"])
 def test_memory_and_bytes_per_kind_match_the_users_per_layer_fsdp(recipe):
-  step0, args = scan_step()
-  plan = dtenjax.plan(step0, *args, recipe=recipe)
+  _, args, plan = _planned("scan", recipe)
   step, _ = scan_step(gather=per_layer_gather(plan))
   memory, kinds = compiled(plan, step, args)
   assert plan.cost.memory["total"] == pytest.approx(memory, rel=0.10), (plan.cost.memory, memory)
@@ -122,8 +155,7 @@ def test_memory_and_bytes_per_kind_match_the_users_per_layer_fsdp(recipe):
 def test_fsdp_of_a_scanned_stack_is_priced_one_layer_at_a_time():
   # the 8 layers of w1 and w2 are 64 MiB; one layer of w1 (the largest slice gathered) is 4 MiB:
   # the plan's gathered memory is that slice, not the stack
-  step, args = scan_step()
-  plan = dtenjax.plan(step, *args, recipe="FSDP")
+  _, _, plan = _planned("scan", "FSDP")
   layer = 512 * 2048 * 4
   assert plan.cost.memory["gathered"] < 2 * layer, plan.cost.memory
   # rematerialised layers gather their weights again for the backward; XLA:CPU reduces the
@@ -147,8 +179,7 @@ def test_without_remat_a_scanned_stack_is_still_gathered_layer_by_layer():
 
 def test_the_check_of_plan_jit_agrees_with_the_prediction():
   # plan.jit (FSDP gathered per layer inside the scan) compiled: memory and bytes per kind
-  step, args = scan_step()
-  check = dtenjax.plan(step, *args, recipe="FSDP").check(step, *args, compiler_options=EMITTERS)
+  check = _checked("scan", "FSDP")
   assert check.memory_error <= 0.10, check.table()
   assert all(e <= 0.10 for e in check.kind_errors.values()), check.table()
 
@@ -200,16 +231,14 @@ def test_no_mesh_axis_computes_the_same_step_twice(fixture):
 
 
 def test_a_budget_plain_fsdp_fits_is_never_refused():
-  step, args = scan_step()
-  fsdp = dtenjax.plan(step, *args, recipe="FSDP")
+  step, args, fsdp = _planned("scan", "FSDP")
   need = fsdp.cost.memory["total"]
   plan = dtenjax.plan(step, *args, memory_budget=need * 1.0001)
   assert plan.cost.fits and plan.cost.memory["total"] <= need * 1.0001, plan.table()
 
 
 def test_a_refusal_names_the_least_memory_any_layout_needs():
-  step, args = scan_step()
-  fsdp = dtenjax.plan(step, *args, recipe="FSDP")
+  step, args, fsdp = _planned("scan", "FSDP")
   budget = 0.5 * fsdp.cost.memory["total"]
   with pytest.raises(dtenjax.PlacementError, match="GiB short") as info:
     dtenjax.plan(step, *args, memory_budget=budget)
@@ -246,17 +275,12 @@ def test_a_weight_shared_across_layers_has_one_gradient_reduction_per_use():
   # before adding them, and the planner prices 3 reductions of those weights (the depth and the
   # sizes are the small ones of the test below: the family's defaults at 6 depths compiled 12
   # unrolled blocks for the same claim)
-  import pathlib
-  import sys
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-  import _families
-  fam = _families.FAMILIES["shared"](vocab=256, d=64, heads=4, ffn=128, depth=3, batch=16, seq=16)
-  step, args = fam.make(_families._identity)
+  step, args, _ = _planned("shared", "DP")
   graph = stepgraph.read_step(step, args, (2,))
   parts = {graph.leaves[k].path: u.grad_parts for k, u in graph.weights.items()}
   assert parts["[0]['block']['wq']"] == 3 and parts["[0]['block']['w_down']"] == 3, parts
   for recipe in ("DP", "FSDP"):
-    check = dtenjax.plan(step, *args, recipe=recipe).check(step, *args, compiler_options=EMITTERS)
+    check = _checked("shared", recipe)
     assert check.kind_errors["all_reduce"] <= 0.10, check.table()
 
 
@@ -266,14 +290,8 @@ def test_a_shared_weights_gradient_is_priced_as_the_plans_backend_reduces_it(fix
   # all-reduces their sum once (a DP step's all-reduce bytes are the parameters' bytes); XLA:CPU
   # all-reduces each part (the block's product weights count 3 times). Expected values from the
   # parameters' shapes, planning only.
-  import pathlib
-  import sys
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-  import _families
-  fam = _families.FAMILIES["shared"](vocab=256, d=64, heads=4, ffn=128, depth=3, batch=16, seq=16)
-  step, args = fam.make(_families._identity)
-  topology = dtenjax.Topology.fixture(fixture) if fixture else None
-  plan = dtenjax.plan(step, *args, recipe="DP", topology=topology)
+  _, args, plan = _planned("shared", "DP", fixture)
+  import _families      # (bench/, on the path since _planned's "shared")
   params = args[0]
   once = sum(math.prod(a.shape) * 4 for a in jax.tree.leaves(params))
   products = sum(math.prod(params["block"][k].shape) * 4 for k in _families._TP)
@@ -367,9 +385,7 @@ def test_a_gradient_tensor_replicates_is_reduced_in_pieces_and_permuted_on_cpu(f
   # half over 'fsdp' and moves it to the device whose shard it is with a collective-permute.
   # Before: ppermute 100 % (never predicted), all-reduce 6 % (llama_loop) and 96 % (convnet)
   # over. Expected: explain() of the compiled HLO.
-  step, args = _small_family(family)
-  check = dtenjax.plan(step, *args, recipe="FSDP x TP").check(step, *args,
-                                                              compiler_options=EMITTERS)
+  check = _checked(family, "FSDP x TP")
   assert set(check.kind_errors) == {"all_gather", "all_reduce", "ppermute"}, check.table()
   assert max(check.kind_errors.values()) <= tolerance, check.table()
 
@@ -401,9 +417,8 @@ def test_the_gradients_pieces_are_permuted_on_both_backends():
   # and the unembedding's piece, 1 MiB each; explain read its first operand alone before, and
   # the GPU plan priced the unembedding's only. It reduces the rest of the gradients with
   # reduce-scatters, which XLA:CPU lowers as all-reduces
-  step, args = _small_family("llama_loop")
-  gpu = dtenjax.plan(step, *args, recipe="FSDP x TP", topology=dtenjax.Topology.fixture("h200_8"))
-  cpu = dtenjax.plan(step, *args, recipe="FSDP x TP")
+  _, _, gpu = _planned("llama_loop", "FSDP x TP", "h200_8")
+  _, _, cpu = _planned("llama_loop", "FSDP x TP")
   embed = 512 * 128 * 4          # the embedding's and the unembedding's gradients, whole
   assert gpu.cost.collective_bytes["ppermute[fsdp+tensor]"] == 2 * embed / 2
   assert cpu.cost.collective_bytes["ppermute[fsdp+tensor]"] == 2 * embed / 2
@@ -564,8 +579,8 @@ def test_llvm_unoptimised_compiles_the_same_hlo_and_memory():
   # less CPU for this file): what they read, the optimised HLO and the buffer assignment's
   # memory, is made before LLVM. If an XLA made an HLO pass depend on the level, this fails: drop
   # the option then. FSDP x TP has every kind of collective the file reads, and loop-free fusions.
-  step, args = _small_family("llama_loop")
-  lowered = dtenjax.plan(step, *args, recipe="FSDP x TP").jit(step).lower(*args)
+  step, args, plan = _planned("llama_loop", "FSDP x TP")
+  lowered = plan.jit(step).lower(*args)
   users, ours = lowered.compile(DEFAULT_CPU_EMITTERS), lowered.compile(EMITTERS)
   assert EMITTERS != DEFAULT_CPU_EMITTERS
   assert _structure(users) == _structure(ours)
@@ -579,9 +594,7 @@ def test_llvm_unoptimised_compiles_the_same_hlo_and_memory():
 def test_check_misses_a_kind_off_by_more_than_ten_percent():
   # A prediction built from XLA's own numbers for FSDP x TP (explain() of the compiled HLO),
   # then spoiled: the check names what is off by more than 10 %, and nothing within it.
-  step, args = _small_family("llama_loop")
-  xla = dtenjax.plan(step, *args, recipe="FSDP x TP").check(step, *args,
-                                                            compiler_options=EMITTERS)
+  xla = _checked("llama_loop", "FSDP x TP")
   got, mem = xla.compiled_bytes, xla.compiled_memory
 
   def check(pred_bytes, pred_memory=mem):
@@ -823,8 +836,7 @@ def test_a_lookups_gradient_is_gathered_rows_where_they_are_smaller_than_the_tab
   # 0.5 MiB of rows); else it all-reduces the whole table's gradient. Before: the table's
   # all-reduce priced (all-reduce 76 % over), its gradient whole (memory 15.8 % over).
   # Expected: explain() and memory_analysis() of the compiled step.
-  step, args = _small_family("llama_loop", vocab=8192)
-  check = dtenjax.plan(step, *args, recipe="FSDP").check(step, *args, compiler_options=EMITTERS)
+  check = _checked("llama_loop_8192", "FSDP")
   assert set(check.kind_errors) == {"all_gather", "all_reduce"}, check.table()
   assert max(check.kind_errors.values()) <= 0.01, check.table()
   assert check.memory_error <= 0.03, check.table()
@@ -905,12 +917,8 @@ def test_the_lookups_gradient_partitioning_is_priced_on_both_backends():
   # (module_171787: reduce-scatter 301 MiB, the unembedding's and a query kernel's, not the
   # table's 125). Before, a GPU plan reduce-scattered the whole table (4 MiB here) and gathered
   # no rows; the same gradients are reduced on both backends now, XLA:CPU's as all-reduces
-  step, args = _small_family("llama_loop", vocab=8192)
-  kinds = {}
-  for fixture in ("h200_8", None):
-    topology = dtenjax.Topology.fixture(fixture) if fixture else None
-    plan = dtenjax.plan(step, *args, recipe="FSDP", topology=topology)
-    kinds[fixture] = predicted_kinds(plan)
+  kinds = {fixture: predicted_kinds(_planned("llama_loop_8192", "FSDP", fixture)[2])
+           for fixture in ("h200_8", None)}
   assert kinds[None]["all_reduce"] == pytest.approx(kinds["h200_8"]["reduce_scatter"])
   assert kinds[None]["all_gather"] == pytest.approx(kinds["h200_8"]["all_gather"])
 
@@ -920,7 +928,7 @@ def test_a_weight_gradient_made_after_the_input_gradient_is_priced_on_cpu_only(m
   # beside the logits' cotangent and its copies was the rest of the vocabulary-8192 llama_loop's
   # 15.8 %); the compiled XLA:GPU rows (tests/data/xla_gpu_mock8.json) went further under with
   # it, so a GPU plan prices each gradient from its own equation: as if the rule were off.
-  step, args = _small_family("llama_loop", vocab=8192)
+  step, args, _ = _planned("llama_loop_8192", "FSDP")
   read = stepgraph.read_step
 
   def without(*a, **k):
@@ -932,11 +940,10 @@ def test_a_weight_gradient_made_after_the_input_gradient_is_priced_on_cpu_only(m
   memory = {}
   for fixture in ("h200_8", None):
     topology = dtenjax.Topology.fixture(fixture) if fixture else None
-    for off in (False, True):
-      if off:
-        monkeypatch.setattr(stepgraph, "read_step", without)
-      plan = dtenjax.plan(step, *args, recipe="FSDP", topology=topology)
-      memory[fixture, off] = plan.cost.memory["total"]
-      monkeypatch.undo()
+    memory[fixture, False] = _planned("llama_loop_8192", "FSDP", fixture)[2].cost.memory["total"]
+    monkeypatch.setattr(stepgraph, "read_step", without)
+    plan = dtenjax.plan(step, *args, recipe="FSDP", topology=topology)
+    memory[fixture, True] = plan.cost.memory["total"]
+    monkeypatch.undo()
   assert memory["h200_8", False] == memory["h200_8", True]
   assert memory[None, True] - memory[None, False] >= 3 * 2**20   # the 4 MiB unembedding's

@@ -168,7 +168,8 @@ def run(procs: int, sizes, iters: int, timeout_s: float) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     with _harness.steps("transport", len(sizes)) as step:
       shown = 0
-      while any(p.poll() is None for p in ps) and time.monotonic() < deadline:
+
+      def show_started() -> int:
         try:
           with open(out + ".progress") as fh:
             started = len(fh.read().split())
@@ -176,8 +177,13 @@ def run(procs: int, sizes, iters: int, timeout_s: float) -> list[dict]:
           started = 0
         for nbytes in sizes[shown:started]:
           step(f"{_harness.format_size(nbytes)} on {procs} processes")
-        shown = max(shown, started)
+        return max(shown, started)
+
+      while any(p.poll() is None for p in ps) and time.monotonic() < deadline:
+        shown = show_started()
         time.sleep(0.2)
+      # a size the workers started and finished between two polls is still shown
+      shown = show_started()
     for p in ps:
       if p.poll() is None:
         p.kill()

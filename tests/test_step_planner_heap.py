@@ -70,17 +70,19 @@ def test_the_chain_is_found_with_its_two_products():
 
 @pytest.mark.parametrize("a_in, f_in, a_w, f_w, four, compile_read", [
     # ticks of B (the pad's bitcast copy), C (its transposed copy), P (the pad) on XLA's clock
-    (1, 0, 0, 1, True, "small GPT-2 TP 8 (V 512), bench gpt2 TP 8/16/32, Llama 1B TP 16: "
-                       "B 5, C 5, P 4; slots 0/1/2/3"),
+    (1, 0, 0, 1, True, "small GPT-2 TP 8 (V 512; and at seq 512), bench gpt2 TP 8/16/32, "
+                       "Llama 1B TP 16: B 5, C 5, P 4; slots 0/1/2/3"),
     (1, 1, 0, 0, True, "Llama 1B FSDP x TP 16 (the gathered unembedding freed): B 6, C 5, P 4"),
+    (1, 1, 0, 1, True, "Llama 1B FSDP x TP 32 (the weight gradient's sliced operand freed too): "
+                       "B 6, C 6, P 4; slots at 5632/9632/13632/17632 MiB"),
     (1, 0, 1, 1, False, "small GPT-2 TP 8 at V 2048 (the whole table gradient on the heap) and "
                         "DP 8: B 5, C 6; G shares B's slot"),
     (0, 0, 1, 1, False, "the small Llama TP 8 (its input gradient in an output's buffer): "
                         "B 4, C 3, P 4; three slots"),
     (1, 0, 0, 0, False, "encdec TP 8 (its residual stream in an output's buffer): B 5, C 4, "
                         "P 4: P placed before C"),
-    (0, 1, 0, 0, False, "Llama 1B FSDP x TP 8 (its input gradient in an output's buffer): "
-                        "B 5, C 4, P 4"),
+    (0, 1, 0, 0, False, "Llama 1B FSDP x TP 8 and the small Llama's (its input gradient in an "
+                        "output's buffer): B 5, C 4, P 4"),
 ])
 def test_the_fourth_slot_follows_xlas_clock(a_in, f_in, a_w, f_w, four, compile_read):
   assert heapslot.holds_a_fourth(a_in, f_in, a_w, f_w) is four, compile_read

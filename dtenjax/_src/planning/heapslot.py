@@ -23,18 +23,25 @@ ties to ``B``, the lower id) and ``C`` before ``P`` (``C`` > ``P``, ties to ``P`
 ``L`` only) and ``G`` (live with ``E``, then with ``B`` and ``P``) are placed by their own
 intervals: where ``E`` goes first it takes ``C``'s slot and ``G`` finds no free slot of the
 three: a fourth. Where ``G`` goes first it takes ``C``'s slot (``C`` starts after it ends), ``E``
-then ``P``'s, and the chain fits in three. Both span 3 ticks (ties to ``E``, the lower id) unless
-a heap value is allocated between them (``E`` + 1: Llama 1B FSDP x TP's loss scalar) or the
-labels' scatter frees a heap buffer besides the softmax's gradient (``G`` + 1: its updates,
-where XLA did not pack them into an output's buffer). Those are single values of a few bytes the
-model does not see; it assumes ``E`` first, as on every TP compile read, so
-:func:`holds_a_fourth` is the ``B`` / ``C`` / ``P`` half, a necessary condition. Read from
-XLA's own intervals and placement order (``TF_CPP_VMODULE=heap_simulator=2``; docs/benchmarks.md,
-lossheap7): a fourth slot on GPT-2 and Llama 1B under TP (8-32 devices), Llama 1B under FSDP x TP
-on 16 devices and the small GPT-2 under TP; three on GPT-2 under FSDP x TP on 8 (``B``, ``C``,
-``P`` as above, but ``G`` 4 ticks to ``E``'s 3), on GPT-2 under DP and with a tensor-sharded table
-(its whole gradient a heap buffer), and on a Llama-shaped step whose input gradient is written
-into an output's buffer.
+then ``P``'s, and the chain fits in three. Both span 3 ticks, plus one for each small value XLA
+makes around them that is a heap buffer allocated or freed inside the interval (ties go to
+``E``, the lower id): in ``E``'s, the labels' gather indices, the rows' maximum and sum, and the
+loss's partial sum where XLA:CPU makes it one YNN reduction before ``G`` (a reduce-window tree
+runs after the scatter); in ``G``'s, the scatter's indices and its updates (a constant XLA
+broadcasts early in the forward). ``E`` spans 3 to 7 ticks and ``G`` 3 to 6 on the compiles read.
+Whether such a value is a heap buffer is XLA's buffer assignment: it first tries the outputs'
+allocations of at least its size that hold nothing live over its range, and those are filled by
+values the jaxpr does not have: FSDP's all-gathered weights, and SPMD's ``partition-id``, which
+takes the loss output's 4-byte allocation (leaving the partial sum on the heap) where its last
+reader is scheduled before the loss's division. The model sees none of that; it assumes ``E``
+first, as on every TP compile read, so :func:`holds_a_fourth` is the ``B`` / ``C`` / ``P`` half,
+a necessary condition. Read from XLA's own intervals and placement order
+(``TF_CPP_VMODULE=heap_simulator=2``; docs/benchmarks.md, lossheap7 and rows10): a fourth slot
+on GPT-2 and Llama 1B under TP (8-32 devices), Llama 1B under FSDP x TP on 16 and 32 devices and
+the small GPT-2 under TP; three on GPT-2 under FSDP x TP (the bench's on 8 and a small one:
+``B``, ``C``, ``P`` as above, but ``G`` 4 ticks to ``E``'s 3), on GPT-2 under DP and with a
+tensor-sharded table (its whole gradient a heap buffer), and on Llama-shaped steps whose input
+gradient is written into an output's buffer.
 
 :func:`find` marks the chain in a step's top-level jaxpr; :func:`holds_a_fourth` decides the
 slot per layout from the solver's placement of the two products' results.

@@ -37,6 +37,8 @@ SUBSETS = {
         "the command line of a recorded run",
     ("docs/benchmarks.md", "| eager | xla / ring / one_shot / two_shot / butterfly |"):
         "the algorithms one recorded eager run measured",
+    ("docs/benchmarks.md", "| collectives on CPU against `lax.psum` |"):
+        "the algorithms of the newest compile-time runs, in the Current results table",
     ("docs/collectives.md", "the rank-order folds of two_shot, one_shot and hierarchical"):
         "the algorithms whose per-element work is a custom call on XLA:CPU",
     ("docs/collectives.md", "| XLA:CPU, mesh axes of one process, extension built"):

@@ -64,3 +64,58 @@ def test_the_readme_api_table_names_every_public_name():
   table = table[:table.index("\n## ")]
   missing = [n for n in dtenjax.__all__ if not re.search(rf"\b{n}\b", table)]
   assert not missing, f"add these to README's Public API table: {missing}"
+
+
+FENCE_LINE = re.compile(r"^[ \t]*(```|~~~)")
+HEADING = re.compile(r"^(#{1,6})[ \t]+(.*?)[ \t]*#*[ \t]*$")
+ANCHOR_LINK = re.compile(r"\]\(([\w./-]*\.md)?#([^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+  """GitHub's anchor of a heading: its text as rendered (inline code and link text kept, markup
+  dropped), lower case, without characters other than letters, digits, `_`, `-` and spaces, and
+  each space a `-`."""
+  text = re.sub(r"`([^`]*)`", r"\1", heading)
+  text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+  text = re.sub(r"<[^>]*>", "", text).lower()
+  return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+  """The anchors of a page's headings (outside code fences); a repeated one gets -1, -2, ..."""
+  anchors, inside = set(), False
+  for line in text.splitlines():
+    if FENCE_LINE.match(line):
+      inside = not inside
+      continue
+    m = None if inside else HEADING.match(line)
+    if m:
+      slug, n = _slug(m.group(2)), 0
+      while (slug if n == 0 else f"{slug}-{n}") in anchors:
+        n += 1
+      anchors.add(slug if n == 0 else f"{slug}-{n}")
+  return anchors
+
+
+def test_anchors_follow_githubs_rules():
+  text = ("# Measured results\n## The loss's vocabulary chain in XLA:CPU's heap (issue 39, item 3)\n"
+          "```text\n## not a heading\n```\n## `dtenjax.tensor`'s memory, again\n### bytes4\n"
+          "### bytes4\n## Planning time, eighth round (#39)\n")
+  assert _anchors(text) == {"measured-results",
+                            "the-losss-vocabulary-chain-in-xlacpus-heap-issue-39-item-3",
+                            "dtenjaxtensors-memory-again", "bytes4", "bytes4-1",
+                            "planning-time-eighth-round-39"}
+
+
+def test_every_anchor_link_names_a_heading():
+  """Every `[text](#anchor)` and `[text](page.md#anchor)` link of README.md and docs/*.md names
+  a heading of that page (GitHub's anchors; a heading repeated in a page gets -1, -2, ...)."""
+  broken, seen = {}, 0
+  for page in PAGES:
+    for target, anchor in ANCHOR_LINK.findall(page.read_text(encoding="utf-8")):
+      linked = (page.parent / target).resolve() if target else page
+      seen += 1
+      if not linked.is_file() or anchor not in _anchors(linked.read_text(encoding="utf-8")):
+        broken.setdefault(page.name, []).append(f"{target}#{anchor}")
+  assert not broken, broken
+  assert seen >= 1              # docs/transport.md's link to its verbs section

@@ -13,27 +13,27 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import _harness  # noqa: E402
-import procs  # noqa: E402
 from tests import helpers  # noqa: E402
+from tests.mp_workers import launch  # noqa: E402
 
 BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if not p.stem.startswith("_"))
 
 
 def _env(extra=None):
-  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=launch.pythonpath())
   e.pop("XLA_FLAGS", None)
   e.update(extra or {})
   return e
 
 
-pytestmark = helpers.one_worker(__name__)    # its fork server, made once
+pytestmark = helpers.one_worker(__name__)    # the session's fork servers: one worker starts them
 
 
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
   """``python bench/NAME.py`` in processes forked from one that imported jax (tests/procs.py):
   each run a process of its own, without paying jax's import (1-2 s of CPU) every time."""
-  with procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("bench_runs")) as server:
+  with launch.one_server(_env(), tmp_path_factory.mktemp("bench_runs")) as server:
     yield server
 
 

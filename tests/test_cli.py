@@ -18,8 +18,8 @@ import textwrap
 
 import pytest
 
-import procs
 from tests import helpers
+from tests.mp_workers import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ COLS = [[0, 4], [1, 5], [2, 6], [3, 7]]      # mesh columns: reduction over "dat
 def _env():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)                 # the CLI sets 8 simulated devices itself
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  env["PYTHONPATH"] = launch.pythonpath()
   return env
 
 
@@ -56,12 +56,12 @@ def _run(args, cwd, timeout=300):
                         capture_output=True, text=True, timeout=timeout, check=False)
 
 
-pytestmark = helpers.one_worker(__name__)    # its fork server, made once
+pytestmark = helpers.one_worker(__name__)    # the session's fork servers: one worker starts them
 
 
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
-  with procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("cli_runs")) as server:
+  with launch.one_server(_env(), tmp_path_factory.mktemp("cli_runs")) as server:
     yield server
 
 

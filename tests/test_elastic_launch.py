@@ -214,17 +214,18 @@ def test_dtenjax_launch_says_what_it_checked_and_runs_the_job(tmp_path):
                     "ctx = dtenjax.elastic.init()\n"
                     "print('rank', ctx.rank, 'of', ctx.world, sys.argv[1:])\n"
                     "ctx.finish()\n")
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": launch.pythonpath()}
   env.pop("XLA_FLAGS", None)
-  r = subprocess.run([sys.executable, "-m", "dtenjax", "launch", "--nprocs", "1",
-                      "--cpu-devices-per-proc", "1", "--reproducible", "--run-dir",
-                      str(tmp_path / "run"), str(script), "--steps", "3"],
-                     env=env, capture_output=True, text=True, timeout=180, check=False)
-  assert r.returncode == 0, r.stderr[-3000:]
-  assert "ok  process settings for reproducible steps: present" in r.stdout
-  assert "ok  the script joins the elastic job (dtenjax.elastic.init): yes" in r.stdout
-  assert "NO  the script compiles its step with dtenjax.reproducible_step: not found" in r.stdout
-  assert "generation 0: 1 processes from the start; finished" in r.stdout
+  # the command forked from the session's servers (its launcher still starts its worker with
+  # subprocess.Popen): a process of its own without jax's import (1.3 s of CPU)
+  out = procs.run_at_once(
+      {"launch": (["-m", "dtenjax", "launch", "--nprocs", "1", "--cpu-devices-per-proc", "1",
+                   "--reproducible", "--run-dir", str(tmp_path / "run"), str(script), "--steps",
+                   "3"], env)}, 180, launch.fork_servers([env]))["launch"]
+  assert "ok  process settings for reproducible steps: present" in out
+  assert "ok  the script joins the elastic job (dtenjax.elastic.init): yes" in out
+  assert "NO  the script compiles its step with dtenjax.reproducible_step: not found" in out
+  assert "generation 0: 1 processes from the start; finished" in out
   log = (tmp_path / "run" / "g0.r0.log").read_text()
   assert "rank 0 of 1 ['--steps', '3']" in log      # the script's own arguments reach it
   # Usage errors come before jax is imported (1.3 s of CPU each): here jax cannot be imported,

@@ -13,24 +13,24 @@ import sys
 
 import pytest
 
-import procs
 from tests import helpers
+from tests.mp_workers import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _env():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=launch.pythonpath())
   env.pop("XLA_FLAGS", None)
   return env
 
 
-pytestmark = helpers.one_worker(__name__)    # its fork server, made once
+pytestmark = helpers.one_worker(__name__)    # the session's fork servers: one worker starts them
 
 
 @pytest.fixture(scope="module")
 def forks(tmp_path_factory):
-  with procs.ForkServer(_env(), ROOT, tmp_path_factory.mktemp("examples")) as server:
+  with launch.one_server(_env(), tmp_path_factory.mktemp("examples")) as server:
     yield server
 
 

@@ -1,13 +1,13 @@
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import pytest
 
 from dtenjax import __main__ as cli
 from dtenjax._src.cli import demo
+from procs import run_at_once
+from tests.mp_workers import launch
 
 
 def test_demo_trains_places_explains_and_is_bit_identical(capsys):
@@ -89,20 +89,23 @@ def test_demo_bad_arguments_are_one_line_exit_2(argv, message, capsys):
   assert "Traceback" not in err
 
 
-def _cli_without_xla_flags(*args: str) -> subprocess.CompletedProcess:
+def _forked(argv: list[str], xla_flags: str | None, timeout: float) -> str:
+  """``python ARGV`` with ``XLA_FLAGS`` (None: unset) -> its stdout (asserting exit status 0),
+  forked from the session's fork servers (tests/conftest.py: jax and dtenjax imported, no
+  backend started, so the process still starts XLA with its own flags), which saves each run
+  the 1.3 s of CPU of importing jax; a process of its own where they cannot fork it."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
-  return subprocess.run([sys.executable, "-m", "dtenjax", *args], env=env, capture_output=True,
-                        text=True, timeout=240, check=False)
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=launch.pythonpath())
+  if xla_flags is not None:
+    env["XLA_FLAGS"] = xla_flags
+  return run_at_once({"run": (argv, env)}, timeout, launch.fork_servers([env]))["run"]
 
 
 def test_python_dash_m_runs_on_8_simulated_devices():
   """Without XLA_FLAGS the command line gives itself 8 simulated CPU devices (cli/main.py),
   shown by the cheapest command that reports them; tests/test_wheel.py runs the demo itself
   that way from an installed wheel."""
-  r = _cli_without_xla_flags("info", "--json")
-  assert r.returncode == 0, r.stderr[-3000:]
-  devices = json.loads(r.stdout)["devices"]
+  devices = json.loads(_forked(["-m", "dtenjax", "info", "--json"], None, 240))["devices"]
   assert (devices["backend"], devices["count"]) == ("cpu", 8), devices
   assert "--xla_force_host_platform_device_count=8" in devices["xla_flags"]
 
@@ -126,17 +129,13 @@ for n in (1, 2, 4, 8):
 
 
 def test_demo_losses_are_bit_identical_on_1_2_4_and_8_devices():
-  """The demo's headline, as `dtenjax demo` runs it: a fresh process (XLA_FLAGS naming only the
-  device count) in which the demo starts XLA:CPU without FMA and compiles its step with
-  reproducible_step's pins trains the same batches on meshes of 1, 2, 4 and 8 of its devices
+  """The demo's headline, as `dtenjax demo` runs it: a process of its own whose XLA starts fresh
+  (``_forked``; XLA_FLAGS naming only the device count) in which the demo starts XLA:CPU without
+  FMA and compiles its step with reproducible_step's pins trains the same batches on meshes of 1, 2, 4 and 8 of its devices
   (shaped as the demo shapes them, parameters auto-placed on each) and gets the same losses, bit
   for bit; its first line promises exactly that."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  r = subprocess.run([sys.executable, "-c", _DEVICE_COUNTS_SCRIPT, "5"], env=env,
-                     capture_output=True, text=True, timeout=400, check=False)
-  assert r.returncode == 0, r.stderr[-3000:]
-  lines = r.stdout.splitlines()
+  lines = _forked(["-c", _DEVICE_COUNTS_SCRIPT, "5"], "--xla_force_host_platform_device_count=8",
+                  400).splitlines()
   assert lines[0].startswith("promise True losses bit-identical on 1, 2, 4 and 8 devices"), lines
   runs = [ln.split() for ln in lines if ln.startswith("losses ")]
   assert [(int(n), int(size)) for _, n, size, *_ in runs] == [(1, 1), (2, 2), (4, 4), (8, 8)]

@@ -90,6 +90,19 @@ def shared_forks(env: dict[str, str] | None = None, **kwargs):
       _close(slot["servers"])
 
 
+@contextlib.contextmanager
+def one_server(env: dict, tmp_dir):
+  """A fork server for runs with ``env`` (a module fixture's): one of the session's pair where it
+  can fork them (``fork_servers``: a test module's server of its own imported jax and dtenjax
+  again, 1.3 s of CPU), else one of the caller's own, closed at the exit."""
+  servers = fork_servers([env])
+  if servers:
+    yield servers[0]
+    return
+  with _procs_lib().ForkServer(env, _root(), tmp_dir) as server:
+    yield server
+
+
 def fork_servers(envs: list[dict] | None = None) -> list:
   """The two servers of the innermost ``shared_forks`` whose ``JAX_*``/``PYTHON*`` variables are
   those of every env of ``envs`` (default: the servers' own), started now if not yet; [] if none

@@ -1,6 +1,7 @@
 """The whole-step planner (dtenjax.plan): what it reads from the jaxpr, what it chooses, and how its
 predictions compare with what XLA compiles."""
 
+import functools
 import pathlib
 import sys
 
@@ -180,7 +181,10 @@ def test_shard_with_step_places_like_the_plan(mlp):
     dtenjax.shard(params, dtenjax.Placement("auto"), step=step)
 
 
+@functools.cache
 def _llama(size="small", batch=64, seq=256, **kw):
+  """One step object per size and shapes: jax's trace cache serves the planner's read of it in
+  every test that plans it (roce_a100_4x8's two tests, the 8B step's two)."""
   return models.llama_step(size, batch=batch, seq=seq, **kw)
 
 
@@ -229,7 +233,7 @@ def test_never_worse_than_the_best_recipe_that_fits(fixture):
 
 
 def test_8b_on_8_h200_is_not_replicated():
-  step, args = models.llama_step("8b", batch=8, seq=2048, remat=True, dtype=jnp.float32)
+  step, args = _llama("8b", batch=8, seq=2048, remat=True, dtype=jnp.float32)
   plan = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h200_8"))
   dp = next(r for r in plan.recipes if r.name == "DP")
   assert not dp.cost.fits                              # 128 GB of state per replica
@@ -241,7 +245,7 @@ def test_8b_on_8_h200_is_not_replicated():
 
 
 def test_a_step_that_fits_nowhere_names_the_shortfall():
-  step, args = models.llama_step("8b", batch=8, seq=2048, remat=True, dtype=jnp.float32)
+  step, args = _llama("8b", batch=8, seq=2048, remat=True, dtype=jnp.float32)
   with pytest.raises(dtenjax.PlacementError, match=r"GiB short.*pipeline"):
     dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h200_8"),
                  memory_budget=4 * 2**30)

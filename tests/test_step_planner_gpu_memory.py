@@ -43,16 +43,23 @@ def _families():
 
 
 @functools.cache
-def _gpu_plan(family: str, recipe: str):
-  """The plan bench/step_planner.py's gpu part compiles on the GPU machine (the families at
-  batch 64, llama-1b as its gpu_rows makes it; recipe "plan": the planner's choice); planned once
-  per family and recipe (the collectives test reads the memory test's plans)."""
+def _gpu_step(family: str):
+  """(step, args) of a family at batch 64, llama-1b as bench/step_planner.py's gpu_rows makes it:
+  one step object per family, so that jax's trace cache serves the planner's read of it for
+  every recipe (a new closure per recipe was traced again)."""
   if family == "llama-1b":
     sys.path.insert(0, str(_ROOT / "bench"))
     import _step_models
-    step, args = _step_models.llama_step("1b", batch=8, seq=2048, remat=True, dtype=jnp.bfloat16)
-  else:
-    step, args = _families().FAMILIES[family](batch=64).make()
+    return _step_models.llama_step("1b", batch=8, seq=2048, remat=True, dtype=jnp.bfloat16)
+  return _families().FAMILIES[family](batch=64).make()
+
+
+@functools.cache
+def _gpu_plan(family: str, recipe: str):
+  """The plan bench/step_planner.py's gpu part compiles on the GPU machine (recipe "plan": the
+  planner's choice); planned once per family and recipe (the collectives test reads the memory
+  test's plans)."""
+  step, args = _gpu_step(family)
   plan = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("h200_8"),
                       recipe=None if recipe == "plan" else recipe, memory_budget=1 << 50)
   return step, args, plan
@@ -107,6 +114,7 @@ def test_a_plan_for_gpus_prices_the_collectives_xla_gpu_runs(row):
     assert abs(got - want) <= 0.10 * want, (kind, predicted, row)
 
 
+@functools.cache     # one step object for the tests that read it (_gpu_step)
 def _small_llama_loop():
   fam = _families().FAMILIES["llama_loop"](vocab=512, d=128, heads=4, ffn=256, layers=2,
                                            batch=16, seq=256)
@@ -140,6 +148,7 @@ def test_xla_gpus_recomputed_values_are_marked_and_what_they_read_lives_on():
   assert len(kept) == layers, kept
 
 
+@functools.cache     # one step object for the tests that read it (_gpu_step)
 def _small_convnet():
   return _families().FAMILIES["convnet"](channels=(8, 16), blocks=2, batch=8, image=8).make()
 

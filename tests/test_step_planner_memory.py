@@ -26,7 +26,11 @@ from dtenjax._src.planning import stepgraph
 
 
 def _adamw_step(loss, params, batch):
-  """An AdamW training step of ``loss`` and its abstract arguments (parameters, state, batch)."""
+  """An AdamW training step of ``loss`` and its abstract arguments (parameters, state, batch).
+
+  The model builders below are cached, so that every test of one model and sizes gets the same
+  step object: jax's trace cache (keyed on the function) then serves each later trace of it, the
+  planner's read of the step and plan.jit's, where a new closure per test was traced again."""
   tx = optax.adamw(1e-3)
 
   def step(params, opt, x):
@@ -37,6 +41,7 @@ def _adamw_step(loss, params, batch):
   return step, (params, jax.eval_shape(tx.init, params), batch)
 
 
+@functools.cache     # one step object per model and sizes: see _adamw_step
 def scan_step(n=8, d=512, f=2048, batch=32, seq=64, remat=True, gather=None):
   """Residual MLP layers stacked for ``lax.scan`` (``jax.checkpoint`` on the body when
   ``remat``), an output projection, AdamW. ``gather(p)`` is applied to each layer's slice."""
@@ -107,6 +112,7 @@ def predicted_kinds(plan):
   return out
 
 
+@functools.cache     # one step object per model and sizes: see _adamw_step
 def _shared_family():
   """bench/_families.py's "shared" (one block's weights applied at 3 depths), small."""
   import pathlib
@@ -300,6 +306,7 @@ def test_a_shared_weights_gradient_is_priced_as_the_plans_backend_reduces_it(fix
   assert plan.cost.collective_bytes["all_reduce[data]"] == pytest.approx(expected, abs=16)
 
 
+@functools.cache     # one step object per model and sizes: see _adamw_step
 def _small_family(name, **changes):
   import pathlib
   import sys
@@ -335,6 +342,7 @@ def test_memory_follows_what_xla_compiles_without_scan(family, recipe, donate):
     assert check.compiled_memory["temp"] < 0.25 * check.compiled_memory["outputs"], check.table()
 
 
+@functools.cache     # one step object per model and sizes: see _adamw_step
 def residual_mlp_step(d, f, batch, seq, layers=2):
   """``h + gelu(h @ w1) @ w2`` per layer, the mean square of the output, AdamW (the bench's MLP)."""
   s = jax.ShapeDtypeStruct
@@ -497,6 +505,7 @@ def test_an_fsdp_table_beside_tensor_is_reduced_as_xla_cpu_reduces_it(embed):
   assert set(check.misses(0.02)) <= {"memory"}, check.table()
 
 
+@functools.cache     # one step object per model and sizes: see _adamw_step
 def _step_models(size, remat=True):
   """bench/_step_models.py's Llama (a lax.scan of layers, jax.checkpoint on each) at ``size``
   ("tiny": 4 heads, 2 kv heads, d 128, 2 layers; "small": 8, 4, 256, 4), batch 8, seq 64."""
@@ -766,6 +775,7 @@ def test_the_memory_of_a_norms_broadcast_buffers(recipe, batch):
   assert check.memory_error <= 0.05, check.table()
 
 
+@functools.cache     # one step object per model and sizes: see _adamw_step
 def _small_gpt2(batch):
   """bench's GPT-2 in flax (LayerNorm: ``(x - mean) * (rsqrt(var) * scale) + bias``) at d 128."""
   import pathlib
@@ -801,6 +811,7 @@ def test_the_memory_of_a_layer_norms_statistic_buffers():
   assert check.memory_error <= 0.05, check.table()
 
 
+@functools.cache     # one step object per model and sizes: see _adamw_step
 def tied_embedding_step(vocab, d, batch, seq, layers=2):
   """A table both looked up and multiplied (``x @ table.T``, GPT-2's tied embeddings) around
   residual tanh layers, AdamW."""

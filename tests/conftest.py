@@ -21,6 +21,7 @@ load) -- fails, unless it is marked ``slow`` and listed with its reason in docs/
 """
 
 import atexit
+import gc
 import json
 import os
 import pathlib
@@ -251,6 +252,19 @@ def _has_gpu() -> bool:
     return bool(jax.devices("gpu"))
   except RuntimeError:
     return False
+
+
+def pytest_collection_finish(session):
+  """Python's cyclic garbage collector, set for a process that runs tests: what the imports and
+  the collection made (jax's, numpy's, the test modules') is frozen out of its walks, and it runs
+  every 10,000 allocations of container objects instead of every 700. No program or result
+  changes, only how soon cyclic garbage is freed. Measured with gc.callbacks in one pytest
+  process (docs/testing.md, fourteenth round): the collector took 4-7 % of its CPU (2.0 of 29.9 s
+  over test_step_planner.py and test_vma.py), and 0.66 s with these settings."""
+  del session
+  gc.collect()
+  gc.freeze()
+  gc.set_threshold(10_000, 10, 10)
 
 
 @pytest.hookimpl(tryfirst=True)      # before pytest-xdist reads the groups (its hook tags node ids)

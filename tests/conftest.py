@@ -21,6 +21,7 @@ load) -- fails, unless it is marked ``slow`` and listed with its reason in docs/
 """
 
 import atexit
+import gc
 import json
 import os
 import pathlib
@@ -70,7 +71,6 @@ if (os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") == "cpu"
   flags += " " + FUSION_EMITTERS_FLAG
 os.environ["XLA_FLAGS"] = flags.strip()
 
-import jax  # noqa: E402  (must follow the environment set-up)
 import pytest  # noqa: E402
 from procs import PROCS  # noqa: E402  (tests/procs.py: why such tests share a group)
 
@@ -81,8 +81,8 @@ CACHE_DIR_VAR = "DTENJAX_TEST_COMPILE_CACHE_DIR"
 _CREATED: list[str] = []     # the cache directory this process made (and removes at the end)
 
 
-def _share_compiled_programs() -> str | None:
-  """Points JAX's persistent compilation cache at this run's directory (see the docstring)."""
+def _compiled_programs_dir() -> str | None:
+  """This run's directory of compiled programs (see the docstring), made by its first process."""
   if os.environ.get("DTENJAX_TEST_COMPILE_CACHE", "1") == "0" or (
       os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") != "cpu"):
     return None
@@ -92,16 +92,33 @@ def _share_compiled_programs() -> str | None:
     os.environ[CACHE_DIR_VAR] = path
     _CREATED.append(path)
     atexit.register(shutil.rmtree, path, ignore_errors=True)
-  jax.config.update("jax_compilation_cache_dir", path)
+  return path
+
+
+COMPILE_CACHE_DIR = _compiled_programs_dir()
+
+
+def _hands_out_tests_only(config) -> bool:
+  """pytest-xdist's controller (``-n N``, as scripts/test.sh runs): it collects and runs no test,
+  its workers do (the condition is xdist's own for starting them)."""
+  return (not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
+          and bool(config.getoption("tx", None)) and not config.getoption("collectonly"))
+
+
+def pytest_configure(config):
+  """Points JAX's persistent compilation cache at this run's directory, in the processes that run
+  tests. Not in xdist's controller, which never imports jax: importing it there (and starting its
+  backend, to ask for a GPU) took 1.5 s of CPU before the controller started the workers
+  (docs/testing.md, fourteenth round)."""
+  if COMPILE_CACHE_DIR is None or _hands_out_tests_only(config):
+    return
+  import jax
+  jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE_DIR)
   # Every program, however quick to compile: the 0.2 s this had is wall time, so on a quiet
   # machine it kept most of the suite's programs out (one process over six test files: 18 of 671
   # compiles loaded, 160 compiled a second time), while a loaded one cached them (202 of 888).
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  return path
-
-
-COMPILE_CACHE_DIR = _share_compiled_programs()
 
 
 def pytest_unconfigure(config):
@@ -229,14 +246,25 @@ def pytest_runtest_makereport(item, call):
 
 
 def _has_gpu() -> bool:
+  """Whether jax sees a GPU: asked where tests are collected (it starts jax's backends)."""
+  import jax
   try:
     return bool(jax.devices("gpu"))
   except RuntimeError:
     return False
 
 
-HAS_GPU = _has_gpu()
-
+def pytest_collection_finish(session):
+  """Python's cyclic garbage collector, set for a process that runs tests: what the imports and
+  the collection made (jax's, numpy's, the test modules') is frozen out of its walks, and it runs
+  every 10,000 allocations of container objects instead of every 700. No program or result
+  changes, only how soon cyclic garbage is freed. Measured with gc.callbacks in one pytest
+  process (docs/testing.md, fourteenth round): the collector took 4-7 % of its CPU (2.0 of 29.9 s
+  over test_step_planner.py and test_vma.py), and 0.66 s with these settings."""
+  del session
+  gc.collect()
+  gc.freeze()
+  gc.set_threshold(10_000, 10, 10)
 
 
 @pytest.hookimpl(tryfirst=True)      # before pytest-xdist reads the groups (its hook tags node ids)
@@ -244,8 +272,9 @@ def pytest_collection_modifyitems(config, items):
   del config
   skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to jax here "
                               "(run on the GPU machine with scripts/gpu_check.sh)")
+  has_gpu = _has_gpu()
   for item in items:
-    if item.get_closest_marker("gpu") is not None and not HAS_GPU:   # not keywords: a checkout in a directory named gpu would match
+    if item.get_closest_marker("gpu") is not None and not has_gpu:   # not keywords: a checkout in a directory named gpu would match
       item.add_marker(skip_gpu)
     if item.get_closest_marker("multiprocess") is not None:
       item.add_marker(PROCS)
@@ -258,6 +287,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def cpu_devices():
+  import jax
   devs = jax.devices("cpu")
   assert len(devs) >= 8, f"tests need 8 simulated CPU devices, found {len(devs)}"
   return devs[:8]

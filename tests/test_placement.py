@@ -15,7 +15,7 @@ from dtenjax._src.planning import mesh as mesh_lib
 from dtenjax._src.topology import model as topo
 from dtenjax._src.planning.placement import Placement, check_divisible, shard, tensor
 from dtenjax._src.topology.model import Topology
-from tests.compile_only import LLVM_O0, USERS_PROGRAM
+from tests.compile_only import USERS_PROGRAM
 
 
 @pytest.fixture(scope="module")
@@ -330,9 +330,8 @@ def _boxes(tree):
 @functools.cache
 def _block_variables():
   """_Block's boxed variables, initialised in one jitted program (eagerly, flax's init compiled
-  each of its ops on its own); shared by the tests that place them, which read their boxes and
-  layouts, never their values: LLVM unoptimised (tests/compile_only.py)."""
-  return jax.jit(_Block().init, compiler_options=LLVM_O0)(jax.random.key(0), jnp.ones((1, 4, 16)))
+  each of its ops on its own); shared by the tests that place them."""
+  return jax.jit(_Block().init)(jax.random.key(0), jnp.ones((1, 4, 16)))
 
 
 def test_shard_honours_flax_logical_names_with_rules(mesh24):
@@ -395,12 +394,11 @@ def test_flax_boxed_params_train_in_a_jitted_step_under_set_mesh(cpu_devices):
   x = jnp.ones((8, 4, 16))
   tx = optax.adam(1e-3)
   with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-    # Both programs run for their layouts and boxes, not their values: LLVM unoptimised.
-    variables = jax.jit(lambda k: shard(model.init(k, x[:1]), Placement("auto")),
-                        compiler_options=LLVM_O0)(jax.random.key(0))
+    variables = jax.jit(lambda k: shard(model.init(k, x[:1]), Placement("auto")))(
+        jax.random.key(0))
     opt = tx.init(variables)
 
-    @functools.partial(jax.jit, compiler_options=LLVM_O0)
+    @jax.jit
     def step(v, o, x):
       g = jax.grad(lambda v: jnp.mean(model.apply(v, x) ** 2))(v)
       u, o = tx.update(g, o, v)

@@ -27,7 +27,6 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import dtenjax
-from tests.compile_only import LLVM_O0
 
 N = 8
 ALGORITHMS = ("auto", "xla", "ring", "one_shot", "two_shot")
@@ -90,8 +89,7 @@ def _lax_reference(mode, check_vma, op):
   run, context = _runner(mode, check_vma, body)
   with context:
     if op in ("sum", "mean"):
-      y, g = map(np.asarray, jax.jit(lambda v: (run(v), jax.grad(_loss(run))(v)),
-                                     compiler_options=LLVM_O0)(x))
+      y, g = map(np.asarray, jax.jit(lambda v: (run(v), jax.grad(_loss(run))(v)))(x))
     else:                                       # lax.pmax/pmin have no gradient
       y, g = np.asarray(run(x)), None
   return y, types[0], g
@@ -148,14 +146,12 @@ def test_all_reduce_is_typed_and_differentiated_like_lax(op, reproducible, mode,
   def values_and_gradients(*a):
     # The outputs and the gradients in one jitted program, as a training step has them: one
     # compile per case, where calling run and then jax.grad(run) compiled three programs (run,
-    # and grad's forward with residuals and its backward). The values and gradients are compared
-    # within rtol 1e-6, never for bits: LLVM unoptimised (tests/compile_only.py), as the lax
-    # reference's.
+    # and grad's forward with residuals and its backward).
     grads = jax.grad(lambda *b: sum(jnp.sum(y ** 2) for y in run(*b)),
                      argnums=tuple(range(len(ALGORITHMS))))(*a)
     return run(*a), grads
   with context:
-    ys, gs = jax.jit(values_and_gradients, compiler_options=LLVM_O0)(*xs)
+    ys, gs = jax.jit(values_and_gradients)(*xs)
     ys = [np.asarray(y) for y in ys]
   ref_y, ref_type, ref_g = _lax_reference(mode, check_vma, op)
 

@@ -78,10 +78,12 @@ def loss_fn(params, batch):
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-def make_step(mesh, reduce=None, *, reproducible=False):
+def make_step(mesh, reduce=None, *, reproducible=False, compiler_options=None):
   """One data-parallel adamw step. ``reduce(tree)`` averages per-device values over "data"
   (``lax.pmean`` by default); ``reproducible=True`` instead hands dtenjax every micro-batch's
-  gradient (``local_axis=0``), so the mean does not depend on how they are split over devices."""
+  gradient (``local_axis=0``), so the mean does not depend on how they are split over devices.
+  ``compiler_options`` go to ``jax.jit`` (the in-process curves, compared within a tolerance,
+  compile with LLVM unoptimised: tests/compile_only.py)."""
   tx = optax.adamw(3e-3)
   reduce = reduce or (lambda t: lax.pmean(t, "data"))
 
@@ -98,12 +100,12 @@ def make_step(mesh, reduce=None, *, reproducible=False):
     return optax.apply_updates(params, updates), opt_state, loss
 
   step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
-                               out_specs=(P(), P(), P())))
+                               out_specs=(P(), P(), P())), compiler_options=compiler_options)
   return tx, step
 
 
-def train(mesh, reduce=None, *, reproducible=False) -> np.ndarray:
-  tx, step = make_step(mesh, reduce, reproducible=reproducible)
+def train(mesh, reduce=None, *, reproducible=False, compiler_options=None) -> np.ndarray:
+  tx, step = make_step(mesh, reduce, reproducible=reproducible, compiler_options=compiler_options)
   # Placed on the mesh as the step returns them, so that every call finds the same input
   # shardings and the step compiles once (from single-device arrays, the first call would
   # compile a second program).

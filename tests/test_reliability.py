@@ -364,13 +364,15 @@ def test_a_peer_that_stops_reading_times_out_on_time():
   not 2 s later (it used to spend up to 2 s more trying to finish the frame to the stopped peer
   before sending its ABORT). Quiet runs measure 2.11-2.13 s for 2 s and 5.18-5.21 s for 5 s
   (docs/reliability.md); the bound here, a quarter of the old 2 s tail, leaves room for a loaded
-  2-core machine (3.32 s was seen in a full suite run) and still fails the old behaviour."""
-  timeout = 3.0
+  2-core machine (3.32 s was seen for a 3 s timeout in a full suite run) and still fails the old
+  behaviour. The timeout's length is not the claim, only what comes after it: 2 s (the buffers
+  fill within milliseconds)."""
+  timeout = 2.0
   c0 = transport.create_local_comm(0, 2, creds(), timeout_s=timeout)
   from_prev, to_next = _python_rank1(c0)
   x = np.ones(16 << 20, np.float32)                                 # 64 MiB: buffers fill
   t0 = time.monotonic()
-  with pytest.raises(errors.CollectiveTimeoutError, match="timed out after 3 s"):
+  with pytest.raises(errors.CollectiveTimeoutError, match="timed out after 2 s"):
     c0.all_reduce(x, site=(3, "s"))
   seconds = time.monotonic() - t0
   assert timeout <= seconds <= timeout + 0.5, seconds

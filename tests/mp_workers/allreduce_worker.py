@@ -195,8 +195,10 @@ def main():
       import ml_dtypes
       under_test = os.environ.get("DTENJAX_TRANSPORT", "auto")
       same = {}
-      for dtype, n in (("float32", 1000), ("float64", 333), ("int32", 4097),
-                       ("bfloat16", 7), ("bfloat16", 70001), ("float32", 1 << 20)):
+      cases = (("float32", 1000), ("float64", 333), ("int32", 4097), ("bfloat16", 7),
+               ("bfloat16", 70001), ("float32", 1 << 20))
+      chosen = os.environ.get("DTENJAX_TEST_SAME_BITS")    # "dtype-n,...": these cases only
+      for dtype, n in [c for c in cases if not chosen or f"{c[0]}-{c[1]}" in chosen.split(",")]:
         dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
         full, arr = global_input(n + 1, n, dt)
         shas = {}

@@ -18,7 +18,9 @@ DTENJAX_TEST_PHASES), in this order:
   no stream key; (keyed) on one communicator per trial, stream=f"job-{k}"; (own) each on a
   communicator its thread creates; every outcome (sum or error text) is recorded;
 * algorithms: rank 0 asks for algorithm="ring", the others for "xla"; afterwards rank 0 runs the
-  xla collective too, which releases the others;
+  xla collective too, which releases the others. Rank 0 waits for a ring that nobody joins, so
+  its wait is the timeout: DTENJAX_TEST_ALGORITHMS_TIMEOUT, when set, is this phase's
+  DTENJAX_COLLECTIVE_TIMEOUT (the others keep theirs);
 * peer_loss: the last rank exits between two collectives; the others run the second one;
 * coordinator_loss: process 0 (the jax.distributed coordinator) SIGKILLs itself; the others keep
   writing a heartbeat into their result until they die or 10 s pass.
@@ -225,6 +227,8 @@ def main():
     if "algorithms" in phases:
       xla = jit(lambda x: dtenjax.all_reduce(x, "p", algorithm="xla"))
       if rank == 0:
+        if "DTENJAX_TEST_ALGORITHMS_TIMEOUT" in os.environ:   # read when the ring is made
+          os.environ["DTENJAX_COLLECTIVE_TIMEOUT"] = os.environ["DTENJAX_TEST_ALGORITHMS_TIMEOUT"]
         attempt("algorithms", lambda: rows(jit(
             lambda x: dtenjax.all_reduce(x, "p", algorithm="ring"))(arr)))
         res["released"] = rows(xla(arr))   # what the others are waiting for in XLA's collective

@@ -6,11 +6,12 @@ that climbs a layer or closes a cycle fails here as surely as a top-level one.
 """
 
 import ast
-import functools
 import pathlib
 import re
 
 import pytest
+
+from tests.helpers import parsed
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "dtenjax" / "_src"
 
@@ -26,17 +27,6 @@ LAYERS = {
 }
 
 
-@functools.cache
-def _parsed(path: str, text: str) -> ast.Module:
-  return ast.parse(text, filename=path)
-
-
-def _tree(path: pathlib.Path) -> ast.Module:
-  """The module at ``path``, parsed once per text: six checks here read the whole package (151
-  modules, 0.5 s of CPU a parse). Keyed by the text, so a file a test rewrites is parsed again."""
-  return _parsed(str(path), path.read_text())
-
-
 def _modules() -> dict[str, pathlib.Path]:
   out = {}
   for path in SRC.rglob("*.py"):
@@ -50,7 +40,7 @@ def _modules() -> dict[str, pathlib.Path]:
 
 def _imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
   """dtenjax._src modules imported by the module at ``path`` (anywhere in it)."""
-  tree = _tree(path)
+  tree = parsed(path)
   found = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
@@ -162,7 +152,7 @@ def _package_graph() -> dict[str, set[str]]:
   graph = {}
   for m, p in out.items():
     deps = set()
-    tree = _tree(p)
+    tree = parsed(p)
     for node in ast.walk(tree):
       if isinstance(node, ast.Import):
         targets = [a.name for a in node.names]
@@ -186,7 +176,7 @@ def _bench_graph(bench: pathlib.Path = BENCH) -> dict[str, set[str]]:
   graph = {}
   for name, path in scripts.items():
     deps = set()
-    for node in ast.walk(_tree(path)):
+    for node in ast.walk(parsed(path)):
       if isinstance(node, ast.Import):
         deps |= {a.name.split(".")[0] for a in node.names}
       elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -227,7 +217,7 @@ def test_benches_import_nothing_from_tests():
   problems = []
   for path in sorted(BENCH.glob("*.py")):
     text = path.read_text()
-    for node in ast.walk(_tree(path)):
+    for node in ast.walk(parsed(path)):
       names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
       problems += [f"bench/{path.name}:{node.lineno} imports {n}" for n in names
@@ -275,7 +265,7 @@ PRIVATE_JAX_OWNER = SRC / "jaxapi.py"
 def _private_jax_uses(path: pathlib.Path) -> list[str]:
   """Where the module at ``path`` imports ``jax._src`` or reads ``jax._src`` as an attribute
   (``import jax._src.x``, ``from jax._src import x``, ``from jax import _src``, ``jax._src.x``)."""
-  tree = _tree(path)
+  tree = parsed(path)
   found = []
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
@@ -334,7 +324,7 @@ def _is_type_narrowing(test: ast.expr) -> bool:
 def _bare_asserts(root: pathlib.Path) -> list[str]:
   found = []
   for path in sorted(root.rglob("*.py")):
-    for node in ast.walk(_tree(path)):
+    for node in ast.walk(parsed(path)):
       if isinstance(node, ast.Assert) and not _is_type_narrowing(node.test):
         found.append(f"{path}:{node.lineno}: assert {ast.unparse(node.test)}")
   return found
@@ -371,7 +361,7 @@ def test_no_module_installs_into_another_package_at_import():
   mods = _modules()
   problems = []
   for name, path in sorted(mods.items()):
-    tree = _tree(path)
+    tree = parsed(path)
     imported = {}     # local alias -> dtenjax module it names
     for node in tree.body:
       if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dtenjax."):
@@ -388,7 +378,7 @@ def test_no_module_installs_into_another_package_at_import():
         problems.append(f"{name} calls {imported[f.value.id]}.{f.attr} at import")
   for name, path in mods.items():
     if name.startswith("dtenjax._src.planning"):
-      tree = _tree(path)
+      tree = parsed(path)
       problems += [f"{name} defines {n.name}" for n in tree.body
                    if isinstance(n, ast.FunctionDef) and n.name.startswith(("set_all_reduce",
                                                                             "install"))]

@@ -2,11 +2,15 @@
 the order they are taken in (with the left fold that states one such order), and waiting for a
 condition instead of sleeping for a time, XLA:CPU's fusion emitters (the option that gives a
 program the default ones back, the flag that gives a process the suite's), the mark that keeps
-a module's tests in one xdist worker, and a jax that cannot be imported."""
+a module's tests in one xdist worker, a jax that cannot be imported, and the package's modules
+parsed once for the checks that read their source."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
+import pathlib
 import time
 from collections.abc import Callable
 
@@ -101,3 +105,16 @@ def without_jax(path) -> str:
     (path / name / "__init__.py").write_text(
         'raise ImportError("jax must not be imported here (tests/helpers.py without_jax)")\n')
   return str(path)
+
+
+@functools.cache
+def _parsed(path: str, text: str) -> ast.Module:
+  return ast.parse(text, filename=path)
+
+
+def parsed(path: pathlib.Path) -> ast.Module:
+  """The module at ``path``, parsed once per text in this process: the checks of
+  tests/test_architecture.py and tests/test_gate.py read the whole package (151 modules, 0.5 s of
+  CPU a parse), six of them. Keyed by the text, so a file a test rewrites is parsed again; the
+  trees are shared, so a check must not change them."""
+  return _parsed(str(path), path.read_text())

@@ -11,6 +11,8 @@ import re
 
 import pytest
 
+from tests.helpers import parsed
+
 SRC = pathlib.Path(__file__).resolve().parents[1] / "dtenjax" / "_src"
 
 # Package (or base module) -> layer; a module may import its own package and lower layers only.
@@ -38,7 +40,7 @@ def _modules() -> dict[str, pathlib.Path]:
 
 def _imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
   """dtenjax._src modules imported by the module at ``path`` (anywhere in it)."""
-  tree = ast.parse(path.read_text(), filename=str(path))
+  tree = parsed(path)
   found = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
@@ -150,7 +152,7 @@ def _package_graph() -> dict[str, set[str]]:
   graph = {}
   for m, p in out.items():
     deps = set()
-    tree = ast.parse(p.read_text(), filename=str(p))
+    tree = parsed(p)
     for node in ast.walk(tree):
       if isinstance(node, ast.Import):
         targets = [a.name for a in node.names]
@@ -174,7 +176,7 @@ def _bench_graph(bench: pathlib.Path = BENCH) -> dict[str, set[str]]:
   graph = {}
   for name, path in scripts.items():
     deps = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(parsed(path)):
       if isinstance(node, ast.Import):
         deps |= {a.name.split(".")[0] for a in node.names}
       elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -215,7 +217,7 @@ def test_benches_import_nothing_from_tests():
   problems = []
   for path in sorted(BENCH.glob("*.py")):
     text = path.read_text()
-    for node in ast.walk(ast.parse(text, filename=str(path))):
+    for node in ast.walk(parsed(path)):
       names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
       problems += [f"bench/{path.name}:{node.lineno} imports {n}" for n in names
@@ -263,7 +265,7 @@ PRIVATE_JAX_OWNER = SRC / "jaxapi.py"
 def _private_jax_uses(path: pathlib.Path) -> list[str]:
   """Where the module at ``path`` imports ``jax._src`` or reads ``jax._src`` as an attribute
   (``import jax._src.x``, ``from jax._src import x``, ``from jax import _src``, ``jax._src.x``)."""
-  tree = ast.parse(path.read_text(), filename=str(path))
+  tree = parsed(path)
   found = []
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
@@ -322,7 +324,7 @@ def _is_type_narrowing(test: ast.expr) -> bool:
 def _bare_asserts(root: pathlib.Path) -> list[str]:
   found = []
   for path in sorted(root.rglob("*.py")):
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
       if isinstance(node, ast.Assert) and not _is_type_narrowing(node.test):
         found.append(f"{path}:{node.lineno}: assert {ast.unparse(node.test)}")
   return found
@@ -359,7 +361,7 @@ def test_no_module_installs_into_another_package_at_import():
   mods = _modules()
   problems = []
   for name, path in sorted(mods.items()):
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parsed(path)
     imported = {}     # local alias -> dtenjax module it names
     for node in tree.body:
       if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dtenjax."):
@@ -376,7 +378,7 @@ def test_no_module_installs_into_another_package_at_import():
         problems.append(f"{name} calls {imported[f.value.id]}.{f.attr} at import")
   for name, path in mods.items():
     if name.startswith("dtenjax._src.planning"):
-      tree = ast.parse(path.read_text())
+      tree = parsed(path)
       problems += [f"{name} defines {n.name}" for n in tree.body
                    if isinstance(n, ast.FunctionDef) and n.name.startswith(("set_all_reduce",
                                                                             "install"))]

@@ -23,6 +23,8 @@ from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import registry
 from dtenjax._src.pricing import costmodel as cm
 from dtenjax._src.topology.model import LinkSpec, Topology
+# the programs' collectives are read, never run: LLVM unoptimised (tests/compile_only.py)
+from tests.compile_only import LLVM_O0
 
 DGX = Topology.fixture("dgx_a100_8")
 ROCE = Topology.fixture("roce_a100_4x8")
@@ -96,7 +98,8 @@ def _program(name, kind, reproducible, mesh):
     f = lambda v: C.reduce_scatter(v, AX, algorithm=name, tiled=True, reproducible=reproducible)
   step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=PartitionSpec(AX),
                                out_specs=PartitionSpec(AX)))
-  return hlo.read_compiled(step.lower(jnp.zeros((8 * E,), jnp.float32)).compile())
+  return hlo.read_compiled(step.lower(jax.ShapeDtypeStruct((8 * E,), jnp.float32))
+                          .compile(LLVM_O0))
 
 
 @pytest.mark.parametrize("kind,reproducible", [("all_reduce", False), ("reduce_scatter", False),
@@ -163,7 +166,7 @@ def _compiled(cpu_devices, body, shape, mesh_shape=(2, 4), axes=AX):
   mesh = Mesh(np.array(cpu_devices[:math.prod(mesh_shape)]).reshape(mesh_shape), axes)
   step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec(axes),
                                out_specs=PartitionSpec(axes), check_vma=False))
-  return hlo.read_compiled(step.lower(jnp.zeros(shape, jnp.float32)).compile())
+  return hlo.read_compiled(step.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile(LLVM_O0))
 
 
 def _split_by_host(module, per_host=4):

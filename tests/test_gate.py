@@ -24,6 +24,7 @@ from dtenjax._src.collectives import api as C
 from dtenjax._src.collectives.algorithms import nvlink
 from dtenjax._src.contract import Contract
 from dtenjax._src.gpu import p2p
+from tests.helpers import parsed
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "dtenjax"
 P2P = SRC / "_src" / "gpu" / "p2p.py"
@@ -244,7 +245,7 @@ def test_no_other_module_names_the_limits_or_the_vocabulary():
   for path in sorted(SRC.rglob("*.py")):
     if path == P2P:
       continue
-    names = _spelled(ast.parse(path.read_text())) & LIMIT_NAMES
+    names = _spelled(parsed(path)) & LIMIT_NAMES
     if names:
       offenders[str(path.relative_to(SRC.parent))] = sorted(names)
   assert not offenders, offenders
@@ -256,7 +257,7 @@ def test_the_rest_of_dtenjax_asks_only_the_gate():
     if path == P2P:
       continue
     allowed = HARNESS_API if path == HARNESS else P2P_API
-    tree = ast.parse(path.read_text())
+    tree = parsed(path)
     for node in ast.walk(tree):
       if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
           and node.value.id == "p2p"):

@@ -95,8 +95,8 @@ def test_device_groups_follow_lax_axis_index(cpu_devices, axes):
     other = lax.axis_index(rest) if rest else 0
     return jnp.stack([lax.axis_index(axes), other])[None] + 0 * v
 
-  out = jax.shard_map(body, mesh=mesh, in_specs=P(("a", "b", "c")),
-                      out_specs=P(("a", "b", "c")))(jnp.zeros((8, 2), jnp.int32))
+  out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("a", "b", "c")),
+                              out_specs=P(("a", "b", "c"))))(np.zeros((8, 2), np.int32))
   rank = {s.device: tuple(int(t) for t in np.asarray(s.data)[0]) for s in out.addressable_shards}
   groups = jaxapi.device_groups(mesh.devices, mesh.axis_names, axes)
   size = int(np.prod([mesh.shape[a] for a in axes]))

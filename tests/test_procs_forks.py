@@ -46,18 +46,19 @@ def test_a_forked_run_is_a_process_of_its_own(forks, tmp_path):
 @pytest.mark.parametrize("how", ["run", "run_at_once"])
 def test_a_run_past_its_timeout_is_killed_with_what_it_started(forks, tmp_path, how):
   """The server's timeout (``run``), and this process's for the runs it adopted (``run_at_once``
-  with servers, tests/mp_workers/launch.py's forked workers). 1.5 s: the run writes its child's
+  with servers, tests/mp_workers/launch.py's forked workers). 0.5 s: the run writes its child's
   pid within milliseconds of its start (a fork of a server that imported nothing, then one
-  ``Popen``), and the test waits out the whole timeout."""
+  ``Popen``: 14-40 ms over 15 runs at load 7-10, 2026-12-06), and the test waits out the whole
+  timeout."""
   pid_file = tmp_path / "child.pid"
   code = ("import subprocess, sys, time\n"
           "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
           f"open({str(pid_file)!r}, 'w').write(str(p.pid))\ntime.sleep(60)\n")
   with pytest.raises(subprocess.TimeoutExpired):
     if how == "run":
-      forks.run(["-c", code], timeout=1.5)
+      forks.run(["-c", code], timeout=0.5)
     else:
-      procs.run_at_once({"sleeper": (["-c", code], forks.env)}, 1.5, [forks])
+      procs.run_at_once({"sleeper": (["-c", code], forks.env)}, 0.5, [forks])
   child = int(pid_file.read_text())
   # the grandchild was in the run's process group: killed too (a zombie until its parent's
   # reaper, init, collects it; never left running)

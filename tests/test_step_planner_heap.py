@@ -3,6 +3,7 @@ the chain's size where XLA's best-fit heap leaves one, none where it does not. E
 XLA:CPU's compiles of small steps (memory_analysis() of what the plan compiles; the slots and
 the clock's ticks from ``--xla_dump_to``'s buffer assignments of the same programs, quoted)."""
 
+import functools
 import pathlib
 import sys
 
@@ -45,23 +46,27 @@ def checks():
   return out
 
 
-def _sliced_bytes(make) -> float:
-  """One ``[b, s-1, V]`` f32 buffer, whole on each device under these TP plans (the batch is
-  not split; the vocabulary's chain is not sharded)."""
-  step, args = make()
+@functools.cache
+def _chain(name: str):
+  """The step's jaxpr and the vocabulary chain heapslot finds in it, traced once per module."""
+  step, args = STEPS[name]()
   jaxpr = jax.make_jaxpr(step)(*args).jaxpr
   shapes = {tuple(v.aval.shape) for v in jaxpr.invars if len(v.aval.shape) >= 2}
   (chain,) = heapslot.find(jaxpr, shapes)
+  return jaxpr, chain
+
+
+def _sliced_bytes(name: str) -> float:
+  """One ``[b, s-1, V]`` f32 buffer, whole on each device under these TP plans (the batch is
+  not split; the vocabulary's chain is not sharded)."""
+  _, chain = _chain(name)
   return chain.sliced.aval.size * chain.sliced.aval.dtype.itemsize
 
 
 def test_the_chain_is_found_with_its_two_products():
   # The slice's backward pad, read by the table's gradient (dy^T x, [V, d] after the transposes
   # XLA folds) and the input's (dy table); the input's product reads the table itself.
-  step, args = _gpt2(512)
-  jaxpr = jax.make_jaxpr(step)(*args).jaxpr
-  shapes = {tuple(v.aval.shape) for v in jaxpr.invars if len(v.aval.shape) >= 2}
-  (chain,) = heapslot.find(jaxpr, shapes)
+  jaxpr, chain = _chain("gpt2 V 512")
   assert chain.sliced.aval.shape == (32, 127, 512) and chain.padded.aval.shape == (32, 128, 512)
   assert chain.weight_grad.aval.shape == (512, 128) and chain.input_grad.aval.shape == (32, 128, 128)
   assert jaxpr.invars[chain.weight_leaf].aval.shape == (512, 128)
@@ -93,7 +98,7 @@ def test_a_fourth_slot_where_xlas_heap_leaves_one(checks):
   # at 32 / 40 / 48 / 56 MiB, the softmax's gradient alone in the fourth slot (7.94 MiB, one
   # [32, 127, 512] f32). Before: 137.7 MiB predicted in all (-4.2 %), temp 7.9 MiB under.
   c = checks["gpt2 V 512"]
-  slot = _sliced_bytes(lambda: _gpt2(512))
+  slot = _sliced_bytes("gpt2 V 512")
   assert abs(c.predicted_memory["temp"] - c.compiled_memory["temp"]) < 0.5 * slot, c.table()
   assert c.memory_error <= 0.02, c.table()
 
@@ -106,6 +111,6 @@ def test_no_fourth_slot_where_the_chain_fits_in_three(checks, name):
   # the embedding's output buffer (B's interval loses one: P is placed before B): three slots.
   # A slot priced on every chain would put these 15 % (32 MiB) and 9 % (8 MiB) over.
   c = checks[name]
-  slot = _sliced_bytes(STEPS[name])
+  slot = _sliced_bytes(name)
   assert abs(c.predicted_memory["temp"] - c.compiled_memory["temp"]) < 0.5 * slot, c.table()
   assert c.memory_error <= 0.03, c.table()

@@ -236,7 +236,9 @@ def test_detect_describes_cpu_devices(cpu_devices):
 def test_exchange_through_kvstore():
   from dtenjax._src.topology import detect
   from dtenjax._src.net import kvstore
-  store = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=1.0)
+  # 0.2 s: the in-memory store answers a key that is there at once; the last exchange waits
+  # out the whole timeout for a rank that never writes
+  store = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=0.2)
   store.set(store.key("topology-gpus", 1), '{"host": "nodeB", "gpus": {}}')  # another process
   mine = {"host": "nodeA", "gpus": {"0": {"bus": "0000:19:00.0", "numa": 0}}}
   assert detect.exchange("topology-gpus", mine, 0, 2, store) == [

@@ -146,3 +146,48 @@ def gpt2_step(batch: int = 8, seq: int = 128, layers: int = 12, d: int = 768, he
   step, tx = _adamw_step(loss)
   opt = jax.eval_shape(tx.init, params)
   return step, (params, opt, tokens)
+
+
+def decoder_70b(batch: int, seq: int = 2048):
+  """A 70B-shaped decoder (Llama 3 70B's widths: d 8192, 64 heads, 8 kv heads, ffn 28672, 80
+  layers, vocabulary 128256), layers stacked for lax.scan under jax.checkpoint, bf16, AdamW;
+  abstract arguments."""
+  vocab, d, h, kv, ffn, n = 128256, 8192, 64, 8, 28672, 80
+  hd = d // h
+  s = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  params = {"embed": s((vocab, d), bf), "unembed": s((d, vocab), bf), "norm": s((d,), bf),
+            "layers": {"wq": s((n, d, h, hd), bf), "wk": s((n, d, kv, hd), bf),
+                       "wv": s((n, d, kv, hd), bf), "wo": s((n, h, hd, d), bf),
+                       "w_gate": s((n, d, ffn), bf), "w_up": s((n, d, ffn), bf),
+                       "w_down": s((n, ffn, d), bf), "ln1": s((n, d), bf), "ln2": s((n, d), bf)}}
+
+  def norm(x, w):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, -1, keepdims=True) + 1e-5)).astype(x.dtype) * w
+
+  def layer(x, p):
+    y = norm(x, p["ln1"])
+    q = jnp.einsum("bsd,dhk->bshk", y, p["wq"])
+    k = jnp.repeat(jnp.einsum("bsd,dhk->bshk", y, p["wk"]), h // kv, axis=2)
+    v = jnp.repeat(jnp.einsum("bsd,dhk->bshk", y, p["wv"]), h // kv, axis=2)
+    a = jax.nn.softmax(jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32), -1).astype(bf)
+    x = x + jnp.einsum("bqhk,hkd->bqd", jnp.einsum("bhqs,bshk->bqhk", a, v), p["wo"])
+    y = norm(x, p["ln2"])
+    g = jax.nn.silu(jnp.einsum("bsd,df->bsf", y, p["w_gate"]))
+    return x + jnp.einsum("bsf,fd->bsd", g * jnp.einsum("bsd,df->bsf", y, p["w_up"]),
+                          p["w_down"]), None
+
+  def loss(p, tokens):
+    x, _ = jax.lax.scan(jax.checkpoint(layer), jnp.take(p["embed"], tokens, axis=0), p["layers"])
+    logits = jnp.einsum("bsd,dv->bsv", norm(x, p["norm"]), p["unembed"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+  tx = optax.adamw(1e-4)
+
+  def step(params, opt_state, tokens):
+    value, grads = jax.value_and_grad(loss)(params, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return step, (params, jax.eval_shape(tx.init, params), s((batch, seq), jnp.int32))

@@ -22,7 +22,7 @@ from tests import compile_only
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import _step_models as models
-from test_step_planner_clusters import decoder_70b
+from _step_models import decoder_70b
 
 
 def _inter_host(topo, factor):

@@ -41,6 +41,12 @@ def mlp_step(d: int = 256, f: int = 1024, layers: int = 2, batch: int = 32, seq:
   return step, (params, opt, jax.ShapeDtypeStruct((batch, seq, d), dtype))
 
 
+def _rms(x, w):
+  """RMSNorm in float32, cast back (the Llama-shaped steps' norm)."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, -1, keepdims=True) + 1e-5)).astype(x.dtype) * w
+
+
 def llama_config(size: str) -> dict:
   """Llama-shaped sizes: "tiny" (tests), "1b" and "8b" (Llama 3's 8B shape)."""
   return {
@@ -73,12 +79,8 @@ def llama_step(size: str = "tiny", batch: int = 8, seq: int = 128, dtype=jnp.bfl
       "unembed": s((d, vocab), dtype),
   }
 
-  def rms(x, w):
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, -1, keepdims=True) + 1e-5)).astype(x.dtype) * w
-
   def layer(x, p):
-    y = rms(x, p["attn_norm"])
+    y = _rms(x, p["attn_norm"])
     q = jnp.einsum("bsd,dhk->bshk", y, p["wq"])
     k = jnp.einsum("bsd,dhk->bshk", y, p["wk"])
     v = jnp.einsum("bsd,dhk->bshk", y, p["wv"])
@@ -89,7 +91,7 @@ def llama_step(size: str = "tiny", batch: int = 8, seq: int = 128, dtype=jnp.bfl
     probs = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1).astype(x.dtype)
     attn = jnp.einsum("bhqs,bshk->bqhk", probs, v)
     x = x + jnp.einsum("bqhk,hkd->bqd", attn, p["wo"])
-    y = rms(x, p["mlp_norm"])
+    y = _rms(x, p["mlp_norm"])
     g = jnp.einsum("bsd,df->bsf", y, p["w_gate"])
     u = jnp.einsum("bsd,df->bsf", y, p["w_up"])
     x = x + jnp.einsum("bsf,fd->bsd", jax.nn.silu(g) * u, p["w_down"])
@@ -100,7 +102,7 @@ def llama_step(size: str = "tiny", batch: int = 8, seq: int = 128, dtype=jnp.bfl
   def loss(p, tokens):
     x = jnp.take(p["embed"], tokens, axis=0)
     x, _ = jax.lax.scan(body, x, p["layers"])
-    logits = jnp.einsum("bsd,dv->bsv", rms(x, p["final_norm"]), p["unembed"])
+    logits = jnp.einsum("bsd,dv->bsv", _rms(x, p["final_norm"]), p["unembed"])
     logits = logits.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
 
@@ -162,25 +164,21 @@ def decoder_70b(batch: int, seq: int = 2048):
                        "w_gate": s((n, d, ffn), bf), "w_up": s((n, d, ffn), bf),
                        "w_down": s((n, ffn, d), bf), "ln1": s((n, d), bf), "ln2": s((n, d), bf)}}
 
-  def norm(x, w):
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, -1, keepdims=True) + 1e-5)).astype(x.dtype) * w
-
   def layer(x, p):
-    y = norm(x, p["ln1"])
+    y = _rms(x, p["ln1"])
     q = jnp.einsum("bsd,dhk->bshk", y, p["wq"])
     k = jnp.repeat(jnp.einsum("bsd,dhk->bshk", y, p["wk"]), h // kv, axis=2)
     v = jnp.repeat(jnp.einsum("bsd,dhk->bshk", y, p["wv"]), h // kv, axis=2)
     a = jax.nn.softmax(jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32), -1).astype(bf)
     x = x + jnp.einsum("bqhk,hkd->bqd", jnp.einsum("bhqs,bshk->bqhk", a, v), p["wo"])
-    y = norm(x, p["ln2"])
+    y = _rms(x, p["ln2"])
     g = jax.nn.silu(jnp.einsum("bsd,df->bsf", y, p["w_gate"]))
     return x + jnp.einsum("bsf,fd->bsd", g * jnp.einsum("bsd,df->bsf", y, p["w_up"]),
                           p["w_down"]), None
 
   def loss(p, tokens):
     x, _ = jax.lax.scan(jax.checkpoint(layer), jnp.take(p["embed"], tokens, axis=0), p["layers"])
-    logits = jnp.einsum("bsd,dv->bsv", norm(x, p["norm"]), p["unembed"]).astype(jnp.float32)
+    logits = jnp.einsum("bsd,dv->bsv", _rms(x, p["norm"]), p["unembed"]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
 
   tx = optax.adamw(1e-4)

@@ -75,7 +75,6 @@ TESTING_DOC = textwrap.dedent("""
 """)
 
 
-
 # One inner run for both checks below (a controller and two workers, each importing jax through
 # the copied conftest: about 2 s of CPU a process): the groups' tests and the budget's, as
 # scripts/test.sh runs the suite (-n 2 --dist loadgroup), with a 0.25 s budget. The module stays

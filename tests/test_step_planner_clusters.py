@@ -16,9 +16,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench")
 import _step_models as models
 
 
-decoder_70b = models.decoder_70b
-
-
 # The chosen mesh (its axes of more than one device), the plan's step time and every recipe's, in
 # seconds, as `dtenjax.plan` priced these steps at commit d80c5a3, before planning was made
 # faster (each distinct collective priced once per plan, island splits and peak FLOP/s once per
@@ -61,7 +58,7 @@ def test_8b_and_70b_on_a_cluster(fixture):
   n = topo.num_devices
   for name, (step, args) in (
       ("8b", models.llama_step("8b", batch=n, seq=2048, remat=True, dtype=jnp.bfloat16)),
-      ("70b", decoder_70b(batch=n))):
+      ("70b", models.decoder_70b(batch=n))):
     # how long planning takes (the "under 2 s on one core") is a benchmark's claim, not a
     # unit test's: bench/step_planner.py --parts time plans these steps in fresh processes
     plan = dtenjax.plan(step, *args, topology=topo)

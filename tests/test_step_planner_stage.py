@@ -22,7 +22,6 @@ from tests import compile_only
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import _step_models as models
-from _step_models import decoder_70b
 
 
 def _inter_host(topo, factor):
@@ -39,7 +38,7 @@ def _stage_specs(plan):
 
 
 def test_roce_cluster_plans_a_pipeline_for_70b_and_says_why():
-  step, args = decoder_70b(batch=16)
+  step, args = models.decoder_70b(batch=16)
   plan = dtenjax.plan(step, *args, topology=dtenjax.Topology.fixture("roce_a100_4x8"))
   pipe = plan.pipeline
   assert pipe is not None, plan.table()
@@ -81,7 +80,7 @@ def test_the_pipeline_is_priced_per_schedule_from_pipeline_cost():
   forward, then the layer's own backward with its recomputation). No budget: on the A100s'
   80 GiB this mesh's least memory is 72.8 GiB by the model, over the 72 GiB it leaves, and the
   planner refuses it (it returned a layout of 78.6 GiB, flagged as not fitting)."""
-  step, args = decoder_70b(batch=64)
+  step, args = models.decoder_70b(batch=64)
   topo = dtenjax.Topology.fixture("roce_a100_4x8")
   plan = dtenjax.plan(step, *args, topology=topo, mesh={"stage": 4, "fsdp": 8},
                       memory_budget=1 << 50)
@@ -122,7 +121,7 @@ def test_slow_inter_host_links_get_stages_and_the_fixtures_links_do_not():
 
 def test_a_faster_link_removes_the_70b_stages():
   topo = dtenjax.Topology.fixture("h100_64")
-  step, args = decoder_70b(batch=topo.num_devices)
+  step, args = models.decoder_70b(batch=topo.num_devices)
   slow = dtenjax.plan(step, *args, topology=_inter_host(topo, 4.0))
   fast = dtenjax.plan(step, *args, topology=_inter_host(topo, 0.5))
   assert slow.pipeline is not None, slow.table()

@@ -13,12 +13,12 @@ import pytest
 import dtenjax
 from dtenjax._src.planning import reproducible
 
-import procs
+from tests import helpers
+from tests.mp_workers import launch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import reproducible_step as bench
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _repro_variants import run_variants
 
 
 def _cpu_has_fma() -> bool:
@@ -120,24 +120,30 @@ def test_fused_and_unfused_steps_agree_bit_for_bit_with_it(monkeypatch, tmp_path
   Both runs trace the collectives' sums as XLA operations (DTENJAX_CPU_FFI=0, as on a GPU or
   without the extension): on XLA:CPU the custom calls sum outside XLA's fusions, so plain
   jax.jit's fused and unfused steps then agree (0 differences in every variant) and would show
-  nothing about the pins."""
-  monkeypatch.setenv("DTENJAX_CPU_FFI", "0")      # the processes run_mode starts inherit it
+  nothing about the pins. Both compile with XLA's default fusion emitters: with the suite's
+  (tests/conftest.py) plain jax.jit's variants agree too (0 differences, measured 2026-12-06)."""
+  monkeypatch.setenv("DTENJAX_CPU_FFI", "0")      # read at trace time, here and in the fork
   variants = ("subst one_shot", "fuse 64KiB", "subst two_shot")
   fma = _cpu_has_fma()
-  # One process after the other (each is mostly single-threaded compilation): one busy process
-  # at a time, no more load than a test in the pytest process, so this test stays out of the
-  # "procs" group (tests/procs.py) and runs beside it. Each is forked from a server that has
-  # imported jax, flax and optax (and started no backend, so each reads its own XLA_FLAGS): a
-  # fresh interpreter imported them twice.
-  with procs.ForkServer(dict(os.environ), ROOT, tmp_path,
-                        preload=("jax", "dtenjax", "numpy", "flax.linen", "optax")) as server:
-    pinned = bench.run_mode("reproducible_step", 5, variants, run=server.run)
-    assert pinned["xla_flags"].endswith("--xla_cpu_max_isa=AVX")
-    for v in variants:
-      assert pinned["diffs"][v] == {"1": 0, "5": 0}, (v, pinned["diffs"])
-    if not fma:
-      pytest.skip("this CPU has no FMA, so plain jax.jit cannot show the difference")
-    plain = bench.run_mode("jax.jit", 5, variants, run=server.run)
+  # The pinned run needs a process of its own (--xla_cpu_max_isa=AVX is read when XLA starts):
+  # forked from one of the session's servers (imported jax and dtenjax, started no backend, so
+  # it reads its own XLA_FLAGS), one busy process at a time, so this test stays out of the
+  # "procs" group (tests/procs.py).
+  path = launch.pythonpath()
+  with launch.one_server(dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path), tmp_path) as server:
+    pinned = bench.run_mode("reproducible_step", 5, variants, run=lambda argv, env, timeout:
+                            server.run(argv, env=dict(env, PYTHONPATH=path), timeout=timeout))
+  assert pinned["xla_flags"].endswith("--xla_cpu_max_isa=AVX")
+  for v in variants:
+    assert pinned["diffs"][v] == {"1": 0, "5": 0}, (v, pinned["diffs"])
+  if not fma:
+    pytest.skip("this CPU has no FMA, so plain jax.jit cannot show the difference")
+  # Plain jax.jit needs no process flag: it runs here, on this process's 8 CPU devices, each
+  # step with XLA's default emitters as its own compiler option (bench.run_mode("jax.jit") in a
+  # process of its own took 2-3 s of CPU more, most of it importing and starting XLA); the same
+  # 591 differing parameters after 5 steps either way (2026-12-06).
+  plain = run_variants(functools.partial(jax.jit, compiler_options=helpers.DEFAULT_CPU_EMITTERS),
+                       5, variants)
   # Which variant XLA contracts differently depends on its fusions (the buckets' copies out at
   # run-time offsets, base.opaque, changed the 64 KiB one's): at least one differs.
   assert any(plain["diffs"][v]["5"] > 0 for v in variants), plain["diffs"]

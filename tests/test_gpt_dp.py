@@ -19,6 +19,7 @@ import gpt_dp
 import procs
 from tests import helpers
 from tests.compile_only import LLVM_O0
+from tests.mp_workers import launch
 
 # The digest of the reproducible loss curve on 2, 4 and 8 devices, per jax version, with
 # --xla_cpu_max_isa=AVX (no FMA: the bits do not depend on the CPU model). Recorded with
@@ -35,7 +36,7 @@ def _mesh(n):
 
 # The in-process curves are compared within a tolerance, not for their bits: their steps compile
 # with LLVM unoptimised (tests/compile_only.py; the same HLO computes the same values). The
-# reproducible curves' bits are the claim below: their fresh process keeps XLA's default level.
+# reproducible curves' bits are the claim below: their process of its own keeps XLA's default level.
 @pytest.fixture(scope="module")
 def lax_curve():
   return gpt_dp.train(_mesh(8), compiler_options=LLVM_O0)
@@ -63,14 +64,18 @@ def test_replacing_pmean_keeps_the_loss_curve(algorithm, lax_curve):
 
 def _curves_on(counts):
   """{devices: (losses, digest)} of the reproducible curve on a mesh of the first n of 8 devices
-  for each n in ``counts``, trained in one fresh process (the stored digest needs
+  for each n in ``counts``, trained in one process of its own (the stored digest needs
   --xla_cpu_max_isa=AVX, which must be set before XLA starts; the suite's own process has no such
   flag). A mesh over n of 8 devices compiles the same n-partition program as a process with n
   devices, and the model is initialised once."""
   script = str(pathlib.Path(__file__).parent / "gpt_dp.py")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=helpers.xla_flags(
-      "--xla_force_host_platform_device_count=8", "--xla_cpu_max_isa=AVX"))
-  (stdout,) = procs.run_at_once({0: ([script, *map(str, counts)], env)}, timeout=540).values()
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=launch.pythonpath(),
+             XLA_FLAGS=helpers.xla_flags("--xla_force_host_platform_device_count=8",
+                                         "--xla_cpu_max_isa=AVX"))
+  # forked from the session's servers (they imported jax and dtenjax and started no backend,
+  # so the run reads its own XLA_FLAGS): a new interpreter imported them once more
+  (stdout,) = procs.run_at_once({0: ([script, *map(str, counts)], env)}, timeout=540,
+                                servers=launch.fork_servers([env])).values()
   out = {}
   for m in re.finditer(r"devices=(\d+) losses=(\[.*\]) digest=(\w+)", stdout):
     out[int(m.group(1))] = (np.asarray(eval(m.group(2)), np.float32),
@@ -79,7 +84,7 @@ def _curves_on(counts):
   return out
 
 
-# One fresh process (the AVX flag), which keeps one core busy while this test waits for it: no
+# One process of its own (the AVX flag), which keeps one core busy while this test waits for it: no
 # more load than a test in the pytest process, so outside the "procs" group (tests/procs.py).
 @pytest.mark.timeout(600)    # about 26 s on a free core; far longer on a machine others load
 def test_reproducible_curves_have_the_same_bits_on_2_4_and_8_devices():

@@ -4,6 +4,7 @@ plan.jit's program for a mesh a user would also write."""
 
 import functools
 import json
+import math
 import pathlib
 import sys
 
@@ -272,9 +273,13 @@ def test_under_a_budget_the_solver_keeps_the_fastest_assignment_whose_modelled_m
     t, _, mem = table[choice[0]]
     return SimpleNamespace(total_s=t, memory={"total": mem}, fits=not budget or mem <= budget)
   monkeypatch.setattr(solver, "solve", fake_solve)
+  monkeypatch.setattr(solver, "solve_bounded",          # no floor: the search runs to its end
+                      lambda *a, **k: (fake_solve(*a, **k), -math.inf))
+  monkeypatch.setattr(solver, "lower_bound", lambda prob: 0.0)
+  monkeypatch.setattr(solver, "_backend", lambda m: "gpu")
   monkeypatch.setattr(solver, "evaluate", fake_evaluate)
   monkeypatch.setattr(solver, "row_memory", lambda prob, choice: table[choice[0]][1])
-  prob = SimpleNamespace(fixed_memory={"activations": 10.0})
+  prob = SimpleNamespace(fixed_memory={"activations": 10.0}, m=None)
   assert fake_solve(prob, None, 55.0) == ["D"]
   assert solver.solve_within(prob, None, 55.0) == ["B"]
   assert solver.solve_within(prob, None, 0.0) == ["A"]            # no budget: the fastest

@@ -101,13 +101,13 @@ def test_the_time_part_plans_the_70b_step_in_a_fresh_process():
 
 def test_the_best_first_search_drops_only_meshes_that_cannot_be_chosen(monkeypatch):
   """step.plan advances the meshes' memory-cap searches (solver.CapSearch) best-first and stops
-  those whose bound exceeds a plan found. On the 70B-shaped step on h100_64 (where the fastest
+  those whose bound exceeds a plan found (a mesh with stages: and every one with stages solved).
+  On the 70B-shaped step on h100_64 (where the fastest
   layout of most meshes does not fit 80 GB): the plan, its price, the recipes and the notes are
   those of every search run to its end (no pruning), with fewer programs solved; and no search's
   bound ever exceeds the step time of the answer it ends with (HiGHS's dual bound plus the
   constant terms is a floor there), while some bound rises above solver.lower_bound."""
   from dtenjax._src.planning import solver
-  from dtenjax._src.planning import step as step_lib
   topo = dtenjax.Topology.fixture("h100_64")
   step, args = models.decoder_70b(batch=topo.num_devices)
   solves = []
@@ -133,7 +133,7 @@ def test_the_best_first_search_drops_only_meshes_that_cannot_be_chosen(monkeypat
     return plan, len(solves), dict(bounds)
 
   pruned, n_pruned, _ = run()
-  monkeypatch.setattr(step_lib, "PRUNE_MARGIN", math.inf)
+  monkeypatch.setattr(solver, "PRUNE_MARGIN", math.inf)
   whole, n_whole, searched = run()
   assert (pruned.mesh_shape, pruned.device_ids, pruned.specs) == (
       whole.mesh_shape, whole.device_ids, whole.specs)

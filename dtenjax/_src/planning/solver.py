@@ -522,16 +522,6 @@ def row_memory(prob: Problem, choice: Sequence[int]) -> float:
           max((pr.gathered_peak for pr in prices), default=0.0))
 
 
-def solve_within(prob: Problem, graph: stepgraph.StepGraph, budget: float,
-                 proposed: bool = True) -> list[int] | None:
-  """The fastest assignment the search finds whose memory by :func:`evaluate` fits ``budget``
-  (0: no budget), or None when none does (:class:`CapSearch` run to its end)."""
-  search = CapSearch(prob, graph, budget, proposed)
-  while not search.done:
-    search.advance()
-  return search.choice
-
-
 # Relative margin by which a mesh's bound must exceed a plan found before the mesh is dropped:
 # far above the solver's tolerances (HiGHS's 1e-6 feasibility) and the 3e-9 measured between a
 # program's objective and evaluate's step time of its solution (bench/step_planner.py's fixtures).
@@ -584,6 +574,19 @@ class CapSearch:
       next(self._steps)
     except StopIteration:
       self.done = True
+
+  def run(self, stop: float = math.inf) -> bool:
+    """Search to the end (True), or until the bound exceeds ``stop`` seconds (False: the answer
+    would be slower than that, by more than :data:`PRUNE_MARGIN`)."""
+    while not self.done:
+      if self.beyond(stop):
+        return False
+      self.advance()
+    return True
+
+  def beyond(self, stop: float) -> bool:
+    """Whether the answer cannot come within :data:`PRUNE_MARGIN` of ``stop`` seconds."""
+    return self.bound > stop * (1 + PRUNE_MARGIN) + 1e-9
 
   def _above(self, floor: float) -> None:
     """A program's floor that every program left to solve keeps."""

@@ -63,14 +63,12 @@ from dtenjax._src.planning.roles import AXES as AXES
 from dtenjax._src.planning.roles import BATCH_AXES as BATCH_AXES
 from dtenjax._src.planning.roles import sequence as sequence_role
 from dtenjax._src.planning.roles import stage as stage_role
-from dtenjax._src.planning.solver import PRUNE_MARGIN
 from dtenjax._src.planning.solver import CapSearch
 from dtenjax._src.planning.solver import Problem
 from dtenjax._src.planning.solver import evaluate
 from dtenjax._src.planning.solver import lower_bound
 from dtenjax._src.planning.solver import make_problem
 from dtenjax._src.planning.solver import solve
-from dtenjax._src.planning.solver import solve_within
 from dtenjax._src.planning.solver import uses_its_axes
 from dtenjax._src.pricing import costmodel
 from dtenjax._src.pricing import registry
@@ -280,10 +278,10 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     heapq.heapify(queue)
     top = math.inf                       # the fastest plan found (seconds)
     while queue:
-      bound, k = heapq.heappop(queue)
-      if bound > top * (1 + PRUNE_MARGIN) + 1e-9:
-        break                            # this mesh and every one left cannot be chosen
+      k = heapq.heappop(queue)[1]
       search = searches[k]
+      if search.beyond(top):
+        break                            # this mesh and every one left cannot be chosen
       search.advance()
       if not search.done:
         heapq.heappush(queue, (search.bound, k))
@@ -313,9 +311,16 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
         yield shape, prob
 
   for shape, prob in to_solve():
-    choice = (solve_within(prob, graph, budget, proposed=proposed) if recipe is None
-              else recipe_choice(prob, graph, recipe))
-    record(shape, prob, choice, least_of(prob))
+    if recipe is not None:
+      record(shape, prob, recipe_choice(prob, graph, recipe), least_of(prob))
+      continue
+    # a mesh with stages whose search would end slower than the plan so far and than every mesh
+    # with stages solved can be neither chosen nor the report's best with stages (_stage_notes)
+    search = CapSearch(prob, graph, budget, proposed)
+    staged_top = min((c.total_s for _, p, _, c in solved if p.m.pipeline is not None),
+                     default=math.inf)
+    if search.run(max(best[0][0] if best is not None else math.inf, staged_top)):
+      record(shape, prob, search.choice, lambda search=search: search.least)
   island = min((len(i) for i in topology.fast_islands()), default=1)
   recipes = []
   by_shape = {shape: prob for shape, prob in problems}

@@ -50,6 +50,9 @@ class Problem:
   # collective bytes per step no layout choice changes ("kind[axes]" -> bytes per participant:
   # the keys' and values' gathers of roles.sequence)
   fixed_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+  # solve_bounded's programs, built at the first solve (by ``proposed``; None: none)
+  programs: dict[bool, "_Program | None"] = dataclasses.field(default_factory=dict, repr=False,
+                                                               compare=False)
 
 
 def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Problem | None:
@@ -641,12 +644,22 @@ def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
   return solve_bounded(prob, graph, budget, objective, proposed)[0]
 
 
-def solve_bounded(prob: Problem, graph: stepgraph.StepGraph, budget: float,
-                  objective: str = "time", proposed: bool = True
-                  ) -> tuple[list[int] | None, float]:
-  """:func:`solve`'s assignment and, for the time objective, a step time (seconds) that no
-  solution of this program goes below: HiGHS's dual bound plus the terms no layout changes
-  (``-inf`` where there is none)."""
+@dataclasses.dataclass
+class _Program:
+  """One mesh's program, built once for its solves: each objective's costs and the constraint
+  matrix and row bounds without the memory cap (``rows``) and with it as the last row
+  (``capped``, its upper bound set per solve)."""
+  index: dict[tuple[int, int], int]
+  costs: dict[str, np.ndarray]
+  rows: tuple
+  capped: tuple
+  integrality: np.ndarray
+  bounds: object
+
+
+def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Program | None:
+  """The program of :func:`solve_bounded` (None where an axis that does not split the batch
+  cannot split enough of the work, see :func:`solve`)."""
   from scipy import optimize, sparse
   index = {}
   costs: list[float] = []
@@ -694,18 +707,15 @@ def solve_bounded(prob: Problem, graph: stepgraph.StepGraph, budget: float,
            for gi, cands in enumerate(prob.cands)]
   ip = nx + nu                             # the gathered-peak variable p
   n = nx + nu + 2                          # + p and the exposed-time variable e
-  c = np.zeros(n)
-  if objective == "memory":
-    c[:nx] = mem
-    for j, (_, act, _, _) in enumerate(saves):
-      c[nx + j] = -act
-    c[ip] = 1.0
-    budget = 0.0
-  else:
-    c[:nx] = costs
-    for j, (saving, _, _, _) in enumerate(saves):
-      c[nx + j] = -saving
-    c[-1] = 1.0
+  c_memory, c_time = np.zeros(n), np.zeros(n)
+  c_memory[:nx] = mem
+  for j, (_, act, _, _) in enumerate(saves):
+    c_memory[nx + j] = -act
+  c_memory[ip] = 1.0
+  c_time[:nx] = costs
+  for j, (saving, _, _, _) in enumerate(saves):
+    c_time[nx + j] = -saving
+  c_time[-1] = 1.0
   rows, cols, vals, lo, hi = [], [], [], [], []
   r = 0
   for gi, ps in enumerate(peaks):                         # p >= each group's gathered peak
@@ -726,7 +736,7 @@ def solve_bounded(prob: Problem, graph: stepgraph.StepGraph, budget: float,
     split = split_flops(prob, graph, axis)
     total = sum(u.flops for u in graph.weights.values())
     if not split or sum(max(fs.values()) for fs in split.values()) < SPLIT_SHARE * total:
-      return None, -math.inf
+      return None
     for gi, fs in split.items():
       for ci, fl in fs.items():
         rows.append(r)
@@ -766,30 +776,53 @@ def solve_bounded(prob: Problem, graph: stepgraph.StepGraph, budget: float,
   lo.append(-np.inf)
   hi.append(prob.overlap * prob.compute_s - prob.grad_latency_s)
   r += 1
-  if budget:                                              # memory per device
-    for k in range(nx):
-      rows.append(r)
-      cols.append(k)
-      vals.append(mem[k])
-    for j, (_, act, _, _) in enumerate(saves):
-      if act:
-        rows.append(r)
-        cols.append(nx + j)
-        vals.append(-act)
+  uncapped = (sparse.csc_array(sparse.csr_array((vals, (rows, cols)), shape=(r, n))),
+              np.array(lo, dtype=float), np.array(hi, dtype=float))
+  for k in range(nx):                                     # memory per device, capped per solve
     rows.append(r)
-    cols.append(ip)
-    vals.append(1.0)
-    lo.append(-np.inf)
-    hi.append(budget - sum(prob.fixed_memory.values()))
-    r += 1
-  a = sparse.csr_array((vals, (rows, cols)), shape=(r, n))
+    cols.append(k)
+    vals.append(mem[k])
+  for j, (_, act, _, _) in enumerate(saves):
+    if act:
+      rows.append(r)
+      cols.append(nx + j)
+      vals.append(-act)
+  rows.append(r)
+  cols.append(ip)
+  vals.append(1.0)
+  capped = (sparse.csc_array(sparse.csr_array((vals, (rows, cols)), shape=(r + 1, n))),
+            np.array(lo + [-np.inf], dtype=float), np.array(hi + [np.inf], dtype=float))
   integrality = np.zeros(n)
   integrality[:nx] = 1
   bounds = optimize.Bounds(np.zeros(n), np.r_[np.ones(nx + nu), np.inf, np.inf])
+  return _Program(index, {"time": c_time, "memory": c_memory}, uncapped, capped, integrality,
+                  bounds)
+
+
+def solve_bounded(prob: Problem, graph: stepgraph.StepGraph, budget: float,
+                  objective: str = "time", proposed: bool = True
+                  ) -> tuple[list[int] | None, float]:
+  """:func:`solve`'s assignment and, for the time objective, a step time (seconds) that no
+  solution of this program goes below: HiGHS's dual bound plus the terms no layout changes
+  (``-inf`` where there is none)."""
+  from scipy import optimize
+  if proposed not in prob.programs:
+    prob.programs[proposed] = _program(prob, graph, proposed)
+  program = prob.programs[proposed]
+  if program is None:
+    return None, -math.inf
+  if objective == "memory":
+    budget = 0.0
+  a, lo, hi = program.capped if budget else program.rows
+  if budget:
+    hi = hi.copy()
+    hi[-1] = budget - sum(prob.fixed_memory.values())
   with _quiet_stdout():
-    res = optimize.milp(c, constraints=optimize.LinearConstraint(a, lo, hi),
-                        integrality=integrality, bounds=bounds,
+    res = optimize.milp(program.costs[objective],
+                        constraints=optimize.LinearConstraint(a, lo, hi),
+                        integrality=program.integrality, bounds=program.bounds,
                         options={"disp": False, "time_limit": 10.0})
+  index = program.index
   if res.x is None:
     return None, -math.inf
   choice = []

@@ -84,12 +84,23 @@ def test_8b_and_70b_on_a_cluster(fixture):
     assert plan.cost.total_s < fsdp.cost.total_s, plan.table()
 
 
-def test_the_time_part_plans_the_70b_step_in_a_fresh_process():
+def test_the_time_part_plans_the_70b_step_in_a_fresh_process(tmp_path):
   """bench/step_planner.py --parts time, where the planning time on these fixtures is measured
   (docs/benchmarks.md): one fresh process plans the 70B-shaped step on h100_64 twice and reports
-  both CPU times and the plan, the one this file pins."""
+  both CPU times and the plan, the one this file pins; with ``against`` (--time-against) a second
+  process plans it with the package under that directory (here a copy of this one: the same
+  plan)."""
+  import shutil
+
   import step_planner
-  (row,) = step_planner.time_rows(repeats=1, fixtures=("h100_64",), models_=("70b",))
+  package = pathlib.Path(dtenjax.__file__).parent
+  shutil.copytree(package, tmp_path / "dtenjax", ignore=shutil.ignore_patterns("__pycache__"))
+  row, other = step_planner.time_rows(repeats=1, fixtures=("h100_64",), models_=("70b",),
+                                      against=str(tmp_path))
+  assert (row["src"], other["src"]) == ("this checkout", str(tmp_path))
+  assert (other["mesh"], other["specs_hash"]) == (row["mesh"], row["specs_hash"])
+  assert step_planner._pairs([row, other]) == {
+      ("70b", "h100_64"): ([row["plan_cpu_s"]], [other["plan_cpu_s"]])}
   assert (row["model"], row["topology"], row["run"]) == ("70b", "h100_64", 0)
   # a plan's six axes in their order (docs/planner.md), as the child prints plan.mesh_shape
   shape = dict(zip(("data", "stage", "fsdp", "sequence", "expert", "tensor"),

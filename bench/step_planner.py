@@ -17,7 +17,8 @@ Parts (``--parts``, default all):
   (``h100_64``, ``h100_256``, ``h100_1024``; the target: under 2 s of one core each), cold
   (imports of scipy's solver and the tracing included) in fresh processes,
   then the same plan again in that process: wall and process CPU time, with the load average
-  (the CPU time barely moves when other work shares the machine).
+  (the CPU time barely moves when other work shares the machine). ``--time-against DIR`` plans
+  with another revision's package too, in the same rounds (its first plans' medians over ours).
 * ``wins`` -- six model families (bench/_families.py: a scanned and a looped Llama-shaped decoder,
   an encoder-decoder, a convnet with batch norm, a mixture-of-experts transformer, weights shared
   across layers) on this machine's devices: the plan's ``plan.jit`` step against the layouts a
@@ -177,7 +178,12 @@ _TIME_CHILD = """
 import sys, time
 t0 = time.perf_counter()
 sys.path.insert(0, {here!r})
+src = {src!r}
+if src:   # another revision's package first; an editable install's finder would redirect to ours
+  sys.meta_path = [f for f in sys.meta_path if "editable" not in type(f).__module__]
+  sys.path.insert(0, src)
 import jax.numpy as jnp, _step_models as m, dtenjax
+assert not src or dtenjax.__file__.startswith(src), dtenjax.__file__
 topology = dtenjax.Topology.fixture({fixture!r})
 n = topology.num_devices
 step, args = (m.llama_step("8b", batch=n, seq=2048, remat=True, dtype=jnp.bfloat16)
@@ -194,24 +200,37 @@ print(t2 - t1, c2 - c1, c3 - c2, "x".join(map(str, plan.mesh_shape)), digest[:16
 
 
 def time_rows(repeats: int = 3, fixtures=("h100_64", "h100_256", "h100_1024"),
-              models_=("8b", "70b")) -> list[dict]:
+              models_=("8b", "70b"), against: str = "") -> list[dict]:
   """Planning an 8B step (one sequence of 2048 per device, bf16) and a 70B-shaped one
   (``_step_models.decoder_70b``) on each fixture in fresh processes: the first plan (imports of
   scipy's solver, the tracing and the topology's first look-ups included) and the same plan
-  again in that process (the planning alone). The target: under 2 s of one core each."""
+  again in that process (the planning alone). The target: under 2 s of one core each.
+  ``against``: a directory holding another revision's ``dtenjax`` package, planned in the same
+  rounds (each round a process of each, the first of the pair alternating; the rows' ``src``)."""
+  srcs = ["", os.path.abspath(against)] if against else [""]
   rows = []
   for model in models_:
     for fixture in fixtures:
       for i in range(repeats):
-        child = _TIME_CHILD.format(here=HERE, fixture=fixture, model=model)
-        out = subprocess.run([sys.executable, "-c", child],
-                             capture_output=True, text=True, timeout=600, check=True)
-        wall, cpu, again, mesh, digest = out.stdout.split()[-5:]
-        load = os.getloadavg()[0]
-        rows.append({"model": model, "topology": fixture, "run": i, "plan_s": float(wall),
-                     "plan_cpu_s": float(cpu), "again_cpu_s": float(again), "load": load,
-                     "mesh": mesh, "specs_hash": digest})
+        for src in srcs[::-1] if i % 2 else srcs:
+          child = _TIME_CHILD.format(here=HERE, fixture=fixture, model=model, src=src)
+          out = subprocess.run([sys.executable, "-c", child],
+                               capture_output=True, text=True, timeout=600, check=True)
+          wall, cpu, again, mesh, digest = out.stdout.split()[-5:]
+          load = os.getloadavg()[0]
+          rows.append({"model": model, "topology": fixture, "run": i, "plan_s": float(wall),
+                       "plan_cpu_s": float(cpu), "again_cpu_s": float(again), "load": load,
+                       "mesh": mesh, "specs_hash": digest, "src": src or "this checkout"})
   return rows
+
+
+def _pairs(rows: list[dict]) -> dict:
+  """(model, topology) -> (this checkout's first plans' CPU s, the other package's)."""
+  out: dict = {}
+  for r in rows:
+    mine, theirs = out.setdefault((r["model"], r["topology"]), ([], []))
+    (mine if r["src"] == "this checkout" else theirs).append(r["plan_cpu_s"])
+  return out
 
 
 def compiled_profile(compiled) -> dict:
@@ -599,6 +618,9 @@ def main(argv=None) -> int:
   ap.add_argument("--no-measure", action="store_true",
                   help="wins part: skip the measure=6 plan (it compiles and times every layout a "
                   "user writes once more)")
+  ap.add_argument("--time-against", metavar="DIR", default="",
+                  help="time part: also plan with the dtenjax package under DIR (another "
+                  "revision: git archive REV dtenjax | tar -x -C DIR), side by side")
   ap.add_argument("--json", metavar="PATH")
   ap.add_argument("--child", help=argparse.SUPPRESS)
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -642,9 +664,9 @@ def main(argv=None) -> int:
                          title="plans on the reference clusters"))
     doc_rows += [{"part": "clusters", **r} for r in rows]
   if "time" in parts:
-    rows = time_rows()
+    rows = time_rows(against=args.time_against)
     print(_harness.table(rows, (("model", "model", "s"), ("topology", "topology", "s"),
-                                ("run", "run", "d"),
+                                ("run", "run", "d"), ("package", "src", "s"),
                                 ("plan s (cold, wall)", "plan_s", ".2f"),
                                 ("CPU s", "plan_cpu_s", ".2f"), ("again, CPU s", "again_cpu_s", ".2f"),
                                 ("load avg", "load", ".1f"),
@@ -657,6 +679,10 @@ def main(argv=None) -> int:
     again = sum(r["again_cpu_s"] < 2.0 for r in rows)
     notes.append(f"time: same plan in every process of a model and topology: {same}; under 2 s "
                  f"of CPU: {cold} of {len(rows)} first plans, {again} of {len(rows)} again")
+    if args.time_against:
+      notes.append("time: median first plan's CPU s over " + args.time_against + "'s: " + ", ".join(
+          f"{m} {f} {_harness.median(mine) / _harness.median(theirs):.2f}x"
+          for (m, f), (mine, theirs) in _pairs(rows).items()))
     doc_rows += [{"part": "time", **r} for r in rows]
   if "gpu" in parts:
     rows, gnotes = gpu_rows(args.gpu_families.split(","), "large")

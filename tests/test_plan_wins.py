@@ -4,6 +4,7 @@ plan.jit's program for a mesh a user would also write."""
 
 import functools
 import json
+import math
 import pathlib
 import sys
 
@@ -249,7 +250,7 @@ def test_the_terms_bench_probes_the_calibration_and_writes_its_json(tmp_path, mo
 
 def test_under_a_budget_the_solver_keeps_the_fastest_assignment_whose_modelled_memory_fits(
     monkeypatch):
-  """solver.solve_within's rule, on a fake program: the fastest assignment whose memory by
+  """solver.CapSearch's rule, on a fake program: the fastest assignment whose memory by
   ``evaluate`` (the model's buffer placement) fits the budget, where the program's linear memory
   row overstates it (every gradient and activation held at once). Four assignments (time,
   row, modelled memory): A (1, 100, 60), B (2, 90, 50), C (3, 70, 45), D (4, 40, 44). Under a
@@ -272,15 +273,24 @@ def test_under_a_budget_the_solver_keeps_the_fastest_assignment_whose_modelled_m
     t, _, mem = table[choice[0]]
     return SimpleNamespace(total_s=t, memory={"total": mem}, fits=not budget or mem <= budget)
   monkeypatch.setattr(solver, "solve", fake_solve)
+  monkeypatch.setattr(solver, "solve_bounded",          # no floor: the search runs to its end
+                      lambda *a, **k: (fake_solve(*a, **k), -math.inf))
+  monkeypatch.setattr(solver, "lower_bound", lambda prob: 0.0)
+  monkeypatch.setattr(solver, "_backend", lambda m: "gpu")
   monkeypatch.setattr(solver, "evaluate", fake_evaluate)
   monkeypatch.setattr(solver, "row_memory", lambda prob, choice: table[choice[0]][1])
-  prob = SimpleNamespace(fixed_memory={"activations": 10.0})
+  prob = SimpleNamespace(fixed_memory={"activations": 10.0}, m=None)
   assert fake_solve(prob, None, 55.0) == ["D"]
-  assert solver.solve_within(prob, None, 55.0) == ["B"]
-  assert solver.solve_within(prob, None, 0.0) == ["A"]            # no budget: the fastest
-  assert solver.solve_within(prob, None, 61.0) == ["A"]
-  assert solver.solve_within(prob, None, 45.0) == ["C"]
-  assert solver.solve_within(prob, None, 43.0) is None            # nothing fits: refused
+
+  def solve_within(prob, graph, budget):
+    search = solver.CapSearch(prob, graph, budget)
+    assert search.run()                           # no stop: to its end
+    return search.choice
+  assert solve_within(prob, None, 55.0) == ["B"]
+  assert solve_within(prob, None, 0.0) == ["A"]            # no budget: the fastest
+  assert solve_within(prob, None, 61.0) == ["A"]
+  assert solve_within(prob, None, 45.0) == ["C"]
+  assert solve_within(prob, None, 43.0) is None            # nothing fits: refused
 
 
 def test_a_budget_the_users_fsdp_x_tp_fits_is_not_refused_and_the_plan_compiles_within_it(

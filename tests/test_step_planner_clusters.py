@@ -4,6 +4,7 @@ by the planner's own model, the state is sharded, and only data-parallel replica
 pipeline stages cross the hosts besides FSDP, tensor parallelism staying inside an NVLink island.
 How long planning takes is measured by bench/step_planner.py --parts time (tested here once)."""
 
+import math
 import pathlib
 import sys
 
@@ -83,12 +84,23 @@ def test_8b_and_70b_on_a_cluster(fixture):
     assert plan.cost.total_s < fsdp.cost.total_s, plan.table()
 
 
-def test_the_time_part_plans_the_70b_step_in_a_fresh_process():
+def test_the_time_part_plans_the_70b_step_in_a_fresh_process(tmp_path):
   """bench/step_planner.py --parts time, where the planning time on these fixtures is measured
   (docs/benchmarks.md): one fresh process plans the 70B-shaped step on h100_64 twice and reports
-  both CPU times and the plan, the one this file pins."""
+  both CPU times and the plan, the one this file pins; with ``against`` (--time-against) a second
+  process plans it with the package under that directory (here a copy of this one: the same
+  plan)."""
+  import shutil
+
   import step_planner
-  (row,) = step_planner.time_rows(repeats=1, fixtures=("h100_64",), models_=("70b",))
+  package = pathlib.Path(dtenjax.__file__).parent
+  shutil.copytree(package, tmp_path / "dtenjax", ignore=shutil.ignore_patterns("__pycache__"))
+  row, other = step_planner.time_rows(repeats=1, fixtures=("h100_64",), models_=("70b",),
+                                      against=str(tmp_path))
+  assert (row["src"], other["src"]) == ("this checkout", str(tmp_path))
+  assert (other["mesh"], other["specs_hash"]) == (row["mesh"], row["specs_hash"])
+  assert step_planner._pairs([row, other]) == {
+      ("70b", "h100_64"): ([row["plan_cpu_s"]], [other["plan_cpu_s"]])}
   assert (row["model"], row["topology"], row["run"]) == ("70b", "h100_64", 0)
   # a plan's six axes in their order (docs/planner.md), as the child prints plan.mesh_shape
   shape = dict(zip(("data", "stage", "fsdp", "sequence", "expert", "tensor"),
@@ -96,3 +108,54 @@ def test_the_time_part_plans_the_70b_step_in_a_fresh_process():
   assert {a: k for a, k in shape.items() if k > 1} == PINNED[("70b", "h100_64")][0]
   assert row["plan_cpu_s"] > row["again_cpu_s"] > 0          # the first plan pays the imports
   assert len(row["specs_hash"]) == 16
+
+
+def test_the_best_first_search_drops_only_meshes_that_cannot_be_chosen(monkeypatch):
+  """step.plan advances the meshes' memory-cap searches (solver.CapSearch) best-first and stops
+  those whose bound exceeds a plan found (a mesh with stages: and every one with stages solved).
+  On the 70B-shaped step on h100_64 (where the fastest
+  layout of most meshes does not fit 80 GB): the plan, its price, the recipes and the notes are
+  those of every search run to its end (no pruning), with fewer programs solved; and no search's
+  bound ever exceeds the step time of the answer it ends with (HiGHS's dual bound plus the
+  constant terms is a floor there), while some bound rises above solver.lower_bound."""
+  from dtenjax._src.planning import solver
+  topo = dtenjax.Topology.fixture("h100_64")
+  step, args = models.decoder_70b(batch=topo.num_devices)
+  solves = []
+  bounds = {}                       # search -> every bound it had
+  bounded, advance = solver.solve_bounded, solver.CapSearch.advance
+
+  def counted(*a, **k):
+    solves.append(1)
+    return bounded(*a, **k)
+
+  def recorded(search):
+    bounds.setdefault(search, []).append(search.bound)
+    advance(search)
+    bounds[search].append(search.bound)
+
+  monkeypatch.setattr(solver, "solve_bounded", counted)
+  monkeypatch.setattr(solver.CapSearch, "advance", recorded)
+
+  def run():
+    solves.clear()
+    bounds.clear()
+    plan = dtenjax.plan(step, *args, topology=topo)
+    return plan, len(solves), dict(bounds)
+
+  pruned, n_pruned, _ = run()
+  monkeypatch.setattr(solver, "PRUNE_MARGIN", math.inf)
+  whole, n_whole, searched = run()
+  assert (pruned.mesh_shape, pruned.device_ids, pruned.specs) == (
+      whole.mesh_shape, whole.device_ids, whole.specs)
+  assert (pruned.cost, pruned.recipes, pruned.notes) == (whole.cost, whole.recipes, whole.notes)
+  assert n_pruned < n_whole, (n_pruned, n_whole)
+  raised = 0
+  for search, seen in searched.items():
+    assert search.done
+    if search.choice is None:
+      continue
+    total = solver.evaluate(search.prob, search.choice, search.graph, search.budget).total_s
+    assert max(seen) <= total * (1 + 1e-9), (search.prob.m.shape, max(seen), total)
+    raised += max(seen) > solver.lower_bound(search.prob) * (1 + 1e-6)
+  assert raised > 0

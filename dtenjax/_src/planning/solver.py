@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -49,6 +50,9 @@ class Problem:
   # collective bytes per step no layout choice changes ("kind[axes]" -> bytes per participant:
   # the keys' and values' gathers of roles.sequence)
   fixed_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+  # solve_bounded's programs, built at the first solve (by ``proposed``; None: none)
+  programs: dict[bool, "_Program | None"] = dataclasses.field(default_factory=dict, repr=False,
+                                                               compare=False)
 
 
 def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Problem | None:
@@ -508,7 +512,7 @@ def uses_its_axes(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGra
   return True
 
 
-# Bisections of the program's memory cap in solve_within: the cap's interval shrinks 256-fold.
+# Bisections of the program's memory cap in CapSearch: the cap's interval shrinks 256-fold.
 CAP_STEPS = 8
 
 
@@ -521,10 +525,14 @@ def row_memory(prob: Problem, choice: Sequence[int]) -> float:
           max((pr.gathered_peak for pr in prices), default=0.0))
 
 
-def solve_within(prob: Problem, graph: stepgraph.StepGraph, budget: float,
-                 proposed: bool = True) -> list[int] | None:
-  """The fastest assignment the search finds whose memory by :func:`evaluate` fits ``budget``
-  (0: no budget), or None when none does.
+# Relative margin by which a mesh's bound must exceed a plan found before the mesh is dropped:
+# far above the solver's tolerances (HiGHS's 1e-6 feasibility) and the 2.3e-9 measured between a
+# program's objective and evaluate's step time of its solution (bench/step_planner.py's fixtures).
+PRUNE_MARGIN = 1e-4
+
+
+class CapSearch:
+  """The search of one mesh's assignment that fits a budget, one program at a time.
 
   The program's memory row is linear: it adds every gradient and activation as if all were live
   at once, up to 2.6x the memory :func:`evaluate` places (the moe family's ``tensor 8``: 107 MiB
@@ -533,44 +541,125 @@ def solve_within(prob: Problem, graph: stepgraph.StepGraph, budget: float,
   fastest assignment when it fits; else the cap is bisected (:data:`CAP_STEPS`) between the
   rows of the least-memory assignment and of the fastest, each solution checked by
   :func:`evaluate`, and the fastest that fits is kept (the least-memory assignment if it fits
-  and nothing faster does)."""
-  fastest = solve(prob, graph, 0.0, proposed=proposed)
-  if fastest is None or not budget:
-    return fastest
-  cost = evaluate(prob, fastest, graph, budget)
-  if cost.fits:
-    return fastest
-  least = solve(prob, graph, 0.0, objective="memory", proposed=proposed)
-  if least is None:
-    return None
-  found = [(evaluate(prob, least, graph, budget), least)]
-  # no assignment's row is below the fixed memory; the fastest's is at most row_memory (the
-  # program's row also subtracts the activations a complete pair shards)
-  lo, hi = sum(prob.fixed_memory.values()), row_memory(prob, fastest)
-  for _ in range(CAP_STEPS):
-    cap = (lo + hi) / 2
-    choice = solve(prob, graph, cap, proposed=proposed)
-    if choice is None:                 # nothing fits the cap: a larger one
-      lo = cap
-      continue
-    cost = evaluate(prob, choice, graph, budget)
-    found.append((cost, choice))
-    if cost.fits:
-      lo = cap
-    else:
-      hi = cap
-  fits = [(c.total_s, k, choice) for k, (c, choice) in enumerate(found) if c.fits]
-  return min(fits)[2] if fits else None
+  and nothing faster does).
+
+  ``bound`` is a step time (seconds) that the search's answer cannot go below: the least of the
+  fitting solutions found and of a floor of the programs still to solve, which every cap below
+  a cap whose solution did not fit keeps (each later program's solutions are that program's
+  too); the floor is :func:`lower_bound`, raised off the CPU to HiGHS's dual bound of the
+  program plus the constant terms (there evaluate's step time of a solution is the program's
+  objective; on XLA:CPU sliced prices and reduced columns can put it below). ``step.plan``
+  advances the meshes' searches best-first and stops those whose bound exceeds a plan found:
+  they cannot be chosen, and every other search ends where it would alone."""
+
+  def __init__(self, prob: Problem, graph: stepgraph.StepGraph, budget: float,
+               proposed: bool = True):
+    self.prob, self.graph, self.budget, self.proposed = prob, graph, budget, proposed
+    self.done = False
+    self.choice: list[int] | None = None
+    self._floor = lower_bound(prob)
+    self._fit = math.inf
+    self._exact = _backend(prob.m) != "cpu"
+    self._steps = self._search()
+
+  @property
+  def bound(self) -> float:
+    return min(self._fit, self._floor)
+
+  @functools.cached_property
+  def least(self) -> list[int] | None:
+    """The least-memory assignment (solved once, for the search or the planner's shortfall)."""
+    return solve(self.prob, self.graph, 0.0, objective="memory", proposed=self.proposed)
+
+  def advance(self) -> None:
+    """Solve the next program (or end the search)."""
+    try:
+      next(self._steps)
+    except StopIteration:
+      self.done = True
+
+  def run(self, stop: float = math.inf) -> bool:
+    """Search to the end (True), or until the bound exceeds ``stop`` seconds (False: the answer
+    would be slower than that, by more than :data:`PRUNE_MARGIN`)."""
+    while not self.done:
+      if self.beyond(stop):
+        return False
+      self.advance()
+    return True
+
+  def beyond(self, stop: float) -> bool:
+    """Whether the answer cannot come within :data:`PRUNE_MARGIN` of ``stop`` seconds."""
+    return self.bound > stop * (1 + PRUNE_MARGIN) + 1e-9
+
+  def _above(self, floor: float) -> None:
+    """A program's floor that every program left to solve keeps."""
+    if self._exact:
+      self._floor = max(self._floor, floor)
+
+  def _search(self):
+    prob, graph, budget = self.prob, self.graph, self.budget
+    fastest, floor = solve_bounded(prob, graph, 0.0, proposed=self.proposed)
+    if fastest is None or not budget or evaluate(prob, fastest, graph, budget).fits:
+      self.choice = fastest
+      return
+    self._above(floor)
+    yield
+    least = self.least
+    if least is None:
+      return
+    found = [(evaluate(prob, least, graph, budget), least)]
+    if found[0][0].fits:
+      self._fit = found[0][0].total_s
+    yield
+    # no assignment's row is below the fixed memory; the fastest's is at most row_memory (the
+    # program's row also subtracts the activations a complete pair shards)
+    lo, hi = sum(prob.fixed_memory.values()), row_memory(prob, fastest)
+    for _ in range(CAP_STEPS):
+      cap = (lo + hi) / 2
+      choice, floor = solve_bounded(prob, graph, cap, proposed=self.proposed)
+      if choice is None:                 # nothing fits the cap: a larger one
+        lo = cap
+      else:
+        cost = evaluate(prob, choice, graph, budget)
+        found.append((cost, choice))
+        if cost.fits:
+          lo = cap
+          self._fit = min(self._fit, cost.total_s)
+        else:
+          hi = cap
+          self._above(floor)
+      yield
+    fits = [(c.total_s, k, choice) for k, (c, choice) in enumerate(found) if c.fits]
+    self.choice = min(fits)[2] if fits else None
 
 
 def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
-           objective: str = "time", proposed: bool = True) -> list[int] | None:
+          objective: str = "time", proposed: bool = True) -> list[int] | None:
   """The cheapest assignment that fits (scipy.optimize.milp), or None when none fits; with
   ``objective="memory"`` the assignment of least memory per device (no budget).
 
   On a mesh the planner proposes (``proposed``), a ``tensor`` axis must shard at least one
   weight over it: otherwise the devices along that axis would compute the same step on the same
   data (duplicated work). A mesh the user gave is planned as given."""
+  return solve_bounded(prob, graph, budget, objective, proposed)[0]
+
+
+@dataclasses.dataclass
+class _Program:
+  """One mesh's program, built once for its solves: each objective's costs and the constraint
+  matrix and row bounds without the memory cap (``rows``) and with it as the last row
+  (``capped``, its upper bound set per solve)."""
+  index: dict[tuple[int, int], int]
+  costs: dict[str, np.ndarray]
+  rows: tuple
+  capped: tuple
+  integrality: np.ndarray
+  bounds: object
+
+
+def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Program | None:
+  """The program of :func:`solve_bounded` (None where an axis that does not split the batch
+  cannot split enough of the work, see :func:`solve`)."""
   from scipy import optimize, sparse
   index = {}
   costs: list[float] = []
@@ -618,18 +707,15 @@ def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
            for gi, cands in enumerate(prob.cands)]
   ip = nx + nu                             # the gathered-peak variable p
   n = nx + nu + 2                          # + p and the exposed-time variable e
-  c = np.zeros(n)
-  if objective == "memory":
-    c[:nx] = mem
-    for j, (_, act, _, _) in enumerate(saves):
-      c[nx + j] = -act
-    c[ip] = 1.0
-    budget = 0.0
-  else:
-    c[:nx] = costs
-    for j, (saving, _, _, _) in enumerate(saves):
-      c[nx + j] = -saving
-    c[-1] = 1.0
+  c_memory, c_time = np.zeros(n), np.zeros(n)
+  c_memory[:nx] = mem
+  for j, (_, act, _, _) in enumerate(saves):
+    c_memory[nx + j] = -act
+  c_memory[ip] = 1.0
+  c_time[:nx] = costs
+  for j, (saving, _, _, _) in enumerate(saves):
+    c_time[nx + j] = -saving
+  c_time[-1] = 1.0
   rows, cols, vals, lo, hi = [], [], [], [], []
   r = 0
   for gi, ps in enumerate(peaks):                         # p >= each group's gathered peak
@@ -690,34 +776,60 @@ def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
   lo.append(-np.inf)
   hi.append(prob.overlap * prob.compute_s - prob.grad_latency_s)
   r += 1
-  if budget:                                              # memory per device
-    for k in range(nx):
-      rows.append(r)
-      cols.append(k)
-      vals.append(mem[k])
-    for j, (_, act, _, _) in enumerate(saves):
-      if act:
-        rows.append(r)
-        cols.append(nx + j)
-        vals.append(-act)
+  uncapped = (sparse.csc_array(sparse.csr_array((vals, (rows, cols)), shape=(r, n))),
+              np.array(lo, dtype=float), np.array(hi, dtype=float))
+  for k in range(nx):                                     # memory per device, capped per solve
     rows.append(r)
-    cols.append(ip)
-    vals.append(1.0)
-    lo.append(-np.inf)
-    hi.append(budget - sum(prob.fixed_memory.values()))
-    r += 1
-  a = sparse.csr_array((vals, (rows, cols)), shape=(r, n))
+    cols.append(k)
+    vals.append(mem[k])
+  for j, (_, act, _, _) in enumerate(saves):
+    if act:
+      rows.append(r)
+      cols.append(nx + j)
+      vals.append(-act)
+  rows.append(r)
+  cols.append(ip)
+  vals.append(1.0)
+  capped = (sparse.csc_array(sparse.csr_array((vals, (rows, cols)), shape=(r + 1, n))),
+            np.array(lo + [-np.inf], dtype=float), np.array(hi + [np.inf], dtype=float))
   integrality = np.zeros(n)
   integrality[:nx] = 1
   bounds = optimize.Bounds(np.zeros(n), np.r_[np.ones(nx + nu), np.inf, np.inf])
+  return _Program(index, {"time": c_time, "memory": c_memory}, uncapped, capped, integrality,
+                  bounds)
+
+
+def solve_bounded(prob: Problem, graph: stepgraph.StepGraph, budget: float,
+                  objective: str = "time", proposed: bool = True
+                  ) -> tuple[list[int] | None, float]:
+  """:func:`solve`'s assignment and, for the time objective, a step time (seconds) that no
+  solution of this program goes below: HiGHS's dual bound plus the terms no layout changes
+  (``-inf`` where there is none)."""
+  from scipy import optimize
+  if proposed not in prob.programs:
+    prob.programs[proposed] = _program(prob, graph, proposed)
+  program = prob.programs[proposed]
+  if program is None:
+    return None, -math.inf
+  if objective == "memory":
+    budget = 0.0
+  a, lo, hi = program.capped if budget else program.rows
+  if budget:
+    hi = hi.copy()
+    hi[-1] = budget - sum(prob.fixed_memory.values())
   with _quiet_stdout():
-    res = optimize.milp(c, constraints=optimize.LinearConstraint(a, lo, hi),
-                        integrality=integrality, bounds=bounds,
+    res = optimize.milp(program.costs[objective],
+                        constraints=optimize.LinearConstraint(a, lo, hi),
+                        integrality=program.integrality, bounds=program.bounds,
                         options={"disp": False, "time_limit": 10.0})
+  index = program.index
   if res.x is None:
-    return None
+    return None, -math.inf
   choice = []
   for gi, cands in enumerate(prob.cands):
     vals_g = [res.x[index[(gi, ci)]] for ci in range(len(cands))]
     choice.append(int(np.argmax(vals_g)))
-  return choice
+  dual = getattr(res, "mip_dual_bound", None)
+  if objective != "time" or dual is None or not math.isfinite(dual):
+    return choice, -math.inf
+  return choice, dual + prob.compute_s + sum(prob.fixed_blocking.values())

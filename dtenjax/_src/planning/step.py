@@ -30,6 +30,7 @@ its example arguments, and the options below; nothing is read from NCCL's enviro
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -62,12 +63,12 @@ from dtenjax._src.planning.roles import AXES as AXES
 from dtenjax._src.planning.roles import BATCH_AXES as BATCH_AXES
 from dtenjax._src.planning.roles import sequence as sequence_role
 from dtenjax._src.planning.roles import stage as stage_role
+from dtenjax._src.planning.solver import CapSearch
 from dtenjax._src.planning.solver import Problem
 from dtenjax._src.planning.solver import evaluate
 from dtenjax._src.planning.solver import lower_bound
 from dtenjax._src.planning.solver import make_problem
 from dtenjax._src.planning.solver import solve
-from dtenjax._src.planning.solver import solve_within
 from dtenjax._src.planning.solver import uses_its_axes
 from dtenjax._src.pricing import costmodel
 from dtenjax._src.pricing import registry
@@ -247,13 +248,55 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   best = None
   shortfall = None
   solved = []
+  proposed = fixed_mesh is None
+
+  def record(shape, prob: Problem, choice, least: Callable[[], list[int] | None]) -> None:
+    """One mesh's answer: the best plan so far, or (none fits) the least memory it needs."""
+    nonlocal best, shortfall
+    if choice is None:
+      least_choice = least()
+      if least_choice is None:     # no layout uses this mesh without duplicated work
+        return
+      floor = evaluate(prob, least_choice, graph, 0.0).memory["total"]
+      if shortfall is None or floor < shortfall[0]:
+        shortfall = (floor, shape)
+      return
+    cost = evaluate(prob, choice, graph, budget)
+    solved.append((shape, prob, choice, cost))
+    key = (round(cost.total_s, 12), cost.memory["total"])
+    if best is None or key < best[0]:
+      best = (key, shape, prob, choice, cost)
+
+  def least_of(prob: Problem):
+    return lambda: solve(prob, graph, 0.0, objective="memory", proposed=proposed)
+
+  if recipe is None:
+    # the meshes without stages, searched best-first (solver.CapSearch): a program at a time of
+    # the mesh whose bound is least, until every bound left exceeds the fastest plan found
+    searches = [CapSearch(prob, graph, budget, proposed) for _, prob in problems]
+    queue = [(s.bound, k) for k, s in enumerate(searches)]
+    heapq.heapify(queue)
+    top = math.inf                       # the fastest plan found (seconds)
+    while queue:
+      k = heapq.heappop(queue)[1]
+      search = searches[k]
+      if search.beyond(top):
+        break                            # this mesh and every one left cannot be chosen
+      search.advance()
+      if not search.done:
+        heapq.heappush(queue, (search.bound, k))
+      elif search.choice is not None:
+        top = min(top, evaluate(search.prob, search.choice, graph, budget).total_s)
+    for (shape, prob), search in zip(problems, searches):  # in the meshes' order (ties)
+      if search.done:
+        record(shape, prob, search.choice, lambda search=search: search.least)
 
   def to_solve():
-    """The meshes without stages whose bound (solver.lower_bound) does not exceed the best plan
-    so far, then those with stages whose pipeline alone (the stack's compute and the sends, a
-    lower bound of their step) beats it. A mesh left out could not have been chosen: its plan
-    would cost more than one already found (by more than the choice's rounding)."""
-    for shape, prob in list(problems):
+    """The meshes without stages (for a recipe) whose bound (solver.lower_bound) does not exceed
+    the best plan so far, then those with stages whose pipeline alone (the stack's compute and
+    the sends, a lower bound of their step) beats it. A mesh left out could not have been chosen:
+    its plan would cost more than one already found (by more than the choice's rounding)."""
+    for shape, prob in list(problems) if recipe is not None else ():
       if best is not None and lower_bound(prob) > best[0][0] + 1e-9:
         continue
       yield shape, prob
@@ -268,21 +311,16 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
         yield shape, prob
 
   for shape, prob in to_solve():
-    choice = (solve_within(prob, graph, budget, proposed=fixed_mesh is None) if recipe is None
-              else recipe_choice(prob, graph, recipe))
-    if choice is None:
-      least = solve(prob, graph, 0.0, objective="memory", proposed=fixed_mesh is None)
-      if least is None:          # no layout uses this mesh without duplicated work
-        continue
-      floor = evaluate(prob, least, graph, 0.0).memory["total"]
-      if shortfall is None or floor < shortfall[0]:
-        shortfall = (floor, shape)
+    if recipe is not None:
+      record(shape, prob, recipe_choice(prob, graph, recipe), least_of(prob))
       continue
-    cost = evaluate(prob, choice, graph, budget)
-    solved.append((shape, prob, choice, cost))
-    key = (round(cost.total_s, 12), cost.memory["total"])
-    if best is None or key < best[0]:
-      best = (key, shape, prob, choice, cost)
+    # a mesh with stages whose search would end slower than the plan so far and than every mesh
+    # with stages solved can be neither chosen nor the report's best with stages (_stage_notes)
+    search = CapSearch(prob, graph, budget, proposed)
+    staged_top = min((c.total_s for _, p, _, c in solved if p.m.pipeline is not None),
+                     default=math.inf)
+    if search.run(max(best[0][0] if best is not None else math.inf, staged_top)):
+      record(shape, prob, search.choice, lambda search=search: search.least)
   island = min((len(i) for i in topology.fast_islands()), default=1)
   recipes = []
   by_shape = {shape: prob for shape, prob in problems}

@@ -39,6 +39,14 @@ Parts (``--parts``, default all):
 * ``priced`` -- the wins part's plan and hand-written layouts priced by the cost model only
   (nothing compiled or run), beside a recorded wins run's measured times (``--measured-json``).
 
+* ``terms`` -- every layout of recorded wins runs (``--measured-json A,B``: the hand-written
+  layouts, the plan and the plans under the recorded budgets, planned by this tree) priced by the
+  cost model in its terms: products, the optimizer's update, the exposed collectives and the
+  number of meetings priced, beside the measured time; per family the pairs of layouts the
+  prediction orders as measured, and the bytes XLA compiles optax's AdamW update to move per
+  parameter byte. ``--cores`` prices the recorded machine's host; ``--update-scale S`` prices
+  the update S times over and adds each family's default plan under that price.
+
 * ``rows`` -- the work of one product that does not grow with its rows (the cost model's
   ``product_fixed_rows``): the forward and backward of a float32 ``[M, 256] x [256, 1024]``
   product on every device at once, this process's CPU seconds against ``M`` (32 to 512 rows per
@@ -62,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -577,6 +586,144 @@ def priced_rows(names, measured_json: str | None, topology=None) -> list[dict]:
   return rows
 
 
+class _PricerTerms:
+  """Prices with some of the cost model's per-mesh terms replaced (``Pricer`` attributes: the
+  update's ``local_s_per_byte``, each collective's ``step_latency``), to read a price's terms
+  apart (:func:`model_terms`) or try another value of one (``--update-scale``). A diagnostic of
+  this bench: the planner never changes them."""
+
+  def __init__(self, **attrs):
+    from dtenjax._src.planning import pricing
+    self.pricing, self.attrs = pricing, attrs
+
+  def __enter__(self):
+    init = self.init = self.pricing.Pricer.__init__
+    attrs = self.attrs
+
+    def patched(pricer, *a, **k):
+      init(pricer, *a, **k)
+      for name, value in attrs.items():      # a value, or a function of the priced one
+        setattr(pricer, name, value(getattr(pricer, name)) if callable(value) else value)
+    self.pricing.Pricer.__init__ = patched
+
+  def __exit__(self, *exc):
+    self.pricing.Pricer.__init__ = self.init
+
+
+def model_terms(step, args, mesh: dict, specs, topology=None, update_scale: float = 1.0) -> dict:
+  """The cost model's step time (ms) of the layout ``specs`` on ``mesh`` (pinned) in its terms:
+  the products, the optimizer's update (its price times ``update_scale``), the exposed
+  collectives, and how many collectives the price counts a meeting for (the time one more
+  millisecond per meeting adds, with the update left out, less the price without meetings)."""
+  def price(**attrs):
+    with _PricerTerms(**attrs):
+      return dtenjax.plan(step, *args, topology=topology, mesh=mesh, pinned=specs,
+                          memory_budget=1 << 50).cost
+  full = price(local_s_per_byte=lambda s: s * update_scale)
+  products = price(local_s_per_byte=0.0)
+  unmet = price(local_s_per_byte=0.0, step_latency=0.0)
+  met = price(local_s_per_byte=0.0, step_latency=1e-3)
+  return {"predicted_ms": full.total_s * 1e3, "products_ms": products.compute_s * 1e3,
+          "update_ms": (full.compute_s - products.compute_s) * 1e3,
+          "collectives_ms": full.exposed_s * 1e3, "meetings": (met.exposed_s - unmet.exposed_s) / 1e-3}
+
+
+def fused_bytes_per_param_byte(compiled, param_bytes: int) -> float:
+  """Bytes the array-sized fusions of a compiled program's entry computation read and write
+  (operands and results; scalars left out), per ``param_bytes``: what its loops move."""
+  import re
+  text = compiled.as_text()
+  entry = text[text.index("ENTRY"):]
+  size = {name: 4 * math.prod(int(d) for d in dims.split(",") if d)
+          for name, dims in re.findall(r"%(\S+) = (?:f32|s32)\[([0-9,]*)\]", entry)}
+  moved = 0
+  for line in entry.splitlines():
+    hit = re.match(r"\s*%(\S+) = \S+ fusion\(([^)]*)\)", line)
+    if hit and size.get(hit.group(1), 0) > 4:
+      operands = [o.strip().lstrip("%") for o in hit.group(2).split(",")]
+      moved += size[hit.group(1)] + sum(size[o] for o in operands if size.get(o, 0) > 4)
+  return moved / param_bytes
+
+
+def adamw_update_passes() -> float:
+  """Bytes XLA compiles optax's AdamW update (``tx.update`` then ``apply_updates``) to move per
+  parameter byte on this backend; the cost model counts one fused pass, 7."""
+  import optax
+  tx = optax.adamw(1e-3)
+  params = {"w": jnp.zeros((512, 1024), jnp.float32)}
+
+  def update(p, g, state):
+    u, state = tx.update(g, state, p)
+    return optax.apply_updates(p, u), state
+  compiled = jax.jit(update).lower(params, params, tx.init(params)).compile()
+  return fused_bytes_per_param_byte(compiled, 512 * 1024 * 4)
+
+
+def terms_rows(measured_jsons: list[str], topology=None,
+               update_scale: float = 1.0) -> tuple[list[dict], list[str]]:
+  """The ``terms`` part: every layout of recorded wins runs (``measured_jsons``, this bench's
+  JSON) priced by the cost model in its terms (:func:`model_terms`) beside its measured time:
+  the hand-written layouts as their specs pinned, "plan" and "plan @ ... budget" as this tree
+  plans them (at the recorded budget; a row whose mesh is not the recorded one is priced, not
+  counted); and per family, how many pairs of layouts whose measured times differ by more than
+  3 % the prediction orders as measured. With ``update_scale`` the
+  update is priced that many times over, and each family's default plan under that price is a
+  row of its own ("plan, update x S"), not measured."""
+  import itertools
+  import _families as fams
+  measured: dict[tuple[str, str], dict] = {}
+  for path in measured_jsons:
+    with open(path, encoding="utf-8") as f:
+      for r in json.load(f)["rows"]:
+        if r.get("part") == "wins" and r.get("measured_ms"):
+          measured.setdefault((r["family"], r["layout"]), r)
+  rows, notes = [], []
+  for name in dict.fromkeys(f for f, _ in measured):
+    fam = fams.FAMILIES[name]()
+    step, args = fam.make()
+    params, opt, _ = args
+    seen, planned = {}, {}
+    for (f, layout), rec in measured.items():
+      if f != name or layout in ("plan measured", "plan calibrated"):
+        continue
+      if layout in fams.RECIPES:
+        r = fams.recipe(fam, layout)
+        mesh, specs = dict(r.mesh.shape), [r.param_specs,
+                                           fams._like_params(opt, params, r.param_specs), None]
+      else:
+        budget = rec.get("budget_mib")
+        p = planned[layout] = dtenjax.plan(step, *args, topology=topology, memory_budget=None
+                                           if budget is None else budget * 2**20)
+        mesh, specs = dict(zip(p.axis_names, p.mesh_shape)), list(p.specs)
+      row = {"family": name, "layout": layout, "mesh": rec["mesh"],
+             "measured_ms": rec["measured_ms"], "recorded_ms": rec.get("predicted_ms"),
+             **model_terms(step, args, mesh, specs, topology, update_scale)}
+      row["planned_mesh"] = "x".join(f"{a}{n}" for a, n in mesh.items() if n > 1)
+      rows.append(row)
+      if row["planned_mesh"] == rec["mesh"]:   # else this tree plans another layout than was timed
+        seen.setdefault((row["planned_mesh"], round(row["predicted_ms"], 3)), row)
+    if update_scale != 1.0:
+      with _PricerTerms(local_s_per_byte=lambda s: s * update_scale):
+        p = dtenjax.plan(step, *args, topology=topology)
+      mesh = dict(zip(p.axis_names, p.mesh_shape))
+      planned_mesh = "x".join(f"{a}{n}" for a, n in mesh.items() if n > 1)
+      rows.append({"family": name, "layout": f"plan, update x {update_scale:g}",
+                   "mesh": planned_mesh, "planned_mesh": planned_mesh,
+                   "same_as": ",".join(k for k, q in planned.items()
+                                       if planning.same_layout(p, q)) or "-",
+                   **model_terms(step, args, mesh, list(p.specs), topology, update_scale)})
+    distinct = list(seen.values())
+    pairs = [(a, b) for a, b in itertools.combinations(distinct, 2)
+             if abs(a["measured_ms"] / b["measured_ms"] - 1) > 0.03]
+    agree = sum((a["measured_ms"] < b["measured_ms"]) == (a["predicted_ms"] < b["predicted_ms"])
+                for a, b in pairs)
+    notes.append(f"terms: {name}: {agree} of {len(pairs)} pairs of distinct layouts measured "
+                 f"more than 3 % apart predicted in the measured order")
+  notes.append(f"terms: XLA compiles optax.adamw's update to move {adamw_update_passes():.1f} "
+               f"bytes per parameter byte ({jax.devices()[0].platform}); the cost model counts 7")
+  return rows, notes
+
+
 def _budget_names(flag: str) -> list[str]:
   """--budgets: the hand-written layouts named (comma-separated), "all" for every one."""
   import _families as fams
@@ -605,10 +752,14 @@ def main(argv=None) -> int:
                   help="gpu part: mock a host of this many GPUs on the one present")
   ap.add_argument("--gpu-families", default="llama-1b,llama_scan,llama_loop,encdec,moe,shared")
   ap.add_argument("--measured-json", metavar="PATH",
-                  help="priced part: a recorded wins run whose measured times go beside")
+                  help="priced part: a recorded wins run whose measured times go beside; terms "
+                  "part: recorded wins runs (comma-separated) whose layouts are priced")
   ap.add_argument("--cores", type=_harness.positive_int, default=0,
-                  help="priced part: price this host's devices as sharing this many cores (the "
-                  "machine of --measured-json; default: this host's)")
+                  help="priced and terms parts: price this host's devices as sharing this many "
+                  "cores (the machine of --measured-json; default: this host's)")
+  ap.add_argument("--update-scale", type=float, default=1.0,
+                  help="terms part: price the optimizer's update this many times over, and plan "
+                  "each family under that price")
   ap.add_argument("--no-calibrate", action="store_true",
                   help="wins part: skip Topology.calibrate() and the calibrated plan")
   ap.add_argument("--budgets", nargs="?", const="all", default="",
@@ -715,6 +866,20 @@ def main(argv=None) -> int:
                          "devices" + (f", described as {args.cores} cores" if args.cores else "")
                          + "), nothing run"))
     doc_rows += [{"part": "priced", **r} for r in rows]
+  if "terms" in parts:
+    rows, tnotes = terms_rows(args.measured_json.split(",") if args.measured_json else [],
+                              described_host(args.cores) if args.cores else None,
+                              args.update_scale)
+    print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
+                                ("mesh", "mesh", "s"), ("priced mesh", "planned_mesh", "s"),
+                                ("measured ms", "measured_ms", ".1f"),
+                                ("predicted ms", "predicted_ms", ".1f"),
+                                ("products", "products_ms", ".1f"), ("update", "update_ms", ".2f"),
+                                ("collectives", "collectives_ms", ".1f"),
+                                ("meetings", "meetings", ".0f"), ("same as", "same_as", "s")),
+                         title="the cost model's terms (ms) of recorded layouts, nothing run"))
+    notes += tnotes
+    doc_rows += [{"part": "terms", **r} for r in rows]
   if "wins" in parts:
     budgets = _budget_names(args.budgets)
     calibrated = None

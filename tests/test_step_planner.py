@@ -481,6 +481,53 @@ def test_a_collective_between_products_costs_what_the_vm_measured():
   assert Pricer(m, None).step_latency == pytest.approx(60e-6 + 0.75 * 4e-3)
 
 
+def _bench_step_planner():
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+  import step_planner
+  return step_planner
+
+
+def test_the_bench_reads_the_price_in_its_terms(cpu_devices):
+  """bench/step_planner.py's terms part: products + update + collectives is the price; DP pays
+  one meeting (its gradients' all-reduces are combined), FSDP one more per weight gathered;
+  the update of state sharded 8 ways is an eighth of the replicated one's (AdamW's step count,
+  a scalar, stays whole)."""
+  del cpu_devices
+  sp = _bench_step_planner()
+  tx = optax.adamw(1e-3)
+  params = {"w1": jnp.zeros((256, 512)), "w2": jnp.zeros((512, 256))}
+
+  def loss(p, x):
+    return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+
+  def step(p, opt, x):
+    g = jax.grad(loss)(p, x)
+    u, opt = tx.update(g, opt, p)
+    return optax.apply_updates(p, u), opt
+
+  args = (params, tx.init(params), jax.ShapeDtypeStruct((64, 256), jnp.float32))
+  whole = {"w1": P(), "w2": P()}
+  opt_specs = lambda s: jax.tree.map(lambda leaf: s.get("w1") if leaf.ndim == 2 else P(),
+                                     args[1])
+  sharded = {"w1": P("fsdp"), "w2": P("fsdp")}
+  dp = sp.model_terms(step, args, {"data": 8}, [whole, opt_specs(whole), None])
+  fsdp = sp.model_terms(step, args, {"fsdp": 8}, [sharded, opt_specs(sharded), None])
+  for t in (dp, fsdp):
+    assert t["products_ms"] + t["update_ms"] + t["collectives_ms"] == pytest.approx(
+        t["predicted_ms"])
+  assert dp["meetings"] == pytest.approx(1.0)
+  assert fsdp["meetings"] >= 3.0           # the combined reductions' one and a gather per weight
+  assert fsdp["update_ms"] == pytest.approx(dp["update_ms"] / 8, rel=1e-3)   # but AdamW's count
+
+
+def test_xla_cpu_compiles_adamw_into_a_loop_per_moment_and_one_for_the_parameter():
+  """The optimizer's update the cost model counts as one pass of 7 bytes per parameter byte is
+  compiled by XLA:CPU into three loops: each moment's (the gradient and the moment read, the
+  moment written: 3) and the parameter's (it and both moments read, it written: 4), 10 bytes
+  (docs/benchmarks.md, "The time model's mispriced terms")."""
+  assert _bench_step_planner().adamw_update_passes() == pytest.approx(10.0)
+
+
 def test_cpu_products_do_work_that_does_not_shrink_with_the_batch(tmp_path, monkeypatch):
   """Measured on the 2-core VM (docs/benchmarks.md, "ninth round"): the forward and backward of a
   float32 [M, 256] x [256, 1024] product per device took CPU time in a straight line of M with an

@@ -71,7 +71,7 @@ def pipelined(stages: int, schedule: str, devices, *, remat: bool = False,
   params = pm.init(layers=layers)
   staged = {**params, "layers": jax.tree.map(np.asarray, pipe.to_stages(params["layers"]))}
   specs = pm.param_specs(params, "stage")
-  opt = tx.init(staged)
+  opt = common.zero_state(tx.init, staged)
   ospecs = pm.opt_specs(opt, params, specs)
   toks = pm.tokens(data * MICRO * ROWS)
   step = jax.jit(jax.shard_map(pm.pipelined_step(pipe, tx, data_size=data), mesh=mesh,
@@ -90,7 +90,7 @@ def reference(data: int, devices, *, remat: bool = False,
   tx = optax.adamw(1e-2)
   params = pm.init(layers=layers)
   specs = pm.param_specs(params, None)
-  opt = tx.init(params)
+  opt = common.zero_state(tx.init, params)
   ospecs = pm.opt_specs(opt, params, specs)
   toks = pm.tokens(data * MICRO * ROWS)
   layer = jax.checkpoint(pm.body) if remat else pm.body

@@ -318,13 +318,17 @@ def _subreaper() -> bool:
 @contextlib.contextmanager
 def adopting():
   """This process as a child subreaper (Linux): a descendant whose parent leaves becomes its child,
-  so that it can wait for it (``ForkServer.start``). Turned off again at the exit; a run started
-  inside and still running then stays this process's child."""
+  so that it can wait for it (``ForkServer.start``). At the exit it is what it was at the entry:
+  inside an outer ``adopting()`` it stays on, so launches on several threads at once (each
+  adopting its own runs) are safe under one outer ``adopting()``; a run started inside and still
+  running at the exit stays this process's child."""
+  was = _subreaper()
   _prctl(_PR_SET_CHILD_SUBREAPER, 1)
   try:
     yield
   finally:
-    _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+    if not was:
+      _prctl(_PR_SET_CHILD_SUBREAPER, 0)
 
 
 class Adopted:

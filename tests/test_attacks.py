@@ -8,6 +8,7 @@ public ``dtenjax.all_reduce`` inside ``jax.jit``. Measured numbers (formation ti
 detection times) go to docs/reliability.md.
 """
 
+import concurrent.futures
 import os
 import re
 import resource
@@ -25,6 +26,7 @@ from dtenjax._src.net import credentials
 from dtenjax._src.net import native
 from dtenjax._src.net import tenancy
 from dtenjax._src.net import transport
+from tests import procs
 from tests import transport_ref as ref
 from tests.mp_workers import launch
 from tests.net_helpers import (FLOOD, both_ranks, close_all, delta, flood, listener,
@@ -724,32 +726,41 @@ def recoverable_forks():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("recoverable", [True, False])
 def test_a_dead_process_is_a_dtenjax_error_and_jax_recoverability_keeps_the_survivors(
-    tmp_path, recoverable, recoverable_forks):
+    tmp_path, recoverable_forks):
   """The last of 3 processes exits between two collectives. The survivors' next jitted
   all_reduce raises at once in both cases, naming the lost rank. Then JAX decides: with
   jax_enable_recoverability its coordination service lets them live (exit 0); without it, it
-  terminates them (SIGABRT) once the dead process misses its heartbeats (here 2 s)."""
-  env = {"DTENJAX_TEST_HEARTBEAT": "2", "DTENJAX_TEST_WATCH": "5",
-         **({"JAX_ENABLE_RECOVERABILITY": "1"} if recoverable else {})}
-  codes, res, logs = _launch(tmp_path, 3, "peer_loss", timeout_s=90, env=env)
-  assert codes[2] == 3, logs
-  for r in res[:2]:
-    assert r["first"]["error"] is None, r
-    err = r["second"]["error"]
-    # raised by XLA's runtime (JaxRuntimeError) with the transport's message, seen by this rank
-    # or forwarded by the other survivor's ABORT
-    assert err and "dtenjax transport" in err and "lost connection to rank 2" in err, err
-    measured(f"dead peer detected by a survivor's jitted all_reduce (recoverable={recoverable})",
-             r["second"]["seconds"])
-    assert r["second"]["seconds"] < 2, r["second"]
-  if recoverable:
-    assert codes[:2] == [0, 0], logs
-    assert all(r["alive_after_s"] >= 4.5 for r in res[:2]), [r["alive_after_s"] for r in res]
-  else:
-    assert codes[:2] == [-signal.SIGABRT] * 2, (codes, logs)
-    assert all("detected fatal errors" in log for log in logs[:2]), logs
+  terminates them (SIGABRT) once the dead process misses its heartbeats (here 2 s). The two jobs
+  (3 processes each) run at once: both mostly wait (the heartbeat, the 5 s watch), and one after
+  the other the job without recoverability was 3 s of idle wall beside the other's."""
+  def job(recoverable):
+    out = tmp_path / f"recoverable={recoverable}"
+    out.mkdir()
+    env = {"DTENJAX_TEST_HEARTBEAT": "2", "DTENJAX_TEST_WATCH": "5",
+           **({"JAX_ENABLE_RECOVERABILITY": "1"} if recoverable else {})}
+    return _launch(out, 3, "peer_loss", timeout_s=90, env=env)
+  with procs.adopting(), concurrent.futures.ThreadPoolExecutor(2) as pool:
+    jobs = {recoverable: pool.submit(job, recoverable) for recoverable in (True, False)}
+    done = {recoverable: f.result() for recoverable, f in jobs.items()}
+  for recoverable, (codes, res, logs) in done.items():
+    assert codes[2] == 3, (recoverable, logs)
+    for r in res[:2]:
+      assert r["first"]["error"] is None, (recoverable, r)
+      err = r["second"]["error"]
+      # raised by XLA's runtime (JaxRuntimeError) with the transport's message, seen by this rank
+      # or forwarded by the other survivor's ABORT
+      assert err and "dtenjax transport" in err and "lost connection to rank 2" in err, (
+          recoverable, err)
+      measured(f"dead peer detected by a survivor's jitted all_reduce (recoverable={recoverable})",
+               r["second"]["seconds"])
+      assert r["second"]["seconds"] < 2, (recoverable, r["second"])
+    if recoverable:
+      assert codes[:2] == [0, 0], logs
+      assert all(r["alive_after_s"] >= 4.5 for r in res[:2]), [r["alive_after_s"] for r in res]
+    else:
+      assert codes[:2] == [-signal.SIGABRT] * 2, (codes, logs)
+      assert all("detected fatal errors" in log for log in logs[:2]), logs
 
 
 @pytest.mark.multiprocess

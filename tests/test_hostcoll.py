@@ -192,7 +192,7 @@ def test_mesh_against_process_order_is_explained(tmp_path):
 def test_wrong_secret_is_refused(tmp_path):
   codes, res, logs = _launch(
       tmp_path, 3, timeout_s=60,
-      env={"DTENJAX_COLLECTIVE_TIMEOUT": "4", "DTENJAX_JOB_SECRET": "the-right-secret-0123456789"},
+      env={"DTENJAX_COLLECTIVE_TIMEOUT": "2", "DTENJAX_JOB_SECRET": "the-right-secret-0123456789"},
       per_rank_env={1: {"DTENJAX_JOB_SECRET": "a-wrong-secret-0123456789abc"}})
   assert all(c == 0 for c in codes), logs
   text = " ".join(r["exception"] for r in res)

@@ -124,3 +124,16 @@ def test_a_started_run_is_this_processs_child_as_popen_makes_one(forks, tmp_path
     assert p.wait(timeout=30) == -signal.SIGKILL
     p.send_signal(signal.SIGKILL)            # after its end: nothing to signal, as Popen
   assert not procs._subreaper()
+
+
+def test_adopting_nests_and_the_outermost_exit_ends_it(forks, tmp_path):
+  """Two launches at once on threads (tests/test_attacks.py's dead-process jobs) each adopt their
+  runs inside one outer ``adopting()``: the first to finish must not turn adoption off under the
+  other, whose runs may still be starting."""
+  with procs.adopting():
+    with procs.adopting():
+      assert procs._subreaper()
+    assert procs._subreaper()                # the inner exit leaves the outer's adoption on
+    p = forks.start(["-c", "pass"], forks.env, tmp_path / "run.log")
+    assert p.wait(timeout=30) == 0
+  assert not procs._subreaper()

@@ -57,7 +57,7 @@ def train(steps: int, restore: str | None, save: str | None) -> dict:
             "w2": np.float32(0.3) * rng.standard_normal((32, 4), dtype=np.float32),
             "b2": np.zeros(4, np.float32)}
   opt = optax.adam(1e-2)
-  state = {"params": params, "opt": opt.init(params), "step": 0}
+  state = {"params": params, "opt": common.zero_state(opt.init, params), "step": 0}
   shardings = jax.tree.map(layout, {"params": params, "opt": state["opt"]})
   state = {**jax.device_put({"params": state["params"], "opt": state["opt"]}, shardings),
            "step": 0}

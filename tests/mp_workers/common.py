@@ -92,3 +92,12 @@ def gathered(tree):
         lambda a: NamedSharding(a.sharding.mesh, P()), tree))(tree)
     return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
   return jax.tree.map(np.asarray, tree)
+
+
+def zero_state(init, tree):
+  """``init(tree)`` for an optimizer whose initial state is zeros (adam's and adamw's: the
+  moments and a zero count), made with numpy from its shapes: ``init``'s eager ``jnp.zeros``
+  compile a one-device program per shape and dtype in every process that calls it."""
+  import jax
+  import numpy as np
+  return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(init, tree))

@@ -55,10 +55,7 @@ def main() -> None:
             "w2": np.float32(0.3) * rng.standard_normal((32, 4), dtype=np.float32),
             "b2": np.zeros(4, np.float32)}
   opt = optax.adam(1e-2)
-  # adam's initial state is zeros (and a zero count): made with numpy from its shapes, where
-  # opt.init's eager jnp.zeros compiled a one-device program per shape in every process
-  zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(opt.init, params))
-  state = {"params": params, "opt": zeros}
+  state = {"params": params, "opt": common.zero_state(opt.init, params)}
   shardings = jax.tree.map(layout, state)
   state = jax.device_put(state, shardings)
   ctx.mark("planned", devices=n)

@@ -22,7 +22,7 @@ from tests.mp_workers import launch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_workers", "elastic_worker.py")
 STEPS = 8
-HEARTBEAT_S = 2.0
+HEARTBEAT_S = 4.0
 FLAGS = "--xla_cpu_max_isa=AVX"     # reproducible_step's CPU flag (docs/reproducibility.md)
 
 
@@ -125,7 +125,7 @@ def test_kill_9_of_process_0_then_a_stop_then_a_kill_9_same_bits(tmp_path, refer
       "memory"}
   # the survivors of generation 1 (ranks 0 and 2) each named rank 1
   assert sorted(r["rank"] for r in g1.reports) == [0, 2] and all(
-      r["lost"] == [1] and "lost rank 1" in r["message"] and f"no heartbeat within {HEARTBEAT_S:g} s"
+      r["lost"] == [1] and "lost rank 1" in r["message"] and "no heartbeat within 4 s"
       in r["message"] for r in g1.reports)
   stopped = _first(events, "fault", generation=1)
   named = min(r["t"] for r in g1.reports) - stopped

@@ -317,11 +317,10 @@ def test_pipeline_bench_tables_and_json(tmp_path, run):
   # unoptimised (tests/compile_only.py): the claims read the programs' buffers and the schedules,
   # made before LLVM (the same temp bytes at both levels: 23968 and 22624), and no time's size;
   # the four pipelined programs' compiles took 6 s of CPU less.
-  o0 = " ".join(f"--{k}={v}" for k, v in compile_only.LLVM_O0.items())
   r = run("pipeline", "--stages", "2", "--micro", "8", "--schedules", "gpipe,1f1b",
           "--step-schedules", "1f1b", "--layers", "2", "--d", "8", "--seq", "4", "--iters", "1",
-          "--json", str(out),
-          env={"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {o0}"})
+          "--json", str(out), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4 "
+                                   + compile_only.LLVM_O0_FLAGS})
   assert r.returncode == 0, r.stderr[-3000:]
   assert "bubble and memory" in r.stdout and "speedup = unpipelined / this" in r.stdout
   doc = _doc(out, "pipeline")

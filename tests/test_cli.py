@@ -144,7 +144,8 @@ def test_explain_without_a_target_lists_every_collective_of_the_demo_step(tmp_pa
   hlo_file, out = tmp_path / "step.hlo", tmp_path / "rows.json"
   # LLVM unoptimised (tests/compile_only.py): the claims read the optimised HLO, which XLA makes
   # before LLVM (the same text without metadata both ways), and the demo's first step runs only
-  # to hand explain its arguments; 6.3-6.8 s of CPU at XLA's default level, 3.9 s so
+  # to hand explain its arguments; the command took 5.1-5.4 s of CPU at XLA's default level,
+  # 4.6-5.0 s so
   r = run(["explain", "--dump-hlo", str(hlo_file), "--json", str(out)], tmp_path,
           xla_flags=compile_only.LLVM_O0_FLAGS)
   assert r.returncode == 0, r.stderr[-3000:]

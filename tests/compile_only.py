@@ -15,3 +15,6 @@ from tests.helpers import DEFAULT_CPU_EMITTERS
 LLVM_O0 = {"xla_backend_optimization_level": 0}
 # The program users get (XLA's default fusion emitters, tests/helpers.py), compiled quicker.
 USERS_PROGRAM = {**DEFAULT_CPU_EMITTERS, **LLVM_O0}
+# The same for a process a test starts (its XLA_FLAGS): a bench, an example or the command line
+# whose claims read what XLA made, never its speed or a stored digest.
+LLVM_O0_FLAGS = " ".join(f"--{k}={v}" for k, v in LLVM_O0.items())

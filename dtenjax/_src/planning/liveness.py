@@ -112,7 +112,8 @@ class Live:
     """Whether XLA:CPU makes this value where the batch is split ``batch_div`` ways: a reducing
     fusion's broadcast operand only where its reduced result has YNN_MIN_ELEMENTS per device,
     and not of a weight sharded over a batch axis (``gathered_per_use``: XLA's partitioner
-    all-gathers it for each reader, and each broadcast of a gather, read once, is fused)."""
+    all-gathers it for each reader, and each broadcast of a gather, read once, is fused); a
+    layer norm's ``rsqrt * scale`` likewise not where its scale is (``scaled_by``)."""
     return self.scaled_by not in gathered_per_use and (
         not self.expands or (self.expands / batch_div >= YNN_MIN_ELEMENTS and
                              self.expands_leaf not in gathered_per_use))
@@ -162,8 +163,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   scaled: dict[Any, int] = {}
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
               gpu_ends=gpu_ends, expanded_rows=expanded_rows, call_results=call_results,
-              scaled=scaled,
-              gpu_starts=gpu_starts)
+              gpu_starts=gpu_starts, scaled=scaled)
   slots = _heap_slots(jaxpr, state_shapes, lives)
   folded = _folded_transposes(jaxpr)
   gemms = _gemms(jaxpr)
@@ -239,7 +239,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   not (:func:`_cheap_on_gpu`, :func:`_cheap_call_on_gpu`) or only XLA:CPU keeps
   (:func:`_recomputed_unaries`), and ``gpu_ends`` the last uses XLA:GPU's fusion moves (later for
   the values its recomputations read, :func:`_gpu_ends`), ``gpu_starts`` the first equations of
-  the weight gradients XLA:CPU makes later. ``expanded_rows`` receives the
+  the weight gradients XLA:CPU makes later, ``scaled`` a layer norm's ``rsqrt * scale`` ->
+  its scale's input index (:func:`_unary_source`). ``expanded_rows`` receives the
   buffers XLA:CPU's reducing fusions make of broadcast operands (:func:`_expanded_operands`;
   their reduced result's elements and the input leaf they broadcast), which are put in the
   timeline only: whether XLA makes them depends on the layout. ``call_results`` receives the

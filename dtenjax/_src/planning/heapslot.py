@@ -41,7 +41,10 @@ on GPT-2 and Llama 1B under TP (8-32 devices), Llama 1B under FSDP x TP on 16 an
 the small GPT-2 under TP; three on GPT-2 under FSDP x TP (the bench's on 8 and a small one:
 ``B``, ``C``, ``P`` as above, but ``G`` 4 ticks to ``E``'s 3), on GPT-2 under DP and with a
 tensor-sharded table (its whole gradient a heap buffer), and on Llama-shaped steps whose input
-gradient is written into an output's buffer.
+gradient is written into an output's buffer. Priced as an upper bound instead, wherever XLA
+may place it (any ``a_in`` and ``a_w``, or ``a_w`` 0 wherever the FSDP x TP gradient's piece fits
+an output), the slot puts 24 (or 16) of the bench's 165 rows more than 10 % over, where XLA
+places three slots for the buffer-assignment reasons above (docs/benchmarks.md, fifteenth round).
 
 :func:`find` marks the chain in a step's top-level jaxpr; :func:`holds_a_fourth` decides the
 slot per layout from the solver's placement of the two products' results.

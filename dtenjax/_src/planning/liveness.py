@@ -85,6 +85,9 @@ class Live:
   # broadcasts (None: a value the step computes)
   expands: int = 0
   expands_leaf: int | None = None
+  # a layer norm's ``rsqrt * scale`` (:func:`_unary_source`): the scale's leaf, whose gather
+  # per use (FSDP) fuses the product into each reader; kept where the scale is not gathered
+  scaled_by: int | None = None
   # a product's result: its (batch, rows, columns, contraction) elements (global), which
   # XLA:GPU may compute split over its contraction (``solver.split_k``), and the equation
   # whose fusion sums the split parts (:func:`_gemms`)
@@ -109,9 +112,11 @@ class Live:
     """Whether XLA:CPU makes this value where the batch is split ``batch_div`` ways: a reducing
     fusion's broadcast operand only where its reduced result has YNN_MIN_ELEMENTS per device,
     and not of a weight sharded over a batch axis (``gathered_per_use``: XLA's partitioner
-    all-gathers it for each reader, and each broadcast of a gather, read once, is fused)."""
-    return not self.expands or (self.expands / batch_div >= YNN_MIN_ELEMENTS and
-                                self.expands_leaf not in gathered_per_use)
+    all-gathers it for each reader, and each broadcast of a gather, read once, is fused); a
+    layer norm's ``rsqrt * scale`` likewise not where its scale is (``scaled_by``)."""
+    return self.scaled_by not in gathered_per_use and (
+        not self.expands or (self.expands / batch_div >= YNN_MIN_ELEMENTS and
+                             self.expands_leaf not in gathered_per_use))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -155,9 +160,10 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   expanded_rows: dict[Any, tuple[int, int | None]] = {}
   call_results: set[Any] = set()
   gpu_starts: dict[Any, int] = {}
+  scaled: dict[Any, int] = {}
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
               gpu_ends=gpu_ends, expanded_rows=expanded_rows, call_results=call_results,
-              gpu_starts=gpu_starts)
+              gpu_starts=gpu_starts, scaled=scaled)
   slots = _heap_slots(jaxpr, state_shapes, lives)
   folded = _folded_transposes(jaxpr)
   gemms = _gemms(jaxpr)
@@ -184,7 +190,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
                 gpu_end=gpu_ends.get(v) if gpu_ends.get(v, end) != end else None,
                 folded=v in folded, expands=expands, expands_leaf=expands_leaf, gemm=gemm,
                 gemm_sum_at=gemm_sum_at, call_result=body and v in call_results,
-                gpu_start=gpu_starts.get(v), slot=slots.get(v))
+                gpu_start=gpu_starts.get(v), slot=slots.get(v), scaled_by=scaled.get(v))
   timeline = tuple(live(*entry) for entry in lives)
   return int(act), act_share, timeline
 
@@ -215,7 +221,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           gpu_fused: set | None = None, gpu_ends: dict[Any, int] | None = None,
           expanded_rows: dict[Any, tuple[int, int | None]] | None = None,
           call_results: set | None = None,
-          gpu_starts: dict[Any, int] | None = None) -> int:
+          gpu_starts: dict[Any, int] | None = None,
+          scaled: dict[Any, int] | None = None) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -232,7 +239,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   not (:func:`_cheap_on_gpu`, :func:`_cheap_call_on_gpu`) or only XLA:CPU keeps
   (:func:`_recomputed_unaries`), and ``gpu_ends`` the last uses XLA:GPU's fusion moves (later for
   the values its recomputations read, :func:`_gpu_ends`), ``gpu_starts`` the first equations of
-  the weight gradients XLA:CPU makes later. ``expanded_rows`` receives the
+  the weight gradients XLA:CPU makes later, ``scaled`` a layer norm's ``rsqrt * scale`` ->
+  its scale's input index (:func:`_unary_source`). ``expanded_rows`` receives the
   buffers XLA:CPU's reducing fusions make of broadcast operands (:func:`_expanded_operands`;
   their reduced result's elements and the input leaf they broadcast), which are put in the
   timeline only: whether XLA makes them depends on the layout. ``call_results`` receives the
@@ -258,13 +266,26 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           feeds_fusion_boundary.add(v)
   # values an elementwise chain carries into a reduction over leading dimensions (which XLA:CPU
   # does not fuse its producers into): a producer there that also has other users is computed
-  # once and kept, not duplicated into each user's fusion
+  # once and kept, not duplicated into each user's fusion, unless it is a cheap op XLA
+  # recomputes from what it reads (a layer norm's x - mean: _unary_source)
   into_major: set[Any] = set()
   for eqn in reversed(jaxpr.eqns):
     if _keeps_minor(eqn) or (eqn.primitive.name in _FUSIBLE and
                              any(same(o) in into_major for o in eqn.outvars)):
       into_major.update(same(v) for v in eqn.invars if is_var(v))
-  feeds_fusion_boundary.update(v for v in into_major if users.get(v, 0) >= 2)
+  producers = {same(o): eqn for eqn in jaxpr.eqns for o in eqn.outvars}
+  for v in into_major:
+    if users.get(v, 0) >= 2:
+      src, walked = _unary_source(v, producers, same)
+      if src is None:           # rsqrt * scale, kept where the scale is not gathered per use
+        feeds_fusion_boundary.add(v)
+        leaf = _weight_leaf(v, producers, jaxpr.invars)
+        if scaled is not None and leaf is not None:
+          scaled[v] = leaf
+        continue
+      feeds_fusion_boundary.add(src)
+      for w in walked:          # recomputed from ``src`` by each of its readers
+        last_use[src] = max(last_use.get(src, -1), last_use.get(w, -1))
   # XLA duplicates a producer into each of its users' fusions only when it is cheap: the result
   # of an expensive elementwise op (tanh, exp, a division, ...) read by several is computed once
   # and kept (softmax's exponentials too: XLA:CPU materialises them for the sum, the division
@@ -461,10 +482,7 @@ def _recomputed_unaries(jaxpr, same, last_use: dict[Any, int], materialised: set
       (fusing if fuses else unfusing).setdefault(v, []).append(j)
 
   def full_operands(e, rank: int) -> list[Any]:
-    """``e``'s operands of at least ``rank`` true dimensions that are not broadcasts."""
-    return [v for v in e.invars if is_var(v) and _true_rank(v) >= rank and
-            (producer[v].primitive.name if v in producer else None) not in
-            ("broadcast_in_dim", "iota")]
+    return _full_operands(e, rank, producer)
 
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
@@ -493,6 +511,74 @@ def _recomputed_unaries(jaxpr, same, last_use: dict[Any, int], materialised: set
         materialised.add(v)
         break
       v = ups[0]
+
+
+def _full_operands(eqn, rank: int, producer: Mapping[Any, Any]) -> list[Any]:
+  """``eqn``'s operands of at least ``rank`` true dimensions that are not broadcasts."""
+  return [v for v in eqn.invars if is_var(v) and _true_rank(v) >= rank and
+          (producer[v].primitive.name if v in producer else None) not in
+          ("broadcast_in_dim", "iota")]
+
+
+def _unary_source(v, producer: Mapping[Any, Any], same) -> tuple[Any, list[Any]]:
+  """The value XLA:CPU keeps for ``v``, a value an elementwise chain carries into a reduction
+  over leading dimensions (None: none), and the values walked to reach it. XLA duplicates cheap
+  ops into the loop fusion before the reduction and into their other users, and keeps what they
+  read, live until the walked values' last reader: an op of one value and scalars (GELU's
+  ``0.5 * (1 + tanh)``: the tanh is kept), a layer norm's centred input ``x - mean`` (the mean a
+  per-row statistic, size 1 in the minor dimension: its buffer assignment keeps the residual
+  sum and the mean) and its ``rsqrt * scale`` (a per-row statistic times a per-column weight:
+  None, which the caller keeps where the scale is not gathered per use, ``Live.scaled_by``).
+  Read from XLA:CPU's buffer assignments of the small GPT-2 under FSDP x TP and TP
+  (docs/benchmarks.md, fifteenth round). An RMS norm's ``x * rsqrt`` and a batch norm's
+  centred value (per-column statistics, reduced again by the forward's variance) are kept:
+  recomputed, the first put eight rows of the bench's RMS-norm families 10-14 % under XLA:CPU's
+  compile, the second convnet's 31-49 %."""
+  walked = []
+  while True:
+    eqn = producer.get(v)
+    if eqn is None or len(eqn.outvars) != 1:
+      return v, walked
+    operands = [w for w in eqn.invars if is_var(w)]
+    if (eqn.primitive.name in ELEMENTWISE and eqn.primitive.name not in _EXPENSIVE and
+        len(operands) == 1):       # of one value and scalars (GELU's 0.5 * (1 + tanh))
+      walked.append(v)
+      v = same(operands[0])
+      continue
+    break
+  if eqn.primitive.name not in ("sub", "mul"):
+    return v, walked
+  full = _full_operands(eqn, _true_rank(v), producer)
+  small = [w for w in operands if w not in full]
+  if eqn.primitive.name == "sub" and len(full) == 1 and eqn.invars[1] in small and (
+      _per_row(eqn.invars[1], producer)):
+    return same(full[0]), walked + [v]
+  if eqn.primitive.name == "mul" and not full and any(_per_row(w, producer) for w in small):
+    return None, walked + [v]
+  return v, walked
+
+
+def _weight_leaf(v, producer: Mapping[Any, Any], invars) -> int | None:
+  """The input (its index in ``invars``) of ``v``'s operands that ``v``'s op reads through
+  reshapes and broadcasts only: a norm's scale."""
+  for w in producer[v].invars:
+    while is_var(w) and w in producer and producer[w].primitive.name in (
+        _RESHAPES | {"broadcast_in_dim"}):
+      w = producer[w].invars[0]
+    if is_var(w) and w in invars:
+      return list(invars).index(w)
+  return None
+
+
+def _per_row(v, producer: Mapping[Any, Any]) -> bool:
+  """``v`` is a per-row statistic: size 1 in the minor dimension, or broadcast from one."""
+  eqn = producer.get(v)
+  if eqn is not None and eqn.primitive.name == "broadcast_in_dim":
+    v = eqn.invars[0]
+  shape = getattr(v.aval, "shape", ())
+  return len(shape) >= 2 and shape[-1] == 1 or (
+      eqn is not None and eqn.primitive.name == "broadcast_in_dim" and
+      len(eqn.outvars[0].aval.shape) - 1 not in tuple(eqn.params["broadcast_dimensions"]))
 
 
 def _expanded_operands(jaxpr, same, materialised: set

@@ -3,8 +3,9 @@
 # compile-check build kept (CMakeLists.txt, scripts/cuda_archs.cmake case 3). scripts/test.sh
 # builds the kernels as PTX only ("80-virtual": nvcc's front end and NVVM at -O0) and runs this
 # beside the tests, at low priority, so that the set-up does not wait for ptxas: every kernel
-# still goes through ptxas for the PTX's own target (sm_80), at -O0 as the build did before, and a
-# kernel ptxas refuses fails the test command with this script's output.
+# still goes through ptxas for the PTX's own target (sm_80), at -O0 as the build did before (and
+# --Ofast-compile max where ptxas has it, below), and a kernel ptxas refuses fails the test
+# command with this script's output.
 #   bash scripts/ptxas_check.sh DIR     DIR: a copy of the build's ptx/ (its manifest and *.ptx)
 # The manifest's lines: `ptxas=PATH` (the ptxas beside the build's nvcc) and `unit=NAME` per .cu
 # file, whose PTX is DIR/NAME.ptx. Exit status 0 only when every unit's PTX is there and compiles.

@@ -272,10 +272,14 @@ def pytest_collection_modifyitems(config, items):
   del config
   skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible to jax here "
                               "(run on the GPU machine with scripts/gpu_check.sh)")
-  has_gpu = _has_gpu()
-  for item in items:
-    if item.get_closest_marker("gpu") is not None and not has_gpu:   # not keywords: a checkout in a directory named gpu would match
+  # not keywords: a checkout in a directory named gpu would match. jax is asked only where a gpu
+  # test was collected (a run of other tests, e.g. tests/test_conftest.py's inner run, never
+  # imports it here: about 1.5 s of CPU a process).
+  gpu_tests = [item for item in items if item.get_closest_marker("gpu") is not None]
+  if gpu_tests and not _has_gpu():
+    for item in gpu_tests:
       item.add_marker(skip_gpu)
+  for item in items:
     if item.get_closest_marker("multiprocess") is not None:
       item.add_marker(PROCS)
   if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -214,18 +214,26 @@ def test_the_build_has_the_cuda_architectures_its_set_up_asked_for(tmp_path):
   if check:      # the manifest names every .cu file the build compiled, and a working ptxas
     manifest = (ptx / "manifest").read_text().splitlines()
     units = sorted(ln.removeprefix("unit=") for ln in manifest if ln.startswith("unit="))
-    built = sorted(p.name.removesuffix(".cu.o") for p in cache.parent.glob("CMakeFiles/*/**/*.cu.o"))
+    # CMakeFiles/<target>.dir/<source>.o; an object whose source is gone (renamed or removed since
+    # an earlier build in this directory) is not this build's
+    objects = [o.relative_to(cache.parent / "CMakeFiles")
+               for o in cache.parent.glob("CMakeFiles/*/**/*.cu.o")]
+    built = sorted(o.name.removesuffix(".cu.o") for o in objects
+                   if ROOT.joinpath(*o.parts[1:]).with_suffix("").is_file())
     assert units == built and units, (units, built)
     assert [u for u in units if not (ptx / f"{u}.ptx").is_file()] == []
     (ptxas,) = [ln.removeprefix("ptxas=") for ln in manifest if ln.startswith("ptxas=")]
     assert os.access(ptxas, os.X_OK), ptxas
 
 
-def _test_command(tmp_path, *, pytest_status: int, units: dict[str, str | None]) -> tuple:
+def _test_command(tmp_path, *, pytest_status: int, units: dict[str, str | None],
+                  fast_compile: bool = False) -> tuple:
   """scripts/test.sh in a copy of scripts/ whose set-up does nothing and whose pytest exits
   with ``pytest_status``, over a build directory that kept PTX for ``units`` ({name: the .ptx
   text, or None for a missing file}); the manifest's ptxas is a fake that refuses a PTX
-  containing "bad" (with a message) and writes the cubin otherwise. (returncode, stdout, stderr)."""
+  containing "bad" (with a message) and writes the cubin otherwise, records each compile's
+  arguments in ptxas_args, and lists -Ofast-compile in its --help where ``fast_compile`` (ptxas
+  12.8 and later). (returncode, stdout, stderr)."""
   (tmp_path / "scripts").mkdir(parents=True, exist_ok=True)
   for f in ("test.sh", "ptxas_check.sh"):
     (tmp_path / "scripts" / f).write_text((ROOT / "scripts" / f).read_text())
@@ -235,8 +243,11 @@ def _test_command(tmp_path, *, pytest_status: int, units: dict[str, str | None])
   py.write_text("#!/bin/sh\nif [ \"$1\" = -c ]; then echo build/cp311-; exit 0; fi\n"
                 f"echo pytest ran; exit {pytest_status}\n")
   ptxas = tmp_path / "ptxas"
-  ptxas.write_text("#!/bin/sh\n# -arch=sm_NN -m64 -O0 FILE -o OUT\n"
+  help_text = "  --Ofast-compile <0|min|mid|max> (-Ofc)" if fast_compile else "  --opt-level (-O)"
+  ptxas.write_text("#!/bin/sh\n# -arch=sm_NN -m64 -O0 FILE -o OUT [-Ofc max]\n"
+                   f"if [ \"$1\" = --help ]; then echo '{help_text}'; exit 0; fi\n"
                    f"echo \"$4\" >> {tmp_path / 'ptxas_calls'}\n"
+                   f"echo \"$*\" >> {tmp_path / 'ptxas_args'}\n"
                    "if grep -q bad \"$4\"; then echo \"ptxas fatal: $1 $3 refused $4\" >&2; exit 255; fi\n"
                    "echo \"$1 $3\" > \"$6\"\n")
   for f in (py, ptxas):
@@ -268,6 +279,15 @@ def test_the_test_command_runs_ptxas_beside_the_tests_and_fails_on_its_refusal(t
   assert "ptxas check: kernels_b (sm_80) compiled" in out
   calls = tmp_path / "ok" / "ptxas_calls"
   assert len(calls.read_text().splitlines()) == 2
+  # a ptxas without -Ofast-compile gets -O0 alone; one with it (12.8 and later), -Ofc max too
+  args = (tmp_path / "ok" / "ptxas_args").read_text().splitlines()
+  assert len(args) == 2 and all(a.split()[2] == "-O0" and "-Ofc" not in a for a in args), args
+  code, out, _ = _test_command(tmp_path / "fast", pytest_status=0, fast_compile=True,
+                               units={"kernels_a": GOOD_PTX, "kernels_b": GOOD_PTX})
+  assert code == 0 and "ptxas check: kernels_b (sm_80) compiled" in out, out
+  args = (tmp_path / "fast" / "ptxas_args").read_text().splitlines()
+  assert len(args) == 2, args
+  assert all(a.split()[2] == "-O0" and a.endswith(" -Ofc max") for a in args), args
   code, out, err = _test_command(tmp_path / "ok", pytest_status=0,        # the same PTX again
                                  units={"kernels_a": GOOD_PTX, "kernels_b": GOOD_PTX})
   assert code == 0 and "pytest ran" in out and "passed this build's PTX in an earlier run" in out

@@ -1,6 +1,6 @@
 // Host interface of the NVLink peer-to-peer all-reduce kernels (allreduce.cuh / .cu).
 //
-// Every rank owns one symmetric region (allocated once per device, see registry.cu):
+// Every rank owns one symmetric region (allocated once per device, see registry_cuda.cc):
 //
 //   [ header: kHeaderBytes                                                              ]
 //     landing[kMaxBlocks][kMaxRanks]  uint32  flag slots, written by peers (release/acquire .sys)

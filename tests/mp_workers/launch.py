@@ -29,8 +29,6 @@ import subprocess
 import sys
 import tempfile
 
-from dtenjax.testing.ports import free_port
-
 _SHARED: list[dict] = []     # {"servers": [ForkServer, ForkServer] or []} of shared_forks()
 
 
@@ -122,6 +120,10 @@ def launch(module: str, nprocs: int, out_dir: str, *, devices_per_proc: int = 1,
            per_rank_env: dict[int, dict[str, str]] | None = None, args: list[str] | None = None,
            fork: bool = True) -> tuple[list[int | None], list[dict | None], list[str]]:
   """Runs ``python -m module`` N times; returns (exit codes (None: killed), results, logs)."""
+  # here, not at the top: tests/conftest.py imports this module in every process that runs tests,
+  # and dtenjax.testing imports jax (1.5 s of CPU), which a run of tests without jax (e.g.
+  # tests/test_conftest.py's inner run) does not need
+  from dtenjax.testing.ports import free_port
   port = free_port()
   root = _root()
   envs = []

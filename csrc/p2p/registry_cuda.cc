@@ -1,4 +1,5 @@
-// Process-wide registry of symmetric regions and communicators (see registry.h).
+// Process-wide registry of symmetric regions and communicators (see registry.h). Host code that
+// calls the CUDA runtime, no device code: compiled by the C++ compiler, not nvcc (CMakeLists.txt).
 #include "csrc/p2p/registry.h"
 
 #include <unistd.h>

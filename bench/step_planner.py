@@ -586,37 +586,13 @@ def priced_rows(names, measured_json: str | None, topology=None) -> list[dict]:
   return rows
 
 
-class _PricerTerms:
-  """Prices with some of the cost model's per-mesh terms replaced (``Pricer`` attributes: the
-  update's ``local_s_per_byte``, each collective's ``step_latency``), to read a price's terms
-  apart (:func:`model_terms`) or try another value of one (``--update-scale``). A diagnostic of
-  this bench: the planner never changes them."""
-
-  def __init__(self, **attrs):
-    from dtenjax._src.planning import pricing
-    self.pricing, self.attrs = pricing, attrs
-
-  def __enter__(self):
-    init = self.init = self.pricing.Pricer.__init__
-    attrs = self.attrs
-
-    def patched(pricer, *a, **k):
-      init(pricer, *a, **k)
-      for name, value in attrs.items():      # a value, or a function of the priced one
-        setattr(pricer, name, value(getattr(pricer, name)) if callable(value) else value)
-    self.pricing.Pricer.__init__ = patched
-
-  def __exit__(self, *exc):
-    self.pricing.Pricer.__init__ = self.init
-
-
 def model_terms(step, args, mesh: dict, specs, topology=None, update_scale: float = 1.0) -> dict:
   """The cost model's step time (ms) of the layout ``specs`` on ``mesh`` (pinned) in its terms:
   the products, the optimizer's update (its price times ``update_scale``), the exposed
   collectives, and how many collectives the price counts a meeting for (the time one more
   millisecond per meeting adds, with the update left out, less the price without meetings)."""
   def price(**attrs):
-    with _PricerTerms(**attrs):
+    with planning.replaced_cost_terms(**attrs):
       return dtenjax.plan(step, *args, topology=topology, mesh=mesh, pinned=specs,
                           memory_budget=1 << 50).cost
   full = price(local_s_per_byte=lambda s: s * update_scale)
@@ -703,7 +679,7 @@ def terms_rows(measured_jsons: list[str], topology=None,
       if row["planned_mesh"] == rec["mesh"]:   # else this tree plans another layout than was timed
         seen.setdefault((row["planned_mesh"], round(row["predicted_ms"], 3)), row)
     if update_scale != 1.0:
-      with _PricerTerms(local_s_per_byte=lambda s: s * update_scale):
+      with planning.replaced_cost_terms(local_s_per_byte=lambda s: s * update_scale):
         p = dtenjax.plan(step, *args, topology=topology)
       mesh = dict(zip(p.axis_names, p.mesh_shape))
       planned_mesh = "x".join(f"{a}{n}" for a, n in mesh.items() if n > 1)

@@ -1,7 +1,8 @@
 """What the planner's benchmarks drive besides ``dtenjax.plan``: the timing routine that
 ``plan(measure=True)`` uses and its test of two plans laying a step out alike, the standard
-recipes' names, the calibration's raw measurement, a host's NUMA record, and the per-array
-planner's caches (cleared for a cold timing, counted for a hit rate).
+recipes' names, the calibration's raw measurement, a host's NUMA record, the per-array
+planner's caches (cleared for a cold timing, counted for a hit rate), and the whole-step cost
+model with some of its terms replaced (to read a price apart).
 
 The benchmarks time the user's own ``jax.jit`` programs with the same routine as the library times
 its candidates, so that the two are compared under one method. For benchmarks and tests; not part
@@ -10,9 +11,12 @@ of the library's API.
 
 from __future__ import annotations
 
+import contextlib
+
 from dtenjax._src.planning import mesh as _mesh
 from dtenjax._src.planning import placement as _placement
 from dtenjax._src.planning import planner as _planner
+from dtenjax._src.planning import pricing as _pricing
 from dtenjax._src.planning.measure import same_layout as same_layout
 from dtenjax._src.planning.measure import time_calls as time_calls
 from dtenjax._src.planning.planner import plan_tensor as plan_tensor
@@ -21,7 +25,7 @@ from dtenjax._src.topology.calibrate import measure as calibrate_measure
 from dtenjax._src.topology.parts import NumaNode as NumaNode
 
 __all__ = ["RECIPES", "NumaNode", "calibrate_measure", "clear_planner_caches", "distinct_plans",
-           "plan_tensor", "same_layout", "time_calls"]
+           "plan_tensor", "replaced_cost_terms", "same_layout", "time_calls"]
 
 _CACHES = (_planner._plan_cached, _planner._allreduce_s, _mesh._make_mesh_cached,
            _mesh._mesh_for_shape, _placement._planning_inputs, _placement._named_sharding,
@@ -38,3 +42,23 @@ def clear_planner_caches() -> None:
 def distinct_plans() -> int:
   """How many distinct per-array plans the planner's cache holds."""
   return _planner._plan_cached.cache_info().currsize
+
+
+@contextlib.contextmanager
+def replaced_cost_terms(**attrs):
+  """Within the block, ``dtenjax.plan`` prices with some of the cost model's per-mesh terms
+  replaced: each keyword names a ``Pricer`` attribute (the update's ``local_s_per_byte``, each
+  collective's ``step_latency``) and gives its value or a function of the priced one. A
+  diagnostic for benchmarks (``bench/step_planner.py --parts terms``); the planner never changes
+  them."""
+  init = _pricing.Pricer.__init__
+
+  def patched(pricer, *a, **k):
+    init(pricer, *a, **k)
+    for name, value in attrs.items():
+      setattr(pricer, name, value(getattr(pricer, name)) if callable(value) else value)
+  _pricing.Pricer.__init__ = patched
+  try:
+    yield
+  finally:
+    _pricing.Pricer.__init__ = init

@@ -562,8 +562,7 @@ def _weight_leaf(v, producer: Mapping[Any, Any], invars) -> int | None:
   """The input (its index in ``invars``) of ``v``'s operands that ``v``'s op reads through
   reshapes and broadcasts only: a norm's scale."""
   for w in producer[v].invars:
-    while is_var(w) and w in producer and producer[w].primitive.name in (
-        _RESHAPES | {"broadcast_in_dim"}):
+    while is_var(w) and w in producer and producer[w].primitive.name in _RESHAPES:
       w = producer[w].invars[0]
     if is_var(w) and w in invars:
       return list(invars).index(w)

@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import types
 
 import jax
@@ -158,6 +159,40 @@ def test_asynchronous_save_returns_before_writing_and_joins(tmp_path):
   with ckpt.Checkpointer() as c2:
     c2.save(tmp_path / "c", {"y": y})
   assert _bits(c2.restore(tmp_path / "c")["y"]) == _bits(ref + 1)
+
+
+def test_a_wait_that_runs_out_leaves_the_save_to_join_again(tmp_path):
+  # the time-out says "wait longer (wait(timeout_s=...))": the next wait must still find that
+  # save (it once found nothing in flight, and a next save would have overlapped it)
+  release = threading.Event()
+
+  class SlowStorage(ckpt.LocalStorage):
+    def write(self, *args, **kwargs):
+      release.wait(60)
+      return super().write(*args, **kwargs)
+
+  c = ckpt.Checkpointer(threads=2, storage=SlowStorage())
+  pending = c.save(tmp_path / "a", {"w": np.arange(4.0)})
+  with pytest.raises(dtenjax.CheckpointError, match="did not finish within 0.05 s"):
+    c.wait(timeout_s=0.05)
+  assert not pending.done()
+  release.set()
+  report = c.wait()
+  assert report is not None and report.path == str(tmp_path / "a") and pending.done()
+  assert c.wait() is None
+  np.testing.assert_array_equal(ckpt.restore(tmp_path / "a")["w"], np.arange(4.0))
+
+
+def test_a_failed_save_raises_once(tmp_path):
+  class FailingStorage(ckpt.LocalStorage):
+    def write(self, *args, **kwargs):
+      raise OSError("disk gone")
+
+  c = ckpt.Checkpointer(threads=2, storage=FailingStorage())
+  c.save(tmp_path / "a", {"w": np.arange(4.0)})
+  with pytest.raises(OSError, match="disk gone"):
+    c.wait()
+  assert c.wait() is None           # reported once; the Checkpointer is free for the next save
 
 
 def _saved(tmp_path, name="c"):

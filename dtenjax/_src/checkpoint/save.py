@@ -366,11 +366,16 @@ class Checkpointer:
     return self._pending
 
   def wait(self, timeout_s: float | None = None) -> SaveReport | None:
-    """Joins the save in flight (None when there is none)."""
-    pending, self._pending = self._pending, None
+    """Joins the save in flight (None when there is none). A wait that runs out keeps the save
+    in flight, so the next ``wait`` (or ``save``) joins it again."""
+    pending = self._pending
     if pending is None:
       return None
-    return pending.wait(self.timeout_s if timeout_s is None else timeout_s)
+    try:
+      return pending.wait(self.timeout_s if timeout_s is None else timeout_s)
+    finally:
+      if pending.done():     # finished, or failed (raised once): nothing left in flight
+        self._pending = None
 
   def restore(self, path, target=None, **kwargs):
     from dtenjax._src.checkpoint import restore as ckrestore

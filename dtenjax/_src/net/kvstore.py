@@ -83,19 +83,13 @@ class InMemoryClient:
 _local = InMemoryClient()
 
 
-def _global_state() -> Any | None:
-  return jaxapi.distributed_state()
-
-
-def coordination_client() -> Any | None:
-  """jax.distributed's coordination client, or None when jax.distributed is not initialised."""
-  return getattr(_global_state(), "client", None)
+coordination_client = jaxapi.coordination_client   # the raw client (None before initialize)
 
 
 def _initialised_processes() -> int:
   """How many processes jax.distributed was initialised for (1 if never)."""
   try:
-    return int(getattr(_global_state(), "num_processes", 1) or 1)
+    return int(getattr(jaxapi.distributed_state(), "num_processes", 1) or 1)
   except (TypeError, ValueError):
     return 1
 

@@ -3,6 +3,7 @@ each device needs, integrity errors, atomic commits under kill -9, orbax interop
 directions), asynchronous saves, and continuation in fresh processes (also across device and
 process counts) with reproducible collectives."""
 
+import importlib.abc
 import json
 import os
 import re
@@ -436,6 +437,23 @@ def test_without_kvikio_posix_runs_and_info_says_why(monkeypatch):
   info = ckpt.io_info()
   assert info["path"] == "posix" and "kvikio is not installed" in info["why"]
   with pytest.raises(dtenjax.ConfigurationError, match="kvikio does not import"):
+    ckio.backend("kvikio")
+
+
+def test_a_kvikio_that_is_installed_and_broken_is_not_called_missing(monkeypatch):
+  # a kvikio whose import fails (say, a CUDA library it cannot load) is reported with its own
+  # error: "pip install" would not mend it
+  class Broken(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+      if name == "kvikio":
+        raise OSError("libcufile.so.0: cannot open shared object file")
+      return None
+  monkeypatch.delitem(sys.modules, "kvikio", raising=False)
+  monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+  info = ckpt.io_info()
+  assert info["path"] == "posix" and "installed and does not import" in info["why"]
+  assert "libcufile.so.0" in info["why"]
+  with pytest.raises(dtenjax.ConfigurationError, match="OSError: libcufile.so.0"):
     ckio.backend("kvikio")
 
 

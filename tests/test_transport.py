@@ -283,6 +283,15 @@ def test_stalled_peer_times_out_with_clear_error():
   close_all(comms)
 
 
+def test_an_array_tag_outside_jit_is_refused_naming_it():
+  comm = transport.create_local_comm(0, 1, credentials.JobCredentials(7, b"t" * 32))
+  try:
+    with pytest.raises(errors.CollectiveError, match=r"got tag=array\(3.*hostcoll.all_reduce"):
+      comm.all_reduce(np.ones(3, np.float32), tag=np.array(3))
+  finally:
+    comm.close()
+
+
 def test_credentials_and_provider_table(monkeypatch):
   with pytest.raises(errors.ConfigurationError, match="at least 16"):
     credentials.JobCredentials(1, b"short")

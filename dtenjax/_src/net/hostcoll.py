@@ -86,10 +86,6 @@ _lock = threading.Lock()
 _comm_groups: dict[tuple[int, str], list[transport.Communicator]] = {}
 
 
-def _axis_sizes() -> dict[str, int]:
-  return dict(jax.sharding.get_abstract_mesh().shape)
-
-
 def _check(x, axes: tuple[str, ...], algorithm: str, op: str) -> tuple[int, int]:
   """Validates before tracing; returns (processes in the ring, devices per process)."""
   problems = []
@@ -101,7 +97,7 @@ def _check(x, axes: tuple[str, ...], algorithm: str, op: str) -> tuple[int, int]
   dtypes = tuple(native.codes()[0])
   if jnp.dtype(x.dtype) not in dtypes:
     problems.append(f"dtype {jnp.dtype(x.dtype).name} is not one of {[d.name for d in dtypes]}")
-  sizes = _axis_sizes()
+  sizes = dict(jax.sharding.get_abstract_mesh().shape)   # the enclosing shard_map's mesh axes
   unknown = [a for a in axes if a not in sizes]
   if unknown:
     problems.append(f"axis {unknown} is not a mesh axis of the enclosing shard_map "

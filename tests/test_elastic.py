@@ -18,24 +18,10 @@ from dtenjax._src.elastic import launcher, memory
 from dtenjax._src.net import kvstore
 
 
-class _BytesClient(kvstore.InMemoryClient):
-  """The coordination client's byte calls over the in-memory stand-in (values kept as bytes)."""
-
-  def key_value_set_bytes(self, key, value, allow_overwrite=False):
-    self.key_value_set(key, value, allow_overwrite)
-
-  def blocking_key_value_get_bytes(self, key, timeout_in_ms):
-    return self.blocking_key_value_get(key, timeout_in_ms)
-
-  def key_value_delete(self, key):
-    with self._cv:
-      self._data.pop(key, None)
-
-
 # --- heartbeats -----------------------------------------------------------------------------------
 
 def test_a_silent_peer_is_named_within_the_timeout_plus_ten_percent():
-  client = _BytesClient()
+  client = kvstore.InMemoryClient()
   lost = []
   got = threading.Event()
   dogs = [dtenjax.elastic.Watchdog(r, 3, (lambda e: (lost.append((time.monotonic(), e)),
@@ -59,7 +45,7 @@ def test_a_silent_peer_is_named_within_the_timeout_plus_ten_percent():
 
 
 def test_a_store_that_errs_is_the_loss_of_rank_0():
-  class Broken(_BytesClient):
+  class Broken(kvstore.InMemoryClient):
     def key_value_dir_get(self, key):
       raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
   errs = []
@@ -107,7 +93,7 @@ def test_records_ring_replicas_and_restore_onto_another_mesh(tmp_path):
   memory is lost; its ring neighbour's replica and the others' records restore it onto 3 x 2
   and onto one device, bit for bit."""
   mesh = jax.make_mesh((4, 2), ("a", "b"))
-  client = _BytesClient()
+  client = kvstore.InMemoryClient()
   root = str(tmp_path / "mem")
   tiers = [memory.MemoryTier(root, r, 4, client=client, timeout_s=10) for r in range(4)]
   for step in (2, 4, 6):

@@ -111,8 +111,8 @@ def mlp(mesh, n_in: int):
   leaf: along "data" when its first dimension divides the device count, else replicated) and
   ``grads_of(params, x, y) -> (loss, grads)``: each device's micro-batches' losses and gradients
   averaged over the devices by dtenjax.all_reduce(op="mean", reproducible=True). It runs under
-  check_vma=False: the parameters come in replicated and each device's gradient must stay its
-  own (under check_vma, jax.grad would already have summed it over "data")."""
+  shard_map's default check_vma=True, as a user's step would: the parameters come in replicated
+  and dtenjax.compression.pvary types them as varying, so each device's gradient is its own."""
   import types
   import jax
   import jax.numpy as jnp
@@ -120,6 +120,7 @@ def mlp(mesh, n_in: int):
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
   import dtenjax
+  import dtenjax.compression
 
   n = mesh.shape["data"]
   rng = np.random.default_rng(0)
@@ -137,12 +138,13 @@ def mlp(mesh, n_in: int):
     return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
 
   def local(p, x, y):
+    p = dtenjax.compression.pvary(p, "data")
     losses, grads = jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(p, *b), (x, y))
     grads = dtenjax.all_reduce(grads, "data", op="mean", reproducible=True, local_axis=0)
     loss = dtenjax.all_reduce(losses, "data", op="mean", reproducible=True, local_axis=0)
     return loss, grads
 
   grads_of = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-                           out_specs=(P(), P()), check_vma=False)
+                           out_specs=(P(), P()))
   return types.SimpleNamespace(params=params, opt=opt, opt_state=zero_state(opt.init, params),
                                layout=layout, grads_of=grads_of)

@@ -158,6 +158,9 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
   """Runs ``python argv...`` as an elastic job of ``nprocs`` processes (see the module doc).
 
   ``min_nprocs``: the smallest job to continue with (default ``nprocs``: no shrinking).
+  ``env``: variables added to the workers' environment. ``run_dir``: where the workers' logs
+  (``g<generation>.r<rank>.log``) and the events go (default: a new temporary directory).
+  ``quiet``: no progress lines on stderr.
   ``snapshot_every``: steps between in-memory snapshots (0: none); ``checkpoint_dir`` and
   ``checkpoint_every``: the persistent tier (a :class:`dtenjax.checkpoint.CheckpointManager`).
   ``heartbeat_timeout_s``: how long a silent worker is waited for. ``timeout_s`` bounds the

@@ -79,7 +79,8 @@ def _xla_stats(fn, args, kwargs) -> tuple[dict[str, int], str]:
 
 
 def memory_plan(fn: Callable, *args: Any, with_xla: bool = True, **kwargs: Any) -> MemoryPlan:
-  """Liveness-based buffer table of ``fn(*args, **kwargs)`` (top-level jaxpr) and XLA's stats."""
+  """Liveness-based buffer table of ``fn(*args, **kwargs)`` (top-level jaxpr) and XLA's stats
+  (``with_xla=False``: without compiling ``fn`` for them)."""
   closed = jax.make_jaxpr(fn)(*args, **kwargs)
   jaxpr = closed.jaxpr
   n_eqns = len(jaxpr.eqns)

@@ -196,6 +196,27 @@ def test_a_failed_save_raises_once(tmp_path):
   assert c.wait() is None           # reported once; the Checkpointer is free for the next save
 
 
+def test_a_process_that_waits_for_the_others_says_which_save_and_stage(tmp_path, monkeypatch):
+  # one process of two, the other never comes: each wait of the save fails within its timeout
+  # with the save's path and stage, not only a key of the coordination store
+  from dtenjax._src.net import kvstore
+
+  class NoPeer(kvstore.InMemoryClient):
+    def wait_at_barrier(self, barrier_id, timeout_in_ms, process_ids=None):
+      raise RuntimeError(f"DEADLINE_EXCEEDED: barrier {barrier_id} timed out")
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(kvstore, "default", lambda: kvstore.KVStore(NoPeer()))
+  tree = {"w": np.arange(4.0)}
+  with pytest.raises(dtenjax.CheckpointError,
+                     match=r"saving .*/a \(open\): the processes did not all arrive within 0.2 s"):
+    ckpt.save(tmp_path / "a", tree, timeout_s=0.2)                    # process 0
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  with pytest.raises(dtenjax.CheckpointError, match=r"saving .*/b \(process 0 beginning it\): "
+                     r"the processes did not all arrive within 0.2 s"):
+    ckpt.save(tmp_path / "b", tree, timeout_s=0.2)                    # process 1
+
+
 def _saved(tmp_path, name="c"):
   ref = np.arange(8 * 4096, dtype=np.float32).reshape(8, 4096)   # chunks of 16 KiB: 4 blocks
   ckpt.save(tmp_path / name, {"params": {"w": _sharded((2, 4), ("a", "b"), P("a", "b"), ref)},

@@ -14,8 +14,8 @@ rank file.
 train: a small MLP (common.mlp), data parallel over every device (mesh axis "data"), each
 device's micro-batches' gradients averaged by dtenjax.all_reduce(op="mean", reproducible=True),
 adam, compiled with dtenjax.reproducible_step; parameters whose first dimension divides the
-device count are sharded along it. The batch of step s comes from numpy's generator seeded with s, so a run that
-restores step 10 sees the batches a run that never stopped sees.
+device count are sharded along it. The batch of step s comes from numpy's generator seeded with
+s, so a run that restores step 10 sees the batches a run that never stopped sees.
 """
 
 from __future__ import annotations

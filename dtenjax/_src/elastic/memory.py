@@ -17,10 +17,9 @@ process's record exists at a holder that is not lost (:func:`complete_steps`): w
 process, or several that are not neighbours, the newest snapshot survives.
 
 Records are moved through jax.distributed's key-value store (net/kvstore.py's byte calls, in
-chunks),
-which is meant for small states: every byte goes through process 0's coordination service. The
-interface is four calls (``snapshot``, ``wait``, ``complete_steps``, ``restore``) so that another
-mover (dtenjax's TCP transport, point to point) or another storage (a tier of
+chunks), which is meant for small states: every byte goes through process 0's coordination
+service. The interface is four calls (``snapshot``, ``wait``, ``complete_steps``, ``restore``)
+so that another mover (dtenjax's TCP transport, point to point) or another storage (a tier of
 ``dtenjax.checkpoint``'s storage) can replace either half.
 """
 

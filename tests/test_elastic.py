@@ -171,6 +171,18 @@ def test_launch_arguments_are_checked_at_once():
                                  "snapshot_every=-1"))
 
 
+def test_a_job_past_its_timeout_is_killed_and_the_error_says_how_to_give_it_more(tmp_path):
+  script = tmp_path / "sleeper.py"
+  script.write_text("import time\ntime.sleep(60)\n")
+  t0 = time.monotonic()
+  with pytest.raises(dtenjax.CollectiveTimeoutError,
+                     match=r"ran past its timeout at generation 0 .*killed. Pass a longer "
+                           r"timeout_s \(dtenjax launch --timeout S\)"):
+    dtenjax.elastic.launch([str(script)], 1, timeout_s=0.5, run_dir=str(tmp_path / "run"),
+                           quiet=True)
+  assert time.monotonic() - t0 < 20
+
+
 def test_without_a_launcher_init_is_a_plain_single_process(monkeypatch):
   monkeypatch.delenv("DTENJAX_ELASTIC_RUN_DIR", raising=False)
   ctx = dtenjax.elastic.init()

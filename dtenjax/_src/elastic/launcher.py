@@ -317,7 +317,8 @@ def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline:
         g.codes = [p.returncode for p in procs]
         raise errors.CollectiveTimeoutError(
             f"the elastic job ran past its timeout at generation {g.index} (exit codes "
-            f"{g.codes}; logs in {run_dir})")
+            f"{g.codes}; logs in {run_dir}); its processes were killed. Pass a longer timeout_s "
+            "(dtenjax launch --timeout S) if the job needs more time")
       time.sleep(0.05)
   except BaseException:
     _kill(procs)

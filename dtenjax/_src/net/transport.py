@@ -300,7 +300,8 @@ def create_local_comm(rank: int, size: int, creds: credentials.JobCredentials, *
   built = providers.built_providers()
   if provider not in built:
     raise errors.ExtensionUnavailableError(
-        f"transport provider {provider!r} is not in this build (built: {built}).")
+        f"transport provider {provider!r} is not in this build: pass provider= one of {built} "
+        "(or leave it to providers.select_provider, which DTENJAX_TRANSPORT steers).")
   if size > 1:
     native.ensure_crypto()   # fail closed: raises saying libcrypto is missing and how to install it
   if provider == "verbs":

@@ -1,4 +1,5 @@
-"""``python -m dtenjax {demo,topo,explain,bench,info}`` (also the ``dtenjax`` console script).
+"""``python -m dtenjax {demo,topo,explain,plan,bench,info,launch}`` (also the ``dtenjax`` console
+script).
 
 The command line itself is dtenjax/_src/cli/main.py.
 """

@@ -471,9 +471,6 @@ class FakeHostColl:
   def __init__(self):
     self.calls = []
 
-  def spans_processes(self, axis_name, mesh=None):
-    return True
-
   def all_reduce(self, x, axis_name, *, algorithm="ring", op="sum", tag=None, origin=None):
     axes = jaxapi.axis_tuple(axis_name)
     problems = []

@@ -3,6 +3,7 @@ each device needs, integrity errors, atomic commits under kill -9, orbax interop
 directions), asynchronous saves, and continuation in fresh processes (also across device and
 process counts) with reproducible collectives."""
 
+import importlib.abc
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import types
 
 import jax
@@ -158,6 +160,61 @@ def test_asynchronous_save_returns_before_writing_and_joins(tmp_path):
   with ckpt.Checkpointer() as c2:
     c2.save(tmp_path / "c", {"y": y})
   assert _bits(c2.restore(tmp_path / "c")["y"]) == _bits(ref + 1)
+
+
+def test_a_wait_that_runs_out_leaves_the_save_to_join_again(tmp_path):
+  # the time-out says "wait longer (wait(timeout_s=...))": the next wait must still find that
+  # save (it once found nothing in flight, and a next save would have overlapped it)
+  release = threading.Event()
+
+  class SlowStorage(ckpt.LocalStorage):
+    def write(self, *args, **kwargs):
+      release.wait(60)
+      return super().write(*args, **kwargs)
+
+  c = ckpt.Checkpointer(threads=2, storage=SlowStorage())
+  pending = c.save(tmp_path / "a", {"w": np.arange(4.0)})
+  with pytest.raises(dtenjax.CheckpointError, match="did not finish within 0.05 s"):
+    c.wait(timeout_s=0.05)
+  assert not pending.done()
+  release.set()
+  report = c.wait()
+  assert report is not None and report.path == str(tmp_path / "a") and pending.done()
+  assert c.wait() is None
+  np.testing.assert_array_equal(ckpt.restore(tmp_path / "a")["w"], np.arange(4.0))
+
+
+def test_a_failed_save_raises_once(tmp_path):
+  class FailingStorage(ckpt.LocalStorage):
+    def write(self, *args, **kwargs):
+      raise OSError("disk gone")
+
+  c = ckpt.Checkpointer(threads=2, storage=FailingStorage())
+  c.save(tmp_path / "a", {"w": np.arange(4.0)})
+  with pytest.raises(OSError, match="disk gone"):
+    c.wait()
+  assert c.wait() is None           # reported once; the Checkpointer is free for the next save
+
+
+def test_a_process_that_waits_for_the_others_says_which_save_and_stage(tmp_path, monkeypatch):
+  # one process of two, the other never comes: each wait of the save fails within its timeout
+  # with the save's path and stage, not only a key of the coordination store
+  from dtenjax._src.net import kvstore
+
+  class NoPeer(kvstore.InMemoryClient):
+    def wait_at_barrier(self, barrier_id, timeout_in_ms, process_ids=None):
+      raise RuntimeError(f"DEADLINE_EXCEEDED: barrier {barrier_id} timed out")
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(kvstore, "default", lambda: kvstore.KVStore(NoPeer()))
+  tree = {"w": np.arange(4.0)}
+  with pytest.raises(dtenjax.CheckpointError,
+                     match=r"saving .*/a \(open\): the processes did not all arrive within 0.2 s"):
+    ckpt.save(tmp_path / "a", tree, timeout_s=0.2)                    # process 0
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  with pytest.raises(dtenjax.CheckpointError, match=r"saving .*/b \(process 0 beginning it\): "
+                     r"the processes did not all arrive within 0.2 s"):
+    ckpt.save(tmp_path / "b", tree, timeout_s=0.2)                    # process 1
 
 
 def _saved(tmp_path, name="c"):
@@ -401,6 +458,23 @@ def test_without_kvikio_posix_runs_and_info_says_why(monkeypatch):
   info = ckpt.io_info()
   assert info["path"] == "posix" and "kvikio is not installed" in info["why"]
   with pytest.raises(dtenjax.ConfigurationError, match="kvikio does not import"):
+    ckio.backend("kvikio")
+
+
+def test_a_kvikio_that_is_installed_and_broken_is_not_called_missing(monkeypatch):
+  # a kvikio whose import fails (say, a CUDA library it cannot load) is reported with its own
+  # error: "pip install" would not mend it
+  class Broken(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+      if name == "kvikio":
+        raise OSError("libcufile.so.0: cannot open shared object file")
+      return None
+  monkeypatch.delitem(sys.modules, "kvikio", raising=False)
+  monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+  info = ckpt.io_info()
+  assert info["path"] == "posix" and "installed and does not import" in info["why"]
+  assert "libcufile.so.0" in info["why"]
+  with pytest.raises(dtenjax.ConfigurationError, match="OSError: libcufile.so.0"):
     ckio.backend("kvikio")
 
 

@@ -126,6 +126,23 @@ def test_async_saves_overlap_the_next_steps(tmp_path):
   np.testing.assert_array_equal(np.asarray(out["w"]), ref)
 
 
+def test_a_wait_that_runs_out_waits_its_timeout_once(tmp_path):
+  # the save and the clean-up after it share one timeout: the error says "within 1 s", so the
+  # wait is 1 s, not 1 s for the save and 1 s more for the clean-up thread waiting on it
+  m = ckpt.CheckpointManager(tmp_path, max_to_keep=1)
+  slow = _SlowIO()
+  m._ckpt.storage = ckpt.LocalStorage(slow)
+  assert m.save(5, _state(5)[0])
+  t0 = time.monotonic()
+  with pytest.raises(dtenjax.CheckpointError, match="did not finish within 1 s"):
+    m.wait_until_finished(timeout_s=1.0)
+  waited = time.monotonic() - t0
+  assert 1.0 <= waited < 1.8, waited
+  slow.release.set()
+  m.wait_until_finished()                   # the save in flight is joined again, and finishes
+  assert m.all_steps() == [5] and m.last_report is not None
+
+
 def test_restore_onto_a_different_mesh(tmp_path):
   m = ckpt.CheckpointManager(tmp_path)
   m.save(10, _state(10)[0])

@@ -184,7 +184,12 @@ def test_bench_passes_arguments_and_exit_status_through(tmp_path, capfd):
 # --- the command line itself: help everywhere, prog, one-line errors -------------------------
 
 
-COMMANDS = ("demo", "topo", "explain", "bench", "info")
+COMMANDS = ("demo", "topo", "explain", "plan", "bench", "info", "launch")
+
+
+def test_the_command_list_is_the_cli_s():
+  from dtenjax._src.cli.main import COMMANDS as cli_commands
+  assert tuple(cli_commands) == COMMANDS      # a new command gets the per-command tests below
 
 
 def test_prog_names_the_way_it_was_started():

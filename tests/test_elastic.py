@@ -18,24 +18,10 @@ from dtenjax._src.elastic import launcher, memory
 from dtenjax._src.net import kvstore
 
 
-class _BytesClient(kvstore.InMemoryClient):
-  """The coordination client's byte calls over the in-memory stand-in (values kept as bytes)."""
-
-  def key_value_set_bytes(self, key, value, allow_overwrite=False):
-    self.key_value_set(key, value, allow_overwrite)
-
-  def blocking_key_value_get_bytes(self, key, timeout_in_ms):
-    return self.blocking_key_value_get(key, timeout_in_ms)
-
-  def key_value_delete(self, key):
-    with self._cv:
-      self._data.pop(key, None)
-
-
 # --- heartbeats -----------------------------------------------------------------------------------
 
 def test_a_silent_peer_is_named_within_the_timeout_plus_ten_percent():
-  client = _BytesClient()
+  client = kvstore.InMemoryClient()
   lost = []
   got = threading.Event()
   dogs = [dtenjax.elastic.Watchdog(r, 3, (lambda e: (lost.append((time.monotonic(), e)),
@@ -59,7 +45,7 @@ def test_a_silent_peer_is_named_within_the_timeout_plus_ten_percent():
 
 
 def test_a_store_that_errs_is_the_loss_of_rank_0():
-  class Broken(_BytesClient):
+  class Broken(kvstore.InMemoryClient):
     def key_value_dir_get(self, key):
       raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
   errs = []
@@ -107,7 +93,7 @@ def test_records_ring_replicas_and_restore_onto_another_mesh(tmp_path):
   memory is lost; its ring neighbour's replica and the others' records restore it onto 3 x 2
   and onto one device, bit for bit."""
   mesh = jax.make_mesh((4, 2), ("a", "b"))
-  client = _BytesClient()
+  client = kvstore.InMemoryClient()
   root = str(tmp_path / "mem")
   tiers = [memory.MemoryTier(root, r, 4, client=client, timeout_s=10) for r in range(4)]
   for step in (2, 4, 6):
@@ -183,6 +169,18 @@ def test_launch_arguments_are_checked_at_once():
   text = str(e.value)
   assert all(s in text for s in ("min_nprocs=3", "argv is empty", "heartbeat_timeout_s=0",
                                  "snapshot_every=-1"))
+
+
+def test_a_job_past_its_timeout_is_killed_and_the_error_says_how_to_give_it_more(tmp_path):
+  script = tmp_path / "sleeper.py"
+  script.write_text("import time\ntime.sleep(60)\n")
+  t0 = time.monotonic()
+  with pytest.raises(dtenjax.CollectiveTimeoutError,
+                     match=r"ran past its timeout at generation 0 .*killed. Pass a longer "
+                           r"timeout_s \(dtenjax launch --timeout S\)"):
+    dtenjax.elastic.launch([str(script)], 1, timeout_s=0.5, run_dir=str(tmp_path / "run"),
+                           quiet=True)
+  assert time.monotonic() - t0 < 20
 
 
 def test_without_a_launcher_init_is_a_plain_single_process(monkeypatch):

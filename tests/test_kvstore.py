@@ -24,6 +24,18 @@ def test_set_get_dir_increment():
     s.key("x/y")
 
 
+def test_bytes_and_delete():
+  # the elastic memory tier's calls: chunks of a record as bytes, deleted once moved
+  s = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=1)
+  s.set_bytes("dtenjax/r/0", b"\x00\xffab")
+  assert s.get_bytes("dtenjax/r/0") == b"\x00\xffab"
+  s.delete("dtenjax/r/0")
+  s.delete("dtenjax/r/0")                  # deleting what is gone is no error
+  assert s.dir("dtenjax/r") == {}
+  with pytest.raises(errors.CollectiveTimeoutError, match="waited 0.1 s for key .dtenjax/r/0"):
+    s.get_bytes("dtenjax/r/0", timeout_s=0.1)
+
+
 def test_get_times_out_naming_the_key():
   s = kvstore.KVStore(kvstore.InMemoryClient(), timeout_s=0.2)
   with pytest.raises(errors.CollectiveTimeoutError, match="timeout: waited 0.2 s for key .dtenjax/missing"):

@@ -11,9 +11,12 @@ from tests.mp_workers import launch
 
 
 def test_demo_trains_places_explains_and_is_bit_identical(capsys):
+  # this process's backend starts before the demo could leave out FMAs: the first line says so
+  # (started here: a pytest process starts jax only where a test needs it, so in a narrow run of
+  # this file nothing before this test had)
+  jax.devices()
   assert demo.main(["--steps", "60", "--no-progress"]) == 0
   out = capsys.readouterr().out
-  # this process's backend started before the demo could leave out FMAs: the first line says so
   first = out.splitlines()[0]
   assert first.startswith("dtenjax demo: 8 cpu device(s)"), first
   assert "across device counts to float32 rounding only" in first and "--xla_cpu_max_isa" in first

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import types
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +115,26 @@ def test_native_setup_errors_are_dtenjax_errors():
     ffi.module().p2p_register(0, 17)
   with pytest.raises(errors.ConfigurationError, match="128 bytes per rank"):
     ffi.module().p2p_connect(0, 1, 0, 2, b"x" * 128)
+
+
+def test_set_up_exchange_failures_are_dtenjax_errors(monkeypatch):
+  # lowering falls back on a DtenjaxError only: a store failure, a peer that never publishes, and
+  # the retry after it (which publishes the same key again) must all be DtenjaxErrors
+  from dtenjax._src.net import kvstore
+  client = kvstore.InMemoryClient()
+  monkeypatch.setattr(p2p.jaxapi, "coordination_client", lambda: client)
+  monkeypatch.setenv("DTENJAX_COLLECTIVE_TIMEOUT", "0.05")
+  me, peer = (types.SimpleNamespace(id=i, process_index=i) for i in (0, 1))
+  for _ in range(2):
+    with pytest.raises(errors.CollectiveTimeoutError, match="descriptor of device 1 .process 1"):
+      p2p._exchange(7, [me, peer], {0: b"d" * 8})
+
+  class Down(kvstore.InMemoryClient):
+    def key_value_set(self, key, value, allow_overwrite=False):
+      raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
+  client = Down()
+  with pytest.raises(errors.TransportError, match="device 0 .*UNAVAILABLE"):
+    p2p._exchange(7, [me, peer], {0: b"d" * 8})
 
 
 def test_gate_lists_every_problem(monkeypatch):

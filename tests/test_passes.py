@@ -149,3 +149,18 @@ def test_memory_plan_table():
   assert plan.peak_live_bytes >= 3 * 64 * 64 * 4
   assert plan.xla.get("argument_size_in_bytes") == 2 * 64 * 64 * 4
   assert "peak live" in plan.table() and "XLA:" in plan.table()
+  assert plan.xla_unavailable == ""
+
+
+def test_memory_plan_says_why_xla_has_no_numbers():
+  # a step that traces but does not compile (a custom call with no handler on this backend):
+  # the table says so, with the compiler's error, instead of silently lacking XLA's line
+  def f(a):
+    call = jax.ffi.ffi_call("dtenjax_test_no_such_target", jax.ShapeDtypeStruct(a.shape, a.dtype))
+    return call(a) * 2.0
+  plan = memory.memory_plan(f, jnp.ones((8,)))
+  assert plan.xla == {} and len(plan.rows) >= 3
+  assert plan.xla_unavailable.startswith("compiling it failed: ")
+  assert "dtenjax_test_no_such_target" in plan.xla_unavailable, plan.xla_unavailable
+  assert f"XLA: no numbers ({plan.xla_unavailable})" in plan.table()
+  assert memory.memory_plan(f, jnp.ones((8,)), with_xla=False).xla_unavailable == "with_xla=False"

@@ -283,6 +283,23 @@ def test_stalled_peer_times_out_with_clear_error():
   close_all(comms)
 
 
+def test_a_provider_not_in_the_build_is_named_with_those_that_are():
+  creds = credentials.JobCredentials(8, b"p" * 32)
+  with pytest.raises(errors.ExtensionUnavailableError,
+                     match=r"provider 'carrier-pigeon' is not in this build: pass provider= one "
+                           r"of \['tcp'"):
+    transport.create_local_comm(0, 1, creds, provider="carrier-pigeon")
+
+
+def test_an_array_tag_outside_jit_is_refused_naming_it():
+  comm = transport.create_local_comm(0, 1, credentials.JobCredentials(7, b"t" * 32))
+  try:
+    with pytest.raises(errors.CollectiveError, match=r"got tag=array\(3.*hostcoll.all_reduce"):
+      comm.all_reduce(np.ones(3, np.float32), tag=np.array(3))
+  finally:
+    comm.close()
+
+
 def test_credentials_and_provider_table(monkeypatch):
   with pytest.raises(errors.ConfigurationError, match="at least 16"):
     credentials.JobCredentials(1, b"short")

@@ -11,11 +11,11 @@ the key ``geometry``: one set of processes for both of the multi-process tests.)
 The result is one JSON line on stdout, or (under jax.distributed) tests/mp_workers/common.py's
 rank file.
 
-train: a small MLP, data parallel over every device (mesh axis "data"), each device's
-micro-batches' gradients summed by dtenjax.all_reduce(reproducible=True), adam, compiled with
-dtenjax.reproducible_step; parameters whose first dimension divides the device count are
-sharded along it. The batch of step s comes from numpy's generator seeded with s, so a run that
-restores step 10 sees the batches a run that never stopped sees.
+train: a small MLP (common.mlp), data parallel over every device (mesh axis "data"), each
+device's micro-batches' gradients averaged by dtenjax.all_reduce(op="mean", reproducible=True),
+adam, compiled with dtenjax.reproducible_step; parameters whose first dimension divides the
+device count are sharded along it. The batch of step s comes from numpy's generator seeded with
+s, so a run that restores step 10 sees the batches a run that never stopped sees.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ def _multi() -> bool:
 
 def train(steps: int, restore: str | None, save: str | None) -> dict:
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -46,36 +45,14 @@ def train(steps: int, restore: str | None, save: str | None) -> dict:
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 
-  def layout(x):
-    return NamedSharding(mesh, P("data") if x.ndim and x.shape[0] % n == 0 else P())
-
-  # drawn with numpy: jax.random's eager draws would compile a few one-device programs in every
-  # process (about a second of CPU each on the test machine)
-  rng = np.random.default_rng(0)
-  params = {"w1": np.float32(0.3) * rng.standard_normal((16, 32), dtype=np.float32),
-            "b1": np.zeros(32, np.float32),
-            "w2": np.float32(0.3) * rng.standard_normal((32, 4), dtype=np.float32),
-            "b2": np.zeros(4, np.float32)}
-  opt = optax.adam(1e-2)
-  state = {"params": params, "opt": common.zero_state(opt.init, params), "step": 0}
-  shardings = jax.tree.map(layout, {"params": params, "opt": state["opt"]})
-  state = {**jax.device_put({"params": state["params"], "opt": state["opt"]}, shardings),
-           "step": 0}
+  model = common.mlp(mesh, 16)
+  opt = model.opt
+  state = {"params": model.params, "opt": model.opt_state}
+  shardings = jax.tree.map(model.layout, state)
+  state = {**jax.device_put(state, shardings), "step": 0}
   if restore:
     state = ckpt.restore(restore, state)
-
-  def loss_fn(p, x, y):
-    h = jax.nn.tanh(x @ p["w1"] + p["b1"])
-    return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
-
-  def local(p, x, y):
-    losses, grads = jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(p, *b), (x, y))
-    grads = dtenjax.all_reduce(grads, "data", op="mean", reproducible=True, local_axis=0)
-    loss = dtenjax.all_reduce(losses, "data", op="mean", reproducible=True, local_axis=0)
-    return loss, grads
-
-  grads_of = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-                           out_specs=(P(), P()), check_vma=False)
+  grads_of = model.grads_of
 
   def step(p, o, x, y):
     p_all = jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, P())), p)

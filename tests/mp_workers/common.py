@@ -101,3 +101,50 @@ def zero_state(init, tree):
   import jax
   import numpy as np
   return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(init, tree))
+
+
+def mlp(mesh, n_in: int):
+  """The checkpoint and elastic workers' model: an MLP n_in -> 32 (tanh) -> 4, data parallel over
+  ``mesh``'s axis "data". Returns ``params`` (drawn with numpy: jax.random's eager draws would
+  compile a few one-device programs in every process, about a second of CPU each on the test
+  machine), ``opt`` (adam), ``opt_state`` (its zero state), ``layout(x)`` (the sharding of a
+  leaf: along "data" when its first dimension divides the device count, else replicated) and
+  ``grads_of(params, x, y) -> (loss, grads)``: each device's micro-batches' losses and gradients
+  averaged over the devices by dtenjax.all_reduce(op="mean", reproducible=True). It runs under
+  shard_map's default check_vma=True, as a user's step would: the parameters come in replicated
+  and dtenjax.compression.pvary types them as varying, so each device's gradient is its own."""
+  import types
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import dtenjax
+  import dtenjax.compression
+
+  n = mesh.shape["data"]
+  rng = np.random.default_rng(0)
+  params = {"w1": np.float32(0.3) * rng.standard_normal((n_in, 32), dtype=np.float32),
+            "b1": np.zeros(32, np.float32),
+            "w2": np.float32(0.3) * rng.standard_normal((32, 4), dtype=np.float32),
+            "b2": np.zeros(4, np.float32)}
+  opt = optax.adam(1e-2)
+
+  def layout(x):
+    return NamedSharding(mesh, P("data") if x.ndim and x.shape[0] % n == 0 else P())
+
+  def loss_fn(p, x, y):
+    h = jax.nn.tanh(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
+
+  def local(p, x, y):
+    p = dtenjax.compression.pvary(p, "data")
+    losses, grads = jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(p, *b), (x, y))
+    grads = dtenjax.all_reduce(grads, "data", op="mean", reproducible=True, local_axis=0)
+    loss = dtenjax.all_reduce(losses, "data", op="mean", reproducible=True, local_axis=0)
+    return loss, grads
+
+  grads_of = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                           out_specs=(P(), P()))
+  return types.SimpleNamespace(params=params, opt=opt, opt_state=zero_state(opt.init, params),
+                               layout=layout, grads_of=grads_of)

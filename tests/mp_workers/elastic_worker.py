@@ -8,9 +8,10 @@ STOP) after that many steps, once the step's snapshot is taken. Rank 0 of each g
 appends ``{"step", "loss", "generation", "devices"}`` lines to OUT_DIR/losses.jsonl and, at the
 end, writes OUT_DIR/final.json (the parameters' and optimizer state's digest).
 
-Micro-batches: 24 per step (divisible by 8, 6 and 4 devices), summed by
-dtenjax.all_reduce(reproducible=True); the batch of step s comes from numpy's generator seeded
-with s; the step is dtenjax.reproducible_step (XLA_FLAGS carries --xla_cpu_max_isa=AVX).
+The model is common.mlp. Micro-batches: 24 per step (divisible by 8, 6 and 4 devices), averaged
+by dtenjax.all_reduce(op="mean", reproducible=True); the batch of step s comes from numpy's
+generator seeded with s; the step is dtenjax.reproducible_step (XLA_FLAGS carries
+--xla_cpu_max_isa=AVX).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ def main() -> None:
   from dtenjax._src.elastic import memory
 
   ctx = dtenjax.elastic.init()
-  import jax.numpy as jnp
   import numpy as np
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -44,35 +44,13 @@ def main() -> None:
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 
-  def layout(x):
-    return NamedSharding(mesh, P("data") if x.ndim and x.shape[0] % n == 0 else P())
-
-  # drawn with numpy: jax.random's eager draws would compile a handful of one-device programs in
-  # every process of every generation (about a second of CPU each on the test machine)
-  rng = np.random.default_rng(0)
-  params = {"w1": np.float32(0.3) * rng.standard_normal((24, 32), dtype=np.float32),
-            "b1": np.zeros(32, np.float32),
-            "w2": np.float32(0.3) * rng.standard_normal((32, 4), dtype=np.float32),
-            "b2": np.zeros(4, np.float32)}
-  opt = optax.adam(1e-2)
-  state = {"params": params, "opt": common.zero_state(opt.init, params)}
-  shardings = jax.tree.map(layout, state)
+  model = common.mlp(mesh, 24)
+  opt, grads_of = model.opt, model.grads_of
+  state = {"params": model.params, "opt": model.opt_state}
+  shardings = jax.tree.map(model.layout, state)
   state = jax.device_put(state, shardings)
   ctx.mark("planned", devices=n)
   state, step = ctx.restore(state)
-
-  def loss_fn(p, x, y):
-    h = jax.nn.tanh(x @ p["w1"] + p["b1"])
-    return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
-
-  def local(p, x, y):
-    losses, grads = jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(p, *b), (x, y))
-    grads = dtenjax.all_reduce(grads, "data", op="mean", reproducible=True, local_axis=0)
-    loss = dtenjax.all_reduce(losses, "data", op="mean", reproducible=True, local_axis=0)
-    return loss, grads
-
-  grads_of = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-                           out_specs=(P(), P()), check_vma=False)
 
   def train_step(s, x, y):
     p_all = jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, P())),

@@ -26,12 +26,16 @@ from dtenjax._src import config, errors
 CHOICES = ("auto", "posix", "kvikio")
 
 
-def _kvikio() -> Any | None:
+def _kvikio() -> tuple[Any | None, str]:
+  """KvikIO, or None and why not: not installed, or installed and failing to import (then its
+  own error, e.g. a CUDA library it cannot load, which installing it again would not mend)."""
   try:
     import kvikio
-  except Exception:
-    return None
-  return kvikio
+  except Exception as e:
+    if isinstance(e, ModuleNotFoundError) and e.name == "kvikio":
+      return None, "kvikio is not installed (pip install 'dtenjax[gds]', kvikio-cu12)"
+    return None, f"kvikio is installed and does not import ({type(e).__name__}: {e})"
+  return kvikio, ""
 
 
 def _kvikio_compat(kvikio: Any) -> bool:
@@ -121,25 +125,24 @@ def backend(choice: str | None = None) -> PosixIO:
     raise errors.ConfigurationError(
         f"checkpoint I/O {choice!r} is unknown; use one of {', '.join(CHOICES)} (argument io= "
         "or DTENJAX_CHECKPOINT_IO)")
-  kvikio = _kvikio() if choice in ("auto", "kvikio") else None
+  kvikio, why = _kvikio() if choice in ("auto", "kvikio") else (None, "")
   if choice == "kvikio" and kvikio is None:
     raise errors.ConfigurationError(
-        "checkpoint I/O 'kvikio' was asked for, and kvikio does not import here: pip install "
-        "'dtenjax[gds]' (kvikio-cu12), or use io='posix'")
+        f"checkpoint I/O 'kvikio' was asked for, and kvikio does not import here: {why}; or use "
+        "io='posix'")
   return KvikIO(kvikio) if kvikio is not None else PosixIO()
 
 
 def describe() -> dict[str, Any]:
   """Which I/O path a checkpoint would take here, and why (``dtenjax info`` prints it)."""
   choice = (config.get_str("DTENJAX_CHECKPOINT_IO") or "auto").lower()
-  kvikio = _kvikio()
+  kvikio, why_not = _kvikio()
   version = getattr(kvikio, "__version__", None) if kvikio is not None else None
   try:
     path = backend(choice).name
   except errors.ConfigurationError as e:
     return {"path": None, "choice": choice, "kvikio": version, "why": str(e)}
-  why = {"posix": ("kvikio is not installed (pip install 'dtenjax[gds]')" if kvikio is None
-                   else "DTENJAX_CHECKPOINT_IO=posix"),
+  why = {"posix": why_not or "DTENJAX_CHECKPOINT_IO=posix",
          "kvikio-gds": "KvikIO through cuFile (GPUDirect Storage where nvidia-fs is loaded)",
          "kvikio-compat": "KvikIO in its POSIX compatibility mode (no cuFile/GDS here)"}[path]
   return {"path": path, "choice": choice, "kvikio": version, "why": why}

@@ -77,9 +77,6 @@ class Leaf:
   def chunk_nbytes(self) -> int:
     return int(np.prod(self.chunks, dtype=np.int64)) * self.np_dtype.itemsize
 
-  def chunk_keys(self) -> list[tuple[int, ...]]:
-    return [tuple(int(i) for i in ix) for ix in np.ndindex(*self.grid)] if self.shape else [()]
-
   def to_json(self) -> dict:
     return {"keys": [list(k) for k in self.keys], "value_type": self.value_type,
             "shape": list(self.shape), "dtype": self.dtype, "chunks": list(self.chunks)}

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from typing import Any
 
 import jax
@@ -138,14 +139,18 @@ class CheckpointManager:
       shutil.rmtree(self.step_path(step), ignore_errors=True)
 
   def wait_until_finished(self, timeout_s: float | None = None) -> None:
-    """Joins the save in flight and its clean-up; raises what failed in the background."""
+    """Joins the save in flight and its clean-up, both within ``timeout_s`` (default: the
+    checkpointer's); raises what failed in the background."""
     t = self._ckpt.timeout_s if timeout_s is None else timeout_s
+    deadline = time.monotonic() + t
     try:
-      self._ckpt.wait(t)           # raises the save's own failure, if any
+      self._ckpt.wait(t)           # raises the save's own failure, or that it ran out of time
     finally:
-      cleanup, self._cleanup = self._cleanup, None
-      if cleanup is not None:
-        cleanup.join(t)
+      cleanup = self._cleanup
+      if cleanup is not None:      # what is left of the same wait: never t again after a t
+        cleanup.join(max(0.0, deadline - time.monotonic()))
+        if not cleanup.is_alive():   # one still running is joined again by the next wait
+          self._cleanup = None
       err, self._cleanup_error = self._cleanup_error, None
     if cleanup is not None and cleanup.is_alive():
       raise errors.CheckpointError(

@@ -160,9 +160,11 @@ def _json_bytes(obj: Any) -> memoryview:
   return memoryview(json.dumps(obj, indent=1).encode())
 
 
-def _barrier(store, name: str, timeout_s: float, what: str) -> None:
+def _together(what: str, timeout_s: float, wait):
+  """``wait()``, a wait on the other processes of the save, its failure said in the save's terms
+  (which save, which stage) rather than the coordination store's (a key)."""
   try:
-    store.barrier(name, timeout_s=timeout_s)
+    return wait()
   except errors.TransportError as e:
     raise errors.CheckpointError(
         f"{what}: the processes did not all arrive within {timeout_s:g} s ({e}). Every process "
@@ -191,8 +193,12 @@ def write(p: _Plan, *, overwrite: bool, backend: ckio.PosixIO, threads: int,
   pid, nproc = jax.process_index(), jax.process_count()
   store = kvstore.default() if nproc > 1 else None
   tag = f"checkpoint-{seq}-{hashlib.sha256(p.path.encode()).hexdigest()[:12]}"
-  meet = (lambda stage: _barrier(store, f"{tag}-{stage}", timeout_s,
-                                 f"saving {p.path} ({stage})")) if store else (lambda stage: None)
+
+  def meet(stage: str) -> None:
+    if store is not None:
+      _together(f"saving {p.path} ({stage})", timeout_s,
+                lambda: store.barrier(f"{tag}-{stage}", timeout_s=timeout_s))
+
   by_name = {leaf.name: leaf for leaf in p.leaves}
   stored = [leaf for leaf in p.leaves if leaf.value_type != "None"]
   needed = sum(by_name[name].chunk_nbytes for name, _, _ in p.writes)
@@ -217,7 +223,8 @@ def write(p: _Plan, *, overwrite: bool, backend: ckio.PosixIO, threads: int,
         if store is not None:
           store.set(store.key(tag, "tmp"), tmp)
       else:
-        tmp = store.get(store.key(tag, "tmp"), timeout_s=timeout_s)
+        tmp = _together(f"saving {p.path} (process 0 beginning it)", timeout_s,
+                        lambda: store.get(store.key(tag, "tmp"), timeout_s=timeout_s))
         if tmp.startswith("error: "):
           raise errors.CheckpointError(f"saving {p.path}: process 0 failed to begin: {tmp[7:]}")
       meet("open")
@@ -366,11 +373,16 @@ class Checkpointer:
     return self._pending
 
   def wait(self, timeout_s: float | None = None) -> SaveReport | None:
-    """Joins the save in flight (None when there is none)."""
-    pending, self._pending = self._pending, None
+    """Joins the save in flight (None when there is none). A wait that runs out keeps the save
+    in flight, so the next ``wait`` (or ``save``) joins it again."""
+    pending = self._pending
     if pending is None:
       return None
-    return pending.wait(self.timeout_s if timeout_s is None else timeout_s)
+    try:
+      return pending.wait(self.timeout_s if timeout_s is None else timeout_s)
+    finally:
+      if pending.done():     # finished, or failed (raised once): nothing left in flight
+        self._pending = None
 
   def restore(self, path, target=None, **kwargs):
     from dtenjax._src.checkpoint import restore as ckrestore

@@ -112,10 +112,14 @@ def make_grads(mesh):
   from jax.sharding import PartitionSpec as P
 
   from dtenjax._src.collectives import api as collectives
+  from dtenjax._src.compression.error_feedback import pvary
 
   axes = tuple(mesh.axis_names)
 
   def local_grads(params, xb, yb):
+    # params come in replicated (P()); typed as varying, each device's gradient is its own (under
+    # shard_map's default check_vma=True, jax.grad would otherwise sum it over the devices)
+    params = pvary(params, axes)
     # xb: [k, m, features], this device's k micro-batches; one gradient per micro-batch
     losses, grads = jax.lax.map(lambda b: jax.value_and_grad(loss_fn)(params, *b), (xb, yb))
     grads = collectives.all_reduce(grads, axes, op="mean", reproducible=True, local_axis=0)
@@ -123,7 +127,7 @@ def make_grads(mesh):
     return loss, grads
 
   return jax.shard_map(local_grads, mesh=mesh, in_specs=(P(), P(axes), P(axes)),
-                       out_specs=(P(), P()), check_vma=False)
+                       out_specs=(P(), P()))
 
 
 def make_step(lr: float, mesh):

@@ -1,7 +1,8 @@
 """The command line: ``dtenjax COMMAND`` (console script) or ``python -m dtenjax COMMAND``.
 
-One argparse parser with a subcommand per job (``demo``, ``topo``, ``explain``, ``bench``,
-``info``); each command module contributes ``add_arguments(parser)`` and ``run(args) -> int``.
+One argparse parser with a subcommand per job (:data:`COMMANDS`: ``demo``, ``topo``,
+``explain``, ``plan``, ``bench``, ``info``, ``launch``); each command module contributes
+``add_arguments(parser)`` and ``run(args) -> int``.
 ``--help`` works at every level, ``prog`` names the way the user started it, a bad argument is
 argparse's usage line plus one error line with exit status 2, an argument found unusable later
 (``common.UsageError``: an unknown module, a mesh axis that does not exist, a shape that does not

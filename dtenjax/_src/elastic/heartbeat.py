@@ -3,8 +3,8 @@
 has not moved for ``timeout_s``.
 
 Two threads, so that a store call that blocks (the coordination service's host is stopped) is
-itself detected: the *beat* thread publishes and reads (``key_value_set`` and one
-``key_value_dir_get`` per beat), and the *watch* thread only compares clocks. A peer is lost when
+itself detected: the *beat* thread publishes and reads (one ``set`` and one ``dir`` of
+net/kvstore.py's store per beat), and the *watch* thread only compares clocks. A peer is lost when
 its counter has not changed for ``timeout_s`` (a killed, stopped or cut-off process); process 0,
 which hosts the coordination service, is also lost when the store does not answer for
 ``timeout_s`` or answers with an error. Detection takes at most ``timeout_s`` plus one beat after
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dtenjax._src import errors
+from dtenjax._src.net import kvstore
 
 
 class Watchdog:
@@ -43,6 +44,7 @@ class Watchdog:
     self.rank, self.world = rank, world
     self.on_lost = on_lost
     self.client = client
+    self._store = kvstore.KVStore(client)
     self.namespace = namespace.rstrip("/")
     self.interval_s, self.timeout_s = float(interval_s), float(timeout_s)
     self.step = 0
@@ -77,8 +79,8 @@ class Watchdog:
     while not self._stop.is_set():
       n += 1
       try:
-        self.client.key_value_set(self.key(self.rank), f"{n}:{self.step}", allow_overwrite=True)
-        entries = dict(self.client.key_value_dir_get(self.namespace))
+        self._store.set(self.key(self.rank), f"{n}:{self.step}", overwrite=True)
+        entries = self._store.dir(self.namespace)
         now = time.monotonic()
         with self._lock:
           self._store_ok = now

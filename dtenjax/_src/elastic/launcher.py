@@ -158,6 +158,9 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
   """Runs ``python argv...`` as an elastic job of ``nprocs`` processes (see the module doc).
 
   ``min_nprocs``: the smallest job to continue with (default ``nprocs``: no shrinking).
+  ``env``: variables added to the workers' environment. ``run_dir``: where the workers' logs
+  (``g<generation>.r<rank>.log``) and the events go (default: a new temporary directory).
+  ``quiet``: no progress lines on stderr.
   ``snapshot_every``: steps between in-memory snapshots (0: none); ``checkpoint_dir`` and
   ``checkpoint_every``: the persistent tier (a :class:`dtenjax.checkpoint.CheckpointManager`).
   ``heartbeat_timeout_s``: how long a silent worker is waited for. ``timeout_s`` bounds the
@@ -314,7 +317,8 @@ def _watch(g: Generation, procs: list[subprocess.Popen], run_dir: str, deadline:
         g.codes = [p.returncode for p in procs]
         raise errors.CollectiveTimeoutError(
             f"the elastic job ran past its timeout at generation {g.index} (exit codes "
-            f"{g.codes}; logs in {run_dir})")
+            f"{g.codes}; logs in {run_dir}); its processes were killed. Pass a longer timeout_s "
+            "(dtenjax launch --timeout S) if the job needs more time")
       time.sleep(0.05)
   except BaseException:
     _kill(procs)

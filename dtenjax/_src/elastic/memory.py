@@ -16,10 +16,10 @@ A step is *complete* for a job of ``world`` processes of which ``lost`` are gone
 process's record exists at a holder that is not lost (:func:`complete_steps`): with one lost
 process, or several that are not neighbours, the newest snapshot survives.
 
-Records are moved through jax.distributed's key-value store (``key_value_set_bytes``, in chunks),
-which is meant for small states: every byte goes through process 0's coordination service. The
-interface is four calls (``snapshot``, ``wait``, ``complete_steps``, ``restore``) so that another
-mover (dtenjax's TCP transport, point to point) or another storage (a tier of
+Records are moved through jax.distributed's key-value store (net/kvstore.py's byte calls, in
+chunks), which is meant for small states: every byte goes through process 0's coordination
+service. The interface is four calls (``snapshot``, ``wait``, ``complete_steps``, ``restore``)
+so that another mover (dtenjax's TCP transport, point to point) or another storage (a tier of
 ``dtenjax.checkpoint``'s storage) can replace either half.
 """
 
@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from dtenjax._src import errors
+from dtenjax._src.net import kvstore
 
 CHUNK_BYTES = 1 << 20          # per key of the coordination store
 KEEP = 2                       # snapshots kept per holder (the complete one and the one in flight)
@@ -173,6 +174,7 @@ class MemoryTier:
                keep: int = KEEP):
     self.root, self.rank, self.world = root, rank, world
     self.client = client
+    self._store = kvstore.KVStore(client) if client is not None else None
     self.namespace = namespace.rstrip("/")
     self.timeout_s = float(timeout_s)
     self.keep = keep
@@ -201,28 +203,28 @@ class MemoryTier:
     try:
       blob = pack(header, buffers)
       _write_atomic(os.path.join(holder(self.root, self.rank), f"own.{self.rank}.{step}"), blob)
-      if self.world > 1 and self.client is not None:
+      store = self._store
+      if self.world > 1 and store is not None:
         right, left = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         chunks = [blob[i:i + CHUNK_BYTES] for i in range(0, len(blob), CHUNK_BYTES)] or [b""]
         key = self._key(right, step)
         for i, c in enumerate(chunks):
-          self.client.key_value_set_bytes(f"{key}/{i}", c)
-        self.client.key_value_set(f"{key}/n", str(len(chunks)))
+          store.set_bytes(f"{key}/{i}", c)
+        store.set(f"{key}/n", str(len(chunks)))
         src = self._key(self.rank, step)
-        ms = int(self.timeout_s * 1000)
         try:
-          n = int(self.client.blocking_key_value_get(f"{src}/n", ms))
-          got = b"".join(self.client.blocking_key_value_get_bytes(f"{src}/{i}", ms)
+          n = int(store.get(f"{src}/n", timeout_s=self.timeout_s))
+          got = b"".join(store.get_bytes(f"{src}/{i}", timeout_s=self.timeout_s)
                          for i in range(n))
-        except Exception as e:
+        except errors.DtenjaxError as e:
           raise errors.ProcessLostError(
               f"process {self.rank}: the snapshot of step {step} from rank {left} did not "
               f"arrive within {self.timeout_s:g} s (waited for key {src}/n): {e}", [left]) from e
         unpack(got, f"the replica of rank {left}'s step {step}")
         _write_atomic(os.path.join(holder(self.root, self.rank), f"replica.{left}.{step}"), got)
         for i in range(n):
-          self.client.key_value_delete(f"{src}/{i}")
-        self.client.key_value_delete(f"{src}/n")
+          store.delete(f"{src}/{i}")
+        store.delete(f"{src}/n")
       self.last_complete = step
       self._prune()
     except BaseException as e:

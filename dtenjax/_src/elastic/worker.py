@@ -182,7 +182,9 @@ def _lost(run_dir: str, rank: int, world: int, generation: int, timeout_s: float
 def init(*, heartbeat_interval_s: float | None = None) -> Context:
   """Joins the elastic job this process was started in: ``jax.distributed.initialize`` on the
   launcher's coordinator, heartbeats, the in-memory tier and the checkpoint manager. Without a
-  launcher (``DTENJAX_ELASTIC_RUN_DIR`` unset) it is a single process and nothing is started."""
+  launcher (``DTENJAX_ELASTIC_RUN_DIR`` unset) it is a single process and nothing is started.
+  ``heartbeat_interval_s``: seconds between heartbeats (default: the launcher's heartbeat
+  timeout / 20, at most 0.1)."""
   run_dir = _env("RUN_DIR")
   if not run_dir:
     return Context(0, 1, 0, None, 0, None, None, None, None)

@@ -352,7 +352,14 @@ def _exchange(key: int, group: list[Any], local: dict[int, bytes]) -> bytes:
   client = _kv_client()
   for d in group:
     if d.id in local:
-      client.key_value_set(f"{_KV_PREFIX}/{key}/{d.id}", local[d.id].hex())
+      try:     # overwrite: a set-up retried after a time-out publishes its descriptor again
+        client.key_value_set(f"{_KV_PREFIX}/{key}/{d.id}", local[d.id].hex(),
+                             allow_overwrite=True)
+      except Exception as e:   # the coordination client's own errors: the caller falls back
+        raise errors.TransportError(
+            f"p2p set-up could not publish the buffer descriptor of device {d.id} to "
+            f"jax.distributed's key-value store ({type(e).__name__}: {e}); the coordination "
+            "service (hosted by process 0) may have exited") from None
   out = []
   for d in group:
     if d.id in local:

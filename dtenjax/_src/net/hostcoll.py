@@ -86,49 +86,6 @@ _lock = threading.Lock()
 _comm_groups: dict[tuple[int, str], list[transport.Communicator]] = {}
 
 
-def _axis_sizes() -> dict[str, int]:
-  return dict(jax.sharding.get_abstract_mesh().shape)
-
-
-def _spans(devs: np.ndarray, names: list[str], axes: tuple[str, ...]) -> bool:
-  return any(len({d.process_index for d in g}) > 1
-             for g in jaxapi.device_groups(devs, names, axes))
-
-
-def spans_processes(axis_name, mesh=None) -> bool:
-  """Whether the devices along ``axis_name`` belong to more than one process.
-
-  The device assignment comes from, in order: ``mesh`` (a concrete ``jax.sharding.Mesh``), the
-  concrete mesh of ``jax.set_mesh``, or, inside ``jax.shard_map`` / ``dtenjax.mesh_map`` with
-  only an abstract mesh in scope, the abstract mesh's axis sizes laid over ``jax.devices()`` in
-  order (what ``jax.make_mesh`` and ``Mesh(np.array(jax.devices()).reshape(...))`` build). The
-  host collective checks at run time that each process really holds the ring position this
-  assumed, and fails with an explanation if the mesh was ordered differently.
-  """
-  if jax.process_count() == 1:
-    return False
-  axes = jaxapi.axis_tuple(axis_name)
-  if mesh is not None:
-    names = list(mesh.axis_names)
-    missing = [a for a in axes if a not in names]
-    if missing:
-      raise errors.CollectiveError(f"axis {missing} not in mesh axes {names}.")
-    return _spans(np.asarray(mesh.devices), names, axes)
-  concrete = jaxapi.concrete_mesh()
-  if concrete is not None and all(a in concrete.axis_names for a in axes):
-    return _spans(np.asarray(concrete.devices), list(concrete.axis_names), axes)
-  sizes = _axis_sizes()
-  if not sizes or any(a not in sizes for a in axes):
-    return False   # not mesh axes (e.g. a vmap axis): nothing crosses processes
-  names = list(sizes)
-  shape = tuple(sizes[n] for n in names)
-  if math.prod(shape) == jax.device_count():
-    return _spans(np.array(jax.devices(), dtype=object).reshape(shape), names, axes)
-  stride_after = math.prod(sizes[n] for n in names[max(names.index(a) for a in axes) + 1:])
-  span = math.prod(sizes[a] for a in axes)
-  return span * stride_after > jax.local_device_count()
-
-
 def _check(x, axes: tuple[str, ...], algorithm: str, op: str) -> tuple[int, int]:
   """Validates before tracing; returns (processes in the ring, devices per process)."""
   problems = []
@@ -140,7 +97,7 @@ def _check(x, axes: tuple[str, ...], algorithm: str, op: str) -> tuple[int, int]
   dtypes = tuple(native.codes()[0])
   if jnp.dtype(x.dtype) not in dtypes:
     problems.append(f"dtype {jnp.dtype(x.dtype).name} is not one of {[d.name for d in dtypes]}")
-  sizes = _axis_sizes()
+  sizes = dict(jax.sharding.get_abstract_mesh().shape)   # the enclosing shard_map's mesh axes
   unknown = [a for a in axes if a not in sizes]
   if unknown:
     problems.append(f"axis {unknown} is not a mesh axis of the enclosing shard_map "

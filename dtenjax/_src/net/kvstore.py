@@ -2,9 +2,11 @@
 
 JAX has no public key-value API; the coordination client lives at
 ``jax._src.distributed.global_state.client`` (a ``DistributedRuntimeClient`` with ``key_value_set``,
-``blocking_key_value_get``, ``key_value_dir_get``, ``key_value_increment``, ``wait_at_barrier``).
-Everything in dtenjax that exchanges endpoints, secrets or load reports goes through
-:class:`KVStore`, so a JAX change touches this file only. Failures are reported by kind:
+``blocking_key_value_get``, their ``_bytes`` forms, ``key_value_dir_get``, ``key_value_increment``,
+``key_value_delete``, ``wait_at_barrier``). Everything in dtenjax that exchanges endpoints,
+secrets, load reports, heartbeats or the elastic memory tier's records goes through
+:class:`KVStore`, so a JAX change touches this file only (gpu/p2p.py, one layer down beside net,
+reads the client through jaxapi). Failures are reported by kind:
 
 * a wait that ran out: :class:`~dtenjax._src.errors.CollectiveTimeoutError` naming the key and
   the seconds waited;
@@ -40,6 +42,9 @@ class Client(Protocol):
   def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str: ...
   def key_value_dir_get(self, key: str) -> list[tuple[str, str]]: ...
   def key_value_increment(self, key: str, increment: int) -> int: ...
+  def key_value_set_bytes(self, key: str, value: bytes, allow_overwrite: bool = False) -> None: ...
+  def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes: ...
+  def key_value_delete(self, key: str) -> None: ...
   def wait_at_barrier(self, barrier_id: str, timeout_in_ms: int,
                       process_ids: Any = None) -> None: ...
 
@@ -76,6 +81,13 @@ class InMemoryClient:
       self._cv.notify_all()
       return v
 
+  key_value_set_bytes = key_value_set               # values are kept as given
+  blocking_key_value_get_bytes = blocking_key_value_get
+
+  def key_value_delete(self, key: str) -> None:
+    with self._cv:
+      self._data.pop(key, None)
+
   def wait_at_barrier(self, barrier_id: str, timeout_in_ms: int, process_ids: Any = None) -> None:
     del barrier_id, timeout_in_ms, process_ids   # one process: always complete
 
@@ -83,19 +95,13 @@ class InMemoryClient:
 _local = InMemoryClient()
 
 
-def _global_state() -> Any | None:
-  return jaxapi.distributed_state()
-
-
-def coordination_client() -> Any | None:
-  """jax.distributed's coordination client, or None when jax.distributed is not initialised."""
-  return getattr(_global_state(), "client", None)
+coordination_client = jaxapi.coordination_client   # the raw client (None before initialize)
 
 
 def _initialised_processes() -> int:
   """How many processes jax.distributed was initialised for (1 if never)."""
   try:
-    return int(getattr(_global_state(), "num_processes", 1) or 1)
+    return int(getattr(jaxapi.distributed_state(), "num_processes", 1) or 1)
   except (TypeError, ValueError):
     return 1
 
@@ -182,8 +188,23 @@ class KVStore:
     self._call("set", key, lambda c: c.key_value_set(key, value, allow_overwrite=overwrite))
 
   def get(self, key: str, *, timeout_s: float | None = None) -> str:
-    t = self.timeout_s() if timeout_s is None else KVStore(timeout_s=timeout_s).timeout_s()
+    t = self._wait_s(timeout_s)
     return self._call("get", key, lambda c: c.blocking_key_value_get(key, int(t * 1000)), t)
+
+  def set_bytes(self, key: str, value: bytes) -> None:
+    self._call("set", key, lambda c: c.key_value_set_bytes(key, value))
+
+  def get_bytes(self, key: str, *, timeout_s: float | None = None) -> bytes:
+    t = self._wait_s(timeout_s)
+    return self._call("get", key, lambda c: c.blocking_key_value_get_bytes(key, int(t * 1000)),
+                      t)
+
+  def delete(self, key: str) -> None:
+    self._call("delete", key, lambda c: c.key_value_delete(key))
+
+  def _wait_s(self, timeout_s: float | None) -> float:
+    """A call's wait: ``timeout_s`` (validated) or this store's."""
+    return self.timeout_s() if timeout_s is None else KVStore(timeout_s=timeout_s).timeout_s()
 
   def dir(self, prefix: str) -> dict[str, str]:
     """Every key under ``prefix`` (a directory), with values."""
@@ -193,7 +214,7 @@ class KVStore:
     return int(self._call("increment", key, lambda c: c.key_value_increment(key, by)))
 
   def barrier(self, name: str, *, timeout_s: float | None = None) -> None:
-    t = self.timeout_s() if timeout_s is None else KVStore(timeout_s=timeout_s).timeout_s()
+    t = self._wait_s(timeout_s)
     self._call("barrier", PREFIX + name,
                lambda c: c.wait_at_barrier(PREFIX + name, int(t * 1000)), t)
 

@@ -245,8 +245,9 @@ class Communicator:
       raise errors.CollectiveError(f"op={op!r} is not one of {sorted(op_codes)}.")
     value, suffix = callsite.tag_value(tag)
     if value is None:
-      raise errors.CollectiveError("Communicator.all_reduce takes a Python int or str tag (an "
-                                   "array tag belongs inside jit: hostcoll.all_reduce).")
+      raise errors.CollectiveError(
+          f"Communicator.all_reduce got tag={tag!r}: it takes a Python int or str tag (an array "
+          "tag belongs inside jit: hostcoll.all_reduce).")
     base, text = callsite.call_site() if site is None else site
     text += suffix
     sig = f"{x.dtype.name}{list(x.shape)}"
@@ -299,7 +300,8 @@ def create_local_comm(rank: int, size: int, creds: credentials.JobCredentials, *
   built = providers.built_providers()
   if provider not in built:
     raise errors.ExtensionUnavailableError(
-        f"transport provider {provider!r} is not in this build (built: {built}).")
+        f"transport provider {provider!r} is not in this build: pass provider= one of {built} "
+        "(or leave it to providers.select_provider, which DTENJAX_TRANSPORT steers).")
   if size > 1:
     native.ensure_crypto()   # fail closed: raises saying libcrypto is missing and how to install it
   if provider == "verbs":

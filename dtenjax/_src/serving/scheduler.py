@@ -144,7 +144,9 @@ def preemption_decision(policy: PreemptionPolicy, low_latency_backlog: int,
                         low_latency_p95: float | None) -> float:
   """Fraction of the main queue's capacity released to the low-latency queue (pure).
 
-  The largest release among the triggered rules; 0 when none triggers or the policy is off.
+  ``low_latency_backlog``: batches waiting in the low-latency queue; ``low_latency_p95``: its
+  recent P95 latency in seconds (None before any batch finished). The largest release among the
+  triggered rules; 0 when none triggers or the policy is off.
   """
   if not policy.enabled:
     return 0.0

@@ -40,6 +40,7 @@ class MemoryPlan:
   planned_bytes: int          # sum of slot sizes after reuse
   naive_bytes: int            # sum of all buffers (no reuse)
   xla: dict[str, int]         # compiled.memory_analysis() fields, when available
+  xla_unavailable: str = ""   # why ``xla`` is empty (e.g. the compile's own error)
 
   def table(self) -> str:
     """One row per buffer (``live``: the equations from its definition to its last read), then
@@ -52,6 +53,8 @@ class MemoryPlan:
                  f"reuse, {self.naive_bytes} B without")
     if self.xla:
       lines.append("XLA: " + ", ".join(f"{k}={v}" for k, v in self.xla.items()))
+    elif self.xla_unavailable:
+      lines.append(f"XLA: no numbers ({self.xla_unavailable})")
     return "\n".join(lines)
 
 
@@ -59,20 +62,25 @@ def _nbytes(aval) -> int:
   return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def _xla_stats(fn, args, kwargs) -> dict[str, int]:
+def _xla_stats(fn, args, kwargs) -> tuple[dict[str, int], str]:
+  """XLA's memory analysis of ``fn``, or ``{}`` and why not: a step that traces but does not
+  compile (e.g. a custom call with no handler here) says so instead of printing a table that
+  silently lacks XLA's side."""
   try:
     stats = jax.jit(fn).lower(*args, **kwargs).compile().memory_analysis()
-  except Exception:
-    return {}
+  except Exception as e:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return {}, f"compiling it failed: {type(e).__name__}: {first[:300]}"
   if stats is None:
-    return {}
+    return {}, f"the {jax.default_backend()} backend reports no memory analysis"
   keys = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
           "alias_size_in_bytes", "generated_code_size_in_bytes")
-  return {k: int(getattr(stats, k)) for k in keys if hasattr(stats, k)}
+  return {k: int(getattr(stats, k)) for k in keys if hasattr(stats, k)}, ""
 
 
 def memory_plan(fn: Callable, *args: Any, with_xla: bool = True, **kwargs: Any) -> MemoryPlan:
-  """Liveness-based buffer table of ``fn(*args, **kwargs)`` (top-level jaxpr) and XLA's stats."""
+  """Liveness-based buffer table of ``fn(*args, **kwargs)`` (top-level jaxpr) and XLA's stats
+  (``with_xla=False``: without compiling ``fn`` for them)."""
   closed = jax.make_jaxpr(fn)(*args, **kwargs)
   jaxpr = closed.jaxpr
   n_eqns = len(jaxpr.eqns)
@@ -109,6 +117,6 @@ def memory_plan(fn: Callable, *args: Any, with_xla: bool = True, **kwargs: Any) 
   peak = 0
   for t in range(-1, n_eqns + 1):
     peak = max(peak, sum(r.nbytes for r in rows if r.start <= t <= r.end))
-  xla = _xla_stats(fn, args, kwargs) if with_xla else {}
+  xla, unavailable = _xla_stats(fn, args, kwargs) if with_xla else ({}, "with_xla=False")
   return MemoryPlan(tuple(rows), peak, sum(s for s, _ in slots),
-                    sum(r.nbytes for r in rows), xla)
+                    sum(r.nbytes for r in rows), xla, unavailable)

@@ -561,6 +561,7 @@ class CapSearch:
     self.prob, self.graph, self.budget, self.proposed = prob, graph, budget, proposed
     self.done = False
     self.choice: list[int] | None = None
+    self._cost: StepCost | None = None
     self._floor = lower_bound(prob)
     self._fit = math.inf
     self._exact = _backend(prob.m) != "cpu"
@@ -578,6 +579,13 @@ class CapSearch:
   def least(self) -> list[int] | None:
     """The least-memory assignment (solved once, for the search or the planner's shortfall)."""
     return self._least[0]
+
+  def cost(self) -> StepCost | None:
+    """:func:`evaluate`'s cost of ``choice`` under the budget (None without one): the search's
+    own where it priced it, so the planner does not price the same assignment again."""
+    if self.choice is not None and self._cost is None:
+      self._cost = evaluate(self.prob, self.choice, self.graph, self.budget)
+    return self._cost
 
   def advance(self) -> None:
     """Solve the next program (or end the search)."""
@@ -607,8 +615,12 @@ class CapSearch:
   def _search(self):
     prob, graph, budget = self.prob, self.graph, self.budget
     fastest, floor = solve_bounded(prob, graph, 0.0, proposed=self.proposed)
-    if fastest is None or not budget or evaluate(prob, fastest, graph, budget).fits:
+    if fastest is None or not budget:
       self.choice = fastest
+      return
+    cost = evaluate(prob, fastest, graph, budget)
+    if cost.fits:
+      self.choice, self._cost = fastest, cost
       return
     self._above(floor)
     yield
@@ -641,8 +653,9 @@ class CapSearch:
           hi = cap
           self._above(floor)
       yield
-    fits = [(c.total_s, k, choice) for k, (c, choice) in enumerate(found) if c.fits]
-    self.choice = min(fits)[2] if fits else None
+    fits = [(c.total_s, k, choice, c) for k, (c, choice) in enumerate(found) if c.fits]
+    if fits:
+      self.choice, self._cost = min(fits)[2:]
 
 
 def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,

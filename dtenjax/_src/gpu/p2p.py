@@ -304,7 +304,8 @@ def gate(*, world: int, dtype, op: str = "sum", contract: Contract = Contract.NO
 def _verdict(problems: list[tuple[str, str]], backend: str) -> Verdict:
   if not problems:
     return Verdict(True)
-  failed = tuple(c for c in CONDITIONS if any(p[0] == c for p in problems))
+  named = {p[0] for p in problems}
+  failed = tuple(c for c in CONDITIONS if c in named)
   verdict = Verdict(False, "; ".join(text for _, text in problems), failed)
   if backend == "gpu":
     for seen in getattr(_watchers, "stack", ()):

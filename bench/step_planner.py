@@ -18,8 +18,10 @@ Parts (``--parts``, default all):
   (imports of scipy's solver and the tracing included) in fresh processes,
   then the same plan again in that process: wall and process CPU time, with the load average
   (the CPU time barely moves when other work shares the machine), and the first plan's CPU time
-  in Python's cyclic garbage collector (its full passes walk every object the imports made). ``--time-against DIR`` plans
-  with another revision's package too, in the same rounds (its first plans' medians over ours).
+  in Python's cyclic garbage collector (its full passes walk every object the imports made).
+  ``--time-against DIR`` plans with another revision's package too, in the same rounds (its
+  first plans' medians over ours); copy the native extension into DIR/dtenjax for a like-for-like
+  comparison (a note says when it is missing).
 * ``wins`` -- six model families (bench/_families.py: a scanned and a looped Llama-shaped decoder,
   an encoder-decoder, a convnet with batch norm, a mixture-of-experts transformer, weights shared
   across layers) on this machine's devices: the plan's ``plan.jit`` step against the layouts a
@@ -823,6 +825,12 @@ def main(argv=None) -> int:
     again = sum(r["again_cpu_s"] < 2.0 for r in rows)
     notes.append(f"time: same plan in every process of a model and topology: {same}; under 2 s "
                  f"of CPU: {cold} of {len(rows)} first plans, {again} of {len(rows)} again")
+    theirs = os.path.join(args.time_against, "dtenjax")
+    if (args.time_against and dtenjax.build_info()["built"] and
+        not any(f.startswith("_ffi") for f in os.listdir(theirs))):
+      notes.append(f"time: {theirs} has no native extension (this checkout's is built): its NVLink "
+                   "gate stops at 'not built' and skips the checks this tree's makes for every "
+                   "priced all-reduce; copy the extension in to compare like with like")
     if args.time_against:
       notes.append("time: median first plan's CPU s over " + args.time_against + "'s: " + ", ".join(
           f"{m} {f} {_harness.median(mine) / _harness.median(theirs):.2f}x"

@@ -111,6 +111,26 @@ def test_the_time_part_plans_the_70b_step_in_a_fresh_process(tmp_path):
   assert len(row["specs_hash"]) == 16
 
 
+def test_the_time_part_says_when_the_other_package_lacks_the_native_extension(
+    tmp_path, monkeypatch, capsys):
+  """--time-against with a package that has no native extension while this checkout's is built:
+  its NVLink gate stops at "not built" and skips the deployment checks, so the side-by-side is
+  not like for like; the time part says so (and says nothing once an extension is there)."""
+  import step_planner
+  row = dict(model="70b", topology="h100_64", run=0, plan_s=1.0, plan_cpu_s=1.0, again_cpu_s=0.5,
+             plan_gc_cpu_s=0.1, load=1.0, mesh="4x1x8x1x1x2", specs_hash="0" * 16)
+  monkeypatch.setattr(step_planner, "time_rows", lambda against="": [
+      dict(row, src="this checkout"), dict(row, src=against)])
+  (tmp_path / "dtenjax").mkdir()
+  built = dtenjax.build_info()["built"]
+  for extension in (False, True):
+    if extension:
+      (tmp_path / "dtenjax" / "_ffi.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    step_planner.main(["--parts", "time", "--time-against", str(tmp_path)])
+    said = "has no native extension" in capsys.readouterr().out
+    assert said == (built and not extension)
+
+
 def test_the_caps_left_unsolved_are_those_no_assignment_fits(monkeypatch):
   """solver.CapSearch does not solve a memory cap below the least-memory program's dual bound
   (less solver.ROW_MARGIN): on the 70B-shaped step on h100_64 the programs it solves are those of

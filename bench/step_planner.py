@@ -17,8 +17,11 @@ Parts (``--parts``, default all):
   (``h100_64``, ``h100_256``, ``h100_1024``; the target: under 2 s of one core each), cold
   (imports of scipy's solver and the tracing included) in fresh processes,
   then the same plan again in that process: wall and process CPU time, with the load average
-  (the CPU time barely moves when other work shares the machine). ``--time-against DIR`` plans
-  with another revision's package too, in the same rounds (its first plans' medians over ours).
+  (the CPU time barely moves when other work shares the machine), and the first plan's CPU time
+  in Python's cyclic garbage collector (its full passes walk every object the imports made).
+  ``--time-against DIR`` plans with another revision's package too, in the same rounds (its
+  first plans' medians over ours); copy the native extension into DIR/dtenjax for a like-for-like
+  comparison (a note says when it is missing).
 * ``wins`` -- six model families (bench/_families.py: a scanned and a looped Llama-shaped decoder,
   an encoder-decoder, a convnet with batch norm, a mixture-of-experts transformer, weights shared
   across layers) on this machine's devices: the plan's ``plan.jit`` step against the layouts a
@@ -197,14 +200,27 @@ topology = dtenjax.Topology.fixture({fixture!r})
 n = topology.num_devices
 step, args = (m.llama_step("8b", batch=n, seq=2048, remat=True, dtype=jnp.bfloat16)
               if {model!r} == "8b" else m.decoder_70b(batch=n))
+import gc
+gc_s = [0.0, 0.0]              # CPU s in the cyclic garbage collector; the current pass's start
+
+
+def timed_gc(phase, info):
+  if phase == "start":
+    gc_s[1] = time.process_time()
+  else:
+    gc_s[0] += time.process_time() - gc_s[1]
+
+
+gc.callbacks.append(timed_gc)
 t1, c1 = time.perf_counter(), time.process_time()
 plan = dtenjax.plan(step, *args, topology=topology)
 t2, c2 = time.perf_counter(), time.process_time()
+collected = gc_s[0]
 again = dtenjax.plan(step, *args, topology=topology)
 c3 = time.process_time()
 import hashlib
 digest = hashlib.sha256(repr((plan.mesh_shape, plan.device_ids, plan.specs)).encode()).hexdigest()
-print(t2 - t1, c2 - c1, c3 - c2, "x".join(map(str, plan.mesh_shape)), digest[:16])
+print(t2 - t1, c2 - c1, c3 - c2, collected, "x".join(map(str, plan.mesh_shape)), digest[:16])
 """
 
 
@@ -212,8 +228,9 @@ def time_rows(repeats: int = 3, fixtures=("h100_64", "h100_256", "h100_1024"),
               models_=("8b", "70b"), against: str = "") -> list[dict]:
   """Planning an 8B step (one sequence of 2048 per device, bf16) and a 70B-shaped one
   (``_step_models.decoder_70b``) on each fixture in fresh processes: the first plan (imports of
-  scipy's solver, the tracing and the topology's first look-ups included) and the same plan
-  again in that process (the planning alone). The target: under 2 s of one core each.
+  scipy's solver, the tracing and the topology's first look-ups included; of it, the cyclic
+  garbage collector's passes) and the same plan again in that process (the planning alone). The
+  target: under 2 s of one core each.
   ``against``: a directory holding another revision's ``dtenjax`` package, planned in the same
   rounds (each round a process of each, the first of the pair alternating; the rows' ``src``)."""
   srcs = ["", os.path.abspath(against)] if against else [""]
@@ -225,10 +242,11 @@ def time_rows(repeats: int = 3, fixtures=("h100_64", "h100_256", "h100_1024"),
           child = _TIME_CHILD.format(here=HERE, fixture=fixture, model=model, src=src)
           out = subprocess.run([sys.executable, "-c", child],
                                capture_output=True, text=True, timeout=600, check=True)
-          wall, cpu, again, mesh, digest = out.stdout.split()[-5:]
+          wall, cpu, again, collected, mesh, digest = out.stdout.split()[-6:]
           load = os.getloadavg()[0]
           rows.append({"model": model, "topology": fixture, "run": i, "plan_s": float(wall),
-                       "plan_cpu_s": float(cpu), "again_cpu_s": float(again), "load": load,
+                       "plan_cpu_s": float(cpu), "again_cpu_s": float(again),
+                       "plan_gc_cpu_s": float(collected), "load": load,
                        "mesh": mesh, "specs_hash": digest, "src": src or "this checkout"})
   return rows
 
@@ -795,8 +813,9 @@ def main(argv=None) -> int:
     print(_harness.table(rows, (("model", "model", "s"), ("topology", "topology", "s"),
                                 ("run", "run", "d"), ("package", "src", "s"),
                                 ("plan s (cold, wall)", "plan_s", ".2f"),
-                                ("CPU s", "plan_cpu_s", ".2f"), ("again, CPU s", "again_cpu_s", ".2f"),
-                                ("load avg", "load", ".1f"),
+                                ("CPU s", "plan_cpu_s", ".2f"),
+                                ("of which GC", "plan_gc_cpu_s", ".2f"),
+                                ("again, CPU s", "again_cpu_s", ".2f"), ("load avg", "load", ".1f"),
                                 ("mesh", "mesh", "s"), ("specs hash", "specs_hash", "s")),
                          title="planning an 8B and a 70B-shaped step (bf16, 2048 tokens per "
                                "device), fresh processes; target: under 2 s of CPU each"))
@@ -806,6 +825,12 @@ def main(argv=None) -> int:
     again = sum(r["again_cpu_s"] < 2.0 for r in rows)
     notes.append(f"time: same plan in every process of a model and topology: {same}; under 2 s "
                  f"of CPU: {cold} of {len(rows)} first plans, {again} of {len(rows)} again")
+    theirs = os.path.join(args.time_against, "dtenjax")
+    if (args.time_against and dtenjax.build_info()["built"] and
+        not any(f.startswith("_ffi") for f in os.listdir(theirs))):
+      notes.append(f"time: {theirs} has no native extension (this checkout's is built): its NVLink "
+                   "gate stops at 'not built' and skips the checks this tree's makes for every "
+                   "priced all-reduce; copy the extension in to compare like with like")
     if args.time_against:
       notes.append("time: median first plan's CPU s over " + args.time_against + "'s: " + ", ".join(
           f"{m} {f} {_harness.median(mine) / _harness.median(theirs):.2f}x"

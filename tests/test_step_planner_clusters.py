@@ -107,7 +107,67 @@ def test_the_time_part_plans_the_70b_step_in_a_fresh_process(tmp_path):
                    map(int, row["mesh"].split("x"))))
   assert {a: k for a, k in shape.items() if k > 1} == PINNED[("70b", "h100_64")][0]
   assert row["plan_cpu_s"] > row["again_cpu_s"] > 0          # the first plan pays the imports
+  assert 0 <= row["plan_gc_cpu_s"] < row["plan_cpu_s"]      # of which the collector's passes
   assert len(row["specs_hash"]) == 16
+
+
+def test_the_time_part_says_when_the_other_package_lacks_the_native_extension(
+    tmp_path, monkeypatch, capsys):
+  """--time-against with a package that has no native extension while this checkout's is built:
+  its NVLink gate stops at "not built" and skips the deployment checks, so the side-by-side is
+  not like for like; the time part says so (and says nothing once an extension is there)."""
+  import step_planner
+  row = dict(model="70b", topology="h100_64", run=0, plan_s=1.0, plan_cpu_s=1.0, again_cpu_s=0.5,
+             plan_gc_cpu_s=0.1, load=1.0, mesh="4x1x8x1x1x2", specs_hash="0" * 16)
+  monkeypatch.setattr(step_planner, "time_rows", lambda against="": [
+      dict(row, src="this checkout"), dict(row, src=against)])
+  (tmp_path / "dtenjax").mkdir()
+  built = dtenjax.build_info()["built"]
+  for extension in (False, True):
+    if extension:
+      (tmp_path / "dtenjax" / "_ffi.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    step_planner.main(["--parts", "time", "--time-against", str(tmp_path)])
+    said = "has no native extension" in capsys.readouterr().out
+    assert said == (built and not extension)
+
+
+def test_the_caps_left_unsolved_are_those_no_assignment_fits(monkeypatch):
+  """solver.CapSearch does not solve a memory cap below the least-memory program's dual bound
+  (less solver.ROW_MARGIN): on the 70B-shaped step on h100_64 the programs it solves are those of
+  the search that solves every cap, in the same order, less some that had no solution there; and
+  the plan, its price, the recipes and the notes are the same."""
+  from dtenjax._src.planning import solver
+  topo = dtenjax.Topology.fixture("h100_64")
+  step, args = models.decoder_70b(batch=topo.num_devices)
+  solves = []
+  bounded = solver.solve_bounded
+
+  def recorded(prob, graph, budget, objective="time", proposed=True):
+    out = bounded(prob, graph, budget, objective, proposed)
+    solves.append((prob.m.shape, objective, budget, out[0] is None))
+    return out
+  monkeypatch.setattr(solver, "solve_bounded", recorded)
+
+  def run():
+    solves.clear()
+    return dtenjax.plan(step, *args, topology=topo), list(solves)
+  skipping, some = run()
+  monkeypatch.setattr(solver, "ROW_MARGIN", math.inf)       # no cap is known empty
+  every, whole = run()
+  assert (skipping.mesh_shape, skipping.device_ids, skipping.specs) == (
+      every.mesh_shape, every.device_ids, every.specs)
+  assert (skipping.cost, skipping.recipes, skipping.notes) == (every.cost, every.recipes,
+                                                               every.notes)
+  left = iter(some)
+  nxt = next(left, None)
+  dropped = []
+  for s in whole:
+    if s == nxt:
+      nxt = next(left, None)
+    else:
+      dropped.append(s)
+  assert nxt is None                      # the skipping search's programs, in order, are there
+  assert dropped and all(s[3] for s in dropped), dropped     # only programs with no solution
 
 
 def test_the_best_first_search_drops_only_meshes_that_cannot_be_chosen(monkeypatch):

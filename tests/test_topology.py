@@ -179,6 +179,38 @@ def test_interleaved_hosts_grouping():
     t.link_class(0, 9)
 
 
+def test_islands_are_the_connected_groups_of_fast_links_on_any_matrix():
+  """islands() against a union-find over every pair, on random symmetric matrices whose fast
+  links make chains and stars (not only whole hosts), device ids out of order, at every level."""
+  import random
+  rng = random.Random(7)
+  for trial in range(40):
+    n = rng.randint(1, 24)
+    ids = rng.sample(range(100), n)
+    rows = [["tcp"] * n for _ in range(n)]
+    for i in range(n):
+      rows[i][i] = "local"
+      for j in range(i + 1, n):
+        rows[i][j] = rows[j][i] = rng.choice(["nvlink", "pcie", "roce", "tcp", "tcp", "tcp"])
+    t = Topology(f"random{trial}", tuple(_dev(i) for i in ids), tuple(map(tuple, rows)))
+    for level in topo.LINK_ORDER:
+      parent = list(range(n))
+
+      def root(a):
+        while parent[a] != a:
+          a = parent[a]
+        return a
+      for i in range(n):
+        for j in range(n):
+          if topo.LINK_ORDER.index(rows[i][j]) <= topo.LINK_ORDER.index(level):
+            parent[root(i)] = root(j)
+      groups: dict[int, list[int]] = {}
+      for i in range(n):
+        groups.setdefault(root(i), []).append(ids[i])
+      want = tuple(sorted((tuple(g) for g in groups.values()), key=lambda g: ids.index(g[0])))
+      assert t.islands(level) == want, (trial, level)
+
+
 def test_subset_and_with_links():
   t = Topology.fixture("roce_a100_4x8")
   s = t.subset([8, 0, 9])

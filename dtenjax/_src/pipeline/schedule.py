@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -253,15 +254,21 @@ def timetable(schedule: Schedule, stages: int, microbatches: int, backward: bool
   def free_f(c, m):
     return done[("B", c, m)] if backward else done[("F", c, m)]
 
+  def most_live(spans) -> int:         # most of the spans [a, f] covering one tick of the table
+    edges = [0] * (ticks + 1)
+    for a, f in spans:
+      a, f = max(a, 0), min(f, ticks - 1)
+      if a <= f:
+        edges[a] += 1
+        edges[f + 1] -= 1
+    return max(itertools.accumulate(edges[:ticks]))
+
   def window(arrive, free, c):        # most micro-batches live at once in one chunk's buffer
-    spans = [(arrive(c, m), free(c, m)) for m in range(mb)]
-    return max(sum(1 for a, f in spans if a <= tt <= f) for tt in range(ticks))
+    return most_live((arrive(c, m), free(c, m)) for m in range(mb))
 
   act_slots = max(window(arrive_f, free_f, c) for c in range(chunks))
-  live = []
-  for d in range(p):
-    spans = [(arrive_f(vv * p + d, m), free_f(vv * p + d, m)) for vv in range(v) for m in range(mb)]
-    live.append(max(sum(1 for a, f in spans if a <= tt <= f) for tt in range(ticks)))
+  live = [most_live((arrive_f(vv * p + d, m), free_f(vv * p + d, m))
+                    for vv in range(v) for m in range(mb)) for d in range(p)]
   ct_slots = 1
   if backward and chunks > 1:
     ct_slots = max(window(lambda c, m: done[("B", c + 1, m)] + 1, lambda c, m: done[("B", c, m)], c)

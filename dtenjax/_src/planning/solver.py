@@ -525,6 +525,10 @@ def row_memory(prob: Problem, choice: Sequence[int]) -> float:
           max((pr.gathered_peak for pr in prices), default=0.0))
 
 
+# Relative margin below the least memory row's dual bound under which a cap is known to have no
+# solution (HiGHS's feasibility tolerance, 1e-7 of the scaled row, is far inside it).
+ROW_MARGIN = 1e-5
+
 # Relative margin by which a mesh's bound must exceed a plan found before the mesh is dropped:
 # far above the solver's tolerances (HiGHS's 1e-6 feasibility) and the 2.3e-9 measured between a
 # program's objective and evaluate's step time of its solution (bench/step_planner.py's fixtures).
@@ -557,6 +561,7 @@ class CapSearch:
     self.prob, self.graph, self.budget, self.proposed = prob, graph, budget, proposed
     self.done = False
     self.choice: list[int] | None = None
+    self._cost: StepCost | None = None
     self._floor = lower_bound(prob)
     self._fit = math.inf
     self._exact = _backend(prob.m) != "cpu"
@@ -567,9 +572,20 @@ class CapSearch:
     return min(self._fit, self._floor)
 
   @functools.cached_property
+  def _least(self) -> tuple[list[int] | None, float]:
+    return solve_bounded(self.prob, self.graph, 0.0, objective="memory", proposed=self.proposed)
+
+  @property
   def least(self) -> list[int] | None:
     """The least-memory assignment (solved once, for the search or the planner's shortfall)."""
-    return solve(self.prob, self.graph, 0.0, objective="memory", proposed=self.proposed)
+    return self._least[0]
+
+  def cost(self) -> StepCost | None:
+    """:func:`evaluate`'s cost of ``choice`` under the budget (None without one): the search's
+    own where it priced it, so the planner does not price the same assignment again."""
+    if self.choice is not None and self._cost is None:
+      self._cost = evaluate(self.prob, self.choice, self.graph, self.budget)
+    return self._cost
 
   def advance(self) -> None:
     """Solve the next program (or end the search)."""
@@ -599,8 +615,12 @@ class CapSearch:
   def _search(self):
     prob, graph, budget = self.prob, self.graph, self.budget
     fastest, floor = solve_bounded(prob, graph, 0.0, proposed=self.proposed)
-    if fastest is None or not budget or evaluate(prob, fastest, graph, budget).fits:
+    if fastest is None or not budget:
       self.choice = fastest
+      return
+    cost = evaluate(prob, fastest, graph, budget)
+    if cost.fits:
+      self.choice, self._cost = fastest, cost
       return
     self._above(floor)
     yield
@@ -614,9 +634,13 @@ class CapSearch:
     # no assignment's row is below the fixed memory; the fastest's is at most row_memory (the
     # program's row also subtracts the activations a complete pair shards)
     lo, hi = sum(prob.fixed_memory.values()), row_memory(prob, fastest)
+    # no assignment's row goes below the least-memory program's dual bound: a cap under it (by
+    # far more than HiGHS's tolerances) has no solution, known without solving
+    below = lo + self._least[1] - ROW_MARGIN * abs(self._least[1])
     for _ in range(CAP_STEPS):
       cap = (lo + hi) / 2
-      choice, floor = solve_bounded(prob, graph, cap, proposed=self.proposed)
+      choice, floor = (None, -math.inf) if cap < below else solve_bounded(
+          prob, graph, cap, proposed=self.proposed)
       if choice is None:                 # nothing fits the cap: a larger one
         lo = cap
       else:
@@ -629,8 +653,9 @@ class CapSearch:
           hi = cap
           self._above(floor)
       yield
-    fits = [(c.total_s, k, choice) for k, (c, choice) in enumerate(found) if c.fits]
-    self.choice = min(fits)[2] if fits else None
+    fits = [(c.total_s, k, choice, c) for k, (c, choice) in enumerate(found) if c.fits]
+    if fits:
+      self.choice, self._cost = min(fits)[2:]
 
 
 def solve(prob: Problem, graph: stepgraph.StepGraph, budget: float,
@@ -802,9 +827,10 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
 def solve_bounded(prob: Problem, graph: stepgraph.StepGraph, budget: float,
                   objective: str = "time", proposed: bool = True
                   ) -> tuple[list[int] | None, float]:
-  """:func:`solve`'s assignment and, for the time objective, a step time (seconds) that no
-  solution of this program goes below: HiGHS's dual bound plus the terms no layout changes
-  (``-inf`` where there is none)."""
+  """:func:`solve`'s assignment and a value no solution of this program goes below (``-inf``
+  where there is none): for the time objective a step time (seconds), HiGHS's dual bound plus
+  the terms no layout changes; for the memory objective HiGHS's dual bound of the memory row
+  (bytes per device, without the fixed memory)."""
   from scipy import optimize
   if proposed not in prob.programs:
     prob.programs[proposed] = _program(prob, graph, proposed)
@@ -830,6 +856,8 @@ def solve_bounded(prob: Problem, graph: stepgraph.StepGraph, budget: float,
     vals_g = [res.x[index[(gi, ci)]] for ci in range(len(cands))]
     choice.append(int(np.argmax(vals_g)))
   dual = getattr(res, "mip_dual_bound", None)
-  if objective != "time" or dual is None or not math.isfinite(dual):
+  if dual is None or not math.isfinite(dual):
     return choice, -math.inf
+  if objective == "memory":
+    return choice, dual
   return choice, dual + prob.compute_s + sum(prob.fixed_blocking.values())

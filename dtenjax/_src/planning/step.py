@@ -250,8 +250,10 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   solved = []
   proposed = fixed_mesh is None
 
-  def record(shape, prob: Problem, choice, least: Callable[[], list[int] | None]) -> None:
-    """One mesh's answer: the best plan so far, or (none fits) the least memory it needs."""
+  def record(shape, prob: Problem, choice, least: Callable[[], list[int] | None],
+             cost: StepCost | None = None) -> None:
+    """One mesh's answer (``cost``: its evaluation, when known): the best plan so far, or (none
+    fits) the least memory it needs."""
     nonlocal best, shortfall
     if choice is None:
       least_choice = least()
@@ -261,7 +263,7 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
       if shortfall is None or floor < shortfall[0]:
         shortfall = (floor, shape)
       return
-    cost = evaluate(prob, choice, graph, budget)
+    cost = cost or evaluate(prob, choice, graph, budget)
     solved.append((shape, prob, choice, cost))
     key = (round(cost.total_s, 12), cost.memory["total"])
     if best is None or key < best[0]:
@@ -286,10 +288,10 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
       if not search.done:
         heapq.heappush(queue, (search.bound, k))
       elif search.choice is not None:
-        top = min(top, evaluate(search.prob, search.choice, graph, budget).total_s)
+        top = min(top, search.cost().total_s)
     for (shape, prob), search in zip(problems, searches):  # in the meshes' order (ties)
       if search.done:
-        record(shape, prob, search.choice, lambda search=search: search.least)
+        record(shape, prob, search.choice, lambda search=search: search.least, search.cost())
 
   def to_solve():
     """The meshes without stages (for a recipe) whose bound (solver.lower_bound) does not exceed
@@ -320,7 +322,7 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     staged_top = min((c.total_s for _, p, _, c in solved if p.m.pipeline is not None),
                      default=math.inf)
     if search.run(max(best[0][0] if best is not None else math.inf, staged_top)):
-      record(shape, prob, search.choice, lambda search=search: search.least)
+      record(shape, prob, search.choice, lambda search=search: search.least, search.cost())
   island = min((len(i) for i in topology.fast_islands()), default=1)
   recipes = []
   by_shape = {shape: prob for shape, prob in problems}

@@ -69,6 +69,20 @@ def _freeze_links(links: Mapping[str, LinkSpec]) -> tuple[tuple[str, LinkSpec], 
   return tuple(sorted(links.items(), key=lambda kv: LINK_ORDER.index(kv[0])))
 
 
+def _positions(row: Sequence[str], classes: Sequence[str]) -> list[int]:
+  """The positions in ``row`` holding one of ``classes``."""
+  out = []
+  for c in classes:
+    i = -1
+    try:
+      while True:
+        i = row.index(c, i + 1)
+        out.append(i)
+    except ValueError:
+      pass
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
   """Devices and the link class between every pair, plus hosts, NICs and NUMA nodes.
@@ -241,25 +255,25 @@ class Topology:
     memo = self._derived
     if ("islands", within) in memo:
       return memo[("islands", within)]
-    limit = LINK_ORDER.index(within)
-    rank = {c: LINK_ORDER.index(c) for c in LINK_ORDER}
-    seen: set[int] = set()
-    out = []
+    # each device's row scanned once, in C for each fast class (tuple.index): a 1,024-GPU
+    # fixture has a million pairs, and a Python loop over them was 0.04 s of the first plan
+    fast = LINK_ORDER[:LINK_ORDER.index(within) + 1]
     ids = self.device_ids
-    for d in self.devices:
-      if d.id in seen:
+    left = set(range(len(ids)))        # positions not in an island yet
+    out = []
+    for start in range(len(ids)):
+      if start not in left:
         continue
-      comp, todo = [], [d.id]
-      seen.add(d.id)
+      left.discard(start)
+      comp, todo = [], [start]
       while todo:
-        a = todo.pop()
-        comp.append(a)
-        row = self.link_matrix[self.position(a)]
-        for q, b in enumerate(ids):
-          if b not in seen and rank[row[q]] <= limit:
-            seen.add(b)
-            todo.append(b)
-      out.append(tuple(sorted(comp, key=self.position)))
+        p = todo.pop()
+        comp.append(p)
+        if left:
+          near = [q for q in _positions(self.link_matrix[p], fast) if q in left]
+          left.difference_update(near)
+          todo.extend(near)
+      out.append(tuple(ids[q] for q in sorted(comp)))
     memo[("islands", within)] = tuple(out)
     return memo[("islands", within)]
 

@@ -502,11 +502,12 @@ def split_flops(prob: Problem, graph: stepgraph.StepGraph,
 
 def lower_bound(prob: Problem) -> float:
   """A step time no assignment of ``prob`` goes below (seconds): the fixed compute and blocking
-  terms plus, per group, its cheapest layout's compute and blocking communication. The terms it
-  leaves out (unpaired gathers, the exposed overlappable time) are never negative, so a mesh
-  whose bound exceeds a plan already found cannot win and need not be solved."""
+  terms plus, per group, its cheapest layout's compute and blocking communication, less the
+  repeated work its pair would split if complete (Price.token_saving). The terms it leaves out
+  (unpaired gathers, the exposed overlappable time) are never negative, so a mesh whose bound
+  exceeds a plan already found cannot win and need not be solved."""
   return prob.compute_s + sum(prob.fixed_blocking.values()) + sum(
-      min((pr.compute + sum(pr.blocking.values()) for pr in prs), default=0.0)
+      min((pr.compute - pr.token_saving + sum(pr.blocking.values()) for pr in prs), default=0.0)
       for prs in prob.prices)
 
 

@@ -44,8 +44,9 @@ Parts (``--parts``, default all):
 
 * ``terms`` -- every layout of recorded wins runs (``--measured-json A,B``: the hand-written
   layouts, the plan and the plans under the recorded budgets, planned by this tree) priced by the
-  cost model in its terms: products, the optimizer's update, the exposed collectives and the
-  number of meetings priced, beside the measured time; per family the pairs of layouts the
+  cost model in its terms: products, the work beside them, the optimizer's update, the exposed
+  collectives (and the FSDP gathers' waits among them) and the number of meetings priced, beside
+  the measured time; per family the pairs of layouts the
   prediction orders as measured, and the bytes XLA compiles optax's AdamW update to move per
   parameter byte. ``--cores`` prices the recorded machine's host; ``--update-scale S`` prices
   the update S times over and adds each family's default plan under that price.
@@ -606,20 +607,27 @@ def priced_rows(names, measured_json: str | None, topology=None) -> list[dict]:
 
 def model_terms(step, args, mesh: dict, specs, topology=None, update_scale: float = 1.0) -> dict:
   """The cost model's step time (ms) of the layout ``specs`` on ``mesh`` (pinned) in its terms:
-  the products, the optimizer's update (its price times ``update_scale``), the exposed
-  collectives, and how many collectives the price counts a meeting for (the time one more
-  millisecond per meeting adds, with the update left out, less the price without meetings)."""
+  the products, the work beside them (norms, activations, softmax, the loss: the step's
+  ``token_bytes`` streamed), the optimizer's update (its price times ``update_scale``), the
+  exposed collectives and the FSDP gathers' waits among them, and how many collectives the price
+  counts a meeting for (the time one more millisecond per meeting adds, with the update and the
+  gathers' waits left out, less the price without meetings)."""
   def price(**attrs):
     with planning.replaced_cost_terms(**attrs):
       return dtenjax.plan(step, *args, topology=topology, mesh=mesh, pinned=specs,
                           memory_budget=1 << 50).cost
-  full = price(local_s_per_byte=lambda s: s * update_scale)
-  products = price(local_s_per_byte=0.0)
-  unmet = price(local_s_per_byte=0.0, step_latency=0.0)
-  met = price(local_s_per_byte=0.0, step_latency=1e-3)
+  full = price(stream_s_per_byte=lambda s: s * update_scale)
+  no_update = price(stream_s_per_byte=0.0)
+  products = price(stream_s_per_byte=0.0, beside_s_per_byte=0.0)
+  unwaited = price(stream_s_per_byte=0.0, gather_wait=0.0)
+  unmet = price(stream_s_per_byte=0.0, step_latency=0.0, gather_wait=0.0)
+  met = price(stream_s_per_byte=0.0, step_latency=1e-3, gather_wait=0.0)
   return {"predicted_ms": full.total_s * 1e3, "products_ms": products.compute_s * 1e3,
-          "update_ms": (full.compute_s - products.compute_s) * 1e3,
-          "collectives_ms": full.exposed_s * 1e3, "meetings": (met.exposed_s - unmet.exposed_s) / 1e-3}
+          "beside_ms": (no_update.compute_s - products.compute_s) * 1e3,
+          "update_ms": (full.compute_s - no_update.compute_s) * 1e3,
+          "collectives_ms": full.exposed_s * 1e3,
+          "waits_ms": (no_update.exposed_s - unwaited.exposed_s) * 1e3,
+          "meetings": (met.exposed_s - unmet.exposed_s) / 1e-3}
 
 
 def fused_bytes_per_param_byte(compiled, param_bytes: int) -> float:
@@ -697,7 +705,7 @@ def terms_rows(measured_jsons: list[str], topology=None,
       if row["planned_mesh"] == rec["mesh"]:   # else this tree plans another layout than was timed
         seen.setdefault((row["planned_mesh"], round(row["predicted_ms"], 3)), row)
     if update_scale != 1.0:
-      with planning.replaced_cost_terms(local_s_per_byte=lambda s: s * update_scale):
+      with planning.replaced_cost_terms(stream_s_per_byte=lambda s: s * update_scale):
         p = dtenjax.plan(step, *args, topology=topology)
       mesh = dict(zip(p.axis_names, p.mesh_shape))
       planned_mesh = "x".join(f"{a}{n}" for a, n in mesh.items() if n > 1)
@@ -714,7 +722,8 @@ def terms_rows(measured_jsons: list[str], topology=None,
     notes.append(f"terms: {name}: {agree} of {len(pairs)} pairs of distinct layouts measured "
                  f"more than 3 % apart predicted in the measured order")
   notes.append(f"terms: XLA compiles optax.adamw's update to move {adamw_update_passes():.1f} "
-               f"bytes per parameter byte ({jax.devices()[0].platform}); the cost model counts 7")
+               f"bytes per parameter byte ({jax.devices()[0].platform}); the cost model's count "
+               "(pricing.update_bytes) is checked against it by tests/test_step_planner.py")
   return rows, notes
 
 
@@ -875,8 +884,9 @@ def main(argv=None) -> int:
                                 ("mesh", "mesh", "s"), ("priced mesh", "planned_mesh", "s"),
                                 ("measured ms", "measured_ms", ".1f"),
                                 ("predicted ms", "predicted_ms", ".1f"),
-                                ("products", "products_ms", ".1f"), ("update", "update_ms", ".2f"),
-                                ("collectives", "collectives_ms", ".1f"),
+                                ("products", "products_ms", ".1f"), ("beside", "beside_ms", ".1f"),
+                                ("update", "update_ms", ".2f"),
+                                ("collectives", "collectives_ms", ".1f"), ("waits", "waits_ms", ".1f"),
                                 ("meetings", "meetings", ".0f"), ("same as", "same_as", "s")),
                          title="the cost model's terms (ms) of recorded layouts, nothing run"))
     notes += tnotes

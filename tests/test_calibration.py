@@ -82,6 +82,38 @@ def test_cost_params_the_user_sets_win_over_the_cpu_host_priors(tmp_path, monkey
   user = Pricer(m, None)
   assert user.step_latency == pytest.approx(250e-6)
   assert user.local_s_per_byte == pytest.approx(1 / 40e9)
+  assert user.stream_s_per_byte == pytest.approx(1 / 40e9)      # the user's bandwidth: all passes
+
+
+def test_the_cpu_prior_streams_the_optimizers_update_at_the_hosts_memory_balance():
+  """The optimizer's update and the work beside the products stream through the host's memory
+  at 14 FLOP per byte of the device's share of the cores (the sixteenth round's measurements:
+  11-14 against the step's products on the 16-core host, 17.5-27.6 against a product chain on
+  the 2-core VM), not the caches' 2.5: 8 devices on 2 cores (12.5 GFLOP/s each) stream
+  0.893 GB/s, on 16 cores 3.57; a calibration's FLOP/s replaces the prior's, the user's
+  bandwidth both. A GPU streams at its table's local rate. An FSDP weight's gather waits two
+  products' time, the products weighted by their work (the devices' wake-up, then 2 x
+  ``weighted``) where the backend's BackendCosts say so (CPU), beyond the meeting every
+  collective pays."""
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.pricing import Pricer
+  from dtenjax._src.planning.roles import AXES
+  shape = tuple(8 if a == "data" else 1 for a in AXES)
+  mesh = lambda topo: CandidateMesh(shape, np.arange(8).reshape(shape), topo)
+  two, sixteen = Pricer(mesh(_cpu_host(8, "0-1")), None), Pricer(mesh(_cpu_host(8, "0-15")), None)
+  assert two.stream_s_per_byte == pytest.approx(14 / 12.5e9)
+  assert sixteen.stream_s_per_byte == pytest.approx(14 / 50e9)
+  assert sixteen.beside_s_per_byte == sixteen.stream_s_per_byte
+  assert sixteen.local_s_per_byte == pytest.approx(1 / 20e9)      # the caches' pass: unchanged
+  cal = Pricer(mesh(dataclasses.replace(_cpu_host(8, "0-1"), calibration=CAL)), None)
+  assert cal.stream_s_per_byte == pytest.approx(14 / 4e9)      # at the measured FLOP/s
+  assert cal.local_s_per_byte == pytest.approx(1 / 2e9)
+  between = 1e-3
+  waited = Pricer(mesh(_cpu_host(8, "0-15")), None, between / 2, between)
+  assert waited.gather_wait == pytest.approx(60e-6 + 2 * between - waited.step_latency)
+  gpu = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), Topology.fixture("h200_8")),
+               None, between, between)
+  assert gpu.gather_wait == 0.0 and gpu.stream_s_per_byte == gpu.local_s_per_byte
 
 
 def test_collective_times_interpolate_between_the_measured_sizes():

@@ -30,6 +30,10 @@ log1p logistic max min mul ne eq ge gt le lt neg nextafter not one_minus_square 
 reduce_precision rem round rsqrt select_n sign sin sinh sqrt square sub tan tanh xor pvary
 stop_gradient optimization_barrier sharding_constraint
 """.split())
+# Reductions over a value's dimensions: with ELEMENTWISE, the work beside the products (norms,
+# softmax, the loss) that runs on every token a device holds (Reader.token_bytes)
+REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax",
+                        "argmin", "cumsum", "cumlogsumexp", "cummax"))
 # Calls XLA inlines: jax.jit inside the step, jax.nn's activations
 CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
 # Calls of a function with a custom derivative (their primal body is what XLA compiles)
@@ -139,6 +143,17 @@ class Reader:
     self.ties = _UnionFind()
     self.flops = 0.0
     self.products = 0                         # products run per step (loop trips counted)
+    # sum over the products run of their flops squared: over ``flops``, the flops of the product
+    # a device is in at a random instant of the step (the products weighted by their work)
+    self.product_sq = 0.0
+    # bytes read and written per step (loop trips counted) by the elementwise equations and
+    # reductions whose result is not of a state leaf's shape: the work beside the products that
+    # grows with the tokens (norms, residuals, activations, softmax, the loss); the optimizer's
+    # update, of the state's shapes, is priced on its own
+    self.token_bytes = 0.0
+    self.token_of: dict[Any, float] = {}      # an equation's result -> its share of token_bytes
+    self._state_shapes = {tuple(lf.shape) for lf in leaves if not lf.is_batch}
+    self._state_shapes |= {s[1:] for s in self._state_shapes if s}     # a scanned stack's layer
     self.gathered: set[int] = set()
     # leaf -> (its dimensions a gather indexes, bytes the gathers read out of it per step, the
     # bytes of each gather's rows: XLA partitions each one's gradient on its own)
@@ -179,6 +194,8 @@ class Reader:
         self.state_derived.update(eqn.outvars)
       if name in ("dot_general", "conv_general_dilated"):
         self._product(eqn, ins, repeats)
+      elif name in ELEMENTWISE or name in REDUCTIONS:
+        self._token_work(eqn, repeats)
       elif name == "gather" and ins and ins[0] is not None:
         self.gathered.add(ins[0][0])
         leaf, dims = ins[0]
@@ -241,6 +258,17 @@ class Reader:
         if name != "scan" and i in inner_tie and is_var(o):
           tie[o] = inner_tie[i]
 
+  def _token_work(self, eqn, repeats: int) -> None:
+    """Adds an elementwise equation's or a reduction's bytes to :attr:`token_bytes` unless its
+    result has a state leaf's shape (the optimizer's update, a weight's cast) or is a scalar."""
+    out = eqn.outvars[0].aval
+    shape = tuple(getattr(out, "shape", ()))
+    if not shape or shape in self._state_shapes:
+      return
+    moved = repeats * (nbytes(out) + sum(nbytes(v.aval) for v in eqn.invars if is_var(v)))
+    self.token_bytes += moved
+    self.token_of[eqn.outvars[0]] = self.token_of.get(eqn.outvars[0], 0.0) + moved
+
   def _tie(self, eqn, tie) -> None:
     """Elementwise ops over operands of one shape tie the state leaves they carry."""
     if eqn.primitive.name not in ELEMENTWISE or not eqn.outvars:
@@ -277,6 +305,7 @@ class Reader:
       sides = ((1, tuple(rspec[1:]), (), (rspec[0],), lhs, (lspec[0], *lspec[2:])),)
     self.flops += flops
     self.products += repeats
+    self.product_sq += flops * flops / repeats
     self.eqn_flops[id(eqn)] = flops
     out_shape = tuple(eqn.outvars[0].aval.shape)
     self.shape_flops[out_shape] = self.shape_flops.get(out_shape, 0.0) + flops

@@ -40,6 +40,9 @@ class Price:
   tp: tuple[str, int] | None = None
   compute: float = 0.0         # seconds of the products it takes part in, per device
   act_saving: float = 0.0      # activation bytes per device a complete column->row pair shards
+  # seconds per device of the work beside the products (StepGraph.token_bytes) in that pair's
+  # cone, which 'tensor' splits when the pair is complete (else every device of it runs all)
+  token_saving: float = 0.0
   # bytes of this weight gathered at once when its gathered copy is not kept between the forward
   # and the backward (a rematerialised read: one layer of a scanned stack); the step's peak is the
   # largest of these, not their sum
@@ -68,7 +71,7 @@ class Pricer:
   """Collective times on one mesh, cached by (kind, bytes, axes)."""
 
   def __init__(self, m: CandidateMesh, price: planner.AllReduceTime,
-               between: float | None = None):
+               between: float | None = None, weighted: float | None = None):
     self.m, self.price = m, price
     self.cache: dict[tuple, float] = {}
     first = int(m.ids.ravel()[0])
@@ -83,6 +86,20 @@ class Pricer:
     prior_s_per_byte = m.topology.spec("local").beta if bw is None else 1.0 / (bw * 1e9)
     self.local_s_per_byte = (prior_s_per_byte if user.get("local_bandwidth_gbps") is not None
                              else m.topology.local_s_per_byte(prior_s_per_byte))
+    # seconds per byte of a pass over a buffer beyond the caches the elementwise pass above is
+    # measured in: the optimizer's update (every device's whole state, once a step) and the work
+    # beside the products (the step's activations); on CPU devices the host's streaming balance
+    # (calibrate.prior_cpu_stream_s_per_byte) at the device's FLOP/s, the calibration's where
+    # measured (its elementwise pass is the caches'), unless the user sets the bandwidth
+    self.stream_s_per_byte = self.local_s_per_byte
+    if self.backend == "cpu" and user.get("local_bandwidth_gbps") is None:
+      self.stream_s_per_byte = calibrate_lib.prior_cpu_stream_s_per_byte(m.topology.peak_flops())
+    self.update_split = costs.update_split
+    # the work beside the products streams alike (solver.make_problem; its own attribute so
+    # that a diagnostic can price it apart: dtenjax.testing.planning.replaced_cost_terms).
+    # Measured on CPU devices only: a GPU's is left unpriced, as before, until measured there
+    # (the clusters' plans, tests/test_step_planner_clusters.py, rest on their collectives)
+    self.beside_s_per_byte = self.stream_s_per_byte if self.backend == "cpu" else 0.0
     self.step_latency = (costs.step_collective_us * 1e-6 if "step_collective_us" in user
                          else m.topology.meeting_s(self.backend, costs.step_collective_us * 1e-6))
     self.product_fixed_rows = costs.product_fixed_rows
@@ -94,6 +111,14 @@ class Pricer:
     # priced the second at the 3.06 ms prior, the collectives of tensor-parallel layouts 3x over
     if between is not None:
       self.step_latency = min(self.step_latency, MEETING_WAKE_S + MEETING_SPREAD * between)
+    # an FSDP weight's all-gather waits longer, for the devices' arrivals spread by the products
+    # before it: BackendCosts.gather_wait_products of the step's products weighted by their
+    # work (``weighted``, one such product's time per device). What it adds beyond the meeting
+    # above.
+    self.gather_wait = 0.0
+    if weighted is not None and costs.gather_wait_products > 0:
+      self.gather_wait = max(0.0, MEETING_WAKE_S + costs.gather_wait_products * weighted -
+                             self.step_latency)
 
   def __call__(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
     axes = tuple(a for a in AXES if a in axes and self.m.size[a] > 1)
@@ -481,7 +506,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     times = 2 if regather else 1
     # a scanned stack is gathered one layer per loop iteration: one collective per layer
     per = use.layers if use is not None and use.layers > 1 else 1
-    acc(pr.overlappable, k, times * per * pricer("all_gather", grad / per, zero, dtype))
+    acc(pr.overlappable, k, times * per * (pricer("all_gather", grad / per, zero, dtype) +
+                                           pricer.gather_wait))
     acc(pr.bytes, f"all_gather[{k}]", times * grad)
     if regather:
       pr.gathered_peak = grad / max(1, use.layers)
@@ -517,8 +543,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     pr.compute = (flops / batch_div + fixed) / m.peak_flops * pr.compute_scale
   # the optimizer's update reads the parameter, its gradient and its moments and writes the
   # parameter and moments: each device updates its shard only (the work FSDP saves beside memory)
-  update_bytes = (2 * sum(lf.nbytes for lf in leaves) + primary.nbytes) / shards
-  pr.compute += update_bytes * pricer.local_s_per_byte
+  pr.compute += update_bytes(leaves, pricer.update_split) / shards * pricer.stream_s_per_byte
   # memory per device
   pr.memory["params"] = primary.nbytes / shards
   # A gradient is a temporary: whole before its reduction where the weight is gathered for
@@ -537,6 +562,20 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   pr.memory["outputs"] = 0.0 if donate else sum(lf.nbytes for lf in leaves) / shards
   pr.sliced = roles.tensor.sliced(ctx, zero, moved, uses)
   return pr
+
+
+def update_bytes(leaves: Sequence[stepgraph.Leaf], split: float) -> float:
+  """Bytes an elementwise optimizer update of a tied group (the parameter first, then its
+  moments) moves per step: one fused loop reads the parameter, its gradient and the moments and
+  writes the parameter and moments (AdamW: 7 bytes per parameter byte); split into a loop per
+  moment and one for the parameter (``BackendCosts.update_split``, XLA:CPU), each moment's loop
+  reads the gradient and the moment and writes the moment, the parameter's reads the parameter
+  and every moment and writes the parameter (AdamW: 10)."""
+  param = leaves[0].nbytes
+  moments = sum(lf.nbytes for lf in leaves[1:])
+  if not split or not moments:
+    return 2 * (param + moments) + param
+  return len(leaves[1:]) * param + 3 * moments + 2 * param
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,7 +64,7 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
   # the compute per device between two collectives is about one product's (the step's
   # products split over every device): what a collective's meeting can cost at most
   between = graph.flops / max(1, graph.products) / m.ids.size / m.peak_flops
-  pricer = Pricer(m, price, between)
+  pricer = Pricer(m, price, between, graph.weighted_product / m.ids.size / m.peak_flops)
   groups = [g for g in graph.groups]
   cands, prices = [], []
   for g in groups:
@@ -74,7 +74,15 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
   # products without a weight (attention scores, ...) split over the batch axes only
   rest = max(0.0, graph.flops - sum(u.flops for u in graph.weights.values()) -
              sum(graph.carried.values()))
-  compute = rest / bdiv / m.peak_flops
+  # and the work beside the products (norms, residuals, activations, softmax, the loss) that a
+  # 'tensor' axis repeats: it splits the products of the weights it shards, not this work, which
+  # every device of a 'tensor' group runs on the tokens of the group (each equation's bytes
+  # streamed: the step's activations outlive the caches), but inside a complete column -> row
+  # pair's cone (Price.token_saving). The share a device runs on its own tokens the products'
+  # priors already hold (their FLOP/s priced the measured steps' products with it, the same
+  # within 1 % on two families whose shares of it differ: docs/benchmarks.md, sixteenth round)
+  repeated = graph.token_bytes / bdiv * (1 - 1 / m.size["tensor"])
+  compute = rest / bdiv / m.peak_flops + repeated * pricer.beside_s_per_byte
   fixed = {"activations": graph.activation_bytes / bdiv,
            "batch": sum(lf.nbytes / (rdiv if splits_batch(lf, rdiv) else 1) /
                         sequence.leaf_div(lf, m, graph) for lf in batch_leaves)}
@@ -138,6 +146,7 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
       ok = complete_column(graph, sources, tp_of, g[0], d, cpu)
       if ok:
         memory["activations"] -= pr.act_saving
+        compute -= pr.token_saving
       if not ok and pr.ag_fwd_bytes:
         comm["tensor"] = comm.get("tensor", 0.0) + pr.ag_fwd
         blocking += pr.ag_fwd
@@ -493,11 +502,12 @@ def split_flops(prob: Problem, graph: stepgraph.StepGraph,
 
 def lower_bound(prob: Problem) -> float:
   """A step time no assignment of ``prob`` goes below (seconds): the fixed compute and blocking
-  terms plus, per group, its cheapest layout's compute and blocking communication. The terms it
-  leaves out (unpaired gathers, the exposed overlappable time) are never negative, so a mesh
-  whose bound exceeds a plan already found cannot win and need not be solved."""
+  terms plus, per group, its cheapest layout's compute and blocking communication, less the
+  repeated work its pair would split if complete (Price.token_saving). The terms it leaves out
+  (unpaired gathers, the exposed overlappable time) are never negative, so a mesh whose bound
+  exceeds a plan already found cannot win and need not be solved."""
   return prob.compute_s + sum(prob.fixed_blocking.values()) + sum(
-      min((pr.compute + sum(pr.blocking.values()) for pr in prs), default=0.0)
+      min((pr.compute - pr.token_saving + sum(pr.blocking.values()) for pr in prs), default=0.0)
       for prs in prob.prices)
 
 
@@ -719,7 +729,7 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
         continue
       kind, d = pr.tp
       partners = (sources if kind == "col" else dests).get((g[0], d))
-      saving = pr.ag_fwd if kind == "col" else pr.ag_bwd
+      saving = pr.ag_fwd + pr.token_saving if kind == "col" else pr.ag_bwd
       act = pr.act_saving if kind == "col" else 0.0
       if not partners or (saving <= 0 and act <= 0):
         continue

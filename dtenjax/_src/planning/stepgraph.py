@@ -120,8 +120,15 @@ class StepGraph:
   # slices, the bytes of the forward scan's carry, global); a pipeline's stages split one of them
   stacks: dict[int, tuple[dict[int, int], int]] = dataclasses.field(default_factory=dict)
 
-  # products (dot_general, convolutions) run per step, loop trips counted
+  # products (dot_general, convolutions) run per step, loop trips counted, and their flops
+  # weighted by their work (jaxpr_reader.Reader.product_sq over flops): a step's many small
+  # products (routers, a norm's) weigh little beside the large ones that take its time
   products: int = 0
+  weighted_product: float = 0.0
+  # bytes the work beside the products moves per step, global (jaxpr_reader.Reader.token_bytes),
+  # and (leaf, free dim) -> the share of them in that pair's cone (split with it when complete)
+  token_bytes: float = 0.0
+  token_share: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
   # the values the step materialises, in the jaxpr's order (activations, residuals kept for the
   # backward, loop bodies' peaks, gradients): the memory the layout's sizes are simulated over
   timeline: tuple[Live, ...] = ()
@@ -226,8 +233,23 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    act_share=act_share, lookups=dict(reader.lookups),
                    reduced=frozenset(reduced),
                    stacks=stacks.read(reader.scans), timeline=timeline,
-                   products=reader.products,
+                   products=reader.products, token_bytes=reader.token_bytes,
+                   weighted_product=reader.product_sq / reader.flops if reader.flops else 0.0,
+                   token_share=_token_share(reader, {**cones, **reduced}),
                    sequence=sequence_lib.read(closed.jaxpr, leaves))
+
+
+def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], float]:
+  """Each pair's share of the work beside the products (``Reader.token_bytes``): the bytes of
+  the equations whose results lie in its cone (a result in several cones split among them)."""
+  owners: dict[Any, int] = {}
+  for cone in cones.values():
+    for v in cone:
+      if v in reader.token_of:
+        owners[v] = owners.get(v, 0) + 1
+  total = reader.token_bytes or 1.0
+  return {key: sum(reader.token_of[v] / owners[v] for v in cone if v in owners) / total
+          for key, cone in cones.items()}
 
 
 def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:

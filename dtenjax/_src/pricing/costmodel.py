@@ -83,6 +83,17 @@ class BackendCosts:
       its whole gradient, however few rows a device multiplies (measured on CPU: 12-18 rows,
       below; 0 until the model prices what else tensor parallelism costs in a scanned loop).
       A GPU's kernels read the weight in place (0).
+    update_split: 1 where XLA compiles an elementwise optimizer update (optax's AdamW and
+      ``apply_updates``) into one loop per moment (its gradient and itself read, itself written)
+      and one for the parameter (it and every moment read, it written): 10 bytes per parameter
+      byte for AdamW, against 7 for one fused loop (0). Read from XLA:CPU's compile of the
+      update (``bench/step_planner.py --parts terms``'s note; tests/test_step_planner.py).
+    gather_wait_products: what an FSDP weight's all-gather inside the step waits for beyond
+      its own time, in products' time per device, the step's products weighted by their work
+      (the devices arrive spread by the compute before it). Measured on CPU devices: 1.9 and
+      2.0 on the 16-core host (encdec's and llama_loop's FSDP steps, 1.15 and 2.44 ms a gather;
+      docs/benchmarks.md, the sixteenth round); 0 prices the backend's meeting
+      (``step_collective_us``) alone.
   """
   xla_collective_us: float
   local_pass_us: float
@@ -93,6 +104,8 @@ class BackendCosts:
   overlap: float = 0.5
   step_collective_us: float = 0.0
   product_fixed_rows: float = 0.0
+  update_split: float = 0.0
+  gather_wait_products: float = 0.0
 
   def __post_init__(self):
     bad = [f.name for f in dataclasses.fields(self)
@@ -126,7 +139,8 @@ class BackendCosts:
 BACKEND_COSTS: Mapping[str, BackendCosts] = {
     "cpu": BackendCosts(xla_collective_us=80.0, local_pass_us=5.0, local_bandwidth_gbps=1.35,
                         nvlink_kernel_us=INF, host_step_us=60.0, fixed_point_gbps=0.6,
-                        overlap=0.0, step_collective_us=3000.0),
+                        overlap=0.0, step_collective_us=3000.0, update_split=1.0,
+                        gather_wait_products=2.0),
     "gpu": BackendCosts(xla_collective_us=18.0, local_pass_us=4.0, local_bandwidth_gbps=None,
                         nvlink_kernel_us=6.0, host_step_us=40.0, fixed_point_gbps=500.0),
     "tpu": BackendCosts(xla_collective_us=10.0, local_pass_us=3.0, local_bandwidth_gbps=None,

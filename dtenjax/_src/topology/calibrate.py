@@ -177,6 +177,16 @@ def measure(topology, *, repeats: int = 3, chain: int = 4,
 # 67.7 GB/s per device, 1.6 FLOP per byte; on the loaded 2-core VM three calibrations gave
 # 2-5 FLOP per byte. 2.5 sits between them.
 CPU_FLOP_PER_BYTE = 2.5
+# * the optimizer's update and the work beside the products: they stream every device's whole
+#   state, and the step's activations, through the host's memory, where the elementwise pass
+#   above stays in the caches. Measured against the products of the same 8 devices at once
+#   (docs/benchmarks.md, the sixteenth round): AdamW's update of encdec's and llama_loop's DP
+#   state (21-23 MB per device, 10 bytes each) ran at 11-12 FLOP per byte against the steps' own
+#   products and 19-22 against the calibration's 512 x 512 ones on the 16-core host (the
+#   twelfth round's split), 17.5-27.6 against a 1024 x 1024 chain on the loaded 2-core VM; a
+#   least-squares fit of the split's eight update times at the priors' product scale gives
+#   12.7. 14 sits at the steps' end: the priors price the steps' products.
+CPU_STREAM_FLOP_PER_BYTE = 14.0
 CPU_WAKE_S = 60e-6
 CPU_SLICE_S = 4e-3
 
@@ -186,6 +196,12 @@ def prior_cpu_s_per_byte(device_flops: float) -> float:
   prior (already scaled by the device's share of the cores): the host's balance of compute and
   memory, :data:`CPU_FLOP_PER_BYTE`."""
   return CPU_FLOP_PER_BYTE / device_flops
+
+
+def prior_cpu_stream_s_per_byte(device_flops: float) -> float:
+  """Seconds per byte of one CPU device's pass over buffers far larger than its caches (the
+  optimizer's update of the whole state), from its FLOP/s: :data:`CPU_STREAM_FLOP_PER_BYTE`."""
+  return CPU_STREAM_FLOP_PER_BYTE / device_flops
 
 
 def prior_cpu_meeting_s(cores: int, devices_on_host: int) -> float:

@@ -55,6 +55,9 @@ def price(ctx) -> None:
       share = ctx.graph.act_share.get((ctx.primary.index, d), 0.0)
       pr.act_saving = (share * ctx.graph.activation_bytes / ctx.batch_div *
                        (1 - 1 / m.size["tensor"]))
+      pr.token_saving = (ctx.graph.token_share.get((ctx.primary.index, d), 0.0) *
+                         ctx.graph.token_bytes / ctx.batch_div * (1 - 1 / m.size["tensor"]) *
+                         ctx.pricer.beside_s_per_byte)
       if use.input_grad:     # the input's gradient is a partial sum over 'tensor'
         nbytes = tokens * width_in * item
         if use.siblings > 1 and ctx.pricer.backend == "cpu":

@@ -17,6 +17,9 @@ from dtenjax._src.planning import mesh as _mesh
 from dtenjax._src.planning import placement as _placement
 from dtenjax._src.planning import planner as _planner
 from dtenjax._src.planning import pricing as _pricing
+from dtenjax._src.planning.measure import MEMORY_SLACK as CLAUSE_MEMORY_SLACK
+from dtenjax._src.planning.measure import TIME_SLACK as CLAUSE_TIME_SLACK
+from dtenjax._src.planning.measure import ratio_spread as ratio_spread
 from dtenjax._src.planning.measure import same_layout as same_layout
 from dtenjax._src.planning.measure import time_calls as time_calls
 from dtenjax._src.planning.planner import plan_tensor as plan_tensor
@@ -24,8 +27,9 @@ from dtenjax._src.planning.recipes import RECIPES as RECIPES
 from dtenjax._src.topology.calibrate import measure as calibrate_measure
 from dtenjax._src.topology.parts import NumaNode as NumaNode
 
-__all__ = ["RECIPES", "NumaNode", "calibrate_measure", "clear_planner_caches", "distinct_plans",
-           "plan_tensor", "replaced_cost_terms", "same_layout", "time_calls"]
+__all__ = ["CLAUSE_MEMORY_SLACK", "CLAUSE_TIME_SLACK", "RECIPES", "NumaNode", "calibrate_measure",
+           "clear_planner_caches", "distinct_plans", "plan_tensor", "ratio_spread",
+           "replaced_cost_terms", "same_layout", "time_calls"]
 
 _CACHES = (_planner._plan_cached, _planner._allreduce_s, _mesh._make_mesh_cached,
            _mesh._mesh_for_shape, _placement._planning_inputs, _placement._named_sharding,

@@ -176,13 +176,16 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     donate: the step is jitted with its state donated (``donate_argnums``), so its new state
       reuses the old one's memory; default False, as ``jax.jit``: outputs count as a copy.
     measure: False (default) to choose by the cost model alone; True (or a number of timed
-      rounds, default 6) to compile the model's choice and every layout a user writes that fits
-      (``measure.user_layouts``: DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP;
-      the recipes on ``mesh`` when one is given), run each on the devices planned for (on random
-      arrays when ``args`` are abstract) in shuffled rounds and keep the fastest
-      (``dtenjax/_src/planning/measure.py``): the objective is then the measured step. Costs one
-      compilation and a few steps per candidate; the plan's ``measured`` field and report give
-      every candidate's time.
+      rounds, default 6) to compile the model's choice, its runner-ups (the best plan of each
+      other mesh priced within ``measure.RUNNER_UP_MARGIN`` of it, at most
+      ``measure.RUNNER_UPS``) and every layout a user writes that fits (``measure.user_layouts``:
+      DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP; the recipes on ``mesh``
+      when one is given), run each on the devices planned for (on random arrays when ``args``
+      are abstract) in shuffled rounds, and keep the fastest whose compiled memory fits the
+      budget and is at most 1.10x the fastest user layout's, or of those within the timing's
+      noise of it the one of least memory (``measure.choose``): the objective is then the
+      measured step. Costs one compilation and a few steps per candidate; the plan's
+      ``measured`` field and report give every candidate's time and compiled memory.
 
   Raises PlacementError when no layout fits the budget, naming the smallest shortfall."""
   t0 = time.perf_counter()
@@ -277,10 +280,12 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     queue = [(s.bound, k) for k, s in enumerate(searches)]
     heapq.heapify(queue)
     top = math.inf                       # the fastest plan found (seconds)
+    # measure=True also times the best plan of each mesh priced near the choice: search those
+    stretch = 1 + measure_lib.RUNNER_UP_MARGIN if measure else 1.0
     while queue:
       k = heapq.heappop(queue)[1]
       search = searches[k]
-      if search.beyond(top):
+      if search.beyond(top * stretch):
         break                            # this mesh and every one left cannot be chosen
       search.advance()
       if not search.done:
@@ -378,16 +383,24 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     return dataclasses.replace(chosen, notes=chosen.notes + (
         "measure: not timed: plan.jit cannot run a pipeline plan (write the step with "
         "dtenjax.pipeline); the cost model chose it",))
-  return _measured(chosen, step, args, 6 if measure is True else int(measure),
+  near = measure_lib.runner_ups([(c.total_s, (p, ch, c)) for _, p, ch, c in solved
+                                 if c.fits and p.m.pipeline is None and p is not prob], cost.total_s)
+  seconds = time.perf_counter() - t0
+  runner_ups = [report(graph, p, ch, c, chosen.recipes, budget, topology, seconds,
+                       len(problems), args, donate) for p, ch, c in near]
+  return _measured(chosen, runner_ups, step, args, 6 if measure is True else int(measure),
                    dict(mesh=mesh, topology=topology, memory_budget=memory_budget,
                         batch_argnums=batch_argnums, pinned=pinned, rules=rules,
                         overlap=overlap, donate=donate))
 
 
-def _measured(chosen: StepPlan, step: Callable, args, rounds: int, kwargs) -> StepPlan:
-  """``chosen`` or the layout a user writes that ran fastest on the devices (see ``measure`` of
-  :func:`plan`), with every candidate's measured time."""
+def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, args,
+              rounds: int, kwargs) -> StepPlan:
+  """The candidate kept on the devices (see ``measure`` of :func:`plan` and
+  ``measure.choose``) among ``chosen``, the layouts a user writes and the model's
+  ``runner_ups``, with every candidate's measured time and compiled memory."""
   candidates = {"model's choice": chosen}
+  users = set()                     # the candidates that are a layout a user writes
   n = len(chosen.device_ids)
   if kwargs["mesh"] is None:
     island = min((len(i) for i in kwargs["topology"].fast_islands()), default=1)
@@ -399,14 +412,21 @@ def _measured(chosen: StepPlan, step: Callable, args, rounds: int, kwargs) -> St
       alt = plan(step, *args, recipe=name, **{**kwargs, "mesh": mesh or kwargs["mesh"]})
     except errors.PlacementError:
       continue                      # the batch does not divide its mesh, or it does not fit
-    if alt.cost.fits and not any(measure_lib.same_layout(alt, c) for c in candidates.values()):
-      candidates[measure_lib.layout_name(name, mesh)] = alt
-  times = measure_lib.time_plans(step, candidates, args, rounds=rounds)
-  kept = min(times, key=times.get)
+    if alt.cost.fits:
+      same = next((k for k, c in candidates.items() if measure_lib.same_layout(alt, c)), None)
+      if same is None:
+        same = measure_lib.layout_name(name, mesh)
+        candidates[same] = alt
+      users.add(same)
+  for p in runner_ups:
+    if not any(measure_lib.same_layout(p, c) for c in candidates.values()):
+      shape = dict(zip(p.axis_names, p.mesh_shape))
+      candidates[f"model's runner-up ({measure_lib.mesh_name(shape)})"] = p
+  samples, memory = measure_lib.time_plans(step, candidates, args, rounds=rounds)
+  kept, records = measure_lib.choose(samples, memory, chosen.budget_bytes, users)
   out = candidates[kept]
-  return dataclasses.replace(
-      out, measured=tuple(sorted(times.items(), key=lambda kv: kv[1])),
-      notes=out.notes + (measure_lib.summary(times, kept),))
+  return dataclasses.replace(out, measured=records,
+                             notes=out.notes + (measure_lib.summary(records, kept),))
 
 
 def _is_real(x) -> bool:

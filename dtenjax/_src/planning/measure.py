@@ -156,16 +156,19 @@ def compiled_bytes(compiled) -> float:
 
 def time_plans(step: Callable, plans: Mapping[str, Any], args: Sequence[Any], *,
                rounds: int = 6, timer: Callable[[], float] = time.perf_counter
-               ) -> tuple[dict[str, list[float]], dict[str, float]]:
+               ) -> tuple[dict[str, list[float]], dict[str, float], float]:
   """Each named plan's step compiled (:func:`compile_plan`) and timed by :func:`time_calls`, on
   arguments placed by :func:`placed_arguments` at the start of each of its turns and dropped
   after it (one candidate's arrays are alive at a time, so candidates that each fill a device
-  can be timed in one process): (seconds per call in each round, compiled bytes per device)."""
+  can be timed in one process): (seconds per call in each round, compiled bytes per device,
+  wall seconds the compiles took)."""
   if rounds < 2:
     raise errors.PlacementError(f"plan: measure={rounds!r} must be at least 2 timed rounds")
   fns, memory = {}, {}
+  t0 = time.perf_counter()
   for name, p in plans.items():
     fns[name], memory[name] = compile_plan(step, p, args)
+  compile_s = time.perf_counter() - t0
   placed: dict[str, tuple] = {}
 
   def enter(name):
@@ -174,7 +177,7 @@ def time_plans(step: Callable, plans: Mapping[str, Any], args: Sequence[Any], *,
   samples = time_calls({name: (lambda name=name: fns[name](*placed[name])) for name in plans},
                        rounds=rounds, timer=timer, enter=enter,
                        leave=lambda name: placed.pop(name))
-  return samples, memory
+  return samples, memory, compile_s
 
 
 def ratio_spread(xs: Sequence[float]) -> float:
@@ -283,9 +286,10 @@ def same_layout(a, b) -> bool:
           a.axis_names == b.axis_names and jax.tree.leaves(a.specs) == jax.tree.leaves(b.specs))
 
 
-def summary(records: Sequence[Measured], kept: str) -> str:
-  """The report's line: which candidate was kept, among how many (the report's measured table,
-  ``StepPlan.table``, gives each one's time and compiled memory)."""
+def summary(records: Sequence[Measured], kept: str, compile_s: float, total_s: float) -> str:
+  """The report's line: which candidate was kept, among how many, and what measuring cost (the
+  report's measured table, ``StepPlan.table``, gives each one's time and compiled memory)."""
   why = next(r.note for r in records if r.name == kept).removeprefix("kept: ")
   return (f"measured on {jax.device_count()} {jax.devices()[0].platform} devices: "
-          f"{len(records)} candidates compiled and timed; kept {kept}: {why}")
+          f"{len(records)} candidates compiled ({compile_s:.1f} s) and timed "
+          f"({total_s - compile_s:.1f} s); kept {kept}: {why}")

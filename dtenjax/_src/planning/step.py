@@ -383,8 +383,9 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     return dataclasses.replace(chosen, notes=chosen.notes + (
         "measure: not timed: plan.jit cannot run a pipeline plan (write the step with "
         "dtenjax.pipeline); the cost model chose it",))
-  near = measure_lib.runner_ups([(c.total_s, (p, ch, c)) for _, p, ch, c in solved
-                                 if c.fits and p.m.pipeline is None and p is not prob], cost.total_s)
+  others = [(c.total_s, (p, ch, c)) for _, p, ch, c in solved
+            if c.fits and p.m.pipeline is None and p is not prob]
+  near = measure_lib.runner_ups(others, cost.total_s)
   seconds = time.perf_counter() - t0
   runner_ups = [report(graph, p, ch, c, chosen.recipes, budget, topology, seconds,
                        len(problems), args, donate) for p, ch, c in near]
@@ -422,11 +423,12 @@ def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, 
     if not any(measure_lib.same_layout(p, c) for c in candidates.values()):
       shape = dict(zip(p.axis_names, p.mesh_shape))
       candidates[f"model's runner-up ({measure_lib.mesh_name(shape)})"] = p
-  samples, memory = measure_lib.time_plans(step, candidates, args, rounds=rounds)
+  t0 = time.perf_counter()
+  samples, memory, compile_s = measure_lib.time_plans(step, candidates, args, rounds=rounds)
   kept, records = measure_lib.choose(samples, memory, chosen.budget_bytes, users)
   out = candidates[kept]
-  return dataclasses.replace(out, measured=records,
-                             notes=out.notes + (measure_lib.summary(records, kept),))
+  note = measure_lib.summary(records, kept, compile_s, time.perf_counter() - t0)
+  return dataclasses.replace(out, measured=records, notes=out.notes + (note,))
 
 
 def _is_real(x) -> bool:

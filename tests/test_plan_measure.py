@@ -224,3 +224,21 @@ def test_the_report_gives_every_candidates_time_and_compiled_memory(monkeypatch)
     assert line.startswith(m.name + " ")
     assert f"{m.seconds * 1e3:.2f}" in line and f"{m.memory_bytes / mib:.1f}" in line
     assert m.note in line
+
+
+def test_a_user_layout_the_model_prices_just_over_the_budget_is_compiled_and_may_be_kept(
+    monkeypatch):
+  """A budget 1/1.1 of FSDP's priced memory: the model says FSDP does not fit, but its price is
+  within the memory model's error (MODEL_MEMORY_ERROR, 15 %), so it is compiled; its compile
+  (here half the budget) fits while every other candidate's (twice the budget) does not, so
+  FSDP is kept instead of a refusal."""
+  step, abstract = models.mlp_step(d=64, f=256, layers=2, batch=16, seq=8)
+  fsdp = dtenjax.plan(step, *abstract, recipe="FSDP")
+  budget = fsdp.cost.memory["total"] / 1.1
+  assert not dtenjax.plan(step, *abstract, recipe="FSDP", memory_budget=budget).cost.fits
+  _, _, got = _fake_measured_plan(
+      monkeypatch, lambda p: 1.0,
+      lambda p: 0.5 * budget if measure.same_layout(p, fsdp) else 2.0 * budget,
+      memory_budget=budget)
+  assert measure.same_layout(got, fsdp)
+  assert {m.name: m.note for m in got.measured}["FSDP"].startswith("kept")

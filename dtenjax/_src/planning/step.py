@@ -413,7 +413,7 @@ def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, 
       alt = plan(step, *args, recipe=name, **{**kwargs, "mesh": mesh or kwargs["mesh"]})
     except errors.PlacementError:
       continue                      # the batch does not divide its mesh, or it does not fit
-    if alt.cost.fits:
+    if measure_lib.may_fit(alt.cost, chosen.budget_bytes):
       same = next((k for k, c in candidates.items() if measure_lib.same_layout(alt, c)), None)
       if same is None:
         same = measure_lib.layout_name(name, mesh)

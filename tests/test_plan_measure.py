@@ -242,3 +242,23 @@ def test_a_user_layout_the_model_prices_just_over_the_budget_is_compiled_and_may
       memory_budget=budget)
   assert measure.same_layout(got, fsdp)
   assert {m.name: m.note for m in got.measured}["FSDP"].startswith("kept")
+
+
+def test_plans_on_different_meshes_that_place_everything_alike_are_one_layout():
+  """DP laid out on an fsdp 8 mesh (no weight over fsdp, the batch over it) is DP's layout on
+  data 8: measure=True times it once. FSDP on fsdp 8 is not."""
+  step, abstract = models.mlp_step(d=64, f=256, layers=2, batch=16, seq=8)
+  dp = dtenjax.plan(step, *abstract, recipe="DP")
+  dp_on_fsdp = dtenjax.plan(step, *abstract, recipe="DP", mesh={"fsdp": 8})
+  fsdp = dtenjax.plan(step, *abstract, recipe="FSDP", mesh={"fsdp": 8})
+  assert dp_on_fsdp.mesh_shape != dp.mesh_shape
+  assert measure.same_layout(dp_on_fsdp, dp) and measure.same_layout(dp, dp_on_fsdp)
+  assert not measure.same_layout(fsdp, dp) and not measure.same_layout(fsdp, dp_on_fsdp)
+  # the two run the same program: the same bits from the same arguments
+  rng = np.random.default_rng(0)
+  args = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype)
+                      if jnp.issubdtype(s.dtype, jnp.floating) else np.zeros(s.shape, s.dtype),
+                      abstract)
+  outs = [p.jit(step)(*measure.placed_arguments(args, p.shardings())) for p in (dp, dp_on_fsdp)]
+  for x, y in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from dtenjax._src import errors
 from dtenjax._src.planning.recipes import RECIPES
@@ -292,9 +293,25 @@ def layout_name(recipe: str, mesh: Mapping[str, int] | None) -> str:
 
 
 def same_layout(a, b) -> bool:
-  """Whether two plans lay the step out alike (mesh, device order and every spec)."""
-  return (a.mesh_shape == b.mesh_shape and a.device_ids == b.device_ids and
-          a.axis_names == b.axis_names and jax.tree.leaves(a.specs) == jax.tree.leaves(b.specs))
+  """Whether two plans lay the step out alike: the same mesh, device order and specs, or, on
+  different meshes, every argument, output and gathered weight placed alike on the devices (a
+  plan on ``fsdp 8`` that shards no weight over ``fsdp`` is ``data 8``'s: one program, timed
+  once)."""
+  if (a.mesh_shape == b.mesh_shape and a.device_ids == b.device_ids and
+      a.axis_names == b.axis_names and jax.tree.leaves(a.specs) == jax.tree.leaves(b.specs)):
+    return True
+  if a.pipeline is not None or b.pipeline is not None:
+    return False
+  ma, mb = a.mesh(), b.mesh()
+  is_spec = lambda s: s is None or isinstance(s, jax.sharding.PartitionSpec)
+
+  def alike(x, y) -> bool:
+    xs, ys = jax.tree.leaves(x, is_leaf=is_spec), jax.tree.leaves(y, is_leaf=is_spec)
+    return len(xs) == len(ys) and all(
+        (s is None) == (t is None) and (s is None or NamedSharding(ma, s).is_equivalent_to(
+            NamedSharding(mb, t), max(len(s), len(t), 1))) for s, t in zip(xs, ys))
+  return (alike(a.specs, b.specs) and alike(a.out_specs, b.out_specs) and
+          alike(a.compute_specs, b.compute_specs))
 
 
 def summary(records: Sequence[Measured], kept: str, compile_s: float, total_s: float) -> str:

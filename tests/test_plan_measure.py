@@ -206,6 +206,15 @@ def test_choose_keeps_the_least_memory_within_the_noise_and_honours_the_clause()
   # a budget DP does not fit: the clause is set by the fastest user layout that fits (FSDP, 20 MiB)
   kept, _ = measure.choose(samples, memory, 100 * mib, users=("DP", "FSDP"))
   assert kept == "FSDP"
+  # HSDP (100 MiB) times within the noise of DP (ratios 0.98, 1.0, 1.03: median 1.0, spread
+  # 0.015): a second timing may find it the fastest user layout, so it sets the cap (110 MiB);
+  # DP itself (200 MiB) is over it, and HSDP is kept
+  samples["HSDP"] = [0.98, 1.0, 1.03]
+  memory["HSDP"] = 100 * mib
+  kept, records = measure.choose(samples, memory, 0.0, users=("DP", "FSDP", "HSDP"))
+  by = {r.name: r for r in records}
+  assert kept == "HSDP" and "(HSDP, 100.0 MiB)" in by["DP"].note and by["y"].note.startswith(
+      "not kept")
 
 
 def test_the_report_gives_every_candidates_time_and_compiled_memory(monkeypatch):

@@ -208,15 +208,25 @@ def choose(samples: Mapping[str, Sequence[float]], memory: Mapping[str, float], 
 
   Not kept: a candidate whose compile exceeds ``budget`` (0: unknown, none checked), and one whose
   compile exceeds (1 + :data:`MEMORY_SLACK`) x the memory of the fastest user layout that fits
-  (the issue's clause; that layout itself always qualifies). Of the rest, the fastest by median
-  time; then, among those whose median per-round ratio to it is within the noise, the one of
-  least memory. The noise is the ratio's own spread (:func:`ratio_spread`, the rounds' spread
-  of this pair), never more than :data:`TIME_SLACK`: a candidate kept for its memory is then at
-  most 1.05x the time of the fastest, which is no slower than the fastest user layout, so the
-  clause's time half holds too. Raises PlacementError when every candidate compiles over the
-  budget."""
+  (the issue's clause). Which user layout is the fastest is itself a measurement: the cap is set
+  by the least memory among the user layouts within the noise of the fastest one, so that the
+  clause holds whichever of them a second timing finds fastest (and that layout always
+  qualifies). Of the rest, the fastest by median time; then, among those whose median per-round
+  ratio to it is within the noise, the one of least memory. The noise is the ratio's own spread
+  (:func:`ratio_spread`, the rounds' spread of this pair), never more than :data:`TIME_SLACK`: a
+  candidate kept for its memory is then at most 1.05x the time of the fastest, which is no
+  slower than the fastest user layout, so the clause's time half holds too. Raises
+  PlacementError when every candidate compiles over the budget."""
   mib = 2**20
   median = {k: statistics.median(v) for k, v in samples.items()}
+
+  def ratio(k: str, ref: str) -> list[float]:
+    return [a / b for a, b in zip(samples[k], samples[ref])]
+
+  def within(k: str, ref: str) -> bool:
+    r = ratio(k, ref)
+    return statistics.median(r) <= 1 + min(TIME_SLACK, ratio_spread(r))
+
   why: dict[str, str] = {}
   if budget:
     for k in samples:
@@ -231,7 +241,9 @@ def choose(samples: Mapping[str, Sequence[float]], memory: Mapping[str, float], 
         "use more devices or a smaller batch per step")
   fitting_users = [k for k in users if k not in why]
   if fitting_users:
-    ref = min(fitting_users, key=median.get)
+    fastest_user = min(fitting_users, key=median.get)
+    ref = min((k for k in fitting_users if within(k, fastest_user)),
+              key=lambda k: (memory[k], median[k]))
     cap = (1 + MEMORY_SLACK) * memory[ref]
     for k in samples:
       if k not in why and memory[k] > cap:
@@ -239,18 +251,18 @@ def choose(samples: Mapping[str, Sequence[float]], memory: Mapping[str, float], 
                   f"the fastest user layout's ({ref}, {memory[ref] / mib:.1f} MiB)")
   eligible = [k for k in samples if k not in why]
   fastest = min(eligible, key=median.get)
-  ratio = {k: [a / b for a, b in zip(samples[k], samples[fastest])] for k in samples}
-  within = {k: statistics.median(ratio[k]) <= 1 + min(TIME_SLACK, ratio_spread(ratio[k]))
-            for k in eligible}
-  kept = min((k for k in eligible if within[k]), key=lambda k: (memory[k], median[k]))
+  tied = {k for k in eligible if within(k, fastest)}
+  kept = min(tied, key=lambda k: (memory[k], median[k], k))
   for k in eligible:
     why[k] = (("kept: the fastest" if k == fastest else
                f"kept: within the noise of {fastest}, less memory") if k == kept else
-              f"within the noise of {kept}, more memory" if within[k] else "slower")
-  records = tuple(Measured(k, median[k], memory[k], statistics.median(ratio[k]),
-                           ratio_spread(ratio[k]), why[k])
-                  for k in sorted(samples, key=median.get))
-  return kept, records
+              f"within the noise of {fastest}, more memory" if k in tied else "slower")
+  records = []
+  for k in sorted(samples, key=median.get):
+    r = ratio(k, fastest)
+    records.append(Measured(k, median[k], memory[k], statistics.median(r), ratio_spread(r),
+                            why[k]))
+  return kept, tuple(records)
 
 
 def user_layouts(n: int, island: int) -> list[tuple[str, dict[str, int] | None]]:

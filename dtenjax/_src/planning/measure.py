@@ -284,10 +284,10 @@ def user_layouts(n: int, island: int) -> list[tuple[str, dict[str, int] | None]]
 
 def runner_ups(priced: Sequence[tuple[float, Any]], best_s: float) -> list[Any]:
   """Of ``priced`` ((predicted seconds, plan) pairs, one per other mesh), those priced within
-  :data:`RUNNER_UP_MARGIN` of the choice's ``best_s``, the cheapest first, at most
-  :data:`RUNNER_UPS` of them."""
+  :data:`RUNNER_UP_MARGIN` of the choice's ``best_s``, the cheapest first (``plan``'s measured
+  mode times the first :data:`RUNNER_UPS` of them whose layout no other candidate has)."""
   near = [(s, k) for k, (s, _) in enumerate(priced) if s <= best_s * (1 + RUNNER_UP_MARGIN)]
-  return [priced[k][1] for _, k in sorted(near)[:RUNNER_UPS]]
+  return [priced[k][1] for _, k in sorted(near)]
 
 
 def mesh_name(mesh: Mapping[str, int]) -> str:

@@ -398,8 +398,9 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
 def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, args,
               rounds: int, kwargs) -> StepPlan:
   """The candidate kept on the devices (see ``measure`` of :func:`plan` and
-  ``measure.choose``) among ``chosen``, the layouts a user writes and the model's
-  ``runner_ups``, with every candidate's measured time and compiled memory."""
+  ``measure.choose``) among ``chosen``, the layouts a user writes and the first
+  ``measure.RUNNER_UPS`` of the model's ``runner_ups`` (cheapest first) whose layout is none of
+  theirs, with every candidate's measured time and compiled memory."""
   candidates = {"model's choice": chosen}
   users = set()                     # the candidates that are a layout a user writes
   n = len(chosen.device_ids)
@@ -419,10 +420,13 @@ def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, 
         same = measure_lib.layout_name(name, mesh)
         candidates[same] = alt
       users.add(same)
-  for p in runner_ups:
-    if not any(measure_lib.same_layout(p, c) for c in candidates.values()):
+  added = 0
+  for p in runner_ups:                # a plan on another mesh may be a candidate's layout
+    if added < measure_lib.RUNNER_UPS and not any(measure_lib.same_layout(p, c)
+                                                  for c in candidates.values()):
       shape = dict(zip(p.axis_names, p.mesh_shape))
       candidates[f"model's runner-up ({measure_lib.mesh_name(shape)})"] = p
+      added += 1
   t0 = time.perf_counter()
   samples, memory, compile_s = measure_lib.time_plans(step, candidates, args, rounds=rounds)
   kept, records = measure_lib.choose(samples, memory, chosen.budget_bytes, users)

@@ -256,6 +256,7 @@ def choose(samples: Mapping[str, Sequence[float]], memory: Mapping[str, float], 
   for k in eligible:
     why[k] = (("kept: the fastest" if k == fastest else
                f"kept: within the noise of {fastest}, less memory") if k == kept else
+              f"the fastest; {kept} is within its noise with less memory" if k == fastest else
               f"within the noise of {fastest}, more memory" if k in tied else "slower")
   records = []
   for k in sorted(samples, key=median.get):

@@ -250,8 +250,7 @@ def compiled_profile(compiled) -> dict:
   """Per-device memory (arguments + outputs not aliased + temp) and collective bytes per kind per
   step (a loop body's collectives once per iteration) of a compiled step."""
   stats = compiled.memory_analysis()
-  mem = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-         + stats.temp_size_in_bytes)
+  mem = planning.compiled_bytes(compiled)     # as plan(measure=True) counts its candidates
   repeats = loop_repeats(compiled)
   kinds: dict[str, float] = {}
   for c in dtenjax.explain(compiled).collectives:

@@ -178,9 +178,9 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     measure: False (default) to choose by the cost model alone; True (or a number of timed
       rounds, default 6) to compile the model's choice, its runner-ups (the best plan of each
       other mesh priced within ``measure.RUNNER_UP_MARGIN`` of it, at most
-      ``measure.RUNNER_UPS``) and every layout a user writes that fits (``measure.user_layouts``:
-      DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP; the recipes on ``mesh``
-      when one is given), run each on the devices planned for (on random arrays when ``args``
+      ``measure.RUNNER_UPS``) and every layout a user writes that may fit (``measure.may_fit``;
+      ``measure.user_layouts``: DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP;
+      the recipes on ``mesh`` when one is given), run each on the devices planned for (on random arrays when ``args``
       are abstract) in shuffled rounds, and keep the fastest whose compiled memory fits the
       budget and is at most 1.10x the fastest user layout's, or of those within the timing's
       noise of it the one of least memory (``measure.choose``): the objective is then the

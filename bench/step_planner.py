@@ -36,8 +36,12 @@ Parts (``--parts``, default all):
   ``memory_budget`` = 1.10x the compiled memory of each hand-written layout named (all without
   names) is a row too ("plan @ FSDP x TP budget", ...; a layout or program already in the table is not timed again, a refusal
   is a row with its shortfall), and each family's note gives the plan at the fastest layout's
-  budget: its time and memory over that layout's. ``--no-measure`` leaves out the ``measure=6``
-  plan (its own compiles and timings), ``--no-calibrate`` the calibrated one.
+  budget: its time and memory over that layout's. ``--no-measure`` leaves out the
+  ``measure=True`` plan ("plan measured": ``--measure-rounds`` timed rounds, default 6; its own
+  compiles and timings, whose count, CPU and wall seconds and every candidate's time and
+  compiled memory are a note), ``--no-calibrate`` the calibrated one. Each plan row's "clause"
+  says whether it meets the issue's clause against the fastest hand-written layout: time at most
+  1.05x, compiled memory at most 1.10x.
 
 * ``priced`` -- the wins part's plan and hand-written layouts priced by the cost model only
   (nothing compiled or run), beside a recorded wins run's measured times (``--measured-json``).
@@ -265,8 +269,7 @@ def compiled_profile(compiled) -> dict:
   """Per-device memory (arguments + outputs not aliased + temp) and collective bytes per kind per
   step (a loop body's collectives once per iteration) of a compiled step."""
   stats = compiled.memory_analysis()
-  mem = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-         + stats.temp_size_in_bytes)
+  mem = planning.compiled_bytes(compiled)     # as plan(measure=True) counts its candidates
   repeats = loop_repeats(compiled)
   kinds: dict[str, float] = {}
   for c in dtenjax.explain(compiled).collectives:
@@ -360,18 +363,30 @@ WINS_COLUMNS = (("family", "family", "s"), ("layout", "layout", "s"), ("mesh", "
                 ("predicted ms", "predicted_ms", ".2f"), ("calibrated ms", "calibrated_ms", ".2f"),
                 ("/fastest recipe", "vs_best_recipe", ".2f"), ("spread", "ratio_spread", ".2f"),
                 ("MiB/dev", "mem_mib", ".1f"), ("mem/fastest's", "mem_vs_best_recipe", ".2f"),
-                ("coll MiB", "coll_mib", ".1f"), ("per kind", "kinds", "s"))
+                ("clause", "clause", "s"), ("coll MiB", "coll_mib", ".1f"),
+                ("per kind", "kinds", "s"))
+# the issue's clause ("wins when run"): a plan's time at most this over the fastest hand-written
+# layout's, its compiled memory at most (1 + MEMORY_SLACK) x that layout's
+TIME_SLACK, MEMORY_SLACK = planning.CLAUSE_TIME_SLACK, planning.CLAUSE_MEMORY_SLACK
+
+
+def clause(vs_time: float, vs_memory: float) -> str:
+  """"met", or the halves of the issue's clause a plan misses (its ratios to the fastest
+  hand-written layout)."""
+  missed = ([f"time {vs_time:.2f}x"] if vs_time > 1 + TIME_SLACK else []) + (
+      [f"memory {vs_memory:.2f}x"] if vs_memory > 1 + MEMORY_SLACK else [])
+  return "met" if not missed else "missed: " + ", ".join(missed)
 
 
 def wins_rows(names, iters: int, calibrated=None, on_family=None, budgets=(),
-              measure: bool = True) -> tuple[list[dict], list[str]]:
+              measure: int = 6) -> tuple[list[dict], list[str]]:
   """``calibrated``: a calibrated Topology (``Topology.calibrate()``): its plan is measured too,
   and every row gets its prediction beside the uncalibrated model's. ``on_family(rows, notes)``
   is called after each family (the rows and notes so far), so a run cut short keeps them.
   ``budgets``: hand-written layouts (names of ``_families.RECIPES``) under whose compiled memory
   x :data:`BUDGET_SLACK` the family is also planned ("plan @ DP budget", ...;
-  :func:`budget_plans`), timed in the same rounds; ``measure``: the ``measure=6`` plan is a row
-  ("plan measured").
+  :func:`budget_plans`), timed in the same rounds; ``measure``: timed rounds of the
+  ``measure=`` plan, a row ("plan measured"; 0: none).
 
   "/fastest recipe" is the median over the rounds of the candidate's time over the fastest
   hand-written layout's time in the same round (paired: drift of the machine cancels), and
@@ -387,7 +402,15 @@ def wins_rows(names, iters: int, calibrated=None, on_family=None, budgets=(),
     real = fams.real_args(fam)
     plans = {"plan": dtenjax.plan(step, *args)}
     if measure:
-      plans["plan measured"] = dtenjax.plan(step, *args, measure=6)
+      wall, cpu = time.perf_counter(), time.process_time()
+      plans["plan measured"] = p = dtenjax.plan(step, *args, measure=measure)
+      notes.append(f"{name}: plan measured (measure={measure}): {len(p.measured)} candidates "
+                   f"compiled and timed in {time.perf_counter() - wall:.1f} s wall, "
+                   f"{time.process_time() - cpu:.1f} s CPU (load average "
+                   f"{os.getloadavg()[0]:.1f}): " + "; ".join(
+                       f"{m.name} {m.seconds * 1e3:.2f} ms {m.memory_bytes / 2**20:.1f} MiB "
+                       f"({m.note})" for m in p.measured))
+      print(notes[-1], file=sys.stderr, flush=True)
     if calibrated is not None:
       plans["plan calibrated"] = dtenjax.plan(step, *args, topology=calibrated)
     cands = {k: (p.jit(step), p.shardings()) for k, p in plans.items()}
@@ -451,11 +474,13 @@ def wins_rows(names, iters: int, calibrated=None, on_family=None, budgets=(),
           "coll_mib": sum(prof[cname]["bytes"].values()) / 2**20,
           "kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in sorted(prof[cname]["bytes"].items())),
           "vs_best_recipe": _harness.median(ratios[cname]),
-          "ratio_spread": _spread(ratios[cname]),
+          "ratio_spread": planning.ratio_spread(ratios[cname]),
           "same_as": ",".join([alias[cname]] if cname in alias else [
               r for r in cands if r not in plans and r != cname
               and programs[r] == programs[cname]]) or "-",
           "mem_vs_best_recipe": prof[cname]["mem"] / prof[best]["mem"],
+          **({"clause": clause(_harness.median(ratios[cname]),
+                               prof[cname]["mem"] / prof[best]["mem"])} if p is not None else {}),
           **({"budget_mib": p.budget_bytes / 2**20} if cname.endswith(" budget") else {}),
       })
     rows += [{"family": name, "layout": k, "mesh": "refused", "budget_mib": b / 2**20,
@@ -555,12 +580,6 @@ def product_rows(rows=(32, 64, 128, 256, 512), iters: int = 7, k: int = 256,
                f"per row + {intercept * 1e6:.0f} us per product = {intercept / slope:.1f} rows "
                f"of work that does not grow with the rows (load average "
                f"{os.getloadavg()[0]:.1f})"]
-
-
-def _spread(xs: list[float]) -> float:
-  """Half the distance between the first and third quartiles of ``xs`` (sorted)."""
-  q = lambda f: xs[min(len(xs) - 1, int(f * (len(xs) - 1) + 0.5))]
-  return (q(0.75) - q(0.25)) / 2
 
 
 def described_host(cores: int):
@@ -770,8 +789,10 @@ def main(argv=None) -> int:
                   "memory (comma-separated; alone: all of them) and time those plans in the same "
                   "rounds")
   ap.add_argument("--no-measure", action="store_true",
-                  help="wins part: skip the measure=6 plan (it compiles and times every layout a "
-                  "user writes once more)")
+                  help="wins part: skip the measure= plan (it compiles and times every layout a "
+                  "user writes and the model's runner-ups once more)")
+  ap.add_argument("--measure-rounds", type=_harness.positive_int, default=6,
+                  help="wins part: timed rounds of the measure= plan (at least 2)")
   ap.add_argument("--time-against", metavar="DIR", default="",
                   help="time part: also plan with the dtenjax package under DIR (another "
                   "revision: git archive REV dtenjax | tar -x -C DIR), side by side")
@@ -904,7 +925,7 @@ def main(argv=None) -> int:
                notes + notes_so_far)
     rows, win_notes = wins_rows(args.families.split(","), args.iters, calibrated, keep,
                                 budgets=budgets,
-                                measure=not args.no_measure)
+                                measure=0 if args.no_measure else args.measure_rounds)
     print(_harness.table(rows, WINS_COLUMNS + (BUDGET_COLUMNS if args.budgets else ()),
                          title=f"the plan against hand-written layouts, {len(jax.devices())} "
                          f"{jax.devices()[0].platform.upper()} devices, measured"))

@@ -268,6 +268,9 @@ def test_testing_planning_times_and_clears_what_the_planner_benches_drive():
   calls = {"a": lambda: None, "b": lambda: None}
   samples = planning.time_calls(calls, rounds=3, timer=lambda: float(next(ticks)))
   assert set(samples) == {"a", "b"} and all(len(v) == 3 for v in samples.values())
+  # the wins part's spread of per-round ratios, and the clause it checks plans against
+  assert abs(planning.ratio_spread([1.0, 1.2, 1.3, 1.6, 2.0]) - (1.6 - 1.2) / 2) < 1e-12
+  assert (planning.CLAUSE_TIME_SLACK, planning.CLAUSE_MEMORY_SLACK) == (0.05, 0.10)
   dtenjax.Placement("auto", mesh=(2, 4)).sharding((64, 32))
   assert planning.distinct_plans() >= 1
   planning.clear_planner_caches()

@@ -1,15 +1,20 @@
 """The measured step as the objective: ``dtenjax.plan(..., measure=True)``.
 
 The cost model ranks layouts by predicted step time; the prediction can miss (the planner's
-compute and link estimates are priors, and XLA's fusion decides the rest). With ``measure=True``
-the planner compiles its own choice and every layout a user writes that fits the budget
-(:func:`user_layouts`: DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP), runs each
-on the devices it plans for, and keeps the fastest: the plan is then never slower than those
-layouts by more than the timing noise. Each candidate is timed on its own arrays (made on the
-devices in the candidate's layout at the start of each of its turns, so no device holds a copy
-of the whole state and one candidate's arrays are alive at a time) by :func:`time_calls`, the
-routine bench/step_planner.py's wins part times the user's own programs with: shuffled rounds
-of warm turns, medians. The times are in the plan's ``measured`` field and its report.
+compute and link estimates are priors, and XLA's fusion decides the rest), by more than the
+gaps between close layouts. With ``measure=True`` the planner compiles its own choice, its
+runner-ups (the best plan of each other mesh priced within :data:`RUNNER_UP_MARGIN` of the
+choice, at most :data:`RUNNER_UPS` of them) and every layout a user writes that may fit the
+budget (:func:`user_layouts`: DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP;
+:func:`may_fit`), reads each compile's memory (:func:`compile_plan`), runs each on the devices
+it plans for and keeps one by :func:`choose`: the fastest whose compiled memory fits the budget
+and the issue's memory clause, or among those timed within the noise of it the one of least
+memory. Each candidate is
+timed on its own arrays (made on the devices in the candidate's layout at the start of each of
+its turns, so no device holds a copy of the whole state and one candidate's arrays are alive at
+a time) by :func:`time_calls`, the routine bench/step_planner.py's wins part times the user's
+own programs with: shuffled rounds of warm turns, medians. Every candidate's time and compiled
+memory are in the plan's ``measured`` field and its report.
 """
 
 from __future__ import annotations
@@ -19,14 +24,42 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from dtenjax._src import errors
 from dtenjax._src.planning.recipes import RECIPES
+from dtenjax._src.planning.result import Measured
+
+# The model's runner-ups that are timed beside its choice: the best plan of each other mesh
+# priced at most this much dearer than the choice. The model's error between layouts sets it:
+# over the layouts timed on the 16-core host (thirteenth round) and on the 2-core VM, every
+# pair measured more than 3 % apart in the order the model did not predict was priced at most
+# 6.3 % apart (convnet's HSDP against fsdp 8; moe's expert 4 x tensor 2, measured 0.89x the
+# choice expert 8, 4.9 %; encdec's fsdp 4 x tensor 2, 0.79x, 0.1 %), so a runner-up priced
+# within 8 % may be the faster, and one priced further off never was.
+RUNNER_UP_MARGIN = 0.08
+# At most this many runner-ups are compiled (the cheapest first), so measure=True compiles at
+# most 1 + RUNNER_UPS + len(user_layouts(...)) programs (12 on 8 devices with islands of 8).
+RUNNER_UPS = 3
+# The issue's clause ("wins when run"): the plan's step time at most 1.05x the fastest layout a
+# user writes, and its compiled memory at most that layout's plus 10 %.
+TIME_SLACK = 0.05
+MEMORY_SLACK = 0.10
+# The memory model's largest miss against XLA:CPU's compile on the planner's rows (14.2 % low,
+# docs/benchmarks.md, "The fourth slot as an upper bound"): a user layout priced up to this much
+# over the budget may compile within it, so measure=True compiles it to see (the issue: a budget
+# that plain FSDP fits is never refused).
+MODEL_MEMORY_ERROR = 0.15
+
+
+def may_fit(cost, budget: float) -> bool:
+  """Whether a layout priced at ``cost`` may compile within ``budget`` (0: none)."""
+  return cost.fits or cost.memory["total"] <= budget * (1 + MODEL_MEMORY_ERROR)
 
 
 @functools.lru_cache(maxsize=256)
@@ -109,16 +142,45 @@ def time_calls(calls: Mapping[str, Callable[[], Any]], *, rounds: int, warmup: i
   return samples
 
 
+def compile_plan(step: Callable, plan, args: Sequence[Any]) -> tuple[Callable, float]:
+  """``plan.jit(step)`` compiled for the arguments' shapes, and its compiled memory per device
+  (:func:`compiled_bytes`). The program returned is the one timed; for a plan made with
+  ``donate=True`` the memory is that of a second compile with the state donated (as
+  ``plan.check`` compiles it), since the timed turns call the program again on the same
+  arrays."""
+  abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), a) for a in args]
+  compiled = plan.jit(step).lower(*abstract).compile()
+  donated = compiled
+  if plan.donate:
+    state = tuple(i for i in range(len(args)) if i not in plan.batch_argnums)
+    donated = plan.jit(step, donate_argnums=state).lower(*abstract).compile()
+  return compiled, compiled_bytes(donated)
+
+
+def compiled_bytes(compiled) -> float:
+  """Bytes per device of a compiled program: its arguments, its outputs that do not reuse a
+  donated argument's memory, and its temporaries (``memory_analysis()``, as the wins part and
+  ``plan.check`` count them)."""
+  stats = compiled.memory_analysis()
+  return float(stats.argument_size_in_bytes + stats.output_size_in_bytes
+               - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
 def time_plans(step: Callable, plans: Mapping[str, Any], args: Sequence[Any], *,
                rounds: int = 6, timer: Callable[[], float] = time.perf_counter
-               ) -> dict[str, float]:
-  """Median seconds per call of ``plan.jit(step)`` for each named plan (:func:`time_calls`), on
+               ) -> tuple[dict[str, list[float]], dict[str, float], float]:
+  """Each named plan's step compiled (:func:`compile_plan`) and timed by :func:`time_calls`, on
   arguments placed by :func:`placed_arguments` at the start of each of its turns and dropped
-  after it: one candidate's arrays are alive at a time, so candidates that each fill a device
-  can be timed in one process."""
+  after it (one candidate's arrays are alive at a time, so candidates that each fill a device
+  can be timed in one process): (seconds per call in each round, compiled bytes per device,
+  wall seconds the compiles took)."""
   if rounds < 2:
     raise errors.PlacementError(f"plan: measure={rounds!r} must be at least 2 timed rounds")
-  fns = {name: p.jit(step) for name, p in plans.items()}
+  fns, memory = {}, {}
+  t0 = time.perf_counter()
+  for name, p in plans.items():
+    fns[name], memory[name] = compile_plan(step, p, args)
+  compile_s = time.perf_counter() - t0
   placed: dict[str, tuple] = {}
 
   def enter(name):
@@ -127,7 +189,81 @@ def time_plans(step: Callable, plans: Mapping[str, Any], args: Sequence[Any], *,
   samples = time_calls({name: (lambda name=name: fns[name](*placed[name])) for name in plans},
                        rounds=rounds, timer=timer, enter=enter,
                        leave=lambda name: placed.pop(name))
-  return {name: statistics.median(s) for name, s in samples.items()}
+  return samples, memory, compile_s
+
+
+def ratio_spread(xs: Sequence[float]) -> float:
+  """Half the distance between the first and third quartiles of ``xs``: the noise of a median
+  of per-round ratios."""
+  xs = sorted(xs)
+  q = lambda f: xs[min(len(xs) - 1, int(f * (len(xs) - 1) + 0.5))]
+  return (q(0.75) - q(0.25)) / 2
+
+
+def choose(samples: Mapping[str, Sequence[float]], memory: Mapping[str, float], budget: float,
+           users: Collection[str]) -> tuple[str, tuple[Measured, ...]]:
+  """The candidate to keep, and every candidate's record (fastest first), from each one's
+  seconds per round (``samples``, paired: round ``i`` of every candidate is one shuffled round)
+  and compiled bytes (``memory``); ``users`` names the candidates that are layouts a user writes.
+
+  Not kept: a candidate whose compile exceeds ``budget`` (0: unknown, none checked), and one whose
+  compile exceeds (1 + :data:`MEMORY_SLACK`) x the memory of the fastest user layout that fits
+  (the issue's clause). Which user layout is the fastest is itself a measurement: the cap is set
+  by the least memory among the user layouts within the noise of the fastest one, so that the
+  clause holds whichever of them a second timing finds fastest (and that layout always
+  qualifies). Of the rest, the fastest by median time; then, among those whose median per-round
+  ratio to it is within the noise, the one of least memory. The noise is the ratio's own spread
+  (:func:`ratio_spread`, the rounds' spread of this pair), never more than :data:`TIME_SLACK`: a
+  candidate kept for its memory is then at most 1.05x the time of the fastest, which is no
+  slower than the fastest user layout, so the clause's time half holds too. Raises
+  PlacementError when every candidate compiles over the budget."""
+  mib = 2**20
+  median = {k: statistics.median(v) for k, v in samples.items()}
+
+  def ratio(k: str, ref: str) -> list[float]:
+    return [a / b for a, b in zip(samples[k], samples[ref])]
+
+  def within(k: str, ref: str) -> bool:
+    r = ratio(k, ref)
+    return statistics.median(r) <= 1 + min(TIME_SLACK, ratio_spread(r))
+
+  why: dict[str, str] = {}
+  if budget:
+    for k in samples:
+      if memory[k] > budget:
+        why[k] = (f"not kept: compiled {memory[k] / mib:.1f} MiB, over the budget "
+                  f"({budget / mib:.1f} MiB)")
+  if len(why) == len(samples):
+    least = min(samples, key=memory.get)
+    raise errors.PlacementError(
+        f"plan: measure: every candidate compiles over the budget of {budget / mib:.1f} MiB per "
+        f"device; the least is {least} at {memory[least] / mib:.1f} MiB. Raise memory_budget, "
+        "use more devices or a smaller batch per step")
+  fitting_users = [k for k in users if k not in why]
+  if fitting_users:
+    fastest_user = min(fitting_users, key=median.get)
+    ref = min((k for k in fitting_users if within(k, fastest_user)),
+              key=lambda k: (memory[k], median[k]))
+    cap = (1 + MEMORY_SLACK) * memory[ref]
+    for k in samples:
+      if k not in why and memory[k] > cap:
+        why[k] = (f"not kept: compiled {memory[k] / mib:.1f} MiB, over {1 + MEMORY_SLACK:.2f}x "
+                  f"the fastest user layout's ({ref}, {memory[ref] / mib:.1f} MiB)")
+  eligible = [k for k in samples if k not in why]
+  fastest = min(eligible, key=median.get)
+  tied = {k for k in eligible if within(k, fastest)}
+  kept = min(tied, key=lambda k: (memory[k], median[k], k))
+  for k in eligible:
+    why[k] = (("kept: the fastest" if k == fastest else
+               f"kept: within the noise of {fastest}, less memory") if k == kept else
+              f"the fastest; {kept} is within its noise with less memory" if k == fastest else
+              f"within the noise of {fastest}, more memory" if k in tied else "slower")
+  records = []
+  for k in sorted(samples, key=median.get):
+    r = ratio(k, fastest)
+    records.append(Measured(k, median[k], memory[k], statistics.median(r), ratio_spread(r),
+                            why[k]))
+  return kept, tuple(records)
 
 
 def user_layouts(n: int, island: int) -> list[tuple[str, dict[str, int] | None]]:
@@ -147,25 +283,54 @@ def user_layouts(n: int, island: int) -> list[tuple[str, dict[str, int] | None]]
   return out
 
 
+def runner_ups(priced: Sequence[tuple[float, Any]], best_s: float) -> list[Any]:
+  """Of ``priced`` ((predicted seconds, plan) pairs, one per other mesh), those priced within
+  :data:`RUNNER_UP_MARGIN` of the choice's ``best_s``, the cheapest first (``plan``'s measured
+  mode times the first :data:`RUNNER_UPS` of them whose layout no other candidate has)."""
+  near = [(s, k) for k, (s, _) in enumerate(priced) if s <= best_s * (1 + RUNNER_UP_MARGIN)]
+  return [priced[k][1] for _, k in sorted(near)]
+
+
+def mesh_name(mesh: Mapping[str, int]) -> str:
+  """``fsdp 4 x tensor 2``: the axes of a mesh that have more than one device."""
+  return " x ".join(f"{a} {k}" for a, k in mesh.items() if k > 1) or "one device"
+
+
 def layout_name(recipe: str, mesh: Mapping[str, int] | None) -> str:
   """A candidate's name in the report: the recipe, with its mesh when it is not the standard
   one (FSDP on a data x fsdp mesh is HSDP)."""
   if mesh is None:
     return recipe
   name = "HSDP" if recipe == "FSDP" and mesh.get("data", 1) > 1 else recipe
-  return f"{name} ({' x '.join(f'{a} {k}' for a, k in mesh.items() if k > 1)})"
+  return f"{name} ({mesh_name(mesh)})"
 
 
 def same_layout(a, b) -> bool:
-  """Whether two plans lay the step out alike (mesh, device order and every spec)."""
-  return (a.mesh_shape == b.mesh_shape and a.device_ids == b.device_ids and
-          a.axis_names == b.axis_names and jax.tree.leaves(a.specs) == jax.tree.leaves(b.specs))
+  """Whether two plans lay the step out alike: the same mesh, device order and specs, or, on
+  different meshes, every argument, output and gathered weight placed alike on the devices (a
+  plan on ``fsdp 8`` that shards no weight over ``fsdp`` is ``data 8``'s: one program, timed
+  once)."""
+  if (a.mesh_shape == b.mesh_shape and a.device_ids == b.device_ids and
+      a.axis_names == b.axis_names and jax.tree.leaves(a.specs) == jax.tree.leaves(b.specs)):
+    return True
+  if a.pipeline is not None or b.pipeline is not None:
+    return False
+  ma, mb = a.mesh(), b.mesh()
+  is_spec = lambda s: s is None or isinstance(s, jax.sharding.PartitionSpec)
+
+  def alike(x, y) -> bool:
+    xs, ys = jax.tree.leaves(x, is_leaf=is_spec), jax.tree.leaves(y, is_leaf=is_spec)
+    return len(xs) == len(ys) and all(
+        (s is None) == (t is None) and (s is None or NamedSharding(ma, s).is_equivalent_to(
+            NamedSharding(mb, t), max(len(s), len(t), 1))) for s, t in zip(xs, ys))
+  return (alike(a.specs, b.specs) and alike(a.out_specs, b.out_specs) and
+          alike(a.compute_specs, b.compute_specs))
 
 
-def summary(times: Mapping[str, float], kept: str) -> str:
-  """The report's line: every candidate's measured time, and which was kept."""
-  ranked = sorted(times.items(), key=lambda kv: kv[1])
-  parts = ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in ranked)
-  return (f"measured on {jax.device_count()} {jax.devices()[0].platform} devices (median per "
-          f"step): {parts}; kept {kept}")
-
+def summary(records: Sequence[Measured], kept: str, compile_s: float, total_s: float) -> str:
+  """The report's line: which candidate was kept, among how many, and what measuring cost (the
+  report's measured table, ``StepPlan.table``, gives each one's time and compiled memory)."""
+  why = next(r.note for r in records if r.name == kept).removeprefix("kept: ")
+  return (f"measured on {jax.device_count()} {jax.devices()[0].platform} devices: "
+          f"{len(records)} candidates compiled ({compile_s:.1f} s) and timed "
+          f"({total_s - compile_s:.1f} s); kept {kept}: {why}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -47,6 +47,20 @@ class Alternative:
   mesh_shape: dict[str, int]
   cost: StepCost | None
   note: str = ""
+
+
+class Measured(NamedTuple):
+  """One candidate of ``plan(..., measure=True)`` (``StepPlan.measured``), as run on the
+  devices: its median seconds per step, its compiled memory per device (``memory_analysis()``:
+  arguments, outputs not aliased, temporaries), the median over the rounds of its time over the
+  fastest candidate that may be kept (``vs_fastest``) with that ratio's spread (half the
+  interquartile range), and whether it was kept or why not."""
+  name: str
+  seconds: float
+  memory_bytes: float
+  vs_fastest: float
+  spread: float
+  note: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +124,8 @@ class StepPlan:
   donate: bool = False           # planned for a step whose state arguments are donated
   nvls: bool = False             # the topology's NVLink SHARP state the plan was priced with
   batch_argnums: tuple[int, ...] = ()
-  # plan(..., measure=True): (candidate, median seconds per step) on the devices, fastest first
-  measured: tuple[tuple[str, float], ...] = ()
+  # plan(..., measure=True): every candidate as run on the devices, fastest first
+  measured: tuple[Measured, ...] = ()
   # the pipeline over the 'stage' axis (None: the plan has no stages)
   pipeline: PipelinePlan | None = None
   # what compute and collectives were priced with (Topology.pricing_summary: the calibration's
@@ -220,6 +234,9 @@ class StepPlan:
     lines.append(_recipe_table(
         [Alternative("chosen", dict(zip(self.axis_names, self.mesh_shape)), self.cost)]
         + list(self.recipes)))
+    if self.measured:
+      lines.append("")
+      lines.append(_measured_table(self.measured))
     lines.append("")
     lines.append(tables.render(["leaf", "shape", "spec", "reason"],
                                [(lp.path, str(lp.shape), str(lp.spec), lp.reason)
@@ -242,6 +259,15 @@ def _recipe_table(alternatives) -> str:
         ("" if c.fits else "does not fit; ") + r.note)))
   return tables.render(["recipe", "mesh", "step (ms)", "exposed", "mem (GiB)", "note"], rows,
                        align=["left", "left", "right", "right", "right", "left"])
+
+
+def _measured_table(measured: Sequence[Measured]) -> str:
+  """``plan(measure=True)``'s candidates: time, compiled memory, and which was kept."""
+  return tables.render(
+      ["measured", "ms", "/fastest", "spread", "compiled MiB", "note"],
+      [(m.name, f"{m.seconds * 1e3:.2f}", f"{m.vs_fastest:.2f}", f"{m.spread:.2f}",
+        f"{m.memory_bytes / 2**20:.1f}", m.note) for m in measured],
+      align=["left", "right", "right", "right", "right", "left"])
 
 
 def report(graph, prob: Problem, choice, cost, recipes, budget, topology, seconds, tried,

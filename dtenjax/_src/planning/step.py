@@ -176,13 +176,16 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     donate: the step is jitted with its state donated (``donate_argnums``), so its new state
       reuses the old one's memory; default False, as ``jax.jit``: outputs count as a copy.
     measure: False (default) to choose by the cost model alone; True (or a number of timed
-      rounds, default 6) to compile the model's choice and every layout a user writes that fits
-      (``measure.user_layouts``: DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP;
-      the recipes on ``mesh`` when one is given), run each on the devices planned for (on random
-      arrays when ``args`` are abstract) in shuffled rounds and keep the fastest
-      (``dtenjax/_src/planning/measure.py``): the objective is then the measured step. Costs one
-      compilation and a few steps per candidate; the plan's ``measured`` field and report give
-      every candidate's time.
+      rounds, default 6) to compile the model's choice, its runner-ups (the best plan of each
+      other mesh priced within ``measure.RUNNER_UP_MARGIN`` of it, at most
+      ``measure.RUNNER_UPS``) and every layout a user writes that may fit (``measure.may_fit``;
+      ``measure.user_layouts``: DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP;
+      the recipes on ``mesh`` when one is given), run each on the devices planned for (on random arrays when ``args``
+      are abstract) in shuffled rounds, and keep the fastest whose compiled memory fits the
+      budget and is at most 1.10x the fastest user layout's, or of those within the timing's
+      noise of it the one of least memory (``measure.choose``): the objective is then the
+      measured step. Costs one compilation and a few steps per candidate; the plan's
+      ``measured`` field and report give every candidate's time and compiled memory.
 
   Raises PlacementError when no layout fits the budget, naming the smallest shortfall."""
   t0 = time.perf_counter()
@@ -279,10 +282,12 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     queue = [(s.bound, k) for k, s in enumerate(searches)]
     heapq.heapify(queue)
     top = math.inf                       # the fastest plan found (seconds)
+    # measure=True also times the best plan of each mesh priced near the choice: search those
+    stretch = 1 + measure_lib.RUNNER_UP_MARGIN if measure else 1.0
     while queue:
       k = heapq.heappop(queue)[1]
       search = searches[k]
-      if search.beyond(top):
+      if search.beyond(top * stretch):
         break                            # this mesh and every one left cannot be chosen
       search.advance()
       if not search.done:
@@ -380,16 +385,26 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     return dataclasses.replace(chosen, notes=chosen.notes + (
         "measure: not timed: plan.jit cannot run a pipeline plan (write the step with "
         "dtenjax.pipeline); the cost model chose it",))
-  return _measured(chosen, step, args, 6 if measure is True else int(measure),
+  others = [(c.total_s, (p, ch, c)) for _, p, ch, c in solved
+            if c.fits and p.m.pipeline is None and p is not prob]
+  near = measure_lib.runner_ups(others, cost.total_s)
+  seconds = time.perf_counter() - t0
+  runner_ups = [report(graph, p, ch, c, chosen.recipes, budget, topology, seconds,
+                       len(problems), args, donate) for p, ch, c in near]
+  return _measured(chosen, runner_ups, step, args, 6 if measure is True else int(measure),
                    dict(mesh=mesh, topology=topology, memory_budget=memory_budget,
                         batch_argnums=batch_argnums, pinned=pinned, rules=rules,
                         overlap=overlap, donate=donate))
 
 
-def _measured(chosen: StepPlan, step: Callable, args, rounds: int, kwargs) -> StepPlan:
-  """``chosen`` or the layout a user writes that ran fastest on the devices (see ``measure`` of
-  :func:`plan`), with every candidate's measured time."""
+def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, args,
+              rounds: int, kwargs) -> StepPlan:
+  """The candidate kept on the devices (see ``measure`` of :func:`plan` and
+  ``measure.choose``) among ``chosen``, the layouts a user writes and the first
+  ``measure.RUNNER_UPS`` of the model's ``runner_ups`` (cheapest first) whose layout is none of
+  theirs, with every candidate's measured time and compiled memory."""
   candidates = {"model's choice": chosen}
+  users = set()                     # the candidates that are a layout a user writes
   n = len(chosen.device_ids)
   if kwargs["mesh"] is None:
     island = min((len(i) for i in kwargs["topology"].fast_islands()), default=1)
@@ -401,14 +416,25 @@ def _measured(chosen: StepPlan, step: Callable, args, rounds: int, kwargs) -> St
       alt = plan(step, *args, recipe=name, **{**kwargs, "mesh": mesh or kwargs["mesh"]})
     except errors.PlacementError:
       continue                      # the batch does not divide its mesh, or it does not fit
-    if alt.cost.fits and not any(measure_lib.same_layout(alt, c) for c in candidates.values()):
-      candidates[measure_lib.layout_name(name, mesh)] = alt
-  times = measure_lib.time_plans(step, candidates, args, rounds=rounds)
-  kept = min(times, key=times.get)
+    if measure_lib.may_fit(alt.cost, chosen.budget_bytes):
+      same = next((k for k, c in candidates.items() if measure_lib.same_layout(alt, c)), None)
+      if same is None:
+        same = measure_lib.layout_name(name, mesh)
+        candidates[same] = alt
+      users.add(same)
+  added = 0
+  for p in runner_ups:                # a plan on another mesh may be a candidate's layout
+    if added < measure_lib.RUNNER_UPS and not any(measure_lib.same_layout(p, c)
+                                                  for c in candidates.values()):
+      shape = dict(zip(p.axis_names, p.mesh_shape))
+      candidates[f"model's runner-up ({measure_lib.mesh_name(shape)})"] = p
+      added += 1
+  t0 = time.perf_counter()
+  samples, memory, compile_s = measure_lib.time_plans(step, candidates, args, rounds=rounds)
+  kept, records = measure_lib.choose(samples, memory, chosen.budget_bytes, users)
   out = candidates[kept]
-  return dataclasses.replace(
-      out, measured=tuple(sorted(times.items(), key=lambda kv: kv[1])),
-      notes=out.notes + (measure_lib.summary(times, kept),))
+  note = measure_lib.summary(records, kept, compile_s, time.perf_counter() - t0)
+  return dataclasses.replace(out, measured=records, notes=out.notes + (note,))
 
 
 def _is_real(x) -> bool:

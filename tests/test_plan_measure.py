@@ -176,7 +176,7 @@ def test_a_candidate_over_the_budget_by_its_compile_is_never_kept(monkeypatch):
                         memory_budget=budget)
 
 
-def test_choose_keeps_the_least_memory_within_the_noise_and_honours_the_clause():
+def test_choose_keeps_the_least_memory_within_the_noise_and_the_fastest_beyond_it():
   mib = 2**20
   a = [1.0] * 5
   # ratios to a: b 0.97..1.10, median 1.02, spread (1.06 - 1.00) / 2 = 0.03: within the noise;
@@ -185,7 +185,7 @@ def test_choose_keeps_the_least_memory_within_the_noise_and_honours_the_clause()
   samples = {"a": a, "b": [0.97, 1.00, 1.02, 1.06, 1.10], "c": [1.06, 1.07, 1.08, 1.09, 1.10],
              "d": [0.5, 0.8, 1.07, 1.4, 1.5]}
   memory = {"a": 100 * mib, "b": 50 * mib, "c": 10 * mib, "d": 1 * mib}
-  kept, records = measure.choose(samples, memory, 0.0, users=())
+  kept, records = measure.choose(samples, memory, 0.0)
   assert kept == "b"
   by = {r.name: r for r in records}
   assert by["b"].note.startswith("kept") and "less memory" in by["b"].note
@@ -194,28 +194,22 @@ def test_choose_keeps_the_least_memory_within_the_noise_and_honours_the_clause()
   assert by["d"].note == "slower"
   assert by["b"].vs_fastest == pytest.approx(1.02) and by["b"].spread == pytest.approx(0.03)
   assert by["b"].memory_bytes == 50 * mib and by["b"].seconds == pytest.approx(1.02)
-  # the memory clause: the fastest user layout (DP, 200 MiB; FSDP is slower) sets the
-  # cap at 220 MiB, so the faster 'x' (300 MiB) is not kept and 'y' (210 MiB) is
+  # beyond the noise time decides, whatever the memory within the budget: 'x' (0.5x DP's time,
+  # 1.5x its memory) is kept, not the smaller 'y' nor DP
   samples = {"x": [0.5] * 3, "y": [0.8] * 3, "DP": [1.0] * 3, "FSDP": [2.0] * 3}
   memory = {"x": 300 * mib, "y": 210 * mib, "DP": 200 * mib, "FSDP": 20 * mib}
-  kept, records = measure.choose(samples, memory, 0.0, users=("DP", "FSDP"))
+  kept, records = measure.choose(samples, memory, 0.0)
   by = {r.name: r for r in records}
-  assert kept == "y" and "over 1.10x the fastest user layout's (DP" in by["x"].note
-  # under a budget of 250 MiB 'x' is over it by its compile; y is still kept
-  kept, records = measure.choose(samples, memory, 250 * mib, users=("DP", "FSDP"))
+  assert kept == "x" and by["x"].note == "kept: the fastest" and by["y"].note == "slower"
+  # under a budget of 250 MiB 'x' is over it by its compile, and 'y' is the fastest that fits
+  kept, records = measure.choose(samples, memory, 250 * mib)
   assert kept == "y" and "over the budget" in {r.name: r for r in records}["x"].note
-  # a budget DP does not fit: the clause is set by the fastest user layout that fits (FSDP, 20 MiB)
-  kept, _ = measure.choose(samples, memory, 100 * mib, users=("DP", "FSDP"))
+  # a budget only FSDP fits
+  kept, _ = measure.choose(samples, memory, 100 * mib)
   assert kept == "FSDP"
-  # HSDP (100 MiB) times within the noise of DP (ratios 0.98, 1.0, 1.03: median 1.0, spread
-  # 0.015): a second timing may find it the fastest user layout, so it sets the cap (110 MiB);
-  # DP itself (200 MiB) is over it, and HSDP is kept
-  samples["HSDP"] = [0.98, 1.0, 1.03]
-  memory["HSDP"] = 100 * mib
-  kept, records = measure.choose(samples, memory, 0.0, users=("DP", "FSDP", "HSDP"))
-  by = {r.name: r for r in records}
-  assert kept == "HSDP" and "(HSDP, 100.0 MiB)" in by["DP"].note and by["y"].note.startswith(
-      "not kept")
+  # nothing fits: refused, naming the least
+  with pytest.raises(dtenjax.PlacementError, match="FSDP at 20.0 MiB"):
+    measure.choose(samples, memory, 10 * mib)
 
 
 def test_the_report_gives_every_candidates_time_and_compiled_memory(monkeypatch):

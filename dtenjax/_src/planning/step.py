@@ -404,7 +404,6 @@ def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, 
   ``measure.RUNNER_UPS`` of the model's ``runner_ups`` (cheapest first) whose layout is none of
   theirs, with every candidate's measured time and compiled memory."""
   candidates = {"model's choice": chosen}
-  users = set()                     # the candidates that are a layout a user writes
   n = len(chosen.device_ids)
   if kwargs["mesh"] is None:
     island = min((len(i) for i in kwargs["topology"].fast_islands()), default=1)
@@ -416,12 +415,9 @@ def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, 
       alt = plan(step, *args, recipe=name, **{**kwargs, "mesh": mesh or kwargs["mesh"]})
     except errors.PlacementError:
       continue                      # the batch does not divide its mesh, or it does not fit
-    if measure_lib.may_fit(alt.cost, chosen.budget_bytes):
-      same = next((k for k, c in candidates.items() if measure_lib.same_layout(alt, c)), None)
-      if same is None:
-        same = measure_lib.layout_name(name, mesh)
-        candidates[same] = alt
-      users.add(same)
+    if measure_lib.may_fit(alt.cost, chosen.budget_bytes) and not any(
+        measure_lib.same_layout(alt, c) for c in candidates.values()):
+      candidates[measure_lib.layout_name(name, mesh)] = alt
   added = 0
   for p in runner_ups:                # a plan on another mesh may be a candidate's layout
     if added < measure_lib.RUNNER_UPS and not any(measure_lib.same_layout(p, c)
@@ -431,7 +427,7 @@ def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, 
       added += 1
   t0 = time.perf_counter()
   samples, memory, compile_s = measure_lib.time_plans(step, candidates, args, rounds=rounds)
-  kept, records = measure_lib.choose(samples, memory, chosen.budget_bytes, users)
+  kept, records = measure_lib.choose(samples, memory, chosen.budget_bytes)
   out = candidates[kept]
   note = measure_lib.summary(records, kept, compile_s, time.perf_counter() - t0)
   return dataclasses.replace(out, measured=records, notes=out.notes + (note,))

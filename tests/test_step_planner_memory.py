@@ -18,9 +18,8 @@ from jax.sharding import PartitionSpec as P
 import dtenjax
 from dtenjax._src import hlo
 from dtenjax._src import jaxapi
-from tests import helpers
 from tests.compile_only import USERS_PROGRAM as EMITTERS  # the program users get, compiled only
-from tests.helpers import DEFAULT_CPU_EMITTERS
+from tests.helpers import DEFAULT_CPU_EMITTERS, one_worker
 from dtenjax._src.planning import check as check_lib
 from dtenjax._src.planning import explain as explain_lib
 from dtenjax._src.planning import stepgraph
@@ -33,7 +32,7 @@ from dtenjax._src.planning import stepgraph
 # less beyond a process's start (docs/testing.md, sixteenth round). Their 80 tests are the second
 # largest group, handed out at the run's start like the others (a simulation of xdist's loadgroup
 # order over the last fresh clone's times: the two workers end within 0.5 s either way).
-pytestmark = helpers.one_worker(__name__)
+pytestmark = one_worker(__name__)
 
 
 def _adamw_step(loss, params, batch):

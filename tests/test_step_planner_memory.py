@@ -29,9 +29,10 @@ from dtenjax._src.planning import stepgraph
 # _small_family, _planned, _checked, ...) are made once per process, and with the tests spread
 # over both workers each worker made the ones its tests read. The two files in one process
 # against their two halves in two, one after the other with one compile cache: 3.7-6.9 s of CPU
-# less beyond a process's start (docs/testing.md, sixteenth round). Their 80 tests are the second
-# largest group, handed out at the run's start like the others (a simulation of xdist's loadgroup
-# order over the last fresh clone's times: the two workers end within 0.5 s either way).
+# less beyond a process's start; 13-15 s as two processes at once (docs/testing.md, sixteenth
+# round). Their 80 tests are the second largest group, handed out at the run's start like the
+# others (a simulation of xdist's loadgroup order over the last fresh clone's times: the two
+# workers end within 0.5 s either way).
 pytestmark = one_worker(__name__)
 
 

@@ -16,6 +16,15 @@ from dtenjax._src.topology import model as topo
 from dtenjax._src.planning.placement import Placement, check_divisible, shard, tensor
 from dtenjax._src.topology.model import Topology
 from tests.compile_only import USERS_PROGRAM
+from tests.helpers import one_worker
+
+
+# One xdist worker for the module: its cases draw and compile the same references (jax.random's
+# values per shape and flag, tensor's chunked programs, the cached flax variables), which a
+# worker that had not made them made again. Its tests split in two processes at once (the second
+# with test_bufferpool.py) against all in one: 30.5, 30.2 -> 27.5, 28.1 s of CPU, ABBA
+# (docs/testing.md, sixteenth round); not for its mesh fixture, which is cheap (twelfth round).
+pytestmark = one_worker(__name__)
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,21 @@ import dtenjax
 from dtenjax._src import hlo
 from dtenjax._src import jaxapi
 from tests.compile_only import USERS_PROGRAM as EMITTERS  # the program users get, compiled only
-from tests.helpers import DEFAULT_CPU_EMITTERS
+from tests.helpers import DEFAULT_CPU_EMITTERS, one_worker
 from dtenjax._src.planning import check as check_lib
 from dtenjax._src.planning import explain as explain_lib
 from dtenjax._src.planning import stepgraph
+
+# One xdist worker for the module and test_step_planner_memory_xla011.py (whose rows read the
+# same cached steps; it takes this mark): the cached steps, plans and checks (scan_step,
+# _small_family, _planned, _checked, ...) are made once per process, and with the tests spread
+# over both workers each worker made the ones its tests read. The two files in one process
+# against their two halves in two, one after the other with one compile cache: 3.7-6.9 s of CPU
+# less beyond a process's start; 13-15 s as two processes at once (docs/testing.md, sixteenth
+# round). Their 80 tests are the second largest group, handed out at the run's start like the
+# others (a simulation of xdist's loadgroup order over the last fresh clone's times: the two
+# workers end within 0.5 s either way).
+pytestmark = one_worker(__name__)
 
 
 def _adamw_step(loss, params, batch):

@@ -25,6 +25,10 @@ from tests import test_step_planner_roles as roles
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
 import _step_models as models
 
+# The memory module's xdist worker: the rows below read that module's cached steps, which its
+# tests have traced there (one group, docs/testing.md's sixteenth round).
+pytestmark = mem.pytestmark
+
 _DATA = json.loads((pathlib.Path(__file__).parent / "data" / "xla_cpu_0_11_2_memory.json")
                    .read_text(encoding="utf-8"))
 

@@ -7,6 +7,11 @@ the extension loads (the one status-to-exception map).
 If the extension is missing (for example a source checkout that was never built), dtenjax still
 imports; anything that needs a native target calls :func:`require`, which raises
 :class:`ExtensionUnavailableError` saying what is missing and how to build it.
+
+jax is imported where a function registers targets or asks for devices, not with this module:
+what the build holds (:func:`build_info`, :func:`vocabulary`) is read without it, so that the
+set-up's closing report (scripts/setup.sh) does not pay jax's import (about 1.5 s of CPU) on the
+set-up's last, single-core step.
 """
 
 from __future__ import annotations
@@ -14,8 +19,6 @@ from __future__ import annotations
 import functools
 import threading
 from typing import Any
-
-import jax
 
 from dtenjax._src import errors
 
@@ -97,6 +100,7 @@ def module():
 
 
 def _platforms_present() -> set[str]:
+  import jax
   present = set()
   for d in jax.devices() + (jax.devices("cpu") if jax.default_backend() != "cpu" else []):
     present.add("CUDA" if d.platform == "gpu" else d.platform)
@@ -110,6 +114,7 @@ def register_all() -> dict[str, set[str]]:
     if _registered:
       return _registered
     present = _platforms_present()   # also starts the backends, which FFI registration needs
+    import jax
     for target, platform, stages in mod.registrations():
       if platform not in present:
         continue
@@ -161,6 +166,7 @@ def gpu_kernels_reason(devices=None) -> str | None:
   """Why this build's CUDA kernels cannot run on the visible GPUs (each device's
   ``compute_capability`` against the build's recorded architectures); None when they can."""
   if devices is None:
+    import jax
     try:
       devices = jax.devices("gpu")
     except RuntimeError:

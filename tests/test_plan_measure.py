@@ -176,7 +176,7 @@ def test_a_candidate_over_the_budget_by_its_compile_is_never_kept(monkeypatch):
                         memory_budget=budget)
 
 
-def test_choose_keeps_the_least_memory_within_the_noise_and_the_fastest_beyond_it():
+def test_choose_keeps_the_choice_or_the_least_memory_within_the_noise_and_the_fastest_beyond():
   mib = 2**20
   a = [1.0] * 5
   # ratios to a: b 0.97..1.10, median 1.02, spread (1.06 - 1.00) / 2 = 0.03: within the noise;
@@ -189,11 +189,23 @@ def test_choose_keeps_the_least_memory_within_the_noise_and_the_fastest_beyond_i
   assert kept == "b"
   by = {r.name: r for r in records}
   assert by["b"].note.startswith("kept") and "less memory" in by["b"].note
-  assert by["a"].note == "the fastest; b is within its noise with less memory"
+  assert by["a"].note == "the fastest; b is within its noise, less memory"
   assert by["c"].note == "slower"
   assert by["d"].note == "slower"
   assert by["b"].vs_fastest == pytest.approx(1.02) and by["b"].spread == pytest.approx(0.03)
   assert by["b"].memory_bytes == 50 * mib and by["b"].seconds == pytest.approx(1.02)
+  # the model's choice, when within the noise, is kept over a candidate of less memory: the rounds
+  # could not tell them apart, and the model ranked it first
+  kept, records = measure.choose(samples, memory, 0.0, prior="a")
+  by = {r.name: r for r in records}
+  assert kept == "a" and by["a"].note == "kept: the fastest"
+  assert by["b"].note == "within the noise of a, not kept"
+  kept, records = measure.choose(samples, memory, 0.0, prior="b")
+  assert kept == "b" and {r.name: r for r in records}["b"].note == (
+      "kept: within the noise of a, the model's choice")
+  # a choice beyond the noise is not kept for being the choice: 'c' is slower
+  kept, _ = measure.choose(samples, memory, 0.0, prior="c")
+  assert kept == "b"
   # beyond the noise time decides, whatever the memory within the budget: 'x' (0.5x DP's time,
   # 1.5x its memory) is kept, not the smaller 'y' nor DP
   samples = {"x": [0.5] * 3, "y": [0.8] * 3, "DP": [1.0] * 3, "FSDP": [2.0] * 3}

@@ -199,14 +199,17 @@ def ratio_spread(xs: Sequence[float]) -> float:
 
 
 def choose(samples: Mapping[str, Sequence[float]], memory: Mapping[str, float],
-           budget: float) -> tuple[str, tuple[Measured, ...]]:
+           budget: float, prior: str | None = None) -> tuple[str, tuple[Measured, ...]]:
   """The candidate to keep, and every candidate's record (fastest first), from each one's
   seconds per round (``samples``, paired: round ``i`` of every candidate is one shuffled round)
   and compiled bytes (``memory``).
 
   Not kept: a candidate whose compile exceeds ``budget`` (0: unknown, none checked). Of the rest,
   the fastest by median time; then, among those whose median per-round ratio to it is within the
-  noise, the one of least memory. The noise is the ratio's own spread (:func:`ratio_spread`, the
+  noise, ``prior`` (the model's choice) when it is one of them, else the one of least memory.
+  Where the rounds cannot tell candidates apart the model's ranking decides: on the 16-core host
+  three such "ties" timed again were 4-11 % apart, each in the order the model predicted
+  (docs/benchmarks.md, sixteenth round). The noise is the ratio's own spread (:func:`ratio_spread`, the
   rounds' spread of this pair), never more than :data:`TIME_SLACK`, so a candidate kept for its
   memory is at most 1.05x the time of the fastest. A candidate faster beyond the noise is kept
   whatever its memory within the budget: the budget is the user's limit on memory, and time is
@@ -236,12 +239,14 @@ def choose(samples: Mapping[str, Sequence[float]], memory: Mapping[str, float],
   eligible = [k for k in samples if k not in why]
   fastest = min(eligible, key=median.get)
   tied = {k for k in eligible if within(k, fastest)}
-  kept = min(tied, key=lambda k: (memory[k], median[k], k))
+  by_prior = prior in tied and prior != fastest
+  kept = prior if prior in tied else min(tied, key=lambda k: (memory[k], median[k], k))
+  reason = "the model's choice" if by_prior else "less memory"
   for k in eligible:
     why[k] = (("kept: the fastest" if k == fastest else
-               f"kept: within the noise of {fastest}, less memory") if k == kept else
-              f"the fastest; {kept} is within its noise with less memory" if k == fastest else
-              f"within the noise of {fastest}, more memory" if k in tied else "slower")
+               f"kept: within the noise of {fastest}, {reason}") if k == kept else
+              f"the fastest; {kept} is within its noise, {reason}" if k == fastest else
+              f"within the noise of {fastest}, not kept" if k in tied else "slower")
   records = []
   for k in sorted(samples, key=median.get):
     r = ratio(k, fastest)

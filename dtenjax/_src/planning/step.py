@@ -403,7 +403,8 @@ def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, 
   ``measure.choose``) among ``chosen``, the layouts a user writes and the first
   ``measure.RUNNER_UPS`` of the model's ``runner_ups`` (cheapest first) whose layout is none of
   theirs, with every candidate's measured time and compiled memory."""
-  candidates = {"model's choice": chosen}
+  choice = "model's choice"
+  candidates = {choice: chosen}
   n = len(chosen.device_ids)
   if kwargs["mesh"] is None:
     island = min((len(i) for i in kwargs["topology"].fast_islands()), default=1)
@@ -427,7 +428,8 @@ def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, 
       added += 1
   t0 = time.perf_counter()
   samples, memory, compile_s = measure_lib.time_plans(step, candidates, args, rounds=rounds)
-  kept, records = measure_lib.choose(samples, memory, chosen.budget_bytes)
+  kept, records = measure_lib.choose(samples, memory, chosen.budget_bytes,
+                                       prior=choice)
   out = candidates[kept]
   note = measure_lib.summary(records, kept, compile_s, time.perf_counter() - t0)
   return dataclasses.replace(out, measured=records, notes=out.notes + (note,))

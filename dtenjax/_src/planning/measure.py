@@ -8,7 +8,7 @@ choice, at most :data:`RUNNER_UPS` of them) and every layout a user writes that 
 budget (:func:`user_layouts`: DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP;
 :func:`may_fit`), reads each compile's memory (:func:`compile_plan`), runs each on the devices
 it plans for and keeps one by :func:`choose`: the fastest whose compiled memory fits the budget,
-or among those timed within the noise of it the one of least memory. Each candidate is
+or, among those timed within the noise of it, the model's choice, else the one of least memory. Each candidate is
 timed on its own arrays (made on the devices in the candidate's layout at the start of each of
 its turns, so no device holds a copy of the whole state and one candidate's arrays are alive at
 a time) by :func:`time_calls`, the routine bench/step_planner.py's wins part times the user's
@@ -50,8 +50,8 @@ RUNNER_UPS = 3
 TIME_SLACK = 0.05
 # The memory model's largest miss against XLA:CPU's compile on the planner's rows (14.2 % low,
 # docs/benchmarks.md, "The fourth slot as an upper bound"): a user layout priced up to this much
-# over the budget may compile within it, so measure=True compiles it to see (the issue: a budget
-# that plain FSDP fits is never refused).
+# over the budget may compile within it, so measure=True compiles it to see: a budget that plain
+# FSDP fits by its compile is never refused.
 MODEL_MEMORY_ERROR = 0.15
 
 
@@ -209,9 +209,9 @@ def choose(samples: Mapping[str, Sequence[float]], memory: Mapping[str, float],
   noise, ``prior`` (the model's choice) when it is one of them, else the one of least memory.
   Where the rounds cannot tell candidates apart the model's ranking decides: on the 16-core host
   three such "ties" timed again were 4-11 % apart, each in the order the model predicted
-  (docs/benchmarks.md, sixteenth round). The noise is the ratio's own spread (:func:`ratio_spread`, the
-  rounds' spread of this pair), never more than :data:`TIME_SLACK`, so a candidate kept for its
-  memory is at most 1.05x the time of the fastest. A candidate faster beyond the noise is kept
+  (docs/benchmarks.md, sixteenth round). The noise is the ratio's own spread
+  (:func:`ratio_spread`, the rounds' spread of this pair), never more than :data:`TIME_SLACK`, so
+  a candidate kept within the noise is at most 1.05x the time of the fastest. A candidate faster beyond the noise is kept
   whatever its memory within the budget: the budget is the user's limit on memory, and time is
   the objective under it. Raises PlacementError when every candidate compiles over the budget."""
   mib = 2**20

@@ -180,11 +180,11 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
       other mesh priced within ``measure.RUNNER_UP_MARGIN`` of it, at most
       ``measure.RUNNER_UPS``) and every layout a user writes that may fit (``measure.may_fit``;
       ``measure.user_layouts``: DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP;
-      the recipes on ``mesh`` when one is given), run each on the devices planned for (on random arrays when ``args``
-      are abstract) in shuffled rounds, and keep the fastest whose compiled memory fits the
-      budget and is at most 1.10x the fastest user layout's, or of those within the timing's
-      noise of it the one of least memory (``measure.choose``): the objective is then the
-      measured step. Costs one compilation and a few steps per candidate; the plan's
+      the recipes on ``mesh`` when one is given), run each on the devices planned for (on
+      random arrays when ``args`` are abstract) in shuffled rounds, and keep the fastest whose
+      compiled memory fits the budget, or, of those within the timing's noise of it, the
+      model's choice, else the one of least memory (``measure.choose``): the objective is then
+      the measured step. Costs one compilation and a few steps per candidate; the plan's
       ``measured`` field and report give every candidate's time and compiled memory.
 
   Raises PlacementError when no layout fits the budget, naming the smallest shortfall."""

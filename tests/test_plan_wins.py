@@ -398,3 +398,17 @@ def test_the_wins_bench_plans_under_each_layouts_budget_and_names_a_refusal(cpu_
       "f: at DP's budget (11.0 MiB): data8 (the program of DP), 1.02x DP's time, memory 1.00x")
   assert step_planner.budget_note("f", "FSDP", rows).endswith(why)
   assert "not planned" in step_planner.budget_note("f", "HSDP", rows)
+
+
+def test_a_budget_plan_is_judged_against_the_fastest_layout_that_fits_its_budget():
+  """bench/step_planner.py's clause column: under a budget DP does not fit, the plan is compared
+  with the fastest hand-written layout that compiles within it, not with DP."""
+  sys.path.insert(0, str(ROOT / "bench"))
+  import step_planner
+  times = {"DP": 1.0, "FSDP": 1.4, "FSDP x TP": 1.2, "HSDP": 1.3}
+  memory = {"DP": 120.0, "FSDP": 60.0, "FSDP x TP": 80.0, "HSDP": 70.0}
+  assert step_planner.reference_layout(times, memory, None) == "DP"
+  assert step_planner.reference_layout(times, memory, 1.10 * 80.0) == "FSDP x TP"
+  assert step_planner.reference_layout(times, memory, 1.10 * 70.0) == "HSDP"
+  assert step_planner.reference_layout(times, memory, 1.10 * 120.0) == "DP"
+  assert step_planner.reference_layout(times, memory, 10.0) == "DP"     # none fits: the fastest

@@ -266,6 +266,8 @@ def _combined_bwd(spec: _Spec, _, cts):
 _all_reduce_combined.defvjp(_combined_fwd, _combined_bwd)
 
 
+# --- the public all-reduce: a pytree, its buckets, vmap lanes -------------------------------------
+
 def all_reduce(x, axis_name: AxisName, *, op: str = "sum", algorithm: str = "auto",
                deterministic: bool = True, reproducible: bool | str = False,
                local_axis: int | None = None, bucket_bytes: int | None = None,

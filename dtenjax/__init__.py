@@ -19,11 +19,11 @@ if TYPE_CHECKING:   # the same names as _EXPORTS (tests/test_api.py keeps the tw
   from dtenjax import compression as compression
   from dtenjax import elastic as elastic
   from dtenjax import testing as testing
-  from dtenjax._src.collectives.api import AlgorithmChoice as AlgorithmChoice
-  from dtenjax._src.collectives.api import all_gather as all_gather
-  from dtenjax._src.collectives.api import all_reduce as all_reduce
-  from dtenjax._src.collectives.api import plan_all_reduce as plan_all_reduce
-  from dtenjax._src.collectives.api import reduce_scatter as reduce_scatter
+  from dtenjax._src.collectives.all_gather import all_gather as all_gather
+  from dtenjax._src.collectives.all_reduce import all_reduce as all_reduce
+  from dtenjax._src.collectives.plan_all_reduce import AlgorithmChoice as AlgorithmChoice
+  from dtenjax._src.collectives.plan_all_reduce import plan_all_reduce as plan_all_reduce
+  from dtenjax._src.collectives.reduce_scatter import reduce_scatter as reduce_scatter
   from dtenjax._src.errors import CheckpointError as CheckpointError
   from dtenjax._src.errors import CollectiveError as CollectiveError
   from dtenjax._src.errors import CollectiveTimeoutError as CollectiveTimeoutError
@@ -90,11 +90,11 @@ _EXPORTS = {
     "compression": "dtenjax.compression",
     "elastic": "dtenjax.elastic",
     "testing": "dtenjax.testing",
-    "AlgorithmChoice": "dtenjax._src.collectives.api:AlgorithmChoice",
-    "all_gather": "dtenjax._src.collectives.api:all_gather",
-    "all_reduce": "dtenjax._src.collectives.api:all_reduce",
-    "plan_all_reduce": "dtenjax._src.collectives.api:plan_all_reduce",
-    "reduce_scatter": "dtenjax._src.collectives.api:reduce_scatter",
+    "AlgorithmChoice": "dtenjax._src.collectives.plan_all_reduce:AlgorithmChoice",
+    "all_gather": "dtenjax._src.collectives.all_gather:all_gather",
+    "all_reduce": "dtenjax._src.collectives.all_reduce:all_reduce",
+    "plan_all_reduce": "dtenjax._src.collectives.plan_all_reduce:plan_all_reduce",
+    "reduce_scatter": "dtenjax._src.collectives.reduce_scatter:reduce_scatter",
     "CheckpointError": "dtenjax._src.errors:CheckpointError",
     "CollectiveError": "dtenjax._src.errors:CollectiveError",
     "CollectiveTimeoutError": "dtenjax._src.errors:CollectiveTimeoutError",

@@ -23,9 +23,10 @@ LISTS = (
     ("docs/collectives.md", r"`algorithm=` accepts `\"auto\"`, a family \(", r": the first record",
      FAMILIES),
     ("docs/collectives.md", r"\| record \| family \|", r"\n\n", RECORDS),
-    ("dtenjax/_src/collectives/api.py", r"algorithm: \"auto\" \(cost model", r"-- or a registry",
-     FAMILIES),
-    ("dtenjax/_src/collectives/api.py", r"  Algorithms: \"ring\"", r"\"auto\"\.", REDUCE_SCATTER),
+    ("dtenjax/_src/collectives/all_reduce.py", r"algorithm: \"auto\" \(cost model",
+     r"-- or a registry", FAMILIES),
+    ("dtenjax/_src/collectives/reduce_scatter.py", r"  Algorithms: \"ring\"", r"\"auto\"\.",
+     REDUCE_SCATTER),
 )
 # Lines that name several algorithms without claiming to name them all, and why.
 SUBSETS = {

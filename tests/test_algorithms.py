@@ -15,17 +15,20 @@ from jax.sharding import Mesh
 
 from dtenjax._src import errors
 from dtenjax._src import jaxapi
-from dtenjax._src.collectives import api as C
+from dtenjax._src.collectives import common
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import host
 from dtenjax._src.collectives.algorithms import nvlink
 from dtenjax._src.collectives.algorithms import registry
 from dtenjax._src.collectives.algorithms import xla
+from dtenjax._src.collectives.all_reduce import all_reduce
+from dtenjax._src.collectives.plan_all_reduce import plan_all_reduce
 from dtenjax._src.contract import Contract
 from dtenjax._src.gpu import p2p
 from dtenjax._src.net import hostcoll
 from dtenjax._src.pricing import algorithms as price_records
 from dtenjax._src.pricing import costmodel
+from dtenjax._src.topology.model import Topology
 from tests import helpers
 
 ALGOS = ("xla", "ring", "one_shot", "two_shot", "hierarchical")
@@ -48,7 +51,7 @@ _fold = helpers.fold
 def all_algos(mesh):
   """One compiled program: every algorithm x op on the per-device row, stacked."""
   def body(x):
-    outs = [C.all_reduce(x[0], AX, op=op, algorithm=a)
+    outs = [all_reduce(x[0], AX, op=op, algorithm=a)
             for a in ALGOS for op in ("sum", "mean", "max", "min")]
     return jnp.stack(outs)[None]
   return _smap(mesh, body)
@@ -84,14 +87,14 @@ def test_reduction_orders_are_the_documented_ones(all_algos):
 
 def test_mean_is_the_fold_divided_once(mesh):
   x = _wide((8, 4000), 11)
-  y = np.asarray(_smap(mesh, lambda v: C.all_reduce(v, AX, op="mean", algorithm="one_shot"))(
+  y = np.asarray(_smap(mesh, lambda v: all_reduce(v, AX, op="mean", algorithm="one_shot"))(
       x.reshape(-1)))[:4000]
   np.testing.assert_array_equal(y, _fold(list(x)) / np.float32(8))   # IEEE division, not * 1/8
 
 
 def test_bf16_sums_accumulate_in_f32_and_round_once(mesh):
   x = _wide((8, 64), 5).astype(jnp.bfloat16)
-  f = _smap(mesh, lambda v: jnp.stack([C.all_reduce(v[0], AX, algorithm=a)
+  f = _smap(mesh, lambda v: jnp.stack([all_reduce(v[0], AX, algorithm=a)
                                        for a in ("one_shot", "two_shot", "xla")])[None])
   y = np.asarray(f(x)).astype(np.float32)[0]
   xf = np.asarray(x, np.float32)
@@ -142,7 +145,7 @@ def test_cpu_collective_semantics_dtenjax_corrects():
 
 def test_xla_record_uses_psum_where_the_order_is_fixed(mesh):
   x = jnp.asarray(_wide((8, 24), 2).reshape(-1))
-  hlo = _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="xla")).lower(x).compile().as_text()
+  hlo = _smap(mesh, lambda v: all_reduce(v, AX, algorithm="xla")).lower(x).compile().as_text()
   assert "all-reduce" in hlo and "all-gather" not in hlo
   call = base.Call("all_reduce", "sum", jnp.float32, AX, (2, 4), 96, backend="gpu")
   with _env(NCCL_NVLS_ENABLE=None):
@@ -188,8 +191,8 @@ def test_max_min_propagate_nan_with_every_algorithm(mesh, algorithm, dtype):
   x[:, 2] = np.nan                        # all NaN
   x[:, 3] = [-0.0, 0.0] * 4               # signed zeros
   x[:, 4] = -np.arange(8)                 # no NaN
-  f = _smap(mesh, lambda v: jnp.stack([C.all_reduce(v[0], AX, op="max", algorithm=algorithm),
-                                       C.all_reduce(v[0], AX, op="min", algorithm=algorithm)])[None])
+  f = _smap(mesh, lambda v: jnp.stack([all_reduce(v[0], AX, op="max", algorithm=algorithm),
+                                       all_reduce(v[0], AX, op="min", algorithm=algorithm)])[None])
   y = np.asarray(f(jnp.asarray(x, dtype)).astype(jnp.float32))
   mx, mn = y[0, 0], y[0, 1]
   assert np.isnan(mx[:3]).all() and np.isnan(mn[:3]).all()
@@ -201,7 +204,7 @@ def test_max_min_propagate_nan_with_every_algorithm(mesh, algorithm, dtype):
 def test_max_min_bits_are_the_same_for_every_algorithm(mesh):
   x = _wide((8, 40), 9)
   x[2, :5] = np.nan
-  f = _smap(mesh, lambda v: jnp.stack([C.all_reduce(v[0], AX, op=op, algorithm=a)
+  f = _smap(mesh, lambda v: jnp.stack([all_reduce(v[0], AX, op=op, algorithm=a)
                                        for a in ALGOS for op in ("max", "min")])[None])
   y = np.asarray(f(x)).view(np.uint32)[0]
   np.testing.assert_array_equal(y[0::2], np.broadcast_to(y[0], y[0::2].shape))
@@ -212,9 +215,9 @@ def test_max_min_bits_are_the_same_for_every_algorithm(mesh):
 def test_complex_sum_is_two_float_folds(mesh, algorithm):
   re, im = _wide((8, 16), 31), _wide((8, 16), 32)
   z = (re + 1j * im).astype(np.complex64)
-  y = np.asarray(_smap(mesh, lambda v: C.all_reduce(v[0], AX, algorithm=algorithm)[None])(z))[0]
-  ry = np.asarray(_smap(mesh, lambda v: C.all_reduce(v[0], AX, algorithm=algorithm)[None])(re))[0]
-  iy = np.asarray(_smap(mesh, lambda v: C.all_reduce(v[0], AX, algorithm=algorithm)[None])(im))[0]
+  y = np.asarray(_smap(mesh, lambda v: all_reduce(v[0], AX, algorithm=algorithm)[None])(z))[0]
+  ry = np.asarray(_smap(mesh, lambda v: all_reduce(v[0], AX, algorithm=algorithm)[None])(re))[0]
+  iy = np.asarray(_smap(mesh, lambda v: all_reduce(v[0], AX, algorithm=algorithm)[None])(im))[0]
   np.testing.assert_array_equal(y.real, ry)        # each part summed in the algorithm's order
   np.testing.assert_array_equal(y.imag, iy)
 
@@ -222,9 +225,9 @@ def test_complex_sum_is_two_float_folds(mesh, algorithm):
 def test_complex_max_and_reproducible_are_rejected(mesh):
   z = jnp.ones((8, 4), jnp.complex64)
   with pytest.raises(errors.CollectiveError, match=r"op='max' on complex64 has no order"):
-    _smap(mesh, lambda v: C.all_reduce(v, AX, op="max"))(z)
+    _smap(mesh, lambda v: all_reduce(v, AX, op="max"))(z)
   with pytest.raises(errors.CollectiveError, match=r"float32 and bfloat16, got complex64"):
-    _smap(mesh, lambda v: C.all_reduce(v, AX, reproducible=True))(z)
+    _smap(mesh, lambda v: all_reduce(v, AX, reproducible=True))(z)
 
 
 # --- the registry: auto ranks only what supports the call ---------------------------------------
@@ -238,7 +241,7 @@ def _call(**kw):
 
 def test_auto_on_cpu_uses_xla_psum_from_8_kib_to_4_mib():
   for nbytes in (8 << 10, 64 << 10, 1 << 20, 4 << 20):
-    ch = C.plan_all_reduce(nbytes, list(range(8)), axis_sizes=(2, 4))
+    ch = plan_all_reduce(nbytes, list(range(8)), axis_sizes=(2, 4))
     assert ch.algorithm == "xla", ch.reason
     assert {"xla", "one_shot", "two_shot", "ring", "hierarchical"} <= set(ch.times)
     assert not {"nvlink_one_shot", "nvlink_two_shot", "host_ring", "host_hierarchical"} & set(
@@ -258,7 +261,7 @@ def test_auto_compiles_to_the_same_program_as_psum_on_cpu(mesh, nbytes):
   the fixed rank-order fold, tested above)."""
   x = jnp.zeros((8 * nbytes // 4,), jnp.float32)
   psum = _smap(mesh, lambda v: lax.psum(v, AX) * 0.5).lower(x).compile().as_text()
-  auto = _smap(mesh, lambda v: C.all_reduce(v, AX) * 0.5).lower(x).compile().as_text()
+  auto = _smap(mesh, lambda v: all_reduce(v, AX) * 0.5).lower(x).compile().as_text()
   assert _entry(auto) == _entry(psum)
 
 
@@ -277,25 +280,25 @@ def test_every_record_is_reachable_and_documents_its_order():
 
 
 def test_choose_lists_why_records_are_not_eligible():
-  ch = registry.choose(_call(), list(range(8)), C.Topology.current())
+  ch = registry.choose(_call(), list(range(8)), Topology.current())
   assert "nvlink_one_shot: the NVLink kernels run on GPUs" in ch.reason
   assert "host_ring: the axes do not span processes" in ch.reason
   assert "nvlink_one_shot" not in ch.times and "host_ring" not in ch.times
 
 
 def test_xla_without_a_fixed_order_stands_in_with_the_one_shot_fold(mesh, monkeypatch):
-  real_context = C._context
-  monkeypatch.setattr(C, "_context", lambda axes: real_context(axes)._replace(backend="gpu"))
+  real_context = common.context
+  monkeypatch.setattr(common, "context", lambda axes: real_context(axes)._replace(backend="gpu"))
   monkeypatch.setattr(nvlink, "p2p", FakeP2P())
   x = _wide((8, 16), 4)
   with _env(NCCL_NVLS_ENABLE=None):
-    f = _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="xla"))
+    f = _smap(mesh, lambda v: all_reduce(v, AX, algorithm="xla"))
     hlo = f.lower(x.reshape(-1)).compile().as_text()
     y = np.asarray(f(x.reshape(-1)))[:16]
   assert "all-gather" in hlo and " all-reduce(" not in hlo
   np.testing.assert_array_equal(y, _fold(list(x)))           # one_shot's order
   with _env(NCCL_NVLS_ENABLE="0"):
-    hlo = _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="xla")).lower(
+    hlo = _smap(mesh, lambda v: all_reduce(v, AX, algorithm="xla")).lower(
         x.reshape(-1)).compile().as_text()
   assert "all-reduce" in hlo
 
@@ -303,9 +306,9 @@ def test_xla_without_a_fixed_order_stands_in_with_the_one_shot_fold(mesh, monkey
 def test_unsupported_explicit_record_names_the_reason_and_the_fix(mesh):
   with pytest.raises(errors.CollectiveError,
                      match=r"'nvlink_one_shot' cannot run.*run on GPUs.*'one_shot' or 'auto'"):
-    _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="nvlink_one_shot"))(jnp.ones(8))
+    _smap(mesh, lambda v: all_reduce(v, AX, algorithm="nvlink_one_shot"))(jnp.ones(8))
   with pytest.raises(errors.CollectiveError, match=r"'host_ring' cannot run.*do not span"):
-    _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="host_ring"))(jnp.ones(8))
+    _smap(mesh, lambda v: all_reduce(v, AX, algorithm="host_ring"))(jnp.ones(8))
 
 
 # --- the NVLink kernels, through a fake that enforces gpu/p2p.py's contract ---------------------
@@ -369,11 +372,11 @@ def fake_gpu(monkeypatch):
   fake = FakeP2P()
   monkeypatch.setattr(nvlink, "p2p", fake)          # the kernels' dispatch
   monkeypatch.setattr(price_records, "p2p", fake)   # their price records' gate (supports)
-  real_context = C._context
+  real_context = common.context
 
   def on_gpu(axes):
     return real_context(axes)._replace(backend="gpu")
-  monkeypatch.setattr(C, "_context", on_gpu)
+  monkeypatch.setattr(common, "context", on_gpu)
   return fake
 
 
@@ -402,7 +405,7 @@ def test_gpu_one_shot_and_two_shot_dispatch_to_p2p_with_the_contract_fallback(me
   x = _wide((4, 32), 41)
   for alg in ("one_shot", "two_shot"):
     for op in ("sum", "mean", "max"):
-      y = np.asarray(_smap(mesh, lambda v: C.all_reduce(v, "i", op=op, algorithm=alg),
+      y = np.asarray(_smap(mesh, lambda v: all_reduce(v, "i", op=op, algorithm=alg),
                            "i")(x.reshape(-1)))[:32]
       assert fake_gpu.calls == [("i", alg, op, False, "float32")]
       fake_gpu.calls.clear()
@@ -415,7 +418,7 @@ def test_gpu_one_shot_and_two_shot_dispatch_to_p2p_with_the_contract_fallback(me
 def test_gpu_records_refuse_what_p2p_cannot_run(mesh, fake_gpu):
   # two axes, an int dtype: the kernels are not eligible, the XLA-native family member runs
   x = jnp.arange(8 * 4, dtype=jnp.int32)
-  y = _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="one_shot"))(x)
+  y = _smap(mesh, lambda v: all_reduce(v, AX, algorithm="one_shot"))(x)
   assert fake_gpu.calls == [] and int(y[0]) == sum(range(0, 32, 4))
   call = _call(backend="gpu", dtype=jnp.int32)
   assert "int32" in nvlink.ONE_SHOT.why_not(call)
@@ -435,14 +438,14 @@ def test_auto_never_picks_a_record_that_rejects_the_call(fake_gpu, monkeypatch):
   def no_mean(**kw):
     return p2p.Verdict(False, "op 'mean' is not supported") if kw["op"] == "mean" else real(**kw)
   monkeypatch.setattr(fake_gpu, "gate", no_mean)
-  dgx = C.Topology.fixture("dgx_a100_8")
-  monkeypatch.setattr(C.Topology, "current", classmethod(lambda cls: dgx))
+  dgx = Topology.fixture("dgx_a100_8")
+  monkeypatch.setattr(Topology, "current", classmethod(lambda cls: dgx))
   x = _wide((4, 64), 3).reshape(-1)
   m4 = Mesh(np.array(jax.devices("cpu")[:4]), ("i",))
   for op, kernel in (("sum", True), ("mean", False)):
-    ch = C.plan_all_reduce(8 << 10, [0, 1, 2, 3], dgx, op=op, dtype=jnp.float32, backend="gpu")
+    ch = plan_all_reduce(8 << 10, [0, 1, 2, 3], dgx, op=op, dtype=jnp.float32, backend="gpu")
     assert ch.algorithm.startswith("nvlink_") == kernel, ch.reason
-    y = np.asarray(_smap(m4, lambda v, op=op: C.all_reduce(v, "i", op=op), "i")(x))
+    y = np.asarray(_smap(m4, lambda v, op=op: all_reduce(v, "i", op=op), "i")(x))
     assert (fake_gpu.calls != []) == kernel, fake_gpu.calls
     fake_gpu.calls.clear()
     want = x.reshape(4, 64).sum(0) if op == "sum" else x.reshape(4, 64).mean(0)
@@ -454,10 +457,10 @@ def test_gpu_reproducible_goes_to_the_fused_kernel_and_falls_back_to_the_same_bi
                                                                                    fake_gpu):
   x = _wide((4, 64), 6).reshape(-1)
   m4 = Mesh(np.array(jax.devices("cpu")[:4]), ("i",))
-  y = np.asarray(_smap(m4, lambda v: C.all_reduce(v, "i", algorithm="nvlink_two_shot",
-                                                  reproducible=True), "i")(x))
+  y = np.asarray(_smap(m4, lambda v: all_reduce(v, "i", algorithm="nvlink_two_shot",
+                                                reproducible=True), "i")(x))
   assert fake_gpu.calls == [("i", "two_shot", "sum", "v3", "float32")]   # the call's contract
-  want = np.asarray(_smap(m4, lambda v: C.all_reduce(v, "i", reproducible=True), "i")(x))
+  want = np.asarray(_smap(m4, lambda v: all_reduce(v, "i", reproducible=True), "i")(x))
   np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
 
 
@@ -502,13 +505,13 @@ def fake_processes(monkeypatch):
   """Pretends the mesh spans 2 processes (4 devices each) and installs the fake transport."""
   fake = FakeHostColl()
   monkeypatch.setattr(host, "hostcoll", fake)
-  real_context = C._context
+  real_context = common.context
   state = {"reaches": True}
 
   def two_processes(axes):
     return real_context(axes)._replace(processes=2,
                                        xla_reaches_processes=state["reaches"])
-  monkeypatch.setattr(C, "_context", two_processes)
+  monkeypatch.setattr(common, "context", two_processes)
   fake.state = state
   return fake
 
@@ -516,8 +519,8 @@ def fake_processes(monkeypatch):
 def test_explicit_ring_across_processes_uses_the_host_transport(mesh, fake_processes):
   x = jnp.asarray(_wide((8, 16), 8).reshape(-1))
   with pytest.raises(errors.CollectiveError, match=r"host_ring needs one device per process"):
-    _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="host_ring"))(x)
-  y = _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="hierarchical"))(x)
+    _smap(mesh, lambda v: all_reduce(v, AX, algorithm="host_ring"))(x)
+  y = _smap(mesh, lambda v: all_reduce(v, AX, algorithm="hierarchical"))(x)
   assert fake_processes.calls == [(AX, "hierarchical", "sum", "float32")]
   np.testing.assert_allclose(np.asarray(y)[:16], np.asarray(x).reshape(8, 16).sum(0),
                              rtol=1e-5, atol=1e-5)
@@ -526,17 +529,17 @@ def test_explicit_ring_across_processes_uses_the_host_transport(mesh, fake_proce
 def test_auto_keeps_arrays_off_the_host_transport_when_xla_reaches_the_processes(
     mesh, fake_processes):
   x = jnp.asarray(_wide((8, 16), 8).reshape(-1))
-  hlo = _smap(mesh, lambda v: C.all_reduce(v, AX)).lower(x).as_text()
+  hlo = _smap(mesh, lambda v: all_reduce(v, AX)).lower(x).as_text()
   assert fake_processes.calls == [] and "dtenjax_host_all_reduce" not in hlo
   fake_processes.state["reaches"] = False           # e.g. no cross-process CPU collectives
-  _smap(mesh, lambda v: C.all_reduce(v, AX, op="max")).lower(x)
+  _smap(mesh, lambda v: all_reduce(v, AX, op="max")).lower(x)
   assert fake_processes.calls == [(AX, "hierarchical", "max", "int32")]   # order keys
 
 
 def test_host_reproducible_exchanges_codes_and_words(mesh, fake_processes):
   x = jnp.asarray(_wide((8, 16), 12).reshape(-1))
-  y = _smap(mesh, lambda v: C.all_reduce(v, AX, algorithm="hierarchical",
-                                         reproducible=True))(x)
+  y = _smap(mesh, lambda v: all_reduce(v, AX, algorithm="hierarchical",
+                                       reproducible=True))(x)
   assert [c[2:] for c in fake_processes.calls] == [("max", "int32"), ("sum", "int32")]
-  want = _smap(mesh, lambda v: C.all_reduce(v, AX, reproducible=True))(x)
+  want = _smap(mesh, lambda v: all_reduce(v, AX, reproducible=True))(x)
   np.testing.assert_array_equal(np.asarray(y).view(np.uint32), np.asarray(want).view(np.uint32))

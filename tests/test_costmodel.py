@@ -18,9 +18,10 @@ from jax.sharding import Mesh, PartitionSpec
 from dtenjax._src import contract
 from dtenjax._src import errors
 from dtenjax._src import hlo
-from dtenjax._src.collectives import api as C
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import registry
+from dtenjax._src.collectives.all_reduce import all_reduce
+from dtenjax._src.collectives.reduce_scatter import reduce_scatter
 from dtenjax._src.pricing import costmodel as cm
 from dtenjax._src.topology.model import LinkSpec, Topology
 # the programs' collectives are read, never run: LLVM unoptimised (tests/compile_only.py)
@@ -93,9 +94,9 @@ def _program(name, kind, reproducible, mesh):
   if reproducible == "exact":   # contract v2, two int32 words per value
     reproducible = "v2"
   if kind == "all_reduce":
-    f = lambda v: C.all_reduce(v, AX, algorithm=name, reproducible=reproducible)
+    f = lambda v: all_reduce(v, AX, algorithm=name, reproducible=reproducible)
   else:
-    f = lambda v: C.reduce_scatter(v, AX, algorithm=name, tiled=True, reproducible=reproducible)
+    f = lambda v: reduce_scatter(v, AX, algorithm=name, tiled=True, reproducible=reproducible)
   step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=PartitionSpec(AX),
                                out_specs=PartitionSpec(AX)))
   return hlo.read_compiled(step.lower(jax.ShapeDtypeStruct((8 * E,), jnp.float32))
@@ -194,7 +195,7 @@ def test_one_shot_across_hosts_pays_one_latency_per_peer_and_the_gathered_bytes(
     group = [h * 8 for h in range(g)]
     assert _d("all_reduce", _cost("one_shot"), group, ROCE, "roce", "latency") == \
         pytest.approx(g - 1)
-    module = _compiled(cpu_devices, lambda v: C.all_reduce(v, "x", algorithm="one_shot"),
+    module = _compiled(cpu_devices, lambda v: all_reduce(v, "x", algorithm="one_shot"),
                        (g * (N // 4),), (g,), ("x",))
     received = sum(_received(c) for c in module.collectives())
     assert received == pytest.approx((g - 1) * N)          # the program: n - 1 peers' buffers
@@ -206,7 +207,7 @@ def test_hierarchical_sends_over_each_link_what_its_program_does(cpu_devices):
   """hierarchical over two hosts: the in-host stages' bytes go over NVLink, the cross-host
   stage's over RoCE, each as many as the compiled program's collectives inside and across the
   hosts receive."""
-  module = _compiled(cpu_devices, lambda v: C.all_reduce(v, AX, algorithm="hierarchical"),
+  module = _compiled(cpu_devices, lambda v: all_reduce(v, AX, algorithm="hierarchical"),
                      (8 * (N // 4),))
   across, inside = _split_by_host(module)
   assert across > 0 and inside > 0

@@ -5,6 +5,7 @@ the launcher's argument checks."""
 import os
 import threading
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -26,7 +27,8 @@ def test_a_silent_peer_is_named_within_the_timeout_plus_ten_percent():
   got = threading.Event()
   dogs = [dtenjax.elastic.Watchdog(r, 3, (lambda e: (lost.append((time.monotonic(), e)),
                                                     got.set())) if r == 0 else (lambda e: None),
-                                   client=client, interval_s=0.05, timeout_s=1.0).start()
+                                   store=kvstore.KVStore(client), interval_s=0.05,
+                                   timeout_s=1.0).start()
           for r in range(3)]
   time.sleep(1.5)                       # longer than the timeout: everyone alive, nobody lost
   assert not lost
@@ -49,8 +51,8 @@ def test_a_store_that_errs_is_the_loss_of_rank_0():
     def key_value_dir_get(self, key):
       raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
   errs = []
-  dog = dtenjax.elastic.Watchdog(1, 2, errs.append, client=Broken(), interval_s=0.05,
-                                 timeout_s=1.0).start()
+  dog = dtenjax.elastic.Watchdog(1, 2, errs.append, store=kvstore.KVStore(Broken()),
+                                 interval_s=0.05, timeout_s=1.0).start()
   deadline = time.monotonic() + 5
   while not errs and time.monotonic() < deadline:
     time.sleep(0.02)
@@ -62,8 +64,73 @@ def test_a_store_that_errs_is_the_loss_of_rank_0():
 
 def test_watchdog_arguments_are_checked():
   with pytest.raises(dtenjax.ConfigurationError) as e:
-    dtenjax.elastic.Watchdog(3, 2, print, client=None, interval_s=1, timeout_s=0.5)
+    dtenjax.elastic.Watchdog(3, 2, print, interval_s=1, timeout_s=0.5)
   assert "rank=3" in str(e.value) and "interval_s=1" in str(e.value)
+
+
+# --- store= (a KVStore) and the deprecated client= ------------------------------------------------
+
+def _make(kind, tmp_path, **kw):
+  if kind == "Watchdog":
+    return dtenjax.elastic.Watchdog(0, 2, print, interval_s=0.05, timeout_s=1.0, **kw)
+  return dtenjax.elastic.MemoryTier(str(tmp_path / "mem"), 0, 2, timeout_s=1.0, **kw)
+
+
+@pytest.mark.parametrize("kind", ["Watchdog", "MemoryTier"])
+def test_store_takes_a_kvstore_without_a_warning(kind, tmp_path):
+  store = kvstore.KVStore(kvstore.InMemoryClient())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    obj = _make(kind, tmp_path, store=store)
+  assert obj.store is store
+
+
+@pytest.mark.parametrize("kind", ["Watchdog", "MemoryTier"])
+def test_client_still_works_for_a_release_and_warns_at_the_callers_line(kind, tmp_path):
+  client = kvstore.InMemoryClient()
+  with pytest.warns(DeprecationWarning, match=rf"{kind}\(client=...\) is deprecated.*"
+                                              r"store=KVStore\(client\)") as rec:
+    obj = _make(kind, tmp_path, client=client)
+  assert [w.filename for w in rec] == [__file__]      # the line that passed client=
+  assert isinstance(obj.store, kvstore.KVStore) and obj.store.client is client
+
+
+def test_a_watchdog_given_a_client_beats_through_it():
+  client = kvstore.InMemoryClient()
+  with pytest.warns(DeprecationWarning):
+    dog = dtenjax.elastic.Watchdog(0, 2, print, client=client, interval_s=0.05, timeout_s=1.0)
+  dog.step = 3
+  dog.start()
+  deadline = time.monotonic() + 5
+  while not client.key_value_dir_get("dtenjax/elastic/hb") and time.monotonic() < deadline:
+    time.sleep(0.02)
+  dog.stop()
+  [(key, value)] = client.key_value_dir_get("dtenjax/elastic/hb")
+  assert key == "dtenjax/elastic/hb/0" and value.endswith(":3")
+
+
+def test_a_memory_tier_given_a_client_moves_its_replica_through_it(tmp_path):
+  client = kvstore.InMemoryClient()
+  root = str(tmp_path / "mem")
+  with pytest.warns(DeprecationWarning):
+    tiers = [memory.MemoryTier(root, r, 2, client=client, timeout_s=10) for r in range(2)]
+  for r, t in enumerate(tiers):
+    t.snapshot(5, {"x": np.full(4, r, np.int32), "n": 5})
+  for t in tiers:
+    t.wait()
+  assert sorted(os.listdir(memory.holder(root, 1))) == ["own.1.5", "replica.0.5"]
+
+
+@pytest.mark.parametrize("kind", ["Watchdog", "MemoryTier"])
+def test_store_and_client_together_or_a_raw_client_as_store_are_refused(kind, tmp_path):
+  client = kvstore.InMemoryClient()
+  with pytest.raises(dtenjax.ConfigurationError,
+                     match=rf"{kind}: got both store=.* and client=.*; pass store= only"):
+    _make(kind, tmp_path, store=kvstore.KVStore(client), client=client)
+  with pytest.raises(dtenjax.ConfigurationError,
+                     match=rf"{kind}: store=.* is of type InMemoryClient, not a KVStore; pass "
+                           r"KVStore\(client\)"):
+    _make(kind, tmp_path, store=client)
 
 
 # --- the in-memory tier -------------------------------------------------------------------------
@@ -95,7 +162,8 @@ def test_records_ring_replicas_and_restore_onto_another_mesh(tmp_path):
   mesh = jax.make_mesh((4, 2), ("a", "b"))
   client = kvstore.InMemoryClient()
   root = str(tmp_path / "mem")
-  tiers = [memory.MemoryTier(root, r, 4, client=client, timeout_s=10) for r in range(4)]
+  tiers = [memory.MemoryTier(root, r, 4, store=kvstore.KVStore(client), timeout_s=10)
+           for r in range(4)]
   for step in (2, 4, 6):
     state, ref = _state(mesh, P("a", "b"), step)
     for r, t in enumerate(tiers):

@@ -20,8 +20,10 @@ import pytest
 
 import dtenjax
 from dtenjax._src import ffi
-from dtenjax._src.collectives import api as C
+from dtenjax._src.collectives import common
+from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import nvlink
+from dtenjax._src.collectives.plan_all_reduce import plan_all_reduce
 from dtenjax._src.contract import Contract
 from dtenjax._src.gpu import p2p
 from tests.helpers import parsed
@@ -142,7 +144,7 @@ def _call(**kw):
   base_kw = dict(kind="all_reduce", op="sum", dtype=jnp.float32, axes=("x",), axis_sizes=(2,),
                  nbytes=1 << 10, backend="gpu")
   base_kw.update(kw)
-  return C.base.Call(**base_kw)
+  return base.Call(**base_kw)
 
 
 @needs_extension
@@ -161,7 +163,7 @@ def test_the_records_supports_is_the_gates_reason(deployed):
 @needs_extension
 def test_plan_all_reduce_prints_the_gates_reason(deployed):
   topo = dtenjax.Topology.fixture("dgx_a100_8")
-  choice = C.plan_all_reduce(4 << 10, list(range(8)), topo, dtype=jnp.int32, backend="gpu")
+  choice = plan_all_reduce(4 << 10, list(range(8)), topo, dtype=jnp.int32, backend="gpu")
   want = p2p.gate(world=8, dtype=jnp.int32).reason
   assert not choice.algorithm.startswith("nvlink_")
   assert f"nvlink_one_shot: {want}" in choice.reason and "int32" in want
@@ -170,9 +172,9 @@ def test_plan_all_reduce_prints_the_gates_reason(deployed):
 def test_explain_prints_the_gates_reasons(cpu_devices, monkeypatch):
   # a GPU step as the collectives see it (backend "gpu"), on this machine's CPU devices: the
   # gate refuses the NVLink records (no GPU here) and explain's table says why
-  real_context = C._context
-  monkeypatch.setattr(C, "_context", lambda axes: real_context(axes)._replace(backend="gpu"))
-  monkeypatch.setattr(C.Topology, "current",
+  real_context = common.context
+  monkeypatch.setattr(common, "context", lambda axes: real_context(axes)._replace(backend="gpu"))
+  monkeypatch.setattr(dtenjax.Topology, "current",
                       classmethod(lambda cls: dtenjax.Topology.fixture("dgx_a100_8")))
   mesh = jax.sharding.Mesh(np.array(cpu_devices[:4]), ("x",))
   f = jax.jit(jax.shard_map(lambda v: dtenjax.all_reduce(v, "x", algorithm="one_shot"),

@@ -85,10 +85,10 @@ def test_nvls_on_prices_xlas_all_reduce_as_not_deterministic(module):
   # planner prices is not XLA's; the plan says which state it assumed
   topo = dtenjax.Topology.fixture("h200_8")
   on = dataclasses_replace(topo, nvls=True)
-  from dtenjax._src.collectives import api
+  from dtenjax._src.collectives.plan_all_reduce import plan_all_reduce
   group = list(topo.device_ids)
-  assert "xla" in api.plan_all_reduce(1 << 20, group, topo).times
-  assert "xla" not in api.plan_all_reduce(1 << 20, group, on).times
+  assert "xla" in plan_all_reduce(1 << 20, group, topo).times
+  assert "xla" not in plan_all_reduce(1 << 20, group, on).times
   plan = dtenjax.plan(module.step, *module.example(), topology=on)
   assert "NVLink SHARP on" in plan.table()
 

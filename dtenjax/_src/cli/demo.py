@@ -111,7 +111,7 @@ def make_grads(mesh):
   import jax
   from jax.sharding import PartitionSpec as P
 
-  from dtenjax._src.collectives import api as collectives
+  from dtenjax._src.collectives import all_reduce as collectives
   from dtenjax._src.compression.error_feedback import pvary
 
   axes = tuple(mesh.axis_names)

@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec
 from dtenjax._src import errors
 from dtenjax._src import jaxapi
 from dtenjax._src import tables
-from dtenjax._src.collectives import api as collectives
+from dtenjax._src.collectives import all_reduce as collectives
 from dtenjax._src.compression import topk
 
 PyTree = Any

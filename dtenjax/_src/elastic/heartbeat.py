@@ -24,15 +24,22 @@ from collections.abc import Callable
 from typing import Any
 
 from dtenjax._src import errors
+from dtenjax._src.elastic import store as store_lib
 from dtenjax._src.net import kvstore
 
 
 class Watchdog:
-  """Publishes this process's heartbeat and watches everyone else's."""
+  """Publishes this process's heartbeat and watches everyone else's.
+
+  ``store``: the coordination store the beats go through (a ``KVStore``; default: this process's,
+  jax.distributed's when initialised). ``client`` (deprecated: jax's raw coordination client,
+  wrapped in a ``KVStore``) warns and goes in the next release."""
 
   def __init__(self, rank: int, world: int, on_lost: Callable[[errors.ProcessLostError], Any],
-               *, client: Any, namespace: str = "dtenjax/elastic/hb", interval_s: float = 0.1,
+               *, store: kvstore.KVStore | None = None, client: Any = None,
+               namespace: str = "dtenjax/elastic/hb", interval_s: float = 0.1,
                timeout_s: float = 10.0):
+    given = store_lib.given("Watchdog", store, client)
     problems = []
     if not 0 <= rank < world:
       problems.append(f"rank={rank!r} must be in [0, world={world!r})")
@@ -43,8 +50,7 @@ class Watchdog:
       raise errors.ConfigurationError(errors.join_problems("Watchdog cannot start:", problems))
     self.rank, self.world = rank, world
     self.on_lost = on_lost
-    self.client = client
-    self._store = kvstore.KVStore(client)
+    self.store = given if given is not None else kvstore.KVStore()
     self.namespace = namespace.rstrip("/")
     self.interval_s, self.timeout_s = float(interval_s), float(timeout_s)
     self.step = 0
@@ -79,8 +85,8 @@ class Watchdog:
     while not self._stop.is_set():
       n += 1
       try:
-        self._store.set(self.key(self.rank), f"{n}:{self.step}", overwrite=True)
-        entries = self._store.dir(self.namespace)
+        self.store.set(self.key(self.rank), f"{n}:{self.step}", overwrite=True)
+        entries = self.store.dir(self.namespace)
         now = time.monotonic()
         with self._lock:
           self._store_ok = now

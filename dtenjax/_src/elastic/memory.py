@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from dtenjax._src import errors
+from dtenjax._src.elastic import store as store_lib
 from dtenjax._src.net import kvstore
 
 CHUNK_BYTES = 1 << 20          # per key of the coordination store
@@ -167,14 +168,17 @@ def complete_steps(root: str, world: int, lost: Iterable[int] = ()) -> list[int]
 
 
 class MemoryTier:
-  """One process's side of the tier: ``snapshot(step, tree)`` every few steps, ``wait()``."""
+  """One process's side of the tier: ``snapshot(step, tree)`` every few steps, ``wait()``.
 
-  def __init__(self, root: str, rank: int, world: int, *, client: Any = None,
-               namespace: str = "dtenjax/elastic/mem", timeout_s: float = 60.0,
-               keep: int = KEEP):
+  ``store``: the coordination store the replicas move through (a ``KVStore``); without one
+  (None) each process keeps its own records only. ``client`` (deprecated: jax's raw coordination
+  client, wrapped in a ``KVStore``) warns and goes in the next release."""
+
+  def __init__(self, root: str, rank: int, world: int, *, store: kvstore.KVStore | None = None,
+               client: Any = None, namespace: str = "dtenjax/elastic/mem",
+               timeout_s: float = 60.0, keep: int = KEEP):
+    self.store = store_lib.given("MemoryTier", store, client)
     self.root, self.rank, self.world = root, rank, world
-    self.client = client
-    self._store = kvstore.KVStore(client) if client is not None else None
     self.namespace = namespace.rstrip("/")
     self.timeout_s = float(timeout_s)
     self.keep = keep
@@ -203,7 +207,7 @@ class MemoryTier:
     try:
       blob = pack(header, buffers)
       _write_atomic(os.path.join(holder(self.root, self.rank), f"own.{self.rank}.{step}"), blob)
-      store = self._store
+      store = self.store
       if self.world > 1 and store is not None:
         right, left = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         chunks = [blob[i:i + CHUNK_BYTES] for i in range(0, len(blob), CHUNK_BYTES)] or [b""]

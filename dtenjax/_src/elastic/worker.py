@@ -202,16 +202,17 @@ def init(*, heartbeat_interval_s: float | None = None) -> Context:
   event(run_dir, "initialized", rank=rank, generation=generation)
   from dtenjax._src.net import kvstore
   client = kvstore.coordination_client() if world > 1 else None
+  store = kvstore.KVStore(client) if client is not None else None
   watchdog = None
   if world > 1:
     watchdog = heartbeat.Watchdog(
-        rank, world, _lost(run_dir, rank, world, generation, timeout_s), client=client,
+        rank, world, _lost(run_dir, rank, world, generation, timeout_s), store=store,
         namespace=f"dtenjax/elastic/hb-{generation}",
         interval_s=heartbeat_interval_s or min(0.1, timeout_s / 20), timeout_s=timeout_s).start()
   every = int(_env("SNAPSHOT_EVERY", "0"))
   tier = None
   if every and _env("MEMORY"):
-    tier = memory.MemoryTier(_env("MEMORY"), rank, world, client=client,
+    tier = memory.MemoryTier(_env("MEMORY"), rank, world, store=store,
                              namespace=f"dtenjax/elastic/mem-{generation}",
                              timeout_s=max(10.0, timeout_s * 2))
   manager = None

@@ -1,4 +1,4 @@
 """jaxpr passes over users' functions: psum substitution, communication fusion, the memory plan.
 
-The top of the ``collectives`` layer: passes import ``collectives.api``, never the reverse.
+The top of the ``collectives`` layer: passes import the public collectives (``all_reduce``), never the reverse.
 """

@@ -23,7 +23,7 @@ from jax.extend import core as jex_core
 
 from dtenjax._src import contract as contract_lib
 from dtenjax._src import jaxapi
-from dtenjax._src.collectives import api as collectives
+from dtenjax._src.collectives import all_reduce as collectives
 from dtenjax._src.collectives import fixed_point
 from dtenjax._src.contract import Contract
 

@@ -21,11 +21,13 @@ from dtenjax._src.elastic.memory import complete_steps as complete_steps
 from dtenjax._src.elastic.worker import EXIT_PEER_LOST as EXIT_PEER_LOST
 from dtenjax._src.elastic.worker import Context as Context
 from dtenjax._src.elastic.worker import init as init
+from dtenjax._src.net.kvstore import KVStore as KVStore
 
 __all__ = [
     "Context",
     "EXIT_PEER_LOST",
     "Generation",
+    "KVStore",
     "LaunchResult",
     "MemoryTier",
     "Watchdog",

@@ -89,10 +89,11 @@ def test_store_takes_a_kvstore_without_a_warning(kind, tmp_path):
 def test_client_still_works_for_a_release_and_warns_at_the_callers_line(kind, tmp_path):
   client = kvstore.InMemoryClient()
   with pytest.warns(DeprecationWarning, match=rf"{kind}\(client=...\) is deprecated.*"
-                                              r"store=KVStore\(client\)") as rec:
+                                              r"store=dtenjax\.elastic\.KVStore\(client\)") as rec:
     obj = _make(kind, tmp_path, client=client)
   assert [w.filename for w in rec] == [__file__]      # the line that passed client=
   assert isinstance(obj.store, kvstore.KVStore) and obj.store.client is client
+  assert dtenjax.elastic.KVStore is kvstore.KVStore       # the replacement is public
 
 
 def test_a_watchdog_given_a_client_beats_through_it():
@@ -129,7 +130,7 @@ def test_store_and_client_together_or_a_raw_client_as_store_are_refused(kind, tm
     _make(kind, tmp_path, store=kvstore.KVStore(client), client=client)
   with pytest.raises(dtenjax.ConfigurationError,
                      match=rf"{kind}: store=.* is of type InMemoryClient, not a KVStore; pass "
-                           r"KVStore\(client\)"):
+                           r"dtenjax\.elastic\.KVStore\(client\)"):
     _make(kind, tmp_path, store=client)
 
 

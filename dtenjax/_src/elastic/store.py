@@ -24,16 +24,16 @@ def given(what: str, store: Any, client: Any) -> kvstore.KVStore | None:
   if store is not None and client is not None:
     raise errors.ConfigurationError(
         f"{what}: got both store={store!r} and client={client!r}; pass store= only (client= is "
-        "deprecated; KVStore(client) wraps a client).")
+        "deprecated; dtenjax.elastic.KVStore(client) wraps a client).")
   if client is not None:
     warnings.warn(
         f"{what}(client=...) is deprecated and will be removed in the next release: pass "
-        "store=KVStore(client) (dtenjax/_src/net/kvstore.py), the project's wrapper around jax's "
-        "coordination client.", DeprecationWarning, stacklevel=3)
+        "store=dtenjax.elastic.KVStore(client), the project's wrapper around jax's coordination "
+        "client (KVStore() is this process's own store).", DeprecationWarning, stacklevel=3)
     return kvstore.KVStore(client)
   if store is not None and not isinstance(store, kvstore.KVStore):
     raise errors.ConfigurationError(
         f"{what}: store={store!r} is of type {type(store).__name__}, not a KVStore; pass "
-        "KVStore(client) for a coordination client (dtenjax/_src/net/kvstore.py), or "
-        "kvstore.default() for this process's own store.")
+        "dtenjax.elastic.KVStore(client) for a coordination client, or "
+        "dtenjax.elastic.KVStore() for this process's own store.")
   return store

@@ -301,8 +301,9 @@ def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: d
   if m.size["tensor"] > 1:
     if vocabulary or "tensor" in used:
       return LookupGradient()
-    # a tied table's lookup part (a product's gradient too) keeps 0.10's form on 0.11
-    gathered = None if primary.index in graph.weights else sum(each) / rest
+    # a tied table's lookup part (a product's gradient too), and any table where another batch
+    # axis splits the tokens, keep 0.10's form on 0.11 (:func:`_scattered_in_pieces`)
+    gathered = None if primary.index in graph.weights or rest > 1 else sum(each) / rest
     if gathered is not None and _scattered_in_pieces(primary, gathered, m, zero):
       shard = primary.nbytes / math.prod(m.size[a] for a in zero)
       return LookupGradient(reduced=_piece(primary, m, zero), ppermute=shard, whole=False)
@@ -354,8 +355,12 @@ def _scattered_in_pieces(primary: stepgraph.Leaf, gathered: float, m: CandidateM
   MiB of rows, `fsdp` 4 x `tensor` 2 and `fsdp` 2 x `tensor` 4, sharded on its features or also
   on its vocabulary over 'tensor': a 128 KiB piece all-reduced over 'fsdp' and the 64 (32) KiB
   shard permuted, where 0.10.2 all-to-alls the rows; with 1024 or 2048 rows, no pieces. A tied
-  table (a product's gradient too) was not seen in pieces. Never on XLA's GPU compiler (its
-  tables beside 'tensor': :func:`_reduced_in_tensor_pairs`)."""
+  table (a product's gradient too) was not seen in pieces; nor is a table priced so where another
+  batch axis also splits the tokens: there 0.11.2 partitions as 0.10.2 prices (`data` 2 x `fsdp`
+  4 x `tensor` 2 on 16 devices: the rows all-to-alled), and on 8 devices (`data` 2 x `fsdp` 2 x
+  `tensor` 2) both versions scatter in pieces, which neither is priced for. On 16 devices
+  without `data` (`fsdp` 8 x `tensor` 2, `fsdp` 4 x `tensor` 4) 0.11.2 compiles these forms.
+  Never on XLA's GPU compiler (its tables beside 'tensor': :func:`_reduced_in_tensor_pairs`)."""
   f, t = math.prod(m.size[a] for a in zero), m.size["tensor"]
   return (XLA_VERSION >= (0, 11) and t > 1 and not (t % f and f % t)
           and primary.nbytes < gathered)
@@ -447,17 +452,20 @@ def _table_scatter(lookup, vocab_axes: list[str], zero: list[str], m: CandidateM
   its feature shard and all-reduces that over ``vocab_axes``; the table's gradient is never
   all-reduced over ``zero`` (compiled: llama_scan's `fsdp` 8 x `tensor` 2 plan on 16 CPU
   devices, 0.5 MiB of all-to-all and a 0.25 MiB all-reduce where the model priced 1 MiB of
-  all-reduce; the mixture of experts' `fsdp` 16 x `tensor` 4 on 64). Not seen compiled for the
-  GPU."""
+  all-reduce; the mixture of experts' `fsdp` 16 x `tensor` 4 on 64). XLA:CPU 0.11, vocab-parallel
+  over 'tensor' with no other batch axis, scatters in pieces where the table is the smaller
+  (:func:`_scattered_in_pieces`), else all-gathers the rows (``gathered`` bytes) where 0.10
+  all-to-alls them (:func:`_lookup_pieces_over_tensor`). Not seen compiled for the GPU."""
   if backend != "cpu" or not (vocab_axes and zero):
     return []
   f = math.prod(m.size[a] for a in zero)
   gathered = lookup[1] / batch_div * f
-  if vocab_axes == ["tensor"] and _scattered_in_pieces(primary, gathered, m, zero):
-    return [("all_reduce", _piece(primary, m, zero), zero),
-            ("ppermute", primary.nbytes / (f * m.size["tensor"]), zero + ["tensor"])]
-  if XLA_VERSION >= (0, 11):    # the rows all-gathered (:func:`_lookup_pieces_over_tensor`)
-    return [("all_gather", gathered, zero), ("all_reduce", primary.nbytes / f, vocab_axes)]
+  if vocab_axes == ["tensor"] and batch_div == f:     # no other batch axis
+    if _scattered_in_pieces(primary, gathered, m, zero):
+      return [("all_reduce", _piece(primary, m, zero), zero),
+              ("ppermute", primary.nbytes / (f * m.size["tensor"]), zero + ["tensor"])]
+    if XLA_VERSION >= (0, 11):
+      return [("all_gather", gathered, zero), ("all_reduce", primary.nbytes / f, vocab_axes)]
   return [("all_to_all", lookup[1] / batch_div, zero),
           ("all_reduce", primary.nbytes / f, vocab_axes)]
 

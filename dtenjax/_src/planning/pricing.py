@@ -333,8 +333,8 @@ def _lookup_pieces_over_tensor(primary: stepgraph.Leaf, m: CandidateMesh, zero: 
   instead (``gathered`` bytes, each device's rows times the group's size; None for a tied
   table, whose rows are still all-to-alled) and slices its features from them, the rest alike
   (compiled under jaxlib 0.11.2: llama_loop's tables of 1024 and 2048 rows, `fsdp` 4 x `tensor`
-  2 and `fsdp` 2 x `tensor` 4: all-gathers of 0.5 and 1 MiB where 0.10.2 all-to-alls 0.125 and
-  0.25 MiB; gpt2-like tied tables of 1024 to 8192 rows as on 0.10.2)."""
+  2 and `fsdp` 2 x `tensor` 4: the 0.5 MiB of rows all-gathered where 0.10.2 all-to-alls 0.125
+  (0.25) MiB; gpt2-like tied tables of 1024 to 8192 rows as on 0.10.2)."""
   shard = primary.nbytes / math.prod(m.size[a] for a in zero)
   if gathered is not None and XLA_VERSION >= (0, 11):
     return LookupGradient(all_gather=gathered, ppermute=ids, all_reduce=shard, whole=False)

@@ -4,7 +4,10 @@ and mesh axes, compute, and memory (:class:`Price` per layout, :class:`StepCost`
 Collectives are priced as ``algorithm="auto"`` prices them (the algorithm registry's chooser,
 passed in as an :data:`~dtenjax._src.planning.planner.AllReduceTime`), all-gathers and
 reduce-scatters as XLA's own ops, for the backend the plan is for: XLA:CPU lowers a
-reduce-scatter as an all-reduce of the whole gradient, the GPU compiler keeps it.
+reduce-scatter as an all-reduce of the whole gradient, the GPU compiler keeps it. The backend is
+the platform of the plan's devices and the XLA of the jaxlib this process runs
+(:data:`XLA_VERSION`, read once here: the compiler that will compile the plan): XLA:CPU 0.11
+partitions a looked-up table's gradient beside 'tensor' its own way (:func:`_scattered_in_pieces`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+
+import jaxlib
 
 from dtenjax._src.pricing import costmodel
 from dtenjax._src.topology import calibrate as calibrate_lib
@@ -61,6 +66,9 @@ class Price:
 # quoted in Pricer; docs/benchmarks.md, "The CPU expert choice").
 MEETING_WAKE_S = calibrate_lib.CPU_WAKE_S
 MEETING_SPREAD = 1 / 6
+
+# the XLA that compiles the plans of this process: the jaxlib's (major, minor) version
+XLA_VERSION = tuple(int(p) for p in jaxlib.__version__.split(".")[:2])
 
 
 def acc(where: dict[str, float], key: str, value: float) -> None:
@@ -247,6 +255,7 @@ class LookupGradient:
   all_to_all: float = 0.0
   ppermute: float = 0.0        # over those axes and 'tensor'
   all_reduce: float = 0.0      # over 'tensor'
+  reduced: float = 0.0         # all-reduced over the batch axes (:func:`_scattered_in_pieces`)
   whole: bool = True
   whole_lookups: int | None = None   # the lookups whose part is the whole table (None: all)
 
@@ -292,7 +301,14 @@ def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: d
   if m.size["tensor"] > 1:
     if vocabulary or "tensor" in used:
       return LookupGradient()
-    return _lookup_pieces_over_tensor(primary, m, zero, sum(each) / local, sum(ids) / local)
+    # a tied table's lookup part (a product's gradient too), and any table where another batch
+    # axis splits the tokens, keep 0.10's form on 0.11 (:func:`_scattered_in_pieces`)
+    gathered = None if primary.index in graph.weights or rest > 1 else sum(each) / rest
+    if gathered is not None and _scattered_in_pieces(primary, gathered, m, zero):
+      shard = primary.nbytes / math.prod(m.size[a] for a in zero)
+      return LookupGradient(reduced=_piece(primary, m, zero), ppermute=shard, whole=False)
+    return _lookup_pieces_over_tensor(primary, m, zero, sum(each) / local, sum(ids) / local,
+                                      gathered)
   if not vocabulary:
     return LookupGradient(all_gather=sum(ids) / rest, all_to_all=sum(each) / local, whole=False)
   small = [(rows, i) for rows, i in zip(each, ids) if rows + i <= primary.nbytes]
@@ -301,7 +317,8 @@ def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: d
 
 
 def _lookup_pieces_over_tensor(primary: stepgraph.Leaf, m: CandidateMesh, zero: list[str],
-                               rows: float, ids: float) -> LookupGradient:
+                               rows: float, ids: float, gathered: float | None
+                               ) -> LookupGradient:
   """A lookup's gradient part on XLA:CPU where the batch axes ``zero`` shard the table on its
   features and 'tensor' replicates it: each device's cotangent rows (``rows`` bytes) go to the
   shard's layout by an all-to-all over ``zero``, as without 'tensor'; the 'tensor' devices of
@@ -312,9 +329,47 @@ def _lookup_pieces_over_tensor(primary: stepgraph.Leaf, m: CandidateMesh, zero: 
   16 on 8 to 32 CPU devices: on 8 an all-to-all of 2 x f32[8,512,1,384] and the shard
   f32[50304,384] all-reduced over pairs of 'tensor' devices, beside the product's half
   all-reduced over 'fsdp' and permuted; a lookup-only table alike, `fsdp` 2 x `tensor` 4 and
-  `fsdp` 4 x `tensor` 2)."""
+  `fsdp` 4 x `tensor` 2). XLA:CPU 0.11 all-gathers a lookup-only table's rows over ``zero``
+  instead (``gathered`` bytes, each device's rows times the group's size; None for a tied
+  table, whose rows are still all-to-alled) and slices its features from them, the rest alike
+  (compiled under jaxlib 0.11.2: llama_loop's tables of 1024 and 2048 rows, `fsdp` 4 x `tensor`
+  2 and `fsdp` 2 x `tensor` 4: the 0.5 MiB of rows all-gathered where 0.10.2 all-to-alls 0.125
+  (0.25) MiB; gpt2-like tied tables of 1024 to 8192 rows as on 0.10.2)."""
   shard = primary.nbytes / math.prod(m.size[a] for a in zero)
+  if gathered is not None and XLA_VERSION >= (0, 11):
+    return LookupGradient(all_gather=gathered, ppermute=ids, all_reduce=shard, whole=False)
   return LookupGradient(all_to_all=rows, ppermute=ids, all_reduce=shard, whole=False)
+
+
+def _scattered_in_pieces(primary: stepgraph.Leaf, gathered: float, m: CandidateMesh,
+                         zero: list[str]) -> bool:
+  """Whether XLA:CPU 0.11's partitioner scatters a lookup's gradient into pieces of a table that
+  the batch axes ``zero`` shard on its features, beside a 'tensor' axis that replicates it or
+  splits its vocabulary: where the whole table is fewer bytes than the lookup's cotangent rows
+  gathered over ``zero`` (``gathered``). Each device then scatters its own tokens into a piece of
+  the table's features (one per 'tensor' sub-group, as many as the smaller of the two axes has
+  devices: :func:`_piece`), all-reduces it over ``zero`` and sends each device its shard by a
+  collective-permute; no rows and no token ids move. Otherwise, and on 0.10, the rows go to the
+  shard's layout (:func:`_lookup_pieces_over_tensor`, :func:`_table_scatter`). Compiled under
+  jaxlib 0.11.2 on 8 CPU devices: llama_loop's 512-row table (256 KiB) against 512 KiB and 1
+  MiB of rows, `fsdp` 4 x `tensor` 2 and `fsdp` 2 x `tensor` 4, sharded on its features or also
+  on its vocabulary over 'tensor': a 128 KiB piece all-reduced over 'fsdp' and the 64 (32) KiB
+  shard permuted, where 0.10.2 all-to-alls the rows; with 1024 or 2048 rows, no pieces. A tied
+  table (a product's gradient too) was not seen in pieces; nor is a table priced so where another
+  batch axis also splits the tokens: there 0.11.2 partitions as 0.10.2 prices (`data` 2 x `fsdp`
+  4 x `tensor` 2 on 16 devices: the rows all-to-alled), and on 8 devices (`data` 2 x `fsdp` 2 x
+  `tensor` 2) both versions scatter in pieces, which neither is priced for. On 16 devices
+  without `data` (`fsdp` 8 x `tensor` 2, `fsdp` 4 x `tensor` 4) 0.11.2 compiles these forms.
+  Never on XLA's GPU compiler (its tables beside 'tensor': :func:`_reduced_in_tensor_pairs`)."""
+  f, t = math.prod(m.size[a] for a in zero), m.size["tensor"]
+  return (XLA_VERSION >= (0, 11) and t > 1 and not (t % f and f % t)
+          and primary.nbytes < gathered)
+
+
+def _piece(primary: stepgraph.Leaf, m: CandidateMesh, zero: list[str]) -> float:
+  """The bytes of one piece of :func:`_scattered_in_pieces`: the table split over the smaller of
+  the batch axes ``zero`` and 'tensor'."""
+  return primary.nbytes / min(math.prod(m.size[a] for a in zero), m.size["tensor"])
 
 
 def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, used,
@@ -397,11 +452,20 @@ def _table_scatter(lookup, vocab_axes: list[str], zero: list[str], m: CandidateM
   its feature shard and all-reduces that over ``vocab_axes``; the table's gradient is never
   all-reduced over ``zero`` (compiled: llama_scan's `fsdp` 8 x `tensor` 2 plan on 16 CPU
   devices, 0.5 MiB of all-to-all and a 0.25 MiB all-reduce where the model priced 1 MiB of
-  all-reduce; the mixture of experts' `fsdp` 16 x `tensor` 4 on 64). Not seen compiled for the
-  GPU."""
+  all-reduce; the mixture of experts' `fsdp` 16 x `tensor` 4 on 64). XLA:CPU 0.11, vocab-parallel
+  over 'tensor' with no other batch axis, scatters in pieces where the table is the smaller
+  (:func:`_scattered_in_pieces`), else all-gathers the rows (``gathered`` bytes) where 0.10
+  all-to-alls them (:func:`_lookup_pieces_over_tensor`). Not seen compiled for the GPU."""
   if backend != "cpu" or not (vocab_axes and zero):
     return []
   f = math.prod(m.size[a] for a in zero)
+  gathered = lookup[1] / batch_div * f
+  if vocab_axes == ["tensor"] and batch_div == f:     # no other batch axis
+    if _scattered_in_pieces(primary, gathered, m, zero):
+      return [("all_reduce", _piece(primary, m, zero), zero),
+              ("ppermute", primary.nbytes / (f * m.size["tensor"]), zero + ["tensor"])]
+    if XLA_VERSION >= (0, 11):
+      return [("all_gather", gathered, zero), ("all_reduce", primary.nbytes / f, vocab_axes)]
   return [("all_to_all", lookup[1] / batch_div, zero),
           ("all_reduce", primary.nbytes / f, vocab_axes)]
 
@@ -447,10 +511,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   if use is None:
     uses = _lookup_parts(graph, primary, scatter, pricer.backend)
     parts = max(parts, uses)
-  for kind, axes in (("all_gather", zero), ("all_to_all", zero),
-                     ("ppermute", zero + ["tensor"]), ("all_reduce", ["tensor"])):
-    if getattr(scatter, kind):
-      ctx.add(kind, getattr(scatter, kind), axes, blocking=False)
+  for field, kind, axes in (("all_gather", "all_gather", zero), ("all_to_all", "all_to_all", zero),
+                            ("ppermute", "ppermute", zero + ["tensor"]),
+                            ("all_reduce", "all_reduce", ["tensor"]),
+                            ("reduced", "all_reduce", zero)):
+    if getattr(scatter, field):
+      ctx.add(kind, getattr(scatter, field), axes, blocking=False)
   # gradient synchronisation
   for kind, nb, axes in table_sync:
     ctx.add(kind, nb, axes, blocking=False)

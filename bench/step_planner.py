@@ -29,7 +29,9 @@ Parts (``--parts``, default all):
   inside the scan, FSDP x TP, HSDP), compiled (memory per device, collective bytes per kind with
   loop trip counts) and timed side by side (interleaved rounds, each in a fresh seeded order,
   each candidate's turn a warm call and two timed ones, medians); the plan's step time over the
-  fastest recipe's. Every row has the cost model's predicted time next to the measured one,
+  fastest recipe's. Where the plan is a leaner one than the model's fastest (docs/planner.md,
+  "The choice"), the fastest priced is a row too ("plan, fastest priced"). Every row has the
+  cost model's predicted time next to the measured one,
   twice: with the table priors ("predicted") and with this machine's ``Topology.calibrate()``
   ("calibrated"; the plan made with it is a row of its own, "plan calibrated"). A hand-written
   layout is predicted as the plan with its specs pinned. With ``--budgets [NAMES]`` the plan under
@@ -403,6 +405,10 @@ def wins_rows(names, iters: int, calibrated=None, on_family=None, budgets=(),
     step, args = fam.make()
     real = fams.real_args(fam)
     plans = {"plan": dtenjax.plan(step, *args)}
+    with planning.fastest_priced():    # the model's fastest, where the plan is a leaner one
+      fastest = dtenjax.plan(step, *args)
+    if not planning.same_layout(fastest, plans["plan"]):
+      plans["plan, fastest priced"] = fastest
     if measure:
       wall, cpu = time.perf_counter(), time.process_time()
       plans["plan measured"] = p = dtenjax.plan(step, *args, measure=measure)

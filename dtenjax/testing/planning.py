@@ -18,6 +18,7 @@ from dtenjax._src.planning import mesh as _mesh
 from dtenjax._src.planning import placement as _placement
 from dtenjax._src.planning import planner as _planner
 from dtenjax._src.planning import pricing as _pricing
+from dtenjax._src.planning import step as _step
 from dtenjax._src.planning.measure import compiled_bytes as compiled_bytes
 from dtenjax._src.planning.measure import ratio_spread as ratio_spread
 from dtenjax._src.planning.measure import same_layout as same_layout
@@ -28,7 +29,8 @@ from dtenjax._src.topology.calibrate import measure as calibrate_measure
 from dtenjax._src.topology.parts import NumaNode as NumaNode
 
 __all__ = ["CLAUSE_MEMORY_SLACK", "CLAUSE_TIME_SLACK", "RECIPES", "NumaNode", "calibrate_measure",
-           "clear_planner_caches", "compiled_bytes", "distinct_plans", "plan_tensor", "ratio_spread",
+           "clear_planner_caches", "compiled_bytes", "distinct_plans", "fastest_priced", "plan_tensor",
+           "ratio_spread",
            "replaced_cost_terms", "same_layout", "time_calls"]
 
 # What the benchmarks call a win against the fastest hand-written layout (docs/benchmarks.md,
@@ -72,3 +74,16 @@ def replaced_cost_terms(**attrs):
     yield
   finally:
     _pricing.Pricer.__init__ = init
+
+
+@contextlib.contextmanager
+def fastest_priced():
+  """Within the block, ``dtenjax.plan`` returns the plan its model prices fastest, without the
+  step to the leanest plan priced within ``LEAN_MARGIN`` of it (docs/planner.md, "The choice"):
+  the benchmarks time the two side by side (bench/step_planner.py's wins part)."""
+  margin = _step.LEAN_MARGIN
+  _step.LEAN_MARGIN = 0.0
+  try:
+    yield
+  finally:
+    _step.LEAN_MARGIN = margin

@@ -535,6 +535,17 @@ def row_memory(prob: Problem, choice: Sequence[int]) -> float:
           max((pr.gathered_peak for pr in prices), default=0.0))
 
 
+# The plan a step gets is the one of least memory among those priced within this share of the
+# fastest (and never above the fastest recipe that fits): two layouts priced closer than the
+# model can tell apart are as fast, and the smaller leaves the user memory (for a larger batch,
+# or headroom against fragmentation). Over the layouts timed on the 16-core host and the 2-core
+# VM, pairs priced within 5 % were measured in either order (measure.RUNNER_UP_MARGIN's note);
+# the benchmark's "as fast" is the same 5 % (bench/step_planner.py, the wins clause).
+LEAN_MARGIN = 0.05
+# solve_lean's relative optimality gap: its memory row over-counts activations by far more than
+# this, and proving the last percent costs HiGHS most of its time on the clusters' 8B step
+LEAN_GAP = 0.01
+
 # Relative margin below the least memory row's dual bound under which a cap is known to have no
 # solution (HiGHS's feasibility tolerance, 1e-7 of the scaled row, is far inside it).
 ROW_MARGIN = 1e-5
@@ -841,7 +852,6 @@ def solve_bounded(prob: Problem, graph: stepgraph.StepGraph, budget: float,
   where there is none): for the time objective a step time (seconds), HiGHS's dual bound plus
   the terms no layout changes; for the memory objective HiGHS's dual bound of the memory row
   (bytes per device, without the fixed memory)."""
-  from scipy import optimize
   if proposed not in prob.programs:
     prob.programs[proposed] = _program(prob, graph, proposed)
   program = prob.programs[proposed]
@@ -853,21 +863,60 @@ def solve_bounded(prob: Problem, graph: stepgraph.StepGraph, budget: float,
   if budget:
     hi = hi.copy()
     hi[-1] = budget - sum(prob.fixed_memory.values())
-  with _quiet_stdout():
-    res = optimize.milp(program.costs[objective],
-                        constraints=optimize.LinearConstraint(a, lo, hi),
-                        integrality=program.integrality, bounds=program.bounds,
-                        options={"disp": False, "time_limit": 10.0})
-  index = program.index
-  if res.x is None:
+  res = _milp(program, program.costs[objective], a, lo, hi)
+  choice = _choice(prob, program, res)
+  if choice is None:
     return None, -math.inf
-  choice = []
-  for gi, cands in enumerate(prob.cands):
-    vals_g = [res.x[index[(gi, ci)]] for ci in range(len(cands))]
-    choice.append(int(np.argmax(vals_g)))
   dual = getattr(res, "mip_dual_bound", None)
   if dual is None or not math.isfinite(dual):
     return choice, -math.inf
   if objective == "memory":
     return choice, dual
   return choice, dual + prob.compute_s + sum(prob.fixed_blocking.values())
+
+
+def _milp(program: _Program, c: np.ndarray, a, lo: np.ndarray, hi: np.ndarray, gap=None):
+  from scipy import optimize
+  options = {"disp": False, "time_limit": 10.0}
+  if gap is not None:
+    options["mip_rel_gap"] = gap
+  with _quiet_stdout():
+    return optimize.milp(c, constraints=optimize.LinearConstraint(a, lo, hi),
+                         integrality=program.integrality, bounds=program.bounds,
+                         options=options)
+
+
+def _choice(prob: Problem, program: _Program, res) -> list[int] | None:
+  """The candidate each group takes in a solution (None: no solution)."""
+  if res.x is None:
+    return None
+  return [int(np.argmax([res.x[program.index[(gi, ci)]] for ci in range(len(cands))]))
+          for gi, cands in enumerate(prob.cands)]
+
+
+def solve_lean(prob: Problem, graph: stepgraph.StepGraph, budget: float, ceiling: float,
+               proposed: bool = True) -> list[int] | None:
+  """The assignment of least memory (the program's memory row) whose step the program prices
+  at most ``ceiling`` seconds and whose row fits ``budget`` (0: none), the faster of equals;
+  None when there is none. One program: the memory objective under a row on the time
+  objective (the time objective's terms plus the constants of :func:`solve_bounded`'s bound).
+  The row over-counts activations (see :class:`CapSearch`), so the caller checks the answer
+  with :func:`evaluate`."""
+  from scipy import sparse
+  if proposed not in prob.programs:
+    prob.programs[proposed] = _program(prob, graph, proposed)
+  program = prob.programs[proposed]
+  if program is None:
+    return None
+  a, lo, hi = program.capped
+  hi = hi.copy()
+  hi[-1] = budget - sum(prob.fixed_memory.values()) if budget else np.inf
+  time_row = program.costs["time"]
+  spare = ceiling - prob.compute_s - sum(prob.fixed_blocking.values())
+  a = sparse.csc_array(sparse.vstack([a, sparse.csr_array(time_row[None, :])]))
+  # memory first: the whole ceiling's time weighs a thousandth of the largest memory
+  # coefficient, so time only decides between assignments of (nearly) equal memory
+  memory = program.costs["memory"]
+  c = memory + time_row * (1e-3 * max(1.0, float(np.abs(memory).max())) / max(ceiling, 1e-12))
+  return _choice(prob, program, _milp(program, c, a, np.r_[lo, -np.inf], np.r_[hi, spare],
+                                      gap=LEAN_GAP))

@@ -63,12 +63,14 @@ from dtenjax._src.planning.roles import AXES as AXES
 from dtenjax._src.planning.roles import BATCH_AXES as BATCH_AXES
 from dtenjax._src.planning.roles import sequence as sequence_role
 from dtenjax._src.planning.roles import stage as stage_role
+from dtenjax._src.planning.solver import LEAN_MARGIN
 from dtenjax._src.planning.solver import CapSearch
 from dtenjax._src.planning.solver import Problem
 from dtenjax._src.planning.solver import evaluate
 from dtenjax._src.planning.solver import lower_bound
 from dtenjax._src.planning.solver import make_problem
 from dtenjax._src.planning.solver import solve
+from dtenjax._src.planning.solver import solve_lean
 from dtenjax._src.planning.solver import uses_its_axes
 from dtenjax._src.pricing import costmodel
 from dtenjax._src.pricing import registry
@@ -330,6 +332,7 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
       record(shape, prob, search.choice, lambda search=search: search.least, search.cost())
   island = min((len(i) for i in topology.fast_islands()), default=1)
   recipes = []
+  candidates = []                        # the recipes that may be the plan
   by_shape = {shape: prob for shape, prob in problems}
   for name in RECIPES:
     shape = recipe_shape(name, len(ids), island)
@@ -350,9 +353,23 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     # than the best recipe that fits" exact where the solver's tolerances round
     key = (round(cost.total_s, 12), cost.memory["total"])
     if (recipe is None and cost.fits and
-        (fixed_mesh is not None or uses_its_axes(prob, rchoice, graph)) and
-        (best is None or key < best[0])):
-      best = (key, shape, prob, rchoice, cost)
+        (fixed_mesh is not None or uses_its_axes(prob, rchoice, graph))):
+      candidates.append((shape, prob, rchoice, cost))
+      if best is None or key < best[0]:
+        best = (key, shape, prob, rchoice, cost)
+  lean_notes: tuple[str, ...] = ()
+  if recipe is None and best is not None:
+    # the plan is the leanest priced near the fastest (solver.LEAN_MARGIN): each mesh that may
+    # have one (its lower bound within the ceiling) solved once for it
+    ceiling = _ceiling(best[4], candidates +
+                       [s for s in solved if s[1].m.pipeline is not None and s[3].fits])
+    leaner = [(shape, prob, choice, c) for (shape, prob), search in zip(problems, searches)
+              if search.bound <= ceiling
+              for choice in [solve_lean(prob, graph, budget, ceiling, proposed)]
+              if choice is not None
+              for c in [evaluate(prob, choice, graph, budget)]]
+    plain = [s for s in solved if s[1].m.pipeline is None]   # stages change how the step is written
+    best, lean_notes = _leanest(best, leaner + plain + candidates, ceiling)
   if best is None and shortfall is None:
     raise errors.PlacementError(
         f"plan: every mesh of {len(ids)} devices tried "
@@ -378,15 +395,15 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   chosen = dataclasses.replace(chosen, notes=chosen.notes + _stage_notes(graph, topology, ids,
                                                                          solved, prob, cost,
                                                                          pruned)
-                               + sequence_role.notes(graph, prob.m, cost))
+                               + sequence_role.notes(graph, prob.m, cost) + lean_notes)
   if not measure or recipe is not None:
     return chosen
   if chosen.pipeline is not None:
     return dataclasses.replace(chosen, notes=chosen.notes + (
         "measure: not timed: plan.jit cannot run a pipeline plan (write the step with "
         "dtenjax.pipeline); the cost model chose it",))
-  others = [(c.total_s, (p, ch, c)) for _, p, ch, c in solved
-            if c.fits and p.m.pipeline is None and p is not prob]
+  others = [(c.total_s, (p, ch, c)) for _, p, ch, c in solved     # with the fastest priced
+            if c.fits and p.m.pipeline is None and (p is not prob or list(ch) != list(choice))]
   near = measure_lib.runner_ups(others, cost.total_s)
   seconds = time.perf_counter() - t0
   runner_ups = [report(graph, p, ch, c, chosen.recipes, budget, topology, seconds,
@@ -395,6 +412,38 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
                    dict(mesh=mesh, topology=topology, memory_budget=memory_budget,
                         batch_argnums=batch_argnums, pinned=pinned, rules=rules,
                         overlap=overlap, donate=donate))
+
+
+def _ceiling(fastest: StepCost, alternatives) -> float:
+  """The slowest step (seconds) the plan may be priced at: within :data:`LEAN_MARGIN` of the
+  fastest plan found, and never above an alternative the report lists that fits (a recipe, or
+  a mesh with pipeline stages; ``(shape, prob, choice, cost)``), so the plan still beats or
+  matches each."""
+  return min([fastest.total_s * (1 + LEAN_MARGIN)] + [c.total_s for *_, c in alternatives])
+
+
+def _leanest(best, pool, ceiling: float) -> tuple[tuple, tuple[str, ...]]:
+  """The plan of least memory of ``pool`` (``(shape, prob, choice, cost)``) that fits, is
+  priced at most ``ceiling`` seconds (:func:`_ceiling`) and saves a larger share of the fastest
+  plan's memory than the share of its time it adds, the faster of equals; else ``best`` (the
+  fastest, as ``plan``'s ``best``). With the report's note when it is not ``best``."""
+  _, shape0, _, _, fast = best
+  t0, m0 = fast.total_s, fast.memory["total"]
+  # a slower plan must save a larger share of the memory than the share of time it costs
+  pool = [p for p in pool if p[3].fits and p[3].total_s <= ceiling and
+          1 - p[3].memory["total"] / m0 > p[3].total_s / t0 - 1]
+  if not pool:
+    return best, ()
+  shape, prob, choice, cost = min(pool, key=lambda p: (p[3].memory["total"], p[3].total_s))
+  mib = 2**20
+  note = (f"lean: {measure_lib.mesh_name(dict(zip(AXES, shape)))} needs {cost.memory['total'] / mib:.1f} MiB per "
+          f"device at {cost.total_s * 1e3:.3f} ms, against {fast.memory['total'] / mib:.1f} MiB "
+          f"at {fast.total_s * 1e3:.3f} ms for the fastest priced "
+          f"({measure_lib.mesh_name(dict(zip(AXES, shape0)))}): "
+          f"of the plans priced within {LEAN_MARGIN:.0%} of the fastest (and no slower than "
+          "the fastest recipe) that save a larger share of memory than of time they add, the "
+          "plan is the one of least memory")
+  return ((round(cost.total_s, 12), cost.memory["total"]), shape, prob, choice, cost), (note,)
 
 
 def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, args,

@@ -1,7 +1,8 @@
 """XLA:CPU's heap around a sliced loss's vocabulary chain (planning/heapslot.py): a fourth slot of
-the chain's size where XLA's best-fit heap leaves one, none where it does not. Expected values:
-XLA:CPU's compiles of small steps (memory_analysis() of what the plan compiles; the slots and
-the clock's ticks from ``--xla_dump_to``'s buffer assignments of the same programs, quoted)."""
+the chain's size where both of XLA's best-fit heaps (kSpatial, kTemporal; it keeps the smaller)
+leave one, none where either does not. Expected values: XLA:CPU's compiles of small steps
+(memory_analysis() of what the plan compiles) and the clock's ticks and slots read from XLA's heap
+log (``TF_CPP_VMODULE=heap_simulator=2``) of those programs and of the bench's, quoted."""
 
 import functools
 import pathlib
@@ -73,24 +74,59 @@ def test_the_chain_is_found_with_its_two_products():
   assert chain.frees_operand           # the final norm's output: the weight gradient reads it last
 
 
-@pytest.mark.parametrize("a_in, f_in, a_w, f_w, four, compile_read", [
-    # ticks of B (the pad's bitcast copy), C (its transposed copy), P (the pad) on XLA's clock
-    (1, 0, 0, 1, True, "small GPT-2 TP 8 (V 512; and at seq 512), bench gpt2 TP 8/16/32, "
-                       "Llama 1B TP 16: B 5, C 5, P 4; slots 0/1/2/3"),
-    (1, 1, 0, 0, True, "Llama 1B FSDP x TP 16 (the gathered unembedding freed): B 6, C 5, P 4"),
-    (1, 1, 0, 1, True, "Llama 1B FSDP x TP 32 (the weight gradient's sliced operand freed too): "
-                       "B 6, C 6, P 4; slots at 5632/9632/13632/17632 MiB"),
-    (1, 0, 1, 1, False, "small GPT-2 TP 8 at V 2048 (the whole table gradient on the heap) and "
-                        "DP 8: B 5, C 6; G shares B's slot"),
-    (0, 0, 1, 1, False, "the small Llama TP 8 (its input gradient in an output's buffer): "
-                        "B 4, C 3, P 4; three slots"),
-    (1, 0, 0, 0, False, "encdec TP 8 (its residual stream in an output's buffer): B 5, C 4, "
-                        "P 4: P placed before C"),
-    (0, 1, 0, 0, False, "Llama 1B FSDP x TP 8 and the small Llama's (its input gradient in an "
-                        "output's buffer): B 5, C 4, P 4"),
+# Ticks on XLA's clock read from its heap log (TF_CPP_VMODULE=heap_simulator=2) of the bench's
+# compiles (bench/step_planner.py's make(model, N), plan.check) and the small steps: B (the pad's
+# bitcast copy), C (its transposed copy), P (the pad, 4 on all), E (exp(s - max)), G (the
+# softmax's gradient) and G with the labels' scatter written into it; ``four``: XLA's temp holds
+# the fourth slot (it exceeds the largest live sum by one slot; both heaps leave four).
+@pytest.mark.parametrize("a_in, f_in, a_w, f_w, e, g, g_scatter, four, compile_read", [
+    (1, 0, 0, 1, 3, 3, 6, True, "small GPT-2 TP 8 (V 512; and at seq 512), bench gpt2 TP 8/16/32, "
+                                "Llama 1B TP 16/32, llama_scan / llama_loop / shared TP 16-64, "
+                                "encdec / moe TP 32/64: B 5, C 5; both heaps four"),
+    (1, 0, 0, 1, 6, 3, 6, True, "shared TP 32: E 6 (three small heap values inside it)"),
+    (1, 1, 0, 0, 4, 4, 7, True, "Llama 1B FSDP x TP 16 (the gathered unembedding freed; the loss's "
+                                "partial sum inside E, the scatter's updates inside G): B 6, C 5"),
+    (1, 1, 0, 1, 4, 4, 7, True, "Llama 1B FSDP x TP 32 (the weight gradient's sliced operand freed "
+                                "too): B 6, C 6; slots at 5632/9632/13632/17632 MiB"),
+    (1, 1, 0, 1, 3, 3, 6, False, "gpt2 FSDP x TP 16/32, encdec FSDP x TP 8/64, moe FSDP x TP "
+                                 "32/64: B 6, C 6; kSpatial four, kTemporal three (G placed after "
+                                 "B and C) and the smaller: 9289.9 / 7745.0 MiB on gpt2 16"),
+    (1, 1, 0, 1, 3, 4, 7, False, "gpt2 FSDP x TP 8: G before E in kSpatial (three), kTemporal "
+                                 "four: 3326.3 / 4115.3 MiB"),
+    (1, 1, 0, 0, 4, 5, 8, False, "Llama 8B FSDP x TP 64 (the scatter's indices inside G too)"),
+    (1, 1, 0, 1, 4, 5, 9, False, "llama_scan FSDP x TP 8-32"),
+    (1, 1, 1, 1, 3, 3, 6, False, "llama_loop FSDP x TP 8-64, encdec FSDP x TP 16/32, moe FSDP x TP "
+                                 "8/16: B 6, C 7"),
+    (1, 1, 1, 1, 6, 7, 10, False, "shared FSDP x TP 16"),
+    (1, 0, 1, 1, 3, 3, 6, False, "small GPT-2 TP 8 at V 2048 (the whole table gradient on the "
+                                 "heap) and DP 8: B 5, C 6; G shares B's slot"),
+    (0, 0, 1, 1, 3, 3, 6, False, "the small Llama TP 8 (its input gradient in an output's "
+                                 "buffer): B 4, C 3, P 4; three slots"),
+    (1, 0, 0, 0, 3, 3, 6, False, "encdec / moe TP 8 and 16, Llama 1B TP 8, llama_loop and shared "
+                                 "TP 8: B 5, C 4: P placed before C"),
+    (0, 1, 0, 0, 3, 4, 7, False, "Llama 1B FSDP x TP 8 and the small Llama's (its input gradient "
+                                 "in an output's buffer): B 5, C 4"),
+    (1, 0, 0, 0, 3, 4, 7, False, "gpt2 DP 8-32 (its chosen plan): B 5, C 4, G 4"),
 ])
-def test_the_fourth_slot_follows_xlas_clock(a_in, f_in, a_w, f_w, four, compile_read):
-  assert heapslot.holds_a_fourth(a_in, f_in, a_w, f_w) is four, compile_read
+def test_the_fourth_slot_follows_xlas_two_heaps(a_in, f_in, a_w, f_w, e, g, g_scatter, four,
+                                                compile_read):
+  assert heapslot.holds_a_fourth(a_in, f_in, a_w, f_w, e, g, g_scatter) is four, compile_read
+
+
+def test_one_small_heap_value_alone_leaves_the_chain_in_three_under_fsdp_x_tp():
+  # The small GPT-2 under FSDP x TP (fsdp 2 x tensor 4, V 512): the model places a_in f_in a_w f_w
+  # = 1 1 0 1 (B 6, C 6), where kSpatial's half holds. XLA's heap log of this compile: the
+  # scatter's updates (8 KiB) are a heap buffer inside G (4 ticks to E's 3), so kSpatial places G
+  # before E and fits the chain in three (temp 39.07 MiB, its largest live sum 39.07), kTemporal
+  # four (43.11). Without that value kTemporal would place B and C before G (G with its scatter 6
+  # ticks, B 6): three. Priced on kSpatial's half alone the slot made it 46.71 MiB (+13.5 %).
+  step, args = _gpt2(512)
+  c = dtenjax.plan(step, *args, recipe="FSDP x TP").check(step, *args, compiler_options=EMITTERS)
+  slot = _sliced_bytes("gpt2 V 512") / 2         # the batch split over fsdp 2: 3.97 MiB
+  assert abs(c.predicted_memory["temp"] - c.compiled_memory["temp"]) < 0.5 * slot, c.table()
+  assert c.memory_error <= 0.05, c.table()
+  assert not heapslot.holds_a_fourth(1, 1, 0, 1)
+  assert heapslot.holds_a_fourth(1, 0, 0, 1)     # under TP (B 5) kTemporal leaves four
 
 
 def test_a_fourth_slot_where_xlas_heap_leaves_one(checks):

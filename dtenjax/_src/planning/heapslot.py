@@ -8,43 +8,63 @@ With the logits (``L``) these are the chain's four ``[b·s, V]`` buffers, beside
 labels' scatter written in place). At most three are live at once, yet XLA:CPU's heap can give
 them four slots.
 
-The mechanism is XLA's best-fit heap (``GlobalDecreasingSizeBestFitHeap``, kSpatial: the largest
-buffer first, then the longest interval on the heap's own clock, then the lowest value id; the
-clock advances one tick per allocation and per free, at each instruction the allocations first).
-Where the chain's buffers are the largest around it, they are placed among themselves first. XLA
-schedules ``P``, ``B``, ``C``, the input gradient's product, the weight gradient's product one
-instruction apart; on the clock ``P`` spans 4 ticks, ``B`` 4 + ``a_in`` + ``f_in`` and ``C``
-3 + ``a_in`` + ``f_in`` + ``a_w`` + ``f_w``, where ``a_in`` / ``a_w`` count the products' results
-the heap allocates (a result written into an output's buffer is not the heap's) and ``f_in`` /
-``f_w`` the heap buffers they free (a weight gathered for the input gradient's product; the
-activation the weight gradient's product reads last). When ``B`` is placed first (``B`` >= ``C``,
-ties to ``B``, the lower id) and ``C`` before ``P`` (``C`` > ``P``, ties to ``P``), ``B`` shares
-``L``'s slot, ``C`` the next, ``P`` the third. Of the three smaller buffers, ``E`` (live with
-``L`` only) and ``G`` (live with ``E``, then with ``B`` and ``P``) are placed by their own
-intervals: where ``E`` goes first it takes ``C``'s slot and ``G`` finds no free slot of the
-three: a fourth. Where ``G`` goes first it takes ``C``'s slot (``C`` starts after it ends), ``E``
-then ``P``'s, and the chain fits in three. Both span 3 ticks, plus one for each small value XLA
-makes around them that is a heap buffer allocated or freed inside the interval (ties go to
-``E``, the lower id): in ``E``'s, the labels' gather indices, the rows' maximum and sum, and the
-loss's partial sum where XLA:CPU makes it one YNN reduction before ``G`` (a reduce-window tree
-runs after the scatter); in ``G``'s, the scatter's indices and its updates (a constant XLA
-broadcasts early in the forward). ``E`` spans 3 to 7 ticks and ``G`` 3 to 6 on the compiles read.
-Whether such a value is a heap buffer is XLA's buffer assignment: it first tries the outputs'
+The mechanism is XLA:CPU's heap. Its buffer assignment runs two best-fit heaps
+(``GlobalDecreasingSizeBestFitHeap``) over the same intervals and keeps the smaller
+(``ChooseBestHeapAlgorithm``): kSpatial places the largest buffer first, then the longest
+interval on the heap's own clock, then the lowest value id; kTemporal places the longest interval
+first (reaching over the values a buffer is colocated with), then the largest. The clock
+advances one tick per allocation and per free, at each instruction the allocations first. The
+fourth slot is in XLA's temp only where both heaps leave it: read from XLA's own logs
+(``TF_CPP_VMODULE=heap_simulator=2``) on the bench's 165 compiles, the temp is the smaller heap
+on all, and it exceeds the largest live sum by one slot on the 26 where both heaps leave four
+(three FSDP rows whose chain is not the largest around it aside), by at most a fifth of one
+elsewhere (docs/benchmarks.md, rows13). Where the chain's buffers are the largest around it,
+they are placed among themselves first.
+
+kSpatial. XLA schedules ``P``, ``B``, ``C``, the input gradient's product, the weight
+gradient's product one instruction apart; on the clock ``P`` spans 4 ticks, ``B``
+4 + ``a_in`` + ``f_in`` and ``C`` 3 + ``a_in`` + ``f_in`` + ``a_w`` + ``f_w``, where ``a_in`` /
+``a_w`` count the products' results the heap allocates (a result written into an output's
+buffer is not the heap's) and ``f_in`` / ``f_w`` the heap buffers they free (a weight gathered
+for the input gradient's product; the activation the weight gradient's product reads last).
+When ``B`` is placed first (``B`` >= ``C``, ties to ``B``, the lower id) and ``C`` before ``P``
+(``C`` > ``P``, ties to ``P``), ``B`` shares ``L``'s slot, ``C`` the next, ``P`` the third. Of
+the three smaller buffers, ``E`` (live with ``L`` only) and ``G`` (live with ``E``, then with
+``B`` and ``P``) are placed by their own intervals: where ``E`` goes first it takes ``C``'s slot
+and ``G`` finds no free slot of the three: a fourth. Where ``G`` goes first it takes ``C``'s slot
+(``C`` starts after it ends), ``E`` then ``P``'s, and the chain fits in three. Both span 3
+ticks, plus one for each small value XLA makes around them that is a heap buffer allocated or
+freed inside the interval (ties go to ``E``, the lower id): in ``E``'s, the labels' gather
+indices, the rows' maximum and sum, and the loss's partial sum where XLA:CPU makes it one YNN
+reduction before ``G`` (a reduce-window tree runs after the scatter); in ``G``'s, the scatter's
+indices and its updates (a constant XLA broadcasts early in the forward). ``E`` spans 3 to 6
+ticks and ``G`` 3 to 8 on the bench's compiles.
+
+kTemporal. ``G``'s interval reaches over the labels' scatter written into it in place, 3 ticks (4
+on 14 of the bench's 100 compiles with the chain) past its own: 6 ticks where nothing small ticks
+inside. Where that is more than ``B``'s (and so ``C``'s, where kSpatial leaves four), ``G`` is
+placed before the chain's larger buffers, takes the first slot and ``B``, ``C`` and ``P`` take
+three more: four. Otherwise ``B`` and ``C`` go first, ``G`` shares ``C``'s slot and the chain fits
+in three. So where ``B`` spans 6 (the input gradient's product allocates its result and frees a
+gathered weight: FSDP x TP), the fourth slot needs a small heap value inside ``G`` for kTemporal
+and as many inside ``E`` for kSpatial; under TP (``B`` 5) neither.
+
+Whether such a small value is a heap buffer is XLA's buffer assignment: it first tries the outputs'
 allocations of at least its size that hold nothing live over its range, and those are filled by
 values the jaxpr does not have: FSDP's all-gathered weights, and SPMD's ``partition-id``, which
 takes the loss output's 4-byte allocation (leaving the partial sum on the heap) where its last
-reader is scheduled before the loss's division. The model sees none of that; it assumes ``E``
-first, as on every TP compile read, so :func:`holds_a_fourth` is the ``B`` / ``C`` / ``P`` half,
-a necessary condition. Read from XLA's own intervals and placement order
-(``TF_CPP_VMODULE=heap_simulator=2``; docs/benchmarks.md, lossheap7 and rows10): a fourth slot
-on GPT-2 and Llama 1B under TP (8-32 devices), Llama 1B under FSDP x TP on 16 and 32 devices and
-the small GPT-2 under TP; three on GPT-2 under FSDP x TP (the bench's on 8 and a small one:
-``B``, ``C``, ``P`` as above, but ``G`` 4 ticks to ``E``'s 3), on GPT-2 under DP and with a
-tensor-sharded table (its whole gradient a heap buffer), and on Llama-shaped steps whose input
-gradient is written into an output's buffer. Priced as an upper bound instead, wherever XLA
-may place it (any ``a_in`` and ``a_w``, or ``a_w`` 0 wherever the FSDP x TP gradient's piece fits
-an output), the slot puts 24 (or 16) of the bench's 165 rows more than 10 % over, where XLA
-places three slots for the buffer-assignment reasons above (docs/benchmarks.md, fifteenth round).
+reader is scheduled before the loss's division. The model sees none of that: it takes ``E`` and
+``G`` at 3 ticks, no small value inside either, and :func:`holds_a_fourth` decides both heaps from
+the ``B`` / ``C`` / ``P`` ticks (given XLA's own ticks, it gives XLA's slots on every compile read
+where the chain is the largest around it). On the model's ``a_in`` ... ``f_w`` it agrees with XLA's
+temp on 155 of the bench's 165 rows. Two of the ten others are outside 10 %: Llama 1B under FSDP x
+TP on 16 and 32 devices, whose ``E`` and ``G`` each hold one small heap value (the loss's partial
+sum, the scatter's updates), so XLA leaves a fourth slot; the model does not (it also sizes that
+layout's weight gradient on the heap, where XLA writes it, in halves, into the table's output
+allocation). Where the model cannot tell ``a_w`` (an output may hold the gradient, or a piece of
+it), the slot priced wherever either value leaves it puts 19 of the bench's 165 rows more than 10 %
+over on kSpatial's half alone, and 1 with kTemporal's (Llama 1B FSDP x TP on 8, where XLA's ``f_w``
+is 0); pricing any ``a_in`` too puts 21 over either way (docs/benchmarks.md, rows13).
 
 :func:`find` marks the chain in a step's top-level jaxpr; :func:`holds_a_fourth` decides the
 slot per layout from the solver's placement of the two products' results.
@@ -126,12 +146,16 @@ def find(jaxpr, state_shapes: set) -> list[Chain]:
   return chains
 
 
-def holds_a_fourth(a_in: bool, f_in: bool, a_w: bool, f_w: bool) -> bool:
-  """Whether kSpatial places the chain in four slots, from the clock's ticks of ``B``
-  (4 + a_in + f_in), ``C`` (3 + a_in + f_in + a_w + f_w) and ``P`` (4): ``B`` before ``C`` and
-  ``C`` before ``P``; ``E`` before ``G`` is assumed (see the module's docstring)."""
+def holds_a_fourth(a_in: bool, f_in: bool, a_w: bool, f_w: bool, e: int = 3, g: int = 3,
+                   g_scatter: int = 6) -> bool:
+  """Whether both of XLA:CPU's heaps place the chain in four slots, from the clock's ticks of
+  ``B`` (4 + a_in + f_in), ``C`` (3 + a_in + f_in + a_w + f_w), ``P`` (4), ``E`` (``e``), ``G``
+  (``g``) and ``G`` with the scatter written into it (``g_scatter``). kSpatial: ``B`` before
+  ``C``, ``C`` before ``P`` and ``E`` before ``G``; kTemporal: ``G`` with its scatter before
+  ``B``. ``e``, ``g`` and ``g_scatter`` are what they are without a small heap value inside
+  (see the module's docstring)."""
   b, c = 4 + a_in + f_in, 3 + a_in + f_in + a_w + f_w
-  return b >= c and c > 4
+  return b >= c and c > 4 and e >= g and g_scatter > b
 
 
 def _undoes_a_slice(eqn) -> bool:

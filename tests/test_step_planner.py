@@ -502,41 +502,30 @@ def test_an_fsdp_gather_waits_for_the_compute_since_the_devices_last_met(scanned
   backward). Twice the rows make twice the compute between the gathers and twice the wait; 4
   devices (HSDP's groups) wait 1.0294 / 1.4236 of it; DP gathers nothing."""
   from dtenjax._src.pricing import costmodel
-  from dtenjax.testing.planning import replaced_cost_terms
-  host, layers, d = _sixteen_core_host(), 4, 256
+  layers, d = 4, 256
 
   def make(rows):
     x = jax.ShapeDtypeStruct((rows, d), jnp.float32)
-    if scanned:
-      w = jax.ShapeDtypeStruct((layers, d, d), jnp.float32)
-
-      def loss(w):
-        y, _ = jax.lax.scan(lambda y, wl: (jnp.tanh(y @ wl), None), x_, w)
-        return y.sum()
-    else:
-      w = {f"w{i}": jax.ShapeDtypeStruct((d, d), jnp.float32) for i in range(layers)}
-
-      def loss(w):
-        y = x_
-        for wl in w.values():
-          y = jnp.tanh(y @ wl)
-        return y.sum()
 
     def step(w, x):
-      nonlocal x_
-      x_ = x
+      def loss(w):
+        if scanned:
+          y, _ = jax.lax.scan(lambda y, wl: (jnp.tanh(y @ wl), None), x, w)
+        else:
+          y = x
+          for wl in w.values():
+            y = jnp.tanh(y @ wl)
+        return y.sum()
       return jax.tree.map(lambda a, g: a - 0.1 * g, w, jax.grad(loss)(w))
-    x_ = None
-    return step, w, x
+    if scanned:
+      w = jax.ShapeDtypeStruct((layers, d, d), jnp.float32)
+    else:
+      w = {f"w{i}": jax.ShapeDtypeStruct((d, d), jnp.float32) for i in range(layers)}
+    return step, (w, x)
 
   def waits(rows, mesh, spec):
-    step, w, x = make(rows)
-    pinned = [jax.tree.map(lambda _: spec, w), None]
-    price = lambda: dtenjax.plan(step, w, x, mesh=mesh, topology=host, pinned=pinned,
-                                 memory_budget=1 << 40).cost.exposed_s
-    with replaced_cost_terms(gather_spread=0.0):
-      unwaited = price()
-    return price() - unwaited
+    step, args = make(rows)
+    return _waits(step, args, mesh, [jax.tree.map(lambda _: spec, args[0]), None])
 
   fsdp = P(None, "fsdp", None) if scanned else P("fsdp", None)
   spread = costmodel.backend_costs("cpu").gather_spread

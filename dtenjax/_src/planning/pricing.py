@@ -557,7 +557,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # gathered for the step's first lookup, before any product: its devices last met at the
       # previous step's last collective and have run the optimizer's update since, of the
       # whole state at least the share they would update were all of it sharded like this
-      # table (all of it where the rest is replicated)
+      # table; the rest (all of it where the rest is replicated) depends on the other groups'
+      # layouts, and solver.evaluate adds it from the assignment's update (start_wait)
       group = math.prod(m.size[a] for a in zero)
       wait = pricer.gather_wait(pricer.state_update_bytes / group * pricer.stream_s_per_byte,
                                 group)

@@ -660,14 +660,14 @@ def model_terms(step, args, mesh: dict, specs, topology=None, update_scale: floa
   full = price(stream_s_per_byte=lambda s: s * update_scale)
   no_update = price(stream_s_per_byte=0.0)
   products = price(stream_s_per_byte=0.0, beside_s_per_byte=0.0)
-  unwaited = price(stream_s_per_byte=0.0, gather_wait=0.0)
-  unmet = price(stream_s_per_byte=0.0, step_latency=0.0, gather_wait=0.0)
-  met = price(stream_s_per_byte=0.0, step_latency=1e-3, gather_wait=0.0)
+  unwaited = price(stream_s_per_byte=lambda s: s * update_scale, gather_spread=0.0)
+  unmet = price(stream_s_per_byte=0.0, step_latency=0.0, gather_spread=0.0)
+  met = price(stream_s_per_byte=0.0, step_latency=1e-3, gather_spread=0.0)
   return {"predicted_ms": full.total_s * 1e3, "products_ms": products.compute_s * 1e3,
           "beside_ms": (no_update.compute_s - products.compute_s) * 1e3,
           "update_ms": (full.compute_s - no_update.compute_s) * 1e3,
           "collectives_ms": full.exposed_s * 1e3,
-          "waits_ms": (no_update.exposed_s - unwaited.exposed_s) * 1e3,
+          "waits_ms": (full.exposed_s - unwaited.exposed_s) * 1e3,
           "meetings": (met.exposed_s - unmet.exposed_s) / 1e-3}
 
 

@@ -91,10 +91,11 @@ def test_the_cpu_prior_streams_the_optimizers_update_at_the_hosts_memory_balance
   11-14 against the step's products on the 16-core host, 17.5-27.6 against a product chain on
   the 2-core VM), not the caches' 2.5: 8 devices on 2 cores (12.5 GFLOP/s each) stream
   0.893 GB/s, on 16 cores 3.57; a calibration's FLOP/s replaces the prior's, the user's
-  bandwidth both. A GPU streams at its table's local rate. An FSDP weight's gather waits two
-  products' time, the products weighted by their work (the devices' wake-up, then 2 x
-  ``weighted``) where the backend's BackendCosts say so (CPU), beyond the meeting every
-  collective pays."""
+  bandwidth both. A GPU streams at its table's local rate. An FSDP weight's gather waits for
+  the last of its group's arrivals, spread by 0.68 of the compute since the devices last met
+  (the expected largest of 8 normal draws: 1.4236 standard deviations, of 4: 1.0294, from the
+  tables of order statistics), beyond the meeting every collective pays, where the backend's
+  BackendCosts say so (CPU)."""
   from dtenjax._src.planning.candidates import CandidateMesh
   from dtenjax._src.planning.pricing import Pricer
   from dtenjax._src.planning.roles import AXES
@@ -109,11 +110,14 @@ def test_the_cpu_prior_streams_the_optimizers_update_at_the_hosts_memory_balance
   assert cal.stream_s_per_byte == pytest.approx(14 / 4e9)      # at the measured FLOP/s
   assert cal.local_s_per_byte == pytest.approx(1 / 2e9)
   between = 1e-3
-  waited = Pricer(mesh(_cpu_host(8, "0-15")), None, between / 2, between)
-  assert waited.gather_wait == pytest.approx(60e-6 + 2 * between - waited.step_latency)
+  waited = Pricer(mesh(_cpu_host(8, "0-15")), None, between / 2)
+  assert waited.step_latency == pytest.approx(60e-6)
+  assert waited.gather_wait(between, 8) == pytest.approx(0.68 * 1.4236 * between, rel=1e-4)
+  assert waited.gather_wait(between, 4) == pytest.approx(0.68 * 1.0294 * between, rel=1e-4)
+  assert waited.gather_wait(between, 1) == 0.0
   gpu = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), Topology.fixture("h200_8")),
-               None, between, between)
-  assert gpu.gather_wait == 0.0 and gpu.stream_s_per_byte == gpu.local_s_per_byte
+               None, between)
+  assert gpu.gather_wait(between, 8) == 0.0 and gpu.stream_s_per_byte == gpu.local_s_per_byte
 
 
 def test_collective_times_interpolate_between_the_measured_sizes():

@@ -481,6 +481,132 @@ def test_a_collective_between_products_costs_what_the_vm_measured():
   assert Pricer(m, None).step_latency == pytest.approx(60e-6 + 0.75 * 4e-3)
 
 
+def _sixteen_core_host():
+  """8 CPU devices sharing 16 cores (the recorded wins runs' host): 5e10 FLOP/s each, and a
+  collective's meeting is the 60 us wake-up alone."""
+  from dtenjax._src.topology.model import DeviceInfo, NumaNode, uniform
+  devices = [DeviceInfo(id=i, platform="cpu", kind="cpu", memory_bytes=0, process_index=0,
+                        host="h0") for i in range(8)]
+  return uniform("cpu8", devices, intra="shared_memory",
+                 numa_nodes=[NumaNode(host="h0", id=0, cpus="0-15")])
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["loop", "scan"])
+def test_an_fsdp_gather_waits_for_the_compute_since_the_devices_last_met(scanned):
+  """On CPU devices an FSDP weight's all-gather waits for the last of its group's devices, whose
+  arrivals spread by the compute each did since they last met (BackendCosts.gather_spread
+  standard deviations of it): where every weight is gathered where its product reads it, the
+  gathers together wait ``gather_spread`` x 1.4236 (the expected largest of 8 normal draws, from
+  the tables of order statistics) x the step's products per device, in a Python loop over
+  layers as in a ``lax.scan`` over a stack (a gather per layer, in the forward and again in the
+  backward). Twice the rows make twice the compute between the gathers and twice the wait; 4
+  devices (HSDP's groups) wait 1.0294 / 1.4236 of it; DP gathers nothing."""
+  from dtenjax._src.pricing import costmodel
+  layers, d = 4, 256
+
+  def make(rows):
+    x = jax.ShapeDtypeStruct((rows, d), jnp.float32)
+
+    def step(w, x):
+      def loss(w):
+        if scanned:
+          y, _ = jax.lax.scan(lambda y, wl: (jnp.tanh(y @ wl), None), x, w)
+        else:
+          y = x
+          for wl in w.values():
+            y = jnp.tanh(y @ wl)
+        return y.sum()
+      return jax.tree.map(lambda a, g: a - 0.1 * g, w, jax.grad(loss)(w))
+    if scanned:
+      w = jax.ShapeDtypeStruct((layers, d, d), jnp.float32)
+    else:
+      w = {f"w{i}": jax.ShapeDtypeStruct((d, d), jnp.float32) for i in range(layers)}
+    return step, (w, x)
+
+  def waits(rows, mesh, spec):
+    step, args = make(rows)
+    return _waits(step, args, mesh, [jax.tree.map(lambda _: spec, args[0]), None])
+
+  fsdp = P(None, "fsdp", None) if scanned else P("fsdp", None)
+  spread = costmodel.backend_costs("cpu").gather_spread
+  for rows in (512, 1024):
+    # per layer: the forward product, the weight's gradient and the input's (the first layer's
+    # input is the batch: no gradient, but lax.scan's backward runs one body for every layer)
+    products = 2 * rows * d * d * (3 * layers - (0 if scanned else 1))
+    expected = spread * 1.4236 * products / 8 / 5e10
+    assert waits(rows, {"fsdp": 8}, fsdp) == pytest.approx(expected, rel=2e-3)
+  assert waits(1024, {"fsdp": 8}, fsdp) == pytest.approx(2 * waits(512, {"fsdp": 8}, fsdp),
+                                                         rel=2e-3)
+  hsdp = waits(512, {"data": 2, "fsdp": 4}, fsdp)
+  assert hsdp == pytest.approx(waits(512, {"fsdp": 8}, fsdp) * 1.0294 / 1.4236, rel=2e-3)
+  assert waits(512, {"data": 8}, P()) == 0.0
+
+
+def _waits(step, args, mesh, pinned):
+  """The exposed seconds the gathers' waits add to the price of ``pinned`` on ``mesh`` (8 CPU
+  devices on 16 cores)."""
+  from dtenjax.testing.planning import replaced_cost_terms
+  price = lambda: dtenjax.plan(step, *args, mesh=mesh, topology=_sixteen_core_host(),
+                               pinned=pinned, memory_budget=1 << 40).cost.exposed_s
+  with replaced_cost_terms(gather_spread=0.0):
+    unwaited = price()
+  return price() - unwaited
+
+
+def test_a_gathered_lookup_table_waits_for_the_update_since_the_previous_step():
+  """A table only looked up is gathered at the step's start, before any product: its devices
+  last met at the previous step's last collective and have run the optimizer's update since,
+  the whole state's where the table is sharded alone (SGD: 3 bytes per parameter byte, streamed
+  at 14 FLOP per byte of 5e10 FLOP/s), an eighth of it where the weight is sharded too (whose
+  gather then waits for its own products: forward, its gradient and its input's)."""
+  from dtenjax._src.pricing import costmodel
+  vocab, d, rows = 4096, 256, 1024
+
+  def step(p, ids):
+    def loss(p):
+      return jnp.tanh(p["table"][ids] @ p["w"]).sum()
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p))
+
+  args = ({"table": jax.ShapeDtypeStruct((vocab, d), jnp.float32),
+           "w": jax.ShapeDtypeStruct((d, d), jnp.float32)},
+          jax.ShapeDtypeStruct((rows,), jnp.int32))
+  share = costmodel.backend_costs("cpu").gather_spread * 1.4236
+  update = lambda nbytes: 3 * nbytes * 14 / 5e10
+  table, w = vocab * d * 4, d * d * 4
+  alone = _waits(step, args, {"fsdp": 8}, [{"table": P("fsdp", None), "w": P()}, None])
+  assert alone == pytest.approx(share * update(table / 8 + w), rel=2e-3)
+  both = _waits(step, args, {"fsdp": 8}, [{"table": P("fsdp", None), "w": P("fsdp", None)},
+                                          None])
+  products = 3 * 2 * rows * d * d / 8 / 5e10
+  assert both == pytest.approx(share * (update((table + w) / 8) + products), rel=2e-3)
+
+
+def test_a_weight_read_at_every_depth_waits_for_one_depths_products():
+  """A weight shared across layers is gathered once, before its first depth's product: the next
+  gather follows that depth, and its later depths' products lie between no gathers. Its wait is
+  1 / depths of what as many weights of its shape, one a depth, wait together."""
+  d, rows, depths = 256, 512, 4
+
+  def make(shared):
+    def step(p, x):
+      def loss(p):
+        y = jnp.tanh(x @ p["v"])       # the depths' inputs all depend on the state
+        for k in range(depths):
+          y = jnp.tanh(y @ p["w"] if shared else y @ p[f"w{k}"])
+        return y.sum()
+      return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p))
+    names = ["w"] if shared else [f"w{k}" for k in range(depths)]
+    params = {n: jax.ShapeDtypeStruct((d, d), jnp.float32) for n in ["v", *names]}
+    pinned = [{n: P() if n == "v" else P("fsdp", None) for n in params}, None]
+    return step, (params, jax.ShapeDtypeStruct((rows, d), jnp.float32)), pinned
+
+  step, args, pinned = make(False)
+  apart = _waits(step, args, {"fsdp": 8}, pinned)
+  step, args, pinned = make(True)
+  assert apart > 0 and _waits(step, args, {"fsdp": 8}, pinned) == pytest.approx(
+      apart / depths, rel=1e-6)
+
+
 def _bench_step_planner():
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
   import step_planner

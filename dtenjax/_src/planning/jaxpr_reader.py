@@ -143,9 +143,6 @@ class Reader:
     self.ties = _UnionFind()
     self.flops = 0.0
     self.products = 0                         # products run per step (loop trips counted)
-    # sum over the products run of their flops squared: over ``flops``, the flops of the product
-    # a device is in at a random instant of the step (the products weighted by their work)
-    self.product_sq = 0.0
     # bytes read and written per step (loop trips counted) by the elementwise equations and
     # reductions whose result is not of a state leaf's shape: the work beside the products that
     # grows with the tokens (norms, residuals, activations, softmax, the loss); the optimizer's
@@ -305,7 +302,6 @@ class Reader:
       sides = ((1, tuple(rspec[1:]), (), (rspec[0],), lhs, (lspec[0], *lspec[2:])),)
     self.flops += flops
     self.products += repeats
-    self.product_sq += flops * flops / repeats
     self.eqn_flops[id(eqn)] = flops
     out_shape = tuple(eqn.outvars[0].aval.shape)
     self.shape_flops[out_shape] = self.shape_flops.get(out_shape, 0.0) + flops

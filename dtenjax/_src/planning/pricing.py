@@ -13,6 +13,7 @@ partitions a looked-up table's gradient beside 'tensor' its own way (:func:`_sca
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -55,6 +56,13 @@ class Price:
   # a role's factor on the time of the products it takes part in (a pipeline's bubble and
   # recomputed forward, set by roles.stage)
   compute_scale: float = 1.0
+  # seconds per device of the optimizer's update of this group (in ``compute``)
+  update: float = 0.0
+  # a gather at the step's start (a lookup table's), which waits for the update the devices ran
+  # since the previous step's last meeting: (the mesh axes' key, the seconds of wait per second
+  # of that update, the wake-up less the meeting, the wait already priced here); ``evaluate``
+  # prices the assignment's own update (:func:`start_wait`)
+  start_gather: tuple[str, float, float, float] | None = None
   # this layout's price where 'tensor' replicates the weight and its output meets a pair sharded
   # over 'tensor', which XLA:CPU slices it to, by the free dimension that starts the pair
   # (roles.tensor.sliced; the solver picks it)
@@ -75,11 +83,30 @@ def acc(where: dict[str, float], key: str, value: float) -> None:
   where[key] = where.get(key, 0.0) + value
 
 
+@functools.lru_cache(maxsize=None)
+def last_arrival(n: int) -> float:
+  """The expected largest of ``n`` independent standard normal draws (0.56 for 2, 1.03 for 4,
+  1.42 for 8, 1.77 for 16): where the last of ``n`` devices arrives at a meeting, in standard
+  deviations of their arrivals past the mean, which the group waits for. By the midpoint rule
+  on [-9, 9] (the density and the distribution of ``math.erf``; 1e-9 of the tabulated values)."""
+  if n < 2:
+    return 0.0
+  steps, lo, hi = 3600, -9.0, 9.0
+  h = (hi - lo) / steps
+  total = 0.0
+  for i in range(steps):
+    x = lo + (i + 0.5) * h
+    cdf = 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+    total += x * n * math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi) * cdf ** (n - 1)
+  return total * h
+
+
 class Pricer:
   """Collective times on one mesh, cached by (kind, bytes, axes)."""
 
   def __init__(self, m: CandidateMesh, price: planner.AllReduceTime,
-               between: float | None = None, weighted: float | None = None):
+               between: float | None = None, weightless: float = 1.0,
+               state: Sequence[Sequence[stepgraph.Leaf]] = ()):
     self.m, self.price = m, price
     self.cache: dict[tuple, float] = {}
     first = int(m.ids.ravel()[0])
@@ -119,14 +146,26 @@ class Pricer:
     # priced the second at the 3.06 ms prior, the collectives of tensor-parallel layouts 3x over
     if between is not None:
       self.step_latency = min(self.step_latency, MEETING_WAKE_S + MEETING_SPREAD * between)
-    # an FSDP weight's all-gather waits longer, for the devices' arrivals spread by the products
-    # before it: BackendCosts.gather_wait_products of the step's products weighted by their
-    # work (``weighted``, one such product's time per device). What it adds beyond the meeting
-    # above.
-    self.gather_wait = 0.0
-    if weighted is not None and costs.gather_wait_products > 0:
-      self.gather_wait = max(0.0, MEETING_WAKE_S + costs.gather_wait_products * weighted -
-                             self.step_latency)
+    # an FSDP weight's all-gather waits longer: for the last of its group's devices, whose
+    # arrivals are spread by the compute each did since they last met (gather_wait). The step's
+    # products over those that read a weight (``weightless`` >= 1): the products no weight
+    # reads (attention's scores) lie between the gathers too, shared among them in proportion.
+    self.gather_spread = costs.gather_spread
+    self.weightless = weightless
+    # the bytes the optimizer's update of the whole state (``state``: its tied groups) moves per
+    # step, replicated: what the devices run between the step's last meeting and the next
+    # step's first gather (a lookup table's)
+    self.state_update_bytes = sum(update_bytes(g, self.update_split) for g in state)
+
+  def gather_wait(self, between: float, group: int) -> float:
+    """What one FSDP all-gather over ``group`` devices waits beyond the meeting every collective
+    pays (``step_latency``), where ``between`` is the compute per device since those devices last
+    met: their wake-up and the last arrival of ``group`` arrivals spread about their mean by
+    ``BackendCosts.gather_spread`` of ``between`` (:func:`last_arrival`)."""
+    if self.gather_spread <= 0 or group < 2 or between <= 0:
+      return 0.0
+    return max(0.0, MEETING_WAKE_S + self.gather_spread * last_arrival(group) * between -
+               self.step_latency)
 
   def __call__(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
     axes = tuple(a for a in AXES if a in axes and self.m.size[a] > 1)
@@ -572,8 +611,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     times = 2 if regather else 1
     # a scanned stack is gathered one layer per loop iteration: one collective per layer
     per = use.layers if use is not None and use.layers > 1 else 1
-    acc(pr.overlappable, k, times * per * (pricer("all_gather", grad / per, zero, dtype) +
-                                           pricer.gather_wait))
+    acc(pr.overlappable, k, times * per * pricer("all_gather", grad / per, zero, dtype))
     acc(pr.bytes, f"all_gather[{k}]", times * grad)
     if regather:
       pr.gathered_peak = grad / max(1, use.layers)
@@ -581,6 +619,19 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       pr.memory["gathered"] = grad
     # (a table only read by lookups is not kept: the lookup's backward scatters into zeros and
     # never reads it, so its gathered copy dies with the forward's lookup)
+    if use is None and primary.index in graph.lookups:
+      # gathered for the step's first lookup, before any product: its devices last met at the
+      # previous step's last collective and have run the optimizer's update since, of the
+      # whole state at least the share they would update were all of it sharded like this
+      # table; the rest (all of it where the rest is replicated) depends on the other groups'
+      # layouts, and solver.evaluate adds it from the assignment's update (start_wait)
+      group = math.prod(m.size[a] for a in zero)
+      wait = pricer.gather_wait(pricer.state_update_bytes / group * pricer.stream_s_per_byte,
+                                group)
+      acc(pr.overlappable, k, wait)
+      if pricer.gather_spread > 0:
+        pr.start_gather = (k, pricer.gather_spread * last_arrival(group),
+                           MEETING_WAKE_S - pricer.step_latency, wait)
   elif zero and pricer.backend == "cpu":
     # a vocab-parallel table sharded over a batch axis on another dimension: the lookup reads
     # whole rows of the tokens that axis splits, so XLA:CPU gathers the table's 'tensor' shard
@@ -607,9 +658,22 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     fixed = (pricer.product_fixed_rows * use.flops / max(1, use.tokens) * batched *
              grad / max(1, primary.nbytes))
     pr.compute = (flops / batch_div + fixed) / m.peak_flops * pr.compute_scale
+    if zero and not vocab_axes:
+      # each of its gathers (one a pass, or one a layer and pass of a scanned stack) waits for
+      # the compute since the devices' previous meeting: where every weight is gathered where
+      # its products read it, the compute between two gathers is one weight's products (with
+      # its share of the products no weight reads), a pass's or one layer's; of a weight read
+      # at several depths (shared across layers), gathered once, its first depth's: the next
+      # weight's gather follows it, and the later depths' products have no gather between them
+      gathers = (2 if use.remat or use.layers > 1 else 1) * max(1, use.layers)
+      own = (use.flops / split / batch_div + fixed) / m.peak_flops * pr.compute_scale
+      between = own * pricer.weightless / gathers / max(1, use.grad_parts)
+      acc(pr.overlappable, axis_key(zero),
+          gathers * pricer.gather_wait(between, math.prod(m.size[a] for a in zero)))
   # the optimizer's update reads the parameter, its gradient and its moments and writes the
   # parameter and moments: each device updates its shard only (the work FSDP saves beside memory)
-  pr.compute += update_bytes(leaves, pricer.update_split) / shards * pricer.stream_s_per_byte
+  pr.update = update_bytes(leaves, pricer.update_split) / shards * pricer.stream_s_per_byte
+  pr.compute += pr.update
   # memory per device
   pr.memory["params"] = primary.nbytes / shards
   # A gradient is a temporary: whole before its reduction where the weight is gathered for
@@ -628,6 +692,15 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   pr.memory["outputs"] = 0.0 if donate else sum(lf.nbytes for lf in leaves) / shards
   pr.sliced = roles.tensor.sliced(ctx, zero, moved, uses)
   return pr
+
+
+def start_wait(start: tuple[str, float, float, float], update: float) -> float:
+  """What a gather at the step's start (``Price.start_gather``) waits beyond the price its
+  layout holds, where the devices ran ``update`` seconds of the optimizer's update since their
+  previous meeting (the assignment's, which one layout's price cannot know: it holds the least,
+  every group's update sharded as the table)."""
+  _, share, offset, priced = start
+  return max(0.0, max(0.0, offset + share * update) - priced)
 
 
 def update_bytes(leaves: Sequence[stepgraph.Leaf], split: float) -> float:

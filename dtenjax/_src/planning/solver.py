@@ -28,6 +28,7 @@ from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
 from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
+from dtenjax._src.planning.pricing import start_wait
 from dtenjax._src.planning.roles import BATCH_AXES
 from dtenjax._src.planning.roles import ROUTED_AXES
 from dtenjax._src.planning.roles import sequence
@@ -64,7 +65,10 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
   # the compute per device between two collectives is about one product's (the step's
   # products split over every device): what a collective's meeting can cost at most
   between = graph.flops / max(1, graph.products) / m.ids.size / m.peak_flops
-  pricer = Pricer(m, price, between, graph.weighted_product / m.ids.size / m.peak_flops)
+  # the step's products over those that read a weight (FSDP's gathers wait for both)
+  read = sum(u.flops for u in graph.weights.values())
+  pricer = Pricer(m, price, between, max(1.0, graph.flops / read) if read > 0 else 1.0,
+                  [[graph.leaves[i] for i in g] for g in graph.groups])
   groups = [g for g in graph.groups]
   cands, prices = [], []
   for g in groups:
@@ -121,11 +125,15 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
   sources, dests = pair_maps(graph)
   sliced = sliced_leaves(prob, choice, sources, dests, tp_of)
   compute = prob.compute_s
+  update, starts = 0.0, []
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     pr = prob.prices[gi][c]
     if g[0] in sliced:
       pr = pr.sliced[sliced[g[0]]]
     compute += pr.compute
+    update += pr.update
+    if pr.start_gather is not None:
+      starts.append(pr.start_gather)
     for k, v in pr.blocking.items():
       comm[k] = comm.get(k, 0.0) + v
       blocking += v
@@ -157,6 +165,11 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
         comm["tensor"] = comm.get("tensor", 0.0) + pr.ag_bwd
         blocking += pr.ag_bwd
         nbytes["all_gather[tensor]"] = nbytes.get("all_gather[tensor]", 0.0) + pr.ag_bwd_bytes
+  # a gather at the step's start waits for the update of this assignment (pricing.start_wait)
+  for start in starts:
+    extra = start_wait(start, update)
+    comm[start[0]] = comm.get(start[0], 0.0) + extra
+    overlappable += extra
   overlappable += prob.grad_latency_s
   for k, v in prob.fixed_bytes.items():
     nbytes[k] = nbytes.get(k, 0.0) + v

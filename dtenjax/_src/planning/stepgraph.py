@@ -120,11 +120,8 @@ class StepGraph:
   # slices, the bytes of the forward scan's carry, global); a pipeline's stages split one of them
   stacks: dict[int, tuple[dict[int, int], int]] = dataclasses.field(default_factory=dict)
 
-  # products (dot_general, convolutions) run per step, loop trips counted, and their flops
-  # weighted by their work (jaxpr_reader.Reader.product_sq over flops): a step's many small
-  # products (routers, a norm's) weigh little beside the large ones that take its time
+  # products (dot_general, convolutions) run per step, loop trips counted
   products: int = 0
-  weighted_product: float = 0.0
   # bytes the work beside the products moves per step, global (jaxpr_reader.Reader.token_bytes),
   # and (leaf, free dim) -> the share of them in that pair's cone (split with it when complete)
   token_bytes: float = 0.0
@@ -234,7 +231,6 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    reduced=frozenset(reduced),
                    stacks=stacks.read(reader.scans), timeline=timeline,
                    products=reader.products, token_bytes=reader.token_bytes,
-                   weighted_product=reader.product_sq / reader.flops if reader.flops else 0.0,
                    token_share=_token_share(reader, {**cones, **reduced}),
                    sequence=sequence_lib.read(closed.jaxpr, leaves))
 

@@ -88,11 +88,13 @@ class BackendCosts:
       and one for the parameter (it and every moment read, it written): 10 bytes per parameter
       byte for AdamW, against 7 for one fused loop (0). Read from XLA:CPU's compile of the
       update (``bench/step_planner.py --parts terms``'s note; tests/test_step_planner.py).
-    gather_wait_products: what an FSDP weight's all-gather inside the step waits for beyond
-      its own time, in products' time per device, the step's products weighted by their work
-      (the devices arrive spread by the compute before it). Measured on CPU devices: 1.9 and
-      2.0 on the 16-core host (encdec's and llama_loop's FSDP steps, 1.15 and 2.44 ms a gather;
-      docs/benchmarks.md, the sixteenth round); 0 prices the backend's meeting
+    gather_spread: how far the arrivals of a collective's devices spread about their mean, as a
+      share of the compute each did since they last met (one standard deviation): an FSDP
+      weight's all-gather waits for the last of its group (``pricing.last_arrival``: 1.42
+      standard deviations of 8 devices, 1.03 of 4). Fitted on CPU devices to the twelfth round's
+      split on the 16-core host, where plain FSDP's gathers over 8 devices waited 0.97 and 0.96
+      of the step's products (encdec, llama_loop): 0.68; its HSDP's, over 4, 0.61 and 0.71, 0.70
+      priced (docs/benchmarks.md, the seventeenth round); 0 prices the backend's meeting
       (``step_collective_us``) alone.
   """
   xla_collective_us: float
@@ -105,7 +107,7 @@ class BackendCosts:
   step_collective_us: float = 0.0
   product_fixed_rows: float = 0.0
   update_split: float = 0.0
-  gather_wait_products: float = 0.0
+  gather_spread: float = 0.0
 
   def __post_init__(self):
     bad = [f.name for f in dataclasses.fields(self)
@@ -140,7 +142,7 @@ BACKEND_COSTS: Mapping[str, BackendCosts] = {
     "cpu": BackendCosts(xla_collective_us=80.0, local_pass_us=5.0, local_bandwidth_gbps=1.35,
                         nvlink_kernel_us=INF, host_step_us=60.0, fixed_point_gbps=0.6,
                         overlap=0.0, step_collective_us=3000.0, update_split=1.0,
-                        gather_wait_products=2.0),
+                        gather_spread=0.68),
     "gpu": BackendCosts(xla_collective_us=18.0, local_pass_us=4.0, local_bandwidth_gbps=None,
                         nvlink_kernel_us=6.0, host_step_us=40.0, fixed_point_gbps=500.0),
     "tpu": BackendCosts(xla_collective_us=10.0, local_pass_us=3.0, local_bandwidth_gbps=None,

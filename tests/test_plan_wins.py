@@ -107,11 +107,11 @@ def test_the_default_plan_takes_the_encdec_layout_measured_faster_and_smaller(cp
     fastest = dtenjax.plan(step, *args, topology=_host(16))
   assert measure.same_layout(fastest, timed), (fastest.table(), timed.table())
   assert fastest.cost.memory["total"] == pytest.approx(best["mem_mib"] * 2**20, rel=0.10)
-  # the default is a leaner variant of it on the same mesh (step._leanest), priced within 5 %
-  # (timed beside it on the 2-core VM: 0.77x and 0.86x FSDP x TP, 6 % less memory; the
-  # seventeenth round in docs/benchmarks.md)
+  # the default is it or a leaner variant of it on the same mesh (step._leanest), priced within
+  # 5 % (the 2-core VM's priors give one: timed beside it there, 0.77x and 0.86x FSDP x TP with
+  # 6 % less memory; the seventeenth round in docs/benchmarks.md)
   assert plan.cost.total_s <= fastest.cost.total_s * 1.05
-  assert plan.cost.memory["total"] < fastest.cost.memory["total"]
+  assert plan.cost.memory["total"] <= fastest.cost.memory["total"]
 
 
 def test_under_its_budget_the_moe_plan_is_the_layout_measured_fastest_and_the_bound_prunes_none(

@@ -756,3 +756,23 @@ def test_the_rows_part_measures_the_cpu_time_of_a_products_rows():
   assert rows[1]["cpu_us"] > 4 * rows[0]["cpu_us"]
   assert rows[1]["line_us"] == pytest.approx(rows[1]["cpu_us"])   # two points: the line
   assert "rows of work that does not grow with the rows" in notes[0]
+
+
+def test_pins_given_as_a_list_for_a_list_argument_are_kept():
+  """An argument that is a list of weights, pinned by a list of PartitionSpecs in its own
+  structure: each weight keeps its pin (the pins were once read as one leaf and dropped, so the
+  weights were planned replicated)."""
+  d = 256
+
+  def step(w, x):
+    def loss(w):
+      y = x
+      for wl in w:
+        y = jnp.tanh(y @ wl)
+      return y.sum()
+    return jax.tree.map(lambda a, g: a - 0.1 * g, w, jax.grad(loss)(w))
+  w = [jax.ShapeDtypeStruct((d, d), jnp.float32) for _ in range(2)]
+  x = jax.ShapeDtypeStruct((512, d), jnp.float32)
+  pins = [P("fsdp"), P(None, "fsdp")]
+  plan = dtenjax.plan(step, w, x, mesh={"fsdp": 8}, pinned=[pins, None], memory_budget=1 << 40)
+  assert list(plan.specs[0]) == pins

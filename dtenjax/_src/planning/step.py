@@ -90,6 +90,14 @@ def _budget(topology: Topology, ids: Sequence[int], memory_budget: float | None)
   return min(mem) * (1.0 - reserve)
 
 
+class _Repeated:
+  """A pinned entry (a PartitionSpec or None) once per leaf of the subtree it covers; a leaf of
+  the pytree it sits in (a list here would be read as the user's own list of pins)."""
+
+  def __init__(self, spec, n: int):
+    self.specs = [spec] * n
+
+
 def _pinned_specs(pinned, args) -> dict[int, P]:
   """Leaf index -> the PartitionSpec the user pinned (a pytree prefix of args, None = plan)."""
   if pinned is None:
@@ -105,14 +113,13 @@ def _pinned_specs(pinned, args) -> dict[int, P]:
     n = len(jax.tree.leaves(arg))
     if tree is not None:
       try:
-        per_leaf = jax.tree.map(lambda s, sub: [s] * len(jax.tree.leaves(sub)), tree, arg,
-                                is_leaf=is_spec)
+        per_leaf = jax.tree.map(lambda s, sub: _Repeated(s, len(jax.tree.leaves(sub))), tree,
+                                arg, is_leaf=is_spec)
       except ValueError as e:
         raise errors.PlacementError(
             f"plan: pinned[{argnum}] is not a pytree prefix of argument {argnum} ({e}); give "
             "PartitionSpecs (or None) in the argument's own structure") from None
-      flat = [s for lst in jax.tree.leaves(per_leaf, is_leaf=lambda x: isinstance(x, list))
-              for s in lst]
+      flat = [s for r in jax.tree.leaves(per_leaf) for s in r.specs]
       for k, s in enumerate(flat):
         if isinstance(s, P):
           out[offset + k] = s

@@ -196,6 +196,11 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
       the measured step. Costs one compilation and a few steps per candidate; the plan's
       ``measured`` field and report give every candidate's time and compiled memory.
 
+  The plan is the fastest layout the model prices that fits the budget, or, where one priced
+  within 5 % of it (and no slower than any recipe or pipeline plan that fits) saves a larger
+  share of memory than the share of time it adds, the one of least memory of those (the
+  report's ``lean:`` note names both).
+
   Raises PlacementError when no layout fits the budget, naming the smallest shortfall."""
   t0 = time.perf_counter()
   if not callable(step):
@@ -367,7 +372,7 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   lean_notes: tuple[str, ...] = ()
   if recipe is None and best is not None:
     # the plan is the leanest priced near the fastest (solver.LEAN_MARGIN): each mesh that may
-    # have one (its lower bound within the ceiling) solved once for it
+    # have one (its search's bound within the ceiling) solved once more for it
     ceiling = _ceiling(best[4], candidates +
                        [s for s in solved if s[1].m.pipeline is not None and s[3].fits])
     leaner = [(shape, prob, choice, c) for (shape, prob), search in zip(problems, searches)
@@ -442,14 +447,12 @@ def _leanest(best, pool, ceiling: float) -> tuple[tuple, tuple[str, ...]]:
   if not pool:
     return best, ()
   shape, prob, choice, cost = min(pool, key=lambda p: (p[3].memory["total"], p[3].total_s))
-  mib = 2**20
-  note = (f"lean: {measure_lib.mesh_name(dict(zip(AXES, shape)))} needs {cost.memory['total'] / mib:.1f} MiB per "
-          f"device at {cost.total_s * 1e3:.3f} ms, against {fast.memory['total'] / mib:.1f} MiB "
-          f"at {fast.total_s * 1e3:.3f} ms for the fastest priced "
-          f"({measure_lib.mesh_name(dict(zip(AXES, shape0)))}): "
-          f"of the plans priced within {LEAN_MARGIN:.0%} of the fastest (and no slower than "
-          "the fastest recipe) that save a larger share of memory than of time they add, the "
-          "plan is the one of least memory")
+  mib, name = 2**20, lambda sh: measure_lib.mesh_name(dict(zip(AXES, sh)))
+  note = (f"lean: {name(shape)} needs {cost.memory['total'] / mib:.1f} MiB per device at "
+          f"{cost.total_s * 1e3:.3f} ms, against {m0 / mib:.1f} MiB at {t0 * 1e3:.3f} ms for "
+          f"the fastest priced ({name(shape0)}): of the plans priced within {LEAN_MARGIN:.0%} "
+          "of the fastest (and no slower than the fastest recipe) that save a larger share of "
+          "memory than of time they add, the plan is the one of least memory")
   return ((round(cost.total_s, 12), cost.memory["total"]), shape, prob, choice, cost), (note,)
 
 

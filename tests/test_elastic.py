@@ -260,3 +260,15 @@ def test_without_a_launcher_init_is_a_plain_single_process(monkeypatch):
   assert state == {"x": 1} and step == 0
   ctx.step_done(1, state)
   ctx.finish()                         # returns: nothing to leave
+
+
+def test_a_watchdog_of_several_processes_without_a_shared_store_is_refused():
+  """Without store= and without jax.distributed the beats would go to this process's own store:
+  every other rank would be reported lost after the timeout. Refused at construction, naming
+  the fix; one process, or an explicit store, is fine."""
+  with pytest.raises(dtenjax.ConfigurationError,
+                     match=r"world=2 processes, but no store= was given.*jax\.distributed\."
+                           r"initialize.*store=dtenjax\.elastic\.KVStore\(client\)"):
+    dtenjax.elastic.Watchdog(0, 2, print)
+  dtenjax.elastic.Watchdog(0, 1, print)
+  dtenjax.elastic.Watchdog(0, 2, print, store=kvstore.KVStore(kvstore.InMemoryClient()))

@@ -776,3 +776,40 @@ def test_pins_given_as_a_list_for_a_list_argument_are_kept():
   pins = [P("fsdp"), P(None, "fsdp")]
   plan = dtenjax.plan(step, w, x, mesh={"fsdp": 8}, pinned=[pins, None], memory_budget=1 << 40)
   assert list(plan.specs[0]) == pins
+
+
+def test_a_tables_start_wait_is_priced_at_most_what_any_assignment_waits():
+  """The program prices a start-of-step table gather's wait per layout, before the other
+  groups' layouts are known, so it must hold at most what any assignment waits (evaluate adds
+  the rest): with the weight sharded over `fsdp` 4 x `tensor` 2, the devices updated the table's
+  quarter and the weight's eighth since they last met (SGD: 3 bytes per parameter byte at 14
+  FLOP per byte of 5e10 FLOP/s), and a group of 4 waits 1.0294 spreads for its last arrival.
+  The price once assumed the whole state sharded like the table (a third over)."""
+  import numpy as np
+
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.solver import make_problem
+  from dtenjax._src.pricing import costmodel
+  from dtenjax._src.pricing import registry
+  vocab, d, rows = 4096, 256, 1024
+
+  def step(p, ids):
+    def loss(p):
+      return jnp.tanh(p["table"][ids] @ p["w"]).sum()
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p))
+
+  args = ({"table": jax.ShapeDtypeStruct((vocab, d), jnp.float32),
+           "w": jax.ShapeDtypeStruct((d, d), jnp.float32)},
+          jax.ShapeDtypeStruct((rows,), jnp.int32))
+  graph = stepgraph.read_step(step, args, (1,))
+  shape = (1, 1, 4, 1, 1, 2)                  # data, stage, fsdp, sequence, expert, tensor
+  m = CandidateMesh(shape, np.arange(8).reshape(shape), _sixteen_core_host())
+  prob = make_problem(graph, m, registry.AllReducePrices(), {}, 0.0, False)
+  table = next(gi for gi, g in enumerate(prob.groups) if "table" in graph.leaves[g[0]].path)
+  priced = [pr.start_gather[3] for lay, pr in zip(prob.cands[table], prob.prices[table])
+            if pr.start_gather is not None and lay.spec == ("fsdp", None)]
+  update = lambda nbytes: 3 * nbytes * 14 / 5e10
+  least = (costmodel.backend_costs("cpu").gather_spread * 1.0294 *
+           update(vocab * d * 4 / 4 + d * d * 4 / 8))
+  assert priced and 0 < priced[0] <= least * (1 + 1e-3), (priced, least)

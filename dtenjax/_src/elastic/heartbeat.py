@@ -46,11 +46,17 @@ class Watchdog:
     if not interval_s > 0 or not timeout_s > interval_s:
       problems.append(f"interval_s={interval_s!r} and timeout_s={timeout_s!r} must satisfy "
                       "0 < interval_s < timeout_s (a beat must fit in the timeout)")
+    store = given if given is not None else kvstore.KVStore()
+    if world > 1 and given is None and not store.distributed:
+      problems.append(f"world={world!r} processes, but no store= was given and jax.distributed "
+                      "is not initialised: the beats would stay in this process and every other "
+                      "rank would be reported lost; call jax.distributed.initialize(...) first, "
+                      "or pass store=dtenjax.elastic.KVStore(client)")
     if problems:
       raise errors.ConfigurationError(errors.join_problems("Watchdog cannot start:", problems))
     self.rank, self.world = rank, world
     self.on_lost = on_lost
-    self.store = given if given is not None else kvstore.KVStore()
+    self.store = store
     self.namespace = namespace.rstrip("/")
     self.interval_s, self.timeout_s = float(interval_s), float(timeout_s)
     self.step = 0

@@ -621,13 +621,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     # never reads it, so its gathered copy dies with the forward's lookup)
     if use is None and primary.index in graph.lookups:
       # gathered for the step's first lookup, before any product: its devices last met at the
-      # previous step's last collective and have run the optimizer's update since, of the
-      # whole state at least the share they would update were all of it sharded like this
-      # table; the rest (all of it where the rest is replicated) depends on the other groups'
-      # layouts, and solver.evaluate adds it from the assignment's update (start_wait)
+      # previous step's last collective and have run the optimizer's update since: this
+      # table's share of it, and of the rest of the state at least its share sharded over every
+      # device; the rest depends on the other groups' layouts, and solver.evaluate adds it
+      # from the assignment's update (start_wait)
       group = math.prod(m.size[a] for a in zero)
-      wait = pricer.gather_wait(pricer.state_update_bytes / group * pricer.stream_s_per_byte,
-                                group)
+      own = update_bytes(leaves, pricer.update_split)
+      floor = own / shards + (pricer.state_update_bytes - own) / m.ids.size
+      wait = pricer.gather_wait(floor * pricer.stream_s_per_byte, group)
       acc(pr.overlappable, k, wait)
       if pricer.gather_spread > 0:
         pr.start_gather = (k, pricer.gather_spread * last_arrival(group),

@@ -595,7 +595,9 @@ class CapSearch:
     self.prob, self.graph, self.budget, self.proposed = prob, graph, budget, proposed
     self.done = False
     self.choice: list[int] | None = None
+    self.fastest: list[int] | None = None     # without the budget (solved first)
     self._cost: StepCost | None = None
+    self._fastest_cost: StepCost | None = None
     self._floor = lower_bound(prob)
     self._fit = math.inf
     self._exact = _backend(prob.m) != "cpu"
@@ -620,6 +622,17 @@ class CapSearch:
     if self.choice is not None and self._cost is None:
       self._cost = evaluate(self.prob, self.choice, self.graph, self.budget)
     return self._cost
+
+  def fastest_cost(self) -> StepCost | None:
+    """:func:`evaluate`'s cost of the mesh's fastest assignment without the budget (None before
+    the search's first program): its time and memory do not depend on the budget."""
+    if self.fastest is None:
+      return None
+    if self.fastest is self.choice:
+      return self.cost()
+    if self._fastest_cost is None:
+      self._fastest_cost = evaluate(self.prob, self.fastest, self.graph, self.budget)
+    return self._fastest_cost
 
   def advance(self) -> None:
     """Solve the next program (or end the search)."""
@@ -649,10 +662,11 @@ class CapSearch:
   def _search(self):
     prob, graph, budget = self.prob, self.graph, self.budget
     fastest, floor = solve_bounded(prob, graph, 0.0, proposed=self.proposed)
+    self.fastest = fastest
     if fastest is None or not budget:
       self.choice = fastest
       return
-    cost = evaluate(prob, fastest, graph, budget)
+    cost = self._fastest_cost = evaluate(prob, fastest, graph, budget)
     if cost.fits:
       self.choice, self._cost = fastest, cost
       return
@@ -907,23 +921,21 @@ def _choice(prob: Problem, program: _Program, res) -> list[int] | None:
           for gi, cands in enumerate(prob.cands)]
 
 
-def solve_lean(prob: Problem, graph: stepgraph.StepGraph, budget: float, ceiling: float,
+def solve_lean(prob: Problem, graph: stepgraph.StepGraph, ceiling: float,
                proposed: bool = True) -> list[int] | None:
   """The assignment of least memory (the program's memory row) whose step the program prices
-  at most ``ceiling`` seconds and whose row fits ``budget`` (0: none), the faster of equals;
-  None when there is none. One program: the memory objective under a row on the time
-  objective (the time objective's terms plus the constants of :func:`solve_bounded`'s bound).
-  The row over-counts activations (see :class:`CapSearch`), so the caller checks the answer
-  with :func:`evaluate`."""
+  at most ``ceiling`` seconds, the faster of equals; None when there is none. One program: the
+  memory objective under a row on the time objective (the time objective's terms plus the
+  constants of :func:`solve_bounded`'s bound). No budget is put on the memory row, which
+  over-counts activations (see :class:`CapSearch`) and would refuse layouts that fit: the
+  caller checks the answer's memory and time with :func:`evaluate`."""
   from scipy import sparse
   if proposed not in prob.programs:
     prob.programs[proposed] = _program(prob, graph, proposed)
   program = prob.programs[proposed]
   if program is None:
     return None
-  a, lo, hi = program.capped
-  hi = hi.copy()
-  hi[-1] = budget - sum(prob.fixed_memory.values()) if budget else np.inf
+  a, lo, hi = program.rows
   time_row = program.costs["time"]
   spare = ceiling - prob.compute_s - sum(prob.fixed_blocking.values())
   a = sparse.csc_array(sparse.vstack([a, sparse.csr_array(time_row[None, :])]))

@@ -185,9 +185,9 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     donate: the step is jitted with its state donated (``donate_argnums``), so its new state
       reuses the old one's memory; default False, as ``jax.jit``: outputs count as a copy.
     measure: False (default) to choose by the cost model alone; True (or a number of timed
-      rounds, default 6) to compile the model's choice, its runner-ups (the best plan of each
-      other mesh priced within ``measure.RUNNER_UP_MARGIN`` of it, at most
-      ``measure.RUNNER_UPS``) and every layout a user writes that may fit (``measure.may_fit``;
+      rounds, default 6) to compile the model's choice, its runner-ups (the model's fastest
+      where the choice is a leaner plan, and the best plan of each other mesh priced within
+      ``measure.RUNNER_UP_MARGIN`` of it, at most ``measure.RUNNER_UPS``) and every layout a user writes that may fit (``measure.may_fit``;
       ``measure.user_layouts``: DP, FSDP, TP, FSDP x TP at every split of a fast island, HSDP;
       the recipes on ``mesh`` when one is given), run each on the devices planned for (on
       random arrays when ``args`` are abstract) in shuffled rounds, and keep the fastest whose
@@ -246,6 +246,7 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   problems: list[tuple[tuple[int, int, int], Problem]] = []
   staged: list[tuple[tuple[int, ...], CandidateMesh]] = []
   pruned: list[tuple[float, CandidateMesh]] = []
+  stopped: list[float] = []              # bounds of meshes with stages whose search stopped
   for shape in shapes:
     m = _with_pipeline(CandidateMesh(shape, np.asarray(ordered).reshape(shape), topology), graph,
                        budget, fixed_mesh is not None)
@@ -342,9 +343,12 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
                      default=math.inf)
     if search.run(max(best[0][0] if best is not None else math.inf, staged_top)):
       record(shape, prob, search.choice, lambda search=search: search.least, search.cost())
+    else:
+      stopped.append(search.bound)       # its plan would be at least this slow
   island = min((len(i) for i in topology.fast_islands()), default=1)
   recipes = []
   candidates = []                        # the recipes that may be the plan
+  unbudgeted = []                        # the recipes that could be it without the budget
   by_shape = {shape: prob for shape, prob in problems}
   for name in RECIPES:
     shape = recipe_shape(name, len(ids), island)
@@ -364,24 +368,30 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     # a recipe that fits is a candidate of the program; this keeps the promise "never worse
     # than the best recipe that fits" exact where the solver's tolerances round
     key = (round(cost.total_s, 12), cost.memory["total"])
-    if (recipe is None and cost.fits and
-        (fixed_mesh is not None or uses_its_axes(prob, rchoice, graph))):
-      candidates.append((shape, prob, rchoice, cost))
-      if best is None or key < best[0]:
-        best = (key, shape, prob, rchoice, cost)
+    if recipe is None and (fixed_mesh is not None or uses_its_axes(prob, rchoice, graph)):
+      unbudgeted.append(cost)
+      if cost.fits:
+        candidates.append((shape, prob, rchoice, cost))
+        if best is None or key < best[0]:
+          best = (key, shape, prob, rchoice, cost)
   lean_notes: tuple[str, ...] = ()
   if recipe is None and best is not None:
-    # the plan is the leanest priced near the fastest (solver.LEAN_MARGIN): each mesh that may
-    # have one (its search's bound within the ceiling) solved once more for it
-    ceiling = _ceiling(best[4], candidates +
-                       [s for s in solved if s[1].m.pipeline is not None and s[3].fits])
+    # the plan is the leanest priced near the fastest (solver.LEAN_MARGIN), the fastest
+    # without the budget, so that a budget the plan fits does not change it; each mesh that may
+    # hold one (its search's bound within the ceiling) is solved once more for it
+    free = min([c for s in searches if (c := s.fastest_cost()) is not None] + unbudgeted +
+               [best[4]], key=lambda c: c.total_s)
+    staged_bounds = [b for b, _ in pruned] + stopped
+    ceiling = min([max(best[4].total_s, free.total_s * (1 + LEAN_MARGIN))] +
+                  [c.total_s for *_, c in candidates] + staged_bounds +
+                  [c.total_s for _, p, _, c in solved if p.m.pipeline is not None and c.fits])
     leaner = [(shape, prob, choice, c) for (shape, prob), search in zip(problems, searches)
               if search.bound <= ceiling
-              for choice in [solve_lean(prob, graph, budget, ceiling, proposed)]
+              for choice in [solve_lean(prob, graph, ceiling, proposed)]
               if choice is not None
               for c in [evaluate(prob, choice, graph, budget)]]
     plain = [s for s in solved if s[1].m.pipeline is None]   # stages change how the step is written
-    best, lean_notes = _leanest(best, leaner + plain + candidates, ceiling)
+    best, lean_notes = _leanest(best, free, leaner + plain + candidates, ceiling)
   if best is None and shortfall is None:
     raise errors.PlacementError(
         f"plan: every mesh of {len(ids)} devices tried "
@@ -426,33 +436,28 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
                         overlap=overlap, donate=donate))
 
 
-def _ceiling(fastest: StepCost, alternatives) -> float:
-  """The slowest step (seconds) the plan may be priced at: within :data:`LEAN_MARGIN` of the
-  fastest plan found, and never above an alternative the report lists that fits (a recipe, or
-  a mesh with pipeline stages; ``(shape, prob, choice, cost)``), so the plan still beats or
-  matches each."""
-  return min([fastest.total_s * (1 + LEAN_MARGIN)] + [c.total_s for *_, c in alternatives])
-
-
-def _leanest(best, pool, ceiling: float) -> tuple[tuple, tuple[str, ...]]:
+def _leanest(best, free: StepCost, pool, ceiling: float) -> tuple[tuple, tuple[str, ...]]:
   """The plan of least memory of ``pool`` (``(shape, prob, choice, cost)``) that fits, is
-  priced at most ``ceiling`` seconds (:func:`_ceiling`) and saves a larger share of the fastest
-  plan's memory than the share of its time it adds, the faster of equals; else ``best`` (the
-  fastest, as ``plan``'s ``best``). With the report's note when it is not ``best``."""
+  priced at most ``ceiling`` seconds, needs less memory than ``best`` (the fastest that fits,
+  as ``plan``'s ``best``) and saves a larger share of the memory of ``free`` (the fastest
+  without the budget) than the share of its time it adds, the faster of equals; else ``best``.
+  With the report's note when it is not ``best``."""
   _, shape0, _, _, fast = best
-  t0, m0 = fast.total_s, fast.memory["total"]
+  t0, m0 = free.total_s, free.memory["total"]
   # a slower plan must save a larger share of the memory than the share of time it costs
   pool = [p for p in pool if p[3].fits and p[3].total_s <= ceiling and
-          1 - p[3].memory["total"] / m0 > p[3].total_s / t0 - 1]
+          p[3].memory["total"] < fast.memory["total"] and
+          (m0 - p[3].memory["total"]) * t0 > (p[3].total_s - t0) * m0]
   if not pool:
     return best, ()
   shape, prob, choice, cost = min(pool, key=lambda p: (p[3].memory["total"], p[3].total_s))
   mib, name = 2**20, lambda sh: measure_lib.mesh_name(dict(zip(AXES, sh)))
   note = (f"lean: {name(shape)} needs {cost.memory['total'] / mib:.1f} MiB per device at "
-          f"{cost.total_s * 1e3:.3f} ms, against {m0 / mib:.1f} MiB at {t0 * 1e3:.3f} ms for "
-          f"the fastest priced ({name(shape0)}): of the plans priced within {LEAN_MARGIN:.0%} "
-          "of the fastest (and no slower than the fastest recipe) that save a larger share of "
-          "memory than of time they add, the plan is the one of least memory")
+          f"{cost.total_s * 1e3:.3f} ms, against {fast.memory['total'] / mib:.1f} MiB at "
+          f"{fast.total_s * 1e3:.3f} ms for the fastest priced that fits ({name(shape0)}): of "
+          f"the plans priced within {LEAN_MARGIN:.0%} of the fastest and no slower than any "
+          "recipe or pipeline plan that fits, those that save a larger share of memory than of "
+          "time they add, the plan is the one of least memory")
   return ((round(cost.total_s, 12), cost.memory["total"]), shape, prob, choice, cost), (note,)
 
 

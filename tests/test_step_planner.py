@@ -553,15 +553,9 @@ def _waits(step, args, mesh, pinned):
   return price() - unwaited
 
 
-def test_a_gathered_lookup_table_waits_for_the_update_since_the_previous_step():
-  """A table only looked up is gathered at the step's start, before any product: its devices
-  last met at the previous step's last collective and have run the optimizer's update since,
-  the whole state's where the table is sharded alone (SGD: 3 bytes per parameter byte, streamed
-  at 14 FLOP per byte of 5e10 FLOP/s), an eighth of it where the weight is sharded too (whose
-  gather then waits for its own products: forward, its gradient and its input's)."""
-  from dtenjax._src.pricing import costmodel
-  vocab, d, rows = 4096, 256, 1024
-
+def _table_then_weight(vocab: int, d: int, rows: int):
+  """An SGD step of a table only looked up (``rows`` token ids) whose rows a ``d x d`` weight
+  reads: (step, abstract args)."""
   def step(p, ids):
     def loss(p):
       return jnp.tanh(p["table"][ids] @ p["w"]).sum()
@@ -570,6 +564,18 @@ def test_a_gathered_lookup_table_waits_for_the_update_since_the_previous_step():
   args = ({"table": jax.ShapeDtypeStruct((vocab, d), jnp.float32),
            "w": jax.ShapeDtypeStruct((d, d), jnp.float32)},
           jax.ShapeDtypeStruct((rows,), jnp.int32))
+  return step, args
+
+
+def test_a_gathered_lookup_table_waits_for_the_update_since_the_previous_step():
+  """A table only looked up is gathered at the step's start, before any product: its devices
+  last met at the previous step's last collective and have run the optimizer's update since,
+  the whole state's where the table is sharded alone (SGD: 3 bytes per parameter byte, streamed
+  at 14 FLOP per byte of 5e10 FLOP/s), an eighth of it where the weight is sharded too (whose
+  gather then waits for its own products: forward, its gradient and its input's)."""
+  from dtenjax._src.pricing import costmodel
+  vocab, d, rows = 4096, 256, 1024
+  step, args = _table_then_weight(vocab, d, rows)
   share = costmodel.backend_costs("cpu").gather_spread * 1.4236
   update = lambda nbytes: 3 * nbytes * 14 / 5e10
   table, w = vocab * d * 4, d * d * 4
@@ -793,15 +799,7 @@ def test_a_tables_start_wait_is_priced_at_most_what_any_assignment_waits():
   from dtenjax._src.pricing import costmodel
   from dtenjax._src.pricing import registry
   vocab, d, rows = 4096, 256, 1024
-
-  def step(p, ids):
-    def loss(p):
-      return jnp.tanh(p["table"][ids] @ p["w"]).sum()
-    return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p))
-
-  args = ({"table": jax.ShapeDtypeStruct((vocab, d), jnp.float32),
-           "w": jax.ShapeDtypeStruct((d, d), jnp.float32)},
-          jax.ShapeDtypeStruct((rows,), jnp.int32))
+  step, args = _table_then_weight(vocab, d, rows)
   graph = stepgraph.read_step(step, args, (1,))
   shape = (1, 1, 4, 1, 1, 2)                  # data, stage, fsdp, sequence, expert, tensor
   m = CandidateMesh(shape, np.arange(8).reshape(shape), _sixteen_core_host())

@@ -549,8 +549,8 @@ def row_memory(prob: Problem, choice: Sequence[int]) -> float:
 
 
 # The plan a step gets is the one of least memory among those priced within this share of the
-# fastest (and never above the fastest recipe that fits): two layouts priced closer than the
-# model can tell apart are as fast, and the smaller leaves the user memory (for a larger batch,
+# fastest without the budget (and never above a recipe or pipeline plan that fits; step._leanest):
+# two layouts priced closer than the model can tell apart are as fast, and the smaller leaves the user memory (for a larger batch,
 # or headroom against fragmentation). Over the layouts timed on the 16-core host and the 2-core
 # VM, pairs priced within 5 % were measured in either order (measure.RUNNER_UP_MARGIN's note);
 # the benchmark's "as fast" is the same 5 % (bench/step_planner.py, the wins clause).
@@ -879,9 +879,7 @@ def solve_bounded(prob: Problem, graph: stepgraph.StepGraph, budget: float,
   where there is none): for the time objective a step time (seconds), HiGHS's dual bound plus
   the terms no layout changes; for the memory objective HiGHS's dual bound of the memory row
   (bytes per device, without the fixed memory)."""
-  if proposed not in prob.programs:
-    prob.programs[proposed] = _program(prob, graph, proposed)
-  program = prob.programs[proposed]
+  program = _program_of(prob, graph, proposed)
   if program is None:
     return None, -math.inf
   if objective == "memory":
@@ -900,6 +898,13 @@ def solve_bounded(prob: Problem, graph: stepgraph.StepGraph, budget: float,
   if objective == "memory":
     return choice, dual
   return choice, dual + prob.compute_s + sum(prob.fixed_blocking.values())
+
+
+def _program_of(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Program | None:
+  """The mesh's program (:func:`_program`), built on its first solve and kept on ``prob``."""
+  if proposed not in prob.programs:
+    prob.programs[proposed] = _program(prob, graph, proposed)
+  return prob.programs[proposed]
 
 
 def _milp(program: _Program, c: np.ndarray, a, lo: np.ndarray, hi: np.ndarray, gap=None):
@@ -930,9 +935,7 @@ def solve_lean(prob: Problem, graph: stepgraph.StepGraph, ceiling: float,
   over-counts activations (see :class:`CapSearch`) and would refuse layouts that fit: the
   caller checks the answer's memory and time with :func:`evaluate`."""
   from scipy import sparse
-  if proposed not in prob.programs:
-    prob.programs[proposed] = _program(prob, graph, proposed)
-  program = prob.programs[proposed]
+  program = _program_of(prob, graph, proposed)
   if program is None:
     return None
   a, lo, hi = program.rows

@@ -97,6 +97,9 @@ class Meeting:
   nbytes: int                     # bytes all-reduced per step, all its reductions together
   count: int                      # all-reduces per step (loop trips counted)
   payer: int | None               # the weight read by the last product before it (its price)
+  # the flops of the products since the previous meeting (the step's start for the first; global,
+  # per step): what spreads the devices' arrivals here
+  since: float = 0.0
 
 
 class _UnionFind:
@@ -435,7 +438,11 @@ class Reader:
       after = [e for e in self.product_events if e[0] > order and e[2]]
       payer = before[-1][2][0] if before else (after[0][2][0] if after else None)
       out.append(Meeting(order, sum(r[2] for r in found), max(r[3] for r in found), payer))
-    return sorted(out, key=lambda mt: mt.order)
+    out.sort(key=lambda mt: mt.order)
+    return [dataclasses.replace(mt, since=sum(f for o, f, _ in self.product_events
+                                              if (k == 0 or out[k - 1].order < o) and
+                                              o < mt.order))
+            for k, mt in enumerate(out)]
 
   def since_meeting(self, meetings: Sequence[Meeting]) -> dict[int, float]:
     """Weight leaf -> the flops of the products between the last meeting before its first

@@ -596,11 +596,17 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # that splits the batch, whatever the weights' layouts (the convnet family's DP and FSDP steps
   # on 8 CPU devices: 24 all-reduces of 10752 bytes in all, the forward's two a norm between its
   # convolution and the next, the backward's two likewise), and nothing moves on with the step
-  # until every device has arrived
+  # until every device has arrived: at each, the wake-up and the spread of the compute since the
+  # previous one (a product's, or none between the two of one norm), at most what any collective
+  # between products is priced to wait (Pricer.step_latency)
   meet = [a for a in BATCH_AXES if m.size[a] > 1]
   for mt in graph.meetings:
     if mt.payer in group and meet:
-      ctx.add("all_reduce", mt.nbytes / mt.count, meet, blocking=True, times=mt.count)
+      since = mt.since / mt.count / batch_div / m.peak_flops
+      own = min(pricer.step_latency, MEETING_WAKE_S + MEETING_SPREAD * since)
+      time = pricer("all_reduce", mt.nbytes / mt.count, meet, dtype) - pricer.step_latency + own
+      acc(pr.blocking, axis_key(meet), mt.count * time)
+      acc(pr.bytes, f"all_reduce[{axis_key(meet)}]", mt.nbytes)
   # FSDP: the parameter gathered for the forward; XLA keeps the gathered copy for the backward
   # (one all-gather per step, the copy live in between)
   # a table only read by lookups, sharded over the dimension they index (vocab-parallel): each

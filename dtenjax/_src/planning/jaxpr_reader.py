@@ -45,7 +45,7 @@ _SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Primitives whose output has the shape and dimensions of their first operand (or of every
 # operand): a dimension that carries the batch keeps carrying it
 _SAME_DIMS = frozenset(("cumsum", "cumlogsumexp", "cummax", "cummin", "cumprod", "sort", "rev",
-                        "pad", "slice", "dynamic_slice", "dynamic_update_slice", "clamp",
+                        "pad", "slice", "dynamic_slice", "dynamic_update_slice",
                         "reduce_window_sum", "reduce_window_max", "reduce_window_min",
                         "select_and_scatter_add", "select_and_gather_add", "argsort"))
 # jax.checkpoint's primitive (its name differs between JAX versions)
@@ -516,25 +516,27 @@ def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]]
     ibatch = tuple(getattr(dn, "start_indices_batching_dims", ()))
     windows = [d for d in range(len(shapes[0])) if d not in dn.collapsed_slice_dims and
                d not in obatch]
-    index_dims = [d for d in range(len(shapes[1])) if d != len(shapes[1]) - 1]
+    index_dims = list(range(len(shapes[1]) - 1))     # the indices' last is the index vector
+    if len(rest) != len(index_dims) or len(offset) != len(windows):
+      return none, False
     dims = {offset[windows.index(d)] for d in ins[0] if d in windows}
     dims |= {rest[index_dims.index(ibatch[obatch.index(d)])] for d in ins[0] if d in obatch}
     dims |= {rest[index_dims.index(d)] for d in ins[1] if d in index_dims}
     return [frozenset(dims)], False
   if name.startswith("scatter"):
     # the operand's dimensions stay; the updates' rows added into it lose theirs (an embedding
-    # table's gradient), but a batching dimension the updates share with the operand keeps it
+    # table's gradient), but a batching dimension the indices and updates share with the operand
+    # keeps it (take_along_axis's gradient)
     dn = p["dimension_numbers"]
     obatch = tuple(getattr(dn, "operand_batching_dims", ()))
     ibatch = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
     scattered = [d for d in range(len(shapes[2])) if d not in dn.update_window_dims]
-    index_dims = [d for d in range(len(shapes[1])) if d != len(shapes[1]) - 1]
-    dims = set(ins[0])
+    if len(scattered) != len(shapes[1]) - 1:         # one a dimension of the indices but the last
+      return none, False
+    dims = set(ins[0]) | {obatch[ibatch.index(d)] for d in ins[1] if d in ibatch}
     for d in ins[2]:
-      if d in scattered:
-        k = index_dims[scattered.index(d)] if scattered.index(d) < len(index_dims) else None
-        if k in ibatch:
-          dims.add(obatch[ibatch.index(k)])
+      if d in scattered and scattered.index(d) in ibatch:
+        dims.add(obatch[ibatch.index(scattered.index(d))])
     lost = any(d in scattered for d in ins[2]) and not dims
     return [frozenset(dims)] * n, lost
   return none, False

@@ -138,7 +138,7 @@ class StepGraph:
   # split the batch (jaxpr_reader.Meeting), in walk order; and weight leaf -> the flops of the
   # products between the last of them before its first product and that product (global, per
   # step; absent where none comes before it): the compute its FSDP gather waits for
-  meetings: tuple[jaxpr_reader.Meeting, ...] = ()
+  meetings: tuple[Meeting, ...] = ()
   since_meeting: dict[int, float] = dataclasses.field(default_factory=dict)
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:

@@ -2,6 +2,7 @@
 predictions compare with what XLA compiles."""
 
 import functools
+import math
 import pathlib
 import sys
 
@@ -611,6 +612,129 @@ def test_a_weight_read_at_every_depth_waits_for_one_depths_products():
   step, args, pinned = make(True)
   assert apart > 0 and _waits(step, args, {"fsdp": 8}, pinned) == pytest.approx(
       apart / depths, rel=1e-6)
+
+
+def _batch_norm_step(channels=(8, 16), batch=16, image=8):
+  """An SGD step of two convolutions, each followed by batch norm's statistics over the batch
+  and the image (the convnet family's block, small): (step, abstract args)."""
+  def loss(p, x):
+    for i in range(len(channels)):
+      y = jax.lax.conv_general_dilated(x, p[f"c{i}"], (1, 1), "SAME",
+                                       dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      mean, var = jnp.mean(y, (0, 1, 2)), jnp.var(y, (0, 1, 2))
+      x = jax.nn.relu((y - mean) * jax.lax.rsqrt(var + 1e-5))
+    return jnp.mean(x ** 2)     # the loss reduces over the batch too, and meets nothing
+
+  def step(p, x):
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p, x))
+  params, cin = {}, 3
+  for i, c in enumerate(channels):
+    params[f"c{i}"] = jax.ShapeDtypeStruct((3, 3, cin, c), jnp.float32)
+    cin = c
+  return step, (params, jax.ShapeDtypeStruct((batch, image, image, 3), jnp.float32))
+
+
+def test_the_reader_finds_batch_norms_meetings_between_the_convolutions(cpu_devices):
+  """Each batch norm meets the devices four times where the batch is split: in the forward its
+  mean's and its variance's mean's sums (2 C floats), then the variance's sum over the centred
+  values (C); in the backward the cotangents' sums through the normalisation (2 C), then the
+  variance's mean's (C): 6 C floats in four all-reduces. The compiled DP step on 8 devices
+  all-reduces exactly that beside the weights' gradients, and a convolution after a norm is
+  met right before its product (no product since), the first one not."""
+  del cpu_devices
+  channels = (8, 16)
+  step, args = _batch_norm_step(channels)
+  g = stepgraph.read_step(step, args, (1,))
+  assert len(g.meetings) == 4 * len(channels), g.meetings
+  assert sum(mt.count for mt in g.meetings) == 4 * len(channels)
+  assert sum(mt.nbytes for mt in g.meetings) == 6 * 4 * sum(channels)
+  c0, c1 = (next(lf.index for lf in g.leaves if lf.path == f"[0]['c{i}']") for i in (0, 1))
+  assert c0 not in g.since_meeting and g.since_meeting[c1] == 0.0, g.since_meeting
+  # the forward's two meetings of the first norm come after its convolution and before the next
+  assert [mt.payer for mt in g.meetings[:4]] == [c0, c0, c1, c1], g.meetings
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+  shard = lambda spec: jax.sharding.NamedSharding(mesh, spec)
+  compiled = jax.jit(step, in_shardings=(shard(P()), shard(P("data"))),
+                     out_shardings=shard(P())).lower(*args).compile()
+  reduces = [c for c in dtenjax.explain(compiled).collectives if c.kind == "all_reduce"]
+  grads = sum(math.prod(a.shape) * 4 for a in args[0].values())
+  assert sum(c.nbytes for c in reduces) - grads == 6 * 4 * sum(channels)
+  assert len(reduces) - 1 == 4 * len(channels)        # one all-reduce of the gradients
+
+
+def test_a_transformer_step_meets_nowhere_but_a_statistic_over_its_batch_is_found(cpu_devices):
+  """The transformer families' reductions over the batch (the loss's mean, the weights'
+  gradients) feed no later work on the batch: no meetings. The reader follows the batch through
+  their lookups, attention and norms: subtracting the mean over the batch after the first block
+  of a small Llama step makes two (its forward's, its cotangent's in the backward) of (seq x d)
+  floats each."""
+  del cpu_devices
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+  import _families
+  for name in ("llama_scan", "llama_loop", "encdec", "moe", "shared"):
+    step, args = _families.FAMILIES[name]().make()
+    assert stepgraph.read_step(step, args, (2,)).meetings == (), name
+  seq, d = 16, 32
+
+  def step(p, ids):
+    def loss(p):
+      x = jnp.take(p["embed"], ids, axis=0)                         # (batch, seq, d)
+      q, k = x @ p["wq"], x @ p["wk"]
+      att = jax.nn.softmax(jnp.einsum("bsd,btd->bst", q, k), -1)
+      x = x + jnp.einsum("bst,btd->bsd", att, x)
+      x = x - jnp.mean(x, 0)                                      # a statistic over the batch
+      x = x * jax.lax.rsqrt(jnp.mean(x ** 2, -1, keepdims=True) + 1e-5)
+      return jnp.mean(x @ p["out"])
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p))
+  params = {n: jax.ShapeDtypeStruct(s, jnp.float32)
+            for n, s in (("embed", (64, d)), ("wq", (d, d)), ("wk", (d, d)), ("out", (d, 8)))}
+  g = stepgraph.read_step(step, (params, jax.ShapeDtypeStruct((8, seq), jnp.int32)), (1,))
+  assert [mt.nbytes for mt in g.meetings] == [seq * d * 4] * 2, g.meetings
+
+
+def test_a_batch_norms_all_reduces_are_priced_as_xla_compiles_them(cpu_devices):
+  """The DP plan of the batch-norm step predicts the all-reduce bytes XLA compiles: the
+  weights' gradients and the norms' statistics (which the prediction missed before)."""
+  del cpu_devices
+  step, args = _batch_norm_step()
+  plan = dtenjax.plan(step, *args, mesh={"data": 8})
+  check = plan.check(step, *args, compiler_options=compile_only.LLVM_O0)
+  grads = sum(math.prod(a.shape) * 4 for a in args[0].values())
+  assert check.compiled_bytes["all_reduce"] == grads + 6 * 4 * (8 + 16), check.table()
+  assert check.predicted_bytes["all_reduce"] == pytest.approx(
+      check.compiled_bytes["all_reduce"], rel=1e-9), check.table()
+
+
+def test_an_fsdp_gather_after_a_batch_meeting_waits_for_the_products_since_it():
+  """Where the devices meet over the batch between two products (a statistic over the batch
+  that the next layer reads), a weight gathered after the meeting waits for the compute since
+  it, not for its own products: the weight right after it for nothing, the one after that for
+  the first one's forward product (2 x rows x d x d FLOP at 5e10 FLOP/s per device of 8, its
+  arrivals spread 0.68 x 1.4236 of it). Without the meeting both wait for their products."""
+  from dtenjax._src.pricing import costmodel
+  d, rows = 256, 1024
+
+  def make(meet):
+    def step(p, x):
+      def loss(p):
+        y = jnp.tanh(x @ p["v"])
+        if meet:
+          y = y - jnp.mean(y, 0)
+        y = jnp.tanh(y @ p["w1"])
+        return jnp.tanh(y @ p["w2"]).sum()
+      return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p))
+    params = {n: jax.ShapeDtypeStruct((d, d), jnp.float32) for n in ("v", "w1", "w2")}
+    return step, (params, jax.ShapeDtypeStruct((rows, d), jnp.float32))
+
+  def waits(meet, sharded):
+    step, args = make(meet)
+    pinned = [{n: P("fsdp", None) if n == sharded else P() for n in args[0]}, None]
+    return _waits(step, args, {"fsdp": 8}, pinned)
+
+  spread = costmodel.backend_costs("cpu").gather_spread * 1.4236
+  assert waits(True, "w1") == 0.0
+  assert waits(True, "w2") == pytest.approx(spread * 2 * rows * d * d / 8 / 5e10, rel=2e-3)
+  assert waits(False, "w1") > 0.0 and waits(False, "w2") > waits(True, "w2")
 
 
 def _bench_step_planner():

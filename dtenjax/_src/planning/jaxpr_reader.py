@@ -42,6 +42,12 @@ CUSTOM_DERIVATIVE_CALLS = frozenset(("custom_jvp_call", "custom_vjp_call", "cust
 _ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
                       "reduce_precision"))
 _SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Primitives whose output has the shape and dimensions of their first operand (or of every
+# operand): a dimension that carries the batch keeps carrying it
+_SAME_DIMS = frozenset(("cumsum", "cumlogsumexp", "cummax", "cummin", "cumprod", "sort", "rev",
+                        "pad", "slice", "dynamic_slice", "dynamic_update_slice",
+                        "reduce_window_sum", "reduce_window_max", "reduce_window_min",
+                        "select_and_scatter_add", "select_and_gather_add", "argsort"))
 # jax.checkpoint's primitive (its name differs between JAX versions)
 _REMAT = frozenset(("checkpoint", "remat", "remat2"))
 
@@ -78,6 +84,22 @@ class WeightUse:
   # input gradients are added before any reduction (XLA reassociates all-reduce(a) +
   # all-reduce(b) into all-reduce(a + b)), so column-parallel siblings share one all-reduce
   siblings: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Meeting:
+  """Reductions over the batch's dimension 0 whose result later work on the batch's values
+  reads (batch norm's statistics in the forward, their cotangents' sums in the backward): where
+  the batch axes split the batch, XLA all-reduces them over those axes and every device waits
+  there for the others. Reductions one after another on the same values (a variance after its
+  mean) are separate meetings; independent ones at the same depth XLA combines into one."""
+  order: int                      # the walk's position of its first reduction (Reader.eqn_count)
+  nbytes: int                     # bytes all-reduced per step, all its reductions together
+  count: int                      # all-reduces per step (loop trips counted)
+  payer: int | None               # the weight read by the last product before it (its price)
+  # the flops of the products since the previous meeting (the step's start for the first; global,
+  # per step): what spreads the devices' arrivals here
+  since: float = 0.0
 
 
 class _UnionFind:
@@ -173,6 +195,19 @@ class Reader:
     # between calls of the same jitted function (jnp.einsum's), so a body's values stand for a
     # different call's values at each call site: the frames say which.
     self.frames: tuple[tuple[Any, Any], ...] = ()
+    # value -> its dimensions that carry the batch's dimension 0 (from the batch leaves, through
+    # the primitives the families use: _batch_out); the number of batch reductions it depends on
+    # (one after another); the batch reductions a value without the batch was computed from
+    self.batch: dict[Any, frozenset[int]] = {}
+    self.depth: dict[Any, int] = {}
+    self.stat: dict[Any, frozenset[int]] = {}
+    # the reductions over the batch: (walk position, depth, bytes per step, trips per step), and
+    # those whose result later work on the batch's values reads (a meeting's reductions)
+    self.batch_reductions: list[tuple[int, int, int, int]] = []
+    self.met: set[int] = set()
+    # the products in walk order: (walk position, flops per step, the weights they read)
+    self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
+    self.first_order: dict[int, int] = {}     # weight leaf -> the walk position of its first product
 
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
   def walk(self, jaxpr, origin: dict, tie: dict, repeats: int) -> None:
@@ -208,6 +243,8 @@ class Reader:
         perm = eqn.params["permutation"]
         origin[eqn.outvars[0]] = (ins[0][0], tuple(ins[0][1][p] for p in perm))
       self._tie(eqn, tie)
+      if not sub_jaxprs(eqn):
+        self._track_batch(eqn, repeats)
       remat = name in _REMAT
       self.remat_depth += remat
       for sub, length in sub_jaxprs(eqn):
@@ -242,6 +279,8 @@ class Reader:
           inner_origin[i] = org
       if o in tie and name != "scan":
         inner_tie[i] = tie[o]
+      sliced = name == "scan" and k >= n_consts + n_carry     # one slice of a scanned operand
+      self._carry_batch(o, i, -1 if sliced else 0)
     saved = self.frames
     self.frames = saved + ((eqn, sub),)
     self.walk(sub, inner_origin, inner_tie, repeats)
@@ -254,6 +293,7 @@ class Reader:
         # jits (jax 0.11's optax update has two more than 0.10's) ties the parameter to its moments
         if name != "scan" and i in inner_tie and is_var(o):
           tie[o] = inner_tie[i]
+        self._carry_batch(i, o, self.outer_of_outvar[i][1])
 
   def _token_work(self, eqn, repeats: int) -> None:
     """Adds an elementwise equation's or a reduction's bytes to :attr:`token_bytes` unless its
@@ -303,6 +343,9 @@ class Reader:
     self.flops += flops
     self.products += repeats
     self.eqn_flops[id(eqn)] = flops
+    read = tuple(ins[side][0] for side, *_ in sides
+                 if ins[side] is not None and not self.leaves[ins[side][0]].is_batch)
+    self.product_events.append((self.eqn_count, flops, read))
     out_shape = tuple(eqn.outvars[0].aval.shape)
     self.shape_flops[out_shape] = self.shape_flops.get(out_shape, 0.0) + flops
     for side, contracted, batched, free, partner, pfree in sides:
@@ -334,5 +377,166 @@ class Reader:
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
           input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived)
       self.first_out[leaf] = (eqn, side, dims, self.frames)
+      self.first_order[leaf] = self.eqn_count
       if is_var(eqn.invars[1 - side]):
         self.partner[leaf] = eqn.invars[1 - side]
+
+  # --- where the devices meet: reductions over the batch that later work on the batch reads ---
+
+  def _carry_batch(self, src, dst, shift: int) -> None:
+    """What ``src`` holds of the batch, carried to ``dst`` (a body's operand or result; ``shift``
+    -1 for a scan's slice of a stacked operand, +1 for a scan's stacked result)."""
+    dims = self.batch.get(src)
+    if dims:
+      moved = frozenset(d + shift for d in dims if d + shift >= 0)
+      if moved:
+        self.batch[dst] = moved
+    if src in self.depth:
+      self.depth[dst] = self.depth[src]
+    if src in self.stat:
+      self.stat[dst] = self.stat[src]
+
+  def _track_batch(self, eqn, repeats: int) -> None:
+    """Carries the batch's dimensions, the reductions' depth and their results through one
+    equation (not a call: its body is walked); records a reduction over the batch, and marks the
+    reductions whose results meet the batch's values here as meetings."""
+    vars_in = [v for v in eqn.invars if is_var(v)]
+    ins = [self.batch.get(v, frozenset()) if is_var(v) else frozenset() for v in eqn.invars]
+    depth = max((self.depth.get(v, 0) for v in vars_in), default=0)
+    stats = frozenset().union(*(self.stat.get(v, frozenset()) for v in vars_in))
+    outs, reduced = _batch_out(eqn, ins) if any(ins) else ([frozenset()] * len(eqn.outvars),
+                                                          False)
+    for o, dims in zip(eqn.outvars, outs):
+      if dims:
+        self.batch[o] = dims
+    if reduced and not any(outs):
+      depth += 1
+      self.batch_reductions.append((self.eqn_count, depth,
+                                    repeats * sum(nbytes(o.aval) for o in eqn.outvars), repeats))
+      stats = frozenset((len(self.batch_reductions) - 1,))
+    elif stats and (any(ins) or any(outs)):
+      self.met |= stats        # a statistic meets the batch's values: its reductions all-reduce
+      stats = frozenset()
+    for o in eqn.outvars:
+      if depth:
+        self.depth[o] = depth
+      if stats:
+        self.stat[o] = stats
+
+  def meetings(self) -> list[Meeting]:
+    """The meetings of the step, in walk order: the met reductions, one meeting per depth (XLA
+    combines the independent reductions of one depth into one all-reduce), each paid by the
+    weight whose product comes last before it (else the first after it)."""
+    by_depth: dict[int, list[tuple[int, int, int, int]]] = {}
+    for k in sorted(self.met):
+      by_depth.setdefault(self.batch_reductions[k][1], []).append(self.batch_reductions[k])
+    out = []
+    for depth in sorted(by_depth):
+      found = by_depth[depth]
+      order = min(r[0] for r in found)
+      before = [e for e in self.product_events if e[0] < order and e[2]]
+      after = [e for e in self.product_events if e[0] > order and e[2]]
+      payer = before[-1][2][0] if before else (after[0][2][0] if after else None)
+      out.append(Meeting(order, sum(r[2] for r in found), max(r[3] for r in found), payer))
+    out.sort(key=lambda mt: mt.order)
+    return [dataclasses.replace(mt, since=sum(f for o, f, _ in self.product_events
+                                              if (k == 0 or out[k - 1].order < o) and
+                                              o < mt.order))
+            for k, mt in enumerate(out)]
+
+  def since_meeting(self, meetings: Sequence[Meeting]) -> dict[int, float]:
+    """Weight leaf -> the flops of the products between the last meeting before its first
+    product and that product (per step, global): the compute its devices did since they last
+    met, where a meeting comes before it (else absent)."""
+    out = {}
+    for leaf, first in self.first_order.items():
+      last = max((mt.order for mt in meetings if mt.order < first), default=None)
+      if last is not None:
+        out[leaf] = sum(f for o, f, _ in self.product_events if last < o < first)
+    return out
+
+
+def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], bool]:
+  """The dimensions of each result of ``eqn`` that carry the batch, given its operands' (``ins``),
+  and whether it reduces a dimension that carries the batch (a sum over the batch, a product
+  contracting it). A primitive not followed here carries nothing (a meeting after it is missed,
+  never one invented)."""
+  name = eqn.primitive.name
+  shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
+  out = tuple(getattr(eqn.outvars[0].aval, "shape", ())) if eqn.outvars else ()
+  n = len(eqn.outvars)
+  none = [frozenset()] * n
+  p = eqn.params
+  if name in ELEMENTWISE or name in _SAME_DIMS:
+    dims = frozenset(d for b, s in zip(ins, shapes) if len(s) == len(out)
+                     for d in b if s[d] == out[d])
+    return [dims] * n, False
+  b = ins[0]
+  if name == "broadcast_in_dim":
+    return [frozenset(p["broadcast_dimensions"][d] for d in b)], False
+  if name == "transpose":
+    return [frozenset(k for k, d in enumerate(p["permutation"]) if d in b)], False
+  if name == "squeeze":
+    kept = [d for d in range(len(shapes[0])) if d not in p["dimensions"]]
+    return [frozenset(kept.index(d) for d in b if d in kept)], False
+  if name == "reshape":
+    dims = set()
+    for d in b:
+      before = math.prod(shapes[0][:d])
+      for j in range(len(out)):
+        if math.prod(out[:j]) == before and out[j] > 1:
+          dims.add(j)
+          break
+    return [frozenset(dims)], False
+  if name == "concatenate":
+    return [frozenset(d for x in ins for d in x if d != p["dimension"])], False
+  if name == "split":
+    return [frozenset(d for d in b if d != p["axis"])] * n, False
+  if name in REDUCTIONS and "axes" in p:
+    kept = [d for d in range(len(shapes[0])) if d not in p["axes"]]
+    return [frozenset(kept.index(d) for d in b if d in kept)] * n, any(d in p["axes"] for d in b)
+  if name == "dot_general":
+    (lc, rc), (lb, rb) = p["dimension_numbers"]
+    lfree = [d for d in range(len(shapes[0])) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(shapes[1])) if d not in rc and d not in rb]
+    dims = ({lb.index(d) for d in ins[0] if d in lb} | {rb.index(d) for d in ins[1] if d in rb} |
+            {len(lb) + lfree.index(d) for d in ins[0] if d in lfree} |
+            {len(lb) + len(lfree) + rfree.index(d) for d in ins[1] if d in rfree})
+    return [frozenset(dims)], any(d in lc for d in ins[0]) or any(d in rc for d in ins[1])
+  if name == "conv_general_dilated":
+    dn = p["dimension_numbers"]
+    dims = ({dn.out_spec[0]} if dn.lhs_spec[0] in ins[0] else set()) | (
+        {dn.out_spec[1]} if dn.rhs_spec[0] in ins[1] else set())
+    return [frozenset(dims)], dn.lhs_spec[1] in ins[0] or dn.rhs_spec[1] in ins[1]
+  if name == "gather":
+    dn = p["dimension_numbers"]
+    offset = list(dn.offset_dims)
+    rest = [d for d in range(len(out)) if d not in offset]
+    obatch = tuple(getattr(dn, "operand_batching_dims", ()))
+    ibatch = tuple(getattr(dn, "start_indices_batching_dims", ()))
+    windows = [d for d in range(len(shapes[0])) if d not in dn.collapsed_slice_dims and
+               d not in obatch]
+    index_dims = list(range(len(shapes[1]) - 1))     # the indices' last is the index vector
+    if len(rest) != len(index_dims) or len(offset) != len(windows):
+      return none, False
+    dims = {offset[windows.index(d)] for d in ins[0] if d in windows}
+    dims |= {rest[index_dims.index(ibatch[obatch.index(d)])] for d in ins[0] if d in obatch}
+    dims |= {rest[index_dims.index(d)] for d in ins[1] if d in index_dims}
+    return [frozenset(dims)], False
+  if name.startswith("scatter"):
+    # the operand's dimensions stay; the updates' rows added into it lose theirs (an embedding
+    # table's gradient), but a batching dimension the indices and updates share with the operand
+    # keeps it (take_along_axis's gradient)
+    dn = p["dimension_numbers"]
+    obatch = tuple(getattr(dn, "operand_batching_dims", ()))
+    ibatch = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
+    scattered = [d for d in range(len(shapes[2])) if d not in dn.update_window_dims]
+    if len(scattered) != len(shapes[1]) - 1:         # one a dimension of the indices but the last
+      return none, False
+    dims = set(ins[0]) | {obatch[ibatch.index(d)] for d in ins[1] if d in ibatch}
+    for d in ins[2]:
+      if d in scattered and scattered.index(d) in ibatch:
+        dims.add(obatch[ibatch.index(scattered.index(d))])
+    lost = any(d in scattered for d in ins[2]) and not dims
+    return [frozenset(dims)] * n, lost
+  return none, False

@@ -591,6 +591,22 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
         k = axis_key(axes)
         acc(pr.overlappable, k, parts * pricer.share("all_reduce", grad, axes, dtype))
         acc(pr.bytes, f"all_reduce[{k}]", parts * grad)
+  # the meetings this group's weight pays (the reductions over the batch that later work on the
+  # batch reads, after its product: batch norm's statistics): XLA all-reduces them over every axis
+  # that splits the batch, whatever the weights' layouts (the convnet family's DP and FSDP steps
+  # on 8 CPU devices: 24 all-reduces of 10752 bytes in all, the forward's two a norm between its
+  # convolution and the next, the backward's two likewise), and nothing moves on with the step
+  # until every device has arrived: at each, the wake-up and the spread of the compute since the
+  # previous one (a product's, or none between the two of one norm), at most what any collective
+  # between products is priced to wait (Pricer.step_latency)
+  meet = [a for a in BATCH_AXES if m.size[a] > 1]
+  for mt in graph.meetings:
+    if mt.payer in group and meet:
+      since = mt.since / mt.count / batch_div / m.peak_flops
+      own = min(pricer.step_latency, MEETING_WAKE_S + MEETING_SPREAD * since)
+      time = pricer("all_reduce", mt.nbytes / mt.count, meet, dtype) - pricer.step_latency + own
+      acc(pr.blocking, axis_key(meet), mt.count * time)
+      acc(pr.bytes, f"all_reduce[{axis_key(meet)}]", mt.nbytes)
   # FSDP: the parameter gathered for the forward; XLA keeps the gathered copy for the backward
   # (one all-gather per step, the copy live in between)
   # a table only read by lookups, sharded over the dimension they index (vocab-parallel): each
@@ -669,6 +685,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       gathers = (2 if use.remat or use.layers > 1 else 1) * max(1, use.layers)
       own = (use.flops / split / batch_div + fixed) / m.peak_flops * pr.compute_scale
       between = own * pricer.weightless / gathers / max(1, use.grad_parts)
+      # a gather once a step, before its first product, that a meeting over the batch comes
+      # before (batch norm's statistics between the convolutions): its devices last met there,
+      # and waited for each other, so the compute it waits for is the products since then
+      since = graph.since_meeting.get(primary.index)
+      if since is not None and gathers == 1:
+        between = min(between, since / batch_div / m.peak_flops * pr.compute_scale)
       acc(pr.overlappable, axis_key(zero),
           gathers * pricer.gather_wait(between, math.prod(m.size[a] for a in zero)))
   # the optimizer's update reads the parameter, its gradient and its moments and writes the

@@ -38,12 +38,13 @@ from dtenjax._src.planning import jaxpr_reader
 from dtenjax._src.planning import liveness
 from dtenjax._src.planning import pairs as pairs_mod
 from dtenjax._src.planning import stacks
+from dtenjax._src.planning.jaxpr_reader import Meeting
 from dtenjax._src.planning.jaxpr_reader import WeightUse
 from dtenjax._src.planning.liveness import Live
 from dtenjax._src.planning.pairs import Pair
 from dtenjax._src.planning import sequence as sequence_lib
 
-__all__ = ["Leaf", "Live", "Pair", "StepGraph", "WeightUse", "read_step"]
+__all__ = ["Leaf", "Live", "Meeting", "Pair", "StepGraph", "WeightUse", "read_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +133,13 @@ class StepGraph:
   # the batch's sequence dimension and the forward's attentions (planning/sequence.py's Facts;
   # None: no self-attention over a batch dimension)
   sequence: Any = None
+  # where the devices meet between the products: the reductions over the batch that later work
+  # on the batch reads (batch norm's statistics), all-reduced over the batch axes wherever they
+  # split the batch (jaxpr_reader.Meeting), in walk order; and weight leaf -> the flops of the
+  # products between the last of them before its first product and that product (global, per
+  # step; absent where none comes before it): the compute its FSDP gather waits for
+  meetings: tuple[Meeting, ...] = ()
+  since_meeting: dict[int, float] = dataclasses.field(default_factory=dict)
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
@@ -193,7 +201,11 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     if not leaf.is_batch:
       origin[var] = (leaf.index, tuple(range(len(leaf.shape))))
       tie[var] = leaf.index
+  for leaf, var in zip(leaves, jaxpr.invars):
+    if leaf.is_batch and leaf.shape:
+      reader.batch[var] = frozenset((0,))
   reader.walk(jaxpr, origin, tie, 1)
+  meetings = reader.meetings()
   pairs, carried, cones = pairs_mod.find_pairs(reader)
   reduced = pairs_mod.reduced_outputs(reader, pairs)
   weights = {}
@@ -232,7 +244,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    stacks=stacks.read(reader.scans), timeline=timeline,
                    products=reader.products, token_bytes=reader.token_bytes,
                    token_share=_token_share(reader, {**cones, **reduced}),
-                   sequence=sequence_lib.read(closed.jaxpr, leaves))
+                   sequence=sequence_lib.read(closed.jaxpr, leaves),
+                   meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings))
 
 
 def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], float]:

@@ -193,6 +193,7 @@ def test_the_default_convnet_plan_is_on_fsdps_mesh_measured_as_fast_and_as_small
       assert timed["vs_best_recipe"] <= 1.05 and timed["mem_vs_best_recipe"] <= 1.10, name
       assert plan.cost.memory["total"] == pytest.approx(timed["mem_mib"] * 2**20, rel=0.10)
 
+
 def _program_text():
   sys.path.insert(0, str(ROOT / "bench"))
   import step_planner

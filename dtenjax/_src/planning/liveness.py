@@ -173,7 +173,9 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
       if v in counted:
         owners[v] = owners.get(v, 0) + 1
   total = sum(counted.values()) or 1
-  act_share = {key: sum(counted[v] / owners[v] for v in cone if v in counted) / total
+  # a cone is a set of values, iterated in no fixed order: fsum's exactly rounded sum gives the
+  # same share in every process (a last-bit difference moved the lean solve's answer)
+  act_share = {key: math.fsum(counted[v] / owners[v] for v in cone if v in counted) / total
                for key, cone in cones.items()}
   cone_keys: dict[Any, list[tuple[int, int]]] = {}
   for key, cone in sorted(cones.items()):

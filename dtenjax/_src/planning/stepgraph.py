@@ -257,7 +257,8 @@ def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], fl
       if v in reader.token_of:
         owners[v] = owners.get(v, 0) + 1
   total = reader.token_bytes or 1.0
-  return {key: sum(reader.token_of[v] / owners[v] for v in cone if v in owners) / total
+  # fsum: the cone's values come in no fixed order (liveness.activations' act_share)
+  return {key: math.fsum(reader.token_of[v] / owners[v] for v in cone if v in owners) / total
           for key, cone in cones.items()}
 
 

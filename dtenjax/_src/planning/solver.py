@@ -592,7 +592,8 @@ class CapSearch:
   a cap whose solution did not fit keeps (each later program's solutions are that program's
   too); the floor is :func:`lower_bound`, raised off the CPU to HiGHS's dual bound of the
   program plus the constant terms (there evaluate's step time of a solution is the program's
-  objective; on XLA:CPU sliced prices and reduced columns can put it below). ``step.plan``
+  objective; on XLA:CPU it is too since the program prices the CPU's terms, start waits, sliced
+  weights and reduced columns, but pruning does not rely on that there yet). ``step.plan``
   advances the meshes' searches best-first and stops those whose bound exceeds a plan found:
   they cannot be chosen, and every other search ends where it would alone."""
 
@@ -1023,7 +1024,10 @@ def solve_lean(prob: Problem, graph: stepgraph.StepGraph, ceiling: float,
   """The assignment of least memory (the program's memory row) whose step the program prices
   at most ``ceiling`` seconds, the faster of equals; None when there is none. One program: the
   memory objective under a row on the time objective (the time objective's terms plus the
-  constants of :func:`solve_bounded`'s bound). No budget is put on the memory row, which
+  constants of :func:`solve_bounded`'s bound), which is :func:`evaluate`'s step time (on
+  XLA:CPU too: a table's start wait, sliced weights and reduced columns are its variables and
+  rows; a sliced price cheaper than the weight's own, never seen, would be a bound below it, so
+  that no assignment within the ceiling is refused). No budget is put on the memory row, which
   over-counts activations (see :class:`CapSearch`) and would refuse layouts that fit: the
   caller checks the answer's memory and time with :func:`evaluate`."""
   from scipy import sparse

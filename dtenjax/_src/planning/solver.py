@@ -434,6 +434,12 @@ def complete_column(graph: stepgraph.StepGraph, sources, tp_of: dict, leaf: int,
       tp_of.get(dst) == ("row", q) for dst, q in sources[(leaf, d)])
 
 
+def _reduced_column(graph: stepgraph.StepGraph, leaf: int, pr: Price, cpu: bool) -> bool:
+  """A column-parallel candidate whose output XLA:CPU keeps sharded with no partner: every reader
+  reduces over the sharded dimension (:func:`complete_column`'s first case)."""
+  return cpu and pr.tp is not None and pr.tp[0] == "col" and (leaf, pr.tp[1]) in graph.reduced
+
+
 def complete_row(dests, tp_of: dict, sliced: dict[int, int], leaf: int, d: int) -> bool:
   """A row-parallel weight's input stays sharded: every pair that ends in it starts at a
   column-parallel weight, or at one XLA:CPU slices to the pair's shards (``sliced``: 'tensor'
@@ -586,7 +592,8 @@ class CapSearch:
   a cap whose solution did not fit keeps (each later program's solutions are that program's
   too); the floor is :func:`lower_bound`, raised off the CPU to HiGHS's dual bound of the
   program plus the constant terms (there evaluate's step time of a solution is the program's
-  objective; on XLA:CPU sliced prices and reduced columns can put it below). ``step.plan``
+  objective; on XLA:CPU it is too since the program prices the CPU's terms, start waits, sliced
+  weights and reduced columns, but pruning does not rely on that there yet). ``step.plan``
   advances the meshes' searches best-first and stops those whose bound exceeds a plan found:
   they cannot be chosen, and every other search ends where it would alone."""
 
@@ -738,28 +745,37 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
   costs: list[float] = []
   mem: list[float] = []
   over: list[float] = []
+  update: list[float] = []
+  cpu = _backend(prob.m) == "cpu"
   for gi, (g, cands) in enumerate(zip(prob.groups, prob.cands)):
     for ci in range(len(cands)):
       pr = prob.prices[gi][ci]
       index[(gi, ci)] = len(costs)
-      costs.append(sum(pr.blocking.values()) + pr.ag_fwd + pr.ag_bwd + pr.compute)
-      mem.append(sum(pr.memory.values()))
+      cost, act = sum(pr.blocking.values()) + pr.ag_fwd + pr.ag_bwd + pr.compute, 0.0
+      if _reduced_column(graph, g[0], pr, cpu):   # complete alone (evaluate's complete_column)
+        cost -= pr.ag_fwd + pr.token_saving
+        act = pr.act_saving
+      costs.append(cost)
+      mem.append(sum(pr.memory.values()) - act)
       # e >= overlappable - overlap * compute: both sides depend on the layout
       over.append(sum(pr.overlappable.values()) - prob.overlap * pr.compute)
+      update.append(pr.update)
   nx = len(costs)
   group_of_leaf = {g[0]: gi for gi, g in enumerate(prob.groups)}
   sources, dests = pair_maps(graph)
 
-  def tp_vars(leaf, want):
+  def tp_vars(leaf, want, sliceable=True):
     gi = group_of_leaf.get(leaf)
     if gi is None:
       return []
-    # a row-parallel weight's partner may also be one XLA:CPU slices to its shards (its price
-    # there, Price.sliced, is left to evaluate)
+    # a row-parallel weight's partner may also be one XLA:CPU slices to its shards (priced
+    # there by the sliced variables below)
     return [index[(gi, ci)] for ci, pr in enumerate(prob.prices[gi])
-            if pr.tp == want or (want[0] == "col" and want[1] in pr.sliced)]
+            if pr.tp == want or (sliceable and want[0] == "col" and want[1] in pr.sliced)]
 
   # pair variables: u = the candidate's gather is saved; u <= its own tp vars, u <= each partner's
+  # (a row-parallel weight's also <= its partners' column-parallel ones: at least one of them is,
+  # evaluate's complete_row)
   saves = []           # (saving seconds, activation bytes, own vars, [partner vars...])
   for gi, g in enumerate(prob.groups):
     for ci, pr in enumerate(prob.prices[gi]):
@@ -769,17 +785,59 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
       partners = (sources if kind == "col" else dests).get((g[0], d))
       saving = pr.ag_fwd + pr.token_saving if kind == "col" else pr.ag_bwd
       act = pr.act_saving if kind == "col" else 0.0
-      if not partners or (saving <= 0 and act <= 0):
+      if not partners or (saving <= 0 and act <= 0) or _reduced_column(graph, g[0], pr, cpu):
         continue
       want = "row" if kind == "col" else "col"
       plist = [tp_vars(leaf, (want, q)) for leaf, q in partners]
+      cols = [v for leaf, q in partners for v in tp_vars(leaf, ("col", q), False)]
+      if kind == "row" and set(cols) != {v for vs in plist for v in vs}:
+        plist.append(cols)
       if all(plist):
         saves.append((saving, act, [index[(gi, ci)]], plist))
   nu = len(saves)
+  # a weight 'tensor' replicates, priced at Price.sliced where XLA:CPU slices its output to a
+  # pair's shards (sliced_leaves: a pair it starts ends in a row-parallel weight beside a
+  # column-parallel source): s >= x + row + col - 2 for each such row-parallel layout of a
+  # partner and column-parallel layout of that partner's other sources, at the least extra
+  # time of its sliced dimensions (one in every step measured). s is otherwise free in [0, 1]:
+  # where the sliced price were cheaper, the program would take it (a bound below evaluate's)
+  slices = []                              # (candidate's variable, time, overlappable, combos)
+  for gi, g in enumerate(prob.groups):
+    for ci, pr in enumerate(prob.prices[gi]):
+      if not pr.sliced:
+        continue
+      combos = []
+      for k in pr.sliced:
+        for leaf, q in sources.get((g[0], k), []):
+          rows_of = tp_vars(leaf, ("row", q))
+          for src, j in dests.get((leaf, q), []) if rows_of else ():
+            cols_of = tp_vars(src, ("col", j), False) if src != g[0] else []
+            if cols_of:
+              combos.append(rows_of + cols_of)
+      if combos:
+        extra = [(sum(sl.blocking.values()) - sum(pr.blocking.values()) + sl.compute - pr.compute,
+                  sum(sl.overlappable.values()) - sum(pr.overlappable.values()) -
+                  prob.overlap * (sl.compute - pr.compute)) for sl in pr.sliced.values()]
+        slices.append((index[(gi, ci)], *min(extra, key=sum), combos))
+  ns = len(slices)
+  # a gather at the step's start waits for the assignment's update (pricing.start_wait): per
+  # candidate that has one, w >= offset + share x update - priced where it is chosen (update
+  # linear in the layouts; at most ``most`` seconds, so ``big`` lifts the row where it is not)
+  most = sum(max(pr.update for pr in prs) for prs in prob.prices)
+  waits = []                               # (candidate's variable, share, offset - priced, big)
+  for gi, prs in enumerate(prob.prices):
+    for ci, pr in enumerate(prs):
+      if pr.start_gather is not None:
+        _, share, offset, priced = pr.start_gather
+        big = offset - priced + share * most
+        if big > 0:
+          waits.append((index[(gi, ci)], share, offset - priced, big))
+  nw = len(waits)
   peaks = [[prob.prices[gi][ci].gathered_peak for ci in range(len(cands))]
            for gi, cands in enumerate(prob.cands)]
-  ip = nx + nu                             # the gathered-peak variable p
-  n = nx + nu + 2                          # + p and the exposed-time variable e
+  iw = nx + nu + ns                        # the waits' variables
+  ip = iw + nw                             # the gathered-peak variable p
+  n = ip + 2                               # + p and the exposed-time variable e
   c_memory, c_time = np.zeros(n), np.zeros(n)
   c_memory[:nx] = mem
   for j, (_, act, _, _) in enumerate(saves):
@@ -788,6 +846,8 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
   c_time[:nx] = costs
   for j, (saving, _, _, _) in enumerate(saves):
     c_time[nx + j] = -saving
+  for j, (_, extra, _, _) in enumerate(slices):
+    c_time[nx + nu + j] = extra
   c_time[-1] = 1.0
   rows, cols, vals, lo, hi = [], [], [], [], []
   r = 0
@@ -838,11 +898,44 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
       lo.append(-np.inf)
       hi.append(0.0)
       r += 1
-  # e >= overlappable - overlap x compute (both per candidate, see over[]) - the fixed terms
+  for j, (x, _, _, combos) in enumerate(slices):      # s >= x + row + col - 2
+    for vs in combos:
+      for v in [x] + vs:
+        rows.append(r)
+        cols.append(v)
+        vals.append(1.0)
+      rows.append(r)
+      cols.append(nx + nu + j)
+      vals.append(-1.0)
+      lo.append(-np.inf)
+      hi.append(2.0)
+      r += 1
+  for j, (x, share, lift, big) in enumerate(waits):   # w >= share x update + lift - big (1 - x)
+    for k in range(nx):
+      if update[k] or k == x:
+        rows.append(r)
+        cols.append(k)
+        vals.append(share * update[k] + (big if k == x else 0.0))
+    rows.append(r)
+    cols.append(iw + j)
+    vals.append(-1.0)
+    lo.append(-np.inf)
+    hi.append(big - lift)
+    r += 1
+  # e >= overlappable - overlap x compute (both per candidate, see over[]) + the start waits -
+  # the fixed terms
   for k in range(nx):
     rows.append(r)
     cols.append(k)
     vals.append(over[k])
+  for j, (_, _, over_extra, _) in enumerate(slices):
+    rows.append(r)
+    cols.append(nx + nu + j)
+    vals.append(over_extra)
+  for j in range(nw):
+    rows.append(r)
+    cols.append(iw + j)
+    vals.append(1.0)
   rows.append(r)
   cols.append(n - 1)
   vals.append(-1.0)
@@ -867,7 +960,7 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
             np.array(lo + [-np.inf], dtype=float), np.array(hi + [np.inf], dtype=float))
   integrality = np.zeros(n)
   integrality[:nx] = 1
-  bounds = optimize.Bounds(np.zeros(n), np.r_[np.ones(nx + nu), np.inf, np.inf])
+  bounds = optimize.Bounds(np.zeros(n), np.r_[np.ones(nx + nu + ns), np.full(nw + 2, np.inf)])
   return _Program(index, {"time": c_time, "memory": c_memory}, uncapped, capped, integrality,
                   bounds)
 
@@ -931,7 +1024,10 @@ def solve_lean(prob: Problem, graph: stepgraph.StepGraph, ceiling: float,
   """The assignment of least memory (the program's memory row) whose step the program prices
   at most ``ceiling`` seconds, the faster of equals; None when there is none. One program: the
   memory objective under a row on the time objective (the time objective's terms plus the
-  constants of :func:`solve_bounded`'s bound). No budget is put on the memory row, which
+  constants of :func:`solve_bounded`'s bound), which is :func:`evaluate`'s step time (on
+  XLA:CPU too: a table's start wait, sliced weights and reduced columns are its variables and
+  rows; a sliced price cheaper than the weight's own, never seen, would be a bound below it, so
+  that no assignment within the ceiling is refused). No budget is put on the memory row, which
   over-counts activations (see :class:`CapSearch`) and would refuse layouts that fit: the
   caller checks the answer's memory and time with :func:`evaluate`."""
   from scipy import sparse

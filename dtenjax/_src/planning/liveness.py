@@ -145,6 +145,22 @@ class _Again:
   of: Any
 
 
+def cone_shares(cones: Mapping[Any, Any], amount: Mapping[Any, float],
+                total: float) -> dict[Any, float]:
+  """Each cone's share of ``total``: the ``amount`` of the values in it, a value in several cones
+  split evenly among them. A cone is a set of values, iterated in an order that changes from one
+  process to the next: the sum is exactly rounded (``math.fsum``), so the share is the same in
+  every process (a last-bit difference moved the lean solve's answer, and the plan with it)."""
+  owners: dict[Any, int] = {}
+  for cone in cones.values():
+    for v in cone:
+      if v in amount:
+        owners[v] = owners.get(v, 0) + 1
+  total = total or 1.0
+  return {key: math.fsum(amount[v] / owners[v] for v in cone if v in owners) / total
+          for key, cone in cones.items()}
+
+
 def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], set[Any]]
                 ) -> tuple[int, dict[tuple[int, int], float], tuple[Live, ...]]:
   """The peak bytes of live batch-derived values (global), the share of them each paired
@@ -167,16 +183,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   slots = _heap_slots(jaxpr, state_shapes, lives)
   folded = _folded_transposes(jaxpr)
   gemms = _gemms(jaxpr)
-  owners: dict[Any, int] = {}
-  for cone in cones.values():
-    for v in cone:
-      if v in counted:
-        owners[v] = owners.get(v, 0) + 1
-  total = sum(counted.values()) or 1
-  # a cone is a set of values, iterated in no fixed order: fsum's exactly rounded sum gives the
-  # same share in every process (a last-bit difference moved the lean solve's answer)
-  act_share = {key: math.fsum(counted[v] / owners[v] for v in cone if v in counted) / total
-               for key, cone in cones.items()}
+  act_share = cone_shares(cones, counted, sum(counted.values()))
   cone_keys: dict[Any, list[tuple[int, int]]] = {}
   for key, cone in sorted(cones.items()):
     for v in cone:

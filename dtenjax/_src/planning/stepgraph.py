@@ -251,15 +251,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
 def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], float]:
   """Each pair's share of the work beside the products (``Reader.token_bytes``): the bytes of
   the equations whose results lie in its cone (a result in several cones split among them)."""
-  owners: dict[Any, int] = {}
-  for cone in cones.values():
-    for v in cone:
-      if v in reader.token_of:
-        owners[v] = owners.get(v, 0) + 1
-  total = reader.token_bytes or 1.0
-  # fsum: the cone's values come in no fixed order (liveness.activations' act_share)
-  return {key: math.fsum(reader.token_of[v] / owners[v] for v in cone if v in owners) / total
-          for key, cone in cones.items()}
+  return liveness.cone_shares(cones, reader.token_of, reader.token_bytes)
 
 
 def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:

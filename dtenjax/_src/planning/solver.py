@@ -1040,8 +1040,8 @@ def solve_lean(prob: Problem, graph: stepgraph.StepGraph, ceiling: float,
   at most ``ceiling`` seconds, the faster of equals; None when there is none. One program: the
   memory objective under a row on the time objective (the time objective's terms plus the
   constants of :func:`solve_bounded`'s bound), which is :func:`evaluate`'s step time (on
-  XLA:CPU too: a table's start wait, sliced weights and reduced columns are its variables and
-  rows; a sliced price cheaper than the weight's own, never seen, would be a bound below it, so
+  XLA:CPU too: a table's start wait, sliced weights, reduced columns and the gather waits of
+  incomplete tensor pairs are its variables and rows; a sliced price cheaper than the weight's own, never seen, would be a bound below it, so
   that no assignment within the ceiling is refused). No budget is put on the memory row, which
   over-counts activations (see :class:`CapSearch`) and would refuse layouts that fit: the
   caller checks the answer's memory and time with :func:`evaluate`."""

@@ -102,8 +102,11 @@ def test_the_default_plan_takes_the_encdec_layout_measured_faster_and_smaller(cp
   plan = dtenjax.plan(step, *args, topology=_host(16))
   chosen = "x".join(f"{a}{n}" for a, n in zip(plan.axis_names, plan.mesh_shape) if n > 1)
   assert chosen == best["mesh"], plan.table()
-  timed = dtenjax.plan(step, *args, topology=_host(16), memory_budget=best["budget_mib"] * 2**20)
+  # the row's plan was the fastest priced under its budget (planned before the leanest within 5 %
+  # was the rule; this tree's default, the leanest, fits that budget too)
   with planning.fastest_priced():
+    timed = dtenjax.plan(step, *args, topology=_host(16),
+                         memory_budget=best["budget_mib"] * 2**20)
     fastest = dtenjax.plan(step, *args, topology=_host(16))
   assert measure.same_layout(fastest, timed), (fastest.table(), timed.table())
   assert fastest.cost.memory["total"] == pytest.approx(best["mem_mib"] * 2**20, rel=0.10)

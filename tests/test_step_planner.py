@@ -543,6 +543,38 @@ def test_an_fsdp_gather_waits_for_the_compute_since_the_devices_last_met(scanned
   assert waits(512, {"data": 8}, P()) == 0.0
 
 
+def test_an_fsdp_gather_in_a_tensor_pair_waits_for_the_forwards_products():
+  """On `fsdp 4 x tensor 2` (8 CPU devices on 16 cores) a column->row pair meets its devices over
+  'tensor' in the forward (the row-parallel output's all-reduce) and in the backward (the
+  column-parallel input gradient's), and its weights' FSDP gathers lie in the forward: each waits
+  for its own forward product alone, not for the backward's that plain FSDP's gathers wait for.
+  By hand for (x * s) @ w1 (d, h) -> tanh -> @ w2 (h, e) (the scale s gives w1 an input
+  gradient), three products a weight of p1 = 2 rows d h and p2 = 2 rows h e FLOPs: the pair
+  complete (w1 column-, w2 row-parallel), the two forward products over 4 x 2 devices at 5e10
+  FLOP/s, ``gather_spread`` x 1.0294 (the last of 4 normal draws) of them; the pair left
+  incomplete (w2 sharded over `fsdp` alone, 'tensor' replicating it) no meeting: w1 waits for
+  its three products over 8 devices, w2 for its three over 4, as plain FSDP's gathers do."""
+  from dtenjax._src.pricing import costmodel
+  rows, d, h, e = 1024, 256, 512, 128
+
+  def step(w, x):
+    def loss(w):
+      return (jnp.tanh((x * w["s"]) @ w["w1"]) @ w["w2"]).sum()
+    return jax.tree.map(lambda a, g: a - 0.1 * g, w, jax.grad(loss)(w))
+  w = {"s": jax.ShapeDtypeStruct((d,), jnp.float32),
+       "w1": jax.ShapeDtypeStruct((d, h), jnp.float32),
+       "w2": jax.ShapeDtypeStruct((h, e), jnp.float32)}
+  args = (w, jax.ShapeDtypeStruct((rows, d), jnp.float32))
+  mesh = {"fsdp": 4, "tensor": 2}
+  spread = costmodel.backend_costs("cpu").gather_spread
+  p1, p2 = 2 * rows * d * h / 5e10, 2 * rows * h * e / 5e10   # seconds on one device, whole
+  pair = {"s": P(), "w1": P("fsdp", "tensor"), "w2": P("tensor", "fsdp")}
+  complete = _waits(step, args, mesh, [pair, None])
+  assert complete == pytest.approx(spread * 1.0294 * (p1 + p2) / 8, rel=2e-3)
+  incomplete = _waits(step, args, mesh, [{**pair, "w2": P(None, "fsdp")}, None])
+  assert incomplete == pytest.approx(spread * 1.0294 * (3 * p1 / 8 + 3 * p2 / 4), rel=2e-3)
+
+
 def _waits(step, args, mesh, pinned):
   """The exposed seconds the gathers' waits add to the price of ``pinned`` on ``mesh`` (8 CPU
   devices on 16 cores)."""
@@ -1048,6 +1080,7 @@ def test_the_programs_step_time_is_evaluates_on_a_tensor_mesh():
   assert any(pr.start_gather is not None for pr in prices)
   assert any(pr.sliced for pr in prices)
   assert any(pr.tp is not None and pr.tp[0] == "row" for pr in prices)
+  assert any(pr.unmet_wait for pr in prices)
   assert any(pr.tp is not None and pr.tp[0] == "col" and (g[0], pr.tp[1]) in graph.reduced
              for g, prs in zip(prob.groups, prob.prices) for pr in prs)
   fastest = solver.solve(prob, graph, 0.0, proposed=False)

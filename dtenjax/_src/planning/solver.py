@@ -150,8 +150,13 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
     if pr.tp is None:
       continue
     kind, d = pr.tp
+    ok = (complete_column(graph, sources, tp_of, g[0], d, cpu) if kind == "col" else
+          complete_row(dests, tp_of, sliced, g[0], d))
+    # an incomplete pair meets nowhere over 'tensor': its gather waits as plain FSDP's
+    for k, v in pr.unmet_wait.items() if not ok else ():
+      comm[k] = comm.get(k, 0.0) + v
+      overlappable += v
     if kind == "col":
-      ok = complete_column(graph, sources, tp_of, g[0], d, cpu)
       if ok:
         memory["activations"] -= pr.act_saving
         compute -= pr.token_saving
@@ -160,7 +165,6 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
         blocking += pr.ag_fwd
         nbytes["all_gather[tensor]"] = nbytes.get("all_gather[tensor]", 0.0) + pr.ag_fwd_bytes
     else:
-      ok = complete_row(dests, tp_of, sliced, g[0], d)
       if not ok and pr.ag_bwd_bytes:
         comm["tensor"] = comm.get("tensor", 0.0) + pr.ag_bwd
         blocking += pr.ag_bwd
@@ -752,13 +756,16 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
       pr = prob.prices[gi][ci]
       index[(gi, ci)] = len(costs)
       cost, act = sum(pr.blocking.values()) + pr.ag_fwd + pr.ag_bwd + pr.compute, 0.0
+      # a tensor pair's gather waits as plain FSDP's unless the pair is complete (the pair
+      # variables below take it off)
+      unmet = sum(pr.unmet_wait.values())
       if _reduced_column(graph, g[0], pr, cpu):   # complete alone (evaluate's complete_column)
         cost -= pr.ag_fwd + pr.token_saving
-        act = pr.act_saving
+        act, unmet = pr.act_saving, 0.0
       costs.append(cost)
       mem.append(sum(pr.memory.values()) - act)
       # e >= overlappable - overlap * compute: both sides depend on the layout
-      over.append(sum(pr.overlappable.values()) - prob.overlap * pr.compute)
+      over.append(sum(pr.overlappable.values()) + unmet - prob.overlap * pr.compute)
       update.append(pr.update)
   nx = len(costs)
   group_of_leaf = {g[0]: gi for gi, g in enumerate(prob.groups)}
@@ -775,8 +782,9 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
 
   # pair variables: u = the candidate's gather is saved; u <= its own tp vars, u <= each partner's
   # (a row-parallel weight's also <= its partners' column-parallel ones: at least one of them is,
-  # evaluate's complete_row)
-  saves = []           # (saving seconds, activation bytes, own vars, [partner vars...])
+  # evaluate's complete_row); a complete pair's FSDP gather also waits less (Price.unmet_wait,
+  # taken off the exposed row)
+  saves = []      # (saving seconds, activation bytes, own vars, [partner vars...], wait seconds)
   for gi, g in enumerate(prob.groups):
     for ci, pr in enumerate(prob.prices[gi]):
       if pr.tp is None:
@@ -785,7 +793,9 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
       partners = (sources if kind == "col" else dests).get((g[0], d))
       saving = pr.ag_fwd + pr.token_saving if kind == "col" else pr.ag_bwd
       act = pr.act_saving if kind == "col" else 0.0
-      if not partners or (saving <= 0 and act <= 0) or _reduced_column(graph, g[0], pr, cpu):
+      unmet = sum(pr.unmet_wait.values())
+      if (not partners or (saving <= 0 and act <= 0 and unmet <= 0)
+          or _reduced_column(graph, g[0], pr, cpu)):
         continue
       want = "row" if kind == "col" else "col"
       plist = [tp_vars(leaf, (want, q)) for leaf, q in partners]
@@ -793,7 +803,7 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
       if kind == "row" and set(cols) != {v for vs in plist for v in vs}:
         plist.append(cols)
       if all(plist):
-        saves.append((saving, act, [index[(gi, ci)]], plist))
+        saves.append((saving, act, [index[(gi, ci)]], plist, unmet))
   nu = len(saves)
   # a weight 'tensor' replicates, priced at Price.sliced where XLA:CPU slices its output to a
   # pair's shards (sliced_leaves: a pair it starts ends in a row-parallel weight beside a
@@ -840,11 +850,11 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
   n = ip + 2                               # + p and the exposed-time variable e
   c_memory, c_time = np.zeros(n), np.zeros(n)
   c_memory[:nx] = mem
-  for j, (_, act, _, _) in enumerate(saves):
+  for j, (_, act, _, _, _) in enumerate(saves):
     c_memory[nx + j] = -act
   c_memory[ip] = 1.0
   c_time[:nx] = costs
-  for j, (saving, _, _, _) in enumerate(saves):
+  for j, (saving, _, _, _, _) in enumerate(saves):
     c_time[nx + j] = -saving
   for j, (_, extra, _, _) in enumerate(slices):
     c_time[nx + nu + j] = extra
@@ -886,7 +896,7 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
     lo.append(1.0)
     hi.append(1.0)
     r += 1
-  for j, (_, _, own, plist) in enumerate(saves):          # u <= own, u <= each partner
+  for j, (_, _, own, plist, _) in enumerate(saves):       # u <= own, u <= each partner
     for vs in [own] + plist:
       rows.append(r)
       cols.append(nx + j)
@@ -928,6 +938,11 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
     rows.append(r)
     cols.append(k)
     vals.append(over[k])
+  for j, (_, _, _, _, unmet) in enumerate(saves):
+    if unmet:
+      rows.append(r)
+      cols.append(nx + j)
+      vals.append(-unmet)
   for j, (_, _, over_extra, _) in enumerate(slices):
     rows.append(r)
     cols.append(nx + nu + j)
@@ -948,7 +963,7 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
     rows.append(r)
     cols.append(k)
     vals.append(mem[k])
-  for j, (_, act, _, _) in enumerate(saves):
+  for j, (_, act, _, _, _) in enumerate(saves):
     if act:
       rows.append(r)
       cols.append(nx + j)
@@ -1025,8 +1040,8 @@ def solve_lean(prob: Problem, graph: stepgraph.StepGraph, ceiling: float,
   at most ``ceiling`` seconds, the faster of equals; None when there is none. One program: the
   memory objective under a row on the time objective (the time objective's terms plus the
   constants of :func:`solve_bounded`'s bound), which is :func:`evaluate`'s step time (on
-  XLA:CPU too: a table's start wait, sliced weights and reduced columns are its variables and
-  rows; a sliced price cheaper than the weight's own, never seen, would be a bound below it, so
+  XLA:CPU too: a table's start wait, sliced weights, reduced columns and the gather waits of
+  incomplete tensor pairs are its variables and rows; a sliced price cheaper than the weight's own, never seen, would be a bound below it, so
   that no assignment within the ceiling is refused). No budget is put on the memory row, which
   over-counts activations (see :class:`CapSearch`) and would refuse layouts that fit: the
   caller checks the answer's memory and time with :func:`evaluate`."""

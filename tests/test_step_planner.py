@@ -1,6 +1,7 @@
 """The whole-step planner (dtenjax.plan): what it reads from the jaxpr, what it chooses, and how its
 predictions compare with what XLA compiles."""
 
+import dataclasses
 import functools
 import math
 import pathlib
@@ -724,6 +725,93 @@ def test_a_transformer_step_meets_nowhere_but_a_statistic_over_its_batch_is_foun
   assert [mt.nbytes for mt in g.meetings] == [seq * d * 4] * 2, g.meetings
 
 
+def _per_example_loss_step():
+  """A masked cross-entropy that picks each example's label (``logp[jnp.arange(B), y]``): the
+  mask's sum over the batch (4 bytes) is read by the backward's batch work; the pick's gradient, a
+  scatter into zeros, adds no meeting."""
+  b, d, v = 64, 128, 256
+
+  def step(p, x, y, m):
+    def loss(p):
+      logp = jax.nn.log_softmax(jnp.tanh(x @ p["w1"]) @ p["w2"])
+      return -jnp.sum(m * logp[jnp.arange(b), y]) / jnp.sum(m)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p))
+  params = {"w1": jax.ShapeDtypeStruct((d, d), jnp.float32),
+            "w2": jax.ShapeDtypeStruct((d, v), jnp.float32)}
+  args = (params, jax.ShapeDtypeStruct((b, d), jnp.float32),
+          jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32))
+  return step, args, 4, (d * d + d * v) * 4
+
+
+def _shared_helper_step(batch_first: bool):
+  """A helper the user jitted (``a - mean(a, 0)``) called on the batch's activations and on a
+  weight of the same shape, in either order: JAX shares one body between the two calls. Three
+  meetings of d floats (the activations' centring, forward and backward, and the weight's
+  backward, where its cotangent carries the batch); only the first weight's gradient is
+  all-reduced (the other is sharded as the batch and gathered)."""
+  b, d = 16, 32
+
+  @jax.jit
+  def center(a):
+    return a - jnp.mean(a, 0)
+
+  def step(p, x):
+    def loss(p):
+      h = jnp.tanh(x @ p["w"])
+      h = center(h) * center(p["u"]) if batch_first else center(h * center(p["u"]))
+      return jnp.mean(h ** 2)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p))
+  params = {"w": jax.ShapeDtypeStruct((d, d), jnp.float32),
+            "u": jax.ShapeDtypeStruct((b, d), jnp.float32)}
+  return step, (params, jax.ShapeDtypeStruct((b, d), jnp.float32)), 3 * d * 4, d * d * 4
+
+
+def _loop_and_barrier_step():
+  """A ``lax.while_loop`` whose condition reads the batch (its operands: the condition's
+  constants first) and an optimization barrier over values of different ranks: the mean of the
+  activations meets the backward's batch work at the barrier (4 bytes, which XLA all-reduces
+  with the weight's gradient; the scalar's gradient is computed from it, not reduced)."""
+  b, d = 16, 32
+
+  def step(p, x):
+    def loss(p):
+      h = jnp.tanh(x @ p["w"])
+      _, t = jax.lax.while_loop(lambda c: (c[0] < 3) & (jnp.max(x) > -1e9),
+                                lambda c: (c[0] + 1, c[1] + 1.0), (0, 0.0))
+      h, s = jax.lax.optimization_barrier((h, p["s"]))
+      return jnp.mean(h) * (s * 2.0) + t
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p))
+  params = {"w": jax.ShapeDtypeStruct((d, d), jnp.float32),
+            "s": jax.ShapeDtypeStruct((), jnp.float32)}
+  return step, (params, jax.ShapeDtypeStruct((b, d), jnp.float32)), 4, d * d * 4
+
+
+@pytest.mark.parametrize("make", [_per_example_loss_step,
+                                  functools.partial(_shared_helper_step, True),
+                                  functools.partial(_shared_helper_step, False),
+                                  _loop_and_barrier_step],
+                         ids=["per-example-loss", "helper-batch-first", "helper-weight-first",
+                              "loop-and-barrier"])
+def test_the_readers_meetings_on_steps_users_write_are_xlas_all_reduces(make, cpu_devices):
+  """Steps outside the bench's families, each once a reader's error (an IndexError on the loop's
+  and the barrier's operands, a meeting of the whole logits invented by the pick's gradient, one
+  call's batch carried into the other call of a shared body): the meetings' bytes, derived by
+  hand, are what XLA all-reduces in the DP step on 8 devices beside the weights' gradients (also
+  by hand), and the plan is made."""
+  del cpu_devices
+  step, args, meets, grads = make()
+  batch = tuple(range(1, len(args)))
+  g = stepgraph.read_step(step, args, batch)
+  assert sum(mt.nbytes for mt in g.meetings) == meets, g.meetings
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+  shard = lambda spec: jax.sharding.NamedSharding(mesh, spec)
+  compiled = jax.jit(step, in_shardings=(shard(P()),) + (shard(P("data")),) * len(batch),
+                     out_shardings=shard(P())).lower(*args).compile()
+  reduces = [c for c in dtenjax.explain(compiled).collectives if c.kind == "all_reduce"]
+  assert sum(c.nbytes for c in reduces) - grads == meets, reduces
+  dtenjax.plan(step, *args, mesh={"data": 8})
+
+
 def test_a_batch_norms_all_reduces_are_priced_as_xla_compiles_them(cpu_devices):
   """The DP plan of the batch-norm step predicts the all-reduce bytes XLA compiles: the
   weights' gradients and the norms' statistics (which the prediction missed before)."""
@@ -1055,6 +1143,16 @@ def test_the_lean_program_prices_a_column_its_readers_reductions_keep_sharded():
     assert _program_time(prob, graph, choice) == pytest.approx(t, abs=1e-9)
   assert solver.solve(prob, graph, 0.0, proposed=False) == [1, 0]
   assert solver.solve_lean(prob, graph, 1.04 * 1.05, proposed=False) == [1, 1]
+  # where collectives hide behind compute (overlap 0.5, the second weight's gather 1 s), the
+  # column's saved work also hides less: both sharded, 1 + 0.04 + (1 - 0.5 x 1.04) = 1.52 s (the
+  # program once hid the gather behind the unsaved 1.06 s of compute: 1.51 s)
+  second[1] = Price(memory={"params": 1.0}, overlappable={"data": 1.0})
+  prob, graph = _hand_problem((4, 1, 1, 1, 1, 2), [first, second], reduced={(0, 1)})
+  prob = dataclasses.replace(prob, overlap=0.5)
+  by_hand = {(0, 0): 1.1, (0, 1): 1.1 + 1.0 - 0.5 * 1.1, (1, 0): 1.04, (1, 1): 1.52}
+  for choice, t in by_hand.items():
+    assert solver.evaluate(prob, choice, graph, 0.0).total_s == pytest.approx(t, abs=1e-12)
+    assert _program_time(prob, graph, choice) == pytest.approx(t, abs=1e-9)
 
 
 def test_the_programs_step_time_is_evaluates_on_a_tensor_mesh():

@@ -997,9 +997,14 @@ def test_a_lookup_only_table_beside_tensor_is_priced_for_each_xla_cpu(monkeypatc
   monkeypatch.setattr(pricing, "XLA_VERSION", xla)
   step, args = _small_family("llama_loop", vocab=vocab)
   embed = P("tensor", "fsdp") if layout == "vocab" else P(None, "fsdp")
-  pinned = {k: None for k in args[0]} | {"embed": embed, "unembed": P(None, "tensor")}
-  with planning.fastest_priced():    # the recorded compiles' layout, from before the lean rule
-    plan = dtenjax.plan(step, *args, mesh={"fsdp": f, "tensor": t}, pinned=(pinned, None, None))
+  # the recorded compiles' layout: the layers' weights Megatron's (columns then rows over
+  # 'tensor', nothing over 'fsdp'), their norms and the final one replicated
+  layer = {"wq": P(None, "tensor"), "wk": P(None, "tensor"), "wv": P(None, "tensor"),
+           "wo": P("tensor"), "w_gate": P(None, "tensor"), "w_up": P(None, "tensor"),
+           "w_down": P("tensor"), "attn_norm": P(), "mlp_norm": P()}
+  pinned = {k: layer for k in args[0] if k.startswith("l")} | {
+      "embed": embed, "final_norm": P(), "unembed": P(None, "tensor")}
+  plan = dtenjax.plan(step, *args, mesh={"fsdp": f, "tensor": t}, pinned=(pinned, None, None))
   compiled = _TABLE_BESIDE_TENSOR[xla][row]
   predicted = predicted_kinds(plan)
   total = sum(compiled.values())

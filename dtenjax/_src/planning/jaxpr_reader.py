@@ -9,7 +9,9 @@ runs it and hands its findings to the pairs (:mod:`~dtenjax._src.planning.pairs`
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -47,7 +49,7 @@ _SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _SAME_DIMS = frozenset(("cumsum", "cumlogsumexp", "cummax", "cummin", "cumprod", "sort", "rev",
                         "pad", "slice", "dynamic_slice", "dynamic_update_slice",
                         "reduce_window_sum", "reduce_window_max", "reduce_window_min",
-                        "select_and_scatter_add", "select_and_gather_add", "argsort"))
+                        "select_and_scatter_add", "select_and_gather_add"))
 # jax.checkpoint's primitive (its name differs between JAX versions)
 _REMAT = frozenset(("checkpoint", "remat", "remat2"))
 
@@ -208,6 +210,8 @@ class Reader:
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
     self.first_order: dict[int, int] = {}     # weight leaf -> the walk position of its first product
+    self._orders: list[int] = []              # the products' walk positions and their flops'
+    self._prefix: list[float] = []            # running sums (_flops_between)
 
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
   def walk(self, jaxpr, origin: dict, tie: dict, repeats: int) -> None:
@@ -256,6 +260,8 @@ class Reader:
     outer = list(eqn.invars)
     if name == "cond":
       outer = outer[1:]
+    elif name == "while":     # its operands: the cond's constants, then the body's and the carry
+      outer = outer[eqn.params["cond_nconsts"]:]
     inner_origin, inner_tie = {}, {}
     n_consts, n_carry = jaxapi.scan_counts(eqn) if name == "scan" else (0, 0)
     if name == "scan" and any(is_var(o) and (o in self.state_derived or o in origin)
@@ -386,15 +392,21 @@ class Reader:
   def _carry_batch(self, src, dst, shift: int) -> None:
     """What ``src`` holds of the batch, carried to ``dst`` (a body's operand or result; ``shift``
     -1 for a scan's slice of a stacked operand, +1 for a scan's stacked result)."""
-    dims = self.batch.get(src)
-    if dims:
-      moved = frozenset(d + shift for d in dims if d + shift >= 0)
-      if moved:
-        self.batch[dst] = moved
-    if src in self.depth:
-      self.depth[dst] = self.depth[src]
-    if src in self.stat:
-      self.stat[dst] = self.stat[src]
+    moved = frozenset(d + shift for d in self.batch.get(src, ()) if d + shift >= 0)
+    self._hold(dst, moved, self.depth.get(src, 0), self.stat.get(src, frozenset()))
+
+  def _hold(self, v, dims: frozenset[int], depth: int, stats: frozenset[int]) -> None:
+    """Sets what ``v`` holds of the batch, replacing what it held: JAX shares one body between
+    the calls of a jitted function, so a body's value stands for another call's value at each
+    call site, and what the last call left must not carry over (a dimension past ``v``'s rank,
+    which no rule should give, is dropped)."""
+    rank = len(getattr(getattr(v, "aval", None), "shape", ()))
+    for table, value in ((self.batch, frozenset(d for d in dims if d < rank)),
+                         (self.depth, depth), (self.stat, stats)):
+      if value:
+        table[v] = value
+      else:
+        table.pop(v, None)
 
   def _track_batch(self, eqn, repeats: int) -> None:
     """Carries the batch's dimensions, the reductions' depth and their results through one
@@ -406,9 +418,6 @@ class Reader:
     stats = frozenset().union(*(self.stat.get(v, frozenset()) for v in vars_in))
     outs, reduced = _batch_out(eqn, ins) if any(ins) else ([frozenset()] * len(eqn.outvars),
                                                           False)
-    for o, dims in zip(eqn.outvars, outs):
-      if dims:
-        self.batch[o] = dims
     if reduced and not any(outs):
       depth += 1
       self.batch_reductions.append((self.eqn_count, depth,
@@ -417,42 +426,50 @@ class Reader:
     elif stats and (any(ins) or any(outs)):
       self.met |= stats        # a statistic meets the batch's values: its reductions all-reduce
       stats = frozenset()
-    for o in eqn.outvars:
-      if depth:
-        self.depth[o] = depth
-      if stats:
-        self.stat[o] = stats
+    for o, dims in zip(eqn.outvars, outs):
+      self._hold(o, dims, depth, stats)
 
   def meetings(self) -> list[Meeting]:
-    """The meetings of the step, in walk order: the met reductions, one meeting per depth (XLA
-    combines the independent reductions of one depth into one all-reduce), each paid by the
-    weight whose product comes last before it (else the first after it)."""
-    by_depth: dict[int, list[tuple[int, int, int, int]]] = {}
+    """The meetings of the step, in walk order: the met reductions, one meeting per depth and
+    product before them (XLA combines the independent reductions between two products into one
+    all-reduce; jax.checkpoint's recomputed statistics, of the forward's depth, meet again after
+    other products), each paid by the weight whose product comes last before it (else the first
+    after it)."""
+    orders = [e[0] for e in self.product_events]
+    groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     for k in sorted(self.met):
-      by_depth.setdefault(self.batch_reductions[k][1], []).append(self.batch_reductions[k])
+      r = self.batch_reductions[k]
+      groups.setdefault((r[1], bisect.bisect_left(orders, r[0])), []).append(r)
     out = []
-    for depth in sorted(by_depth):
-      found = by_depth[depth]
-      order = min(r[0] for r in found)
-      before = [e for e in self.product_events if e[0] < order and e[2]]
-      after = [e for e in self.product_events if e[0] > order and e[2]]
-      payer = before[-1][2][0] if before else (after[0][2][0] if after else None)
-      out.append(Meeting(order, sum(r[2] for r in found), max(r[3] for r in found), payer))
+    for (_, after), found in groups.items():
+      payer = next((e[2][0] for e in reversed(self.product_events[:after]) if e[2]),
+                   next((e[2][0] for e in self.product_events[after:] if e[2]), None))
+      out.append(Meeting(min(r[0] for r in found), sum(r[2] for r in found),
+                         max(r[3] for r in found), payer))
     out.sort(key=lambda mt: mt.order)
-    return [dataclasses.replace(mt, since=sum(f for o, f, _ in self.product_events
-                                              if (k == 0 or out[k - 1].order < o) and
-                                              o < mt.order))
+    return [dataclasses.replace(mt, since=self._flops_between(out[k - 1].order if k else -1,
+                                                              mt.order))
             for k, mt in enumerate(out)]
+
+  def _flops_between(self, start: int, end: int) -> float:
+    """The flops of the products strictly between walk positions ``start`` and ``end``."""
+    if len(self._prefix) != len(self.product_events) + 1:     # the walk is over: sum once
+      self._orders = [e[0] for e in self.product_events]
+      self._prefix = [0.0, *itertools.accumulate(e[1] for e in self.product_events)]
+    lo = bisect.bisect_right(self._orders, start)
+    hi = bisect.bisect_left(self._orders, end)
+    return max(0.0, self._prefix[hi] - self._prefix[lo])
 
   def since_meeting(self, meetings: Sequence[Meeting]) -> dict[int, float]:
     """Weight leaf -> the flops of the products between the last meeting before its first
     product and that product (per step, global): the compute its devices did since they last
     met, where a meeting comes before it (else absent)."""
+    at = [mt.order for mt in meetings]           # walk order
     out = {}
     for leaf, first in self.first_order.items():
-      last = max((mt.order for mt in meetings if mt.order < first), default=None)
-      if last is not None:
-        out[leaf] = sum(f for o, f, _ in self.product_events if last < o < first)
+      k = bisect.bisect_left(at, first)
+      if k:
+        out[leaf] = self._flops_between(at[k - 1], first)
     return out
 
 
@@ -468,9 +485,11 @@ def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]]
   none = [frozenset()] * n
   p = eqn.params
   if name in ELEMENTWISE or name in _SAME_DIMS:
-    dims = frozenset(d for b, s in zip(ins, shapes) if len(s) == len(out)
-                     for d in b if s[d] == out[d])
-    return [dims] * n, False
+    def kept(b, s, o):
+      return frozenset(d for d in b if len(s) == len(o) and s[d] == o[d])
+    if n > 1 and len(ins) == n:       # a result per operand (optimization_barrier, sort)
+      return [kept(b, s, tuple(o.aval.shape)) for b, s, o in zip(ins, shapes, eqn.outvars)], False
+    return [frozenset().union(*(kept(b, s, out) for b, s in zip(ins, shapes)))] * n, False
   b = ins[0]
   if name == "broadcast_in_dim":
     return [frozenset(p["broadcast_dimensions"][d] for d in b)], False
@@ -532,6 +551,10 @@ def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]]
     ibatch = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
     scattered = [d for d in range(len(shapes[2])) if d not in dn.update_window_dims]
     if len(scattered) != len(shapes[1]) - 1:         # one a dimension of the indices but the last
+      return none, False
+    if any(d not in ibatch for d in ins[1]) and not ins[0]:
+      # rows addressed by the batch itself (``logp[jnp.arange(B), y]``'s gradient writes each
+      # example's row): which result dimension then carries the batch is not followed
       return none, False
     dims = set(ins[0]) | {obatch[ibatch.index(d)] for d in ins[1] if d in ibatch}
     for d in ins[2]:

@@ -758,14 +758,14 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
       cost, act = sum(pr.blocking.values()) + pr.ag_fwd + pr.ag_bwd + pr.compute, 0.0
       # a tensor pair's gather waits as plain FSDP's unless the pair is complete (the pair
       # variables below take it off)
-      unmet = sum(pr.unmet_wait.values())
+      unmet, compute = sum(pr.unmet_wait.values()), pr.compute
       if _reduced_column(graph, g[0], pr, cpu):   # complete alone (evaluate's complete_column)
         cost -= pr.ag_fwd + pr.token_saving
-        act, unmet = pr.act_saving, 0.0
+        act, unmet, compute = pr.act_saving, 0.0, compute - pr.token_saving
       costs.append(cost)
       mem.append(sum(pr.memory.values()) - act)
       # e >= overlappable - overlap * compute: both sides depend on the layout
-      over.append(sum(pr.overlappable.values()) + unmet - prob.overlap * pr.compute)
+      over.append(sum(pr.overlappable.values()) + unmet - prob.overlap * compute)
       update.append(pr.update)
   nx = len(costs)
   group_of_leaf = {g[0]: gi for gi, g in enumerate(prob.groups)}
@@ -785,6 +785,7 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
   # evaluate's complete_row); a complete pair's FSDP gather also waits less (Price.unmet_wait,
   # taken off the exposed row)
   saves = []      # (saving seconds, activation bytes, own vars, [partner vars...], wait seconds)
+  hides = []      # per pair variable: what its saving takes off the compute collectives hide behind
   for gi, g in enumerate(prob.groups):
     for ci, pr in enumerate(prob.prices[gi]):
       if pr.tp is None:
@@ -804,6 +805,8 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
         plist.append(cols)
       if all(plist):
         saves.append((saving, act, [index[(gi, ci)]], plist, unmet))
+        # a complete column's compute, less by the repeated work it saves, hides less
+        hides.append(prob.overlap * pr.token_saving if kind == "col" else 0.0)
   nu = len(saves)
   # a weight 'tensor' replicates, priced at Price.sliced where XLA:CPU slices its output to a
   # pair's shards (sliced_leaves: a pair it starts ends in a row-parallel weight beside a
@@ -938,11 +941,11 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
     rows.append(r)
     cols.append(k)
     vals.append(over[k])
-  for j, (_, _, _, _, unmet) in enumerate(saves):
-    if unmet:
+  for j, ((_, _, _, _, unmet), hidden) in enumerate(zip(saves, hides)):
+    if unmet or hidden:
       rows.append(r)
       cols.append(nx + j)
-      vals.append(-unmet)
+      vals.append(hidden - unmet)
   for j, (_, _, over_extra, _) in enumerate(slices):
     rows.append(r)
     cols.append(nx + nu + j)

@@ -1077,6 +1077,14 @@ def _program_time(prob, graph, choice) -> float:
   return float(res.fun) + prob.compute_s + sum(prob.fixed_blocking.values())
 
 
+def _assert_both_price(prob, graph, by_hand: dict) -> None:
+  """``evaluate`` and the mesh's program both price each assignment as derived by hand."""
+  from dtenjax._src.planning import solver
+  for choice, t in by_hand.items():
+    assert solver.evaluate(prob, choice, graph, 0.0).total_s == pytest.approx(t, abs=1e-12)
+    assert _program_time(prob, graph, choice) == pytest.approx(t, abs=1e-9)
+
+
 def _hand_problem(shape, prices, reduced=frozenset()):
   """A problem of one-leaf groups priced by hand (``prices``: each group's candidates' Prices),
   1 s of fixed compute, no overlap, on 8 CPU devices; with a step graph of no pairs whose
@@ -1113,9 +1121,7 @@ def test_the_lean_program_prices_a_tables_start_wait_with_the_assignments_update
                   overlappable={"fsdp": 0.03})]
   prob, graph = _hand_problem((1, 1, 8, 1, 1, 1), [table, weight])
   by_hand = {(0, 0): 1.04, (0, 1): 1.035, (1, 0): 1.12, (1, 1): 1.045}
-  for choice, t in by_hand.items():
-    assert solver.evaluate(prob, choice, graph, 0.0).total_s == pytest.approx(t, abs=1e-12)
-    assert _program_time(prob, graph, choice) == pytest.approx(t, abs=1e-9)
+  _assert_both_price(prob, graph, by_hand)
   assert solver.solve(prob, graph, 0.0, proposed=False) == [0, 1]
   assert solver.solve_lean(prob, graph, 1.035 * 1.05, proposed=False) == [1, 1]
 
@@ -1138,9 +1144,7 @@ def test_the_lean_program_prices_a_column_its_readers_reductions_keep_sharded():
                                                  overlappable={"data": 0.04})]
   prob, graph = _hand_problem((4, 1, 1, 1, 1, 2), [first, second], reduced={(0, 1)})
   by_hand = {(0, 0): 1.1, (0, 1): 1.14, (1, 0): 1.04, (1, 1): 1.08}
-  for choice, t in by_hand.items():
-    assert solver.evaluate(prob, choice, graph, 0.0).total_s == pytest.approx(t, abs=1e-12)
-    assert _program_time(prob, graph, choice) == pytest.approx(t, abs=1e-9)
+  _assert_both_price(prob, graph, by_hand)
   assert solver.solve(prob, graph, 0.0, proposed=False) == [1, 0]
   assert solver.solve_lean(prob, graph, 1.04 * 1.05, proposed=False) == [1, 1]
   # where collectives hide behind compute (overlap 0.5, the second weight's gather 1 s), the
@@ -1150,9 +1154,7 @@ def test_the_lean_program_prices_a_column_its_readers_reductions_keep_sharded():
   prob, graph = _hand_problem((4, 1, 1, 1, 1, 2), [first, second], reduced={(0, 1)})
   prob = dataclasses.replace(prob, overlap=0.5)
   by_hand = {(0, 0): 1.1, (0, 1): 1.1 + 1.0 - 0.5 * 1.1, (1, 0): 1.04, (1, 1): 1.52}
-  for choice, t in by_hand.items():
-    assert solver.evaluate(prob, choice, graph, 0.0).total_s == pytest.approx(t, abs=1e-12)
-    assert _program_time(prob, graph, choice) == pytest.approx(t, abs=1e-9)
+  _assert_both_price(prob, graph, by_hand)
 
 
 def test_the_programs_step_time_is_evaluates_on_a_tensor_mesh():

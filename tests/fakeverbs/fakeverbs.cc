@@ -82,12 +82,13 @@ constexpr int kSupportedAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRIT
 enum Counter {
   kContexts, kPds, kMrs, kCqs, kQps, kChannels, kRegMrCalls, kDeregMrCalls, kPacketsSent,
   kPacketsDropped, kRnrNaks, kRetransmits, kErrorCompletions, kFlushCompletions, kViolations,
-  kFaultsFired, kMessagesReceived, kNumCounters
+  kFaultsFired, kMessagesReceived, kWritesReceived, kNumCounters
 };
 const char* const kCounterNames[kNumCounters] = {
     "contexts", "pds", "mrs", "cqs", "qps", "channels", "reg_mr_calls", "dereg_mr_calls",
     "packets_sent", "packets_dropped", "rnr_naks", "retransmits", "error_completions",
-    "flush_completions", "violations", "faults_fired", "messages_received"};
+    "flush_completions", "violations", "faults_fired", "messages_received",
+    "writes_received"};  // writes: the messages a fault's `after` counts
 
 std::mutex g_mu;  // guards everything below; the HCA thread and every verb take it
 int64_t g_count[kNumCounters];
@@ -772,6 +773,7 @@ void OnRequest(Port* p, Qp* qp, const PktHdr& h, const uint8_t* payload) {
                  uint32_t(qp->msg.total), imm ? qp->msg.imm : 0, imm, h.src_qpn, h.solicited);
   }
   ++g_count[kMessagesReceived];
+  if (is_write) ++g_count[kWritesReceived];
   if (is_write && !g_fault.empty() && g_fault_after >= 0 && --g_fault_after < 0) FireFault(p, qp);
 }
 

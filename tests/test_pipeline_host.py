@@ -178,14 +178,20 @@ def test_bad_input_names_the_value_and_the_fix():
 def test_the_links_run_over_verbs_on_the_emulated_device(fake):  # noqa: F811 (the fixture)
   """The links are host-transport communicators: over the RDMA verbs provider (the emulated
   device of tests/fakeverbs/, no NIC here) a 1F1B step moves RDMA writes, breaks none of the
-  device's rules, and gives the bits of the same step over TCP."""
+  device's rules, and gives the bits of the same step over TCP. Run again with the device posting
+  the receive completion of the last frame (the loss handed down) 0.3 s after acknowledging it
+  (late_cqe): the stage that sent it returns and closes its links at once, and the other still
+  takes the frame (race14: it reported the closed peer as lost)."""
   stacked, head, x, targets = m.init()
   pipe = dtenjax.pipeline(m.body, m.loss_fn, stages=2, microbatches=m.MICRO,
                           schedule=dtenjax.OneFOneB())
-  results = {}
-  for provider in ("tcp", "verbs"):
+  results, frames = {}, 0         # frames: the RDMA writes of the last run
+  for run in ("tcp", "verbs", "verbs-late"):
+    provider = run.split("-")[0]
     store = _store()
     before = fake.counters()
+    if run == "verbs-late":
+      fake.arm("late_cqe", frames - 1)      # the same links and frames as the run before
 
     def stage(d, provider=provider, store=store):
       mine = jax.tree.map(lambda a: a[3 * d:3 * d + 3], stacked)
@@ -195,12 +201,15 @@ def test_the_links_run_over_verbs_on_the_emulated_device(fake):  # noqa: F811 (t
         return hp.value_and_grad(mine, head, x, targets)
 
     outs, errs = _on_threads(2, stage)
-    assert errs == [None, None], errs
-    results[provider] = [np.asarray(a) for a in jax.tree.leaves(outs)]
+    assert errs == [None, None], (run, errs)
+    results[run] = [np.asarray(a) for a in jax.tree.leaves(outs)]
     moved = fake.counters()["messages_received"] - before["messages_received"]
-    assert (moved > 0) == (provider == "verbs"), (provider, moved)
+    assert (moved > 0) == (provider == "verbs"), (run, moved)
+    frames = fake.counters()["writes_received"] - before["writes_received"]
+  assert fake.counters()["faults_fired"] == before["faults_fired"] + 1, "late_cqe did not fire"
   assert fake.counters()["violations"] == fake.violations_before, fake.last_violation()
-  assert [a.tobytes() for a in results["verbs"]] == [a.tobytes() for a in results["tcp"]]
+  for run in ("verbs", "verbs-late"):
+    assert [a.tobytes() for a in results[run]] == [a.tobytes() for a in results["tcp"]], run
 
 
 def test_pair_links_carry_exact_bytes_both_ways_and_refuse_mismatches():

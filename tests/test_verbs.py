@@ -225,6 +225,43 @@ def test_a_peer_that_goes_away_is_noticed_at_once_not_at_the_timeout(fake):
     close_all(comms[1:])
 
 
+def test_a_peer_that_closes_right_after_its_last_exchange_loses_no_frame(fake):
+  """Both ranks close their communicators as soon as their last all_reduce returns (as a
+  pipeline stage leaving ``with HostPipeline``); the device acknowledges the process's last
+  frame at once but posts its receive completion 0.3 s later (late_cqe, which the specification
+  allows): its sender's write completes, it returns and closes, and the receiver, whose CQ was
+  empty when it looked, finds the set-up connection closed. The frame was delivered: the receiver
+  takes it and gets the sum, not 'lost rank'."""
+  n = 3000
+  xs = _inputs(2, n, np.float32, seed=7)
+  want = xs[0] + xs[1]   # two addends: the same float sum in either order
+  comms = _ring(2, timeout_s=20)
+  try:
+    _, errs, _ = _all_reduce(comms, xs)   # the first collective also checks the ring's set-up
+    assert errs == [None, None], errs
+    before = fake.counters()["writes_received"]
+    _, errs, _ = _all_reduce(comms, xs)
+    assert errs == [None, None], errs
+    frames = fake.counters()["writes_received"] - before   # the RDMA writes of one all_reduce
+    assert frames > 0, frames
+    fired = fake.counters()["faults_fired"]
+    fake.arm("late_cqe", frames - 1)    # the last RDMA write this process receives
+
+    def rank(r):
+      try:
+        return comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
+      finally:
+        comms[r].close()
+
+    outs, errs, _ = run_ranks([lambda r=r: rank(r) for r in range(2)], join_s=30)
+    assert fake.counters()["faults_fired"] == fired + 1, "the fault did not fire"
+    assert errs == [None, None], errs
+    for out in outs:
+      np.testing.assert_array_equal(out, want)
+  finally:
+    close_all(comms)
+
+
 def _capture(fn):
   try:
     fn()

@@ -78,10 +78,12 @@ struct Provider {
   // with its own deadline and at most hs.max_pending at once (tcp_accept.cc says which one gives
   // way to a newcomer); every rejected one is told why (REJECT frame), counted and skipped.
   Status (*accept)(Listener* l, const Handshake& hs, double deadline, Conn** out);
-  // Hands as much of `f` to the connection as it takes now; never blocks.
+  // Hands as much of `f` to the connection as it takes now; never blocks (but verbs, once the
+  // peer has closed, waits up to 1 s for the completions its last work is owed: verbs_pump.cc).
   Status (*send_some)(Conn* c, OutFrame* f, bool* progress);
-  // Receives what has arrived of `f` without blocking. Stops at InFrame::kHeadReady (the caller
-  // authenticates the head, sets dst/payload_bytes and stage = kBody) and at kDone.
+  // Receives what has arrived of `f` without blocking (verbs: as send_some). Stops at
+  // InFrame::kHeadReady (the caller authenticates the head, sets dst/payload_bytes and
+  // stage = kBody) and at kDone.
   Status (*recv_some)(Conn* c, InFrame* f, bool* progress);
   // Blocks until one item can progress in a wanted direction, or `until` (no error at `until`).
   Status (*wait)(const WaitItem* items, int n, double until);

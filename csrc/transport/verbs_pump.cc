@@ -40,11 +40,34 @@ void ConsumeEvents(VerbsConn* v) {
 
 namespace {
 
-// The peer's process is alive while its TCP side channel is open; a dead one closed it.
-Status SideAlive(VerbsConn* v, const std::string& peer) {
+Status Drain(VerbsConn* v, const std::string& peer, bool* changed = nullptr);
+
+// How long a closed side channel leaves for the completions the peer's last work is owed.
+constexpr double kLastWordsSeconds = 1.0;
+
+// The peer's process is alive while its TCP side channel is open; a dead one closed it. A peer
+// that closes its communicator right after its last exchange closes the channel once its last
+// RDMA write has completed, i.e. once this device acknowledged the frame, but the receive
+// completion may reach this CQ after the acknowledgement (the specification orders neither), and
+// this thread may have polled the CQ just before it landed: before calling the peer lost, wait
+// (at most kLastWordsSeconds) for what this side waits for, `arrived` (a frame) or a credit.
+Status SideAlive(VerbsConn* v, const std::string& peer, bool recv) {
   bool progress = false;
   Status s = TcpProvider()->recv_some(v->side, &v->side_in, &progress);
   if (!s.ok()) {
+    const double until = NowSeconds() + kLastWordsSeconds;
+    while (true) {
+      DTENJAX_RETURN_IF_ERROR(Drain(v, peer));
+      if (recv ? v->arrived >= 0 : v->credits > 0) return Status::Ok();
+      const double left = until - NowSeconds();
+      if (left <= 0) break;
+      if (ibv_req_notify_cq(v->cq, 0) != 0) break;
+      bool changed = false;
+      DTENJAX_RETURN_IF_ERROR(Drain(v, peer, &changed));
+      if (changed) continue;
+      pollfd pfd{v->channel->fd, POLLIN, 0};
+      if (::poll(&pfd, 1, int(std::min(left, 0.02) * 1000) + 1) > 0) ConsumeEvents(v);
+    }
     Counters().peer_failures.fetch_add(1);
     return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: lost " + peer +
                                                  ": its TCP set-up connection closed (that process "
@@ -71,7 +94,7 @@ Status WcFailed(const ibv_wc& wc, const std::string& peer) {
 }
 
 // Polls the completion queue empty, updating the connection's state.
-Status Drain(VerbsConn* v, const std::string& peer, bool* changed = nullptr) {
+Status Drain(VerbsConn* v, const std::string& peer, bool* changed) {
   ibv_wc wc[8];
   while (true) {
     int n = ibv_poll_cq(v->cq, 8, wc);
@@ -115,7 +138,10 @@ Status VerbsSendSome(Conn* c, OutFrame* f, bool* progress) {
   DTENJAX_RETURN_IF_ERROR(Drain(v, c->peer));
   if (f->done()) return Status::Ok();
   if (!v->write_posted) {
-    if (v->credits <= 0) return SideAlive(v, c->peer);
+    if (v->credits <= 0) {
+      DTENJAX_RETURN_IF_ERROR(SideAlive(v, c->peer, false));
+      if (v->credits <= 0) return Status::Ok();
+    }
     if (f->total() > kSlab) {
       return DTENJAX_ERROR(Code::kInvalidArgument, "frame of " + std::to_string(f->total()) +
                                                        " bytes exceeds the RDMA slab");
@@ -161,7 +187,10 @@ Status VerbsRecvSome(Conn* c, InFrame* f, bool* progress) {
   auto* v = static_cast<VerbsConn*>(c->impl);
   *progress = false;
   DTENJAX_RETURN_IF_ERROR(Drain(v, c->peer));
-  if (v->arrived < 0) return SideAlive(v, c->peer);
+  if (v->arrived < 0) {
+    DTENJAX_RETURN_IF_ERROR(SideAlive(v, c->peer, true));
+    if (v->arrived < 0) return Status::Ok();
+  }
   const uint8_t* b = static_cast<const uint8_t*>(v->recv_buf);
   if (f->stage == InFrame::kHead) {
     if (uint64_t(v->arrived) < kSealedHeadBytes + kTagBytes) {

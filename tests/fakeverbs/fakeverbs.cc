@@ -74,6 +74,7 @@ constexpr uint32_t kPsnMask = 0xffffff;
 constexpr size_t kPktPayload = 32 << 10;
 constexpr int kMaxQpWr = 4096, kMaxSge = 4, kMaxCqe = 65536, kMaxQpRdAtom = 16;
 constexpr uint32_t kMaxMsg = 1u << 31;
+constexpr double kLateCqeSeconds = 0.3;  // the late_cqe fault's delay
 constexpr int kSupportedAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
                                  IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC |
                                  IBV_ACCESS_RELAXED_ORDERING;
@@ -81,12 +82,13 @@ constexpr int kSupportedAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRIT
 enum Counter {
   kContexts, kPds, kMrs, kCqs, kQps, kChannels, kRegMrCalls, kDeregMrCalls, kPacketsSent,
   kPacketsDropped, kRnrNaks, kRetransmits, kErrorCompletions, kFlushCompletions, kViolations,
-  kFaultsFired, kMessagesReceived, kNumCounters
+  kFaultsFired, kMessagesReceived, kWritesReceived, kNumCounters
 };
 const char* const kCounterNames[kNumCounters] = {
     "contexts", "pds", "mrs", "cqs", "qps", "channels", "reg_mr_calls", "dereg_mr_calls",
     "packets_sent", "packets_dropped", "rnr_naks", "retransmits", "error_completions",
-    "flush_completions", "violations", "faults_fired", "messages_received"};
+    "flush_completions", "violations", "faults_fired", "messages_received",
+    "writes_received"};  // writes: the messages a fault's `after` counts
 
 std::mutex g_mu;  // guards everything below; the HCA thread and every verb take it
 int64_t g_count[kNumCounters];
@@ -260,6 +262,15 @@ struct Port {
   std::thread thread;
   bool stop = false;
   int contexts = 0;
+  // late_cqe: receive completions of messages already placed and acknowledged, due later.
+  struct Late {
+    double due;
+    uint32_t qpn;
+    RecvWqe recv;
+    uint32_t bytes, imm, src_qp;
+    bool with_imm, solicited;
+  };
+  std::vector<Late> late;
 };
 
 Port* g_port = nullptr;
@@ -619,6 +630,28 @@ void FireFault(Port* p, Qp* qp) {
     g_fault_nak_next = true;
   } else if (f == "exit") {
     _exit(17);
+  }  // late_cqe has already held its completion back (OnRequest)
+}
+
+// Posts the held-back receive completions that are due (a QP that went to the error state
+// meanwhile flushes its receive; a destroyed one takes it along).
+void DeliverLate(Port* p, double now, double* next) {
+  for (auto it = p->late.begin(); it != p->late.end();) {
+    if (it->due > now) {
+      *next = std::min(*next, it->due);
+      ++it;
+      continue;
+    }
+    if (auto q = p->qps.find(it->qpn); q != p->qps.end()) {
+      Qp* qp = q->second;
+      if (qp->state == IBV_QPS_ERR) {
+        CompleteRecv(qp, it->recv, IBV_WC_WR_FLUSH_ERR, IBV_WC_RECV, 0, 0, false, 0, false);
+      } else {
+        CompleteRecv(qp, it->recv, IBV_WC_SUCCESS, IBV_WC_RECV_RDMA_WITH_IMM, it->bytes, it->imm,
+                     it->with_imm, it->src_qp, it->solicited);
+      }
+    }
+    it = p->late.erase(it);
   }
 }
 
@@ -727,13 +760,20 @@ void OnRequest(Port* p, Qp* qp, const PktHdr& h, const uint8_t* payload) {
   if (!h.last) return;
   qp->msg.active = false;
   Reply(p, qp, kAck, 0, h.psn);  // acknowledged as it is placed, before the application sees it
-  if (qp->msg.has_recv) {
+  if (qp->msg.has_recv && is_write && g_fault == "late_cqe" && g_fault_after == 0) {
+    // The requester's completion may come before the responder's (the specification orders
+    // neither): this one reaches the CQ kLateCqeSeconds after the acknowledgement left.
+    p->late.push_back(Port::Late{Now() + kLateCqeSeconds, qp->qp.qp_num, qp->msg.recv,
+                                 uint32_t(qp->msg.total), h.has_imm ? qp->msg.imm : 0,
+                                 h.src_qpn, h.has_imm, h.solicited});
+  } else if (qp->msg.has_recv) {
     const bool imm = h.has_imm;
     CompleteRecv(qp, qp->msg.recv, IBV_WC_SUCCESS,
                  h.op == IBV_WR_RDMA_WRITE_WITH_IMM ? IBV_WC_RECV_RDMA_WITH_IMM : IBV_WC_RECV,
                  uint32_t(qp->msg.total), imm ? qp->msg.imm : 0, imm, h.src_qpn, h.solicited);
   }
   ++g_count[kMessagesReceived];
+  if (is_write) ++g_count[kWritesReceived];
   if (is_write && !g_fault.empty() && g_fault_after >= 0 && --g_fault_after < 0) FireFault(p, qp);
 }
 
@@ -814,6 +854,7 @@ void Run(Port* p) {
         return;
       }
       const double now = Now();
+      DeliverLate(p, now, &next);
       for (auto& [num, qp] : p->qps) {
         RequesterTimers(p, qp, now);
         if (qp->state == IBV_QPS_RTS && !qp->sq.empty() && !qp->inflight && qp->resend_at == 0) {
@@ -1741,10 +1782,12 @@ FV_EXPORT int fakeverbs_last_violation(char* buf, int n) {
 // process: qp_error (the receiving QP goes to the error state), revoke_mr (every remote-writable
 // MR loses its keys, as if deregistered), rnr (receive queues look empty: RNR NAKs), cq_overrun
 // (the receiving CQ overruns), wc_error (the next message is answered with a remote operational
-// error NAK), exit (the process exits with status 17); "none" disarms. Returns 0, or -1 for an
-// unknown kind.
+// error NAK), exit (the process exits with status 17), late_cqe (that message is acknowledged at
+// once, its receive completion reaches the CQ kLateCqeSeconds later); "none" disarms. Returns 0,
+// or -1 for an unknown kind.
 FV_EXPORT int fakeverbs_arm(const char* kind, int64_t after) {
-  static const char* const kinds[] = {"qp_error", "revoke_mr", "rnr", "cq_overrun", "wc_error", "exit"};
+  static const char* const kinds[] = {"qp_error", "revoke_mr", "rnr",     "cq_overrun",
+                                      "wc_error", "exit",      "late_cqe"};
   std::lock_guard<std::mutex> lock(g_mu);
   if (kind && std::strcmp(kind, "none") == 0) {
     g_fault.clear();

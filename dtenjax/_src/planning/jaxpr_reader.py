@@ -435,7 +435,7 @@ class Reader:
     all-reduce; jax.checkpoint's recomputed statistics, of the forward's depth, meet again after
     other products), each paid by the weight whose product comes last before it (else the first
     after it)."""
-    orders = [e[0] for e in self.product_events]
+    orders, _ = self._products_summed()
     groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     for k in sorted(self.met):
       r = self.batch_reductions[k]
@@ -451,14 +451,18 @@ class Reader:
                                                               mt.order))
             for k, mt in enumerate(out)]
 
-  def _flops_between(self, start: int, end: int) -> float:
-    """The flops of the products strictly between walk positions ``start`` and ``end``."""
-    if len(self._prefix) != len(self.product_events) + 1:     # the walk is over: sum once
+  def _products_summed(self) -> tuple[list[int], list[float]]:
+    """The products' walk positions and the running sums of their flops, once the walk is over."""
+    if len(self._prefix) != len(self.product_events) + 1:
       self._orders = [e[0] for e in self.product_events]
       self._prefix = [0.0, *itertools.accumulate(e[1] for e in self.product_events)]
-    lo = bisect.bisect_right(self._orders, start)
-    hi = bisect.bisect_left(self._orders, end)
-    return max(0.0, self._prefix[hi] - self._prefix[lo])
+    return self._orders, self._prefix
+
+  def _flops_between(self, start: int, end: int) -> float:
+    """The flops of the products strictly between walk positions ``start`` and ``end``."""
+    orders, prefix = self._products_summed()
+    lo, hi = bisect.bisect_right(orders, start), bisect.bisect_left(orders, end)
+    return max(0.0, prefix[hi] - prefix[lo])
 
   def since_meeting(self, meetings: Sequence[Meeting]) -> dict[int, float]:
     """Weight leaf -> the flops of the products between the last meeting before its first

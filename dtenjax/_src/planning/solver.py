@@ -784,8 +784,8 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
   # (a row-parallel weight's also <= its partners' column-parallel ones: at least one of them is,
   # evaluate's complete_row); a complete pair's FSDP gather also waits less (Price.unmet_wait,
   # taken off the exposed row)
-  saves = []      # (saving seconds, activation bytes, own vars, [partner vars...], wait seconds)
-  hides = []      # per pair variable: what its saving takes off the compute collectives hide behind
+  # (saving seconds, activation bytes, own vars, [partner vars...], its exposed-row coefficient)
+  saves = []
   for gi, g in enumerate(prob.groups):
     for ci, pr in enumerate(prob.prices[gi]):
       if pr.tp is None:
@@ -804,9 +804,10 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
       if kind == "row" and set(cols) != {v for vs in plist for v in vs}:
         plist.append(cols)
       if all(plist):
-        saves.append((saving, act, [index[(gi, ci)]], plist, unmet))
-        # a complete column's compute, less by the repeated work it saves, hides less
-        hides.append(prob.overlap * pr.token_saving if kind == "col" else 0.0)
+        # complete, the pair's gather waits less (unmet), and a column's compute, less by the
+        # repeated work it saves, hides less
+        hidden = prob.overlap * pr.token_saving if kind == "col" else 0.0
+        saves.append((saving, act, [index[(gi, ci)]], plist, hidden - unmet))
   nu = len(saves)
   # a weight 'tensor' replicates, priced at Price.sliced where XLA:CPU slices its output to a
   # pair's shards (sliced_leaves: a pair it starts ends in a row-parallel weight beside a
@@ -941,11 +942,11 @@ def _program(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _Prog
     rows.append(r)
     cols.append(k)
     vals.append(over[k])
-  for j, ((_, _, _, _, unmet), hidden) in enumerate(zip(saves, hides)):
-    if unmet or hidden:
+  for j, (_, _, _, _, exposed) in enumerate(saves):
+    if exposed:
       rows.append(r)
       cols.append(nx + j)
-      vals.append(hidden - unmet)
+      vals.append(exposed)
   for j, (_, _, over_extra, _) in enumerate(slices):
     rows.append(r)
     cols.append(nx + nu + j)

@@ -122,7 +122,7 @@ def test_blocks_and_bits_every_dtype_op_and_tiling(cpu_devices, name):
 def test_without_the_custom_calls_the_bits_are_the_same(cpu_devices, monkeypatch):
   """DTENJAX_CPU_FFI=0 runs the jnp formulation (the one GPUs and vmap axes run): the same bits
   as the custom calls' folds and int32 sums, float32 sums (wide data) and reproducible words."""
-  mesh, axes = _mesh(cpu_devices, "4x2")
+  mesh, axes = _mesh(cpu_devices, "2x4")       # a fold of 4 in the island: its order shows
   x = jnp.asarray(_data(8, jnp.float32, 11))
   fns = lambda v: (dtenjax.reduce_scatter(v[0], axes, tiled=True, algorithm="hierarchical")[None],
                    dtenjax.reduce_scatter(v[0], axes, tiled=True, algorithm="hierarchical",

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import dtenjax
 from dtenjax._src import errors
+from dtenjax._src import ffi
 from dtenjax._src.collectives.algorithms import registry
 from dtenjax._src.collectives.plan_all_reduce import plan_all_reduce
 from dtenjax._src.pricing import costmodel as cm
@@ -27,6 +28,7 @@ from dtenjax._src.topology.model import Topology
 import fixed_point_ref as ref
 from tests import helpers
 from tests import test_costmodel as cmt
+from tests.test_collectives import _kernels
 
 # (mesh shape, axis names): the last axis is the island (inner) axis
 MESHES = {"2x4": ((2, 4), ("o", "i")), "4x2": ((4, 2), ("o", "i")),
@@ -133,6 +135,25 @@ def test_without_the_custom_calls_the_bits_are_the_same(cpu_devices, monkeypatch
   without = run()
   for a, b in zip(with_ffi, without):
     np.testing.assert_array_equal(ref.bits(a), ref.bits(b))
+
+
+@pytest.mark.skipif(not ffi.is_built(),
+                    reason="the native extension is not built (bash scripts/setup.sh builds it)")
+def test_on_xla_cpu_it_compiles_the_kernels_lax_psum_scatter_compiles(cpu_devices):
+  """On XLA:CPU the chunks the inner all-to-all sends, both folds (float32) and both int32 sums
+  are custom calls: the program compiles no more kernels than lax.psum_scatter's (none)."""
+  mesh, axes = _mesh(cpu_devices, "2x4")
+
+  def compiled(f, dtype):
+    x = jax.ShapeDtypeStruct((8 * 4096,), dtype)
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
+    return g.lower(x).compile(helpers.DEFAULT_CPU_EMITTERS).as_text()
+  anchor = _kernels(compiled(lambda v: lax.psum_scatter(v, axes, tiled=True), jnp.float32))
+  for dtype, target in ((jnp.float32, "dtenjax_cpu_fold"), (jnp.int32, "dtenjax_cpu_ring_step")):
+    ours = compiled(lambda v: dtenjax.reduce_scatter(v, axes, tiled=True,
+                                                     algorithm="hierarchical"), dtype)
+    assert target in ours and "dtenjax_cpu_unpack" in ours
+    assert _kernels(ours) <= anchor, (jnp.dtype(dtype).name, _kernels(ours), anchor)
 
 
 @pytest.mark.parametrize("devices,shape", [(4, (2, 2)), (8, (2, 4))])

@@ -247,6 +247,9 @@ def test_price_derived_by_hand():
   got = cm.collective_time("reduce_scatter", N, list(range(32)), roce,
                            registry.get("hierarchical").cost, costs=cmt.GPU)
   assert got == pytest.approx(want, rel=1e-12)
+  # the first half of the hierarchical all-reduce: never dearer than it
+  assert got < cm.collective_time("all_reduce", N, list(range(32)), roce,
+                                  registry.get("hierarchical").cost, costs=cmt.GPU)
   assert registry.get("hierarchical").price.has_reduce_scatter
   # one island: no hierarchy to exploit
   assert cm.collective_time("reduce_scatter", N, list(range(8)), cmt.DGX,

@@ -237,6 +237,28 @@ def test_collectives_lax_candidates_compute_what_they_stand_for(cpu_devices):
   for name in ("psum", "lax.all_gather_fold"):
     got = run(name)
     assert np.allclose(got, want[None], rtol=1e-6), name       # every rank: the sum
+  # the reduce-scatters: rank r's block r of the sum, tiled back to the input's size; their
+  # empty chain tiles rank r's own first block alike
+  for name in ("lax.psum_scatter", "rs_hierarchical", "rs_auto"):
+    got = run(name)
+    for r in range(8):
+      assert np.allclose(got[r], np.tile(want[2 * r:2 * r + 2], 8), rtol=1e-6), (name, r)
+  np.testing.assert_array_equal(run("none_rs")[5], np.tile(x[5, :2], 8))
+
+
+def test_collectives_reduce_scatter_rows_are_against_lax_psum_scatter(tmp_path, run):
+  out = tmp_path / "rs.json"
+  r = run("collectives", "--sizes", "256K", "--chain", "4", "--reps", "5", "--stat", "min",
+          "--mesh", "4x2", "--candidates", "psum,lax.psum_scatter,rs_hierarchical",
+          "--json", str(out))
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = {row["candidate"]: row for row in _doc(out, "collectives")["rows"]}
+  lax_rs, ours = rows["lax.psum_scatter"], rows["rs_hierarchical"]
+  assert {row["mesh"] for row in rows.values()} == {"4x2"}
+  assert lax_rs["busbw"] == pytest.approx(lax_rs["algbw"] * 7 / 8)    # a reduce-scatter
+  assert lax_rs["ratio"] == 1.0 and rows["psum"]["ratio"] == 1.0
+  assert ours["ratio"] == pytest.approx(lax_rs["time_us"] / ours["time_us"])
+  assert run("collectives", "--mesh", "3x2").returncode == 1          # not this machine's 8
 
 
 def test_eager_bench_writes_psum_ratios_for_every_mode(tmp_path, run):

@@ -423,8 +423,8 @@ def test_errors_name_the_value_and_the_fix(mesh):
           r"int32.*reproducible=False")
   _raises(mesh, lambda v: dtenjax.all_reduce(v, "i", algorithm="hierarchical"), r"two mesh axes")
   _raises(mesh, lambda v: dtenjax.reduce_scatter(v[:, :8], AX, scatter_dimension=1, tiled=True,
-                                                 algorithm="hierarchical"),
-          r"hierarchical has no reduce_scatter; use algorithm='auto'")
+                                                 algorithm="nvlink_one_shot"),
+          r"nvlink_one_shot has no reduce_scatter; use algorithm='auto'")
   _raises(mesh, lambda v: dtenjax.reduce_scatter(v[:, :6], AX, scatter_dimension=1, tiled=True),
           r"size 6 is not divisible by the size 8.*pad it")
   _raises(mesh, lambda v: dtenjax.all_reduce(v, AX, local_axis=0), r"reproducible=True")

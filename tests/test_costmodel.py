@@ -115,7 +115,7 @@ def test_every_formula_charges_the_collectives_and_link_bytes_its_program_has(
   call = base.Call(kind, "sum", jnp.float32, AX, (2, 4), NB, backend="cpu",
                    contract=contract.parse(reproducible))
   records = [a for a in registry.REGISTRY if a.why_not(call) is None]
-  assert {"xla", "ring", "one_shot", "two_shot"} <= {a.name for a in records}
+  assert {"xla", "ring", "one_shot", "two_shot", "hierarchical"} <= {a.name for a in records}
   for a in records:
     module = _program(a.name, kind, reproducible, mesh)
     ops = [c for c in module.collectives()]

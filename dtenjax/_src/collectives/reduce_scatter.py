@@ -28,7 +28,9 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
   :func:`all_gather`.
   Algorithms: "ring" (ppermute ring), "butterfly" (recursive halving over ppermute, power-of-two
   worlds), "one_shot" (all_gather + ordered reduction of the owned block), "two_shot"
-  (all_to_all + ordered reduction), "xla" (psum_scatter where its order is fixed, see
+  (all_to_all + ordered reduction), "hierarchical" (over ``(outer..., inner)``: a reduce-scatter
+  inside the inner axis, then one across the outer axes on 1/m of the bytes; the order and bits
+  of the hierarchical all-reduce's block), "xla" (psum_scatter where its order is fixed, see
   ``algorithms/xla.py``), "auto". ``reproducible=True`` (contract v3) or ``"v2"``
   (``"exact"``, deprecated): the codes are MAX-reduced over the full input, the int32 words
   reduce-scattered, rank r decodes block r (the same bits as ``all_reduce(...,

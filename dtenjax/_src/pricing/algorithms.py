@@ -216,11 +216,25 @@ def _hierarchical_all_reduce(t: costmodel.Terms, N: float) -> float:
   return inner + outer + 2 * t.P + (3 * N + 2 * s.m * N / s.k) * t.m
 
 
+def _hierarchical_reduce_scatter(t: costmodel.Terms, N: float) -> float:
+  """Inner all-to-all reduce-scatter of N on the fast link, outer all-to-all reduce-scatter of
+  the island's N/k on the slow one (each byte crosses it once); local traffic: the chunks copied
+  out (N), the inner fold (N read, N/k written), the outer fold (N/k read); inf without a proper
+  island split of the group."""
+  s = t.split()
+  if s is None:
+    return costmodel.INF
+  inner = t.L + s.ia + (s.k - 1) / s.k * N * s.ib
+  outer = t.L + s.outer_hops * s.oa + (s.m - 1) / s.m * (N / s.k) * s.ob
+  return inner + outer + 2 * t.P + (2 * N + 2 * N / s.k) * t.m
+
+
 HIERARCHICAL = Record(
     name="hierarchical", family="hierarchical",
     order="sum over outer ranks (in order) of the inner-axis sums (ranks 0..m-1)",
-    cost=costmodel.Cost(all_reduce=_hierarchical_all_reduce), supports=_hierarchical_supports,
-    has_reduce_scatter=False)
+    cost=costmodel.Cost(all_reduce=_hierarchical_all_reduce,
+                        reduce_scatter=_hierarchical_reduce_scatter),
+    supports=_hierarchical_supports)
 
 
 # --- butterfly: recursive halving, then an all-gather --------------------------------------------

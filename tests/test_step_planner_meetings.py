@@ -192,3 +192,63 @@ def test_a_predicate_read_from_the_batch_is_a_meeting(tail, meets, cpu_devices):
   assert sum(mt.nbytes for mt in g.meetings) == meets, g.meetings
   assert _compiled_meetings(step, args) == (1 if meets else 0, meets)
   dtenjax.plan(step, *args, mesh={"data": 8})
+
+
+def _sixteen_core_host():
+  """8 CPU devices sharing 16 cores (the recorded wins runs' host): 5e10 FLOP/s each."""
+  from dtenjax._src.topology.model import DeviceInfo, NumaNode, uniform
+  devices = [DeviceInfo(id=i, platform="cpu", kind="cpu", memory_bytes=0, process_index=0,
+                        host="h0") for i in range(8)]
+  return uniform("cpu8", devices, intra="shared_memory",
+                 numa_nodes=[NumaNode(host="h0", id=0, cpus="0-15")])
+
+
+def _waits(step, args, pinned):
+  """The exposed seconds the gathers' waits add to the price of ``pinned`` on 8 ``fsdp``
+  devices of the 16-core host."""
+  from dtenjax.testing.planning import replaced_cost_terms
+  price = lambda: dtenjax.plan(step, *args, mesh={"fsdp": 8}, topology=_sixteen_core_host(),
+                               pinned=pinned, memory_budget=1 << 40).cost.exposed_s
+  with replaced_cost_terms(gather_spread=0.0):
+    unwaited = price()
+  return price() - unwaited
+
+
+def test_a_scanned_layers_gather_after_its_bodys_meeting_waits_for_the_products_since_it():
+  """A scanned layer of two convolutions with a norm between them (``a``, norm, ``b``): each
+  trip's gather of ``b`` follows the norm's all-reduces in the same trip, and of ``a`` the
+  previous trip's norm and ``b``'s convolution (plan.jit's FSDP step, compiled: each layer's
+  gather first in the loop's body, after the previous trip's last collective). So ``b``'s
+  gathers wait for nothing, and ``a``'s, forward and backward, for ``b``'s convolution (2 x
+  batch x image^2 x C x 9 C FLOP a trip, at 5e10 FLOP/s on each of 8 devices, arrivals spread
+  gather_spread x 1.4236 of it); without the norm both wait for their own products, more."""
+  from dtenjax._src.pricing import costmodel
+  c, layers, batch, image = 32, 4, 32, 16
+
+  def make(norm):
+    def loss(p, x):
+      x = jax.nn.relu(_conv(x, p["stem"]))
+
+      def body(x, ks):
+        y = _conv(x, ks[0])
+        y = _norm(y) if norm else jax.nn.relu(y)
+        return jax.nn.relu(_conv(y, ks[1])), None
+      x, _ = jax.lax.scan(body, x, (p["a"], p["b"]))
+      return jnp.mean(x ** 2)
+    stack = jax.ShapeDtypeStruct((layers, 3, 3, c, c), jnp.float32)
+    params = {"stem": jax.ShapeDtypeStruct((3, 3, 3, c), jnp.float32), "a": stack, "b": stack}
+    return _sgd(loss), (params, jax.ShapeDtypeStruct((batch, image, image, 3), jnp.float32))
+
+  def waits(norm, sharded):
+    step, args = make(norm)
+    spec = {n: P(None, None, None, None, "fsdp") if n == sharded else P() for n in args[0]}
+    return _waits(step, args, [spec, None])
+
+  g = stepgraph.read_step(*make(True), (1,))
+  a, b = (next(lf.index for lf in g.leaves if lf.path == f"[0]['{n}']") for n in "ab")
+  conv_b = 2 * batch * image * image * c * 9 * c
+  assert g.since_meeting == {a: conv_b, b: 0.0}, g.since_meeting
+  spread = costmodel.backend_costs("cpu").gather_spread * 1.4236
+  assert waits(True, "b") == 0.0
+  assert waits(True, "a") == pytest.approx(2 * layers * spread * conv_b / 8 / 5e10, rel=2e-3)
+  assert waits(False, "b") > 0.0 and waits(False, "a") > waits(True, "a")

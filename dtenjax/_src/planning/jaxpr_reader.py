@@ -211,6 +211,9 @@ class Reader:
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
     self.first_order: dict[int, int] = {}     # weight leaf -> the walk position of its first product
+    # the scans' bodies: the walk positions of the scan and of its body's last equation, and the
+    # body's trips per step (since_meeting)
+    self.loop_bodies: list[tuple[int, int, int]] = []
     self._orders: list[int] = []              # the products' walk positions and their flops'
     self._prefix: list[float] = []            # running sums (_flops_between)
 
@@ -297,10 +300,12 @@ class Reader:
         inner_tie[i] = tie[o]
       sliced = name == "scan" and k >= n_consts + n_carry     # one slice of a scanned operand
       self._carry_batch(o, i, -1 if sliced else 0)
-    saved = self.frames
+    saved, start = self.frames, self.eqn_count
     self.frames = saved + ((eqn, sub),)
     self.walk(sub, inner_origin, inner_tie, repeats)
     self.frames = saved
+    if name == "scan":
+      self.loop_bodies.append((start, self.eqn_count, repeats))
     for k, (i, o) in enumerate(zip(sub.outvars, eqn.outvars)):
       if is_var(i):
         # a scan's stacked outputs (after the carry) gain the leading length dimension
@@ -518,10 +523,24 @@ class Reader:
   def since_meeting(self, meetings: Sequence[Meeting]) -> dict[int, float]:
     """Weight leaf -> the flops of the products between the last meeting before its first
     product and that product (per step, global): the compute its devices did since they last
-    met, where a meeting comes before it (else absent)."""
+    met, where a meeting comes before it (else absent). A layer of a scanned stack (gathered once
+    a trip, inside the body) where the body meets: per trip, since the body's last meeting
+    before its product, or where the body meets only after it, since the previous trip's last
+    meeting (a conv/norm layer's: its gather follows the previous layer's norm)."""
     at = [mt.order for mt in meetings]           # walk order
     out = {}
     for leaf, first in self.first_order.items():
+      body = min((b for b in self.loop_bodies if b[0] < first <= b[1]),
+                 key=lambda b: b[1] - b[0], default=None)
+      if body is not None and self.weights[leaf].layers > 1:
+        inside = [o for o in at if body[0] < o <= body[1]]
+        if inside:
+          before = [o for o in inside if o < first]
+          flops = (self._flops_between(before[-1], first) if before else
+                   self._flops_between(inside[-1], body[1] + 1) +
+                   self._flops_between(body[0], first))
+          out[leaf] = flops / body[2]
+        continue
       k = bisect.bisect_left(at, first)
       if k:
         out[leaf] = self._flops_between(at[k - 1], first)

@@ -693,9 +693,13 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       between = own * pricer.weightless / gathers / max(1, use.grad_parts)
       # a gather once a step, before its first product, that a meeting over the batch comes
       # before (batch norm's statistics between the convolutions): its devices last met there,
-      # and waited for each other, so the compute it waits for is the products since then
+      # and waited for each other, so the compute it waits for is the products since then. A
+      # layer of a scanned stack whose body meets (a conv/norm layer), likewise per trip: on
+      # XLA:CPU each trip's gather, forward and backward, follows the previous trip's last
+      # collective (the forward's norm, the backward's gradient reduction; read in the
+      # compiled loops of plan.jit's FSDP step), so the backward's gathers take the forward's
       since = graph.since_meeting.get(primary.index)
-      if since is not None and gathers == 1:
+      if since is not None and (gathers == 1 or use.layers > 1):
         between = min(between, since / batch_div / m.peak_flops * pr.compute_scale)
       n = math.prod(m.size[a] for a in zero)
       wait = gathers * pricer.gather_wait(between, n)

@@ -3,6 +3,7 @@ work reads, which XLA all-reduces over the axes splitting the batch) in loops, u
 jax.checkpoint and in a loop's condition: the reader's count and bytes against the all-reduces XLA
 compiles for the data-parallel step on 8 CPU devices (loop trips counted), and derived by hand."""
 
+import dataclasses
 import math
 
 import jax
@@ -111,30 +112,41 @@ def test_a_scanned_stacks_meetings_are_counted_once_a_trip_as_xla_compiles_them(
 
 
 def test_a_checkpointed_blocks_recomputed_statistics_join_the_all_reduce_before_them(
-    cpu_devices):
+    cpu_devices, monkeypatch):
   """Under jax.checkpoint outside a loop the backward recomputes each block's forward: 6 C
-  floats of the norm's own four all-reduces and 3 C of the recomputed two. XLA:CPU expands the
-  checkpoint's optimization barriers and computes the recomputed convolution once with the
+  floats of the norm's own four all-reduces and 3 C of the recomputed two, 6 meetings a block.
+  The recomputation sits behind an optimization barrier over the block's operands (the
+  cotangent among them), which XLA:GPU keeps through its combiner: 12 for the two blocks.
+  XLA:CPU expands the barrier first and computes the recomputed convolution once with the
   forward's, so the recomputed norm's first statistics depend on no all-reduce since the
-  forward's convolution, and its combiner joins them to the all-reduce before them (read in the
+  forward's convolution and its combiner joins them to the all-reduce before them (read in the
   optimised HLO of two blocks of 8 and 16 channels: the second block's to its own forward's
-  variance, the first block's to the second's last backward one): 6 all-reduces a block less 1,
-  10 for the two where the reader counted 12. The bytes are the same either way, and the DP
-  plan predicts the compile's."""
+  variance, the first block's to the second's last backward one): 10 on CPU, the compile's.
+  The bytes are the same either way, and the DP plan predicts the compile's; on CPU the joined
+  two add no meeting to the price (each at least a wake-up less)."""
   del cpu_devices
+  from dtenjax._src.planning import pricing
   channels = (8, 16)
   step, args = _checkpointed_blocks(channels)
   nbytes = 4 * 9 * sum(channels)
   assert _compiled_meetings(step, args) == (5 * len(channels), nbytes)
   g = stepgraph.read_step(step, args, (1,))
-  assert len(g.meetings) == 5 * len(channels), g.meetings
-  assert sum(mt.count for mt in g.meetings) == 5 * len(channels)
+  assert len(g.meetings) == 6 * len(channels), g.meetings
+  assert sum(mt.count for mt in g.meetings if not mt.joins_on_cpu) == 5 * len(channels)
   assert sum(mt.nbytes for mt in g.meetings) == nbytes
-  plan = dtenjax.plan(step, *args, mesh={"data": 8})
+  plan = dtenjax.plan(step, *args, mesh={"data": 8}, topology=_sixteen_core_host())
   check = plan.check(step, *args)
   grads = sum(math.prod(a.shape) * 4 for a in args[0].values())
   assert check.compiled_bytes["all_reduce"] == grads + nbytes, check.table()
   assert check.predicted_bytes["all_reduce"] == pytest.approx(grads + nbytes, rel=1e-9)
+  read = stepgraph.read_step
+  monkeypatch.setattr(stepgraph, "read_step", lambda *a, **k: dataclasses.replace(
+      g := read(*a, **k), meetings=tuple(dataclasses.replace(mt, joins_on_cpu=False)
+                                         for mt in g.meetings)))
+  apart = dtenjax.plan(step, *args, mesh={"data": 8}, topology=_sixteen_core_host())
+  assert apart.cost.collective_bytes == plan.cost.collective_bytes
+  extra = apart.cost.total_s - plan.cost.total_s
+  assert 2 * pricing.MEETING_WAKE_S <= extra <= 2 * 3 * pricing.MEETING_WAKE_S, extra
 
 
 def _mlp_then(tail):

@@ -102,6 +102,9 @@ class Meeting:
   # the flops of the products since the previous meeting (the step's start for the first; global,
   # per step): what spreads the devices' arrivals here
   since: float = 0.0
+  # XLA:CPU joins its all-reduce to the one before it (jax.checkpoint's recomputed statistics
+  # outside a loop: Reader.meetings): its bytes move there, it adds no meeting of its own
+  joins_on_cpu: bool = False
 
 
 class _UnionFind:
@@ -204,9 +207,10 @@ class Reader:
     self.depth: dict[Any, int] = {}
     self.stat: dict[Any, frozenset[int]] = {}
     # the reductions over the batch: (walk position, depth, bytes per step, trips per step, the
-    # computation XLA compiles it in: the innermost loop or branch body around it, else None),
-    # and those whose result later work on the batch's values reads (a meeting's reductions)
-    self.batch_reductions: list[tuple[int, int, int, int, Any]] = []
+    # computation XLA compiles it in: the innermost loop or branch body around it, else None,
+    # the innermost jax.checkpoint body around it, else None), and those whose result later work
+    # on the batch's values reads (a meeting's reductions)
+    self.batch_reductions: list[tuple[int, int, int, int, Any, Any]] = []
     self.met: set[int] = set()
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
@@ -467,9 +471,10 @@ class Reader:
       depth += 1
       body = next(((id(e), id(sub)) for e, sub in reversed(self.frames)
                    if e.primitive.name in ("scan", "while", "cond")), None)
+      remat = next((id(e) for e, _ in reversed(self.frames) if e.primitive.name in _REMAT), None)
       self.batch_reductions.append((self.eqn_count, depth,
                                     repeats * sum(nbytes(o.aval) for o in eqn.outvars), repeats,
-                                    body))
+                                    body, remat))
       stats = frozenset((len(self.batch_reductions) - 1,))
     elif stats and (any(ins) or any(outs)):
       self.met |= stats        # a statistic meets the batch's values: its reductions all-reduce
@@ -484,25 +489,37 @@ class Reader:
     loop's or a branch's body, or the step outside them): a met reduction joins the meeting
     before it where both lie in the same computation and it is no deeper than any reduction of
     that meeting (so reads none of their results), else it begins one. The independent
-    statistics of one norm are one meeting; under jax.checkpoint outside a loop, the recomputed
-    norm's first statistics (computed from the forward's product, which XLA:CPU computes once)
-    join the all-reduce before them: on a step of two checkpointed conv/norm blocks XLA compiles
-    10 all-reduces of the 12 reduction groups, and these are its 10."""
+    statistics of one norm are one meeting.
+
+    jax.checkpoint's backward recomputes its body's forward behind an optimization barrier over
+    the body's operands, the cotangent among them: on XLA:GPU, which keeps the barrier until
+    after its combiner, a reduction inside the body joins only a meeting inside it. XLA:CPU
+    expands the barrier first and computes the recomputed products once with the forward's, so
+    outside a loop the recomputed norm's first statistics depend on no all-reduce since the
+    forward's product and join the all-reduce before them (``Meeting.joins_on_cpu``): on a step
+    of two checkpointed conv/norm blocks XLA:CPU compiles 10 all-reduces of the 12 meetings,
+    these 10."""
     orders, _ = self._products_summed()
-    groups: list[list[tuple[int, int, int, int, Any]]] = []
-    for k in sorted(self.met):
-      r = self.batch_reductions[k]
-      if groups and groups[-1][0][4] == r[4] and r[1] <= min(x[1] for x in groups[-1]):
-        groups[-1].append(r)
-      else:
-        groups.append([r])
+
+    def grouped(cpu: bool) -> list[list[tuple]]:
+      groups: list[list[tuple]] = []
+      for k in sorted(self.met):
+        r = self.batch_reductions[k]
+        last = groups[-1] if groups else []
+        if (last and last[0][4] == r[4] and r[1] <= min(x[1] for x in last) and
+            (cpu or r[5] is None or all(x[5] == r[5] for x in last))):
+          last.append(r)
+        else:
+          groups.append([r])
+      return groups
+    cpu_starts = {g[0][0] for g in grouped(cpu=True)}
     out = []
-    for found in groups:
+    for found in grouped(cpu=False):
       after = bisect.bisect_left(orders, found[0][0])
       payer = next((e[2][0] for e in reversed(self.product_events[:after]) if e[2]),
                    next((e[2][0] for e in self.product_events[after:] if e[2]), None))
       out.append(Meeting(found[0][0], sum(r[2] for r in found), max(r[3] for r in found),
-                         payer))
+                         payer, joins_on_cpu=bool(out) and found[0][0] not in cpu_starts))
     return [dataclasses.replace(mt, since=self._flops_between(out[k - 1].order if k else -1,
                                                               mt.order))
             for k, mt in enumerate(out)]

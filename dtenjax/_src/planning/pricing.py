@@ -607,7 +607,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # between products is priced to wait (Pricer.step_latency)
   meet = [a for a in BATCH_AXES if m.size[a] > 1]
   for mt in graph.meetings:
-    if mt.payer in group and meet:
+    if mt.payer in group and meet and mt.joins_on_cpu and pricer.backend == "cpu":
+      # its bytes move in the all-reduce before it, which pays the meeting
+      acc(pr.blocking, axis_key(meet),
+          mt.count * pricer.share("all_reduce", mt.nbytes / mt.count, meet, dtype))
+      acc(pr.bytes, f"all_reduce[{axis_key(meet)}]", mt.nbytes)
+    elif mt.payer in group and meet:
       since = mt.since / mt.count / batch_div / m.peak_flops
       own = min(pricer.step_latency, MEETING_WAKE_S + MEETING_SPREAD * since)
       time = pricer("all_reduce", mt.nbytes / mt.count, meet, dtype) - pricer.step_latency + own

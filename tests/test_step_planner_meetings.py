@@ -96,7 +96,7 @@ def test_a_scanned_stacks_meetings_are_counted_once_a_trip_as_xla_compiles_them(
   floats) in the forward's loop and the backward's, and under jax.checkpoint two more (the
   recomputed forward's 3 C floats, in the backward's loop: not the forward's computation, so
   nothing is shared). The stem's norm, outside the loops, four. By hand, XLA's count and the
-  reader's agree, trips counted."""
+  reader's agree, trips counted, and the DP plan's all-reduce bytes are the compile's."""
   del cpu_devices
   c, layers = 8, 3
   step, args = _scanned_stack(c, layers, per, remat)
@@ -109,6 +109,13 @@ def test_a_scanned_stacks_meetings_are_counted_once_a_trip_as_xla_compiles_them(
       count, nbytes), g.meetings
   # the loop's meetings are counted per trip, the stem's once
   assert sorted({mt.count for mt in g.meetings}) == [1, layers], g.meetings
+  # the DP plan's all-reduce bytes per step are the compile's (plan.check counts a loop body's
+  # collectives once a trip): the norms' and the gradients' (the stack's, a layer a trip)
+  plan = dtenjax.plan(step, *args, mesh={"data": 8})
+  check = plan.check(step, *args)
+  grads = sum(math.prod(a.shape) * 4 for a in args[0].values())
+  assert check.compiled_bytes["all_reduce"] == grads + nbytes, check.table()
+  assert check.predicted_bytes["all_reduce"] == pytest.approx(grads + nbytes, rel=1e-9)
 
 
 def test_a_checkpointed_blocks_recomputed_statistics_join_the_all_reduce_before_them(

@@ -94,7 +94,8 @@ class Meeting:
   reads (batch norm's statistics in the forward, their cotangents' sums in the backward): where
   the batch axes split the batch, XLA all-reduces them over those axes and every device waits
   there for the others. Reductions one after another on the same values (a variance after its
-  mean) are separate meetings; independent ones at the same depth XLA combines into one."""
+  mean) are separate meetings; independent ones that follow one another XLA combines into one
+  (:meth:`Reader.meetings`)."""
   order: int                      # the walk's position of its first reduction (Reader.eqn_count)
   nbytes: int                     # bytes all-reduced per step, all its reductions together
   count: int                      # all-reduces per step (loop trips counted)

@@ -702,7 +702,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # layer of a scanned stack whose body meets (a conv/norm layer), likewise per trip: on
       # XLA:CPU each trip's gather, forward and backward, follows the previous trip's last
       # collective (the forward's norm, the backward's gradient reduction; read in the
-      # compiled loops of plan.jit's FSDP step), so the backward's gathers take the forward's
+      # compiled loops of plan.jit's FSDP step); the backward's are priced as the forward's
       since = graph.since_meeting.get(primary.index)
       if since is not None and (gathers == 1 or use.layers > 1):
         between = min(between, since / batch_div / m.peak_flops * pr.compute_scale)

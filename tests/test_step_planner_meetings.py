@@ -123,20 +123,23 @@ def test_a_checkpointed_blocks_recomputed_statistics_join_the_all_reduce_before_
   """Under jax.checkpoint outside a loop the backward recomputes each block's forward: 6 C
   floats of the norm's own four all-reduces and 3 C of the recomputed two, 6 meetings a block.
   The recomputation sits behind an optimization barrier over the block's operands (the
-  cotangent among them), which XLA:GPU keeps through its combiner: 12 for the two blocks.
-  XLA:CPU expands the barrier first and computes the recomputed convolution once with the
-  forward's, so the recomputed norm's first statistics depend on no all-reduce since the
-  forward's convolution and its combiner joins them to the all-reduce before them (read in the
-  optimised HLO of two blocks of 8 and 16 channels: the second block's to its own forward's
-  variance, the first block's to the second's last backward one): 10 on CPU, the compile's.
-  The bytes are the same either way, and the DP plan predicts the compile's; on CPU the joined
-  two add no meeting to the price (each at least a wake-up less)."""
+  cotangent among them), which XLA:GPU keeps through its combiner, and jaxlib 0.11's XLA:CPU
+  keeps the recomputed convolutions (7 in its optimised HLO): 12 for the two blocks. jaxlib
+  0.10's XLA:CPU expands the barrier first and computes the recomputed convolution once with
+  the forward's (5 convolutions), so the recomputed norm's first statistics depend on no
+  all-reduce since the forward's convolution and its combiner joins them to the all-reduce
+  before them (read in the optimised HLO of two blocks of 8 and 16 channels: the second block's
+  to its own forward's variance, the first block's to the second's last backward one): 10.
+  The bytes are the same either way, and the DP plan predicts the compile's; where XLA:CPU
+  joins them the two add no meeting to the price (each at least a wake-up less)."""
   del cpu_devices
   from dtenjax._src.planning import pricing
   channels = (8, 16)
   step, args = _checkpointed_blocks(channels)
   nbytes = 4 * 9 * sum(channels)
-  assert _compiled_meetings(step, args) == (5 * len(channels), nbytes)
+  joins = pricing.XLA_VERSION < (0, 11)
+  count = (5 if joins else 6) * len(channels)
+  assert _compiled_meetings(step, args) == (count, nbytes)
   g = stepgraph.read_step(step, args, (1,))
   assert len(g.meetings) == 6 * len(channels), g.meetings
   assert sum(mt.count for mt in g.meetings if not mt.joins_on_cpu) == 5 * len(channels)
@@ -153,7 +156,10 @@ def test_a_checkpointed_blocks_recomputed_statistics_join_the_all_reduce_before_
   apart = dtenjax.plan(step, *args, mesh={"data": 8}, topology=_sixteen_core_host())
   assert apart.cost.collective_bytes == plan.cost.collective_bytes
   extra = apart.cost.total_s - plan.cost.total_s
-  assert 2 * pricing.MEETING_WAKE_S <= extra <= 2 * 3 * pricing.MEETING_WAKE_S, extra
+  if joins:
+    assert 2 * pricing.MEETING_WAKE_S <= extra <= 2 * 3 * pricing.MEETING_WAKE_S, extra
+  else:
+    assert extra == 0.0
 
 
 def _mlp_then(tail):

@@ -103,8 +103,9 @@ class Meeting:
   # the flops of the products since the previous meeting (the step's start for the first; global,
   # per step): what spreads the devices' arrivals here
   since: float = 0.0
-  # XLA:CPU joins its all-reduce to the one before it (jax.checkpoint's recomputed statistics
-  # outside a loop: Reader.meetings): its bytes move there, it adds no meeting of its own
+  # jaxlib 0.10's XLA:CPU joins its all-reduce to the one before it (jax.checkpoint's
+  # recomputed statistics outside a loop: Reader.meetings): its bytes move there, it adds no
+  # meeting of its own
   joins_on_cpu: bool = False
 
 
@@ -494,12 +495,13 @@ class Reader:
 
     jax.checkpoint's backward recomputes its body's forward behind an optimization barrier over
     the body's operands, the cotangent among them: on XLA:GPU, which keeps the barrier until
-    after its combiner, a reduction inside the body joins only a meeting inside it. XLA:CPU
-    expands the barrier first and computes the recomputed products once with the forward's, so
-    outside a loop the recomputed norm's first statistics depend on no all-reduce since the
-    forward's product and join the all-reduce before them (``Meeting.joins_on_cpu``): on a step
-    of two checkpointed conv/norm blocks XLA:CPU compiles 10 all-reduces of the 12 meetings,
-    these 10."""
+    after its combiner, and on jaxlib 0.11's XLA:CPU, which keeps the recomputed products, a
+    reduction inside the body joins only a meeting inside it. jaxlib 0.10's XLA:CPU expands the
+    barrier first and computes the recomputed products once with the forward's, so outside a
+    loop the recomputed norm's first statistics depend on no all-reduce since the forward's
+    product and join the all-reduce before them (``Meeting.joins_on_cpu``): on a step of two
+    checkpointed conv/norm blocks it compiles 10 all-reduces of the 12 meetings, these 10
+    (jaxlib 0.11's: the 12)."""
     orders, _ = self._products_summed()
 
     def grouped(cpu: bool) -> list[list[tuple]]:

@@ -607,8 +607,10 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # between products is priced to wait (Pricer.step_latency)
   meet = [a for a in BATCH_AXES if m.size[a] > 1]
   for mt in graph.meetings:
-    if mt.payer in group and meet and mt.joins_on_cpu and pricer.backend == "cpu":
-      # its bytes move in the all-reduce before it, which pays the meeting
+    if (mt.payer in group and meet and mt.joins_on_cpu and pricer.backend == "cpu" and
+        XLA_VERSION < (0, 11)):
+      # its bytes move in the all-reduce before it, which pays the meeting (jaxlib 0.10's
+      # XLA:CPU; 0.11's keeps the recomputation apart: Reader.meetings)
       acc(pr.blocking, axis_key(meet),
           mt.count * pricer.share("all_reduce", mt.nbytes / mt.count, meet, dtype))
       acc(pr.bytes, f"all_reduce[{axis_key(meet)}]", mt.nbytes)

@@ -94,7 +94,8 @@ class Meeting:
   reads (batch norm's statistics in the forward, their cotangents' sums in the backward): where
   the batch axes split the batch, XLA all-reduces them over those axes and every device waits
   there for the others. Reductions one after another on the same values (a variance after its
-  mean) are separate meetings; independent ones at the same depth XLA combines into one."""
+  mean) are separate meetings; independent ones that follow one another XLA combines into one
+  (:meth:`Reader.meetings`)."""
   order: int                      # the walk's position of its first reduction (Reader.eqn_count)
   nbytes: int                     # bytes all-reduced per step, all its reductions together
   count: int                      # all-reduces per step (loop trips counted)
@@ -102,6 +103,10 @@ class Meeting:
   # the flops of the products since the previous meeting (the step's start for the first; global,
   # per step): what spreads the devices' arrivals here
   since: float = 0.0
+  # jaxlib 0.10's XLA:CPU joins its all-reduce to the one before it (jax.checkpoint's
+  # recomputed statistics outside a loop: Reader.meetings): its bytes move there, it adds no
+  # meeting of its own
+  joins_on_cpu: bool = False
 
 
 class _UnionFind:
@@ -203,18 +208,24 @@ class Reader:
     self.batch: dict[Any, frozenset[int]] = {}
     self.depth: dict[Any, int] = {}
     self.stat: dict[Any, frozenset[int]] = {}
-    # the reductions over the batch: (walk position, depth, bytes per step, trips per step), and
-    # those whose result later work on the batch's values reads (a meeting's reductions)
-    self.batch_reductions: list[tuple[int, int, int, int]] = []
+    # the reductions over the batch: (walk position, depth, bytes per step, trips per step, the
+    # computation XLA compiles it in: the innermost loop or branch body around it, else None,
+    # the innermost jax.checkpoint body around it, else None), and those whose result later work
+    # on the batch's values reads (a meeting's reductions)
+    self.batch_reductions: list[tuple[int, int, int, int, Any, Any]] = []
     self.met: set[int] = set()
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
     self.first_order: dict[int, int] = {}     # weight leaf -> the walk position of its first product
+    # the scans' bodies: the walk positions of the scan and of its body's last equation, and the
+    # body's trips per step (since_meeting)
+    self.loop_bodies: list[tuple[int, int, int]] = []
     self._orders: list[int] = []              # the products' walk positions and their flops'
     self._prefix: list[float] = []            # running sums (_flops_between)
 
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
   def walk(self, jaxpr, origin: dict, tie: dict, repeats: int) -> None:
+    live = None
     for eqn in jaxpr.eqns:
       self.eqn_count += 1
       for pos, v in enumerate(eqn.invars):
@@ -249,6 +260,14 @@ class Reader:
       self._tie(eqn, tie)
       if not sub_jaxprs(eqn):
         self._track_batch(eqn, repeats)
+      if name in ("while", "cond"):
+        # a loop's or a branch's predicate read from the batch: every device must go the same
+        # way (unless XLA removes the loop or branch, whose results nothing reads)
+        live = _live(jaxpr) if live is None else live
+        if id(eqn) in live and name == "while":
+          self._condition(eqn, origin, repeats)
+        elif id(eqn) in live and is_var(eqn.invars[0]):
+          self._meet(eqn.invars[0])
       remat = name in _REMAT
       self.remat_depth += remat
       for sub, length in sub_jaxprs(eqn):
@@ -287,10 +306,12 @@ class Reader:
         inner_tie[i] = tie[o]
       sliced = name == "scan" and k >= n_consts + n_carry     # one slice of a scanned operand
       self._carry_batch(o, i, -1 if sliced else 0)
-    saved = self.frames
+    saved, start = self.frames, self.eqn_count
     self.frames = saved + ((eqn, sub),)
     self.walk(sub, inner_origin, inner_tie, repeats)
     self.frames = saved
+    if name == "scan":
+      self.loop_bodies.append((start, self.eqn_count, repeats))
     for k, (i, o) in enumerate(zip(sub.outvars, eqn.outvars)):
       if is_var(i):
         # a scan's stacked outputs (after the carry) gain the leading length dimension
@@ -408,6 +429,36 @@ class Reader:
       else:
         table.pop(v, None)
 
+  def _meet(self, v) -> None:
+    """The batch reductions ``v`` was computed from decide which way the step goes (a loop's or
+    a branch's predicate): every device must go the same way, so XLA all-reduces them."""
+    self.met |= self.stat.get(v, frozenset())
+
+  def _condition(self, eqn, origin: dict, repeats: int) -> None:
+    """Walks a ``lax.while_loop``'s condition (its operands: the condition's constants, then the
+    carry): a reduction over the batch its predicate reads (a convergence test on a statistic of
+    the batch) is a meeting, which XLA all-reduces inside the condition's computation. Counted
+    once: the trips of such a loop are not known when it compiles (``plan.check`` counts its
+    collectives once too)."""
+    cond = eqn.params["cond_jaxpr"].jaxpr
+    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    inner = {}
+    for o, i in zip([*eqn.invars[:nc], *eqn.invars[nc + nb:]], cond.invars):
+      if not is_var(o):
+        continue
+      if o in self.state_derived or o in origin:
+        self.state_derived.add(i)
+      if origin.get(o) is not None:
+        inner[i] = origin[o]
+      self._carry_batch(o, i, 0)
+    saved = self.frames
+    self.frames = saved + ((eqn, cond),)
+    self.walk(cond, inner, {}, repeats)
+    self.frames = saved
+    for v in cond.outvars:
+      if is_var(v):
+        self._meet(v)
+
   def _track_batch(self, eqn, repeats: int) -> None:
     """Carries the batch's dimensions, the reductions' depth and their results through one
     equation (not a call: its body is walked); records a reduction over the batch, and marks the
@@ -420,8 +471,12 @@ class Reader:
                                                           False)
     if reduced and not any(outs):
       depth += 1
+      body = next(((id(e), id(sub)) for e, sub in reversed(self.frames)
+                   if e.primitive.name in ("scan", "while", "cond")), None)
+      remat = next((id(e) for e, _ in reversed(self.frames) if e.primitive.name in _REMAT), None)
       self.batch_reductions.append((self.eqn_count, depth,
-                                    repeats * sum(nbytes(o.aval) for o in eqn.outvars), repeats))
+                                    repeats * sum(nbytes(o.aval) for o in eqn.outvars), repeats,
+                                    body, remat))
       stats = frozenset((len(self.batch_reductions) - 1,))
     elif stats and (any(ins) or any(outs)):
       self.met |= stats        # a statistic meets the batch's values: its reductions all-reduce
@@ -430,23 +485,44 @@ class Reader:
       self._hold(o, dims, depth, stats)
 
   def meetings(self) -> list[Meeting]:
-    """The meetings of the step, in walk order: the met reductions, one meeting per depth and
-    product before them (XLA combines the independent reductions between two products into one
-    all-reduce; jax.checkpoint's recomputed statistics, of the forward's depth, meet again after
-    other products), each paid by the weight whose product comes last before it (else the first
-    after it)."""
+    """The meetings of the step, in walk order, each paid by the weight whose product comes last
+    before it (else the first after it). XLA's combiner joins all-reduces that follow one another
+    in its order (the walk's) and do not read one another's results, inside one computation (a
+    loop's or a branch's body, or the step outside them): a met reduction joins the meeting
+    before it where both lie in the same computation and it is no deeper than any reduction of
+    that meeting (so reads none of their results), else it begins one. The independent
+    statistics of one norm are one meeting.
+
+    jax.checkpoint's backward recomputes its body's forward behind an optimization barrier over
+    the body's operands, the cotangent among them: on XLA:GPU, which keeps the barrier until
+    after its combiner, and on jaxlib 0.11's XLA:CPU, which keeps the recomputed products, a
+    reduction inside the body joins only a meeting inside it. jaxlib 0.10's XLA:CPU expands the
+    barrier first and computes the recomputed products once with the forward's, so outside a
+    loop the recomputed norm's first statistics depend on no all-reduce since the forward's
+    product and join the all-reduce before them (``Meeting.joins_on_cpu``): on a step of two
+    checkpointed conv/norm blocks it compiles 10 all-reduces of the 12 meetings, these 10
+    (jaxlib 0.11's: the 12)."""
     orders, _ = self._products_summed()
-    groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
-    for k in sorted(self.met):
-      r = self.batch_reductions[k]
-      groups.setdefault((r[1], bisect.bisect_left(orders, r[0])), []).append(r)
+
+    def grouped(cpu: bool) -> list[list[tuple]]:
+      groups: list[list[tuple]] = []
+      for k in sorted(self.met):
+        r = self.batch_reductions[k]
+        last = groups[-1] if groups else []
+        if (last and last[0][4] == r[4] and r[1] <= min(x[1] for x in last) and
+            (cpu or r[5] is None or all(x[5] == r[5] for x in last))):
+          last.append(r)
+        else:
+          groups.append([r])
+      return groups
+    cpu_starts = {g[0][0] for g in grouped(cpu=True)}
     out = []
-    for (_, after), found in groups.items():
+    for found in grouped(cpu=False):
+      after = bisect.bisect_left(orders, found[0][0])
       payer = next((e[2][0] for e in reversed(self.product_events[:after]) if e[2]),
                    next((e[2][0] for e in self.product_events[after:] if e[2]), None))
-      out.append(Meeting(min(r[0] for r in found), sum(r[2] for r in found),
-                         max(r[3] for r in found), payer))
-    out.sort(key=lambda mt: mt.order)
+      out.append(Meeting(found[0][0], sum(r[2] for r in found), max(r[3] for r in found),
+                         payer, joins_on_cpu=bool(out) and found[0][0] not in cpu_starts))
     return [dataclasses.replace(mt, since=self._flops_between(out[k - 1].order if k else -1,
                                                               mt.order))
             for k, mt in enumerate(out)]
@@ -467,14 +543,40 @@ class Reader:
   def since_meeting(self, meetings: Sequence[Meeting]) -> dict[int, float]:
     """Weight leaf -> the flops of the products between the last meeting before its first
     product and that product (per step, global): the compute its devices did since they last
-    met, where a meeting comes before it (else absent)."""
+    met, where a meeting comes before it (else absent). A layer of a scanned stack (gathered once
+    a trip, inside the body) where the body meets: per trip, since the body's last meeting
+    before its product, or where the body meets only after it, since the previous trip's last
+    meeting (a conv/norm layer's: its gather follows the previous layer's norm)."""
     at = [mt.order for mt in meetings]           # walk order
     out = {}
     for leaf, first in self.first_order.items():
+      body = min((b for b in self.loop_bodies if b[0] < first <= b[1]),
+                 key=lambda b: b[1] - b[0], default=None)
+      if body is not None and self.weights[leaf].layers > 1:
+        inside = [o for o in at if body[0] < o <= body[1]]
+        if inside:
+          before = [o for o in inside if o < first]
+          flops = (self._flops_between(before[-1], first) if before else
+                   self._flops_between(inside[-1], body[1] + 1) +
+                   self._flops_between(body[0], first))
+          out[leaf] = flops / body[2]
+        continue
       k = bisect.bisect_left(at, first)
       if k:
         out[leaf] = self._flops_between(at[k - 1], first)
     return out
+
+
+def _live(jaxpr) -> set[int]:
+  """The ids of the equations of ``jaxpr`` that its results or an effect need (XLA removes the
+  others; a body's results are all taken as needed)."""
+  need = {v for v in jaxpr.outvars if is_var(v)}
+  out = set()
+  for eqn in reversed(jaxpr.eqns):
+    if eqn.effects or any(o in need for o in eqn.outvars):
+      out.add(id(eqn))
+      need.update(v for v in eqn.invars if is_var(v))
+  return out
 
 
 def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], bool]:

@@ -607,7 +607,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # between products is priced to wait (Pricer.step_latency)
   meet = [a for a in BATCH_AXES if m.size[a] > 1]
   for mt in graph.meetings:
-    if mt.payer in group and meet:
+    if (mt.payer in group and meet and mt.joins_on_cpu and pricer.backend == "cpu" and
+        XLA_VERSION < (0, 11)):
+      # its bytes move in the all-reduce before it, which pays the meeting (jaxlib 0.10's
+      # XLA:CPU; 0.11's keeps the recomputation apart: Reader.meetings)
+      acc(pr.blocking, axis_key(meet),
+          mt.count * pricer.share("all_reduce", mt.nbytes / mt.count, meet, dtype))
+      acc(pr.bytes, f"all_reduce[{axis_key(meet)}]", mt.nbytes)
+    elif mt.payer in group and meet:
       since = mt.since / mt.count / batch_div / m.peak_flops
       own = min(pricer.step_latency, MEETING_WAKE_S + MEETING_SPREAD * since)
       time = pricer("all_reduce", mt.nbytes / mt.count, meet, dtype) - pricer.step_latency + own
@@ -693,9 +700,13 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       between = own * pricer.weightless / gathers / max(1, use.grad_parts)
       # a gather once a step, before its first product, that a meeting over the batch comes
       # before (batch norm's statistics between the convolutions): its devices last met there,
-      # and waited for each other, so the compute it waits for is the products since then
+      # and waited for each other, so the compute it waits for is the products since then. A
+      # layer of a scanned stack whose body meets (a conv/norm layer), likewise per trip: on
+      # XLA:CPU each trip's gather, forward and backward, follows the previous trip's last
+      # collective (the forward's norm, the backward's gradient reduction; read in the
+      # compiled loops of plan.jit's FSDP step); the backward's are priced as the forward's
       since = graph.since_meeting.get(primary.index)
-      if since is not None and gathers == 1:
+      if since is not None and (gathers == 1 or use.layers > 1):
         between = min(between, since / batch_div / m.peak_flops * pr.compute_scale)
       n = math.prod(m.size[a] for a in zero)
       wait = gathers * pricer.gather_wait(between, n)

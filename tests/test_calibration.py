@@ -120,6 +120,60 @@ def test_the_cpu_prior_streams_the_optimizers_update_at_the_hosts_memory_balance
   assert gpu.gather_wait(between, 8) == 0.0 and gpu.stream_s_per_byte == gpu.local_s_per_byte
 
 
+def test_a_calibrated_update_streams_at_the_measured_rate():
+  """The optimizer's update and the work beside the products stream at the calibration's
+  measured update (``stream_gbps``: 2.5 GB/s here, so 0.4 ns a byte) where it was measured, in
+  place of 14 FLOP per byte of the calibrated FLOP/s (3.5 ns a byte at 4 GFLOP/s), which the VM
+  measured at 27 and the 16-core host at 14: the rate follows the host's memory, not its
+  products. A record without it (0) keeps the FLOP/s prior; the user's bandwidth wins over both;
+  a GPU's calibration leaves its table's local rate."""
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.pricing import Pricer
+  from dtenjax._src.planning.roles import AXES
+  shape = tuple(8 if a == "data" else 1 for a in AXES)
+  mesh = lambda topo: CandidateMesh(shape, np.arange(8).reshape(shape), topo)
+  host = _cpu_host(8, "0-1")
+  streamed = Pricer(mesh(dataclasses.replace(
+      host, calibration=dataclasses.replace(CAL, stream_gbps=2.5))), None)
+  assert streamed.stream_s_per_byte == pytest.approx(0.4e-9)
+  assert streamed.beside_s_per_byte == streamed.stream_s_per_byte
+  assert streamed.local_s_per_byte == pytest.approx(1 / 2e9)          # the caches' pass: its own
+  unmeasured = Pricer(mesh(dataclasses.replace(host, calibration=CAL)), None)
+  assert unmeasured.stream_s_per_byte == pytest.approx(3.5e-9)
+  gpu = Topology.fixture("h200_8")
+  gpu_cal = dataclasses.replace(gpu, calibration=dataclasses.replace(
+      CAL, platform="gpu", stream_gbps=2.5))
+  on_gpu = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), gpu_cal), None)
+  assert on_gpu.stream_s_per_byte == on_gpu.local_s_per_byte != pytest.approx(0.4e-9)
+  with pytest.raises(errors.TopologyError, match="stream_gbps"):
+    dataclasses.replace(CAL, stream_gbps=-1.0)
+  assert "the optimizer's update streaming 2.50 GB/s per device" in dataclasses.replace(
+      CAL, stream_gbps=2.5).summary()
+  assert "streaming" not in CAL.summary()
+
+
+def test_the_calibrations_update_moves_what_the_cost_model_counts():
+  """The calibration's AdamW update compiles on XLA:CPU to the three loops the cost model counts
+  for optax.adamw's (a loop per moment, 3 + 3 bytes per parameter byte, and the parameter's, 4:
+  10), so bytes / seconds is the rate the model's update_bytes is divided by: read from the
+  compiled program by the bench's own counter (the one that read optax's)."""
+  import jax
+  import jax.numpy as jnp
+  from dtenjax._src.planning import pricing
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.topology import calibrate
+  sys.path.insert(0, str(ROOT / "bench"))
+  import step_planner
+  x = jnp.zeros((512 * 1024,), jnp.float32)
+  compiled = jax.jit(calibrate.adamw_update).lower(x, x, x, x).compile()
+  assert step_planner.fused_bytes_per_param_byte(compiled, x.nbytes) == pytest.approx(10.0)
+  assert calibrate.UPDATE_BYTES_PER_PARAM_BYTE == 10
+  leaf = lambda i: stepgraph.Leaf(i, 0, f"[{i}]", (512, 1024), "float32", False, 4)
+  group = [leaf(0), leaf(1), leaf(2)]
+  split = costmodel.backend_costs("cpu").update_split
+  assert pricing.update_bytes(group, split) == 10 * group[0].nbytes
+
+
 def test_collective_times_interpolate_between_the_measured_sizes():
   ar = lambda n: CAL.collective_s("all_reduce", n)
   assert ar(MiB) == pytest.approx(3e-3) and ar(9 * MiB) == pytest.approx(43e-3)
@@ -183,10 +237,15 @@ def test_calibrate_measures_the_devices_working_together(cpu_devices):
   del cpu_devices
   topo = Topology.current().calibrate(
       repeats=1, chain=1, sizes={"matmul": ((64, 64, 64),), "memory": 64 << 10,
-                                 "collectives": (64 << 10,), "latency": 0})
+                                 "collectives": (64 << 10,), "latency": 0, "stream": 64 << 10})
   cal = topo.calibration
   assert cal.platform == "cpu" and cal.devices == 8 and cal.cores >= 1
   assert cal.matmul_flops > 0 and cal.memory_gbps > 0 and cal.latency_s == 0   # not asked
+  assert cal.stream_gbps > 0
+  unstreamed = Topology.current().calibrate(
+      repeats=1, chain=1, sizes={"matmul": ((64, 64, 64),), "memory": 64 << 10,
+                                 "collectives": (64 << 10,), "latency": 0, "stream": 0}).calibration
+  assert unstreamed.stream_gbps == 0
   assert [k for k, _ in cal.collectives] == ["all_reduce", "all_gather", "reduce_scatter"]
   for _, pts in cal.collectives:
     assert [b for b, _ in pts] == [64 << 10] and pts[0][1] > 0

@@ -129,12 +129,20 @@ class Pricer:
                              else m.topology.local_s_per_byte(prior_s_per_byte))
     # seconds per byte of a pass over a buffer beyond the caches the elementwise pass above is
     # measured in: the optimizer's update (every device's whole state, once a step) and the work
-    # beside the products (the step's activations); on CPU devices the host's streaming balance
-    # (calibrate.prior_cpu_stream_s_per_byte) at the device's FLOP/s, the calibration's where
-    # measured (its elementwise pass is the caches'), unless the user sets the bandwidth
+    # beside the products (the step's activations); on CPU devices the calibration's measured
+    # update (Calibration.stream_gbps: the rate moves with the host's memory, not its FLOP/s: 14
+    # FLOP per byte of the products on the 16-core host, 27 on the 2-core VM), else the host's
+    # streaming balance (calibrate.prior_cpu_stream_s_per_byte) at the device's FLOP/s, the
+    # calibration's where measured (its elementwise pass is the caches'), unless the user sets
+    # the bandwidth
     self.stream_s_per_byte = self.local_s_per_byte
     if self.backend == "cpu" and user.get("local_bandwidth_gbps") is None:
-      self.stream_s_per_byte = calibrate_lib.prior_cpu_stream_s_per_byte(m.topology.peak_flops())
+      cal = m.topology.calibration
+      if cal is not None and cal.platform == "cpu" and cal.stream_gbps > 0:
+        self.stream_s_per_byte = 1.0 / (cal.stream_gbps * 1e9)
+      else:
+        self.stream_s_per_byte = calibrate_lib.prior_cpu_stream_s_per_byte(
+            m.topology.peak_flops())
     self.update_split = costs.update_split
     # the work beside the products streams alike (solver.make_problem; its own attribute so
     # that a diagnostic can price it apart: dtenjax.testing.planning.replaced_cost_terms).

@@ -149,6 +149,13 @@ class Pricer:
     # Measured on CPU devices only: a GPU's is left unpriced, as before, until measured there
     # (the clusters' plans, tests/test_step_planner_clusters.py, rest on their collectives)
     self.beside_s_per_byte = self.stream_s_per_byte if self.backend == "cpu" else 0.0
+    # whether the products' FLOP/s are a calibration's, measured on products alone: the priors'
+    # CPU FLOP/s were set against whole steps' products, the work beside them on a device's own
+    # tokens inside, a calibration's chain of products holds none of it. Where measured, that
+    # work is priced on its own (solver.make_problem) at the rate above (CPU devices: a GPU's
+    # work beside its products is not priced, as before)
+    cal = m.topology.calibration
+    self.pure_products = (self.backend == "cpu" and cal is not None and cal.platform == "cpu")
     self.step_latency = (costs.step_collective_us * 1e-6 if "step_collective_us" in user
                          else m.topology.meeting_s(self.backend, costs.step_collective_us * 1e-6))
     self.product_fixed_rows = costs.product_fixed_rows

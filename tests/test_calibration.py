@@ -383,8 +383,8 @@ def test_the_calibrated_step_time_is_within_the_band_of_the_recorded_steps(cores
   """Priced with the calibration recorded on the machine (no table prior), each hand-written
   layout's step time is within BAND of its measured time there (the median of the recorded
   runs: the same layout's runs differ by up to 27 % on the 16-core host). With the priors the
-  same rows are 1.0-5.2x; with the calibration alone, before the work beside the products on a
-  device's own tokens was priced and each product counted once, 0.47-1.83x."""
+  same rows are 1.06-4.49x; with the calibration alone, before the work beside the products on a
+  device's own tokens was priced and each product counted once, 0.48-1.58x."""
   del cpu_devices
   import statistics
   fams = _small_step()

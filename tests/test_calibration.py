@@ -277,7 +277,7 @@ def test_a_calibration_prices_the_work_beside_the_products_and_each_product_once
   step, args = fams.FAMILIES["llama_loop"](vocab=256, d=64, heads=4, ffn=128, layers=2, batch=8,
                                            seq=32).make()
   lowered = jax.jit(step).lower(*args).as_text()
-  assert "dot_general" not in lowered[lowered.index("func.func private"):]   # once each
+  assert not any("dot_general" in f for f in lowered.split("func.func private")[1:])  # once each
   products = _dp(step, args, cal, stream_s_per_byte=0.0, beside_s_per_byte=0.0)
   assert products.compute_s * 4e9 * 8 == pytest.approx(_dot_flops(lowered), rel=1e-6)
   # the work beside the products on a device's own tokens, at 1 us a byte: 1 KiB a device
@@ -372,10 +372,11 @@ CALIBRATED_RUNS = {
          "2026-12-05_step_planner_wins_cpu8_round7_b.json") +
         tuple(f"2026-12-07_step_planner_wins_convnet_meet14_{k}.json" for k in "abc")),
 }
-# predicted / measured of every hand-written layout of the six families on both machines
-# (docs/benchmarks.md, time15), but convnet's FSDP x TP: its tensor-parallel convolutions' work
-# beside the products, priced as a transformer's (1.7-1.9x there)
-BAND = (0.75, 1.40)
+# predicted / measured of every hand-written layout of the six families on both machines: 0.79-1.37
+# with jax 0.10.2 (docs/benchmarks.md, time15), with room for another jax's jaxpr; but convnet's
+# FSDP x TP: its tensor-parallel convolutions' work beside the products, priced as a
+# transformer's (1.7-1.9x there)
+BAND = (0.75, 1.45)
 
 
 @pytest.mark.parametrize("cores", sorted(CALIBRATED_RUNS))

@@ -41,9 +41,9 @@ from dtenjax._src import errors
 from dtenjax._src.topology import parts as topo
 
 # Defaults per platform: product sizes (m, k, n), the elementwise buffer, the collective sizes
-# (bytes per participant), and the product of the latency rounds.
-# the bytes of each of the update's four buffers per device (0: not measured: a GPU's update is
-# priced at its table's local rate, unmeasured).
+# (bytes per participant), the product of the latency rounds, and the bytes of each of the
+# update's four buffers per device (0: not measured; a GPU's update is priced at its table's
+# local rate).
 _SIZES = {
     "cpu": {"matmul": ((512, 512, 512),), "memory": 4 << 20,
             "collectives": (64 << 10, 1 << 20, 8 << 20), "latency": 256, "stream": 16 << 20},

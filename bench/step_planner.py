@@ -56,8 +56,15 @@ Parts (``--parts``, default all):
   collectives (and the FSDP gathers' waits among them) and the number of meetings priced, beside
   the measured time; per family the pairs of layouts the
   prediction orders as measured, and the bytes XLA compiles optax's AdamW update to move per
-  parameter byte. ``--cores`` prices the recorded machine's host; ``--update-scale S`` prices
-  the update S times over and adds each family's default plan under that price.
+  parameter byte; per family the range of predicted / measured. ``--cores`` prices the recorded
+  machine's host, ``--calibration PATH`` with a ``Topology.calibrate()`` record of it (a JSON
+  object whose ``calibration`` is written as ``Topology.to_json`` writes it: the records of the
+  16-core host and of the 2-core VM are in bench/results/, ``*_calibration_*``);
+  ``--update-scale S`` prices the update S times over and adds each family's default plan under
+  that price.
+
+* ``calibrate`` -- ``Topology.calibrate()`` run ``--iters`` times on this machine: every run's
+  summary a note, the median of each field a row (what ``--calibration`` reads back).
 
 * ``rows`` -- the work of one product that does not grow with its rows (the cost model's
   ``product_fixed_rows``): the forward and backward of a float32 ``[M, 256] x [256, 1024]``
@@ -614,6 +621,83 @@ def described_host(cores: int):
                                                     for h in hosts))
 
 
+_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def parse_calibration(summary: str) -> dict:
+  """A calibration as ``Topology.to_json`` writes it, read back from its one-line summary
+  (``Calibration.summary``, which the wins part's notes record: the collectives' times to 10 us,
+  the rates to the printed digit)."""
+  import re
+  hit = re.search(r"calibrated on (\d+) (\w+) devices sharing (\d+) cores: ([\d.]+) GFLOP/s and "
+                  r"([\d.]+) GB/s per device, a collective between products (\d+) us"
+                  r"(?:, the optimizer's update streaming ([\d.]+) GB/s per device)?(?:; (.*))?",
+                  summary)
+  if hit is None:
+    raise ValueError(f"not a calibration summary: {summary[:80]!r}")
+  devices, platform, cores, flops, gbps, latency, stream, rest = hit.groups()
+  collectives = {}
+  for part in (rest or "").split(", ") if rest else []:
+    kind, times, sizes = re.match(r"(\w+) ([\d./]+) ms at (.*)", part).groups()
+    nbytes = [int(float(x.split()[0]) * _UNITS[x.split()[1]]) for x in sizes.split("/")]
+    collectives[kind] = [[b, float(t) * 1e-3] for b, t in zip(nbytes, times.split("/"))]
+  return {"platform": platform, "devices": int(devices), "cores": int(cores),
+          "matmul_flops": float(flops) * 1e9, "memory_gbps": float(gbps),
+          "collectives": collectives, "latency_s": int(latency) * 1e-6,
+          "stream_gbps": float(stream or 0.0)}
+
+
+def recorded_calibration(paths: list[str]) -> dict:
+  """One machine's calibration from the ``Topology.calibrate()`` runs recorded in bench JSONs
+  (their notes' summaries): :func:`recorded_calibration_of`."""
+  summaries = []
+  for path in paths:
+    with open(path, encoding="utf-8") as f:
+      doc = json.load(f)
+    summaries += [n[n.index("calibrated on"):] for n in doc.get("notes", [])
+                  if isinstance(n, str) and "calibrated on" in n]
+  if not summaries:
+    raise ValueError(f"no calibration summary in the notes of {paths}")
+  return recorded_calibration_of(summaries)
+
+
+def recorded_calibration_of(summaries: list[str]) -> dict:
+  """The calibration of several runs' summaries (:func:`parse_calibration`): each field's median
+  over the runs (a collective's time at each size likewise, never less than at the size below),
+  since one run on a shared host can read half or twice another's."""
+  import statistics
+  cals = [parse_calibration(s) for s in summaries]
+  out = dict(cals[0])
+  for k in ("matmul_flops", "memory_gbps", "latency_s", "stream_gbps"):
+    out[k] = statistics.median(c[k] for c in cals)
+  out["collectives"] = {}
+  for kind, points in cals[0]["collectives"].items():
+    times = []
+    for i, (nbytes, _) in enumerate(points):
+      t = statistics.median(c["collectives"][kind][i][1] for c in cals)
+      times.append([nbytes, max([t] + [p[1] for p in times])])
+    out["collectives"][kind] = times
+  return out
+
+
+def priced_host(cores: int, calibration: str):
+  """The topology the priced and terms parts price with: this host's, described as having
+  ``cores`` cores (:func:`described_host`), with a calibration of the recorded machine where
+  ``calibration`` names one: a JSON file whose ``calibration`` is written as Topology.to_json
+  writes it, or bench JSONs (comma-separated) whose notes record ``Topology.calibrate()`` runs
+  (:func:`recorded_calibration`)."""
+  topo = described_host(cores) if cores else None
+  if not calibration:
+    return topo
+  paths = calibration.split(",")
+  with open(paths[0], encoding="utf-8") as f:
+    first = json.load(f)
+  recorded = (first["calibration"] if len(paths) == 1 and "calibration" in first
+              else recorded_calibration(paths))
+  return dtenjax.Topology.from_dict({**(topo or dtenjax.Topology.current()).to_dict(),
+                                     "calibration": recorded})
+
+
 def priced_rows(names, measured_json: str | None, topology=None) -> list[dict]:
   """The ``priced`` part: the cost model's step time of the plan and of every hand-written
   layout of the wins part (planning only, nothing runs), beside the measured times of a recorded
@@ -755,6 +839,15 @@ def terms_rows(measured_jsons: list[str], topology=None,
                    "same_as": ",".join(k for k, q in planned.items()
                                        if planning.same_layout(p, q)) or "-",
                    **model_terms(step, args, mesh, list(p.specs), topology, update_scale)})
+    counted = [r for r in rows if r["family"] == name and r["planned_mesh"] == r["mesh"]
+               and r.get("measured_ms")]
+    for r in rows:
+      if r["family"] == name and r.get("measured_ms"):
+        r["predicted_vs_measured"] = r["predicted_ms"] / r["measured_ms"]
+    if counted:
+      ratios = [r["predicted_vs_measured"] for r in counted]
+      notes.append(f"terms: {name}: predicted / measured {min(ratios):.2f}-{max(ratios):.2f} over "
+                   f"{len(counted)} rows priced on the mesh timed")
     distinct = list(seen.values())
     pairs = [(a, b) for a, b in itertools.combinations(distinct, 2)
              if abs(a["measured_ms"] / b["measured_ms"] - 1) > 0.03]
@@ -801,6 +894,10 @@ def main(argv=None) -> int:
   ap.add_argument("--cores", type=_harness.positive_int, default=0,
                   help="priced and terms parts: price this host's devices as sharing this many "
                   "cores (the machine of --measured-json; default: this host's)")
+  ap.add_argument("--calibration", metavar="PATH", default="",
+                  help="priced and terms parts: price with this Topology.calibrate() record of the "
+                  "machine of --measured-json (a JSON object whose 'calibration' is written as "
+                  "Topology.to_json writes it) in place of the table priors")
   ap.add_argument("--update-scale", type=float, default=1.0,
                   help="terms part: price the optimizer's update this many times over, and plan "
                   "each family under that price")
@@ -900,6 +997,12 @@ def main(argv=None) -> int:
                          f"{jax.devices()[0].device_kind} (mocked), compile only"))
     notes += gnotes
     doc_rows += [{"part": "gpu", **r} for r in rows]
+  if "calibrate" in parts:
+    runs = [dtenjax.Topology.current().calibrate().calibration for _ in range(args.iters)]
+    notes += [c.summary() for c in runs]
+    med = recorded_calibration_of([c.summary() for c in runs])
+    print(f"calibrate: {args.iters} runs; the median: {med}")
+    doc_rows.append({"part": "calibrate", "calibration": med})
   if "rows" in parts:
     rows, rnotes = product_rows(iters=args.iters)
     print(_harness.table(rows, (("rows/device", "rows", "d"),
@@ -910,7 +1013,7 @@ def main(argv=None) -> int:
     doc_rows += [{"part": "rows", **r} for r in rows]
   if "priced" in parts:
     rows = priced_rows(args.families.split(","), args.measured_json,
-                       described_host(args.cores) if args.cores else None)
+                       priced_host(args.cores, args.calibration))
     print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
                                 ("mesh", "mesh", "s"), ("predicted ms", "predicted_ms", ".1f"),
                                 ("measured ms", "measured_ms", ".1f"),
@@ -921,17 +1024,19 @@ def main(argv=None) -> int:
     doc_rows += [{"part": "priced", **r} for r in rows]
   if "terms" in parts:
     rows, tnotes = terms_rows(args.measured_json.split(",") if args.measured_json else [],
-                              described_host(args.cores) if args.cores else None,
-                              args.update_scale)
+                              priced_host(args.cores, args.calibration), args.update_scale)
     print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
                                 ("mesh", "mesh", "s"), ("priced mesh", "planned_mesh", "s"),
                                 ("measured ms", "measured_ms", ".1f"),
                                 ("predicted ms", "predicted_ms", ".1f"),
+                                ("/measured", "predicted_vs_measured", ".2f"),
                                 ("products", "products_ms", ".1f"), ("beside", "beside_ms", ".1f"),
                                 ("update", "update_ms", ".2f"),
                                 ("collectives", "collectives_ms", ".1f"), ("waits", "waits_ms", ".1f"),
                                 ("meetings", "meetings", ".0f"), ("same as", "same_as", "s")),
-                         title="the cost model's terms (ms) of recorded layouts, nothing run"))
+                         title="the cost model's terms (ms) of recorded layouts, nothing run ("
+                         + (f"calibrated: {args.calibration}" if args.calibration else
+                            "table priors") + ")"))
     notes += tnotes
     doc_rows += [{"part": "terms", **r} for r in rows]
   if "wins" in parts:

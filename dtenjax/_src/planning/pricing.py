@@ -129,18 +129,33 @@ class Pricer:
                              else m.topology.local_s_per_byte(prior_s_per_byte))
     # seconds per byte of a pass over a buffer beyond the caches the elementwise pass above is
     # measured in: the optimizer's update (every device's whole state, once a step) and the work
-    # beside the products (the step's activations); on CPU devices the host's streaming balance
-    # (calibrate.prior_cpu_stream_s_per_byte) at the device's FLOP/s, the calibration's where
-    # measured (its elementwise pass is the caches'), unless the user sets the bandwidth
+    # beside the products (the step's activations); on CPU devices the calibration's measured
+    # update (Calibration.stream_gbps: the rate moves with the host's memory, not its FLOP/s: 14
+    # FLOP per byte of the products on the 16-core host, 27 on the 2-core VM), else the host's
+    # streaming balance (calibrate.prior_cpu_stream_s_per_byte) at the device's FLOP/s, the
+    # calibration's where measured (its elementwise pass is the caches'), unless the user sets
+    # the bandwidth
     self.stream_s_per_byte = self.local_s_per_byte
     if self.backend == "cpu" and user.get("local_bandwidth_gbps") is None:
-      self.stream_s_per_byte = calibrate_lib.prior_cpu_stream_s_per_byte(m.topology.peak_flops())
+      cal = m.topology.calibration
+      if cal is not None and cal.platform == "cpu" and cal.stream_gbps > 0:
+        self.stream_s_per_byte = 1.0 / (cal.stream_gbps * 1e9)
+      else:
+        self.stream_s_per_byte = calibrate_lib.prior_cpu_stream_s_per_byte(
+            m.topology.peak_flops())
     self.update_split = costs.update_split
     # the work beside the products streams alike (solver.make_problem; its own attribute so
     # that a diagnostic can price it apart: dtenjax.testing.planning.replaced_cost_terms).
     # Measured on CPU devices only: a GPU's is left unpriced, as before, until measured there
     # (the clusters' plans, tests/test_step_planner_clusters.py, rest on their collectives)
     self.beside_s_per_byte = self.stream_s_per_byte if self.backend == "cpu" else 0.0
+    # whether the products' FLOP/s are a calibration's, measured on products alone: the priors'
+    # CPU FLOP/s were set against whole steps' products, the work beside them on a device's own
+    # tokens inside, a calibration's chain of products holds none of it. Where measured, that
+    # work is priced on its own (solver.make_problem) at the rate above (CPU devices: a GPU's
+    # work beside its products is not priced, as before)
+    cal = m.topology.calibration
+    self.pure_products = (self.backend == "cpu" and cal is not None and cal.platform == "cpu")
     self.step_latency = (costs.step_collective_us * 1e-6 if "step_collective_us" in user
                          else m.topology.meeting_s(self.backend, costs.step_collective_us * 1e-6))
     self.product_fixed_rows = costs.product_fixed_rows

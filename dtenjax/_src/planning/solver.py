@@ -76,8 +76,7 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
     cands.append(cs)
     prices.append([price_layout(graph, g, c, m, pricer, bdiv, donate) for c in cs])
   # products without a weight (attention scores, ...) split over the batch axes only
-  rest = max(0.0, graph.flops - sum(u.flops for u in graph.weights.values()) -
-             sum(graph.carried.values()))
+  rest = graph.flops - sum(u.flops for u in graph.weights.values()) - sum(graph.carried.values())
   # and the work beside the products (norms, residuals, activations, softmax, the loss) that a
   # 'tensor' axis repeats: it splits the products of the weights it shards, not this work, which
   # every device of a 'tensor' group runs on the tokens of the group (each equation's bytes
@@ -86,7 +85,17 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
   # priors already hold (their FLOP/s priced the measured steps' products with it, the same
   # within 1 % on two families whose shares of it differ: docs/benchmarks.md, sixteenth round)
   repeated = graph.token_bytes / bdiv * (1 - 1 / m.size["tensor"])
-  compute = rest / bdiv / m.peak_flops + repeated * pricer.beside_s_per_byte
+  compute = max(0.0, rest) / bdiv / m.peak_flops + repeated * pricer.beside_s_per_byte
+  if pricer.pure_products:
+    # at a calibration's FLOP/s (Pricer.pure_products) the share of that work a device runs on
+    # its own tokens is priced too, and the products twice counted are taken out: a column
+    # weight's pair carries the products its cut splits (graph.carried), which on an unrolled
+    # stack include the row weight's own (llama_loop: the weights' and the carried products are
+    # 78.4 GFLOP where the step runs 61.2, read from its jaxpr and XLA's compile alike), split
+    # with the pair over the batch and 'tensor'
+    t = m.size["tensor"]
+    compute += (min(0.0, rest) / bdiv / t / m.peak_flops +
+                graph.token_bytes / bdiv / t * pricer.beside_s_per_byte)
   fixed = {"activations": graph.activation_bytes / bdiv,
            "batch": sum(lf.nbytes / (rdiv if splits_batch(lf, rdiv) else 1) /
                         sequence.leaf_div(lf, m, graph) for lf in batch_leaves)}

@@ -16,6 +16,10 @@ CPU devices of one process share the host's cores and memory -- are measured sha
   without it: the cost of one rendezvous in the middle of compute (on a CPU, 8 devices sharing 2
   cores meet at a collective after their share of the compute, which costs far more than the
   same collective alone).
+* ``stream_gbps`` (CPU): AdamW's update of a parameter, its gradient and two moments of tens of
+  MiB per device, every device at once: the optimizer's pass over a state beyond the caches,
+  which the elementwise pass above (a buffer the caches hold) does not see. Bytes are counted as
+  the cost model counts the update XLA:CPU compiles (:data:`UPDATE_BYTES_PER_PARAM_BYTE`).
 
 A calibration is an explicit input: ``Topology.detect().calibrate()`` returns a new topology
 whose :attr:`~Topology.calibration` holds the numbers (saved by ``to_json``, printed by the plan's
@@ -37,13 +41,31 @@ from dtenjax._src import errors
 from dtenjax._src.topology import parts as topo
 
 # Defaults per platform: product sizes (m, k, n), the elementwise buffer, the collective sizes
-# (bytes per participant), and the product of the latency rounds.
+# (bytes per participant), the product of the latency rounds, and the bytes of each of the
+# update's four buffers per device (0: not measured; a GPU's update is priced at its table's
+# local rate).
 _SIZES = {
     "cpu": {"matmul": ((512, 512, 512),), "memory": 4 << 20,
-            "collectives": (64 << 10, 1 << 20, 8 << 20), "latency": 256},
+            "collectives": (64 << 10, 1 << 20, 8 << 20), "latency": 256, "stream": 16 << 20},
     "gpu": {"matmul": ((4096, 4096, 4096), (8192, 2048, 8192)), "memory": 256 << 20,
-            "collectives": (1 << 20, 16 << 20, 128 << 20), "latency": 2048},
+            "collectives": (1 << 20, 16 << 20, 128 << 20), "latency": 2048, "stream": 0},
 }
+
+# Bytes AdamW's update moves per parameter byte as XLA:CPU compiles it and the cost model counts
+# it (pricing.update_bytes with BackendCosts.update_split): a loop per moment reads the gradient
+# and the moment and writes the moment (3 + 3), the parameter's reads the parameter and both
+# moments and writes the parameter (4). XLA:CPU compiles the update below to those three loops,
+# as it compiles optax.adamw's (tests/test_calibration.py reads the compiled program).
+UPDATE_BYTES_PER_PARAM_BYTE = 10
+
+
+def adamw_update(p, g, m, v):
+  """AdamW's arithmetic on one parameter (bias corrections and decay at fixed scalars): what the
+  calibration streams, and what tests compile to count its bytes."""
+  m = 0.9 * m + 0.1 * g
+  v = 0.999 * v + 0.001 * g * g
+  p = p - 1e-3 * (m / 0.1 / (jnp.sqrt(v / 0.001) + 1e-8) + 1e-4 * p)
+  return p, m, v
 
 
 def _wall(f, args, repeats: int) -> float:
@@ -73,8 +95,8 @@ def measure(topology, *, repeats: int = 3, chain: int = 4,
             sizes: dict | None = None) -> topo.Calibration:
   """The :class:`~dtenjax._src.topology.parts.Calibration` of ``topology``'s devices on this host
   (see the module docstring). ``sizes`` replaces the platform's defaults (keys ``matmul``,
-  ``memory``, ``collectives``, ``latency``, 0 to leave ``latency_s`` at 0; tests use small
-  ones)."""
+  ``memory``, ``collectives``, ``latency``, ``stream``; 0 to leave ``latency_s`` or
+  ``stream_gbps`` at 0; tests use small ones)."""
   if repeats < 1 or chain < 1:
     raise errors.ConfigurationError(
         f"calibrate: repeats={repeats} and chain={chain} must be >= 1")
@@ -149,10 +171,21 @@ def measure(topology, *, repeats: int = 3, chain: int = 4,
     plain = per_step(lambda v: jnp.tanh(v @ v), a)
     met = per_step(lambda v: jnp.tanh(v @ v) + lax.psum(v[:1, :8], "c").sum() * 1e-9, a)
     latency = max(0.0, met - plain)
+  # the optimizer's update over a state beyond the caches: one call of the update a step (no
+  # loop: a loop would hoist the gradient's share out of it), its outputs new buffers as the
+  # step's are; the least-disturbed of the calls
+  stream = 0.0
+  if cfg.get("stream", 0) > 0:
+    words = max(1, cfg["stream"] // 4)
+    update = jax.jit(jax.shard_map(adamw_update, mesh=mesh, in_specs=(P("c"),) * 4,
+                                   out_specs=(P("c"),) * 3, check_vma=False))
+    t = _wall(update, tuple(put((words,)) for _ in range(4)), max(repeats, 3))
+    stream = UPDATE_BYTES_PER_PARAM_BYTE * words * 4 / t / 1e9
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   return topo.Calibration(platform=platform, devices=n, cores=int(cores or 1),
                           matmul_flops=float(flops), memory_gbps=float(memory_gbps),
-                          collectives=tuple(table), latency_s=float(latency))
+                          collectives=tuple(table), latency_s=float(latency),
+                          stream_gbps=float(stream))
 
 
 # --- the table priors of CPU devices that share a host's cores -------------------------------------

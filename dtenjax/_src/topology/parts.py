@@ -132,6 +132,9 @@ class Calibration:
       gathered or unscattered buffer), from a jitted chain; sizes ascending.
     latency_s: the extra seconds of one small collective placed between products (the devices'
       rendezvous while they share the host; on a CPU more than the collective alone).
+    stream_gbps: bytes/s (1e9) one device moves in the optimizer's update of a state beyond its
+      caches, all at once, counted as the cost model counts AdamW's update on XLA:CPU (10 bytes
+      per parameter byte); 0 where not measured (a GPU, or a record from before it was).
   """
   platform: str
   devices: int
@@ -140,6 +143,7 @@ class Calibration:
   memory_gbps: float
   collectives: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
   latency_s: float = 0.0
+  stream_gbps: float = 0.0
 
   def __post_init__(self):
     problems = []
@@ -150,6 +154,8 @@ class Calibration:
                       "be > 0")
     if not self.latency_s >= 0:
       problems.append(f"latency_s={self.latency_s} must be >= 0")
+    if not self.stream_gbps >= 0:
+      problems.append(f"stream_gbps={self.stream_gbps} must be >= 0 (0: not measured)")
     for kind, points in self.collectives:
       if kind not in CALIBRATED_KINDS:
         problems.append(f"collectives has kind {kind!r}; use one of {CALIBRATED_KINDS}")
@@ -183,6 +189,8 @@ class Calibration:
     return (f"calibrated on {self.devices} {self.platform} devices sharing {self.cores} cores: "
             f"{self.matmul_flops / 1e9:.1f} GFLOP/s and {self.memory_gbps:.2f} GB/s per device, "
             f"a collective between products {self.latency_s * 1e6:.0f} us"
+            + (f", the optimizer's update streaming {self.stream_gbps:.2f} GB/s per device"
+               if self.stream_gbps > 0 else "")
             + (f"; {kinds}" if kinds else ""))
 
 

@@ -212,6 +212,20 @@ def test_gradient_is_lax_psum_scatter_s_under_check_vma(cpu_devices):
   np.testing.assert_array_equal(ours, theirs)
 
 
+def test_empty_blocks_give_empty_blocks_as_lax_psum_scatter(cpu_devices):
+  """A leaf with no values in its blocks (``[8, 0]`` scattered along dimension 0) gives each
+  rank an empty block of lax.psum_scatter's shape, for the float32 fold and the int32 sum (the
+  XLA:CPU custom calls' dtypes) and the sum in bfloat16 (the jnp formulation)."""
+  mesh, axes = _mesh(cpu_devices, "2x4")
+  for dtype in (jnp.float32, jnp.int32, jnp.bfloat16):
+    x = jnp.zeros((8, 8, 0), dtype)
+    f = lambda rs: np.asarray(helpers.smap(mesh, lambda v: rs(v[0])[None], axes)(x))
+    ours = f(lambda v: dtenjax.reduce_scatter(v, axes, tiled=True, algorithm="hierarchical"))
+    theirs = f(lambda v: lax.psum_scatter(v, axes, tiled=True))
+    assert ours.shape == theirs.shape == (8, 1, 0) and ours.dtype == theirs.dtype, (
+        jnp.dtype(dtype).name, ours.shape, theirs.shape)
+
+
 def test_bad_inputs_name_the_value(cpu_devices):
   mesh, axes = _mesh(cpu_devices, "2x4")
   x = jnp.zeros((8, 8, 2))

@@ -187,6 +187,17 @@ def _converge_on_the_columns(h):
   return jnp.mean((h - t) ** 2)
 
 
+def _converge_on_the_error_the_body_leaves(h):
+  """A convergence test on a statistic of the batch each trip computes and carries to the
+  condition (the error it leaves), the initial carry a constant."""
+  def trip(c):
+    t = c[1] * 0.5
+    return c[0] + 1, t, jnp.mean(jnp.abs(t))
+  _, t, _ = jax.lax.while_loop(lambda c: (c[0] < 5) & (c[2] > 0.1), trip,
+                               (0, jax.lax.stop_gradient(h), jnp.float32(1.0)))
+  return jnp.mean((h - t) ** 2)
+
+
 def _branch_on_the_mean(h):
   """A lax.cond whose predicate is the batch's mean."""
   h = jax.lax.cond(jnp.mean(h) > 0, lambda h: h * 2.0, lambda h: h - 1.0, h)
@@ -202,13 +213,16 @@ def _a_loop_nothing_reads(h):
 
 @pytest.mark.parametrize("tail,meets", [(_converge_on_the_mean, 4),
                                         (_converge_on_the_columns, 4 * 32),
+                                        (_converge_on_the_error_the_body_leaves, 4),
                                         (_branch_on_the_mean, 4),
                                         (_a_loop_nothing_reads, 0)],
-                         ids=["while-mean", "while-columns", "cond-mean", "dead-loop"])
+                         ids=["while-mean", "while-columns", "while-carried-error", "cond-mean",
+                              "dead-loop"])
 def test_a_predicate_read_from_the_batch_is_a_meeting(tail, meets, cpu_devices):
   """Every device must take the same way through a loop or a branch, so XLA all-reduces the
   statistics of the batch its predicate reads (inside the loop's condition, counted once: its
-  trips are not known when it compiles; before the branch). The reader walks the condition and
+  trips are not known when it compiles; inside its body where a trip computes the statistic and
+  carries it to the condition; before the branch). The reader walks the condition and
   finds them: the bytes by hand, which the compile all-reduces beside the gradient (32 x 32
   floats), and the plan is made."""
   del cpu_devices

@@ -263,7 +263,7 @@ class Reader:
       if name in ("while", "cond"):
         # a loop's or a branch's predicate read from the batch: every device must go the same
         # way (unless XLA removes the loop or branch, whose results nothing reads)
-        live = _live(jaxpr) if live is None else live
+        live = _needed(jaxpr)[0] if live is None else live
         if id(eqn) in live and name == "while":
           self._condition(eqn, origin, repeats)
         elif id(eqn) in live and is_var(eqn.invars[0]):
@@ -273,6 +273,8 @@ class Reader:
       for sub, length in sub_jaxprs(eqn):
         self._enter(eqn, sub, origin, tie, repeats * length)
       self.remat_depth -= remat
+      if name == "while" and id(eqn) in live:
+        self._carried_condition(eqn)
 
   def _enter(self, eqn, sub, origin, tie, repeats):
     name = eqn.primitive.name
@@ -459,6 +461,17 @@ class Reader:
       if is_var(v):
         self._meet(v)
 
+  def _carried_condition(self, eqn) -> None:
+    """After a ``lax.while_loop``'s body is walked: a reduction over the batch a trip computes
+    and carries to the condition (the error a trip leaves, tested for convergence) decides
+    whether the next trip runs, so XLA all-reduces it inside the body."""
+    cond = eqn.params["cond_jaxpr"].jaxpr
+    _, read = _needed(cond)
+    carry = cond.invars[eqn.params["cond_nconsts"]:]
+    for i, o in zip(carry, eqn.params["body_jaxpr"].jaxpr.outvars):
+      if i in read and is_var(o):
+        self._meet(o)
+
   def _track_batch(self, eqn, repeats: int) -> None:
     """Carries the batch's dimensions, the reductions' depth and their results through one
     equation (not a call: its body is walked); records a reduction over the batch, and marks the
@@ -567,16 +580,17 @@ class Reader:
     return out
 
 
-def _live(jaxpr) -> set[int]:
+def _needed(jaxpr) -> tuple[set[int], set]:
   """The ids of the equations of ``jaxpr`` that its results or an effect need (XLA removes the
-  others; a body's results are all taken as needed)."""
+  others; a body's results are all taken as needed), and the variables they read (its operands
+  among them)."""
   need = {v for v in jaxpr.outvars if is_var(v)}
   out = set()
   for eqn in reversed(jaxpr.eqns):
     if eqn.effects or any(o in need for o in eqn.outvars):
       out.add(id(eqn))
       need.update(v for v in eqn.invars if is_var(v))
-  return out
+  return out, need
 
 
 def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], bool]:

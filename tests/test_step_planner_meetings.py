@@ -233,6 +233,24 @@ def test_a_predicate_read_from_the_batch_is_a_meeting(tail, meets, cpu_devices):
   dtenjax.plan(step, *args, mesh={"data": 8})
 
 
+@pytest.mark.parametrize("tail", [
+    lambda h: jnp.mean((h - jnp.mean(h, 0) - jnp.max(jax.lax.stop_gradient(h), 0)) ** 2),
+    lambda h: jnp.mean((h - jnp.max(jax.lax.stop_gradient(h), 0) -
+                        jnp.min(jax.lax.stop_gradient(h), 0)) ** 2)], ids=["sum-max", "max-min"])
+def test_independent_statistics_of_different_reductions_are_apart(tail, cpu_devices):
+  """XLA's combiner joins only all-reduces of one reduction: a column's mean and its largest
+  value (or its largest and smallest), independent and one after the other, are two all-reduces
+  of 32 floats in the forward (the mean's cotangent a third), not one of 64: the reader's
+  meetings are the compile's, in count and bytes."""
+  del cpu_devices
+  step, args = _mlp_then(tail)
+  want = _compiled_meetings(step, args)
+  assert want[1] == 4 * 32 * want[0]                    # each all-reduce one column statistic
+  g = stepgraph.read_step(step, args, (1,))
+  assert (sum(mt.count for mt in g.meetings), sum(mt.nbytes for mt in g.meetings)) == want, (
+      g.meetings, want)
+
+
 def _sixteen_core_host():
   """8 CPU devices sharing 16 cores (the recorded wins runs' host): 5e10 FLOP/s each."""
   from dtenjax._src.topology.model import DeviceInfo, NumaNode, uniform

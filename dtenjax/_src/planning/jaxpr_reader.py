@@ -52,6 +52,10 @@ _SAME_DIMS = frozenset(("cumsum", "cumlogsumexp", "cummax", "cummin", "cumprod",
                         "select_and_scatter_add", "select_and_gather_add"))
 # jax.checkpoint's primitive (its name differs between JAX versions)
 _REMAT = frozenset(("checkpoint", "remat", "remat2"))
+# The reduction a primitive that reduces over the batch is all-reduced with, where not a sum (a
+# product's contraction, reduce_sum): XLA's combiner joins only all-reduces of one reduction
+_REDUCED_WITH = {"reduce_max": "max", "reduce_min": "min", "reduce_prod": "prod",
+                 "argmax": "argmax", "argmin": "argmin"}
 
 
 def itemsize(dtype) -> int:
@@ -210,9 +214,10 @@ class Reader:
     self.stat: dict[Any, frozenset[int]] = {}
     # the reductions over the batch: (walk position, depth, bytes per step, trips per step, the
     # computation XLA compiles it in: the innermost loop or branch body around it, else None,
-    # the innermost jax.checkpoint body around it, else None), and those whose result later work
-    # on the batch's values reads (a meeting's reductions)
-    self.batch_reductions: list[tuple[int, int, int, int, Any, Any]] = []
+    # the innermost jax.checkpoint body around it, else None, the reduction it is all-reduced
+    # with: _REDUCED_WITH), and those whose result later work on the batch's values reads (a
+    # meeting's reductions)
+    self.batch_reductions: list[tuple[int, int, int, int, Any, Any, str]] = []
     self.met: set[int] = set()
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
@@ -489,7 +494,7 @@ class Reader:
       remat = next((id(e) for e, _ in reversed(self.frames) if e.primitive.name in _REMAT), None)
       self.batch_reductions.append((self.eqn_count, depth,
                                     repeats * sum(nbytes(o.aval) for o in eqn.outvars), repeats,
-                                    body, remat))
+                                    body, remat, _REDUCED_WITH.get(eqn.primitive.name, "sum")))
       stats = frozenset((len(self.batch_reductions) - 1,))
     elif stats and (any(ins) or any(outs)):
       self.met |= stats        # a statistic meets the batch's values: its reductions all-reduce
@@ -501,10 +506,11 @@ class Reader:
     """The meetings of the step, in walk order, each paid by the weight whose product comes last
     before it (else the first after it). XLA's combiner joins all-reduces that follow one another
     in its order (the walk's) and do not read one another's results, inside one computation (a
-    loop's or a branch's body, or the step outside them): a met reduction joins the meeting
-    before it where both lie in the same computation and it is no deeper than any reduction of
-    that meeting (so reads none of their results), else it begins one. The independent
-    statistics of one norm are one meeting.
+    loop's or a branch's body, or the step outside them), of one reduction (sums with sums, a
+    max with maxes): a met reduction joins the meeting before it where both lie in the same
+    computation and reduce alike and it is no deeper than any reduction of that meeting (so
+    reads none of their results), else it begins one. The independent statistics of one norm
+    are one meeting.
 
     jax.checkpoint's backward recomputes its body's forward behind an optimization barrier over
     the body's operands, the cotangent among them: on XLA:GPU, which keeps the barrier until
@@ -522,7 +528,8 @@ class Reader:
       for k in sorted(self.met):
         r = self.batch_reductions[k]
         last = groups[-1] if groups else []
-        if (last and last[0][4] == r[4] and r[1] <= min(x[1] for x in last) and
+        if (last and last[0][4] == r[4] and last[0][6] == r[6] and
+            r[1] <= min(x[1] for x in last) and
             (cpu or r[5] is None or all(x[5] == r[5] for x in last))):
           last.append(r)
         else:

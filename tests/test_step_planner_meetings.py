@@ -251,6 +251,31 @@ def test_independent_statistics_of_different_reductions_are_apart(tail, cpu_devi
       g.meetings, want)
 
 
+def _centre_over_a_vmap_axis(h):
+  """Per-example code mapped over the batch by jax.vmap, the statistics over its named axis (a
+  pmap habit): the batch's mean, and its largest value (no derivative: of a stopped value)."""
+  stop = jax.lax.stop_gradient
+  t = jax.vmap(lambda r: r - jax.lax.pmean(r, "batch") - jax.lax.pmax(stop(r), "batch"),
+               axis_name="batch")(h)
+  return jnp.mean(t ** 2)
+
+
+def test_a_collective_over_a_vmap_axis_of_the_batch_is_a_meeting(cpu_devices):
+  """Under jax.vmap, lax.pmean and lax.pmax over its axis are a sum and a max over the batch's
+  dimension (psum and pmax of positional axes in the jaxpr), which XLA all-reduces as it does
+  the jnp.mean and jnp.max over the batch of the same step written without vmap: the reader's
+  meetings are that compile's, in count and bytes."""
+  del cpu_devices
+  step, args = _mlp_then(_centre_over_a_vmap_axis)
+  plain, plain_args = _mlp_then(lambda h: jnp.mean(
+      (h - jnp.mean(h, 0) - jnp.max(jax.lax.stop_gradient(h), 0)) ** 2))
+  want = _compiled_meetings(plain, plain_args)
+  assert _compiled_meetings(step, args) == want
+  g = stepgraph.read_step(step, args, (1,))
+  assert (sum(mt.count for mt in g.meetings), sum(mt.nbytes for mt in g.meetings)) == want, (
+      g.meetings, want)
+
+
 def _sixteen_core_host():
   """8 CPU devices sharing 16 cores (the recorded wins runs' host): 5e10 FLOP/s each."""
   from dtenjax._src.topology.model import DeviceInfo, NumaNode, uniform

@@ -55,7 +55,7 @@ _REMAT = frozenset(("checkpoint", "remat", "remat2"))
 # The reduction a primitive that reduces over the batch is all-reduced with, where not a sum (a
 # product's contraction, reduce_sum): XLA's combiner joins only all-reduces of one reduction
 _REDUCED_WITH = {"reduce_max": "max", "reduce_min": "min", "reduce_prod": "prod",
-                 "argmax": "argmax", "argmin": "argmin"}
+                 "argmax": "argmax", "argmin": "argmin", "pmax": "max", "pmin": "min"}
 
 
 def itemsize(dtype) -> int:
@@ -641,6 +641,13 @@ def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]]
   if name in REDUCTIONS and "axes" in p:
     kept = [d for d in range(len(shapes[0])) if d not in p["axes"]]
     return [frozenset(kept.index(d) for d in b if d in kept)] * n, any(d in p["axes"] for d in b)
+  if name in ("psum", "pmax", "pmin") and any(isinstance(a, int) for a in p.get("axes", ())):
+    # jax.vmap's collectives over its own axis (lax.pmean over a vmap axis of the batch: a pmap
+    # habit) are reductions over that positional dimension, a result per operand
+    axes = [a for a in p["axes"] if isinstance(a, int)]
+    kept = [[d for d in range(len(s)) if d not in axes] for s in shapes]
+    return ([frozenset(k.index(d) for d in x if d in k) for x, k in zip(ins, kept)],
+            any(d in axes for x in ins for d in x))
   if name == "dot_general":
     (lc, rc), (lb, rb) = p["dimension_numbers"]
     lfree = [d for d in range(len(shapes[0])) if d not in lc and d not in lb]

@@ -251,6 +251,27 @@ def test_independent_statistics_of_different_reductions_are_apart(tail, cpu_devi
       g.meetings, want)
 
 
+def test_a_statistic_a_trip_carries_to_the_next_is_a_meeting(cpu_devices):
+  """A loop of 3 trips (lax.fori_loop, a scan) whose trip corrects the batch's values by the mean
+  the trip before computed and carries (a running correction, 0 before the first): each trip's
+  mean meets the next trip's values, and XLA all-reduces it in the body, 3 all-reduces of 4 bytes
+  a step (the last trip's too: the loop's body is one computation), by hand and in the compile."""
+  del cpu_devices
+
+  def tail(h):
+    def trip(_, c):
+      t, e = c
+      t = t - 0.1 * e
+      return t, jnp.mean(t)
+    t, _ = jax.lax.fori_loop(0, 3, trip, (jax.lax.stop_gradient(h), jnp.float32(0.0)))
+    return jnp.mean((h - t) ** 2)
+  step, args = _mlp_then(tail)
+  assert _compiled_meetings(step, args) == (3, 12)
+  g = stepgraph.read_step(step, args, (1,))
+  assert (sum(mt.count for mt in g.meetings), sum(mt.nbytes for mt in g.meetings)) == (3, 12), (
+      g.meetings)
+
+
 def _centre_over_a_vmap_axis(h):
   """Per-example code mapped over the batch by jax.vmap, the statistics over its named axis (a
   pmap habit): the batch's mean, and its largest value (no derivative: of a stopped value)."""

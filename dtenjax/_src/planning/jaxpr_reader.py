@@ -319,6 +319,8 @@ class Reader:
     self.frames = saved
     if name == "scan":
       self.loop_bodies.append((start, self.eqn_count, repeats))
+    if name in ("scan", "while"):
+      self._carried_stats(eqn, sub)
     for k, (i, o) in enumerate(zip(sub.outvars, eqn.outvars)):
       if is_var(i):
         # a scan's stacked outputs (after the carry) gain the leading length dimension
@@ -465,6 +467,30 @@ class Reader:
     for v in cond.outvars:
       if is_var(v):
         self._meet(v)
+
+  def _carried_stats(self, eqn, sub) -> None:
+    """After a loop's body is walked: a statistic of the batch a trip computes and carries to the
+    next trip, whose work on the batch's values reads it (a running correction), is a meeting
+    inside the body (the walk carried in the first trip's value, which holds none)."""
+    if eqn.primitive.name == "scan":
+      first, n = jaxapi.scan_counts(eqn)
+    else:
+      first, n = eqn.params["body_nconsts"], len(sub.outvars)
+    for i, o in zip(sub.invars[first:first + n], sub.outvars[:n]):
+      stats = self.stat.get(o, frozenset()) if is_var(o) else frozenset()
+      if not stats <= self.met and self._meets_batch(sub, i):
+        self.met |= stats
+
+  def _meets_batch(self, jaxpr, v) -> bool:
+    """Whether an equation of ``jaxpr`` that reads ``v``, or a value computed from it, reads or
+    makes a value that carries the batch (as walked: :attr:`batch`)."""
+    derived = {v}
+    for eqn in jaxpr.eqns:
+      if any(is_var(x) and x in derived for x in eqn.invars):
+        if any(self.batch.get(x) for x in (*eqn.invars, *eqn.outvars) if is_var(x)):
+          return True
+        derived.update(eqn.outvars)
+    return False
 
   def _carried_condition(self, eqn) -> None:
     """After a ``lax.while_loop``'s body is walked: a reduction over the batch a trip computes

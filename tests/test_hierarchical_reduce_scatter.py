@@ -212,6 +212,20 @@ def test_gradient_is_lax_psum_scatter_s_under_check_vma(cpu_devices):
   np.testing.assert_array_equal(ours, theirs)
 
 
+def test_empty_blocks_give_empty_blocks_as_lax_psum_scatter(cpu_devices):
+  """A leaf with no values in its blocks (``[8, 0]`` scattered along dimension 0) gives each
+  rank an empty block of lax.psum_scatter's shape, for the float32 fold and the int32 sum (the
+  XLA:CPU custom calls' dtypes) and the sum in bfloat16 (the jnp formulation)."""
+  mesh, axes = _mesh(cpu_devices, "2x4")
+  for dtype in (jnp.float32, jnp.int32, jnp.bfloat16):
+    x = jnp.zeros((8, 8, 0), dtype)
+    f = lambda rs: np.asarray(helpers.smap(mesh, lambda v: rs(v[0])[None], axes)(x))
+    ours = f(lambda v: dtenjax.reduce_scatter(v, axes, tiled=True, algorithm="hierarchical"))
+    theirs = f(lambda v: lax.psum_scatter(v, axes, tiled=True))
+    assert ours.shape == theirs.shape == (8, 1, 0) and ours.dtype == theirs.dtype, (
+        jnp.dtype(dtype).name, ours.shape, theirs.shape)
+
+
 def test_bad_inputs_name_the_value(cpu_devices):
   mesh, axes = _mesh(cpu_devices, "2x4")
   x = jnp.zeros((8, 8, 2))
@@ -271,6 +285,32 @@ def test_each_link_carries_what_the_compiled_program_sends(cpu_devices):
       pytest.approx(across)
   assert cmt._d("reduce_scatter", cost, cmt.HOSTS2, cmt.ROCE, "nvlink", "bytes") == \
       pytest.approx(inside)
+
+
+def test_with_the_island_axis_not_last_its_island_price_does_not_apply(cpu_devices):
+  """axis_name=("i", "o") on mesh (2, 4) as two hosts of four: the schedule's first stage runs
+  over the last axis, here the host axis, so the compiled program sends half the input across
+  the hosts (the island schedule: 1/8), and across 4 hosts of 8 GPUs, axes ("local", "host")
+  make rank l*4 + h device h*8 + l. The island schedule's price does not apply to such a group
+  (its islands are not runs of consecutive ranks): hierarchical is unpriced there, for the
+  all-reduce too, and auto takes another record."""
+  n_bytes = cmt.N
+  module = cmt._compiled(cpu_devices, lambda v: dtenjax.reduce_scatter(
+      v, ("i", "o"), tiled=True, algorithm="hierarchical"), (8 * (n_bytes // 4),))
+  across, _ = cmt._split_by_host(module)
+  assert across == pytest.approx(1 / 2 * n_bytes)
+  cost = registry.get("hierarchical").cost
+  transposed = [cmt.HOSTS2[o * 4 + i] for i in range(4) for o in range(2)]
+  for kind in ("reduce_scatter", "all_reduce"):
+    assert cm.collective_time(kind, n_bytes, transposed, cmt.ROCE, cost,
+                              costs=cmt.GPU) == math.inf, kind
+    assert cm.collective_time(kind, n_bytes, cmt.HOSTS2, cmt.ROCE, cost,
+                              costs=cmt.GPU) < math.inf, kind
+  nvls = dataclasses.replace(Topology.fixture("roce_a100_4x8"), nvls=True)
+  group = [h * 8 + d for d in range(8) for h in range(4)]
+  for kind in ("reduce_scatter", "all_reduce"):
+    ch = plan_all_reduce(64 << 20, group, nvls, kind=kind, axis_sizes=(8, 4))
+    assert ch.algorithm != "hierarchical", (kind, ch.times)
 
 
 def test_auto_keeps_xla_on_cpu_and_picks_hierarchical_across_hosts_without_a_pinned_order(

@@ -187,6 +187,17 @@ def _converge_on_the_columns(h):
   return jnp.mean((h - t) ** 2)
 
 
+def _converge_on_the_error_the_body_leaves(h):
+  """A convergence test on a statistic of the batch each trip computes and carries to the
+  condition (the error it leaves), the initial carry a constant."""
+  def trip(c):
+    t = c[1] * 0.5
+    return c[0] + 1, t, jnp.mean(jnp.abs(t))
+  _, t, _ = jax.lax.while_loop(lambda c: (c[0] < 5) & (c[2] > 0.1), trip,
+                               (0, jax.lax.stop_gradient(h), jnp.float32(1.0)))
+  return jnp.mean((h - t) ** 2)
+
+
 def _branch_on_the_mean(h):
   """A lax.cond whose predicate is the batch's mean."""
   h = jax.lax.cond(jnp.mean(h) > 0, lambda h: h * 2.0, lambda h: h - 1.0, h)
@@ -202,13 +213,16 @@ def _a_loop_nothing_reads(h):
 
 @pytest.mark.parametrize("tail,meets", [(_converge_on_the_mean, 4),
                                         (_converge_on_the_columns, 4 * 32),
+                                        (_converge_on_the_error_the_body_leaves, 4),
                                         (_branch_on_the_mean, 4),
                                         (_a_loop_nothing_reads, 0)],
-                         ids=["while-mean", "while-columns", "cond-mean", "dead-loop"])
+                         ids=["while-mean", "while-columns", "while-carried-error", "cond-mean",
+                              "dead-loop"])
 def test_a_predicate_read_from_the_batch_is_a_meeting(tail, meets, cpu_devices):
   """Every device must take the same way through a loop or a branch, so XLA all-reduces the
   statistics of the batch its predicate reads (inside the loop's condition, counted once: its
-  trips are not known when it compiles; before the branch). The reader walks the condition and
+  trips are not known when it compiles; inside its body where a trip computes the statistic and
+  carries it to the condition; before the branch). The reader walks the condition and
   finds them: the bytes by hand, which the compile all-reduces beside the gradient (32 x 32
   floats), and the plan is made."""
   del cpu_devices
@@ -217,6 +231,70 @@ def test_a_predicate_read_from_the_batch_is_a_meeting(tail, meets, cpu_devices):
   assert sum(mt.nbytes for mt in g.meetings) == meets, g.meetings
   assert _compiled_meetings(step, args) == (1 if meets else 0, meets)
   dtenjax.plan(step, *args, mesh={"data": 8})
+
+
+@pytest.mark.parametrize("tail", [
+    lambda h: jnp.mean((h - jnp.mean(h, 0) - jnp.max(jax.lax.stop_gradient(h), 0)) ** 2),
+    lambda h: jnp.mean((h - jnp.max(jax.lax.stop_gradient(h), 0) -
+                        jnp.min(jax.lax.stop_gradient(h), 0)) ** 2)], ids=["sum-max", "max-min"])
+def test_independent_statistics_of_different_reductions_are_apart(tail, cpu_devices):
+  """XLA's combiner joins only all-reduces of one reduction: a column's mean and its largest
+  value (or its largest and smallest), independent and one after the other, are two all-reduces
+  of 32 floats in the forward (the mean's cotangent a third), not one of 64: the reader's
+  meetings are the compile's, in count and bytes."""
+  del cpu_devices
+  step, args = _mlp_then(tail)
+  want = _compiled_meetings(step, args)
+  assert want[1] == 4 * 32 * want[0]                    # each all-reduce one column statistic
+  g = stepgraph.read_step(step, args, (1,))
+  assert (sum(mt.count for mt in g.meetings), sum(mt.nbytes for mt in g.meetings)) == want, (
+      g.meetings, want)
+
+
+def test_a_statistic_a_trip_carries_to_the_next_is_a_meeting(cpu_devices):
+  """A loop of 3 trips (lax.fori_loop, a scan) whose trip corrects the batch's values by the mean
+  the trip before computed and carries (a running correction, 0 before the first): each trip's
+  mean meets the next trip's values, and XLA all-reduces it in the body, 3 all-reduces of 4 bytes
+  a step (the last trip's too: the loop's body is one computation), by hand and in the compile."""
+  del cpu_devices
+
+  def tail(h):
+    def trip(_, c):
+      t, e = c
+      t = t - 0.1 * e
+      return t, jnp.mean(t)
+    t, _ = jax.lax.fori_loop(0, 3, trip, (jax.lax.stop_gradient(h), jnp.float32(0.0)))
+    return jnp.mean((h - t) ** 2)
+  step, args = _mlp_then(tail)
+  assert _compiled_meetings(step, args) == (3, 12)
+  g = stepgraph.read_step(step, args, (1,))
+  assert (sum(mt.count for mt in g.meetings), sum(mt.nbytes for mt in g.meetings)) == (3, 12), (
+      g.meetings)
+
+
+def _centre_over_a_vmap_axis(h):
+  """Per-example code mapped over the batch by jax.vmap, the statistics over its named axis (a
+  pmap habit): the batch's mean, and its largest value (no derivative: of a stopped value)."""
+  stop = jax.lax.stop_gradient
+  t = jax.vmap(lambda r: r - jax.lax.pmean(r, "batch") - jax.lax.pmax(stop(r), "batch"),
+               axis_name="batch")(h)
+  return jnp.mean(t ** 2)
+
+
+def test_a_collective_over_a_vmap_axis_of_the_batch_is_a_meeting(cpu_devices):
+  """Under jax.vmap, lax.pmean and lax.pmax over its axis are a sum and a max over the batch's
+  dimension (psum and pmax of positional axes in the jaxpr), which XLA all-reduces as it does
+  the jnp.mean and jnp.max over the batch of the same step written without vmap: the reader's
+  meetings are that compile's, in count and bytes."""
+  del cpu_devices
+  step, args = _mlp_then(_centre_over_a_vmap_axis)
+  plain, plain_args = _mlp_then(lambda h: jnp.mean(
+      (h - jnp.mean(h, 0) - jnp.max(jax.lax.stop_gradient(h), 0)) ** 2))
+  want = _compiled_meetings(plain, plain_args)
+  assert _compiled_meetings(step, args) == want
+  g = stepgraph.read_step(step, args, (1,))
+  assert (sum(mt.count for mt in g.meetings), sum(mt.nbytes for mt in g.meetings)) == want, (
+      g.meetings, want)
 
 
 def _sixteen_core_host():

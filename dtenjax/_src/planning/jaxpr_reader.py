@@ -52,6 +52,10 @@ _SAME_DIMS = frozenset(("cumsum", "cumlogsumexp", "cummax", "cummin", "cumprod",
                         "select_and_scatter_add", "select_and_gather_add"))
 # jax.checkpoint's primitive (its name differs between JAX versions)
 _REMAT = frozenset(("checkpoint", "remat", "remat2"))
+# The reduction a primitive that reduces over the batch is all-reduced with, where not a sum (a
+# product's contraction, reduce_sum): XLA's combiner joins only all-reduces of one reduction
+_REDUCED_WITH = {"reduce_max": "max", "reduce_min": "min", "reduce_prod": "prod",
+                 "argmax": "argmax", "argmin": "argmin", "pmax": "max", "pmin": "min"}
 
 
 def itemsize(dtype) -> int:
@@ -210,9 +214,10 @@ class Reader:
     self.stat: dict[Any, frozenset[int]] = {}
     # the reductions over the batch: (walk position, depth, bytes per step, trips per step, the
     # computation XLA compiles it in: the innermost loop or branch body around it, else None,
-    # the innermost jax.checkpoint body around it, else None), and those whose result later work
-    # on the batch's values reads (a meeting's reductions)
-    self.batch_reductions: list[tuple[int, int, int, int, Any, Any]] = []
+    # the innermost jax.checkpoint body around it, else None, the reduction it is all-reduced
+    # with: _REDUCED_WITH), and those whose result later work on the batch's values reads (a
+    # meeting's reductions)
+    self.batch_reductions: list[tuple[int, int, int, int, Any, Any, str]] = []
     self.met: set[int] = set()
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
@@ -263,7 +268,7 @@ class Reader:
       if name in ("while", "cond"):
         # a loop's or a branch's predicate read from the batch: every device must go the same
         # way (unless XLA removes the loop or branch, whose results nothing reads)
-        live = _live(jaxpr) if live is None else live
+        live = _needed(jaxpr)[0] if live is None else live
         if id(eqn) in live and name == "while":
           self._condition(eqn, origin, repeats)
         elif id(eqn) in live and is_var(eqn.invars[0]):
@@ -273,6 +278,8 @@ class Reader:
       for sub, length in sub_jaxprs(eqn):
         self._enter(eqn, sub, origin, tie, repeats * length)
       self.remat_depth -= remat
+      if name == "while" and id(eqn) in live:
+        self._carried_condition(eqn)
 
   def _enter(self, eqn, sub, origin, tie, repeats):
     name = eqn.primitive.name
@@ -312,6 +319,8 @@ class Reader:
     self.frames = saved
     if name == "scan":
       self.loop_bodies.append((start, self.eqn_count, repeats))
+    if name in ("scan", "while"):
+      self._carried_stats(eqn, sub)
     for k, (i, o) in enumerate(zip(sub.outvars, eqn.outvars)):
       if is_var(i):
         # a scan's stacked outputs (after the carry) gain the leading length dimension
@@ -459,6 +468,41 @@ class Reader:
       if is_var(v):
         self._meet(v)
 
+  def _carried_stats(self, eqn, sub) -> None:
+    """After a loop's body is walked: a statistic of the batch a trip computes and carries to the
+    next trip, whose work on the batch's values reads it (a running correction), is a meeting
+    inside the body (the walk carried in the first trip's value, which holds none)."""
+    if eqn.primitive.name == "scan":
+      first, n = jaxapi.scan_counts(eqn)
+    else:
+      first, n = eqn.params["body_nconsts"], len(sub.outvars)
+    for i, o in zip(sub.invars[first:first + n], sub.outvars[:n]):
+      stats = self.stat.get(o, frozenset()) if is_var(o) else frozenset()
+      if not stats <= self.met and self._meets_batch(sub, i):
+        self.met |= stats
+
+  def _meets_batch(self, jaxpr, v) -> bool:
+    """Whether an equation of ``jaxpr`` that reads ``v``, or a value computed from it, reads or
+    makes a value that carries the batch (as walked: :attr:`batch`)."""
+    derived = {v}
+    for eqn in jaxpr.eqns:
+      if any(is_var(x) and x in derived for x in eqn.invars):
+        if any(self.batch.get(x) for x in (*eqn.invars, *eqn.outvars) if is_var(x)):
+          return True
+        derived.update(eqn.outvars)
+    return False
+
+  def _carried_condition(self, eqn) -> None:
+    """After a ``lax.while_loop``'s body is walked: a reduction over the batch a trip computes
+    and carries to the condition (the error a trip leaves, tested for convergence) decides
+    whether the next trip runs, so XLA all-reduces it inside the body."""
+    cond = eqn.params["cond_jaxpr"].jaxpr
+    _, read = _needed(cond)
+    carry = cond.invars[eqn.params["cond_nconsts"]:]
+    for i, o in zip(carry, eqn.params["body_jaxpr"].jaxpr.outvars):
+      if i in read and is_var(o):
+        self._meet(o)
+
   def _track_batch(self, eqn, repeats: int) -> None:
     """Carries the batch's dimensions, the reductions' depth and their results through one
     equation (not a call: its body is walked); records a reduction over the batch, and marks the
@@ -476,7 +520,7 @@ class Reader:
       remat = next((id(e) for e, _ in reversed(self.frames) if e.primitive.name in _REMAT), None)
       self.batch_reductions.append((self.eqn_count, depth,
                                     repeats * sum(nbytes(o.aval) for o in eqn.outvars), repeats,
-                                    body, remat))
+                                    body, remat, _REDUCED_WITH.get(eqn.primitive.name, "sum")))
       stats = frozenset((len(self.batch_reductions) - 1,))
     elif stats and (any(ins) or any(outs)):
       self.met |= stats        # a statistic meets the batch's values: its reductions all-reduce
@@ -488,10 +532,11 @@ class Reader:
     """The meetings of the step, in walk order, each paid by the weight whose product comes last
     before it (else the first after it). XLA's combiner joins all-reduces that follow one another
     in its order (the walk's) and do not read one another's results, inside one computation (a
-    loop's or a branch's body, or the step outside them): a met reduction joins the meeting
-    before it where both lie in the same computation and it is no deeper than any reduction of
-    that meeting (so reads none of their results), else it begins one. The independent
-    statistics of one norm are one meeting.
+    loop's or a branch's body, or the step outside them), of one reduction (sums with sums, a
+    max with maxes): a met reduction joins the meeting before it where both lie in the same
+    computation and reduce alike and it is no deeper than any reduction of that meeting (so
+    reads none of their results), else it begins one. The independent statistics of one norm
+    are one meeting.
 
     jax.checkpoint's backward recomputes its body's forward behind an optimization barrier over
     the body's operands, the cotangent among them: on XLA:GPU, which keeps the barrier until
@@ -509,7 +554,8 @@ class Reader:
       for k in sorted(self.met):
         r = self.batch_reductions[k]
         last = groups[-1] if groups else []
-        if (last and last[0][4] == r[4] and r[1] <= min(x[1] for x in last) and
+        if (last and last[0][4] == r[4] and last[0][6] == r[6] and
+            r[1] <= min(x[1] for x in last) and
             (cpu or r[5] is None or all(x[5] == r[5] for x in last))):
           last.append(r)
         else:
@@ -567,16 +613,17 @@ class Reader:
     return out
 
 
-def _live(jaxpr) -> set[int]:
+def _needed(jaxpr) -> tuple[set[int], set]:
   """The ids of the equations of ``jaxpr`` that its results or an effect need (XLA removes the
-  others; a body's results are all taken as needed)."""
+  others; a body's results are all taken as needed), and the variables they read (its operands
+  among them)."""
   need = {v for v in jaxpr.outvars if is_var(v)}
   out = set()
   for eqn in reversed(jaxpr.eqns):
     if eqn.effects or any(o in need for o in eqn.outvars):
       out.add(id(eqn))
       need.update(v for v in eqn.invars if is_var(v))
-  return out
+  return out, need
 
 
 def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], bool]:
@@ -620,6 +667,13 @@ def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]]
   if name in REDUCTIONS and "axes" in p:
     kept = [d for d in range(len(shapes[0])) if d not in p["axes"]]
     return [frozenset(kept.index(d) for d in b if d in kept)] * n, any(d in p["axes"] for d in b)
+  if name in ("psum", "pmax", "pmin") and any(isinstance(a, int) for a in p.get("axes", ())):
+    # jax.vmap's collectives over its own axis (lax.pmean over a vmap axis of the batch: a pmap
+    # habit) are reductions over that positional dimension, a result per operand
+    axes = [a for a in p["axes"] if isinstance(a, int)]
+    kept = [[d for d in range(len(s)) if d not in axes] for s in shapes]
+    return ([frozenset(k.index(d) for d in x if d in k) for x, k in zip(ins, kept)],
+            any(d in axes for x in ins for d in x))
   if name == "dot_general":
     (lc, rc), (lb, rb) = p["dimension_numbers"]
     lfree = [d for d in range(len(shapes[0])) if d not in lc and d not in lb]

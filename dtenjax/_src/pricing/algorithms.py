@@ -205,10 +205,27 @@ def _hierarchical_supports(call: Call) -> str | None:
   return xla_reaches(call)
 
 
+def _island_split(t: costmodel.Terms) -> costmodel.Split | None:
+  """The group's island split where every island is a run of consecutive ranks: the schedule's
+  first stage runs over the last axis of ``axis_name``, so only then are its first stage's peers
+  an island's (with the islands' axis first, ``("local", "host")``, it would run across the
+  islands); else None."""
+  s = t.split()
+  if s is None or not _islands_consecutive(tuple(t.group), t.topology, s.k):
+    return None
+  return s
+
+
+@functools.lru_cache(maxsize=4096)
+def _islands_consecutive(group: tuple[int, ...], topology, k: int) -> bool:
+  islands = {frozenset(p) for p in costmodel.island_groups(group, topology)}
+  return all(frozenset(group[j:j + k]) in islands for j in range(0, len(group), k))
+
+
 def _hierarchical_all_reduce(t: costmodel.Terms, N: float) -> float:
   """Inner all-to-all reduce-scatter, one-shot of N/k across islands, inner all-gather; inf
-  without a proper island split of the group."""
-  s = t.split()
+  without an island split of the group whose islands are runs of consecutive ranks."""
+  s = _island_split(t)
   if s is None:
     return costmodel.INF
   inner = 2 * (t.L + s.ia + (s.k - 1) / s.k * N * s.ib)
@@ -219,9 +236,9 @@ def _hierarchical_all_reduce(t: costmodel.Terms, N: float) -> float:
 def _hierarchical_reduce_scatter(t: costmodel.Terms, N: float) -> float:
   """Inner all-to-all reduce-scatter of N on the fast link, outer all-to-all reduce-scatter of
   the island's N/k on the slow one (each byte crosses it once); local traffic: the chunks copied
-  out (N), the inner fold (N read, N/k written), the outer fold (N/k read); inf without a proper
-  island split of the group."""
-  s = t.split()
+  out (N), the inner fold (N read, N/k written), the outer fold (N/k read); inf without an
+  island split of the group whose islands are runs of consecutive ranks."""
+  s = _island_split(t)
   if s is None:
     return costmodel.INF
   inner = t.L + s.ia + (s.k - 1) / s.k * N * s.ib

@@ -76,7 +76,8 @@ def reduce_scatter(blocks, call: base.Call):
   c = flat.shape[-1]
   acc = base.acc_dtype(blocks.dtype, call.op)
   floats, ints = cpu_ffi.folds(call, blocks.dtype), cpu_ffi.int_sums(call, blocks.dtype)
-  if floats or ints:
+  # empty blocks (c == 0) take the jnp formulation: the custom calls' chunks have a value at least
+  if (floats or ints) and c:
     # chunk i: [o, c], the blocks inner rank i owns across the outer ranks
     chunks = cpu_ffi.unpack(flat.reshape(o, m * c), (c,) * m)
     got = lax.all_to_all(jnp.stack(chunks), inner, 0, 0) if m > 1 else jnp.stack(chunks)

@@ -565,7 +565,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # gradient synchronisation
   for kind, nb, axes in table_sync:
     ctx.add(kind, nb, axes, blocking=False)
-  if batch:
+  if batch and primary.has_gradient:
     if zero:
       k = axis_key(zero)
       # XLA:CPU lowers a reduce-scatter as an all-reduce of the whole gradient followed by a

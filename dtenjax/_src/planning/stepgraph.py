@@ -62,6 +62,12 @@ class Leaf:
   def nbytes(self) -> int:
     return math.prod(self.shape) * self.itemsize
 
+  @property
+  def has_gradient(self) -> bool:
+    """Floating leaves have gradients to synchronise; integers, bools and PRNG keys (a step's
+    counter, a dropout key) have none: JAX differentiates them to float0."""
+    return _inexact(self.dtype)
+
 
 def _checked_shape(shape, name: str) -> tuple[int, ...]:
   try:
@@ -83,6 +89,13 @@ def _numeric(dtype) -> bool:
                 jax.dtypes.issubdtype(dtype, np.bool_) or
                 jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
   except TypeError:
+    return False
+
+
+def _inexact(dtype_name: str) -> bool:
+  try:
+    return bool(jax.dtypes.issubdtype(np.dtype(dtype_name), np.inexact))
+  except TypeError:   # a PRNG key's name (key<fry>)
     return False
 
 

@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import dtenjax
+from dtenjax._src.planning import stepgraph
 
 # float32 reassociation: the loss and every output leaf of the planned step against the plain
 # step's (relative, absolute). Adam's update lr * g / (|g| + eps) of a gradient that cancels to
@@ -417,7 +418,7 @@ def nnx_state():
 CASES = {f.__name__: f for f in (
     optax_multisteps, optax_masked, dropout_key, dropout_raw_key, scan_microbatches, donated,
     closed_constant, lm_take_along_axis, lm_one_hot_smoothing, lm_integer_labels,
-    cond_on_counter, dataclass_state, linen_batch_norm, nnx_state)}
+    cond_on_counter, dataclass_state, linen_train_state, linen_batch_norm, nnx_state)}
 
 
 # --- the checks -------------------------------------------------------------------------------
@@ -476,7 +477,7 @@ def _column_bias_gathers(case: Case, plan) -> bool:
   if size["tensor"] == 1 or not any("column-parallel" in lp.reason for lp in plan.leaves):
     return False
   vectors = {lp.shape[0] for lp in plan.leaves if len(lp.shape) == 1 and lp.spec == P()}
-  compiled = plan.jit(case.step).lower(*case.args).compile()
+  compiled = plan.jit(case.step).lower(*stepgraph.abstract(case.args)).compile()
   gathers = [c for c in dtenjax.explain(compiled).collectives if c.kind == "all_gather"]
   return bool(gathers) and all(len(c.shape) == 1 and c.shape[0] * size["tensor"] in vectors
                                for c in gathers)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dtenjax._src import errors
@@ -166,13 +167,29 @@ class StepGraph:
     return (leaf,)
 
 
+def scalar_struct(leaf):
+  """A Python scalar leaf as the weakly typed 0-d array ``jax.jit`` traces it as (flax's
+  ``TrainState.create`` sets ``step=0``, an int); any other leaf as it is."""
+  if isinstance(leaf, (bool, int, float, complex)):
+    return jax.ShapeDtypeStruct((), jnp.asarray(leaf).dtype, weak_type=True)
+  return leaf
+
+
+def abstract(args: Sequence[Any]) -> list[Any]:
+  """The step's arguments as ``jax.ShapeDtypeStruct`` pytrees, as ``jax.jit`` traces them."""
+  def one(a):
+    s = scalar_struct(a)
+    return s if s is not a else jax.ShapeDtypeStruct(a.shape, a.dtype)
+  return [jax.tree.map(one, arg) for arg in args]
+
+
 def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGraph:
   """Traces ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``s) and reads its jaxpr."""
   batch_argnums = tuple(batch_argnums)
   flat = []
   for argnum, arg in enumerate(args):
     for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-      flat.append((argnum, path, leaf))
+      flat.append((argnum, path, scalar_struct(leaf)))
   leaves = []
   for i, (argnum, path, leaf) in enumerate(flat):
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -190,9 +207,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     leaves.append(Leaf(i, argnum, f"[{argnum}]{jax.tree_util.keystr(path)}",
                        shape, _dtype_name(leaf.dtype),
                        argnum in batch_argnums, jaxpr_reader.itemsize(leaf.dtype)))
-  abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg) for arg in args]
   try:
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract)
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract(args))
   except errors.DtenjaxError:
     raise
   except Exception as e:  # the user's step failed to trace

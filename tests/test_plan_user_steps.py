@@ -417,7 +417,7 @@ def nnx_state():
 
 CASES = {f.__name__: f for f in (
     optax_multisteps, optax_masked, dropout_key, dropout_raw_key, scan_microbatches, donated,
-    closed_constant, lm_take_along_axis, lm_one_hot_smoothing, lm_integer_labels,
+    remat_policy, closed_constant, lm_take_along_axis, lm_one_hot_smoothing, lm_integer_labels,
     cond_on_counter, dataclass_state, linen_train_state, linen_batch_norm, nnx_state)}
 
 

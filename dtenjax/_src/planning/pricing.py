@@ -515,6 +515,16 @@ def _table_scatter(lookup, vocab_axes: list[str], zero: list[str], m: CandidateM
           ("all_reduce", primary.nbytes / f, vocab_axes)]
 
 
+def regathered(use) -> bool:
+  """Whether an FSDP weight is gathered again for the backward: a layer of a scanned stack
+  (gathered inside the loop body, in the forward's loop and again in the backward's), or a read
+  inside jax.checkpoint within a loop. A checkpointed read outside any loop is gathered once: XLA
+  merges the backward's gather of the same sharded weight with the forward's (compiled on 8 CPU
+  devices: three checkpointed layers and an output kernel, 4 all-gathers for the 4 weights,
+  with and without a checkpoint policy; tests/test_plan_user_steps.py)."""
+  return use is not None and (use.layers > 1 or (use.remat and use.repeats > 1))
+
+
 def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout, m: CandidateMesh,
            pricer: Pricer, batch_div: int, donate: bool) -> Price:
   leaves = [graph.leaves[i] for i in group]
@@ -629,7 +639,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     # and again in the backward's loop), is gathered twice per step and the gathered copy is not
     # kept in between: only the slice being used is live. Otherwise XLA keeps the gathered
     # weight for the backward.
-    regather = use is not None and (use.remat or use.layers > 1)
+    regather = regathered(use)
     times = 2 if regather else 1
     # a scanned stack is gathered one layer per loop iteration: one collective per layer
     per = use.layers if use is not None and use.layers > 1 else 1
@@ -688,7 +698,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # its share of the products no weight reads), a pass's or one layer's; of a weight read
       # at several depths (shared across layers), gathered once, its first depth's: the next
       # weight's gather follows it, and the later depths' products have no gather between them
-      gathers = (2 if use.remat or use.layers > 1 else 1) * max(1, use.layers)
+      gathers = (2 if regathered(use) else 1) * max(1, use.layers)
       own = (use.flops / split / batch_div + fixed) / m.peak_flops * pr.compute_scale
       between = own * pricer.weightless / gathers / max(1, use.grad_parts)
       # a gather once a step, before its first product, that a meeting over the batch comes

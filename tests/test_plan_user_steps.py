@@ -430,10 +430,10 @@ def nnx_state():
 
 
 CASES = {f.__name__: f for f in (
-    optax_multisteps, optax_masked, dropout_key, dropout_raw_key, scan_microbatches, donated,
-    remat_policy, closed_constant, lm_take_along_axis, lm_one_hot_smoothing, lm_integer_labels,
-    cond_on_counter, under_set_mesh, with_shard_map, dataclass_state, linen_train_state,
-    linen_batch_norm, nnx_state)}
+    optax_multisteps, optax_masked, mixed_precision, dropout_key, dropout_raw_key,
+    scan_microbatches, donated, remat_policy, closed_constant, lm_take_along_axis,
+    lm_one_hot_smoothing, lm_integer_labels, cond_on_counter, under_set_mesh, with_shard_map,
+    dataclass_state, linen_train_state, linen_batch_norm, nnx_state)}
 
 
 # --- the checks -------------------------------------------------------------------------------

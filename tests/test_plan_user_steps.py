@@ -549,13 +549,56 @@ def float_hyperparameter():
   return Case(step, ({"params": p, "opt": tx.init(p), "scale": 1.0}, jnp.float32(1.0), _xy()))
 
 
+class _Boxed(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+    x = nn.Dense(512, kernel_init=init, use_bias=False)(x)
+    init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed"))
+    return nn.Dense(128, kernel_init=init, use_bias=False)(nn.relu(x))
+
+
+def linen_logical_boxes():
+  """A linen model whose kernels carry logical partitioning names (nn.with_logical_partitioning),
+  planned with rules; the step unboxes them (nn.meta.unbox) as flax's examples do."""
+  model = _Boxed()
+  x = _xy()
+  params = model.init(jax.random.key(0), x["x"])["params"]
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    return jnp.mean((model.apply({"params": nn.meta.unbox(p)}, batch["x"]) - batch["y"]) ** 2)
+  def step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, opt_state = tx.update(nn.meta.unbox(grads), opt_state, nn.meta.unbox(params))
+    return optax.apply_updates(nn.meta.unbox(params), updates), opt_state, value
+  return Case(step, (params, tx.init(nn.meta.unbox(params)), x),
+              plan_kwargs={"rules": (("embed", "fsdp"), ("mlp", "tensor"))})
+
+
+def nnx_module_argument():
+  """An nnx model passed to the step itself (nnx modules are pytrees in flax 0.12), the step
+  splitting nothing."""
+  model = _Nnx(nnx.Rngs(0))
+  tx = optax.adamw(_LR)
+  params = nnx.state(model, nnx.Param)
+  def step(model, opt_state, batch):
+    def loss(model):
+      return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    value, grads = nnx.value_and_grad(loss)(model)
+    params = nnx.state(model, nnx.Param)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    nnx.update(model, optax.apply_updates(params, updates))
+    return model, opt_state, value
+  return Case(step, (model, tx.init(params), _xy()))
+
+
 CASES = {f.__name__: f for f in (
     optax_multisteps, optax_masked, mixed_precision, dropout_key, dropout_raw_key,
     scan_microbatches, donated, remat_policy, closed_constant, lm_take_along_axis,
     lm_one_hot_smoothing, lm_integer_labels, cond_on_counter, under_set_mesh, with_shard_map,
     dataclass_state, linen_train_state, linen_batch_norm, nnx_state, nnx_dropout_rngs,
     linen_attention_lm, multi_transform_frozen, inject_hyperparams, fori_inner_loop,
-    batch_first_metrics, float_hyperparameter)}
+    batch_first_metrics, float_hyperparameter, linen_logical_boxes, nnx_module_argument)}
 
 
 # --- the checks -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from dtenjax._src import jaxapi
+from dtenjax._src.planning.jaxpr_reader import CUSTOM_DERIVATIVE_CALLS
 from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
 from dtenjax._src.planning.jaxpr_reader import Reader
 from dtenjax._src.planning.jaxpr_reader import is_var
@@ -226,7 +227,10 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
             base = len(lb) + (0 if pos == 0 else len(lfree))
             free = lfree if pos == 0 else rfree
             nxt.append((out, base + free.index(d)))
-      elif eqn.params.get("jaxpr") is not None or name in ("scan", "while", "cond"):
+      elif (eqn.params.get("jaxpr") is not None or name in ("scan", "while", "cond")
+            or name in CUSTOM_DERIVATIVE_CALLS):
+        # into a body: a call, a loop, a branch, or the primal of a function with a custom
+        # derivative (jax.nn.relu's custom_jvp_call: flax's nn.relu MLPs)
         for sub, _ in sub_jaxprs(eqn):
           k = pos - (1 if name == "cond" else 0)
           inner_ctx = ctx + ((eqn, sub),)

@@ -687,3 +687,31 @@ def test_a_users_step_plans_runs_and_matches_the_plain_step(name):
   used = _used_axes(plan)                                                         # (d)
   for a, n in zip(plan.axis_names, plan.mesh_shape):
     assert n == 1 or a in used, (name, a, dict(zip(plan.axis_names, plan.mesh_shape)))
+
+
+def odd_vocab_and_batch():
+  """GPT-2's kind of vocabulary (not a multiple of 8) and a batch of 12 (not a multiple of 8)."""
+  tx = optax.adamw(_LR)
+  v = 1001
+  def loss(p, batch):
+    x = jnp.take(p["embed"], batch["tokens"][:, :-1], axis=0)
+    x = x + jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+    logits = x @ p["embed"].T
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                                    batch["tokens"][:, 1:]))
+  p = _init({"embed": (v, _D), "w1": (_D, 4 * _D), "w2": (4 * _D, _D)})
+  tokens = jax.random.randint(jax.random.key(5), (12, _S + 1), 0, v, jnp.int32)
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), {"tokens": tokens}))
+
+
+def test_a_batch_that_does_not_split_over_the_devices_is_named():
+  # a batch of 12 on 8 devices splits over 4 of them at most; the planner refuses a 'tensor' axis
+  # over which too little is sharded. Before, the error told the user to pass mesh={'data': 8}
+  # (which does not split 12 either) or mesh=None (which they had)
+  case = odd_vocab_and_batch()
+  with pytest.raises(dtenjax.PlacementError, match=r"dimension 0 \(12, leaf \[2\]\['tokens'\]\)"
+                     r".*mesh=\{'data': 4, 'tensor': 2\}"):
+    dtenjax.plan(case.step, *case.args)
+  plan = dtenjax.plan(case.step, *case.args, mesh={"data": 4, "tensor": 2})   # the fix it names
+  _assert_same(plan.jit(case.step)(*_copy(case.args)), jax.jit(case.step)(*_copy(case.args)),
+               case.tol)

@@ -106,7 +106,12 @@ def optax_chain():
   sched = optax.warmup_cosine_decay_schedule(0.0, _LR, 10, 100)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=1e-2))
   p = _mlp_params()
-  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()))
+  why = ("on an FSDP plan XLA:CPU reduces the gradients in three all-reduces interleaved with the "
+         "global norm's partial sums (each norm's scalar combined with the next gradient's "
+         "reduction), so the reduced gradients never live beside all the unreduced ones; the "
+         "model's single combined all-reduce after the backward holds both: one whole "
+         "gradient's bytes over (256 KiB of 1.2 MiB here)")
+  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()), unpriced={"memory": (None, why)})
 
 
 def optax_multisteps():
@@ -144,7 +149,11 @@ def bf16_params():
   batch = jax.tree.map(lambda v: v.astype(jnp.bfloat16), _xy())
   def loss(p, batch):
     return jnp.mean((_mlp(p, batch["x"]).astype(jnp.float32) - batch["y"]) ** 2)
-  return Case(_sgd_step(loss, tx), (p, tx.init(p), batch), tol=_BF16_TOL)
+  why = ("XLA:CPU computes bf16 products in f32: the products' results and the weights' "
+         "gradients are f32 buffers converted to bf16 after (the HLO's dots and their fusions), "
+         "twice the bytes of the bf16 values the model sizes")
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), batch), tol=_BF16_TOL,
+              unpriced={"memory": (None, why)})
 
 
 def dropout_key():
@@ -549,6 +558,45 @@ def float_hyperparameter():
   return Case(step, ({"params": p, "opt": tx.init(p), "scale": 1.0}, jnp.float32(1.0), _xy()))
 
 
+@jax.custom_vjp
+def _clip_gradient(x):
+  return x
+
+
+def _clip_fwd(x):
+  return x, None
+
+
+def _clip_bwd(_, g):
+  return (jnp.clip(g, -1e-3, 1e-3),)
+
+
+_clip_gradient.defvjp(_clip_fwd, _clip_bwd)
+
+
+def custom_vjp_and_fold_in():
+  """A custom_vjp (gradient clipping on the activations), jax.nn.dot_product_attention, and a
+  dropout key folded in with the step counter."""
+  tx = optax.adamw(_LR)
+  def loss(p, key, batch):
+    x = jnp.take(p["embed"], batch["tokens"][:, :-1], axis=0)
+    q, k, v = jnp.unstack(jnp.einsum("bsd,dthk->tbshk", x, p["qkv"]))
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    x = x + _clip_gradient(jnp.einsum("bshk,hkd->bsd", a, p["o"]))
+    keep = jax.random.bernoulli(key, 0.9, x.shape)
+    x = x + jax.nn.relu(jnp.where(keep, x / 0.9, 0.0) @ p["w1"]) @ p["w2"]
+    logits = x @ p["embed"].T
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                                    batch["tokens"][:, 1:]))
+  def step(params, opt_state, count, key, batch):
+    sub = jax.random.fold_in(key, count)
+    value, grads = jax.value_and_grad(loss)(params, sub, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, count + 1, value
+  p = _lm_params()
+  return Case(step, (p, tx.init(p), jnp.zeros((), jnp.int32), jax.random.key(7), _tokens()))
+
+
 class _Boxed(nn.Module):
   @nn.compact
   def __call__(self, x):
@@ -593,12 +641,13 @@ def nnx_module_argument():
 
 
 CASES = {f.__name__: f for f in (
-    optax_multisteps, optax_masked, mixed_precision, dropout_key, dropout_raw_key,
+    optax_chain, bf16_params, optax_multisteps, optax_masked, mixed_precision, dropout_key, dropout_raw_key,
     scan_microbatches, donated, remat_policy, closed_constant, lm_take_along_axis,
     lm_one_hot_smoothing, lm_integer_labels, cond_on_counter, under_set_mesh, with_shard_map,
     dataclass_state, linen_train_state, linen_batch_norm, nnx_state, nnx_dropout_rngs,
     linen_attention_lm, multi_transform_frozen, inject_hyperparams, fori_inner_loop,
-    batch_first_metrics, float_hyperparameter, linen_logical_boxes, nnx_module_argument)}
+    batch_first_metrics, float_hyperparameter, linen_logical_boxes, nnx_module_argument,
+    custom_vjp_and_fold_in)}
 
 
 # --- the checks -------------------------------------------------------------------------------

@@ -575,7 +575,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # gradient synchronisation
   for kind, nb, axes in table_sync:
     ctx.add(kind, nb, axes, blocking=False)
-  if batch and primary.has_gradient:
+  # a PRNG key has no gradient (integer leaves, such as a step counter, have none either, but
+  # are priced the share of their few bytes that the recorded plans' costs hold)
+  if batch and not primary.is_key:
     if zero:
       k = axis_key(zero)
       # XLA:CPU lowers a reduce-scatter as an all-reduce of the whole gradient followed by a

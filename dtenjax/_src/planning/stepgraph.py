@@ -64,10 +64,10 @@ class Leaf:
     return math.prod(self.shape) * self.itemsize
 
   @property
-  def has_gradient(self) -> bool:
-    """Floating leaves have gradients to synchronise; integers, bools and PRNG keys (a step's
-    counter, a dropout key) have none: JAX differentiates them to float0."""
-    return _inexact(self.dtype)
+  def is_key(self) -> bool:
+    """A PRNG key (jax.random.key's key<fry>): no gradient to synchronise, and no dtype the
+    collectives' prices know."""
+    return _is_key(self.dtype)
 
 
 def _checked_shape(shape, name: str) -> tuple[int, ...]:
@@ -93,11 +93,12 @@ def _numeric(dtype) -> bool:
     return False
 
 
-def _inexact(dtype_name: str) -> bool:
+def _is_key(dtype_name: str) -> bool:
   try:
-    return bool(jax.dtypes.issubdtype(np.dtype(dtype_name), np.inexact))
+    np.dtype(dtype_name)
   except TypeError:   # a PRNG key's name (key<fry>)
-    return False
+    return True
+  return False
 
 
 def _dtype_name(dtype) -> str:

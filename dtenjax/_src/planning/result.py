@@ -4,6 +4,7 @@ NamedSharding per argument leaf, ``jit`` with them, and the report."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -191,6 +192,7 @@ class StepPlan:
         sequence=sequence_lib.application(dict(zip(self.axis_names, self.mesh_shape)),
                                           SEQUENCE_AXES, BATCH_AXES, self.batch_argnums))
 
+    @functools.wraps(planned)          # the step's name: jit_<step> in profiles and HLO
     def fn(*args):
       # under a user's jax.set_mesh of another mesh, traced under the plan's: the arguments lie
       # on it, and JAX refuses a product whose operands' mesh is not the context's. Without a

@@ -151,7 +151,7 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
   pairs, todo, seen = [], [(start, dim, tuple(frames))], set()
   carried: set[int] = set()
   beside: set[Any] = set()
-  dirty = False
+  dirty = unpaired = False
   while todo and budget > 0 and not dirty:
     var, d, ctx = todo.pop()
     key = (var, d, tuple(id(e) for e, _ in ctx))
@@ -162,12 +162,16 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
     nxt = []
     if ctx:
       call, body = ctx[-1]
-      n_carry = jaxapi.scan_counts(call)[1] if call.primitive.name == "scan" else 0
+      n_consts, n_carry = (jaxapi.scan_counts(call) if call.primitive.name == "scan" else
+                           (0, 0))
       for k, o in enumerate(body.outvars):
         if o is var and k < len(call.outvars):
           # a scan's stacked outputs (after the carry) gain the leading length dimension
           shift = 1 if call.primitive.name == "scan" and k >= n_carry else 0
           todo.append((call.outvars[k], d + shift, ctx[:-1]))
+        if o is var and k < n_carry and n_consts + k < len(body.invars):
+          # a carry is also the next iteration's input (a lax.fori_loop's h)
+          todo.append((body.invars[n_consts + k], d, ctx))
     elif var in reader.outer_of_outvar:
       outer, shift = reader.outer_of_outvar[var]
       nxt.append((outer, d + shift))
@@ -210,6 +214,14 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
           org = _origin_in(reader, other, ctx)
           if org is None:
             dirty = True          # a partial sum of activations: needs the gathered value
+          elif (org[0] == src and
+                org[1][other_c[list(mine_c).index(d)]] in reader.weights[src].contracted):
+            # the weight's own product contracts it as it contracts its input (a loop applying
+            # one weight to its own output, such as h + tanh(h @ w) in a lax.fori_loop): that
+            # product needs the value whole, gathered in every iteration (compiled on 8 CPU
+            # devices); the backward's input gradient, which contracts the weight's free
+            # dimension, does not. No pair then; the products passed through stay carried
+            unpaired = True
           elif org[0] != src and org[0] in reader.weights:
             leaf_dim = org[1][other_c[list(mine_c).index(d)]]
             if leaf_dim is not None and leaf_dim in reader.weights[org[0]].contracted:
@@ -245,7 +257,7 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
     todo.extend((v, dd, ctx) for v, dd in nxt if v is not None and is_var(v))
   if dirty or todo:
     return [], set(), set()
-  return pairs, carried, {v for v, _, _ in seen} | beside
+  return [] if unpaired else pairs, carried, {v for v, _, _ in seen} | beside
 
 
 def _keeps_whole(eqn, pos: int, d: int) -> bool:

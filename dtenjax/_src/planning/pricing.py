@@ -517,12 +517,14 @@ def _table_scatter(lookup, vocab_axes: list[str], zero: list[str], m: CandidateM
 
 def regathered(use) -> bool:
   """Whether an FSDP weight is gathered again for the backward: a layer of a scanned stack
-  (gathered inside the loop body, in the forward's loop and again in the backward's), or a read
-  inside jax.checkpoint within a loop. A checkpointed read outside any loop is gathered once: XLA
-  merges the backward's gather of the same sharded weight with the forward's (compiled on 8 CPU
-  devices: three checkpointed layers and an output kernel, 4 all-gathers for the 4 weights,
-  with and without a checkpoint policy; tests/test_plan_user_steps.py)."""
-  return use is not None and (use.layers > 1 or (use.remat and use.repeats > 1))
+  (gathered inside the loop body, in the forward's loop and again in the backward's), or a
+  weight a loop reads whole (a lax.fori_loop applying one weight in every iteration: gathered
+  once for the forward's loop and once for the backward's; compiled on 8 CPU devices). A
+  checkpointed read outside any loop is gathered once: XLA merges the backward's gather of the
+  same sharded weight with the forward's (compiled on 8 CPU devices: three checkpointed layers
+  and an output kernel, 4 all-gathers for the 4 weights, with and without a checkpoint policy;
+  tests/test_plan_user_steps.py)."""
+  return use is not None and (use.layers > 1 or use.repeats > 1)
 
 
 def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout, m: CandidateMesh,
@@ -551,6 +553,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # first and reduces their sum once (compiled for a mocked 8-GPU host: 8 MiB of all-reduce on
   # the shared family's DP step, where one reduction per use would be 28)
   uses = use.grad_parts if use is not None and pricer.backend == "cpu" else 1
+  # a weight a loop reads whole in every iteration (not a scanned stack's layer): XLA:CPU
+  # reduces each iteration's gradient part inside the backward's loop (compiled on 8 CPU
+  # devices, data- and fully-sharded alike: a lax.fori_loop of 3, 3 all-reduces of the weight)
+  if use is not None and pricer.backend == "cpu" and use.layers == 1:
+    uses *= use.repeats
   parts = max(parts, uses)
   lookup = graph.lookups.get(primary.index) if use is None else None
   vocab_axes = _vocab_axes(lookup, used, m, zero)

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import dtenjax
 from dtenjax._src.planning import stepgraph
+from tests import compile_only
 
 # float32 reassociation: the loss and every output leaf of the planned step against the plain
 # step's (relative, absolute). Adam's update lr * g / (|g| + eps) of a gradient that cancels to
@@ -724,14 +725,64 @@ def linen_cnn_labels():
                      {"images": images, "labels": labels}), unpriced={"memory": (None, why)})
 
 
+def dp_sgd_per_example():
+  """DP-SGD: per-example gradients with jax.vmap, clipped per example, summed, noised with a
+  key."""
+  tx = optax.sgd(_LR)
+  def step(params, opt_state, key, batch):
+    def one(p, x, y):
+      return _mse(p, {"x": x[None], "y": y[None]})
+    grads = jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(params, batch["x"], batch["y"])
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, 1)
+                         for g in jax.tree.leaves(grads)))
+    scale = jnp.minimum(1.0, 1.0 / (norms + 1e-6))
+    grads = jax.tree.map(lambda g: jnp.tensordot(scale, g, 1) / scale.shape[0], grads)
+    leaves, tree = jax.tree.flatten(grads)
+    keys = jax.random.split(key, len(leaves))
+    grads = jax.tree.unflatten(tree, [g + 1e-3 * jax.random.normal(k, g.shape)
+                                      for g, k in zip(leaves, keys)])
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jnp.mean(norms)
+  p = _mlp_params()
+  why = ("not explained: the model is 22 % under XLA's memory; the per-example gradients (one "
+         "weight-sized gradient per example a device holds) are most of it")
+  return Case(step, (p, tx.init(p), jax.random.key(11), _xy()), unpriced={"memory": (None, why)})
+
+
+def nnx_optimizer_state():
+  """flax's nnx.Optimizer split with its model: the step merges both, updates in place and
+  splits them back."""
+  model = _Nnx(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adamw(_LR), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+  def step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    def loss(model):
+      return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    value, grads = nnx.value_and_grad(loss)(model)
+    optimizer.update(model, grads)
+    return nnx.split((model, optimizer))[1], value
+  return Case(step, (state, _xy()))
+
+
+def train_state_donated_with_int_batch_field():
+  """TrainState.create (a Python int step) donated, and a batch holding a Python int."""
+  c = linen_train_state()
+  state, key, batch = c.args
+  return dataclasses.replace(c, args=(state, key, dict(batch, epoch=3)),
+                             plan_kwargs={"donate": True}, jit_kwargs={"donate_argnums": (0,)})
+
+
 CASES = {f.__name__: f for f in (
-    optax_chain, bf16_params, optax_multisteps, optax_masked, mixed_precision, dropout_key, dropout_raw_key,
-    scan_microbatches, donated, remat_policy, closed_constant, lm_take_along_axis,
-    lm_one_hot_smoothing, lm_integer_labels, cond_on_counter, under_set_mesh, with_shard_map,
-    dataclass_state, linen_train_state, linen_batch_norm, nnx_state, nnx_dropout_rngs,
-    linen_attention_lm, multi_transform_frozen, inject_hyperparams, fori_inner_loop,
-    batch_first_metrics, float_hyperparameter, linen_logical_boxes, nnx_module_argument,
-    custom_vjp_and_fold_in, apply_if_finite_ema, adafactor, linen_nn_scan, linen_cnn_labels)}
+    optax_chain, bf16_params, optax_multisteps, optax_masked, mixed_precision, dropout_key,
+    dropout_raw_key, scan_microbatches, donated, remat_policy, closed_constant,
+    lm_take_along_axis, lm_one_hot_smoothing, lm_integer_labels, cond_on_counter, under_set_mesh,
+    with_shard_map, dataclass_state, linen_train_state, linen_batch_norm, nnx_state,
+    nnx_dropout_rngs, linen_attention_lm, multi_transform_frozen, inject_hyperparams,
+    fori_inner_loop, batch_first_metrics, float_hyperparameter, linen_logical_boxes,
+    nnx_module_argument, custom_vjp_and_fold_in, apply_if_finite_ema, adafactor, linen_nn_scan,
+    linen_cnn_labels, dp_sgd_per_example, nnx_optimizer_state,
+    train_state_donated_with_int_batch_field)}
 
 
 # --- the checks -------------------------------------------------------------------------------
@@ -774,15 +825,20 @@ def _used_axes(plan) -> set:
 
 
 def _run(case: Case):
+  """The plain step's outputs, the plan, the planned step's outputs and ``plan.check``. Both
+  steps run unoptimised by LLVM (the same HLO: compile_only.LLVM_O0); the check compiles the
+  program users get (XLA's default fusion emitters, which the suite turns off), quicker."""
   ctx = case.context() if case.context else contextlib.nullcontext()
   with ctx:
-    plain = jax.jit(case.step)(*_copy(case.args))
+    args = _copy(case.args)
+    plain = jax.jit(case.step).lower(*args).compile(compile_only.LLVM_O0)(*args)
     plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
     args = _copy(case.args)
     if case.place:
       args = plan.shard(*args)
-    got = plan.jit(case.step, **case.jit_kwargs)(*args)
-    check = plan.check(case.step, *case.args)
+    train = plan.jit(case.step, **case.jit_kwargs)
+    got = train.lower(*args).compile(compile_only.LLVM_O0)(*args)
+    check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
   return plan, plain, got, check
 
 
@@ -803,7 +859,8 @@ def _column_bias_gathers(case: Case, plan) -> bool:
   def of_vector(shape):
     return any(tuple(n * (t if k == d else 1) for k, n in enumerate(shape)) in vectors
                for d in range(len(shape)))
-  compiled = plan.jit(case.step).lower(*stepgraph.abstract(case.args)).compile()
+  compiled = plan.jit(case.step).lower(*stepgraph.abstract(case.args)).compile(
+      compile_only.USERS_PROGRAM)
   gathers = [c for c in dtenjax.explain(compiled).collectives if c.kind == "all_gather"]
   return bool(gathers) and all(of_vector(c.shape) for c in gathers)
 

@@ -169,9 +169,12 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
           # a scan's stacked outputs (after the carry) gain the leading length dimension
           shift = 1 if call.primitive.name == "scan" and k >= n_carry else 0
           todo.append((call.outvars[k], d + shift, ctx[:-1]))
-        if o is var and k < n_carry and n_consts + k < len(body.invars):
-          # a carry is also the next iteration's input (a lax.fori_loop's h)
-          todo.append((body.invars[n_consts + k], d, ctx))
+        if (o is var and k < n_carry and n_consts + k < len(body.invars) and
+            _contracts_itself(reader, src, body.invars[n_consts + k], d, ctx)):
+          # a carry is also the next iteration's input: there the weight's own product contracts
+          # it as it contracts its input (h + tanh(h @ w) in a lax.fori_loop), and needs the
+          # value whole, gathered in every iteration (compiled on 8 CPU devices). No pair
+          unpaired = True
     elif var in reader.outer_of_outvar:
       outer, shift = reader.outer_of_outvar[var]
       nxt.append((outer, d + shift))
@@ -214,14 +217,6 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
           org = _origin_in(reader, other, ctx)
           if org is None:
             dirty = True          # a partial sum of activations: needs the gathered value
-          elif (org[0] == src and
-                org[1][other_c[list(mine_c).index(d)]] in reader.weights[src].contracted):
-            # the weight's own product contracts it as it contracts its input (a loop applying
-            # one weight to its own output, such as h + tanh(h @ w) in a lax.fori_loop): that
-            # product needs the value whole, gathered in every iteration (compiled on 8 CPU
-            # devices); the backward's input gradient, which contracts the weight's free
-            # dimension, does not. No pair then; the products passed through stay carried
-            unpaired = True
           elif org[0] != src and org[0] in reader.weights:
             leaf_dim = org[1][other_c[list(mine_c).index(d)]]
             if leaf_dim is not None and leaf_dim in reader.weights[org[0]].contracted:
@@ -258,6 +253,37 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
   if dirty or todo:
     return [], set(), set()
   return [] if unpaired else pairs, carried, {v for v, _, _ in seen} | beside
+
+
+def _contracts_itself(reader: Reader, src: int, var, d: int, ctx: tuple,
+                      budget: int = 200) -> bool:
+  """Whether ``var``'s dimension ``d`` (a loop body's carry, holding the dimension the walk
+  follows from ``src``'s product) reaches, through elementwise ops, a product with ``src`` that
+  contracts it as ``src``'s first product contracts its input: the next iteration's product of
+  the same weight."""
+  todo, seen = [(var, d)], set()
+  while todo and budget > 0:
+    v, dd = todo.pop()
+    if (v, dd) in seen:
+      continue
+    seen.add((v, dd))
+    budget -= 1
+    for eqn, pos in reader.uses.get(v, ()):
+      name = eqn.primitive.name
+      if dd >= len(v.aval.shape):
+        continue
+      if name in ELEMENTWISE and tuple(eqn.outvars[0].aval.shape) == tuple(v.aval.shape):
+        todo.extend((o, dd) for o in eqn.outvars)
+      elif name == "dot_general":
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        mine_c, other_c = (lc, rc) if pos == 0 else (rc, lc)
+        if dd in mine_c:
+          org = _origin_in(reader, eqn.invars[1 - pos], ctx)
+          if org is not None and org[0] == src:
+            dim = org[1][other_c[list(mine_c).index(dd)]]
+            if dim is not None and dim in reader.weights[src].contracted:
+              return True
+  return False
 
 
 def _keeps_whole(eqn, pos: int, d: int) -> bool:

@@ -65,12 +65,22 @@ def find_pairs(reader: Reader) -> tuple[tuple[Pair, ...], dict[tuple[int, int], 
         o_j = _out_dim_of(other, o_side, o_dims, p.dst_dim)
         if o_j is not None:
           cone.update(_follow(reader, p.dst, p.dst_dim, other.outvars[0], o_j, o_frames)[2])
-  carried: dict[tuple[int, int], float] = {}
+  ordered = tuple(sorted(set(pairs), key=lambda p: (p.src, p.src_dim, p.dst, p.dst_dim)))
+  return ordered, carried_flops(reached, reader.eqn_flops), cones
+
+
+def carried_flops(reached: dict[Any, list[tuple[int, int]]], flops: dict[Any, float]
+                  ) -> dict[tuple[int, int], float]:
+  """Each ``(leaf, free dim)``'s flops of the products it reaches, a product reached from
+  several split among them. Exactly rounded sums (math.fsum): the products come from sets of ids,
+  which iterate in the order of their addresses, another in every process, and a plain sum's
+  last bit followed that order (llama_loop's carried flops differed by an ulp from one process to
+  the next)."""
+  parts: dict[tuple[int, int], list[float]] = {}
   for e, srcs in reached.items():
     for key in srcs:
-      carried[key] = carried.get(key, 0.0) + reader.eqn_flops.get(e, 0.0) / len(srcs)
-  ordered = tuple(sorted(set(pairs), key=lambda p: (p.src, p.src_dim, p.dst, p.dst_dim)))
-  return ordered, carried, cones
+      parts.setdefault(key, []).append(flops.get(e, 0.0) / len(srcs))
+  return {key: math.fsum(v) for key, v in sorted(parts.items())}
 
 
 def reduced_outputs(reader: Reader, pairs: tuple[Pair, ...]

@@ -909,3 +909,29 @@ def test_a_batch_that_does_not_split_over_the_devices_is_named():
   plan = dtenjax.plan(case.step, *case.args, mesh={"data": 4, "tensor": 2})   # the fix it names
   _assert_same(plan.jit(case.step)(*_copy(case.args)), jax.jit(case.step)(*_copy(case.args)),
                case.tol)
+
+
+def test_a_frozen_argument_is_no_output_of_the_step():
+  # LoRA over a frozen backbone passed as its own argument, which the step only reads: its new
+  # value is no output, so its bytes are no copy in the step's outputs. Before, every state
+  # argument was priced as returned: on 'data' 8 the outputs were 572 KiB where XLA compiles
+  # 60 KiB, the memory 75 % over
+  tx = optax.adamw(_LR)
+  k1, k2 = jax.random.split(jax.random.key(3))
+  frozen = {"w": 0.1 * jax.random.normal(k1, (128, 512)),
+            "out": 0.1 * jax.random.normal(k2, (512, 128))}
+  def loss(lora, frozen, batch):
+    x = batch["x"]
+    h = jax.nn.gelu(x @ frozen["w"] + (x @ lora["a"]) @ lora["b"])
+    return jnp.mean((h @ frozen["out"] - batch["y"]) ** 2)
+  def step(lora, opt_state, frozen, batch):
+    value, grads = jax.value_and_grad(loss)(lora, frozen, batch)
+    updates, opt_state = tx.update(grads, opt_state, lora)
+    return optax.apply_updates(lora, updates), opt_state, value
+  lora = {"a": 0.01 * jax.random.normal(k1, (128, 8)), "b": jnp.zeros((8, 512))}
+  args = (lora, tx.init(lora), frozen, _xy())
+  plan = dtenjax.plan(step, *args, mesh={"data": 8})
+  check = plan.check(step, *args, compiler_options=compile_only.USERS_PROGRAM)
+  outputs = check.compiled_memory["outputs"]
+  assert abs(check.predicted_memory["outputs"] - outputs) <= 0.01 * outputs, check.table()
+  assert check.memory_error <= 0.10, check.table()

@@ -24,6 +24,7 @@ values (nothing runs, nothing is allocated) and assembles a :class:`StepGraph` f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from collections.abc import Sequence
@@ -160,6 +161,29 @@ class StepGraph:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
     the most product flops (the one a pipeline splits into stages), or None without one."""
     return stacks.main(self.stacks, self.weights)
+
+  @functools.cached_property
+  def returned(self) -> frozenset[int]:
+    """The state leaves whose group the step returns (its new value is an output): a group an
+    output is tied to, or one whose first leaf an untied output of its shape and dtype may be
+    (a dropout key split, a recomputed hyperparameter), matched one output to one group. A
+    frozen argument the step only reads (LoRA's base weights) is not returned: its bytes are
+    no output of the step."""
+    tied = {rep for *_, rep in self.outputs if rep is not None}
+    untied: dict[tuple[tuple[int, ...], str], int] = {}
+    for shape, dtype, rep in self.outputs:
+      if rep is None:
+        untied[(shape, dtype)] = untied.get((shape, dtype), 0) + 1
+    out: set[int] = set()
+    for g in self.groups:
+      if any(i in tied for i in g):
+        out.update(g)
+        continue
+      key = (self.leaves[g[0]].shape, self.leaves[g[0]].dtype)
+      if untied.get(key):
+        untied[key] -= 1
+        out.update(g)
+    return frozenset(out)
 
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:

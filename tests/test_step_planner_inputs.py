@@ -151,3 +151,17 @@ def test_a_cones_share_is_the_same_in_whatever_order_its_values_come():
   orders = [["a", "b", "c", "d"], ["a", "c", "b", "d"], ["b", "a", "c", "d"]]
   shares = [liveness.cone_shares({"x": order, "y": ["d"]}, amount, 4.0) for order in orders]
   assert all(s == {"x": (1.0 + 1.5) / 4.0, "y": 1.5 / 4.0} for s in shares), shares
+
+
+def test_the_carried_flops_are_the_same_in_whatever_order_the_products_come():
+  """The activation products a pair walk passes through come from sets of ids, which iterate
+  in the order of their addresses: another order in every process. Their flops per (leaf, free
+  dim) must not follow it (llama_loop's differed in the last bit from one process to the next).
+  Amounts whose plain sum depends on the order; the exact sums derived by hand."""
+  from dtenjax._src.planning import pairs
+  flops = {"a": 1e16, "b": 1.0, "c": -1e16, "d": 6.0}
+  # "d" is reached from both sources: each carries half of it
+  orders = [["a", "b", "c", "d"], ["a", "c", "b", "d"], ["c", "b", "a", "d"]]
+  got = [pairs.carried_flops({e: ([(0, 1), (2, 1)] if e == "d" else [(0, 1)]) for e in order},
+                             flops) for order in orders]
+  assert all(g == {(0, 1): 1.0 + 3.0, (2, 1): 3.0} for g in got), got

@@ -9,10 +9,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from dtenjax._src import errors
 from dtenjax._src import tables
+from dtenjax._src.planning import stepgraph
 
 # a collective kind moving less than this share of a step's compiled bytes, predicted and
 # compiled, is not a miss of Check.misses
@@ -100,7 +99,7 @@ def compare(plan_: Any, step: Callable, args, compiler_options: dict | None = No
   """``plan_`` (a StepPlan) compiled as its ``jit`` runs it (with ``compiler_options``), against
   its prediction."""
   from dtenjax._src.planning import explain as explain_lib
-  abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), a) for a in args]
+  abstract = stepgraph.abstract(args)
   kwargs = {}
   if plan_.donate:
     kwargs["donate_argnums"] = tuple(i for i in range(len(args))

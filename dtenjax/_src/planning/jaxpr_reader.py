@@ -154,7 +154,10 @@ def sub_jaxprs(eqn):
   if name == "while":
     out.append((eqn.params["body_jaxpr"].jaxpr, 1))
   if name == "cond":
-    out.extend((b.jaxpr, 1) for b in eqn.params["branches"][:1])
+    # the branch of most equations: the work the step does when it does it (lax.cond(ok,
+    # update, skip) puts the skip first: optax.apply_if_finite's reject_update, whose inner
+    # state passes through untouched, would leave the moments untied from their parameters)
+    out.append((max((b.jaxpr for b in eqn.params["branches"]), key=lambda j: len(j.eqns)), 1))
   return out
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from dtenjax._src import errors
+from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning.recipes import RECIPES
 from dtenjax._src.planning.result import Measured
 
@@ -146,7 +147,7 @@ def compile_plan(step: Callable, plan, args: Sequence[Any]) -> tuple[Callable, f
   ``donate=True`` the memory is that of a second compile with the state donated (as
   ``plan.check`` compiles it), since the timed turns call the program again on the same
   arrays."""
-  abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), a) for a in args]
+  abstract = stepgraph.abstract(args)
   compiled = plan.jit(step).lower(*abstract).compile()
   donated = compiled
   if plan.donate:

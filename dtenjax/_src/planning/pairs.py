@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from dtenjax._src import jaxapi
+from dtenjax._src.planning.jaxpr_reader import CUSTOM_DERIVATIVE_CALLS
 from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
 from dtenjax._src.planning.jaxpr_reader import Reader
 from dtenjax._src.planning.jaxpr_reader import is_var
@@ -64,12 +65,22 @@ def find_pairs(reader: Reader) -> tuple[tuple[Pair, ...], dict[tuple[int, int], 
         o_j = _out_dim_of(other, o_side, o_dims, p.dst_dim)
         if o_j is not None:
           cone.update(_follow(reader, p.dst, p.dst_dim, other.outvars[0], o_j, o_frames)[2])
-  carried: dict[tuple[int, int], float] = {}
+  ordered = tuple(sorted(set(pairs), key=lambda p: (p.src, p.src_dim, p.dst, p.dst_dim)))
+  return ordered, carried_flops(reached, reader.eqn_flops), cones
+
+
+def carried_flops(reached: dict[Any, list[tuple[int, int]]], flops: dict[Any, float]
+                  ) -> dict[tuple[int, int], float]:
+  """Each ``(leaf, free dim)``'s flops of the products it reaches, a product reached from
+  several split among them. Exactly rounded sums (math.fsum): the products come from sets of ids,
+  which iterate in the order of their addresses, another in every process, and a plain sum's
+  last bit followed that order (llama_loop's carried flops differed by an ulp from one process to
+  the next)."""
+  parts: dict[tuple[int, int], list[float]] = {}
   for e, srcs in reached.items():
     for key in srcs:
-      carried[key] = carried.get(key, 0.0) + reader.eqn_flops.get(e, 0.0) / len(srcs)
-  ordered = tuple(sorted(set(pairs), key=lambda p: (p.src, p.src_dim, p.dst, p.dst_dim)))
-  return ordered, carried, cones
+      parts.setdefault(key, []).append(flops.get(e, 0.0) / len(srcs))
+  return {key: math.fsum(v) for key, v in sorted(parts.items())}
 
 
 def reduced_outputs(reader: Reader, pairs: tuple[Pair, ...]
@@ -150,7 +161,7 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
   pairs, todo, seen = [], [(start, dim, tuple(frames))], set()
   carried: set[int] = set()
   beside: set[Any] = set()
-  dirty = False
+  dirty = unpaired = False
   while todo and budget > 0 and not dirty:
     var, d, ctx = todo.pop()
     key = (var, d, tuple(id(e) for e, _ in ctx))
@@ -161,12 +172,19 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
     nxt = []
     if ctx:
       call, body = ctx[-1]
-      n_carry = jaxapi.scan_counts(call)[1] if call.primitive.name == "scan" else 0
+      n_consts, n_carry = (jaxapi.scan_counts(call) if call.primitive.name == "scan" else
+                           (0, 0))
       for k, o in enumerate(body.outvars):
         if o is var and k < len(call.outvars):
           # a scan's stacked outputs (after the carry) gain the leading length dimension
           shift = 1 if call.primitive.name == "scan" and k >= n_carry else 0
           todo.append((call.outvars[k], d + shift, ctx[:-1]))
+        if (o is var and k < n_carry and n_consts + k < len(body.invars) and
+            _contracts_itself(reader, src, body.invars[n_consts + k], d, ctx)):
+          # a carry is also the next iteration's input: there the weight's own product contracts
+          # it as it contracts its input (h + tanh(h @ w) in a lax.fori_loop), and needs the
+          # value whole, gathered in every iteration (compiled on 8 CPU devices). No pair
+          unpaired = True
     elif var in reader.outer_of_outvar:
       outer, shift = reader.outer_of_outvar[var]
       nxt.append((outer, d + shift))
@@ -226,7 +244,10 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
             base = len(lb) + (0 if pos == 0 else len(lfree))
             free = lfree if pos == 0 else rfree
             nxt.append((out, base + free.index(d)))
-      elif eqn.params.get("jaxpr") is not None or name in ("scan", "while", "cond"):
+      elif (eqn.params.get("jaxpr") is not None or name in ("scan", "while", "cond")
+            or name in CUSTOM_DERIVATIVE_CALLS):
+        # into a body: a call, a loop, a branch, or the primal of a function with a custom
+        # derivative (jax.nn.relu's custom_jvp_call: flax's nn.relu MLPs)
         for sub, _ in sub_jaxprs(eqn):
           k = pos - (1 if name == "cond" else 0)
           inner_ctx = ctx + ((eqn, sub),)
@@ -241,7 +262,38 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
     todo.extend((v, dd, ctx) for v, dd in nxt if v is not None and is_var(v))
   if dirty or todo:
     return [], set(), set()
-  return pairs, carried, {v for v, _, _ in seen} | beside
+  return [] if unpaired else pairs, carried, {v for v, _, _ in seen} | beside
+
+
+def _contracts_itself(reader: Reader, src: int, var, d: int, ctx: tuple,
+                      budget: int = 200) -> bool:
+  """Whether ``var``'s dimension ``d`` (a loop body's carry, holding the dimension the walk
+  follows from ``src``'s product) reaches, through elementwise ops, a product with ``src`` that
+  contracts it as ``src``'s first product contracts its input: the next iteration's product of
+  the same weight."""
+  todo, seen = [(var, d)], set()
+  while todo and budget > 0:
+    v, dd = todo.pop()
+    if (v, dd) in seen:
+      continue
+    seen.add((v, dd))
+    budget -= 1
+    for eqn, pos in reader.uses.get(v, ()):
+      name = eqn.primitive.name
+      if dd >= len(v.aval.shape):
+        continue
+      if name in ELEMENTWISE and tuple(eqn.outvars[0].aval.shape) == tuple(v.aval.shape):
+        todo.extend((o, dd) for o in eqn.outvars)
+      elif name == "dot_general":
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        mine_c, other_c = (lc, rc) if pos == 0 else (rc, lc)
+        if dd in mine_c:
+          org = _origin_in(reader, eqn.invars[1 - pos], ctx)
+          if org is not None and org[0] == src:
+            dim = org[1][other_c[list(mine_c).index(dd)]]
+            if dim is not None and dim in reader.weights[src].contracted:
+              return True
+  return False
 
 
 def _keeps_whole(eqn, pos: int, d: int) -> bool:

@@ -530,6 +530,18 @@ def _table_scatter(lookup, vocab_axes: list[str], zero: list[str], m: CandidateM
           ("all_reduce", primary.nbytes / f, vocab_axes)]
 
 
+def regathered(use) -> bool:
+  """Whether an FSDP weight is gathered again for the backward: a layer of a scanned stack
+  (gathered inside the loop body, in the forward's loop and again in the backward's), or a
+  weight a loop reads whole (a lax.fori_loop applying one weight in every iteration: gathered
+  once for the forward's loop and once for the backward's; compiled on 8 CPU devices). A
+  checkpointed read outside any loop is gathered once: XLA merges the backward's gather of the
+  same sharded weight with the forward's (compiled on 8 CPU devices: three checkpointed layers
+  and an output kernel, 4 all-gathers for the 4 weights, with and without a checkpoint policy;
+  tests/test_plan_user_steps.py)."""
+  return use is not None and (use.layers > 1 or use.repeats > 1)
+
+
 def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout, m: CandidateMesh,
            pricer: Pricer, batch_div: int, donate: bool) -> Price:
   leaves = [graph.leaves[i] for i in group]
@@ -556,6 +568,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # first and reduces their sum once (compiled for a mocked 8-GPU host: 8 MiB of all-reduce on
   # the shared family's DP step, where one reduction per use would be 28)
   uses = use.grad_parts if use is not None and pricer.backend == "cpu" else 1
+  # a weight a loop reads whole in every iteration (not a scanned stack's layer): XLA:CPU
+  # reduces each iteration's gradient part inside the backward's loop (compiled on 8 CPU
+  # devices, data- and fully-sharded alike: a lax.fori_loop of 3, 3 all-reduces of the weight)
+  if use is not None and pricer.backend == "cpu" and use.layers == 1:
+    uses *= use.repeats
   parts = max(parts, uses)
   lookup = graph.lookups.get(primary.index) if use is None else None
   vocab_axes = _vocab_axes(lookup, used, m, zero)
@@ -580,7 +597,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # gradient synchronisation
   for kind, nb, axes in table_sync:
     ctx.add(kind, nb, axes, blocking=False)
-  if batch:
+  # a PRNG key has no gradient (integer leaves, such as a step counter, have none either, but
+  # are priced the share of their few bytes that the recorded plans' costs hold)
+  if batch and not primary.is_key:
     if zero:
       k = axis_key(zero)
       # XLA:CPU lowers a reduce-scatter as an all-reduce of the whole gradient followed by a
@@ -651,7 +670,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     # and again in the backward's loop), is gathered twice per step and the gathered copy is not
     # kept in between: only the slice being used is live. Otherwise XLA keeps the gathered
     # weight for the backward.
-    regather = use is not None and (use.remat or use.layers > 1)
+    regather = regathered(use)
     times = 2 if regather else 1
     # a scanned stack is gathered one layer per loop iteration: one collective per layer
     per = use.layers if use is not None and use.layers > 1 else 1
@@ -710,7 +729,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # its share of the products no weight reads), a pass's or one layer's; of a weight read
       # at several depths (shared across layers), gathered once, its first depth's: the next
       # weight's gather follows it, and the later depths' products have no gather between them
-      gathers = (2 if use.remat or use.layers > 1 else 1) * max(1, use.layers)
+      gathers = (2 if regathered(use) else 1) * max(1, use.layers)
       own = (use.flops / split / batch_div + fixed) / m.peak_flops * pr.compute_scale
       between = own * pricer.weightless / gathers / max(1, use.grad_parts)
       # a gather once a step, before its first product, that a meeting over the batch comes
@@ -761,7 +780,10 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   else:
     pr.memory["grads"] = grad if gathered_weight else primary.nbytes / shards
   pr.memory["opt_state"] = sum(lf.nbytes for lf in leaves[1:]) / shards
-  pr.memory["outputs"] = 0.0 if donate else sum(lf.nbytes for lf in leaves) / shards
+  # the new state's copy, of a group the step returns (not of a frozen argument it only reads)
+  returned = primary.index in graph.returned
+  pr.memory["outputs"] = (0.0 if donate or not returned else
+                          sum(lf.nbytes for lf in leaves) / shards)
   pr.sliced = roles.tensor.sliced(ctx, zero, moved, uses)
   return pr
 

@@ -4,6 +4,7 @@ NamedSharding per argument leaf, ``jit`` with them, and the report."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -185,10 +186,21 @@ class StepPlan:
           f"dtenjax.pipeline(body, loss_fn, stages={p.stages}, microbatches={p.microbatches}, "
           f"schedule={p.schedule!r}) (plan.pipeline.make(body, loss_fn)), with plan.specs as "
           "the in_specs; or plan without stages (mesh= a dict without 'stage')")
-    fn = gather.gather_for_compute(
-        step, self.mesh(), self.compute_specs,
+    mesh = self.mesh()
+    planned = gather.gather_for_compute(
+        step, mesh, self.compute_specs,
         sequence=sequence_lib.application(dict(zip(self.axis_names, self.mesh_shape)),
                                           SEQUENCE_AXES, BATCH_AXES, self.batch_argnums))
+
+    @functools.wraps(planned)          # the step's name: jit_<step> in profiles and HLO
+    def fn(*args):
+      # under a user's jax.set_mesh of another mesh, traced under the plan's: the arguments lie
+      # on it, and JAX refuses a product whose operands' mesh is not the context's. Without a
+      # context mesh none is set, so that a jax.shard_map given its own mesh keeps working
+      if jax.sharding.get_abstract_mesh().empty:
+        return planned(*args)
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return planned(*args)
     return jax.jit(fn, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
                    **jit_kwargs)
 

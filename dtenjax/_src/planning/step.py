@@ -393,6 +393,19 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     plain = [s for s in solved if s[1].m.pipeline is None]   # stages change how the step is written
     best, lean_notes = _leanest(best, free, leaner + plain + candidates, ceiling)
   if best is None and shortfall is None:
+    # a batch whose dimension 0 splits over fewer devices than there are: the rest would be a
+    # 'tensor' axis, refused, and a mesh of data parallelism alone would not split it either
+    rows = min((lf.shape[0] for lf in graph.leaves if lf.is_batch and lf.shape), default=0)
+    split = math.gcd(rows, len(ids)) if rows else len(ids)
+    if split < len(ids):
+      leaf = next(lf.path for lf in graph.leaves if lf.is_batch and lf.shape and
+                  lf.shape[0] == rows)
+      raise errors.PlacementError(
+          f"plan: the batch's dimension 0 ({rows}, leaf {leaf}) splits over at most {split} of "
+          f"the {len(ids)} devices, and no axis that leaves the batch whole ('tensor') shards "
+          "enough of this step's weights to use the others: their devices would compute the same "
+          f"step on the same data. Use a batch whose dimension 0 is a multiple of {len(ids)}, or "
+          f"plan on a mesh you give (mesh={{'data': {split}, 'tensor': {len(ids) // split}}})")
     raise errors.PlacementError(
         f"plan: every mesh of {len(ids)} devices tried "
         f"({[dict(zip(AXES, s)) for s, _ in problems]}) has an axis that does not split the "

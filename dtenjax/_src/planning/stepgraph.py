@@ -24,12 +24,14 @@ values (nothing runs, nothing is allocated) and assembles a :class:`StepGraph` f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dtenjax._src import errors
@@ -62,6 +64,12 @@ class Leaf:
   def nbytes(self) -> int:
     return math.prod(self.shape) * self.itemsize
 
+  @property
+  def is_key(self) -> bool:
+    """A PRNG key (jax.random.key's key<fry>): no gradient to synchronise, and no dtype the
+    collectives' prices know."""
+    return _is_key(self.dtype)
+
 
 def _checked_shape(shape, name: str) -> tuple[int, ...]:
   try:
@@ -84,6 +92,14 @@ def _numeric(dtype) -> bool:
                 jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
   except TypeError:
     return False
+
+
+def _is_key(dtype_name: str) -> bool:
+  try:
+    np.dtype(dtype_name)
+  except TypeError:   # a PRNG key's name (key<fry>)
+    return True
+  return False
 
 
 def _dtype_name(dtype) -> str:
@@ -146,11 +162,50 @@ class StepGraph:
     the most product flops (the one a pipeline splits into stages), or None without one."""
     return stacks.main(self.stacks, self.weights)
 
+  @functools.cached_property
+  def returned(self) -> frozenset[int]:
+    """The state leaves whose group the step returns (its new value is an output): a group an
+    output is tied to, or one whose first leaf an untied output of its shape and dtype may be
+    (a dropout key split, a recomputed hyperparameter), matched one output to one group. A
+    frozen argument the step only reads (LoRA's base weights) is not returned: its bytes are
+    no output of the step."""
+    tied = {rep for *_, rep in self.outputs if rep is not None}
+    untied: dict[tuple[tuple[int, ...], str], int] = {}
+    for shape, dtype, rep in self.outputs:
+      if rep is None:
+        untied[(shape, dtype)] = untied.get((shape, dtype), 0) + 1
+    out: set[int] = set()
+    for g in self.groups:
+      if any(i in tied for i in g):
+        out.update(g)
+        continue
+      key = (self.leaves[g[0]].shape, self.leaves[g[0]].dtype)
+      if untied.get(key):
+        untied[key] -= 1
+        out.update(g)
+    return frozenset(out)
+
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:
       if leaf in g:
         return g
     return (leaf,)
+
+
+def scalar_struct(leaf):
+  """A Python scalar leaf as the weakly typed 0-d array ``jax.jit`` traces it as (flax's
+  ``TrainState.create`` sets ``step=0``, an int); any other leaf as it is."""
+  if isinstance(leaf, (bool, int, float, complex)):
+    return jax.ShapeDtypeStruct((), jnp.asarray(leaf).dtype, weak_type=True)
+  return leaf
+
+
+def abstract(args: Sequence[Any]) -> list[Any]:
+  """The step's arguments as ``jax.ShapeDtypeStruct`` pytrees, as ``jax.jit`` traces them."""
+  def one(a):
+    s = scalar_struct(a)
+    return s if s is not a else jax.ShapeDtypeStruct(a.shape, a.dtype)
+  return [jax.tree.map(one, arg) for arg in args]
 
 
 def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGraph:
@@ -159,7 +214,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   flat = []
   for argnum, arg in enumerate(args):
     for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-      flat.append((argnum, path, leaf))
+      flat.append((argnum, path, scalar_struct(leaf)))
   leaves = []
   for i, (argnum, path, leaf) in enumerate(flat):
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -177,9 +232,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     leaves.append(Leaf(i, argnum, f"[{argnum}]{jax.tree_util.keystr(path)}",
                        shape, _dtype_name(leaf.dtype),
                        argnum in batch_argnums, jaxpr_reader.itemsize(leaf.dtype)))
-  abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg) for arg in args]
   try:
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract)
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract(args))
   except errors.DtenjaxError:
     raise
   except Exception as e:  # the user's step failed to trace

@@ -36,7 +36,8 @@ ROLE = Role(
     shards="one dimension of a state leaf (a contracted one first, the largest that divides); a "
     "table read by lookups on the dimension they index (vocab-parallel)",
     collectives="an all-gather of the weight before its product, again for the backward where "
-    "the read is rematerialised (jax.checkpoint), once per layer inside a lax.scan; the gradient "
+    "the read is rematerialised (jax.checkpoint) inside a loop, once per layer inside a lax.scan "
+    "(outside a loop XLA merges the backward's gather with the forward's); the gradient "
     "reduce-scattered (XLA:CPU: all-reduced); a vocab-parallel lookup all-reduces its rows "
     "(priced on XLA:CPU; on a GPU the table is gathered like any FSDP weight); on XLA:CPU a "
     "lookup's gradient is scattered into the shard after an all-gather of its rows (where they "

@@ -48,6 +48,9 @@ def price(ctx) -> None:
     # collectives, as every layer of a scan (repeats) does
     tokens = use.tokens * use.repeats * use.grad_parts / ctx.batch_div
     item = use.act_itemsize
+    # XLA:CPU all-reduces a 16-bit float in f32 (its all-reduce promotion; the HLO's reducer
+    # is add.clone_promoted): a bf16 activation's all-reduce moves 4 bytes an element
+    reduced_item = 4 if item == 2 and ctx.pricer.backend == "cpu" else item
     width_in = math.prod(shape[k] for k in use.contracted)
     width_out = math.prod(shape[k] for k in use.free)
     if d in use.free:
@@ -59,7 +62,7 @@ def price(ctx) -> None:
                          ctx.graph.token_bytes / ctx.batch_div * (1 - 1 / m.size["tensor"]) *
                          ctx.pricer.beside_s_per_byte)
       if use.input_grad:     # the input's gradient is a partial sum over 'tensor'
-        nbytes = tokens * width_in * item
+        nbytes = tokens * width_in * reduced_item
         if use.siblings > 1 and ctx.pricer.backend == "cpu":
           # weights reading the same input (q, k and v; gate and up; a cross-attention's k and
           # v in every decoder layer): XLA:CPU reduces their partial gradients in one tuple
@@ -83,7 +86,7 @@ def price(ctx) -> None:
       pr.tp = ("row", d)
       # each forward product all-reduces its output: jax.checkpoint's recomputed ones too
       forward = use.tokens * use.repeats * (use.forward_reads or use.grad_parts) / ctx.batch_div
-      ctx.add("all_reduce", forward * width_out * item, ("tensor",), blocking=True)
+      ctx.add("all_reduce", forward * width_out * reduced_item, ("tensor",), blocking=True)
       if use.input_grad:
         pr.ag_bwd_bytes = tokens * width_in * item
         pr.ag_bwd = ctx.pricer("all_gather", pr.ag_bwd_bytes, ("tensor",), ctx.dtype)

@@ -1,0 +1,937 @@
+"""The steps users of flax (linen and nnx), optax and plain JAX write, planned by
+``dtenjax.plan`` and run by ``plan.jit`` on 8 simulated CPU devices (issue #39).
+
+Each case is a small step a user writes; for each the suite checks that
+(a) planning and running it do not crash;
+(b) the planned step computes what the plain un-sharded ``jax.jit`` of the same step computes:
+    the loss and every output leaf, to float32 reassociation (the sharded step sums products and
+    gradients over the devices in another order; ``_TOL``), bf16 rounding where the step
+    computes in bf16;
+(c) ``plan.check`` (memory per device and collective bytes per kind against what XLA compiles for
+    ``plan.jit``) holds within the issue's 10 %;
+(d) every mesh axis of more than one device shards the batch or some leaf: the plan never spends
+    devices on an axis over which everything is replicated.
+The yardstick of (b) and (c) is XLA: the un-sharded step's values and the compiled step's
+``memory_analysis()`` and HLO, never the planner's own numbers."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import dtenjax
+from dtenjax._src.planning import stepgraph
+from tests import compile_only
+
+# float32 reassociation: the loss and every output leaf of the planned step against the plain
+# step's (relative, absolute). Adam's update lr * g / (|g| + eps) of a gradient that cancels to
+# float noise (a bias before a norm, a rarely used row) moves by up to the learning rate when the
+# sum is reassociated: at most _OUTLIERS of a leaf's elements may differ by up to _LR.
+_TOL = (2e-5, 2e-6)
+_LR = 1e-2
+_OUTLIERS = 1e-3
+_BF16_TOL = (2e-2, 2e-3)
+
+
+@dataclasses.dataclass
+class Case:
+  """One user step: the step, its concrete arguments, ``plan``'s keyword arguments and
+  ``jax.jit``'s (``donate_argnums``), and the tolerance of (b)."""
+  step: Any
+  args: tuple
+  plan_kwargs: dict = dataclasses.field(default_factory=dict)
+  jit_kwargs: dict = dataclasses.field(default_factory=dict)
+  tol: tuple = _TOL
+  # leaves whose gradient is float noise (zero in exact arithmetic): adam moves every element by
+  # up to the learning rate in either run, so they are compared to within _LR
+  noise: tuple = ()
+  context: Any = None          # a context manager the user's step runs under (jax.set_mesh)
+  place: bool = False          # the user places the arguments with plan.shard first
+  # misses of (c) the planner does not price, explained (or said not to be): kind -> (the least
+  # compiled bytes per step, derived by hand and checked, or None for memory; why). A kind
+  # listed may miss; one not listed may not
+  unpriced: dict = dataclasses.field(default_factory=dict)
+
+
+def _init(shapes: dict, seed: int = 0) -> dict:
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return {k: 0.1 * jax.random.normal(kk, s, jnp.float32)
+          for kk, (k, s) in zip(keys, sorted(shapes.items()))}
+
+
+def _mlp_params(d=128, h=512, o=128, seed=0):
+  p = _init({"w1": (d, h), "w2": (h, o)}, seed)
+  p["b1"] = jnp.zeros((h,), jnp.float32)
+  p["b2"] = jnp.zeros((o,), jnp.float32)
+  return p
+
+
+def _mlp(p, x):
+  return jax.nn.gelu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def _xy(b=64, d=128, o=128, seed=1):
+  kx, ky = jax.random.split(jax.random.key(seed))
+  return {"x": jax.random.normal(kx, (b, d), jnp.float32),
+          "y": jax.random.normal(ky, (b, o), jnp.float32)}
+
+
+def _sgd_step(loss, tx):
+  def step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+  return step
+
+
+def _mse(p, batch):
+  return jnp.mean((_mlp(p, batch["x"]) - batch["y"]) ** 2)
+
+
+# --- the cases --------------------------------------------------------------------------------
+
+def optax_chain():
+  """adamw with warmup-cosine schedule after clip_by_global_norm (a global reduction of every
+  gradient)."""
+  sched = optax.warmup_cosine_decay_schedule(0.0, _LR, 10, 100)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=1e-2))
+  p = _mlp_params()
+  why = ("on an FSDP plan XLA:CPU reduces the gradients in three all-reduces interleaved with the "
+         "global norm's partial sums (each norm's scalar combined with the next gradient's "
+         "reduction), so the reduced gradients never live beside all the unreduced ones; the "
+         "model's single combined all-reduce after the backward holds both: one whole "
+         "gradient's bytes over (256 KiB of 1.2 MiB here)")
+  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()), unpriced={"memory": (None, why)})
+
+
+def optax_multisteps():
+  """Gradient accumulation with optax.MultiSteps: integer counters and an accumulator in the
+  state, a cond inside the update."""
+  tx = optax.MultiSteps(optax.adamw(_LR), every_k_schedule=2)
+  p = _mlp_params()
+  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()))
+
+
+def optax_masked():
+  """Weight decay only on kernels (optax.masked), the biases left out."""
+  mask = lambda p: jax.tree.map(lambda v: v.ndim > 1, p)
+  tx = optax.chain(optax.scale_by_adam(), optax.masked(optax.add_decayed_weights(1e-2), mask),
+                   optax.scale(-_LR))
+  p = _mlp_params()
+  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()))
+
+
+def mixed_precision():
+  """f32 master weights, bf16 compute, f32 loss."""
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    lp = jax.tree.map(lambda v: v.astype(jnp.bfloat16), p)
+    out = _mlp(lp, batch["x"].astype(jnp.bfloat16)).astype(jnp.float32)
+    return jnp.mean((out - batch["y"]) ** 2)
+  p = _mlp_params()
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()), tol=_BF16_TOL)
+
+
+def bf16_params():
+  """bf16 parameters and batch, the optimizer state in f32 (optax's mu_dtype)."""
+  tx = optax.adamw(_LR, mu_dtype=jnp.float32)
+  p = jax.tree.map(lambda v: v.astype(jnp.bfloat16), _mlp_params())
+  batch = jax.tree.map(lambda v: v.astype(jnp.bfloat16), _xy())
+  def loss(p, batch):
+    return jnp.mean((_mlp(p, batch["x"]).astype(jnp.float32) - batch["y"]) ** 2)
+  why = ("XLA:CPU computes bf16 products in f32: the products' results and the weights' "
+         "gradients are f32 buffers converted to bf16 after (the HLO's dots and their fusions), "
+         "twice the bytes of the bf16 values the model sizes")
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), batch), tol=_BF16_TOL,
+              unpriced={"memory": (None, why)})
+
+
+def dropout_key():
+  """Dropout with an RNG key argument (a new-style typed key), the batch last."""
+  tx = optax.adamw(_LR)
+  def loss(p, key, batch):
+    h = jax.nn.gelu(batch["x"] @ p["w1"] + p["b1"])
+    keep = jax.random.bernoulli(key, 0.9, h.shape)
+    h = jnp.where(keep, h / 0.9, 0.0)
+    return jnp.mean((h @ p["w2"] + p["b2"] - batch["y"]) ** 2)
+  def step(params, opt_state, key, batch):
+    key, sub = jax.random.split(key)
+    value, grads = jax.value_and_grad(loss)(params, sub, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, key, value
+  p = _mlp_params()
+  return Case(step, (p, tx.init(p), jax.random.key(3), _xy()))
+
+
+def dropout_raw_key():
+  """Dropout with an old-style uint32[2] key (jax.random.PRNGKey)."""
+  c = dropout_key()
+  return dataclasses.replace(c, args=c.args[:2] + (jax.random.PRNGKey(3),) + c.args[3:])
+
+
+def remat_policy():
+  """jax.checkpoint with dots_with_no_batch_dims_saveable over each layer."""
+  tx = optax.adamw(_LR)
+  policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  @functools.partial(jax.checkpoint, policy=policy)
+  def layer(w, h):
+    return h + jnp.tanh(h @ w)
+  def loss(p, batch):
+    h = batch["x"]
+    for w in p["layers"]:
+      h = layer(w, h)
+    return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+  p = {"layers": [0.1 * jax.random.normal(jax.random.key(i), (128, 128)) for i in range(3)],
+       "out": 0.1 * jax.random.normal(jax.random.key(9), (128, 128))}
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()))
+
+
+def scan_microbatches():
+  """Gradient accumulation over micro-batches with lax.scan inside the step."""
+  tx = optax.adamw(_LR)
+  def step(params, opt_state, batch):
+    micro = jax.tree.map(lambda v: v.reshape((4, v.shape[0] // 4) + v.shape[1:]), batch)
+    def acc(carry, mb):
+      value, grads = jax.value_and_grad(_mse)(params, mb)
+      return jax.tree.map(jnp.add, carry, (value, grads)), None
+    zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    (value, grads), _ = jax.lax.scan(acc, zero, micro)
+    grads = jax.tree.map(lambda g: g / 4, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value / 4
+  p = _mlp_params()
+  return Case(step, (p, tx.init(p), _xy(b=32)))
+
+
+def donated():
+  """The state donated: plan(donate=True), jit(donate_argnums=(0, 1))."""
+  tx = optax.adamw(_LR)
+  p = _mlp_params()
+  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()), plan_kwargs={"donate": True},
+              jit_kwargs={"donate_argnums": (0, 1)})
+
+
+_TABLE = np.linspace(-1.0, 1.0, 64 * 128, dtype=np.float32).reshape(64, 128)
+
+
+def closed_constant():
+  """A step closing over a constant array (a fixed positional table) and a jnp constant."""
+  tx = optax.adamw(_LR)
+  bias = jnp.arange(128, dtype=jnp.float32) / 128
+  def loss(p, batch):
+    return jnp.mean((_mlp(p, batch["x"] + _TABLE) + bias - batch["y"]) ** 2)
+  p = _mlp_params()
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()))
+
+
+# a tiny decoder over integer tokens: embedding, one masked attention, an MLP, tied logits
+_V, _D, _S, _H = 256, 64, 16, 4
+
+
+def _lm_params(seed=0, tied=True):
+  shapes = {"embed": (_V, _D), "qkv": (_D, 3, _H, _D // _H), "o": (_H, _D // _H, _D),
+            "w1": (_D, 4 * _D), "w2": (4 * _D, _D)}
+  if not tied:
+    shapes["unembed"] = (_D, _V)
+  return _init(shapes, seed)
+
+
+def _lm_logits(p, tokens, mask):
+  x = jnp.take(p["embed"], tokens, axis=0)
+  q, k, v = jnp.unstack(jnp.einsum("bsd,dthk->tbshk", x, p["qkv"]))
+  s = jnp.einsum("bqhk,bshk->bhqs", q, k) / np.sqrt(_D // _H)
+  causal = jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))
+  s = jnp.where(causal & mask[:, None, None, :], s, -1e9)
+  x = x + jnp.einsum("bhqs,bshk,hkd->bqd", jax.nn.softmax(s, -1), v, p["o"])
+  x = x + jax.nn.relu(x @ p["w1"]) @ p["w2"]
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+  return x @ (p["embed"].T if "unembed" not in p else p["unembed"])
+
+
+def _tokens(b=16, seed=2):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  tokens = jax.random.randint(k1, (b, _S + 1), 0, _V, jnp.int32)
+  lengths = jax.random.randint(k2, (b,), 2, _S + 1)
+  mask = jnp.arange(_S)[None, :] < lengths[:, None]
+  return {"tokens": tokens, "mask": mask}
+
+
+def lm_take_along_axis():
+  """Integer tokens and a bool attention mask; the loss by take_along_axis on log_softmax,
+  masked; weight tying (the logits read the embedding table)."""
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    inp, tgt = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    logp = jax.nn.log_softmax(_lm_logits(p, inp, batch["mask"]))
+    nll = -jnp.take_along_axis(logp, tgt[..., None], -1)[..., 0]
+    return jnp.sum(nll * batch["mask"]) / jnp.sum(batch["mask"])
+  p = _lm_params()
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _tokens()))
+
+
+def lm_one_hot_smoothing():
+  """One-hot targets with label smoothing (optax.smooth_labels), an untied output head."""
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    inp, tgt = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    labels = optax.smooth_labels(jax.nn.one_hot(tgt, _V), 0.1)
+    ce = optax.softmax_cross_entropy(_lm_logits(p, inp, batch["mask"]), labels)
+    return jnp.mean(jnp.where(batch["mask"], ce, 0.0))
+  p = _lm_params(tied=False)
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _tokens()))
+
+
+def lm_integer_labels():
+  """optax.softmax_cross_entropy_with_integer_labels on the tokens."""
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    inp, tgt = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+        _lm_logits(p, inp, batch["mask"]), tgt))
+  p = _lm_params()
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _tokens()))
+
+
+def cond_on_counter():
+  """lax.cond and lax.switch on an integer step counter argument."""
+  tx = optax.sgd(_LR)
+  def step(params, opt_state, count, batch):
+    value, grads = jax.value_and_grad(_mse)(params, batch)
+    grads = jax.lax.cond(count % 2 == 0, lambda g: g, lambda g: jax.tree.map(lambda v: v / 2, g),
+                         grads)
+    scale = jax.lax.switch(jnp.minimum(count, 2), [lambda: 1.0, lambda: 0.5, lambda: 0.25])
+    updates, opt_state = tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, count + 1, value
+  p = _mlp_params()
+  return Case(step, (p, tx.init(p), jnp.asarray(1, jnp.int32), _xy()))
+
+
+def under_set_mesh():
+  """The user's step planned and run under jax.set_mesh of their own mesh (explicit axes): the
+  arrays made under it are committed to that mesh, so they are placed with plan.shard, as the
+  docs say."""
+  mesh = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,))
+  tx = optax.adamw(_LR)
+  p = _mlp_params()
+  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()), context=lambda: jax.set_mesh(mesh),
+              place=True)
+
+
+_USER_MESH = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def with_shard_map():
+  """A step with jax.shard_map over the user's own mesh inside (check_vma on, JAX's default): a
+  per-shard centring of the batch."""
+  tx = optax.adamw(_LR)
+  def step(params, opt_state, batch):
+    def center(x):
+      return x - jnp.mean(x, 0, keepdims=True)
+    x = jax.shard_map(center, mesh=_USER_MESH, in_specs=P("data"), out_specs=P("data"))(
+        batch["x"])
+    value, grads = jax.value_and_grad(_mse)(params, dict(batch, x=x))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+  p = _mlp_params()
+  why = ("the shard_map's output, sharded over the user's mesh by its out_specs, is all-gathered "
+         "into the plan's layout of the batch: the planner does not read shard_map's specs")
+  return Case(step, (p, tx.init(p), _xy()), unpriced={"all_gather": (64 * 128 * 4, why)})
+
+
+@flax.struct.dataclass
+class _State:
+  params: Any
+  opt_state: Any
+  step: jax.Array
+
+
+def dataclass_state():
+  """The state as a flax.struct.dataclass with a FrozenDict of parameters."""
+  tx = optax.adamw(_LR)
+  def step(state, batch):
+    value, grads = jax.value_and_grad(lambda p, b: _mse(dict(p), b))(state.params, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    return _State(optax.apply_updates(state.params, updates), opt_state, state.step + 1), value
+  p = flax.core.freeze(_mlp_params())
+  return Case(step, (_State(p, tx.init(p), jnp.zeros((), jnp.int32)), _xy()))
+
+
+class _Linen(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(512)(x)
+    x = nn.LayerNorm()(x)
+    x = nn.Dropout(0.1, deterministic=not train)(nn.gelu(x))
+    return nn.Dense(128)(x)
+
+
+def linen_train_state():
+  """flax.training.train_state.TrainState of a linen model with LayerNorm and Dropout."""
+  from flax.training import train_state
+  model = _Linen()
+  x = _xy()
+  variables = model.init(jax.random.key(0), x["x"], train=False)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=variables["params"],
+                                        tx=optax.adamw(_LR))
+  def step(state, key, batch):
+    def loss(p):
+      out = state.apply_fn({"params": p}, batch["x"], train=True, rngs={"dropout": key})
+      return jnp.mean((out - batch["y"]) ** 2)
+    value, grads = jax.value_and_grad(loss)(state.params)
+    return state.apply_gradients(grads=grads), value
+  return Case(step, (state, jax.random.key(4), x))
+
+
+class _LinenBN(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(512, use_bias=False)(x)   # BatchNorm subtracts a bias's effect
+    x = nn.BatchNorm(use_running_average=not train)(x)
+    return nn.Dense(128)(nn.relu(x))
+
+
+def linen_batch_norm():
+  """A linen model with BatchNorm: the batch_stats collection updated by the step."""
+  model = _LinenBN()
+  x = _xy()
+  variables = model.init(jax.random.key(0), x["x"], train=False)
+  tx = optax.adamw(_LR)
+  def step(params, batch_stats, opt_state, batch):
+    def loss(p):
+      out, upd = model.apply({"params": p, "batch_stats": batch_stats}, batch["x"], train=True,
+                             mutable=["batch_stats"])
+      return jnp.mean((out - batch["y"]) ** 2), upd["batch_stats"]
+    (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), stats, opt_state, value
+  params = variables["params"]
+  return Case(step, (params, variables["batch_stats"], tx.init(params), x))
+
+
+class _Nnx(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(128, 512, rngs=rngs)
+    self.norm = nnx.RMSNorm(512, rngs=rngs)
+    self.l2 = nnx.Linear(512, 128, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(nnx.gelu(self.norm(self.l1(x))))
+
+
+def nnx_state():
+  """An nnx model split into graphdef and state, the step merging it (the functional API)."""
+  graphdef, params = nnx.split(_Nnx(nnx.Rngs(0)), nnx.Param)
+  tx = optax.adamw(_LR)
+  def step(params, opt_state, batch):
+    def loss(p):
+      return jnp.mean((nnx.merge(graphdef, p)(batch["x"]) - batch["y"]) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+  return Case(step, (params, tx.init(params), _xy()))
+
+
+class _NnxDropout(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(128, 512, rngs=rngs)
+    self.drop = nnx.Dropout(0.1, rngs=rngs)
+    self.l2 = nnx.Linear(512, 128, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(self.drop(nnx.relu(self.l1(x))))
+
+
+def nnx_dropout_rngs():
+  """An nnx model whose Dropout holds its own Rngs: the split state carries a typed key and a
+  uint32 counter beside the parameters; the step merges it, differentiates with
+  nnx.value_and_grad and returns the advanced state."""
+  graphdef, params, rest = nnx.split(_NnxDropout(nnx.Rngs(0, dropout=1)), nnx.Param, ...)
+  tx = optax.adamw(_LR)
+  def step(params, rest, opt_state, batch):
+    model = nnx.merge(graphdef, params, rest)
+    def loss(model):
+      return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    value, grads = nnx.value_and_grad(loss)(model)
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), rest, opt_state, value
+  return Case(step, (params, rest, tx.init(params), _xy()))
+
+
+class _LinenLM(nn.Module):
+  @nn.compact
+  def __call__(self, tokens, mask):
+    embed = nn.Embed(_V, _D)
+    x = embed(tokens)
+    attn_mask = nn.combine_masks(nn.make_causal_mask(tokens), nn.make_attention_mask(mask, mask))
+    x = x + nn.MultiHeadDotProductAttention(_H)(x, x, mask=attn_mask)
+    x = nn.LayerNorm()(x)
+    x = x + nn.Dense(_D)(nn.gelu(nn.Dense(4 * _D)(x)))
+    return embed.attend(nn.LayerNorm()(x))          # tied output head
+
+
+def linen_attention_lm():
+  """A linen decoder: nn.Embed with attend (tied head), MultiHeadDotProductAttention with causal
+  and padding masks, integer labels."""
+  model = _LinenLM()
+  batch = _tokens()
+  params = model.init(jax.random.key(0), batch["tokens"][:, :-1], batch["mask"])["params"]
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    logits = model.apply({"params": p}, batch["tokens"][:, :-1], batch["mask"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
+    return jnp.sum(ce * batch["mask"]) / jnp.sum(batch["mask"])
+  # the keys' bias shifts every score of a query alike, which the softmax cancels
+  return Case(_sgd_step(loss, tx), (params, tx.init(params), batch), noise=("['key']['bias']",))
+
+
+def multi_transform_frozen():
+  """optax.multi_transform: the first layer frozen (set_to_zero), the rest trained by adamw."""
+  labels = {"w1": "frozen", "b1": "frozen", "w2": "train", "b2": "train"}
+  tx = optax.multi_transform({"train": optax.adamw(_LR), "frozen": optax.set_to_zero()}, labels)
+  p = _mlp_params()
+  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()))
+
+
+def inject_hyperparams():
+  """optax.inject_hyperparams: the learning rate and weight decay live in the state as f32
+  scalars, the schedule's count beside them."""
+  tx = optax.inject_hyperparams(optax.adamw)(
+      learning_rate=optax.linear_schedule(_LR, 0.0, 100), weight_decay=1e-2)
+  p = _mlp_params()
+  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()))
+
+
+def fori_inner_loop():
+  """A lax.fori_loop inside the loss (a fixed number of refinement steps sharing one weight)."""
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    h = jax.lax.fori_loop(0, 3, lambda i, h: h + jnp.tanh(h @ p["w"]), batch["x"])
+    return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+  p = _init({"w": (128, 128), "out": (128, 128)})
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()))
+
+
+def batch_first_metrics():
+  """The batch first (batch_argnums=0), a tuple (x, y), and a dict of metrics out of
+  value_and_grad(has_aux=True)."""
+  tx = optax.adamw(_LR)
+  def step(batch, params, opt_state):
+    x, y = batch
+    def loss(p):
+      out = _mlp(p, x)
+      value = jnp.mean((out - y) ** 2)
+      return value, {"mse": value, "max": jnp.max(jnp.abs(out - y))}
+    (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, metrics
+  p = _mlp_params()
+  xy = _xy()
+  return Case(step, ((xy["x"], xy["y"]), p, tx.init(p)), plan_kwargs={"batch_argnums": 0})
+
+
+def float_hyperparameter():
+  """A Python float in the state (a loss scale the step carries) and a jnp scalar argument."""
+  tx = optax.adamw(_LR)
+  def step(state, scale, batch):
+    value, grads = jax.value_and_grad(_mse)(state["params"], batch)
+    grads = jax.tree.map(lambda g: g * scale / state["scale"], grads)
+    updates, opt_state = tx.update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt_state,
+            "scale": state["scale"]}, value
+  p = _mlp_params()
+  return Case(step, ({"params": p, "opt": tx.init(p), "scale": 1.0}, jnp.float32(1.0), _xy()))
+
+
+@jax.custom_vjp
+def _clip_gradient(x):
+  return x
+
+
+def _clip_fwd(x):
+  return x, None
+
+
+def _clip_bwd(_, g):
+  return (jnp.clip(g, -1e-3, 1e-3),)
+
+
+_clip_gradient.defvjp(_clip_fwd, _clip_bwd)
+
+
+def custom_vjp_and_fold_in():
+  """A custom_vjp (gradient clipping on the activations), jax.nn.dot_product_attention, and a
+  dropout key folded in with the step counter."""
+  tx = optax.adamw(_LR)
+  def loss(p, key, batch):
+    x = jnp.take(p["embed"], batch["tokens"][:, :-1], axis=0)
+    q, k, v = jnp.unstack(jnp.einsum("bsd,dthk->tbshk", x, p["qkv"]))
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    x = x + _clip_gradient(jnp.einsum("bshk,hkd->bsd", a, p["o"]))
+    keep = jax.random.bernoulli(key, 0.9, x.shape)
+    x = x + jax.nn.relu(jnp.where(keep, x / 0.9, 0.0) @ p["w1"]) @ p["w2"]
+    logits = x @ p["embed"].T
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                                    batch["tokens"][:, 1:]))
+  def step(params, opt_state, count, key, batch):
+    sub = jax.random.fold_in(key, count)
+    value, grads = jax.value_and_grad(loss)(params, sub, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, count + 1, value
+  p = _lm_params()
+  return Case(step, (p, tx.init(p), jnp.zeros((), jnp.int32), jax.random.key(7), _tokens()))
+
+
+class _Boxed(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+    x = nn.Dense(512, kernel_init=init, use_bias=False)(x)
+    init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed"))
+    return nn.Dense(128, kernel_init=init, use_bias=False)(nn.relu(x))
+
+
+def linen_logical_boxes():
+  """A linen model whose kernels carry logical partitioning names (nn.with_logical_partitioning),
+  planned with rules; the step unboxes them (nn.meta.unbox) as flax's examples do."""
+  model = _Boxed()
+  x = _xy()
+  params = model.init(jax.random.key(0), x["x"])["params"]
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    return jnp.mean((model.apply({"params": nn.meta.unbox(p)}, batch["x"]) - batch["y"]) ** 2)
+  def step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, opt_state = tx.update(nn.meta.unbox(grads), opt_state, nn.meta.unbox(params))
+    return optax.apply_updates(nn.meta.unbox(params), updates), opt_state, value
+  return Case(step, (params, tx.init(nn.meta.unbox(params)), x),
+              plan_kwargs={"rules": (("embed", "fsdp"), ("mlp", "tensor"))})
+
+
+def nnx_module_argument():
+  """An nnx model passed to the step itself (nnx modules are pytrees in flax 0.12), the step
+  splitting nothing."""
+  model = _Nnx(nnx.Rngs(0))
+  tx = optax.adamw(_LR)
+  params = nnx.state(model, nnx.Param)
+  def step(model, opt_state, batch):
+    def loss(model):
+      return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    value, grads = nnx.value_and_grad(loss)(model)
+    params = nnx.state(model, nnx.Param)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    nnx.update(model, optax.apply_updates(params, updates))
+    return model, opt_state, value
+  return Case(step, (model, tx.init(params), _xy()))
+
+
+def apply_if_finite_ema():
+  """optax.apply_if_finite (integer counters, a conditional update) around adamw, and an EMA of
+  the parameters carried in the step's state."""
+  tx = optax.apply_if_finite(optax.adamw(_LR), max_consecutive_errors=3)
+  def step(params, ema, opt_state, batch):
+    value, grads = jax.value_and_grad(_mse)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    ema = jax.tree.map(lambda e, p: 0.99 * e + 0.01 * p, ema, params)
+    return params, ema, opt_state, value
+  p = _mlp_params()
+  why = ("the optimizer's update runs inside apply_if_finite's lax.cond branch, whose results the "
+         "model sizes as temporaries (its 'grads' term is 1 MiB, where the same step without the "
+         "cond prices 512 KiB and XLA compiles the same 1.0 MiB of temporaries for both)")
+  return Case(step, (p, jax.tree.map(jnp.copy, p), tx.init(p), _xy()),
+              unpriced={"memory": (None, why)})
+
+
+def adafactor():
+  """optax.adafactor: factored second moments whose shapes are not the parameters' (a row and a
+  column vector per matrix)."""
+  tx = optax.adafactor(_LR)
+  p = _mlp_params()
+  why = ("not explained: the factored moments are not tied to their parameters (their shapes "
+         "differ), and the model's gradient term is 1 MiB, twice the whole gradients of w1 and "
+         "w2, where XLA's temporaries total 0.75 MiB")
+  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()), unpriced={"memory": (None, why)})
+
+
+class _ScannedBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return x + nn.Dense(128)(nn.gelu(nn.Dense(512)(nn.LayerNorm()(x)))), None
+
+
+class _ScannedLinen(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    blocks = nn.scan(_ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=4)
+    x, _ = blocks()(x, None)
+    return nn.Dense(128)(x)
+
+
+def linen_nn_scan():
+  """Layers stacked with flax's nn.scan (MaxText's scanned layers)."""
+  model = _ScannedLinen()
+  x = _xy()
+  params = model.init(jax.random.key(0), x["x"])["params"]
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
+  return Case(_sgd_step(loss, tx), (params, tx.init(params), x))
+
+
+class _Cnn(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Conv(16, (3, 3))(x)
+    x = nn.BatchNorm(use_running_average=not train)(x)
+    x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
+    x = nn.Conv(32, (3, 3))(x)
+    x = jnp.mean(nn.relu(x), axis=(1, 2))
+    return nn.Dense(10)(x)
+
+
+def linen_cnn_labels():
+  """A linen CNN (Conv, BatchNorm, avg_pool) on images with integer labels (a 1-D batch leaf)."""
+  model = _Cnn()
+  images = jax.random.normal(jax.random.key(1), (32, 16, 16, 3))
+  labels = jax.random.randint(jax.random.key(2), (32,), 0, 10)
+  variables = model.init(jax.random.key(0), images, train=False)
+  tx = optax.sgd(_LR, momentum=0.9)
+  def step(params, batch_stats, opt_state, batch):
+    def loss(p):
+      logits, upd = model.apply({"params": p, "batch_stats": batch_stats}, batch["images"],
+                                train=True, mutable=["batch_stats"])
+      ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+      return jnp.mean(ce), upd["batch_stats"]
+    (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), stats, opt_state, value
+  params = variables["params"]
+  why = "not explained: the model is 11 % under XLA's memory on this data-parallel step"
+  return Case(step, (params, variables["batch_stats"], tx.init(params),
+                     {"images": images, "labels": labels}), unpriced={"memory": (None, why)})
+
+
+def dp_sgd_per_example():
+  """DP-SGD: per-example gradients with jax.vmap, clipped per example, summed, noised with a
+  key."""
+  tx = optax.sgd(_LR)
+  def step(params, opt_state, key, batch):
+    def one(p, x, y):
+      return _mse(p, {"x": x[None], "y": y[None]})
+    grads = jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(params, batch["x"], batch["y"])
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, 1)
+                         for g in jax.tree.leaves(grads)))
+    scale = jnp.minimum(1.0, 1.0 / (norms + 1e-6))
+    grads = jax.tree.map(lambda g: jnp.tensordot(scale, g, 1) / scale.shape[0], grads)
+    leaves, tree = jax.tree.flatten(grads)
+    keys = jax.random.split(key, len(leaves))
+    grads = jax.tree.unflatten(tree, [g + 1e-3 * jax.random.normal(k, g.shape)
+                                      for g, k in zip(leaves, keys)])
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jnp.mean(norms)
+  p = _mlp_params()
+  why = ("not explained: the model is 22 % under XLA's memory; the per-example gradients (one "
+         "weight-sized gradient per example a device holds) are most of it")
+  return Case(step, (p, tx.init(p), jax.random.key(11), _xy()), unpriced={"memory": (None, why)})
+
+
+def nnx_optimizer_state():
+  """flax's nnx.Optimizer split with its model: the step merges both, updates in place and
+  splits them back."""
+  model = _Nnx(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adamw(_LR), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, optimizer))
+  def step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    def loss(model):
+      return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    value, grads = nnx.value_and_grad(loss)(model)
+    optimizer.update(model, grads)
+    return nnx.split((model, optimizer))[1], value
+  return Case(step, (state, _xy()))
+
+
+def train_state_donated_with_int_batch_field():
+  """TrainState.create (a Python int step) donated, and a batch holding a Python int."""
+  c = linen_train_state()
+  state, key, batch = c.args
+  return dataclasses.replace(c, args=(state, key, dict(batch, epoch=3)),
+                             plan_kwargs={"donate": True}, jit_kwargs={"donate_argnums": (0,)})
+
+
+CASES = {f.__name__: f for f in (
+    optax_chain, bf16_params, optax_multisteps, optax_masked, mixed_precision, dropout_key,
+    dropout_raw_key, scan_microbatches, donated, remat_policy, closed_constant,
+    lm_take_along_axis, lm_one_hot_smoothing, lm_integer_labels, cond_on_counter, under_set_mesh,
+    with_shard_map, dataclass_state, linen_train_state, linen_batch_norm, nnx_state,
+    nnx_dropout_rngs, linen_attention_lm, multi_transform_frozen, inject_hyperparams,
+    fori_inner_loop, batch_first_metrics, float_hyperparameter, linen_logical_boxes,
+    nnx_module_argument, custom_vjp_and_fold_in, apply_if_finite_ema, adafactor, linen_nn_scan,
+    linen_cnn_labels, dp_sgd_per_example, nnx_optimizer_state,
+    train_state_donated_with_int_batch_field)}
+
+
+# --- the checks -------------------------------------------------------------------------------
+
+def _copy(tree):
+  return jax.tree.map(lambda v: jnp.array(v, copy=True) if isinstance(v, jax.Array) else v, tree)
+
+
+def _key_data(v):
+  return jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+
+
+def _assert_same(got, want, tol, noise=()):
+  gl, gt = jax.tree.flatten(got)
+  wl, wt = jax.tree.flatten(want)
+  assert gt == wt
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]
+  for k, (g, w) in enumerate(zip(gl, wl)):
+    g, w = np.asarray(_key_data(g)), np.asarray(_key_data(w))
+    if any(n in paths[k] for n in noise):
+      np.testing.assert_allclose(g, w, rtol=0, atol=_LR, err_msg=paths[k])
+      continue
+    if np.issubdtype(w.dtype, np.floating) or w.dtype == jnp.bfloat16:
+      g, w = g.astype(np.float32), w.astype(np.float32)
+      off = np.abs(g - w) > tol[1] + tol[0] * np.abs(w)
+      if off.sum() <= _OUTLIERS * w.size:
+        assert np.all(np.abs(g - w)[off] <= _LR), f"output leaf {k}"
+        g = np.where(off, w, g)
+      np.testing.assert_allclose(g, w, rtol=tol[0], atol=tol[1], err_msg=f"output leaf {k}")
+    else:
+      np.testing.assert_array_equal(g, w, err_msg=f"output leaf {k}")
+
+
+def _used_axes(plan) -> set:
+  used = set()
+  for spec in jax.tree.leaves(plan.specs, is_leaf=lambda s: isinstance(s, P)):
+    for e in spec:
+      used.update(e if isinstance(e, tuple) else () if e is None else (e,))
+  return used
+
+
+def _run(case: Case):
+  """The plain step's outputs, the plan, the planned step's outputs and ``plan.check``. Both
+  steps run unoptimised by LLVM (the same HLO: compile_only.LLVM_O0); the check compiles the
+  program users get (XLA's default fusion emitters, which the suite turns off), quicker."""
+  ctx = case.context() if case.context else contextlib.nullcontext()
+  with ctx:
+    args = _copy(case.args)
+    plain = jax.jit(case.step).lower(*args).compile(compile_only.LLVM_O0)(*args)
+    plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
+    args = _copy(case.args)
+    if case.place:
+      args = plan.shard(*args)
+    train = plan.jit(case.step, **case.jit_kwargs)
+    got = train.lower(*args).compile(compile_only.LLVM_O0)(*args)
+    check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
+  return plan, plain, got, check
+
+
+def _column_bias_gathers(case: Case, plan) -> bool:
+  """The miss (c) explained, for a plan over 'tensor': a bias (or a norm's scale and bias) added
+  to a column-parallel product's output, which the plan replicates. XLA computes its gradient in
+  the product's column layout, runs the optimizer's update there and all-gathers the updated
+  vector (and its moments) into the replicated outputs; the model prices none of it. True when
+  every all-gather XLA compiled is of such a leaf: a replicated vector (one per layer of a
+  scanned stack) whose shape is its operand's with one dimension times 'tensor', with a
+  column-parallel kernel in the plan."""
+  size = dict(zip(plan.axis_names, plan.mesh_shape))
+  t = size["tensor"]
+  if t == 1 or not any("column-parallel" in lp.reason for lp in plan.leaves):
+    return False
+  vectors = {lp.shape for lp in plan.leaves if 1 <= len(lp.shape) <= 2 and lp.spec == P()
+             and "product" not in lp.reason}
+  def of_vector(shape):
+    return any(tuple(n * (t if k == d else 1) for k, n in enumerate(shape)) in vectors
+               for d in range(len(shape)))
+  compiled = plan.jit(case.step).lower(*stepgraph.abstract(case.args)).compile(
+      compile_only.USERS_PROGRAM)
+  gathers = [c for c in dtenjax.explain(compiled).collectives if c.kind == "all_gather"]
+  return bool(gathers) and all(of_vector(c.shape) for c in gathers)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_users_step_plans_runs_and_matches_the_plain_step(name):
+  case = CASES[name]()
+  plan, plain, got, check = _run(case)                                            # (a)
+  _assert_same(got, plain, case.tol, case.noise)                                  # (b)
+  misses = check.misses(0.10)                                                     # (c)
+  for kind, (least, why) in case.unpriced.items():   # known misses: the report names them
+    assert least is None or check.compiled_bytes.get(kind, 0.0) >= least, (name, why, str(check))
+    misses.pop(kind, None)
+  if "all_gather" in misses and not check.predicted_bytes.get("all_gather"):
+    assert _column_bias_gathers(case, plan), (name, str(check), str(plan))
+    misses.pop("all_gather")
+  assert not misses, (name, misses, str(check), str(plan))
+  used = _used_axes(plan)                                                         # (d)
+  for a, n in zip(plan.axis_names, plan.mesh_shape):
+    assert n == 1 or a in used, (name, a, dict(zip(plan.axis_names, plan.mesh_shape)))
+
+
+def odd_vocab_and_batch():
+  """GPT-2's kind of vocabulary (not a multiple of 8) and a batch of 12 (not a multiple of 8)."""
+  tx = optax.adamw(_LR)
+  v = 1001
+  def loss(p, batch):
+    x = jnp.take(p["embed"], batch["tokens"][:, :-1], axis=0)
+    x = x + jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+    logits = x @ p["embed"].T
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                                    batch["tokens"][:, 1:]))
+  p = _init({"embed": (v, _D), "w1": (_D, 4 * _D), "w2": (4 * _D, _D)})
+  tokens = jax.random.randint(jax.random.key(5), (12, _S + 1), 0, v, jnp.int32)
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), {"tokens": tokens}))
+
+
+def test_a_batch_that_does_not_split_over_the_devices_is_named():
+  # a batch of 12 on 8 devices splits over 4 of them at most; the planner refuses a 'tensor' axis
+  # over which too little is sharded. Before, the error told the user to pass mesh={'data': 8}
+  # (which does not split 12 either) or mesh=None (which they had)
+  case = odd_vocab_and_batch()
+  with pytest.raises(dtenjax.PlacementError, match=r"dimension 0 \(12, leaf \[2\]\['tokens'\]\)"
+                     r".*mesh=\{'data': 4, 'tensor': 2\}"):
+    dtenjax.plan(case.step, *case.args)
+  plan = dtenjax.plan(case.step, *case.args, mesh={"data": 4, "tensor": 2})   # the fix it names
+  _assert_same(plan.jit(case.step)(*_copy(case.args)), jax.jit(case.step)(*_copy(case.args)),
+               case.tol)
+
+
+def test_a_frozen_argument_is_no_output_of_the_step():
+  # LoRA over a frozen backbone passed as its own argument, which the step only reads: its new
+  # value is no output, so its bytes are no copy in the step's outputs. Before, every state
+  # argument was priced as returned: on 'data' 8 the outputs were 572 KiB where XLA compiles
+  # 60 KiB, the memory 75 % over
+  tx = optax.adamw(_LR)
+  k1, k2 = jax.random.split(jax.random.key(3))
+  frozen = {"w": 0.1 * jax.random.normal(k1, (128, 512)),
+            "out": 0.1 * jax.random.normal(k2, (512, 128))}
+  def loss(lora, frozen, batch):
+    x = batch["x"]
+    h = jax.nn.gelu(x @ frozen["w"] + (x @ lora["a"]) @ lora["b"])
+    return jnp.mean((h @ frozen["out"] - batch["y"]) ** 2)
+  def step(lora, opt_state, frozen, batch):
+    value, grads = jax.value_and_grad(loss)(lora, frozen, batch)
+    updates, opt_state = tx.update(grads, opt_state, lora)
+    return optax.apply_updates(lora, updates), opt_state, value
+  lora = {"a": 0.01 * jax.random.normal(k1, (128, 8)), "b": jnp.zeros((8, 512))}
+  args = (lora, tx.init(lora), frozen, _xy())
+  plan = dtenjax.plan(step, *args, mesh={"data": 8})
+  check = plan.check(step, *args, compiler_options=compile_only.USERS_PROGRAM)
+  outputs = check.compiled_memory["outputs"]
+  assert abs(check.predicted_memory["outputs"] - outputs) <= 0.01 * outputs, check.table()
+  assert check.memory_error <= 0.10, check.table()

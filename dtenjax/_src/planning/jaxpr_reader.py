@@ -222,6 +222,7 @@ class Reader:
     # meeting's reductions)
     self.batch_reductions: list[tuple[int, int, int, int, Any, Any, str]] = []
     self.met: set[int] = set()
+    self.contractions: set[int] = set()     # batch_reductions that are dot_generals
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
     self.first_order: dict[int, int] = {}     # weight leaf -> the walk position of its first product
@@ -443,8 +444,11 @@ class Reader:
 
   def _meet(self, v) -> None:
     """The batch reductions ``v`` was computed from decide which way the step goes (a loop's or
-    a branch's predicate): every device must go the same way, so XLA all-reduces them."""
-    self.met |= self.stat.get(v, frozenset())
+    a branch's predicate): every device must go the same way, so XLA all-reduces them. But a
+    contraction over the batch: that is a weight's gradient, which the gradient's own all-reduce
+    brings to every device already (``optax.apply_if_finite`` tests the gradients: XLA compiles
+    no all-reduce for the test beyond the gradients')."""
+    self.met |= self.stat.get(v, frozenset()) - self.contractions
 
   def _condition(self, eqn, origin: dict, repeats: int) -> None:
     """Walks a ``lax.while_loop``'s condition (its operands: the condition's constants, then the
@@ -525,6 +529,8 @@ class Reader:
                                     repeats * sum(nbytes(o.aval) for o in eqn.outvars), repeats,
                                     body, remat, _REDUCED_WITH.get(eqn.primitive.name, "sum")))
       stats = frozenset((len(self.batch_reductions) - 1,))
+      if eqn.primitive.name == "dot_general":
+        self.contractions |= stats
     elif stats and (any(ins) or any(outs)):
       self.met |= stats        # a statistic meets the batch's values: its reductions all-reduce
       stats = frozenset()

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
   dp_spec = {"stem": P(), "stack": P()}
   sizes = (args.channels, args.layers, args.batch, args.image)
   rows = []
-  for norm in (True, False):
+  for norm in _harness.progress((True, False), "stacks", lambda n: f"norms={n}"):
     step, abstract = make(*sizes, norm)
     fsdp_step, _ = make(*sizes, norm, gather=lambda k: jax.lax.with_sharding_constraint(
         k, shard(P())))
@@ -118,8 +118,11 @@ def main(argv=None) -> int:
              "priced_ms": 1e3 * priced.get(k.removeprefix("plan "), float("nan")),
              "priced_vs_dp": priced.get(k.removeprefix("plan "), float("nan")) / priced["DP"]}
       rows.append(row)
-      print(f"norms={norm!s:5} {k:10} {row['ms']:8.1f} ms  {ratio:5.2f}x DP   priced "
-            f"{row['priced_ms']:7.1f} ms ({row['priced_vs_dp']:.2f}x DP)", flush=True)
+  shown = [{**r, "norms": str(r["norms"])} for r in rows]
+  print(_harness.table(shown, (("norms", "norms", "s"), ("layout", "layout", "s"),
+                               ("ms", "ms", ".1f"), ("/ DP", "vs_dp", "ratio"),
+                               ("priced ms", "priced_ms", ".1f"),
+                               ("priced / DP", "priced_vs_dp", "ratio"))), flush=True)
   if args.json:
     params = dict(vars(args))
     doc = _harness.document(BENCH, __file__, sys.argv[1:] if argv is None else argv, params,

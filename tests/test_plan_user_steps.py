@@ -36,9 +36,11 @@ from dtenjax._src.planning import stepgraph
 from tests import compile_only
 
 # float32 reassociation: the loss and every output leaf of the planned step against the plain
-# step's (relative, absolute). Adam's update lr * g / (|g| + eps) of a gradient that cancels to
-# float noise (a bias before a norm, a rarely used row) moves by up to the learning rate when the
-# sum is reassociated: at most _OUTLIERS of a leaf's elements may differ by up to _LR.
+# step's (relative, absolute). Adam's first update lr * g / (|g| + eps) of a gradient that
+# cancels to float noise (a bias before a norm, a rarely used row) is +lr or -lr as the noise's
+# sign falls when the sum is reassociated: at most _OUTLIERS of a leaf's elements (at least one)
+# may differ by up to 2 _LR (rounded to the leaf's dtype; jaxlib 0.11's XLA:CPU reassociates the
+# bf16 steps' sums so that one bias element of 512 flips).
 _TOL = (2e-5, 2e-6)
 _LR = 1e-2
 _OUTLIERS = 1e-3
@@ -806,10 +808,11 @@ def _assert_same(got, want, tol, noise=()):
       np.testing.assert_allclose(g, w, rtol=0, atol=_LR, err_msg=paths[k])
       continue
     if np.issubdtype(w.dtype, np.floating) or w.dtype == jnp.bfloat16:
+      flip = 2 * _LR * (1 + float(jnp.finfo(w.dtype).eps))
       g, w = g.astype(np.float32), w.astype(np.float32)
       off = np.abs(g - w) > tol[1] + tol[0] * np.abs(w)
-      if off.sum() <= _OUTLIERS * w.size:
-        assert np.all(np.abs(g - w)[off] <= _LR), f"output leaf {k}"
+      if off.sum() <= max(1, _OUTLIERS * w.size):
+        assert np.all(np.abs(g - w)[off] <= flip), f"output leaf {k}"
         g = np.where(off, w, g)
       np.testing.assert_allclose(g, w, rtol=tol[0], atol=tol[1], err_msg=f"output leaf {k}")
     else:

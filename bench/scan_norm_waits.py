@@ -81,7 +81,7 @@ def main(argv=None) -> int:
   dp_spec = {"stem": P(), "stack": P()}
   sizes = (args.channels, args.layers, args.batch, args.image)
   rows = []
-  for norm in _harness.progress((True, False), "stacks", lambda n: f"norms={n}"):
+  for norm in _harness.progress((True, False), BENCH, lambda n: f"norms={n}"):
     step, abstract = make(*sizes, norm)
     fsdp_step, _ = make(*sizes, norm, gather=lambda k: jax.lax.with_sharding_constraint(
         k, shard(P())))

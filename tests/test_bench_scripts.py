@@ -371,3 +371,17 @@ def test_block_waits_for_every_leaf_of_a_pytree():
   assert _harness.block(tree) is tree
   import jax
   assert all(leaf.waited for leaf in jax.tree.leaves(tree) if isinstance(leaf, Leaf))
+
+
+def test_scan_norm_waits_times_dp_fsdp_and_the_plan_with_and_without_norms(tmp_path, run):
+  out = tmp_path / "w.json"
+  r = run("scan_norm_waits", "--channels", "8", "--layers", "2", "--image", "8", "--iters", "1",
+          "--warmup", "1", "--json", str(out),
+          env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = _doc(out, "scan_norm_waits")["rows"]
+  assert [(row["norms"], row["layout"]) for row in rows] == [
+      (n, k) for n in (True, False) for k in ("DP", "FSDP", "plan FSDP")]
+  assert all(row["ms"] > 0 for row in rows)
+  assert [row["vs_dp"] for row in rows if row["layout"] == "DP"] == [1.0, 1.0]
+  assert "# scan_norm_waits: norms=False (2 of 2, " in r.stderr

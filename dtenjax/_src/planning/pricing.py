@@ -780,10 +780,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   else:
     pr.memory["grads"] = grad if gathered_weight else primary.nbytes / shards
   pr.memory["opt_state"] = sum(lf.nbytes for lf in leaves[1:]) / shards
-  # the new state's copy, of a group the step returns (not of a frozen argument it only reads)
-  returned = primary.index in graph.returned
-  pr.memory["outputs"] = (0.0 if donate or not returned else
-                          sum(lf.nbytes for lf in leaves) / shards)
+  # the new state's copy, of the leaves the step returns (not of an argument it only reads)
+  pr.memory["outputs"] = (0.0 if donate else
+                          sum(lf.nbytes for lf in leaves if lf.index in graph.returned) / shards)
   pr.sliced = roles.tensor.sliced(ctx, zero, moved, uses)
   return pr
 

@@ -164,20 +164,34 @@ class StepGraph:
 
   @functools.cached_property
   def returned(self) -> frozenset[int]:
-    """The state leaves whose group the step returns (its new value is an output): a group an
-    output is tied to, or one whose first leaf an untied output of its shape and dtype may be
-    (a dropout key split, a recomputed hyperparameter), matched one output to one group. A
-    frozen argument the step only reads (LoRA's base weights) is not returned: its bytes are
-    no output of the step."""
-    tied = {rep for *_, rep in self.outputs if rep is not None}
+    """The state leaves the step returns new values of (each an output of the step): the leaves
+    of a group that outputs are tied to, matched one output to one leaf of its shape and dtype
+    (a leaf the step only reads, tied to the group by the work that reads it -- an EMA compared
+    with the parameters -- is no output; where an output tied to the group matches none of its
+    leaves, the whole group), or of a group no output is tied to, the whole group where an
+    untied output of its first leaf's shape and dtype may be its new value (a dropout key split,
+    a recomputed hyperparameter), matched one output to one group. A frozen argument the step
+    only reads (LoRA's base weights) is not returned: its bytes are no output of the step."""
+    tied: dict[int, list[tuple[tuple[int, ...], str]]] = {}
     untied: dict[tuple[tuple[int, ...], str], int] = {}
     for shape, dtype, rep in self.outputs:
       if rep is None:
         untied[(shape, dtype)] = untied.get((shape, dtype), 0) + 1
+      else:
+        tied.setdefault(rep, []).append((shape, dtype))
     out: set[int] = set()
     for g in self.groups:
-      if any(i in tied for i in g):
-        out.update(g)
+      mine = [o for i in g for o in tied.get(i, ())]
+      if mine:
+        free = list(g)
+        for shape, dtype in mine:
+          leaf = next((i for i in free if (self.leaves[i].shape, self.leaves[i].dtype) ==
+                       (shape, dtype)), None)
+          if leaf is None:
+            out.update(g)
+            break
+          free.remove(leaf)
+          out.add(leaf)
         continue
       key = (self.leaves[g[0]].shape, self.leaves[g[0]].dtype)
       if untied.get(key):

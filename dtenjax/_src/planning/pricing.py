@@ -766,7 +766,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   pr.update = update_bytes(leaves, pricer.update_split) / shards * pricer.stream_s_per_byte
   pr.compute += pr.update
   # memory per device
-  pr.memory["params"] = primary.nbytes / shards
+  # an argument the step never reads is no argument of the program jax.jit compiles
+  pr.memory["params"] = 0.0 if primary.index in graph.unread else primary.nbytes / shards
   # A gradient is a temporary: whole before its reduction where the weight is gathered for
   # compute, sharded as the parameter otherwise. A scanned stack's gradient is accumulated layer
   # by layer into one stacked buffer, which without donation is the new state's output buffer
@@ -779,7 +780,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     pr.memory["grads"] = primary.nbytes / shards if donate else 0.0
   else:
     pr.memory["grads"] = grad if gathered_weight else primary.nbytes / shards
-  pr.memory["opt_state"] = sum(lf.nbytes for lf in leaves[1:]) / shards
+  pr.memory["opt_state"] = sum(lf.nbytes for lf in leaves[1:]
+                               if lf.index not in graph.unread) / shards
   # the new state's copy, of the leaves the step returns (not of an argument it only reads)
   pr.memory["outputs"] = (0.0 if donate else
                           sum(lf.nbytes for lf in leaves if lf.index in graph.returned) / shards)

@@ -156,6 +156,9 @@ class StepGraph:
   # step; absent where none comes before it): the compute its FSDP gather waits for
   meetings: tuple[Meeting, ...] = ()
   since_meeting: dict[int, float] = dataclasses.field(default_factory=dict)
+  # the leaves no equation the step's results need reads, nor a result is: jax.jit leaves them
+  # out of the program it compiles (keep_unused=False), so they are no argument of it
+  unread: frozenset[int] = frozenset()
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
@@ -296,6 +299,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     if not leaf.is_batch:
       groups.setdefault(reader.ties.find(leaf.index), []).append(leaf.index)
   act, act_share, timeline = liveness.activations(jaxpr, leaves, {**cones, **reduced})
+  read = jaxpr_reader.needed_vars(jaxpr)
   outputs = []
   for v in jaxpr.outvars:
     aval = v.aval
@@ -313,7 +317,9 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    products=reader.products, token_bytes=reader.token_bytes,
                    token_share=_token_share(reader, {**cones, **reduced}),
                    sequence=sequence_lib.read(closed.jaxpr, leaves),
-                   meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings))
+                   meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings),
+                   unread=frozenset(leaf.index for leaf, v in zip(leaves, jaxpr.invars)
+                                    if v not in read))
 
 
 def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], float]:

@@ -136,8 +136,8 @@ class Pricer:
     # calibration's where measured (its elementwise pass is the caches'), unless the user sets
     # the bandwidth
     self.stream_s_per_byte = self.local_s_per_byte
+    cal = m.topology.calibration
     if self.backend == "cpu" and user.get("local_bandwidth_gbps") is None:
-      cal = m.topology.calibration
       if cal is not None and cal.platform == "cpu" and cal.stream_gbps > 0:
         self.stream_s_per_byte = 1.0 / (cal.stream_gbps * 1e9)
       else:
@@ -154,7 +154,6 @@ class Pricer:
     # tokens inside, a calibration's chain of products holds none of it. Where measured, that
     # work is priced on its own (solver.make_problem) at the rate above (CPU devices: a GPU's
     # work beside its products is not priced, as before)
-    cal = m.topology.calibration
     self.pure_products = (self.backend == "cpu" and cal is not None and cal.platform == "cpu")
     self.step_latency = (costs.step_collective_us * 1e-6 if "step_collective_us" in user
                          else m.topology.meeting_s(self.backend, costs.step_collective_us * 1e-6))

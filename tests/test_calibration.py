@@ -412,3 +412,19 @@ def test_the_calibrated_step_time_is_within_the_band_of_the_recorded_steps(cores
       if not BAND[0] <= ratio <= BAND[1]:
         outside[(name, layout)] = round(ratio, 2)
   assert not outside, f"predicted / measured outside {BAND}: {outside}"
+
+
+def test_a_calibration_of_other_devices_than_the_topologys_is_named():
+  """A calibration measured on one platform's devices prices another's nothing right: a CPU
+  calibration on an H200 host priced its products at the CPU's 4 GFLOP/s (Topology.peak_flops
+  reads the calibration whatever its platform) while its collectives and streaming kept the
+  GPU's tables. Refused, in code and in a JSON record alike, naming both platforms."""
+  gpu = Topology.fixture("h200_8")
+  with pytest.raises(errors.TopologyError, match=r"calibration.*'cpu'.*\['gpu'\]"):
+    dataclasses.replace(gpu, calibration=CAL)
+  record = json.loads(dataclasses.replace(_cpu_host(), calibration=CAL).to_json())
+  gpu_record = json.loads(gpu.to_json())
+  gpu_record["calibration"] = record["calibration"]
+  with pytest.raises(errors.TopologyError, match=r"calibration.*'cpu'"):
+    Topology.from_json(json.dumps(gpu_record))
+  assert dataclasses.replace(gpu, calibration=dataclasses.replace(CAL, platform="gpu"))

@@ -635,6 +635,12 @@ def _needed(jaxpr) -> tuple[set[int], set]:
   return out, need
 
 
+def needed_vars(jaxpr) -> set:
+  """The variables of ``jaxpr`` that the equations its results or effects need read, its results
+  among them: an operand outside it is one that ``jax.jit`` leaves out of the program."""
+  return _needed(jaxpr)[1]
+
+
 def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], bool]:
   """The dimensions of each result of ``eqn`` that carry the batch, given its operands' (``ins``),
   and whether it reduces a dimension that carries the batch (a sum over the batch, a product

@@ -136,8 +136,8 @@ class Pricer:
     # calibration's where measured (its elementwise pass is the caches'), unless the user sets
     # the bandwidth
     self.stream_s_per_byte = self.local_s_per_byte
+    cal = m.topology.calibration
     if self.backend == "cpu" and user.get("local_bandwidth_gbps") is None:
-      cal = m.topology.calibration
       if cal is not None and cal.platform == "cpu" and cal.stream_gbps > 0:
         self.stream_s_per_byte = 1.0 / (cal.stream_gbps * 1e9)
       else:
@@ -154,7 +154,6 @@ class Pricer:
     # tokens inside, a calibration's chain of products holds none of it. Where measured, that
     # work is priced on its own (solver.make_problem) at the rate above (CPU devices: a GPU's
     # work beside its products is not priced, as before)
-    cal = m.topology.calibration
     self.pure_products = (self.backend == "cpu" and cal is not None and cal.platform == "cpu")
     self.step_latency = (costs.step_collective_us * 1e-6 if "step_collective_us" in user
                          else m.topology.meeting_s(self.backend, costs.step_collective_us * 1e-6))
@@ -766,7 +765,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   pr.update = update_bytes(leaves, pricer.update_split) / shards * pricer.stream_s_per_byte
   pr.compute += pr.update
   # memory per device
-  pr.memory["params"] = primary.nbytes / shards
+  # an argument the step never reads is no argument of the program jax.jit compiles
+  pr.memory["params"] = 0.0 if primary.index in graph.unread else primary.nbytes / shards
   # A gradient is a temporary: whole before its reduction where the weight is gathered for
   # compute, sharded as the parameter otherwise. A scanned stack's gradient is accumulated layer
   # by layer into one stacked buffer, which without donation is the new state's output buffer
@@ -779,11 +779,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     pr.memory["grads"] = primary.nbytes / shards if donate else 0.0
   else:
     pr.memory["grads"] = grad if gathered_weight else primary.nbytes / shards
-  pr.memory["opt_state"] = sum(lf.nbytes for lf in leaves[1:]) / shards
-  # the new state's copy, of a group the step returns (not of a frozen argument it only reads)
-  returned = primary.index in graph.returned
-  pr.memory["outputs"] = (0.0 if donate or not returned else
-                          sum(lf.nbytes for lf in leaves) / shards)
+  pr.memory["opt_state"] = sum(lf.nbytes for lf in leaves[1:]
+                               if lf.index not in graph.unread) / shards
+  # the new state's copy, of the leaves the step returns (not of an argument it only reads)
+  pr.memory["outputs"] = (0.0 if donate else
+                          sum(lf.nbytes for lf in leaves if lf.index in graph.returned) / shards)
   pr.sliced = roles.tensor.sliced(ctx, zero, moved, uses)
   return pr
 

@@ -96,9 +96,11 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
     t = m.size["tensor"]
     compute += (min(0.0, rest) / bdiv / t / m.peak_flops +
                 graph.token_bytes / bdiv / t * pricer.beside_s_per_byte)
+  # a batch field the step never reads is no argument of the program jax.jit compiles
   fixed = {"activations": graph.activation_bytes / bdiv,
            "batch": sum(lf.nbytes / (rdiv if splits_batch(lf, rdiv) else 1) /
-                        sequence.leaf_div(lf, m, graph) for lf in batch_leaves)}
+                        sequence.leaf_div(lf, m, graph) for lf in batch_leaves
+                        if lf.index not in graph.unread)}
 
   # one latency for the combined gradient all-reduce(s) (see price_layout)
   batch = [a for a in BATCH_AXES if m.size[a] > 1]

@@ -156,6 +156,9 @@ class StepGraph:
   # step; absent where none comes before it): the compute its FSDP gather waits for
   meetings: tuple[Meeting, ...] = ()
   since_meeting: dict[int, float] = dataclasses.field(default_factory=dict)
+  # the leaves no equation the step's results need reads, nor a result is: jax.jit leaves them
+  # out of the program it compiles (keep_unused=False), so they are no argument of it
+  unread: frozenset[int] = frozenset()
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
@@ -164,20 +167,34 @@ class StepGraph:
 
   @functools.cached_property
   def returned(self) -> frozenset[int]:
-    """The state leaves whose group the step returns (its new value is an output): a group an
-    output is tied to, or one whose first leaf an untied output of its shape and dtype may be
-    (a dropout key split, a recomputed hyperparameter), matched one output to one group. A
-    frozen argument the step only reads (LoRA's base weights) is not returned: its bytes are
-    no output of the step."""
-    tied = {rep for *_, rep in self.outputs if rep is not None}
+    """The state leaves the step returns new values of (each an output of the step): the leaves
+    of a group that outputs are tied to, matched one output to one leaf of its shape and dtype
+    (a leaf the step only reads, tied to the group by the work that reads it -- an EMA compared
+    with the parameters -- is no output; where an output tied to the group matches none of its
+    leaves, the whole group), or of a group no output is tied to, the whole group where an
+    untied output of its first leaf's shape and dtype may be its new value (a dropout key split,
+    a recomputed hyperparameter), matched one output to one group. A frozen argument the step
+    only reads (LoRA's base weights) is not returned: its bytes are no output of the step."""
+    tied: dict[int, list[tuple[tuple[int, ...], str]]] = {}
     untied: dict[tuple[tuple[int, ...], str], int] = {}
     for shape, dtype, rep in self.outputs:
       if rep is None:
         untied[(shape, dtype)] = untied.get((shape, dtype), 0) + 1
+      else:
+        tied.setdefault(rep, []).append((shape, dtype))
     out: set[int] = set()
     for g in self.groups:
-      if any(i in tied for i in g):
-        out.update(g)
+      mine = [o for i in g for o in tied.get(i, ())]
+      if mine:
+        free = list(g)
+        for shape, dtype in mine:
+          leaf = next((i for i in free if (self.leaves[i].shape, self.leaves[i].dtype) ==
+                       (shape, dtype)), None)
+          if leaf is None:
+            out.update(g)
+            break
+          free.remove(leaf)
+          out.add(leaf)
         continue
       key = (self.leaves[g[0]].shape, self.leaves[g[0]].dtype)
       if untied.get(key):
@@ -282,6 +299,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     if not leaf.is_batch:
       groups.setdefault(reader.ties.find(leaf.index), []).append(leaf.index)
   act, act_share, timeline = liveness.activations(jaxpr, leaves, {**cones, **reduced})
+  read = jaxpr_reader.needed_vars(jaxpr)
   outputs = []
   for v in jaxpr.outvars:
     aval = v.aval
@@ -299,7 +317,9 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    products=reader.products, token_bytes=reader.token_bytes,
                    token_share=_token_share(reader, {**cones, **reduced}),
                    sequence=sequence_lib.read(closed.jaxpr, leaves),
-                   meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings))
+                   meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings),
+                   unread=frozenset(leaf.index for leaf, v in zip(leaves, jaxpr.invars)
+                                    if v not in read))
 
 
 def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], float]:

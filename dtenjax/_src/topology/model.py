@@ -111,6 +111,13 @@ class Topology:
     problems = []
     if self.calibration is not None and not isinstance(self.calibration, Calibration):
       problems.append(f"calibration={self.calibration!r} must be a Calibration or None")
+    platforms = sorted({d.platform for d in self.devices})
+    if (isinstance(self.calibration, Calibration) and platforms and
+        self.calibration.platform not in platforms):
+      # its FLOP/s would price another platform's products (peak_flops reads it as they are)
+      problems.append(f"calibration was measured on {self.calibration.platform!r} devices, this "
+                      f"topology's are {platforms}; calibrate on these devices "
+                      "(Topology.detect().calibrate()) or drop it (calibration=None)")
     n = len(self.devices)
     if n == 0:
       problems.append("it has no devices")

@@ -278,10 +278,10 @@ def _contracts_itself(reader: Reader, src: int, var, d: int, ctx: tuple,
       continue
     seen.add((v, dd))
     budget -= 1
+    if dd >= len(v.aval.shape):
+      continue
     for eqn, pos in reader.uses.get(v, ()):
       name = eqn.primitive.name
-      if dd >= len(v.aval.shape):
-        continue
       if name in ELEMENTWISE and tuple(eqn.outvars[0].aval.shape) == tuple(v.aval.shape):
         todo.extend((o, dd) for o in eqn.outvars)
       elif name == "dot_general":

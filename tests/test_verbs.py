@@ -225,13 +225,18 @@ def test_a_peer_that_goes_away_is_noticed_at_once_not_at_the_timeout(fake):
     close_all(comms[1:])
 
 
-def test_a_peer_that_closes_right_after_its_last_exchange_loses_no_frame(fake):
+@pytest.mark.parametrize("fault", ["late_cqe", "late_ack"])
+def test_a_peer_that_closes_right_after_its_last_exchange_loses_no_frame(fake, fault):
   """Both ranks close their communicators as soon as their last all_reduce returns (as a
-  pipeline stage leaving ``with HostPipeline``); the device acknowledges the process's last
-  frame at once but posts its receive completion 0.3 s later (late_cqe, which the specification
-  allows): its sender's write completes, it returns and closes, and the receiver, whose CQ was
-  empty when it looked, finds the set-up connection closed. The frame was delivered: the receiver
-  takes it and gets the sum, not 'lost rank'."""
+  pipeline stage leaving ``with HostPipeline``), and the process's last frame completes late on
+  one side (both orders are allowed: the specification orders neither completion).
+  late_cqe: the device acknowledges it at once but posts its receive completion 0.3 s later; its
+  sender's write completes, it returns and closes, and the receiver, whose CQ was empty when it
+  looked, finds the set-up connection closed (race14).
+  late_ack: the receive completion comes at once and the acknowledgement reaches the sender 0.3 s
+  later; the receiver returns and closes while the sender's write is still in flight, and the
+  sender, watching its next rank for an ABORT, finds it closed before its last frame was sent.
+  Either way the frame was delivered: both take the sum, not 'lost rank'."""
   n = 3000
   xs = _inputs(2, n, np.float32, seed=7)
   want = xs[0] + xs[1]   # two addends: the same float sum in either order
@@ -245,7 +250,7 @@ def test_a_peer_that_closes_right_after_its_last_exchange_loses_no_frame(fake):
     frames = fake.counters()["writes_received"] - before   # the RDMA writes of one all_reduce
     assert frames > 0, frames
     fired = fake.counters()["faults_fired"]
-    fake.arm("late_cqe", frames - 1)    # the last RDMA write this process receives
+    fake.arm(fault, frames - 1)    # the last RDMA write this process receives
 
     def rank(r):
       try:

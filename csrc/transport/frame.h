@@ -181,6 +181,9 @@ struct InFrame {
   uint64_t payload_bytes = 0;
   uint8_t ptag[kTagBytes];
   uint64_t got = 0;  // bytes of the current stage received
+  // A watch: nothing is owed on this direction, only an ABORT may come (the ring's look backwards
+  // at the next rank); a provider reports a closed peer at once instead of waiting for a frame.
+  bool watch = false;
   const FrameHeader& header() const { return *reinterpret_cast<const FrameHeader*>(head); }
   void Reset() { stage = kHead; dst = nullptr; payload_bytes = 0; got = 0; }
 };

@@ -65,7 +65,9 @@ class Comm::Ring {
   Ring(Comm& comm, const RingPlan& plan, const uint8_t* src, uint8_t* dst, uint8_t* tmp,
        const Descriptor& desc, DType dt, ReduceOp op, OutFrame* of, const Fingerprint* fp)
       : c_(comm), p_(plan), src_(src), dst_(dst), tmp_(tmp), desc_(desc), dt_(dt), op_(op),
-        of_(of), T_(plan.steps()), fp_(fp) {}
+        of_(of), T_(plan.steps()), fp_(fp) {
+    rev_.watch = true;
+  }
 
   Status Run() {
     DTENJAX_RETURN_IF_ERROR(SendFingerprint());
@@ -401,13 +403,20 @@ class Comm::Ring {
     if (next_done_) return Status::Ok();
     bool p = false;
     s = c_.opts_.provider->recv_some(next, &rev_, &p);
-    if (!s.ok() && st_ == T_ && rev_.stage == InFrame::kHead && rev_.got == 0) {
-      // Everything for the next rank was sent and it closed: it finished this collective and
-      // closed its communicator (or exited). Nothing here needs it any more; the next
-      // collective reports it.
-      next_done_ = true;
-      c_.next_closed_ = s;
-      return Status::Ok();
+    if (!s.ok() && rev_.stage == InFrame::kHead && rev_.got == 0) {
+      if (st_ == T_) {
+        // Everything for the next rank was sent and it closed: it finished this collective and
+        // closed its communicator (or exited). Nothing here needs it any more; the next
+        // collective reports it.
+        next_done_ = true;
+        c_.next_closed_ = s;
+        return Status::Ok();
+      }
+      // It may have closed having taken our last frame before this side saw that frame's send
+      // complete (an RDMA write completes when the peer's acknowledgement comes back, which can
+      // be after the peer returned and closed; or the wait above just took that completion):
+      // the send side decides, the write completes or fails after the device's retries.
+      if (LastFrameInFlight()) return Status::Ok();
     }
     if (!s.ok()) return Fail(s, false, true);
     if (rev_.stage != InFrame::kHeadReady) return Status::Ok();
@@ -424,6 +433,10 @@ class Comm::Ring {
     Status why;
     s = ReadAbort(next, &rev_, &why);
     return Fail(s.ok() ? why : s, false, true);
+  }
+
+  bool LastFrameInFlight() const {
+    return of_->active && st_ == T_ - 1 && sj_ + 1 == p_.nseg(p_.send_chunk(st_));
   }
 
   Comm& c_;

@@ -51,12 +51,13 @@ constexpr double kLastWordsSeconds = 1.0;
 // completion may reach this CQ after the acknowledgement (the specification orders neither), and
 // this thread may have polled the CQ just before it landed: before calling the peer lost, wait
 // (at most kLastWordsSeconds) for what this side waits for, `arrived` (a frame) or a credit.
-Status SideAlive(VerbsConn* v, const std::string& peer, bool recv) {
+// A watch (a look for an ABORT the peer is owed nothing for) does not wait.
+Status SideAlive(VerbsConn* v, const std::string& peer, bool recv, bool watch = false) {
   bool progress = false;
   Status s = TcpProvider()->recv_some(v->side, &v->side_in, &progress);
   if (!s.ok()) {
     const double until = NowSeconds() + kLastWordsSeconds;
-    while (true) {
+    while (!watch) {
       DTENJAX_RETURN_IF_ERROR(Drain(v, peer));
       if (recv ? v->arrived >= 0 : v->credits > 0) return Status::Ok();
       const double left = until - NowSeconds();
@@ -72,7 +73,11 @@ Status SideAlive(VerbsConn* v, const std::string& peer, bool recv) {
     return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: lost " + peer +
                                                  ": its TCP set-up connection closed (that process "
                                                  "died, aborted the collective or closed its "
-                                                 "communicator)");
+                                                 "communicator)" +
+                                                 (watch ? std::string()
+                                                  : recv ? " before its next frame arrived"
+                                                         : " before it returned this side's "
+                                                           "credit to send"));
   }
   if (v->side_in.stage != InFrame::kHead || v->side_in.got) {
     Counters().rejected_bad_header.fetch_add(1);
@@ -188,7 +193,7 @@ Status VerbsRecvSome(Conn* c, InFrame* f, bool* progress) {
   *progress = false;
   DTENJAX_RETURN_IF_ERROR(Drain(v, c->peer));
   if (v->arrived < 0) {
-    DTENJAX_RETURN_IF_ERROR(SideAlive(v, c->peer, true));
+    DTENJAX_RETURN_IF_ERROR(SideAlive(v, c->peer, true, f->watch));
     if (v->arrived < 0) return Status::Ok();
   }
   const uint8_t* b = static_cast<const uint8_t*>(v->recv_buf);

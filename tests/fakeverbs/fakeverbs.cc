@@ -74,7 +74,7 @@ constexpr uint32_t kPsnMask = 0xffffff;
 constexpr size_t kPktPayload = 32 << 10;
 constexpr int kMaxQpWr = 4096, kMaxSge = 4, kMaxCqe = 65536, kMaxQpRdAtom = 16;
 constexpr uint32_t kMaxMsg = 1u << 31;
-constexpr double kLateCqeSeconds = 0.3;  // the late_cqe fault's delay
+constexpr double kLateSeconds = 0.3;  // the late_cqe and late_ack faults' delay
 constexpr int kSupportedAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
                                  IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC |
                                  IBV_ACCESS_RELAXED_ORDERING;
@@ -242,6 +242,7 @@ struct PktHdr {
   uint32_t offset;  // of this packet's payload in the message
   uint32_t length;  // payload bytes of this packet
   uint8_t first, last, has_imm, solicited;
+  uint8_t late;     // late_ack: the requester takes this acknowledgement kLateSeconds late
 };
 
 struct Wire {
@@ -271,6 +272,9 @@ struct Port {
     bool with_imm, solicited;
   };
   std::vector<Late> late;
+  // late_ack: acknowledgements that reached this port, taken when due (the wire delivered them;
+  // the sender may be gone by then, as a fabric's packets outlive the process that sent them).
+  std::vector<std::pair<double, PktHdr>> late_acks;
 };
 
 Port* g_port = nullptr;
@@ -601,8 +605,9 @@ void RequesterTimers(Port* p, Qp* qp, double now) {
 }
 
 // --- responder ----------------------------------------------------------------------------------
-void Reply(Port* p, Qp* qp, uint8_t type, uint8_t syndrome, uint32_t psn) {
+void Reply(Port* p, Qp* qp, uint8_t type, uint8_t syndrome, uint32_t psn, bool late = false) {
   PktHdr h = Header(p, qp, type);
+  h.late = late;
   h.syndrome = syndrome;
   h.rnr_timer = uint8_t(qp->min_rnr_timer);
   h.psn = psn & kPsnMask;
@@ -630,12 +635,26 @@ void FireFault(Port* p, Qp* qp) {
     g_fault_nak_next = true;
   } else if (f == "exit") {
     _exit(17);
-  }  // late_cqe has already held its completion back (OnRequest)
+  }  // late_cqe and late_ack have already held their completion back (OnRequest)
 }
 
+void OnReply(Port* p, Qp* qp, const PktHdr& h);
+
 // Posts the held-back receive completions that are due (a QP that went to the error state
-// meanwhile flushes its receive; a destroyed one takes it along).
+// meanwhile flushes its receive; a destroyed one takes it along), and takes the late
+// acknowledgements that are due (a QP no longer there or no longer sending ignores them).
 void DeliverLate(Port* p, double now, double* next) {
+  for (auto it = p->late_acks.begin(); it != p->late_acks.end();) {
+    if (it->first > now) {
+      *next = std::min(*next, it->first);
+      ++it;
+      continue;
+    }
+    if (auto q = p->qps.find(it->second.dst_qpn); q != p->qps.end()) {
+      OnReply(p, q->second, it->second);
+    }
+    it = p->late_acks.erase(it);
+  }
   for (auto it = p->late.begin(); it != p->late.end();) {
     if (it->due > now) {
       *next = std::min(*next, it->due);
@@ -759,11 +778,13 @@ void OnRequest(Port* p, Qp* qp, const PktHdr& h, const uint8_t* payload) {
   qp->nak_sent = false;
   if (!h.last) return;
   qp->msg.active = false;
-  Reply(p, qp, kAck, 0, h.psn);  // acknowledged as it is placed, before the application sees it
+  // Acknowledged as it is placed, before the application sees it; late_ack: the acknowledgement
+  // leaves now but its requester takes it kLateSeconds later (after this side may have closed).
+  Reply(p, qp, kAck, 0, h.psn, is_write && g_fault == "late_ack" && g_fault_after == 0);
   if (qp->msg.has_recv && is_write && g_fault == "late_cqe" && g_fault_after == 0) {
     // The requester's completion may come before the responder's (the specification orders
-    // neither): this one reaches the CQ kLateCqeSeconds after the acknowledgement left.
-    p->late.push_back(Port::Late{Now() + kLateCqeSeconds, qp->qp.qp_num, qp->msg.recv,
+    // neither): this one reaches the CQ kLateSeconds after the acknowledgement left.
+    p->late.push_back(Port::Late{Now() + kLateSeconds, qp->qp.qp_num, qp->msg.recv,
                                  uint32_t(qp->msg.total), h.has_imm ? qp->msg.imm : 0,
                                  h.src_qpn, h.has_imm, h.solicited});
   } else if (qp->msg.has_recv) {
@@ -835,6 +856,9 @@ void OnPacket(Port* p, const uint8_t* buf, size_t n) {
   }
   if (h.type == kReq) {
     OnRequest(p, qp, h, buf + sizeof(PktHdr));
+  } else if (h.type == kAck && h.late) {
+    h.late = 0;
+    p->late_acks.emplace_back(Now() + kLateSeconds, h);
   } else {
     OnReply(p, qp, h);
   }
@@ -1783,11 +1807,12 @@ FV_EXPORT int fakeverbs_last_violation(char* buf, int n) {
 // MR loses its keys, as if deregistered), rnr (receive queues look empty: RNR NAKs), cq_overrun
 // (the receiving CQ overruns), wc_error (the next message is answered with a remote operational
 // error NAK), exit (the process exits with status 17), late_cqe (that message is acknowledged at
-// once, its receive completion reaches the CQ kLateCqeSeconds later); "none" disarms. Returns 0,
-// or -1 for an unknown kind.
+// once, its receive completion reaches the CQ kLateSeconds later), late_ack (its receive
+// completion is posted at once, its sender takes the acknowledgement, and so completes the write,
+// kLateSeconds later); "none" disarms. Returns 0, or -1 for an unknown kind.
 FV_EXPORT int fakeverbs_arm(const char* kind, int64_t after) {
   static const char* const kinds[] = {"qp_error", "revoke_mr", "rnr",     "cq_overrun",
-                                      "wc_error", "exit",      "late_cqe"};
+                                      "wc_error", "exit",      "late_cqe", "late_ack"};
   std::lock_guard<std::mutex> lock(g_mu);
   if (kind && std::strcmp(kind, "none") == 0) {
     g_fault.clear();

@@ -17,13 +17,16 @@ import dtenjax.elastic
 import procs
 from dtenjax._src.elastic import launcher
 from tests import helpers
+from tests import compile_only
 from tests.mp_workers import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp_workers", "elastic_worker.py")
 STEPS = 8
 HEARTBEAT_S = 4.0
-FLAGS = "--xla_cpu_max_isa=AVX"     # reproducible_step's CPU flag (docs/reproducibility.md)
+# reproducible_step's CPU flag (docs/reproducibility.md), and LLVM unoptimised: every run's bits
+# are compared with the reference run's in this session, never with a stored digest.
+FLAGS = "--xla_cpu_max_isa=AVX " + compile_only.LLVM_O0_FLAGS
 
 
 def _env(devices):

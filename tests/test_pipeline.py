@@ -23,6 +23,7 @@ import dtenjax
 from dtenjax._src.pipeline import schedule as sched
 from dtenjax.testing import pipeline_model as pm
 from procs import run_at_once
+from tests import compile_only
 from tests.mp_workers import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -233,12 +234,17 @@ def test_loss_and_gradients_match_the_accumulation_loop_within_float_tolerance()
 
 # In this process's fixture: 4 and 8 stages, each with 2 data shards (16 simulated devices), so
 # that one unpipelined step with 2 data shards is the reference of both and of the multi-process
-# test below (each pipelined or unpipelined step costs about 6 s of XLA:CPU compile on the 2-core
-# machine whatever the model's size: some 500 fused kernels, each compiled by LLVM on its own).
+# test below (each pipelined or unpipelined step was about 6 s of XLA:CPU compile on the 2-core
+# machine whatever the model's size: some 500 fused kernels, each compiled by LLVM on its own;
+# _PROCESS_XLA leaves LLVM unoptimised: both tests 33.5 -> 19.7 s of CPU, 51 -> 15 s wall).
 # 24 layers, not the model's 16: 3 stages (the processes below), 4 x 2 chunks (interleaved) and 8
 # stages all divide them; the layers are a lax.scan, so the compile does not grow with them.
 BITS_CONFIGS = ("4x2:interleaved", "8x2:1f1b")
 LAYERS = ["--layers", "24"]
+# The processes' XLA: AVX without FMA (so that no product is contracted into its sum in one
+# program and not in the other), and LLVM unoptimised: the digests are compared within the run,
+# never stored, and each process's compile of ~500 fused kernels is what the tests cost.
+_PROCESS_XLA = "--xla_cpu_max_isa=AVX " + compile_only.LLVM_O0_FLAGS
 
 
 # Session-scoped, not module-scoped: each xdist worker runs its `slow` tests first
@@ -249,7 +255,7 @@ def bits():
   """tests/pipeline_bits.py in a process of its own (forked from the session's servers) with
   --xla_cpu_max_isa=AVX: per configuration the digests of the pipelined and the unpipelined
   step."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16 --xla_cpu_max_isa=AVX",
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16 " + _PROCESS_XLA,
              JAX_PLATFORMS="cpu", PYTHONPATH=launch.pythonpath())
   out = run_at_once({"bits": ([str(ROOT / "tests" / "pipeline_bits.py"), *LAYERS, *BITS_CONFIGS],
                               env)},
@@ -291,7 +297,7 @@ def test_stages_in_separate_processes_give_the_same_bits(bits, tmp_path):
   codes, results, logs = launch.launch(
       "tests.mp_workers.pipeline_worker", nprocs, str(tmp_path), devices_per_proc=2,
       timeout_s=420, args=[*LAYERS, *PROCESS_CONFIGS],
-      env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_max_isa=AVX"})
+      env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2 " + _PROCESS_XLA})
   assert codes == [0] * nprocs, [log[-2000:] for log in logs]
   want = bits["4x2:interleaved"]["reference"]
   for r in results:

@@ -127,10 +127,13 @@ def launch(module: str, nprocs: int, out_dir: str, *, devices_per_proc: int = 1,
   port = free_port()
   root = _root()
   envs = []
+  # The workers' XLA leaves LLVM unoptimised (a test's own XLA_FLAGS in ``env`` replaces it):
+  # they check values, bits between processes of one launch and errors, not XLA's speed.
   for r in range(nprocs):
     e = dict(os.environ)
     e.update({"JAX_PLATFORMS": "cpu",
-              "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}",
+              "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_proc}"
+                           " --xla_backend_optimization_level=0",
               "DTENJAX_TEST_COORDINATOR": f"127.0.0.1:{port}",
               "DTENJAX_TEST_NPROCS": str(nprocs), "DTENJAX_TEST_RANK": str(r),
               "DTENJAX_TEST_OUT": out_dir, "DTENJAX_BIND_ADDRESS": "127.0.0.1",

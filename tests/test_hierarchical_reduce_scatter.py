@@ -287,13 +287,14 @@ def test_each_link_carries_what_the_compiled_program_sends(cpu_devices):
       pytest.approx(inside)
 
 
-def test_with_the_island_axis_not_last_its_island_price_does_not_apply(cpu_devices):
+def test_with_the_island_axis_not_last_it_is_priced_by_the_levels_it_runs_on(cpu_devices):
   """axis_name=("i", "o") on mesh (2, 4) as two hosts of four: the schedule's first stage runs
   over the last axis, here the host axis, so the compiled program sends half the input across
-  the hosts (the island schedule: 1/8), and across 4 hosts of 8 GPUs, axes ("local", "host")
-  make rank l*4 + h device h*8 + l. The island schedule's price does not apply to such a group
-  (its islands are not runs of consecutive ranks): hierarchical is unpriced there, for the
-  all-reduce too, and auto takes another record."""
+  the hosts (the island schedule: 1/8). Without the call's axes such a group (its islands not
+  runs of consecutive ranks) has no island price; with them (a call, ``plan_all_reduce``), the
+  levels are the axes: across 4 hosts of 8 GPUs, axes ("local", "host") run the first stage over
+  the 4 hosts (3/4 of N over RoCE, a latency per peer host) and the second inside one (7/8 of
+  N/4 over NVLink), dearer than the island order, derived by hand."""
   n_bytes = cmt.N
   module = cmt._compiled(cpu_devices, lambda v: dtenjax.reduce_scatter(
       v, ("i", "o"), tiled=True, algorithm="hierarchical"), (8 * (n_bytes // 4),))
@@ -308,9 +309,46 @@ def test_with_the_island_axis_not_last_its_island_price_does_not_apply(cpu_devic
                               costs=cmt.GPU) < math.inf, kind
   nvls = dataclasses.replace(Topology.fixture("roce_a100_4x8"), nvls=True)
   group = [h * 8 + d for d in range(8) for h in range(4)]
+  N = 64 << 20
+  L, Pass, nv_a, nv_b, ro_a, ro_b, local_b = _GPU_TERMS
+  want = ((L + 3 * ro_a + 3 / 4 * N * ro_b) + (L + nv_a + 7 / 8 * (N / 4) * nv_b) + 2 * Pass +
+          (2 * N + 2 * N / 4) * local_b)
+  ch = plan_all_reduce(N, group, nvls, kind="reduce_scatter", axis_sizes=(8, 4))
+  assert ch.times["hierarchical"] == pytest.approx(want, rel=1e-12)
+  island_order = plan_all_reduce(N, list(range(32)), nvls, kind="reduce_scatter",
+                                 axis_sizes=(4, 8))
+  assert island_order.times["hierarchical"] < want / 2
+
+
+# GPU's fixed costs (cmt.GPU), NVLink's and RoCE's links of roce_a100_4x8, the local bandwidth
+_GPU_TERMS = (18e-6, 4e-6, 2.5e-6, 1 / 300e9, 5e-6, 1 / 12.5e9, 1 / 2000e9)
+
+
+def test_an_inner_axis_smaller_than_the_island_leaves_island_mates_in_the_outer_stage():
+  """4 hosts of 8 GPUs, axes (8, 4): the first stage runs inside runs of 4 GPUs of one host
+  (3/4 of N over NVLink), the second over 8 ranks, two per host, whose slowest link is RoCE
+  (7/8 of N/4, a latency per peer). Priced by the islands (8 per host, as without the call's
+  axes) the second stage would move 3/4 of N/8: less than half the bytes it sends."""
+  nvls = dataclasses.replace(Topology.fixture("roce_a100_4x8"), nvls=True)
+  N = 64 << 20
+  L, Pass, nv_a, nv_b, ro_a, ro_b, local_b = _GPU_TERMS
+  want = ((L + nv_a + 3 / 4 * N * nv_b) + (L + 7 * ro_a + 7 / 8 * (N / 4) * ro_b) + 2 * Pass +
+          (2 * N + 2 * N / 4) * local_b)
+  ch = plan_all_reduce(N, list(range(32)), nvls, kind="reduce_scatter", axis_sizes=(8, 4))
+  assert ch.times["hierarchical"] == pytest.approx(want, rel=1e-12)
+  by_islands = cm.collective_time("reduce_scatter", N, list(range(32)), nvls,
+                                  registry.get("hierarchical").cost, costs=cmt.GPU)
+  assert by_islands < 0.6 * want
+  # the all-reduce: the same two levels, the outer one-shot of N/4 over 8 ranks
+  want_ar = (2 * (L + nv_a + 3 / 4 * N * nv_b) + (L + 7 * ro_a + 7 * (N / 4) * ro_b) + 2 * Pass +
+             (3 * N + 2 * 8 * N / 4) * local_b)
+  ar = plan_all_reduce(N, list(range(32)), nvls, kind="all_reduce", axis_sizes=(8, 4))
+  assert ar.times["hierarchical"] == pytest.approx(want_ar, rel=1e-12)
+  # inside one island there is no slow link to spare, whatever the axes
+  one_host = dataclasses.replace(Topology.fixture("dgx_a100_8"), nvls=True)
   for kind in ("reduce_scatter", "all_reduce"):
-    ch = plan_all_reduce(64 << 20, group, nvls, kind=kind, axis_sizes=(8, 4))
-    assert ch.algorithm != "hierarchical", (kind, ch.times)
+    ch = plan_all_reduce(N, list(range(8)), one_host, kind=kind, axis_sizes=(2, 4))
+    assert ch.times["hierarchical"] == math.inf, (kind, ch.times)
 
 
 def test_auto_keeps_xla_on_cpu_and_picks_hierarchical_across_hosts_without_a_pinned_order(

@@ -41,6 +41,8 @@ class Record:
     has_reduce_scatter: whether it implements a reduce-scatter.
     applies: whether it is relevant to the call at all (its backend, a process span); a family
       passes silently over records that do not apply.
+    by_last_axis: its schedule's first stage runs over the call's last axis, so it is priced
+      with the group split by that axis (``costmodel.collective_time``'s ``inner``).
   """
   name: str
   family: str
@@ -49,6 +51,7 @@ class Record:
   supports: Callable[[Call], str | None]
   has_reduce_scatter: bool = True
   applies: Callable[[Call], bool] = lambda call: True
+  by_last_axis: bool = False
 
   def why_not(self, call: Call) -> str | None:
     """None when this record can run ``call``; otherwise the reason (kind checks included)."""
@@ -63,7 +66,8 @@ class Record:
     return costmodel.collective_time(
         call.kind, int(call.nbytes), list(group), topology, self.cost,
         reproducible=call.contract,
-        itemsize=call.itemsize, contributions=call.contributions, costs=costs)
+        itemsize=call.itemsize, contributions=call.contributions, costs=costs,
+        inner=call.axis_sizes[-1] if self.by_last_axis and len(call.axis_sizes) > 1 else None)
 
 
 # --- xla: XLA's own psum / psum_scatter ----------------------------------------------------------
@@ -206,20 +210,27 @@ def _hierarchical_supports(call: Call) -> str | None:
 
 
 def _island_split(t: costmodel.Terms) -> costmodel.Split | None:
-  """The group's island split where every island is a run of consecutive ranks: the schedule's
-  first stage runs over the last axis of ``axis_name``, so only then are its first stage's peers
-  an island's (with the islands' axis first, ``("local", "host")``, it would run across the
-  islands); else None."""
-  s = t.split()
-  if s is None or not _islands_consecutive(tuple(t.group), t.topology, s.k):
+  """The two levels the schedule runs on, where the group spans several islands (else None: no
+  slow link to spare). With the call's last axis known (``t.inner``), the group split by it;
+  else the group's island split where every island is a run of consecutive ranks (the
+  schedule's first stage runs over the last axis of ``axis_name``, so only then are its first
+  stage's peers an island's; with the islands' axis first, ``("local", "host")``, it would run
+  across the islands), and None otherwise."""
+  islands = _islands(tuple(t.group), t.topology)
+  if islands is None:
     return None
-  return s
+  if t.inner is not None:
+    return t.split()
+  s = t.split()
+  return s if all(frozenset(t.group[j:j + s.k]) in islands
+                  for j in range(0, len(t.group), s.k)) else None
 
 
 @functools.lru_cache(maxsize=4096)
-def _islands_consecutive(group: tuple[int, ...], topology, k: int) -> bool:
-  islands = {frozenset(p) for p in costmodel.island_groups(group, topology)}
-  return all(frozenset(group[j:j + k]) in islands for j in range(0, len(group), k))
+def _islands(group: tuple[int, ...], topology) -> frozenset | None:
+  """The islands of ``group``'s proper island split, as sets, or None without one."""
+  parts = costmodel.island_groups(group, topology)
+  return None if parts is None else frozenset(frozenset(p) for p in parts)
 
 
 def _hierarchical_all_reduce(t: costmodel.Terms, N: float) -> float:
@@ -228,7 +239,7 @@ def _hierarchical_all_reduce(t: costmodel.Terms, N: float) -> float:
   s = _island_split(t)
   if s is None:
     return costmodel.INF
-  inner = 2 * (t.L + s.ia + (s.k - 1) / s.k * N * s.ib)
+  inner = 2 * (t.L + s.inner_hops * s.ia + (s.k - 1) / s.k * N * s.ib)
   outer = t.L + s.outer_hops * s.oa + (s.m - 1) * (N / s.k) * s.ob
   return inner + outer + 2 * t.P + (3 * N + 2 * s.m * N / s.k) * t.m
 
@@ -241,7 +252,7 @@ def _hierarchical_reduce_scatter(t: costmodel.Terms, N: float) -> float:
   s = _island_split(t)
   if s is None:
     return costmodel.INF
-  inner = t.L + s.ia + (s.k - 1) / s.k * N * s.ib
+  inner = t.L + s.inner_hops * s.ia + (s.k - 1) / s.k * N * s.ib
   outer = t.L + s.outer_hops * s.oa + (s.m - 1) / s.m * (N / s.k) * s.ob
   return inner + outer + 2 * t.P + (2 * N + 2 * N / s.k) * t.m
 
@@ -251,7 +262,7 @@ HIERARCHICAL = Record(
     order="sum over outer ranks (in order) of the inner-axis sums (ranks 0..m-1)",
     cost=costmodel.Cost(all_reduce=_hierarchical_all_reduce,
                         reduce_scatter=_hierarchical_reduce_scatter),
-    supports=_hierarchical_supports)
+    supports=_hierarchical_supports, by_last_axis=True)
 
 
 # --- butterfly: recursive halving, then an all-gather --------------------------------------------

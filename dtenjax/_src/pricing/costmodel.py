@@ -51,6 +51,7 @@ from dtenjax._src import contract as contract_lib
 from dtenjax._src import errors
 from dtenjax._src.contract import Contract
 from dtenjax._src.topology.model import INTRA_HOST
+from dtenjax._src.topology.model import LINK_ORDER
 from dtenjax._src.topology.model import Topology
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "ppermute")
@@ -245,8 +246,9 @@ def _island_of(topology: Topology) -> dict[int, tuple[int, ...]]:
 
 
 class Split(NamedTuple):
-  """A proper island split of a group: ``k`` devices per island, ``m`` islands, the inner and
-  outer links, and the hops of a message across islands (1 inside a host, m - 1 across)."""
+  """A proper two-level split of a group: ``k`` devices per inner group, ``m`` groups, the inner
+  and outer links, and the hops of a message across the groups (1 inside a host, m - 1 across)
+  and inside one (1, or k - 1 where an inner group spans hosts)."""
   k: int
   m: int
   ia: float
@@ -254,6 +256,7 @@ class Split(NamedTuple):
   oa: float
   ob: float
   outer_hops: int
+  inner_hops: int = 1
 
 
 class Terms:
@@ -265,8 +268,9 @@ class Terms:
   ``m`` local seconds per byte; ``f`` seconds per float byte of the fixed-point conversion.
   """
 
-  def __init__(self, group: Sequence[int], topology: Topology, costs: BackendCosts | None):
-    self.group, self.topology = list(group), topology
+  def __init__(self, group: Sequence[int], topology: Topology, costs: BackendCosts | None,
+               inner: int | None = None):
+    self.group, self.topology, self.inner = list(group), topology, inner
     self.n = len(group)
     self._split: Split | None | bool = False         # not computed yet (:meth:`split`)
     self.cls, spec = topology.slowest_link(group)
@@ -283,9 +287,12 @@ class Terms:
     self.f = 1.0 / (self.costs.fixed_point_gbps * 1e9)
 
   def split(self) -> Split | None:
-    """The group's proper island split (:func:`island_groups`) with its links, or None."""
+    """The group's proper island split (:func:`island_groups`) with its links, or None; with
+    ``inner`` (the size of the call's last axis: a two-level schedule's first stage runs over
+    it), the split by that axis instead (:func:`_axis_split`)."""
     if self._split is False:
-      self._split = _split(tuple(self.group), self.topology)
+      self._split = (_split(tuple(self.group), self.topology) if self.inner is None else
+                     _axis_split(tuple(self.group), self.topology, self.inner))
     return self._split
 
 
@@ -305,10 +312,36 @@ def _split(group: tuple[int, ...], topology: Topology) -> Split | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _terms(group: tuple[int, ...], topology: Topology, costs: BackendCosts) -> Terms:
-  """The :class:`Terms` of ``group`` under ``costs``, made once per (group, topology, costs):
-  they depend on nothing else (a :class:`Terms` is read, never written, by the formulas)."""
-  return Terms(group, topology, costs)
+def _axis_split(group: tuple[int, ...], topology: Topology, inner: int) -> Split | None:
+  """The split of ``group`` (rank ``o * inner + i``) by its last axis of size ``inner``: the
+  inner groups are runs of ``inner`` consecutive ranks, the outer ones the ranks of one inner
+  index; each level's links are the slowest of its groups (an inner axis smaller than a host's
+  island leaves island-mates in the outer stage, which then runs on the slowest link among them;
+  a larger one runs the inner stage across hosts). None where a level would have one rank."""
+  n = len(group)
+  if inner < 2 or n % inner or n // inner < 2:
+    return None
+  (icls, ispec), (ocls, ospec) = (
+      _slowest(topology, [group[j:j + inner] for j in range(0, n, inner)]),
+      _slowest(topology, [group[i::inner] for i in range(inner)]))
+  m = n // inner
+  return Split(inner, m, ispec.alpha, ispec.beta, ospec.alpha, ospec.beta,
+               1 if ocls in INTRA_HOST else m - 1, 1 if icls in INTRA_HOST else inner - 1)
+
+
+def _slowest(topology: Topology, groups: Sequence[Sequence[int]]):
+  """The slowest ``(class, spec)`` of :meth:`Topology.slowest_link` over ``groups``."""
+  return max((topology.slowest_link(list(g)) for g in groups),
+             key=lambda cs: LINK_ORDER.index(cs[0]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _terms(group: tuple[int, ...], topology: Topology, costs: BackendCosts,
+           inner: int | None = None) -> Terms:
+  """The :class:`Terms` of ``group`` under ``costs`` (and the call's last-axis size, for a
+  two-level schedule), made once per (group, topology, costs, inner): they depend on nothing
+  else (a :class:`Terms` is read, never written, by the formulas)."""
+  return Terms(group, topology, costs, inner)
 
 
 def _platform(group: Sequence[int], topology: Topology) -> str:
@@ -407,8 +440,8 @@ _MOVES = ("all_gather", "all_to_all", "ppermute")
 
 def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topology,
                     cost: Cost = XLA, *, reproducible: Contract | bool | str = Contract.NONE,
-                    itemsize: int = 4,
-                    contributions: int = 1, costs: BackendCosts | None = None) -> float:
+                    itemsize: int = 4, contributions: int = 1,
+                    costs: BackendCosts | None = None, inner: int | None = None) -> float:
   """Estimated seconds for one collective.
 
   Args:
@@ -423,6 +456,8 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
       ``itemsize``-byte floats (or a public ``reproducible=`` value, parsed by
       ``contract.parse``), with ``contributions`` stacked per device (``local_axis``).
     costs: override the backend's fixed costs (default: :func:`backend_costs`).
+    inner: the size of the call's last axis, for a schedule whose first stage runs over it
+      (``hierarchical``): its two levels are then that axis and the rest, not the islands.
   """
   _check(kind, cost, nbytes)
   n = len(group)
@@ -434,7 +469,7 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
     if measured is not None:
       return measured
   t = _terms(tuple(group), topology,
-             costs if costs is not None else backend_costs(_platform(group, topology)))
+             costs if costs is not None else backend_costs(_platform(group, topology)), inner)
   if kind == "ppermute":
     return t.L + t.a + nbytes * t.b
   if kind == "all_to_all":

@@ -229,6 +229,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # (d, vocab) are sized apart where their layouts differ (lookup_gradient)
   grad_sizes: dict[tuple[int, ...], list[float]] = {}
   turned: dict[tuple[int, ...], list[float]] = {}
+  # the leaves' shards by shape (and reversed): the optimizer's update values (Live.update)
+  shard_sizes: dict[tuple[int, ...], list[float]] = {}
   outputs: list[float] = []
   reduced = 0.0       # whole gradients a batch axis reduces and a layout then shards
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
@@ -254,6 +256,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
                   else primary.nbytes / t_shard)
     grad_sizes.setdefault(primary.shape, []).append(per_device)
     turned.setdefault(tuple(reversed(primary.shape)), []).append(per_device)
+    for shape in (primary.shape, tuple(reversed(primary.shape))):
+      shard_sizes.setdefault(shape, []).append(primary.nbytes / shards)
     if zero and per_device > primary.nbytes / shards:
       reduced += per_device
     if not prob.donate:
@@ -276,7 +280,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if v.gpu_start is not None and not cpu:  # made at its own equation on XLA:GPU
       v = dataclasses.replace(v, start=v.gpu_start)
     if v.grad is not None:
-      sizes = grad_sizes.get(v.grad) or turned.get(v.grad)
+      sizes = (shard_sizes.get(v.grad) if v.update else
+               grad_sizes.get(v.grad) or turned.get(v.grad))
       nb = sum(sizes) / len(sizes) if sizes else v.nbytes / bdiv
     else:
       nb = v.nbytes / bdiv
@@ -389,7 +394,7 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict, reduced: float
   an FSDP layout then slices), when the backward's last gradient has been made; the gathered
   weights kept for the backward (``gathered``) are dead by then. Adds both to ``events``
   (time -> (activations, gradients, gathered) deltas)."""
-  ends = [v.start for v in graph.timeline if v.grad is not None]
+  ends = [v.start for v in graph.timeline if v.grad is not None and not v.update]
   if not ends:
     return
   after = max(ends) + 1          # the reduction runs once the last gradient has been made

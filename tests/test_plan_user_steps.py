@@ -110,12 +110,7 @@ def optax_chain():
   sched = optax.warmup_cosine_decay_schedule(0.0, _LR, 10, 100)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=1e-2))
   p = _mlp_params()
-  why = ("on an FSDP plan XLA:CPU reduces the gradients in three all-reduces interleaved with the "
-         "global norm's partial sums (each norm's scalar combined with the next gradient's "
-         "reduction), so the reduced gradients never live beside all the unreduced ones; the "
-         "model's single combined all-reduce after the backward holds both: one whole "
-         "gradient's bytes over (256 KiB of 1.2 MiB here)")
-  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()), unpriced={"memory": (None, why)})
+  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()))
 
 
 def optax_multisteps():
@@ -658,12 +653,7 @@ def adafactor():
   column vector per matrix)."""
   tx = optax.adafactor(_LR)
   p = _mlp_params()
-  why = ("on an FSDP plan XLA:CPU reduces each weight's gradient in an all-reduce of its own "
-         "(each joined with a scalar sum), so the reduced gradients never live "
-         "beside all the unreduced ones; the model's single combined all-reduce after the "
-         "backward holds both: one whole gradient's bytes over (256 KiB of 0.75 MiB of "
-         "temporaries here)")
-  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()), unpriced={"memory": (None, why)})
+  return Case(_sgd_step(_mse, tx), (p, tx.init(p), _xy()))
 
 
 class _ScannedBlock(nn.Module):

@@ -251,6 +251,41 @@ def _from_gradients(jaxpr, state_shapes: set) -> tuple[set[Any], set[Any]]:
   return from_grads, read_by_products
 
 
+def update_reduces(jaxpr, leaves: Sequence[Any]) -> bool:
+  """Whether the optimizer's update sums a value it computes from the weights' gradients
+  (``clip_by_global_norm``'s norm, adafactor's factored means). On a layout that shards the
+  weights over a batch axis the update runs on each leaf's shard, so each such sum is an
+  all-reduce that reads a reduced gradient: XLA's combiner joins no all-reduce with one it
+  depends on, so it reduces the gradients one at a time, each joined with the sum of the one
+  before (XLA:CPU's compiles of optax_chain and adafactor in tests/test_plan_user_steps.py: two
+  gradient all-reduces, each of one gradient and a scalar), not in one combined all-reduce after
+  the backward (solver._combined_reduction). A reduction of another kind is all-reduced apart
+  from the sums (apply_if_finite's ``reduce_and`` of ``is_finite``: XLA combines the gradients'
+  sums into one all-reduce there)."""
+  state_shapes = {lf.shape for lf in leaves if not lf.is_batch and len(lf.shape) >= 2}
+  from_grads, _ = _from_gradients(jaxpr, state_shapes)
+  return any(eqn.primitive.name == "reduce_sum" and
+             any(is_var(v) and v in from_grads for v in eqn.invars) for eqn in jaxpr.eqns)
+
+
+def weight_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[tuple[int, bool], ...]]:
+  """State leaf index -> the equations of ``jaxpr``'s top level that read it, or a value made
+  from it by reshapes, transposes and casts (where a layout gathers it, the readers of its
+  gathered copy), each with whether it is a product (solver._combined_reduction)."""
+  made_from: dict[Any, int] = {v: lf.index for lf, v in zip(leaves, jaxpr.invars)
+                               if not lf.is_batch}
+  reads: dict[int, list[tuple[int, bool]]] = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if is_var(v) and v in made_from:
+        k = made_from[v]
+        if not reads.get(k) or reads[k][-1][0] != i:
+          reads.setdefault(k, []).append((i, eqn.primitive.name in _PRODUCTS))
+        if eqn.primitive.name in _RESHAPES or eqn.primitive.name == "transpose":
+          made_from.update((o, k) for o in eqn.outvars)
+  return {k: tuple(v) for k, v in reads.items()}
+
+
 def _heap_slots(jaxpr, state_shapes: set, lives: list) -> dict[Any, heapslot.Slot]:
   """Appends to ``lives`` a slot entry per vocabulary chain of ``jaxpr`` (heapslot.find) whose
   pad the timeline holds: the sliced value's bytes, live with the pad's buffer; returns each

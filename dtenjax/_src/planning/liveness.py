@@ -38,6 +38,7 @@ _FUSIBLE = ELEMENTWISE | frozenset(
 # XLA:CPU gives an op to YNNPACK only where it or an operand has this many elements
 # (IsInstructionPreferredByYnn's kMinElements)
 YNN_MIN_ELEMENTS = 4096
+_PRODUCTS = frozenset(("dot_general", "conv_general_dilated"))
 # ops that only change a value's shape or type (a broadcast's size-1 dimensions)
 _RESHAPES = frozenset("broadcast_in_dim reshape squeeze expand_dims convert_element_type".split())
 _FUSED_INTO_CONSUMERS = _FUSIBLE | frozenset(
@@ -103,6 +104,11 @@ class Live:
   # equation on XLA:GPU (the later start moved its compiled rows of
   # tests/data/xla_gpu_mock8.json further under: moe FSDP -2.3 % -> -6.4 %); None where they agree
   gpu_start: int | None = None
+  # a value of a state leaf's shape (``grad``) that the optimizer's update computes from a
+  # weight's gradient (:func:`_update_values`): XLA's partitioner reduces the gradient before
+  # it and runs the update on the leaf's shard, so it is sized as the leaf's shard, not as the
+  # whole gradient, and lives until its last use
+  update: bool = False
   # not a value: the fourth heap slot XLA:CPU may give a sliced loss's vocabulary chain, one
   # buffer of the slice's size beside the pad's (heapslot.Slot: what decides it per layout);
   # the solver prices it on the CPU only, where heapslot.holds_a_fourth says so
@@ -181,6 +187,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
               gpu_ends=gpu_ends, expanded_rows=expanded_rows, call_results=call_results,
               gpu_starts=gpu_starts, scaled=scaled)
   slots = _heap_slots(jaxpr, state_shapes, lives)
+  updates = _update_values(jaxpr, state_shapes)
   folded = _folded_transposes(jaxpr)
   gemms = _gemms(jaxpr)
   act_share = cone_shares(cones, counted, sum(counted.values()))
@@ -199,9 +206,84 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
                 gpu_end=gpu_ends.get(v) if gpu_ends.get(v, end) != end else None,
                 folded=v in folded, expands=expands, expands_leaf=expands_leaf, gemm=gemm,
                 gemm_sum_at=gemm_sum_at, call_result=body and v in call_results,
-                gpu_start=gpu_starts.get(v), slot=slots.get(v), scaled_by=scaled.get(v))
+                gpu_start=gpu_starts.get(v), slot=slots.get(v), scaled_by=scaled.get(v),
+                update=grad is not None and v in updates)
   timeline = tuple(live(*entry) for entry in lives)
   return int(act), act_share, timeline
+
+
+def _update_values(jaxpr, state_shapes: set) -> set[Any]:
+  """The values of a state leaf's shape that the optimizer's update computes from the weights'
+  gradients (:func:`_from_gradients`): an elementwise op's or a ``lax.cond``'s
+  (``optax.apply_if_finite``'s branch) results, that no product reads, and that are not the
+  gradient's own making (a transpose, the sum of a shared weight's gradients). XLA's
+  partitioner all-reduces (or reduce-scatters) a gradient where its product makes it and
+  propagates the leaf's sharding into the update's elementwise work, so these are the leaf's
+  shard on every device: the updates apply_if_finite's branch returns are ``[16, 512]`` f32
+  slices of w1's ``[128, 512]`` on an FSDP 8 step in XLA:CPU's compile, where the model sized
+  them whole (its gradient term was 1 MiB, XLA's temporaries 1.0 MiB in all)."""
+  def state(v) -> bool:
+    shape = tuple(getattr(v.aval, "shape", ()))
+    return shape in state_shapes or tuple(reversed(shape)) in state_shapes
+  from_grads, read_by_products = _from_gradients(jaxpr, state_shapes)
+  out: set[Any] = set()
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if ((name == "cond" or (name in ELEMENTWISE and name != "add_any")) and
+        any(is_var(v) and v in from_grads for v in eqn.invars)):
+      out.update(o for o in eqn.outvars if state(o))
+  return out - read_by_products
+
+
+def _from_gradients(jaxpr, state_shapes: set) -> tuple[set[Any], set[Any]]:
+  """The values ``jaxpr`` computes from a weight's gradient (a product's result of a state
+  leaf's shape that no product reads), through any ops but products; and the values products
+  read."""
+  read_by_products = {v for eqn in jaxpr.eqns if eqn.primitive.name in _PRODUCTS
+                      for v in eqn.invars if is_var(v)}
+  from_grads: set[Any] = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in _PRODUCTS:
+      from_grads.update(o for o in eqn.outvars if o not in read_by_products and (
+          tuple(o.aval.shape) in state_shapes or tuple(reversed(o.aval.shape)) in state_shapes))
+    elif any(is_var(v) and v in from_grads for v in eqn.invars):
+      from_grads.update(eqn.outvars)
+  return from_grads, read_by_products
+
+
+def update_reduces(jaxpr, leaves: Sequence[Any]) -> bool:
+  """Whether the optimizer's update sums a value it computes from the weights' gradients
+  (``clip_by_global_norm``'s norm, adafactor's factored means). On a layout that shards the
+  weights over a batch axis the update runs on each leaf's shard, so each such sum is an
+  all-reduce that reads a reduced gradient: XLA's combiner joins no all-reduce with one it
+  depends on, so it reduces the gradients one at a time, each joined with the sum of the one
+  before (XLA:CPU's compiles of optax_chain and adafactor in tests/test_plan_user_steps.py: two
+  gradient all-reduces, each of one gradient and a scalar), not in one combined all-reduce after
+  the backward (solver._combined_reduction). A reduction of another kind is all-reduced apart
+  from the sums (apply_if_finite's ``reduce_and`` of ``is_finite``: XLA combines the gradients'
+  sums into one all-reduce there)."""
+  state_shapes = {lf.shape for lf in leaves if not lf.is_batch and len(lf.shape) >= 2}
+  from_grads, _ = _from_gradients(jaxpr, state_shapes)
+  return any(eqn.primitive.name == "reduce_sum" and
+             any(is_var(v) and v in from_grads for v in eqn.invars) for eqn in jaxpr.eqns)
+
+
+def weight_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[tuple[int, bool], ...]]:
+  """State leaf index -> the equations of ``jaxpr``'s top level that read it, or a value made
+  from it by reshapes, transposes and casts (where a layout gathers it, the readers of its
+  gathered copy), each with whether it is a product (solver._combined_reduction)."""
+  made_from: dict[Any, int] = {v: lf.index for lf, v in zip(leaves, jaxpr.invars)
+                               if not lf.is_batch}
+  reads: dict[int, list[tuple[int, bool]]] = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if is_var(v) and v in made_from:
+        k = made_from[v]
+        if not reads.get(k) or reads[k][-1][0] != i:
+          reads.setdefault(k, []).append((i, eqn.primitive.name in _PRODUCTS))
+        if eqn.primitive.name in _RESHAPES or eqn.primitive.name == "transpose":
+          made_from.update((o, k) for o in eqn.outvars)
+  return {k: tuple(v) for k, v in reads.items()}
 
 
 def _heap_slots(jaxpr, state_shapes: set, lives: list) -> dict[Any, heapslot.Slot]:

@@ -155,6 +155,12 @@ class StepGraph:
   # products between the last of them before its first product and that product (global, per
   # step; absent where none comes before it): the compute its FSDP gather waits for
   meetings: tuple[Meeting, ...] = ()
+  # the optimizer's update reduces values it computes from the gradients (a global norm):
+  # XLA:CPU then reduces the gradients one at a time (liveness.update_reduces)
+  update_reduces: bool = False
+  # state leaf -> the top-level equations that read it, each with whether it is a product
+  # (liveness.weight_reads): a gathered copy only the forward's product reads is freed there
+  weight_reads: dict[int, tuple[tuple[int, bool], ...]] = dataclasses.field(default_factory=dict)
   since_meeting: dict[int, float] = dataclasses.field(default_factory=dict)
   # the leaves no equation the step's results need reads, nor a result is: jax.jit leaves them
   # out of the program it compiles (keep_unused=False), so they are no argument of it
@@ -317,6 +323,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    products=reader.products, token_bytes=reader.token_bytes,
                    token_share=_token_share(reader, {**cones, **reduced}),
                    sequence=sequence_lib.read(closed.jaxpr, leaves),
+                   update_reduces=liveness.update_reduces(jaxpr, leaves),
+                   weight_reads=liveness.weight_reads(jaxpr, leaves),
                    meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings),
                    unread=frozenset(leaf.index for leaf, v in zip(leaves, jaxpr.invars)
                                     if v not in read))

@@ -241,7 +241,8 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   budget = _budget(topology, ids, memory_budget)
   if overlap is None:
     overlap = costmodel.backend_costs(topology.device(ids[0]).platform).overlap
-  price = registry.AllReducePrices()        # each distinct all-reduce priced once
+  # each distinct all-reduce priced once, as XLA's own: the planned step's are those XLA inserts
+  price = registry.AllReducePrices(registry.xla_all_reduce_time)
   ordered = order(topology, ids)
   problems: list[tuple[tuple[int, int, int], Problem]] = []
   staged: list[tuple[tuple[int, ...], CandidateMesh]] = []

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from dtenjax._src import errors
 from dtenjax._src.pricing import algorithms
+from dtenjax._src.pricing import costmodel
 from dtenjax._src.pricing.calls import Call
 from dtenjax._src.topology.model import Topology
 
@@ -93,7 +94,8 @@ def choose(call: Call, group: Sequence[int], topology: Topology) -> AlgorithmCho
 
 def all_reduce_time(nbytes: int, group: Sequence[int], axis_sizes: Sequence[int],
                     topology: Topology, dtype) -> float:
-  """The planner's price of an all-reduce: the cost of what ``algorithm="auto"`` picks for a sum
+  """The per-array planner's price of an all-reduce (its arrays are reduced by
+  ``dtenjax.all_reduce``): the cost of what ``algorithm="auto"`` picks for a sum
   of ``nbytes`` of ``dtype`` per participant over the device ids ``group`` (rank order) split
   into mesh axes of ``axis_sizes``, with ``all_reduce``'s defaults (deterministic, no
   reproducible contract; XLA's collectives reach every process of the group, as they do where a
@@ -118,13 +120,23 @@ def _where(group: tuple[int, ...], topology: Topology) -> tuple[str, int]:
   return infos[0].platform, len({d.process_index for d in infos})
 
 
-class AllReducePrices:
-  """:func:`all_reduce_time` with its answers kept: one planning prices the same all-reduce
-  (bytes, group, dtype) on many candidate layouts and meshes. Keep one for one planning only: a
-  price also reads the process's settings (``DTENJAX_COST_PARAMS``, the NVLink kernels'
-  availability), which may change between plans."""
+def xla_all_reduce_time(nbytes: int, group: Sequence[int], axis_sizes: Sequence[int],
+                        topology: Topology, dtype) -> float:
+  """XLA's own all-reduce of ``nbytes`` per participant over ``group`` (the whole-step planner's
+  price: a planned step's all-reduces are the ones XLA inserts, whatever ``algorithm="auto"``
+  would pick for a ``dtenjax.all_reduce`` of the same call); the signature of
+  :func:`all_reduce_time`."""
+  return costmodel.collective_time("all_reduce", int(nbytes), list(group), topology)
 
-  def __init__(self):
+
+class AllReducePrices:
+  """An all-reduce price (default :func:`all_reduce_time`) with its answers kept: one planning
+  prices the same all-reduce (bytes, group, dtype) on many candidate layouts and meshes. Keep one
+  for one planning only: a price also reads the process's settings (``DTENJAX_COST_PARAMS``,
+  the NVLink kernels' availability), which may change between plans."""
+
+  def __init__(self, price=None):
+    self._price = price if price is not None else all_reduce_time
     self._times: dict[tuple, float] = {}
 
   def __call__(self, nbytes: int, group: Sequence[int], axis_sizes: Sequence[int],
@@ -132,5 +144,5 @@ class AllReducePrices:
     key = (int(nbytes), tuple(group), tuple(axis_sizes), topology, str(dtype))
     t = self._times.get(key)
     if t is None:
-      t = self._times[key] = all_reduce_time(nbytes, group, axis_sizes, topology, dtype)
+      t = self._times[key] = self._price(nbytes, group, axis_sizes, topology, dtype)
     return t

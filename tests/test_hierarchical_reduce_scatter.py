@@ -298,10 +298,15 @@ def test_with_the_island_axis_not_last_it_is_priced_by_the_levels_it_runs_on(cpu
   n_bytes = cmt.N
   module = cmt._compiled(cpu_devices, lambda v: dtenjax.reduce_scatter(
       v, ("i", "o"), tiled=True, algorithm="hierarchical"), (8 * (n_bytes // 4),))
-  across, _ = cmt._split_by_host(module)
+  across, inside = cmt._split_by_host(module)
   assert across == pytest.approx(1 / 2 * n_bytes)
+  assert inside == pytest.approx(3 / 4 * n_bytes / 2)   # the second stage: 3/4 of the half kept
   cost = registry.get("hierarchical").cost
   transposed = [cmt.HOSTS2[o * 4 + i] for i in range(4) for o in range(2)]
+  # with the call's last axis (the 2 hosts) the formula's links carry what the program sends
+  for link, got in (("roce", across), ("nvlink", inside)):
+    assert cmt._d("reduce_scatter", cost, transposed, cmt.ROCE, link, "bytes", inner=2) == \
+        pytest.approx(got), link
   for kind in ("reduce_scatter", "all_reduce"):
     assert cm.collective_time(kind, n_bytes, transposed, cmt.ROCE, cost,
                               costs=cmt.GPU) == math.inf, kind

@@ -267,6 +267,35 @@ def test_a_peer_that_closes_right_after_its_last_exchange_loses_no_frame(fake, f
     close_all(comms)
 
 
+def test_a_refused_last_write_is_reported_as_that_write_s_failure(fake):
+  """The device refuses the last RDMA write of an all-reduce (revoke_mr, fired by the write before
+  it: the receive slabs lose their keys). Its sender, whose receives are all in, waits with that
+  frame in flight; the failed completion may be taken by the ring's look backwards at the next
+  rank (the same completion queue), which lets an error pass while the last frame is in flight
+  (the next rank may have closed after taking it). The connection keeps that failure for the send
+  side: some rank reports the write's own IBV_WC_REM_ACCESS_ERR, not only the flushed receives
+  its QP's error state leaves behind. Three rings: where the completion lands depends on when the
+  sender's thread looks."""
+  xs = _inputs(2, 3000, np.float32, seed=7)
+  for _ in range(3):
+    comms = _ring(2, timeout_s=20)
+    try:
+      _, errs, _ = _all_reduce(comms, xs)   # the first collective also checks the ring's set-up
+      assert errs == [None, None], errs
+      before = fake.counters()["writes_received"]
+      _, errs, _ = _all_reduce(comms, xs)
+      assert errs == [None, None], errs
+      frames = fake.counters()["writes_received"] - before   # the RDMA writes of one all_reduce
+      fake.arm("revoke_mr", frames - 2)    # fires once the last write but one is placed
+      outs, errs, seconds = _all_reduce(comms, xs)
+      assert all(isinstance(e, errors.TransportError) for e in errs), (outs, errs)
+      text = " | ".join(str(e) for e in errs)
+      assert "the RDMA write of a frame to rank" in text and "IBV_WC_REM_ACCESS_ERR" in text, text
+      assert seconds < 5, seconds
+    finally:
+      close_all(comms)
+
+
 def _capture(fn):
   try:
     fn()

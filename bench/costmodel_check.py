@@ -65,9 +65,11 @@ def main(argv=None) -> int:
     if formula is None:
       continue
     topology = _topology(args, r["world"], platform)
+    # hierarchical's two levels are the call's axes: bench/allreduce.py's 2-D mesh (2, world / 2)
     pred = costmodel.collective_time("all_reduce", r["size"], list(range(r["world"])), topology,
                                      costmodel.algorithm(formula).cost,
-                                     itemsize=4 if r["type"] == "float32" else 2)
+                                     itemsize=4 if r["type"] == "float32" else 2,
+                                     inner=r["world"] // 2 if formula == "hierarchical" else None)
     ratio = pred / (r["time_us"] * 1e-6)
     bad += not 0.5 <= ratio <= 2.0
     out.append(dict(size=r["size"], candidate=r["algorithm"], formula=formula,

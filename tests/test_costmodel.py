@@ -423,6 +423,35 @@ def test_gpu_predictions_stay_within_2x_of_the_h200_pair_measurements(capsys):
     assert "40 of 40 predictions within 2x" in capsys.readouterr().out
 
 
+def test_the_check_prices_hierarchical_on_the_mesh_bench_allreduce_ran_it_on(tmp_path, capsys):
+  """bench/allreduce.py runs hierarchical on its 2-D mesh, (2, world / 2) with axes ("o", "i"):
+  on 4 hosts of 8 the first stage runs over 16 ranks of two hosts (15/16 of N over RoCE, a
+  latency per peer, twice), the second over 2 ranks on two hosts (one-shot of N/16). A row
+  measured at exactly that price is predicted at ratio 1.00; priced by the islands (8 per host,
+  as without the mesh's axes) it would be predicted at a quarter of it."""
+  import pathlib
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[1]
+  sys.path.insert(0, str(root / "bench"))
+  import _harness
+  import costmodel_check
+  size = 64 << 20
+  L, Pass = 18e-6, 4e-6                                # the GPU's fixed costs (GPU above)
+  want = (2 * (L + 15 * ROCE_A + 15 / 16 * size / ROCE_BW) + (L + ROCE_A + size / 16 / ROCE_BW) +
+          2 * Pass + (3 * size + 2 * 2 * size / 16) / LOCAL_BW)
+  row = dict(_harness.nccl_columns(size, "float32", want, 32), algorithm="hierarchical",
+             world=32, procs=4, backend="gpu", chain=16)
+  path = tmp_path / "r.json"
+  _harness.write_json(str(path), _harness.document("allreduce", "bench/allreduce.py", [],
+                                                   {"mesh": "2d"}, [row]))
+  capsys.readouterr()
+  assert costmodel_check.main([str(path), "--fixture", "roce_a100_4x8"]) == 0, capsys.readouterr()
+  out = capsys.readouterr().out
+  assert "1 of 1 predictions within 2x" in out
+  assert any(ln.split()[:2] == [str(size), "hierarchical"] and ln.split()[-1] == "1.00"
+             for ln in out.splitlines()), out
+
+
 def test_cost_params_file_is_versioned_and_checked(tmp_path, monkeypatch):
   """DTENJAX_COST_PARAMS: format dtenjax.cost-params/1 (absent: read as that), numbers only; the
   shipped JSON Schema accepts and refuses the same files."""

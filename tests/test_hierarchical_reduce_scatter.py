@@ -298,10 +298,15 @@ def test_with_the_island_axis_not_last_it_is_priced_by_the_levels_it_runs_on(cpu
   n_bytes = cmt.N
   module = cmt._compiled(cpu_devices, lambda v: dtenjax.reduce_scatter(
       v, ("i", "o"), tiled=True, algorithm="hierarchical"), (8 * (n_bytes // 4),))
-  across, _ = cmt._split_by_host(module)
+  across, inside = cmt._split_by_host(module)
   assert across == pytest.approx(1 / 2 * n_bytes)
+  assert inside == pytest.approx(3 / 4 * n_bytes / 2)   # the second stage: 3/4 of the half kept
   cost = registry.get("hierarchical").cost
   transposed = [cmt.HOSTS2[o * 4 + i] for i in range(4) for o in range(2)]
+  # with the call's last axis (the 2 hosts) the formula's links carry what the program sends
+  for link, got in (("roce", across), ("nvlink", inside)):
+    assert cmt._d("reduce_scatter", cost, transposed, cmt.ROCE, link, "bytes", inner=2) == \
+        pytest.approx(got), link
   for kind in ("reduce_scatter", "all_reduce"):
     assert cm.collective_time(kind, n_bytes, transposed, cmt.ROCE, cost,
                               costs=cmt.GPU) == math.inf, kind
@@ -349,6 +354,38 @@ def test_an_inner_axis_smaller_than_the_island_leaves_island_mates_in_the_outer_
   for kind in ("reduce_scatter", "all_reduce"):
     ch = plan_all_reduce(N, list(range(8)), one_host, kind=kind, axis_sizes=(2, 4))
     assert ch.times["hierarchical"] == math.inf, (kind, ch.times)
+
+
+def test_the_reproducible_codes_max_is_xla_s_whatever_the_call_s_axes():
+  """The reproducible sum's MAX of the codes is XLA's own all-reduce (``lax.pmax`` over every
+  axis), which runs by the islands, not by the call's axes: with axes (8, 4) over 4 hosts of 8
+  (float32, contract v3: 4-byte words) the price is the MAX of E = N/4 one-byte codes by
+  XLA's island rings (8 over NVLink, then 4 over RoCE on E/8, twice: an all-reduce), the
+  hierarchical all-reduce of the N bytes of words on the call's axes, two passes and the 2N
+  bytes converted (codes, then words); the reduce-scatter likewise. Priced with the call's axes the MAX would send 7/8 of E/4
+  over RoCE instead of 3/4 of E/8."""
+  nvls = dataclasses.replace(Topology.fixture("roce_a100_4x8"), nvls=True)
+  N = 64 << 20
+  E = N / 4
+  L, Pass, nv_a, nv_b, ro_a, ro_b, local_b = _GPU_TERMS
+  f = 1 / 500e9                                              # cmt.GPU's fixed_point_gbps
+  codes = L + 2 * (7 * nv_a + 7 / 8 * E * nv_b) + 2 * (3 * ro_a + 3 / 4 * (E / 8) * ro_b) + (
+      2 * E * local_b)
+  words = (2 * (L + nv_a + 3 / 4 * N * nv_b) + (L + 7 * ro_a + 7 * (N / 4) * ro_b) + 2 * Pass +
+           (3 * N + 2 * 8 * N / 4) * local_b)
+  want = codes + words + 2 * Pass + 2 * N * f
+  got = cm.collective_time("all_reduce", N, list(range(32)), nvls,
+                           registry.get("hierarchical").cost, reproducible="v3", costs=cmt.GPU,
+                           inner=4)
+  assert got == pytest.approx(want, rel=1e-12)
+  # the reduce-scatter: the same MAX, the words scattered on the call's axes, the block decoded
+  words_rs = ((L + nv_a + 3 / 4 * N * nv_b) + (L + 7 * ro_a + 7 / 8 * (N / 4) * ro_b) +
+              2 * Pass + (2 * N + 2 * N / 4) * local_b)
+  want_rs = codes + words_rs + 2 * Pass + (N + N / 32) * f
+  got_rs = cm.collective_time("reduce_scatter", N, list(range(32)), nvls,
+                              registry.get("hierarchical").cost, reproducible="v3", costs=cmt.GPU,
+                              inner=4)
+  assert got_rs == pytest.approx(want_rs, rel=1e-12)
 
 
 def test_auto_keeps_xla_on_cpu_and_picks_hierarchical_across_hosts_without_a_pinned_order(

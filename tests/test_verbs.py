@@ -225,9 +225,10 @@ def test_a_peer_that_goes_away_is_noticed_at_once_not_at_the_timeout(fake):
     close_all(comms[1:])
 
 
-@pytest.mark.parametrize("fault", ["late_cqe", "late_ack"])
-def test_a_peer_that_closes_right_after_its_last_exchange_loses_no_frame(fake, fault):
-  """Both ranks close their communicators as soon as their last all_reduce returns (as a
+@pytest.mark.parametrize("fault,n,segment", [("late_cqe", 2, None), ("late_ack", 2, None),
+                                             ("late_ack", 3, 1024)])
+def test_a_peer_that_closes_right_after_its_last_exchange_loses_no_frame(fake, fault, n, segment):
+  """The ranks close their communicators as soon as their last all_reduce returns (as a
   pipeline stage leaving ``with HostPipeline``), and the process's last frame completes late on
   one side (both orders are allowed: the specification orders neither completion).
   late_cqe: the device acknowledges it at once but posts its receive completion 0.3 s later; its
@@ -236,17 +237,17 @@ def test_a_peer_that_closes_right_after_its_last_exchange_loses_no_frame(fake, f
   late_ack: the receive completion comes at once and the acknowledgement reaches the sender 0.3 s
   later; the receiver returns and closes while the sender's write is still in flight, and the
   sender, watching its next rank for an ABORT, finds it closed before its last frame was sent.
-  Either way the frame was delivered: both take the sum, not 'lost rank'."""
-  n = 3000
-  xs = _inputs(2, n, np.float32, seed=7)
-  want = xs[0] + xs[1]   # two addends: the same float sum in either order
-  comms = _ring(2, timeout_s=20)
+  Either way the frame was delivered: both take the sum, not 'lost rank'. Three ranks with four
+  segments a chunk: the last frame in flight is the last segment of the last step."""
+  xs = _inputs(n, 3000, np.float32, seed=7)
+  want = transport_ref.reference_ring_sum(xs)
+  comms = _ring(n, timeout_s=20, segment_bytes=segment)
   try:
     _, errs, _ = _all_reduce(comms, xs)   # the first collective also checks the ring's set-up
-    assert errs == [None, None], errs
+    assert errs == [None] * n, errs
     before = fake.counters()["writes_received"]
     _, errs, _ = _all_reduce(comms, xs)
-    assert errs == [None, None], errs
+    assert errs == [None] * n, errs
     frames = fake.counters()["writes_received"] - before   # the RDMA writes of one all_reduce
     assert frames > 0, frames
     fired = fake.counters()["faults_fired"]
@@ -258,13 +259,42 @@ def test_a_peer_that_closes_right_after_its_last_exchange_loses_no_frame(fake, f
       finally:
         comms[r].close()
 
-    outs, errs, _ = run_ranks([lambda r=r: rank(r) for r in range(2)], join_s=30)
+    outs, errs, _ = run_ranks([lambda r=r: rank(r) for r in range(n)], join_s=30)
     assert fake.counters()["faults_fired"] == fired + 1, "the fault did not fire"
-    assert errs == [None, None], errs
+    assert errs == [None] * n, errs
     for out in outs:
-      np.testing.assert_array_equal(out, want)
+      assert out.tobytes() == want.tobytes()
   finally:
     close_all(comms)
+
+
+def test_a_refused_last_write_is_reported_as_that_write_s_failure(fake):
+  """The device refuses the last RDMA write of an all-reduce (revoke_mr, fired by the write before
+  it: the receive slabs lose their keys). Its sender, whose receives are all in, waits with that
+  frame in flight; the failed completion may be taken by the ring's look backwards at the next
+  rank (the same completion queue), which lets an error pass while the last frame is in flight
+  (the next rank may have closed after taking it). The connection keeps that failure for the send
+  side: some rank reports the write's own IBV_WC_REM_ACCESS_ERR, not only the flushed receives
+  its QP's error state leaves behind. Three rings: where the completion lands depends on when the
+  sender's thread looks."""
+  xs = _inputs(2, 3000, np.float32, seed=7)
+  for _ in range(3):
+    comms = _ring(2, timeout_s=20)
+    try:
+      _, errs, _ = _all_reduce(comms, xs)   # the first collective also checks the ring's set-up
+      assert errs == [None, None], errs
+      before = fake.counters()["writes_received"]
+      _, errs, _ = _all_reduce(comms, xs)
+      assert errs == [None, None], errs
+      frames = fake.counters()["writes_received"] - before   # the RDMA writes of one all_reduce
+      fake.arm("revoke_mr", frames - 2)    # fires once the last write but one is placed
+      outs, errs, seconds = _all_reduce(comms, xs)
+      assert all(isinstance(e, errors.TransportError) for e in errs), (outs, errs)
+      text = " | ".join(str(e) for e in errs)
+      assert "the RDMA write of a frame to rank" in text and "IBV_WC_REM_ACCESS_ERR" in text, text
+      assert seconds < 5, seconds
+    finally:
+      close_all(comms)
 
 
 def _capture(fn):

@@ -107,6 +107,10 @@ struct VerbsConn {
   int64_t arrived = -1;     // bytes of a frame that arrived in recv_buf, -1 if none
   int state = kReset;
   InFrame side_in;          // reads of the side channel: only its end is expected
+  // The first failed completion (or CQ failure), returned by every later poll: whichever caller
+  // drains it (the ring's look backwards at a next rank may take a failed write's), the side
+  // that owns the work still sees why it failed.
+  Status failed;
 };
 
 const Provider* VerbsProvider();

@@ -100,20 +100,22 @@ Status WcFailed(const ibv_wc& wc, const std::string& peer) {
 
 // Polls the completion queue empty, updating the connection's state.
 Status Drain(VerbsConn* v, const std::string& peer, bool* changed) {
+  if (!v->failed.ok()) return v->failed;
   ibv_wc wc[8];
   while (true) {
     int n = ibv_poll_cq(v->cq, 8, wc);
     if (n < 0) {
       Counters().peer_failures.fetch_add(1);
-      return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: ibv_poll_cq failed on the "
-                                               "completion queue of the RDMA connection to " +
-                                                   peer + " (the CQ overran or the device failed; "
-                                                   "it cannot be used any more)");
+      return v->failed = DTENJAX_ERROR(Code::kUnavailable,
+                                       "dtenjax transport: ibv_poll_cq failed on the completion "
+                                       "queue of the RDMA connection to " + peer +
+                                           " (the CQ overran or the device failed; it cannot be "
+                                           "used any more)");
     }
     if (n == 0) return Status::Ok();
     if (changed) *changed = true;
     for (int i = 0; i < n; ++i) {
-      if (wc[i].status != IBV_WC_SUCCESS) return WcFailed(wc[i], peer);
+      if (wc[i].status != IBV_WC_SUCCESS) return v->failed = WcFailed(wc[i], peer);
       if (wc[i].opcode == IBV_WC_RDMA_WRITE) {
         v->write_done = true;
       } else if (wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {

@@ -295,6 +295,15 @@ class Terms:
                      _axis_split(tuple(self.group), self.topology, self.inner))
     return self._split
 
+  @property
+  def xla(self) -> "Terms":
+    """These terms for XLA's own collective over the group, whose levels are the islands
+    whatever ``inner`` says: a two-level schedule's reproducible sum takes its codes' MAX with
+    ``lax.pmax`` over every axis."""
+    if self.inner is None:
+      return self
+    return _terms(tuple(self.group), self.topology, self.costs)
+
 
 @functools.lru_cache(maxsize=4096)
 def _split(group: tuple[int, ...], topology: Topology) -> Split | None:
@@ -397,7 +406,7 @@ def word_exchange(cost: Cost, t: Terms, N: float, itemsize: int, k: int, word_by
   per-element codes, ``cost``'s all-reduce of ``word_bytes`` per value (4: contract v3, 8:
   contract v2; ``Contract.word_bytes``), ``k N`` bytes converted and ``N`` decoded."""
   E = N / itemsize
-  codes = cost.code_max(t, E) if cost.code_max is not None else XLA.all_reduce(t, E)
+  codes = cost.code_max(t, E) if cost.code_max is not None else XLA.all_reduce(t.xla, E)
   return codes + cost.all_reduce(t, word_bytes * E) + 2 * t.P + (k + 1) * N * t.f
 
 
@@ -489,7 +498,7 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
     return cost.reduce_scatter(t, nbytes)
   # codes of the full input, words scattered, the owned block decoded
   E = nbytes / itemsize
-  return (XLA.all_reduce(t, E) + cost.reduce_scatter(t, word_bytes * E) + 2 * t.P +
+  return (XLA.all_reduce(t.xla, E) + cost.reduce_scatter(t, word_bytes * E) + 2 * t.P +
           (nbytes + nbytes / n) * t.f)
 
 

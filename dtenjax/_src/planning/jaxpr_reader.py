@@ -641,6 +641,30 @@ def needed_vars(jaxpr) -> set:
   return _needed(jaxpr)[1]
 
 
+def batch_free(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
+  """The state leaves no equation of ``jaxpr`` reads beside a value computed from the batch: a
+  parameter the loss never reads (its gradient a constant zero, its update computed from its own
+  shard) meets no batch-split value, so XLA neither reduces its gradient over the batch axes nor
+  gathers it. An equation with bodies (a loop, a branch) is taken whole: every result computed
+  from every operand (a leaf met inside may be counted met, never the other way)."""
+  dep: dict[Any, int] = {}
+  batch = 1 << len(leaves)
+  for leaf, v in zip(leaves, jaxpr.invars):
+    dep[v] = batch if leaf.is_batch else 1 << leaf.index
+  met = 0
+  for eqn in jaxpr.eqns:
+    mask = 0
+    for v in eqn.invars:
+      if is_var(v):
+        mask |= dep.get(v, 0)
+    if mask & batch:
+      met |= mask
+    for o in eqn.outvars:
+      dep[o] = mask
+  return frozenset(leaf.index for leaf in leaves
+                   if not leaf.is_batch and not met >> leaf.index & 1)
+
+
 def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], bool]:
   """The dimensions of each result of ``eqn`` that carry the batch, given its operands' (``ins``),
   and whether it reduces a dimension that carries the batch (a sum over the batch, a product

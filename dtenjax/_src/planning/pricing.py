@@ -598,7 +598,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     ctx.add(kind, nb, axes, blocking=False)
   # a PRNG key has no gradient (integer leaves, such as a step counter, have none either, but
   # are priced the share of their few bytes that the recorded plans' costs hold)
-  if batch and not primary.is_key:
+  # nor has a parameter the loss never reads: its gradient is a constant zero, never reduced
+  constant = graph.zero_gradient(group)
+  if batch and not primary.is_key and not constant:
     if zero:
       k = axis_key(zero)
       # XLA:CPU lowers a reduce-scatter as an all-reduce of the whole gradient followed by a
@@ -662,9 +664,10 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   if vocab_axes:
     unsplit = math.prod(m.size[a] for a in batch if a not in vocab_axes)
     ctx.add("all_reduce", lookup[1] / unsplit, vocab_axes, blocking=True)
-  if zero and not vocab_axes:
+  if zero and not vocab_axes and not constant:
     k = axis_key(zero)
-    # gathered where its product reads it (StepPlan.jit); a read inside jax.checkpoint, or a
+    # gathered where its product reads it (StepPlan.jit; a parameter the loss never reads is
+    # gathered nowhere: its update reads its own shard); a read inside jax.checkpoint, or a
     # layer of a lax.scan stack (gathered inside the loop body, once per layer, in the forward
     # and again in the backward's loop), is gathered twice per step and the gathered copy is not
     # kept in between: only the slice being used is live. Otherwise XLA keeps the gathered
@@ -695,7 +698,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       if pricer.gather_spread > 0:
         pr.start_gather = (k, pricer.gather_spread * last_arrival(group),
                            MEETING_WAKE_S - pricer.step_latency, wait)
-  elif zero and pricer.backend == "cpu":
+  elif zero and vocab_axes and pricer.backend == "cpu":
     # a vocab-parallel table sharded over a batch axis on another dimension: the lookup reads
     # whole rows of the tokens that axis splits, so XLA:CPU gathers the table's 'tensor' shard
     # over it first (compiled: llama_scan's `fsdp` 8 x `tensor` 2 plan on 16 CPU devices, 1 MiB

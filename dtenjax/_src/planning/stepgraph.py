@@ -159,6 +159,10 @@ class StepGraph:
   # the leaves no equation the step's results need reads, nor a result is: jax.jit leaves them
   # out of the program it compiles (keep_unused=False), so they are no argument of it
   unread: frozenset[int] = frozenset()
+  # the state leaves no equation reads beside a value computed from the batch
+  # (jaxpr_reader.batch_free): a parameter the loss never reads, whose gradient is a constant
+  # zero, is neither reduced over the batch axes nor gathered
+  batch_free: frozenset[int] = frozenset()
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
@@ -201,6 +205,14 @@ class StepGraph:
         untied[key] -= 1
         out.update(g)
     return frozenset(out)
+
+  def zero_gradient(self, group: Sequence[int]) -> bool:
+    """Whether a tied group's gradient is a constant zero XLA never synchronises: a float
+    parameter that, with its moments, meets no value computed from the batch (``batch_free``:
+    a leaf of the parameters the loss never reads). Integer leaves (a step counter) keep the
+    price of their few bytes the recorded plans hold (pricing.price_layout)."""
+    return (all(i in self.batch_free for i in group) and
+            bool(jax.dtypes.issubdtype(self.leaves[group[0]].dtype, np.inexact)))
 
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:
@@ -319,7 +331,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    sequence=sequence_lib.read(closed.jaxpr, leaves),
                    meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings),
                    unread=frozenset(leaf.index for leaf, v in zip(leaves, jaxpr.invars)
-                                    if v not in read))
+                                    if v not in read),
+                   batch_free=jaxpr_reader.batch_free(jaxpr, leaves))
 
 
 def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], float]:

@@ -56,6 +56,9 @@ _REMAT = frozenset(("checkpoint", "remat", "remat2"))
 # product's contraction, reduce_sum): XLA's combiner joins only all-reduces of one reduction
 _REDUCED_WITH = {"reduce_max": "max", "reduce_min": "min", "reduce_prod": "prod",
                  "argmax": "argmax", "argmin": "argmin", "pmax": "max", "pmin": "min"}
+# Reductions to an index over the batch: XLA all-gathers each device's partial (the extreme value
+# and its index) over the batch axes and reduces the gathered pairs on every device
+_GATHERED = frozenset(("argmax", "argmin"))
 
 
 def itemsize(dtype) -> int:
@@ -111,6 +114,12 @@ class Meeting:
   # recomputed statistics outside a loop: Reader.meetings): its bytes move there, it adds no
   # meeting of its own
   joins_on_cpu: bool = False
+  # an index reduction (argmax, argmin): ``nbytes`` are each device's partials, the extreme
+  # values and their indices, which XLA all-gathers over the batch axes (not an all-reduce)
+  gathered: bool = False
+  # the column-parallel (weight leaf, free dimension) whose pair's cone holds the values an
+  # index reduction reduces (the hidden units of an MLP): its partials are split with them
+  cone: tuple[int, int] | None = None
 
 
 class _UnionFind:
@@ -223,6 +232,7 @@ class Reader:
     self.batch_reductions: list[tuple[int, int, int, int, Any, Any, str]] = []
     self.met: set[int] = set()
     self.contractions: set[int] = set()     # batch_reductions that are dot_generals
+    self.index_operands: dict[int, Any] = {}   # index batch_reductions -> the values reduced
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
     self.first_order: dict[int, int] = {}     # weight leaf -> the walk position of its first product
@@ -525,9 +535,15 @@ class Reader:
       body = next(((id(e), id(sub)) for e, sub in reversed(self.frames)
                    if e.primitive.name in ("scan", "while", "cond")), None)
       remat = next((id(e) for e, _ in reversed(self.frames) if e.primitive.name in _REMAT), None)
-      self.batch_reductions.append((self.eqn_count, depth,
-                                    repeats * sum(nbytes(o.aval) for o in eqn.outvars), repeats,
-                                    body, remat, _REDUCED_WITH.get(eqn.primitive.name, "sum")))
+      how = _REDUCED_WITH.get(eqn.primitive.name, "sum")
+      moved = sum(nbytes(o.aval) for o in eqn.outvars)
+      if how in _GATHERED:     # the extreme values travel beside their indices
+        moved += sum(math.prod(o.aval.shape) for o in eqn.outvars) * itemsize(
+            eqn.invars[0].aval.dtype)
+      self.batch_reductions.append((self.eqn_count, depth, repeats * moved, repeats, body, remat,
+                                    how))
+      if how in _GATHERED:
+        self.index_operands[len(self.batch_reductions) - 1] = eqn.invars[0]
       stats = frozenset((len(self.batch_reductions) - 1,))
       if eqn.primitive.name == "dot_general":
         self.contractions |= stats
@@ -556,7 +572,6 @@ class Reader:
     product and join the all-reduce before them (``Meeting.joins_on_cpu``): on a step of two
     checkpointed conv/norm blocks it compiles 10 all-reduces of the 12 meetings, these 10
     (jaxlib 0.11's: the 12)."""
-    orders, _ = self._products_summed()
 
     def grouped(cpu: bool) -> list[list[tuple]]:
       groups: list[list[tuple]] = []
@@ -573,14 +588,36 @@ class Reader:
     cpu_starts = {g[0][0] for g in grouped(cpu=True)}
     out = []
     for found in grouped(cpu=False):
-      after = bisect.bisect_left(orders, found[0][0])
-      payer = next((e[2][0] for e in reversed(self.product_events[:after]) if e[2]),
-                   next((e[2][0] for e in self.product_events[after:] if e[2]), None))
       out.append(Meeting(found[0][0], sum(r[2] for r in found), max(r[3] for r in found),
-                         payer, joins_on_cpu=bool(out) and found[0][0] not in cpu_starts))
+                         self._payer(found[0][0]),
+                         joins_on_cpu=bool(out) and found[0][0] not in cpu_starts,
+                         gathered=found[0][6] in _GATHERED))
     return [dataclasses.replace(mt, since=self._flops_between(out[k - 1].order if k else -1,
                                                               mt.order))
             for k, mt in enumerate(out)]
+
+  def index_gathers(self, cones: dict[tuple[int, int], set[Any]]) -> list[Meeting]:
+    """The index reductions over the batch (argmax, argmin) whose results no later work on the
+    batch reads (a metric the step returns: the example each feature peaks at): no meeting, but
+    XLA all-gathers their partials over the batch axes all the same. Each as a Meeting
+    (``gathered``), paid by the weight whose pair's cone (``cones``: pairs.find_pairs) holds the
+    values reduced, else as a meeting is."""
+    out = []
+    for k, r in enumerate(self.batch_reductions):
+      if k in self.met or r[6] not in _GATHERED:
+        continue
+      cone = next((key for key in sorted(cones) if self.index_operands[k] in cones[key]), None)
+      out.append(Meeting(r[0], r[2], r[3], cone[0] if cone else self._payer(r[0]),
+                         gathered=True, cone=cone))
+    return out
+
+  def _payer(self, order: int) -> int | None:
+    """The weight read by the last product before walk position ``order`` (else by the first
+    after it): the group whose price holds a collective of the whole step there."""
+    orders, _ = self._products_summed()
+    after = bisect.bisect_left(orders, order)
+    return next((e[2][0] for e in reversed(self.product_events[:after]) if e[2]),
+                next((e[2][0] for e in self.product_events[after:] if e[2]), None))
 
   def _products_summed(self) -> tuple[list[int], list[float]]:
     """The products' walk positions and the running sums of their flops, once the walk is over."""

@@ -641,9 +641,15 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # previous one (a product's, or none between the two of one norm), at most what any collective
   # between products is priced to wait (Pricer.step_latency)
   meet = [a for a in BATCH_AXES if m.size[a] > 1]
+  # An index reduction (argmax over the batch) meets as an all-gather of every device's partials
+  # (the extreme values and their indices): the buffer gathered is the batch axes' devices times
+  # its bytes (compiled on 8 CPU devices, `data` 8: f32[1,128] and s32[1,128] gathered, 4 KiB
+  # each)
+  gathers = math.prod(m.size[a] for a in meet)
   for mt in graph.meetings:
+    kind, moved = ("all_gather", gathers * mt.nbytes) if mt.gathered else ("all_reduce", mt.nbytes)
     if (mt.payer in group and meet and mt.joins_on_cpu and pricer.backend == "cpu" and
-        XLA_VERSION < (0, 11)):
+        XLA_VERSION < (0, 11) and not mt.gathered):
       # its bytes move in the all-reduce before it, which pays the meeting (jaxlib 0.10's
       # XLA:CPU; 0.11's keeps the recomputation apart: Reader.meetings)
       acc(pr.blocking, axis_key(meet),
@@ -652,9 +658,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     elif mt.payer in group and meet:
       since = mt.since / mt.count / batch_div / m.peak_flops
       own = min(pricer.step_latency, MEETING_WAKE_S + MEETING_SPREAD * since)
-      time = pricer("all_reduce", mt.nbytes / mt.count, meet, dtype) - pricer.step_latency + own
+      time = pricer(kind, moved / mt.count, meet, dtype) - pricer.step_latency + own
       acc(pr.blocking, axis_key(meet), mt.count * time)
-      acc(pr.bytes, f"all_reduce[{axis_key(meet)}]", mt.nbytes)
+      acc(pr.bytes, f"{kind}[{axis_key(meet)}]", moved)
   # FSDP: the parameter gathered for the forward; XLA keeps the gathered copy for the backward
   # (one all-gather per step, the copy live in between)
   # a table only read by lookups, sharded over the dimension they index (vocab-parallel): each
@@ -708,6 +714,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   for role in roles.REGISTRY:
     if role.price is not None and role.name in used:
       role.price(ctx)
+  # an index reduction no later work on the batch reads (a metric the step returns) is gathered
+  # all the same, waited for by nothing but the step's end; of values a column-parallel product
+  # splits over 'tensor' (its pair's cone), each device gathers the partials of its share
+  for mt in graph.index_gathers:
+    if mt.payer in group and meet:
+      split = m.size["tensor"] if mt.cone is not None and pr.tp == ("col", mt.cone[1]) else 1
+      ctx.add("all_gather", gathers * mt.nbytes / mt.count / split, meet, blocking=False,
+              times=mt.count)
   if use is not None:
     split = m.size["tensor"] if pr.tp is not None else 1
     flops = use.flops / split

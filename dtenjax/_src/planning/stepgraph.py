@@ -156,6 +156,10 @@ class StepGraph:
   # step; absent where none comes before it): the compute its FSDP gather waits for
   meetings: tuple[Meeting, ...] = ()
   since_meeting: dict[int, float] = dataclasses.field(default_factory=dict)
+  # the index reductions over the batch no later work on the batch reads (an argmax over the
+  # batch the step returns): all-gathered over the batch axes, no meeting
+  # (jaxpr_reader.Reader.index_gathers)
+  index_gathers: tuple[Meeting, ...] = ()
   # the leaves no equation the step's results need reads, nor a result is: jax.jit leaves them
   # out of the program it compiles (keep_unused=False), so they are no argument of it
   unread: frozenset[int] = frozenset()
@@ -330,6 +334,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    token_share=_token_share(reader, {**cones, **reduced}),
                    sequence=sequence_lib.read(closed.jaxpr, leaves),
                    meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings),
+                   index_gathers=tuple(reader.index_gathers({**cones, **reduced})),
                    unread=frozenset(leaf.index for leaf, v in zip(leaves, jaxpr.invars)
                                     if v not in read),
                    batch_free=jaxpr_reader.batch_free(jaxpr, leaves))

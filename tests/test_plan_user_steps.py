@@ -32,7 +32,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import dtenjax
-from dtenjax._src.planning import stepgraph
 from tests import compile_only
 
 # float32 reassociation: the loss and every output leaf of the planned step against the plain
@@ -214,7 +213,10 @@ def scan_microbatches():
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value / 4
   p = _mlp_params()
-  return Case(step, (p, tx.init(p), _xy(b=32)))
+  why = ("the first bias is added to the column-parallel product's output inside the scan's "
+         "body, where the planner does not follow it (pairs.column_vectors reads the step's "
+         "top level): XLA all-gathers its new value and adam's two moments over 'tensor'")
+  return Case(step, (p, tx.init(p), _xy(b=32)), unpriced={"all_gather": (3 * 512 * 4, why)})
 
 
 def donated():
@@ -691,7 +693,12 @@ def linen_nn_scan():
   tx = optax.adamw(_LR)
   def loss(p, batch):
     return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
-  return Case(_sgd_step(loss, tx), (params, tx.init(params), x))
+  why = ("the scanned layers' first Dense biases, a (4, 512) stack added inside the scan's body "
+         "to the column-parallel product's output, where the planner does not follow them "
+         "(pairs.column_vectors reads 1-D leaves at the step's top level): XLA all-gathers the "
+         "new stack and adam's two moments over 'tensor'")
+  return Case(_sgd_step(loss, tx), (params, tx.init(params), x),
+              unpriced={"all_gather": (3 * 4 * 512 * 4, why)})
 
 
 class _Cnn(nn.Module):
@@ -877,29 +884,6 @@ def _run(case: Case):
   return plan, plain, got, check
 
 
-def _column_bias_gathers(case: Case, plan) -> bool:
-  """The miss (c) explained, for a plan over 'tensor': a bias (or a norm's scale and bias) added
-  to a column-parallel product's output, which the plan replicates. XLA computes its gradient in
-  the product's column layout, runs the optimizer's update there and all-gathers the updated
-  vector (and its moments) into the replicated outputs; the model prices none of it. True when
-  every all-gather XLA compiled is of such a leaf: a replicated vector (one per layer of a
-  scanned stack) whose shape is its operand's with one dimension times 'tensor', with a
-  column-parallel kernel in the plan."""
-  size = dict(zip(plan.axis_names, plan.mesh_shape))
-  t = size["tensor"]
-  if t == 1 or not any("column-parallel" in lp.reason for lp in plan.leaves):
-    return False
-  vectors = {lp.shape for lp in plan.leaves if 1 <= len(lp.shape) <= 2 and lp.spec == P()
-             and "product" not in lp.reason}
-  def of_vector(shape):
-    return any(tuple(n * (t if k == d else 1) for k, n in enumerate(shape)) in vectors
-               for d in range(len(shape)))
-  compiled = plan.jit(case.step).lower(*stepgraph.abstract(case.args)).compile(
-      compile_only.USERS_PROGRAM)
-  gathers = [c for c in dtenjax.explain(compiled).collectives if c.kind == "all_gather"]
-  return bool(gathers) and all(of_vector(c.shape) for c in gathers)
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_users_step_plans_runs_and_matches_the_plain_step(name):
   case = CASES[name]()
@@ -909,9 +893,6 @@ def test_a_users_step_plans_runs_and_matches_the_plain_step(name):
   for kind, (least, why) in case.unpriced.items():   # known misses: the report names them
     assert least is None or check.compiled_bytes.get(kind, 0.0) >= least, (name, why, str(check))
     misses.pop(kind, None)
-  if "all_gather" in misses and not check.predicted_bytes.get("all_gather"):
-    assert _column_bias_gathers(case, plan), (name, str(check), str(plan))
-    misses.pop("all_gather")
   assert not misses, (name, misses, str(check), str(plan))
   used = _used_axes(plan)                                                         # (d)
   for a, n in zip(plan.axis_names, plan.mesh_shape):
@@ -1045,3 +1026,11 @@ def test_an_argmax_over_the_batch_is_gathered_on_another_mesh():
   # `data` 2 x `fsdp` 4, the partials gathered over all 8 devices beside the FSDP weights'
   # gathers over 4 (32 KiB of 96 KiB of all-gather, missed before)
   _assert_kinds_as_compiled(argmax_over_the_batch(d=16, o=16), {"data": 2, "fsdp": 4})
+
+
+def test_a_column_parallel_bias_and_its_norm_statistics_are_gathered_on_another_mesh():
+  # linen_batch_norm beside its `tensor` 8 plan: on `data` 2 x `tensor` 4 the BatchNorm after the
+  # column-parallel Dense has its scale and bias (tied: one group), their moments and its running
+  # mean and variance computed in the column layout, and XLA all-gathers all eight new vectors
+  # over 'tensor' (16 KiB, the step's only all-gathers). Before, the model priced none
+  _assert_kinds_as_compiled(linen_batch_norm(), {"data": 2, "tensor": 4})

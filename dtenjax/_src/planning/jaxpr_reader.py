@@ -678,12 +678,11 @@ def needed_vars(jaxpr) -> set:
   return _needed(jaxpr)[1]
 
 
-def batch_free(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
-  """The state leaves no equation of ``jaxpr`` reads beside a value computed from the batch: a
-  parameter the loss never reads (its gradient a constant zero, its update computed from its own
-  shard) meets no batch-split value, so XLA neither reduces its gradient over the batch axes nor
-  gathers it. An equation with bodies (a loop, a branch) is taken whole: every result computed
-  from every operand (a leaf met inside may be counted met, never the other way)."""
+def _batch_dependence(jaxpr, leaves: Sequence[Any]) -> tuple[dict[Any, int], int, int]:
+  """Each value of ``jaxpr`` -> a mask of what it is computed from (bit ``leaf.index`` for a
+  state leaf, the bit ``len(leaves)`` for any batch leaf); the mask of the state leaves some
+  equation reads beside a value computed from the batch; the batch's bit. An equation with
+  bodies (a loop, a branch) is taken whole: every result computed from every operand."""
   dep: dict[Any, int] = {}
   batch = 1 << len(leaves)
   for leaf, v in zip(leaves, jaxpr.invars):
@@ -698,8 +697,25 @@ def batch_free(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
       met |= mask
     for o in eqn.outvars:
       dep[o] = mask
+  return dep, met, batch
+
+
+def batch_free(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
+  """The state leaves no equation of ``jaxpr`` reads beside a value computed from the batch: a
+  parameter the loss never reads (its gradient a constant zero, its update computed from its own
+  shard) meets no batch-split value, so XLA neither reduces its gradient over the batch axes nor
+  gathers it (a leaf met inside a loop or branch may be counted met, never the other way)."""
+  _, met, _ = _batch_dependence(jaxpr, leaves)
   return frozenset(leaf.index for leaf in leaves
                    if not leaf.is_batch and not met >> leaf.index & 1)
+
+
+def batch_outputs(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
+  """The positions of ``jaxpr``'s results computed from the batch (a parameter's new value, of
+  one it trains; not of one it freezes, whose new value is the old one plus a constant)."""
+  dep, _, batch = _batch_dependence(jaxpr, leaves)
+  return frozenset(k for k, v in enumerate(jaxpr.outvars)
+                   if is_var(v) and dep.get(v, 0) & batch)
 
 
 def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], bool]:

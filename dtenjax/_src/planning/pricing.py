@@ -714,6 +714,22 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   for role in roles.REGISTRY:
     if role.price is not None and role.name in used:
       role.price(ctx)
+  # a vector (a bias) applied to the column-parallel output of this weight's product, which the
+  # plan replicates: XLA computes its gradient and runs its update in the product's column layout
+  # and all-gathers each new value of its group the step computes from the batch (the vector and
+  # its moments; none of a frozen one, whose new value is the old) over 'tensor' into the
+  # replicated outputs (compiled on 8 CPU devices, `fsdp` 4 x `tensor` 2: an MLP's first bias and
+  # adam's two moments, three f32[256] gathered into f32[512]). XLA:CPU gathers a 16-bit float
+  # one in f32, before converting it (bf16 parameters on `tensor` 8: three f32[64])
+  if pr.tp is not None and pr.tp[0] == "col" and m.size["tensor"] > 1:
+    # (a norm's scale and bias, tied by the work that reads them, are one group: its outputs once)
+    tied = {graph.group_of(b)[0] for b in graph.column_vectors.get((primary.index, pr.tp[1]), ())}
+    for k, (shape, dtype, rep) in enumerate(graph.outputs):
+      if rep in tied and k in graph.batch_outputs:
+        item = stepgraph.itemsize_of(dtype)
+        if item == 2 and pricer.backend == "cpu" and stepgraph.is_float(dtype):
+          item = 4
+        ctx.add("all_gather", math.prod(shape) * item, ("tensor",), blocking=False)
   # an index reduction no later work on the batch reads (a metric the step returns) is gathered
   # all the same, waited for by nothing but the step's end; of values a column-parallel product
   # splits over 'tensor' (its pair's cone), each device gathers the partials of its share

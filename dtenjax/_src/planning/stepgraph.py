@@ -102,6 +102,16 @@ def _is_key(dtype_name: str) -> bool:
   return False
 
 
+def is_float(dtype_name: str) -> bool:
+  """A floating dtype by name (bfloat16 and the float8 types included; not a PRNG key's)."""
+  return not _is_key(dtype_name) and bool(jax.dtypes.issubdtype(dtype_name, np.inexact))
+
+
+def itemsize_of(dtype_name: str) -> int:
+  """Bytes per element of a dtype by name (a leaf's, an output's)."""
+  return jaxpr_reader.itemsize(dtype_name)
+
+
 def _dtype_name(dtype) -> str:
   try:
     return np.dtype(dtype).name
@@ -160,6 +170,12 @@ class StepGraph:
   # batch the step returns): all-gathered over the batch axes, no meeting
   # (jaxpr_reader.Reader.index_gathers)
   index_gathers: tuple[Meeting, ...] = ()
+  # (leaf, free dim) of a tensor pair -> the vectors (biases) applied to its cone's values
+  # (pairs.column_vectors): column-parallel, XLA all-gathers their new values over 'tensor'
+  column_vectors: dict[tuple[int, int], tuple[int, ...]] = dataclasses.field(
+      default_factory=dict)
+  # the positions of the step's outputs computed from the batch (jaxpr_reader.batch_outputs)
+  batch_outputs: frozenset[int] = frozenset()
   # the leaves no equation the step's results need reads, nor a result is: jax.jit leaves them
   # out of the program it compiles (keep_unused=False), so they are no argument of it
   unread: frozenset[int] = frozenset()
@@ -216,7 +232,7 @@ class StepGraph:
     a leaf of the parameters the loss never reads). Integer leaves (a step counter) keep the
     price of their few bytes the recorded plans hold (pricing.price_layout)."""
     return (all(i in self.batch_free for i in group) and
-            bool(jax.dtypes.issubdtype(self.leaves[group[0]].dtype, np.inexact)))
+            is_float(self.leaves[group[0]].dtype))
 
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:
@@ -335,9 +351,11 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    sequence=sequence_lib.read(closed.jaxpr, leaves),
                    meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings),
                    index_gathers=tuple(reader.index_gathers({**cones, **reduced})),
+                   column_vectors=pairs_mod.column_vectors(reader, jaxpr.invars, cones),
                    unread=frozenset(leaf.index for leaf, v in zip(leaves, jaxpr.invars)
                                     if v not in read),
-                   batch_free=jaxpr_reader.batch_free(jaxpr, leaves))
+                   batch_free=jaxpr_reader.batch_free(jaxpr, leaves),
+                   batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves))
 
 
 def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], float]:

@@ -598,9 +598,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     ctx.add(kind, nb, axes, blocking=False)
   # a PRNG key has no gradient (integer leaves, such as a step counter, have none either, but
   # are priced the share of their few bytes that the recorded plans' costs hold)
-  # nor has a parameter the loss never reads: its gradient is a constant zero, never reduced
+  # nor has a parameter the loss never reads: its gradient is a constant zero, never reduced;
+  # nor is one the step freezes reduced (its gradient is computed where a product needs its
+  # input's, and dropped)
   constant = graph.zero_gradient(group)
-  if batch and not primary.is_key and not constant:
+  if batch and not primary.is_key and not constant and not graph.frozen(group):
     if zero:
       k = axis_key(zero)
       # XLA:CPU lowers a reduce-scatter as an all-reduce of the whole gradient followed by a

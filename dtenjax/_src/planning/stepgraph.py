@@ -234,6 +234,16 @@ class StepGraph:
     return (all(i in self.batch_free for i in group) and
             is_float(self.leaves[group[0]].dtype))
 
+  def frozen(self, group: Sequence[int]) -> bool:
+    """Whether the step returns new values of a float group and computes none of them from the
+    batch (a parameter optax.set_to_zero freezes: its new value is the old one plus zeros): XLA
+    reduces no gradient of it over the batch axes, though it still gathers it where a product
+    reads it. A group no output is tied to is not judged (its new value may be made where the
+    ties are not followed)."""
+    outs = [k for k, (_, _, rep) in enumerate(self.outputs) if rep == group[0]]
+    return (bool(outs) and is_float(self.leaves[group[0]].dtype) and
+            not any(k in self.batch_outputs for k in outs))
+
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:
       if leaf in g:

@@ -233,6 +233,9 @@ class Reader:
     self.met: set[int] = set()
     self.contractions: set[int] = set()     # batch_reductions that are dot_generals
     self.index_operands: dict[int, Any] = {}   # index batch_reductions -> the values reduced
+    # the results of the jax.shard_maps walked that their out_specs shard over the user's mesh:
+    # (walk position, bytes of the whole value)
+    self.manual: list[tuple[int, int]] = []
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
     self.first_order: dict[int, int] = {}     # weight leaf -> the walk position of its first product
@@ -327,6 +330,8 @@ class Reader:
         inner_tie[i] = tie[o]
       sliced = name == "scan" and k >= n_consts + n_carry     # one slice of a scanned operand
       self._carry_batch(o, i, -1 if sliced else 0)
+    if name == "shard_map":
+      self._manual(eqn)
     saved, start = self.frames, self.eqn_count
     self.frames = saved + ((eqn, sub),)
     self.walk(sub, inner_origin, inner_tie, repeats)
@@ -344,6 +349,21 @@ class Reader:
         if name != "scan" and i in inner_tie and is_var(o):
           tie[o] = inner_tie[i]
         self._carry_batch(i, o, self.outer_of_outvar[i][1])
+
+  def _manual(self, eqn) -> None:
+    """Records the results of a jax.shard_map that its out_specs shard over the user's mesh."""
+    mesh = eqn.params.get("mesh")
+    sizes = dict(getattr(mesh, "shape", {}) or {})
+    for o, spec in zip(eqn.outvars, eqn.params.get("out_specs", ())):
+      axes = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+      if math.prod(sizes.get(a, 1) for a in axes) > 1:
+        self.manual.append((self.eqn_count, nbytes(o.aval)))
+
+  def manual_outputs(self) -> list[tuple[int, int | None]]:
+    """(bytes, payer) of each result a jax.shard_map's out_specs shard over the user's mesh: the
+    whole value's bytes, and the weight whose price holds what moving it costs (as a meeting's:
+    :meth:`_payer`)."""
+    return [(nb, self._payer(order)) for order, nb in self.manual]
 
   def _token_work(self, eqn, repeats: int) -> None:
     """Adds an elementwise equation's or a reduction's bytes to :attr:`token_bytes` unless its

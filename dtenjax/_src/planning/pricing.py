@@ -732,6 +732,17 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
         if item == 2 and pricer.backend == "cpu" and stepgraph.is_float(dtype):
           item = 4
         ctx.add("all_gather", math.prod(shape) * item, ("tensor",), blocking=False)
+  # a jax.shard_map result the user's out_specs shard over their mesh, where this plan splits no
+  # batch: XLA all-gathers it whole over the devices into the replicated layout the plan gives
+  # the batch's values (compiled on 8 CPU devices, `tensor` 8: a per-shard centring of the batch,
+  # f32[8,128] gathered into f32[64,128]). Where the plan splits the batch as the user's mesh
+  # does (`data` 8, `data` 2 x `fsdp` 4) nothing moves; where it splits it otherwise (`fsdp` 4 x
+  # `tensor` 2) XLA re-lays the products around the manual sharding, which is not priced
+  everyone = [a for a in AXES if m.size[a] > 1]
+  if not batch and everyone:
+    for nb, payer in graph.manual_outputs:
+      if payer in group:
+        ctx.add("all_gather", nb, everyone, blocking=True)
   # an index reduction no later work on the batch reads (a metric the step returns) is gathered
   # all the same, waited for by nothing but the step's end; of values a column-parallel product
   # splits over 'tensor' (its pair's cone), each device gathers the partials of its share

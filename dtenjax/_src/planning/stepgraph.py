@@ -174,6 +174,9 @@ class StepGraph:
   # (pairs.column_vectors): column-parallel, XLA all-gathers their new values over 'tensor'
   column_vectors: dict[tuple[int, int], tuple[int, ...]] = dataclasses.field(
       default_factory=dict)
+  # the results a jax.shard_map's out_specs shard over the user's mesh: (bytes of the whole value,
+  # the weight whose price holds moving it) (jaxpr_reader.Reader.manual_outputs)
+  manual_outputs: tuple[tuple[int, int | None], ...] = ()
   # the positions of the step's outputs computed from the batch (jaxpr_reader.batch_outputs)
   batch_outputs: frozenset[int] = frozenset()
   # the leaves no equation the step's results need reads, nor a result is: jax.jit leaves them
@@ -365,7 +368,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    unread=frozenset(leaf.index for leaf, v in zip(leaves, jaxpr.invars)
                                     if v not in read),
                    batch_free=jaxpr_reader.batch_free(jaxpr, leaves),
-                   batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves))
+                   batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves),
+                   manual_outputs=tuple(reader.manual_outputs()))
 
 
 def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], float]:

@@ -738,6 +738,34 @@ def batch_outputs(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
                    if is_var(v) and dep.get(v, 0) & batch)
 
 
+# What a weight passes through, unchanged but for its layout, on its way to a product
+_TO_PRODUCT = _ALIASES | frozenset(("transpose", "reshape"))
+
+
+def stopped_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
+  """The state leaves a product of ``jaxpr``'s top level reads through ``lax.stop_gradient`` (a
+  tied embedding's output projection under stop_gradient) -> the bytes of the smallest other
+  operand of such a product (the forward's activations, not the backward's logits' cotangent). The walk's weights do not see these reads
+  (stop_gradient ends a leaf's identity: no gradient of the leaf flows from them), but XLA reads
+  the leaf there all the same."""
+  src: dict[Any, tuple[int, bool]] = {}
+  for leaf, v in zip(leaves, jaxpr.invars):
+    if not leaf.is_batch:
+      src[v] = (leaf.index, False)
+  out: dict[int, int] = {}
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    ins = [src.get(v) if is_var(v) else None for v in eqn.invars]
+    if name == "dot_general" and len(ins) == 2:
+      for k, x in enumerate(ins):
+        if x is not None and x[1]:
+          other = nbytes(eqn.invars[1 - k].aval)
+          out[x[0]] = min(out.get(x[0], other), other)
+    elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:
+      src[eqn.outvars[0]] = (ins[0][0], ins[0][1] or name == "stop_gradient")
+  return out
+
+
 def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], bool]:
   """The dimensions of each result of ``eqn`` that carry the batch, given its operands' (``ins``),
   and whether it reduces a dimension that carries the batch (a sum over the batch, a product

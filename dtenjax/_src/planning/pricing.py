@@ -686,6 +686,16 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     per = use.layers if use is not None and use.layers > 1 else 1
     acc(pr.overlappable, k, times * per * pricer("all_gather", grad / per, zero, dtype))
     acc(pr.bytes, f"all_gather[{k}]", times * grad)
+    if use is None and primary.index in graph.lookups and primary.index in graph.stopped:
+      # a table looked up and read by a product under lax.stop_gradient (the output projection
+      # of a tied embedding the loss does not train through): the lookup's gathered copy dies
+      # with it, and for the product XLA gathers the smaller of the table and the product's
+      # other operand (the tokens' activations; the logits are then split on the vocabulary).
+      # Compiled on 8 CPU devices, `fsdp` 8, 256 tokens of 64 features: a table of 128 or 256
+      # rows gathered twice; of 512 rows once, and the activations, f32[2,16,64], gathered
+      other = min(grad, graph.stopped[primary.index])
+      acc(pr.overlappable, k, pricer("all_gather", other, zero, dtype))
+      acc(pr.bytes, f"all_gather[{k}]", other)
     if regather:
       pr.gathered_peak = grad / max(1, use.layers)
     elif use is not None:

@@ -177,6 +177,9 @@ class StepGraph:
   # the results a jax.shard_map's out_specs shard over the user's mesh: (bytes of the whole value,
   # the weight whose price holds moving it) (jaxpr_reader.Reader.manual_outputs)
   manual_outputs: tuple[tuple[int, int | None], ...] = ()
+  # the state leaves a product reads through lax.stop_gradient -> the bytes of the product's other
+  # operand, global (jaxpr_reader.stopped_reads)
+  stopped: dict[int, int] = dataclasses.field(default_factory=dict)
   # the positions of the step's outputs computed from the batch (jaxpr_reader.batch_outputs)
   batch_outputs: frozenset[int] = frozenset()
   # the leaves no equation the step's results need reads, nor a result is: jax.jit leaves them
@@ -369,7 +372,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                                     if v not in read),
                    batch_free=jaxpr_reader.batch_free(jaxpr, leaves),
                    batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves),
-                   manual_outputs=tuple(reader.manual_outputs()))
+                   manual_outputs=tuple(reader.manual_outputs()),
+                   stopped=jaxpr_reader.stopped_reads(jaxpr, leaves))
 
 
 def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], float]:

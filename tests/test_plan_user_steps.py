@@ -1044,6 +1044,12 @@ def test_an_argmax_over_the_batch_is_gathered_on_another_mesh():
   # `data` 2 x `fsdp` 4, the partials gathered over all 8 devices beside the FSDP weights'
   # gathers over 4 (32 KiB of 96 KiB of all-gather, missed before)
   _assert_kinds_as_compiled(argmax_over_the_batch(d=16, o=16), {"data": 2, "fsdp": 4})
+  # and on `data` 4 x `tensor` 2, the hidden units column-parallel: each device gathers the
+  # partials of its half of them over 'data' (8 KiB), and the returned indices, split over
+  # 'tensor' where they are made, are gathered into the replicated output (2 KiB), beside the
+  # first bias's gathers (6 KiB). Before, the partials were priced whole (16 KiB) and the
+  # output's gather not at all
+  _assert_kinds_as_compiled(argmax_over_the_batch(d=16, o=16), {"data": 4, "tensor": 2})
 
 
 def test_a_column_parallel_bias_and_its_norm_statistics_are_gathered_on_another_mesh():

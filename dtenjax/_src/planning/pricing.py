@@ -742,6 +742,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
         if item == 2 and pricer.backend == "cpu" and stepgraph.is_float(dtype):
           item = 4
         ctx.add("all_gather", math.prod(shape) * item, ("tensor",), blocking=False)
+    # a result of the step in the pair's cone that is no state's new value (an argmax over the
+    # batch per hidden unit): split over 'tensor' where it is made, gathered into the replicated
+    # output (compiled on 8 CPU devices, `data` 4 x `tensor` 2: s32[256] into s32[512])
+    nb = graph.cone_outputs.get((primary.index, pr.tp[1]), 0)
+    if nb:
+      ctx.add("all_gather", nb, ("tensor",), blocking=False)
   # a jax.shard_map result the user's out_specs shard over their mesh, where this plan splits no
   # batch: XLA all-gathers it whole over the devices into the replicated layout the plan gives
   # the batch's values (compiled on 8 CPU devices, `tensor` 8: a per-shard centring of the batch,

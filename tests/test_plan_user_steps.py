@@ -213,10 +213,7 @@ def scan_microbatches():
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value / 4
   p = _mlp_params()
-  why = ("the first bias is added to the column-parallel product's output inside the scan's "
-         "body, where the planner does not follow it (pairs.column_vectors reads the step's "
-         "top level): XLA all-gathers its new value and adam's two moments over 'tensor'")
-  return Case(step, (p, tx.init(p), _xy(b=32)), unpriced={"all_gather": (3 * 512 * 4, why)})
+  return Case(step, (p, tx.init(p), _xy(b=32)))
 
 
 def donated():
@@ -691,12 +688,7 @@ def linen_nn_scan():
   tx = optax.adamw(_LR)
   def loss(p, batch):
     return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
-  why = ("the scanned layers' first Dense biases, a (4, 512) stack added inside the scan's body "
-         "to the column-parallel product's output, where the planner does not follow them "
-         "(pairs.column_vectors reads 1-D leaves at the step's top level): XLA all-gathers the "
-         "new stack and adam's two moments over 'tensor'")
-  return Case(_sgd_step(loss, tx), (params, tx.init(params), x),
-              unpriced={"all_gather": (3 * 4 * 512 * 4, why)})
+  return Case(_sgd_step(loss, tx), (params, tx.init(params), x))
 
 
 class _Cnn(nn.Module):

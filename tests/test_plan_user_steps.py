@@ -32,7 +32,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import dtenjax
-from dtenjax._src.planning import stepgraph
 from tests import compile_only
 
 # float32 reassociation: the loss and every output leaf of the planned step against the plain
@@ -329,7 +328,7 @@ def under_set_mesh():
 _USER_MESH = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def with_shard_map():
+def with_shard_map(b=64):
   """A step with jax.shard_map over the user's own mesh inside (check_vma on, JAX's default): a
   per-shard centring of the batch."""
   tx = optax.adamw(_LR)
@@ -342,9 +341,7 @@ def with_shard_map():
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
   p = _mlp_params()
-  why = ("the shard_map's output, sharded over the user's mesh by its out_specs, is all-gathered "
-         "into the plan's layout of the batch: the planner does not read shard_map's specs")
-  return Case(step, (p, tx.init(p), _xy()), unpriced={"all_gather": (64 * 128 * 4, why)})
+  return Case(step, (p, tx.init(p), _xy(b=b)))
 
 
 @flax.struct.dataclass
@@ -762,6 +759,57 @@ def nnx_optimizer_state():
   return Case(step, (state, _xy()))
 
 
+def unused_parameter():
+  """A leaf of the parameters the loss never reads (a head the user keeps but does not train
+  this phase): its gradient is a constant zero, so XLA neither gathers it nor reduces it. Before,
+  the model priced both: on its `fsdp` 4 x `tensor` 2 plan 0.50 MiB of all-gather and of
+  all-reduce where XLA compiles 0.26 of each."""
+  tx = optax.adamw(_LR)
+  p = dict(_mlp_params(), head=0.1 * jax.random.normal(jax.random.key(7), (128, 512)))
+  def loss(p, batch):
+    return _mse({k: v for k, v in p.items() if k != "head"}, batch)
+  why = ("not in the collectives' task: the zero gradient (a broadcast XLA fuses into the "
+         "update) is sized as a materialised value in the memory timeline, 0.31 MiB over")
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()), unpriced={"memory": (None, why)})
+
+
+def argmax_over_the_batch(d=128, o=128):
+  """A metric the step returns: for each hidden unit, the example of the batch it peaks at
+  (jnp.argmax over the batch's dimension, value_and_grad's aux), on a data-parallel plan. XLA
+  all-gathers every device's partials, the peak values and their indices, over the batch axes
+  and reduces them on each device. Before, the model priced nothing: on `data` 8, 32 KiB of
+  all-gather (6 % of the step's collective bytes) missed."""
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    h = jax.nn.gelu(batch["x"] @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] - batch["y"]) ** 2), jnp.argmax(h, axis=0)
+  def step(params, opt_state, batch):
+    (value, peak), grads = jax.value_and_grad(loss, has_aux=True)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value, peak
+  p = _mlp_params(d=d, o=o)
+  return Case(step, (p, tx.init(p), _xy(d=d, o=o)), plan_kwargs={"mesh": {"data": 8}})
+
+
+def stop_gradient_tied_table(v=_V, b=16):
+  """A tied embedding whose output projection reads the table under lax.stop_gradient (the loss
+  trains the table through the lookup only). XLA gathers an FSDP table for the lookup, whose
+  copy dies with it, and for the projection the smaller of the table and the activations (here
+  the table again); the walk sees no product of the table (the stop_gradient ends its identity).
+  Before, the model priced one gather: on its `fsdp` 8 plan 0.19 MiB of all-gather where XLA
+  compiles 0.25."""
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    inp, tgt = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    x = jnp.take(p["embed"], inp, axis=0)
+    x = x + jax.nn.relu(x @ p["w1"]) @ p["w2"]
+    logits = x @ jax.lax.stop_gradient(p["embed"]).T
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tgt))
+  p = _init({"embed": (v, _D), "w1": (_D, 4 * _D), "w2": (4 * _D, _D)})
+  tokens = jax.random.randint(jax.random.key(2), (b, _S + 1), 0, v, jnp.int32)
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), {"tokens": tokens}))
+
+
 def train_state_donated_with_int_batch_field():
   """TrainState.create (a Python int step) donated, and a batch holding a Python int."""
   c = linen_train_state()
@@ -779,7 +827,8 @@ CASES = {f.__name__: f for f in (
     fori_inner_loop, batch_first_metrics, float_hyperparameter, linen_logical_boxes,
     nnx_module_argument, custom_vjp_and_fold_in, apply_if_finite_ema, adafactor, linen_nn_scan,
     linen_cnn_labels, dp_sgd_per_example, nnx_optimizer_state,
-    train_state_donated_with_int_batch_field)}
+    train_state_donated_with_int_batch_field, unused_parameter, argmax_over_the_batch,
+    stop_gradient_tied_table)}
 
 
 # --- the checks -------------------------------------------------------------------------------
@@ -840,29 +889,6 @@ def _run(case: Case):
   return plan, plain, got, check
 
 
-def _column_bias_gathers(case: Case, plan) -> bool:
-  """The miss (c) explained, for a plan over 'tensor': a bias (or a norm's scale and bias) added
-  to a column-parallel product's output, which the plan replicates. XLA computes its gradient in
-  the product's column layout, runs the optimizer's update there and all-gathers the updated
-  vector (and its moments) into the replicated outputs; the model prices none of it. True when
-  every all-gather XLA compiled is of such a leaf: a replicated vector (one per layer of a
-  scanned stack) whose shape is its operand's with one dimension times 'tensor', with a
-  column-parallel kernel in the plan."""
-  size = dict(zip(plan.axis_names, plan.mesh_shape))
-  t = size["tensor"]
-  if t == 1 or not any("column-parallel" in lp.reason for lp in plan.leaves):
-    return False
-  vectors = {lp.shape for lp in plan.leaves if 1 <= len(lp.shape) <= 2 and lp.spec == P()
-             and "product" not in lp.reason}
-  def of_vector(shape):
-    return any(tuple(n * (t if k == d else 1) for k, n in enumerate(shape)) in vectors
-               for d in range(len(shape)))
-  compiled = plan.jit(case.step).lower(*stepgraph.abstract(case.args)).compile(
-      compile_only.USERS_PROGRAM)
-  gathers = [c for c in dtenjax.explain(compiled).collectives if c.kind == "all_gather"]
-  return bool(gathers) and all(of_vector(c.shape) for c in gathers)
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_users_step_plans_runs_and_matches_the_plain_step(name):
   case = CASES[name]()
@@ -872,9 +898,6 @@ def test_a_users_step_plans_runs_and_matches_the_plain_step(name):
   for kind, (least, why) in case.unpriced.items():   # known misses: the report names them
     assert least is None or check.compiled_bytes.get(kind, 0.0) >= least, (name, why, str(check))
     misses.pop(kind, None)
-  if "all_gather" in misses and not check.predicted_bytes.get("all_gather"):
-    assert _column_bias_gathers(case, plan), (name, str(check), str(plan))
-    misses.pop("all_gather")
   assert not misses, (name, misses, str(check), str(plan))
   used = _used_axes(plan)                                                         # (d)
   for a, n in zip(plan.axis_names, plan.mesh_shape):
@@ -985,3 +1008,68 @@ def test_a_batch_field_the_step_never_reads_is_no_argument_of_the_program():
   batch = {**_xy(), "ids": jnp.zeros((64, 2048), jnp.int32)}
   args = (p, tx.init(p), batch)
   _assert_priced_as_compiled(_sgd_step(_mse, tx), args, {"data": 8}, "arguments")
+
+
+def _assert_kinds_as_compiled(case: Case, mesh: dict) -> None:
+  """``case`` planned on ``mesh``: every collective kind within 10 % of XLA's compile of the
+  program users get (the memory is another test's)."""
+  plan = dtenjax.plan(case.step, *case.args, mesh=mesh)
+  check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
+  misses = {k: e for k, e in check.misses(0.10).items() if k != "memory"}
+  assert not misses, (misses, check.table())
+
+
+def test_an_unused_parameter_is_neither_gathered_nor_reduced_on_another_mesh():
+  # unused_parameter's rule beside its default plan: on `data` 2 x `fsdp` 4 the head's gather
+  # over 'fsdp' and its gradient's reductions over both axes were priced (0.75 MiB of all-gather
+  # and 0.94 of all-reduce where XLA compiles 0.50 and 0.63)
+  _assert_kinds_as_compiled(unused_parameter(), {"data": 2, "fsdp": 4})
+
+
+def test_an_argmax_over_the_batch_is_gathered_on_another_mesh():
+  # argmax_over_the_batch's rule on another shape and mesh: narrower inputs and outputs (16), on
+  # `data` 2 x `fsdp` 4, the partials gathered over all 8 devices beside the FSDP weights'
+  # gathers over 4 (32 KiB of 96 KiB of all-gather, missed before)
+  _assert_kinds_as_compiled(argmax_over_the_batch(d=16, o=16), {"data": 2, "fsdp": 4})
+  # and on `data` 4 x `tensor` 2, the hidden units column-parallel: each device gathers the
+  # partials of its half of them over 'data' (8 KiB), and the returned indices, split over
+  # 'tensor' where they are made, are gathered into the replicated output (2 KiB), beside the
+  # first bias's gathers (6 KiB). Before, the partials were priced whole (16 KiB) and the
+  # output's gather not at all
+  _assert_kinds_as_compiled(argmax_over_the_batch(d=16, o=16), {"data": 4, "tensor": 2})
+
+
+def test_a_column_parallel_bias_and_its_norm_statistics_are_gathered_on_another_mesh():
+  # linen_batch_norm beside its `tensor` 8 plan: on `data` 2 x `tensor` 4 the BatchNorm after the
+  # column-parallel Dense has its scale and bias (tied: one group), their moments and its running
+  # mean and variance computed in the column layout, and XLA all-gathers all eight new vectors
+  # over 'tensor' (16 KiB, the step's only all-gathers). Before, the model priced none
+  _assert_kinds_as_compiled(linen_batch_norm(), {"data": 2, "tensor": 4})
+
+
+def test_a_frozen_parameter_is_gathered_but_not_reduced_on_another_mesh():
+  # multi_transform_frozen beside its `tensor` 8 plan (which splits no batch): on `data` 2 x
+  # `fsdp` 4 the frozen first layer (optax.set_to_zero: its new value is the old one) is gathered
+  # for the forward, but XLA reduces none of its gradient. Before, the model priced the
+  # reduction: 0.63 MiB of all-reduce where XLA compiles 0.31
+  _assert_kinds_as_compiled(multi_transform_frozen(), {"data": 2, "fsdp": 4})
+
+
+def test_a_shard_map_output_is_gathered_where_the_plan_splits_no_batch_on_another_shape():
+  # with_shard_map's rule on a batch twice as large, on the same `tensor` 8 (the plan replicates
+  # the batch): XLA all-gathers the 128 x 128 centred batch whole (64 KiB) beside the biases'
+  # gathers. Before, the model priced none of it (issue #39 item 1)
+  _assert_kinds_as_compiled(with_shard_map(b=128), {"tensor": 8})
+
+
+def test_a_table_read_under_stop_gradient_is_gathered_again_on_another_shape():
+  # stop_gradient_tied_table's rule on a table of twice the rows (512, 128 KiB), on the same
+  # `fsdp` 8: now larger than the projection's activations (256 tokens of 64 features, 64 KiB),
+  # so XLA gathers the table once, for the lookup, and the activations for the projection (its
+  # logits split on the vocabulary). Before, 0.31 MiB of all-gather priced where XLA compiles
+  # 0.38; the gather of the table twice would price 0.44. The other kinds (the vocabulary-split
+  # logits' backward) are not this rule's: the case checks them on its own shape
+  case = stop_gradient_tied_table(v=2 * _V)
+  plan = dtenjax.plan(case.step, *case.args, mesh={"fsdp": 8})
+  check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
+  assert check.kind_errors["all_gather"] <= 0.10, check.table()

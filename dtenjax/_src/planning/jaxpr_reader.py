@@ -56,6 +56,9 @@ _REMAT = frozenset(("checkpoint", "remat", "remat2"))
 # product's contraction, reduce_sum): XLA's combiner joins only all-reduces of one reduction
 _REDUCED_WITH = {"reduce_max": "max", "reduce_min": "min", "reduce_prod": "prod",
                  "argmax": "argmax", "argmin": "argmin", "pmax": "max", "pmin": "min"}
+# Reductions to an index over the batch: XLA all-gathers each device's partial (the extreme value
+# and its index) over the batch axes and reduces the gathered pairs on every device
+_GATHERED = frozenset(("argmax", "argmin"))
 
 
 def itemsize(dtype) -> int:
@@ -111,6 +114,12 @@ class Meeting:
   # recomputed statistics outside a loop: Reader.meetings): its bytes move there, it adds no
   # meeting of its own
   joins_on_cpu: bool = False
+  # an index reduction (argmax, argmin): ``nbytes`` are each device's partials, the extreme
+  # values and their indices, which XLA all-gathers over the batch axes (not an all-reduce)
+  gathered: bool = False
+  # the column-parallel (weight leaf, free dimension) whose pair's cone holds the values an
+  # index reduction reduces (the hidden units of an MLP): its partials are split with them
+  cone: tuple[int, int] | None = None
 
 
 class _UnionFind:
@@ -223,6 +232,10 @@ class Reader:
     self.batch_reductions: list[tuple[int, int, int, int, Any, Any, str]] = []
     self.met: set[int] = set()
     self.contractions: set[int] = set()     # batch_reductions that are dot_generals
+    self.index_operands: dict[int, Any] = {}   # index batch_reductions -> the values reduced
+    # the results of the jax.shard_maps walked that their out_specs shard over the user's mesh:
+    # (walk position, bytes of the whole value)
+    self.manual: list[tuple[int, int]] = []
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
     self.first_order: dict[int, int] = {}     # weight leaf -> the walk position of its first product
@@ -317,6 +330,8 @@ class Reader:
         inner_tie[i] = tie[o]
       sliced = name == "scan" and k >= n_consts + n_carry     # one slice of a scanned operand
       self._carry_batch(o, i, -1 if sliced else 0)
+    if name == "shard_map":
+      self._manual(eqn)
     saved, start = self.frames, self.eqn_count
     self.frames = saved + ((eqn, sub),)
     self.walk(sub, inner_origin, inner_tie, repeats)
@@ -334,6 +349,21 @@ class Reader:
         if name != "scan" and i in inner_tie and is_var(o):
           tie[o] = inner_tie[i]
         self._carry_batch(i, o, self.outer_of_outvar[i][1])
+
+  def _manual(self, eqn) -> None:
+    """Records the results of a jax.shard_map that its out_specs shard over the user's mesh."""
+    mesh = eqn.params.get("mesh")
+    sizes = dict(getattr(mesh, "shape", {}) or {})
+    for o, spec in zip(eqn.outvars, eqn.params.get("out_specs", ())):
+      axes = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+      if math.prod(sizes.get(a, 1) for a in axes) > 1:
+        self.manual.append((self.eqn_count, nbytes(o.aval)))
+
+  def manual_outputs(self) -> list[tuple[int, int | None]]:
+    """(bytes, payer) of each result a jax.shard_map's out_specs shard over the user's mesh: the
+    whole value's bytes, and the weight whose price holds what moving it costs (as a meeting's:
+    :meth:`_payer`)."""
+    return [(nb, self._payer(order)) for order, nb in self.manual]
 
   def _token_work(self, eqn, repeats: int) -> None:
     """Adds an elementwise equation's or a reduction's bytes to :attr:`token_bytes` unless its
@@ -525,9 +555,15 @@ class Reader:
       body = next(((id(e), id(sub)) for e, sub in reversed(self.frames)
                    if e.primitive.name in ("scan", "while", "cond")), None)
       remat = next((id(e) for e, _ in reversed(self.frames) if e.primitive.name in _REMAT), None)
-      self.batch_reductions.append((self.eqn_count, depth,
-                                    repeats * sum(nbytes(o.aval) for o in eqn.outvars), repeats,
-                                    body, remat, _REDUCED_WITH.get(eqn.primitive.name, "sum")))
+      how = _REDUCED_WITH.get(eqn.primitive.name, "sum")
+      moved = sum(nbytes(o.aval) for o in eqn.outvars)
+      if how in _GATHERED:     # the extreme values travel beside their indices
+        moved += sum(math.prod(o.aval.shape) for o in eqn.outvars) * itemsize(
+            eqn.invars[0].aval.dtype)
+      self.batch_reductions.append((self.eqn_count, depth, repeats * moved, repeats, body, remat,
+                                    how))
+      if how in _GATHERED:
+        self.index_operands[len(self.batch_reductions) - 1] = eqn.invars[0]
       stats = frozenset((len(self.batch_reductions) - 1,))
       if eqn.primitive.name == "dot_general":
         self.contractions |= stats
@@ -556,7 +592,6 @@ class Reader:
     product and join the all-reduce before them (``Meeting.joins_on_cpu``): on a step of two
     checkpointed conv/norm blocks it compiles 10 all-reduces of the 12 meetings, these 10
     (jaxlib 0.11's: the 12)."""
-    orders, _ = self._products_summed()
 
     def grouped(cpu: bool) -> list[list[tuple]]:
       groups: list[list[tuple]] = []
@@ -573,14 +608,36 @@ class Reader:
     cpu_starts = {g[0][0] for g in grouped(cpu=True)}
     out = []
     for found in grouped(cpu=False):
-      after = bisect.bisect_left(orders, found[0][0])
-      payer = next((e[2][0] for e in reversed(self.product_events[:after]) if e[2]),
-                   next((e[2][0] for e in self.product_events[after:] if e[2]), None))
       out.append(Meeting(found[0][0], sum(r[2] for r in found), max(r[3] for r in found),
-                         payer, joins_on_cpu=bool(out) and found[0][0] not in cpu_starts))
+                         self._payer(found[0][0]),
+                         joins_on_cpu=bool(out) and found[0][0] not in cpu_starts,
+                         gathered=found[0][6] in _GATHERED))
     return [dataclasses.replace(mt, since=self._flops_between(out[k - 1].order if k else -1,
                                                               mt.order))
             for k, mt in enumerate(out)]
+
+  def index_gathers(self, cones: dict[tuple[int, int], set[Any]]) -> list[Meeting]:
+    """The index reductions over the batch (argmax, argmin) whose results no later work on the
+    batch reads (a metric the step returns: the example each feature peaks at): no meeting, but
+    XLA all-gathers their partials over the batch axes all the same. Each as a Meeting
+    (``gathered``), paid by the weight whose pair's cone (``cones``: pairs.find_pairs) holds the
+    values reduced, else as a meeting is."""
+    out = []
+    for k, r in enumerate(self.batch_reductions):
+      if k in self.met or r[6] not in _GATHERED:
+        continue
+      cone = next((key for key in sorted(cones) if self.index_operands[k] in cones[key]), None)
+      out.append(Meeting(r[0], r[2], r[3], cone[0] if cone else self._payer(r[0]),
+                         gathered=True, cone=cone))
+    return out
+
+  def _payer(self, order: int) -> int | None:
+    """The weight read by the last product before walk position ``order`` (else by the first
+    after it): the group whose price holds a collective of the whole step there."""
+    orders, _ = self._products_summed()
+    after = bisect.bisect_left(orders, order)
+    return next((e[2][0] for e in reversed(self.product_events[:after]) if e[2]),
+                next((e[2][0] for e in self.product_events[after:] if e[2]), None))
 
   def _products_summed(self) -> tuple[list[int], list[float]]:
     """The products' walk positions and the running sums of their flops, once the walk is over."""
@@ -639,6 +696,74 @@ def needed_vars(jaxpr) -> set:
   """The variables of ``jaxpr`` that the equations its results or effects need read, its results
   among them: an operand outside it is one that ``jax.jit`` leaves out of the program."""
   return _needed(jaxpr)[1]
+
+
+def _batch_dependence(jaxpr, leaves: Sequence[Any]) -> tuple[dict[Any, int], int, int]:
+  """Each value of ``jaxpr`` -> a mask of what it is computed from (bit ``leaf.index`` for a
+  state leaf, the bit ``len(leaves)`` for any batch leaf); the mask of the state leaves some
+  equation reads beside a value computed from the batch; the batch's bit. An equation with
+  bodies (a loop, a branch) is taken whole: every result computed from every operand."""
+  dep: dict[Any, int] = {}
+  batch = 1 << len(leaves)
+  for leaf, v in zip(leaves, jaxpr.invars):
+    dep[v] = batch if leaf.is_batch else 1 << leaf.index
+  met = 0
+  for eqn in jaxpr.eqns:
+    mask = 0
+    for v in eqn.invars:
+      if is_var(v):
+        mask |= dep.get(v, 0)
+    if mask & batch:
+      met |= mask
+    for o in eqn.outvars:
+      dep[o] = mask
+  return dep, met, batch
+
+
+def batch_free(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
+  """The state leaves no equation of ``jaxpr`` reads beside a value computed from the batch: a
+  parameter the loss never reads (its gradient a constant zero, its update computed from its own
+  shard) meets no batch-split value, so XLA neither reduces its gradient over the batch axes nor
+  gathers it (a leaf met inside a loop or branch may be counted met, never the other way)."""
+  _, met, _ = _batch_dependence(jaxpr, leaves)
+  return frozenset(leaf.index for leaf in leaves
+                   if not leaf.is_batch and not met >> leaf.index & 1)
+
+
+def batch_outputs(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
+  """The positions of ``jaxpr``'s results computed from the batch (a parameter's new value, of
+  one it trains; not of one it freezes, whose new value is the old one plus a constant)."""
+  dep, _, batch = _batch_dependence(jaxpr, leaves)
+  return frozenset(k for k, v in enumerate(jaxpr.outvars)
+                   if is_var(v) and dep.get(v, 0) & batch)
+
+
+# What a weight passes through, unchanged but for its layout, on its way to a product
+_TO_PRODUCT = _ALIASES | frozenset(("transpose", "reshape"))
+
+
+def stopped_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
+  """The state leaves a product of ``jaxpr``'s top level reads through ``lax.stop_gradient`` (a
+  tied embedding's output projection under stop_gradient) -> the bytes of the smallest other
+  operand of such a product (the forward's activations, not the backward's logits' cotangent). The walk's weights do not see these reads
+  (stop_gradient ends a leaf's identity: no gradient of the leaf flows from them), but XLA reads
+  the leaf there all the same."""
+  src: dict[Any, tuple[int, bool]] = {}
+  for leaf, v in zip(leaves, jaxpr.invars):
+    if not leaf.is_batch:
+      src[v] = (leaf.index, False)
+  out: dict[int, int] = {}
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    ins = [src.get(v) if is_var(v) else None for v in eqn.invars]
+    if name == "dot_general" and len(ins) == 2:
+      for k, x in enumerate(ins):
+        if x is not None and x[1]:
+          other = nbytes(eqn.invars[1 - k].aval)
+          out[x[0]] = min(out.get(x[0], other), other)
+    elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:
+      src[eqn.outvars[0]] = (ins[0][0], ins[0][1] or name == "stop_gradient")
+  return out
 
 
 def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], bool]:

@@ -15,11 +15,16 @@ import math
 from typing import Any
 
 from dtenjax._src import jaxapi
+from dtenjax._src.planning.jaxpr_reader import CALLS
 from dtenjax._src.planning.jaxpr_reader import CUSTOM_DERIVATIVE_CALLS
 from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
 from dtenjax._src.planning.jaxpr_reader import Reader
 from dtenjax._src.planning.jaxpr_reader import is_var
 from dtenjax._src.planning.jaxpr_reader import sub_jaxprs
+
+
+# What a bias passes through on its way to the product's output it is added to
+_TO_OUTPUT = frozenset(("broadcast_in_dim", "reshape", "convert_element_type", "reduce_precision"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +86,49 @@ def carried_flops(reached: dict[Any, list[tuple[int, int]]], flops: dict[Any, fl
     for key in srcs:
       parts.setdefault(key, []).append(flops.get(e, 0.0) / len(srcs))
   return {key: math.fsum(v) for key, v in sorted(parts.items())}
+
+
+def column_vectors(reader: Reader, invars, cones: dict[tuple[int, int], set[Any]]
+                   ) -> dict[tuple[int, int], tuple[int, ...]]:
+  """Each paired ``(leaf, free dim)`` -> the vector state leaves (a bias) an elementwise
+  equation applies to a value of its cone, along that dimension (``x @ w1 + b1``): XLA computes
+  such a vector's gradient in the product's column layout, runs its update there and all-gathers
+  the new vector (and its moments) over 'tensor' into the replicated outputs. Followed from the
+  leaf (``invars``: the step's, one per leaf) through its broadcast along the tokens, reshapes,
+  casts and elementwise work, and into the bodies of loops and calls that read it (a bias added
+  inside a lax.scan over micro-batches; a scanned stack of biases, one layer a trip)."""
+  out: dict[tuple[int, int], list[int]] = {}
+  # a 2-D leaf a scan slices (a stack of vectors, one a layer), beside the 1-D ones
+  stacked = {org[0] for _, _, orgs in reader.scans for org in orgs if org is not None}
+  for leaf, var in zip(reader.leaves, invars):
+    if leaf.is_batch or not (len(leaf.shape) == 1 or
+                             (len(leaf.shape) == 2 and leaf.index in stacked)):
+      continue
+    todo, seen, found = [var], 0, None
+    while todo and found is None and seen < 32:
+      v = todo.pop()
+      seen += 1
+      for eqn, pos in reader.uses.get(v, ()):
+        name = eqn.primitive.name
+        if name in _TO_OUTPUT:
+          todo.append(eqn.outvars[0])
+          continue
+        if name == "scan" or name in CALLS or name in CUSTOM_DERIVATIVE_CALLS:
+          # the body's operand is the leaf (a scan's const), or one layer of it (a scan's xs)
+          todo.extend(sub.invars[pos] for sub, _ in sub_jaxprs(eqn) if pos < len(sub.invars))
+          continue
+        if name not in ELEMENTWISE:
+          continue
+        others = [x for k, x in enumerate(eqn.invars) if k != pos and is_var(x)]
+        found = next((key for key in sorted(cones)
+                      if reader.leaves[key[0]].shape[key[1]] == leaf.shape[-1] and
+                      any(x in cones[key] for x in others)), None)
+        if found is not None:
+          break
+        todo.append(eqn.outvars[0])
+    if found is not None:
+      out.setdefault(found, []).append(leaf.index)
+  return {k: tuple(v) for k, v in out.items()}
 
 
 def reduced_outputs(reader: Reader, pairs: tuple[Pair, ...]

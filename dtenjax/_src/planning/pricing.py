@@ -599,7 +599,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     ctx.add(kind, nb, axes, blocking=False)
   # a PRNG key has no gradient (integer leaves, such as a step counter, have none either, but
   # are priced the share of their few bytes that the recorded plans' costs hold)
-  if batch and not primary.is_key:
+  # nor has a parameter the loss never reads: its gradient is a constant zero, never reduced;
+  # nor is one the step freezes reduced (its gradient is computed where a product needs its
+  # input's, and dropped)
+  constant = graph.zero_gradient(group)
+  if batch and not primary.is_key and not constant and not graph.frozen(group):
     if zero:
       k = axis_key(zero)
       # XLA:CPU lowers a reduce-scatter as an all-reduce of the whole gradient followed by a
@@ -640,9 +644,15 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # previous one (a product's, or none between the two of one norm), at most what any collective
   # between products is priced to wait (Pricer.step_latency)
   meet = [a for a in BATCH_AXES if m.size[a] > 1]
+  # An index reduction (argmax over the batch) meets as an all-gather of every device's partials
+  # (the extreme values and their indices): the buffer gathered is the batch axes' devices times
+  # its bytes (compiled on 8 CPU devices, `data` 8: f32[1,128] and s32[1,128] gathered, 4 KiB
+  # each)
+  gathers = math.prod(m.size[a] for a in meet)
   for mt in graph.meetings:
+    kind, moved = ("all_gather", gathers * mt.nbytes) if mt.gathered else ("all_reduce", mt.nbytes)
     if (mt.payer in group and meet and mt.joins_on_cpu and pricer.backend == "cpu" and
-        XLA_VERSION < (0, 11)):
+        XLA_VERSION < (0, 11) and not mt.gathered):
       # its bytes move in the all-reduce before it, which pays the meeting (jaxlib 0.10's
       # XLA:CPU; 0.11's keeps the recomputation apart: Reader.meetings)
       acc(pr.blocking, axis_key(meet),
@@ -651,9 +661,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     elif mt.payer in group and meet:
       since = mt.since / mt.count / batch_div / m.peak_flops
       own = min(pricer.step_latency, MEETING_WAKE_S + MEETING_SPREAD * since)
-      time = pricer("all_reduce", mt.nbytes / mt.count, meet, dtype) - pricer.step_latency + own
+      time = pricer(kind, moved / mt.count, meet, dtype) - pricer.step_latency + own
       acc(pr.blocking, axis_key(meet), mt.count * time)
-      acc(pr.bytes, f"all_reduce[{axis_key(meet)}]", mt.nbytes)
+      acc(pr.bytes, f"{kind}[{axis_key(meet)}]", moved)
   # FSDP: the parameter gathered for the forward; XLA keeps the gathered copy for the backward
   # (one all-gather per step, the copy live in between)
   # a table only read by lookups, sharded over the dimension they index (vocab-parallel): each
@@ -663,9 +673,10 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   if vocab_axes:
     unsplit = math.prod(m.size[a] for a in batch if a not in vocab_axes)
     ctx.add("all_reduce", lookup[1] / unsplit, vocab_axes, blocking=True)
-  if zero and not vocab_axes:
+  if zero and not vocab_axes and not constant:
     k = axis_key(zero)
-    # gathered where its product reads it (StepPlan.jit); a read inside jax.checkpoint, or a
+    # gathered where its product reads it (StepPlan.jit; a parameter the loss never reads is
+    # gathered nowhere: its update reads its own shard); a read inside jax.checkpoint, or a
     # layer of a lax.scan stack (gathered inside the loop body, once per layer, in the forward
     # and again in the backward's loop), is gathered twice per step and the gathered copy is not
     # kept in between: only the slice being used is live. Otherwise XLA keeps the gathered
@@ -676,6 +687,16 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     per = use.layers if use is not None and use.layers > 1 else 1
     acc(pr.overlappable, k, times * per * pricer("all_gather", grad / per, zero, dtype))
     acc(pr.bytes, f"all_gather[{k}]", times * grad)
+    if use is None and primary.index in graph.lookups and primary.index in graph.stopped:
+      # a table looked up and read by a product under lax.stop_gradient (the output projection
+      # of a tied embedding the loss does not train through): the lookup's gathered copy dies
+      # with it, and for the product XLA gathers the smaller of the table and the product's
+      # other operand (the tokens' activations; the logits are then split on the vocabulary).
+      # Compiled on 8 CPU devices, `fsdp` 8, 256 tokens of 64 features: a table of 128 or 256
+      # rows gathered twice; of 512 rows once, and the activations, f32[2,16,64], gathered
+      other = min(grad, graph.stopped[primary.index])
+      acc(pr.overlappable, k, pricer("all_gather", other, zero, dtype))
+      acc(pr.bytes, f"all_gather[{k}]", other)
     if regather:
       pr.gathered_peak = grad / max(1, use.layers)
     elif use is not None:
@@ -696,7 +717,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       if pricer.gather_spread > 0:
         pr.start_gather = (k, pricer.gather_spread * last_arrival(group),
                            MEETING_WAKE_S - pricer.step_latency, wait)
-  elif zero and pricer.backend == "cpu":
+  elif zero and vocab_axes and pricer.backend == "cpu":
     # a vocab-parallel table sharded over a batch axis on another dimension: the lookup reads
     # whole rows of the tokens that axis splits, so XLA:CPU gathers the table's 'tensor' shard
     # over it first (compiled: llama_scan's `fsdp` 8 x `tensor` 2 plan on 16 CPU devices, 1 MiB
@@ -706,6 +727,47 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   for role in roles.REGISTRY:
     if role.price is not None and role.name in used:
       role.price(ctx)
+  # a vector (a bias) applied to the column-parallel output of this weight's product, which the
+  # plan replicates: XLA computes its gradient and runs its update in the product's column layout
+  # and all-gathers each new value of its group the step computes from the batch (the vector and
+  # its moments; none of a frozen one, whose new value is the old) over 'tensor' into the
+  # replicated outputs (compiled on 8 CPU devices, `fsdp` 4 x `tensor` 2: an MLP's first bias and
+  # adam's two moments, three f32[256] gathered into f32[512]). XLA:CPU gathers a 16-bit float
+  # one in f32, before converting it (bf16 parameters on `tensor` 8: three f32[64])
+  if pr.tp is not None and pr.tp[0] == "col" and m.size["tensor"] > 1:
+    # (a norm's scale and bias, tied by the work that reads them, are one group: its outputs once)
+    tied = {graph.group_of(b)[0] for b in graph.column_vectors.get((primary.index, pr.tp[1]), ())}
+    for k, (shape, dtype, rep) in enumerate(graph.outputs):
+      if rep in tied and k in graph.batch_outputs:
+        item = stepgraph.itemsize_of(dtype)
+        if item == 2 and pricer.backend == "cpu" and stepgraph.is_float(dtype):
+          item = 4
+        ctx.add("all_gather", math.prod(shape) * item, ("tensor",), blocking=False)
+    # a result of the step in the pair's cone that is no state's new value (an argmax over the
+    # batch per hidden unit): split over 'tensor' where it is made, gathered into the replicated
+    # output (compiled on 8 CPU devices, `data` 4 x `tensor` 2: s32[256] into s32[512])
+    nb = graph.cone_outputs.get((primary.index, pr.tp[1]), 0)
+    if nb:
+      ctx.add("all_gather", nb, ("tensor",), blocking=False)
+  # a jax.shard_map result the user's out_specs shard over their mesh, where this plan splits no
+  # batch: XLA all-gathers it whole over the devices into the replicated layout the plan gives
+  # the batch's values (compiled on 8 CPU devices, `tensor` 8: a per-shard centring of the batch,
+  # f32[8,128] gathered into f32[64,128]). Where the plan splits the batch as the user's mesh
+  # does (`data` 8, `data` 2 x `fsdp` 4) nothing moves; where it splits it otherwise (`fsdp` 4 x
+  # `tensor` 2) XLA re-lays the products around the manual sharding, which is not priced
+  everyone = [a for a in AXES if m.size[a] > 1]
+  if not batch and everyone:
+    for nb, payer in graph.manual_outputs:
+      if payer in group:
+        ctx.add("all_gather", nb, everyone, blocking=True)
+  # an index reduction no later work on the batch reads (a metric the step returns) is gathered
+  # all the same, waited for by nothing but the step's end; of values a column-parallel product
+  # splits over 'tensor' (its pair's cone), each device gathers the partials of its share
+  for mt in graph.index_gathers:
+    if mt.payer in group and meet:
+      split = m.size["tensor"] if mt.cone is not None and pr.tp == ("col", mt.cone[1]) else 1
+      ctx.add("all_gather", gathers * mt.nbytes / mt.count / split, meet, blocking=False,
+              times=mt.count)
   if use is not None:
     split = m.size["tensor"] if pr.tp is not None else 1
     flops = use.flops / split

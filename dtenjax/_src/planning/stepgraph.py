@@ -102,6 +102,16 @@ def _is_key(dtype_name: str) -> bool:
   return False
 
 
+def is_float(dtype_name: str) -> bool:
+  """A floating dtype by name (bfloat16 and the float8 types included; not a PRNG key's)."""
+  return not _is_key(dtype_name) and bool(jax.dtypes.issubdtype(dtype_name, np.inexact))
+
+
+def itemsize_of(dtype_name: str) -> int:
+  """Bytes per element of a dtype by name (a leaf's, an output's)."""
+  return jaxpr_reader.itemsize(dtype_name)
+
+
 def _dtype_name(dtype) -> str:
   try:
     return np.dtype(dtype).name
@@ -162,9 +172,33 @@ class StepGraph:
   # (liveness.weight_reads): a gathered copy only the forward's product reads is freed there
   weight_reads: dict[int, tuple[tuple[int, bool], ...]] = dataclasses.field(default_factory=dict)
   since_meeting: dict[int, float] = dataclasses.field(default_factory=dict)
+  # the index reductions over the batch no later work on the batch reads (an argmax over the
+  # batch the step returns): all-gathered over the batch axes, no meeting
+  # (jaxpr_reader.Reader.index_gathers)
+  index_gathers: tuple[Meeting, ...] = ()
+  # (leaf, free dim) of a tensor pair -> the vectors (biases) applied to its cone's values
+  # (pairs.column_vectors): column-parallel, XLA all-gathers their new values over 'tensor'
+  column_vectors: dict[tuple[int, int], tuple[int, ...]] = dataclasses.field(
+      default_factory=dict)
+  # the results a jax.shard_map's out_specs shard over the user's mesh: (bytes of the whole value,
+  # the weight whose price holds moving it) (jaxpr_reader.Reader.manual_outputs)
+  manual_outputs: tuple[tuple[int, int | None], ...] = ()
+  # (leaf, free dim) of a tensor pair -> the bytes of the step's outputs in its cone that are no
+  # state's new value (a metric per hidden unit): column-parallel, XLA all-gathers them over
+  # 'tensor' into the replicated outputs
+  cone_outputs: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+  # the state leaves a product reads through lax.stop_gradient -> the bytes of the product's other
+  # operand, global (jaxpr_reader.stopped_reads)
+  stopped: dict[int, int] = dataclasses.field(default_factory=dict)
+  # the positions of the step's outputs computed from the batch (jaxpr_reader.batch_outputs)
+  batch_outputs: frozenset[int] = frozenset()
   # the leaves no equation the step's results need reads, nor a result is: jax.jit leaves them
   # out of the program it compiles (keep_unused=False), so they are no argument of it
   unread: frozenset[int] = frozenset()
+  # the state leaves no equation reads beside a value computed from the batch
+  # (jaxpr_reader.batch_free): a parameter the loss never reads, whose gradient is a constant
+  # zero, is neither reduced over the batch axes nor gathered
+  batch_free: frozenset[int] = frozenset()
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
@@ -207,6 +241,24 @@ class StepGraph:
         untied[key] -= 1
         out.update(g)
     return frozenset(out)
+
+  def zero_gradient(self, group: Sequence[int]) -> bool:
+    """Whether a tied group's gradient is a constant zero XLA never synchronises: a float
+    parameter that, with its moments, meets no value computed from the batch (``batch_free``:
+    a leaf of the parameters the loss never reads). Integer leaves (a step counter) keep the
+    price of their few bytes the recorded plans hold (pricing.price_layout)."""
+    return (all(i in self.batch_free for i in group) and
+            is_float(self.leaves[group[0]].dtype))
+
+  def frozen(self, group: Sequence[int]) -> bool:
+    """Whether the step returns new values of a float group and computes none of them from the
+    batch (a parameter optax.set_to_zero freezes: its new value is the old one plus zeros): XLA
+    reduces no gradient of it over the batch axes, though it still gathers it where a product
+    reads it. A group no output is tied to is not judged (its new value may be made where the
+    ties are not followed)."""
+    outs = [k for k, (_, _, rep) in enumerate(self.outputs) if rep == group[0]]
+    return (bool(outs) and is_float(self.leaves[group[0]].dtype) and
+            not any(k in self.batch_outputs for k in outs))
 
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:
@@ -326,8 +378,29 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    update_reduces=liveness.update_reduces(jaxpr, leaves),
                    weight_reads=liveness.weight_reads(jaxpr, leaves),
                    meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings),
+                   index_gathers=tuple(reader.index_gathers({**cones, **reduced})),
+                   column_vectors=pairs_mod.column_vectors(reader, jaxpr.invars, cones),
                    unread=frozenset(leaf.index for leaf, v in zip(leaves, jaxpr.invars)
-                                    if v not in read))
+                                    if v not in read),
+                   batch_free=jaxpr_reader.batch_free(jaxpr, leaves),
+                   batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves),
+                   manual_outputs=tuple(reader.manual_outputs()),
+                   stopped=jaxpr_reader.stopped_reads(jaxpr, leaves),
+                   cone_outputs=_cone_outputs(jaxpr, tie, cones))
+
+
+def _cone_outputs(jaxpr, tie: dict, cones: dict[tuple[int, int], set[Any]]
+                  ) -> dict[tuple[int, int], int]:
+  """(leaf, free dim) -> the bytes of the step's results in that pair's cone that are tied to no
+  state leaf (a state's new value is priced with its group: pricing's column vectors)."""
+  out: dict[tuple[int, int], int] = {}
+  for v in jaxpr.outvars:
+    if not jaxpr_reader.is_var(v) or v in tie:
+      continue
+    key = next((k for k in sorted(cones) if v in cones[k]), None)
+    if key is not None:
+      out[key] = out.get(key, 0) + jaxpr_reader.nbytes(v.aval)
+  return out
 
 
 def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], float]:

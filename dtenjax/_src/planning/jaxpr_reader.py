@@ -745,9 +745,9 @@ _TO_PRODUCT = _ALIASES | frozenset(("transpose", "reshape"))
 def stopped_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
   """The state leaves a product of ``jaxpr``'s top level reads through ``lax.stop_gradient`` (a
   tied embedding's output projection under stop_gradient) -> the bytes of the smallest other
-  operand of such a product (the forward's activations, not the backward's logits' cotangent). The walk's weights do not see these reads
-  (stop_gradient ends a leaf's identity: no gradient of the leaf flows from them), but XLA reads
-  the leaf there all the same."""
+  operand of such a product (the forward's activations, not the backward's logits' cotangent).
+  The walk's weights do not see these reads (stop_gradient ends a leaf's identity: no gradient of
+  the leaf flows from them), but XLA reads the leaf there all the same."""
   src: dict[Any, tuple[int, bool]] = {}
   for leaf, v in zip(leaves, jaxpr.invars):
     if not leaf.is_batch:

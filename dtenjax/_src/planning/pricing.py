@@ -5,8 +5,8 @@ Collectives are priced as XLA's own ops (the all-reduces through an
 :data:`~dtenjax._src.planning.planner.AllReduceTime`, ``pricing.registry.xla_all_reduce_time``
 for the whole-step planner: a planned step's collectives are those XLA inserts, not a
 ``dtenjax.all_reduce``'s ``algorithm="auto"`` choice), for the backend the plan is for: XLA:CPU
-lowers a reduce-scatter as an all-reduce of the whole gradient, the GPU compiler keeps it. The backend is
-the platform of the plan's devices and the XLA of the jaxlib this process runs
+lowers a reduce-scatter as an all-reduce of the whole gradient, the GPU compiler keeps it. The
+backend is the platform of the plan's devices and the XLA of the jaxlib this process runs
 (:data:`XLA_VERSION`, read once here: the compiler that will compile the plan): XLA:CPU 0.11
 partitions a looked-up table's gradient beside 'tensor' its own way (:func:`_scattered_in_pieces`).
 """

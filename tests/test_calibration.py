@@ -259,6 +259,29 @@ def _dp(step, args, topology, **terms):
                         memory_budget=1 << 50).cost
 
 
+def test_the_plans_all_reduces_are_the_calibrations_measured_xla_all_reduce(cpu_devices):
+  """A planned step's gradient all-reduce is XLA's own, so a calibration's measured all-reduce
+  is its price (35f588c): two 4 MiB f32 gradients under DP, each one's share of the combined
+  all-reduce CAL's 4 MiB time less its smallest size's (the latency the problem adds once),
+  2 x (3 + 3 x 5 - 3) ms = 30 ms; a calibration whose all-reduce is 10x slower, 300 ms. The
+  chooser's price (``algorithm="auto"``'s cheapest record, a dtenjax.all_reduce's) read neither:
+  9.9 ms for each 4 MiB on either calibration."""
+  del cpu_devices
+  import jax
+  import jax.numpy as jnp
+  topo = Topology.current()
+  fast = dataclasses.replace(CAL, devices=topo.num_devices)
+  slow = dataclasses.replace(fast, collectives=(("all_reduce", ((MiB, 30e-3), (9 * MiB, 430e-3))),
+                                                ("all_gather", ((MiB, 1e-3),))))
+  def step(p, batch):
+    loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(batch @ p["w1"]) @ p["w2"]))(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
+  args = ({"w1": jnp.zeros((1024, 1024)), "w2": jnp.zeros((1024, 1024))}, jnp.zeros((64, 1024)))
+  for cal, ms in ((fast, 30.0), (slow, 300.0)):
+    cost = _dp(step, args, dataclasses.replace(topo, calibration=cal))
+    assert cost.comm_s == {"data": pytest.approx(ms * 1e-3)}, (ms, cost.comm_s)
+
+
 def test_a_calibration_prices_the_work_beside_the_products_and_each_product_once(cpu_devices):
   """A calibration's FLOP/s are products alone (its chain of products), where the priors' were
   set against whole steps' products with the work beside them inside: calibrated, a device's

@@ -268,6 +268,54 @@ def update_reduces(jaxpr, leaves: Sequence[Any]) -> bool:
              any(is_var(v) and v in from_grads for v in eqn.invars) for eqn in jaxpr.eqns)
 
 
+def gradient_parts(jaxpr, leaves: Sequence[Any]) -> dict[tuple[int, ...], int]:
+  """A state leaf's shape -> how many products of ``jaxpr``'s top level make its gradient, where
+  more than one: a weight read twice (``x @ w``, later ``h @ w.T``) has a gradient product per
+  read, summed (``add_any``, through transposes, reshapes and casts) into its gradient. A weight
+  gradient's product reads no weight (:func:`_weight_values`: the forward's and the input
+  gradients' products do) and no product reads its result. Where the update reduces the
+  gradients one at a time (:func:`update_reduces`), XLA:CPU reduces such a gradient's parts in
+  one all-reduce (solver._combined_reduction). Leaves of one shape share its largest count."""
+  state_shapes = {lf.shape for lf in leaves if not lf.is_batch and len(lf.shape) >= 2}
+  def state(v) -> bool:
+    shape = tuple(getattr(v.aval, "shape", ()))
+    return shape in state_shapes or tuple(reversed(shape)) in state_shapes
+  weights = _weight_values(jaxpr, leaves)
+  read_by_products = {v for eqn in jaxpr.eqns if eqn.primitive.name in _PRODUCTS
+                      for v in eqn.invars if is_var(v)}
+  parts: dict[Any, int] = {}
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    ins = [v for v in eqn.invars if is_var(v)]
+    if name in _PRODUCTS:
+      if not any(v in weights for v in ins):
+        parts.update((o, 1) for o in eqn.outvars if o not in read_by_products and state(o))
+    elif (name in _RESHAPES or name == "transpose") and len(ins) == 1 and ins[0] in parts:
+      parts[eqn.outvars[0]] = parts[ins[0]]
+    elif name == "add_any" and ins and all(v in parts for v in ins):
+      parts[eqn.outvars[0]] = sum(parts[v] for v in ins)
+  out: dict[tuple[int, ...], int] = {}
+  for v, n in parts.items():
+    shape = tuple(v.aval.shape)
+    if n > 1 and shape in state_shapes:
+      out[shape] = max(out.get(shape, 1), n)
+  return out
+
+
+def _weight_values(jaxpr, leaves: Sequence[Any]) -> set[Any]:
+  """The state leaves of ``jaxpr``'s top level and the values made from one alone: by reshapes,
+  transposes and casts, or an elementwise op whose other operands are scalars (``0.5 * w``). A
+  product that reads one is the forward's or an input gradient's, never a weight's gradient."""
+  weights = {v for lf, v in zip(leaves, jaxpr.invars) if not lf.is_batch}
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    ins = [v for v in eqn.invars if is_var(v) and getattr(v.aval, "shape", ()) != ()]
+    if (len(ins) == 1 and ins[0] in weights and
+        (name in _RESHAPES or name == "transpose" or name in ELEMENTWISE)):
+      weights.update(eqn.outvars)
+  return weights
+
+
 def weight_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[tuple[int, bool], ...]]:
   """State leaf index -> the equations of ``jaxpr``'s top level that read it, or a value made
   from it by reshapes, transposes and casts (where a layout gathers it, the readers of its

@@ -235,7 +235,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # the leaves' shards by shape (and reversed): the optimizer's update values (Live.update)
   shard_sizes: dict[tuple[int, ...], list[float]] = {}
   outputs: list[float] = []
-  reduced: list[float] = []   # whole gradients a batch axis reduces and a layout then shards
+  # whole gradients a batch axis reduces and a layout then shards, each with its products
+  reduced: list[tuple[float, int]] = []
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
@@ -262,7 +263,10 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     for shape in (primary.shape, tuple(reversed(primary.shape))):
       shard_sizes.setdefault(shape, []).append(primary.nbytes / shards)
     if zero and per_device > primary.nbytes / shards:
-      reduced.append(per_device)
+      # a gradient of several products (a weight read twice) is reduced in one all-reduce
+      parts = max(graph.gradient_parts.get(s, 1) for s in (primary.shape,
+                                                           tuple(reversed(primary.shape))))
+      reduced.append((per_device, parts))
     if not prob.donate:
       outputs.extend(graph.leaves[i].nbytes / shards for i in g)
   values = []
@@ -391,7 +395,7 @@ def _split_bytes(v: stepgraph.Live, nb: float, bdiv: int) -> float:
 
 
 def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
-                        reduced: Sequence[float], gathered: float,
+                        reduced: Sequence[tuple[float, int]], gathered: float,
                         kept: Sequence[tuple[Sequence[int], float]] = ()) -> None:
   """XLA:CPU's gradient reductions after the backward: one combined all-reduce whose results
   are new buffers, live beside the unreduced gradients (``reduced``: the whole gradients an
@@ -409,7 +413,10 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
   each gradient is reduced joined with the sum of the one before, one new buffer at a time
   beside the unreduced gradients, the largest the peak's (XLA:CPU's compiles of
   clip_by_global_norm and adafactor steps of a two-layer MLP on ``fsdp`` 8, two widths: 3
-  gradient-sized temporaries, where the combined reduction holds 4). Adds the events to
+  gradient-sized temporaries, where the combined reduction holds 4). A gradient of several
+  products (``reduced``'s count: a weight read twice, ``StepGraph.gradient_parts``) is one
+  all-reduce of all its parts (XLA:CPU's compile of a tied MLP's clip_by_global_norm step on
+  ``fsdp`` 8: f32[512,128] and f32[128,512] in one). Adds the events to
   ``events`` (time -> (activations, gradients, gathered) deltas)."""
   ends = [v.start for v in graph.timeline if v.grad is not None and not v.update]
   if not ends:
@@ -421,7 +428,8 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
       events.setdefault(reads[-1][0] + 1, []).append((0.0, 0.0, -nb))
       gathered -= nb
   events.setdefault(after, []).append((0.0, 0.0, -gathered))
-  parts = sorted(reduced, reverse=True) if graph.update_reduces else [sum(reduced)]
+  parts = (sorted((nb * n for nb, n in reduced), reverse=True) if graph.update_reduces
+           else [sum(nb for nb, _ in reduced)])
   for k, nb in enumerate(parts):
     events.setdefault(after + k / len(parts), []).append((0.0, nb, 0.0))
     events.setdefault(after + (k + 1) / len(parts), []).append((0.0, -nb, 0.0))

@@ -168,6 +168,10 @@ class StepGraph:
   # the optimizer's update reduces values it computes from the gradients (a global norm):
   # XLA:CPU then reduces the gradients one at a time (liveness.update_reduces)
   update_reduces: bool = False
+  # a state leaf's shape -> its gradient's products where more than one (a weight read twice):
+  # reduced in one all-reduce where the update reduces the gradients one at a time
+  # (liveness.gradient_parts)
+  gradient_parts: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
   # state leaf -> the top-level equations that read it, each with whether it is a product
   # (liveness.weight_reads): a gathered copy only the forward's product reads is freed there
   weight_reads: dict[int, tuple[tuple[int, bool], ...]] = dataclasses.field(default_factory=dict)
@@ -376,6 +380,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    token_share=_token_share(reader, {**cones, **reduced}),
                    sequence=sequence_lib.read(closed.jaxpr, leaves),
                    update_reduces=liveness.update_reduces(jaxpr, leaves),
+                   gradient_parts=liveness.gradient_parts(jaxpr, leaves),
                    weight_reads=liveness.weight_reads(jaxpr, leaves),
                    meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings),
                    index_gathers=tuple(reader.index_gathers({**cones, **reduced})),

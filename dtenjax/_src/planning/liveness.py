@@ -173,7 +173,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   ``(leaf, free dim)`` shards (its cone, :func:`dtenjax._src.planning.pairs.find_pairs`; a value
   in several cones is split among them) and the step's timeline of materialised values.
   ``leaves`` are the step's stepgraph.Leaf records, in the order of ``jaxpr``'s inputs."""
-  state_shapes = {lf.shape for lf in leaves if not lf.is_batch and len(lf.shape) >= 2}
+  state_shapes = _state_shapes(leaves)
   batch_vars = {v for lf, v in zip(leaves, jaxpr.invars) if lf.is_batch}
   counted: dict[Any, int] = {}
   lives: list[tuple[Any, int, int, int, tuple[int, ...] | None, bool]] = []
@@ -212,6 +212,24 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   return int(act), act_share, timeline
 
 
+def _state_shapes(leaves: Sequence[Any]) -> set[tuple[int, ...]]:
+  """The shapes of the state leaves of two or more dimensions (the weights and their moments)."""
+  return {lf.shape for lf in leaves if not lf.is_batch and len(lf.shape) >= 2}
+
+
+def _of_state_shape(v, state_shapes: set) -> bool:
+  """Whether ``v`` has a state leaf's shape, or its transpose's (a weight's gradient may be
+  made either way round)."""
+  shape = tuple(getattr(v.aval, "shape", ()))
+  return shape in state_shapes or tuple(reversed(shape)) in state_shapes
+
+
+def _read_by_products(jaxpr) -> set[Any]:
+  """The values a product (a dot or a convolution) of ``jaxpr``'s top level reads."""
+  return {v for eqn in jaxpr.eqns if eqn.primitive.name in _PRODUCTS
+          for v in eqn.invars if is_var(v)}
+
+
 def _update_values(jaxpr, state_shapes: set) -> set[Any]:
   """The values of a state leaf's shape that the optimizer's update computes from the weights'
   gradients (:func:`_from_gradients`): an elementwise op's or a ``lax.cond``'s
@@ -222,33 +240,28 @@ def _update_values(jaxpr, state_shapes: set) -> set[Any]:
   shard on every device: the updates apply_if_finite's branch returns are ``[16, 512]`` f32
   slices of w1's ``[128, 512]`` on an FSDP 8 step in XLA:CPU's compile, where the model sized
   them whole (its gradient term was 1 MiB, XLA's temporaries 1.0 MiB in all)."""
-  def state(v) -> bool:
-    shape = tuple(getattr(v.aval, "shape", ()))
-    return shape in state_shapes or tuple(reversed(shape)) in state_shapes
-  from_grads, read_by_products = _from_gradients(jaxpr, state_shapes)
+  read_by_products = _read_by_products(jaxpr)
+  from_grads = _from_gradients(jaxpr, state_shapes, read_by_products)
   out: set[Any] = set()
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if ((name == "cond" or (name in ELEMENTWISE and name != "add_any")) and
         any(is_var(v) and v in from_grads for v in eqn.invars)):
-      out.update(o for o in eqn.outvars if state(o))
+      out.update(o for o in eqn.outvars if _of_state_shape(o, state_shapes))
   return out - read_by_products
 
 
-def _from_gradients(jaxpr, state_shapes: set) -> tuple[set[Any], set[Any]]:
+def _from_gradients(jaxpr, state_shapes: set, read_by_products: set[Any]) -> set[Any]:
   """The values ``jaxpr`` computes from a weight's gradient (a product's result of a state
-  leaf's shape that no product reads), through any ops but products; and the values products
-  read."""
-  read_by_products = {v for eqn in jaxpr.eqns if eqn.primitive.name in _PRODUCTS
-                      for v in eqn.invars if is_var(v)}
+  leaf's shape that no product reads: ``read_by_products``), through any ops but products."""
   from_grads: set[Any] = set()
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in _PRODUCTS:
-      from_grads.update(o for o in eqn.outvars if o not in read_by_products and (
-          tuple(o.aval.shape) in state_shapes or tuple(reversed(o.aval.shape)) in state_shapes))
+      from_grads.update(o for o in eqn.outvars
+                        if o not in read_by_products and _of_state_shape(o, state_shapes))
     elif any(is_var(v) and v in from_grads for v in eqn.invars):
       from_grads.update(eqn.outvars)
-  return from_grads, read_by_products
+  return from_grads
 
 
 def update_reduces(jaxpr, leaves: Sequence[Any]) -> bool:
@@ -262,8 +275,7 @@ def update_reduces(jaxpr, leaves: Sequence[Any]) -> bool:
   the backward (solver._combined_reduction). A reduction of another kind is all-reduced apart
   from the sums (apply_if_finite's ``reduce_and`` of ``is_finite``: XLA combines the gradients'
   sums into one all-reduce there)."""
-  state_shapes = {lf.shape for lf in leaves if not lf.is_batch and len(lf.shape) >= 2}
-  from_grads, _ = _from_gradients(jaxpr, state_shapes)
+  from_grads = _from_gradients(jaxpr, _state_shapes(leaves), _read_by_products(jaxpr))
   return any(eqn.primitive.name == "reduce_sum" and
              any(is_var(v) and v in from_grads for v in eqn.invars) for eqn in jaxpr.eqns)
 
@@ -276,20 +288,17 @@ def gradient_parts(jaxpr, leaves: Sequence[Any]) -> dict[tuple[int, ...], int]:
   gradients' products do) and no product reads its result. Where the update reduces the
   gradients one at a time (:func:`update_reduces`), XLA:CPU reduces such a gradient's parts in
   one all-reduce (solver._combined_reduction). Leaves of one shape share its largest count."""
-  state_shapes = {lf.shape for lf in leaves if not lf.is_batch and len(lf.shape) >= 2}
-  def state(v) -> bool:
-    shape = tuple(getattr(v.aval, "shape", ()))
-    return shape in state_shapes or tuple(reversed(shape)) in state_shapes
+  state_shapes = _state_shapes(leaves)
   weights = _weight_values(jaxpr, leaves)
-  read_by_products = {v for eqn in jaxpr.eqns if eqn.primitive.name in _PRODUCTS
-                      for v in eqn.invars if is_var(v)}
+  read_by_products = _read_by_products(jaxpr)
   parts: dict[Any, int] = {}
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     ins = [v for v in eqn.invars if is_var(v)]
     if name in _PRODUCTS:
       if not any(v in weights for v in ins):
-        parts.update((o, 1) for o in eqn.outvars if o not in read_by_products and state(o))
+        parts.update((o, 1) for o in eqn.outvars
+                     if o not in read_by_products and _of_state_shape(o, state_shapes))
     elif (name in _RESHAPES or name == "transpose") and len(ins) == 1 and ins[0] in parts:
       parts[eqn.outvars[0]] = parts[ins[0]]
     elif name == "add_any" and ins and all(v in parts for v in ins):
@@ -921,9 +930,9 @@ def _input_gradient_first(jaxpr, state_shapes: set, same,
           readers.setdefault(same(v), []).append((i, eqn))
   for uses in readers.values():
     for i, eqn in uses:
-      shape = tuple(eqn.outvars[0].aval.shape)
-      if shape not in state_shapes and tuple(reversed(shape)) not in state_shapes:
+      if not _of_state_shape(eqn.outvars[0], state_shapes):
         continue                       # not a weight's gradient
+      shape = tuple(eqn.outvars[0].aval.shape)
       later = [j for j, e in uses if j > i and tuple(e.outvars[0].aval.shape) != shape]
       if later:
         runs_until[i] = later[0]

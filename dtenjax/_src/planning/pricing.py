@@ -22,6 +22,7 @@ import jaxlib
 
 from dtenjax._src.pricing import costmodel
 from dtenjax._src.topology import calibrate as calibrate_lib
+from dtenjax._src.planning import jaxpr_reader
 from dtenjax._src.planning import planner
 from dtenjax._src.planning import roles
 from dtenjax._src.planning import stepgraph
@@ -739,7 +740,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     tied = {graph.group_of(b)[0] for b in graph.column_vectors.get((primary.index, pr.tp[1]), ())}
     for k, (shape, dtype, rep) in enumerate(graph.outputs):
       if rep in tied and k in graph.batch_outputs:
-        item = stepgraph.itemsize_of(dtype)
+        item = jaxpr_reader.itemsize(dtype)
         if item == 2 and pricer.backend == "cpu" and stepgraph.is_float(dtype):
           item = 4
         ctx.add("all_gather", math.prod(shape) * item, ("tensor",), blocking=False)

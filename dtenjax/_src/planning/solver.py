@@ -399,9 +399,10 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
                         kept: Sequence[tuple[Sequence[int], float]] = ()) -> None:
   """XLA:CPU's gradient reductions after the backward: one combined all-reduce whose results
   are new buffers, live beside the unreduced gradients (``reduced``: the whole gradients an
-  FSDP layout then slices, one per group), when the backward's last gradient has been made. A gathered weight (``kept``: each
-  group's gathered copy) that only one product reads, the forward's (the first layer's, whose
-  input no gradient is computed for), is freed after it, as XLA:CPU frees it; what else is
+  FSDP layout then slices, one per group), when the backward's last gradient has been made. A
+  gathered weight (``kept``: each group's gathered copy) that only one product reads, the
+  forward's (the first layer's, whose input no gradient is computed for), is freed after it, as
+  XLA:CPU frees it; what else is
   gathered for the step (``gathered``) lives until the reduction. (XLA frees a copy the
   backward's input gradient reads after that product, too; the model holds it: the hoisted
   zeros of an untied table's scatter gradient, which XLA:CPU keeps from the step's start and the

@@ -107,11 +107,6 @@ def is_float(dtype_name: str) -> bool:
   return not _is_key(dtype_name) and bool(jax.dtypes.issubdtype(dtype_name, np.inexact))
 
 
-def itemsize_of(dtype_name: str) -> int:
-  """Bytes per element of a dtype by name (a leaf's, an output's)."""
-  return jaxpr_reader.itemsize(dtype_name)
-
-
 def _dtype_name(dtype) -> str:
   try:
     return np.dtype(dtype).name

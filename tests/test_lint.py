@@ -2,6 +2,7 @@
 passes on the whole tree; `noqa` comments that silence nothing fail it (RUF100), and no pylint
 comment remains in the tree (the project runs no pylint)."""
 
+import ast
 import pathlib
 import re
 import subprocess
@@ -37,4 +38,41 @@ def test_no_file_carries_a_pylint_comment():
       for i, line in enumerate(f.read_text().splitlines(), 1):
         if re.search(r"#.*pylint:\s*disable", line):
           found.append(f"{f.relative_to(ROOT)}:{i}")
+  assert not found, found
+
+
+def _module_level_calls(tree):
+  """The calls a module makes when it is imported: its top-level statements' calls, not those
+  inside a function or class body (a decorator's arguments and default values run at import)."""
+  class Calls(ast.NodeVisitor):
+    def __init__(self):
+      self.found = []
+    def visit_Call(self, node):
+      self.found.append(node)
+      self.generic_visit(node)
+    def visit_FunctionDef(self, node):
+      for d in node.decorator_list + node.args.defaults + node.args.kw_defaults:
+        if d is not None:
+          self.visit(d)
+    visit_AsyncFunctionDef = visit_FunctionDef
+    def visit_ClassDef(self, node):
+      for d in node.decorator_list + node.bases:
+        self.visit(d)
+  calls = Calls()
+  calls.visit(tree)
+  return calls.found
+
+
+def test_no_test_module_asks_for_devices_at_import():
+  """The GPU suite (`pytest -m gpu`) collects every test module on whatever GPUs are there, often
+  one: a module that builds an 8-device mesh or reads jax.devices() at import stops the whole
+  collection ("Number of devices 1 must be >= the product of mesh_shape"), as the users' steps
+  file once did on the device machine. Build meshes inside the tests or fixtures."""
+  asks = {"make_mesh", "devices", "local_devices", "Mesh", "device_put", "mesh"}
+  found = []
+  for f in sorted((ROOT / "tests").rglob("test_*.py")):
+    for call in _module_level_calls(ast.parse(f.read_text())):
+      name = getattr(call.func, "attr", getattr(call.func, "id", None))
+      if name in asks:
+        found.append(f"{f.relative_to(ROOT)}:{call.lineno}: {name}(...)")
   assert not found, found

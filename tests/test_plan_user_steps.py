@@ -325,17 +325,15 @@ def under_set_mesh():
               place=True)
 
 
-_USER_MESH = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-
-
 def with_shard_map(b=64):
   """A step with jax.shard_map over the user's own mesh inside (check_vma on, JAX's default): a
   per-shard centring of the batch."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   tx = optax.adamw(_LR)
   def step(params, opt_state, batch):
     def center(x):
       return x - jnp.mean(x, 0, keepdims=True)
-    x = jax.shard_map(center, mesh=_USER_MESH, in_specs=P("data"), out_specs=P("data"))(
+    x = jax.shard_map(center, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(
         batch["x"])
     value, grads = jax.value_and_grad(_mse)(params, dict(batch, x=x))
     updates, opt_state = tx.update(grads, opt_state, params)

@@ -23,7 +23,7 @@ import dtenjax
 from dtenjax._src.pipeline import schedule as sched
 from dtenjax.testing import pipeline_model as pm
 from procs import run_at_once
-from tests import compile_only
+from tests import compile_only, helpers
 from tests.mp_workers import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -242,9 +242,13 @@ def test_loss_and_gradients_match_the_accumulation_loop_within_float_tolerance()
 BITS_CONFIGS = ("4x2:interleaved", "8x2:1f1b")
 LAYERS = ["--layers", "24"]
 # The processes' XLA: AVX without FMA (so that no product is contracted into its sum in one
-# program and not in the other), and LLVM unoptimised: the digests are compared within the run,
-# never stored, and each process's compile of ~500 fused kernels is what the tests cost.
-_PROCESS_XLA = "--xla_cpu_max_isa=AVX " + compile_only.LLVM_O0_FLAGS
+# program and not in the other), LLVM unoptimised and the suite's fusion emitters (its LLVM IR
+# emitters, helpers.xla_flags; nothing where the run keeps XLA's): the digests are compared within
+# the run, never stored, and each process's compile of ~500 fused kernels is what the tests cost.
+# With these flags the fixture's digests are those of XLA's default emitters at level 0 (one
+# `a80c66d7...` for all three programs both ways, 2026-12-07), for 8.4 -> 4.9 s of the fixture's
+# CPU (docs/testing.md, twenty-first round).
+_PROCESS_XLA = helpers.xla_flags("--xla_cpu_max_isa=AVX", compile_only.LLVM_O0_FLAGS)
 
 
 # Session-scoped, not module-scoped: each xdist worker runs its `slow` tests first

@@ -223,6 +223,8 @@ def test_loss_and_gradients_match_the_accumulation_loop_within_float_tolerance()
   with jax.set_mesh(mesh):
     plain, value, grads = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(specs, P("data")),
                                                 out_specs=out_specs))(params, toks)
+  # on the host: each eager slice of a device array below was a program compiled of its own
+  plain, value, grads, toks = jax.device_get((plain, value, grads, toks))
   np.testing.assert_allclose(plain, value, rtol=1e-6)      # another program: FMA may differ
   for shard in range(2):
     ref_value, ref_grads = _reference(params, toks[shard * 8:(shard + 1) * 8], 4)
@@ -371,7 +373,9 @@ def test_fsdp_on_the_data_axis_gathers_per_layer_inside_the_stage():
     loss = lambda w: (loss_fn(p["head"], lax.scan(plain, x[0], w)[0], ts[0]) +
                       loss_fn(p["head"], lax.scan(plain, x[1], w)[0], ts[1])) / 2
     return jax.grad(loss)(p["layers"])
-  want = jax.tree.map(lambda *g: sum(g), *[shard_grads(params, toks[4 * s:4 * s + 4])
+  # the shards' slices and the sum on the host (eagerly on devices each was a program of its own)
+  toks = np.asarray(toks)
+  want = jax.tree.map(lambda *g: sum(g), *[jax.device_get(shard_grads(params, toks[4 * s:4 * s + 4]))
                                            for s in range(4)])
   for k in ("w1", "w2"):
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)

@@ -438,9 +438,15 @@ def test_errors_name_the_value_and_the_fix(mesh):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nprocs,local", [(2, 1), (2, 2)])
 def test_public_all_reduce_across_processes(tmp_path, nprocs, local):
+  from tests import compile_only
   from tests.mp_workers import launch
+  # The workers' XLA: launch's (LLVM unoptimised) and the suite's fusion emitters (its LLVM IR
+  # emitters, as in this process): their bits are checked against each other and the numpy
+  # reference, none stored (2.5 s of CPU for both launches, 3.1 s with XLA's emitters).
+  flags = helpers.xla_flags(f"--xla_force_host_platform_device_count={local}",
+                            compile_only.LLVM_O0_FLAGS)
   codes, res, logs = launch.launch("tests.mp_workers.collectives_worker", nprocs, str(tmp_path),
-                                   devices_per_proc=local, timeout_s=150)
+                                   devices_per_proc=local, timeout_s=150, env={"XLA_FLAGS": flags})
   assert codes == [0] * nprocs, logs
   full = np.asarray(res[0]["input"], np.uint32).view(np.float32)
   family = "ring" if local == 1 else "hierarchical"

@@ -23,7 +23,7 @@ import dtenjax
 from dtenjax._src.pipeline import schedule as sched
 from dtenjax.testing import pipeline_model as pm
 from procs import run_at_once
-from tests import compile_only
+from tests import compile_only, helpers
 from tests.mp_workers import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -223,6 +223,8 @@ def test_loss_and_gradients_match_the_accumulation_loop_within_float_tolerance()
   with jax.set_mesh(mesh):
     plain, value, grads = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(specs, P("data")),
                                                 out_specs=out_specs))(params, toks)
+  # on the host: each eager slice of a device array below was a program compiled of its own
+  plain, value, grads, toks = jax.device_get((plain, value, grads, toks))
   np.testing.assert_allclose(plain, value, rtol=1e-6)      # another program: FMA may differ
   for shard in range(2):
     ref_value, ref_grads = _reference(params, toks[shard * 8:(shard + 1) * 8], 4)
@@ -242,9 +244,13 @@ def test_loss_and_gradients_match_the_accumulation_loop_within_float_tolerance()
 BITS_CONFIGS = ("4x2:interleaved", "8x2:1f1b")
 LAYERS = ["--layers", "24"]
 # The processes' XLA: AVX without FMA (so that no product is contracted into its sum in one
-# program and not in the other), and LLVM unoptimised: the digests are compared within the run,
-# never stored, and each process's compile of ~500 fused kernels is what the tests cost.
-_PROCESS_XLA = "--xla_cpu_max_isa=AVX " + compile_only.LLVM_O0_FLAGS
+# program and not in the other), LLVM unoptimised and the suite's fusion emitters (its LLVM IR
+# emitters, helpers.xla_flags; nothing where the run keeps XLA's): the digests are compared within
+# the run, never stored, and each process's compile of ~500 fused kernels is what the tests cost.
+# With these flags the fixture's digests are those of XLA's default emitters at level 0 (one
+# `a80c66d7...` for all three programs both ways, 2026-12-07), for 8.4 -> 4.9 s of the fixture's
+# CPU (docs/testing.md, twenty-first round).
+_PROCESS_XLA = helpers.xla_flags("--xla_cpu_max_isa=AVX", compile_only.LLVM_O0_FLAGS)
 
 
 # Session-scoped, not module-scoped: each xdist worker runs its `slow` tests first
@@ -353,18 +359,23 @@ def test_fsdp_on_the_data_axis_gathers_per_layer_inside_the_stage():
       return pipe(p["layers"], p["head"], jnp.take(p["embed"], t[:, :-1], axis=0), t[:, 1:])
     return jax.grad(loss)(p)["layers"]           # summed over data: w1 reduce-scattered, w2 psum
 
+  # Both programs run for values compared within a tolerance: LLVM unoptimised (the same HLO
+  # computes the same values; tests/compile_only.py)
   with jax.set_mesh(mesh):
     got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(specs, P("data")),
-                                out_specs=specs["layers"]))(params, toks)
+                                out_specs=specs["layers"]),
+                  compiler_options=compile_only.LLVM_O0)(params, toks)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=compile_only.LLVM_O0)
   def shard_grads(p, t):
     x = jnp.take(p["embed"], t[:, :-1], axis=0).reshape(2, -1, seq, d)
     ts = t[:, 1:].reshape(2, -1, seq)
     loss = lambda w: (loss_fn(p["head"], lax.scan(plain, x[0], w)[0], ts[0]) +
                       loss_fn(p["head"], lax.scan(plain, x[1], w)[0], ts[1])) / 2
     return jax.grad(loss)(p["layers"])
-  want = jax.tree.map(lambda *g: sum(g), *[shard_grads(params, toks[4 * s:4 * s + 4])
+  # the shards' slices and the sum on the host (eagerly on devices each was a program of its own)
+  toks = np.asarray(toks)
+  want = jax.tree.map(lambda *g: sum(g), *[jax.device_get(shard_grads(params, toks[4 * s:4 * s + 4]))
                                            for s in range(4)])
   for k in ("w1", "w2"):
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)

@@ -763,6 +763,17 @@ def _broadcast_buffers(exe, shape) -> int:
              and i.called)
 
 
+def _tp_program(step, args):
+  """What plan.jit compiles for ``step``'s TP plan (tensor 8: every device computes the whole
+  batch, so XLA:CPU makes the fusions one device's program has): the program the memory checks
+  of the same step and plan compile (test_the_backward_keeps_softmaxs_exponentials_and_the_slices_pad,
+  test_the_memory_of_a_norms_broadcast_buffers, test_the_memory_of_a_layer_norms_statistic_buffers),
+  which the run's compile cache serves to whichever comes second: one compile for two tests."""
+  plan = dtenjax.plan(step, *args, recipe="TP")
+  assert plan.mesh_shape[plan.axis_names.index("tensor")] == 8 == math.prod(plan.mesh_shape)
+  return plan.jit(step).lower(*args).compile(EMITTERS)
+
+
 @pytest.mark.parametrize("batch", [32, 16])
 def test_a_norms_broadcasts_are_buffers_where_xla_cpu_gives_its_backward_to_ynnpack(batch):
   # XLA:CPU gives a norm's backward (the sum of dy * x over the features and the input's
@@ -770,9 +781,10 @@ def test_a_norms_broadcasts_are_buffers_where_xla_cpu_gives_its_backward_to_ynnp
   # (IsInstructionPreferredByYnn); that fusion takes the norm's weight and its rsqrt statistic,
   # broadcast to [batch, seq, d], as buffers of their own, kept from the forward: 2 per norm
   # (5 norms) at 32 x 128 rows, none at 16 x 128, where the fusion is only the sum. Expected:
-  # XLA's compiled HLO of the step on one device.
+  # XLA's compiled HLO of the step under TP (_tp_program: the whole batch on every device, as on
+  # one device, which compiled the same 10 and 0 buffers).
   step, args = _small_family("llama_loop", batch=batch, seq=128)
-  exe = jax.jit(step).lower(*args).compile(EMITTERS)
+  exe = _tp_program(step, args)
   graph = stepgraph.read_step(step, args, (2,))
   made = [v for v in graph.timeline if v.expands and v.made_on_cpu(1, ())]
   assert len(made) == _broadcast_buffers(exe, (batch, 128, 128)) == (10 if batch == 32 else 0)
@@ -815,9 +827,10 @@ def test_a_layer_norms_statistic_is_a_buffer_for_its_scales_gradient():
   # leading dimensions that XLA:CPU gives to a YNNPACK fusion with the product inside and the
   # statistic broadcast to [b, s, d] as a buffer of its own, kept from the forward. With the
   # scale's own broadcast (the rule for the minor reduction, 4096 rows here): 2 per norm, 5
-  # norms. The model kept the scale's only (5). Expected: XLA's compiled HLO on one device.
+  # norms. The model kept the scale's only (5). Expected: XLA's compiled HLO under TP
+  # (_tp_program; on one device the same 10).
   step, args = _small_gpt2(32)
-  exe = jax.jit(step).lower(*args).compile(EMITTERS)
+  exe = _tp_program(step, args)
   graph = stepgraph.read_step(step, args, (2,))
   made = [v for v in graph.timeline if v.expands and v.made_on_cpu(1, ())]
   assert len(made) == _broadcast_buffers(exe, (32, 128, 128)) == 10
@@ -1078,8 +1091,10 @@ def test_a_global_norm_reduces_a_tied_weights_gradient_parts_together():
   all-reduce of f32[512,128] and f32[128,512]), two gradient-sized buffers beside the two
   unreduced ones. Sized as one part, the model was 18 % under XLA (768 KiB of 1024 temporary;
   before mem16 it was within 0.2 %). Expected: memory_analysis() of what plan.jit compiles."""
-  init = lambda k, s: 0.1 * jax.random.normal(jax.random.key(k), s, jnp.float32)
-  params = {"w1": init(0, (128, 512)), "b1": jnp.zeros((512,), jnp.float32)}
+  # abstract arguments, as the file's other steps: the check only compiles (eager draws and
+  # tx.init compiled nine one-off programs)
+  s = jax.ShapeDtypeStruct
+  params = {"w1": s((128, 512), jnp.float32), "b1": s((512,), jnp.float32)}
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
 
   def loss(p, batch):
@@ -1090,7 +1105,7 @@ def test_a_global_norm_reduces_a_tied_weights_gradient_parts_together():
     updates, opt_state = tx.update(grads, opt_state, p)
     return optax.apply_updates(p, updates), opt_state, value
 
-  batch = {"x": init(1, (64, 128)), "y": init(2, (64, 128))}
-  args = (params, tx.init(params), batch)
+  batch = {"x": s((64, 128), jnp.float32), "y": s((64, 128), jnp.float32)}
+  args = (params, jax.eval_shape(tx.init, params), batch)
   check = dtenjax.plan(step, *args, recipe="FSDP").check(step, *args, compiler_options=EMITTERS)
   assert check.memory_error <= 0.05, check.table()

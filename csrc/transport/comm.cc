@@ -262,8 +262,11 @@ void Comm::SendAborts(const Status& why, const Descriptor& d, bool to_next, bool
   };
   if (to_next && next_) {
     bool clean = true;
-    if (half_sent && half_sent->active && !half_sent->done() && half_sent->sent > 0) {
-      // Finish the frame in flight so the peer can parse what follows.
+    if (half_sent && half_sent->active && !half_sent->done()) {
+      // Finish the frame in flight so the peer can parse what follows: a sealed frame holds the
+      // connection's next counter even with nothing of it sent yet (the peer would take the ABORT
+      // behind it for a dropped frame), and over verbs its write may be posted while nothing is
+      // counted as sent (its completion is the frame's, not the ABORT's).
       while (!half_sent->done() && NowSeconds() < deadline) {
         bool progress = false;
         if (!opts_.provider->send_some(next_, half_sent, &progress).ok()) break;
@@ -337,6 +340,7 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
     }
   }
   if (!next_closed_.ok()) {
+    Counters().peer_failures.fetch_add(1);  // its close is a failure now that it is needed
     s = Status(Code::kUnavailable,
                "dtenjax transport: " + next_->peer + " closed its connection after the previous "
                "collective (its communicator was closed or its process exited), so rank " +

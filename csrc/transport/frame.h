@@ -182,8 +182,11 @@ struct InFrame {
   uint8_t ptag[kTagBytes];
   uint64_t got = 0;  // bytes of the current stage received
   // A watch: nothing is owed on this direction, only an ABORT may come (the ring's look backwards
-  // at the next rank); a provider reports a closed peer at once instead of waiting for a frame.
+  // at the next rank); a provider reports a closed peer at once instead of waiting for a frame,
+  // sets `closed` and leaves it out of peer_failures: whether a closed peer failed anything is
+  // the watcher's to say (it may have closed having taken all it needed), and it counts it then.
   bool watch = false;
+  bool closed = false;
   const FrameHeader& header() const { return *reinterpret_cast<const FrameHeader*>(head); }
   void Reset() { stage = kHead; dst = nullptr; payload_bytes = 0; got = 0; }
 };

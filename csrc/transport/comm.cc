@@ -249,6 +249,7 @@ void Comm::FailSetup(const Status& why) {
 
 void Comm::SendAborts(const Status& why, const Descriptor& d, bool to_next, bool to_prev,
                       OutFrame* half_sent) {
+  const PeerFailuresQuiet quiet;  // `why` was counted if a peer caused it; this meets its traces
   std::string text;
   text.push_back(char(static_cast<int>(why.code())));
   text += why.message().substr(0, kMaxAbortText - 1);
@@ -340,7 +341,7 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
     }
   }
   if (!next_closed_.ok()) {
-    Counters().peer_failures.fetch_add(1);  // its close is a failure now that it is needed
+    CountPeerFailure();  // its close is a failure now that it is needed
     s = Status(Code::kUnavailable,
                "dtenjax transport: " + next_->peer + " closed its connection after the previous "
                "collective (its communicator was closed or its process exited), so rank " +

@@ -212,6 +212,21 @@ struct TransportCounters {
   std::atomic<uint64_t> ops_in_flight{0}, queue_depth{0}, handshakes_pending{0};
 };
 TransportCounters& Counters();
+// peer_failures: a peer's failure (it closed or died, a completion failed) where it ends this
+// rank's collective or set-up. What the ABORT frames that report a failure meet on their way (the
+// closed peer's other messages failing meanwhile) is that failure again: Comm::SendAborts sends
+// them under a PeerFailuresQuiet, and nothing counts on its thread while one lives.
+void CountPeerFailure();
+class PeerFailuresQuiet {
+ public:
+  PeerFailuresQuiet();
+  ~PeerFailuresQuiet();
+  PeerFailuresQuiet(const PeerFailuresQuiet&) = delete;
+  PeerFailuresQuiet& operator=(const PeerFailuresQuiet&) = delete;
+
+ private:
+  bool was_;
+};
 // Names in the order TransportCountersSnapshot fills them.
 extern const char* const kCounterNames[];
 constexpr int kNumCounters = 30;

@@ -432,7 +432,7 @@ class Comm::Ring {
           return Status::Ok();
         }
       }
-      Counters().peer_failures.fetch_add(1);
+      CountPeerFailure();
     }
     if (!s.ok()) return Fail(s, false, true);
     if (rev_.stage != InFrame::kHeadReady) return Status::Ok();

@@ -30,7 +30,7 @@ Status PeerGone(const std::string& peer, const char* why, InFrame* watch = nullp
   if (watch && watch->watch) {
     watch->closed = true;
   } else {
-    Counters().peer_failures.fetch_add(1);
+    CountPeerFailure();
   }
   return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: lost connection to " + peer + " (" +
                                                why + "); that process died or aborted the collective");

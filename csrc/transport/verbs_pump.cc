@@ -74,7 +74,7 @@ Status SideAlive(VerbsConn* v, const std::string& peer, bool recv, InFrame* watc
     if (watch) {
       watch->closed = true;
     } else {
-      Counters().peer_failures.fetch_add(1);
+      CountPeerFailure();
     }
     return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: lost " + peer +
                                                  ": its TCP set-up connection closed (that process "
@@ -94,7 +94,7 @@ Status SideAlive(VerbsConn* v, const std::string& peer, bool recv, InFrame* watc
 }
 
 Status WcFailed(const ibv_wc& wc, const std::string& peer) {
-  Counters().peer_failures.fetch_add(1);
+  CountPeerFailure();
   const char* what = wc.wr_id == kWrWrite    ? "the RDMA write of a frame to"
                      : wc.wr_id == kWrCredit ? "a credit message to"
                                              : "a receive from";
@@ -111,7 +111,7 @@ Status Drain(VerbsConn* v, const std::string& peer, bool* changed) {
   while (true) {
     int n = ibv_poll_cq(v->cq, 8, wc);
     if (n < 0) {
-      Counters().peer_failures.fetch_add(1);
+      CountPeerFailure();
       return v->failed = DTENJAX_ERROR(Code::kUnavailable,
                                        "dtenjax transport: ibv_poll_cq failed on the completion "
                                        "queue of the RDMA connection to " + peer +

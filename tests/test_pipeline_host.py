@@ -22,6 +22,7 @@ import pytest
 import dtenjax
 from dtenjax._src import ffi
 from dtenjax._src.net import kvstore
+from dtenjax._src.net import native
 from dtenjax._src.net import pair
 from dtenjax._src.pipeline import transport
 from tests import pipeline_host_model as m
@@ -178,20 +179,24 @@ def test_bad_input_names_the_value_and_the_fix():
 def test_the_links_run_over_verbs_on_the_emulated_device(fake):  # noqa: F811 (the fixture)
   """The links are host-transport communicators: over the RDMA verbs provider (the emulated
   device of tests/fakeverbs/, no NIC here) a 1F1B step moves RDMA writes, breaks none of the
-  device's rules, and gives the bits of the same step over TCP. Run again with the device posting
-  the receive completion of the last frame (the loss handed down) 0.3 s after acknowledging it
-  (late_cqe): the stage that sent it returns and closes its links at once, and the other still
-  takes the frame (race14: it reported the closed peer as lost)."""
+  device's rules, and gives the bits of the same step over TCP. Run again with the last frame
+  (the loss handed down) late on either side, and the stages closing their links as they leave
+  ``with HostPipeline``: late_cqe, its receive completion posted 0.3 s after its acknowledgement
+  (the stage that sent it returns and closes at once, and the other still takes the frame; race14
+  reported the closed peer as lost); late_ack, its acknowledgement taken 0.3 s late (the stage
+  that took it closes while its sender's write is in flight: that sender counted a peer failure
+  every 20 ms until the write completed, abort17). No run counts a peer failure."""
   stacked, head, x, targets = m.init()
   pipe = dtenjax.pipeline(m.body, m.loss_fn, stages=2, microbatches=m.MICRO,
                           schedule=dtenjax.OneFOneB())
   results, frames = {}, 0         # frames: the RDMA writes of the last run
-  for run in ("tcp", "verbs", "verbs-late"):
-    provider = run.split("-")[0]
+  failures = native.counters()["peer_failures"]
+  for run in ("tcp", "verbs", "verbs-late_cqe", "verbs-late_ack"):
+    provider, _, fault = run.partition("-")
     store = _store()
     before = fake.counters()
-    if run == "verbs-late":
-      fake.arm("late_cqe", frames - 1)      # the same links and frames as the run before
+    if fault:
+      fake.arm(fault, frames - 1)      # the same links and frames as the run before
 
     def stage(d, provider=provider, store=store):
       mine = jax.tree.map(lambda a: a[3 * d:3 * d + 3], stacked)
@@ -206,9 +211,11 @@ def test_the_links_run_over_verbs_on_the_emulated_device(fake):  # noqa: F811 (t
     moved = fake.counters()["messages_received"] - before["messages_received"]
     assert (moved > 0) == (provider == "verbs"), (run, moved)
     frames = fake.counters()["writes_received"] - before["writes_received"]
-  assert fake.counters()["faults_fired"] == before["faults_fired"] + 1, "late_cqe did not fire"
+    fired = fake.counters()["faults_fired"] - before["faults_fired"]
+    assert fired == bool(fault), f"{run}: {fault} did not fire"
+  assert native.counters()["peer_failures"] == failures, native.counters()["peer_failures"] - failures
   assert fake.counters()["violations"] == fake.violations_before, fake.last_violation()
-  for run in ("verbs", "verbs-late"):
+  for run in ("verbs", "verbs-late_cqe", "verbs-late_ack"):
     assert [a.tobytes() for a in results[run]] == [a.tobytes() for a in results["tcp"]], run
 
 

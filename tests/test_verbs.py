@@ -225,45 +225,124 @@ def test_a_peer_that_goes_away_is_noticed_at_once_not_at_the_timeout(fake):
     close_all(comms[1:])
 
 
+def _last_write_faulted(fake, fault, comms, xs):
+  """Runs an all_reduce of ``xs`` with ``fault`` armed on the last RDMA write this process
+  receives in it (counted on a run before) and every rank closing its communicator as soon as its
+  all_reduce returns (as a pipeline stage leaving ``with HostPipeline``). Returns (results,
+  errors, the peer failures native.counters() counted meanwhile)."""
+  n = len(comms)
+  _, errs, _ = _all_reduce(comms, xs)   # the first collective also checks the ring's set-up
+  assert errs == [None] * n, errs
+  before = fake.counters()["writes_received"]
+  _, errs, _ = _all_reduce(comms, xs)
+  assert errs == [None] * n, errs
+  frames = fake.counters()["writes_received"] - before   # the RDMA writes of one all_reduce
+  assert frames > 0, frames
+  fired = fake.counters()["faults_fired"]
+  failures = native.counters()["peer_failures"]
+  fake.arm(fault, frames - 1)    # the last RDMA write this process receives
+
+  def rank(r):
+    try:
+      return comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
+    finally:
+      comms[r].close()
+
+  outs, errs, _ = run_ranks([lambda r=r: rank(r) for r in range(n)], join_s=30)
+  assert fake.counters()["faults_fired"] == fired + 1, "the fault did not fire"
+  return outs, errs, native.counters()["peer_failures"] - failures
+
+
 @pytest.mark.parametrize("fault,n,segment", [("late_cqe", 2, None), ("late_ack", 2, None),
                                              ("late_ack", 3, 1024)])
 def test_a_peer_that_closes_right_after_its_last_exchange_loses_no_frame(fake, fault, n, segment):
-  """The ranks close their communicators as soon as their last all_reduce returns (as a
-  pipeline stage leaving ``with HostPipeline``), and the process's last frame completes late on
-  one side (both orders are allowed: the specification orders neither completion).
+  """The ranks close their communicators as soon as their last all_reduce returns, and the
+  process's last frame completes late on one side (both orders are allowed: the specification
+  orders neither completion).
   late_cqe: the device acknowledges it at once but posts its receive completion 0.3 s later; its
   sender's write completes, it returns and closes, and the receiver, whose CQ was empty when it
   looked, finds the set-up connection closed (race14).
   late_ack: the receive completion comes at once and the acknowledgement reaches the sender 0.3 s
   later; the receiver returns and closes while the sender's write is still in flight, and the
   sender, watching its next rank for an ABORT, finds it closed before its last frame was sent.
-  Either way the frame was delivered: both take the sum, not 'lost rank'. Three ranks with four
-  segments a chunk: the last frame in flight is the last segment of the last step."""
+  Either way the frame was delivered: both take the sum, not 'lost rank', and no peer failure is
+  counted (the sender's watch counted one every 20 ms while it waited for its write, abort17).
+  Three ranks with four segments a chunk: the last frame in flight is the last segment of the
+  last step."""
   xs = _inputs(n, 3000, np.float32, seed=7)
   want = transport_ref.reference_ring_sum(xs)
   comms = _ring(n, timeout_s=20, segment_bytes=segment)
   try:
-    _, errs, _ = _all_reduce(comms, xs)   # the first collective also checks the ring's set-up
-    assert errs == [None] * n, errs
-    before = fake.counters()["writes_received"]
-    _, errs, _ = _all_reduce(comms, xs)
-    assert errs == [None] * n, errs
-    frames = fake.counters()["writes_received"] - before   # the RDMA writes of one all_reduce
-    assert frames > 0, frames
-    fired = fake.counters()["faults_fired"]
-    fake.arm(fault, frames - 1)    # the last RDMA write this process receives
-
-    def rank(r):
-      try:
-        return comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
-      finally:
-        comms[r].close()
-
-    outs, errs, _ = run_ranks([lambda r=r: rank(r) for r in range(n)], join_s=30)
-    assert fake.counters()["faults_fired"] == fired + 1, "the fault did not fire"
+    outs, errs, failures = _last_write_faulted(fake, fault, comms, xs)
     assert errs == [None] * n, errs
     for out in outs:
       assert out.tobytes() == want.tobytes()
+    assert failures == 0, failures
+  finally:
+    close_all(comms)
+
+
+def test_a_closed_peer_whose_last_frame_fails_is_one_peer_failure(fake):
+  """lost_ack: the last frame is placed and its receiver returns and closes, but no
+  acknowledgement of it reaches its sender, whose write fails after its retries (0.5 s): the
+  receiver has the sum, the sender raises that write's own error, and native.counters() counts
+  one peer failure, not one per 20 ms look at the closed peer while the write was decided."""
+  xs = _inputs(2, 3000, np.float32, seed=7)
+  comms = _ring(2, timeout_s=5)
+  try:
+    outs, errs, failures = _last_write_faulted(fake, "lost_ack", comms, xs)
+    (sender,) = [r for r in range(2) if errs[r] is not None]
+    assert isinstance(errs[sender], errors.TransportError), errs
+    text = str(errs[sender])
+    assert "the RDMA write of a frame to rank" in text and "IBV_WC_RETRY_EXC_ERR" in text, text
+    assert outs[1 - sender].tobytes() == transport_ref.reference_ring_sum(xs).tobytes()
+    assert failures == 1, failures
+  finally:
+    close_all(comms)
+
+
+def test_an_abort_sent_while_a_data_write_is_posted_reaches_the_peer(fake):
+  """Rank 0 is closed while its first RDMA write of an all_reduce waits for its acknowledgement
+  (late_ack: 0.3 s). Its ABORT to rank 1 must go out after that write, as a write of its own: it
+  was marked sent when the data write completed, without being posted, and rank 1 reported a lost
+  peer a second later instead of why rank 0 gave up. Rank 1 starts first and rank 2 never does,
+  so the next write placed is rank 0's and nothing else tells rank 1 (rank 2 would forward rank
+  0's ABORT backwards)."""
+  xs = _inputs(3, 3000, np.float32, seed=3)
+  comms = _ring(3, timeout_s=25)   # an ABORT waits at most 2 % of it (0.5 s) for the frame before
+  try:
+    _, errs, _ = _all_reduce(comms, xs)
+    assert errs == [None] * 3, errs
+    errs = {}
+
+    def rank(r):
+      try:
+        with transport.stream("rank-thread"):   # the stream _all_reduce's fingerprint has
+          comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
+      except Exception as e:
+        errs[r] = e
+
+    def until(what, cond):
+      deadline = time.monotonic() + 10
+      while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+    writes = fake.counters()["writes_received"]
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (1, 0)]
+    threads[0].start()
+    until("rank 1's first write", lambda: fake.counters()["writes_received"] > writes)
+    fired = fake.counters()["faults_fired"]
+    fake.arm("late_ack", 0)
+    threads[1].start()
+    until("rank 0's first write", lambda: fake.counters()["faults_fired"] > fired)
+    comms[0].close()
+    for t in threads:
+      t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    assert "closed locally" in str(errs[0]), errs
+    assert str(errs[1]).startswith("dtenjax transport: rank 0 aborted"), errs[1]
+    assert "closed locally" in str(errs[1]), errs[1]
   finally:
     close_all(comms)
 

@@ -249,6 +249,7 @@ void Comm::FailSetup(const Status& why) {
 
 void Comm::SendAborts(const Status& why, const Descriptor& d, bool to_next, bool to_prev,
                       OutFrame* half_sent) {
+  const PeerFailuresQuiet quiet;  // `why` was counted if a peer caused it; this meets its traces
   std::string text;
   text.push_back(char(static_cast<int>(why.code())));
   text += why.message().substr(0, kMaxAbortText - 1);
@@ -262,8 +263,11 @@ void Comm::SendAborts(const Status& why, const Descriptor& d, bool to_next, bool
   };
   if (to_next && next_) {
     bool clean = true;
-    if (half_sent && half_sent->active && !half_sent->done() && half_sent->sent > 0) {
-      // Finish the frame in flight so the peer can parse what follows.
+    if (half_sent && half_sent->active && !half_sent->done()) {
+      // Finish the frame in flight so the peer can parse what follows: a sealed frame holds the
+      // connection's next counter even with nothing of it sent yet (the peer would take the ABORT
+      // behind it for a dropped frame), and over verbs its write may be posted while nothing is
+      // counted as sent (its completion is the frame's, not the ABORT's).
       while (!half_sent->done() && NowSeconds() < deadline) {
         bool progress = false;
         if (!opts_.provider->send_some(next_, half_sent, &progress).ok()) break;
@@ -337,6 +341,7 @@ Status Comm::AllReduce(const void* src, void* dst, uint64_t count, DType dt, Red
     }
   }
   if (!next_closed_.ok()) {
+    CountPeerFailure();  // its close is a failure now that it is needed
     s = Status(Code::kUnavailable,
                "dtenjax transport: " + next_->peer + " closed its connection after the previous "
                "collective (its communicator was closed or its process exited), so rank " +

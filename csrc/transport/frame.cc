@@ -287,6 +287,20 @@ TransportCounters& Counters() {
   return counters;
 }
 
+namespace {
+thread_local bool t_peer_failures_quiet = false;
+}  // namespace
+
+void CountPeerFailure() {
+  if (!t_peer_failures_quiet) Counters().peer_failures.fetch_add(1);
+}
+
+PeerFailuresQuiet::PeerFailuresQuiet() : was_(t_peer_failures_quiet) {
+  t_peer_failures_quiet = true;
+}
+
+PeerFailuresQuiet::~PeerFailuresQuiet() { t_peer_failures_quiet = was_; }
+
 const char* const kCounterNames[] = {
     "frames_sent", "frames_received", "bytes_sent", "bytes_received",
     "connections_opened", "connections_accepted", "rejected_bad_header", "rejected_bad_version",

@@ -182,8 +182,11 @@ struct InFrame {
   uint8_t ptag[kTagBytes];
   uint64_t got = 0;  // bytes of the current stage received
   // A watch: nothing is owed on this direction, only an ABORT may come (the ring's look backwards
-  // at the next rank); a provider reports a closed peer at once instead of waiting for a frame.
+  // at the next rank); a provider reports a closed peer at once instead of waiting for a frame,
+  // sets `closed` and leaves it out of peer_failures: whether a closed peer failed anything is
+  // the watcher's to say (it may have closed having taken all it needed), and it counts it then.
   bool watch = false;
+  bool closed = false;
   const FrameHeader& header() const { return *reinterpret_cast<const FrameHeader*>(head); }
   void Reset() { stage = kHead; dst = nullptr; payload_bytes = 0; got = 0; }
 };
@@ -209,6 +212,21 @@ struct TransportCounters {
   std::atomic<uint64_t> ops_in_flight{0}, queue_depth{0}, handshakes_pending{0};
 };
 TransportCounters& Counters();
+// peer_failures: a peer's failure (it closed or died, a completion failed) where it ends this
+// rank's collective or set-up. What the ABORT frames that report a failure meet on their way (the
+// closed peer's other messages failing meanwhile) is that failure again: Comm::SendAborts sends
+// them under a PeerFailuresQuiet, and nothing counts on its thread while one lives.
+void CountPeerFailure();
+class PeerFailuresQuiet {
+ public:
+  PeerFailuresQuiet();
+  ~PeerFailuresQuiet();
+  PeerFailuresQuiet(const PeerFailuresQuiet&) = delete;
+  PeerFailuresQuiet& operator=(const PeerFailuresQuiet&) = delete;
+
+ private:
+  bool was_;
+};
 // Names in the order TransportCountersSnapshot fills them.
 extern const char* const kCounterNames[];
 constexpr int kNumCounters = 30;

@@ -379,10 +379,16 @@ class Comm::Ring {
 
   Status TimedOut() {
     Counters().timeouts.fetch_add(1);
-    std::string waiting =
-        rt_ < T_ ? "receiving segment " + std::to_string(rj_) + " of ring step " +
-                       std::to_string(rt_) + " from " + c_.prev_->peer
-                 : "sending ring step " + std::to_string(st_) + " to " + c_.next_->peer;
+    std::string waiting;
+    if (rt_ < T_) {
+      waiting = "receiving segment " + std::to_string(rj_) + " of ring step " +
+                std::to_string(rt_) + " from " + c_.prev_->peer;
+    } else if (next_closed_in_flight_) {
+      waiting = "waiting for the send of its last frame to " + c_.next_->peer +
+                " to complete, which closed its connection meanwhile";
+    } else {
+      waiting = "sending ring step " + std::to_string(st_) + " to " + c_.next_->peer;
+    }
     return Fail(DTENJAX_ERROR(Code::kDeadlineExceeded,
                               "dtenjax transport: rank " + std::to_string(p_.r) +
                                   " timed out after " + Seconds(c_.opts_.timeout_s) +
@@ -396,27 +402,37 @@ class Comm::Ring {
   // ABORT frames may (or its death; or, once everything for it was sent, its orderly close).
   Status WaitAndWatchNext() {
     Conn* next = c_.next_;
-    WaitItem w[2] = {{next, of_->active, !next_done_}, {c_.prev_, false, rt_ < T_}};
+    const bool watching = !next_done_ && !next_closed_in_flight_;
+    WaitItem w[2] = {{next, of_->active, watching}, {c_.prev_, false, rt_ < T_}};
     Counters().waits.fetch_add(1);
     Status s = c_.opts_.provider->wait(w, 2, last_progress_ + c_.opts_.timeout_s);
     if (!s.ok()) return Fail(s, true, true);
-    if (next_done_) return Status::Ok();
+    if (!watching) return Status::Ok();
     bool p = false;
+    rev_.closed = false;
     s = c_.opts_.provider->recv_some(next, &rev_, &p);
-    if (!s.ok() && rev_.stage == InFrame::kHead && rev_.got == 0) {
-      if (st_ == T_) {
-        // Everything for the next rank was sent and it closed: it finished this collective and
-        // closed its communicator (or exited). Nothing here needs it any more; the next
-        // collective reports it.
-        next_done_ = true;
-        c_.next_closed_ = s;
-        return Status::Ok();
+    if (rev_.closed) {
+      // The next rank closed its connection; the watch counted nothing, this decides.
+      if (rev_.stage == InFrame::kHead && rev_.got == 0) {
+        if (st_ == T_) {
+          // Everything for the next rank was sent and it closed: it finished this collective and
+          // closed its communicator (or exited). Nothing here needs it any more; the next
+          // collective reports it.
+          next_done_ = true;
+          c_.next_closed_ = s;
+          return Status::Ok();
+        }
+        if (LastFrameInFlight()) {
+          // It may have closed having taken our last frame before this side saw that frame's
+          // send complete (an RDMA write completes when the peer's acknowledgement comes back,
+          // which can be after the peer returned and closed; or the wait above just took that
+          // completion): the send side decides, the write completes or fails after the device's
+          // retries (counted and reported there, once). The closed rank is not looked at again.
+          next_closed_in_flight_ = true;
+          return Status::Ok();
+        }
       }
-      // It may have closed having taken our last frame before this side saw that frame's send
-      // complete (an RDMA write completes when the peer's acknowledgement comes back, which can
-      // be after the peer returned and closed; or the wait above just took that completion):
-      // the send side decides, the write completes or fails after the device's retries.
-      if (LastFrameInFlight()) return Status::Ok();
+      CountPeerFailure();
     }
     if (!s.ok()) return Fail(s, false, true);
     if (rev_.stage != InFrame::kHeadReady) return Status::Ok();
@@ -452,6 +468,7 @@ class Comm::Ring {
   int st_ = 0, rt_ = 0;        // send / receive step
   uint64_t sj_ = 0, rj_ = 0;   // segment within the step
   bool next_done_ = false;     // the next rank closed after everything for it was sent
+  bool next_closed_in_flight_ = false;  // it closed while our last frame's send was undecided
   InFrame in_, rev_;           // from the previous rank / backwards from the next one
   uint8_t text_buf_[kMaxAbortText > kMaxFingerprintBytes ? kMaxAbortText : kMaxFingerprintBytes];
   double last_progress_ = NowSeconds();

@@ -25,8 +25,13 @@ struct TcpConn { int fd = -1; };
 
 int FdOf(Conn* c) { return static_cast<TcpConn*>(c->impl)->fd; }
 
-Status PeerGone(const std::string& peer, const char* why) {
-  Counters().peer_failures.fetch_add(1);
+// A watch (InFrame::watch) is told, not counted: its caller decides whether the close failed it.
+Status PeerGone(const std::string& peer, const char* why, InFrame* watch = nullptr) {
+  if (watch && watch->watch) {
+    watch->closed = true;
+  } else {
+    CountPeerFailure();
+  }
   return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: lost connection to " + peer + " (" +
                                                why + "); that process died or aborted the collective");
 }
@@ -114,7 +119,7 @@ Status TcpRecvSome(Conn* c, InFrame* f, bool* progress) {
     }
     if (k < 0 && errno == EINTR) continue;
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return Status::Ok();
-    return PeerGone(c->peer, k == 0 ? "end of stream" : std::strerror(errno));
+    return PeerGone(c->peer, k == 0 ? "end of stream" : std::strerror(errno), f);
   }
   return Status::Ok();
 }

@@ -104,6 +104,8 @@ struct VerbsConn {
   int credits = 1;          // frames the peer can accept
   bool write_posted = false;  // our frame is being written into the peer's slab
   bool write_done = false;
+  uint64_t write_seq = 0;     // that frame's counter (frame.h): only its write's completion sends it
+  uint64_t write_bytes = 0;
   int64_t arrived = -1;     // bytes of a frame that arrived in recv_buf, -1 if none
   int state = kReset;
   InFrame side_in;          // reads of the side channel: only its end is expected

@@ -51,9 +51,11 @@ constexpr double kLastWordsSeconds = 1.0;
 // completion may reach this CQ after the acknowledgement (the specification orders neither), and
 // this thread may have polled the CQ just before it landed: before calling the peer lost, wait
 // (at most kLastWordsSeconds) for what this side waits for, `arrived` (a frame) or a credit.
-// A watch (a look for an ABORT the peer is owed nothing for) does not wait.
-Status SideAlive(VerbsConn* v, const std::string& peer, bool recv, bool watch = false) {
+// A watch (a look for an ABORT the peer is owed nothing for) does not wait, and is told
+// (InFrame::closed) rather than counted.
+Status SideAlive(VerbsConn* v, const std::string& peer, bool recv, InFrame* watch = nullptr) {
   bool progress = false;
+  v->side_in.watch = true;  // only its end is expected; counted below (or by the watcher), once
   Status s = TcpProvider()->recv_some(v->side, &v->side_in, &progress);
   if (!s.ok()) {
     const double until = NowSeconds() + kLastWordsSeconds;
@@ -69,7 +71,11 @@ Status SideAlive(VerbsConn* v, const std::string& peer, bool recv, bool watch = 
       pollfd pfd{v->channel->fd, POLLIN, 0};
       if (::poll(&pfd, 1, int(std::min(left, 0.02) * 1000) + 1) > 0) ConsumeEvents(v);
     }
-    Counters().peer_failures.fetch_add(1);
+    if (watch) {
+      watch->closed = true;
+    } else {
+      CountPeerFailure();
+    }
     return DTENJAX_ERROR(Code::kUnavailable, "dtenjax transport: lost " + peer +
                                                  ": its TCP set-up connection closed (that process "
                                                  "died, aborted the collective or closed its "
@@ -88,7 +94,7 @@ Status SideAlive(VerbsConn* v, const std::string& peer, bool recv, bool watch = 
 }
 
 Status WcFailed(const ibv_wc& wc, const std::string& peer) {
-  Counters().peer_failures.fetch_add(1);
+  CountPeerFailure();
   const char* what = wc.wr_id == kWrWrite    ? "the RDMA write of a frame to"
                      : wc.wr_id == kWrCredit ? "a credit message to"
                                              : "a receive from";
@@ -105,7 +111,7 @@ Status Drain(VerbsConn* v, const std::string& peer, bool* changed) {
   while (true) {
     int n = ibv_poll_cq(v->cq, 8, wc);
     if (n < 0) {
-      Counters().peer_failures.fetch_add(1);
+      CountPeerFailure();
       return v->failed = DTENJAX_ERROR(Code::kUnavailable,
                                        "dtenjax transport: ibv_poll_cq failed on the completion "
                                        "queue of the RDMA connection to " + peer +
@@ -137,6 +143,14 @@ Status Drain(VerbsConn* v, const std::string& peer, bool* changed) {
 }
 
 
+// The frame's counter (its header's seq): unique on its connection's direction, so it tells the
+// frame whose write is posted from any other (an address could be reused by the next frame).
+uint64_t FrameSeq(const OutFrame& f) {
+  FrameHeader h;
+  std::memcpy(&h, f.head, sizeof(h));
+  return h.seq;
+}
+
 }  // namespace
 
 Status VerbsSendSome(Conn* c, OutFrame* f, bool* progress) {
@@ -144,6 +158,16 @@ Status VerbsSendSome(Conn* c, OutFrame* f, bool* progress) {
   *progress = false;
   DTENJAX_RETURN_IF_ERROR(Drain(v, c->peer));
   if (f->done()) return Status::Ok();
+  const uint64_t seq = FrameSeq(*f);
+  if (v->write_posted && v->write_seq != seq) {
+    // The write in flight is another frame's (one its sender stopped sending, e.g. the ring's
+    // segment when the ring gave up): its completion says nothing about this frame, which goes
+    // out as a write of its own once that one is done. It was delivered; nobody waits for it.
+    if (!v->write_done) return Status::Ok();
+    v->write_posted = false;
+    Counters().frames_sent.fetch_add(1);
+    Counters().bytes_sent.fetch_add(v->write_bytes);
+  }
   if (!v->write_posted) {
     if (v->credits <= 0) {
       DTENJAX_RETURN_IF_ERROR(SideAlive(v, c->peer, false));
@@ -173,6 +197,8 @@ Status VerbsSendSome(Conn* c, OutFrame* f, bool* progress) {
     }
     --v->credits;
     v->write_posted = true;
+    v->write_seq = seq;
+    v->write_bytes = f->total();
     v->write_done = false;
     *progress = true;
   }
@@ -195,7 +221,7 @@ Status VerbsRecvSome(Conn* c, InFrame* f, bool* progress) {
   *progress = false;
   DTENJAX_RETURN_IF_ERROR(Drain(v, c->peer));
   if (v->arrived < 0) {
-    DTENJAX_RETURN_IF_ERROR(SideAlive(v, c->peer, true, f->watch));
+    DTENJAX_RETURN_IF_ERROR(SideAlive(v, c->peer, true, f->watch ? f : nullptr));
     if (v->arrived < 0) return Status::Ok();
   }
   const uint8_t* b = static_cast<const uint8_t*>(v->recv_buf);

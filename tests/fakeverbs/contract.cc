@@ -26,6 +26,7 @@
 extern "C" int fakeverbs_counters(int64_t* out, int n);
 extern "C" const char* fakeverbs_counter_name(int i);
 extern "C" int fakeverbs_num_counters(void);
+extern "C" int fakeverbs_arm(const char* kind, int64_t after);
 
 namespace {
 
@@ -731,7 +732,7 @@ std::string CompletionChannel(Dev& d) {
 std::string RetryExceeded(Dev& d) {
   // (a) PSN mismatch: the responder expects another PSN; (b) a destination port that does not
   // exist (a dead peer); (c) a responder still in INIT (it discards what arrives): all end in
-  // IBV_WC_RETRY_EXC_ERR after retry_cnt retransmissions.
+  // IBV_WC_RETRY_EXC_ERR after retry_cnt retransmissions; (d) below.
   for (int variant = 0; variant < 3; ++variant) {
     Side a = MakeQp(d), b = MakeQp(d);
     ConnOpts o;
@@ -767,6 +768,32 @@ std::string RetryExceeded(Dev& d) {
     ibv_dereg_mr(smr);
     ibv_dereg_mr(dmr);
   }
+  // (d) The acknowledgements are lost (the lost_ack fault): the responder places the message and
+  // completes its receive once, answers each retransmission as a duplicate (its acknowledgement
+  // lost again), and the requester still ends in IBV_WC_RETRY_EXC_ERR.
+  Side a = MakeQp(d), b = MakeQp(d);
+  ConnOpts o;
+  std::string e = Connect(d, a, b, o);
+  if (!e.empty()) return e;
+  std::vector<uint8_t> src(8, 0x5A), dst(8, 0);
+  ibv_mr* smr = (ibv_reg_mr)(d.pd, src.data(), 8, IBV_ACCESS_LOCAL_WRITE);
+  ibv_mr* dmr = (ibv_reg_mr)(d.pd, dst.data(), 8, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  CHECK(PostRecv(b.qp, 71) == 0, "post recv");
+  CHECK(fakeverbs_arm("lost_ack", 0) == 0, "arm lost_ack");
+  const int64_t before = Counter("retransmits");
+  CHECK(PostWrite(a.qp, 70, src.data(), 8, smr->lkey, reinterpret_cast<uint64_t>(dst.data()), dmr->rkey, true, 9) == 0, "post");
+  auto w = Poll(a.cq, 1);
+  CHECK(w.size() == 1 && w[0].status == IBV_WC_RETRY_EXC_ERR, "lost acks: IBV_WC_RETRY_EXC_ERR (got %d)",
+        w.empty() ? -1 : w[0].status);
+  CHECK(Counter("retransmits") - before == 2, "lost acks: retry_cnt=2 retransmissions, got %lld",
+        (long long)(Counter("retransmits") - before));
+  auto r = Poll(b.cq, 2, 0.05);
+  CHECK(r.size() == 1 && r[0].status == IBV_WC_SUCCESS && r[0].wr_id == 71 && dst == src,
+        "lost acks: the message placed and its receive completed once (%zu completions)", r.size());
+  Free(a);
+  Free(b);
+  ibv_dereg_mr(smr);
+  ibv_dereg_mr(dmr);
   return "";
 }
 

@@ -214,6 +214,10 @@ struct Qp {
   // responder
   uint32_t epsn = 0;
   bool nak_sent = false;
+  // lost_ack: every acknowledgement of this PSN (the first and those of retransmissions) is lost
+  // on the wire, so its requester retries and fails although the message was placed.
+  bool ack_lost = false;
+  uint32_t lost_psn = 0;
   struct {
     bool active = false;
     int op = 0;  // IBV_WR_*
@@ -606,6 +610,10 @@ void RequesterTimers(Port* p, Qp* qp, double now) {
 
 // --- responder ----------------------------------------------------------------------------------
 void Reply(Port* p, Qp* qp, uint8_t type, uint8_t syndrome, uint32_t psn, bool late = false) {
+  if (type == kAck && qp->ack_lost && (psn & kPsnMask) == qp->lost_psn) {
+    ++g_count[kPacketsDropped];
+    return;
+  }
   PktHdr h = Header(p, qp, type);
   h.late = late;
   h.syndrome = syndrome;
@@ -635,7 +643,7 @@ void FireFault(Port* p, Qp* qp) {
     g_fault_nak_next = true;
   } else if (f == "exit") {
     _exit(17);
-  }  // late_cqe and late_ack have already held their completion back (OnRequest)
+  }  // late_cqe, late_ack and lost_ack have already acted on their message (OnRequest)
 }
 
 void OnReply(Port* p, Qp* qp, const PktHdr& h);
@@ -779,7 +787,12 @@ void OnRequest(Port* p, Qp* qp, const PktHdr& h, const uint8_t* payload) {
   if (!h.last) return;
   qp->msg.active = false;
   // Acknowledged as it is placed, before the application sees it; late_ack: the acknowledgement
-  // leaves now but its requester takes it kLateSeconds later (after this side may have closed).
+  // leaves now but its requester takes it kLateSeconds later (after this side may have closed);
+  // lost_ack: no acknowledgement of it arrives, its requester retransmits until retry_cnt runs out.
+  if (is_write && g_fault == "lost_ack" && g_fault_after == 0) {
+    qp->ack_lost = true;
+    qp->lost_psn = h.psn & kPsnMask;
+  }
   Reply(p, qp, kAck, 0, h.psn, is_write && g_fault == "late_ack" && g_fault_after == 0);
   if (qp->msg.has_recv && is_write && g_fault == "late_cqe" && g_fault_after == 0) {
     // The requester's completion may come before the responder's (the specification orders
@@ -1809,10 +1822,13 @@ FV_EXPORT int fakeverbs_last_violation(char* buf, int n) {
 // error NAK), exit (the process exits with status 17), late_cqe (that message is acknowledged at
 // once, its receive completion reaches the CQ kLateSeconds later), late_ack (its receive
 // completion is posted at once, its sender takes the acknowledgement, and so completes the write,
-// kLateSeconds later); "none" disarms. Returns 0, or -1 for an unknown kind.
+// kLateSeconds later), lost_ack (it is placed and its receive completes, but every acknowledgement
+// of it is lost on the wire: its sender's write fails with IBV_WC_RETRY_EXC_ERR after its
+// retries); "none" disarms. Returns 0, or -1 for an unknown kind.
 FV_EXPORT int fakeverbs_arm(const char* kind, int64_t after) {
   static const char* const kinds[] = {"qp_error", "revoke_mr", "rnr",     "cq_overrun",
-                                      "wc_error", "exit",      "late_cqe", "late_ack"};
+                                      "wc_error", "exit",      "late_cqe", "late_ack",
+                                      "lost_ack"};
   std::lock_guard<std::mutex> lock(g_mu);
   if (kind && std::strcmp(kind, "none") == 0) {
     g_fault.clear();

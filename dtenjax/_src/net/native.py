@@ -57,7 +57,9 @@ def codes() -> tuple[dict[np.dtype, int], dict[str, int]]:
 def counters() -> dict[str, int]:
   """Process-wide transport counters: frames/bytes moved, connections, rejections by reason
   (rejected_mac: modified frames, rejected_replay: replayed frames, rejected_mismatch: frames of
-  another collective, ...), aborts sent/received, pending handshakes."""
+  another collective, ...), aborts sent/received, pending handshakes, peer_failures (collectives
+  and ring set-ups a peer's failure ended: it closed or died, or a completion to it failed; one
+  each, and none for a peer that closed having taken all it was owed)."""
   return dict(transport().counters())
 
 

@@ -38,6 +38,7 @@ recalibrated from ``bench/allreduce.py`` through ``DTENJAX_COST_PARAMS``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -265,8 +266,12 @@ class Terms:
   ``n`` participants; ``a``/``b`` the slowest link's alpha (s) and beta (s/byte); ``hops`` 1 inside
   a host (peers are read in parallel), ``n - 1`` across a network; ``L`` one XLA collective, ``P``
   one extra elementwise pass, ``K`` one NVLink kernel, ``S`` one host-transport step (seconds);
-  ``m`` local seconds per byte; ``f`` seconds per float byte of the fixed-point conversion.
+  ``m`` local seconds per byte; ``f`` seconds per float byte of the fixed-point conversion;
+  ``w`` the bytes a partial sum takes on the wire per byte of input (:meth:`carrying`; 1, or 2
+  for a sum of 16-bit floats: the partial sums travel in float32, ``acc_dtype``): a formula
+  multiplies by it the link bytes of the phases whose program sends partial sums.
   """
+  w: float = 1.0
 
   def __init__(self, group: Sequence[int], topology: Topology, costs: BackendCosts | None,
                inner: int | None = None):
@@ -295,6 +300,11 @@ class Terms:
                      _axis_split(tuple(self.group), self.topology, self.inner))
     return self._split
 
+  def carrying(self, w: float) -> "Terms":
+    """These terms for a call whose partial sums take ``w`` bytes on the wire per byte of its
+    input (``Record.carried``)."""
+    return self if w == self.w else _carrying(self, float(w))
+
   @property
   def xla(self) -> "Terms":
     """These terms for XLA's own collective over the group, whose levels are the islands
@@ -303,6 +313,14 @@ class Terms:
     if self.inner is None:
       return self
     return _terms(tuple(self.group), self.topology, self.costs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _carrying(t: Terms, w: float) -> Terms:
+  """:meth:`Terms.carrying`: a copy of ``t`` (made once per cached terms and width) with ``w``."""
+  out = copy.copy(t)
+  out.w = w
+  return out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -413,12 +431,13 @@ def word_exchange(cost: Cost, t: Terms, N: float, itemsize: int, k: int, word_by
 # --- XLA's own collectives: the xla record, and what explain prices -----------------------------
 
 def _xla_all_reduce(t: Terms, N: float) -> float:
-  """Each rank reduces its share and copies it out (2 N of memory traffic)."""
-  return t.L + xla_links(t, N, 2) + 2 * N * t.m
+  """Each rank reduces its share and copies it out (2 N of memory traffic). The ``xla`` record
+  sums 16-bit floats as float32 (``lax.psum`` of the input cast up): ``w N`` on the links."""
+  return t.L + xla_links(t, t.w * N, 2) + 2 * N * t.m
 
 
 def _xla_reduce_scatter(t: Terms, N: float) -> float:
-  return t.L + xla_links(t, N, 1) + 2 * N * t.m
+  return t.L + xla_links(t, t.w * N, 1) + 2 * N * t.m
 
 
 def xla_all_gather(t: Terms, N: float) -> float:
@@ -450,7 +469,8 @@ _MOVES = ("all_gather", "all_to_all", "ppermute")
 def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topology,
                     cost: Cost = XLA, *, reproducible: Contract | bool | str = Contract.NONE,
                     itemsize: int = 4, contributions: int = 1,
-                    costs: BackendCosts | None = None, inner: int | None = None) -> float:
+                    costs: BackendCosts | None = None, inner: int | None = None,
+                    carried: float = 1.0) -> float:
   """Estimated seconds for one collective.
 
   Args:
@@ -467,18 +487,26 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
     costs: override the backend's fixed costs (default: :func:`backend_costs`).
     inner: the size of the call's last axis, for a schedule whose first stage runs over it
       (``hierarchical``): its two levels are then that axis and the rest, not the islands.
+    carried: bytes a partial sum of the call takes on the wire per byte of its input (the
+      record's ``carried``: 2 for a sum of 16-bit floats, accumulated in float32); each formula
+      applies it to the phases its program sends partial sums in (:attr:`Terms.w`). A plain
+      all-reduce or reduce-scatter only: a reproducible sum's words are priced by their width.
   """
   _check(kind, cost, nbytes)
   n = len(group)
   if n <= 1:
     return 0.0
   contract = contract_lib.parse(reproducible)
+  if contract.reproducible or kind not in ("all_reduce", "reduce_scatter"):
+    carried = 1.0
   if cost is XLA and not contract.reproducible:
-    measured = calibrated_time(kind, nbytes, group, topology)
+    # XLA's own collective of what it sends: the xla record's float32 sum of a bfloat16 input
+    measured = calibrated_time(kind, carried * nbytes, group, topology)
     if measured is not None:
       return measured
   t = _terms(tuple(group), topology,
-             costs if costs is not None else backend_costs(_platform(group, topology)), inner)
+             costs if costs is not None else backend_costs(_platform(group, topology)),
+             inner).carrying(carried)
   if kind == "ppermute":
     return t.L + t.a + nbytes * t.b
   if kind == "all_to_all":

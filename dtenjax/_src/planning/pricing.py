@@ -114,9 +114,13 @@ class Pricer:
 
   def __init__(self, m: CandidateMesh, price: planner.AllReduceTime,
                between: float | None = None, weightless: float = 1.0,
-               state: Sequence[Sequence[stepgraph.Leaf]] = ()):
+               state: Sequence[Sequence[stepgraph.Leaf]] = (), combined: float = 0.0):
     self.m, self.price = m, price
     self.cache: dict[tuple, float] = {}
+    # the bytes per device of the gradients' combined all-reduce where every gradient is reduced
+    # whole (DP): the point a measured curve prices each gradient's share of it at (share)
+    self.combined = combined
+    self._curved: dict[tuple[str, ...], bool] = {}
     first = int(m.ids.ravel()[0])
     self.backend = m.topology.device(first).platform
     costs = costmodel.backend_costs(self.backend)
@@ -206,8 +210,27 @@ class Pricer:
   def share(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
     """One leaf's share of a collective XLA combines with the other leaves' (the gradients'
     all-reduces after the backward): its time less one latency, which the problem adds once
-    (solver.make_problem)."""
-    return self(kind, nbytes, axes, dtype) - self(kind, 1, axes, dtype)
+    (solver.make_problem). On an alpha-beta price the shares and that latency add up to the
+    combined collective's time whatever its size. On a calibration's measured all-reduce (a
+    piecewise curve, flat below its first size) they do not: one combined collective of the
+    summed bytes runs, one latency and one point on the curve, so each leaf's share is its part
+    of the bytes of the combined all-reduce (``combined``, every gradient reduced whole) times
+    that collective's time less the latency: exact where every gradient is reduced whole, the
+    curve's secant elsewhere."""
+    latency = self(kind, 1, axes, dtype)
+    total = self.combined
+    if kind == "all_reduce" and total > 0 and self._measured(axes):
+      return nbytes / total * (self(kind, total, axes, dtype) - latency)
+    return self(kind, nbytes, axes, dtype) - latency
+
+  def _measured(self, axes: Sequence[str]) -> bool:
+    """Whether the topology's calibration measured the all-reduce over ``axes``' group (the
+    price ``costmodel.collective_time`` gives XLA's all-reduce there)."""
+    axes = tuple(a for a in AXES if a in axes and self.m.size[a] > 1)
+    if axes not in self._curved:
+      self._curved[axes] = bool(axes) and costmodel.calibrated_time(
+          "all_reduce", 1, self.m.group(axes), self.m.topology) is not None
+    return self._curved[axes]
 
 
 def axis_key(axes: Sequence[str]) -> str:

@@ -251,26 +251,32 @@ def _islands(group: tuple[int, ...], topology) -> frozenset | None:
 def _hierarchical_all_reduce(t: costmodel.Terms, N: float) -> float:
   """Inner all-to-all reduce-scatter, one-shot of N/k across islands, inner all-gather; inf
   without an island split of the group whose islands are runs of consecutive ranks. The inner
-  stages send the input's dtype, the one-shot across the island partial sums (``w``)."""
+  stages send the input's dtype, the one-shot across the island partial sums (``w``). The
+  all-to-all reaches each peer directly (``Split.inner_all_to_all``: where the inner axis spans
+  hosts, a rank's peers on its own host over the in-host link); the all-gathers are rings, each
+  step as slow as the level's slowest link."""
   s = _island_split(t)
   if s is None:
     return costmodel.INF
-  inner = 2 * (t.L + s.inner_hops * s.ia + (s.k - 1) / s.k * N * s.ib)
+  gather = t.L + s.inner_hops * s.ia + (s.k - 1) / s.k * N * s.ib
+  inner = t.L + s.inner_all_to_all(N) + gather
   outer = t.L + s.outer_hops * s.oa + (s.m - 1) * (t.w * N / s.k) * s.ob
   return inner + outer + 2 * t.P + (3 * N + 2 * s.m * N / s.k) * t.m
 
 
 def _hierarchical_reduce_scatter(t: costmodel.Terms, N: float) -> float:
   """Inner all-to-all reduce-scatter of N on the fast link, outer all-to-all reduce-scatter of
-  the island's N/k on the slow one (each byte crosses it once, a partial sum: ``w``); local
+  the island's N/k on the slow one (each byte crosses it once, a partial sum: ``w``), each
+  all-to-all reaching a rank's peers on its own host over the in-host link where its level
+  spans hosts (``Split.inner_all_to_all`` / ``outer_all_to_all``); local
   traffic: the chunks copied out (N), the inner fold (N read, N/k written), the outer fold (N/k
   read); inf without an island split of the group whose islands are runs of consecutive
   ranks."""
   s = _island_split(t)
   if s is None:
     return costmodel.INF
-  inner = t.L + s.inner_hops * s.ia + (s.k - 1) / s.k * N * s.ib
-  outer = t.L + s.outer_hops * s.oa + (s.m - 1) / s.m * (t.w * N / s.k) * s.ob
+  inner = t.L + s.inner_all_to_all(N)
+  outer = t.L + s.outer_all_to_all(t.w * N / s.k)
   return inner + outer + 2 * t.P + (2 * N + 2 * N / s.k) * t.m
 
 

@@ -249,7 +249,11 @@ def _island_of(topology: Topology) -> dict[int, tuple[int, ...]]:
 class Split(NamedTuple):
   """A proper two-level split of a group: ``k`` devices per inner group, ``m`` groups, the inner
   and outer links, and the hops of a message across the groups (1 inside a host, m - 1 across)
-  and inside one (1, or k - 1 where an inner group spans hosts)."""
+  and inside one (1, or k - 1 where an inner group spans hosts): what a ring over a level pays,
+  each of its steps as slow as its slowest link. ``inner_exchange`` / ``outer_exchange``: the
+  ``(latency, seconds per byte to one peer)`` of a direct exchange (an all-to-all) over a level
+  whose groups span hosts but keep several ranks on one (:func:`_exchange`), where a rank's
+  peers on its own host are not behind the inter-host link; None: the ring's links."""
   k: int
   m: int
   ia: float
@@ -258,6 +262,18 @@ class Split(NamedTuple):
   ob: float
   outer_hops: int
   inner_hops: int = 1
+  inner_exchange: tuple[float, float] | None = None
+  outer_exchange: tuple[float, float] | None = None
+
+  def inner_all_to_all(self, nbytes: float) -> float:
+    """Link seconds of an all-to-all of ``nbytes`` per rank over an inner group."""
+    a, b = self.inner_exchange or (self.inner_hops * self.ia, self.ib)
+    return a + (self.k - 1) / self.k * nbytes * b
+
+  def outer_all_to_all(self, nbytes: float) -> float:
+    """Link seconds of an all-to-all of ``nbytes`` per rank over an outer group."""
+    a, b = self.outer_exchange or (self.outer_hops * self.oa, self.ob)
+    return a + (self.m - 1) / self.m * nbytes * b
 
 
 class Terms:
@@ -352,8 +368,49 @@ def _axis_split(group: tuple[int, ...], topology: Topology, inner: int) -> Split
       _slowest(topology, [group[j:j + inner] for j in range(0, n, inner)]),
       _slowest(topology, [group[i::inner] for i in range(inner)]))
   m = n // inner
+  inners = [group[j:j + inner] for j in range(0, n, inner)]
+  outers = [group[i::inner] for i in range(inner)]
   return Split(inner, m, ispec.alpha, ispec.beta, ospec.alpha, ospec.beta,
-               1 if ocls in INTRA_HOST else m - 1, 1 if icls in INTRA_HOST else inner - 1)
+               1 if ocls in INTRA_HOST else m - 1, 1 if icls in INTRA_HOST else inner - 1,
+               _exchange(topology, inners), _exchange(topology, outers))
+
+
+def _exchange(topology: Topology, groups: Sequence[Sequence[int]]) -> tuple[float, float] | None:
+  """``(latency, seconds per byte to one peer, averaged over a rank's peers)`` of a direct
+  exchange (each rank sends every peer its chunk: an all-to-all) over each of ``groups``, the
+  largest of each over their ranks; None unless some group spans hosts with several of its ranks
+  on one (otherwise the level's slowest link is every peer's: the ring's terms). A rank reaches
+  its peers on its own host at once (one latency, the slowest link among them, as a group inside
+  a host is priced) and each peer on another host over the network (one latency each, the
+  slowest link from it to those hosts): a stage of 8 ranks two to a host sends 1/7 of its bytes
+  over NVLink and 6/7 over the inter-host link, where the ring's terms send all 7/7 over it.
+  The two parts are added, as the model adds a schedule's levels (NVLink and the network may
+  carry them at once: an upper bound)."""
+  latency = per_byte = 0.0
+  mixed = False
+  for g in groups:
+    n = len(g)
+    by_host: dict[str, list[int]] = {}
+    for d in g:
+      by_host.setdefault(topology.device(d).host, []).append(d)
+    if len(by_host) == 1 or all(len(mine) == 1 for mine in by_host.values()):
+      _, spec = topology.slowest_link(list(g))
+      hops = 1 if len(by_host) == 1 else n - 1
+      latency, per_byte = max(latency, hops * spec.alpha), max(per_byte, spec.beta)
+      continue
+    mixed = True
+    for host, mine in by_host.items():
+      a = b = 0.0
+      if len(mine) > 1:
+        _, spec = topology.slowest_link(mine)
+        a, b = spec.alpha, (len(mine) - 1) * spec.beta
+      away = n - len(mine)
+      if away:
+        _, spec = topology.slowest_link([mine[0]] + [ds[0] for h, ds in by_host.items()
+                                                     if h != host])
+        a, b = a + away * spec.alpha, b + away * spec.beta
+      latency, per_byte = max(latency, a), max(per_byte, b / (n - 1))
+  return (latency, per_byte) if mixed else None
 
 
 def _slowest(topology: Topology, groups: Sequence[Sequence[int]]):

@@ -125,3 +125,37 @@ def test_the_whole_step_planner_s_all_reduce_is_xla_s_of_the_gradient_s_dtype():
   widened = cm.collective_time("all_reduce", N, group, cmt.DGX, carried=2)
   assert widened - plain == pytest.approx(2 * 7 / 8 * N / cmt.NV_BW, rel=1e-9)
 
+
+
+def test_an_all_to_all_over_a_stage_spanning_hosts_pays_the_slow_link_for_the_peers_off_host(
+    cpu_devices):
+  """hierarchical's reduce-scatter over axes (4, 2) on two hosts of four (roce_a100_4x8's
+  devices 0-3 and 8-11): its second stage is an all-to-all over 4 ranks, two on each host, so
+  each rank sends one chunk to its host-mate and two across. The formula's bytes on each link
+  class are the lowered program's, each all-to-all's chunks counted by where their peer is;
+  its RoCE latencies are the two peers across (before, the stage was priced on its slowest
+  link: all three chunks and three latencies on RoCE)."""
+  mesh = Mesh(np.array(cpu_devices).reshape(4, 2), AX)
+  step = jax.jit(jax.shard_map(
+      lambda v: reduce_scatter(v, AX, algorithm="hierarchical", tiled=True), mesh=mesh,
+      in_specs=PartitionSpec(AX), out_specs=PartitionSpec(AX)))
+  text = step.lower(jax.ShapeDtypeStruct((8 * E,), jnp.float32)).as_text(dialect="hlo")
+  ops = hlo.parse_text(text).collectives()
+  assert {c.kind for c in ops} == {"all_to_all"}, ops
+  host = lambda d: d // 4                       # logical ids 0-3 on one host, 4-7 on the other
+  inside = across = 0.0
+  for c in ops:
+    group = next(g for g in c.replica_groups if 0 in g)
+    chunk = c.nbytes / len(group)               # what rank 0 sends each peer
+    inside += chunk * sum(host(d) == host(0) for d in group if d != 0)
+    across += chunk * sum(host(d) != host(0) for d in group if d != 0)
+  n_bytes = 4 * E
+  assert (inside, across) == (pytest.approx(n_bytes / 2 + n_bytes / 2 / 4),
+                              pytest.approx(2 * n_bytes / 2 / 4))
+  cost = registry.get("hierarchical").cost
+  hosts2 = cmt.HOSTS2
+  for link, got in (("roce", across), ("nvlink", inside)):
+    assert cmt._d("reduce_scatter", cost, hosts2, cmt.ROCE, link, "bytes", n_bytes,
+                  inner=2) == pytest.approx(got), link
+  assert cmt._d("reduce_scatter", cost, hosts2, cmt.ROCE, "roce", "latency", n_bytes,
+                inner=2) == pytest.approx(2)

@@ -159,3 +159,32 @@ def test_an_all_to_all_over_a_stage_spanning_hosts_pays_the_slow_link_for_the_pe
                   inner=2) == pytest.approx(got), link
   assert cmt._d("reduce_scatter", cost, hosts2, cmt.ROCE, "roce", "latency", n_bytes,
                 inner=2) == pytest.approx(2)
+
+
+def test_a_share_of_a_combined_all_reduce_is_priced_at_the_combined_point_on_a_measured_curve():
+  """``Pricer.share`` with ``of`` (the combined collective's bytes) on a calibration whose
+  all-reduce curve is 3 ms at 1 MiB and 43 ms at 9 MiB (tests/test_calibration.py's CAL): three
+  sibling weights' 2 MiB input gradients in one tuple all-reduce of 6 MiB cost 3 + 5 x 5 = 28 ms
+  by the curve; their three shares and one latency (the curve below its first size, 3 ms) add up
+  to it. Each at its own point (no ``of``) they were 3 x (8 - 3) + 3 = 18 ms. Where the
+  calibration does not cover the group (another topology's devices), the price is alpha-beta's
+  and ``of`` changes nothing."""
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.pricing import Pricer
+  from dtenjax._src.planning.roles import AXES
+  from tests import test_calibration as tcal
+  MiB = 1 << 20
+  shape = tuple(8 if a == "tensor" else 1 for a in AXES)
+  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)
+  pricer = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), topo),
+                  pricing_registry.xla_all_reduce_time)
+  latency = pricer("all_reduce", 1, ("tensor",), "float32")
+  assert latency - pricer.step_latency == pytest.approx(3e-3)
+  combined = 3 * pricer.share("all_reduce", 2 * MiB, ("tensor",), "float32", of=6 * MiB)
+  assert combined + latency - pricer.step_latency == pytest.approx(28e-3)
+  parts = 3 * pricer.share("all_reduce", 2 * MiB, ("tensor",), "float32")
+  assert parts + latency - pricer.step_latency == pytest.approx(18e-3)
+  plain = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1")),
+                 pricing_registry.xla_all_reduce_time)
+  assert plain.share("all_reduce", 2 * MiB, ("tensor",), "float32", of=6 * MiB) == \
+      plain.share("all_reduce", 2 * MiB, ("tensor",), "float32")

@@ -207,21 +207,25 @@ class Pricer:
       self.cache[key] = t + self.step_latency
     return self.cache[key]
 
-  def share(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
+  def share(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str,
+            of: float = 0.0) -> float:
     """One leaf's share of a collective XLA combines with the other leaves' (the gradients'
     all-reduces after the backward): its time less one latency, which the problem adds once
     (solver.make_problem). On an alpha-beta price the shares and that latency add up to the
     combined collective's time whatever its size. On a calibration's measured all-reduce (a
     piecewise curve, flat below its first size) they do not: one combined collective of the
-    summed bytes runs, one latency and one point on the curve, so each leaf's share is its part
-    of the bytes of the combined all-reduce (``combined``, every gradient reduced whole) times
-    that collective's time less the latency: exact where every gradient is reduced whole, the
-    curve's secant elsewhere."""
+    summed bytes runs, one latency and one point on the curve. Given ``of``, the bytes of that
+    combined collective (the gradients': :attr:`combined`, every gradient reduced whole), the
+    share is its part of them times that collective's time less the latency: exact where the
+    combined collective has those bytes, the curve's secant elsewhere."""
     latency = self(kind, 1, axes, dtype)
-    total = self.combined
-    if kind == "all_reduce" and total > 0 and self._measured(axes):
-      return nbytes / total * (self(kind, total, axes, dtype) - latency)
+    if kind == "all_reduce" and of > 0 and self._measured(axes):
+      return nbytes / of * (self(kind, of, axes, dtype) - latency)
     return self(kind, nbytes, axes, dtype) - latency
+
+  def gradient_share(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
+    """:meth:`share` of the gradients' combined all-reduce (:attr:`combined` bytes)."""
+    return self.share(kind, nbytes, axes, dtype, of=self.combined)
 
   def _measured(self, axes: Sequence[str]) -> bool:
     """Whether the topology's calibration measured the all-reduce over ``axes``' group (the
@@ -637,7 +641,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # tied embedding's lookup part, which XLA scatters into the sharded table)
       # XLA:CPU combines these all-reduces with the others after the backward (5 in all for a
       # scanned decoder's FSDP step, as for DP)
-      time = pricer.share if rs == "all_reduce" else pricer
+      time = pricer.gradient_share if rs == "all_reduce" else pricer
       if rs == "reduce_scatter" and _reduced_in_tensor_pairs(graph, primary, use, used, m, zero):
         _price_pair_reduction(ctx, zero)
       else:
@@ -650,14 +654,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       if rest:
         g2 = grad / math.prod(m.size[a] for a in zero)
         k2 = axis_key(rest)
-        acc(pr.overlappable, k2, pricer.share("all_reduce", g2, rest, dtype))
+        acc(pr.overlappable, k2, pricer.gradient_share("all_reduce", g2, rest, dtype))
         acc(pr.bytes, f"all_reduce[{k2}]", g2)
     else:
       # XLA combines the gradients' all-reduces into few large ones (one per group of axes:
       # the sequence's is separate, roles.sequence)
       for axes in sequence.reduction_groups(batch):
         k = axis_key(axes)
-        acc(pr.overlappable, k, parts * pricer.share("all_reduce", grad, axes, dtype))
+        acc(pr.overlappable, k, parts * pricer.gradient_share("all_reduce", grad, axes, dtype))
         acc(pr.bytes, f"all_reduce[{k}]", parts * grad)
   # the meetings this group's weight pays (the reductions over the batch that later work on the
   # batch reads, after its product: batch norm's statistics): XLA all-reduces them over every axis

@@ -45,7 +45,8 @@ def _lowered_collectives(mesh, name, kind, dtype):
 def _link_bytes(record, call):
   """The bytes ``record``'s formula sends over links for ``call`` over devices 0-7: its
   derivative in beta, with one link spec inside and across pcie_8's islands (as
-  test_costmodel's ``_coefficients``), priced through the record as ``auto`` prices it."""
+  test_costmodel's ``_coefficients``), priced through the record as ``auto`` prices it (the
+  fixture's devices are GPUs; the call's backend says whose compiler runs it)."""
   def at(bw):
     spec = LinkSpec(bw, 5.0)
     topo = cmt.PCIE.with_links({"pcie": spec, "numa_cross": spec})
@@ -60,7 +61,7 @@ def test_a_bfloat16_sum_is_priced_at_the_bytes_its_lowered_program_sends(cpu_dev
   sums, bfloat16 inputs and results). Before the formulas carried ``Terms.w``, ring, butterfly,
   hierarchical and xla were charged the bfloat16 bytes of steps that send float32."""
   mesh = Mesh(np.array(cpu_devices).reshape(2, 4), AX)
-  call = base.Call(kind, "sum", jnp.bfloat16, AX, (2, 4), 2 * E, backend="cpu")
+  call = base.Call(kind, "sum", jnp.bfloat16, AX, (2, 4), 2 * E, backend="gpu", nvls=False)
   records = {a.name: a for a in registry.REGISTRY if a.why_not(call) is None}
   assert set(CPU_RECORDS) <= set(records)
   widened = set()
@@ -74,6 +75,25 @@ def test_a_bfloat16_sum_is_priced_at_the_bytes_its_lowered_program_sends(cpu_dev
     assert _link_bytes(records[name], call) == pytest.approx(sent), (name, ops)
   # the programs read: which records send partial sums in float32 (docs/collectives.md's table)
   assert widened == {"xla", "ring", "hierarchical", "butterfly"}
+
+
+def test_on_cpu_a_bfloat16_sum_is_priced_as_the_float32_collectives_xla_cpu_compiles(
+    cpu_devices):
+  """XLA:CPU compiles every 16-bit collective in float32 (converting around it): one_shot's
+  all-gather and two_shot's all-to-all and all-gather of a bfloat16 input are float32 in the
+  compiled HLO, twice the lowered program's bytes. On CPU devices a bfloat16 sum is priced at
+  those bytes, for every record: auto's ranking there is the float32 one (xla, as before),
+  where the lowered program's bytes would price xla's widened psum above two_shot's."""
+  mesh = Mesh(np.array(cpu_devices).reshape(2, 4), AX)
+  call = base.Call("all_reduce", "sum", jnp.bfloat16, AX, (2, 4), 2 * E, backend="cpu")
+  for name in ("one_shot", "two_shot"):
+    step = jax.jit(jax.shard_map(lambda v: all_reduce(v, AX, algorithm=name), mesh=mesh,
+                                 in_specs=PartitionSpec(AX), out_specs=PartitionSpec(AX)))
+    ops = hlo.read_compiled(step.lower(jax.ShapeDtypeStruct((8 * E,), jnp.bfloat16))
+                            .compile(cmt.LLVM_O0)).collectives()
+    assert {c.dtype for c in ops} == {"f32"}, (name, ops)
+    sent = sum(cmt._received(c) for c in ops)
+    assert _link_bytes(registry.get(name), call) == pytest.approx(sent), (name, ops)
 
 
 def test_partial_sum_widths_by_op_and_dtype():

@@ -208,3 +208,40 @@ def test_a_share_of_a_combined_all_reduce_is_priced_at_the_combined_point_on_a_m
                  pricing_registry.xla_all_reduce_time)
   assert plain.share("all_reduce", 2 * MiB, ("tensor",), "float32", of=6 * MiB) == \
       plain.share("all_reduce", 2 * MiB, ("tensor",), "float32")
+
+
+def test_the_step_planner_prices_a_bfloat16_collective_on_cpu_at_the_float32_bytes_xla_moves(
+    cpu_devices):
+  """XLA:CPU all-reduces a bfloat16 gradient, and all-gathers a bfloat16 weight, in float32
+  (the compiled HLO of a data-parallel and a gathered step, 8 CPU devices: f32[256,256] each,
+  twice the weight's 128 KiB); the whole-step planner's Pricer on CPU devices prices them at
+  those bytes, and a GPU's (whose NCCL moves bfloat16) at the weight's."""
+  from jax.sharding import NamedSharding
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.pricing import Pricer
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.topology.model import Topology
+  from tests import test_calibration as tcal
+  mesh = Mesh(np.array(cpu_devices), ("data",))
+  whole, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+
+  def step(w, x):
+    w = jax.lax.with_sharding_constraint(w, whole)
+    g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w).astype(jnp.float32)))(w)
+    return w - 0.1 * g
+  x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=split)
+  w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=split)
+  ops = hlo.read_compiled(jax.jit(step, out_shardings=split).lower(w, x)
+                          .compile(cmt.LLVM_O0)).collectives()
+  assert sorted((c.kind, c.nbytes, c.dtype) for c in ops) == [
+      ("all_gather", 2 * 256 * 256 * 2, "f32"), ("all_reduce", 2 * 256 * 256 * 2, "f32")]
+  nb = 256 * 256 * 2
+  shape = tuple(8 if a == "data" else 1 for a in AXES)
+  cpu = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1")),
+               pricing_registry.xla_all_reduce_time)
+  for kind in ("all_reduce", "all_gather"):
+    assert cpu(kind, nb, ("data",), "bfloat16") == cpu(kind, 2 * nb, ("data",), "float32"), kind
+  gpu = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), Topology.fixture("h200_8")),
+               pricing_registry.xla_all_reduce_time)
+  for kind in ("all_reduce", "all_gather"):
+    assert gpu(kind, nb, ("data",), "bfloat16") == gpu(kind, nb, ("data",), "float32"), kind

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import jaxlib
 
+from dtenjax._src.pricing import calls
 from dtenjax._src.pricing import costmodel
 from dtenjax._src.topology import calibrate as calibrate_lib
 from dtenjax._src.planning import jaxpr_reader
@@ -200,10 +201,13 @@ class Pricer:
     key = (kind, int(nbytes), axes, dtype)
     if key not in self.cache:
       group = self.m.group(axes)
+      # XLA:CPU runs a 16-bit float collective in float32: twice its bytes move
+      wire = int(nbytes * (calls.cpu_wire_bytes(dtype) if self.backend == "cpu" and
+                           stepgraph.is_float(dtype) else 1))
       if kind == "all_reduce":
-        t = self.price(int(nbytes), group, self.m.axis_sizes(axes), self.m.topology, dtype)
+        t = self.price(wire, group, self.m.axis_sizes(axes), self.m.topology, dtype)
       else:
-        t = costmodel.collective_time(kind, int(nbytes), group, self.m.topology)
+        t = costmodel.collective_time(kind, wire, group, self.m.topology)
       self.cache[key] = t + self.step_latency
     return self.cache[key]
 

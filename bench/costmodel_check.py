@@ -66,10 +66,14 @@ def main(argv=None) -> int:
       continue
     topology = _topology(args, r["world"], platform)
     # hierarchical's two levels are the call's axes: bench/allreduce.py's 2-D mesh (2, world / 2)
+    itemsize = 4 if r["type"] == "float32" else 2
+    # a dtenjax algorithm sums 16-bit floats in float32 (each formula puts the float32 partial
+    # sums where its program sends them); lax.psum is XLA's all-reduce of the input's dtype
+    carried = 1 if r["algorithm"] in ("psum", "psum_nccl") else 4 / itemsize
     pred = costmodel.collective_time("all_reduce", r["size"], list(range(r["world"])), topology,
-                                     costmodel.algorithm(formula).cost,
-                                     itemsize=4 if r["type"] == "float32" else 2,
-                                     inner=r["world"] // 2 if formula == "hierarchical" else None)
+                                     costmodel.algorithm(formula).cost, itemsize=itemsize,
+                                     inner=r["world"] // 2 if formula == "hierarchical" else None,
+                                     carried=carried)
     ratio = pred / (r["time_us"] * 1e-6)
     bad += not 0.5 <= ratio <= 2.0
     out.append(dict(size=r["size"], candidate=r["algorithm"], formula=formula,

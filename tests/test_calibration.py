@@ -261,11 +261,16 @@ def _dp(step, args, topology, **terms):
 
 def test_the_plans_all_reduces_are_the_calibrations_measured_xla_all_reduce(cpu_devices):
   """A planned step's gradient all-reduce is XLA's own, so a calibration's measured all-reduce
-  is its price (35f588c): two 4 MiB f32 gradients under DP, each one's share of the combined
-  all-reduce CAL's 4 MiB time less its smallest size's (the latency the problem adds once),
-  2 x (3 + 3 x 5 - 3) ms = 30 ms; a calibration whose all-reduce is 10x slower, 300 ms. The
-  chooser's price (``algorithm="auto"``'s cheapest record, a dtenjax.all_reduce's) read neither:
-  9.9 ms for each 4 MiB on either calibration."""
+  is its price (35f588c): two 4 MiB f32 gradients under DP, which XLA reduces in one combined
+  all-reduce of 8 MiB: CAL's curve there, 3 + 7 x 5 = 38 ms, less the latency the problem adds
+  once (its smallest size's time, 3 ms), 35 ms in the gradients' shares (4/8 of it each); a
+  calibration whose all-reduce is 10x slower, 350 ms. Before wire17 each share was priced at
+  its own 4 MiB on the curve, 2 x (18 - 3) = 30 ms: with the latency 33 ms, not the 38 ms the
+  curve gives the one collective that runs. On a curve whose slope falls (6 ms per 3 MiB, then
+  12 per 12 MiB) the parts overpriced it instead: 2 x (9 - 3) = 12 ms, where the combined
+  all-reduce is 9 + 4 = 13 ms, 10 ms beyond the latency. The chooser's price
+  (``algorithm="auto"``'s cheapest record, a dtenjax.all_reduce's) read no calibration: 9.9 ms
+  for each 4 MiB on every calibration."""
   del cpu_devices
   import jax
   import jax.numpy as jnp
@@ -273,11 +278,14 @@ def test_the_plans_all_reduces_are_the_calibrations_measured_xla_all_reduce(cpu_
   fast = dataclasses.replace(CAL, devices=topo.num_devices)
   slow = dataclasses.replace(fast, collectives=(("all_reduce", ((MiB, 30e-3), (9 * MiB, 430e-3))),
                                                 ("all_gather", ((MiB, 1e-3),))))
+  bent = dataclasses.replace(fast, collectives=(
+      ("all_reduce", ((MiB, 3e-3), (4 * MiB, 9e-3), (16 * MiB, 21e-3))),
+      ("all_gather", ((MiB, 1e-3),))))
   def step(p, batch):
     loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(batch @ p["w1"]) @ p["w2"]))(p)
     return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
   args = ({"w1": jnp.zeros((1024, 1024)), "w2": jnp.zeros((1024, 1024))}, jnp.zeros((64, 1024)))
-  for cal, ms in ((fast, 30.0), (slow, 300.0)):
+  for cal, ms in ((fast, 35.0), (slow, 350.0), (bent, 10.0)):
     cost = _dp(step, args, dataclasses.replace(topo, calibration=cal))
     assert cost.comm_s == {"data": pytest.approx(ms * 1e-3)}, (ms, cost.comm_s)
 

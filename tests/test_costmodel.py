@@ -425,10 +425,12 @@ def test_gpu_predictions_stay_within_2x_of_the_h200_pair_measurements(capsys):
 
 def test_the_check_prices_hierarchical_on_the_mesh_bench_allreduce_ran_it_on(tmp_path, capsys):
   """bench/allreduce.py runs hierarchical on its 2-D mesh, (2, world / 2) with axes ("o", "i"):
-  on 4 hosts of 8 the first stage runs over 16 ranks of two hosts (15/16 of N over RoCE, a
-  latency per peer, twice), the second over 2 ranks on two hosts (one-shot of N/16). A row
-  measured at exactly that price is predicted at ratio 1.00; priced by the islands (8 per host,
-  as without the mesh's axes) it would be predicted at a quarter of it."""
+  on 4 hosts of 8 the first stage runs over 16 ranks of two hosts: its all-to-all sends N/16 to
+  each peer, the 7 on the rank's host over NVLink (one latency), the 8 on the other over RoCE
+  (a latency each); its all-gather is a ring, each step on RoCE (15/16 of N, a latency per
+  peer); the second stage runs over 2 ranks on two hosts (one-shot of N/16). A row measured at
+  exactly that price is predicted at ratio 1.00; priced by the islands (8 per host, as without
+  the mesh's axes) it would be predicted at a quarter of it."""
   import pathlib
   import sys
   root = pathlib.Path(__file__).resolve().parents[1]
@@ -437,7 +439,8 @@ def test_the_check_prices_hierarchical_on_the_mesh_bench_allreduce_ran_it_on(tmp
   import costmodel_check
   size = 64 << 20
   L, Pass = 18e-6, 4e-6                                # the GPU's fixed costs (GPU above)
-  want = (2 * (L + 15 * ROCE_A + 15 / 16 * size / ROCE_BW) + (L + ROCE_A + size / 16 / ROCE_BW) +
+  want = ((L + NV_A + 8 * ROCE_A + size / 16 * (7 / NV_BW + 8 / ROCE_BW)) +
+          (L + 15 * ROCE_A + 15 / 16 * size / ROCE_BW) + (L + ROCE_A + size / 16 / ROCE_BW) +
           2 * Pass + (3 * size + 2 * 2 * size / 16) / LOCAL_BW)
   row = dict(_harness.nccl_columns(size, "float32", want, 32), algorithm="hierarchical",
              world=32, procs=4, backend="gpu", chain=16)

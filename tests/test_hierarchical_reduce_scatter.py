@@ -331,19 +331,28 @@ _GPU_TERMS = (18e-6, 4e-6, 2.5e-6, 1 / 300e9, 5e-6, 1 / 12.5e9, 1 / 2000e9)
 
 def test_an_inner_axis_smaller_than_the_island_leaves_island_mates_in_the_outer_stage():
   """4 hosts of 8 GPUs, axes (8, 4): the first stage runs inside runs of 4 GPUs of one host
-  (3/4 of N over NVLink), the second over 8 ranks, two per host, whose slowest link is RoCE
-  (7/8 of N/4, a latency per peer). Priced by the islands (8 per host, as without the call's
-  axes) the second stage would move 3/4 of N/8: less than half the bytes it sends."""
+  (3/4 of N over NVLink), the second over 8 ranks, two per host: its all-to-all sends each of
+  the 7 peers N/4/8, the one on the rank's host over NVLink (one latency), the 6 others over
+  RoCE (a latency each). Before wire17 all 7 chunks were priced on RoCE, the stage's slowest
+  link (7 RoCE latencies, 7/8 of N/4 over RoCE: 0.151 ms of RoCE bytes where 0.134 ms are).
+  Priced by the islands (8 per host, as without the call's axes) the second stage would move
+  3/4 of N/8: less than half the bytes it sends. The all-reduce's second stage is an all-gather,
+  a ring whose every step waits for its RoCE hop: all 7 chunks on RoCE."""
   nvls = dataclasses.replace(Topology.fixture("roce_a100_4x8"), nvls=True)
   N = 64 << 20
   L, Pass, nv_a, nv_b, ro_a, ro_b, local_b = _GPU_TERMS
-  want = ((L + nv_a + 3 / 4 * N * nv_b) + (L + 7 * ro_a + 7 / 8 * (N / 4) * ro_b) + 2 * Pass +
-          (2 * N + 2 * N / 4) * local_b)
+  want = ((L + nv_a + 3 / 4 * N * nv_b) + (L + nv_a + 6 * ro_a + N / 32 * (nv_b + 6 * ro_b)) +
+          2 * Pass + (2 * N + 2 * N / 4) * local_b)
   ch = plan_all_reduce(N, list(range(32)), nvls, kind="reduce_scatter", axis_sizes=(8, 4))
   assert ch.times["hierarchical"] == pytest.approx(want, rel=1e-12)
-  by_islands = cm.collective_time("reduce_scatter", N, list(range(32)), nvls,
-                                  registry.get("hierarchical").cost, costs=cmt.GPU)
-  assert by_islands < 0.6 * want
+  # the RoCE bytes: 6 chunks of N/32 on the call's axes, 3/4 of N/8 by the islands (half)
+  cost = registry.get("hierarchical").cost
+  assert cmt._d("reduce_scatter", cost, list(range(32)), nvls, "roce", "bytes", N,
+                inner=4) == pytest.approx(6 * N / 32)
+  assert cmt._d("reduce_scatter", cost, list(range(32)), nvls, "roce", "bytes", N) == \
+      pytest.approx(3 / 4 * N / 8)
+  assert cmt._d("reduce_scatter", cost, list(range(32)), nvls, "roce", "latency", N,
+                inner=4) == pytest.approx(6)
   # the all-reduce: the same two levels, the outer one-shot of N/4 over 8 ranks
   want_ar = (2 * (L + nv_a + 3 / 4 * N * nv_b) + (L + 7 * ro_a + 7 * (N / 4) * ro_b) + 2 * Pass +
              (3 * N + 2 * 8 * N / 4) * local_b)
@@ -379,7 +388,8 @@ def test_the_reproducible_codes_max_is_xla_s_whatever_the_call_s_axes():
                            inner=4)
   assert got == pytest.approx(want, rel=1e-12)
   # the reduce-scatter: the same MAX, the words scattered on the call's axes, the block decoded
-  words_rs = ((L + nv_a + 3 / 4 * N * nv_b) + (L + 7 * ro_a + 7 / 8 * (N / 4) * ro_b) +
+  # (the outer all-to-all: one of the 7 peers on the rank's host, over NVLink)
+  words_rs = ((L + nv_a + 3 / 4 * N * nv_b) + (L + nv_a + 6 * ro_a + N / 32 * (nv_b + 6 * ro_b)) +
               2 * Pass + (2 * N + 2 * N / 4) * local_b)
   want_rs = codes + words_rs + 2 * Pass + (N + N / 32) * f
   got_rs = cm.collective_time("reduce_scatter", N, list(range(32)), nvls,

@@ -21,9 +21,11 @@ are equivalent; among them the one with the least memory per device wins, then t
 ``2d, row, col, replicate``. Infeasible candidates (a dimension not divisible by its axis, more
 memory than the device has) are kept in the report with the reason.
 
-With the defaults this reproduces the seed's reference table: on one 8 x A100 NVLink node a
-4096 x 4096 weight goes 2D over a 2 x 4 mesh; on 4 x 8 A100 over RoCE v2 it goes 1D row-wise with
-cross-node gradient accumulation (``tests/test_planner.py`` pins both).
+With the defaults, on 4 x 8 A100 over RoCE v2 a 4096 x 4096 bfloat16 weight goes 1D row-wise with
+cross-node gradient accumulation, as the seed's reference table says; on one 8 x A100 NVLink node
+over a 2 x 4 mesh it goes row-wise too, where the seed's table had 2D: its all-reduces are
+priced at the bytes each algorithm sends, and xla's psum of bfloat16 sends float32
+(``tests/test_planner.py`` pins both, with the numbers).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import jaxlib
 
+from dtenjax._src.pricing import calls
 from dtenjax._src.pricing import costmodel
 from dtenjax._src.topology import calibrate as calibrate_lib
 from dtenjax._src.planning import jaxpr_reader
@@ -114,9 +115,13 @@ class Pricer:
 
   def __init__(self, m: CandidateMesh, price: planner.AllReduceTime,
                between: float | None = None, weightless: float = 1.0,
-               state: Sequence[Sequence[stepgraph.Leaf]] = ()):
+               state: Sequence[Sequence[stepgraph.Leaf]] = (), combined: float = 0.0):
     self.m, self.price = m, price
     self.cache: dict[tuple, float] = {}
+    # the bytes per device of the gradients' combined all-reduce where every gradient is reduced
+    # whole (DP): the point a measured curve prices each gradient's share of it at (share)
+    self.combined = combined
+    self._curved: dict[tuple[str, ...], bool] = {}
     first = int(m.ids.ravel()[0])
     self.backend = m.topology.device(first).platform
     costs = costmodel.backend_costs(self.backend)
@@ -196,18 +201,44 @@ class Pricer:
     key = (kind, int(nbytes), axes, dtype)
     if key not in self.cache:
       group = self.m.group(axes)
+      # XLA:CPU runs a 16-bit float collective in float32: twice its bytes move
+      wire = int(nbytes * (calls.cpu_wire_bytes(dtype) if self.backend == "cpu" and
+                           stepgraph.is_float(dtype) else 1))
       if kind == "all_reduce":
-        t = self.price(int(nbytes), group, self.m.axis_sizes(axes), self.m.topology, dtype)
+        t = self.price(wire, group, self.m.axis_sizes(axes), self.m.topology, dtype)
       else:
-        t = costmodel.collective_time(kind, int(nbytes), group, self.m.topology)
+        t = costmodel.collective_time(kind, wire, group, self.m.topology)
       self.cache[key] = t + self.step_latency
     return self.cache[key]
 
-  def share(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
+  def share(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str,
+            of: float = 0.0) -> float:
     """One leaf's share of a collective XLA combines with the other leaves' (the gradients'
     all-reduces after the backward): its time less one latency, which the problem adds once
-    (solver.make_problem)."""
-    return self(kind, nbytes, axes, dtype) - self(kind, 1, axes, dtype)
+    (solver.make_problem). On an alpha-beta price the shares and that latency add up to the
+    combined collective's time whatever its size. On a calibration's measured all-reduce (a
+    piecewise curve, flat below its first size) they do not: one combined collective of the
+    summed bytes runs, one latency and one point on the curve. Given ``of``, the bytes of that
+    combined collective (the gradients': :attr:`combined`, every gradient reduced whole), the
+    share is its part of them times that collective's time less the latency: exact where the
+    combined collective has those bytes, the curve's secant elsewhere."""
+    latency = self(kind, 1, axes, dtype)
+    if kind == "all_reduce" and of > 0 and self._measured(axes):
+      return nbytes / of * (self(kind, of, axes, dtype) - latency)
+    return self(kind, nbytes, axes, dtype) - latency
+
+  def gradient_share(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
+    """:meth:`share` of the gradients' combined all-reduce (:attr:`combined` bytes)."""
+    return self.share(kind, nbytes, axes, dtype, of=self.combined)
+
+  def _measured(self, axes: Sequence[str]) -> bool:
+    """Whether the topology's calibration measured the all-reduce over ``axes``' group (the
+    price ``costmodel.collective_time`` gives XLA's all-reduce there)."""
+    axes = tuple(a for a in AXES if a in axes and self.m.size[a] > 1)
+    if axes not in self._curved:
+      self._curved[axes] = bool(axes) and costmodel.calibrated_time(
+          "all_reduce", 1, self.m.group(axes), self.m.topology) is not None
+    return self._curved[axes]
 
 
 def axis_key(axes: Sequence[str]) -> str:
@@ -614,7 +645,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # tied embedding's lookup part, which XLA scatters into the sharded table)
       # XLA:CPU combines these all-reduces with the others after the backward (5 in all for a
       # scanned decoder's FSDP step, as for DP)
-      time = pricer.share if rs == "all_reduce" else pricer
+      time = pricer.gradient_share if rs == "all_reduce" else pricer
       if rs == "reduce_scatter" and _reduced_in_tensor_pairs(graph, primary, use, used, m, zero):
         _price_pair_reduction(ctx, zero)
       else:
@@ -627,14 +658,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       if rest:
         g2 = grad / math.prod(m.size[a] for a in zero)
         k2 = axis_key(rest)
-        acc(pr.overlappable, k2, pricer.share("all_reduce", g2, rest, dtype))
+        acc(pr.overlappable, k2, pricer.gradient_share("all_reduce", g2, rest, dtype))
         acc(pr.bytes, f"all_reduce[{k2}]", g2)
     else:
       # XLA combines the gradients' all-reduces into few large ones (one per group of axes:
       # the sequence's is separate, roles.sequence)
       for axes in sequence.reduction_groups(batch):
         k = axis_key(axes)
-        acc(pr.overlappable, k, parts * pricer.share("all_reduce", grad, axes, dtype))
+        acc(pr.overlappable, k, parts * pricer.gradient_share("all_reduce", grad, axes, dtype))
         acc(pr.bytes, f"all_reduce[{k}]", parts * grad)
   # the meetings this group's weight pays (the reductions over the batch that later work on the
   # batch reads, after its product: batch norm's statistics): XLA all-reduces them over every axis

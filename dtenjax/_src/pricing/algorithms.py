@@ -43,6 +43,10 @@ class Record:
       passes silently over records that do not apply.
     by_last_axis: its schedule's first stage runs over the call's last axis, so it is priced
       with the group split by that axis (``costmodel.collective_time``'s ``inner``).
+    carried: ``call -> w``, the bytes one value of its partial sums takes per byte of the
+      call's input (``costmodel.Terms.w``; default :func:`partial_sum_bytes`: 2 for a sum of
+      16-bit floats, accumulated in float32); its cost formulas put ``w`` on the phases that
+      send partial sums.
   """
   name: str
   family: str
@@ -52,6 +56,7 @@ class Record:
   has_reduce_scatter: bool = True
   applies: Callable[[Call], bool] = lambda call: True
   by_last_axis: bool = False
+  carried: Callable[[Call], float] = lambda call: partial_sum_bytes(call)
 
   def why_not(self, call: Call) -> str | None:
     """None when this record can run ``call``; otherwise the reason (kind checks included)."""
@@ -62,12 +67,28 @@ class Record:
 
   def time(self, call: Call, group, topology,
            costs: costmodel.BackendCosts | None = None) -> float:
-    """The cost model's seconds for this record running ``call`` over the device ids ``group``."""
+    """The cost model's seconds for this record running ``call`` over the device ids ``group``.
+
+    A sum of 16-bit floats sends float32 where the record's program sends partial sums
+    (``carried``); on CPU devices everywhere: XLA:CPU compiles every 16-bit collective in
+    float32 with conversions around it (the compiled HLO of each record's bfloat16 program:
+    tests/test_costmodel_wire.py), so there the call is priced as the float32 sum it runs."""
+    nbytes, carried = int(call.nbytes), self.carried(call)
+    if call.backend == "cpu" and not call.reproducible and partial_sum_bytes(call) > 1:
+      nbytes, carried = int(nbytes * partial_sum_bytes(call)), 1.0
     return costmodel.collective_time(
-        call.kind, int(call.nbytes), list(group), topology, self.cost,
+        call.kind, nbytes, list(group), topology, self.cost,
         reproducible=call.contract,
         itemsize=call.itemsize, contributions=call.contributions, costs=costs,
-        inner=call.axis_sizes[-1] if self.by_last_axis and len(call.axis_sizes) > 1 else None)
+        inner=call.axis_sizes[-1] if self.by_last_axis and len(call.axis_sizes) > 1 else None,
+        carried=carried)
+
+
+def partial_sum_bytes(call: Call) -> float:
+  """Bytes per byte of input of a partial sum of ``call`` (``acc_dtype``): 2 for a sum or mean of
+  bfloat16 / float16 (float32 partials), 1 otherwise (max/min run on order keys of the input's
+  width)."""
+  return acc_dtype(call.dtype, call.op).itemsize / call.itemsize
 
 
 # --- xla: XLA's own psum / psum_scatter ----------------------------------------------------------
@@ -180,16 +201,18 @@ TWO_SHOT = Record(
 # --- ring: n - 1 ppermute steps, then an all-gather ----------------------------------------------
 
 def _ring_all_reduce(t: costmodel.Terms, N: float) -> float:
-  """n - 1 ppermutes of N/n, each followed by an add of N/n, then one all-gather of N/n each."""
+  """n - 1 ppermutes of N/n, each followed by an add of N/n, then one all-gather of N/n each.
+  The ppermutes send partial sums (``w``: float32 for a bfloat16 sum), the all-gather the
+  result in the input's dtype."""
   steps = t.n - 1
   gather = t.L + t.hops * t.a + (t.n - 1) / t.n * N * t.b
-  return steps * (t.L + t.a + N / t.n * t.b) + steps * t.P + gather + 3 * N * t.m
+  return steps * (t.L + t.a + t.w * N / t.n * t.b) + steps * t.P + gather + 3 * N * t.m
 
 
 def _ring_reduce_scatter(t: costmodel.Terms, N: float) -> float:
-  """The n - 1 ppermute steps of the all-reduce, without the all-gather."""
+  """The n - 1 ppermute steps of the all-reduce (partial sums), without the all-gather."""
   n = t.n
-  return (n - 1) * (t.L + t.a + N / n * t.b) + (n - 1) * t.P + 2 * N * t.m
+  return (n - 1) * (t.L + t.a + t.w * N / n * t.b) + (n - 1) * t.P + 2 * N * t.m
 
 
 RING = Record(
@@ -235,25 +258,33 @@ def _islands(group: tuple[int, ...], topology) -> frozenset | None:
 
 def _hierarchical_all_reduce(t: costmodel.Terms, N: float) -> float:
   """Inner all-to-all reduce-scatter, one-shot of N/k across islands, inner all-gather; inf
-  without an island split of the group whose islands are runs of consecutive ranks."""
+  without an island split of the group whose islands are runs of consecutive ranks. The inner
+  stages send the input's dtype, the one-shot across the island partial sums (``w``). The
+  all-to-all reaches each peer directly (``Split.inner_all_to_all``: where the inner axis spans
+  hosts, a rank's peers on its own host over the in-host link); the all-gathers are rings, each
+  step as slow as the level's slowest link."""
   s = _island_split(t)
   if s is None:
     return costmodel.INF
-  inner = 2 * (t.L + s.inner_hops * s.ia + (s.k - 1) / s.k * N * s.ib)
-  outer = t.L + s.outer_hops * s.oa + (s.m - 1) * (N / s.k) * s.ob
+  gather = t.L + s.inner_hops * s.ia + (s.k - 1) / s.k * N * s.ib
+  inner = t.L + s.inner_all_to_all(N) + gather
+  outer = t.L + s.outer_hops * s.oa + (s.m - 1) * (t.w * N / s.k) * s.ob
   return inner + outer + 2 * t.P + (3 * N + 2 * s.m * N / s.k) * t.m
 
 
 def _hierarchical_reduce_scatter(t: costmodel.Terms, N: float) -> float:
   """Inner all-to-all reduce-scatter of N on the fast link, outer all-to-all reduce-scatter of
-  the island's N/k on the slow one (each byte crosses it once); local traffic: the chunks copied
-  out (N), the inner fold (N read, N/k written), the outer fold (N/k read); inf without an
-  island split of the group whose islands are runs of consecutive ranks."""
+  the island's N/k on the slow one (each byte crosses it once, a partial sum: ``w``), each
+  all-to-all reaching a rank's peers on its own host over the in-host link where its level
+  spans hosts (``Split.inner_all_to_all`` / ``outer_all_to_all``); local
+  traffic: the chunks copied out (N), the inner fold (N read, N/k written), the outer fold (N/k
+  read); inf without an island split of the group whose islands are runs of consecutive
+  ranks."""
   s = _island_split(t)
   if s is None:
     return costmodel.INF
-  inner = t.L + s.inner_hops * s.ia + (s.k - 1) / s.k * N * s.ib
-  outer = t.L + s.outer_hops * s.oa + (s.m - 1) / s.m * (N / s.k) * s.ob
+  inner = t.L + s.inner_all_to_all(N)
+  outer = t.L + s.outer_all_to_all(t.w * N / s.k)
   return inner + outer + 2 * t.P + (2 * N + 2 * N / s.k) * t.m
 
 
@@ -276,13 +307,14 @@ def _butterfly_supports(call: Call) -> str | None:
 
 
 def _butterfly_reduce_scatter(t: costmodel.Terms, N: float) -> float:
-  """log2(n) exchanges of N/2, N/4, ..., N/n (an add after each): (n-1)/n N over the links."""
+  """log2(n) exchanges of N/2, N/4, ..., N/n (an add after each): (n-1)/n N over the links, of
+  partial sums (``w``)."""
   steps = t.n.bit_length() - 1
-  return steps * (t.L + t.a + t.P) + (t.n - 1) / t.n * N * t.b + 2 * N * t.m
+  return steps * (t.L + t.a + t.P) + (t.n - 1) / t.n * t.w * N * t.b + 2 * N * t.m
 
 
 def _butterfly_all_reduce(t: costmodel.Terms, N: float) -> float:
-  """The reduce-scatter, then one all-gather of N/n from each rank."""
+  """The reduce-scatter, then one all-gather of N/n from each rank (the input's dtype)."""
   gather = t.L + t.hops * t.a + (t.n - 1) / t.n * N * t.b
   return _butterfly_reduce_scatter(t, N) + gather + N * t.m
 
@@ -372,23 +404,32 @@ def _host_supports(family: str, call: Call) -> str | None:
 
 
 def _host_ring_time(t: costmodel.Terms, N: float) -> float:
-  return 2 * (t.n - 1) * (t.S + t.a) + 2 * (t.n - 1) / t.n * N * t.b + 2 * N * t.m
+  """The transport's ring, reduce-scatter and all-gather, in the carried dtype (``w``)."""
+  return 2 * (t.n - 1) * (t.S + t.a) + 2 * (t.n - 1) / t.n * t.w * N * t.b + 2 * N * t.m
 
 
 def _host_hierarchical_time(t: costmodel.Terms, N: float) -> float:
-  """XLA reduce-scatter in the process, host ring of N/k across processes, XLA all-gather; inf
-  without a proper island split of the group."""
+  """XLA reduce-scatter in the process, host ring of N/k across processes, XLA all-gather, all
+  in the carried dtype (``w``); inf without a proper island split of the group."""
   s = t.split()
   if s is None:
     return costmodel.INF
-  inner = 2 * (t.L + s.ia + (s.k - 1) / s.k * N * s.ib)
-  outer = 2 * (s.m - 1) * (t.S + s.oa) + 2 * (s.m - 1) / s.m * (N / s.k) * s.ob
+  inner = 2 * (t.L + s.ia + (s.k - 1) / s.k * t.w * N * s.ib)
+  outer = 2 * (s.m - 1) * (t.S + s.oa) + 2 * (s.m - 1) / s.m * (t.w * N / s.k) * s.ob
   return inner + outer + 3 * N * t.m
 
 
 def _host_code_max_time(t: costmodel.Terms, E: float) -> float:
   """The word exchange's MAX of the codes, as int32 over the host ring."""
   return _host_ring_time(t, 4 * E)
+
+
+def _host_carried(call: Call) -> float:
+  """What the host transport carries per byte of input: sums in the accumulation dtype, float
+  max/min as order keys widened to at least int32 (``collectives/algorithms/host.py``)."""
+  if call.op in ("max", "min") and uses_keys(call.dtype):
+    return max(call.itemsize, 4) / call.itemsize
+  return partial_sum_bytes(call)
 
 
 def _host_record(family: str, time: costmodel.Formula) -> Record:
@@ -398,7 +439,7 @@ def _host_record(family: str, time: costmodel.Formula) -> Record:
              "XLA reduce-scatter in the process, host ring across processes, XLA all-gather"),
       cost=costmodel.Cost(all_reduce=time, code_max=_host_code_max_time),
       supports=functools.partial(_host_supports, family), has_reduce_scatter=False,
-      applies=lambda call: call.processes > 1)
+      applies=lambda call: call.processes > 1, carried=_host_carried)
 
 
 HOST_RING = _host_record("ring", _host_ring_time)

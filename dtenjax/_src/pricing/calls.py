@@ -103,6 +103,15 @@ def acc_dtype(dtype, op: str):
   return dtype
 
 
+def cpu_wire_bytes(dtype) -> float:
+  """Bytes XLA:CPU moves per byte of a collective of ``dtype``: it compiles a collective of
+  16-bit floats in float32, with conversions around it (a bfloat16 gradient's all-reduce, a
+  bfloat16 weight's all-gather, the compiled HLO's operands: tests/test_costmodel_wire.py), 2;
+  any other dtype as it is, 1. Not a PRNG key's name."""
+  dtype = jnp.dtype(dtype)
+  return 2.0 if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2 else 1.0
+
+
 def uses_keys(dtype) -> bool:
   """Whether max/min of ``dtype`` run on integer order keys (floats do)."""
   return jnp.issubdtype(jnp.dtype(dtype), jnp.floating)

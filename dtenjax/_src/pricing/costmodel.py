@@ -38,6 +38,7 @@ recalibrated from ``bench/allreduce.py`` through ``DTENJAX_COST_PARAMS``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -248,7 +249,11 @@ def _island_of(topology: Topology) -> dict[int, tuple[int, ...]]:
 class Split(NamedTuple):
   """A proper two-level split of a group: ``k`` devices per inner group, ``m`` groups, the inner
   and outer links, and the hops of a message across the groups (1 inside a host, m - 1 across)
-  and inside one (1, or k - 1 where an inner group spans hosts)."""
+  and inside one (1, or k - 1 where an inner group spans hosts): what a ring over a level pays,
+  each of its steps as slow as its slowest link. ``inner_exchange`` / ``outer_exchange``: the
+  ``(latency, seconds per byte to one peer)`` of a direct exchange (an all-to-all) over a level
+  whose groups span hosts but keep several ranks on one (:func:`_exchange`), where a rank's
+  peers on its own host are not behind the inter-host link; None: the ring's links."""
   k: int
   m: int
   ia: float
@@ -257,6 +262,18 @@ class Split(NamedTuple):
   ob: float
   outer_hops: int
   inner_hops: int = 1
+  inner_exchange: tuple[float, float] | None = None
+  outer_exchange: tuple[float, float] | None = None
+
+  def inner_all_to_all(self, nbytes: float) -> float:
+    """Link seconds of an all-to-all of ``nbytes`` per rank over an inner group."""
+    a, b = self.inner_exchange or (self.inner_hops * self.ia, self.ib)
+    return a + (self.k - 1) / self.k * nbytes * b
+
+  def outer_all_to_all(self, nbytes: float) -> float:
+    """Link seconds of an all-to-all of ``nbytes`` per rank over an outer group."""
+    a, b = self.outer_exchange or (self.outer_hops * self.oa, self.ob)
+    return a + (self.m - 1) / self.m * nbytes * b
 
 
 class Terms:
@@ -265,8 +282,12 @@ class Terms:
   ``n`` participants; ``a``/``b`` the slowest link's alpha (s) and beta (s/byte); ``hops`` 1 inside
   a host (peers are read in parallel), ``n - 1`` across a network; ``L`` one XLA collective, ``P``
   one extra elementwise pass, ``K`` one NVLink kernel, ``S`` one host-transport step (seconds);
-  ``m`` local seconds per byte; ``f`` seconds per float byte of the fixed-point conversion.
+  ``m`` local seconds per byte; ``f`` seconds per float byte of the fixed-point conversion;
+  ``w`` the bytes a partial sum takes on the wire per byte of input (:meth:`carrying`; 1, or 2
+  for a sum of 16-bit floats: the partial sums travel in float32, ``acc_dtype``): a formula
+  multiplies by it the link bytes of the phases whose program sends partial sums.
   """
+  w: float = 1.0
 
   def __init__(self, group: Sequence[int], topology: Topology, costs: BackendCosts | None,
                inner: int | None = None):
@@ -295,6 +316,11 @@ class Terms:
                      _axis_split(tuple(self.group), self.topology, self.inner))
     return self._split
 
+  def carrying(self, w: float) -> "Terms":
+    """These terms for a call whose partial sums take ``w`` bytes on the wire per byte of its
+    input (``Record.carried``)."""
+    return self if w == self.w else _carrying(self, float(w))
+
   @property
   def xla(self) -> "Terms":
     """These terms for XLA's own collective over the group, whose levels are the islands
@@ -303,6 +329,14 @@ class Terms:
     if self.inner is None:
       return self
     return _terms(tuple(self.group), self.topology, self.costs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _carrying(t: Terms, w: float) -> Terms:
+  """:meth:`Terms.carrying`: a copy of ``t`` (made once per cached terms and width) with ``w``."""
+  out = copy.copy(t)
+  out.w = w
+  return out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -334,8 +368,49 @@ def _axis_split(group: tuple[int, ...], topology: Topology, inner: int) -> Split
       _slowest(topology, [group[j:j + inner] for j in range(0, n, inner)]),
       _slowest(topology, [group[i::inner] for i in range(inner)]))
   m = n // inner
+  inners = [group[j:j + inner] for j in range(0, n, inner)]
+  outers = [group[i::inner] for i in range(inner)]
   return Split(inner, m, ispec.alpha, ispec.beta, ospec.alpha, ospec.beta,
-               1 if ocls in INTRA_HOST else m - 1, 1 if icls in INTRA_HOST else inner - 1)
+               1 if ocls in INTRA_HOST else m - 1, 1 if icls in INTRA_HOST else inner - 1,
+               _exchange(topology, inners), _exchange(topology, outers))
+
+
+def _exchange(topology: Topology, groups: Sequence[Sequence[int]]) -> tuple[float, float] | None:
+  """``(latency, seconds per byte to one peer, averaged over a rank's peers)`` of a direct
+  exchange (each rank sends every peer its chunk: an all-to-all) over each of ``groups``, the
+  largest of each over their ranks; None unless some group spans hosts with several of its ranks
+  on one (otherwise the level's slowest link is every peer's: the ring's terms). A rank reaches
+  its peers on its own host at once (one latency, the slowest link among them, as a group inside
+  a host is priced) and each peer on another host over the network (one latency each, the
+  slowest link from it to those hosts): a stage of 8 ranks two to a host sends 1/7 of its bytes
+  over NVLink and 6/7 over the inter-host link, where the ring's terms send all 7/7 over it.
+  The two parts are added, as the model adds a schedule's levels (NVLink and the network may
+  carry them at once: an upper bound)."""
+  latency = per_byte = 0.0
+  mixed = False
+  for g in groups:
+    n = len(g)
+    by_host: dict[str, list[int]] = {}
+    for d in g:
+      by_host.setdefault(topology.device(d).host, []).append(d)
+    if len(by_host) == 1 or all(len(mine) == 1 for mine in by_host.values()):
+      _, spec = topology.slowest_link(list(g))
+      hops = 1 if len(by_host) == 1 else n - 1
+      latency, per_byte = max(latency, hops * spec.alpha), max(per_byte, spec.beta)
+      continue
+    mixed = True
+    for host, mine in by_host.items():
+      a = b = 0.0
+      if len(mine) > 1:
+        _, spec = topology.slowest_link(mine)
+        a, b = spec.alpha, (len(mine) - 1) * spec.beta
+      away = n - len(mine)
+      if away:
+        _, spec = topology.slowest_link([mine[0]] + [ds[0] for h, ds in by_host.items()
+                                                     if h != host])
+        a, b = a + away * spec.alpha, b + away * spec.beta
+      latency, per_byte = max(latency, a), max(per_byte, b / (n - 1))
+  return (latency, per_byte) if mixed else None
 
 
 def _slowest(topology: Topology, groups: Sequence[Sequence[int]]):
@@ -413,12 +488,13 @@ def word_exchange(cost: Cost, t: Terms, N: float, itemsize: int, k: int, word_by
 # --- XLA's own collectives: the xla record, and what explain prices -----------------------------
 
 def _xla_all_reduce(t: Terms, N: float) -> float:
-  """Each rank reduces its share and copies it out (2 N of memory traffic)."""
-  return t.L + xla_links(t, N, 2) + 2 * N * t.m
+  """Each rank reduces its share and copies it out (2 N of memory traffic). The ``xla`` record
+  sums 16-bit floats as float32 (``lax.psum`` of the input cast up): ``w N`` on the links."""
+  return t.L + xla_links(t, t.w * N, 2) + 2 * N * t.m
 
 
 def _xla_reduce_scatter(t: Terms, N: float) -> float:
-  return t.L + xla_links(t, N, 1) + 2 * N * t.m
+  return t.L + xla_links(t, t.w * N, 1) + 2 * N * t.m
 
 
 def xla_all_gather(t: Terms, N: float) -> float:
@@ -450,7 +526,8 @@ _MOVES = ("all_gather", "all_to_all", "ppermute")
 def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topology,
                     cost: Cost = XLA, *, reproducible: Contract | bool | str = Contract.NONE,
                     itemsize: int = 4, contributions: int = 1,
-                    costs: BackendCosts | None = None, inner: int | None = None) -> float:
+                    costs: BackendCosts | None = None, inner: int | None = None,
+                    carried: float = 1.0) -> float:
   """Estimated seconds for one collective.
 
   Args:
@@ -467,18 +544,26 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
     costs: override the backend's fixed costs (default: :func:`backend_costs`).
     inner: the size of the call's last axis, for a schedule whose first stage runs over it
       (``hierarchical``): its two levels are then that axis and the rest, not the islands.
+    carried: bytes a partial sum of the call takes on the wire per byte of its input (the
+      record's ``carried``: 2 for a sum of 16-bit floats, accumulated in float32); each formula
+      applies it to the phases its program sends partial sums in (:attr:`Terms.w`). A plain
+      all-reduce or reduce-scatter only: a reproducible sum's words are priced by their width.
   """
   _check(kind, cost, nbytes)
   n = len(group)
   if n <= 1:
     return 0.0
   contract = contract_lib.parse(reproducible)
+  if contract.reproducible or kind not in ("all_reduce", "reduce_scatter"):
+    carried = 1.0
   if cost is XLA and not contract.reproducible:
-    measured = calibrated_time(kind, nbytes, group, topology)
+    # XLA's own collective of what it sends: the xla record's float32 sum of a bfloat16 input
+    measured = calibrated_time(kind, carried * nbytes, group, topology)
     if measured is not None:
       return measured
   t = _terms(tuple(group), topology,
-             costs if costs is not None else backend_costs(_platform(group, topology)), inner)
+             costs if costs is not None else backend_costs(_platform(group, topology)),
+             inner).carrying(carried)
   if kind == "ppermute":
     return t.L + t.a + nbytes * t.b
   if kind == "all_to_all":

@@ -68,7 +68,8 @@ def price(ctx) -> None:
           # v in every decoder layer): XLA:CPU reduces their partial gradients in one tuple
           # all-reduce, one meeting of the devices that moves each operand's bytes
           ctx.price.blocking["tensor"] = ctx.price.blocking.get("tensor", 0.0) + (
-              ctx.pricer.share("all_reduce", nbytes, ("tensor",), ctx.dtype) +
+              ctx.pricer.share("all_reduce", nbytes, ("tensor",), ctx.dtype,
+                               of=nbytes * use.siblings) +
               ctx.pricer("all_reduce", 1, ("tensor",), ctx.dtype) / use.siblings)
           ctx.price.bytes["all_reduce[tensor]"] = (ctx.price.bytes.get("all_reduce[tensor]", 0.0)
                                                    + nbytes)

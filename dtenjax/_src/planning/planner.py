@@ -211,7 +211,7 @@ def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, wor
     return _allreduce_s(int(nbytes), group, axis_sizes, topology, dtype, price)
 
   def activation_s(nbytes, group, axis_sizes):
-    """A sharded product's partial activations, all-reduced by XLA: XLA:CPU runs a 16-bit float
+    """A sharded product's partial activations, all-reduced by XLA: XLA:CPU runs a bfloat16
     collective in float32 (``calls.cpu_wire_bytes``); a GPU's NCCL sends the input's bytes."""
     if act_price is not price and group and topology.device(group[0]).platform == "cpu":
       nbytes = nbytes * calls.cpu_wire_bytes(dtype)

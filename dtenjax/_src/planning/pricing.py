@@ -201,7 +201,7 @@ class Pricer:
     key = (kind, int(nbytes), axes, dtype)
     if key not in self.cache:
       group = self.m.group(axes)
-      # XLA:CPU runs a 16-bit float collective in float32: twice its bytes move
+      # XLA:CPU runs a bfloat16 collective in float32: twice its bytes move
       wire = int(nbytes * (calls.cpu_wire_bytes(dtype) if self.backend == "cpu" and
                            stepgraph.is_float(dtype) else 1))
       if kind == "all_reduce":

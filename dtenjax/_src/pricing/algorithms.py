@@ -23,6 +23,7 @@ from dtenjax._src.net import hostcoll
 from dtenjax._src.pricing import costmodel
 from dtenjax._src.pricing.calls import Call
 from dtenjax._src.pricing.calls import acc_dtype
+from dtenjax._src.pricing.calls import cpu_wire_bytes
 from dtenjax._src.pricing.calls import uses_keys
 from dtenjax._src.pricing.calls import xla_reaches
 
@@ -70,12 +71,14 @@ class Record:
     """The cost model's seconds for this record running ``call`` over the device ids ``group``.
 
     A sum of 16-bit floats sends float32 where the record's program sends partial sums
-    (``carried``); on CPU devices everywhere: XLA:CPU compiles every 16-bit collective in
-    float32 with conversions around it (the compiled HLO of each record's bfloat16 program:
-    tests/test_costmodel_wire.py), so there the call is priced as the float32 sum it runs."""
+    (``carried``); a bfloat16 sum on CPU devices everywhere: XLA:CPU compiles every bfloat16
+    collective in float32 with conversions around it (the compiled HLO of each record's
+    bfloat16 program: tests/test_costmodel_wire.py), so there the call is priced as the
+    float32 sum it runs. Its float16 collectives stay float16: priced as on a GPU."""
     nbytes, carried = int(call.nbytes), self.carried(call)
-    if call.backend == "cpu" and not call.reproducible and partial_sum_bytes(call) > 1:
-      nbytes, carried = int(nbytes * partial_sum_bytes(call)), 1.0
+    wide = cpu_wire_bytes(call.dtype) if call.backend == "cpu" else 1.0
+    if wide > 1 and not call.reproducible and partial_sum_bytes(call) > 1:
+      nbytes, carried = int(nbytes * wide), 1.0
     return costmodel.collective_time(
         call.kind, nbytes, list(group), topology, self.cost,
         reproducible=call.contract,

@@ -105,11 +105,11 @@ def acc_dtype(dtype, op: str):
 
 def cpu_wire_bytes(dtype) -> float:
   """Bytes XLA:CPU moves per byte of a collective of ``dtype``: it compiles a collective of
-  16-bit floats in float32, with conversions around it (a bfloat16 gradient's all-reduce, a
-  bfloat16 weight's all-gather, the compiled HLO's operands: tests/test_costmodel_wire.py), 2;
-  any other dtype as it is, 1. Not a PRNG key's name."""
-  dtype = jnp.dtype(dtype)
-  return 2.0 if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2 else 1.0
+  bfloat16 in float32, with conversions around it (a bfloat16 gradient's all-reduce, a bfloat16
+  weight's all-gather, all-to-alls and ppermutes alike, the compiled HLO's operands:
+  tests/test_costmodel_wire.py), 2; any other dtype as it is, 1 (float16 too: its collectives
+  stay float16 in the compiled HLO). Not a PRNG key's name."""
+  return 2.0 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 1.0
 
 
 def uses_keys(dtype) -> bool:

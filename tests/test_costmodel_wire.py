@@ -279,3 +279,42 @@ def test_on_cpu_a_float16_collective_stays_float16_and_is_priced_so(cpu_devices)
                pricing_registry.xla_all_reduce_time)
   for kind in ("all_reduce", "all_gather"):
     assert cpu(kind, 2 * E, ("data",), "float16") == cpu(kind, 2 * E, ("data",), "float32"), kind
+
+
+def test_a_bfloat16_tensor_parallel_step_on_cpu_is_priced_at_the_float32_bytes_once():
+  """On CPU devices XLA:CPU all-reduces a bfloat16 activation (a row-parallel product's output,
+  a column-parallel product's input gradient) and all-gathers a bfloat16 bias in float32: the
+  bytes that move are the float32 step's (the compiled HLO: the tests above, and
+  roles/tensor.py's own count at 4 bytes an element). So an MLP of bfloat16 weights and
+  activations on `data` 4 x `tensor` 2 (8 CPU devices) pays on 'tensor' exactly what the same
+  MLP in float32 pays (the same products' FLOPs, the same meetings). Before, roles/tensor.py's
+  bytes, already counted at 4 bytes an element, were widened again by the Pricer for the
+  weight's bfloat16 (twice the bytes that move), and so was the bias's all-gather."""
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.planning.solver import make_problem
+  from tests import test_calibration as tcal
+
+  def priced(dt):
+    def step(p, x):
+      def loss(p):
+        h = jnp.tanh(x @ p["w1"] + p["b1"])
+        return jnp.mean((h @ p["w2"]).astype(jnp.float32) ** 2)
+      return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+    p = {"w1": jax.ShapeDtypeStruct((64, 128), dt), "b1": jax.ShapeDtypeStruct((128,), dt),
+         "w2": jax.ShapeDtypeStruct((128, 64), dt)}
+    graph = stepgraph.read_step(step, (p, jax.ShapeDtypeStruct((256, 64), dt)), (1,))
+    shape = tuple({"data": 4, "tensor": 2}.get(a, 1) for a in AXES)
+    m = CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1"))
+    prob = make_problem(graph, m, pricing_registry.AllReducePrices(
+        pricing_registry.xla_all_reduce_time), {}, 0.0, False)
+    return {(graph.leaves[g[0]].path, pr.tp): (pr.blocking.get("tensor", 0.0),
+                                               pr.overlappable.get("tensor", 0.0))
+            for g, prs in zip(prob.groups, prob.prices) for pr in prs if pr.tp is not None}
+  f32, bf16 = priced(jnp.float32), priced(jnp.bfloat16)
+  assert set(f32) == set(bf16) and len(f32) == 4, f32
+  for key, (blocking, overlappable) in f32.items():
+    assert blocking + overlappable > 0, key
+    assert bf16[key] == pytest.approx((blocking, overlappable), rel=1e-12), key
+

@@ -33,6 +33,7 @@ from dtenjax._src.planning.roles import AXES
 from dtenjax._src.planning.roles import BATCH_AXES
 from dtenjax._src.planning.roles import ROUTED_AXES
 from dtenjax._src.planning.roles import sequence
+from dtenjax._src.planning.roles.base import WIRE
 
 
 @dataclasses.dataclass
@@ -111,7 +112,9 @@ def last_arrival(n: int) -> float:
 
 
 class Pricer:
-  """Collective times on one mesh, cached by (kind, bytes, axes)."""
+  """Collective times on one mesh, cached by (kind, bytes, axes, dtype): ``dtype`` is the
+  collective's, whose bytes XLA:CPU moves widened where it is bfloat16 (``calls.cpu_wire_bytes``);
+  ``roles.base.WIRE`` for bytes counted as they move."""
 
   def __init__(self, m: CandidateMesh, price: planner.AllReduceTime,
                between: float | None = None, weightless: float = 1.0,
@@ -262,12 +265,14 @@ class PriceContext:
   price: Price
 
   def add(self, kind: str, nbytes: float, axes: Sequence[str], *, blocking: bool,
-          times: float = 1) -> None:
+          times: float = 1, dtype: str | None = None) -> None:
     """``times`` collectives of ``kind`` moving ``nbytes`` per participant over ``axes`` (a
-    fraction: this leaf's share of one collective several leaves share)."""
+    fraction: this leaf's share of one collective several leaves share), of ``dtype`` (default
+    the weight's), which the Pricer widens as XLA:CPU does (a bfloat16 collective in float32);
+    ``WIRE`` where ``nbytes`` already are the bytes that move."""
     key = axis_key(axes)
     acc(self.price.blocking if blocking else self.price.overlappable, key,
-        times * self.pricer(kind, nbytes, axes, self.dtype))
+        times * self.pricer(kind, nbytes, axes, self.dtype if dtype is None else dtype))
     acc(self.price.bytes, f"{kind}[{key}]", times * nbytes)
 
 
@@ -764,17 +769,18 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # and all-gathers each new value of its group the step computes from the batch (the vector and
   # its moments; none of a frozen one, whose new value is the old) over 'tensor' into the
   # replicated outputs (compiled on 8 CPU devices, `fsdp` 4 x `tensor` 2: an MLP's first bias and
-  # adam's two moments, three f32[256] gathered into f32[512]). XLA:CPU gathers a 16-bit float
-  # one in f32, before converting it (bf16 parameters on `tensor` 8: three f32[64])
+  # adam's two moments, three f32[256] gathered into f32[512]). XLA:CPU gathers a bfloat16
+  # one in f32, before converting it (bf16 parameters on `tensor` 8: three f32[64]); those
+  # bytes are what moves (WIRE), not widened again by the weight's dtype
   if pr.tp is not None and pr.tp[0] == "col" and m.size["tensor"] > 1:
     # (a norm's scale and bias, tied by the work that reads them, are one group: its outputs once)
     tied = {graph.group_of(b)[0] for b in graph.column_vectors.get((primary.index, pr.tp[1]), ())}
     for k, (shape, dtype, rep) in enumerate(graph.outputs):
       if rep in tied and k in graph.batch_outputs:
         item = jaxpr_reader.itemsize(dtype)
-        if item == 2 and pricer.backend == "cpu" and stepgraph.is_float(dtype):
-          item = 4
-        ctx.add("all_gather", math.prod(shape) * item, ("tensor",), blocking=False)
+        if pricer.backend == "cpu" and stepgraph.is_float(dtype):
+          item *= calls.cpu_wire_bytes(dtype)
+        ctx.add("all_gather", math.prod(shape) * item, ("tensor",), blocking=False, dtype=WIRE)
     # a result of the step in the pair's cone that is no state's new value (an argmax over the
     # batch per hidden unit): split over 'tensor' where it is made, gathered into the replicated
     # output (compiled on 8 CPU devices, `data` 4 x `tensor` 2: s32[256] into s32[512])

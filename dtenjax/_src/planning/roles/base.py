@@ -7,6 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 
+# The dtype a role prices a collective's bytes as where they already are what moves (XLA:CPU's
+# float32 all-reduce of a bfloat16 activation, counted at 4 bytes an element): the Pricer widens
+# no float32 collective, so those bytes are not widened again by the weight's dtype.
+WIRE = "float32"
+
+
 @dataclasses.dataclass(frozen=True)
 class Role:
   """One mesh axis role of the whole-step planner.

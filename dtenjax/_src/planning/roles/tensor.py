@@ -8,6 +8,7 @@ from dtenjax._src.planning.roles.base import LeafContext
 from dtenjax._src.planning.roles.base import MeshContext
 from dtenjax._src.planning.roles.base import Option
 from dtenjax._src.planning.roles.base import Role
+from dtenjax._src.planning.roles.base import WIRE
 
 
 def options(ctx: LeafContext, taken: frozenset[int]) -> list[Option]:
@@ -49,7 +50,9 @@ def price(ctx) -> None:
     tokens = use.tokens * use.repeats * use.grad_parts / ctx.batch_div
     item = use.act_itemsize
     # XLA:CPU all-reduces a 16-bit float in f32 (its all-reduce promotion; the HLO's reducer
-    # is add.clone_promoted): a bf16 activation's all-reduce moves 4 bytes an element
+    # is add.clone_promoted): a bf16 activation's all-reduce moves 4 bytes an element. These
+    # bytes are what moves: priced as such (base.WIRE), not widened again by the weight's
+    # dtype
     reduced_item = 4 if item == 2 and ctx.pricer.backend == "cpu" else item
     width_in = math.prod(shape[k] for k in use.contracted)
     width_out = math.prod(shape[k] for k in use.free)
@@ -68,15 +71,16 @@ def price(ctx) -> None:
           # v in every decoder layer): XLA:CPU reduces their partial gradients in one tuple
           # all-reduce, one meeting of the devices that moves each operand's bytes
           ctx.price.blocking["tensor"] = ctx.price.blocking.get("tensor", 0.0) + (
-              ctx.pricer.share("all_reduce", nbytes, ("tensor",), ctx.dtype,
+              ctx.pricer.share("all_reduce", nbytes, ("tensor",), WIRE,
                                of=nbytes * use.siblings) +
-              ctx.pricer("all_reduce", 1, ("tensor",), ctx.dtype) / use.siblings)
+              ctx.pricer("all_reduce", 1, ("tensor",), WIRE) / use.siblings)
           ctx.price.bytes["all_reduce[tensor]"] = (ctx.price.bytes.get("all_reduce[tensor]", 0.0)
                                                    + nbytes)
         else:
           # XLA's GPU compiler adds the siblings' partial gradients first (it reassociates
           # all-reduce(a) + all-reduce(b) into all-reduce(a + b)): one all-reduce among them
-          ctx.add("all_reduce", nbytes, ("tensor",), blocking=True, times=1.0 / use.siblings)
+          ctx.add("all_reduce", nbytes, ("tensor",), blocking=True, times=1.0 / use.siblings,
+                  dtype=WIRE)
       # unpaired, its output is gathered, unless every reader reduces over the sharded
       # dimension (logits into the loss): XLA:CPU reduces the shards in place
       # (pairs.reduced_outputs; not seen compiled for the GPU)
@@ -87,7 +91,8 @@ def price(ctx) -> None:
       pr.tp = ("row", d)
       # each forward product all-reduces its output: jax.checkpoint's recomputed ones too
       forward = use.tokens * use.repeats * (use.forward_reads or use.grad_parts) / ctx.batch_div
-      ctx.add("all_reduce", forward * width_out * reduced_item, ("tensor",), blocking=True)
+      ctx.add("all_reduce", forward * width_out * reduced_item, ("tensor",), blocking=True,
+              dtype=WIRE)
       if use.input_grad:
         pr.ag_bwd_bytes = tokens * width_in * item
         pr.ag_bwd = ctx.pricer("all_gather", pr.ag_bwd_bytes, ("tensor",), ctx.dtype)

@@ -318,3 +318,49 @@ def test_a_bfloat16_tensor_parallel_step_on_cpu_is_priced_at_the_float32_bytes_o
     assert blocking + overlappable > 0, key
     assert bf16[key] == pytest.approx((blocking, overlappable), rel=1e-12), key
 
+
+def test_a_meeting_on_cpu_is_priced_at_its_own_values_bytes_not_the_weight_s_dtype(cpu_devices):
+  """A centring over the batch in a bfloat16 MLP, `data` 8 on CPU devices: the forward's mean
+  sums in float32 (jnp.mean: an f32[128] statistic) and the backward's sum of its cotangent is
+  bfloat16 (bf16[128]); XLA:CPU all-reduces both as f32[128] (the compiled HLO: 512 B each, beside
+  the gradients' combined all-reduce), as the same MLP in float32 does. So each weight's meeting
+  is priced as the float32 MLP's. Before, a meeting was widened by the weight's dtype: the
+  float32 statistic priced at twice the bytes that move (and a bfloat16 one under a float32
+  weight at half)."""
+  from jax.sharding import NamedSharding
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.planning.solver import make_problem
+  from tests import test_calibration as tcal
+
+  def step(p, x):
+    def loss(p):
+      h = x @ p["w1"]
+      h = h - jnp.mean(h, axis=0)
+      return jnp.mean((jnp.tanh(h) @ p["w2"]).astype(jnp.float32) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+
+  def args(dt):
+    return ({"w1": jax.ShapeDtypeStruct((64, 128), dt),
+             "w2": jax.ShapeDtypeStruct((128, 64), dt)}, jax.ShapeDtypeStruct((256, 64), dt))
+  mesh = Mesh(np.array(cpu_devices), ("data",))
+  rep, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+  ops = hlo.read_compiled(jax.jit(step, in_shardings=({"w1": rep, "w2": rep}, split),
+                                  out_shardings={"w1": rep, "w2": rep})
+                          .lower(*args(jnp.bfloat16)).compile(cmt.LLVM_O0)).collectives()
+  assert sorted((c.kind, c.nbytes, c.dtype) for c in ops) == [
+      ("all_reduce", 512, "f32"), ("all_reduce", 512, "f32"),
+      ("all_reduce", 2 * 2 * 64 * 128 * 2, "f32")], ops
+
+  def meetings(dt):
+    graph = stepgraph.read_step(step, args(dt), (1,))
+    assert len(graph.meetings) == 2
+    shape = tuple(8 if a == "data" else 1 for a in AXES)
+    m = CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1"))
+    prob = make_problem(graph, m, pricing_registry.AllReducePrices(
+        pricing_registry.xla_all_reduce_time), {}, 0.0, False)
+    return {graph.leaves[g[0]].path: prs[0].blocking["data"]
+            for g, prs in zip(prob.groups, prob.prices)}
+  f32, bf16 = meetings(jnp.float32), meetings(jnp.bfloat16)
+  assert len(f32) == 2 and bf16 == pytest.approx(f32, rel=1e-12)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.extend.core as jcore
+import jax.numpy as jnp
 import numpy as np
 
 from dtenjax._src import jaxapi
@@ -120,6 +121,10 @@ class Meeting:
   # the column-parallel (weight leaf, free dimension) whose pair's cone holds the values an
   # index reduction reduces (the hidden units of an MLP): its partials are split with them
   cone: tuple[int, int] | None = None
+  # of ``nbytes``, the bytes of bfloat16 values, which XLA:CPU all-reduces (all-gathers) in
+  # float32: on CPU devices ``nbytes + wide`` move (a norm's statistics are mostly float32 in a
+  # bfloat16 model: jnp.mean sums in float32)
+  wide: int = 0
 
 
 class _UnionFind:
@@ -149,6 +154,14 @@ def nbytes(aval) -> int:
   if dtype is None:
     return 0
   return math.prod(shape) * itemsize(dtype)
+
+
+def _is_bfloat16(dtype) -> bool:
+  """Whether ``dtype`` is bfloat16 (a PRNG key's dtype is not a numpy one: no)."""
+  try:
+    return np.dtype(dtype) == np.dtype(jnp.bfloat16)
+  except TypeError:
+    return False
 
 
 def sub_jaxprs(eqn):
@@ -229,7 +242,7 @@ class Reader:
     # the innermost jax.checkpoint body around it, else None, the reduction it is all-reduced
     # with: _REDUCED_WITH), and those whose result later work on the batch's values reads (a
     # meeting's reductions)
-    self.batch_reductions: list[tuple[int, int, int, int, Any, Any, str]] = []
+    self.batch_reductions: list[tuple[int, int, int, int, Any, Any, str, int]] = []
     self.met: set[int] = set()
     self.contractions: set[int] = set()     # batch_reductions that are dot_generals
     self.index_operands: dict[int, Any] = {}   # index batch_reductions -> the values reduced
@@ -557,11 +570,15 @@ class Reader:
       remat = next((id(e) for e, _ in reversed(self.frames) if e.primitive.name in _REMAT), None)
       how = _REDUCED_WITH.get(eqn.primitive.name, "sum")
       moved = sum(nbytes(o.aval) for o in eqn.outvars)
+      # of them, the bfloat16 values' (XLA:CPU moves them in float32: Meeting.wide)
+      wide = sum(nbytes(o.aval) for o in eqn.outvars if _is_bfloat16(o.aval.dtype))
       if how in _GATHERED:     # the extreme values travel beside their indices
-        moved += sum(math.prod(o.aval.shape) for o in eqn.outvars) * itemsize(
+        values = sum(math.prod(o.aval.shape) for o in eqn.outvars) * itemsize(
             eqn.invars[0].aval.dtype)
+        moved += values
+        wide += values if _is_bfloat16(eqn.invars[0].aval.dtype) else 0
       self.batch_reductions.append((self.eqn_count, depth, repeats * moved, repeats, body, remat,
-                                    how))
+                                    how, repeats * wide))
       if how in _GATHERED:
         self.index_operands[len(self.batch_reductions) - 1] = eqn.invars[0]
       stats = frozenset((len(self.batch_reductions) - 1,))
@@ -611,7 +628,7 @@ class Reader:
       out.append(Meeting(found[0][0], sum(r[2] for r in found), max(r[3] for r in found),
                          self._payer(found[0][0]),
                          joins_on_cpu=bool(out) and found[0][0] not in cpu_starts,
-                         gathered=found[0][6] in _GATHERED))
+                         gathered=found[0][6] in _GATHERED, wide=sum(r[7] for r in found)))
     return [dataclasses.replace(mt, since=self._flops_between(out[k - 1].order if k else -1,
                                                               mt.order))
             for k, mt in enumerate(out)]
@@ -628,7 +645,7 @@ class Reader:
         continue
       cone = next((key for key in sorted(cones) if self.index_operands[k] in cones[key]), None)
       out.append(Meeting(r[0], r[2], r[3], cone[0] if cone else self._payer(r[0]),
-                         gathered=True, cone=cone))
+                         gathered=True, cone=cone, wide=r[7]))
     return out
 
   def _payer(self, order: int) -> int | None:

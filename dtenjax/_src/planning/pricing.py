@@ -685,20 +685,24 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # (the extreme values and their indices): the buffer gathered is the batch axes' devices times
   # its bytes (compiled on 8 CPU devices, `data` 8: f32[1,128] and s32[1,128] gathered, 4 KiB
   # each)
+  # Their values' own dtypes, not the weight's: priced at the bytes that move (WIRE), XLA:CPU's
+  # float32 of their bfloat16 values (Meeting.wide) counted
   gathers = math.prod(m.size[a] for a in meet)
   for mt in graph.meetings:
     kind, moved = ("all_gather", gathers * mt.nbytes) if mt.gathered else ("all_reduce", mt.nbytes)
+    wire = (moved / mt.nbytes * (mt.nbytes + mt.wide) if pricer.backend == "cpu" and mt.nbytes
+            else moved)
     if (mt.payer in group and meet and mt.joins_on_cpu and pricer.backend == "cpu" and
         XLA_VERSION < (0, 11) and not mt.gathered):
       # its bytes move in the all-reduce before it, which pays the meeting (jaxlib 0.10's
       # XLA:CPU; 0.11's keeps the recomputation apart: Reader.meetings)
       acc(pr.blocking, axis_key(meet),
-          mt.count * pricer.share("all_reduce", mt.nbytes / mt.count, meet, dtype))
+          mt.count * pricer.share("all_reduce", wire / mt.count, meet, WIRE))
       acc(pr.bytes, f"all_reduce[{axis_key(meet)}]", mt.nbytes)
     elif mt.payer in group and meet:
       since = mt.since / mt.count / batch_div / m.peak_flops
       own = min(pricer.step_latency, MEETING_WAKE_S + MEETING_SPREAD * since)
-      time = pricer(kind, moved / mt.count, meet, dtype) - pricer.step_latency + own
+      time = pricer(kind, wire / mt.count, meet, WIRE) - pricer.step_latency + own
       acc(pr.blocking, axis_key(meet), mt.count * time)
       acc(pr.bytes, f"{kind}[{axis_key(meet)}]", moved)
   # FSDP: the parameter gathered for the forward; XLA keeps the gathered copy for the backward
@@ -804,8 +808,10 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   for mt in graph.index_gathers:
     if mt.payer in group and meet:
       split = m.size["tensor"] if mt.cone is not None and pr.tp == ("col", mt.cone[1]) else 1
-      ctx.add("all_gather", gathers * mt.nbytes / mt.count / split, meet, blocking=False,
-              times=mt.count)
+      nb = gathers * mt.nbytes / mt.count / split
+      wire = nb * (1 + mt.wide / mt.nbytes) if pricer.backend == "cpu" and mt.nbytes else nb
+      acc(pr.overlappable, axis_key(meet), mt.count * pricer("all_gather", wire, meet, WIRE))
+      acc(pr.bytes, f"all_gather[{axis_key(meet)}]", mt.count * nb)
   if use is not None:
     split = m.size["tensor"] if pr.tp is not None else 1
     flops = use.flops / split

@@ -364,3 +364,27 @@ def test_a_meeting_on_cpu_is_priced_at_its_own_values_bytes_not_the_weight_s_dty
             for g, prs in zip(prob.groups, prob.prices)}
   f32, bf16 = meetings(jnp.float32), meetings(jnp.bfloat16)
   assert len(f32) == 2 and bf16 == pytest.approx(f32, rel=1e-12)
+
+
+def test_on_cpu_a_reproducible_bfloat16_sum_s_raw_floats_are_priced_at_float32_bytes(
+    cpu_devices):
+  """one_shot's and two_shot's reproducible sums move the raw floats (an all-gather; an
+  all-to-all and the rounded chunk's all-gather), in the input's dtype as jax emits them; XLA:CPU
+  compiles those bfloat16 collectives in float32 (the compiled HLO below), twice the lowered
+  bytes, so on CPU devices their formulas are priced at those bytes. The word exchange's int32
+  words are not widened (test_partial_sum_widths_by_op_and_dtype's records). Before, these two
+  were priced at the bfloat16 bytes, half what moves, against the others' int32 words priced at
+  what they move."""
+  from dtenjax._src.contract import Contract
+  mesh = Mesh(np.array(cpu_devices).reshape(2, 4), AX)
+  call = base.Call("all_reduce", "sum", jnp.bfloat16, AX, (2, 4), 2 * E, backend="cpu",
+                   contract=Contract.V3)
+  for name in ("one_shot", "two_shot"):
+    step = jax.jit(jax.shard_map(
+        lambda v: all_reduce(v, AX, algorithm=name, reproducible=True), mesh=mesh,
+        in_specs=PartitionSpec(AX), out_specs=PartitionSpec(AX)))
+    ops = hlo.read_compiled(step.lower(jax.ShapeDtypeStruct((8 * E,), jnp.bfloat16))
+                            .compile(cmt.LLVM_O0)).collectives()
+    assert {c.dtype for c in ops} == {"f32"}, (name, ops)
+    sent = sum(cmt._received(c) for c in ops)
+    assert _link_bytes(registry.get(name), call) == pytest.approx(sent), (name, ops)

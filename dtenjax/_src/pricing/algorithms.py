@@ -74,10 +74,14 @@ class Record:
     (``carried``); a bfloat16 sum on CPU devices everywhere: XLA:CPU compiles every bfloat16
     collective in float32 with conversions around it (the compiled HLO of each record's
     bfloat16 program: tests/test_costmodel_wire.py), so there the call is priced as the
-    float32 sum it runs. Its float16 collectives stay float16: priced as on a GPU."""
+    float32 sum it runs. Its float16 collectives stay float16: priced as on a GPU. A
+    reproducible all-reduce's own formula (``cost.reproducible``: one_shot's and two_shot's
+    exchange of the raw floats) is priced there at the float32 bytes too; the word exchange's
+    int32 words (every reproducible reduce-scatter's) are not widened."""
     nbytes, carried = int(call.nbytes), self.carried(call)
     wide = cpu_wire_bytes(call.dtype) if call.backend == "cpu" else 1.0
-    if wide > 1 and not call.reproducible and partial_sum_bytes(call) > 1:
+    own = call.kind == "all_reduce" and self.cost.reproducible is not None
+    if wide > 1 and partial_sum_bytes(call) > 1 and (not call.reproducible or own):
       nbytes, carried = int(nbytes * wide), 1.0
     return costmodel.collective_time(
         call.kind, nbytes, list(group), topology, self.cost,

@@ -241,6 +241,13 @@ def test_the_step_planner_prices_a_bfloat16_collective_on_cpu_at_the_float32_byt
                pricing_registry.xla_all_reduce_time)
   for kind in ("all_reduce", "all_gather"):
     assert cpu(kind, nb, ("data",), "bfloat16") == cpu(kind, 2 * nb, ("data",), "float32"), kind
+  # widened once whatever the all-reduce's price: auto's (registry.all_reduce_time, whose
+  # records widen a bfloat16 sum on CPU themselves) is handed the float32 bytes, not widened
+  # again (before: four times the weight's bytes)
+  auto = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1")),
+                pricing_registry.AllReducePrices())
+  assert auto("all_reduce", nb, ("data",), "bfloat16") == \
+      auto("all_reduce", 2 * nb, ("data",), "float32")
   gpu = Pricer(CandidateMesh(shape, np.arange(8).reshape(shape), Topology.fixture("h200_8")),
                pricing_registry.xla_all_reduce_time)
   for kind in ("all_reduce", "all_gather"):

@@ -204,11 +204,15 @@ class Pricer:
     key = (kind, int(nbytes), axes, dtype)
     if key not in self.cache:
       group = self.m.group(axes)
-      # XLA:CPU runs a bfloat16 collective in float32: twice its bytes move
-      wire = int(nbytes * (calls.cpu_wire_bytes(dtype) if self.backend == "cpu" and
-                           stepgraph.is_float(dtype) else 1))
+      # XLA:CPU runs a bfloat16 collective in float32: twice its bytes move, priced as the
+      # float32 collective they are (an all-reduce price that widens a bfloat16 sum itself,
+      # auto's, is not handed the bfloat16 dtype again)
+      wide = (calls.cpu_wire_bytes(dtype) if self.backend == "cpu" and stepgraph.is_float(dtype)
+              else 1)
+      wire = int(nbytes * wide)
       if kind == "all_reduce":
-        t = self.price(wire, group, self.m.axis_sizes(axes), self.m.topology, dtype)
+        t = self.price(wire, group, self.m.axis_sizes(axes), self.m.topology,
+                       WIRE if wide > 1 else dtype)
       else:
         t = costmodel.collective_time(kind, wire, group, self.m.topology)
       self.cache[key] = t + self.step_latency

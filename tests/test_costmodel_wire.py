@@ -288,43 +288,60 @@ def test_on_cpu_a_float16_collective_stays_float16_and_is_priced_so(cpu_devices)
     assert cpu(kind, 2 * E, ("data",), "float16") == cpu(kind, 2 * E, ("data",), "float32"), kind
 
 
-def test_a_bfloat16_tensor_parallel_step_on_cpu_is_priced_at_the_float32_bytes_once():
-  """On CPU devices XLA:CPU all-reduces a bfloat16 activation (a row-parallel product's output,
-  a column-parallel product's input gradient) and all-gathers a bfloat16 bias in float32: the
-  bytes that move are the float32 step's (the compiled HLO: the tests above, and
-  roles/tensor.py's own count at 4 bytes an element). So an MLP of bfloat16 weights and
-  activations on `data` 4 x `tensor` 2 (8 CPU devices) pays on 'tensor' exactly what the same
-  MLP in float32 pays (the same products' FLOPs, the same meetings). Before, roles/tensor.py's
-  bytes, already counted at 4 bytes an element, were widened again by the Pricer for the
-  weight's bfloat16 (twice the bytes that move), and so was the bias's all-gather."""
+def test_a_bfloat16_step_on_cpu_is_priced_as_the_float32_step_whose_collectives_it_compiles(
+    cpu_devices):
+  """An MLP with a bias and an argmax over the batch per hidden unit (a metric the step
+  returns), on `data` 4 x `tensor` 2 (8 CPU devices), w1 column- and w2 row-parallel: XLA:CPU
+  compiles the bfloat16 step with exactly the float32 step's collectives (the compiled HLO
+  below: every bfloat16 all-reduce and all-gather in float32, the argmax's int32 indices as
+  they are). So every layout's collectives are priced alike in both: a row-parallel output's
+  all-reduce and a column-parallel input gradient's (roles/tensor.py counts them at 4 bytes an
+  element already), the bias's all-gather, the argmax's gathers (its int32 indices over
+  'tensor', its partials over 'data'), the gradients' shares. Before, the Pricer widened the
+  first three again by the weight's bfloat16 (twice the bytes that move), the int32 indices
+  too, the bfloat16 partials not at all; a gradient's share subtracted a latency of 2 bytes."""
+  from jax.sharding import NamedSharding
   from dtenjax._src.planning import stepgraph
   from dtenjax._src.planning.candidates import CandidateMesh
   from dtenjax._src.planning.roles import AXES
   from dtenjax._src.planning.solver import make_problem
   from tests import test_calibration as tcal
 
+  def step(p, x):
+    def loss(p):
+      h = jnp.tanh(x @ p["w1"] + p["b1"])
+      return jnp.mean((h @ p["w2"]).astype(jnp.float32) ** 2)
+    new = jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+    return new, jnp.argmax(jnp.tanh(x @ p["w1"] + p["b1"]), axis=0)
+
+  def args(dt):
+    return ({"w1": jax.ShapeDtypeStruct((64, 128), dt), "b1": jax.ShapeDtypeStruct((128,), dt),
+             "w2": jax.ShapeDtypeStruct((128, 64), dt)}, jax.ShapeDtypeStruct((256, 64), dt))
+  mesh = Mesh(np.array(cpu_devices).reshape(4, 2), ("data", "tensor"))
+  s = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
+  layout = {"w1": s(None, "tensor"), "b1": s(), "w2": s("tensor", None)}
+
+  def compiled(dt):
+    c = jax.jit(step, in_shardings=(layout, s("data")), out_shardings=(layout, s()))
+    ops = hlo.read_compiled(c.lower(*args(dt)).compile(cmt.LLVM_O0)).collectives()
+    return sorted((c.kind, c.nbytes, c.dtype) for c in ops)
+  assert compiled(jnp.bfloat16) == compiled(jnp.float32)
+
   def priced(dt):
-    def step(p, x):
-      def loss(p):
-        h = jnp.tanh(x @ p["w1"] + p["b1"])
-        return jnp.mean((h @ p["w2"]).astype(jnp.float32) ** 2)
-      return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
-    p = {"w1": jax.ShapeDtypeStruct((64, 128), dt), "b1": jax.ShapeDtypeStruct((128,), dt),
-         "w2": jax.ShapeDtypeStruct((128, 64), dt)}
-    graph = stepgraph.read_step(step, (p, jax.ShapeDtypeStruct((256, 64), dt)), (1,))
+    graph = stepgraph.read_step(step, args(dt), (1,))
     shape = tuple({"data": 4, "tensor": 2}.get(a, 1) for a in AXES)
     m = CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1"))
     prob = make_problem(graph, m, pricing_registry.AllReducePrices(
         pricing_registry.xla_all_reduce_time), {}, 0.0, False)
-    return {(graph.leaves[g[0]].path, pr.tp): (pr.blocking.get("tensor", 0.0),
-                                               pr.overlappable.get("tensor", 0.0))
-            for g, prs in zip(prob.groups, prob.prices) for pr in prs if pr.tp is not None}
+    return {(graph.leaves[g[0]].path, lay.spec): (pr.blocking, pr.overlappable)
+            for g, lays, prs in zip(prob.groups, prob.cands, prob.prices)
+            for lay, pr in zip(lays, prs)}
   f32, bf16 = priced(jnp.float32), priced(jnp.bfloat16)
-  assert set(f32) == set(bf16) and len(f32) == 4, f32
+  assert set(f32) == set(bf16) and len(f32) == 7, f32
+  assert sum(bool(b.get("tensor") or o.get("tensor")) for b, o in f32.values()) == 4
   for key, (blocking, overlappable) in f32.items():
-    assert blocking + overlappable > 0, key
-    assert bf16[key] == pytest.approx((blocking, overlappable), rel=1e-12), key
-
+    assert bf16[key] == (pytest.approx(blocking, rel=1e-12),
+                         pytest.approx(overlappable, rel=1e-12)), key
 
 def test_a_meeting_on_cpu_is_priced_at_its_own_values_bytes_not_the_weight_s_dtype(cpu_devices):
   """A centring over the batch in a bfloat16 MLP, `data` 8 on CPU devices: the forward's mean

@@ -164,6 +164,12 @@ def _is_bfloat16(dtype) -> bool:
     return False
 
 
+def wide_bytes(aval) -> int:
+  """The bytes of ``aval`` that XLA:CPU's collectives add to its :func:`nbytes` by moving a
+  bfloat16 value in float32: its own bytes where it is bfloat16, else 0."""
+  return nbytes(aval) if _is_bfloat16(getattr(aval, "dtype", None)) else 0
+
+
 def sub_jaxprs(eqn):
   """(jaxpr, repeats) of an equation's bodies that run per step."""
   name = eqn.primitive.name
@@ -248,7 +254,7 @@ class Reader:
     self.index_operands: dict[int, Any] = {}   # index batch_reductions -> the values reduced
     # the results of the jax.shard_maps walked that their out_specs shard over the user's mesh:
     # (walk position, bytes of the whole value)
-    self.manual: list[tuple[int, int]] = []
+    self.manual: list[tuple[int, int, int]] = []
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
     self.first_order: dict[int, int] = {}     # weight leaf -> the walk position of its first product
@@ -370,13 +376,13 @@ class Reader:
     for o, spec in zip(eqn.outvars, eqn.params.get("out_specs", ())):
       axes = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
       if math.prod(sizes.get(a, 1) for a in axes) > 1:
-        self.manual.append((self.eqn_count, nbytes(o.aval)))
+        self.manual.append((self.eqn_count, nbytes(o.aval), wide_bytes(o.aval)))
 
-  def manual_outputs(self) -> list[tuple[int, int | None]]:
-    """(bytes, payer) of each result a jax.shard_map's out_specs shard over the user's mesh: the
-    whole value's bytes, and the weight whose price holds what moving it costs (as a meeting's:
-    :meth:`_payer`)."""
-    return [(nb, self._payer(order)) for order, nb in self.manual]
+  def manual_outputs(self) -> list[tuple[int, int | None, int]]:
+    """(bytes, payer, wide) of each result a jax.shard_map's out_specs shard over the user's
+    mesh: the whole value's bytes, the weight whose price holds what moving it costs (as a
+    meeting's: :meth:`_payer`), and the bytes XLA:CPU adds moving it (:func:`wide_bytes`)."""
+    return [(nb, self._payer(order), wide) for order, nb, wide in self.manual]
 
   def _token_work(self, eqn, repeats: int) -> None:
     """Adds an elementwise equation's or a reduction's bytes to :attr:`token_bytes` unless its
@@ -571,7 +577,7 @@ class Reader:
       how = _REDUCED_WITH.get(eqn.primitive.name, "sum")
       moved = sum(nbytes(o.aval) for o in eqn.outvars)
       # of them, the bfloat16 values' (XLA:CPU moves them in float32: Meeting.wide)
-      wide = sum(nbytes(o.aval) for o in eqn.outvars if _is_bfloat16(o.aval.dtype))
+      wide = sum(wide_bytes(o.aval) for o in eqn.outvars)
       if how in _GATHERED:     # the extreme values travel beside their indices
         values = sum(math.prod(o.aval.shape) for o in eqn.outvars) * itemsize(
             eqn.invars[0].aval.dtype)

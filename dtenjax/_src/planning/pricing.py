@@ -229,7 +229,9 @@ class Pricer:
     combined collective (the gradients': :attr:`combined`, every gradient reduced whole), the
     share is its part of them times that collective's time less the latency: exact where the
     combined collective has those bytes, the curve's secant elsewhere."""
-    latency = self(kind, 1, axes, dtype)
+    # the combined collective's latency, as the problem adds it (solver.make_problem: one byte
+    # of float32, whatever the leaves' dtypes)
+    latency = self(kind, 1, axes, WIRE)
     if kind == "all_reduce" and of > 0 and self._measured(axes):
       return nbytes / of * (self(kind, of, axes, dtype) - latency)
     return self(kind, nbytes, axes, dtype) - latency
@@ -269,14 +271,19 @@ class PriceContext:
   price: Price
 
   def add(self, kind: str, nbytes: float, axes: Sequence[str], *, blocking: bool,
-          times: float = 1, dtype: str | None = None) -> None:
+          times: float = 1, dtype: str | None = None, wide: float = 0.0) -> None:
     """``times`` collectives of ``kind`` moving ``nbytes`` per participant over ``axes`` (a
     fraction: this leaf's share of one collective several leaves share), of ``dtype`` (default
     the weight's), which the Pricer widens as XLA:CPU does (a bfloat16 collective in float32);
-    ``WIRE`` where ``nbytes`` already are the bytes that move."""
+    ``WIRE`` where ``nbytes`` already are the bytes that move. ``wide``: for values of their own
+    dtypes, the bytes XLA:CPU adds moving them (their bfloat16's: ``jaxpr_reader.wide_bytes``),
+    priced as moved on CPU devices (``nbytes`` are recorded)."""
     key = axis_key(axes)
+    moved, dtype = nbytes, self.dtype if dtype is None else dtype
+    if wide and self.pricer.backend == "cpu":
+      moved, dtype = nbytes + wide, WIRE
     acc(self.price.blocking if blocking else self.price.overlappable, key,
-        times * self.pricer(kind, nbytes, axes, self.dtype if dtype is None else dtype))
+        times * self.pricer(kind, moved, axes, dtype))
     acc(self.price.bytes, f"{kind}[{key}]", times * nbytes)
 
 
@@ -794,7 +801,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     # output (compiled on 8 CPU devices, `data` 4 x `tensor` 2: s32[256] into s32[512])
     nb = graph.cone_outputs.get((primary.index, pr.tp[1]), 0)
     if nb:
-      ctx.add("all_gather", nb, ("tensor",), blocking=False)
+      ctx.add("all_gather", nb, ("tensor",), blocking=False, dtype=WIRE,
+              wide=graph.cone_wide.get((primary.index, pr.tp[1]), 0))
   # a jax.shard_map result the user's out_specs shard over their mesh, where this plan splits no
   # batch: XLA all-gathers it whole over the devices into the replicated layout the plan gives
   # the batch's values (compiled on 8 CPU devices, `tensor` 8: a per-shard centring of the batch,
@@ -803,19 +811,17 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # `tensor` 2) XLA re-lays the products around the manual sharding, which is not priced
   everyone = [a for a in AXES if m.size[a] > 1]
   if not batch and everyone:
-    for nb, payer in graph.manual_outputs:
+    for nb, payer, wide in graph.manual_outputs:
       if payer in group:
-        ctx.add("all_gather", nb, everyone, blocking=True)
+        ctx.add("all_gather", nb, everyone, blocking=True, dtype=WIRE, wide=wide)
   # an index reduction no later work on the batch reads (a metric the step returns) is gathered
   # all the same, waited for by nothing but the step's end; of values a column-parallel product
   # splits over 'tensor' (its pair's cone), each device gathers the partials of its share
   for mt in graph.index_gathers:
     if mt.payer in group and meet:
       split = m.size["tensor"] if mt.cone is not None and pr.tp == ("col", mt.cone[1]) else 1
-      nb = gathers * mt.nbytes / mt.count / split
-      wire = nb * (1 + mt.wide / mt.nbytes) if pricer.backend == "cpu" and mt.nbytes else nb
-      acc(pr.overlappable, axis_key(meet), mt.count * pricer("all_gather", wire, meet, WIRE))
-      acc(pr.bytes, f"all_gather[{axis_key(meet)}]", mt.count * nb)
+      ctx.add("all_gather", gathers * mt.nbytes / mt.count / split, meet, blocking=False,
+              times=mt.count, dtype=WIRE, wide=gathers * mt.wide / mt.count / split)
   if use is not None:
     split = m.size["tensor"] if pr.tp is not None else 1
     flops = use.flops / split

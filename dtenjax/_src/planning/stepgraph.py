@@ -180,12 +180,15 @@ class StepGraph:
   column_vectors: dict[tuple[int, int], tuple[int, ...]] = dataclasses.field(
       default_factory=dict)
   # the results a jax.shard_map's out_specs shard over the user's mesh: (bytes of the whole value,
-  # the weight whose price holds moving it) (jaxpr_reader.Reader.manual_outputs)
-  manual_outputs: tuple[tuple[int, int | None], ...] = ()
+  # the weight whose price holds moving it, the bytes XLA:CPU adds moving it: its bfloat16's)
+  # (jaxpr_reader.Reader.manual_outputs)
+  manual_outputs: tuple[tuple[int, int | None, int], ...] = ()
   # (leaf, free dim) of a tensor pair -> the bytes of the step's outputs in its cone that are no
   # state's new value (a metric per hidden unit): column-parallel, XLA all-gathers them over
   # 'tensor' into the replicated outputs
   cone_outputs: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+  # of those bytes, the bfloat16 outputs' (XLA:CPU gathers them in float32: jaxpr_reader.wide_bytes)
+  cone_wide: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
   # the state leaves a product reads through lax.stop_gradient -> the bytes of the product's other
   # operand, global (jaxpr_reader.stopped_reads)
   stopped: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -386,20 +389,22 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves),
                    manual_outputs=tuple(reader.manual_outputs()),
                    stopped=jaxpr_reader.stopped_reads(jaxpr, leaves),
-                   cone_outputs=_cone_outputs(jaxpr, tie, cones))
+                   cone_outputs=_cone_outputs(jaxpr, tie, cones),
+                   cone_wide=_cone_outputs(jaxpr, tie, cones, jaxpr_reader.wide_bytes))
 
 
-def _cone_outputs(jaxpr, tie: dict, cones: dict[tuple[int, int], set[Any]]
-                  ) -> dict[tuple[int, int], int]:
-  """(leaf, free dim) -> the bytes of the step's results in that pair's cone that are tied to no
-  state leaf (a state's new value is priced with its group: pricing's column vectors)."""
+def _cone_outputs(jaxpr, tie: dict, cones: dict[tuple[int, int], set[Any]],
+                  size=jaxpr_reader.nbytes) -> dict[tuple[int, int], int]:
+  """(leaf, free dim) -> the bytes (``size``) of the step's results in that pair's cone that are
+  tied to no state leaf (a state's new value is priced with its group: pricing's column
+  vectors)."""
   out: dict[tuple[int, int], int] = {}
   for v in jaxpr.outvars:
     if not jaxpr_reader.is_var(v) or v in tie:
       continue
     key = next((k for k in sorted(cones) if v in cones[k]), None)
     if key is not None:
-      out[key] = out.get(key, 0) + jaxpr_reader.nbytes(v.aval)
+      out[key] = out.get(key, 0) + size(v.aval)
   return out
 
 

@@ -292,14 +292,18 @@ def test_a_bfloat16_step_on_cpu_is_priced_as_the_float32_step_whose_collectives_
     cpu_devices):
   """An MLP with a bias and an argmax over the batch per hidden unit (a metric the step
   returns), on `data` 4 x `tensor` 2 (8 CPU devices), w1 column- and w2 row-parallel: XLA:CPU
-  compiles the bfloat16 step with exactly the float32 step's collectives (the compiled HLO
-  below: every bfloat16 all-reduce and all-gather in float32, the argmax's int32 indices as
-  they are). So every layout's collectives are priced alike in both: a row-parallel output's
+  compiles it with bfloat16 weights and activations, and with float32 weights cast to bfloat16
+  for the products (mixed precision), with exactly the float32 step's collectives (the compiled
+  HLO below: every bfloat16 all-reduce and all-gather in float32, the argmax's int32 indices as
+  they are); with float16 it keeps them float16, half the float32 bytes. So every layout's
+  collectives are priced as the float32 step's in the first two: a row-parallel output's
   all-reduce and a column-parallel input gradient's (roles/tensor.py counts them at 4 bytes an
-  element already), the bias's all-gather, the argmax's gathers (its int32 indices over
-  'tensor', its partials over 'data'), the gradients' shares. Before, the Pricer widened the
-  first three again by the weight's bfloat16 (twice the bytes that move), the int32 indices
-  too, the bfloat16 partials not at all; a gradient's share subtracted a latency of 2 bytes."""
+  element), the activations' gathers, the bias's all-gather, the argmax's gathers (its int32
+  indices over 'tensor', its partials over 'data'), the gradients' shares; and the float16 step's
+  activation all-reduce at half the float32 bytes. Before, the Pricer widened the first by the
+  weight's bfloat16 again (twice the bytes that move), the int32 indices too, the bfloat16
+  partials not at all, the mixed step's bfloat16 activation gathers not at all; a gradient's
+  share subtracted a latency of 2 bytes; float16 activations were counted at 4 bytes."""
   from jax.sharding import NamedSharding
   from dtenjax._src.planning import stepgraph
   from dtenjax._src.planning.candidates import CandidateMesh
@@ -308,40 +312,55 @@ def test_a_bfloat16_step_on_cpu_is_priced_as_the_float32_step_whose_collectives_
   from tests import test_calibration as tcal
 
   def step(p, x):
+    c = lambda v: v.astype(x.dtype)
     def loss(p):
-      h = jnp.tanh(x @ p["w1"] + p["b1"])
-      return jnp.mean((h @ p["w2"]).astype(jnp.float32) ** 2)
+      h = jnp.tanh(x @ c(p["w1"]) + c(p["b1"]))
+      return jnp.mean((h @ c(p["w2"])).astype(jnp.float32) ** 2)
     new = jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
-    return new, jnp.argmax(jnp.tanh(x @ p["w1"] + p["b1"]), axis=0)
+    return new, jnp.argmax(jnp.tanh(x @ c(p["w1"]) + c(p["b1"])), axis=0)
 
-  def args(dt):
-    return ({"w1": jax.ShapeDtypeStruct((64, 128), dt), "b1": jax.ShapeDtypeStruct((128,), dt),
-             "w2": jax.ShapeDtypeStruct((128, 64), dt)}, jax.ShapeDtypeStruct((256, 64), dt))
+  def args(weights, acts):
+    return ({"w1": jax.ShapeDtypeStruct((64, 128), weights),
+             "b1": jax.ShapeDtypeStruct((128,), weights),
+             "w2": jax.ShapeDtypeStruct((128, 64), weights)},
+            jax.ShapeDtypeStruct((256, 64), acts))
   mesh = Mesh(np.array(cpu_devices).reshape(4, 2), ("data", "tensor"))
   s = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
   layout = {"w1": s(None, "tensor"), "b1": s(), "w2": s("tensor", None)}
 
-  def compiled(dt):
+  def compiled(*dtypes):
     c = jax.jit(step, in_shardings=(layout, s("data")), out_shardings=(layout, s()))
-    ops = hlo.read_compiled(c.lower(*args(dt)).compile(cmt.LLVM_O0)).collectives()
+    ops = hlo.read_compiled(c.lower(*args(*dtypes)).compile(cmt.LLVM_O0)).collectives()
     return sorted((c.kind, c.nbytes, c.dtype) for c in ops)
-  assert compiled(jnp.bfloat16) == compiled(jnp.float32)
 
-  def priced(dt):
-    graph = stepgraph.read_step(step, args(dt), (1,))
+  def priced(*dtypes):
+    graph = stepgraph.read_step(step, args(*dtypes), (1,))
     shape = tuple({"data": 4, "tensor": 2}.get(a, 1) for a in AXES)
     m = CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1"))
     prob = make_problem(graph, m, pricing_registry.AllReducePrices(
         pricing_registry.xla_all_reduce_time), {}, 0.0, False)
-    return {(graph.leaves[g[0]].path, lay.spec): (pr.blocking, pr.overlappable)
+    return {(graph.leaves[g[0]].path, lay.spec): pr
             for g, lays, prs in zip(prob.groups, prob.cands, prob.prices)
             for lay, pr in zip(lays, prs)}
-  f32, bf16 = priced(jnp.float32), priced(jnp.bfloat16)
-  assert set(f32) == set(bf16) and len(f32) == 7, f32
-  assert sum(bool(b.get("tensor") or o.get("tensor")) for b, o in f32.values()) == 4
-  for key, (blocking, overlappable) in f32.items():
-    assert bf16[key] == (pytest.approx(blocking, rel=1e-12),
-                         pytest.approx(overlappable, rel=1e-12)), key
+  f32 = priced(jnp.float32, jnp.float32)
+  assert len(f32) == 7 and sum(pr.tp is not None for pr in f32.values()) == 4
+  whole = compiled(jnp.float32, jnp.float32)
+  for dtypes in ((jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.bfloat16)):
+    assert compiled(*dtypes) == whole, dtypes
+    got = priced(*dtypes)
+    assert set(got) == set(f32), dtypes
+    for key, pr in f32.items():
+      assert (got[key].blocking, got[key].overlappable, got[key].ag_fwd, got[key].ag_bwd) == (
+          pytest.approx(pr.blocking, rel=1e-12), pytest.approx(pr.overlappable, rel=1e-12),
+          pytest.approx(pr.ag_fwd, rel=1e-12), pytest.approx(pr.ag_bwd, rel=1e-12)), (dtypes, key)
+  # float16: the row-parallel output's all-reduce moves half the float32 step's bytes
+  half = [(nb, t) for k, nb, t in compiled(jnp.float16, jnp.float16) if k == "all_reduce"]
+  assert [(2 * nb, t) for nb, t in half] == [(nb, "f16") for k, nb, _ in whole
+                                             if k == "all_reduce"]
+  row = ("[0]['w2']", ("tensor", None))
+  f16 = priced(jnp.float16, jnp.float16)
+  assert f16[row].bytes["all_reduce[tensor]"] == f32[row].bytes["all_reduce[tensor]"] / 2
+  assert f16[row].blocking["tensor"] < f32[row].blocking["tensor"]
 
 def test_a_meeting_on_cpu_is_priced_at_its_own_values_bytes_not_the_weight_s_dtype(cpu_devices):
   """A centring over the batch in a bfloat16 MLP, `data` 8 on CPU devices: the forward's mean

@@ -94,6 +94,9 @@ class WeightUse:
   # input gradients are added before any reduction (XLA reassociates all-reduce(a) +
   # all-reduce(b) into all-reduce(a + b)), so column-parallel siblings share one all-reduce
   siblings: int = 1
+  # the partner (the activation) is bfloat16: XLA:CPU all-reduces, all-gathers and exchanges it
+  # in float32, twice its bytes (float16 stays float16)
+  act_bfloat16: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,7 +464,7 @@ class Reader:
           # the product's batch dimensions count too: every expert's tokens of a batched product
           tokens=int(math.prod(partner.shape[d] for d in pfree) *
                      math.prod(eqn.invars[side].aval.shape[d] for d in batched)),
-          act_itemsize=itemsize(partner.dtype),
+          act_itemsize=itemsize(partner.dtype), act_bfloat16=_is_bfloat16(partner.dtype),
           repeats=repeats, primitive=name,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
           input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived)

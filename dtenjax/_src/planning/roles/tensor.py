@@ -49,11 +49,12 @@ def price(ctx) -> None:
     # collectives, as every layer of a scan (repeats) does
     tokens = use.tokens * use.repeats * use.grad_parts / ctx.batch_div
     item = use.act_itemsize
-    # XLA:CPU all-reduces a 16-bit float in f32 (its all-reduce promotion; the HLO's reducer
-    # is add.clone_promoted): a bf16 activation's all-reduce moves 4 bytes an element. These
-    # bytes are what moves: priced as such (base.WIRE), not widened again by the weight's
-    # dtype
-    reduced_item = 4 if item == 2 and ctx.pricer.backend == "cpu" else item
+    # XLA:CPU all-reduces a bfloat16 activation in f32 (its all-reduce promotion; the HLO's
+    # reducer is add.clone_promoted), and all-gathers it in f32: 4 bytes an element (a float16
+    # one stays float16: the compiled HLO, tests/test_costmodel_wire.py). These bytes are what
+    # moves: priced as such (base.WIRE), not widened by the weight's dtype
+    wide = 2 if use.act_bfloat16 and ctx.pricer.backend == "cpu" else 1
+    reduced_item = wide * item
     width_in = math.prod(shape[k] for k in use.contracted)
     width_out = math.prod(shape[k] for k in use.free)
     if d in use.free:
@@ -86,7 +87,7 @@ def price(ctx) -> None:
       # (pairs.reduced_outputs; not seen compiled for the GPU)
       if not ((ctx.primary.index, d) in ctx.graph.reduced and ctx.pricer.backend == "cpu"):
         pr.ag_fwd_bytes = tokens * width_out * item
-        pr.ag_fwd = ctx.pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), ctx.dtype)
+        pr.ag_fwd = ctx.pricer("all_gather", wide * pr.ag_fwd_bytes, ("tensor",), WIRE)
     elif d in use.contracted:
       pr.tp = ("row", d)
       # each forward product all-reduces its output: jax.checkpoint's recomputed ones too
@@ -95,7 +96,7 @@ def price(ctx) -> None:
               dtype=WIRE)
       if use.input_grad:
         pr.ag_bwd_bytes = tokens * width_in * item
-        pr.ag_bwd = ctx.pricer("all_gather", pr.ag_bwd_bytes, ("tensor",), ctx.dtype)
+        pr.ag_bwd = ctx.pricer("all_gather", wide * pr.ag_bwd_bytes, ("tensor",), WIRE)
   elif not ctx.vocab_axes:
     # a stacked dimension over 'tensor': gathered like FSDP
     t_shard = m.size["tensor"]
@@ -143,12 +144,17 @@ def sliced_on(ctx, dim: int, zero: list[str], moved: float, uses: int):
   item = use.act_itemsize
   width_in = math.prod(primary.shape[k] for k in use.contracted)
   width_out = math.prod(primary.shape[k] for k in use.free)
+  # the activations' own dtype (XLA:CPU widens a bfloat16 one), not the weight's
+  act = lambda nbytes: {"dtype": WIRE, "wide": nbytes if use.act_bfloat16 else 0}
   if t > g:
-    sub.add("all_reduce", tokens * width_out / g * item, ("tensor",), blocking=True)
+    nb = tokens * width_out / g * item
+    sub.add("all_reduce", nb, ("tensor",), blocking=True, **act(nb))
   if zero:
-    sub.add("all_gather", tokens * width_out * item, ("tensor",), blocking=True)
+    nb = tokens * width_out * item
+    sub.add("all_gather", nb, ("tensor",), blocking=True, **act(nb))
   else:
-    sub.add("all_reduce", tokens * width_in * item, ("tensor",), blocking=True)
+    nb = tokens * width_in * item
+    sub.add("all_reduce", nb, ("tensor",), blocking=True, **act(nb))
   sub.add("all_gather", pr.memory["params"] + pr.memory["opt_state"], ("tensor",),
           blocking=False)
   if moved:       # the pieces' permute (priced whole, ``uses`` times) moves the slices only

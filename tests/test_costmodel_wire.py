@@ -431,3 +431,33 @@ def test_on_cpu_a_reproducible_bfloat16_sum_s_raw_floats_are_priced_at_float32_b
     assert {c.dtype for c in ops} == {"f32"}, (name, ops)
     sent = sum(cmt._received(c) for c in ops)
     assert _link_bytes(registry.get(name), call) == pytest.approx(sent), (name, ops)
+
+
+def test_a_bfloat16_attention_s_sequence_gathers_on_cpu_are_priced_at_float32_bytes():
+  """test_step_planner_sequence's decoder on `data` 2 x `sequence` 4 (8 CPU devices), its
+  parameters and optimizer state in bfloat16: the keys and values are bfloat16, half the float32
+  decoder's bytes, and XLA:CPU all-gathers (and all-reduces) a bfloat16 value in float32 (the
+  compiled HLO of the tests above), so the sequence role's collectives move what the float32
+  decoder's move and are priced alike. Before, they were priced as float32 of the bfloat16 bytes,
+  half what moves."""
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.planning.solver import make_problem
+  from tests import test_calibration as tcal
+  from tests import test_step_planner_sequence as tsq
+  step, args = tsq._model(2, 64)
+
+  def fixed(dt):
+    cast = lambda tree: jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+        s.shape, dt if s.dtype == jnp.float32 else s.dtype), tree)
+    graph = stepgraph.read_step(step, (cast(args[0]), cast(args[1]), args[2]), (2,))
+    assert {a.dtype for a in graph.sequence.attention} == {jnp.dtype(dt).name}
+    shape = tuple({"data": 2, "sequence": 4}.get(a, 1) for a in AXES)
+    m = CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1"))
+    prob = make_problem(graph, m, pricing_registry.AllReducePrices(
+        pricing_registry.xla_all_reduce_time), {}, 0.0, False)
+    return prob.fixed_blocking["sequence"], prob.fixed_bytes["all_gather[sequence]"]
+  (f32, f32_bytes), (bf16, bf16_bytes) = fixed(jnp.float32), fixed(jnp.bfloat16)
+  assert bf16_bytes == f32_bytes / 2 and f32 > 0
+  assert bf16 == pytest.approx(f32, rel=1e-12)

@@ -55,6 +55,8 @@ class Attention:
   v_bytes: int
   repeats: int
   recomputed: bool = False
+  # the keys' dtype: the Pricer widens a bfloat16 one's collectives as XLA:CPU runs them (float32)
+  dtype: str = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +343,7 @@ def read(jaxpr, leaves) -> Facts | None:
   if not dims:
     return None
   lengths = {leaves[leaf].shape[d] for leaf, d in dims.items()}
-  attention = tuple(Attention(_nbytes(k), _nbytes(v), r, rec)
+  attention = tuple(Attention(_nbytes(k), _nbytes(v), r, rec, k.aval.dtype.name)
                     for k, v, r, rec in reader.attention)
   rows = math.gcd(*(leaves[leaf].shape[0] for leaf in dims))
   return Facts(min(lengths), dims, attention, rows)

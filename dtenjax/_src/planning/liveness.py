@@ -27,6 +27,7 @@ from dtenjax._src.planning.jaxpr_reader import CUSTOM_DERIVATIVE_CALLS
 from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
 from dtenjax._src.planning.jaxpr_reader import is_var
 from dtenjax._src.planning.jaxpr_reader import nbytes
+from dtenjax._src.planning.jaxpr_reader import scaled_operand
 from dtenjax._src.planning.jaxpr_reader import sub_jaxprs
 
 # Values XLA computes inside the fusion of their consumer (recomputed there, never materialised)
@@ -239,12 +240,26 @@ def _update_values(jaxpr, state_shapes: set) -> set[Any]:
   propagates the leaf's sharding into the update's elementwise work, so these are the leaf's
   shard on every device: the updates apply_if_finite's branch returns are ``[16, 512]`` f32
   slices of w1's ``[128, 512]`` on an FSDP 8 step in XLA:CPU's compile, where the model sized
-  them whole (its gradient term was 1 MiB, XLA's temporaries 1.0 MiB in all)."""
+  them whole (its gradient term was 1 MiB, XLA's temporaries 1.0 MiB in all). A product's
+  result scaled by scalars not computed from the gradients is the gradient of a weight scaled
+  in the forward (``x @ (0.5 * w)``'s ``0.5 * g``), not the update: XLA reduces it whole (an
+  MLP with both weights scaled, under ``apply_if_finite(adamw)`` on FSDP 8, whose branch reads
+  the scaled gradients: XLA:CPU's temporaries are the unscaled step's, 1.00 MiB; sized as
+  shards they were 0.75). Clipping's ``g * (c / norm)`` is the update's: its scale is."""
   read_by_products = _read_by_products(jaxpr)
   from_grads = _from_gradients(jaxpr, state_shapes, read_by_products)
+  made = {o for eqn in jaxpr.eqns if eqn.primitive.name in _PRODUCTS for o in eqn.outvars}
   out: set[Any] = set()
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
+    if name in ("transpose", "reshape") and eqn.invars[0] in made:
+      made.update(eqn.outvars)
+      continue
+    scaled = scaled_operand(eqn)
+    if scaled is not None and scaled in made and not any(
+        is_var(v) and v in from_grads for v in eqn.invars if v is not scaled):
+      made.update(eqn.outvars)   # the gradient of a weight scaled in the forward: 0.5 * g
+      continue
     if ((name == "cond" or (name in ELEMENTWISE and name != "add_any")) and
         any(is_var(v) and v in from_grads for v in eqn.invars)):
       out.update(o for o in eqn.outvars if _of_state_shape(o, state_shapes))
@@ -327,8 +342,9 @@ def _weight_values(jaxpr, leaves: Sequence[Any]) -> set[Any]:
 
 def weight_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[tuple[int, bool], ...]]:
   """State leaf index -> the equations of ``jaxpr``'s top level that read it, or a value made
-  from it by reshapes, transposes and casts (where a layout gathers it, the readers of its
-  gathered copy), each with whether it is a product (solver._combined_reduction)."""
+  from it by reshapes, transposes, casts and scalings (``0.5 * w``, which plan.jit gathers
+  where a product reads it: gather.py; where a layout gathers it, the readers of its gathered
+  copy), each with whether it is a product (solver._combined_reduction)."""
   made_from: dict[Any, int] = {v: lf.index for lf, v in zip(leaves, jaxpr.invars)
                                if not lf.is_batch}
   reads: dict[int, list[tuple[int, bool]]] = {}
@@ -338,7 +354,8 @@ def weight_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[tuple[int, boo
         k = made_from[v]
         if not reads.get(k) or reads[k][-1][0] != i:
           reads.setdefault(k, []).append((i, eqn.primitive.name in _PRODUCTS))
-        if eqn.primitive.name in _RESHAPES or eqn.primitive.name == "transpose":
+        if (eqn.primitive.name in _RESHAPES or eqn.primitive.name == "transpose" or
+            scaled_operand(eqn) is v):
           made_from.update((o, k) for o in eqn.outvars)
   return {k: tuple(v) for k, v in reads.items()}
 
@@ -464,6 +481,7 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   _input_gradient_first(jaxpr, excluded_shapes, same, gpu_last)
   outvars = {same(v) for v in jaxpr.outvars if is_var(v)}
   _tanh_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars)
+  _scaled_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars, excluded_shapes)
   for v in outvars:
     last_use[v] = gpu_last[v] = len(jaxpr.eqns)
   live = 0
@@ -578,6 +596,28 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
     for v in ends.pop(i, ()):
       live -= live_set.pop(v)
   return peak
+
+
+def _scaled_read_late(jaxpr, same, last_use: dict[Any, int], materialised: set, outvars: set,
+                      state_shapes: set) -> None:
+  """A value of a state leaf's shape scaled by scalars (the gradient of a weight scaled in the
+  forward, ``x @ (0.5 * w)``: ``0.5 * g``, jaxpr_reader.scaled_operand) where XLA fuses the
+  scaling into its readers (the optimizer's update): the value is live until they run, as the
+  unscaled gradient of ``x @ w`` is. In XLA:CPU's compile of an MLP's step with both weights
+  scaled, on FSDP 8, the gradients are all-reduced as products make them and the scaling is in
+  the update's fusions; the model ended them at the scaling, 256 KiB under the compile."""
+  for eqn in reversed(jaxpr.eqns):
+    v = scaled_operand(eqn)
+    if eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0]):
+      v = eqn.invars[0]          # a weight cast and scaled (``w.astype(bf16) * s``)
+    if (v is None or eqn.primitive.name in _EXPENSIVE or not _of_state_shape(v, state_shapes)):
+      continue
+    o = same(eqn.outvars[0])
+    if o in materialised and o not in outvars:
+      continue
+    end = last_use.get(o, -1)
+    if last_use.get(same(v), -1) < end:
+      last_use[same(v)] = end
 
 
 def _tanh_read_late(jaxpr, same, last_use: dict[Any, int], materialised: set,

@@ -168,12 +168,15 @@ def cone_shares(cones: Mapping[Any, Any], amount: Mapping[Any, float],
           for key, cone in cones.items()}
 
 
-def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], set[Any]]
+def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], set[Any]],
+                batch_carried: Collection[Any] = frozenset()
                 ) -> tuple[int, dict[tuple[int, int], float], tuple[Live, ...]]:
   """The peak bytes of live batch-derived values (global), the share of them each paired
   ``(leaf, free dim)`` shards (its cone, :func:`dtenjax._src.planning.pairs.find_pairs`; a value
   in several cones is split among them) and the step's timeline of materialised values.
-  ``leaves`` are the step's stepgraph.Leaf records, in the order of ``jaxpr``'s inputs."""
+  ``leaves`` are the step's stepgraph.Leaf records, in the order of ``jaxpr``'s inputs;
+  ``batch_carried`` the values of ``jaxpr``'s top level that carry a batch dimension
+  (jaxpr_reader.Reader.batch): activations, never a gradient, whatever their shape."""
   state_shapes = _state_shapes(leaves)
   batch_vars = {v for lf, v in zip(leaves, jaxpr.invars) if lf.is_batch}
   counted: dict[Any, int] = {}
@@ -186,9 +189,9 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   scaled: dict[Any, int] = {}
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
               gpu_ends=gpu_ends, expanded_rows=expanded_rows, call_results=call_results,
-              gpu_starts=gpu_starts, scaled=scaled)
+              gpu_starts=gpu_starts, scaled=scaled, batch_carried=frozenset(batch_carried))
   slots = _heap_slots(jaxpr, state_shapes, lives)
-  updates = _update_values(jaxpr, state_shapes)
+  updates = _update_values(jaxpr, state_shapes, frozenset(batch_carried))
   folded = _folded_transposes(jaxpr)
   gemms = _gemms(jaxpr)
   act_share = cone_shares(cones, counted, sum(counted.values()))
@@ -231,7 +234,7 @@ def _read_by_products(jaxpr) -> set[Any]:
           for v in eqn.invars if is_var(v)}
 
 
-def _update_values(jaxpr, state_shapes: set) -> set[Any]:
+def _update_values(jaxpr, state_shapes: set, batch_carried: frozenset = frozenset()) -> set[Any]:
   """The values of a state leaf's shape that the optimizer's update computes from the weights'
   gradients (:func:`_from_gradients`): an elementwise op's or a ``lax.cond``'s
   (``optax.apply_if_finite``'s branch) results, that no product reads, and that are not the
@@ -247,7 +250,7 @@ def _update_values(jaxpr, state_shapes: set) -> set[Any]:
   the scaled gradients: XLA:CPU's temporaries are the unscaled step's, 1.00 MiB; sized as
   shards they were 0.75). Clipping's ``g * (c / norm)`` is the update's: its scale is."""
   read_by_products = _read_by_products(jaxpr)
-  from_grads = _from_gradients(jaxpr, state_shapes, read_by_products)
+  from_grads = _from_gradients(jaxpr, state_shapes, read_by_products, batch_carried)
   made = {o for eqn in jaxpr.eqns if eqn.primitive.name in _PRODUCTS for o in eqn.outvars}
   out: set[Any] = set()
   for eqn in jaxpr.eqns:
@@ -266,20 +269,25 @@ def _update_values(jaxpr, state_shapes: set) -> set[Any]:
   return out - read_by_products
 
 
-def _from_gradients(jaxpr, state_shapes: set, read_by_products: set[Any]) -> set[Any]:
+def _from_gradients(jaxpr, state_shapes: set, read_by_products: set[Any],
+                    batch_carried: frozenset = frozenset()) -> set[Any]:
   """The values ``jaxpr`` computes from a weight's gradient (a product's result of a state
-  leaf's shape that no product reads: ``read_by_products``), through any ops but products."""
+  leaf's shape that no product reads, ``read_by_products``, and that carries no batch
+  dimension, ``batch_carried``: a square MLP's ``x @ w1`` is an activation), through any ops
+  but products."""
   from_grads: set[Any] = set()
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in _PRODUCTS:
       from_grads.update(o for o in eqn.outvars
-                        if o not in read_by_products and _of_state_shape(o, state_shapes))
+                        if o not in read_by_products and o not in batch_carried and
+                        _of_state_shape(o, state_shapes))
     elif any(is_var(v) and v in from_grads for v in eqn.invars):
       from_grads.update(eqn.outvars)
   return from_grads
 
 
-def update_reduces(jaxpr, leaves: Sequence[Any]) -> bool:
+def update_reduces(jaxpr, leaves: Sequence[Any], batch_carried: Collection[Any] = frozenset()
+                   ) -> bool:
   """Whether the optimizer's update sums a value it computes from the weights' gradients
   (``clip_by_global_norm``'s norm, adafactor's factored means). On a layout that shards the
   weights over a batch axis the update runs on each leaf's shard, so each such sum is an
@@ -290,7 +298,8 @@ def update_reduces(jaxpr, leaves: Sequence[Any]) -> bool:
   the backward (solver._combined_reduction). A reduction of another kind is all-reduced apart
   from the sums (apply_if_finite's ``reduce_and`` of ``is_finite``: XLA combines the gradients'
   sums into one all-reduce there)."""
-  from_grads = _from_gradients(jaxpr, _state_shapes(leaves), _read_by_products(jaxpr))
+  from_grads = _from_gradients(jaxpr, _state_shapes(leaves), _read_by_products(jaxpr),
+                               frozenset(batch_carried))
   return any(eqn.primitive.name == "reduce_sum" and
              any(is_var(v) and v in from_grads for v in eqn.invars) for eqn in jaxpr.eqns)
 
@@ -387,7 +396,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           expanded_rows: dict[Any, tuple[int, int | None]] | None = None,
           call_results: set | None = None,
           gpu_starts: dict[Any, int] | None = None,
-          scaled: dict[Any, int] | None = None) -> int:
+          scaled: dict[Any, int] | None = None,
+          batch_carried: frozenset = frozenset()) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -409,7 +419,10 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   buffers XLA:CPU's reducing fusions make of broadcast operands (:func:`_expanded_operands`;
   their reduced result's elements and the input leaf they broadcast), which are put in the
   timeline only: whether XLA makes them depends on the layout. ``call_results`` receives the
-  values at the peak of a call's body (not a loop's) that are the call's own results. The
+  values at the peak of a call's body (not a loop's) that are the call's own results. A value of
+  a state leaf's shape is a gradient (sized by its layout) unless it carries a batch dimension
+  (``batch_carried``): an activation that has a weight's shape (a square MLP's ``x @ w1``, a
+  loss residual of a weight's transposed shape) is split over the batch as any other. The
   lifetimes counted here are XLA:CPU's."""
   canon = _duplicates(jaxpr)
 
@@ -477,8 +490,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   for v, e in (gpu_ends or {}).items():
     gpu_last[v] = max(gpu_last.get(v, e), e)
   _recomputed_unaries(jaxpr, same, last_use, feeds_fusion_boundary)
-  runs_until = _input_gradient_first(jaxpr, excluded_shapes, same, last_use)
-  _input_gradient_first(jaxpr, excluded_shapes, same, gpu_last)
+  runs_until = _input_gradient_first(jaxpr, excluded_shapes, same, last_use, batch_carried)
+  _input_gradient_first(jaxpr, excluded_shapes, same, gpu_last, batch_carried)
   outvars = {same(v) for v in jaxpr.outvars if is_var(v)}
   _tanh_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars)
   _scaled_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars, excluded_shapes)
@@ -567,7 +580,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         # reads it
         if eqn.primitive.name in _FUSIBLE and o not in feeds_fusion_boundary:
           continue
-        state = shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes
+        state = (shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes) and (
+            o not in batch_carried)
         if timeline is not None and o not in outvars:
           # a weight's gradient is made after the input gradient's product (XLA's order), and
           # so is a transpose of it (the two are one buffer on XLA:CPU, _folded_transposes)
@@ -952,8 +966,8 @@ def _true_rank(v) -> int:
   return sum(1 for d in getattr(v.aval, "shape", ()) if d != 1)
 
 
-def _input_gradient_first(jaxpr, state_shapes: set, same,
-                          last_use: dict[Any, int]) -> dict[int, int]:
+def _input_gradient_first(jaxpr, state_shapes: set, same, last_use: dict[Any, int],
+                          batch_carried: frozenset = frozenset()) -> dict[int, int]:
   """The backward of ``y = x @ W`` is two products that read the cotangent ``dy``: the weight's
   gradient (``dy^T @ x``, of the weight's shape) and the input's (``dy @ W^T``); differentiation
   writes the weight's first, XLA's scheduler runs the input's first. The weight gradient's
@@ -970,7 +984,8 @@ def _input_gradient_first(jaxpr, state_shapes: set, same,
           readers.setdefault(same(v), []).append((i, eqn))
   for uses in readers.values():
     for i, eqn in uses:
-      if not _of_state_shape(eqn.outvars[0], state_shapes):
+      if (not _of_state_shape(eqn.outvars[0], state_shapes) or
+          eqn.outvars[0] in batch_carried):
         continue                       # not a weight's gradient
       shape = tuple(eqn.outvars[0].aval.shape)
       later = [j for j, e in uses if j > i and tuple(e.outvars[0].aval.shape) != shape]

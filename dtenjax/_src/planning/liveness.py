@@ -244,18 +244,19 @@ def _update_values(jaxpr, state_shapes: set, batch_carried: frozenset = frozense
   shard on every device: the updates apply_if_finite's branch returns are ``[16, 512]`` f32
   slices of w1's ``[128, 512]`` on an FSDP 8 step in XLA:CPU's compile, where the model sized
   them whole (its gradient term was 1 MiB, XLA's temporaries 1.0 MiB in all). A product's
-  result scaled by scalars not computed from the gradients is the gradient of a weight scaled
-  in the forward (``x @ (0.5 * w)``'s ``0.5 * g``), not the update: XLA reduces it whole (an
-  MLP with both weights scaled, under ``apply_if_finite(adamw)`` on FSDP 8, whose branch reads
-  the scaled gradients: XLA:CPU's temporaries are the unscaled step's, 1.00 MiB; sized as
-  shards they were 0.75). Clipping's ``g * (c / norm)`` is the update's: its scale is."""
+  result transposed, cast or scaled by scalars not computed from the gradients is the gradient
+  of a weight cast or scaled in the forward (``x @ (0.5 * w)``'s ``0.5 * g``; of a weight cast
+  to bf16 and scaled there, ``g`` cast, scaled and cast back), not the update: XLA reduces it
+  whole (an MLP with both weights scaled, under ``apply_if_finite(adamw)`` on FSDP 8, whose
+  branch reads the scaled gradients: XLA:CPU's temporaries are the unscaled step's, 1.00 MiB;
+  sized as shards they were 0.75). Clipping's ``g * (c / norm)`` is the update's: its scale is."""
   read_by_products = _read_by_products(jaxpr)
   from_grads = _from_gradients(jaxpr, state_shapes, read_by_products, batch_carried)
   made = {o for eqn in jaxpr.eqns if eqn.primitive.name in _PRODUCTS for o in eqn.outvars}
   out: set[Any] = set()
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name in ("transpose", "reshape") and eqn.invars[0] in made:
+    if name in ("transpose", "reshape", "convert_element_type") and eqn.invars[0] in made:
       made.update(eqn.outvars)
       continue
     scaled = scaled_operand(eqn)

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import jaxapi
 from dtenjax._src.planning import routing
+from dtenjax._src.planning.jaxpr_reader import scaled_operand
 
 # Equations whose operands the products need whole (gather: only its operand, not the indices).
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
@@ -133,6 +134,9 @@ def _feeds_products(jaxpr) -> frozenset:
     elif name in _STRUCTURAL:
       if any(o in feeds for o in eqn.outvars) and not isinstance(eqn.invars[0], jcore.Literal):
         feeds.add(eqn.invars[0])
+    elif scaled_operand(eqn) is not None:
+      if any(o in feeds for o in eqn.outvars):
+        feeds.add(scaled_operand(eqn))
     else:
       sub = _sub_jaxpr(eqn)
       if sub is not None and len(sub[0].invars) == len(eqn.invars):
@@ -231,6 +235,13 @@ class _Evaluator:
         return None
       vals[0] = gathered_value(v)      # other layout changes: gather first
       return jaxapi.bind(eqn, vals)
+    if hits and scaled_operand(eqn) is eqn.invars[hits[0]]:
+      # a weight scaled by scalars on its way to a product (jaxpr_reader.scaled_operand):
+      # scaled on its shard and gathered at the product. Left sharded, XLA's partitioner moved
+      # the activations instead (``x @ (0.5 * w1)`` on FSDP 8: the batch all-gathered)
+      if any(o in feeds for o in eqn.outvars):
+        tracked[eqn.outvars[0]] = tracked[eqn.invars[hits[0]]]
+      return None
     if name == "scan":
       return self._scan(eqn, vals, tracked, routes)
     sub = _sub_jaxpr(eqn)

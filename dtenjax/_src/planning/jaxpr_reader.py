@@ -159,6 +159,19 @@ def nbytes(aval) -> int:
   return math.prod(shape) * itemsize(dtype)
 
 
+def scaled_operand(eqn):
+  """The one operand of an elementwise equation whose other operands are scalars (``0.5 * w``,
+  ``w * s`` of a scalar ``s``), of the result's shape; None for any other equation. A weight
+  scaled so on its way to a product keeps its identity: the product reads the weight, sharded
+  and gathered as the weight is (gather.py gathers the scaled value where the product reads it)."""
+  if eqn.primitive.name not in ELEMENTWISE or len(eqn.outvars) != 1 or len(eqn.invars) < 2:
+    return None
+  full = [v for v in eqn.invars if tuple(getattr(v.aval, "shape", ())) != ()]
+  if len(full) != 1 or not is_var(full[0]):
+    return None
+  return full[0] if tuple(full[0].aval.shape) == tuple(eqn.outvars[0].aval.shape) else None
+
+
 def _is_bfloat16(dtype) -> bool:
   """Whether ``dtype`` is bfloat16 (a PRNG key's dtype is not a numpy one: no)."""
   try:
@@ -298,6 +311,10 @@ class Reader:
                               seen[2] + (rows,) * repeats)
       if name in _ALIASES and ins[0] is not None:
         origin[eqn.outvars[0]] = ins[0]
+      elif name in ELEMENTWISE and scaled_operand(eqn) is not None:
+        org = ins[list(eqn.invars).index(scaled_operand(eqn))]
+        if org is not None:          # a weight scaled by scalars (``0.5 * w``): still the weight
+          origin[eqn.outvars[0]] = org
       elif name == "transpose" and ins[0] is not None:
         perm = eqn.params["permutation"]
         origin[eqn.outvars[0]] = (ins[0][0], tuple(ins[0][1][p] for p in perm))

@@ -27,6 +27,7 @@ from dtenjax._src.planning.jaxpr_reader import CUSTOM_DERIVATIVE_CALLS
 from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
 from dtenjax._src.planning.jaxpr_reader import is_var
 from dtenjax._src.planning.jaxpr_reader import nbytes
+from dtenjax._src.planning.jaxpr_reader import scaled_operand
 from dtenjax._src.planning.jaxpr_reader import sub_jaxprs
 
 # Values XLA computes inside the fusion of their consumer (recomputed there, never materialised)
@@ -167,12 +168,15 @@ def cone_shares(cones: Mapping[Any, Any], amount: Mapping[Any, float],
           for key, cone in cones.items()}
 
 
-def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], set[Any]]
+def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], set[Any]],
+                batch_carried: Collection[Any] = frozenset()
                 ) -> tuple[int, dict[tuple[int, int], float], tuple[Live, ...]]:
   """The peak bytes of live batch-derived values (global), the share of them each paired
   ``(leaf, free dim)`` shards (its cone, :func:`dtenjax._src.planning.pairs.find_pairs`; a value
   in several cones is split among them) and the step's timeline of materialised values.
-  ``leaves`` are the step's stepgraph.Leaf records, in the order of ``jaxpr``'s inputs."""
+  ``leaves`` are the step's stepgraph.Leaf records, in the order of ``jaxpr``'s inputs;
+  ``batch_carried`` the values of ``jaxpr``'s top level that carry a batch dimension
+  (jaxpr_reader.Reader.batch): activations, never a gradient, whatever their shape."""
   state_shapes = _state_shapes(leaves)
   batch_vars = {v for lf, v in zip(leaves, jaxpr.invars) if lf.is_batch}
   counted: dict[Any, int] = {}
@@ -185,9 +189,9 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   scaled: dict[Any, int] = {}
   act = _peak(jaxpr, batch_vars, state_shapes, counted, lives, gpu_fused=gpu_fused,
               gpu_ends=gpu_ends, expanded_rows=expanded_rows, call_results=call_results,
-              gpu_starts=gpu_starts, scaled=scaled)
+              gpu_starts=gpu_starts, scaled=scaled, batch_carried=frozenset(batch_carried))
   slots = _heap_slots(jaxpr, state_shapes, lives)
-  updates = _update_values(jaxpr, state_shapes)
+  updates = _update_values(jaxpr, state_shapes, frozenset(batch_carried))
   folded = _folded_transposes(jaxpr)
   gemms = _gemms(jaxpr)
   act_share = cone_shares(cones, counted, sum(counted.values()))
@@ -230,7 +234,7 @@ def _read_by_products(jaxpr) -> set[Any]:
           for v in eqn.invars if is_var(v)}
 
 
-def _update_values(jaxpr, state_shapes: set) -> set[Any]:
+def _update_values(jaxpr, state_shapes: set, batch_carried: frozenset = frozenset()) -> set[Any]:
   """The values of a state leaf's shape that the optimizer's update computes from the weights'
   gradients (:func:`_from_gradients`): an elementwise op's or a ``lax.cond``'s
   (``optax.apply_if_finite``'s branch) results, that no product reads, and that are not the
@@ -239,32 +243,52 @@ def _update_values(jaxpr, state_shapes: set) -> set[Any]:
   propagates the leaf's sharding into the update's elementwise work, so these are the leaf's
   shard on every device: the updates apply_if_finite's branch returns are ``[16, 512]`` f32
   slices of w1's ``[128, 512]`` on an FSDP 8 step in XLA:CPU's compile, where the model sized
-  them whole (its gradient term was 1 MiB, XLA's temporaries 1.0 MiB in all)."""
+  them whole (its gradient term was 1 MiB, XLA's temporaries 1.0 MiB in all). A product's
+  result transposed, cast or scaled by scalars not computed from the gradients is the gradient
+  of a weight cast or scaled in the forward (``x @ (0.5 * w)``'s ``0.5 * g``; of a weight cast
+  to bf16 and scaled there, ``g`` cast, scaled and cast back), not the update: XLA reduces it
+  whole (an MLP with both weights scaled, under ``apply_if_finite(adamw)`` on FSDP 8, whose
+  branch reads the scaled gradients: XLA:CPU's temporaries are the unscaled step's, 1.00 MiB;
+  sized as shards they were 0.75). Clipping's ``g * (c / norm)`` is the update's: its scale is."""
   read_by_products = _read_by_products(jaxpr)
-  from_grads = _from_gradients(jaxpr, state_shapes, read_by_products)
+  from_grads = _from_gradients(jaxpr, state_shapes, read_by_products, batch_carried)
+  made = {o for eqn in jaxpr.eqns if eqn.primitive.name in _PRODUCTS for o in eqn.outvars}
   out: set[Any] = set()
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
+    if name in ("transpose", "reshape", "convert_element_type") and eqn.invars[0] in made:
+      made.update(eqn.outvars)
+      continue
+    scaled = scaled_operand(eqn)
+    if scaled is not None and scaled in made and not any(
+        is_var(v) and v in from_grads for v in eqn.invars if v is not scaled):
+      made.update(eqn.outvars)   # the gradient of a weight scaled in the forward: 0.5 * g
+      continue
     if ((name == "cond" or (name in ELEMENTWISE and name != "add_any")) and
         any(is_var(v) and v in from_grads for v in eqn.invars)):
       out.update(o for o in eqn.outvars if _of_state_shape(o, state_shapes))
   return out - read_by_products
 
 
-def _from_gradients(jaxpr, state_shapes: set, read_by_products: set[Any]) -> set[Any]:
+def _from_gradients(jaxpr, state_shapes: set, read_by_products: set[Any],
+                    batch_carried: frozenset = frozenset()) -> set[Any]:
   """The values ``jaxpr`` computes from a weight's gradient (a product's result of a state
-  leaf's shape that no product reads: ``read_by_products``), through any ops but products."""
+  leaf's shape that no product reads, ``read_by_products``, and that carries no batch
+  dimension, ``batch_carried``: a square MLP's ``x @ w1`` is an activation), through any ops
+  but products."""
   from_grads: set[Any] = set()
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in _PRODUCTS:
       from_grads.update(o for o in eqn.outvars
-                        if o not in read_by_products and _of_state_shape(o, state_shapes))
+                        if o not in read_by_products and o not in batch_carried and
+                        _of_state_shape(o, state_shapes))
     elif any(is_var(v) and v in from_grads for v in eqn.invars):
       from_grads.update(eqn.outvars)
   return from_grads
 
 
-def update_reduces(jaxpr, leaves: Sequence[Any]) -> bool:
+def update_reduces(jaxpr, leaves: Sequence[Any], batch_carried: Collection[Any] = frozenset()
+                   ) -> bool:
   """Whether the optimizer's update sums a value it computes from the weights' gradients
   (``clip_by_global_norm``'s norm, adafactor's factored means). On a layout that shards the
   weights over a batch axis the update runs on each leaf's shard, so each such sum is an
@@ -275,7 +299,8 @@ def update_reduces(jaxpr, leaves: Sequence[Any]) -> bool:
   the backward (solver._combined_reduction). A reduction of another kind is all-reduced apart
   from the sums (apply_if_finite's ``reduce_and`` of ``is_finite``: XLA combines the gradients'
   sums into one all-reduce there)."""
-  from_grads = _from_gradients(jaxpr, _state_shapes(leaves), _read_by_products(jaxpr))
+  from_grads = _from_gradients(jaxpr, _state_shapes(leaves), _read_by_products(jaxpr),
+                               frozenset(batch_carried))
   return any(eqn.primitive.name == "reduce_sum" and
              any(is_var(v) and v in from_grads for v in eqn.invars) for eqn in jaxpr.eqns)
 
@@ -327,8 +352,9 @@ def _weight_values(jaxpr, leaves: Sequence[Any]) -> set[Any]:
 
 def weight_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[tuple[int, bool], ...]]:
   """State leaf index -> the equations of ``jaxpr``'s top level that read it, or a value made
-  from it by reshapes, transposes and casts (where a layout gathers it, the readers of its
-  gathered copy), each with whether it is a product (solver._combined_reduction)."""
+  from it by reshapes, transposes, casts and scalings (``0.5 * w``, which plan.jit gathers
+  where a product reads it: gather.py; where a layout gathers it, the readers of its gathered
+  copy), each with whether it is a product (solver._combined_reduction)."""
   made_from: dict[Any, int] = {v: lf.index for lf, v in zip(leaves, jaxpr.invars)
                                if not lf.is_batch}
   reads: dict[int, list[tuple[int, bool]]] = {}
@@ -338,7 +364,8 @@ def weight_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[tuple[int, boo
         k = made_from[v]
         if not reads.get(k) or reads[k][-1][0] != i:
           reads.setdefault(k, []).append((i, eqn.primitive.name in _PRODUCTS))
-        if eqn.primitive.name in _RESHAPES or eqn.primitive.name == "transpose":
+        if (eqn.primitive.name in _RESHAPES or eqn.primitive.name == "transpose" or
+            scaled_operand(eqn) is v):
           made_from.update((o, k) for o in eqn.outvars)
   return {k: tuple(v) for k, v in reads.items()}
 
@@ -370,7 +397,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           expanded_rows: dict[Any, tuple[int, int | None]] | None = None,
           call_results: set | None = None,
           gpu_starts: dict[Any, int] | None = None,
-          scaled: dict[Any, int] | None = None) -> int:
+          scaled: dict[Any, int] | None = None,
+          batch_carried: frozenset = frozenset()) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -392,7 +420,10 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   buffers XLA:CPU's reducing fusions make of broadcast operands (:func:`_expanded_operands`;
   their reduced result's elements and the input leaf they broadcast), which are put in the
   timeline only: whether XLA makes them depends on the layout. ``call_results`` receives the
-  values at the peak of a call's body (not a loop's) that are the call's own results. The
+  values at the peak of a call's body (not a loop's) that are the call's own results. A value of
+  a state leaf's shape is a gradient (sized by its layout) unless it carries a batch dimension
+  (``batch_carried``): an activation that has a weight's shape (a square MLP's ``x @ w1``, a
+  loss residual of a weight's transposed shape) is split over the batch as any other. The
   lifetimes counted here are XLA:CPU's."""
   canon = _duplicates(jaxpr)
 
@@ -460,10 +491,11 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   for v, e in (gpu_ends or {}).items():
     gpu_last[v] = max(gpu_last.get(v, e), e)
   _recomputed_unaries(jaxpr, same, last_use, feeds_fusion_boundary)
-  runs_until = _input_gradient_first(jaxpr, excluded_shapes, same, last_use)
-  _input_gradient_first(jaxpr, excluded_shapes, same, gpu_last)
+  runs_until = _input_gradient_first(jaxpr, excluded_shapes, same, last_use, batch_carried)
+  _input_gradient_first(jaxpr, excluded_shapes, same, gpu_last, batch_carried)
   outvars = {same(v) for v in jaxpr.outvars if is_var(v)}
   _tanh_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars)
+  _scaled_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars, excluded_shapes)
   for v in outvars:
     last_use[v] = gpu_last[v] = len(jaxpr.eqns)
   live = 0
@@ -549,7 +581,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         # reads it
         if eqn.primitive.name in _FUSIBLE and o not in feeds_fusion_boundary:
           continue
-        state = shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes
+        state = (shape in excluded_shapes or tuple(reversed(shape)) in excluded_shapes) and (
+            o not in batch_carried)
         if timeline is not None and o not in outvars:
           # a weight's gradient is made after the input gradient's product (XLA's order), and
           # so is a transpose of it (the two are one buffer on XLA:CPU, _folded_transposes)
@@ -578,6 +611,28 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
     for v in ends.pop(i, ()):
       live -= live_set.pop(v)
   return peak
+
+
+def _scaled_read_late(jaxpr, same, last_use: dict[Any, int], materialised: set, outvars: set,
+                      state_shapes: set) -> None:
+  """A value of a state leaf's shape scaled by scalars (the gradient of a weight scaled in the
+  forward, ``x @ (0.5 * w)``: ``0.5 * g``, jaxpr_reader.scaled_operand) where XLA fuses the
+  scaling into its readers (the optimizer's update): the value is live until they run, as the
+  unscaled gradient of ``x @ w`` is. In XLA:CPU's compile of an MLP's step with both weights
+  scaled, on FSDP 8, the gradients are all-reduced as products make them and the scaling is in
+  the update's fusions; the model ended them at the scaling, 256 KiB under the compile."""
+  for eqn in reversed(jaxpr.eqns):
+    v = scaled_operand(eqn)
+    if eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0]):
+      v = eqn.invars[0]          # a weight cast and scaled (``w.astype(bf16) * s``)
+    if (v is None or eqn.primitive.name in _EXPENSIVE or not _of_state_shape(v, state_shapes)):
+      continue
+    o = same(eqn.outvars[0])
+    if o in materialised and o not in outvars:
+      continue
+    end = last_use.get(o, -1)
+    if last_use.get(same(v), -1) < end:
+      last_use[same(v)] = end
 
 
 def _tanh_read_late(jaxpr, same, last_use: dict[Any, int], materialised: set,
@@ -912,8 +967,8 @@ def _true_rank(v) -> int:
   return sum(1 for d in getattr(v.aval, "shape", ()) if d != 1)
 
 
-def _input_gradient_first(jaxpr, state_shapes: set, same,
-                          last_use: dict[Any, int]) -> dict[int, int]:
+def _input_gradient_first(jaxpr, state_shapes: set, same, last_use: dict[Any, int],
+                          batch_carried: frozenset = frozenset()) -> dict[int, int]:
   """The backward of ``y = x @ W`` is two products that read the cotangent ``dy``: the weight's
   gradient (``dy^T @ x``, of the weight's shape) and the input's (``dy @ W^T``); differentiation
   writes the weight's first, XLA's scheduler runs the input's first. The weight gradient's
@@ -930,7 +985,8 @@ def _input_gradient_first(jaxpr, state_shapes: set, same,
           readers.setdefault(same(v), []).append((i, eqn))
   for uses in readers.values():
     for i, eqn in uses:
-      if not _of_state_shape(eqn.outvars[0], state_shapes):
+      if (not _of_state_shape(eqn.outvars[0], state_shapes) or
+          eqn.outvars[0] in batch_carried):
         continue                       # not a weight's gradient
       shape = tuple(eqn.outvars[0].aval.shape)
       later = [j for j, e in uses if j > i and tuple(e.outvars[0].aval.shape) != shape]

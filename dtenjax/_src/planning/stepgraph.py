@@ -358,7 +358,9 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   for leaf in leaves:
     if not leaf.is_batch:
       groups.setdefault(reader.ties.find(leaf.index), []).append(leaf.index)
-  act, act_share, timeline = liveness.activations(jaxpr, leaves, {**cones, **reduced})
+  batch_carried = frozenset(v for v, dims in reader.batch.items() if dims)
+  act, act_share, timeline = liveness.activations(jaxpr, leaves, {**cones, **reduced},
+                                                  batch_carried)
   read = jaxpr_reader.needed_vars(jaxpr)
   outputs = []
   for v in jaxpr.outvars:
@@ -377,7 +379,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    products=reader.products, token_bytes=reader.token_bytes,
                    token_share=_token_share(reader, {**cones, **reduced}),
                    sequence=sequence_lib.read(closed.jaxpr, leaves),
-                   update_reduces=liveness.update_reduces(jaxpr, leaves),
+                   update_reduces=liveness.update_reduces(jaxpr, leaves, batch_carried),
                    gradient_parts=liveness.gradient_parts(jaxpr, leaves),
                    weight_reads=liveness.weight_reads(jaxpr, leaves),
                    meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings),

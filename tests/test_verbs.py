@@ -347,6 +347,46 @@ def test_an_abort_sent_while_a_data_write_is_posted_reaches_the_peer(fake):
     close_all(comms)
 
 
+def test_an_abort_backwards_is_sent_when_the_one_forwards_finds_no_credit(fake):
+  """Rank 1 is closed while rank 0 waits for rank 2 (never started) and watches rank 1. Rank 1's
+  ABORT to rank 2 finds no credit (rank 2 has not read rank 1's first segment) and waits out its
+  2 % of the timeout; its ABORT to rank 0 must still go out, and rank 0 report rank 1's reason as
+  over TCP. It shared that deadline: posted after it, its write was flushed by the shutdown, and
+  rank 0 reported 'lost rank 1' a second later and counted a peer failure."""
+  xs = _inputs(3, 3000, np.float32, seed=3)
+  comms = _ring(3, timeout_s=5)   # 0.1 s for each ABORT
+  try:
+    _, errs, _ = _all_reduce(comms, xs)
+    assert errs == [None] * 3, errs
+    writes, failures = fake.counters()["writes_received"], native.counters()["peer_failures"]
+    errs = {}
+
+    def rank(r):
+      try:
+        with transport.stream("rank-thread"):   # the stream _all_reduce's fingerprint has
+          comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
+      except Exception as e:
+        errs[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+      t.start()
+    deadline = time.monotonic() + 10
+    while fake.counters()["writes_received"] < writes + 2:   # both ranks' first segment placed
+      assert time.monotonic() < deadline, "timed out waiting for the first writes"
+      time.sleep(0.001)
+    comms[1].close()
+    for t in threads:
+      t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    assert "closed locally" in str(errs[1]), errs
+    assert str(errs[0]).startswith("dtenjax transport: rank 1 aborted"), errs[0]
+    assert "closed locally" in str(errs[0]), errs[0]
+    assert native.counters()["peer_failures"] == failures, errs
+  finally:
+    close_all(comms)
+
+
 def test_a_refused_last_write_is_reported_as_that_write_s_failure(fake):
   """The device refuses the last RDMA write of an all-reduce (revoke_mr, fired by the write before
   it: the receive slabs lose their keys). Its sender, whose receives are all in, waits with that

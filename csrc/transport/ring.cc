@@ -25,17 +25,6 @@ std::string Seconds(double s) {
   return buf;
 }
 
-std::string AbortText(const InFrame& f, Code* code) {
-  const char* p = reinterpret_cast<const char*>(f.dst);
-  if (f.payload_bytes == 0) {
-    *code = Code::kInternal;
-    return "(no reason given)";
-  }
-  const int c = static_cast<unsigned char>(p[0]);
-  *code = PeerCode(c);
-  return PeerText(p + 1, f.payload_bytes - 1, kMaxAbortText);  // the peer's words: escaped
-}
-
 // Which chunk and segment moves at each step: n chunks, 2(n-1) steps (reduce-scatter, then
 // all-gather), chunk c of `count` elements split in segments of at most seg_elems.
 struct RingPlan {
@@ -156,7 +145,7 @@ class Comm::Ring {
     const FrameHeader& h = f->header();
     Counters().aborts_received.fetch_add(1);
     Code code;
-    std::string text = AbortText(*f, &code);
+    std::string text = AbortReason(f->dst, f->payload_bytes, kMaxAbortText, &code);
     const std::string prefix = "dtenjax transport: ";
     if (text.compare(0, prefix.size(), prefix) == 0) text = text.substr(prefix.size());
     *out = Status(code, "dtenjax transport: rank " + std::to_string(h.src_rank) + " aborted " +

@@ -347,12 +347,15 @@ def test_an_abort_sent_while_a_data_write_is_posted_reaches_the_peer(fake):
     close_all(comms)
 
 
-def test_an_abort_backwards_is_sent_when_the_one_forwards_finds_no_credit(fake):
+@pytest.mark.parametrize("fault", [None, "late_cqe"])
+def test_an_abort_backwards_is_sent_when_the_one_forwards_finds_no_credit(fake, fault):
   """Rank 1 is closed while rank 0 waits for rank 2 (never started) and watches rank 1. Rank 1's
   ABORT to rank 2 finds no credit (rank 2 has not read rank 1's first segment) and waits out its
   2 % of the timeout; its ABORT to rank 0 must still go out, and rank 0 report rank 1's reason as
   over TCP. It shared that deadline: posted after it, its write was flushed by the shutdown, and
-  rank 0 reported 'lost rank 1' a second later and counted a peer failure."""
+  rank 0 reported 'lost rank 1' a second later and counted a peer failure. late_cqe: that ABORT's
+  receive completion reaches rank 0's CQ 0.3 s after rank 1 closed; rank 0's watch took the
+  close for the end at once, without the last words a receive waits for."""
   xs = _inputs(3, 3000, np.float32, seed=3)
   comms = _ring(3, timeout_s=5)   # 0.1 s for each ABORT
   try:
@@ -375,10 +378,14 @@ def test_an_abort_backwards_is_sent_when_the_one_forwards_finds_no_credit(fake):
     while fake.counters()["writes_received"] < writes + 2:   # both ranks' first segment placed
       assert time.monotonic() < deadline, "timed out waiting for the first writes"
       time.sleep(0.001)
+    fired = fake.counters()["faults_fired"]
+    if fault:
+      fake.arm(fault, 0)   # the next write placed: rank 1's ABORT to rank 0
     comms[1].close()
     for t in threads:
       t.join(30)
     assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    assert fake.counters()["faults_fired"] == fired + bool(fault), f"{fault} did not fire"
     assert "closed locally" in str(errs[1]), errs
     assert str(errs[0]).startswith("dtenjax transport: rank 1 aborted"), errs[0]
     assert "closed locally" in str(errs[0]), errs[0]

@@ -421,7 +421,11 @@ class Comm::Ring {
           return Status::Ok();
         }
       }
-      CountPeerFailure();
+      // The close fails this rank: read it again as the peer's end, not a watch's look (the
+      // provider counts it; over verbs it first waits for the peer's last words, as a receive
+      // does: an ABORT whose receive completion lands after the close is its reason).
+      rev_.watch = false;
+      s = c_.opts_.provider->recv_some(next, &rev_, &p);
     }
     if (!s.ok()) return Fail(s, false, true);
     if (rev_.stage != InFrame::kHeadReady) return Status::Ok();

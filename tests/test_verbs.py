@@ -282,6 +282,41 @@ def test_a_peer_that_closes_right_after_its_last_exchange_loses_no_frame(fake, f
     close_all(comms)
 
 
+def test_a_later_collective_that_needs_a_peer_closed_behind_our_last_write_fails_once(fake):
+  """late_ack on the last frame: its receiver returns first and closes while the sender's write
+  waits for its acknowledgement (the ring stops looking at the closed rank, the write decides:
+  it completes). The sender's next all_reduce needs that rank: it must raise naming it, not
+  hang or succeed, and count one peer failure (nothing was counted for the close before)."""
+  xs = _inputs(2, 3000, np.float32, seed=7)
+  comms = _ring(2, timeout_s=5)
+  lock, order = threading.Lock(), []
+
+  def rank(r):
+    comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
+    with lock:
+      order.append(r)
+    if len(order) == 1:     # the receiver of the late-acknowledged frame returns first
+      comms[r].close()
+      return None
+    return comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
+
+  try:
+    _, errs, _ = _all_reduce(comms, xs)
+    assert errs == [None, None], errs
+    before = fake.counters()["writes_received"]
+    _, errs, _ = _all_reduce(comms, xs)
+    failures, fired = native.counters()["peer_failures"], fake.counters()["faults_fired"]
+    fake.arm("late_ack", fake.counters()["writes_received"] - before - 1)
+    _, errs, _ = run_ranks([lambda r=r: rank(r) for r in range(2)], join_s=30)
+    assert fake.counters()["faults_fired"] == fired + 1, "late_ack did not fire"
+    assert errs[order[0]] is None, errs
+    assert isinstance(errs[order[1]], errors.TransportError), errs
+    assert f"lost rank {order[0]}" in str(errs[order[1]]), errs
+    assert native.counters()["peer_failures"] - failures == 1
+  finally:
+    close_all(comms)
+
+
 def test_a_closed_peer_whose_last_frame_fails_is_one_peer_failure(fake):
   """lost_ack: the last frame is placed and its receiver returns and closes, but no
   acknowledgement of it reaches its sender, whose write fails after its retries (0.5 s): the

@@ -238,6 +238,7 @@ class Comm::Ring {
         ++st_;
         sj_ = 0;
       }
+      if (st_ == T_ && !next_closed_in_flight_.ok()) c_.next_closed_ = next_closed_in_flight_;
     }
     return Status::Ok();
   }
@@ -372,7 +373,7 @@ class Comm::Ring {
     if (rt_ < T_) {
       waiting = "receiving segment " + std::to_string(rj_) + " of ring step " +
                 std::to_string(rt_) + " from " + c_.prev_->peer;
-    } else if (next_closed_in_flight_) {
+    } else if (!next_closed_in_flight_.ok()) {
       waiting = "waiting for the send of its last frame to " + c_.next_->peer +
                 " to complete, which closed its connection meanwhile";
     } else {
@@ -391,7 +392,7 @@ class Comm::Ring {
   // ABORT frames may (or its death; or, once everything for it was sent, its orderly close).
   Status WaitAndWatchNext() {
     Conn* next = c_.next_;
-    const bool watching = !next_done_ && !next_closed_in_flight_;
+    const bool watching = !next_done_ && next_closed_in_flight_.ok();
     WaitItem w[2] = {{next, of_->active, watching}, {c_.prev_, false, rt_ < T_}};
     Counters().waits.fetch_add(1);
     Status s = c_.opts_.provider->wait(w, 2, last_progress_ + c_.opts_.timeout_s);
@@ -416,8 +417,9 @@ class Comm::Ring {
           // send complete (an RDMA write completes when the peer's acknowledgement comes back,
           // which can be after the peer returned and closed; or the wait above just took that
           // completion): the send side decides, the write completes or fails after the device's
-          // retries (counted and reported there, once). The closed rank is not looked at again.
-          next_closed_in_flight_ = true;
+          // retries (counted and reported there, once). The closed rank is not looked at again;
+          // once that write completes, the next collective reports the close (as above).
+          next_closed_in_flight_ = s;
           return Status::Ok();
         }
       }
@@ -461,7 +463,7 @@ class Comm::Ring {
   int st_ = 0, rt_ = 0;        // send / receive step
   uint64_t sj_ = 0, rj_ = 0;   // segment within the step
   bool next_done_ = false;     // the next rank closed after everything for it was sent
-  bool next_closed_in_flight_ = false;  // it closed while our last frame's send was undecided
+  Status next_closed_in_flight_;  // it closed while our last frame's send was undecided
   InFrame in_, rev_;           // from the previous rank / backwards from the next one
   uint8_t text_buf_[kMaxAbortText > kMaxFingerprintBytes ? kMaxAbortText : kMaxFingerprintBytes];
   double last_progress_ = NowSeconds();

@@ -282,6 +282,43 @@ def test_a_peer_that_closes_right_after_its_last_exchange_loses_no_frame(fake, f
     close_all(comms)
 
 
+def test_a_later_collective_that_needs_a_peer_closed_behind_our_last_write_fails_once(fake):
+  """late_ack on the last frame: its receiver returns first and closes while the sender's write
+  waits for its acknowledgement (the ring stops looking at the closed rank, the write decides:
+  it completes). The sender's next all_reduce needs that rank: it must say at once that the rank
+  closed after the previous collective, as when it closes after the last write completed, and
+  count one peer failure (nothing was counted for the close before); it raised 'lost rank N'
+  after the second a receive or a send waits for the peer's last words."""
+  xs = _inputs(2, 3000, np.float32, seed=7)
+  comms = _ring(2, timeout_s=5)
+  lock, order = threading.Lock(), []
+
+  def rank(r):
+    comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
+    with lock:
+      order.append(r)
+    if len(order) == 1:     # the receiver of the late-acknowledged frame returns first
+      comms[r].close()
+      return None
+    return comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
+
+  try:
+    _, errs, _ = _all_reduce(comms, xs)
+    assert errs == [None, None], errs
+    before = fake.counters()["writes_received"]
+    _, errs, _ = _all_reduce(comms, xs)
+    failures, fired = native.counters()["peer_failures"], fake.counters()["faults_fired"]
+    fake.arm("late_ack", fake.counters()["writes_received"] - before - 1)
+    _, errs, _ = run_ranks([lambda r=r: rank(r) for r in range(2)], join_s=30)
+    assert fake.counters()["faults_fired"] == fired + 1, "late_ack did not fire"
+    assert errs[order[0]] is None, errs
+    assert isinstance(errs[order[1]], errors.TransportError), errs
+    assert "closed its connection after the previous collective" in str(errs[order[1]]), errs
+    assert native.counters()["peer_failures"] - failures == 1
+  finally:
+    close_all(comms)
+
+
 def test_a_closed_peer_whose_last_frame_fails_is_one_peer_failure(fake):
   """lost_ack: the last frame is placed and its receiver returns and closes, but no
   acknowledgement of it reaches its sender, whose write fails after its retries (0.5 s): the
@@ -343,6 +380,53 @@ def test_an_abort_sent_while_a_data_write_is_posted_reaches_the_peer(fake):
     assert "closed locally" in str(errs[0]), errs
     assert str(errs[1]).startswith("dtenjax transport: rank 0 aborted"), errs[1]
     assert "closed locally" in str(errs[1]), errs[1]
+  finally:
+    close_all(comms)
+
+
+@pytest.mark.parametrize("fault", [None, "late_cqe"])
+def test_an_abort_backwards_is_sent_when_the_one_forwards_finds_no_credit(fake, fault):
+  """Rank 1 is closed while rank 0 waits for rank 2 (never started) and watches rank 1. Rank 1's
+  ABORT to rank 2 finds no credit (rank 2 has not read rank 1's first segment) and waits out its
+  2 % of the timeout; its ABORT to rank 0 must still go out, and rank 0 report rank 1's reason as
+  over TCP. It shared that deadline: posted after it, its write was flushed by the shutdown, and
+  rank 0 reported 'lost rank 1' a second later and counted a peer failure. late_cqe: that ABORT's
+  receive completion reaches rank 0's CQ 0.3 s after rank 1 closed; rank 0's watch took the
+  close for the end at once, without the last words a receive waits for."""
+  xs = _inputs(3, 3000, np.float32, seed=3)
+  comms = _ring(3, timeout_s=5)   # 0.1 s for each ABORT
+  try:
+    _, errs, _ = _all_reduce(comms, xs)
+    assert errs == [None] * 3, errs
+    writes, failures = fake.counters()["writes_received"], native.counters()["peer_failures"]
+    errs = {}
+
+    def rank(r):
+      try:
+        with transport.stream("rank-thread"):   # the stream _all_reduce's fingerprint has
+          comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
+      except Exception as e:
+        errs[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+      t.start()
+    deadline = time.monotonic() + 10
+    while fake.counters()["writes_received"] < writes + 2:   # both ranks' first segment placed
+      assert time.monotonic() < deadline, "timed out waiting for the first writes"
+      time.sleep(0.001)
+    fired = fake.counters()["faults_fired"]
+    if fault:
+      fake.arm(fault, 0)   # the next write placed: rank 1's ABORT to rank 0
+    comms[1].close()
+    for t in threads:
+      t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish"
+    assert fake.counters()["faults_fired"] == fired + bool(fault), f"{fault} did not fire"
+    assert "closed locally" in str(errs[1]), errs
+    assert str(errs[0]).startswith("dtenjax transport: rank 1 aborted"), errs[0]
+    assert "closed locally" in str(errs[0]), errs[0]
+    assert native.counters()["peer_failures"] == failures, errs
   finally:
     close_all(comms)
 

@@ -253,10 +253,12 @@ void Comm::SendAborts(const Status& why, const Descriptor& d, bool to_next, bool
   std::string text;
   text.push_back(char(static_cast<int>(why.code())));
   text += why.message().substr(0, kMaxAbortText - 1);
-  // Best effort within 2 % of the timeout (at most 2 s): a neighbour that reads gets the ABORT
-  // at once, and one that stopped reading (SIGSTOP) must not push this rank's error past
-  // DTENJAX_COLLECTIVE_TIMEOUT by more than that.
-  const double deadline = NowSeconds() + std::min(2.0, 0.02 * opts_.timeout_s);
+  // Best effort within 2 % of the timeout (at most 2 s) for each neighbour: one that reads gets
+  // the ABORT at once, one that stopped reading (SIGSTOP, or no RDMA credit left) must not push
+  // this rank's error past DTENJAX_COLLECTIVE_TIMEOUT by more than that, nor take the other's
+  // time (over verbs an ABORT posted after its deadline is abandoned, its write flushed).
+  const double budget = std::min(2.0, 0.02 * opts_.timeout_s);
+  double deadline = NowSeconds() + budget;
   auto send = [&](Conn* c) {
     Status s = SendSealed(c, FrameType::kAbort, d, text.data(), text.size(), deadline);
     if (s.ok()) Counters().aborts_sent.fetch_add(1);
@@ -280,7 +282,10 @@ void Comm::SendAborts(const Status& why, const Descriptor& d, bool to_next, bool
     }
     if (clean) send(next_);
   }
-  if (to_prev && prev_) send(prev_);
+  if (to_prev && prev_) {
+    deadline = NowSeconds() + budget;
+    send(prev_);
+  }
   if (next_) opts_.provider->shutdown(next_);
   if (prev_) opts_.provider->shutdown(prev_);
 }

@@ -1,4 +1,5 @@
-// A peer's text made safe for messages and logs (peer_text.h), and a peer's status code.
+// A peer's text made safe for messages and logs (peer_text.h), a peer's status code, and the
+// reason an ABORT frame carries.
 #include "csrc/transport/peer_text.h"
 
 #include <cstdint>
@@ -71,6 +72,15 @@ std::string PeerText(const char* data, size_t n, size_t cap) {
 Code PeerCode(int code) {
   if (!IsCode(code) || code == int(Code::kOk)) return Code::kInternal;
   return code == int(Code::kCancelled) ? Code::kUnavailable : static_cast<Code>(code);
+}
+
+std::string AbortReason(const uint8_t* payload, size_t n, size_t cap, Code* code) {
+  if (n == 0) {
+    *code = Code::kInternal;
+    return "(no reason given)";
+  }
+  *code = PeerCode(payload[0]);
+  return PeerText(reinterpret_cast<const char*>(payload) + 1, n - 1, cap);  // the peer's words
 }
 
 }  // namespace dtenjax::transport

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "csrc/common/status.h"
@@ -26,5 +27,10 @@ inline std::string PeerText(const std::string& s, size_t cap = kMaxPeerTextShown
 // (or ok) is kInternal, and the peer's kCancelled (it closed its own communicator) is kUnavailable
 // here: for this process the peer went away, nothing was cancelled locally.
 Code PeerCode(int code);
+
+// The reason an ABORT frame carries (its payload: the sender's status code byte, then its text)
+// as this process reports it: the code through PeerCode, the text through PeerText (at most `cap`
+// bytes of it); an empty payload gives kInternal and "(no reason given)".
+std::string AbortReason(const uint8_t* payload, size_t n, size_t cap, Code* code);
 
 }  // namespace dtenjax::transport

@@ -25,17 +25,6 @@ std::string Seconds(double s) {
   return buf;
 }
 
-std::string AbortText(const InFrame& f, Code* code) {
-  const char* p = reinterpret_cast<const char*>(f.dst);
-  if (f.payload_bytes == 0) {
-    *code = Code::kInternal;
-    return "(no reason given)";
-  }
-  const int c = static_cast<unsigned char>(p[0]);
-  *code = PeerCode(c);
-  return PeerText(p + 1, f.payload_bytes - 1, kMaxAbortText);  // the peer's words: escaped
-}
-
 // Which chunk and segment moves at each step: n chunks, 2(n-1) steps (reduce-scatter, then
 // all-gather), chunk c of `count` elements split in segments of at most seg_elems.
 struct RingPlan {
@@ -156,7 +145,7 @@ class Comm::Ring {
     const FrameHeader& h = f->header();
     Counters().aborts_received.fetch_add(1);
     Code code;
-    std::string text = AbortText(*f, &code);
+    std::string text = AbortReason(f->dst, f->payload_bytes, kMaxAbortText, &code);
     const std::string prefix = "dtenjax transport: ";
     if (text.compare(0, prefix.size(), prefix) == 0) text = text.substr(prefix.size());
     *out = Status(code, "dtenjax transport: rank " + std::to_string(h.src_rank) + " aborted " +
@@ -249,6 +238,7 @@ class Comm::Ring {
         ++st_;
         sj_ = 0;
       }
+      if (st_ == T_ && !next_closed_in_flight_.ok()) c_.next_closed_ = next_closed_in_flight_;
     }
     return Status::Ok();
   }
@@ -383,7 +373,7 @@ class Comm::Ring {
     if (rt_ < T_) {
       waiting = "receiving segment " + std::to_string(rj_) + " of ring step " +
                 std::to_string(rt_) + " from " + c_.prev_->peer;
-    } else if (next_closed_in_flight_) {
+    } else if (!next_closed_in_flight_.ok()) {
       waiting = "waiting for the send of its last frame to " + c_.next_->peer +
                 " to complete, which closed its connection meanwhile";
     } else {
@@ -402,7 +392,7 @@ class Comm::Ring {
   // ABORT frames may (or its death; or, once everything for it was sent, its orderly close).
   Status WaitAndWatchNext() {
     Conn* next = c_.next_;
-    const bool watching = !next_done_ && !next_closed_in_flight_;
+    const bool watching = !next_done_ && next_closed_in_flight_.ok();
     WaitItem w[2] = {{next, of_->active, watching}, {c_.prev_, false, rt_ < T_}};
     Counters().waits.fetch_add(1);
     Status s = c_.opts_.provider->wait(w, 2, last_progress_ + c_.opts_.timeout_s);
@@ -427,12 +417,17 @@ class Comm::Ring {
           // send complete (an RDMA write completes when the peer's acknowledgement comes back,
           // which can be after the peer returned and closed; or the wait above just took that
           // completion): the send side decides, the write completes or fails after the device's
-          // retries (counted and reported there, once). The closed rank is not looked at again.
-          next_closed_in_flight_ = true;
+          // retries (counted and reported there, once). The closed rank is not looked at again;
+          // once that write completes, the next collective reports the close (as above).
+          next_closed_in_flight_ = s;
           return Status::Ok();
         }
       }
-      CountPeerFailure();
+      // The close fails this rank: read it again as the peer's end, not a watch's look (the
+      // provider counts it; over verbs it first waits for the peer's last words, as a receive
+      // does: an ABORT whose receive completion lands after the close is its reason).
+      rev_.watch = false;
+      s = c_.opts_.provider->recv_some(next, &rev_, &p);
     }
     if (!s.ok()) return Fail(s, false, true);
     if (rev_.stage != InFrame::kHeadReady) return Status::Ok();
@@ -468,7 +463,7 @@ class Comm::Ring {
   int st_ = 0, rt_ = 0;        // send / receive step
   uint64_t sj_ = 0, rj_ = 0;   // segment within the step
   bool next_done_ = false;     // the next rank closed after everything for it was sent
-  bool next_closed_in_flight_ = false;  // it closed while our last frame's send was undecided
+  Status next_closed_in_flight_;  // it closed while our last frame's send was undecided
   InFrame in_, rev_;           // from the previous rank / backwards from the next one
   uint8_t text_buf_[kMaxAbortText > kMaxFingerprintBytes ? kMaxAbortText : kMaxFingerprintBytes];
   double last_progress_ = NowSeconds();

@@ -134,9 +134,9 @@ def _feeds_products(jaxpr) -> frozenset:
     elif name in _STRUCTURAL:
       if any(o in feeds for o in eqn.outvars) and not isinstance(eqn.invars[0], jcore.Literal):
         feeds.add(eqn.invars[0])
-    elif scaled_operand(eqn) is not None:
+    elif (scaled := scaled_operand(eqn)) is not None:
       if any(o in feeds for o in eqn.outvars):
-        feeds.add(scaled_operand(eqn))
+        feeds.add(scaled)
     else:
       sub = _sub_jaxpr(eqn)
       if sub is not None and len(sub[0].invars) == len(eqn.invars):
@@ -235,12 +235,13 @@ class _Evaluator:
         return None
       vals[0] = gathered_value(v)      # other layout changes: gather first
       return jaxapi.bind(eqn, vals)
-    if hits and scaled_operand(eqn) is eqn.invars[hits[0]]:
+    scaled = scaled_operand(eqn)
+    if scaled is not None and scaled in tracked:
       # a weight scaled by scalars on its way to a product (jaxpr_reader.scaled_operand):
       # scaled on its shard and gathered at the product. Left sharded, XLA's partitioner moved
       # the activations instead (``x @ (0.5 * w1)`` on FSDP 8: the batch all-gathered)
       if any(o in feeds for o in eqn.outvars):
-        tracked[eqn.outvars[0]] = tracked[eqn.invars[hits[0]]]
+        tracked[eqn.outvars[0]] = tracked[scaled]
       return None
     if name == "scan":
       return self._scan(eqn, vals, tracked, routes)

@@ -715,11 +715,14 @@ def needed_vars(jaxpr) -> set:
   return _needed(jaxpr)[1]
 
 
-def _batch_dependence(jaxpr, leaves: Sequence[Any]) -> tuple[dict[Any, int], int, int]:
+def _batch_dependence(jaxpr, leaves: Sequence[Any], stopped: bool = False
+                      ) -> tuple[dict[Any, int], int, int]:
   """Each value of ``jaxpr`` -> a mask of what it is computed from (bit ``leaf.index`` for a
   state leaf, the bit ``len(leaves)`` for any batch leaf); the mask of the state leaves some
   equation reads beside a value computed from the batch; the batch's bit. An equation with
-  bodies (a loop, a branch) is taken whole: every result computed from every operand."""
+  bodies (a loop, a branch) is taken whole: every result computed from every operand. With
+  ``stopped``, ``lax.stop_gradient`` ends the state leaves' part of a value (no gradient flows
+  back to them through it) and keeps the batch's."""
   dep: dict[Any, int] = {}
   batch = 1 << len(leaves)
   for leaf, v in zip(leaves, jaxpr.invars):
@@ -730,6 +733,8 @@ def _batch_dependence(jaxpr, leaves: Sequence[Any]) -> tuple[dict[Any, int], int
     for v in eqn.invars:
       if is_var(v):
         mask |= dep.get(v, 0)
+    if stopped and eqn.primitive.name == "stop_gradient":
+      mask &= batch
     if mask & batch:
       met |= mask
     for o in eqn.outvars:
@@ -743,6 +748,16 @@ def batch_free(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
   shard) meets no batch-split value, so XLA neither reduces its gradient over the batch axes nor
   gathers it (a leaf met inside a loop or branch may be counted met, never the other way)."""
   _, met, _ = _batch_dependence(jaxpr, leaves)
+  return frozenset(leaf.index for leaf in leaves
+                   if not leaf.is_batch and not met >> leaf.index & 1)
+
+
+def gradient_free(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
+  """The state leaves no equation of ``jaxpr`` reads beside a value computed from the batch but
+  through ``lax.stop_gradient`` (:func:`batch_free` and a parameter read by the loss only under
+  stop_gradient): their gradient is a constant zero, though XLA may still gather them for the
+  forward's products (stopped_reads)."""
+  _, met, _ = _batch_dependence(jaxpr, leaves, stopped=True)
   return frozenset(leaf.index for leaf in leaves
                    if not leaf.is_batch and not met >> leaf.index & 1)
 

@@ -52,7 +52,7 @@ _REMATS = frozenset({"checkpoint", "remat", "remat2"})
 
 
 def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
-                       sequence=None) -> Callable:
+                       sequence=None, shard_specs: tuple[Any, ...] | None = None) -> Callable:
   """``step`` with each weight that ``compute_specs`` names gathered to that layout where a
   product uses it (one layer at a time inside ``lax.scan``; see the module docstring).
 
@@ -63,18 +63,28 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
 
   ``sequence`` (a :class:`~dtenjax._src.planning.sequence.Application`, or None) also constrains
   each attention's keys and values to their gathered layout, and its queries to the sharded one,
-  where the forward pass makes them (inside the loop body of scanned layers)."""
+  where the forward pass makes them (inside the loop body of scanned layers).
+
+  ``shard_specs`` (the plan's specs, one tree per argument, or None) are the weights' own
+  layouts: a scaled layer weight a loop hands out to the backward loop (``0.5 * w``'s residual)
+  is handed out in its layer's, so that the backward gathers it again as it does an unscaled
+  weight."""
 
   def planned(*args):
     flat, tree = jax.tree.flatten(args)
-    specs: list[P | None] = []
-    for a, c in zip(args, tuple(compute_specs) + (None,) * (len(args) - len(compute_specs))):
-      n = len(jax.tree.leaves(a))
-      if c is None:
-        specs += [None] * n
-      else:
-        cs = jax.tree.leaves(c, is_leaf=lambda s: s is None or isinstance(s, P))
-        specs += list(cs) if len(cs) == n else [None] * n
+    def per_leaf(trees) -> list[P | None]:
+      out: list[P | None] = []
+      trees = tuple(trees or ())
+      for a, c in zip(args, trees + (None,) * (len(args) - len(trees))):
+        n = len(jax.tree.leaves(a))
+        if c is None:
+          out += [None] * n
+        else:
+          cs = jax.tree.leaves(c, is_leaf=lambda s: s is None or isinstance(s, P))
+          out += list(cs) if len(cs) == n else [None] * n
+      return out
+
+    specs = per_leaf(compute_specs)
     if not any(s is not None for s in specs) and sequence is None:
       return step(*args)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
@@ -82,6 +92,8 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
         lambda *leaves: step(*jax.tree.unflatten(tree, leaves)), return_shape=True)(*abstract)
     tracked = {v: s for v, s in zip(closed.jaxpr.invars, specs) if s is not None}
     ev = _Evaluator(mesh)
+    ev.shards = {v: s for v, s, c in zip(closed.jaxpr.invars, per_leaf(shard_specs), specs)
+                 if s is not None and c is not None}
     if sequence is not None:
       ev.attend, ev.enter = sequence.constraints(closed.jaxpr, args)
     outs = ev.run(closed.jaxpr, closed.consts, flat, tracked)
@@ -165,6 +177,10 @@ class _Evaluator:
     self.out_routes: list = []         # the routes of the last run's outputs (routing.py)
     self.attend: dict = {}             # attention operand -> its layout (planning/sequence.py)
     self.enter: frozenset = frozenset()   # ids of loops and calls whose bodies hold one
+    self.out_tracked: list = []        # the gathered layouts of the last run's outputs
+    # a tracked weight (or a value made from it in a loop body: one layer, scaled) -> its own
+    # layout, where known (gather_for_compute's shard_specs)
+    self.shards: dict = {}
 
   def constrain(self, x, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -205,6 +221,8 @@ class _Evaluator:
           env[v] = self.constrain(x, self.attend[v]) if v in self.attend else x
     self.out_routes = [routes.get(v) if not isinstance(v, jcore.Literal) else None
                        for v in jaxpr.outvars]
+    self.out_tracked = [tracked.get(v) if not isinstance(v, jcore.Literal) else None
+                        for v in jaxpr.outvars]
     return [_read(env, v) for v in jaxpr.outvars]
 
   def _eqn_with_tracked(self, eqn, vals, hits, tracked, feeds, gathered_value, routes, env):
@@ -242,6 +260,8 @@ class _Evaluator:
       # the activations instead (``x @ (0.5 * w1)`` on FSDP 8: the batch all-gathered)
       if any(o in feeds for o in eqn.outvars):
         tracked[eqn.outvars[0]] = tracked[scaled]
+        if scaled in self.shards:
+          self.shards[eqn.outvars[0]] = self.shards[scaled]
       return None
     if name == "scan":
       return self._scan(eqn, vals, tracked, routes)
@@ -280,6 +300,9 @@ class _Evaluator:
         layer = _drop_leading(tracked[ov])
         if layer is not None:
           inner[iv] = layer
+          shard = _drop_leading(self.shards[ov]) if ov in self.shards else None
+          if shard is not None:
+            self.shards[iv] = shard
     if not inner and id(eqn) not in self.enter:
       return None
     consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
@@ -291,9 +314,20 @@ class _Evaluator:
                  else None for k, ov in enumerate(eqn.invars)]
     out_routes: list = []
 
+    out_tracked: list = []
+    handed = [k for k, iv in enumerate(body.jaxpr.outvars) if k >= nk and
+              not isinstance(iv, jcore.Literal) and iv not in body.jaxpr.invars]
+
     def step(c, x):
       outs = self.run(body.jaxpr, body.consts, [*consts, *c, *x], inner, routes_in)
       out_routes[:] = self.out_routes
+      out_tracked[:] = self.out_tracked
+      for k in handed:
+        # a layer's weight made in the body (scaled) handed out for the backward: in its own
+        # layout. Left free, XLA hands out the gathered copy and holds every layer's
+        iv = body.jaxpr.outvars[k]
+        if self.out_tracked[k] is not None and iv in self.shards:
+          outs[k] = self.constrain(outs[k], self.shards[iv])
       return outs[:nk], outs[nk:]
 
     carry_out, ys = jax.lax.scan(step, list(carry), list(xs), length=p["length"],
@@ -308,6 +342,15 @@ class _Evaluator:
         k = body.jaxpr.invars.index(iv)
         if k >= nc + nk:
           tracked[ov] = tracked[eqn.invars[k]]
+    # ... and one that hands out a layer's weight scaled (``0.5 * w``'s residual, which the
+    # backward loop's product reads) hands out the stacked scaled weight, gathered again
+    # where the backward's product reads it (stacked layers scaled on FSDP 8: XLA otherwise
+    # held the forward's gathered copies, half the all-gathers the plan priced)
+    for k in handed:
+      ov, iv, spec = eqn.outvars[k], body.jaxpr.outvars[k], out_tracked[k]
+      if spec is not None and iv in self.shards and not isinstance(ov, jcore.DropVar):
+        tracked[ov] = P(None, *spec)
+        self.shards[ov] = P(None, *self.shards[iv])
     return [*carry_out, *ys]
 
 

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import jaxapi
 from dtenjax._src.planning import routing
-from dtenjax._src.planning.jaxpr_reader import scaled_operand
+from dtenjax._src.planning.jaxpr_reader import followed_operand
 
 # Equations whose operands the products need whole (gather: only its operand, not the indices).
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
@@ -146,7 +146,7 @@ def _feeds_products(jaxpr) -> frozenset:
     elif name in _STRUCTURAL:
       if any(o in feeds for o in eqn.outvars) and not isinstance(eqn.invars[0], jcore.Literal):
         feeds.add(eqn.invars[0])
-    elif (scaled := scaled_operand(eqn)) is not None:
+    elif (scaled := followed_operand(eqn)) is not None:
       if any(o in feeds for o in eqn.outvars):
         feeds.add(scaled)
     else:
@@ -253,11 +253,12 @@ class _Evaluator:
         return None
       vals[0] = gathered_value(v)      # other layout changes: gather first
       return jaxapi.bind(eqn, vals)
-    scaled = scaled_operand(eqn)
+    scaled = followed_operand(eqn)
     if scaled is not None and scaled in tracked:
-      # a weight scaled by scalars on its way to a product (jaxpr_reader.scaled_operand):
-      # scaled on its shard and gathered at the product. Left sharded, XLA's partitioner moved
-      # the activations instead (``x @ (0.5 * w1)`` on FSDP 8: the batch all-gathered)
+      # a weight scaled by scalars on its way to a product (jaxpr_reader.followed_operand), or
+      # negated, squared (``-w``, ``w ** 2``): computed on its shard and gathered at the
+      # product. Left sharded, XLA's partitioner moved the activations instead (``x @ (0.5 *
+      # w1)`` on FSDP 8: the batch all-gathered; ``x @ -w1`` the same: all-gather +60 %)
       if any(o in feeds for o in eqn.outvars):
         tracked[eqn.outvars[0]] = tracked[scaled]
         if scaled in self.shards:

@@ -164,6 +164,24 @@ def scaled_operand(eqn):
   return full[0] if tuple(full[0].aval.shape) == tuple(eqn.outvars[0].aval.shape) else None
 
 
+# One-operand elementwise equations a weight is not followed through: stop_gradient ends its
+# identity (a table read under it is priced apart: stopped_reads)
+_NOT_FOLLOWED = frozenset({"stop_gradient", "optimization_barrier"})
+
+
+def followed_operand(eqn):
+  """The operand of an elementwise equation of one full operand, of the result's shape, and
+  scalars (``0.5 * w``: :func:`scaled_operand`) or nothing else (``-w``, ``w ** 2``): a weight
+  so changed on its way to a product keeps its identity, as a scaled one does (gather.py
+  computes it on the weight's shard and gathers it at the product). None for any other
+  equation."""
+  if (eqn.primitive.name in ELEMENTWISE and eqn.primitive.name not in _NOT_FOLLOWED and
+      len(eqn.invars) == 1 and len(eqn.outvars) == 1 and is_var(eqn.invars[0]) and
+      tuple(getattr(eqn.invars[0].aval, "shape", ())) == tuple(eqn.outvars[0].aval.shape)):
+    return eqn.invars[0]
+  return scaled_operand(eqn)
+
+
 def sub_jaxprs(eqn):
   """(jaxpr, repeats) of an equation's bodies that run per step."""
   name = eqn.primitive.name
@@ -289,8 +307,8 @@ class Reader:
                               seen[2] + (rows,) * repeats)
       if name in _ALIASES and ins[0] is not None:
         origin[eqn.outvars[0]] = ins[0]
-      elif name in ELEMENTWISE and scaled_operand(eqn) is not None:
-        org = ins[list(eqn.invars).index(scaled_operand(eqn))]
+      elif (kept := followed_operand(eqn)) is not None:
+        org = ins[list(eqn.invars).index(kept)]
         if org is not None:          # a weight scaled by scalars (``0.5 * w``): still the weight
           origin[eqn.outvars[0]] = org
       elif name == "transpose" and ins[0] is not None:

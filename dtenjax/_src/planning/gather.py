@@ -160,6 +160,16 @@ def _feeds_products(jaxpr) -> frozenset:
   return out
 
 
+def _read_apart(jaxpr) -> frozenset:
+  """The variables of ``jaxpr`` that an equation other than a product reads, or that it returns
+  (a weight scaled on its way to a product and read there too: ``sum((0.5 * w) ** 2)``)."""
+  out = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name not in _PRODUCTS:
+      out.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+  return frozenset(out)
+
+
 def _drop_leading(spec: P) -> P | None:
   """The layout of one layer of a stacked weight laid out as ``spec`` (None when the stacked
   dimension itself is sharded: a layer's slice then lives on some devices only)."""
@@ -195,6 +205,7 @@ class _Evaluator:
       env[v] = self.constrain(x, self.attend[v]) if v in self.attend else x
     tracked = dict(tracked)
     feeds = _feeds_products(jaxpr)
+    apart = _read_apart(jaxpr)
     gathered: dict = {}                # tracked var -> its gathered value in this scope
 
     def gathered_value(v):
@@ -211,7 +222,7 @@ class _Evaluator:
       outs = None
       if hits or routed or id(eqn) in self.enter:
         outs = self._eqn_with_tracked(eqn, vals, hits, tracked, feeds, gathered_value, routes,
-                                       env)
+                                       env, apart)
       if outs is None:
         outs = jaxapi.bind(eqn, vals)
         if routed:
@@ -225,7 +236,8 @@ class _Evaluator:
                         for v in jaxpr.outvars]
     return [_read(env, v) for v in jaxpr.outvars]
 
-  def _eqn_with_tracked(self, eqn, vals, hits, tracked, feeds, gathered_value, routes, env):
+  def _eqn_with_tracked(self, eqn, vals, hits, tracked, feeds, gathered_value, routes, env,
+                        apart=frozenset()):
     """Evaluates an equation that reads planned weights or routed tokens; None: bind it
     unchanged."""
     name = eqn.primitive.name
@@ -259,11 +271,21 @@ class _Evaluator:
       # negated, squared (``-w``, ``w ** 2``): computed on its shard and gathered at the
       # product. Left sharded, XLA's partitioner moved the activations instead (``x @ (0.5 *
       # w1)`` on FSDP 8: the batch all-gathered; ``x @ -w1`` the same: all-gather +60 %)
-      if any(o in feeds for o in eqn.outvars):
-        tracked[eqn.outvars[0]] = tracked[scaled]
-        if scaled in self.shards:
-          self.shards[eqn.outvars[0]] = self.shards[scaled]
-      return None
+      if not any(o in feeds for o in eqn.outvars):
+        return None
+      tracked[eqn.outvars[0]] = tracked[scaled]
+      if scaled not in self.shards:
+        return None
+      self.shards[eqn.outvars[0]] = self.shards[scaled]
+      if eqn.outvars[0] not in apart:
+        return None
+      # read apart from the products too: pinned to the weight's own layout. The gather's
+      # constraint otherwise reaches back to the scaled value itself, and XLA scales the
+      # gathered copy, which the other readers (``sum((0.5 * w) ** 2)`` and its gradient in the
+      # loss) then read, alive until the update (+256 KiB on an MLP on FSDP 8, where the plan,
+      # as the unscaled step, frees it). Only then: under jax.checkpoint, pinned, the recompute
+      # gathers the weight again where XLA otherwise keeps one gathered copy, as priced
+      return [self.constrain(jaxapi.bind(eqn, vals)[0], self.shards[scaled])]
     if name == "scan":
       return self._scan(eqn, vals, tracked, routes)
     sub = _sub_jaxpr(eqn)

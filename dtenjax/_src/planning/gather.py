@@ -66,9 +66,9 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
   where the forward pass makes them (inside the loop body of scanned layers).
 
   ``shard_specs`` (the plan's specs, one tree per argument, or None) are the weights' own
-  layouts: a scaled layer weight a loop hands out to the backward loop (``0.5 * w``'s residual)
-  is handed out in its layer's, so that the backward gathers it again as it does an unscaled
-  weight."""
+  layouts: a scaled weight that something besides its products reads is made in its weight's
+  (the loss's ``sum((0.5 * w) ** 2)``; a loop handing ``0.5 * w`` out to the backward loop, which
+  then gathers it again as it does an unscaled weight)."""
 
   def planned(*args):
     flat, tree = jax.tree.flatten(args)
@@ -345,12 +345,6 @@ class _Evaluator:
       outs = self.run(body.jaxpr, body.consts, [*consts, *c, *x], inner, routes_in)
       out_routes[:] = self.out_routes
       out_tracked[:] = self.out_tracked
-      for k in handed:
-        # a layer's weight made in the body (scaled) handed out for the backward: in its own
-        # layout. Left free, XLA hands out the gathered copy and holds every layer's
-        iv = body.jaxpr.outvars[k]
-        if self.out_tracked[k] is not None and iv in self.shards:
-          outs[k] = self.constrain(outs[k], self.shards[iv])
       return outs[:nk], outs[nk:]
 
     carry_out, ys = jax.lax.scan(step, list(carry), list(xs), length=p["length"],
@@ -366,9 +360,10 @@ class _Evaluator:
         if k >= nc + nk:
           tracked[ov] = tracked[eqn.invars[k]]
     # ... and one that hands out a layer's weight scaled (``0.5 * w``'s residual, which the
-    # backward loop's product reads) hands out the stacked scaled weight, gathered again
-    # where the backward's product reads it (stacked layers scaled on FSDP 8: XLA otherwise
-    # held the forward's gathered copies, half the all-gathers the plan priced)
+    # backward loop's product reads; made in the layer's own layout, as the body returns it:
+    # _eqn_with_tracked) hands out the stacked scaled weight, gathered again where the
+    # backward's product reads it (stacked layers scaled on FSDP 8: XLA otherwise handed out
+    # the forward's gathered copies, half the all-gathers the plan priced)
     for k in handed:
       ov, iv, spec = eqn.outvars[k], body.jaxpr.outvars[k], out_tracked[k]
       if spec is not None and iv in self.shards and not isinstance(ov, jcore.DropVar):

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import jaxapi
 from dtenjax._src.planning import routing
-from dtenjax._src.planning.jaxpr_reader import scaled_operand
+from dtenjax._src.planning.jaxpr_reader import followed_operand
 
 # Equations whose operands the products need whole (gather: only its operand, not the indices).
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
@@ -52,7 +52,7 @@ _REMATS = frozenset({"checkpoint", "remat", "remat2"})
 
 
 def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
-                       sequence=None) -> Callable:
+                       sequence=None, shard_specs: tuple[Any, ...] | None = None) -> Callable:
   """``step`` with each weight that ``compute_specs`` names gathered to that layout where a
   product uses it (one layer at a time inside ``lax.scan``; see the module docstring).
 
@@ -63,18 +63,28 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
 
   ``sequence`` (a :class:`~dtenjax._src.planning.sequence.Application`, or None) also constrains
   each attention's keys and values to their gathered layout, and its queries to the sharded one,
-  where the forward pass makes them (inside the loop body of scanned layers)."""
+  where the forward pass makes them (inside the loop body of scanned layers).
+
+  ``shard_specs`` (the plan's specs, one tree per argument, or None) are the weights' own
+  layouts: a scaled weight that something besides its products reads is made in its weight's
+  (the loss's ``sum((0.5 * w) ** 2)``; a loop handing ``0.5 * w`` out to the backward loop, which
+  then gathers it again as it does an unscaled weight)."""
 
   def planned(*args):
     flat, tree = jax.tree.flatten(args)
-    specs: list[P | None] = []
-    for a, c in zip(args, tuple(compute_specs) + (None,) * (len(args) - len(compute_specs))):
-      n = len(jax.tree.leaves(a))
-      if c is None:
-        specs += [None] * n
-      else:
-        cs = jax.tree.leaves(c, is_leaf=lambda s: s is None or isinstance(s, P))
-        specs += list(cs) if len(cs) == n else [None] * n
+    def per_leaf(trees) -> list[P | None]:
+      out: list[P | None] = []
+      trees = tuple(trees or ())
+      for a, c in zip(args, trees + (None,) * (len(args) - len(trees))):
+        n = len(jax.tree.leaves(a))
+        if c is None:
+          out += [None] * n
+        else:
+          cs = jax.tree.leaves(c, is_leaf=lambda s: s is None or isinstance(s, P))
+          out += list(cs) if len(cs) == n else [None] * n
+      return out
+
+    specs = per_leaf(compute_specs)
     if not any(s is not None for s in specs) and sequence is None:
       return step(*args)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
@@ -82,6 +92,8 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
         lambda *leaves: step(*jax.tree.unflatten(tree, leaves)), return_shape=True)(*abstract)
     tracked = {v: s for v, s in zip(closed.jaxpr.invars, specs) if s is not None}
     ev = _Evaluator(mesh)
+    ev.shards = {v: s for v, s, c in zip(closed.jaxpr.invars, per_leaf(shard_specs), specs)
+                 if s is not None and c is not None}
     if sequence is not None:
       ev.attend, ev.enter = sequence.constraints(closed.jaxpr, args)
     outs = ev.run(closed.jaxpr, closed.consts, flat, tracked)
@@ -134,9 +146,9 @@ def _feeds_products(jaxpr) -> frozenset:
     elif name in _STRUCTURAL:
       if any(o in feeds for o in eqn.outvars) and not isinstance(eqn.invars[0], jcore.Literal):
         feeds.add(eqn.invars[0])
-    elif scaled_operand(eqn) is not None:
+    elif (scaled := followed_operand(eqn)) is not None:
       if any(o in feeds for o in eqn.outvars):
-        feeds.add(scaled_operand(eqn))
+        feeds.add(scaled)
     else:
       sub = _sub_jaxpr(eqn)
       if sub is not None and len(sub[0].invars) == len(eqn.invars):
@@ -146,6 +158,16 @@ def _feeds_products(jaxpr) -> frozenset:
   out = frozenset(feeds)
   _FEEDS_MEMO[id(jaxpr)] = (jaxpr, out)
   return out
+
+
+def _read_apart(jaxpr) -> frozenset:
+  """The variables of ``jaxpr`` that an equation other than a product reads, or that it returns
+  (a weight scaled on its way to a product and read there too: ``sum((0.5 * w) ** 2)``)."""
+  out = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name not in _PRODUCTS:
+      out.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+  return frozenset(out)
 
 
 def _drop_leading(spec: P) -> P | None:
@@ -165,6 +187,10 @@ class _Evaluator:
     self.out_routes: list = []         # the routes of the last run's outputs (routing.py)
     self.attend: dict = {}             # attention operand -> its layout (planning/sequence.py)
     self.enter: frozenset = frozenset()   # ids of loops and calls whose bodies hold one
+    self.out_tracked: list = []        # the gathered layouts of the last run's outputs
+    # a tracked weight (or a value made from it in a loop body: one layer, scaled) -> its own
+    # layout, where known (gather_for_compute's shard_specs)
+    self.shards: dict = {}
 
   def constrain(self, x, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -179,6 +205,7 @@ class _Evaluator:
       env[v] = self.constrain(x, self.attend[v]) if v in self.attend else x
     tracked = dict(tracked)
     feeds = _feeds_products(jaxpr)
+    apart = _read_apart(jaxpr)
     gathered: dict = {}                # tracked var -> its gathered value in this scope
 
     def gathered_value(v):
@@ -195,7 +222,7 @@ class _Evaluator:
       outs = None
       if hits or routed or id(eqn) in self.enter:
         outs = self._eqn_with_tracked(eqn, vals, hits, tracked, feeds, gathered_value, routes,
-                                       env)
+                                       env, apart)
       if outs is None:
         outs = jaxapi.bind(eqn, vals)
         if routed:
@@ -205,9 +232,12 @@ class _Evaluator:
           env[v] = self.constrain(x, self.attend[v]) if v in self.attend else x
     self.out_routes = [routes.get(v) if not isinstance(v, jcore.Literal) else None
                        for v in jaxpr.outvars]
+    self.out_tracked = [tracked.get(v) if not isinstance(v, jcore.Literal) else None
+                        for v in jaxpr.outvars]
     return [_read(env, v) for v in jaxpr.outvars]
 
-  def _eqn_with_tracked(self, eqn, vals, hits, tracked, feeds, gathered_value, routes, env):
+  def _eqn_with_tracked(self, eqn, vals, hits, tracked, feeds, gathered_value, routes, env,
+                        apart=frozenset()):
     """Evaluates an equation that reads planned weights or routed tokens; None: bind it
     unchanged."""
     name = eqn.primitive.name
@@ -235,13 +265,27 @@ class _Evaluator:
         return None
       vals[0] = gathered_value(v)      # other layout changes: gather first
       return jaxapi.bind(eqn, vals)
-    if hits and scaled_operand(eqn) is eqn.invars[hits[0]]:
-      # a weight scaled by scalars on its way to a product (jaxpr_reader.scaled_operand):
-      # scaled on its shard and gathered at the product. Left sharded, XLA's partitioner moved
-      # the activations instead (``x @ (0.5 * w1)`` on FSDP 8: the batch all-gathered)
-      if any(o in feeds for o in eqn.outvars):
-        tracked[eqn.outvars[0]] = tracked[eqn.invars[hits[0]]]
-      return None
+    scaled = followed_operand(eqn)
+    if scaled is not None and scaled in tracked:
+      # a weight scaled by scalars on its way to a product (jaxpr_reader.followed_operand), or
+      # negated, squared (``-w``, ``w ** 2``): computed on its shard and gathered at the
+      # product. Left sharded, XLA's partitioner moved the activations instead (``x @ (0.5 *
+      # w1)`` on FSDP 8: the batch all-gathered; ``x @ -w1`` the same: all-gather +60 %)
+      if not any(o in feeds for o in eqn.outvars):
+        return None
+      tracked[eqn.outvars[0]] = tracked[scaled]
+      if scaled not in self.shards:
+        return None
+      self.shards[eqn.outvars[0]] = self.shards[scaled]
+      if eqn.outvars[0] not in apart:
+        return None
+      # read apart from the products too: pinned to the weight's own layout. The gather's
+      # constraint otherwise reaches back to the scaled value itself, and XLA scales the
+      # gathered copy, which the other readers (``sum((0.5 * w) ** 2)`` and its gradient in the
+      # loss) then read, alive until the update (+256 KiB on an MLP on FSDP 8, where the plan,
+      # as the unscaled step, frees it). Only then: under jax.checkpoint, pinned, the recompute
+      # gathers the weight again where XLA otherwise keeps one gathered copy, as priced
+      return [self.constrain(jaxapi.bind(eqn, vals)[0], self.shards[scaled])]
     if name == "scan":
       return self._scan(eqn, vals, tracked, routes)
     sub = _sub_jaxpr(eqn)
@@ -279,6 +323,9 @@ class _Evaluator:
         layer = _drop_leading(tracked[ov])
         if layer is not None:
           inner[iv] = layer
+          shard = _drop_leading(self.shards[ov]) if ov in self.shards else None
+          if shard is not None:
+            self.shards[iv] = shard
     if not inner and id(eqn) not in self.enter:
       return None
     consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
@@ -290,9 +337,14 @@ class _Evaluator:
                  else None for k, ov in enumerate(eqn.invars)]
     out_routes: list = []
 
+    out_tracked: list = []
+    handed = [k for k, iv in enumerate(body.jaxpr.outvars) if k >= nk and
+              not isinstance(iv, jcore.Literal) and iv not in body.jaxpr.invars]
+
     def step(c, x):
       outs = self.run(body.jaxpr, body.consts, [*consts, *c, *x], inner, routes_in)
       out_routes[:] = self.out_routes
+      out_tracked[:] = self.out_tracked
       return outs[:nk], outs[nk:]
 
     carry_out, ys = jax.lax.scan(step, list(carry), list(xs), length=p["length"],
@@ -307,6 +359,16 @@ class _Evaluator:
         k = body.jaxpr.invars.index(iv)
         if k >= nc + nk:
           tracked[ov] = tracked[eqn.invars[k]]
+    # ... and one that hands out a layer's weight scaled (``0.5 * w``'s residual, which the
+    # backward loop's product reads; made in the layer's own layout, as the body returns it:
+    # _eqn_with_tracked) hands out the stacked scaled weight, gathered again where the
+    # backward's product reads it (stacked layers scaled on FSDP 8: XLA otherwise handed out
+    # the forward's gathered copies, half the all-gathers the plan priced)
+    for k in handed:
+      ov, iv, spec = eqn.outvars[k], body.jaxpr.outvars[k], out_tracked[k]
+      if spec is not None and iv in self.shards and not isinstance(ov, jcore.DropVar):
+        tracked[ov] = P(None, *spec)
+        self.shards[ov] = P(None, *self.shards[iv])
     return [*carry_out, *ys]
 
 

@@ -186,6 +186,24 @@ def wide_bytes(aval) -> int:
   return nbytes(aval) if _is_bfloat16(getattr(aval, "dtype", None)) else 0
 
 
+# One-operand elementwise equations a weight is not followed through: stop_gradient ends its
+# identity (a table read under it is priced apart: stopped_reads)
+_NOT_FOLLOWED = frozenset({"stop_gradient", "optimization_barrier"})
+
+
+def followed_operand(eqn):
+  """The operand of an elementwise equation of one full operand, of the result's shape, and
+  scalars (``0.5 * w``: :func:`scaled_operand`) or nothing else (``-w``, ``w ** 2``): a weight
+  so changed on its way to a product keeps its identity, as a scaled one does (gather.py
+  computes it on the weight's shard and gathers it at the product). None for any other
+  equation."""
+  if (eqn.primitive.name in ELEMENTWISE and eqn.primitive.name not in _NOT_FOLLOWED and
+      len(eqn.invars) == 1 and len(eqn.outvars) == 1 and is_var(eqn.invars[0]) and
+      tuple(getattr(eqn.invars[0].aval, "shape", ())) == tuple(eqn.outvars[0].aval.shape)):
+    return eqn.invars[0]
+  return scaled_operand(eqn)
+
+
 def sub_jaxprs(eqn):
   """(jaxpr, repeats) of an equation's bodies that run per step."""
   name = eqn.primitive.name
@@ -311,8 +329,8 @@ class Reader:
                               seen[2] + (rows,) * repeats)
       if name in _ALIASES and ins[0] is not None:
         origin[eqn.outvars[0]] = ins[0]
-      elif name in ELEMENTWISE and scaled_operand(eqn) is not None:
-        org = ins[list(eqn.invars).index(scaled_operand(eqn))]
+      elif (kept := followed_operand(eqn)) is not None:
+        org = ins[list(eqn.invars).index(kept)]
         if org is not None:          # a weight scaled by scalars (``0.5 * w``): still the weight
           origin[eqn.outvars[0]] = org
       elif name == "transpose" and ins[0] is not None:
@@ -741,11 +759,14 @@ def needed_vars(jaxpr) -> set:
   return _needed(jaxpr)[1]
 
 
-def _batch_dependence(jaxpr, leaves: Sequence[Any]) -> tuple[dict[Any, int], int, int]:
+def _batch_dependence(jaxpr, leaves: Sequence[Any], stopped: bool = False
+                      ) -> tuple[dict[Any, int], int, int]:
   """Each value of ``jaxpr`` -> a mask of what it is computed from (bit ``leaf.index`` for a
   state leaf, the bit ``len(leaves)`` for any batch leaf); the mask of the state leaves some
   equation reads beside a value computed from the batch; the batch's bit. An equation with
-  bodies (a loop, a branch) is taken whole: every result computed from every operand."""
+  bodies (a loop, a branch) is taken whole: every result computed from every operand. With
+  ``stopped``, ``lax.stop_gradient`` ends the state leaves' part of a value (no gradient flows
+  back to them through it) and keeps the batch's."""
   dep: dict[Any, int] = {}
   batch = 1 << len(leaves)
   for leaf, v in zip(leaves, jaxpr.invars):
@@ -756,6 +777,8 @@ def _batch_dependence(jaxpr, leaves: Sequence[Any]) -> tuple[dict[Any, int], int
     for v in eqn.invars:
       if is_var(v):
         mask |= dep.get(v, 0)
+    if stopped and eqn.primitive.name == "stop_gradient":
+      mask &= batch
     if mask & batch:
       met |= mask
     for o in eqn.outvars:
@@ -769,6 +792,16 @@ def batch_free(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
   shard) meets no batch-split value, so XLA neither reduces its gradient over the batch axes nor
   gathers it (a leaf met inside a loop or branch may be counted met, never the other way)."""
   _, met, _ = _batch_dependence(jaxpr, leaves)
+  return frozenset(leaf.index for leaf in leaves
+                   if not leaf.is_batch and not met >> leaf.index & 1)
+
+
+def gradient_free(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
+  """The state leaves no equation of ``jaxpr`` reads beside a value computed from the batch but
+  through ``lax.stop_gradient`` (:func:`batch_free` and a parameter read by the loss only under
+  stop_gradient): their gradient is a constant zero, though XLA may still gather them for the
+  forward's products (stopped_reads)."""
+  _, met, _ = _batch_dependence(jaxpr, leaves, stopped=True)
   return frozenset(leaf.index for leaf in leaves
                    if not leaf.is_batch and not met >> leaf.index & 1)
 

@@ -27,7 +27,7 @@ from dtenjax._src.planning.jaxpr_reader import CUSTOM_DERIVATIVE_CALLS
 from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
 from dtenjax._src.planning.jaxpr_reader import is_var
 from dtenjax._src.planning.jaxpr_reader import nbytes
-from dtenjax._src.planning.jaxpr_reader import scaled_operand
+from dtenjax._src.planning.jaxpr_reader import followed_operand
 from dtenjax._src.planning.jaxpr_reader import sub_jaxprs
 
 # Values XLA computes inside the fusion of their consumer (recomputed there, never materialised)
@@ -259,7 +259,7 @@ def _update_values(jaxpr, state_shapes: set, batch_carried: frozenset = frozense
     if name in ("transpose", "reshape", "convert_element_type") and eqn.invars[0] in made:
       made.update(eqn.outvars)
       continue
-    scaled = scaled_operand(eqn)
+    scaled = followed_operand(eqn)
     if scaled is not None and scaled in made and not any(
         is_var(v) and v in from_grads for v in eqn.invars if v is not scaled):
       made.update(eqn.outvars)   # the gradient of a weight scaled in the forward: 0.5 * g
@@ -352,9 +352,10 @@ def _weight_values(jaxpr, leaves: Sequence[Any]) -> set[Any]:
 
 def weight_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[tuple[int, bool], ...]]:
   """State leaf index -> the equations of ``jaxpr``'s top level that read it, or a value made
-  from it by reshapes, transposes, casts and scalings (``0.5 * w``, which plan.jit gathers
-  where a product reads it: gather.py; where a layout gathers it, the readers of its gathered
-  copy), each with whether it is a product (solver._combined_reduction)."""
+  from it by reshapes, transposes, casts and scalings (``0.5 * w``, ``-w``:
+  jaxpr_reader.followed_operand, which plan.jit gathers where a product reads it: gather.py;
+  where a layout gathers it, the readers of its gathered copy), each with whether it is a
+  product (solver._combined_reduction)."""
   made_from: dict[Any, int] = {v: lf.index for lf, v in zip(leaves, jaxpr.invars)
                                if not lf.is_batch}
   reads: dict[int, list[tuple[int, bool]]] = {}
@@ -365,7 +366,7 @@ def weight_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[tuple[int, boo
         if not reads.get(k) or reads[k][-1][0] != i:
           reads.setdefault(k, []).append((i, eqn.primitive.name in _PRODUCTS))
         if (eqn.primitive.name in _RESHAPES or eqn.primitive.name == "transpose" or
-            scaled_operand(eqn) is v):
+            followed_operand(eqn) is v):
           made_from.update((o, k) for o in eqn.outvars)
   return {k: tuple(v) for k, v in reads.items()}
 
@@ -615,16 +616,15 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
 
 def _scaled_read_late(jaxpr, same, last_use: dict[Any, int], materialised: set, outvars: set,
                       state_shapes: set) -> None:
-  """A value of a state leaf's shape scaled by scalars (the gradient of a weight scaled in the
-  forward, ``x @ (0.5 * w)``: ``0.5 * g``, jaxpr_reader.scaled_operand) where XLA fuses the
-  scaling into its readers (the optimizer's update): the value is live until they run, as the
-  unscaled gradient of ``x @ w`` is. In XLA:CPU's compile of an MLP's step with both weights
-  scaled, on FSDP 8, the gradients are all-reduced as products make them and the scaling is in
-  the update's fusions; the model ended them at the scaling, 256 KiB under the compile."""
+  """A value of a state leaf's shape scaled by scalars or negated (the gradient of a weight so
+  changed in the forward, ``x @ (0.5 * w)``: ``0.5 * g``; ``x @ -w``: ``-g``,
+  jaxpr_reader.followed_operand) where XLA fuses the scaling into its readers (the optimizer's
+  update): the value is live until they run, as the unscaled gradient of ``x @ w`` is. In
+  XLA:CPU's compile of an MLP's step with both weights scaled (or both negated), on FSDP 8, the
+  gradients are all-reduced as products make them and the scaling is in the update's fusions;
+  the model ended them at the scaling, 256 KiB under the compile (-17.9 % negated)."""
   for eqn in reversed(jaxpr.eqns):
-    v = scaled_operand(eqn)
-    if eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0]):
-      v = eqn.invars[0]          # a weight cast and scaled (``w.astype(bf16) * s``)
+    v = followed_operand(eqn)    # a cast too (``w.astype(bf16) * s``'s gradient cast back)
     if (v is None or eqn.primitive.name in _EXPENSIVE or not _of_state_shape(v, state_shapes)):
       continue
     o = same(eqn.outvars[0])

@@ -190,7 +190,8 @@ class StepPlan:
     planned = gather.gather_for_compute(
         step, mesh, self.compute_specs,
         sequence=sequence_lib.application(dict(zip(self.axis_names, self.mesh_shape)),
-                                          SEQUENCE_AXES, BATCH_AXES, self.batch_argnums))
+                                          SEQUENCE_AXES, BATCH_AXES, self.batch_argnums),
+        shard_specs=self.specs)
 
     @functools.wraps(planned)          # the step's name: jit_<step> in profiles and HLO
     def fn(*args):

@@ -201,6 +201,9 @@ class StepGraph:
   # (jaxpr_reader.batch_free): a parameter the loss never reads, whose gradient is a constant
   # zero, is neither reduced over the batch axes nor gathered
   batch_free: frozenset[int] = frozenset()
+  # the state leaves whose gradient is a constant zero (jaxpr_reader.gradient_free): those of
+  # batch_free and a parameter the loss reads only under lax.stop_gradient
+  gradient_free: frozenset[int] = frozenset()
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
@@ -250,6 +253,13 @@ class StepGraph:
     a leaf of the parameters the loss never reads). Integer leaves (a step counter) keep the
     price of their few bytes the recorded plans hold (pricing.price_layout)."""
     return (all(i in self.batch_free for i in group) and
+            is_float(self.leaves[group[0]].dtype))
+
+  def no_gradient(self, group: Sequence[int]) -> bool:
+    """Whether a tied float group has no gradient value the memory holds: its gradient is a
+    constant zero XLA fuses into the update (:meth:`zero_gradient`, or a parameter the loss
+    reads only under ``lax.stop_gradient``, which XLA still gathers for the forward)."""
+    return (all(i in self.gradient_free for i in group) and
             is_float(self.leaves[group[0]].dtype))
 
   def frozen(self, group: Sequence[int]) -> bool:
@@ -388,6 +398,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    unread=frozenset(leaf.index for leaf, v in zip(leaves, jaxpr.invars)
                                     if v not in read),
                    batch_free=jaxpr_reader.batch_free(jaxpr, leaves),
+                   gradient_free=jaxpr_reader.gradient_free(jaxpr, leaves),
                    batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves),
                    manual_outputs=tuple(reader.manual_outputs()),
                    stopped=jaxpr_reader.stopped_reads(jaxpr, leaves),

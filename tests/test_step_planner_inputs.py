@@ -165,3 +165,25 @@ def test_the_carried_flops_are_the_same_in_whatever_order_the_products_come():
   got = [pairs.carried_flops({e: ([(0, 1), (2, 1)] if e == "d" else [(0, 1)]) for e in order},
                              flops) for order in orders]
   assert all(g == {(0, 1): 1.0 + 3.0, (2, 1): 3.0} for g in got), got
+
+
+def test_the_solver_stops_on_nodes_not_on_time(module, monkeypatch):
+  """A plan depends only on its inputs, so no solve may end on a wall-clock limit: encdec's lean
+  solve on 64 devices ran into HiGHS's 10 s time limit with equal-cost assignments left to tell
+  apart, and returned another spec set under another load (three in nine processes). Every
+  solve of a planning carries a limit on branch-and-bound nodes, and its time limit is only a
+  guard far above what the node limit takes."""
+  from scipy import optimize
+  from dtenjax._src.planning import solver
+  seen = []
+  real = optimize.milp
+  def milp(*args, options=None, **kwargs):
+    seen.append(dict(options))
+    return real(*args, options=options, **kwargs)
+  monkeypatch.setattr(optimize, "milp", milp)
+  params, opt, x = module.example()
+  dtenjax.plan(module.step, params, opt, x, topology=dtenjax.Topology.fixture("h100_64"))
+  assert seen, "the planning made no MILP solve"
+  for options in seen:
+    assert options.get("node_limit") == solver.NODE_LIMIT, options
+    assert options.get("time_limit", float("inf")) >= 60.0, options

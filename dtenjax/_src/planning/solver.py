@@ -1080,9 +1080,20 @@ def _program_of(prob: Problem, graph: stepgraph.StepGraph, proposed: bool) -> _P
   return prob.programs[proposed]
 
 
+# HiGHS stops at this many branch-and-bound nodes with its best assignment. A limit on nodes,
+# not on time: the answer must not depend on the machine or its load (a plan depends only on its
+# inputs). encdec's lean solve on 64 devices has many assignments of the same memory and time
+# (weights' specs that are mirror images): HiGHS finds one within 300 nodes and cannot prove it
+# in 100,000 (58 s); under the 10 s time limit this replaced, the spec set it returned changed
+# with the load (three sets in nine processes).
+NODE_LIMIT = 1000
+
+
 def _milp(program: _Program, c: np.ndarray, a, lo: np.ndarray, hi: np.ndarray, gap=None):
   from scipy import optimize
-  options = {"disp": False, "time_limit": 10.0}
+  # the time limit is a guard against a pathological program only: NODE_LIMIT ends a solve
+  # in about a second on a 2-core VM
+  options = {"disp": False, "node_limit": NODE_LIMIT, "time_limit": 60.0}
   if gap is not None:
     options["mip_rel_gap"] = gap
   with _quiet_stdout():

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from dtenjax._src import hlo
+from dtenjax._src.contract import Contract
 from dtenjax._src.collectives.algorithms import base
 from dtenjax._src.collectives.algorithms import registry
 from dtenjax._src.collectives.all_reduce import all_reduce
@@ -84,11 +85,20 @@ def test_on_cpu_a_bfloat16_sum_is_priced_as_the_float32_collectives_xla_cpu_comp
   compiled HLO, twice the lowered program's bytes. On CPU devices a bfloat16 sum is priced at
   those bytes, for every record: auto's ranking there is the float32 one (xla, as before),
   where the lowered program's bytes would price xla's widened psum above two_shot's."""
+  _assert_priced_as_compiled_in_float32(cpu_devices, reproducible=False)
+
+
+def _assert_priced_as_compiled_in_float32(cpu_devices, **kwargs):
+  """one_shot's and two_shot's bfloat16 sum on 8 CPU devices (2 x 4): every collective XLA:CPU
+  compiles is float32, and the record's link bytes are the bytes those collectives move."""
   mesh = Mesh(np.array(cpu_devices).reshape(2, 4), AX)
-  call = base.Call("all_reduce", "sum", jnp.bfloat16, AX, (2, 4), 2 * E, backend="cpu")
+  contract = {"contract": Contract.V3} if kwargs.get("reproducible") else {}
+  call = base.Call("all_reduce", "sum", jnp.bfloat16, AX, (2, 4), 2 * E, backend="cpu",
+                   **contract)
   for name in ("one_shot", "two_shot"):
-    step = jax.jit(jax.shard_map(lambda v: all_reduce(v, AX, algorithm=name), mesh=mesh,
-                                 in_specs=PartitionSpec(AX), out_specs=PartitionSpec(AX)))
+    step = jax.jit(jax.shard_map(lambda v: all_reduce(v, AX, algorithm=name, **kwargs),
+                                 mesh=mesh, in_specs=PartitionSpec(AX),
+                                 out_specs=PartitionSpec(AX)))
     ops = hlo.read_compiled(step.lower(jax.ShapeDtypeStruct((8 * E,), jnp.bfloat16))
                             .compile(cmt.LLVM_O0)).collectives()
     assert {c.dtype for c in ops} == {"f32"}, (name, ops)
@@ -418,19 +428,7 @@ def test_on_cpu_a_reproducible_bfloat16_sum_s_raw_floats_are_priced_at_float32_b
   words are not widened (test_partial_sum_widths_by_op_and_dtype's records). Before, these two
   were priced at the bfloat16 bytes, half what moves, against the others' int32 words priced at
   what they move."""
-  from dtenjax._src.contract import Contract
-  mesh = Mesh(np.array(cpu_devices).reshape(2, 4), AX)
-  call = base.Call("all_reduce", "sum", jnp.bfloat16, AX, (2, 4), 2 * E, backend="cpu",
-                   contract=Contract.V3)
-  for name in ("one_shot", "two_shot"):
-    step = jax.jit(jax.shard_map(
-        lambda v: all_reduce(v, AX, algorithm=name, reproducible=True), mesh=mesh,
-        in_specs=PartitionSpec(AX), out_specs=PartitionSpec(AX)))
-    ops = hlo.read_compiled(step.lower(jax.ShapeDtypeStruct((8 * E,), jnp.bfloat16))
-                            .compile(cmt.LLVM_O0)).collectives()
-    assert {c.dtype for c in ops} == {"f32"}, (name, ops)
-    sent = sum(cmt._received(c) for c in ops)
-    assert _link_bytes(registry.get(name), call) == pytest.approx(sent), (name, ops)
+  _assert_priced_as_compiled_in_float32(cpu_devices, reproducible=True)
 
 
 def test_a_bfloat16_attention_s_sequence_gathers_on_cpu_are_priced_at_float32_bytes():

@@ -1058,6 +1058,12 @@ def test_an_unused_parameter_is_neither_gathered_nor_reduced_on_another_mesh():
   assert not check.misses(0.10), check.table()
 
 
+def _check_on_fsdp_8(step, args):
+  """``plan.check`` of ``step``'s plan on `fsdp` 8 against XLA's compile of the users' program."""
+  plan = dtenjax.plan(step, *args, mesh={"fsdp": 8})
+  return plan.check(step, *args, compiler_options=compile_only.USERS_PROGRAM)
+
+
 def test_a_parameter_read_only_under_stop_gradient_has_no_gradient_in_the_memory():
   # unused_parameter's head read by the loss, but only under lax.stop_gradient (a frozen
   # projection whose output the loss still sums), on `fsdp` 8: its gradient is a constant zero
@@ -1070,8 +1076,7 @@ def test_a_parameter_read_only_under_stop_gradient_has_no_gradient_in_the_memory
     frozen = jnp.mean(batch["x"] @ jax.lax.stop_gradient(p["head"]))
     return _mse({k: v for k, v in p.items() if k != "head"}, batch) + frozen
   args = (p, tx.init(p), _xy())
-  plan = dtenjax.plan(_sgd_step(loss, tx), *args, mesh={"fsdp": 8})
-  check = plan.check(_sgd_step(loss, tx), *args, compiler_options=compile_only.USERS_PROGRAM)
+  check = _check_on_fsdp_8(_sgd_step(loss, tx), args)
   assert check.memory_error <= 0.10, check.table()
 
 
@@ -1151,8 +1156,7 @@ def test_a_weight_negated_or_squared_on_its_way_to_a_product_is_gathered_there()
     return jnp.mean((h - batch["y"]) ** 2)
   p = _mlp_params()
   args = (p, tx.init(p), _xy())
-  plan = dtenjax.plan(_sgd_step(loss, tx), *args, mesh={"fsdp": 8})
-  check = plan.check(_sgd_step(loss, tx), *args, compiler_options=compile_only.USERS_PROGRAM)
+  check = _check_on_fsdp_8(_sgd_step(loss, tx), args)
   assert not check.misses(0.10), check.table()
 
 
@@ -1169,8 +1173,7 @@ def test_a_scaled_weight_read_apart_from_its_product_stays_sharded_there():
     return jnp.mean((h - batch["y"]) ** 2) + 1e-3 * jnp.sum(w1 ** 2)
   p = _mlp_params()
   args = (p, tx.init(p), _xy())
-  plan = dtenjax.plan(_sgd_step(loss, tx), *args, mesh={"fsdp": 8})
-  check = plan.check(_sgd_step(loss, tx), *args, compiler_options=compile_only.USERS_PROGRAM)
+  check = _check_on_fsdp_8(_sgd_step(loss, tx), args)
   assert not check.misses(0.10), check.table()
 
 

@@ -89,6 +89,28 @@ def _inputs(n, count, dtype, seed=0):
   return [(rng.randn(count) * 10.0 ** rng.randint(-3, 4, count)).astype(dtype) for _ in range(n)]
 
 
+def _rank_threads(comms, xs, order, errs):
+  """One started thread per rank of ``order``, in that order, each running its all_reduce of
+  ``xs`` (on the stream _all_reduce's fingerprint has) and keeping its error in ``errs``."""
+  def rank(r):
+    try:
+      with transport.stream("rank-thread"):
+        comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
+    except Exception as e:
+      errs[r] = e
+  threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in order]
+  for t in threads:
+    t.start()
+  return threads
+
+
+def _until(what, cond, timeout_s=10.0):
+  deadline = time.monotonic() + timeout_s
+  while not cond():
+    assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    time.sleep(0.001)
+
+
 # --- correctness --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,count,dtype,segment", [
@@ -351,28 +373,13 @@ def test_an_abort_sent_while_a_data_write_is_posted_reaches_the_peer(fake):
     _, errs, _ = _all_reduce(comms, xs)
     assert errs == [None] * 3, errs
     errs = {}
-
-    def rank(r):
-      try:
-        with transport.stream("rank-thread"):   # the stream _all_reduce's fingerprint has
-          comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
-      except Exception as e:
-        errs[r] = e
-
-    def until(what, cond):
-      deadline = time.monotonic() + 10
-      while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.001)
-
     writes = fake.counters()["writes_received"]
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (1, 0)]
-    threads[0].start()
-    until("rank 1's first write", lambda: fake.counters()["writes_received"] > writes)
+    threads = _rank_threads(comms, xs, (1,), errs)
+    _until("rank 1's first write", lambda: fake.counters()["writes_received"] > writes)
     fired = fake.counters()["faults_fired"]
     fake.arm("late_ack", 0)
-    threads[1].start()
-    until("rank 0's first write", lambda: fake.counters()["faults_fired"] > fired)
+    threads += _rank_threads(comms, xs, (0,), errs)
+    _until("rank 0's first write", lambda: fake.counters()["faults_fired"] > fired)
     comms[0].close()
     for t in threads:
       t.join(30)
@@ -400,21 +407,9 @@ def test_an_abort_backwards_is_sent_when_the_one_forwards_finds_no_credit(fake, 
     assert errs == [None] * 3, errs
     writes, failures = fake.counters()["writes_received"], native.counters()["peer_failures"]
     errs = {}
-
-    def rank(r):
-      try:
-        with transport.stream("rank-thread"):   # the stream _all_reduce's fingerprint has
-          comms[r].all_reduce(xs[r], "sum", site=(11, "verbs-test"))
-      except Exception as e:
-        errs[r] = e
-
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
-    for t in threads:
-      t.start()
-    deadline = time.monotonic() + 10
-    while fake.counters()["writes_received"] < writes + 2:   # both ranks' first segment placed
-      assert time.monotonic() < deadline, "timed out waiting for the first writes"
-      time.sleep(0.001)
+    threads = _rank_threads(comms, xs, (0, 1), errs)
+    _until("both ranks' first segment placed",
+           lambda: fake.counters()["writes_received"] >= writes + 2)
     fired = fake.counters()["faults_fired"]
     if fault:
       fake.arm(fault, 0)   # the next write placed: rank 1's ABORT to rank 0

@@ -436,8 +436,9 @@ def test_a_bfloat16_attention_s_sequence_gathers_on_cpu_are_priced_at_float32_by
   parameters and optimizer state in bfloat16: the keys and values are bfloat16, half the float32
   decoder's bytes, and XLA:CPU all-gathers (and all-reduces) a bfloat16 value in float32 (the
   compiled HLO of the tests above), so the sequence role's collectives move what the float32
-  decoder's move and are priced alike. Before, they were priced as float32 of the bfloat16 bytes,
-  half what moves."""
+  decoder's move and are priced and recorded alike (the recorded bytes are what ``plan.check``
+  sets beside the compiled float32 collectives). Before, they were priced as float32 of the
+  bfloat16 bytes, half what moves, and then recorded at the bfloat16 bytes."""
   from dtenjax._src.planning import stepgraph
   from dtenjax._src.planning.candidates import CandidateMesh
   from dtenjax._src.planning.roles import AXES
@@ -457,5 +458,88 @@ def test_a_bfloat16_attention_s_sequence_gathers_on_cpu_are_priced_at_float32_by
         pricing_registry.xla_all_reduce_time), {}, 0.0, False)
     return prob.fixed_blocking["sequence"], prob.fixed_bytes["all_gather[sequence]"]
   (f32, f32_bytes), (bf16, bf16_bytes) = fixed(jnp.float32), fixed(jnp.bfloat16)
-  assert bf16_bytes == f32_bytes / 2 and f32 > 0
+  assert bf16_bytes == f32_bytes and f32 > 0
   assert bf16 == pytest.approx(f32, rel=1e-12)
+
+
+def _recorded(step, args, batch_argnums, mesh_sizes):
+  """Every layout's recorded collective bytes on a mesh of ``mesh_sizes`` (8 CPU devices):
+  (whether the leaf is a float, leaf, spec, "kind[axes]" or the unpaired gathers' fields) ->
+  bytes per device."""
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.planning.solver import make_problem
+  from tests import test_calibration as tcal
+  graph = stepgraph.read_step(step, args, batch_argnums)
+  shape = tuple(mesh_sizes.get(a, 1) for a in AXES)
+  m = CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1"))
+  prob = make_problem(graph, m, pricing_registry.AllReducePrices(
+      pricing_registry.xla_all_reduce_time), {}, 0.0, False)
+  out = {}
+  for g, lays, prs in zip(prob.groups, prob.cands, prob.prices):
+    for lay, pr in zip(lays, prs):
+      leaf = graph.leaves[g[0]]
+      key = (stepgraph.is_float(leaf.dtype), leaf.path, lay.spec)
+      out.update({key + (k,): v for k, v in pr.bytes.items()})
+      out.update({key + (k,): getattr(pr, k) for k in ("ag_fwd_bytes", "ag_bwd_bytes")
+                  if getattr(pr, k)})
+  out.update({(True, "fixed", k): v for k, v in prob.fixed_bytes.items()})
+  return out
+
+
+def _to(dt, tree):
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+      s.shape, dt if s.dtype == jnp.float32 else s.dtype), tree)
+
+
+@pytest.mark.parametrize("factor", [1.0, 3.0])
+def test_every_role_s_bytes_move_as_the_one_wire_rule_says(monkeypatch, factor):
+  """``calls.wire_bytes`` is the one place that says what a collective of a dtype moves on a
+  backend; the roles (tensor's activation all-reduces and unpaired gathers, a column-parallel
+  bias's gathers, expert's all-to-alls, sequence's gathers and reductions) and the gradients'
+  reductions and FSDP gathers all ask it, through the Pricer. So where it says a bfloat16 byte
+  moves as ``factor`` bytes on CPU devices (XLA:CPU's is 2: tests above), every recorded byte of
+  a bfloat16 step is ``factor`` times the bfloat16 bytes: ``factor / 2`` times the float32
+  step's, on every layout of an MLP with a bias (`data` 4 x `tensor` 2, `fsdp` 4 x `tensor` 2),
+  test_step_planner_roles' mixture of experts (`data` 2 x `expert` 4) and
+  test_step_planner_sequence's decoder (`data` 2 x `sequence` 4). A role that widened a
+  bfloat16 activation by itself (roles/tensor.py multiplied its bytes by 2 on CPU devices, beside
+  the Pricer's widening elsewhere) records the float32 bytes whatever the rule, and fails here."""
+  from dtenjax._src.pricing import calls
+  from tests import test_step_planner_roles as roles_t
+  from tests import test_step_planner_sequence as tsq
+  rule = calls.wire_bytes
+  monkeypatch.setattr(calls, "wire_bytes", lambda dtype, backend: factor * rule(dtype, backend)
+                      / 2 if rule(dtype, backend) > 1 else 1.0)
+
+  def mlp(p, x):
+    def loss(p):
+      h = jnp.tanh(x @ p["w1"] + p["b1"])
+      return jnp.mean((h @ p["w2"]).astype(jnp.float32) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+  mlp_args = ({"w1": jax.ShapeDtypeStruct((64, 128), jnp.float32),
+               "b1": jax.ShapeDtypeStruct((128,), jnp.float32),
+               "w2": jax.ShapeDtypeStruct((128, 64), jnp.float32)},
+              jax.ShapeDtypeStruct((256, 64), jnp.float32))
+  moe_step, moe_args = roles_t.moe()
+  seq_step, seq_args = tsq._model(2, 64)
+  cases = [(mlp, mlp_args, (1,), {"data": 4, "tensor": 2}),
+           (mlp, mlp_args, (1,), {"fsdp": 4, "tensor": 2}),
+           (moe_step, moe_args, (2,), {"data": 2, "expert": 4}),
+           (seq_step, seq_args, (2,), {"data": 2, "sequence": 4})]
+  kinds = set()
+  for step, args, batch, sizes in cases:
+    f32 = _recorded(step, args, batch, sizes)
+    bf16 = _recorded(step, _to(jnp.bfloat16, args), batch, sizes)
+    assert set(bf16) == set(f32) and f32, sizes
+    for key, nb in f32.items():     # an integer leaf (adam's count) moves as it is
+      assert bf16[key] == pytest.approx(factor / 2 * nb if key[0] else nb, rel=1e-12), (
+          sizes, key)
+    kinds |= {key[-1].split("[")[0] + ("[" + key[-1].split("[")[1] if "[" in key[-1] else "")
+              for key in f32}
+  # the roles' collectives were all there
+  for kind in ("all_reduce[tensor]", "all_gather[tensor]", "ag_fwd_bytes", "all_to_all[expert]",
+               "all_gather[sequence]", "all_reduce[data]", "all_gather[fsdp]"):
+    assert kind in kinds, (kind, sorted(kinds))
+

@@ -543,3 +543,43 @@ def test_every_role_s_bytes_move_as_the_one_wire_rule_says(monkeypatch, factor):
                "all_gather[sequence]", "all_reduce[data]", "all_gather[fsdp]"):
     assert kind in kinds, (kind, sorted(kinds))
 
+
+def test_xla_s_all_to_all_over_two_hosts_sends_only_the_chunks_to_off_host_peers_over_the_network():
+  """XLA's own all-to-all (the expert role's dispatch and combine) over 8 ranks on two hosts of
+  four (roce_a100_4x8's devices 0-3 and 8-11): each rank sends every peer 1/8 of its N bytes
+  directly, so by hand 3/8 N go to its host-mates over NVLink (one latency: the host's peers are
+  reached at once) and 4/8 N over RoCE to the 4 ranks on the other host (a latency each).
+  Before, all 7/8 N and 7 latencies were priced on RoCE. On one host (devices 0-7) all 7/8 N
+  stay on NVLink with one latency, and with one rank a host (0, 8, 16, 24) every peer is behind
+  RoCE, as before."""
+  for link, what, want in (("roce", "bytes", 4 / 8 * cmt.N), ("nvlink", "bytes", 3 / 8 * cmt.N),
+                           ("roce", "latency", 4), ("nvlink", "latency", 1)):
+    assert cmt._d("all_to_all", cm.XLA, cmt.HOSTS2, cmt.ROCE, link, what) == pytest.approx(
+        want, rel=1e-6), (link, what)
+  assert cmt._d("all_to_all", cm.XLA, range(8), cmt.ROCE, "nvlink", "bytes") == pytest.approx(
+      7 / 8 * cmt.N, rel=1e-6)
+  assert cmt._d("all_to_all", cm.XLA, range(8), cmt.ROCE, "roce", "bytes") == 0
+  spread = [0, 8, 16, 24]
+  assert cmt._d("all_to_all", cm.XLA, spread, cmt.ROCE, "roce", "bytes") == pytest.approx(
+      3 / 4 * cmt.N, rel=1e-6)
+  assert cmt._d("all_to_all", cm.XLA, spread, cmt.ROCE, "roce", "latency") == pytest.approx(3)
+
+
+def test_a_bfloat16_table_s_lookup_gradient_moves_its_int32_token_ids_as_they_are():
+  """A bfloat16 table of 16384 x 64 looked up by 16 x 32 int32 tokens, `fsdp` 8 on its rows:
+  XLA:CPU all-gathers the table for the lookup (f32[2048,64] per device: 16384 x 64 x 4 B
+  gathered), and for the lookup's gradient the cotangent rows (f32[2,32,64]: 512 x 64 x 4 B)
+  and the token ids (s32[2,32,1]: 512 x 4 B) into the shard (plan.check of this step compiled:
+  4327424 B of all-gather). The ids are int32 and move as they are; before, they were widened
+  with the table's bfloat16 (4329472 B recorded, 2 KiB over)."""
+  def step(p, tokens):
+    def loss(p):
+      x = jnp.take(p["embed"], tokens, axis=0)
+      return jnp.mean(jnp.tanh(x @ p["w"]).astype(jnp.float32) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+  f = jax.ShapeDtypeStruct
+  got = _recorded(step, ({"embed": f((16384, 64), jnp.bfloat16), "w": f((64, 64), jnp.bfloat16)},
+                         f((16, 32), jnp.int32)), (1,), {"fsdp": 8})
+  assert got[(True, "[0]['embed']", ("fsdp", None), "all_gather[fsdp]")] == (
+      16384 * 64 * 4 + 512 * 64 * 4 + 512 * 4)
+

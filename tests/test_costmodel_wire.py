@@ -583,3 +583,56 @@ def test_a_bfloat16_table_s_lookup_gradient_moves_its_int32_token_ids_as_they_ar
   assert got[(True, "[0]['embed']", ("fsdp", None), "all_gather[fsdp]")] == (
       16384 * 64 * 4 + 512 * 64 * 4 + 512 * 4)
 
+
+def test_a_loop_weight_s_per_iteration_all_reduce_is_priced_at_its_own_point_on_a_measured_curve(
+    cpu_devices):
+  """A weight a lax.fori_loop of 3 reads whole in every iteration, `data` 8 on CPU devices:
+  XLA:CPU all-reduces its gradient inside the backward's loop, once per iteration, and the other
+  gradients in one combined all-reduce after it (the compiled HLO below: f32[512,512] in the
+  loop body, run 3 times; w_in's and out's together outside). Nothing joins the loop's
+  all-reduces to the combined one, so on a calibration's curve (test_calibration's CAL: 3 ms at
+  1 MiB, 43 ms at 9 MiB, flat below) each is priced at its own point beyond the latency the
+  problem adds once: the 1 MiB weight 3 x (3 - 3) = 0 ms, a 4 MiB one 3 x (18 - 3) = 45 ms.
+  Before, each was a share of the combined all-reduce of every gradient: 1 MiB of 1.5 (5.5 ms),
+  3 x 1 / 1.5 x (5.5 - 3) = 5 ms; 4 MiB of 5 (23 ms), 3 x 4 / 5 x 20 = 48 ms. The combined one
+  holds w_in's and out's gradients only: 0.5 MiB (1 MiB), flat on the curve, so their shares
+  are 0 (before, 0.25 / 1.5 x 2.5 ms each; 0.5 / 5 x 20 ms)."""
+  from jax.sharding import NamedSharding
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.check import loop_repeats
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.planning.solver import make_problem
+  from tests import test_calibration as tcal
+
+  def step(p, x):
+    def loss(p):
+      h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["w"]), x @ p["w_in"])
+      return jnp.mean((h @ p["out"]) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+
+  def args(n):
+    f = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    return {"w_in": f(128, n), "w": f(n, n), "out": f(n, 128)}, f(64, 128)
+  mesh = Mesh(np.array(cpu_devices), ("data",))
+  rep, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+  p, x = args(512)
+  compiled = jax.jit(step, in_shardings=({k: rep for k in p}, split),
+                     out_shardings={k: rep for k in p}).lower(p, x).compile(cmt.LLVM_O0)
+  repeats = loop_repeats(compiled)
+  ops = hlo.read_compiled(compiled).collectives()
+  assert sorted((c.nbytes, repeats(c.computation)) for c in ops) == [
+      (2 * 128 * 512 * 4, 1), (512 * 512 * 4, 3)], ops
+
+  shape = tuple(8 if a == "data" else 1 for a in AXES)
+  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)
+  for n, want in ((512, 0.0), (1024, 3 * 15e-3)):
+    graph = stepgraph.read_step(step, args(n), (1,))
+    prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
+                        pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
+                        {}, 0.0, False)
+    got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
+           for g, prs in zip(prob.groups, prob.prices)}
+    assert got == pytest.approx({"[0]['w']": want, "[0]['w_in']": 0.0, "[0]['out']": 0.0},
+                                abs=1e-9), n
+

@@ -261,6 +261,16 @@ class Pricer:
     return self._curved[axes]
 
 
+def reduced_in_loop(use: stepgraph.WeightUse | None, backend: str) -> bool:
+  """Whether XLA reduces the gradient of a weight (``use``: its WeightUse) inside a loop's body,
+  once per iteration: a weight a loop reads whole in every iteration (not a scanned stack's
+  layer) on XLA:CPU. Joined there with the other weights the body reads (two such weights: one
+  all-reduce of f32[128,128] x 2 per iteration), never across iterations nor with the
+  gradients' combined all-reduce after the backward, which XLA runs outside the loop (compiled
+  on 8 CPU devices: tests/test_costmodel_wire.py)."""
+  return use is not None and backend == "cpu" and use.layers == 1 and use.repeats > 1
+
+
 def axis_key(axes: Sequence[str]) -> str:
   return "+".join(a for a in AXES if a in axes)
 
@@ -634,8 +644,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   uses = use.grad_parts if use is not None and pricer.backend == "cpu" else 1
   # a weight a loop reads whole in every iteration (not a scanned stack's layer): XLA:CPU
   # reduces each iteration's gradient part inside the backward's loop (compiled on 8 CPU
-  # devices, data- and fully-sharded alike: a lax.fori_loop of 3, 3 all-reduces of the weight)
-  if use is not None and pricer.backend == "cpu" and use.layers == 1:
+  # devices, data- and fully-sharded alike: a lax.fori_loop of 3, 3 all-reduces of the weight).
+  # They run in the loop's body (reduced_in_loop): each priced at its own point, not as a share
+  # of the combined all-reduce after the backward (Pricer.share)
+  looped = reduced_in_loop(use, pricer.backend)
+  if looped:
     uses *= use.repeats
   parts = max(parts, uses)
   lookup = graph.lookups.get(primary.index) if use is None else None
@@ -681,7 +694,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # tied embedding's lookup part, which XLA scatters into the sharded table)
       # XLA:CPU combines these all-reduces with the others after the backward (5 in all for a
       # scanned decoder's FSDP step, as for DP)
-      time = pricer.gradient_share if rs == "all_reduce" else pricer
+      time = (pricer.share if looped else
+              pricer.gradient_share if rs == "all_reduce" else pricer)
       if rs == "reduce_scatter" and _reduced_in_tensor_pairs(graph, primary, use, used, m, zero):
         _price_pair_reduction(ctx, zero)
       else:
@@ -701,7 +715,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # the sequence's is separate, roles.sequence)
       for axes in sequence.reduction_groups(batch):
         k = axis_key(axes)
-        acc(pr.overlappable, k, parts * pricer.gradient_share("all_reduce", grad, axes, dtype))
+        share = pricer.share if looped else pricer.gradient_share
+        acc(pr.overlappable, k, parts * share("all_reduce", grad, axes, dtype))
         acc(pr.bytes, f"all_reduce[{k}]", parts * pricer.wire(grad, dtype))
   # the meetings this group's weight pays (the reductions over the batch that later work on the
   # batch reads, after its product: batch norm's statistics): XLA all-reduces them over every axis

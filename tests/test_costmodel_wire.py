@@ -464,8 +464,8 @@ def test_a_bfloat16_attention_s_sequence_gathers_on_cpu_are_priced_at_float32_by
 
 def _recorded(step, args, batch_argnums, mesh_sizes):
   """Every layout's recorded collective bytes on a mesh of ``mesh_sizes`` (8 CPU devices):
-  (whether the leaf is a float, leaf, spec, "kind[axes]" or the unpaired gathers' fields) ->
-  bytes per device."""
+  (whether the leaf is a float, leaf, spec, "kind[axes]" or the unpaired gathers' fields, with
+  "sliced" where the layout is priced for an output a pair slices) -> bytes per device."""
   from dtenjax._src.planning import stepgraph
   from dtenjax._src.planning.candidates import CandidateMesh
   from dtenjax._src.planning.roles import AXES
@@ -484,6 +484,8 @@ def _recorded(step, args, batch_argnums, mesh_sizes):
       out.update({key + (k,): v for k, v in pr.bytes.items()})
       out.update({key + (k,): getattr(pr, k) for k in ("ag_fwd_bytes", "ag_bwd_bytes")
                   if getattr(pr, k)})
+      for dim, sliced in pr.sliced.items():      # its price where a pair slices its output
+        out.update({key + (dim, f"sliced {k}"): v for k, v in sliced.bytes.items()})
   out.update({(True, "fixed", k): v for k, v in prob.fixed_bytes.items()})
   return out
 
@@ -497,13 +499,15 @@ def _to(dt, tree):
 def test_every_role_s_bytes_move_as_the_one_wire_rule_says(monkeypatch, factor):
   """``calls.wire_bytes`` is the one place that says what a collective of a dtype moves on a
   backend; the roles (tensor's activation all-reduces and unpaired gathers, a column-parallel
-  bias's gathers, expert's all-to-alls, sequence's gathers and reductions) and the gradients'
-  reductions and FSDP gathers all ask it, through the Pricer. So where it says a bfloat16 byte
+  bias's gathers, a replicated weight's collectives where a pair slices its output, expert's
+  all-to-alls, sequence's gathers and reductions) and the gradients' reductions and FSDP gathers
+  all ask it, through the Pricer. So where it says a bfloat16 byte
   moves as ``factor`` bytes on CPU devices (XLA:CPU's is 2: tests above), every recorded byte of
   a bfloat16 step is ``factor`` times the bfloat16 bytes: ``factor / 2`` times the float32
   step's, on every layout of an MLP with a bias (`data` 4 x `tensor` 2, `fsdp` 4 x `tensor` 2),
   test_step_planner_roles' mixture of experts (`data` 2 x `expert` 4) and
-  test_step_planner_sequence's decoder (`data` 2 x `sequence` 4). A role that widened a
+  test_step_planner_sequence's decoder (`data` 2 x `sequence` 4; `fsdp` 2 x `tensor` 4, more
+  devices than its 2 heads: the sliced outputs). A role that widened a
   bfloat16 activation by itself (roles/tensor.py multiplied its bytes by 2 on CPU devices, beside
   the Pricer's widening elsewhere) records the float32 bytes whatever the rule, and fails here."""
   from dtenjax._src.pricing import calls
@@ -527,7 +531,8 @@ def test_every_role_s_bytes_move_as_the_one_wire_rule_says(monkeypatch, factor):
   cases = [(mlp, mlp_args, (1,), {"data": 4, "tensor": 2}),
            (mlp, mlp_args, (1,), {"fsdp": 4, "tensor": 2}),
            (moe_step, moe_args, (2,), {"data": 2, "expert": 4}),
-           (seq_step, seq_args, (2,), {"data": 2, "sequence": 4})]
+           (seq_step, seq_args, (2,), {"data": 2, "sequence": 4}),
+           (seq_step, seq_args, (2,), {"fsdp": 2, "tensor": 4})]
   kinds = set()
   for step, args, batch, sizes in cases:
     f32 = _recorded(step, args, batch, sizes)
@@ -536,11 +541,11 @@ def test_every_role_s_bytes_move_as_the_one_wire_rule_says(monkeypatch, factor):
     for key, nb in f32.items():     # an integer leaf (adam's count) moves as it is
       assert bf16[key] == pytest.approx(factor / 2 * nb if key[0] else nb, rel=1e-12), (
           sizes, key)
-    kinds |= {key[-1].split("[")[0] + ("[" + key[-1].split("[")[1] if "[" in key[-1] else "")
-              for key in f32}
+    kinds |= {key[-1] for key in f32}
   # the roles' collectives were all there
   for kind in ("all_reduce[tensor]", "all_gather[tensor]", "ag_fwd_bytes", "all_to_all[expert]",
-               "all_gather[sequence]", "all_reduce[data]", "all_gather[fsdp]"):
+               "all_gather[sequence]", "all_reduce[data]", "all_gather[fsdp]",
+               "sliced all_reduce[tensor]"):
     assert kind in kinds, (kind, sorted(kinds))
 
 

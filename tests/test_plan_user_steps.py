@@ -801,6 +801,22 @@ def weight_shaped_activations(b=128, h=128, tx=None, mesh=None):
               plan_kwargs={"mesh": mesh or {"data": 8}})
 
 
+def two_views(mesh=None):
+  """One MLP applied to two views of the batch (the features and the features reversed: a
+  siamese network's consistency loss), on `fsdp` 8: each weight is read by two products, so its
+  gradient has a product per read. XLA's partitioner all-reduces each part where its product
+  makes it (one all-reduce of the four parts) and adds the reduced parts in the update's
+  fusions. Before, the model ended the parts at their sum and reduced one gradient per weight:
+  1.0 MiB of temporaries where XLA compiles 2.0, memory -41.6 %."""
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    x, y = batch["x"], batch["y"]
+    return jnp.mean((_mlp(p, x) - y) ** 2) + jnp.mean((_mlp(p, x[:, ::-1]) - y) ** 2)
+  p = _mlp_params()
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()),
+              plan_kwargs={"mesh": mesh or {"fsdp": 8}})
+
+
 def argmax_over_the_batch(d=128, o=128):
   """A metric the step returns: for each hidden unit, the example of the batch it peaks at
   (jnp.argmax over the batch's dimension, value_and_grad's aux), on a data-parallel plan. XLA
@@ -856,7 +872,7 @@ CASES = {f.__name__: f for f in (
     nnx_module_argument, custom_vjp_and_fold_in, apply_if_finite_ema, adafactor, linen_nn_scan,
     linen_cnn_labels, dp_sgd_per_example, nnx_optimizer_state,
     train_state_donated_with_int_batch_field, unused_parameter, argmax_over_the_batch,
-    stop_gradient_tied_table, scaled_weights, weight_shaped_activations)}
+    stop_gradient_tied_table, scaled_weights, weight_shaped_activations, two_views)}
 
 
 # --- the checks -------------------------------------------------------------------------------
@@ -1201,3 +1217,14 @@ def test_a_residual_of_a_weights_shape_is_an_activation_on_another_shape():
   plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
   check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
   assert check.memory_error <= 0.10, check.table()
+
+
+def test_a_weights_gradient_parts_are_reduced_each_on_another_mesh():
+  # two_views' rule on `fsdp` 4 x `tensor` 2: each weight's two gradient parts, split over
+  # 'tensor', all-reduced over 'fsdp' apart and summed in the update. Before, memory -35.6 %;
+  # -17.8 % with either half of the rule alone (the parts live until the update, each part
+  # reduced into a buffer of its own)
+  case = two_views(mesh={"fsdp": 4, "tensor": 2})
+  plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
+  check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
+  assert not check.misses(0.10), check.table()

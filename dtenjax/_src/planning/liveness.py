@@ -310,9 +310,11 @@ def gradient_parts(jaxpr, leaves: Sequence[Any]) -> dict[tuple[int, ...], int]:
   more than one: a weight read twice (``x @ w``, later ``h @ w.T``) has a gradient product per
   read, summed (``add_any``, through transposes, reshapes and casts) into its gradient. A weight
   gradient's product reads no weight (:func:`_weight_values`: the forward's and the input
-  gradients' products do) and no product reads its result. Where the update reduces the
-  gradients one at a time (:func:`update_reduces`), XLA:CPU reduces such a gradient's parts in
-  one all-reduce (solver._combined_reduction). Leaves of one shape share its largest count."""
+  gradients' products do) and no product reads its result. XLA:CPU reduces each part into a
+  buffer of its own (in one all-reduce where the update reduces the gradients one at a time,
+  :func:`update_reduces`; among the others' in the combined one elsewhere) and sums them in the
+  update (solver._combined_reduction, :func:`_parts_read_late`). Leaves of one shape share its
+  largest count."""
   state_shapes = _state_shapes(leaves)
   weights = _weight_values(jaxpr, leaves)
   read_by_products = _read_by_products(jaxpr)
@@ -497,6 +499,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   outvars = {same(v) for v in jaxpr.outvars if is_var(v)}
   _tanh_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars)
   _scaled_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars, excluded_shapes)
+  _parts_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars, excluded_shapes,
+                   batch_carried)
   for v in outvars:
     last_use[v] = gpu_last[v] = len(jaxpr.eqns)
   live = 0
@@ -633,6 +637,28 @@ def _scaled_read_late(jaxpr, same, last_use: dict[Any, int], materialised: set, 
     end = last_use.get(o, -1)
     if last_use.get(same(v), -1) < end:
       last_use[same(v)] = end
+
+
+def _parts_read_late(jaxpr, same, last_use: dict[Any, int], materialised: set, outvars: set,
+                     state_shapes: set, batch_carried: frozenset) -> None:
+  """The parts of a weight's gradient (a weight read by two products has a gradient product
+  per read, :func:`gradient_parts`) summed by an ``add_any`` that XLA fuses into its readers
+  (the optimizer's update): each part is live until they run. XLA's partitioner all-reduces
+  each part where its product makes it and adds the reduced parts in the update's fusions
+  (XLA:CPU's compile of an MLP whose weights two products each read, adamw on FSDP 8: one
+  all-reduce of the four parts, each added to its pair in the update); the model ended the
+  parts at their sum, 1 MiB under the compile's 2.0 MiB of temporaries (-41.6 %)."""
+  for eqn in reversed(jaxpr.eqns):
+    if eqn.primitive.name != "add_any":
+      continue
+    o = same(eqn.outvars[0])
+    if (o in materialised and o not in outvars or o in batch_carried or
+        not _of_state_shape(o, state_shapes)):
+      continue
+    end = last_use.get(o, -1)
+    for v in eqn.invars:
+      if is_var(v) and last_use.get(same(v), -1) < end:
+        last_use[same(v)] = end
 
 
 def _tanh_read_late(jaxpr, same, last_use: dict[Any, int], materialised: set,

@@ -771,7 +771,7 @@ def unused_parameter():
   return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()))
 
 
-def scaled_weights(d=128, h=512, mesh=None, cast=False):
+def scaled_weights(d=128, h=512, mesh=None, cast=False, scalar_first=False):
   """Weights scaled on their way to a product: the first layer read as ``x @ (0.5 * w1)``, the
   second as ``h @ (w2 * scale)`` of a scalar parameter, under optax.apply_if_finite(adamw)
   (whose branch reads the gradients). Before, the walk saw no weight behind the scaling:
@@ -780,6 +780,9 @@ def scaled_weights(d=128, h=512, mesh=None, cast=False):
   the weights gathered, the scaled gradients were sized as the update's shards (-18 %)."""
   tx = optax.apply_if_finite(optax.adamw(_LR), 3)
   def loss(p, batch):
+    if scalar_first:   # the scalar parameter on the first layer, the second read as it is
+      hid = jax.nn.gelu(batch["x"] @ (p["w1"] * p["scale"]) + p["b1"])
+      return jnp.mean((hid @ p["w2"] + p["b2"] - batch["y"]) ** 2)
     hid = jax.nn.gelu(batch["x"] @ (0.5 * p["w1"]) + p["b1"])
     w2 = p["w2"] * p["scale"]
     if cast:           # the weight rounded to bf16 and scaled there (a dequantised copy)
@@ -1177,6 +1180,18 @@ def test_scaled_weights_are_gathered_and_priced_as_compiled_on_another_shape_and
   check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
   assert check.memory_error <= 0.10, check.table()
   assert check.kind_errors["all_gather"] <= 0.10, check.table()
+
+
+def test_a_weight_scaled_by_a_scalar_parameter_frees_its_gathered_copy_after_the_forward():
+  # scaled_weights with the scalar parameter on the first layer, x @ (w1 * scale), the second
+  # weight unscaled: the scalar's gradient sum(g * w1) reads w1's own shard, not its gathered
+  # copy, which XLA frees after the forward's product. Before, the model held the copy until
+  # the gradients' reduction: +17.8 % on `fsdp` 8, +13.9 % on `data` 2 x `fsdp` 4
+  for mesh in ({"fsdp": 8}, {"data": 2, "fsdp": 4}):
+    case = scaled_weights(mesh=mesh, scalar_first=True)
+    plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
+    check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
+    assert check.memory_error <= 0.10, (mesh, check.table())
 
 
 def test_a_weight_negated_or_squared_on_its_way_to_a_product_is_gathered_there():

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import jaxapi
 from dtenjax._src.planning import routing
-from dtenjax._src.planning.jaxpr_reader import followed_operand
+from dtenjax._src.planning.jaxpr_reader import followed_operand, scalar_fills
 
 # Equations whose operands the products need whole (gather: only its operand, not the indices).
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
@@ -136,6 +136,7 @@ def _feeds_products(jaxpr) -> frozenset:
   if hit is not None and hit[0] is jaxpr:
     return hit[1]
   feeds: set = set()
+  fills = scalar_fills(jaxpr)
   for eqn in reversed(jaxpr.eqns):
     name = eqn.primitive.name
     if name in _PRODUCTS:
@@ -146,7 +147,7 @@ def _feeds_products(jaxpr) -> frozenset:
     elif name in _STRUCTURAL:
       if any(o in feeds for o in eqn.outvars) and not isinstance(eqn.invars[0], jcore.Literal):
         feeds.add(eqn.invars[0])
-    elif (scaled := followed_operand(eqn)) is not None:
+    elif (scaled := followed_operand(eqn, fills)) is not None:
       if any(o in feeds for o in eqn.outvars):
         feeds.add(scaled)
     else:
@@ -206,6 +207,7 @@ class _Evaluator:
     tracked = dict(tracked)
     feeds = _feeds_products(jaxpr)
     apart = _read_apart(jaxpr)
+    fills = scalar_fills(jaxpr)
     gathered: dict = {}                # tracked var -> its gathered value in this scope
 
     def gathered_value(v):
@@ -222,7 +224,7 @@ class _Evaluator:
       outs = None
       if hits or routed or id(eqn) in self.enter:
         outs = self._eqn_with_tracked(eqn, vals, hits, tracked, feeds, gathered_value, routes,
-                                       env, apart)
+                                       env, apart, fills)
       if outs is None:
         outs = jaxapi.bind(eqn, vals)
         if routed:
@@ -237,7 +239,7 @@ class _Evaluator:
     return [_read(env, v) for v in jaxpr.outvars]
 
   def _eqn_with_tracked(self, eqn, vals, hits, tracked, feeds, gathered_value, routes, env,
-                        apart=frozenset()):
+                        apart=frozenset(), fills=frozenset()):
     """Evaluates an equation that reads planned weights or routed tokens; None: bind it
     unchanged."""
     name = eqn.primitive.name
@@ -265,7 +267,7 @@ class _Evaluator:
         return None
       vals[0] = gathered_value(v)      # other layout changes: gather first
       return jaxapi.bind(eqn, vals)
-    scaled = followed_operand(eqn)
+    scaled = followed_operand(eqn, fills)
     if scaled is not None and scaled in tracked:
       # a weight scaled by scalars on its way to a product (jaxpr_reader.followed_operand), or
       # negated, squared (``-w``, ``w ** 2``): computed on its shard and gathered at the

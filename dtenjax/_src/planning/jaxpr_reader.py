@@ -13,7 +13,7 @@ import bisect
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 import jax.extend.core as jcore
@@ -187,17 +187,73 @@ def wide_bytes(aval) -> int:
 _NOT_FOLLOWED = frozenset({"stop_gradient", "optimization_barrier"})
 
 
-def followed_operand(eqn):
+def followed_operand(eqn, fills: Container = frozenset()):
   """The operand of an elementwise equation of one full operand, of the result's shape, and
   scalars (``0.5 * w``: :func:`scaled_operand`) or nothing else (``-w``, ``w ** 2``): a weight
   so changed on its way to a product keeps its identity, as a scaled one does (gather.py
-  computes it on the weight's shard and gathers it at the product). None for any other
-  equation."""
+  computes it on the weight's shard and gathers it at the product). So does one selected by a
+  scalar predicate against values filled with a scalar (``fills``, :func:`scalar_fills`):
+  ``jnp.where(flag, w, 0)`` is ``select_n`` of the broadcast zero and ``w``, a masked weight,
+  whose gradient is the gradient selected so. None for any other equation."""
   if (eqn.primitive.name in ELEMENTWISE and eqn.primitive.name not in _NOT_FOLLOWED and
       len(eqn.invars) == 1 and len(eqn.outvars) == 1 and is_var(eqn.invars[0]) and
       tuple(getattr(eqn.invars[0].aval, "shape", ())) == tuple(eqn.outvars[0].aval.shape)):
     return eqn.invars[0]
+  if eqn.primitive.name == "select_n":
+    pred, *cases = eqn.invars
+    kept = [v for v in cases if not (is_var(v) and v in fills)]
+    if (tuple(getattr(pred.aval, "shape", ())) == () and len(kept) == 1 and is_var(kept[0]) and
+        tuple(kept[0].aval.shape) == tuple(eqn.outvars[0].aval.shape)):
+      return kept[0]
+    return None
+  if eqn.primitive.name in CALLS and len(eqn.outvars) >= 1:
+    return _followed_through_call(eqn)
   return scaled_operand(eqn)
+
+
+_CALL_MEMO: dict[int, tuple[Any, int | None]] = {}
+
+
+def _followed_through_call(eqn):
+  """The operand a call hands out as its first result through followed equations only
+  (jnp.where's ``_where`` call: ``select_n`` of a scalar predicate, the broadcast zero and
+  ``w``), its other results filled with scalars (the zero the backward reads); None otherwise.
+  XLA inlines the call: the weight is followed through it as through the select itself."""
+  closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  body = getattr(closed, "jaxpr", closed)
+  if body is None:
+    return None
+  hit = _CALL_MEMO.get(id(body))
+  if hit is None or hit[0] is not body:
+    hit = (body, _followed_input(body))
+    _CALL_MEMO[id(body)] = hit
+  k = hit[1]
+  return None if k is None or not is_var(eqn.invars[k]) else eqn.invars[k]
+
+
+def _followed_input(body) -> int | None:
+  """The index of ``body``'s input its first result is made from by followed equations
+  (:func:`followed_operand`), where its other results are scalar fills; None otherwise."""
+  fills = scalar_fills(body)
+  if any(not is_var(v) or v not in fills for v in body.outvars[1:]):
+    return None
+  producer = {o: e for e in body.eqns for o in e.outvars}
+  v = body.outvars[0]
+  while is_var(v) and v in producer:
+    v = followed_operand(producer[v], fills)
+    if v is None:
+      return None
+  if not is_var(v) or v not in body.invars:
+    return None
+  return list(body.invars).index(v)
+
+
+def scalar_fills(jaxpr) -> frozenset:
+  """The values of ``jaxpr``'s top level that a ``broadcast_in_dim`` fills with one scalar
+  (``jnp.where(flag, w, 0)``'s zero): they carry no leaf's values (:func:`followed_operand`)."""
+  return frozenset(eqn.outvars[0] for eqn in jaxpr.eqns
+                   if eqn.primitive.name == "broadcast_in_dim" and
+                   tuple(getattr(eqn.invars[0].aval, "shape", ())) == ())
 
 
 def sub_jaxprs(eqn):
@@ -297,6 +353,7 @@ class Reader:
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
   def walk(self, jaxpr, origin: dict, tie: dict, repeats: int) -> None:
     live = None
+    fills = scalar_fills(jaxpr)
     for eqn in jaxpr.eqns:
       self.eqn_count += 1
       for pos, v in enumerate(eqn.invars):
@@ -325,7 +382,7 @@ class Reader:
                               seen[2] + (rows,) * repeats)
       if name in _ALIASES and ins[0] is not None:
         origin[eqn.outvars[0]] = ins[0]
-      elif (kept := followed_operand(eqn)) is not None:
+      elif (kept := followed_operand(eqn, fills)) is not None:
         org = ins[list(eqn.invars).index(kept)]
         if org is not None:          # a weight scaled by scalars (``0.5 * w``): still the weight
           origin[eqn.outvars[0]] = org

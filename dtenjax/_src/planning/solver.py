@@ -277,7 +277,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       for shape in (primary.shape, tuple(reversed(primary.shape))):
         shard_sizes.setdefault(shape, []).append(primary.nbytes / shards)
       if zero and per_device > primary.nbytes / shards:
-        # a gradient of several products (a weight read twice) is reduced in one all-reduce
+        # a gradient of several products (a weight read twice) is reduced part by part
         parts = max(graph.gradient_parts.get(s, 1) for s in (primary.shape,
                                                              tuple(reversed(primary.shape))))
         reduced.append((per_device, parts))
@@ -429,9 +429,11 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
   beside the unreduced gradients, the largest the peak's (XLA:CPU's compiles of
   clip_by_global_norm and adafactor steps of a two-layer MLP on ``fsdp`` 8, two widths: 3
   gradient-sized temporaries, where the combined reduction holds 4). A gradient of several
-  products (``reduced``'s count: a weight read twice, ``StepGraph.gradient_parts``) is one
-  all-reduce of all its parts (XLA:CPU's compile of a tied MLP's clip_by_global_norm step on
-  ``fsdp`` 8: f32[512,128] and f32[128,512] in one). Adds the events to
+  products (``reduced``'s count: a weight read twice, ``StepGraph.gradient_parts``) is reduced
+  part by part, each part a new buffer, the parts summed in the update (XLA:CPU's compile of a
+  tied MLP's clip_by_global_norm step on ``fsdp`` 8: f32[512,128] and f32[128,512] in one
+  all-reduce; of an MLP applied to two views under adamw: the four parts of the two weights in
+  the combined one, four new buffers, where the model had two). Adds the events to
   ``events`` (time -> (activations, gradients, gathered) deltas)."""
   ends = [v.start for v in graph.timeline if v.grad is not None and not v.update]
   if not ends:
@@ -444,7 +446,7 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
       gathered -= nb
   events.setdefault(after, []).append((0.0, 0.0, -gathered))
   parts = (sorted((nb * n for nb, n in reduced), reverse=True) if graph.update_reduces
-           else [sum(nb for nb, _ in reduced)])
+           else [sum(nb * n for nb, n in reduced)])
   for k, nb in enumerate(parts):
     events.setdefault(after + k / len(parts), []).append((0.0, nb, 0.0))
     events.setdefault(after + (k + 1) / len(parts), []).append((0.0, -nb, 0.0))

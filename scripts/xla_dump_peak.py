@@ -11,7 +11,7 @@ offset, overlapping ranges) and sums the buffers live at each step. Where the pe
 the temp buffer's size, the temp is the live values, not fragmentation of the heap; the values
 live there say why it has the size it has.
 
-Usage: python3 bench/xla_dump_peak.py DIR [DIR ...] [--json OUT] (DIR holds one module's
+Usage: python3 scripts/xla_dump_peak.py DIR [DIR ...] [--json OUT] (DIR holds one module's
 ``*after_optimizations.txt``, ``*-buffer-assignment.txt`` and ``*-buffer-assignment-values.txt``).
 """
 

@@ -375,24 +375,25 @@ def _zeros_before_the_loop(graph: stepgraph.StepGraph, tables: set[tuple[int, ..
   after: ``tables``, the shapes of the tables :func:`lookup_gradient` prices so under FSDP): the
   zeros are scheduled with the backward loop's accumulators, before the loop, and live through
   it to the scatter after it. The table's gradient value (the last of its shape: the lookup is
-  the forward's first read, so its gradient is the backward's last) then starts at the last loop
-  before it (id of the timeline value -> that loop's equation). Read from XLA:GPU's buffer
+  the forward's first read, so its gradient is the backward's last) then starts where the
+  backward's loop over the scanned layers does (the first of their stacked gradients;
+  ``StepGraph.stacks``): id of the timeline value -> that equation. Read from XLA:GPU's buffer
   assignment of Llama 1B's FSDP step (jax 0.11.2, mocked 32 GPUs, a lax.scan over 22 layers:
   tests/data/xla_gpu_llama1b_fsdp.json): the zeros f32[32000,2048] (250 MiB) are a broadcast
   scheduled before the backward while loop, at one offset with the scatter after it, and live at
   the temp's peak in the loop's attention; the 8-GPU step scatters into its shard instead (the
-  rows and ids gathered), whose zeros are the table's output buffer, not the temp. A step without
-  a loop (the unrolled families) has no loop to move it before: unchanged."""
-  loops = sorted({v.start for v in graph.timeline if v.body})
+  rows and ids gathered), whose zeros are the table's output buffer, not the temp. A step
+  without scanned layers (the unrolled families) is unchanged."""
+  stacked = {graph.leaves[k].shape for leaves, _ in graph.stacks.values() for k in leaves}
+  loop = min((v.start for v in graph.timeline if v.grad in stacked and not v.body), default=None)
   hoisted: dict[int, int] = {}
   for shape in sorted(tables):
     grads = [v for v in graph.timeline if v.grad == shape and not v.body]
-    if not grads:
+    if loop is None or not grads:
       continue
     last = max(grads, key=lambda v: v.start)
-    before = [s for s in loops if s < last.start]
-    if before:
-      hoisted[id(last)] = before[-1]
+    if loop < last.start:
+      hoisted[id(last)] = loop
   return hoisted
 
 

@@ -362,3 +362,21 @@ def test_xla_gpu_holds_a_whole_tables_zeros_through_the_backward_loop(monkeypatc
     temp[rule] = mem["grads"] + mem["activations"] + mem["gathered"]
   assert temp[True] - temp[False] == (table if row["devices"] == 32 else 0), temp
   assert abs(temp[True] / _MIB - row["temp_mib"]) <= 0.10 * row["temp_mib"], (temp, row)
+
+
+def test_only_a_backward_loop_over_scanned_layers_holds_the_table_zeros():
+  # the rule moves the table's gradient to the backward's while loop (the last scan of Llama
+  # 1B's jaxpr, the scanned layers' transpose); llama_loop unrolls its layers, and its call
+  # bodies (silu's jit, the loss's) are no loop: its table gradient stays where it is made
+  step, args = _llama_1b_f32(32)
+  graph = stepgraph.read_step(step, args, (len(args) - 1,))
+  eqns = jaxapi.inline_calls(jax.make_jaxpr(step)(*args)).jaxpr.eqns
+  scans = [i for i, e in enumerate(eqns) if e.primitive.name == "scan"]
+  assert len(scans) == 2, scans                     # the forward's and the backward's
+  table = (32000, 2048)
+  assert list(solver._zeros_before_the_loop(graph, {table}).values()) == [scans[-1]]
+  step, args = _small_llama_loop()
+  graph = stepgraph.read_step(step, args, (2,))
+  table = next(graph.leaves[i].shape for i in graph.lookups)
+  assert any(v.grad == table for v in graph.timeline) and any(v.body for v in graph.timeline)
+  assert solver._zeros_before_the_loop(graph, {table}) == {}

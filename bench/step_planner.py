@@ -288,15 +288,20 @@ def compiled_profile(compiled) -> dict:
   return {"mem": float(mem), "temp": float(stats.temp_size_in_bytes), "bytes": kinds}
 
 
-def gpu_rows(names, size: str) -> tuple[list[dict], list[str]]:
+def gpu_rows(names, size: str, fixture: str = "h200_8") -> tuple[list[dict], list[str]]:
   """Compile-only on the (mocked) GPUs: the plan's prediction against XLA's GPU compiler, and the
-  hand-written recipes' compiled memory and bytes (bench/_families.py)."""
+  hand-written recipes' compiled memory and bytes (bench/_families.py). ``llama-1b`` is a bfloat16
+  Llama 1B at batch 8; ``predict:MODEL`` is the predict part's ``make(MODEL, N)`` for the N
+  (mocked) GPUs present, planned for ``fixture`` (a topology of N GPUs)."""
   import _families as fams
-  topo = dtenjax.Topology.fixture("h200_8")
+  topo = dtenjax.Topology.fixture(fixture)
   rows, notes = [], []
   for name in names:
     if name == "llama-1b":
       step, args = models.llama_step("1b", batch=8, seq=2048, remat=True, dtype=jnp.bfloat16)
+      fam = None
+    elif name.startswith("predict:"):
+      step, args = make(name.split(":", 1)[1], len(jax.devices()))
       fam = None
     else:
       fam = fams.FAMILIES[name]() if size == "small" else fams.FAMILIES[name](batch=64)
@@ -887,7 +892,11 @@ def main(argv=None) -> int:
   ap.add_argument("--iters", type=_harness.positive_int, default=10)
   ap.add_argument("--mock-gpus", type=int, default=0,
                   help="gpu part: mock a host of this many GPUs on the one present")
-  ap.add_argument("--gpu-families", default="llama-1b,llama_scan,llama_loop,encdec,moe,shared")
+  ap.add_argument("--gpu-families", default="llama-1b,llama_scan,llama_loop,encdec,moe,shared",
+                  help="gpu part: families, llama-1b, or predict:MODEL (the predict part's MODEL "
+                  "on the mocked GPUs)")
+  ap.add_argument("--gpu-fixture", default="h200_8",
+                  help="gpu part: the topology fixture planned for (its GPU count: --mock-gpus)")
   ap.add_argument("--measured-json", metavar="PATH",
                   help="priced part: a recorded wins run whose measured times go beside; terms "
                   "part: recorded wins runs (comma-separated) whose layouts are priced")
@@ -986,7 +995,7 @@ def main(argv=None) -> int:
           for (m, f), (mine, theirs) in _pairs(rows).items()))
     doc_rows += [{"part": "time", **r} for r in rows]
   if "gpu" in parts:
-    rows, gnotes = gpu_rows(args.gpu_families.split(","), "large")
+    rows, gnotes = gpu_rows(args.gpu_families.split(","), "large", args.gpu_fixture)
     print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
                                 ("mesh", "mesh", "s"), ("mem pred MiB", "mem_pred_mib", ".1f"),
                                 ("mem XLA MiB", "mem_xla_mib", ".1f"), ("mem err", "mem_err", ".1%"),

@@ -436,8 +436,9 @@ def test_a_bfloat16_attention_s_sequence_gathers_on_cpu_are_priced_at_float32_by
   parameters and optimizer state in bfloat16: the keys and values are bfloat16, half the float32
   decoder's bytes, and XLA:CPU all-gathers (and all-reduces) a bfloat16 value in float32 (the
   compiled HLO of the tests above), so the sequence role's collectives move what the float32
-  decoder's move and are priced alike. Before, they were priced as float32 of the bfloat16 bytes,
-  half what moves."""
+  decoder's move and are priced and recorded alike (the recorded bytes are what ``plan.check``
+  sets beside the compiled float32 collectives). Before, they were priced as float32 of the
+  bfloat16 bytes, half what moves, and then recorded at the bfloat16 bytes."""
   from dtenjax._src.planning import stepgraph
   from dtenjax._src.planning.candidates import CandidateMesh
   from dtenjax._src.planning.roles import AXES
@@ -457,5 +458,207 @@ def test_a_bfloat16_attention_s_sequence_gathers_on_cpu_are_priced_at_float32_by
         pricing_registry.xla_all_reduce_time), {}, 0.0, False)
     return prob.fixed_blocking["sequence"], prob.fixed_bytes["all_gather[sequence]"]
   (f32, f32_bytes), (bf16, bf16_bytes) = fixed(jnp.float32), fixed(jnp.bfloat16)
-  assert bf16_bytes == f32_bytes / 2 and f32 > 0
+  assert bf16_bytes == f32_bytes and f32 > 0
   assert bf16 == pytest.approx(f32, rel=1e-12)
+
+
+def _recorded(step, args, batch_argnums, mesh_sizes):
+  """Every layout's recorded collective bytes on a mesh of ``mesh_sizes`` (8 CPU devices):
+  (whether the leaf is a float, leaf, spec, "kind[axes]" or the unpaired gathers' fields, with
+  "sliced" where the layout is priced for an output a pair slices) -> bytes per device."""
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.planning.solver import make_problem
+  from tests import test_calibration as tcal
+  graph = stepgraph.read_step(step, args, batch_argnums)
+  shape = tuple(mesh_sizes.get(a, 1) for a in AXES)
+  m = CandidateMesh(shape, np.arange(8).reshape(shape), tcal._cpu_host(8, "0-1"))
+  prob = make_problem(graph, m, pricing_registry.AllReducePrices(
+      pricing_registry.xla_all_reduce_time), {}, 0.0, False)
+  out = {}
+  for g, lays, prs in zip(prob.groups, prob.cands, prob.prices):
+    for lay, pr in zip(lays, prs):
+      leaf = graph.leaves[g[0]]
+      key = (stepgraph.is_float(leaf.dtype), leaf.path, lay.spec)
+      out.update({key + (k,): v for k, v in pr.bytes.items()})
+      out.update({key + (k,): getattr(pr, k) for k in ("ag_fwd_bytes", "ag_bwd_bytes")
+                  if getattr(pr, k)})
+      for dim, sliced in pr.sliced.items():      # its price where a pair slices its output
+        out.update({key + (dim, f"sliced {k}"): v for k, v in sliced.bytes.items()})
+  out.update({(True, "fixed", k): v for k, v in prob.fixed_bytes.items()})
+  return out
+
+
+def _to(dt, tree):
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+      s.shape, dt if s.dtype == jnp.float32 else s.dtype), tree)
+
+
+@pytest.mark.parametrize("factor", [1.0, 3.0])
+def test_every_role_s_bytes_move_as_the_one_wire_rule_says(monkeypatch, factor):
+  """``calls.wire_bytes`` is the one place that says what a collective of a dtype moves on a
+  backend; the roles (tensor's activation all-reduces and unpaired gathers, a column-parallel
+  bias's gathers, a replicated weight's collectives where a pair slices its output, expert's
+  all-to-alls, sequence's gathers and reductions) and the gradients' reductions and FSDP gathers
+  all ask it, through the Pricer. So where it says a bfloat16 byte
+  moves as ``factor`` bytes on CPU devices (XLA:CPU's is 2: tests above), every recorded byte of
+  a bfloat16 step is ``factor`` times the bfloat16 bytes: ``factor / 2`` times the float32
+  step's, on every layout of an MLP with a bias (`data` 4 x `tensor` 2, `fsdp` 4 x `tensor` 2),
+  test_step_planner_roles' mixture of experts (`data` 2 x `expert` 4) and
+  test_step_planner_sequence's decoder (`data` 2 x `sequence` 4; `fsdp` 2 x `tensor` 4, more
+  devices than its 2 heads: the sliced outputs). A role that widened a
+  bfloat16 activation by itself (roles/tensor.py multiplied its bytes by 2 on CPU devices, beside
+  the Pricer's widening elsewhere) records the float32 bytes whatever the rule, and fails here."""
+  from dtenjax._src.pricing import calls
+  from tests import test_step_planner_roles as roles_t
+  from tests import test_step_planner_sequence as tsq
+  rule = calls.wire_bytes
+  monkeypatch.setattr(calls, "wire_bytes", lambda dtype, backend: factor * rule(dtype, backend)
+                      / 2 if rule(dtype, backend) > 1 else 1.0)
+
+  def mlp(p, x):
+    def loss(p):
+      h = jnp.tanh(x @ p["w1"] + p["b1"])
+      return jnp.mean((h @ p["w2"]).astype(jnp.float32) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+  mlp_args = ({"w1": jax.ShapeDtypeStruct((64, 128), jnp.float32),
+               "b1": jax.ShapeDtypeStruct((128,), jnp.float32),
+               "w2": jax.ShapeDtypeStruct((128, 64), jnp.float32)},
+              jax.ShapeDtypeStruct((256, 64), jnp.float32))
+  moe_step, moe_args = roles_t.moe()
+  seq_step, seq_args = tsq._model(2, 64)
+  cases = [(mlp, mlp_args, (1,), {"data": 4, "tensor": 2}),
+           (mlp, mlp_args, (1,), {"fsdp": 4, "tensor": 2}),
+           (moe_step, moe_args, (2,), {"data": 2, "expert": 4}),
+           (seq_step, seq_args, (2,), {"data": 2, "sequence": 4}),
+           (seq_step, seq_args, (2,), {"fsdp": 2, "tensor": 4})]
+  kinds = set()
+  for step, args, batch, sizes in cases:
+    f32 = _recorded(step, args, batch, sizes)
+    bf16 = _recorded(step, _to(jnp.bfloat16, args), batch, sizes)
+    assert set(bf16) == set(f32) and f32, sizes
+    for key, nb in f32.items():     # an integer leaf (adam's count) moves as it is
+      assert bf16[key] == pytest.approx(factor / 2 * nb if key[0] else nb, rel=1e-12), (
+          sizes, key)
+    kinds |= {key[-1] for key in f32}
+  # the roles' collectives were all there
+  for kind in ("all_reduce[tensor]", "all_gather[tensor]", "ag_fwd_bytes", "all_to_all[expert]",
+               "all_gather[sequence]", "all_reduce[data]", "all_gather[fsdp]",
+               "sliced all_reduce[tensor]"):
+    assert kind in kinds, (kind, sorted(kinds))
+
+
+def test_xla_s_all_to_all_over_two_hosts_sends_only_the_chunks_to_off_host_peers_over_the_network():
+  """XLA's own all-to-all (the expert role's dispatch and combine) over 8 ranks on two hosts of
+  four (roce_a100_4x8's devices 0-3 and 8-11): each rank sends every peer 1/8 of its N bytes
+  directly, so by hand 3/8 N go to its host-mates over NVLink (one latency: the host's peers are
+  reached at once) and 4/8 N over RoCE to the 4 ranks on the other host (a latency each).
+  Before, all 7/8 N and 7 latencies were priced on RoCE. On one host (devices 0-7) all 7/8 N
+  stay on NVLink with one latency, and with one rank a host (0, 8, 16, 24) every peer is behind
+  RoCE, as before."""
+  for link, what, want in (("roce", "bytes", 4 / 8 * cmt.N), ("nvlink", "bytes", 3 / 8 * cmt.N),
+                           ("roce", "latency", 4), ("nvlink", "latency", 1)):
+    assert cmt._d("all_to_all", cm.XLA, cmt.HOSTS2, cmt.ROCE, link, what) == pytest.approx(
+        want, rel=1e-6), (link, what)
+  assert cmt._d("all_to_all", cm.XLA, range(8), cmt.ROCE, "nvlink", "bytes") == pytest.approx(
+      7 / 8 * cmt.N, rel=1e-6)
+  assert cmt._d("all_to_all", cm.XLA, range(8), cmt.ROCE, "roce", "bytes") == 0
+  spread = [0, 8, 16, 24]
+  assert cmt._d("all_to_all", cm.XLA, spread, cmt.ROCE, "roce", "bytes") == pytest.approx(
+      3 / 4 * cmt.N, rel=1e-6)
+  assert cmt._d("all_to_all", cm.XLA, spread, cmt.ROCE, "roce", "latency") == pytest.approx(3)
+
+
+def test_a_bfloat16_table_s_lookup_gradient_moves_its_int32_token_ids_as_they_are():
+  """A bfloat16 table of 16384 x 64 looked up by 16 x 32 int32 tokens, `fsdp` 8 on its rows:
+  XLA:CPU all-gathers the table for the lookup (f32[2048,64] per device: 16384 x 64 x 4 B
+  gathered), and for the lookup's gradient the cotangent rows (f32[2,32,64]: 512 x 64 x 4 B)
+  and the token ids (s32[2,32,1]: 512 x 4 B) into the shard (plan.check of this step compiled:
+  4327424 B of all-gather). The ids are int32 and move as they are; before, they were widened
+  with the table's bfloat16 (4329472 B recorded, 2 KiB over)."""
+  def step(p, tokens):
+    def loss(p):
+      x = jnp.take(p["embed"], tokens, axis=0)
+      return jnp.mean(jnp.tanh(x @ p["w"]).astype(jnp.float32) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+  f = jax.ShapeDtypeStruct
+  got = _recorded(step, ({"embed": f((16384, 64), jnp.bfloat16), "w": f((64, 64), jnp.bfloat16)},
+                         f((16, 32), jnp.int32)), (1,), {"fsdp": 8})
+  assert got[(True, "[0]['embed']", ("fsdp", None), "all_gather[fsdp]")] == (
+      16384 * 64 * 4 + 512 * 64 * 4 + 512 * 4)
+
+
+def test_a_loop_weight_s_per_iteration_all_reduce_is_priced_at_its_own_point_on_a_measured_curve(
+    cpu_devices):
+  """A weight a lax.fori_loop of 3 reads whole in every iteration, `data` 8 on CPU devices:
+  XLA:CPU all-reduces its gradient inside the backward's loop, once per iteration, and the other
+  gradients in one combined all-reduce after it (the compiled HLO below: f32[512,512] in the
+  loop body, run 3 times; w_in's and out's together outside). Nothing joins the loop's
+  all-reduces to the combined one, so on a calibration's curve (test_calibration's CAL: 3 ms at
+  1 MiB, 43 ms at 9 MiB, flat below) each is priced at its own point beyond the latency the
+  problem adds once: the 1 MiB weight 3 x (3 - 3) = 0 ms, a 4 MiB one 3 x (18 - 3) = 45 ms.
+  Before, each was a share of the combined all-reduce of every gradient: 1 MiB of 1.5 (5.5 ms),
+  3 x 1 / 1.5 x (5.5 - 3) = 5 ms; 4 MiB of 5 (23 ms), 3 x 4 / 5 x 20 = 48 ms. The combined one
+  holds w_in's and out's gradients only: 0.5 MiB (1 MiB), flat on the curve, so their shares
+  are 0 (before, 0.25 / 1.5 x 2.5 ms each; 0.5 / 5 x 20 ms)."""
+  from jax.sharding import NamedSharding
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.check import loop_repeats
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.planning.solver import make_problem
+  from tests import test_calibration as tcal
+
+  def step(p, x):
+    def loss(p):
+      h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["w"]), x @ p["w_in"])
+      return jnp.mean((h @ p["out"]) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+
+  def args(n):
+    f = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    return {"w_in": f(128, n), "w": f(n, n), "out": f(n, 128)}, f(64, 128)
+  mesh = Mesh(np.array(cpu_devices), ("data",))
+  rep, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+  p, x = args(512)
+  compiled = jax.jit(step, in_shardings=({k: rep for k in p}, split),
+                     out_shardings={k: rep for k in p}).lower(p, x).compile(cmt.LLVM_O0)
+  repeats = loop_repeats(compiled)
+  ops = hlo.read_compiled(compiled).collectives()
+  assert sorted((c.nbytes, repeats(c.computation)) for c in ops) == [
+      (2 * 128 * 512 * 4, 1), (512 * 512 * 4, 3)], ops
+
+  shape = tuple(8 if a == "data" else 1 for a in AXES)
+  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)
+  for n, want in ((512, 0.0), (1024, 3 * 15e-3)):
+    graph = stepgraph.read_step(step, args(n), (1,))
+    prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
+                        pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
+                        {}, 0.0, False)
+    got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
+           for g, prs in zip(prob.groups, prob.prices)}
+    assert got == pytest.approx({"[0]['w']": want, "[0]['w_in']": 0.0, "[0]['out']": 0.0},
+                                abs=1e-9), n
+
+
+def test_plan_check_sets_the_recorded_bytes_of_a_bfloat16_step_beside_xla_cpu_s_float32_ones():
+  """``plan.check`` compares a plan's recorded collective bytes with the compiled program's
+  collectives, whose operands on CPU devices are XLA:CPU's float32 for a bfloat16 value: the
+  bytes that move. A bfloat16 MLP of two 256 x 256 weights under FSDP on `fsdp` 8 compiles
+  all-gathers and all-reduces of f32[256,256] (2 x 256 x 256 x 4 B each kind); the plan records
+  those bytes. Before, it priced them so but recorded the bfloat16 bytes, half (plan.check: 50 %
+  off for both kinds)."""
+  import dtenjax
+  f = jax.ShapeDtypeStruct
+
+  def step(p, x):
+    def loss(p):
+      return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]).astype(jnp.float32) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+  args = ({"w1": f((256, 256), jnp.bfloat16), "w2": f((256, 256), jnp.bfloat16)},
+          f((64, 256), jnp.bfloat16))
+  plan = dtenjax.plan(step, *args, mesh={"fsdp": 8}, recipe="FSDP")
+  check = plan.check(step, *args)
+  want = {"all_gather": 2 * 256 * 256 * 4.0, "all_reduce": 2 * 256 * 256 * 4.0}
+  assert check.compiled_bytes == want and check.predicted_bytes == want, check.table()

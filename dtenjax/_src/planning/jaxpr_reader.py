@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.extend.core as jcore
-import jax.numpy as jnp
 import numpy as np
 
 from dtenjax._src import jaxapi
+from dtenjax._src.pricing import calls
 
 # Primitives whose output dimension i is the input's dimension i (operands broadcast as scalars
 # or of the same shape): the sharded dimension of a pair survives them. ``one_minus_square``
@@ -172,12 +172,8 @@ def scaled_operand(eqn):
   return full[0] if tuple(full[0].aval.shape) == tuple(eqn.outvars[0].aval.shape) else None
 
 
-def _is_bfloat16(dtype) -> bool:
-  """Whether ``dtype`` is bfloat16 (a PRNG key's dtype is not a numpy one: no)."""
-  try:
-    return np.dtype(dtype) == np.dtype(jnp.bfloat16)
-  except TypeError:
-    return False
+# the values XLA:CPU's collectives move in float32 (calls.wire_bytes): the pricing's one test
+_is_bfloat16 = calls.is_bfloat16
 
 
 def wide_bytes(aval) -> int:

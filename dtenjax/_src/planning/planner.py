@@ -212,9 +212,9 @@ def _plan_cached(shape, dtype, mesh_shape, axis_names, device_ids, topology, wor
 
   def activation_s(nbytes, group, axis_sizes):
     """A sharded product's partial activations, all-reduced by XLA: XLA:CPU runs a bfloat16
-    collective in float32 (``calls.cpu_wire_bytes``); a GPU's NCCL sends the input's bytes."""
-    if act_price is not price and group and topology.device(group[0]).platform == "cpu":
-      nbytes = nbytes * calls.cpu_wire_bytes(dtype)
+    collective in float32 (``calls.wire_bytes``); a GPU's NCCL sends the input's bytes."""
+    if act_price is not price and group:
+      nbytes = nbytes * calls.wire_bytes(dtype, topology.device(group[0]).platform)
     return _allreduce_s(int(nbytes), group, axis_sizes, topology, dtype, act_price)
   ndev = a * b
   if len(shape) >= 2:

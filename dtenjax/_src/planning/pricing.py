@@ -112,9 +112,9 @@ def last_arrival(n: int) -> float:
 
 
 class Pricer:
-  """Collective times on one mesh, cached by (kind, bytes, axes, dtype): ``dtype`` is the
-  collective's, whose bytes XLA:CPU moves widened where it is bfloat16 (``calls.cpu_wire_bytes``);
-  ``roles.base.WIRE`` for bytes counted as they move."""
+  """Collective times on one mesh, cached by (kind, bytes, axes, dtype, wide): ``dtype`` is the
+  collective's, whose bytes move as :meth:`wire` says; ``roles.base.WIRE`` for bytes counted as
+  they move."""
 
   def __init__(self, m: CandidateMesh, price: planner.AllReduceTime,
                between: float | None = None, weightless: float = 1.0,
@@ -197,24 +197,35 @@ class Pricer:
     return max(0.0, MEETING_WAKE_S + self.gather_spread * last_arrival(group) * between -
                self.step_latency)
 
-  def __call__(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
+  def wire(self, nbytes: float, dtype: str, wide: float = 0.0) -> float:
+    """The bytes a collective of ``nbytes`` of ``dtype`` moves on this mesh's backend
+    (``calls.wire_bytes``, the one place that decides it): what every collective is priced at,
+    and what it records (``Price.bytes``: ``plan.check`` sets them beside the compiled
+    collectives' operands, XLA:CPU's float32 of a bfloat16 value). ``wide``: of ``nbytes``, the
+    bytes of bfloat16 values among values of ``dtype`` (a meeting's statistics, an index
+    reduction's partials)."""
+    own = calls.wire_bytes(dtype, self.backend)
+    return nbytes * own + wide * (calls.wire_bytes("bfloat16", self.backend) - own)
+
+  def __call__(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str,
+               wide: float = 0.0) -> float:
+    """One collective of ``kind`` of ``nbytes`` per participant over ``axes``, priced at the
+    bytes it moves (:meth:`wire`), with the meeting every collective pays."""
     axes = tuple(a for a in AXES if a in axes and self.m.size[a] > 1)
     if not axes or nbytes <= 0:
       return 0.0
-    key = (kind, int(nbytes), axes, dtype)
+    key = (kind, int(nbytes), axes, dtype, wide)
     if key not in self.cache:
       group = self.m.group(axes)
-      # XLA:CPU runs a bfloat16 collective in float32: twice its bytes move, priced as the
-      # float32 collective they are (an all-reduce price that widens a bfloat16 sum itself,
-      # auto's, is not handed the bfloat16 dtype again)
-      wide = (calls.cpu_wire_bytes(dtype) if self.backend == "cpu" and stepgraph.is_float(dtype)
-              else 1)
-      wire = int(nbytes * wide)
+      # XLA:CPU runs a bfloat16 collective in float32: priced as the float32 collective it is
+      # (an all-reduce price that widens a bfloat16 sum itself, auto's, is not handed the
+      # bfloat16 dtype again)
+      wire = self.wire(nbytes, dtype, wide)
       if kind == "all_reduce":
-        t = self.price(wire, group, self.m.axis_sizes(axes), self.m.topology,
-                       WIRE if wide > 1 else dtype)
+        t = self.price(int(wire), group, self.m.axis_sizes(axes), self.m.topology,
+                       dtype if wire == nbytes else WIRE)
       else:
-        t = costmodel.collective_time(kind, wire, group, self.m.topology)
+        t = costmodel.collective_time(kind, int(wire), group, self.m.topology)
       self.cache[key] = t + self.step_latency
     return self.cache[key]
 
@@ -250,6 +261,16 @@ class Pricer:
     return self._curved[axes]
 
 
+def reduced_in_loop(use: stepgraph.WeightUse | None, backend: str) -> bool:
+  """Whether XLA reduces the gradient of a weight (``use``: its WeightUse) inside a loop's body,
+  once per iteration: a weight a loop reads whole in every iteration (not a scanned stack's
+  layer) on XLA:CPU. Joined there with the other weights the body reads (two such weights: one
+  all-reduce of f32[128,128] x 2 per iteration), never across iterations nor with the
+  gradients' combined all-reduce after the backward, which XLA runs outside the loop (compiled
+  on 8 CPU devices: tests/test_costmodel_wire.py)."""
+  return use is not None and backend == "cpu" and use.layers == 1 and use.repeats > 1
+
+
 def axis_key(axes: Sequence[str]) -> str:
   return "+".join(a for a in AXES if a in axes)
 
@@ -272,19 +293,16 @@ class PriceContext:
 
   def add(self, kind: str, nbytes: float, axes: Sequence[str], *, blocking: bool,
           times: float = 1, dtype: str | None = None, wide: float = 0.0) -> None:
-    """``times`` collectives of ``kind`` moving ``nbytes`` per participant over ``axes`` (a
+    """``times`` collectives of ``kind`` of ``nbytes`` per participant over ``axes`` (a
     fraction: this leaf's share of one collective several leaves share), of ``dtype`` (default
-    the weight's), which the Pricer widens as XLA:CPU does (a bfloat16 collective in float32);
-    ``WIRE`` where ``nbytes`` already are the bytes that move. ``wide``: for values of their own
-    dtypes, the bytes XLA:CPU adds moving them (their bfloat16's: ``jaxpr_reader.wide_bytes``),
-    priced as moved on CPU devices (``nbytes`` are recorded)."""
+    the weight's; ``WIRE`` where ``nbytes`` already are the bytes that move), with ``wide``
+    bytes of bfloat16 among them (values of their own dtypes: ``jaxpr_reader.wide_bytes``).
+    Priced and recorded at the bytes that move (``Pricer.wire``)."""
     key = axis_key(axes)
-    moved, dtype = nbytes, self.dtype if dtype is None else dtype
-    if wide and self.pricer.backend == "cpu":
-      moved, dtype = nbytes + wide, WIRE
+    dtype = self.dtype if dtype is None else dtype
     acc(self.price.blocking if blocking else self.price.overlappable, key,
-        times * self.pricer(kind, moved, axes, dtype))
-    acc(self.price.bytes, f"{kind}[{key}]", times * nbytes)
+        times * self.pricer(kind, nbytes, axes, dtype, wide))
+    acc(self.price.bytes, f"{kind}[{key}]", times * self.pricer.wire(nbytes, dtype, wide))
 
 
 def _vocab_axes(lookup, used, m: CandidateMesh, zero: list[str]) -> list[str]:
@@ -362,6 +380,10 @@ class LookupGradient:
   all_gather: float = 0.0      # bytes per device, over the batch axes that shard the table
   all_to_all: float = 0.0
   ppermute: float = 0.0        # over those axes and 'tensor'
+  # of all_gather (ppermute), the int32 token ids' bytes: they move as they are beside the
+  # table's rows, which XLA:CPU moves in float32 where the table is bfloat16
+  all_gather_ids: float = 0.0
+  ppermute_ids: float = 0.0
   all_reduce: float = 0.0      # over 'tensor'
   reduced: float = 0.0         # all-reduced over the batch axes (:func:`_scattered_in_pieces`)
   whole: bool = True
@@ -418,9 +440,11 @@ def lookup_gradient(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used: d
     return _lookup_pieces_over_tensor(primary, m, zero, sum(each) / local, sum(ids) / local,
                                       gathered)
   if not vocabulary:
-    return LookupGradient(all_gather=sum(ids) / rest, all_to_all=sum(each) / local, whole=False)
+    return LookupGradient(all_gather=sum(ids) / rest, all_gather_ids=sum(ids) / rest,
+                          all_to_all=sum(each) / local, whole=False)
   small = [(rows, i) for rows, i in zip(each, ids) if rows + i <= primary.nbytes]
   return LookupGradient(all_gather=sum(rows + i for rows, i in small) / rest,
+                        all_gather_ids=sum(i for _, i in small) / rest,
                         whole=len(small) < len(each), whole_lookups=len(each) - len(small))
 
 
@@ -445,8 +469,10 @@ def _lookup_pieces_over_tensor(primary: stepgraph.Leaf, m: CandidateMesh, zero: 
   (0.25) MiB; gpt2-like tied tables of 1024 to 8192 rows as on 0.10.2)."""
   shard = primary.nbytes / math.prod(m.size[a] for a in zero)
   if gathered is not None and XLA_VERSION >= (0, 11):
-    return LookupGradient(all_gather=gathered, ppermute=ids, all_reduce=shard, whole=False)
-  return LookupGradient(all_to_all=rows, ppermute=ids, all_reduce=shard, whole=False)
+    return LookupGradient(all_gather=gathered, ppermute=ids, ppermute_ids=ids, all_reduce=shard,
+                          whole=False)
+  return LookupGradient(all_to_all=rows, ppermute=ids, ppermute_ids=ids, all_reduce=shard,
+                        whole=False)
 
 
 def _scattered_in_pieces(primary: stepgraph.Leaf, gathered: float, m: CandidateMesh,
@@ -618,8 +644,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   uses = use.grad_parts if use is not None and pricer.backend == "cpu" else 1
   # a weight a loop reads whole in every iteration (not a scanned stack's layer): XLA:CPU
   # reduces each iteration's gradient part inside the backward's loop (compiled on 8 CPU
-  # devices, data- and fully-sharded alike: a lax.fori_loop of 3, 3 all-reduces of the weight)
-  if use is not None and pricer.backend == "cpu" and use.layers == 1:
+  # devices, data- and fully-sharded alike: a lax.fori_loop of 3, 3 all-reduces of the weight).
+  # They run in the loop's body (reduced_in_loop): each priced at its own point, not as a share
+  # of the combined all-reduce after the backward (Pricer.share)
+  looped = reduced_in_loop(use, pricer.backend)
+  if looped:
     uses *= use.repeats
   parts = max(parts, uses)
   lookup = graph.lookups.get(primary.index) if use is None else None
@@ -640,8 +669,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
                             ("ppermute", "ppermute", zero + ["tensor"]),
                             ("all_reduce", "all_reduce", ["tensor"]),
                             ("reduced", "all_reduce", zero)):
-    if getattr(scatter, field):
-      ctx.add(kind, getattr(scatter, field), axes, blocking=False)
+    nb = getattr(scatter, field)
+    if nb:
+      # the table's rows of its dtype, the token ids int32 (integers move as they are)
+      ids = getattr(scatter, f"{field}_ids", 0.0)
+      ctx.add(kind, pricer.wire(nb - ids, dtype) + pricer.wire(ids, "int32"), axes,
+              blocking=False, dtype=WIRE)
   # gradient synchronisation
   for kind, nb, axes in table_sync:
     ctx.add(kind, nb, axes, blocking=False)
@@ -661,13 +694,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # tied embedding's lookup part, which XLA scatters into the sharded table)
       # XLA:CPU combines these all-reduces with the others after the backward (5 in all for a
       # scanned decoder's FSDP step, as for DP)
-      time = pricer.gradient_share if rs == "all_reduce" else pricer
+      time = (pricer.share if looped else
+              pricer.gradient_share if rs == "all_reduce" else pricer)
       if rs == "reduce_scatter" and _reduced_in_tensor_pairs(graph, primary, use, used, m, zero):
         _price_pair_reduction(ctx, zero)
       else:
         if not table_sync:
           acc(pr.overlappable, k, uses * time(rs, grad / spread, zero, dtype))
-          acc(pr.bytes, f"{rs}[{k}]", uses * grad / spread)
+          acc(pr.bytes, f"{rs}[{k}]", uses * pricer.wire(grad / spread, dtype))
         if moved:
           ctx.add("ppermute", moved, zero + ["tensor"], blocking=False, times=uses)
       rest = [a for a in batch if a not in zero]
@@ -675,14 +709,15 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
         g2 = grad / math.prod(m.size[a] for a in zero)
         k2 = axis_key(rest)
         acc(pr.overlappable, k2, pricer.gradient_share("all_reduce", g2, rest, dtype))
-        acc(pr.bytes, f"all_reduce[{k2}]", g2)
+        acc(pr.bytes, f"all_reduce[{k2}]", pricer.wire(g2, dtype))
     else:
       # XLA combines the gradients' all-reduces into few large ones (one per group of axes:
       # the sequence's is separate, roles.sequence)
       for axes in sequence.reduction_groups(batch):
         k = axis_key(axes)
-        acc(pr.overlappable, k, parts * pricer.gradient_share("all_reduce", grad, axes, dtype))
-        acc(pr.bytes, f"all_reduce[{k}]", parts * grad)
+        share = pricer.share if looped else pricer.gradient_share
+        acc(pr.overlappable, k, parts * share("all_reduce", grad, axes, dtype))
+        acc(pr.bytes, f"all_reduce[{k}]", parts * pricer.wire(grad, dtype))
   # the meetings this group's weight pays (the reductions over the batch that later work on the
   # batch reads, after its product: batch norm's statistics): XLA all-reduces them over every axis
   # that splits the batch, whatever the weights' layouts (the convnet family's DP and FSDP steps
@@ -696,26 +731,25 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # (the extreme values and their indices): the buffer gathered is the batch axes' devices times
   # its bytes (compiled on 8 CPU devices, `data` 8: f32[1,128] and s32[1,128] gathered, 4 KiB
   # each)
-  # Their values' own dtypes, not the weight's: priced at the bytes that move (WIRE), XLA:CPU's
-  # float32 of their bfloat16 values (Meeting.wide) counted
+  # Their values' own dtypes, not the weight's: priced and recorded at the bytes that move
+  # (WIRE), XLA:CPU's float32 of their bfloat16 values (Meeting.wide) counted
   gathers = math.prod(m.size[a] for a in meet)
   for mt in graph.meetings:
     kind, moved = ("all_gather", gathers * mt.nbytes) if mt.gathered else ("all_reduce", mt.nbytes)
-    wire = (moved / mt.nbytes * (mt.nbytes + mt.wide) if pricer.backend == "cpu" and mt.nbytes
-            else moved)
+    wire = pricer.wire(moved, WIRE, moved / mt.nbytes * mt.wide if mt.nbytes else 0.0)
     if (mt.payer in group and meet and mt.joins_on_cpu and pricer.backend == "cpu" and
         XLA_VERSION < (0, 11) and not mt.gathered):
       # its bytes move in the all-reduce before it, which pays the meeting (jaxlib 0.10's
       # XLA:CPU; 0.11's keeps the recomputation apart: Reader.meetings)
       acc(pr.blocking, axis_key(meet),
           mt.count * pricer.share("all_reduce", wire / mt.count, meet, WIRE))
-      acc(pr.bytes, f"all_reduce[{axis_key(meet)}]", mt.nbytes)
+      acc(pr.bytes, f"all_reduce[{axis_key(meet)}]", wire)
     elif mt.payer in group and meet:
       since = mt.since / mt.count / batch_div / m.peak_flops
       own = min(pricer.step_latency, MEETING_WAKE_S + MEETING_SPREAD * since)
       time = pricer(kind, wire / mt.count, meet, WIRE) - pricer.step_latency + own
       acc(pr.blocking, axis_key(meet), mt.count * time)
-      acc(pr.bytes, f"{kind}[{axis_key(meet)}]", moved)
+      acc(pr.bytes, f"{kind}[{axis_key(meet)}]", wire)
   # FSDP: the parameter gathered for the forward; XLA keeps the gathered copy for the backward
   # (one all-gather per step, the copy live in between)
   # a table only read by lookups, sharded over the dimension they index (vocab-parallel): each
@@ -738,7 +772,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     # a scanned stack is gathered one layer per loop iteration: one collective per layer
     per = use.layers if use is not None and use.layers > 1 else 1
     acc(pr.overlappable, k, times * per * pricer("all_gather", grad / per, zero, dtype))
-    acc(pr.bytes, f"all_gather[{k}]", times * grad)
+    acc(pr.bytes, f"all_gather[{k}]", times * pricer.wire(grad, dtype))
     if use is None and primary.index in graph.lookups and primary.index in graph.stopped:
       # a table looked up and read by a product under lax.stop_gradient (the output projection
       # of a tied embedding the loss does not train through): the lookup's gathered copy dies
@@ -748,7 +782,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # rows gathered twice; of 512 rows once, and the activations, f32[2,16,64], gathered
       other = min(grad, graph.stopped[primary.index])
       acc(pr.overlappable, k, pricer("all_gather", other, zero, dtype))
-      acc(pr.bytes, f"all_gather[{k}]", other)
+      acc(pr.bytes, f"all_gather[{k}]", pricer.wire(other, dtype))
     if regather:
       pr.gathered_peak = grad / max(1, use.layers)
     elif use is not None:
@@ -785,17 +819,15 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # its moments; none of a frozen one, whose new value is the old) over 'tensor' into the
   # replicated outputs (compiled on 8 CPU devices, `fsdp` 4 x `tensor` 2: an MLP's first bias and
   # adam's two moments, three f32[256] gathered into f32[512]). XLA:CPU gathers a bfloat16
-  # one in f32, before converting it (bf16 parameters on `tensor` 8: three f32[64]); those
-  # bytes are what moves (WIRE), not widened again by the weight's dtype
+  # one in f32, before converting it (bf16 parameters on `tensor` 8: three f32[64]): each of
+  # its own dtype, not the weight's
   if pr.tp is not None and pr.tp[0] == "col" and m.size["tensor"] > 1:
     # (a norm's scale and bias, tied by the work that reads them, are one group: its outputs once)
     tied = {graph.group_of(b)[0] for b in graph.column_vectors.get((primary.index, pr.tp[1]), ())}
     for k, (shape, dtype, rep) in enumerate(graph.outputs):
       if rep in tied and k in graph.batch_outputs:
-        item = jaxpr_reader.itemsize(dtype)
-        if pricer.backend == "cpu" and stepgraph.is_float(dtype):
-          item *= calls.cpu_wire_bytes(dtype)
-        ctx.add("all_gather", math.prod(shape) * item, ("tensor",), blocking=False, dtype=WIRE)
+        ctx.add("all_gather", math.prod(shape) * jaxpr_reader.itemsize(dtype), ("tensor",),
+                blocking=False, dtype=dtype)
     # a result of the step in the pair's cone that is no state's new value (an argmax over the
     # batch per hidden unit): split over 'tensor' where it is made, gathered into the replicated
     # output (compiled on 8 CPU devices, `data` 4 x `tensor` 2: s32[256] into s32[512])

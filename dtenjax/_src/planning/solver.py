@@ -28,6 +28,7 @@ from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
 from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
+from dtenjax._src.planning.pricing import reduced_in_loop
 from dtenjax._src.planning.pricing import start_wait
 from dtenjax._src.planning.roles import BATCH_AXES
 from dtenjax._src.planning.roles import ROUTED_AXES
@@ -67,10 +68,12 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
   between = graph.flops / max(1, graph.products) / m.ids.size / m.peak_flops
   # the step's products over those that read a weight (FSDP's gathers wait for both)
   read = sum(u.flops for u in graph.weights.values())
-  # the bytes of the gradients' combined all-reduce where every gradient is reduced whole
+  # the bytes of the gradients' combined all-reduce where every gradient is reduced whole (not
+  # those reduced inside a loop's body, once per iteration)
   combined = sum(graph.leaves[g[0]].nbytes for g in graph.groups
                  if not graph.leaves[g[0]].is_batch and stepgraph.is_float(graph.leaves[g[0]].dtype)
-                 and not graph.zero_gradient(g) and not graph.frozen(g))
+                 and not graph.zero_gradient(g) and not graph.frozen(g)
+                 and not reduced_in_loop(graph.weights.get(g[0]), _backend(m)))
   pricer = Pricer(m, price, between, max(1.0, graph.flops / read) if read > 0 else 1.0,
                   [[graph.leaves[i] for i in g] for g in graph.groups], combined)
   groups = [g for g in graph.groups]

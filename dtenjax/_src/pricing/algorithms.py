@@ -23,8 +23,8 @@ from dtenjax._src.net import hostcoll
 from dtenjax._src.pricing import costmodel
 from dtenjax._src.pricing.calls import Call
 from dtenjax._src.pricing.calls import acc_dtype
-from dtenjax._src.pricing.calls import cpu_wire_bytes
 from dtenjax._src.pricing.calls import uses_keys
+from dtenjax._src.pricing.calls import wire_bytes
 from dtenjax._src.pricing.calls import xla_reaches
 
 
@@ -79,7 +79,7 @@ class Record:
     exchange of the raw floats) is priced there at the float32 bytes too; the word exchange's
     int32 words (every reproducible reduce-scatter's) are not widened."""
     nbytes, carried = int(call.nbytes), self.carried(call)
-    wide = cpu_wire_bytes(call.dtype) if call.backend == "cpu" else 1.0
+    wide = wire_bytes(call.dtype, call.backend)
     own = call.kind == "all_reduce" and self.cost.reproducible is not None
     if wide > 1 and partial_sum_bytes(call) > 1 and (not call.reproducible or own):
       nbytes, carried = int(nbytes * wide), 1.0

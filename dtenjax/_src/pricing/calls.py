@@ -103,13 +103,24 @@ def acc_dtype(dtype, op: str):
   return dtype
 
 
-def cpu_wire_bytes(dtype) -> float:
-  """Bytes XLA:CPU moves per byte of a collective of ``dtype``: it compiles a collective of
-  bfloat16 in float32, with conversions around it (a bfloat16 gradient's all-reduce, a bfloat16
-  weight's all-gather, all-to-alls and ppermutes alike, the compiled HLO's operands:
-  tests/test_costmodel_wire.py), 2; any other dtype as it is, 1 (float16 too: its collectives
-  stay float16 in the compiled HLO). Not a PRNG key's name."""
-  return 2.0 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 1.0
+def is_bfloat16(dtype) -> bool:
+  """Whether ``dtype`` is bfloat16 (a PRNG key's dtype, which numpy does not know, is not)."""
+  try:
+    return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+  except TypeError:
+    return False
+
+
+def wire_bytes(dtype, backend: str) -> float:
+  """Bytes XLA's collective of a value of ``dtype`` moves per byte of the value on ``backend``:
+  the one place this is decided (the whole-step planner's roles, its Pricer, the per-array
+  planner and the algorithm records ask it). XLA:CPU compiles a collective of bfloat16 in
+  float32, with conversions around it (a bfloat16 gradient's all-reduce, a bfloat16 weight's
+  all-gather, all-to-alls and ppermutes alike: the compiled HLO's operands, and the bytes
+  ``plan.check`` reads back from it: tests/test_costmodel_wire.py), 2; every other dtype as it
+  is, 1: float16 (its collectives stay float16 in the compiled HLO), integers, PRNG keys, and
+  every dtype on a GPU (NCCL sends the input's bytes)."""
+  return 2.0 if backend == "cpu" and is_bfloat16(dtype) else 1.0
 
 
 def uses_keys(dtype) -> bool:

@@ -413,6 +413,13 @@ def _exchange(topology: Topology, groups: Sequence[Sequence[int]]) -> tuple[floa
   return (latency, per_byte) if mixed else None
 
 
+@functools.lru_cache(maxsize=4096)
+def _group_exchange(group: tuple[int, ...], topology: Topology) -> tuple[float, float] | None:
+  """:func:`_exchange` of one group, computed once per group and topology (an all-to-all's
+  price, asked for every layout of a plan)."""
+  return _exchange(topology, [group])
+
+
 def _slowest(topology: Topology, groups: Sequence[Sequence[int]]):
   """The slowest ``(class, spec)`` of :meth:`Topology.slowest_link` over ``groups``."""
   return max((topology.slowest_link(list(g)) for g in groups),
@@ -567,7 +574,12 @@ def collective_time(kind: str, nbytes: int, group: Sequence[int], topology: Topo
   if kind == "ppermute":
     return t.L + t.a + nbytes * t.b
   if kind == "all_to_all":
-    return t.L + t.hops * t.a + (n - 1) / n * nbytes * t.b
+    # each rank sends every peer its chunk directly: its host-mates' over the host's links,
+    # only the chunks to other hosts over the network (:func:`_exchange`), where a group spans
+    # hosts with several ranks on one (an `expert` axis over two hosts of 8); else every peer
+    # is behind the group's slowest link
+    a, b = _group_exchange(tuple(group), topology) or (t.hops * t.a, t.b)
+    return t.L + a + (n - 1) / n * nbytes * b
   if kind == "all_gather":
     return xla_all_gather(t, nbytes)
   word_bytes = contract.word_bytes

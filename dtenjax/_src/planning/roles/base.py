@@ -7,10 +7,19 @@ from collections.abc import Callable
 from typing import Any
 
 
-# The dtype a role prices a collective's bytes as where they already are what moves (XLA:CPU's
-# float32 all-reduce of a bfloat16 activation, counted at 4 bytes an element): the Pricer widens
-# no float32 collective, so those bytes are not widened again by the weight's dtype.
+# The dtype a role prices a collective's bytes as where they already are what moves (a meeting's
+# values of several dtypes, their bfloat16 share counted apart: PriceContext.add's ``wide``): the
+# Pricer widens no float32 collective (calls.wire_bytes), so those bytes are not widened again by
+# the weight's dtype.
 WIRE = "float32"
+
+
+def activation_dtype(use) -> str:
+  """The dtype a product's activation collectives are priced in (``use``: its
+  stepgraph.WeightUse): its activations' own, not the weight's. Only bfloat16 moves otherwise
+  than it is (``calls.wire_bytes``: XLA:CPU widens it to float32), every other dtype is priced
+  at its bytes (``WIRE``)."""
+  return "bfloat16" if use.act_bfloat16 else WIRE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dtenjax._src.planning.roles.base import LeafContext
 from dtenjax._src.planning.roles.base import MeshContext
 from dtenjax._src.planning.roles.base import Option
 from dtenjax._src.planning.roles.base import Role
-from dtenjax._src.planning.roles.base import WIRE
+from dtenjax._src.planning.roles.base import activation_dtype
 
 
 def expert_dims(shape: tuple[int, ...], use) -> tuple[int, ...]:
@@ -83,13 +83,13 @@ def price(ctx) -> None:
   fed = any(p.dst == leaf and p.src in routed for p in graph.pairs)
   feeds = any(p.src == leaf and p.dst in routed for p in graph.pairs)
   # the tokens' own dtype (XLA:CPU exchanges a bfloat16 activation in float32), not the weight's
-  act = lambda nbytes: {"dtype": WIRE, "wide": nbytes if use.act_bfloat16 else 0}
+  act = activation_dtype(use)
   if not fed:          # dispatch, and its gradient (when the tokens need one)
     ctx.add("all_to_all", per_token * width_in, ("expert",), blocking=True,
-            times=use.repeats * (1 + int(use.input_grad)), **act(per_token * width_in))
+            times=use.repeats * (1 + int(use.input_grad)), dtype=act)
   if not feeds:        # combine, and its gradient
     ctx.add("all_to_all", per_token * width_out, ("expert",), blocking=True,
-            times=use.repeats * 2, **act(per_token * width_out))
+            times=use.repeats * 2, dtype=act)
 
 
 ROLE = Role(

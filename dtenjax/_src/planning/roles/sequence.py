@@ -72,16 +72,17 @@ def adjust(prob, graph, pricer) -> None:
   recomputed = any(a.recomputed for a in facts.attention)
   for a in facts.attention:
     kv = (a.k_bytes + a.v_bytes) / rows
-    # of the keys' dtype (XLA:CPU gathers a bfloat16 one in float32; before, every attention
-    # was priced as float32 bytes, a bfloat16 one's at half what moves on CPU)
+    # of the keys' dtype (XLA:CPU gathers a bfloat16 one in float32: priced and recorded at
+    # what moves, Pricer.wire; before, every attention was priced as float32 bytes, a bfloat16
+    # one's at half what moves on CPU)
     t += a.repeats * (pricer("all_gather", a.k_bytes / rows, [AXIS], a.dtype) +
                       pricer("all_gather", a.v_bytes / rows, [AXIS], a.dtype))
-    nb_ag += a.repeats * kv
+    nb_ag += a.repeats * pricer.wire(kv, a.dtype)
     cotangent = max(cotangent, kv)
     if a.recomputed:
       continue
     t += a.repeats * pricer(rs, kv, [AXIS], a.dtype)
-    nb_rs += a.repeats * kv
+    nb_rs += a.repeats * pricer.wire(kv, a.dtype)
     kept += a.repeats * kv
   if recomputed:
     kept = cotangent

@@ -9,6 +9,7 @@ from dtenjax._src.planning.roles.base import MeshContext
 from dtenjax._src.planning.roles.base import Option
 from dtenjax._src.planning.roles.base import Role
 from dtenjax._src.planning.roles.base import WIRE
+from dtenjax._src.planning.roles.base import activation_dtype
 
 
 def options(ctx: LeafContext, taken: frozenset[int]) -> list[Option]:
@@ -49,12 +50,11 @@ def price(ctx) -> None:
     # collectives, as every layer of a scan (repeats) does
     tokens = use.tokens * use.repeats * use.grad_parts / ctx.batch_div
     item = use.act_itemsize
-    # XLA:CPU all-reduces a bfloat16 activation in f32 (its all-reduce promotion; the HLO's
-    # reducer is add.clone_promoted), and all-gathers it in f32: 4 bytes an element (a float16
-    # one stays float16: the compiled HLO, tests/test_costmodel_wire.py). These bytes are what
-    # moves: priced as such (base.WIRE), not widened by the weight's dtype
-    wide = 2 if use.act_bfloat16 and ctx.pricer.backend == "cpu" else 1
-    reduced_item = wide * item
+    # of the activations' dtype, not the weight's: XLA:CPU all-reduces a bfloat16 activation in
+    # f32 (its all-reduce promotion; the HLO's reducer is add.clone_promoted), and all-gathers
+    # it in f32 (a float16 one stays float16: the compiled HLO, tests/test_costmodel_wire.py),
+    # which the Pricer prices and records (Pricer.wire)
+    act = activation_dtype(use)
     width_in = math.prod(shape[k] for k in use.contracted)
     width_out = math.prod(shape[k] for k in use.free)
     if d in use.free:
@@ -66,37 +66,36 @@ def price(ctx) -> None:
                          ctx.graph.token_bytes / ctx.batch_div * (1 - 1 / m.size["tensor"]) *
                          ctx.pricer.beside_s_per_byte)
       if use.input_grad:     # the input's gradient is a partial sum over 'tensor'
-        nbytes = tokens * width_in * reduced_item
+        nbytes = tokens * width_in * item
         if use.siblings > 1 and ctx.pricer.backend == "cpu":
           # weights reading the same input (q, k and v; gate and up; a cross-attention's k and
           # v in every decoder layer): XLA:CPU reduces their partial gradients in one tuple
           # all-reduce, one meeting of the devices that moves each operand's bytes
           ctx.price.blocking["tensor"] = ctx.price.blocking.get("tensor", 0.0) + (
-              ctx.pricer.share("all_reduce", nbytes, ("tensor",), WIRE,
+              ctx.pricer.share("all_reduce", nbytes, ("tensor",), act,
                                of=nbytes * use.siblings) +
               ctx.pricer("all_reduce", 1, ("tensor",), WIRE) / use.siblings)
           ctx.price.bytes["all_reduce[tensor]"] = (ctx.price.bytes.get("all_reduce[tensor]", 0.0)
-                                                   + nbytes)
+                                                   + ctx.pricer.wire(nbytes, act))
         else:
           # XLA's GPU compiler adds the siblings' partial gradients first (it reassociates
           # all-reduce(a) + all-reduce(b) into all-reduce(a + b)): one all-reduce among them
           ctx.add("all_reduce", nbytes, ("tensor",), blocking=True, times=1.0 / use.siblings,
-                  dtype=WIRE)
+                  dtype=act)
       # unpaired, its output is gathered, unless every reader reduces over the sharded
       # dimension (logits into the loss): XLA:CPU reduces the shards in place
       # (pairs.reduced_outputs; not seen compiled for the GPU)
       if not ((ctx.primary.index, d) in ctx.graph.reduced and ctx.pricer.backend == "cpu"):
-        pr.ag_fwd_bytes = tokens * width_out * item
-        pr.ag_fwd = ctx.pricer("all_gather", wide * pr.ag_fwd_bytes, ("tensor",), WIRE)
+        pr.ag_fwd_bytes = ctx.pricer.wire(tokens * width_out * item, act)
+        pr.ag_fwd = ctx.pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), WIRE)
     elif d in use.contracted:
       pr.tp = ("row", d)
       # each forward product all-reduces its output: jax.checkpoint's recomputed ones too
       forward = use.tokens * use.repeats * (use.forward_reads or use.grad_parts) / ctx.batch_div
-      ctx.add("all_reduce", forward * width_out * reduced_item, ("tensor",), blocking=True,
-              dtype=WIRE)
+      ctx.add("all_reduce", forward * width_out * item, ("tensor",), blocking=True, dtype=act)
       if use.input_grad:
-        pr.ag_bwd_bytes = tokens * width_in * item
-        pr.ag_bwd = ctx.pricer("all_gather", wide * pr.ag_bwd_bytes, ("tensor",), WIRE)
+        pr.ag_bwd_bytes = ctx.pricer.wire(tokens * width_in * item, act)
+        pr.ag_bwd = ctx.pricer("all_gather", pr.ag_bwd_bytes, ("tensor",), WIRE)
   elif not ctx.vocab_axes:
     # a stacked dimension over 'tensor': gathered like FSDP
     t_shard = m.size["tensor"]
@@ -144,17 +143,13 @@ def sliced_on(ctx, dim: int, zero: list[str], moved: float, uses: int):
   item = use.act_itemsize
   width_in = math.prod(primary.shape[k] for k in use.contracted)
   width_out = math.prod(primary.shape[k] for k in use.free)
-  # the activations' own dtype (XLA:CPU widens a bfloat16 one), not the weight's
-  act = lambda nbytes: {"dtype": WIRE, "wide": nbytes if use.act_bfloat16 else 0}
+  act = activation_dtype(use)
   if t > g:
-    nb = tokens * width_out / g * item
-    sub.add("all_reduce", nb, ("tensor",), blocking=True, **act(nb))
+    sub.add("all_reduce", tokens * width_out / g * item, ("tensor",), blocking=True, dtype=act)
   if zero:
-    nb = tokens * width_out * item
-    sub.add("all_gather", nb, ("tensor",), blocking=True, **act(nb))
+    sub.add("all_gather", tokens * width_out * item, ("tensor",), blocking=True, dtype=act)
   else:
-    nb = tokens * width_in * item
-    sub.add("all_reduce", nb, ("tensor",), blocking=True, **act(nb))
+    sub.add("all_reduce", tokens * width_in * item, ("tensor",), blocking=True, dtype=act)
   sub.add("all_gather", pr.memory["params"] + pr.memory["opt_state"], ("tensor",),
           blocking=False)
   if moved:       # the pieces' permute (priced whole, ``uses`` times) moves the slices only

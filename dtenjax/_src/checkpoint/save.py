@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import threading
 import time
@@ -118,21 +119,22 @@ def plan(path: str, tree: Any, *, asynchronous: bool) -> _Plan:
       continue
     if isinstance(value, jax.Array):
       shape = tuple(value.shape)
-      chunks = tuple(value.sharding.shard_shape(shape))
+      chunks = _chunk_shape(value.sharding.shard_shape(shape))
       leaves.append(layout.Leaf(keys, "jax.Array", shape, layout.dtype_to_zarr(value.dtype),
                                 chunks))
       meta = layout.sharding_metadata(value.sharding)
       if meta is not None:
         shardings[name] = meta
-      mine = [s for s in value.addressable_shards if s.replica_id == 0]
+      mine = [s for s in value.addressable_shards if s.replica_id == 0 and math.prod(shape)]
       for s in mine:
         s.data.copy_to_host_async()
       owned.append((leaves[-1], mine))
       continue
     arr = np.asarray(value)
     kind = "np.ndarray" if isinstance(value, np.ndarray) else "scalar"
-    leaves.append(layout.Leaf(keys, kind, arr.shape, layout.dtype_to_zarr(arr.dtype), arr.shape))
-    owned.append((leaves[-1], [arr] if pid == 0 else []))
+    leaves.append(layout.Leaf(keys, kind, arr.shape, layout.dtype_to_zarr(arr.dtype),
+                              _chunk_shape(arr.shape)))
+    owned.append((leaves[-1], [arr] if pid == 0 and arr.size else []))
   writes = []
   for leaf, items in owned:
     for item in items:
@@ -143,6 +145,13 @@ def plan(path: str, tree: Any, *, asynchronous: bool) -> _Plan:
         data = _host_copy(item.data, copy=asynchronous and item.device.platform == "cpu")
       writes.append((leaf.name, layout.chunk_file(index), data))
   return _Plan(path, leaves, writes, shardings, t0)
+
+
+def _chunk_shape(shard_shape) -> tuple[int, ...]:
+  """The zarr chunk shape of shards of ``shard_shape``: zarr (and tensorstore, which orbax reads
+  with) wants every chunk dimension >= 1, so a zero-size dimension gets chunks of 1 -- a grid of
+  no chunks, no file to write."""
+  return tuple(max(1, int(n)) for n in shard_shape)
 
 
 def _as_bytes(data: np.ndarray, chunks: tuple[int, ...]) -> memoryview:

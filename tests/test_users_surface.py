@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import dtenjax
 import dtenjax.checkpoint as ckpt
 
 
@@ -39,3 +40,12 @@ def test_a_zero_size_leaf_round_trips_and_orbax_reads_it(tmp_path):
   theirs = ocp.PyTreeCheckpointer().restore(str(tmp_path / "c"))
   for k, v in tree.items():
     assert _bits(theirs[k]) == _bits(v), k
+
+
+def test_saving_inside_jit_names_the_leaf_and_the_fix(tmp_path):
+  """``ckpt.save`` called inside a jitted (or differentiated) step used to fail with JAX's
+  "The 'sharding' attribute is not available on traced array" AttributeError."""
+  with pytest.raises(dtenjax.ConfigurationError, match=r"leaf 'params\.w' is a traced value.*"
+                     r"outside"):
+    jax.jit(lambda w: ckpt.save(tmp_path / "c", {"params": {"w": w}, "step": 1}))(jnp.ones(3))
+  assert not (tmp_path / "c").exists()

@@ -87,6 +87,10 @@ def _check_leaf(keys, leaf) -> str | None:
   name = ".".join(k for k, _ in keys)
   if layout.is_empty(leaf) or isinstance(leaf, (bool, int, float, np.ndarray, np.generic)):
     return None
+  if isinstance(leaf, jax.core.Tracer):
+    return (f"leaf {name!r} is a traced value ({leaf.aval.str_short()}): save was called inside "
+            "jax.jit, jax.grad, jax.vmap or another transformation, where arrays have no bytes "
+            "yet; call it outside, on the arrays the jitted step returns")
   if isinstance(leaf, jax.Array):
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
       return (f"leaf {name!r} is an array of typed PRNG keys ({leaf.dtype}); save "

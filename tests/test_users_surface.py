@@ -49,3 +49,22 @@ def test_saving_inside_jit_names_the_leaf_and_the_fix(tmp_path):
                      r"outside"):
     jax.jit(lambda w: ckpt.save(tmp_path / "c", {"params": {"w": w}, "step": 1}))(jnp.ones(3))
   assert not (tmp_path / "c").exists()
+
+
+def test_restore_shardings_take_bare_specs_on_the_context_mesh_and_refuse_unknown_names(tmp_path):
+  """``shardings={"w": P("x")}`` under ``jax.set_mesh`` (as ``dtenjax.shard`` takes it) used to
+  fail with "'P' object has no attribute 'shard_shape'"; a misspelt name in ``shardings`` was
+  silently ignored and the leaf came back on its saved layout."""
+  mesh = jax.make_mesh((8,), ("x",))
+  ref = np.arange(64, dtype=np.float32).reshape(8, 8)
+  w = jax.device_put(ref, NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("a", "b")))
+  ckpt.save(tmp_path / "c", {"params": {"w": w}, "step": 3})
+  with jax.set_mesh(mesh):
+    out = ckpt.restore(tmp_path / "c", shardings={"params": {"w": P(None, "x")}})
+  assert out["params"]["w"].sharding == NamedSharding(mesh, P(None, "x"))
+  assert _bits(out["params"]["w"]) == _bits(ref) and out["step"] == 3
+  with pytest.raises(dtenjax.ConfigurationError, match=r"bare PartitionSpec.*jax\.set_mesh"):
+    ckpt.restore(tmp_path / "c", shardings={"params": {"w": P("x")}})
+  rows = NamedSharding(mesh, P("x"))
+  with pytest.raises(dtenjax.ConfigurationError, match=r"'params\.W'.*not a leaf.*'params\.w'"):
+    ckpt.restore(tmp_path / "c", shardings={"params": {"W": rows}})

@@ -246,13 +246,24 @@ def _saved_sharding(meta: Any, leaf: layout.Leaf, root: str):
 
 def _is_sharding_leaf(x) -> bool:
   from dtenjax._src.planning import placement
-  return x is None or isinstance(x, (jax.sharding.Sharding, placement.Placement))
+  return x is None or isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec,
+                                     placement.Placement))
 
 
 def _resolve(s, leaf: layout.Leaf):
+  """The sharding ``s`` (an entry of ``shardings=``) gives ``leaf``: a Placement's choice, a bare
+  PartitionSpec on the context mesh (as ``dtenjax.shard`` takes it)."""
+  from dtenjax._src.planning import mesh as mesh_lib
   from dtenjax._src.planning import placement
   if isinstance(s, placement.Placement):
     return s.sharding(leaf.shape, leaf.np_dtype)
+  if isinstance(s, jax.sharding.PartitionSpec):
+    mesh = mesh_lib.current_mesh()
+    if mesh is None:
+      raise errors.ConfigurationError(
+          f"a bare PartitionSpec {s} needs a mesh, and none is in context: restore inside "
+          "jax.set_mesh(mesh) or dtenjax.use_mesh(mesh), or pass NamedSharding(mesh, spec)")
+    return jax.sharding.NamedSharding(mesh, s)
   return s
 
 
@@ -264,8 +275,9 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
   ``target``: a tree like the saved one (jax Arrays, ``jax.ShapeDtypeStruct``s with shardings,
   numpy arrays, scalars; flax and optax states as they are): the result has its structure, and
   its arrays' shardings unless ``shardings`` says otherwise. ``shardings``: one
-  ``jax.sharding.Sharding`` or ``dtenjax.Placement`` for every array, or a tree of them shaped
-  like the target. Without either, arrays come back with their saved shardings (when those
+  ``jax.sharding.Sharding``, ``dtenjax.Placement`` or bare ``PartitionSpec`` (on the context
+  mesh: ``jax.set_mesh`` or ``dtenjax.use_mesh``) for every array, or a tree of them shaped like
+  the target, whose every entry must name a saved leaf. Without either, arrays come back with their saved shardings (when those
   devices exist) in nested dicts and lists, as orbax restores without a target.
   ``report=True`` returns ``(tree, RestoreReport)``. ``storage``: where checkpoints live
   (default: the file system); orbax-written checkpoints are read from the file system only.
@@ -311,6 +323,8 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
     spairs, _ = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=_is_sharding_leaf)
     by_sharding = {".".join(layout._key_of(e)[0] for e in p): s
                    for p, s in spairs}
+    problems += [f"shardings names {n!r}, which is not a leaf of the checkpoint (its leaves: "
+                 f"{sorted(by_name)}); check the spelling" for n in by_sharding if n not in by_name]
   plans = []   # (leaf, how, sharding)
   for leaf in order:
     t = wanted.get(leaf.name)
@@ -331,7 +345,11 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
       how = {"jax.Array": "jax", "np.ndarray": "np"}.get(leaf.value_type, "py")
     sharding = None
     if how == "jax":
-      sharding = _resolve(single if single is not None else by_sharding.get(leaf.name), leaf)
+      try:
+        sharding = _resolve(single if single is not None else by_sharding.get(leaf.name), leaf)
+      except errors.ConfigurationError as e:
+        problems.append(f"leaf {leaf.name!r}: {e}")
+        continue
       if sharding is None and t is not None:
         sharding = getattr(t, "sharding", None)
       if sharding is None and leaf.name in saved_shardings:

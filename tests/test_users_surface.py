@@ -68,3 +68,29 @@ def test_restore_shardings_take_bare_specs_on_the_context_mesh_and_refuse_unknow
   rows = NamedSharding(mesh, P("x"))
   with pytest.raises(dtenjax.ConfigurationError, match=r"'params\.W'.*not a leaf.*'params\.w'"):
     ckpt.restore(tmp_path / "c", shardings={"params": {"W": rows}})
+
+
+# --- the micro-batch scheduler ------------------------------------------------------------------
+
+def test_the_scheduler_serves_batches_laid_out_on_a_mesh():
+  """A batch sharded over the mesh (as a jitted data-parallel step takes it) used to fail every
+  submit with JAX's "Computation was compiled for input shardings that disagree": the scheduler
+  dropped batch_spec's sharding and compiled for one device. A batch on a layout the step was not
+  compiled for is a ConfigurationError naming the leaf, before it is queued."""
+  mesh = jax.make_mesh((8,), ("i",))
+  rows = NamedSharding(mesh, P("i"))
+  w = jnp.arange(16.0).reshape(4, 4) / 16
+  step = lambda b: jnp.tanh(b["x"] @ w)
+  batch = {"x": jax.device_put(jnp.arange(32.0).reshape(8, 4) / 32, rows)}
+  spec = {"x": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=rows)}
+  for batch_spec in (spec, batch):         # a ShapeDtypeStruct with a sharding, or an example
+    sched = dtenjax.GraphScheduler(step, batch_spec=batch_spec, metrics_port=None)
+    try:
+      out = sched.submit(batch).result(timeout=120)
+      assert out.sharding.is_equivalent_to(rows, 2)
+      np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(step)(batch)))
+      cols = {"x": jax.device_put(batch["x"], NamedSharding(mesh, P()))}
+      with pytest.raises(dtenjax.ConfigurationError, match=r"\['x'\].*laid out as.*compiled for"):
+        sched.submit(cols)
+    finally:
+      sched.shutdown(timeout=60)

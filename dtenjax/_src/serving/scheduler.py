@@ -252,7 +252,16 @@ def _spec_of(tree: Any) -> Any:
   if problems:
     raise errors.ConfigurationError(errors.join_problems(
         "batch_spec leaves must be numeric or bool arrays of non-negative sizes:", problems))
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x)), tree)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x),
+                                                     sharding=_sharding_of(x)), tree)
+
+
+def _sharding_of(leaf: Any) -> jax.sharding.Sharding | None:
+  """The layout a batch_spec leaf asks for: a jax.Array's or a ShapeDtypeStruct's sharding (a
+  batch laid out over a mesh, as a data-parallel step takes it), else None (jit's default)."""
+  sharding = getattr(leaf, "sharding", None) if isinstance(
+      leaf, (jax.Array, jax.ShapeDtypeStruct)) else None
+  return sharding if isinstance(sharding, jax.sharding.Sharding) else None
 
 
 def _compile(step: Any, spec: Any) -> Any:
@@ -270,8 +279,10 @@ def _compile(step: Any, spec: Any) -> Any:
         "like batch_spec (the batch the scheduler passes); fix batch_spec or step_fn.") from e
 
 
-def check_batch(spec: Any, batch: Any) -> None:
-  """Raises ConfigurationError listing every leaf of ``batch`` that does not match ``spec``."""
+def check_batch(spec: Any, batch: Any, shardings: Any = None) -> None:
+  """Raises ConfigurationError listing every leaf of ``batch`` that does not match ``spec``,
+  and every jax.Array leaf committed to another layout than ``shardings`` (the compiled step's
+  input shardings, a tree like ``spec``), which the compiled step would refuse."""
   _check_leaves(batch, "batch")
   spec_leaves, spec_tree = jax.tree.flatten(spec)
   leaves, tree = jax.tree.flatten(batch)
@@ -282,11 +293,18 @@ def check_batch(spec: Any, batch: Any) -> None:
   problems = []
   paths = [jax.tree_util.keystr(p) or "batch" for p, _ in
            jax.tree_util.tree_flatten_with_path(spec)[0]]
-  for path, want, got in zip(paths, spec_leaves, leaves):
+  layouts = (jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+             if shardings is not None else [None] * len(spec_leaves))
+  for path, want, got, layout in zip(paths, spec_leaves, leaves, layouts):
     shape, dtype = tuple(np.shape(got)), np.result_type(got)
     if shape != tuple(want.shape) or dtype != want.dtype:
       problems.append(f"{path}: got {dtype}{list(shape)}, the step takes "
                       f"{want.dtype}{list(want.shape)}")
+    elif (layout is not None and isinstance(got, jax.Array) and getattr(got, "committed", False)
+          and not got.sharding.is_equivalent_to(layout, len(shape))):
+      problems.append(f"{path}: laid out as {got.sharding}, the step was compiled for {layout}; "
+                      "give batch_spec that layout (an example batch, or jax.ShapeDtypeStruct("
+                      "shape, dtype, sharding=...)) or jax.device_put the batch onto it")
   if problems:
     raise errors.ConfigurationError(errors.join_problems(
         "batch does not fit the compiled step (reshape/cast it, or pad to the batch_spec):",
@@ -341,7 +359,7 @@ class _Dispatcher:
 
   def enqueue(self, batch: Any, queue: str, deadline: float | None,
               timeout: float) -> concurrent.futures.Future:
-    check_batch(self.batch_spec, batch)
+    check_batch(self.batch_spec, batch, self.compiled.input_shardings[0][0])
     item = _Item(batch, concurrent.futures.Future(), queue, _read_clock(self.clock), deadline)
     end = time.monotonic() + timeout
     with self.cv:

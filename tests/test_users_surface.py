@@ -72,11 +72,14 @@ def test_restore_shardings_take_bare_specs_on_the_context_mesh_and_refuse_unknow
 
 # --- the micro-batch scheduler ------------------------------------------------------------------
 
+@pytest.mark.filterwarnings("error::DeprecationWarning")
 def test_the_scheduler_serves_batches_laid_out_on_a_mesh():
   """A batch sharded over the mesh (as a jitted data-parallel step takes it) used to fail every
   submit with JAX's "Computation was compiled for input shardings that disagree": the scheduler
   dropped batch_spec's sharding and compiled for one device. A batch on a layout the step was not
-  compiled for is a ConfigurationError naming the leaf, before it is queued."""
+  compiled for is a ConfigurationError naming the leaf, before it is queued. jax.Array batches
+  used to warn on every submit (``np.result_type(jax_array)``: "Implicit conversion of an array
+  to a dtype is deprecated ... will result in an error")."""
   mesh = jax.make_mesh((8,), ("i",))
   rows = NamedSharding(mesh, P("i"))
   w = jnp.arange(16.0).reshape(4, 4) / 16

@@ -223,11 +223,18 @@ def _check_leaves(tree: Any, what: str) -> None:
         "np.asarray(...) of the data (a generator or iterator must be materialised first):", bad))
 
 
+def _dtype_of(leaf: Any) -> np.dtype:
+  """``leaf``'s dtype: its own ``.dtype`` where it has one (``np.result_type`` of a jax.Array is
+  deprecated by jax, a warning on every batch and an error to come), else numpy's reading."""
+  dtype = getattr(leaf, "dtype", None)
+  return np.dtype(dtype) if dtype is not None else np.result_type(leaf)
+
+
 def _leaf_problem(path: str, leaf: Any) -> str | None:
   """Why a batch_spec leaf cannot be a batch's array (None if it can): a numeric or bool dtype,
   and a shape of non-negative integer sizes."""
   try:
-    dtype, shape = np.result_type(leaf), tuple(np.shape(leaf))
+    dtype, shape = _dtype_of(leaf), tuple(np.shape(leaf))
   except (TypeError, ValueError) as e:
     return f"{path}: {type(leaf).__name__} has no array dtype and shape ({e})"
   if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
@@ -252,7 +259,7 @@ def _spec_of(tree: Any) -> Any:
   if problems:
     raise errors.ConfigurationError(errors.join_problems(
         "batch_spec leaves must be numeric or bool arrays of non-negative sizes:", problems))
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x),
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x),
                                                      sharding=_sharding_of(x)), tree)
 
 
@@ -296,7 +303,7 @@ def check_batch(spec: Any, batch: Any, shardings: Any = None) -> None:
   layouts = (jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
              if shardings is not None else [None] * len(spec_leaves))
   for path, want, got, layout in zip(paths, spec_leaves, leaves, layouts):
-    shape, dtype = tuple(np.shape(got)), np.result_type(got)
+    shape, dtype = tuple(np.shape(got)), _dtype_of(got)
     if shape != tuple(want.shape) or dtype != want.dtype:
       problems.append(f"{path}: got {dtype}{list(shape)}, the step takes "
                       f"{want.dtype}{list(want.shape)}")

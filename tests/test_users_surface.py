@@ -97,3 +97,17 @@ def test_the_scheduler_serves_batches_laid_out_on_a_mesh():
         sched.submit(cols)
     finally:
       sched.shutdown(timeout=60)
+
+
+# --- collectives --------------------------------------------------------------------------------
+
+def test_a_positional_axis_is_refused_with_the_named_axis_fix():
+  """``all_reduce(x, 0)`` (lax.psum's positional-axis habit) inside ``jax.shard_map`` used to end
+  in numpy's "axis 0 is out of bounds for array of dimension 0"."""
+  mesh = jax.make_mesh((8,), ("i",))
+  x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+  for coll in (dtenjax.all_reduce, dtenjax.reduce_scatter, dtenjax.all_gather):
+    f = jax.shard_map(lambda v, coll=coll: coll(v, 0), mesh=mesh, in_specs=P("i"),
+                      out_specs=P("i"))
+    with pytest.raises(dtenjax.CollectiveError, match=r"axis_name=0 .*positional.*'i'"):
+      jax.jit(f)(x)

@@ -65,6 +65,13 @@ def check_axes(axis_name: AxisName, what: str) -> tuple[str, ...]:
   if not axes:
     raise errors.CollectiveError(f"{what}: axis_name={axis_name!r} is empty; pass a mesh axis "
                                  "name or a tuple of them.")
+  positional = [a for a in axes if isinstance(a, int)]
+  if positional:
+    bound = jaxapi.bound_axis_sizes()
+    raise errors.CollectiveError(
+        f"{what}: axis_name={axis_name!r} holds positional axes {positional}; dtenjax "
+        f"collectives run over named mesh (or vmap) axes: pass a name in scope here "
+        f"({sorted(bound) or 'none'}), and reduce an array dimension with jnp.sum(x, axis=...).")
   bad = []
   for a in axes:
     try:

@@ -111,3 +111,40 @@ def test_a_positional_axis_is_refused_with_the_named_axis_fix():
                       out_specs=P("i"))
     with pytest.raises(dtenjax.CollectiveError, match=r"axis_name=0 .*positional.*'i'"):
       jax.jit(f)(x)
+
+
+# --- compression --------------------------------------------------------------------------------
+
+def test_compression_takes_a_scalar_parameter_as_the_docs_recipe_writes_it():
+  """A model with a scalar parameter (a learned temperature) failed at the docs' first line,
+  ``jax.shard_map(tx.init, ..., out_specs=state_specs(...))``, with JAX's "out_specs which
+  require replication": a scalar's residual and momentum got ``P()`` although each device keeps
+  its own. The step must equal the uncompressed reference: ratio 1 sends every entry, so the
+  update is the mean of the per-device gradients, as ``lax.pmean`` gives it."""
+  import optax
+  from jax import lax
+  from dtenjax import compression
+  mesh = jax.make_mesh((8,), ("data",))
+  params = {"w": jnp.linspace(-1.0, 1.0, 16).reshape(4, 4), "t": jnp.float32(1.5)}
+  loss = lambda p, b: jnp.sum(jnp.tanh(b @ p["w"]) * p["t"] ** 2)
+  batch = jax.device_put(jnp.arange(32.0).reshape(8, 4) / 32, NamedSharding(mesh, P("data")))
+
+  def stepper(tx, specs):
+    def step(p, st, b):
+      g = jax.grad(loss)(compression.pvary(p, "data"), b)
+      if tx is None:
+        return jax.tree.map(lambda a, d: a - 0.1 * d, p, lax.pmean(g, "data")), st
+      u, st = tx.update(g, st, p)
+      return optax.apply_updates(p, u), st
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
+                                 out_specs=(P(), specs)))
+
+  ref, _ = stepper(None, P())(params, jnp.zeros(()), batch)
+  tx = optax.chain(compression.topk_ef(1.0, axis_name="data", momentum=0.9), optax.sgd(0.1))
+  specs = compression.state_specs(jax.eval_shape(tx.init, params), "data")
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  out, state = stepper(tx, specs)(params, state, batch)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(out[k]), np.asarray(ref[k]), rtol=1e-6, atol=1e-7)
+  momentum = np.asarray(state[0].momentum["t"])       # each device's own, laid end to end
+  assert momentum.shape == (8,) and len(set(momentum.tolist())) == 8

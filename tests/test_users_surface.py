@@ -28,7 +28,8 @@ def test_a_zero_size_leaf_round_trips_and_orbax_reads_it(tmp_path):
   refused as a damaged checkpoint and tensorstore (orbax) could not open."""
   mesh = jax.make_mesh((8,), ("x",))
   tree = {"empty": jax.device_put(jnp.zeros((0, 4)), NamedSharding(mesh, P())),
-          "empty_cols": jax.device_put(jnp.zeros((8, 0), jnp.bfloat16), NamedSharding(mesh, P("x"))),
+          "empty_cols": jax.device_put(jnp.zeros((8, 0), jnp.bfloat16),
+                                       NamedSharding(mesh, P("x"))),
           "np_empty": np.zeros((3, 0), np.int32),
           "w": jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))}
   ckpt.save(tmp_path / "c", tree)
@@ -148,3 +149,31 @@ def test_compression_takes_a_scalar_parameter_as_the_docs_recipe_writes_it():
     np.testing.assert_allclose(np.asarray(out[k]), np.asarray(ref[k]), rtol=1e-6, atol=1e-7)
   momentum = np.asarray(state[0].momentum["t"])       # each device's own, laid end to end
   assert momentum.shape == (8,) and len(set(momentum.tolist())) == 8
+
+
+def test_all_gather_takes_reproducible_for_the_gradient_it_reduces():
+  """The README gives all three collectives ``reproducible=``; ``all_gather(...,
+  reproducible=True)`` (an FSDP user gathering sharded weights) raised TypeError. A gather moves
+  bits unchanged; its transpose is a reduce-scatter of the cotangents, which must then be
+  contract v3's sum (the numpy reference of tests/fixed_point_ref.py), not a float fold."""
+  import fixed_point_ref as ref
+  mesh = jax.make_mesh((8,), ("i",))
+  coeff = ref.contributions(8, 32, seed=3)                 # device d's cotangent: coeff[d]
+  expected = ref.v3_sum(coeff, axis=0)
+  assert np.any(ref.bits(ref.fold_f32(coeff, axis=0)) != ref.bits(expected))   # discriminates
+
+  def grad_of_gather(w, c):
+    def loss(w):
+      return jnp.sum(dtenjax.all_gather(w, "i", tiled=True, reproducible=True) * c[0])
+    return jax.grad(loss)(w)
+  f = jax.jit(jax.shard_map(grad_of_gather, mesh=mesh, in_specs=(P("i"), P("i")),
+                            out_specs=P("i")))
+  rows = NamedSharding(mesh, P("i"))
+  g = f(jax.device_put(jnp.ones(32), rows), jax.device_put(coeff, rows))
+  np.testing.assert_array_equal(ref.bits(np.asarray(g)), ref.bits(expected))
+  x16 = jax.device_put(jnp.ones(32, jnp.float16), rows)
+  for bad, match in (("yes", r"reproducible='yes'"), (True, r"float16")):
+    h = jax.shard_map(lambda w, bad=bad: dtenjax.all_gather(w, "i", tiled=True, reproducible=bad),
+                      mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    with pytest.raises(dtenjax.CollectiveError, match=match):
+      jax.jit(h)(x16)

@@ -177,3 +177,15 @@ def test_all_gather_takes_reproducible_for_the_gradient_it_reduces():
                       mesh=mesh, in_specs=P("i"), out_specs=P("i"))
     with pytest.raises(dtenjax.CollectiveError, match=match):
       jax.jit(h)(x16)
+
+
+def test_plan_all_reduce_refuses_what_all_reduce_refuses():
+  """``plan_all_reduce`` answered "one_shot" for a float16 reproducible sum that ``all_reduce``
+  refuses, and a group naming a device twice ended in ``ValueError: slowest_link: [0, 0] names
+  one device only`` from the topology model."""
+  group = list(range(8))
+  with pytest.raises(dtenjax.CollectiveError, match=r"float16.*astype\(jnp\.float32\)"):
+    dtenjax.plan_all_reduce(4096, group, dtype=jnp.float16, reproducible=True)
+  with pytest.raises(dtenjax.CollectiveError, match=r"group=\[0, 0\] names device 0 twice"):
+    dtenjax.plan_all_reduce(4096, [0, 0])
+  assert dtenjax.plan_all_reduce(4096, group, dtype=jnp.bfloat16, reproducible=True).algorithm

@@ -189,3 +189,17 @@ def test_plan_all_reduce_refuses_what_all_reduce_refuses():
   with pytest.raises(dtenjax.CollectiveError, match=r"group=\[0, 0\] names device 0 twice"):
     dtenjax.plan_all_reduce(4096, [0, 0])
   assert dtenjax.plan_all_reduce(4096, group, dtype=jnp.bfloat16, reproducible=True).algorithm
+
+
+# --- dtenjax.testing --------------------------------------------------------------------------
+
+def test_assert_placement_says_when_it_was_handed_something_it_cannot_check():
+  """Inside ``jax.jit`` it failed with "expected a NamedSharding, got NoneType: None"; a
+  strategy name instead of a spec (``"row"``) was reported as a layout mismatch."""
+  mesh = jax.make_mesh((8,), ("i",))
+  x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+  dtenjax.testing.assert_placement(x, P("i"))
+  with pytest.raises(dtenjax.ConfigurationError, match=r"traced.*output of the jitted"):
+    jax.jit(lambda v: (dtenjax.testing.assert_placement(v, P("i")), v)[1])(x)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"spec='row'.*PartitionSpec"):
+    dtenjax.testing.assert_placement(x, "row")

@@ -203,3 +203,33 @@ def test_assert_placement_says_when_it_was_handed_something_it_cannot_check():
     jax.jit(lambda v: (dtenjax.testing.assert_placement(v, P("i")), v)[1])(x)
   with pytest.raises(dtenjax.ConfigurationError, match=r"spec='row'.*PartitionSpec"):
     dtenjax.testing.assert_placement(x, "row")
+
+
+def test_collectives_over_the_manual_axis_of_a_partly_manual_shard_map_on_explicit_axes():
+  """``jax.make_mesh`` gives Explicit axes; a ``jax.shard_map(..., axis_names={"b"})`` leaves "a"
+  explicit, its dimension sharded in the local array's type. Every algorithm that reshapes
+  (one_shot, reproducible=True, ring, reduce_scatter, all_gather) failed there with "This reshape
+  is not supported" or "Sharding spec ('a',) implies that array axis 0 is partitioned 2 times,
+  but does not evenly divide the dimension size 1", where ``lax.psum`` and ``lax.all_gather`` run
+  (``lax.psum_scatter`` fails there too: the scatter's expected value is the sum's blocks)."""
+  from jax import lax
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  ref = np.arange(256.0, dtype=np.float32).reshape(8, 32) / 8
+  x = jax.device_put(ref, NamedSharding(mesh, P("a", "b")))
+
+  def run(f, out_specs=P(None, None)):
+    return jax.shard_map(f, mesh=mesh, in_specs=P(None, "b"), out_specs=out_specs,
+                         axis_names={"b"})
+  summed = np.asarray(jax.jit(run(lambda u: lax.psum(u, "b")))(x))
+  np.testing.assert_array_equal(summed, ref.reshape(8, 4, 8).sum(1))
+  for kw in ({"algorithm": "one_shot"}, {"reproducible": True}, {"algorithm": "ring"}):
+    y = jax.jit(run(lambda u, kw=kw: dtenjax.all_reduce(u, "b", **kw)))(x)
+    np.testing.assert_array_equal(np.asarray(y), summed)
+  rs = run(lambda u: dtenjax.reduce_scatter(u, "b", scatter_dimension=1, tiled=True), P(None, "b"))
+  np.testing.assert_array_equal(np.asarray(jax.jit(rs)(x)), summed)
+  ag = run(lambda u: dtenjax.all_gather(u, "b", axis=1, tiled=True), P(None, "b"))
+  lax_ag = run(lambda u: lax.all_gather(u, "b", axis=1, tiled=True), P(None, "b"))
+  np.testing.assert_array_equal(np.asarray(jax.jit(ag)(x)), np.asarray(jax.jit(lax_ag)(x)))
+  # each of the 4 devices of "b" holds all of x: d/dx sum(sin(4 copies)) = 4 cos(x)
+  grad = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(ag(v)))))(x)
+  np.testing.assert_allclose(np.asarray(grad), 4 * np.cos(ref), rtol=1e-5, atol=1e-6)

@@ -56,6 +56,18 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
 
 def _all_gather_leaves(leaves, axes, axis, tiled, algorithm, deterministic, to="varying",
                        contract=Contract.NONE):
+  def kept(i, entries):            # the gathered dimension: grown (tiled) or new
+    nd = len(entries) if tiled else len(entries) + 1
+    if not -nd <= axis < nd:
+      return entries
+    d = axis % nd
+    return entries[:d] + (None,) + entries[d + (1 if tiled else 0):]
+  return common.free_explicit_axes(
+      leaves, lambda ls: _all_gather_typed(ls, axes, axis, tiled, algorithm, deterministic, to,
+                                           contract), kept)
+
+
+def _all_gather_typed(leaves, axes, axis, tiled, algorithm, deterministic, to, contract):
   out, problems = [], []
   typed = common.typed_axes(axes)
   invariant = to == "invarying" and bool(axes) and set(typed) == set(axes)

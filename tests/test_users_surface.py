@@ -71,6 +71,27 @@ def test_restore_shardings_take_bare_specs_on_the_context_mesh_and_refuse_unknow
     ckpt.restore(tmp_path / "c", shardings={"params": {"W": rows}})
 
 
+def test_restore_onto_jax_eval_shape_of_arrays_on_jax_make_mesh(tmp_path):
+  """The restore-onto-an-abstract-target habit (orbax's too): ``jax.eval_shape`` of arrays on
+  ``jax.make_mesh``'s Explicit axes gives shardings over an AbstractMesh, and restore failed with
+  "_device_assignment is not implemented for `jax.sharding.AbstractMesh`". They are laid on the
+  context mesh or the saved one; with neither matching, a ConfigurationError says so."""
+  mesh = jax.make_mesh((8,), ("x",))
+  w = jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P("x")))
+  ckpt.save(tmp_path / "c", {"w": w})
+  target = jax.eval_shape(lambda: {"w": w})
+  assert isinstance(target["w"].sharding.mesh, jax.sharding.AbstractMesh)
+  out = ckpt.restore(tmp_path / "c", target)
+  assert out["w"].sharding.is_equivalent_to(w.sharding, 2) and _bits(out["w"]) == _bits(w)
+  cols = jax.eval_shape(lambda: jax.device_put(
+      w, NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("b", "a"))))
+  with pytest.raises(dtenjax.ConfigurationError, match=r"abstract mesh.*jax\.set_mesh"):
+    ckpt.restore(tmp_path / "c", {"w": cols})
+  with jax.set_mesh(jax.make_mesh((2, 4), ("a", "b"))):
+    out = ckpt.restore(tmp_path / "c", {"w": cols})
+  assert out["w"].sharding.spec == P("b", "a") and _bits(out["w"]) == _bits(w)
+
+
 # --- the micro-batch scheduler ------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("error::DeprecationWarning")

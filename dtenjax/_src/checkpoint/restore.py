@@ -267,6 +267,26 @@ def _resolve(s, leaf: layout.Leaf):
   return s
 
 
+def _concrete(sharding, saved_meta: Any, leaf: layout.Leaf, root: str):
+  """``sharding`` (a target leaf's), on devices: ``jax.eval_shape`` of an array on Explicit mesh
+  axes (``jax.make_mesh``'s) gives a NamedSharding over an AbstractMesh, which names no device;
+  it is laid on the context mesh (``jax.set_mesh``) or the saved one, whichever has its axes."""
+  from dtenjax._src.planning import mesh as mesh_lib
+  mesh = getattr(sharding, "mesh", None)
+  if not isinstance(mesh, jax.sharding.AbstractMesh):
+    return sharding
+  saved = _saved_sharding(saved_meta, leaf, root) if saved_meta is not None else None
+  for m in (mesh_lib.current_mesh(), getattr(saved, "mesh", None)):
+    if (isinstance(m, jax.sharding.Mesh) and tuple(m.axis_names) == tuple(mesh.axis_names)
+        and m.devices.shape == tuple(mesh.axis_sizes)):
+      devices = jax.sharding.Mesh(m.devices, m.axis_names, axis_types=mesh.axis_types)
+      return jax.sharding.NamedSharding(devices, sharding.spec, memory_kind=sharding.memory_kind)
+  raise errors.ConfigurationError(
+      f"the target's sharding {sharding} is over an abstract mesh (jax.eval_shape of an array "
+      "on Explicit mesh axes) that neither the context mesh nor the saved one matches; restore "
+      "inside jax.set_mesh(mesh) with a mesh of those axes, or pass shardings=")
+
+
 def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = None,
             verify: bool = True, io: str | None = None, threads: int | None = None,
             report: bool = False, storage: storage_mod.Storage | None = None) -> Any:
@@ -351,7 +371,12 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
         problems.append(f"leaf {leaf.name!r}: {e}")
         continue
       if sharding is None and t is not None:
-        sharding = getattr(t, "sharding", None)
+        try:
+          sharding = _concrete(getattr(t, "sharding", None), saved_shardings.get(leaf.name),
+                               leaf, root)
+        except errors.ConfigurationError as e:
+          problems.append(f"leaf {leaf.name!r}: {e}")
+          continue
       if sharding is None and leaf.name in saved_shardings:
         sharding = _saved_sharding(saved_shardings[leaf.name], leaf, root)
       if sharding is None:

@@ -92,6 +92,24 @@ def test_restore_onto_jax_eval_shape_of_arrays_on_jax_make_mesh(tmp_path):
   assert out["w"].sharding.spec == P("b", "a") and _bits(out["w"]) == _bits(w)
 
 
+def test_a_python_scalar_restores_onto_an_abstract_target(tmp_path):
+  """flax's ``TrainState.create(...)`` holds ``step=0``, a Python int, saved (as orbax does) as
+  numpy's int64. Restoring onto ``jax.eval_shape`` of the state (int32 there, no sharding) was
+  refused: "leaf 'step': the target is int32[], the checkpoint holds int64[]". The value comes
+  back in the target's dtype, as jnp would make it; one that does not fit is refused."""
+  mesh = jax.make_mesh((8,), ("x",))
+  w = jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P("x")))
+  ckpt.save(tmp_path / "c", {"w": w, "step": 7, "lr": 0.5, "big": 2 ** 40})
+  target = jax.eval_shape(lambda: {"w": w, "step": 0, "lr": 0.1})
+  out = ckpt.restore(tmp_path / "c", {**target, "big": 0})
+  assert out["step"].dtype == jnp.int32 and int(out["step"]) == 7
+  assert out["lr"].dtype == jnp.float32 and float(out["lr"]) == 0.5
+  assert out["w"].sharding.is_equivalent_to(w.sharding, 2) and _bits(out["w"]) == _bits(w)
+  assert out["big"] == 2 ** 40 and type(out["big"]) is int         # a Python target: as saved
+  with pytest.raises(dtenjax.ConfigurationError, match=r"'big'.*1099511627776.*int32"):
+    ckpt.restore(tmp_path / "c", {**target, "big": jax.ShapeDtypeStruct((), jnp.int32)})
+
+
 # --- the micro-batch scheduler ------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("error::DeprecationWarning")

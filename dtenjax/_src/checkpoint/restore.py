@@ -25,6 +25,7 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dtenjax._src import errors
@@ -267,6 +268,28 @@ def _resolve(s, leaf: layout.Leaf):
   return s
 
 
+def _scalar_onto(leaf: layout.Leaf, t) -> bool:
+  """Whether a saved Python scalar (numpy's int64 / float64 / bool, not a dtype the user chose)
+  may come back in ``t``'s dtype of its kind: ``jax.eval_shape`` of a state holding ``step=0``
+  says int32, as jnp would make it."""
+  if leaf.value_type != "scalar" or leaf.shape or tuple(t.shape):
+    return False
+  kind, want = leaf.np_dtype.kind, np.dtype(t.dtype).kind
+  return want == kind or (kind in "iu" and want in "iu")
+
+
+def _cast_scalar(leaf: layout.Leaf, value: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
+  """``value`` as ``dtype`` (None: as read); an integer that does not fit is refused."""
+  if dtype is None:
+    return value
+  out = value.astype(dtype)
+  if dtype.kind in "iu" and out.astype(value.dtype) != value:
+    raise errors.ConfigurationError(
+        f"leaf {leaf.name!r}: the saved value {value.item()} does not fit the target's "
+        f"{dtype.name}; restore it into a wider dtype or a Python int")
+  return out
+
+
 def _concrete(sharding, saved_meta: Any, leaf: layout.Leaf, root: str):
   """``sharding`` (a target leaf's), on devices: ``jax.eval_shape`` of an array on Explicit mesh
   axes (``jax.make_mesh``'s) gives a NamedSharding over an AbstractMesh, which names no device;
@@ -345,18 +368,21 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
                    for p, s in spairs}
     problems += [f"shardings names {n!r}, which is not a leaf of the checkpoint (its leaves: "
                  f"{sorted(by_name)}); check the spelling" for n in by_sharding if n not in by_name]
-  plans = []   # (leaf, how, sharding)
+  plans = []   # (leaf, how, sharding, the dtype a saved Python scalar is cast to)
   for leaf in order:
     t = wanted.get(leaf.name)
     if leaf.value_type == "None":
-      plans.append((leaf, "none", None))
+      plans.append((leaf, "none", None, None))
       continue
+    cast = None
     if t is not None and hasattr(t, "shape") and hasattr(t, "dtype"):
       if tuple(t.shape) != leaf.shape or np.dtype(t.dtype) != leaf.np_dtype:
-        problems.append(f"leaf {leaf.name!r}: the target is {np.dtype(t.dtype).name}"
-                        f"{list(t.shape)}, the checkpoint holds {leaf.np_dtype.name}"
-                        f"{list(leaf.shape)}")
-        continue
+        if not _scalar_onto(leaf, t):
+          problems.append(f"leaf {leaf.name!r}: the target is {np.dtype(t.dtype).name}"
+                          f"{list(t.shape)}, the checkpoint holds {leaf.np_dtype.name}"
+                          f"{list(leaf.shape)}")
+          continue
+        cast = np.dtype(t.dtype)
     if target is not None:
       how = ("jax" if isinstance(t, (jax.Array, jax.ShapeDtypeStruct)) else
              "np" if isinstance(t, np.ndarray) else "npscalar" if isinstance(t, np.generic)
@@ -379,6 +405,9 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
           continue
       if sharding is None and leaf.name in saved_shardings:
         sharding = _saved_sharding(saved_shardings[leaf.name], leaf, root)
+      if sharding is None and cast is not None:   # a Python scalar: as jnp.asarray makes it
+        plans.append((leaf, "jnp", None, cast))
+        continue
       if sharding is None:
         problems.append(f"leaf {leaf.name!r}: no sharding to restore it onto (the saved one is "
                         "not a NamedSharding over devices present here); pass shardings= (a "
@@ -389,14 +418,14 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
       except Exception as e:
         problems.append(f"leaf {leaf.name!r} {list(leaf.shape)}: {sharding} does not fit: {e}")
         continue
-    plans.append((leaf, how, sharding))
+    plans.append((leaf, how, sharding, cast))
   if problems:
     raise errors.ConfigurationError(errors.join_problems(
         f"cannot restore {path} as asked:", problems))
 
   boxes: dict[tuple, tuple] = {}      # (leaf name, box) -> (leaf, lo, hi)
   where: list[Any] = []
-  for leaf, how, sharding in plans:
+  for leaf, how, sharding, _ in plans:
     if how == "none":
       where.append(None)
       continue
@@ -426,19 +455,21 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
     futures = {k: pool.submit(src.read, *v) for k, v in boxes.items()}
     data = {k: f.result() for k, f in futures.items()}
   values = []
-  for (leaf, how, sharding), w in zip(plans, where):
+  for (leaf, how, sharding, cast), w in zip(plans, where):
     if how == "none":      # None, or the target's own empty node (optax's EmptyState())
       values.append(wanted.get(leaf.name) if target is not None else None)
+    elif how == "jnp":
+      values.append(jnp.asarray(_cast_scalar(leaf, data[(leaf.name, w)], cast)))
     elif how == "jax":
       memory_kind = getattr(sharding, "memory_kind", None)
-      arrays = [jax.device_put(data[(leaf.name, box)],
+      arrays = [jax.device_put(_cast_scalar(leaf, data[(leaf.name, box)], cast),
                                jax.sharding.SingleDeviceSharding(dev, memory_kind=memory_kind))
                 for dev, box in w]
       values.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays))
     elif how == "np":
-      values.append(data[(leaf.name, w)])
+      values.append(_cast_scalar(leaf, data[(leaf.name, w)], cast))
     elif how == "npscalar":
-      values.append(data[(leaf.name, w)][()])
+      values.append(_cast_scalar(leaf, data[(leaf.name, w)], cast)[()])
     else:
       values.append(data[(leaf.name, w)].item())
   out = treedef.unflatten(values) if treedef is not None else layout.unflatten_like_orbax(

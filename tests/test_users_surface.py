@@ -52,6 +52,21 @@ def test_saving_inside_jit_names_the_leaf_and_the_fix(tmp_path):
   assert not (tmp_path / "c").exists()
 
 
+def test_saving_a_donated_array_names_the_leaf(tmp_path):
+  """A state passed to a step jitted with ``donate_argnums`` and then saved (the old reference)
+  failed with JAX's "RuntimeError: Array has been deleted with shape=float32[8]"."""
+  w = jnp.arange(8.0)
+  step = jax.jit(lambda s: {"w": s["w"] + 1}, donate_argnums=0)
+  state = {"w": w}
+  new = step(state)
+  if not w.is_deleted():                 # a backend that does not donate: delete as it would
+    w.delete()
+  with pytest.raises(dtenjax.ConfigurationError, match=r"leaf 'w' .*deleted.*donate_argnums"):
+    ckpt.save(tmp_path / "c", state)
+  ckpt.save(tmp_path / "c", new)
+  assert _bits(ckpt.restore(tmp_path / "c")["w"]) == _bits(np.arange(8.0, dtype=np.float32) + 1)
+
+
 def test_restore_shardings_take_bare_specs_on_the_context_mesh_and_refuse_unknown_names(tmp_path):
   """``shardings={"w": P("x")}`` under ``jax.set_mesh`` (as ``dtenjax.shard`` takes it) used to
   fail with "'P' object has no attribute 'shard_shape'"; a misspelt name in ``shardings`` was

@@ -92,6 +92,9 @@ def _check_leaf(keys, leaf) -> str | None:
             "jax.jit, jax.grad, jax.vmap or another transformation, where arrays have no bytes "
             "yet; call it outside, on the arrays the jitted step returns")
   if isinstance(leaf, jax.Array):
+    if leaf.is_deleted():
+      return (f"leaf {name!r} was deleted ({leaf.aval.str_short()}): it was donated to a jitted "
+              "step (donate_argnums) or .delete()d; save the arrays the step returned")
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
       return (f"leaf {name!r} is an array of typed PRNG keys ({leaf.dtype}); save "
               "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data")

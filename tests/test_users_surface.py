@@ -127,7 +127,7 @@ def test_a_python_scalar_restores_onto_an_abstract_target(tmp_path):
 
 # --- the micro-batch scheduler ------------------------------------------------------------------
 
-@pytest.mark.filterwarnings("error::DeprecationWarning")
+@pytest.mark.filterwarnings("error:Implicit conversion of an array to a dtype:DeprecationWarning")
 def test_the_scheduler_serves_batches_laid_out_on_a_mesh():
   """A batch sharded over the mesh (as a jitted data-parallel step takes it) used to fail every
   submit with JAX's "Computation was compiled for input shardings that disagree": the scheduler

@@ -67,6 +67,23 @@ def test_saving_a_donated_array_names_the_leaf(tmp_path):
   assert _bits(ckpt.restore(tmp_path / "c")["w"]) == _bits(np.arange(8.0, dtype=np.float32) + 1)
 
 
+def test_checkpoint_threads_and_timeout_are_checked(tmp_path):
+  """``save(threads="4")`` (a value read from a config file) ended in "'>' not supported between
+  instances of 'str' and 'int'", and ``restore(threads="4")`` in the thread pool's TypeError; a
+  NaN or negative ``timeout_s`` was taken and would fail the first wait of a multi-process save."""
+  tree = {"a": jnp.ones(3)}
+  for kw, match in (({"threads": "4"}, r"threads='4'"), ({"threads": 0}, r"threads=0"),
+                    ({"timeout_s": float("nan")}, r"timeout_s=nan"),
+                    ({"timeout_s": -1}, r"timeout_s=-1")):
+    with pytest.raises(dtenjax.ConfigurationError, match=match):
+      ckpt.save(tmp_path / "c", tree, **kw)
+  assert not (tmp_path / "c").exists()
+  ckpt.save(tmp_path / "c", tree, threads=2, timeout_s=30)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"threads='4'"):
+    ckpt.restore(tmp_path / "c", threads="4")
+  assert _bits(ckpt.restore(tmp_path / "c", threads=1)["a"]) == _bits(np.ones(3, np.float32))
+
+
 def test_restore_shardings_take_bare_specs_on_the_context_mesh_and_refuse_unknown_names(tmp_path):
   """``shardings={"w": P("x")}`` under ``jax.set_mesh`` (as ``dtenjax.shard`` takes it) used to
   fail with "'P' object has no attribute 'shard_shape'"; a misspelt name in ``shardings`` was

@@ -320,12 +320,14 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
   its arrays' shardings unless ``shardings`` says otherwise. ``shardings``: one
   ``jax.sharding.Sharding``, ``dtenjax.Placement`` or bare ``PartitionSpec`` (on the context
   mesh: ``jax.set_mesh`` or ``dtenjax.use_mesh``) for every array, or a tree of them shaped like
-  the target, whose every entry must name a saved leaf. Without either, arrays come back with their saved shardings (when those
-  devices exist) in nested dicts and lists, as orbax restores without a target.
+  the target, whose every entry must name a saved leaf. Without either, arrays come back with
+  their saved shardings (when those devices exist) in nested dicts and lists, as orbax restores
+  without a target.
   ``report=True`` returns ``(tree, RestoreReport)``. ``storage``: where checkpoints live
   (default: the file system); orbax-written checkpoints are read from the file system only.
   """
   t0 = time.perf_counter()
+  ckio.check_threads(threads)
   path = os.path.abspath(os.fspath(path))
   st = storage if storage is not None else storage_mod.LocalStorage(ckio.backend(io))
   for attempt in range(REREADS + 1):

@@ -359,6 +359,12 @@ class Checkpointer:
   def __init__(self, *, io: str | None = None, threads: int | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S, block_bytes: int = integrity.BLOCK_BYTES,
                digest: str | None = None, storage: storage_mod.Storage | None = None):
+    ckio.check_threads(threads)
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+        or not math.isfinite(timeout_s) or timeout_s <= 0):
+      raise errors.ConfigurationError(
+          f"timeout_s={timeout_s!r} must be a finite number of seconds > 0 (how long a process "
+          f"waits for the others at each stage of a save; default {DEFAULT_TIMEOUT_S:g})")
     self.backend = ckio.backend(io)
     self.storage = storage if storage is not None else storage_mod.LocalStorage(self.backend)
     self.threads = threads or min(16, (os.cpu_count() or 1) * 2)

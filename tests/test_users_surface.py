@@ -84,6 +84,23 @@ def test_checkpoint_threads_and_timeout_are_checked(tmp_path):
   assert _bits(ckpt.restore(tmp_path / "c", threads=1)["a"]) == _bits(np.ones(3, np.float32))
 
 
+def test_the_manager_takes_the_step_counter_a_training_loop_holds(tmp_path):
+  """``mngr.save(state["step"], state)`` -- the step a jitted loop keeps, an int32 jax scalar, or
+  a numpy int -- was refused ("step=Array(3, dtype=int32) must be an int >= 0"), and
+  ``mngr.restore("2")`` (a step read from the command line) said "step 2 has no complete
+  checkpoint ...; the complete steps are [2]"."""
+  mngr = ckpt.CheckpointManager(tmp_path / "m", enable_async_checkpointing=False)
+  state = {"w": jnp.arange(4.0), "step": jnp.int32(2)}
+  assert mngr.save(state["step"], state) and mngr.save(np.int64(3), state)
+  assert mngr.all_steps() == [2, 3]
+  assert int(mngr.restore(jnp.int32(2))["step"]) == 2
+  with pytest.raises(dtenjax.ConfigurationError, match=r"step='2' .*int\('2'\)"):
+    mngr.restore("2")
+  for bad in (2.0, True, -1):
+    with pytest.raises(dtenjax.ConfigurationError, match=r"step="):
+      mngr.save(bad, state)
+
+
 def test_restore_shardings_take_bare_specs_on_the_context_mesh_and_refuse_unknown_names(tmp_path):
   """``shardings={"w": P("x")}`` under ``jax.set_mesh`` (as ``dtenjax.shard`` takes it) used to
   fail with "'P' object has no attribute 'shard_shape'"; a misspelt name in ``shardings`` was

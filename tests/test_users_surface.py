@@ -5,6 +5,8 @@ here stands for a program a user wrote from the docs that failed; the expected v
 plain JAX, numpy or orbax, and bad input must raise a ``DtenjaxError`` that names the value and
 the fix, never a raw JAX traceback."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,8 +177,13 @@ def test_the_scheduler_serves_batches_laid_out_on_a_mesh():
   step = lambda b: jnp.tanh(b["x"] @ w)
   batch = {"x": jax.device_put(jnp.arange(32.0).reshape(8, 4) / 32, rows)}
   spec = {"x": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=rows)}
-  for batch_spec in (spec, batch):         # a ShapeDtypeStruct with a sharding, or an example
-    sched = dtenjax.GraphScheduler(step, batch_spec=batch_spec, metrics_port=None)
+  abstract = jax.eval_shape(lambda: batch)          # its sharding names an abstract mesh
+  assert isinstance(abstract["x"].sharding.mesh, jax.sharding.AbstractMesh)
+  # a ShapeDtypeStruct with a sharding, an example batch, an abstract one under jax.set_mesh
+  for batch_spec, context in ((spec, contextlib.nullcontext()), (batch, contextlib.nullcontext()),
+                              (abstract, jax.set_mesh(mesh))):
+    with context:
+      sched = dtenjax.GraphScheduler(step, batch_spec=batch_spec, metrics_port=None)
     try:
       out = sched.submit(batch).result(timeout=120)
       assert out.sharding.is_equivalent_to(rows, 2)
@@ -186,6 +193,13 @@ def test_the_scheduler_serves_batches_laid_out_on_a_mesh():
         sched.submit(cols)
     finally:
       sched.shutdown(timeout=60)
+  # with no context mesh, an abstract spec compiles for jit's default device, as before
+  sched = dtenjax.GraphScheduler(step, batch_spec=abstract, metrics_port=None)
+  try:
+    out = sched.submit({"x": np.asarray(batch["x"])}).result(timeout=120)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(step)(batch)))
+  finally:
+    sched.shutdown(timeout=60)
 
 
 # --- collectives --------------------------------------------------------------------------------

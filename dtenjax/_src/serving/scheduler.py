@@ -265,10 +265,24 @@ def _spec_of(tree: Any) -> Any:
 
 def _sharding_of(leaf: Any) -> jax.sharding.Sharding | None:
   """The layout a batch_spec leaf asks for: a jax.Array's or a ShapeDtypeStruct's sharding (a
-  batch laid out over a mesh, as a data-parallel step takes it), else None (jit's default)."""
+  batch laid out over a mesh, as a data-parallel step takes it), else None (jit's default).
+  One over an abstract mesh (``jax.eval_shape`` of a batch on Explicit axes) names no devices:
+  it is laid on the ``jax.set_mesh`` mesh with its axes, else left to jit's default."""
   sharding = getattr(leaf, "sharding", None) if isinstance(
       leaf, (jax.Array, jax.ShapeDtypeStruct)) else None
-  return sharding if isinstance(sharding, jax.sharding.Sharding) else None
+  if not isinstance(sharding, jax.sharding.Sharding):
+    return None
+  mesh = getattr(sharding, "mesh", None)
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    try:
+      context = jax.sharding.get_mesh()
+    except ValueError:            # inside a trace: no concrete mesh to read
+      context = None
+    if (isinstance(context, jax.sharding.Mesh) and not context.empty
+        and context.abstract_mesh == mesh):
+      return jax.sharding.NamedSharding(context, sharding.spec, memory_kind=sharding.memory_kind)
+    return None
+  return sharding
 
 
 def _compile(step: Any, spec: Any) -> Any:

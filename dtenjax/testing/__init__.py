@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dtenjax._src import errors
 from dtenjax._src.gpu.graph_observation import observe_launches as observe_launches
 from dtenjax._src.gpu.graph_observation import per_step_summary as per_step_summary
 from dtenjax._src.planning import planner
@@ -48,6 +49,15 @@ def assert_placement(x: jax.Array, spec: P | None = None, *,
                      memory_kind: str | None = None) -> None:
   """Asserts ``x`` is a NamedSharding-laid-out array with the given spec, mesh axes and memory
   kind (each checked only when given). Lists every mismatch."""
+  if isinstance(x, jax.core.Tracer):
+    raise errors.ConfigurationError(
+        f"assert_placement got a traced value ({x.aval.str_short()}, inside jax.jit or another "
+        "transformation), whose layout XLA decides when it compiles; assert on the output of "
+        "the jitted function instead")
+  if spec is not None and not isinstance(spec, P):
+    raise errors.ConfigurationError(
+        f"assert_placement: spec={spec!r} is not a PartitionSpec; pass the layout expected, "
+        "e.g. P('data', None) (a strategy name is a Placement's, see assert_plan_strategy)")
   problems = []
   sharding = getattr(x, "sharding", None)
   if not isinstance(sharding, NamedSharding):

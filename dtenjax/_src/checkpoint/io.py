@@ -166,3 +166,12 @@ def size(nbytes: float) -> str:
     if nbytes >= scale:
       return f"{nbytes / scale:.2f} {unit}"
   return f"{nbytes:.0f} B"
+
+
+def check_threads(threads) -> None:
+  """``threads=`` of a save or a restore: None (twice the cores, at most 16) or an int >= 1."""
+  if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                              or threads < 1):
+    raise errors.ConfigurationError(
+        f"threads={threads!r} must be None (twice the cores, at most 16) or an int >= 1: the "
+        "threads that write or read the chunks")

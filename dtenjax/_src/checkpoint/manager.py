@@ -18,6 +18,7 @@ has committed, so a crash at any moment leaves the latest complete step readable
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import shutil
@@ -31,6 +32,20 @@ from dtenjax._src import errors
 from dtenjax._src.checkpoint import integrity, save as cksave
 
 COMPLETE_MARKER = "_CHECKPOINT_METADATA"   # written by dtenjax and by orbax before the commit
+
+
+def _step(step: Any) -> int:
+  """A step number as an int: Python's, numpy's or a jax integer scalar (the counter a jitted
+  training loop keeps); anything else is a ConfigurationError."""
+  if not isinstance(step, bool):
+    try:
+      value = operator.index(step)
+    except TypeError:
+      value = None
+    if value is not None and value >= 0:
+      return value
+  hint = f" (int({step!r}) if it is a number)" if isinstance(step, str) else ""
+  raise errors.ConfigurationError(f"step={step!r} must be an int >= 0{hint}")
 
 
 class CheckpointManager:
@@ -110,8 +125,7 @@ class CheckpointManager:
     previous save in flight is joined first. Steps beyond ``max_to_keep`` are deleted after the
     new one has committed.
     """
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-      raise errors.ConfigurationError(f"step={step!r} must be an int >= 0")
+    step = _step(step)
     if not force and not self.should_save(step):
       return False
     self.wait_until_finished()
@@ -166,6 +180,8 @@ class CheckpointManager:
     shardings or ``shardings=`` (any mesh); the other keywords are
     :func:`dtenjax.checkpoint.restore`'s."""
     self.wait_until_finished()
+    if step is not None:
+      step = _step(step)
     if step is None:
       step = self.latest_step()
       if step is None:
@@ -180,6 +196,7 @@ class CheckpointManager:
 
   def delete(self, step: int) -> None:
     """Deletes the checkpoint of ``step`` (process 0 deletes; every process may call it)."""
+    step = _step(step)
     self.wait_until_finished()
     if step not in self.all_steps():
       raise errors.CheckpointError(

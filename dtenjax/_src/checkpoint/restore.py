@@ -25,6 +25,7 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dtenjax._src import errors
@@ -246,14 +247,67 @@ def _saved_sharding(meta: Any, leaf: layout.Leaf, root: str):
 
 def _is_sharding_leaf(x) -> bool:
   from dtenjax._src.planning import placement
-  return x is None or isinstance(x, (jax.sharding.Sharding, placement.Placement))
+  return x is None or isinstance(x, (jax.sharding.Sharding, jax.sharding.PartitionSpec,
+                                     placement.Placement))
 
 
 def _resolve(s, leaf: layout.Leaf):
+  """The sharding ``s`` (an entry of ``shardings=``) gives ``leaf``: a Placement's choice, a bare
+  PartitionSpec on the context mesh (as ``dtenjax.shard`` takes it)."""
+  from dtenjax._src.planning import mesh as mesh_lib
   from dtenjax._src.planning import placement
   if isinstance(s, placement.Placement):
     return s.sharding(leaf.shape, leaf.np_dtype)
+  if isinstance(s, jax.sharding.PartitionSpec):
+    mesh = mesh_lib.current_mesh()
+    if mesh is None:
+      raise errors.ConfigurationError(
+          f"a bare PartitionSpec {s} needs a mesh, and none is in context: restore inside "
+          "jax.set_mesh(mesh) or dtenjax.use_mesh(mesh), or pass NamedSharding(mesh, spec)")
+    return jax.sharding.NamedSharding(mesh, s)
   return s
+
+
+def _scalar_onto(leaf: layout.Leaf, t) -> bool:
+  """Whether a saved Python scalar (numpy's int64 / float64 / bool, not a dtype the user chose)
+  may come back in ``t``'s dtype of its kind: ``jax.eval_shape`` of a state holding ``step=0``
+  says int32, as jnp would make it."""
+  if leaf.value_type != "scalar" or leaf.shape or tuple(t.shape):
+    return False
+  kind, want = leaf.np_dtype.kind, np.dtype(t.dtype).kind
+  return want == kind or (kind in "iu" and want in "iu")
+
+
+def _cast_scalar(leaf: layout.Leaf, value: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
+  """``value`` as ``dtype`` (None: as read); an integer that does not fit is refused."""
+  if dtype is None:
+    return value
+  out = value.astype(dtype)
+  if dtype.kind in "iu" and out.astype(value.dtype) != value:
+    raise errors.ConfigurationError(
+        f"leaf {leaf.name!r}: the saved value {value.item()} does not fit the target's "
+        f"{dtype.name}; restore it into a wider dtype or a Python int")
+  return out
+
+
+def _concrete(sharding, saved_meta: Any, leaf: layout.Leaf, root: str):
+  """``sharding`` (a target leaf's), on devices: ``jax.eval_shape`` of an array on Explicit mesh
+  axes (``jax.make_mesh``'s) gives a NamedSharding over an AbstractMesh, which names no device;
+  it is laid on the context mesh (``jax.set_mesh``) or the saved one, whichever has its axes."""
+  from dtenjax._src.planning import mesh as mesh_lib
+  mesh = getattr(sharding, "mesh", None)
+  if not isinstance(mesh, jax.sharding.AbstractMesh):
+    return sharding
+  saved = _saved_sharding(saved_meta, leaf, root) if saved_meta is not None else None
+  for m in (mesh_lib.current_mesh(), getattr(saved, "mesh", None)):
+    if (isinstance(m, jax.sharding.Mesh) and tuple(m.axis_names) == tuple(mesh.axis_names)
+        and m.devices.shape == tuple(mesh.axis_sizes)):
+      devices = jax.sharding.Mesh(m.devices, m.axis_names, axis_types=mesh.axis_types)
+      return jax.sharding.NamedSharding(devices, sharding.spec, memory_kind=sharding.memory_kind)
+  raise errors.ConfigurationError(
+      f"the target's sharding {sharding} is over an abstract mesh (jax.eval_shape of an array "
+      "on Explicit mesh axes) that neither the context mesh nor the saved one matches; restore "
+      "inside jax.set_mesh(mesh) with a mesh of those axes, or pass shardings=")
 
 
 def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = None,
@@ -264,13 +318,16 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
   ``target``: a tree like the saved one (jax Arrays, ``jax.ShapeDtypeStruct``s with shardings,
   numpy arrays, scalars; flax and optax states as they are): the result has its structure, and
   its arrays' shardings unless ``shardings`` says otherwise. ``shardings``: one
-  ``jax.sharding.Sharding`` or ``dtenjax.Placement`` for every array, or a tree of them shaped
-  like the target. Without either, arrays come back with their saved shardings (when those
-  devices exist) in nested dicts and lists, as orbax restores without a target.
+  ``jax.sharding.Sharding``, ``dtenjax.Placement`` or bare ``PartitionSpec`` (on the context
+  mesh: ``jax.set_mesh`` or ``dtenjax.use_mesh``) for every array, or a tree of them shaped like
+  the target, whose every entry must name a saved leaf. Without either, arrays come back with
+  their saved shardings (when those devices exist) in nested dicts and lists, as orbax restores
+  without a target.
   ``report=True`` returns ``(tree, RestoreReport)``. ``storage``: where checkpoints live
   (default: the file system); orbax-written checkpoints are read from the file system only.
   """
   t0 = time.perf_counter()
+  ckio.check_threads(threads)
   path = os.path.abspath(os.fspath(path))
   st = storage if storage is not None else storage_mod.LocalStorage(ckio.backend(io))
   for attempt in range(REREADS + 1):
@@ -311,18 +368,23 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
     spairs, _ = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=_is_sharding_leaf)
     by_sharding = {".".join(layout._key_of(e)[0] for e in p): s
                    for p, s in spairs}
-  plans = []   # (leaf, how, sharding)
+    problems += [f"shardings names {n!r}, which is not a leaf of the checkpoint (its leaves: "
+                 f"{sorted(by_name)}); check the spelling" for n in by_sharding if n not in by_name]
+  plans = []   # (leaf, how, sharding, the dtype a saved Python scalar is cast to)
   for leaf in order:
     t = wanted.get(leaf.name)
     if leaf.value_type == "None":
-      plans.append((leaf, "none", None))
+      plans.append((leaf, "none", None, None))
       continue
+    cast = None
     if t is not None and hasattr(t, "shape") and hasattr(t, "dtype"):
       if tuple(t.shape) != leaf.shape or np.dtype(t.dtype) != leaf.np_dtype:
-        problems.append(f"leaf {leaf.name!r}: the target is {np.dtype(t.dtype).name}"
-                        f"{list(t.shape)}, the checkpoint holds {leaf.np_dtype.name}"
-                        f"{list(leaf.shape)}")
-        continue
+        if not _scalar_onto(leaf, t):
+          problems.append(f"leaf {leaf.name!r}: the target is {np.dtype(t.dtype).name}"
+                          f"{list(t.shape)}, the checkpoint holds {leaf.np_dtype.name}"
+                          f"{list(leaf.shape)}")
+          continue
+        cast = np.dtype(t.dtype)
     if target is not None:
       how = ("jax" if isinstance(t, (jax.Array, jax.ShapeDtypeStruct)) else
              "np" if isinstance(t, np.ndarray) else "npscalar" if isinstance(t, np.generic)
@@ -331,11 +393,23 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
       how = {"jax.Array": "jax", "np.ndarray": "np"}.get(leaf.value_type, "py")
     sharding = None
     if how == "jax":
-      sharding = _resolve(single if single is not None else by_sharding.get(leaf.name), leaf)
+      try:
+        sharding = _resolve(single if single is not None else by_sharding.get(leaf.name), leaf)
+      except errors.ConfigurationError as e:
+        problems.append(f"leaf {leaf.name!r}: {e}")
+        continue
       if sharding is None and t is not None:
-        sharding = getattr(t, "sharding", None)
+        try:
+          sharding = _concrete(getattr(t, "sharding", None), saved_shardings.get(leaf.name),
+                               leaf, root)
+        except errors.ConfigurationError as e:
+          problems.append(f"leaf {leaf.name!r}: {e}")
+          continue
       if sharding is None and leaf.name in saved_shardings:
         sharding = _saved_sharding(saved_shardings[leaf.name], leaf, root)
+      if sharding is None and cast is not None:   # a Python scalar: as jnp.asarray makes it
+        plans.append((leaf, "jnp", None, cast))
+        continue
       if sharding is None:
         problems.append(f"leaf {leaf.name!r}: no sharding to restore it onto (the saved one is "
                         "not a NamedSharding over devices present here); pass shardings= (a "
@@ -346,14 +420,14 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
       except Exception as e:
         problems.append(f"leaf {leaf.name!r} {list(leaf.shape)}: {sharding} does not fit: {e}")
         continue
-    plans.append((leaf, how, sharding))
+    plans.append((leaf, how, sharding, cast))
   if problems:
     raise errors.ConfigurationError(errors.join_problems(
         f"cannot restore {path} as asked:", problems))
 
   boxes: dict[tuple, tuple] = {}      # (leaf name, box) -> (leaf, lo, hi)
   where: list[Any] = []
-  for leaf, how, sharding in plans:
+  for leaf, how, sharding, _ in plans:
     if how == "none":
       where.append(None)
       continue
@@ -383,19 +457,21 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
     futures = {k: pool.submit(src.read, *v) for k, v in boxes.items()}
     data = {k: f.result() for k, f in futures.items()}
   values = []
-  for (leaf, how, sharding), w in zip(plans, where):
+  for (leaf, how, sharding, cast), w in zip(plans, where):
     if how == "none":      # None, or the target's own empty node (optax's EmptyState())
       values.append(wanted.get(leaf.name) if target is not None else None)
+    elif how == "jnp":
+      values.append(jnp.asarray(_cast_scalar(leaf, data[(leaf.name, w)], cast)))
     elif how == "jax":
       memory_kind = getattr(sharding, "memory_kind", None)
-      arrays = [jax.device_put(data[(leaf.name, box)],
+      arrays = [jax.device_put(_cast_scalar(leaf, data[(leaf.name, box)], cast),
                                jax.sharding.SingleDeviceSharding(dev, memory_kind=memory_kind))
                 for dev, box in w]
       values.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays))
     elif how == "np":
-      values.append(data[(leaf.name, w)])
+      values.append(_cast_scalar(leaf, data[(leaf.name, w)], cast))
     elif how == "npscalar":
-      values.append(data[(leaf.name, w)][()])
+      values.append(_cast_scalar(leaf, data[(leaf.name, w)], cast)[()])
     else:
       values.append(data[(leaf.name, w)].item())
   out = treedef.unflatten(values) if treedef is not None else layout.unflatten_like_orbax(

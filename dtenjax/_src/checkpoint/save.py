@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import threading
 import time
@@ -86,7 +87,14 @@ def _check_leaf(keys, leaf) -> str | None:
   name = ".".join(k for k, _ in keys)
   if layout.is_empty(leaf) or isinstance(leaf, (bool, int, float, np.ndarray, np.generic)):
     return None
+  if isinstance(leaf, jax.core.Tracer):
+    return (f"leaf {name!r} is a traced value ({leaf.aval.str_short()}): save was called inside "
+            "jax.jit, jax.grad, jax.vmap or another transformation, where arrays have no bytes "
+            "yet; call it outside, on the arrays the jitted step returns")
   if isinstance(leaf, jax.Array):
+    if leaf.is_deleted():
+      return (f"leaf {name!r} was deleted ({leaf.aval.str_short()}): it was donated to a jitted "
+              "step (donate_argnums) or .delete()d; save the arrays the step returned")
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
       return (f"leaf {name!r} is an array of typed PRNG keys ({leaf.dtype}); save "
               "jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data")
@@ -118,21 +126,22 @@ def plan(path: str, tree: Any, *, asynchronous: bool) -> _Plan:
       continue
     if isinstance(value, jax.Array):
       shape = tuple(value.shape)
-      chunks = tuple(value.sharding.shard_shape(shape))
+      chunks = _chunk_shape(value.sharding.shard_shape(shape))
       leaves.append(layout.Leaf(keys, "jax.Array", shape, layout.dtype_to_zarr(value.dtype),
                                 chunks))
       meta = layout.sharding_metadata(value.sharding)
       if meta is not None:
         shardings[name] = meta
-      mine = [s for s in value.addressable_shards if s.replica_id == 0]
+      mine = [s for s in value.addressable_shards if s.replica_id == 0 and math.prod(shape)]
       for s in mine:
         s.data.copy_to_host_async()
       owned.append((leaves[-1], mine))
       continue
     arr = np.asarray(value)
     kind = "np.ndarray" if isinstance(value, np.ndarray) else "scalar"
-    leaves.append(layout.Leaf(keys, kind, arr.shape, layout.dtype_to_zarr(arr.dtype), arr.shape))
-    owned.append((leaves[-1], [arr] if pid == 0 else []))
+    leaves.append(layout.Leaf(keys, kind, arr.shape, layout.dtype_to_zarr(arr.dtype),
+                              _chunk_shape(arr.shape)))
+    owned.append((leaves[-1], [arr] if pid == 0 and arr.size else []))
   writes = []
   for leaf, items in owned:
     for item in items:
@@ -143,6 +152,13 @@ def plan(path: str, tree: Any, *, asynchronous: bool) -> _Plan:
         data = _host_copy(item.data, copy=asynchronous and item.device.platform == "cpu")
       writes.append((leaf.name, layout.chunk_file(index), data))
   return _Plan(path, leaves, writes, shardings, t0)
+
+
+def _chunk_shape(shard_shape) -> tuple[int, ...]:
+  """The zarr chunk shape of shards of ``shard_shape``: zarr (and tensorstore, which orbax reads
+  with) wants every chunk dimension >= 1, so a zero-size dimension gets chunks of 1 -- a grid of
+  no chunks, no file to write."""
+  return tuple(max(1, int(n)) for n in shard_shape)
 
 
 def _as_bytes(data: np.ndarray, chunks: tuple[int, ...]) -> memoryview:
@@ -343,6 +359,12 @@ class Checkpointer:
   def __init__(self, *, io: str | None = None, threads: int | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S, block_bytes: int = integrity.BLOCK_BYTES,
                digest: str | None = None, storage: storage_mod.Storage | None = None):
+    ckio.check_threads(threads)
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+        or not math.isfinite(timeout_s) or timeout_s <= 0):
+      raise errors.ConfigurationError(
+          f"timeout_s={timeout_s!r} must be a finite number of seconds > 0 (how long a process "
+          f"waits for the others at each stage of a save; default {DEFAULT_TIMEOUT_S:g})")
     self.backend = ckio.backend(io)
     self.storage = storage if storage is not None else storage_mod.LocalStorage(self.backend)
     self.threads = threads or min(16, (os.cpu_count() or 1) * 2)

@@ -364,6 +364,17 @@ def _all_reduce_mixed(leaves, mesh_axes, vaxes, op, algorithm, deterministic, co
 
 def _all_reduce_leaves(leaves, axes, op, algorithm, deterministic, contract, local_axis,
                        bucket_bytes, tag, traced_tag=None):
+  def kept(i, entries):            # local_axis, where given, is summed away
+    if local_axis is None or not -len(entries) <= local_axis < len(entries):
+      return entries
+    return tuple(e for d, e in enumerate(entries) if d != local_axis % len(entries))
+  return common.free_explicit_axes(
+      leaves, lambda ls: _all_reduce_typed(ls, axes, op, algorithm, deterministic, contract,
+                                           local_axis, bucket_bytes, tag, traced_tag), kept)
+
+
+def _all_reduce_typed(leaves, axes, op, algorithm, deterministic, contract, local_axis,
+                      bucket_bytes, tag, traced_tag=None):
   vaxes = common.vmap_axes(axes)
   with common.vmap_errors("all_reduce", axes):
     if vaxes and len(vaxes) < len(axes):

@@ -65,6 +65,13 @@ def check_axes(axis_name: AxisName, what: str) -> tuple[str, ...]:
   if not axes:
     raise errors.CollectiveError(f"{what}: axis_name={axis_name!r} is empty; pass a mesh axis "
                                  "name or a tuple of them.")
+  positional = [a for a in axes if isinstance(a, int)]
+  if positional:
+    bound = jaxapi.bound_axis_sizes()
+    raise errors.CollectiveError(
+        f"{what}: axis_name={axis_name!r} holds positional axes {positional}; dtenjax "
+        f"collectives run over named mesh (or vmap) axes: pass a name in scope here "
+        f"({sorted(bound) or 'none'}), and reduce an array dimension with jnp.sum(x, axis=...).")
   bad = []
   for a in axes:
     try:
@@ -204,6 +211,49 @@ def typed_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
     return ()
   manual = jaxapi.manual_axes()
   return tuple(a for a in axes if a in manual)
+
+
+# --- Explicit mesh axes a partly manual shard_map leaves free -------------------------------------
+
+def _explicit_entries(x) -> tuple | None:
+  """``x``'s sharding type, one spec entry per dimension, when an entry names an Explicit mesh
+  axis (inside ``jax.shard_map(axis_names=...)``: an axis it left free, whose dimension stays
+  sharded in the type), else None."""
+  try:
+    sharding = jax.typeof(x).sharding
+  except TypeError:                 # not a JAX value (a Python scalar, ...): no sharding type
+    return None
+  spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+  if spec is None or mesh is None:
+    return None
+  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
+              if t == jax.sharding.AxisType.Explicit}
+  entries = tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))
+  named = {a for e in entries if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+  return entries if named & explicit else None
+
+
+def free_explicit_axes(leaves, body, out_entries):
+  """``body(leaves)``, run with the Explicit mesh axes the leaves are sharded over made Auto
+  (``jax.sharding.auto_axes``) when there are any, each output laid out as
+  ``out_entries(i, entries of input i)`` says (the entries of the dimensions the collective keeps).
+
+  Inside a partly manual ``jax.shard_map`` on ``jax.make_mesh``'s Explicit axes a local array
+  keeps its free axes' sharding in its type, and every reshape of such a dimension the
+  algorithms do (buckets, chunks, gathered stacks) is a type error; with the axes Auto, XLA
+  lays the intermediates out, as it does for ``lax.psum``. Elsewhere ``body(leaves)`` itself."""
+  if not jaxapi.manual_axes():
+    return body(leaves)
+  found = [_explicit_entries(x) for x in leaves]
+  if all(e is None for e in found):
+    return body(leaves)
+  axes = sorted({a for e in found if e is not None for ent in e if ent is not None
+                 for a in (ent if isinstance(ent, tuple) else (ent,))
+                 if a not in jaxapi.manual_axes()})
+  outs = [jax.sharding.PartitionSpec(*out_entries(i, e if e is not None
+                                                  else (None,) * jnp.ndim(x)))
+          for i, (x, e) in enumerate(zip(leaves, found))]
+  return jax.sharding.auto_axes(body, axes=tuple(axes), out_sharding=outs)(list(leaves))
 
 
 # --- eager shard_map: one cached program per call -----------------------------------------------

@@ -44,6 +44,17 @@ def plan_all_reduce(nbytes: int, group: Sequence[int], topology: Topology | None
     raise errors.CollectiveError(
         f"plan_all_reduce: group={given!r} must list the device ids taking part, in rank order "
         "(e.g. [d.id for d in mesh.devices.flat])")
+  twice = sorted({g for g in group if group.count(g) > 1})
+  if twice:
+    raise errors.CollectiveError(
+        f"plan_all_reduce: group={given!r} names device {twice[0]} twice; list each device "
+        "taking part once, in rank order (e.g. [d.id for d in mesh.devices.flat])")
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    raise errors.CollectiveError(f"plan_all_reduce: dtype={dtype!r} is not a dtype; pass e.g. "
+                                 "jnp.float32 or jnp.bfloat16") from None
+  common.check_leaf("plan_all_reduce", dtype, op, contract)   # what all_reduce refuses
   topology = topology if topology is not None else Topology.current()
   sizes = tuple(int(s) for s in (axis_sizes or (len(group),)))
   if math.prod(sizes) != len(group):

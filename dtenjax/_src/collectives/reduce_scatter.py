@@ -49,6 +49,18 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, tiled:
 
 def _reduce_scatter_leaves(leaves, axes, axis_name, scatter_dimension, tiled, op, algorithm,
                            deterministic, contract):
+  def kept(i, entries):            # the scattered dimension: split (tiled) or removed
+    if not -len(entries) <= scatter_dimension < len(entries):
+      return entries
+    d = scatter_dimension % len(entries)
+    return entries[:d] + ((None,) if tiled else ()) + entries[d + 1:]
+  return common.free_explicit_axes(
+      leaves, lambda ls: _reduce_scatter_typed(ls, axes, axis_name, scatter_dimension, tiled, op,
+                                               algorithm, deterministic, contract), kept)
+
+
+def _reduce_scatter_typed(leaves, axes, axis_name, scatter_dimension, tiled, op, algorithm,
+                          deterministic, contract):
   n = base.axis_size(axes)
   problems, out = [], []
   typed = common.typed_axes(axes)

@@ -230,8 +230,8 @@ def state_specs(opt_state: PyTree, axis_name) -> PyTree:
 
   Works on a bare :class:`TopKEFState` or on any optax state that contains one (e.g. the state of
   ``optax.chain(topk_ef(...), optax.sgd(lr))``). Residual and momentum differ per device: their
-  leaves are laid end to end along dimension 0 (``P(axis_name)``; scalar leaves get a spec of
-  ``P()`` and must then agree across devices). Every other leaf (step counts, the chained
+  leaves are laid end to end along dimension 0 (``P(axis_name)``; a scalar parameter's are kept
+  as one-element vectors, see :func:`init_state`). Every other leaf (step counts, the chained
   optimizer's state) is replicated, ``P()``.
   """
   per_dev = lambda t: jax.tree.map(
@@ -323,7 +323,7 @@ def _check_tree(grads: PyTree, state: TopKEFState, config: TopKConfig) -> None:
       problems.append(f"state.{name} has tree structure {s_struct}, the gradients {g_struct}")
       continue
     for (p, g), s in zip(g_paths, jax.tree.leaves(t)):
-      if jnp.shape(g) != jnp.shape(s):
+      if jnp.shape(g) != jnp.shape(s) and not (jnp.ndim(g) == 0 and jnp.shape(s) == (1,)):
         problems.append(f"state.{name}{jax.tree_util.keystr(p)} has shape {jnp.shape(s)}, the "
                         f"gradient {jnp.shape(g)}")
   if problems:
@@ -395,9 +395,11 @@ def compressed_all_reduce(grads: PyTree, state: TopKEFState, axis_name=None, *,
     g = jax.tree.map(lambda x: (x * scale).astype(x.dtype), g)
   u = None
   if config.momentum > 0:
-    u = jax.tree.map(lambda m, x: (config.momentum * m + x).astype(x.dtype), state.momentum, g)
+    u = jax.tree.map(lambda m, x: (config.momentum * m.reshape(x.shape) + x).astype(x.dtype),
+                     state.momentum, g)
     g = u
-  v = jax.tree.map(lambda r, x: r + x, state.residual, g) if config.error_feedback else g
+  v = (jax.tree.map(lambda r, x: r.reshape(x.shape) + x, state.residual, g)
+       if config.error_feedback else g)
 
   leaves, treedef = jax.tree.flatten(v)
 
@@ -425,17 +427,26 @@ def compressed_all_reduce(grads: PyTree, state: TopKEFState, axis_name=None, *,
     u = jax.tree.unflatten(treedef, [
         jnp.where(jnp.logical_and(mk, jnp.logical_not(d)), jnp.zeros_like(x), x)
         for x, mk, d in zip(jax.tree.leaves(u), jax.tree.leaves(mask_tree), dense)])
-  new_state = TopKEFState(state.count + 1, residual, u if config.momentum > 0 else None)
+  as_state = lambda new, old: jax.tree.map(lambda n, o: n.reshape(jnp.shape(o)), new, old)
+  new_state = TopKEFState(state.count + 1, as_state(residual, state.residual),
+                          as_state(u, state.momentum) if config.momentum > 0 else None)
   return out, new_state
 
 
+def _zeros_of(x) -> jax.Array:
+  """The zero residual of one parameter: its shape, dtype and sharding; a scalar's is a
+  one-element vector, so that :func:`state_specs` can lay every device's own end to end."""
+  return jnp.zeros_like(x) if jnp.ndim(x) else jnp.zeros((1,), jnp.result_type(x))
+
+
 def init_state(params: PyTree, config: TopKConfig) -> TopKEFState:
-  """Zero residuals (and momentum) shaped, typed and sharded like ``params``; inside a shard_map
-  over ``config.axis_name`` they are typed as varying over it (each device has its own)."""
+  """Zero residuals (and momentum) shaped, typed and sharded like ``params`` (a scalar's as a
+  one-element vector); inside a shard_map over ``config.axis_name`` they are typed as varying
+  over it (each device has its own)."""
   axis = config.axis_name
   per_device = axis is not None and _bound(axis)
-  zeros = lambda t: (pvary(jax.tree.map(jnp.zeros_like, t), axis) if per_device
-                     else jax.tree.map(jnp.zeros_like, t))
+  zeros = lambda t: (pvary(jax.tree.map(_zeros_of, t), axis) if per_device
+                     else jax.tree.map(_zeros_of, t))
   return TopKEFState(jnp.zeros((), jnp.int32), zeros(params),
                      zeros(params) if config.momentum > 0 else None)
 

@@ -223,11 +223,18 @@ def _check_leaves(tree: Any, what: str) -> None:
         "np.asarray(...) of the data (a generator or iterator must be materialised first):", bad))
 
 
+def _dtype_of(leaf: Any) -> np.dtype:
+  """``leaf``'s dtype: its own ``.dtype`` where it has one (``np.result_type`` of a jax.Array is
+  deprecated by jax, a warning on every batch and an error to come), else numpy's reading."""
+  dtype = getattr(leaf, "dtype", None)
+  return np.dtype(dtype) if dtype is not None else np.result_type(leaf)
+
+
 def _leaf_problem(path: str, leaf: Any) -> str | None:
   """Why a batch_spec leaf cannot be a batch's array (None if it can): a numeric or bool dtype,
   and a shape of non-negative integer sizes."""
   try:
-    dtype, shape = np.result_type(leaf), tuple(np.shape(leaf))
+    dtype, shape = _dtype_of(leaf), tuple(np.shape(leaf))
   except (TypeError, ValueError) as e:
     return f"{path}: {type(leaf).__name__} has no array dtype and shape ({e})"
   if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
@@ -252,7 +259,30 @@ def _spec_of(tree: Any) -> Any:
   if problems:
     raise errors.ConfigurationError(errors.join_problems(
         "batch_spec leaves must be numeric or bool arrays of non-negative sizes:", problems))
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x)), tree)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x),
+                                                     sharding=_sharding_of(x)), tree)
+
+
+def _sharding_of(leaf: Any) -> jax.sharding.Sharding | None:
+  """The layout a batch_spec leaf asks for: a jax.Array's or a ShapeDtypeStruct's sharding (a
+  batch laid out over a mesh, as a data-parallel step takes it), else None (jit's default).
+  One over an abstract mesh (``jax.eval_shape`` of a batch on Explicit axes) names no devices:
+  it is laid on the ``jax.set_mesh`` mesh with its axes, else left to jit's default."""
+  sharding = getattr(leaf, "sharding", None) if isinstance(
+      leaf, (jax.Array, jax.ShapeDtypeStruct)) else None
+  if not isinstance(sharding, jax.sharding.Sharding):
+    return None
+  mesh = getattr(sharding, "mesh", None)
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    try:
+      context = jax.sharding.get_mesh()
+    except ValueError:            # inside a trace: no concrete mesh to read
+      context = None
+    if (isinstance(context, jax.sharding.Mesh) and not context.empty
+        and context.abstract_mesh == mesh):
+      return jax.sharding.NamedSharding(context, sharding.spec, memory_kind=sharding.memory_kind)
+    return None
+  return sharding
 
 
 def _compile(step: Any, spec: Any) -> Any:
@@ -270,8 +300,10 @@ def _compile(step: Any, spec: Any) -> Any:
         "like batch_spec (the batch the scheduler passes); fix batch_spec or step_fn.") from e
 
 
-def check_batch(spec: Any, batch: Any) -> None:
-  """Raises ConfigurationError listing every leaf of ``batch`` that does not match ``spec``."""
+def check_batch(spec: Any, batch: Any, shardings: Any = None) -> None:
+  """Raises ConfigurationError listing every leaf of ``batch`` that does not match ``spec``,
+  and every jax.Array leaf committed to another layout than ``shardings`` (the compiled step's
+  input shardings, a tree like ``spec``), which the compiled step would refuse."""
   _check_leaves(batch, "batch")
   spec_leaves, spec_tree = jax.tree.flatten(spec)
   leaves, tree = jax.tree.flatten(batch)
@@ -282,11 +314,18 @@ def check_batch(spec: Any, batch: Any) -> None:
   problems = []
   paths = [jax.tree_util.keystr(p) or "batch" for p, _ in
            jax.tree_util.tree_flatten_with_path(spec)[0]]
-  for path, want, got in zip(paths, spec_leaves, leaves):
-    shape, dtype = tuple(np.shape(got)), np.result_type(got)
+  layouts = (jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+             if shardings is not None else [None] * len(spec_leaves))
+  for path, want, got, layout in zip(paths, spec_leaves, leaves, layouts):
+    shape, dtype = tuple(np.shape(got)), _dtype_of(got)
     if shape != tuple(want.shape) or dtype != want.dtype:
       problems.append(f"{path}: got {dtype}{list(shape)}, the step takes "
                       f"{want.dtype}{list(want.shape)}")
+    elif (layout is not None and isinstance(got, jax.Array) and getattr(got, "committed", False)
+          and not got.sharding.is_equivalent_to(layout, len(shape))):
+      problems.append(f"{path}: laid out as {got.sharding}, the step was compiled for {layout}; "
+                      "give batch_spec that layout (an example batch, or jax.ShapeDtypeStruct("
+                      "shape, dtype, sharding=...)) or jax.device_put the batch onto it")
   if problems:
     raise errors.ConfigurationError(errors.join_problems(
         "batch does not fit the compiled step (reshape/cast it, or pad to the batch_spec):",
@@ -341,7 +380,7 @@ class _Dispatcher:
 
   def enqueue(self, batch: Any, queue: str, deadline: float | None,
               timeout: float) -> concurrent.futures.Future:
-    check_batch(self.batch_spec, batch)
+    check_batch(self.batch_spec, batch, self.compiled.input_shardings[0][0])
     item = _Item(batch, concurrent.futures.Future(), queue, _read_clock(self.clock), deadline)
     end = time.monotonic() + timeout
     with self.cv:

@@ -1,0 +1,337 @@
+"""The public surface outside the planner, called the way a user of JAX writes it: ``jax.jit``
+with NamedShardings, ``jax.set_mesh``, plain ``jax.shard_map`` with its default
+``check_vma=True``, flax/optax state, odd sizes (zero-size, scalars) and bad input. Each test
+here stands for a program a user wrote from the docs that failed; the expected values come from
+plain JAX, numpy or orbax, and bad input must raise a ``DtenjaxError`` that names the value and
+the fix, never a raw JAX traceback."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import dtenjax
+import dtenjax.checkpoint as ckpt
+
+
+def _bits(x):
+  a = np.ascontiguousarray(np.asarray(x))
+  return a.dtype, a.shape, a.reshape(-1).view(np.uint8).tobytes()
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+def test_a_zero_size_leaf_round_trips_and_orbax_reads_it(tmp_path):
+  """A state with an empty array (a zero-width layer, an empty buffer) saved without complaint
+  used to be unrestorable: the zarr metadata said chunks [0, 4], which dtenjax's own restore
+  refused as a damaged checkpoint and tensorstore (orbax) could not open."""
+  mesh = jax.make_mesh((8,), ("x",))
+  tree = {"empty": jax.device_put(jnp.zeros((0, 4)), NamedSharding(mesh, P())),
+          "empty_cols": jax.device_put(jnp.zeros((8, 0), jnp.bfloat16),
+                                       NamedSharding(mesh, P("x"))),
+          "np_empty": np.zeros((3, 0), np.int32),
+          "w": jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))}
+  ckpt.save(tmp_path / "c", tree)
+  out = ckpt.restore(tmp_path / "c")
+  for k, v in tree.items():
+    assert _bits(out[k]) == _bits(v), k
+  assert out["empty_cols"].sharding == tree["empty_cols"].sharding
+  ocp = pytest.importorskip("orbax.checkpoint")
+  theirs = ocp.PyTreeCheckpointer().restore(str(tmp_path / "c"))
+  for k, v in tree.items():
+    assert _bits(theirs[k]) == _bits(v), k
+
+
+def test_saving_inside_jit_names_the_leaf_and_the_fix(tmp_path):
+  """``ckpt.save`` called inside a jitted (or differentiated) step used to fail with JAX's
+  "The 'sharding' attribute is not available on traced array" AttributeError."""
+  with pytest.raises(dtenjax.ConfigurationError, match=r"leaf 'params\.w' is a traced value.*"
+                     r"outside"):
+    jax.jit(lambda w: ckpt.save(tmp_path / "c", {"params": {"w": w}, "step": 1}))(jnp.ones(3))
+  assert not (tmp_path / "c").exists()
+
+
+def test_saving_a_donated_array_names_the_leaf(tmp_path):
+  """A state passed to a step jitted with ``donate_argnums`` and then saved (the old reference)
+  failed with JAX's "RuntimeError: Array has been deleted with shape=float32[8]"."""
+  w = jnp.arange(8.0)
+  step = jax.jit(lambda s: {"w": s["w"] + 1}, donate_argnums=0)
+  state = {"w": w}
+  new = step(state)
+  if not w.is_deleted():                 # a backend that does not donate: delete as it would
+    w.delete()
+  with pytest.raises(dtenjax.ConfigurationError, match=r"leaf 'w' .*deleted.*donate_argnums"):
+    ckpt.save(tmp_path / "c", state)
+  ckpt.save(tmp_path / "c", new)
+  assert _bits(ckpt.restore(tmp_path / "c")["w"]) == _bits(np.arange(8.0, dtype=np.float32) + 1)
+
+
+def test_checkpoint_threads_and_timeout_are_checked(tmp_path):
+  """``save(threads="4")`` (a value read from a config file) ended in "'>' not supported between
+  instances of 'str' and 'int'", and ``restore(threads="4")`` in the thread pool's TypeError; a
+  NaN or negative ``timeout_s`` was taken and would fail the first wait of a multi-process save."""
+  tree = {"a": jnp.ones(3)}
+  for kw, match in (({"threads": "4"}, r"threads='4'"), ({"threads": 0}, r"threads=0"),
+                    ({"timeout_s": float("nan")}, r"timeout_s=nan"),
+                    ({"timeout_s": -1}, r"timeout_s=-1")):
+    with pytest.raises(dtenjax.ConfigurationError, match=match):
+      ckpt.save(tmp_path / "c", tree, **kw)
+  assert not (tmp_path / "c").exists()
+  ckpt.save(tmp_path / "c", tree, threads=2, timeout_s=30)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"threads='4'"):
+    ckpt.restore(tmp_path / "c", threads="4")
+  assert _bits(ckpt.restore(tmp_path / "c", threads=1)["a"]) == _bits(np.ones(3, np.float32))
+
+
+def test_the_manager_takes_the_step_counter_a_training_loop_holds(tmp_path):
+  """``mngr.save(state["step"], state)`` -- the step a jitted loop keeps, an int32 jax scalar, or
+  a numpy int -- was refused ("step=Array(3, dtype=int32) must be an int >= 0"), and
+  ``mngr.restore("2")`` (a step read from the command line) said "step 2 has no complete
+  checkpoint ...; the complete steps are [2]"."""
+  mngr = ckpt.CheckpointManager(tmp_path / "m", enable_async_checkpointing=False)
+  state = {"w": jnp.arange(4.0), "step": jnp.int32(2)}
+  assert mngr.save(state["step"], state) and mngr.save(np.int64(3), state)
+  assert mngr.all_steps() == [2, 3]
+  assert int(mngr.restore(jnp.int32(2))["step"]) == 2
+  with pytest.raises(dtenjax.ConfigurationError, match=r"step='2' .*int\('2'\)"):
+    mngr.restore("2")
+  for bad in (2.0, True, -1):
+    with pytest.raises(dtenjax.ConfigurationError, match=r"step="):
+      mngr.save(bad, state)
+
+
+def test_restore_shardings_take_bare_specs_on_the_context_mesh_and_refuse_unknown_names(tmp_path):
+  """``shardings={"w": P("x")}`` under ``jax.set_mesh`` (as ``dtenjax.shard`` takes it) used to
+  fail with "'P' object has no attribute 'shard_shape'"; a misspelt name in ``shardings`` was
+  silently ignored and the leaf came back on its saved layout."""
+  mesh = jax.make_mesh((8,), ("x",))
+  ref = np.arange(64, dtype=np.float32).reshape(8, 8)
+  w = jax.device_put(ref, NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("a", "b")))
+  ckpt.save(tmp_path / "c", {"params": {"w": w}, "step": 3})
+  with jax.set_mesh(mesh):
+    out = ckpt.restore(tmp_path / "c", shardings={"params": {"w": P(None, "x")}})
+  assert out["params"]["w"].sharding == NamedSharding(mesh, P(None, "x"))
+  assert _bits(out["params"]["w"]) == _bits(ref) and out["step"] == 3
+  with pytest.raises(dtenjax.ConfigurationError, match=r"bare PartitionSpec.*jax\.set_mesh"):
+    ckpt.restore(tmp_path / "c", shardings={"params": {"w": P("x")}})
+  rows = NamedSharding(mesh, P("x"))
+  with pytest.raises(dtenjax.ConfigurationError, match=r"'params\.W'.*not a leaf.*'params\.w'"):
+    ckpt.restore(tmp_path / "c", shardings={"params": {"W": rows}})
+
+
+def test_restore_onto_jax_eval_shape_of_arrays_on_jax_make_mesh(tmp_path):
+  """The restore-onto-an-abstract-target habit (orbax's too): ``jax.eval_shape`` of arrays on
+  ``jax.make_mesh``'s Explicit axes gives shardings over an AbstractMesh, and restore failed with
+  "_device_assignment is not implemented for `jax.sharding.AbstractMesh`". They are laid on the
+  context mesh or the saved one; with neither matching, a ConfigurationError says so."""
+  mesh = jax.make_mesh((8,), ("x",))
+  w = jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P("x")))
+  ckpt.save(tmp_path / "c", {"w": w})
+  target = jax.eval_shape(lambda: {"w": w})
+  assert isinstance(target["w"].sharding.mesh, jax.sharding.AbstractMesh)
+  out = ckpt.restore(tmp_path / "c", target)
+  assert out["w"].sharding.is_equivalent_to(w.sharding, 2) and _bits(out["w"]) == _bits(w)
+  cols = jax.eval_shape(lambda: jax.device_put(
+      w, NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("b", "a"))))
+  with pytest.raises(dtenjax.ConfigurationError, match=r"abstract mesh.*jax\.set_mesh"):
+    ckpt.restore(tmp_path / "c", {"w": cols})
+  with jax.set_mesh(jax.make_mesh((2, 4), ("a", "b"))):
+    out = ckpt.restore(tmp_path / "c", {"w": cols})
+  assert out["w"].sharding.spec == P("b", "a") and _bits(out["w"]) == _bits(w)
+
+
+def test_a_python_scalar_restores_onto_an_abstract_target(tmp_path):
+  """flax's ``TrainState.create(...)`` holds ``step=0``, a Python int, saved (as orbax does) as
+  numpy's int64. Restoring onto ``jax.eval_shape`` of the state (int32 there, no sharding) was
+  refused: "leaf 'step': the target is int32[], the checkpoint holds int64[]". The value comes
+  back in the target's dtype, as jnp would make it; one that does not fit is refused."""
+  mesh = jax.make_mesh((8,), ("x",))
+  w = jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P("x")))
+  ckpt.save(tmp_path / "c", {"w": w, "step": 7, "lr": 0.5, "big": 2 ** 40})
+  target = jax.eval_shape(lambda: {"w": w, "step": 0, "lr": 0.1})
+  out = ckpt.restore(tmp_path / "c", {**target, "big": 0})
+  assert out["step"].dtype == jnp.int32 and int(out["step"]) == 7
+  assert out["lr"].dtype == jnp.float32 and float(out["lr"]) == 0.5
+  assert out["w"].sharding.is_equivalent_to(w.sharding, 2) and _bits(out["w"]) == _bits(w)
+  assert out["big"] == 2 ** 40 and type(out["big"]) is int         # a Python target: as saved
+  with pytest.raises(dtenjax.ConfigurationError, match=r"'big'.*1099511627776.*int32"):
+    ckpt.restore(tmp_path / "c", {**target, "big": jax.ShapeDtypeStruct((), jnp.int32)})
+
+
+# --- the micro-batch scheduler ------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("error:Implicit conversion of an array to a dtype:DeprecationWarning")
+def test_the_scheduler_serves_batches_laid_out_on_a_mesh():
+  """A batch sharded over the mesh (as a jitted data-parallel step takes it) used to fail every
+  submit with JAX's "Computation was compiled for input shardings that disagree": the scheduler
+  dropped batch_spec's sharding and compiled for one device. A batch on a layout the step was not
+  compiled for is a ConfigurationError naming the leaf, before it is queued. jax.Array batches
+  used to warn on every submit (``np.result_type(jax_array)``: "Implicit conversion of an array
+  to a dtype is deprecated ... will result in an error")."""
+  mesh = jax.make_mesh((8,), ("i",))
+  rows = NamedSharding(mesh, P("i"))
+  w = jnp.arange(16.0).reshape(4, 4) / 16
+  step = lambda b: jnp.tanh(b["x"] @ w)
+  batch = {"x": jax.device_put(jnp.arange(32.0).reshape(8, 4) / 32, rows)}
+  spec = {"x": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=rows)}
+  abstract = jax.eval_shape(lambda: batch)          # its sharding names an abstract mesh
+  assert isinstance(abstract["x"].sharding.mesh, jax.sharding.AbstractMesh)
+  # a ShapeDtypeStruct with a sharding, an example batch, an abstract one under jax.set_mesh
+  for batch_spec, context in ((spec, contextlib.nullcontext()), (batch, contextlib.nullcontext()),
+                              (abstract, jax.set_mesh(mesh))):
+    with context:
+      sched = dtenjax.GraphScheduler(step, batch_spec=batch_spec, metrics_port=None)
+    try:
+      out = sched.submit(batch).result(timeout=120)
+      assert out.sharding.is_equivalent_to(rows, 2)
+      np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(step)(batch)))
+      cols = {"x": jax.device_put(batch["x"], NamedSharding(mesh, P()))}
+      with pytest.raises(dtenjax.ConfigurationError, match=r"\['x'\].*laid out as.*compiled for"):
+        sched.submit(cols)
+    finally:
+      sched.shutdown(timeout=60)
+  # with no context mesh, an abstract spec compiles for jit's default device, as before
+  sched = dtenjax.GraphScheduler(step, batch_spec=abstract, metrics_port=None)
+  try:
+    out = sched.submit({"x": np.asarray(batch["x"])}).result(timeout=120)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(step)(batch)))
+  finally:
+    sched.shutdown(timeout=60)
+
+
+# --- collectives --------------------------------------------------------------------------------
+
+def test_a_positional_axis_is_refused_with_the_named_axis_fix():
+  """``all_reduce(x, 0)`` (lax.psum's positional-axis habit) inside ``jax.shard_map`` used to end
+  in numpy's "axis 0 is out of bounds for array of dimension 0"."""
+  mesh = jax.make_mesh((8,), ("i",))
+  x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+  for coll in (dtenjax.all_reduce, dtenjax.reduce_scatter, dtenjax.all_gather):
+    f = jax.shard_map(lambda v, coll=coll: coll(v, 0), mesh=mesh, in_specs=P("i"),
+                      out_specs=P("i"))
+    with pytest.raises(dtenjax.CollectiveError, match=r"axis_name=0 .*positional.*'i'"):
+      jax.jit(f)(x)
+
+
+# --- compression --------------------------------------------------------------------------------
+
+def test_compression_takes_a_scalar_parameter_as_the_docs_recipe_writes_it():
+  """A model with a scalar parameter (a learned temperature) failed at the docs' first line,
+  ``jax.shard_map(tx.init, ..., out_specs=state_specs(...))``, with JAX's "out_specs which
+  require replication": a scalar's residual and momentum got ``P()`` although each device keeps
+  its own. The step must equal the uncompressed reference: ratio 1 sends every entry, so the
+  update is the mean of the per-device gradients, as ``lax.pmean`` gives it."""
+  import optax
+  from jax import lax
+  from dtenjax import compression
+  mesh = jax.make_mesh((8,), ("data",))
+  params = {"w": jnp.linspace(-1.0, 1.0, 16).reshape(4, 4), "t": jnp.float32(1.5)}
+  loss = lambda p, b: jnp.sum(jnp.tanh(b @ p["w"]) * p["t"] ** 2)
+  batch = jax.device_put(jnp.arange(32.0).reshape(8, 4) / 32, NamedSharding(mesh, P("data")))
+
+  def stepper(tx, specs):
+    def step(p, st, b):
+      g = jax.grad(loss)(compression.pvary(p, "data"), b)
+      if tx is None:
+        return jax.tree.map(lambda a, d: a - 0.1 * d, p, lax.pmean(g, "data")), st
+      u, st = tx.update(g, st, p)
+      return optax.apply_updates(p, u), st
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
+                                 out_specs=(P(), specs)))
+
+  ref, _ = stepper(None, P())(params, jnp.zeros(()), batch)
+  tx = optax.chain(compression.topk_ef(1.0, axis_name="data", momentum=0.9), optax.sgd(0.1))
+  specs = compression.state_specs(jax.eval_shape(tx.init, params), "data")
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  out, state = stepper(tx, specs)(params, state, batch)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(out[k]), np.asarray(ref[k]), rtol=1e-6, atol=1e-7)
+  momentum = np.asarray(state[0].momentum["t"])       # each device's own, laid end to end
+  assert momentum.shape == (8,) and len(set(momentum.tolist())) == 8
+
+
+def test_all_gather_takes_reproducible_for_the_gradient_it_reduces():
+  """The README gives all three collectives ``reproducible=``; ``all_gather(...,
+  reproducible=True)`` (an FSDP user gathering sharded weights) raised TypeError. A gather moves
+  bits unchanged; its transpose is a reduce-scatter of the cotangents, which must then be
+  contract v3's sum (the numpy reference of tests/fixed_point_ref.py), not a float fold."""
+  import fixed_point_ref as ref
+  mesh = jax.make_mesh((8,), ("i",))
+  coeff = ref.contributions(8, 32, seed=3)                 # device d's cotangent: coeff[d]
+  expected = ref.v3_sum(coeff, axis=0)
+  assert np.any(ref.bits(ref.fold_f32(coeff, axis=0)) != ref.bits(expected))   # discriminates
+
+  def grad_of_gather(w, c):
+    def loss(w):
+      return jnp.sum(dtenjax.all_gather(w, "i", tiled=True, reproducible=True) * c[0])
+    return jax.grad(loss)(w)
+  f = jax.jit(jax.shard_map(grad_of_gather, mesh=mesh, in_specs=(P("i"), P("i")),
+                            out_specs=P("i")))
+  rows = NamedSharding(mesh, P("i"))
+  g = f(jax.device_put(jnp.ones(32), rows), jax.device_put(coeff, rows))
+  np.testing.assert_array_equal(ref.bits(np.asarray(g)), ref.bits(expected))
+  x16 = jax.device_put(jnp.ones(32, jnp.float16), rows)
+  for bad, match in (("yes", r"reproducible='yes'"), (True, r"float16")):
+    h = jax.shard_map(lambda w, bad=bad: dtenjax.all_gather(w, "i", tiled=True, reproducible=bad),
+                      mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    with pytest.raises(dtenjax.CollectiveError, match=match):
+      jax.jit(h)(x16)
+
+
+def test_plan_all_reduce_refuses_what_all_reduce_refuses():
+  """``plan_all_reduce`` answered "one_shot" for a float16 reproducible sum that ``all_reduce``
+  refuses, and a group naming a device twice ended in ``ValueError: slowest_link: [0, 0] names
+  one device only`` from the topology model."""
+  group = list(range(8))
+  with pytest.raises(dtenjax.CollectiveError, match=r"float16.*astype\(jnp\.float32\)"):
+    dtenjax.plan_all_reduce(4096, group, dtype=jnp.float16, reproducible=True)
+  with pytest.raises(dtenjax.CollectiveError, match=r"group=\[0, 0\] names device 0 twice"):
+    dtenjax.plan_all_reduce(4096, [0, 0])
+  assert dtenjax.plan_all_reduce(4096, group, dtype=jnp.bfloat16, reproducible=True).algorithm
+
+
+# --- dtenjax.testing --------------------------------------------------------------------------
+
+def test_assert_placement_says_when_it_was_handed_something_it_cannot_check():
+  """Inside ``jax.jit`` it failed with "expected a NamedSharding, got NoneType: None"; a
+  strategy name instead of a spec (``"row"``) was reported as a layout mismatch."""
+  mesh = jax.make_mesh((8,), ("i",))
+  x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+  dtenjax.testing.assert_placement(x, P("i"))
+  with pytest.raises(dtenjax.ConfigurationError, match=r"traced.*output of the jitted"):
+    jax.jit(lambda v: (dtenjax.testing.assert_placement(v, P("i")), v)[1])(x)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"spec='row'.*PartitionSpec"):
+    dtenjax.testing.assert_placement(x, "row")
+
+
+def test_collectives_over_the_manual_axis_of_a_partly_manual_shard_map_on_explicit_axes():
+  """``jax.make_mesh`` gives Explicit axes; a ``jax.shard_map(..., axis_names={"b"})`` leaves "a"
+  explicit, its dimension sharded in the local array's type. Every algorithm that reshapes
+  (one_shot, reproducible=True, ring, reduce_scatter, all_gather) failed there with "This reshape
+  is not supported" or "Sharding spec ('a',) implies that array axis 0 is partitioned 2 times,
+  but does not evenly divide the dimension size 1", where ``lax.psum`` and ``lax.all_gather`` run
+  (``lax.psum_scatter`` fails there too: the scatter's expected value is the sum's blocks)."""
+  from jax import lax
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  ref = np.arange(256.0, dtype=np.float32).reshape(8, 32) / 8
+  x = jax.device_put(ref, NamedSharding(mesh, P("a", "b")))
+
+  def run(f, out_specs=P(None, None)):
+    return jax.shard_map(f, mesh=mesh, in_specs=P(None, "b"), out_specs=out_specs,
+                         axis_names={"b"})
+  summed = np.asarray(jax.jit(run(lambda u: lax.psum(u, "b")))(x))
+  np.testing.assert_array_equal(summed, ref.reshape(8, 4, 8).sum(1))
+  for kw in ({"algorithm": "one_shot"}, {"reproducible": True}, {"algorithm": "ring"}):
+    y = jax.jit(run(lambda u, kw=kw: dtenjax.all_reduce(u, "b", **kw)))(x)
+    np.testing.assert_array_equal(np.asarray(y), summed)
+  rs = run(lambda u: dtenjax.reduce_scatter(u, "b", scatter_dimension=1, tiled=True), P(None, "b"))
+  np.testing.assert_array_equal(np.asarray(jax.jit(rs)(x)), summed)
+  ag = run(lambda u: dtenjax.all_gather(u, "b", axis=1, tiled=True), P(None, "b"))
+  lax_ag = run(lambda u: lax.all_gather(u, "b", axis=1, tiled=True), P(None, "b"))
+  np.testing.assert_array_equal(np.asarray(jax.jit(ag)(x)), np.asarray(jax.jit(lax_ag)(x)))
+  # each of the 4 devices of "b" holds all of x: d/dx sum(sin(4 copies)) = 4 cos(x)
+  grad = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(ag(v)))))(x)
+  np.testing.assert_allclose(np.asarray(grad), 4 * np.cos(ref), rtol=1e-5, atol=1e-6)

@@ -335,3 +335,25 @@ def test_collectives_over_the_manual_axis_of_a_partly_manual_shard_map_on_explic
   # each of the 4 devices of "b" holds all of x: d/dx sum(sin(4 copies)) = 4 cos(x)
   grad = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(ag(v)))))(x)
   np.testing.assert_allclose(np.asarray(grad), 4 * np.cos(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_explain_and_tensor_name_bad_arguments_and_the_fix():
+  """explain(step, "str"), explain(3, x), tensor(..., "floaty") and an integer tensor drawn from
+  a normal ended in JAX's or numpy's own TypeError / ValueError from deep inside."""
+  x = jnp.ones(8)
+  with pytest.raises(dtenjax.DtenjaxError, match=r"argument \[0\] is 'str'.*ShapeDtypeStruct"):
+    dtenjax.explain(lambda v: v * 2, "str")
+  with pytest.raises(dtenjax.DtenjaxError, match=r"fn=3 is not a function.*function first"):
+    dtenjax.explain(3, x)
+  with pytest.raises(dtenjax.DtenjaxError, match=r"dtype='floaty' is not a dtype"):
+    dtenjax.tensor((8, 8), "floaty")
+  with pytest.raises(dtenjax.DtenjaxError, match=r"init='normal'.*int32 is not a floating"):
+    dtenjax.tensor((8, 8), jnp.int32, init="normal", key=jax.random.key(0))
+  # what still works: arrays and ShapeDtypeStructs, a jitted function's static argument, a
+  # dtype named by string, integer tensors of zeros or ones
+  assert dtenjax.explain(lambda v: v * 2, jax.ShapeDtypeStruct((8,), jnp.float32)).memory
+  jitted = jax.jit(lambda v, n: v * n, static_argnums=1)
+  assert dtenjax.explain(jitted, x, 3).memory
+  assert dtenjax.tensor((8, 8), "bfloat16").dtype == jnp.bfloat16
+  np.testing.assert_array_equal(dtenjax.tensor((8, 8), jnp.int32, init="ones"),
+                                np.ones((8, 8), np.int32))

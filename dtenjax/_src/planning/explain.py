@@ -17,7 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
+from dtenjax._src import errors
 from dtenjax._src import hlo
 from dtenjax._src import tables
 from dtenjax._src.gpu import p2p
@@ -172,7 +174,13 @@ def explain(fn: Callable | Any, *args, topology: Topology | None = None, **kwarg
   refused: list[str] = []
   if hasattr(fn, "as_text") and hasattr(fn, "memory_analysis"):
     compiled = fn
+  elif not callable(fn):
+    raise errors.ConfigurationError(
+        f"explain: fn={fn!r} is not a function, a jax.jit-wrapped function, a compiled "
+        "jax.stages.Compiled or a StepPlan; call explain(step, *args) with the function first")
   else:
+    if not hasattr(fn, "lower"):     # jax.jit(fn) below: no static arguments, arrays only
+      _check_array_args(args, kwargs)
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     with p2p.refusals() as refused:      # the NVLink gate's reasons, asked while tracing/lowering
       compiled = jitted.lower(*args, **kwargs).compile()
@@ -188,3 +196,17 @@ def explain(fn: Callable | Any, *args, topology: Topology | None = None, **kwarg
   extra = tuple(("NVLink kernels not used", why) for why in dict.fromkeys(refused))
   return Explanation(collectives=tuple(ops), memory=mem, topology=topology.name, extra=extra,
                      source=module.source)
+
+
+def _check_array_args(args, kwargs) -> None:
+  """Every leaf of a plain function's arguments is something ``jax.jit`` traces: an array, a
+  ``jax.ShapeDtypeStruct`` or a Python number (a string or an object would otherwise end in
+  JAX's TypeError from deep inside the trace)."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int,
+                             float, complex)) and not hasattr(leaf, "__jax_array__"):
+      raise errors.ConfigurationError(
+          f"explain: argument {jax.tree_util.keystr(path[1:])} is {leaf!r} "
+          f"({type(leaf).__name__}), which jax.jit cannot trace; pass arrays or "
+          "jax.ShapeDtypeStruct, or explain(jax.jit(fn, static_argnums=...), *args) for static "
+          "arguments")

@@ -857,6 +857,16 @@ def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None 
     raise errors.PlacementError(f"tensor: shape={shape!r} must be a sequence of non-negative "
                                 "ints, such as (4096, 1024)")
   shape = dims
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    raise errors.PlacementError(f"tensor: dtype={dtype!r} is not a dtype; pass one such as "
+                                "jnp.float32 or 'bfloat16'") from None
+  if (isinstance(init, str) and init in ("normal", "uniform") and
+      not jnp.issubdtype(dtype, jnp.floating)):
+    raise errors.PlacementError(
+        f"tensor(init={init!r}) draws floats, and dtype={dtype} is not a floating dtype: pass a "
+        "float dtype, or init='zeros' / 'ones' / a callable f(key, shape, dtype) for integers")
   if key is None and not (isinstance(init, str) and init in ("zeros", "ones")):
     raise errors.PlacementError(
         f"tensor(init={init!r}) needs key=: pass a PRNG key, e.g. key=jax.random.key(0), and a "

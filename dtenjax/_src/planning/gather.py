@@ -27,6 +27,7 @@ all-gathers and one gradient reduction per layer and step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -52,7 +53,8 @@ _REMATS = frozenset({"checkpoint", "remat", "remat2"})
 
 
 def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
-                       sequence=None, shard_specs: tuple[Any, ...] | None = None) -> Callable:
+                       sequence=None, shard_specs: tuple[Any, ...] | None = None,
+                       rows: tuple[str, ...] = ()) -> Callable:
   """``step`` with each weight that ``compute_specs`` names gathered to that layout where a
   product uses it (one layer at a time inside ``lax.scan``; see the module docstring).
 
@@ -68,7 +70,14 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
   ``shard_specs`` (the plan's specs, one tree per argument, or None) are the weights' own
   layouts: a scaled weight that something besides its products reads is made in its weight's
   (the loss's ``sum((0.5 * w) ** 2)``; a loop handing ``0.5 * w`` out to the backward loop, which
-  then gathers it again as it does an unscaled weight)."""
+  then gathers it again as it does an unscaled weight).
+
+  ``rows`` (the mesh axes the plan splits the batch's dimension 0 over) pins each result of a
+  top-level ``jax.shard_map`` whose out_specs split only its dimension 0 to that layout, as the
+  plan prices it. Left free, XLA's partitioner may give it the layout a weight's gradient asks
+  for and replicate it to get there ("involuntary full rematerialization": a per-shard centring
+  of the batch on `fsdp` 4 x `tensor` 2 all-gathered whole, the first product's gradient
+  computed from gathered activations instead of reduced)."""
 
   def planned(*args):
     flat, tree = jax.tree.flatten(args)
@@ -92,6 +101,7 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
         lambda *leaves: step(*jax.tree.unflatten(tree, leaves)), return_shape=True)(*abstract)
     tracked = {v: s for v, s in zip(closed.jaxpr.invars, specs) if s is not None}
     ev = _Evaluator(mesh)
+    ev.rows = tuple(rows)
     ev.shards = {v: s for v, s, c in zip(closed.jaxpr.invars, per_leaf(shard_specs), specs)
                  if s is not None and c is not None}
     if sequence is not None:
@@ -191,6 +201,7 @@ class _Evaluator:
     # a tracked weight (or a value made from it in a loop body: one layer, scaled) -> its own
     # layout, where known (gather_for_compute's shard_specs)
     self.shards: dict = {}
+    self.rows: tuple[str, ...] = ()    # the plan's batch axes over dimension 0 (_pin_manual)
 
   def constrain(self, x, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -227,6 +238,8 @@ class _Evaluator:
         outs = jaxapi.bind(eqn, vals)
         if routed:
           routing.follow(eqn, routes)
+      if self.rows and eqn.primitive.name == "shard_map":
+        outs = self._pin_manual(eqn, outs)
       for v, x in zip(eqn.outvars, outs):
         if not isinstance(v, jcore.DropVar):
           env[v] = self.constrain(x, self.attend[v]) if v in self.attend else x
@@ -235,6 +248,19 @@ class _Evaluator:
     self.out_tracked = [tracked.get(v) if not isinstance(v, jcore.Literal) else None
                         for v in jaxpr.outvars]
     return [_read(env, v) for v in jaxpr.outvars]
+
+  def _pin_manual(self, eqn, outs) -> list:
+    """A jax.shard_map's results its out_specs split on dimension 0 only, in the plan's layout of
+    the batch (:attr:`rows` over dimension 0) where that divides them."""
+    split = math.prod(self.mesh.shape[a] for a in self.rows)
+    pinned = []
+    for x, spec in zip(outs, eqn.params.get("out_specs", ())):
+      rest = tuple(spec)[1:]
+      if (len(spec) and spec[0] is not None and all(e is None for e in rest)
+          and x.shape[0] % split == 0):
+        x = self.constrain(x, P(self.rows))
+      pinned.append(x)
+    return pinned
 
   def _eqn_with_tracked(self, eqn, vals, hits, tracked, feeds, gathered_value, routes, env,
                         apart=frozenset()):

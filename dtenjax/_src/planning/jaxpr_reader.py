@@ -287,8 +287,12 @@ class Reader:
     self.contractions: set[int] = set()     # batch_reductions that are dot_generals
     self.index_operands: dict[int, Any] = {}   # index batch_reductions -> the values reduced
     # the results of the jax.shard_maps walked that their out_specs shard over the user's mesh:
-    # (walk position, bytes of the whole value)
-    self.manual: list[tuple[int, int, int]] = []
+    # (walk position, bytes of the whole value, its bfloat16 bytes, the devices its dimension 0
+    # is split over, the devices it is split over in all); and their operands that hold the
+    # batch's dimension 0 as theirs: (walk position, bytes, bfloat16 bytes, the devices the
+    # in_specs split dimension 0 over)
+    self.manual: list[tuple[int, int, int, int, int]] = []
+    self.manual_in: list[tuple[int, int, int, int]] = []
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
     self.first_order: dict[int, int] = {}     # weight leaf -> the walk position of its first product
@@ -408,19 +412,38 @@ class Reader:
         self._carry_batch(i, o, self.outer_of_outvar[i][1])
 
   def _manual(self, eqn) -> None:
-    """Records the results of a jax.shard_map that its out_specs shard over the user's mesh."""
+    """Records the results of a jax.shard_map that its out_specs shard over the user's mesh, and
+    its operands that hold the batch (split over the user's mesh as its in_specs say)."""
     mesh = eqn.params.get("mesh")
     sizes = dict(getattr(mesh, "shape", {}) or {})
-    for o, spec in zip(eqn.outvars, eqn.params.get("out_specs", ())):
-      axes = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
-      if math.prod(sizes.get(a, 1) for a in axes) > 1:
-        self.manual.append((self.eqn_count, nbytes(o.aval), wide_bytes(o.aval)))
 
-  def manual_outputs(self) -> list[tuple[int, int | None, int]]:
-    """(bytes, payer, wide) of each result a jax.shard_map's out_specs shard over the user's
-    mesh: the whole value's bytes, the weight whose price holds what moving it costs (as a
-    meeting's: :meth:`_payer`), and the bytes XLA:CPU adds moving it (:func:`wide_bytes`)."""
-    return [(nb, self._payer(order), wide) for order, nb, wide in self.manual]
+    def split(entry) -> int:
+      names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+      return math.prod(sizes.get(a, 1) for a in names)
+
+    for o, spec in zip(eqn.outvars, eqn.params.get("out_specs", ())):
+      whole = math.prod(split(e) for e in spec)
+      if whole > 1:
+        rows = split(spec[0]) if len(spec) else 1
+        self.manual.append((self.eqn_count, nbytes(o.aval), wide_bytes(o.aval), rows, whole))
+    for v, spec in zip(eqn.invars, eqn.params.get("in_specs", ())):
+      if is_var(v) and 0 in self.batch.get(v, ()):
+        rows = split(spec[0]) if len(spec) else 1
+        self.manual_in.append((self.eqn_count, nbytes(v.aval), wide_bytes(v.aval), rows))
+
+  def manual_outputs(self) -> list[tuple[int, int | None, int, int, int]]:
+    """(bytes, payer, wide, rows, split) of each result a jax.shard_map's out_specs shard over
+    the user's mesh: the whole value's bytes, the weight whose price holds what moving it costs
+    (as a meeting's: :meth:`_payer`), the bytes XLA:CPU adds moving it (:func:`wide_bytes`), the
+    devices its dimension 0 is split over and those it is split over in all."""
+    return [(nb, self._payer(order), wide, rows, whole)
+            for order, nb, wide, rows, whole in self.manual]
+
+  def manual_operands(self) -> list[tuple[int, int | None, int, int]]:
+    """(bytes, payer, wide, rows) of each operand of a jax.shard_map that holds the batch's
+    dimension 0 as its own: its bytes, the weight whose price holds moving it, its bfloat16
+    bytes and the devices the in_specs split its dimension 0 over (1: replicated)."""
+    return [(nb, self._payer(order), wide, rows) for order, nb, wide, rows in self.manual_in]
 
   def _token_work(self, eqn, repeats: int) -> None:
     """Adds an elementwise equation's or a reduction's bytes to :attr:`token_bytes` unless its

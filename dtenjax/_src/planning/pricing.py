@@ -32,6 +32,7 @@ from dtenjax._src.planning.candidates import Layout
 from dtenjax._src.planning.roles import AXES
 from dtenjax._src.planning.roles import BATCH_AXES
 from dtenjax._src.planning.roles import ROUTED_AXES
+from dtenjax._src.planning.roles import SEQUENCE_AXES
 from dtenjax._src.planning.roles import sequence
 from dtenjax._src.planning.roles.base import WIRE
 
@@ -803,17 +804,34 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     if nb:
       ctx.add("all_gather", nb, ("tensor",), blocking=False, dtype=WIRE,
               wide=graph.cone_wide.get((primary.index, pr.tp[1]), 0))
-  # a jax.shard_map result the user's out_specs shard over their mesh, where this plan splits no
-  # batch: XLA all-gathers it whole over the devices into the replicated layout the plan gives
-  # the batch's values (compiled on 8 CPU devices, `tensor` 8: a per-shard centring of the batch,
-  # f32[8,128] gathered into f32[64,128]). Where the plan splits the batch as the user's mesh
-  # does (`data` 8, `data` 2 x `fsdp` 4) nothing moves; where it splits it otherwise (`fsdp` 4 x
-  # `tensor` 2) XLA re-lays the products around the manual sharding, which is not priced
-  everyone = [a for a in AXES if m.size[a] > 1]
-  if not batch and everyone:
-    for nb, payer, wide in graph.manual_outputs:
-      if payer in group:
-        ctx.add("all_gather", nb, everyone, blocking=True, dtype=WIRE, wide=wide)
+  # a jax.shard_map over the user's own mesh inside the step: XLA reshards the batch's values at
+  # its boundary between the plan's layout and the in_specs / out_specs (plan.jit pins the
+  # results to the plan's batch layout: gather.py). The plan's batch axes split dimension 0 over
+  # the mesh's major axes, so where it splits the rows into fewer blocks than the user's mesh
+  # does, each of its blocks holds whole user blocks. A result: where the plan splits its rows
+  # into fewer blocks, XLA all-gathers a block of the plan's over the plan's other axes (compiled
+  # on 8 CPU devices against a per-shard centring over a "data" 8 mesh, f32[64,128]: `tensor` 8
+  # f32[8,128] into the whole value; `data` 4 x `tensor` 2, `fsdp` 4 x `tensor` 2 f32[8,128]
+  # into f32[16,128] over 'tensor'; `data` 2 x `tensor` 4 into f32[32,128]); where it splits
+  # them as finely or finer, each device slices its rows and nothing moves (`data` 8, `fsdp` 8,
+  # `data` 2 x `fsdp` 4). An operand: where the plan splits the rows more finely than the
+  # in_specs, XLA all-gathers a user block over the plan's batch axes; where it splits them
+  # as coarsely or coarser, each device slices its rows. A result split on another dimension is
+  # priced only where the plan splits no batch (the whole value gathered), else not priced
+  rows_axes = [a for a in BATCH_AXES if a not in SEQUENCE_AXES and m.size[a] > 1]
+  rows_div = math.prod(m.size[a] for a in rows_axes)
+  others = [a for a in AXES if m.size[a] > 1 and a not in rows_axes]
+  for nb, payer, wide, rows, whole in graph.manual_outputs:
+    if payer not in group or not others:
+      continue
+    if rows == whole and rows > rows_div:
+      ctx.add("all_gather", nb / rows_div, others, blocking=True, dtype=WIRE,
+              wide=wide / rows_div)
+    elif rows != whole and rows_div == 1:
+      ctx.add("all_gather", nb, others, blocking=True, dtype=WIRE, wide=wide)
+  for nb, payer, wide, rows in graph.manual_operands:
+    if payer in group and rows < rows_div:
+      ctx.add("all_gather", nb / rows, rows_axes, blocking=True, dtype=WIRE, wide=wide / rows)
   # an index reduction no later work on the batch reads (a metric the step returns) is gathered
   # all the same, waited for by nothing but the step's end; of values a column-parallel product
   # splits over 'tensor' (its pair's cone), each device gathers the partials of its share

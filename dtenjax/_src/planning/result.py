@@ -191,7 +191,7 @@ class StepPlan:
         step, mesh, self.compute_specs,
         sequence=sequence_lib.application(dict(zip(self.axis_names, self.mesh_shape)),
                                           SEQUENCE_AXES, BATCH_AXES, self.batch_argnums),
-        shard_specs=self.specs)
+        shard_specs=self.specs, rows=self._batch_rows())
 
     @functools.wraps(planned)          # the step's name: jit_<step> in profiles and HLO
     def fn(*args):
@@ -204,6 +204,11 @@ class StepPlan:
         return planned(*args)
     return jax.jit(fn, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
                    **jit_kwargs)
+
+  def _batch_rows(self) -> tuple[str, ...]:
+    """The mesh axes this plan splits the batch's dimension 0 over (its batch layout's)."""
+    return tuple(a for a, n in zip(self.axis_names, self.mesh_shape)
+                 if n > 1 and a in BATCH_AXES and a not in SEQUENCE_AXES)
 
   def check(self, step: Callable, *args,
             compiler_options: dict | None = None) -> check_lib.Check:

@@ -94,11 +94,14 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
       return out
 
     specs = per_leaf(compute_specs)
-    if not any(s is not None for s in specs) and sequence is None:
+    unchanged = not any(s is not None for s in specs) and sequence is None
+    if unchanged and not rows:
       return step(*args)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
     closed, out_shape = jax.make_jaxpr(
         lambda *leaves: step(*jax.tree.unflatten(tree, leaves)), return_shape=True)(*abstract)
+    if unchanged and not any(e.primitive.name == "shard_map" for e in closed.jaxpr.eqns):
+      return step(*args)
     tracked = {v: s for v, s in zip(closed.jaxpr.invars, specs) if s is not None}
     ev = _Evaluator(mesh)
     ev.rows = tuple(rows)

@@ -132,6 +132,9 @@ class StepPlan:
   # what compute and collectives were priced with (Topology.pricing_summary: the calibration's
   # measurements or the table priors)
   priced_with: str = ""
+  # the step runs a jax.shard_map over the user's own mesh on the batch: plan.jit pins its
+  # results to the plan's batch layout (gather.gather_for_compute's rows)
+  manual: bool = False
 
   # --- applying it -----------------------------------------------------------------------------
 
@@ -206,7 +209,10 @@ class StepPlan:
                    **jit_kwargs)
 
   def _batch_rows(self) -> tuple[str, ...]:
-    """The mesh axes this plan splits the batch's dimension 0 over (its batch layout's)."""
+    """The mesh axes this plan splits the batch's dimension 0 over (its batch layout's), where the
+    step has a jax.shard_map's results to pin to it; else none."""
+    if not self.manual:
+      return ()
     return tuple(a for a, n in zip(self.axis_names, self.mesh_shape)
                  if n > 1 and a in BATCH_AXES and a not in SEQUENCE_AXES)
 
@@ -364,7 +370,8 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
                   device_ids=tuple(int(i) for i in m.ids.ravel()), axes=axis_links(m),
                   leaves=tuple(leaves), specs=tuple(specs), cost=cost, recipes=recipes,
                   budget_bytes=budget, topology=topology.name, planning_s=seconds,
-                  meshes_tried=tried, notes=notes, priced_with=topology.pricing_summary())
+                  meshes_tried=tried, notes=notes, priced_with=topology.pricing_summary(),
+                  manual=bool(graph.manual_outputs))
 
 
 def _is_none(x) -> bool:

@@ -17,7 +17,8 @@ scanned-over operand is followed into the loop body as one layer's slice, with t
 dimension dropped from its layout, so the constraint (and XLA's all-gather) runs once per layer
 inside the loop; the backward loop, which reads the same weights, gets its own per-layer gathers.
 Nothing else changes: elementwise optimizer updates still read the sharded weight, every other
-equation is bound as it was traced, and a sharding constraint changes no value (XLA may sum a
+equation is bound as it was traced (a ``jax.shard_map``'s results then pinned to the plan's
+layout of the batch: ``rows``), and a sharding constraint changes no value (XLA may sum a
 product's partial results in another order for another layout: float rounding, nothing more).
 
 This is FSDP2's default (``reshard_after_forward=True``): a layer's weights are gathered for the
@@ -73,8 +74,8 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
   then gathers it again as it does an unscaled weight).
 
   ``rows`` (the mesh axes the plan splits the batch's dimension 0 over) pins each result of a
-  top-level ``jax.shard_map`` whose out_specs split only its dimension 0 to that layout, as the
-  plan prices it. Left free, XLA's partitioner may give it the layout a weight's gradient asks
+  ``jax.shard_map`` the evaluation binds (at the top level, or in a call or loop it enters)
+  whose out_specs split only its dimension 0 to that layout, as the plan prices it. Left free, XLA's partitioner may give it the layout a weight's gradient asks
   for and replicate it to get there ("involuntary full rematerialization": a per-shard centring
   of the batch on `fsdp` 4 x `tensor` 2 all-gathered whole, the first product's gradient
   computed from gathered activations instead of reduced)."""

@@ -7,10 +7,11 @@ every other round in the reverse order),
 plain ``jax.jit`` on the user's mesh with ``NamedSharding``s (data-parallel: the batch split as the
 shard_map's ``in_specs``, the weights replicated), ``plan.jit`` of the planner's default, and on
 each forced mesh ``plan.jit`` with the shard_map's results pinned to the plan's batch layout
-(as it runs them) and left to XLA (``unpinned``: XLA's partitioner picks their layout, and on
-`fsdp` 4 x `tensor` 2 replicates them to get there). Each row has the plan's price, the compiled
-memory per device and collective bytes per step, and its ``plan.check`` miss (memory and
-collective bytes against XLA's compile)::
+(``pinned``: ``StepPlan.manual`` "all") and left to XLA (``free``: XLA's partitioner picks their
+layout, and on `fsdp` 4 x `tensor` 2 replicates them to get there); ``jit`` says which of the two
+``plan.jit`` runs (``gather.pins_manual``). Each row has the plan's price, the compiled memory per
+device and collective bytes per step, and its ``plan.check`` miss (memory and collective bytes
+against XLA's compile)::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/shard_map_boundary.py \\
         --iters 20 --json bench/results/DATE_shard_map_boundary_BRANCH.json
@@ -88,15 +89,15 @@ def main(argv=None) -> int:
             for m in MESHES]
   for name, plan in _harness.progress(plans, BENCH, lambda p: p[0]):
     mesh = " x ".join(f"{a} {n}" for a, n in zip(plan.axis_names, plan.mesh_shape) if n > 1)
-    for pinned in (True, False):
-      if not pinned and name == "default":
-        continue
-      run = plan if pinned else dataclasses.replace(plan, manual=False)
-      key = f"plan {name}" + ("" if pinned else ", unpinned")
+    chosen = "pinned" if plan.manual else "free"
+    for variant in ((chosen,) if name == "default" else ("pinned", "free")):
+      run = dataclasses.replace(plan, manual="all" if variant == "pinned" else "")
+      key = f"plan {name}" + ("" if name == "default" else f", {variant}")
       check = run.check(step, *concrete)
       fns[key] = run.jit(step)
       placed[key] = run.shard(*concrete)
-      info[key] = {"mesh": mesh, "priced_ms": 1e3 * plan.cost.total_s,
+      info[key] = {"mesh": mesh, "jit": "yes" if variant == chosen else "",
+                   "priced_ms": 1e3 * plan.cost.total_s,
                    "memory_mib": check.compiled_memory["total"] / 2**20,
                    "collective_mib": sum(check.compiled_bytes.values()) / 2**20,
                    "memory_miss": check.memory_error, "bytes_miss": check.bytes_error}
@@ -118,6 +119,7 @@ def main(argv=None) -> int:
            "vs_plain": _harness.median([a / b for a, b in zip(samples[k], base)])}
           for k in fns]
   print(_harness.table(rows, (("candidate", "candidate", "s"), ("mesh", "mesh", "s"),
+                              ("plan.jit", "jit", "s"),
                               ("ms", "ms", ".2f"), ("/ plain", "vs_plain", "ratio"),
                               ("priced ms", "priced_ms", ".2f"),
                               ("memory MiB", "memory_mib", ".2f"),

@@ -211,6 +211,17 @@ def manual_blocks(sizes: dict[str, int], axes: Sequence[str]) -> tuple[int, ...]
   return tuple(blocks)
 
 
+def blocks_nest(user: Sequence[int], n_user: int, plan: Sequence[int], n_plan: int) -> bool:
+  """Whether on every device the block of rows the user's layout gives it (``user``, one of
+  ``n_user``) and the plan's (one of ``n_plan``) lie one within the other, both over the same
+  devices in the same order (jax.jit refuses a shard_map over devices in another order)."""
+  if len(user) != len(plan):
+    return True           # not the plan's devices: nothing to compare (jax.jit refuses it)
+  return all((u * n_plan >= p * n_user and (u + 1) * n_plan <= (p + 1) * n_user) or
+             (p * n_user >= u * n_plan and (p + 1) * n_user <= (u + 1) * n_plan)
+             for u, p in zip(user, plan))
+
+
 def followed_operand(eqn):
   """The operand of an elementwise equation of one full operand, of the result's shape, and
   scalars (``0.5 * w``: :func:`scaled_operand`) or nothing else (``-w``, ``w ** 2``): a weight

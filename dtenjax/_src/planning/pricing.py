@@ -832,7 +832,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     if rows == whole:
       plan_blocks = plan_blocks or jaxpr_reader.manual_blocks(
           {a: m.size[a] for a in AXES}, rows_axes)
-      if not _nested(blocks, rows, plan_blocks, rows_div):
+      if not jaxpr_reader.blocks_nest(blocks, rows, plan_blocks, rows_div):
         ctx.add("ppermute", nb / max(rows, rows_div), everyone, blocking=True, dtype=WIRE,
                 wide=wide / max(rows, rows_div))
       if rows > rows_div and others:
@@ -845,7 +845,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       continue
     plan_blocks = plan_blocks or jaxpr_reader.manual_blocks(
         {a: m.size[a] for a in AXES}, rows_axes)
-    if not _nested(blocks, rows, plan_blocks, rows_div):
+    if not jaxpr_reader.blocks_nest(blocks, rows, plan_blocks, rows_div):
       ctx.add("ppermute", nb / max(rows, rows_div), everyone, blocking=True, dtype=WIRE,
               wide=wide / max(rows, rows_div))
     if rows < rows_div:
@@ -939,17 +939,6 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
                           sum(lf.nbytes for lf in leaves if lf.index in graph.returned) / shards)
   pr.sliced = roles.tensor.sliced(ctx, zero, moved, uses)
   return pr
-
-
-def _nested(user: Sequence[int], n_user: int, plan: Sequence[int], n_plan: int) -> bool:
-  """Whether on every device the block of rows the user's layout gives it (``user``, one of
-  ``n_user``) and the plan's (one of ``n_plan``) lie one within the other, both over the same
-  devices in the same order (jax.jit refuses a shard_map over devices in another order)."""
-  if len(user) != len(plan):
-    return True           # not the plan's devices: nothing to compare (jax.jit refuses it)
-  return all((u * n_plan >= p * n_user and (u + 1) * n_plan <= (p + 1) * n_user) or
-             (p * n_user >= u * n_plan and (p + 1) * n_user <= (u + 1) * n_plan)
-             for u, p in zip(user, plan))
 
 
 def start_wait(start: tuple[str, float, float, float], update: float) -> float:

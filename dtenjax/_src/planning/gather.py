@@ -202,13 +202,14 @@ def pins_manual(user: tuple[int, ...], n_user: int, sizes: Mapping[str, int],
   into ``n_user`` blocks (``user``: the block each device holds), to the plan's layout of the
   batch (``rows`` of a mesh of ``sizes``, its axes in order): where the user's blocks are
   coarser than the plan's, or lie on other devices, left free XLA's partitioner gathered the
-  centred batch or the products' activations whole (compiled memory 7 % to 190 % above the
-  pinned program's on 8 CPU devices, batches of 64 to 8192: `data` 8, `data` 4 x `tensor` 2,
-  `data` 2 x `tensor` 4, `data` 2 x `fsdp` 2 x `tensor` 2, `fsdp` 2 x `tensor` 4). Where they
-  are as fine or finer and nested, the pin only adds the all-gather of the result over the
-  plan's axes that split no batch, and XLA's free program held as much memory or less (up to
-  21 % less at a batch of 32768: it ran the step data-parallel over every device), so it is
-  left free (docs/benchmarks.md, shmap18b)."""
+  centred batch or the products' activations whole (compiled memory as the pinned program's or
+  up to 190 % above it on 8 CPU devices, batches of 64 to 8192: `data` 8, `data` 4 x `tensor`
+  2, `data` 2 x `tensor` 4, `data` 2 x `fsdp` 2 x `tensor` 2, `fsdp` 2 x `tensor` 4; 14 % below
+  on `fsdp` 4 x `tensor` 2 at 64). Where they are as fine or finer and nested, the pin only adds
+  the all-gather of the result over the plan's axes that split no batch, and XLA's free program
+  held as much memory or less (up to 21 % less at a batch of 32768: it ran the step
+  data-parallel over every device; 9 % more on `data` 4 x `tensor` 2 at 1024), so it is left
+  free (docs/benchmarks.md, shmap18b)."""
   n_plan = math.prod(sizes[a] for a in rows)
   if n_plan == 1:
     return False

@@ -17,7 +17,8 @@ scanned-over operand is followed into the loop body as one layer's slice, with t
 dimension dropped from its layout, so the constraint (and XLA's all-gather) runs once per layer
 inside the loop; the backward loop, which reads the same weights, gets its own per-layer gathers.
 Nothing else changes: elementwise optimizer updates still read the sharded weight, every other
-equation is bound as it was traced, and a sharding constraint changes no value (XLA may sum a
+equation is bound as it was traced (a ``jax.shard_map``'s results then pinned to the plan's
+layout of the batch: ``rows``), and a sharding constraint changes no value (XLA may sum a
 product's partial results in another order for another layout: float rounding, nothing more).
 
 This is FSDP2's default (``reshard_after_forward=True``): a layer's weights are gathered for the
@@ -27,6 +28,7 @@ all-gathers and one gradient reduction per layer and step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,7 +39,11 @@ from jax.sharding import PartitionSpec as P
 
 from dtenjax._src import jaxapi
 from dtenjax._src.planning import routing
-from dtenjax._src.planning.jaxpr_reader import followed_operand, scalar_fills
+from dtenjax._src.planning.jaxpr_reader import blocks_nest
+from dtenjax._src.planning.jaxpr_reader import followed_operand
+from dtenjax._src.planning.jaxpr_reader import manual_blocks
+from dtenjax._src.planning.jaxpr_reader import scalar_fills
+from dtenjax._src.planning.jaxpr_reader import spec_axes
 
 # Equations whose operands the products need whole (gather: only its operand, not the indices).
 _PRODUCTS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
@@ -52,7 +58,8 @@ _REMATS = frozenset({"checkpoint", "remat", "remat2"})
 
 
 def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
-                       sequence=None, shard_specs: tuple[Any, ...] | None = None) -> Callable:
+                       sequence=None, shard_specs: tuple[Any, ...] | None = None,
+                       rows: tuple[str, ...] = (), pin_all: bool = False) -> Callable:
   """``step`` with each weight that ``compute_specs`` names gathered to that layout where a
   product uses it (one layer at a time inside ``lax.scan``; see the module docstring).
 
@@ -68,7 +75,13 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
   ``shard_specs`` (the plan's specs, one tree per argument, or None) are the weights' own
   layouts: a scaled weight that something besides its products reads is made in its weight's
   (the loss's ``sum((0.5 * w) ** 2)``; a loop handing ``0.5 * w`` out to the backward loop, which
-  then gathers it again as it does an unscaled weight)."""
+  then gathers it again as it does an unscaled weight).
+
+  ``rows`` (the mesh axes the plan splits the batch's dimension 0 over) pins a result of a
+  ``jax.shard_map`` the evaluation binds (at the top level, or in a call or loop it enters)
+  whose out_specs split only its dimension 0 to that layout where :func:`pins_manual` says the
+  pin keeps XLA from a worse program; ``pin_all`` pins every such result (shmap18's pin, kept
+  to measure the rule against)."""
 
   def planned(*args):
     flat, tree = jax.tree.flatten(args)
@@ -85,13 +98,18 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
       return out
 
     specs = per_leaf(compute_specs)
-    if not any(s is not None for s in specs) and sequence is None:
+    unchanged = not any(s is not None for s in specs) and sequence is None
+    if unchanged and not rows:
       return step(*args)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
     closed, out_shape = jax.make_jaxpr(
         lambda *leaves: step(*jax.tree.unflatten(tree, leaves)), return_shape=True)(*abstract)
+    if unchanged and not any(e.primitive.name == "shard_map" for e in closed.jaxpr.eqns):
+      return step(*args)
     tracked = {v: s for v, s in zip(closed.jaxpr.invars, specs) if s is not None}
     ev = _Evaluator(mesh)
+    ev.rows = tuple(rows)
+    ev.pin_all = pin_all
     ev.shards = {v: s for v, s, c in zip(closed.jaxpr.invars, per_leaf(shard_specs), specs)
                  if s is not None and c is not None}
     if sequence is not None:
@@ -180,6 +198,27 @@ def _drop_leading(spec: P) -> P | None:
   return P(*entries[1:])
 
 
+def pins_manual(user: tuple[int, ...], n_user: int, sizes: Mapping[str, int],
+                rows: tuple[str, ...]) -> bool:
+  """Whether plan.jit pins a jax.shard_map's result, whose dimension 0 the user's out_specs split
+  into ``n_user`` blocks (``user``: the block each device holds), to the plan's layout of the
+  batch (``rows`` of a mesh of ``sizes``, its axes in order): where the user's blocks are
+  coarser than the plan's, or lie on other devices, left free XLA's partitioner gathered the
+  centred batch or the products' activations whole (compiled memory as the pinned program's or
+  up to 190 % above it on 8 CPU devices, batches of 64 to 8192: `data` 8, `data` 4 x `tensor`
+  2, `data` 2 x `tensor` 4, `data` 2 x `fsdp` 2 x `tensor` 2, `fsdp` 2 x `tensor` 4; 14 % below
+  on `fsdp` 4 x `tensor` 2 at 64). Where they are as fine or finer and nested, the pin only adds
+  the all-gather of the result over the plan's axes that split no batch, and XLA's free program
+  held as much memory or less (up to 21 % less at a batch of 32768: it ran the step
+  data-parallel over every device; 9 % more on `data` 4 x `tensor` 2 at 1024), so it is left
+  free (docs/benchmarks.md, shmap18b)."""
+  n_plan = math.prod(sizes[a] for a in rows)
+  if n_plan == 1:
+    return False
+  return n_user < n_plan or not blocks_nest(user, n_user, manual_blocks(dict(sizes), rows),
+                                            n_plan)
+
+
 class _Evaluator:
   """Evaluates a jaxpr with the planned weights gathered at their products."""
 
@@ -192,6 +231,8 @@ class _Evaluator:
     # a tracked weight (or a value made from it in a loop body: one layer, scaled) -> its own
     # layout, where known (gather_for_compute's shard_specs)
     self.shards: dict = {}
+    self.rows: tuple[str, ...] = ()    # the plan's batch axes over dimension 0 (_pin_manual)
+    self.pin_all = False               # every shard_map result pinned, not only pins_manual's
 
   def constrain(self, x, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -229,6 +270,8 @@ class _Evaluator:
         outs = jaxapi.bind(eqn, vals)
         if routed:
           routing.follow(eqn, routes)
+      if self.rows and eqn.primitive.name == "shard_map":
+        outs = self._pin_manual(eqn, outs)
       for v, x in zip(eqn.outvars, outs):
         if not isinstance(v, jcore.DropVar):
           env[v] = self.constrain(x, self.attend[v]) if v in self.attend else x
@@ -237,6 +280,25 @@ class _Evaluator:
     self.out_tracked = [tracked.get(v) if not isinstance(v, jcore.Literal) else None
                         for v in jaxpr.outvars]
     return [_read(env, v) for v in jaxpr.outvars]
+
+  def _pin_manual(self, eqn, outs) -> list:
+    """A jax.shard_map's results its out_specs split on dimension 0 only, in the plan's layout of
+    the batch (:attr:`rows` over dimension 0) where that divides them and :func:`pins_manual`
+    (or :attr:`pin_all`) asks for the pin."""
+    split = math.prod(self.mesh.shape[a] for a in self.rows)
+    user = dict(getattr(eqn.params.get("mesh"), "shape", {}) or {})
+    pinned = []
+    for x, spec in zip(outs, eqn.params.get("out_specs", ())):
+      rest = tuple(spec)[1:]
+      if (len(spec) and spec[0] is not None and all(e is None for e in rest)
+          and x.shape[0] % split == 0):
+        axes = spec_axes(spec[0])
+        if self.pin_all or pins_manual(manual_blocks(user, axes),
+                                       math.prod(user.get(a, 1) for a in axes),
+                                       dict(self.mesh.shape), self.rows):
+          x = self.constrain(x, P(self.rows))
+      pinned.append(x)
+    return pinned
 
   def _eqn_with_tracked(self, eqn, vals, hits, tracked, feeds, gathered_value, routes, env,
                         apart=frozenset(), fills=frozenset()):

@@ -187,6 +187,37 @@ def wide_bytes(aval) -> int:
 _NOT_FOLLOWED = frozenset({"stop_gradient", "optimization_barrier"})
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+  """The mesh axes one entry of a PartitionSpec splits its dimension over, major first."""
+  return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def manual_blocks(sizes: dict[str, int], axes: Sequence[str]) -> tuple[int, ...]:
+  """The block of a dimension split over ``axes`` of a mesh of ``sizes`` (its axes in order) that
+  each device holds, in the mesh's device order (the order a jit's device assignment has)."""
+  blocks = []
+  for flat in range(math.prod(sizes.values())):
+    coords, rest = {}, flat
+    for a, n in reversed(list(sizes.items())):
+      coords[a], rest = rest % n, rest // n
+    block = 0
+    for a in axes:
+      block = block * sizes.get(a, 1) + coords.get(a, 0)
+    blocks.append(block)
+  return tuple(blocks)
+
+
+def blocks_nest(user: Sequence[int], n_user: int, plan: Sequence[int], n_plan: int) -> bool:
+  """Whether on every device the block of rows the user's layout gives it (``user``, one of
+  ``n_user``) and the plan's (one of ``n_plan``) lie one within the other, both over the same
+  devices in the same order (jax.jit refuses a shard_map over devices in another order)."""
+  if len(user) != len(plan):
+    return True           # not the plan's devices: nothing to compare (jax.jit refuses it)
+  return all((u * n_plan >= p * n_user and (u + 1) * n_plan <= (p + 1) * n_user) or
+             (p * n_user >= u * n_plan and (p + 1) * n_user <= (u + 1) * n_plan)
+             for u, p in zip(user, plan))
+
+
 def followed_operand(eqn, fills: Container = frozenset()):
   """The operand of an elementwise equation of one full operand, of the result's shape, and
   scalars (``0.5 * w``: :func:`scaled_operand`) or nothing else (``-w``, ``w ** 2``): a weight
@@ -339,8 +370,13 @@ class Reader:
     self.contractions: set[int] = set()     # batch_reductions that are dot_generals
     self.index_operands: dict[int, Any] = {}   # index batch_reductions -> the values reduced
     # the results of the jax.shard_maps walked that their out_specs shard over the user's mesh:
-    # (walk position, bytes of the whole value)
-    self.manual: list[tuple[int, int, int]] = []
+    # (walk position, bytes of the whole value, its bfloat16 bytes, the devices its dimension 0
+    # is split over, the devices it is split over in all, the block of dimension 0 each device
+    # holds, in the mesh's device order: manual_blocks); and their operands that hold the
+    # batch's dimension 0 as theirs: (walk position, bytes, bfloat16 bytes, the devices the
+    # in_specs split dimension 0 over, the blocks)
+    self.manual: list[tuple[int, int, int, int, int, tuple[int, ...]]] = []
+    self.manual_in: list[tuple[int, int, int, int, tuple[int, ...]]] = []
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
     self.first_order: dict[int, int] = {}     # weight leaf -> the walk position of its first product
@@ -461,19 +497,42 @@ class Reader:
         self._carry_batch(i, o, self.outer_of_outvar[i][1])
 
   def _manual(self, eqn) -> None:
-    """Records the results of a jax.shard_map that its out_specs shard over the user's mesh."""
+    """Records the results of a jax.shard_map that its out_specs shard over the user's mesh, and
+    its operands that hold the batch (split over the user's mesh as its in_specs say)."""
     mesh = eqn.params.get("mesh")
     sizes = dict(getattr(mesh, "shape", {}) or {})
-    for o, spec in zip(eqn.outvars, eqn.params.get("out_specs", ())):
-      axes = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
-      if math.prod(sizes.get(a, 1) for a in axes) > 1:
-        self.manual.append((self.eqn_count, nbytes(o.aval), wide_bytes(o.aval)))
 
-  def manual_outputs(self) -> list[tuple[int, int | None, int]]:
-    """(bytes, payer, wide) of each result a jax.shard_map's out_specs shard over the user's
-    mesh: the whole value's bytes, the weight whose price holds what moving it costs (as a
-    meeting's: :meth:`_payer`), and the bytes XLA:CPU adds moving it (:func:`wide_bytes`)."""
-    return [(nb, self._payer(order), wide) for order, nb, wide in self.manual]
+    def split(entry) -> int:
+      return math.prod(sizes.get(a, 1) for a in spec_axes(entry))
+
+    for o, spec in zip(eqn.outvars, eqn.params.get("out_specs", ())):
+      whole = math.prod(split(e) for e in spec)
+      if whole > 1:
+        first = spec[0] if len(spec) else None
+        self.manual.append((self.eqn_count, nbytes(o.aval), wide_bytes(o.aval), split(first),
+                            whole, manual_blocks(sizes, spec_axes(first))))
+    for v, spec in zip(eqn.invars, eqn.params.get("in_specs", ())):
+      if is_var(v) and 0 in self.batch.get(v, ()):
+        first = spec[0] if len(spec) else None
+        self.manual_in.append((self.eqn_count, nbytes(v.aval), wide_bytes(v.aval), split(first),
+                               manual_blocks(sizes, spec_axes(first))))
+
+  def manual_outputs(self) -> list[tuple[int, int | None, int, int, int, tuple[int, ...]]]:
+    """(bytes, payer, wide, rows, split, blocks) of each result a jax.shard_map's out_specs shard
+    over the user's mesh: the whole value's bytes, the weight whose price holds what moving it
+    costs (as a meeting's: :meth:`_payer`), the bytes XLA:CPU adds moving it
+    (:func:`wide_bytes`), the devices its dimension 0 is split over, those it is split over in
+    all, and the block of dimension 0 each device holds (:func:`manual_blocks`)."""
+    return [(nb, self._payer(order), wide, rows, whole, blocks)
+            for order, nb, wide, rows, whole, blocks in self.manual]
+
+  def manual_operands(self) -> list[tuple[int, int | None, int, int, tuple[int, ...]]]:
+    """(bytes, payer, wide, rows, blocks) of each operand of a jax.shard_map that holds the
+    batch's dimension 0 as its own: its bytes, the weight whose price holds moving it, its
+    bfloat16 bytes, the devices the in_specs split its dimension 0 over (1: replicated) and the
+    block each device holds."""
+    return [(nb, self._payer(order), wide, rows, blocks)
+            for order, nb, wide, rows, blocks in self.manual_in]
 
   def _token_work(self, eqn, repeats: int) -> None:
     """Adds an elementwise equation's or a reduction's bytes to :attr:`token_bytes` unless its

@@ -32,6 +32,7 @@ from dtenjax._src.planning.candidates import Layout
 from dtenjax._src.planning.roles import AXES
 from dtenjax._src.planning.roles import BATCH_AXES
 from dtenjax._src.planning.roles import ROUTED_AXES
+from dtenjax._src.planning.roles import SEQUENCE_AXES
 from dtenjax._src.planning.roles import sequence
 from dtenjax._src.planning.roles.base import WIRE
 
@@ -835,17 +836,52 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     if nb:
       ctx.add("all_gather", nb, ("tensor",), blocking=False, dtype=WIRE,
               wide=graph.cone_wide.get((primary.index, pr.tp[1]), 0))
-  # a jax.shard_map result the user's out_specs shard over their mesh, where this plan splits no
-  # batch: XLA all-gathers it whole over the devices into the replicated layout the plan gives
-  # the batch's values (compiled on 8 CPU devices, `tensor` 8: a per-shard centring of the batch,
-  # f32[8,128] gathered into f32[64,128]). Where the plan splits the batch as the user's mesh
-  # does (`data` 8, `data` 2 x `fsdp` 4) nothing moves; where it splits it otherwise (`fsdp` 4 x
-  # `tensor` 2) XLA re-lays the products around the manual sharding, which is not priced
+  # a jax.shard_map over the user's own mesh inside the step: XLA reshards the batch's values at
+  # its boundary between the plan's layout and the in_specs / out_specs (plan.jit pins the
+  # results to the plan's batch layout: gather.py). Where each device's block of rows in one
+  # layout holds its block in the other or lies in it (the user's split axes lead their mesh,
+  # as the plan's batch axes lead its): a result whose rows the plan splits into fewer blocks is
+  # all-gathered, a block of the plan's, over the plan's other axes (compiled on 8 CPU devices
+  # against a per-shard centring over a "data" 8 mesh, f32[64,128]: `tensor` 8 f32[8,128] into
+  # the whole value; `data` 4 x `tensor` 2, `fsdp` 4 x `tensor` 2 f32[8,128] into f32[16,128]
+  # over 'tensor'; `data` 2 x `tensor` 4 into f32[32,128]); where the plan splits them as finely
+  # or finer, each device slices its rows and nothing moves (`data` 8, `fsdp` 8, `data` 2 x
+  # `fsdp` 4). An operand whose in_specs split fewer blocks than the plan is all-gathered into
+  # the user's block over the plan's batch axes (a 2 x 4 mesh's P("data") on `data` 8: f32[8,128]
+  # into f32[32,128]). Where the blocks do not nest (the user's P("model") of a 2 x 4 mesh: its
+  # blocks on devices {k, k + 4}), XLA first permutes each device's piece, the finer layout's
+  # block, into place, at the operand and again at the result (f32[16,128] each way on `data`
+  # 4 x `tensor` 2; f32[8,128] on `data` 8), then gathers as above. A result split on another
+  # dimension is priced only where the plan splits no batch (the whole value gathered)
+  rows_axes = [a for a in BATCH_AXES if a not in SEQUENCE_AXES and m.size[a] > 1]
+  rows_div = math.prod(m.size[a] for a in rows_axes)
+  others = [a for a in AXES if m.size[a] > 1 and a not in rows_axes]
   everyone = [a for a in AXES if m.size[a] > 1]
-  if not batch and everyone:
-    for nb, payer, wide in graph.manual_outputs:
-      if payer in group:
-        ctx.add("all_gather", nb, everyone, blocking=True, dtype=WIRE, wide=wide)
+  plan_blocks = None
+  for nb, payer, wide, rows, whole, blocks in graph.manual_outputs:
+    if payer not in group or not everyone:
+      continue
+    if rows == whole:
+      plan_blocks = plan_blocks or jaxpr_reader.manual_blocks(
+          {a: m.size[a] for a in AXES}, rows_axes)
+      if not jaxpr_reader.blocks_nest(blocks, rows, plan_blocks, rows_div):
+        ctx.add("ppermute", nb / max(rows, rows_div), everyone, blocking=True, dtype=WIRE,
+                wide=wide / max(rows, rows_div))
+      if rows > rows_div and others:
+        ctx.add("all_gather", nb / rows_div, others, blocking=True, dtype=WIRE,
+                wide=wide / rows_div)
+    elif rows_div == 1:
+      ctx.add("all_gather", nb, everyone, blocking=True, dtype=WIRE, wide=wide)
+  for nb, payer, wide, rows, blocks in graph.manual_operands:
+    if payer not in group or not rows_axes:
+      continue
+    plan_blocks = plan_blocks or jaxpr_reader.manual_blocks(
+        {a: m.size[a] for a in AXES}, rows_axes)
+    if not jaxpr_reader.blocks_nest(blocks, rows, plan_blocks, rows_div):
+      ctx.add("ppermute", nb / max(rows, rows_div), everyone, blocking=True, dtype=WIRE,
+              wide=wide / max(rows, rows_div))
+    if rows < rows_div:
+      ctx.add("all_gather", nb / rows, rows_axes, blocking=True, dtype=WIRE, wide=wide / rows)
   # an index reduction no later work on the batch reads (a metric the step returns) is gathered
   # all the same, waited for by nothing but the step's end; of values a column-parallel product
   # splits over 'tensor' (its pair's cone), each device gathers the partials of its share

@@ -132,6 +132,11 @@ class StepPlan:
   # what compute and collectives were priced with (Topology.pricing_summary: the calibration's
   # measurements or the table priors)
   priced_with: str = ""
+  # the step runs a jax.shard_map over the user's own mesh on the batch whose results plan.jit
+  # pins to the plan's batch layout: "" none, "coarser" those gather.pins_manual pins (the
+  # user's blocks of rows coarser than the plan's or on other devices), "all" every result its
+  # out_specs split on dimension 0 only (the pin measured against: bench/shard_map_boundary.py)
+  manual: str = ""
 
   # --- applying it -----------------------------------------------------------------------------
 
@@ -191,7 +196,7 @@ class StepPlan:
         step, mesh, self.compute_specs,
         sequence=sequence_lib.application(dict(zip(self.axis_names, self.mesh_shape)),
                                           SEQUENCE_AXES, BATCH_AXES, self.batch_argnums),
-        shard_specs=self.specs)
+        shard_specs=self.specs, rows=self._batch_rows(), pin_all=self.manual == "all")
 
     @functools.wraps(planned)          # the step's name: jit_<step> in profiles and HLO
     def fn(*args):
@@ -204,6 +209,14 @@ class StepPlan:
         return planned(*args)
     return jax.jit(fn, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
                    **jit_kwargs)
+
+  def _batch_rows(self) -> tuple[str, ...]:
+    """The mesh axes this plan splits the batch's dimension 0 over (its batch layout's), where the
+    step has a jax.shard_map's results to pin to it; else none."""
+    if not self.manual:
+      return ()
+    return tuple(a for a, n in zip(self.axis_names, self.mesh_shape)
+                 if n > 1 and a in BATCH_AXES and a not in SEQUENCE_AXES)
 
   def check(self, step: Callable, *args,
             compiler_options: dict | None = None) -> check_lib.Check:
@@ -359,7 +372,18 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
                   device_ids=tuple(int(i) for i in m.ids.ravel()), axes=axis_links(m),
                   leaves=tuple(leaves), specs=tuple(specs), cost=cost, recipes=recipes,
                   budget_bytes=budget, topology=topology.name, planning_s=seconds,
-                  meshes_tried=tried, notes=notes, priced_with=topology.pricing_summary())
+                  meshes_tried=tried, notes=notes, priced_with=topology.pricing_summary(),
+                  manual=_manual(graph, m))
+
+
+def _manual(graph, m) -> str:
+  """StepPlan.manual: "coarser" where gather.pins_manual pins one of the step's shard_map results
+  on this plan's mesh (so that plan.jit traces the step to pin it), else ""."""
+  sizes = {a: m.size[a] for a in AXES}
+  rows = tuple(a for a in BATCH_AXES if a not in SEQUENCE_AXES and sizes[a] > 1)
+  pinned = any(n_rows == whole and gather.pins_manual(blocks, n_rows, sizes, rows)
+               for _, _, _, n_rows, whole, blocks in graph.manual_outputs)
+  return "coarser" if pinned else ""
 
 
 def _is_none(x) -> bool:

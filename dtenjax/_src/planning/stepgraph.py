@@ -180,9 +180,14 @@ class StepGraph:
   column_vectors: dict[tuple[int, int], tuple[int, ...]] = dataclasses.field(
       default_factory=dict)
   # the results a jax.shard_map's out_specs shard over the user's mesh: (bytes of the whole value,
-  # the weight whose price holds moving it, the bytes XLA:CPU adds moving it: its bfloat16's)
-  # (jaxpr_reader.Reader.manual_outputs)
-  manual_outputs: tuple[tuple[int, int | None, int], ...] = ()
+  # the weight whose price holds moving it, the bytes XLA:CPU adds moving it: its bfloat16's, the
+  # devices its dimension 0 is split over, the devices it is split over in all, the block of
+  # dimension 0 each device holds) (jaxpr_reader.Reader.manual_outputs)
+  manual_outputs: tuple[tuple[int, int | None, int, int, int, tuple[int, ...]], ...] = ()
+  # a jax.shard_map's operands that hold the batch's dimension 0: (bytes, payer, bfloat16 bytes,
+  # the devices its in_specs split dimension 0 over, the blocks)
+  # (jaxpr_reader.Reader.manual_operands)
+  manual_operands: tuple[tuple[int, int | None, int, int, tuple[int, ...]], ...] = ()
   # (leaf, free dim) of a tensor pair -> the bytes of the step's outputs in its cone that are no
   # state's new value (a metric per hidden unit): column-parallel, XLA all-gathers them over
   # 'tensor' into the replicated outputs
@@ -401,6 +406,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    gradient_free=jaxpr_reader.gradient_free(jaxpr, leaves),
                    batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves),
                    manual_outputs=tuple(reader.manual_outputs()),
+                   manual_operands=tuple(reader.manual_operands()),
                    stopped=jaxpr_reader.stopped_reads(jaxpr, leaves),
                    cone_outputs=_cone_outputs(jaxpr, tie, cones),
                    cone_wide=_cone_outputs(jaxpr, tie, cones, jaxpr_reader.wide_bytes))

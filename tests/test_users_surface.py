@@ -6,6 +6,7 @@ plain JAX, numpy or orbax, and bad input must raise a ``DtenjaxError`` that name
 the fix, never a raw JAX traceback."""
 
 import contextlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -335,3 +336,19 @@ def test_collectives_over_the_manual_axis_of_a_partly_manual_shard_map_on_explic
   # each of the 4 devices of "b" holds all of x: d/dx sum(sin(4 copies)) = 4 cos(x)
   grad = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(ag(v)))))(x)
   np.testing.assert_allclose(np.asarray(grad), 4 * np.cos(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_a_saved_scalar_that_would_change_in_the_targets_dtype_is_refused(tmp_path):
+  """review18c: the fit check cast the value back to its saved dtype, so a wrap across
+  signedness passed it: numpy's uint64 2**64 - 1 came back as int32 -1 and int8 -3 as uint32
+  4294967293, silently; a finite float past the target's range came back inf."""
+  ckpt.save(tmp_path / "c", {"u": 2 ** 64 - 1, "i8": np.int8(-3), "f": 1e300})
+  for name, dtype, saved in (("u", jnp.int32, "18446744073709551615"), ("i8", jnp.uint32, "-3"),
+                             ("f", jnp.float32, "1e+300")):
+    target = {"u": 0, "i8": 0, "f": 0.0, name: jax.ShapeDtypeStruct((), dtype)}
+    with pytest.raises(dtenjax.ConfigurationError,
+                       match=rf"'{name}'.*{re.escape(saved)}.*does not fit"):
+      ckpt.restore(tmp_path / "c", target)
+  out = ckpt.restore(tmp_path / "c", {"u": 0, "i8": jax.ShapeDtypeStruct((), jnp.int32),
+                                      "f": 0.0})
+  assert int(out["i8"]) == -3 and out["u"] == 2 ** 64 - 1 and out["f"] == 1e300

@@ -279,14 +279,20 @@ def _scalar_onto(leaf: layout.Leaf, t) -> bool:
 
 
 def _cast_scalar(leaf: layout.Leaf, value: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
-  """``value`` as ``dtype`` (None: as read); an integer that does not fit is refused."""
+  """``value`` as ``dtype`` (None: as read); an integer that does not fit and a finite float
+  past the dtype's range are refused. Integers are compared as Python ints: cast back to the
+  saved dtype, a wrap across signedness (uint64 2**64 - 1 as int32 -1) would compare equal."""
   if dtype is None:
     return value
-  out = value.astype(dtype)
-  if dtype.kind in "iu" and out.astype(value.dtype) != value:
+  with np.errstate(over="ignore"):
+    out = value.astype(dtype)
+  wrong = (out.item() != value.item() if dtype.kind in "iu"
+           else dtype.kind == "f" and bool(np.isfinite(value)) and not np.isfinite(out))
+  if wrong:
     raise errors.ConfigurationError(
-        f"leaf {leaf.name!r}: the saved value {value.item()} does not fit the target's "
-        f"{dtype.name}; restore it into a wider dtype or a Python int")
+        f"leaf {leaf.name!r}: the saved value {value.item()!r} does not fit the target's "
+        f"{dtype.name}; restore it into a wider dtype or a Python "
+        f"{'int' if dtype.kind in 'iu' else 'float'}")
   return out
 
 

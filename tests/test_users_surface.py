@@ -352,3 +352,15 @@ def test_a_saved_scalar_that_would_change_in_the_targets_dtype_is_refused(tmp_pa
   out = ckpt.restore(tmp_path / "c", {"u": 0, "i8": jax.ShapeDtypeStruct((), jnp.int32),
                                       "f": 0.0})
   assert int(out["i8"]) == -3 and out["u"] == 2 ** 64 - 1 and out["f"] == 1e300
+
+
+def test_a_saved_scalar_restores_onto_an_abstract_target_of_its_own_dtype(tmp_path):
+  """review18c: ``jax.eval_shape`` of a Python bool or a numpy float32 gives a ShapeDtypeStruct
+  of the saved dtype and no sharding; restore refused it ("no sharding to restore it onto")
+  although a Python int, whose dtype the target narrows, restored."""
+  ckpt.save(tmp_path / "c", {"flag": True, "t": np.float32(0.25), "step": 7})
+  target = jax.eval_shape(lambda: {"flag": False, "t": np.float32(1), "step": 0})
+  out = ckpt.restore(tmp_path / "c", target)
+  assert out["flag"].dtype == jnp.bool_ and bool(out["flag"]) is True
+  assert out["t"].dtype == jnp.float32 and float(out["t"]) == 0.25
+  assert out["step"].dtype == jnp.int32 and int(out["step"]) == 7

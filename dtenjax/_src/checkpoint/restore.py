@@ -413,8 +413,10 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
           continue
       if sharding is None and leaf.name in saved_shardings:
         sharding = _saved_sharding(saved_shardings[leaf.name], leaf, root)
-      if sharding is None and cast is not None:   # a Python scalar: as jnp.asarray makes it
-        plans.append((leaf, "jnp", None, cast))
+      if sharding is None and t is not None and _scalar_onto(leaf, t):
+        # a saved Python scalar onto a target without a sharding (of its dtype or another of
+        # its kind): as jnp.asarray makes it
+        plans.append((leaf, "jnp", None, np.dtype(t.dtype)))
         continue
       if sharding is None:
         problems.append(f"leaf {leaf.name!r}: no sharding to restore it onto (the saved one is "

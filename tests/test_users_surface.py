@@ -364,3 +364,23 @@ def test_a_saved_scalar_restores_onto_an_abstract_target_of_its_own_dtype(tmp_pa
   assert out["flag"].dtype == jnp.bool_ and bool(out["flag"]) is True
   assert out["t"].dtype == jnp.float32 and float(out["t"]) == 0.25
   assert out["step"].dtype == jnp.int32 and int(out["step"]) == 7
+
+
+def test_the_gradient_of_a_max_over_the_manual_axis_of_a_partly_manual_shard_map():
+  """review18c: user18's auto_axes region made ``all_reduce(op="max")``'s gradient fail there
+  with JAX's "Closing over inputs to shard_map where the input is sharded on `Explicit` axes"
+  (the region saved the input and the maximum for the backward pass); before it the default
+  algorithm's gradient ran. The cotangent goes to the maxima, ties sharing it (as jnp.max)."""
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  ref = np.random.default_rng(0).integers(-2, 2, (8, 32)).astype(np.float32)        # ties
+  x = jax.device_put(ref, NamedSharding(mesh, P("a", "b")))
+  f = jax.shard_map(lambda u: dtenjax.all_reduce(u, "b", op="max"), mesh=mesh,
+                    in_specs=P(None, "b"), out_specs=P(), axis_names={"b"})
+  w = np.arange(64.0, dtype=np.float32).reshape(8, 8)
+  grad = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(f(v)) * w)))(x)
+  blocks = ref.reshape(8, 4, 8)                      # device b's columns: blocks[:, b]
+  top = blocks.max(axis=1, keepdims=True)
+  hit = blocks == top
+  expected = hit * (np.cos(top) * w[:, None, :]) / hit.sum(axis=1, keepdims=True)
+  assert hit.sum(axis=1).max() > 1                   # ties occur
+  np.testing.assert_allclose(np.asarray(grad), expected.reshape(8, 32), rtol=1e-6, atol=1e-6)

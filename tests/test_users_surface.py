@@ -384,3 +384,17 @@ def test_the_gradient_of_a_max_over_the_manual_axis_of_a_partly_manual_shard_map
   expected = hit * (np.cos(top) * w[:, None, :]) / hit.sum(axis=1, keepdims=True)
   assert hit.sum(axis=1).max() > 1                   # ties occur
   np.testing.assert_allclose(np.asarray(grad), expected.reshape(8, 32), rtol=1e-6, atol=1e-6)
+
+
+def test_assert_placement_still_takes_a_spec_written_as_a_tuple():
+  """review18c: user18's "spec is not a PartitionSpec" refused the tuples and lists it had
+  compared as specs (``assert_placement(x, ("i",))`` passed before and failed after); a
+  strategy name (a str) is what it refuses."""
+  mesh = jax.make_mesh((8,), ("i",))
+  x = jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P("i")))
+  dtenjax.testing.assert_placement(x, ("i",))
+  dtenjax.testing.assert_placement(x, ["i", None])
+  with pytest.raises(AssertionError, match=r"spec is P\('i',\), expected \(None, 'i'\)"):
+    dtenjax.testing.assert_placement(x, (None, "i"))
+  with pytest.raises(dtenjax.ConfigurationError, match=r"spec=3 is not a PartitionSpec"):
+    dtenjax.testing.assert_placement(x, 3)

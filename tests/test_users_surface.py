@@ -398,3 +398,23 @@ def test_assert_placement_still_takes_a_spec_written_as_a_tuple():
     dtenjax.testing.assert_placement(x, (None, "i"))
   with pytest.raises(dtenjax.ConfigurationError, match=r"spec=3 is not a PartitionSpec"):
     dtenjax.testing.assert_placement(x, 3)
+
+
+def test_restore_shardings_given_for_a_subtree_apply_to_its_leaves(tmp_path):
+  """review18c: ``shardings={"params": rows}`` (a prefix of the target, as ``jax.jit``'s
+  in_shardings takes it) was silently ignored before user18 and refused after it as a misspelt
+  leaf name, and ``{"params": None}`` (the target decides), which restored, was refused too.
+  An entry for a subtree applies to every leaf under it; a name that is neither a leaf nor a
+  subtree of the checkpoint is still refused."""
+  mesh = jax.make_mesh((8,), ("x",))
+  rows, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+  ref = np.arange(16, dtype=np.float32).reshape(8, 2)
+  ckpt.save(tmp_path / "c", {"params": {"w": jax.device_put(ref, rep),
+                                        "b": jax.device_put(ref[:, 0], rep)}, "step": 3})
+  out = ckpt.restore(tmp_path / "c", shardings={"params": rows, "step": None})
+  assert out["params"]["w"].sharding == rows and out["params"]["b"].sharding == rows
+  assert _bits(out["params"]["w"]) == _bits(ref) and _bits(out["params"]["b"]) == _bits(ref[:, 0])
+  out = ckpt.restore(tmp_path / "c", shardings={"params": None, "step": None})
+  assert out["params"]["w"].sharding.is_equivalent_to(rep, 2)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"'param'.*not a leaf.*'params\.w'"):
+    ckpt.restore(tmp_path / "c", shardings={"param": rows})

@@ -268,6 +268,22 @@ def _resolve(s, leaf: layout.Leaf):
   return s
 
 
+def _above(prefix: str, names) -> bool:
+  """Whether ``prefix`` names a subtree holding some of the leaves ``names``."""
+  return any(n.startswith(prefix + ".") for n in names)
+
+
+def _entry(by_sharding: dict[str, Any], name: str):
+  """The ``shardings=`` entry for leaf ``name``: its own, else that of the nearest subtree above
+  it (a prefix of the target, as ``jax.jit``'s in_shardings takes it), else None."""
+  parts = name.split(".")
+  for k in range(len(parts), 0, -1):
+    key = ".".join(parts[:k])
+    if key in by_sharding:
+      return by_sharding[key]
+  return None
+
+
 def _scalar_onto(leaf: layout.Leaf, t) -> bool:
   """Whether a saved Python scalar (numpy's int64 / float64 / bool, not a dtype the user chose)
   may come back in ``t``'s dtype of its kind: ``jax.eval_shape`` of a state holding ``step=0``
@@ -326,7 +342,8 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
   its arrays' shardings unless ``shardings`` says otherwise. ``shardings``: one
   ``jax.sharding.Sharding``, ``dtenjax.Placement`` or bare ``PartitionSpec`` (on the context
   mesh: ``jax.set_mesh`` or ``dtenjax.use_mesh``) for every array, or a tree of them shaped like
-  the target, whose every entry must name a saved leaf. Without either, arrays come back with
+  the target or a prefix of it (an entry for a subtree applies to each leaf under it), whose
+  every entry must name a saved leaf or subtree. Without either, arrays come back with
   their saved shardings (when those devices exist) in nested dicts and lists, as orbax restores
   without a target.
   ``report=True`` returns ``(tree, RestoreReport)``. ``storage``: where checkpoints live
@@ -374,8 +391,9 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
     spairs, _ = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=_is_sharding_leaf)
     by_sharding = {".".join(layout._key_of(e)[0] for e in p): s
                    for p, s in spairs}
-    problems += [f"shardings names {n!r}, which is not a leaf of the checkpoint (its leaves: "
-                 f"{sorted(by_name)}); check the spelling" for n in by_sharding if n not in by_name]
+    problems += [f"shardings names {n!r}, which is not a leaf of the checkpoint nor a subtree of "
+                 f"leaves (its leaves: {sorted(by_name)}); check the spelling"
+                 for n in by_sharding if n not in by_name and not _above(n, by_name)]
   plans = []   # (leaf, how, sharding, the dtype a saved Python scalar is cast to)
   for leaf in order:
     t = wanted.get(leaf.name)
@@ -400,7 +418,8 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
     sharding = None
     if how == "jax":
       try:
-        sharding = _resolve(single if single is not None else by_sharding.get(leaf.name), leaf)
+        sharding = _resolve(single if single is not None else _entry(by_sharding, leaf.name),
+                            leaf)
       except errors.ConfigurationError as e:
         problems.append(f"leaf {leaf.name!r}: {e}")
         continue

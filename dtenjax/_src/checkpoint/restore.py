@@ -350,7 +350,7 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
   (default: the file system); orbax-written checkpoints are read from the file system only.
   """
   t0 = time.perf_counter()
-  ckio.check_threads(threads)
+  threads = ckio.check_threads(threads)
   path = os.path.abspath(os.fspath(path))
   st = storage if storage is not None else storage_mod.LocalStorage(ckio.backend(io))
   for attempt in range(REREADS + 1):

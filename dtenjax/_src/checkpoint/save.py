@@ -359,7 +359,7 @@ class Checkpointer:
   def __init__(self, *, io: str | None = None, threads: int | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S, block_bytes: int = integrity.BLOCK_BYTES,
                digest: str | None = None, storage: storage_mod.Storage | None = None):
-    ckio.check_threads(threads)
+    threads = ckio.check_threads(threads)
     if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
         or not math.isfinite(timeout_s) or timeout_s <= 0):
       raise errors.ConfigurationError(

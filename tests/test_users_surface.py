@@ -81,7 +81,7 @@ def test_checkpoint_threads_and_timeout_are_checked(tmp_path):
     with pytest.raises(dtenjax.ConfigurationError, match=match):
       ckpt.save(tmp_path / "c", tree, **kw)
   assert not (tmp_path / "c").exists()
-  ckpt.save(tmp_path / "c", tree, threads=np.int64(2), timeout_s=30)   # numpy's ints too
+  ckpt.save(tmp_path / "c", tree, threads=np.int64(2), timeout_s=np.float32(30))   # numpy's
   with pytest.raises(dtenjax.ConfigurationError, match=r"threads='4'"):
     ckpt.restore(tmp_path / "c", threads="4")
   assert _bits(ckpt.restore(tmp_path / "c", threads=1)["a"]) == _bits(np.ones(3, np.float32))

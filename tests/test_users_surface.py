@@ -6,6 +6,7 @@ plain JAX, numpy or orbax, and bad input must raise a ``DtenjaxError`` that name
 the fix, never a raw JAX traceback."""
 
 import contextlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +81,7 @@ def test_checkpoint_threads_and_timeout_are_checked(tmp_path):
     with pytest.raises(dtenjax.ConfigurationError, match=match):
       ckpt.save(tmp_path / "c", tree, **kw)
   assert not (tmp_path / "c").exists()
-  ckpt.save(tmp_path / "c", tree, threads=2, timeout_s=30)
+  ckpt.save(tmp_path / "c", tree, threads=np.int64(2), timeout_s=np.float32(30))   # numpy's
   with pytest.raises(dtenjax.ConfigurationError, match=r"threads='4'"):
     ckpt.restore(tmp_path / "c", threads="4")
   assert _bits(ckpt.restore(tmp_path / "c", threads=1)["a"]) == _bits(np.ones(3, np.float32))
@@ -357,3 +358,84 @@ def test_explain_and_tensor_name_bad_arguments_and_the_fix():
   assert dtenjax.tensor((8, 8), "bfloat16").dtype == jnp.bfloat16
   np.testing.assert_array_equal(dtenjax.tensor((8, 8), jnp.int32, init="ones"),
                                 np.ones((8, 8), np.int32))
+
+def test_a_saved_scalar_that_would_change_in_the_targets_dtype_is_refused(tmp_path):
+  """review18c: the fit check cast the value back to its saved dtype, so a wrap across
+  signedness passed it: numpy's uint64 2**64 - 1 came back as int32 -1 and int8 -3 as uint32
+  4294967293, silently; a finite float past the target's range came back inf."""
+  ckpt.save(tmp_path / "c", {"u": 2 ** 64 - 1, "i8": np.int8(-3), "f": 1e300})
+  for name, dtype, saved in (("u", jnp.int32, "18446744073709551615"), ("i8", jnp.uint32, "-3"),
+                             ("f", jnp.float32, "1e+300")):
+    target = {"u": 0, "i8": 0, "f": 0.0, name: jax.ShapeDtypeStruct((), dtype)}
+    with pytest.raises(dtenjax.ConfigurationError,
+                       match=rf"'{name}'.*{re.escape(saved)}.*does not fit"):
+      ckpt.restore(tmp_path / "c", target)
+  out = ckpt.restore(tmp_path / "c", {"u": 0, "i8": jax.ShapeDtypeStruct((), jnp.int32),
+                                      "f": 0.0})
+  assert int(out["i8"]) == -3 and out["u"] == 2 ** 64 - 1 and out["f"] == 1e300
+
+
+def test_a_saved_scalar_restores_onto_an_abstract_target_of_its_own_dtype(tmp_path):
+  """review18c: ``jax.eval_shape`` of a Python bool or a numpy float32 gives a ShapeDtypeStruct
+  of the saved dtype and no sharding; restore refused it ("no sharding to restore it onto")
+  although a Python int, whose dtype the target narrows, restored."""
+  ckpt.save(tmp_path / "c", {"flag": True, "t": np.float32(0.25), "step": 7})
+  target = jax.eval_shape(lambda: {"flag": False, "t": np.float32(1), "step": 0})
+  out = ckpt.restore(tmp_path / "c", target)
+  assert out["flag"].dtype == jnp.bool_ and bool(out["flag"]) is True
+  assert out["t"].dtype == jnp.float32 and float(out["t"]) == 0.25
+  assert out["step"].dtype == jnp.int32 and int(out["step"]) == 7
+
+
+def test_the_gradient_of_a_max_over_the_manual_axis_of_a_partly_manual_shard_map():
+  """review18c: user18's auto_axes region made ``all_reduce(op="max")``'s gradient fail there
+  with JAX's "Closing over inputs to shard_map where the input is sharded on `Explicit` axes"
+  (the region saved the input and the maximum for the backward pass); before it the default
+  algorithm's gradient ran. The cotangent goes to the maxima, ties sharing it (as jnp.max)."""
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  ref = np.random.default_rng(0).integers(-2, 2, (8, 32)).astype(np.float32)        # ties
+  x = jax.device_put(ref, NamedSharding(mesh, P("a", "b")))
+  f = jax.shard_map(lambda u: dtenjax.all_reduce(u, "b", op="max"), mesh=mesh,
+                    in_specs=P(None, "b"), out_specs=P(), axis_names={"b"})
+  w = np.arange(64.0, dtype=np.float32).reshape(8, 8)
+  grad = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(f(v)) * w)))(x)
+  blocks = ref.reshape(8, 4, 8)                      # device b's columns: blocks[:, b]
+  top = blocks.max(axis=1, keepdims=True)
+  hit = blocks == top
+  expected = hit * (np.cos(top) * w[:, None, :]) / hit.sum(axis=1, keepdims=True)
+  assert hit.sum(axis=1).max() > 1                   # ties occur
+  np.testing.assert_allclose(np.asarray(grad), expected.reshape(8, 32), rtol=1e-6, atol=1e-6)
+
+
+def test_assert_placement_still_takes_a_spec_written_as_a_tuple():
+  """review18c: user18's "spec is not a PartitionSpec" refused the tuples and lists it had
+  compared as specs (``assert_placement(x, ("i",))`` passed before and failed after); a
+  strategy name (a str) is what it refuses."""
+  mesh = jax.make_mesh((8,), ("i",))
+  x = jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P("i")))
+  dtenjax.testing.assert_placement(x, ("i",))
+  dtenjax.testing.assert_placement(x, ["i", None])
+  with pytest.raises(AssertionError, match=r"spec is P\('i',\), expected \(None, 'i'\)"):
+    dtenjax.testing.assert_placement(x, (None, "i"))
+  with pytest.raises(dtenjax.ConfigurationError, match=r"spec=3 is not a PartitionSpec"):
+    dtenjax.testing.assert_placement(x, 3)
+
+
+def test_restore_shardings_given_for_a_subtree_apply_to_its_leaves(tmp_path):
+  """review18c: ``shardings={"params": rows}`` (a prefix of the target, as ``jax.jit``'s
+  in_shardings takes it) was silently ignored before user18 and refused after it as a misspelt
+  leaf name, and ``{"params": None}`` (the target decides), which restored, was refused too.
+  An entry for a subtree applies to every leaf under it; a name that is neither a leaf nor a
+  subtree of the checkpoint is still refused."""
+  mesh = jax.make_mesh((8,), ("x",))
+  rows, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+  ref = np.arange(16, dtype=np.float32).reshape(8, 2)
+  ckpt.save(tmp_path / "c", {"params": {"w": jax.device_put(ref, rep),
+                                        "b": jax.device_put(ref[:, 0], rep)}, "step": 3})
+  out = ckpt.restore(tmp_path / "c", shardings={"params": rows, "step": None})
+  assert out["params"]["w"].sharding == rows and out["params"]["b"].sharding == rows
+  assert _bits(out["params"]["w"]) == _bits(ref) and _bits(out["params"]["b"]) == _bits(ref[:, 0])
+  out = ckpt.restore(tmp_path / "c", shardings={"params": None, "step": None})
+  assert out["params"]["w"].sharding.is_equivalent_to(rep, 2)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"'param'.*not a leaf.*'params\.w'"):
+    ckpt.restore(tmp_path / "c", shardings={"param": rows})

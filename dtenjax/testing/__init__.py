@@ -54,10 +54,11 @@ def assert_placement(x: jax.Array, spec: P | None = None, *,
         f"assert_placement got a traced value ({x.aval.str_short()}, inside jax.jit or another "
         "transformation), whose layout XLA decides when it compiles; assert on the output of "
         "the jitted function instead")
-  if spec is not None and not isinstance(spec, P):
+  if spec is not None and not isinstance(spec, (P, tuple, list)):   # a tuple: P's entries
     raise errors.ConfigurationError(
-        f"assert_placement: spec={spec!r} is not a PartitionSpec; pass the layout expected, "
-        "e.g. P('data', None) (a strategy name is a Placement's, see assert_plan_strategy)")
+        f"assert_placement: spec={spec!r} is not a PartitionSpec (or a tuple of its entries); "
+        "pass the layout expected, e.g. P('data', None) (a strategy name is a Placement's, see "
+        "assert_plan_strategy)")
   problems = []
   sharding = getattr(x, "sharding", None)
   if not isinstance(sharding, NamedSharding):

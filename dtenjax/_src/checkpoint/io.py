@@ -18,6 +18,7 @@ the device once in any case (docs/checkpoint.md says what that means for GDS).
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
@@ -168,10 +169,18 @@ def size(nbytes: float) -> str:
   return f"{nbytes:.0f} B"
 
 
-def check_threads(threads) -> None:
-  """``threads=`` of a save or a restore: None (twice the cores, at most 16) or an int >= 1."""
-  if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                              or threads < 1):
-    raise errors.ConfigurationError(
-        f"threads={threads!r} must be None (twice the cores, at most 16) or an int >= 1: the "
-        "threads that write or read the chunks")
+def check_threads(threads) -> int | None:
+  """``threads=`` of a save or a restore, as an int: None (twice the cores, at most 16) or an
+  integer >= 1 (Python's or numpy's, as ``operator.index`` reads it)."""
+  if threads is None:
+    return None
+  if not isinstance(threads, bool):
+    try:
+      value = operator.index(threads)
+    except TypeError:
+      value = 0
+    if value >= 1:
+      return value
+  raise errors.ConfigurationError(
+      f"threads={threads!r} must be None (twice the cores, at most 16) or an int >= 1: the "
+      "threads that write or read the chunks")

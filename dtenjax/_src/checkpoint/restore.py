@@ -268,6 +268,22 @@ def _resolve(s, leaf: layout.Leaf):
   return s
 
 
+def _above(prefix: str, names) -> bool:
+  """Whether ``prefix`` names a subtree holding some of the leaves ``names``."""
+  return any(n.startswith(prefix + ".") for n in names)
+
+
+def _entry(by_sharding: dict[str, Any], name: str):
+  """The ``shardings=`` entry for leaf ``name``: its own, else that of the nearest subtree above
+  it (a prefix of the target, as ``jax.jit``'s in_shardings takes it), else None."""
+  parts = name.split(".")
+  for k in range(len(parts), 0, -1):
+    key = ".".join(parts[:k])
+    if key in by_sharding:
+      return by_sharding[key]
+  return None
+
+
 def _scalar_onto(leaf: layout.Leaf, t) -> bool:
   """Whether a saved Python scalar (numpy's int64 / float64 / bool, not a dtype the user chose)
   may come back in ``t``'s dtype of its kind: ``jax.eval_shape`` of a state holding ``step=0``
@@ -279,14 +295,20 @@ def _scalar_onto(leaf: layout.Leaf, t) -> bool:
 
 
 def _cast_scalar(leaf: layout.Leaf, value: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
-  """``value`` as ``dtype`` (None: as read); an integer that does not fit is refused."""
+  """``value`` as ``dtype`` (None: as read); an integer that does not fit and a finite float
+  past the dtype's range are refused. Integers are compared as Python ints: cast back to the
+  saved dtype, a wrap across signedness (uint64 2**64 - 1 as int32 -1) would compare equal."""
   if dtype is None:
     return value
-  out = value.astype(dtype)
-  if dtype.kind in "iu" and out.astype(value.dtype) != value:
+  with np.errstate(over="ignore"):
+    out = value.astype(dtype)
+  wrong = (out.item() != value.item() if dtype.kind in "iu"
+           else dtype.kind == "f" and bool(np.isfinite(value)) and not np.isfinite(out))
+  if wrong:
     raise errors.ConfigurationError(
-        f"leaf {leaf.name!r}: the saved value {value.item()} does not fit the target's "
-        f"{dtype.name}; restore it into a wider dtype or a Python int")
+        f"leaf {leaf.name!r}: the saved value {value.item()!r} does not fit the target's "
+        f"{dtype.name}; restore it into a wider dtype or a Python "
+        f"{'int' if dtype.kind in 'iu' else 'float'}")
   return out
 
 
@@ -320,14 +342,15 @@ def restore(path: str | os.PathLike, target: Any = None, *, shardings: Any = Non
   its arrays' shardings unless ``shardings`` says otherwise. ``shardings``: one
   ``jax.sharding.Sharding``, ``dtenjax.Placement`` or bare ``PartitionSpec`` (on the context
   mesh: ``jax.set_mesh`` or ``dtenjax.use_mesh``) for every array, or a tree of them shaped like
-  the target, whose every entry must name a saved leaf. Without either, arrays come back with
+  the target or a prefix of it (an entry for a subtree applies to each leaf under it), whose
+  every entry must name a saved leaf or subtree. Without either, arrays come back with
   their saved shardings (when those devices exist) in nested dicts and lists, as orbax restores
   without a target.
   ``report=True`` returns ``(tree, RestoreReport)``. ``storage``: where checkpoints live
   (default: the file system); orbax-written checkpoints are read from the file system only.
   """
   t0 = time.perf_counter()
-  ckio.check_threads(threads)
+  threads = ckio.check_threads(threads)
   path = os.path.abspath(os.fspath(path))
   st = storage if storage is not None else storage_mod.LocalStorage(ckio.backend(io))
   for attempt in range(REREADS + 1):
@@ -368,8 +391,9 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
     spairs, _ = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=_is_sharding_leaf)
     by_sharding = {".".join(layout._key_of(e)[0] for e in p): s
                    for p, s in spairs}
-    problems += [f"shardings names {n!r}, which is not a leaf of the checkpoint (its leaves: "
-                 f"{sorted(by_name)}); check the spelling" for n in by_sharding if n not in by_name]
+    problems += [f"shardings names {n!r}, which is not a leaf of the checkpoint nor a subtree of "
+                 f"leaves (its leaves: {sorted(by_name)}); check the spelling"
+                 for n in by_sharding if n not in by_name and not _above(n, by_name)]
   plans = []   # (leaf, how, sharding, the dtype a saved Python scalar is cast to)
   for leaf in order:
     t = wanted.get(leaf.name)
@@ -394,7 +418,8 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
     sharding = None
     if how == "jax":
       try:
-        sharding = _resolve(single if single is not None else by_sharding.get(leaf.name), leaf)
+        sharding = _resolve(single if single is not None else _entry(by_sharding, leaf.name),
+                            leaf)
       except errors.ConfigurationError as e:
         problems.append(f"leaf {leaf.name!r}: {e}")
         continue
@@ -407,8 +432,10 @@ def _restore_once(path: str, st: storage_mod.Storage, target: Any, shardings: An
           continue
       if sharding is None and leaf.name in saved_shardings:
         sharding = _saved_sharding(saved_shardings[leaf.name], leaf, root)
-      if sharding is None and cast is not None:   # a Python scalar: as jnp.asarray makes it
-        plans.append((leaf, "jnp", None, cast))
+      if sharding is None and t is not None and _scalar_onto(leaf, t):
+        # a saved Python scalar onto a target without a sharding (of its dtype or another of
+        # its kind): as jnp.asarray makes it
+        plans.append((leaf, "jnp", None, np.dtype(t.dtype)))
         continue
       if sharding is None:
         problems.append(f"leaf {leaf.name!r}: no sharding to restore it onto (the saved one is "

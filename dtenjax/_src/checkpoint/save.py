@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import numbers
 import os
 import threading
 import time
@@ -359,9 +360,9 @@ class Checkpointer:
   def __init__(self, *, io: str | None = None, threads: int | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S, block_bytes: int = integrity.BLOCK_BYTES,
                digest: str | None = None, storage: storage_mod.Storage | None = None):
-    ckio.check_threads(threads)
-    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-        or not math.isfinite(timeout_s) or timeout_s <= 0):
+    threads = ckio.check_threads(threads)
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
+        or not math.isfinite(timeout_s) or timeout_s <= 0):       # numbers.Real: numpy's too
       raise errors.ConfigurationError(
           f"timeout_s={timeout_s!r} must be a finite number of seconds > 0 (how long a process "
           f"waits for the others at each stage of a save; default {DEFAULT_TIMEOUT_S:g})")

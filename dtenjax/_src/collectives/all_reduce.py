@@ -370,7 +370,8 @@ def _all_reduce_leaves(leaves, axes, op, algorithm, deterministic, contract, loc
     return tuple(e for d, e in enumerate(entries) if d != local_axis % len(entries))
   return common.free_explicit_axes(
       leaves, lambda ls: _all_reduce_typed(ls, axes, op, algorithm, deterministic, contract,
-                                           local_axis, bucket_bytes, tag, traced_tag), kept)
+                                           local_axis, bucket_bytes, tag, traced_tag), kept,
+      linear=op in base.SUMS)
 
 
 def _all_reduce_typed(leaves, axes, op, algorithm, deterministic, contract, local_axis,

@@ -233,7 +233,7 @@ def _explicit_entries(x) -> tuple | None:
   return entries if named & explicit else None
 
 
-def free_explicit_axes(leaves, body, out_entries):
+def free_explicit_axes(leaves, body, out_entries, linear: bool = True):
   """``body(leaves)``, run with the Explicit mesh axes the leaves are sharded over made Auto
   (``jax.sharding.auto_axes``) when there are any, each output laid out as
   ``out_entries(i, entries of input i)`` says (the entries of the dimensions the collective keeps).
@@ -241,7 +241,13 @@ def free_explicit_axes(leaves, body, out_entries):
   Inside a partly manual ``jax.shard_map`` on ``jax.make_mesh``'s Explicit axes a local array
   keeps its free axes' sharding in its type, and every reshape of such a dimension the
   algorithms do (buckets, chunks, gathered stacks) is a type error; with the axes Auto, XLA
-  lays the intermediates out, as it does for ``lax.psum``. Elsewhere ``body(leaves)`` itself."""
+  lays the intermediates out, as it does for ``lax.psum``. Elsewhere ``body(leaves)`` itself.
+
+  JAX cannot differentiate through a shard_map a value that an ``auto_axes`` region saves for
+  the backward pass ("Closing over inputs to shard_map where the input is sharded on Explicit
+  axes"). A ``linear`` body saves nothing; one that is not (max / min, whose cotangent goes to
+  the selected elements) keeps its inputs outside the region and recomputes itself, in a second
+  region, in the backward pass."""
   if not jaxapi.manual_axes():
     return body(leaves)
   found = [_explicit_entries(x) for x in leaves]
@@ -253,7 +259,30 @@ def free_explicit_axes(leaves, body, out_entries):
   outs = [jax.sharding.PartitionSpec(*out_entries(i, e if e is not None
                                                   else (None,) * jnp.ndim(x)))
           for i, (x, e) in enumerate(zip(leaves, found))]
-  return jax.sharding.auto_axes(body, axes=tuple(axes), out_sharding=outs)(list(leaves))
+  run = jax.sharding.auto_axes(body, axes=tuple(axes), out_sharding=outs)
+  if linear:
+    return run(list(leaves))
+  diff = [jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
+  ins = [jax.sharding.PartitionSpec(*(e if e is not None else (None,) * jnp.ndim(x)))
+         for x, e, d in zip(leaves, found, diff) if d]
+
+  def pull(ls, cts):
+    grads = jax.vjp(body, ls)[1](cts)[0]
+    return [g for g, d in zip(grads, diff) if d]
+
+  @jax.custom_vjp
+  def recomputed(ls):
+    return run(ls)
+
+  def fwd(ls):
+    return run(ls), ls
+
+  def bwd(ls, cts):
+    grads = iter(jax.sharding.auto_axes(pull, axes=tuple(axes), out_sharding=ins)(ls, cts))
+    return ([next(grads) if d else None for d in diff],)
+
+  recomputed.defvjp(fwd, bwd)
+  return recomputed(list(leaves))
 
 
 # --- eager shard_map: one cached program per call -----------------------------------------------

@@ -843,7 +843,10 @@ def gated_head(mesh=None):
   """The loss through one of two heads a parameter gates (a warm-up head, a skip):
   ``lax.cond(flag > 0, loss of w1, loss of head)``, each branch the MLP with its own first
   weight, under adamw on `fsdp` 8 (review17c's case). w1 is read in the cond's true branch only,
-  the head in its false branch only."""
+  the head in its false branch only (the flag takes the true one: the branch the walk reads aside,
+  jaxpr_reader.Reader._aside). Before, plan.jit bound the cond as traced: XLA's partitioner moved
+  the activations to the weights' shards (0.22 MiB of all-to-all the plan priced at none), and
+  plan.check summed both branches' collectives."""
   tx = optax.adamw(_LR)
   def loss(p, batch):
     def first(p, x):
@@ -853,8 +856,12 @@ def gated_head(mesh=None):
     return jax.lax.cond(p["flag"] > 0, first, other, p, batch["x"])
   p = dict(_mlp_params(), head=0.1 * jax.random.normal(jax.random.key(7), (128, 512)),
            flag=jnp.asarray(1.0, jnp.float32))
+  why = ("the plan prices both weights' gradients and gathered copies where a step runs one "
+         "branch: per branch XLA reduces its own weight's gradient, w2's and the biases' (2 x 128 "
+         "x 512 x 4 + 640 x 4 bytes), not the other branch's zeros")
   return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()),
-              plan_kwargs={"mesh": mesh or {"fsdp": 8}})
+              plan_kwargs={"mesh": mesh or {"fsdp": 8}},
+              unpriced={"memory": (None, why), "all_reduce": (2 * 128 * 512 * 4 + 640 * 4, why)})
 
 def argmax_over_the_batch(d=128, o=128):
   """A metric the step returns: for each hidden unit, the example of the batch it peaks at
@@ -912,7 +919,7 @@ CASES = {f.__name__: f for f in (
     linen_cnn_labels, dp_sgd_per_example, nnx_optimizer_state,
     train_state_donated_with_int_batch_field, unused_parameter, argmax_over_the_batch,
     stop_gradient_tied_table, scaled_weights, weight_shaped_activations, two_views,
-    masked_weight)}
+    masked_weight, gated_head)}
 
 
 # --- the checks -------------------------------------------------------------------------------

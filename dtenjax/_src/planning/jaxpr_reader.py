@@ -86,6 +86,9 @@ class WeightUse:
   layers: int = 1                 # slices the product reads one at a time (a scan over a stack)
   grad_parts: int = 1             # gradient products per step (a weight shared across layers)
   remat: bool = False             # read inside jax.checkpoint (the backward recomputes it)
+  # read inside a lax.cond's branch: the backward's cond is another conditional, so a weight the
+  # input gradient reads there is gathered again for it (pricing.regathered)
+  branched: bool = False
   # products per step, loop trips not counted, that contract the dimensions the first one does:
   # the forward's, each use's of a weight shared across layers, and jax.checkpoint's recomputed
   # ones the backward reads (pairs.forward_reads); 0: not counted (a convolution)
@@ -435,6 +438,11 @@ class Reader:
     self.aside -= 1
     self.eqn_count = count
 
+  def aside_only(self) -> frozenset[int]:
+    """The weights only the branches :meth:`_aside` walks read in products: in the branch the
+    step is priced on, their gradient is a constant zero and nothing gathers them."""
+    return frozenset(leaf for leaf in self.weights if leaf not in self.leaf_reads)
+
   def _enter_all(self, eqn, origin: dict, repeats: int) -> None:
     """Inside a branch :meth:`_aside` walks: every body an equation runs, for their products."""
     name = eqn.primitive.name
@@ -594,7 +602,8 @@ class Reader:
           act_itemsize=itemsize(partner.dtype), act_bfloat16=_is_bfloat16(partner.dtype),
           repeats=repeats, primitive=name,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
-          input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived)
+          input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived,
+          branched=any(e.primitive.name == "cond" for e, _ in self.frames))
       self.first_out[leaf] = (eqn, side, dims, self.frames)
       self.first_order[leaf] = self.eqn_count
       if is_var(eqn.invars[1 - side]):

@@ -382,7 +382,6 @@ class _Evaluator:
         self.shards[ov] = P(None, *self.shards[iv])
     return [*carry_out, *ys]
 
-
   def _cond(self, eqn, vals, tracked):
     """A ``lax.cond`` (or ``lax.switch``) whose branches read planned weights in products: each
     branch evaluated with them gathered at its products, as a loop body is. Bound as traced,

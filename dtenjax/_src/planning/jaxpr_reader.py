@@ -376,7 +376,7 @@ class Reader:
       if name in ("dot_general", "conv_general_dilated"):
         self._product(eqn, ins, repeats)
       elif self.aside:
-        pass
+        pass                     # the work and the lookups are the priced branch's
       elif name in ELEMENTWISE or name in REDUCTIONS:
         self._token_work(eqn, repeats)
       elif name == "gather" and ins and ins[0] is not None:

@@ -253,15 +253,18 @@ class StepGraph:
   def zero_gradient(self, group: Sequence[int]) -> bool:
     """Whether a tied group's gradient is a constant zero XLA never synchronises: a float
     parameter that, with its moments, meets no value computed from the batch (``batch_free``:
-    a leaf of the parameters the loss never reads). Integer leaves (a step counter) keep the
-    price of their few bytes the recorded plans hold (pricing.price_layout)."""
+    a leaf of the parameters the loss never reads), or a weight only a ``lax.cond``'s branch
+    other than the priced one reads (``aside``: that branch returns a zero for it). Integer
+    leaves (a step counter) keep the price of their few bytes the recorded plans hold
+    (pricing.price_layout)."""
     return ((all(i in self.batch_free for i in group) or any(i in self.aside for i in group)) and
             is_float(self.leaves[group[0]].dtype))
 
   def no_gradient(self, group: Sequence[int]) -> bool:
     """Whether a tied float group has no gradient value the memory holds: its gradient is a
     constant zero XLA fuses into the update (:meth:`zero_gradient`, or a parameter the loss
-    reads only under ``lax.stop_gradient``, which XLA still gathers for the forward)."""
+    reads only under ``lax.stop_gradient``, which XLA still gathers for the forward, or a weight
+    only another ``lax.cond`` branch reads: ``aside``)."""
     return ((all(i in self.gradient_free for i in group) or any(i in self.aside for i in group))
             and is_float(self.leaves[group[0]].dtype))
 

@@ -112,9 +112,12 @@ def compare(plan_: Any, step: Callable, args, compiler_options: dict | None = No
   got["total"] = sum(got.values())
   exp = explain_lib.explain(compiled)
   repeats = loop_repeats(compiled)
+  runs = branch_runs(compiled, [(c.computation, c.nbytes * repeats(c.computation))
+                                for c in exp.collectives])
   compiled_bytes: dict[str, float] = {}
   for c in exp.collectives:      # per step: a collective in a loop body runs once per iteration
-    compiled_bytes[c.kind] = compiled_bytes.get(c.kind, 0.0) + c.nbytes * repeats(c.computation)
+    compiled_bytes[c.kind] = (compiled_bytes.get(c.kind, 0.0) +
+                              c.nbytes * repeats(c.computation) * runs(c.computation))
   predicted_bytes: dict[str, float] = {}
   for k, v in plan_.cost.collective_bytes.items():
     kind = k.split("[")[0]
@@ -149,3 +152,32 @@ def loop_repeats(compiled) -> Callable[[str], int]:
     memo[comp] = out
     return out
   return repeats
+
+
+def branch_runs(compiled, collectives) -> Callable[[str], int]:
+  """computation name (of ``collectives``: (computation, bytes per step) pairs) -> 1 where it
+  runs in a step, 0 inside a ``conditional``'s branch other than its branch of most collective
+  bytes. A step runs one branch of each conditional; summing every branch's collectives
+  counted both heads of a ``lax.cond`` where one runs (the plan prices one branch: the one of
+  most equations)."""
+  from dtenjax._src import hlo
+  callers = hlo.read_compiled(compiled).callers()
+
+  def path(comp: str) -> tuple[tuple[str, str], ...]:
+    out, depth = [], 0
+    while callers.get(comp) and depth < 64:
+      ins = callers[comp][0]
+      if ins.opcode == "conditional":
+        out.append((ins.name, comp))
+      comp, depth = ins.computation, depth + 1
+    return tuple(out)
+  paths = {comp: path(comp) for comp, _ in collectives}
+  weight: dict[tuple[str, str], float] = {}
+  for comp, nbytes in collectives:
+    for branch in paths[comp]:
+      weight[branch] = weight.get(branch, 0.0) + nbytes
+  largest: dict[str, tuple[float, str]] = {}
+  for (cond, comp), nbytes in sorted(weight.items()):
+    if nbytes > largest.get(cond, (-1.0, ""))[0]:
+      largest[cond] = (nbytes, comp)
+  return lambda comp: int(all(largest[cond][1] == branch for cond, branch in paths[comp]))

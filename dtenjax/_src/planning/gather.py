@@ -16,6 +16,8 @@ weight -- directly or through casts, transposes and reshapes -- the weight first
 scanned-over operand is followed into the loop body as one layer's slice, with the stacked
 dimension dropped from its layout, so the constraint (and XLA's all-gather) runs once per layer
 inside the loop; the backward loop, which reads the same weights, gets its own per-layer gathers.
+A ``lax.cond``'s branches are evaluated the same way, each with its weights gathered at its
+products (a head read in one branch only is gathered there, not moved to by the activations).
 Nothing else changes: elementwise optimizer updates still read the sharded weight, every other
 equation is bound as it was traced (a ``jax.shard_map``'s results then pinned to the plan's
 layout of the batch: ``rows``), and a sharding constraint changes no value (XLA may sum a
@@ -168,6 +170,11 @@ def _feeds_products(jaxpr) -> frozenset:
     elif (scaled := followed_operand(eqn, fills)) is not None:
       if any(o in feeds for o in eqn.outvars):
         feeds.add(scaled)
+    elif name == "cond":     # a branch's operands follow the index
+      for branch in eqn.params["branches"]:
+        inner = _feeds_products(branch.jaxpr)
+        feeds.update(o for o, i in zip(eqn.invars[1:], branch.jaxpr.invars)
+                     if i in inner and not isinstance(o, jcore.Literal))
     else:
       sub = _sub_jaxpr(eqn)
       if sub is not None and len(sub[0].invars) == len(eqn.invars):
@@ -352,6 +359,8 @@ class _Evaluator:
       return [self.constrain(jaxapi.bind(eqn, vals)[0], self.shards[scaled])]
     if name == "scan":
       return self._scan(eqn, vals, tracked, routes)
+    if name == "cond":
+      return self._cond(eqn, vals, tracked)
     sub = _sub_jaxpr(eqn)
     if sub is None or len(sub[0].invars) != len(eqn.invars):
       return None
@@ -434,6 +443,38 @@ class _Evaluator:
         tracked[ov] = P(None, *spec)
         self.shards[ov] = P(None, *self.shards[iv])
     return [*carry_out, *ys]
+
+  def _cond(self, eqn, vals, tracked):
+    """A ``lax.cond`` (or ``lax.switch``) whose branches read planned weights in products: each
+    branch evaluated with them gathered at its products, as a loop body is. Bound as traced,
+    XLA's partitioner kept a weight read in one branch sharded and moved the activations to it
+    (an all-to-all of the batch, the gathered copy kept through the step)."""
+    branches = eqn.params["branches"]
+    operands = eqn.invars[1:]
+    inners = [{iv: tracked[ov] for iv, ov in zip(b.jaxpr.invars, operands)
+               if not isinstance(ov, jcore.Literal) and ov in tracked} for b in branches]
+    if not any(set(inner) & _feeds_products(b.jaxpr) for b, inner in zip(branches, inners)):
+      return None
+    for b in branches:
+      for iv, ov in zip(b.jaxpr.invars, operands):
+        if not isinstance(ov, jcore.Literal) and ov in self.shards:
+          self.shards[iv] = self.shards[ov]
+
+    def branch(b, inner):
+      return lambda *a: self.run(b.jaxpr, b.consts, a, inner)
+    outs = jax.lax.switch(vals[0], [branch(b, inner) for b, inner in zip(branches, inners)],
+                          *vals[1:])
+    # A weight every branch hands out as it came in (the forward's residual, which the
+    # backward's branches read in their products): followed out, gathered again there
+    for k, ov in enumerate(eqn.outvars):
+      came = {operands[b.jaxpr.invars.index(b.jaxpr.outvars[k])]
+              if b.jaxpr.outvars[k] in b.jaxpr.invars else None for b in branches}
+      if len(came) == 1 and (src := came.pop()) is not None and not isinstance(
+          src, jcore.Literal) and src in tracked and not isinstance(ov, jcore.DropVar):
+        tracked[ov] = tracked[src]
+        if src in self.shards:
+          self.shards[ov] = self.shards[src]
+    return list(outs)
 
 
 def _shift(route, by: int):

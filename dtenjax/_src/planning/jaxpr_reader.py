@@ -86,6 +86,9 @@ class WeightUse:
   layers: int = 1                 # slices the product reads one at a time (a scan over a stack)
   grad_parts: int = 1             # gradient products per step (a weight shared across layers)
   remat: bool = False             # read inside jax.checkpoint (the backward recomputes it)
+  # read inside a lax.cond's branch: the backward's cond is another conditional, so a weight the
+  # input gradient reads there is gathered again for it (pricing.regathered)
+  branched: bool = False
   # products per step, loop trips not counted, that contract the dimensions the first one does:
   # the forward's, each use's of a weight shared across layers, and jax.checkpoint's recomputed
   # ones the backward reads (pairs.forward_reads); 0: not counted (a convolution)
@@ -384,6 +387,9 @@ class Reader:
     # body's trips per step (since_meeting)
     self.loop_bodies: list[tuple[int, int, int]] = []
     self._orders: list[int] = []              # the products' walk positions and their flops'
+    # > 0 inside a lax.cond branch other than the one sub_jaxprs walks (_aside): its products
+    # say which weights the step reads and how, nothing of the step's work or batch
+    self.aside = 0
     self._prefix: list[float] = []            # running sums (_flops_between)
 
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
@@ -405,6 +411,8 @@ class Reader:
         self.state_derived.update(eqn.outvars)
       if name in ("dot_general", "conv_general_dilated"):
         self._product(eqn, ins, repeats)
+      elif self.aside:
+        pass                     # the work and the lookups are the priced branch's
       elif name in ELEMENTWISE or name in REDUCTIONS:
         self._token_work(eqn, repeats)
       elif name == "gather" and ins and ins[0] is not None:
@@ -425,9 +433,14 @@ class Reader:
       elif name == "transpose" and ins[0] is not None:
         perm = eqn.params["permutation"]
         origin[eqn.outvars[0]] = (ins[0][0], tuple(ins[0][1][p] for p in perm))
+      if self.aside:
+        self._enter_all(eqn, origin, repeats)
+        continue
       self._tie(eqn, tie)
       if not sub_jaxprs(eqn):
         self._track_batch(eqn, repeats)
+      if name == "cond":
+        self._aside(eqn, origin, repeats)
       if name in ("while", "cond"):
         # a loop's or a branch's predicate read from the batch: every device must go the same
         # way (unless XLA removes the loop or branch, whose results nothing reads)
@@ -444,6 +457,35 @@ class Reader:
       if name == "while" and id(eqn) in live:
         self._carried_condition(eqn)
 
+  def _aside(self, eqn, origin: dict, repeats: int) -> None:
+    """Walks the branches of a ``lax.cond`` that :func:`sub_jaxprs` leaves out, for the weights
+    their products read: a weight read in one branch only (``lax.cond(gate, lambda: loss(w1),
+    lambda: loss(head))``) is a weight the step reads, with the layout that product needs. The
+    branch the step's work is priced on stays the one of most equations, and it is walked after
+    these, so its ties and batch dimensions are the cond's results' (optax.apply_if_finite's
+    skip branch, whose state passes through untouched, would untie the moments); the walk
+    positions are the cond's own (the branches run at the same point of the step)."""
+    main = sub_jaxprs(eqn)[0][0]
+    count = self.eqn_count
+    self.aside += 1
+    for branch in eqn.params["branches"]:
+      if branch.jaxpr is not main:
+        self._enter(eqn, branch.jaxpr, origin, {}, repeats)
+    self.aside -= 1
+    self.eqn_count = count
+
+  def aside_only(self) -> frozenset[int]:
+    """The weights only the branches :meth:`_aside` walks read in products: in the branch the
+    step is priced on, their gradient is a constant zero and nothing gathers them."""
+    return frozenset(leaf for leaf in self.weights if leaf not in self.leaf_reads)
+
+  def _enter_all(self, eqn, origin: dict, repeats: int) -> None:
+    """Inside a branch :meth:`_aside` walks: every body an equation runs, for their products."""
+    name = eqn.primitive.name
+    bodies = [(b.jaxpr, 1) for b in eqn.params["branches"]] if name == "cond" else sub_jaxprs(eqn)
+    for sub, length in bodies:
+      self._enter(eqn, sub, origin, {}, repeats * length)
+
   def _enter(self, eqn, sub, origin, tie, repeats):
     name = eqn.primitive.name
     outer = list(eqn.invars)
@@ -457,7 +499,7 @@ class Reader:
                               for o in outer):
       # the carry of the second iteration on was computed from the state the body reads
       self.state_derived.update(sub.invars[n_consts:n_consts + n_carry])
-    if name == "scan":
+    if name == "scan" and not self.aside:
       # the state leaves a scan slices (stacks.read makes the scanned stacks of them)
       self.scans.append((eqn, sub, tuple(origin.get(o) if is_var(o) else None
                                          for o in outer[n_consts + n_carry:])))
@@ -475,13 +517,16 @@ class Reader:
       if o in tie and name != "scan":
         inner_tie[i] = tie[o]
       sliced = name == "scan" and k >= n_consts + n_carry     # one slice of a scanned operand
-      self._carry_batch(o, i, -1 if sliced else 0)
-    if name == "shard_map":
+      if not self.aside:
+        self._carry_batch(o, i, -1 if sliced else 0)
+    if name == "shard_map" and not self.aside:
       self._manual(eqn)
     saved, start = self.frames, self.eqn_count
     self.frames = saved + ((eqn, sub),)
     self.walk(sub, inner_origin, inner_tie, repeats)
     self.frames = saved
+    if self.aside:
+      return
     if name == "scan":
       self.loop_bodies.append((start, self.eqn_count, repeats))
     if name in ("scan", "while"):
@@ -579,23 +624,25 @@ class Reader:
       flops = 2.0 * repeats * math.prod(out.shape) * kernel
       lspec = dn.lhs_spec
       sides = ((1, tuple(rspec[1:]), (), (rspec[0],), lhs, (lspec[0], *lspec[2:])),)
-    self.flops += flops
-    self.products += repeats
-    self.eqn_flops[id(eqn)] = flops
-    read = tuple(ins[side][0] for side, *_ in sides
-                 if ins[side] is not None and not self.leaves[ins[side][0]].is_batch)
-    self.product_events.append((self.eqn_count, flops, read))
-    out_shape = tuple(eqn.outvars[0].aval.shape)
-    self.shape_flops[out_shape] = self.shape_flops.get(out_shape, 0.0) + flops
+    if not self.aside:     # a branch walked aside: the weights it reads, not the work
+      self.flops += flops
+      self.products += repeats
+      self.eqn_flops[id(eqn)] = flops
+      read = tuple(ins[side][0] for side, *_ in sides
+                   if ins[side] is not None and not self.leaves[ins[side][0]].is_batch)
+      self.product_events.append((self.eqn_count, flops, read))
+      out_shape = tuple(eqn.outvars[0].aval.shape)
+      self.shape_flops[out_shape] = self.shape_flops.get(out_shape, 0.0) + flops
     for side, contracted, batched, free, partner, pfree in sides:
       org = ins[side]
       if org is None:
         continue
       leaf, dims = org
-      self.leaf_flops[leaf] = self.leaf_flops.get(leaf, 0.0) + flops
-      self.leaf_reads[leaf] = self.leaf_reads.get(leaf, 0) + 1
-      if self.remat_depth:
-        self.remat_read.add(leaf)
+      if not self.aside:
+        self.leaf_flops[leaf] = self.leaf_flops.get(leaf, 0.0) + flops
+        self.leaf_reads[leaf] = self.leaf_reads.get(leaf, 0) + 1
+        if self.remat_depth:
+          self.remat_read.add(leaf)
       if self.leaves[leaf].is_batch:
         continue
       if name == "dot_general":
@@ -614,7 +661,8 @@ class Reader:
           act_itemsize=itemsize(partner.dtype), act_bfloat16=_is_bfloat16(partner.dtype),
           repeats=repeats, primitive=name,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
-          input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived)
+          input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived,
+          branched=any(e.primitive.name == "cond" for e, _ in self.frames))
       self.first_out[leaf] = (eqn, side, dims, self.frames)
       self.first_order[leaf] = self.eqn_count
       if is_var(eqn.invars[1 - side]):

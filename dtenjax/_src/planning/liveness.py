@@ -1125,14 +1125,21 @@ def _from_batch(eqn, tainted: set) -> list[bool]:
   ``jax.checkpoint``, a custom derivative) are followed into its body: under differentiation a
   call also returns residuals that are not, such as ``jnp.where``'s broadcast mask and its zeros,
   which XLA fuses into their consumers as broadcasts of constants and never materialises. A
-  loop's outputs all are (its carry mixes them)."""
+  loop's outputs all are (its carry mixes them). A ``lax.cond``'s are followed into the branch
+  the step is priced on (:func:`sub_jaxprs`): a result that branch fills with a constant (the
+  zero gradient of a weight only another branch reads) or hands through (the forward's
+  residual weight) is none of the step's buffers (XLA:CPU's compile of gated_head in
+  tests/test_plan_user_steps.py on FSDP 8: the zero is a broadcast into the branch's shard,
+  the weight is not among the conditional's results)."""
   subs = sub_jaxprs(eqn)
-  if eqn.primitive.name in ("scan", "while", "cond") or len(subs) != 1:
+  name = eqn.primitive.name
+  if name in ("scan", "while") or len(subs) != 1:
     return [True] * len(eqn.outvars)
   sub = subs[0][0]
-  if len(sub.invars) != len(eqn.invars) or len(sub.outvars) != len(eqn.outvars):
+  outer = list(eqn.invars)[1:] if name == "cond" else list(eqn.invars)
+  if len(sub.invars) != len(outer) or len(sub.outvars) != len(eqn.outvars):
     return [True] * len(eqn.outvars)
-  inner = {sv for sv, ov in zip(sub.invars, eqn.invars) if is_var(ov) and ov in tainted}
+  inner = {sv for sv, ov in zip(sub.invars, outer) if is_var(ov) and ov in tainted}
   for e in sub.eqns:
     if any(is_var(v) and v in inner for v in e.invars):
       inner.update(o for o, t in zip(e.outvars, _from_batch(e, inner)) if t)

@@ -613,8 +613,11 @@ def regathered(use) -> bool:
   checkpointed read outside any loop is gathered once: XLA merges the backward's gather of the
   same sharded weight with the forward's (compiled on 8 CPU devices: three checkpointed layers
   and an output kernel, 4 all-gathers for the 4 weights, with and without a checkpoint policy;
-  tests/test_plan_user_steps.py)."""
-  return use is not None and (use.layers > 1 or use.repeats > 1)
+  tests/test_plan_user_steps.py). A weight whose input gradient a ``lax.cond``'s branch reads is
+  gathered in the forward's conditional and again in the backward's (gated_head in
+  tests/test_plan_user_steps.py: w2 twice, the first layer's weight once)."""
+  return use is not None and (use.layers > 1 or use.repeats > 1 or
+                              (use.branched and use.input_grad))
 
 
 def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout, m: CandidateMesh,
@@ -784,9 +787,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       other = min(grad, graph.stopped[primary.index])
       acc(pr.overlappable, k, pricer("all_gather", other, zero, dtype))
       acc(pr.bytes, f"all_gather[{k}]", pricer.wire(other, dtype))
-    if regather:
+    if regather and not use.branched:
       pr.gathered_peak = grad / max(1, use.layers)
-    elif use is not None:
+    elif use is not None:         # (a lax.cond's branch: freed after it, solver._combined_reduction)
       pr.memory["gathered"] = grad
     # (a table only read by lookups is not kept: the lookup's backward scatters into zeros and
     # never reads it, so its gathered copy dies with the forward's lookup)

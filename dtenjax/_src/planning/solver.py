@@ -477,7 +477,10 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
   after = max(ends) + 1          # the reduction runs once the last gradient has been made
   for group, nb in kept:         # a copy only the forward's product reads: freed there
     reads = sorted(r for k in group for r in graph.weight_reads.get(k, ()) if r[0] < after)
-    if sum(product for _, product in reads) == 1 and reads[-1][1]:
+    # a copy a lax.cond's branch gathers dies in it (gather.py gathers again in the backward's)
+    use = graph.weights.get(group[0])
+    branched = bool(reads) and use is not None and use.branched
+    if branched or (sum(product for _, product in reads) == 1 and reads[-1][1]):
       events.setdefault(reads[-1][0] + 1, []).append((0.0, 0.0, -nb))
       gathered -= nb
   events.setdefault(after, []).append((0.0, 0.0, -gathered))

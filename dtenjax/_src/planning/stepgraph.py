@@ -209,6 +209,9 @@ class StepGraph:
   # the state leaves whose gradient is a constant zero (jaxpr_reader.gradient_free): those of
   # batch_free and a parameter the loss reads only under lax.stop_gradient
   gradient_free: frozenset[int] = frozenset()
+  # the weights read in products only in a lax.cond branch other than the one the step is priced
+  # on (jaxpr_reader.Reader.aside_only): that branch neither gathers nor reduces them
+  aside: frozenset[int] = frozenset()
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
@@ -255,17 +258,20 @@ class StepGraph:
   def zero_gradient(self, group: Sequence[int]) -> bool:
     """Whether a tied group's gradient is a constant zero XLA never synchronises: a float
     parameter that, with its moments, meets no value computed from the batch (``batch_free``:
-    a leaf of the parameters the loss never reads). Integer leaves (a step counter) keep the
-    price of their few bytes the recorded plans hold (pricing.price_layout)."""
-    return (all(i in self.batch_free for i in group) and
+    a leaf of the parameters the loss never reads), or a weight only a ``lax.cond``'s branch
+    other than the priced one reads (``aside``: that branch returns a zero for it). Integer
+    leaves (a step counter) keep the price of their few bytes the recorded plans hold
+    (pricing.price_layout)."""
+    return ((all(i in self.batch_free for i in group) or any(i in self.aside for i in group)) and
             is_float(self.leaves[group[0]].dtype))
 
   def no_gradient(self, group: Sequence[int]) -> bool:
     """Whether a tied float group has no gradient value the memory holds: its gradient is a
     constant zero XLA fuses into the update (:meth:`zero_gradient`, or a parameter the loss
-    reads only under ``lax.stop_gradient``, which XLA still gathers for the forward)."""
-    return (all(i in self.gradient_free for i in group) and
-            is_float(self.leaves[group[0]].dtype))
+    reads only under ``lax.stop_gradient``, which XLA still gathers for the forward, or a weight
+    only another ``lax.cond`` branch reads: ``aside``)."""
+    return ((all(i in self.gradient_free for i in group) or any(i in self.aside for i in group))
+            and is_float(self.leaves[group[0]].dtype))
 
   def frozen(self, group: Sequence[int]) -> bool:
     """Whether the step returns new values of a float group and computes none of them from the
@@ -404,6 +410,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                                     if v not in read),
                    batch_free=jaxpr_reader.batch_free(jaxpr, leaves),
                    gradient_free=jaxpr_reader.gradient_free(jaxpr, leaves),
+                   aside=reader.aside_only(),
                    batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves),
                    manual_outputs=tuple(reader.manual_outputs()),
                    manual_operands=tuple(reader.manual_operands()),

@@ -642,6 +642,68 @@ def test_a_loop_weight_s_per_iteration_all_reduce_is_priced_at_its_own_point_on_
                                 abs=1e-9), n
 
 
+
+@pytest.mark.parametrize("after", [False, True])
+def test_a_weight_read_in_a_loop_and_outside_it_reduces_one_part_per_iteration_and_one_after(
+    cpu_devices, after):
+  """A weight a lax.fori_loop of 3 reads in every iteration and one product reads once more
+  outside the loop (after it, or before it: the order must not matter), `data` 8 on CPU
+  devices: XLA:CPU all-reduces its gradient 3 times in the backward's loop body and once more
+  in the combined all-reduce after the backward, with w_in's and out's (the compiled HLO below:
+  f32[128,128] run 3 times; f32[128,128] + 2 x f32[64,128] once): 4 parts. Before, the parts
+  were the first read's trip count times the reads (3 x 2 = 6 with the loop first, 1 x 2 = 2
+  with it second: plan.check 40 % off either way), and on a calibration's curve either every
+  part was priced at its own point, the one that joins the combined all-reduce too, or none was
+  (test_calibration's CAL: 3 ms at 1 MiB, 43 ms at 9 MiB, linear between, flat below; a 4 MiB
+  weight beside two of 0.25 MiB: 3 x (18 - 3) = 45 ms in the loop, and 4 / 4.5 of the combined
+  4.5 MiB's 20.5 - 3 ms after it, 60.6 ms; before, 6 x 15 = 90 ms with the loop first, 2 x 4 /
+  4.5 x 17.5 = 31.1 ms with it second)."""
+  from jax.sharding import NamedSharding
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.check import loop_repeats
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.planning.solver import make_problem
+  from tests import test_calibration as tcal
+
+  def step(p, x):
+    def loss(p):
+      h = x @ p["w_in"]
+      if not after:
+        h = jnp.tanh(h @ p["w"])
+      h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["w"]), h)
+      if after:
+        h = jnp.tanh(h @ p["w"])
+      return jnp.mean((h @ p["out"]) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+
+  def args(n):
+    f = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    return {"w_in": f(64, n), "w": f(n, n), "out": f(n, 64)}, f(64, 64)
+  mesh = Mesh(np.array(cpu_devices), ("data",))
+  rep, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+  p, x = args(128)
+  compiled = jax.jit(step, in_shardings=({k: rep for k in p}, split),
+                     out_shardings={k: rep for k in p}).lower(p, x).compile(cmt.LLVM_O0)
+  repeats = loop_repeats(compiled)
+  ops = hlo.read_compiled(compiled).collectives()
+  assert sorted((c.nbytes, repeats(c.computation)) for c in ops) == [
+      (128 * 128 * 4, 3), ((128 * 128 + 2 * 64 * 128) * 4, 1)], ops
+  got = _recorded(step, args(128), (1,), {"data": 8})
+  whole = [v for k, v in got.items() if k[-1] == "all_reduce[data]" and set(k[2]) == {None}]
+  assert sum(whole) == sum(c.nbytes * repeats(c.computation) for c in ops)
+
+  shape = tuple(8 if a == "data" else 1 for a in AXES)
+  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)
+  graph = stepgraph.read_step(step, args(1024), (1,))
+  prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
+                      pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
+                      {}, 0.0, False)
+  got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
+         for g, prs in zip(prob.groups, prob.prices)}
+  assert got["[0]['w']"] == pytest.approx(3 * 15e-3 + 4 / 4.5 * 17.5e-3, rel=1e-9)
+
+
 def test_plan_check_sets_the_recorded_bytes_of_a_bfloat16_step_beside_xla_cpu_s_float32_ones():
   """``plan.check`` compares a plan's recorded collective bytes with the compiled program's
   collectives, whose operands on CPU devices are XLA:CPU's float32 for a bfloat16 value: the

@@ -97,6 +97,11 @@ class WeightUse:
   # the partner (the activation) is bfloat16: XLA:CPU all-reduces, all-gathers and exchanges it
   # in float32, twice its bytes (float16 stays float16)
   act_bfloat16: bool = False
+  # of grad_parts, the uses inside a loop's body (a lax.fori_loop or scan applying the weight
+  # whole in every iteration), and their gradient parts per step: each such use's trip count
+  # (stepgraph._loop_parts; a weight read in a loop and outside it has both kinds of part)
+  loop_uses: int = 0
+  loop_parts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +239,8 @@ class Reader:
     self.leaf_flops: dict[int, float] = {}
     self.shape_flops: dict[tuple[int, ...], float] = {}   # products whose result has this shape
     self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
+    # leaf -> (its products inside a loop's body, and those times their trip counts)
+    self.loop_reads: dict[int, tuple[int, int]] = {}
     self.ties = _UnionFind()
     self.flops = 0.0
     self.products = 0                         # products run per step (loop trips counted)
@@ -478,6 +485,9 @@ class Reader:
       leaf, dims = org
       self.leaf_flops[leaf] = self.leaf_flops.get(leaf, 0.0) + flops
       self.leaf_reads[leaf] = self.leaf_reads.get(leaf, 0) + 1
+      if repeats > 1:
+        seen, trips = self.loop_reads.get(leaf, (0, 0))
+        self.loop_reads[leaf] = (seen + 1, trips + repeats)
       if self.remat_depth:
         self.remat_read.add(leaf)
       if self.leaves[leaf].is_batch:

@@ -261,14 +261,31 @@ class Pricer:
     return self._curved[axes]
 
 
+def loop_parts(use: stepgraph.WeightUse | None, backend: str) -> int:
+  """The gradient parts per step of a weight (``use``: its WeightUse) that XLA reduces inside a
+  loop's body, once per iteration: those of its uses a loop runs whole in every iteration (not
+  a scanned stack's layer; ``WeightUse.loop_parts``) on XLA:CPU. Joined there with the other
+  weights the body reads (two such weights: one all-reduce of f32[128,128] x 2 per iteration),
+  never across iterations nor with the gradients' combined all-reduce after the backward, which
+  XLA runs outside the loop and which holds the parts of the weight's uses outside any loop
+  (compiled on 8 CPU devices: tests/test_costmodel_wire.py)."""
+  if use is None or backend != "cpu" or use.layers != 1:
+    return 0
+  return use.loop_parts
+
+
 def reduced_in_loop(use: stepgraph.WeightUse | None, backend: str) -> bool:
-  """Whether XLA reduces the gradient of a weight (``use``: its WeightUse) inside a loop's body,
-  once per iteration: a weight a loop reads whole in every iteration (not a scanned stack's
-  layer) on XLA:CPU. Joined there with the other weights the body reads (two such weights: one
-  all-reduce of f32[128,128] x 2 per iteration), never across iterations nor with the
-  gradients' combined all-reduce after the backward, which XLA runs outside the loop (compiled
-  on 8 CPU devices: tests/test_costmodel_wire.py)."""
-  return use is not None and backend == "cpu" and use.layers == 1 and use.repeats > 1
+  """Whether every gradient part of a weight is reduced inside a loop's body (:func:`loop_parts`):
+  none of it joins the gradients' combined all-reduce (``Pricer.combined``)."""
+  return loop_parts(use, backend) > 0 and use.loop_uses >= use.grad_parts
+
+
+def _parts_time(looped: int, rest: int, in_loop, combined, *call) -> float:
+  """The time of a gradient's ``looped`` parts reduced inside a loop's body, each at its own
+  point (``in_loop``: Pricer.share), and its ``rest`` in the combined all-reduce after the
+  backward (``combined``: its share there)."""
+  return ((looped * in_loop(*call) if looped else 0.0) +
+          (rest * combined(*call) if rest else 0.0))
 
 
 def axis_key(axes: Sequence[str]) -> str:
@@ -645,11 +662,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # a weight a loop reads whole in every iteration (not a scanned stack's layer): XLA:CPU
   # reduces each iteration's gradient part inside the backward's loop (compiled on 8 CPU
   # devices, data- and fully-sharded alike: a lax.fori_loop of 3, 3 all-reduces of the weight).
-  # They run in the loop's body (reduced_in_loop): each priced at its own point, not as a share
-  # of the combined all-reduce after the backward (Pricer.share)
-  looped = reduced_in_loop(use, pricer.backend)
+  # They run in the loop's body (loop_parts): each priced at its own point, not as a share of
+  # the combined all-reduce after the backward (Pricer.share); a use outside any loop (the same
+  # weight read once more after the loop) joins that combined one
+  looped = loop_parts(use, pricer.backend)
   if looped:
-    uses *= use.repeats
+    uses += looped - min(use.loop_uses, uses)
   parts = max(parts, uses)
   lookup = graph.lookups.get(primary.index) if use is None else None
   vocab_axes = _vocab_axes(lookup, used, m, zero)
@@ -694,13 +712,13 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # tied embedding's lookup part, which XLA scatters into the sharded table)
       # XLA:CPU combines these all-reduces with the others after the backward (5 in all for a
       # scanned decoder's FSDP step, as for DP)
-      time = (pricer.share if looped else
-              pricer.gradient_share if rs == "all_reduce" else pricer)
+      outside = pricer.gradient_share if rs == "all_reduce" else pricer
       if rs == "reduce_scatter" and _reduced_in_tensor_pairs(graph, primary, use, used, m, zero):
         _price_pair_reduction(ctx, zero)
       else:
         if not table_sync:
-          acc(pr.overlappable, k, uses * time(rs, grad / spread, zero, dtype))
+          acc(pr.overlappable, k, _parts_time(looped, uses - looped, pricer.share, outside,
+                                              rs, grad / spread, zero, dtype))
           acc(pr.bytes, f"{rs}[{k}]", uses * pricer.wire(grad / spread, dtype))
         if moved:
           ctx.add("ppermute", moved, zero + ["tensor"], blocking=False, times=uses)
@@ -715,8 +733,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # the sequence's is separate, roles.sequence)
       for axes in sequence.reduction_groups(batch):
         k = axis_key(axes)
-        share = pricer.share if looped else pricer.gradient_share
-        acc(pr.overlappable, k, parts * share("all_reduce", grad, axes, dtype))
+        acc(pr.overlappable, k, _parts_time(looped, parts - looped, pricer.share,
+                                            pricer.gradient_share, "all_reduce", grad, axes, dtype))
         acc(pr.bytes, f"all_reduce[{k}]", parts * pricer.wire(grad, dtype))
   # the meetings this group's weight pays (the reductions over the batch that later work on the
   # batch reads, after its product: batch norm's statistics): XLA all-reduces them over every axis

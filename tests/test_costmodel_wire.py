@@ -724,3 +724,31 @@ def test_plan_check_sets_the_recorded_bytes_of_a_bfloat16_step_beside_xla_cpu_s_
   check = plan.check(step, *args)
   want = {"all_gather": 2 * 256 * 256 * 4.0, "all_reduce": 2 * 256 * 256 * 4.0}
   assert check.compiled_bytes == want and check.predicted_bytes == want, check.table()
+
+
+def test_a_float32_weight_read_in_float16_has_its_gradient_reduced_in_float16():
+  """Mixed precision: float32 weights a step casts to float16 before its products (the master
+  weights' usual pattern, bfloat16 on a GPU). XLA's SPMD partitioner all-reduces a weight's
+  gradient where its product makes it, in the dtype the product reads the weight in, and converts
+  it to float32 after (the partitioned HLO before XLA:CPU's all-reduce promotion:
+  bf16[512,256] for a float32 weight read as bfloat16; XLA:CPU then widens a bfloat16 one to
+  float32, which hides it there, but keeps float16, and a GPU keeps both). Two 256 x 512 weights,
+  `data` 8 (DP) and `fsdp` 8 (FSDP): plan.check's compile has 2 x 256 x 512 x 2 B of
+  all-reduce, and the FSDP gathers in float32 (the leaf's, before the cast: 2 x 256 x 512 x 4 B).
+  Before, the gradients were priced and recorded at the leaf's float32, twice what moves."""
+  import dtenjax
+  f = jax.ShapeDtypeStruct
+
+  def step(p, x):
+    def loss(p):
+      h = jnp.tanh(x.astype(jnp.float16) @ p["w1"].astype(jnp.float16))
+      return jnp.mean((h @ p["w2"].astype(jnp.float16)).astype(jnp.float32) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+  args = ({"w1": f((256, 512), jnp.float32), "w2": f((512, 256), jnp.float32)},
+          f((64, 256), jnp.float32))
+  for mesh, recipe, want in (
+      ({"data": 8}, "DP", {"all_reduce": 2 * 256 * 512 * 2.0}),
+      ({"fsdp": 8}, "FSDP", {"all_reduce": 2 * 256 * 512 * 2.0,
+                             "all_gather": 2 * 256 * 512 * 4.0})):
+    check = dtenjax.plan(step, *args, mesh=mesh, recipe=recipe).check(step, *args)
+    assert check.compiled_bytes == want and check.predicted_bytes == want, check.table()

@@ -102,6 +102,10 @@ class WeightUse:
   # (stepgraph._loop_parts; a weight read in a loop and outside it has both kinds of part)
   loop_uses: int = 0
   loop_parts: int = 0
+  # the dtype the product reads the weight in (a cast of the leaf: mixed precision's float16 or
+  # bfloat16 copy of a float32 weight), which its gradient's product makes the gradient in:
+  # XLA reduces it in that dtype and converts it to the leaf's after (pricing.gradient_dtype)
+  read_dtype: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,6 +510,7 @@ class Reader:
           tokens=int(math.prod(partner.shape[d] for d in pfree) *
                      math.prod(eqn.invars[side].aval.shape[d] for d in batched)),
           act_itemsize=itemsize(partner.dtype), act_bfloat16=_is_bfloat16(partner.dtype),
+          read_dtype=np.dtype(eqn.invars[side].aval.dtype).name,
           repeats=repeats, primitive=name,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
           input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived)

@@ -280,6 +280,24 @@ def reduced_in_loop(use: stepgraph.WeightUse | None, backend: str) -> bool:
   return loop_parts(use, backend) > 0 and use.loop_uses >= use.grad_parts
 
 
+def gradient_dtype(leaf: stepgraph.Leaf, use: stepgraph.WeightUse | None) -> str:
+  """The dtype XLA reduces a weight's gradient in: that of the weight as its product reads it
+  (``WeightUse.read_dtype``), which the gradient's product makes, not the leaf's. XLA's SPMD
+  partitioner all-reduces the product's result and converts it to the leaf's dtype after (a
+  float32 weight read as bfloat16: bf16[512,256] all-reduced, compiled on 8 CPU devices before
+  XLA:CPU's all-reduce promotion widens it; a float16 one stays float16 there, and a GPU keeps
+  both: tests/test_costmodel_wire.py). A leaf no product reads: its own."""
+  return use.read_dtype if use is not None and use.read_dtype else leaf.dtype
+
+
+def gradient_bytes(leaf: stepgraph.Leaf, use: stepgraph.WeightUse | None, nbytes: float) -> float:
+  """``nbytes`` of ``leaf``'s dtype as bytes of its gradient's (:func:`gradient_dtype`)."""
+  read = gradient_dtype(leaf, use)
+  if read == leaf.dtype:
+    return nbytes
+  return nbytes * jaxpr_reader.itemsize(read) / jaxpr_reader.itemsize(leaf.dtype)
+
+
 def _parts_time(looped: int, rest: int, in_loop, combined, *call) -> float:
   """The time of a gradient's ``looped`` parts reduced inside a loop's body, each at its own
   point (``in_loop``: Pricer.share), and its ``rest`` in the combined all-reduce after the
@@ -703,6 +721,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # input's, and dropped)
   constant = graph.zero_gradient(group)
   if batch and not primary.is_key and not constant and not graph.frozen(group):
+    # of the dtype its product reads it in (a float32 weight cast to bfloat16), not the leaf's
+    rdtype, rgrad = gradient_dtype(primary, use), gradient_bytes(primary, use, grad)
     if zero:
       k = axis_key(zero)
       # XLA:CPU lowers a reduce-scatter as an all-reduce of the whole gradient followed by a
@@ -718,24 +738,25 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       else:
         if not table_sync:
           acc(pr.overlappable, k, _parts_time(looped, uses - looped, pricer.share, outside,
-                                              rs, grad / spread, zero, dtype))
-          acc(pr.bytes, f"{rs}[{k}]", uses * pricer.wire(grad / spread, dtype))
+                                              rs, rgrad / spread, zero, rdtype))
+          acc(pr.bytes, f"{rs}[{k}]", uses * pricer.wire(rgrad / spread, rdtype))
         if moved:
           ctx.add("ppermute", moved, zero + ["tensor"], blocking=False, times=uses)
       rest = [a for a in batch if a not in zero]
       if rest:
-        g2 = grad / math.prod(m.size[a] for a in zero)
+        g2 = rgrad / math.prod(m.size[a] for a in zero)
         k2 = axis_key(rest)
-        acc(pr.overlappable, k2, pricer.gradient_share("all_reduce", g2, rest, dtype))
-        acc(pr.bytes, f"all_reduce[{k2}]", pricer.wire(g2, dtype))
+        acc(pr.overlappable, k2, pricer.gradient_share("all_reduce", g2, rest, rdtype))
+        acc(pr.bytes, f"all_reduce[{k2}]", pricer.wire(g2, rdtype))
     else:
       # XLA combines the gradients' all-reduces into few large ones (one per group of axes:
       # the sequence's is separate, roles.sequence)
       for axes in sequence.reduction_groups(batch):
         k = axis_key(axes)
         acc(pr.overlappable, k, _parts_time(looped, parts - looped, pricer.share,
-                                            pricer.gradient_share, "all_reduce", grad, axes, dtype))
-        acc(pr.bytes, f"all_reduce[{k}]", parts * pricer.wire(grad, dtype))
+                                            pricer.gradient_share, "all_reduce", rgrad, axes,
+                                            rdtype))
+        acc(pr.bytes, f"all_reduce[{k}]", parts * pricer.wire(rgrad, rdtype))
   # the meetings this group's weight pays (the reductions over the batch that later work on the
   # batch reads, after its product: batch norm's statistics): XLA all-reduces them over every axis
   # that splits the batch, whatever the weights' layouts (the convnet family's DP and FSDP steps

@@ -26,6 +26,7 @@ from dtenjax._src.planning.candidates import splits_batch
 from dtenjax._src.planning.pricing import Price
 from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
+from dtenjax._src.planning.pricing import gradient_bytes
 from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
 from dtenjax._src.planning.pricing import reduced_in_loop
@@ -70,7 +71,8 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
   read = sum(u.flops for u in graph.weights.values())
   # the bytes of the gradients' combined all-reduce where every gradient is reduced whole (not
   # those reduced inside a loop's body, once per iteration)
-  combined = sum(graph.leaves[g[0]].nbytes for g in graph.groups
+  combined = sum(gradient_bytes(graph.leaves[g[0]], graph.weights.get(g[0]),
+                                graph.leaves[g[0]].nbytes) for g in graph.groups
                  if not graph.leaves[g[0]].is_batch and stepgraph.is_float(graph.leaves[g[0]].dtype)
                  and not graph.zero_gradient(g) and not graph.frozen(g)
                  and not reduced_in_loop(graph.weights.get(g[0]), _backend(m)))

@@ -260,6 +260,8 @@ class Reader:
     # leaf -> (its dimensions a gather indexes, bytes the gathers read out of it per step, the
     # bytes of each gather's rows: XLA partitions each one's gradient on its own)
     self.lookups: dict[int, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}
+    # looked-up leaf -> the dtype its first lookup's rows come out in (a cast of the table's)
+    self.lookup_dtypes: dict[int, str] = {}
     self.eqn_count = 0
     # value -> list of (equation, position) that read it, over every jaxpr walked
     self.uses: dict[Any, list[tuple[Any, int]]] = {}
@@ -334,6 +336,7 @@ class Reader:
         rows = nbytes(eqn.outvars[0].aval)
         self.lookups[leaf] = (indexed or seen[0], seen[1] + rows * repeats,
                               seen[2] + (rows,) * repeats)
+        self.lookup_dtypes.setdefault(leaf, np.dtype(eqn.outvars[0].aval.dtype).name)
       if name in _ALIASES and ins[0] is not None:
         origin[eqn.outvars[0]] = ins[0]
       elif (kept := followed_operand(eqn)) is not None:

@@ -280,22 +280,36 @@ def reduced_in_loop(use: stepgraph.WeightUse | None, backend: str) -> bool:
   return loop_parts(use, backend) > 0 and use.loop_uses >= use.grad_parts
 
 
-def gradient_dtype(leaf: stepgraph.Leaf, use: stepgraph.WeightUse | None) -> str:
+def gradient_dtype(graph: stepgraph.StepGraph, leaf: stepgraph.Leaf) -> str:
   """The dtype XLA reduces a weight's gradient in: that of the weight as its product reads it
-  (``WeightUse.read_dtype``), which the gradient's product makes, not the leaf's. XLA's SPMD
-  partitioner all-reduces the product's result and converts it to the leaf's dtype after (a
-  float32 weight read as bfloat16: bf16[512,256] all-reduced, compiled on 8 CPU devices before
-  XLA:CPU's all-reduce promotion widens it; a float16 one stays float16 there, and a GPU keeps
-  both: tests/test_costmodel_wire.py). A leaf no product reads: its own."""
-  return use.read_dtype if use is not None and use.read_dtype else leaf.dtype
+  (``WeightUse.read_dtype``), which the gradient's product makes, not the leaf's; for a table
+  only looked up, its lookups' rows' (``StepGraph.lookup_dtypes``: the scatter-add of their
+  cotangents makes the table's gradient in it). XLA's SPMD partitioner all-reduces the
+  product's result and converts it to the leaf's dtype after (a float32 weight read as
+  bfloat16: bf16[512,256] all-reduced, compiled on 8 CPU devices before XLA:CPU's all-reduce
+  promotion widens it; a float16 one stays float16 there, and a GPU keeps both:
+  tests/test_costmodel_wire.py). A leaf no product nor lookup reads: its own."""
+  use = graph.weights.get(leaf.index)
+  if use is not None and use.read_dtype:
+    return use.read_dtype
+  return graph.lookup_dtypes.get(leaf.index, leaf.dtype)
 
 
-def gradient_bytes(leaf: stepgraph.Leaf, use: stepgraph.WeightUse | None, nbytes: float) -> float:
+def gradient_bytes(graph: stepgraph.StepGraph, leaf: stepgraph.Leaf, nbytes: float) -> float:
   """``nbytes`` of ``leaf``'s dtype as bytes of its gradient's (:func:`gradient_dtype`)."""
-  read = gradient_dtype(leaf, use)
+  read = gradient_dtype(graph, leaf)
   if read == leaf.dtype:
     return nbytes
   return nbytes * jaxpr_reader.itemsize(read) / jaxpr_reader.itemsize(leaf.dtype)
+
+
+def read_leaf(graph: stepgraph.StepGraph, leaf: stepgraph.Leaf) -> stepgraph.Leaf:
+  """``leaf`` as its products or lookups read it (:func:`gradient_dtype`): the table a lookup's
+  gradient is scattered into and reduced as, its rows' bytes per row (the token ids' count)."""
+  read = gradient_dtype(graph, leaf)
+  if read == leaf.dtype:
+    return leaf
+  return dataclasses.replace(leaf, dtype=read, itemsize=jaxpr_reader.itemsize(read))
 
 
 def _parts_time(looped: int, rest: int, in_loop, combined, *call) -> float:
@@ -543,10 +557,10 @@ def _piece(primary: stepgraph.Leaf, m: CandidateMesh, zero: list[str]) -> float:
 
 def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, used,
                       m: CandidateMesh, zero: list[str], backend: str, grad: float,
-                      batch_div: int) -> tuple[int, float]:
+                      batch_div: int) -> tuple[int, float, float]:
   """Into how many pieces XLA:CPU's partitioner splits the reduction of a weight's gradient
-  that the batch axes ``zero`` shard and 'tensor' replicates (1: not split), and the bytes per
-  device it then permutes.
+  that the batch axes ``zero`` shard and 'tensor' replicates (1: not split), the bytes per
+  device it then permutes, and of those the int32 token ids' (:func:`_moved_per_lookup`).
 
   Every 'tensor' device of an FSDP group would compute the same gradient, so XLA computes it in
   pieces, one per 'tensor' sub-group (as many as the smaller of the two axes has devices, where
@@ -566,29 +580,38 @@ def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, 
   (:func:`_reduced_in_tensor_pairs`): not priced there."""
   t = m.size["tensor"]
   if backend != "cpu" or t <= 1 or "tensor" in used or not zero:
-    return 1, 0.0
+    return 1, 0.0, 0.0
   lookup = graph.lookups.get(primary.index)
   if use is None and lookup is None:
-    return 1, 0.0
+    return 1, 0.0, 0.0
   f = math.prod(m.size[a] for a in zero)
   if (t % f and f % t) or (use is not None and f > t):
-    return 1, 0.0
+    return 1, 0.0, 0.0
   moved = grad / f
   if use is None:
-    moved = _moved_per_lookup(primary, lookup, moved, batch_div)
-  return min(f, t), moved
+    return (min(f, t),) + _moved_per_lookup(primary, lookup, moved, batch_div)
+  return min(f, t), moved, 0.0
 
 
-def _moved_per_lookup(primary: stepgraph.Leaf, lookup, piece: float, batch_div: int) -> float:
+def _moved_per_lookup(primary: stepgraph.Leaf, lookup, piece: float,
+                      batch_div: int) -> tuple[float, float]:
   """What XLA:CPU permutes per lookup of a table :func:`_spread_reduction` reduces in pieces,
   on average over its lookups: each lookup's gradient is partitioned, reduced and permuted on its
   own (:func:`_lookup_parts`), and permutes the ``piece`` of the table, or the lookup's local
   cotangent rows and int32 token ids where they are fewer bytes (compiled: the
   encoder-decoder's FSDP x TP plan, two lookups of a 2048 x 256 table: on 8 CPU devices two
-  f32[8,64,256] and two s32[8,64,1], on 16 two f32[1024,256] pieces)."""
+  f32[8,64,256] and two s32[8,64,1], on 16 two f32[1024,256] pieces). With the bytes of the
+  int32 ids among them (which move as they are, beside rows of the table's dtype)."""
   indexed, _, each = lookup
   row = primary.nbytes / max(1, math.prod(primary.shape[k] for k in indexed))
-  return sum(min(piece, (rows + rows / row * 4) / batch_div) for rows in each) / len(each)
+  moved = ids = 0.0
+  for rows in each:
+    if piece <= (rows + rows / row * 4) / batch_div:
+      moved += piece
+    else:
+      moved += (rows + rows / row * 4) / batch_div
+      ids += rows / row * 4 / batch_div
+  return moved / len(each), ids / len(each)
 
 
 def _lookup_parts(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, scatter: LookupGradient,
@@ -694,12 +717,19 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # (_table_scatter), else a gradient 'tensor' replicates reduced in pieces (_spread_reduction),
   # else a looked-up table's rows gathered into its shard or its gradient made whole
   # (lookup_gradient)
-  table_sync = _table_scatter(lookup, vocab_axes, zero, m, primary, pricer.backend, batch_div)
-  spread, moved = _spread_reduction(graph, primary, use, used, m, zero, pricer.backend, grad,
-                                    batch_div)
-  scatter = lookup_gradient(graph, primary, used, m, pricer.backend)
+  # of the dtype its products or lookups read it in (a float32 weight cast to bfloat16), not the
+  # leaf's: its gradient, its lookups' cotangent rows and the table-shaped pieces they are
+  # scattered into (gradient_dtype; priced on the leaf as read, read_leaf)
+  rdtype, rgrad, read = (gradient_dtype(graph, primary), gradient_bytes(graph, primary, grad),
+                         read_leaf(graph, primary))
+  table_sync = _table_scatter(lookup, vocab_axes, zero, m, read, pricer.backend, batch_div)
+  spread, moved, moved_ids = _spread_reduction(graph, read, use, used, m, zero, pricer.backend,
+                                               rgrad, batch_div)
+  # the permuted pieces' bytes as they move: the table's rows of its dtype, the ids int32
+  wmoved = pricer.wire(moved - moved_ids, rdtype) + pricer.wire(moved_ids, "int32")
+  scatter = lookup_gradient(graph, read, used, m, pricer.backend)
   if use is None:
-    uses = _lookup_parts(graph, primary, scatter, pricer.backend)
+    uses = _lookup_parts(graph, read, scatter, pricer.backend)
     parts = max(parts, uses)
   for field, kind, axes in (("all_gather", "all_gather", zero), ("all_to_all", "all_to_all", zero),
                             ("ppermute", "ppermute", zero + ["tensor"]),
@@ -709,11 +739,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     if nb:
       # the table's rows of its dtype, the token ids int32 (integers move as they are)
       ids = getattr(scatter, f"{field}_ids", 0.0)
-      ctx.add(kind, pricer.wire(nb - ids, dtype) + pricer.wire(ids, "int32"), axes,
+      ctx.add(kind, pricer.wire(nb - ids, rdtype) + pricer.wire(ids, "int32"), axes,
               blocking=False, dtype=WIRE)
   # gradient synchronisation
   for kind, nb, axes in table_sync:
-    ctx.add(kind, nb, axes, blocking=False)
+    ctx.add(kind, nb, axes, blocking=False, dtype=rdtype)
   # a PRNG key has no gradient (integer leaves, such as a step counter, have none either, but
   # are priced the share of their few bytes that the recorded plans' costs hold)
   # nor has a parameter the loss never reads: its gradient is a constant zero, never reduced;
@@ -721,8 +751,6 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # input's, and dropped)
   constant = graph.zero_gradient(group)
   if batch and not primary.is_key and not constant and not graph.frozen(group):
-    # of the dtype its product reads it in (a float32 weight cast to bfloat16), not the leaf's
-    rdtype, rgrad = gradient_dtype(primary, use), gradient_bytes(primary, use, grad)
     if zero:
       k = axis_key(zero)
       # XLA:CPU lowers a reduce-scatter as an all-reduce of the whole gradient followed by a
@@ -741,7 +769,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
                                               rs, rgrad / spread, zero, rdtype))
           acc(pr.bytes, f"{rs}[{k}]", uses * pricer.wire(rgrad / spread, rdtype))
         if moved:
-          ctx.add("ppermute", moved, zero + ["tensor"], blocking=False, times=uses)
+          ctx.add("ppermute", wmoved, zero + ["tensor"], blocking=False, times=uses, dtype=WIRE)
       rest = [a for a in batch if a not in zero]
       if rest:
         g2 = rgrad / math.prod(m.size[a] for a in zero)
@@ -797,7 +825,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # nothing is gathered and the gradient is a local scatter into the shard
   if vocab_axes:
     unsplit = math.prod(m.size[a] for a in batch if a not in vocab_axes)
-    ctx.add("all_reduce", lookup[1] / unsplit, vocab_axes, blocking=True)
+    ctx.add("all_reduce", lookup[1] / unsplit, vocab_axes, blocking=True, dtype=rdtype)
   if zero and not vocab_axes and not constant:
     k = axis_key(zero)
     # gathered where its product reads it (StepPlan.jit; a parameter the loss never reads is
@@ -972,7 +1000,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # the new state's copy, of the leaves the step returns (not of an argument it only reads)
   pr.memory["outputs"] = (0.0 if donate else
                           sum(lf.nbytes for lf in leaves if lf.index in graph.returned) / shards)
-  pr.sliced = roles.tensor.sliced(ctx, zero, moved, uses)
+  pr.sliced = roles.tensor.sliced(ctx, zero, wmoved, uses)
   return pr
 
 

@@ -29,6 +29,7 @@ from dtenjax._src.planning.pricing import StepCost
 from dtenjax._src.planning.pricing import gradient_bytes
 from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
+from dtenjax._src.planning.pricing import read_leaf
 from dtenjax._src.planning.pricing import reduced_in_loop
 from dtenjax._src.planning.pricing import start_wait
 from dtenjax._src.planning.roles import BATCH_AXES
@@ -71,8 +72,8 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
   read = sum(u.flops for u in graph.weights.values())
   # the bytes of the gradients' combined all-reduce where every gradient is reduced whole (not
   # those reduced inside a loop's body, once per iteration)
-  combined = sum(gradient_bytes(graph.leaves[g[0]], graph.weights.get(g[0]),
-                                graph.leaves[g[0]].nbytes) for g in graph.groups
+  combined = sum(gradient_bytes(graph, graph.leaves[g[0]], graph.leaves[g[0]].nbytes)
+                 for g in graph.groups
                  if not graph.leaves[g[0]].is_batch and stepgraph.is_float(graph.leaves[g[0]].dtype)
                  and not graph.zero_gradient(g) and not graph.frozen(g)
                  and not reduced_in_loop(graph.weights.get(g[0]), _backend(m)))
@@ -263,7 +264,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # a routed axis's shards (expert) hold complete gradients where they lie
     t_shard *= math.prod(m.size[a] for a in ROUTED_AXES if a in used)
     # a table only looked up whose gradient XLA scatters into its shard (lookup_gradient)
-    in_shard = use is None and not lookup_gradient(graph, primary, used, m, backend).whole
+    in_shard = use is None and not lookup_gradient(graph, read_leaf(graph, primary), used, m,
+                                                   backend).whole
     per_device = (primary.nbytes / shards if zero and (in_shard or use is not None and
                                                        use.layers > 1)
                   else primary.nbytes / t_shard)

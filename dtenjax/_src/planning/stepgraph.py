@@ -134,6 +134,9 @@ class StepGraph:
   # table; the bytes of the rows it reads per step, global; the bytes of each gather's rows)
   lookups: dict[int, tuple[tuple[int, ...], int, tuple[int, ...]]] = dataclasses.field(
       default_factory=dict)
+  # looked-up leaf -> the dtype of its lookups' rows (a float32 table cast to bfloat16 first:
+  # bfloat16), in which its lookup's gradient is made (pricing.gradient_dtype)
+  lookup_dtypes: dict[int, str] = dataclasses.field(default_factory=dict)
   # (leaf, free dim)s whose product's output is only reduced over that dim (pairs.reduced_outputs):
   # column-parallel, complete on its own on XLA:CPU (its output stays sharded, its cone in
   # act_share)
@@ -387,6 +390,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    outputs=tuple(outputs), num_eqns=reader.eqn_count,
                    out_tree=jax.tree.structure(out_shape), carried=carried,
                    act_share=act_share, lookups=dict(reader.lookups),
+                   lookup_dtypes=dict(reader.lookup_dtypes),
                    reduced=frozenset(reduced),
                    stacks=stacks.read(reader.scans), timeline=timeline,
                    products=reader.products, token_bytes=reader.token_bytes,

@@ -767,7 +767,7 @@ def test_a_float32_table_cast_before_its_lookup_moves_its_rows_and_gradient_in_t
   were priced at the table's float32 with their bfloat16 bytes (half what moves) and half the
   ids counted (the rows' bytes over a float32 row's), and the gradient of a float16 read at
   float32 (fsdp 8: 1105 KiB of all-gather against 1170 compiled; the float16 meshes' all-reduce
-  820 against 564 KiB and 778 against 650)."""
+  1080 against 564 KiB and 1300 against 650, and there 512 B of ids short)."""
   import dtenjax
   f = jax.ShapeDtypeStruct
   dt = jnp.dtype(dtype)

@@ -804,3 +804,26 @@ def test_a_bfloat16_table_s_permuted_token_ids_move_as_int32():
       step, *args)
   want = 128 * 64 * 4 + 128 * 4
   assert check.compiled_bytes["ppermute"] == want and check.predicted_bytes["ppermute"] == want
+
+
+def test_a_float8_weight_s_gathers_move_in_float16_on_cpu():
+  """XLA:CPU compiles a collective of a float8 type in float16 (an all-gather, psum and
+  all-to-all of float8_e4m3fn or float8_e5m2 under shard_map: f16 operands), as it does a
+  bfloat16 one in float32: twice the value's bytes. Two float8_e4m3fn weights of 256 x 512 read
+  as bfloat16, FSDP on `fsdp` 8: plan.check's compile gathers the float8 shards, 2 x 256 x 512 x
+  2 B, and reduces the bfloat16 gradients in float32 (2 x 256 x 512 x 4 B). Before,
+  ``calls.wire_bytes`` moved every dtype but bfloat16 as it is: the gathers at half."""
+  import dtenjax
+  f = jax.ShapeDtypeStruct
+
+  def step(p, x):
+    def loss(p):
+      h = jnp.tanh(x @ p["w1"].astype(jnp.bfloat16))
+      return jnp.mean((h @ p["w2"].astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
+    return jax.tree.map(lambda a, b: (a.astype(jnp.float32) - 0.1 * b.astype(jnp.float32)).astype(
+        a.dtype), p, jax.grad(loss)(p))
+  f8 = jnp.float8_e4m3fn
+  args = ({"w1": f((256, 512), f8), "w2": f((512, 256), f8)}, f((64, 256), jnp.bfloat16))
+  check = dtenjax.plan(step, *args, mesh={"fsdp": 8}, recipe="FSDP").check(step, *args)
+  want = {"all_gather": 2 * 256 * 512 * 2.0, "all_reduce": 2 * 256 * 512 * 4.0}
+  assert check.compiled_bytes == want and check.predicted_bytes == want, check.table()

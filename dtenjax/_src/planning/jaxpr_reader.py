@@ -94,8 +94,8 @@ class WeightUse:
   # input gradients are added before any reduction (XLA reassociates all-reduce(a) +
   # all-reduce(b) into all-reduce(a + b)), so column-parallel siblings share one all-reduce
   siblings: int = 1
-  # the partner (the activation) is bfloat16: XLA:CPU all-reduces, all-gathers and exchanges it
-  # in float32, twice its bytes (float16 stays float16)
+  # the partner (the activation) is bfloat16 (or a float8): XLA:CPU all-reduces, all-gathers
+  # and exchanges it in float32 (float16), twice its bytes (float16 stays float16)
   act_bfloat16: bool = False
   # of grad_parts, the uses inside a loop's body (a lax.fori_loop or scan applying the weight
   # whole in every iteration), and their gradient parts per step: each such use's trip count
@@ -181,14 +181,15 @@ def scaled_operand(eqn):
   return full[0] if tuple(full[0].aval.shape) == tuple(eqn.outvars[0].aval.shape) else None
 
 
-# the values XLA:CPU's collectives move in float32 (calls.wire_bytes): the pricing's one test
-_is_bfloat16 = calls.is_bfloat16
+# the values XLA:CPU's collectives move at twice their bytes (bfloat16 in float32, float8 in
+# float16: calls.wire_bytes): the pricing's one test
+_doubled = calls.doubled_on_cpu
 
 
 def wide_bytes(aval) -> int:
   """The bytes of ``aval`` that XLA:CPU's collectives add to its :func:`nbytes` by moving a
-  bfloat16 value in float32: its own bytes where it is bfloat16, else 0."""
-  return nbytes(aval) if _is_bfloat16(getattr(aval, "dtype", None)) else 0
+  bfloat16 value in float32 (a float8 one in float16): its own bytes where it is one, else 0."""
+  return nbytes(aval) if _doubled(getattr(aval, "dtype", None)) else 0
 
 
 # One-operand elementwise equations a weight is not followed through: stop_gradient ends its
@@ -512,7 +513,7 @@ class Reader:
           # the product's batch dimensions count too: every expert's tokens of a batched product
           tokens=int(math.prod(partner.shape[d] for d in pfree) *
                      math.prod(eqn.invars[side].aval.shape[d] for d in batched)),
-          act_itemsize=itemsize(partner.dtype), act_bfloat16=_is_bfloat16(partner.dtype),
+          act_itemsize=itemsize(partner.dtype), act_bfloat16=_doubled(partner.dtype),
           read_dtype=np.dtype(eqn.invars[side].aval.dtype).name,
           repeats=repeats, primitive=name,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
@@ -634,7 +635,7 @@ class Reader:
         values = sum(math.prod(o.aval.shape) for o in eqn.outvars) * itemsize(
             eqn.invars[0].aval.dtype)
         moved += values
-        wide += values if _is_bfloat16(eqn.invars[0].aval.dtype) else 0
+        wide += values if _doubled(eqn.invars[0].aval.dtype) else 0
       self.batch_reductions.append((self.eqn_count, depth, repeats * moved, repeats, body, remat,
                                     how, repeats * wide))
       if how in _GATHERED:

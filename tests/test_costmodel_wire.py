@@ -642,6 +642,68 @@ def test_a_loop_weight_s_per_iteration_all_reduce_is_priced_at_its_own_point_on_
                                 abs=1e-9), n
 
 
+
+@pytest.mark.parametrize("after", [False, True])
+def test_a_weight_read_in_a_loop_and_outside_it_reduces_one_part_per_iteration_and_one_after(
+    cpu_devices, after):
+  """A weight a lax.fori_loop of 3 reads in every iteration and one product reads once more
+  outside the loop (after it, or before it: the order must not matter), `data` 8 on CPU
+  devices: XLA:CPU all-reduces its gradient 3 times in the backward's loop body and once more
+  in the combined all-reduce after the backward, with w_in's and out's (the compiled HLO below:
+  f32[128,128] run 3 times; f32[128,128] + 2 x f32[64,128] once): 4 parts. Before, the parts
+  were the first read's trip count times the reads (3 x 2 = 6 with the loop first, 1 x 2 = 2
+  with it second: plan.check 40 % off either way), and on a calibration's curve either every
+  part was priced at its own point, the one that joins the combined all-reduce too, or none was
+  (test_calibration's CAL: 3 ms at 1 MiB, 43 ms at 9 MiB, linear between, flat below; a 4 MiB
+  weight beside two of 0.25 MiB: 3 x (18 - 3) = 45 ms in the loop, and 4 / 4.5 of the combined
+  4.5 MiB's 20.5 - 3 ms after it, 60.6 ms; before, 6 x 15 = 90 ms with the loop first, 2 x 4 /
+  4.5 x 17.5 = 31.1 ms with it second)."""
+  from jax.sharding import NamedSharding
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.check import loop_repeats
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.planning.solver import make_problem
+  from tests import test_calibration as tcal
+
+  def step(p, x):
+    def loss(p):
+      h = x @ p["w_in"]
+      if not after:
+        h = jnp.tanh(h @ p["w"])
+      h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["w"]), h)
+      if after:
+        h = jnp.tanh(h @ p["w"])
+      return jnp.mean((h @ p["out"]) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+
+  def args(n):
+    f = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    return {"w_in": f(64, n), "w": f(n, n), "out": f(n, 64)}, f(64, 64)
+  mesh = Mesh(np.array(cpu_devices), ("data",))
+  rep, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+  p, x = args(128)
+  compiled = jax.jit(step, in_shardings=({k: rep for k in p}, split),
+                     out_shardings={k: rep for k in p}).lower(p, x).compile(cmt.LLVM_O0)
+  repeats = loop_repeats(compiled)
+  ops = hlo.read_compiled(compiled).collectives()
+  assert sorted((c.nbytes, repeats(c.computation)) for c in ops) == [
+      (128 * 128 * 4, 3), ((128 * 128 + 2 * 64 * 128) * 4, 1)], ops
+  got = _recorded(step, args(128), (1,), {"data": 8})
+  whole = [v for k, v in got.items() if k[-1] == "all_reduce[data]" and set(k[2]) == {None}]
+  assert sum(whole) == sum(c.nbytes * repeats(c.computation) for c in ops)
+
+  shape = tuple(8 if a == "data" else 1 for a in AXES)
+  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)
+  graph = stepgraph.read_step(step, args(1024), (1,))
+  prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
+                      pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
+                      {}, 0.0, False)
+  got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
+         for g, prs in zip(prob.groups, prob.prices)}
+  assert got["[0]['w']"] == pytest.approx(3 * 15e-3 + 4 / 4.5 * 17.5e-3, rel=1e-9)
+
+
 def test_plan_check_sets_the_recorded_bytes_of_a_bfloat16_step_beside_xla_cpu_s_float32_ones():
   """``plan.check`` compares a plan's recorded collective bytes with the compiled program's
   collectives, whose operands on CPU devices are XLA:CPU's float32 for a bfloat16 value: the
@@ -661,4 +723,107 @@ def test_plan_check_sets_the_recorded_bytes_of_a_bfloat16_step_beside_xla_cpu_s_
   plan = dtenjax.plan(step, *args, mesh={"fsdp": 8}, recipe="FSDP")
   check = plan.check(step, *args)
   want = {"all_gather": 2 * 256 * 256 * 4.0, "all_reduce": 2 * 256 * 256 * 4.0}
+  assert check.compiled_bytes == want and check.predicted_bytes == want, check.table()
+
+
+def test_a_float32_weight_read_in_float16_has_its_gradient_reduced_in_float16():
+  """Mixed precision: float32 weights a step casts to float16 before its products (the master
+  weights' usual pattern, bfloat16 on a GPU). XLA's SPMD partitioner all-reduces a weight's
+  gradient where its product makes it, in the dtype the product reads the weight in, and converts
+  it to float32 after (the partitioned HLO before XLA:CPU's all-reduce promotion:
+  bf16[512,256] for a float32 weight read as bfloat16; XLA:CPU then widens a bfloat16 one to
+  float32, which hides it there, but keeps float16, and a GPU keeps both). Two 256 x 512 weights,
+  `data` 8 (DP) and `fsdp` 8 (FSDP): plan.check's compile has 2 x 256 x 512 x 2 B of
+  all-reduce, and the FSDP gathers in float32 (the leaf's, before the cast: 2 x 256 x 512 x 4 B).
+  Before, the gradients were priced and recorded at the leaf's float32, twice what moves."""
+  import dtenjax
+  f = jax.ShapeDtypeStruct
+
+  def step(p, x):
+    def loss(p):
+      h = jnp.tanh(x.astype(jnp.float16) @ p["w1"].astype(jnp.float16))
+      return jnp.mean((h @ p["w2"].astype(jnp.float16)).astype(jnp.float32) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+  args = ({"w1": f((256, 512), jnp.float32), "w2": f((512, 256), jnp.float32)},
+          f((64, 256), jnp.float32))
+  for mesh, recipe, want in (
+      ({"data": 8}, "DP", {"all_reduce": 2 * 256 * 512 * 2.0}),
+      ({"fsdp": 8}, "FSDP", {"all_reduce": 2 * 256 * 512 * 2.0,
+                             "all_gather": 2 * 256 * 512 * 4.0})):
+    check = dtenjax.plan(step, *args, mesh=mesh, recipe=recipe).check(step, *args)
+    assert check.compiled_bytes == want and check.predicted_bytes == want, check.table()
+
+
+@pytest.mark.parametrize("dtype,mesh", [("bfloat16", {"fsdp": 8}), ("float16", {"data": 4, "tensor": 2}),
+                                        ("float16", {"data": 2, "fsdp": 4})])
+def test_a_float32_table_cast_before_its_lookup_moves_its_rows_and_gradient_in_the_cast_dtype(
+    dtype, mesh):
+  """A float32 table of 4096 x 64 cast to ``dtype`` before its lookup by 16 x 32 int32 tokens
+  (mixed precision's copy): the lookup's rows, their cotangents and the scatter of them into the
+  table's gradient are of ``dtype``, and so is what XLA moves: on `fsdp` 8 the cotangent rows
+  all-gathered in float32 (XLA:CPU's bfloat16 widened: 512 x 64 x 4 B) beside their 512 int32
+  ids; on `data` 4 x `tensor` 2 (vocab-parallel) and `data` 2 x `fsdp` 4 the table's gradient
+  all-reduced in float16. plan.check's compile is the yardstick, kind by kind. Before, the rows
+  were priced at the table's float32 with their bfloat16 bytes (half what moves) and half the
+  ids counted (the rows' bytes over a float32 row's), and the gradient of a float16 read at
+  float32 (fsdp 8: 1105 KiB of all-gather against 1170 compiled; the float16 meshes' all-reduce
+  1080 against 564 KiB and 1300 against 650, and there 512 B of ids short)."""
+  import dtenjax
+  f = jax.ShapeDtypeStruct
+  dt = jnp.dtype(dtype)
+
+  def step(p, tokens):
+    def loss(p):
+      x = jnp.take(p["embed"].astype(dt), tokens, axis=0)
+      h = jnp.tanh(x @ p["w"].astype(dt))
+      return jnp.mean((h @ p["out"].astype(dt)).astype(jnp.float32) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+  args = ({"embed": f((4096, 64), jnp.float32), "w": f((64, 64), jnp.float32),
+           "out": f((64, 4096), jnp.float32)}, f((16, 32), jnp.int32))
+  check = dtenjax.plan(step, *args, mesh=mesh).check(step, *args)
+  assert check.predicted_bytes == check.compiled_bytes, check.table()
+
+
+def test_a_bfloat16_table_s_permuted_token_ids_move_as_int32():
+  """A bfloat16 table of 4096 x 64 under FSDP x TP (`fsdp` 4 x `tensor` 2): XLA:CPU reduces its
+  lookup's gradient in pieces and permutes each device's cotangent rows and token ids to the
+  piece's owner (pricing._moved_per_lookup; plan.check's compile: f32[...] rows, XLA:CPU's
+  float32 of the bfloat16 cotangents, and s32 ids: 128 tokens x 64 x 4 B + 128 x 4 B). The ids
+  move as they are; before, they were widened with the rows (33792 B recorded, 512 over)."""
+  import dtenjax
+  f = jax.ShapeDtypeStruct
+
+  def step(p, tokens):
+    def loss(p):
+      x = jnp.take(p["embed"], tokens, axis=0)
+      return jnp.mean(jnp.tanh(x @ p["w"]).astype(jnp.float32) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+  args = ({"embed": f((4096, 64), jnp.bfloat16), "w": f((64, 64), jnp.bfloat16)},
+          f((16, 32), jnp.int32))
+  check = dtenjax.plan(step, *args, mesh={"fsdp": 4, "tensor": 2}, recipe="FSDP x TP").check(
+      step, *args)
+  want = 128 * 64 * 4 + 128 * 4
+  assert check.compiled_bytes["ppermute"] == want and check.predicted_bytes["ppermute"] == want
+
+
+def test_a_float8_weight_s_gathers_move_in_float16_on_cpu():
+  """XLA:CPU compiles a collective of a float8 type in float16 (an all-gather, psum and
+  all-to-all of float8_e4m3fn or float8_e5m2 under shard_map: f16 operands), as it does a
+  bfloat16 one in float32: twice the value's bytes. Two float8_e4m3fn weights of 256 x 512 read
+  as bfloat16, FSDP on `fsdp` 8: plan.check's compile gathers the float8 shards, 2 x 256 x 512 x
+  2 B, and reduces the bfloat16 gradients in float32 (2 x 256 x 512 x 4 B). Before,
+  ``calls.wire_bytes`` moved every dtype but bfloat16 as it is: the gathers at half."""
+  import dtenjax
+  f = jax.ShapeDtypeStruct
+
+  def step(p, x):
+    def loss(p):
+      h = jnp.tanh(x @ p["w1"].astype(jnp.bfloat16))
+      return jnp.mean((h @ p["w2"].astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
+    return jax.tree.map(lambda a, b: (a.astype(jnp.float32) - 0.1 * b.astype(jnp.float32)).astype(
+        a.dtype), p, jax.grad(loss)(p))
+  f8 = jnp.float8_e4m3fn
+  args = ({"w1": f((256, 512), f8), "w2": f((512, 256), f8)}, f((64, 256), jnp.bfloat16))
+  check = dtenjax.plan(step, *args, mesh={"fsdp": 8}, recipe="FSDP").check(step, *args)
+  want = {"all_gather": 2 * 256 * 512 * 2.0, "all_reduce": 2 * 256 * 512 * 4.0}
   assert check.compiled_bytes == want and check.predicted_bytes == want, check.table()

@@ -97,9 +97,18 @@ class WeightUse:
   # input gradients are added before any reduction (XLA reassociates all-reduce(a) +
   # all-reduce(b) into all-reduce(a + b)), so column-parallel siblings share one all-reduce
   siblings: int = 1
-  # the partner (the activation) is bfloat16: XLA:CPU all-reduces, all-gathers and exchanges it
-  # in float32, twice its bytes (float16 stays float16)
+  # the partner (the activation) is bfloat16 (or a float8): XLA:CPU all-reduces, all-gathers
+  # and exchanges it in float32 (float16), twice its bytes (float16 stays float16)
   act_bfloat16: bool = False
+  # of grad_parts, the uses inside a loop's body (a lax.fori_loop or scan applying the weight
+  # whole in every iteration), and their gradient parts per step: each such use's trip count
+  # (stepgraph._loop_parts; a weight read in a loop and outside it has both kinds of part)
+  loop_uses: int = 0
+  loop_parts: int = 0
+  # the dtype the product reads the weight in (a cast of the leaf: mixed precision's float16 or
+  # bfloat16 copy of a float32 weight), which its gradient's product makes the gradient in:
+  # XLA reduces it in that dtype and converts it to the leaf's after (pricing.gradient_dtype)
+  read_dtype: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,14 +184,15 @@ def scaled_operand(eqn):
   return full[0] if tuple(full[0].aval.shape) == tuple(eqn.outvars[0].aval.shape) else None
 
 
-# the values XLA:CPU's collectives move in float32 (calls.wire_bytes): the pricing's one test
-_is_bfloat16 = calls.is_bfloat16
+# the values XLA:CPU's collectives move at twice their bytes (bfloat16 in float32, float8 in
+# float16: calls.wire_bytes): the pricing's one test
+_doubled = calls.doubled_on_cpu
 
 
 def wide_bytes(aval) -> int:
   """The bytes of ``aval`` that XLA:CPU's collectives add to its :func:`nbytes` by moving a
-  bfloat16 value in float32: its own bytes where it is bfloat16, else 0."""
-  return nbytes(aval) if _is_bfloat16(getattr(aval, "dtype", None)) else 0
+  bfloat16 value in float32 (a float8 one in float16): its own bytes where it is one, else 0."""
+  return nbytes(aval) if _doubled(getattr(aval, "dtype", None)) else 0
 
 
 # One-operand elementwise equations a weight is not followed through: stop_gradient ends its
@@ -324,6 +334,8 @@ class Reader:
     self.leaf_flops: dict[int, float] = {}
     self.shape_flops: dict[tuple[int, ...], float] = {}   # products whose result has this shape
     self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
+    # leaf -> (its products inside a loop's body, and those times their trip counts)
+    self.loop_reads: dict[int, tuple[int, int]] = {}
     self.ties = _UnionFind()
     self.flops = 0.0
     self.products = 0                         # products run per step (loop trips counted)
@@ -339,6 +351,8 @@ class Reader:
     # leaf -> (its dimensions a gather indexes, bytes the gathers read out of it per step, the
     # bytes of each gather's rows: XLA partitions each one's gradient on its own)
     self.lookups: dict[int, tuple[tuple[int, ...], int, tuple[int, ...]]] = {}
+    # looked-up leaf -> the dtype its first lookup's rows come out in (a cast of the table's)
+    self.lookup_dtypes: dict[int, str] = {}
     self.eqn_count = 0
     # value -> list of (equation, position) that read it, over every jaxpr walked
     self.uses: dict[Any, list[tuple[Any, int]]] = {}
@@ -424,6 +438,7 @@ class Reader:
         rows = nbytes(eqn.outvars[0].aval)
         self.lookups[leaf] = (indexed or seen[0], seen[1] + rows * repeats,
                               seen[2] + (rows,) * repeats)
+        self.lookup_dtypes.setdefault(leaf, np.dtype(eqn.outvars[0].aval.dtype).name)
       if name in _ALIASES and ins[0] is not None:
         origin[eqn.outvars[0]] = ins[0]
       elif (kept := followed_operand(eqn, fills)) is not None:
@@ -641,6 +656,9 @@ class Reader:
       if not self.aside:
         self.leaf_flops[leaf] = self.leaf_flops.get(leaf, 0.0) + flops
         self.leaf_reads[leaf] = self.leaf_reads.get(leaf, 0) + 1
+        if repeats > 1:
+          seen, trips = self.loop_reads.get(leaf, (0, 0))
+          self.loop_reads[leaf] = (seen + 1, trips + repeats)
         if self.remat_depth:
           self.remat_read.add(leaf)
       if self.leaves[leaf].is_batch:
@@ -658,7 +676,8 @@ class Reader:
           # the product's batch dimensions count too: every expert's tokens of a batched product
           tokens=int(math.prod(partner.shape[d] for d in pfree) *
                      math.prod(eqn.invars[side].aval.shape[d] for d in batched)),
-          act_itemsize=itemsize(partner.dtype), act_bfloat16=_is_bfloat16(partner.dtype),
+          act_itemsize=itemsize(partner.dtype), act_bfloat16=_doubled(partner.dtype),
+          read_dtype=np.dtype(eqn.invars[side].aval.dtype).name,
           repeats=repeats, primitive=name,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
           input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived,
@@ -780,7 +799,7 @@ class Reader:
         values = sum(math.prod(o.aval.shape) for o in eqn.outvars) * itemsize(
             eqn.invars[0].aval.dtype)
         moved += values
-        wide += values if _is_bfloat16(eqn.invars[0].aval.dtype) else 0
+        wide += values if _doubled(eqn.invars[0].aval.dtype) else 0
       self.batch_reductions.append((self.eqn_count, depth, repeats * moved, repeats, body, remat,
                                     how, repeats * wide))
       if how in _GATHERED:

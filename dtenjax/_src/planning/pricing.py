@@ -262,14 +262,63 @@ class Pricer:
     return self._curved[axes]
 
 
+def loop_parts(use: stepgraph.WeightUse | None, backend: str) -> int:
+  """The gradient parts per step of a weight (``use``: its WeightUse) that XLA reduces inside a
+  loop's body, once per iteration: those of its uses a loop runs whole in every iteration (not
+  a scanned stack's layer; ``WeightUse.loop_parts``) on XLA:CPU. Joined there with the other
+  weights the body reads (two such weights: one all-reduce of f32[128,128] x 2 per iteration),
+  never across iterations nor with the gradients' combined all-reduce after the backward, which
+  XLA runs outside the loop and which holds the parts of the weight's uses outside any loop
+  (compiled on 8 CPU devices: tests/test_costmodel_wire.py)."""
+  if use is None or backend != "cpu" or use.layers != 1:
+    return 0
+  return use.loop_parts
+
+
 def reduced_in_loop(use: stepgraph.WeightUse | None, backend: str) -> bool:
-  """Whether XLA reduces the gradient of a weight (``use``: its WeightUse) inside a loop's body,
-  once per iteration: a weight a loop reads whole in every iteration (not a scanned stack's
-  layer) on XLA:CPU. Joined there with the other weights the body reads (two such weights: one
-  all-reduce of f32[128,128] x 2 per iteration), never across iterations nor with the
-  gradients' combined all-reduce after the backward, which XLA runs outside the loop (compiled
-  on 8 CPU devices: tests/test_costmodel_wire.py)."""
-  return use is not None and backend == "cpu" and use.layers == 1 and use.repeats > 1
+  """Whether every gradient part of a weight is reduced inside a loop's body (:func:`loop_parts`):
+  none of it joins the gradients' combined all-reduce (``Pricer.combined``)."""
+  return loop_parts(use, backend) > 0 and use.loop_uses >= use.grad_parts
+
+
+def gradient_dtype(graph: stepgraph.StepGraph, leaf: stepgraph.Leaf) -> str:
+  """The dtype XLA reduces a weight's gradient in: that of the weight as its product reads it
+  (``WeightUse.read_dtype``), which the gradient's product makes, not the leaf's; for a table
+  only looked up, its lookups' rows' (``StepGraph.lookup_dtypes``: the scatter-add of their
+  cotangents makes the table's gradient in it). XLA's SPMD partitioner all-reduces the
+  product's result and converts it to the leaf's dtype after (a float32 weight read as
+  bfloat16: bf16[512,256] all-reduced, compiled on 8 CPU devices before XLA:CPU's all-reduce
+  promotion widens it; a float16 one stays float16 there, and a GPU keeps both:
+  tests/test_costmodel_wire.py). A leaf no product nor lookup reads: its own."""
+  use = graph.weights.get(leaf.index)
+  if use is not None and use.read_dtype:
+    return use.read_dtype
+  return graph.lookup_dtypes.get(leaf.index, leaf.dtype)
+
+
+def gradient_bytes(graph: stepgraph.StepGraph, leaf: stepgraph.Leaf, nbytes: float) -> float:
+  """``nbytes`` of ``leaf``'s dtype as bytes of its gradient's (:func:`gradient_dtype`)."""
+  read = gradient_dtype(graph, leaf)
+  if read == leaf.dtype:
+    return nbytes
+  return nbytes * jaxpr_reader.itemsize(read) / jaxpr_reader.itemsize(leaf.dtype)
+
+
+def read_leaf(graph: stepgraph.StepGraph, leaf: stepgraph.Leaf) -> stepgraph.Leaf:
+  """``leaf`` as its products or lookups read it (:func:`gradient_dtype`): the table a lookup's
+  gradient is scattered into and reduced as, its rows' bytes per row (the token ids' count)."""
+  read = gradient_dtype(graph, leaf)
+  if read == leaf.dtype:
+    return leaf
+  return dataclasses.replace(leaf, dtype=read, itemsize=jaxpr_reader.itemsize(read))
+
+
+def _parts_time(looped: int, rest: int, in_loop, combined, *call) -> float:
+  """The time of a gradient's ``looped`` parts reduced inside a loop's body, each at its own
+  point (``in_loop``: Pricer.share), and its ``rest`` in the combined all-reduce after the
+  backward (``combined``: its share there)."""
+  return ((looped * in_loop(*call) if looped else 0.0) +
+          (rest * combined(*call) if rest else 0.0))
 
 
 def axis_key(axes: Sequence[str]) -> str:
@@ -509,10 +558,10 @@ def _piece(primary: stepgraph.Leaf, m: CandidateMesh, zero: list[str]) -> float:
 
 def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, used,
                       m: CandidateMesh, zero: list[str], backend: str, grad: float,
-                      batch_div: int) -> tuple[int, float]:
+                      batch_div: int) -> tuple[int, float, float]:
   """Into how many pieces XLA:CPU's partitioner splits the reduction of a weight's gradient
-  that the batch axes ``zero`` shard and 'tensor' replicates (1: not split), and the bytes per
-  device it then permutes.
+  that the batch axes ``zero`` shard and 'tensor' replicates (1: not split), the bytes per
+  device it then permutes, and of those the int32 token ids' (:func:`_moved_per_lookup`).
 
   Every 'tensor' device of an FSDP group would compute the same gradient, so XLA computes it in
   pieces, one per 'tensor' sub-group (as many as the smaller of the two axes has devices, where
@@ -532,29 +581,38 @@ def _spread_reduction(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, use, 
   (:func:`_reduced_in_tensor_pairs`): not priced there."""
   t = m.size["tensor"]
   if backend != "cpu" or t <= 1 or "tensor" in used or not zero:
-    return 1, 0.0
+    return 1, 0.0, 0.0
   lookup = graph.lookups.get(primary.index)
   if use is None and lookup is None:
-    return 1, 0.0
+    return 1, 0.0, 0.0
   f = math.prod(m.size[a] for a in zero)
   if (t % f and f % t) or (use is not None and f > t):
-    return 1, 0.0
+    return 1, 0.0, 0.0
   moved = grad / f
   if use is None:
-    moved = _moved_per_lookup(primary, lookup, moved, batch_div)
-  return min(f, t), moved
+    return (min(f, t),) + _moved_per_lookup(primary, lookup, moved, batch_div)
+  return min(f, t), moved, 0.0
 
 
-def _moved_per_lookup(primary: stepgraph.Leaf, lookup, piece: float, batch_div: int) -> float:
+def _moved_per_lookup(primary: stepgraph.Leaf, lookup, piece: float,
+                      batch_div: int) -> tuple[float, float]:
   """What XLA:CPU permutes per lookup of a table :func:`_spread_reduction` reduces in pieces,
   on average over its lookups: each lookup's gradient is partitioned, reduced and permuted on its
   own (:func:`_lookup_parts`), and permutes the ``piece`` of the table, or the lookup's local
   cotangent rows and int32 token ids where they are fewer bytes (compiled: the
   encoder-decoder's FSDP x TP plan, two lookups of a 2048 x 256 table: on 8 CPU devices two
-  f32[8,64,256] and two s32[8,64,1], on 16 two f32[1024,256] pieces)."""
+  f32[8,64,256] and two s32[8,64,1], on 16 two f32[1024,256] pieces). With the bytes of the
+  int32 ids among them (which move as they are, beside rows of the table's dtype)."""
   indexed, _, each = lookup
   row = primary.nbytes / max(1, math.prod(primary.shape[k] for k in indexed))
-  return sum(min(piece, (rows + rows / row * 4) / batch_div) for rows in each) / len(each)
+  moved = ids = 0.0
+  for rows in each:
+    if piece <= (rows + rows / row * 4) / batch_div:
+      moved += piece
+    else:
+      moved += (rows + rows / row * 4) / batch_div
+      ids += rows / row * 4 / batch_div
+  return moved / len(each), ids / len(each)
 
 
 def _lookup_parts(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, scatter: LookupGradient,
@@ -649,11 +707,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # a weight a loop reads whole in every iteration (not a scanned stack's layer): XLA:CPU
   # reduces each iteration's gradient part inside the backward's loop (compiled on 8 CPU
   # devices, data- and fully-sharded alike: a lax.fori_loop of 3, 3 all-reduces of the weight).
-  # They run in the loop's body (reduced_in_loop): each priced at its own point, not as a share
-  # of the combined all-reduce after the backward (Pricer.share)
-  looped = reduced_in_loop(use, pricer.backend)
+  # They run in the loop's body (loop_parts): each priced at its own point, not as a share of
+  # the combined all-reduce after the backward (Pricer.share); a use outside any loop (the same
+  # weight read once more after the loop) joins that combined one
+  looped = loop_parts(use, pricer.backend)
   if looped:
-    uses *= use.repeats
+    uses += looped - min(use.loop_uses, uses)
   parts = max(parts, uses)
   lookup = graph.lookups.get(primary.index) if use is None else None
   vocab_axes = _vocab_axes(lookup, used, m, zero)
@@ -662,12 +721,19 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # (_table_scatter), else a gradient 'tensor' replicates reduced in pieces (_spread_reduction),
   # else a looked-up table's rows gathered into its shard or its gradient made whole
   # (lookup_gradient)
-  table_sync = _table_scatter(lookup, vocab_axes, zero, m, primary, pricer.backend, batch_div)
-  spread, moved = _spread_reduction(graph, primary, use, used, m, zero, pricer.backend, grad,
-                                    batch_div)
-  scatter = lookup_gradient(graph, primary, used, m, pricer.backend)
+  # of the dtype its products or lookups read it in (a float32 weight cast to bfloat16), not the
+  # leaf's: its gradient, its lookups' cotangent rows and the table-shaped pieces they are
+  # scattered into (gradient_dtype; priced on the leaf as read, read_leaf)
+  rdtype, rgrad, read = (gradient_dtype(graph, primary), gradient_bytes(graph, primary, grad),
+                         read_leaf(graph, primary))
+  table_sync = _table_scatter(lookup, vocab_axes, zero, m, read, pricer.backend, batch_div)
+  spread, moved, moved_ids = _spread_reduction(graph, read, use, used, m, zero, pricer.backend,
+                                               rgrad, batch_div)
+  # the permuted pieces' bytes as they move: the table's rows of its dtype, the ids int32
+  wmoved = pricer.wire(moved - moved_ids, rdtype) + pricer.wire(moved_ids, "int32")
+  scatter = lookup_gradient(graph, read, used, m, pricer.backend)
   if use is None:
-    uses = _lookup_parts(graph, primary, scatter, pricer.backend)
+    uses = _lookup_parts(graph, read, scatter, pricer.backend)
     parts = max(parts, uses)
   for field, kind, axes in (("all_gather", "all_gather", zero), ("all_to_all", "all_to_all", zero),
                             ("ppermute", "ppermute", zero + ["tensor"]),
@@ -677,11 +743,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     if nb:
       # the table's rows of its dtype, the token ids int32 (integers move as they are)
       ids = getattr(scatter, f"{field}_ids", 0.0)
-      ctx.add(kind, pricer.wire(nb - ids, dtype) + pricer.wire(ids, "int32"), axes,
+      ctx.add(kind, pricer.wire(nb - ids, rdtype) + pricer.wire(ids, "int32"), axes,
               blocking=False, dtype=WIRE)
   # gradient synchronisation
   for kind, nb, axes in table_sync:
-    ctx.add(kind, nb, axes, blocking=False)
+    ctx.add(kind, nb, axes, blocking=False, dtype=rdtype)
   # a PRNG key has no gradient (integer leaves, such as a step counter, have none either, but
   # are priced the share of their few bytes that the recorded plans' costs hold)
   # nor has a parameter the loss never reads: its gradient is a constant zero, never reduced;
@@ -698,30 +764,31 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # tied embedding's lookup part, which XLA scatters into the sharded table)
       # XLA:CPU combines these all-reduces with the others after the backward (5 in all for a
       # scanned decoder's FSDP step, as for DP)
-      time = (pricer.share if looped else
-              pricer.gradient_share if rs == "all_reduce" else pricer)
+      outside = pricer.gradient_share if rs == "all_reduce" else pricer
       if rs == "reduce_scatter" and _reduced_in_tensor_pairs(graph, primary, use, used, m, zero):
         _price_pair_reduction(ctx, zero)
       else:
         if not table_sync:
-          acc(pr.overlappable, k, uses * time(rs, grad / spread, zero, dtype))
-          acc(pr.bytes, f"{rs}[{k}]", uses * pricer.wire(grad / spread, dtype))
+          acc(pr.overlappable, k, _parts_time(looped, uses - looped, pricer.share, outside,
+                                              rs, rgrad / spread, zero, rdtype))
+          acc(pr.bytes, f"{rs}[{k}]", uses * pricer.wire(rgrad / spread, rdtype))
         if moved:
-          ctx.add("ppermute", moved, zero + ["tensor"], blocking=False, times=uses)
+          ctx.add("ppermute", wmoved, zero + ["tensor"], blocking=False, times=uses, dtype=WIRE)
       rest = [a for a in batch if a not in zero]
       if rest:
-        g2 = grad / math.prod(m.size[a] for a in zero)
+        g2 = rgrad / math.prod(m.size[a] for a in zero)
         k2 = axis_key(rest)
-        acc(pr.overlappable, k2, pricer.gradient_share("all_reduce", g2, rest, dtype))
-        acc(pr.bytes, f"all_reduce[{k2}]", pricer.wire(g2, dtype))
+        acc(pr.overlappable, k2, pricer.gradient_share("all_reduce", g2, rest, rdtype))
+        acc(pr.bytes, f"all_reduce[{k2}]", pricer.wire(g2, rdtype))
     else:
       # XLA combines the gradients' all-reduces into few large ones (one per group of axes:
       # the sequence's is separate, roles.sequence)
       for axes in sequence.reduction_groups(batch):
         k = axis_key(axes)
-        share = pricer.share if looped else pricer.gradient_share
-        acc(pr.overlappable, k, parts * share("all_reduce", grad, axes, dtype))
-        acc(pr.bytes, f"all_reduce[{k}]", parts * pricer.wire(grad, dtype))
+        acc(pr.overlappable, k, _parts_time(looped, parts - looped, pricer.share,
+                                            pricer.gradient_share, "all_reduce", rgrad, axes,
+                                            rdtype))
+        acc(pr.bytes, f"all_reduce[{k}]", parts * pricer.wire(rgrad, rdtype))
   # the meetings this group's weight pays (the reductions over the batch that later work on the
   # batch reads, after its product: batch norm's statistics): XLA all-reduces them over every axis
   # that splits the batch, whatever the weights' layouts (the convnet family's DP and FSDP steps
@@ -762,7 +829,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # nothing is gathered and the gradient is a local scatter into the shard
   if vocab_axes:
     unsplit = math.prod(m.size[a] for a in batch if a not in vocab_axes)
-    ctx.add("all_reduce", lookup[1] / unsplit, vocab_axes, blocking=True)
+    ctx.add("all_reduce", lookup[1] / unsplit, vocab_axes, blocking=True, dtype=rdtype)
   if zero and not vocab_axes and not constant:
     k = axis_key(zero)
     # gathered where its product reads it (StepPlan.jit; a parameter the loss never reads is
@@ -972,7 +1039,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # the new state's copy, of the leaves the step returns (not of an argument it only reads)
   pr.memory["outputs"] = (0.0 if donate else
                           sum(lf.nbytes for lf in leaves if lf.index in graph.returned) / shards)
-  pr.sliced = roles.tensor.sliced(ctx, zero, moved, uses)
+  pr.sliced = roles.tensor.sliced(ctx, zero, wmoved, uses)
   return pr
 
 

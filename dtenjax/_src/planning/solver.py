@@ -26,8 +26,10 @@ from dtenjax._src.planning.candidates import splits_batch
 from dtenjax._src.planning.pricing import Price
 from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
+from dtenjax._src.planning.pricing import gradient_bytes
 from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
+from dtenjax._src.planning.pricing import read_leaf
 from dtenjax._src.planning.pricing import reduced_in_loop
 from dtenjax._src.planning.pricing import start_wait
 from dtenjax._src.planning.roles import BATCH_AXES
@@ -70,7 +72,8 @@ def make_problem(graph, m: CandidateMesh, price, pins, overlap, donate) -> Probl
   read = sum(u.flops for u in graph.weights.values())
   # the bytes of the gradients' combined all-reduce where every gradient is reduced whole (not
   # those reduced inside a loop's body, once per iteration)
-  combined = sum(graph.leaves[g[0]].nbytes for g in graph.groups
+  combined = sum(gradient_bytes(graph, graph.leaves[g[0]], graph.leaves[g[0]].nbytes)
+                 for g in graph.groups
                  if not graph.leaves[g[0]].is_batch and stepgraph.is_float(graph.leaves[g[0]].dtype)
                  and not graph.zero_gradient(g) and not graph.frozen(g)
                  and not reduced_in_loop(graph.weights.get(g[0]), _backend(m)))
@@ -262,7 +265,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # a routed axis's shards (expert) hold complete gradients where they lie
     t_shard *= math.prod(m.size[a] for a in ROUTED_AXES if a in used)
     # a table only looked up whose gradient XLA scatters into its shard (lookup_gradient)
-    scatter = lookup_gradient(graph, primary, used, m, backend) if use is None else None
+    scatter = (lookup_gradient(graph, read_leaf(graph, primary), used, m, backend)
+               if use is None else None)
     in_shard = scatter is not None and not scatter.whole
     if not cpu and scatter is not None and scatter.whole_lookups:
       whole_tables.add(primary.shape)

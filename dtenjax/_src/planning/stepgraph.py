@@ -134,6 +134,9 @@ class StepGraph:
   # table; the bytes of the rows it reads per step, global; the bytes of each gather's rows)
   lookups: dict[int, tuple[tuple[int, ...], int, tuple[int, ...]]] = dataclasses.field(
       default_factory=dict)
+  # looked-up leaf -> the dtype of its lookups' rows (a float32 table cast to bfloat16 first:
+  # bfloat16), in which its lookup's gradient is made (pricing.gradient_dtype)
+  lookup_dtypes: dict[int, str] = dataclasses.field(default_factory=dict)
   # (leaf, free dim)s whose product's output is only reduced over that dim (pairs.reduced_outputs):
   # column-parallel, complete on its own on XLA:CPU (its output stays sharded, its cone in
   # act_share)
@@ -370,11 +373,14 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     has_grad = (shape in reader.shape_flops or tuple(reversed(shape)) in reader.shape_flops)
     reads = reader.leaf_flops.get(leaf, 0.0)
     parts = _grad_parts(use, reader.leaf_reads.get(leaf, 1), leaf in reader.remat_read)
+    loop_uses, loop_parts = _loop_parts(use, reader.loop_reads.get(leaf, (0, 0)),
+                                        leaf in reader.remat_read)
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
                                         remat=leaf in reader.remat_read,
                                         forward_reads=pairs_mod.forward_reads(reader, leaf),
                                         siblings=readers.get(reader.partner.get(leaf), 1),
-                                        grad_parts=parts)
+                                        grad_parts=parts, loop_uses=loop_uses,
+                                        loop_parts=loop_parts)
   groups: dict[int, list[int]] = {}
   for leaf in leaves:
     if not leaf.is_batch:
@@ -395,6 +401,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    outputs=tuple(outputs), num_eqns=reader.eqn_count,
                    out_tree=jax.tree.structure(out_shape), carried=carried,
                    act_share=act_share, lookups=dict(reader.lookups),
+                   lookup_dtypes=dict(reader.lookup_dtypes),
                    reduced=frozenset(reduced),
                    stacks=stacks.read(reader.scans), timeline=timeline,
                    products=reader.products, token_bytes=reader.token_bytes,
@@ -449,3 +456,17 @@ def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:
     return 1
   per_use = 1 + int(use.input_grad) + int(remat)
   return max(1, reads // per_use)
+
+
+def _loop_parts(use: WeightUse, loop_reads: tuple[int, int], remat: bool) -> tuple[int, int]:
+  """(uses, gradient parts per step) of a weight inside loops' bodies, from ``loop_reads``
+  (its products there, and those times their trip counts): each use reads it as
+  :func:`_grad_parts` counts, and runs once per iteration. Not the first read's trip count times
+  every use: a weight read by a fori_loop of 3 and once outside it has 3 + 1 gradient parts
+  (compiled on 8 CPU devices, `data` 8: 3 all-reduces of it in the backward's loop body, one in
+  the combined all-reduce after it), whichever read comes first. A scanned stack's layers are
+  one use (accumulated in the loop): none."""
+  if use.layers > 1 or not loop_reads[0]:
+    return 0, 0
+  per_use = 1 + int(use.input_grad) + int(remat)
+  return max(1, loop_reads[0] // per_use), max(1, loop_reads[1] // per_use)

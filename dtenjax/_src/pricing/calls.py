@@ -103,24 +103,29 @@ def acc_dtype(dtype, op: str):
   return dtype
 
 
-def is_bfloat16(dtype) -> bool:
-  """Whether ``dtype`` is bfloat16 (a PRNG key's dtype, which numpy does not know, is not)."""
+def doubled_on_cpu(dtype) -> bool:
+  """Whether XLA:CPU compiles a collective of ``dtype`` at twice its bytes: bfloat16 in float32,
+  the float8 types in float16 (the compiled HLO's operands on 8 CPU devices: a float8_e4m3fn or
+  float8_e5m2 all-gather, psum and all-to-all are f16 ones; tests/test_costmodel_wire.py). Not
+  float16, integers, bools nor a PRNG key's dtype (which numpy does not know)."""
   try:
-    return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    d = jnp.dtype(dtype)
   except TypeError:
     return False
+  return d == jnp.dtype(jnp.bfloat16) or d.name.startswith("float8")
 
 
 def wire_bytes(dtype, backend: str) -> float:
   """Bytes XLA's collective of a value of ``dtype`` moves per byte of the value on ``backend``:
   the one place this is decided (the whole-step planner's roles, its Pricer, the per-array
   planner and the algorithm records ask it). XLA:CPU compiles a collective of bfloat16 in
-  float32, with conversions around it (a bfloat16 gradient's all-reduce, a bfloat16 weight's
-  all-gather, all-to-alls and ppermutes alike: the compiled HLO's operands, and the bytes
-  ``plan.check`` reads back from it: tests/test_costmodel_wire.py), 2; every other dtype as it
-  is, 1: float16 (its collectives stay float16 in the compiled HLO), integers, PRNG keys, and
-  every dtype on a GPU (NCCL sends the input's bytes)."""
-  return 2.0 if backend == "cpu" and is_bfloat16(dtype) else 1.0
+  float32 and one of a float8 type in float16, with conversions around it (a bfloat16
+  gradient's all-reduce, a bfloat16 weight's all-gather, all-to-alls and ppermutes alike: the
+  compiled HLO's operands, and the bytes ``plan.check`` reads back from it:
+  tests/test_costmodel_wire.py), 2 (:func:`doubled_on_cpu`); every other dtype as it is, 1:
+  float16 (its collectives stay float16 in the compiled HLO), integers, PRNG keys, and every
+  dtype on a GPU (NCCL sends the input's bytes)."""
+  return 2.0 if backend == "cpu" and doubled_on_cpu(dtype) else 1.0
 
 
 def uses_keys(dtype) -> bool:

@@ -16,9 +16,10 @@ WIRE = "float32"
 
 def activation_dtype(use) -> str:
   """The dtype a product's activation collectives are priced in (``use``: its
-  stepgraph.WeightUse): its activations' own, not the weight's. Only bfloat16 moves otherwise
-  than it is (``calls.wire_bytes``: XLA:CPU widens it to float32), every other dtype is priced
-  at its bytes (``WIRE``)."""
+  stepgraph.WeightUse): its activations' own, not the weight's. Only bfloat16 and the float8
+  types move otherwise than they are (``calls.wire_bytes``: XLA:CPU doubles them, to float32 and
+  float16), priced as bfloat16 (twice its bytes on CPU devices); every other dtype is priced at
+  its bytes (``WIRE``)."""
   return "bfloat16" if use.act_bfloat16 else WIRE
 
 

@@ -152,9 +152,11 @@ def sliced_on(ctx, dim: int, zero: list[str], moved: float, uses: int):
     sub.add("all_reduce", tokens * width_in * item, ("tensor",), blocking=True, dtype=act)
   sub.add("all_gather", pr.memory["params"] + pr.memory["opt_state"], ("tensor",),
           blocking=False)
-  if moved:       # the pieces' permute (priced whole, ``uses`` times) moves the slices only
-    sub.add("ppermute", moved, zero + ["tensor"], blocking=False, times=-uses)
-    sub.add("ppermute", moved / g, zero + ["tensor"], blocking=False, times=uses)
+  # the pieces' permute (priced whole, ``uses`` times, at the bytes that move: Pricer.wire)
+  # moves the slices only
+  if moved:
+    sub.add("ppermute", moved, zero + ["tensor"], blocking=False, times=-uses, dtype=WIRE)
+    sub.add("ppermute", moved / g, zero + ["tensor"], blocking=False, times=uses, dtype=WIRE)
   return out
 
 

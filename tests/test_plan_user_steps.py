@@ -362,12 +362,14 @@ def shard_map_on_fsdp_and_tensor():
                 "all_reduce": (131072, why)})
 
 
-def shard_map_step(shape=(8,), in_specs=P("data"), out_specs=P("data"), b=64):
+def shard_map_step(shape=(8,), in_specs=P("data"), out_specs=P("data"), b=64, devices=None):
   """with_shard_map's centring over a user's mesh of ``shape`` ("data", then "model"), its batch
   operand laid out as ``in_specs`` (replicated: each device centres its own rows of it) and its
-  result as ``out_specs``."""
+  result as ``out_specs``; over ``devices`` in that order (default jax.make_mesh's)."""
   names = ("data", "model")[:len(shape)]
-  mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+  types = (jax.sharding.AxisType.Auto,) * len(shape)
+  mesh = (jax.make_mesh(shape, names, axis_types=types) if devices is None else
+          jax.sharding.Mesh(np.asarray(devices).reshape(shape), names, axis_types=types))
   tx = optax.adamw(_LR)
   def step(params, opt_state, batch):
     def center(x):
@@ -1270,6 +1272,22 @@ def test_plan_jit_pins_a_shard_map_result_only_where_the_pin_saves_memory(name, 
   assert memory[plan.manual or "free"] == memory[better], memory
   if not pinned:       # XLA's free program is not priced: its memory must not exceed the plan's
     assert check.predicted_memory["total"] >= memory["free"], memory
+
+
+def test_plan_jit_names_a_shard_map_mesh_over_the_plan_s_devices_in_another_order():
+  # a user's shard_map over jax.devices() reversed: JAX refuses it inside a jit whose arguments
+  # lie on the plan's mesh ("Received incompatible devices for jitted computation", a ValueError
+  # from plan.jit's first call and from plan.check). plan.jit names the mesh and how to build it
+  # from the plan's devices, and the step built so lowers under the same plan
+  case = shard_map_step(devices=jax.devices()[::-1])
+  plan = dtenjax.plan(case.step, *case.args, mesh={"data": 8})
+  with pytest.raises(dtenjax.MeshError,
+                     match=r"\{'data': 8\} of devices \[7, 6, 5, 4, 3, 2, 1, 0\], the plan's "
+                           r"devices in another order .*plan\.mesh\(\)\.devices"):
+    plan.jit(case.step).lower(*case.args)
+  fixed = shard_map_step(devices=plan.mesh().devices.reshape(8))
+  lowered = plan.jit(fixed.step).lower(*fixed.args)      # JAX raised its ValueError here
+  assert "manual" in lowered.as_text()
 
 
 def test_a_table_read_under_stop_gradient_is_gathered_again_on_another_shape():

@@ -16,6 +16,7 @@ import math
 from collections.abc import Container, Sequence
 from typing import Any
 
+import jax
 import jax.extend.core as jcore
 import numpy as np
 
@@ -205,6 +206,27 @@ def manual_blocks(sizes: dict[str, int], axes: Sequence[str]) -> tuple[int, ...]
       block = block * sizes.get(a, 1) + coords.get(a, 0)
     blocks.append(block)
   return tuple(blocks)
+
+
+def shard_map_meshes(jaxpr) -> dict[tuple[int, ...], tuple[tuple[str, int], ...]]:
+  """The concrete meshes the jax.shard_maps of ``jaxpr`` run over, in calls, loops and every
+  branch too: their devices' ids in the mesh's order -> the mesh's (axis, size) pairs. jax.jit
+  runs a shard_map only over its arguments' devices in their order."""
+  found: dict[tuple[int, ...], tuple[tuple[str, int], ...]] = {}
+
+  def walk(j) -> None:
+    for eqn in j.eqns:
+      mesh = eqn.params.get("mesh")
+      if eqn.primitive.name == "shard_map" and isinstance(mesh, jax.sharding.Mesh):
+        found.setdefault(tuple(int(d.id) for d in mesh.devices.flat),
+                         tuple(dict(mesh.shape).items()))
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          if isinstance(sub, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+            walk(getattr(sub, "jaxpr", sub))
+
+  walk(getattr(jaxpr, "jaxpr", jaxpr))
+  return found
 
 
 def blocks_nest(user: Sequence[int], n_user: int, plan: Sequence[int], n_plan: int) -> bool:

@@ -499,7 +499,7 @@ class Reader:
       sliced = name == "scan" and k >= n_consts + n_carry     # one slice of a scanned operand
       self._carry_batch(o, i, -1 if sliced else 0)
     if name == "shard_map":
-      self._manual(eqn)
+      self._manual(eqn, repeats)
     saved, start = self.frames, self.eqn_count
     self.frames = saved + ((eqn, sub),)
     self.walk(sub, inner_origin, inner_tie, repeats)
@@ -518,9 +518,11 @@ class Reader:
           tie[o] = inner_tie[i]
         self._carry_batch(i, o, self.outer_of_outvar[i][1])
 
-  def _manual(self, eqn) -> None:
+  def _manual(self, eqn, repeats: int) -> None:
     """Records the results of a jax.shard_map that its out_specs shard over the user's mesh, and
-    its operands that hold the batch (split over the user's mesh as its in_specs say)."""
+    its operands that hold the batch (split over the user's mesh as its in_specs say), their
+    bytes those of the ``repeats`` times a step runs it (inside ``lax.scan`` over the layers,
+    XLA reshards the carry at the boundary in every iteration, forward and backward)."""
     mesh = eqn.params.get("mesh")
     sizes = dict(getattr(mesh, "shape", {}) or {})
 
@@ -531,12 +533,14 @@ class Reader:
       whole = math.prod(split(e) for e in spec)
       if whole > 1:
         first = spec[0] if len(spec) else None
-        self.manual.append((self.eqn_count, nbytes(o.aval), wide_bytes(o.aval), split(first),
+        self.manual.append((self.eqn_count, repeats * nbytes(o.aval),
+                            repeats * wide_bytes(o.aval), split(first),
                             whole, manual_blocks(sizes, spec_axes(first))))
     for v, spec in zip(eqn.invars, eqn.params.get("in_specs", ())):
       if is_var(v) and 0 in self.batch.get(v, ()):
         first = spec[0] if len(spec) else None
-        self.manual_in.append((self.eqn_count, nbytes(v.aval), wide_bytes(v.aval), split(first),
+        self.manual_in.append((self.eqn_count, repeats * nbytes(v.aval),
+                               repeats * wide_bytes(v.aval), split(first),
                                manual_blocks(sizes, spec_axes(first))))
 
   def manual_outputs(self) -> list[tuple[int, int | None, int, int, int, tuple[int, ...]]]:

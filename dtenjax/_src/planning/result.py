@@ -203,17 +203,20 @@ class StepPlan:
                                           SEQUENCE_AXES, BATCH_AXES, self.batch_argnums),
         shard_specs=self.specs, rows=self._batch_rows(), pin_all=self.manual == "all")
 
-    @functools.wraps(planned)          # the step's name: jit_<step> in profiles and HLO
-    def fn(*args):
+    def checked(*args):
       if self.manual_meshes:     # the planned step ran shard_maps: is this one's on our devices?
         self._check_manual_meshes(jaxpr_reader.shard_map_meshes(jax.make_jaxpr(step)(*args)))
+      return planned(*args)
+
+    @functools.wraps(planned)          # the step's name: jit_<step> in profiles and HLO
+    def fn(*args):
       # under a user's jax.set_mesh of another mesh, traced under the plan's: the arguments lie
       # on it, and JAX refuses a product whose operands' mesh is not the context's. Without a
       # context mesh none is set, so that a jax.shard_map given its own mesh keeps working
       if jax.sharding.get_abstract_mesh().empty:
-        return planned(*args)
+        return checked(*args)
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return planned(*args)
+        return checked(*args)
     return jax.jit(fn, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
                    **jit_kwargs)
 

@@ -1300,9 +1300,9 @@ def test_a_shard_map_in_a_layer_scan_is_resharded_in_every_iteration():
 
 @pytest.mark.xfail(strict=True, reason=(
     "review18d: a shard_map on activations the plan splits on their features (its default "
-    "`tensor` 8) is priced as the result gathered whole; XLA instead gathers the second weight "
-    "and runs it replicated: 1231 KiB a device where the plan says 465 (62 % under, not "
-    "budget-safe). Pinning the shard_map's operand and result to P(None, 'tensor') compiles "
+    "`tensor` 8) is priced as the result gathered whole; XLA instead gathers both weights "
+    "whole and runs the products on the user's rows: 1231 KiB a device where the plan says 465 "
+    "(62 % under, not budget-safe). Pinning the shard_map's operand and result to P(None, 'tensor') compiles "
     "488 KiB and 64 KiB of all-to-all: neither priced nor pinned yet"))
 def test_a_shard_map_on_tensor_parallel_activations_is_priced():
   # the centring of with_shard_map on the hidden activations between the two products instead

@@ -1338,6 +1338,17 @@ def test_plan_jit_names_a_shard_map_mesh_over_the_plan_s_devices_in_another_orde
   assert "manual" in lowered.as_text()
 
 
+def test_plan_jit_traces_a_shard_map_under_the_user_s_set_mesh_of_its_mesh():
+  # the user's jax.set_mesh of the mesh their shard_map runs over (plain jax.jit of the step
+  # runs under it): plan.jit traced the step under the plan's mesh, where JAX refuses the
+  # shard_map ("The context mesh ... should match the mesh passed to shard_map", a ValueError)
+  case = shard_map_step()
+  plan = dtenjax.plan(case.step, *case.args, mesh={"data": 8})
+  with jax.set_mesh(jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))):
+    lowered = plan.jit(case.step).lower(*case.args)      # JAX raised its ValueError here
+  assert "manual" in lowered.as_text()
+
+
 def test_a_table_read_under_stop_gradient_is_gathered_again_on_another_shape():
   # stop_gradient_tied_table's rule on a table of twice the rows (512, 128 KiB), on the same
   # `fsdp` 8: now larger than the projection's activations (256 tokens of 64 features, 64 KiB),

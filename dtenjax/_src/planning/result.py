@@ -208,12 +208,16 @@ class StepPlan:
         self._check_manual_meshes(jaxpr_reader.shard_map_meshes(jax.make_jaxpr(step)(*args)))
       return planned(*args)
 
+    manual_axes = {axes for _, axes in self.manual_meshes}
+
     @functools.wraps(planned)          # the step's name: jit_<step> in profiles and HLO
     def fn(*args):
       # under a user's jax.set_mesh of another mesh, traced under the plan's: the arguments lie
       # on it, and JAX refuses a product whose operands' mesh is not the context's. Without a
-      # context mesh none is set, so that a jax.shard_map given its own mesh keeps working
-      if jax.sharding.get_abstract_mesh().empty:
+      # context mesh none is set, so that a jax.shard_map given its own mesh keeps working; nor
+      # under the mesh of the step's own shard_map, which JAX refuses to trace under another
+      context = jax.sharding.get_abstract_mesh()
+      if context.empty or tuple(zip(context.axis_names, context.axis_sizes)) in manual_axes:
         return checked(*args)
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         return checked(*args)

@@ -16,6 +16,7 @@ import math
 from collections.abc import Container, Sequence
 from typing import Any
 
+import jax
 import jax.extend.core as jcore
 import numpy as np
 
@@ -218,6 +219,27 @@ def manual_blocks(sizes: dict[str, int], axes: Sequence[str]) -> tuple[int, ...]
       block = block * sizes.get(a, 1) + coords.get(a, 0)
     blocks.append(block)
   return tuple(blocks)
+
+
+def shard_map_meshes(jaxpr) -> dict[tuple[int, ...], tuple[tuple[str, int], ...]]:
+  """The concrete meshes the jax.shard_maps of ``jaxpr`` run over, in calls, loops and every
+  branch too: their devices' ids in the mesh's order -> the mesh's (axis, size) pairs. jax.jit
+  runs a shard_map only over its arguments' devices in their order."""
+  found: dict[tuple[int, ...], tuple[tuple[str, int], ...]] = {}
+
+  def walk(j) -> None:
+    for eqn in j.eqns:
+      mesh = eqn.params.get("mesh")
+      if eqn.primitive.name == "shard_map" and isinstance(mesh, jax.sharding.Mesh):
+        found.setdefault(tuple(int(d.id) for d in mesh.devices.flat),
+                         tuple(dict(mesh.shape).items()))
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          if isinstance(sub, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+            walk(getattr(sub, "jaxpr", sub))
+
+  walk(getattr(jaxpr, "jaxpr", jaxpr))
+  return found
 
 
 def blocks_nest(user: Sequence[int], n_user: int, plan: Sequence[int], n_plan: int) -> bool:
@@ -535,7 +557,7 @@ class Reader:
       if not self.aside:
         self._carry_batch(o, i, -1 if sliced else 0)
     if name == "shard_map" and not self.aside:
-      self._manual(eqn)
+      self._manual(eqn, repeats)
     saved, start = self.frames, self.eqn_count
     self.frames = saved + ((eqn, sub),)
     self.walk(sub, inner_origin, inner_tie, repeats)
@@ -556,9 +578,11 @@ class Reader:
           tie[o] = inner_tie[i]
         self._carry_batch(i, o, self.outer_of_outvar[i][1])
 
-  def _manual(self, eqn) -> None:
+  def _manual(self, eqn, repeats: int) -> None:
     """Records the results of a jax.shard_map that its out_specs shard over the user's mesh, and
-    its operands that hold the batch (split over the user's mesh as its in_specs say)."""
+    its operands that hold the batch (split over the user's mesh as its in_specs say), their
+    bytes those of the ``repeats`` times a step runs it (inside ``lax.scan`` over the layers,
+    XLA reshards the carry at the boundary in every iteration, forward and backward)."""
     mesh = eqn.params.get("mesh")
     sizes = dict(getattr(mesh, "shape", {}) or {})
 
@@ -569,12 +593,14 @@ class Reader:
       whole = math.prod(split(e) for e in spec)
       if whole > 1:
         first = spec[0] if len(spec) else None
-        self.manual.append((self.eqn_count, nbytes(o.aval), wide_bytes(o.aval), split(first),
+        self.manual.append((self.eqn_count, repeats * nbytes(o.aval),
+                            repeats * wide_bytes(o.aval), split(first),
                             whole, manual_blocks(sizes, spec_axes(first))))
     for v, spec in zip(eqn.invars, eqn.params.get("in_specs", ())):
       if is_var(v) and 0 in self.batch.get(v, ()):
         first = spec[0] if len(spec) else None
-        self.manual_in.append((self.eqn_count, nbytes(v.aval), wide_bytes(v.aval), split(first),
+        self.manual_in.append((self.eqn_count, repeats * nbytes(v.aval),
+                               repeats * wide_bytes(v.aval), split(first),
                                manual_blocks(sizes, spec_axes(first))))
 
   def manual_outputs(self) -> list[tuple[int, int | None, int, int, int, tuple[int, ...]]]:

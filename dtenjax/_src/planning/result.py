@@ -18,6 +18,7 @@ from dtenjax._src import tables
 from dtenjax._src.pipeline import run as run_lib
 from dtenjax._src.planning import check as check_lib
 from dtenjax._src.planning import gather
+from dtenjax._src.planning import jaxpr_reader
 from dtenjax._src.planning import sequence as sequence_lib
 from dtenjax._src.planning.candidates import AxisLink
 from dtenjax._src.planning.candidates import axis_links
@@ -137,6 +138,10 @@ class StepPlan:
   # user's blocks of rows coarser than the plan's or on other devices), "all" every result its
   # out_specs split on dimension 0 only (the pin measured against: bench/shard_map_boundary.py)
   manual: str = ""
+  # the concrete meshes the planned step's jax.shard_maps run over: (their devices' ids in
+  # order, the (axis, size) pairs); where there are some, plan.jit traces the step it is given
+  # to name a shard_map mesh whose devices are not the plan's in its order
+  manual_meshes: tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...] = ()
 
   # --- applying it -----------------------------------------------------------------------------
 
@@ -198,17 +203,47 @@ class StepPlan:
                                           SEQUENCE_AXES, BATCH_AXES, self.batch_argnums),
         shard_specs=self.specs, rows=self._batch_rows(), pin_all=self.manual == "all")
 
+    def checked(*args):
+      if self.manual_meshes:     # the planned step ran shard_maps: is this one's on our devices?
+        self._check_manual_meshes(jaxpr_reader.shard_map_meshes(jax.make_jaxpr(step)(*args)))
+      return planned(*args)
+
+    manual_axes = {axes for _, axes in self.manual_meshes}
+
     @functools.wraps(planned)          # the step's name: jit_<step> in profiles and HLO
     def fn(*args):
       # under a user's jax.set_mesh of another mesh, traced under the plan's: the arguments lie
       # on it, and JAX refuses a product whose operands' mesh is not the context's. Without a
-      # context mesh none is set, so that a jax.shard_map given its own mesh keeps working
-      if jax.sharding.get_abstract_mesh().empty:
-        return planned(*args)
+      # context mesh none is set, so that a jax.shard_map given its own mesh keeps working; nor
+      # under the mesh of the step's own shard_map, which JAX refuses to trace under another
+      context = jax.sharding.get_abstract_mesh()
+      if context.empty or tuple(zip(context.axis_names, context.axis_sizes)) in manual_axes:
+        return checked(*args)
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return planned(*args)
+        return checked(*args)
     return jax.jit(fn, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
                    **jit_kwargs)
+
+  def _check_manual_meshes(self, meshes) -> None:
+    """jax.jit runs a step's arguments and every jax.shard_map inside it over one list of devices
+    in one order, and refuses a shard_map over a mesh of other devices or of the plan's in
+    another order with JAX's "incompatible devices" (a mesh built from jax.devices() reversed,
+    or on a host whose topology orders the plan's devices otherwise than jax.make_mesh):
+    ``meshes`` (jaxpr_reader.shard_map_meshes of the step traced) named with the fix instead."""
+    for ids, axes in meshes.items():
+      if ids == tuple(self.device_ids):
+        continue
+      names = tuple(a for a, _ in axes)
+      shape = tuple(n for _, n in axes)
+      order = ("the plan's devices in another order" if sorted(ids) == sorted(self.device_ids)
+               else f"{len(ids)} devices where the plan has {len(self.device_ids)}")
+      raise errors.MeshError(
+          f"StepPlan.jit: the step's jax.shard_map runs over a mesh {dict(axes)} of devices "
+          f"{list(ids)[:8]}{'...' if len(ids) > 8 else ''}, {order} "
+          f"{list(self.device_ids)[:8]}{'...' if len(self.device_ids) > 8 else ''}; jax.jit "
+          "runs a step's arguments and its shard_maps on one device order. Build the "
+          "shard_map's mesh from the plan's devices: jax.sharding.Mesh(plan.mesh().devices"
+          f".reshape({shape}), {names})")
 
   def _batch_rows(self) -> tuple[str, ...]:
     """The mesh axes this plan splits the batch's dimension 0 over (its batch layout's), where the
@@ -373,7 +408,7 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
                   leaves=tuple(leaves), specs=tuple(specs), cost=cost, recipes=recipes,
                   budget_bytes=budget, topology=topology.name, planning_s=seconds,
                   meshes_tried=tried, notes=notes, priced_with=topology.pricing_summary(),
-                  manual=_manual(graph, m))
+                  manual=_manual(graph, m), manual_meshes=graph.manual_meshes)
 
 
 def _manual(graph, m) -> str:

@@ -191,6 +191,9 @@ class StepGraph:
   # the devices its in_specs split dimension 0 over, the blocks)
   # (jaxpr_reader.Reader.manual_operands)
   manual_operands: tuple[tuple[int, int | None, int, int, tuple[int, ...]], ...] = ()
+  # the concrete meshes the step's jax.shard_maps run over: (their devices' ids in the mesh's
+  # order, the mesh's (axis, size) pairs) (jaxpr_reader.shard_map_meshes)
+  manual_meshes: tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...] = ()
   # (leaf, free dim) of a tensor pair -> the bytes of the step's outputs in its cone that are no
   # state's new value (a metric per hidden unit): column-parallel, XLA all-gathers them over
   # 'tensor' into the replicated outputs
@@ -421,6 +424,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves),
                    manual_outputs=tuple(reader.manual_outputs()),
                    manual_operands=tuple(reader.manual_operands()),
+                   manual_meshes=tuple(jaxpr_reader.shard_map_meshes(jaxpr).items()),
                    stopped=jaxpr_reader.stopped_reads(jaxpr, leaves),
                    cone_outputs=_cone_outputs(jaxpr, tie, cones),
                    cone_wide=_cone_outputs(jaxpr, tie, cones, jaxpr_reader.wide_bytes))

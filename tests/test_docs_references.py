@@ -119,3 +119,17 @@ def test_every_anchor_link_names_a_heading():
         broken.setdefault(page.name, []).append(f"{target}#{anchor}")
   assert not broken, broken
   assert seen >= 1              # docs/transport.md's link to its verbs section
+
+
+def test_every_code_fence_is_closed():
+  """A fence left open turns the rest of its page into code: its headings lose their anchors and
+  its prose renders as text (docs/benchmarks.md's wire17 section did, unseen for a round)."""
+  open_at = {}
+  for page in PAGES:
+    start = None
+    for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+      if FENCE_LINE.match(line):
+        start = n if start is None else None
+    if start is not None:
+      open_at[page.name] = start
+  assert not open_at, open_at

@@ -207,34 +207,38 @@ def followed_operand(eqn, fills: Container = frozenset()):
       return kept[0]
     return None
   if eqn.primitive.name in CALLS and len(eqn.outvars) >= 1:
-    return _followed_through_call(eqn)
+    return _followed_through_call(eqn, fills)
   return scaled_operand(eqn)
 
 
-_CALL_MEMO: dict[int, tuple[Any, int | None]] = {}
+_CALL_MEMO: dict[tuple[int, tuple[int, ...]], tuple[Any, int | None]] = {}
 
 
-def _followed_through_call(eqn):
+def _followed_through_call(eqn, fills: Container = frozenset()):
   """The operand a call hands out as its first result through followed equations only
   (jnp.where's ``_where`` call: ``select_n`` of a scalar predicate, the broadcast zero and
   ``w``), its other results filled with scalars (the zero the backward reads); None otherwise.
-  XLA inlines the call: the weight is followed through it as through the select itself."""
+  XLA inlines the call: the weight is followed through it as through the select itself. An
+  operand the caller fills (``fills``) is a fill in the body too: inside a ``lax.scan`` body
+  jax hoists ``jnp.where(s, w, 0)``'s zero out of the loop, and ``_where`` receives it."""
   closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   body = getattr(closed, "jaxpr", closed)
-  if body is None:
+  if body is None or len(body.invars) != len(eqn.invars):
     return None
-  hit = _CALL_MEMO.get(id(body))
+  filled = tuple(k for k, v in enumerate(eqn.invars) if is_var(v) and v in fills)
+  hit = _CALL_MEMO.get((id(body), filled))
   if hit is None or hit[0] is not body:
-    hit = (body, _followed_input(body))
-    _CALL_MEMO[id(body)] = hit
+    hit = (body, _followed_input(body, frozenset(body.invars[k] for k in filled)))
+    _CALL_MEMO[(id(body), filled)] = hit
   k = hit[1]
   return None if k is None or not is_var(eqn.invars[k]) else eqn.invars[k]
 
 
-def _followed_input(body) -> int | None:
+def _followed_input(body, filled: frozenset = frozenset()) -> int | None:
   """The index of ``body``'s input its first result is made from by followed equations
-  (:func:`followed_operand`), where its other results are scalar fills; None otherwise."""
-  fills = scalar_fills(body)
+  (:func:`followed_operand`), where its other results are scalar fills (made in the body, or
+  the inputs ``filled``); None otherwise."""
+  fills = scalar_fills(body) | filled
   if any(not is_var(v) or v not in fills for v in body.outvars[1:]):
     return None
   producer = {o: e for e in body.eqns for o in e.outvars}
@@ -248,12 +252,55 @@ def _followed_input(body) -> int | None:
   return list(body.invars).index(v)
 
 
+_FILLED_MEMO: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+
+def _filled_results(eqn) -> tuple[int, ...]:
+  """The results of a call of scalars only that its body fills with one scalar (the zero
+  jax hoists out of a scanned layer's ``jnp.where(s, w, 0)`` is a call of ``0.0``)."""
+  closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  body = getattr(closed, "jaxpr", closed)
+  if body is None or any(tuple(getattr(v.aval, "shape", ())) != () for v in eqn.invars):
+    return ()
+  hit = _FILLED_MEMO.get(id(body))
+  if hit is None or hit[0] is not body:
+    inner = scalar_fills(body)
+    hit = (body, tuple(k for k, v in enumerate(body.outvars) if is_var(v) and v in inner))
+    _FILLED_MEMO[id(body)] = hit
+  return hit[1]
+
+
+# a scan body -> (the body, its constants the scan binds to values filled with one scalar)
+_BOUND_FILLS: dict[int, tuple[Any, frozenset]] = {}
+
+
 def scalar_fills(jaxpr) -> frozenset:
   """The values of ``jaxpr``'s top level that a ``broadcast_in_dim`` fills with one scalar
-  (``jnp.where(flag, w, 0)``'s zero): they carry no leaf's values (:func:`followed_operand`)."""
-  return frozenset(eqn.outvars[0] for eqn in jaxpr.eqns
-                   if eqn.primitive.name == "broadcast_in_dim" and
-                   tuple(getattr(eqn.invars[0].aval, "shape", ())) == ())
+  (``jnp.where(flag, w, 0)``'s zero): they carry no leaf's values (:func:`followed_operand`).
+  In a ``lax.scan`` body, its constants bound to such values too: jax hoists the zero of
+  ``jnp.where(s, w, 0)`` in a scanned layer out of the loop (a scan constant), so the body
+  sees no broadcast. A scan's body is read after its caller (the walks go down), which binds
+  them here; a body two scans share keeps the constants both bind."""
+  fills = {eqn.outvars[0] for eqn in jaxpr.eqns
+           if eqn.primitive.name == "broadcast_in_dim" and
+           tuple(getattr(eqn.invars[0].aval, "shape", ())) == ()}
+  bound = _BOUND_FILLS.get(id(jaxpr))
+  if bound is not None and bound[0] is jaxpr:
+    fills |= bound[1]
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in CALLS:
+      fills.update(eqn.outvars[k] for k in _filled_results(eqn))
+    if eqn.primitive.name != "scan":
+      continue
+    body = eqn.params["jaxpr"].jaxpr
+    nc = eqn.params["num_consts"]
+    inner = frozenset(iv for ov, iv in zip(eqn.invars[:nc], body.invars[:nc])
+                      if is_var(ov) and ov in fills)
+    seen = _BOUND_FILLS.get(id(body))
+    if seen is not None and seen[0] is body:
+      inner &= seen[1]
+    _BOUND_FILLS[id(body)] = (body, inner)
+  return frozenset(fills)
 
 
 def sub_jaxprs(eqn):

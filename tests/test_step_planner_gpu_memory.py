@@ -357,7 +357,7 @@ def test_xla_gpu_holds_a_whole_tables_zeros_through_the_backward_loop(monkeypatc
   temp = {}
   for rule in (True, False):
     if not rule:
-      monkeypatch.setattr(solver, "_zeros_before_the_loop", lambda graph, tables, cpu=False: {})
+      monkeypatch.setattr(solver, "_zeros_before_the_loop", lambda graph, tables: {})
     mem = _llama_1b_plan(row).cost.memory
     temp[rule] = mem["grads"] + mem["activations"] + mem["gathered"]
   assert temp[True] - temp[False] == (table if row["devices"] == 32 else 0), temp

@@ -24,7 +24,6 @@ from tests.helpers import DEFAULT_CPU_EMITTERS, one_worker
 from dtenjax._src.planning import check as check_lib
 from dtenjax._src.planning import explain as explain_lib
 from dtenjax._src.planning import pricing
-from dtenjax._src.planning import solver
 from dtenjax._src.planning import stepgraph
 
 # One xdist worker for the module and test_step_planner_memory_xla011.py (whose rows read the
@@ -1110,20 +1109,3 @@ def test_a_global_norm_reduces_a_tied_weights_gradient_parts_together():
   args = (params, jax.eval_shape(tx.init, params), batch)
   check = dtenjax.plan(step, *args, recipe="FSDP").check(step, *args, compiler_options=EMITTERS)
   assert check.memory_error <= 0.05, check.table()
-
-
-def test_xla_cpu_holds_a_whole_tables_scatter_zeros_through_the_step(monkeypatch):
-  # The tiny Llama's f32 FSDP 8 step (batch 8, seq 64): its 504 tokens' rows and ids (260 KiB)
-  # outweigh the f32[512,128] table (256 KiB), so XLA's partitioner scatters each device's
-  # tokens into zeros of the whole table (index passthrough, pricing.lookup_gradient), as on
-  # XLA:GPU (solver._zeros_before_the_loop). XLA:CPU schedules those zeros before the forward
-  # loop and holds them to the scatter after the backward's (its live range: 49 to 401 of 426,
-  # the loops at 162 and 370, the peak at 299). Before, the rule was XLA:GPU's only and the plan's
-  # memory 5.2 % under XLA:CPU's compile (3.46 MiB priced, 3.65 compiled); now +1.6 %
-  step, args = _step_models("tiny")
-  plan = dtenjax.plan(step, *args, recipe="FSDP", mesh={"fsdp": 8})
-  check = plan.check(step, *args, compiler_options=EMITTERS)
-  assert check.memory_error <= 0.03, check.table()
-  monkeypatch.setattr(solver, "_zeros_before_the_loop", lambda graph, tables, cpu=False: {})
-  bare = dtenjax.plan(step, *args, recipe="FSDP", mesh={"fsdp": 8})
-  assert plan.cost.memory["total"] - bare.cost.memory["total"] == 512 * 128 * 4

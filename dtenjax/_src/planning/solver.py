@@ -245,7 +245,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # whole gradients a batch axis reduces and a layout then shards, each with its products
   reduced: list[tuple[float, int]] = []
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
-  whole_tables: set[tuple[int, ...]] = set()   # XLA scatters their gradients into zeros
+  whole_tables: set[tuple[int, ...]] = set()   # XLA:GPU scatters their gradients into zeros
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -264,7 +264,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # a table only looked up whose gradient XLA scatters into its shard (lookup_gradient)
     scatter = lookup_gradient(graph, primary, used, m, backend) if use is None else None
     in_shard = scatter is not None and not scatter.whole
-    if scatter is not None and scatter.whole_lookups:
+    if not cpu and scatter is not None and scatter.whole_lookups:
       whole_tables.add(primary.shape)
     per_device = (primary.nbytes / shards if zero and (in_shard or use is not None and
                                                        use.layers > 1)
@@ -287,7 +287,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         reduced.append((per_device, parts))
     if not prob.donate:
       outputs.extend(graph.leaves[i].nbytes / shards for i in g)
-  hoisted = _zeros_before_the_loop(graph, whole_tables, cpu)
+  hoisted = _zeros_before_the_loop(graph, whole_tables)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
   slots: list[tuple[float, stepgraph.Live]] = []
@@ -301,7 +301,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if ((v.copy or v.cheap_on_gpu or v.call_result) and not cpu or v.folded and cpu
         or not v.made_on_cpu(bdiv, gathered_per_use)):
       continue
-    if id(v) in hoisted:                  # zeros of a whole table XLA scatters into
+    if id(v) in hoisted:                  # XLA:GPU's zeros of a whole table's scatter
       v = dataclasses.replace(v, start=hoisted[id(v)])
     if v.gpu_end is not None and not cpu:   # read by a fusion that recomputes a dropped value
       v = dataclasses.replace(v, end=v.gpu_end)
@@ -371,8 +371,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   return {"activations": peak[0], "grads": peak[1], "gathered": peak[2]}
 
 
-def _zeros_before_the_loop(graph: stepgraph.StepGraph, tables: set[tuple[int, ...]],
-                           cpu: bool = False) -> dict[int, int]:
+def _zeros_before_the_loop(graph: stepgraph.StepGraph, tables: set[tuple[int, ...]]
+                           ) -> dict[int, int]:
   """Where XLA:GPU allocates the whole-table gradient of a lookup it partitions by "index
   passthrough" (each device scatters its tokens into zeros of the whole table, reduce-scattered
   after: ``tables``, the shapes of the tables :func:`lookup_gradient` prices so under FSDP): the
@@ -386,11 +386,7 @@ def _zeros_before_the_loop(graph: stepgraph.StepGraph, tables: set[tuple[int, ..
   scheduled before the backward while loop, at one offset with the scatter after it, and live at
   the temp's peak in the loop's attention; the 8-GPU step scatters into its shard instead (the
   rows and ids gathered), whose zeros are the table's output buffer, not the temp. A step
-  without scanned layers (the unrolled families) is unchanged. XLA:CPU (``cpu``) schedules
-  them earlier still, before the forward loop: the value starts with the step (the tiny
-  Llama's f32 FSDP 8 step, 1024 tokens' rows over a f32[512,128] table: the zeros live from
-  instruction 49 of 426, the forward loop at 162, the peak at 299, the backward loop at 370,
-  to the scatter at 401; the plan's memory -7.1 % of XLA:CPU's without them, -2.4 % with)."""
+  without scanned layers (the unrolled families) is unchanged."""
   stacked = {graph.leaves[k].shape for leaves, _ in graph.stacks.values() for k in leaves}
   loop = min((v.start for v in graph.timeline if v.grad in stacked and not v.body), default=None)
   hoisted: dict[int, int] = {}
@@ -400,7 +396,7 @@ def _zeros_before_the_loop(graph: stepgraph.StepGraph, tables: set[tuple[int, ..
       continue
     last = max(grads, key=lambda v: v.start)
     if loop < last.start:
-      hoisted[id(last)] = 0 if cpu else loop
+      hoisted[id(last)] = loop
   return hoisted
 
 

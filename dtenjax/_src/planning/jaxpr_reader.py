@@ -194,7 +194,9 @@ def followed_operand(eqn, fills: Container = frozenset()):
   computes it on the weight's shard and gathers it at the product). So does one selected by a
   scalar predicate against values filled with a scalar (``fills``, :func:`scalar_fills`):
   ``jnp.where(flag, w, 0)`` is ``select_n`` of the broadcast zero and ``w``, a masked weight,
-  whose gradient is the gradient selected so. None for any other equation."""
+  whose gradient is the gradient selected so; and one selected by, or combined with, the step's
+  constants (``jnp.where(keep, w, 0)``, ``w * keep`` of a pruning mask it closes over). None for
+  any other equation."""
   if (eqn.primitive.name in ELEMENTWISE and eqn.primitive.name not in _NOT_FOLLOWED and
       len(eqn.invars) == 1 and len(eqn.outvars) == 1 and is_var(eqn.invars[0]) and
       tuple(getattr(eqn.invars[0].aval, "shape", ())) == tuple(eqn.outvars[0].aval.shape)):
@@ -202,12 +204,22 @@ def followed_operand(eqn, fills: Container = frozenset()):
   if eqn.primitive.name == "select_n":
     pred, *cases = eqn.invars
     kept = [v for v in cases if not (is_var(v) and v in fills)]
-    if (tuple(getattr(pred.aval, "shape", ())) == () and len(kept) == 1 and is_var(kept[0]) and
+    if ((tuple(getattr(pred.aval, "shape", ())) == () or is_var(pred) and pred in fills) and
+        len(kept) == 1 and is_var(kept[0]) and
         tuple(kept[0].aval.shape) == tuple(eqn.outvars[0].aval.shape)):
       return kept[0]
     return None
   if eqn.primitive.name in CALLS and len(eqn.outvars) >= 1:
     return _followed_through_call(eqn, fills)
+  if eqn.primitive.name in ELEMENTWISE and len(eqn.outvars) == 1 and len(eqn.invars) >= 2:
+    # a weight masked by a constant of its shape (``w * mask``) keeps its identity as a scaled
+    # one does
+    kept = [v for v in eqn.invars if tuple(getattr(v.aval, "shape", ())) != () and
+            not (is_var(v) and v in fills)]
+    if (len(kept) == 1 and is_var(kept[0]) and
+        tuple(kept[0].aval.shape) == tuple(eqn.outvars[0].aval.shape)):
+      return kept[0]
+    return None
   return scaled_operand(eqn)
 
 
@@ -276,7 +288,9 @@ _BOUND_FILLS: dict[int, tuple[Any, frozenset]] = {}
 
 def scalar_fills(jaxpr) -> frozenset:
   """The values of ``jaxpr``'s top level that a ``broadcast_in_dim`` fills with one scalar
-  (``jnp.where(flag, w, 0)``'s zero): they carry no leaf's values (:func:`followed_operand`).
+  (``jnp.where(flag, w, 0)``'s zero), and its constants (a mask the step closes over) and the
+  values elementwise ops make of them alone: they carry no leaf's values
+  (:func:`followed_operand`).
   In a ``lax.scan`` body, its constants bound to such values too: jax hoists the zero of
   ``jnp.where(s, w, 0)`` in a scanned layer out of the loop (a scan constant), so the body
   sees no broadcast. A scan's body is read after its caller (the walks go down), which binds
@@ -284,6 +298,13 @@ def scalar_fills(jaxpr) -> frozenset:
   fills = {eqn.outvars[0] for eqn in jaxpr.eqns
            if eqn.primitive.name == "broadcast_in_dim" and
            tuple(getattr(eqn.invars[0].aval, "shape", ())) == ()}
+  # the step's constants (a pruning mask it closes over) and what elementwise ops make of them
+  fills.update(jaxpr.constvars)
+  for eqn in jaxpr.eqns:
+    if ((eqn.primitive.name in ELEMENTWISE or eqn.primitive.name == "broadcast_in_dim") and
+        any(is_var(v) for v in eqn.invars) and
+        all(not is_var(v) or v in fills for v in eqn.invars)):
+      fills.update(eqn.outvars)
   bound = _BOUND_FILLS.get(id(jaxpr))
   if bound is not None and bound[0] is jaxpr:
     fills |= bound[1]

@@ -260,7 +260,9 @@ def followed_operand(eqn, fills: Container = frozenset()):
   computes it on the weight's shard and gathers it at the product). So does one selected by a
   scalar predicate against values filled with a scalar (``fills``, :func:`scalar_fills`):
   ``jnp.where(flag, w, 0)`` is ``select_n`` of the broadcast zero and ``w``, a masked weight,
-  whose gradient is the gradient selected so. None for any other equation."""
+  whose gradient is the gradient selected so; and one selected by, or combined with, the step's
+  constants (``jnp.where(keep, w, 0)``, ``w * keep`` of a pruning mask it closes over). None for
+  any other equation."""
   if (eqn.primitive.name in ELEMENTWISE and eqn.primitive.name not in _NOT_FOLLOWED and
       len(eqn.invars) == 1 and len(eqn.outvars) == 1 and is_var(eqn.invars[0]) and
       tuple(getattr(eqn.invars[0].aval, "shape", ())) == tuple(eqn.outvars[0].aval.shape)):
@@ -268,39 +270,53 @@ def followed_operand(eqn, fills: Container = frozenset()):
   if eqn.primitive.name == "select_n":
     pred, *cases = eqn.invars
     kept = [v for v in cases if not (is_var(v) and v in fills)]
-    if (tuple(getattr(pred.aval, "shape", ())) == () and len(kept) == 1 and is_var(kept[0]) and
+    if ((tuple(getattr(pred.aval, "shape", ())) == () or is_var(pred) and pred in fills) and
+        len(kept) == 1 and is_var(kept[0]) and
         tuple(kept[0].aval.shape) == tuple(eqn.outvars[0].aval.shape)):
       return kept[0]
     return None
   if eqn.primitive.name in CALLS and len(eqn.outvars) >= 1:
-    return _followed_through_call(eqn)
+    return _followed_through_call(eqn, fills)
+  if eqn.primitive.name in ELEMENTWISE and len(eqn.outvars) == 1 and len(eqn.invars) >= 2:
+    # a weight masked by a constant of its shape (``w * mask``) keeps its identity as a scaled
+    # one does
+    kept = [v for v in eqn.invars if tuple(getattr(v.aval, "shape", ())) != () and
+            not (is_var(v) and v in fills)]
+    if (len(kept) == 1 and is_var(kept[0]) and
+        tuple(kept[0].aval.shape) == tuple(eqn.outvars[0].aval.shape)):
+      return kept[0]
+    return None
   return scaled_operand(eqn)
 
 
-_CALL_MEMO: dict[int, tuple[Any, int | None]] = {}
+_CALL_MEMO: dict[tuple[int, tuple[int, ...]], tuple[Any, int | None]] = {}
 
 
-def _followed_through_call(eqn):
+def _followed_through_call(eqn, fills: Container = frozenset()):
   """The operand a call hands out as its first result through followed equations only
   (jnp.where's ``_where`` call: ``select_n`` of a scalar predicate, the broadcast zero and
   ``w``), its other results filled with scalars (the zero the backward reads); None otherwise.
-  XLA inlines the call: the weight is followed through it as through the select itself."""
+  XLA inlines the call: the weight is followed through it as through the select itself. An
+  operand the caller fills (``fills``) is a fill in the body too: inside a ``lax.scan`` body
+  jax hoists ``jnp.where(s, w, 0)``'s zero out of the loop, and ``_where`` receives it."""
   closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   body = getattr(closed, "jaxpr", closed)
-  if body is None:
+  if body is None or len(body.invars) != len(eqn.invars):
     return None
-  hit = _CALL_MEMO.get(id(body))
+  filled = tuple(k for k, v in enumerate(eqn.invars) if is_var(v) and v in fills)
+  hit = _CALL_MEMO.get((id(body), filled))
   if hit is None or hit[0] is not body:
-    hit = (body, _followed_input(body))
-    _CALL_MEMO[id(body)] = hit
+    hit = (body, _followed_input(body, frozenset(body.invars[k] for k in filled)))
+    _CALL_MEMO[(id(body), filled)] = hit
   k = hit[1]
   return None if k is None or not is_var(eqn.invars[k]) else eqn.invars[k]
 
 
-def _followed_input(body) -> int | None:
+def _followed_input(body, filled: frozenset = frozenset()) -> int | None:
   """The index of ``body``'s input its first result is made from by followed equations
-  (:func:`followed_operand`), where its other results are scalar fills; None otherwise."""
-  fills = scalar_fills(body)
+  (:func:`followed_operand`), where its other results are scalar fills (made in the body, or
+  the inputs ``filled``); None otherwise."""
+  fills = scalar_fills(body) | filled
   if any(not is_var(v) or v not in fills for v in body.outvars[1:]):
     return None
   producer = {o: e for e in body.eqns for o in e.outvars}
@@ -314,12 +330,64 @@ def _followed_input(body) -> int | None:
   return list(body.invars).index(v)
 
 
+_FILLED_MEMO: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+
+def _filled_results(eqn) -> tuple[int, ...]:
+  """The results of a call of scalars only that its body fills with one scalar (the zero
+  jax hoists out of a scanned layer's ``jnp.where(s, w, 0)`` is a call of ``0.0``)."""
+  closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  body = getattr(closed, "jaxpr", closed)
+  if body is None or any(tuple(getattr(v.aval, "shape", ())) != () for v in eqn.invars):
+    return ()
+  hit = _FILLED_MEMO.get(id(body))
+  if hit is None or hit[0] is not body:
+    inner = scalar_fills(body)
+    hit = (body, tuple(k for k, v in enumerate(body.outvars) if is_var(v) and v in inner))
+    _FILLED_MEMO[id(body)] = hit
+  return hit[1]
+
+
+# a scan body -> (the body, its constants the scan binds to values filled with one scalar)
+_BOUND_FILLS: dict[int, tuple[Any, frozenset]] = {}
+
+
 def scalar_fills(jaxpr) -> frozenset:
   """The values of ``jaxpr``'s top level that a ``broadcast_in_dim`` fills with one scalar
-  (``jnp.where(flag, w, 0)``'s zero): they carry no leaf's values (:func:`followed_operand`)."""
-  return frozenset(eqn.outvars[0] for eqn in jaxpr.eqns
-                   if eqn.primitive.name == "broadcast_in_dim" and
-                   tuple(getattr(eqn.invars[0].aval, "shape", ())) == ())
+  (``jnp.where(flag, w, 0)``'s zero), and its constants (a mask the step closes over) and the
+  values elementwise ops make of them alone: they carry no leaf's values
+  (:func:`followed_operand`).
+  In a ``lax.scan`` body, its constants bound to such values too: jax hoists the zero of
+  ``jnp.where(s, w, 0)`` in a scanned layer out of the loop (a scan constant), so the body
+  sees no broadcast. A scan's body is read after its caller (the walks go down), which binds
+  them here; a body two scans share keeps the constants both bind."""
+  fills = {eqn.outvars[0] for eqn in jaxpr.eqns
+           if eqn.primitive.name == "broadcast_in_dim" and
+           tuple(getattr(eqn.invars[0].aval, "shape", ())) == ()}
+  # the step's constants (a pruning mask it closes over) and what elementwise ops make of them
+  fills.update(jaxpr.constvars)
+  for eqn in jaxpr.eqns:
+    if ((eqn.primitive.name in ELEMENTWISE or eqn.primitive.name == "broadcast_in_dim") and
+        any(is_var(v) for v in eqn.invars) and
+        all(not is_var(v) or v in fills for v in eqn.invars)):
+      fills.update(eqn.outvars)
+  bound = _BOUND_FILLS.get(id(jaxpr))
+  if bound is not None and bound[0] is jaxpr:
+    fills |= bound[1]
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in CALLS:
+      fills.update(eqn.outvars[k] for k in _filled_results(eqn))
+    if eqn.primitive.name != "scan":
+      continue
+    body = eqn.params["jaxpr"].jaxpr
+    nc = eqn.params["num_consts"]
+    inner = frozenset(iv for ov, iv in zip(eqn.invars[:nc], body.invars[:nc])
+                      if is_var(ov) and ov in fills)
+    seen = _BOUND_FILLS.get(id(body))
+    if seen is not None and seen[0] is body:
+      inner &= seen[1]
+    _BOUND_FILLS[id(body)] = (body, inner)
+  return frozenset(fills)
 
 
 def sub_jaxprs(eqn):

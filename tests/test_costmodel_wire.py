@@ -589,6 +589,19 @@ def test_a_bfloat16_table_s_lookup_gradient_moves_its_int32_token_ids_as_they_ar
       16384 * 64 * 4 + 512 * 64 * 4 + 512 * 4)
 
 
+def _data_parallel_collectives(step, p, x, devices) -> list[tuple[int, int]]:
+  """(bytes, runs a step) of each collective XLA:CPU compiles for ``step(p, x)`` with the
+  parameters replicated and ``x`` split over `data` 8, sorted."""
+  from jax.sharding import NamedSharding
+  from dtenjax._src.planning.check import loop_repeats
+  mesh = Mesh(np.array(devices), ("data",))
+  rep, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+  compiled = jax.jit(step, in_shardings=({k: rep for k in p}, split),
+                     out_shardings={k: rep for k in p}).lower(p, x).compile(cmt.LLVM_O0)
+  repeats = loop_repeats(compiled)
+  return sorted((c.nbytes, repeats(c.computation)) for c in hlo.read_compiled(compiled).collectives())
+
+
 def test_a_loop_weight_s_per_iteration_all_reduce_is_priced_at_its_own_point_on_a_measured_curve(
     cpu_devices):
   """A weight a lax.fori_loop of 3 reads whole in every iteration, `data` 8 on CPU devices:
@@ -602,10 +615,8 @@ def test_a_loop_weight_s_per_iteration_all_reduce_is_priced_at_its_own_point_on_
   3 x 1 / 1.5 x (5.5 - 3) = 5 ms; 4 MiB of 5 (23 ms), 3 x 4 / 5 x 20 = 48 ms. The combined one
   holds w_in's and out's gradients only: 0.5 MiB (1 MiB), flat on the curve, so their shares
   are 0 (before, 0.25 / 1.5 x 2.5 ms each; 0.5 / 5 x 20 ms)."""
-  from jax.sharding import NamedSharding
   from dtenjax._src.planning import stepgraph
   from dtenjax._src.planning.candidates import CandidateMesh
-  from dtenjax._src.planning.check import loop_repeats
   from dtenjax._src.planning.roles import AXES
   from dtenjax._src.planning.solver import make_problem
   from tests import test_calibration as tcal
@@ -619,15 +630,8 @@ def test_a_loop_weight_s_per_iteration_all_reduce_is_priced_at_its_own_point_on_
   def args(n):
     f = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     return {"w_in": f(128, n), "w": f(n, n), "out": f(n, 128)}, f(64, 128)
-  mesh = Mesh(np.array(cpu_devices), ("data",))
-  rep, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
-  p, x = args(512)
-  compiled = jax.jit(step, in_shardings=({k: rep for k in p}, split),
-                     out_shardings={k: rep for k in p}).lower(p, x).compile(cmt.LLVM_O0)
-  repeats = loop_repeats(compiled)
-  ops = hlo.read_compiled(compiled).collectives()
-  assert sorted((c.nbytes, repeats(c.computation)) for c in ops) == [
-      (2 * 128 * 512 * 4, 1), (512 * 512 * 4, 3)], ops
+  assert _data_parallel_collectives(step, *args(512), cpu_devices) == [
+      (2 * 128 * 512 * 4, 1), (512 * 512 * 4, 3)]
 
   shape = tuple(8 if a == "data" else 1 for a in AXES)
   topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)
@@ -658,10 +662,8 @@ def test_a_weight_read_in_a_loop_and_outside_it_reduces_one_part_per_iteration_a
   weight beside two of 0.25 MiB: 3 x (18 - 3) = 45 ms in the loop, and 4 / 4.5 of the combined
   4.5 MiB's 20.5 - 3 ms after it, 60.6 ms; before, 6 x 15 = 90 ms with the loop first, 2 x 4 /
   4.5 x 17.5 = 31.1 ms with it second)."""
-  from jax.sharding import NamedSharding
   from dtenjax._src.planning import stepgraph
   from dtenjax._src.planning.candidates import CandidateMesh
-  from dtenjax._src.planning.check import loop_repeats
   from dtenjax._src.planning.roles import AXES
   from dtenjax._src.planning.solver import make_problem
   from tests import test_calibration as tcal
@@ -680,18 +682,11 @@ def test_a_weight_read_in_a_loop_and_outside_it_reduces_one_part_per_iteration_a
   def args(n):
     f = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     return {"w_in": f(64, n), "w": f(n, n), "out": f(n, 64)}, f(64, 64)
-  mesh = Mesh(np.array(cpu_devices), ("data",))
-  rep, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
-  p, x = args(128)
-  compiled = jax.jit(step, in_shardings=({k: rep for k in p}, split),
-                     out_shardings={k: rep for k in p}).lower(p, x).compile(cmt.LLVM_O0)
-  repeats = loop_repeats(compiled)
-  ops = hlo.read_compiled(compiled).collectives()
-  assert sorted((c.nbytes, repeats(c.computation)) for c in ops) == [
-      (128 * 128 * 4, 3), ((128 * 128 + 2 * 64 * 128) * 4, 1)], ops
+  compiled = _data_parallel_collectives(step, *args(128), cpu_devices)
+  assert compiled == [(128 * 128 * 4, 3), ((128 * 128 + 2 * 64 * 128) * 4, 1)]
   got = _recorded(step, args(128), (1,), {"data": 8})
   whole = [v for k, v in got.items() if k[-1] == "all_reduce[data]" and set(k[2]) == {None}]
-  assert sum(whole) == sum(c.nbytes * repeats(c.computation) for c in ops)
+  assert sum(whole) == sum(nbytes * runs for nbytes, runs in compiled)
 
   shape = tuple(8 if a == "data" else 1 for a in AXES)
   topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)

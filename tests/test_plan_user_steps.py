@@ -1320,16 +1320,16 @@ def test_a_shard_map_in_a_layer_scan_is_resharded_in_every_iteration():
   _assert_as_compiled(shard_map_in_layer_scan(), {"data": 8})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "review18d: a shard_map on activations the plan splits on their features (its default "
-    "`tensor` 8) is priced as the result gathered whole; XLA instead gathers both weights "
-    "whole and runs the products on the user's rows: 1231 KiB a device where the plan says 465 "
-    "(62 % under, not budget-safe). Pinning the shard_map's operand and result to P(None, 'tensor') compiles "
-    "488 KiB and 64 KiB of all-to-all: neither priced nor pinned yet"))
 def test_a_shard_map_on_tensor_parallel_activations_is_priced():
   # the centring of with_shard_map on the hidden activations between the two products instead
   # of on the batch: the default plan (`tensor` 8) splits them on their 512 features, the
-  # user's "data" 8 mesh on their 64 rows
+  # user's "data" 8 mesh on their 64 rows. Left free, XLA gathers both weights whole and runs
+  # the products on the user's rows: 1231 KiB a device, 512 KiB of all-gather and 259 KiB of
+  # all-reduce, where the plan priced the result gathered (465 KiB, 62 % under: review18d).
+  # plan.jit pins the shard_maps' activations to P(None, 'tensor') (StepPlan.manual_features)
+  # and the plan prices their all-to-alls: compiled 488 KiB and 4 x 16 KiB of all-to-all, the
+  # weights' 8 KiB all-gathers and the 32 KiB all-reduce, each as priced. Fails if the pin is
+  # lost (62 % under again) or its all-to-alls go unpriced
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   def loss(p, batch):
     h = jax.nn.gelu(batch["x"] @ p["w1"] + p["b1"])
@@ -1340,8 +1340,11 @@ def test_a_shard_map_on_tensor_parallel_activations_is_priced():
   p = _mlp_params()
   step, args = _sgd_step(loss, tx), (p, tx.init(p), _xy())
   plan = dtenjax.plan(step, *args)
+  assert dict(zip(plan.axis_names, plan.mesh_shape))["tensor"] == 8, plan.mesh_shape
+  assert [order for order, *_ in plan.manual_features] == [0, 1], plan.manual_features
   check = plan.check(step, *args, compiler_options=compile_only.USERS_PROGRAM)
   assert not check.misses(0.10), check.table()
+  assert check.compiled_bytes["all_to_all"] == 4 * 64 * 512 * 4 / 8, check.table()
 
 
 def test_plan_jit_names_a_shard_map_mesh_over_the_plan_s_devices_in_another_order():

@@ -31,7 +31,7 @@ all-gathers and one gradient reduction per layer and step.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -61,7 +61,8 @@ _REMATS = frozenset({"checkpoint", "remat", "remat2"})
 
 def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
                        sequence=None, shard_specs: tuple[Any, ...] | None = None,
-                       rows: tuple[str, ...] = (), pin_all: bool = False) -> Callable:
+                       rows: tuple[str, ...] = (), pin_all: bool = False,
+                       features: Sequence[tuple] = ()) -> Callable:
   """``step`` with each weight that ``compute_specs`` names gathered to that layout where a
   product uses it (one layer at a time inside ``lax.scan``; see the module docstring).
 
@@ -83,7 +84,13 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
   ``jax.shard_map`` the evaluation binds (at the top level, or in a call or loop it enters)
   whose out_specs split only its dimension 0 to that layout where :func:`pins_manual` says the
   pin keeps XLA from a worse program; ``pin_all`` pins every such result (shmap18's pin, kept
-  to measure the rule against)."""
+  to measure the rule against).
+
+  ``features`` (StepPlan.manual_features) pins the operands and results of the named top-level
+  shard_maps, values a tensor pair splits on their features, to the plan's layout of them (that
+  dimension over 'tensor'), so that XLA all-to-alls them at the boundary instead of gathering
+  the pair's weights whole and running its products on the user's rows
+  (stepgraph.FeatureShardMap)."""
 
   def planned(*args):
     flat, tree = jax.tree.flatten(args)
@@ -101,7 +108,7 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
 
     specs = per_leaf(compute_specs)
     unchanged = not any(s is not None for s in specs) and sequence is None
-    if unchanged and not rows:
+    if unchanged and not rows and not features:
       return step(*args)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
     closed, out_shape = jax.make_jaxpr(
@@ -112,6 +119,8 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
     ev = _Evaluator(mesh)
     ev.rows = tuple(rows)
     ev.pin_all = pin_all
+    ev.top = closed.jaxpr
+    ev.features = {order: pin for order, *pin in features}
     ev.shards = {v: s for v, s, c in zip(closed.jaxpr.invars, per_leaf(shard_specs), specs)
                  if s is not None and c is not None}
     if sequence is not None:
@@ -240,6 +249,10 @@ class _Evaluator:
     self.shards: dict = {}
     self.rows: tuple[str, ...] = ()    # the plan's batch axes over dimension 0 (_pin_manual)
     self.pin_all = False               # every shard_map result pinned, not only pins_manual's
+    self.top = None                    # the step's own jaxpr (its shard_maps are counted)
+    # the place of a top-level shard_map among them -> (its first pinned operand's shape, the
+    # operands and results to pin, the dimension over 'tensor'): StepPlan.manual_features
+    self.features: dict = {}
 
   def constrain(self, x, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -263,8 +276,16 @@ class _Evaluator:
         gathered[v] = self.constrain(env[v], tracked[v])
       return gathered[v]
 
+    shard_maps = -1
     for eqn in jaxpr.eqns:
       vals = [_read(env, v) for v in eqn.invars]
+      pin = None
+      if jaxpr is self.top and eqn.primitive.name == "shard_map":
+        shard_maps += 1
+        pin = self._feature_pin(eqn, shard_maps)
+        if pin is not None:
+          vals = [self._features_split(x, pin[2]) if i in pin[0] else x
+                  for i, x in enumerate(vals)]
       hits = [i for i, v in enumerate(eqn.invars)
               if not isinstance(v, jcore.Literal) and v in tracked]
       routed = routes and any(not isinstance(v, jcore.Literal) and v in routes
@@ -279,6 +300,9 @@ class _Evaluator:
           routing.follow(eqn, routes)
       if self.rows and eqn.primitive.name == "shard_map":
         outs = self._pin_manual(eqn, outs)
+      if pin is not None:
+        outs = [self._features_split(x, pin[2]) if i in pin[1] else x
+                for i, x in enumerate(outs)]
       for v, x in zip(eqn.outvars, outs):
         if not isinstance(v, jcore.DropVar):
           env[v] = self.constrain(x, self.attend[v]) if v in self.attend else x
@@ -287,6 +311,24 @@ class _Evaluator:
     self.out_tracked = [tracked.get(v) if not isinstance(v, jcore.Literal) else None
                         for v in jaxpr.outvars]
     return [_read(env, v) for v in jaxpr.outvars]
+
+  def _feature_pin(self, eqn, order: int):
+    """(operands, results, dimension) of the top level's ``order``-th shard_map where
+    :attr:`features` pins it: its values' features over 'tensor'. None where it is not named, or
+    is not the planned step's (the first operand's shape differs)."""
+    pin = self.features.get(order)
+    if pin is None:
+      return None
+    shape, ins, outs, dim = pin
+    if not ins or tuple(eqn.invars[ins[0]].aval.shape) != tuple(shape):
+      return None
+    return ins, outs, dim
+
+  def _features_split(self, x, dim: int):
+    """``x`` laid out with dimension ``dim`` over 'tensor' (:meth:`_feature_pin`)."""
+    entries = [None] * x.ndim
+    entries[dim] = "tensor"
+    return self.constrain(x, P(*entries))
 
   def _pin_manual(self, eqn, outs) -> list:
     """A jax.shard_map's results its out_specs split on dimension 0 only, in the plan's layout of

@@ -401,6 +401,21 @@ def shard_map_in_layer_scan(layers=4):
   return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()))
 
 
+def shard_map_on_hidden():
+  """with_shard_map's centring over the user's "data" 8 mesh on the hidden activations between
+  the two products (a tensor-parallel plan splits them on their features) instead of on the
+  batch."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  def loss(p, batch):
+    h = jax.nn.gelu(batch["x"] @ p["w1"] + p["b1"])
+    h = jax.shard_map(lambda x: x - jnp.mean(x, 0, keepdims=True), mesh=mesh,
+                      in_specs=P("data"), out_specs=P("data"))(h)
+    return jnp.mean((h @ p["w2"] + p["b2"] - batch["y"]) ** 2)
+  tx = optax.adamw(_LR)
+  p = _mlp_params()
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()))
+
+
 @flax.struct.dataclass
 class _State:
   params: Any
@@ -1320,30 +1335,26 @@ def test_a_shard_map_in_a_layer_scan_is_resharded_in_every_iteration():
   _assert_as_compiled(shard_map_in_layer_scan(), {"data": 8})
 
 
-def test_a_shard_map_on_tensor_parallel_activations_is_priced():
-  # the centring of with_shard_map on the hidden activations between the two products instead
-  # of on the batch: the default plan (`tensor` 8) splits them on their 512 features, the
-  # user's "data" 8 mesh on their 64 rows. Left free, XLA gathers both weights whole and runs
-  # the products on the user's rows: 1231 KiB a device, 512 KiB of all-gather and 259 KiB of
-  # all-reduce, where the plan priced the result gathered (465 KiB, 62 % under: review18d).
-  # plan.jit pins the shard_maps' activations to P(None, 'tensor') (StepPlan.manual_features)
-  # and the plan prices their all-to-alls: compiled 488 KiB and 4 x 16 KiB of all-to-all, the
-  # weights' 8 KiB all-gathers and the 32 KiB all-reduce, each as priced. Fails if the pin is
-  # lost (62 % under again) or its all-to-alls go unpriced
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  def loss(p, batch):
-    h = jax.nn.gelu(batch["x"] @ p["w1"] + p["b1"])
-    h = jax.shard_map(lambda x: x - jnp.mean(x, 0, keepdims=True), mesh=mesh,
-                      in_specs=P("data"), out_specs=P("data"))(h)
-    return jnp.mean((h @ p["w2"] + p["b2"] - batch["y"]) ** 2)
-  tx = optax.adamw(_LR)
-  p = _mlp_params()
-  step, args = _sgd_step(loss, tx), (p, tx.init(p), _xy())
-  plan = dtenjax.plan(step, *args)
-  assert dict(zip(plan.axis_names, plan.mesh_shape))["tensor"] == 8, plan.mesh_shape
+@pytest.mark.parametrize("mesh", [None, {"data": 4, "tensor": 2}])
+def test_a_shard_map_on_tensor_parallel_activations_is_priced(mesh):
+  # shard_map_on_hidden: the default plan (`tensor` 8) splits the hidden activations on their 512
+  # features, the user's "data" 8 mesh on their 64 rows. Left free, XLA gathers both weights
+  # whole and runs the products on the user's rows: 1231 KiB a device, 512 KiB of all-gather and
+  # 259 KiB of all-reduce, where the plan priced the result gathered (465 KiB, 62 % under:
+  # review18d). plan.jit pins the shard_maps' activations to P(None, 'tensor')
+  # (StepPlan.manual_features) and the plan prices their all-to-alls: compiled 488 KiB and 4 x
+  # 16 KiB of all-to-all, the biases' 6 KiB all-gathers and the 32 KiB all-reduce, each as
+  # priced. On `data` 4 x `tensor` 2 the pin is P('data', 'tensor'), each all-to-all within a
+  # 'tensor' pair (free: 2335 KiB, 33 % under; pinned 1576, priced 1569). Fails if the pin is
+  # lost or its all-to-alls go unpriced
+  case = shard_map_on_hidden()
+  plan = dtenjax.plan(case.step, *case.args, **({} if mesh is None else {"mesh": mesh}))
+  assert (dict((a, n) for a, n in zip(plan.axis_names, plan.mesh_shape) if n > 1) ==
+          (mesh or {"tensor": 8})), plan.mesh_shape
   assert [order for order, *_ in plan.manual_features] == [0, 1], plan.manual_features
-  check = plan.check(step, *args, compiler_options=compile_only.USERS_PROGRAM)
+  check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
   assert not check.misses(0.10), check.table()
+  # the forward's operand and result, the backward's cotangents: each device's f32[8,512] block
   assert check.compiled_bytes["all_to_all"] == 4 * 64 * 512 * 4 / 8, check.table()
 
 

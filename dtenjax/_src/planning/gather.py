@@ -284,7 +284,7 @@ class _Evaluator:
         shard_maps += 1
         pin = self._feature_pin(eqn, shard_maps)
         if pin is not None:
-          vals = [self._features_split(x, pin[2]) if i in pin[0] else x
+          vals = [self._features_split(x, pin[2], pin[3]) if i in pin[0] else x
                   for i, x in enumerate(vals)]
       hits = [i for i, v in enumerate(eqn.invars)
               if not isinstance(v, jcore.Literal) and v in tracked]
@@ -301,7 +301,7 @@ class _Evaluator:
       if self.rows and eqn.primitive.name == "shard_map":
         outs = self._pin_manual(eqn, outs)
       if pin is not None:
-        outs = [self._features_split(x, pin[2]) if i in pin[1] else x
+        outs = [self._features_split(x, pin[2], pin[3]) if i in pin[1] else x
                 for i, x in enumerate(outs)]
       for v, x in zip(eqn.outvars, outs):
         if not isinstance(v, jcore.DropVar):
@@ -313,20 +313,22 @@ class _Evaluator:
     return [_read(env, v) for v in jaxpr.outvars]
 
   def _feature_pin(self, eqn, order: int):
-    """(operands, results, dimension) of the top level's ``order``-th shard_map where
+    """(operands, results, dimension, row axes) of the top level's ``order``-th shard_map where
     :attr:`features` pins it: its values' features over 'tensor'. None where it is not named, or
     is not the planned step's (the first operand's shape differs)."""
     pin = self.features.get(order)
     if pin is None:
       return None
-    shape, ins, outs, dim = pin
+    shape, ins, outs, dim, rows = pin
     if not ins or tuple(eqn.invars[ins[0]].aval.shape) != tuple(shape):
       return None
-    return ins, outs, dim
+    return ins, outs, dim, rows
 
-  def _features_split(self, x, dim: int):
-    """``x`` laid out with dimension ``dim`` over 'tensor' (:meth:`_feature_pin`)."""
+  def _features_split(self, x, dim: int, rows: tuple[str, ...]):
+    """``x`` laid out with dimension ``dim`` over 'tensor' and its rows over ``rows`` (the
+    plan's batch axes; :meth:`_feature_pin`)."""
     entries = [None] * x.ndim
+    entries[0] = (rows[0] if len(rows) == 1 else tuple(rows)) if rows else None
     entries[dim] = "tensor"
     return self.constrain(x, P(*entries))
 

@@ -929,14 +929,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   everyone = [a for a in AXES if m.size[a] > 1]
   plan_blocks = None
   # a shard_map on a tensor pair's activations: its boundary is the column-parallel leaf's to pay
-  # (its layout decides it). Where the plan splits them over every device on their features and
-  # plan.jit pins them so (stepgraph.FeatureShardMap), each operand and result the pair holds is
-  # one all-to-all of each device's block (compiled on 8 CPU devices, `tensor` 8, the centring of
-  # f32[64,512] hidden activations over a "data" 8 mesh: four of f32[8,512], forward and
-  # backward); elsewhere priced as the batch's values below
+  # (its layout decides it). Where the plan splits their features over 'tensor' and plan.jit pins
+  # them so (stepgraph.FeatureShardMap.pinned), each operand and result the pair holds is one
+  # all-to-all over 'tensor' of each device's block (compiled on 8 CPU devices, the centring of
+  # f32[64,512] hidden activations over a "data" 8 mesh: `tensor` 8, four of f32[8,512], forward
+  # and backward); elsewhere priced as the batch's values below
   features = graph.manual_features
   for f in features:
-    if f.cone[0] == primary.index and f.pinned(m.size, pr.tp):
+    if f.cone[0] == primary.index and f.pinned(m.size, pr.tp, rows_axes):
       ctx.add("all_to_all", f.nbytes / f.rows, ["tensor"], blocking=True, dtype=WIRE,
               wide=f.wide / f.rows)
 
@@ -944,7 +944,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     if k is None:
       return payer in group
     f = features[k]
-    return f.cone[0] == primary.index and not f.pinned(m.size, pr.tp)
+    return f.cone[0] == primary.index and not f.pinned(m.size, pr.tp, rows_axes)
 
   out_features = graph.manual_output_features or (None,) * len(graph.manual_outputs)
   in_features = graph.manual_operand_features or (None,) * len(graph.manual_operands)

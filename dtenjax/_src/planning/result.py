@@ -145,9 +145,9 @@ class StepPlan:
   # the step's top-level jax.shard_maps on a tensor pair's activations whose operands and results
   # the pair holds plan.jit pins to the plan's split of their features (stepgraph.FeatureShardMap):
   # (its place among the top level's shard_maps, the shape of the first operand pinned, those
-  # operands, those results, the dimension split over 'tensor')
-  manual_features: tuple[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int],
-                         ...] = ()
+  # operands, those results, the dimension split over 'tensor', the axes dimension 0 is over)
+  manual_features: tuple[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int,
+                               tuple[str, ...]], ...] = ()
 
   # --- applying it -----------------------------------------------------------------------------
 
@@ -434,12 +434,13 @@ def _feature_pins(graph, prob: Problem, choice) -> tuple:
   (stepgraph.FeatureShardMap.pinned, as pricing.price_layout priced them)."""
   m = prob.m
   lay_of = {g[0]: lays[c] for g, lays, c in zip(prob.groups, prob.cands, choice)}
+  rows = tuple(a for a in BATCH_AXES if a not in SEQUENCE_AXES and m.size[a] > 1)
   pins = []
   for f in graph.manual_features:
     lay = lay_of.get(f.cone[0])
     tensor = lay.used().get("tensor") if lay is not None and m.size["tensor"] > 1 else None
-    if f.pinned(m.size, None if tensor is None else ("col", tensor)):
-      pins.append((f.order, f.shape, f.ins, f.outs, f.dim))
+    if f.pinned(m.size, None if tensor is None else ("col", tensor), rows):
+      pins.append((f.order, f.shape, f.ins, f.outs, f.dim, rows))
   return tuple(pins)
 
 

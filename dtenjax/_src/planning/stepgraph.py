@@ -68,15 +68,21 @@ class FeatureShardMap:
   nbytes: int                      # the bytes of those operands and results, whole
   wide: int                        # of them, bfloat16 bytes (jaxpr_reader.wide_bytes)
   shape: tuple[int, ...] = ()      # the first of those operands' (plan.jit finds it by it)
+  blocks: tuple[int, ...] = ()     # the user's block of rows on each device, in order
 
-  def pinned(self, sizes, tp: tuple[str, int] | None) -> bool:
-    """Whether a plan on a mesh of ``sizes`` (axis -> size) whose column-parallel leaf is laid
-    out as ``tp`` (pricing.Price.tp) pins the values: where it splits their features over every
-    device and the user's mesh their rows as finely (one all-to-all of the devices each);
-    elsewhere they are left free and priced as the batch's values (pricing.price_layout)."""
+  def pinned(self, sizes, tp: tuple[str, int] | None, rows: Sequence[str]) -> bool:
+    """Whether a plan on a mesh of ``sizes`` (axis -> size, 'tensor' the minor axis) that
+    splits the batch's rows over ``rows`` and whose column-parallel leaf is laid out as ``tp``
+    (pricing.Price.tp) pins the values: where it splits their features over 'tensor' and their
+    rows over nothing else than ``rows``, and the user's mesh splits the rows into a block a
+    device, in the plan's device order. Each device's block of the user's then lies in its block
+    of the plan's rows, and each value is one all-to-all over 'tensor'. Elsewhere (the user's
+    blocks coarser: XLA gathers the operands whole, memory the plan does not hold) they are
+    left free and priced as the batch's values (pricing.price_layout)."""
     devices = math.prod(sizes.values())
-    return (tp == ("col", self.cone[1]) and devices > 1 and sizes["tensor"] == devices
-            and self.rows == devices)
+    return (tp == ("col", self.cone[1]) and sizes["tensor"] > 1
+            and all(a == "tensor" or a in rows for a, n in sizes.items() if n > 1)
+            and self.rows == devices and self.blocks == tuple(range(devices)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,7 +511,8 @@ def _feature_shard_maps(jaxpr, leaves, cones) -> tuple[FeatureShardMap, ...]:
           order=order, cone=key, dim=dims.pop(), ins=tuple(held[0]), outs=tuple(held[1]),
           rows=splits.pop(), nbytes=sum(jaxpr_reader.nbytes(v.aval) for v, _ in values),
           wide=sum(jaxpr_reader.wide_bytes(v.aval) for v, _ in values),
-          shape=tuple(int(n) for n in values[0][0].aval.shape)))
+          shape=tuple(int(n) for n in values[0][0].aval.shape),
+          blocks=jaxpr_reader.manual_blocks(sizes, jaxpr_reader.spec_axes(values[0][1][0]))))
       break
   return tuple(found)
 

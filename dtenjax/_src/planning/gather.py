@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from dtenjax._src import jaxapi
 from dtenjax._src.planning import routing
 from dtenjax._src.planning.jaxpr_reader import blocks_nest
+from dtenjax._src.planning.jaxpr_reader import call_shard_maps
 from dtenjax._src.planning.jaxpr_reader import followed_operand
 from dtenjax._src.planning.jaxpr_reader import manual_blocks
 from dtenjax._src.planning.jaxpr_reader import scalar_fills
@@ -86,8 +87,8 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
   pin keeps XLA from a worse program; ``pin_all`` pins every such result (shmap18's pin, kept
   to measure the rule against).
 
-  ``features`` (StepPlan.manual_features) pins the operands and results of the named top-level
-  shard_maps, values a tensor pair splits on their features, to the plan's layout of them (that
+  ``features`` (StepPlan.manual_features) pins the operands and results of the named
+  shard_maps (at the top level or in calls, jaxpr_reader.call_shard_maps), values a tensor pair splits on their features, to the plan's layout of them (that
   dimension over 'tensor'), so that XLA all-to-alls them at the boundary instead of gathering
   the pair's weights whole and running its products on the user's rows
   (stepgraph.FeatureShardMap)."""
@@ -113,18 +114,25 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
     closed, out_shape = jax.make_jaxpr(
         lambda *leaves: step(*jax.tree.unflatten(tree, leaves)), return_shape=True)(*abstract)
-    if unchanged and not any(e.primitive.name == "shard_map" for e in closed.jaxpr.eqns):
+    if (unchanged and not features
+        and not any(e.primitive.name == "shard_map" for e in closed.jaxpr.eqns)):
       return step(*args)
     tracked = {v: s for v, s in zip(closed.jaxpr.invars, specs) if s is not None}
     ev = _Evaluator(mesh)
     ev.rows = tuple(rows)
     ev.pin_all = pin_all
-    ev.top = closed.jaxpr
-    ev.features = {order: pin for order, *pin in features}
     ev.shards = {v: s for v, s, c in zip(closed.jaxpr.invars, per_leaf(shard_specs), specs)
                  if s is not None and c is not None}
     if sequence is not None:
       ev.attend, ev.enter = sequence.constraints(closed.jaxpr, args)
+    if features:
+      # the named shard_maps, and the calls around them entered to reach them
+      found = call_shard_maps(closed.jaxpr)
+      for order, *pin in features:
+        if order < len(found):
+          eqn, calls = found[order]
+          ev.features[id(eqn)] = pin
+          ev.enter = ev.enter | frozenset(id(c) for c in calls)
     outs = ev.run(closed.jaxpr, closed.consts, flat, tracked)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -249,9 +257,8 @@ class _Evaluator:
     self.shards: dict = {}
     self.rows: tuple[str, ...] = ()    # the plan's batch axes over dimension 0 (_pin_manual)
     self.pin_all = False               # every shard_map result pinned, not only pins_manual's
-    self.top = None                    # the step's own jaxpr (its shard_maps are counted)
-    # the place of a top-level shard_map among them -> (its first pinned operand's shape, the
-    # operands and results to pin, the dimension over 'tensor'): StepPlan.manual_features
+    # the id of a shard_map equation -> (its first pinned operand's shape, the operands and
+    # results to pin, the dimension over 'tensor', the rows' axes): StepPlan.manual_features
     self.features: dict = {}
 
   def constrain(self, x, spec: P):
@@ -276,16 +283,12 @@ class _Evaluator:
         gathered[v] = self.constrain(env[v], tracked[v])
       return gathered[v]
 
-    shard_maps = -1
     for eqn in jaxpr.eqns:
       vals = [_read(env, v) for v in eqn.invars]
-      pin = None
-      if jaxpr is self.top and eqn.primitive.name == "shard_map":
-        shard_maps += 1
-        pin = self._feature_pin(eqn, shard_maps)
-        if pin is not None:
-          vals = [self._features_split(x, pin[2], pin[3]) if i in pin[0] else x
-                  for i, x in enumerate(vals)]
+      pin = self._feature_pin(eqn) if self.features else None
+      if pin is not None:
+        vals = [self._features_split(x, pin[2], pin[3]) if i in pin[0] else x
+                for i, x in enumerate(vals)]
       hits = [i for i, v in enumerate(eqn.invars)
               if not isinstance(v, jcore.Literal) and v in tracked]
       routed = routes and any(not isinstance(v, jcore.Literal) and v in routes
@@ -312,11 +315,11 @@ class _Evaluator:
                         for v in jaxpr.outvars]
     return [_read(env, v) for v in jaxpr.outvars]
 
-  def _feature_pin(self, eqn, order: int):
-    """(operands, results, dimension, row axes) of the top level's ``order``-th shard_map where
-    :attr:`features` pins it: its values' features over 'tensor'. None where it is not named, or
-    is not the planned step's (the first operand's shape differs)."""
-    pin = self.features.get(order)
+  def _feature_pin(self, eqn):
+    """(operands, results, dimension, row axes) of a shard_map equation :attr:`features` pins:
+    its values' features over 'tensor'. None where it is not named, or is not the planned step's
+    (the first operand's shape differs)."""
+    pin = self.features.get(id(eqn))
     if pin is None:
       return None
     shape, ins, outs, dim, rows = pin

@@ -221,6 +221,32 @@ def manual_blocks(sizes: dict[str, int], axes: Sequence[str]) -> tuple[int, ...]
   return tuple(blocks)
 
 
+# the calls whose bodies run once where they are called, their operands one to one
+CALL_PRIMITIVES = frozenset(("jit", "pjit", "closed_call", "core_call"))
+
+
+def call_shard_maps(jaxpr) -> list[tuple[Any, tuple[Any, ...]]]:
+  """The jax.shard_maps ``jaxpr`` runs at its top level or in the calls it makes
+  (:data:`CALL_PRIMITIVES`, nested: a user's jitted loss; not in loops or branches), in order,
+  each with the call equations around it, outermost first. The order is the same whether jax
+  inlined a call or kept it (jax 0.11 keeps more: jaxapi.inline_calls), so that the planned
+  step's and plan.jit's trace name a shard_map alike."""
+  found: list[tuple[Any, tuple[Any, ...]]] = []
+
+  def walk(j, path: tuple[Any, ...]) -> None:
+    for eqn in j.eqns:
+      name = eqn.primitive.name
+      if name == "shard_map":
+        found.append((eqn, path))
+      elif name in CALL_PRIMITIVES:
+        body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if body is not None:
+          walk(getattr(body, "jaxpr", body), path + (eqn,))
+
+  walk(jaxpr, ())
+  return found
+
+
 def shard_map_meshes(jaxpr) -> dict[tuple[int, ...], tuple[tuple[str, int], ...]]:
   """The concrete meshes the jax.shard_maps of ``jaxpr`` run over, in calls, loops and every
   branch too: their devices' ids in the mesh's order -> the mesh's (axis, size) pairs. jax.jit

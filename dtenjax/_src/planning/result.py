@@ -142,9 +142,9 @@ class StepPlan:
   # order, the (axis, size) pairs); where there are some, plan.jit traces the step it is given
   # to name a shard_map mesh whose devices are not the plan's in its order
   manual_meshes: tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...] = ()
-  # the step's top-level jax.shard_maps on a tensor pair's activations whose operands and results
-  # the pair holds plan.jit pins to the plan's split of their features (stepgraph.FeatureShardMap):
-  # (its place among the top level's shard_maps, the shape of the first operand pinned, those
+  # the step's jax.shard_maps on a tensor pair's activations whose operands and results the pair
+  # holds plan.jit pins to the plan's split of their features (stepgraph.FeatureShardMap): (its
+  # place in jaxpr_reader.call_shard_maps' order, the shape of the first operand pinned, those
   # operands, those results, the dimension split over 'tensor', the axes dimension 0 is over)
   manual_features: tuple[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int,
                                tuple[str, ...]], ...] = ()

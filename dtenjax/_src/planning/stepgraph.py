@@ -51,15 +51,15 @@ __all__ = ["Leaf", "Live", "Meeting", "Pair", "StepGraph", "WeightUse", "read_st
 
 @dataclasses.dataclass(frozen=True)
 class FeatureShardMap:
-  """A jax.shard_map of the step's top level over the user's mesh whose operands a tensor pair's
-  cone holds (the hidden activations between a column- and a row-parallel product), its in_specs
+  """A jax.shard_map of the step (at its top level or in a call) over the user's mesh whose
+  operands a tensor pair's cone holds (the hidden activations between a column- and a row-parallel product), its in_specs
   and out_specs splitting their rows. Left free under a plan that splits the pair over
   'tensor', XLA's partitioner gathered both weights whole and ran the products on the user's
   rows (1231 KiB a device on 8 CPU devices where the plan, pricing the result gathered, said
   465); with the values pinned to the plan's layout at the boundary (``pinned``: plan.jit does,
   gather.gather_for_compute's ``features``) XLA all-to-alls each of them between the plan's
   split of their features and the user's of their rows (488 KiB; docs/benchmarks.md, shmap18c)."""
-  order: int                       # its place among the top level's shard_maps, in order
+  order: int                       # its place in jaxpr_reader.call_shard_maps' order
   cone: tuple[int, int]            # the pair's (column-parallel leaf, free dimension)
   dim: int                         # the dimension of its values the pair splits
   ins: tuple[int, ...]             # its operands the cone holds
@@ -234,7 +234,7 @@ class StepGraph:
   # state's new value (a metric per hidden unit): column-parallel, XLA all-gathers them over
   # 'tensor' into the replicated outputs
   cone_outputs: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
-  # the top level's shard_maps whose operands a tensor pair's cone holds (FeatureShardMap), and
+  # the step's shard_maps whose operands a tensor pair's cone holds (FeatureShardMap), and
   # for each entry of manual_outputs and of manual_operands, the index of its shard_map among
   # them (None: another shard_map)
   manual_features: tuple[FeatureShardMap, ...] = ()
@@ -408,8 +408,9 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   meetings = reader.meetings()
   pairs, carried, cones = pairs_mod.find_pairs(reader)
   reduced = pairs_mod.reduced_outputs(reader, pairs)
-  features = _feature_shard_maps(jaxpr, leaves, cones)
-  feature_of = {id(jaxpr.eqns[i]): k for k, i in enumerate(_top_shard_maps(jaxpr, features))}
+  shard_maps = jaxpr_reader.call_shard_maps(jaxpr)
+  features = _feature_shard_maps([e for e, _ in shard_maps], leaves, cones)
+  feature_of = {id(shard_maps[f.order][0]): k for k, f in enumerate(features)}
   weights = {}
   readers: dict[Any, int] = {}
   for v in reader.partner.values():
@@ -478,17 +479,13 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    cone_wide=_cone_outputs(jaxpr, tie, cones, jaxpr_reader.wide_bytes))
 
 
-def _feature_shard_maps(jaxpr, leaves, cones) -> tuple[FeatureShardMap, ...]:
-  """The top level's jax.shard_maps whose operands a tensor pair's cone holds (FeatureShardMap),
-  where the specs of those values and of its results the cone holds split only their rows, all
-  into one number of blocks, and the values hold the pair's free dimension (their features) in
-  another."""
+def _feature_shard_maps(shard_maps, leaves, cones) -> tuple[FeatureShardMap, ...]:
+  """Of ``shard_maps`` (jaxpr_reader.call_shard_maps' equations, in order), those whose
+  operands a tensor pair's cone holds (FeatureShardMap), where the specs of those values and of
+  its results the cone holds split only their rows, all into one number of blocks, and the
+  values hold the pair's free dimension (their features) in another."""
   found = []
-  order = -1
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name != "shard_map":
-      continue
-    order += 1
+  for order, eqn in enumerate(shard_maps):
     sizes = dict(getattr(eqn.params.get("mesh"), "shape", {}) or {})
     sides = ((eqn.invars, eqn.params.get("in_specs", ())),
              (eqn.outvars, eqn.params.get("out_specs", ())))
@@ -515,12 +512,6 @@ def _feature_shard_maps(jaxpr, leaves, cones) -> tuple[FeatureShardMap, ...]:
           blocks=jaxpr_reader.manual_blocks(sizes, jaxpr_reader.spec_axes(values[0][1][0]))))
       break
   return tuple(found)
-
-
-def _top_shard_maps(jaxpr, features: Sequence[FeatureShardMap]) -> list[int]:
-  """The positions among the top level's equations of ``features``' shard_maps, in order."""
-  at = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "shard_map"]
-  return [at[f.order] for f in features]
 
 
 def _cone_outputs(jaxpr, tie: dict, cones: dict[tuple[int, int], set[Any]],

@@ -88,8 +88,9 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
   to measure the rule against).
 
   ``features`` (StepPlan.manual_features) pins the operands and results of the named
-  shard_maps (at the top level or in calls, jaxpr_reader.call_shard_maps), values a tensor pair splits on their features, to the plan's layout of them (that
-  dimension over 'tensor'), so that XLA all-to-alls them at the boundary instead of gathering
+  shard_maps (at the top level or in calls: jaxpr_reader.call_shard_maps), values a tensor pair
+  splits on their features, to the plan's layout of them (that dimension over 'tensor', the rows
+  over the plan's batch axes), so that XLA all-to-alls them at the boundary instead of gathering
   the pair's weights whole and running its products on the user's rows
   (stepgraph.FeatureShardMap)."""
 

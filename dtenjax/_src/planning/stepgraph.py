@@ -52,13 +52,14 @@ __all__ = ["Leaf", "Live", "Meeting", "Pair", "StepGraph", "WeightUse", "read_st
 @dataclasses.dataclass(frozen=True)
 class FeatureShardMap:
   """A jax.shard_map of the step (at its top level or in a call) over the user's mesh whose
-  operands a tensor pair's cone holds (the hidden activations between a column- and a row-parallel product), its in_specs
-  and out_specs splitting their rows. Left free under a plan that splits the pair over
-  'tensor', XLA's partitioner gathered both weights whole and ran the products on the user's
-  rows (1231 KiB a device on 8 CPU devices where the plan, pricing the result gathered, said
-  465); with the values pinned to the plan's layout at the boundary (``pinned``: plan.jit does,
-  gather.gather_for_compute's ``features``) XLA all-to-alls each of them between the plan's
-  split of their features and the user's of their rows (488 KiB; docs/benchmarks.md, shmap18c)."""
+  operands a tensor pair's cone holds (the hidden activations between a column- and a
+  row-parallel product), its in_specs and out_specs splitting their rows. Left free under a plan
+  that splits the pair over 'tensor', XLA's partitioner gathered both weights whole and ran the
+  products on the user's rows (1231 KiB a device on 8 CPU devices where the plan, pricing the
+  result gathered, said 465); with the values pinned to the plan's layout at the boundary
+  (``pinned``: plan.jit does, gather.gather_for_compute's ``features``) XLA all-to-alls each of
+  them between the plan's split of their features and the user's of their rows (488 KiB;
+  docs/benchmarks.md, shmap18c)."""
   order: int                       # its place in jaxpr_reader.call_shard_maps' order
   cone: tuple[int, int]            # the pair's (column-parallel leaf, free dimension)
   dim: int                         # the dimension of its values the pair splits
@@ -234,14 +235,14 @@ class StepGraph:
   # state's new value (a metric per hidden unit): column-parallel, XLA all-gathers them over
   # 'tensor' into the replicated outputs
   cone_outputs: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+  # of those bytes, the bfloat16 outputs' (XLA:CPU gathers them in float32: jaxpr_reader.wide_bytes)
+  cone_wide: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
   # the step's shard_maps whose operands a tensor pair's cone holds (FeatureShardMap), and
   # for each entry of manual_outputs and of manual_operands, the index of its shard_map among
   # them (None: another shard_map)
   manual_features: tuple[FeatureShardMap, ...] = ()
   manual_output_features: tuple[int | None, ...] = ()
   manual_operand_features: tuple[int | None, ...] = ()
-  # of those bytes, the bfloat16 outputs' (XLA:CPU gathers them in float32: jaxpr_reader.wide_bytes)
-  cone_wide: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
   # the state leaves a product reads through lax.stop_gradient -> the bytes of the product's other
   # operand, global (jaxpr_reader.stopped_reads)
   stopped: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -471,7 +472,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    manual_operands=tuple(reader.manual_operands()),
                    manual_meshes=tuple(jaxpr_reader.shard_map_meshes(jaxpr).items()),
                    manual_features=features,
-                   manual_output_features=tuple(feature_of.get(id(e)) for e in reader.manual_eqns),
+                   manual_output_features=tuple(feature_of.get(id(e))
+                                                for e in reader.manual_eqns),
                    manual_operand_features=tuple(feature_of.get(id(e))
                                                  for e in reader.manual_in_eqns),
                    stopped=jaxpr_reader.stopped_reads(jaxpr, leaves),

@@ -442,8 +442,8 @@ class Reader:
     # in_specs split dimension 0 over, the blocks)
     self.manual: list[tuple[int, int, int, int, int, tuple[int, ...]]] = []
     self.manual_in: list[tuple[int, int, int, int, tuple[int, ...]]] = []
-    # the shard_map equation of each entry of manual and of manual_in (the step graph names those
-    # whose values a tensor pair splits on their features: stepgraph.FeatureShardMap)
+    # the shard_map equation and the value of each entry of manual and of manual_in (the step
+    # graph names those a tensor pair splits on their features: stepgraph.FeatureShardMap)
     self.manual_eqns: list[Any] = []
     self.manual_in_eqns: list[Any] = []
     # the products in walk order: (walk position, flops per step, the weights they read)
@@ -626,14 +626,14 @@ class Reader:
         self.manual.append((self.eqn_count, repeats * nbytes(o.aval),
                             repeats * wide_bytes(o.aval), split(first),
                             whole, manual_blocks(sizes, spec_axes(first))))
-        self.manual_eqns.append(eqn)
+        self.manual_eqns.append((eqn, o))
     for v, spec in zip(eqn.invars, eqn.params.get("in_specs", ())):
       if is_var(v) and 0 in self.batch.get(v, ()):
         first = spec[0] if len(spec) else None
         self.manual_in.append((self.eqn_count, repeats * nbytes(v.aval),
                                repeats * wide_bytes(v.aval), split(first),
                                manual_blocks(sizes, spec_axes(first))))
-        self.manual_in_eqns.append(eqn)
+        self.manual_in_eqns.append((eqn, v))
 
   def manual_outputs(self) -> list[tuple[int, int | None, int, int, int, tuple[int, ...]]]:
     """(bytes, payer, wide, rows, split, blocks) of each result a jax.shard_map's out_specs shard

@@ -238,8 +238,8 @@ class StepGraph:
   # of those bytes, the bfloat16 outputs' (XLA:CPU gathers them in float32: jaxpr_reader.wide_bytes)
   cone_wide: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
   # the step's shard_maps whose operands a tensor pair's cone holds (FeatureShardMap), and
-  # for each entry of manual_outputs and of manual_operands, the index of its shard_map among
-  # them (None: another shard_map)
+  # for each entry of manual_outputs and of manual_operands, the index among them of the
+  # shard_map whose value the cone holds (None: another value, priced as the batch's)
   manual_features: tuple[FeatureShardMap, ...] = ()
   manual_output_features: tuple[int | None, ...] = ()
   manual_operand_features: tuple[int | None, ...] = ()
@@ -411,7 +411,11 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   reduced = pairs_mod.reduced_outputs(reader, pairs)
   shard_maps = jaxpr_reader.call_shard_maps(jaxpr)
   features = _feature_shard_maps([e for e, _ in shard_maps], leaves, cones)
-  feature_of = {id(shard_maps[f.order][0]): k for k, f in enumerate(features)}
+  feature_of = {}                 # (shard_map, value) ids -> its FeatureShardMap's index
+  for k, f in enumerate(features):
+    eqn = shard_maps[f.order][0]
+    for v in [eqn.invars[i] for i in f.ins] + [eqn.outvars[i] for i in f.outs]:
+      feature_of[(id(eqn), id(v))] = k
   weights = {}
   readers: dict[Any, int] = {}
   for v in reader.partner.values():
@@ -472,10 +476,10 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    manual_operands=tuple(reader.manual_operands()),
                    manual_meshes=tuple(jaxpr_reader.shard_map_meshes(jaxpr).items()),
                    manual_features=features,
-                   manual_output_features=tuple(feature_of.get(id(e))
-                                                for e in reader.manual_eqns),
-                   manual_operand_features=tuple(feature_of.get(id(e))
-                                                 for e in reader.manual_in_eqns),
+                   manual_output_features=tuple(feature_of.get((id(e), id(v)))
+                                                for e, v in reader.manual_eqns),
+                   manual_operand_features=tuple(feature_of.get((id(e), id(v)))
+                                                 for e, v in reader.manual_in_eqns),
                    stopped=jaxpr_reader.stopped_reads(jaxpr, leaves),
                    cone_outputs=_cone_outputs(jaxpr, tie, cones),
                    cone_wide=_cone_outputs(jaxpr, tie, cones, jaxpr_reader.wide_bytes))

@@ -31,7 +31,7 @@ all-gathers and one gradient reduction per layer and step.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from dtenjax._src import jaxapi
 from dtenjax._src.planning import routing
 from dtenjax._src.planning.jaxpr_reader import blocks_nest
+from dtenjax._src.planning.jaxpr_reader import call_shard_maps
 from dtenjax._src.planning.jaxpr_reader import followed_operand
 from dtenjax._src.planning.jaxpr_reader import manual_blocks
 from dtenjax._src.planning.jaxpr_reader import scalar_fills
@@ -61,7 +62,8 @@ _REMATS = frozenset({"checkpoint", "remat", "remat2"})
 
 def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
                        sequence=None, shard_specs: tuple[Any, ...] | None = None,
-                       rows: tuple[str, ...] = (), pin_all: bool = False) -> Callable:
+                       rows: tuple[str, ...] = (), pin_all: bool = False,
+                       features: Sequence[tuple] = ()) -> Callable:
   """``step`` with each weight that ``compute_specs`` names gathered to that layout where a
   product uses it (one layer at a time inside ``lax.scan``; see the module docstring).
 
@@ -83,7 +85,14 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
   ``jax.shard_map`` the evaluation binds (at the top level, or in a call or loop it enters)
   whose out_specs split only its dimension 0 to that layout where :func:`pins_manual` says the
   pin keeps XLA from a worse program; ``pin_all`` pins every such result (shmap18's pin, kept
-  to measure the rule against)."""
+  to measure the rule against).
+
+  ``features`` (StepPlan.manual_features) pins the operands and results of the named
+  shard_maps (at the top level or in calls: jaxpr_reader.call_shard_maps), values a tensor pair
+  splits on their features, to the plan's layout of them (that dimension over 'tensor', the rows
+  over the plan's batch axes), so that XLA all-to-alls them at the boundary instead of gathering
+  the pair's weights whole and running its products on the user's rows
+  (stepgraph.FeatureShardMap)."""
 
   def planned(*args):
     flat, tree = jax.tree.flatten(args)
@@ -101,12 +110,13 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
 
     specs = per_leaf(compute_specs)
     unchanged = not any(s is not None for s in specs) and sequence is None
-    if unchanged and not rows:
+    if unchanged and not rows and not features:
       return step(*args)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
     closed, out_shape = jax.make_jaxpr(
         lambda *leaves: step(*jax.tree.unflatten(tree, leaves)), return_shape=True)(*abstract)
-    if unchanged and not any(e.primitive.name == "shard_map" for e in closed.jaxpr.eqns):
+    if (unchanged and not features
+        and not any(e.primitive.name == "shard_map" for e in closed.jaxpr.eqns)):
       return step(*args)
     tracked = {v: s for v, s in zip(closed.jaxpr.invars, specs) if s is not None}
     ev = _Evaluator(mesh)
@@ -116,6 +126,14 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
                  if s is not None and c is not None}
     if sequence is not None:
       ev.attend, ev.enter = sequence.constraints(closed.jaxpr, args)
+    if features:
+      # the named shard_maps, and the calls around them entered to reach them
+      found = call_shard_maps(closed.jaxpr)
+      for order, *pin in features:
+        if order < len(found):
+          eqn, calls = found[order]
+          ev.features[id(eqn)] = pin
+          ev.enter = ev.enter | frozenset(id(c) for c in calls)
     outs = ev.run(closed.jaxpr, closed.consts, flat, tracked)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -240,6 +258,9 @@ class _Evaluator:
     self.shards: dict = {}
     self.rows: tuple[str, ...] = ()    # the plan's batch axes over dimension 0 (_pin_manual)
     self.pin_all = False               # every shard_map result pinned, not only pins_manual's
+    # the id of a shard_map equation -> (its first pinned operand's shape, the operands and
+    # results to pin, the dimension over 'tensor', the rows' axes): StepPlan.manual_features
+    self.features: dict = {}
 
   def constrain(self, x, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -265,6 +286,10 @@ class _Evaluator:
 
     for eqn in jaxpr.eqns:
       vals = [_read(env, v) for v in eqn.invars]
+      pin = self._feature_pin(eqn) if self.features else None
+      if pin is not None:
+        vals = [self._features_split(x, pin[2], pin[3]) if i in pin[0] else x
+                for i, x in enumerate(vals)]
       hits = [i for i, v in enumerate(eqn.invars)
               if not isinstance(v, jcore.Literal) and v in tracked]
       routed = routes and any(not isinstance(v, jcore.Literal) and v in routes
@@ -279,6 +304,9 @@ class _Evaluator:
           routing.follow(eqn, routes)
       if self.rows and eqn.primitive.name == "shard_map":
         outs = self._pin_manual(eqn, outs)
+      if pin is not None:
+        outs = [self._features_split(x, pin[2], pin[3]) if i in pin[1] else x
+                for i, x in enumerate(outs)]
       for v, x in zip(eqn.outvars, outs):
         if not isinstance(v, jcore.DropVar):
           env[v] = self.constrain(x, self.attend[v]) if v in self.attend else x
@@ -287,6 +315,26 @@ class _Evaluator:
     self.out_tracked = [tracked.get(v) if not isinstance(v, jcore.Literal) else None
                         for v in jaxpr.outvars]
     return [_read(env, v) for v in jaxpr.outvars]
+
+  def _feature_pin(self, eqn):
+    """(operands, results, dimension, row axes) of a shard_map equation :attr:`features` pins:
+    its values' features over 'tensor'. None where it is not named, or is not the planned step's
+    (the first operand's shape differs)."""
+    pin = self.features.get(id(eqn))
+    if pin is None:
+      return None
+    shape, ins, outs, dim, rows = pin
+    if not ins or tuple(eqn.invars[ins[0]].aval.shape) != tuple(shape):
+      return None
+    return ins, outs, dim, rows
+
+  def _features_split(self, x, dim: int, rows: tuple[str, ...]):
+    """``x`` laid out with dimension ``dim`` over 'tensor' and its rows over ``rows`` (the
+    plan's batch axes; :meth:`_feature_pin`)."""
+    entries = [None] * x.ndim
+    entries[0] = (rows[0] if len(rows) == 1 else tuple(rows)) if rows else None
+    entries[dim] = "tensor"
+    return self.constrain(x, P(*entries))
 
   def _pin_manual(self, eqn, outs) -> list:
     """A jax.shard_map's results its out_specs split on dimension 0 only, in the plan's layout of

@@ -221,6 +221,32 @@ def manual_blocks(sizes: dict[str, int], axes: Sequence[str]) -> tuple[int, ...]
   return tuple(blocks)
 
 
+# the calls whose bodies run once where they are called, their operands one to one
+CALL_PRIMITIVES = frozenset(("jit", "pjit", "closed_call", "core_call"))
+
+
+def call_shard_maps(jaxpr) -> list[tuple[Any, tuple[Any, ...]]]:
+  """The jax.shard_maps ``jaxpr`` runs at its top level or in the calls it makes
+  (:data:`CALL_PRIMITIVES`, nested: a user's jitted loss; not in loops or branches), in order,
+  each with the call equations around it, outermost first. The order is the same whether jax
+  inlined a call or kept it (jax 0.11 keeps more: jaxapi.inline_calls), so that the planned
+  step's and plan.jit's trace name a shard_map alike."""
+  found: list[tuple[Any, tuple[Any, ...]]] = []
+
+  def walk(j, path: tuple[Any, ...]) -> None:
+    for eqn in j.eqns:
+      name = eqn.primitive.name
+      if name == "shard_map":
+        found.append((eqn, path))
+      elif name in CALL_PRIMITIVES:
+        body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if body is not None:
+          walk(getattr(body, "jaxpr", body), path + (eqn,))
+
+  walk(jaxpr, ())
+  return found
+
+
 def shard_map_meshes(jaxpr) -> dict[tuple[int, ...], tuple[tuple[str, int], ...]]:
   """The concrete meshes the jax.shard_maps of ``jaxpr`` run over, in calls, loops and every
   branch too: their devices' ids in the mesh's order -> the mesh's (axis, size) pairs. jax.jit
@@ -484,6 +510,10 @@ class Reader:
     # in_specs split dimension 0 over, the blocks)
     self.manual: list[tuple[int, int, int, int, int, tuple[int, ...]]] = []
     self.manual_in: list[tuple[int, int, int, int, tuple[int, ...]]] = []
+    # the shard_map equation and the value of each entry of manual and of manual_in (the step
+    # graph names those a tensor pair splits on their features: stepgraph.FeatureShardMap)
+    self.manual_eqns: list[Any] = []
+    self.manual_in_eqns: list[Any] = []
     # the products in walk order: (walk position, flops per step, the weights they read)
     self.product_events: list[tuple[int, float, tuple[int, ...]]] = []
     self.first_order: dict[int, int] = {}     # weight leaf -> the walk position of its first product
@@ -664,12 +694,14 @@ class Reader:
         self.manual.append((self.eqn_count, repeats * nbytes(o.aval),
                             repeats * wide_bytes(o.aval), split(first),
                             whole, manual_blocks(sizes, spec_axes(first))))
+        self.manual_eqns.append((eqn, o))
     for v, spec in zip(eqn.invars, eqn.params.get("in_specs", ())):
       if is_var(v) and 0 in self.batch.get(v, ()):
         first = spec[0] if len(spec) else None
         self.manual_in.append((self.eqn_count, repeats * nbytes(v.aval),
                                repeats * wide_bytes(v.aval), split(first),
                                manual_blocks(sizes, spec_axes(first))))
+        self.manual_in_eqns.append((eqn, v))
 
   def manual_outputs(self) -> list[tuple[int, int | None, int, int, int, tuple[int, ...]]]:
     """(bytes, payer, wide, rows, split, blocks) of each result a jax.shard_map's out_specs shard

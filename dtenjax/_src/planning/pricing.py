@@ -928,8 +928,28 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   others = [a for a in AXES if m.size[a] > 1 and a not in rows_axes]
   everyone = [a for a in AXES if m.size[a] > 1]
   plan_blocks = None
-  for nb, payer, wide, rows, whole, blocks in graph.manual_outputs:
-    if payer not in group or not everyone:
+  # a shard_map on a tensor pair's activations: its boundary is the column-parallel leaf's to pay
+  # (its layout decides it). Where the plan splits their features over 'tensor' and plan.jit pins
+  # them so (stepgraph.FeatureShardMap.pinned), each operand and result the pair holds is one
+  # all-to-all over 'tensor' of each device's block (compiled on 8 CPU devices, the centring of
+  # f32[64,512] hidden activations over a "data" 8 mesh: `tensor` 8, four of f32[8,512], forward
+  # and backward); elsewhere priced as the batch's values below
+  features = graph.manual_features
+  for f in features:
+    if f.cone[0] == primary.index and f.pinned(m.size, pr.tp, rows_axes):
+      ctx.add("all_to_all", f.nbytes / f.rows, ["tensor"], blocking=True, dtype=WIRE,
+              wide=f.wide / f.rows)
+
+  def boundary_paid(payer, k) -> bool:
+    if k is None:
+      return payer in group
+    f = features[k]
+    return f.cone[0] == primary.index and not f.pinned(m.size, pr.tp, rows_axes)
+
+  out_features = graph.manual_output_features or (None,) * len(graph.manual_outputs)
+  in_features = graph.manual_operand_features or (None,) * len(graph.manual_operands)
+  for (nb, payer, wide, rows, whole, blocks), k in zip(graph.manual_outputs, out_features):
+    if not boundary_paid(payer, k) or not everyone:
       continue
     if rows == whole:
       plan_blocks = plan_blocks or jaxpr_reader.manual_blocks(
@@ -942,8 +962,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
                 wide=wide / rows_div)
     elif rows_div == 1:
       ctx.add("all_gather", nb, everyone, blocking=True, dtype=WIRE, wide=wide)
-  for nb, payer, wide, rows, blocks in graph.manual_operands:
-    if payer not in group or not rows_axes:
+  for (nb, payer, wide, rows, blocks), k in zip(graph.manual_operands, in_features):
+    if not boundary_paid(payer, k) or not rows_axes:
       continue
     plan_blocks = plan_blocks or jaxpr_reader.manual_blocks(
         {a: m.size[a] for a in AXES}, rows_axes)

@@ -142,6 +142,12 @@ class StepPlan:
   # order, the (axis, size) pairs); where there are some, plan.jit traces the step it is given
   # to name a shard_map mesh whose devices are not the plan's in its order
   manual_meshes: tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...] = ()
+  # the step's jax.shard_maps on a tensor pair's activations whose operands and results the pair
+  # holds plan.jit pins to the plan's split of their features (stepgraph.FeatureShardMap): (its
+  # place in jaxpr_reader.call_shard_maps' order, the shape of the first operand pinned, those
+  # operands, those results, the dimension split over 'tensor', the axes dimension 0 is over)
+  manual_features: tuple[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int,
+                               tuple[str, ...]], ...] = ()
 
   # --- applying it -----------------------------------------------------------------------------
 
@@ -201,7 +207,8 @@ class StepPlan:
         step, mesh, self.compute_specs,
         sequence=sequence_lib.application(dict(zip(self.axis_names, self.mesh_shape)),
                                           SEQUENCE_AXES, BATCH_AXES, self.batch_argnums),
-        shard_specs=self.specs, rows=self._batch_rows(), pin_all=self.manual == "all")
+        shard_specs=self.specs, rows=self._batch_rows(), pin_all=self.manual == "all",
+        features=self.manual_features)
 
     def checked(*args):
       if self.manual_meshes:     # the planned step ran shard_maps: is this one's on our devices?
@@ -408,7 +415,8 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
                   leaves=tuple(leaves), specs=tuple(specs), cost=cost, recipes=recipes,
                   budget_bytes=budget, topology=topology.name, planning_s=seconds,
                   meshes_tried=tried, notes=notes, priced_with=topology.pricing_summary(),
-                  manual=_manual(graph, m), manual_meshes=graph.manual_meshes)
+                  manual=_manual(graph, m), manual_meshes=graph.manual_meshes,
+                  manual_features=_feature_pins(graph, prob, choice))
 
 
 def _manual(graph, m) -> str:
@@ -419,6 +427,21 @@ def _manual(graph, m) -> str:
   pinned = any(n_rows == whole and gather.pins_manual(blocks, n_rows, sizes, rows)
                for _, _, _, n_rows, whole, blocks in graph.manual_outputs)
   return "coarser" if pinned else ""
+
+
+def _feature_pins(graph, prob: Problem, choice) -> tuple:
+  """StepPlan.manual_features: the shard_maps on a tensor pair's activations this plan pins
+  (stepgraph.FeatureShardMap.pinned, as pricing.price_layout priced them)."""
+  m = prob.m
+  lay_of = {g[0]: lays[c] for g, lays, c in zip(prob.groups, prob.cands, choice)}
+  rows = tuple(a for a in BATCH_AXES if a not in SEQUENCE_AXES and m.size[a] > 1)
+  pins = []
+  for f in graph.manual_features:
+    lay = lay_of.get(f.cone[0])
+    tensor = lay.used().get("tensor") if lay is not None and m.size["tensor"] > 1 else None
+    if f.pinned(m.size, None if tensor is None else ("col", tensor), rows):
+      pins.append((f.order, f.shape, f.ins, f.outs, f.dim, rows))
+  return tuple(pins)
 
 
 def _is_none(x) -> bool:

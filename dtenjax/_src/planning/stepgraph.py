@@ -50,6 +50,43 @@ __all__ = ["Leaf", "Live", "Meeting", "Pair", "StepGraph", "WeightUse", "read_st
 
 
 @dataclasses.dataclass(frozen=True)
+class FeatureShardMap:
+  """A jax.shard_map of the step (at its top level or in a call) over the user's mesh whose
+  operands a tensor pair's cone holds (the hidden activations between a column- and a
+  row-parallel product), its in_specs and out_specs splitting their rows. Left free under a plan
+  that splits the pair over 'tensor', XLA's partitioner gathered both weights whole and ran the
+  products on the user's rows (1231 KiB a device on 8 CPU devices where the plan, pricing the
+  result gathered, said 465); with the values pinned to the plan's layout at the boundary
+  (``pinned``: plan.jit does, gather.gather_for_compute's ``features``) XLA all-to-alls each of
+  them between the plan's split of their features and the user's of their rows (488 KiB;
+  docs/benchmarks.md, shmap18c)."""
+  order: int                       # its place in jaxpr_reader.call_shard_maps' order
+  cone: tuple[int, int]            # the pair's (column-parallel leaf, free dimension)
+  dim: int                         # the dimension of its values the pair splits
+  ins: tuple[int, ...]             # its operands the cone holds
+  outs: tuple[int, ...]            # its results the cone holds
+  rows: int                        # the user's blocks of their rows (the specs' split)
+  nbytes: int                      # the bytes of those operands and results, whole
+  wide: int                        # of them, bfloat16 bytes (jaxpr_reader.wide_bytes)
+  shape: tuple[int, ...] = ()      # the first of those operands' (plan.jit finds it by it)
+  blocks: tuple[int, ...] = ()     # the user's block of rows on each device, in order
+
+  def pinned(self, sizes, tp: tuple[str, int] | None, rows: Sequence[str]) -> bool:
+    """Whether a plan on a mesh of ``sizes`` (axis -> size, 'tensor' the minor axis) that
+    splits the batch's rows over ``rows`` and whose column-parallel leaf is laid out as ``tp``
+    (pricing.Price.tp) pins the values: where it splits their features over 'tensor' and their
+    rows over nothing else than ``rows``, and the user's mesh splits the rows into a block a
+    device, in the plan's device order. Each device's block of the user's then lies in its block
+    of the plan's rows, and each value is one all-to-all over 'tensor'. Elsewhere (the user's
+    blocks coarser: XLA gathers the operands whole, memory the plan does not hold) they are
+    left free and priced as the batch's values (pricing.price_layout)."""
+    devices = math.prod(sizes.values())
+    return (tp == ("col", self.cone[1]) and sizes["tensor"] > 1
+            and all(a == "tensor" or a in rows for a, n in sizes.items() if n > 1)
+            and self.rows == devices and self.blocks == tuple(range(devices)))
+
+
+@dataclasses.dataclass(frozen=True)
 class Leaf:
   """One array argument of the step."""
   index: int                      # position among all flattened argument leaves
@@ -200,6 +237,12 @@ class StepGraph:
   cone_outputs: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
   # of those bytes, the bfloat16 outputs' (XLA:CPU gathers them in float32: jaxpr_reader.wide_bytes)
   cone_wide: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+  # the step's shard_maps whose operands a tensor pair's cone holds (FeatureShardMap), and
+  # for each entry of manual_outputs and of manual_operands, the index among them of the
+  # shard_map whose value the cone holds (None: another value, priced as the batch's)
+  manual_features: tuple[FeatureShardMap, ...] = ()
+  manual_output_features: tuple[int | None, ...] = ()
+  manual_operand_features: tuple[int | None, ...] = ()
   # the state leaves a product reads through lax.stop_gradient -> the bytes of the product's other
   # operand, global (jaxpr_reader.stopped_reads)
   stopped: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -366,6 +409,13 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
   meetings = reader.meetings()
   pairs, carried, cones = pairs_mod.find_pairs(reader)
   reduced = pairs_mod.reduced_outputs(reader, pairs)
+  shard_maps = jaxpr_reader.call_shard_maps(jaxpr)
+  features = _feature_shard_maps([e for e, _ in shard_maps], leaves, cones)
+  feature_of = {}                 # (shard_map, value) ids -> its FeatureShardMap's index
+  for k, f in enumerate(features):
+    eqn = shard_maps[f.order][0]
+    for v in [eqn.invars[i] for i in f.ins] + [eqn.outvars[i] for i in f.outs]:
+      feature_of[(id(eqn), id(v))] = k
   weights = {}
   readers: dict[Any, int] = {}
   for v in reader.partner.values():
@@ -425,9 +475,49 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    manual_outputs=tuple(reader.manual_outputs()),
                    manual_operands=tuple(reader.manual_operands()),
                    manual_meshes=tuple(jaxpr_reader.shard_map_meshes(jaxpr).items()),
+                   manual_features=features,
+                   manual_output_features=tuple(feature_of.get((id(e), id(v)))
+                                                for e, v in reader.manual_eqns),
+                   manual_operand_features=tuple(feature_of.get((id(e), id(v)))
+                                                 for e, v in reader.manual_in_eqns),
                    stopped=jaxpr_reader.stopped_reads(jaxpr, leaves),
                    cone_outputs=_cone_outputs(jaxpr, tie, cones),
                    cone_wide=_cone_outputs(jaxpr, tie, cones, jaxpr_reader.wide_bytes))
+
+
+def _feature_shard_maps(shard_maps, leaves, cones) -> tuple[FeatureShardMap, ...]:
+  """Of ``shard_maps`` (jaxpr_reader.call_shard_maps' equations, in order), those whose
+  operands a tensor pair's cone holds (FeatureShardMap), where the specs of those values and of
+  its results the cone holds split only their rows, all into one number of blocks, and the
+  values hold the pair's free dimension (their features) in another."""
+  found = []
+  for order, eqn in enumerate(shard_maps):
+    sizes = dict(getattr(eqn.params.get("mesh"), "shape", {}) or {})
+    sides = ((eqn.invars, eqn.params.get("in_specs", ())),
+             (eqn.outvars, eqn.params.get("out_specs", ())))
+    for key in sorted(cones):
+      cone = cones[key]
+      width = leaves[key[0]].shape[key[1]]
+      held = [[i for i, v in enumerate(vs) if jaxpr_reader.is_var(v) and v in cone]
+              for vs, _ in sides]
+      if not held[0]:
+        continue
+      values = [(sides[s][0][i], tuple(sides[s][1][i])) for s in (0, 1) for i in held[s]]
+      splits = {math.prod(sizes.get(a, 1) for a in jaxpr_reader.spec_axes(spec[0]))
+                if spec else 1 for _, spec in values}
+      dims = {max((d for d, n in enumerate(v.aval.shape) if d and n == width), default=None)
+              for v, _ in values}
+      if (len(splits) != 1 or len(dims) != 1 or None in dims or 1 in splits
+          or any(e is not None for _, spec in values for e in spec[1:])):
+        continue
+      found.append(FeatureShardMap(
+          order=order, cone=key, dim=dims.pop(), ins=tuple(held[0]), outs=tuple(held[1]),
+          rows=splits.pop(), nbytes=sum(jaxpr_reader.nbytes(v.aval) for v, _ in values),
+          wide=sum(jaxpr_reader.wide_bytes(v.aval) for v, _ in values),
+          shape=tuple(int(n) for n in values[0][0].aval.shape),
+          blocks=jaxpr_reader.manual_blocks(sizes, jaxpr_reader.spec_axes(values[0][1][0]))))
+      break
+  return tuple(found)
 
 
 def _cone_outputs(jaxpr, tie: dict, cones: dict[tuple[int, int], set[Any]],

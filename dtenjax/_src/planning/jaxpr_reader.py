@@ -406,7 +406,7 @@ def scalar_fills(jaxpr) -> frozenset:
     if eqn.primitive.name != "scan":
       continue
     body = eqn.params["jaxpr"].jaxpr
-    nc = eqn.params["num_consts"]
+    nc, _ = jaxapi.scan_counts(eqn)
     inner = frozenset(iv for ov, iv in zip(eqn.invars[:nc], body.invars[:nc])
                       if is_var(ov) and ov in fills)
     seen = _BOUND_FILLS.get(id(body))

@@ -292,6 +292,26 @@ def test_only_jaxapi_touches_private_jax():
   assert _private_jax_uses(PRIVATE_JAX_OWNER)   # the owner is where they are
 
 
+# Equation parameters jax 0.10 has and jax 0.11 does not (a scan's counts are ``ft_in`` there):
+# read through jaxapi.scan_counts, which knows both; CI runs jax 0.10 only, so a direct read
+# fails only on the GPU machine's jax 0.11 (110 tests did, once).
+VERSIONED_PARAMS = ("num_consts", "num_carry")
+
+
+def test_scan_parameters_that_moved_between_jax_versions_are_read_in_jaxapi_only():
+  problems = []
+  for path in sorted((SRC.parent).rglob("*.py")):
+    if path == PRIVATE_JAX_OWNER:
+      continue
+    for node in ast.walk(parsed(path)):
+      if (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+          and node.slice.value in VERSIONED_PARAMS):
+        problems.append(f"{path.relative_to(SRC.parent.parent)} line {node.lineno}: "
+                        f"[{node.slice.value!r}]")
+  assert not problems, ("read through jaxapi.scan_counts (jax 0.11 has no such parameter):\n"
+                        + "\n".join(problems))
+
+
 @pytest.mark.parametrize("source", [
     "from jax._src import core\n", "import jax._src.mesh\n", "from jax import _src\n",
     "import jax\ndef f():\n  return jax._src.core.typeof\n",

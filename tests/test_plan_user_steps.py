@@ -1226,8 +1226,13 @@ def test_an_unused_parameter_is_neither_gathered_nor_reduced_on_another_mesh():
   assert not check.misses(0.10), check.table()
 
 
-def _check_on_fsdp_8(step, args):
-  """``plan.check`` of ``step``'s plan on `fsdp` 8 against XLA's compile of the users' program."""
+def _check_on_fsdp_8(loss, params=None):
+  """``plan.check`` of the adamw step of ``loss`` (the suite's MLP's parameters unless
+  ``params``; the suite's batch) planned on `fsdp` 8, against XLA's compile of the users'
+  program."""
+  tx = optax.adamw(_LR)
+  p = _mlp_params() if params is None else params
+  step, args = _sgd_step(loss, tx), (p, tx.init(p), _xy())
   plan = dtenjax.plan(step, *args, mesh={"fsdp": 8})
   return plan.check(step, *args, compiler_options=compile_only.USERS_PROGRAM)
 
@@ -1238,13 +1243,11 @@ def test_a_parameter_read_only_under_stop_gradient_has_no_gradient_in_the_memory
   # XLA fuses into the update, though it gathers the head for the forward's product. Before,
   # the memory model sized its zero among the gradients of its shape (it met the batch in the
   # product): +15.7 % over XLA's memory
-  tx = optax.adamw(_LR)
   p = dict(_mlp_params(), head=0.1 * jax.random.normal(jax.random.key(7), (128, 512)))
   def loss(p, batch):
     frozen = jnp.mean(batch["x"] @ jax.lax.stop_gradient(p["head"]))
     return _mse({k: v for k, v in p.items() if k != "head"}, batch) + frozen
-  args = (p, tx.init(p), _xy())
-  check = _check_on_fsdp_8(_sgd_step(loss, tx), args)
+  check = _check_on_fsdp_8(loss, p)
   assert check.memory_error <= 0.10, check.table()
 
 
@@ -1506,13 +1509,10 @@ def test_a_weight_negated_or_squared_on_its_way_to_a_product_is_gathered_there()
   # the activations (memory +55.6 %, all-gather +60 %, all-reduce +99 %, 0.08 MiB of
   # all-to-all priced at none). With the weights followed but -w2's gradient -g ended at its
   # negation (XLA fuses it into the update, as it does 0.5 * g), memory -17.9 %
-  tx = optax.adamw(_LR)
   def loss(p, batch):
     h = jax.nn.gelu(batch["x"] @ (p["w1"] ** 2) + p["b1"]) @ -p["w2"] + p["b2"]
     return jnp.mean((h - batch["y"]) ** 2)
-  p = _mlp_params()
-  args = (p, tx.init(p), _xy())
-  check = _check_on_fsdp_8(_sgd_step(loss, tx), args)
+  check = _check_on_fsdp_8(loss)
   assert not check.misses(0.10), check.table()
 
 
@@ -1522,14 +1522,11 @@ def test_a_scaled_weight_read_apart_from_its_product_stays_sharded_there():
   # product. Before, that constraint reached back to the scaled value, XLA scaled the gathered
   # copy and the norm's gradient read it in the update: 256 KiB held past the backward, memory
   # -15.2 % (the unscaled step's 0.0 %)
-  tx = optax.adamw(_LR)
   def loss(p, batch):
     w1 = 0.5 * p["w1"]
     h = jax.nn.gelu(batch["x"] @ w1 + p["b1"]) @ p["w2"] + p["b2"]
     return jnp.mean((h - batch["y"]) ** 2) + 1e-3 * jnp.sum(w1 ** 2)
-  p = _mlp_params()
-  args = (p, tx.init(p), _xy())
-  check = _check_on_fsdp_8(_sgd_step(loss, tx), args)
+  check = _check_on_fsdp_8(loss)
   assert not check.misses(0.10), check.table()
 
 

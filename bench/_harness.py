@@ -267,6 +267,17 @@ def require_gpu(bench: str, what: str) -> None:
            f"({len(jax.devices())} {backend} device(s)); run it on a GPU machine.")
 
 
+def require_devices(bench: str, n: int) -> list:
+  """jax's first ``n`` devices; refuses where fewer are present, naming the flag that simulates
+  them on CPU."""
+  import jax
+  devices = jax.devices()
+  if len(devices) < n:
+    refuse(bench, f"needs {n} devices, found {len(devices)}; set "
+           f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+  return devices[:n]
+
+
 def require_world(bench: str, world: int, minimum: int = 2, how: str = "") -> None:
   """Refuses when fewer than ``minimum`` ranks take part (a collective of one rank moves
   nothing, so its times and ratios would describe no communication)."""

@@ -70,12 +70,9 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=_harness.positive_int, default=2)
   ap.add_argument("--json", default=None, help="write the rows here")
   args = ap.parse_args(argv)
-  devices = jax.devices()
-  if len(devices) < 8:
-    _harness.refuse(BENCH, f"needs 8 devices, found {len(devices)}; set "
-                    "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+  devices = _harness.require_devices(BENCH, 8)
   import dtenjax
-  mesh = jax.sharding.Mesh(np.array(devices[:8]), ("fsdp",))
+  mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
   shard = lambda spec: NamedSharding(mesh, spec)
   fsdp_spec = {"stem": P(), "stack": P(None, None, None, None, "fsdp")}
   dp_spec = {"stem": P(), "stack": P()}
@@ -126,7 +123,7 @@ def main(argv=None) -> int:
   if args.json:
     params = dict(vars(args))
     doc = _harness.document(BENCH, __file__, sys.argv[1:] if argv is None else argv, params,
-                            rows, devices=devices[:8], kind="other")
+                            rows, devices=devices, kind="other")
     _harness.write_json(args.json, doc)
   return 0
 

@@ -71,12 +71,9 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=_harness.positive_int, default=2)
   ap.add_argument("--json", default=None, help="write the rows here")
   args = ap.parse_args(argv)
-  devices = jax.devices()
-  if len(devices) < 8:
-    _harness.refuse(BENCH, f"needs 8 devices, found {len(devices)}; set "
-                    "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+  devices = _harness.require_devices(BENCH, 8)
   import dtenjax
-  user_mesh = jax.sharding.Mesh(np.array(devices[:8]), ("data",))
+  user_mesh = jax.sharding.Mesh(np.array(devices), ("data",))
   step, concrete = make(args.batch, args.dim, args.hidden, user_mesh)
   shard = lambda spec: NamedSharding(user_mesh, spec)
   plain = (*jax.tree.map(lambda _: shard(P()), concrete[:2]),
@@ -128,7 +125,7 @@ def main(argv=None) -> int:
                               ("bytes miss", "bytes_miss", ".1%"))), flush=True)
   if args.json:
     doc = _harness.document(BENCH, __file__, sys.argv[1:] if argv is None else argv,
-                            dict(vars(args)), rows, devices=devices[:8], kind="other")
+                            dict(vars(args)), rows, devices=devices, kind="other")
     _harness.write_json(args.json, doc)
   return 0
 

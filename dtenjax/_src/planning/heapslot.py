@@ -51,9 +51,13 @@ and as many inside ``E`` for kSpatial; under TP (``B`` 5) neither.
 
 Whether such a small value is a heap buffer is XLA's buffer assignment: it first tries the outputs'
 allocations of at least its size that hold nothing live over its range, and those are filled by
-values the jaxpr does not have: FSDP's all-gathered weights, and SPMD's ``partition-id``, which
-takes the loss output's 4-byte allocation (leaving the partial sum on the heap) where its last
-reader is scheduled before the loss's division. The model sees none of that: it takes ``E`` and
+values the jaxpr does not have: FSDP's all-gathered weights, a scanned stack's gradient carries and
+loop copies (on every scanned stack compiled, no output of the updates' size is free over their
+range), and SPMD's ``partition-id``, which takes the loss output's 4-byte allocation (leaving the
+partial sum on the heap) where its last reader is scheduled before the loss's division. Between
+Llama 1B and Llama 8B under FSDP x TP (both scanned, both with the sum and the updates on the
+heap) only the scatter's indices differ: the one output left free takes them on the 1B, none
+fits them on the 8B (docs/benchmarks.md, heap19). The model sees none of that: it takes ``E`` and
 ``G`` at 3 ticks, no small value inside either, and :func:`holds_a_fourth` decides both heaps from
 the ``B`` / ``C`` / ``P`` ticks (given XLA's own ticks, it gives XLA's slots on every compile read
 where the chain is the largest around it). On the model's ``a_in`` ... ``f_w`` it agrees with XLA's

@@ -936,6 +936,29 @@ def gated_head(mesh=None, d=128, h=512):
               plan_kwargs={"mesh": mesh or {"fsdp": 8}})
 
 
+def short_wide_branch(mesh=None, b=256, d=128, h=2048, chain=12):
+  """A loss through one of two paths a parameter gates, the shorter of which holds more memory:
+  a wide hidden layer (``gelu(x @ w1) @ w2``, h 2048) beside a narrow one (``x @ w3`` and a chain
+  of twelve elementwise steps on its [b, 128] result: more equations, little memory), under
+  adamw on `data` 8. Before, the step was priced on the branch of most equations, the narrow
+  one: its work (two products of 256 x 128 x 128), and neither w1's nor w2's gradient reduced
+  (all-reduce 0.06 MiB where XLA compiles 2.00: XLA's conditional holds the buffers of the wider
+  branch, and check counts its collectives)."""
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    def wide(p, x):
+      return jnp.mean((jax.nn.gelu(x @ p["w1"]) @ p["w2"] - batch["y"]) ** 2)
+    def narrow(p, x):
+      z = x @ p["w3"]
+      for _ in range(chain):
+        z = jnp.tanh(z) * 0.9 + 0.1 * z
+      return jnp.mean((z - batch["y"]) ** 2)
+    return jax.lax.cond(p["flag"] > 0, narrow, wide, p, batch["x"])
+  p = dict(_init({"w1": (d, h), "w2": (h, d), "w3": (d, d)}), flag=jnp.asarray(1.0, jnp.float32))
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy(b=b, d=d, o=d)),
+              plan_kwargs={"mesh": mesh or {"data": 8}})
+
+
 def masked_by_constants(mesh=None):
   """Weights pruned by masks the step closes over (constants, not parameters): the first layer
   read as ``x @ jnp.where(keep1, w1, 0)``, the second as ``h @ (w2 * keep2)``, under adamw."""
@@ -1567,6 +1590,19 @@ def test_a_weights_gradient_parts_are_reduced_each_on_another_mesh():
   assert not check.misses(0.10), check.table()
 
 
+def test_a_weights_gradient_parts_are_reduced_each_into_a_buffer_of_its_own_on_dp():
+  # two_views on `data` 8: each replicated weight's two gradient parts are all-reduced into new
+  # buffers (XLA:CPU's buffer assignment: the four unreduced parts in four of the six
+  # weight-sized output buffers, the four reduced ones, 1.00 MiB, in the temporary buffer, read
+  # by the update's fusions that write the outputs). Before, the model reduced DP's gradients
+  # into their outputs in place, as it does a gradient of one product: temp 0.03 MiB, memory
+  # -24.2 %
+  case = two_views(mesh={"data": 8})
+  plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
+  check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
+  assert not check.misses(0.10), check.table()
+
+
 def test_masked_weights_are_gathered_and_priced_as_compiled_on_another_mesh():
   # masked_weight's rule with both weights masked, on `data` 2 x `fsdp` 4: each masked weight
   # gathered at its product and its selected gradient fused into the update, as the unmasked
@@ -1612,3 +1648,41 @@ def test_a_weight_read_in_one_branch_of_a_cond_is_priced_as_compiled_on_another_
   plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
   check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
   assert not check.misses(0.10), check.table()
+
+
+def test_a_cond_is_priced_on_its_branch_of_larger_memory_not_of_more_equations():
+  # short_wide_branch: the wide branch has fewer equations (84 forward, 20 backward, against the
+  # narrow one's 132 and 79) and the larger peak. XLA's conditional holds the buffers of the
+  # branch that needs more; the plan prices that branch's work, five products of 256 x 128 x 2048
+  # (the two forward ones, w2's and w1's gradients and the hidden layer's input gradient; the
+  # narrow branch's two of 256 x 128 x 128 before), and its collectives: w1's and w2's gradients
+  # all-reduced, 2.00 MiB as XLA compiles (0.06 priced before)
+  from dtenjax._src.planning import stepgraph
+  case = short_wide_branch()
+  graph = stepgraph.read_step(case.step, case.args, (2,))
+  assert graph.flops == 5 * 2.0 * 256 * 128 * 2048
+  plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
+  check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
+  assert not check.misses(0.10), check.table()
+
+
+def test_a_pair_is_found_where_the_update_reduces_over_its_dimension():
+  # the batch-512 square MLP under adafactor, planned on `fsdp` 4 x `tensor` 2: adafactor's
+  # factored moments reduce each gradient over its rows and its columns, and the walk from w1's
+  # product (pairs._follow) went on through w2's gradient into that reduction and dropped the
+  # pair. The plan split both weights by columns, XLA gathered the hidden activations for w2's
+  # product and all-reduced their gradient, and the model sized them whole: memory +28.7 %.
+  # A reduction in the update of a weight's gradient (a product that contracts the batch) is
+  # the weight's, not an activation's: the pair (w1's columns, w2's rows) is found and the plan
+  # prices its program within 10 %
+  from dtenjax._src.planning import pairs
+  from dtenjax._src.planning import stepgraph
+  case = weight_shaped_activations(b=512, h=512, tx=optax.adafactor(1e-2),
+                                   mesh={"fsdp": 4, "tensor": 2})
+  graph = stepgraph.read_step(case.step, case.args, (2,))
+  index = {lf.path: lf.index for lf in graph.leaves}
+  assert graph.pairs == (pairs.Pair(index["[0]['w1']"], 1, index["[0]['w2']"], 0),)
+  plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
+  check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
+  assert not check.misses(0.10), check.table()
+

@@ -158,8 +158,8 @@ def branch_runs(compiled, collectives) -> Callable[[str], int]:
   """computation name (of ``collectives``: (computation, bytes per step) pairs) -> 1 where it
   runs in a step, 0 inside a ``conditional``'s branch other than its branch of most collective
   bytes. A step runs one branch of each conditional; summing every branch's collectives
-  counted both heads of a ``lax.cond`` where one runs (the plan prices one branch: the one of
-  most equations)."""
+  counted both heads of a ``lax.cond`` where one runs (the plan prices one branch:
+  ``jaxpr_reader.priced_branch``, the one of larger memory)."""
   from dtenjax._src import hlo
   callers = hlo.read_compiled(compiled).callers()
 

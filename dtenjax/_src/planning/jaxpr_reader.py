@@ -428,11 +428,49 @@ def sub_jaxprs(eqn):
   if name == "while":
     out.append((eqn.params["body_jaxpr"].jaxpr, 1))
   if name == "cond":
-    # the branch of most equations: the work the step does when it does it (lax.cond(ok,
-    # update, skip) puts the skip first: optax.apply_if_finite's reject_update, whose inner
-    # state passes through untouched, would leave the moments untied from their parameters)
-    out.append((max((b.jaxpr for b in eqn.params["branches"]), key=lambda j: len(j.eqns)), 1))
+    out.append((priced_branch(eqn), 1))
   return out
+
+
+def priced_branch(eqn):
+  """The branch of a ``lax.cond`` the step is priced on: the one whose values take the most
+  memory at once (:func:`_made_peak`), of those the one of most equations. XLA runs one branch
+  per step, but the buffers of its conditional must fit whichever runs, so the planner prices the
+  worst case a user must fit: the branch of larger peak, its work and its collectives too (a
+  short branch through a wide hidden layer beside a long chain of narrow elementwise ops: the
+  branch of most equations was the narrow one, and neither wide weight's gradient reduction was
+  priced: short_wide_branch in tests/test_plan_user_steps.py).
+  Where the peaks tie the branch of most equations is the work the step does when it does it:
+  ``lax.cond(ok, update, skip)`` puts the skip first (optax.apply_if_finite's reject_update,
+  whose inner state passes through untouched, would leave the moments untied from their
+  parameters; it makes no value, so its peak is the smaller anyway)."""
+  branches = [b.jaxpr for b in eqn.params["branches"]]
+  return max(branches, key=lambda j: (_made_peak(j), len(j.eqns)))
+
+
+def _made_peak(jaxpr) -> int:
+  """The most bytes of the values ``jaxpr``'s equations make that are live at once (each from
+  its equation to its last reader or the end), a body's own peak added where it runs. A
+  broadcast of a scalar (a branch's zero for a residual another branch makes) is not counted:
+  every branch hands out the same results, and what sets one branch's peak above another's is
+  the values it computes."""
+  last: dict[Any, int] = {}
+  for i, e in enumerate(jaxpr.eqns):
+    last.update((v, i) for v in e.invars if is_var(v))
+  last.update((v, len(jaxpr.eqns)) for v in jaxpr.outvars if is_var(v))
+  ends: dict[int, list[int]] = {}
+  live = peak = 0
+  for i, e in enumerate(jaxpr.eqns):
+    inner = max((_made_peak(sub) for sub, _ in sub_jaxprs(e)), default=0)
+    free = e.primitive.name == "broadcast_in_dim" and not getattr(e.invars[0].aval, "shape", ())
+    made = [nbytes(o.aval) for o in e.outvars] if not free else []
+    peak = max(peak, live + inner + sum(made))
+    for o, nb in zip(e.outvars, made):
+      if last.get(o, i) > i:          # read later (an unread value dies where it is made)
+        live += nb
+        ends.setdefault(last[o], []).append(nb)
+    live -= sum(ends.pop(i, ()))
+  return peak
 
 
 class Reader:
@@ -596,7 +634,7 @@ class Reader:
     """Walks the branches of a ``lax.cond`` that :func:`sub_jaxprs` leaves out, for the weights
     their products read: a weight read in one branch only (``lax.cond(gate, lambda: loss(w1),
     lambda: loss(head))``) is a weight the step reads, with the layout that product needs. The
-    branch the step's work is priced on stays the one of most equations, and it is walked after
+    branch the step's work is priced on stays :func:`priced_branch`'s, and it is walked after
     these, so its ties and batch dimensions are the cond's results' (optax.apply_if_finite's
     skip branch, whose state passes through untouched, would untie the moments); the walk
     positions are the cond's own (the branches run at the same point of the step)."""

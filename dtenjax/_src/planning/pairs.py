@@ -209,6 +209,11 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
   pairs, todo, seen = [], [(start, dim, tuple(frames))], set()
   carried: set[int] = set()
   beside: set[Any] = set()
+  # the pair's weights' gradients (products that contract the batch) and what the optimizer's
+  # update computes from them: sharded as the weights, whose layouts price them; a reduction
+  # over the dimension there (adafactor's factored moments, clip_by_global_norm's norm) is the
+  # update's, not an activation's that needs the value whole
+  updating: set[Any] = set()
   dirty = unpaired = False
   while todo and budget > 0 and not dirty:
     var, d, ctx = todo.pop()
@@ -218,6 +223,7 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
     seen.add(key)
     budget -= 1
     nxt = []
+    grads = len(todo)          # what this value reaches is the update's too, where it is
     if ctx:
       call, body = ctx[-1]
       n_consts, n_carry = (jaxapi.scan_counts(call) if call.primitive.name == "scan" else
@@ -262,8 +268,10 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
         axes = tuple(eqn.params.get("axes", ()))
         if d in axes and ends is not None:
           ends.append(eqn)
-        elif d in axes:
+        elif d in axes and var not in updating:
           dirty = True
+        elif d in axes:
+          continue
         else:
           nxt.append((out, d - sum(1 for a in axes if a < d)))
       elif name == "dot_general":
@@ -292,6 +300,8 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
             base = len(lb) + (0 if pos == 0 else len(lfree))
             free = lfree if pos == 0 else rfree
             nxt.append((out, base + free.index(d)))
+            if set(reader.batch.get(var, ())) & set(mine_c) and not reader.batch.get(out):
+              updating.add(out)     # a weight's gradient: its product contracts the batch
       elif (eqn.params.get("jaxpr") is not None or name in ("scan", "while", "cond")
             or name in CUSTOM_DERIVATIVE_CALLS):
         # into a body: a call, a loop, a branch, or the primal of a function with a custom
@@ -308,6 +318,8 @@ def _follow(reader: Reader, src: int, src_dim: int, start, dim: int, frames: tup
             else:
               todo.append((inner, d, inner_ctx))
     todo.extend((v, dd, ctx) for v, dd in nxt if v is not None and is_var(v))
+    if var in updating:
+      updating.update(v for v, _, _ in todo[grads:])
   if dirty or todo:
     return [], set(), set()
   return [] if unpaired else pairs, carried, {v for v, _, _ in seen} | beside

@@ -284,10 +284,18 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       turned.setdefault(tuple(reversed(primary.shape)), []).append(per_device)
       for shape in (primary.shape, tuple(reversed(primary.shape))):
         shard_sizes.setdefault(shape, []).append(primary.nbytes / shards)
+      # a gradient of several products (a weight read twice) is reduced part by part
+      parts = max(graph.gradient_parts.get(s, 1) for s in (primary.shape,
+                                                           tuple(reversed(primary.shape))))
       if zero and per_device > primary.nbytes / shards:
-        # a gradient of several products (a weight read twice) is reduced part by part
-        parts = max(graph.gradient_parts.get(s, 1) for s in (primary.shape,
-                                                             tuple(reversed(primary.shape))))
+        reduced.append((per_device, parts))
+      elif parts > 1 and bdiv > 1:
+        # a replicated weight's (DP's): each part all-reduced into a new buffer too, live into
+        # the update's fusions that sum them, which write the step's outputs while the parts
+        # are read, so no output buffer takes them (XLA:CPU's buffer assignment of two_views
+        # on `data` 8: the four reduced parts of two weights in the temporary buffer, the four
+        # unreduced in outputs'; a gradient of one product is reduced into the output its
+        # update's last fusion then writes in place: none in the temporary buffer)
         reduced.append((per_device, parts))
     if not prob.donate:
       outputs.extend(graph.leaves[i].nbytes / shards for i in g)

@@ -439,3 +439,49 @@ def test_restore_shardings_given_for_a_subtree_apply_to_its_leaves(tmp_path):
   assert out["params"]["w"].sharding.is_equivalent_to(rep, 2)
   with pytest.raises(dtenjax.ConfigurationError, match=r"'param'.*not a leaf.*'params\.w'"):
     ckpt.restore(tmp_path / "c", shardings={"param": rows})
+
+
+# --- user19: the elastic in-memory tier, pmap, the pipeline ------------------------------------
+
+def test_the_in_memory_tier_restores_bfloat16_and_float8_leaves(tmp_path):
+  """user19: the tier wrote a leaf's dtype as ``np.dtype(...).str``, which is "<V2" for
+  bfloat16 (and "<V1" for float8): a bfloat16 training state snapshotted without complaint and
+  then could not be restored ("the target is bfloat16[8], the snapshot holds void16[8]")."""
+  from dtenjax._src.elastic import memory
+  mesh = jax.make_mesh((8,), ("x",))
+  state = {"w": jax.device_put(jnp.arange(8, dtype=jnp.bfloat16) / 3, NamedSharding(mesh, P("x"))),
+           "m": jnp.arange(4, dtype=jnp.float8_e4m3fn), "n": np.arange(3, dtype=np.float16),
+           "step": 3}
+  tier = dtenjax.elastic.MemoryTier(str(tmp_path / "mem"), 0, 1)
+  tier.snapshot(3, state)
+  tier.wait()
+  out = memory.restore(str(tmp_path / "mem"), 1, [], 3, state)
+  for k in ("w", "m", "n"):
+    assert _bits(out[k]) == _bits(state[k]), k
+  assert out["w"].sharding == state["w"].sharding and out["step"] == 3
+
+
+def test_the_in_memory_tier_names_a_donated_leaf_and_a_key_leaf(tmp_path):
+  """user19: ``ctx.step_done(step, state)`` with the state passed to a step jitted with
+  ``donate_argnums`` failed with JAX's "RuntimeError: Array has been deleted", and a typed PRNG
+  key in the state with "TypeError: Cannot interpret 'key<fry>' as a data type"."""
+  w = jnp.arange(8.0)
+  jax.jit(lambda s: s + 1, donate_argnums=0)(w)
+  if not w.is_deleted():                 # a backend that does not donate: delete as it would
+    w.delete()
+  tier = dtenjax.elastic.MemoryTier(str(tmp_path / "mem"), 0, 1)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"leaf \['w'\] .*deleted.*donate_argnums"):
+    tier.snapshot(1, {"w": w})
+  with pytest.raises(dtenjax.ConfigurationError, match=r"leaf \['rng'\] .*PRNG.*key_data"):
+    tier.snapshot(1, {"rng": jax.random.key(0)})
+
+
+def test_pmap_runs_under_jax_set_mesh():
+  """user19: a user moving from pmap to meshes step by step calls ``dtenjax.pmap`` inside
+  ``with jax.set_mesh(mesh)``; it failed with JAX's "The context mesh ... should match the mesh
+  passed to shard_map" (jax.pmap fails there too), although pmap's mesh is its own."""
+  x = jnp.arange(8.0)
+  f = dtenjax.pmap(lambda v: jax.lax.psum(v, "i") + dtenjax.all_reduce(v, "i"), "i")
+  with jax.set_mesh(jax.make_mesh((8,), ("d",))):
+    np.testing.assert_array_equal(f(x), np.full(8, 56.0, np.float32))
+    np.testing.assert_array_equal(f(x[:4]), np.full(4, 12.0, np.float32))

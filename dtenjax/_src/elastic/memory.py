@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dtenjax._src import errors
@@ -62,6 +63,14 @@ def encode(step: int, rank: int, world: int, tree: Any) -> tuple[dict, list[np.n
   leaves, pending = [], []
   for path, leaf in pairs:
     name = _name(path)
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+      raise errors.ConfigurationError(
+          f"leaf {name} was deleted ({leaf.aval.str_short()}): it was donated to a jitted step "
+          "(donate_argnums) or .delete()d; snapshot the state the step returned")
+    if hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      raise errors.ConfigurationError(
+          f"leaf {name} is an array of typed PRNG keys ({leaf.dtype}); keep "
+          "jax.random.key_data(key) in the state and rebuild it with jax.random.wrap_key_data")
     if hasattr(leaf, "addressable_shards"):      # a jax.Array (or a view of one's shards)
       mine = [s for s in leaf.addressable_shards if s.replica_id == 0]
       for s in mine:
@@ -70,12 +79,12 @@ def encode(step: int, rank: int, world: int, tree: Any) -> tuple[dict, list[np.n
                 [n if sl.stop is None else sl.stop for sl, n in zip(s.index, leaf.shape)]
                 if s.index else []] for s in mine]
       leaves.append({"name": name, "kind": "array", "shape": list(leaf.shape),
-                     "dtype": np.dtype(leaf.dtype).str, "boxes": boxes})
+                     "dtype": _dtype_name(leaf.dtype), "boxes": boxes})
       pending.extend(s.data for s in mine)
     elif isinstance(leaf, (bool, int, float, np.generic, np.ndarray)):
       arr = np.asarray(leaf)
       leaves.append({"name": name, "kind": "value", "shape": list(arr.shape),
-                     "dtype": arr.dtype.str, "boxes": [[[0] * arr.ndim, list(arr.shape)]],
+                     "dtype": _dtype_name(arr.dtype), "boxes": [[[0] * arr.ndim, list(arr.shape)]],
                      "python": type(leaf).__name__ if isinstance(leaf, (bool, int, float))
                      else None})
       pending.append(arr)
@@ -88,6 +97,18 @@ def encode(step: int, rank: int, world: int, tree: Any) -> tuple[dict, list[np.n
   # np.array(copy=True): the device buffers may be donated to the next step
   buffers = [np.array(np.asarray(d), copy=True) for d in pending]
   return {"step": step, "rank": rank, "world": world, "leaves": leaves}, buffers
+
+
+def _dtype_name(dtype) -> str:
+  """How a record names a dtype: numpy's ``str`` ("<f4", with the byte order), but the name of
+  ml_dtypes' types (bfloat16, float8_*), whose ``str`` is a bare void ("<V2") that reads back
+  as no number type at all."""
+  dt = np.dtype(dtype)
+  return dt.name if dt.kind == "V" else dt.str
+
+
+def _dtype(name: str) -> np.dtype:
+  return np.dtype(jnp.dtype(name))
 
 
 def pack(header: dict, buffers: Iterable[np.ndarray]) -> bytes:
@@ -104,7 +125,7 @@ def unpack(blob: bytes, where: str) -> tuple[dict, list[np.ndarray]]:
   header = json.loads(blob[16:16 + n])
   off, buffers = 16 + n, []
   for leaf in header["leaves"]:
-    dt = np.dtype(leaf["dtype"])
+    dt = _dtype(leaf["dtype"])
     for lo, hi in leaf["boxes"]:
       shape = tuple(b - a for a, b in zip(lo, hi))
       size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
@@ -285,7 +306,7 @@ def load(root: str, world: int, lost: Iterable[int], step: int) -> tuple[dict, d
           py = leaf.get("python")
           values[leaf["name"]] = {"int": int, "float": float, "bool": bool}[py](v) if py else v
         continue
-      entry = arrays.setdefault(leaf["name"], (tuple(leaf["shape"]), np.dtype(leaf["dtype"]), []))
+      entry = arrays.setdefault(leaf["name"], (tuple(leaf["shape"]), _dtype(leaf["dtype"]), []))
       entry[2].extend(parts)
   return arrays, values
 

@@ -485,3 +485,12 @@ def test_pmap_runs_under_jax_set_mesh():
   with jax.set_mesh(jax.make_mesh((8,), ("d",))):
     np.testing.assert_array_equal(f(x), np.full(8, 56.0, np.float32))
     np.testing.assert_array_equal(f(x[:4]), np.full(4, 12.0, np.float32))
+  # Arrays committed elsewhere, as jax.pmap took them: another mesh's shards (jax.pmap fails
+  # with "KeyError: 'd'"), one device, the first four rows of an array on eight devices.
+  mesh = jax.make_mesh((8,), ("d",))
+  np.testing.assert_array_equal(f(jax.device_put(x, NamedSharding(mesh, P("d")))),
+                                np.full(8, 56.0, np.float32))
+  np.testing.assert_array_equal(f(jax.device_put(x[:4], jax.devices()[3])),
+                                np.full(4, 12.0, np.float32))
+  np.testing.assert_array_equal(f(jax.device_put(x, NamedSharding(mesh, P()))[:4]),
+                                np.full(4, 12.0, np.float32))

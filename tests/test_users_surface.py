@@ -494,3 +494,63 @@ def test_pmap_runs_under_jax_set_mesh():
                                 np.full(4, 12.0, np.float32))
   np.testing.assert_array_equal(f(jax.device_put(x, NamedSharding(mesh, P()))[:4]),
                                 np.full(4, 12.0, np.float32))
+
+
+def _pipelined_loss(body, loss_fn, stages=2):
+  """The traced (never compiled) pipelined loss and gradient of a 4-layer stack on 8 rows."""
+  pipe = dtenjax.pipeline(body, loss_fn, stages=stages, microbatches=2)
+  mesh = jax.make_mesh((stages, 8 // stages), ("stage", "data"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  step = jax.shard_map(jax.value_and_grad(lambda w, x, t: pipe(w, {}, x, t)), mesh=mesh,
+                       in_specs=(P("stage"), P(), P()), out_specs=(P(), P("stage")))
+  args = (jax.ShapeDtypeStruct((4, 8, 8), jnp.float32), jax.ShapeDtypeStruct((8, 8), jnp.float32),
+          jax.ShapeDtypeStruct((8, 8), jnp.float32))
+  return jax.eval_shape(step, *args)
+
+
+def test_the_pipeline_names_a_loss_that_is_not_a_scalar_and_a_layer_that_changes_h():
+  """user19: a ``loss_fn`` returning the per-example loss (no ``.mean()``) failed inside the
+  pipeline with "switch branches must have equal output types ... branch 0 is idle"; a ``body``
+  that changed the activation's shape or dtype, or returned ``h`` alone, with lax.scan's carry
+  error about the pipeline's internal scan."""
+  body = lambda h, w: (jnp.tanh(h @ w), None)
+  mse = lambda head, h, t: ((h - t) ** 2).mean()
+  value, grad = _pipelined_loss(body, mse)
+  assert value.shape == () and grad.shape == (4, 8, 8)
+  for loss_fn, match in ((lambda head, h, t: ((h - t) ** 2).mean(-1), r"float32\[4\]"),
+                         (lambda head, h, t: jnp.int32(1), r"int32\[\]")):
+    with pytest.raises(dtenjax.ConfigurationError, match=r"loss_fn.*returned " + match):
+      _pipelined_loss(body, loss_fn)
+  for bad, match in ((lambda h, w: (h[:, :4] @ w[:4, :4], None), r"into float32\[4, 4\]"),
+                     (lambda h, w: ((h @ w).astype(jnp.bfloat16), None), r"into bfloat16\[4, 8"),
+                     (lambda h, w: h @ w, r"returned float32\[4, 8\].*pair")):
+    with pytest.raises(dtenjax.ConfigurationError, match=r"pipeline: body\(h, layer\) .*" + match):
+      _pipelined_loss(bad, mse)
+
+
+def test_pipeline_cost_checks_its_numbers_and_a_single_stage_has_no_bubble():
+  """user19: ``pipeline_cost(4.0, 8)`` after ``pipeline_cost(4, 8)`` passed (the timetable's
+  cache answered it, skipping the check) and recorded stages=4.0; negative, NaN or string costs
+  were priced (a bubble of 0.52, nan, or a TypeError); one stage reported a negative bubble
+  (-0.33 for GPipe on one micro-batch: the work counted the forward its backward recomputes);
+  ``pipeline_transport(None)`` failed with an AttributeError; ``Interleaved(np.int64(2))`` was
+  refused although ``stages`` takes numpy ints."""
+  dtenjax.pipeline_cost(4, 8)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"stages=4\.0 must be an int"):
+    dtenjax.pipeline_cost(4.0, 8)
+  for kw, match in (({"forward": -1}, r"forward=-1 must be"), ({"backward": float("nan")},
+                    r"backward=nan must be"), ({"forward": "1"}, r"forward='1' must be"),
+                    ({"forward": 0, "backward": 0}, r"one must be > 0")):
+    with pytest.raises(dtenjax.ConfigurationError, match=match):
+      dtenjax.pipeline_cost(4, 8, **kw)
+  # By hand: one device, m micro-batches; each forward is the last chunk's (kept input, no work)
+  # and each backward recomputes it and runs (3 units): time = busy = 3 m, no bubble.
+  for m in (1, 3):
+    c = dtenjax.pipeline_cost(1, m, dtenjax.GPipe(), forward=1, backward=3)
+    assert (c.time, c.busy, c.bubble) == (3 * m, 3 * m, 0)
+  # Interleaved on one stage: chunk 0's forwards run (1/2 each), chunk 1's are kept inputs.
+  c = dtenjax.pipeline_cost(1, 2, dtenjax.Interleaved(np.int64(2)), forward=1, backward=3)
+  assert (c.busy, c.schedule) == (2 * 0.5 + 2 * 3, dtenjax.Interleaved(2))
+  assert c.bubble >= 0
+  with pytest.raises(dtenjax.MeshError, match=r"mesh=None is not a jax.sharding.Mesh"):
+    dtenjax.pipeline_transport(None, "stage")

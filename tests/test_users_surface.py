@@ -554,3 +554,17 @@ def test_pipeline_cost_checks_its_numbers_and_a_single_stage_has_no_bubble():
   assert c.bubble >= 0
   with pytest.raises(dtenjax.MeshError, match=r"mesh=None is not a jax.sharding.Mesh"):
     dtenjax.pipeline_transport(None, "stage")
+
+
+def test_a_mesh_written_as_a_name_or_a_bare_size_is_refused_with_the_fix():
+  """user19: ``mesh_map(f, "x", ...)`` (an axis name where the mesh goes) failed with
+  "ValueError: invalid literal for int() with base 10: 'x'", ``topology_mesh(8, ("a",))`` with
+  "TypeError: 'int' object is not iterable", and ``topology_mesh((8,), "data")`` read the name
+  as four one-letter axes."""
+  with pytest.raises(dtenjax.MeshError, match=r"mesh='x' is not a mesh.*\(2, 4\)"):
+    dtenjax.mesh_map(lambda v: v, "x", out_specs=P("x"), in_specs=P("x"))
+  with pytest.raises(dtenjax.MeshError, match=r"axis_shapes=8 must be a sequence.*\(8,\)"):
+    dtenjax.topology_mesh(8, ("a",))
+  with pytest.raises(dtenjax.MeshError, match=r"axis_names='data' must be a sequence.*\('data',\)"):
+    dtenjax.topology_mesh((8,), "data")
+  assert dtenjax.topology_mesh(np.array([2, 4]), ["a", "b"]).shape == {"a": 2, "b": 4}

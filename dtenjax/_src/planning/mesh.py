@@ -102,6 +102,14 @@ def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], axis_types=
     devices: devices to use; default ``jax.devices()``.
     topology: the topology to order by; default ``Topology.current()``.
   """
+  if isinstance(axis_shapes, (int, np.integer, str)) or not hasattr(axis_shapes, "__iter__"):
+    raise errors.MeshError(
+        f"axis_shapes={axis_shapes!r} must be a sequence of axis sizes, e.g. ({axis_shapes!r},) "
+        "for one axis")
+  if isinstance(axis_names, str) or not hasattr(axis_names, "__iter__"):
+    raise errors.MeshError(
+        f"axis_names={axis_names!r} must be a sequence of names, one per axis, e.g. "
+        f"({axis_names!r},) for one axis")
   shape = tuple(axis_shapes)
   axis_names = tuple(axis_names)
   _check_axes(shape, axis_names)
@@ -219,6 +227,11 @@ def as_mesh(mesh: Mesh | Sequence[int] | None, axis_names: Sequence[str] | None 
     if cur is not None:
       return cur
     return make_mesh((len(jax.devices()),), ("x",), topology=topology)
+  if isinstance(mesh, str) or not hasattr(mesh, "__iter__") or not all(
+      isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in mesh):
+    raise errors.MeshError(
+        f"mesh={mesh!r} is not a mesh: pass a jax.sharding.Mesh, a shape of axis sizes such as "
+        "(2, 4), or None for the context mesh (jax.set_mesh, dtenjax.use_mesh)")
   shape = tuple(int(s) for s in mesh)
   names = None if axis_names is None else tuple(axis_names)
   return _mesh_for_shape(shape, names, topology, _current_mesh.get(), jax_context_mesh())

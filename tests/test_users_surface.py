@@ -568,3 +568,23 @@ def test_a_mesh_written_as_a_name_or_a_bare_size_is_refused_with_the_fix():
   with pytest.raises(dtenjax.MeshError, match=r"axis_names='data' must be a sequence.*\('data',\)"):
     dtenjax.topology_mesh((8,), "data")
   assert dtenjax.topology_mesh(np.array([2, 4]), ["a", "b"]).shape == {"a": 2, "b": 4}
+
+
+def test_the_passes_and_reproducible_step_check_what_they_are_given():
+  """user19: ``fuse_collectives(step, bucket_bytes="4096")`` (a value read from a config file)
+  failed with "'<=' not supported between instances of 'str' and 'int'";
+  ``substitute_psum(step, bucket_bytes=-1)`` ran as if 0, ``substitute_psum(3)`` and
+  ``reproducible_step(3)`` were taken (and failed at the call), ``memory_plan(3, x)`` raised a
+  bare TypeError, ``reproducible_step(step, compiler_options=3)`` "'int' object is not
+  iterable"."""
+  step = lambda x: x
+  for call, match in (
+      (lambda: dtenjax.fuse_collectives(step, bucket_bytes="4096"), r"bucket_bytes='4096'"),
+      (lambda: dtenjax.fuse_collectives(step, bucket_bytes=4096.5), r"bucket_bytes=4096\.5"),
+      (lambda: dtenjax.substitute_psum(step, bucket_bytes=-1), r"bucket_bytes=-1 must be"),
+      (lambda: dtenjax.substitute_psum(3), r"fn=3 is not callable"),
+      (lambda: dtenjax.memory_plan(3, jnp.ones(2)), r"fn=3 is not callable"),
+      (lambda: dtenjax.reproducible_step(3), r"fn=3 is not callable"),
+      (lambda: dtenjax.reproducible_step(step, compiler_options=3), r"compiler_options=3")):
+    with pytest.raises(dtenjax.ConfigurationError, match=match):
+      call()

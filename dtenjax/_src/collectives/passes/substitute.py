@@ -19,9 +19,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jex_core
 
 from dtenjax._src import contract as contract_lib
+from dtenjax._src import errors
 from dtenjax._src import jaxapi
 from dtenjax._src.collectives import all_reduce as collectives
 from dtenjax._src.collectives import fixed_point
@@ -152,6 +154,16 @@ def substitute_psum(fn: Callable, *, algorithm: str = "auto", deterministic: boo
   ``reproducible`` takes ``all_reduce``'s values, for the float32 and bfloat16 psums.
   """
   contract = contract_lib.parse(reproducible, "substitute_psum: reproducible")
+  if not callable(fn):
+    raise errors.ConfigurationError(
+        f"substitute_psum: fn={fn!r} is not callable; pass the step (or the shard_map'd body) "
+        "whose lax.psums to replace")
+  if (not isinstance(bucket_bytes, (int, np.integer)) or isinstance(bucket_bytes, bool)
+      or bucket_bytes < 0):
+    raise errors.ConfigurationError(
+        f"substitute_psum: bucket_bytes={bucket_bytes!r} must be an int >= 0 (0: one "
+        "all_reduce per psum; > 0: psums bucketed, as fuse_collectives does)")
+
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)

@@ -588,3 +588,21 @@ def test_the_passes_and_reproducible_step_check_what_they_are_given():
       (lambda: dtenjax.reproducible_step(step, compiler_options=3), r"compiler_options=3")):
     with pytest.raises(dtenjax.ConfigurationError, match=match):
       call()
+
+
+def test_shard_lays_out_typed_prng_keys_and_names_a_donated_leaf():
+  """user19: a train state holding ``jax.random.key`` / ``split`` keys (flax's TrainState rng)
+  failed in ``dtenjax.shard`` with "TypeError: Cannot interpret 'key<fry>' as a data type"
+  (jax.device_put lays keys out by their key shape); a donated leaf with JAX's "RuntimeError:
+  Array has been deleted"."""
+  keys = jax.random.split(jax.random.key(0), 8)
+  for placement, spec in ((dtenjax.Placement("row"), P("x")), (dtenjax.Placement(), P(None))):
+    state = dtenjax.shard({"rng": keys, "w": jnp.ones((8, 2))}, placement)
+    assert state["rng"].sharding.spec == spec and state["rng"].dtype == keys.dtype
+    assert _bits(jax.random.key_data(state["rng"])) == _bits(jax.random.key_data(keys))
+  w = jnp.ones((8, 2))
+  jax.jit(lambda s: s + 1, donate_argnums=0)(w)
+  if not w.is_deleted():                 # a backend that does not donate: delete as it would
+    w.delete()
+  with pytest.raises(dtenjax.PlacementError, match=r"\['w'\] was deleted.*donate_argnums"):
+    dtenjax.shard({"w": w}, dtenjax.Placement("row"))

@@ -356,6 +356,9 @@ def _place(leaf, sharding: NamedSharding):
 
 def _leaf_sharding(value, placement, where: str) -> NamedSharding:
   shape, dtype = tuple(value.shape), value.dtype
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    # Typed PRNG keys are laid out by their key shape; their bits are uint32 words.
+    dtype = jnp.uint32
   if isinstance(placement, NamedSharding):
     check_divisible(shape, placement.spec, placement.mesh, where)
     return placement
@@ -371,6 +374,10 @@ def _shard_one(leaf, placement, where: str):
   if kind is None:
     if not hasattr(leaf, "shape"):
       return leaf
+    if isinstance(leaf, jax.Array) and not _is_tracer(leaf) and leaf.is_deleted():
+      raise errors.PlacementError(
+          f"{where} was deleted ({leaf.aval.str_short()}): it was donated to a jitted step "
+          "(donate_argnums) or .delete()d; shard the arrays the step returned")
     return _place(leaf, _leaf_sharding(leaf, placement, where))
   value = _box_value(leaf)
   if isinstance(placement, NamedSharding):

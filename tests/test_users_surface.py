@@ -606,3 +606,26 @@ def test_shard_lays_out_typed_prng_keys_and_names_a_donated_leaf():
     w.delete()
   with pytest.raises(dtenjax.PlacementError, match=r"\['w'\] was deleted.*donate_argnums"):
     dtenjax.shard({"w": w}, dtenjax.Placement("row"))
+
+
+def test_elastic_launch_checks_every_number_before_it_starts_a_process(tmp_path, monkeypatch):
+  """user19: ``dtenjax.elastic.launch`` took ``timeout_s=float("nan")`` (the deadline check
+  ``now > nan`` is never true: a hung job was never stopped), ``max_restarts="3"`` (a
+  TypeError at the first lost process), ``checkpoint_every=0``, a string ``argv`` (run as
+  ``python t r a i n . p y``) and a non-callable ``capacity``; the CLI refuses all of them."""
+  from dtenjax._src.elastic import launcher
+  started = []
+  monkeypatch.setattr(launcher, "_start", lambda *a: started.append(a))
+  for kw, match in (({"timeout_s": float("nan")}, r"timeout_s=nan must be a number"),
+                    ({"timeout_s": "60"}, r"timeout_s='60'"),
+                    ({"heartbeat_timeout_s": "10"}, r"heartbeat_timeout_s='10'"),
+                    ({"max_restarts": "3"}, r"max_restarts='3' must be an int >= 0"),
+                    ({"checkpoint_every": 0}, r"checkpoint_every=0 must be an int >= 1"),
+                    ({"nprocs": True}, r"nprocs=True must be an int"),
+                    ({"capacity": 4}, r"capacity=4 must be a callable"),
+                    ({"argv": "train.py --steps 3"}, r"one string.*\['train.py', '--steps', '3'\]")):
+    args = {"argv": ["train.py"], "nprocs": 2, **kw}
+    with pytest.raises(dtenjax.ConfigurationError, match=match):
+      dtenjax.elastic.launch(args.pop("argv"), args.pop("nprocs"), run_dir=str(tmp_path),
+                             quiet=True, **args)
+  assert not started

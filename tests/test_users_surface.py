@@ -629,3 +629,31 @@ def test_elastic_launch_checks_every_number_before_it_starts_a_process(tmp_path,
       dtenjax.elastic.launch(args.pop("argv"), args.pop("nprocs"), run_dir=str(tmp_path),
                              quiet=True, **args)
   assert not started
+
+
+def test_substitute_psum_reaches_the_psums_in_scan_cond_while_and_checkpoint_bodies():
+  """user19: ``substitute_psum`` / ``fuse_collectives`` rewrote only top-level psums: those in a
+  scanned layer stack, a ``fori_loop``, a ``lax.cond`` branch or a ``jax.checkpoint``'d layer
+  stayed XLA's, so ``reproducible=True`` silently left them order-dependent (``psum_count``
+  0). Now each body is rebuilt; the values are those of the same step written with
+  ``dtenjax.all_reduce(..., reproducible=True)`` by hand, bit for bit, and those of lax.psum."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  x = jax.device_put(np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32),
+                     NamedSharding(mesh, P("x")))
+
+  def step(v, psum):
+    def layer(c, r):
+      c = c + jax.lax.cond(r.sum() > 0, lambda: psum(r * c), lambda: psum(r))
+      return c, None
+    c = jax.lax.scan(layer, jnp.ones(4), v)[0]
+    c = jax.lax.fori_loop(0, 2, lambda i, a: a + psum(jnp.sin(a)), c)
+    return jax.checkpoint(lambda a: psum(a * a))(c)
+
+  run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P()))(x)
+  rewritten = dtenjax.substitute_psum(lambda v: step(v, lambda a: jax.lax.psum(a, "x")),
+                                      reproducible=True)
+  got = run(rewritten)
+  assert rewritten.psum_count == 4
+  by_hand = run(lambda v: step(v, lambda a: dtenjax.all_reduce(a, "x", reproducible=True)))
+  assert _bits(got) == _bits(by_hand)
+  np.testing.assert_allclose(got, run(lambda v: step(v, lambda a: jax.lax.psum(a, "x"))), rtol=1e-5)

@@ -240,8 +240,11 @@ def _zero_cotangent(t):
 def _like(ct, primal):
   """``ct`` typed as ``primal`` needs: summed over the manual axes it varies over and ``primal``
   does not (what JAX's own transpose of the implicit cast does), cast to varying where
-  ``primal`` varies and ``ct`` does not."""
+  ``primal`` varies and ``ct`` does not. An integer leaf (a layer index, a flag) gets jax's
+  float0 zero."""
   def one(c, p):
+    if not jnp.issubdtype(jnp.result_type(p), jnp.inexact):
+      return _zero_cotangent(p)
     extra = tuple(sorted(jaxapi.vma(c) - jaxapi.vma(p)))
     if extra:
       c = lax.psum(c, extra)
@@ -312,9 +315,12 @@ def _execute(pipe: Pipeline, layers, head, x, targets, *, backward: bool):
     return lax.dynamic_update_index_in_dim(
         buf, lax.dynamic_update_index_in_dim(buf[i], value, j, 0), i, 0)
 
+  # The cotangent of an integer leaf is jax's float0, which takes no arithmetic: its
+  # accumulator stays as it is (the backward rule hands float0 back for it).
   def add(acc, i, g):
-    return jax.tree.map(lambda a, b: lax.dynamic_update_index_in_dim(
-        a, lax.dynamic_index_in_dim(a, i, 0, False) + b, i, 0), acc, g)
+    return jax.tree.map(lambda a, b: a if b.dtype == jax.dtypes.float0 else
+                        lax.dynamic_update_index_in_dim(
+                            a, lax.dynamic_index_in_dim(a, i, 0, False) + b, i, 0), acc, g)
 
   zeros_msg = jnp.zeros(mb_shape, dtype)
   state = dict(
@@ -360,7 +366,8 @@ def _execute(pipe: Pipeline, layers, head, x, targets, *, backward: bool):
   def backward_loss(s, vc, m, first):
     value, pull = jax.vjp(last, pick(chunks, vc), head, h_in(s, vc, m, first), pick(ts, m))
     dp, dhead, dh, _ = pull(jnp.ones_like(value))
-    s = {**s, "head": vary(jax.tree.map(jnp.add, s["head"], dhead)),
+    s = {**s, "head": vary(jax.tree.map(
+        lambda a, b: a if b.dtype == jax.dtypes.float0 else a + b, s["head"], dhead)),
          "loss": vary(s["loss"] + value.astype(jnp.float32))}
     return send_back(s, vc, m, first, dp, dh)
 

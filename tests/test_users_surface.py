@@ -691,3 +691,21 @@ def test_the_pipeline_takes_integer_leaves_in_the_layers_and_the_head():
   np.testing.assert_allclose(value, ref, rtol=1e-6)
   np.testing.assert_allclose(g["w"], rg["w"], rtol=1e-5, atol=1e-7)
   assert g["idx"].dtype == gh["cols"].dtype == jax.dtypes.float0
+
+
+def test_the_in_memory_tier_restores_onto_jax_eval_shape_and_numpy_targets(tmp_path):
+  """user19: ``ctx.restore(jax.eval_shape(init))`` (a state described without building it, as
+  ``dtenjax.checkpoint.restore`` takes it) failed with "TypeError: sharding should be an
+  instance of `jax.sharding`. Got None", and a numpy leaf of the target with "AttributeError:
+  'numpy.ndarray' object has no attribute 'sharding'"."""
+  from dtenjax._src.elastic import memory
+  state = {"w": jnp.arange(8.0), "m": jnp.ones((2, 3), jnp.bfloat16), "step": 3}
+  tier = dtenjax.elastic.MemoryTier(str(tmp_path / "mem"), 0, 1)
+  tier.snapshot(3, state)
+  tier.wait()
+  out = memory.restore(str(tmp_path / "mem"), 1, [], 3, jax.eval_shape(lambda: state))
+  assert _bits(out["w"]) == _bits(state["w"]) and _bits(out["m"]) == _bits(state["m"])
+  assert isinstance(out["w"], jax.Array) and out["step"] == 3
+  out = memory.restore(str(tmp_path / "mem"), 1, [], 3,
+                       {"w": np.zeros(8, np.float32), "m": state["m"], "step": 0})
+  assert isinstance(out["w"], np.ndarray) and _bits(out["w"]) == _bits(state["w"])

@@ -314,7 +314,8 @@ def load(root: str, world: int, lost: Iterable[int], step: int) -> tuple[dict, d
 def restore(root: str, world: int, lost: Iterable[int], step: int, target: Any) -> Any:
   """The snapshot of ``step`` laid out like ``target`` (a tree of jax Arrays or
   ``jax.ShapeDtypeStruct``s with shardings, and scalars): each device gets its box, cut from the
-  assembled global arrays."""
+  assembled global arrays. A numpy leaf of the target restores as numpy; a struct without a
+  sharding (``jax.eval_shape``'s) as ``jnp.asarray`` places it, in a single process."""
   arrays, values = load(root, world, lost, step)
   pairs, treedef = jax.tree_util.tree_flatten_with_path(target)
   out, problems = [], []
@@ -344,7 +345,22 @@ def restore(root: str, world: int, lost: Iterable[int], step: int, target: Any) 
                       f"{covered.size} elements")
       out.append(None)
       continue
-    out.append(jax.make_array_from_callback(shape, t.sharding, lambda i, a=full: a[i]))
+    if isinstance(t, np.ndarray):                 # a numpy state restores as numpy
+      out.append(full)
+      continue
+    sharding = getattr(t, "sharding", None)
+    if sharding is None:
+      # jax.eval_shape's structs carry no sharding: one process places the leaf as jnp.asarray
+      # does; several processes cannot agree on a layout no one gave.
+      if jax.process_count() > 1:
+        problems.append(f"leaf {name}: the target has no sharding to lay it out on "
+                        f"{jax.process_count()} processes; pass the initial state's arrays or "
+                        "jax.ShapeDtypeStruct(shape, dtype, sharding=...)")
+        out.append(None)
+      else:
+        out.append(jnp.asarray(full))
+      continue
+    out.append(jax.make_array_from_callback(shape, sharding, lambda i, a=full: a[i]))
   if problems:
     raise errors.CheckpointError(errors.join_problems(
         f"the in-memory snapshot of step {step} cannot be restored onto the target:", problems))

@@ -494,6 +494,10 @@ def test_pmap_runs_under_jax_set_mesh():
                                 np.full(4, 12.0, np.float32))
   np.testing.assert_array_equal(f(jax.device_put(x, NamedSharding(mesh, P()))[:4]),
                                 np.full(4, 12.0, np.float32))
+  # A pmap inside a pmap (jax.pmap's nesting) failed with JAX's context-mesh ValueError.
+  inner = dtenjax.pmap(lambda u: u * 2, "j")
+  with pytest.raises(dtenjax.ConfigurationError, match=r"nested pmap.*mesh_map"):
+    dtenjax.pmap(lambda v: inner(v), "i")(jnp.ones((2, 4)))
 
 
 def _pipelined_loss(body, loss_fn, stages=2):

@@ -555,6 +555,13 @@ def pmap(f: Callable, axis_name: str | None = None, *, in_axes: Any = 0, out_axe
     return jax.jit(run, static_argnums=static, donate_argnums=donate)
 
   def call(method: str, args, kwargs):
+    outer = jaxapi.manual_axes()
+    if outer:
+      raise errors.ConfigurationError(
+          f"dtenjax.pmap inside a pmap or shard_map body (manual axes {sorted(outer)}): nested "
+          "pmap is not supported (jax.pmap fails there too); map over a mesh of both axes "
+          "instead, e.g. dtenjax.mesh_map(f, jax.make_mesh((2, 4), ('i', 'j')), in_specs=..., "
+          "out_specs=...)")
     n = mapped_size(args, kwargs)
     fn = compiled(n)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):

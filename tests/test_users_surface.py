@@ -461,7 +461,7 @@ def test_the_in_memory_tier_restores_bfloat16_and_float8_leaves(tmp_path):
   assert out["w"].sharding == state["w"].sharding and out["step"] == 3
 
 
-def test_the_in_memory_tier_names_a_donated_leaf_and_a_key_leaf(tmp_path):
+def test_the_in_memory_tier_checks_its_leaves_steps_and_numbers(tmp_path):
   """user19: ``ctx.step_done(step, state)`` with the state passed to a step jitted with
   ``donate_argnums`` failed with JAX's "RuntimeError: Array has been deleted", and a typed PRNG
   key in the state with "TypeError: Cannot interpret 'key<fry>' as a data type"."""
@@ -474,6 +474,21 @@ def test_the_in_memory_tier_names_a_donated_leaf_and_a_key_leaf(tmp_path):
     tier.snapshot(1, {"w": w})
   with pytest.raises(dtenjax.ConfigurationError, match=r"leaf \['rng'\] .*PRNG.*key_data"):
     tier.snapshot(1, {"rng": jax.random.key(0)})
+  # A snapshot inside jit, a step that no later restore could find (-1, "1"), a rank outside
+  # the world, a NaN timeout: the rank and the timeout were taken, the steps written under
+  # names complete_steps never lists.
+  with pytest.raises(dtenjax.ConfigurationError, match=r"leaf \['a'\] is a traced value"):
+    jax.jit(lambda a: tier.snapshot(1, {"a": a}))(jnp.ones(2))
+  for step in (-1, "1", 2.0):
+    with pytest.raises(dtenjax.ConfigurationError, match=rf"step={step!r} must be an int >= 0"):
+      tier.snapshot(step, {"a": jnp.ones(2)})
+  tier.snapshot(jnp.int32(4), {"a": jnp.ones(2)})          # a jitted loop's counter
+  tier.wait()
+  assert dtenjax.elastic.complete_steps(str(tmp_path / "mem"), 1) == [4]
+  for kw, match in (({"rank": 2}, r"rank=2 must be an int in \[0, world=2\)"),
+                    ({"timeout_s": float("nan")}, r"timeout_s=nan"), ({"keep": 0}, r"keep=0")):
+    with pytest.raises(dtenjax.ConfigurationError, match=match):
+      dtenjax.elastic.MemoryTier(str(tmp_path / "m2"), kw.pop("rank", 0), 2, **kw)
 
 
 def test_pmap_runs_under_jax_set_mesh():

@@ -63,6 +63,11 @@ def encode(step: int, rank: int, world: int, tree: Any) -> tuple[dict, list[np.n
   leaves, pending = [], []
   for path, leaf in pairs:
     name = _name(path)
+    if isinstance(leaf, jax.core.Tracer):
+      raise errors.ConfigurationError(
+          f"leaf {name} is a traced value ({leaf.aval.str_short()}): snapshot was called inside "
+          "jax.jit, jax.grad or another transformation, where arrays have no bytes yet; call it "
+          "outside, on the state the jitted step returns")
     if isinstance(leaf, jax.Array) and leaf.is_deleted():
       raise errors.ConfigurationError(
           f"leaf {name} was deleted ({leaf.aval.str_short()}): it was donated to a jitted step "
@@ -97,6 +102,10 @@ def encode(step: int, rank: int, world: int, tree: Any) -> tuple[dict, list[np.n
   # np.array(copy=True): the device buffers may be donated to the next step
   buffers = [np.array(np.asarray(d), copy=True) for d in pending]
   return {"step": step, "rank": rank, "world": world, "leaves": leaves}, buffers
+
+
+def _whole(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _dtype_name(dtype) -> str:
@@ -198,8 +207,20 @@ class MemoryTier:
   def __init__(self, root: str, rank: int, world: int, *, store: kvstore.KVStore | None = None,
                client: Any = None, namespace: str = "dtenjax/elastic/mem",
                timeout_s: float = 60.0, keep: int = KEEP):
+    problems = []
+    if not _whole(world) or world < 1:
+      problems.append(f"world={world!r} must be an int >= 1 (the number of processes)")
+    elif not _whole(rank) or not 0 <= rank < world:
+      problems.append(f"rank={rank!r} must be an int in [0, world={world})")
+    if (not isinstance(timeout_s, (int, float, np.integer, np.floating))
+        or isinstance(timeout_s, bool) or not timeout_s > 0 or timeout_s == float("inf")):
+      problems.append(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
+    if not _whole(keep) or keep < 1:
+      problems.append(f"keep={keep!r} must be an int >= 1 (how many snapshots a holder keeps)")
+    if problems:
+      raise errors.ConfigurationError(errors.join_problems("MemoryTier:", problems))
     self.store = store_lib.given("MemoryTier", store, client)
-    self.root, self.rank, self.world = root, rank, world
+    self.root, self.rank, self.world = root, int(rank), int(world)
     self.namespace = namespace.rstrip("/")
     self.timeout_s = float(timeout_s)
     self.keep = keep
@@ -213,6 +234,15 @@ class MemoryTier:
     """Copies this process's shards to host memory and returns; the rest runs in the
     background. The previous snapshot is joined first: ``stall_s`` counts that wait and the
     device-to-host copies, all the time the caller is held."""
+    # An integer scalar array (a jitted loop's counter) is a step too, as the checkpoint
+    # manager takes it.
+    if not (_whole(step) or (np.ndim(step) == 0 and hasattr(step, "dtype")
+                             and not isinstance(step, jax.core.Tracer)
+                             and jnp.issubdtype(step.dtype, jnp.integer))) or step < 0:
+      raise errors.ConfigurationError(
+          f"MemoryTier.snapshot: step={step!r} must be an int >= 0 (the number of steps done); "
+          "a snapshot under any other name could not be found again")
+    step = int(step)
     t0 = time.perf_counter()
     self.wait()
     header, buffers = encode(step, self.rank, self.world, tree)

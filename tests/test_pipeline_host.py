@@ -16,6 +16,7 @@ import functools
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -24,6 +25,7 @@ from dtenjax._src import ffi
 from dtenjax._src.net import kvstore
 from dtenjax._src.net import native
 from dtenjax._src.net import pair
+from dtenjax._src.pipeline import host
 from dtenjax._src.pipeline import transport
 from tests import pipeline_host_model as m
 from tests.net_helpers import requires_native
@@ -274,3 +276,17 @@ def test_the_choice_lists_both_paths_and_why():
   assert dtenjax.pipeline_transport(mesh, transport="host").path == "none"   # one process
   with pytest.raises(dtenjax.ConfigurationError, match="transport='carrier'"):
     dtenjax.pipeline_transport(mesh, transport="carrier")
+
+
+def test_a_stages_programs_name_a_loss_that_is_not_a_scalar_and_a_layer_that_changes_h():
+  """user19: as the SPMD pipeline's, the host stage's programs name a ``loss_fn`` that returns
+  no floating scalar and a ``body`` that changes the activation (they failed with lax.scan's
+  carry error or jax.vjp's "Gradient only defined for scalar-output functions")."""
+  w, h, t = jnp.ones((2, 4, 4)), jnp.ones((3, 4)), jnp.ones((3, 4))
+  body = lambda c, layer: (c @ layer, None)
+  progs = host._programs(body, lambda hd, c, tt: ((c - tt) ** 2).mean(-1))
+  with pytest.raises(dtenjax.ConfigurationError, match=r"loss_fn.*returned float32\[3\]"):
+    progs["backward_loss"](w, {}, h, t)
+  progs = host._programs(lambda c, layer: ((c @ layer)[:, :2], None), m.loss_fn)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"body.*into float32\[3, 2\]"):
+    progs["forward"](w, h)

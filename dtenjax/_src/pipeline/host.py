@@ -316,18 +316,19 @@ def _programs(body, loss_fn) -> dict:
   the loss alone, and the accumulation arithmetic; shared by the pipelines of one model (and
   compiled once per shape)."""
   def stage(params, h):
-    return lax.scan(body, h, params)[0]
+    return lax.scan(functools.partial(run._checked_body, body), h, params)[0]
 
   def backward(params, h, ct):
     return jax.vjp(stage, params, h)[1](ct)
 
   def backward_loss(params, head, h, targets):
-    value, pull = jax.vjp(lambda a, b, c: loss_fn(b, stage(a, c), targets), params, head, h)
+    value, pull = jax.vjp(lambda a, b, c: run._checked_loss(loss_fn(b, stage(a, c), targets)),
+                          params, head, h)
     dp, dhead, dh = pull(jnp.ones_like(value))
     return value.astype(jnp.float32), dp, dhead, dh
 
   def loss(params, head, h, targets):
-    return loss_fn(head, stage(params, h), targets).astype(jnp.float32)
+    return run._checked_loss(loss_fn(head, stage(params, h), targets)).astype(jnp.float32)
 
   return {"forward": jax.jit(stage), "backward": jax.jit(backward),
           "backward_loss": jax.jit(backward_loss), "loss": jax.jit(loss),

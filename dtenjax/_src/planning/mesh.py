@@ -536,7 +536,7 @@ def pmap(f: Callable, axis_name: str | None = None, *, in_axes: Any = 0, out_axe
       # Traced inside the user's jit under jax.set_mesh: the context (which jax.shard_map
       # requires to be the mesh it runs on) is set aside where jax lets it (the same size).
       ctx = jax.sharding.get_abstract_mesh()
-      same = not ctx.empty and ctx.size == mesh.size
+      same = not getattr(ctx, "empty", True) and getattr(ctx, "size", None) == mesh.size
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if same else contextlib.nullcontext():
         mapped, unmapped = jax.shard_map(
             _bind(per_device, mesh), mesh=mesh, in_specs=in_specs, out_specs=(P(name), P()),
@@ -570,7 +570,7 @@ def pmap(f: Callable, axis_name: str | None = None, *, in_axes: Any = 0, out_axe
     # (jax.shard_map requires it to be the mesh it runs on) is set aside, and arrays committed
     # elsewhere (another mesh's shards, one device) move onto it first.
     mesh = make_mesh((n,), (name,), devices=devices[:n])
-    stat, dyn_idx, axes = split(args)
+    _, dyn_idx, axes = split(args)
     dyn = tuple(args[i] for i in dyn_idx)
     leaves, treedef = jax.tree.flatten((dyn, kwargs))
     leaf_axes = _leaf_axes(axes, dyn, "in_axes") + [0] * len(jax.tree.leaves(kwargs))

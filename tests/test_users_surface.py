@@ -728,3 +728,23 @@ def test_the_in_memory_tier_restores_onto_jax_eval_shape_and_numpy_targets(tmp_p
   out = memory.restore(str(tmp_path / "mem"), 1, [], 3,
                        {"w": np.zeros(8, np.float32), "m": state["m"], "step": 0})
   assert isinstance(out["w"], np.ndarray) and _bits(out["w"]) == _bits(state["w"])
+
+
+def test_placement_and_tensor_name_a_bad_shape_dtype_workload_or_key():
+  """user19: ``Placement("row").spec(8)`` failed with "'int' object is not iterable",
+  ``.sharding((-8, 2))`` and ``.sharding("8")`` answered a sharding for no array,
+  ``.sharding((8, 4), "floaty")`` raised numpy's TypeError, ``Placement(workload="train")``
+  was taken (to fail at the first auto plan), and ``tensor(..., key=0)`` (PRNGKey habits)
+  raised JAX's "invalid PRNG key data"."""
+  row = dtenjax.Placement("row")
+  for call, match in ((lambda: row.spec(8), r"Placement.spec: shape=8"),
+                      (lambda: row.sharding((-8, 2)), r"shape=\(-8, 2\)"),
+                      (lambda: row.sharding("8"), r"shape='8'"),
+                      (lambda: row.sharding((8, 4), "floaty"), r"dtype='floaty' is not a dtype"),
+                      (lambda: dtenjax.Placement().explain((8, 4), "floaty"), r"dtype='floaty'"),
+                      (lambda: dtenjax.Placement(workload="train"), r"workload='train'"),
+                      (lambda: dtenjax.tensor((8,), init="normal", key=0),
+                       r"key=0 is not a PRNG key; pass jax.random.key\(0\)")):
+    with pytest.raises(dtenjax.PlacementError, match=match):
+      call()
+  assert row.sharding(np.array([8, 2]), "bfloat16").spec == P("x", None)

@@ -16,6 +16,7 @@ import functools
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -24,6 +25,7 @@ from dtenjax._src import ffi
 from dtenjax._src.net import kvstore
 from dtenjax._src.net import native
 from dtenjax._src.net import pair
+from dtenjax._src.pipeline import host
 from dtenjax._src.pipeline import transport
 from tests import pipeline_host_model as m
 from tests.net_helpers import requires_native
@@ -274,3 +276,57 @@ def test_the_choice_lists_both_paths_and_why():
   assert dtenjax.pipeline_transport(mesh, transport="host").path == "none"   # one process
   with pytest.raises(dtenjax.ConfigurationError, match="transport='carrier'"):
     dtenjax.pipeline_transport(mesh, transport="carrier")
+
+
+def test_a_stages_programs_name_a_loss_that_is_not_a_scalar_and_a_layer_that_changes_h():
+  """user19: as the SPMD pipeline's, the host stage's programs name a ``loss_fn`` that returns
+  no floating scalar and a ``body`` that changes the activation (they failed with lax.scan's
+  carry error or jax.vjp's "Gradient only defined for scalar-output functions")."""
+  w, h, t = jnp.ones((2, 4, 4)), jnp.ones((3, 4)), jnp.ones((3, 4))
+  body = lambda c, layer: (c @ layer, None)
+  progs = host._programs(body, lambda hd, c, tt: ((c - tt) ** 2).mean(-1))
+  with pytest.raises(dtenjax.ConfigurationError, match=r"loss_fn.*returned float32\[3\]"):
+    progs["backward_loss"](w, {}, h, t)
+  progs = host._programs(lambda c, layer: ((c @ layer)[:, :2], None), m.loss_fn)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"body.*into float32\[3, 2\]"):
+    progs["forward"](w, h)
+
+
+def test_integer_leaves_in_the_layers_and_the_head_on_threads():
+  """user19: a layer stack carrying an integer per layer and a head with an integer table: the
+  stage programs' accumulation added their float0 cotangents ("Called add with a float0
+  array"). The loss and the float gradients are those of jax.grad(allow_int=True) of the plain
+  loop; the integer leaves get float0 zeros, as jax.grad gives them."""
+  def body(h, w):
+    return jnp.tanh(h @ w["w"]) * (1 + w["idx"].astype(h.dtype) / 8), None
+
+  def loss_fn(head, h, t):
+    return ((h[:, head["cols"]] - t) ** 2).mean()
+
+  rng = np.random.default_rng(0)
+  layers = {"w": jnp.asarray(rng.normal(0, 0.3, (4, 8, 8)), jnp.float32),
+            "idx": jnp.arange(4, dtype=jnp.int32)}
+  head = {"cols": jnp.asarray([1, 3, 5], jnp.int32)}
+  x = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+  t = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
+  pipe = dtenjax.pipeline(body, loss_fn, stages=2, microbatches=2)
+  store = _store()
+
+  def stage(d):
+    mine = jax.tree.map(lambda a: a[2 * d:2 * d + 2], layers)
+    with dtenjax.HostPipeline(pipe, stage=d, store=store, timeout_s=60) as hp:
+      return hp.value_and_grad(mine, head, x, t if d == 1 else None)
+
+  outs, errs = _on_threads(2, stage)
+  assert not any(errs), errs
+
+  def plain(w, hd):
+    xs, ts = x.reshape(2, 4, 8), t.reshape(2, 4, 3)
+    return sum(loss_fn(hd, jax.lax.scan(body, xs[i], w)[0], ts[i]) for i in range(2)) / 2
+
+  ref, (rg, rgh) = jax.value_and_grad(plain, argnums=(0, 1), allow_int=True)(layers, head)
+  for d, (value, (dlayers, dhead, _)) in enumerate(outs):
+    np.testing.assert_allclose(value, ref, rtol=1e-6)
+    np.testing.assert_allclose(dlayers["w"], rg["w"][2 * d:2 * d + 2], rtol=1e-5, atol=1e-7)
+    assert dlayers["idx"].dtype == jax.dtypes.float0 and dlayers["idx"].shape == (2,)
+  assert outs[1][1][1]["cols"].dtype == jax.dtypes.float0

@@ -439,3 +439,312 @@ def test_restore_shardings_given_for_a_subtree_apply_to_its_leaves(tmp_path):
   assert out["params"]["w"].sharding.is_equivalent_to(rep, 2)
   with pytest.raises(dtenjax.ConfigurationError, match=r"'param'.*not a leaf.*'params\.w'"):
     ckpt.restore(tmp_path / "c", shardings={"param": rows})
+
+
+# --- user19: the elastic in-memory tier, pmap, the pipeline ------------------------------------
+
+def test_the_in_memory_tier_restores_bfloat16_and_float8_leaves(tmp_path):
+  """user19: the tier wrote a leaf's dtype as ``np.dtype(...).str``, which is "<V2" for
+  bfloat16 (and "<V1" for float8): a bfloat16 training state snapshotted without complaint and
+  then could not be restored ("the target is bfloat16[8], the snapshot holds void16[8]")."""
+  from dtenjax._src.elastic import memory
+  mesh = jax.make_mesh((8,), ("x",))
+  state = {"w": jax.device_put(jnp.arange(8, dtype=jnp.bfloat16) / 3, NamedSharding(mesh, P("x"))),
+           "m": jnp.arange(4, dtype=jnp.float8_e4m3fn), "n": np.arange(3, dtype=np.float16),
+           "step": 3}
+  tier = dtenjax.elastic.MemoryTier(str(tmp_path / "mem"), 0, 1)
+  tier.snapshot(3, state)
+  tier.wait()
+  out = memory.restore(str(tmp_path / "mem"), 1, [], 3, state)
+  for k in ("w", "m", "n"):
+    assert _bits(out[k]) == _bits(state[k]), k
+  assert out["w"].sharding == state["w"].sharding and out["step"] == 3
+
+
+def test_the_in_memory_tier_checks_its_leaves_steps_and_numbers(tmp_path):
+  """user19: ``ctx.step_done(step, state)`` with the state passed to a step jitted with
+  ``donate_argnums`` failed with JAX's "RuntimeError: Array has been deleted", and a typed PRNG
+  key in the state with "TypeError: Cannot interpret 'key<fry>' as a data type"."""
+  w = jnp.arange(8.0)
+  jax.jit(lambda s: s + 1, donate_argnums=0)(w)
+  if not w.is_deleted():                 # a backend that does not donate: delete as it would
+    w.delete()
+  tier = dtenjax.elastic.MemoryTier(str(tmp_path / "mem"), 0, 1)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"leaf \['w'\] .*deleted.*donate_argnums"):
+    tier.snapshot(1, {"w": w})
+  with pytest.raises(dtenjax.ConfigurationError, match=r"leaf \['rng'\] .*PRNG.*key_data"):
+    tier.snapshot(1, {"rng": jax.random.key(0)})
+  # A snapshot inside jit, a step that no later restore could find (-1, "1"), a rank outside
+  # the world, a NaN timeout: the rank and the timeout were taken, the steps written under
+  # names complete_steps never lists.
+  with pytest.raises(dtenjax.ConfigurationError, match=r"leaf \['a'\] is a traced value"):
+    jax.jit(lambda a: tier.snapshot(1, {"a": a}))(jnp.ones(2))
+  for step in (-1, "1", 2.0):
+    with pytest.raises(dtenjax.ConfigurationError, match=rf"step={step!r} must be an int >= 0"):
+      tier.snapshot(step, {"a": jnp.ones(2)})
+  tier.snapshot(jnp.int32(4), {"a": jnp.ones(2)})          # a jitted loop's counter
+  tier.wait()
+  assert dtenjax.elastic.complete_steps(str(tmp_path / "mem"), 1) == [4]
+  for kw, match in (({"rank": 2}, r"rank=2 must be an int in \[0, world=2\)"),
+                    ({"timeout_s": float("nan")}, r"timeout_s=nan"), ({"keep": 0}, r"keep=0")):
+    with pytest.raises(dtenjax.ConfigurationError, match=match):
+      dtenjax.elastic.MemoryTier(str(tmp_path / "m2"), kw.pop("rank", 0), 2, **kw)
+
+
+def test_pmap_runs_under_jax_set_mesh():
+  """user19: a user moving from pmap to meshes step by step calls ``dtenjax.pmap`` inside
+  ``with jax.set_mesh(mesh)``; it failed with JAX's "The context mesh ... should match the mesh
+  passed to shard_map" (jax.pmap fails there too), although pmap's mesh is its own."""
+  x = jnp.arange(8.0)
+  f = dtenjax.pmap(lambda v: jax.lax.psum(v, "i") + dtenjax.all_reduce(v, "i"), "i")
+  with jax.set_mesh(jax.make_mesh((8,), ("d",))):
+    np.testing.assert_array_equal(f(x), np.full(8, 56.0, np.float32))
+    np.testing.assert_array_equal(f(x[:4]), np.full(4, 12.0, np.float32))
+  # Arrays committed elsewhere, as jax.pmap took them: another mesh's shards (jax.pmap fails
+  # with "KeyError: 'd'"), one device, the first four rows of an array on eight devices.
+  mesh = jax.make_mesh((8,), ("d",))
+  np.testing.assert_array_equal(f(jax.device_put(x, NamedSharding(mesh, P("d")))),
+                                np.full(8, 56.0, np.float32))
+  np.testing.assert_array_equal(f(jax.device_put(x[:4], jax.devices()[3])),
+                                np.full(4, 12.0, np.float32))
+  np.testing.assert_array_equal(f(jax.device_put(x, NamedSharding(mesh, P()))[:4]),
+                                np.full(4, 12.0, np.float32))
+  # A pmap inside a pmap (jax.pmap's nesting) failed with JAX's context-mesh ValueError.
+  inner = dtenjax.pmap(lambda u: u * 2, "j")
+  with pytest.raises(dtenjax.ConfigurationError, match=r"nested pmap.*mesh_map"):
+    dtenjax.pmap(lambda v: inner(v), "i")(jnp.ones((2, 4)))
+
+
+def _pipelined_loss(body, loss_fn, stages=2):
+  """The traced (never compiled) pipelined loss and gradient of a 4-layer stack on 8 rows."""
+  pipe = dtenjax.pipeline(body, loss_fn, stages=stages, microbatches=2)
+  mesh = jax.make_mesh((stages, 8 // stages), ("stage", "data"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  step = jax.shard_map(jax.value_and_grad(lambda w, x, t: pipe(w, {}, x, t)), mesh=mesh,
+                       in_specs=(P("stage"), P(), P()), out_specs=(P(), P("stage")))
+  args = (jax.ShapeDtypeStruct((4, 8, 8), jnp.float32), jax.ShapeDtypeStruct((8, 8), jnp.float32),
+          jax.ShapeDtypeStruct((8, 8), jnp.float32))
+  return jax.eval_shape(step, *args)
+
+
+def test_the_pipeline_names_a_loss_that_is_not_a_scalar_and_a_layer_that_changes_h():
+  """user19: a ``loss_fn`` returning the per-example loss (no ``.mean()``) failed inside the
+  pipeline with "switch branches must have equal output types ... branch 0 is idle"; a ``body``
+  that changed the activation's shape or dtype, or returned ``h`` alone, with lax.scan's carry
+  error about the pipeline's internal scan."""
+  body = lambda h, w: (jnp.tanh(h @ w), None)
+  mse = lambda head, h, t: ((h - t) ** 2).mean()
+  value, grad = _pipelined_loss(body, mse)
+  assert value.shape == () and grad.shape == (4, 8, 8)
+  for loss_fn, match in ((lambda head, h, t: ((h - t) ** 2).mean(-1), r"float32\[4\]"),
+                         (lambda head, h, t: jnp.int32(1), r"int32\[\]")):
+    with pytest.raises(dtenjax.ConfigurationError, match=r"loss_fn.*returned " + match):
+      _pipelined_loss(body, loss_fn)
+  for bad, match in ((lambda h, w: (h[:, :4] @ w[:4, :4], None), r"into float32\[4, 4\]"),
+                     (lambda h, w: ((h @ w).astype(jnp.bfloat16), None), r"into bfloat16\[4, 8"),
+                     (lambda h, w: h @ w, r"returned float32\[4, 8\].*pair")):
+    with pytest.raises(dtenjax.ConfigurationError, match=r"pipeline: body\(h, layer\) .*" + match):
+      _pipelined_loss(bad, mse)
+
+
+def test_pipeline_cost_checks_its_numbers_and_a_single_stage_has_no_bubble():
+  """user19: ``pipeline_cost(4.0, 8)`` after ``pipeline_cost(4, 8)`` passed (the timetable's
+  cache answered it, skipping the check) and recorded stages=4.0; negative, NaN or string costs
+  were priced (a bubble of 0.52, nan, or a TypeError); one stage reported a negative bubble
+  (-0.33 for GPipe on one micro-batch: the work counted the forward its backward recomputes);
+  ``pipeline_transport(None)`` failed with an AttributeError; ``Interleaved(np.int64(2))`` was
+  refused although ``stages`` takes numpy ints."""
+  dtenjax.pipeline_cost(4, 8)
+  with pytest.raises(dtenjax.ConfigurationError, match=r"stages=4\.0 must be an int"):
+    dtenjax.pipeline_cost(4.0, 8)
+  for kw, match in (({"forward": -1}, r"forward=-1 must be"), ({"backward": float("nan")},
+                    r"backward=nan must be"), ({"forward": "1"}, r"forward='1' must be"),
+                    ({"forward": 0, "backward": 0}, r"one must be > 0")):
+    with pytest.raises(dtenjax.ConfigurationError, match=match):
+      dtenjax.pipeline_cost(4, 8, **kw)
+  # By hand: one device, m micro-batches; each forward is the last chunk's (kept input, no work)
+  # and each backward recomputes it and runs (3 units): time = busy = 3 m, no bubble.
+  for m in (1, 3):
+    c = dtenjax.pipeline_cost(1, m, dtenjax.GPipe(), forward=1, backward=3)
+    assert (c.time, c.busy, c.bubble) == (3 * m, 3 * m, 0)
+  # Interleaved on one stage: chunk 0's forwards run (1/2 each), chunk 1's are kept inputs.
+  c = dtenjax.pipeline_cost(1, 2, dtenjax.Interleaved(np.int64(2)), forward=1, backward=3)
+  assert (c.busy, c.schedule) == (2 * 0.5 + 2 * 3, dtenjax.Interleaved(2))
+  assert c.bubble >= 0
+  with pytest.raises(dtenjax.MeshError, match=r"mesh=None is not a jax.sharding.Mesh"):
+    dtenjax.pipeline_transport(None, "stage")
+
+
+def test_a_mesh_written_as_a_name_or_a_bare_size_is_refused_with_the_fix():
+  """user19: ``mesh_map(f, "x", ...)`` (an axis name where the mesh goes) failed with
+  "ValueError: invalid literal for int() with base 10: 'x'", ``topology_mesh(8, ("a",))`` with
+  "TypeError: 'int' object is not iterable", and ``topology_mesh((8,), "data")`` read the name
+  as four one-letter axes."""
+  with pytest.raises(dtenjax.MeshError, match=r"mesh='x' is not a mesh.*\(2, 4\)"):
+    dtenjax.mesh_map(lambda v: v, "x", out_specs=P("x"), in_specs=P("x"))
+  with pytest.raises(dtenjax.MeshError, match=r"axis_shapes=8 must be a sequence.*\(8,\)"):
+    dtenjax.topology_mesh(8, ("a",))
+  with pytest.raises(dtenjax.MeshError, match=r"axis_names='data' must be a sequence.*\('data',\)"):
+    dtenjax.topology_mesh((8,), "data")
+  assert dtenjax.topology_mesh(np.array([2, 4]), ["a", "b"]).shape == {"a": 2, "b": 4}
+
+
+def test_the_passes_and_reproducible_step_check_what_they_are_given():
+  """user19: ``fuse_collectives(step, bucket_bytes="4096")`` (a value read from a config file)
+  failed with "'<=' not supported between instances of 'str' and 'int'";
+  ``substitute_psum(step, bucket_bytes=-1)`` ran as if 0, ``substitute_psum(3)`` and
+  ``reproducible_step(3)`` were taken (and failed at the call), ``memory_plan(3, x)`` raised a
+  bare TypeError, ``reproducible_step(step, compiler_options=3)`` "'int' object is not
+  iterable"."""
+  step = lambda x: x
+  for call, match in (
+      (lambda: dtenjax.fuse_collectives(step, bucket_bytes="4096"), r"bucket_bytes='4096'"),
+      (lambda: dtenjax.fuse_collectives(step, bucket_bytes=4096.5), r"bucket_bytes=4096\.5"),
+      (lambda: dtenjax.substitute_psum(step, bucket_bytes=-1), r"bucket_bytes=-1 must be"),
+      (lambda: dtenjax.substitute_psum(3), r"fn=3 is not callable"),
+      (lambda: dtenjax.memory_plan(3, jnp.ones(2)), r"fn=3 is not callable"),
+      (lambda: dtenjax.reproducible_step(3), r"fn=3 is not callable"),
+      (lambda: dtenjax.reproducible_step(step, compiler_options=3), r"compiler_options=3")):
+    with pytest.raises(dtenjax.ConfigurationError, match=match):
+      call()
+
+
+def test_shard_lays_out_typed_prng_keys_and_names_a_donated_leaf():
+  """user19: a train state holding ``jax.random.key`` / ``split`` keys (flax's TrainState rng)
+  failed in ``dtenjax.shard`` with "TypeError: Cannot interpret 'key<fry>' as a data type"
+  (jax.device_put lays keys out by their key shape); a donated leaf with JAX's "RuntimeError:
+  Array has been deleted"."""
+  keys = jax.random.split(jax.random.key(0), 8)
+  for placement, spec in ((dtenjax.Placement("row"), P("x")), (dtenjax.Placement(), P(None))):
+    state = dtenjax.shard({"rng": keys, "w": jnp.ones((8, 2))}, placement)
+    assert state["rng"].sharding.spec == spec and state["rng"].dtype == keys.dtype
+    assert _bits(jax.random.key_data(state["rng"])) == _bits(jax.random.key_data(keys))
+  w = jnp.ones((8, 2))
+  jax.jit(lambda s: s + 1, donate_argnums=0)(w)
+  if not w.is_deleted():                 # a backend that does not donate: delete as it would
+    w.delete()
+  with pytest.raises(dtenjax.PlacementError, match=r"\['w'\] was deleted.*donate_argnums"):
+    dtenjax.shard({"w": w}, dtenjax.Placement("row"))
+
+
+def test_elastic_launch_checks_every_number_before_it_starts_a_process(tmp_path, monkeypatch):
+  """user19: ``dtenjax.elastic.launch`` took ``timeout_s=float("nan")`` (the deadline check
+  ``now > nan`` is never true: a hung job was never stopped), ``max_restarts="3"`` (a
+  TypeError at the first lost process), ``checkpoint_every=0``, a string ``argv`` (run as
+  ``python t r a i n . p y``) and a non-callable ``capacity``; the CLI refuses all of them."""
+  from dtenjax._src.elastic import launcher
+  started = []
+  monkeypatch.setattr(launcher, "_start", lambda *a: started.append(a))
+  for kw, match in (({"timeout_s": float("nan")}, r"timeout_s=nan must be a number"),
+                    ({"timeout_s": "60"}, r"timeout_s='60'"),
+                    ({"heartbeat_timeout_s": "10"}, r"heartbeat_timeout_s='10'"),
+                    ({"max_restarts": "3"}, r"max_restarts='3' must be an int >= 0"),
+                    ({"checkpoint_every": 0}, r"checkpoint_every=0 must be an int >= 1"),
+                    ({"nprocs": True}, r"nprocs=True must be an int"),
+                    ({"capacity": 4}, r"capacity=4 must be a callable"),
+                    ({"argv": "train.py --steps 3"}, r"one string.*\['train.py', '--steps', '3'\]")):
+    args = {"argv": ["train.py"], "nprocs": 2, **kw}
+    with pytest.raises(dtenjax.ConfigurationError, match=match):
+      dtenjax.elastic.launch(args.pop("argv"), args.pop("nprocs"), run_dir=str(tmp_path),
+                             quiet=True, **args)
+  assert not started
+
+
+def test_substitute_psum_reaches_the_psums_in_scan_cond_while_and_checkpoint_bodies():
+  """user19: ``substitute_psum`` / ``fuse_collectives`` rewrote only top-level psums: those in a
+  scanned layer stack, a ``fori_loop``, a ``lax.cond`` branch or a ``jax.checkpoint``'d layer
+  stayed XLA's, so ``reproducible=True`` silently left them order-dependent (``psum_count``
+  0). Now each body is rebuilt; the values are those of the same step written with
+  ``dtenjax.all_reduce(..., reproducible=True)`` by hand, bit for bit, and those of lax.psum."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  x = jax.device_put(np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32),
+                     NamedSharding(mesh, P("x")))
+
+  def step(v, psum):
+    def layer(c, r):
+      c = c + jax.lax.cond(r.sum() > 0, lambda: psum(r * c), lambda: psum(r))
+      return c, None
+    c = jax.lax.scan(layer, jnp.ones(4), v)[0]
+    c = jax.lax.fori_loop(0, 2, lambda i, a: a + psum(jnp.sin(a)), c)
+    return jax.checkpoint(lambda a: psum(a * a))(c)
+
+  run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P()))(x)
+  rewritten = dtenjax.substitute_psum(lambda v: step(v, lambda a: jax.lax.psum(a, "x")),
+                                      reproducible=True)
+  got = run(rewritten)
+  assert rewritten.psum_count == 4
+  by_hand = run(lambda v: step(v, lambda a: dtenjax.all_reduce(a, "x", reproducible=True)))
+  assert _bits(got) == _bits(by_hand)
+  np.testing.assert_allclose(got, run(lambda v: step(v, lambda a: jax.lax.psum(a, "x"))), rtol=1e-5)
+
+
+def test_the_pipeline_takes_integer_leaves_in_the_layers_and_the_head():
+  """user19: a scanned layer stack carrying an integer per layer (its index, for a schedule of
+  scales) or a head with an integer table failed the pipeline's backward with "Called add with
+  a float0 array" (jax.grad(..., allow_int=True) of the same unpipelined loss runs). The loss
+  and the float gradients are those of the plain gradient-accumulation loop."""
+  def body(h, w):
+    return jnp.tanh(h @ w["w"]) * (1 + w["idx"].astype(h.dtype) / 8), None
+
+  def loss_fn(head, h, t):
+    return ((h[:, head["cols"]] - t) ** 2).mean()
+
+  rng = np.random.default_rng(0)
+  layers = {"w": jnp.asarray(rng.normal(0, 0.3, (4, 8, 8)), jnp.float32),
+            "idx": jnp.arange(4, dtype=jnp.int32)}
+  head = {"cols": jnp.asarray([1, 3, 5], jnp.int32)}
+  x = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+  t = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
+  pipe = dtenjax.pipeline(body, loss_fn, stages=2, microbatches=2)
+  mesh = jax.make_mesh((2, 4), ("stage", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  grad = lambda f: jax.value_and_grad(f, argnums=(0, 1), allow_int=True)
+  step = jax.jit(jax.shard_map(grad(lambda w, hd: pipe(w, hd, x, t)), mesh=mesh,
+                               in_specs=(P("stage"), P()), out_specs=(P(), (P("stage"), P()))))
+  value, (g, gh) = step(layers, head)
+
+  def plain(w, hd):
+    xs, ts = x.reshape(2, 4, 8), t.reshape(2, 4, 3)
+    return sum(loss_fn(hd, jax.lax.scan(body, xs[m], w)[0], ts[m]) for m in range(2)) / 2
+
+  ref, (rg, rgh) = grad(plain)(layers, head)
+  np.testing.assert_allclose(value, ref, rtol=1e-6)
+  np.testing.assert_allclose(g["w"], rg["w"], rtol=1e-5, atol=1e-7)
+  assert g["idx"].dtype == gh["cols"].dtype == jax.dtypes.float0
+
+
+def test_the_in_memory_tier_restores_onto_jax_eval_shape_and_numpy_targets(tmp_path):
+  """user19: ``ctx.restore(jax.eval_shape(init))`` (a state described without building it, as
+  ``dtenjax.checkpoint.restore`` takes it) failed with "TypeError: sharding should be an
+  instance of `jax.sharding`. Got None", and a numpy leaf of the target with "AttributeError:
+  'numpy.ndarray' object has no attribute 'sharding'"."""
+  from dtenjax._src.elastic import memory
+  state = {"w": jnp.arange(8.0), "m": jnp.ones((2, 3), jnp.bfloat16), "step": 3}
+  tier = dtenjax.elastic.MemoryTier(str(tmp_path / "mem"), 0, 1)
+  tier.snapshot(3, state)
+  tier.wait()
+  out = memory.restore(str(tmp_path / "mem"), 1, [], 3, jax.eval_shape(lambda: state))
+  assert _bits(out["w"]) == _bits(state["w"]) and _bits(out["m"]) == _bits(state["m"])
+  assert isinstance(out["w"], jax.Array) and out["step"] == 3
+  out = memory.restore(str(tmp_path / "mem"), 1, [], 3,
+                       {"w": np.zeros(8, np.float32), "m": state["m"], "step": 0})
+  assert isinstance(out["w"], np.ndarray) and _bits(out["w"]) == _bits(state["w"])
+
+
+def test_placement_and_tensor_name_a_bad_shape_dtype_workload_or_key():
+  """user19: ``Placement("row").spec(8)`` failed with "'int' object is not iterable",
+  ``.sharding((-8, 2))`` and ``.sharding("8")`` answered a sharding for no array,
+  ``.sharding((8, 4), "floaty")`` raised numpy's TypeError, ``Placement(workload="train")``
+  was taken (to fail at the first auto plan), and ``tensor(..., key=0)`` (PRNGKey habits)
+  raised JAX's "invalid PRNG key data"."""
+  row = dtenjax.Placement("row")
+  for call, match in ((lambda: row.spec(8), r"Placement.spec: shape=8"),
+                      (lambda: row.sharding((-8, 2)), r"shape=\(-8, 2\)"),
+                      (lambda: row.sharding("8"), r"shape='8'"),
+                      (lambda: row.sharding((8, 4), "floaty"), r"dtype='floaty' is not a dtype"),
+                      (lambda: dtenjax.Placement().explain((8, 4), "floaty"), r"dtype='floaty'"),
+                      (lambda: dtenjax.Placement(workload="train"), r"workload='train'"),
+                      (lambda: dtenjax.tensor((8,), init="normal", key=0),
+                       r"key=0 is not a PRNG key; pass jax.random.key\(0\)")):
+    with pytest.raises(dtenjax.PlacementError, match=match):
+      call()
+  assert row.sharding(np.array([8, 2]), "bfloat16").spec == P("x", None)

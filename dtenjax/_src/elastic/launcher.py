@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -148,6 +149,15 @@ def choose_restore(memory_root: str, world: int, lost: Sequence[int],
   return max(options, key=lambda o: o[:2])[2] if options else None
 
 
+def _whole(value, low: int) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _number(value) -> bool:
+  return (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value))
+
+
 def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
            max_restarts: int = 3, env: dict[str, str] | None = None,
            run_dir: str | None = None, snapshot_every: int = 1,
@@ -174,16 +184,29 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
   """
   min_nprocs = nprocs if min_nprocs is None else min_nprocs
   problems = []
-  if not isinstance(nprocs, int) or nprocs < 1:
+  if not _whole(nprocs, 1):
     problems.append(f"nprocs={nprocs!r} must be an int >= 1")
-  elif not isinstance(min_nprocs, int) or not 1 <= min_nprocs <= nprocs:
+  elif not _whole(min_nprocs, 1) or min_nprocs > nprocs:
     problems.append(f"min_nprocs={min_nprocs!r} must be an int in [1, nprocs={nprocs}]")
-  if not argv:
+  if isinstance(argv, (str, bytes)):
+    problems.append(f"argv={argv!r} is one string: pass the script and its arguments as a "
+                    f"list, e.g. {argv.split() if isinstance(argv, str) else [argv]!r}")
+  elif not argv:
     problems.append("argv is empty: pass the script and its arguments, e.g. ['train.py']")
-  if not heartbeat_timeout_s > 0.2:
-    problems.append(f"heartbeat_timeout_s={heartbeat_timeout_s!r} must be > 0.2 s")
-  if not isinstance(snapshot_every, int) or snapshot_every < 0:
+  # As the CLI's options (dtenjax launch --help): a NaN timeout would never end a hung job.
+  for name, value, low in (("heartbeat_timeout_s", heartbeat_timeout_s, 0.2),
+                           ("timeout_s", timeout_s, 0.0)):
+    if not _number(value) or not value > low:
+      problems.append(f"{name}={value!r} must be a number of seconds > {low:g}")
+  if not _whole(snapshot_every, 0):
     problems.append(f"snapshot_every={snapshot_every!r} must be an int >= 0 (0: no snapshots)")
+  if not _whole(checkpoint_every, 1):
+    problems.append(f"checkpoint_every={checkpoint_every!r} must be an int >= 1")
+  if not _whole(max_restarts, 0):
+    problems.append(f"max_restarts={max_restarts!r} must be an int >= 0")
+  if capacity is not None and not callable(capacity):
+    problems.append(f"capacity={capacity!r} must be a callable giving how many processes could "
+                    "run now, or None")
   if problems:
     raise errors.ConfigurationError(errors.join_problems("dtenjax launch cannot start:",
                                                          problems))

@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dtenjax._src import errors
@@ -62,6 +63,19 @@ def encode(step: int, rank: int, world: int, tree: Any) -> tuple[dict, list[np.n
   leaves, pending = [], []
   for path, leaf in pairs:
     name = _name(path)
+    if isinstance(leaf, jax.core.Tracer):
+      raise errors.ConfigurationError(
+          f"leaf {name} is a traced value ({leaf.aval.str_short()}): snapshot was called inside "
+          "jax.jit, jax.grad or another transformation, where arrays have no bytes yet; call it "
+          "outside, on the state the jitted step returns")
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+      raise errors.ConfigurationError(
+          f"leaf {name} was deleted ({leaf.aval.str_short()}): it was donated to a jitted step "
+          "(donate_argnums) or .delete()d; snapshot the state the step returned")
+    if hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      raise errors.ConfigurationError(
+          f"leaf {name} is an array of typed PRNG keys ({leaf.dtype}); keep "
+          "jax.random.key_data(key) in the state and rebuild it with jax.random.wrap_key_data")
     if hasattr(leaf, "addressable_shards"):      # a jax.Array (or a view of one's shards)
       mine = [s for s in leaf.addressable_shards if s.replica_id == 0]
       for s in mine:
@@ -70,12 +84,12 @@ def encode(step: int, rank: int, world: int, tree: Any) -> tuple[dict, list[np.n
                 [n if sl.stop is None else sl.stop for sl, n in zip(s.index, leaf.shape)]
                 if s.index else []] for s in mine]
       leaves.append({"name": name, "kind": "array", "shape": list(leaf.shape),
-                     "dtype": np.dtype(leaf.dtype).str, "boxes": boxes})
+                     "dtype": _dtype_name(leaf.dtype), "boxes": boxes})
       pending.extend(s.data for s in mine)
     elif isinstance(leaf, (bool, int, float, np.generic, np.ndarray)):
       arr = np.asarray(leaf)
       leaves.append({"name": name, "kind": "value", "shape": list(arr.shape),
-                     "dtype": arr.dtype.str, "boxes": [[[0] * arr.ndim, list(arr.shape)]],
+                     "dtype": _dtype_name(arr.dtype), "boxes": [[[0] * arr.ndim, list(arr.shape)]],
                      "python": type(leaf).__name__ if isinstance(leaf, (bool, int, float))
                      else None})
       pending.append(arr)
@@ -88,6 +102,22 @@ def encode(step: int, rank: int, world: int, tree: Any) -> tuple[dict, list[np.n
   # np.array(copy=True): the device buffers may be donated to the next step
   buffers = [np.array(np.asarray(d), copy=True) for d in pending]
   return {"step": step, "rank": rank, "world": world, "leaves": leaves}, buffers
+
+
+def _whole(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _dtype_name(dtype) -> str:
+  """How a record names a dtype: numpy's ``str`` ("<f4", with the byte order), but the name of
+  ml_dtypes' types (bfloat16, float8_*), whose ``str`` is a bare void ("<V2") that reads back
+  as no number type at all."""
+  dt = np.dtype(dtype)
+  return dt.name if dt.kind == "V" else dt.str
+
+
+def _dtype(name: str) -> np.dtype:
+  return np.dtype(jnp.dtype(name))
 
 
 def pack(header: dict, buffers: Iterable[np.ndarray]) -> bytes:
@@ -104,7 +134,7 @@ def unpack(blob: bytes, where: str) -> tuple[dict, list[np.ndarray]]:
   header = json.loads(blob[16:16 + n])
   off, buffers = 16 + n, []
   for leaf in header["leaves"]:
-    dt = np.dtype(leaf["dtype"])
+    dt = _dtype(leaf["dtype"])
     for lo, hi in leaf["boxes"]:
       shape = tuple(b - a for a, b in zip(lo, hi))
       size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
@@ -177,8 +207,20 @@ class MemoryTier:
   def __init__(self, root: str, rank: int, world: int, *, store: kvstore.KVStore | None = None,
                client: Any = None, namespace: str = "dtenjax/elastic/mem",
                timeout_s: float = 60.0, keep: int = KEEP):
+    problems = []
+    if not _whole(world) or world < 1:
+      problems.append(f"world={world!r} must be an int >= 1 (the number of processes)")
+    elif not _whole(rank) or not 0 <= rank < world:
+      problems.append(f"rank={rank!r} must be an int in [0, world={world})")
+    if (not isinstance(timeout_s, (int, float, np.integer, np.floating))
+        or isinstance(timeout_s, bool) or not timeout_s > 0 or timeout_s == float("inf")):
+      problems.append(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
+    if not _whole(keep) or keep < 1:
+      problems.append(f"keep={keep!r} must be an int >= 1 (how many snapshots a holder keeps)")
+    if problems:
+      raise errors.ConfigurationError(errors.join_problems("MemoryTier:", problems))
     self.store = store_lib.given("MemoryTier", store, client)
-    self.root, self.rank, self.world = root, rank, world
+    self.root, self.rank, self.world = root, int(rank), int(world)
     self.namespace = namespace.rstrip("/")
     self.timeout_s = float(timeout_s)
     self.keep = keep
@@ -192,6 +234,15 @@ class MemoryTier:
     """Copies this process's shards to host memory and returns; the rest runs in the
     background. The previous snapshot is joined first: ``stall_s`` counts that wait and the
     device-to-host copies, all the time the caller is held."""
+    # An integer scalar array (a jitted loop's counter) is a step too, as the checkpoint
+    # manager takes it.
+    if not (_whole(step) or (np.ndim(step) == 0 and hasattr(step, "dtype")
+                             and not isinstance(step, jax.core.Tracer)
+                             and jnp.issubdtype(step.dtype, jnp.integer))) or step < 0:
+      raise errors.ConfigurationError(
+          f"MemoryTier.snapshot: step={step!r} must be an int >= 0 (the number of steps done); "
+          "a snapshot under any other name could not be found again")
+    step = int(step)
     t0 = time.perf_counter()
     self.wait()
     header, buffers = encode(step, self.rank, self.world, tree)
@@ -285,7 +336,7 @@ def load(root: str, world: int, lost: Iterable[int], step: int) -> tuple[dict, d
           py = leaf.get("python")
           values[leaf["name"]] = {"int": int, "float": float, "bool": bool}[py](v) if py else v
         continue
-      entry = arrays.setdefault(leaf["name"], (tuple(leaf["shape"]), np.dtype(leaf["dtype"]), []))
+      entry = arrays.setdefault(leaf["name"], (tuple(leaf["shape"]), _dtype(leaf["dtype"]), []))
       entry[2].extend(parts)
   return arrays, values
 
@@ -293,7 +344,8 @@ def load(root: str, world: int, lost: Iterable[int], step: int) -> tuple[dict, d
 def restore(root: str, world: int, lost: Iterable[int], step: int, target: Any) -> Any:
   """The snapshot of ``step`` laid out like ``target`` (a tree of jax Arrays or
   ``jax.ShapeDtypeStruct``s with shardings, and scalars): each device gets its box, cut from the
-  assembled global arrays."""
+  assembled global arrays. A numpy leaf of the target restores as numpy; a struct without a
+  sharding (``jax.eval_shape``'s) as ``jnp.asarray`` places it, in a single process."""
   arrays, values = load(root, world, lost, step)
   pairs, treedef = jax.tree_util.tree_flatten_with_path(target)
   out, problems = [], []
@@ -323,7 +375,22 @@ def restore(root: str, world: int, lost: Iterable[int], step: int, target: Any) 
                       f"{covered.size} elements")
       out.append(None)
       continue
-    out.append(jax.make_array_from_callback(shape, t.sharding, lambda i, a=full: a[i]))
+    if isinstance(t, np.ndarray):                 # a numpy state restores as numpy
+      out.append(full)
+      continue
+    sharding = getattr(t, "sharding", None)
+    if sharding is None:
+      # jax.eval_shape's structs carry no sharding: one process places the leaf as jnp.asarray
+      # does; several processes cannot agree on a layout no one gave.
+      if jax.process_count() > 1:
+        problems.append(f"leaf {name}: the target has no sharding to lay it out on "
+                        f"{jax.process_count()} processes; pass the initial state's arrays or "
+                        "jax.ShapeDtypeStruct(shape, dtype, sharding=...)")
+        out.append(None)
+      else:
+        out.append(jnp.asarray(full))
+      continue
+    out.append(jax.make_array_from_callback(shape, sharding, lambda i, a=full: a[i]))
   if problems:
     raise errors.CheckpointError(errors.join_problems(
         f"the in-memory snapshot of step {step} cannot be restored onto the target:", problems))

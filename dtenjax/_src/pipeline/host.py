@@ -224,8 +224,8 @@ class HostPipeline:
     acts: dict[tuple[int, int], Any] = {}      # (chunk, micro-batch) -> its input
     cts: dict[tuple[int, int], Any] = {}       # (chunk, micro-batch) -> its output's cotangent
     loss = jnp.zeros((), jnp.float32)
-    grads = [jax.tree.map(jnp.zeros_like, c) for c in chunks] if backward else None
-    dhead = jax.tree.map(jnp.zeros_like, head) if backward and last else None
+    grads = [jax.tree.map(run._zero_cotangent, c) for c in chunks] if backward else None
+    dhead = jax.tree.map(run._zero_cotangent, head) if backward and last else None
     dxs = [None] * mbs
     pick = lambda tree, m: jax.tree.map(lambda a: a[m], tree)
 
@@ -259,7 +259,8 @@ class HostPipeline:
     loss = self._hand_down_loss(prog["scale"](loss, mbs))
     if not backward:
       return loss, None
-    dlayers = jax.tree.map(lambda a, *g: jnp.reshape(jnp.stack(g), a.shape), layers,
+    dlayers = jax.tree.map(lambda a, *g: run._zero_cotangent(a) if _is_float0(g[0]) else
+                           jnp.reshape(jnp.stack(g), a.shape), layers,
                            *[prog["scale"](g, mbs) for g in grads])
     dx = prog["scale"](jnp.stack(dxs), mbs).reshape(x.shape) if first else None
     return loss, (dlayers, prog["scale"](dhead, mbs) if last else None, dx)
@@ -316,20 +317,39 @@ def _programs(body, loss_fn) -> dict:
   the loss alone, and the accumulation arithmetic; shared by the pipelines of one model (and
   compiled once per shape)."""
   def stage(params, h):
-    return lax.scan(body, h, params)[0]
+    return lax.scan(functools.partial(run._checked_body, body), h, params)[0]
 
   def backward(params, h, ct):
     return jax.vjp(stage, params, h)[1](ct)
 
   def backward_loss(params, head, h, targets):
-    value, pull = jax.vjp(lambda a, b, c: loss_fn(b, stage(a, c), targets), params, head, h)
+    value, pull = jax.vjp(lambda a, b, c: run._checked_loss(loss_fn(b, stage(a, c), targets)),
+                          params, head, h)
     dp, dhead, dh = pull(jnp.ones_like(value))
     return value.astype(jnp.float32), dp, dhead, dh
 
   def loss(params, head, h, targets):
-    return loss_fn(head, stage(params, h), targets).astype(jnp.float32)
+    return run._checked_loss(loss_fn(head, stage(params, h), targets)).astype(jnp.float32)
 
+  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+  scale = jax.jit(lambda a, n: jax.tree.map(lambda g: g / n, a), static_argnums=1)
   return {"forward": jax.jit(stage), "backward": jax.jit(backward),
           "backward_loss": jax.jit(backward_loss), "loss": jax.jit(loss),
-          "add": jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b)),
-          "scale": jax.jit(lambda a, n: jax.tree.map(lambda g: g / n, a), static_argnums=1)}
+          "add": lambda a, b: _past_float0(lambda u, w: add(u, w[0]), a, b),
+          "scale": lambda a, n: _past_float0(lambda u, _: scale(u, n), a, a)}
+
+
+def _is_float0(a) -> bool:
+  return getattr(a, "dtype", None) == jax.dtypes.float0
+
+
+def _past_float0(fn, a, b):
+  """``fn(leaves of a, [leaves of b])`` on the leaves whose ``b`` is not float0 (the cotangent
+  of an integer leaf, which takes no arithmetic); the others keep ``a``'s."""
+  la, tree = jax.tree.flatten(a)
+  lb = jax.tree.leaves(b)
+  keep = [i for i, x in enumerate(lb) if not _is_float0(x)]
+  out = list(la)
+  for i, y in zip(keep, fn([la[i] for i in keep], [[lb[i] for i in keep]])):
+    out[i] = y
+  return jax.tree.unflatten(tree, out)

@@ -25,6 +25,7 @@ for every schedule (with ``--xla_cpu_max_isa=AVX``, as ``reproducible_step`` ask
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -239,13 +240,48 @@ def _zero_cotangent(t):
 def _like(ct, primal):
   """``ct`` typed as ``primal`` needs: summed over the manual axes it varies over and ``primal``
   does not (what JAX's own transpose of the implicit cast does), cast to varying where
-  ``primal`` varies and ``ct`` does not."""
+  ``primal`` varies and ``ct`` does not. An integer leaf (a layer index, a flag) gets jax's
+  float0 zero."""
   def one(c, p):
+    if not jnp.issubdtype(jnp.result_type(p), jnp.inexact):
+      return _zero_cotangent(p)
     extra = tuple(sorted(jaxapi.vma(c) - jaxapi.vma(p)))
     if extra:
       c = lax.psum(c, extra)
     return jaxapi.to_varying(c, tuple(sorted(jaxapi.vma(p))))
   return jax.tree.map(one, ct, primal)
+
+
+def _checked_body(body, h, layer):
+  """``body(h, layer)`` held to what the stages send each other: a pair whose first entry keeps
+  ``h``'s shape and dtype (else lax.scan's carry error, or one of the pipeline's own branches,
+  would say it in terms of the schedule's internals)."""
+  out = body(h, layer)
+  if not isinstance(out, (tuple, list)) or len(out) != 2:
+    raise errors.ConfigurationError(
+        f"pipeline: body(h, layer) returned {_describe(out)}; it must return a pair (h, y) as "
+        "lax.scan's body does: return (h, None) when there is nothing to stack")
+  if not hasattr(out[0], "shape") or (jnp.shape(out[0]), jnp.result_type(out[0])) != (
+      h.shape, h.dtype):
+    raise errors.ConfigurationError(
+        f"pipeline: body(h, layer) turned h {h.dtype}{list(h.shape)} into {_describe(out[0])}; "
+        "the activation the stages send each other must keep its shape and dtype (cast inside "
+        "the layer and back, or make the first layer's input x that shape and dtype)")
+  return out
+
+
+def _checked_loss(value):
+  if jnp.shape(value) != () or not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+    raise errors.ConfigurationError(
+        f"pipeline: loss_fn(head, h, targets) returned {_describe(value)}; it must return the "
+        "micro-batch's loss as a floating scalar (take .mean() or .sum() of a per-example loss)")
+  return value
+
+
+def _describe(v) -> str:
+  if hasattr(v, "shape") and hasattr(v, "dtype"):
+    return f"{jnp.result_type(v)}{list(jnp.shape(v))}"
+  return f"a {type(v).__name__}"
 
 
 def _execute(pipe: Pipeline, layers, head, x, targets, *, backward: bool):
@@ -268,10 +304,10 @@ def _execute(pipe: Pipeline, layers, head, x, targets, *, backward: bool):
   mb_shape, dtype = xs.shape[1:], xs.dtype
 
   def stage(params, h):
-    return lax.scan(pipe.body, h, params)[0]
+    return lax.scan(functools.partial(_checked_body, pipe.body), h, params)[0]
 
   def last(params, hd, h, t):
-    return pipe.loss_fn(hd, stage(params, h), t)
+    return _checked_loss(pipe.loss_fn(hd, stage(params, h), t))
 
   pick = lambda tree, i: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, False), tree)
 
@@ -279,9 +315,12 @@ def _execute(pipe: Pipeline, layers, head, x, targets, *, backward: bool):
     return lax.dynamic_update_index_in_dim(
         buf, lax.dynamic_update_index_in_dim(buf[i], value, j, 0), i, 0)
 
+  # The cotangent of an integer leaf is jax's float0, which takes no arithmetic: its
+  # accumulator stays as it is (the backward rule hands float0 back for it).
   def add(acc, i, g):
-    return jax.tree.map(lambda a, b: lax.dynamic_update_index_in_dim(
-        a, lax.dynamic_index_in_dim(a, i, 0, False) + b, i, 0), acc, g)
+    return jax.tree.map(lambda a, b: a if b.dtype == jax.dtypes.float0 else
+                        lax.dynamic_update_index_in_dim(
+                            a, lax.dynamic_index_in_dim(a, i, 0, False) + b, i, 0), acc, g)
 
   zeros_msg = jnp.zeros(mb_shape, dtype)
   state = dict(
@@ -327,7 +366,8 @@ def _execute(pipe: Pipeline, layers, head, x, targets, *, backward: bool):
   def backward_loss(s, vc, m, first):
     value, pull = jax.vjp(last, pick(chunks, vc), head, h_in(s, vc, m, first), pick(ts, m))
     dp, dhead, dh, _ = pull(jnp.ones_like(value))
-    s = {**s, "head": vary(jax.tree.map(jnp.add, s["head"], dhead)),
+    s = {**s, "head": vary(jax.tree.map(
+        lambda a, b: a if b.dtype == jax.dtypes.float0 else a + b, s["head"], dhead)),
          "loss": vary(s["loss"] + value.astype(jnp.float32))}
     return send_back(s, vc, m, first, dp, dh)
 

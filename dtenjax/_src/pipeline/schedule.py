@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -109,11 +110,11 @@ class Interleaved(Schedule):
   virtual_stages: int = 2
 
   def __init__(self, virtual: int = 2):
-    object.__setattr__(self, "virtual_stages", virtual)
-    if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1:
+    if not isinstance(virtual, (int, np.integer)) or isinstance(virtual, bool) or virtual < 1:
       raise errors.ConfigurationError(
           f"Interleaved(virtual={virtual!r}): virtual is the number of chunks per device, an int "
           ">= 1 (2 halves the bubble of OneFOneB)")
+    object.__setattr__(self, "virtual_stages", int(virtual))
 
   def __repr__(self):
     return f"Interleaved(virtual={self.virtual_stages})"
@@ -326,12 +327,27 @@ def predict(schedule: Schedule, stages: int, microbatches: int, *, forward: floa
   boundary) turns the peak count of held inputs into bytes; the step also holds one chunk's
   residuals while it runs a backward.
   """
+  # Checked here, not only in timetable: its cache would answer stages=4.0 with the table of 4.
+  check(schedule, stages, microbatches)
+  problems = []
+  for name, value in (("forward", forward), ("backward", backward), ("input_bytes", input_bytes)):
+    if (not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool)
+        or not math.isfinite(value) or value < 0):
+      problems.append(f"{name}={value!r} must be a finite number >= 0")
+  if not problems and forward + backward <= 0:
+    problems.append(f"forward={forward!r} and backward={backward!r}: one must be > 0")
+  if problems:
+    raise errors.ConfigurationError("pipeline_cost: " + "; ".join(problems))
   table = timetable(schedule, stages, microbatches)
   v = schedule.virtual
   f_cost = np.array([0, 1, 1, 0, 0]) * (forward / v)      # F_LAST only keeps its input
   b_cost = np.array([0, 1, 1, 1, 1]) * (backward / v)
-  time = float((f_cost[table.f_kind] + b_cost[table.b_kind]).max(axis=1).sum())
-  busy = microbatches * (forward + backward)
+  work = f_cost[table.f_kind] + b_cost[table.b_kind]
+  time = float(work.max(axis=1).sum())
+  # The busiest device's own work: m (forward + backward) wherever a stage runs forwards of its
+  # own, less on a single stage, whose forwards all belong to the last chunk (its backward
+  # recomputes them), so its bubble is 0, never negative.
+  busy = float(work.sum(axis=0).max())
   live = max(table.live_inputs)
   return PipelineCost(schedule, stages, microbatches, table.ticks, time, busy, 1 - busy / time,
                       schedule.theory_bubble(stages, microbatches), live, live * input_bytes)

@@ -89,6 +89,11 @@ def choose(mesh, axis: str = "stage", transport: str = "auto") -> TransportChoic
   if transport not in PATHS:
     raise errors.ConfigurationError(
         f"pipeline transport={transport!r} is not one of {list(PATHS)}")
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise errors.MeshError(
+        f"pipeline_transport: mesh={mesh!r} is not a jax.sharding.Mesh: pass the concrete mesh "
+        "the pipeline runs on (jax.make_mesh, dtenjax.topology_mesh), which says which devices "
+        "and processes its stages span")
   if axis not in mesh.axis_names:
     raise errors.MeshError(
         f"pipeline: the mesh has no axis {axis!r} (axes {list(mesh.axis_names)}): make one, "

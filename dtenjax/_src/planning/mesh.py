@@ -102,6 +102,14 @@ def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], axis_types=
     devices: devices to use; default ``jax.devices()``.
     topology: the topology to order by; default ``Topology.current()``.
   """
+  if isinstance(axis_shapes, (int, np.integer, str)) or not hasattr(axis_shapes, "__iter__"):
+    raise errors.MeshError(
+        f"axis_shapes={axis_shapes!r} must be a sequence of axis sizes, e.g. ({axis_shapes!r},) "
+        "for one axis")
+  if isinstance(axis_names, str) or not hasattr(axis_names, "__iter__"):
+    raise errors.MeshError(
+        f"axis_names={axis_names!r} must be a sequence of names, one per axis, e.g. "
+        f"({axis_names!r},) for one axis")
   shape = tuple(axis_shapes)
   axis_names = tuple(axis_names)
   _check_axes(shape, axis_names)
@@ -219,6 +227,11 @@ def as_mesh(mesh: Mesh | Sequence[int] | None, axis_names: Sequence[str] | None 
     if cur is not None:
       return cur
     return make_mesh((len(jax.devices()),), ("x",), topology=topology)
+  if isinstance(mesh, str) or not hasattr(mesh, "__iter__") or not all(
+      isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in mesh):
+    raise errors.MeshError(
+        f"mesh={mesh!r} is not a mesh: pass a jax.sharding.Mesh, a shape of axis sizes such as "
+        "(2, 4), or None for the context mesh (jax.set_mesh, dtenjax.use_mesh)")
   shape = tuple(int(s) for s in mesh)
   names = None if axis_names is None else tuple(axis_names)
   return _mesh_for_shape(shape, names, topology, _current_mesh.get(), jax_context_mesh())
@@ -520,9 +533,14 @@ def pmap(f: Callable, axis_name: str | None = None, *, in_axes: Any = 0, out_axe
         return mapped, unmapped
 
       # Mapped outputs come back stacked along a new axis 0, unmapped ones as device 0 has them.
-      mapped, unmapped = jax.shard_map(
-          _bind(per_device, mesh), mesh=mesh, in_specs=in_specs, out_specs=(P(name), P()),
-          check_vma=False)(*moved)
+      # Traced inside the user's jit under jax.set_mesh: the context (which jax.shard_map
+      # requires to be the mesh it runs on) is set aside where jax lets it (the same size).
+      ctx = jax.sharding.get_abstract_mesh()
+      same = not getattr(ctx, "empty", True) and getattr(ctx, "size", None) == mesh.size
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if same else contextlib.nullcontext():
+        mapped, unmapped = jax.shard_map(
+            _bind(per_device, mesh), mesh=mesh, in_specs=in_specs, out_specs=(P(name), P()),
+            check_vma=False)(*moved)
       o_tree, o_axes = traced[-1]
       mapped, unmapped = iter(mapped), iter(unmapped)
       outs = []
@@ -536,10 +554,49 @@ def pmap(f: Callable, axis_name: str | None = None, *, in_axes: Any = 0, out_axe
 
     return jax.jit(run, static_argnums=static, donate_argnums=donate)
 
+  def call(method: str, args, kwargs):
+    outer = jaxapi.manual_axes()
+    if outer:
+      raise errors.ConfigurationError(
+          f"dtenjax.pmap inside a pmap or shard_map body (manual axes {sorted(outer)}): nested "
+          "pmap is not supported (jax.pmap fails there too); map over a mesh of both axes "
+          "instead, e.g. dtenjax.mesh_map(f, jax.make_mesh((2, 4), ('i', 'j')), in_specs=..., "
+          "out_specs=...)")
+    n = mapped_size(args, kwargs)
+    fn = compiled(n)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+      return getattr(fn, method)(*args, **kwargs)
+    # pmap's mesh is its own, as jax.pmap knew no meshes: a jax.set_mesh context around the call
+    # (jax.shard_map requires it to be the mesh it runs on) is set aside, and arrays committed
+    # elsewhere (another mesh's shards, one device) move onto it first.
+    mesh = make_mesh((n,), (name,), devices=devices[:n])
+    _, dyn_idx, axes = split(args)
+    dyn = tuple(args[i] for i in dyn_idx)
+    leaves, treedef = jax.tree.flatten((dyn, kwargs))
+    leaf_axes = _leaf_axes(axes, dyn, "in_axes") + [0] * len(jax.tree.leaves(kwargs))
+    moved = [_onto(x, mesh, ax, name) for x, ax in zip(leaves, leaf_axes)]
+    dyn, kwargs = jax.tree.unflatten(treedef, moved)
+    args = list(args)
+    for i, v in zip(dyn_idx, dyn):
+      args[i] = v
+    with jax.set_mesh(mesh):
+      return getattr(fn, method)(*args, **kwargs)
+
   @functools.wraps(f)
   def wrapper(*args, **kwargs):
-    return compiled(mapped_size(args, kwargs))(*args, **kwargs)
+    return call("__call__", args, kwargs)
 
-  wrapper.lower = lambda *args, **kwargs: compiled(mapped_size(args, kwargs)).lower(*args,
-                                                                                     **kwargs)
+  wrapper.lower = lambda *args, **kwargs: call("lower", args, kwargs)
   return wrapper
+
+
+def _onto(x, mesh: Mesh, ax: int | None, name: str):
+  """A committed jax.Array laid out on another mesh or device, moved onto pmap's ``mesh``
+  (split along its mapped axis ``ax``, replicated where unmapped); anything else as it is."""
+  if not isinstance(x, jax.Array) or not getattr(x, "committed", False):
+    return x
+  sharding = x.sharding
+  if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+    return x
+  spec = P() if ax is None else P(*([None] * (ax % x.ndim)), name)
+  return jax.device_put(x, NamedSharding(mesh, spec))

@@ -99,6 +99,9 @@ class Placement:
         object.__setattr__(self, "mesh", shape)
     if self.axis_names is not None:
       object.__setattr__(self, "axis_names", tuple(self.axis_names))
+    if not isinstance(self.workload, planner.Workload):
+      problems.append(f"workload={self.workload!r} is not a dtenjax.Workload: pass "
+                      "dtenjax.Workload(...) (what the planner assumes the tensor is used for)")
     if problems:
       raise errors.PlacementError(errors.join_problems("invalid Placement:", problems))
 
@@ -160,16 +163,18 @@ class Placement:
 
   def spec(self, shape: Sequence[int], dtype=jnp.float32) -> P:
     """The PartitionSpec this placement gives an array of ``shape``, validated."""
-    return self._spec(self.resolved_mesh(), tuple(shape), dtype)
+    shape, dtype = _shape_and_dtype(shape, dtype, "Placement.spec")
+    return self._spec(self.resolved_mesh(), shape, dtype)
 
   def sharding(self, shape: Sequence[int], dtype=jnp.float32) -> NamedSharding:
     """The NamedSharding (with the memory kind of the policy) for an array of ``shape``."""
-    return _sharding_for(self, self.resolved_mesh(), tuple(int(d) for d in shape),
-                         jnp.dtype(dtype).name)
+    shape, dtype = _shape_and_dtype(shape, dtype, "Placement.sharding")
+    return _sharding_for(self, self.resolved_mesh(), shape, dtype.name)
 
   def explain(self, shape: Sequence[int], dtype=jnp.float32) -> str:
     """Why this placement lays out an array of ``shape`` the way it does: every candidate's
     estimated cost for "auto", the fixed spec otherwise."""
+    shape, dtype = _shape_and_dtype(shape, dtype, "Placement.explain")
     own = self._topology_mesh() if self.strategy == "auto" else None
     mesh = self.resolved_mesh() if own is None else None
     sizes = dict(mesh.shape) if own is None else dict(zip(own[1], own[0]))
@@ -180,6 +185,23 @@ class Placement:
       return head + "\n" + (self.plan(shape, dtype) if own is not None else
                             self._plan(mesh, shape, dtype)).table()
     return head + f"\n=> {self._spec(mesh, tuple(shape), dtype)} (fixed strategy, no planning)"
+
+
+def _shape_and_dtype(shape, dtype, where: str) -> tuple[tuple[int, ...], np.dtype]:
+  """``shape`` as a tuple of non-negative ints and ``dtype`` as a dtype, or a PlacementError
+  naming the bad one (a bare int, a string, a negative size; a name that is no dtype)."""
+  try:
+    dims = None if isinstance(shape, (str, bytes)) else tuple(operator.index(d) for d in shape)
+  except TypeError:
+    dims = None
+  if dims is None or any(d < 0 for d in dims):
+    raise errors.PlacementError(f"{where}: shape={shape!r} must be a sequence of non-negative "
+                                "ints, such as (4096, 1024)")
+  try:
+    return dims, jnp.dtype(dtype)
+  except TypeError:
+    raise errors.PlacementError(f"{where}: dtype={dtype!r} is not a dtype; pass one such as "
+                                "jnp.float32 or 'bfloat16'") from None
 
 
 EXPLICIT_STRATEGIES = ("replicate", "row")   # for arrays of 2 or more dimensions
@@ -356,6 +378,9 @@ def _place(leaf, sharding: NamedSharding):
 
 def _leaf_sharding(value, placement, where: str) -> NamedSharding:
   shape, dtype = tuple(value.shape), value.dtype
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    # Typed PRNG keys are laid out by their key shape; their bits are uint32 words.
+    dtype = jnp.uint32
   if isinstance(placement, NamedSharding):
     check_divisible(shape, placement.spec, placement.mesh, where)
     return placement
@@ -371,6 +396,10 @@ def _shard_one(leaf, placement, where: str):
   if kind is None:
     if not hasattr(leaf, "shape"):
       return leaf
+    if isinstance(leaf, jax.Array) and not _is_tracer(leaf) and leaf.is_deleted():
+      raise errors.PlacementError(
+          f"{where} was deleted ({leaf.aval.str_short()}): it was donated to a jitted step "
+          "(donate_argnums) or .delete()d; shard the arrays the step returned")
     return _place(leaf, _leaf_sharding(leaf, placement, where))
   value = _box_value(leaf)
   if isinstance(placement, NamedSharding):
@@ -871,6 +900,11 @@ def tensor(shape: Sequence[int], dtype=jnp.float32, placement: Placement | None 
     raise errors.PlacementError(
         f"tensor(init={init!r}) needs key=: pass a PRNG key, e.g. key=jax.random.key(0), and a "
         "different one for every tensor (without one they would all get the same values)")
+  if key is not None and (not hasattr(key, "dtype") or not (
+      jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or np.ndim(key) >= 1)):
+    raise errors.PlacementError(
+        f"tensor: key={key!r} is not a PRNG key; pass jax.random.key({key!r}) (or "
+        "jax.random.PRNGKey's uint32 key data)")
   if isinstance(init, str):
     if init not in _INITS:
       raise errors.PlacementError(f"init={init!r} is not one of {tuple(_INITS)} or a callable "

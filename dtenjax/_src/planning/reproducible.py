@@ -172,6 +172,14 @@ def reproducible_step(fn: Callable | None = None, /, *, compiler_options: dict |
     return functools.partial(reproducible_step, compiler_options=compiler_options,
                              check_flags=check_flags, autotune=autotune,
                              autotune_cache_dir=autotune_cache_dir, **jit_kwargs)
+  if not callable(fn):
+    raise errors.ConfigurationError(
+        f"reproducible_step: fn={fn!r} is not callable; use @dtenjax.reproducible_step or "
+        "dtenjax.reproducible_step(step, ...)")
+  if compiler_options is not None and not isinstance(compiler_options, dict):
+    raise errors.ConfigurationError(
+        f"reproducible_step: compiler_options={compiler_options!r} must be a dict of XLA "
+        "options, e.g. {'xla_cpu_enable_fast_math': False}")
   user = dict(compiler_options or {})
   gpu_pins = gpu_options(autotune, autotune_cache_dir)      # validates the arguments now
   jitted: dict[str, Callable] = {}

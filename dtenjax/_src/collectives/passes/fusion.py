@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from dtenjax._src import config
 from dtenjax._src import errors
 from dtenjax._src.collectives.passes import substitute
@@ -33,6 +35,10 @@ def fuse_collectives(fn: Callable, *, bucket_bytes: int | None = None,
   """
   if bucket_bytes is None:
     bucket_bytes = config.get_int("DTENJAX_BUCKET_BYTES")
+  if not isinstance(bucket_bytes, (int, np.integer)) or isinstance(bucket_bytes, bool):
+    raise errors.ConfigurationError(
+        f"fuse_collectives: bucket_bytes={bucket_bytes!r} must be an int number of bytes, "
+        "e.g. 4 << 20")
   if bucket_bytes <= 0:
     raise errors.ConfigurationError(f"fuse_collectives: bucket_bytes={bucket_bytes} must be > 0 "
                                     "(use substitute_psum for one collective per psum).")

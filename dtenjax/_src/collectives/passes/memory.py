@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from dtenjax._src import errors
 from dtenjax._src import tables
 
 
@@ -81,6 +82,10 @@ def _xla_stats(fn, args, kwargs) -> tuple[dict[str, int], str]:
 def memory_plan(fn: Callable, *args: Any, with_xla: bool = True, **kwargs: Any) -> MemoryPlan:
   """Liveness-based buffer table of ``fn(*args, **kwargs)`` (top-level jaxpr) and XLA's stats
   (``with_xla=False``: without compiling ``fn`` for them)."""
+  if not callable(fn):
+    raise errors.ConfigurationError(
+        f"memory_plan: fn={fn!r} is not callable; call memory_plan(step, *args) with the step "
+        "and the arguments it takes")
   closed = jax.make_jaxpr(fn)(*args, **kwargs)
   jaxpr = closed.jaxpr
   n_eqns = len(jaxpr.eqns)

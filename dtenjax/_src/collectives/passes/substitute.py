@@ -3,10 +3,13 @@
 :func:`substitute_psum` is a jaxpr interpreter: it traces ``fn`` when called (inside whatever
 named-axis context the call happens in), then evaluates the jaxpr equation by equation, replacing
 every ``psum`` / ``psum_invariant`` over named axes with ``dtenjax.all_reduce``. It recurses into
-nested ``jit`` calls (inlined) and into ``shard_map`` (rebuilt with the same ``check_vma``:
+nested ``jit`` calls (inlined), into ``shard_map`` (rebuilt with the same ``check_vma``:
 ``dtenjax.all_reduce`` is typed as ``lax.psum``, so the program keeps its types and its
-gradients). Other higher-order primitives (``scan``, ``while``, ``cond``, custom derivatives) are
-bound unchanged: psums inside them stay XLA's.
+gradients), and into the bodies of ``lax.scan`` (a layer stack, ``fori_loop`` with static
+bounds), ``lax.while_loop``, ``lax.cond`` / ``lax.switch`` and ``jax.checkpoint``, each rebuilt
+with the same parameters. Other higher-order primitives (custom derivatives, a scan whose
+equation jax has pruned) are bound unchanged: psums inside them stay XLA's, and a warning says
+so where the call asked for ``reproducible`` sums.
 
 With ``bucket_bytes > 0`` psums are deferred: everything that does not need their results runs
 first, then the ready psums are reduced together in buckets (the fusion pass, ``fusion.py``).
@@ -19,9 +22,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jex_core
 
 from dtenjax._src import contract as contract_lib
+from dtenjax._src import errors
 from dtenjax._src import jaxapi
 from dtenjax._src.collectives import all_reduce as collectives
 from dtenjax._src.collectives import fixed_point
@@ -124,7 +129,88 @@ def _run_eqn(eqn, invals, opts: _Options):
     return _eval_jaxpr(closed.jaxpr, closed.consts, invals, opts)
   if name == "shard_map":
     return _shard_map(eqn, invals, opts)
+  rebuild = _REBUILD.get(name)
+  if rebuild is not None and _holds_psum(eqn):
+    out = rebuild(eqn, invals, opts)
+    if out is not None:
+      return out
+  if opts.contract != Contract.NONE and _holds_psum(eqn):
+    errors.warn_once(
+        f"substitute-{name}",
+        f"substitute_psum(reproducible=...): a lax.psum inside a {name!r} equation stays XLA's "
+        "(its sum is not the reproducible one); call dtenjax.all_reduce(..., reproducible=True) "
+        "there yourself.")
   return jaxapi.bind(eqn, invals)
+
+
+def _closed(j):
+  return j if hasattr(j, "consts") else jex_core.ClosedJaxpr(j, ())
+
+
+def _sub_jaxprs(eqn):
+  for v in eqn.params.values():
+    for j in (v if isinstance(v, (tuple, list)) else (v,)):
+      if isinstance(j, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
+        yield _closed(j).jaxpr
+
+
+def _holds_psum(eqn) -> bool:
+  """Whether a psum the pass would rewrite sits anywhere below ``eqn``."""
+  todo = list(_sub_jaxprs(eqn))
+  while todo:
+    for e in todo.pop().eqns:
+      if _eligible(e):
+        return True
+      todo.extend(_sub_jaxprs(e))
+  return False
+
+
+def _call(closed, opts: _Options):
+  return lambda *args: _eval_jaxpr(closed.jaxpr, closed.consts, list(args), opts)
+
+
+def _scan(eqn, invals, opts: _Options):
+  body = _closed(eqn.params["jaxpr"])
+  if len(eqn.outvars) != len(body.jaxpr.outvars):
+    return None          # jax 0.11 drops outputs that only forward an input: bind it unchanged
+  nc, ncarry = jaxapi.scan_counts(eqn)
+  consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+  run = _call(body, opts)
+
+  def step(carry, x):
+    outs = run(*consts, *carry, *x)
+    return tuple(outs[:ncarry]), tuple(outs[ncarry:])
+
+  p = eqn.params
+  carry, ys = jax.lax.scan(step, tuple(init), tuple(xs), length=p.get("length"),
+                           reverse=bool(p.get("reverse", False)), unroll=p.get("unroll", 1))
+  return [*carry, *ys]
+
+
+def _while(eqn, invals, opts: _Options):
+  p = eqn.params
+  cn, bn = int(p["cond_nconsts"]), int(p["body_nconsts"])
+  cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+  cond, body = _call(_closed(p["cond_jaxpr"]), opts), _call(_closed(p["body_jaxpr"]), opts)
+  out = jax.lax.while_loop(lambda c: cond(*cconsts, *c)[0], lambda c: tuple(body(*bconsts, *c)),
+                           tuple(init))
+  return list(out)
+
+
+def _cond(eqn, invals, opts: _Options):
+  branches = [_call(_closed(b), opts) for b in eqn.params["branches"]]
+  return list(jax.lax.switch(invals[0], [lambda *a, f=f: tuple(f(*a)) for f in branches],
+                             *invals[1:]))
+
+
+def _remat(eqn, invals, opts: _Options):
+  p = eqn.params
+  run = _call(_closed(p["jaxpr"]), opts)
+  return list(jax.checkpoint(lambda *a: tuple(run(*a)), prevent_cse=bool(p["prevent_cse"]),
+                             policy=p.get("policy"))(*invals))
+
+
+_REBUILD = {"scan": _scan, "while": _while, "cond": _cond, "remat2": _remat, "checkpoint": _remat}
 
 
 def _shard_map(eqn, invals, opts: _Options):
@@ -152,6 +238,16 @@ def substitute_psum(fn: Callable, *, algorithm: str = "auto", deterministic: boo
   ``reproducible`` takes ``all_reduce``'s values, for the float32 and bfloat16 psums.
   """
   contract = contract_lib.parse(reproducible, "substitute_psum: reproducible")
+  if not callable(fn):
+    raise errors.ConfigurationError(
+        f"substitute_psum: fn={fn!r} is not callable; pass the step (or the shard_map'd body) "
+        "whose lax.psums to replace")
+  if (not isinstance(bucket_bytes, (int, np.integer)) or isinstance(bucket_bytes, bool)
+      or bucket_bytes < 0):
+    raise errors.ConfigurationError(
+        f"substitute_psum: bucket_bytes={bucket_bytes!r} must be an int >= 0 (0: one "
+        "all_reduce per psum; > 0: psums bucketed, as fuse_collectives does)")
+
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)

@@ -106,6 +106,10 @@ class WeightUse:
   # (stepgraph._loop_parts; a weight read in a loop and outside it has both kinds of part)
   loop_uses: int = 0
   loop_parts: int = 0
+  # of the gradient bytes XLA:CPU all-reduces together in each iteration of the loop body whose
+  # weights' parts it reduces there (stepgraph._loop_shares), this weight's: that body's weights
+  # are joined in one all-reduce per iteration, a collective of its own (pricing.Pricer.looped)
+  loop_share: float = 1.0
   # the dtype the product reads the weight in (a cast of the leaf: mixed precision's float16 or
   # bfloat16 copy of a float32 weight), which its gradient's product makes the gradient in:
   # XLA reduces it in that dtype and converts it to the leaf's after (pricing.gradient_dtype)
@@ -452,6 +456,9 @@ class Reader:
     self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
     # leaf -> (its products inside a loop's body, and those times their trip counts)
     self.loop_reads: dict[int, tuple[int, int]] = {}
+    # leaf -> the innermost loop (scan or while equation) its first product inside a loop's body
+    # runs in: the weights a body reads whole are reduced together there (stepgraph._loop_shares)
+    self.loop_of: dict[int, Any] = {}
     self.ties = _UnionFind()
     self.flops = 0.0
     self.products = 0                         # products run per step (loop trips counted)
@@ -785,6 +792,8 @@ class Reader:
         if repeats > 1:
           seen, trips = self.loop_reads.get(leaf, (0, 0))
           self.loop_reads[leaf] = (seen + 1, trips + repeats)
+          self.loop_of.setdefault(leaf, next((e for e, _ in reversed(self.frames)
+                                              if e.primitive.name in ("scan", "while")), None))
         if self.remat_depth:
           self.remat_read.add(leaf)
       if self.leaves[leaf].is_batch:

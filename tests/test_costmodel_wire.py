@@ -866,3 +866,54 @@ def test_a_float8_weight_s_gathers_move_in_float16_on_cpu():
   check = dtenjax.plan(step, *args, mesh={"fsdp": 8}, recipe="FSDP").check(step, *args)
   want = {"all_gather": 2 * 256 * 512 * 2.0, "all_reduce": 2 * 256 * 512 * 4.0}
   assert check.compiled_bytes == want and check.predicted_bytes == want, check.table()
+
+
+def test_an_integer_leaf_is_reduced_only_as_its_dequantized_product_s_float_gradient(cpu_devices):
+  """An int8 weight a product reads dequantized (``wq.astype(f32) * scale``), an int32 histogram
+  of the batch's tokens, an int32 array the step adds one to, and a step counter, on 8 CPU
+  devices. JAX gives an integer no gradient (float0): XLA all-reduces the product's float
+  gradient of the dequantized weight (f32[256,512], 512 KiB, on `data` 8; gathered as float32
+  too, f32[64,256] a device on `fsdp` 8) and the histogram's scatter from the batch (s32[4096]),
+  and nothing of the int32 array (the compiled HLO below). Before, the planner priced the int8
+  weight as an all-reduce of its own 128 KiB, the product's gradient not at all, the FSDP
+  gather at int8 bytes, and the int32 array as a 16 KiB all-reduce."""
+  from jax.sharding import NamedSharding
+
+  def step(p, x):
+    def loss(fp):
+      h = jnp.tanh(x @ (p["wq"].astype(jnp.float32) * fp["scale"]))
+      return jnp.mean((h @ fp["w2"]) ** 2)
+    fp = {k: p[k] for k in ("scale", "w2")}
+    g = jax.grad(loss)(fp)
+    hist = p["hist"] + jnp.zeros_like(p["hist"]).at[jnp.argmax(x, 1) % 4096].add(1)
+    return {**p, **{k: fp[k] - 0.1 * g[k] for k in fp}, "hist": hist, "seen": p["seen"] + 1,
+            "count": p["count"] + 1}
+
+  s = jax.ShapeDtypeStruct
+  p = {"wq": s((512, 256), jnp.int8), "scale": s((256,), jnp.float32),
+       "w2": s((256, 128), jnp.float32), "hist": s((4096,), jnp.int32),
+       "seen": s((4096,), jnp.int32), "count": s((), jnp.int32)}
+  x = s((64, 512), jnp.float32)
+  compiled = {}
+  for axis in ("data", "fsdp"):
+    mesh = Mesh(np.array(cpu_devices), (axis,))
+    ins = {k: NamedSharding(mesh, PartitionSpec(axis) if k == "wq" and axis == "fsdp" else
+                            PartitionSpec()) for k in p}
+    exe = jax.jit(step, in_shardings=(ins, NamedSharding(mesh, PartitionSpec(axis))),
+                  out_shardings=ins).lower(p, x).compile(cmt.LLVM_O0)
+    compiled[axis] = sorted((c.kind, s.dtype, s.dims)
+                            for c in hlo.read_compiled(exe).collectives()
+                            for s in c.operand_shapes)
+  assert compiled["data"] == [("all_reduce", "f32", (128, 256)), ("all_reduce", "f32", (256, 512)),
+                              ("all_reduce", "s32", (4096,))]
+  assert ("all_gather", "f32", (64, 256)) in compiled["fsdp"]
+  assert ("all_reduce", "f32", (256, 512)) in compiled["fsdp"]
+  assert not [c for c in compiled["fsdp"] if c[1] == "s8"]
+
+  got = _recorded(step, (p, x), (1,), {"data": 8})
+  assert got[(False, "[0]['wq']", (None, None), "all_reduce[data]")] == 256 * 512 * 4
+  assert got[(False, "[0]['hist']", (None,), "all_reduce[data]")] == 4096 * 4
+  assert not [k for k in got if k[1] == "[0]['seen']"]
+  got = _recorded(step, (p, x), (1,), {"fsdp": 8})
+  assert got[(False, "[0]['wq']", ("fsdp", None), "all_gather[fsdp]")] == 64 * 256 * 4 * 8
+  assert got[(False, "[0]['wq']", ("fsdp", None), "all_reduce[fsdp]")] == 256 * 512 * 4

@@ -382,6 +382,33 @@ def _filled_results(eqn) -> tuple[int, ...]:
 _BOUND_FILLS: dict[int, tuple[Any, frozenset]] = {}
 
 
+def dequantization_scales(jaxpr) -> set:
+  """The scales of ``jaxpr``'s top-level dequantizations: the smaller operand (a per-channel
+  scale, ``f32[1,256]`` beside ``f32[512,256]``) of a ``mul`` by, or the divisor of a ``div`` of,
+  the float conversion of an integer value (``wq.astype(jnp.float32) * scale`` of an int8
+  weight). The dequantized value is the integer weight as its product reads it: JAX gives the
+  integer leaf no gradient (float0), and the product's float gradient is what XLA reduces over
+  the batch (``f32[512,256]`` all-reduced for an int8 ``[512, 256]`` weight, compiled on 8 CPU
+  devices), so :func:`followed_operand` keeps the weight through its scale as through a
+  scalar's."""
+  ints = {eqn.outvars[0] for eqn in jaxpr.eqns
+          if eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0]) and
+          np.issubdtype(eqn.invars[0].aval.dtype, np.integer) and
+          np.issubdtype(eqn.outvars[0].aval.dtype, np.floating)}
+  scales = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name not in ("mul", "div") or len(eqn.invars) != 2 or not ints:
+      continue
+    size = math.prod(getattr(eqn.outvars[0].aval, "shape", ()))
+    pairs = eqn.invars if eqn.primitive.name == "mul" else eqn.invars[:1]
+    for k, v in enumerate(pairs):
+      other = eqn.invars[1 - k]
+      if (is_var(v) and v in ints and is_var(other) and other not in ints and
+          math.prod(getattr(other.aval, "shape", ())) < size):
+        scales.add(other)
+  return scales
+
+
 def scalar_fills(jaxpr) -> frozenset:
   """The values of ``jaxpr``'s top level that a ``broadcast_in_dim`` fills with one scalar
   (``jnp.where(flag, w, 0)``'s zero), and its constants (a mask the step closes over) and the
@@ -394,6 +421,7 @@ def scalar_fills(jaxpr) -> frozenset:
   fills = {eqn.outvars[0] for eqn in jaxpr.eqns
            if eqn.primitive.name == "broadcast_in_dim" and
            tuple(getattr(eqn.invars[0].aval, "shape", ())) == ()}
+  fills |= dequantization_scales(jaxpr)
   # the step's constants (a pruning mask it closes over) and what elementwise ops make of them
   fills.update(jaxpr.constvars)
   for eqn in jaxpr.eqns:

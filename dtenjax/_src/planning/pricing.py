@@ -763,8 +763,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # gradient synchronisation
   for kind, nb, axes in table_sync:
     ctx.add(kind, nb, axes, blocking=False, dtype=rdtype)
-  # a PRNG key has no gradient (integer leaves, such as a step counter, have none either, but
-  # are priced the share of their few bytes that the recorded plans' costs hold)
+  # a PRNG key has no gradient, nor has an integer array (StepGraph.integer_gradient_free: one
+  # read dequantized is reduced as its product's float gradient, rgrad; a step counter is priced
+  # the share of its few bytes that the recorded plans' costs hold)
   # nor has a parameter the loss never reads: its gradient is a constant zero, never reduced;
   # nor is one the step freezes reduced (its gradient is computed where a product needs its
   # input's, and dropped)
@@ -857,8 +858,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     times = 2 if regather else 1
     # a scanned stack is gathered one layer per loop iteration: one collective per layer
     per = use.layers if use is not None and use.layers > 1 else 1
-    acc(pr.overlappable, k, times * per * pricer("all_gather", grad / per, zero, dtype))
-    acc(pr.bytes, f"all_gather[{k}]", times * pricer.wire(grad, dtype))
+    # an integer weight read dequantized (``wq.astype(f32) * scale``): XLA converts the shard
+    # and gathers the float value its product reads (f32[512,256] for an int8 [512, 256] weight
+    # on `fsdp` 8, compiled on 8 CPU devices), where a float weight read narrower is gathered
+    # before its cast, in its own dtype
+    gdtype, gbytes = ((rdtype, rgrad) if not stepgraph.is_float(dtype) and
+                      stepgraph.is_float(rdtype) else (dtype, grad))
+    acc(pr.overlappable, k, times * per * pricer("all_gather", gbytes / per, zero, gdtype))
+    acc(pr.bytes, f"all_gather[{k}]", times * pricer.wire(gbytes, gdtype))
     if use is None and primary.index in graph.lookups and primary.index in graph.stopped:
       # a table looked up and read by a product under lax.stop_gradient (the output projection
       # of a tied embedding the loss does not train through): the lookup's gathered copy dies

@@ -308,19 +308,42 @@ class StepGraph:
     """Whether a tied group's gradient is a constant zero XLA never synchronises: a float
     parameter that, with its moments, meets no value computed from the batch (``batch_free``:
     a leaf of the parameters the loss never reads), or a weight only a ``lax.cond``'s branch
-    other than the priced one reads (``aside``: that branch returns a zero for it). Integer
-    leaves (a step counter) keep the price of their few bytes the recorded plans hold
+    other than the priced one reads (``aside``: that branch returns a zero for it), or an
+    integer array no product reads as a float (:meth:`integer_gradient_free`). A step counter
+    (an integer scalar) keeps the price of its few bytes the recorded plans hold
     (pricing.price_layout)."""
-    return ((all(i in self.batch_free for i in group) or any(i in self.aside for i in group)) and
-            is_float(self.leaves[group[0]].dtype))
+    return (((all(i in self.batch_free for i in group) or any(i in self.aside for i in group))
+             and is_float(self.leaves[group[0]].dtype)) or self.integer_gradient_free(group))
 
   def no_gradient(self, group: Sequence[int]) -> bool:
-    """Whether a tied float group has no gradient value the memory holds: its gradient is a
-    constant zero XLA fuses into the update (:meth:`zero_gradient`, or a parameter the loss
-    reads only under ``lax.stop_gradient``, which XLA still gathers for the forward, or a weight
-    only another ``lax.cond`` branch reads: ``aside``)."""
-    return ((all(i in self.gradient_free for i in group) or any(i in self.aside for i in group))
-            and is_float(self.leaves[group[0]].dtype))
+    """Whether a tied group has no gradient value the memory holds: its gradient is a constant
+    zero XLA fuses into the update (:meth:`zero_gradient`, or a float parameter the loss reads
+    only under ``lax.stop_gradient``, which XLA still gathers for the forward, or a weight only
+    another ``lax.cond`` branch reads: ``aside``), or an integer array JAX gives none
+    (:meth:`integer_gradient_free`)."""
+    return (((all(i in self.gradient_free for i in group) or any(i in self.aside for i in group))
+             and is_float(self.leaves[group[0]].dtype)) or self.integer_gradient_free(group))
+
+  def integer_gradient_free(self, group: Sequence[int]) -> bool:
+    """Whether a tied group is of integer arrays XLA reduces nothing of: JAX's gradient of an
+    integer is float0, nothing XLA computes, so what it all-reduces over the batch axes is
+    either a product's float gradient, where one reads the array dequantized
+    (``wq.astype(f32) * scale``: jaxpr_reader.dequantization_scales, priced as the float
+    gradient it is, ``WeightUse.read_dtype``), or the array's new value where the step computes
+    it from the batch (a histogram of the tokens: the scatter's int32 ``[4096]`` all-reduced,
+    compiled on 8 CPU devices, `data` 8; priced at its bytes as before). Neither: nothing (an
+    int32 ``[4096]`` the step adds one to: no collective compiled). A scalar, a step counter,
+    is left as the recorded plans price it (its 4 bytes' share of the combined all-reduce:
+    dropping it moves the GPU clusters' pinned costs by 1e-10); a group no output is tied to
+    is not judged."""
+    lf = self.leaves[group[0]]
+    if lf.is_key or is_float(lf.dtype) or not lf.shape:
+      return False
+    if any(is_float(self.weights[i].read_dtype) for i in group
+           if i in self.weights and self.weights[i].read_dtype):
+      return False
+    outs = [k for k, (_, _, rep) in enumerate(self.outputs) if rep == group[0]]
+    return bool(outs) and not any(k in self.batch_outputs for k in outs)
 
   def frozen(self, group: Sequence[int]) -> bool:
     """Whether the step returns new values of a float group and computes none of them from the

@@ -43,7 +43,7 @@ CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
 # Calls of a function with a custom derivative (their primal body is what XLA compiles)
 CUSTOM_DERIVATIVE_CALLS = frozenset(("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"))
 # Primitives that only rename a value of the same shape (a state leaf keeps its identity).
-_ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
+ALIASES = _ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
                       "reduce_precision"))
 _SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Primitives whose output has the shape and dimensions of their first operand (or of every

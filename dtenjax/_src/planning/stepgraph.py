@@ -178,6 +178,11 @@ class StepGraph:
   # column-parallel, complete on its own on XLA:CPU (its output stays sharded, its cone in
   # act_share)
   reduced: frozenset[tuple[int, int]] = frozenset()
+  # of those, a mixture of experts' routers (:func:`_routed_gathers`): (leaf, free dim) -> the
+  # global bytes of the routed values XLA:CPU all-gathers over 'tensor' where the router is
+  # column-parallel, and of them the bfloat16 values' (moved in float32)
+  routed_gathers: dict[tuple[int, int], tuple[float, float]] = dataclasses.field(
+      default_factory=dict)
   # the scanned stacks of layers: scan length -> (state leaf -> the leaf dimension the scan
   # slices, the bytes of the forward scan's carry, global); a pipeline's stages split one of them
   stacks: dict[int, tuple[dict[int, int], int]] = dataclasses.field(default_factory=dict)
@@ -480,6 +485,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    act_share=act_share, lookups=dict(reader.lookups),
                    lookup_dtypes=dict(reader.lookup_dtypes),
                    reduced=frozenset(reduced),
+                   routed_gathers=_routed_gathers(reader, reduced, leaves),
                    stacks=stacks.read(reader.scans), timeline=timeline,
                    products=reader.products, token_bytes=reader.token_bytes,
                    token_share=_token_share(reader, {**cones, **reduced}),
@@ -613,3 +619,71 @@ def _loop_shares(weights: dict[int, WeightUse], loop_of: dict[int, Any],
       if joined > 0:
         out[leaf] = dataclasses.replace(use, loop_share=grad_bytes(leaf) / joined)
   return out
+
+
+def _routed_gathers(reader, reduced, leaves: Sequence[Leaf]
+                    ) -> dict[tuple[int, int], tuple[float, float]]:
+  """A mixture of experts' routers among the ``reduced`` outputs (a product whose output every
+  path reduces over a free dimension: the router's logits into the softmax and argmax over the
+  experts) -> the global bytes of the routed values XLA:CPU all-gathers over 'tensor' where the
+  router is column-parallel, and of them the bfloat16 values'. A router is a product whose free
+  dimension has an expert weight's expert count (a weight its product batches over one
+  dimension, not a scanned stack's layer); its experts are the expert weights whose first
+  products follow its own, before the next router's. XLA keeps the experts' split of the gates
+  and of the one-hot masks made beside them, and all-gathers over 'tensor' what the expert
+  layout needs whole (compiled: bench/_families.py's moe on `expert` 4 x `tensor` 2, router
+  P(None, 'tensor'), per layer and device): the tokens dispatched to the first expert weight
+  (``[E, b, C, d]``, 512 KiB) and the mask that dispatched them (``[b, s, E, C]``, 128 KiB) in
+  the forward, and the gradient of the last expert weight's output (``[E, b, C, d]``, 512 KiB)
+  in the backward; the argmax's partials (2 x 2 KiB) are left out. Where the router is
+  replicated none of them moves."""
+  experts = {leaf: leaves[leaf].shape[use.stacked[0]] for leaf, use in reader.weights.items()
+             if use.primitive == "dot_general" and use.layers == 1 and len(use.stacked) == 1}
+  routers = sorted(((reader.first_order.get(leaf, 0), leaf, k) for leaf, k in reduced
+                    if leaves[leaf].shape[k] in set(experts.values())))
+  out = {}
+  for n, (order, leaf, k) in enumerate(routers):
+    end = routers[n + 1][0] if n + 1 < len(routers) else math.inf
+    mine = sorted((reader.first_order[e], e) for e, count in experts.items()
+                  if count == leaves[leaf].shape[k] and order < reader.first_order.get(e, -1) < end)
+    if not mine:
+      continue
+    first, last = mine[0][1], mine[-1][1]
+    avals = []
+    # the dispatched tokens: the product that made the first expert weight's operand
+    made = _product_made(reader, first)
+    if made is not None:
+      avals.append(made.outvars[0].aval)
+      avals += [v.aval for v in made.invars if jaxpr_reader.is_var(v) and
+                experts[first] in tuple(v.aval.shape)]
+    avals.append(reader.first_out[last][0].outvars[0].aval)
+    out[(leaf, k)] = (float(sum(jaxpr_reader.nbytes(a) for a in avals)),
+                      float(sum(jaxpr_reader.wide_bytes(a) for a in avals)))
+  return out
+
+
+def _product_made(reader, leaf: int):
+  """The product (a ``dot_general``) that made the operand ``leaf``'s first product reads beside
+  it, followed out of the calls it is read in (jnp.einsum's) and back through casts, sharding
+  constraints, transposes (an einsum's output order) and the calls that made it; None where another equation made it."""
+  eqn, side, _, frames = reader.first_out[leaf]
+  var = eqn.invars[1 - side]
+  for call, body in reversed(frames):       # a call's operand, as its caller hands it in
+    if call.primitive.name not in jaxpr_reader.CALLS or var not in body.invars:
+      break
+    var = call.invars[list(body.invars).index(var)]
+  for _ in range(64):
+    made = reader.producer.get(var) if jaxpr_reader.is_var(var) else None
+    if made is None:
+      return None
+    name = made.primitive.name
+    if name == "dot_general":
+      return made
+    if name in jaxpr_reader.ALIASES or name == "transpose":
+      var = made.invars[0]
+    elif name in jaxpr_reader.CALLS:
+      body = jaxpr_reader.sub_jaxprs(made)[0][0]
+      var = body.outvars[list(made.outvars).index(var)]
+    else:
+      return None
+  return None

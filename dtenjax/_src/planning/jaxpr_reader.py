@@ -393,8 +393,8 @@ def dequantization_scales(jaxpr) -> set:
   scalar's."""
   ints = {eqn.outvars[0] for eqn in jaxpr.eqns
           if eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0]) and
-          np.issubdtype(eqn.invars[0].aval.dtype, np.integer) and
-          np.issubdtype(eqn.outvars[0].aval.dtype, np.floating)}
+          jax.dtypes.issubdtype(eqn.invars[0].aval.dtype, np.integer) and
+          jax.dtypes.issubdtype(eqn.outvars[0].aval.dtype, np.floating)}
   scales = set()
   for eqn in jaxpr.eqns:
     if eqn.primitive.name not in ("mul", "div") or len(eqn.invars) != 2 or not ints:

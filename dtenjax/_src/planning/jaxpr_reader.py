@@ -43,8 +43,8 @@ CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
 # Calls of a function with a custom derivative (their primal body is what XLA compiles)
 CUSTOM_DERIVATIVE_CALLS = frozenset(("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"))
 # Primitives that only rename a value of the same shape (a state leaf keeps its identity).
-ALIASES = _ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
-                      "reduce_precision"))
+ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
+                     "reduce_precision"))
 _SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Primitives whose output has the shape and dimensions of their first operand (or of every
 # operand): a dimension that carries the batch keeps carrying it
@@ -400,8 +400,8 @@ def dequantization_scales(jaxpr) -> set:
     if eqn.primitive.name not in ("mul", "div") or len(eqn.invars) != 2 or not ints:
       continue
     size = math.prod(getattr(eqn.outvars[0].aval, "shape", ()))
-    pairs = eqn.invars if eqn.primitive.name == "mul" else eqn.invars[:1]
-    for k, v in enumerate(pairs):
+    converted = eqn.invars if eqn.primitive.name == "mul" else eqn.invars[:1]
+    for k, v in enumerate(converted):
       other = eqn.invars[1 - k]
       if (is_var(v) and v in ints and is_var(other) and other not in ints and
           math.prod(getattr(other.aval, "shape", ())) < size):
@@ -594,7 +594,7 @@ class Reader:
         self.lookups[leaf] = (indexed or seen[0], seen[1] + rows * repeats,
                               seen[2] + (rows,) * repeats)
         self.lookup_dtypes.setdefault(leaf, np.dtype(eqn.outvars[0].aval.dtype).name)
-      if name in _ALIASES and ins[0] is not None:
+      if name in ALIASES and ins[0] is not None:
         origin[eqn.outvars[0]] = ins[0]
       elif (kept := followed_operand(eqn, fills)) is not None:
         org = ins[list(eqn.invars).index(kept)]
@@ -1157,7 +1157,7 @@ def batch_outputs(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
 
 
 # What a weight passes through, unchanged but for its layout, on its way to a product
-_TO_PRODUCT = _ALIASES | frozenset(("transpose", "reshape"))
+_TO_PRODUCT = ALIASES | frozenset(("transpose", "reshape"))
 
 
 def stopped_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:

@@ -609,11 +609,12 @@ def test_a_loop_weight_s_per_iteration_all_reduce_is_a_collective_of_its_own_on_
   gradients in one combined all-reduce after it (the compiled HLO below: f32[512,512] in the
   loop body, run 3 times; w_in's and out's together outside). Nothing joins the loop's
   all-reduces to the combined one, so each is a collective of its own, its latency and meeting
-  included: on a calibration's curve (test_calibration's CAL: 3 ms at 1 MiB, 43 ms at 9 MiB,
-  flat below) the 1 MiB weight 3 x (3 ms + M), a 4 MiB one 3 x (18 ms + M), where M is the
-  meeting every collective of the step pays (the problem's one latency for the combined
-  all-reduce is CAL's 3 ms at one byte + M). Before (wire18), each lacked that latency:
-  3 x (3 - 3) = 0 ms and 3 x (18 - 3) = 45 ms, though three collectives run. The combined one holds w_in's and out's gradients only: 0.5 MiB (1 MiB), flat on the
+  included. On test_calibration's curve (CAL: 3 ms at 1 MiB, 43 ms at 9 MiB, flat below) with
+  no meeting (its latency_s 0, by hand) the 1 MiB weight is 3 x 3 = 9 ms, a 4 MiB one
+  3 x 18 = 54 ms; with CAL's meeting M each iteration pays it too, 3 x M more (M: the problem's
+  one latency for the combined all-reduce, CAL's 3 ms at one byte + M). Before (wire18), each
+  lacked the latency: 3 x (3 - 3) = 0 ms and 3 x (18 - 3) = 45 ms, though three collectives
+  run. The combined one holds w_in's and out's gradients only: 0.5 MiB (1 MiB), flat on the
   curve, so their shares are 0."""
   from dtenjax._src.planning import stepgraph
   from dtenjax._src.planning.candidates import CandidateMesh
@@ -634,19 +635,23 @@ def test_a_loop_weight_s_per_iteration_all_reduce_is_a_collective_of_its_own_on_
       (2 * 128 * 512 * 4, 1), (512 * 512 * 4, 3)]
 
   shape = tuple(8 if a == "data" else 1 for a in AXES)
-  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)
-  for n, curve in ((512, 3e-3), (1024, 18e-3)):
+  quiet = dataclasses.replace(tcal.CAL, latency_s=0.0)
+  for cal, n, curve in ((quiet, 512, 3e-3), (quiet, 1024, 18e-3), (tcal.CAL, 512, 3e-3),
+                        (tcal.CAL, 1024, 18e-3)):
+    topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=cal)
     graph = stepgraph.read_step(step, args(n), (1,))
     prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
                         pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
                         {}, 0.0, False)
     meeting = prob.grad_latency_s - 3e-3
-    assert 0 < meeting < 3e-3
-    want = 3 * (curve + meeting)
+    if cal is quiet:
+      assert meeting == pytest.approx(0.0, abs=1e-12)
+    else:
+      assert 0 < meeting < 3e-3
     got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
            for g, prs in zip(prob.groups, prob.prices)}
-    assert got == pytest.approx({"[0]['w']": want, "[0]['w_in']": 0.0, "[0]['out']": 0.0},
-                                abs=1e-9), n
+    assert got == pytest.approx({"[0]['w']": 3 * (curve + meeting), "[0]['w_in']": 0.0,
+                                 "[0]['out']": 0.0}, abs=1e-9), (n, cal.latency_s)
 
 
 
@@ -654,9 +659,9 @@ def test_two_weights_of_one_loop_body_pay_one_latency_per_iteration(cpu_devices)
   """Two weights a lax.fori_loop of 3 reads in every iteration, `data` 8 on CPU devices: XLA:CPU
   joins their gradients in one all-reduce per iteration of the backward's loop body (the compiled
   HLO below: 2 x f32[128,128] run 3 times), so the body pays one collective's latency per
-  iteration, not one per weight. On test_calibration's CAL (flat 3 ms below 1 MiB) two 0.25 MiB
-  weights join 0.5 MiB: 3 x (3 ms + M) a step for the pair (M the step's meeting), half each by
-  their bytes; priced one collective a weight, twice that."""
+  iteration, not one per weight. On test_calibration's CAL (flat 3 ms below 1 MiB) without its
+  meeting (latency_s 0) two 0.25 MiB weights join 0.5 MiB: 3 x 3 = 9 ms a step for the pair,
+  half each by their bytes (4.5 ms); priced one collective a weight, 9 ms each."""
   from dtenjax._src.planning import stepgraph
   from dtenjax._src.planning.candidates import CandidateMesh
   from dtenjax._src.planning.roles import AXES
@@ -677,16 +682,16 @@ def test_two_weights_of_one_loop_body_pay_one_latency_per_iteration(cpu_devices)
       (2 * 64 * 128 * 4, 1), (2 * 128 * 128 * 4, 3)]
 
   shape = tuple(8 if a == "data" else 1 for a in AXES)
-  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)
+  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"),
+                             calibration=dataclasses.replace(tcal.CAL, latency_s=0.0))
   graph = stepgraph.read_step(step, args(256), (1,))
   prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
                       pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
                       {}, 0.0, False)
   got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
          for g, prs in zip(prob.groups, prob.prices)}
-  meeting = prob.grad_latency_s - 3e-3
-  assert got["[0]['w']"] == pytest.approx(3 * (3e-3 + meeting) / 2, rel=1e-9)
-  assert got["[0]['v']"] == pytest.approx(3 * (3e-3 + meeting) / 2, rel=1e-9)
+  assert got["[0]['w']"] == pytest.approx(3 * 3e-3 / 2, rel=1e-9)
+  assert got["[0]['v']"] == pytest.approx(3 * 3e-3 / 2, rel=1e-9)
 
 
 @pytest.mark.parametrize("after", [False, True])
@@ -701,10 +706,10 @@ def test_a_weight_read_in_a_loop_and_outside_it_reduces_one_part_per_iteration_a
   with it second: plan.check 40 % off either way), and on a calibration's curve either every
   part was priced at its own point, the one that joins the combined all-reduce too, or none was
   (test_calibration's CAL: 3 ms at 1 MiB, 43 ms at 9 MiB, linear between, flat below; a 4 MiB
-  weight beside two of 0.25 MiB: 3 x (18 ms + M) in the loop, each iteration's all-reduce a
-  collective of its own with the step's meeting M, and 4 / 4.5 of the combined 4.5 MiB's
-  20.5 - 3 ms after it; before, 6 x 15 = 90 ms with the loop first, 2 x 4 / 4.5 x 17.5 = 31.1 ms
-  with it second)."""
+  weight beside two of 0.25 MiB, CAL's meeting left out (latency_s 0): 3 x 18 = 54 ms in the
+  loop, each iteration's all-reduce a collective of its own, and 4 / 4.5 of the combined 4.5
+  MiB's 20.5 - 3 ms after it, 69.6 ms; before, 6 x 15 = 90 ms with the loop first, 2 x 4 /
+  4.5 x 17.5 = 31.1 ms with it second)."""
   from dtenjax._src.planning import stepgraph
   from dtenjax._src.planning.candidates import CandidateMesh
   from dtenjax._src.planning.roles import AXES
@@ -732,15 +737,15 @@ def test_a_weight_read_in_a_loop_and_outside_it_reduces_one_part_per_iteration_a
   assert sum(whole) == sum(nbytes * runs for nbytes, runs in compiled)
 
   shape = tuple(8 if a == "data" else 1 for a in AXES)
-  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)
+  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"),
+                             calibration=dataclasses.replace(tcal.CAL, latency_s=0.0))
   graph = stepgraph.read_step(step, args(1024), (1,))
   prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
                       pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
                       {}, 0.0, False)
   got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
          for g, prs in zip(prob.groups, prob.prices)}
-  meeting = prob.grad_latency_s - 3e-3
-  assert got["[0]['w']"] == pytest.approx(3 * (18e-3 + meeting) + 4 / 4.5 * 17.5e-3, rel=1e-9)
+  assert got["[0]['w']"] == pytest.approx(3 * 18e-3 + 4 / 4.5 * 17.5e-3, rel=1e-9)
 
 
 def test_plan_check_sets_the_recorded_bytes_of_a_bfloat16_step_beside_xla_cpu_s_float32_ones():

@@ -665,7 +665,8 @@ def _routed_gathers(reader, reduced, leaves: Sequence[Leaf]
 def _product_made(reader, leaf: int):
   """The product (a ``dot_general``) that made the operand ``leaf``'s first product reads beside
   it, followed out of the calls it is read in (jnp.einsum's) and back through casts, sharding
-  constraints, transposes (an einsum's output order) and the calls that made it; None where another equation made it."""
+  constraints, transposes (an einsum's output order) and the calls that made it; None where
+  another equation made it."""
   eqn, side, _, frames = reader.first_out[leaf]
   var = eqn.invars[1 - side]
   for call, body in reversed(frames):       # a call's operand, as its caller hands it in

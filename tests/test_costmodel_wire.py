@@ -881,7 +881,9 @@ def test_an_integer_leaf_is_reduced_only_as_its_dequantized_product_s_float_grad
   too, f32[64,256] a device on `fsdp` 8) and the histogram's scatter from the batch (s32[4096]),
   and nothing of the int32 array (the compiled HLO below). Before, the planner priced the int8
   weight as an all-reduce of its own 128 KiB, the product's gradient not at all, the FSDP
-  gather at int8 bytes, and the int32 array as a 16 KiB all-reduce."""
+  gather at int8 bytes, and the int32 array as a 16 KiB all-reduce; and plan.jit's FSDP program
+  must keep gathering the scale vector (following the weight through its scale there gathered
+  the scale's f32[512,256] broadcast, 0.5 MiB more)."""
   from jax.sharding import NamedSharding
 
   def step(p, x):
@@ -922,3 +924,11 @@ def test_an_integer_leaf_is_reduced_only_as_its_dequantized_product_s_float_grad
   got = _recorded(step, (p, x), (1,), {"fsdp": 8})
   assert got[(False, "[0]['wq']", ("fsdp", None), "all_gather[fsdp]")] == 64 * 256 * 4 * 8
   assert got[(False, "[0]['wq']", ("fsdp", None), "all_reduce[fsdp]")] == 256 * 512 * 4
+  # plan.jit's own FSDP program gathers the scale vector, not its broadcast beside the weight:
+  # its collectives as the plan records them (the memory's temp, the dequantized weight and its
+  # gradient, is not modelled)
+  import dtenjax
+  check = dtenjax.plan(step, p, x, mesh={"fsdp": 8}, batch_argnums=(1,), recipe="FSDP").check(
+      step, p, x)
+  assert set(check.misses()) <= {"memory"}, check.table()
+  assert check.compiled_bytes["all_gather"] < 0.7 * 2**20

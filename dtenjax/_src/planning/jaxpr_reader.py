@@ -389,8 +389,8 @@ def dequantization_scales(jaxpr) -> set:
   weight). The dequantized value is the integer weight as its product reads it: JAX gives the
   integer leaf no gradient (float0), and the product's float gradient is what XLA reduces over
   the batch (``f32[512,256]`` all-reduced for an int8 ``[512, 256]`` weight, compiled on 8 CPU
-  devices), so :func:`followed_operand` keeps the weight through its scale as through a
-  scalar's."""
+  devices), so the reader's walk (:meth:`Reader.walk`) keeps the weight through its scale as
+  :func:`followed_operand` does through a scalar's."""
   ints = {eqn.outvars[0] for eqn in jaxpr.eqns
           if eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0]) and
           jax.dtypes.issubdtype(eqn.invars[0].aval.dtype, np.integer) and
@@ -421,7 +421,6 @@ def scalar_fills(jaxpr) -> frozenset:
   fills = {eqn.outvars[0] for eqn in jaxpr.eqns
            if eqn.primitive.name == "broadcast_in_dim" and
            tuple(getattr(eqn.invars[0].aval, "shape", ())) == ()}
-  fills |= dequantization_scales(jaxpr)
   # the step's constants (a pruning mask it closes over) and what elementwise ops make of them
   fills.update(jaxpr.constvars)
   for eqn in jaxpr.eqns:
@@ -564,7 +563,11 @@ class Reader:
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
   def walk(self, jaxpr, origin: dict, tie: dict, repeats: int) -> None:
     live = None
-    fills = scalar_fills(jaxpr)
+    # an integer weight keeps its identity through its dequantization's scale here (its product
+    # reads it as the float it is dequantized into), not in plan.jit's gathers (gather.py), which
+    # gather the scale vector itself before the product: left to it, a sharded scale's broadcast
+    # were gathered beside the weight (f32[512,256] of a 256-vector on `fsdp` 8)
+    fills = scalar_fills(jaxpr) | dequantization_scales(jaxpr)
     for eqn in jaxpr.eqns:
       self.eqn_count += 1
       for pos, v in enumerate(eqn.invars):

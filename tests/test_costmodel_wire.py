@@ -602,19 +602,20 @@ def _data_parallel_collectives(step, p, x, devices) -> list[tuple[int, int]]:
   return sorted((c.nbytes, repeats(c.computation)) for c in hlo.read_compiled(compiled).collectives())
 
 
-def test_a_loop_weight_s_per_iteration_all_reduce_is_priced_at_its_own_point_on_a_measured_curve(
+def test_a_loop_weight_s_per_iteration_all_reduce_is_a_collective_of_its_own_on_a_measured_curve(
     cpu_devices):
   """A weight a lax.fori_loop of 3 reads whole in every iteration, `data` 8 on CPU devices:
   XLA:CPU all-reduces its gradient inside the backward's loop, once per iteration, and the other
   gradients in one combined all-reduce after it (the compiled HLO below: f32[512,512] in the
   loop body, run 3 times; w_in's and out's together outside). Nothing joins the loop's
-  all-reduces to the combined one, so on a calibration's curve (test_calibration's CAL: 3 ms at
-  1 MiB, 43 ms at 9 MiB, flat below) each is priced at its own point beyond the latency the
-  problem adds once: the 1 MiB weight 3 x (3 - 3) = 0 ms, a 4 MiB one 3 x (18 - 3) = 45 ms.
-  Before, each was a share of the combined all-reduce of every gradient: 1 MiB of 1.5 (5.5 ms),
-  3 x 1 / 1.5 x (5.5 - 3) = 5 ms; 4 MiB of 5 (23 ms), 3 x 4 / 5 x 20 = 48 ms. The combined one
-  holds w_in's and out's gradients only: 0.5 MiB (1 MiB), flat on the curve, so their shares
-  are 0 (before, 0.25 / 1.5 x 2.5 ms each; 0.5 / 5 x 20 ms)."""
+  all-reduces to the combined one, so each is a collective of its own, its latency and meeting
+  included. On test_calibration's curve (CAL: 3 ms at 1 MiB, 43 ms at 9 MiB, flat below) with
+  no meeting (its latency_s 0, by hand) the 1 MiB weight is 3 x 3 = 9 ms, a 4 MiB one
+  3 x 18 = 54 ms; with CAL's meeting M each iteration pays it too, 3 x M more (M: the problem's
+  one latency for the combined all-reduce, CAL's 3 ms at one byte + M). Before (wire18), each
+  lacked the latency: 3 x (3 - 3) = 0 ms and 3 x (18 - 3) = 45 ms, though three collectives
+  run. The combined one holds w_in's and out's gradients only: 0.5 MiB (1 MiB), flat on the
+  curve, so their shares are 0."""
   from dtenjax._src.planning import stepgraph
   from dtenjax._src.planning.candidates import CandidateMesh
   from dtenjax._src.planning.roles import AXES
@@ -634,17 +635,63 @@ def test_a_loop_weight_s_per_iteration_all_reduce_is_priced_at_its_own_point_on_
       (2 * 128 * 512 * 4, 1), (512 * 512 * 4, 3)]
 
   shape = tuple(8 if a == "data" else 1 for a in AXES)
-  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)
-  for n, want in ((512, 0.0), (1024, 3 * 15e-3)):
+  quiet = dataclasses.replace(tcal.CAL, latency_s=0.0)
+  for cal, n, curve in ((quiet, 512, 3e-3), (quiet, 1024, 18e-3), (tcal.CAL, 512, 3e-3),
+                        (tcal.CAL, 1024, 18e-3)):
+    topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=cal)
     graph = stepgraph.read_step(step, args(n), (1,))
     prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
                         pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
                         {}, 0.0, False)
+    meeting = prob.grad_latency_s - 3e-3
+    if cal is quiet:
+      assert meeting == pytest.approx(0.0, abs=1e-12)
+    else:
+      assert 0 < meeting < 3e-3
     got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
            for g, prs in zip(prob.groups, prob.prices)}
-    assert got == pytest.approx({"[0]['w']": want, "[0]['w_in']": 0.0, "[0]['out']": 0.0},
-                                abs=1e-9), n
+    assert got == pytest.approx({"[0]['w']": 3 * (curve + meeting), "[0]['w_in']": 0.0,
+                                 "[0]['out']": 0.0}, abs=1e-9), (n, cal.latency_s)
 
+
+
+def test_two_weights_of_one_loop_body_pay_one_latency_per_iteration(cpu_devices):
+  """Two weights a lax.fori_loop of 3 reads in every iteration, `data` 8 on CPU devices: XLA:CPU
+  joins their gradients in one all-reduce per iteration of the backward's loop body (the compiled
+  HLO below: 2 x f32[128,128] run 3 times), so the body pays one collective's latency per
+  iteration, not one per weight. On test_calibration's CAL (flat 3 ms below 1 MiB) without its
+  meeting (latency_s 0) two 0.25 MiB weights join 0.5 MiB: 3 x 3 = 9 ms a step for the pair,
+  half each by their bytes (4.5 ms); priced one collective a weight, 9 ms each."""
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.planning.solver import make_problem
+  from tests import test_calibration as tcal
+
+  def step(p, x):
+    def loss(p):
+      body = lambda i, h: jnp.tanh(jnp.tanh(h @ p["w"]) @ p["v"])
+      h = jax.lax.fori_loop(0, 3, body, x @ p["w_in"])
+      return jnp.mean((h @ p["out"]) ** 2)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(loss)(p))
+
+  def args(n):
+    f = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    return {"w_in": f(64, n), "w": f(n, n), "v": f(n, n), "out": f(n, 64)}, f(64, 64)
+  assert _data_parallel_collectives(step, *args(128), cpu_devices) == [
+      (2 * 64 * 128 * 4, 1), (2 * 128 * 128 * 4, 3)]
+
+  shape = tuple(8 if a == "data" else 1 for a in AXES)
+  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"),
+                             calibration=dataclasses.replace(tcal.CAL, latency_s=0.0))
+  graph = stepgraph.read_step(step, args(256), (1,))
+  prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
+                      pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
+                      {}, 0.0, False)
+  got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
+         for g, prs in zip(prob.groups, prob.prices)}
+  assert got["[0]['w']"] == pytest.approx(3 * 3e-3 / 2, rel=1e-9)
+  assert got["[0]['v']"] == pytest.approx(3 * 3e-3 / 2, rel=1e-9)
 
 
 @pytest.mark.parametrize("after", [False, True])
@@ -659,8 +706,9 @@ def test_a_weight_read_in_a_loop_and_outside_it_reduces_one_part_per_iteration_a
   with it second: plan.check 40 % off either way), and on a calibration's curve either every
   part was priced at its own point, the one that joins the combined all-reduce too, or none was
   (test_calibration's CAL: 3 ms at 1 MiB, 43 ms at 9 MiB, linear between, flat below; a 4 MiB
-  weight beside two of 0.25 MiB: 3 x (18 - 3) = 45 ms in the loop, and 4 / 4.5 of the combined
-  4.5 MiB's 20.5 - 3 ms after it, 60.6 ms; before, 6 x 15 = 90 ms with the loop first, 2 x 4 /
+  weight beside two of 0.25 MiB, CAL's meeting left out (latency_s 0): 3 x 18 = 54 ms in the
+  loop, each iteration's all-reduce a collective of its own, and 4 / 4.5 of the combined 4.5
+  MiB's 20.5 - 3 ms after it, 69.6 ms; before, 6 x 15 = 90 ms with the loop first, 2 x 4 /
   4.5 x 17.5 = 31.1 ms with it second)."""
   from dtenjax._src.planning import stepgraph
   from dtenjax._src.planning.candidates import CandidateMesh
@@ -689,14 +737,15 @@ def test_a_weight_read_in_a_loop_and_outside_it_reduces_one_part_per_iteration_a
   assert sum(whole) == sum(nbytes * runs for nbytes, runs in compiled)
 
   shape = tuple(8 if a == "data" else 1 for a in AXES)
-  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=tcal.CAL)
+  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"),
+                             calibration=dataclasses.replace(tcal.CAL, latency_s=0.0))
   graph = stepgraph.read_step(step, args(1024), (1,))
   prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
                       pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
                       {}, 0.0, False)
   got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
          for g, prs in zip(prob.groups, prob.prices)}
-  assert got["[0]['w']"] == pytest.approx(3 * 15e-3 + 4 / 4.5 * 17.5e-3, rel=1e-9)
+  assert got["[0]['w']"] == pytest.approx(3 * 18e-3 + 4 / 4.5 * 17.5e-3, rel=1e-9)
 
 
 def test_plan_check_sets_the_recorded_bytes_of_a_bfloat16_step_beside_xla_cpu_s_float32_ones():
@@ -822,3 +871,64 @@ def test_a_float8_weight_s_gathers_move_in_float16_on_cpu():
   check = dtenjax.plan(step, *args, mesh={"fsdp": 8}, recipe="FSDP").check(step, *args)
   want = {"all_gather": 2 * 256 * 512 * 2.0, "all_reduce": 2 * 256 * 512 * 4.0}
   assert check.compiled_bytes == want and check.predicted_bytes == want, check.table()
+
+
+def test_an_integer_leaf_is_reduced_only_as_its_dequantized_product_s_float_gradient(cpu_devices):
+  """An int8 weight a product reads dequantized (``wq.astype(f32) * scale``), an int32 histogram
+  of the batch's tokens, an int32 array the step adds one to, and a step counter, on 8 CPU
+  devices. JAX gives an integer no gradient (float0): XLA all-reduces the product's float
+  gradient of the dequantized weight (f32[256,512], 512 KiB, on `data` 8; gathered as float32
+  too, f32[64,256] a device on `fsdp` 8) and the histogram's scatter from the batch (s32[4096]),
+  and nothing of the int32 array (the compiled HLO below). Before, the planner priced the int8
+  weight as an all-reduce of its own 128 KiB, the product's gradient not at all, the FSDP
+  gather at int8 bytes, and the int32 array as a 16 KiB all-reduce; and plan.jit's FSDP program
+  must keep gathering the scale vector (following the weight through its scale there gathered
+  the scale's f32[512,256] broadcast, 0.5 MiB more)."""
+  from jax.sharding import NamedSharding
+
+  def step(p, x):
+    def loss(fp):
+      h = jnp.tanh(x @ (p["wq"].astype(jnp.float32) * fp["scale"]))
+      return jnp.mean((h @ fp["w2"]) ** 2)
+    fp = {k: p[k] for k in ("scale", "w2")}
+    g = jax.grad(loss)(fp)
+    hist = p["hist"] + jnp.zeros_like(p["hist"]).at[jnp.argmax(x, 1) % 4096].add(1)
+    return {**p, **{k: fp[k] - 0.1 * g[k] for k in fp}, "hist": hist, "seen": p["seen"] + 1,
+            "count": p["count"] + 1}
+
+  s = jax.ShapeDtypeStruct
+  p = {"wq": s((512, 256), jnp.int8), "scale": s((256,), jnp.float32),
+       "w2": s((256, 128), jnp.float32), "hist": s((4096,), jnp.int32),
+       "seen": s((4096,), jnp.int32), "count": s((), jnp.int32)}
+  x = s((64, 512), jnp.float32)
+  compiled = {}
+  for axis in ("data", "fsdp"):
+    mesh = Mesh(np.array(cpu_devices), (axis,))
+    ins = {k: NamedSharding(mesh, PartitionSpec(axis) if k == "wq" and axis == "fsdp" else
+                            PartitionSpec()) for k in p}
+    exe = jax.jit(step, in_shardings=(ins, NamedSharding(mesh, PartitionSpec(axis))),
+                  out_shardings=ins).lower(p, x).compile(cmt.LLVM_O0)
+    compiled[axis] = sorted((c.kind, s.dtype, s.dims)
+                            for c in hlo.read_compiled(exe).collectives()
+                            for s in c.operand_shapes)
+  assert compiled["data"] == [("all_reduce", "f32", (128, 256)), ("all_reduce", "f32", (256, 512)),
+                              ("all_reduce", "s32", (4096,))]
+  assert ("all_gather", "f32", (64, 256)) in compiled["fsdp"]
+  assert ("all_reduce", "f32", (256, 512)) in compiled["fsdp"]
+  assert not [c for c in compiled["fsdp"] if c[1] == "s8"]
+
+  got = _recorded(step, (p, x), (1,), {"data": 8})
+  assert got[(False, "[0]['wq']", (None, None), "all_reduce[data]")] == 256 * 512 * 4
+  assert got[(False, "[0]['hist']", (None,), "all_reduce[data]")] == 4096 * 4
+  assert not [k for k in got if k[1] == "[0]['seen']"]
+  got = _recorded(step, (p, x), (1,), {"fsdp": 8})
+  assert got[(False, "[0]['wq']", ("fsdp", None), "all_gather[fsdp]")] == 64 * 256 * 4 * 8
+  assert got[(False, "[0]['wq']", ("fsdp", None), "all_reduce[fsdp]")] == 256 * 512 * 4
+  # plan.jit's own FSDP program gathers the scale vector, not its broadcast beside the weight:
+  # its collectives as the plan records them (the memory's temp, the dequantized weight and its
+  # gradient, is not modelled)
+  import dtenjax
+  check = dtenjax.plan(step, p, x, mesh={"fsdp": 8}, batch_argnums=(1,), recipe="FSDP").check(
+      step, p, x)
+  assert set(check.misses()) <= {"memory"}, check.table()
+  assert check.compiled_bytes["all_gather"] < 0.7 * 2**20

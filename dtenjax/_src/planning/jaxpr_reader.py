@@ -43,8 +43,8 @@ CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
 # Calls of a function with a custom derivative (their primal body is what XLA compiles)
 CUSTOM_DERIVATIVE_CALLS = frozenset(("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"))
 # Primitives that only rename a value of the same shape (a state leaf keeps its identity).
-_ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
-                      "reduce_precision"))
+ALIASES = frozenset(("convert_element_type", "copy", "copy_p", "pvary", "sharding_constraint",
+                     "reduce_precision"))
 _SUBJAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Primitives whose output has the shape and dimensions of their first operand (or of every
 # operand): a dimension that carries the batch keeps carrying it
@@ -106,6 +106,10 @@ class WeightUse:
   # (stepgraph._loop_parts; a weight read in a loop and outside it has both kinds of part)
   loop_uses: int = 0
   loop_parts: int = 0
+  # of the gradient bytes XLA:CPU all-reduces together in each iteration of the loop body whose
+  # weights' parts it reduces there (stepgraph._loop_shares), this weight's: that body's weights
+  # are joined in one all-reduce per iteration, a collective of its own (pricing.Pricer.looped)
+  loop_share: float = 1.0
   # the dtype the product reads the weight in (a cast of the leaf: mixed precision's float16 or
   # bfloat16 copy of a float32 weight), which its gradient's product makes the gradient in:
   # XLA reduces it in that dtype and converts it to the leaf's after (pricing.gradient_dtype)
@@ -378,6 +382,33 @@ def _filled_results(eqn) -> tuple[int, ...]:
 _BOUND_FILLS: dict[int, tuple[Any, frozenset]] = {}
 
 
+def dequantization_scales(jaxpr) -> set:
+  """The scales of ``jaxpr``'s top-level dequantizations: the smaller operand (a per-channel
+  scale, ``f32[1,256]`` beside ``f32[512,256]``) of a ``mul`` by, or the divisor of a ``div`` of,
+  the float conversion of an integer value (``wq.astype(jnp.float32) * scale`` of an int8
+  weight). The dequantized value is the integer weight as its product reads it: JAX gives the
+  integer leaf no gradient (float0), and the product's float gradient is what XLA reduces over
+  the batch (``f32[512,256]`` all-reduced for an int8 ``[512, 256]`` weight, compiled on 8 CPU
+  devices), so the reader's walk (:meth:`Reader.walk`) keeps the weight through its scale as
+  :func:`followed_operand` does through a scalar's."""
+  ints = {eqn.outvars[0] for eqn in jaxpr.eqns
+          if eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0]) and
+          jax.dtypes.issubdtype(eqn.invars[0].aval.dtype, np.integer) and
+          jax.dtypes.issubdtype(eqn.outvars[0].aval.dtype, np.floating)}
+  scales = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name not in ("mul", "div") or len(eqn.invars) != 2 or not ints:
+      continue
+    size = math.prod(getattr(eqn.outvars[0].aval, "shape", ()))
+    converted = eqn.invars if eqn.primitive.name == "mul" else eqn.invars[:1]
+    for k, v in enumerate(converted):
+      other = eqn.invars[1 - k]
+      if (is_var(v) and v in ints and is_var(other) and other not in ints and
+          math.prod(getattr(other.aval, "shape", ())) < size):
+        scales.add(other)
+  return scales
+
+
 def scalar_fills(jaxpr) -> frozenset:
   """The values of ``jaxpr``'s top level that a ``broadcast_in_dim`` fills with one scalar
   (``jnp.where(flag, w, 0)``'s zero), and its constants (a mask the step closes over) and the
@@ -490,6 +521,9 @@ class Reader:
     self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
     # leaf -> (its products inside a loop's body, and those times their trip counts)
     self.loop_reads: dict[int, tuple[int, int]] = {}
+    # leaf -> the innermost loop (scan or while equation) its first product inside a loop's body
+    # runs in: the weights a body reads whole are reduced together there (stepgraph._loop_shares)
+    self.loop_of: dict[int, Any] = {}
     self.ties = _UnionFind()
     self.flops = 0.0
     self.products = 0                         # products run per step (loop trips counted)
@@ -567,7 +601,11 @@ class Reader:
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
   def walk(self, jaxpr, origin: dict, tie: dict, repeats: int) -> None:
     live = None
-    fills = scalar_fills(jaxpr)
+    # an integer weight keeps its identity through its dequantization's scale here (its product
+    # reads it as the float it is dequantized into), not in plan.jit's gathers (gather.py), which
+    # gather the scale vector itself before the product: left to it, a sharded scale's broadcast
+    # were gathered beside the weight (f32[512,256] of a 256-vector on `fsdp` 8)
+    fills = scalar_fills(jaxpr) | dequantization_scales(jaxpr)
     for eqn in jaxpr.eqns:
       self.eqn_count += 1
       for pos, v in enumerate(eqn.invars):
@@ -597,7 +635,7 @@ class Reader:
         self.lookups[leaf] = (indexed or seen[0], seen[1] + rows * repeats,
                               seen[2] + (rows,) * repeats)
         self.lookup_dtypes.setdefault(leaf, np.dtype(eqn.outvars[0].aval.dtype).name)
-      if name in _ALIASES and ins[0] is not None:
+      if name in ALIASES and ins[0] is not None:
         origin[eqn.outvars[0]] = ins[0]
       elif (kept := followed_operand(eqn, fills)) is not None:
         org = ins[list(eqn.invars).index(kept)]
@@ -823,6 +861,8 @@ class Reader:
         if repeats > 1:
           seen, trips = self.loop_reads.get(leaf, (0, 0))
           self.loop_reads[leaf] = (seen + 1, trips + repeats)
+          self.loop_of.setdefault(leaf, next((e for e, _ in reversed(self.frames)
+                                              if e.primitive.name in ("scan", "while")), None))
         if self.remat_depth:
           self.remat_read.add(leaf)
       if self.leaves[leaf].is_batch:
@@ -1158,7 +1198,7 @@ def batch_outputs(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
 
 
 # What a weight passes through, unchanged but for its layout, on its way to a product
-_TO_PRODUCT = _ALIASES | frozenset(("transpose", "reshape"))
+_TO_PRODUCT = ALIASES | frozenset(("transpose", "reshape"))
 
 
 def stopped_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:

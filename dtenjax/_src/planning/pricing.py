@@ -248,6 +248,19 @@ class Pricer:
       return nbytes / of * (self(kind, of, axes, dtype) - latency)
     return self(kind, nbytes, axes, dtype) - latency
 
+  def looped(self, part: float, kind: str, nbytes: float, axes: Sequence[str],
+             dtype: str) -> float:
+    """One weight's gradient part that XLA:CPU reduces inside a loop's body, in every iteration:
+    ``part`` (``WeightUse.loop_share``) of one collective of the body's joined bytes, its
+    latency and meeting included. Each iteration's all-reduce is a collective of its own, run
+    where the body runs, never the gradients' combined one after the backward whose latency the
+    problem adds once (solver.make_problem): under alpha-beta the body's weights' parts add up
+    to one alpha and their summed bytes' beta per iteration, on a measured curve to the joined
+    bytes' point."""
+    if part >= 1.0:
+      return self(kind, nbytes, axes, dtype)
+    return part * self(kind, nbytes / part, axes, dtype)
+
   def gradient_share(self, kind: str, nbytes: float, axes: Sequence[str], dtype: str) -> float:
     """:meth:`share` of the gradients' combined all-reduce (:attr:`combined` bytes)."""
     return self.share(kind, nbytes, axes, dtype, of=self.combined)
@@ -314,9 +327,9 @@ def read_leaf(graph: stepgraph.StepGraph, leaf: stepgraph.Leaf) -> stepgraph.Lea
 
 
 def _parts_time(looped: int, rest: int, in_loop, combined, *call) -> float:
-  """The time of a gradient's ``looped`` parts reduced inside a loop's body, each at its own
-  point (``in_loop``: Pricer.share), and its ``rest`` in the combined all-reduce after the
-  backward (``combined``: its share there)."""
+  """The time of a gradient's ``looped`` parts reduced inside a loop's body, each a collective of
+  its own (``in_loop``: Pricer.looped of the weight's share of the body), and its ``rest`` in the
+  combined all-reduce after the backward (``combined``: its share there)."""
   return ((looped * in_loop(*call) if looped else 0.0) +
           (rest * combined(*call) if rest else 0.0))
 
@@ -707,10 +720,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # a weight a loop reads whole in every iteration (not a scanned stack's layer): XLA:CPU
   # reduces each iteration's gradient part inside the backward's loop (compiled on 8 CPU
   # devices, data- and fully-sharded alike: a lax.fori_loop of 3, 3 all-reduces of the weight).
-  # They run in the loop's body (loop_parts): each priced at its own point, not as a share of
-  # the combined all-reduce after the backward (Pricer.share); a use outside any loop (the same
-  # weight read once more after the loop) joins that combined one
+  # They run in the loop's body (loop_parts): each iteration's all-reduce a collective of its own,
+  # latency included, joined with the body's other weights (Pricer.looped), not a share of the
+  # combined all-reduce after the backward; a use outside any loop (the same weight read once
+  # more after the loop) joins that combined one
   looped = loop_parts(use, pricer.backend)
+  in_loop = functools.partial(pricer.looped, use.loop_share if looped else 1.0)
   if looped:
     uses += looped - min(use.loop_uses, uses)
   parts = max(parts, uses)
@@ -748,8 +763,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # gradient synchronisation
   for kind, nb, axes in table_sync:
     ctx.add(kind, nb, axes, blocking=False, dtype=rdtype)
-  # a PRNG key has no gradient (integer leaves, such as a step counter, have none either, but
-  # are priced the share of their few bytes that the recorded plans' costs hold)
+  # a PRNG key has no gradient, nor has an integer array (StepGraph.integer_gradient_free: one
+  # read dequantized is reduced as its product's float gradient, rgrad; a step counter is priced
+  # the share of its few bytes that the recorded plans' costs hold)
   # nor has a parameter the loss never reads: its gradient is a constant zero, never reduced;
   # nor is one the step freezes reduced (its gradient is computed where a product needs its
   # input's, and dropped)
@@ -769,7 +785,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
         _price_pair_reduction(ctx, zero)
       else:
         if not table_sync:
-          acc(pr.overlappable, k, _parts_time(looped, uses - looped, pricer.share, outside,
+          acc(pr.overlappable, k, _parts_time(looped, uses - looped, in_loop, outside,
                                               rs, rgrad / spread, zero, rdtype))
           acc(pr.bytes, f"{rs}[{k}]", uses * pricer.wire(rgrad / spread, rdtype))
         if moved:
@@ -785,7 +801,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # the sequence's is separate, roles.sequence)
       for axes in sequence.reduction_groups(batch):
         k = axis_key(axes)
-        acc(pr.overlappable, k, _parts_time(looped, parts - looped, pricer.share,
+        acc(pr.overlappable, k, _parts_time(looped, parts - looped, in_loop,
                                             pricer.gradient_share, "all_reduce", rgrad, axes,
                                             rdtype))
         acc(pr.bytes, f"all_reduce[{k}]", parts * pricer.wire(rgrad, rdtype))
@@ -842,8 +858,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     times = 2 if regather else 1
     # a scanned stack is gathered one layer per loop iteration: one collective per layer
     per = use.layers if use is not None and use.layers > 1 else 1
-    acc(pr.overlappable, k, times * per * pricer("all_gather", grad / per, zero, dtype))
-    acc(pr.bytes, f"all_gather[{k}]", times * pricer.wire(grad, dtype))
+    # an integer weight read dequantized (``wq.astype(f32) * scale``): XLA converts the shard
+    # and gathers the float value its product reads (f32[512,256] for an int8 [512, 256] weight
+    # on `fsdp` 8, compiled on 8 CPU devices), where a float weight read narrower is gathered
+    # before its cast, in its own dtype
+    gdtype, gbytes = ((rdtype, rgrad) if not stepgraph.is_float(dtype) and
+                      stepgraph.is_float(rdtype) else (dtype, grad))
+    acc(pr.overlappable, k, times * per * pricer("all_gather", gbytes / per, zero, gdtype))
+    acc(pr.bytes, f"all_gather[{k}]", times * pricer.wire(gbytes, gdtype))
     if use is None and primary.index in graph.lookups and primary.index in graph.stopped:
       # a table looked up and read by a product under lax.stop_gradient (the output projection
       # of a tied embedding the loss does not train through): the lookup's gathered copy dies

@@ -178,6 +178,11 @@ class StepGraph:
   # column-parallel, complete on its own on XLA:CPU (its output stays sharded, its cone in
   # act_share)
   reduced: frozenset[tuple[int, int]] = frozenset()
+  # of those, a mixture of experts' routers (:func:`_routed_gathers`): (leaf, free dim) -> the
+  # global bytes of the routed values XLA:CPU all-gathers over 'tensor' where the router is
+  # column-parallel, and of them the bfloat16 values' (moved in float32)
+  routed_gathers: dict[tuple[int, int], tuple[float, float]] = dataclasses.field(
+      default_factory=dict)
   # the scanned stacks of layers: scan length -> (state leaf -> the leaf dimension the scan
   # slices, the bytes of the forward scan's carry, global); a pipeline's stages split one of them
   stacks: dict[int, tuple[dict[int, int], int]] = dataclasses.field(default_factory=dict)
@@ -308,19 +313,42 @@ class StepGraph:
     """Whether a tied group's gradient is a constant zero XLA never synchronises: a float
     parameter that, with its moments, meets no value computed from the batch (``batch_free``:
     a leaf of the parameters the loss never reads), or a weight only a ``lax.cond``'s branch
-    other than the priced one reads (``aside``: that branch returns a zero for it). Integer
-    leaves (a step counter) keep the price of their few bytes the recorded plans hold
+    other than the priced one reads (``aside``: that branch returns a zero for it), or an
+    integer array no product reads as a float (:meth:`integer_gradient_free`). A step counter
+    (an integer scalar) keeps the price of its few bytes the recorded plans hold
     (pricing.price_layout)."""
-    return ((all(i in self.batch_free for i in group) or any(i in self.aside for i in group)) and
-            is_float(self.leaves[group[0]].dtype))
+    return (((all(i in self.batch_free for i in group) or any(i in self.aside for i in group))
+             and is_float(self.leaves[group[0]].dtype)) or self.integer_gradient_free(group))
 
   def no_gradient(self, group: Sequence[int]) -> bool:
-    """Whether a tied float group has no gradient value the memory holds: its gradient is a
-    constant zero XLA fuses into the update (:meth:`zero_gradient`, or a parameter the loss
-    reads only under ``lax.stop_gradient``, which XLA still gathers for the forward, or a weight
-    only another ``lax.cond`` branch reads: ``aside``)."""
-    return ((all(i in self.gradient_free for i in group) or any(i in self.aside for i in group))
-            and is_float(self.leaves[group[0]].dtype))
+    """Whether a tied group has no gradient value the memory holds: its gradient is a constant
+    zero XLA fuses into the update (:meth:`zero_gradient`, or a float parameter the loss reads
+    only under ``lax.stop_gradient``, which XLA still gathers for the forward, or a weight only
+    another ``lax.cond`` branch reads: ``aside``), or an integer array JAX gives none
+    (:meth:`integer_gradient_free`)."""
+    return (((all(i in self.gradient_free for i in group) or any(i in self.aside for i in group))
+             and is_float(self.leaves[group[0]].dtype)) or self.integer_gradient_free(group))
+
+  def integer_gradient_free(self, group: Sequence[int]) -> bool:
+    """Whether a tied group is of integer arrays XLA reduces nothing of: JAX's gradient of an
+    integer is float0, nothing XLA computes, so what it all-reduces over the batch axes is
+    either a product's float gradient, where one reads the array dequantized
+    (``wq.astype(f32) * scale``: jaxpr_reader.dequantization_scales, priced as the float
+    gradient it is, ``WeightUse.read_dtype``), or the array's new value where the step computes
+    it from the batch (a histogram of the tokens: the scatter's int32 ``[4096]`` all-reduced,
+    compiled on 8 CPU devices, `data` 8; priced at its bytes as before). Neither: nothing (an
+    int32 ``[4096]`` the step adds one to: no collective compiled). A scalar, a step counter,
+    is left as the recorded plans price it (its 4 bytes' share of the combined all-reduce:
+    dropping it moves the GPU clusters' pinned costs by 1e-10); a group no output is tied to
+    is not judged."""
+    lf = self.leaves[group[0]]
+    if lf.is_key or is_float(lf.dtype) or not lf.shape:
+      return False
+    if any(is_float(self.weights[i].read_dtype) for i in group
+           if i in self.weights and self.weights[i].read_dtype):
+      return False
+    outs = [k for k, (_, _, rep) in enumerate(self.outputs) if rep == group[0]]
+    return bool(outs) and not any(k in self.batch_outputs for k in outs)
 
   def frozen(self, group: Sequence[int]) -> bool:
     """Whether the step returns new values of a float group and computes none of them from the
@@ -434,6 +462,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                                         siblings=readers.get(reader.partner.get(leaf), 1),
                                         grad_parts=parts, loop_uses=loop_uses,
                                         loop_parts=loop_parts)
+  weights = _loop_shares(weights, reader.loop_of, leaves)
   groups: dict[int, list[int]] = {}
   for leaf in leaves:
     if not leaf.is_batch:
@@ -456,6 +485,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    act_share=act_share, lookups=dict(reader.lookups),
                    lookup_dtypes=dict(reader.lookup_dtypes),
                    reduced=frozenset(reduced),
+                   routed_gathers=_routed_gathers(reader, reduced, leaves),
                    stacks=stacks.read(reader.scans), timeline=timeline,
                    products=reader.products, token_bytes=reader.token_bytes,
                    token_share=_token_share(reader, {**cones, **reduced}),
@@ -564,3 +594,97 @@ def _loop_parts(use: WeightUse, loop_reads: tuple[int, int], remat: bool) -> tup
     return 0, 0
   per_use = 1 + int(use.input_grad) + int(remat)
   return max(1, loop_reads[0] // per_use), max(1, loop_reads[1] // per_use)
+
+
+def _loop_shares(weights: dict[int, WeightUse], loop_of: dict[int, Any],
+                 leaves: Sequence[Leaf]) -> dict[int, WeightUse]:
+  """``weights`` with each loop weight's ``loop_share``: its gradient's bytes (of the dtype its
+  product reads it in) over those of every weight whose parts are reduced in the same loop's
+  body (``loop_of``: the loop its first in-loop product runs in). XLA:CPU joins those weights'
+  gradients in one all-reduce per iteration (two weights of f32[128,128] read in a fori_loop of
+  3, `data` 8: three all-reduces of both, compiled on 8 CPU devices), so each iteration pays one
+  collective's latency for the body, not one per weight (tests/test_costmodel_wire.py)."""
+  def grad_bytes(leaf: int) -> float:
+    lf, read = leaves[leaf], weights[leaf].read_dtype
+    return lf.nbytes * (jaxpr_reader.itemsize(read) / lf.itemsize if read else 1.0)
+  bodies: dict[int, float] = {}
+  for leaf, use in weights.items():
+    if use.loop_parts and use.layers == 1 and loop_of.get(leaf) is not None:
+      key = id(loop_of[leaf])
+      bodies[key] = bodies.get(key, 0.0) + grad_bytes(leaf)
+  out = dict(weights)
+  for leaf, use in weights.items():
+    if use.loop_parts and use.layers == 1 and loop_of.get(leaf) is not None:
+      joined = bodies[id(loop_of[leaf])]
+      if joined > 0:
+        out[leaf] = dataclasses.replace(use, loop_share=grad_bytes(leaf) / joined)
+  return out
+
+
+def _routed_gathers(reader, reduced, leaves: Sequence[Leaf]
+                    ) -> dict[tuple[int, int], tuple[float, float]]:
+  """A mixture of experts' routers among the ``reduced`` outputs (a product whose output every
+  path reduces over a free dimension: the router's logits into the softmax and argmax over the
+  experts) -> the global bytes of the routed values XLA:CPU all-gathers over 'tensor' where the
+  router is column-parallel, and of them the bfloat16 values'. A router is a product whose free
+  dimension has an expert weight's expert count (a weight its product batches over one
+  dimension, not a scanned stack's layer); its experts are the expert weights whose first
+  products follow its own, before the next router's. XLA keeps the experts' split of the gates
+  and of the one-hot masks made beside them, and all-gathers over 'tensor' what the expert
+  layout needs whole (compiled: bench/_families.py's moe on `expert` 4 x `tensor` 2, router
+  P(None, 'tensor'), per layer and device): the tokens dispatched to the first expert weight
+  (``[E, b, C, d]``, 512 KiB) and the mask that dispatched them (``[b, s, E, C]``, 128 KiB) in
+  the forward, and the gradient of the last expert weight's output (``[E, b, C, d]``, 512 KiB)
+  in the backward; the argmax's partials (2 x 2 KiB) are left out. Where the router is
+  replicated none of them moves."""
+  experts = {leaf: leaves[leaf].shape[use.stacked[0]] for leaf, use in reader.weights.items()
+             if use.primitive == "dot_general" and use.layers == 1 and len(use.stacked) == 1}
+  routers = sorted(((reader.first_order.get(leaf, 0), leaf, k) for leaf, k in reduced
+                    if leaves[leaf].shape[k] in set(experts.values())))
+  out = {}
+  for n, (order, leaf, k) in enumerate(routers):
+    end = routers[n + 1][0] if n + 1 < len(routers) else math.inf
+    mine = sorted((reader.first_order[e], e) for e, count in experts.items()
+                  if count == leaves[leaf].shape[k] and order < reader.first_order.get(e, -1) < end)
+    if not mine:
+      continue
+    first, last = mine[0][1], mine[-1][1]
+    avals = []
+    # the dispatched tokens: the product that made the first expert weight's operand
+    made = _product_made(reader, first)
+    if made is not None:
+      avals.append(made.outvars[0].aval)
+      avals += [v.aval for v in made.invars if jaxpr_reader.is_var(v) and
+                experts[first] in tuple(v.aval.shape)]
+    avals.append(reader.first_out[last][0].outvars[0].aval)
+    out[(leaf, k)] = (float(sum(jaxpr_reader.nbytes(a) for a in avals)),
+                      float(sum(jaxpr_reader.wide_bytes(a) for a in avals)))
+  return out
+
+
+def _product_made(reader, leaf: int):
+  """The product (a ``dot_general``) that made the operand ``leaf``'s first product reads beside
+  it, followed out of the calls it is read in (jnp.einsum's) and back through casts, sharding
+  constraints, transposes (an einsum's output order) and the calls that made it; None where
+  another equation made it."""
+  eqn, side, _, frames = reader.first_out[leaf]
+  var = eqn.invars[1 - side]
+  for call, body in reversed(frames):       # a call's operand, as its caller hands it in
+    if call.primitive.name not in jaxpr_reader.CALLS or var not in body.invars:
+      break
+    var = call.invars[list(body.invars).index(var)]
+  for _ in range(64):
+    made = reader.producer.get(var) if jaxpr_reader.is_var(var) else None
+    if made is None:
+      return None
+    name = made.primitive.name
+    if name == "dot_general":
+      return made
+    if name in jaxpr_reader.ALIASES or name == "transpose":
+      var = made.invars[0]
+    elif name in jaxpr_reader.CALLS:
+      body = jaxpr_reader.sub_jaxprs(made)[0][0]
+      var = body.outvars[list(made.outvars).index(var)]
+    else:
+      return None
+  return None

@@ -88,6 +88,13 @@ def price(ctx) -> None:
       if not ((ctx.primary.index, d) in ctx.graph.reduced and ctx.pricer.backend == "cpu"):
         pr.ag_fwd_bytes = ctx.pricer.wire(tokens * width_out * item, act)
         pr.ag_fwd = ctx.pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), WIRE)
+      elif (ctx.primary.index, d) in ctx.graph.routed_gathers:
+        # a router's logits reduced in place, but the experts' split they hand on to the gates
+        # and masks is gathered where the experts' layout needs the routed tokens whole
+        # (stepgraph._routed_gathers: on XLA:CPU, in float32 for bfloat16 values)
+        nb, wide = ctx.graph.routed_gathers[(ctx.primary.index, d)]
+        ctx.add("all_gather", nb / ctx.batch_div, ("tensor",), blocking=True, dtype=WIRE,
+                wide=wide / ctx.batch_div)
     elif d in use.contracted:
       pr.tp = ("row", d)
       # each forward product all-reduces its output: jax.checkpoint's recomputed ones too

@@ -26,8 +26,9 @@ from tests import helpers
 pytestmark = helpers.one_worker(__name__)
 
 
-def _mlp_step(d=128, h=512, batch=64, tied=False):
-  """The adamw step of tests/test_plan_user_steps.py's MLP (``tied``: ``w2`` is ``w1.T``)."""
+def _mlp_step(d=128, h=512, batch=64, tied=False, bf16=False):
+  """The adamw step of tests/test_plan_user_steps.py's MLP (``tied``: ``w2`` is ``w1.T``;
+  ``bf16``: the weights cast to bfloat16 for the products, mixed precision)."""
   tx = optax.adamw(1e-2)
   kw, kx, ky = jax.random.split(jax.random.key(0), 3)
   p = {"w1": 0.1 * jax.random.normal(kw, (d, h)), "b1": jnp.zeros((h,)), "b2": jnp.zeros((d,))}
@@ -35,9 +36,11 @@ def _mlp_step(d=128, h=512, batch=64, tied=False):
     p["w2"] = 0.1 * jax.random.normal(kw, (h, d))
 
   def loss(p, batch):
-    w2 = p["w1"].T if tied else p["w2"]
-    out = jax.nn.gelu(batch["x"] @ p["w1"] + p["b1"]) @ w2 + p["b2"]
-    return jnp.mean((out - batch["y"]) ** 2)
+    w1 = p["w1"].astype(jnp.bfloat16) if bf16 else p["w1"]
+    w2 = w1.T if tied else p["w2"].astype(w1.dtype)
+    x = batch["x"].astype(w1.dtype)
+    out = jax.nn.gelu(x @ w1 + p["b1"].astype(w1.dtype)) @ w2 + p["b2"].astype(w1.dtype)
+    return jnp.mean((out.astype(jnp.float32) - batch["y"]) ** 2)
 
   def step(params, opt_state, batch):
     value, grads = jax.value_and_grad(loss)(params, batch)
@@ -115,5 +118,8 @@ def test_a_gradient_is_made_on_the_shard_only_where_the_activations_are_the_smal
   assert not large[("[0]['w1']", 0)] and not large[("[0]['w2']", 0)], large
   assert not planned
   assert not found(batch=64, tied=True)[1]
+  # read through a cast (mixed precision, the user's mixed_precision case): followed to its
+  # weight (before, nothing moved there: 1.40 MiB against the plain jit's 0.91)
+  assert found(batch=64, bf16=True)[1] == {"[0]['w1']", "[0]['w2']"}
   assert gather.moves_activations(64 * 512 * 4, 128 * 512 * 4)
   assert not gather.moves_activations(512 * 512 * 4, 128 * 512 * 4)

@@ -313,7 +313,8 @@ class ShardGradient:
 def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[int, ShardGradient]]:
   """(index of a rank-2 weight among ``jaxpr``'s invars, its dimension the layout splits over
   the batch axes) -> (the index of the equation that makes its gradient, how), for each weight
-  that one top-level product reads directly (``x @ w``) and whose gradient is one product of
+  that one top-level product reads directly or through a cast (``x @ w``, ``x @
+  w.astype(bf16)``) and whose gradient is one product of
   that product's other operand (its residual ``x``) and a cotangent, contracting everything
   but one dimension of each (the batch's rows). ``how.moves`` where computing the gradient's
   shard from the activations gathers fewer bytes than the weight has
@@ -324,18 +325,23 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[int, ShardGradient]]:
   a two-layer MLP (1.40 MiB a device on `fsdp` 8 at batch 64, where the plain jax.jit step,
   which XLA partitions so by itself, compiles to 0.92; bench/fsdp_small_batch.py)."""
   index = {v: i for i, v in enumerate(jaxpr.invars)}
+  # the weights and their casts (a float32 weight read in bfloat16): the invar each is made from
+  weight = dict(index)
   forward: dict[Any, list[tuple[int, int, int]]] = {}   # residual -> (weight, w dim, x dim)
   for eqn in jaxpr.eqns:
+    if (eqn.primitive.name in _SAME_LAYOUT and not isinstance(eqn.invars[0], jcore.Literal)
+        and eqn.invars[0] in weight):
+      weight[eqn.outvars[0]] = weight[eqn.invars[0]]
     if eqn.primitive.name != "dot_general":
       continue
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     for w in (0, 1):
       wv, xv = eqn.invars[w], eqn.invars[1 - w]
-      if isinstance(wv, jcore.Literal) or wv not in index:
+      if isinstance(wv, jcore.Literal) or wv not in weight:
         continue
       wc, xc = (lc, rc) if w == 0 else (rc, lc)
       if len(wv.aval.shape) == 2 and len(wc) == 1 and not lb and not isinstance(xv, jcore.Literal):
-        forward.setdefault(xv, []).append((index[wv], wc[0], xc[0]))
+        forward.setdefault(xv, []).append((weight[wv], wc[0], xc[0]))
   out: dict[tuple[int, int], tuple[int, ShardGradient]] = {}
   seen: dict[int, set[int]] = {}       # weight -> the products that make its gradient
   for n, eqn in enumerate(jaxpr.eqns):
@@ -350,7 +356,7 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[int, ShardGradient]]:
       continue
     for a in (0, 1):
       x, g = ops[a], ops[1 - a]
-      if g in index:           # a product of two of the step's arguments: no cotangent
+      if g in weight:          # a product of two of the step's arguments: no cotangent
         continue
       for k, wdim, xdim in forward.get(x, ()):
         w = jaxpr.invars[k].aval

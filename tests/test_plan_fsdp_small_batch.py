@@ -118,8 +118,8 @@ def test_a_gradient_is_made_on_the_shard_only_where_the_activations_are_the_smal
   assert not large[("[0]['w1']", 0)] and not large[("[0]['w2']", 0)], large
   assert not planned
   assert not found(batch=64, tied=True)[1]
-  # read through a cast (mixed precision, the user's mixed_precision case): followed to its
-  # weight (before, nothing moved there: 1.40 MiB against the plain jit's 0.91)
-  assert found(batch=64, bf16=True)[1] == {"[0]['w1']", "[0]['w2']"}
+  # products in bfloat16 (the weights cast for them, mixed precision) are not moved: XLA:CPU
+  # computes them in float32 and the moved program's float32 copies are not priced
+  assert not found(batch=64, bf16=True)[1]
   assert gather.moves_activations(64 * 512 * 4, 128 * 512 * 4)
   assert not gather.moves_activations(512 * 512 * 4, 128 * 512 * 4)

@@ -311,10 +311,10 @@ class ShardGradient:
 
 
 def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[int, ShardGradient]]:
-  """(index of a rank-2 weight among ``jaxpr``'s invars, its dimension the layout splits over
-  the batch axes) -> (the index of the equation that makes its gradient, how), for each weight
-  that one top-level product reads directly or through a cast (``x @ w``, ``x @
-  w.astype(bf16)``) and whose gradient is one product of
+  """(index of a rank-2 float32 weight among ``jaxpr``'s invars, its dimension the layout
+  splits over the batch axes) -> (the index of the equation that makes its gradient, how), for
+  each weight that one top-level product reads directly (``x @ w``) and whose gradient is one
+  float32 product of
   that product's other operand (its residual ``x``) and a cotangent, contracting everything
   but one dimension of each (the batch's rows). ``how.moves`` where computing the gradient's
   shard from the activations gathers fewer bytes than the weight has
@@ -325,23 +325,18 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[int, ShardGradient]]:
   a two-layer MLP (1.40 MiB a device on `fsdp` 8 at batch 64, where the plain jax.jit step,
   which XLA partitions so by itself, compiles to 0.92; bench/fsdp_small_batch.py)."""
   index = {v: i for i, v in enumerate(jaxpr.invars)}
-  # the weights and their casts (a float32 weight read in bfloat16): the invar each is made from
-  weight = dict(index)
   forward: dict[Any, list[tuple[int, int, int]]] = {}   # residual -> (weight, w dim, x dim)
   for eqn in jaxpr.eqns:
-    if (eqn.primitive.name in _SAME_LAYOUT and not isinstance(eqn.invars[0], jcore.Literal)
-        and eqn.invars[0] in weight):
-      weight[eqn.outvars[0]] = weight[eqn.invars[0]]
     if eqn.primitive.name != "dot_general":
       continue
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     for w in (0, 1):
       wv, xv = eqn.invars[w], eqn.invars[1 - w]
-      if isinstance(wv, jcore.Literal) or wv not in weight:
+      if isinstance(wv, jcore.Literal) or wv not in index:
         continue
       wc, xc = (lc, rc) if w == 0 else (rc, lc)
       if len(wv.aval.shape) == 2 and len(wc) == 1 and not lb and not isinstance(xv, jcore.Literal):
-        forward.setdefault(xv, []).append((weight[wv], wc[0], xc[0]))
+        forward.setdefault(xv, []).append((index[wv], wc[0], xc[0]))
   out: dict[tuple[int, int], tuple[int, ShardGradient]] = {}
   seen: dict[int, set[int]] = {}       # weight -> the products that make its gradient
   for n, eqn in enumerate(jaxpr.eqns):
@@ -356,7 +351,7 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[int, ShardGradient]]:
       continue
     for a in (0, 1):
       x, g = ops[a], ops[1 - a]
-      if g in weight:          # a product of two of the step's arguments: no cotangent
+      if g in index:           # a product of two of the step's arguments: no cotangent
         continue
       for k, wdim, xdim in forward.get(x, ()):
         w = jaxpr.invars[k].aval
@@ -365,6 +360,11 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[int, ShardGradient]]:
             or g.aval.shape[free[1 - a][0]] != w.shape[other]):
           continue
         seen.setdefault(k, set()).add(n)
+        if any(str(v.dtype) != "float32" for v in (w, x.aval, g.aval)):
+          # a product of narrower floats, which XLA:CPU computes in float32: moved, it held
+          # float32 copies of the gathered cotangent and of the gradient's shard the model does
+          # not size (a bfloat16 MLP on `fsdp` 8: 0.61 MiB compiled, 0.32 priced)
+          continue
         # the weight split on the dimension its product contracts with the residual's features
         # (FSDP's dimension 0 of ``x @ w``): the residual's rows moved into those features, the
         # cotangent gathered. Not the other (the cotangent's features moved, the residual

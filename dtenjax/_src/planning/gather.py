@@ -26,10 +26,20 @@ product's partial results in another order for another layout: float rounding, n
 This is FSDP2's default (``reshard_after_forward=True``): a layer's weights are gathered for the
 forward pass and again for the backward pass, so gathered weights never outlive their layer; two
 all-gathers and one gradient reduction per layer and step.
+
+Where a weight is larger than the cotangent its gradient's product reads (a small model at a
+small batch), reducing the whole gradient costs more memory than moving the activations: XLA:CPU
+reduces every whole gradient in one combined all-reduce after the backward, each beside a new
+buffer. There the gradient is made on the weight's shard (:func:`shard_gradients`): the forward's
+residual moved from the batch's rows into the features the weight is split on (an all-to-all),
+the cotangent gathered over the batch, nothing reduced -- the program XLA's partitioner makes by
+itself for a plain FSDP ``jax.jit`` of such a step. The planner prices it
+(``pricing.gradient_on_shard``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -45,6 +55,7 @@ from dtenjax._src.planning.jaxpr_reader import blocks_nest
 from dtenjax._src.planning.jaxpr_reader import call_shard_maps
 from dtenjax._src.planning.jaxpr_reader import followed_operand
 from dtenjax._src.planning.jaxpr_reader import manual_blocks
+from dtenjax._src.planning.jaxpr_reader import nbytes
 from dtenjax._src.planning.jaxpr_reader import scalar_fills
 from dtenjax._src.planning.jaxpr_reader import spec_axes
 
@@ -63,7 +74,9 @@ _REMATS = frozenset({"checkpoint", "remat", "remat2"})
 def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
                        sequence=None, shard_specs: tuple[Any, ...] | None = None,
                        rows: tuple[str, ...] = (), pin_all: bool = False,
-                       features: Sequence[tuple] = ()) -> Callable:
+                       features: Sequence[tuple] = (),
+                       batch_axes: tuple[str, ...] = (),
+                       on_shard: frozenset = frozenset()) -> Callable:
   """``step`` with each weight that ``compute_specs`` names gathered to that layout where a
   product uses it (one layer at a time inside ``lax.scan``; see the module docstring).
 
@@ -92,7 +105,11 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
   splits on their features, to the plan's layout of them (that dimension over 'tensor', the rows
   over the plan's batch axes), so that XLA all-to-alls them at the boundary instead of gathering
   the pair's weights whole and running its products on the user's rows
-  (stepgraph.FeatureShardMap)."""
+  (stepgraph.FeatureShardMap).
+
+  ``on_shard`` (StepPlan.gradients_on_shard: indices among the step's leaves) names the weights
+  whose gradient is made on their shard (:func:`shard_gradients`), each split on one dimension
+  over ``batch_axes`` (the plan's axes of the batch's dimension 0)."""
 
   def planned(*args):
     flat, tree = jax.tree.flatten(args)
@@ -124,6 +141,8 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
     ev.pin_all = pin_all
     ev.shards = {v: s for v, s, c in zip(closed.jaxpr.invars, per_leaf(shard_specs), specs)
                  if s is not None and c is not None}
+    ev.shard_grads = _shard_gradient_eqns(closed.jaxpr, ev.shards, tracked, tuple(batch_axes),
+                                          on_shard)
     if sequence is not None:
       ev.attend, ev.enter = sequence.constraints(closed.jaxpr, args)
     if features:
@@ -140,6 +159,38 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
   planned.__name__ = getattr(step, "__name__", "step")
   planned.__wrapped__ = step
   return planned
+
+
+def _shard_gradient_eqns(jaxpr, shards: Mapping[Any, P], tracked: Mapping[Any, P],
+                         rows: tuple[str, ...], on_shard: frozenset
+                         ) -> dict[int, tuple[ShardGradient, Any, Any, Any]]:
+  """id of a top-level gradient product of a weight gathered whole for its product and split
+  on one dimension over axes that all split the batch (``rows``: FSDP's layout) -> (how
+  :func:`shard_gradients` makes it, the weight's spec entry, the batch's, the batch's other
+  axes'); none where the plan makes no gradient on its shard (``on_shard``)."""
+  out: dict[int, tuple[ShardGradient, Any, Any, Any]] = {}
+  if not on_shard:
+    return out
+  found = shard_gradients(jaxpr)
+  for k, v in enumerate(jaxpr.invars):
+    spec, whole = shards.get(v), tracked.get(v)
+    if spec is None or whole is None or any(e is not None for e in whole):
+      continue
+    split = [(d, e) for d, e in enumerate(spec) if e is not None]
+    if len(split) != 1 or not set(spec_axes(split[0][1])) <= set(rows):
+      continue
+    hit = found.get((k, split[0][0]))
+    if hit is not None:
+      rest = [a for a in rows if a not in spec_axes(split[0][1])]
+      how = dataclasses.replace(hit[1], moves=k in on_shard)
+      out[id(jaxpr.eqns[hit[0]])] = (how, split[0][1], _entry(rows), _entry(rest))
+  return out
+
+
+def _entry(axes):
+  """A PartitionSpec entry of mesh axes (None, one name, or a tuple of them)."""
+  axes = tuple(axes)
+  return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def _read(env, v):
@@ -244,6 +295,100 @@ def pins_manual(user: tuple[int, ...], n_user: int, sizes: Mapping[str, int],
                                             n_plan)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardGradient:
+  """A weight's gradient product that :func:`shard_gradients` computes on the weight's shard:
+  operand ``split`` (0 or 1, the forward's residual) is split over the weight's axes along its
+  free dimension ``dim`` (an all-to-all of the batch's rows into features), the other (the
+  cotangent) gathered whole over the batch, and the product's result is the gradient's shard
+  (its dimension of operand ``split`` over the weight's axes)."""
+  split: int
+  dim: int
+  gathered: int        # bytes of the operand gathered whole
+  moved: int           # bytes of the operand split by features (all of it, every device's)
+  moves: bool          # moves_activations: else the whole gradient is made and reduced
+  dtype: str           # the operands' dtype (the cotangent's)
+
+
+def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[int, ShardGradient]]:
+  """(index of a rank-2 float32 weight among ``jaxpr``'s invars, its dimension the layout
+  splits over the batch axes) -> (the index of the equation that makes its gradient, how), for
+  each weight that one top-level product reads directly (``x @ w``) and whose gradient is one
+  float32 product of
+  that product's other operand (its residual ``x``) and a cotangent, contracting everything
+  but one dimension of each (the batch's rows). ``how.moves`` where computing the gradient's
+  shard from the activations gathers fewer bytes than the weight has
+  (:func:`moves_activations`).
+
+  Left to reduce the whole gradient, plan.jit's FSDP step holds every whole gradient at once
+  in XLA:CPU's combined all-reduce, and a new buffer of each beside it: four weights' worth on
+  a two-layer MLP (1.40 MiB a device on `fsdp` 8 at batch 64, where the plain jax.jit step,
+  which XLA partitions so by itself, compiles to 0.92; bench/fsdp_small_batch.py)."""
+  index = {v: i for i, v in enumerate(jaxpr.invars)}
+  forward: dict[Any, list[tuple[int, int, int]]] = {}   # residual -> (weight, w dim, x dim)
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name != "dot_general":
+      continue
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    for w in (0, 1):
+      wv, xv = eqn.invars[w], eqn.invars[1 - w]
+      if isinstance(wv, jcore.Literal) or wv not in index:
+        continue
+      wc, xc = (lc, rc) if w == 0 else (rc, lc)
+      if len(wv.aval.shape) == 2 and len(wc) == 1 and not lb and not isinstance(xv, jcore.Literal):
+        forward.setdefault(xv, []).append((index[wv], wc[0], xc[0]))
+  out: dict[tuple[int, int], tuple[int, ShardGradient]] = {}
+  seen: dict[int, set[int]] = {}       # weight -> the products that make its gradient
+  for n, eqn in enumerate(jaxpr.eqns):
+    if eqn.primitive.name != "dot_general":
+      continue
+    ops = eqn.invars
+    if any(isinstance(v, jcore.Literal) for v in ops):
+      continue
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    free = [[d for d in range(len(v.aval.shape)) if d not in c] for v, c in zip(ops, (lc, rc))]
+    if lb or rb or any(len(f) != 1 for f in free):
+      continue
+    for a in (0, 1):
+      x, g = ops[a], ops[1 - a]
+      if g in index:           # a product of two of the step's arguments: no cotangent
+        continue
+      for k, wdim, xdim in forward.get(x, ()):
+        w = jaxpr.invars[k].aval
+        other = 1 - wdim
+        if (free[a][0] != xdim or x.aval.shape[xdim] != w.shape[wdim]
+            or g.aval.shape[free[1 - a][0]] != w.shape[other]):
+          continue
+        seen.setdefault(k, set()).add(n)
+        if any(str(v.dtype) != "float32" for v in (w, x.aval, g.aval)):
+          # a product of narrower floats, which XLA:CPU computes in float32: moved, it held
+          # float32 copies of the gathered cotangent and of the gradient's shard the model does
+          # not size (a bfloat16 MLP on `fsdp` 8: 0.61 MiB compiled, 0.32 priced)
+          continue
+        # the weight split on the dimension its product contracts with the residual's features
+        # (FSDP's dimension 0 of ``x @ w``): the residual's rows moved into those features, the
+        # cotangent gathered. Not the other (the cotangent's features moved, the residual
+        # gathered): on the first layer of float_hyperparameter's MLP in
+        # tests/test_plan_user_steps.py, split so, XLA:CPU held a weight's worth more temp than
+        # that program has (0.75 MiB against 0.50)
+        gathered = nbytes(g.aval)
+        out[(k, wdim)] = (n, ShardGradient(a, xdim, gathered, nbytes(x.aval),
+                                           moves_activations(gathered, nbytes(w)),
+                                           str(g.aval.dtype)))
+  # a weight whose gradient several products make (a weight read twice) keeps its reduction
+  return {key: v for key, v in out.items() if len(seen[key[0]]) == 1}
+
+
+def moves_activations(gathered: int, weight: int) -> bool:
+  """Whether a weight's gradient is computed on its shard from the activations gathered over
+  the batch (``gathered`` bytes, whole) rather than made whole and reduced (the whole
+  gradient, ``weight`` bytes, and XLA:CPU's reduced copy of it, live together with every other
+  gradient's at the combined all-reduce): where the gathered operand is the smaller. XLA's own
+  partitioner makes this choice for the plain FSDP step of a small MLP at batches below its
+  widths (bench/fsdp_small_batch.py, docs/benchmarks.md fsdp19)."""
+  return gathered < weight
+
+
 class _Evaluator:
   """Evaluates a jaxpr with the planned weights gathered at their products."""
 
@@ -261,6 +406,9 @@ class _Evaluator:
     # the id of a shard_map equation -> (its first pinned operand's shape, the operands and
     # results to pin, the dimension over 'tensor', the rows' axes): StepPlan.manual_features
     self.features: dict = {}
+    # the id of a gradient product of an FSDP weight -> (ShardGradient, the weight's spec
+    # entry, the batch's, the batch's other axes'): _shard_gradient_eqns
+    self.shard_grads: dict = {}
 
   def constrain(self, x, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -298,6 +446,9 @@ class _Evaluator:
       if hits or routed or id(eqn) in self.enter:
         outs = self._eqn_with_tracked(eqn, vals, hits, tracked, feeds, gathered_value, routes,
                                        env, apart, fills)
+      moved = self.shard_grads.get(id(eqn)) if outs is None else None
+      if moved is not None:
+        outs = self._gradient_on_shard(eqn, vals, *moved)
       if outs is None:
         outs = jaxapi.bind(eqn, vals)
         if routed:
@@ -315,6 +466,31 @@ class _Evaluator:
     self.out_tracked = [tracked.get(v) if not isinstance(v, jcore.Literal) else None
                         for v in jaxpr.outvars]
     return [_read(env, v) for v in jaxpr.outvars]
+
+  def _gradient_on_shard(self, eqn, vals, how: ShardGradient, entry, rows, rest) -> list:
+    """A weight's gradient product (:func:`shard_gradients`) computed on the weight's shard:
+    the operand that carries the weight's split dimension split so over its features, the other
+    gathered whole over the batch, the result the gradient's shard (no whole gradient, no
+    reduction); over the batch's other axes (``rest``: HSDP's) the rows stay split."""
+    # the operands first on the batch's rows, where the step made them: left free, XLA carries a
+    # moved operand's layout back into the forward (the hidden activations made split by
+    # features, the input gathered for it) or a gathered cotangent on into the next product (a
+    # gradient the plan reduces computed on its shard as well)
+    contracted = eqn.params["dimension_numbers"][0]
+    vals = [self.constrain(x, P(rows)) if 0 in contracted[i] else x
+            for i, x in enumerate(vals)]
+    if not how.moves:
+      return jaxapi.bind(eqn, vals)
+    for i, x in enumerate(vals):
+      entries = [None] * x.ndim
+      if 0 in contracted[i]:
+        entries[0] = rest
+      if i == how.split:
+        entries[how.dim] = entry
+      vals[i] = self.constrain(x, P(*entries))
+    out = [None, None]
+    out[how.split] = entry
+    return [self.constrain(jaxapi.bind(eqn, vals)[0], P(*out))]
 
   def _feature_pin(self, eqn):
     """(operands, results, dimension, row axes) of a shard_map equation :attr:`features` pins:

@@ -368,6 +368,24 @@ class PriceContext:
     acc(self.price.bytes, f"{kind}[{key}]", times * self.pricer.wire(nbytes, dtype, wide))
 
 
+def gradient_on_shard(graph: stepgraph.StepGraph, group: Sequence[int], used: dict[str, int],
+                      m: CandidateMesh):
+  """How plan.jit computes the gradient of ``group``'s weight (the tied leaves of one layout:
+  the parameter and its optimizer state) on its shard from activations moved over the batch
+  (gather.ShardGradient) under a layout (``used``: mesh axis -> the dimension it shards) that
+  splits one dimension of it over batch axes alone, as gather.py's evaluator applies it; None
+  where the whole gradient is made and reduced."""
+  if not used or any(a not in BATCH_AXES or a in SEQUENCE_AXES or m.size[a] == 1
+                     for a in used):
+    return None
+  dims = set(used.values())
+  if len(dims) != 1:
+    return None
+  d = dims.pop()
+  return next((graph.shard_gradients[(k, d)] for k in group
+               if (k, d) in graph.shard_gradients), None)
+
+
 def _vocab_axes(lookup, used, m: CandidateMesh, zero: list[str]) -> list[str]:
   """The axes over which a table read only by lookups is looked up in place (vocab-parallel:
   sharded over the dimension the lookups index). Not the batch axes that plan.jit gathers the
@@ -704,7 +722,10 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   batch = [a for a in BATCH_AXES if m.size[a] > 1 and a not in routed]
   pr = Price()
   dtype = primary.dtype
-  use = graph.weights.get(primary.index)
+  # the group's weight as the step reads it, though the group's first leaf be an optimizer
+  # state's (a state dict whose "opt" sorts before its "params"): without it the gathered copy
+  # was priced at nothing, which only a peak at the gradients' reduction hid
+  use = next((graph.weights[i] for i in group if i in graph.weights), None)
   # the axes sharding it that do not split the batch ('tensor', a pipeline's 'stage'), and the
   # routed ones, divide the gradient each device computes; the other batch axes only split work
   grad = primary.nbytes / math.prod(m.size[a] for a in used
@@ -781,7 +802,18 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # XLA:CPU combines these all-reduces with the others after the backward (5 in all for a
       # scanned decoder's FSDP step, as for DP)
       outside = pricer.gradient_share if rs == "all_reduce" else pricer
-      if rs == "reduce_scatter" and _reduced_in_tensor_pairs(graph, primary, use, used, m, zero):
+      on_shard = gradient_on_shard(graph, group, used, m)
+      if on_shard is not None:
+        # made on the weight's shard (gather.shard_gradients): the cotangent gathered whole over
+        # the batch and the residual's rows moved into features, both waited for by the product
+        # (over the weight's axes; each keeps its rows over the batch's other axes, ``rest``)
+        zdiv = math.prod(m.size[a] for a in zero)
+        ctx.add("all_gather", on_shard.gathered * zdiv / batch_div, zero, blocking=True,
+                dtype=on_shard.dtype)
+        ctx.add("all_to_all", on_shard.moved / batch_div, zero, blocking=True,
+                dtype=on_shard.dtype)
+      elif rs == "reduce_scatter" and _reduced_in_tensor_pairs(graph, primary, use, used, m,
+                                                                zero):
         _price_pair_reduction(ctx, zero)
       else:
         if not table_sync:

@@ -25,6 +25,7 @@ from dtenjax._src.planning.candidates import axis_links
 from dtenjax._src.planning.candidates import spec_entry
 from dtenjax._src.planning.candidates import splits_batch
 from dtenjax._src.planning.pricing import StepCost
+from dtenjax._src.planning.pricing import gradient_on_shard
 from dtenjax._src.planning.roles import AXES
 from dtenjax._src.planning.roles import BATCH_AXES
 from dtenjax._src.planning.roles import ROUTED_AXES
@@ -148,6 +149,9 @@ class StepPlan:
   # operands, those results, the dimension split over 'tensor', the axes dimension 0 is over)
   manual_features: tuple[tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...], int,
                                tuple[str, ...]], ...] = ()
+  # the leaves whose gradient plan.jit makes on their shard from activations moved over the
+  # batch, as priced (pricing.gradient_on_shard, gather.shard_gradients)
+  gradients_on_shard: tuple[int, ...] = ()
 
   # --- applying it -----------------------------------------------------------------------------
 
@@ -208,7 +212,8 @@ class StepPlan:
         sequence=sequence_lib.application(dict(zip(self.axis_names, self.mesh_shape)),
                                           SEQUENCE_AXES, BATCH_AXES, self.batch_argnums),
         shard_specs=self.specs, rows=self._batch_rows(), pin_all=self.manual == "all",
-        features=self.manual_features)
+        features=self.manual_features, batch_axes=self._batch_axes(),
+        on_shard=frozenset(self.gradients_on_shard))
 
     def checked(*args):
       if self.manual_meshes:     # the planned step ran shard_maps: is this one's on our devices?
@@ -255,8 +260,10 @@ class StepPlan:
   def _batch_rows(self) -> tuple[str, ...]:
     """The mesh axes this plan splits the batch's dimension 0 over (its batch layout's), where the
     step has a jax.shard_map's results to pin to it; else none."""
-    if not self.manual:
-      return ()
+    return self._batch_axes() if self.manual else ()
+
+  def _batch_axes(self) -> tuple[str, ...]:
+    """The mesh axes this plan splits the batch's dimension 0 over."""
     return tuple(a for a, n in zip(self.axis_names, self.mesh_shape)
                  if n > 1 and a in BATCH_AXES and a not in SEQUENCE_AXES)
 
@@ -416,7 +423,8 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
                   budget_bytes=budget, topology=topology.name, planning_s=seconds,
                   meshes_tried=tried, notes=notes, priced_with=topology.pricing_summary(),
                   manual=_manual(graph, m), manual_meshes=graph.manual_meshes,
-                  manual_features=_feature_pins(graph, prob, choice))
+                  manual_features=_feature_pins(graph, prob, choice),
+                  gradients_on_shard=_gradients_on_shard(graph, prob, choice))
 
 
 def _manual(graph, m) -> str:
@@ -442,6 +450,14 @@ def _feature_pins(graph, prob: Problem, choice) -> tuple:
     if f.pinned(m.size, None if tensor is None else ("col", tensor), rows):
       pins.append((f.order, f.shape, f.ins, f.outs, f.dim, rows))
   return tuple(pins)
+
+
+def _gradients_on_shard(graph, prob: Problem, choice) -> tuple[int, ...]:
+  """StepPlan.gradients_on_shard: the leaves of the groups whose chosen layout
+  pricing.gradient_on_shard priced with their gradient made on their shard."""
+  out = [k for g, lays, c in zip(prob.groups, prob.cands, choice)
+         if gradient_on_shard(graph, g, lays[c].used(), prob.m) is not None for k in g]
+  return tuple(sorted(out))
 
 
 def _is_none(x) -> bool:

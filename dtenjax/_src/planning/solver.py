@@ -26,6 +26,7 @@ from dtenjax._src.planning.candidates import splits_batch
 from dtenjax._src.planning.pricing import Price
 from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
+from dtenjax._src.planning.pricing import gradient_on_shard
 from dtenjax._src.planning.pricing import gradient_bytes
 from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
@@ -270,8 +271,9 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     in_shard = scatter is not None and not scatter.whole
     if not cpu and scatter is not None and scatter.whole_lookups:
       whole_tables.add(primary.shape)
-    per_device = (primary.nbytes / shards if zero and (in_shard or use is not None and
-                                                       use.layers > 1)
+    on_shard = zero and gradient_on_shard(graph, g, used, m) is not None
+    per_device = (primary.nbytes / shards if zero and (in_shard or on_shard or use is not None
+                                                       and use.layers > 1)
                   else primary.nbytes / t_shard)
     # a parameter the loss never reads has no gradient value: its constant zero is fused into
     # the update, neither sized beside the gradients of its shape nor reduced (unused_parameter

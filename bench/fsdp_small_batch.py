@@ -1,0 +1,124 @@
+"""``plan.jit``'s FSDP step against the plain ``jax.jit`` FSDP step a user writes, on 8 CPU
+devices, for small MLPs at batches from below to above the input width (issue 39, item 2: the
+planned step's compiled memory at most the plain step's plus 10 %).
+
+For each case, one process: the adamw step of a two-layer MLP (``gelu(x @ w1 + b1) @ w2 + b2``,
+mean squared error) planned on ``mesh={"fsdp": 8}`` and run by ``plan.jit``, beside the same step
+under ``jax.jit`` with every leaf whose first dimension divides over the 8 devices laid out
+``P("fsdp")`` and every other leaf replicated (the user's FSDP: no sharding constraints, XLA's
+partitioner chooses the program). Each row has the compiled memory per device
+(``memory_analysis()``: arguments, outputs not aliased, temporaries), the collective bytes per
+kind read from the compiled HLO, and the step time (median of rounds timed round-robin, every
+other round in the reverse order)::
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/fsdp_small_batch.py \\
+        --iters 20 --json bench/results/DATE_fsdp_small_batch_BRANCH.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import _harness
+
+BENCH = "fsdp_small_batch"
+# (input width, hidden width, batch): the suite's MLP (tests/test_plan_user_steps.py) at four
+# batches, and one twice as wide at two
+CASES = ((128, 512, 16), (128, 512, 64), (128, 512, 256), (128, 512, 512),
+         (256, 1024, 64), (256, 1024, 1024))
+
+
+def make(d: int, hidden: int, batch: int):
+  """The adamw step of the MLP and its concrete arguments."""
+  tx = optax.adamw(1e-2)
+  keys = iter(jax.random.split(jax.random.key(0), 4))
+  normal = lambda *s: 0.1 * jax.random.normal(next(keys), s, jnp.float32)
+
+  def loss(p, batch):
+    out = jax.nn.gelu(batch["x"] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    return jnp.mean((out - batch["y"]) ** 2)
+
+  def step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  params = {"w1": normal(d, hidden), "b1": jnp.zeros((hidden,)), "w2": normal(hidden, d),
+            "b2": jnp.zeros((d,))}
+  return step, (params, tx.init(params), {"x": normal(batch, d), "y": normal(batch, d)})
+
+
+def compiled_stats(compiled) -> dict:
+  """Memory per device (MiB) and collective bytes per kind (KiB) of a compiled step."""
+  from dtenjax._src.planning import explain as explain_lib
+  m = compiled.memory_analysis()
+  kinds: dict[str, float] = {}
+  for c in explain_lib.explain(compiled).collectives:
+    kinds[c.kind] = kinds.get(c.kind, 0.0) + c.nbytes / 2**10
+  return {"memory_mib": (m.argument_size_in_bytes + m.output_size_in_bytes
+                         - m.alias_size_in_bytes + m.temp_size_in_bytes) / 2**20,
+          "temp_mib": m.temp_size_in_bytes / 2**20,
+          "collective_kib": {k: round(v, 1) for k, v in sorted(kinds.items())}}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--iters", type=_harness.positive_int, default=20)
+  ap.add_argument("--warmup", type=_harness.positive_int, default=2)
+  ap.add_argument("--json", default=None, help="write the rows here")
+  args = ap.parse_args(argv)
+  devices = _harness.require_devices(BENCH, 8)
+  import dtenjax
+  mesh = jax.sharding.Mesh(np.array(devices[:8]), ("fsdp",))
+  rows = []
+  for d, hidden, batch in _harness.progress(CASES, BENCH, lambda c: f"d {c[0]} batch {c[2]}"):
+    step, concrete = make(d, hidden, batch)
+    fsdp = jax.tree.map(lambda x: NamedSharding(
+        mesh, P("fsdp") if x.ndim and x.shape[0] % 8 == 0 else P()), concrete)
+    plan = dtenjax.plan(step, *concrete, mesh={"fsdp": 8})
+    fns = {"plain jit": jax.jit(step, in_shardings=fsdp).lower(*concrete).compile(),
+           "plan.jit": plan.jit(step).lower(*concrete).compile()}
+    placed = {"plain jit": jax.device_put(concrete, fsdp), "plan.jit": plan.shard(*concrete)}
+    samples = {k: [] for k in fns}
+    for k, f in fns.items():
+      for _ in range(args.warmup):
+        _harness.block(f(*placed[k]))
+    order = list(fns)
+    for i in range(args.iters):
+      for k in (order if i % 2 == 0 else order[::-1]):
+        t0 = time.perf_counter()
+        _harness.block(fns[k](*placed[k]))
+        samples[k].append(time.perf_counter() - t0)
+    stats = {k: compiled_stats(f) for k, f in fns.items()}
+    for k in fns:
+      rows.append({"case": f"d {d} h {hidden} batch {batch}", "candidate": k, **stats[k],
+                   "memory_vs_plain": stats[k]["memory_mib"] / stats["plain jit"]["memory_mib"],
+                   "ms": 1e3 * _harness.median(samples[k]),
+                   "time_vs_plain": _harness.median(
+                       [a / b for a, b in zip(samples[k], samples["plain jit"])]),
+                   "collectives": " ".join(f"{n} {v:.0f}"
+                                           for n, v in stats[k]["collective_kib"].items())})
+  print(_harness.table(rows, (("case", "case", "s"), ("candidate", "candidate", "s"),
+                              ("memory MiB", "memory_mib", ".3f"), ("temp MiB", "temp_mib", ".3f"),
+                              ("/ plain", "memory_vs_plain", ".3f"),
+                              ("collectives KiB", "collectives", "s"),
+                              ("ms", "ms", ".3f"), ("time / plain", "time_vs_plain", ".2f"))),
+        flush=True)
+  if args.json:
+    doc = _harness.document(BENCH, __file__, sys.argv[1:] if argv is None else argv,
+                            dict(vars(args)), rows, devices=devices, kind="other")
+    _harness.write_json(args.json, doc)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -515,6 +515,30 @@ def test_pmap_runs_under_jax_set_mesh():
     dtenjax.pmap(lambda v: inner(v), "i")(jnp.ones((2, 4)))
 
 
+
+def test_pmap_results_are_usable_under_an_explicit_jax_set_mesh():
+  """review19c: under ``jax.set_mesh`` of Explicit axes (jax.make_mesh's default) pmap ran but
+  returned arrays on its own mesh, which every later operation there refused ("context mesh
+  AbstractMesh('d': 8) should match the aval mesh AbstractMesh('i': 8)"), eager or in jit, and
+  a pmap over fewer devices than the context's inside jit failed with JAX's context-mesh error.
+  The results now live on the context's mesh: the mapped axis split over its axes where it has
+  their size (one slice a device, as pmap laid it out), else whole on each device."""
+  x = jnp.arange(8.0)
+  f = dtenjax.pmap(lambda v: jax.lax.psum(v, "i") * v, "i")
+  for shape, names in (((8,), ("d",)), ((4, 2), ("a", "b"))):
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))
+    with jax.set_mesh(mesh):
+      np.testing.assert_array_equal(f(x) + x, 29.0 * np.arange(8.0))
+      np.testing.assert_array_equal(jax.jit(lambda v: f(v) + v)(x), 29.0 * np.arange(8.0))
+      np.testing.assert_array_equal(f(x[:4]).sum(), 36.0)
+      # Traced in jit, a pmap over four of the context's eight devices cannot run: jax runs
+      # the program on the context's devices (it failed with JAX's context-mesh ValueError).
+      with pytest.raises(dtenjax.ConfigurationError, match=r"pmap over 4 devices.*of 8 devices"):
+        jax.jit(lambda v: f(v).sum())(x[:4])
+      assert f(x).sharding == NamedSharding(mesh, P(names if len(names) > 1 else names[0]))
+      assert f(x[:4]).sharding == NamedSharding(mesh, P())
+
+
 def _pipelined_loss(body, loss_fn, stages=2):
   """The traced (never compiled) pipelined loss and gradient of a 4-layer stack on 8 rows."""
   pipe = dtenjax.pipeline(body, loss_fn, stages=stages, microbatches=2)

@@ -534,10 +534,17 @@ def pmap(f: Callable, axis_name: str | None = None, *, in_axes: Any = 0, out_axe
 
       # Mapped outputs come back stacked along a new axis 0, unmapped ones as device 0 has them.
       # Traced inside the user's jit under jax.set_mesh: the context (which jax.shard_map
-      # requires to be the mesh it runs on) is set aside where jax lets it (the same size).
+      # requires to be the mesh it runs on) is set aside; jax lets it only for the same size.
       ctx = jax.sharding.get_abstract_mesh()
-      same = not getattr(ctx, "empty", True) and getattr(ctx, "size", None) == mesh.size
-      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if same else contextlib.nullcontext():
+      aside = not getattr(ctx, "empty", True)
+      if aside and getattr(ctx, "size", None) != mesh.size:
+        raise errors.ConfigurationError(
+            f"dtenjax.pmap over {mesh.size} devices traced inside jit under jax.set_mesh of "
+            f"{getattr(ctx, 'size', None)} devices ({dict(ctx.shape)}): jax runs a traced "
+            "program on the context's devices only. Call the pmap outside the jit (it sets the "
+            f"context aside there), map over {getattr(ctx, 'size', None)} slices, or trace it "
+            "outside the jax.set_mesh block.")
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if aside else contextlib.nullcontext():
         mapped, unmapped = jax.shard_map(
             _bind(per_device, mesh), mesh=mesh, in_specs=in_specs, out_specs=(P(name), P()),
             check_vma=False)(*moved)
@@ -564,8 +571,9 @@ def pmap(f: Callable, axis_name: str | None = None, *, in_axes: Any = 0, out_axe
           "out_specs=...)")
     n = mapped_size(args, kwargs)
     fn = compiled(n)
+    outer = jaxapi.concrete_mesh()
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
-      return getattr(fn, method)(*args, **kwargs)
+      return to_context(getattr(fn, method)(*args, **kwargs), method, outer, n)
     # pmap's mesh is its own, as jax.pmap knew no meshes: a jax.set_mesh context around the call
     # (jax.shard_map requires it to be the mesh it runs on) is set aside, and arrays committed
     # elsewhere (another mesh's shards, one device) move onto it first.
@@ -580,7 +588,27 @@ def pmap(f: Callable, axis_name: str | None = None, *, in_axes: Any = 0, out_axe
     for i, v in zip(dyn_idx, dyn):
       args[i] = v
     with jax.set_mesh(mesh):
-      return getattr(fn, method)(*args, **kwargs)
+      out = getattr(fn, method)(*args, **kwargs)
+    return to_context(out, method, outer, n)
+
+  def to_context(out, method: str, ctx, n: int):
+    """``out`` on the caller's ``jax.set_mesh`` mesh where it has Explicit axes: an array left
+    on pmap's own mesh is refused by every later operation there ("context mesh ... should
+    match the aval mesh"). The mapped axis is split over all the context's axes where it has
+    their size (one slice a device, as pmap laid it out), else each device holds it whole."""
+    if (method != "__call__" or ctx is None
+        or AxisType.Explicit not in tuple(getattr(ctx, "axis_types", ()))):
+      return out
+    leaves, tree = jax.tree.flatten(out)
+    axes = _leaf_axes(out_axes, out, "out_axes")
+    split = tuple(ctx.axis_names) if len(ctx.axis_names) > 1 else ctx.axis_names[0]
+
+    def spec(x, ax):
+      if ax is None or n != ctx.size:
+        return P()
+      return P(*([None] * (ax % np.ndim(x))), split)
+    return jax.tree.unflatten(tree, [
+        jax.device_put(x, NamedSharding(ctx, spec(x, ax))) for x, ax in zip(leaves, axes)])
 
   @functools.wraps(f)
   def wrapper(*args, **kwargs):

@@ -109,11 +109,16 @@ def _whole(value) -> bool:
 
 
 def _dtype_name(dtype) -> str:
-  """How a record names a dtype: numpy's ``str`` ("<f4", with the byte order), but the name of
-  ml_dtypes' types (bfloat16, float8_*), whose ``str`` is a bare void ("<V2") that reads back
-  as no number type at all."""
+  """How a record names a dtype: numpy's ``str`` ("<f4", with the byte order) where numpy reads
+  it back as the same dtype, else the name (ml_dtypes' bfloat16, float8_*, int4: their ``str``
+  is a bare void "<V2", or "<f1" for float8_e5m2, which numpy reads as nothing or no number)."""
   dt = np.dtype(dtype)
-  return dt.name if dt.kind == "V" else dt.str
+  try:
+    if np.dtype(dt.str) == dt:
+      return dt.str
+  except TypeError:
+    pass
+  return dt.name
 
 
 def _dtype(name: str) -> np.dtype:

@@ -774,6 +774,30 @@ def test_the_in_memory_tier_restores_onto_jax_eval_shape_and_numpy_targets(tmp_p
   assert isinstance(out["w"], np.ndarray) and _bits(out["w"]) == _bits(state["w"])
 
 
+
+def test_the_in_memory_tier_restores_onto_jax_eval_shape_of_a_sharded_state(tmp_path):
+  """review19c: ``jax.eval_shape`` of a state on ``jax.make_mesh``'s Explicit axes (the state a
+  user trains) gives shardings over an AbstractMesh, and the tier's restore failed with JAX's
+  "_device_assignment is not implemented for `jax.sharding.AbstractMesh`". They are laid on the
+  context mesh (``jax.set_mesh``), as ``dtenjax.checkpoint.restore`` lays them; without one of
+  those axes a CheckpointError names the leaf and the fix."""
+  from dtenjax._src.elastic import memory
+  mesh = jax.make_mesh((4, 2), ("a", "b"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  state = {"w": jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P("a", "b"))),
+           "step": 3}
+  tier = dtenjax.elastic.MemoryTier(str(tmp_path / "mem"), 0, 1)
+  tier.snapshot(3, state)
+  tier.wait()
+  target = jax.eval_shape(lambda: state)
+  assert isinstance(target["w"].sharding.mesh, jax.sharding.AbstractMesh)
+  with pytest.raises(dtenjax.CheckpointError, match=r"leaf \['w'\].*abstract mesh.*jax\.set_mesh"):
+    memory.restore(str(tmp_path / "mem"), 1, [], 3, target)
+  with jax.set_mesh(mesh):
+    out = memory.restore(str(tmp_path / "mem"), 1, [], 3, target)
+  assert out["w"].sharding == state["w"].sharding and _bits(out["w"]) == _bits(state["w"])
+
+
 def test_placement_and_tensor_name_a_bad_shape_dtype_workload_or_key():
   """user19: ``Placement("row").spec(8)`` failed with "'int' object is not iterable",
   ``.sharding((-8, 2))`` and ``.sharding("8")`` answered a sharding for no array,

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dtenjax._src import errors
+from dtenjax._src import jaxapi
 from dtenjax._src.elastic import store as store_lib
 from dtenjax._src.net import kvstore
 
@@ -346,11 +347,26 @@ def load(root: str, world: int, lost: Iterable[int], step: int) -> tuple[dict, d
   return arrays, values
 
 
+def _on_devices(sharding):
+  """``sharding`` on devices: one over an AbstractMesh (``jax.eval_shape`` of an array on
+  Explicit axes) is laid on the context mesh (``jax.set_mesh``) of its axes; None without one."""
+  mesh = getattr(sharding, "mesh", None)
+  if not isinstance(mesh, jax.sharding.AbstractMesh):
+    return sharding
+  ctx = jaxapi.concrete_mesh()
+  if (ctx is None or tuple(ctx.axis_names) != tuple(mesh.axis_names)
+      or ctx.devices.shape != tuple(mesh.axis_sizes)):
+    return None
+  devices = jax.sharding.Mesh(ctx.devices, ctx.axis_names, axis_types=mesh.axis_types)
+  return jax.sharding.NamedSharding(devices, sharding.spec, memory_kind=sharding.memory_kind)
+
+
 def restore(root: str, world: int, lost: Iterable[int], step: int, target: Any) -> Any:
   """The snapshot of ``step`` laid out like ``target`` (a tree of jax Arrays or
   ``jax.ShapeDtypeStruct``s with shardings, and scalars): each device gets its box, cut from the
   assembled global arrays. A numpy leaf of the target restores as numpy; a struct without a
-  sharding (``jax.eval_shape``'s) as ``jnp.asarray`` places it, in a single process."""
+  sharding (``jax.eval_shape``'s) as ``jnp.asarray`` places it, in a single process; one over
+  an AbstractMesh (``jax.eval_shape`` of arrays on Explicit axes) on the ``jax.set_mesh`` mesh."""
   arrays, values = load(root, world, lost, step)
   pairs, treedef = jax.tree_util.tree_flatten_with_path(target)
   out, problems = [], []
@@ -394,6 +410,14 @@ def restore(root: str, world: int, lost: Iterable[int], step: int, target: Any) 
         out.append(None)
       else:
         out.append(jnp.asarray(full))
+      continue
+    sharding = _on_devices(sharding)
+    if sharding is None:
+      problems.append(f"leaf {name}: the target's sharding is over an abstract mesh "
+                      f"({dict(t.sharding.mesh.shape)}: jax.eval_shape of an array on Explicit "
+                      "axes), which names no devices; restore inside jax.set_mesh(mesh) with a "
+                      "mesh of those axes, or pass the initial state's arrays")
+      out.append(None)
       continue
     out.append(jax.make_array_from_callback(shape, sharding, lambda i, a=full: a[i]))
   if problems:

@@ -541,10 +541,15 @@ def test_pmap_results_are_usable_under_an_explicit_jax_set_mesh():
   returned arrays on its own mesh, which every later operation there refused ("context mesh
   AbstractMesh('d': 8) should match the aval mesh AbstractMesh('i': 8)"), eager or in jit, and
   a pmap over fewer devices than the context's inside jit failed with JAX's context-mesh error.
-  The results now live on the context's mesh: the mapped axis split over its axes where it has
+  The results (and, under jax.grad, the inputs' gradients) now live on the context's mesh: the mapped axis split over its axes where it has
   their size (one slice a device, as pmap laid it out), else whole on each device."""
   x = jnp.arange(8.0)
-  f = dtenjax.pmap(lambda v: jax.lax.psum(v, "i") * v, "i")
+  body = lambda v: jax.lax.psum(v, "i") * v
+  f = dtenjax.pmap(body, "i")
+  # jax.grad in jit crosses the meshes both ways (it failed with "Expected cotangent type
+  # float32[8] but got float32[8@d]"); jax.pmap, outside the context, gives the reference.
+  loss = lambda pm: jax.jit(jax.grad(lambda v: (pm(v) * v).sum()))
+  ref = loss(jax.pmap(body, "i"))(x)
   for shape, names in (((8,), ("d",)), ((4, 2), ("a", "b"))):
     mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))
     with jax.set_mesh(mesh):
@@ -557,6 +562,7 @@ def test_pmap_results_are_usable_under_an_explicit_jax_set_mesh():
         jax.jit(lambda v: f(v).sum())(x[:4])
       assert f(x).sharding == NamedSharding(mesh, P(names if len(names) > 1 else names[0]))
       assert f(x[:4]).sharding == NamedSharding(mesh, P())
+      np.testing.assert_array_equal(loss(f)(x), ref)
 
 
 def _pipelined_loss(body, loss_fn, stages=2):

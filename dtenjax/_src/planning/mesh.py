@@ -571,44 +571,61 @@ def pmap(f: Callable, axis_name: str | None = None, *, in_axes: Any = 0, out_axe
           "out_specs=...)")
     n = mapped_size(args, kwargs)
     fn = compiled(n)
-    outer = jaxapi.concrete_mesh()
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
-      return to_context(getattr(fn, method)(*args, **kwargs), method, outer, n)
     # pmap's mesh is its own, as jax.pmap knew no meshes: a jax.set_mesh context around the call
     # (jax.shard_map requires it to be the mesh it runs on) is set aside, and arrays committed
-    # elsewhere (another mesh's shards, one device) move onto it first.
+    # elsewhere (another mesh's shards, one device) move onto it first. Under a context of
+    # Explicit axes the results move onto the context's mesh (to_context).
+    ctx = jaxapi.concrete_mesh()
+    if (method != "__call__" or ctx is None
+        or AxisType.Explicit not in tuple(getattr(ctx, "axis_types", ()))):
+      ctx = None
     mesh = make_mesh((n,), (name,), devices=devices[:n])
     _, dyn_idx, axes = split(args)
     dyn = tuple(args[i] for i in dyn_idx)
     leaves, treedef = jax.tree.flatten((dyn, kwargs))
     leaf_axes = _leaf_axes(axes, dyn, "in_axes") + [0] * len(jax.tree.leaves(kwargs))
-    moved = [_onto(x, mesh, ax, name) for x, ax in zip(leaves, leaf_axes)]
+    traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
+    split_ctx = None if ctx is None else (
+        tuple(ctx.axis_names) if len(ctx.axis_names) > 1 else ctx.axis_names[0])
+    # a leaf's layout on the context: its mapped axis split over all the context's axes where
+    # it has their size (one slice a device, as pmap lays it out), else whole on each device
+    there = lambda x, ax: _split_at(None if n != ctx.size else ax, np.ndim(x), split_ctx)
+    if traced and ctx is None:
+      return getattr(fn, method)(*args, **kwargs)
+    if traced:
+      # Traced values cross from the context's Explicit axes onto pmap's mesh, and their
+      # gradients back (else jax.grad's cotangent would come back typed on pmap's mesh). They
+      # are laid out on the context's axes first (jax.sharding.reshard, whose transpose types
+      # the gradient as jax's own operations do).
+      moved = [_carry(jax.sharding.reshard(x, there(x, ax)),
+                      NamedSharding(mesh, _split_at(ax, np.ndim(x), name)),
+                      NamedSharding(ctx, there(x, ax)))
+               if isinstance(x, jax.core.Tracer) else x
+               for x, ax in zip(leaves, leaf_axes)]
+    else:
+      moved = [_onto(x, mesh, ax, name) for x, ax in zip(leaves, leaf_axes)]
     dyn, kwargs = jax.tree.unflatten(treedef, moved)
     args = list(args)
     for i, v in zip(dyn_idx, dyn):
       args[i] = v
-    with jax.set_mesh(mesh):
+    if traced:
       out = getattr(fn, method)(*args, **kwargs)
-    return to_context(out, method, outer, n)
+    else:
+      with jax.set_mesh(mesh):
+        out = getattr(fn, method)(*args, **kwargs)
+    return out if ctx is None else to_context(out, ctx, mesh, there)
 
-  def to_context(out, method: str, ctx, n: int):
-    """``out`` on the caller's ``jax.set_mesh`` mesh where it has Explicit axes: an array left
-    on pmap's own mesh is refused by every later operation there ("context mesh ... should
-    match the aval mesh"). The mapped axis is split over all the context's axes where it has
-    their size (one slice a device, as pmap laid it out), else each device holds it whole."""
-    if (method != "__call__" or ctx is None
-        or AxisType.Explicit not in tuple(getattr(ctx, "axis_types", ()))):
-      return out
+  def to_context(out, ctx: Mesh, mesh: Mesh, there):
+    """``out`` on the caller's ``jax.set_mesh`` mesh of Explicit axes: an array left on pmap's
+    own mesh is refused by every later operation there ("context mesh ... should match the aval
+    mesh"). The mapped axis is split over all the context's axes where it has their size (one
+    slice a device, as pmap laid it out), else each device holds it whole."""
     leaves, tree = jax.tree.flatten(out)
     axes = _leaf_axes(out_axes, out, "out_axes")
-    split = tuple(ctx.axis_names) if len(ctx.axis_names) > 1 else ctx.axis_names[0]
-
-    def spec(x, ax):
-      if ax is None or n != ctx.size:
-        return P()
-      return P(*([None] * (ax % np.ndim(x))), split)
     return jax.tree.unflatten(tree, [
-        jax.device_put(x, NamedSharding(ctx, spec(x, ax))) for x, ax in zip(leaves, axes)])
+        _carry(x, NamedSharding(ctx, there(x, ax)),
+               NamedSharding(mesh, _split_at(ax, np.ndim(x), name)))
+        for x, ax in zip(leaves, axes)])
 
   @functools.wraps(f)
   def wrapper(*args, **kwargs):
@@ -616,6 +633,26 @@ def pmap(f: Callable, axis_name: str | None = None, *, in_axes: Any = 0, out_axe
 
   wrapper.lower = lambda *args, **kwargs: call("lower", args, kwargs)
   return wrapper
+
+
+def _split_at(ax: int | None, ndim: int, axes) -> P:
+  """The spec splitting axis ``ax`` (None: none) of an array of ``ndim`` dims over ``axes``."""
+  return P() if ax is None else P(*([None] * (ax % ndim)), axes)
+
+
+def _carry(x, to, back):
+  """``x`` put on sharding ``to``, its cotangent put back on ``back``: jax's own transpose of a
+  device_put in a trace keeps the cotangent on ``to``, where the other mesh's program refuses
+  it ("Expected cotangent type float32[8] but got float32[8@d]"). A value with no gradient
+  (integers, bools) is only put."""
+  if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+    return jax.device_put(x, to)
+
+  @jax.custom_vjp
+  def put(v):
+    return jax.device_put(v, to)
+  put.defvjp(lambda v: (jax.device_put(v, to), None), lambda _, ct: (jax.device_put(ct, back),))
+  return put(x)
 
 
 def _onto(x, mesh: Mesh, ax: int | None, name: str):

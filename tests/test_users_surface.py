@@ -698,6 +698,19 @@ def test_elastic_launch_checks_every_number_before_it_starts_a_process(tmp_path,
       dtenjax.elastic.launch(args.pop("argv"), args.pop("nprocs"), run_dir=str(tmp_path),
                              quiet=True, **args)
   assert not started
+  # review19c: numpy's numbers (a config read through numpy) are numbers: user19's checks
+  # refused np.int64 counts and np.float32 timeouts that the launcher had taken before.
+  class Started(Exception):
+    pass
+
+  def start(*a):
+    raise Started
+  monkeypatch.setattr(launcher, "_start", start)
+  with pytest.raises(Started):
+    dtenjax.elastic.launch(["train.py"], np.int64(2), min_nprocs=np.int32(1),
+                           run_dir=str(tmp_path), quiet=True, timeout_s=np.float32(60),
+                           heartbeat_timeout_s=np.int64(10), max_restarts=np.int64(3),
+                           checkpoint_every=np.int64(50), snapshot_every=np.uint8(2))
 
 
 def test_substitute_psum_reaches_the_psums_in_scan_cond_while_and_checkpoint_bodies():

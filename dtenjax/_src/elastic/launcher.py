@@ -36,6 +36,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from dtenjax._src import errors
 from dtenjax._src.elastic import memory, worker
 
@@ -150,12 +152,14 @@ def choose_restore(memory_root: str, world: int, lost: Sequence[int],
 
 
 def _whole(value, low: int) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool) and value >= low
+  """An int >= ``low``: Python's or numpy's (a count read through numpy), never a bool."""
+  return (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+          and value >= low)
 
 
 def _number(value) -> bool:
-  return (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value))
+  return (isinstance(value, (int, float, np.integer, np.floating))
+          and not isinstance(value, (bool, np.bool_)) and math.isfinite(value))
 
 
 def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
@@ -210,6 +214,9 @@ def launch(argv: Sequence[str], nprocs: int, *, min_nprocs: int | None = None,
   if problems:
     raise errors.ConfigurationError(errors.join_problems("dtenjax launch cannot start:",
                                                          problems))
+  nprocs, min_nprocs, snapshot_every = int(nprocs), int(min_nprocs), int(snapshot_every)
+  checkpoint_every, max_restarts = int(checkpoint_every), int(max_restarts)
+  timeout_s, heartbeat_timeout_s = float(timeout_s), float(heartbeat_timeout_s)
   run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="dtenjax-launch-"))
   os.makedirs(run_dir, exist_ok=True)
   memory_base = memory_dir(memory_root or memory.default_root(), run_dir)   # removed at the end

@@ -1706,10 +1706,12 @@ def test_a_cond_is_priced_on_its_branch_of_most_weight_bytes_not_of_most_bytes()
   # products of 256 x 128 x 128 and no all-reduce of w1's and w2's gradients (0.06 MiB where
   # XLA:CPU compiles 2.00 on `data` 8). The branch whose products read more weight bytes is
   # priced, in the forward's cond and in the backward's (whose w2 is the forward cond's
-  # residual): five products of 256 x 128 x 2048, by hand, and the all-reduce as compiled. The
-  # memory is not asserted: -17 % (temp 1.11 / 3.88 MiB, the conditional's buffers of both
-  # branches' results, as short_wide_branch's); nor `fsdp` 8 (all-gather 3.00 / 4.12 MiB and an
-  # all-to-all of 1.02 unpriced: plan.jit's gathers in a branch, gather.py's)
+  # residual): five products of 256 x 128 x 2048, by hand, and the all-reduce as compiled.
+  # XLA's conditional holds every branch's results: the tile's five [256, 4096] residuals (2.5
+  # MiB a device) are buffers while the weights' branch runs, zeros there; liveness counted only
+  # the priced branch's (memory -17 %, temp 1.11 / 3.88 MiB; now 2.86 / 3.88, -6.2 %). `fsdp` 8
+  # is not asserted: all-gather 3.00 / 4.12 MiB and an all-to-all of 1.02 unpriced (plan.jit's
+  # gathers in a branch: XLA moves the activations in the backward's branch, gather.py's)
   from dtenjax._src.planning import stepgraph
   case = tiled_vs_weights()
   graph = stepgraph.read_step(case.step, case.args, (2,))
@@ -1717,7 +1719,7 @@ def test_a_cond_is_priced_on_its_branch_of_most_weight_bytes_not_of_most_bytes()
   plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
   check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
   assert check.compiled_bytes["all_reduce"] >= 2 * 2**20, check.table()
-  assert "all_reduce" not in check.misses(0.10), check.table()
+  assert not check.misses(0.10), check.table()
 
 
 def test_a_pair_is_found_where_the_update_reduces_over_its_dimension():

@@ -465,7 +465,8 @@ def sub_jaxprs(eqn):
 
 # lax.cond equations whose priced branch the Reader chose on the weights each branch's products
 # read (Reader._choose_branch), before anything walks their bodies: id -> (eqn, branch). Every
-# later reader of the same jaxpr (pairs, liveness, the step graph) takes the same branch
+# later reader of the same jaxpr (pairs, liveness, the step graph) takes the same branch; a new
+# Reader clears it
 _CHOSEN: dict[int, tuple[Any, Any]] = {}
 
 
@@ -549,6 +550,10 @@ class Reader:
 
   def __init__(self, leaves: Sequence[Any]):   # stepgraph.Leaf records
     self.leaves = leaves
+    # the branches the last step's reader chose: what reads that step's jaxpr (pairs, liveness,
+    # the step graph) runs within stepgraph.read_step, before the next step is read; clearing
+    # them keeps no step's jaxpr alive after it
+    _CHOSEN.clear()
     self.weights: dict[int, WeightUse] = {}
     self.partner: dict[int, Any] = {}     # weight leaf -> the activation its first product reads
     self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...], tuple]] = {}

@@ -495,11 +495,16 @@ def _weight_bytes_read(jaxpr, weights: set) -> int:
   """The bytes of the values in ``weights`` (a body's inputs that are weights) that ``jaxpr``'s
   products read, each counted once, through casts, transposes, scalings and the bodies of the
   calls, loops and conds it runs (every branch: a nested cond's weights are its branch's)."""
+  return sum(nbytes(v.aval) for v in _weights_read(jaxpr, weights))
+
+
+def _weights_read(jaxpr, weights: set) -> set:
+  """The values of ``weights`` that :func:`_weight_bytes_read` finds read by products."""
   marked = {v: v for v in weights}    # a value that is a weight -> the input it comes from
   read: set = set()
   for e in jaxpr.eqns:
     srcs = [marked.get(v) if is_var(v) else None for v in e.invars]
-    if not any(srcs):
+    if not any(s is not None for s in srcs):
       continue
     name = e.primitive.name
     if name in ("dot_general", "conv_general_dilated"):
@@ -512,11 +517,10 @@ def _weight_bytes_read(jaxpr, weights: set) -> int:
     if name == "while":
       outer = outer[e.params["cond_nconsts"]:]
     for body in bodies:
-      inner = {i: s for o, i, s in zip(outer, body.invars, srcs[len(e.invars) - len(outer):])
+      inner = {i: s for i, s in zip(body.invars, srcs[len(e.invars) - len(outer):])
                if s is not None}
-      if inner and _weight_bytes_read(body, set(inner)):
-        read.update(s for i, s in inner.items() if _weight_bytes_read(body, {i}))
-  return sum(nbytes(v.aval) for v in read)
+      read.update(inner[i] for i in _weights_read(body, set(inner)))
+  return read
 
 
 def _made_peak(jaxpr) -> int:

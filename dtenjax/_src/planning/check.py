@@ -159,7 +159,8 @@ def branch_runs(compiled, collectives) -> Callable[[str], int]:
   runs in a step, 0 inside a ``conditional``'s branch other than its branch of most collective
   bytes. A step runs one branch of each conditional; summing every branch's collectives
   counted both heads of a ``lax.cond`` where one runs (the plan prices one branch:
-  ``jaxpr_reader.priced_branch``, the one of larger memory)."""
+  ``jaxpr_reader.priced_branch``, the one whose products read the most weight bytes: XLA
+  reduces each weight's gradient inside the branch that reads it)."""
   from dtenjax._src import hlo
   callers = hlo.read_compiled(compiled).callers()
 

@@ -463,8 +463,17 @@ def sub_jaxprs(eqn):
   return out
 
 
+# lax.cond equations whose priced branch the Reader chose on the weights each branch's products
+# read (Reader._choose_branch), before anything walks their bodies: id -> (eqn, branch). Every
+# later reader of the same jaxpr (pairs, liveness, the step graph) takes the same branch; a new
+# Reader clears it
+_CHOSEN: dict[int, tuple[Any, Any]] = {}
+
+
 def priced_branch(eqn):
-  """The branch of a ``lax.cond`` the step is priced on: the one whose values take the most
+  """The branch of a ``lax.cond`` the step is priced on. Where the step's reader has seen the
+  cond, the one whose products read the most bytes of weights (:meth:`Reader._choose_branch`);
+  else, and among those, the one whose values take the most
   memory at once (:func:`_made_peak`), of those the one of most equations. XLA runs one branch
   per step, but the buffers of its conditional must fit whichever runs, so the planner prices the
   worst case a user must fit: the branch of larger peak, its work and its collectives too (a
@@ -475,8 +484,43 @@ def priced_branch(eqn):
   ``lax.cond(ok, update, skip)`` puts the skip first (optax.apply_if_finite's reject_update,
   whose inner state passes through untouched, would leave the moments untied from their
   parameters; it makes no value, so its peak is the smaller anyway)."""
+  chosen = _CHOSEN.get(id(eqn))
+  if chosen is not None and chosen[0] is eqn:
+    return chosen[1]
   branches = [b.jaxpr for b in eqn.params["branches"]]
   return max(branches, key=lambda j: (_made_peak(j), len(j.eqns)))
+
+
+def _weight_bytes_read(jaxpr, weights: set) -> int:
+  """The bytes of the values in ``weights`` (a body's inputs that are weights) that ``jaxpr``'s
+  products read, each counted once, through casts, transposes, scalings and the bodies of the
+  calls, loops and conds it runs (every branch: a nested cond's weights are its branch's)."""
+  return sum(nbytes(v.aval) for v in _weights_read(jaxpr, weights))
+
+
+def _weights_read(jaxpr, weights: set) -> set:
+  """The values of ``weights`` that :func:`_weight_bytes_read` finds read by products."""
+  marked = {v: v for v in weights}    # a value that is a weight -> the input it comes from
+  read: set = set()
+  for e in jaxpr.eqns:
+    srcs = [marked.get(v) if is_var(v) else None for v in e.invars]
+    if not any(s is not None for s in srcs):
+      continue
+    name = e.primitive.name
+    if name in ("dot_general", "conv_general_dilated"):
+      read.update(s for s in srcs if s is not None)
+    elif name in ALIASES or name == "transpose" or followed_operand(e) is not None:
+      marked[e.outvars[0]] = next(s for s in srcs if s is not None)
+    bodies = ([b.jaxpr for b in e.params["branches"]] if name == "cond"
+              else [sub for sub, _ in sub_jaxprs(e)])
+    outer = list(e.invars)[1:] if name == "cond" else list(e.invars)
+    if name == "while":
+      outer = outer[e.params["cond_nconsts"]:]
+    for body in bodies:
+      inner = {i: s for i, s in zip(body.invars, srcs[len(e.invars) - len(outer):])
+               if s is not None}
+      read.update(inner[i] for i in _weights_read(body, set(inner)))
+  return read
 
 
 def _made_peak(jaxpr) -> int:
@@ -510,6 +554,10 @@ class Reader:
 
   def __init__(self, leaves: Sequence[Any]):   # stepgraph.Leaf records
     self.leaves = leaves
+    # the branches the last step's reader chose: what reads that step's jaxpr (pairs, liveness,
+    # the step graph) runs within stepgraph.read_step, before the next step is read; clearing
+    # them keeps no step's jaxpr alive after it
+    _CHOSEN.clear()
     self.weights: dict[int, WeightUse] = {}
     self.partner: dict[int, Any] = {}     # weight leaf -> the activation its first product reads
     self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...], tuple]] = {}
@@ -596,6 +644,7 @@ class Reader:
     # > 0 inside a lax.cond branch other than the one sub_jaxprs walks (_aside): its products
     # say which weights the step reads and how, nothing of the step's work or batch
     self.aside = 0
+    self.cond_weights: set = set()     # a cond's results that are weights it took (_choose_branch)
     self._prefix: list[float] = []            # running sums (_flops_between)
 
   # origin: var -> (leaf index, dims) where dims[k] is the leaf dimension of the var's dim k
@@ -614,6 +663,8 @@ class Reader:
       self.producer.update((o, eqn) for o in eqn.outvars)
       name = eqn.primitive.name
       ins = [origin.get(v) if is_var(v) else None for v in eqn.invars]
+      if name == "cond" and not self.aside:
+        self._choose_branch(eqn, ins)
       for v, org in zip(eqn.invars, ins):
         if org is not None:
           self.origin_all[v] = org
@@ -667,6 +718,35 @@ class Reader:
       self.remat_depth -= remat
       if name == "while" and id(eqn) in live:
         self._carried_condition(eqn)
+
+  def _choose_branch(self, eqn, ins) -> None:
+    """Fixes the branch of a ``lax.cond`` the step is priced on (:func:`priced_branch`): the one
+    whose products read the most bytes of weights, then the one of larger made peak, then of most
+    equations. What XLA compiles does not depend on the branch that runs: its conditional holds
+    the buffers of the branch larger on a device, and check counts the branch of most collective
+    bytes. The bytes a branch makes in the jaxpr are the whole batch's; on a device the values
+    that carry the batch split over its axes while a weight's gradient (DP) or gathered copy
+    (FSDP) stays whole, so the weights a branch reads are what its memory and its collectives
+    per device grow with. review19a's tiled_vs_weights (tests/test_plan_user_steps.py): a
+    [256, 4096] tile of ``x @ w3`` beside ``gelu(x @ w1) @ w2`` (h 2048); the tile's branch makes
+    more bytes, the weights' branch holds more on each of 8 devices and all-reduces (DP) or
+    gathers (FSDP) w1 and w2, 2 MiB a pass, where the larger-bytes rule priced 0.06. A branch's
+    weights are its cond's operands that come from a parameter leaf (``ins``, the origins), or
+    that an earlier cond's branch handed out as it took them (the forward's cond returns w2 as a
+    residual for the backward's, where w2's product reads it)."""
+    operands = list(eqn.invars)[1:]
+    branches = [b.jaxpr for b in eqn.params["branches"]]
+    def weights(branch):
+      return {i for o, i, org in zip(operands, branch.invars, ins[1:])
+              if is_var(o) and ((org is not None and not self.leaves[org[0]].is_batch) or
+                                o in self.cond_weights)}
+    for j in branches:
+      passed = weights(j)
+      self.cond_weights.update(o for v, o in zip(j.outvars, eqn.outvars)
+                               if is_var(v) and v in passed)
+    best = max(branches, key=lambda j: (_weight_bytes_read(j, weights(j)), _made_peak(j),
+                                        len(j.eqns)))
+    _CHOSEN[id(eqn)] = (eqn, best)
 
   def _aside(self, eqn, origin: dict, repeats: int) -> None:
     """Walks the branches of a ``lax.cond`` that :func:`sub_jaxprs` leaves out, for the weights

@@ -583,7 +583,7 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           after[o] = runs_until[i] + 1
         elif eqn.primitive.name == "transpose" and eqn.invars[0] in after:
           after[o] = after[eqn.invars[0]]
-      for o, computed in zip(eqn.outvars, _from_batch(eqn, tainted)):
+      for o, computed in zip(eqn.outvars, _from_batch(eqn, tainted, excluded_shapes)):
         if not computed:
           continue
         tainted.add(o)
@@ -1122,29 +1122,43 @@ def _params_key(params) -> tuple:
   return tuple(sorted((k, key(v)) for k, v in params.items()))
 
 
-def _from_batch(eqn, tainted: set) -> list[bool]:
+def _from_batch(eqn, tainted: set, state_shapes: Collection = frozenset()) -> list[bool]:
   """Which of ``eqn``'s outputs are computed from the batch (``tainted``). A call's (``jit``,
   ``jax.checkpoint``, a custom derivative) are followed into its body: under differentiation a
   call also returns residuals that are not, such as ``jnp.where``'s broadcast mask and its zeros,
   which XLA fuses into their consumers as broadcasts of constants and never materialises. A
   loop's outputs all are (its carry mixes them). A ``lax.cond``'s are followed into the branch
-  the step is priced on (:func:`sub_jaxprs`): a result that branch fills with a constant (the
-  zero gradient of a weight only another branch reads) or hands through (the forward's
-  residual weight) is none of the step's buffers (XLA:CPU's compile of gated_head in
-  tests/test_plan_user_steps.py on FSDP 8: the zero is a broadcast into the branch's shard,
-  the weight is not among the conditional's results)."""
+  the step is priced on (:func:`sub_jaxprs`): a result of a state leaf's shape (``state_shapes``)
+  that branch fills with a constant (the zero gradient of a weight only another branch reads)
+  or hands through (the forward's residual weight) is none of the step's buffers (XLA:CPU's
+  compile of gated_head in tests/test_plan_user_steps.py on FSDP 8: the zero is a broadcast
+  into the branch's shard, the weight is not among the conditional's results). Any other result
+  another branch computes from the batch is: XLA's conditional holds every branch's results, so
+  the other branch's residual activations, zeros in the priced branch, take their buffers
+  (tiled_vs_weights on `data` 8: five [256, 4096] residuals of the tile's branch, 2.5 MiB a
+  device, beside the weights' branch that runs)."""
   subs = sub_jaxprs(eqn)
   name = eqn.primitive.name
   if name in ("scan", "while") or len(subs) != 1:
     return [True] * len(eqn.outvars)
-  sub = subs[0][0]
+  if name == "cond":
+    flags = [_branch_from_batch(eqn, b.jaxpr, tainted, state_shapes) for b in eqn.params["branches"]]
+    priced = flags[[b.jaxpr for b in eqn.params["branches"]].index(subs[0][0])]
+    return [p or (any(f) and tuple(o.aval.shape) not in state_shapes)
+            for p, f, o in zip(priced, zip(*flags), eqn.outvars)]
+  return _branch_from_batch(eqn, subs[0][0], tainted, state_shapes)
+
+
+def _branch_from_batch(eqn, sub, tainted: set, state_shapes: Collection) -> list[bool]:
+  """:func:`_from_batch` of ``eqn`` run as its body ``sub``."""
+  name = eqn.primitive.name
   outer = list(eqn.invars)[1:] if name == "cond" else list(eqn.invars)
   if len(sub.invars) != len(outer) or len(sub.outvars) != len(eqn.outvars):
     return [True] * len(eqn.outvars)
   inner = {sv for sv, ov in zip(sub.invars, outer) if is_var(ov) and ov in tainted}
   for e in sub.eqns:
     if any(is_var(v) and v in inner for v in e.invars):
-      inner.update(o for o, t in zip(e.outvars, _from_batch(e, inner)) if t)
+      inner.update(o for o, t in zip(e.outvars, _from_batch(e, inner, state_shapes)) if t)
   return [is_var(o) and o in inner for o in sub.outvars]
 
 

@@ -391,11 +391,31 @@ def dequantization_scales(jaxpr) -> set:
   the batch (``f32[512,256]`` all-reduced for an int8 ``[512, 256]`` weight, compiled on 8 CPU
   devices), so the reader's walk (:meth:`Reader.walk`) keeps the weight through its scale as
   :func:`followed_operand` does through a scalar's."""
-  ints = {eqn.outvars[0] for eqn in jaxpr.eqns
+  return {scale for _, scale in _dequantizations(jaxpr)}
+
+
+def dequantized_leaves(jaxpr) -> dict[int, frozenset]:
+  """The index among ``jaxpr``'s invars of each integer leaf a top-level dequantization reads
+  (:func:`dequantization_scales`) -> its scales' values, each the index of the invar it is or
+  None where the step computes it. The dequantized weight's float gradient is what a trained
+  scale's gradient needs (``sum(d(w) * wq)``); where no scale is trained, JAX makes none
+  (StepGraph.integer_gradient_free)."""
+  index = {v: i for i, v in enumerate(jaxpr.invars)}
+  out: dict[int, set] = {}
+  for source, scale in _dequantizations(jaxpr):
+    if source in index:
+      out.setdefault(index[source], set()).add(index.get(scale))
+  return {k: frozenset(v) for k, v in out.items()}
+
+
+def _dequantizations(jaxpr) -> list[tuple[Any, Any]]:
+  """(the integer value converted, the scale) of each of ``jaxpr``'s top-level dequantizations
+  (:func:`dequantization_scales`), in order."""
+  ints = {eqn.outvars[0]: eqn.invars[0] for eqn in jaxpr.eqns
           if eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0]) and
           jax.dtypes.issubdtype(eqn.invars[0].aval.dtype, np.integer) and
           jax.dtypes.issubdtype(eqn.outvars[0].aval.dtype, np.floating)}
-  scales = set()
+  found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name not in ("mul", "div") or len(eqn.invars) != 2 or not ints:
       continue
@@ -405,8 +425,8 @@ def dequantization_scales(jaxpr) -> set:
       other = eqn.invars[1 - k]
       if (is_var(v) and v in ints and is_var(other) and other not in ints and
           math.prod(getattr(other.aval, "shape", ())) < size):
-        scales.add(other)
-  return scales
+        found.append((ints[v], other))
+  return found
 
 
 def scalar_fills(jaxpr) -> frozenset:

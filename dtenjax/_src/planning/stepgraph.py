@@ -270,6 +270,9 @@ class StepGraph:
   # the weights read in products only in a lax.cond branch other than the one the step is priced
   # on (jaxpr_reader.Reader.aside_only): that branch neither gathers nor reduces them
   aside: frozenset[int] = frozenset()
+  # an integer leaf a dequantization reads -> its scales' leaves (None: a scale the step
+  # computes; jaxpr_reader.dequantized_leaves)
+  dequantized: dict[int, frozenset] = dataclasses.field(default_factory=dict)
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
@@ -344,13 +347,18 @@ class StepGraph:
     int32 ``[4096]`` the step adds one to: no collective compiled). A scalar, a step counter,
     is left as the recorded plans price it (its 4 bytes' share of the combined all-reduce:
     dropping it moves the GPU clusters' pinned costs by 1e-10); a group no output is tied to
-    is not judged."""
+    is not judged. A dequantized array whose every scale is a leaf of a frozen group (a frozen
+    quantized weight and its scale, returned unchanged) has no float gradient either: JAX makes
+    the product's gradient only for a trained scale's (review19b: f32[512,256] priced
+    all-reduced on `data` 8 where XLA compiled none)."""
     lf = self.leaves[group[0]]
     if lf.is_key or is_float(lf.dtype) or not lf.shape:
       return False
     if any(is_float(self.weights[i].read_dtype) for i in group
            if i in self.weights and self.weights[i].read_dtype):
-      return False
+      scales = [k for i in group for k in self.dequantized.get(i, (None,))]
+      if any(k is None or not self.frozen(self.group_of(k)) for k in scales):
+        return False
     outs = [k for k, (_, _, rep) in enumerate(self.outputs) if rep == group[0]]
     return bool(outs) and not any(k in self.batch_outputs for k in outs)
 
@@ -506,6 +514,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                                     if v not in read),
                    batch_free=jaxpr_reader.batch_free(jaxpr, leaves),
                    gradient_free=jaxpr_reader.gradient_free(jaxpr, leaves),
+                   dequantized=jaxpr_reader.dequantized_leaves(jaxpr),
                    aside=reader.aside_only(),
                    batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves),
                    manual_outputs=tuple(reader.manual_outputs()),

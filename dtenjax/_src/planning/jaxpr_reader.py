@@ -539,6 +539,9 @@ class Reader:
     self.leaf_flops: dict[int, float] = {}
     self.shape_flops: dict[tuple[int, ...], float] = {}   # products whose result has this shape
     self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
+    # leaf -> those of its products whose other operand no state leaf made (the batch's input,
+    # ``x @ w``): no input gradient's product reads the leaf again for them
+    self.free_reads: dict[int, int] = {}
     # leaf -> (its products inside a loop's body, and those times their trip counts)
     self.loop_reads: dict[int, tuple[int, int]] = {}
     # leaf -> the innermost loop (scan or while equation) its first product inside a loop's body
@@ -878,6 +881,9 @@ class Reader:
       if not self.aside:
         self.leaf_flops[leaf] = self.leaf_flops.get(leaf, 0.0) + flops
         self.leaf_reads[leaf] = self.leaf_reads.get(leaf, 0) + 1
+        other = eqn.invars[1 - side]
+        if not (is_var(other) and other in self.state_derived):
+          self.free_reads[leaf] = self.free_reads.get(leaf, 0) + 1
         if repeats > 1:
           seen, trips = self.loop_reads.get(leaf, (0, 0))
           self.loop_reads[leaf] = (seen + 1, trips + repeats)

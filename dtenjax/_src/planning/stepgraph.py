@@ -465,7 +465,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     # a gradient's product has the weight's shape (or its transpose): it splits like the reads
     has_grad = (shape in reader.shape_flops or tuple(reversed(shape)) in reader.shape_flops)
     reads = reader.leaf_flops.get(leaf, 0.0)
-    parts = _grad_parts(use, reader.leaf_reads.get(leaf, 1), leaf in reader.remat_read)
+    parts = _grad_parts(use, reader.leaf_reads.get(leaf, 1), leaf in reader.remat_read,
+                        reader.free_reads.get(leaf, 0))
     loop_uses, loop_parts = _loop_parts(use, reader.loop_reads.get(leaf, (0, 0)),
                                         leaf in reader.remat_read)
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
@@ -612,13 +613,20 @@ def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], fl
   return liveness.cone_shares(cones, reader.token_of, reader.token_bytes)
 
 
-def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:
+def _grad_parts(use: WeightUse, reads: int, remat: bool, free: int = 0) -> int:
   """How many times a weight is used per step, hence how many gradient parts XLA reduces before
   adding them (weights shared across layers): each use reads it in the forward product, again in
   the input gradient's product (when that is needed) and once more where jax.checkpoint
-  recomputes the forward. A scanned stack's layers are one use (accumulated in the loop)."""
+  recomputes the forward. A scanned stack's layers are one use (accumulated in the loop).
+  Without jax.checkpoint, the ``free`` reads (Reader.free_reads: the other operand no state
+  leaf made) need no input gradient and the others one each, so a weight read first from the
+  batch's input and again from its own outputs (``tanh(h @ w)`` three times) has one part per
+  forward read (review19b: three on `data` 8, as XLA:CPU all-reduces them; five were priced
+  from the first read's use)."""
   if use.layers > 1:
     return 1
+  if not remat:
+    return max(1, free + (reads - free) // 2)
   per_use = 1 + int(use.input_grad) + int(remat)
   return max(1, reads // per_use)
 

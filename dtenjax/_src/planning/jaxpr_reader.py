@@ -408,6 +408,30 @@ def dequantized_leaves(jaxpr) -> dict[int, frozenset]:
   return {k: frozenset(v) for k, v in out.items()}
 
 
+def untrained_dequantizations(jaxpr) -> frozenset[int]:
+  """The indices among ``jaxpr``'s invars of the integer leaves every top-level dequantization of
+  which (:func:`dequantization_scales`) reads a float conversion nothing else reads: a trained
+  scale's gradient reads it again (``sum(d(w) * wq)``, the transpose of the product by the
+  scale), so where none does JAX makes no float gradient of the dequantized weight (a frozen
+  quantized layer whose scale the step passes in and does not return)."""
+  index = {v: i for i, v in enumerate(jaxpr.invars)}
+  readers: dict[Any, int] = {}
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if is_var(v):
+        readers[v] = readers.get(v, 0) + 1
+  for v in jaxpr.outvars:
+    if is_var(v):
+      readers[v] = readers.get(v, 0) + 1
+  converted: dict[int, set] = {}
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0])
+        and eqn.invars[0] in index):
+      converted.setdefault(index[eqn.invars[0]], set()).add(eqn.outvars[0])
+  found = {index[source] for source, _ in _dequantizations(jaxpr) if source in index}
+  return frozenset(k for k in found if all(readers.get(c, 0) <= 1 for c in converted[k]))
+
+
 def _dequantizations(jaxpr) -> list[tuple[Any, Any]]:
   """(the integer value converted, the scale) of each of ``jaxpr``'s top-level dequantizations
   (:func:`dequantization_scales`), in order."""

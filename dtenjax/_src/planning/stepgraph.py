@@ -273,6 +273,9 @@ class StepGraph:
   # an integer leaf a dequantization reads -> its scales' leaves (None: a scale the step
   # computes; jaxpr_reader.dequantized_leaves)
   dequantized: dict[int, frozenset] = dataclasses.field(default_factory=dict)
+  # the integer leaves whose dequantized float value has no gradient: no scale's gradient reads
+  # their conversion (jaxpr_reader.untrained_dequantizations)
+  untrained: frozenset[int] = frozenset()
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
@@ -350,12 +353,15 @@ class StepGraph:
     is not judged. A dequantized array whose every scale is a leaf of a frozen group (a frozen
     quantized weight and its scale, returned unchanged) has no float gradient either: JAX makes
     the product's gradient only for a trained scale's (review19b: f32[512,256] priced
-    all-reduced on `data` 8 where XLA compiled none)."""
+    all-reduced on `data` 8 where XLA compiled none); nor has one whose conversion no scale's
+    gradient reads (:attr:`untrained`: the scale passed in and not returned)."""
     lf = self.leaves[group[0]]
     if lf.is_key or is_float(lf.dtype) or not lf.shape:
       return False
     if any(is_float(self.weights[i].read_dtype) for i in group
            if i in self.weights and self.weights[i].read_dtype):
+      if all(i in self.untrained for i in group):
+        return True
       scales = [k for i in group for k in self.dequantized.get(i, (None,))]
       if any(k is None or not self.frozen(self.group_of(k)) for k in scales):
         return False
@@ -516,6 +522,7 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                    batch_free=jaxpr_reader.batch_free(jaxpr, leaves),
                    gradient_free=jaxpr_reader.gradient_free(jaxpr, leaves),
                    dequantized=jaxpr_reader.dequantized_leaves(jaxpr),
+                   untrained=jaxpr_reader.untrained_dequantizations(jaxpr),
                    aside=reader.aside_only(),
                    batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves),
                    manual_outputs=tuple(reader.manual_outputs()),

@@ -31,9 +31,10 @@ from jax.sharding import PartitionSpec as P
 import _harness
 
 BENCH = "fsdp_small_batch"
-# (input width, hidden width, batch): the suite's MLP (tests/test_plan_user_steps.py) at four
-# batches, and one twice as wide at two
-CASES = ((128, 512, 16), (128, 512, 64), (128, 512, 256), (128, 512, 512),
+# (input width, hidden width, batch): the suite's MLP (tests/test_plan_user_steps.py) at five
+# batches (136: just above w1's threshold, where w2's gradient alone moves), and one twice as
+# wide at two
+CASES = ((128, 512, 16), (128, 512, 64), (128, 512, 136), (128, 512, 256), (128, 512, 512),
          (256, 1024, 64), (256, 1024, 1024))
 
 

@@ -391,11 +391,55 @@ def dequantization_scales(jaxpr) -> set:
   the batch (``f32[512,256]`` all-reduced for an int8 ``[512, 256]`` weight, compiled on 8 CPU
   devices), so the reader's walk (:meth:`Reader.walk`) keeps the weight through its scale as
   :func:`followed_operand` does through a scalar's."""
-  ints = {eqn.outvars[0] for eqn in jaxpr.eqns
+  return {scale for _, scale in _dequantizations(jaxpr)}
+
+
+def dequantized_leaves(jaxpr) -> dict[int, frozenset]:
+  """The index among ``jaxpr``'s invars of each integer leaf a top-level dequantization reads
+  (:func:`dequantization_scales`) -> its scales' values, each the index of the invar it is or
+  None where the step computes it. The dequantized weight's float gradient is what a trained
+  scale's gradient needs (``sum(d(w) * wq)``); where no scale is trained, JAX makes none
+  (StepGraph.integer_gradient_free)."""
+  index = {v: i for i, v in enumerate(jaxpr.invars)}
+  out: dict[int, set] = {}
+  for source, scale in _dequantizations(jaxpr):
+    if source in index:
+      out.setdefault(index[source], set()).add(index.get(scale))
+  return {k: frozenset(v) for k, v in out.items()}
+
+
+def untrained_dequantizations(jaxpr) -> frozenset[int]:
+  """The indices among ``jaxpr``'s invars of the integer leaves every top-level dequantization of
+  which (:func:`dequantization_scales`) reads a float conversion nothing else reads: a trained
+  scale's gradient reads it again (``sum(d(w) * wq)``, the transpose of the product by the
+  scale), so where none does JAX makes no float gradient of the dequantized weight (a frozen
+  quantized layer whose scale the step passes in and does not return)."""
+  index = {v: i for i, v in enumerate(jaxpr.invars)}
+  readers: dict[Any, int] = {}
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if is_var(v):
+        readers[v] = readers.get(v, 0) + 1
+  for v in jaxpr.outvars:
+    if is_var(v):
+      readers[v] = readers.get(v, 0) + 1
+  converted: dict[int, set] = {}
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0])
+        and eqn.invars[0] in index):
+      converted.setdefault(index[eqn.invars[0]], set()).add(eqn.outvars[0])
+  found = {index[source] for source, _ in _dequantizations(jaxpr) if source in index}
+  return frozenset(k for k in found if all(readers.get(c, 0) <= 1 for c in converted[k]))
+
+
+def _dequantizations(jaxpr) -> list[tuple[Any, Any]]:
+  """(the integer value converted, the scale) of each of ``jaxpr``'s top-level dequantizations
+  (:func:`dequantization_scales`), in order."""
+  ints = {eqn.outvars[0]: eqn.invars[0] for eqn in jaxpr.eqns
           if eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0]) and
           jax.dtypes.issubdtype(eqn.invars[0].aval.dtype, np.integer) and
           jax.dtypes.issubdtype(eqn.outvars[0].aval.dtype, np.floating)}
-  scales = set()
+  found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name not in ("mul", "div") or len(eqn.invars) != 2 or not ints:
       continue
@@ -405,8 +449,8 @@ def dequantization_scales(jaxpr) -> set:
       other = eqn.invars[1 - k]
       if (is_var(v) and v in ints and is_var(other) and other not in ints and
           math.prod(getattr(other.aval, "shape", ())) < size):
-        scales.add(other)
-  return scales
+        found.append((ints[v], other))
+  return found
 
 
 def scalar_fills(jaxpr) -> frozenset:
@@ -567,6 +611,9 @@ class Reader:
     self.leaf_flops: dict[int, float] = {}
     self.shape_flops: dict[tuple[int, ...], float] = {}   # products whose result has this shape
     self.leaf_reads: dict[int, int] = {}      # leaf -> products that read it (in the jaxpr)
+    # leaf -> those of its products whose other operand no state leaf made (the batch's input,
+    # ``x @ w``): no input gradient's product reads the leaf again for them
+    self.free_reads: dict[int, int] = {}
     # leaf -> (its products inside a loop's body, and those times their trip counts)
     self.loop_reads: dict[int, tuple[int, int]] = {}
     # leaf -> the innermost loop (scan or while equation) its first product inside a loop's body
@@ -938,6 +985,9 @@ class Reader:
       if not self.aside:
         self.leaf_flops[leaf] = self.leaf_flops.get(leaf, 0.0) + flops
         self.leaf_reads[leaf] = self.leaf_reads.get(leaf, 0) + 1
+        other = eqn.invars[1 - side]
+        if not (is_var(other) and other in self.state_derived):
+          self.free_reads[leaf] = self.free_reads.get(leaf, 0) + 1
         if repeats > 1:
           seen, trips = self.loop_reads.get(leaf, (0, 0))
           self.loop_reads[leaf] = (seen + 1, trips + repeats)

@@ -270,6 +270,12 @@ class StepGraph:
   # the weights read in products only in a lax.cond branch other than the one the step is priced
   # on (jaxpr_reader.Reader.aside_only): that branch neither gathers nor reduces them
   aside: frozenset[int] = frozenset()
+  # an integer leaf a dequantization reads -> its scales' leaves (None: a scale the step
+  # computes; jaxpr_reader.dequantized_leaves)
+  dequantized: dict[int, frozenset] = dataclasses.field(default_factory=dict)
+  # the integer leaves whose dequantized float value has no gradient: no scale's gradient reads
+  # their conversion (jaxpr_reader.untrained_dequantizations)
+  untrained: frozenset[int] = frozenset()
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
@@ -344,13 +350,21 @@ class StepGraph:
     int32 ``[4096]`` the step adds one to: no collective compiled). A scalar, a step counter,
     is left as the recorded plans price it (its 4 bytes' share of the combined all-reduce:
     dropping it moves the GPU clusters' pinned costs by 1e-10); a group no output is tied to
-    is not judged."""
+    is not judged. A dequantized array whose every scale is a leaf of a frozen group (a frozen
+    quantized weight and its scale, returned unchanged) has no float gradient either: JAX makes
+    the product's gradient only for a trained scale's (review19b: f32[512,256] priced
+    all-reduced on `data` 8 where XLA compiled none); nor has one whose conversion no scale's
+    gradient reads (:attr:`untrained`: the scale passed in and not returned)."""
     lf = self.leaves[group[0]]
     if lf.is_key or is_float(lf.dtype) or not lf.shape:
       return False
     if any(is_float(self.weights[i].read_dtype) for i in group
            if i in self.weights and self.weights[i].read_dtype):
-      return False
+      if all(i in self.untrained for i in group):
+        return True
+      scales = [k for i in group for k in self.dequantized.get(i, (None,))]
+      if any(k is None or not self.frozen(self.group_of(k)) for k in scales):
+        return False
     outs = [k for k, (_, _, rep) in enumerate(self.outputs) if rep == group[0]]
     return bool(outs) and not any(k in self.batch_outputs for k in outs)
 
@@ -457,7 +471,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
     # a gradient's product has the weight's shape (or its transpose): it splits like the reads
     has_grad = (shape in reader.shape_flops or tuple(reversed(shape)) in reader.shape_flops)
     reads = reader.leaf_flops.get(leaf, 0.0)
-    parts = _grad_parts(use, reader.leaf_reads.get(leaf, 1), leaf in reader.remat_read)
+    parts = _grad_parts(use, reader.leaf_reads.get(leaf, 1), leaf in reader.remat_read,
+                        reader.free_reads.get(leaf, 0))
     loop_uses, loop_parts = _loop_parts(use, reader.loop_reads.get(leaf, (0, 0)),
                                         leaf in reader.remat_read)
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
@@ -506,6 +521,8 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
                                     if v not in read),
                    batch_free=jaxpr_reader.batch_free(jaxpr, leaves),
                    gradient_free=jaxpr_reader.gradient_free(jaxpr, leaves),
+                   dequantized=jaxpr_reader.dequantized_leaves(jaxpr),
+                   untrained=jaxpr_reader.untrained_dequantizations(jaxpr),
                    aside=reader.aside_only(),
                    batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves),
                    manual_outputs=tuple(reader.manual_outputs()),
@@ -524,24 +541,27 @@ def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGrap
 def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
                      parts: dict[tuple[int, ...], int]) -> dict[tuple[int, int], Any]:
   """StepGraph.shard_gradients: gather.shard_gradients' weights whose gradient moves the
-  activations, where every weight the step's products read has one (each group that holds a
-  weight) and no weight's gradient has several parts (``parts``, liveness.gradient_parts: a
-  weight read again through a transpose, ``h @ w.T``, whose second part is made whole). Where
-  some weight's gradient stays whole (a weight read in a loop, scaled on its way to its
-  product, read twice, or no larger than its gradient's cotangent), XLA:CPU's
-  combined all-reduce of the whole gradients remains, and beside it the moved program held
-  memory the model does not follow (a scaled first layer on `fsdp` 8: 0.50 MiB of temp compiled
-  where 0.75 was priced; a weight in a lax.fori_loop: 0.32 MiB compiled, 0.29 priced): none
-  moves."""
+  activations, where every weight the step's products read has a gradient product it follows
+  (each group that holds a weight) and no weight's gradient has several parts (``parts``,
+  liveness.gradient_parts: a weight read again through a transpose, ``h @ w.T``, whose second
+  part is made whole). Where some weight's gradient is no followed product (a weight read in a
+  loop, scaled on its way to its product, read twice), XLA:CPU's combined all-reduce of the
+  whole gradients remains, and beside it the moved program held memory the model does not
+  follow (a scaled first layer on `fsdp` 8: 0.50 MiB of temp compiled where 0.75 was priced; a
+  weight in a lax.fori_loop: 0.32 MiB compiled, 0.29 priced): none moves. A followed weight
+  whose cotangent is the larger (moves_activations) keeps its reduction beside the others'
+  moves, as XLA's partitioner does for the plain FSDP step (review19b: the MLP at batch 136 on
+  `fsdp` 8, w2 moved and w1 reduced, 0.94 MiB as priced against the plain jit's 1.04; with
+  neither moved 1.41)."""
   if parts:
     return {}
-  found = {k: how for k, (_, how) in gather.shard_gradients(jaxpr).items() if how.moves}
-  moving = {k for k, _ in found}
+  followed = gather.shard_gradients(jaxpr)
+  weighed = {k for k, _ in followed}
   for group in groups.values():
     if (any(k in weights and not leaves[k].is_batch for k in group)
-        and not any(k in moving for k in group)):
+        and not any(k in weighed for k in group)):
       return {}
-  return found
+  return {k: how for k, (_, how) in followed.items() if how.moves}
 
 
 def _feature_shard_maps(shard_maps, leaves, cones) -> tuple[FeatureShardMap, ...]:
@@ -600,13 +620,20 @@ def _token_share(reader: jaxpr_reader.Reader, cones) -> dict[tuple[int, int], fl
   return liveness.cone_shares(cones, reader.token_of, reader.token_bytes)
 
 
-def _grad_parts(use: WeightUse, reads: int, remat: bool) -> int:
+def _grad_parts(use: WeightUse, reads: int, remat: bool, free: int = 0) -> int:
   """How many times a weight is used per step, hence how many gradient parts XLA reduces before
   adding them (weights shared across layers): each use reads it in the forward product, again in
   the input gradient's product (when that is needed) and once more where jax.checkpoint
-  recomputes the forward. A scanned stack's layers are one use (accumulated in the loop)."""
+  recomputes the forward. A scanned stack's layers are one use (accumulated in the loop).
+  Without jax.checkpoint, the ``free`` reads (Reader.free_reads: the other operand no state
+  leaf made) need no input gradient and the others one each, so a weight read first from the
+  batch's input and again from its own outputs (``tanh(h @ w)`` three times) has one part per
+  forward read (review19b: three on `data` 8, as XLA:CPU all-reduces them; five were priced
+  from the first read's use)."""
   if use.layers > 1:
     return 1
+  if not remat:
+    return max(1, free + (reads - free) // 2)
   per_use = 1 + int(use.input_grad) + int(remat)
   return max(1, reads // per_use)
 

@@ -52,3 +52,34 @@ def reference(stacked, head, x, targets, microbatches: int = MICRO):
     mean = lambda t: jax.tree.map(lambda a: a / microbatches, t)
     return mean(loss), mean(gl), mean(gh), mean(dxs).reshape(x.shape)
   return run(stacked, head, x, targets)
+
+
+# A stack that carries an integer per layer (its index, scaling the layer) and a head with an
+# integer table: their gradients are float0, which a pipeline's accumulation must not add.
+def int_body(h, w):
+  return jnp.tanh(h @ w["w"]) * (1 + w["idx"].astype(h.dtype) / 8), None
+
+
+def int_loss_fn(head, h, t):
+  return ((h[:, head["cols"]] - t) ** 2).mean()
+
+
+def int_init():
+  """(layers of 4, head, x, targets) for `int_body` and `int_loss_fn`, batch 8 of width 8."""
+  rng = np.random.default_rng(0)
+  layers = {"w": jnp.asarray(rng.normal(0, 0.3, (4, 8, 8)), jnp.float32),
+            "idx": jnp.arange(4, dtype=jnp.int32)}
+  head = {"cols": jnp.asarray([1, 3, 5], jnp.int32)}
+  return (layers, head, jnp.asarray(rng.normal(size=(8, 8)), jnp.float32),
+          jnp.asarray(rng.normal(size=(8, 3)), jnp.float32))
+
+
+def int_reference(layers, head, x, t, microbatches: int = 2):
+  """(loss, (layer gradients, head gradients)) of the unpipelined loop over micro-batches,
+  `jax.value_and_grad(..., allow_int=True)` as a user writes it."""
+  def plain(w, hd):
+    xs = x.reshape(microbatches, -1, x.shape[-1])
+    ts = t.reshape(microbatches, -1, t.shape[-1])
+    return sum(int_loss_fn(hd, lax.scan(int_body, xs[m], w)[0], ts[m])
+               for m in range(microbatches)) / microbatches
+  return jax.value_and_grad(plain, argnums=(0, 1), allow_int=True)(layers, head)

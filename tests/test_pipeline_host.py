@@ -297,19 +297,8 @@ def test_integer_leaves_in_the_layers_and_the_head_on_threads():
   stage programs' accumulation added their float0 cotangents ("Called add with a float0
   array"). The loss and the float gradients are those of jax.grad(allow_int=True) of the plain
   loop; the integer leaves get float0 zeros, as jax.grad gives them."""
-  def body(h, w):
-    return jnp.tanh(h @ w["w"]) * (1 + w["idx"].astype(h.dtype) / 8), None
-
-  def loss_fn(head, h, t):
-    return ((h[:, head["cols"]] - t) ** 2).mean()
-
-  rng = np.random.default_rng(0)
-  layers = {"w": jnp.asarray(rng.normal(0, 0.3, (4, 8, 8)), jnp.float32),
-            "idx": jnp.arange(4, dtype=jnp.int32)}
-  head = {"cols": jnp.asarray([1, 3, 5], jnp.int32)}
-  x = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
-  t = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
-  pipe = dtenjax.pipeline(body, loss_fn, stages=2, microbatches=2)
+  layers, head, x, t = m.int_init()
+  pipe = dtenjax.pipeline(m.int_body, m.int_loss_fn, stages=2, microbatches=2)
   store = _store()
 
   def stage(d):
@@ -320,11 +309,7 @@ def test_integer_leaves_in_the_layers_and_the_head_on_threads():
   outs, errs = _on_threads(2, stage)
   assert not any(errs), errs
 
-  def plain(w, hd):
-    xs, ts = x.reshape(2, 4, 8), t.reshape(2, 4, 3)
-    return sum(loss_fn(hd, jax.lax.scan(body, xs[i], w)[0], ts[i]) for i in range(2)) / 2
-
-  ref, (rg, rgh) = jax.value_and_grad(plain, argnums=(0, 1), allow_int=True)(layers, head)
+  ref, (rg, rgh) = m.int_reference(layers, head, x, t)
   for d, (value, (dlayers, dhead, _)) in enumerate(outs):
     np.testing.assert_allclose(value, ref, rtol=1e-6)
     np.testing.assert_allclose(dlayers["w"], rg["w"][2 * d:2 * d + 2], rtol=1e-5, atol=1e-7)

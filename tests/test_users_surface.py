@@ -746,30 +746,16 @@ def test_the_pipeline_takes_integer_leaves_in_the_layers_and_the_head():
   scales) or a head with an integer table failed the pipeline's backward with "Called add with
   a float0 array" (jax.grad(..., allow_int=True) of the same unpipelined loss runs). The loss
   and the float gradients are those of the plain gradient-accumulation loop."""
-  def body(h, w):
-    return jnp.tanh(h @ w["w"]) * (1 + w["idx"].astype(h.dtype) / 8), None
-
-  def loss_fn(head, h, t):
-    return ((h[:, head["cols"]] - t) ** 2).mean()
-
-  rng = np.random.default_rng(0)
-  layers = {"w": jnp.asarray(rng.normal(0, 0.3, (4, 8, 8)), jnp.float32),
-            "idx": jnp.arange(4, dtype=jnp.int32)}
-  head = {"cols": jnp.asarray([1, 3, 5], jnp.int32)}
-  x = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
-  t = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
-  pipe = dtenjax.pipeline(body, loss_fn, stages=2, microbatches=2)
+  from tests import pipeline_host_model as m
+  layers, head, x, t = m.int_init()
+  pipe = dtenjax.pipeline(m.int_body, m.int_loss_fn, stages=2, microbatches=2)
   mesh = jax.make_mesh((2, 4), ("stage", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   grad = lambda f: jax.value_and_grad(f, argnums=(0, 1), allow_int=True)
   step = jax.jit(jax.shard_map(grad(lambda w, hd: pipe(w, hd, x, t)), mesh=mesh,
                                in_specs=(P("stage"), P()), out_specs=(P(), (P("stage"), P()))))
   value, (g, gh) = step(layers, head)
 
-  def plain(w, hd):
-    xs, ts = x.reshape(2, 4, 8), t.reshape(2, 4, 3)
-    return sum(loss_fn(hd, jax.lax.scan(body, xs[m], w)[0], ts[m]) for m in range(2)) / 2
-
-  ref, (rg, rgh) = grad(plain)(layers, head)
+  ref, (rg, rgh) = m.int_reference(layers, head, x, t)
   np.testing.assert_allclose(value, ref, rtol=1e-6)
   np.testing.assert_allclose(g["w"], rg["w"], rtol=1e-5, atol=1e-7)
   assert g["idx"].dtype == gh["cols"].dtype == jax.dtypes.float0

@@ -58,12 +58,24 @@ def make(d: int, hidden: int, batch: int):
   return step, (params, tx.init(params), {"x": normal(batch, d), "y": normal(batch, d)})
 
 
+def _cases(text: str) -> tuple[tuple[int, int, int], ...]:
+  try:
+    cases = tuple(tuple(int(v) for v in c.split(",")) for c in text.split(";") if c.strip())
+  except ValueError:
+    cases = ()
+  if not cases or any(len(c) != 3 or min(c) <= 0 or c[2] % 8 for c in cases):
+    raise argparse.ArgumentTypeError(
+        f"--cases {text!r}: give D,HIDDEN,BATCH triples of positive ints separated by ';', "
+        "the batch a multiple of the 8 devices (e.g. 128,512,64;128,512,256)")
+  return cases
+
+
 def compiled_stats(compiled) -> dict:
   """Memory per device (MiB) and collective bytes per kind (KiB) of a compiled step."""
-  from dtenjax._src.planning import explain as explain_lib
+  import dtenjax
   m = compiled.memory_analysis()
   kinds: dict[str, float] = {}
-  for c in explain_lib.explain(compiled).collectives:
+  for c in dtenjax.explain(compiled).collectives:
     kinds[c.kind] = kinds.get(c.kind, 0.0) + c.nbytes / 2**10
   return {"memory_mib": (m.argument_size_in_bytes + m.output_size_in_bytes
                          - m.alias_size_in_bytes + m.temp_size_in_bytes) / 2**20,
@@ -76,12 +88,14 @@ def main(argv=None) -> int:
   ap.add_argument("--iters", type=_harness.positive_int, default=20)
   ap.add_argument("--warmup", type=_harness.positive_int, default=2)
   ap.add_argument("--json", default=None, help="write the rows here")
+  ap.add_argument("--cases", type=_cases, default=CASES,
+                  help="D,HIDDEN,BATCH[;...] (default: the seven of CASES)")
   args = ap.parse_args(argv)
   devices = _harness.require_devices(BENCH, 8)
   import dtenjax
   mesh = jax.sharding.Mesh(np.array(devices[:8]), ("fsdp",))
   rows = []
-  for d, hidden, batch in _harness.progress(CASES, BENCH, lambda c: f"d {c[0]} batch {c[2]}"):
+  for d, hidden, batch in _harness.progress(args.cases, BENCH, lambda c: f"d {c[0]} batch {c[2]}"):
     step, concrete = make(d, hidden, batch)
     fsdp = jax.tree.map(lambda x: NamedSharding(
         mesh, P("fsdp") if x.ndim and x.shape[0] % 8 == 0 else P()), concrete)

@@ -13,6 +13,12 @@ other round in the reverse order)::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/fsdp_small_batch.py \\
         --iters 20 --json bench/results/DATE_fsdp_small_batch_BRANCH.json
+
+``--models`` picks the MLP's variants (``MODELS``, comma-separated): ``mlp``, the two-layer MLP
+above; ``two_views``, the same MLP applied to the batch and to its features reversed, the two
+losses summed (every weight read by two products: tests/test_plan_user_steps.py's
+``two_views``); ``remat_first``, the first layer (``gelu(x @ w1 + b1)``) inside
+``jax.checkpoint``.
 """
 
 from __future__ import annotations
@@ -38,15 +44,29 @@ CASES = ((128, 512, 16), (128, 512, 64), (128, 512, 136), (128, 512, 256), (128,
          (256, 1024, 64), (256, 1024, 1024))
 
 
-def make(d: int, hidden: int, batch: int):
-  """The adamw step of the MLP and its concrete arguments."""
+# the MLP's variants (--models): the issue's rows fsdp19 left (docs/benchmarks.md, fsdp19b)
+MODELS = ("mlp", "two_views", "remat_first")
+
+
+def _first(p, x):
+  return jax.nn.gelu(x @ p["w1"] + p["b1"])
+
+
+def make(d: int, hidden: int, batch: int, model: str = "mlp"):
+  """The adamw step of the MLP (``model``, one of MODELS) and its concrete arguments."""
   tx = optax.adamw(1e-2)
   keys = iter(jax.random.split(jax.random.key(0), 4))
   normal = lambda *s: 0.1 * jax.random.normal(next(keys), s, jnp.float32)
+  first = jax.checkpoint(_first) if model == "remat_first" else _first
+
+  def mse(p, x, y):
+    return jnp.mean((first(p, x) @ p["w2"] + p["b2"] - y) ** 2)
 
   def loss(p, batch):
-    out = jax.nn.gelu(batch["x"] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-    return jnp.mean((out - batch["y"]) ** 2)
+    value = mse(p, batch["x"], batch["y"])
+    if model == "two_views":
+      value = value + mse(p, batch["x"][:, ::-1], batch["y"])
+    return value
 
   def step(params, opt_state, batch):
     value, grads = jax.value_and_grad(loss)(params, batch)
@@ -70,6 +90,16 @@ def _cases(text: str) -> tuple[tuple[int, int, int], ...]:
   return cases
 
 
+def _models(text: str) -> tuple[str, ...]:
+  models = tuple(m.strip() for m in text.split(",") if m.strip())
+  bad = [m for m in models if m not in MODELS]
+  if not models or bad:
+    raise argparse.ArgumentTypeError(
+        f"--models {text!r}: {bad or 'none given'} not among {', '.join(MODELS)}; give a "
+        "comma-separated list of them (e.g. mlp,remat_first)")
+  return models
+
+
 def compiled_stats(compiled) -> dict:
   """Memory per device (MiB) and collective bytes per kind (KiB) of a compiled step."""
   import dtenjax
@@ -90,13 +120,18 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None, help="write the rows here")
   ap.add_argument("--cases", type=_cases, default=CASES,
                   help="D,HIDDEN,BATCH[;...] (default: the seven of CASES)")
+  ap.add_argument("--models", type=_models, default=("mlp",),
+                  help=f"the MLP's variants, comma-separated, of {','.join(MODELS)} (default mlp; "
+                       "see the module's docstring)")
   args = ap.parse_args(argv)
   devices = _harness.require_devices(BENCH, 8)
   import dtenjax
   mesh = jax.sharding.Mesh(np.array(devices[:8]), ("fsdp",))
   rows = []
-  for d, hidden, batch in _harness.progress(args.cases, BENCH, lambda c: f"d {c[0]} batch {c[2]}"):
-    step, concrete = make(d, hidden, batch)
+  runs = [(m, *c) for m in args.models for c in args.cases]
+  for model, d, hidden, batch in _harness.progress(runs, BENCH,
+                                                   lambda c: f"{c[0]} d {c[1]} batch {c[3]}"):
+    step, concrete = make(d, hidden, batch, model)
     fsdp = jax.tree.map(lambda x: NamedSharding(
         mesh, P("fsdp") if x.ndim and x.shape[0] % 8 == 0 else P()), concrete)
     plan = dtenjax.plan(step, *concrete, mesh={"fsdp": 8})
@@ -115,14 +150,16 @@ def main(argv=None) -> int:
         samples[k].append(time.perf_counter() - t0)
     stats = {k: compiled_stats(f) for k, f in fns.items()}
     for k in fns:
-      rows.append({"case": f"d {d} h {hidden} batch {batch}", "candidate": k, **stats[k],
+      rows.append({"case": f"d {d} h {hidden} batch {batch}", "model": model,
+                   "candidate": k, **stats[k],
                    "memory_vs_plain": stats[k]["memory_mib"] / stats["plain jit"]["memory_mib"],
                    "ms": 1e3 * _harness.median(samples[k]),
                    "time_vs_plain": _harness.median(
                        [a / b for a, b in zip(samples[k], samples["plain jit"])]),
                    "collectives": " ".join(f"{n} {v:.0f}"
                                            for n, v in stats[k]["collective_kib"].items())})
-  print(_harness.table(rows, (("case", "case", "s"), ("candidate", "candidate", "s"),
+  print(_harness.table(rows, (("model", "model", "s"), ("case", "case", "s"),
+                              ("candidate", "candidate", "s"),
                               ("memory MiB", "memory_mib", ".3f"), ("temp MiB", "temp_mib", ".3f"),
                               ("/ plain", "memory_vs_plain", ".3f"),
                               ("collectives KiB", "collectives", "s"),

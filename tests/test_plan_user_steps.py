@@ -1722,6 +1722,29 @@ def test_a_cond_is_priced_on_its_branch_of_most_weight_bytes_not_of_most_bytes()
   assert not check.misses(0.10), check.table()
 
 
+def test_a_conds_branch_holds_for_its_own_read_while_another_step_is_read(monkeypatch):
+  # review19d: the branch Reader._choose_branch picks is kept for the read's later readers
+  # (pairs, liveness). Kept in a module's dict that each new Reader cleared, a second plan read
+  # while the first one was (another thread's, here just before the first read's liveness)
+  # emptied it, and the first step's liveness took the fallback branch of larger made peak:
+  # tiled_vs_weights' activations 44.8 -> 49.7 MB. Its read beside another must be its read alone.
+  import threading
+  from dtenjax._src.planning import liveness, stepgraph
+  case, other = tiled_vs_weights(), short_wide_branch()
+  alone = stepgraph.read_step(case.step, case.args, (2,))
+  activations = liveness.activations
+  def beside(*args, **kwargs):
+    monkeypatch.setattr(liveness, "activations", activations)
+    thread = threading.Thread(target=stepgraph.read_step, args=(other.step, other.args, (2,)))
+    thread.start()
+    thread.join()
+    return activations(*args, **kwargs)
+  monkeypatch.setattr(liveness, "activations", beside)
+  read = stepgraph.read_step(case.step, case.args, (2,))
+  assert liveness.activations is activations        # the other read ran
+  assert (read.activation_bytes, read.timeline) == (alone.activation_bytes, alone.timeline)
+
+
 def test_a_pair_is_found_where_the_update_reduces_over_its_dimension():
   # the batch-512 square MLP under adafactor, planned on `fsdp` 4 x `tensor` 2: adafactor's
   # factored moments reduce each gradient over its rows and its columns, and the walk from w1's

@@ -1722,6 +1722,55 @@ def test_a_cond_is_priced_on_its_branch_of_most_weight_bytes_not_of_most_bytes()
   assert not check.misses(0.10), check.table()
 
 
+def test_a_conds_branch_holds_for_its_own_read_while_another_step_is_read(monkeypatch):
+  # review19d: the branch Reader._choose_branch picks is kept for the read's later readers
+  # (pairs, liveness). Kept in a module's dict that each new Reader cleared, a second plan read
+  # while the first one was (another thread's, here just before the first read's liveness)
+  # emptied it, and the first step's liveness took the fallback branch of larger made peak:
+  # tiled_vs_weights' activations 44.8 -> 49.7 MB. Its read beside another must be its read alone.
+  import threading
+  from dtenjax._src.planning import liveness, stepgraph
+  case, other = tiled_vs_weights(), short_wide_branch()
+  alone = stepgraph.read_step(case.step, case.args, (2,))
+  activations = liveness.activations
+  def beside(*args, **kwargs):
+    monkeypatch.setattr(liveness, "activations", activations)
+    thread = threading.Thread(target=stepgraph.read_step, args=(other.step, other.args, (2,)))
+    thread.start()
+    thread.join()
+    return activations(*args, **kwargs)
+  monkeypatch.setattr(liveness, "activations", beside)
+  read = stepgraph.read_step(case.step, case.args, (2,))
+  assert liveness.activations is activations        # the other read ran
+  assert (read.activation_bytes, read.timeline) == (alone.activation_bytes, alone.timeline)
+
+
+def test_a_bodys_activation_of_a_weights_shape_is_an_activation():
+  # review19d: inside a body (a cond's branch here; a scan's or a checkpoint's alike) liveness
+  # took a value of a state leaf's shape for a gradient, unless the reader's batch dimensions
+  # said otherwise, but the body's walk was not given them: with 128 rows the branch's
+  # ``x @ w1`` ([128, 1024], w1's shape) and its gelu's values were dropped from the peak (the
+  # step graph's activations 29696 bytes a row at b 128, 38400 at 120 and 136). The same step
+  # at two batch sizes holds the same bytes per row (every activation carries the batch).
+  from dtenjax._src.planning import stepgraph
+  def case(b, d=128, h=1024):
+    tx = optax.adamw(_LR)
+    def loss(p, batch):
+      x = batch["x"]
+      def wide():
+        z = x
+        for _ in range(16):
+          z = jnp.tanh(z * 1.1)
+        return z @ p["w3"]
+      out = jax.lax.cond(p["flag"] > 0, wide, lambda: jax.nn.gelu(x @ p["w1"]) @ p["w2"])
+      return jnp.mean((out - batch["y"]) ** 2)
+    p = dict(_init({"w1": (d, h), "w2": (h, d), "w3": (d, d)}),
+             flag=jnp.asarray(-1.0, jnp.float32))
+    return _sgd_step(loss, tx), (p, tx.init(p), _xy(b=b, d=d, o=d))
+  per_row = {b: stepgraph.read_step(*case(b), (2,)).activation_bytes / b for b in (120, 128)}
+  assert per_row[128] == per_row[120], per_row
+
+
 def test_a_pair_is_found_where_the_update_reduces_over_its_dimension():
   # the batch-512 square MLP under adafactor, planned on `fsdp` 4 x `tensor` 2: adafactor's
   # factored moments reduce each gradient over its rows and its columns, and the walk from w1's

@@ -10,6 +10,8 @@ runs it and hands its findings to the pairs (:mod:`~dtenjax._src.planning.pairs`
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 import dataclasses
 import itertools
 import math
@@ -508,10 +510,27 @@ def sub_jaxprs(eqn):
 
 
 # lax.cond equations whose priced branch the Reader chose on the weights each branch's products
-# read (Reader._choose_branch), before anything walks their bodies: id -> (eqn, branch). Every
-# later reader of the same jaxpr (pairs, liveness, the step graph) takes the same branch; a new
-# Reader clears it
-_CHOSEN: dict[int, tuple[Any, Any]] = {}
+# read (Reader._choose_branch), before anything walks their bodies: id -> (eqn, branch), for the
+# read of one step (chosen_branches). Every later reader of the same jaxpr (pairs, liveness, the
+# step graph) takes the same branch. A context variable, not a module's dict: a second plan made
+# while one is read (another thread's, or a step read inside a read) had cleared a shared dict,
+# and the first step's liveness priced its conds on the fallback branch (tiled_vs_weights'
+# activations 44.8 -> 49.7 MB in tests/test_plan_user_steps.py)
+_CHOSEN: contextvars.ContextVar[dict[int, tuple[Any, Any]] | None] = contextvars.ContextVar(
+    "dtenjax_chosen_branches", default=None)
+
+
+@contextlib.contextmanager
+def chosen_branches():
+  """The scope of one step's read (:func:`dtenjax._src.planning.stepgraph.read_step`): the
+  branches its :class:`Reader` chooses are the ones :func:`priced_branch` returns inside it, in
+  this thread and for this read only; they are dropped as it ends, so no step's jaxpr stays alive
+  and no recycled ``id`` finds another read's equation."""
+  token = _CHOSEN.set({})
+  try:
+    yield
+  finally:
+    _CHOSEN.reset(token)
 
 
 def priced_branch(eqn):
@@ -528,7 +547,7 @@ def priced_branch(eqn):
   ``lax.cond(ok, update, skip)`` puts the skip first (optax.apply_if_finite's reject_update,
   whose inner state passes through untouched, would leave the moments untied from their
   parameters; it makes no value, so its peak is the smaller anyway)."""
-  chosen = _CHOSEN.get(id(eqn))
+  chosen = (_CHOSEN.get() or {}).get(id(eqn))
   if chosen is not None and chosen[0] is eqn:
     return chosen[1]
   branches = [b.jaxpr for b in eqn.params["branches"]]
@@ -598,10 +617,12 @@ class Reader:
 
   def __init__(self, leaves: Sequence[Any]):   # stepgraph.Leaf records
     self.leaves = leaves
-    # the branches the last step's reader chose: what reads that step's jaxpr (pairs, liveness,
-    # the step graph) runs within stepgraph.read_step, before the next step is read; clearing
-    # them keeps no step's jaxpr alive after it
-    _CHOSEN.clear()
+    # the branches this reader chooses are kept for the read's scope (chosen_branches); outside
+    # one they had nowhere to go and liveness had priced another branch than the walk
+    self.chosen = _CHOSEN.get()
+    if self.chosen is None:
+      raise RuntimeError("jaxpr_reader.Reader reads a step inside jaxpr_reader.chosen_branches() "
+                         "(stepgraph.read_step)")
     self.weights: dict[int, WeightUse] = {}
     self.partner: dict[int, Any] = {}     # weight leaf -> the activation its first product reads
     self.first_out: dict[int, tuple[Any, int, tuple[int | None, ...], tuple]] = {}
@@ -793,7 +814,7 @@ class Reader:
                                if is_var(v) and v in passed)
     best = max(branches, key=lambda j: (_weight_bytes_read(j, weights(j)), _made_peak(j),
                                         len(j.eqns)))
-    _CHOSEN[id(eqn)] = (eqn, best)
+    self.chosen[id(eqn)] = (eqn, best)
 
   def _aside(self, eqn, origin: dict, repeats: int) -> None:
     """Walks the branches of a ``lax.cond`` that :func:`sub_jaxprs` leaves out, for the weights

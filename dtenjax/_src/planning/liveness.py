@@ -557,7 +557,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         sub_set: list[tuple[Any, int]] = []
         xs = (frozenset(sub.invars[sum(jaxapi.scan_counts(eqn)):])
               if eqn.primitive.name == "scan" else frozenset())
-        sub_peak = _peak(sub, sub_batch, excluded_shapes, at_peak=sub_set, sliced=xs)
+        sub_peak = _peak(sub, sub_batch, excluded_shapes, at_peak=sub_set, sliced=xs,
+                         batch_carried=batch_carried)
         if sub_peak > inner:
           inner, inner_set = sub_peak, sub_set
           if call_results is not None and eqn.primitive.name not in ("scan", "while", "cond"):

@@ -402,7 +402,14 @@ def abstract(args: Sequence[Any]) -> list[Any]:
 
 
 def read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGraph:
-  """Traces ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``s) and reads its jaxpr."""
+  """Traces ``fn(*args)`` (arrays or ``jax.ShapeDtypeStruct``s) and reads its jaxpr. The
+  branches of its conds the reader chooses hold for this read only
+  (:func:`jaxpr_reader.chosen_branches`): pairs, liveness and the graph below read them."""
+  with jaxpr_reader.chosen_branches():
+    return _read_step(fn, args, batch_argnums)
+
+
+def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGraph:
   batch_argnums = tuple(batch_argnums)
   flat = []
   for argnum, arg in enumerate(args):

@@ -413,7 +413,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           call_results: set | None = None,
           gpu_starts: dict[Any, int] | None = None,
           scaled: dict[Any, int] | None = None,
-          batch_carried: frozenset = frozenset()) -> int:
+          batch_carried: frozenset = frozenset(),
+          loop_parts: list[tuple[Any, int, tuple[int, ...]]] | None = None) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -439,7 +440,10 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   a state leaf's shape is a gradient (sized by its layout) unless it carries a batch dimension
   (``batch_carried``): an activation that has a weight's shape (a square MLP's ``x @ w1``, a
   loss residual of a weight's transposed shape) is split over the batch as any other. The
-  lifetimes counted here are XLA:CPU's."""
+  lifetimes counted here are XLA:CPU's. ``loop_parts`` receives, for a loop's body, the
+  products of a state leaf's shape it makes (value, bytes, shape): the gradient part of a weight
+  read in the loop, which the body adds into the carried gradient after it is made (and reduced,
+  over the batch axes), so that the part lives beside the carry while the loop runs."""
   canon = _duplicates(jaxpr)
 
   def same(v):
@@ -557,8 +561,15 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         sub_set: list[tuple[Any, int]] = []
         xs = (frozenset(sub.invars[sum(jaxapi.scan_counts(eqn)):])
               if eqn.primitive.name == "scan" else frozenset())
+        parts: list[tuple[Any, int, tuple[int, ...]]] | None = (
+            [] if eqn.primitive.name in ("scan", "while") else None)
         sub_peak = _peak(sub, sub_batch, excluded_shapes, at_peak=sub_set, sliced=xs,
-                         batch_carried=batch_carried)
+                         batch_carried=batch_carried, loop_parts=parts)
+        if parts and timeline is not None:
+          # a weight's gradient part made in a loop's body: XLA:CPU writes the part (and its
+          # reduction) into buffers of their own while the carried gradient it is added into
+          # lives through the loop (the carry is the loop's output, in the timeline above)
+          timeline.extend((v, i, i, nb, shape, True) for v, nb, shape in parts)
         if sub_peak > inner:
           inner, inner_set = sub_peak, sub_set
           if call_results is not None and eqn.primitive.name not in ("scan", "while", "cond"):
@@ -616,6 +627,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           if gpu_ends is not None and gpu_last.get(o, end) != end:
             gpu_ends[o] = gpu_last[o]
         if state:
+          if loop_parts is not None and eqn.primitive.name in _PRODUCTS:
+            loop_parts.append((o, nb, shape))
           continue
         for w in [o] + [_Again(o) for _ in range(_pad_buffers(eqn, readers.get(o, 0)) - 1)]:
           if w is not o and timeline is not None:

@@ -514,7 +514,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
   _input_gradient_first(jaxpr, excluded_shapes, same, gpu_last, batch_carried)
   outvars = {same(v) for v in jaxpr.outvars if is_var(v)}
   _tanh_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars)
-  _scaled_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars, excluded_shapes)
+  _scaled_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars, excluded_shapes,
+                    batch_carried)
   _parts_read_late(jaxpr, same, last_use, feeds_fusion_boundary, outvars, excluded_shapes,
                    batch_carried)
   for v in outvars:
@@ -648,18 +649,22 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
 
 
 def _scaled_read_late(jaxpr, same, last_use: dict[Any, int], materialised: set, outvars: set,
-                      state_shapes: set) -> None:
+                      state_shapes: set, batch_carried: frozenset = frozenset()) -> None:
   """A value of a state leaf's shape scaled by scalars or negated (the gradient of a weight so
   changed in the forward, ``x @ (0.5 * w)``: ``0.5 * g``; ``x @ -w``: ``-g``,
   jaxpr_reader.followed_operand) where XLA fuses the scaling into its readers (the optimizer's
   update): the value is live until they run, as the unscaled gradient of ``x @ w`` is. In
   XLA:CPU's compile of an MLP's step with both weights scaled (or both negated), on FSDP 8, the
   gradients are all-reduced as products make them and the scaling is in the update's fusions;
-  the model ended them at the scaling, 256 KiB under the compile (-17.9 % negated)."""
+  the model ended them at the scaling, 256 KiB under the compile (-17.9 % negated). An
+  activation that has a weight's shape (``batch_carried``: gelu's ``0.5 * x`` of a square
+  layer's ``x @ w1``) is no gradient: read late, it held the step's peak longer at the one batch
+  size whose rows equal the weight's (review19d's cond step under jax 0.11)."""
   fills = scalar_fills(jaxpr)
   for eqn in reversed(jaxpr.eqns):
     v = followed_operand(eqn, fills)    # a cast too (``w.astype(bf16) * s``'s gradient cast back)
-    if (v is None or eqn.primitive.name in _EXPENSIVE or not _of_state_shape(v, state_shapes)):
+    if (v is None or eqn.primitive.name in _EXPENSIVE or not _of_state_shape(v, state_shapes)
+        or v in batch_carried):
       continue
     o = same(eqn.outvars[0])
     if o in materialised and o not in outvars:

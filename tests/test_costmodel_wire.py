@@ -960,6 +960,7 @@ def test_a_weight_read_thrice_in_a_chain_has_a_gradient_part_per_read(cpu_device
   assert check.compiled_bytes["all_reduce"] >= 4 * 128 * 128 * 4, check.table()
   assert "all_reduce" not in check.misses(), check.table()
 
+
 def test_a_weight_read_in_two_loops_has_its_gradient_parts_beside_the_carry(cpu_devices):
   """mem19b: ``tanh(h @ w)`` in a ``lax.scan`` of 3, then ``sin(h @ w)`` in a
   ``lax.fori_loop`` of 2, then ``h @ v`` (sgd, `data` 8). Each backward loop's body makes w's
@@ -986,6 +987,7 @@ def test_a_weight_read_in_two_loops_has_its_gradient_parts_beside_the_carry(cpu_
       step, *args, compiler_options=cmt.LLVM_O0)
   assert check.compiled_memory["temp"] >= 2 * 128 * 128 * 4, check.table()
   assert check.misses(0.05) == {}, check.table()
+
 
 @pytest.mark.parametrize("returned", [True, False])
 def test_a_frozen_int8_weight_and_its_frozen_scale_have_no_gradient(cpu_devices, returned):

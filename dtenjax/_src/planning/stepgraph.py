@@ -327,8 +327,7 @@ class StepGraph:
     integer array no product reads as a float (:meth:`integer_gradient_free`). A step counter
     (an integer scalar) keeps the price of its few bytes the recorded plans hold
     (pricing.price_layout)."""
-    return (((all(i in self.batch_free for i in group) or any(i in self.aside for i in group))
-             and is_float(self.leaves[group[0]].dtype)) or self.integer_gradient_free(group))
+    return self._constant_zero(group, self.batch_free)
 
   def no_gradient(self, group: Sequence[int]) -> bool:
     """Whether a tied group has no gradient value the memory holds: its gradient is a constant
@@ -336,7 +335,11 @@ class StepGraph:
     only under ``lax.stop_gradient``, which XLA still gathers for the forward, or a weight only
     another ``lax.cond`` branch reads: ``aside``), or an integer array JAX gives none
     (:meth:`integer_gradient_free`)."""
-    return (((all(i in self.gradient_free for i in group) or any(i in self.aside for i in group))
+    return self._constant_zero(group, self.gradient_free)
+
+  def _constant_zero(self, group: Sequence[int], free: frozenset[int]) -> bool:
+    """:meth:`zero_gradient` and :meth:`no_gradient`, over their sets of free leaves."""
+    return (((all(i in free for i in group) or any(i in self.aside for i in group))
              and is_float(self.leaves[group[0]].dtype)) or self.integer_gradient_free(group))
 
   def integer_gradient_free(self, group: Sequence[int]) -> bool:
@@ -670,17 +673,15 @@ def _loop_shares(weights: dict[int, WeightUse], loop_of: dict[int, Any],
   def grad_bytes(leaf: int) -> float:
     lf, read = leaves[leaf], weights[leaf].read_dtype
     return lf.nbytes * (jaxpr_reader.itemsize(read) / lf.itemsize if read else 1.0)
-  bodies: dict[int, float] = {}
-  for leaf, use in weights.items():
-    if use.loop_parts and use.layers == 1 and loop_of.get(leaf) is not None:
-      key = id(loop_of[leaf])
-      bodies[key] = bodies.get(key, 0.0) + grad_bytes(leaf)
+  body_of = {leaf: id(loop_of[leaf]) for leaf, use in weights.items()
+             if use.loop_parts and use.layers == 1 and loop_of.get(leaf) is not None}
+  joined: dict[int, float] = {}
+  for leaf, body in body_of.items():
+    joined[body] = joined.get(body, 0.0) + grad_bytes(leaf)
   out = dict(weights)
-  for leaf, use in weights.items():
-    if use.loop_parts and use.layers == 1 and loop_of.get(leaf) is not None:
-      joined = bodies[id(loop_of[leaf])]
-      if joined > 0:
-        out[leaf] = dataclasses.replace(use, loop_share=grad_bytes(leaf) / joined)
+  for leaf, body in body_of.items():
+    if joined[body] > 0:
+      out[leaf] = dataclasses.replace(weights[leaf], loop_share=grad_bytes(leaf) / joined[body])
   return out
 
 

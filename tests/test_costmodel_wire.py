@@ -934,6 +934,22 @@ def test_an_integer_leaf_is_reduced_only_as_its_dequantized_product_s_float_grad
   assert check.compiled_bytes["all_gather"] < 0.7 * 2**20
 
 
+def _sgd_check_on_data_8(loss):
+  """plan.check of the sgd step of ``loss(p, x)`` over two f32[128,128] weights ``w`` and ``v``
+  and a batch of 64 rows, planned on `data` 8, against XLA:CPU's compile."""
+  import dtenjax
+
+  def step(p, x):
+    g = jax.grad(loss)(p, x)
+    return {k: p[k] - 0.1 * g[k] for k in p}
+
+  s = jax.ShapeDtypeStruct
+  args = ({"w": s((128, 128), jnp.float32), "v": s((128, 128), jnp.float32)},
+          s((64, 128), jnp.float32))
+  return dtenjax.plan(step, *args, mesh={"data": 8}, batch_argnums=(1,)).check(
+      step, *args, compiler_options=cmt.LLVM_O0)
+
+
 def test_a_weight_read_thrice_in_a_chain_has_a_gradient_part_per_read(cpu_devices):
   """review19b: ``tanh(h @ w)`` three times, the first ``h`` the batch's input, then ``h @ v``
   (sgd, `data` 8): w's gradient is three products, one per read, which XLA:CPU all-reduces on
@@ -941,22 +957,13 @@ def test_a_weight_read_thrice_in_a_chain_has_a_gradient_part_per_read(cpu_device
   reads the planner counts are five (the input gradients' two products read w too); the parts
   were counted as reads per use of the first read, which needs no input gradient: five parts,
   the all-reduce 0.38 MiB priced against 0.25 compiled (+50 %)."""
-  import dtenjax
+  def loss(p, x):
+    h = x
+    for _ in range(3):
+      h = jnp.tanh(h @ p["w"])
+    return jnp.mean((h @ p["v"]) ** 2)
 
-  def step(p, x):
-    def loss(p):
-      h = x
-      for _ in range(3):
-        h = jnp.tanh(h @ p["w"])
-      return jnp.mean((h @ p["v"]) ** 2)
-    g = jax.grad(loss)(p)
-    return {k: p[k] - 0.1 * g[k] for k in p}
-
-  s = jax.ShapeDtypeStruct
-  args = ({"w": s((128, 128), jnp.float32), "v": s((128, 128), jnp.float32)},
-          s((64, 128), jnp.float32))
-  check = dtenjax.plan(step, *args, mesh={"data": 8}, batch_argnums=(1,)).check(
-      step, *args, compiler_options=cmt.LLVM_O0)
+  check = _sgd_check_on_data_8(loss)
   assert check.compiled_bytes["all_reduce"] >= 4 * 128 * 128 * 4, check.table()
   assert "all_reduce" not in check.misses(), check.table()
 
@@ -970,21 +977,12 @@ def test_a_weight_read_in_two_loops_has_its_gradient_parts_beside_the_carry(cpu_
   temporary buffer (XLA:CPU's buffer assignment of the compile below). The body's gradient
   parts were not counted (a value of a weight's shape in a body was dropped from the body's
   peak): memory 25 % under the compile, 26 % with one scan of 3 alone."""
-  import dtenjax
+  def loss(p, x):
+    h, _ = jax.lax.scan(lambda h, _: (jnp.tanh(h @ p["w"]), None), x, None, length=3)
+    h = jax.lax.fori_loop(0, 2, lambda i, h: jnp.sin(h @ p["w"]), h)
+    return jnp.mean((h @ p["v"]) ** 2)
 
-  def step(p, x):
-    def loss(p):
-      h, _ = jax.lax.scan(lambda h, _: (jnp.tanh(h @ p["w"]), None), x, None, length=3)
-      h = jax.lax.fori_loop(0, 2, lambda i, h: jnp.sin(h @ p["w"]), h)
-      return jnp.mean((h @ p["v"]) ** 2)
-    g = jax.grad(loss)(p)
-    return {k: p[k] - 0.1 * g[k] for k in p}
-
-  s = jax.ShapeDtypeStruct
-  args = ({"w": s((128, 128), jnp.float32), "v": s((128, 128), jnp.float32)},
-          s((64, 128), jnp.float32))
-  check = dtenjax.plan(step, *args, mesh={"data": 8}, batch_argnums=(1,)).check(
-      step, *args, compiler_options=cmt.LLVM_O0)
+  check = _sgd_check_on_data_8(loss)
   assert check.compiled_memory["temp"] >= 2 * 128 * 128 * 4, check.table()
   assert check.misses(0.05) == {}, check.table()
 

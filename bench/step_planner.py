@@ -63,6 +63,11 @@ Parts (``--parts``, default all):
   ``--update-scale S`` prices the update S times over and adds each family's default plan under
   that price.
 
+* ``placement`` -- each family's DP and FSDP layouts (hand-written) and ``plan.jit``'s program
+  of its plan on `fsdp` 8, compiled on this machine's devices (nothing run): per collective kind,
+  how many the entry computation issues and after how many of its products the first and the
+  last (``collective_placement``): where the FSDP gathers' waits are paid.
+
 * ``calibrate`` -- ``Topology.calibrate()`` run ``--iters`` times on this machine: every run's
   summary a note, the median of each field a row (what ``--calibration`` reads back).
 
@@ -760,6 +765,69 @@ def model_terms(step, args, mesh: dict, specs, topology=None, update_scale: floa
           "meetings": (met.exposed_s - unmet.exposed_s) / 1e-3}
 
 
+COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+                  "collective-permute")
+
+
+def collective_placement(text: str) -> tuple[int, list[tuple[str, int]]]:
+  """Where a compiled CPU program's entry computation issues its collectives among its products:
+  (the products it runs, [(collective kind, products issued before it)] in the program's order).
+  A product is a ``dot`` or ``convolution`` of the entry computation or a fusion that holds one;
+  the products of a loop's body (a ``while``) are not counted (llama_scan's gathers lie there,
+  one burst a layer). This is the order XLA:CPU's sequential schedule gives them (its runtime
+  may start an independent instruction out of it: not observed here); where a gather follows
+  ``k`` products, its devices arrive spread by those ``k`` since they last met
+  (pricing.Pricer.gather_wait's premise)."""
+  import re
+  heads = re.split(r"\n(?=\S)", text)
+  holds = {m.group(1) for h in heads for m in [re.match(r"%?([\w.\-]+) ", h)]
+           if m and (" dot(" in h or " convolution(" in h)}
+  entry = text[text.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  products, out = 0, []
+  kinds = "|".join(COLLECTIVE_OPS)
+  for line in entry.splitlines()[1:]:
+    hit = re.search(rf"= .*?\b({kinds})(?:-start)?\(", line)
+    if hit:
+      out.append((hit.group(1), products))
+      continue
+    called = re.search(r"calls=%?([\w.\-]+)", line)
+    if " dot(" in line or " convolution(" in line or (called and called.group(1) in holds):
+      products += 1
+  return products, out
+
+
+def placement_rows(names, layouts=("DP", "FSDP")) -> list[dict]:
+  """Each family's hand-written layouts (``layouts``) and ``plan.jit``'s program of the plan on
+  `fsdp` 8 compiled on this machine's devices: per collective kind, how many the entry issues and
+  after how many of its products the first and the last."""
+  import _families as fams
+  rows = []
+  for name in names:
+    fam = fams.FAMILIES[name]()
+    programs = []
+    for rn in layouts:
+      r = fams.recipe(fam, rn)
+      if r is not None:
+        fn, _ = fams.recipe_jit(fam, r)
+        programs.append((rn, "x".join(f"{a}{n}" for a, n in r.mesh.shape.items()),
+                         lambda fn=fn, r=r: fn.lower(*fam.make(r.use)[1]).compile()))
+    step, args = fam.make()
+    plan = dtenjax.plan(step, *args, mesh={"fsdp": len(jax.devices())})
+    programs.append(("plan.jit", "fsdp" + str(len(jax.devices())),
+                     lambda: plan.jit(step).lower(*args).compile()))
+    for layout, mesh, compile_ in programs:
+      products, colls = collective_placement(compile_().as_text())
+      kinds = {}
+      for kind, before in colls:
+        kinds.setdefault(kind, []).append(before)
+      rows.append({"family": name, "layout": layout, "mesh": mesh, "products": products,
+                   "placement": "; ".join(
+                       f"{k} {len(v)}: after {min(v)}-{max(v)}" for k, v in sorted(kinds.items())),
+                   "kinds": {k: v for k, v in sorted(kinds.items())}})
+  return rows
+
+
 def fused_bytes_per_param_byte(compiled, param_bytes: int) -> float:
   """Bytes the array-sized fusions of a compiled program's entry computation read and write
   (operands and results; scalars left out), per ``param_bytes``: what its loops move."""
@@ -1031,6 +1099,15 @@ def main(argv=None) -> int:
                          "devices" + (f", described as {args.cores} cores" if args.cores else "")
                          + "), nothing run"))
     doc_rows += [{"part": "priced", **r} for r in rows]
+  if "placement" in parts:
+    rows = placement_rows(args.families.split(","))
+    print(_harness.table(rows, (("family", "family", "s"), ("layout", "layout", "s"),
+                                ("mesh", "mesh", "s"), ("products", "products", "d"),
+                                ("collectives: count, after how many products", "placement",
+                                 "s")),
+                         title="where XLA issues each collective among the entry's products, "
+                         "compiled, nothing run"))
+    doc_rows += [{"part": "placement", **r} for r in rows]
   if "terms" in parts:
     rows, tnotes = terms_rows(args.measured_json.split(",") if args.measured_json else [],
                               priced_host(args.cores, args.calibration), args.update_scale)

@@ -489,3 +489,30 @@ def test_a_budget_plan_is_judged_against_the_fastest_layout_that_fits_its_budget
   assert step_planner.reference_layout(times, memory, 1.10 * 70.0) == "HSDP"
   assert step_planner.reference_layout(times, memory, 1.10 * 120.0) == "DP"
   assert step_planner.reference_layout(times, memory, 10.0) == "DP"     # none fits: the fastest
+
+
+def test_xla_issues_every_fsdp_gather_before_the_first_product_and_reduces_as_dp(cpu_devices):
+  """bench/step_planner.py --parts placement (collective_placement): the plain FSDP step a user
+  writes (every weight gathered where its product reads it, bench/_families.py) compiles on
+  XLA:CPU to DP's program with the gathers in front: every all-gather is issued before the
+  entry's first product and the gradients are all-reduced where DP's are, after the last (a
+  small encoder-decoder: its 20 gathers are listed before its first product's `ynn_fusion` in
+  the compiled HLO, its one all-reduce after the last of its 75). The FSDP gathers' waits
+  (pricing.Pricer.gather_wait) are therefore not paid between each weight's products, where
+  their premise puts them (docs/benchmarks.md, spread20)."""
+  del cpu_devices
+  sys.path.insert(0, str(ROOT / "bench"))
+  import step_planner
+  fams = _families()
+  fam = fams.FAMILIES["encdec"](vocab=256, d=64, heads=4, ffn=128, layers=1, batch=8, seq=8)
+  placed = {}
+  for name in ("DP", "FSDP"):
+    r = fams.recipe(fam, name)
+    fn, _ = fams.recipe_jit(fam, r)
+    text = fn.lower(*fam.make(r.use)[1]).compile(compile_only.LLVM_O0).as_text()
+    placed[name] = step_planner.collective_placement(text)
+  (dp_products, dp), (products, fsdp) = placed["DP"], placed["FSDP"]
+  assert products == dp_products > 0
+  gathers = [before for kind, before in fsdp if kind == "all-gather"]
+  assert len(gathers) == 20 and set(gathers) == {0}
+  assert [c for c in fsdp if c[0] != "all-gather"] == dp == [("all-reduce", products)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -196,7 +197,18 @@ class StepPlan:
     gathers XLA's partitioner, seeing the batch and the weight sharded over the same axis, often
     moves the activations instead (all-to-alls, all-reduces of partial products: 10x the bytes
     on a GPT-2 step); gathering the whole stack before the step would hold every layer's
-    gathered weights at once. Values are those of ``step`` up to XLA's summation order."""
+    gathered weights at once. Values are those of ``step`` up to XLA's summation order.
+
+    ``jit_kwargs`` are ``jax.jit``'s: ``static_argnums`` / ``static_argnames`` name arguments the
+    plan was made with (a Python flag) that are not traced, so they get no sharding;
+    ``donate_argnums`` donates state as usual. The result is ``jax.jit``'s function (``lower``,
+    ``trace``, ``eval_shape`` are its own) whose call also takes, by name, an argument the plan
+    has a place for."""
+    if not callable(step):
+      raise errors.PlacementError(
+          f"StepPlan.jit: step is a {type(step).__name__}, not callable; pass the step function "
+          "the plan was "
+          "made for (plan.jit(step), then call the result with its arguments)")
     if self.pipeline is not None:
       p = self.pipeline
       raise errors.PlacementError(
@@ -233,8 +245,24 @@ class StepPlan:
         return checked(*args)
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         return checked(*args)
-    return jax.jit(fn, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
-                   **jit_kwargs)
+    static = _static_positions(step, jit_kwargs, len(self.specs))
+    # jax.jit takes in_shardings for the traced positional arguments only
+    shardings = tuple(sh for k, sh in enumerate(self.shardings()) if k not in static)
+    jitted = jax.jit(fn, in_shardings=shardings, out_shardings=self.out_shardings(),
+                     **jit_kwargs)
+    return _PlannedStep(jitted, step, self, static)
+
+  def _check_args(self, what: str, step: Callable, args) -> None:
+    """``step`` callable and ``args`` one per planned argument, else the error naming them."""
+    if not callable(step):
+      raise errors.PlacementError(
+          f"StepPlan.{what}: step is a {type(step).__name__}, not callable; pass the step "
+          "function first, then "
+          f"its arguments: plan.{what}(step, *args)")
+    if len(args) != len(self.specs):
+      raise errors.PlacementError(
+          f"StepPlan.{what}: the plan has {len(self.specs)} arguments, got {len(args)}; pass "
+          "the step's arguments in the order they were planned")
 
   def _check_manual_meshes(self, meshes) -> None:
     """jax.jit runs a step's arguments and every jax.shard_map inside it over one list of devices
@@ -274,6 +302,7 @@ class StepPlan:
     (``memory_analysis()``) and collective bytes (read from the compiled HLO as
     :func:`dtenjax.explain` reads them). ``compiler_options``: XLA's options, as the step's own
     ``jax.jit(..., compiler_options=...)`` passes them, so the check compiles what will run."""
+    self._check_args("check", step, args)
     return check_lib.compare(self, step, args, compiler_options)
 
   def shard(self, *args):
@@ -321,6 +350,92 @@ class StepPlan:
 
   def __str__(self) -> str:
     return self.table()
+
+
+def _static_positions(step: Callable, jit_kwargs, n: int) -> frozenset[int]:
+  """The positions among the plan's ``n`` arguments that ``jit_kwargs``' ``static_argnums`` and
+  ``static_argnames`` (by ``step``'s signature) make static."""
+  nums = jit_kwargs.get("static_argnums", ())
+  nums = (nums,) if isinstance(nums, int) else tuple(nums)
+  names = jit_kwargs.get("static_argnames", ())
+  names = (names,) if isinstance(names, str) else tuple(names)
+  out = {k % n if -n <= k < 0 else k for k in nums}
+  if names:
+    try:
+      params = list(inspect.signature(step).parameters.values())
+    except (TypeError, ValueError):
+      params = []
+    out |= {k for k, prm in enumerate(params[:n]) if prm.name in names and prm.kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+  bad = sorted(k for k in out if not 0 <= k < n)
+  if bad:
+    raise errors.PlacementError(
+        f"StepPlan.jit: static_argnums {bad} are not positions of the plan's {n} arguments; "
+        "name the planned arguments that are not traced (a Python flag the plan was made with)")
+  return frozenset(out)
+
+
+class _PlannedStep:
+  """``StepPlan.jit``'s result: the ``jax.jit`` function (its other attributes are jax's), whose
+  calls name what ``jax.jit`` with in_shardings refuses with a bare ValueError: an argument
+  passed by name (bound to its position where the plan has one), and an argument already laid
+  out on another mesh or layout (``plan.shard`` places it)."""
+
+  def __init__(self, jitted, step: Callable, plan: StepPlan, static: frozenset[int]):
+    self._jitted, self._step, self._plan, self._static = jitted, step, plan, static
+    functools.update_wrapper(self, step)
+
+  def __getattr__(self, name):
+    if name == "_jitted":               # not set yet (a copy being made)
+      raise AttributeError(name)
+    return getattr(self._jitted, name)
+
+  def __call__(self, *args, **kwargs):
+    if kwargs:
+      args = self._positional(args, kwargs)
+    try:
+      return self._jitted(*args)
+    except ValueError as e:
+      if "does not match the sharding" not in str(e):
+        raise
+      self._name_misplaced(args)
+      raise
+
+  def _positional(self, args, kwargs) -> tuple:
+    """``kwargs`` bound to their positions by the step's signature, when they are among the
+    planned arguments (jax.jit takes in_shardings for positional arguments only)."""
+    n = len(self._plan.specs)
+    try:
+      bound = inspect.signature(self._step).bind(*args, **kwargs)
+    except TypeError as e:
+      raise errors.PlacementError(f"StepPlan.jit: the step's arguments do not bind: {e}") from None
+    except ValueError:
+      bound = None
+    if bound is not None:
+      pos = list(bound.args)
+      if len(pos) == n and not bound.kwargs:
+        return tuple(pos)
+    raise errors.PlacementError(
+        f"StepPlan.jit: keyword arguments {sorted(kwargs)} are not among the {n} arguments the "
+        "plan was made for, and jax.jit with the plan's in_shardings takes positional arguments "
+        "only; bind them first (plan.jit(functools.partial(step, "
+        f"{', '.join(f'{k}=...' for k in sorted(kwargs))}))), or plan with them as positional "
+        "arguments")
+
+  def _name_misplaced(self, args) -> None:
+    """Raises the error naming the first argument leaf laid out otherwise than the plan's."""
+    for argnum, (a, s) in enumerate(zip(args, self._plan.shardings())):
+      if argnum in self._static:
+        continue
+      got = jax.tree_util.tree_flatten_with_path(a)[0]
+      for (path, leaf), sh in zip(got, jax.tree.leaves(s)):
+        have = getattr(leaf, "sharding", None)
+        if isinstance(leaf, jax.Array) and have is not None and not have.is_equivalent_to(
+            sh, leaf.ndim):
+          raise errors.PlacementError(
+              f"StepPlan.jit: argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'} "
+              f"lies on {have}, not on the plan's {sh}; place the arguments on the plan's "
+              "layout first: args = plan.shard(*args) (once: the step's outputs stay on it)")
 
 
 def _recipe_table(alternatives) -> str:

@@ -5,6 +5,8 @@ Each test stands for a program written from docs/planner.md that failed with a r
 values are compared with the plain ``jax.jit`` of the same step, and bad input must raise a
 ``DtenjaxError`` naming the value and the fix. One small plan per test (8 simulated devices)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,3 +77,33 @@ def test_plan_jit_names_an_argument_laid_out_on_another_mesh():
                      r"plan\.shard\(\*args\)"):
     train(held, x)
   _close(train(*plan.shard(held, x)), jax.jit(step)(params, x))
+
+
+def test_bad_options_to_plan_and_its_methods_name_the_value_and_the_fix():
+  """Each of these ended in a raw ValueError, TypeError or AttributeError from deep inside (or,
+  for ``donate="yes"`` and a non-callable ``plan.jit``, was taken and failed later)."""
+  params, x = _args()
+
+  def step(p, x):
+    v, g = jax.value_and_grad(_loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), v
+
+  bad = [(dict(measure="yes"), r"measure='yes' must be True, False or a whole number"),
+         (dict(measure=0.5), r"measure=0\.5 must be"),
+         (dict(batch_argnums="x"), r"batch_argnums='x' must be an int or a tuple of ints"),
+         (dict(topology="h100_64"),
+          r"topology='h100_64' is a str.*dtenjax\.Topology\.fixture\('h100_64'\)"),
+         (dict(donate="yes"), r"donate='yes' must be True")]
+  for kwargs, message in bad:
+    with pytest.raises(dtenjax.PlacementError, match=message):
+      dtenjax.plan(step, params, x, **kwargs)
+  plan = dtenjax.plan(step, params, x, mesh={"data": 8})
+  with pytest.raises(dtenjax.PlacementError, match=r"StepPlan\.jit: step is a dict, not callable"):
+    plan.jit(params)
+  with pytest.raises(dtenjax.PlacementError, match=r"StepPlan\.check: step is a dict"):
+    plan.check(params, x)
+  with pytest.raises(dtenjax.PlacementError, match=r"StepPlan\.check: the plan has 2 arguments, "
+                     r"got 1"):
+    plan.check(step, params)
+  train = plan.jit(functools.partial(step))       # the jax.jit function's own methods are kept
+  assert train.lower(params, x).compile().memory_analysis() is not None

@@ -217,13 +217,32 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
         "or None: the devices' memory less the reserve")
   if batch_argnums is None:
     batch_argnums = (len(args) - 1,)
-  elif isinstance(batch_argnums, int):
+  elif _is_int(batch_argnums):
     batch_argnums = (batch_argnums,)
+  if not isinstance(batch_argnums, (tuple, list)) or not all(_is_int(b) for b in batch_argnums):
+    raise errors.PlacementError(
+        f"plan: batch_argnums={batch_argnums!r} must be an int or a tuple of ints, the positions "
+        f"of the arguments that hold the batch (0..{len(args) - 1}), e.g. batch_argnums=2")
   batch_argnums = tuple(int(b) for b in batch_argnums)
   bad = [b for b in batch_argnums if not 0 <= b < len(args)]
   if bad:
     raise errors.PlacementError(f"plan: batch_argnums {bad} are not argument positions "
                                 f"(0..{len(args) - 1})")
+  if not isinstance(measure, (bool, np.bool_)) and (not _is_int(measure) or measure == 1 or
+                                                    measure < 0):
+    raise errors.PlacementError(
+        f"plan: measure={measure!r} must be True, False or a whole number of timed rounds, at "
+        "least 2 (measure=6)")
+  if not isinstance(donate, (bool, np.bool_)):
+    raise errors.PlacementError(
+        f"plan: donate={donate!r} must be True (the step's state is donated: "
+        "jax.jit(..., donate_argnums=...)) or False")
+  if topology is not None and not isinstance(topology, Topology):
+    hint = (f"topology=dtenjax.Topology.fixture({topology!r})" if isinstance(topology, str)
+            else "dtenjax.Topology.fixture(name) or Topology.detect()")
+    raise errors.PlacementError(
+        f"plan: topology={topology!r} is a {type(topology).__name__}, not a dtenjax.Topology; "
+        f"give one: {hint} (the names: dtenjax.Topology.fixtures())")
   if recipe is not None and recipe not in RECIPES:
     raise errors.PlacementError(f"plan: recipe={recipe!r} is not one of {RECIPES}")
   pins = {**{k: (v, "pinned by its flax partitioning names") for k, v in
@@ -511,6 +530,10 @@ def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, 
   out = candidates[kept]
   note = measure_lib.summary(records, kept, compile_s, time.perf_counter() - t0)
   return dataclasses.replace(out, measured=records, notes=out.notes + (note,))
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _is_real(x) -> bool:

@@ -107,3 +107,38 @@ def test_bad_options_to_plan_and_its_methods_name_the_value_and_the_fix():
     plan.check(step, params)
   train = plan.jit(functools.partial(step))       # the jax.jit function's own methods are kept
   assert train.lower(params, x).compile().memory_analysis() is not None
+
+
+def test_pins_and_rules_the_plan_cannot_lay_out_are_named():
+  """A pin naming an axis the planner lacks ended in a raw KeyError; one naming an axis twice, or
+  more dimensions than the leaf has, or splitting a dimension its mesh axis does not divide, was
+  planned and failed at ``plan.jit`` with JAX's DuplicateSpecError / "incompatible with its
+  sharding annotation" / IndivisibleError; a pin that is a string was silently planned instead;
+  ``rules="fsdp"`` ended in "not enough values to unpack"."""
+  params, x = _args()
+  params = {**params, "b": jnp.zeros((12,))}
+
+  def step(p, x):
+    v, g = jax.value_and_grad(lambda p: _loss(p, x) + jnp.sum(p["b"]))(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), v
+
+  def pin(w1=None, b=None):
+    return ({"w1": w1, "w2": None, "b": b}, None)
+
+  bad = [(pin(P("model")), r"pinned\[0\] at \['w1'\]: .*'model'.* names axes \['model'\] "
+          r"the planner does not have"),
+         (pin(P("fsdp", "fsdp")), r"puts axes \['fsdp'\] on more than one dimension"),
+         (pin(P(None, None, "fsdp")), r"has 3 entries for a leaf of shape \(16, 32\)"),
+         (pin("fsdp"), r"at \['w1'\] is 'fsdp' \(str\); pin a leaf with a jax\.sharding\."
+          r"PartitionSpec"),
+         (pin(b=P("fsdp")), r"leaf \[0\]\['b'\] is pinned by you .*'fsdp'.*, which "
+          r"splits its dimension 0 \(12\) 8 ways")]
+  for pinned, message in bad:
+    with pytest.raises(dtenjax.PlacementError, match=message):
+      dtenjax.plan(step, params, x, pinned=pinned, mesh={"fsdp": 8})
+  with pytest.raises(dtenjax.PlacementError, match=r"rules='fsdp' must be flax logical axis "
+                     r"rules: a sequence of \(name, mesh axis\) pairs"):
+    dtenjax.plan(step, params, x, rules="fsdp")
+  plan = dtenjax.plan(step, params, x, pinned=pin(b=P("fsdp")), mesh={"fsdp": 4, "tensor": 2})
+  assert plan.leaves[0].spec == P("fsdp")              # 12 over 4 divides: kept as pinned
+  _close(plan.jit(step)(params, x), jax.jit(step)(params, x))

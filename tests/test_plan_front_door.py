@@ -81,7 +81,9 @@ def test_plan_jit_names_an_argument_laid_out_on_another_mesh():
 
 def test_bad_options_to_plan_and_its_methods_name_the_value_and_the_fix():
   """Each of these ended in a raw ValueError, TypeError or AttributeError from deep inside (or,
-  for ``donate="yes"`` and a non-callable ``plan.jit``, was taken and failed later)."""
+  for ``donate="yes"`` and a non-callable ``plan.jit``, was taken and failed later); a step that
+  branches on a Python flag given as an example argument got JAX's TracerBoolConversionError
+  with no word of how to plan it."""
   params, x = _args()
 
   def step(p, x):
@@ -97,6 +99,13 @@ def test_bad_options_to_plan_and_its_methods_name_the_value_and_the_fix():
   for kwargs, message in bad:
     with pytest.raises(dtenjax.PlacementError, match=message):
       dtenjax.plan(step, params, x, **kwargs)
+
+  def flagged(p, x, train):              # a Python flag the step branches on, as flax users write
+    return step(p, 2 * x if train else x)
+
+  with pytest.raises(dtenjax.PlacementError, match=r"branches in Python on an argument.*"
+                     r"plan\(functools\.partial\(step, train=True\), \.\.\.\)"):
+    dtenjax.plan(flagged, params, x, True, batch_argnums=1)
   plan = dtenjax.plan(step, params, x, mesh={"data": 8})
   with pytest.raises(dtenjax.PlacementError, match=r"StepPlan\.jit: step is a dict, not callable"):
     plan.jit(params)

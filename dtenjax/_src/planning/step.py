@@ -294,7 +294,15 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   pins = {**{k: (v, "pinned by its flax partitioning names") for k, v in
              _box_pins(args, rules).items()},
           **{k: (v, "pinned by you") for k, v in _pinned_specs(pinned, args).items()}}
-  graph = stepgraph.read_step(step, args, batch_argnums)
+  try:
+    graph = stepgraph.read_step(step, args, batch_argnums)
+  except errors.PlacementError as e:
+    if not isinstance(e.__cause__, jax.errors.ConcretizationTypeError):
+      raise
+    raise errors.PlacementError(
+        f"{e}\nThe step branches in Python on an argument, which plan traces as an array: bind "
+        "such a value (a train flag, a size) before planning, plan(functools.partial(step, "
+        "train=True), ...), and jit the same partial") from e.__cause__
   stack = graph.stack()
   topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology, graph,
                                                     stack[0] if stack else 0)

@@ -83,7 +83,9 @@ def test_bad_options_to_plan_and_its_methods_name_the_value_and_the_fix():
   """Each of these ended in a raw ValueError, TypeError or AttributeError from deep inside (or,
   for ``donate="yes"`` and a non-callable ``plan.jit``, was taken and failed later); a step that
   branches on a Python flag given as an example argument got JAX's TracerBoolConversionError
-  with no word of how to plan it."""
+  with no word of how to plan it; ``plan.shard`` of ``jax.eval_shape``'s abstract arguments
+  (the docs' own example arguments) ended in JAX's "not a valid JAX type", and
+  ``plan.check(..., compiler_options="O3")`` in "'str' object has no attribute 'items'"."""
   params, x = _args()
 
   def step(p, x):
@@ -114,6 +116,12 @@ def test_bad_options_to_plan_and_its_methods_name_the_value_and_the_fix():
   with pytest.raises(dtenjax.PlacementError, match=r"StepPlan\.check: the plan has 2 arguments, "
                      r"got 1"):
     plan.check(step, params)
+  with pytest.raises(dtenjax.PlacementError, match=r"compiler_options='O3' must be a dict"):
+    plan.check(step, params, x, compiler_options="O3")
+  abstract = jax.eval_shape(lambda: params)
+  with pytest.raises(dtenjax.PlacementError, match=r"StepPlan\.shard: argument 0 leaf \['w1'\] is "
+                     r"a jax\.ShapeDtypeStruct .*jax\.jit\(init, out_shardings="):
+    plan.shard(abstract, x)
   train = plan.jit(functools.partial(step))       # the jax.jit function's own methods are kept
   assert train.lower(params, x).compile().memory_analysis() is not None
 

@@ -303,6 +303,11 @@ class StepPlan:
     :func:`dtenjax.explain` reads them). ``compiler_options``: XLA's options, as the step's own
     ``jax.jit(..., compiler_options=...)`` passes them, so the check compiles what will run."""
     self._check_args("check", step, args)
+    if compiler_options is not None and not isinstance(compiler_options, dict):
+      raise errors.PlacementError(
+          f"StepPlan.check: compiler_options={compiler_options!r} must be a dict of XLA's options "
+          "as jax.jit(...).lower(...).compile(compiler_options) takes them, e.g. "
+          "{'xla_cpu_enable_fast_math': False}, or None")
     return check_lib.compare(self, step, args, compiler_options)
 
   def shard(self, *args):
@@ -311,6 +316,14 @@ class StepPlan:
       raise errors.PlacementError(
           f"StepPlan.shard: the plan has {len(self.specs)} arguments, got {len(args)}; pass the "
           "step's arguments in the order they were planned")
+    for argnum, a in enumerate(args):
+      for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+          raise errors.PlacementError(
+              f"StepPlan.shard: argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'} "
+              f"is a jax.ShapeDtypeStruct {leaf.shape} {leaf.dtype}, which has no values to "
+              "place; make the arrays on the plan's layout instead, e.g. "
+              "jax.jit(init, out_shardings=plan.shardings()[0])(key), or pass arrays")
     out = tuple(jax.device_put(a, s) for a, s in zip(args, self.shardings()))
     return out if len(out) > 1 else out[0]
 

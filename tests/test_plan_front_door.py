@@ -58,11 +58,12 @@ def test_plan_jit_takes_static_argnums_and_arguments_by_name():
     plan.jit(step, static_argnums=3)
 
 
-def test_plan_jit_names_an_argument_laid_out_on_another_mesh():
+def test_plan_jit_names_an_argument_laid_out_on_another_mesh_or_a_short_batch():
   """Parameters already placed on the user's own ``jax.make_mesh`` (as a MaxText or FSDP2 user
   holds them when trying the planner) handed to ``plan.jit(step)`` failed with JAX's "Sharding
   passed to jit does not match the sharding on the respective arg"; the error now names the leaf
-  and ``plan.shard``, after which the step runs and matches the plain jax.jit."""
+  and ``plan.shard``, after which the step runs and matches the plain jax.jit. A last batch of
+  fewer rows than the plan splits ended in JAX's IndivisibleError; it is named with the fix."""
   params, x = _args()
 
   def step(p, x):
@@ -77,6 +78,10 @@ def test_plan_jit_names_an_argument_laid_out_on_another_mesh():
                      r"plan\.shard\(\*args\)"):
     train(held, x)
   _close(train(*plan.shard(held, x)), jax.jit(step)(params, x))
+  with pytest.raises(dtenjax.PlacementError, match=r"argument 1 leaf \(root\) has shape \(12, 16\), "
+                     r"whose dimension 0 \(12\) .* splits 8 ways \(the plan was made for \(16, "
+                     r"16\)\); give a multiple of 8"):
+    train(params, x[:12])            # the last batch of an epoch, fewer rows than planned
 
 
 def test_bad_options_to_plan_and_its_methods_name_the_value_and_the_fix():

@@ -365,6 +365,10 @@ class StepPlan:
     return self.table()
 
 
+def _is_spec(x) -> bool:
+  return isinstance(x, P)
+
+
 def _static_positions(step: Callable, jit_kwargs, n: int) -> frozenset[int]:
   """The positions among the plan's ``n`` arguments that ``jit_kwargs``' ``static_argnums`` and
   ``static_argnames`` (by ``step``'s signature) make static."""
@@ -409,9 +413,10 @@ class _PlannedStep:
     try:
       return self._jitted(*args)
     except ValueError as e:
-      if "does not match the sharding" not in str(e):
-        raise
-      self._name_misplaced(args)
+      if "does not match the sharding" in str(e):
+        self._name_misplaced(args)
+      elif "evenly divide" in str(e):
+        self._name_undivided(args)
       raise
 
   def _positional(self, args, kwargs) -> tuple:
@@ -434,6 +439,29 @@ class _PlannedStep:
         "only; bind them first (plan.jit(functools.partial(step, "
         f"{', '.join(f'{k}=...' for k in sorted(kwargs))}))), or plan with them as positional "
         "arguments")
+
+  def _name_undivided(self, args) -> None:
+    """Raises the error naming the first argument leaf whose dimensions the plan's layout does
+    not divide (a last batch of fewer rows than the plan was made for)."""
+    sizes = dict(zip(self._plan.axis_names, self._plan.mesh_shape))
+    for argnum, (a, specs) in enumerate(zip(args, self._plan.specs)):
+      if argnum in self._static:
+        continue
+      got = jax.tree_util.tree_flatten_with_path(a)[0]
+      for (path, leaf), spec in zip(got, jax.tree.leaves(specs, is_leaf=_is_spec)):
+        shape = np.shape(leaf)
+        for dim, e in enumerate(spec):
+          n = int(np.prod([sizes[x] for x in (e if isinstance(e, tuple) else (e,))])) if e else 1
+          if dim < len(shape) and shape[dim] % n:
+            planned = next((lp.shape for lp in self._plan.leaves
+                            if lp.path == f"[{argnum}]{jax.tree_util.keystr(path)}"), None)
+            raise errors.PlacementError(
+                f"StepPlan.jit: argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'} "
+                f"has shape {shape}, whose dimension {dim} ({shape[dim]}) the plan's {spec} "
+                f"splits {n} ways"
+                + (f" (the plan was made for {planned})" if planned else "")
+                + f"; give a multiple of {n} (drop or pad a last partial batch), or plan "
+                "for this shape")
 
   def _name_misplaced(self, args) -> None:
     """Raises the error naming the first argument leaf laid out otherwise than the plan's."""

@@ -166,16 +166,20 @@ def test_pins_and_rules_the_plan_cannot_lay_out_are_named():
   _close(plan.jit(step)(params, x), jax.jit(step)(params, x))
 
 
-def test_the_cli_refuses_to_check_a_fixtures_plan_on_other_devices(tmp_path, monkeypatch, capsys):
+def test_the_cli_refuses_a_fixtures_check_and_a_factorys_keyword_arguments(tmp_path, monkeypatch,
+                                                                          capsys):
   """``dtenjax plan ... --fixture h100_64 --check`` planned, printed the plan, then failed with
   "devices [8, 9, ...] are not among the 8 present": the check compiles on this machine. Now
-  refused at once, as a usage error naming both sets of devices."""
+  refused at once, as a usage error naming both sets of devices. And an ``--args`` factory's
+  keyword arguments (``{"args": ..., "kwargs": ...}``, as ``dtenjax explain`` takes them) were
+  dropped without a word: the step was planned without them."""
   from dtenjax._src.cli import main as cli
   (tmp_path / "fdstep.py").write_text(
       "import jax, jax.numpy as jnp\n"
       "def step(p, x):\n  return jnp.sum(x @ p)\n"
       "def example():\n  return (jax.ShapeDtypeStruct((8, 8), jnp.float32),\n"
-      "          jax.ShapeDtypeStruct((16, 8), jnp.float32))\n")
+      "          jax.ShapeDtypeStruct((16, 8), jnp.float32))\n"
+      "def named():\n  return {'args': example(), 'kwargs': {'scale': 2.0}}\n")
   monkeypatch.syspath_prepend(str(tmp_path))
   rc = cli.main(["plan", "fdstep:step", "--args", "fdstep:example", "--fixture", "h100_64",
                  "--check"], prog="dtenjax")
@@ -185,3 +189,8 @@ def test_the_cli_refuses_to_check_a_fixtures_plan_on_other_devices(tmp_path, mon
       "dtenjax plan: error: --check with --fixture 'h100_64': the check compiles the plan on "
       "this machine's devices (8 cpu), and the fixture plans for 64 gpu devices; run --check "
       "without --fixture on the machine the plan is for"), err
+  rc = cli.main(["plan", "fdstep:step", "--args", "fdstep:named"], prog="dtenjax")
+  out, err = capsys.readouterr()
+  assert rc == 2 and out == "", (rc, out)
+  assert "--args 'fdstep:named' returned keyword arguments ['scale']; the planner plans the " \
+         "step's positional arguments" in err, err

@@ -96,7 +96,12 @@ def run(args: argparse.Namespace) -> int:
   draw.check_path(args.draw)
   fn = explain.load_object(args.target, "target")
   factory = explain.load_object(args.factory, "--args")
-  made, _ = explain._factory_args(factory, args.factory)
+  made, kwargs = explain._factory_args(factory, args.factory)
+  if kwargs:
+    raise common.UsageError(
+        f"--args {args.factory!r} returned keyword arguments {sorted(kwargs)}; the planner "
+        "plans the step's positional arguments: return them in 'args', or bind the others in "
+        "the step (functools.partial)")
   topology = common.fixture(args.fixture) if args.fixture else None
   if args.check and topology is not None:
     _check_here(topology, args.fixture)

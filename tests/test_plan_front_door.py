@@ -90,7 +90,9 @@ def test_bad_options_to_plan_and_its_methods_name_the_value_and_the_fix():
   branches on a Python flag given as an example argument got JAX's TracerBoolConversionError
   with no word of how to plan it; ``plan.shard`` of ``jax.eval_shape``'s abstract arguments
   (the docs' own example arguments) ended in JAX's "not a valid JAX type", and
-  ``plan.check(..., compiler_options="O3")`` in "'str' object has no attribute 'items'"."""
+  ``plan.check(..., compiler_options="O3")`` in "'str' object has no attribute 'items'". A step
+  that returns no new state (nnx's in-place ``optimizer.update``, whose update jax.jit drops) was
+  planned without a word; its report now says so."""
   params, x = _args()
 
   def step(p, x):
@@ -114,6 +116,16 @@ def test_bad_options_to_plan_and_its_methods_name_the_value_and_the_fix():
                      r"plan\(functools\.partial\(step, train=True\), \.\.\.\)"):
     dtenjax.plan(flagged, params, x, True, batch_argnums=1)
   plan = dtenjax.plan(step, params, x, mesh={"data": 8})
+  assert not any(n.startswith("state:") for n in plan.notes), plan.notes
+
+  def in_place(p, x):                    # nnx's train_step: optimizer.update(model, grads)
+    v, g = jax.value_and_grad(_loss)(p, x)
+    jax.tree.map(lambda a, b: a - 0.1 * b, p, g)          # the update, dropped
+    return v
+
+  lost = dtenjax.plan(in_place, params, x, mesh={"data": 8})
+  assert any(n.startswith("state: the step returns no new value of its state arguments") and
+             "nnx.state" in n for n in lost.notes), lost.notes
   with pytest.raises(dtenjax.PlacementError, match=r"StepPlan\.jit: step is a dict, not callable"):
     plan.jit(params)
   with pytest.raises(dtenjax.PlacementError, match=r"StepPlan\.check: step is a dict"):

@@ -565,6 +565,12 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
   notes = () if budget else (
       "memory: the devices' memory is unknown (as on CPU), so no budget was checked; pass "
       "memory_budget= to check one",)
+  if graph.weights and all(rep is None or graph.leaves[rep].is_batch
+                           for _, _, rep in graph.outputs):
+    notes += ("state: the step returns no new value of its state arguments: a forward-only step, "
+              "or one that updates them in place (nnx's optimizer.update(model, grads)), whose "
+              "updates jax.jit and plan.jit drop; return the new state (nnx.state((model, "
+              "optimizer)) of nnx.merge'd copies) to train with it",)
   pipe = m.pipeline
   pipeline = None if pipe is None else PipelinePlan(
       stages=pipe.stages, microbatches=pipe.microbatches, schedule=pipe.schedule,

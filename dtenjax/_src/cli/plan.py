@@ -57,6 +57,20 @@ def _mesh(text: str | None, topology, fixture: str | None) -> dict[str, int] | N
   return axes
 
 
+def _check_here(topology, fixture: str) -> None:
+  """``--check`` compiles the plan on this machine's devices: refused, before planning, for a
+  fixture whose devices are not these (its count or its platform)."""
+  import jax
+  here = jax.devices()
+  theirs = topology.device(topology.device_ids[0]).platform
+  if topology.num_devices != len(here) or theirs != here[0].platform:
+    raise common.UsageError(
+        f"--check with --fixture {fixture!r}: the check compiles the plan on this machine's "
+        f"devices ({len(here)} {here[0].platform}), and the fixture plans for "
+        f"{topology.num_devices} {theirs} devices; run --check without --fixture on the machine "
+        "the plan is for")
+
+
 def _plan_json(result) -> dict:
   cost = lambda c: None if c is None else {
       "total_s": c.total_s, "compute_s": c.compute_s, "exposed_s": c.exposed_s,
@@ -82,8 +96,15 @@ def run(args: argparse.Namespace) -> int:
   draw.check_path(args.draw)
   fn = explain.load_object(args.target, "target")
   factory = explain.load_object(args.factory, "--args")
-  made, _ = explain._factory_args(factory, args.factory)
+  made, kwargs = explain._factory_args(factory, args.factory)
+  if kwargs:
+    raise common.UsageError(
+        f"--args {args.factory!r} returned keyword arguments {sorted(kwargs)}; the planner "
+        "plans the step's positional arguments: return them in 'args', or bind the others in "
+        "the step (functools.partial)")
   topology = common.fixture(args.fixture) if args.fixture else None
+  if args.check and topology is not None:
+    _check_here(topology, args.fixture)
   budget = None if args.budget_gib is None else args.budget_gib * 2**30
   mesh = _mesh(args.mesh, topology or Topology.current(), args.fixture)
   try:

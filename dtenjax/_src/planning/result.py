@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -196,7 +197,18 @@ class StepPlan:
     gathers XLA's partitioner, seeing the batch and the weight sharded over the same axis, often
     moves the activations instead (all-to-alls, all-reduces of partial products: 10x the bytes
     on a GPT-2 step); gathering the whole stack before the step would hold every layer's
-    gathered weights at once. Values are those of ``step`` up to XLA's summation order."""
+    gathered weights at once. Values are those of ``step`` up to XLA's summation order.
+
+    ``jit_kwargs`` are ``jax.jit``'s: ``static_argnums`` / ``static_argnames`` name arguments the
+    plan was made with (a Python flag) that are not traced, so they get no sharding;
+    ``donate_argnums`` donates state as usual. The result is ``jax.jit``'s function (``lower``,
+    ``trace``, ``eval_shape`` are its own) whose call also takes, by name, an argument the plan
+    has a place for."""
+    if not callable(step):
+      raise errors.PlacementError(
+          f"StepPlan.jit: step is a {type(step).__name__}, not callable; pass the step function "
+          "the plan was "
+          "made for (plan.jit(step), then call the result with its arguments)")
     if self.pipeline is not None:
       p = self.pipeline
       raise errors.PlacementError(
@@ -233,8 +245,24 @@ class StepPlan:
         return checked(*args)
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         return checked(*args)
-    return jax.jit(fn, in_shardings=self.shardings(), out_shardings=self.out_shardings(),
-                   **jit_kwargs)
+    static = _static_positions(step, jit_kwargs, len(self.specs))
+    # jax.jit takes in_shardings for the traced positional arguments only
+    shardings = tuple(sh for k, sh in enumerate(self.shardings()) if k not in static)
+    jitted = jax.jit(fn, in_shardings=shardings, out_shardings=self.out_shardings(),
+                     **jit_kwargs)
+    return _PlannedStep(jitted, step, self, static)
+
+  def _check_args(self, what: str, step: Callable, args) -> None:
+    """``step`` callable and ``args`` one per planned argument, else the error naming them."""
+    if not callable(step):
+      raise errors.PlacementError(
+          f"StepPlan.{what}: step is a {type(step).__name__}, not callable; pass the step "
+          "function first, then "
+          f"its arguments: plan.{what}(step, *args)")
+    if len(args) != len(self.specs):
+      raise errors.PlacementError(
+          f"StepPlan.{what}: the plan has {len(self.specs)} arguments, got {len(args)}; pass "
+          "the step's arguments in the order they were planned")
 
   def _check_manual_meshes(self, meshes) -> None:
     """jax.jit runs a step's arguments and every jax.shard_map inside it over one list of devices
@@ -274,6 +302,12 @@ class StepPlan:
     (``memory_analysis()``) and collective bytes (read from the compiled HLO as
     :func:`dtenjax.explain` reads them). ``compiler_options``: XLA's options, as the step's own
     ``jax.jit(..., compiler_options=...)`` passes them, so the check compiles what will run."""
+    self._check_args("check", step, args)
+    if compiler_options is not None and not isinstance(compiler_options, dict):
+      raise errors.PlacementError(
+          f"StepPlan.check: compiler_options={compiler_options!r} must be a dict of XLA's options "
+          "as jax.jit(...).lower(...).compile(compiler_options) takes them, e.g. "
+          "{'xla_cpu_enable_fast_math': False}, or None")
     return check_lib.compare(self, step, args, compiler_options)
 
   def shard(self, *args):
@@ -282,6 +316,14 @@ class StepPlan:
       raise errors.PlacementError(
           f"StepPlan.shard: the plan has {len(self.specs)} arguments, got {len(args)}; pass the "
           "step's arguments in the order they were planned")
+    for argnum, a in enumerate(args):
+      for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+          raise errors.PlacementError(
+              f"StepPlan.shard: argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'} "
+              f"is a jax.ShapeDtypeStruct {leaf.shape} {leaf.dtype}, which has no values to "
+              "place; make the arrays on the plan's layout instead, e.g. "
+              "jax.jit(init, out_shardings=plan.shardings()[0])(key), or pass arrays")
     out = tuple(jax.device_put(a, s) for a, s in zip(args, self.shardings()))
     return out if len(out) > 1 else out[0]
 
@@ -321,6 +363,120 @@ class StepPlan:
 
   def __str__(self) -> str:
     return self.table()
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, P)
+
+
+def _static_positions(step: Callable, jit_kwargs, n: int) -> frozenset[int]:
+  """The positions among the plan's ``n`` arguments that ``jit_kwargs``' ``static_argnums`` and
+  ``static_argnames`` (by ``step``'s signature) make static."""
+  nums = jit_kwargs.get("static_argnums", ())
+  nums = (nums,) if isinstance(nums, int) else tuple(nums)
+  names = jit_kwargs.get("static_argnames", ())
+  names = (names,) if isinstance(names, str) else tuple(names)
+  out = {k % n if -n <= k < 0 else k for k in nums}
+  if names:
+    try:
+      params = list(inspect.signature(step).parameters.values())
+    except (TypeError, ValueError):
+      params = []
+    out |= {k for k, prm in enumerate(params[:n]) if prm.name in names and prm.kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+  bad = sorted(k for k in out if not 0 <= k < n)
+  if bad:
+    raise errors.PlacementError(
+        f"StepPlan.jit: static_argnums {bad} are not positions of the plan's {n} arguments; "
+        "name the planned arguments that are not traced (a Python flag the plan was made with)")
+  return frozenset(out)
+
+
+class _PlannedStep:
+  """``StepPlan.jit``'s result: the ``jax.jit`` function (its other attributes are jax's), whose
+  calls name what ``jax.jit`` with in_shardings refuses with a bare ValueError: an argument
+  passed by name (bound to its position where the plan has one), and an argument already laid
+  out on another mesh or layout (``plan.shard`` places it)."""
+
+  def __init__(self, jitted, step: Callable, plan: StepPlan, static: frozenset[int]):
+    self._jitted, self._step, self._plan, self._static = jitted, step, plan, static
+    functools.update_wrapper(self, step)
+
+  def __getattr__(self, name):
+    if name == "_jitted":               # not set yet (a copy being made)
+      raise AttributeError(name)
+    return getattr(self._jitted, name)
+
+  def __call__(self, *args, **kwargs):
+    if kwargs:
+      args = self._positional(args, kwargs)
+    try:
+      return self._jitted(*args)
+    except ValueError as e:
+      if "does not match the sharding" in str(e):
+        self._name_misplaced(args)
+      elif "evenly divide" in str(e):
+        self._name_undivided(args)
+      raise
+
+  def _positional(self, args, kwargs) -> tuple:
+    """``kwargs`` bound to their positions by the step's signature, when they are among the
+    planned arguments (jax.jit takes in_shardings for positional arguments only)."""
+    n = len(self._plan.specs)
+    try:
+      bound = inspect.signature(self._step).bind(*args, **kwargs)
+    except TypeError as e:
+      raise errors.PlacementError(f"StepPlan.jit: the step's arguments do not bind: {e}") from None
+    except ValueError:
+      bound = None
+    if bound is not None:
+      pos = list(bound.args)
+      if len(pos) == n and not bound.kwargs:
+        return tuple(pos)
+    raise errors.PlacementError(
+        f"StepPlan.jit: keyword arguments {sorted(kwargs)} are not among the {n} arguments the "
+        "plan was made for, and jax.jit with the plan's in_shardings takes positional arguments "
+        "only; bind them first (plan.jit(functools.partial(step, "
+        f"{', '.join(f'{k}=...' for k in sorted(kwargs))}))), or plan with them as positional "
+        "arguments")
+
+  def _name_undivided(self, args) -> None:
+    """Raises the error naming the first argument leaf whose dimensions the plan's layout does
+    not divide (a last batch of fewer rows than the plan was made for)."""
+    sizes = dict(zip(self._plan.axis_names, self._plan.mesh_shape))
+    for argnum, (a, specs) in enumerate(zip(args, self._plan.specs)):
+      if argnum in self._static:
+        continue
+      got = jax.tree_util.tree_flatten_with_path(a)[0]
+      for (path, leaf), spec in zip(got, jax.tree.leaves(specs, is_leaf=_is_spec)):
+        shape = np.shape(leaf)
+        for dim, e in enumerate(spec):
+          n = int(np.prod([sizes[x] for x in (e if isinstance(e, tuple) else (e,))])) if e else 1
+          if dim < len(shape) and shape[dim] % n:
+            planned = next((lp.shape for lp in self._plan.leaves
+                            if lp.path == f"[{argnum}]{jax.tree_util.keystr(path)}"), None)
+            raise errors.PlacementError(
+                f"StepPlan.jit: argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'} "
+                f"has shape {shape}, whose dimension {dim} ({shape[dim]}) the plan's {spec} "
+                f"splits {n} ways"
+                + (f" (the plan was made for {planned})" if planned else "")
+                + f"; give a multiple of {n} (drop or pad a last partial batch), or plan "
+                "for this shape")
+
+  def _name_misplaced(self, args) -> None:
+    """Raises the error naming the first argument leaf laid out otherwise than the plan's."""
+    for argnum, (a, s) in enumerate(zip(args, self._plan.shardings())):
+      if argnum in self._static:
+        continue
+      got = jax.tree_util.tree_flatten_with_path(a)[0]
+      for (path, leaf), sh in zip(got, jax.tree.leaves(s)):
+        have = getattr(leaf, "sharding", None)
+        if isinstance(leaf, jax.Array) and have is not None and not have.is_equivalent_to(
+            sh, leaf.ndim):
+          raise errors.PlacementError(
+              f"StepPlan.jit: argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'} "
+              f"lies on {have}, not on the plan's {sh}; place the arguments on the plan's "
+              "layout first: args = plan.shard(*args) (once: the step's outputs stay on it)")
 
 
 def _recipe_table(alternatives) -> str:
@@ -409,6 +565,12 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
   notes = () if budget else (
       "memory: the devices' memory is unknown (as on CPU), so no budget was checked; pass "
       "memory_budget= to check one",)
+  if graph.weights and all(rep is None or graph.leaves[rep].is_batch
+                           for _, _, rep in graph.outputs):
+    notes += ("state: the step returns no new value of its state arguments: a forward-only step, "
+              "or one that updates them in place (nnx's optimizer.update(model, grads)), whose "
+              "updates jax.jit and plan.jit drop; return the new state (nnx.state((model, "
+              "optimizer)) of nnx.merge'd copies) to train with it",)
   pipe = m.pipeline
   pipeline = None if pipe is None else PipelinePlan(
       stages=pipe.stages, microbatches=pipe.microbatches, schedule=pipe.schedule,

@@ -120,11 +120,52 @@ def _pinned_specs(pinned, args) -> dict[int, P]:
             f"plan: pinned[{argnum}] is not a pytree prefix of argument {argnum} ({e}); give "
             "PartitionSpecs (or None) in the argument's own structure") from None
       flat = [s for r in jax.tree.leaves(per_leaf) for s in r.specs]
+      leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
       for k, s in enumerate(flat):
-        if isinstance(s, P):
+        if s is not None:
+          _check_pin(s, argnum, *leaves[k])
           out[offset + k] = s
     offset += n
   return out
+
+
+def _check_pin(spec, argnum: int, path, leaf) -> None:
+  """``spec`` a PartitionSpec that ``jax.jit`` can lay ``leaf`` out with on a planner mesh: the
+  planner's axes, each once, on dimensions the leaf has (else the error naming the leaf)."""
+  where = f"plan: pinned[{argnum}] at {jax.tree_util.keystr(path) or '(root)'}"
+  if not isinstance(spec, P):
+    raise errors.PlacementError(
+        f"{where} is {spec!r} ({type(spec).__name__}); pin a leaf with a "
+        "jax.sharding.PartitionSpec (P('fsdp', 'tensor')), or None to plan it")
+  names = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+  unknown = [a for a in names if a not in AXES]
+  if unknown:
+    raise errors.PlacementError(
+        f"{where}: {spec} names axes {unknown} the planner does not have; name axes among "
+        f"{AXES}")
+  twice = sorted({a for a in names if names.count(a) > 1})
+  if twice:
+    raise errors.PlacementError(
+        f"{where}: {spec} puts axes {twice} on more than one dimension; a mesh axis splits one "
+        "dimension of a leaf")
+  ndim = len(np.shape(leaf))
+  if len(spec) > ndim:
+    raise errors.PlacementError(
+        f"{where}: {spec} has {len(spec)} entries for a leaf of shape {tuple(np.shape(leaf))} "
+        f"({ndim} dimensions); give at most one entry per dimension")
+
+
+def _undivided(pins, graph, shape) -> tuple | None:
+  """The first pin (leaf index -> (spec, why)) whose axes on the mesh ``shape`` do not divide
+  the dimension they split: (its path, spec, dimension, size, ways, why); None when all do."""
+  size = dict(zip(AXES, shape))
+  for k, (spec, why) in sorted(pins.items()):
+    leaf = graph.leaves[k]
+    for dim, e in enumerate(spec):
+      n = math.prod(size[a] for a in (e if isinstance(e, tuple) else (e,))) if e else 1
+      if dim < len(leaf.shape) and leaf.shape[dim] % n:
+        return leaf.path, spec, dim, leaf.shape[dim], n, why
+  return None
 
 
 def _box_pins(args, rules) -> dict[int, P]:
@@ -217,19 +258,51 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
         "or None: the devices' memory less the reserve")
   if batch_argnums is None:
     batch_argnums = (len(args) - 1,)
-  elif isinstance(batch_argnums, int):
+  elif _is_int(batch_argnums):
     batch_argnums = (batch_argnums,)
+  if not isinstance(batch_argnums, (tuple, list)) or not all(_is_int(b) for b in batch_argnums):
+    raise errors.PlacementError(
+        f"plan: batch_argnums={batch_argnums!r} must be an int or a tuple of ints, the positions "
+        f"of the arguments that hold the batch (0..{len(args) - 1}), e.g. batch_argnums=2")
   batch_argnums = tuple(int(b) for b in batch_argnums)
   bad = [b for b in batch_argnums if not 0 <= b < len(args)]
   if bad:
     raise errors.PlacementError(f"plan: batch_argnums {bad} are not argument positions "
                                 f"(0..{len(args) - 1})")
+  if not isinstance(measure, (bool, np.bool_)) and (not _is_int(measure) or measure == 1 or
+                                                    measure < 0):
+    raise errors.PlacementError(
+        f"plan: measure={measure!r} must be True, False or a whole number of timed rounds, at "
+        "least 2 (measure=6)")
+  if not isinstance(donate, (bool, np.bool_)):
+    raise errors.PlacementError(
+        f"plan: donate={donate!r} must be True (the step's state is donated: "
+        "jax.jit(..., donate_argnums=...)) or False")
+  if topology is not None and not isinstance(topology, Topology):
+    hint = (f"topology=dtenjax.Topology.fixture({topology!r})" if isinstance(topology, str)
+            else "dtenjax.Topology.fixture(name) or Topology.detect()")
+    raise errors.PlacementError(
+        f"plan: topology={topology!r} is a {type(topology).__name__}, not a dtenjax.Topology; "
+        f"give one: {hint} (the names: dtenjax.Topology.fixtures())")
+  if rules is not None and (isinstance(rules, str) or not isinstance(rules, Sequence) or not all(
+      isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) for r in rules)):
+    raise errors.PlacementError(
+        f"plan: rules={rules!r} must be flax logical axis rules: a sequence of (name, mesh axis) "
+        "pairs, e.g. (('embed', 'fsdp'), ('mlp', 'tensor'))")
   if recipe is not None and recipe not in RECIPES:
     raise errors.PlacementError(f"plan: recipe={recipe!r} is not one of {RECIPES}")
   pins = {**{k: (v, "pinned by its flax partitioning names") for k, v in
              _box_pins(args, rules).items()},
           **{k: (v, "pinned by you") for k, v in _pinned_specs(pinned, args).items()}}
-  graph = stepgraph.read_step(step, args, batch_argnums)
+  try:
+    graph = stepgraph.read_step(step, args, batch_argnums)
+  except errors.PlacementError as e:
+    if not isinstance(e.__cause__, jax.errors.ConcretizationTypeError):
+      raise
+    raise errors.PlacementError(
+        f"{e}\nThe step branches in Python on an argument, which plan traces as an array: bind "
+        "such a value (a train flag, a size) before planning, plan(functools.partial(step, "
+        "train=True), ...), and jit the same partial") from e.__cause__
   stack = graph.stack()
   topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology, graph,
                                                     stack[0] if stack else 0)
@@ -238,6 +311,16 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   if recipe is not None and fixed_mesh is None:
     island = min((len(i) for i in topology.fast_islands()), default=1)
     shapes = [recipe_shape(recipe, len(ids), island)]
+  # a pinned leaf is laid out as pinned: only on meshes whose axes divide its dimensions
+  fitting = [sh for sh in shapes if _undivided(pins, graph, sh) is None]
+  if not fitting and shapes:
+    path, spec, dim, size, n, how = _undivided(pins, graph, shapes[0])
+    raise errors.PlacementError(
+        f"plan: leaf {path} is {how} {spec}, which splits its dimension {dim} ({size}) {n} ways "
+        f"on mesh {dict(zip(AXES, shapes[0]))}"
+        f"{'' if fixed_mesh is not None else ' and every mesh tried'}, and {n} does not divide "
+        f"{size}; pin it over axes whose sizes divide it, or give a mesh whose do")
+  shapes = fitting
   budget = _budget(topology, ids, memory_budget)
   if overlap is None:
     overlap = costmodel.backend_costs(topology.device(ids[0]).platform).overlap
@@ -511,6 +594,10 @@ def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, 
   out = candidates[kept]
   note = measure_lib.summary(records, kept, compile_s, time.perf_counter() - t0)
   return dataclasses.replace(out, measured=records, notes=out.notes + (note,))
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _is_real(x) -> bool:

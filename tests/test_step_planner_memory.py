@@ -222,6 +222,12 @@ def test_check_compares_per_kind_and_honours_donation():
   assert check.compiled_memory["outputs"] < 0.01 * check.compiled_memory["arguments"]
   assert check.predicted_memory["outputs"] == 0
   assert plain.check(step, *args, compiler_options=EMITTERS).compiled_memory["outputs"] > 0
+  # check compiled plan.jit(step) as a user calls it: the donated plan's jit donates the state
+  # (not the batch) with no donate_argnums of the user's, as jax.jit(donate_argnums=) does
+  placed = donated.shard(*jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), args))
+  jax.block_until_ready(donated.jit(step)(*placed))
+  assert all(x.is_deleted() for x in jax.tree.leaves(placed[:2]))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(placed[2]))
   # per kind: XLA:CPU all-gathers the weights and all-reduces their gradients
   assert set(check.kind_errors) == {"all_gather", "all_reduce"}, check.table()
   assert check.bytes_error <= 0.10, check.table()

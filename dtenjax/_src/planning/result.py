@@ -201,7 +201,9 @@ class StepPlan:
 
     ``jit_kwargs`` are ``jax.jit``'s: ``static_argnums`` / ``static_argnames`` name arguments the
     plan was made with (a Python flag) that are not traced, so they get no sharding;
-    ``donate_argnums`` donates state as usual. The result is ``jax.jit``'s function (``lower``,
+    ``donate_argnums`` donates state as usual; a plan made with ``donate=True`` donates every
+    argument but the batch when no ``donate_argnums`` / ``donate_argnames`` is given (the program
+    its memory was priced for and :meth:`check` compiles). The result is ``jax.jit``'s function (``lower``,
     ``trace``, ``eval_shape`` are its own) whose call also takes, by name, an argument the plan
     has a place for."""
     if not callable(step):
@@ -246,6 +248,9 @@ class StepPlan:
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         return checked(*args)
     static = _static_positions(step, jit_kwargs, len(self.specs))
+    if self.donate and not {"donate_argnums", "donate_argnames"} & set(jit_kwargs):
+      jit_kwargs = {**jit_kwargs, "donate_argnums": tuple(
+          k for k in range(len(self.specs)) if k not in self.batch_argnums and k not in static)}
     # jax.jit takes in_shardings for the traced positional arguments only
     shardings = tuple(sh for k, sh in enumerate(self.shardings()) if k not in static)
     jitted = jax.jit(fn, in_shardings=shardings, out_shardings=self.out_shardings(),

@@ -293,7 +293,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
                                                            tuple(reversed(primary.shape))))
       if zero and per_device > primary.nbytes / shards:
         reduced.append((per_device, parts))
-      elif parts > 1 and bdiv > 1:
+      elif parts > 1 and bdiv > 1 and not on_shard:
         # a replicated weight's (DP's): each part all-reduced into a new buffer too, live into
         # the update's fusions that sum them, which write the step's outputs while the parts
         # are read, so no output buffer takes them (XLA:CPU's buffer assignment of two_views

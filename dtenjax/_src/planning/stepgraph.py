@@ -570,7 +570,7 @@ def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
   followed = gather.shard_gradients(jaxpr)
   weighed = {k for k, _ in followed}
   for group in groups.values():
-    if (any(k in weights and not leaves[k].is_batch for k in group)
+    if (any(k in weights and not leaves[k].is_batch and not weights[k].remat for k in group)
         and not any(k in weighed for k in group)):
       return {}
   if any(len(found) < parts.get(leaves[k].shape, 1) for (k, _), found in followed.items()):

@@ -561,12 +561,16 @@ def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
   read again transposed), XLA:CPU's combined all-reduce of the whole gradients remains, and
   beside it the moved program held memory the model does not follow (a scaled first layer on
   `fsdp` 8: 0.50 MiB of temp compiled where 0.75 was priced; a weight in a lax.fori_loop: 0.32
-  MiB compiled, 0.29 priced): none moves. A followed weight whose cotangents are the larger
-  (moves_activations, its parts' summed) keeps its reduction beside the others' moves, as XLA's
-  partitioner does for the plain FSDP step (review19b: the MLP at batch 136 on `fsdp` 8, w2
-  moved and w1 reduced, 0.94 MiB as priced against the plain jit's 1.04; with neither moved
-  1.41; a weight read by two products, two_views at batch 64: w2's two parts moved, w1's
-  reduced, as XLA's)."""
+  MiB compiled, 0.29 priced): none moves. Not so a weight whose product lies in a
+  jax.checkpoint call (WeightUse.remat: a first layer under checkpoint): its whole gradient,
+  made in the backward's call, is reduced and the followed weights move beside it, as XLA's
+  partitioner moves them (remat_first on `fsdp` 8 at batch 64: 0.90 MiB, priced 0.93, against
+  the plain jit's 1.14; docs/benchmarks.md fsdp20). A followed weight whose cotangents are the
+  larger (moves_activations, part by part) keeps its reduction beside the others' moves, as
+  XLA's partitioner does for the plain FSDP step (review19b: the MLP at batch 136 on `fsdp` 8,
+  w2 moved and w1 reduced, 0.94 MiB as priced against the plain jit's 1.04; with neither moved
+  1.41; a weight read by two products, two_views at batch 256: w2's two parts moved and w1's
+  reduced, 1.42 MiB against the plain jit's 1.97)."""
   followed = gather.shard_gradients(jaxpr)
   weighed = {k for k, _ in followed}
   for group in groups.values():

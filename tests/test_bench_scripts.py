@@ -392,10 +392,10 @@ def test_fsdp_small_batch_compiles_the_plan_beside_the_plain_fsdp_jit(tmp_path, 
   and the issue's clause its rows exist for -- plan.jit's memory at most the plain FSDP jit's
   plus 10 % -- holds, read from the bench's own memory_analysis() rows. With ``--models
   mlp,remat_first`` the same process compiles the variant whose first layer is inside
-  jax.checkpoint (fsdp19b's row): its rows are its own, and the plain jit's program there is
-  the one docs/benchmarks.md (fsdp19b) describes, w2's gradient made on its shard (an
-  all-to-all of the residual) and fewer all-reduced bytes than plan.jit's, which reduces both
-  gradients whole."""
+  jax.checkpoint (fsdp19b's row): its rows are its own, the plain jit's program there is the
+  one docs/benchmarks.md (fsdp19b) describes, w2's gradient made on its shard (an all-to-all
+  of the residual), and plan.jit's makes it so too (fsdp20: before, it reduced both gradients
+  whole, no all-to-all, +23 % over the plain jit's memory), within the issue's 10 %."""
   out = tmp_path / "f.json"
   r = run("fsdp_small_batch", "--cases", "128,512,64", "--models", "mlp,remat_first",
           "--iters", "1", "--warmup", "1", "--json", str(out),
@@ -410,8 +410,8 @@ def test_fsdp_small_batch_compiles_the_plan_beside_the_plain_fsdp_jit(tmp_path, 
   remat = {row["candidate"]: row for row in doc if row["model"] == "remat_first"}
   assert set(remat) == {"plain jit", "plan.jit"}
   assert remat["plain jit"]["collective_kib"]["all_to_all"] > 0
-  assert (remat["plain jit"]["collective_kib"]["all_reduce"]
-          < remat["plan.jit"]["collective_kib"]["all_reduce"])
+  assert remat["plan.jit"]["collective_kib"]["all_to_all"] > 0
+  assert remat["plan.jit"]["memory_mib"] <= 1.10 * remat["plain jit"]["memory_mib"]
 
 
 def test_fsdp_small_batch_names_a_model_it_does_not_have(tmp_path, run):

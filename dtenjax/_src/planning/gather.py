@@ -179,11 +179,10 @@ def _shard_gradient_eqns(jaxpr, shards: Mapping[Any, P], tracked: Mapping[Any, P
     split = [(d, e) for d, e in enumerate(spec) if e is not None]
     if len(split) != 1 or not set(spec_axes(split[0][1])) <= set(rows):
       continue
-    hit = found.get((k, split[0][0]))
-    if hit is not None:
-      rest = [a for a in rows if a not in spec_axes(split[0][1])]
-      how = dataclasses.replace(hit[1], moves=k in on_shard)
-      out[id(jaxpr.eqns[hit[0]])] = (how, split[0][1], _entry(rows), _entry(rest))
+    rest = [a for a in rows if a not in spec_axes(split[0][1])]
+    for n, how in found.get((k, split[0][0]), ()):
+      out[id(jaxpr.eqns[n])] = (dataclasses.replace(how, moves=k in on_shard), split[0][1],
+                                _entry(rows), _entry(rest))
   return out
 
 
@@ -310,15 +309,20 @@ class ShardGradient:
   dtype: str           # the operands' dtype (the cotangent's)
 
 
-def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[int, ShardGradient]]:
+def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[int, ShardGradient], ...]]:
   """(index of a rank-2 float32 weight among ``jaxpr``'s invars, its dimension the layout
-  splits over the batch axes) -> (the index of the equation that makes its gradient, how), for
-  each weight that one top-level product reads directly (``x @ w``) and whose gradient is one
-  float32 product of
-  that product's other operand (its residual ``x``) and a cotangent, contracting everything
-  but one dimension of each (the batch's rows). ``how.moves`` where computing the gradient's
-  shard from the activations gathers fewer bytes than the weight has
-  (:func:`moves_activations`).
+  splits over the batch axes) -> a part per product that makes its gradient: (the index of the
+  equation, how), for each weight that top-level products read directly (``x @ w``, and
+  again ``y @ w``) and whose gradient's parts are each one float32 product of a forward
+  product's other operand (its residual ``x``) and a cotangent, contracting everything but one
+  dimension of each (the batch's rows). Every part's ``how.moves`` where computing each part's
+  shard from the activations gathers fewer bytes than the weight has (:func:`moves_activations`,
+  every part's; none where one part's gather is not the smaller): XLA's partitioner decides so,
+  part by part, for the plain FSDP step of a weight read by two products (two_views on `fsdp` 8,
+  docs/benchmarks.md fsdp20: at batch 256 w2's parts gather 128 KiB of cotangent each, 256
+  summed, against its 256 KiB, and each is made on w2's shard; w1's 512 KiB each, reduced
+  whole). A weight one of whose gradient's products is not followed (another dtype) is left
+  out.
 
   Left to reduce the whole gradient, plan.jit's FSDP step holds every whole gradient at once
   in XLA:CPU's combined all-reduce, and a new buffer of each beside it: four weights' worth on
@@ -337,7 +341,7 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[int, ShardGradient]]:
       wc, xc = (lc, rc) if w == 0 else (rc, lc)
       if len(wv.aval.shape) == 2 and len(wc) == 1 and not lb and not isinstance(xv, jcore.Literal):
         forward.setdefault(xv, []).append((index[wv], wc[0], xc[0]))
-  out: dict[tuple[int, int], tuple[int, ShardGradient]] = {}
+  out: dict[tuple[int, int], list[tuple[int, ShardGradient]]] = {}
   seen: dict[int, set[int]] = {}       # weight -> the products that make its gradient
   for n, eqn in enumerate(jaxpr.eqns):
     if eqn.primitive.name != "dot_general":
@@ -371,12 +375,17 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[int, ShardGradient]]:
         # gathered): on the first layer of float_hyperparameter's MLP in
         # tests/test_plan_user_steps.py, split so, XLA:CPU held a weight's worth more temp than
         # that program has (0.75 MiB against 0.50)
-        gathered = nbytes(g.aval)
-        out[(k, wdim)] = (n, ShardGradient(a, xdim, gathered, nbytes(x.aval),
-                                           moves_activations(gathered, nbytes(w)),
-                                           str(g.aval.dtype)))
-  # a weight whose gradient several products make (a weight read twice) keeps its reduction
-  return {key: v for key, v in out.items() if len(seen[key[0]]) == 1}
+        out.setdefault((k, wdim), []).append(
+            (n, ShardGradient(a, xdim, nbytes(g.aval), nbytes(x.aval), False,
+                              str(g.aval.dtype))))
+  # a weight whose gradient products are not all followed keeps its reduction
+  found = {}
+  for key, parts in out.items():
+    if len(parts) == len(seen[key[0]]):
+      moves = all(moves_activations(how.gathered, nbytes(jaxpr.invars[key[0]].aval))
+                  for _, how in parts)
+      found[key] = tuple((n, dataclasses.replace(how, moves=moves)) for n, how in parts)
+  return found
 
 
 def moves_activations(gathered: int, weight: int) -> bool:

@@ -42,6 +42,8 @@ _FUSIBLE = ELEMENTWISE | frozenset(
 # (IsInstructionPreferredByYnn's kMinElements)
 YNN_MIN_ELEMENTS = 4096
 _PRODUCTS = frozenset(("dot_general", "conv_general_dilated"))
+# jax.checkpoint's calls (jax 0.10's ``remat2``)
+_REMATS = frozenset(("checkpoint", "remat", "remat2"))
 # ops that only change a value's shape or type (a broadcast's size-1 dimensions)
 _RESHAPES = frozenset("broadcast_in_dim reshape squeeze expand_dims convert_element_type".split())
 _FUSED_INTO_CONSUMERS = _FUSIBLE | frozenset(
@@ -364,7 +366,11 @@ def weight_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[tuple[int, boo
   itself, not on its way to a product (the gradient of a scalar that scales it, ``sum(g * w)``),
   reads its own shard (plan.jit gathers for products only): no reader of the gathered copy.
   (``x @ (w1 * s)`` of a scalar parameter ``s`` held w1's copy past the forward in the model,
-  where XLA frees it: +256 KiB, +17.8 % on an MLP's FSDP 8 step under apply_if_finite.)"""
+  where XLA frees it: +256 KiB, +17.8 % on an MLP's FSDP 8 step under apply_if_finite.)
+  A ``jax.checkpoint`` call whose body reads the weight by products alone (the backward's call,
+  which recomputes ``x @ w1`` and makes w1's gradient) is a product's read
+  (:func:`_read_by_products_only`): XLA inlines its body, where the copy's last read is the
+  rematerialized product."""
   made_from: dict[Any, int] = {v: lf.index for lf, v in zip(leaves, jaxpr.invars)
                                if not lf.is_batch}
   reads: dict[int, list[tuple[int, bool]]] = {}
@@ -377,12 +383,26 @@ def weight_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[tuple[int, boo
         if ((name in ELEMENTWISE or name in REDUCTIONS) and
             followed_operand(eqn, fills) is not v):
           continue                    # reads the weight's shard
+        product = name in _PRODUCTS or (name in _REMATS and _read_by_products_only(eqn, v))
         if not reads.get(k) or reads[k][-1][0] != i:
-          reads.setdefault(k, []).append((i, eqn.primitive.name in _PRODUCTS))
+          reads.setdefault(k, []).append((i, product))
         if (eqn.primitive.name in _RESHAPES or eqn.primitive.name == "transpose" or
             followed_operand(eqn, fills) is v):
           made_from.update((o, k) for o in eqn.outvars)
   return {k: tuple(v) for k, v in reads.items()}
+
+
+def _read_by_products_only(eqn, v) -> bool:
+  """Whether a call's body reads its operand ``v`` (every operand that is ``v``) only as a
+  product's operand."""
+  sub = eqn.params.get("jaxpr")
+  body = getattr(sub, "jaxpr", sub)
+  if body is None or len(body.invars) != len(eqn.invars):
+    return False
+  inner = {b for a, b in zip(eqn.invars, body.invars) if a is v}
+  readers = [e for e in body.eqns if any(is_var(u) and u in inner for u in e.invars)]
+  return (bool(readers) and all(e.primitive.name in _PRODUCTS for e in readers)
+          and not any(is_var(u) and u in inner for u in body.outvars))
 
 
 def _heap_slots(jaxpr, state_shapes: set, lives: list) -> dict[Any, heapslot.Slot]:

@@ -372,9 +372,9 @@ def gradient_on_shard(graph: stepgraph.StepGraph, group: Sequence[int], used: di
                       m: CandidateMesh):
   """How plan.jit computes the gradient of ``group``'s weight (the tied leaves of one layout:
   the parameter and its optimizer state) on its shard from activations moved over the batch
-  (gather.ShardGradient) under a layout (``used``: mesh axis -> the dimension it shards) that
-  splits one dimension of it over batch axes alone, as gather.py's evaluator applies it; None
-  where the whole gradient is made and reduced."""
+  (a gather.ShardGradient per product that makes a part of it) under a layout (``used``: mesh
+  axis -> the dimension it shards) that splits one dimension of it over batch axes alone, as
+  gather.py's evaluator applies it; None where the whole gradient is made and reduced."""
   if not used or any(a not in BATCH_AXES or a in SEQUENCE_AXES or m.size[a] == 1
                      for a in used):
     return None
@@ -806,12 +806,14 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       if on_shard is not None:
         # made on the weight's shard (gather.shard_gradients): the cotangent gathered whole over
         # the batch and the residual's rows moved into features, both waited for by the product
-        # (over the weight's axes; each keeps its rows over the batch's other axes, ``rest``)
+        # (over the weight's axes; each keeps its rows over the batch's other axes, ``rest``):
+        # one of each per product that makes a part of it (a weight read by two products: XLA
+        # moves each part's operands apart, two_views' plain FSDP compile)
         zdiv = math.prod(m.size[a] for a in zero)
-        ctx.add("all_gather", on_shard.gathered * zdiv / batch_div, zero, blocking=True,
-                dtype=on_shard.dtype)
-        ctx.add("all_to_all", on_shard.moved / batch_div, zero, blocking=True,
-                dtype=on_shard.dtype)
+        for part in on_shard:
+          ctx.add("all_gather", part.gathered * zdiv / batch_div, zero, blocking=True,
+                  dtype=part.dtype)
+          ctx.add("all_to_all", part.moved / batch_div, zero, blocking=True, dtype=part.dtype)
       elif rs == "reduce_scatter" and _reduced_in_tensor_pairs(graph, primary, use, used, m,
                                                                 zero):
         _price_pair_reduction(ctx, zero)

@@ -293,7 +293,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
                                                            tuple(reversed(primary.shape))))
       if zero and per_device > primary.nbytes / shards:
         reduced.append((per_device, parts))
-      elif parts > 1 and bdiv > 1:
+      elif parts > 1 and bdiv > 1 and not on_shard:
         # a replicated weight's (DP's): each part all-reduced into a new buffer too, live into
         # the update's fusions that sum them, which write the step's outputs while the parts
         # are read, so no output buffer takes them (XLA:CPU's buffer assignment of two_views
@@ -509,6 +509,14 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
     branched = bool(reads) and use is not None and use.branched
     if branched or (sum(product for _, product in reads) == 1 and reads[-1][1]):
       events.setdefault(reads[-1][0] + 1, []).append((0.0, 0.0, -nb))
+      gathered -= nb
+    elif (use is not None and use.remat and not use.input_grad and reads
+          and all(product for _, product in reads)):
+      # a first layer under jax.checkpoint: read by the forward's product and by the backward's
+      # checkpoint call, which rematerializes that product and then makes the gradient; XLA
+      # inlines the call and frees the copy after the rematerialized product, before the
+      # gradient the call returns is made (remat_first on `fsdp` 8, docs/benchmarks.md fsdp20)
+      events.setdefault(reads[-1][0], []).append((0.0, 0.0, -nb))
       gathered -= nb
   events.setdefault(after, []).append((0.0, 0.0, -gathered))
   parts = (sorted((nb * n for nb, n in reduced), reverse=True) if graph.update_reduces

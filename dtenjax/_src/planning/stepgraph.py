@@ -216,9 +216,11 @@ class StepGraph:
   # state leaf -> the top-level equations that read it, each with whether it is a product
   # (liveness.weight_reads): a gathered copy only the forward's product reads is freed there
   weight_reads: dict[int, tuple[tuple[int, bool], ...]] = dataclasses.field(default_factory=dict)
-  # (weight leaf, its dimension split over the batch axes) -> how plan.jit computes its gradient
-  # on that shard from activations moved over the batch, where it does (gather.shard_gradients)
-  shard_gradients: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+  # (weight leaf, its dimension split over the batch axes) -> how plan.jit computes its
+  # gradient on that shard from activations moved over the batch, where it does: one
+  # gather.ShardGradient per product that makes a part of it (gather.shard_gradients)
+  shard_gradients: dict[tuple[int, int], tuple[Any, ...]] = dataclasses.field(
+      default_factory=dict)
   since_meeting: dict[int, float] = dataclasses.field(default_factory=dict)
   # the index reductions over the batch no later work on the batch reads (an argmax over the
   # batch the step returns): all-gathered over the batch axes, no meeting
@@ -549,29 +551,36 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
 
 
 def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
-                     parts: dict[tuple[int, ...], int]) -> dict[tuple[int, int], Any]:
+                     parts: dict[tuple[int, ...], int]) -> dict[tuple[int, int], tuple]:
   """StepGraph.shard_gradients: gather.shard_gradients' weights whose gradient moves the
-  activations, where every weight the step's products read has a gradient product it follows
-  (each group that holds a weight) and no weight's gradient has several parts (``parts``,
-  liveness.gradient_parts: a weight read again through a transpose, ``h @ w.T``, whose second
-  part is made whole). Where some weight's gradient is no followed product (a weight read in a
-  loop, scaled on its way to its product, read twice), XLA:CPU's combined all-reduce of the
-  whole gradients remains, and beside it the moved program held memory the model does not
-  follow (a scaled first layer on `fsdp` 8: 0.50 MiB of temp compiled where 0.75 was priced; a
-  weight in a lax.fori_loop: 0.32 MiB compiled, 0.29 priced): none moves. A followed weight
-  whose cotangent is the larger (moves_activations) keeps its reduction beside the others'
-  moves, as XLA's partitioner does for the plain FSDP step (review19b: the MLP at batch 136 on
-  `fsdp` 8, w2 moved and w1 reduced, 0.94 MiB as priced against the plain jit's 1.04; with
-  neither moved 1.41)."""
-  if parts:
-    return {}
+  activations (each part's ShardGradient), where every weight the step's products read has
+  its gradient's products followed (each group that holds a weight), as many as its shape has
+  parts (``parts``, liveness.gradient_parts: a weight read again through a transpose,
+  ``h @ w.T``, has a second part gather.py does not follow, made whole). Where some weight's
+  gradient is no followed product (a weight read in a loop, scaled on its way to its product,
+  read again transposed), XLA:CPU's combined all-reduce of the whole gradients remains, and
+  beside it the moved program held memory the model does not follow (a scaled first layer on
+  `fsdp` 8: 0.50 MiB of temp compiled where 0.75 was priced; a weight in a lax.fori_loop: 0.32
+  MiB compiled, 0.29 priced): none moves. Not so a weight whose product lies in a
+  jax.checkpoint call (WeightUse.remat: a first layer under checkpoint): its whole gradient,
+  made in the backward's call, is reduced and the followed weights move beside it, as XLA's
+  partitioner moves them (remat_first on `fsdp` 8 at batch 64: 0.90 MiB, priced 0.93, against
+  the plain jit's 1.14; docs/benchmarks.md fsdp20). A followed weight whose cotangents are the
+  larger (moves_activations, part by part) keeps its reduction beside the others' moves, as
+  XLA's partitioner does for the plain FSDP step (review19b: the MLP at batch 136 on `fsdp` 8,
+  w2 moved and w1 reduced, 0.94 MiB as priced against the plain jit's 1.04; with neither moved
+  1.41; a weight read by two products, two_views at batch 256: w2's two parts moved and w1's
+  reduced, 1.42 MiB against the plain jit's 1.97)."""
   followed = gather.shard_gradients(jaxpr)
   weighed = {k for k, _ in followed}
   for group in groups.values():
-    if (any(k in weights and not leaves[k].is_batch for k in group)
+    if (any(k in weights and not leaves[k].is_batch and not weights[k].remat for k in group)
         and not any(k in weighed for k in group)):
       return {}
-  return {k: how for k, (_, how) in followed.items() if how.moves}
+  if any(len(found) < parts.get(leaves[k].shape, 1) for (k, _), found in followed.items()):
+    return {}
+  return {key: tuple(how for _, how in found) for key, found in followed.items()
+          if found[0][1].moves}
 
 
 def _feature_shard_maps(shard_maps, leaves, cones) -> tuple[FeatureShardMap, ...]:

@@ -878,7 +878,13 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   if vocab_axes:
     unsplit = math.prod(m.size[a] for a in batch if a not in vocab_axes)
     ctx.add("all_reduce", lookup[1] / unsplit, vocab_axes, blocking=True, dtype=rdtype)
-  if zero and not vocab_axes and not constant:
+  # (an integer weight a product reads dequantized has no gradient where its scale is frozen,
+  # StepGraph.integer_gradient_free, but XLA still gathers its float value for the product:
+  # a frozen int8 [512, 256] on `fsdp` 4 x `tensor` 2, f32[512,128] a device, compiled on 8 CPU
+  # devices)
+  read_int = (use is not None and not stepgraph.is_float(dtype) and
+              stepgraph.is_float(use.read_dtype or dtype))
+  if zero and not vocab_axes and (not constant or read_int):
     k = axis_key(zero)
     # gathered where its product reads it (StepPlan.jit; a parameter the loss never reads is
     # gathered nowhere: its update reads its own shard); a read inside jax.checkpoint, or a
@@ -911,7 +917,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     if regather and not use.branched:
       pr.gathered_peak = grad / max(1, use.layers)
     elif use is not None:         # (a lax.cond's branch: freed after it, solver._combined_reduction)
-      pr.memory["gathered"] = grad
+      pr.memory["gathered"] = gbytes
     # (a table only read by lookups is not kept: the lookup's backward scatters into zeros and
     # never reads it, so its gathered copy dies with the forward's lookup)
     if use is None and primary.index in graph.lookups:
@@ -928,6 +934,16 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       if pricer.gather_spread > 0:
         pr.start_gather = (k, pricer.gather_spread * last_arrival(group),
                            MEETING_WAKE_S - pricer.step_latency, wait)
+  elif read_int and not vocab_axes:
+    # an integer weight a product reads dequantized and no batch axis shards: XLA converts and
+    # scales it into a float copy of its shard (f32[512,256] for an int8 [512, 256] on `data` 8,
+    # f32[512,128] split over `tensor` 2: XLA:CPU's temp), kept as a gathered copy is (freed
+    # after the forward's product where that is its only reader, solver._combined_reduction).
+    # XLA:CPU runs a 16-bit float product in float32 and dequantizes straight into its widened
+    # operand (a bfloat16 dequantization on `fsdp` 4 x `tensor` 2: one f32[512,128] convert
+    # fusion, no bfloat16 copy)
+    wide = 4 / jaxpr_reader.itemsize(rdtype) if pricer.backend == "cpu" else 1.0
+    pr.memory["gathered"] = rgrad * max(1.0, wide)
   elif zero and vocab_axes and pricer.backend == "cpu":
     # a vocab-parallel table sharded over a batch axis on another dimension: the lookup reads
     # whole rows of the tokens that axis splits, so XLA:CPU gathers the table's 'tensor' shard

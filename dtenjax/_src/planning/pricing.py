@@ -771,10 +771,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   if use is None:
     uses = _lookup_parts(graph, read, scatter, pricer.backend)
     parts = max(parts, uses)
-  for field, kind, axes in (("all_gather", "all_gather", zero), ("all_to_all", "all_to_all", zero),
-                            ("ppermute", "ppermute", zero + ["tensor"]),
-                            ("all_reduce", "all_reduce", ["tensor"]),
-                            ("reduced", "all_reduce", zero)):
+  # (an integer table has no gradient to scatter: StepGraph.integer_gradient_free)
+  scattered = () if graph.integer_gradient_free(group) else (
+      ("all_gather", "all_gather", zero), ("all_to_all", "all_to_all", zero),
+      ("ppermute", "ppermute", zero + ["tensor"]), ("all_reduce", "all_reduce", ["tensor"]),
+      ("reduced", "all_reduce", zero))
+  for field, kind, axes in scattered:
     nb = getattr(scatter, field)
     if nb:
       # the table's rows of its dtype, the token ids int32 (integers move as they are)
@@ -881,10 +883,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # (an integer weight a product reads dequantized has no gradient where its scale is frozen,
   # StepGraph.integer_gradient_free, but XLA still gathers its float value for the product:
   # a frozen int8 [512, 256] on `fsdp` 4 x `tensor` 2, f32[512,128] a device, compiled on 8 CPU
-  # devices)
+  # devices; an int8 table the step only looks up is gathered as it is, int8, for the lookup)
   read_int = (use is not None and not stepgraph.is_float(dtype) and
               stepgraph.is_float(use.read_dtype or dtype))
-  if zero and not vocab_axes and (not constant or read_int):
+  looked_up_int = (use is None and not stepgraph.is_float(dtype) and
+                   primary.index in graph.lookups)
+  if zero and not vocab_axes and (not constant or read_int or looked_up_int):
     k = axis_key(zero)
     # gathered where its product reads it (StepPlan.jit; a parameter the loss never reads is
     # gathered nowhere: its update reads its own shard); a read inside jax.checkpoint, or a
@@ -914,6 +918,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       other = min(grad, graph.stopped[primary.index])
       acc(pr.overlappable, k, pricer("all_gather", other, zero, dtype))
       acc(pr.bytes, f"all_gather[{k}]", pricer.wire(other, dtype))
+    if looked_up_int:
+      # the int8 table gathered whole for its lookups, the step's largest value (`fsdp` 8: an
+      # int8 [4096, 256] table, 1 MiB of XLA:CPU's 1.12 MiB temp); a float table's copy, which
+      # dies with the forward's lookup, is left to the backward's peak as before
+      pr.gathered_peak = grad
     if regather and not use.branched:
       pr.gathered_peak = grad / max(1, use.layers)
     elif use is not None:         # (a lax.cond's branch: freed after it, solver._combined_reduction)

@@ -357,7 +357,10 @@ class StepGraph:
     quantized weight and its scale, returned unchanged) has no float gradient either: JAX makes
     the product's gradient only for a trained scale's (review19b: f32[512,256] priced
     all-reduced on `data` 8 where XLA compiled none); nor has one whose conversion no scale's
-    gradient reads (:attr:`untrained`: the scale passed in and not returned)."""
+    gradient reads (:attr:`untrained`: the scale passed in and not returned). An integer array
+    the step returns no new value of (:attr:`returned`) has nothing reduced: an int8 embedding
+    table passed in, looked up and dequantized per row (`data` 8: its 1 MiB priced all-reduced,
+    none compiled)."""
     lf = self.leaves[group[0]]
     if lf.is_key or is_float(lf.dtype) or not lf.shape:
       return False
@@ -368,6 +371,8 @@ class StepGraph:
       scales = [k for i in group for k in self.dequantized.get(i, (None,))]
       if any(k is None or not self.frozen(self.group_of(k)) for k in scales):
         return False
+    if not any(i in self.returned for i in group):
+      return True        # no new value (an int8 embedding table the step only looks up)
     outs = [k for k, (_, _, rep) in enumerate(self.outputs) if rep == group[0]]
     return bool(outs) and not any(k in self.batch_outputs for k in outs)
 
@@ -376,10 +381,17 @@ class StepGraph:
     batch (a parameter optax.set_to_zero freezes: its new value is the old one plus zeros): XLA
     reduces no gradient of it over the batch axes, though it still gathers it where a product
     reads it. A group no output is tied to is not judged (its new value may be made where the
-    ties are not followed)."""
+    ties are not followed), unless the step returns none of its leaves (:attr:`returned`, which
+    matches untied outputs by shape and dtype): a frozen backbone passed as an argument the step
+    only reads (QLoRA's float base beside its int8 weights: JAX differentiates only the adapter,
+    and XLA reduced nothing of the base's f32[256,128] on `data` 8 where it was priced
+    all-reduced, +537 %)."""
+    if not is_float(self.leaves[group[0]].dtype):
+      return False
+    if not any(i in self.returned for i in group):
+      return True
     outs = [k for k, (_, _, rep) in enumerate(self.outputs) if rep == group[0]]
-    return (bool(outs) and is_float(self.leaves[group[0]].dtype) and
-            not any(k in self.batch_outputs for k in outs))
+    return bool(outs) and not any(k in self.batch_outputs for k in outs)
 
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:

@@ -135,8 +135,10 @@ def test_a_qlora_step_reduces_only_the_adapter_s_gradients(cpu_devices, mesh):
   assert check.misses() == {}, check.table()
 
 
-@pytest.mark.parametrize("mesh", [{"data": 8}, {"fsdp": 8}], ids=["data8", "fsdp8"])
-def test_an_int8_embedding_table_looked_up_and_dequantized_per_row(cpu_devices, mesh):
+@pytest.mark.parametrize("mesh, memory", [({"data": 8}, 0.10), ({"fsdp": 8}, 0.10),
+                                          ({"fsdp": 4, "tensor": 2}, 0.25)],
+                         ids=["data8", "fsdp8", "fsdp4xtensor2"])
+def test_an_int8_embedding_table_looked_up_and_dequantized_per_row(cpu_devices, mesh, memory):
   """An int8 table int8[4096,256] and its per-row scale passed in and not returned, its rows
   looked up by the batch's tokens and dequantized (``table[tok].astype(f32) * rscale[tok]``),
   a float32 weight trained on them. JAX gives the table no gradient and XLA reduces nothing of
@@ -144,7 +146,11 @@ def test_an_int8_embedding_table_looked_up_and_dequantized_per_row(cpu_devices, 
   all-reduce (+406 %): StepGraph.integer_gradient_free judged no group no output is tied to.
   Sharded over `fsdp` 8 (the plan's choice once nothing of it is reduced), XLA all-gathers the
   int8 table whole for the lookup (1 MiB, the step's largest temp value); that gather had not
-  been priced for an integer table (nor its rows' scatter, which no gradient makes)."""
+  been priced for an integer table (nor its rows' scatter, which no gradient makes). On `fsdp`
+  4 x `tensor` 2 the plan keeps the table vocab-parallel and w column-parallel; w's input
+  gradient, which JAX does not make (the rows come from frozen leaves), was priced all-reduced
+  over `tensor` (0.25 MiB, all-reduce +133 %; +275 % on main's plan). Its memory is 22 % under
+  (not modelled: XLA:CPU's temp of the vocab-parallel lookup), held within 25 % here."""
   def step(p, q, tok):
     def loss(p):
       rows = q["table"][tok].astype(jnp.float32) * q["rscale"][tok]
@@ -158,4 +164,5 @@ def test_an_int8_embedding_table_looked_up_and_dequantized_per_row(cpu_devices, 
   check = dtenjax.plan(step, *args, mesh=mesh, batch_argnums=(2,)).check(
       step, *args, compiler_options=compile_only.LLVM_O0)
   assert check.compiled_bytes["all_reduce"] < 256 * 256 * 4 * 1.01, check.table()
-  assert check.misses() == {}, check.table()
+  assert check.misses(memory) == {}, check.table()
+  assert not {k for k in check.misses() if k != "memory"}, check.table()

@@ -497,7 +497,16 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
                         reader.free_reads.get(leaf, 0))
     loop_uses, loop_parts = _loop_parts(use, reader.loop_reads.get(leaf, (0, 0)),
                                         leaf in reader.remat_read)
+    # the partner made from state leaves needs an input gradient only where one of them is
+    # differentiated: a weight read by one product outside jax.checkpoint (no input gradient's
+    # product reads it) has none (an int8 table's rows dequantized by a frozen per-row scale:
+    # JAX makes no gradient of them, and a column-parallel weight's all-reduce of it over
+    # 'tensor', 0.25 MiB on `fsdp` 4 x `tensor` 2, was priced where XLA runs none)
+    # (not in a lax.cond's branch: the backward's conditional is read on its priced branch only)
+    once = (reader.leaf_reads.get(leaf, 1) == 1 and leaf not in reader.remat_read and
+            not use.branched)
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
+                                        input_grad=use.input_grad and not once,
                                         remat=leaf in reader.remat_read,
                                         forward_reads=pairs_mod.forward_reads(reader, leaf),
                                         siblings=readers.get(reader.partner.get(leaf), 1),

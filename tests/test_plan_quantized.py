@@ -40,13 +40,12 @@ def _frozen_int8_step(dtype):
   return step, args
 
 
-@pytest.mark.parametrize("mesh, dtype, memory", [
-    ({"data": 8}, jnp.float32, 0.10),
-    ({"fsdp": 4, "tensor": 2}, jnp.float32, 0.10),
-    ({"fsdp": 4, "tensor": 2}, jnp.bfloat16, 0.20)],
+@pytest.mark.parametrize("mesh, dtype", [
+    ({"data": 8}, jnp.float32),
+    ({"fsdp": 4, "tensor": 2}, jnp.float32),
+    ({"fsdp": 4, "tensor": 2}, jnp.bfloat16)],
     ids=["data8", "fsdp4xtensor2", "fsdp4xtensor2-bf16"])
-def test_a_frozen_int8_weight_s_float_copy_and_gather_are_priced(cpu_devices, mesh, dtype,
-                                                                  memory):
+def test_a_frozen_int8_weight_s_float_copy_and_gather_are_priced(cpu_devices, mesh, dtype):
   """XLA converts and scales the frozen int8 weight's shard into a float copy its product reads
   (on `data` 8 the whole f32[512,256], 0.50 MiB, all of the compiled temp but w2's small
   values), and where a batch axis shards the weight it gathers that float copy (before: on
@@ -54,15 +53,13 @@ def test_a_frozen_int8_weight_s_float_copy_and_gather_are_priced(cpu_devices, me
   without gradient, while XLA all-gathered f32[512,128] a device, 0.25 MiB; memory 55 % under
   in float32, 60 % in bfloat16; on `data` 8 the temp was priced 0.00 against 0.50, memory 49 %
   under). In bfloat16 XLA:CPU dequantizes straight into the float32 operand of its widened
-  product (one f32[512,128] convert fusion, no bfloat16 copy); it also widens the batch and
-  keeps w2's gathered copy beside its transpose, which are not modelled: memory 16 % under
-  (60 % before), within 20 % here."""
+  product (one f32[512,128] convert fusion, no bfloat16 copy): 6 % under (16 % with w2's input
+  gradient priced, which JAX does not make: h comes from the frozen weight alone)."""
   step, args = _frozen_int8_step(dtype)
   check = dtenjax.plan(step, *args, mesh=mesh, batch_argnums=(2,)).check(
       step, *args, compiler_options=compile_only.LLVM_O0)
   assert check.compiled_memory["temp"] >= 512 * 256 * 4 / mesh.get("tensor", 1), check.table()
-  assert check.misses(memory) == {}, check.table()
-  assert not {k for k in check.misses() if k != "memory"}, check.table()
+  assert check.misses() == {}, check.table()
 
 
 def test_plan_jit_of_a_frozen_int8_weight_under_tensor_gives_the_plain_step_s_values(

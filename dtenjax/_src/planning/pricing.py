@@ -771,10 +771,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   if use is None:
     uses = _lookup_parts(graph, read, scatter, pricer.backend)
     parts = max(parts, uses)
-  for field, kind, axes in (("all_gather", "all_gather", zero), ("all_to_all", "all_to_all", zero),
-                            ("ppermute", "ppermute", zero + ["tensor"]),
-                            ("all_reduce", "all_reduce", ["tensor"]),
-                            ("reduced", "all_reduce", zero)):
+  # (an integer table has no gradient to scatter: StepGraph.integer_gradient_free)
+  scattered = () if graph.integer_gradient_free(group) else (
+      ("all_gather", "all_gather", zero), ("all_to_all", "all_to_all", zero),
+      ("ppermute", "ppermute", zero + ["tensor"]), ("all_reduce", "all_reduce", ["tensor"]),
+      ("reduced", "all_reduce", zero))
+  for field, kind, axes in scattered:
     nb = getattr(scatter, field)
     if nb:
       # the table's rows of its dtype, the token ids int32 (integers move as they are)
@@ -880,7 +882,15 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   if vocab_axes:
     unsplit = math.prod(m.size[a] for a in batch if a not in vocab_axes)
     ctx.add("all_reduce", lookup[1] / unsplit, vocab_axes, blocking=True, dtype=rdtype)
-  if zero and not vocab_axes and not constant:
+  # (an integer weight a product reads dequantized has no gradient where its scale is frozen,
+  # StepGraph.integer_gradient_free, but XLA still gathers its float value for the product:
+  # a frozen int8 [512, 256] on `fsdp` 4 x `tensor` 2, f32[512,128] a device, compiled on 8 CPU
+  # devices; an int8 table the step only looks up is gathered as it is, int8, for the lookup)
+  read_int = (use is not None and not stepgraph.is_float(dtype) and
+              stepgraph.is_float(use.read_dtype or dtype))
+  looked_up_int = (use is None and not stepgraph.is_float(dtype) and
+                   primary.index in graph.lookups)
+  if zero and not vocab_axes and (not constant or read_int or looked_up_int):
     k = axis_key(zero)
     # gathered where its product reads it (StepPlan.jit; a parameter the loss never reads is
     # gathered nowhere: its update reads its own shard); a read inside jax.checkpoint, or a
@@ -910,10 +920,15 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       other = min(grad, graph.stopped[primary.index])
       acc(pr.overlappable, k, pricer("all_gather", other, zero, dtype))
       acc(pr.bytes, f"all_gather[{k}]", pricer.wire(other, dtype))
+    if looked_up_int:
+      # the int8 table gathered whole for its lookups, the step's largest value (`fsdp` 8: an
+      # int8 [4096, 256] table, 1 MiB of XLA:CPU's 1.12 MiB temp); a float table's copy, which
+      # dies with the forward's lookup, is left to the backward's peak as before
+      pr.gathered_peak = grad
     if regather and not use.branched:
       pr.gathered_peak = grad / max(1, use.layers)
     elif use is not None:         # (a lax.cond's branch: freed after it, solver._combined_reduction)
-      pr.memory["gathered"] = grad
+      pr.memory["gathered"] = gbytes
     # (a table only read by lookups is not kept: the lookup's backward scatters into zeros and
     # never reads it, so its gathered copy dies with the forward's lookup)
     if use is None and primary.index in graph.lookups:
@@ -930,6 +945,16 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       if pricer.gather_spread > 0:
         pr.start_gather = (k, pricer.gather_spread * last_arrival(group),
                            MEETING_WAKE_S - pricer.step_latency, wait)
+  elif read_int and not vocab_axes:
+    # an integer weight a product reads dequantized and no batch axis shards: XLA converts and
+    # scales it into a float copy of its shard (f32[512,256] for an int8 [512, 256] on `data` 8,
+    # f32[512,128] split over `tensor` 2: XLA:CPU's temp), kept as a gathered copy is (freed
+    # after the forward's product where that is its only reader, solver._combined_reduction).
+    # XLA:CPU runs a 16-bit float product in float32 and dequantizes straight into its widened
+    # operand (a bfloat16 dequantization on `fsdp` 4 x `tensor` 2: one f32[512,128] convert
+    # fusion, no bfloat16 copy)
+    wide = 4 / jaxpr_reader.itemsize(rdtype) if pricer.backend == "cpu" else 1.0
+    pr.memory["gathered"] = rgrad * max(1.0, wide)
   elif zero and vocab_axes and pricer.backend == "cpu":
     # a vocab-parallel table sharded over a batch axis on another dimension: the lookup reads
     # whole rows of the tokens that axis splits, so XLA:CPU gathers the table's 'tensor' shard

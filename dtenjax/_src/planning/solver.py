@@ -251,6 +251,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
   sharded_shapes: set[tuple[int, ...]] = set()   # their shapes (and reversed)
   whole_tables: set[tuple[int, ...]] = set()   # XLA:GPU scatters their gradients into zeros
+  converted = 0.0     # the float conversions of integer weights a trained scale's gradient reads
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -277,6 +278,10 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     per_device = (primary.nbytes / shards if zero and (in_shard or on_shard or use is not None
                                                        and use.layers > 1)
                   else primary.nbytes / t_shard)
+    dequantized = not stepgraph.is_float(primary.dtype) and use is not None
+    if dequantized:
+      # an integer weight read dequantized: its gradient is the product's, of the float it reads
+      per_device = gradient_bytes(graph, primary, per_device)
     # a parameter the loss never reads has no gradient value: its constant zero is fused into
     # the update, neither sized beside the gradients of its shape nor reduced (unused_parameter
     # in tests/test_plan_user_steps.py: a head of w1's shape, replicated over 'tensor' where w1
@@ -293,6 +298,14 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
                                                            tuple(reversed(primary.shape))))
       if zero and per_device > primary.nbytes / shards:
         reduced.append((per_device, parts))
+      elif dequantized and bdiv > 1:
+        # the dequantized weight's gradient, which only its trained scale's gradient reads
+        # (``sum(g * wq)``): no output takes its reduction, a new buffer beside the unreduced
+        # one, and the float conversion that product reads again is kept from the forward
+        # (XLA:CPU's buffer assignment of an int8 [512, 256] with a trained per-channel scale on
+        # `data` 8: the conversion, the gradient and its reduction, f32[512,256] each)
+        reduced.append((per_device, parts))
+        converted += per_device
       elif parts > 1 and bdiv > 1 and not on_shard:
         # a replicated weight's (DP's): each part all-reduced into a new buffer too, live into
         # the update's fusions that sum them, which write the step's outputs while the parts
@@ -384,6 +397,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     events.setdefault(v.start, []).append((nb * (not is_grad), nb * is_grad))
     events.setdefault(_end(v, cpu) + 1, []).append((-nb * (not is_grad), -nb * is_grad))
   events.setdefault(-1, []).append((0.0, 0.0, gathered))    # the weights gathered for the step
+  if converted:               # dequantized weights' float conversions, kept to the step's end
+    events[-1].append((0.0, 0.0, converted))
   if cpu:
     _combined_reduction(graph, events, reduced, gathered, kept)
   act = grads = held_gathered = 0.0

@@ -359,7 +359,10 @@ class StepGraph:
     quantized weight and its scale, returned unchanged) has no float gradient either: JAX makes
     the product's gradient only for a trained scale's (review19b: f32[512,256] priced
     all-reduced on `data` 8 where XLA compiled none); nor has one whose conversion no scale's
-    gradient reads (:attr:`untrained`: the scale passed in and not returned)."""
+    gradient reads (:attr:`untrained`: the scale passed in and not returned). An integer array
+    the step returns no new value of (:attr:`returned`) has nothing reduced: an int8 embedding
+    table passed in, looked up and dequantized per row (`data` 8: its 1 MiB priced all-reduced,
+    none compiled)."""
     lf = self.leaves[group[0]]
     if lf.is_key or is_float(lf.dtype) or not lf.shape:
       return False
@@ -370,6 +373,8 @@ class StepGraph:
       scales = [k for i in group for k in self.dequantized.get(i, (None,))]
       if any(k is None or not self.frozen(self.group_of(k)) for k in scales):
         return False
+    if not any(i in self.returned for i in group):
+      return True        # no new value (an int8 embedding table the step only looks up)
     outs = [k for k, (_, _, rep) in enumerate(self.outputs) if rep == group[0]]
     return bool(outs) and not any(k in self.batch_outputs for k in outs)
 
@@ -378,10 +383,17 @@ class StepGraph:
     batch (a parameter optax.set_to_zero freezes: its new value is the old one plus zeros): XLA
     reduces no gradient of it over the batch axes, though it still gathers it where a product
     reads it. A group no output is tied to is not judged (its new value may be made where the
-    ties are not followed)."""
+    ties are not followed), unless the step returns none of its leaves (:attr:`returned`, which
+    matches untied outputs by shape and dtype): a frozen backbone passed as an argument the step
+    only reads (QLoRA's float base beside its int8 weights: JAX differentiates only the adapter,
+    and XLA reduced nothing of the base's f32[256,128] on `data` 8 where it was priced
+    all-reduced, +537 %)."""
+    if not is_float(self.leaves[group[0]].dtype):
+      return False
+    if not any(i in self.returned for i in group):
+      return True
     outs = [k for k, (_, _, rep) in enumerate(self.outputs) if rep == group[0]]
-    return (bool(outs) and is_float(self.leaves[group[0]].dtype) and
-            not any(k in self.batch_outputs for k in outs))
+    return bool(outs) and not any(k in self.batch_outputs for k in outs)
 
   def group_of(self, leaf: int) -> tuple[int, ...]:
     for g in self.groups:
@@ -487,7 +499,16 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
                         reader.free_reads.get(leaf, 0))
     loop_uses, loop_parts = _loop_parts(use, reader.loop_reads.get(leaf, (0, 0)),
                                         leaf in reader.remat_read)
+    # the partner made from state leaves needs an input gradient only where one of them is
+    # differentiated: a weight read by one product outside jax.checkpoint (no input gradient's
+    # product reads it) has none (an int8 table's rows dequantized by a frozen per-row scale:
+    # JAX makes no gradient of them, and a column-parallel weight's all-reduce of it over
+    # 'tensor', 0.25 MiB on `fsdp` 4 x `tensor` 2, was priced where XLA runs none)
+    # (not in a lax.cond's branch: the backward's conditional is read on its priced branch only)
+    once = (reader.leaf_reads.get(leaf, 1) == 1 and leaf not in reader.remat_read and
+            not use.branched)
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
+                                        input_grad=use.input_grad and not once,
                                         remat=leaf in reader.remat_read,
                                         forward_reads=pairs_mod.forward_reads(reader, leaf),
                                         siblings=readers.get(reader.partner.get(leaf), 1),

@@ -19,6 +19,11 @@ above; ``two_views``, the same MLP applied to the batch and to its features reve
 losses summed (every weight read by two products: tests/test_plan_user_steps.py's
 ``two_views``); ``remat_first``, the first layer (``gelu(x @ w1 + b1)``) inside
 ``jax.checkpoint``.
+
+``--layouts`` times, beside the two, the other layouts a user may write of the same step on the
+same mesh -- DP (every leaf replicated, the batch over ``fsdp``) and each weight matrix alone
+laid out ``P("fsdp")`` (with its bias) -- and ``plan.jit`` of ``dtenjax.plan(..., measure=True)``:
+which layout is fastest when run, against the one the plan's priced model chose.
 """
 
 from __future__ import annotations
@@ -100,6 +105,19 @@ def _models(text: str) -> tuple[str, ...]:
   return models
 
 
+def _layout(mesh, concrete, sharded):
+  """NamedShardings of the step's arguments: the batch over ``fsdp``; a parameter (and its
+  optimizer state) whose name ``sharded(name)`` takes, and whose first dimension divides over the
+  8 devices, ``P("fsdp")``; every other leaf replicated. The plain jit's FSDP is every name."""
+  def spec(path, x):
+    keys = [getattr(k, "key", None) for k in path]
+    name = next((k for k in reversed(keys) if isinstance(k, str)), None)
+    batch = path and getattr(path[0], "idx", None) == 2
+    split = x.ndim and x.shape[0] % 8 == 0 and (batch or sharded(name))
+    return NamedSharding(mesh, P("fsdp") if split else P())
+  return jax.tree_util.tree_map_with_path(spec, concrete)
+
+
 def compiled_stats(compiled) -> dict:
   """Memory per device (MiB) and collective bytes per kind (KiB) of a compiled step."""
   import dtenjax
@@ -123,6 +141,9 @@ def main(argv=None) -> int:
   ap.add_argument("--models", type=_models, default=("mlp",),
                   help=f"the MLP's variants, comma-separated, of {','.join(MODELS)} (default mlp; "
                        "see the module's docstring)")
+  ap.add_argument("--layouts", action="store_true",
+                  help="also time DP, each weight matrix alone over fsdp, and the plan made with "
+                       "measure=True (see the module's docstring)")
   args = ap.parse_args(argv)
   devices = _harness.require_devices(BENCH, 8)
   import dtenjax
@@ -132,12 +153,22 @@ def main(argv=None) -> int:
   for model, d, hidden, batch in _harness.progress(runs, BENCH,
                                                    lambda c: f"{c[0]} d {c[1]} batch {c[3]}"):
     step, concrete = make(d, hidden, batch, model)
-    fsdp = jax.tree.map(lambda x: NamedSharding(
-        mesh, P("fsdp") if x.ndim and x.shape[0] % 8 == 0 else P()), concrete)
+    fsdp = _layout(mesh, concrete, lambda name: True)
     plan = dtenjax.plan(step, *concrete, mesh={"fsdp": 8})
     fns = {"plain jit": jax.jit(step, in_shardings=fsdp).lower(*concrete).compile(),
            "plan.jit": plan.jit(step).lower(*concrete).compile()}
     placed = {"plain jit": jax.device_put(concrete, fsdp), "plan.jit": plan.shard(*concrete)}
+    if args.layouts:
+      hand = {"DP": lambda name: False}
+      hand.update({f"{w} only": (lambda name, w=w: name in (w, "b" + w[1:]))
+                   for w in sorted(concrete[0]) if concrete[0][w].ndim == 2})
+      for k, sharded in hand.items():
+        shardings = _layout(mesh, concrete, sharded)
+        fns[k] = jax.jit(step, in_shardings=shardings).lower(*concrete).compile()
+        placed[k] = jax.device_put(concrete, shardings)
+      measured = dtenjax.plan(step, *concrete, mesh={"fsdp": 8}, measure=True)
+      fns["plan.jit, measure=True"] = measured.jit(step).lower(*concrete).compile()
+      placed["plan.jit, measure=True"] = measured.shard(*concrete)
     samples = {k: [] for k in fns}
     for k, f in fns.items():
       for _ in range(args.warmup):

@@ -420,3 +420,29 @@ def test_fsdp_small_batch_names_a_model_it_does_not_have(tmp_path, run):
           env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
   assert r.returncode == 2
   assert "['resnet'] not among mlp, two_views, remat_first" in r.stderr
+
+
+def test_fsdp_small_batch_layouts_shard_one_weight_with_its_state_and_the_batch(cpu_devices):
+  """fsdp_small_batch.py --layouts' hand-written layouts, read from the shardings (no compile):
+  "w1 only" lays out w1, its bias and their adamw moments P("fsdp") and keeps w2's replicated,
+  the batch always over fsdp; DP replicates every parameter; the plain FSDP jit's layout shards
+  every leaf whose first dimension divides over the 8 devices (not adamw's step count)."""
+  import fsdp_small_batch
+  import jax
+  import numpy as np
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.sharding.Mesh(np.array(cpu_devices[:8]), ("fsdp",))
+  _, concrete = fsdp_small_batch.make(16, 32, 16)
+  def specs(sharded):
+    laid = fsdp_small_batch._layout(mesh, concrete, sharded)
+    return {jax.tree_util.keystr(path): s.spec
+            for path, s in jax.tree_util.tree_leaves_with_path(laid)}
+  one = specs(lambda name: name in ("w1", "b1"))
+  assert one["[0]['w1']"] == one["[0]['b1']"] == one["[1][0].mu['w1']"] == P("fsdp")
+  assert one["[0]['w2']"] == one["[1][0].nu['w2']"] == one["[0]['b2']"] == P()
+  assert one["[2]['x']"] == one["[2]['y']"] == P("fsdp")
+  dp = specs(lambda name: False)
+  assert {s for k, s in dp.items() if not k.startswith("[2]")} == {P()}
+  every = specs(lambda name: True)
+  assert every["[0]['w2']"] == every["[1][0].nu['b2']"] == P("fsdp")
+  assert every["[1][0].count"] == P()

@@ -333,12 +333,22 @@ def gradient_parts(jaxpr, leaves: Sequence[Any]) -> dict[tuple[int, ...], int]:
       parts[eqn.outvars[0]] = parts[ins[0]]
     elif name == "add_any" and ins and all(v in parts for v in ins):
       parts[eqn.outvars[0]] = sum(parts[v] for v in ins)
+    elif (name == "broadcast_in_dim" and not ins and _of_state_shape(eqn.outvars[0], state_shapes)
+          and _is_zero(eqn.invars[0])):
+      # the zeros a written-out loop's gradient is accumulated into (jaxpr_reader.unroll_loops:
+      # a backward scan's carried gradient starts at them): no product
+      parts[eqn.outvars[0]] = 0
   out: dict[tuple[int, ...], int] = {}
   for v, n in parts.items():
     shape = tuple(v.aval.shape)
     if n > 1 and shape in state_shapes:
       out[shape] = max(out.get(shape, 1), n)
   return out
+
+
+def _is_zero(v) -> bool:
+  """Whether ``v`` is the literal zero (a broadcast's fill)."""
+  return not is_var(v) and getattr(v, "val", None) is not None and not (v.val != 0)
 
 
 def _weight_values(jaxpr, leaves: Sequence[Any]) -> set[Any]:

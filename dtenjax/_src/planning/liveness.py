@@ -424,7 +424,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           gpu_starts: dict[Any, int] | None = None,
           scaled: dict[Any, int] | None = None,
           batch_carried: frozenset = frozenset(),
-          loop_parts: list[tuple[Any, int, tuple[int, ...]]] | None = None) -> int:
+          loop_parts: list[tuple[Any, int, tuple[int, ...]]] | None = None,
+          shared_results: bool = False) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -575,7 +576,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         parts: list[tuple[Any, int, tuple[int, ...]]] | None = (
             [] if eqn.primitive.name in ("scan", "while") else None)
         sub_peak = _peak(sub, sub_batch, excluded_shapes, at_peak=sub_set, sliced=xs,
-                         batch_carried=batch_carried, loop_parts=parts)
+                         batch_carried=batch_carried, loop_parts=parts,
+                         shared_results=eqn.primitive.name == "cond")
         if parts and timeline is not None:
           # a weight's gradient part made in a loop's body: XLA:CPU writes the part (and its
           # reduction) into buffers of their own while the carried gradient it is added into
@@ -640,6 +642,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         if state:
           if loop_parts is not None and eqn.primitive.name in _PRODUCTS:
             loop_parts.append((o, nb, shape))
+          continue
+        if shared_results and o in outvars:
           continue
         for w in [o] + [_Again(o) for _ in range(_pad_buffers(eqn, readers.get(o, 0)) - 1)]:
           if w is not o and timeline is not None:

@@ -499,7 +499,10 @@ def _unrolled(eqn) -> bool:
   if eqn.primitive.name != "scan":
     return False
   length, unroll = int(eqn.params["length"]), eqn.params.get("unroll", 1)
-  return length > 1 and (unroll is True or int(unroll) >= length)
+  # jax 0.11 leaves out of the equation the outputs that only forward an input: written out,
+  # the outputs would not line up with the body's; such a scan is read as a loop
+  whole = len(eqn.outvars) == len(eqn.params["jaxpr"].jaxpr.outvars)
+  return whole and length > 1 and (unroll is True or int(unroll) >= length)
 
 
 class _Stacked(list):
@@ -537,7 +540,7 @@ def unroll_loops(closed):
 
   def scan(eqn, vals):
     p = eqn.params
-    consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
+    (consts, n_carry), length = jaxapi.scan_counts(eqn), int(p["length"])
     body = p["jaxpr"]
     fixed = [value(x) for x in vals[:consts]]
     carry = [value(x) for x in vals[consts:consts + n_carry]]

@@ -1069,6 +1069,53 @@ def train_state_donated_with_int_batch_field():
                              plan_kwargs={"donate": True}, jit_kwargs={"donate_argnums": (0,)})
 
 
+def thrice_read_chain(unroll=False):
+  """One weight read three times in a chain, ``tanh(h @ w)`` written out in Python, then ``h @ v``
+  (w and v of one shape, plain sgd, `data` 8): XLA:CPU reduces w's three gradient parts and v's
+  gradient in one all-reduce into four new buffers, beside two unreduced parts in the temporary
+  buffer and two in the outputs' (its buffer assignment). The planner had counted v's gradient
+  in three parts too (the parts were counted per shape) and priced 8 buffers of their size in
+  the temporary buffer (+19.9 %). With ``unroll`` the chain is a ``lax.fori_loop(...,
+  unroll=True)``, which XLA writes out as the Python loop: priced as a loop, its body's parts
+  one per iteration beside the carry, it was -31.1 %."""
+  tx = optax.sgd(0.1)
+  def loss(p, batch):
+    if unroll:
+      h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["w"]), batch["x"], unroll=True)
+    else:
+      h = batch["x"]
+      for _ in range(3):
+        h = jnp.tanh(h @ p["w"])
+    return jnp.mean((h @ p["v"] - batch["y"]) ** 2)
+  p = _init({"w": (128, 128), "v": (128, 128)})
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()), plan_kwargs={"mesh": {"data": 8}})
+
+
+def unrolled_chain():
+  """thrice_read_chain's chain as a ``lax.fori_loop(..., unroll=True)``."""
+  return thrice_read_chain(unroll=True)
+
+
+def nested_conds(b=256, d=128, h=1024):
+  """A cond inside a cond's branch (the MLP's ``gelu(x @ w1) @ w2`` or ``x @ w3`` inside the
+  first, ``tanh(x)`` the second), adamw, `data` 8. The branch's results are the conditional's,
+  one buffer each (XLA:CPU's buffer assignment: the inner and the outer conditional's five
+  f32[32,1024] results at the same offsets of the temporary buffer); the model counted them in
+  the branch's peak, again as the inner cond's results in the outer branch, and again as the
+  outer cond's: temp 1.55 MiB priced, 0.64 compiled (+12.8 %)."""
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    x = batch["x"]
+    inner = lambda: jax.lax.cond(p["g2"] > 0, lambda: jax.nn.gelu(x @ p["w1"]) @ p["w2"],
+                                 lambda: x @ p["w3"])
+    out = jax.lax.cond(p["g1"] > 0, inner, lambda: jnp.tanh(x) * 2.0)
+    return jnp.mean((out - batch["y"]) ** 2)
+  p = dict(_init({"w1": (d, h), "w2": (h, d), "w3": (d, d)}), g1=jnp.asarray(1.0),
+           g2=jnp.asarray(1.0))
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy(b=b, d=d, o=d)),
+              plan_kwargs={"mesh": {"data": 8}})
+
+
 CASES = {f.__name__: f for f in (
     optax_chain, bf16_params, optax_multisteps, optax_masked, mixed_precision, dropout_key,
     dropout_raw_key, scan_microbatches, donated, remat_policy, closed_constant,
@@ -1080,7 +1127,8 @@ CASES = {f.__name__: f for f in (
     linen_cnn_labels, dp_sgd_per_example, nnx_optimizer_state,
     train_state_donated_with_int_batch_field, unused_parameter, argmax_over_the_batch,
     stop_gradient_tied_table, scaled_weights, weight_shaped_activations, two_views,
-    masked_weight, gated_head)}
+    masked_weight, gated_head, thrice_read_chain, unrolled_chain,
+    nested_conds)}
 
 
 # --- the checks -------------------------------------------------------------------------------

@@ -335,12 +335,22 @@ def gradient_parts(jaxpr, leaves: Sequence[Any]) -> dict[tuple[int, ...], int]:
       parts[eqn.outvars[0]] = parts[ins[0]]
     elif name == "add_any" and ins and all(v in parts for v in ins):
       parts[eqn.outvars[0]] = sum(parts[v] for v in ins)
+    elif (name == "broadcast_in_dim" and not ins and _of_state_shape(eqn.outvars[0], state_shapes)
+          and _is_zero(eqn.invars[0])):
+      # the zeros a written-out loop's gradient is accumulated into (jaxpr_reader.unroll_loops:
+      # a backward scan's carried gradient starts at them): no product
+      parts[eqn.outvars[0]] = 0
   out: dict[tuple[int, ...], int] = {}
   for v, n in parts.items():
     shape = tuple(v.aval.shape)
     if n > 1 and shape in state_shapes:
       out[shape] = max(out.get(shape, 1), n)
   return out
+
+
+def _is_zero(v) -> bool:
+  """Whether ``v`` is the literal zero (a broadcast's fill)."""
+  return not is_var(v) and getattr(v, "val", None) is not None and not (v.val != 0)
 
 
 def _weight_values(jaxpr, leaves: Sequence[Any]) -> set[Any]:
@@ -434,7 +444,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
           gpu_starts: dict[Any, int] | None = None,
           scaled: dict[Any, int] | None = None,
           batch_carried: frozenset = frozenset(),
-          loop_parts: list[tuple[Any, int, tuple[int, ...]]] | None = None) -> int:
+          loop_parts: list[tuple[Any, int, tuple[int, ...]]] | None = None,
+          shared_results: bool = False) -> int:
   """Peak bytes of live batch-derived values over ``jaxpr``'s equations in order (bodies of
   calls add their own peak while they run); ``counted`` collects the values it counts and
   ``timeline`` (value or None, start, end, bytes, state shape or None, in a body's peak) every
@@ -585,7 +596,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         parts: list[tuple[Any, int, tuple[int, ...]]] | None = (
             [] if eqn.primitive.name in ("scan", "while") else None)
         sub_peak = _peak(sub, sub_batch, excluded_shapes, at_peak=sub_set, sliced=xs,
-                         batch_carried=batch_carried, loop_parts=parts)
+                         batch_carried=batch_carried, loop_parts=parts,
+                         shared_results=eqn.primitive.name == "cond")
         if parts and timeline is not None:
           # a weight's gradient part made in a loop's body: XLA:CPU writes the part (and its
           # reduction) into buffers of their own while the carried gradient it is added into
@@ -650,6 +662,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         if state:
           if loop_parts is not None and eqn.primitive.name in _PRODUCTS:
             loop_parts.append((o, nb, shape))
+          continue
+        if shared_results and o in outvars:
           continue
         for w in [o] + [_Again(o) for _ in range(_pad_buffers(eqn, readers.get(o, 0)) - 1)]:
           if w is not o and timeline is not None:

@@ -248,6 +248,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   outputs: list[float] = []
   # whole gradients a batch axis reduces and a layout then shards, each with its products
   reduced: list[tuple[float, int]] = []
+  single: list[float] = []      # replicated gradients of one product a batch axis reduces
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
   sharded_shapes: set[tuple[int, ...]] = set()   # their shapes (and reversed)
   whole_tables: set[tuple[int, ...]] = set()   # XLA:GPU scatters their gradients into zeros
@@ -293,9 +294,13 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       turned.setdefault(tuple(reversed(primary.shape)), []).append(per_device)
       for shape in (primary.shape, tuple(reversed(primary.shape))):
         shard_sizes.setdefault(shape, []).append(primary.nbytes / shards)
-      # a gradient of several products (a weight read twice) is reduced part by part
+      # a gradient of several products (a weight read twice) is reduced part by part; the
+      # count is per shape, so a leaf of that shape read once (v beside w in ``tanh(h @ w)``
+      # three times, then ``h @ v``) takes its own reads' count
       parts = max(graph.gradient_parts.get(s, 1) for s in (primary.shape,
                                                            tuple(reversed(primary.shape))))
+      if use is not None:
+        parts = min(parts, max(1, use.grad_parts))
       if zero and per_device > primary.nbytes / shards:
         reduced.append((per_device, parts))
       elif dequantized and bdiv > 1:
@@ -306,6 +311,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         # `data` 8: the conversion, the gradient and its reduction, f32[512,256] each)
         reduced.append((per_device, parts))
         converted += per_device
+      elif bdiv > 1 and parts == 1 and not on_shard:
+        single.append(per_device)
       elif parts > 1 and bdiv > 1 and not on_shard:
         # a replicated weight's (DP's): each part all-reduced into a new buffer too, live into
         # the update's fusions that sum them, which write the step's outputs while the parts
@@ -316,6 +323,13 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         reduced.append((per_device, parts))
     if not prob.donate:
       outputs.extend(graph.leaves[i].nbytes / shards for i in g)
+  if cpu and not graph.update_reduces and any(n > 1 for _, n in reduced):
+    # XLA:CPU's combined all-reduce that holds the parts makes a new buffer of every gradient
+    # it joins: a replicated gradient of one product is not reduced into its output in place
+    # beside them (tanh(h @ w) three times, then h @ v, on `data` 8: w's three parts and v's
+    # gradient reduced into four temporary buffers, the buffer assignment of
+    # test_plan_user_steps.py's thrice_read_chain)
+    reduced.extend((nb, 1) for nb in single)
   hoisted = _zeros_before_the_loop(graph, whole_tables)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}

@@ -461,7 +461,8 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
   # the HLO of both: read the jaxpr XLA compiles (a call's results were materialised values).
   # The sequence's facts are read from the jaxpr as traced: from the inlined one, under jax 0.11,
   # they counted 4x the attention calls of tests/test_step_planner_sequence.py (not analysed).
-  jaxpr = jaxapi.inline_calls(closed).jaxpr
+  # a fully unrolled scan (fori_loop(..., unroll=True)) is read as the loop XLA writes out
+  jaxpr = jaxpr_reader.unroll_loops(jaxapi.inline_calls(closed)).jaxpr
   if len(jaxpr.invars) != len(leaves):
     raise errors.PlacementError(
         f"plan: the step's jaxpr has {len(jaxpr.invars)} inputs for {len(leaves)} argument "

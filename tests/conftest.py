@@ -164,45 +164,34 @@ ALLOWED_LONG = allowed_long_tests()
 # process that did it: the runs a fork server forks and reaps itself (tests/procs.py's
 # ``ForkServer.run``: test_bench_scripts's benches, test_doc_code's blocks) and the server's own
 # import of jax, which RUSAGE_CHILDREN alone booked on the test whose teardown ended the server,
-# 27-51 s at once (docs/testing.md, suite19 and suite20). A child reaped between two readings
-# moves from the live part to RUSAGE_CHILDREN: the clock does not jump.
+# 27-61 s at once (docs/testing.md, suite19 and suite20). A child reaped between two readings
+# moves from the live part to RUSAGE_CHILDREN: the clock does not jump. The live children are
+# those of each process's main thread (where the fixtures start servers and where a process
+# adopts orphans, ``procs.adopting``): one file a process, where every thread's list cost 0.2 ms
+# a reading in a worker's 29 threads; a child another thread forked is read when it is reaped,
+# as before.
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
-def _live_children(pid: str | int = "self") -> list[int]:
-  """The children of a process not reaped yet: each of its threads' list (a child is listed under
-  the thread that forked it, or that adopted it)."""
-  kids = []
+def _read(path: str) -> bytes:
+  fd = os.open(path, os.O_RDONLY)
   try:
-    tids = os.listdir(f"/proc/{pid}/task")
-  except OSError:       # gone (reaped) since it was listed
-    return kids
-  for tid in tids:
-    try:
-      fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY)
-    except OSError:
-      continue
-    try:
-      kids.extend(int(k) for k in os.read(fd, 65536).split())
-    finally:
-      os.close(fd)
-  return kids
+    return os.read(fd, 65536)
+  finally:
+    os.close(fd)
 
 
 def _tree_cpu_s(pid: int) -> float:
   """A live process's CPU, with the children it reaped (utime, stime, cutime, cstime) and its live
   descendants'; 0 for one reaped since it was listed (its CPU is in RUSAGE_CHILDREN then)."""
   try:
-    fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    stat = _read(f"/proc/{pid}/stat")
+    kids = _read(f"/proc/{pid}/task/{pid}/children").split()
   except OSError:
     return 0.0
-  try:
-    stat = os.read(fd, 4096)
-  finally:
-    os.close(fd)
   fields = stat[stat.rindex(b")") + 2:].split()      # after the command's name, which may hold ")"
   own = sum(int(v) for v in fields[11:15]) * _TICK_S   # stat's fields 14-17
-  return own + sum(_tree_cpu_s(k) for k in _live_children(pid))
+  return own + sum(_tree_cpu_s(int(k)) for k in kids)
 
 
 def _has_live_children() -> bool:
@@ -217,7 +206,10 @@ def _has_live_children() -> bool:
 def _cpu_s() -> float:
   own = resource.getrusage(resource.RUSAGE_SELF)
   kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-  live = sum(_tree_cpu_s(k) for k in _live_children()) if _has_live_children() else 0.0
+  live = 0.0
+  if _has_live_children():
+    pid = os.getpid()
+    live = sum(_tree_cpu_s(int(k)) for k in _read(f"/proc/{pid}/task/{pid}/children").split())
   return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + live
 
 

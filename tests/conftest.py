@@ -167,7 +167,7 @@ ALLOWED_LONG = allowed_long_tests()
 # 27-61 s at once (docs/testing.md, suite19 and suite20). A child reaped between two readings
 # moves from the live part to RUSAGE_CHILDREN: the clock does not jump. The live children are
 # those of each process's main thread (where the fixtures start servers and where a process
-# adopts orphans, ``procs.adopting``): one file a process, where every thread's list cost 0.2 ms
+# adopts orphans, ``procs.adopting``): two files a process, where every thread's list cost 0.2 ms
 # a reading in a worker's 29 threads; a child another thread forked is read when it is reaped,
 # as before.
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
@@ -181,17 +181,24 @@ def _read(path: str) -> bytes:
     os.close(fd)
 
 
-def _tree_cpu_s(pid: int) -> float:
-  """A live process's CPU, with the children it reaped (utime, stime, cutime, cstime) and its live
-  descendants'; 0 for one reaped since it was listed (its CPU is in RUSAGE_CHILDREN then)."""
+def _live_cpu_s(pid: int) -> float:
+  """The CPU of a process's live children (its main thread's), each with the children it reaped
+  and its own live descendants; 0 where /proc does not list them (another system, a kernel
+  without the children file) or the process was reaped since it was listed (its CPU is in
+  RUSAGE_CHILDREN then)."""
+  total = 0.0
   try:
-    stat = _read(f"/proc/{pid}/stat")
     kids = _read(f"/proc/{pid}/task/{pid}/children").split()
   except OSError:
-    return 0.0
-  fields = stat[stat.rindex(b")") + 2:].split()      # after the command's name, which may hold ")"
-  own = sum(int(v) for v in fields[11:15]) * _TICK_S   # stat's fields 14-17
-  return own + sum(_tree_cpu_s(int(k)) for k in kids)
+    return total
+  for kid in kids:
+    try:
+      stat = _read(f"/proc/{int(kid)}/stat")
+    except OSError:
+      continue
+    fields = stat[stat.rindex(b")") + 2:].split()     # after the command's name, which may hold ")"
+    total += sum(int(v) for v in fields[11:15]) * _TICK_S + _live_cpu_s(int(kid))   # fields 14-17
+  return total
 
 
 def _has_live_children() -> bool:
@@ -206,10 +213,7 @@ def _has_live_children() -> bool:
 def _cpu_s() -> float:
   own = resource.getrusage(resource.RUSAGE_SELF)
   kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-  live = 0.0
-  if _has_live_children():
-    pid = os.getpid()
-    live = sum(_tree_cpu_s(int(k)) for k in _read(f"/proc/{pid}/task/{pid}/children").split())
+  live = _live_cpu_s(os.getpid()) if _has_live_children() else 0.0
   return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + live
 
 

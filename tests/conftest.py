@@ -15,7 +15,7 @@ themselves. ``DTENJAX_TEST_COMPILE_CACHE=0`` turns it off.
 
 Time budget: a test that takes more than ``DTENJAX_TEST_TIME_LIMIT`` seconds (default 60; 0 turns
 the check off) on both clocks -- wall time, and the CPU time of the test's process and the
-processes it waited for (one worker has about one core of the 2-core machine, so on a quiet
+processes under it (``_cpu_s``; one worker has about one core of the 2-core machine, so on a quiet
 machine the two agree; on a busy one the wall clock alone would blame the test for others'
 load) -- fails, unless it is marked ``slow`` and listed with its reason in docs/testing.md.
 """
@@ -158,10 +158,63 @@ def allowed_long_tests(doc: pathlib.Path = TESTING_DOC) -> dict[str, str]:
 ALLOWED_LONG = allowed_long_tests()
 
 
+# The CPU clock of a test is that of the process tree under this process: this process, the children
+# it reaped (RUSAGE_CHILDREN) and its live descendants, each with what it reaped (/proc's stat). A
+# child's CPU is read while it works, so a test is booked what ran while it ran, whoever reaps the
+# process that did it: the runs a fork server forks and reaps itself (tests/procs.py's
+# ``ForkServer.run``: test_bench_scripts's benches, test_doc_code's blocks) and the server's own
+# import of jax, which RUSAGE_CHILDREN alone booked on the test whose teardown ended the server,
+# 27-61 s at once (docs/testing.md, suite19 and suite20). A child reaped between two readings
+# moves from the live part to RUSAGE_CHILDREN: the clock does not jump. The live children are
+# those of each process's main thread (where the fixtures start servers and where a process
+# adopts orphans, ``procs.adopting``): two files a process, where every thread's list cost 0.2 ms
+# a reading in a worker's 29 threads; a child another thread forked is read when it is reaped,
+# as before.
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def _read(path: str) -> bytes:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    return os.read(fd, 65536)
+  finally:
+    os.close(fd)
+
+
+def _live_cpu_s(pid: int) -> float:
+  """The CPU of a process's live children (its main thread's), each with the children it reaped
+  and its own live descendants; 0 where /proc does not list them (another system, a kernel
+  without the children file) or the process was reaped since it was listed (its CPU is in
+  RUSAGE_CHILDREN then)."""
+  total = 0.0
+  try:
+    kids = _read(f"/proc/{pid}/task/{pid}/children").split()
+  except OSError:
+    return total
+  for kid in kids:
+    try:
+      stat = _read(f"/proc/{int(kid)}/stat")
+    except OSError:
+      continue
+    fields = stat[stat.rindex(b")") + 2:].split()     # after the command's name, which may hold ")"
+    total += sum(int(v) for v in fields[11:15]) * _TICK_S + _live_cpu_s(int(kid))   # fields 14-17
+  return total
+
+
+def _has_live_children() -> bool:
+  """Whether this process has a child not reaped yet (one system call: most tests start none)."""
+  try:
+    os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)     # reaps nothing
+  except ChildProcessError:
+    return False
+  return True
+
+
 def _cpu_s() -> float:
   own = resource.getrusage(resource.RUSAGE_SELF)
   kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-  return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+  live = _live_cpu_s(os.getpid()) if _has_live_children() else 0.0
+  return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + live
 
 
 def _timed(item, key):
@@ -239,8 +292,8 @@ def pytest_runtest_makereport(item, call):
     return
   report.outcome = "failed"
   report.longrepr = (
-      f"{item.nodeid} took {wall:.0f} s (wall) and {cpu:.0f} s (CPU, with the processes it "
-      f"waited for), over the {TIME_LIMIT_S:g} s budget of one test (tests/conftest.py). Move "
+      f"{item.nodeid} took {wall:.0f} s (wall) and {cpu:.0f} s (CPU, with the processes under "
+      f"it), over the {TIME_LIMIT_S:g} s budget of one test (tests/conftest.py). Move "
       "its checks to a cheaper program, or mark it slow and list it with its reason in "
       "docs/testing.md.")
 

@@ -269,7 +269,7 @@ class ForkServer:
     """``python ARGV`` forked and handed to this process, which must be a child subreaper
     (``adopting()``), as ``subprocess.Popen(..., stdout=log, stderr=err or STDOUT, cwd=cwd)``
     started at once: this process polls, signals, waits for and reaps it as its own child (and
-    pytest's CPU clock counts it in the test that reaped it). The hook dtenjax.elastic.launch's
+    pytest's CPU clock counts it in the test that ran it). The hook dtenjax.elastic.launch's
     tests give its launcher; tests/mp_workers/launch.py's and ``run_at_once``'s runs."""
     assert _subreaper(), "start() needs this process to adopt the run: inside procs.adopting()"
     self.proc.stdin.write(json.dumps({"runs": [{

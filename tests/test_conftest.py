@@ -250,3 +250,27 @@ def test_the_suites_xla_cpu_emitters_give_the_default_emitters_bits():
       differing_hlo.append(name)
   # The flag is in effect: the suite's programs are not the default emitters' programs.
   assert differing_hlo, "the suite's XLA_FLAGS did not change how XLA:CPU compiles"
+
+
+_BURN = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end:\n  pass\n"
+
+
+def test_a_fork_servers_runs_are_booked_on_the_test_that_ran_them(tmp_path):
+  """The per-test CPU clock (conftest's ``_cpu_s``) reads the live processes under the test's:
+  a run that a fork server forks and reaps itself (``ForkServer.run``) is on the clock once it has
+  ended, while the server still runs, and ending the server (a later test's teardown, for a
+  module's or the session's) adds nothing. RUSAGE_CHILDREN alone reads the run only when the
+  server is reaped: 0 s after the run, 0.3 s at the server's end."""
+  import conftest
+  from tests import procs
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT),
+                                                                    os.environ.get("PYTHONPATH")))))
+  with procs.ForkServer(env, tmp_path, tmp_path, preload=()) as server:
+    before = conftest._cpu_s()
+    assert server.run(["-c", _BURN], timeout=60).returncode == 0
+    ran = conftest._cpu_s()
+  ended = conftest._cpu_s()
+  # the run's 0.3 s, less what /proc's rounding to ticks (10 ms) loses (0.29 s read on this VM)
+  assert ran - before >= 0.25, (before, ran, ended)
+  # the server's exit and reaping: milliseconds, not the run a second time
+  assert ended - ran < 0.1, (before, ran, ended)

@@ -11,6 +11,7 @@ memory_analysis() and the compiled HLO's collectives, through ``plan.check``."""
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 
@@ -19,6 +20,7 @@ from tests import compile_only
 from tests import helpers
 
 pytestmark = helpers.one_worker(__name__)
+_JAXLIB = tuple(int(p) for p in jaxlib.__version__.split(".")[:2])
 
 S = jax.ShapeDtypeStruct
 
@@ -54,11 +56,14 @@ def test_a_frozen_int8_weight_s_float_copy_and_gather_are_priced(cpu_devices, me
   in float32, 60 % in bfloat16; on `data` 8 the temp was priced 0.00 against 0.50, memory 49 %
   under). In bfloat16 XLA:CPU dequantizes straight into the float32 operand of its widened
   product (one f32[512,128] convert fusion, no bfloat16 copy): 6 % under (16 % with w2's input
-  gradient priced, which JAX does not make: h comes from the frozen weight alone)."""
+  gradient priced, which JAX does not make: h comes from the frozen weight alone). jaxlib 0.11's
+  XLA:CPU keeps a bfloat16 copy (temp 0.19 MiB on `fsdp` 4 x `tensor` 2; priced as the float32
+  one, +34.6 %)."""
   step, args = _frozen_int8_step(dtype)
   check = dtenjax.plan(step, *args, mesh=mesh, batch_argnums=(2,)).check(
       step, *args, compiler_options=compile_only.LLVM_O0)
-  assert check.compiled_memory["temp"] >= 512 * 256 * 4 / mesh.get("tensor", 1), check.table()
+  copy = 4 if dtype == jnp.float32 or _JAXLIB < (0, 11) else 2
+  assert check.compiled_memory["temp"] >= 512 * 256 * copy / mesh.get("tensor", 1), check.table()
   assert check.misses() == {}, check.table()
 
 

@@ -952,8 +952,9 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     # after the forward's product where that is its only reader, solver._combined_reduction).
     # XLA:CPU runs a 16-bit float product in float32 and dequantizes straight into its widened
     # operand (a bfloat16 dequantization on `fsdp` 4 x `tensor` 2: one f32[512,128] convert
-    # fusion, no bfloat16 copy)
-    wide = 4 / jaxpr_reader.itemsize(rdtype) if pricer.backend == "cpu" else 1.0
+    # fusion, no bfloat16 copy); jaxlib 0.11's keeps the bfloat16 copy
+    wide = (4 / jaxpr_reader.itemsize(rdtype) if pricer.backend == "cpu" and XLA_VERSION < (0, 11)
+            else 1.0)
     pr.memory["gathered"] = rgrad * max(1.0, wide)
   elif zero and vocab_axes and pricer.backend == "cpu":
     # a vocab-parallel table sharded over a batch axis on another dimension: the lookup reads

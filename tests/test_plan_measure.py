@@ -278,3 +278,24 @@ def test_plans_on_different_meshes_that_place_everything_alike_are_one_layout():
   outs = [p.jit(step)(*measure.placed_arguments(args, p.shardings())) for p in (dp, dp_on_fsdp)]
   for x, y in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_donating_plan_is_timed_on_a_program_that_keeps_its_arguments():
+  """plan(donate=True, measure=...): the timed turns call one program again on the same placed
+  arrays, so it must not donate them (plan.jit of such a plan donates the state by default, and
+  a compiled program called on a donated buffer crashed the process on XLA:CPU), while the memory
+  kept is the donated program's, as jax.jit with the state donated compiles it."""
+  def step(p, x):
+    g = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"]) ** 2))(p)
+    return {"w": p["w"] - 0.1 * g["w"]}
+
+  args = ({"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)},
+          jax.ShapeDtypeStruct((32, 64), jnp.float32))
+  plan = dtenjax.plan(step, *args, mesh={"data": 8}, donate=True)
+  samples, memory, _ = measure.time_plans(step, {"plan": plan}, args, rounds=2)
+  assert len(samples["plan"]) == 2 and all(s > 0 for s in samples["plan"])
+  stats = jax.jit(step, in_shardings=plan.shardings(), out_shardings=plan.out_shardings(),
+                  donate_argnums=(0,)).lower(*args).compile().memory_analysis()
+  assert stats.alias_size_in_bytes > 0
+  assert memory["plan"] == (stats.argument_size_in_bytes + stats.output_size_in_bytes -
+                            stats.alias_size_in_bytes + stats.temp_size_in_bytes)

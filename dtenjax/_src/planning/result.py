@@ -126,6 +126,9 @@ class StepPlan:
   # (the spec without the batch axes) and None for every other leaf
   compute_specs: tuple[Any, ...] = ()
   donate: bool = False           # planned for a step whose state arguments are donated
+  # the arguments the step returns a new value of (StepGraph.returned): those plan.jit donates
+  # for donate=True; None (unknown) donates every argument but the batch
+  returned_argnums: tuple[int, ...] | None = None
   nvls: bool = False             # the topology's NVLink SHARP state the plan was priced with
   batch_argnums: tuple[int, ...] = ()
   # plan(..., measure=True): every candidate as run on the devices, fastest first
@@ -201,9 +204,11 @@ class StepPlan:
 
     ``jit_kwargs`` are ``jax.jit``'s: ``static_argnums`` / ``static_argnames`` name arguments the
     plan was made with (a Python flag) that are not traced, so they get no sharding;
-    ``donate_argnums`` donates state as usual; a plan made with ``donate=True`` donates every
-    argument but the batch when no ``donate_argnums`` / ``donate_argnames`` is given (the program
-    its memory was priced for and :meth:`check` compiles). The result is ``jax.jit``'s function (``lower``,
+    ``donate_argnums`` donates state as usual; a plan made with ``donate=True`` donates the
+    arguments the step returns new values of when no ``donate_argnums`` / ``donate_argnames`` is
+    given (the program its memory was priced for and :meth:`check` compiles): not the batch, nor
+    a frozen argument it only reads (a reference model, LoRA's base), whose buffer jax.jit would
+    hand to an output of its shape and delete. The result is ``jax.jit``'s function (``lower``,
     ``trace``, ``eval_shape`` are its own) whose call also takes, by name, an argument the plan
     has a place for."""
     if not callable(step):
@@ -249,8 +254,10 @@ class StepPlan:
         return checked(*args)
     static = _static_positions(step, jit_kwargs, len(self.specs))
     if self.donate and not {"donate_argnums", "donate_argnames"} & set(jit_kwargs):
+      returned = (range(len(self.specs)) if self.returned_argnums is None
+                  else self.returned_argnums)
       jit_kwargs = {**jit_kwargs, "donate_argnums": tuple(
-          k for k in range(len(self.specs)) if k not in self.batch_argnums and k not in static)}
+          k for k in returned if k not in self.batch_argnums and k not in static)}
     # jax.jit takes in_shardings for the traced positional arguments only
     shardings = tuple(sh for k, sh in enumerate(self.shardings()) if k not in static)
     jitted = jax.jit(fn, in_shardings=shardings, out_shardings=self.out_shardings(),
@@ -584,6 +591,8 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
       send_s=pipe.chosen.send_s, link=pipe.link)
   return StepPlan(axis_names=AXES, mesh_shape=m.shape, out_specs=out_specs, pipeline=pipeline,
                   compute_specs=tuple(compute_specs), donate=donate, nvls=topology.nvls,
+                  returned_argnums=tuple(sorted({graph.leaves[i].argnum
+                                                 for i in graph.returned})),
                   batch_argnums=tuple(sorted({lf.argnum for lf in graph.leaves if lf.is_batch})),
                   device_ids=tuple(int(i) for i in m.ids.ravel()), axes=axis_links(m),
                   leaves=tuple(leaves), specs=tuple(specs), cost=cost, recipes=recipes,

@@ -262,7 +262,8 @@ class StepPlan:
     shardings = tuple(sh for k, sh in enumerate(self.shardings()) if k not in static)
     jitted = jax.jit(fn, in_shardings=shardings, out_shardings=self.out_shardings(),
                      **jit_kwargs)
-    return _PlannedStep(jitted, step, self, static)
+    donates = bool({"donate_argnums", "donate_argnames"} & set(jit_kwargs))
+    return _PlannedStep(jitted, step, self, static, donates)
 
   def _check_args(self, what: str, step: Callable, args) -> None:
     """``step`` callable and ``args`` one per planned argument, else the error naming them."""
@@ -408,10 +409,14 @@ class _PlannedStep:
   """``StepPlan.jit``'s result: the ``jax.jit`` function (its other attributes are jax's), whose
   calls name what ``jax.jit`` with in_shardings refuses with a bare ValueError: an argument
   passed by name (bound to its position where the plan has one), and an argument already laid
-  out on another mesh or layout (``plan.shard`` places it)."""
+  out on another mesh or layout (``plan.shard`` places it), and, where the program donates, an
+  argument an earlier call deleted (on XLA:CPU jaxlib 0.10, jax.jit's compiled call on a deleted
+  buffer crashes the process)."""
 
-  def __init__(self, jitted, step: Callable, plan: StepPlan, static: frozenset[int]):
+  def __init__(self, jitted, step: Callable, plan: StepPlan, static: frozenset[int],
+               donates: bool = False):
     self._jitted, self._step, self._plan, self._static = jitted, step, plan, static
+    self._donates = donates
     functools.update_wrapper(self, step)
 
   def __getattr__(self, name):
@@ -422,6 +427,9 @@ class _PlannedStep:
   def __call__(self, *args, **kwargs):
     if kwargs:
       args = self._positional(args, kwargs)
+    if self._donates and any(isinstance(leaf, jax.Array) and leaf.is_deleted()
+                             for leaf in jax.tree.leaves(args)):
+      self._name_deleted(args)
     try:
       return self._jitted(*args)
     except ValueError as e:
@@ -451,6 +459,17 @@ class _PlannedStep:
         "only; bind them first (plan.jit(functools.partial(step, "
         f"{', '.join(f'{k}=...' for k in sorted(kwargs))}))), or plan with them as positional "
         "arguments")
+
+  def _name_deleted(self, args) -> None:
+    """Raises the error naming the first argument leaf an earlier call donated (deleted)."""
+    for argnum, a in enumerate(args):
+      for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+          raise errors.PlacementError(
+              f"StepPlan.jit: argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'} "
+              "was deleted: an earlier call donated it (the plan was made with donate=True, or "
+              "plan.jit was given donate_argnums). Pass the step's new state, its output, to the "
+              "next call, or keep the arguments with plan.jit(step, donate_argnums=())")
 
   def _name_undivided(self, args) -> None:
     """Raises the error naming the first argument leaf whose dimensions the plan's layout does

@@ -191,3 +191,17 @@ def test_a_second_conv_layer_still_has_its_input_gradient(cpu_devices):
              for e in jaxpr.eqns)
   graph = stepgraph.read_step(step, args, (1,))
   assert graph.weights[1].input_grad and not graph.weights[0].input_grad
+
+
+def test_an_int4_weight_is_sized_at_half_a_byte_an_element(cpu_devices):
+  """int4 arrays are packed two to a byte in XLA's buffers: the frozen int4[512,256] weight and
+  its returned copy are 64 KiB each, as memory_analysis() gives them (arguments and outputs
+  exact). Before, they were sized at one byte an element (numpy's itemsize of ml_dtypes' int4):
+  memory 14 % over on `data` 8."""
+  step, args = _frozen_int8_step(jnp.float32)
+  args = (args[0], {**args[1], "wq": S((512, 256), jnp.int4)}, args[2])
+  check = dtenjax.plan(step, *args, mesh={"data": 8}, batch_argnums=(2,)).check(
+      step, *args, compiler_options=compile_only.LLVM_O0)
+  for part in ("arguments", "outputs"):
+    assert abs(check.predicted_memory[part] - check.compiled_memory[part]) < 64, check.table()
+  assert check.misses() == {}, check.table()

@@ -100,6 +100,8 @@ class Leaf:
 
   @property
   def nbytes(self) -> int:
+    if self.itemsize == 1:      # a 4-bit type packs two elements to a byte
+      return jaxpr_reader.packed_bytes(math.prod(self.shape), self.dtype)
     return math.prod(self.shape) * self.itemsize
 
   @property
@@ -705,7 +707,7 @@ def _loop_shares(weights: dict[int, WeightUse], loop_of: dict[int, Any],
   collective's latency for the body, not one per weight (tests/test_costmodel_wire.py)."""
   def grad_bytes(leaf: int) -> float:
     lf, read = leaves[leaf], weights[leaf].read_dtype
-    return lf.nbytes * (jaxpr_reader.itemsize(read) / lf.itemsize if read else 1.0)
+    return math.prod(lf.shape) * jaxpr_reader.itemsize(read) if read else lf.nbytes
   body_of = {leaf: id(loop_of[leaf]) for leaf, use in weights.items()
              if use.loop_parts and use.layers == 1 and loop_of.get(leaf) is not None}
   joined: dict[int, float] = {}

@@ -1115,3 +1115,31 @@ def test_a_global_norm_reduces_a_tied_weights_gradient_parts_together():
   args = (params, jax.eval_shape(tx.init, params), batch)
   check = dtenjax.plan(step, *args, recipe="FSDP").check(step, *args, compiler_options=EMITTERS)
   assert check.memory_error <= 0.05, check.table()
+
+
+def test_a_donated_plan_keeps_a_frozen_argument_it_only_reads():
+  """plan(donate=True).jit(step) donates the arguments the step returns new values of, not a
+  frozen one it only reads: a reference model passed before the trained weights (DPO's) is
+  donated by jax.jit(donate_argnums=) of every argument but the batch, its buffer taken by the
+  new weights' output of its shape and deleted, and the next step's call on it crashed the
+  process on XLA:CPU. Expected from JAX: the arrays jax.jit leaves undeleted."""
+  def step(ref, p, x):
+    def loss(p):
+      return jnp.mean((jnp.tanh(x @ p["w"]) - jnp.tanh(x @ ref["w"])) ** 2)
+    g = jax.grad(loss)(p)
+    return {"w": p["w"] - 0.1 * g["w"]}
+
+  args = ({"w": jnp.full((16, 16), 0.01)}, {"w": jnp.full((16, 16), 0.02)}, jnp.ones((8, 16)))
+  want = jax.jit(step)(*args)
+  plan = dtenjax.plan(step, *args, mesh={"data": 8}, batch_argnums=(2,), donate=True)
+  ref, p, x = plan.shard(*jax.tree.map(jnp.copy, args))
+  planned = plan.jit(step)
+  new = planned(ref, p, x)
+  assert not ref["w"].is_deleted() and p["w"].is_deleted() and not x.is_deleted()
+  assert jnp.allclose(new["w"], want["w"])
+  again = planned(ref, new, x)
+  assert jnp.allclose(again["w"], jax.jit(step)(args[0], want, args[2])["w"])
+  # the old weights reused: named, where jax.jit's compiled call on the deleted buffer crashed
+  # XLA:CPU's process (jaxlib 0.10)
+  with pytest.raises(dtenjax.PlacementError, match=r"argument 1 leaf \['w'\] .*deleted"):
+    planned(ref, p, x)

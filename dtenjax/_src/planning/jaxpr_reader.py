@@ -170,12 +170,27 @@ def is_var(v) -> bool:
   return not isinstance(v, jcore.Literal)
 
 
+def packed_bytes(elements: int, dtype) -> int:
+  """Bytes of ``elements`` of ``dtype`` in XLA's buffers: a 4-bit type (int4, uint4,
+  float4_e2m1fn) packs two elements to a byte, where numpy's itemsize of ml_dtypes' says one."""
+  size = itemsize(dtype)
+  if size == 1:
+    try:
+      info = jax.numpy.iinfo if jax.numpy.issubdtype(dtype, jax.numpy.integer) else jax.numpy.finfo
+      bits = info(dtype).bits
+    except (TypeError, ValueError):     # bool, a PRNG key's
+      bits = 8
+    if bits < 8:
+      return -(-elements * bits // 8)
+  return elements * size
+
+
 def nbytes(aval) -> int:
   shape = getattr(aval, "shape", ())
   dtype = getattr(aval, "dtype", None)
   if dtype is None:
     return 0
-  return math.prod(shape) * itemsize(dtype)
+  return packed_bytes(math.prod(shape), dtype)
 
 
 def scaled_operand(eqn):

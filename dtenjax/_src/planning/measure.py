@@ -143,13 +143,16 @@ def time_calls(calls: Mapping[str, Callable[[], Any]], *, rounds: int, warmup: i
 
 def compile_plan(step: Callable, plan, args: Sequence[Any]) -> tuple[Callable, float]:
   """``plan.jit(step)`` compiled for the arguments' shapes, and its compiled memory per device
-  (:func:`compiled_bytes`). The program returned is the one timed; for a plan made with
-  ``donate=True`` the program timed donates nothing, since the timed turns call it again on the
-  same arrays, and the memory is that of a second compile, ``plan.jit(step)``'s with the state
-  donated (as ``plan.check`` compiles it)."""
+  (:func:`compiled_bytes`). The program returned is the one timed, compiled with nothing donated:
+  the timed turns call it again on the same arrays (a compiled program called on a donated
+  buffer crashes XLA:CPU's process). For a plan made with ``donate=True`` the memory is that of
+  a second compile, ``plan.jit(step)``'s own, which donates the state (as ``plan.check``
+  compiles it)."""
   abstract = stepgraph.abstract(args)
   compiled = plan.jit(step, donate_argnums=()).lower(*abstract).compile()
-  donated = plan.jit(step).lower(*abstract).compile() if plan.donate else compiled
+  donated = compiled
+  if plan.donate:
+    donated = plan.jit(step).lower(*abstract).compile()
   return compiled, compiled_bytes(donated)
 
 

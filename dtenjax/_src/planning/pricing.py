@@ -314,7 +314,8 @@ def gradient_bytes(graph: stepgraph.StepGraph, leaf: stepgraph.Leaf, nbytes: flo
   read = gradient_dtype(graph, leaf)
   if read == leaf.dtype:
     return nbytes
-  return nbytes * jaxpr_reader.itemsize(read) / jaxpr_reader.itemsize(leaf.dtype)
+  # a 4-bit leaf's bytes are half its elements (jaxpr_reader.packed_bytes)
+  return nbytes * jaxpr_reader.itemsize(read) / (jaxpr_reader.packed_bytes(8, leaf.dtype) / 8)
 
 
 def read_leaf(graph: stepgraph.StepGraph, leaf: stepgraph.Leaf) -> stepgraph.Leaf:

@@ -126,6 +126,9 @@ class StepPlan:
   # (the spec without the batch axes) and None for every other leaf
   compute_specs: tuple[Any, ...] = ()
   donate: bool = False           # planned for a step whose state arguments are donated
+  # the arguments the step returns a new value of (StepGraph.returned): those plan.jit donates
+  # for donate=True; None (unknown) donates every argument but the batch
+  returned_argnums: tuple[int, ...] | None = None
   nvls: bool = False             # the topology's NVLink SHARP state the plan was priced with
   batch_argnums: tuple[int, ...] = ()
   # plan(..., measure=True): every candidate as run on the devices, fastest first
@@ -201,9 +204,11 @@ class StepPlan:
 
     ``jit_kwargs`` are ``jax.jit``'s: ``static_argnums`` / ``static_argnames`` name arguments the
     plan was made with (a Python flag) that are not traced, so they get no sharding;
-    ``donate_argnums`` donates state as usual; a plan made with ``donate=True`` donates every
-    argument but the batch when no ``donate_argnums`` / ``donate_argnames`` is given (the program
-    its memory was priced for and :meth:`check` compiles). The result is ``jax.jit``'s function (``lower``,
+    ``donate_argnums`` donates state as usual; a plan made with ``donate=True`` donates the
+    arguments the step returns new values of when no ``donate_argnums`` / ``donate_argnames`` is
+    given (the program its memory was priced for and :meth:`check` compiles): not the batch, nor
+    a frozen argument it only reads (a reference model, LoRA's base), whose buffer jax.jit would
+    hand to an output of its shape and delete. The result is ``jax.jit``'s function (``lower``,
     ``trace``, ``eval_shape`` are its own) whose call also takes, by name, an argument the plan
     has a place for."""
     if not callable(step):
@@ -249,13 +254,16 @@ class StepPlan:
         return checked(*args)
     static = _static_positions(step, jit_kwargs, len(self.specs))
     if self.donate and not {"donate_argnums", "donate_argnames"} & set(jit_kwargs):
+      returned = (range(len(self.specs)) if self.returned_argnums is None
+                  else self.returned_argnums)
       jit_kwargs = {**jit_kwargs, "donate_argnums": tuple(
-          k for k in range(len(self.specs)) if k not in self.batch_argnums and k not in static)}
+          k for k in returned if k not in self.batch_argnums and k not in static)}
     # jax.jit takes in_shardings for the traced positional arguments only
     shardings = tuple(sh for k, sh in enumerate(self.shardings()) if k not in static)
     jitted = jax.jit(fn, in_shardings=shardings, out_shardings=self.out_shardings(),
                      **jit_kwargs)
-    return _PlannedStep(jitted, step, self, static)
+    donates = bool({"donate_argnums", "donate_argnames"} & set(jit_kwargs))
+    return _PlannedStep(jitted, step, self, static, donates)
 
   def _check_args(self, what: str, step: Callable, args) -> None:
     """``step`` callable and ``args`` one per planned argument, else the error naming them."""
@@ -401,10 +409,14 @@ class _PlannedStep:
   """``StepPlan.jit``'s result: the ``jax.jit`` function (its other attributes are jax's), whose
   calls name what ``jax.jit`` with in_shardings refuses with a bare ValueError: an argument
   passed by name (bound to its position where the plan has one), and an argument already laid
-  out on another mesh or layout (``plan.shard`` places it)."""
+  out on another mesh or layout (``plan.shard`` places it), and, where the program donates, an
+  argument an earlier call deleted (on XLA:CPU jaxlib 0.10, jax.jit's compiled call on a deleted
+  buffer crashes the process)."""
 
-  def __init__(self, jitted, step: Callable, plan: StepPlan, static: frozenset[int]):
+  def __init__(self, jitted, step: Callable, plan: StepPlan, static: frozenset[int],
+               donates: bool = False):
     self._jitted, self._step, self._plan, self._static = jitted, step, plan, static
+    self._donates = donates
     functools.update_wrapper(self, step)
 
   def __getattr__(self, name):
@@ -415,6 +427,9 @@ class _PlannedStep:
   def __call__(self, *args, **kwargs):
     if kwargs:
       args = self._positional(args, kwargs)
+    if self._donates and any(isinstance(leaf, jax.Array) and leaf.is_deleted()
+                             for leaf in jax.tree.leaves(args)):
+      self._name_deleted(args)
     try:
       return self._jitted(*args)
     except ValueError as e:
@@ -444,6 +459,17 @@ class _PlannedStep:
         "only; bind them first (plan.jit(functools.partial(step, "
         f"{', '.join(f'{k}=...' for k in sorted(kwargs))}))), or plan with them as positional "
         "arguments")
+
+  def _name_deleted(self, args) -> None:
+    """Raises the error naming the first argument leaf an earlier call donated (deleted)."""
+    for argnum, a in enumerate(args):
+      for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+          raise errors.PlacementError(
+              f"StepPlan.jit: argument {argnum} leaf {jax.tree_util.keystr(path) or '(root)'} "
+              "was deleted: an earlier call donated it (the plan was made with donate=True, or "
+              "plan.jit was given donate_argnums). Pass the step's new state, its output, to the "
+              "next call, or keep the arguments with plan.jit(step, donate_argnums=())")
 
   def _name_undivided(self, args) -> None:
     """Raises the error naming the first argument leaf whose dimensions the plan's layout does
@@ -584,6 +610,8 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
       send_s=pipe.chosen.send_s, link=pipe.link)
   return StepPlan(axis_names=AXES, mesh_shape=m.shape, out_specs=out_specs, pipeline=pipeline,
                   compute_specs=tuple(compute_specs), donate=donate, nvls=topology.nvls,
+                  returned_argnums=tuple(sorted({graph.leaves[i].argnum
+                                                 for i in graph.returned})),
                   batch_argnums=tuple(sorted({lf.argnum for lf in graph.leaves if lf.is_batch})),
                   device_ids=tuple(int(i) for i in m.ids.ravel()), axes=axis_links(m),
                   leaves=tuple(leaves), specs=tuple(specs), cost=cost, recipes=recipes,

@@ -100,6 +100,8 @@ class Leaf:
 
   @property
   def nbytes(self) -> int:
+    if self.itemsize == 1:      # a 4-bit type packs two elements to a byte
+      return jaxpr_reader.packed_bytes(math.prod(self.shape), self.dtype)
     return math.prod(self.shape) * self.itemsize
 
   @property
@@ -505,9 +507,11 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
     # product reads it) has none (an int8 table's rows dequantized by a frozen per-row scale:
     # JAX makes no gradient of them, and a column-parallel weight's all-reduce of it over
     # 'tensor', 0.25 MiB on `fsdp` 4 x `tensor` 2, was priced where XLA runs none)
-    # (not in a lax.cond's branch: the backward's conditional is read on its priced branch only)
+    # (not in a lax.cond's branch: the backward's conditional is read on its priced branch only;
+    # not a convolution's kernel: JAX's input gradient reads it reversed, ``rev(w)``, which the
+    # reader does not count as a read of the leaf, so a second conv layer looked read once)
     once = (reader.leaf_reads.get(leaf, 1) == 1 and leaf not in reader.remat_read and
-            not use.branched)
+            not use.branched and use.primitive == "dot_general")
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
                                         input_grad=use.input_grad and not once,
                                         remat=leaf in reader.remat_read,
@@ -703,7 +707,7 @@ def _loop_shares(weights: dict[int, WeightUse], loop_of: dict[int, Any],
   collective's latency for the body, not one per weight (tests/test_costmodel_wire.py)."""
   def grad_bytes(leaf: int) -> float:
     lf, read = leaves[leaf], weights[leaf].read_dtype
-    return lf.nbytes * (jaxpr_reader.itemsize(read) / lf.itemsize if read else 1.0)
+    return math.prod(lf.shape) * jaxpr_reader.itemsize(read) if read else lf.nbytes
   body_of = {leaf: id(loop_of[leaf]) for leaf, use in weights.items()
              if use.loop_parts and use.layers == 1 and loop_of.get(leaf) is not None}
   joined: dict[int, float] = {}

@@ -206,3 +206,24 @@ def test_the_cli_refuses_a_fixtures_check_and_a_factorys_keyword_arguments(tmp_p
   assert rc == 2 and out == "", (rc, out)
   assert "--args 'fdstep:named' returned keyword arguments ['scale']; the planner plans the " \
          "step's positional arguments" in err, err
+
+
+def test_plan_jit_of_another_plans_jit_runs_this_plans_layout():
+  """A user re-planning on another mesh passes the step they already jitted,
+  ``plan2.jit(plan1.jit(step))``: ``functools.update_wrapper`` copied the first function's
+  attributes over the new one's, so the call ran plan 1's program, on plan 1's mesh, without a
+  word. Now each plan's function runs its own layout (the step the first one wraps)."""
+  params, x = _args()
+
+  def step(p, x):
+    v, g = jax.value_and_grad(_loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), v
+
+  first = dtenjax.plan(step, params, x, mesh={"fsdp": 8})
+  second = dtenjax.plan(step, params, x, mesh={"data": 4, "tensor": 2})
+  train = second.jit(first.jit(step))
+  got = train(params, x)
+  assert got[0]["w1"].sharding.mesh.shape == dict(zip(second.axis_names, second.mesh_shape))
+  assert got[0]["w1"].sharding.spec == second.specs[0]["w1"]
+  _close(got, jax.jit(step)(params, x))
+

@@ -211,6 +211,8 @@ class StepPlan:
           f"StepPlan.jit: step is a {type(step).__name__}, not callable; pass the step function "
           "the plan was "
           "made for (plan.jit(step), then call the result with its arguments)")
+    if isinstance(step, _PlannedStep):   # another plan's function: this plan lays out its step
+      step = step._step
     if self.pipeline is not None:
       p = self.pipeline
       raise errors.PlacementError(
@@ -404,8 +406,10 @@ class _PlannedStep:
   out on another mesh or layout (``plan.shard`` places it)."""
 
   def __init__(self, jitted, step: Callable, plan: StepPlan, static: frozenset[int]):
-    self._jitted, self._step, self._plan, self._static = jitted, step, plan, static
+    # the step's name and attributes first, then ours: a step that is another plan's function
+    # carries its own _jitted / _plan in its __dict__, which update_wrapper copies
     functools.update_wrapper(self, step)
+    self._jitted, self._step, self._plan, self._static = jitted, step, plan, static
 
   def __getattr__(self, name):
     if name == "_jitted":               # not set yet (a copy being made)

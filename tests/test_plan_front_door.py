@@ -227,3 +227,29 @@ def test_plan_jit_of_another_plans_jit_runs_this_plans_layout():
   assert got[0]["w1"].sharding.spec == second.specs[0]["w1"]
   _close(got, jax.jit(step)(params, x))
 
+
+def test_plan_jit_lowers_by_name_and_names_a_wrong_number_of_arguments():
+  """The call took an argument by name, but ``train.lower(params, x=x)`` (and ``trace``,
+  ``eval_shape``) ended in JAX's "pjit does not support kwargs when in_shardings is specified";
+  and a call with one argument too many or too few in JAX's "pjit in_shardings specification
+  must be a tree prefix of the positional arguments tuple". Both are as the call takes them
+  now."""
+  params, x = _args()
+
+  def step(p, x):
+    return jax.tree.map(lambda a: 2 * a, p), _loss(p, x)
+
+  plan = dtenjax.plan(step, params, x, mesh={"data": 8})
+  train = plan.jit(step)
+  lowered = train.lower(params, x=x)
+  assert lowered.as_text() == train.lower(params, x).as_text()
+  assert train.trace(p=params, x=x).jaxpr == train.trace(params, x).jaxpr
+  shapes = train.eval_shape(params, x=x)
+  assert shapes[1].shape == () and shapes[0]["w1"].shape == (16, 32)
+  for args in ((params,), (params, x, x)):
+    with pytest.raises(dtenjax.PlacementError, match=rf"StepPlan\.jit: the plan has 2 arguments, "
+                       rf"got {len(args)}; pass the step's arguments"):
+      train(*args)
+    with pytest.raises(dtenjax.PlacementError, match=rf"the plan has 2 arguments, got {len(args)}"):
+      train.lower(*args)
+

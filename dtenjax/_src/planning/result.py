@@ -422,11 +422,36 @@ class _PlannedStep:
     try:
       return self._jitted(*args)
     except ValueError as e:
+      self._count(args)
       if "does not match the sharding" in str(e):
         self._name_misplaced(args)
       elif "evenly divide" in str(e):
         self._name_undivided(args)
       raise
+
+  # jax.jit's ahead-of-time methods take the arguments as the call does (by name too)
+  def lower(self, *args, **kwargs):
+    return self._jitted.lower(*self._arguments(args, kwargs))
+
+  def trace(self, *args, **kwargs):
+    return self._jitted.trace(*self._arguments(args, kwargs))
+
+  def eval_shape(self, *args, **kwargs):
+    return self._jitted.eval_shape(*self._arguments(args, kwargs))
+
+  def _arguments(self, args, kwargs) -> tuple:
+    args = self._positional(args, kwargs) if kwargs else args
+    self._count(args)
+    return args
+
+  def _count(self, args) -> None:
+    """Raises the error naming a call with another number of arguments than the plan's (JAX's
+    is about the in_shardings' tree prefix)."""
+    n = len(self._plan.specs)
+    if len(args) != n:
+      raise errors.PlacementError(
+          f"StepPlan.jit: the plan has {n} arguments, got {len(args)}; pass the step's "
+          "arguments as the plan was made with them (bind the others with functools.partial)")
 
   def _positional(self, args, kwargs) -> tuple:
     """``kwargs`` bound to their positions by the step's signature, when they are among the

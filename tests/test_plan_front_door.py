@@ -253,3 +253,26 @@ def test_plan_jit_lowers_by_name_and_names_a_wrong_number_of_arguments():
     with pytest.raises(dtenjax.PlacementError, match=rf"the plan has 2 arguments, got {len(args)}"):
       train.lower(*args)
 
+
+def test_a_step_returning_its_state_reshaped_or_through_a_loop_gets_no_state_note():
+  """The report's note "the step returns no new value of its state" (nnx's in-place update)
+  looked for an output tied to the state by elementwise work only: a step that runs its
+  optimizer steps in a ``lax.scan`` (several steps per call), or returns a weight transposed
+  back or reshaped, got the note though it returns every new weight."""
+  params, x = _args()
+
+  def looped(p, x):
+    def body(p, xb):
+      v, g = jax.value_and_grad(_loss)(p, xb)
+      return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), v
+    p, vs = jax.lax.scan(body, p, x.reshape(2, 8, 16))
+    return p, vs.mean()
+
+  def reshaped(p, x):
+    v, g = jax.value_and_grad(_loss)(p, x)
+    new = jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+    return {"w1": new["w1"].T.T, "w2": new["w2"].reshape(-1).reshape(32, 16)}, v
+
+  for step in (looped, reshaped):
+    plan = dtenjax.plan(step, params, x, mesh={"data": 8})
+    assert not any(n.startswith("state:") for n in plan.notes), (step.__name__, plan.notes)

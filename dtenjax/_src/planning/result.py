@@ -599,8 +599,9 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
   notes = () if budget else (
       "memory: the devices' memory is unknown (as on CPU), so no budget was checked; pass "
       "memory_budget= to check one",)
-  if graph.weights and all(rep is None or graph.leaves[rep].is_batch
-                           for _, _, rep in graph.outputs):
+  # no state leaf returned (StepGraph.returned: an output tied to it, or of its shape and dtype
+  # where the tie is lost -- a lax.scan of optimizer steps, a reshape back)
+  if graph.weights and not graph.returned:
     notes += ("state: the step returns no new value of its state arguments: a forward-only step, "
               "or one that updates them in place (nnx's optimizer.update(model, grads)), whose "
               "updates jax.jit and plan.jit drop; return the new state (nnx.state((model, "

@@ -410,6 +410,16 @@ class _PlannedStep:
     # carries its own _jitted / _plan in its __dict__, which update_wrapper copies
     functools.update_wrapper(self, step)
     self._jitted, self._step, self._plan, self._static = jitted, step, plan, static
+    try:
+      self._signature = inspect.signature(step)
+    except (TypeError, ValueError):     # a builtin or an object without one: no names to bind
+      self._signature = None
+    # the planned arguments' names where each may come positionally or by name: a call giving
+    # the last ones by name is put in order without binding the signature (microseconds a call)
+    n = len(plan.specs)
+    params = [] if self._signature is None else list(self._signature.parameters.values())[:n]
+    self._names = tuple(prm.name for prm in params) if len(params) == n and all(
+        prm.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for prm in params) else None
 
   def __getattr__(self, name):
     if name == "_jitted":               # not set yet (a copy being made)
@@ -457,12 +467,15 @@ class _PlannedStep:
     """``kwargs`` bound to their positions by the step's signature, when they are among the
     planned arguments (jax.jit takes in_shardings for positional arguments only)."""
     n = len(self._plan.specs)
+    if self._names is not None and len(args) + len(kwargs) == n:
+      try:
+        return args + tuple(kwargs[k] for k in self._names[len(args):])
+      except KeyError:
+        pass
     try:
-      bound = inspect.signature(self._step).bind(*args, **kwargs)
+      bound = None if self._signature is None else self._signature.bind(*args, **kwargs)
     except TypeError as e:
       raise errors.PlacementError(f"StepPlan.jit: the step's arguments do not bind: {e}") from None
-    except ValueError:
-      bound = None
     if bound is not None:
       pos = list(bound.args)
       if len(pos) == n and not bound.kwargs:

@@ -276,3 +276,23 @@ def test_a_step_returning_its_state_reshaped_or_through_a_loop_gets_no_state_not
   for step in (looped, reshaped):
     plan = dtenjax.plan(step, params, x, mesh={"data": 8})
     assert not any(n.startswith("state:") for n in plan.notes), (step.__name__, plan.notes)
+
+
+def test_a_call_by_name_missing_a_planned_argument_names_the_count():
+  """A step planned with its learning rate as an argument, ``plan(step, params, x, 0.1)``, called
+  ``train(params, x=x)`` (the default left to the signature): the error said keyword arguments
+  ['x'] are not among the plan's 3 arguments, naming the one argument that has its place. The
+  missing one is named by the count now; only a keyword the plan has no place for gets the
+  functools.partial fix."""
+  params, x = _args()
+
+  def step(p, x, lr=0.1, *, decay=0.0):
+    v, g = jax.value_and_grad(_loss)(p, x)
+    return jax.tree.map(lambda a, b: a * (1 - decay) - lr * b, p, g), v
+
+  train = dtenjax.plan(step, params, x, 0.1, batch_argnums=1, mesh={"data": 8}).jit(step)
+  with pytest.raises(dtenjax.PlacementError, match=r"the plan has 3 arguments, got 2"):
+    train(params, x=x)
+  with pytest.raises(dtenjax.PlacementError, match=r"keyword arguments \['decay'\] are not among "
+                     r"the 3 arguments.*functools\.partial\(step, decay=\.\.\.\)"):
+    train(params, x, lr=0.1, decay=0.1)

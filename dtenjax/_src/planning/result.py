@@ -476,15 +476,21 @@ class _PlannedStep:
       bound = None if self._signature is None else self._signature.bind(*args, **kwargs)
     except TypeError as e:
       raise errors.PlacementError(f"StepPlan.jit: the step's arguments do not bind: {e}") from None
+    extra = sorted(kwargs)
     if bound is not None:
-      pos = list(bound.args)
+      pos = tuple(bound.args)
       if len(pos) == n and not bound.kwargs:
-        return tuple(pos)
+        return pos
+      # the keywords without a planned place: beyond the plan's arguments, or keyword-only
+      names = list(self._signature.parameters)
+      extra = sorted(k for k in kwargs if k in bound.kwargs or names.index(k) >= n)
+      if not extra:
+        self._count(pos)
     raise errors.PlacementError(
-        f"StepPlan.jit: keyword arguments {sorted(kwargs)} are not among the {n} arguments the "
+        f"StepPlan.jit: keyword arguments {extra} are not among the {n} arguments the "
         "plan was made for, and jax.jit with the plan's in_shardings takes positional arguments "
         "only; bind them first (plan.jit(functools.partial(step, "
-        f"{', '.join(f'{k}=...' for k in sorted(kwargs))}))), or plan with them as positional "
+        f"{', '.join(f'{k}=...' for k in extra)}))), or plan with them as positional "
         "arguments")
 
   def _name_undivided(self, args) -> None:

@@ -296,3 +296,22 @@ def test_a_call_by_name_missing_a_planned_argument_names_the_count():
   with pytest.raises(dtenjax.PlacementError, match=r"keyword arguments \['decay'\] are not among "
                      r"the 3 arguments.*functools\.partial\(step, decay=\.\.\.\)"):
     train(params, x, lr=0.1, decay=0.1)
+
+
+def test_a_step_branching_on_its_loss_is_told_of_lax_cond_not_a_partial():
+  """A step that skips its update in Python where the loss blew up (``if loss > 1e6: return p``)
+  was refused with "bind such a value (a train flag, a size) ... functools.partial(step,
+  train=True)": no argument of it is a flag, and the fix is the one jax.jit needs as well, a
+  ``jax.lax.cond`` or ``jnp.where`` of the computed value."""
+  params, x = _args()
+
+  def step(p, x):
+    v, g = jax.value_and_grad(_loss)(p, x)
+    if v > 1e6:
+      return p, v
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), v
+
+  with pytest.raises(dtenjax.PlacementError, match=r"branches in Python on a value computed from "
+                     r"its arrays.*jax\.lax\.cond or jnp\.where") as e:
+    dtenjax.plan(step, params, x)
+  assert "functools.partial" not in str(e.value)

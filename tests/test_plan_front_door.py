@@ -315,3 +315,17 @@ def test_a_step_branching_on_its_loss_is_told_of_lax_cond_not_a_partial():
                      r"its arrays.*jax\.lax\.cond or jnp\.where") as e:
     dtenjax.plan(step, params, x)
   assert "functools.partial" not in str(e.value)
+
+
+def test_plan_jit_s_function_shows_its_step_and_mesh():
+  """``print(train_step)`` (a training loop's log, a debugger) showed
+  ``<dtenjax._src.planning.result._PlannedStep object at 0x...>``: neither the step nor the
+  layout. As jax.jit's ``<PjitFunction of <function step ...>>`` it names the step, and the mesh
+  it runs on."""
+  params, x = _args()
+
+  def step(p, x):
+    return jax.tree.map(lambda a: 2 * a, p), _loss(p, x)
+
+  train = dtenjax.plan(step, params, x, mesh={"data": 8}).jit(step)
+  assert repr(train) == f"<plan.jit of {step!r} on mesh {{'data': 8}}>"

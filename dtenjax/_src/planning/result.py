@@ -421,6 +421,10 @@ class _PlannedStep:
     self._names = tuple(prm.name for prm in params) if len(params) == n and all(
         prm.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for prm in params) else None
 
+  def __repr__(self):
+    mesh = {a: n for a, n in zip(self._plan.axis_names, self._plan.mesh_shape) if n > 1}
+    return f"<plan.jit of {self._step!r} on mesh {mesh}>"
+
   def __getattr__(self, name):
     if name == "_jitted":               # not set yet (a copy being made)
       raise AttributeError(name)

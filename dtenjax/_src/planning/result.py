@@ -203,9 +203,10 @@ class StepPlan:
     plan was made with (a Python flag) that are not traced, so they get no sharding;
     ``donate_argnums`` donates state as usual; a plan made with ``donate=True`` donates every
     argument but the batch when no ``donate_argnums`` / ``donate_argnames`` is given (the program
-    its memory was priced for and :meth:`check` compiles). The result is ``jax.jit``'s function (``lower``,
-    ``trace``, ``eval_shape`` are its own) whose call also takes, by name, an argument the plan
-    has a place for."""
+    its memory was priced for and :meth:`check` compiles). The result wraps ``jax.jit``'s
+    function (its attributes are jax's): its call, ``lower``, ``trace`` and ``eval_shape`` also
+    take, by name, an argument the plan has a place for; ``step`` may be another plan's
+    ``jit`` (this plan lays out the step it wraps)."""
     if not callable(step):
       raise errors.PlacementError(
           f"StepPlan.jit: step is a {type(step).__name__}, not callable; pass the step function "

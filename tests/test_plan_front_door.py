@@ -206,3 +206,126 @@ def test_the_cli_refuses_a_fixtures_check_and_a_factorys_keyword_arguments(tmp_p
   assert rc == 2 and out == "", (rc, out)
   assert "--args 'fdstep:named' returned keyword arguments ['scale']; the planner plans the " \
          "step's positional arguments" in err, err
+
+
+def test_plan_jit_of_another_plans_jit_runs_this_plans_layout():
+  """A user re-planning on another mesh passes the step they already jitted,
+  ``plan2.jit(plan1.jit(step))``: ``functools.update_wrapper`` copied the first function's
+  attributes over the new one's, so the call ran plan 1's program, on plan 1's mesh, without a
+  word. Now each plan's function runs its own layout (the step the first one wraps)."""
+  params, x = _args()
+
+  def step(p, x):
+    v, g = jax.value_and_grad(_loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), v
+
+  first = dtenjax.plan(step, params, x, mesh={"fsdp": 8})
+  second = dtenjax.plan(step, params, x, mesh={"data": 4, "tensor": 2})
+  train = second.jit(first.jit(step))
+  got = train(params, x)
+  assert got[0]["w1"].sharding.mesh.shape == dict(zip(second.axis_names, second.mesh_shape))
+  assert got[0]["w1"].sharding.spec == second.specs[0]["w1"]
+  _close(got, jax.jit(step)(params, x))
+
+
+def test_plan_jit_lowers_by_name_and_names_a_wrong_number_of_arguments():
+  """The call took an argument by name, but ``train.lower(params, x=x)`` (and ``trace``,
+  ``eval_shape``) ended in JAX's "pjit does not support kwargs when in_shardings is specified";
+  and a call with one argument too many or too few in JAX's "pjit in_shardings specification
+  must be a tree prefix of the positional arguments tuple". Both are as the call takes them
+  now."""
+  params, x = _args()
+
+  def step(p, x):
+    return jax.tree.map(lambda a: 2 * a, p), _loss(p, x)
+
+  plan = dtenjax.plan(step, params, x, mesh={"data": 8})
+  train = plan.jit(step)
+  lowered = train.lower(params, x=x)
+  assert lowered.as_text() == train.lower(params, x).as_text()
+  assert train.trace(p=params, x=x).jaxpr == train.trace(params, x).jaxpr
+  shapes = train.eval_shape(params, x=x)
+  assert shapes[1].shape == () and shapes[0]["w1"].shape == (16, 32)
+  for args in ((params,), (params, x, x)):
+    with pytest.raises(dtenjax.PlacementError, match=rf"StepPlan\.jit: the plan has 2 arguments, "
+                       rf"got {len(args)}; pass the step's arguments"):
+      train(*args)
+    with pytest.raises(dtenjax.PlacementError, match=rf"the plan has 2 arguments, got {len(args)}"):
+      train.lower(*args)
+
+
+def test_a_step_returning_its_state_reshaped_or_through_a_loop_gets_no_state_note():
+  """The report's note "the step returns no new value of its state" (nnx's in-place update)
+  looked for an output tied to the state by elementwise work only: a step that runs its
+  optimizer steps in a ``lax.scan`` (several steps per call), or returns a weight transposed
+  back or reshaped, got the note though it returns every new weight."""
+  params, x = _args()
+
+  def looped(p, x):
+    def body(p, xb):
+      v, g = jax.value_and_grad(_loss)(p, xb)
+      return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), v
+    p, vs = jax.lax.scan(body, p, x.reshape(2, 8, 16))
+    return p, vs.mean()
+
+  def reshaped(p, x):
+    v, g = jax.value_and_grad(_loss)(p, x)
+    new = jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+    return {"w1": new["w1"].T.T, "w2": new["w2"].reshape(-1).reshape(32, 16)}, v
+
+  for step in (looped, reshaped):
+    plan = dtenjax.plan(step, params, x, mesh={"data": 8})
+    assert not any(n.startswith("state:") for n in plan.notes), (step.__name__, plan.notes)
+
+
+def test_a_call_by_name_missing_a_planned_argument_names_the_count():
+  """A step planned with its learning rate as an argument, ``plan(step, params, x, 0.1)``, called
+  ``train(params, x=x)`` (the default left to the signature): the error said keyword arguments
+  ['x'] are not among the plan's 3 arguments, naming the one argument that has its place. The
+  missing one is named by the count now; only a keyword the plan has no place for gets the
+  functools.partial fix."""
+  params, x = _args()
+
+  def step(p, x, lr=0.1, *, decay=0.0):
+    v, g = jax.value_and_grad(_loss)(p, x)
+    return jax.tree.map(lambda a, b: a * (1 - decay) - lr * b, p, g), v
+
+  train = dtenjax.plan(step, params, x, 0.1, batch_argnums=1, mesh={"data": 8}).jit(step)
+  with pytest.raises(dtenjax.PlacementError, match=r"the plan has 3 arguments, got 2"):
+    train(params, x=x)
+  with pytest.raises(dtenjax.PlacementError, match=r"keyword arguments \['decay'\] are not among "
+                     r"the 3 arguments.*functools\.partial\(step, decay=\.\.\.\)"):
+    train(params, x, lr=0.1, decay=0.1)
+
+
+def test_a_step_branching_on_its_loss_is_told_of_lax_cond_not_a_partial():
+  """A step that skips its update in Python where the loss blew up (``if loss > 1e6: return p``)
+  was refused with "bind such a value (a train flag, a size) ... functools.partial(step,
+  train=True)": no argument of it is a flag, and the fix is the one jax.jit needs as well, a
+  ``jax.lax.cond`` or ``jnp.where`` of the computed value."""
+  params, x = _args()
+
+  def step(p, x):
+    v, g = jax.value_and_grad(_loss)(p, x)
+    if v > 1e6:
+      return p, v
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), v
+
+  with pytest.raises(dtenjax.PlacementError, match=r"branches in Python on a value computed from "
+                     r"its arrays.*jax\.lax\.cond or jnp\.where") as e:
+    dtenjax.plan(step, params, x)
+  assert "functools.partial" not in str(e.value)
+
+
+def test_plan_jit_s_function_shows_its_step_and_mesh():
+  """``print(train_step)`` (a training loop's log, a debugger) showed
+  ``<dtenjax._src.planning.result._PlannedStep object at 0x...>``: neither the step nor the
+  layout. As jax.jit's ``<PjitFunction of <function step ...>>`` it names the step, and the mesh
+  it runs on."""
+  params, x = _args()
+
+  def step(p, x):
+    return jax.tree.map(lambda a: 2 * a, p), _loss(p, x)
+
+  train = dtenjax.plan(step, params, x, mesh={"data": 8}).jit(step)
+  assert repr(train) == f"<plan.jit of {step!r} on mesh {{'data': 8}}>"

@@ -208,14 +208,17 @@ class StepPlan:
     arguments the step returns new values of when no ``donate_argnums`` / ``donate_argnames`` is
     given (the program its memory was priced for and :meth:`check` compiles): not the batch, nor
     a frozen argument it only reads (a reference model, LoRA's base), whose buffer jax.jit would
-    hand to an output of its shape and delete. The result is ``jax.jit``'s function (``lower``,
-    ``trace``, ``eval_shape`` are its own) whose call also takes, by name, an argument the plan
-    has a place for."""
+    hand to an output of its shape and delete. The result wraps ``jax.jit``'s function (its
+    attributes are jax's): its call, ``lower``, ``trace`` and ``eval_shape`` also take, by name,
+    an argument the plan has a place for; ``step`` may be another plan's ``jit`` (this plan lays
+    out the step it wraps)."""
     if not callable(step):
       raise errors.PlacementError(
           f"StepPlan.jit: step is a {type(step).__name__}, not callable; pass the step function "
           "the plan was "
           "made for (plan.jit(step), then call the result with its arguments)")
+    if isinstance(step, _PlannedStep):   # another plan's function: this plan lays out its step
+      step = step._step
     if self.pipeline is not None:
       p = self.pipeline
       raise errors.PlacementError(
@@ -415,9 +418,25 @@ class _PlannedStep:
 
   def __init__(self, jitted, step: Callable, plan: StepPlan, static: frozenset[int],
                donates: bool = False):
+    # the step's name and attributes first, then ours: a step that is another plan's function
+    # carries its own _jitted / _plan in its __dict__, which update_wrapper copies
+    functools.update_wrapper(self, step)
     self._jitted, self._step, self._plan, self._static = jitted, step, plan, static
     self._donates = donates
-    functools.update_wrapper(self, step)
+    try:
+      self._signature = inspect.signature(step)
+    except (TypeError, ValueError):     # a builtin or an object without one: no names to bind
+      self._signature = None
+    # the planned arguments' names where each may come positionally or by name: a call giving
+    # the last ones by name is put in order without binding the signature (microseconds a call)
+    n = len(plan.specs)
+    params = [] if self._signature is None else list(self._signature.parameters.values())[:n]
+    self._names = tuple(prm.name for prm in params) if len(params) == n and all(
+        prm.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD for prm in params) else None
+
+  def __repr__(self):
+    mesh = {a: n for a, n in zip(self._plan.axis_names, self._plan.mesh_shape) if n > 1}
+    return f"<plan.jit of {self._step!r} on mesh {mesh}>"
 
   def __getattr__(self, name):
     if name == "_jitted":               # not set yet (a copy being made)
@@ -433,31 +452,65 @@ class _PlannedStep:
     try:
       return self._jitted(*args)
     except ValueError as e:
+      self._count(args)
       if "does not match the sharding" in str(e):
         self._name_misplaced(args)
       elif "evenly divide" in str(e):
         self._name_undivided(args)
       raise
 
+  # jax.jit's ahead-of-time methods take the arguments as the call does (by name too)
+  def lower(self, *args, **kwargs):
+    return self._jitted.lower(*self._arguments(args, kwargs))
+
+  def trace(self, *args, **kwargs):
+    return self._jitted.trace(*self._arguments(args, kwargs))
+
+  def eval_shape(self, *args, **kwargs):
+    return self._jitted.eval_shape(*self._arguments(args, kwargs))
+
+  def _arguments(self, args, kwargs) -> tuple:
+    args = self._positional(args, kwargs) if kwargs else args
+    self._count(args)
+    return args
+
+  def _count(self, args) -> None:
+    """Raises the error naming a call with another number of arguments than the plan's (JAX's
+    is about the in_shardings' tree prefix)."""
+    n = len(self._plan.specs)
+    if len(args) != n:
+      raise errors.PlacementError(
+          f"StepPlan.jit: the plan has {n} arguments, got {len(args)}; pass the step's "
+          "arguments as the plan was made with them (bind the others with functools.partial)")
+
   def _positional(self, args, kwargs) -> tuple:
     """``kwargs`` bound to their positions by the step's signature, when they are among the
     planned arguments (jax.jit takes in_shardings for positional arguments only)."""
     n = len(self._plan.specs)
+    if self._names is not None and len(args) + len(kwargs) == n:
+      try:
+        return args + tuple(kwargs[k] for k in self._names[len(args):])
+      except KeyError:
+        pass
     try:
-      bound = inspect.signature(self._step).bind(*args, **kwargs)
+      bound = None if self._signature is None else self._signature.bind(*args, **kwargs)
     except TypeError as e:
       raise errors.PlacementError(f"StepPlan.jit: the step's arguments do not bind: {e}") from None
-    except ValueError:
-      bound = None
+    extra = sorted(kwargs)
     if bound is not None:
-      pos = list(bound.args)
+      pos = tuple(bound.args)
       if len(pos) == n and not bound.kwargs:
-        return tuple(pos)
+        return pos
+      # the keywords without a planned place: beyond the plan's arguments, or keyword-only
+      names = list(self._signature.parameters)
+      extra = sorted(k for k in kwargs if k in bound.kwargs or names.index(k) >= n)
+      if not extra:
+        self._count(pos)
     raise errors.PlacementError(
-        f"StepPlan.jit: keyword arguments {sorted(kwargs)} are not among the {n} arguments the "
+        f"StepPlan.jit: keyword arguments {extra} are not among the {n} arguments the "
         "plan was made for, and jax.jit with the plan's in_shardings takes positional arguments "
         "only; bind them first (plan.jit(functools.partial(step, "
-        f"{', '.join(f'{k}=...' for k in sorted(kwargs))}))), or plan with them as positional "
+        f"{', '.join(f'{k}=...' for k in extra)}))), or plan with them as positional "
         "arguments")
 
   def _name_deleted(self, args) -> None:
@@ -596,8 +649,9 @@ def report(graph, prob: Problem, choice, cost, recipes, budget, topology, second
   notes = () if budget else (
       "memory: the devices' memory is unknown (as on CPU), so no budget was checked; pass "
       "memory_budget= to check one",)
-  if graph.weights and all(rep is None or graph.leaves[rep].is_batch
-                           for _, _, rep in graph.outputs):
+  # no state leaf returned (StepGraph.returned: an output tied to it, or of its shape and dtype
+  # where the tie is lost -- a lax.scan of optimizer steps, a reshape back)
+  if graph.weights and not graph.returned:
     notes += ("state: the step returns no new value of its state arguments: a forward-only step, "
               "or one that updates them in place (nnx's optimizer.update(model, grads)), whose "
               "updates jax.jit and plan.jit drop; return the new state (nnx.state((model, "

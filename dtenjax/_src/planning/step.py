@@ -299,10 +299,18 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
   except errors.PlacementError as e:
     if not isinstance(e.__cause__, jax.errors.ConcretizationTypeError):
       raise
-    raise errors.PlacementError(
-        f"{e}\nThe step branches in Python on an argument, which plan traces as an array: bind "
-        "such a value (a train flag, a size) before planning, plan(functools.partial(step, "
-        "train=True), ...), and jit the same partial") from e.__cause__
+    # a flag or a size is a scalar among the example arguments; without one the step branches
+    # on a value it computes (its loss), which jax.jit cannot trace either
+    if any(np.ndim(leaf) == 0 for leaf in jax.tree.leaves(args)):
+      fix = ("The step branches in Python on an argument, which plan traces as an array: bind "
+             "such a value (a train flag, a size) before planning, plan(functools.partial(step, "
+             "train=True), ...), and jit the same partial; or, where it branches on a value "
+             "computed from its arrays, write the branch with jax.lax.cond or jnp.where")
+    else:
+      fix = ("The step branches in Python on a value computed from its arrays (JAX names them "
+             "above), which neither plan nor jax.jit can trace: write the branch with "
+             "jax.lax.cond or jnp.where (jnp.where(bad, p, new_p) to skip an update)")
+    raise errors.PlacementError(f"{e}\n{fix}") from e.__cause__
   stack = graph.stack()
   topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology, graph,
                                                     stack[0] if stack else 0)

@@ -583,13 +583,17 @@ def test_an_fsdp_gather_in_a_tensor_pair_waits_for_the_forwards_products():
 
 def _waits(step, args, mesh, pinned):
   """The exposed seconds the gathers' waits add to the price of ``pinned`` on ``mesh`` (8 CPU
-  devices on 16 cores)."""
+  devices on 16 cores), priced with the CPU's ``gather_spread`` whatever the step's size: these
+  steps' parameters are under ``gather_spread_bytes``, where the planner prices no wait (tested
+  by test_the_bench_reads_the_price_in_its_terms); the wait's rule is a larger step's."""
+  from dtenjax._src.pricing import costmodel
   from dtenjax.testing.planning import replaced_cost_terms
   price = lambda: dtenjax.plan(step, *args, mesh=mesh, topology=_sixteen_core_host(),
                                pinned=pinned, memory_budget=1 << 40).cost.exposed_s
   with replaced_cost_terms(gather_spread=0.0):
     unwaited = price()
-  return price() - unwaited
+  with replaced_cost_terms(gather_spread=costmodel.backend_costs("cpu").gather_spread):
+    return price() - unwaited
 
 
 def _table_then_weight(vocab: int, d: int, rows: int):
@@ -897,7 +901,15 @@ def test_the_bench_reads_the_price_in_its_terms(cpu_devices):
     assert t["products_ms"] + t["beside_ms"] + t["update_ms"] + t["collectives_ms"] == (
         pytest.approx(t["predicted_ms"]))
     assert t["beside_ms"] == 0.0 and 0 <= t["waits_ms"] <= t["collectives_ms"]   # no 'tensor'
-  assert dp["waits_ms"] == 0.0 and fsdp["waits_ms"] > 0      # FSDP's gathers wait, DP's one not
+  # the step's parameters (w1 and w2, 1 MiB) are under the CPU's gather_spread_bytes (4 MiB):
+  # FSDP's gathers are priced no wait; with that floor lifted they wait, DP's one all-reduce not
+  from dtenjax._src.pricing import costmodel
+  from dtenjax.testing.planning import replaced_cost_terms
+  assert dp["waits_ms"] == 0.0 and fsdp["waits_ms"] == 0.0
+  with replaced_cost_terms(gather_spread=costmodel.backend_costs("cpu").gather_spread):
+    lifted = sp.model_terms(step, args, {"fsdp": 8}, [sharded, opt_specs(sharded), None])
+  assert lifted["waits_ms"] > 0 and lifted["predicted_ms"] == pytest.approx(
+      fsdp["predicted_ms"] + lifted["waits_ms"])
   # under 'tensor' 2 every device runs the work beside the products on twice the tokens, but for
   # the complete pair's cone (tanh between the column- and the row-parallel weight)
   graph = stepgraph.read_step(step, args, (2,))

@@ -928,6 +928,32 @@ def test_the_bench_reads_the_price_in_its_terms(cpu_devices):
   assert fsdp["update_ms"] == pytest.approx(dp["update_ms"] / 8, rel=1e-3)   # but AdamW's count
 
 
+def test_the_terms_bench_prices_the_mlps_recorded_layouts():
+  """bench/step_planner.py --parts terms on bench/fsdp_small_batch.py --layouts's JSON
+  (mlp_terms_rows): each of the four hand-written layouts is priced with its own weights over
+  `fsdp` 8: AdamW's update is linear in the state each device updates, so the two one-weight
+  layouts' updates add up to DP's (every leaf whole) and the plain FSDP jit's (every leaf an
+  eighth; the step count, a scalar, whole in all four); DP meets its devices once, a one-weight
+  layout more, FSDP the most; and the pairs are counted per case."""
+  sp = _bench_step_planner()
+  rows = [{"case": "d 128 h 512 batch 64", "model": "mlp", "candidate": name, "ms": ms}
+          for name, ms in (("plain jit", 2.6), ("DP", 2.3), ("w1 only", 2.1), ("w2 only", 2.4),
+                           ("plan.jit", 1.9))]
+  priced, notes = sp.mlp_terms_rows([r for r in rows if r["candidate"] in sp.MLP_LAYOUTS])
+  t = {r["layout"]: r for r in priced}
+  assert sorted(t) == sorted(sp.MLP_LAYOUTS)
+  assert t["w1 only"]["update_ms"] + t["w2 only"]["update_ms"] == pytest.approx(
+      t["DP"]["update_ms"] + t["plain jit"]["update_ms"], rel=1e-6)
+  assert t["plain jit"]["update_ms"] < t["w1 only"]["update_ms"] < t["DP"]["update_ms"]
+  assert t["DP"]["meetings"] == pytest.approx(1.0)
+  assert t["DP"]["meetings"] < t["w1 only"]["meetings"] < t["plain jit"]["meetings"]
+  assert all(r["predicted_vs_measured"] == r["predicted_ms"] / r["measured_ms"] for r in priced)
+  assert notes == ["terms: mlp d 128 h 512 batch 64: %d of 6 pairs of layouts measured more than "
+                   "3 %% apart predicted in the measured order" % sum(
+                       (a["measured_ms"] < b["measured_ms"]) == (a["predicted_ms"] < b["predicted_ms"])
+                       for i, a in enumerate(priced) for b in priced[i + 1:])]
+
+
 def test_xla_cpu_compiles_adamw_into_a_loop_per_moment_and_one_for_the_parameter():
   """The optimizer's update the cost model counts as one pass of 7 bytes per parameter byte is
   compiled by XLA:CPU into three loops: each moment's (the gradient and the moment read, the

@@ -859,6 +859,53 @@ def adamw_update_passes() -> float:
   return fused_bytes_per_param_byte(compiled, 512 * 1024 * 4)
 
 
+# bench/fsdp_small_batch.py --layouts's candidates: which weight matrices each lays out P("fsdp")
+MLP_LAYOUTS = {"plain jit": ("w1", "w2"), "DP": (), "w1 only": ("w1",), "w2 only": ("w2",)}
+
+
+def mlp_terms_rows(measured: list[dict], topology=None,
+                   update_scale: float = 1.0) -> tuple[list[dict], list[str]]:
+  """The ``terms`` part of bench/fsdp_small_batch.py --layouts's rows (``measured``): each MLP
+  layout (the plain FSDP jit, DP, one weight matrix with its bias over `fsdp` 8) priced in its
+  terms beside its measured time, as :func:`terms_rows` prices the families', and per case and
+  model how many pairs measured more than 3 % apart the prediction orders as measured."""
+  import itertools
+  from jax.sharding import PartitionSpec as P
+  import fsdp_small_batch as fsb
+  rows, notes = [], []
+  for case, model in dict.fromkeys((r["case"], r["model"]) for r in measured):
+    d, hidden, batch = (int(v) for v in case.split()[1::2])
+    step, args = fsb.make(d, hidden, batch, model)
+
+    def specs(tree, sharded):
+      # a leaf named after a weight or its bias (b1 goes with w1; the optimizer's moments with
+      # their parameter), its first dimension split over the 8 devices, as the bench laid it out
+      def spec(path, x):
+        names = [k.key for k in path if isinstance(getattr(k, "key", None), str)]
+        split = names and "w" + names[-1][1:] in sharded and x.ndim and x.shape[0] % 8 == 0
+        return P("fsdp") if split else P()
+      return jax.tree_util.tree_map_with_path(spec, tree)
+    ours = []
+    for r in measured:
+      if (r["case"], r["model"]) == (case, model):
+        sharded = MLP_LAYOUTS[r["candidate"]]
+        row = {"family": f"{model} {case}", "layout": r["candidate"], "mesh": "fsdp8",
+               "planned_mesh": "fsdp8", "measured_ms": r["ms"],
+               **model_terms(step, args, {"fsdp": 8}, [specs(args[0], sharded),
+                                                       specs(args[1], sharded), None],
+                             topology, update_scale)}
+        row["predicted_vs_measured"] = row["predicted_ms"] / row["measured_ms"]
+        ours.append(row)
+    rows += ours
+    pairs = [(a, b) for a, b in itertools.combinations(ours, 2)
+             if abs(a["measured_ms"] / b["measured_ms"] - 1) > 0.03]
+    agree = sum((a["measured_ms"] < b["measured_ms"]) == (a["predicted_ms"] < b["predicted_ms"])
+                for a, b in pairs)
+    notes.append(f"terms: {model} {case}: {agree} of {len(pairs)} pairs of layouts measured more "
+                 "than 3 % apart predicted in the measured order")
+  return rows, notes
+
+
 def terms_rows(measured_jsons: list[str], topology=None,
                update_scale: float = 1.0) -> tuple[list[dict], list[str]]:
   """The ``terms`` part: every layout of recorded wins runs (``measured_jsons``, this bench's
@@ -872,12 +919,17 @@ def terms_rows(measured_jsons: list[str], topology=None,
   import itertools
   import _families as fams
   measured: dict[tuple[str, str], dict] = {}
+  layouts: list[dict] = []
   for path in measured_jsons:
     with open(path, encoding="utf-8") as f:
-      for r in json.load(f)["rows"]:
-        if r.get("part") == "wins" and r.get("measured_ms"):
-          measured.setdefault((r["family"], r["layout"]), r)
-  rows, notes = [], []
+      doc = json.load(f)
+    if doc.get("bench") == "fsdp_small_batch":
+      layouts += [r for r in doc["rows"] if r["candidate"] in MLP_LAYOUTS]
+      continue
+    for r in doc["rows"]:
+      if r.get("part") == "wins" and r.get("measured_ms"):
+        measured.setdefault((r["family"], r["layout"]), r)
+  rows, notes = mlp_terms_rows(layouts, topology, update_scale)
   for name in dict.fromkeys(f for f, _ in measured):
     fam = fams.FAMILIES[name]()
     step, args = fam.make()

@@ -516,3 +516,29 @@ def test_xla_issues_every_fsdp_gather_before_the_first_product_and_reduces_as_dp
   gathers = [before for kind, before in fsdp if kind == "all-gather"]
   assert len(gathers) == 20 and set(gathers) == {0}
   assert [c for c in fsdp if c[0] != "all-gather"] == dp == [("all-reduce", products)]
+
+
+# bench/fsdp_small_batch.py --layouts on the 16-core host (the lead's, 2026-12-07, jax 0.11.2)
+LAYOUTS16 = "2026-12-07_fsdp_small_batch_layouts_h100host_twentyfourth.json"
+
+
+@pytest.mark.parametrize("model", ["mlp", "two_views"])
+def test_a_two_mib_mlps_plan_shards_both_weights_as_its_fastest_measured_layout(model):
+  """The MLP of 2 MiB of parameters (d 256, hidden 1024, batch 1024, adamw) and its two-view
+  variant: on the 16-core host the plain FSDP jit ran faster than DP and than each weight matrix
+  alone over `fsdp` (6.95 ms against 7.47-7.98; 11.97 against 13.52-14.87), where the gathers'
+  waits (pricing.Pricer.gather_wait, 6.5 ms priced) had the plan leave a weight replicated
+  (1.12x measured). The step's parameters are under ``gather_spread_bytes``: its gathers are
+  priced no spread, and the plan on `fsdp` 8 shards both matrices, FSDP's layout (the biases,
+  1 KiB, may stay whole). Expected: the recorded run's fastest layout."""
+  rows = {r["candidate"]: r for r in json.loads((ROOT / "bench" / "results" / LAYOUTS16)
+                                                .read_text())["rows"]
+          if r["case"] == "d 256 h 1024 batch 1024" and r["model"] == model}
+  layouts = ("plain jit", "DP", "w1 only", "w2 only")
+  assert min(layouts, key=lambda k: rows[k]["ms"]) == "plain jit"
+  assert rows["plain jit"]["ms"] < 0.95 * min(rows[k]["ms"] for k in layouts[1:])
+  sys.path.insert(0, str(ROOT / "bench"))
+  import fsdp_small_batch
+  step, args = fsdp_small_batch.make(256, 1024, 1024, model)
+  plan = dtenjax.plan(step, *args, mesh={"fsdp": 8}, topology=_host(16))
+  assert plan.specs[0]["w1"] == P("fsdp") and plan.specs[0]["w2"] == P("fsdp"), plan.table()

@@ -583,13 +583,17 @@ def test_an_fsdp_gather_in_a_tensor_pair_waits_for_the_forwards_products():
 
 def _waits(step, args, mesh, pinned):
   """The exposed seconds the gathers' waits add to the price of ``pinned`` on ``mesh`` (8 CPU
-  devices on 16 cores)."""
+  devices on 16 cores), priced with the CPU's ``gather_spread`` whatever the step's size: these
+  steps' parameters are under ``gather_spread_bytes``, where the planner prices no wait (tested
+  by test_the_bench_reads_the_price_in_its_terms); the wait's rule is a larger step's."""
+  from dtenjax._src.pricing import costmodel
   from dtenjax.testing.planning import replaced_cost_terms
   price = lambda: dtenjax.plan(step, *args, mesh=mesh, topology=_sixteen_core_host(),
                                pinned=pinned, memory_budget=1 << 40).cost.exposed_s
   with replaced_cost_terms(gather_spread=0.0):
     unwaited = price()
-  return price() - unwaited
+  with replaced_cost_terms(gather_spread=costmodel.backend_costs("cpu").gather_spread):
+    return price() - unwaited
 
 
 def _table_then_weight(vocab: int, d: int, rows: int):
@@ -897,7 +901,15 @@ def test_the_bench_reads_the_price_in_its_terms(cpu_devices):
     assert t["products_ms"] + t["beside_ms"] + t["update_ms"] + t["collectives_ms"] == (
         pytest.approx(t["predicted_ms"]))
     assert t["beside_ms"] == 0.0 and 0 <= t["waits_ms"] <= t["collectives_ms"]   # no 'tensor'
-  assert dp["waits_ms"] == 0.0 and fsdp["waits_ms"] > 0      # FSDP's gathers wait, DP's one not
+  # the step's parameters (w1 and w2, 1 MiB) are under the CPU's gather_spread_bytes (4 MiB):
+  # FSDP's gathers are priced no wait; with that floor lifted they wait, DP's one all-reduce not
+  from dtenjax._src.pricing import costmodel
+  from dtenjax.testing.planning import replaced_cost_terms
+  assert dp["waits_ms"] == 0.0 and fsdp["waits_ms"] == 0.0
+  with replaced_cost_terms(gather_spread=costmodel.backend_costs("cpu").gather_spread):
+    lifted = sp.model_terms(step, args, {"fsdp": 8}, [sharded, opt_specs(sharded), None])
+  assert lifted["waits_ms"] > 0 and lifted["predicted_ms"] == pytest.approx(
+      fsdp["predicted_ms"] + lifted["waits_ms"])
   # under 'tensor' 2 every device runs the work beside the products on twice the tokens, but for
   # the complete pair's cone (tanh between the column- and the row-parallel weight)
   graph = stepgraph.read_step(step, args, (2,))
@@ -914,6 +926,32 @@ def test_the_bench_reads_the_price_in_its_terms(cpu_devices):
   assert dp["meetings"] == pytest.approx(1.0)
   assert fsdp["meetings"] >= 3.0           # the combined reductions' one and a gather per weight
   assert fsdp["update_ms"] == pytest.approx(dp["update_ms"] / 8, rel=1e-3)   # but AdamW's count
+
+
+def test_the_terms_bench_prices_the_mlps_recorded_layouts():
+  """bench/step_planner.py --parts terms on bench/fsdp_small_batch.py --layouts's JSON
+  (mlp_terms_rows): each of the four hand-written layouts is priced with its own weights over
+  `fsdp` 8: AdamW's update is linear in the state each device updates, so the two one-weight
+  layouts' updates add up to DP's (every leaf whole) and the plain FSDP jit's (every leaf an
+  eighth; the step count, a scalar, whole in all four); DP meets its devices once, a one-weight
+  layout more, FSDP the most; and the pairs are counted per case."""
+  sp = _bench_step_planner()
+  rows = [{"case": "d 128 h 512 batch 64", "model": "mlp", "candidate": name, "ms": ms}
+          for name, ms in (("plain jit", 2.6), ("DP", 2.3), ("w1 only", 2.1), ("w2 only", 2.4),
+                           ("plan.jit", 1.9))]
+  priced, notes = sp.mlp_terms_rows([r for r in rows if r["candidate"] in sp.MLP_LAYOUTS])
+  t = {r["layout"]: r for r in priced}
+  assert sorted(t) == sorted(sp.MLP_LAYOUTS)
+  assert t["w1 only"]["update_ms"] + t["w2 only"]["update_ms"] == pytest.approx(
+      t["DP"]["update_ms"] + t["plain jit"]["update_ms"], rel=1e-6)
+  assert t["plain jit"]["update_ms"] < t["w1 only"]["update_ms"] < t["DP"]["update_ms"]
+  assert t["DP"]["meetings"] == pytest.approx(1.0)
+  assert t["DP"]["meetings"] < t["w1 only"]["meetings"] < t["plain jit"]["meetings"]
+  assert all(r["predicted_vs_measured"] == r["predicted_ms"] / r["measured_ms"] for r in priced)
+  assert notes == ["terms: mlp d 128 h 512 batch 64: %d of 6 pairs of layouts measured more than "
+                   "3 %% apart predicted in the measured order" % sum(
+                       (a["measured_ms"] < b["measured_ms"]) == (a["predicted_ms"] < b["predicted_ms"])
+                       for i, a in enumerate(priced) for b in priced[i + 1:])]
 
 
 def test_xla_cpu_compiles_adamw_into_a_loop_per_moment_and_one_for_the_parameter():

@@ -308,13 +308,16 @@ def _sixteen_core_host():
 
 def _waits(step, args, pinned):
   """The exposed seconds the gathers' waits add to the price of ``pinned`` on 8 ``fsdp``
-  devices of the 16-core host."""
+  devices of the 16-core host, priced with the CPU's ``gather_spread`` whatever the step's size
+  (these steps are under ``gather_spread_bytes``, where the planner prices no wait)."""
+  from dtenjax._src.pricing import costmodel
   from dtenjax.testing.planning import replaced_cost_terms
   price = lambda: dtenjax.plan(step, *args, mesh={"fsdp": 8}, topology=_sixteen_core_host(),
                                pinned=pinned, memory_budget=1 << 40).cost.exposed_s
   with replaced_cost_terms(gather_spread=0.0):
     unwaited = price()
-  return price() - unwaited
+  with replaced_cost_terms(gather_spread=costmodel.backend_costs("cpu").gather_spread):
+    return price() - unwaited
 
 
 def test_a_scanned_layers_gather_after_its_bodys_meeting_waits_for_the_products_since_it():

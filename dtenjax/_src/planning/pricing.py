@@ -182,6 +182,12 @@ class Pricer:
     # products over those that read a weight (``weightless`` >= 1): the products no weight
     # reads (attention's scores) lie between the gathers too, shared among them in proportion.
     self.gather_spread = costs.gather_spread
+    # ... except in a step whose parameters, whole, are no more than ``gather_spread_bytes``
+    # (BackendCosts): its FSDP steps were measured no slower than DP's where this wait priced
+    # them the slower. ``state`` not given (a Pricer built for one collective's price): as before
+    weights = sum(g[0].nbytes for g in state if not g[0].is_batch)
+    if state and weights <= costs.gather_spread_bytes:
+      self.gather_spread = 0.0
     self.weightless = weightless
     # the bytes the optimizer's update of the whole state (``state``: its tied groups) moves per
     # step, replicated: what the devices run between the step's last meeting and the next

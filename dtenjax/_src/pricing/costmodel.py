@@ -98,6 +98,12 @@ class BackendCosts:
       of the step's products (encdec, llama_loop): 0.68; its HSDP's, over 4, 0.61 and 0.71, 0.70
       priced (docs/benchmarks.md, the seventeenth round); 0 prices the backend's meeting
       (``step_collective_us``) alone.
+    gather_spread_bytes: the step's parameter bytes (one whole copy) at or below which its FSDP
+      gathers wait for no spread (``gather_spread`` priced 0): on the 16-core host the MLP of 2
+      MiB (d 256, hidden 1024, batch 1024; three variants) and convnet (1.1 MiB) ran plain FSDP
+      no slower than DP where the priced waits of 6.5-7.8 and 5.7 ms made it the slower, and
+      every family of 8 MiB or more paid about the priced waits (docs/benchmarks.md, spread20b);
+      set between the two.
   """
   xla_collective_us: float
   local_pass_us: float
@@ -110,6 +116,7 @@ class BackendCosts:
   product_fixed_rows: float = 0.0
   update_split: float = 0.0
   gather_spread: float = 0.0
+  gather_spread_bytes: float = 0.0
 
   def __post_init__(self):
     bad = [f.name for f in dataclasses.fields(self)
@@ -144,7 +151,7 @@ BACKEND_COSTS: Mapping[str, BackendCosts] = {
     "cpu": BackendCosts(xla_collective_us=80.0, local_pass_us=5.0, local_bandwidth_gbps=1.35,
                         nvlink_kernel_us=INF, host_step_us=60.0, fixed_point_gbps=0.6,
                         overlap=0.0, step_collective_us=3000.0, update_split=1.0,
-                        gather_spread=0.68),
+                        gather_spread=0.68, gather_spread_bytes=4 * 2**20),
     "gpu": BackendCosts(xla_collective_us=18.0, local_pass_us=4.0, local_bandwidth_gbps=None,
                         nvlink_kernel_us=6.0, host_step_us=40.0, fixed_point_gbps=500.0),
     "tpu": BackendCosts(xla_collective_us=10.0, local_pass_us=3.0, local_bandwidth_gbps=None,

@@ -288,9 +288,12 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # the slice and the cast back, so the reduction is a new buffer, never the bfloat16 output
     # written in place (bfloat16 params' MLP on `fsdp` 8 at batch 64: w1's and w2's gradients
     # and their reductions four f32 buffers of 256 KiB in the temporary buffer, XLA:CPU's
-    # buffer assignment; sized at bfloat16 the price was -41.6 %, on `data` 8 -39.6 %, review20a)
-    wide = (cpu and bdiv > 1 and not dequantized and use is not None
-            and primary.dtype in ("bfloat16", "float16"))
+    # buffer assignment; sized at bfloat16 the price was -41.6 %, on `data` 8 -39.6 %, review20a).
+    # Not a weight read in a loop (a scanned stack's layer, a fori_loop's weight): its parts are
+    # added into the loop's carried gradient of its own dtype (a bfloat16 [4, 256, 256] stack
+    # scanned on `data` 8 was priced +21.5 % so, -26.1 % without)
+    wide = (cpu and bdiv > 1 and not dequantized and use is not None and use.layers <= 1
+            and not use.loop_uses and primary.dtype in ("bfloat16", "float16"))
     if wide:
       per_device *= 4 / primary.itemsize
     # a parameter the loss never reads has no gradient value: its constant zero is fused into

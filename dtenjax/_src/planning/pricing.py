@@ -837,6 +837,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       if rest:
         g2 = rgrad / math.prod(m.size[a] for a in zero)
         k2 = axis_key(rest)
+        # a gradient made on its shard part by part has each part's shard reduced over the
+        # batch's other axes (two_views on `data` 2 x `fsdp` 4: the four parts' 64 KiB shards
+        # all-reduced over `data` in one all-reduce, 256 KiB compiled, where one shard per
+        # weight was priced)
+        g2 *= len(on_shard) if on_shard is not None else 1
         acc(pr.overlappable, k2, pricer.gradient_share("all_reduce", g2, rest, rdtype))
         acc(pr.bytes, f"all_reduce[{k2}]", pricer.wire(g2, rdtype))
     else:

@@ -283,6 +283,19 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if dequantized:
       # an integer weight read dequantized: its gradient is the product's, of the float it reads
       per_device = gradient_bytes(graph, primary, per_device)
+    # a 16-bit float weight whose gradient a batch axis reduces: XLA:CPU makes the gradient by a
+    # float32 product and all-reduces it whole in float32 (calls.wire_bytes' widening) before
+    # the slice and the cast back, so the reduction is a new buffer, never the bfloat16 output
+    # written in place (bfloat16 params' MLP on `fsdp` 8 at batch 64: w1's and w2's gradients
+    # and their reductions four f32 buffers of 256 KiB in the temporary buffer, XLA:CPU's
+    # buffer assignment; sized at bfloat16 the price was -41.6 %, on `data` 8 -39.6 %, review20a).
+    # Not a weight read in a loop (a scanned stack's layer, a fori_loop's weight): its parts are
+    # added into the loop's carried gradient of its own dtype (a bfloat16 [4, 256, 256] stack
+    # scanned on `data` 8 was priced +21.5 % so, -26.1 % without)
+    wide = (cpu and bdiv > 1 and not dequantized and use is not None and use.layers <= 1
+            and not use.loop_uses and primary.dtype in ("bfloat16", "float16"))
+    if wide:
+      per_device *= 4 / primary.itemsize
     # a parameter the loss never reads has no gradient value: its constant zero is fused into
     # the update, neither sized beside the gradients of its shape nor reduced (unused_parameter
     # in tests/test_plan_user_steps.py: a head of w1's shape, replicated over 'tensor' where w1
@@ -312,7 +325,10 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         reduced.append((per_device, parts))
         converted += per_device
       elif bdiv > 1 and parts == 1 and not on_shard:
-        single.append(per_device)
+        if wide:
+          reduced.append((per_device, parts))
+        else:
+          single.append(per_device)
       elif parts > 1 and bdiv > 1 and not on_shard:
         # a replicated weight's (DP's): each part all-reduced into a new buffer too, live into
         # the update's fusions that sum them, which write the step's outputs while the parts

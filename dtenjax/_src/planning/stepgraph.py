@@ -587,8 +587,8 @@ def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
   read again transposed), XLA:CPU's combined all-reduce of the whole gradients remains, and
   beside it the moved program held memory the model does not follow (a scaled first layer on
   `fsdp` 8: 0.50 MiB of temp compiled where 0.75 was priced; a weight in a lax.fori_loop: 0.32
-  MiB compiled, 0.29 priced): none moves. Not so a weight whose product lies in a
-  jax.checkpoint call (WeightUse.remat: a first layer under checkpoint): its whole gradient,
+  MiB compiled, 0.29 priced): none moves. Not so a first layer's weight whose product lies in a
+  jax.checkpoint call (:func:`_checkpointed_first`; not a later layer's): its whole gradient,
   made in the backward's call, is reduced and the followed weights move beside it, as XLA's
   partitioner moves them (remat_first on `fsdp` 8 at batch 64: 0.90 MiB, priced 0.93, against
   the plain jit's 1.14; docs/benchmarks.md fsdp20). A followed weight whose cotangents are the
@@ -600,13 +600,25 @@ def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
   followed = gather.shard_gradients(jaxpr)
   weighed = {k for k, _ in followed}
   for group in groups.values():
-    if (any(k in weights and not leaves[k].is_batch and not weights[k].remat for k in group)
+    if (any(k in weights and not leaves[k].is_batch and not _checkpointed_first(weights[k])
+            for k in group)
         and not any(k in weighed for k in group)):
       return {}
   if any(len(found) < parts.get(leaves[k].shape, 1) for (k, _), found in followed.items()):
     return {}
   return {key: tuple(how for _, how in found) for key, found in followed.items()
           if found[0][1].moves}
+
+
+def _checkpointed_first(use) -> bool:
+  """Whether ``use`` is a first layer's weight under jax.checkpoint (WeightUse.remat, and no
+  input gradient reads it), beside which the followed weights move (:func:`_shard_gradients`).
+  A later layer's weight under checkpoint is not: beside a checkpointed second layer
+  (``h @ w2`` in the call) plan.jit's program reduced w1's whole gradient where w1 was priced
+  moved, and XLA's partitioner made w2's on its shard in the call, holding w1's gathered copy
+  at the reduction: on `fsdp` 8 at batch 64 priced 0.90 MiB, compiled 1.03 (-12.6 %, review20a);
+  with nothing moved the price is the compile's (1.40 MiB)."""
+  return use.remat and not use.input_grad
 
 
 def _feature_shard_maps(shard_maps, leaves, cones) -> tuple[FeatureShardMap, ...]:

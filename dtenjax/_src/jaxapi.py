@@ -76,22 +76,32 @@ def inline_calls(closed):
   if not any(inlined_by_jax(e) for e in closed.jaxpr.eqns):
     return closed
 
-  def run(jaxpr, consts, *args):
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
-    for eqn in jaxpr.eqns:
-      vals = [read(v) for v in eqn.invars]
-      if inlined_by_jax(eqn):
-        body = eqn.params["jaxpr"]
-        outs = run(body.jaxpr, body.consts, *vals)
-      else:
-        outs = bind(eqn, vals)
-      env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+  def inline(eqn, vals):
+    if not inlined_by_jax(eqn):
+      return bind(eqn, vals)
+    body = eqn.params["jaxpr"]
+    return interpret(body.jaxpr, body.consts, vals, inline)
 
+  return retrace(closed, inline)
+
+
+def interpret(jaxpr, consts, args, evaluate) -> list:
+  """``jaxpr``'s outputs for ``args``, evaluated equation by equation: ``evaluate(eqn, vals)``
+  gives each equation's outputs (:func:`bind` for the equation as it stands)."""
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+  for eqn in jaxpr.eqns:
+    env.update(zip(eqn.outvars, evaluate(eqn, [read(v) for v in eqn.invars])))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def retrace(closed, evaluate, result=lambda outs: outs):
+  """``closed`` (a ClosedJaxpr) traced again through :func:`interpret` with ``evaluate``, its
+  outputs passed through ``result``: a jaxpr with some equations written otherwise."""
   avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-  return jax.make_jaxpr(lambda *a: run(closed.jaxpr, closed.consts, *a))(*avals)
+  return jax.make_jaxpr(lambda *a: result(interpret(closed.jaxpr, closed.consts, a, evaluate)))(
+      *avals)
 
 
 def vma_checked() -> bool:

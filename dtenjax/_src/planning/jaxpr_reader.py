@@ -540,18 +540,11 @@ def unroll_loops(closed):
   def value(x):
     return jnp.stack(x) if isinstance(x, _Stacked) else x
 
-  def run(jaxpr, consts, *args):
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
-    for eqn in jaxpr.eqns:
-      vals = [read(v) for v in eqn.invars]
-      if _unrolled(eqn):
-        outs = scan(eqn, vals)
-      else:
-        outs = jaxapi.bind(eqn, [value(x) for x in vals])
-      env.update(zip(eqn.outvars, outs))
-    return [value(read(v)) for v in jaxpr.outvars]
+  def evaluate(eqn, vals):
+    return scan(eqn, vals) if _unrolled(eqn) else jaxapi.bind(eqn, [value(x) for x in vals])
+
+  def values(outs):
+    return [value(x) for x in outs]
 
   def scan(eqn, vals):
     p = eqn.params
@@ -562,14 +555,14 @@ def unroll_loops(closed):
     xs = vals[consts + n_carry:]
     rows: list[list[Any]] = [[None] * length for _ in eqn.outvars[n_carry:]]
     for i in (reversed(range(length)) if p["reverse"] else range(length)):
-      outs = run(body.jaxpr, body.consts, *fixed, *carry, *[x[i] for x in xs])
+      outs = values(jaxapi.interpret(body.jaxpr, body.consts, [*fixed, *carry,
+                                                               *[x[i] for x in xs]], evaluate))
       carry = outs[:n_carry]
       for r, y in zip(rows, outs[n_carry:]):
         r[i] = y
     return carry + [_Stacked(r) for r in rows]
 
-  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-  return jax.make_jaxpr(lambda *a: run(closed.jaxpr, closed.consts, *a))(*avals)
+  return jaxapi.retrace(closed, evaluate, values)
 
 
 def sub_jaxprs(eqn):

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
   for f in fns.values():
     _harness.block(f())
   per_call = {k: [] for k in fns}
-  for _ in range(args.rounds):
+  for _ in _harness.progress(range(args.rounds), BENCH, lambda r: f"round {r + 1}"):
     for k, f in fns.items():
       t0 = time.perf_counter()
       for _ in range(args.calls):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import dtenjax
 from dtenjax._src.planning import stepgraph
@@ -61,7 +62,11 @@ def test_a_frozen_int8_weight_s_float_copy_and_gather_are_priced(cpu_devices, me
   XLA:CPU keeps a bfloat16 copy (temp 0.19 MiB on `fsdp` 4 x `tensor` 2; priced as the float32
   one, +34.6 %)."""
   step, args = _frozen_int8_step(dtype)
-  check = dtenjax.plan(step, *args, mesh=mesh, batch_argnums=(2,)).check(
+  # w2 pinned as the plan laid it out when this was measured: the claim is the int8 weight's
+  # copy and gather, not w2's layout (since spread20b's gather wait the bf16 plan on `fsdp` 4 x
+  # `tensor` 2 splits w2 P('tensor', 'fsdp'), whose memory the model misses by 16 %: an open row)
+  pinned = ({"w2": P("fsdp", "tensor")}, None, None) if "tensor" in mesh else None
+  check = dtenjax.plan(step, *args, mesh=mesh, batch_argnums=(2,), pinned=pinned).check(
       step, *args, compiler_options=compile_only.LLVM_O0)
   copy = 4 if dtype == jnp.float32 or _JAXLIB < (0, 11) else 2
   assert check.compiled_memory["temp"] >= 512 * 256 * copy / mesh.get("tensor", 1), check.table()

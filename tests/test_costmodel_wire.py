@@ -602,6 +602,25 @@ def _data_parallel_collectives(step, p, x, devices) -> list[tuple[int, int]]:
   return sorted((c.nbytes, repeats(c.computation)) for c in hlo.read_compiled(compiled).collectives())
 
 
+def _calibrated_data8_prices(step, args, calibration):
+  """The planner's problem of ``step(*args)`` (batch argument 1) on a `data` 8 mesh of a CPU host
+  priced on ``calibration``'s curve, and each group's overlappable all-reduce time over `data`
+  by its first leaf's path."""
+  from dtenjax._src.planning import stepgraph
+  from dtenjax._src.planning.candidates import CandidateMesh
+  from dtenjax._src.planning.roles import AXES
+  from dtenjax._src.planning.solver import make_problem
+  from tests import test_calibration as tcal
+  shape = tuple(8 if a == "data" else 1 for a in AXES)
+  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=calibration)
+  graph = stepgraph.read_step(step, args, (1,))
+  prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
+                      pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
+                      {}, 0.0, False)
+  return prob, {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
+                for g, prs in zip(prob.groups, prob.prices)}
+
+
 def test_a_loop_weight_s_per_iteration_all_reduce_is_a_collective_of_its_own_on_a_measured_curve(
     cpu_devices):
   """A weight a lax.fori_loop of 3 reads whole in every iteration, `data` 8 on CPU devices:
@@ -616,10 +635,6 @@ def test_a_loop_weight_s_per_iteration_all_reduce_is_a_collective_of_its_own_on_
   lacked the latency: 3 x (3 - 3) = 0 ms and 3 x (18 - 3) = 45 ms, though three collectives
   run. The combined one holds w_in's and out's gradients only: 0.5 MiB (1 MiB), flat on the
   curve, so their shares are 0."""
-  from dtenjax._src.planning import stepgraph
-  from dtenjax._src.planning.candidates import CandidateMesh
-  from dtenjax._src.planning.roles import AXES
-  from dtenjax._src.planning.solver import make_problem
   from tests import test_calibration as tcal
 
   def step(p, x):
@@ -634,22 +649,15 @@ def test_a_loop_weight_s_per_iteration_all_reduce_is_a_collective_of_its_own_on_
   assert _data_parallel_collectives(step, *args(512), cpu_devices) == [
       (2 * 128 * 512 * 4, 1), (512 * 512 * 4, 3)]
 
-  shape = tuple(8 if a == "data" else 1 for a in AXES)
   quiet = dataclasses.replace(tcal.CAL, latency_s=0.0)
   for cal, n, curve in ((quiet, 512, 3e-3), (quiet, 1024, 18e-3), (tcal.CAL, 512, 3e-3),
                         (tcal.CAL, 1024, 18e-3)):
-    topo = dataclasses.replace(tcal._cpu_host(8, "0-1"), calibration=cal)
-    graph = stepgraph.read_step(step, args(n), (1,))
-    prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
-                        pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
-                        {}, 0.0, False)
+    prob, got = _calibrated_data8_prices(step, args(n), cal)
     meeting = prob.grad_latency_s - 3e-3
     if cal is quiet:
       assert meeting == pytest.approx(0.0, abs=1e-12)
     else:
       assert 0 < meeting < 3e-3
-    got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
-           for g, prs in zip(prob.groups, prob.prices)}
     assert got == pytest.approx({"[0]['w']": 3 * (curve + meeting), "[0]['w_in']": 0.0,
                                  "[0]['out']": 0.0}, abs=1e-9), (n, cal.latency_s)
 
@@ -662,10 +670,6 @@ def test_two_weights_of_one_loop_body_pay_one_latency_per_iteration(cpu_devices)
   iteration, not one per weight. On test_calibration's CAL (flat 3 ms below 1 MiB) without its
   meeting (latency_s 0) two 0.25 MiB weights join 0.5 MiB: 3 x 3 = 9 ms a step for the pair,
   half each by their bytes (4.5 ms); priced one collective a weight, 9 ms each."""
-  from dtenjax._src.planning import stepgraph
-  from dtenjax._src.planning.candidates import CandidateMesh
-  from dtenjax._src.planning.roles import AXES
-  from dtenjax._src.planning.solver import make_problem
   from tests import test_calibration as tcal
 
   def step(p, x):
@@ -681,15 +685,8 @@ def test_two_weights_of_one_loop_body_pay_one_latency_per_iteration(cpu_devices)
   assert _data_parallel_collectives(step, *args(128), cpu_devices) == [
       (2 * 64 * 128 * 4, 1), (2 * 128 * 128 * 4, 3)]
 
-  shape = tuple(8 if a == "data" else 1 for a in AXES)
-  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"),
-                             calibration=dataclasses.replace(tcal.CAL, latency_s=0.0))
-  graph = stepgraph.read_step(step, args(256), (1,))
-  prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
-                      pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
-                      {}, 0.0, False)
-  got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
-         for g, prs in zip(prob.groups, prob.prices)}
+  _, got = _calibrated_data8_prices(step, args(256),
+                                    dataclasses.replace(tcal.CAL, latency_s=0.0))
   assert got["[0]['w']"] == pytest.approx(3 * 3e-3 / 2, rel=1e-9)
   assert got["[0]['v']"] == pytest.approx(3 * 3e-3 / 2, rel=1e-9)
 
@@ -710,10 +707,6 @@ def test_a_weight_read_in_a_loop_and_outside_it_reduces_one_part_per_iteration_a
   loop, each iteration's all-reduce a collective of its own, and 4 / 4.5 of the combined 4.5
   MiB's 20.5 - 3 ms after it, 69.6 ms; before, 6 x 15 = 90 ms with the loop first, 2 x 4 /
   4.5 x 17.5 = 31.1 ms with it second)."""
-  from dtenjax._src.planning import stepgraph
-  from dtenjax._src.planning.candidates import CandidateMesh
-  from dtenjax._src.planning.roles import AXES
-  from dtenjax._src.planning.solver import make_problem
   from tests import test_calibration as tcal
 
   def step(p, x):
@@ -736,15 +729,8 @@ def test_a_weight_read_in_a_loop_and_outside_it_reduces_one_part_per_iteration_a
   whole = [v for k, v in got.items() if k[-1] == "all_reduce[data]" and set(k[2]) == {None}]
   assert sum(whole) == sum(nbytes * runs for nbytes, runs in compiled)
 
-  shape = tuple(8 if a == "data" else 1 for a in AXES)
-  topo = dataclasses.replace(tcal._cpu_host(8, "0-1"),
-                             calibration=dataclasses.replace(tcal.CAL, latency_s=0.0))
-  graph = stepgraph.read_step(step, args(1024), (1,))
-  prob = make_problem(graph, CandidateMesh(shape, np.arange(8).reshape(shape), topo),
-                      pricing_registry.AllReducePrices(pricing_registry.xla_all_reduce_time),
-                      {}, 0.0, False)
-  got = {graph.leaves[g[0]].path: prs[0].overlappable.get("data", 0.0)
-         for g, prs in zip(prob.groups, prob.prices)}
+  _, got = _calibrated_data8_prices(step, args(1024),
+                                    dataclasses.replace(tcal.CAL, latency_s=0.0))
   assert got["[0]['w']"] == pytest.approx(3 * 18e-3 + 4 / 4.5 * 17.5e-3, rel=1e-9)
 
 

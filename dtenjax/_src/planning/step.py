@@ -244,73 +244,12 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
 
   Raises PlacementError when no layout fits the budget, naming the smallest shortfall."""
   t0 = time.perf_counter()
-  if not callable(step):
-    raise errors.PlacementError(f"plan: step={step!r} is not callable; pass the training step "
-                                "function and its example arguments")
-  if not args:
-    raise errors.PlacementError("plan: give the step's example arguments, e.g. "
-                                "plan(step, params, opt_state, batch)")
-  if overlap is not None and (not _is_real(overlap) or not 0.0 <= overlap <= 1.0):
-    raise errors.PlacementError(f"plan: overlap={overlap!r} must be a number in [0, 1]")
-  if memory_budget is not None and (not _is_real(memory_budget) or not memory_budget > 0):
-    raise errors.PlacementError(
-        f"plan: memory_budget={memory_budget!r} must be a number of bytes > 0 (e.g. 16 * 2**30), "
-        "or None: the devices' memory less the reserve")
-  if batch_argnums is None:
-    batch_argnums = (len(args) - 1,)
-  elif _is_int(batch_argnums):
-    batch_argnums = (batch_argnums,)
-  if not isinstance(batch_argnums, (tuple, list)) or not all(_is_int(b) for b in batch_argnums):
-    raise errors.PlacementError(
-        f"plan: batch_argnums={batch_argnums!r} must be an int or a tuple of ints, the positions "
-        f"of the arguments that hold the batch (0..{len(args) - 1}), e.g. batch_argnums=2")
-  batch_argnums = tuple(int(b) for b in batch_argnums)
-  bad = [b for b in batch_argnums if not 0 <= b < len(args)]
-  if bad:
-    raise errors.PlacementError(f"plan: batch_argnums {bad} are not argument positions "
-                                f"(0..{len(args) - 1})")
-  if not isinstance(measure, (bool, np.bool_)) and (not _is_int(measure) or measure == 1 or
-                                                    measure < 0):
-    raise errors.PlacementError(
-        f"plan: measure={measure!r} must be True, False or a whole number of timed rounds, at "
-        "least 2 (measure=6)")
-  if not isinstance(donate, (bool, np.bool_)):
-    raise errors.PlacementError(
-        f"plan: donate={donate!r} must be True (the step's state is donated: "
-        "jax.jit(..., donate_argnums=...)) or False")
-  if topology is not None and not isinstance(topology, Topology):
-    hint = (f"topology=dtenjax.Topology.fixture({topology!r})" if isinstance(topology, str)
-            else "dtenjax.Topology.fixture(name) or Topology.detect()")
-    raise errors.PlacementError(
-        f"plan: topology={topology!r} is a {type(topology).__name__}, not a dtenjax.Topology; "
-        f"give one: {hint} (the names: dtenjax.Topology.fixtures())")
-  if rules is not None and (isinstance(rules, str) or not isinstance(rules, Sequence) or not all(
-      isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) for r in rules)):
-    raise errors.PlacementError(
-        f"plan: rules={rules!r} must be flax logical axis rules: a sequence of (name, mesh axis) "
-        "pairs, e.g. (('embed', 'fsdp'), ('mlp', 'tensor'))")
-  if recipe is not None and recipe not in RECIPES:
-    raise errors.PlacementError(f"plan: recipe={recipe!r} is not one of {RECIPES}")
+  batch_argnums = _checked_options(step, args, overlap, memory_budget, batch_argnums, measure,
+                                   donate, topology, rules, recipe)
   pins = {**{k: (v, "pinned by its flax partitioning names") for k, v in
              _box_pins(args, rules).items()},
           **{k: (v, "pinned by you") for k, v in _pinned_specs(pinned, args).items()}}
-  try:
-    graph = stepgraph.read_step(step, args, batch_argnums)
-  except errors.PlacementError as e:
-    if not isinstance(e.__cause__, jax.errors.ConcretizationTypeError):
-      raise
-    # a flag or a size is a scalar among the example arguments; without one the step branches
-    # on a value it computes (its loss), which jax.jit cannot trace either
-    if any(np.ndim(leaf) == 0 for leaf in jax.tree.leaves(args)):
-      fix = ("The step branches in Python on an argument, which plan traces as an array: bind "
-             "such a value (a train flag, a size) before planning, plan(functools.partial(step, "
-             "train=True), ...), and jit the same partial; or, where it branches on a value "
-             "computed from its arrays, write the branch with jax.lax.cond or jnp.where")
-    else:
-      fix = ("The step branches in Python on a value computed from its arrays (JAX names them "
-             "above), which neither plan nor jax.jit can trace: write the branch with "
-             "jax.lax.cond or jnp.where (jnp.where(bad, p, new_p) to skip an update)")
-    raise errors.PlacementError(f"{e}\n{fix}") from e.__cause__
+  graph = _read_step(step, args, batch_argnums)
   stack = graph.stack()
   topology, ids, shapes, fixed_mesh = _resolve_mesh(mesh, topology, graph,
                                                     stack[0] if stack else 0)
@@ -602,6 +541,82 @@ def _measured(chosen: StepPlan, runner_ups: Sequence[StepPlan], step: Callable, 
   out = candidates[kept]
   note = measure_lib.summary(records, kept, compile_s, time.perf_counter() - t0)
   return dataclasses.replace(out, measured=records, notes=out.notes + (note,))
+
+
+def _read_step(step, args, batch_argnums) -> stepgraph.StepGraph:
+  """``stepgraph.read_step``, a step that branches in Python on a traced value refused with the
+  fix that fits it."""
+  try:
+    return stepgraph.read_step(step, args, batch_argnums)
+  except errors.PlacementError as e:
+    if not isinstance(e.__cause__, jax.errors.ConcretizationTypeError):
+      raise
+    # a flag or a size is a scalar among the example arguments; without one the step branches
+    # on a value it computes (its loss), which jax.jit cannot trace either
+    if any(np.ndim(leaf) == 0 for leaf in jax.tree.leaves(args)):
+      fix = ("The step branches in Python on an argument, which plan traces as an array: bind "
+             "such a value (a train flag, a size) before planning, plan(functools.partial(step, "
+             "train=True), ...), and jit the same partial; or, where it branches on a value "
+             "computed from its arrays, write the branch with jax.lax.cond or jnp.where")
+    else:
+      fix = ("The step branches in Python on a value computed from its arrays (JAX names them "
+             "above), which neither plan nor jax.jit can trace: write the branch with "
+             "jax.lax.cond or jnp.where (jnp.where(bad, p, new_p) to skip an update)")
+    raise errors.PlacementError(f"{e}\n{fix}") from e.__cause__
+
+
+def _checked_options(step, args, overlap, memory_budget, batch_argnums, measure, donate,
+                     topology, rules, recipe) -> tuple[int, ...]:
+  """:func:`plan`'s arguments checked, each wrong one named with its fix: the batch's argument
+  positions (``batch_argnums`` as given, None for the last argument)."""
+  if not callable(step):
+    raise errors.PlacementError(f"plan: step={step!r} is not callable; pass the training step "
+                                "function and its example arguments")
+  if not args:
+    raise errors.PlacementError("plan: give the step's example arguments, e.g. "
+                                "plan(step, params, opt_state, batch)")
+  if overlap is not None and (not _is_real(overlap) or not 0.0 <= overlap <= 1.0):
+    raise errors.PlacementError(f"plan: overlap={overlap!r} must be a number in [0, 1]")
+  if memory_budget is not None and (not _is_real(memory_budget) or not memory_budget > 0):
+    raise errors.PlacementError(
+        f"plan: memory_budget={memory_budget!r} must be a number of bytes > 0 (e.g. 16 * 2**30), "
+        "or None: the devices' memory less the reserve")
+  if batch_argnums is None:
+    batch_argnums = (len(args) - 1,)
+  elif _is_int(batch_argnums):
+    batch_argnums = (batch_argnums,)
+  if not isinstance(batch_argnums, (tuple, list)) or not all(_is_int(b) for b in batch_argnums):
+    raise errors.PlacementError(
+        f"plan: batch_argnums={batch_argnums!r} must be an int or a tuple of ints, the positions "
+        f"of the arguments that hold the batch (0..{len(args) - 1}), e.g. batch_argnums=2")
+  batch_argnums = tuple(int(b) for b in batch_argnums)
+  bad = [b for b in batch_argnums if not 0 <= b < len(args)]
+  if bad:
+    raise errors.PlacementError(f"plan: batch_argnums {bad} are not argument positions "
+                                f"(0..{len(args) - 1})")
+  if not isinstance(measure, (bool, np.bool_)) and (not _is_int(measure) or measure == 1 or
+                                                    measure < 0):
+    raise errors.PlacementError(
+        f"plan: measure={measure!r} must be True, False or a whole number of timed rounds, at "
+        "least 2 (measure=6)")
+  if not isinstance(donate, (bool, np.bool_)):
+    raise errors.PlacementError(
+        f"plan: donate={donate!r} must be True (the step's state is donated: "
+        "jax.jit(..., donate_argnums=...)) or False")
+  if topology is not None and not isinstance(topology, Topology):
+    hint = (f"topology=dtenjax.Topology.fixture({topology!r})" if isinstance(topology, str)
+            else "dtenjax.Topology.fixture(name) or Topology.detect()")
+    raise errors.PlacementError(
+        f"plan: topology={topology!r} is a {type(topology).__name__}, not a dtenjax.Topology; "
+        f"give one: {hint} (the names: dtenjax.Topology.fixtures())")
+  if rules is not None and (isinstance(rules, str) or not isinstance(rules, Sequence) or not all(
+      isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) for r in rules)):
+    raise errors.PlacementError(
+        f"plan: rules={rules!r} must be flax logical axis rules: a sequence of (name, mesh axis) "
+        "pairs, e.g. (('embed', 'fsdp'), ('mlp', 'tensor'))")
+  if recipe is not None and recipe not in RECIPES:
+    raise errors.PlacementError(f"plan: recipe={recipe!r} is not one of {RECIPES}")
+  return batch_argnums
 
 
 def _is_int(x) -> bool:

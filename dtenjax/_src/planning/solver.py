@@ -279,7 +279,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     per_device = (primary.nbytes / shards if zero and (in_shard or on_shard or use is not None
                                                        and use.layers > 1)
                   else primary.nbytes / t_shard)
-    dequantized = not stepgraph.is_float(primary.dtype) and use is not None
+    dequantized = graph.read_dequantized(primary.index) and use is not None
     if dequantized:
       # an integer weight read dequantized: its gradient is the product's, of the float it reads
       per_device = gradient_bytes(graph, primary, per_device)

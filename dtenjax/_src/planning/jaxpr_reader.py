@@ -449,13 +449,26 @@ def untrained_dequantizations(jaxpr) -> frozenset[int]:
   return frozenset(k for k in found if all(readers.get(c, 0) <= 1 for c in converted[k]))
 
 
+def is_quantized_dtype(stored, read) -> bool:
+  """Whether values stored as ``stored`` and converted to the float ``read`` are a quantized
+  weight's: an integer (int8, int4, uint8), or a float of fewer bits than 16 widened
+  (float8_e4m3fn or float8_e5m2 read as bfloat16 or float32, float4_e2m1fn): scaled after the
+  conversion, both are dequantized, and XLA converts and scales the stored shard into a float
+  copy of ``read`` that the product reads (and gathers where a batch axis shards it), as for
+  int8 (tests/test_plan_quantized.py). A 16-bit float cast up is no dequantization."""
+  if jax.dtypes.issubdtype(stored, np.integer):
+    return True
+  return (jax.dtypes.issubdtype(stored, np.floating) and
+          itemsize(stored) == 1 and itemsize(read) > 1)
+
+
 def _dequantizations(jaxpr) -> list[tuple[Any, Any]]:
   """(the integer value converted, the scale) of each of ``jaxpr``'s top-level dequantizations
   (:func:`dequantization_scales`), in order."""
   ints = {eqn.outvars[0]: eqn.invars[0] for eqn in jaxpr.eqns
           if eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0]) and
-          jax.dtypes.issubdtype(eqn.invars[0].aval.dtype, np.integer) and
-          jax.dtypes.issubdtype(eqn.outvars[0].aval.dtype, np.floating)}
+          jax.dtypes.issubdtype(eqn.outvars[0].aval.dtype, np.floating) and
+          is_quantized_dtype(eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype)}
   found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name not in ("mul", "div") or len(eqn.invars) != 2 or not ints:

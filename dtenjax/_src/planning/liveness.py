@@ -26,6 +26,7 @@ from dtenjax._src.planning.jaxpr_reader import CALLS
 from dtenjax._src.planning.jaxpr_reader import CUSTOM_DERIVATIVE_CALLS
 from dtenjax._src.planning.jaxpr_reader import ELEMENTWISE
 from dtenjax._src.planning.jaxpr_reader import REDUCTIONS
+from dtenjax._src.planning.jaxpr_reader import is_quantized_dtype
 from dtenjax._src.planning.jaxpr_reader import is_var
 from dtenjax._src.planning.jaxpr_reader import nbytes
 from dtenjax._src.planning.jaxpr_reader import followed_operand
@@ -303,11 +304,25 @@ def update_reduces(jaxpr, leaves: Sequence[Any], batch_carried: Collection[Any] 
   gradient all-reduces, each of one gradient and a scalar), not in one combined all-reduce after
   the backward (solver._combined_reduction). A reduction of another kind is all-reduced apart
   from the sums (apply_if_finite's ``reduce_and`` of ``is_finite``: XLA combines the gradients'
-  sums into one all-reduce there)."""
+  sums into one all-reduce there). A trained scale's gradient is no such sum: ``sum(g * wq)``
+  reads the dequantized weight's gradient and its integer (or float8) conversion, in the
+  backward before any reduction (two int8 weights sharing a trained scale on `data` 8: one
+  combined all-reduce of both dequantized gradients and w2's, XLA:CPU's compile)."""
   from_grads = _from_gradients(jaxpr, _state_shapes(leaves), _read_by_products(jaxpr),
                                frozenset(batch_carried))
+  invars = set(jaxpr.invars)
+  conversions = {eqn.outvars[0] for eqn in jaxpr.eqns
+                 if eqn.primitive.name == "convert_element_type" and eqn.invars[0] in invars
+                 and is_quantized_dtype(eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype)}
+  scale_grads: set[Any] = set()
+  for eqn in jaxpr.eqns:
+    ins = [v for v in eqn.invars if is_var(v)]
+    if ((eqn.primitive.name == "mul" and any(v in conversions for v in ins)) or
+        (eqn.primitive.name in ("reduce_sum", "reshape") and ins and ins[0] in scale_grads)):
+      scale_grads.update(eqn.outvars)
   return any(eqn.primitive.name == "reduce_sum" and
-             any(is_var(v) and v in from_grads for v in eqn.invars) for eqn in jaxpr.eqns)
+             any(is_var(v) and v in from_grads and v not in scale_grads for v in eqn.invars)
+             for eqn in jaxpr.eqns)
 
 
 def gradient_parts(jaxpr, leaves: Sequence[Any]) -> dict[tuple[int, ...], int]:

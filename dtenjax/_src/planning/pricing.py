@@ -898,7 +898,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # StepGraph.integer_gradient_free, but XLA still gathers its float value for the product:
   # a frozen int8 [512, 256] on `fsdp` 4 x `tensor` 2, f32[512,128] a device, compiled on 8 CPU
   # devices; an int8 table the step only looks up is gathered as it is, int8, for the lookup)
-  read_int = (use is not None and not stepgraph.is_float(dtype) and
+  read_int = (use is not None and graph.read_dequantized(primary.index) and
               stepgraph.is_float(use.read_dtype or dtype))
   looked_up_int = (use is None and not stepgraph.is_float(dtype) and
                    primary.index in graph.lookups)
@@ -918,7 +918,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     # and gathers the float value its product reads (f32[512,256] for an int8 [512, 256] weight
     # on `fsdp` 8, compiled on 8 CPU devices), where a float weight read narrower is gathered
     # before its cast, in its own dtype
-    gdtype, gbytes = ((rdtype, rgrad) if not stepgraph.is_float(dtype) and
+    gdtype, gbytes = ((rdtype, rgrad) if graph.read_dequantized(primary.index) and
                       stepgraph.is_float(rdtype) else (dtype, grad))
     acc(pr.overlappable, k, times * per * pricer("all_gather", gbytes / per, zero, gdtype))
     acc(pr.bytes, f"all_gather[{k}]", times * pricer.wire(gbytes, gdtype))

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dtenjax._src.planning import heapslot
+from dtenjax._src.planning import jaxpr_reader
 from dtenjax._src.planning import roles
 from dtenjax._src.planning import stepgraph
 from dtenjax._src.planning.candidates import CandidateMesh
@@ -28,6 +29,7 @@ from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
 from dtenjax._src.planning.pricing import gradient_on_shard
 from dtenjax._src.planning.pricing import gradient_bytes
+from dtenjax._src.planning.pricing import gradient_dtype
 from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
 from dtenjax._src.planning.pricing import read_leaf
@@ -206,8 +208,15 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
     comm[k] = comm.get(k, 0.0) + v
     blocking += v
   exposed = blocking + max(0.0, overlappable - prob.overlap * compute)
-  memory["gathered"] += max((prob.prices[gi][c].gathered_peak for gi, c in enumerate(choice)),
-                            default=0.0)
+  peaks = [prob.prices[gi][c].gathered_peak for gi, c in enumerate(choice)]
+  memory["gathered"] += max(peaks, default=0.0)
+  top = max(range(len(peaks)), key=peaks.__getitem__, default=None)
+  if top is not None and peaks[top] and _only_looked_up(graph, prob.groups[top]):
+    # an integer table gathered whole for its lookups (pricing: its gathered peak) is read by
+    # nothing after them: XLA:CPU frees the gathered copy there, and the forward's product
+    # takes its place (an int8 [4096, 256] table on `fsdp` 8: s8[4096,256] at offset 0 of the
+    # temp, then the product's f32[128,256], XLA:CPU's buffer assignment)
+    kept.append((prob.groups[top], peaks[top]))
   if graph.timeline:
     memory.update(simulate_memory(prob, choice, graph, tp_of, memory["gathered"], kept))
   memory["total"] = sum(memory.values())
@@ -253,6 +262,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   sharded_shapes: set[tuple[int, ...]] = set()   # their shapes (and reversed)
   whole_tables: set[tuple[int, ...]] = set()   # XLA:GPU scatters their gradients into zeros
   converted = 0.0     # the float conversions of integer weights a trained scale's gradient reads
+  held_to_reduction: set[tuple[int, ...]] = set()   # their gradients' shapes (and reversed)
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -279,10 +289,20 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     per_device = (primary.nbytes / shards if zero and (in_shard or on_shard or use is not None
                                                        and use.layers > 1)
                   else primary.nbytes / t_shard)
-    dequantized = not stepgraph.is_float(primary.dtype) and use is not None
+    dequantized = graph.read_dequantized(primary.index) and use is not None
+    # a dequantized weight's gradient in bfloat16 or float16 (a trained scale's): XLA:CPU makes
+    # it by a float32 product and all-reduces it in float32, and converts the integer weight
+    # again for the scale's gradient after that reduction rather than keep the forward's
+    # conversion (an int8 [512, 256] with a bfloat16 scale on `data` 8: the f32[256,512]
+    # gradient and its reduction beside w2's, XLA:CPU's buffer assignment; the f32[512,256]
+    # conversion made after, where the gradient was)
+    narrow = (cpu and dequantized and bdiv > 1 and
+              gradient_dtype(graph, primary) in ("bfloat16", "float16"))
     if dequantized:
       # an integer weight read dequantized: its gradient is the product's, of the float it reads
       per_device = gradient_bytes(graph, primary, per_device)
+      if narrow:
+        per_device *= 4 / jaxpr_reader.itemsize(gradient_dtype(graph, primary))
     # a 16-bit float weight whose gradient a batch axis reduces: XLA:CPU makes the gradient by a
     # float32 product and all-reduces it whole in float32 (calls.wire_bytes' widening) before
     # the slice and the cast back, so the reduction is a new buffer, never the bfloat16 output
@@ -323,7 +343,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         # (XLA:CPU's buffer assignment of an int8 [512, 256] with a trained per-channel scale on
         # `data` 8: the conversion, the gradient and its reduction, f32[512,256] each)
         reduced.append((per_device, parts))
-        converted += per_device
+        converted += 0.0 if narrow else per_device
+        held_to_reduction.update((primary.shape, tuple(reversed(primary.shape))))
       elif bdiv > 1 and parts == 1 and not on_shard:
         if wide:
           reduced.append((per_device, parts))
@@ -338,14 +359,21 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         # update's last fusion then writes in place: none in the temporary buffer)
         reduced.append((per_device, parts))
     if not prob.donate:
-      outputs.extend(graph.leaves[i].nbytes / shards for i in g)
-  if cpu and not graph.update_reduces and any(n > 1 for _, n in reduced):
+      # only the leaves the step returns have an output buffer (StepGraph.returned): an int8
+      # embedding table passed in and only looked up has none, and the lookup's dequantized
+      # rows, f32[16,16,256] a device on `fsdp` 4 x `tensor` 2, are XLA:CPU's temp (its buffer
+      # assignment), where an output buffer of the table's 0.5 MiB shard had taken them
+      outputs.extend(graph.leaves[i].nbytes / shards for i in g if i in graph.returned)
+  if cpu and not graph.update_reduces and (any(n > 1 for _, n in reduced) or
+                                           held_to_reduction):
     # XLA:CPU's combined all-reduce that holds the parts makes a new buffer of every gradient
     # it joins: a replicated gradient of one product is not reduced into its output in place
     # beside them (tanh(h @ w) three times, then h @ v, on `data` 8: w's three parts and v's
     # gradient reduced into four temporary buffers, the buffer assignment of
     # test_plan_user_steps.py's thrice_read_chain)
     reduced.extend((nb, 1) for nb in single)
+    # (so where it holds a dequantized weight's gradient, which no output takes: w2's reduced
+    # f32[256,128] in XLA:CPU's temp beside an int8 weight's with a trained scale, `data` 8)
   hoisted = _zeros_before_the_loop(graph, whole_tables)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
@@ -422,10 +450,19 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   temp.extend(slot for slot in slots if _fourth_slot(slot, graph, temp, sized, bdiv,
                                                      gathered_per_use))
   events: dict[int, list[tuple[float, float]]] = {}
+  # a dequantized weight's gradient is an operand of XLA:CPU's combined all-reduce after the
+  # backward, live until it though the scale's gradient read it long before (two int8 weights
+  # sharing a trained scale, read in a chain, `data` 8: the first-made f32[256,256] gradient
+  # held to the all-reduce beside the second's, XLA:CPU's buffer assignment)
+  grads_made = [v.start for v in graph.timeline if v.grad is not None and not v.update]
+  reduction = max(grads_made, default=0) + 1      # as _combined_reduction's
   for nb, v in temp:
     is_grad = v.grad is not None
+    end = _end(v, cpu)
+    if cpu and is_grad and v.grad in held_to_reduction and not v.body:
+      end = max(end, reduction)
     events.setdefault(v.start, []).append((nb * (not is_grad), nb * is_grad))
-    events.setdefault(_end(v, cpu) + 1, []).append((-nb * (not is_grad), -nb * is_grad))
+    events.setdefault(end + 1, []).append((-nb * (not is_grad), -nb * is_grad))
   events.setdefault(-1, []).append((0.0, 0.0, gathered))    # the weights gathered for the step
   if converted:               # dequantized weights' float conversions, kept to the step's end
     events[-1].append((0.0, 0.0, converted))
@@ -516,6 +553,12 @@ def _split_bytes(v: stepgraph.Live, nb: float, bdiv: int) -> float:
   return parts * elems * (nb / v.nbytes) * max(4.0, v.nbytes / elems) if parts > 1 else 0.0
 
 
+def _only_looked_up(graph: stepgraph.StepGraph, group: Sequence[int]) -> bool:
+  """Whether ``group`` is a table no product reads, only looked up (``StepGraph.lookups``)."""
+  return (group[0] in graph.lookups and group[0] not in graph.weights and
+          all(not product for k in group for _, product in graph.weight_reads.get(k, ())))
+
+
 def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
                         reduced: Sequence[tuple[float, int]], gathered: float,
                         kept: Sequence[tuple[Sequence[int], float]] = ()) -> None:
@@ -552,7 +595,18 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
     # a copy a lax.cond's branch gathers dies in it (gather.py gathers again in the backward's)
     use = graph.weights.get(group[0])
     branched = bool(reads) and use is not None and use.branched
-    if branched or (sum(product for _, product in reads) == 1 and reads[-1][1]):
+    if reads and _only_looked_up(graph, group):
+      # a table only looked up: XLA fuses the lookup into the fusion that makes its rows (the
+      # gather, the conversion and the scale: XLA:CPU's multiply fusion of f32[128,256] on
+      # `fsdp` 8), which reads the gathered table; freed once the rows are made: the first
+      # value after the lookup of at least the rows' bytes (a conversion widens them, a scale
+      # keeps them; the per-row scale's own lookup, f32[64,16,1], is not the rows)
+      rows = graph.lookups[group[0]][1]
+      made = min((v.start for v in graph.timeline if v.start > reads[-1][0] and
+                  v.nbytes >= rows), default=reads[-1][0])
+      events.setdefault(made + 1, []).append((0.0, 0.0, -nb))
+      gathered -= nb
+    elif branched or (sum(product for _, product in reads) == 1 and reads[-1][1]):
       events.setdefault(reads[-1][0] + 1, []).append((0.0, 0.0, -nb))
       gathered -= nb
     elif (use is not None and use.remat and not use.input_grad and reads

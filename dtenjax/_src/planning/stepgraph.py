@@ -346,6 +346,17 @@ class StepGraph:
     return (((all(i in free for i in group) or any(i in self.aside for i in group))
              and is_float(self.leaves[group[0]].dtype)) or self.integer_gradient_free(group))
 
+  def read_dequantized(self, index: int) -> bool:
+    """Whether leaf ``index`` is stored in fewer bits than the float a product reads it as, and
+    priced as its dequantized float (its copy, gather and gradient; integer_gradient_free): an
+    integer array, or a float8 / float4 one a dequantization converts and scales
+    (jaxpr_reader.is_quantized_dtype; ``wq.astype(f32) * scale`` of a float8_e4m3fn weight:
+    XLA:CPU's temp holds the f32 copy, f32[512,256] on `data` 8, as for int8). A float8 weight
+    only cast (``w.astype(bf16)``, trained) is a float weight read narrower or wider: gathered
+    in its own dtype (tests/test_costmodel_wire.py)."""
+    lf = self.leaves[index]
+    return not lf.is_key and (not is_float(lf.dtype) or index in self.dequantized)
+
   def integer_gradient_free(self, group: Sequence[int]) -> bool:
     """Whether a tied group is of integer arrays XLA reduces nothing of: JAX's gradient of an
     integer is float0, nothing XLA computes, so what it all-reduces over the batch axes is
@@ -366,8 +377,10 @@ class StepGraph:
     table passed in, looked up and dequantized per row (`data` 8: its 1 MiB priced all-reduced,
     none compiled)."""
     lf = self.leaves[group[0]]
-    if lf.is_key or is_float(lf.dtype) or not lf.shape:
+    if lf.is_key or not lf.shape or not all(self.read_dequantized(i) for i in group):
       return False
+    if is_float(lf.dtype) and not self.frozen(group):
+      return False       # a float8 weight the step trains: its own gradient, as a float's
     if any(is_float(self.weights[i].read_dtype) for i in group
            if i in self.weights and self.weights[i].read_dtype):
       if all(i in self.untrained for i in group):

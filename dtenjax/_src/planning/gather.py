@@ -342,9 +342,9 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[Any, ShardGradie
   splits over the batch axes) -> a part per product that makes its gradient: (the index of the
   equation, or the path of indices to it through jax.checkpoint calls: :func:`_follow_gradients`,
   how), for each weight that products read directly (``x @ w``, and again ``y @ w``; at the top
-  level or in a jax.checkpoint call) and whose gradient's parts are each one float32 product of a forward
-  product's other operand (its residual ``x``) and a cotangent, contracting everything but one
-  dimension of each (the batch's rows). Every part's ``how.moves`` where computing each part's
+  level or in a jax.checkpoint call) and whose gradient's parts are each one float32 product of
+  a forward product's other operand (its residual ``x``) and a cotangent, contracting
+  everything but one dimension of each (the batch's rows). Every part's ``how.moves`` where computing each part's
   shard from the activations gathers fewer bytes than the weight has (:func:`moves_activations`,
   every part's; none where one part's gather is not the smaller): XLA's partitioner decides so,
   part by part, for the plain FSDP step of a weight read by two products (two_views on `fsdp` 8,
@@ -378,8 +378,9 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
   ``path``, the equations' indices that lead to it): ``index`` maps its variables that are a
   weight (the step's invars, or a call's invars that the caller's weight enters) to the
   weight's leaf, ``forward_in`` its invars that are a forward product's residual (the caller's
-  residual handed into the call) to their weights; ``avals`` are the step's invars'. A gradient product found at the top level is
-  named by its equation's index, one inside a call by the path of indices to it.
+  residual handed into the call) to their weights; ``avals`` are the step's invars'. A gradient
+  product found at the top level is named by its equation's index, one inside a call by the
+  path of indices to it.
 
   The walk enters the calls of jax.checkpoint (``checkpoint``, ``remat``, jax 0.10's
   ``remat2``): the backward's call recomputes the layer and makes its weights' gradients in its

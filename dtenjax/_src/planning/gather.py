@@ -343,15 +343,15 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[Any, ShardGradie
   equation, or the path of indices to it through jax.checkpoint calls: :func:`_follow_gradients`,
   how), for each weight that products read directly (``x @ w``, and again ``y @ w``; at the top
   level or in a jax.checkpoint call) and whose gradient's parts are each one float32 product of
-  a forward product's other operand (its residual ``x``) and a cotangent, contracting
-  everything but one dimension of each (the batch's rows). Every part's ``how.moves`` where computing each part's
-  shard from the activations gathers fewer bytes than the weight has (:func:`moves_activations`,
-  every part's; none where one part's gather is not the smaller): XLA's partitioner decides so,
-  part by part, for the plain FSDP step of a weight read by two products (two_views on `fsdp` 8,
-  docs/benchmarks.md fsdp20: at batch 256 w2's parts gather 128 KiB of cotangent each, 256
-  summed, against its 256 KiB, and each is made on w2's shard; w1's 512 KiB each, reduced
-  whole). A weight one of whose gradient's products is not followed (another dtype) is left
-  out.
+  a forward product's other operand (its residual ``x``) and a cotangent, contracting everything
+  but one dimension of each (the batch's rows). Every part's ``how.moves`` where computing each
+  part's shard from the activations gathers fewer bytes than the weight has
+  (:func:`moves_activations`, every part's; none where one part's gather is not the smaller):
+  XLA's partitioner decides so, part by part, for the plain FSDP step of a weight read by two
+  products (two_views on `fsdp` 8, docs/benchmarks.md fsdp20: at batch 256 w2's parts gather 128
+  KiB of cotangent each, 256 summed, against its 256 KiB, and each is made on w2's shard; w1's 512
+  KiB each, reduced whole). A weight one of whose gradient's products is not followed (another
+  dtype) is left out.
 
   Left to reduce the whole gradient, plan.jit's FSDP step holds every whole gradient at once
   in XLA:CPU's combined all-reduce, and a new buffer of each beside it: four weights' worth on

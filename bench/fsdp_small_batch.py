@@ -18,7 +18,9 @@ other round in the reverse order)::
 above; ``two_views``, the same MLP applied to the batch and to its features reversed, the two
 losses summed (every weight read by two products: tests/test_plan_user_steps.py's
 ``two_views``); ``remat_first``, the first layer (``gelu(x @ w1 + b1)``) inside
-``jax.checkpoint``.
+``jax.checkpoint``; ``remat_dots``, the same under ``policy=dots_saveable``; ``remat_second``,
+the second layer (``h @ w2 + b2``) inside ``jax.checkpoint``; ``remat_both``, both layers each
+inside its own (issue 39's checkpoint rows, docs/benchmarks.md review20a and fsdp21).
 
 ``--layouts`` times, beside the two, the other layouts a user may write of the same step on the
 same mesh -- DP (every leaf replicated, the batch over ``fsdp``) and each weight matrix alone
@@ -50,11 +52,15 @@ CASES = ((128, 512, 16), (128, 512, 64), (128, 512, 136), (128, 512, 256), (128,
 
 
 # the MLP's variants (--models): the issue's rows fsdp19 left (docs/benchmarks.md, fsdp19b)
-MODELS = ("mlp", "two_views", "remat_first")
+MODELS = ("mlp", "two_views", "remat_first", "remat_dots", "remat_second", "remat_both")
 
 
 def _first(p, x):
   return jax.nn.gelu(x @ p["w1"] + p["b1"])
+
+
+def _second(p, h):
+  return h @ p["w2"] + p["b2"]
 
 
 def make(d: int, hidden: int, batch: int, model: str = "mlp"):
@@ -62,10 +68,13 @@ def make(d: int, hidden: int, batch: int, model: str = "mlp"):
   tx = optax.adamw(1e-2)
   keys = iter(jax.random.split(jax.random.key(0), 4))
   normal = lambda *s: 0.1 * jax.random.normal(next(keys), s, jnp.float32)
-  first = jax.checkpoint(_first) if model == "remat_first" else _first
+  first = (jax.checkpoint(_first) if model in ("remat_first", "remat_both") else
+           jax.checkpoint(_first, policy=jax.checkpoint_policies.dots_saveable)
+           if model == "remat_dots" else _first)
+  second = (jax.checkpoint(_second) if model in ("remat_second", "remat_both") else _second)
 
   def mse(p, x, y):
-    return jnp.mean((first(p, x) @ p["w2"] + p["b2"] - y) ** 2)
+    return jnp.mean((second(p, first(p, x)) - y) ** 2)
 
   def loss(p, batch):
     value = mse(p, batch["x"], batch["y"])

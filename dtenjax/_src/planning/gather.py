@@ -141,8 +141,8 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
     ev.pin_all = pin_all
     ev.shards = {v: s for v, s, c in zip(closed.jaxpr.invars, per_leaf(shard_specs), specs)
                  if s is not None and c is not None}
-    ev.shard_grads = _shard_gradient_eqns(closed.jaxpr, ev.shards, tracked, tuple(batch_axes),
-                                          on_shard)
+    ev.shard_grads, held = _shard_gradient_eqns(closed.jaxpr, ev.shards, tracked,
+                                                tuple(batch_axes), on_shard)
     if sequence is not None:
       ev.attend, ev.enter = sequence.constraints(closed.jaxpr, args)
     if features:
@@ -153,6 +153,7 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
           eqn, calls = found[order]
           ev.features[id(eqn)] = pin
           ev.enter = ev.enter | frozenset(id(c) for c in calls)
+    ev.enter = ev.enter | held          # the checkpoint calls that make a gradient on the shard
     outs = ev.run(closed.jaxpr, closed.consts, flat, tracked)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -163,14 +164,17 @@ def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
 
 def _shard_gradient_eqns(jaxpr, shards: Mapping[Any, P], tracked: Mapping[Any, P],
                          rows: tuple[str, ...], on_shard: frozenset
-                         ) -> dict[int, tuple[ShardGradient, Any, Any, Any]]:
-  """id of a top-level gradient product of a weight gathered whole for its product and split
+                         ) -> tuple[dict[int, tuple[ShardGradient, Any, Any, Any]], frozenset]:
+  """id of a gradient product (top-level, or in a jax.checkpoint call) of a weight gathered
+  whole for its product and split
   on one dimension over axes that all split the batch (``rows``: FSDP's layout) -> (how
   :func:`shard_gradients` makes it, the weight's spec entry, the batch's, the batch's other
-  axes'); none where the plan makes no gradient on its shard (``on_shard``)."""
+  axes'); none where the plan makes no gradient on its shard (``on_shard``). With it the ids
+  of the jax.checkpoint calls that hold such products (the evaluator enters them)."""
   out: dict[int, tuple[ShardGradient, Any, Any, Any]] = {}
+  wheres: list = []
   if not on_shard:
-    return out
+    return out, frozenset()
   found = shard_gradients(jaxpr)
   for k, v in enumerate(jaxpr.invars):
     spec, whole = shards.get(v), tracked.get(v)
@@ -181,9 +185,33 @@ def _shard_gradient_eqns(jaxpr, shards: Mapping[Any, P], tracked: Mapping[Any, P
       continue
     rest = [a for a in rows if a not in spec_axes(split[0][1])]
     for n, how in found.get((k, split[0][0]), ()):
-      out[id(jaxpr.eqns[n])] = (dataclasses.replace(how, moves=k in on_shard), split[0][1],
-                                _entry(rows), _entry(rest))
-  return out
+      out[id(_eqn_at(jaxpr, n))] = (dataclasses.replace(how, moves=k in on_shard), split[0][1],
+                                    _entry(rows), _entry(rest))
+      if k in on_shard:
+        wheres.append(n)
+  return out, _remats_holding(jaxpr, wheres)
+
+
+def _eqn_at(jaxpr, where):
+  """The equation :func:`shard_gradients` names by ``where``: its index in ``jaxpr``, or the
+  path of indices through the jax.checkpoint calls that hold it."""
+  for n in () if isinstance(where, int) else where[:-1]:
+    jaxpr = _sub_jaxpr(jaxpr.eqns[n])[0]
+  return jaxpr.eqns[where if isinstance(where, int) else where[-1]]
+
+
+def _remats_holding(jaxpr, wheres) -> frozenset:
+  """ids of the jax.checkpoint calls that hold the equations at ``wheres`` (paths of
+  :func:`shard_gradients`): the evaluator enters them to make those gradients on the shard."""
+  out = set()
+  for where in wheres:
+    if isinstance(where, int):
+      continue
+    inner = jaxpr
+    for n in where[:-1]:
+      out.add(id(inner.eqns[n]))
+      inner = _sub_jaxpr(inner.eqns[n])[0]
+  return frozenset(out)
 
 
 def _entry(axes):
@@ -309,27 +337,60 @@ class ShardGradient:
   dtype: str           # the operands' dtype (the cotangent's)
 
 
-def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[int, ShardGradient], ...]]:
+def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[Any, ShardGradient], ...]]:
   """(index of a rank-2 float32 weight among ``jaxpr``'s invars, its dimension the layout
   splits over the batch axes) -> a part per product that makes its gradient: (the index of the
-  equation, how), for each weight that top-level products read directly (``x @ w``, and
-  again ``y @ w``) and whose gradient's parts are each one float32 product of a forward
-  product's other operand (its residual ``x``) and a cotangent, contracting everything but one
-  dimension of each (the batch's rows). Every part's ``how.moves`` where computing each part's
-  shard from the activations gathers fewer bytes than the weight has (:func:`moves_activations`,
-  every part's; none where one part's gather is not the smaller): XLA's partitioner decides so,
-  part by part, for the plain FSDP step of a weight read by two products (two_views on `fsdp` 8,
-  docs/benchmarks.md fsdp20: at batch 256 w2's parts gather 128 KiB of cotangent each, 256
-  summed, against its 256 KiB, and each is made on w2's shard; w1's 512 KiB each, reduced
-  whole). A weight one of whose gradient's products is not followed (another dtype) is left
-  out.
+  equation, or the path of indices to it through jax.checkpoint calls: :func:`_follow_gradients`,
+  how), for each weight that products read directly (``x @ w``, and again ``y @ w``; at the top
+  level or in a jax.checkpoint call) and whose gradient's parts are each one float32 product of
+  a forward product's other operand (its residual ``x``) and a cotangent, contracting everything
+  but one dimension of each (the batch's rows). Every part's ``how.moves`` where computing each
+  part's shard from the activations gathers fewer bytes than the weight has
+  (:func:`moves_activations`, every part's; none where one part's gather is not the smaller):
+  XLA's partitioner decides so, part by part, for the plain FSDP step of a weight read by two
+  products (two_views on `fsdp` 8, docs/benchmarks.md fsdp20: at batch 256 w2's parts gather 128
+  KiB of cotangent each, 256 summed, against its 256 KiB, and each is made on w2's shard; w1's 512
+  KiB each, reduced whole). A weight one of whose gradient's products is not followed (another
+  dtype) is left out.
 
   Left to reduce the whole gradient, plan.jit's FSDP step holds every whole gradient at once
   in XLA:CPU's combined all-reduce, and a new buffer of each beside it: four weights' worth on
   a two-layer MLP (1.40 MiB a device on `fsdp` 8 at batch 64, where the plain jax.jit step,
   which XLA partitions so by itself, compiles to 0.92; bench/fsdp_small_batch.py)."""
   index = {v: i for i, v in enumerate(jaxpr.invars)}
-  forward: dict[Any, list[tuple[int, int, int]]] = {}   # residual -> (weight, w dim, x dim)
+  out: dict[tuple[int, int], list[tuple[Any, ShardGradient]]] = {}
+  seen: dict[int, set[Any]] = {}       # weight -> the products that make its gradient
+  _follow_gradients(jaxpr, index, {}, (), [v.aval for v in jaxpr.invars], out, seen)
+  # a weight whose gradient products are not all followed keeps its reduction
+  found = {}
+  for key, parts in out.items():
+    if len(parts) == len(seen[key[0]]):
+      moves = all(moves_activations(how.gathered, nbytes(jaxpr.invars[key[0]].aval))
+                  for _, how in parts)
+      found[key] = tuple((n, dataclasses.replace(how, moves=moves)) for n, how in parts)
+  return found
+
+
+def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, list],
+                      path: tuple[int, ...], avals: Sequence[Any], out: dict,
+                      seen: dict) -> None:
+  """:func:`shard_gradients`' walk of ``jaxpr`` (the step's, or a jax.checkpoint call's body at
+  ``path``, the equations' indices that lead to it): ``index`` maps its variables that are a
+  weight (the step's invars, or a call's invars that the caller's weight enters) to the
+  weight's leaf, ``forward_in`` its invars that are a forward product's residual (the caller's
+  residual handed into the call) to their weights; ``avals`` are the step's invars'. A gradient
+  product found at the top level is named by its equation's index, one inside a call by the
+  path of indices to it.
+
+  The walk enters the calls of jax.checkpoint (``checkpoint``, ``remat``, jax 0.10's
+  ``remat2``): the backward's call recomputes the layer and makes its weights' gradients in its
+  body (a checkpointed second layer, ``h @ w2`` in the call: w2's forward read and its gradient
+  product both there), or, under a policy that saves the products (``dots_saveable``), makes
+  the gradient there from the residual the top-level forward product read (``x`` of ``x @ w1``
+  handed into the call). XLA's partitioner inlines the call and makes such a gradient on the
+  weight's shard as it does a top-level one, for the plain FSDP step."""
+  forward: dict[Any, list[tuple[int, int, int]]] = {
+      v: list(f) for v, f in forward_in.items()}   # residual -> (weight, w dim, x dim)
   for eqn in jaxpr.eqns:
     if eqn.primitive.name != "dot_general":
       continue
@@ -341,9 +402,18 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[int, ShardGradie
       wc, xc = (lc, rc) if w == 0 else (rc, lc)
       if len(wv.aval.shape) == 2 and len(wc) == 1 and not lb and not isinstance(xv, jcore.Literal):
         forward.setdefault(xv, []).append((index[wv], wc[0], xc[0]))
-  out: dict[tuple[int, int], list[tuple[int, ShardGradient]]] = {}
-  seen: dict[int, set[int]] = {}       # weight -> the products that make its gradient
   for n, eqn in enumerate(jaxpr.eqns):
+    where = (*path, n) if path else n
+    if eqn.primitive.name in _REMATS:
+      sub = _sub_jaxpr(eqn)
+      if sub is not None and len(sub[0].invars) == len(eqn.invars):
+        inner = sub[0]
+        pairs = [(o, i) for o, i in zip(eqn.invars, inner.invars)
+                 if not isinstance(o, jcore.Literal)]
+        _follow_gradients(inner, {i: index[o] for o, i in pairs if o in index},
+                          {i: forward[o] for o, i in pairs if o in forward},
+                          (*path, n), avals, out, seen)
+      continue
     if eqn.primitive.name != "dot_general":
       continue
     ops = eqn.invars
@@ -358,12 +428,12 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[int, ShardGradie
       if g in index:           # a product of two of the step's arguments: no cotangent
         continue
       for k, wdim, xdim in forward.get(x, ()):
-        w = jaxpr.invars[k].aval
+        w = avals[k]
         other = 1 - wdim
         if (free[a][0] != xdim or x.aval.shape[xdim] != w.shape[wdim]
             or g.aval.shape[free[1 - a][0]] != w.shape[other]):
           continue
-        seen.setdefault(k, set()).add(n)
+        seen.setdefault(k, set()).add(where)
         if any(str(v.dtype) != "float32" for v in (w, x.aval, g.aval)):
           # a product of narrower floats, which XLA:CPU computes in float32: moved, it held
           # float32 copies of the gathered cotangent and of the gradient's shard the model does
@@ -376,16 +446,8 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[int, ShardGradie
         # tests/test_plan_user_steps.py, split so, XLA:CPU held a weight's worth more temp than
         # that program has (0.75 MiB against 0.50)
         out.setdefault((k, wdim), []).append(
-            (n, ShardGradient(a, xdim, nbytes(g.aval), nbytes(x.aval), False,
-                              str(g.aval.dtype))))
-  # a weight whose gradient products are not all followed keeps its reduction
-  found = {}
-  for key, parts in out.items():
-    if len(parts) == len(seen[key[0]]):
-      moves = all(moves_activations(how.gathered, nbytes(jaxpr.invars[key[0]].aval))
-                  for _, how in parts)
-      found[key] = tuple((n, dataclasses.replace(how, moves=moves)) for n, how in parts)
-  return found
+            (where, ShardGradient(a, xdim, nbytes(g.aval), nbytes(x.aval), False,
+                                  str(g.aval.dtype))))
 
 
 def moves_activations(gathered: int, weight: int) -> bool:

@@ -32,6 +32,7 @@ from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
 from dtenjax._src.planning.pricing import read_leaf
 from dtenjax._src.planning.pricing import reduced_in_loop
+from dtenjax._src.planning.pricing import stacked_parts
 from dtenjax._src.planning.pricing import start_wait
 from dtenjax._src.planning.roles import BATCH_AXES
 from dtenjax._src.planning.roles import ROUTED_AXES
@@ -302,7 +303,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       per_device *= 4 / primary.itemsize
     if cpu and use is not None and use.layers > 1 and g[0] in sliced:
       fsdp_layers[primary.shape] = max(fsdp_layers.get(primary.shape, 0.0),
-                                       _scanned_stack_bytes(primary, use.layers, shards, zero))
+                                       _scanned_stack_bytes(primary, use.layers, shards, zero,
+                                                            stacked_parts(use, backend)))
     # a parameter the loss never reads has no gradient value: its constant zero is fused into
     # the update, neither sized beside the gradients of its shape nor reduced (unused_parameter
     # in tests/test_plan_user_steps.py: a head of w1's shape, replicated over 'tensor' where w1
@@ -456,7 +458,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   return {"activations": peak[0], "grads": peak[1], "gathered": peak[2]}
 
 
-def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool) -> float:
+def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int = 0) -> float:
   """What XLA:CPU holds while the backward loop of a ``lax.scan`` over a stacked weight runs,
   beyond the loop's values the timeline counts and the gathered layer the plan prices
   (``Price.gathered_peak``), in bytes per device. Where a batch axis shards the stack (FSDP,
@@ -476,13 +478,15 @@ def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool) -> float:
   bfloat16, the same three in float32 and the f32[4,32,256] shard's conversion, 958,912 bytes
   (-57.8 %); on `data` 8, bfloat16, the whole stack's conversion f32[4,256,256] (1 MiB of
   1,167,736 bytes; the layer's gradient and its all-reduce are in the outputs' buffers),
-  -26.1 %."""
+  -26.1 %. A layer several products of the body read (``parts``, pricing.stacked_parts) has
+  each product's whole gradient under FSDP (``tanh(tanh(h @ w) @ w)`` over [4, 256, 256] on
+  `fsdp` 8: one f32[256,256] more, -13.2 % with one counted)."""
   elems = leaf.nbytes / leaf.itemsize
   wide = 4.0 if leaf.itemsize < 4 and stepgraph.is_float(leaf.dtype) else float(leaf.itemsize)
   layer = elems / layers
   nb = elems / shards * wide if wide > leaf.itemsize else 0.0   # the hoisted conversion
   if zero:
-    nb += 2 * layer * wide                   # the layer's gradient and the gathered copy's copy
+    nb += (1 + max(1, parts)) * layer * wide   # the layer's gradient(s), the gathered copy's copy
     nb += layer * (wide - leaf.itemsize)     # the gathered layer, float32 where priced 16-bit
   return nb
 

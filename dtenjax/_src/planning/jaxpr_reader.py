@@ -116,6 +116,10 @@ class WeightUse:
   # bfloat16 copy of a float32 weight), which its gradient's product makes the gradient in:
   # XLA reduces it in that dtype and converts it to the leaf's after (pricing.gradient_dtype)
   read_dtype: str = ""
+  # the layers of a scanned stack one iteration of its loop's body reads: the scan's ``unroll``
+  # (a partly unrolled scan, ``lax.scan(..., unroll=2)`` over 4 layers: 2; XLA writes the body
+  # out that many times, stacks.py's callers hold that many layers' buffers)
+  unroll: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,6 +510,17 @@ def scalar_fills(jaxpr) -> frozenset:
       inner &= seen[1]
     _BOUND_FILLS[id(body)] = (body, inner)
   return frozenset(fills)
+
+
+def _scan_unroll(frames) -> int:
+  """The ``unroll`` of the innermost ``lax.scan`` of ``frames`` (1 outside any, or where the
+  scan is written out whole, :func:`_unrolled`)."""
+  eqn = next((e for e, _ in reversed(frames) if e.primitive.name == "scan"), None)
+  if eqn is None:
+    return 1
+  unroll = eqn.params.get("unroll", 1)
+  length = int(eqn.params["length"])
+  return 1 if unroll is True or not unroll else max(1, min(int(unroll), length))
 
 
 def _unrolled(eqn) -> bool:
@@ -1107,6 +1122,7 @@ class Reader:
           read_dtype=np.dtype(eqn.invars[side].aval.dtype).name,
           repeats=repeats, primitive=name,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
+          unroll=_scan_unroll(self.frames),
           input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived,
           branched=any(e.primitive.name == "cond" for e, _ in self.frames))
       self.first_out[leaf] = (eqn, side, dims, self.frames)

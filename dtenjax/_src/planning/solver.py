@@ -256,7 +256,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   converted = 0.0     # the float conversions of integer weights a trained scale's gradient reads
   # a scanned stack's shape -> what XLA:CPU holds while the backward loop over it runs that the
   # loop's values do not count (_scanned_stack_bytes)
-  fsdp_layers: dict[tuple[int, ...], float] = {}
+  fsdp_layers: dict[tuple[int, ...], list[float]] = {}
   sliced = {k: d for leaves, _ in graph.stacks.values() for k, d in leaves.items()}
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
@@ -302,9 +302,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if wide:
       per_device *= 4 / primary.itemsize
     if cpu and use is not None and use.layers > 1 and g[0] in sliced:
-      fsdp_layers[primary.shape] = max(fsdp_layers.get(primary.shape, 0.0),
-                                       _scanned_stack_bytes(primary, use.layers, shards, zero,
-                                                            stacked_parts(use, backend)))
+      fsdp_layers[primary.shape] = _scanned_stack_bytes(primary, use.layers, shards, zero,
+                                                        stacked_parts(use, backend), use.unroll)
     # a parameter the loss never reads has no gradient value: its constant zero is fused into
     # the update, neither sized beside the gradients of its shape nor reduced (unused_parameter
     # in tests/test_plan_user_steps.py: a head of w1's shape, replicated over 'tensor' where w1
@@ -383,8 +382,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         # the backward loop that makes a scanned stack's gradient holds its layer's whole
         # gradient and the gathered layer's copy in its body under FSDP, a 16-bit stack's
         # float32 conversion beside it (_scanned_stack_bytes)
-        values.append((fsdp_layers.pop(v.grad),
-                       dataclasses.replace(v, grad=None, update=False, end=v.start)))
+        held = dataclasses.replace(v, grad=None, update=False, end=v.start)
+        values.extend((nb, held) for nb in fsdp_layers.pop(v.grad) if nb > 0)
       if v.body:
         # a gradient part made in a loop's body (liveness._peak's loop_parts), live beside the
         # carried gradient while the loop runs, in an output buffer where one is free, and
@@ -458,7 +457,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   return {"activations": peak[0], "grads": peak[1], "gathered": peak[2]}
 
 
-def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int = 0) -> float:
+def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int = 0,
+                         unroll: int = 1) -> list[float]:
   """What XLA:CPU holds while the backward loop of a ``lax.scan`` over a stacked weight runs,
   beyond the loop's values the timeline counts and the gathered layer the plan prices
   (``Price.gathered_peak``), in bytes per device. Where a batch axis shards the stack (FSDP,
@@ -484,11 +484,16 @@ def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int 
   elems = leaf.nbytes / leaf.itemsize
   wide = 4.0 if leaf.itemsize < 4 and stepgraph.is_float(leaf.dtype) else float(leaf.itemsize)
   layer = elems / layers
-  nb = elems / shards * wide if wide > leaf.itemsize else 0.0   # the hoisted conversion
+  held = [elems / shards * wide] if wide > leaf.itemsize else []   # the hoisted conversion
   if zero:
-    nb += (1 + max(1, parts)) * layer * wide   # the layer's gradient(s), the gathered copy's copy
-    nb += layer * (wide - leaf.itemsize)     # the gathered layer, float32 where priced 16-bit
-  return nb
+    held.append(layer * (wide - leaf.itemsize))   # the gathered layer, float32 where priced 16-bit
+    if unroll > 1:
+      # a partly unrolled body's layers: each one's gradient and its reduction, a new buffer
+      # of the combined all-reduce of the iteration's gradients, the gathered one priced
+      held += [layer * wide] * (2 * unroll * max(1, parts) - 1)
+    else:
+      held += [layer * wide] * (1 + max(1, parts))   # the gradient(s), the gathered layer's copy
+  return held
 
 
 def _zeros_before_the_loop(graph: stepgraph.StepGraph, tables: set[tuple[int, ...]]

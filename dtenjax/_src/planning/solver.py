@@ -256,7 +256,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   converted = 0.0     # the float conversions of integer weights a trained scale's gradient reads
   # a scanned stack's shape -> what XLA:CPU holds while the backward loop over it runs that the
   # loop's values do not count (_scanned_stack_bytes)
-  fsdp_layers: dict[tuple[int, ...], list[float]] = {}
+  loop_held: dict[tuple[int, ...], list[float]] = {}
   sliced = {k: d for leaves, _ in graph.stacks.values() for k, d in leaves.items()}
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
@@ -305,7 +305,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # of 8 checkpointed residual MLP layers on `fsdp` 8, tests/test_step_planner_memory.py, went
     # from within 10 % of the user's per-layer FSDP program to +11.3 % with it; not read)
     if cpu and use is not None and use.layers > 1 and not use.remat and g[0] in sliced:
-      fsdp_layers[primary.shape] = _scanned_stack_bytes(primary, use.layers, shards, zero,
+      loop_held[primary.shape] = _scanned_stack_bytes(primary, use.layers, shards, zero,
                                                         stacked_parts(use, backend), use.unroll)
     # a parameter the loss never reads has no gradient value: its constant zero is fused into
     # the update, neither sized beside the gradients of its shape nor reduced (unused_parameter
@@ -381,12 +381,12 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       sizes = (shard_sizes.get(v.grad) if v.update else
                grad_sizes.get(v.grad) or turned.get(v.grad))
       nb = sum(sizes) / len(sizes) if sizes else v.nbytes / bdiv
-      if not v.body and not v.update and v.grad in fsdp_layers:
+      if not v.body and not v.update and v.grad in loop_held:
         # the backward loop that makes a scanned stack's gradient holds its layer's whole
         # gradient and the gathered layer's copy in its body under FSDP, a 16-bit stack's
         # float32 conversion beside it (_scanned_stack_bytes)
         held = dataclasses.replace(v, grad=None, update=False, end=v.start)
-        values.extend((nb, held) for nb in fsdp_layers.pop(v.grad) if nb > 0)
+        values.extend((nb, held) for nb in loop_held.pop(v.grad) if nb > 0)
       if v.body:
         # a gradient part made in a loop's body (liveness._peak's loop_parts), live beside the
         # carried gradient while the loop runs, in an output buffer where one is free, and
@@ -475,9 +475,9 @@ def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int 
   the backward's end; under FSDP the gathered layer and its copy are float32 too (the
   all-gather's wire widening, calls.wire_bytes). XLA:CPU's buffer assignment (jax 0.10.2) of
   ``tanh(h @ w)`` scanned over a [4, 256, 256] stack at batch 64 under adamw
-  (tests/test_plan_user_steps.py's ``scanned_stack``): on `fsdp` 8, float32, the gathered
-  layer, its copy and the gradient, f32[256,256] each, beside the two stacked residuals,
-  860,608 bytes of temp where the model had the gathered layer and the residuals (-31.5 %);
+  (tests/test_plan_user_steps.py's ``test_a_scanned_stack_is_priced_as_compiled``): on `fsdp`
+  8, float32, the gathered layer, its copy and the gradient, f32[256,256] each, beside the two
+  stacked residuals, 860,608 bytes of temp where the model had the gathered layer and the residuals (-31.5 %);
   bfloat16, the same three in float32 and the f32[4,32,256] shard's conversion, 958,912 bytes
   (-57.8 %); on `data` 8, bfloat16, the whole stack's conversion f32[4,256,256] (1 MiB of
   1,167,736 bytes; the layer's gradient and its all-reduce are in the outputs' buffers),

@@ -116,6 +116,15 @@ class WeightUse:
   # bfloat16 copy of a float32 weight), which its gradient's product makes the gradient in:
   # XLA reduces it in that dtype and converts it to the leaf's after (pricing.gradient_dtype)
   read_dtype: str = ""
+  # the layers of a scanned stack one iteration of its loop's body reads: the scan's ``unroll``
+  # (a partly unrolled scan, ``lax.scan(..., unroll=2)`` over 4 layers: 2; XLA writes the body
+  # out that many times, stacks.py's callers hold that many layers' buffers)
+  unroll: int = 1
+  # the product's other operand is the carry of the loop whose body reads the weight (``h @ w``
+  # in ``fori_loop(..., lambda i, h: tanh(h @ w), x)``): the loop stacks the carry as its
+  # residual, laid out as the carry is (roles/tensor.py: a column-parallel weight's input
+  # gathered again in the backward)
+  carried_input: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,6 +528,29 @@ def scalar_fills(jaxpr) -> frozenset:
       inner &= seen[1]
     _BOUND_FILLS[id(body)] = (body, inner)
   return frozenset(fills)
+
+
+def _carried(frames, v) -> bool:
+  """Whether ``v`` is a carry of the innermost ``lax.scan`` body of ``frames`` (a
+  ``fori_loop`` of static bounds is one)."""
+  if not frames or not is_var(v):
+    return False
+  eqn, sub = frames[-1]
+  if eqn.primitive.name != "scan":
+    return False
+  n_consts, n_carry = jaxapi.scan_counts(eqn)
+  return any(v is c for c in sub.invars[n_consts:n_consts + n_carry])
+
+
+def _scan_unroll(frames) -> int:
+  """The ``unroll`` of the innermost ``lax.scan`` of ``frames`` (1 outside any, or where the
+  scan is written out whole, :func:`_unrolled`)."""
+  eqn = next((e for e, _ in reversed(frames) if e.primitive.name == "scan"), None)
+  if eqn is None:
+    return 1
+  unroll = eqn.params.get("unroll", 1)
+  length = int(eqn.params["length"])
+  return 1 if unroll is True or not unroll else max(1, min(int(unroll), length))
 
 
 def _unrolled(eqn) -> bool:
@@ -1120,6 +1152,8 @@ class Reader:
           read_dtype=np.dtype(eqn.invars[side].aval.dtype).name,
           repeats=repeats, primitive=name,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
+          unroll=_scan_unroll(self.frames),
+          carried_input=_carried(self.frames, eqn.invars[1 - side]),
           input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived,
           branched=any(e.primitive.name == "cond" for e, _ in self.frames))
       self.first_out[leaf] = (eqn, side, dims, self.frames)

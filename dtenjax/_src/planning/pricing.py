@@ -294,6 +294,19 @@ def loop_parts(use: stepgraph.WeightUse | None, backend: str) -> int:
   return use.loop_parts
 
 
+def stacked_parts(use: stepgraph.WeightUse | None, backend: str) -> int:
+  """The gradient parts per layer of a scanned stack's layer that several products of the
+  loop's body read (``tanh(tanh(h @ w) @ w)``), each reduced on its own (0 otherwise): XLA:CPU
+  all-reduces each product's part of the layer's gradient in the backward's body, one
+  all-reduce per part per iteration (compiled on 8 CPU devices, a [4, 128, 128] stack read
+  twice in the body on `data` 8 and on `fsdp` 8: 8 all-reduces of f32[128,128], 0.5 MiB, where
+  one part per layer was priced, -50 %). Not under jax.checkpoint, whose recomputed products
+  ``WeightUse.forward_reads`` counts too."""
+  if use is None or backend != "cpu" or use.layers <= 1 or use.remat:
+    return 0
+  return use.forward_reads if use.forward_reads > 1 else 0
+
+
 def reduced_in_loop(use: stepgraph.WeightUse | None, backend: str) -> bool:
   """Whether every gradient part of a weight is reduced inside a loop's body (:func:`loop_parts`):
   none of it joins the gradients' combined all-reduce (``Pricer.combined``)."""
@@ -745,6 +758,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # first and reduces their sum once (compiled for a mocked 8-GPU host: 8 MiB of all-reduce on
   # the shared family's DP step, where one reduction per use would be 28)
   uses = use.grad_parts if use is not None and pricer.backend == "cpu" else 1
+  uses = max(uses, stacked_parts(use, pricer.backend))
   # a weight a loop reads whole in every iteration (not a scanned stack's layer): XLA:CPU
   # reduces each iteration's gradient part inside the backward's loop (compiled on 8 CPU
   # devices, data- and fully-sharded alike: a lax.fori_loop of 3, 3 all-reduces of the weight).

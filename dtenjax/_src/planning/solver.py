@@ -35,6 +35,7 @@ from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
 from dtenjax._src.planning.pricing import read_leaf
 from dtenjax._src.planning.pricing import reduced_in_loop
+from dtenjax._src.planning.pricing import stacked_parts
 from dtenjax._src.planning.pricing import start_wait
 from dtenjax._src.planning.roles import BATCH_AXES
 from dtenjax._src.planning.roles import ROUTED_AXES
@@ -265,6 +266,10 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   converted = 0.0     # the float conversions of integer weights a trained scale's gradient reads
   held_to_reduction: set[tuple[int, ...]] = set()   # their gradients' shapes (and reversed)
   moved: set[int] = set()       # leaves whose gradient the layout makes on their shard
+  # a scanned stack's shape -> what XLA:CPU holds while the backward loop over it runs that the
+  # loop's values do not count (_scanned_stack_bytes)
+  loop_held: dict[tuple[int, ...], list[float]] = {}
+  sliced = {k: d for leaves, _ in graph.stacks.values() for k, d in leaves.items()}
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -320,6 +325,12 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
             and not use.loop_uses and primary.dtype in ("bfloat16", "float16"))
     if wide:
       per_device *= 4 / primary.itemsize
+    # (not a stack under jax.checkpoint, whose backward body recomputes the forward's: a scan
+    # of 8 checkpointed residual MLP layers on `fsdp` 8, tests/test_step_planner_memory.py, went
+    # from within 10 % of the user's per-layer FSDP program to +11.3 % with it; not read)
+    if cpu and use is not None and use.layers > 1 and not use.remat and g[0] in sliced:
+      loop_held[primary.shape] = _scanned_stack_bytes(primary, use.layers, shards, zero,
+                                                        stacked_parts(use, backend), use.unroll)
     # a parameter the loss never reads has no gradient value: its constant zero is fused into
     # the update, neither sized beside the gradients of its shape nor reduced (unused_parameter
     # in tests/test_plan_user_steps.py: a head of w1's shape, replicated over 'tensor' where w1
@@ -402,6 +413,12 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       sizes = (shard_sizes.get(v.grad) if v.update else
                grad_sizes.get(v.grad) or turned.get(v.grad))
       nb = sum(sizes) / len(sizes) if sizes else v.nbytes / bdiv
+      if not v.body and not v.update and v.grad in loop_held:
+        # the backward loop that makes a scanned stack's gradient holds its layer's whole
+        # gradient and the gathered layer's copy in its body under FSDP, a 16-bit stack's
+        # float32 conversion beside it (_scanned_stack_bytes)
+        held = dataclasses.replace(v, grad=None, update=False, end=v.start)
+        values.extend((nb, held) for nb in loop_held.pop(v.grad) if nb > 0)
       if v.body:
         # a gradient part made in a loop's body (liveness._peak's loop_parts), live beside the
         # carried gradient while the loop runs, in an output buffer where one is free, and
@@ -482,6 +499,45 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if act + grads + held_gathered > sum(peak):
       peak = (act, grads, held_gathered)
   return {"activations": peak[0], "grads": peak[1], "gathered": peak[2]}
+
+
+def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int = 0,
+                         unroll: int = 1) -> list[float]:
+  """What XLA:CPU holds while the backward loop of a ``lax.scan`` over a stacked weight runs,
+  beyond the loop's values the timeline counts and the gathered layer the plan prices
+  (``Price.gathered_peak``), in bytes per device. Where a batch axis shards the stack (FSDP,
+  ``zero``): the layer's whole gradient, a float32 product's result (its all-reduce is then
+  written into the gathered layer's buffer, dead by then), and a copy of the gathered layer in
+  the product's layout (the all-gather over the layer's first dimension leaves the gathered
+  dimension major, ``{2,0,1}``, and a ``copy_bitcast_fusion`` writes it as ``{1,0}`` for the
+  dot, in the forward's body and the backward's). A 16-bit stack is converted to float32
+  before its products (XLA:CPU's products of bfloat16 are float32 ones) and the conversion of
+  the device's part of the whole stack is hoisted out of the loops, live from the forward's to
+  the backward's end; under FSDP the gathered layer and its copy are float32 too (the
+  all-gather's wire widening, calls.wire_bytes). XLA:CPU's buffer assignment (jax 0.10.2) of
+  ``tanh(h @ w)`` scanned over a [4, 256, 256] stack at batch 64 under adamw
+  (tests/test_plan_user_steps.py's ``test_a_scanned_stack_is_priced_as_compiled``): on `fsdp`
+  8, float32, the gathered layer, its copy and the gradient, f32[256,256] each, beside the two
+  stacked residuals, 860,608 bytes of temp where the model had the gathered layer and the residuals (-31.5 %);
+  bfloat16, the same three in float32 and the f32[4,32,256] shard's conversion, 958,912 bytes
+  (-57.8 %); on `data` 8, bfloat16, the whole stack's conversion f32[4,256,256] (1 MiB of
+  1,167,736 bytes; the layer's gradient and its all-reduce are in the outputs' buffers),
+  -26.1 %. A layer several products of the body read (``parts``, pricing.stacked_parts) has
+  each product's whole gradient under FSDP (``tanh(tanh(h @ w) @ w)`` over [4, 256, 256] on
+  `fsdp` 8: one f32[256,256] more, -13.2 % with one counted)."""
+  elems = leaf.nbytes / leaf.itemsize
+  wide = 4.0 if leaf.itemsize < 4 and stepgraph.is_float(leaf.dtype) else float(leaf.itemsize)
+  layer = elems / layers
+  held = [elems / shards * wide] if wide > leaf.itemsize else []   # the hoisted conversion
+  if zero:
+    held.append(layer * (wide - leaf.itemsize))   # the gathered layer, float32 where priced 16-bit
+    if unroll > 1:
+      # a partly unrolled body's layers: each one's gradient and its reduction, a new buffer
+      # of the combined all-reduce of the iteration's gradients, the gathered one priced
+      held += [layer * wide] * (2 * unroll * max(1, parts) - 1)
+    else:
+      held += [layer * wide] * (1 + max(1, parts))   # the gradient(s), the gathered layer's copy
+  return held
 
 
 def _zeros_before_the_loop(graph: stepgraph.StepGraph, tables: set[tuple[int, ...]]

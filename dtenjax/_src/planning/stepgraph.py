@@ -493,6 +493,7 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
   readers: dict[Any, int] = {}
   for v in reader.partner.values():
     readers[v] = readers.get(v, 0) + 1
+  live = _live_products(jaxpr)
   for leaf, use in reader.weights.items():
     shape = leaves[leaf].shape
     # a gradient's product has the weight's shape (or its transpose): it splits like the reads
@@ -500,6 +501,9 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
     reads = reader.leaf_flops.get(leaf, 0.0)
     parts = _grad_parts(use, reader.leaf_reads.get(leaf, 1), leaf in reader.remat_read,
                         reader.free_reads.get(leaf, 0))
+    made = _made_parts(reader, leaf, live)
+    if made and leaf not in reader.remat_read:
+      parts = min(parts, made)
     loop_uses, loop_parts = _loop_parts(use, reader.loop_reads.get(leaf, (0, 0)),
                                         leaf in reader.remat_read)
     # the partner made from state leaves needs an input gradient only where one of them is
@@ -693,6 +697,45 @@ def _grad_parts(use: WeightUse, reads: int, remat: bool, free: int = 0) -> int:
     return max(1, free + (reads - free) // 2)
   per_use = 1 + int(use.input_grad) + int(remat)
   return max(1, reads // per_use)
+
+
+def _live_products(jaxpr) -> dict[Any, list[Any]]:
+  """Each variable of ``jaxpr``'s top level -> the dot_generals there that read it and that the
+  step's results need (XLA removes the others)."""
+  needed = jaxpr_reader._needed(jaxpr)[0]
+  out: dict[Any, list[Any]] = {}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general" and id(eqn) in needed:
+      for v in eqn.invars:
+        if jaxpr_reader.is_var(v):
+          out.setdefault(v, []).append(eqn)
+  return out
+
+
+def _made_parts(reader, leaf: int, live: dict[Any, list[Any]]) -> int:
+  """The gradient parts of a weight the step's results need, or 0 where they are not counted.
+  JAX's gradient of a forward product ``a @ w`` with respect to ``w`` is a product of ``a``
+  itself (its residual) with the output's cotangent, of ``w``'s size (then transposed to its
+  shape). A gradient the step computes and drops (``jax.grad(loss, argnums=(0, 1))`` keeping
+  only the input's gradient: adversarial training's perturbation) is no part: XLA removes its
+  product and reduces nothing for it, though the step reads the weight as often (forward and
+  input gradient) as where the gradient is kept. Counted for dot_generals of the top level
+  only (a body's residuals are other variables: 0)."""
+  reads = reader.reads.get(leaf, ())
+  if not reads or any(frames for *_, frames in reads):
+    return 0
+  use = reader.weights[leaf]
+  size = math.prod(reader.leaves[leaf].shape)
+  contracted = set(use.contracted)
+  n = 0
+  for eqn, side, dims, _ in reads:
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    if {dims[d] for d in (lc if side == 0 else rc) if dims[d] is not None} != contracted:
+      continue                   # an input gradient's product: it contracts the free dimensions
+    partner = eqn.invars[1 - side]
+    n += any(e is not eqn and math.prod(e.outvars[0].aval.shape) == size
+             for e in live.get(partner, ()))
+  return n
 
 
 def _loop_parts(use: WeightUse, loop_reads: tuple[int, int], remat: bool) -> tuple[int, int]:

@@ -125,6 +125,18 @@ class WeightUse:
   # residual, laid out as the carry is (roles/tensor.py: a column-parallel weight's input
   # gathered again in the backward)
   carried_input: bool = False
+  # elements a token of the input's gradient holds, where that is not the product of the
+  # contracted dimensions (0): a convolution's kernel contracts its window (3 x 3) beside its
+  # input features, but JAX's input gradient (a convolution of the output's gradient with the
+  # reversed kernel) has the input's shape, its features a token (input_width)
+  input_width: int = 0
+
+
+def input_width(use: WeightUse, shape) -> int:
+  """The elements per token of ``use``'s input (and its gradient, what a column-parallel product
+  all-reduces over 'tensor'): the product of the weight's contracted dimensions of ``shape``,
+  or a convolution's input features (:attr:`WeightUse.input_width`)."""
+  return use.input_width or math.prod(shape[k] for k in use.contracted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1098,6 +1110,7 @@ class Reader:
       flops = 2.0 * repeats * batch * contract * math.prod(
           lhs.shape[d] for d in lfree) * math.prod(rhs.shape[d] for d in rfree)
       sides = ((0, lc, lb, lfree, rhs, rfree), (1, rc, rb, rfree, lhs, lfree))
+      width = 0                          # the contracted dimensions' product
     else:   # conv_general_dilated: rhs is the kernel
       dn = eqn.params["dimension_numbers"]
       rspec = dn.rhs_spec            # (out feature, in feature, spatial...)
@@ -1106,6 +1119,7 @@ class Reader:
       flops = 2.0 * repeats * math.prod(out.shape) * kernel
       lspec = dn.lhs_spec
       sides = ((1, tuple(rspec[1:]), (), (rspec[0],), lhs, (lspec[0], *lspec[2:])),)
+      width = lhs.shape[lspec[1]]        # the input's features (all groups'), not the window
     if not self.aside:     # a branch walked aside: the weights it reads, not the work
       self.flops += flops
       self.products += repeats
@@ -1155,7 +1169,8 @@ class Reader:
           unroll=_scan_unroll(self.frames),
           carried_input=_carried(self.frames, eqn.invars[1 - side]),
           input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived,
-          branched=any(e.primitive.name == "cond" for e, _ in self.frames))
+          branched=any(e.primitive.name == "cond" for e, _ in self.frames),
+          input_width=width)
       self.first_out[leaf] = (eqn, side, dims, self.frames)
       self.first_order[leaf] = self.eqn_count
       if is_var(eqn.invars[1 - side]):

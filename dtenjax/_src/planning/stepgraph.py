@@ -506,6 +506,7 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
   readers: dict[Any, int] = {}
   for v in reader.partner.values():
     readers[v] = readers.get(v, 0) + 1
+  products = _top_products(jaxpr)
   for leaf, use in reader.weights.items():
     shape = leaves[leaf].shape
     # a gradient's product has the weight's shape (or its transpose): it splits like the reads
@@ -513,6 +514,8 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
     reads = reader.leaf_flops.get(leaf, 0.0)
     parts = _grad_parts(use, reader.leaf_reads.get(leaf, 1), leaf in reader.remat_read,
                         reader.free_reads.get(leaf, 0))
+    if leaf not in reader.remat_read:
+      parts = max(1, parts - _dropped_parts(reader, leaf, products))
     loop_uses, loop_parts = _loop_parts(use, reader.loop_reads.get(leaf, (0, 0)),
                                         leaf in reader.remat_read)
     # the partner made from state leaves needs an input gradient only where one of them is
@@ -707,6 +710,45 @@ def _grad_parts(use: WeightUse, reads: int, remat: bool, free: int = 0) -> int:
     return max(1, free + (reads - free) // 2)
   per_use = 1 + int(use.input_grad) + int(remat)
   return max(1, reads // per_use)
+
+
+def _top_products(jaxpr) -> dict[Any, list[tuple[Any, bool]]]:
+  """Each variable of ``jaxpr``'s top level -> the dot_generals there that read it, each with
+  whether the step's results need it (XLA removes the others)."""
+  needed = jaxpr_reader._needed(jaxpr)[0]
+  out: dict[Any, list[tuple[Any, bool]]] = {}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      for v in eqn.invars:
+        if jaxpr_reader.is_var(v):
+          out.setdefault(v, []).append((eqn, id(eqn) in needed))
+  return out
+
+
+def _dropped_parts(reader, leaf: int, products: dict[Any, list[tuple[Any, bool]]]) -> int:
+  """The gradient parts of a weight that the step computes and drops (0 where none is seen).
+  JAX's gradient of a forward product ``a @ w`` with respect to ``w`` is a product of ``a``
+  itself (its residual) with the output's cotangent, of ``w``'s size (then transposed to its
+  shape). A gradient the step drops (``jax.grad(loss, argnums=(0, 1))`` keeping only the input's
+  gradient: adversarial training's perturbation) leaves the reads of the weight as they are
+  (forward and input gradient), which :func:`_grad_parts` counts parts from, but XLA removes
+  its product and reduces nothing for it. Counted where a forward read's residual is read by a
+  product of the weight's size that the results do not need and by none they need; for
+  dot_generals of the top level only (a body's residuals are other variables)."""
+  reads = reader.reads.get(leaf, ())
+  if not reads or any(frames for *_, frames in reads):
+    return 0
+  size = math.prod(reader.leaves[leaf].shape)
+  contracted = set(reader.weights[leaf].contracted)
+  n = 0
+  for eqn, side, dims, _ in reads:
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    if {dims[d] for d in (lc if side == 0 else rc) if dims[d] is not None} != contracted:
+      continue                   # an input gradient's product: it contracts the free dimensions
+    grads = [needed for e, needed in products.get(eqn.invars[1 - side], ())
+             if e is not eqn and math.prod(e.outvars[0].aval.shape) == size]
+    n += bool(grads) and not any(grads)
+  return n
 
 
 def _loop_parts(use: WeightUse, loop_reads: tuple[int, int], remat: bool) -> tuple[int, int]:

@@ -4,6 +4,7 @@ over it."""
 import dataclasses
 import math
 
+from dtenjax._src.planning.jaxpr_reader import input_width
 from dtenjax._src.planning.roles.base import LeafContext
 from dtenjax._src.planning.roles.base import MeshContext
 from dtenjax._src.planning.roles.base import Option
@@ -55,7 +56,7 @@ def price(ctx) -> None:
     # it in f32 (a float16 one stays float16: the compiled HLO, tests/test_costmodel_wire.py),
     # which the Pricer prices and records (Pricer.wire)
     act = activation_dtype(use)
-    width_in = math.prod(shape[k] for k in use.contracted)
+    width_in = input_width(use, shape)
     width_out = math.prod(shape[k] for k in use.free)
     if d in use.free:
       pr.tp = ("col", d)
@@ -159,7 +160,7 @@ def sliced_on(ctx, dim: int, zero: list[str], moved: float, uses: int):
   sub = dataclasses.replace(ctx, price=out)
   tokens = use.tokens * use.repeats * use.grad_parts / ctx.batch_div
   item = use.act_itemsize
-  width_in = math.prod(primary.shape[k] for k in use.contracted)
+  width_in = input_width(use, primary.shape)
   width_out = math.prod(primary.shape[k] for k in use.free)
   act = activation_dtype(use)
   if t > g:

@@ -1096,7 +1096,7 @@ def unrolled_chain():
   return thrice_read_chain(unroll=True)
 
 
-def nested_conds(b=256, d=128, h=1024):
+def nested_conds(b=256, d=128, h=1024, mesh=None):
   """A cond inside a cond's branch (the MLP's ``gelu(x @ w1) @ w2`` or ``x @ w3`` inside the
   first, ``tanh(x)`` the second), adamw, `data` 8. The branch's results are the conditional's,
   one buffer each (XLA:CPU's buffer assignment: the inner and the outer conditional's five
@@ -1113,7 +1113,7 @@ def nested_conds(b=256, d=128, h=1024):
   p = dict(_init({"w1": (d, h), "w2": (h, d), "w3": (d, d)}), g1=jnp.asarray(1.0),
            g2=jnp.asarray(1.0))
   return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy(b=b, d=d, o=d)),
-              plan_kwargs={"mesh": {"data": 8}})
+              plan_kwargs={"mesh": mesh or {"data": 8}})
 
 
 CASES = {f.__name__: f for f in (
@@ -1768,6 +1768,25 @@ def test_a_cond_is_priced_on_its_branch_of_most_weight_bytes_not_of_most_bytes()
   check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
   assert check.compiled_bytes["all_reduce"] >= 2 * 2**20, check.table()
   assert not check.misses(0.10), check.table()
+
+
+@pytest.mark.parametrize("name", ["nested_conds", "short_wide_branch"])
+def test_a_weight_a_conds_other_branch_fills_with_zeros_is_gathered_again_on_fsdp(name):
+  # cond21: on `fsdp` 8 the forward's conditional hands w2 out as the backward's residual in the
+  # branch that reads it and zeros of its shape in the other (jax's partial evaluation of a
+  # cond). plan.jit followed a residual only where every branch handed the weight out, so the
+  # backward's branch read it sharded and XLA's partitioner moved the activations to it: the
+  # cotangent all-gathered over the batch, all-to-alls of the residuals (0.52 MiB on
+  # nested_conds, 1.02 on short_wide_branch, none priced), w1's gradient reduced whole. The
+  # plain FSDP jit (every weight P('fsdp'), no dtenjax) gathers w2 again in the backward's
+  # branch and reduces w1's and w2's whole gradients in one all-reduce there; plan.jit now
+  # compiles that program (docs/benchmarks.md cond21: the same memory and collectives as the
+  # plain jit's, to the byte)
+  case = CASES.get(name, short_wide_branch)(mesh={"fsdp": 8})
+  plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
+  check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
+  assert "all_to_all" not in check.compiled_bytes, check.table()
+  assert not set(check.misses(0.10)) - {"memory"}, check.table()
 
 
 def test_a_conds_branch_holds_for_its_own_read_while_another_step_is_read(monkeypatch):

@@ -1781,12 +1781,15 @@ def test_a_weight_a_conds_other_branch_fills_with_zeros_is_gathered_again_on_fsd
   # plain FSDP jit (every weight P('fsdp'), no dtenjax) gathers w2 again in the backward's
   # branch and reduces w1's and w2's whole gradients in one all-reduce there; plan.jit now
   # compiles that program (docs/benchmarks.md cond21: the same memory and collectives as the
-  # plain jit's, to the byte)
+  # plain jit's, to the byte). XLA:CPU runs that all-reduce as the branch's last op, into new
+  # buffers beside the four whole gradients' and the forward's residuals the conditional reads:
+  # priced after the backward, where the residuals are dead, the memory was 21 % under
+  # (nested_conds: temp 2.00 / 2.77 MiB; short_wide_branch 4.88 / 5.88)
   case = CASES.get(name, short_wide_branch)(mesh={"fsdp": 8})
   plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
   check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
   assert "all_to_all" not in check.compiled_bytes, check.table()
-  assert not set(check.misses(0.10)) - {"memory"}, check.table()
+  assert not check.misses(0.10), check.table()
 
 
 def test_a_conds_branch_holds_for_its_own_read_while_another_step_is_read(monkeypatch):

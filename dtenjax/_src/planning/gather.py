@@ -602,6 +602,12 @@ class _Evaluator:
              if not isinstance(ov, jcore.Literal) and ov in tracked}
     routes_in = [routes.get(ov) if not isinstance(ov, jcore.Literal) else None
                  for ov in eqn.invars]
+    if any(e.primitive.name == "cond" for e in inner_jaxpr.eqns):
+      # a cond in a call (jax.checkpoint's rematerialized forward and the backward's cond)
+      # pins a residual its branches hand out as a weight to the weight's own layout (_cond)
+      for iv, ov in zip(inner_jaxpr.invars, eqn.invars):
+        if not isinstance(ov, jcore.Literal) and ov in self.shards:
+          self.shards.setdefault(iv, self.shards[ov])
     if name in _CALLS:
       outs = self.run(inner_jaxpr, inner_consts, vals, inner, routes_in)
     elif name in _REMATS:

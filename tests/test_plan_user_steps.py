@@ -1824,7 +1824,8 @@ def test_a_cond_under_jax_checkpoint_compiles_the_plain_fsdp_program_and_is_pric
   check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
   assert check.compiled_bytes["all_gather"] == 4 * 128 * 1024 * 4, check.table()
   assert not check.misses(0.10), check.table()
-  mesh = jax.make_mesh((8,), ("fsdp",))       # the user's FSDP: every weight's rows on 'fsdp'
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("fsdp",))   # the user's FSDP: every
+  # weight's rows (and the optimizer's moments', the batch's) on 'fsdp'
   layout = jax.tree.map(lambda x: NamedSharding(mesh, P("fsdp") if x.ndim else P()), case.args)
   plain = jax.jit(case.step).lower(*jax.device_put(case.args, layout)).compile(
       compile_only.USERS_PROGRAM).memory_analysis()

@@ -1096,7 +1096,7 @@ def unrolled_chain():
   return thrice_read_chain(unroll=True)
 
 
-def nested_conds(b=256, d=128, h=1024):
+def nested_conds(b=256, d=128, h=1024, mesh=None):
   """A cond inside a cond's branch (the MLP's ``gelu(x @ w1) @ w2`` or ``x @ w3`` inside the
   first, ``tanh(x)`` the second), adamw, `data` 8. The branch's results are the conditional's,
   one buffer each (XLA:CPU's buffer assignment: the inner and the outer conditional's five
@@ -1113,7 +1113,23 @@ def nested_conds(b=256, d=128, h=1024):
   p = dict(_init({"w1": (d, h), "w2": (h, d), "w3": (d, d)}), g1=jnp.asarray(1.0),
            g2=jnp.asarray(1.0))
   return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy(b=b, d=d, o=d)),
-              plan_kwargs={"mesh": {"data": 8}})
+              plan_kwargs={"mesh": mesh or {"data": 8}})
+
+
+def checkpointed_cond(b=256, d=128, h=1024, mesh=None):
+  """A cond on a traced predicate inside ``jax.checkpoint`` (review19d's step):
+  ``lax.cond(mean(x) > 0, x + gelu(x @ w1) @ w2, tanh(x @ w3))`` in a checkpointed block, adamw,
+  `fsdp` 8. The backward recomputes the forward's conditional and then runs its own."""
+  tx = optax.adamw(_LR)
+  def loss(p, batch):
+    @jax.checkpoint
+    def block(p, x):
+      return jax.lax.cond(jnp.mean(x) > 0, lambda: x + jax.nn.gelu(x @ p["w1"]) @ p["w2"],
+                          lambda: jnp.tanh(x @ p["w3"]))
+    return jnp.mean((block(p, batch["x"]) - batch["y"]) ** 2)
+  p = _init({"w1": (d, h), "w2": (h, d), "w3": (d, d)})
+  return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy(b=b, d=d, o=d)),
+              plan_kwargs={"mesh": mesh or {"fsdp": 8}})
 
 
 def column_parallel_loop():
@@ -1828,6 +1844,54 @@ def test_a_cond_is_priced_on_its_branch_of_most_weight_bytes_not_of_most_bytes()
   check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
   assert check.compiled_bytes["all_reduce"] >= 2 * 2**20, check.table()
   assert not check.misses(0.10), check.table()
+
+
+@pytest.mark.parametrize("name", ["nested_conds", "short_wide_branch"])
+def test_a_weight_a_conds_other_branch_fills_with_zeros_is_gathered_again_on_fsdp(name):
+  # cond21: on `fsdp` 8 the forward's conditional hands w2 out as the backward's residual in the
+  # branch that reads it and zeros of its shape in the other (jax's partial evaluation of a
+  # cond). plan.jit followed a residual only where every branch handed the weight out, so the
+  # backward's branch read it sharded and XLA's partitioner moved the activations to it: the
+  # cotangent all-gathered over the batch, all-to-alls of the residuals (0.52 MiB on
+  # nested_conds, 1.02 on short_wide_branch, none priced), w1's gradient reduced whole. The
+  # plain FSDP jit (every weight P('fsdp'), no dtenjax) gathers w2 again in the backward's
+  # branch and reduces w1's and w2's whole gradients in one all-reduce there; plan.jit now
+  # compiles that program (docs/benchmarks.md cond21: the same memory and collectives as the
+  # plain jit's, to the byte). XLA:CPU runs that all-reduce as the branch's last op, into new
+  # buffers beside the four whole gradients' and the forward's residuals the conditional reads:
+  # priced after the backward, where the residuals are dead, the memory was 21 % under
+  # (nested_conds: temp 2.00 / 2.77 MiB; short_wide_branch 4.88 / 5.88)
+  case = CASES.get(name, short_wide_branch)(mesh={"fsdp": 8})
+  plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
+  check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
+  assert "all_to_all" not in check.compiled_bytes, check.table()
+  assert not check.misses(0.10), check.table()
+
+
+def test_a_cond_under_jax_checkpoint_compiles_the_plain_fsdp_program_and_is_priced_so():
+  # cond21: checkpointed_cond on `fsdp` 8. The rematerialized forward's conditional hands w2 out
+  # (zeros in the other branch), but the checkpoint call's body knew no weight's own layout, so
+  # plan.jit could not pin the residual (gather._cond) and XLA gathered it between the two
+  # conditionals, its copy alive through the backward's: plan.jit 4.09 MiB against the plain
+  # FSDP jit's 3.61 (+13 %; before cond21, main's program moved activations instead: all-to-all
+  # 0.52 MiB unpriced, all-gather 2.62 against 1.50 priced). And XLA gathers w1 and w3 again in
+  # the rematerialized conditional (no gather is merged across conditionals): in the branch of
+  # most bytes (what check counts of a conditional) w1 and w2 in the forward's, w1 in the
+  # rematerialized one and w2 in the backward's, by hand 4 x 512 KiB, priced 3 x 512 before
+  from jax.sharding import NamedSharding
+  case = checkpointed_cond()
+  plan = dtenjax.plan(case.step, *case.args, **case.plan_kwargs)
+  check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
+  assert check.compiled_bytes["all_gather"] == 4 * 128 * 1024 * 4, check.table()
+  assert not check.misses(0.10), check.table()
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("fsdp",))   # the user's FSDP: every
+  # weight's rows (and the optimizer's moments', the batch's) on 'fsdp'
+  layout = jax.tree.map(lambda x: NamedSharding(mesh, P("fsdp") if x.ndim else P()), case.args)
+  plain = jax.jit(case.step).lower(*jax.device_put(case.args, layout)).compile(
+      compile_only.USERS_PROGRAM).memory_analysis()
+  plain_total = (plain.argument_size_in_bytes + plain.output_size_in_bytes
+                 - plain.alias_size_in_bytes + plain.temp_size_in_bytes)
+  assert check.compiled_memory["total"] <= 1.10 * plain_total, (plain_total, check.table())
 
 
 def test_a_conds_branch_holds_for_its_own_read_while_another_step_is_read(monkeypatch):

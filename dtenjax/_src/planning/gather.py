@@ -664,6 +664,12 @@ class _Evaluator:
              if not isinstance(ov, jcore.Literal) and ov in tracked}
     routes_in = [routes.get(ov) if not isinstance(ov, jcore.Literal) else None
                  for ov in eqn.invars]
+    if any(e.primitive.name == "cond" for e in inner_jaxpr.eqns):
+      # a cond in a call (jax.checkpoint's rematerialized forward and the backward's cond)
+      # pins a residual its branches hand out as a weight to the weight's own layout (_cond)
+      for iv, ov in zip(inner_jaxpr.invars, eqn.invars):
+        if not isinstance(ov, jcore.Literal) and ov in self.shards:
+          self.shards.setdefault(iv, self.shards[ov])
     if name in _CALLS:
       outs = self.run(inner_jaxpr, inner_consts, vals, inner, routes_in)
     elif name in _REMATS:
@@ -755,21 +761,60 @@ class _Evaluator:
         if not isinstance(ov, jcore.Literal) and ov in self.shards:
           self.shards[iv] = self.shards[ov]
 
-    def branch(b, inner):
-      return lambda *a: self.run(b.jaxpr, b.consts, a, inner)
-    outs = jax.lax.switch(vals[0], [branch(b, inner) for b, inner in zip(branches, inners)],
+    handed: list = [None] * len(branches)   # per branch: its outputs' weights (_handed)
+
+    def branch(j, b, inner):
+      def run(*a):
+        outs = self.run(b.jaxpr, b.consts, a, inner)
+        handed[j] = self._handed(b.jaxpr, operands, tracked)
+        return outs
+      return run
+    outs = jax.lax.switch(vals[0], [branch(j, b, inner)
+                                    for j, (b, inner) in enumerate(zip(branches, inners))],
                           *vals[1:])
-    # A weight every branch hands out as it came in (the forward's residual, which the
-    # backward's branches read in their products): followed out, gathered again there
+    # A weight the branches hand out (the forward's residual, which the backward's branches read
+    # in their products): followed out, gathered again there. A branch that does not read the
+    # weight hands out zeros of its shape in its place (jax's partial evaluation of a cond:
+    # nested_conds' tanh branch, short_wide_branch's narrow one); the residual is still the
+    # weight wherever a product reads it. Left untracked, plan.jit's backward branch read it
+    # sharded and XLA's partitioner moved the activations to it (all-to-alls, the cotangent
+    # gathered over the batch, the first weight's gradient all-reduced whole), where the plain
+    # FSDP jit gathers the weight again as the plan prices it. Such a residual is pinned to the
+    # weight's own layout: the zeros have none, and the backward's gather otherwise reached back
+    # through the conditional (XLA gathered the residual between the two conds, its copy alive
+    # through the backward's: +0.48 MiB of temp on nested_conds at batch 256)
+    outs = list(outs)
     for k, ov in enumerate(eqn.outvars):
-      came = {operands[b.jaxpr.invars.index(b.jaxpr.outvars[k])]
-              if b.jaxpr.outvars[k] in b.jaxpr.invars else None for b in branches}
-      if len(came) == 1 and (src := came.pop()) is not None and not isinstance(
-          src, jcore.Literal) and src in tracked and not isinstance(ov, jcore.DropVar):
-        tracked[ov] = tracked[src]
-        if src in self.shards:
-          self.shards[ov] = self.shards[src]
-    return list(outs)
+      if isinstance(ov, jcore.DropVar):
+        continue
+      came = {h[k] for h in handed if h is not None and h[k] != "fill"}
+      if len(came) == 1 and (src := came.pop()) is not None:
+        tracked[ov] = src[0]
+        if src[1] is not None:
+          self.shards[ov] = src[1]
+          if any(h is not None and h[k] == "fill" for h in handed):
+            outs[k] = self.constrain(outs[k], src[1])
+    return outs
+
+  def _handed(self, jaxpr, operands, tracked) -> list:
+    """What each output of a branch just run (:meth:`run`) hands out: (the weight's gathered
+    layout, its own layout or None) for a tracked weight, as it came in or as an inner cond
+    handed it; "fill" for a value one scalar fills (a zero residual of a branch that does not
+    read the weight); None otherwise."""
+    fills = scalar_fills(jaxpr)
+    out = []
+    for k, v in enumerate(jaxpr.outvars):
+      if isinstance(v, jcore.Literal) or v in fills:
+        out.append("fill")
+      elif v in jaxpr.invars:
+        src = operands[jaxpr.invars.index(v)]
+        out.append((tracked[src], self.shards.get(src)) if not isinstance(src, jcore.Literal)
+                   and src in tracked else None)
+      elif self.out_tracked[k] is not None:
+        out.append((self.out_tracked[k], self.shards.get(v)))
+      else:
+        out.append(None)
+    return out
 
 
 def _shift(route, by: int):

@@ -724,9 +724,14 @@ def regathered(use) -> bool:
   and an output kernel, 4 all-gathers for the 4 weights, with and without a checkpoint policy;
   tests/test_plan_user_steps.py). A weight whose input gradient a ``lax.cond``'s branch reads is
   gathered in the forward's conditional and again in the backward's (gated_head in
-  tests/test_plan_user_steps.py: w2 twice, the first layer's weight once)."""
+  tests/test_plan_user_steps.py: w2 twice, the first layer's weight once). So is one a branch
+  reads under jax.checkpoint: the backward's rematerialized conditional is another
+  conditional, whose branch gathers it again, and XLA merges no gather across conditionals (a
+  cond of ``x + gelu(x @ w1) @ w2`` or ``tanh(x @ w3)`` in a checkpoint on `fsdp` 8: w1 and w3
+  gathered in the forward's conditional and in the rematerialized one, w2 in the forward's and
+  the backward's; 2176 KiB of all-gather, priced 1536 before)."""
   return use is not None and (use.layers > 1 or use.repeats > 1 or
-                              (use.branched and use.input_grad))
+                              (use.branched and (use.input_grad or use.remat)))
 
 
 def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout, m: CandidateMesh,

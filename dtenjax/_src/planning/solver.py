@@ -260,6 +260,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # whole gradients a batch axis reduces and a layout then shards, each with its products
   reduced: list[tuple[float, int]] = []
   single: list[float] = []      # replicated gradients of one product a batch axis reduces
+  # whole gradients a batch axis reduces inside a lax.cond's branch: (bytes, the cond's step)
+  in_branch: list[tuple[float, int]] = []
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
   sharded_shapes: set[tuple[int, ...]] = set()   # their shapes (and reversed)
   whole_tables: set[tuple[int, ...]] = set()   # XLA:GPU scatters their gradients into zeros
@@ -350,7 +352,11 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       if use is not None:
         parts = min(parts, max(1, use.grad_parts))
       if zero and per_device > primary.nbytes / shards:
-        reduced.append((per_device, parts))
+        made = _branch_step(graph, primary.shape) if use is not None and use.branched else None
+        if made is not None and cpu:
+          in_branch.append((per_device * parts, made))
+        else:
+          reduced.append((per_device, parts))
       elif dequantized and bdiv > 1:
         # the dequantized weight's gradient, which only its trained scale's gradient reads
         # (``sum(g * wq)``): no output takes its reduction, a new buffer beside the unreduced
@@ -477,18 +483,22 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # held to the all-reduce beside the second's, XLA:CPU's buffer assignment)
   grads_made = [v.start for v in graph.timeline if v.grad is not None and not v.update]
   reduction = max(grads_made, default=0) + 1      # as _combined_reduction's
+  branch_steps = {t for _, t in in_branch}
   for nb, v in temp:
     is_grad = v.grad is not None
     end = _end(v, cpu)
     if cpu and is_grad and v.grad in held_to_reduction and not v.body:
       end = max(end, reduction)
     events.setdefault(v.start, []).append((nb * (not is_grad), nb * is_grad))
-    events.setdefault(end + 1, []).append((-nb * (not is_grad), -nb * is_grad))
+    # a branch's own values are dead by its last op, the reduction (_branch_reductions)
+    end = v.start + 0.5 if v.body and v.start in branch_steps else end + 1
+    events.setdefault(end, []).append((-nb * (not is_grad), -nb * is_grad))
   events.setdefault(-1, []).append((0.0, 0.0, gathered))    # the weights gathered for the step
   if converted:               # dequantized weights' float conversions, kept to the step's end
     events[-1].append((0.0, 0.0, converted))
   if cpu:
     _combined_reduction(graph, events, reduced, gathered, kept, moved)
+    _branch_reductions(events, in_branch)
   act = grads = held_gathered = 0.0
   peak = (0.0, 0.0, 0.0)
   for t in sorted(events):
@@ -694,6 +704,36 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
   for k, nb in enumerate(parts):
     events.setdefault(after + k / len(parts), []).append((0.0, nb, 0.0))
     events.setdefault(after + (k + 1) / len(parts), []).append((0.0, -nb, 0.0))
+
+
+def _branch_step(graph: stepgraph.StepGraph, shape: tuple[int, ...]) -> int | None:
+  """The step of the top level whose equation makes the last gradient of ``shape`` (or its
+  reverse), where that is a lax.cond (the backward's conditional: its branch's values at the
+  same step, ``Live.body``); None where it is not."""
+  shapes = (shape, tuple(reversed(shape)))
+  made = [v.start for v in graph.timeline if v.grad in shapes and not v.update and not v.body]
+  if not made:
+    return None
+  last = max(made)
+  return last if any(v.body and v.start == last for v in graph.timeline) else None
+
+
+def _branch_reductions(events: dict, in_branch: Sequence[tuple[float, int]]) -> None:
+  """XLA:CPU's reductions of whole gradients made in a lax.cond's branch (an FSDP weight read
+  only in a branch): the partitioner reduces them inside the branch, its last op (one combined
+  all-reduce of the branch's gradients, cond19), into new buffers. The branch's own values are
+  dead by then; the conditional's operands, the forward's residuals, live until it returns, and
+  the unreduced gradients beside them (XLA:CPU's buffer assignment of nested_conds on `fsdp` 8
+  at batch 256: w1's and w2's gradients and their reductions, four f32 buffers of 512 KiB, at
+  offsets apart from the six f32[32,1024] residuals the backward's conditional reads; priced
+  after the backward, where the residuals are dead, the model was 0.77 MiB of temp under).
+  Adds the events to ``events`` (time -> (activations, gradients, gathered) deltas)."""
+  at: dict[int, float] = {}
+  for nb, t in in_branch:
+    at[t] = at.get(t, 0.0) + nb
+  for t, nb in at.items():
+    events.setdefault(t + 0.5, []).append((0.0, nb, 0.0))
+    events.setdefault(t + 1, []).append((0.0, -nb, 0.0))
 
 
 def _fourth_slot(slot: tuple[float, stepgraph.Live], graph: stepgraph.StepGraph,

@@ -11,7 +11,6 @@ import functools
 import math
 import os
 import sys
-from collections.abc import Collection
 from collections.abc import Sequence
 
 import numpy as np
@@ -267,7 +266,6 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   whole_tables: set[tuple[int, ...]] = set()   # XLA:GPU scatters their gradients into zeros
   converted = 0.0     # the float conversions of integer weights a trained scale's gradient reads
   held_to_reduction: set[tuple[int, ...]] = set()   # their gradients' shapes (and reversed)
-  moved: set[int] = set()       # leaves whose gradient the layout makes on their shard
   # a scanned stack's shape -> what XLA:CPU holds while the backward loop over it runs that the
   # loop's values do not count (_scanned_stack_bytes)
   loop_held: dict[tuple[int, ...], list[float]] = {}
@@ -295,8 +293,6 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if not cpu and scatter is not None and scatter.whole_lookups:
       whole_tables.add(primary.shape)
     on_shard = zero and gradient_on_shard(graph, g, used, m) is not None
-    if on_shard:
-      moved.update(g)
     per_device = (primary.nbytes / shards if zero and (in_shard or on_shard or use is not None
                                                        and use.layers > 1)
                   else primary.nbytes / t_shard)
@@ -497,7 +493,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   if converted:               # dequantized weights' float conversions, kept to the step's end
     events[-1].append((0.0, 0.0, converted))
   if cpu:
-    _combined_reduction(graph, events, reduced, gathered, kept, moved)
+    _combined_reduction(graph, events, reduced, gathered, kept)
     _branch_reductions(events, in_branch)
   act = grads = held_gathered = 0.0
   peak = (0.0, 0.0, 0.0)
@@ -631,8 +627,7 @@ def _only_looked_up(graph: stepgraph.StepGraph, group: Sequence[int]) -> bool:
 
 def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
                         reduced: Sequence[tuple[float, int]], gathered: float,
-                        kept: Sequence[tuple[Sequence[int], float]] = (),
-                        moved: Collection[int] = frozenset()) -> None:
+                        kept: Sequence[tuple[Sequence[int], float]] = ()) -> None:
   """XLA:CPU's gradient reductions after the backward: one combined all-reduce whose results
   are new buffers, live beside the unreduced gradients (``reduced``: the whole gradients an
   FSDP layout then slices, one per group), when the backward's last gradient has been made. A
@@ -643,9 +638,7 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
   backward's input gradient reads after that product, too; the model holds it: the hoisted
   zeros of an untied table's scatter gradient, which XLA:CPU keeps from the step's start and the
   model does not price, are as large as the unembedding's copy on bench's small Llama under
-  FSDP, 2 MiB of 18.3, and freeing the copy there put that row at -7.6 %. A copy whose weight's
-  gradient the layout makes on its shard, every part (``moved``: pricing.gradient_on_shard), is
-  freed after its last read, as XLA frees it: no reduction of that weight follows.)
+  FSDP, 2 MiB of 18.3, and freeing the copy there put that row at -7.6 %.)
 
   Where the update sums values it computes from the gradients (``StepGraph.update_reduces``: a
   global norm's partial sums), XLA's combiner cannot join the gradients' all-reduces into one:
@@ -689,14 +682,6 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
       # inlines the call and frees the copy after the rematerialized product, before the
       # gradient the call returns is made (remat_first on `fsdp` 8, docs/benchmarks.md fsdp20)
       events.setdefault(reads[-1][0], []).append((0.0, 0.0, -nb))
-      gathered -= nb
-    elif reads and all(k in moved for k in group):
-      # a weight whose gradient is made on its shard (every part moved): no product of the
-      # gradient reads the copy, and XLA frees it after its last read, the backward's input
-      # gradient (the first layer under checkpoint(policy=dots_saveable) on `fsdp` 8 at batch
-      # 256, plan.jit's buffer assignment: w2's gathered f32[512,128] at offset 0 is reused by
-      # w1's whole gradient, dot.3, made after it; held to the reduction it was priced +19 %)
-      events.setdefault(reads[-1][0] + 1, []).append((0.0, 0.0, -nb))
       gathered -= nb
   events.setdefault(after, []).append((0.0, 0.0, -gathered))
   parts = (sorted((nb * n for nb, n in reduced), reverse=True) if graph.update_reduces

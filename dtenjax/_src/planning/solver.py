@@ -248,8 +248,9 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   outputs: list[tuple[float, int]] = []   # (bytes per device, group) of each output buffer
   # whole gradients a batch axis reduces and a layout then shards, each with its products
   reduced: list[tuple[float, int]] = []
-  # replicated gradients of one product a batch axis reduces: (bytes per device, group)
-  single: list[tuple[float, int]] = []
+  # replicated gradients of one product a batch axis reduces: (bytes per device, group, whether
+  # a loop reads the weight)
+  single: list[tuple[float, int, bool]] = []
   # whole gradients of one product a batch axis reduces and a layout then shards (FSDP's)
   whole: list[tuple[float, int]] = []
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
@@ -295,6 +296,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # Not a weight read in a loop (a scanned stack's layer, a fori_loop's weight): its parts are
     # added into the loop's carried gradient of its own dtype (a bfloat16 [4, 256, 256] stack
     # scanned on `data` 8 was priced +21.5 % so, -26.1 % without)
+    looped = use is not None and (use.layers > 1 or bool(use.loop_uses))
     wide = (cpu and bdiv > 1 and not dequantized and use is not None and use.layers <= 1
             and not use.loop_uses and primary.dtype in ("bfloat16", "float16"))
     if wide:
@@ -318,7 +320,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       if use is not None:
         parts = min(parts, max(1, use.grad_parts))
       if zero and per_device > primary.nbytes / shards:
-        if parts == 1 and not wide:
+        if parts == 1 and not wide and not looped:
           whole.append((per_device, gi))     # an output buffer may take its reduction
         else:
           reduced.append((per_device, parts))
@@ -334,7 +336,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         if wide:
           reduced.append((per_device, parts))
         else:
-          single.append((per_device, gi))
+          single.append((per_device, gi, looped))
       elif parts > 1 and bdiv > 1 and not on_shard:
         # a replicated weight's (DP's): each part all-reduced into a new buffer too, live into
         # the update's fusions that sum them, which write the step's outputs while the parts
@@ -350,7 +352,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # beside them (tanh(h @ w) three times, then h @ v, on `data` 8: w's three parts and v's
     # gradient reduced into four temporary buffers, the buffer assignment of
     # test_plan_user_steps.py's thrice_read_chain)
-    reduced.extend((nb, 1) for nb, _ in single)
+    reduced.extend((nb, 1) for nb, _, _ in single)
     single = []
   if not cpu or graph.update_reduces or any(n > 1 for _, n in reduced):
     reduced.extend((nb, 1) for nb, _ in whole)   # joined with the parts, or one at a time
@@ -433,8 +435,14 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         break
     if not placed:
       temp.append((nb, v))
-  if single or whole:           # XLA:CPU's combined all-reduce of whole gradients
-    reduced.extend(_reduced_apart(single + whole, outputs, owner, kept_to_the_end))
+  # XLA:CPU's combined all-reduce of whole gradients. Not of a weight read in a loop (a
+  # scanned stack, a fori_loop's weight): XLA reduces each iteration's gradient in the loop's
+  # body into an output buffer and updates the carried gradient in place (its buffer
+  # assignment of shard_map_in_layer_scan's [4, 128, 128] stack on `data` 8: the [128, 128]
+  # all-reduce in the backward loop, no whole reduction after it; priced here, +10.8 %)
+  apart = [(nb, gi) for nb, gi, looped in single if not looped] + whole
+  if apart:
+    reduced.extend(_reduced_apart(apart, outputs, owner, kept_to_the_end))
   temp.extend(slot for slot in slots if _fourth_slot(slot, graph, temp, sized, bdiv,
                                                      gathered_per_use))
   events: dict[int, list[tuple[float, float]]] = {}

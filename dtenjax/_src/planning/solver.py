@@ -255,10 +255,14 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   turned: dict[tuple[int, ...], list[float]] = {}
   # the leaves' shards by shape (and reversed): the optimizer's update values (Live.update)
   shard_sizes: dict[tuple[int, ...], list[float]] = {}
-  outputs: list[float] = []
+  outputs: list[tuple[float, int]] = []   # (bytes per device, group) of each output buffer
   # whole gradients a batch axis reduces and a layout then shards, each with its products
   reduced: list[tuple[float, int]] = []
-  single: list[float] = []      # replicated gradients of one product a batch axis reduces
+  # replicated gradients of one product a batch axis reduces: (bytes per device, group, whether
+  # a loop reads the weight)
+  single: list[tuple[float, int, bool]] = []
+  # whole gradients of one product a batch axis reduces and a layout then shards (FSDP's)
+  whole: list[tuple[float, int]] = []
   # whole gradients a batch axis reduces inside a lax.cond's branch: (bytes, the cond's step)
   in_branch: list[tuple[float, int]] = []
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
@@ -319,6 +323,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # Not a weight read in a loop (a scanned stack's layer, a fori_loop's weight): its parts are
     # added into the loop's carried gradient of its own dtype (a bfloat16 [4, 256, 256] stack
     # scanned on `data` 8 was priced +21.5 % so, -26.1 % without)
+    looped = use is not None and (use.layers > 1 or bool(use.loop_uses))
     wide = (cpu and bdiv > 1 and not dequantized and use is not None and use.layers <= 1
             and not use.loop_uses and primary.dtype in ("bfloat16", "float16"))
     if wide:
@@ -351,6 +356,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         made = _branch_step(graph, primary.shape) if use is not None and use.branched else None
         if made is not None and cpu:
           in_branch.append((per_device * parts, made))
+        elif parts == 1 and not wide and not looped:
+          whole.append((per_device, gi))     # an output buffer may take its reduction
         else:
           reduced.append((per_device, parts))
       elif dequantized and bdiv > 1:
@@ -365,32 +372,38 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       elif bdiv > 1 and parts == 1 and not on_shard:
         if wide:
           reduced.append((per_device, parts))
-        else:
-          single.append(per_device)
+        elif not graph.frozen(g):
+          # (a frozen argument the step only reads has no gradient to reduce: LoRA's backbone,
+          # test_a_frozen_argument_is_no_output_of_the_step, priced +78 % with its two weights
+          # reduced apart once no output buffer of theirs took them)
+          single.append((per_device, gi, looped))
       elif parts > 1 and bdiv > 1 and not on_shard:
         # a replicated weight's (DP's): each part all-reduced into a new buffer too, live into
         # the update's fusions that sum them, which write the step's outputs while the parts
         # are read, so no output buffer takes them (XLA:CPU's buffer assignment of two_views
         # on `data` 8: the four reduced parts of two weights in the temporary buffer, the four
-        # unreduced in outputs'; a gradient of one product is reduced into the output its
-        # update's last fusion then writes in place: none in the temporary buffer)
+        # unreduced in outputs')
         reduced.append((per_device, parts))
     if not prob.donate:
       # only the leaves the step returns have an output buffer (StepGraph.returned): an int8
       # embedding table passed in and only looked up has none, and the lookup's dequantized
       # rows, f32[16,16,256] a device on `fsdp` 4 x `tensor` 2, are XLA:CPU's temp (its buffer
       # assignment), where an output buffer of the table's 0.5 MiB shard had taken them
-      outputs.extend(graph.leaves[i].nbytes / shards for i in g if i in graph.returned)
-  if cpu and not graph.update_reduces and (any(n > 1 for _, n in reduced) or
-                                           held_to_reduction):
+      outputs.extend((graph.leaves[i].nbytes / shards, gi) for i in g if i in graph.returned)
+  joined = any(n > 1 for _, n in reduced) or bool(held_to_reduction)
+  if cpu and not graph.update_reduces and joined:
     # XLA:CPU's combined all-reduce that holds the parts makes a new buffer of every gradient
     # it joins: a replicated gradient of one product is not reduced into its output in place
     # beside them (tanh(h @ w) three times, then h @ v, on `data` 8: w's three parts and v's
     # gradient reduced into four temporary buffers, the buffer assignment of
     # test_plan_user_steps.py's thrice_read_chain)
-    reduced.extend((nb, 1) for nb in single)
     # (so where it holds a dequantized weight's gradient, which no output takes: w2's reduced
     # f32[256,128] in XLA:CPU's temp beside an int8 weight's with a trained scale, `data` 8)
+    reduced.extend((nb, 1) for nb, _, _ in single)
+    single = []
+  if not cpu or graph.update_reduces or joined:
+    reduced.extend((nb, 1) for nb, _ in whole)   # joined with the parts, or one at a time
+    whole, single = [], []
   hoisted = _zeros_before_the_loop(graph, whole_tables)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
@@ -455,8 +468,11 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   values.extend((nb, v) for nb, v in bodies.values() if nb > 0)
   # XLA's buffer assignment: live-out buffers first, then the rest largest first, each into the
   # first existing buffer it fits that holds nothing live at the same time
-  outputs.sort(reverse=True)
+  outputs.sort(key=lambda o: -o[0])
+  owner = [gi for _, gi in outputs]         # the group whose update writes each output buffer
+  outputs = [nb for nb, _ in outputs]
   held: list[list[tuple[int, float]]] = [[] for _ in outputs]   # (start, end) per output buffer
+  kept_to_the_end: list[float] = []     # the gradients placed in outputs' buffers (to the update)
   temp: list[tuple[float, stepgraph.Live]] = []
   for nb, v in sorted(values, key=lambda x: -x[0]):
     end = math.inf if v.grad is not None and not v.body else _end(v, cpu)
@@ -466,10 +482,20 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         break
       if all(v.start > e or end < s for s, e in held[k]):
         held[k].append((v.start, end))
+        if end == math.inf:
+          kept_to_the_end.append(nb)
         placed = True
         break
     if not placed:
       temp.append((nb, v))
+  # XLA:CPU's combined all-reduce of whole gradients. Not of a weight read in a loop (a
+  # scanned stack, a fori_loop's weight): XLA reduces each iteration's gradient in the loop's
+  # body into an output buffer and updates the carried gradient in place (its buffer
+  # assignment of shard_map_in_layer_scan's [4, 128, 128] stack on `data` 8: the [128, 128]
+  # all-reduce in the backward loop, no whole reduction after it; priced here, +10.8 %)
+  apart = [(nb, gi) for nb, gi, looped in single if not looped] + whole
+  if apart:
+    reduced.extend(_reduced_apart(apart, outputs, owner, kept_to_the_end))
   temp.extend(slot for slot in slots if _fourth_slot(slot, graph, temp, sized, bdiv,
                                                      gathered_per_use))
   events: dict[int, list[tuple[float, float]]] = {}
@@ -544,6 +570,47 @@ def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int 
     else:
       held += [layer * wide] * (1 + max(1, parts))   # the gradient(s), the gathered layer's copy
   return held
+
+
+def _reduced_apart(whole: Sequence[tuple[float, int]], outputs: Sequence[float],
+                   owner: Sequence[int], kept: Sequence[float]) -> list[tuple[float, int]]:
+  """The all-reduce results of whole gradients of one product a batch axis reduces (``whole``:
+  bytes per device and group; a replicated weight's, DP's, or an FSDP weight's before the
+  slice) that XLA:CPU puts in the temporary buffer, as (bytes, 1) for the combined reduction
+  (:func:`_combined_reduction`). An all-reduce writes a new
+  buffer, never its operand's, so a reduced gradient is a value of its own, live from the
+  reduction after the backward's last gradient to its update's fusions, beside the unreduced
+  gradient it is made from. From the reduction on, the output buffers (``outputs``, written by
+  the update of group ``owner``) hold the unreduced gradients (``kept``, the values the
+  placement gave an output to the update), each in the smallest free one of at least its size,
+  as XLA's buffer assignment reuses the smallest allocation that fits; each reduced gradient,
+  largest first, then takes the smallest free one of another group's update: its own group's
+  outputs are written by fusions that read it, and those fusions transpose the gradient jax
+  makes as ``dot_general(dy, x)`` (the weight's dimensions reversed), so none writes over it
+  in place. One that finds none is a new temporary buffer.
+
+  XLA:CPU's buffer assignments of ``tanh(x @ w) @ v`` on `data` 8 (w f32[128,128], v
+  f32[128,64]; tests/test_plan_user_steps.py's dp_chain): under plain sgd the outputs are the
+  parameters, which hold the unreduced gradients up to the all-reduce, and both reductions are
+  in the temporary buffer (96 KiB; priced 0 before, memory -30.6 %); under momentum and under
+  adamw v's reduction is in one of w's state outputs, written after v's update reads it, and
+  w's (64 KiB) in the temporary buffer, v's outputs too small for it (before: -14.1 %,
+  -9.9 %). A DP MLP under adamw (w1 f32[128,512], w2 f32[512,128]) reduces w1's gradient into
+  w2's second-moment output and w2's into w1's parameter output: temp 0, as priced before and
+  after. The batch-512 MLP on `fsdp` 8 with w1 sharded and w2 replicated: under adamw w1's
+  whole result is in w2's second-moment output and w2's in temp; under momentum both in temp
+  (w2's two outputs hold the two unreduced gradients; before, w2's was priced in place:
+  -14.7 %)."""
+  free = list(range(len(outputs)))
+  def take(nb: float, group: int | None) -> bool:
+    fits = [k for k in free if outputs[k] >= nb and owner[k] != group]
+    if not fits:
+      return False
+    free.remove(min(fits, key=lambda k: (outputs[k], k)))
+    return True
+  for nb in sorted(kept, reverse=True):
+    take(nb, None)
+  return [(nb, 1) for nb, gi in sorted(whole, key=lambda x: -x[0]) if not take(nb, gi)]
 
 
 def _zeros_before_the_loop(graph: stepgraph.StepGraph, tables: set[tuple[int, ...]]

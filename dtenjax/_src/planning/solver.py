@@ -12,6 +12,7 @@ import math
 import os
 import sys
 from collections.abc import Collection
+from collections.abc import Mapping
 from collections.abc import Sequence
 
 import numpy as np
@@ -265,6 +266,10 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   converted = 0.0     # the float conversions of integer weights a trained scale's gradient reads
   held_to_reduction: set[tuple[int, ...]] = set()   # their gradients' shapes (and reversed)
   moved: set[int] = set()       # leaves whose gradient the layout makes on their shard
+  # the batch axes that split the batch: a replicated gradient's all-reduce spans them all
+  spanned = frozenset(a for a in BATCH_AXES if m.size[a] > 1)
+  # reduced's entries first reduced over some of them only -> those axes (_combined_reduction)
+  regrouped: dict[int, frozenset[str]] = {}
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -339,6 +344,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       if use is not None:
         parts = min(parts, max(1, use.grad_parts))
       if zero and per_device > primary.nbytes / shards:
+        if not spanned <= set(used):
+          regrouped[len(reduced)] = spanned & frozenset(used)
         reduced.append((per_device, parts))
       elif dequantized and bdiv > 1:
         # the dequantized weight's gradient, which only its trained scale's gradient reads
@@ -368,6 +375,13 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       # rows, f32[16,16,256] a device on `fsdp` 4 x `tensor` 2, are XLA:CPU's temp (its buffer
       # assignment), where an output buffer of the table's 0.5 MiB shard had taken them
       outputs.extend(graph.leaves[i].nbytes / shards for i in g if i in graph.returned)
+  # the dequantized gradients' all-reduce spans every batch axis, and XLA's all-reduce
+  # combiner joins only all-reduces of the same replica groups: not those of a whole gradient
+  # first reduced over its weight's own batch axes (`data` 2 x `fsdp` 4, w2 P('fsdp'): XLA:CPU
+  # reduces two int8 weights' float gradients in one all-reduce over all 8 devices, w2's over
+  # `fsdp` and then its shard over `data`, three all-reduces, its buffer assignment), so each
+  # group's reductions are new buffers at their own all-reduce, one group at a time
+  apart = regrouped if held_to_reduction else {}
   if cpu and not graph.update_reduces and (any(n > 1 for _, n in reduced) or
                                            held_to_reduction):
     # XLA:CPU's combined all-reduce that holds the parts makes a new buffer of every gradient
@@ -471,7 +485,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   if converted:               # dequantized weights' float conversions, kept to the step's end
     events[-1].append((0.0, 0.0, converted))
   if cpu:
-    _combined_reduction(graph, events, reduced, gathered, kept, moved)
+    _combined_reduction(graph, events, reduced, gathered, kept, moved, apart)
   act = grads = held_gathered = 0.0
   peak = (0.0, 0.0, 0.0)
   for t in sorted(events):
@@ -566,7 +580,8 @@ def _only_looked_up(graph: stepgraph.StepGraph, group: Sequence[int]) -> bool:
 def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
                         reduced: Sequence[tuple[float, int]], gathered: float,
                         kept: Sequence[tuple[Sequence[int], float]] = (),
-                        moved: Collection[int] = frozenset()) -> None:
+                        moved: Collection[int] = frozenset(),
+                        apart: Mapping[int, frozenset[str]] | None = None) -> None:
   """XLA:CPU's gradient reductions after the backward: one combined all-reduce whose results
   are new buffers, live beside the unreduced gradients (``reduced``: the whole gradients an
   FSDP layout then slices, one per group), when the backward's last gradient has been made. A
@@ -591,7 +606,10 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
   part by part, each part a new buffer, the parts summed in the update (XLA:CPU's compile of a
   tied MLP's clip_by_global_norm step on ``fsdp`` 8: f32[512,128] and f32[128,512] in one
   all-reduce; of an MLP applied to two views under adamw: the four parts of the two weights in
-  the combined one, four new buffers, where the model had two). Adds the events to
+  the combined one, four new buffers, where the model had two). Where a trained scale's step
+  reduces gradients over other replica groups (``apart``: ``reduced``'s index -> the batch axes
+  an FSDP weight's whole gradient is first reduced over; the rest, a dequantized weight's among
+  them, over every batch axis), each group's combined all-reduce is one part. Adds the events to
   ``events`` (time -> (activations, gradients, gathered) deltas)."""
   ends = [v.start for v in graph.timeline if v.grad is not None and not v.update]
   if not ends:
@@ -633,8 +651,14 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
       events.setdefault(reads[-1][0] + 1, []).append((0.0, 0.0, -nb))
       gathered -= nb
   events.setdefault(after, []).append((0.0, 0.0, -gathered))
-  parts = (sorted((nb * n for nb, n in reduced), reverse=True) if graph.update_reduces
-           else [sum(nb * n for nb, n in reduced)])
+  if graph.update_reduces:
+    parts = sorted((nb * n for nb, n in reduced), reverse=True)
+  else:
+    joined: dict[frozenset[str] | None, float] = {}
+    for k, (nb, n) in enumerate(reduced):
+      key = (apart or {}).get(k)
+      joined[key] = joined.get(key, 0.0) + nb * n
+    parts = sorted(joined.values(), reverse=True)
   for k, nb in enumerate(parts):
     events.setdefault(after + k / len(parts), []).append((0.0, nb, 0.0))
     events.setdefault(after + (k + 1) / len(parts), []).append((0.0, -nb, 0.0))

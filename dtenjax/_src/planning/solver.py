@@ -658,7 +658,7 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
     for k, (nb, n) in enumerate(reduced):
       key = (apart or {}).get(k)
       joined[key] = joined.get(key, 0.0) + nb * n
-    parts = sorted(joined.values(), reverse=True)
+    parts = sorted(joined.values(), reverse=True) or [0.0]   # as one empty reduction before
   for k, nb in enumerate(parts):
     events.setdefault(after + k / len(parts), []).append((0.0, nb, 0.0))
     events.setdefault(after + (k + 1) / len(parts), []).append((0.0, -nb, 0.0))

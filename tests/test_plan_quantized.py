@@ -146,13 +146,14 @@ def _trained_scale_step(shared, dtype):
   return step, (weights, S((64, 512), dtype))
 
 
-@pytest.mark.parametrize("shared, dtype, mesh", [
-    (True, jnp.float32, {"data": 8}),
-    (True, jnp.float32, {"fsdp": 4, "tensor": 2}),
-    (False, jnp.bfloat16, {"data": 8})],
-    ids=["shared-data8", "shared-fsdp4xtensor2", "bf16-data8"])
+@pytest.mark.parametrize("shared, dtype, mesh, tolerance", [
+    (True, jnp.float32, {"data": 8}, 0.02),
+    (True, jnp.float32, {"fsdp": 4, "tensor": 2}, 0.02),
+    (False, jnp.bfloat16, {"data": 8}, 0.02),
+    (False, jnp.float32, {"data": 2, "fsdp": 4}, 0.10)],
+    ids=["shared-data8", "shared-fsdp4xtensor2", "bf16-data8", "data2xfsdp4"])
 def test_a_trained_scale_s_gradients_are_held_to_the_combined_all_reduce(cpu_devices, shared,
-                                                                         dtype, mesh):
+                                                                         dtype, mesh, tolerance):
   """XLA:CPU's buffer assignment (``--xla_dump_to``) of a trained scale's step: one combined
   all-reduce after the backward takes every dequantized weight's float gradient and w2's, each
   reduced into a new temp buffer (no output takes a dequantized gradient's reduction, so w2's
@@ -168,7 +169,16 @@ def test_a_trained_scale_s_gradients_are_held_to_the_combined_all_reduce(cpu_dev
   - A bfloat16 scale, `data` 8: XLA:CPU makes the dequantized gradient by a float32 product
     and reduces it in float32 (f32[256,512] and its reduction, beside w2's reduction), and
     converts wq again after that reduction instead of keeping the forward's conversion: 1.13
-    MiB. Before, the gradient was sized in bfloat16 and the conversion kept: -7.7 %."""
+    MiB. Before, the gradient was sized in bfloat16 and the conversion kept: -7.7 %.
+  - `data` 2 x `fsdp` 4, the plan's w2 P('fsdp') (review21a): XLA's all-reduce combiner joins
+    only all-reduces of the same replica groups. The dequantized gradient f32[256,512] is
+    reduced over all 8 devices, w2's whole gradient over `fsdp` and then its shard over `data`:
+    three all-reduces (the compiled HLO), so w2's reduction is no operand of the dequantized
+    gradient's and its buffer is not beside that one's. quant21's rule joined them in one
+    reduction, 1.75 MiB of temp against 1.53 compiled: +11.8 %; now each group's reduction is
+    one part, +5 % (main's price: XLA makes w2's gradient after the dequantized one's
+    all-reduce, a schedule the model does not follow; a shared scale's two int8 weights, one
+    all-reduce over the 8 devices, +4.7 %, were +8.8 %)."""
   step, args = _trained_scale_step(shared, dtype)
   check = dtenjax.plan(step, *args, mesh=mesh, batch_argnums=(1,)).check(
       step, *args, compiler_options=compile_only.LLVM_O0)
@@ -176,7 +186,7 @@ def test_a_trained_scale_s_gradients_are_held_to_the_combined_all_reduce(cpu_dev
     want = (2 * (512 + 256) * 256 * 4 + (512 + 256) * 256 * 4 + 256 * 128 * 4 if shared else
             2 * 512 * 256 * 4 + 256 * 128 * 4)
     assert check.compiled_memory["temp"] >= want, check.table()
-  assert check.misses(0.02) == {}, check.table()
+  assert check.misses(tolerance) == {}, check.table()
 
 
 @pytest.mark.parametrize("mesh", [{"data": 8}, {"fsdp": 8}, {"fsdp": 4, "tensor": 2}],

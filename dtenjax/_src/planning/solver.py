@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import sys
+from collections.abc import Mapping
 from collections.abc import Sequence
 
 import numpy as np
@@ -274,6 +275,11 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # loop's values do not count (_scanned_stack_bytes)
   loop_held: dict[tuple[int, ...], list[float]] = {}
   sliced = {k: d for leaves, _ in graph.stacks.values() for k, d in leaves.items()}
+  # the batch axes that split the batch: a replicated gradient's all-reduce spans them all
+  spanned = frozenset(a for a in BATCH_AXES if m.size[a] > 1)
+  # reduced's entries first reduced over some of them only -> those axes (_combined_reduction)
+  regrouped: dict[int, frozenset[str]] = {}
+  whole_axes: dict[int, frozenset[str]] = {}   # the same for whole's groups
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -354,11 +360,16 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         parts = min(parts, max(1, use.grad_parts))
       if zero and per_device > primary.nbytes / shards:
         made = _branch_step(graph, primary.shape) if use is not None and use.branched else None
+        axes = None if spanned <= set(used) else spanned & frozenset(used)
         if made is not None and cpu:
           in_branch.append((per_device * parts, made))
         elif parts == 1 and not wide and not looped:
           whole.append((per_device, gi))     # an output buffer may take its reduction
+          if axes is not None:
+            whole_axes[gi] = axes
         else:
+          if axes is not None:
+            regrouped[len(reduced)] = axes
           reduced.append((per_device, parts))
       elif dequantized and bdiv > 1:
         # the dequantized weight's gradient, which only its trained scale's gradient reads
@@ -402,7 +413,10 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     reduced.extend((nb, 1) for nb, _, _ in single)
     single = []
   if not cpu or graph.update_reduces or joined:
-    reduced.extend((nb, 1) for nb, _ in whole)   # joined with the parts, or one at a time
+    for nb, gi in whole:                          # joined with the parts, or one at a time
+      if gi in whole_axes:
+        regrouped[len(reduced)] = whole_axes[gi]
+      reduced.append((nb, 1))
     whole, single = [], []
   hoisted = _zeros_before_the_loop(graph, whole_tables)
   values = []
@@ -519,7 +533,14 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   if converted:               # dequantized weights' float conversions, kept to the step's end
     events[-1].append((0.0, 0.0, converted))
   if cpu:
-    _combined_reduction(graph, events, reduced, gathered, kept)
+    # the dequantized gradients' all-reduce spans every batch axis, and XLA's all-reduce
+    # combiner joins only all-reduces of the same replica groups: not those of a whole gradient
+    # first reduced over its weight's own batch axes (`data` 2 x `fsdp` 4, w2 P('fsdp'): XLA:CPU
+    # reduces two int8 weights' float gradients in one all-reduce over all 8 devices, w2's over
+    # `fsdp` and then its shard over `data`, three all-reduces, its buffer assignment), so each
+    # group's reductions are new buffers at their own all-reduce, one group at a time
+    _combined_reduction(graph, events, reduced, gathered, kept,
+                        regrouped if held_to_reduction else None)
     _branch_reductions(events, in_branch)
   act = grads = held_gathered = 0.0
   peak = (0.0, 0.0, 0.0)
@@ -694,7 +715,8 @@ def _only_looked_up(graph: stepgraph.StepGraph, group: Sequence[int]) -> bool:
 
 def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
                         reduced: Sequence[tuple[float, int]], gathered: float,
-                        kept: Sequence[tuple[Sequence[int], float]] = ()) -> None:
+                        kept: Sequence[tuple[Sequence[int], float]] = (),
+                        apart: Mapping[int, frozenset[str]] | None = None) -> None:
   """XLA:CPU's gradient reductions after the backward: one combined all-reduce whose results
   are new buffers, live beside the unreduced gradients (``reduced``: the whole gradients an
   FSDP layout then slices, one per group), when the backward's last gradient has been made. A
@@ -717,7 +739,10 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
   part by part, each part a new buffer, the parts summed in the update (XLA:CPU's compile of a
   tied MLP's clip_by_global_norm step on ``fsdp`` 8: f32[512,128] and f32[128,512] in one
   all-reduce; of an MLP applied to two views under adamw: the four parts of the two weights in
-  the combined one, four new buffers, where the model had two). Adds the events to
+  the combined one, four new buffers, where the model had two). Where a trained scale's step
+  reduces gradients over other replica groups (``apart``: ``reduced``'s index -> the batch axes
+  an FSDP weight's whole gradient is first reduced over; the rest, a dequantized weight's among
+  them, over every batch axis), each group's combined all-reduce is one part. Adds the events to
   ``events`` (time -> (activations, gradients, gathered) deltas)."""
   ends = [v.start for v in graph.timeline if v.grad is not None and not v.update]
   if not ends:
@@ -751,8 +776,14 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
       events.setdefault(reads[-1][0], []).append((0.0, 0.0, -nb))
       gathered -= nb
   events.setdefault(after, []).append((0.0, 0.0, -gathered))
-  parts = (sorted((nb * n for nb, n in reduced), reverse=True) if graph.update_reduces
-           else [sum(nb * n for nb, n in reduced)])
+  if graph.update_reduces:
+    parts = sorted((nb * n for nb, n in reduced), reverse=True)
+  else:
+    joined: dict[frozenset[str] | None, float] = {}
+    for k, (nb, n) in enumerate(reduced):
+      key = (apart or {}).get(k)
+      joined[key] = joined.get(key, 0.0) + nb * n
+    parts = sorted(joined.values(), reverse=True) or [0.0]   # as one empty reduction before
   for k, nb in enumerate(parts):
     events.setdefault(after + k / len(parts), []).append((0.0, nb, 0.0))
     events.setdefault(after + (k + 1) / len(parts), []).append((0.0, -nb, 0.0))

@@ -107,8 +107,8 @@ def shared_step_reads():
   read of the same step gives the same graph (tests/test_step_planner.py
   ``test_same_inputs_same_plan``), so each plan is the one planned alone. A read is 0.1-0.2 s of
   CPU of a small family's step; the calibrated band test plans each of six families' steps under
-  four layouts (docs/testing.md, suite21). The step function is kept while the block runs (its id
-  is in the key)."""
+  four layouts (docs/benchmarks.md, suite21). The step function is kept while the block runs
+  (it is in the key)."""
   from dtenjax._src.planning import stepgraph
   read, reads = stepgraph.read_step, {}
 

@@ -98,7 +98,7 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0
 
 
 @contextlib.contextmanager
-def shared_step_reads():
+def shared_step_reads(reads: dict | None = None):
   """Within it, ``dtenjax.plan`` reads each step once per argument shapes: a test that plans the
   same step function on several meshes, pins or topologies (the step read, ``stepgraph.read_step``:
   a trace and a walk of its jaxpr, depends on the step, the arguments' tree, shapes and dtypes and
@@ -108,9 +108,11 @@ def shared_step_reads():
   ``test_same_inputs_same_plan``), so each plan is the one planned alone. A read is 0.1-0.2 s of
   CPU of a small family's step; the calibrated band test plans each of six families' steps under
   four layouts (docs/benchmarks.md, suite21). The step function is kept while the block runs
-  (it is in the key)."""
+  (it is in the key). ``reads``: a dict of earlier blocks' reads to go on with (a module's steps
+  made once, by a ``functools.cache``, and planned by several tests)."""
   from dtenjax._src.planning import stepgraph
-  read, reads = stepgraph.read_step, {}
+  read = stepgraph.read_step
+  reads = {} if reads is None else reads
 
   def shared(fn, args, batch_argnums):
     leaves, tree = jax.tree_util.tree_flatten(args)

@@ -97,6 +97,14 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0
     time.sleep(0.001)
 
 
+def _trace_context():
+  """jax's settings that change a trace (x64, the mesh in context, ...): the key of jax.jit's
+  own trace cache, where this jax has it (jax 0.10 and later keep it in ``jax._src.config``)."""
+  from jax._src import config
+  context = getattr(config, "trace_context", None)
+  return context() if context is not None else None
+
+
 @contextlib.contextmanager
 def shared_step_reads(reads: dict | None = None):
   """Within it, ``dtenjax.plan`` reads each step once per argument shapes: a test that plans the
@@ -116,7 +124,7 @@ def shared_step_reads(reads: dict | None = None):
 
   def shared(fn, args, batch_argnums):
     leaves, tree = jax.tree_util.tree_flatten(args)
-    key = (fn, tree, tuple(batch_argnums), jax._src.config.trace_context(),
+    key = (fn, tree, tuple(batch_argnums), _trace_context(),
            tuple((type(leaf), getattr(leaf, "shape", leaf), str(getattr(leaf, "dtype", None)),
                   getattr(leaf, "weak_type", None)) for leaf in leaves))
     try:

@@ -8,6 +8,7 @@ parsed once for the checks that read their source."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import os
 import pathlib
@@ -94,6 +95,51 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0
     if time.monotonic() > deadline:
       pytest.fail(f"waited {timeout_s:g} s for {what}; it never happened", pytrace=False)
     time.sleep(0.001)
+
+
+def _trace_context():
+  """jax's settings that change a trace (x64, the mesh in context, ...): the key of jax.jit's
+  own trace cache, where this jax has it (jax 0.10 and later keep it in ``jax._src.config``)."""
+  from jax._src import config
+  context = getattr(config, "trace_context", None)
+  return context() if context is not None else None
+
+
+@contextlib.contextmanager
+def shared_step_reads(reads: dict | None = None):
+  """Within it, ``dtenjax.plan`` reads each step once per argument shapes: a test that plans the
+  same step function on several meshes, pins or topologies (the step read, ``stepgraph.read_step``:
+  a trace and a walk of its jaxpr, depends on the step, the arguments' tree, shapes and dtypes and
+  the batch's positions alone, not on the mesh or the prices) reuses the first read. The planner
+  never changes the graph it was given (it makes new ones with ``dataclasses.replace``), and a
+  read of the same step gives the same graph (tests/test_step_planner.py
+  ``test_same_inputs_same_plan``), so each plan is the one planned alone. A read is 0.1-0.2 s of
+  CPU of a small family's step; the calibrated band test plans each of six families' steps under
+  four layouts (docs/benchmarks.md, suite21). The step function is kept while the block runs
+  (it is in the key). ``reads``: a dict of earlier blocks' reads to go on with (a module's steps
+  made once, by a ``functools.cache``, and planned by several tests)."""
+  from dtenjax._src.planning import stepgraph
+  read = stepgraph.read_step
+  reads = {} if reads is None else reads
+
+  def shared(fn, args, batch_argnums):
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    key = (fn, tree, tuple(batch_argnums), _trace_context(),
+           tuple((type(leaf), getattr(leaf, "shape", leaf), str(getattr(leaf, "dtype", None)),
+                  getattr(leaf, "weak_type", None)) for leaf in leaves))
+    try:
+      hash(key)
+    except TypeError:                  # a leaf that is no array: the read names it
+      return read(fn, args, batch_argnums)
+    if key not in reads:
+      reads[key] = read(fn, args, batch_argnums)
+    return reads[key]
+
+  stepgraph.read_step = shared
+  try:
+    yield reads
+  finally:
+    stepgraph.read_step = read
 
 
 def without_jax(path) -> str:

@@ -872,12 +872,20 @@ def _bench_step_planner():
   return step_planner
 
 
-def test_the_bench_reads_the_price_in_its_terms(cpu_devices):
+@pytest.fixture
+def shared_step_reads():
+  """The test plans one step on several layouts: each plan reuses the step's first read
+  (tests/helpers.py ``shared_step_reads``)."""
+  with helpers.shared_step_reads() as reads:
+    yield reads
+
+
+def test_the_bench_reads_the_price_in_its_terms(cpu_devices, shared_step_reads):
   """bench/step_planner.py's terms part: products + update + collectives is the price; DP pays
   one meeting (its gradients' all-reduces are combined), FSDP one more per weight gathered;
   the update of state sharded 8 ways is an eighth of the replicated one's (AdamW's step count,
   a scalar, stays whole)."""
-  del cpu_devices
+  del cpu_devices, shared_step_reads
   sp = _bench_step_planner()
   tx = optax.adamw(1e-3)
   params = {"w1": jnp.zeros((256, 512)), "w2": jnp.zeros((512, 256))}
@@ -928,13 +936,14 @@ def test_the_bench_reads_the_price_in_its_terms(cpu_devices):
   assert fsdp["update_ms"] == pytest.approx(dp["update_ms"] / 8, rel=1e-3)   # but AdamW's count
 
 
-def test_the_terms_bench_prices_the_mlps_recorded_layouts():
+def test_the_terms_bench_prices_the_mlps_recorded_layouts(shared_step_reads):
   """bench/step_planner.py --parts terms on bench/fsdp_small_batch.py --layouts's JSON
   (mlp_terms_rows): each of the four hand-written layouts is priced with its own weights over
   `fsdp` 8: AdamW's update is linear in the state each device updates, so the two one-weight
   layouts' updates add up to DP's (every leaf whole) and the plain FSDP jit's (every leaf an
   eighth; the step count, a scalar, whole in all four); DP meets its devices once, a one-weight
   layout more, FSDP the most; and the pairs are counted per case."""
+  del shared_step_reads
   sp = _bench_step_planner()
   rows = [{"case": "d 128 h 512 batch 64", "model": "mlp", "candidate": name, "ms": ms}
           for name, ms in (("plain jit", 2.6), ("DP", 2.3), ("w1 only", 2.1), ("w2 only", 2.4),

@@ -32,6 +32,21 @@ from tests import helpers
 
 pytestmark = helpers.one_worker(__name__)    # its cached GPU plans, made once
 
+_READS: dict = {}      # the module's step reads, shared by its tests (helpers.shared_step_reads)
+
+
+@pytest.fixture(autouse=True)
+def _shared_reads(request):
+  """Each step the module's tests plan is read once: its functools.cache'd steps are planned by
+  several tests, under several recipes and topologies. Not in a test that monkeypatches (the
+  reader or its rules, read again under the patch)."""
+  if "monkeypatch" in request.fixturenames:
+    yield
+    return
+  with helpers.shared_step_reads(_READS):
+    yield
+
+
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _DATA = json.loads((_ROOT / "tests" / "data" / "xla_gpu_mock8.json").read_text())
 _MIB = 2**20

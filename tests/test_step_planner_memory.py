@@ -20,6 +20,7 @@ from dtenjax.testing import planning
 from dtenjax._src import hlo
 from dtenjax._src import jaxapi
 from tests.compile_only import USERS_PROGRAM as EMITTERS  # the program users get, compiled only
+from tests import helpers
 from tests.helpers import DEFAULT_CPU_EMITTERS, one_worker
 from dtenjax._src.planning import check as check_lib
 from dtenjax._src.planning import explain as explain_lib
@@ -36,6 +37,20 @@ from dtenjax._src.planning import stepgraph
 # others (a simulation of xdist's loadgroup order over the last fresh clone's times: the two
 # workers end within 0.5 s either way).
 pytestmark = one_worker(__name__)
+
+_READS: dict = {}      # the module's step reads, shared by its tests (helpers.shared_step_reads)
+
+
+@pytest.fixture(autouse=True)
+def _shared_reads(request):
+  """Each step the module's tests plan is read once: its cached steps are planned by several
+  tests, under several recipes and topologies. Not in a test that monkeypatches (the reader or
+  its rules, read again under the patch)."""
+  if "monkeypatch" in request.fixturenames:
+    yield
+    return
+  with helpers.shared_step_reads(_READS):
+    yield
 
 
 def _adamw_step(loss, params, batch):

@@ -34,7 +34,10 @@ buffer. There the gradient is made on the weight's shard (:func:`shard_gradients
 residual moved from the batch's rows into the features the weight is split on (an all-to-all),
 the cotangent gathered over the batch, nothing reduced -- the program XLA's partitioner makes by
 itself for a plain FSDP ``jax.jit`` of such a step. The planner prices it
-(``pricing.gradient_on_shard``).
+(``pricing.gradient_on_shard``). So it is in a ``lax.cond``'s backward branch, from the residual
+the forward's conditional hands out (:func:`_follow_branches`), as XLA's partitioner does for the
+plain FSDP jit on a Mesh of automatic axes; a weight whose cotangent there is the larger is
+gathered again in the backward's branch instead (:meth:`_Evaluator._cond`).
 """
 
 from __future__ import annotations
@@ -194,7 +197,8 @@ def _shard_gradient_eqns(jaxpr, shards: Mapping[Any, P], tracked: Mapping[Any, P
 
 def _eqn_at(jaxpr, where):
   """The equation :func:`shard_gradients` names by ``where``: its index in ``jaxpr``, or the
-  path of indices through the jax.checkpoint calls that hold it."""
+  path of indices through the jax.checkpoint calls (an index) and lax.cond branches (``(index,
+  branch)``) that hold it."""
   for n in () if isinstance(where, int) else where[:-1]:
     jaxpr = _step_into(jaxpr, n)
   return jaxpr.eqns[where if isinstance(where, int) else where[-1]]
@@ -348,11 +352,12 @@ class ShardGradient:
 def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[Any, ShardGradient], ...]]:
   """(index of a rank-2 float32 weight among ``jaxpr``'s invars, its dimension the layout
   splits over the batch axes) -> a part per product that makes its gradient: (the index of the
-  equation, or the path of indices to it through jax.checkpoint calls: :func:`_follow_gradients`,
+  equation, or the path to it through jax.checkpoint calls and cond branches: :func:`_eqn_at`,
   how), for each weight that products read directly (``x @ w``, and again ``y @ w``; at the top
-  level or in a jax.checkpoint call) and whose gradient's parts are each one float32 product of
-  a forward product's other operand (its residual ``x``) and a cotangent, contracting everything
-  but one dimension of each (the batch's rows). Every part's ``how.moves`` where computing each
+  level, in a jax.checkpoint call, or in a lax.cond's branch, whose residual the forward's
+  conditional hands to the backward's: :func:`_follow_branches`) and whose gradient's parts are
+  each one float32 product of a forward product's other operand (its residual ``x``) and a
+  cotangent, contracting everything but one dimension of each (the batch's rows). Every part's ``how.moves`` where computing each
   part's shard from the activations gathers fewer bytes than the weight has
   (:func:`moves_activations`, every part's; none where one part's gather is not the smaller):
   XLA's partitioner decides so, part by part, for the plain FSDP step of a weight read by two

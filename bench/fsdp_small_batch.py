@@ -20,7 +20,10 @@ losses summed (every weight read by two products: tests/test_plan_user_steps.py'
 ``two_views``); ``remat_first``, the first layer (``gelu(x @ w1 + b1)``) inside
 ``jax.checkpoint``; ``remat_dots``, the same under ``policy=dots_saveable``; ``remat_second``,
 the second layer (``h @ w2 + b2``) inside ``jax.checkpoint``; ``remat_both``, both layers each
-inside its own (issue 39's checkpoint rows, docs/benchmarks.md review20a and fsdp21).
+inside its own (issue 39's checkpoint rows, docs/benchmarks.md review20a and fsdp21);
+``gated_head``, the loss through one of two first layers a parameter gates, ``lax.cond(flag > 0,
+MLP of w1, MLP of head)`` (tests/test_plan_user_steps.py's ``gated_head``: each branch's
+gradients made in the backward's conditional, docs/benchmarks.md cond21b).
 
 ``--layouts`` times, beside the two, the other layouts a user may write of the same step on the
 same mesh -- DP (every leaf replicated, the batch over ``fsdp``) and each weight matrix alone
@@ -52,7 +55,8 @@ CASES = ((128, 512, 16), (128, 512, 64), (128, 512, 136), (128, 512, 256), (128,
 
 
 # the MLP's variants (--models): the issue's rows fsdp19 left (docs/benchmarks.md, fsdp19b)
-MODELS = ("mlp", "two_views", "remat_first", "remat_dots", "remat_second", "remat_both")
+MODELS = ("mlp", "two_views", "remat_first", "remat_dots", "remat_second", "remat_both",
+          "gated_head")
 
 
 def _first(p, x):
@@ -77,6 +81,9 @@ def make(d: int, hidden: int, batch: int, model: str = "mlp"):
     return jnp.mean((second(p, first(p, x)) - y) ** 2)
 
   def loss(p, batch):
+    if model == "gated_head":
+      other = lambda q: mse({**q, "w1": q["head"]}, batch["x"], batch["y"])
+      return jax.lax.cond(p["flag"] > 0, lambda q: mse(q, batch["x"], batch["y"]), other, p)
     value = mse(p, batch["x"], batch["y"])
     if model == "two_views":
       value = value + mse(p, batch["x"][:, ::-1], batch["y"])
@@ -89,6 +96,9 @@ def make(d: int, hidden: int, batch: int, model: str = "mlp"):
 
   params = {"w1": normal(d, hidden), "b1": jnp.zeros((hidden,)), "w2": normal(hidden, d),
             "b2": jnp.zeros((d,))}
+  if model == "gated_head":
+    params["head"] = 0.1 * jax.random.normal(jax.random.key(7), (d, hidden), jnp.float32)
+    params["flag"] = jnp.asarray(1.0, jnp.float32)
   return step, (params, tx.init(params), {"x": normal(batch, d), "y": normal(batch, d)})
 
 

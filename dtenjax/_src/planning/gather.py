@@ -34,7 +34,10 @@ buffer. There the gradient is made on the weight's shard (:func:`shard_gradients
 residual moved from the batch's rows into the features the weight is split on (an all-to-all),
 the cotangent gathered over the batch, nothing reduced -- the program XLA's partitioner makes by
 itself for a plain FSDP ``jax.jit`` of such a step. The planner prices it
-(``pricing.gradient_on_shard``).
+(``pricing.gradient_on_shard``). So it is in a ``lax.cond``'s backward branch, from the residual
+the forward's conditional hands out (:func:`_follow_branches`), as XLA's partitioner does for the
+plain FSDP jit on a Mesh of automatic axes; a weight whose cotangent there is the larger is
+gathered again in the backward's branch instead (:meth:`_Evaluator._cond`).
 """
 
 from __future__ import annotations
@@ -194,14 +197,23 @@ def _shard_gradient_eqns(jaxpr, shards: Mapping[Any, P], tracked: Mapping[Any, P
 
 def _eqn_at(jaxpr, where):
   """The equation :func:`shard_gradients` names by ``where``: its index in ``jaxpr``, or the
-  path of indices through the jax.checkpoint calls that hold it."""
+  path of indices through the jax.checkpoint calls (an index) and lax.cond branches (``(index,
+  branch)``) that hold it."""
   for n in () if isinstance(where, int) else where[:-1]:
-    jaxpr = _sub_jaxpr(jaxpr.eqns[n])[0]
+    jaxpr = _step_into(jaxpr, n)
   return jaxpr.eqns[where if isinstance(where, int) else where[-1]]
 
 
+def _step_into(jaxpr, n):
+  """The jaxpr a path's step ``n`` enters: a call's body (an equation's index), or a
+  ``lax.cond``'s branch (``(index, branch)``)."""
+  if isinstance(n, tuple):
+    return jaxpr.eqns[n[0]].params["branches"][n[1]].jaxpr
+  return _sub_jaxpr(jaxpr.eqns[n])[0]
+
+
 def _remats_holding(jaxpr, wheres) -> frozenset:
-  """ids of the jax.checkpoint calls that hold the equations at ``wheres`` (paths of
+  """ids of the jax.checkpoint calls and conds that hold the equations at ``wheres`` (paths of
   :func:`shard_gradients`): the evaluator enters them to make those gradients on the shard."""
   out = set()
   for where in wheres:
@@ -209,8 +221,8 @@ def _remats_holding(jaxpr, wheres) -> frozenset:
       continue
     inner = jaxpr
     for n in where[:-1]:
-      out.add(id(inner.eqns[n]))
-      inner = _sub_jaxpr(inner.eqns[n])[0]
+      out.add(id(inner.eqns[n[0] if isinstance(n, tuple) else n]))
+      inner = _step_into(inner, n)
   return frozenset(out)
 
 
@@ -340,11 +352,12 @@ class ShardGradient:
 def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[Any, ShardGradient], ...]]:
   """(index of a rank-2 float32 weight among ``jaxpr``'s invars, its dimension the layout
   splits over the batch axes) -> a part per product that makes its gradient: (the index of the
-  equation, or the path of indices to it through jax.checkpoint calls: :func:`_follow_gradients`,
+  equation, or the path to it through jax.checkpoint calls and cond branches: :func:`_eqn_at`,
   how), for each weight that products read directly (``x @ w``, and again ``y @ w``; at the top
-  level or in a jax.checkpoint call) and whose gradient's parts are each one float32 product of
-  a forward product's other operand (its residual ``x``) and a cotangent, contracting everything
-  but one dimension of each (the batch's rows). Every part's ``how.moves`` where computing each
+  level, in a jax.checkpoint call, or in a lax.cond's branch, whose residual the forward's
+  conditional hands to the backward's: :func:`_follow_branches`) and whose gradient's parts are
+  each one float32 product of a forward product's other operand (its residual ``x``) and a
+  cotangent, contracting everything but one dimension of each (the batch's rows). Every part's ``how.moves`` where computing each
   part's shard from the activations gathers fewer bytes than the weight has
   (:func:`moves_activations`, every part's; none where one part's gather is not the smaller):
   XLA's partitioner decides so, part by part, for the plain FSDP step of a weight read by two
@@ -373,7 +386,7 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[Any, ShardGradie
 
 def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, list],
                       path: tuple[int, ...], avals: Sequence[Any], out: dict,
-                      seen: dict) -> None:
+                      seen: dict) -> dict:
   """:func:`shard_gradients`' walk of ``jaxpr`` (the step's, or a jax.checkpoint call's body at
   ``path``, the equations' indices that lead to it): ``index`` maps its variables that are a
   weight (the step's invars, or a call's invars that the caller's weight enters) to the
@@ -389,8 +402,9 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
   the gradient there from the residual the top-level forward product read (``x`` of ``x @ w1``
   handed into the call). XLA's partitioner inlines the call and makes such a gradient on the
   weight's shard as it does a top-level one, for the plain FSDP step."""
-  forward: dict[Any, list[tuple[int, int, int]]] = {
-      v: list(f) for v, f in forward_in.items()}   # residual -> (weight, w dim, x dim)
+  # residual -> (weight, w dim, x dim, the branches of the conds it was made in: _follow_branches)
+  forward: dict[Any, list[tuple[int, int, int, tuple]]] = {
+      v: list(f) for v, f in forward_in.items()}
   for eqn in jaxpr.eqns:
     if eqn.primitive.name != "dot_general":
       continue
@@ -401,7 +415,7 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
         continue
       wc, xc = (lc, rc) if w == 0 else (rc, lc)
       if len(wv.aval.shape) == 2 and len(wc) == 1 and not lb and not isinstance(xv, jcore.Literal):
-        forward.setdefault(xv, []).append((index[wv], wc[0], xc[0]))
+        forward.setdefault(xv, []).append((index[wv], wc[0], xc[0], ()))
   for n, eqn in enumerate(jaxpr.eqns):
     where = (*path, n) if path else n
     if eqn.primitive.name in _REMATS:
@@ -413,6 +427,9 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
         _follow_gradients(inner, {i: index[o] for o, i in pairs if o in index},
                           {i: forward[o] for o, i in pairs if o in forward},
                           (*path, n), avals, out, seen)
+      continue
+    if eqn.primitive.name == "cond":
+      _follow_branches(eqn, n, index, forward, path, avals, out, seen)
       continue
     if eqn.primitive.name != "dot_general":
       continue
@@ -427,8 +444,10 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
       x, g = ops[a], ops[1 - a]
       if g in index:           # a product of two of the step's arguments: no cotangent
         continue
-      for k, wdim, xdim in forward.get(x, ()):
+      for k, wdim, xdim, branches in forward.get(x, ()):
         w = avals[k]
+        if branches:           # made in another cond's branch: read in its backward's alone
+          continue
         other = 1 - wdim
         if (free[a][0] != xdim or x.aval.shape[xdim] != w.shape[wdim]
             or g.aval.shape[free[1 - a][0]] != w.shape[other]):
@@ -448,6 +467,37 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
         out.setdefault((k, wdim), []).append(
             (where, ShardGradient(a, xdim, nbytes(g.aval), nbytes(x.aval), False,
                                   str(g.aval.dtype))))
+  return forward
+
+
+def _follow_branches(eqn, n: int, index: Mapping[Any, int], forward: dict,
+                     path: tuple, avals: Sequence[Any], out: dict, seen: dict) -> None:
+  """:func:`_follow_gradients` into each branch of a ``lax.cond`` (step ``(n, branch)`` of the
+  path). A forward product in a branch reads a weight the cond's operand carries; its residual
+  (``h`` of ``h @ w2``, made in the branch, or ``x`` of ``x @ w1``, an operand) leaves the
+  forward's conditional as one of its results, which jax's partial evaluation hands to the
+  backward's conditional, whose branch makes the gradient from it (``h.T @ dy``). Such a result,
+  and such an operand, are followed out into ``forward`` for the conditionals after it, marked
+  with the branch: the backward's conditional runs the branch of the same index (jax's
+  transpose of a cond keeps the branches' order), and its product in another branch is another
+  weight's gradient (gated_head: ``x`` the residual of ``x @ w1`` in one branch and of ``x @
+  head`` in the other)."""
+  ops = eqn.invars[1:]
+  for j, branch in enumerate(eqn.params["branches"]):
+    inner = branch.jaxpr
+    pairs = [(o, i) for o, i in zip(ops, inner.invars) if not isinstance(o, jcore.Literal)]
+    entering = {i: [(*f[:3], f[3][1:]) for f in forward.get(o, ()) if not f[3] or f[3][0] == j]
+                for o, i in pairs}
+    found = _follow_gradients(inner, {i: index[o] for o, i in pairs if o in index},
+                              {i: f for i, f in entering.items() if f},
+                              (*path, (n, j)), avals, out, seen)
+    handed = [(o, i) for o, i in zip(eqn.outvars, inner.outvars)
+              if not isinstance(o, jcore.DropVar) and not isinstance(i, jcore.Literal)]
+    for o, i in pairs + handed:
+      for f in found.get(i, ()):
+        f = (*f[:3], (j, *f[3]))
+        if f not in forward.setdefault(o, []):
+          forward[o].append(f)
 
 
 def moves_activations(gathered: int, weight: int) -> bool:
@@ -754,7 +804,8 @@ class _Evaluator:
     operands = eqn.invars[1:]
     inners = [{iv: tracked[ov] for iv, ov in zip(b.jaxpr.invars, operands)
                if not isinstance(ov, jcore.Literal) and ov in tracked} for b in branches]
-    if not any(set(inner) & _feeds_products(b.jaxpr) for b, inner in zip(branches, inners)):
+    if (not any(set(inner) & _feeds_products(b.jaxpr) for b, inner in zip(branches, inners))
+        and id(eqn) not in self.enter):
       return None
     for b in branches:
       for iv, ov in zip(b.jaxpr.invars, operands):

@@ -266,6 +266,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   whole: list[tuple[float, int]] = []
   # whole gradients a batch axis reduces inside a lax.cond's branch: (bytes, the cond's step)
   in_branch: list[tuple[float, int]] = []
+  # (bytes a device holds for the gradients a lax.cond's branch makes on their shard, its step)
+  branch_moved: list[tuple[float, int]] = []
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
   sharded_shapes: set[tuple[int, ...]] = set()   # their shapes (and reversed)
   whole_tables: set[tuple[int, ...]] = set()   # XLA:GPU scatters their gradients into zeros
@@ -302,7 +304,13 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     in_shard = scatter is not None and not scatter.whole
     if not cpu and scatter is not None and scatter.whole_lookups:
       whole_tables.add(primary.shape)
-    on_shard = zero and gradient_on_shard(graph, g, used, m) is not None
+    parts_on_shard = gradient_on_shard(graph, g, used, m) if zero else None
+    on_shard = parts_on_shard is not None
+    if on_shard:
+      made = _branch_step(graph, primary.shape) if use is not None and use.branched else None
+      if made is not None and cpu:
+        # the cotangent gathered whole and the residual's rows moved into features, per part
+        branch_moved.append((sum(p.gathered + p.moved / bdiv for p in parts_on_shard), made))
     per_device = (primary.nbytes / shards if zero and (in_shard or on_shard or use is not None
                                                        and use.layers > 1)
                   else primary.nbytes / t_shard)
@@ -541,7 +549,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # group's reductions are new buffers at their own all-reduce, one group at a time
     _combined_reduction(graph, events, reduced, gathered, kept,
                         regrouped if held_to_reduction else None)
-    _branch_reductions(events, in_branch)
+    _branch_reductions(events, in_branch, branch_moved)
   act = grads = held_gathered = 0.0
   peak = (0.0, 0.0, 0.0)
   for t in sorted(events):
@@ -801,7 +809,8 @@ def _branch_step(graph: stepgraph.StepGraph, shape: tuple[int, ...]) -> int | No
   return last if any(v.body and v.start == last for v in graph.timeline) else None
 
 
-def _branch_reductions(events: dict, in_branch: Sequence[tuple[float, int]]) -> None:
+def _branch_reductions(events: dict, in_branch: Sequence[tuple[float, int]],
+                       branch_moved: Sequence[tuple[float, int]] = ()) -> None:
   """XLA:CPU's reductions of whole gradients made in a lax.cond's branch (an FSDP weight read
   only in a branch): the partitioner reduces them inside the branch, its last op (one combined
   all-reduce of the branch's gradients, cond19), into new buffers. The branch's own values are
@@ -810,6 +819,13 @@ def _branch_reductions(events: dict, in_branch: Sequence[tuple[float, int]]) -> 
   at batch 256: w1's and w2's gradients and their reductions, four f32 buffers of 512 KiB, at
   offsets apart from the six f32[32,1024] residuals the backward's conditional reads; priced
   after the backward, where the residuals are dead, the model was 0.77 MiB of temp under).
+  A gradient the same branch makes on its weight's shard beside that reduction
+  (``branch_moved``: gather.shard_gradients in a branch, cond21b) holds its operands there too,
+  the cotangent gathered whole and the residual moved into features: XLA:CPU's buffer
+  assignment of nested_conds on `fsdp` 8 at batch 512 (w2 moved, w1 reduced) gives both
+  f32[512,128] operands offsets of their own beside w1's gradient, its reduction and the
+  residuals (0.50 MiB of temp the model was under, -13.7 %). A branch that reduces nothing
+  peaks elsewhere, and its moved operands are left to the branch's values.
   Adds the events to ``events`` (time -> (activations, gradients, gathered) deltas)."""
   at: dict[int, float] = {}
   for nb, t in in_branch:
@@ -817,6 +833,10 @@ def _branch_reductions(events: dict, in_branch: Sequence[tuple[float, int]]) -> 
   for t, nb in at.items():
     events.setdefault(t + 0.5, []).append((0.0, nb, 0.0))
     events.setdefault(t + 1, []).append((0.0, -nb, 0.0))
+  for nb, t in branch_moved:
+    if t in at:
+      events.setdefault(t + 0.5, []).append((nb, 0.0, 0.0))
+      events.setdefault(t + 1, []).append((-nb, 0.0, 0.0))
 
 
 def _fourth_slot(slot: tuple[float, stepgraph.Live], graph: stepgraph.StepGraph,

@@ -622,8 +622,31 @@ def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
       return {}
   if any(len(found) < parts.get(leaves[k].shape, 1) for (k, _), found in followed.items()):
     return {}
-  return {key: tuple(how for _, how in found) for key, found in followed.items()
+  return {key: tuple(how for _, how in _one_branch(found)) for key, found in followed.items()
           if found[0][1].moves}
+
+
+def _one_branch(found: tuple) -> tuple:
+  """Of a weight's gradient parts (gather.shard_gradients: (path, how)), those one run of the
+  step makes: a part in a ``lax.cond``'s branch beside one in another branch of the same
+  conditional (a weight both branches read, gated_head's w2) is the other's alternative, and
+  XLA runs one branch's all-to-all and gather, not both (plan.check counts the priced branch's
+  collectives; priced twice, all-to-all +100 %)."""
+  kept: list = []
+  for where, how in found:
+    steps = (where,) if isinstance(where, int) else where
+    if not any(_apart(steps, (w,) if isinstance(w, int) else w) for w, _ in kept):
+      kept.append((where, how))
+  return tuple(kept)
+
+
+def _apart(a: tuple, b: tuple) -> bool:
+  """Whether two paths (gather._eqn_at's) part in two branches of one conditional."""
+  for x, y in zip(a, b):
+    if x == y:
+      continue
+    return (isinstance(x, tuple) and isinstance(y, tuple) and x[0] == y[0])
+  return False
 
 
 def _checkpointed_first(use) -> bool:

@@ -25,6 +25,7 @@ from dtenjax._src.planning.candidates import Layout
 from dtenjax._src.planning.candidates import batch_div
 from dtenjax._src.planning.candidates import layouts
 from dtenjax._src.planning.candidates import splits_batch
+from dtenjax._src.planning.pricing import XLA_VERSION
 from dtenjax._src.planning.pricing import Price
 from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
@@ -587,11 +588,16 @@ def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int 
   each product's whole gradient under FSDP (``tanh(tanh(h @ w) @ w)`` over [4, 256, 256] on
   `fsdp` 8: one f32[256,256] more, -13.2 % with one counted)."""
   elems = leaf.nbytes / leaf.itemsize
-  wide = 4.0 if leaf.itemsize < 4 and stepgraph.is_float(leaf.dtype) else float(leaf.itemsize)
+  gather_wide = 4.0 if leaf.itemsize < 4 and stepgraph.is_float(leaf.dtype) else float(leaf.itemsize)
+  # jaxlib 0.11's XLA:CPU computes a bfloat16 product in bfloat16 (no hoisted float32 copy,
+  # the layer's gradient and copy in its own dtype; the same step on 0.11.2 was priced
+  # +38.7 % with 0.10's widening, -3 % with the gathered layer's alone), as the dequantized
+  # copies of pricing.py (XLA_VERSION)
+  wide = gather_wide if XLA_VERSION < (0, 11) else float(leaf.itemsize)
   layer = elems / layers
   held = [elems / shards * wide] if wide > leaf.itemsize else []   # the hoisted conversion
   if zero:
-    held.append(layer * (wide - leaf.itemsize))   # the gathered layer, float32 where priced 16-bit
+    held.append(layer * (gather_wide - leaf.itemsize))   # the gathered layer, float32 (wire)
     if unroll > 1:
       # a partly unrolled body's layers: each one's gradient and its reduction, a new buffer
       # of the combined all-reduce of the iteration's gradients, the gathered one priced

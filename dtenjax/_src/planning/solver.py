@@ -272,6 +272,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # loop's values do not count (_scanned_stack_bytes)
   loop_held: dict[tuple[int, ...], list[float]] = {}
   sliced = {k: d for leaves, _ in graph.stacks.values() for k, d in leaves.items()}
+  stacked: list[tuple[int, stepgraph.Leaf, stepgraph.WeightUse, int, bool]] = []
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -331,8 +332,12 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # of 8 checkpointed residual MLP layers on `fsdp` 8, tests/test_step_planner_memory.py, went
     # from within 10 % of the user's per-layer FSDP program to +11.3 % with it; not read)
     if cpu and use is not None and use.layers > 1 and not use.remat and g[0] in sliced:
-      loop_held[primary.shape] = _scanned_stack_bytes(primary, use.layers, shards, zero,
-                                                        stacked_parts(use, backend), use.unroll)
+      # (a stack split over 'tensor' too: XLA:CPU gathers the layer's part over the batch axis
+      # into the product's layout and all-reduces its gradient's part into that buffer, none
+      # of the whole layer held: a [4, 256, 256] stack laid out P(None, 'fsdp', 'tensor') on
+      # `fsdp` 4 x `tensor` 2 is one f32[256,128] buffer of its layer in XLA:CPU's buffer
+      # assignment, the gathered layer priced; with the whole layer's the model was +42.0 %)
+      stacked.append((g[0], primary, use, shards, zero and t_shard == 1))
     # a parameter the loss never reads has no gradient value: its constant zero is fused into
     # the update, neither sized beside the gradients of its shape nor reduced (unused_parameter
     # in tests/test_plan_user_steps.py: a head of w1's shape, replicated over 'tensor' where w1
@@ -395,6 +400,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     reduced.extend((nb, 1) for nb in single)
     # (so where it holds a dequantized weight's gradient, which no output takes: w2's reduced
     # f32[256,128] in XLA:CPU's temp beside an int8 weight's with a trained scale, `data` 8)
+  for shape, held in _loop_held(graph, stacked, backend).items():
+    loop_held.setdefault(shape, []).extend(held)
   hoisted = _zeros_before_the_loop(graph, whole_tables)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
@@ -511,8 +518,32 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   return {"activations": peak[0], "grads": peak[1], "gathered": peak[2]}
 
 
+def _loop_held(graph: stepgraph.StepGraph, stacked: Sequence[tuple], backend: str
+               ) -> dict[tuple[int, ...], list[float]]:
+  """:func:`_scanned_stack_bytes` of each scanned stack of ``stacked`` ((leaf index, leaf, its
+  use, its shards, whether a batch axis alone splits it)), summed by the stack's shape (two
+  stacks of one shape are two sets of buffers). Where one scan's body gathers several stacks'
+  layers under FSDP, XLA:CPU's backward body holds each layer's gradient and its reduction at
+  the iteration's combined all-reduce, the gathered layers and their copies dead by then, of
+  which the plan prices one gathered layer (the largest, ``Price.gathered_peak``): the stacks
+  of a scan are grouped by the scan's length (``StepGraph.stacks``)."""
+  scan_of = {k: n for n, (leaves, _) in graph.stacks.items() for k in leaves}
+  gathered: dict[int, list[tuple[float, int]]] = {}
+  for k, leaf, use, _, zero in stacked:
+    if zero:
+      gathered.setdefault(scan_of[k], []).append((leaf.nbytes / use.layers, k))
+  held: dict[tuple[int, ...], list[float]] = {}
+  for k, leaf, use, shards, zero in stacked:
+    group = gathered.get(scan_of[k], [])
+    held.setdefault(leaf.shape, []).extend(_scanned_stack_bytes(
+        leaf, use.layers, shards, zero, stacked_parts(use, backend), use.unroll,
+        alone=len(group) <= 1, priced=not group or max(group)[1] == k))
+  return held
+
+
 def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int = 0,
-                         unroll: int = 1) -> list[float]:
+                         unroll: int = 1, alone: bool = True, priced: bool = True
+                         ) -> list[float]:
   """What XLA:CPU holds while the backward loop of a ``lax.scan`` over a stacked weight runs,
   beyond the loop's values the timeline counts and the gathered layer the plan prices
   (``Price.gathered_peak``), in bytes per device. Where a batch axis shards the stack (FSDP,
@@ -540,13 +571,17 @@ def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int 
   layer = elems / layers
   held = [elems / shards * wide] if wide > leaf.itemsize else []   # the hoisted conversion
   if zero:
-    held.append(layer * (wide - leaf.itemsize))   # the gathered layer, float32 where priced 16-bit
-    if unroll > 1:
-      # a partly unrolled body's layers: each one's gradient and its reduction, a new buffer
-      # of the combined all-reduce of the iteration's gradients, the gathered one priced
-      held += [layer * wide] * (2 * unroll * max(1, parts) - 1)
+    if unroll > 1 or not alone:
+      # a body that gathers several layers (a partly unrolled one's, or other stacks' beside
+      # this one's, ``alone`` False): each one's gradient and its reduction, a new buffer of
+      # the combined all-reduce of the iteration's gradients
+      n = 2 * unroll * max(1, parts)
     else:
-      held += [layer * wide] * (1 + max(1, parts))   # the gradient(s), the gathered layer's copy
+      n = 2 + max(1, parts)   # the gathered layer, its copy, the gradient(s)
+    if priced:                # the gathered layer the plan prices, float32 where priced 16-bit
+      held.append(layer * (wide - leaf.itemsize))
+      n -= 1
+    held += [layer * wide] * n
   return held
 
 

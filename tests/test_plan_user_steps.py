@@ -2080,16 +2080,22 @@ def adversarial_perturbation(mesh=None):
   return Case(step, (p, tx.init(p), _xy()), plan_kwargs={} if mesh is None else {"mesh": mesh})
 
 
-def test_a_gradient_the_step_drops_is_not_reduced():
+@pytest.mark.parametrize("mesh", [{"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 4}])
+def test_a_gradient_the_step_drops_is_not_reduced(mesh):
   # coll21: adversarial_perturbation on `fsdp` 4 x `tensor` 2. The step reads each weight as
   # often as one that keeps both gradients (two forward products, the input gradients'), but
   # XLA removes the dropped gradient's products: one gradient part a weight, w1's and w2's
   # halves (over 'tensor') all-reduced over 'fsdp' once, 128 KiB each (the compiled HLO, beside
   # three f32[16, 128] over 'tensor': the input's gradient and w2's row-parallel outputs).
   # Before, each weight was priced two gradient parts (stepgraph._grad_parts from its reads):
-  # all-reduce 0.52 MiB priced, 0.27 compiled (+88 %)
+  # all-reduce 0.52 MiB priced, 0.27 compiled (+88 %). On `data` 2 x `fsdp` 4 the weights'
+  # gradients are made on their shards (gather.shard_gradients), which followed the dropped
+  # gradient's product too: each weight priced two parts' activations moved and two shards
+  # all-reduced over `data` where XLA moves and reduces one (review21b: all-gather +13.5 %,
+  # all-to-all +100 %, all-reduce +98.1 %; 64 KiB of w1's and w2's shards over `data` compiled)
   case = adversarial_perturbation()
-  plan = dtenjax.plan(case.step, *case.args, mesh={"fsdp": 4, "tensor": 2})
+  plan = dtenjax.plan(case.step, *case.args, mesh=mesh)
   check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
-  assert check.compiled_bytes["all_reduce"] >= 2 * 128 * 512 // 2 * 4, check.table()
+  least = 2 * 128 * 512 // 2 * 4 if "tensor" in mesh else 2 * 128 * 512 // 4 * 4
+  assert check.compiled_bytes["all_reduce"] >= least, check.table()
   assert not check.misses(0.10), check.table()

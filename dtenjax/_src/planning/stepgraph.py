@@ -614,6 +614,12 @@ def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
   1.41; a weight read by two products, two_views at batch 256: w2's two parts moved and w1's
   reduced, 1.42 MiB against the plain jit's 1.97)."""
   followed = gather.shard_gradients(jaxpr)
+  # (not a product the step's results do not need: a gradient the step computes and drops,
+  # which XLA removes, _dropped_parts)
+  needed = jaxpr_reader._needed(jaxpr)[0]
+  followed = {key: kept for key, found in followed.items()
+              if (kept := tuple((n, how) for n, how in found
+                                if not isinstance(n, int) or id(jaxpr.eqns[n]) in needed))}
   weighed = {k for k, _ in followed}
   for group in groups.values():
     if (any(k in weights and not leaves[k].is_batch and not _checkpointed_first(weights[k])

@@ -270,7 +270,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   moved: set[int] = set()       # leaves whose gradient the layout makes on their shard
   # a scanned stack's shape -> what XLA:CPU holds while the backward loop over it runs that the
   # loop's values do not count (_scanned_stack_bytes)
-  loop_held: dict[tuple[int, ...], list[float]] = {}
+  loop_held: dict[tuple[int, ...], list[list[float]]] = {}
   sliced = {k: d for leaves, _ in graph.stacks.values() for k, d in leaves.items()}
   stacked: list[tuple[int, stepgraph.Leaf, stepgraph.WeightUse, int, bool]] = []
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
@@ -400,8 +400,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     reduced.extend((nb, 1) for nb in single)
     # (so where it holds a dequantized weight's gradient, which no output takes: w2's reduced
     # f32[256,128] in XLA:CPU's temp beside an int8 weight's with a trained scale, `data` 8)
-  for shape, held in _loop_held(graph, stacked, backend).items():
-    loop_held.setdefault(shape, []).extend(held)
+  loop_held.update(_loop_held(graph, stacked, backend))
   hoisted = _zeros_before_the_loop(graph, whole_tables)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
@@ -426,12 +425,14 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       sizes = (shard_sizes.get(v.grad) if v.update else
                grad_sizes.get(v.grad) or turned.get(v.grad))
       nb = sum(sizes) / len(sizes) if sizes else v.nbytes / bdiv
-      if not v.body and not v.update and v.grad in loop_held:
+      if not v.body and not v.update and loop_held.get(v.grad):
         # the backward loop that makes a scanned stack's gradient holds its layer's whole
         # gradient and the gathered layer's copy in its body under FSDP, a 16-bit stack's
-        # float32 conversion beside it (_scanned_stack_bytes)
+        # float32 conversion beside it (_scanned_stack_bytes): one stack's at each gradient
+        # of its shape (the stacks of one shape a body reads are made at one step, two scans'
+        # at two)
         held = dataclasses.replace(v, grad=None, update=False, end=v.start)
-        values.extend((nb, held) for nb in loop_held.pop(v.grad) if nb > 0)
+        values.extend((nb, held) for nb in loop_held[v.grad].pop(0) if nb > 0)
       if v.body:
         # a gradient part made in a loop's body (liveness._peak's loop_parts), live beside the
         # carried gradient while the loop runs, in an output buffer where one is free, and
@@ -519,25 +520,24 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
 
 
 def _loop_held(graph: stepgraph.StepGraph, stacked: Sequence[tuple], backend: str
-               ) -> dict[tuple[int, ...], list[float]]:
+               ) -> dict[tuple[int, ...], list[list[float]]]:
   """:func:`_scanned_stack_bytes` of each scanned stack of ``stacked`` ((leaf index, leaf, its
-  use, its shards, whether a batch axis alone splits it)), summed by the stack's shape (two
-  stacks of one shape are two sets of buffers). Where one scan's body gathers several stacks'
-  layers under FSDP, XLA:CPU's backward body holds each layer's gradient and its reduction at
+  use, its shards, whether a batch axis alone splits it)), a list a stack, by the stack's shape
+  (two stacks of one shape are two sets of buffers, each held where its gradient is made).
+  Where one scan's body gathers several stacks' layers under FSDP (``StepGraph.
+  stacked_together``), XLA:CPU's backward body holds each layer's gradient and its reduction at
   the iteration's combined all-reduce, the gathered layers and their copies dead by then, of
-  which the plan prices one gathered layer (the largest, ``Price.gathered_peak``): the stacks
-  of a scan are grouped by the scan's length (``StepGraph.stacks``)."""
-  scan_of = {k: n for n, (leaves, _) in graph.stacks.items() for k in leaves}
-  gathered: dict[int, list[tuple[float, int]]] = {}
-  for k, leaf, use, _, zero in stacked:
-    if zero:
-      gathered.setdefault(scan_of[k], []).append((leaf.nbytes / use.layers, k))
-  held: dict[tuple[int, ...], list[float]] = {}
-  for k, leaf, use, shards, zero in stacked:
-    group = gathered.get(scan_of[k], [])
-    held.setdefault(leaf.shape, []).extend(_scanned_stack_bytes(
-        leaf, use.layers, shards, zero, stacked_parts(use, backend), use.unroll,
-        alone=len(group) <= 1, priced=not group or max(group)[1] == k))
+  which the plan prices one gathered layer (the largest, ``Price.gathered_peak``): XLA:CPU's
+  buffer assignment of ``h + tanh(h @ w1) @ w2`` scanned over [2, 128, 256] and [2, 256, 128]
+  on `fsdp` 8 holds four f32 layer buffers in the body, and each stack more read in the body
+  adds two (three [2, 256, 256] stacks: +540,704 bytes of temp over two)."""
+  zero = {k: leaf.nbytes / use.layers for k, leaf, use, _, z in stacked if z}
+  held: dict[tuple[int, ...], list[list[float]]] = {}
+  for k, leaf, use, shards, z in stacked:
+    group = {j for s in graph.stacked_together if k in s for j in s if j in zero} | {k}
+    held.setdefault(leaf.shape, []).append(_scanned_stack_bytes(
+        leaf, use.layers, shards, z, stacked_parts(use, backend), use.unroll,
+        alone=len(group) <= 1, priced=max(group, key=lambda j: (zero.get(j, 0.0), j)) == k))
   return held
 
 

@@ -189,6 +189,8 @@ class StepGraph:
   # the scanned stacks of layers: scan length -> (state leaf -> the leaf dimension the scan
   # slices, the bytes of the forward scan's carry, global); a pipeline's stages split one of them
   stacks: dict[int, tuple[dict[int, int], int]] = dataclasses.field(default_factory=dict)
+  # the state leaves one scan slices, a set a scan (stacks.together): the stacks its body reads
+  stacked_together: tuple[frozenset[int], ...] = ()
 
   # products (dot_general, convolutions) run per step, loop trips counted
   products: int = 0
@@ -560,7 +562,8 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
                    lookup_dtypes=dict(reader.lookup_dtypes),
                    reduced=frozenset(reduced),
                    routed_gathers=_routed_gathers(reader, reduced, leaves),
-                   stacks=stacks.read(reader.scans), timeline=timeline,
+                   stacks=stacks.read(reader.scans), stacked_together=stacks.together(reader.scans),
+                   timeline=timeline,
                    products=reader.products, token_bytes=reader.token_bytes,
                    token_share=_token_share(reader, {**cones, **reduced}),
                    sequence=sequence_lib.read(closed.jaxpr, leaves),

@@ -35,6 +35,7 @@ from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
 from dtenjax._src.planning.pricing import read_leaf
 from dtenjax._src.planning.pricing import reduced_in_loop
+from dtenjax._src.planning.pricing import XLA_VERSION
 from dtenjax._src.planning.pricing import stacked_parts
 from dtenjax._src.planning.pricing import start_wait
 from dtenjax._src.planning.roles import BATCH_AXES
@@ -569,7 +570,14 @@ def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int 
   elems = leaf.nbytes / leaf.itemsize
   wide = 4.0 if leaf.itemsize < 4 and stepgraph.is_float(leaf.dtype) else float(leaf.itemsize)
   layer = elems / layers
-  held = [elems / shards * wide] if wide > leaf.itemsize else []   # the hoisted conversion
+  # (jaxlib 0.11's XLA:CPU converts no 16-bit stack before the loops: its products read the
+  # layer converted back to 16-bit in the product's layout, the copy, whose buffer the gradient's
+  # float32 reduction then takes; review21b, [4, 256, 256] bfloat16 on `fsdp` 8: the gathered
+  # f32[1,256,256] and the bf16[256,256] copy, then the f32 gradient and its all-reduce in their
+  # two buffers, 561,592 bytes of temp, where 0.10's rule priced +38.7 %; replicated at 128
+  # none, +30.2 %)
+  converted = wide > leaf.itemsize and XLA_VERSION < (0, 11)
+  held = [elems / shards * wide] if converted else []   # the hoisted conversion
   if zero:
     if unroll > 1 or not alone:
       # a body that gathers several layers (a partly unrolled one's, or other stacks' beside
@@ -577,7 +585,9 @@ def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int 
       # the combined all-reduce of the iteration's gradients
       n = 2 * unroll * max(1, parts)
     else:
-      n = 2 + max(1, parts)   # the gathered layer, its copy, the gradient(s)
+      # the gathered layer, its copy (16-bit on jaxlib 0.11, the reduction in its place), the
+      # gradient(s)
+      n = 2 + max(1, parts) - (wide > leaf.itemsize and not converted)
     if priced:                # the gathered layer the plan prices, float32 where priced 16-bit
       held.append(layer * (wide - leaf.itemsize))
       n -= 1

@@ -25,7 +25,6 @@ from dtenjax._src.planning.candidates import Layout
 from dtenjax._src.planning.candidates import batch_div
 from dtenjax._src.planning.candidates import layouts
 from dtenjax._src.planning.candidates import splits_batch
-from dtenjax._src.planning.pricing import XLA_VERSION
 from dtenjax._src.planning.pricing import Price
 from dtenjax._src.planning.pricing import Pricer
 from dtenjax._src.planning.pricing import StepCost
@@ -36,6 +35,7 @@ from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
 from dtenjax._src.planning.pricing import read_leaf
 from dtenjax._src.planning.pricing import reduced_in_loop
+from dtenjax._src.planning.pricing import XLA_VERSION
 from dtenjax._src.planning.pricing import stacked_parts
 from dtenjax._src.planning.pricing import start_wait
 from dtenjax._src.planning.roles import BATCH_AXES
@@ -276,13 +276,14 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   held_to_reduction: set[tuple[int, ...]] = set()   # their gradients' shapes (and reversed)
   # a scanned stack's shape -> what XLA:CPU holds while the backward loop over it runs that the
   # loop's values do not count (_scanned_stack_bytes)
-  loop_held: dict[tuple[int, ...], list[float]] = {}
+  loop_held: dict[tuple[int, ...], list[list[float]]] = {}
   sliced = {k: d for leaves, _ in graph.stacks.values() for k, d in leaves.items()}
   # the batch axes that split the batch: a replicated gradient's all-reduce spans them all
   spanned = frozenset(a for a in BATCH_AXES if m.size[a] > 1)
   # reduced's entries first reduced over some of them only -> those axes (_combined_reduction)
   regrouped: dict[int, frozenset[str]] = {}
   whole_axes: dict[int, frozenset[str]] = {}   # the same for whole's groups
+  stacked: list[tuple[int, stepgraph.Leaf, stepgraph.WeightUse, int, bool]] = []
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -347,8 +348,12 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # of 8 checkpointed residual MLP layers on `fsdp` 8, tests/test_step_planner_memory.py, went
     # from within 10 % of the user's per-layer FSDP program to +11.3 % with it; not read)
     if cpu and use is not None and use.layers > 1 and not use.remat and g[0] in sliced:
-      loop_held[primary.shape] = _scanned_stack_bytes(primary, use.layers, shards, zero,
-                                                        stacked_parts(use, backend), use.unroll)
+      # (a stack split over 'tensor' too: XLA:CPU gathers the layer's part over the batch axis
+      # into the product's layout and all-reduces its gradient's part into that buffer, none
+      # of the whole layer held: a [4, 256, 256] stack laid out P(None, 'fsdp', 'tensor') on
+      # `fsdp` 4 x `tensor` 2 is one f32[256,128] buffer of its layer in XLA:CPU's buffer
+      # assignment, the gathered layer priced; with the whole layer's the model was +42.0 %)
+      stacked.append((g[0], primary, use, shards, zero and t_shard == 1))
     # a parameter the loss never reads has no gradient value: its constant zero is fused into
     # the update, neither sized beside the gradients of its shape nor reduced (unused_parameter
     # in tests/test_plan_user_steps.py: a head of w1's shape, replicated over 'tensor' where w1
@@ -427,6 +432,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         regrouped[len(reduced)] = whole_axes[gi]
       reduced.append((nb, 1))
     whole, single = [], []
+  loop_held.update(_loop_held(graph, stacked, backend))
   hoisted = _zeros_before_the_loop(graph, whole_tables)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
@@ -451,12 +457,14 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       sizes = (shard_sizes.get(v.grad) if v.update else
                grad_sizes.get(v.grad) or turned.get(v.grad))
       nb = sum(sizes) / len(sizes) if sizes else v.nbytes / bdiv
-      if not v.body and not v.update and v.grad in loop_held:
+      if not v.body and not v.update and loop_held.get(v.grad):
         # the backward loop that makes a scanned stack's gradient holds its layer's whole
         # gradient and the gathered layer's copy in its body under FSDP, a 16-bit stack's
-        # float32 conversion beside it (_scanned_stack_bytes)
+        # float32 conversion beside it (_scanned_stack_bytes): one stack's at each gradient
+        # of its shape (the stacks of one shape a body reads are made at one step, two scans'
+        # at two)
         held = dataclasses.replace(v, grad=None, update=False, end=v.start)
-        values.extend((nb, held) for nb in loop_held.pop(v.grad) if nb > 0)
+        values.extend((nb, held) for nb in loop_held[v.grad].pop(0) if nb > 0)
       if v.body:
         # a gradient part made in a loop's body (liveness._peak's loop_parts), live beside the
         # carried gradient while the loop runs, in an output buffer where one is free, and
@@ -563,8 +571,31 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   return {"activations": peak[0], "grads": peak[1], "gathered": peak[2]}
 
 
+def _loop_held(graph: stepgraph.StepGraph, stacked: Sequence[tuple], backend: str
+               ) -> dict[tuple[int, ...], list[list[float]]]:
+  """:func:`_scanned_stack_bytes` of each scanned stack of ``stacked`` ((leaf index, leaf, its
+  use, its shards, whether a batch axis alone splits it)), a list a stack, by the stack's shape
+  (two stacks of one shape are two sets of buffers, each held where its gradient is made).
+  Where one scan's body gathers several stacks' layers under FSDP (``StepGraph.
+  stacked_together``), XLA:CPU's backward body holds each layer's gradient and its reduction at
+  the iteration's combined all-reduce, the gathered layers and their copies dead by then, of
+  which the plan prices one gathered layer (the largest, ``Price.gathered_peak``): XLA:CPU's
+  buffer assignment of ``h + tanh(h @ w1) @ w2`` scanned over [2, 128, 256] and [2, 256, 128]
+  on `fsdp` 8 holds four f32 layer buffers in the body, and each stack more read in the body
+  adds two (three [2, 256, 256] stacks: +540,704 bytes of temp over two)."""
+  zero = {k: leaf.nbytes / use.layers for k, leaf, use, _, z in stacked if z}
+  held: dict[tuple[int, ...], list[list[float]]] = {}
+  for k, leaf, use, shards, z in stacked:
+    group = {j for s in graph.stacked_together if k in s for j in s if j in zero} | {k}
+    held.setdefault(leaf.shape, []).append(_scanned_stack_bytes(
+        leaf, use.layers, shards, z, stacked_parts(use, backend), use.unroll,
+        alone=len(group) <= 1, priced=max(group, key=lambda j: (zero.get(j, 0.0), j)) == k))
+  return held
+
+
 def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int = 0,
-                         unroll: int = 1) -> list[float]:
+                         unroll: int = 1, alone: bool = True, priced: bool = True
+                         ) -> list[float]:
   """What XLA:CPU holds while the backward loop of a ``lax.scan`` over a stacked weight runs,
   beyond the loop's values the timeline counts and the gathered layer the plan prices
   (``Price.gathered_peak``), in bytes per device. Where a batch axis shards the stack (FSDP,
@@ -588,22 +619,30 @@ def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int 
   each product's whole gradient under FSDP (``tanh(tanh(h @ w) @ w)`` over [4, 256, 256] on
   `fsdp` 8: one f32[256,256] more, -13.2 % with one counted)."""
   elems = leaf.nbytes / leaf.itemsize
-  gather_wide = 4.0 if leaf.itemsize < 4 and stepgraph.is_float(leaf.dtype) else float(leaf.itemsize)
-  # jaxlib 0.11's XLA:CPU computes a bfloat16 product in bfloat16 (no hoisted float32 copy,
-  # the layer's gradient and copy in its own dtype; the same step on 0.11.2 was priced
-  # +38.7 % with 0.10's widening, -3 % with the gathered layer's alone), as the dequantized
-  # copies of pricing.py (XLA_VERSION)
-  wide = gather_wide if XLA_VERSION < (0, 11) else float(leaf.itemsize)
+  wide = 4.0 if leaf.itemsize < 4 and stepgraph.is_float(leaf.dtype) else float(leaf.itemsize)
   layer = elems / layers
-  held = [elems / shards * wide] if wide > leaf.itemsize else []   # the hoisted conversion
+  # (jaxlib 0.11's XLA:CPU converts no 16-bit stack before the loops: its products read the
+  # layer converted back to 16-bit in the product's layout, the copy, whose buffer the gradient's
+  # float32 reduction then takes; review21b, [4, 256, 256] bfloat16 on `fsdp` 8: the gathered
+  # f32[1,256,256] and the bf16[256,256] copy, then the f32 gradient and its all-reduce in their
+  # two buffers, 561,592 bytes of temp, where 0.10's rule priced +38.7 %; replicated at 128
+  # none, +30.2 %)
+  converted = wide > leaf.itemsize and XLA_VERSION < (0, 11)
+  held = [elems / shards * wide] if converted else []   # the hoisted conversion
   if zero:
-    held.append(layer * (gather_wide - leaf.itemsize))   # the gathered layer, float32 (wire)
-    if unroll > 1:
-      # a partly unrolled body's layers: each one's gradient and its reduction, a new buffer
-      # of the combined all-reduce of the iteration's gradients, the gathered one priced
-      held += [layer * wide] * (2 * unroll * max(1, parts) - 1)
+    if unroll > 1 or not alone:
+      # a body that gathers several layers (a partly unrolled one's, or other stacks' beside
+      # this one's, ``alone`` False): each one's gradient and its reduction, a new buffer of
+      # the combined all-reduce of the iteration's gradients
+      n = 2 * unroll * max(1, parts)
     else:
-      held += [layer * wide] * (1 + max(1, parts))   # the gradient(s), the gathered layer's copy
+      # the gathered layer, its copy (16-bit on jaxlib 0.11, the reduction in its place), the
+      # gradient(s)
+      n = 2 + max(1, parts) - (wide > leaf.itemsize and not converted)
+    if priced:                # the gathered layer the plan prices, float32 where priced 16-bit
+      held.append(layer * (wide - leaf.itemsize))
+      n -= 1
+    held += [layer * wide] * n
   return held
 
 

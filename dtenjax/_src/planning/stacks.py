@@ -39,6 +39,19 @@ def read(scans: Iterable[tuple[Any, Any, tuple]]) -> Stacks:
   return stacks
 
 
+def together(scans: Iterable[tuple[Any, Any, tuple]]) -> tuple[frozenset[int], ...]:
+  """The state leaves each scan the reader walked slices (:attr:`Reader.scans`), one set a
+  scan of more than one such leaf: the stacks one loop's body reads together (two scans of
+  one length, an encoder's and a decoder's, are apart here and one in :func:`read`)."""
+  out = []
+  for _, _, origins in scans:
+    found = frozenset(org[0] for org in origins
+                      if org is not None and org[1] and org[1][0] is not None)
+    if len(found) > 1 and found not in out:
+      out.append(found)
+  return tuple(out)
+
+
 def main(stacks: Stacks, weights: Mapping[int, WeightUse]
          ) -> tuple[int, dict[int, int], int] | None:
   """``(layers, {leaf: sliced dimension}, carry bytes)`` of the stack of more than one layer

@@ -189,6 +189,8 @@ class StepGraph:
   # the scanned stacks of layers: scan length -> (state leaf -> the leaf dimension the scan
   # slices, the bytes of the forward scan's carry, global); a pipeline's stages split one of them
   stacks: dict[int, tuple[dict[int, int], int]] = dataclasses.field(default_factory=dict)
+  # the state leaves one scan slices, a set a scan (stacks.together): the stacks its body reads
+  stacked_together: tuple[frozenset[int], ...] = ()
 
   # products (dot_general, convolutions) run per step, loop trips counted
   products: int = 0
@@ -560,7 +562,8 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
                    lookup_dtypes=dict(reader.lookup_dtypes),
                    reduced=frozenset(reduced),
                    routed_gathers=_routed_gathers(reader, reduced, leaves),
-                   stacks=stacks.read(reader.scans), timeline=timeline,
+                   stacks=stacks.read(reader.scans), stacked_together=stacks.together(reader.scans),
+                   timeline=timeline,
                    products=reader.products, token_bytes=reader.token_bytes,
                    token_share=_token_share(reader, {**cones, **reduced}),
                    sequence=sequence_lib.read(closed.jaxpr, leaves),
@@ -614,6 +617,12 @@ def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
   1.41; a weight read by two products, two_views at batch 256: w2's two parts moved and w1's
   reduced, 1.42 MiB against the plain jit's 1.97)."""
   followed = gather.shard_gradients(jaxpr)
+  # (not a product the step's results do not need: a gradient the step computes and drops,
+  # which XLA removes, _dropped_parts)
+  needed = jaxpr_reader._needed(jaxpr)[0]
+  followed = {key: kept for key, found in followed.items()
+              if (kept := tuple((n, how) for n, how in found
+                                if not isinstance(n, int) or id(jaxpr.eqns[n]) in needed))}
   weighed = {k for k, _ in followed}
   for group in groups.values():
     if (any(k in weights and not leaves[k].is_batch and not _checkpointed_first(weights[k])

@@ -107,6 +107,17 @@ def price(ctx) -> None:
         nb, wide = ctx.graph.routed_gathers[(ctx.primary.index, d)]
         ctx.add("all_gather", nb / ctx.batch_div, ("tensor",), blocking=True, dtype=WIRE,
                 wide=wide / ctx.batch_div)
+      elif use.carried_input and use.repeats > 1 and ctx.pricer.backend == "cpu":
+        # a loop's carry whose every reader contracts the split features (the next
+        # iteration's product, a mean after the loop: pairs.reduced_outputs), the layers of a
+        # stack scanned over ``tanh(h @ w)``: XLA:CPU still gathers the carry for the next
+        # iteration's product in the forward's body and each iteration's input again in the
+        # backward's, 2 * repeats gathers and none after the loop (review21b, compiled on 8 CPU
+        # devices, a [4, 256, 256] stack P(None, 'fsdp', 'tensor') on `fsdp` 4 x `tensor` 2 at
+        # batch 64: 8 all-gathers of f32[16,256] over 'tensor', none priced, all-gather -11.1 %)
+        # (no pair term: the solver takes the reduced output's column for complete)
+        ctx.add("all_gather", 2 * tokens * width_out * item, ("tensor",), blocking=True,
+                dtype=act)
     elif d in use.contracted:
       pr.tp = ("row", d)
       # each forward product all-reduces its output: jax.checkpoint's recomputed ones too

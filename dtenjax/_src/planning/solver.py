@@ -308,8 +308,9 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       whole_tables.add(primary.shape)
     parts_on_shard = gradient_on_shard(graph, g, used, m) if zero else None
     on_shard = parts_on_shard is not None
+    # the step of the lax.cond whose branch makes the gradient, if one does
+    made = _branch_step(graph, primary.shape) if use is not None and use.branched else None
     if on_shard:
-      made = _branch_step(graph, primary.shape) if use is not None and use.branched else None
       if made is not None and cpu:
         # the cotangent gathered whole and the residual's rows moved into features, per part
         branch_moved.append((sum(p.gathered + p.moved / bdiv for p in parts_on_shard), made))
@@ -373,7 +374,6 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       if use is not None:
         parts = min(parts, max(1, use.grad_parts))
       if zero and per_device > primary.nbytes / shards:
-        made = _branch_step(graph, primary.shape) if use is not None and use.branched else None
         axes = None if spanned <= set(used) else spanned & frozenset(used)
         if made is not None and cpu:
           in_branch.append((per_device * parts, made))
@@ -425,7 +425,6 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # (so where it holds a dequantized weight's gradient, which no output takes: w2's reduced
     # f32[256,128] in XLA:CPU's temp beside an int8 weight's with a trained scale, `data` 8)
     reduced.extend((nb, 1) for nb, _, _ in single)
-    single = []
   if not cpu or graph.update_reduces or joined:
     for nb, gi in whole:                          # joined with the parts, or one at a time
       if gi in whole_axes:

@@ -357,8 +357,9 @@ def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[Any, ShardGradie
   level, in a jax.checkpoint call, or in a lax.cond's branch, whose residual the forward's
   conditional hands to the backward's: :func:`_follow_branches`) and whose gradient's parts are
   each one float32 product of a forward product's other operand (its residual ``x``) and a
-  cotangent, contracting everything but one dimension of each (the batch's rows). Every part's ``how.moves`` where computing each
-  part's shard from the activations gathers fewer bytes than the weight has
+  cotangent, contracting everything but one dimension of each (the batch's rows). Every part's
+  ``how.moves`` where computing each part's shard from the activations gathers fewer bytes than
+  the weight has
   (:func:`moves_activations`, every part's; none where one part's gather is not the smaller):
   XLA's partitioner decides so, part by part, for the plain FSDP step of a weight read by two
   products (two_views on `fsdp` 8, docs/benchmarks.md fsdp20: at batch 256 w2's parts gather 128

@@ -1421,6 +1421,12 @@ def _needed(jaxpr) -> tuple[set[int], set]:
   return out, need
 
 
+def needed_equations(jaxpr) -> set[int]:
+  """The ids of ``jaxpr``'s equations that its results or an effect need: XLA removes the others
+  (a gradient the step computes and drops)."""
+  return _needed(jaxpr)[0]
+
+
 def needed_vars(jaxpr) -> set:
   """The variables of ``jaxpr`` that the equations its results or effects need read, its results
   among them: an operand outside it is one that ``jax.jit`` leaves out of the program."""

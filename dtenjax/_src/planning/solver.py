@@ -610,9 +610,9 @@ def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int 
   ``tanh(h @ w)`` scanned over a [4, 256, 256] stack at batch 64 under adamw
   (tests/test_plan_user_steps.py's ``test_a_scanned_stack_is_priced_as_compiled``): on `fsdp`
   8, float32, the gathered layer, its copy and the gradient, f32[256,256] each, beside the two
-  stacked residuals, 860,608 bytes of temp where the model had the gathered layer and the residuals (-31.5 %);
-  bfloat16, the same three in float32 and the f32[4,32,256] shard's conversion, 958,912 bytes
-  (-57.8 %); on `data` 8, bfloat16, the whole stack's conversion f32[4,256,256] (1 MiB of
+  stacked residuals, 860,608 bytes of temp where the model had the gathered layer and the
+  residuals (-31.5 %); bfloat16, the same three in float32 and the f32[4,32,256] shard's
+  conversion, 958,912 bytes (-57.8 %); on `data` 8, bfloat16, the whole stack's conversion f32[4,256,256] (1 MiB of
   1,167,736 bytes; the layer's gradient and its all-reduce are in the outputs' buffers),
   -26.1 %. A layer several products of the body read (``parts``, pricing.stacked_parts) has
   each product's whole gradient under FSDP (``tanh(tanh(h @ w) @ w)`` over [4, 256, 256] on

@@ -619,7 +619,7 @@ def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
   followed = gather.shard_gradients(jaxpr)
   # (not a product the step's results do not need: a gradient the step computes and drops,
   # which XLA removes, _dropped_parts)
-  needed = jaxpr_reader._needed(jaxpr)[0]
+  needed = jaxpr_reader.needed_equations(jaxpr)
   followed = {key: kept for key, found in followed.items()
               if (kept := tuple((n, how) for n, how in found
                                 if not isinstance(n, int) or id(jaxpr.eqns[n]) in needed))}
@@ -747,7 +747,7 @@ def _grad_parts(use: WeightUse, reads: int, remat: bool, free: int = 0) -> int:
 def _top_products(jaxpr) -> dict[Any, list[tuple[Any, bool]]]:
   """Each variable of ``jaxpr``'s top level -> the dot_generals there that read it, each with
   whether the step's results need it (XLA removes the others)."""
-  needed = jaxpr_reader._needed(jaxpr)[0]
+  needed = jaxpr_reader.needed_equations(jaxpr)
   out: dict[Any, list[tuple[Any, bool]]] = {}
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":

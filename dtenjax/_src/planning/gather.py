@@ -72,6 +72,12 @@ _STRUCTURAL = _SAME_LAYOUT | frozenset({"transpose", "reshape", "broadcast_in_di
                                         "expand_dims", "rev", "slice"})
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _REMATS = frozenset({"checkpoint", "remat", "remat2"})
+# The dtypes of the gradient products made on the weight's shard (shard_gradients). A bfloat16
+# product XLA:CPU computes in float32 (jax 0.10; 0.11 in bfloat16), its gradient on the shard by
+# a float32 product either way, from the cotangent gathered in float32 (calls.wire_bytes), as
+# the plain FSDP jit's partitioned program does (a bfloat16 MLP on `fsdp` 8: w1's gradient
+# f32[512,16] from the all-to-all'd input and the cotangent all-gathered, f32[64,512])
+_ON_SHARD_DTYPES = frozenset({"float32", "bfloat16"})
 
 
 def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
@@ -454,10 +460,8 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
             or g.aval.shape[free[1 - a][0]] != w.shape[other]):
           continue
         seen.setdefault(k, set()).add(where)
-        if any(str(v.dtype) != "float32" for v in (w, x.aval, g.aval)):
-          # a product of narrower floats, which XLA:CPU computes in float32: moved, it held
-          # float32 copies of the gathered cotangent and of the gradient's shard the model does
-          # not size (a bfloat16 MLP on `fsdp` 8: 0.61 MiB compiled, 0.32 priced)
+        if any(str(v.dtype) not in _ON_SHARD_DTYPES for v in (w, x.aval, g.aval)):
+          # a product of other narrower floats (float16, float8): not measured moved
           continue
         # the weight split on the dimension its product contracts with the residual's features
         # (FSDP's dimension 0 of ``x @ w``): the residual's rows moved into those features, the

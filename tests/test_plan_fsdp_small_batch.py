@@ -27,15 +27,14 @@ pytestmark = helpers.one_worker(__name__)
 
 
 def _mlp_step(d=128, h=512, batch=64, tied=False, bf16=False, two_views=False,
-              remat_first=False, remat_second=False, dots_saveable=False, sgd=False):
+              remat_first=False, remat_second=False, dots_saveable=False):
   """The adamw step of tests/test_plan_user_steps.py's MLP (``tied``: ``w2`` is ``w1.T``;
   ``bf16``: the weights cast to bfloat16 for the products, mixed precision; ``two_views``: the
   MLP applied to the batch and to its features reversed, the two losses summed, so every weight
   is read by two products, bench/fsdp_small_batch.py's ``two_views``; ``remat_first``: the
   first layer, ``gelu(x @ w1 + b1)``, inside ``jax.checkpoint``; ``remat_second``: the second,
-  ``h @ w2 + b2``; ``dots_saveable``: the first layer's checkpoint under that policy;
-  ``sgd``: optax.sgd instead of adamw)."""
-  tx = optax.sgd(1e-2) if sgd else optax.adamw(1e-2)
+  ``h @ w2 + b2``; ``dots_saveable``: the first layer's checkpoint under that policy)."""
+  tx = optax.adamw(1e-2)
   kw, kx, ky = jax.random.split(jax.random.key(0), 3)
   p = {"w1": 0.1 * jax.random.normal(kw, (d, h)), "b1": jnp.zeros((h,)), "b2": jnp.zeros((d,))}
   if not tied:
@@ -227,23 +226,22 @@ def test_a_second_layer_under_checkpoint_is_priced_no_smaller_than_it_compiles()
   assert check.memory_error <= 0.10, check.table()
 
 
-@pytest.mark.parametrize("mesh, opt", [({"fsdp": 8}, "adamw"), ({"fsdp": 8}, "sgd"),
-                                       ({"data": 8}, "adamw")])
-def test_bfloat16_params_fsdp_step_is_no_larger_than_the_plain_jit_s_and_priced(mesh, opt):
+@pytest.mark.parametrize("mesh", [{"fsdp": 8}, {"data": 8}])
+def test_bfloat16_params_fsdp_step_is_no_larger_than_the_plain_jit_s_and_priced(mesh):
   # The MLP's parameters themselves bfloat16 (not cast for the products), batch 64. review20a:
   # XLA:CPU makes a whole gradient by a float32 product and all-reduces it in float32 into a new
   # buffer; the model sized them at bfloat16 (-41.6 % on `fsdp` 8, -39.6 % on `data` 8).
-  # review21a/bf16_22: on `fsdp` 8 plan.jit reduced both weights' whole gradients (1.20 MiB
-  # under adamw, 1.07 under sgd) where the plain FSDP jit, which XLA's partitioner lays out by
-  # itself, makes w1's gradient on its shard (0.78 / 0.67 MiB: 1.54x / 1.60x). gather.py now
-  # makes bfloat16 products' gradients on the shard as float32 ones' (0.73 / 0.61 MiB), priced
-  # with the weights' gathered copies in float32 as XLA:CPU gathers them
-  # (pricing._gathered_widening). The expected values are XLA's:
+  # review21a/bf16_22: on `fsdp` 8 plan.jit reduced both weights' whole gradients (1.20 MiB)
+  # where the plain FSDP jit, which XLA's partitioner lays out by itself, makes w1's gradient on
+  # its shard (0.78 MiB: 1.54x; 1.60x under sgd, docs/benchmarks.md bf16_22). gather.py now
+  # makes bfloat16 products' gradients on the shard as float32 ones' (0.73 MiB; jax 0.11.2:
+  # 0.83 against 0.83), priced with the weights' gathered copies in float32 as XLA:CPU gathers
+  # them (pricing._gathered_widening, solver._gathered_at_start). The expected values are XLA's:
   # memory_analysis() of plan.jit's compile (plan.check) and of the plain FSDP jit's
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-  step, (p, _, data) = _mlp_step(batch=64, sgd=opt == "sgd")
-  tx = optax.sgd(1e-2) if opt == "sgd" else optax.adamw(1e-2)
+  step, (p, _, data) = _mlp_step(batch=64)
+  tx = optax.adamw(1e-2)
   p = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
   args = (p, tx.init(p), data)
   plan = dtenjax.plan(step, *args, mesh=mesh)

@@ -25,6 +25,9 @@ inside its own (issue 39's checkpoint rows, docs/benchmarks.md review20a and fsd
 MLP of w1, MLP of head)`` (tests/test_plan_user_steps.py's ``gated_head``: each branch's
 gradients made in the backward's conditional, docs/benchmarks.md cond21b).
 
+``--dtype bfloat16`` makes the parameters bfloat16 (the batch cast to it for the products, the
+loss in float32: docs/benchmarks.md bf16_22's rows).
+
 ``--layouts`` times, beside the two, the other layouts a user may write of the same step on the
 same mesh -- DP (every leaf replicated, the batch over ``fsdp``) and each weight matrix alone
 laid out ``P("fsdp")`` (with its bias) -- and ``plan.jit`` of ``dtenjax.plan(..., measure=True)``:
@@ -67,8 +70,10 @@ def _second(p, h):
   return h @ p["w2"] + p["b2"]
 
 
-def make(d: int, hidden: int, batch: int, model: str = "mlp"):
-  """The adamw step of the MLP (``model``, one of MODELS) and its concrete arguments."""
+def make(d: int, hidden: int, batch: int, model: str = "mlp", dtype: str = "float32"):
+  """The adamw step of the MLP (``model``, one of MODELS) and its concrete arguments; the
+  parameters of ``dtype`` (``bfloat16``: the batch cast to it for the products, the loss taken
+  in float32)."""
   tx = optax.adamw(1e-2)
   keys = iter(jax.random.split(jax.random.key(0), 4))
   normal = lambda *s: 0.1 * jax.random.normal(next(keys), s, jnp.float32)
@@ -78,6 +83,8 @@ def make(d: int, hidden: int, batch: int, model: str = "mlp"):
   second = (jax.checkpoint(_second) if model in ("remat_second", "remat_both") else _second)
 
   def mse(p, x, y):
+    if dtype != "float32":
+      return jnp.mean((second(p, first(p, x.astype(dtype))).astype(jnp.float32) - y) ** 2)
     return jnp.mean((second(p, first(p, x)) - y) ** 2)
 
   def loss(p, batch):
@@ -99,6 +106,7 @@ def make(d: int, hidden: int, batch: int, model: str = "mlp"):
   if model == "gated_head":
     params["head"] = 0.1 * jax.random.normal(jax.random.key(7), (d, hidden), jnp.float32)
     params["flag"] = jnp.asarray(1.0, jnp.float32)
+  params = jax.tree.map(lambda a: a.astype(dtype) if a.ndim else a, params)
   return step, (params, tx.init(params), {"x": normal(batch, d), "y": normal(batch, d)})
 
 
@@ -160,6 +168,9 @@ def main(argv=None) -> int:
   ap.add_argument("--models", type=_models, default=("mlp",),
                   help=f"the MLP's variants, comma-separated, of {','.join(MODELS)} (default mlp; "
                        "see the module's docstring)")
+  ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                  help="the parameters' dtype (default float32; bfloat16: docs/benchmarks.md "
+                       "bf16_22)")
   ap.add_argument("--layouts", action="store_true",
                   help="also time DP, each weight matrix alone over fsdp, and the plan made with "
                        "measure=True (see the module's docstring)")
@@ -171,7 +182,7 @@ def main(argv=None) -> int:
   runs = [(m, *c) for m in args.models for c in args.cases]
   for model, d, hidden, batch in _harness.progress(runs, BENCH,
                                                    lambda c: f"{c[0]} d {c[1]} batch {c[3]}"):
-    step, concrete = make(d, hidden, batch, model)
+    step, concrete = make(d, hidden, batch, model, args.dtype)
     fsdp = _layout(mesh, concrete, lambda name: True)
     plan = dtenjax.plan(step, *concrete, mesh={"fsdp": 8})
     fns = {"plain jit": jax.jit(step, in_shardings=fsdp).lower(*concrete).compile(),
@@ -201,6 +212,7 @@ def main(argv=None) -> int:
     stats = {k: compiled_stats(f) for k, f in fns.items()}
     for k in fns:
       rows.append({"case": f"d {d} h {hidden} batch {batch}", "model": model,
+                   "dtype": args.dtype,
                    "candidate": k, **stats[k],
                    "memory_vs_plain": stats[k]["memory_mib"] / stats["plain jit"]["memory_mib"],
                    "ms": 1e3 * _harness.median(samples[k]),

@@ -737,10 +737,12 @@ def test_a_weight_read_in_a_loop_and_outside_it_reduces_one_part_per_iteration_a
 def test_plan_check_sets_the_recorded_bytes_of_a_bfloat16_step_beside_xla_cpu_s_float32_ones():
   """``plan.check`` compares a plan's recorded collective bytes with the compiled program's
   collectives, whose operands on CPU devices are XLA:CPU's float32 for a bfloat16 value: the
-  bytes that move. A bfloat16 MLP of two 256 x 256 weights under FSDP on `fsdp` 8 compiles
-  all-gathers and all-reduces of f32[256,256] (2 x 256 x 256 x 4 B each kind); the plan records
-  those bytes. Before, it priced them so but recorded the bfloat16 bytes, half (plan.check: 50 %
-  off for both kinds)."""
+  bytes that move. A bfloat16 MLP of two 256 x 256 weights under FSDP on `fsdp` 8 at a batch of
+  64: plan.jit gathers both weights, f32[256,256] each, and makes each gradient on its weight's
+  shard (gather.shard_gradients, bf16_22: the 64 x 256 cotangent is smaller than the weight),
+  the cotangent gathered, f32[64,256], and the residual's rows moved into features by an
+  all-to-all of f32[8,256] a device; no all-reduce. The plan records those bytes. Before, it
+  priced them so but recorded the bfloat16 bytes, half (plan.check: 50 % off for both kinds)."""
   import dtenjax
   f = jax.ShapeDtypeStruct
 
@@ -752,7 +754,8 @@ def test_plan_check_sets_the_recorded_bytes_of_a_bfloat16_step_beside_xla_cpu_s_
           f((64, 256), jnp.bfloat16))
   plan = dtenjax.plan(step, *args, mesh={"fsdp": 8}, recipe="FSDP")
   check = plan.check(step, *args)
-  want = {"all_gather": 2 * 256 * 256 * 4.0, "all_reduce": 2 * 256 * 256 * 4.0}
+  want = {"all_gather": 2 * 256 * 256 * 4.0 + 2 * 64 * 256 * 4.0,
+          "all_to_all": 2 * 64 * 256 * 4.0 / 8}
   assert check.compiled_bytes == want and check.predicted_bytes == want, check.table()
 
 

@@ -72,6 +72,12 @@ _STRUCTURAL = _SAME_LAYOUT | frozenset({"transpose", "reshape", "broadcast_in_di
                                         "expand_dims", "rev", "slice"})
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _REMATS = frozenset({"checkpoint", "remat", "remat2"})
+# The dtypes of the gradient products made on the weight's shard (shard_gradients). A bfloat16
+# product XLA:CPU computes in float32 (jax 0.10; 0.11 in bfloat16), its gradient on the shard by
+# a float32 product either way, from the cotangent gathered in float32 (calls.wire_bytes), as
+# the plain FSDP jit's partitioned program does (a bfloat16 MLP on `fsdp` 8: w1's gradient
+# f32[512,16] from the all-to-all'd input and the cotangent all-gathered, f32[64,512])
+_ON_SHARD_DTYPES = frozenset({"float32", "bfloat16"})
 
 
 def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
@@ -350,22 +356,25 @@ class ShardGradient:
 
 
 def shard_gradients(jaxpr) -> dict[tuple[int, int], tuple[tuple[Any, ShardGradient], ...]]:
-  """(index of a rank-2 float32 weight among ``jaxpr``'s invars, its dimension the layout
-  splits over the batch axes) -> a part per product that makes its gradient: (the index of the
-  equation, or the path to it through jax.checkpoint calls and cond branches: :func:`_eqn_at`,
-  how), for each weight that products read directly (``x @ w``, and again ``y @ w``; at the top
-  level, in a jax.checkpoint call, or in a lax.cond's branch, whose residual the forward's
-  conditional hands to the backward's: :func:`_follow_branches`) and whose gradient's parts are
-  each one float32 product of a forward product's other operand (its residual ``x``) and a
-  cotangent, contracting everything but one dimension of each (the batch's rows). Every part's
+  """(index of a rank-2 float32 or bfloat16 weight among ``jaxpr``'s invars, its dimension the
+  layout splits over the batch axes) -> a part per product that makes its gradient: (the index
+  of the equation, or the path to it through jax.checkpoint calls and cond branches:
+  :func:`_eqn_at`, how), for each weight that products read directly (``x @ w``, and again ``y @
+  w``; at the top level, in a jax.checkpoint call, or in a lax.cond's branch, whose residual the
+  forward's conditional hands to the backward's: :func:`_follow_branches`) and whose gradient's
+  parts are each one product of that dtype (``_ON_SHARD_DTYPES``) of a forward product's other
+  operand (its residual ``x``) and a cotangent, contracting everything but one dimension of each
+  (the batch's rows). Every part's
   ``how.moves`` where computing each part's shard from the activations gathers fewer bytes than
   the weight has
   (:func:`moves_activations`, every part's; none where one part's gather is not the smaller):
   XLA's partitioner decides so, part by part, for the plain FSDP step of a weight read by two
   products (two_views on `fsdp` 8, docs/benchmarks.md fsdp20: at batch 256 w2's parts gather 128
   KiB of cotangent each, 256 summed, against its 256 KiB, and each is made on w2's shard; w1's 512
-  KiB each, reduced whole). A weight one of whose gradient's products is not followed (another
-  dtype) is left out.
+  KiB each, reduced whole). A weight one of whose gradient's products is not followed (float16,
+  float8) is left out. A bfloat16 weight's: the plain FSDP jit's partitioned program makes w1's
+  gradient of a bfloat16 MLP on `fsdp` 8 at batch 64 on its shard so (a float32 product of the
+  all-to-all'd input and the all-gathered cotangent), docs/benchmarks.md bf16_22.
 
   Left to reduce the whole gradient, plan.jit's FSDP step holds every whole gradient at once
   in XLA:CPU's combined all-reduce, and a new buffer of each beside it: four weights' worth on
@@ -454,10 +463,8 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
             or g.aval.shape[free[1 - a][0]] != w.shape[other]):
           continue
         seen.setdefault(k, set()).add(where)
-        if any(str(v.dtype) != "float32" for v in (w, x.aval, g.aval)):
-          # a product of narrower floats, which XLA:CPU computes in float32: moved, it held
-          # float32 copies of the gathered cotangent and of the gradient's shard the model does
-          # not size (a bfloat16 MLP on `fsdp` 8: 0.61 MiB compiled, 0.32 priced)
+        if any(str(v.dtype) not in _ON_SHARD_DTYPES for v in (w, x.aval, g.aval)):
+          # a product of other narrower floats (float16, float8): not measured moved
           continue
         # the weight split on the dimension its product contracts with the residual's features
         # (FSDP's dimension 0 of ``x @ w``): the residual's rows moved into those features, the

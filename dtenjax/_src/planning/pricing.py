@@ -58,6 +58,10 @@ class Price:
   # and the backward (a rematerialised read: one layer of a scanned stack); the step's peak is the
   # largest of these, not their sum
   gathered_peak: float = 0.0
+  # bytes of the float32 copy jax 0.11's XLA:CPU gathers a bfloat16 weight in and converts into
+  # the kept bfloat16 copy (``memory["gathered"]``) at the step's start (price_layout,
+  # solver.simulate_memory)
+  gathered_wide: float = 0.0
   # what its FSDP gather waits beyond :attr:`overlappable`'s where the tensor pair its layout is
   # in is not completed by the assignment: a complete pair's meetings over 'tensor' leave its
   # gather the forward's products to wait for (price_layout), an incomplete one has none.
@@ -386,6 +390,20 @@ class PriceContext:
     acc(self.price.blocking if blocking else self.price.overlappable, key,
         times * self.pricer(kind, nbytes, axes, dtype, wide))
     acc(self.price.bytes, f"{kind}[{key}]", times * self.pricer.wire(nbytes, dtype, wide))
+
+
+def _gathered_widening(backend: str, dtype) -> float:
+  """Bytes of the gathered copy a product reads per byte of a weight of ``dtype`` gathered for
+  it whole. XLA:CPU gathers a bfloat16 weight in float32 (the shard converted, then a float32
+  all-gather: :func:`calls.wire_bytes`), and jax 0.10's XLA:CPU, which computes the bfloat16
+  product in float32, keeps that float32 value for the forward's and the backward's products: a
+  bfloat16 MLP on `fsdp` 8 at batch 64 whose gradients are made on the weights' shards holds
+  f32[128,512] and f32[512,128] gathered at the step's start, the peak of its temp (XLA:CPU's
+  buffer assignment; priced in bfloat16, the step's memory was -46.6 %). jax 0.11's computes the
+  product in bfloat16 and converts the gathered copy back, a bfloat16 copy kept and the float32
+  one transient (``Price.gathered_wide``). Every other dtype (float16's all-gather stays
+  float16), and a GPU's copy: its own."""
+  return 2.0 if backend == "cpu" and str(dtype) == "bfloat16" else 1.0
 
 
 def gradient_on_shard(graph: stepgraph.StepGraph, group: Sequence[int], used: dict[str, int],
@@ -959,7 +977,16 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     if regather and not use.branched:
       pr.gathered_peak = grad / max(1, use.layers)
     elif use is not None:         # (a lax.cond's branch: freed after it, solver._combined_reduction)
-      pr.memory["gathered"] = gbytes
+      wide = _gathered_widening(pricer.backend, dtype)
+      if wide > 1 and XLA_VERSION >= (0, 11):
+        # jax 0.11's XLA:CPU computes the product in bfloat16: each float32 gathered copy is
+        # converted back into a bfloat16 one, kept for the step, and dies there; the float32
+        # copies all live at the step's start (XLA:CPU issues the all-gathers first), beside
+        # the first conversion (solver.simulate_memory)
+        pr.memory["gathered"] = gbytes
+        pr.gathered_wide = gbytes * wide
+      else:
+        pr.memory["gathered"] = gbytes * wide
     # (a table only read by lookups is not kept: the lookup's backward scatters into zeros and
     # never reads it, so its gathered copy dies with the forward's lookup)
     if use is None and primary.index in graph.lookups:

@@ -154,12 +154,15 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
   compute = prob.compute_s
   update, starts = 0.0, []
   kept: list[tuple[tuple[int, ...], float]] = []    # each group's gathered copy kept for the step
+  wide: list[tuple[float, float]] = []    # (float32 copy, bfloat16 copy): Price.gathered_wide
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     pr = prob.prices[gi][c]
     if g[0] in sliced:
       pr = pr.sliced[sliced[g[0]]]
     if pr.memory.get("gathered"):
       kept.append((g, pr.memory["gathered"]))
+    if pr.gathered_wide:
+      wide.append((pr.gathered_wide, pr.memory.get("gathered", 0.0)))
     compute += pr.compute
     update += pr.update
     if pr.start_gather is not None:
@@ -220,16 +223,33 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
     # takes its place (an int8 [4096, 256] table on `fsdp` 8: s8[4096,256] at offset 0 of the
     # temp, then the product's f32[128,256], XLA:CPU's buffer assignment)
     kept.append((prob.groups[top], peaks[top]))
+  start = _gathered_at_start(wide)
   if graph.timeline:
-    memory.update(simulate_memory(prob, choice, graph, tp_of, memory["gathered"], kept))
+    memory.update(simulate_memory(prob, choice, graph, tp_of, memory["gathered"], kept, start))
+  else:
+    memory["gathered"] += start
   memory["total"] = sum(memory.values())
   fits = not budget or memory["total"] <= budget
   return StepCost(compute, comm, exposed, memory, nbytes, fits)
 
 
+def _gathered_at_start(wide: Sequence[tuple[float, float]]) -> float:
+  """Bytes beyond the kept gathered copies live at the step's start where jax 0.11's XLA:CPU
+  gathers bfloat16 weights (``wide``: each one's (float32 copy, kept bfloat16 copy),
+  ``Price.gathered_wide``): it issues every all-gather first, in float32, and converts each
+  gathered copy to bfloat16 after, the float32 one dying at its conversion; at the first
+  conversion every float32 copy and that bfloat16 copy are live (a bfloat16 MLP on `fsdp` 8 at
+  batch 64: f32[128,512], f32[512,128] and bf16[128,512], XLA:CPU's buffer assignment, the peak
+  of its temp), the later kept copies not yet made."""
+  if not wide:
+    return 0.0
+  return (sum(w for w, _ in wide) + max(k for _, k in wide) - sum(k for _, k in wide))
+
+
 def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
                     tp_of: dict[int, tuple[str, int] | None], gathered: float = 0.0,
-                    kept: Sequence[tuple[Sequence[int], float]] = ()) -> dict[str, float]:
+                    kept: Sequence[tuple[Sequence[int], float]] = (),
+                    start: float = 0.0) -> dict[str, float]:
   """The activations and gradients per device that XLA keeps in its temporary buffer, by
   placing the step's values (``graph.timeline``, sized for this layout) as XLA's buffer
   assignment places them: largest first, each into the first output buffer, largest first, that
@@ -242,7 +262,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   Sizes per device: an activation is split over the batch axes (and over ``tensor`` where it
   lies between a column- and a row-parallel weight of a pair the layout completes); a gradient
   is whole (over ``tensor``'s shard) until it is reduced, except a ``lax.scan`` stack's under
-  FSDP, which is reduce-scattered layer by layer inside the loop."""
+  FSDP, which is reduce-scattered layer by layer inside the loop. ``start``: bytes live only at
+  the step's start, beside the gathered copies (:func:`_gathered_at_start`)."""
   m = prob.m
   bdiv = batch_div(m)      # every axis that splits the batch (data, fsdp, sequence, expert)
   tensor = m.size["tensor"]
@@ -546,6 +567,9 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     end = v.start + 0.5 if v.body and v.start in branch_steps else end + 1
     events.setdefault(end, []).append((-nb * (not is_grad), -nb * is_grad))
   events.setdefault(-1, []).append((0.0, 0.0, gathered))    # the weights gathered for the step
+  if start:                   # and jax 0.11's float32 copies of bfloat16 ones (_gathered_at_start)
+    events[-1].append((0.0, 0.0, start))
+    events.setdefault(-0.5, []).append((0.0, 0.0, -start))
   if converted:               # dequantized weights' float conversions, kept to the step's end
     events[-1].append((0.0, 0.0, converted))
   if cpu:

@@ -226,6 +226,39 @@ def _remats_holding(jaxpr, wheres) -> frozenset:
   return frozenset(out)
 
 
+def _barrier(vals: list, prevent_cse) -> list:
+  """``vals`` with those that ``prevent_cse`` (a bool, or one per value: remat's parameter) names
+  through one ``lax.optimization_barrier``, as JAX's lowering of a differentiated
+  jax.checkpoint call puts them (ad_checkpoint._remat_lowering)."""
+  flags = (prevent_cse,) * len(vals) if isinstance(prevent_cse, bool) else tuple(prevent_cse)
+  idx = [i for i, f in enumerate(flags) if f]
+  if not idx:
+    return vals
+  out = list(vals)
+  got = jax.lax.optimization_barrier([vals[i] for i in idx])
+  for i, v in zip(idx, got):
+    out[i] = v
+  return out
+
+
+def _read_by_products_only(jaxpr, v) -> bool:
+  """Whether every read of ``v`` in ``jaxpr`` is an operand of a product, directly or through
+  single-operand layout changes (not a loop's, a cond's or a call's operand, nor an output)."""
+  if v in jaxpr.outvars:
+    return False
+  for eqn in jaxpr.eqns:
+    if not any(x is v for x in eqn.invars):
+      continue
+    name = eqn.primitive.name
+    if name in _PRODUCTS:
+      continue
+    if name in _STRUCTURAL and eqn.invars[0] is v and len(eqn.outvars) == 1:
+      if _read_by_products_only(jaxpr, eqn.outvars[0]):
+        continue
+    return False
+  return True
+
+
 def _entry(axes):
   """A PartitionSpec entry of mesh axes (None, one name, or a tuple of them)."""
   axes = tuple(axes)
@@ -725,6 +758,21 @@ class _Evaluator:
       outs = self.run(inner_jaxpr, inner_consts, vals, inner, routes_in)
     elif name in _REMATS:
       fn = lambda *a: self.run(inner_jaxpr, inner_consts, a, inner, routes_in)
+      if eqn.params.get("differentiated"):
+        # the backward's call: JAX's lowering puts an optimization barrier on its operands (a
+        # call bound by jax.checkpoint below is not differentiated and lowers without one), so
+        # XLA recomputes the layer there instead of reading the forward's values (CSE). A weight
+        # the call reads by its products alone is gathered before the barrier, as the forward
+        # gathers it: XLA:CPU expands the barrier before it schedules (cse_barrier_expander)
+        # and its scheduler puts a gather of a parameter first, so a second gather in the call
+        # held two gathered copies from the step's start (remat_second at batch 64 on `fsdp` 8:
+        # 1.15 MiB against the plain jit's 0.92); one gather, its copy held to the backward, is
+        # what plan.jit's program had before and the plan prices
+        for i, (ov, iv) in enumerate(zip(eqn.invars, inner_jaxpr.invars)):
+          if (not isinstance(ov, jcore.Literal) and ov in tracked and iv in inner
+              and _read_by_products_only(inner_jaxpr, iv)):
+            vals[i] = gathered_value(ov)
+        vals = _barrier(vals, eqn.params.get("prevent_cse", True))
       outs = list(jax.checkpoint(fn, prevent_cse=eqn.params.get("prevent_cse", True),
                                  policy=eqn.params.get("policy"))(*vals))
     else:

@@ -449,7 +449,11 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
         continue
       wc, xc = (lc, rc) if w == 0 else (rc, lc)
       if len(wv.aval.shape) == 2 and len(wc) == 1 and not lb and not isinstance(xv, jcore.Literal):
-        forward.setdefault(xv, []).append((index[wv], wc[0], xc[0], ()))
+        entry = (index[wv], wc[0], xc[0], ())
+        if entry not in forward.setdefault(xv, []):
+          # once: a call's recomputed product of a residual handed in (``x @ w1`` in a block
+          # under one jax.checkpoint) is the forward's read again, not another part
+          forward[xv].append(entry)
   for n, eqn in enumerate(jaxpr.eqns):
     where = (*path, n) if path else n
     if eqn.primitive.name in _REMATS:
@@ -458,9 +462,15 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
         inner = sub[0]
         pairs = [(o, i) for o, i in zip(eqn.invars, inner.invars)
                  if not isinstance(o, jcore.Literal)]
+        handed = {i: forward[o] for o, i in pairs if o in forward}
+        # the call's recomputations of the forward's residuals (``gelu(x @ w1)`` of ``h @ w2``
+        # in a whole block under jax.checkpoint: the forward's product of it is outside the
+        # backward's call, which recomputes ``h`` and makes w2's gradient from it)
+        for i, o in _recomputed(jaxpr, inner, pairs).items():
+          if o in forward and i not in handed:
+            handed[i] = forward[o]
         _follow_gradients(inner, {i: index[o] for o, i in pairs if o in index},
-                          {i: forward[o] for o, i in pairs if o in forward},
-                          (*path, n), avals, out, seen)
+                          handed, (*path, n), avals, out, seen)
       continue
     if eqn.primitive.name == "cond":
       _follow_branches(eqn, n, index, forward, path, avals, out, seen)
@@ -502,6 +512,40 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
             (where, ShardGradient(a, xdim, nbytes(g.aval), nbytes(x.aval), False,
                                   str(g.aval.dtype))))
   return forward
+
+
+def _recomputed(jaxpr, inner, pairs) -> dict:
+  """The values of ``inner`` (a jax.checkpoint call's body, its operands ``pairs`` of (outer,
+  inner) variables) that recompute a value of ``jaxpr`` (the caller) from the same operands:
+  inner variable -> the caller's. JAX's backward call of jax.checkpoint recomputes the forward
+  from the call's operands; two values are the same where they are made by the same primitive,
+  with the same parameters, of the same operands (equations that call jaxprs are left out)."""
+  def literal(v):
+    return ("literal", str(v.aval), repr(v.val))
+
+  def build(eqns, keys: dict) -> dict:
+    made = {}
+    for eqn in eqns:
+      if _sub_jaxpr(eqn) is not None or eqn.primitive.name in ("scan", "cond", "while"):
+        continue
+      try:
+        params = tuple(sorted((k, v) for k, v in eqn.params.items()))
+        hash(params)
+      except TypeError:
+        continue
+      ops = tuple(literal(v) if isinstance(v, jcore.Literal) else keys.get(v, ("var", id(v)))
+                  for v in eqn.invars)
+      for j, o in enumerate(eqn.outvars):
+        key = (eqn.primitive.name, params, ops, j)
+        keys[o] = key
+        made.setdefault(key, o)
+    return made
+
+  outer_keys: dict = {}
+  outer = build(jaxpr.eqns, outer_keys)
+  keys = {i: outer_keys.get(o, ("var", id(o))) for o, i in pairs}
+  build(inner.eqns, keys)
+  return {v: outer[k] for v, k in keys.items() if k in outer and v not in inner.invars}
 
 
 def _follow_branches(eqn, n: int, index: Mapping[Any, int], forward: dict,

@@ -23,7 +23,9 @@ the second layer (``h @ w2 + b2``) inside ``jax.checkpoint``; ``remat_both``, bo
 inside its own (issue 39's checkpoint rows, docs/benchmarks.md review20a and fsdp21);
 ``gated_head``, the loss through one of two first layers a parameter gates, ``lax.cond(flag > 0,
 MLP of w1, MLP of head)`` (tests/test_plan_user_steps.py's ``gated_head``: each branch's
-gradients made in the backward's conditional, docs/benchmarks.md cond21b).
+gradients made in the backward's conditional, docs/benchmarks.md cond21b); ``remat_block``, the
+whole MLP under one ``jax.checkpoint`` (flax ``nn.remat``'s form), applied twice (its output
+is its input's width; docs/benchmarks.md remat22).
 
 ``--layouts`` times, beside the two, the other layouts a user may write of the same step on the
 same mesh -- DP (every leaf replicated, the batch over ``fsdp``) and each weight matrix alone
@@ -56,7 +58,7 @@ CASES = ((128, 512, 16), (128, 512, 64), (128, 512, 136), (128, 512, 256), (128,
 
 # the MLP's variants (--models): the issue's rows fsdp19 left (docs/benchmarks.md, fsdp19b)
 MODELS = ("mlp", "two_views", "remat_first", "remat_dots", "remat_second", "remat_both",
-          "gated_head")
+          "gated_head", "remat_block")
 
 
 def _first(p, x):
@@ -78,6 +80,9 @@ def make(d: int, hidden: int, batch: int, model: str = "mlp"):
   second = (jax.checkpoint(_second) if model in ("remat_second", "remat_both") else _second)
 
   def mse(p, x, y):
+    if model == "remat_block":
+      block = jax.checkpoint(lambda p, x: _second(p, _first(p, x)))
+      return jnp.mean((block(p, block(p, x)) - y) ** 2)
     return jnp.mean((second(p, first(p, x)) - y) ** 2)
 
   def loss(p, batch):

@@ -49,6 +49,7 @@ from typing import Any
 
 import jax
 import jax.extend.core as jcore
+import jaxlib
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -72,6 +73,12 @@ _STRUCTURAL = _SAME_LAYOUT | frozenset({"transpose", "reshape", "broadcast_in_di
                                         "expand_dims", "rev", "slice"})
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _REMATS = frozenset({"checkpoint", "remat", "remat2"})
+# where a weight a backward jax.checkpoint call reads by its products is gathered before the
+# call's optimization barrier (once, its copy held from the forward): jaxlib 0.10's XLA:CPU
+# expands the barrier before it schedules and puts a parameter's gather first, so a gather in
+# the call lived from the step's start (_Evaluator._eqn_with_tracked); 0.11's gathers it where
+# the call runs
+GATHER_BEFORE_BARRIER = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) < (0, 11)
 
 
 def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
@@ -811,8 +818,14 @@ class _Evaluator:
         # and its scheduler puts a gather of a parameter first, so a second gather in the call
         # held two gathered copies from the step's start (remat_second at batch 64 on `fsdp` 8:
         # 1.15 MiB against the plain jit's 0.92); one gather, its copy held to the backward, is
-        # what plan.jit's program had before and the plan prices
+        # what plan.jit's program had before and the plan prices. jaxlib 0.11's XLA:CPU
+        # schedules the call's own gather where the call runs: there the weight is gathered in
+        # the call, behind the barrier, as the plain FSDP jit gathers it (four checkpointed
+        # layers on `fsdp` 8: 1.19 MiB gathered before, 1.00 inside, the plain jit's 1.00), and
+        # priced gathered again (pricing.regathered)
         for i, (ov, iv) in enumerate(zip(eqn.invars, inner_jaxpr.invars)):
+          if not GATHER_BEFORE_BARRIER:
+            break
           if (not isinstance(ov, jcore.Literal) and ov in tracked and iv in inner
               and _read_by_products_only(inner_jaxpr, iv)):
             vals[i] = gathered_value(ov)

@@ -23,7 +23,9 @@ the second layer (``h @ w2 + b2``) inside ``jax.checkpoint``; ``remat_both``, bo
 inside its own (issue 39's checkpoint rows, docs/benchmarks.md review20a and fsdp21);
 ``gated_head``, the loss through one of two first layers a parameter gates, ``lax.cond(flag > 0,
 MLP of w1, MLP of head)`` (tests/test_plan_user_steps.py's ``gated_head``: each branch's
-gradients made in the backward's conditional, docs/benchmarks.md cond21b).
+gradients made in the backward's conditional, docs/benchmarks.md cond21b); ``remat_block``, the
+whole MLP under one ``jax.checkpoint`` (flax ``nn.remat``'s form), applied twice (its output
+is its input's width; docs/benchmarks.md remat22).
 
 ``--dtype bfloat16`` makes the parameters bfloat16 (the batch cast to it for the products, the
 loss in float32: docs/benchmarks.md bf16_22's rows).
@@ -59,7 +61,7 @@ CASES = ((128, 512, 16), (128, 512, 64), (128, 512, 136), (128, 512, 256), (128,
 
 # the MLP's variants (--models): the issue's rows fsdp19 left (docs/benchmarks.md, fsdp19b)
 MODELS = ("mlp", "two_views", "remat_first", "remat_dots", "remat_second", "remat_both",
-          "gated_head")
+          "gated_head", "remat_block")
 
 
 def _first(p, x):
@@ -83,6 +85,9 @@ def make(d: int, hidden: int, batch: int, model: str = "mlp", dtype: str = "floa
   second = (jax.checkpoint(_second) if model in ("remat_second", "remat_both") else _second)
 
   def mse(p, x, y):
+    if model == "remat_block":
+      block = jax.checkpoint(lambda p, x: _second(p, _first(p, x)))
+      return jnp.mean((block(p, block(p, x.astype(dtype))).astype(jnp.float32) - y) ** 2)
     if dtype != "float32":
       return jnp.mean((second(p, first(p, x.astype(dtype))).astype(jnp.float32) - y) ** 2)
     return jnp.mean((second(p, first(p, x)) - y) ** 2)

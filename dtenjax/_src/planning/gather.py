@@ -49,6 +49,7 @@ from typing import Any
 
 import jax
 import jax.extend.core as jcore
+import jaxlib
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -78,6 +79,12 @@ _REMATS = frozenset({"checkpoint", "remat", "remat2"})
 # the plain FSDP jit's partitioned program does (a bfloat16 MLP on `fsdp` 8: w1's gradient
 # f32[512,16] from the all-to-all'd input and the cotangent all-gathered, f32[64,512])
 _ON_SHARD_DTYPES = frozenset({"float32", "bfloat16"})
+# where a weight a backward jax.checkpoint call reads by its products is gathered before the
+# call's optimization barrier (once, its copy held from the forward): jaxlib 0.10's XLA:CPU
+# expands the barrier before it schedules and puts a parameter's gather first, so a gather in
+# the call lived from the step's start (_Evaluator._eqn_with_tracked); 0.11's gathers it where
+# the call runs
+GATHER_BEFORE_BARRIER = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) < (0, 11)
 
 
 def gather_for_compute(step: Callable, mesh, compute_specs: tuple[Any, ...],
@@ -230,6 +237,39 @@ def _remats_holding(jaxpr, wheres) -> frozenset:
       out.add(id(inner.eqns[n[0] if isinstance(n, tuple) else n]))
       inner = _step_into(inner, n)
   return frozenset(out)
+
+
+def _barrier(vals: list, prevent_cse) -> list:
+  """``vals`` with those that ``prevent_cse`` (a bool, or one per value: remat's parameter) names
+  through one ``lax.optimization_barrier``, as JAX's lowering of a differentiated
+  jax.checkpoint call puts them (ad_checkpoint._remat_lowering)."""
+  flags = (prevent_cse,) * len(vals) if isinstance(prevent_cse, bool) else tuple(prevent_cse)
+  idx = [i for i, f in enumerate(flags) if f]
+  if not idx:
+    return vals
+  out = list(vals)
+  got = jax.lax.optimization_barrier([vals[i] for i in idx])
+  for i, v in zip(idx, got):
+    out[i] = v
+  return out
+
+
+def _read_by_products_only(jaxpr, v) -> bool:
+  """Whether every read of ``v`` in ``jaxpr`` is an operand of a product, directly or through
+  single-operand layout changes (not a loop's, a cond's or a call's operand, nor an output)."""
+  if v in jaxpr.outvars:
+    return False
+  for eqn in jaxpr.eqns:
+    if not any(x is v for x in eqn.invars):
+      continue
+    name = eqn.primitive.name
+    if name in _PRODUCTS:
+      continue
+    if name in _STRUCTURAL and eqn.invars[0] is v and len(eqn.outvars) == 1:
+      if _read_by_products_only(jaxpr, eqn.outvars[0]):
+        continue
+    return False
+  return True
 
 
 def _entry(axes):
@@ -425,7 +465,11 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
         continue
       wc, xc = (lc, rc) if w == 0 else (rc, lc)
       if len(wv.aval.shape) == 2 and len(wc) == 1 and not lb and not isinstance(xv, jcore.Literal):
-        forward.setdefault(xv, []).append((index[wv], wc[0], xc[0], ()))
+        entry = (index[wv], wc[0], xc[0], ())
+        if entry not in forward.setdefault(xv, []):
+          # once: a call's recomputed product of a residual handed in (``x @ w1`` in a block
+          # under one jax.checkpoint) is the forward's read again, not another part
+          forward[xv].append(entry)
   for n, eqn in enumerate(jaxpr.eqns):
     where = (*path, n) if path else n
     if eqn.primitive.name in _REMATS:
@@ -434,9 +478,15 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
         inner = sub[0]
         pairs = [(o, i) for o, i in zip(eqn.invars, inner.invars)
                  if not isinstance(o, jcore.Literal)]
+        handed = {i: forward[o] for o, i in pairs if o in forward}
+        # the call's recomputations of the forward's residuals (``gelu(x @ w1)`` of ``h @ w2``
+        # in a whole block under jax.checkpoint: the forward's product of it is outside the
+        # backward's call, which recomputes ``h`` and makes w2's gradient from it)
+        for i, o in _recomputed(jaxpr, inner, pairs).items():
+          if o in forward and i not in handed:
+            handed[i] = forward[o]
         _follow_gradients(inner, {i: index[o] for o, i in pairs if o in index},
-                          {i: forward[o] for o, i in pairs if o in forward},
-                          (*path, n), avals, out, seen)
+                          handed, (*path, n), avals, out, seen)
       continue
     if eqn.primitive.name == "cond":
       _follow_branches(eqn, n, index, forward, path, avals, out, seen)
@@ -476,6 +526,40 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
             (where, ShardGradient(a, xdim, nbytes(g.aval), nbytes(x.aval), False,
                                   str(g.aval.dtype))))
   return forward
+
+
+def _recomputed(jaxpr, inner, pairs) -> dict:
+  """The values of ``inner`` (a jax.checkpoint call's body, its operands ``pairs`` of (outer,
+  inner) variables) that recompute a value of ``jaxpr`` (the caller) from the same operands:
+  inner variable -> the caller's. JAX's backward call of jax.checkpoint recomputes the forward
+  from the call's operands; two values are the same where they are made by the same primitive,
+  with the same parameters, of the same operands (equations that call jaxprs are left out)."""
+  def literal(v):
+    return ("literal", str(v.aval), repr(v.val))
+
+  def build(eqns, keys: dict) -> dict:
+    made = {}
+    for eqn in eqns:
+      if _sub_jaxpr(eqn) is not None or eqn.primitive.name in ("scan", "cond", "while"):
+        continue
+      try:
+        params = tuple(sorted((k, v) for k, v in eqn.params.items()))
+        hash(params)
+      except TypeError:
+        continue
+      ops = tuple(literal(v) if isinstance(v, jcore.Literal) else keys.get(v, ("var", id(v)))
+                  for v in eqn.invars)
+      for j, o in enumerate(eqn.outvars):
+        key = (eqn.primitive.name, params, ops, j)
+        keys[o] = key
+        made.setdefault(key, o)
+    return made
+
+  outer_keys: dict = {}
+  outer = build(jaxpr.eqns, outer_keys)
+  keys = {i: outer_keys.get(o, ("var", id(o))) for o, i in pairs}
+  build(inner.eqns, keys)
+  return {v: outer[k] for v, k in keys.items() if k in outer and v not in inner.invars}
 
 
 def _follow_branches(eqn, n: int, index: Mapping[Any, int], forward: dict,
@@ -732,6 +816,27 @@ class _Evaluator:
       outs = self.run(inner_jaxpr, inner_consts, vals, inner, routes_in)
     elif name in _REMATS:
       fn = lambda *a: self.run(inner_jaxpr, inner_consts, a, inner, routes_in)
+      if eqn.params.get("differentiated"):
+        # the backward's call: JAX's lowering puts an optimization barrier on its operands (a
+        # call bound by jax.checkpoint below is not differentiated and lowers without one), so
+        # XLA recomputes the layer there instead of reading the forward's values (CSE). A weight
+        # the call reads by its products alone is gathered before the barrier, as the forward
+        # gathers it: XLA:CPU expands the barrier before it schedules (cse_barrier_expander)
+        # and its scheduler puts a gather of a parameter first, so a second gather in the call
+        # held two gathered copies from the step's start (remat_second at batch 64 on `fsdp` 8:
+        # 1.15 MiB against the plain jit's 0.92); one gather, its copy held to the backward, is
+        # what plan.jit's program had before and the plan prices. jaxlib 0.11's XLA:CPU
+        # schedules the call's own gather where the call runs: there the weight is gathered in
+        # the call, behind the barrier, as the plain FSDP jit gathers it (four checkpointed
+        # layers on `fsdp` 8: 1.19 MiB gathered before, 1.00 inside, the plain jit's 1.00), and
+        # priced gathered again (pricing.regathered)
+        for i, (ov, iv) in enumerate(zip(eqn.invars, inner_jaxpr.invars)):
+          if not GATHER_BEFORE_BARRIER:
+            break
+          if (not isinstance(ov, jcore.Literal) and ov in tracked and iv in inner
+              and _read_by_products_only(inner_jaxpr, iv)):
+            vals[i] = gathered_value(ov)
+        vals = _barrier(vals, eqn.params.get("prevent_cse", True))
       outs = list(jax.checkpoint(fn, prevent_cse=eqn.params.get("prevent_cse", True),
                                  policy=eqn.params.get("policy"))(*vals))
     else:

@@ -612,9 +612,14 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
               if eqn.primitive.name == "scan" else frozenset())
         parts: list[tuple[Any, int, tuple[int, ...]]] | None = (
             [] if eqn.primitive.name in ("scan", "while") else None)
+        # a conditional's results, and a jax.checkpoint call's (JAX lowers its body inline,
+        # mlir.jaxpr_subcomp: the body's result is the call's output, one buffer), are counted
+        # as the equation's outputs, not again in the body (a checkpointed second layer at
+        # batch 4096 on `fsdp` 8: its input gradient twice, 1 MiB a device over XLA's)
         sub_peak = _peak(sub, sub_batch, excluded_shapes, at_peak=sub_set, sliced=xs,
                          batch_carried=batch_carried, loop_parts=parts,
-                         shared_results=eqn.primitive.name == "cond")
+                         shared_results=(eqn.primitive.name == "cond"
+                                         or eqn.primitive.name in _REMATS))
         if parts and timeline is not None:
           # a weight's gradient part made in a loop's body: XLA:CPU writes the part (and its
           # reduction) into buffers of their own while the carried gradient it is added into

@@ -283,7 +283,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # reduced's entries first reduced over some of them only -> those axes (_combined_reduction)
   regrouped: dict[int, frozenset[str]] = {}
   whole_axes: dict[int, frozenset[str]] = {}   # the same for whole's groups
-  stacked: list[tuple[int, stepgraph.Leaf, stepgraph.WeightUse, int, bool]] = []
+  stacked: list[tuple[int, stepgraph.Leaf, stepgraph.WeightUse, int, bool, int]] = []
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -349,12 +349,10 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # of 8 checkpointed residual MLP layers on `fsdp` 8, tests/test_step_planner_memory.py, went
     # from within 10 % of the user's per-layer FSDP program to +11.3 % with it; not read)
     if cpu and use is not None and use.layers > 1 and not use.remat and g[0] in sliced:
-      # (a stack split over 'tensor' too: XLA:CPU gathers the layer's part over the batch axis
-      # into the product's layout and all-reduces its gradient's part into that buffer, none
-      # of the whole layer held: a [4, 256, 256] stack laid out P(None, 'fsdp', 'tensor') on
-      # `fsdp` 4 x `tensor` 2 is one f32[256,128] buffer of its layer in XLA:CPU's buffer
-      # assignment, the gathered layer priced; with the whole layer's the model was +42.0 %)
-      stacked.append((g[0], primary, use, shards, zero and t_shard == 1))
+      # (a stack split over 'tensor' too holds its layer's part, none of the whole layer:
+      # _scanned_stack_bytes' ``split``)
+      stacked.append((g[0], primary, use, shards, zero and t_shard == 1,
+                      t_shard if zero and t_shard > 1 else 1))
     # a parameter the loss never reads has no gradient value: its constant zero is fused into
     # the update, neither sized beside the gradients of its shape nor reduced (unused_parameter
     # in tests/test_plan_user_steps.py: a head of w1's shape, replicated over 'tensor' where w1
@@ -582,19 +580,20 @@ def _loop_held(graph: stepgraph.StepGraph, stacked: Sequence[tuple], backend: st
   buffer assignment of ``h + tanh(h @ w1) @ w2`` scanned over [2, 128, 256] and [2, 256, 128]
   on `fsdp` 8 holds four f32 layer buffers in the body, and each stack more read in the body
   adds two (three [2, 256, 256] stacks: +540,704 bytes of temp over two)."""
-  zero = {k: leaf.nbytes / use.layers for k, leaf, use, _, z in stacked if z}
+  zero = {k: leaf.nbytes / use.layers for k, leaf, use, _, z, _ in stacked if z}
   held: dict[tuple[int, ...], list[list[float]]] = {}
-  for k, leaf, use, shards, z in stacked:
+  for k, leaf, use, shards, z, split in stacked:
     group = {j for s in graph.stacked_together if k in s for j in s if j in zero} | {k}
     held.setdefault(leaf.shape, []).append(_scanned_stack_bytes(
         leaf, use.layers, shards, z, stacked_parts(use, backend), use.unroll,
-        alone=len(group) <= 1, priced=max(group, key=lambda j: (zero.get(j, 0.0), j)) == k))
+        alone=len(group) <= 1, priced=max(group, key=lambda j: (zero.get(j, 0.0), j)) == k,
+        split=split))
   return held
 
 
 def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int = 0,
-                         unroll: int = 1, alone: bool = True, priced: bool = True
-                         ) -> list[float]:
+                         unroll: int = 1, alone: bool = True, priced: bool = True,
+                         split: int = 1) -> list[float]:
   """What XLA:CPU holds while the backward loop of a ``lax.scan`` over a stacked weight runs,
   beyond the loop's values the timeline counts and the gathered layer the plan prices
   (``Price.gathered_peak``), in bytes per device. Where a batch axis shards the stack (FSDP,
@@ -642,6 +641,22 @@ def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int 
       held.append(layer * (wide - leaf.itemsize))
       n -= 1
     held += [layer * wide] * n
+  elif split > 1:
+    # a stack a batch axis and 'tensor' split (``split``, the tensor shards): the body gathers
+    # the layer's part over the batch axis, f32[1, d, d / split] with the gathered dimension
+    # major, and copies it into the product's layout; the gradient's part (transposed) then
+    # takes the gathered buffer and its all-reduce the copy's, so two parts are live at a time,
+    # one the plan prices (XLA:CPU's buffer assignment, jax 0.10.2, of ``tanh(h @ w)`` over a
+    # stack laid out P(None, 'fsdp', 'tensor') on `fsdp` 4 x `tensor` 2: [2, 256, 256], the
+    # all-gather f32[1,256,128] and copy_bitcast_fusion f32[256,128] at offsets 0 and 131072 of
+    # the temp, dot and all-reduce after them there, -14.0 % with one priced; [3, 512, 512]
+    # the same at 512 KiB, -16.5 %; [4, 256, 256] the gathered part and the gradient in the
+    # outputs' buffers, f32[4,64,128], the copy in temp; a bfloat16 stack gathers and copies
+    # (converts) in float32, -27.5 %)
+    part = layer / split
+    if priced:
+      held.append(part * (wide - leaf.itemsize))
+    held.append(part * wide)
   return held
 
 

@@ -1142,21 +1142,19 @@ def column_parallel_loop():
   once after the loop for ``h @ v``, and again in every iteration of the backward's body from
   the stacked residuals for w's gradient: 7 all-gathers of f32[16,128] (8 KiB a device) and v's
   f32[128,64] over 'fsdp' (32 KiB), 90,112 bytes, where the plan priced one gather per product
-  (-36.4 %; review20b's "a product in a scan / fori_loop: all-gather -44 %"). The memory is
-  priced over XLA's: the model sizes the loop's three stacked residuals whole over 'tensor',
-  XLA keeps them split (f32[3,16,64] each in its buffer assignment, 45,568 bytes of temp
-  against 0.10 MiB priced, +19.8 %): open."""
+  (-36.4 %; review20b's "a product in a scan / fori_loop: all-gather -44 %"). The loop's
+  three stacked residuals (the iterations' inputs, the products' and the tanh's outputs) stay
+  split over 'tensor' as the carry does (f32[3,16,64] each in XLA:CPU's buffer assignment,
+  45,568 bytes of temp); the model sized them whole, 0.10 MiB of temp, +19.8 % (tensor22:
+  pairs.loop_split_outputs)."""
   tx = optax.adamw(_LR)
   def loss(p, batch):
     h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["w"]), batch["x"])
     return jnp.mean((h @ p["v"] - batch["y"]) ** 2)
   p = _init({"w": (128, 128), "v": (128, 128)})
-  why = ("the loop's stacked residuals of a column-parallel product's carry: XLA:CPU keeps them "
-         "split over 'tensor' (f32[3,16,64]), the model sizes them whole (+19.8 %)")
   return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()),
               plan_kwargs={"mesh": {"fsdp": 4, "tensor": 2},
-                           "pinned": ({"w": P(None, "tensor"), "v": None}, None, None)},
-              unpriced={"memory": (None, why)})
+                           "pinned": ({"w": P(None, "tensor"), "v": None}, None, None)})
 
 
 def dp_chain(tx=None, remat=False, b=64):

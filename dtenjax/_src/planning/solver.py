@@ -288,8 +288,11 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
     tp = tp_of.get(g[0])
-    if tp is not None and tp[0] == "col" and complete_column(graph, sources, tp_of, g[0], tp[1],
-                                                             cpu):
+    if tp is not None and tp[0] == "col" and (
+        complete_column(graph, sources, tp_of, g[0], tp[1], cpu) or
+        cpu and (g[0], tp[1]) in graph.loop_split):
+      # (a loop's residuals of a column-parallel product of its carry: split as the carry,
+      # which XLA:CPU gathers for each product; pairs.loop_split_outputs)
       complete.add((g[0], tp[1]))
     primary = graph.leaves[g[0]]
     use = graph.weights.get(g[0])

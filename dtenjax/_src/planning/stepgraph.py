@@ -181,6 +181,10 @@ class StepGraph:
   # column-parallel, complete on its own on XLA:CPU (its output stays sharded, its cone in
   # act_share)
   reduced: frozenset[tuple[int, int]] = frozenset()
+  # (leaf, free dim)s of a product of a loop's carry in no pair (pairs.loop_split_outputs):
+  # column-parallel on XLA:CPU, the loop's stacked residuals stay split over 'tensor' as the
+  # carry does (their timeline values name the key among their owners)
+  loop_split: frozenset[tuple[int, int]] = frozenset()
   # of those, a mixture of experts' routers (:func:`_routed_gathers`): (leaf, free dim) -> the
   # global bytes of the routed values XLA:CPU all-gathers over 'tensor' where the router is
   # column-parallel, and of them the bfloat16 values' (moved in float32)
@@ -543,8 +547,9 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
     if not leaf.is_batch:
       groups.setdefault(reader.ties.find(leaf.index), []).append(leaf.index)
   batch_carried = frozenset(v for v, dims in reader.batch.items() if dims)
+  loop_split = pairs_mod.loop_split_outputs(reader, pairs, reduced)
   act, act_share, timeline = liveness.activations(jaxpr, leaves, {**cones, **reduced},
-                                                  batch_carried)
+                                                  batch_carried, loop_split)
   read = jaxpr_reader.needed_vars(jaxpr)
   outputs = []
   for v in jaxpr.outvars:
@@ -560,7 +565,7 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
                    out_tree=jax.tree.structure(out_shape), carried=carried,
                    act_share=act_share, lookups=dict(reader.lookups),
                    lookup_dtypes=dict(reader.lookup_dtypes),
-                   reduced=frozenset(reduced),
+                   reduced=frozenset(reduced), loop_split=frozenset(loop_split),
                    routed_gathers=_routed_gathers(reader, reduced, leaves),
                    stacks=stacks.read(reader.scans), stacked_together=stacks.together(reader.scans),
                    timeline=timeline,

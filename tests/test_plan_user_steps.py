@@ -1671,12 +1671,15 @@ def test_a_weight_masked_in_a_scanned_layer_is_gathered_there():
   assert not check.misses(0.10) and "all_to_all" not in check.compiled_bytes, check.table()
 
 
-@pytest.mark.parametrize("d,dtype,reads,unroll,stacks,mesh,layers", [
-    (256, jnp.bfloat16, 1, 1, 1, None, 4), (128, jnp.bfloat16, 1, 1, 1, None, 4),
-    (128, jnp.float32, 2, 1, 1, None, 4), (128, jnp.float32, 1, 2, 1, None, 4),
-    (128, jnp.float32, 1, 1, 2, None, 4), (256, jnp.float32, 1, 1, 1, {"fsdp": 4, "tensor": 2}, 4),
-    (256, jnp.float32, 1, 1, 1, {"fsdp": 4, "tensor": 2}, 2)])
-def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, mesh, layers):
+@pytest.mark.parametrize("d,dtype,reads,unroll,stacks,mesh,layers,pin", [
+    (256, jnp.bfloat16, 1, 1, 1, None, 4, None), (128, jnp.bfloat16, 1, 1, 1, None, 4, None),
+    (128, jnp.float32, 2, 1, 1, None, 4, None), (128, jnp.float32, 1, 2, 1, None, 4, None),
+    (128, jnp.float32, 1, 1, 2, None, 4, None),
+    (256, jnp.float32, 1, 1, 1, {"fsdp": 4, "tensor": 2}, 4, None),
+    (256, jnp.float32, 1, 1, 1, {"fsdp": 4, "tensor": 2}, 2, None),
+    (256, jnp.float32, 1, 1, 2, {"fsdp": 4, "tensor": 2}, 4, P(None, None, "tensor"))])
+def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, mesh, layers,
+                                               pin):
   # tanh(h @ w) scanned over a [4, d, d] stack (batch 64, adamw) on `fsdp` 8: the plan shards
   # the stack at d 256 and at 128 in float32, and replicates it at 128 in bfloat16. XLA:CPU
   # computes bfloat16 products in float32: it converts the device's part of the stack to
@@ -1698,7 +1701,12 @@ def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, 
   # backward's body holds the gathered layer's part and its copy in the product's layout, the
   # gradient's part and its all-reduce then in their two buffers: at 2 layers both in temp
   # (f32[256,128] each; the outputs' buffers, f32[2,64,128], too small for them), -14.0 % with
-  # the gathered part alone priced (tensor22)
+  # the gathered part alone priced (tensor22). Two stacks pinned column-parallel,
+  # P(None, None, 'tensor'), read one after the other (tanh(tanh(h @ w0) @ w1)): XLA:CPU
+  # gathers w0's output for w1's product and w1's (the carry) for the next iteration's w0
+  # product, in the forward's body and again in the backward's from the stacked residuals, 16
+  # all-gathers of f32[16,256]; 9 priced (w1's output, taken for reduced in place, none:
+  # all-gather -43.8 %, tensor22)
   tx = optax.adamw(_LR)
   p = {f"ws{k or ''}": (0.1 * jax.random.normal(jax.random.key(k), (layers, d, d))).astype(dtype)
        for k in range(stacks)}
@@ -1712,9 +1720,10 @@ def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, 
                         unroll=unroll)
     return jnp.mean((h.astype(jnp.float32) - batch["y"]) ** 2)
   step, args = _sgd_step(loss, tx), (p, tx.init(p), _xy(d=d, o=d))
-  plan = dtenjax.plan(step, *args, mesh=mesh or {"fsdp": 8})
+  pinned = None if pin is None else ({k: pin for k in p}, None, None)
+  plan = dtenjax.plan(step, *args, mesh=mesh or {"fsdp": 8}, pinned=pinned)
   sharded = d == 256 or dtype == jnp.float32
-  want = P(None, "fsdp", "tensor") if mesh else P(None, "fsdp")
+  want = pin or (P(None, "fsdp", "tensor") if mesh else P(None, "fsdp"))
   assert (plan.specs[0]["ws"] == want) == sharded, plan.specs
   check = plan.check(step, *args, compiler_options=compile_only.USERS_PROGRAM)
   assert not check.misses(0.10), check.table()

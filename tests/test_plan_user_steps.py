@@ -2180,7 +2180,8 @@ def adversarial_perturbation(mesh=None, loop=0):
 
 
 @pytest.mark.parametrize("mesh,loop", [({"fsdp": 4, "tensor": 2}, 0), ({"data": 2, "fsdp": 4}, 0),
-                                       ({"data": 8}, 2)])
+                                       ({"data": 8}, 2), ({"fsdp": 8}, 2),
+                                       ({"fsdp": 4, "tensor": 2}, 2)])
 def test_a_gradient_the_step_drops_is_not_reduced(mesh, loop):
   # coll21: adversarial_perturbation on `fsdp` 4 x `tensor` 2. The step reads each weight as
   # often as one that keeps both gradients (two forward products, the input gradients'), but
@@ -2196,10 +2197,15 @@ def test_a_gradient_the_step_drops_is_not_reduced(mesh, loop):
   # Iterated in a fori_loop of 2 on `data` 8, the dropped gradient's products are in the loop's
   # body, which XLA removes too: only the step's own gradients are all-reduced (0.50 MiB, w1's
   # and w2's f32[128,512] and the biases'), where each weight was priced a part per iteration
-  # more (1.25 MiB, +149 %; tensor22, stepgraph._dropped_loop_parts)
+  # more (1.25 MiB, +149 %; tensor22, stepgraph._dropped_loop_parts; on `fsdp` 4 x `tensor` 2
+  # +132 %). Under FSDP XLA:CPU gathers w1 and w2 before the loop for its body and again for
+  # the step's own products, all four copies live at the loop (1 MiB of temp on `fsdp` 8), where
+  # one gathered weight was priced: memory -48.7 % (`fsdp` 8), -12.2 % (`fsdp` 4 x `tensor` 2;
+  # tensor22, StepGraph.loop_gathers)
   case = adversarial_perturbation(loop=loop)
   plan = dtenjax.plan(case.step, *case.args, mesh=mesh)
   check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
-  least = 2 * 128 * 512 * 4 // (2 if "tensor" in mesh else 4 if "fsdp" in mesh else 1)
+  least = (2 * 128 * 512 * 4 // (2 if "tensor" in mesh else 4 if "fsdp" in mesh else 1)
+           if "tensor" in mesh or "data" in mesh else 0)   # (`fsdp` 8: moved, none reduced)
   assert check.compiled_bytes["all_reduce"] >= least, check.table()
   assert not check.misses(0.10), check.table()

@@ -270,6 +270,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # (bytes a device holds for the gradients a lax.cond's branch makes on their shard, its step)
   branch_moved: list[tuple[float, int]] = []
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
+  per_leaf_gathered: dict[int, float] = {}   # their gathered bytes per device (Price)
   sharded_shapes: set[tuple[int, ...]] = set()   # their shapes (and reversed)
   whole_tables: set[tuple[int, ...]] = set()   # XLA:GPU scatters their gradients into zeros
   converted = 0.0     # the float conversions of integer weights a trained scale's gradient reads
@@ -300,6 +301,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if zero:
       gathered_per_use.update(g)
       sharded_shapes.update((primary.shape, tuple(reversed(primary.shape))))
+      per_leaf_gathered[g[0]] = prob.prices[gi][c].gathered_peak
     t_shard = tensor if "tensor" in used else 1
     # a routed axis's shards (expert) hold complete gradients where they lie
     t_shard *= math.prod(m.size[a] for a in ROUTED_AXES if a in used)
@@ -547,6 +549,14 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     end = v.start + 0.5 if v.body and v.start in branch_steps else end + 1
     events.setdefault(end, []).append((-nb * (not is_grad), -nb * is_grad))
   events.setdefault(-1, []).append((0.0, 0.0, gathered))    # the weights gathered for the step
+  if cpu:
+    # a loop's weights it makes no gradient of, gathered before it and held through it, with
+    # the step's own gathers of them (StepGraph.loop_gathers), beyond the one priced
+    for at, leaves in graph.loop_gathers.items():
+      held_copies = sum(copies * per_leaf_gathered.get(leaf, 0.0) for leaf, copies in leaves)
+      if held_copies > gathered:
+        events.setdefault(at, []).append((0.0, 0.0, held_copies - gathered))
+        events.setdefault(at + 1, []).append((0.0, 0.0, gathered - held_copies))
   if converted:               # dequantized weights' float conversions, kept to the step's end
     events[-1].append((0.0, 0.0, converted))
   if cpu:

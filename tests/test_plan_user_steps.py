@@ -1142,21 +1142,19 @@ def column_parallel_loop():
   once after the loop for ``h @ v``, and again in every iteration of the backward's body from
   the stacked residuals for w's gradient: 7 all-gathers of f32[16,128] (8 KiB a device) and v's
   f32[128,64] over 'fsdp' (32 KiB), 90,112 bytes, where the plan priced one gather per product
-  (-36.4 %; review20b's "a product in a scan / fori_loop: all-gather -44 %"). The memory is
-  priced over XLA's: the model sizes the loop's three stacked residuals whole over 'tensor',
-  XLA keeps them split (f32[3,16,64] each in its buffer assignment, 45,568 bytes of temp
-  against 0.10 MiB priced, +19.8 %): open."""
+  (-36.4 %; review20b's "a product in a scan / fori_loop: all-gather -44 %"). The loop's
+  three stacked residuals (the iterations' inputs, the products' and the tanh's outputs) stay
+  split over 'tensor' as the carry does (f32[3,16,64] each in XLA:CPU's buffer assignment,
+  45,568 bytes of temp); the model sized them whole, 0.10 MiB of temp, +19.8 % (tensor22:
+  pairs.loop_split_outputs)."""
   tx = optax.adamw(_LR)
   def loss(p, batch):
     h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["w"]), batch["x"])
     return jnp.mean((h @ p["v"] - batch["y"]) ** 2)
   p = _init({"w": (128, 128), "v": (128, 128)})
-  why = ("the loop's stacked residuals of a column-parallel product's carry: XLA:CPU keeps them "
-         "split over 'tensor' (f32[3,16,64]), the model sizes them whole (+19.8 %)")
   return Case(_sgd_step(loss, tx), (p, tx.init(p), _xy()),
               plan_kwargs={"mesh": {"fsdp": 4, "tensor": 2},
-                           "pinned": ({"w": P(None, "tensor"), "v": None}, None, None)},
-              unpriced={"memory": (None, why)})
+                           "pinned": ({"w": P(None, "tensor"), "v": None}, None, None)})
 
 
 def dp_chain(tx=None, remat=False, b=64):
@@ -1673,11 +1671,14 @@ def test_a_weight_masked_in_a_scanned_layer_is_gathered_there():
   assert not check.misses(0.10) and "all_to_all" not in check.compiled_bytes, check.table()
 
 
-@pytest.mark.parametrize("d,dtype,reads,unroll,stacks,mesh", [
-    (256, jnp.bfloat16, 1, 1, 1, None), (128, jnp.bfloat16, 1, 1, 1, None),
-    (128, jnp.float32, 2, 1, 1, None), (128, jnp.float32, 1, 2, 1, None),
-    (128, jnp.float32, 1, 1, 2, None), (256, jnp.float32, 1, 1, 1, {"fsdp": 4, "tensor": 2})])
-def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, mesh):
+@pytest.mark.parametrize("d,dtype,reads,unroll,stacks,mesh,more", [
+    (256, jnp.bfloat16, 1, 1, 1, None, {}), (128, jnp.bfloat16, 1, 1, 1, None, {}),
+    (128, jnp.float32, 2, 1, 1, None, {}), (128, jnp.float32, 1, 2, 1, None, {}),
+    (128, jnp.float32, 1, 1, 2, None, {}), (256, jnp.float32, 1, 1, 1, {"fsdp": 4, "tensor": 2}, {}),
+    (256, jnp.float32, 1, 1, 1, {"fsdp": 4, "tensor": 2}, {"layers": 2}),
+    (256, jnp.float32, 1, 1, 2, {"fsdp": 4, "tensor": 2}, {"pin": P(None, None, "tensor")}),
+    (128, jnp.bfloat16, 1, 1, 2, None, {"sgd": True})])
+def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, mesh, more):
   # tanh(h @ w) scanned over a [4, d, d] stack (batch 64, adamw) on `fsdp` 8: the plan shards
   # the stack at d 256 and at 128 in float32, and replicates it at 128 in bfloat16. XLA:CPU
   # computes bfloat16 products in float32: it converts the device's part of the stack to
@@ -1695,9 +1696,23 @@ def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, 
   # were counted, the shapes' dict keeping one, -12.5 %). On `fsdp` 4 x `tensor` 2 the plan
   # splits the stack P(None, 'fsdp', 'tensor') and XLA:CPU holds no whole layer (review21b:
   # +42.0 % with the whole layer's gradient and copy), and gathers the carry over 'tensor' in
-  # each iteration of both loops (8 f32[16,256], unpriced: all-gather -11.1 %)
-  tx = optax.adamw(_LR)
-  p = {f"ws{k or ''}": (0.1 * jax.random.normal(jax.random.key(k), (4, d, d))).astype(dtype)
+  # each iteration of both loops (8 f32[16,256], unpriced: all-gather -11.1 %). So split, the
+  # backward's body holds the gathered layer's part and its copy in the product's layout, the
+  # gradient's part and its all-reduce then in their two buffers: at 2 layers both in temp
+  # (f32[256,128] each; the outputs' buffers, f32[2,64,128], too small for them), -14.0 % with
+  # the gathered part alone priced (tensor22). Two stacks pinned column-parallel,
+  # P(None, None, 'tensor'), read one after the other (tanh(tanh(h @ w0) @ w1)): XLA:CPU
+  # gathers w0's output for w1's product and w1's (the carry) for the next iteration's w0
+  # product, in the forward's body and again in the backward's from the stacked residuals, 16
+  # all-gathers of f32[16,256]; 9 priced (w1's output, taken for reduced in place, none:
+  # all-gather -43.8 %, tensor22). A stack the plan replicates (two bfloat16 [4, 128, 128] on
+  # `fsdp` 8) under plain sgd, whose outputs are the parameters alone: XLA:CPU's backward body
+  # makes each layer's gradient (float32) and all-reduces it into a new buffer, four
+  # f32[128,128] in the temp beside the stacks' float32 conversions; unpriced, -24.2 %
+  # (tensor22; under adamw the moments' outputs hold them)
+  layers, pin = more.get("layers", 4), more.get("pin")
+  tx = optax.sgd(0.1) if more.get("sgd") else optax.adamw(_LR)
+  p = {f"ws{k or ''}": (0.1 * jax.random.normal(jax.random.key(k), (layers, d, d))).astype(dtype)
        for k in range(stacks)}
   def body(h, ws):
     for w in ws:
@@ -1709,9 +1724,10 @@ def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, 
                         unroll=unroll)
     return jnp.mean((h.astype(jnp.float32) - batch["y"]) ** 2)
   step, args = _sgd_step(loss, tx), (p, tx.init(p), _xy(d=d, o=d))
-  plan = dtenjax.plan(step, *args, mesh=mesh or {"fsdp": 8})
+  pinned = None if pin is None else ({k: pin for k in p}, None, None)
+  plan = dtenjax.plan(step, *args, mesh=mesh or {"fsdp": 8}, pinned=pinned)
   sharded = d == 256 or dtype == jnp.float32
-  want = P(None, "fsdp", "tensor") if mesh else P(None, "fsdp")
+  want = pin or (P(None, "fsdp", "tensor") if mesh else P(None, "fsdp"))
   assert (plan.specs[0]["ws"] == want) == sharded, plan.specs
   check = plan.check(step, *args, compiler_options=compile_only.USERS_PROGRAM)
   assert not check.misses(0.10), check.table()
@@ -2143,16 +2159,23 @@ def test_a_column_parallel_convolution_s_input_gradient_is_priced_at_its_input_f
   assert "memory" not in check.misses(0.10), check.table()
 
 
-def adversarial_perturbation(mesh=None):
+def adversarial_perturbation(mesh=None, loop=0):
   """Adversarial training (FGSM): ``jax.grad(loss, argnums=(0, 1))`` for the input's gradient,
   the batch moved along its sign, and the optimizer's step on the perturbed batch's gradient; the
-  first gradient with respect to the parameters is dropped."""
+  first gradient with respect to the parameters is dropped. With ``loop``, the perturbation is
+  a ``lax.fori_loop`` of that many such steps (iterated FGSM), the dropped gradient taken in its
+  body."""
   tx = optax.adamw(_LR)
   def mse(p, x, y):
     return jnp.mean((_mlp(p, x) - y) ** 2)
+  def perturb(params, x, y):
+    _, gx = jax.grad(mse, argnums=(0, 1))(params, x, y)
+    return x + 0.01 * jnp.sign(gx)
   def step(params, opt_state, batch):
-    _, gx = jax.grad(mse, argnums=(0, 1))(params, batch["x"], batch["y"])
-    x_adv = batch["x"] + 0.01 * jnp.sign(gx)
+    if loop:
+      x_adv = jax.lax.fori_loop(0, loop, lambda i, x: perturb(params, x, batch["y"]), batch["x"])
+    else:
+      x_adv = perturb(params, batch["x"], batch["y"])
     value, grads = jax.value_and_grad(mse)(params, x_adv, batch["y"])
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
@@ -2160,8 +2183,10 @@ def adversarial_perturbation(mesh=None):
   return Case(step, (p, tx.init(p), _xy()), plan_kwargs={} if mesh is None else {"mesh": mesh})
 
 
-@pytest.mark.parametrize("mesh", [{"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 4}])
-def test_a_gradient_the_step_drops_is_not_reduced(mesh):
+@pytest.mark.parametrize("mesh,loop", [({"fsdp": 4, "tensor": 2}, 0), ({"data": 2, "fsdp": 4}, 0),
+                                       ({"data": 8}, 2), ({"fsdp": 8}, 2),
+                                       ({"fsdp": 4, "tensor": 2}, 2)])
+def test_a_gradient_the_step_drops_is_not_reduced(mesh, loop):
   # coll21: adversarial_perturbation on `fsdp` 4 x `tensor` 2. The step reads each weight as
   # often as one that keeps both gradients (two forward products, the input gradients'), but
   # XLA removes the dropped gradient's products: one gradient part a weight, w1's and w2's
@@ -2172,10 +2197,19 @@ def test_a_gradient_the_step_drops_is_not_reduced(mesh):
   # gradients are made on their shards (gather.shard_gradients), which followed the dropped
   # gradient's product too: each weight priced two parts' activations moved and two shards
   # all-reduced over `data` where XLA moves and reduces one (review21b: all-gather +13.5 %,
-  # all-to-all +100 %, all-reduce +98.1 %; 64 KiB of w1's and w2's shards over `data` compiled)
-  case = adversarial_perturbation()
+  # all-to-all +100 %, all-reduce +98.1 %; 64 KiB of w1's and w2's shards over `data` compiled).
+  # Iterated in a fori_loop of 2 on `data` 8, the dropped gradient's products are in the loop's
+  # body, which XLA removes too: only the step's own gradients are all-reduced (0.50 MiB, w1's
+  # and w2's f32[128,512] and the biases'), where each weight was priced a part per iteration
+  # more (1.25 MiB, +149 %; tensor22, stepgraph._dropped_loop_parts; on `fsdp` 4 x `tensor` 2
+  # +132 %). Under FSDP XLA:CPU gathers w1 and w2 before the loop for its body and again for
+  # the step's own products, all four copies live at the loop (1 MiB of temp on `fsdp` 8), where
+  # one gathered weight was priced: memory -48.7 % (`fsdp` 8), -12.2 % (`fsdp` 4 x `tensor` 2;
+  # tensor22, StepGraph.loop_gathers)
+  case = adversarial_perturbation(loop=loop)
   plan = dtenjax.plan(case.step, *case.args, mesh=mesh)
   check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
-  least = 2 * 128 * 512 // 2 * 4 if "tensor" in mesh else 2 * 128 * 512 // 4 * 4
+  least = (2 * 128 * 512 * 4 // (2 if "tensor" in mesh else 4 if "fsdp" in mesh else 1)
+           if "tensor" in mesh or "data" in mesh else 0)   # (`fsdp` 8: moved, none reduced)
   assert check.compiled_bytes["all_reduce"] >= least, check.table()
   assert not check.misses(0.10), check.table()

@@ -125,6 +125,11 @@ class WeightUse:
   # residual, laid out as the carry is (roles/tensor.py: a column-parallel weight's input
   # gathered again in the backward)
   carried_input: bool = False
+  # the product's output, through elementwise ops of its shape, is the loop's carry out of the
+  # body (``tanh(h @ w)``'s, and the last product's of a body of several): the next
+  # iteration's input, which a column-parallel product leaves split over 'tensor'
+  # (roles/tensor.py: gathered for the next iteration's product and again in the backward)
+  carried_output: bool = False
   # elements a token of the input's gradient holds, where that is not the product of the
   # contracted dimensions (0): a convolution's kernel contracts its window (3 x 3) beside its
   # input features, but JAX's input gradient (a convolution of the output's gradient with the
@@ -552,6 +557,26 @@ def _carried(frames, v) -> bool:
     return False
   n_consts, n_carry = jaxapi.scan_counts(eqn)
   return any(v is c for c in sub.invars[n_consts:n_consts + n_carry])
+
+
+def _reaches_carry(frames, v) -> bool:
+  """Whether ``v``, or a value elementwise ops of its shape make from it, is a carry the
+  innermost ``lax.scan`` body of ``frames`` hands its next iteration (one of its first
+  outputs)."""
+  if not frames or not is_var(v):
+    return False
+  eqn, sub = frames[-1]
+  if eqn.primitive.name != "scan":
+    return False
+  _, n_carry = jaxapi.scan_counts(eqn)
+  carries = {id(o) for o in sub.outvars[:n_carry] if is_var(o)}
+  shape = tuple(v.aval.shape)
+  reached = {id(v)}
+  for e in sub.eqns:
+    if (e.primitive.name in ELEMENTWISE and any(is_var(x) and id(x) in reached for x in e.invars)
+        and e.outvars and tuple(e.outvars[0].aval.shape) == shape):
+      reached.update(id(o) for o in e.outvars)
+  return bool(reached & carries)
 
 
 def _scan_unroll(frames) -> int:
@@ -1168,6 +1193,7 @@ class Reader:
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
           unroll=_scan_unroll(self.frames),
           carried_input=_carried(self.frames, eqn.invars[1 - side]),
+          carried_output=_reaches_carry(self.frames, eqn.outvars[0]),
           input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived,
           branched=any(e.primitive.name == "cond" for e, _ in self.frames),
           input_width=width)

@@ -176,14 +176,17 @@ def cone_shares(cones: Mapping[Any, Any], amount: Mapping[Any, float],
 
 
 def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], set[Any]],
-                batch_carried: Collection[Any] = frozenset()
+                batch_carried: Collection[Any] = frozenset(),
+                split: Mapping[tuple[int, int], set[Any]] | None = None
                 ) -> tuple[int, dict[tuple[int, int], float], tuple[Live, ...]]:
   """The peak bytes of live batch-derived values (global), the share of them each paired
   ``(leaf, free dim)`` shards (its cone, :func:`dtenjax._src.planning.pairs.find_pairs`; a value
   in several cones is split among them) and the step's timeline of materialised values.
   ``leaves`` are the step's stepgraph.Leaf records, in the order of ``jaxpr``'s inputs;
   ``batch_carried`` the values of ``jaxpr``'s top level that carry a batch dimension
-  (jaxpr_reader.Reader.batch): activations, never a gradient, whatever their shape."""
+  (jaxpr_reader.Reader.batch): activations, never a gradient, whatever their shape. ``split``
+  (pairs.loop_split_outputs) names more owners of the values it holds, with no share of the
+  activations (a loop's residuals split as its carry, which no pair shards)."""
   state_shapes = _state_shapes(leaves)
   batch_vars = {v for lf, v in zip(leaves, jaxpr.invars) if lf.is_batch}
   counted: dict[Any, int] = {}
@@ -203,7 +206,7 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
   gemms = _gemms(jaxpr)
   act_share = cone_shares(cones, counted, sum(counted.values()))
   cone_keys: dict[Any, list[tuple[int, int]]] = {}
-  for key, cone in sorted(cones.items()):
+  for key, cone in sorted({**(split or {}), **cones}.items()):
     for v in cone:
       cone_keys.setdefault(v, []).append(key)
   def owners(v):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Collection
 
 from dtenjax._src import jaxapi
 from dtenjax._src.planning.jaxpr_reader import CALLS
@@ -149,6 +149,40 @@ def reduced_outputs(reader: Reader, pairs: tuple[Pair, ...]
     found, _, cone = _follow(reader, leaf, k, eqn.outvars[0], j, frames, ends=ends)
     if ends and cone and not found:
       out[(leaf, k)] = cone
+  return out
+
+
+def loop_split_outputs(reader: Reader, pairs: tuple[Pair, ...], reduced: Collection[Any]
+                       ) -> dict[tuple[int, int], set[Any]]:
+  """The ``(leaf, free dim)``s of a product in a top-level ``lax.scan``'s body (a
+  ``fori_loop`` of static bounds is one) in no pair and not reduced in place, whose output's
+  dimension the loop's carry holds into the next iteration's product (:func:`_follow`'s
+  unpaired carry), with the loop's stacked outputs that carry it: the residuals the forward
+  loop hands the backward's. Column-parallel, XLA's partitioner keeps the carry split over
+  'tensor' (it gathers it before each iteration's product, roles/tensor.py's
+  ``carried_input``) and stacks each iteration's values split, as they are made (compiled on 8
+  CPU devices: tests/test_plan_user_steps.py's column_parallel_loop, a ``fori_loop`` of 3 of
+  ``tanh(h @ w)`` with w [128, 128] pinned P(None, 'tensor') on `fsdp` 4 x `tensor` 2 at
+  batch 64, three f32[3,16,64] residual stacks in XLA:CPU's buffer assignment)."""
+  skip = {(p.src, p.src_dim) for p in pairs} | set(reduced)
+  out: dict[tuple[int, int], set[Any]] = {}
+  for leaf, k, eqn, j, frames in _free_outputs(reader):
+    if (leaf, k) in skip or len(frames) != 1 or frames[0][0].primitive.name != "scan":
+      continue
+    loop, body = frames[0]
+    n_consts, n_carry = jaxapi.scan_counts(loop)
+    found, _, cone = _follow(reader, leaf, k, eqn.outvars[0], j, frames)
+    carries = [body.invars[n_consts + c] for c, o in enumerate(body.outvars[:n_carry])
+               if is_var(o) and o in cone and o.aval.shape == eqn.outvars[0].aval.shape]
+    if found or not carries:
+      continue
+    # the carry's next iteration is split as this one's output: the stacked inputs of the
+    # iterations (the weight's gradient reads them) too
+    for carry in carries:
+      cone = cone | _follow(reader, leaf, k, carry, j, frames)[2]
+    stacked = {v for v in loop.outvars[n_carry:] if v in cone}
+    if stacked:
+      out[(leaf, k)] = stacked
   return out
 
 

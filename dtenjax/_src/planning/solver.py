@@ -291,6 +291,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # (bytes a device holds for the gradients a lax.cond's branch makes on their shard, its step)
   branch_moved: list[tuple[float, int]] = []
   gathered_per_use: set[int] = set()   # leaves sharded over a batch axis
+  per_leaf_gathered: dict[int, float] = {}   # their gathered bytes per device (Price)
   sharded_shapes: set[tuple[int, ...]] = set()   # their shapes (and reversed)
   whole_tables: set[tuple[int, ...]] = set()   # XLA:GPU scatters their gradients into zeros
   converted = 0.0     # the float conversions of integer weights a trained scale's gradient reads
@@ -304,13 +305,16 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # reduced's entries first reduced over some of them only -> those axes (_combined_reduction)
   regrouped: dict[int, frozenset[str]] = {}
   whole_axes: dict[int, frozenset[str]] = {}   # the same for whole's groups
-  stacked: list[tuple[int, stepgraph.Leaf, stepgraph.WeightUse, int, bool]] = []
+  stacked: list[tuple[int, stepgraph.Leaf, stepgraph.WeightUse, int, bool, int]] = []
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
     tp = tp_of.get(g[0])
-    if tp is not None and tp[0] == "col" and complete_column(graph, sources, tp_of, g[0], tp[1],
-                                                             cpu):
+    if tp is not None and tp[0] == "col" and (
+        complete_column(graph, sources, tp_of, g[0], tp[1], cpu) or
+        cpu and (g[0], tp[1]) in graph.loop_split):
+      # (a loop's residuals of a column-parallel product of its carry: split as the carry,
+      # which XLA:CPU gathers for each product; pairs.loop_split_outputs)
       complete.add((g[0], tp[1]))
     primary = graph.leaves[g[0]]
     use = graph.weights.get(g[0])
@@ -318,6 +322,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if zero:
       gathered_per_use.update(g)
       sharded_shapes.update((primary.shape, tuple(reversed(primary.shape))))
+      per_leaf_gathered[g[0]] = prob.prices[gi][c].gathered_peak
     t_shard = tensor if "tensor" in used else 1
     # a routed axis's shards (expert) hold complete gradients where they lie
     t_shard *= math.prod(m.size[a] for a in ROUTED_AXES if a in used)
@@ -370,12 +375,10 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # of 8 checkpointed residual MLP layers on `fsdp` 8, tests/test_step_planner_memory.py, went
     # from within 10 % of the user's per-layer FSDP program to +11.3 % with it; not read)
     if cpu and use is not None and use.layers > 1 and not use.remat and g[0] in sliced:
-      # (a stack split over 'tensor' too: XLA:CPU gathers the layer's part over the batch axis
-      # into the product's layout and all-reduces its gradient's part into that buffer, none
-      # of the whole layer held: a [4, 256, 256] stack laid out P(None, 'fsdp', 'tensor') on
-      # `fsdp` 4 x `tensor` 2 is one f32[256,128] buffer of its layer in XLA:CPU's buffer
-      # assignment, the gathered layer priced; with the whole layer's the model was +42.0 %)
-      stacked.append((g[0], primary, use, shards, zero and t_shard == 1))
+      # (a stack split over 'tensor' too holds its layer's part, none of the whole layer:
+      # _scanned_stack_bytes' ``split``)
+      stacked.append((g[0], primary, use, shards, zero and t_shard == 1,
+                      t_shard if zero and t_shard > 1 else 1))
     # a parameter the loss never reads has no gradient value: its constant zero is fused into
     # the update, neither sized beside the gradients of its shape nor reduced (unused_parameter
     # in tests/test_plan_user_steps.py: a head of w1's shape, replicated over 'tensor' where w1
@@ -452,7 +455,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         regrouped[len(reduced)] = whole_axes[gi]
       reduced.append((nb, 1))
     whole, single = [], []
-  loop_held.update(_loop_held(graph, stacked, backend))
+  loop_held.update(_loop_held(graph, stacked, backend, bdiv > 1))
   hoisted = _zeros_before_the_loop(graph, whole_tables)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
@@ -570,6 +573,14 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   if start:                   # and jax 0.11's float32 copies of bfloat16 ones (_gathered_at_start)
     events[-1].append((0.0, 0.0, start))
     events.setdefault(-0.5, []).append((0.0, 0.0, -start))
+  if cpu:
+    # a loop's weights it makes no gradient of, gathered before it and held through it, with
+    # the step's own gathers of them (StepGraph.loop_gathers), beyond the one priced
+    for at, leaves in graph.loop_gathers.items():
+      held_copies = sum(copies * per_leaf_gathered.get(leaf, 0.0) for leaf, copies in leaves)
+      if held_copies > gathered:
+        events.setdefault(at, []).append((0.0, 0.0, held_copies - gathered))
+        events.setdefault(at + 1, []).append((0.0, 0.0, gathered - held_copies))
   if converted:               # dequantized weights' float conversions, kept to the step's end
     events[-1].append((0.0, 0.0, converted))
   if cpu:
@@ -594,8 +605,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   return {"activations": peak[0], "grads": peak[1], "gathered": peak[2]}
 
 
-def _loop_held(graph: stepgraph.StepGraph, stacked: Sequence[tuple], backend: str
-               ) -> dict[tuple[int, ...], list[list[float]]]:
+def _loop_held(graph: stepgraph.StepGraph, stacked: Sequence[tuple], backend: str,
+               reduced: bool = False) -> dict[tuple[int, ...], list[list[float]]]:
   """:func:`_scanned_stack_bytes` of each scanned stack of ``stacked`` ((leaf index, leaf, its
   use, its shards, whether a batch axis alone splits it)), a list a stack, by the stack's shape
   (two stacks of one shape are two sets of buffers, each held where its gradient is made).
@@ -606,19 +617,20 @@ def _loop_held(graph: stepgraph.StepGraph, stacked: Sequence[tuple], backend: st
   buffer assignment of ``h + tanh(h @ w1) @ w2`` scanned over [2, 128, 256] and [2, 256, 128]
   on `fsdp` 8 holds four f32 layer buffers in the body, and each stack more read in the body
   adds two (three [2, 256, 256] stacks: +540,704 bytes of temp over two)."""
-  zero = {k: leaf.nbytes / use.layers for k, leaf, use, _, z in stacked if z}
+  zero = {k: leaf.nbytes / use.layers for k, leaf, use, _, z, _ in stacked if z}
   held: dict[tuple[int, ...], list[list[float]]] = {}
-  for k, leaf, use, shards, z in stacked:
+  for k, leaf, use, shards, z, split in stacked:
     group = {j for s in graph.stacked_together if k in s for j in s if j in zero} | {k}
     held.setdefault(leaf.shape, []).append(_scanned_stack_bytes(
         leaf, use.layers, shards, z, stacked_parts(use, backend), use.unroll,
-        alone=len(group) <= 1, priced=max(group, key=lambda j: (zero.get(j, 0.0), j)) == k))
+        alone=len(group) <= 1, priced=max(group, key=lambda j: (zero.get(j, 0.0), j)) == k,
+        split=split, reduced=reduced))
   return held
 
 
 def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int = 0,
-                         unroll: int = 1, alone: bool = True, priced: bool = True
-                         ) -> list[float]:
+                         unroll: int = 1, alone: bool = True, priced: bool = True,
+                         split: int = 1, reduced: bool = False) -> list[float]:
   """What XLA:CPU holds while the backward loop of a ``lax.scan`` over a stacked weight runs,
   beyond the loop's values the timeline counts and the gathered layer the plan prices
   (``Price.gathered_peak``), in bytes per device. Where a batch axis shards the stack (FSDP,
@@ -666,6 +678,33 @@ def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int 
       held.append(layer * (wide - leaf.itemsize))
       n -= 1
     held += [layer * wide] * n
+  elif split > 1:
+    # a stack a batch axis and 'tensor' split (``split``, the tensor shards): the body gathers
+    # the layer's part over the batch axis, f32[1, d, d / split] with the gathered dimension
+    # major, and copies it into the product's layout; the gradient's part (transposed) then
+    # takes the gathered buffer and its all-reduce the copy's, so two parts are live at a time,
+    # one the plan prices (XLA:CPU's buffer assignment, jax 0.10.2, of ``tanh(h @ w)`` over a
+    # stack laid out P(None, 'fsdp', 'tensor') on `fsdp` 4 x `tensor` 2: [2, 256, 256], the
+    # all-gather f32[1,256,128] and copy_bitcast_fusion f32[256,128] at offsets 0 and 131072 of
+    # the temp, dot and all-reduce after them there, -14.0 % with one priced; [3, 512, 512]
+    # the same at 512 KiB, -16.5 %; [4, 256, 256] the gathered part and the gradient in the
+    # outputs' buffers, f32[4,64,128], the copy in temp; a bfloat16 stack gathers and copies
+    # (converts) in float32, -27.5 %)
+    part = layer / split
+    if priced:
+      held.append(part * (wide - leaf.itemsize))
+    held.append(part * wide)
+  elif reduced and split == 1:
+    # a stack no axis splits, its gradient reduced over the batch axes (DP's): the backward's
+    # body slices the layer out of the stack, then makes the layer's gradient in its place (a
+    # float32 product's, of a 16-bit stack too) and all-reduces it into a new buffer, two layer
+    # buffers per product part and layer of the body, beside the carried gradient (XLA:CPU's
+    # buffer assignment, jax 0.10.2, [4, 128, 128] on `data` 8 under sgd: the slice and then
+    # dot.10 at offset 0, all-reduce.5 f32[128,128] at 65536 of the temp, -15.5 % without them;
+    # two bfloat16 stacks the plan replicates on `fsdp` 8: four f32[128,128], the two gradients
+    # and the combined all-reduce's two results, -24.2 %). Under adamw they take free
+    # moments' buffers, as the placement gives them (tensor22)
+    held += [layer * wide] * (2 * unroll * max(1, parts))
   return held
 
 

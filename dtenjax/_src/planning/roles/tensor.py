@@ -97,8 +97,13 @@ def price(ctx) -> None:
           # gradient: 2 * repeats + 1 gathers of an iteration's output where one per product
           # was priced (compiled on 8 CPU devices, `fsdp` 4 x `tensor` 2, w [128, 128] pinned
           # column-parallel, batch 64: 7 all-gathers of f32[16,128] for a loop of 3, 11 for 5;
-          # -36.4 % and -40.0 % of all-gather before, scan21)
-          pr.ag_fwd_bytes *= (2 * use.repeats + 1) / use.repeats
+          # -36.4 % and -40.0 % of all-gather before, scan21). The one after the loop is for a
+          # carry this product makes (``carried_output``): where another product of the body
+          # makes the carry (``tanh(tanh(h @ w0) @ w1)`` over two stacks pinned
+          # P(None, None, 'tensor')), the gathers of w0's output are the forward's and the
+          # backward's, 2 * repeats (compiled, [4, 256, 256] stacks on `fsdp` 4 x `tensor` 2 at
+          # batch 64: two all-gathers of f32[16,256] in each loop's body, tensor22)
+          pr.ag_fwd_bytes *= (2 * use.repeats + use.carried_output) / use.repeats
         pr.ag_fwd = ctx.pricer("all_gather", pr.ag_fwd_bytes, ("tensor",), WIRE)
       elif (ctx.primary.index, d) in ctx.graph.routed_gathers:
         # a router's logits reduced in place, but the experts' split they hand on to the gates
@@ -107,7 +112,11 @@ def price(ctx) -> None:
         nb, wide = ctx.graph.routed_gathers[(ctx.primary.index, d)]
         ctx.add("all_gather", nb / ctx.batch_div, ("tensor",), blocking=True, dtype=WIRE,
                 wide=wide / ctx.batch_div)
-      elif use.carried_input and use.repeats > 1 and ctx.pricer.backend == "cpu":
+      elif ((use.carried_input or use.carried_output) and use.repeats > 1
+            and ctx.pricer.backend == "cpu"):
+        # (or the body's last product, which makes the carry the next iteration's first
+        # product reads: its output gathered for that product and again in the backward's
+        # body, tensor22's two stacks above, 8 of their 16 all-gathers, none priced before)
         # a loop's carry whose every reader contracts the split features (the next
         # iteration's product, a mean after the loop: pairs.reduced_outputs), the layers of a
         # stack scanned over ``tanh(h @ w)``: XLA:CPU still gathers the carry for the next

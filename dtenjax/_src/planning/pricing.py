@@ -1093,6 +1093,13 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       split = m.size["tensor"] if mt.cone is not None and pr.tp == ("col", mt.cone[1]) else 1
       ctx.add("all_gather", gathers * mt.nbytes / mt.count / split, meet, blocking=False,
               times=mt.count, dtype=WIRE, wide=gathers * mt.wide / mt.count / split)
+  # a grouped convolution's input that the batch axes split is all-gathered whole over them
+  # before it (XLA's partitioner runs a grouped convolution on the whole batch), and nothing
+  # moves on until every device's rows have come (Reader.grouped_gathers)
+  for mt in graph.grouped_gathers:
+    if mt.payer in group and meet:
+      ctx.add("all_gather", mt.nbytes / mt.count, meet, blocking=True, times=mt.count,
+              dtype=WIRE, wide=mt.wide / mt.count)
   if use is not None:
     split = m.size["tensor"] if pr.tp is not None else 1
     flops = use.flops / split

@@ -475,6 +475,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         if v.grad not in sharded_shapes:
           values.extend((nb, v) for _ in range(2 if bdiv > 1 else 1) if nb > 0)
         continue
+    elif v.whole:          # a grouped convolution's whole-batch buffers (Live.whole)
+      nb = v.nbytes
     else:
       nb = v.nbytes / bdiv
       if tensor > 1 and any(k in complete for k in v.owners):

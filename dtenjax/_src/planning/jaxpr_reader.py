@@ -138,6 +138,17 @@ class WeightUse:
   output_tokens: int = 0
 
 
+def grouped_by_features(eqn) -> bool:
+  """Whether the convolution ``eqn`` is grouped (``feature_group_count`` > 1) with more than
+  one input feature a group. A depthwise convolution (one input feature a group: the kernel's
+  input features 1) XLA partitions over a split batch in place, with no collective (32
+  features in 32 groups on `data` 8: no all-gather compiled, where 2 to 16 groups gather)."""
+  if eqn.params.get("feature_group_count", 1) <= 1:
+    return False
+  dn = eqn.params["dimension_numbers"]
+  return eqn.invars[1].aval.shape[dn.rhs_spec[1]] > 1
+
+
 def output_tokens(use: WeightUse) -> int:
   """The tokens of ``use``'s output (what a column-parallel product gathers over 'tensor' and a
   row-parallel one all-reduces, each a token of the free dimensions' elements): the input's
@@ -1121,21 +1132,22 @@ class Reader:
       tie[o] = reps[0]
 
   def _grouped_input(self, eqn, repeats: int) -> None:
-    """Records a grouped convolution (``feature_group_count`` > 1: a depthwise or grouped
-    layer's forward, and its input's gradient, which JAX makes as a grouped convolution of the
-    output's gradient with the reversed kernel) whose input carries the batch's dimension 0 as
-    the convolution's batch. XLA's SPMD partitioner splits a grouped convolution only along its
-    feature groups: with the batch split it all-gathers the input whole over the batch axes,
-    runs the whole batch's convolution on every device and slices the result to the device's
-    rows (the compiled HLO on 8 CPU devices, jax 0.10.2, plain ``jax.jit`` with the batch over
-    `data` 8 and the kernel replicated: f32[16,8,8,32] all-gathered for the forward's
-    convolution and again for the input gradient's, each beside a whole f32[16,8,8,32] result).
-    The kernel's gradient (a ``batch_group_count`` convolution contracting the batch) is made
-    on the device's rows and reduced as any weight's."""
-    lhs = eqn.invars[0]
-    if eqn.params.get("feature_group_count", 1) <= 1 or not is_var(lhs):
+    """Records a grouped convolution of more than one input feature a group
+    (:func:`grouped_by_features`: a grouped layer's forward, and its input's gradient, which JAX
+    makes as a grouped convolution of the output's gradient with the reversed kernel) whose
+    input carries the batch's dimension 0 as the convolution's batch. XLA's SPMD partitioner
+    splits such a convolution only along its feature groups: with the batch split it
+    all-gathers the input whole over the batch axes, runs the whole batch's convolution on
+    every device and slices the result to the device's rows (the compiled HLO on 8 CPU devices,
+    jax 0.10.2, plain ``jax.jit`` with the batch over `data` 8 and the kernel replicated, 32
+    features in 2, 4, 8 or 16 groups: f32[16,8,8,32] all-gathered for the forward's convolution
+    and again for the input gradient's, each beside a whole f32[16,8,8,32] result). The
+    kernel's gradient (a ``batch_group_count`` convolution contracting the batch) is made on
+    the device's rows and reduced as any weight's."""
+    lhs, dn = eqn.invars[0], eqn.params["dimension_numbers"]
+    if not grouped_by_features(eqn) or not is_var(lhs):
       return
-    if eqn.params["dimension_numbers"].lhs_spec[0] not in self.batch.get(lhs, frozenset()):
+    if dn.lhs_spec[0] not in self.batch.get(lhs, frozenset()):
       return
     self.grouped.append((self.eqn_count, repeats * nbytes(lhs.aval),
                          repeats * wide_bytes(lhs.aval), repeats))

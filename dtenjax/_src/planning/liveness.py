@@ -32,6 +32,7 @@ from dtenjax._src.planning.jaxpr_reader import is_quantized_dtype
 from dtenjax._src.planning.jaxpr_reader import is_var
 from dtenjax._src.planning.jaxpr_reader import nbytes
 from dtenjax._src.planning.jaxpr_reader import followed_operand
+from dtenjax._src.planning.jaxpr_reader import grouped_by_features
 from dtenjax._src.planning.jaxpr_reader import scalar_fills
 from dtenjax._src.planning.jaxpr_reader import sub_jaxprs
 
@@ -1402,7 +1403,9 @@ def _in_kernel_order(eqn, k: int) -> bool:
 
 
 def _grouped_whole(eqn, tainted: set) -> list[tuple[Any, int]]:
-  """A grouped convolution's (``feature_group_count`` > 1) batch-derived input gathered whole
+  """A grouped convolution's (:func:`~dtenjax._src.planning.jaxpr_reader.grouped_by_features`:
+  not a depthwise one, which XLA partitions over the batch in place) batch-derived input
+  gathered whole
   and its whole result (value, bytes for the whole batch): XLA's SPMD partitioner splits a
   grouped convolution only along its feature groups, so where the batch axes split its input
   it all-gathers the input over them and computes the whole batch's convolution on every
@@ -1413,7 +1416,7 @@ def _grouped_whole(eqn, tainted: set) -> list[tuple[Any, int]]:
   contracts the batch (``batch_group_count``, feature_group_count 1): made on the device's
   rows."""
   lhs, out = eqn.invars[0], eqn.outvars[0]
-  if eqn.params.get("feature_group_count", 1) <= 1 or not is_var(lhs) or lhs not in tainted:
+  if not grouped_by_features(eqn) or not is_var(lhs) or lhs not in tainted:
     return []
   return [(_Whole(lhs), nbytes(lhs.aval)), (_Whole(out), nbytes(out.aval))]
 

@@ -196,6 +196,8 @@ class Meeting:
   # a grouped convolution's input (Reader.grouped_gathers): ``nbytes`` are the whole batch's
   # value, which XLA all-gathers over the batch axes (not each device's partials)
   whole: bool = False
+  # a grouped convolution's flops per step (``whole``): every device computes the whole batch's
+  flops: float = 0.0
 
 
 class _UnionFind:
@@ -848,8 +850,9 @@ class Reader:
     self.contractions: set[int] = set()     # batch_reductions that are dot_generals
     self.index_operands: dict[int, Any] = {}   # index batch_reductions -> the values reduced
     # the grouped convolutions (feature_group_count > 1) whose input holds the batch's dimension 0
-    # as its batch: (walk position, bytes of the whole input per step, its bfloat16 bytes, trips)
-    self.grouped: list[tuple[int, int, int, int]] = []
+    # as its batch: (walk position, bytes of the whole input per step, its bfloat16 bytes, trips,
+    # its flops per step)
+    self.grouped: list[tuple[int, int, int, int, float]] = []
     # the results of the jax.shard_maps walked that their out_specs shard over the user's mesh:
     # (walk position, bytes of the whole value, its bfloat16 bytes, the devices its dimension 0
     # is split over, the devices it is split over in all, the block of dimension 0 each device
@@ -1150,14 +1153,15 @@ class Reader:
     if dn.lhs_spec[0] not in self.batch.get(lhs, frozenset()):
       return
     self.grouped.append((self.eqn_count, repeats * nbytes(lhs.aval),
-                         repeats * wide_bytes(lhs.aval), repeats))
+                         repeats * wide_bytes(lhs.aval), repeats,
+                         self.eqn_flops.get(id(eqn), 0.0)))
 
   def grouped_gathers(self) -> list[Meeting]:
     """The all-gathers over the batch axes of the grouped convolutions' inputs
     (:meth:`_grouped_input`), each a Meeting (``whole``): every device waits there for the
     others' rows, paid by the weight whose product comes last before it."""
-    return [Meeting(order, nb, count, self._payer(order), whole=True, wide=wide)
-            for order, nb, wide, count in self.grouped]
+    return [Meeting(order, nb, count, self._payer(order), whole=True, wide=wide, flops=flops)
+            for order, nb, wide, count, flops in self.grouped]
 
   def _product(self, eqn, ins, repeats) -> None:
     name = eqn.primitive.name

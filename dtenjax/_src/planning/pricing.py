@@ -1116,6 +1116,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     fixed = (pricer.product_fixed_rows * use.flops / max(1, use.tokens) * batched *
              grad / max(1, primary.nbytes))
     pr.compute = (flops / batch_div + fixed) / m.peak_flops * pr.compute_scale
+    # a grouped convolution runs on the whole batch on every device (Reader.grouped_gathers):
+    # the share of its flops the batch axes would have split is computed again on each
+    for mt in graph.grouped_gathers:
+      if mt.payer in group and batch_div > 1:
+        pr.compute += mt.flops * (1 - 1 / batch_div) / m.peak_flops * pr.compute_scale
     if zero and not vocab_axes:
       # each of its gathers (one a pass, or one a layer and pass of a scanned stack) waits for
       # the compute since the devices' previous meeting: where every weight is gathered where

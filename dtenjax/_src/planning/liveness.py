@@ -154,6 +154,13 @@ class _Copy:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class _Dense:
+  """A depthwise kernel's gradient made dense, or its masked copy (:func:`_depthwise_dense`)."""
+  of: Any
+  second: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Whole:
   """The value ``of`` for the whole batch on every device (:func:`_grouped_whole`)."""
   of: Any
@@ -235,12 +242,12 @@ def activations(jaxpr, leaves: Sequence[Any], cones: Mapping[tuple[int, int], se
     expands, expands_leaf = expanded_rows.get(v, (0, None))
     gemm, gemm_sum_at = gemms.get(v, (None, 0))
     return Live(start, end, nb, grad, owners(v), body,
-                copy=isinstance(v, (_Copy, _Again)), cheap_on_gpu=v in gpu_fused,
+                copy=isinstance(v, (_Copy, _Again, _Dense)), cheap_on_gpu=v in gpu_fused,
                 gpu_end=gpu_ends.get(v) if gpu_ends.get(v, end) != end else None,
                 folded=v in folded, expands=expands, expands_leaf=expands_leaf, gemm=gemm,
                 gemm_sum_at=gemm_sum_at, call_result=body and v in call_results,
                 gpu_start=gpu_starts.get(v), slot=slots.get(v), scaled_by=scaled.get(v),
-                update=grad is not None and v in updates, whole=isinstance(v, _Whole),
+                update=grad is not None and v in updates, whole=isinstance(v, (_Whole, _Dense)),
                 turned_gradient=turned.get(v))
   turned = {entry[0]: tuple(entry[0].of.aval.shape) for entry in lives
             if isinstance(entry[0], _Copy) and entry[0].of in turned_results}
@@ -678,6 +685,12 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
         inner_set = inner_set + whole
       if timeline is not None:
         timeline.extend((v, i, i, nb, None, True) for v, nb in inner_set if nb)
+        if eqn.primitive.name == "conv_general_dilated" and (dense := _depthwise_dense(eqn)):
+          # the dense product beside its operands' copies, then beside its masked copy, which
+          # the operands' copies, dead by then, leave room for
+          (first, nb), (second, _) = dense
+          timeline.append((first, i, i + 1, nb, None, False))
+          timeline.append((second, i + 1, i + 1, nb, None, True))
       for o in eqn.outvars:
         if i in runs_until:
           after[o] = runs_until[i] + 1
@@ -1400,6 +1413,25 @@ def _in_kernel_order(eqn, k: int) -> bool:
   orders = ([batch + free + contract] if k == 0 else
             [batch + contract + free, batch + free + contract])
   return tuple(range(ndim)) in orders
+
+
+def _depthwise_dense(eqn) -> list[tuple[Any, int]]:
+  """A depthwise kernel's gradient (a convolution of ``batch_group_count`` equal to its output
+  features: one group a feature) as XLA:CPU makes it: its convolution-group-converter writes a
+  dense convolution of every pair of features ([features, window..., features], the
+  gradient's bytes times its features) and a masked copy of that keeping the pairs of one
+  group, which it then sums into the gradient; both buffers live at once, whole on every
+  device (XLA:CPU's buffer assignment, `data` 8, a [3, 3, 1, C] kernel over x (16, 8, 8, C):
+  f32[C,3,3,C] and f32[3,3,C,C] side by side, 73,728 bytes of temp at C = 32 and 294,912 at
+  64). A grouped one of several features a group is converted without them. XLA:CPU only
+  (``Live.copy``): not seen compiled for the GPU."""
+  groups = eqn.params.get("batch_group_count", 1)
+  out = eqn.outvars[0]
+  dn = eqn.params["dimension_numbers"]
+  if groups <= 1 or out.aval.shape[dn.out_spec[1]] != groups:
+    return []
+  nb = nbytes(out.aval) * groups
+  return [(_Dense(out), nb), (_Dense(out, True), nb)]
 
 
 def _grouped_whole(eqn, tainted: set) -> list[tuple[Any, int]]:

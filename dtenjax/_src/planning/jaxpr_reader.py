@@ -135,6 +135,31 @@ class WeightUse:
   # input features, but JAX's input gradient (a convolution of the output's gradient with the
   # reversed kernel) has the input's shape, its features a token (input_width)
   input_width: int = 0
+  # the output's tokens where they are not the input's (0: ``tokens``): a convolution's output
+  # has a token per window position, batch x the output's spatial extent, which a stride or
+  # "VALID" padding makes fewer than the input's pixels (a 3 x 3 window of stride 2 over 8 x 8
+  # pixels, padded "SAME": 4 x 4 outputs). What a column-parallel product gathers and a
+  # row-parallel one all-reduces is its output, sized so (output_tokens)
+  output_tokens: int = 0
+
+
+def grouped_by_features(eqn) -> bool:
+  """Whether the convolution ``eqn`` is grouped (``feature_group_count`` > 1) with more than
+  one input feature a group. A depthwise convolution (one input feature a group: the kernel's
+  input features 1) XLA partitions over a split batch in place, with no collective (32
+  features in 32 groups on `data` 8: no all-gather compiled, where 2 to 16 groups gather)."""
+  if eqn.params.get("feature_group_count", 1) <= 1:
+    return False
+  dn = eqn.params["dimension_numbers"]
+  return eqn.invars[1].aval.shape[dn.rhs_spec[1]] > 1
+
+
+def output_tokens(use: WeightUse) -> int:
+  """The tokens of ``use``'s output (what a column-parallel product gathers over 'tensor' and a
+  row-parallel one all-reduces, each a token of the free dimensions' elements): the input's
+  :attr:`WeightUse.tokens`, or a convolution's output positions
+  (:attr:`WeightUse.output_tokens`)."""
+  return use.output_tokens or use.tokens
 
 
 def input_width(use: WeightUse, shape) -> int:
@@ -173,6 +198,11 @@ class Meeting:
   # float32: on CPU devices ``nbytes + wide`` move (a norm's statistics are mostly float32 in a
   # bfloat16 model: jnp.mean sums in float32)
   wide: int = 0
+  # a grouped convolution's input (Reader.grouped_gathers): ``nbytes`` are the whole batch's
+  # value, which XLA all-gathers over the batch axes (not each device's partials)
+  whole: bool = False
+  # a grouped convolution's flops per step (``whole``): every device computes the whole batch's
+  flops: float = 0.0
 
 
 class _UnionFind:
@@ -844,6 +874,10 @@ class Reader:
     self.met: set[int] = set()
     self.contractions: set[int] = set()     # batch_reductions that are dot_generals
     self.index_operands: dict[int, Any] = {}   # index batch_reductions -> the values reduced
+    # the grouped convolutions (feature_group_count > 1) whose input holds the batch's dimension 0
+    # as its batch: (walk position, bytes of the whole input per step, its bfloat16 bytes, trips,
+    # its flops per step)
+    self.grouped: list[tuple[int, int, int, int, float]] = []
     # the results of the jax.shard_maps walked that their out_specs shard over the user's mesh:
     # (walk position, bytes of the whole value, its bfloat16 bytes, the devices its dimension 0
     # is split over, the devices it is split over in all, the block of dimension 0 each device
@@ -894,6 +928,8 @@ class Reader:
         self.state_derived.update(eqn.outvars)
       if name in ("dot_general", "conv_general_dilated"):
         self._product(eqn, ins, repeats)
+        if name == "conv_general_dilated" and not self.aside:
+          self._grouped_input(eqn, repeats)
       elif self.aside:
         pass                     # the work and the lookups are the priced branch's
       elif name in ELEMENTWISE or name in REDUCTIONS:
@@ -1123,6 +1159,35 @@ class Reader:
     for o in eqn.outvars:
       tie[o] = reps[0]
 
+  def _grouped_input(self, eqn, repeats: int) -> None:
+    """Records a grouped convolution of more than one input feature a group
+    (:func:`grouped_by_features`: a grouped layer's forward, and its input's gradient, which JAX
+    makes as a grouped convolution of the output's gradient with the reversed kernel) whose
+    input carries the batch's dimension 0 as the convolution's batch. XLA's SPMD partitioner
+    splits such a convolution only along its feature groups: with the batch split it
+    all-gathers the input whole over the batch axes, runs the whole batch's convolution on
+    every device and slices the result to the device's rows (the compiled HLO on 8 CPU devices,
+    jax 0.10.2, plain ``jax.jit`` with the batch over `data` 8 and the kernel replicated, 32
+    features in 2, 4, 8 or 16 groups: f32[16,8,8,32] all-gathered for the forward's convolution
+    and again for the input gradient's, each beside a whole f32[16,8,8,32] result). The
+    kernel's gradient (a ``batch_group_count`` convolution contracting the batch) is made on
+    the device's rows and reduced as any weight's."""
+    lhs, dn = eqn.invars[0], eqn.params["dimension_numbers"]
+    if not grouped_by_features(eqn) or not is_var(lhs):
+      return
+    if dn.lhs_spec[0] not in self.batch.get(lhs, frozenset()):
+      return
+    self.grouped.append((self.eqn_count, repeats * nbytes(lhs.aval),
+                         repeats * wide_bytes(lhs.aval), repeats,
+                         self.eqn_flops.get(id(eqn), 0.0)))
+
+  def grouped_gathers(self) -> list[Meeting]:
+    """The all-gathers over the batch axes of the grouped convolutions' inputs
+    (:meth:`_grouped_input`), each a Meeting (``whole``): every device waits there for the
+    others' rows, paid by the weight whose product comes last before it."""
+    return [Meeting(order, nb, count, self._payer(order), whole=True, wide=wide, flops=flops)
+            for order, nb, wide, count, flops in self.grouped]
+
   def _product(self, eqn, ins, repeats) -> None:
     name = eqn.primitive.name
     lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
@@ -1136,6 +1201,7 @@ class Reader:
           lhs.shape[d] for d in lfree) * math.prod(rhs.shape[d] for d in rfree)
       sides = ((0, lc, lb, lfree, rhs, rfree), (1, rc, rb, rfree, lhs, lfree))
       width = 0                          # the contracted dimensions' product
+      positions = 0                      # the output's tokens are the input's
     else:   # conv_general_dilated: rhs is the kernel
       dn = eqn.params["dimension_numbers"]
       rspec = dn.rhs_spec            # (out feature, in feature, spatial...)
@@ -1145,6 +1211,8 @@ class Reader:
       lspec = dn.lhs_spec
       sides = ((1, tuple(rspec[1:]), (), (rspec[0],), lhs, (lspec[0], *lspec[2:])),)
       width = lhs.shape[lspec[1]]        # the input's features (all groups'), not the window
+      ospec = dn.out_spec
+      positions = math.prod(out.shape[d] for d in (ospec[0], *ospec[2:]))
     if not self.aside:     # a branch walked aside: the weights it reads, not the work
       self.flops += flops
       self.products += repeats
@@ -1196,7 +1264,9 @@ class Reader:
           carried_output=_reaches_carry(self.frames, eqn.outvars[0]),
           input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived,
           branched=any(e.primitive.name == "cond" for e, _ in self.frames),
-          input_width=width)
+          input_width=width,
+          output_tokens=(positions if positions != math.prod(partner.shape[d] for d in pfree)
+                         else 0))
       self.first_out[leaf] = (eqn, side, dims, self.frames)
       self.first_order[leaf] = self.eqn_count
       if is_var(eqn.invars[1 - side]):

@@ -1136,6 +1136,13 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       split = m.size["tensor"] if mt.cone is not None and pr.tp == ("col", mt.cone[1]) else 1
       ctx.add("all_gather", gathers * mt.nbytes / mt.count / split, meet, blocking=False,
               times=mt.count, dtype=WIRE, wide=gathers * mt.wide / mt.count / split)
+  # a grouped convolution's input that the batch axes split is all-gathered whole over them
+  # before it (XLA's partitioner runs a grouped convolution on the whole batch), and nothing
+  # moves on until every device's rows have come (Reader.grouped_gathers)
+  for mt in graph.grouped_gathers:
+    if mt.payer in group and meet:
+      ctx.add("all_gather", mt.nbytes / mt.count, meet, blocking=True, times=mt.count,
+              dtype=WIRE, wide=mt.wide / mt.count)
   if use is not None:
     split = m.size["tensor"] if pr.tp is not None else 1
     flops = use.flops / split
@@ -1152,6 +1159,11 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     fixed = (pricer.product_fixed_rows * use.flops / max(1, use.tokens) * batched *
              grad / max(1, primary.nbytes))
     pr.compute = (flops / batch_div + fixed) / m.peak_flops * pr.compute_scale
+    # a grouped convolution runs on the whole batch on every device (Reader.grouped_gathers):
+    # the share of its flops the batch axes would have split is computed again on each
+    for mt in graph.grouped_gathers:
+      if mt.payer in group and batch_div > 1:
+        pr.compute += mt.flops * (1 - 1 / batch_div) / m.peak_flops * pr.compute_scale
     if zero and not vocab_axes:
       # each of its gathers (one a pass, or one a layer and pass of a scanned stack) waits for
       # the compute since the devices' previous meeting: where every weight is gathered where

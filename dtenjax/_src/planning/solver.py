@@ -499,6 +499,11 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         if v.grad not in sharded_shapes:
           values.extend((nb, v) for _ in range(2 if bdiv > 1 else 1) if nb > 0)
         continue
+    elif v.turned_gradient is not None:    # a kernel's gradient copied (XLA:CPU only)
+      sizes = grad_sizes.get(v.turned_gradient) or turned.get(v.turned_gradient)
+      nb = sum(sizes) / len(sizes) if sizes else v.nbytes
+    elif v.whole:          # a grouped convolution's whole-batch buffers (Live.whole)
+      nb = v.nbytes
     else:
       nb = v.nbytes / bdiv
       if tensor > 1 and any(k in complete for k in v.owners):
@@ -528,8 +533,12 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   held: list[list[tuple[int, float]]] = [[] for _ in outputs]   # (start, end) per output buffer
   kept_to_the_end: list[float] = []     # the gradients placed in outputs' buffers (to the update)
   temp: list[tuple[float, stepgraph.Live]] = []
+  # the step's combined reduction of the gradients (_combined_reduction's)
+  grads_made = [v.start for v in graph.timeline if v.grad is not None and not v.update]
+  reduction = max(grads_made, default=0) + 1
   for nb, v in sorted(values, key=lambda x: -x[0]):
-    end = math.inf if v.grad is not None and not v.body else _end(v, cpu)
+    end = (math.inf if v.grad is not None and not v.body else
+           reduction if v.turned_gradient is not None else _end(v, cpu))
     placed = False
     for k, size in enumerate(outputs):
       if size < nb:
@@ -553,17 +562,17 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   temp.extend(slot for slot in slots if _fourth_slot(slot, graph, temp, sized, bdiv,
                                                      gathered_per_use))
   events: dict[int, list[tuple[float, float]]] = {}
-  # a dequantized weight's gradient is an operand of XLA:CPU's combined all-reduce after the
-  # backward, live until it though the scale's gradient read it long before (two int8 weights
-  # sharing a trained scale, read in a chain, `data` 8: the first-made f32[256,256] gradient
-  # held to the all-reduce beside the second's, XLA:CPU's buffer assignment)
-  grads_made = [v.start for v in graph.timeline if v.grad is not None and not v.update]
-  reduction = max(grads_made, default=0) + 1      # as _combined_reduction's
   branch_steps = {t for _, t in in_branch}
   for nb, v in temp:
     is_grad = v.grad is not None
     end = _end(v, cpu)
+    # a dequantized weight's gradient is an operand of XLA:CPU's combined all-reduce after the
+    # backward, live until it though the scale's gradient read it long before (two int8 weights
+    # sharing a trained scale, read in a chain, `data` 8: the first-made f32[256,256] gradient
+    # held to the all-reduce beside the second's, XLA:CPU's buffer assignment)
     if cpu and is_grad and v.grad in held_to_reduction and not v.body:
+      end = max(end, reduction)
+    if v.turned_gradient is not None:     # read by the combined all-reduce
       end = max(end, reduction)
     events.setdefault(v.start, []).append((nb * (not is_grad), nb * is_grad))
     # a branch's own values are dead by its last op, the reduction (_branch_reductions)

@@ -237,6 +237,9 @@ class StepGraph:
   # batch the step returns): all-gathered over the batch axes, no meeting
   # (jaxpr_reader.Reader.index_gathers)
   index_gathers: tuple[Meeting, ...] = ()
+  # the grouped convolutions' inputs that hold the batch: all-gathered whole over the batch axes
+  # (jaxpr_reader.Reader.grouped_gathers)
+  grouped_gathers: tuple[Meeting, ...] = ()
   # (leaf, free dim) of a tensor pair -> the vectors (biases) applied to its cone's values
   # (pairs.column_vectors): column-parallel, XLA all-gathers their new values over 'tensor'
   column_vectors: dict[tuple[int, int], tuple[int, ...]] = dataclasses.field(
@@ -590,6 +593,7 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
                    shard_gradients=_shard_gradients(closed.jaxpr, leaves, groups, weights, parts),
                    meetings=tuple(meetings), since_meeting=reader.since_meeting(meetings),
                    index_gathers=tuple(reader.index_gathers({**cones, **reduced})),
+                   grouped_gathers=tuple(reader.grouped_gathers()),
                    column_vectors=pairs_mod.column_vectors(reader, jaxpr.invars, cones),
                    unread=frozenset(leaf.index for leaf, v in zip(leaves, jaxpr.invars)
                                     if v not in read),

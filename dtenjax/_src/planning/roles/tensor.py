@@ -5,6 +5,7 @@ import dataclasses
 import math
 
 from dtenjax._src.planning.jaxpr_reader import input_width
+from dtenjax._src.planning.jaxpr_reader import output_tokens
 from dtenjax._src.planning.roles.base import LeafContext
 from dtenjax._src.planning.roles.base import MeshContext
 from dtenjax._src.planning.roles.base import Option
@@ -50,6 +51,8 @@ def price(ctx) -> None:
     # every use of a weight shared across layers (grad_parts) runs its own activation
     # collectives, as every layer of a scan (repeats) does
     tokens = use.tokens * use.repeats * use.grad_parts / ctx.batch_div
+    # a convolution's output has its window positions, not its input's pixels, as tokens
+    outputs = tokens * output_tokens(use) / max(1, use.tokens)
     item = use.act_itemsize
     # of the activations' dtype, not the weight's: XLA:CPU all-reduces a bfloat16 activation in
     # f32 (its all-reduce promotion; the HLO's reducer is add.clone_promoted), and all-gathers
@@ -87,7 +90,7 @@ def price(ctx) -> None:
       # dimension (logits into the loss): XLA:CPU reduces the shards in place
       # (pairs.reduced_outputs; not seen compiled for the GPU)
       if not ((ctx.primary.index, d) in ctx.graph.reduced and ctx.pricer.backend == "cpu"):
-        pr.ag_fwd_bytes = ctx.pricer.wire(tokens * width_out * item, act)
+        pr.ag_fwd_bytes = ctx.pricer.wire(outputs * width_out * item, act)
         if use.carried_input and use.repeats > 1 and ctx.pricer.backend == "cpu":
           # a loop's carry read by the product (``tanh(h @ w)`` in a fori_loop or scan): the
           # carry stays split over 'tensor', so XLA:CPU gathers it in every iteration of the
@@ -125,12 +128,13 @@ def price(ctx) -> None:
         # devices, a [4, 256, 256] stack P(None, 'fsdp', 'tensor') on `fsdp` 4 x `tensor` 2 at
         # batch 64: 8 all-gathers of f32[16,256] over 'tensor', none priced, all-gather -11.1 %)
         # (no pair term: the solver takes the reduced output's column for complete)
-        ctx.add("all_gather", 2 * tokens * width_out * item, ("tensor",), blocking=True,
+        ctx.add("all_gather", 2 * outputs * width_out * item, ("tensor",), blocking=True,
                 dtype=act)
     elif d in use.contracted:
       pr.tp = ("row", d)
       # each forward product all-reduces its output: jax.checkpoint's recomputed ones too
-      forward = use.tokens * use.repeats * (use.forward_reads or use.grad_parts) / ctx.batch_div
+      forward = (output_tokens(use) * use.repeats * (use.forward_reads or use.grad_parts) /
+                 ctx.batch_div)
       ctx.add("all_reduce", forward * width_out * item, ("tensor",), blocking=True, dtype=act)
       if use.input_grad:
         pr.ag_bwd_bytes = ctx.pricer.wire(tokens * width_in * item, act)

@@ -59,8 +59,9 @@ class Price:
   # largest of these, not their sum
   gathered_peak: float = 0.0
   # bytes of the float32 copy jax 0.11's XLA:CPU gathers a bfloat16 weight in and converts into
-  # the kept bfloat16 copy (``memory["gathered"]``) at the step's start (price_layout,
-  # solver.simulate_memory)
+  # the kept bfloat16 copy (``memory["gathered"]``) at the step's start, or of a float table's
+  # gathered copy, live from the step's start to its lookup (price_layout,
+  # solver._gathered_at_start)
   gathered_wide: float = 0.0
   # what its FSDP gather waits beyond :attr:`overlappable`'s where the tensor pair its layout is
   # in is not completed by the assignment: a complete pair's meetings over 'tensor' leave its
@@ -1005,6 +1006,15 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
         pr.memory["gathered"] = gbytes * wide
     # (a table only read by lookups is not kept: the lookup's backward scatters into zeros and
     # never reads it, so its gathered copy dies with the forward's lookup)
+    if (use is None and primary.index in graph.lookups and stepgraph.is_float(dtype)
+        and pricer.backend == "cpu"):
+      # but XLA:CPU issues the step's all-gathers first: the float table's gathered copy (in
+      # float32 for a bfloat16 table, _gathered_widening) is live at the step's start beside the
+      # weights' gathered copies until the first lookup (solver._gathered_at_start). That is
+      # the peak where the weights' gradients are made on their shards (review22: a bfloat16
+      # [1024, 128] table and MLP on `fsdp` 8, sgd: 1.09 MiB of temp compiled, the table's
+      # f32[1024,128] beside the weights' f32[128,512] and f32[512,128]; priced 0.56, -43.3 %)
+      pr.gathered_wide = gbytes * _gathered_widening(pricer.backend, dtype)
     if use is None and primary.index in graph.lookups:
       # gathered for the step's first lookup, before any product: its devices last met at the
       # previous step's last collective and have run the optimizer's update since: this

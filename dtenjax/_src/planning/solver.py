@@ -240,7 +240,11 @@ def _gathered_at_start(wide: Sequence[tuple[float, float]]) -> float:
   gathered copy to bfloat16 after, the float32 one dying at its conversion; at the first
   conversion every float32 copy and that bfloat16 copy are live (a bfloat16 MLP on `fsdp` 8 at
   batch 64: f32[128,512], f32[512,128] and bf16[128,512], XLA:CPU's buffer assignment, the peak
-  of its temp), the later kept copies not yet made."""
+  of its temp), the later kept copies not yet made. A float table only looked up (kept
+  copy 0) is gathered there too and dies at its lookup: its gathered copy is live beside them
+  (pricing.price_layout; a bfloat16 [1024, 128] table beside a bfloat16 MLP's two gathered
+  weights on `fsdp` 8, jax 0.10: f32[1024,128], f32[128,512] and f32[512,128] in XLA:CPU's
+  temp, the peak where the weights' gradients are made on their shards)."""
   if not wide:
     return 0.0
   return (sum(w for w, _ in wide) + max(k for _, k in wide) - sum(k for _, k in wide))

@@ -525,10 +525,17 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   held: list[list[tuple[int, float]]] = [[] for _ in outputs]   # (start, end) per output buffer
   kept_to_the_end: list[float] = []     # the gradients placed in outputs' buffers (to the update)
   temp: list[tuple[float, stepgraph.Live]] = []
+  # a scanned stack's gradient is the backward loop's carried value: XLA's buffer assignment
+  # gives a while loop's colocated buffers (its operand, the body's parameter and root, its
+  # result) an allocation of their own, never an output's (the [4, 128, 128] stack's
+  # f32[4,128,128] carry in the temporary buffer beside w2's gathered copy, the MLP's first
+  # layer's gathered copy in the stack's output buffer; docs/benchmarks.md scan22)
+  carried = {leaf.shape for _, leaf, _, _, _ in stacked}
   for nb, v in sorted(values, key=lambda x: -x[0]):
     end = math.inf if v.grad is not None and not v.body else _end(v, cpu)
     placed = False
-    for k, size in enumerate(outputs):
+    loop_carry = v.grad in carried and not v.body and not v.update
+    for k, size in enumerate(() if loop_carry else outputs):
       if size < nb:
         break
       if all(v.start > e or end < s for s, e in held[k]):

@@ -626,13 +626,18 @@ def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
   weighed = {k for k, _ in followed}
   for group in groups.values():
     if (any(k in weights and not leaves[k].is_batch and not _checkpointed_first(weights[k])
-            for k in group)
+            and not _scanned_stack(weights[k]) for k in group)
         and not any(k in weighed for k in group)):
       return {}
   if any(len(found) < parts.get(leaves[k].shape, 1) for (k, _), found in followed.items()):
     return {}
   return {key: tuple(how for _, how in _one_branch(found)) for key, found in followed.items()
           if found[0][1].moves}
+
+
+def _scanned_stack(use) -> bool:
+  """Whether ``use`` is a stack a ``lax.scan`` slices (WeightUse.layers), read nowhere else."""
+  return use.layers > 1 and not use.loop_uses
 
 
 def _one_branch(found: tuple) -> tuple:

@@ -533,21 +533,23 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   held: list[list[tuple[int, float]]] = [[] for _ in outputs]   # (start, end) per output buffer
   kept_to_the_end: list[float] = []     # the gradients placed in outputs' buffers (to the update)
   temp: list[tuple[float, stepgraph.Live]] = []
-  # a float32 scanned stack's gradient is the backward loop's carried value, which XLA:CPU's
-  # buffer assignment keeps in the temporary buffer (the while loop's colocated buffers: its
-  # zeros, the body's parameter and root, its result), not in an output's: a [4, 128, 128]
-  # stack after an MLP on `fsdp` 8 under sgd holds the f32[4,128,128] carry in temp beside w2's
-  # gathered copy and the layer's all-reduce, and the stack's output buffer holds the first
-  # layer's gathered copy before the loop (plan.check -11.6 % with the carry in the output,
-  # -6.1 % so). A bfloat16 stack's carry, bfloat16, is its output's buffer, updated in place
-  # (the same step in bfloat16: bf16[4,128,128] in the live-out allocation; its rows on `data`
-  # 2 x `fsdp` 4 and `fsdp` 4 x `tensor` 2 went from -0.1 / -1.0 % to +7.0 / +6.0 % in temp).
-  # docs/benchmarks.md scan22
+  # a float32 scanned stack's gradient is the backward loop's carried value (the while loop's
+  # colocated buffers: its zeros, the body's parameter and root, its result), which XLA:CPU
+  # puts in the stack's output buffer where that is free (shard_map_in_layer_scan on `data` 8),
+  # but the weights' gathered copies, which the model holds apart (``gathered``, in the
+  # temporary buffer all step), go first into a free output buffer they fit: a [4, 128, 128]
+  # stack after an MLP on `fsdp` 8 under sgd has w1's gathered f32[128,512] in the stack's
+  # output buffer before the loop and the f32[4,128,128] carry in temp beside w2's gathered
+  # copy and the layer's all-reduce (plan.check -11.6 % with the carry in the output, -6.1 %
+  # so). So a carry no larger than the gathered copies is priced in temp. A bfloat16 stack's
+  # carry, bfloat16, is its output's buffer, updated in place (the same step in bfloat16:
+  # bf16[4,128,128] in the live-out allocation; in temp its rows on `data` 2 x `fsdp` 4 and
+  # `fsdp` 4 x `tensor` 2 went from -0.1 / -1.0 % to +7.0 / +6.0 %). docs/benchmarks.md scan22
   carried = {leaf.shape for _, leaf, _, _, _ in stacked if leaf.itemsize >= 4}
   for nb, v in sorted(values, key=lambda x: -x[0]):
     end = math.inf if v.grad is not None and not v.body else _end(v, cpu)
     placed = False
-    loop_carry = v.grad in carried and not v.body and not v.update
+    loop_carry = v.grad in carried and not v.body and not v.update and gathered >= nb
     for k, size in enumerate(() if loop_carry else outputs):
       if size < nb:
         break

@@ -27,7 +27,8 @@ pytestmark = helpers.one_worker(__name__)
 
 
 def _mlp_step(d=128, h=512, batch=64, tied=False, bf16=False, two_views=False,
-              remat_first=False, remat_second=False, dots_saveable=False, remat_block=False):
+              remat_first=False, remat_second=False, dots_saveable=False, remat_block=False,
+              tx=None, stack=0):
   """The adamw step of tests/test_plan_user_steps.py's MLP (``tied``: ``w2`` is ``w1.T``;
   ``bf16``: the weights cast to bfloat16 for the products, mixed precision; ``two_views``: the
   MLP applied to the batch and to its features reversed, the two losses summed, so every weight
@@ -35,12 +36,15 @@ def _mlp_step(d=128, h=512, batch=64, tied=False, bf16=False, two_views=False,
   first layer, ``gelu(x @ w1 + b1)``, inside ``jax.checkpoint``; ``remat_second``: the second,
   ``h @ w2 + b2``; ``dots_saveable``: the first layer's checkpoint under that policy;
   ``remat_block``: the whole MLP under one ``jax.checkpoint`` (flax ``nn.remat``'s form),
-  applied twice)."""
-  tx = optax.adamw(1e-2)
+  applied twice; ``tx``: the optimizer, adamw where None; ``stack``: then ``tanh(h @ w)``
+  scanned over a [stack, d, d] stack, bf16_22's scanned rows)."""
+  tx = tx or optax.adamw(1e-2)
   kw, kx, ky = jax.random.split(jax.random.key(0), 3)
   p = {"w1": 0.1 * jax.random.normal(kw, (d, h)), "b1": jnp.zeros((h,)), "b2": jnp.zeros((d,))}
   if not tied:
     p["w2"] = 0.1 * jax.random.normal(kw, (h, d))
+  if stack:
+    p["ws"] = 0.1 * jax.random.normal(kw, (stack, d, d))
 
   def first(w1, b1, x):
     return jax.nn.gelu(x @ w1 + b1)
@@ -60,6 +64,8 @@ def _mlp_step(d=128, h=512, batch=64, tied=False, bf16=False, two_views=False,
       x = jax.checkpoint(block)(x, w1, p["b1"].astype(w1.dtype), w2, p["b2"].astype(w1.dtype))
       block = jax.checkpoint(block)
     out = block(x, w1, p["b1"].astype(w1.dtype), w2, p["b2"].astype(w1.dtype))
+    if stack:
+      out = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), out, p["ws"])[0]
     return jnp.mean((out.astype(jnp.float32) - y) ** 2)
 
   def loss(p, batch):
@@ -241,8 +247,11 @@ def test_a_second_layer_under_checkpoint_is_priced_no_smaller_than_it_compiles()
   assert check.memory_error <= 0.10, check.table()
 
 
-@pytest.mark.parametrize("mesh", [{"fsdp": 8}, {"data": 8}])
-def test_bfloat16_params_fsdp_step_is_no_larger_than_the_plain_jit_s_and_priced(mesh):
+@pytest.mark.parametrize("mesh,dtype,sgd,stack", [
+    ({"fsdp": 8}, jnp.bfloat16, False, 0), ({"data": 8}, jnp.bfloat16, False, 0),
+    ({"fsdp": 8}, jnp.bfloat16, True, 4), ({"fsdp": 8}, jnp.float32, True, 4)])
+def test_bfloat16_params_fsdp_step_is_no_larger_than_the_plain_jit_s_and_priced(
+    mesh, dtype, sgd, stack):
   # The MLP's parameters themselves bfloat16 (not cast for the products), batch 64. review20a:
   # XLA:CPU makes a whole gradient by a float32 product and all-reduces it in float32 into a new
   # buffer; the model sized them at bfloat16 (-41.6 % on `fsdp` 8, -39.6 % on `data` 8).
@@ -252,12 +261,19 @@ def test_bfloat16_params_fsdp_step_is_no_larger_than_the_plain_jit_s_and_priced(
   # makes bfloat16 products' gradients on the shard as float32 ones' (0.73 MiB; jax 0.11.2:
   # 0.83 against 0.83), priced with the weights' gathered copies in float32 as XLA:CPU gathers
   # them (pricing._gathered_widening, solver._gathered_at_start). The expected values are XLA's:
-  # memory_analysis() of plan.jit's compile (plan.check) and of the plain FSDP jit's
+  # memory_analysis() of plan.jit's compile (plan.check) and of the plain FSDP jit's.
+  # scan22: the MLP then tanh(h @ w) scanned over a [4, 128, 128] stack under sgd (the stack's
+  # 4 layers do not divide over `fsdp` 8: replicated in the plain jit, and in the plan). A
+  # stack kept every weight's gradient whole (stepgraph._shard_gradients' all or none): 1.15x
+  # the plain jit in bfloat16 and 1.33x in float32, where XLA's partitioner makes w1's on its
+  # shard and reduces the stack's layer by layer in the backward loop, as plan.jit now does
+  # (0.97x / 1.04x), priced with the float32 stack's loop carry in temp and the bfloat16
+  # stack's hoisted float32 conversion from the step's start (solver.simulate_memory)
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-  step, (p, _, data) = _mlp_step(batch=64)
-  tx = optax.adamw(1e-2)
-  p = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+  tx = optax.sgd(1e-2) if sgd else optax.adamw(1e-2)
+  step, (p, _, data) = _mlp_step(batch=64, tx=tx, stack=stack)
+  p = jax.tree.map(lambda x: x.astype(dtype), p)
   args = (p, tx.init(p), data)
   plan = dtenjax.plan(step, *args, mesh=mesh)
   check = plan.check(step, *args, compiler_options=compile_only.USERS_PROGRAM)
@@ -273,7 +289,12 @@ def test_bfloat16_params_fsdp_step_is_no_larger_than_the_plain_jit_s_and_priced(
   plain = jax.jit(step, in_shardings=fsdp).lower(*args).compile(compile_only.USERS_PROGRAM)
   assert check.compiled_memory["total"] <= 1.10 * _memory(plain), (
       check.compiled_memory["total"], _memory(plain), check.table())
-  if mesh == {"fsdp": 8}:
+  if mesh == {"fsdp": 8} and stack:
+    # the stack's gradient all-reduced a layer at a time in float32 (4 x 128 x 128 x 4 B), the
+    # biases' (512 + 128) x 4 B and the loss's 4 B: no whole w1 or w2 gradient
+    assert check.compiled_bytes.get("all_reduce", 0) == (
+        stack * 128 * 128 * 4 + (512 + 128) * 4 + 4), check.table()
+  elif mesh == {"fsdp": 8}:
     # no whole weight's gradient reduced: the loss's scalar and the biases' alone (f32)
     assert check.compiled_bytes.get("all_reduce", 0) < 128 * 512 * 4, check.table()
 
@@ -322,6 +343,8 @@ def test_a_checkpoint_saves_under_plan_jit_what_it_saves_under_the_plain_jit():
   assert barriers == 4 and planned.as_text().count("optimization_barrier") == barriers
   memory = _memory(planned.compile(compile_only.USERS_PROGRAM))
   assert memory <= 1.02 * _memory(plain), (memory, _memory(plain))
+
+
 def test_a_table_looked_up_beside_weights_whose_gradients_move_is_priced_at_the_step_s_start():
   # review22: a bfloat16 embedding table [1024, 128] looked up for 64 tokens, then a bfloat16
   # MLP (128 -> 512 -> 128), sgd, on `fsdp` 8. bf16_22 makes both weights' gradients on their

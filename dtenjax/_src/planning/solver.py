@@ -302,7 +302,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   held_to_reduction: set[tuple[int, ...]] = set()   # their gradients' shapes (and reversed)
   # a scanned stack's shape -> what XLA:CPU holds while the backward loop over it runs that the
   # loop's values do not count (_scanned_stack_bytes)
-  loop_held: dict[tuple[int, ...], list[list[float]]] = {}
+  loop_held: dict[tuple[int, ...], list[tuple[float, list[float]]]] = {}
   sliced = {k: d for leaves, _ in graph.stacks.values() for k, d in leaves.items()}
   # the batch axes that split the batch: a replicated gradient's all-reduce spans them all
   spanned = frozenset(a for a in BATCH_AXES if m.size[a] > 1)
@@ -491,7 +491,15 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
         # of its shape (the stacks of one shape a body reads are made at one step, two scans'
         # at two)
         held = dataclasses.replace(v, grad=None, update=False, end=v.start)
-        values.extend((nb, held) for nb in loop_held[v.grad].pop(0) if nb > 0)
+        hoist, rest = loop_held[v.grad].pop(0)
+        values.extend((nb, held) for nb in rest if nb > 0)
+        if hoist:
+          # the hoisted conversion reads only the stack's parameter: XLA:CPU's schedule makes
+          # it at the step's start, beside the weights' gathered copies (a bfloat16 [4, 128,
+          # 128] stack after a bfloat16 MLP on `fsdp` 8 under sgd: f32[4,128,128], f32[128,512]
+          # and f32[512,128] at the first all-gathers, the peak of its temp; docs/benchmarks.md
+          # scan22)
+          values.append((hoist, dataclasses.replace(held, start=0)))
       if v.body:
         # a gradient part made in a loop's body (liveness._peak's loop_parts), live beside the
         # carried gradient while the loop runs, in an output buffer where one is free, and
@@ -540,11 +548,25 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # the step's combined reduction of the gradients (_combined_reduction's)
   grads_made = [v.start for v in graph.timeline if v.grad is not None and not v.update]
   reduction = max(grads_made, default=0) + 1
+  # a float32 scanned stack's gradient is the backward loop's carried value (the while loop's
+  # colocated buffers: its zeros, the body's parameter and root, its result), which XLA:CPU
+  # puts in the stack's output buffer where that is free (shard_map_in_layer_scan on `data` 8),
+  # but the weights' gathered copies, which the model holds apart (``gathered``, in the
+  # temporary buffer all step), go first into a free output buffer they fit: a [4, 128, 128]
+  # stack after an MLP on `fsdp` 8 under sgd has w1's gathered f32[128,512] in the stack's
+  # output buffer before the loop and the f32[4,128,128] carry in temp beside w2's gathered
+  # copy and the layer's all-reduce (plan.check -11.6 % with the carry in the output, -6.1 %
+  # so). So a carry no larger than the gathered copies is priced in temp. A bfloat16 stack's
+  # carry, bfloat16, is its output's buffer, updated in place (the same step in bfloat16:
+  # bf16[4,128,128] in the live-out allocation; in temp its rows on `data` 2 x `fsdp` 4 and
+  # `fsdp` 4 x `tensor` 2 went from -0.1 / -1.0 % to +7.0 / +6.0 %). docs/benchmarks.md scan22
+  carried = {leaf.shape for _, leaf, *_ in stacked if leaf.itemsize >= 4}
   for nb, v in sorted(values, key=lambda x: -x[0]):
     end = (math.inf if v.grad is not None and not v.body else
            reduction if v.turned_gradient is not None else _end(v, cpu))
     placed = False
-    for k, size in enumerate(outputs):
+    loop_carry = v.grad in carried and not v.body and not v.update and gathered >= nb
+    for k, size in enumerate(() if loop_carry else outputs):
       if size < nb:
         break
       if all(v.start > e or end < s for s, e in held[k]):
@@ -619,7 +641,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
 
 
 def _loop_held(graph: stepgraph.StepGraph, stacked: Sequence[tuple], backend: str,
-               reduced: bool = False) -> dict[tuple[int, ...], list[list[float]]]:
+               reduced: bool = False) -> dict[tuple[int, ...], list[tuple[float, list[float]]]]:
   """:func:`_scanned_stack_bytes` of each scanned stack of ``stacked`` ((leaf index, leaf, its
   use, its shards, whether a batch axis alone splits it)), a list a stack, by the stack's shape
   (two stacks of one shape are two sets of buffers, each held where its gradient is made).
@@ -629,16 +651,26 @@ def _loop_held(graph: stepgraph.StepGraph, stacked: Sequence[tuple], backend: st
   which the plan prices one gathered layer (the largest, ``Price.gathered_peak``): XLA:CPU's
   buffer assignment of ``h + tanh(h @ w1) @ w2`` scanned over [2, 128, 256] and [2, 256, 128]
   on `fsdp` 8 holds four f32 layer buffers in the body, and each stack more read in the body
-  adds two (three [2, 256, 256] stacks: +540,704 bytes of temp over two)."""
+  adds two (three [2, 256, 256] stacks: +540,704 bytes of temp over two). Each stack's is
+  (its hoisted 16-bit conversion's bytes, 0 where none, and the rest)."""
   zero = {k: leaf.nbytes / use.layers for k, leaf, use, _, z, _ in stacked if z}
-  held: dict[tuple[int, ...], list[list[float]]] = {}
+  held: dict[tuple[int, ...], list[tuple[float, list[float]]]] = {}
   for k, leaf, use, shards, z, split in stacked:
     group = {j for s in graph.stacked_together if k in s for j in s if j in zero} | {k}
-    held.setdefault(leaf.shape, []).append(_scanned_stack_bytes(
+    found = _scanned_stack_bytes(
         leaf, use.layers, shards, z, stacked_parts(use, backend), use.unroll,
         alone=len(group) <= 1, priced=max(group, key=lambda j: (zero.get(j, 0.0), j)) == k,
-        split=split, reduced=reduced))
+        split=split, reduced=reduced)
+    hoisted = bool(found) and _hoisted_conversion(leaf)
+    held.setdefault(leaf.shape, []).append(
+        (found[0], found[1:]) if hoisted else (0.0, found))
   return held
+
+
+def _hoisted_conversion(leaf) -> bool:
+  """Whether jax 0.10's XLA:CPU converts a 16-bit float stack to float32 once before the
+  loops (:func:`_scanned_stack_bytes`' first buffer)."""
+  return leaf.itemsize < 4 and stepgraph.is_float(leaf.dtype) and XLA_VERSION < (0, 11)
 
 
 def _scanned_stack_bytes(leaf, layers: int, shards: int, zero: bool, parts: int = 0,

@@ -627,7 +627,14 @@ def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
   read again transposed), XLA:CPU's combined all-reduce of the whole gradients remains, and
   beside it the moved program held memory the model does not follow (a scaled first layer on
   `fsdp` 8: 0.50 MiB of temp compiled where 0.75 was priced; a weight in a lax.fori_loop: 0.32
-  MiB compiled, 0.29 priced): none moves. Not so a first layer's weight whose product lies in a
+  MiB compiled, 0.29 priced): none moves. Not so a stack a lax.scan slices
+  (:func:`_scanned_stack`): its gradient is made a layer at a time in the backward's loop body
+  and reduced there, never in the combined all-reduce, and XLA's partitioner moves the other
+  weights beside it for the plain FSDP jit (an MLP then tanh(h @ w) scanned over a replicated
+  [4, 128, 128] stack on `fsdp` 8 under sgd: w1's gradient made on its shard, each layer's
+  all-reduced in the loop, its compiled HLO; plan.jit with every gradient whole compiled 1.33x
+  its memory in float32, 1.15x in bfloat16, moved 1.04x / 0.97x, docs/benchmarks.md scan22).
+  Nor a first layer's weight whose product lies in a
   jax.checkpoint call (:func:`_checkpointed_first`; not a later layer's): its whole gradient,
   made in the backward's call, is reduced and the followed weights move beside it, as XLA's
   partitioner moves them (remat_first on `fsdp` 8 at batch 64: 0.90 MiB, priced 0.93, against
@@ -647,13 +654,19 @@ def _shard_gradients(jaxpr, leaves, groups: dict, weights: dict,
   weighed = {k for k, _ in followed}
   for group in groups.values():
     if (any(k in weights and not leaves[k].is_batch and not _checkpointed_first(weights[k])
-            for k in group)
+            and not _scanned_stack(weights[k]) for k in group)
         and not any(k in weighed for k in group)):
       return {}
   if any(len(found) < parts.get(leaves[k].shape, 1) for (k, _), found in followed.items()):
     return {}
   return {key: tuple(how for _, how in _one_branch(found)) for key, found in followed.items()
           if found[0][1].moves}
+
+
+def _scanned_stack(use) -> bool:
+  """Whether ``use`` is a stack a ``lax.scan`` slices (WeightUse.layers), not a weight a loop
+  reads whole (WeightUse.loop_uses), whose gradient the loop accumulates whole."""
+  return use.layers > 1 and not use.loop_uses
 
 
 def _one_branch(found: tuple) -> tuple:

@@ -2183,6 +2183,14 @@ def test_a_convolution_s_step_is_priced_as_compiled(middle, mesh, pinned):
   if not middle and pinned:
     assert check.compiled_bytes["all_reduce"] >= 4 * 8 * 8 * 32 * 4, check.table()
     misses.pop("all_gather", None)
+  if middle.get("strides") and _JAXLIB >= (0, 11):
+    # jaxlib 0.11's plan leaves w0 replicated (0.10's splits it too), and XLA then slices the
+    # replicated w2 to the middle kernel's output features and all-gathers w2's update,
+    # f32[3, 3, 32, 8] (9216 B), where the model prices the strided output's gather (4 images
+    # x 4 x 4 positions x 32 features x 4 B = 8192 B): the pinned column's open all-gather row
+    # (`column` above, docs/benchmarks.md conv22), 11.1 % over these few bytes
+    assert abs(check.compiled_bytes["all_gather"] - 3 * 3 * 32 * 8 * 4) < 1, check.table()
+    misses.pop("all_gather", None)
   if middle.get("groups") == 4:
     assert check.compiled_bytes["all_gather"] >= 2 * 16 * 8 * 8 * 32 * 4, check.table()
   if middle.get("groups") == 32:

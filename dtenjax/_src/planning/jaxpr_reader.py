@@ -154,6 +154,36 @@ def grouped_by_features(eqn) -> bool:
   return eqn.invars[1].aval.shape[dn.rhs_spec[1]] > 1
 
 
+def convolution_groups(jaxpr) -> tuple[int, ...]:
+  """The group counts (``feature_group_count`` or ``batch_group_count`` above 1) of the grouped
+  convolutions in ``jaxpr``, every body and branch walked, each once, in ascending order. A
+  grouped convolution's kernel gradient is a convolution of ``batch_group_count`` = groups whose
+  input's batch dimension is the layer's input features: XLA's SPMD partitioner
+  (xla/service/spmd/convolution_handler.cc) partitions it over a split of those features only
+  where each shard holds whole groups. PartitionConvolutionWithBatchGroupCount takes only a
+  depthwise one whose groups the partition count divides; otherwise CreateShardedConvConvolution
+  keeps the output's batch (the features a group, ``C / groups``) and CHECK-fails, aborting the
+  process, where the shard's ``C / k`` is not a multiple of it (``new_input_batch_size %
+  new_output_batch_size``: 4 vs. 0 for 32 features in 4 groups split 8 ways), that is where
+  ``k`` does not divide the groups (roles/tensor.py, step._ungrouped)."""
+  out: set[int] = set()
+
+  def walk(j) -> None:
+    for eqn in j.eqns:
+      if eqn.primitive.name == "conv_general_dilated":
+        g = max(int(eqn.params.get("feature_group_count", 1)),
+                int(eqn.params.get("batch_group_count", 1)))
+        if g > 1:
+          out.add(g)
+      for v in eqn.params.values():
+        for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub)
+  walk(jaxpr)
+  return tuple(sorted(out))
+
+
 def output_tokens(use: WeightUse) -> int:
   """The tokens of ``use``'s output (what a column-parallel product gathers over 'tensor' and a
   row-parallel one all-reduces, each a token of the free dimensions' elements): the input's

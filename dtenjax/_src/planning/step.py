@@ -63,6 +63,7 @@ from dtenjax._src.planning.roles import AXES as AXES
 from dtenjax._src.planning.roles import BATCH_AXES as BATCH_AXES
 from dtenjax._src.planning.roles import sequence as sequence_role
 from dtenjax._src.planning.roles import stage as stage_role
+from dtenjax._src.planning.roles import tensor as tensor_role
 from dtenjax._src.planning.solver import LEAN_MARGIN
 from dtenjax._src.planning.solver import CapSearch
 from dtenjax._src.planning.solver import Problem
@@ -168,6 +169,24 @@ def _undivided(pins, graph, shape) -> tuple | None:
   return None
 
 
+def _ungrouped(pins, graph, shape) -> tuple | None:
+  """The first pin (leaf index -> (spec, why)) that splits a convolution kernel over 'tensor' on
+  the mesh ``shape`` where 'tensor' does not divide the groups of a grouped convolution of the
+  step (roles.tensor.ungrouped: XLA's SPMD partitioner aborts the process on such a layout):
+  (its path, spec, 'tensor' size, the groups, why); None when there is none."""
+  t = dict(zip(AXES, shape))["tensor"]
+  if t < 2 or not graph.conv_groups:
+    return None
+  for k, (spec, why) in sorted(pins.items()):
+    use = graph.weights.get(k)
+    names = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+    if "tensor" in names and use is not None:
+      groups = tensor_role.ungrouped(use, t, graph.conv_groups)
+      if groups:
+        return graph.leaves[k].path, spec, t, groups, why
+  return None
+
+
 def _box_pins(args, rules) -> dict[int, P]:
   """Leaf index -> the PartitionSpec flax partitioning metadata gives a boxed leaf (linen's
   ``nn.with_logical_partitioning`` / ``nn.with_partitioning``, nnx's ``out_sharding``), mapped
@@ -267,6 +286,21 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
         f"on mesh {dict(zip(AXES, shapes[0]))}"
         f"{'' if fixed_mesh is not None else ' and every mesh tried'}, and {n} does not divide "
         f"{size}; pin it over axes whose sizes divide it, or give a mesh whose do")
+  shapes = fitting
+  # nor a convolution kernel over a 'tensor' that does not divide a grouped convolution's groups
+  fitting = [sh for sh in shapes if _ungrouped(pins, graph, sh) is None]
+  if not fitting and shapes:
+    path, spec, t, groups, how = _ungrouped(pins, graph, shapes[0])
+    ok = [d for d in range(1, t) if all(g % d == 0 for g in groups)]
+    raise errors.PlacementError(
+        f"plan: leaf {path} is {how} {spec}, a convolution kernel split over 'tensor' ({t} "
+        f"devices on mesh {dict(zip(AXES, shapes[0]))}"
+        f"{'' if fixed_mesh is not None else ' and every mesh tried'}) in a step with a grouped "
+        f"convolution of {', '.join(map(str, groups))} groups, which {t} does not divide: XLA's "
+        "SPMD partitioner aborts the process on it (convolution_handler.cc: a shard of the "
+        "grouped layer's features holding part of a group). Pin the kernel without 'tensor' "
+        f"(FSDP's 'fsdp' is gathered before the product), or give a mesh whose 'tensor' size "
+        f"divides the groups ({', '.join(map(str, ok))})")
   shapes = fitting
   budget = _budget(topology, ids, memory_budget)
   if overlap is None:

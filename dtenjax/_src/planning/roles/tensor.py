@@ -19,6 +19,8 @@ def options(ctx: LeafContext, taken: frozenset[int]) -> list[Option]:
   that no gather reads), vocab-parallel on the dimension a lookup-only table's gathers index."""
   t, shape, use = ctx.size, ctx.shape, ctx.use
   out = []
+  if use is not None and ungrouped(use, t, ctx.conv_groups):
+    return out
   if use is not None and not ctx.gathered:
     out += [Option(k, "col", f"column-parallel over 'tensor' (dimension {k}, free)")
             for k in use.free if shape[k] % t == 0 and k not in taken]
@@ -29,6 +31,27 @@ def options(ctx: LeafContext, taken: frozenset[int]) -> list[Option]:
                    "lookup: masked lookup, then an all-reduce of the rows)")
             for k in ctx.lookup[0] if shape[k] % t == 0 and k not in taken]
   return out
+
+def ungrouped(use, t: int, groups: tuple[int, ...]) -> tuple[int, ...]:
+  """The group counts of the step's grouped convolutions (``groups``,
+  jaxpr_reader.convolution_groups) that ``t`` devices over 'tensor' do not divide, where
+  ``use`` is a convolution's kernel: XLA's SPMD partitioner aborts the process (a failed CHECK
+  in convolution_handler.cc, no Python error) on a grouped convolution's kernel gradient whose
+  input features a split leaves holding part of a group, and its sharding propagation carries a
+  kernel's split over 'tensor' onto the grouped layer's features from the grouped kernel and from
+  its neighbours. Compiled on 8 CPU devices (jax 0.10.2; three 3 x 3 convolutions of 8 -> 32 ->
+  32 -> 8 features, the middle one of 4 groups, plain jax.jit with NamedShardings, each in its
+  own process): on `tensor` 8 the grouped kernel split on its output or its input features
+  aborts, and so does the next kernel split on its input features alone (row-parallel); the
+  first kernel's column split alone, or with the next one's row split, compiles; on `tensor` 4
+  and 2 (dividing the 4 groups) every split compiles. Which neighbour's split propagation carries
+  onto the grouped layer depends on the others' layouts, so no convolution kernel of such a step
+  is split over 'tensor' at all (an FSDP split is gathered before the product: compiled, fsdp 8).
+  Empty where every group count is a multiple of ``t`` (a depthwise layer's, its features)."""
+  if use.primitive != "conv_general_dilated":
+    return ()
+  return tuple(g for g in groups if g % t)
+
 
 def sizes(ctx: MeshContext) -> list[int]:
   """Every size dividing the smallest fast island (tensor parallelism stays on NVLink)."""

@@ -141,6 +141,9 @@ class WeightUse:
   # pixels, padded "SAME": 4 x 4 outputs). What a column-parallel product gathers and a
   # row-parallel one all-reduces is its output, sized so (output_tokens)
   output_tokens: int = 0
+  # the convolution's ``feature_group_count`` (1: a dense product, an ungrouped convolution):
+  # XLA partitions a grouped kernel over 'tensor' only where 'tensor' divides it (roles/tensor.py)
+  groups: int = 1
 
 
 def grouped_by_features(eqn) -> bool:
@@ -1288,6 +1291,7 @@ class Reader:
           act_itemsize=itemsize(partner.dtype), act_bfloat16=_doubled(partner.dtype),
           read_dtype=np.dtype(eqn.invars[side].aval.dtype).name,
           repeats=repeats, primitive=name,
+          groups=int(eqn.params.get("feature_group_count", 1)) if name != "dot_general" else 1,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
           unroll=_scan_unroll(self.frames),
           carried_input=_carried(self.frames, eqn.invars[1 - side]),

@@ -170,20 +170,21 @@ def _undivided(pins, graph, shape) -> tuple | None:
 
 
 def _ungrouped(pins, graph, shape) -> tuple | None:
-  """The first pin (leaf index -> (spec, why)) that splits a convolution kernel over 'tensor' on
-  the mesh ``shape`` where 'tensor' does not divide the groups of a grouped convolution of the
-  step (roles.tensor.ungrouped: XLA's SPMD partitioner aborts the process on such a layout):
+  """The first pin (leaf index -> (spec, why)) that splits over 'tensor' on the mesh ``shape`` a
+  grouped convolution's kernel whose groups 'tensor' does not divide, or any weight row-parallel
+  in a step with such a grouped convolution (roles.tensor.ungrouped: XLA's SPMD partitioner
+  aborts the process on such a layout):
   (its path, spec, 'tensor' size, the groups, why); None when there is none."""
   t = dict(zip(AXES, shape))["tensor"]
   if t < 2 or not graph.conv_groups:
     return None
   for k, (spec, why) in sorted(pins.items()):
     use = graph.weights.get(k)
-    names = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
-    if "tensor" in names and use is not None:
-      groups = tensor_role.ungrouped(use, t, graph.conv_groups)
-      if groups:
-        return graph.leaves[k].path, spec, t, groups, why
+    for dim, e in enumerate(spec):
+      if use is not None and e is not None and "tensor" in (e if isinstance(e, tuple) else (e,)):
+        groups = tensor_role.ungrouped(use, t, graph.conv_groups, dim)
+        if groups:
+          return graph.leaves[k].path, spec, t, groups, why
   return None
 
 
@@ -293,14 +294,15 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
     path, spec, t, groups, how = _ungrouped(pins, graph, shapes[0])
     ok = [d for d in range(1, t) if all(g % d == 0 for g in groups)]
     raise errors.PlacementError(
-        f"plan: leaf {path} is {how} {spec}, a convolution kernel split over 'tensor' ({t} "
-        f"devices on mesh {dict(zip(AXES, shapes[0]))}"
-        f"{'' if fixed_mesh is not None else ' and every mesh tried'}) in a step with a grouped "
+        f"plan: leaf {path} is {how} {spec}, split over 'tensor' ({t} devices on mesh "
+        f"{dict(zip(AXES, shapes[0]))}{'' if fixed_mesh is not None else ' and every mesh tried'}"
+        f") as a grouped convolution's kernel or row-parallel in a step with a grouped "
         f"convolution of {', '.join(map(str, groups))} groups, which {t} does not divide: XLA's "
         "SPMD partitioner aborts the process on it (convolution_handler.cc: a shard of the "
-        "grouped layer's features holding part of a group). Pin the kernel without 'tensor' "
-        f"(FSDP's 'fsdp' is gathered before the product), or give a mesh whose 'tensor' size "
-        f"divides the groups ({', '.join(map(str, ok))})")
+        "grouped layer's features holding part of a group). Pin the leaf without 'tensor' "
+        "(FSDP's 'fsdp' is gathered before the product; a column-parallel split of another "
+        "weight compiles), or give a mesh whose 'tensor' size divides the groups "
+        f"({', '.join(map(str, ok))})")
   shapes = fitting
   budget = _budget(topology, ids, memory_budget)
   if overlap is None:

@@ -292,9 +292,9 @@ class StepGraph:
   # the integer leaves whose dequantized float value has no gradient: no scale's gradient reads
   # their conversion (jaxpr_reader.untrained_dequantizations)
   untrained: frozenset[int] = frozenset()
-  # the group counts of the step's grouped convolutions (jaxpr_reader.convolution_groups):
-  # 'tensor' splits no convolution kernel over a size that does not divide each of them
-  # (roles/tensor.py), which XLA's partitioner aborts on
+  # the group counts of the step's grouped convolutions (jaxpr_reader.convolution_groups): over
+  # a 'tensor' size that does not divide one, no weight is split row-parallel (roles/tensor.py's
+  # ungrouped), which XLA's partitioner aborts on
   conv_groups: tuple[int, ...] = ()
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:

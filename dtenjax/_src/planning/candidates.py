@@ -202,7 +202,7 @@ def layouts(graph: stepgraph.StepGraph, group: tuple[int, ...], m: CandidateMesh
       return
     role = active[k]
     ctx = LeafContext(shape, use, lookup, group[0] in graph.gathered, m.size[role.name],
-                      stacked)
+                      stacked, graph.conv_groups)
     opts = role.options(ctx, frozenset(o.dim for _, o in chosen))
     if not (role.mandatory and opts):
       walk(k + 1, chosen)

@@ -141,6 +141,9 @@ class WeightUse:
   # pixels, padded "SAME": 4 x 4 outputs). What a column-parallel product gathers and a
   # row-parallel one all-reduces is its output, sized so (output_tokens)
   output_tokens: int = 0
+  # the convolution's ``feature_group_count`` (1: a dense product, an ungrouped convolution):
+  # XLA partitions a grouped kernel over 'tensor' only where 'tensor' divides it (roles/tensor.py)
+  groups: int = 1
 
 
 def grouped_by_features(eqn) -> bool:
@@ -152,6 +155,36 @@ def grouped_by_features(eqn) -> bool:
     return False
   dn = eqn.params["dimension_numbers"]
   return eqn.invars[1].aval.shape[dn.rhs_spec[1]] > 1
+
+
+def convolution_groups(jaxpr) -> tuple[int, ...]:
+  """The group counts (``feature_group_count`` or ``batch_group_count`` above 1) of the grouped
+  convolutions in ``jaxpr``, every body and branch walked, each once, in ascending order. A
+  grouped convolution's kernel gradient is a convolution of ``batch_group_count`` = groups whose
+  input's batch dimension is the layer's input features: XLA's SPMD partitioner
+  (xla/service/spmd/convolution_handler.cc) partitions it over a split of those features only
+  where each shard holds whole groups. PartitionConvolutionWithBatchGroupCount takes only a
+  depthwise one whose groups the partition count divides; otherwise CreateShardedConvConvolution
+  keeps the output's batch (the features a group, ``C / groups``) and CHECK-fails, aborting the
+  process, where the shard's ``C / k`` is not a multiple of it (``new_input_batch_size %
+  new_output_batch_size``: 4 vs. 0 for 32 features in 4 groups split 8 ways), that is where
+  ``k`` does not divide the groups (roles/tensor.py, step._ungrouped)."""
+  out: set[int] = set()
+
+  def walk(j) -> None:
+    for eqn in j.eqns:
+      if eqn.primitive.name == "conv_general_dilated":
+        g = max(int(eqn.params.get("feature_group_count", 1)),
+                int(eqn.params.get("batch_group_count", 1)))
+        if g > 1:
+          out.add(g)
+      for v in eqn.params.values():
+        for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub)
+  walk(jaxpr)
+  return tuple(sorted(out))
 
 
 def output_tokens(use: WeightUse) -> int:
@@ -1258,6 +1291,7 @@ class Reader:
           act_itemsize=itemsize(partner.dtype), act_bfloat16=_doubled(partner.dtype),
           read_dtype=np.dtype(eqn.invars[side].aval.dtype).name,
           repeats=repeats, primitive=name,
+          groups=int(eqn.params.get("feature_group_count", 1)) if name != "dot_general" else 1,
           layers=math.prod(s for k, s in enumerate(self.leaves[leaf].shape) if k not in dims),
           unroll=_scan_unroll(self.frames),
           carried_input=_carried(self.frames, eqn.invars[1 - side]),

@@ -63,6 +63,7 @@ from dtenjax._src.planning.roles import AXES as AXES
 from dtenjax._src.planning.roles import BATCH_AXES as BATCH_AXES
 from dtenjax._src.planning.roles import sequence as sequence_role
 from dtenjax._src.planning.roles import stage as stage_role
+from dtenjax._src.planning.roles import tensor as tensor_role
 from dtenjax._src.planning.solver import LEAN_MARGIN
 from dtenjax._src.planning.solver import CapSearch
 from dtenjax._src.planning.solver import Problem
@@ -168,6 +169,25 @@ def _undivided(pins, graph, shape) -> tuple | None:
   return None
 
 
+def _ungrouped(pins, graph, shape) -> tuple | None:
+  """The first pin (leaf index -> (spec, why)) that splits over 'tensor' on the mesh ``shape`` a
+  grouped convolution's kernel whose groups 'tensor' does not divide, or any weight row-parallel
+  in a step with such a grouped convolution (roles.tensor.ungrouped: XLA's SPMD partitioner
+  aborts the process on such a layout):
+  (its path, spec, 'tensor' size, the groups, why); None when there is none."""
+  t = dict(zip(AXES, shape))["tensor"]
+  if t < 2 or not graph.conv_groups:
+    return None
+  for k, (spec, why) in sorted(pins.items()):
+    use = graph.weights.get(k)
+    for dim, e in enumerate(spec):
+      if use is not None and e is not None and "tensor" in (e if isinstance(e, tuple) else (e,)):
+        groups = tensor_role.ungrouped(use, t, graph.conv_groups, dim)
+        if groups:
+          return graph.leaves[k].path, spec, t, groups, why
+  return None
+
+
 def _box_pins(args, rules) -> dict[int, P]:
   """Leaf index -> the PartitionSpec flax partitioning metadata gives a boxed leaf (linen's
   ``nn.with_logical_partitioning`` / ``nn.with_partitioning``, nnx's ``out_sharding``), mapped
@@ -267,6 +287,22 @@ def plan(step: Callable, *args, mesh: Mesh | dict[str, int] | None = None,
         f"on mesh {dict(zip(AXES, shapes[0]))}"
         f"{'' if fixed_mesh is not None else ' and every mesh tried'}, and {n} does not divide "
         f"{size}; pin it over axes whose sizes divide it, or give a mesh whose do")
+  shapes = fitting
+  # nor a convolution kernel over a 'tensor' that does not divide a grouped convolution's groups
+  fitting = [sh for sh in shapes if _ungrouped(pins, graph, sh) is None]
+  if not fitting and shapes:
+    path, spec, t, groups, how = _ungrouped(pins, graph, shapes[0])
+    ok = [d for d in range(1, t) if all(g % d == 0 for g in groups)]
+    raise errors.PlacementError(
+        f"plan: leaf {path} is {how} {spec}, split over 'tensor' ({t} devices on mesh "
+        f"{dict(zip(AXES, shapes[0]))}{'' if fixed_mesh is not None else ' and every mesh tried'}"
+        f") as a grouped convolution's kernel or row-parallel in a step with a grouped "
+        f"convolution of {', '.join(map(str, groups))} groups, which {t} does not divide: XLA's "
+        "SPMD partitioner aborts the process on it (convolution_handler.cc: a shard of the "
+        "grouped layer's features holding part of a group). Pin the leaf without 'tensor' "
+        "(FSDP's 'fsdp' is gathered before the product; a column-parallel split of another "
+        "weight compiles), or give a mesh whose 'tensor' size divides the groups "
+        f"({', '.join(map(str, ok))})")
   shapes = fitting
   budget = _budget(topology, ids, memory_budget)
   if overlap is None:

@@ -292,6 +292,10 @@ class StepGraph:
   # the integer leaves whose dequantized float value has no gradient: no scale's gradient reads
   # their conversion (jaxpr_reader.untrained_dequantizations)
   untrained: frozenset[int] = frozenset()
+  # the group counts of the step's grouped convolutions (jaxpr_reader.convolution_groups): over
+  # a 'tensor' size that does not divide one, no weight is split row-parallel (roles/tensor.py's
+  # ungrouped), which XLA's partitioner aborts on
+  conv_groups: tuple[int, ...] = ()
 
   def stack(self) -> tuple[int, dict[int, int], int] | None:
     """``(layers, {leaf: sliced dimension}, carry bytes)`` of the scanned stack whose weights do
@@ -601,6 +605,7 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
                    gradient_free=jaxpr_reader.gradient_free(jaxpr, leaves),
                    dequantized=jaxpr_reader.dequantized_leaves(jaxpr),
                    untrained=jaxpr_reader.untrained_dequantizations(jaxpr),
+                   conv_groups=jaxpr_reader.convolution_groups(jaxpr),
                    aside=reader.aside_only(),
                    batch_outputs=jaxpr_reader.batch_outputs(jaxpr, leaves),
                    manual_outputs=tuple(reader.manual_outputs()),

@@ -96,3 +96,4 @@ class LeafContext:
   gathered: bool             # read by a gather (an embedding table), maybe also by a product
   size: int                  # the role's mesh axis size
   stacked: int | None = None  # the dimension a scan over the step's stack of layers slices
+  conv_groups: tuple[int, ...] = ()  # the step's grouped convolutions' groups (StepGraph's)

@@ -19,16 +19,50 @@ def options(ctx: LeafContext, taken: frozenset[int]) -> list[Option]:
   that no gather reads), vocab-parallel on the dimension a lookup-only table's gathers index."""
   t, shape, use = ctx.size, ctx.shape, ctx.use
   out = []
+  if use is not None and use.groups > 1 and ungrouped(use, t, ctx.conv_groups):
+    return out             # a grouped kernel 't' does not divide: XLA aborts on any split
   if use is not None and not ctx.gathered:
     out += [Option(k, "col", f"column-parallel over 'tensor' (dimension {k}, free)")
             for k in use.free if shape[k] % t == 0 and k not in taken]
     out += [Option(k, "row", f"row-parallel over 'tensor' (dimension {k}, contracted)")
-            for k in use.contracted if shape[k] % t == 0 and k not in taken]
+            for k in use.contracted if shape[k] % t == 0 and k not in taken
+            and not ungrouped(use, t, ctx.conv_groups, k)]
   if use is None and ctx.lookup is not None:
     out += [Option(k, "vocab", f"vocab-parallel over 'tensor' (dimension {k}, indexed by the "
                    "lookup: masked lookup, then an all-reduce of the rows)")
             for k in ctx.lookup[0] if shape[k] % t == 0 and k not in taken]
   return out
+
+def ungrouped(use, t: int, groups: tuple[int, ...], dim: int | None = None) -> tuple[int, ...]:
+  """The group counts that forbid splitting ``use``'s weight over 'tensor' of ``t`` devices (on
+  ``dim``; None: on any dimension), empty where none does: the kernel's own
+  (``use.groups``) where ``t`` does not divide it, or, for a row-parallel split (a contracted
+  dimension), those of the step's grouped convolutions (``groups``,
+  jaxpr_reader.convolution_groups) that ``t`` does not divide.
+
+  XLA's SPMD partitioner aborts the process (a failed CHECK in convolution_handler.cc, no Python
+  error) on a grouped convolution's kernel gradient whose input features a split over 'tensor'
+  leaves holding part of a group (jaxpr_reader.convolution_groups), and its sharding propagation
+  carries a split there from the grouped kernel itself and from a row-parallel weight that
+  contracts the grouped layer's output features (its output's gradient split on them, the
+  gradient's convolution aligned to it). Compiled on 8 CPU devices (jax 0.10.2, plain jax.jit
+  with NamedShardings or plan.check, each layout in its own process; 3 x 3 convolutions of 8 ->
+  32 -> 32 -> 8 features, the middle one of 4 groups, and dense layers before and after it): on
+  `tensor` 8 the grouped kernel split on its output or its input features aborts, and so do the
+  next convolution's kernel split on its input features alone and a dense kernel contracting the
+  grouped layer's output features (per pixel, or pooled over the pixels) row-parallel; the
+  kernels before it column-parallel (a convolution's, a dense per-pixel one's), a dense head's
+  column split and a row split of a product's output compile. Which row split propagation
+  carries onto the grouped layer depends on the other layouts (the next kernel's row split
+  beside the first one's column split compiles), so none is offered in such a step. On `tensor`
+  4 and 2 (dividing the 4 groups) every split compiles; an FSDP split is gathered before the
+  product (compiled, fsdp 8)."""
+  if use.groups > 1 and use.groups % t:
+    return (use.groups,)
+  if dim is None or dim in use.contracted:
+    return tuple(g for g in groups if g % t)
+  return ()
+
 
 def sizes(ctx: MeshContext) -> list[int]:
   """Every size dividing the smallest fast island (tensor parallelism stays on NVLink)."""

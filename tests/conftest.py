@@ -69,6 +69,20 @@ def _xla_has_the_emitters_flag() -> bool:
 if (os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") == "cpu"
     and "xla_cpu_use_fusion_emitters" not in flags and _xla_has_the_emitters_flag()):
   flags += " " + FUSION_EMITTERS_FLAG
+# XLA:CPU's code generation in one LLVM module instead of XLA's default 32 parts compiled on its
+# thread pool (xla_cpu_parallel_codegen_split_count): each fused kernel is the same function with
+# the same passes, split or not, so the machine code and the bits are the same, and the HLO and
+# the buffer assignment (memory_analysis) come before it. On a 2-core machine whose two workers
+# keep both cores busy the parts save no wall time, and each part repeats LLVM's per-module set-up:
+# with the suite's LLVM IR emitters (jaxlib 0.10) an AdamW step of a 6-layer MLP took 3.4 s of
+# CPU to compile instead of 4.0 (0.8 instead of 1.1 with LLVM unoptimised, compile_only.LLVM_O0);
+# with 0.11.2's default emitters 2.1 instead of 2.2 (docs/testing.md, the twenty-sixth round).
+# tests/test_conftest.py compares the bits of a sample of programs with XLA's defaults. Naming
+# the flag in XLA_FLAGS keeps the caller's value; not on GPU runs.
+SPLIT_CODEGEN_FLAG = "--xla_cpu_parallel_codegen_split_count=1"
+if (os.environ.get("DTENJAX_TEST_PLATFORM", "cpu") == "cpu"
+    and "xla_cpu_parallel_codegen_split_count" not in flags):
+  flags += " " + SPLIT_CODEGEN_FLAG
 os.environ["XLA_FLAGS"] = flags.strip()
 
 import pytest  # noqa: E402

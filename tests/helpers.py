@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import FUSION_EMITTERS_FLAG
+from conftest import FUSION_EMITTERS_FLAG, SPLIT_CODEGEN_FLAG
 
 
 # tests/conftest.py compiles the suite with XLA:CPU's LLVM IR emitters (the same bits, less
@@ -32,6 +32,9 @@ SUITE_CPU_EMITTERS = (FUSION_EMITTERS_FLAG
 # check of a compiled program's structure that must be the program users get (its loops, its
 # fusions) compiles with this.
 DEFAULT_CPU_EMITTERS = {"xla_cpu_use_fusion_emitters": True} if SUITE_CPU_EMITTERS else {}
+# The same for conftest's code generation in one LLVM module (the same machine code, less CPU).
+SUITE_CPU_SPLIT = (SPLIT_CODEGEN_FLAG
+                   if SPLIT_CODEGEN_FLAG in os.environ.get("XLA_FLAGS", "").split() else "")
 
 
 def one_worker(module: str) -> pytest.MarkDecorator:
@@ -45,10 +48,10 @@ def one_worker(module: str) -> pytest.MarkDecorator:
 
 def xla_flags(*flags: str) -> str:
   """``XLA_FLAGS`` for a process a test starts with flags of its own (a device count, the AVX
-  flag): ``flags`` and the suite's emitters flag where the run has it, for a process whose check
-  is about values or bits, which the flag keeps (a stored digest is the guard), not about a
-  compiled program's structure."""
-  return " ".join(f for f in (*flags, SUITE_CPU_EMITTERS) if f)
+  flag): ``flags`` and the suite's emitters and code-splitting flags where the run has them, for
+  a process whose check is about values or bits, which the flags keep (a stored digest is the
+  guard), not about a compiled program's structure."""
+  return " ".join(f for f in (*flags, SUITE_CPU_EMITTERS, SUITE_CPU_SPLIT) if f)
 
 
 def smap(mesh, f, axes=("o", "i"), *, out_specs=None, check_vma=False, jit=True):

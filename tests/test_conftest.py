@@ -180,12 +180,14 @@ def test_tests_share_compiled_programs_through_this_runs_cache():
 
 def test_the_suites_xla_cpu_emitters_give_the_default_emitters_bits():
   """tests/conftest.py compiles the suite with XLA:CPU's LLVM IR emitters for fused kernels
-  (``--xla_cpu_use_fusion_emitters=false``: about 40 % less compile CPU). What makes that sound
-  is that no result changes a bit: the stored reference bits of the collectives check it on their
-  programs; this checks a sample of the other kinds of program the suite runs, each compiled in
-  this process both ways (``compiler_options`` per program): an expression LLVM may contract to
-  an FMA, the transcendental functions, reductions in float32 and bfloat16, dots, a scatter-add
-  with a gather, top-k and a sort, and an AdamW step of a small MLP with layer norm and GELU."""
+  (``--xla_cpu_use_fusion_emitters=false``: about 40 % less compile CPU) and its code generated
+  in one LLVM module (``--xla_cpu_parallel_codegen_split_count=1``, XLA's default 32). What makes
+  that sound is that no result changes a bit: the stored reference bits of the collectives check
+  it on their programs; this checks a sample of the other kinds of program the suite runs, each
+  compiled in this process both ways (``compiler_options`` per program: XLA's defaults for what
+  the suite's flags set): an expression LLVM may contract to an FMA, the transcendental
+  functions, reductions in float32 and bfloat16, dots, a scatter-add with a gather, top-k and a
+  sort, and an AdamW step of a small MLP with layer norm and GELU."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -193,8 +195,13 @@ def test_the_suites_xla_cpu_emitters_give_the_default_emitters_bits():
   import pytest
   import conftest
   from tests.helpers import DEFAULT_CPU_EMITTERS
-  if conftest.FUSION_EMITTERS_FLAG not in os.environ["XLA_FLAGS"].split():
-    pytest.skip("this run chose its own emitters in XLA_FLAGS (or is a GPU run)")
+  suite_flags = os.environ["XLA_FLAGS"].split()
+  emitters = conftest.FUSION_EMITTERS_FLAG in suite_flags
+  xla_defaults = {**(DEFAULT_CPU_EMITTERS if emitters else {}),
+                  **({"xla_cpu_parallel_codegen_split_count": 32}
+                     if conftest.SPLIT_CODEGEN_FLAG in suite_flags else {})}
+  if not xla_defaults:
+    pytest.skip("this run chose its own emitters and code splitting in XLA_FLAGS (or is a GPU run)")
   rng = np.random.default_rng(0)
   x, y, z = (rng.standard_normal(4096, np.float32) * 3 for _ in range(3))
   m = rng.standard_normal((333, 1027), np.float32)
@@ -242,14 +249,15 @@ def test_the_suites_xla_cpu_emitters_give_the_default_emitters_bits():
   differing_hlo = []
   for name, (fn, args) in cases.items():
     suites = jax.jit(fn).lower(*args).compile()
-    default = jax.jit(fn, compiler_options=DEFAULT_CPU_EMITTERS).lower(*args).compile()
+    default = jax.jit(fn, compiler_options=xla_defaults).lower(*args).compile()
     for got, want in zip(jax.tree.leaves(suites(*args)), jax.tree.leaves(default(*args))):
       got, want = np.atleast_1d(np.asarray(got)), np.atleast_1d(np.asarray(want))
       np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=name)
     if suites.as_text() != default.as_text():
       differing_hlo.append(name)
-  # The flag is in effect: the suite's programs are not the default emitters' programs.
-  assert differing_hlo, "the suite's XLA_FLAGS did not change how XLA:CPU compiles"
+  # The emitters flag is in effect: the suite's programs are not the default emitters' programs
+  # (code splitting changes no HLO: the bits above are its check).
+  assert differing_hlo or not emitters, "the suite's XLA_FLAGS did not change how XLA:CPU compiles"
 
 
 _BURN = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end:\n  pass\n"

@@ -28,7 +28,7 @@ pytestmark = helpers.one_worker(__name__)
 
 def _mlp_step(d=128, h=512, batch=64, tied=False, bf16=False, two_views=False,
               remat_first=False, remat_second=False, dots_saveable=False, remat_block=False,
-              tx=None, stack=0):
+              remat_nested=False, tx=None, stack=0):
   """The adamw step of tests/test_plan_user_steps.py's MLP (``tied``: ``w2`` is ``w1.T``;
   ``bf16``: the weights cast to bfloat16 for the products, mixed precision; ``two_views``: the
   MLP applied to the batch and to its features reversed, the two losses summed, so every weight
@@ -36,7 +36,8 @@ def _mlp_step(d=128, h=512, batch=64, tied=False, bf16=False, two_views=False,
   first layer, ``gelu(x @ w1 + b1)``, inside ``jax.checkpoint``; ``remat_second``: the second,
   ``h @ w2 + b2``; ``dots_saveable``: the first layer's checkpoint under that policy;
   ``remat_block``: the whole MLP under one ``jax.checkpoint`` (flax ``nn.remat``'s form),
-  applied twice; ``tx``: the optimizer, adamw where None; ``stack``: then ``tanh(h @ w)``
+  applied twice; ``remat_nested``: the first layer under ``nothing_saveable`` inside a
+  ``dots_saveable`` checkpoint (nested checkpoints, each its own policy); ``tx``: the optimizer, adamw where None; ``stack``: then ``tanh(h @ w)``
   scanned over a [stack, d, d] stack, bf16_22's scanned rows)."""
   tx = tx or optax.adamw(1e-2)
   kw, kx, ky = jax.random.split(jax.random.key(0), 3)
@@ -58,6 +59,9 @@ def _mlp_step(d=128, h=512, batch=64, tied=False, bf16=False, two_views=False,
     x = x.astype(w1.dtype)
     policy = jax.checkpoint_policies.dots_saveable if dots_saveable else None
     layer = jax.checkpoint(first, policy=policy) if remat_first else first
+    if remat_nested:
+      layer = jax.checkpoint(jax.checkpoint(first, policy=jax.checkpoint_policies.nothing_saveable),
+                             policy=jax.checkpoint_policies.dots_saveable)
     block = lambda x, w1, b1, w2, b2: (jax.checkpoint(second) if remat_second else second)(
         layer(w1, b1, x), w2, b2)
     if remat_block:
@@ -97,7 +101,7 @@ def _all_reduce_bytes(compiled) -> int:
 @pytest.mark.parametrize("batch, variant, reduced", [
     (64, "mlp", 0), (136, "mlp", 1), (256, "two_views", 2), (64, "remat_first", 0),
     (64, "remat_first,dots_saveable", 0), (64, "remat_second", 0),
-    (64, "remat_first,remat_second", 0), (64, "remat_block", 0)])
+    (64, "remat_first,remat_second", 0), (64, "remat_block", 0), (64, "remat_nested", 0)])
 def test_plan_jit_s_fsdp_step_of_a_small_mlp_is_no_larger_than_the_plain_jit_s(batch, variant,
                                                                               reduced):
   # Before: 1.40 MiB a device at batch 64 (plan.jit: both weights' whole gradients and their

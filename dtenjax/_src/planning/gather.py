@@ -854,10 +854,8 @@ class _Evaluator:
         # layers on `fsdp` 8: 1.19 MiB gathered before, 1.00 inside, the plain jit's 1.00), and
         # priced gathered again (pricing.regathered)
         for i, (ov, iv) in enumerate(zip(eqn.invars, inner_jaxpr.invars)):
-          if not GATHER_BEFORE_BARRIER:
-            break
-          if (not isinstance(ov, jcore.Literal) and ov in tracked and iv in inner
-              and _read_by_products_only(inner_jaxpr, iv)):
+          if (GATHER_BEFORE_BARRIER and not isinstance(ov, jcore.Literal) and ov in tracked
+              and iv in inner and _read_by_products_only(inner_jaxpr, iv)):
             vals[i] = gathered_value(ov)
         vals = _barrier(vals, eqn.params.get("prevent_cse", True))
       outs = list(jax.checkpoint(fn, prevent_cse=eqn.params.get("prevent_cse", True),

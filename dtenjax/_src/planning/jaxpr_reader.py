@@ -610,15 +610,22 @@ def scalar_fills(jaxpr) -> frozenset:
   return frozenset(fills)
 
 
-def _carried(frames, v) -> bool:
-  """Whether ``v`` is a carry of the innermost ``lax.scan`` body of ``frames`` (a
-  ``fori_loop`` of static bounds is one)."""
-  if not frames or not is_var(v):
-    return False
+def _scan_frame(frames, v):
+  """(the scan equation, its body, its consts and carries counts) of the innermost frame of
+  ``frames`` where that is a ``lax.scan`` (a ``fori_loop`` of static bounds is one) and ``v`` a
+  variable; None otherwise."""
+  if not frames or not is_var(v) or frames[-1][0].primitive.name != "scan":
+    return None
   eqn, sub = frames[-1]
-  if eqn.primitive.name != "scan":
+  return (eqn, sub, *jaxapi.scan_counts(eqn))
+
+
+def _carried(frames, v) -> bool:
+  """Whether ``v`` is a carry of the innermost ``lax.scan`` body of ``frames``."""
+  scan = _scan_frame(frames, v)
+  if scan is None:
     return False
-  n_consts, n_carry = jaxapi.scan_counts(eqn)
+  _, sub, n_consts, n_carry = scan
   return any(v is c for c in sub.invars[n_consts:n_consts + n_carry])
 
 
@@ -626,12 +633,10 @@ def _reaches_carry(frames, v) -> bool:
   """Whether ``v``, or a value elementwise ops of its shape make from it, is a carry the
   innermost ``lax.scan`` body of ``frames`` hands its next iteration (one of its first
   outputs)."""
-  if not frames or not is_var(v):
+  scan = _scan_frame(frames, v)
+  if scan is None:
     return False
-  eqn, sub = frames[-1]
-  if eqn.primitive.name != "scan":
-    return False
-  _, n_carry = jaxapi.scan_counts(eqn)
+  _, sub, _, n_carry = scan
   carries = {id(o) for o in sub.outvars[:n_carry] if is_var(o)}
   shape = tuple(v.aval.shape)
   reached = {id(v)}

@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import sys
+import typing
 from collections.abc import Mapping
 from collections.abc import Sequence
 
@@ -309,7 +310,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # reduced's entries first reduced over some of them only -> those axes (_combined_reduction)
   regrouped: dict[int, frozenset[str]] = {}
   whole_axes: dict[int, frozenset[str]] = {}   # the same for whole's groups
-  stacked: list[tuple[int, stepgraph.Leaf, stepgraph.WeightUse, int, bool, int]] = []
+  stacked: list[_Stack] = []
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     used = prob.cands[gi][c].used()
     shards = math.prod(m.size[a] for a in used)
@@ -381,8 +382,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if cpu and use is not None and use.layers > 1 and not use.remat and g[0] in sliced:
       # (a stack split over 'tensor' too holds its layer's part, none of the whole layer:
       # _scanned_stack_bytes' ``split``)
-      stacked.append((g[0], primary, use, shards, zero and t_shard == 1,
-                      t_shard if zero and t_shard > 1 else 1))
+      stacked.append(_Stack(g[0], primary, use, shards, zero and t_shard == 1,
+                            t_shard if zero and t_shard > 1 else 1))
     # a parameter the loss never reads has no gradient value: its constant zero is fused into
     # the update, neither sized beside the gradients of its shape nor reduced (unused_parameter
     # in tests/test_plan_user_steps.py: a head of w1's shape, replicated over 'tensor' where w1
@@ -560,7 +561,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   # carry, bfloat16, is its output's buffer, updated in place (the same step in bfloat16:
   # bf16[4,128,128] in the live-out allocation; in temp its rows on `data` 2 x `fsdp` 4 and
   # `fsdp` 4 x `tensor` 2 went from -0.1 / -1.0 % to +7.0 / +6.0 %). docs/benchmarks.md scan22
-  carried = {leaf.shape for _, leaf, *_ in stacked if leaf.itemsize >= 4}
+  carried = {st.leaf.shape for st in stacked if st.leaf.itemsize >= 4}
   for nb, v in sorted(values, key=lambda x: -x[0]):
     end = (math.inf if v.grad is not None and not v.body else
            reduction if v.turned_gradient is not None else _end(v, cpu))
@@ -640,11 +641,21 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   return {"activations": peak[0], "grads": peak[1], "gathered": peak[2]}
 
 
-def _loop_held(graph: stepgraph.StepGraph, stacked: Sequence[tuple], backend: str,
+class _Stack(typing.NamedTuple):
+  """A scanned stack simulate_memory holds the backward loop's buffers of (_loop_held)."""
+  index: int                   # the leaf's index
+  leaf: stepgraph.Leaf
+  use: stepgraph.WeightUse
+  shards: int                  # the devices its layout splits it over
+  zero: bool                   # a batch axis alone splits it (FSDP)
+  split: int                   # 'tensor''s size where a batch axis and 'tensor' split it, else 1
+
+
+def _loop_held(graph: stepgraph.StepGraph, stacked: Sequence[_Stack], backend: str,
                reduced: bool = False) -> dict[tuple[int, ...], list[tuple[float, list[float]]]]:
-  """:func:`_scanned_stack_bytes` of each scanned stack of ``stacked`` ((leaf index, leaf, its
-  use, its shards, whether a batch axis alone splits it)), a list a stack, by the stack's shape
-  (two stacks of one shape are two sets of buffers, each held where its gradient is made).
+  """:func:`_scanned_stack_bytes` of each scanned stack of ``stacked``, a list a stack, by the
+  stack's shape (two stacks of one shape are two sets of buffers, each held where its gradient
+  is made).
   Where one scan's body gathers several stacks' layers under FSDP (``StepGraph.
   stacked_together``), XLA:CPU's backward body holds each layer's gradient and its reduction at
   the iteration's combined all-reduce, the gathered layers and their copies dead by then, of
@@ -653,7 +664,7 @@ def _loop_held(graph: stepgraph.StepGraph, stacked: Sequence[tuple], backend: st
   on `fsdp` 8 holds four f32 layer buffers in the body, and each stack more read in the body
   adds two (three [2, 256, 256] stacks: +540,704 bytes of temp over two). Each stack's is
   (its hoisted 16-bit conversion's bytes, 0 where none, and the rest)."""
-  zero = {k: leaf.nbytes / use.layers for k, leaf, use, _, z, _ in stacked if z}
+  zero = {st.index: st.leaf.nbytes / st.use.layers for st in stacked if st.zero}
   held: dict[tuple[int, ...], list[tuple[float, list[float]]]] = {}
   for k, leaf, use, shards, z, split in stacked:
     group = {j for s in graph.stacked_together if k in s for j in s if j in zero} | {k}

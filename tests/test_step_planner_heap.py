@@ -150,3 +150,49 @@ def test_no_fourth_slot_where_the_chain_fits_in_three(checks, name):
   slot = _sliced_bytes(name)
   assert abs(c.predicted_memory["temp"] - c.compiled_memory["temp"]) < 0.5 * slot, c.table()
   assert c.memory_error <= 0.03, c.table()
+
+
+# bench/_xla_buffers.py reads XLA's buffer assignment from --xla_dump_to files (the heap27 and
+# heap19 sections of docs/benchmarks.md). A hand-written dump in XLA:CPU's text formats: two
+# outputs' allocations, a parameter's and the temporary heap. ``upd`` takes output 0 once
+# ``big`` is dead; ``tmp``, of ``upd``'s size and placed after it (a later post-order position),
+# finds output 0 held by ``upd`` and output 1 by the larger ``mid``: the heap.
+_ASSIGNMENT = """BufferAssignment:
+allocation 0: size 1024, maybe-live-out:
+ value: <1 big @0> (size=1024,offset=0): f32[256]{0}
+ value: <2 upd @0> (size=64,offset=0): f32[16]{0}
+allocation 1: size 512, maybe-live-out:
+ value: <3 mid @0> (size=512,offset=0): f32[128]{0}
+allocation 2: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}:
+ value: <4 param.0 @0> (size=64,offset=0): f32[16]{0}
+allocation 3: size 128, preallocated-temp:
+ value: <5 tmp @0> (size=64,offset=0): f32[16]{0}
+"""
+_LIVE_RANGE = """HloLiveRange (max 9):
+  InstructionSequence:
+    0:param.0
+    1:big
+    2:mid
+    3:upd
+    4:tmp
+  BufferLiveRange:
+    param.0{}:0-9
+    big{}:1-3
+    mid{}:2-9
+    upd{}:4-8
+    tmp{}:{tmp}
+"""
+
+
+@pytest.mark.parametrize("tmp_range, rule_holds", [("5-7", True), ("9-9", False)])
+def test_the_buffer_reader_applies_xlas_smallest_free_output_rule(tmp_range, rule_holds):
+  import _xla_buffers
+  dump = _xla_buffers.parse(_ASSIGNMENT, _LIVE_RANGE.replace("{tmp}", tmp_range), "")
+  upd = _xla_buffers.at_turn(dump, "upd")
+  assert (upd["placed"], upd["open"], upd["smallest_first"]) == (0, [0], True)
+  assert upd["outputs_of_its_size"] == 2      # not the parameter's, not the heap
+  tmp = _xla_buffers.at_turn(dump, "tmp")
+  assert tmp["placed"] == "heap"
+  # over 5-7 output 0 holds upd (its size, placed first), output 1 mid: no output is open, so
+  # the heap is XLA's placement; over 9-9 (upd dead at 8) output 0 is open and the heap is not
+  assert tmp["smallest_first"] is rule_holds, tmp

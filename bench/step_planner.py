@@ -288,9 +288,12 @@ def compiled_profile(compiled) -> dict:
   mem = planning.compiled_bytes(compiled)     # as plan(measure=True) counts its candidates
   repeats = loop_repeats(compiled)
   kinds: dict[str, float] = {}
+  counts: dict[str, int] = {}
   for c in dtenjax.explain(compiled).collectives:
     kinds[c.kind] = kinds.get(c.kind, 0.0) + c.nbytes * repeats(c.computation)
-  return {"mem": float(mem), "temp": float(stats.temp_size_in_bytes), "bytes": kinds}
+    counts[c.kind] = counts.get(c.kind, 0) + repeats(c.computation)
+  return {"mem": float(mem), "temp": float(stats.temp_size_in_bytes), "bytes": kinds,
+          "counts": counts}
 
 
 def gpu_rows(names, size: str, fixture: str = "h200_8") -> tuple[list[dict], list[str]]:
@@ -324,6 +327,8 @@ def gpu_rows(names, size: str, fixture: str = "h200_8") -> tuple[list[dict], lis
                                  sorted(check.predicted_bytes.items()) if v),
           "xla_kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in
                                 sorted(check.compiled_bytes.items()) if v),
+          # how many collectives of each kind the step runs (a latency each; Check's count)
+          "xla_counts": _counts(check.compiled_counts),
           "bytes_err": check.bytes_error})
       _progress(rows[-1], t0)
     if fam is not None:
@@ -338,9 +343,15 @@ def gpu_rows(names, size: str, fixture: str = "h200_8") -> tuple[list[dict], lis
                      "mesh": "x".join(map(str, r.mesh.shape.values())),
                      "mem_xla_mib": prof["mem"] / 2**20,
                      "xla_kinds": ",".join(f"{k}:{v / 2**20:.1f}" for k, v in
-                                           sorted(prof["bytes"].items()) if v)})
+                                           sorted(prof["bytes"].items()) if v),
+                     "xla_counts": _counts(prof["counts"])})
         _progress(rows[-1], t0)
   return rows, notes
+
+
+def _counts(counts: dict[str, int]) -> str:
+  """"all_gather:68,all_reduce:5": collectives per kind a compiled step runs."""
+  return ",".join(f"{k}:{n}" for k, n in sorted(counts.items()) if n)
 
 
 def _progress(row: dict, t0: float) -> None:
@@ -1121,6 +1132,7 @@ def main(argv=None) -> int:
                                 ("mem XLA MiB", "mem_xla_mib", ".1f"), ("mem err", "mem_err", ".1%"),
                                 ("predicted per kind MiB", "pred_kinds", "s"),
                                 ("compiled per kind MiB", "xla_kinds", "s"),
+                                ("compiled per kind count", "xla_counts", "s"),
                                 ("bytes err", "bytes_err", ".1%")),
                          title=f"XLA's GPU compiler, {len(jax.devices())} "
                          f"{jax.devices()[0].device_kind} (mocked), compile only"))

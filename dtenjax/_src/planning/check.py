@@ -25,6 +25,11 @@ class Check:
   compiled_memory: dict[str, float]
   predicted_bytes: dict[str, float]      # collective kind -> bytes per participant
   compiled_bytes: dict[str, float]
+  # collective kind -> how many of it the compiled step runs (an async pair or a combined tuple
+  # once, a loop body's once per iteration, one branch of a conditional): each pays its latency
+  # beyond its bytes, which a plan of many small collectives (tensor-parallel convolutions whose
+  # neighbours XLA splits too) pays more often than its bytes say
+  compiled_counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @staticmethod
   def _err(pred: float, got: float) -> float:
@@ -111,9 +116,12 @@ def compare(plan_: Any, step: Callable, args, compiler_options: dict | None = No
   runs = branch_runs(compiled, [(c.computation, c.nbytes * repeats(c.computation))
                                 for c in exp.collectives])
   compiled_bytes: dict[str, float] = {}
+  compiled_counts: dict[str, int] = {}
   for c in exp.collectives:      # per step: a collective in a loop body runs once per iteration
-    compiled_bytes[c.kind] = (compiled_bytes.get(c.kind, 0.0) +
-                              c.nbytes * repeats(c.computation) * runs(c.computation))
+    n = repeats(c.computation) * runs(c.computation)
+    compiled_bytes[c.kind] = compiled_bytes.get(c.kind, 0.0) + c.nbytes * n
+    if n:
+      compiled_counts[c.kind] = compiled_counts.get(c.kind, 0) + n
   predicted_bytes: dict[str, float] = {}
   for k, v in plan_.cost.collective_bytes.items():
     kind = k.split("[")[0]
@@ -123,7 +131,7 @@ def compare(plan_: Any, step: Callable, args, compiler_options: dict | None = No
           "outputs": mem.get("outputs", 0.0),
           "temp": mem["grads"] + mem["activations"] + mem.get("gathered", 0.0)}
   pred["total"] = sum(pred.values())
-  return Check(pred, got, predicted_bytes, compiled_bytes)
+  return Check(pred, got, predicted_bytes, compiled_bytes, compiled_counts)
 
 
 def loop_repeats(compiled) -> Callable[[str], int]:

@@ -1651,6 +1651,66 @@ def stopped_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
   return out
 
 
+def stopped_loop_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[int, ...]]:
+  """The loops of ``jaxpr``'s top level (a ``lax.scan``, a ``fori_loop``, a ``while_loop``;
+  their index in ``jaxpr.eqns``) whose bodies read state leaves in products through
+  ``lax.stop_gradient`` taken before the loop -> those leaves. A forward-only perturbation
+  (``fori_loop(0, n, lambda i, x: x + 0.01 * tanh(mlp(stop_gradient(params), x)))`` before
+  the step's gradient) reads the weights so: the walk's weights do not see these reads
+  (:func:`stopped_reads`: no gradient flows from them), but XLA:CPU gathers each sharded
+  weight before the while, a loop invariant it hoists out of the body and passes in as an
+  operand, held to the loop's end and not shared with the step's own gathers of it (compiled
+  on `fsdp` 8: ``all-gather.6`` and ``.2`` of w1 f32[128,512], ``.7`` and ``.3`` of w2, the
+  four live together at the loop)."""
+  src: dict[Any, tuple[int, bool]] = {}
+  for leaf, v in zip(leaves, jaxpr.invars):
+    if not leaf.is_batch:
+      src[v] = (leaf.index, False)
+  out: dict[int, tuple[int, ...]] = {}
+  for k, eqn in enumerate(jaxpr.eqns):
+    name = eqn.primitive.name
+    ins = [src.get(v) if is_var(v) else None for v in eqn.invars]
+    if name in ("scan", "while"):
+      outer = list(eqn.invars)[eqn.params["cond_nconsts"]:] if name == "while" else eqn.invars
+      body = (eqn.params["body_jaxpr"] if name == "while" else eqn.params["jaxpr"]).jaxpr
+      marked = {i: src[o][0] for o, i in zip(outer, body.invars)
+                if is_var(o) and o in src and src[o][1]}
+      read = _product_reads(body, marked) if marked else set()
+      if read:
+        out[k] = tuple(sorted(read))
+    elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:
+      src[eqn.outvars[0]] = (ins[0][0], ins[0][1] or name == "stop_gradient")
+  return out
+
+
+def _product_reads(jaxpr, marked: dict[Any, int]) -> set[int]:
+  """The values of ``marked`` (a variable of ``jaxpr`` -> a leaf) a product reads, through
+  :data:`_TO_PRODUCT` and into the calls, loops and branches ``jaxpr`` runs (their operands
+  matched to their bodies' variables in order)."""
+  marked = dict(marked)
+  read: set[int] = set()
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    ins = [marked.get(v) if is_var(v) else None for v in eqn.invars]
+    if name in ("dot_general", "conv_general_dilated"):
+      read.update(x for x in ins if x is not None)
+    elif name in _TO_PRODUCT and ins and ins[0] is not None:
+      marked[eqn.outvars[0]] = ins[0]
+    elif any(x is not None for x in ins):
+      outer = list(eqn.invars)
+      if name == "while":
+        outer = outer[eqn.params["cond_nconsts"]:]
+      elif name == "cond":
+        outer = outer[1:]
+      bodies = ([b.jaxpr for b in eqn.params["branches"]] if name == "cond"
+                else [sub for sub, _ in sub_jaxprs(eqn)])
+      for sub in bodies:
+        inner = {i: marked[o] for o, i in zip(outer, sub.invars) if is_var(o) and o in marked}
+        if inner:
+          read |= _product_reads(sub, inner)
+  return read
+
+
 def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], bool]:
   """The dimensions of each result of ``eqn`` that carry the batch, given its operands' (``ins``),
   and whether it reduces a dimension that carries the batch (a sum over the batch, a product

@@ -327,7 +327,10 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if zero:
       gathered_per_use.update(g)
       sharded_shapes.update((primary.shape, tuple(reversed(primary.shape))))
-      per_leaf_gathered[g[0]] = prob.prices[gi][c].gathered_peak
+      # (a weight gathered once and kept for the backward has no peak of its own: its kept
+      # copy, Price.memory's, is what a loop's hoisted gather of it copies)
+      pr = prob.prices[gi][c]
+      per_leaf_gathered[g[0]] = pr.gathered_peak or pr.memory.get("gathered", 0.0)
     t_shard = tensor if "tensor" in used else 1
     # a routed axis's shards (expert) hold complete gradients where they lie
     t_shard *= math.prod(m.size[a] for a in ROUTED_AXES if a in used)

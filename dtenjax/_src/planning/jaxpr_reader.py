@@ -130,6 +130,10 @@ class WeightUse:
   # iteration's input, which a column-parallel product leaves split over 'tensor'
   # (roles/tensor.py: gathered for the next iteration's product and again in the backward)
   carried_output: bool = False
+  # of carried_input: the carry's value into the loop's first iteration is computed from no
+  # state leaf (the batch, ``lax.scan(body, batch["x"], stack)``), so the input gradient of the
+  # first layer's product is dead (the backward's last iteration; Reader._carry_in_free)
+  carry_in_free: bool = False
   # elements a token of the input's gradient holds, where that is not the product of the
   # contracted dimensions (0): a convolution's kernel contracts its window (3 x 3) beside its
   # input features, but JAX's input gradient (a convolution of the output's gradient with the
@@ -1301,6 +1305,7 @@ class Reader:
           unroll=_scan_unroll(self.frames),
           carried_input=_carried(self.frames, eqn.invars[1 - side]),
           carried_output=_reaches_carry(self.frames, eqn.outvars[0]),
+          carry_in_free=self._carry_in_free(eqn.invars[1 - side]),
           input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived,
           branched=any(e.primitive.name == "cond" for e, _ in self.frames),
           input_width=width,
@@ -1331,6 +1336,19 @@ class Reader:
         table[v] = value
       else:
         table.pop(v, None)
+
+  def _carry_in_free(self, v) -> bool:
+    """Whether ``v`` is a carry of the innermost ``lax.scan`` body of the walk's frames whose
+    operand into the scan (the first iteration's value) no state leaf computes."""
+    scan = _scan_frame(self.frames, v)
+    if scan is None:
+      return False
+    eqn, sub, n_consts, n_carry = scan
+    k = next((k for k, c in enumerate(sub.invars[n_consts:n_consts + n_carry]) if v is c), None)
+    if k is None:
+      return False
+    o = eqn.invars[n_consts + k]
+    return not is_var(o) or (o not in self.state_derived and o not in self.origin_all)
 
   def _meet(self, v) -> None:
     """The batch reductions ``v`` was computed from decide which way the step goes (a loop's or

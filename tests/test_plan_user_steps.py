@@ -1678,7 +1678,7 @@ def test_a_weight_masked_in_a_scanned_layer_is_gathered_there():
     (256, jnp.float32, 1, 1, 1, {"fsdp": 4, "tensor": 2}, {"layers": 2}),
     (256, jnp.float32, 1, 1, 2, {"fsdp": 4, "tensor": 2}, {"pin": P(None, None, "tensor")}),
     (128, jnp.bfloat16, 1, 1, 2, None, {"sgd": True}),
-    (128, jnp.float32, 1, 3, 1, None, {})])
+    (128, jnp.float32, 1, 3, 1, None, {}), (128, jnp.float32, 1, 1, 1, None, {"stopped": True})])
 def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, mesh, more):
   # tanh(h @ w) scanned over a [4, d, d] stack (batch 64, adamw) on `fsdp` 8: the plan shards
   # the stack at d 256 and at 128 in float32, and replicates it at 128 in bfloat16. XLA:CPU
@@ -1717,7 +1717,9 @@ def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, 
   # (+14.3 %; pricing.dead_first_gather); and its while-loop simplifier removes the one-trip
   # loop, so the backward is written out and all four layers' whole gradients are made before
   # one all-reduce of them, eight f32[128,128] in the temp where two were priced (-10.7 %;
-  # solver._body_layers; loop27)
+  # solver._body_layers; loop27). Scanned once under lax.stop_gradient before the trained
+  # scan: XLA gathers each layer again in that loop's body, 12 all-gathers of f32[128,128]
+  # where the trained scan's 8 were priced (-33.3 %; StepGraph.stopped_scans, loop27)
   layers, pin = more.get("layers", 4), more.get("pin")
   tx = optax.sgd(0.1) if more.get("sgd") else optax.adamw(_LR)
   p = {f"ws{k or ''}": (0.1 * jax.random.normal(jax.random.key(k), (layers, d, d))).astype(dtype)
@@ -1728,8 +1730,10 @@ def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, 
         h = jnp.tanh(h @ w)
     return h, None
   def loss(p, batch):
-    h, _ = jax.lax.scan(body, batch["x"].astype(dtype), tuple(p[k] for k in sorted(p)),
-                        unroll=unroll)
+    h = batch["x"].astype(dtype)
+    if more.get("stopped"):     # a forward-only pass over the stack first, under stop_gradient
+      h, _ = jax.lax.scan(body, h, jax.lax.stop_gradient(tuple(p[k] for k in sorted(p))))
+    h, _ = jax.lax.scan(body, h, tuple(p[k] for k in sorted(p)), unroll=unroll)
     return jnp.mean((h.astype(jnp.float32) - batch["y"]) ** 2)
   step, args = _sgd_step(loss, tx), (p, tx.init(p), _xy(d=d, o=d))
   pinned = None if pin is None else ({k: pin for k in p}, None, None)

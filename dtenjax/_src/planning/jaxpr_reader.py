@@ -1671,8 +1671,8 @@ def stopped_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
 
 def stopped_loop_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[int, ...]]:
   """The loops of ``jaxpr``'s top level (a ``lax.scan``, a ``fori_loop``, a ``while_loop``;
-  their index in ``jaxpr.eqns``) whose bodies read state leaves in products through
-  ``lax.stop_gradient`` taken before the loop -> those leaves. A forward-only perturbation
+  their index in ``jaxpr.eqns``) whose bodies read state leaves, loop constants, in products
+  through ``lax.stop_gradient`` taken before the loop -> those leaves. A forward-only perturbation
   (``fori_loop(0, n, lambda i, x: x + 0.01 * tanh(mlp(stop_gradient(params), x)))`` before
   the step's gradient) reads the weights so: the walk's weights do not see these reads
   (:func:`stopped_reads`: no gradient flows from them), but XLA:CPU gathers each sharded
@@ -1689,13 +1689,48 @@ def stopped_loop_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[int, ...
     name = eqn.primitive.name
     ins = [src.get(v) if is_var(v) else None for v in eqn.invars]
     if name in ("scan", "while"):
-      outer = list(eqn.invars)[eqn.params["cond_nconsts"]:] if name == "while" else eqn.invars
+      # the loop's constants only (a scan's first operands, a while body's): the invariants XLA
+      # hoists; a stack the scan slices is gathered a layer at a time in the body
+      if name == "while":
+        n = eqn.params["body_nconsts"]
+        outer = list(eqn.invars)[eqn.params["cond_nconsts"]:][:n]
+      else:
+        outer = list(eqn.invars)[:jaxapi.scan_counts(eqn)[0]]
       body = (eqn.params["body_jaxpr"] if name == "while" else eqn.params["jaxpr"]).jaxpr
       marked = {i: src[o][0] for o, i in zip(outer, body.invars)
                 if is_var(o) and o in src and src[o][1]}
       read = _product_reads(body, marked) if marked else set()
       if read:
         out[k] = tuple(sorted(read))
+    elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:
+      src[eqn.outvars[0]] = (ins[0][0], ins[0][1] or name == "stop_gradient")
+  return out
+
+
+def stopped_scan_slices(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
+  """The state leaves a ``lax.scan`` of ``jaxpr``'s top level slices (a stack it scans over)
+  through ``lax.stop_gradient`` taken before the loop and reads in products in its body -> how
+  many such scans. XLA gathers one layer of such an FSDP stack in each iteration, inside the
+  body, as it gathers a trained stack's layers in the forward's loop (compiled on `fsdp` 8: a
+  [4, 128, 128] stack scanned once under stop_gradient and once trained, 4 all-gathers of
+  f32[1,128,128] more than the trained scan's 8). The walk does not see these reads
+  (:func:`stopped_reads`)."""
+  src: dict[Any, tuple[int, bool]] = {}
+  for leaf, v in zip(leaves, jaxpr.invars):
+    if not leaf.is_batch:
+      src[v] = (leaf.index, False)
+  out: dict[int, int] = {}
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    ins = [src.get(v) if is_var(v) else None for v in eqn.invars]
+    if name == "scan":
+      n_consts, n_carry = jaxapi.scan_counts(eqn)
+      body = eqn.params["jaxpr"].jaxpr
+      start = n_consts + n_carry
+      marked = {i: src[o][0] for o, i in zip(eqn.invars[start:], body.invars[start:])
+                if is_var(o) and o in src and src[o][1]}
+      for leaf in (_product_reads(body, marked) if marked else ()):
+        out[leaf] = out.get(leaf, 0) + 1
     elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:
       src[eqn.outvars[0]] = (ins[0][0], ins[0][1] or name == "stop_gradient")
   return out

@@ -996,6 +996,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     looped = graph.stopped_loops.get(primary.index, 0) if per == 1 else 0
     if looped:
       acc(pr.overlappable, k, looped * pricer("all_gather", gbytes, zero, gdtype))
+    # a scan that slices the stack through lax.stop_gradient gathers each of its layers once
+    # more, in its body (StepGraph.stopped_scans)
+    sliced = graph.stopped_scans.get(primary.index, 0) if per > 1 else 0
+    if sliced:
+      acc(pr.overlappable, k, sliced * per * pricer("all_gather", gbytes / per, zero, gdtype))
+      looped += sliced
     # (the backward call's second gather under jaxlib 0.11 is counted in the bytes plan.check
     # compares, not in the time or the memory the plans are chosen by: gathered_in_call)
     acc(pr.bytes, f"all_gather[{k}]",

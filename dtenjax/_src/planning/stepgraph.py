@@ -192,6 +192,10 @@ class StepGraph:
   # loop (jaxpr_reader.stopped_loop_reads) -> the loops that read it so: each gathers it once
   # more, before the loop (pricing.price_layout; its copies are in loop_gathers)
   stopped_loops: dict[int, int] = dataclasses.field(default_factory=dict)
+  # a stacked state leaf a top-level lax.scan slices through lax.stop_gradient and reads in
+  # products -> the scans that do: each gathers its layers once more, one an iteration
+  # (jaxpr_reader.stopped_scan_slices; pricing.price_layout)
+  stopped_scans: dict[int, int] = dataclasses.field(default_factory=dict)
   # of those, a mixture of experts' routers (:func:`_routed_gathers`): (leaf, free dim) -> the
   # global bytes of the routed values XLA:CPU all-gathers over 'tensor' where the router is
   # column-parallel, and of them the bfloat16 values' (moved in float32)
@@ -591,6 +595,7 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
                    reduced=frozenset(reduced), loop_split=frozenset(loop_split),
                    loop_gathers=loop_gathers,
                    stopped_loops=_count_loops(stopped_loops),
+                   stopped_scans=jaxpr_reader.stopped_scan_slices(jaxpr, leaves),
                    routed_gathers=_routed_gathers(reader, reduced, leaves),
                    stacks=stacks.read(reader.scans), stacked_together=stacks.together(reader.scans),
                    timeline=timeline,

@@ -989,8 +989,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     gdtype, gbytes = ((rdtype, rgrad) if graph.read_dequantized(primary.index) and
                       stepgraph.is_float(rdtype) else (dtype, grad))
     # (a scanned stack's first layer gathered for the forward alone: dead_first_gather)
-    gathers = times * per - int(regather and dead_first_gather(use))
-    acc(pr.overlappable, k, gathers * pricer("all_gather", gbytes / per, zero, gdtype))
+    own_gathers = times * per - int(regather and dead_first_gather(use))
+    acc(pr.overlappable, k, own_gathers * pricer("all_gather", gbytes / per, zero, gdtype))
     # a loop that reads the weight only through lax.stop_gradient gathers it once more, before
     # the loop (a loop invariant XLA hoists out of the body: StepGraph.stopped_loops)
     looped = graph.stopped_loops.get(primary.index, 0) if per == 1 else 0
@@ -1005,7 +1005,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     # (the backward call's second gather under jaxlib 0.11 is counted in the bytes plan.check
     # compares, not in the time or the memory the plans are chosen by: gathered_in_call)
     acc(pr.bytes, f"all_gather[{k}]",
-        (gathers / per + looped + int(gathered_in_call(use))) * pricer.wire(gbytes, gdtype))
+        (own_gathers / per + looped + int(gathered_in_call(use))) * pricer.wire(gbytes, gdtype))
     if use is None and primary.index in graph.lookups and primary.index in graph.stopped:
       # a table looked up and read by a product under lax.stop_gradient (the output projection
       # of a tied embedding the loss does not train through): the lookup's gathered copy dies

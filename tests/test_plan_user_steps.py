@@ -1677,7 +1677,8 @@ def test_a_weight_masked_in_a_scanned_layer_is_gathered_there():
     (128, jnp.float32, 1, 1, 2, None, {}), (256, jnp.float32, 1, 1, 1, {"fsdp": 4, "tensor": 2}, {}),
     (256, jnp.float32, 1, 1, 1, {"fsdp": 4, "tensor": 2}, {"layers": 2}),
     (256, jnp.float32, 1, 1, 2, {"fsdp": 4, "tensor": 2}, {"pin": P(None, None, "tensor")}),
-    (128, jnp.bfloat16, 1, 1, 2, None, {"sgd": True})])
+    (128, jnp.bfloat16, 1, 1, 2, None, {"sgd": True}),
+    (128, jnp.float32, 1, 3, 1, None, {}), (128, jnp.float32, 1, 1, 1, None, {"stopped": True})])
 def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, mesh, more):
   # tanh(h @ w) scanned over a [4, d, d] stack (batch 64, adamw) on `fsdp` 8: the plan shards
   # the stack at d 256 and at 128 in float32, and replicates it at 128 in bfloat16. XLA:CPU
@@ -1709,7 +1710,16 @@ def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, 
   # `fsdp` 8) under plain sgd, whose outputs are the parameters alone: XLA:CPU's backward body
   # makes each layer's gradient (float32) and all-reduces it into a new buffer, four
   # f32[128,128] in the temp beside the stacks' float32 conversions; unpriced, -24.2 %
-  # (tensor22; under adamw the moments' outputs hold them)
+  # (tensor22; under adamw the moments' outputs hold them). Four layers scanned with
+  # unroll=3: JAX writes the fourth iteration out after a while loop of one trip, in the
+  # backward the first layer's, whose input gradient (the batch's) is dead: XLA:CPU gathers
+  # that layer for the forward alone, 7 all-gathers of f32[1,128,128] where 8 were priced
+  # (+14.3 %; pricing.dead_first_gather); and its while-loop simplifier removes the one-trip
+  # loop, so the backward is written out and all four layers' whole gradients are made before
+  # one all-reduce of them, eight f32[128,128] in the temp where two were priced (-10.7 %;
+  # solver._body_layers; loop27). Scanned once under lax.stop_gradient before the trained
+  # scan: XLA gathers each layer again in that loop's body, 12 all-gathers of f32[128,128]
+  # where the trained scan's 8 were priced (-33.3 %; StepGraph.stopped_scans, loop27)
   layers, pin = more.get("layers", 4), more.get("pin")
   tx = optax.sgd(0.1) if more.get("sgd") else optax.adamw(_LR)
   p = {f"ws{k or ''}": (0.1 * jax.random.normal(jax.random.key(k), (layers, d, d))).astype(dtype)
@@ -1720,8 +1730,10 @@ def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, 
         h = jnp.tanh(h @ w)
     return h, None
   def loss(p, batch):
-    h, _ = jax.lax.scan(body, batch["x"].astype(dtype), tuple(p[k] for k in sorted(p)),
-                        unroll=unroll)
+    h = batch["x"].astype(dtype)
+    if more.get("stopped"):     # a forward-only pass over the stack first, under stop_gradient
+      h, _ = jax.lax.scan(body, h, jax.lax.stop_gradient(tuple(p[k] for k in sorted(p))))
+    h, _ = jax.lax.scan(body, h, tuple(p[k] for k in sorted(p)), unroll=unroll)
     return jnp.mean((h.astype(jnp.float32) - batch["y"]) ** 2)
   step, args = _sgd_step(loss, tx), (p, tx.init(p), _xy(d=d, o=d))
   pinned = None if pin is None else ({k: pin for k in p}, None, None)
@@ -2207,7 +2219,8 @@ def adversarial_perturbation(mesh=None, loop=0):
   the batch moved along its sign, and the optimizer's step on the perturbed batch's gradient; the
   first gradient with respect to the parameters is dropped. With ``loop``, the perturbation is
   a ``lax.fori_loop`` of that many such steps (iterated FGSM), the dropped gradient taken in its
-  body."""
+  body. With ``loop="forward"`` it is a forward-only loop of 2 over the parameters under
+  ``lax.stop_gradient``, ``x + 0.01 * tanh(mlp(stop_gradient(params), x))``."""
   tx = optax.adamw(_LR)
   def mse(p, x, y):
     return jnp.mean((_mlp(p, x) - y) ** 2)
@@ -2215,7 +2228,11 @@ def adversarial_perturbation(mesh=None, loop=0):
     _, gx = jax.grad(mse, argnums=(0, 1))(params, x, y)
     return x + 0.01 * jnp.sign(gx)
   def step(params, opt_state, batch):
-    if loop:
+    if loop == "forward":
+      frozen = jax.lax.stop_gradient(params)
+      x_adv = jax.lax.fori_loop(0, 2, lambda i, x: x + 0.01 * jnp.tanh(_mlp(frozen, x)),
+                                batch["x"])
+    elif loop:
       x_adv = jax.lax.fori_loop(0, loop, lambda i, x: perturb(params, x, batch["y"]), batch["x"])
     else:
       x_adv = perturb(params, batch["x"], batch["y"])
@@ -2228,7 +2245,7 @@ def adversarial_perturbation(mesh=None, loop=0):
 
 @pytest.mark.parametrize("mesh,loop", [({"fsdp": 4, "tensor": 2}, 0), ({"data": 2, "fsdp": 4}, 0),
                                        ({"data": 8}, 2), ({"fsdp": 8}, 2),
-                                       ({"fsdp": 4, "tensor": 2}, 2)])
+                                       ({"fsdp": 4, "tensor": 2}, 2), ({"fsdp": 8}, "forward")])
 def test_a_gradient_the_step_drops_is_not_reduced(mesh, loop):
   # coll21: adversarial_perturbation on `fsdp` 4 x `tensor` 2. The step reads each weight as
   # often as one that keeps both gradients (two forward products, the input gradients'), but
@@ -2248,7 +2265,12 @@ def test_a_gradient_the_step_drops_is_not_reduced(mesh, loop):
   # +132 %). Under FSDP XLA:CPU gathers w1 and w2 before the loop for its body and again for
   # the step's own products, all four copies live at the loop (1 MiB of temp on `fsdp` 8), where
   # one gathered weight was priced: memory -48.7 % (`fsdp` 8), -12.2 % (`fsdp` 4 x `tensor` 2;
-  # tensor22, StepGraph.loop_gathers)
+  # tensor22, StepGraph.loop_gathers). A forward-only loop over the weights under
+  # lax.stop_gradient: XLA:CPU gathers w1 and w2 before it as well (all-gather.6 / .7, loop
+  # invariants hoisted out of the body) and again for the step's own products (.2 / .3), four
+  # gathered copies live at the loop, 1.16 MiB of all-gather with the gradients' moved
+  # activations; the walk did not see the loop's reads (stop_gradient ends a leaf's identity):
+  # all-gather 0.66 priced (-43.2 %), memory -35.8 % (loop27, StepGraph.stopped_loops)
   case = adversarial_perturbation(loop=loop)
   plan = dtenjax.plan(case.step, *case.args, mesh=mesh)
   check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)

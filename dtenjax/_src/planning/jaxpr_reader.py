@@ -130,6 +130,10 @@ class WeightUse:
   # iteration's input, which a column-parallel product leaves split over 'tensor'
   # (roles/tensor.py: gathered for the next iteration's product and again in the backward)
   carried_output: bool = False
+  # of carried_input: the carry's value into the loop's first iteration is computed from no
+  # state leaf (the batch, ``lax.scan(body, batch["x"], stack)``), so the input gradient of the
+  # first layer's product is dead (the backward's last iteration; Reader._carry_in_free)
+  carry_in_free: bool = False
   # elements a token of the input's gradient holds, where that is not the product of the
   # contracted dimensions (0): a convolution's kernel contracts its window (3 x 3) beside its
   # input features, but JAX's input gradient (a convolution of the output's gradient with the
@@ -1301,6 +1305,7 @@ class Reader:
           unroll=_scan_unroll(self.frames),
           carried_input=_carried(self.frames, eqn.invars[1 - side]),
           carried_output=_reaches_carry(self.frames, eqn.outvars[0]),
+          carry_in_free=self._carry_in_free(eqn.invars[1 - side]),
           input_grad=is_var(eqn.invars[1 - side]) and eqn.invars[1 - side] in self.state_derived,
           branched=any(e.primitive.name == "cond" for e, _ in self.frames),
           input_width=width,
@@ -1331,6 +1336,19 @@ class Reader:
         table[v] = value
       else:
         table.pop(v, None)
+
+  def _carry_in_free(self, v) -> bool:
+    """Whether ``v`` is a carry of the innermost ``lax.scan`` body of the walk's frames whose
+    operand into the scan (the first iteration's value) no state leaf computes."""
+    scan = _scan_frame(self.frames, v)
+    if scan is None:
+      return False
+    eqn, sub, n_consts, n_carry = scan
+    k = next((k for k, c in enumerate(sub.invars[n_consts:n_consts + n_carry]) if v is c), None)
+    if k is None:
+      return False
+    o = eqn.invars[n_consts + k]
+    return not is_var(o) or (o not in self.state_derived and o not in self.origin_all)
 
   def _meet(self, v) -> None:
     """The batch reductions ``v`` was computed from decide which way the step goes (a loop's or
@@ -1649,6 +1667,101 @@ def stopped_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
     elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:
       src[eqn.outvars[0]] = (ins[0][0], ins[0][1] or name == "stop_gradient")
   return out
+
+
+def stopped_loop_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[int, ...]]:
+  """The loops of ``jaxpr``'s top level (a ``lax.scan``, a ``fori_loop``, a ``while_loop``;
+  their index in ``jaxpr.eqns``) whose bodies read state leaves, loop constants, in products
+  through ``lax.stop_gradient`` taken before the loop -> those leaves. A forward-only perturbation
+  (``fori_loop(0, n, lambda i, x: x + 0.01 * tanh(mlp(stop_gradient(params), x)))`` before
+  the step's gradient) reads the weights so: the walk's weights do not see these reads
+  (:func:`stopped_reads`: no gradient flows from them), but XLA:CPU gathers each sharded
+  weight before the while, a loop invariant it hoists out of the body and passes in as an
+  operand, held to the loop's end and not shared with the step's own gathers of it (compiled
+  on `fsdp` 8: ``all-gather.6`` and ``.2`` of w1 f32[128,512], ``.7`` and ``.3`` of w2, the
+  four live together at the loop)."""
+  src: dict[Any, tuple[int, bool]] = {}
+  for leaf, v in zip(leaves, jaxpr.invars):
+    if not leaf.is_batch:
+      src[v] = (leaf.index, False)
+  out: dict[int, tuple[int, ...]] = {}
+  for k, eqn in enumerate(jaxpr.eqns):
+    name = eqn.primitive.name
+    ins = [src.get(v) if is_var(v) else None for v in eqn.invars]
+    if name in ("scan", "while"):
+      # the loop's constants only (a scan's first operands, a while body's): the invariants XLA
+      # hoists; a stack the scan slices is gathered a layer at a time in the body
+      if name == "while":
+        n = eqn.params["body_nconsts"]
+        outer = list(eqn.invars)[eqn.params["cond_nconsts"]:][:n]
+      else:
+        outer = list(eqn.invars)[:jaxapi.scan_counts(eqn)[0]]
+      body = (eqn.params["body_jaxpr"] if name == "while" else eqn.params["jaxpr"]).jaxpr
+      marked = {i: src[o][0] for o, i in zip(outer, body.invars)
+                if is_var(o) and o in src and src[o][1]}
+      read = _product_reads(body, marked) if marked else set()
+      if read:
+        out[k] = tuple(sorted(read))
+    elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:
+      src[eqn.outvars[0]] = (ins[0][0], ins[0][1] or name == "stop_gradient")
+  return out
+
+
+def stopped_scan_slices(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
+  """The state leaves a ``lax.scan`` of ``jaxpr``'s top level slices (a stack it scans over)
+  through ``lax.stop_gradient`` taken before the loop and reads in products in its body -> how
+  many such scans. XLA gathers one layer of such an FSDP stack in each iteration, inside the
+  body, as it gathers a trained stack's layers in the forward's loop (compiled on `fsdp` 8: a
+  [4, 128, 128] stack scanned once under stop_gradient and once trained, 4 all-gathers of
+  f32[1,128,128] more than the trained scan's 8). The walk does not see these reads
+  (:func:`stopped_reads`)."""
+  src: dict[Any, tuple[int, bool]] = {}
+  for leaf, v in zip(leaves, jaxpr.invars):
+    if not leaf.is_batch:
+      src[v] = (leaf.index, False)
+  out: dict[int, int] = {}
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    ins = [src.get(v) if is_var(v) else None for v in eqn.invars]
+    if name == "scan":
+      n_consts, n_carry = jaxapi.scan_counts(eqn)
+      body = eqn.params["jaxpr"].jaxpr
+      start = n_consts + n_carry
+      marked = {i: src[o][0] for o, i in zip(eqn.invars[start:], body.invars[start:])
+                if is_var(o) and o in src and src[o][1]}
+      for leaf in (_product_reads(body, marked) if marked else ()):
+        out[leaf] = out.get(leaf, 0) + 1
+    elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:
+      src[eqn.outvars[0]] = (ins[0][0], ins[0][1] or name == "stop_gradient")
+  return out
+
+
+def _product_reads(jaxpr, marked: dict[Any, int]) -> set[int]:
+  """The values of ``marked`` (a variable of ``jaxpr`` -> a leaf) a product reads, through
+  :data:`_TO_PRODUCT` and into the calls, loops and branches ``jaxpr`` runs (their operands
+  matched to their bodies' variables in order)."""
+  marked = dict(marked)
+  read: set[int] = set()
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    ins = [marked.get(v) if is_var(v) else None for v in eqn.invars]
+    if name in ("dot_general", "conv_general_dilated"):
+      read.update(x for x in ins if x is not None)
+    elif name in _TO_PRODUCT and ins and ins[0] is not None:
+      marked[eqn.outvars[0]] = ins[0]
+    elif any(x is not None for x in ins):
+      outer = list(eqn.invars)
+      if name == "while":
+        outer = outer[eqn.params["cond_nconsts"]:]
+      elif name == "cond":
+        outer = outer[1:]
+      bodies = ([b.jaxpr for b in eqn.params["branches"]] if name == "cond"
+                else [sub for sub, _ in sub_jaxprs(eqn)])
+      for sub in bodies:
+        inner = {i: marked[o] for o, i in zip(outer, sub.invars) if is_var(o) and o in marked}
+        if inner:
+          read |= _product_reads(sub, inner)
+  return read
 
 
 def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], bool]:

@@ -753,6 +753,23 @@ def regathered(use) -> bool:
                               (use.branched and (use.input_grad or use.remat)))
 
 
+def dead_first_gather(use) -> bool:
+  """Whether XLA gathers one layer of a scanned FSDP stack once rather than twice: a scan of
+  ``unroll`` u > 1 over L layers, L not a multiple of u, whose product reads the carry and whose
+  carry into the first layer no state leaf computes (the batch). JAX writes the L % u
+  remainder iterations out after the while loop (``loops._scan_impl``, jax 0.10 and 0.11): the
+  last ones of the forward's scan, the first layers in the backward's reverse scan, whose
+  last-run iteration is the first layer's. Its input gradient is dead there (the batch has
+  none) and, written out of the loop, XLA removes its product: the first layer's only
+  backward read is its gradient's product, which reads no weight, so XLA gathers that layer
+  for the forward alone (compiled on `fsdp` 8, ``tanh(h @ w)`` over [L, 128, 128]: 2L - 1
+  all-gathers of f32[1,128,128] at L 4 and 5 with u 3, L 3 with u 2, L 7 with u 3 (a two-trip
+  loop: 13), L 5 with u 4; 2L at u 1 and at L 4 with u 2, where the backward's loop body reads
+  every layer for its input gradient)."""
+  return (use is not None and use.layers > 1 and use.carried_input and use.carry_in_free
+          and 1 < use.unroll < use.layers and use.layers % use.unroll != 0)
+
+
 def gathered_in_call(use) -> bool:
   """Whether a weight read in a jax.checkpoint call outside any loop is gathered a second time,
   in the backward's call behind its optimization barrier: under jaxlib 0.11, where plan.jit
@@ -971,11 +988,24 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     # before its cast, in its own dtype
     gdtype, gbytes = ((rdtype, rgrad) if graph.read_dequantized(primary.index) and
                       stepgraph.is_float(rdtype) else (dtype, grad))
-    acc(pr.overlappable, k, times * per * pricer("all_gather", gbytes / per, zero, gdtype))
+    # (a scanned stack's first layer gathered for the forward alone: dead_first_gather)
+    own_gathers = times * per - int(regather and dead_first_gather(use))
+    acc(pr.overlappable, k, own_gathers * pricer("all_gather", gbytes / per, zero, gdtype))
+    # a loop that reads the weight only through lax.stop_gradient gathers it once more, before
+    # the loop (a loop invariant XLA hoists out of the body: StepGraph.stopped_loops)
+    looped = graph.stopped_loops.get(primary.index, 0) if per == 1 else 0
+    if looped:
+      acc(pr.overlappable, k, looped * pricer("all_gather", gbytes, zero, gdtype))
+    # a scan that slices the stack through lax.stop_gradient gathers each of its layers once
+    # more, in its body (StepGraph.stopped_scans)
+    sliced = graph.stopped_scans.get(primary.index, 0) if per > 1 else 0
+    if sliced:
+      acc(pr.overlappable, k, sliced * per * pricer("all_gather", gbytes / per, zero, gdtype))
+      looped += sliced
     # (the backward call's second gather under jaxlib 0.11 is counted in the bytes plan.check
     # compares, not in the time or the memory the plans are chosen by: gathered_in_call)
     acc(pr.bytes, f"all_gather[{k}]",
-        (times + int(gathered_in_call(use))) * pricer.wire(gbytes, gdtype))
+        (own_gathers / per + looped + int(gathered_in_call(use))) * pricer.wire(gbytes, gdtype))
     if use is None and primary.index in graph.lookups and primary.index in graph.stopped:
       # a table looked up and read by a product under lax.stop_gradient (the output projection
       # of a tied embedding the loss does not train through): the lookup's gathered copy dies
@@ -1181,7 +1211,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # its share of the products no weight reads), a pass's or one layer's; of a weight read
       # at several depths (shared across layers), gathered once, its first depth's: the next
       # weight's gather follows it, and the later depths' products have no gather between them
-      gathers = (2 if regathered(use) else 1) * max(1, use.layers)
+      gathers = ((2 if regathered(use) else 1) * max(1, use.layers) -
+                 int(regathered(use) and dead_first_gather(use)))
       own = (use.flops / split / batch_div + fixed) / m.peak_flops * pr.compute_scale
       between = own * pricer.weightless / gathers / max(1, use.grad_parts)
       # a gather once a step, before its first product, that a meeting over the batch comes

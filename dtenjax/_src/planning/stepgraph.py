@@ -188,6 +188,14 @@ class StepGraph:
   # a top-level loop's equation -> the weights its body reads and makes no gradient of, each
   # with its gathered copies live at the loop (_loop_gathers)
   loop_gathers: dict[int, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
+  # a state leaf a top-level loop's body reads only through lax.stop_gradient taken before the
+  # loop (jaxpr_reader.stopped_loop_reads) -> the loops that read it so: each gathers it once
+  # more, before the loop (pricing.price_layout; its copies are in loop_gathers)
+  stopped_loops: dict[int, int] = dataclasses.field(default_factory=dict)
+  # a stacked state leaf a top-level lax.scan slices through lax.stop_gradient and reads in
+  # products -> the scans that do: each gathers its layers once more, one an iteration
+  # (jaxpr_reader.stopped_scan_slices; pricing.price_layout)
+  stopped_scans: dict[int, int] = dataclasses.field(default_factory=dict)
   # of those, a mixture of experts' routers (:func:`_routed_gathers`): (leaf, free dim) -> the
   # global bytes of the routed values XLA:CPU all-gathers over 'tensor' where the router is
   # column-parallel, and of them the bfloat16 values' (moved in float32)
@@ -559,7 +567,8 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
                                         grad_parts=parts, loop_uses=loop_uses,
                                         loop_parts=loop_parts)
   weights = _loop_shares(weights, reader.loop_of, leaves)
-  loop_gathers = _loop_gathers(jaxpr, reader, weights)
+  stopped_loops = jaxpr_reader.stopped_loop_reads(jaxpr, leaves)
+  loop_gathers = _loop_gathers(jaxpr, reader, weights, stopped_loops)
   groups: dict[int, list[int]] = {}
   for leaf in leaves:
     if not leaf.is_batch:
@@ -585,6 +594,8 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
                    lookup_dtypes=dict(reader.lookup_dtypes),
                    reduced=frozenset(reduced), loop_split=frozenset(loop_split),
                    loop_gathers=loop_gathers,
+                   stopped_loops=_count_loops(stopped_loops),
+                   stopped_scans=jaxpr_reader.stopped_scan_slices(jaxpr, leaves),
                    routed_gathers=_routed_gathers(reader, reduced, leaves),
                    stacks=stacks.read(reader.scans), stacked_together=stacks.together(reader.scans),
                    timeline=timeline,
@@ -852,8 +863,8 @@ def _dropped_loop_parts(reader, leaf: int, bodies: dict[int, dict[Any, list[tupl
   return dropped, trips
 
 
-def _loop_gathers(jaxpr, reader, weights: dict[int, WeightUse]
-                  ) -> dict[int, tuple[tuple[int, int], ...]]:
+def _loop_gathers(jaxpr, reader, weights: dict[int, WeightUse],
+                  stopped: dict[int, tuple[int, ...]]) -> dict[int, tuple[tuple[int, int], ...]]:
   """Each top-level loop whose body reads weights it makes no gradient of (a perturbation's
   ``fori_loop``, whose gradient with respect to the weights is dropped: no part there,
   :func:`_dropped_loop_parts`) -> (leaf, copies) of those weights. Gathered per use (a batch
@@ -863,7 +874,10 @@ def _loop_gathers(jaxpr, reader, weights: dict[int, WeightUse]
   gathered copies live at the loop (XLA:CPU's buffer assignments of iterated FGSM on `fsdp` 8,
   w1 [128, 512] and w2 [512, 128], a loop of 2 at batch 64 and 256 and of 3 with [128, 256]
   and [256, 128]: the four gathered weights at four offsets of the temp, live together;
-  tensor22)."""
+  tensor22). So for a loop whose body reads weights only through ``lax.stop_gradient``
+  (``stopped``, :func:`jaxpr_reader.stopped_loop_reads`: a forward-only perturbation before
+  the step's gradient), which the walk does not count as its reads: two copies of each weight
+  the step reads outside the loop too, one of a weight it does not (loop27)."""
   index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
   out: dict[int, list[tuple[int, int]]] = {}
   for leaf, use in sorted(weights.items()):
@@ -873,7 +887,20 @@ def _loop_gathers(jaxpr, reader, weights: dict[int, WeightUse]
       continue
     outside = any(not frames for *_, frames in reader.reads.get(leaf, ()))
     out.setdefault(index[id(loop)], []).append((leaf, 2 if outside else 1))
-  return {k: tuple(v) for k, v in out.items()}
+  for at, leaves in stopped.items():
+    for leaf in leaves:
+      if all(leaf != seen for seen, _ in out.get(at, ())):
+        out.setdefault(at, []).append((leaf, 2 if leaf in reader.leaf_reads else 1))
+  return {k: tuple(v) for k, v in sorted(out.items())}
+
+
+def _count_loops(stopped: dict[int, tuple[int, ...]]) -> dict[int, int]:
+  """A leaf -> the loops of ``stopped`` (:func:`jaxpr_reader.stopped_loop_reads`) that read it."""
+  out: dict[int, int] = {}
+  for leaves in stopped.values():
+    for leaf in leaves:
+      out[leaf] = out.get(leaf, 0) + 1
+  return out
 
 
 def _loop_parts(use: WeightUse, loop_reads: tuple[int, int], remat: bool) -> tuple[int, int]:

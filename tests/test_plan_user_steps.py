@@ -1282,8 +1282,10 @@ def _used_axes(plan) -> set:
 
 def _run(case: Case):
   """The plain step's outputs, the plan, the planned step's outputs and ``plan.check``. Both
-  steps run unoptimised by LLVM (the same HLO: compile_only.LLVM_O0); the check compiles the
-  program users get (XLA's default fusion emitters, which the suite turns off), quicker."""
+  steps run unoptimised by LLVM (compile_only.LLVM_O0: the same HLO). The planned step runs as
+  the program users get (XLA's default fusion emitters, which the suite turns off), the one
+  ``plan.check`` compiles and reads: the same HLO and options, so the check loads it from the
+  run's compiled programs (tests/conftest.py) instead of compiling the step a second time."""
   ctx = case.context() if case.context else contextlib.nullcontext()
   with ctx:
     args = _copy(case.args)
@@ -1293,7 +1295,7 @@ def _run(case: Case):
     if case.place:
       args = plan.shard(*args)
     train = plan.jit(case.step, **case.jit_kwargs)
-    got = train.lower(*args).compile(compile_only.LLVM_O0)(*args)
+    got = train.lower(*args).compile(compile_only.USERS_PROGRAM)(*args)
     check = plan.check(case.step, *case.args, compiler_options=compile_only.USERS_PROGRAM)
   return plan, plain, got, check
 

@@ -71,24 +71,26 @@ class Case:
 
 
 def _init(shapes: dict, seed: int = 0) -> dict:
-  # drawn flat and reshaped: the same bits as jax.random.normal(kk, s) (_flat_random says why),
-  # for one quick compile per size instead of XLA:CPU's slow one per shape
+  # three or more dimensions drawn flat and reshaped: the same bits as jax.random.normal(kk, s)
+  # (_flat_random says why), one quick compile instead of XLA:CPU's slow one of such a shape
   keys = jax.random.split(jax.random.key(seed), len(shapes))
-  return {k: 0.1 * jax.random.normal(kk, (math.prod(s),), jnp.float32).reshape(s)
+  return {k: 0.1 * (jax.random.normal(kk, s, jnp.float32) if len(s) < 3 else
+                    jax.random.normal(kk, (math.prod(s),), jnp.float32).reshape(s))
           for kk, (k, s) in zip(keys, sorted(shapes.items()))}
 
 
 @contextlib.contextmanager
 def _flat_random():
   """While a case makes its arguments (its flax/nnx ``init``, its batches): ``jax.random``'s
-  normal, uniform, truncated_normal and randint draw an array of two or more dimensions flat and
-  reshape it. The values are the same bits: jax's threefry is partitionable
+  normal, uniform, truncated_normal and randint draw an array of three or more dimensions flat
+  and reshape it. The values are the same bits: jax's threefry is partitionable
   (``jax_threefry_partitionable``, jax's default since 0.5), so element i of the bits is a
   function of the key and the flat index i alone, and the four then map each element by itself;
   every case's arguments were compared both ways, bit for bit (docs/testing.md, the
   twenty-seventh round). The compile is not: XLA:CPU (jaxlib 0.10,
   either emitters) takes 0.6-2.3 s of CPU to compile one of them at the shapes of a 4-D conv or
   attention kernel ((64, 3, 4, 16): 2.3 s; flat: 0.15 s), compiled once per shape and process.
+  Two dimensions are left as drawn (0.15-0.25 s), a program the file's other tests share.
   Only around the arguments' making, never a traced step: a reshape in a step would be another
   program for the planner."""
   from jax._src import random as jax_random   # where jax.nn.initializers (flax's) look them up
@@ -102,7 +104,7 @@ def _flat_random():
       shape = bound.arguments.get("shape")
       bounds = [bound.arguments[k] for k in ("minval", "maxval", "lower", "upper")
                 if k in bound.arguments]
-      if (not isinstance(shape, (tuple, list)) or len(shape) < 2
+      if (not isinstance(shape, (tuple, list)) or len(shape) < 3
           or bound.arguments.get("out_sharding") is not None or any(np.ndim(b) for b in bounds)):
         return fn(*args, **kwargs)
       bound.arguments["shape"] = (math.prod(shape),)

@@ -785,6 +785,30 @@ def _scatter_beside_batch(lookup, vocab_axes: list[str], zero: list[str], m: Can
   return "gathered, whole vocabulary" if lookup[1] == primary.nbytes else "gathered"
 
 
+def scatter_zeros_from_the_start(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used,
+                                 m: CandidateMesh, backend: str, batch_div: int) -> bool:
+  """Whether XLA:CPU makes the zeros a table's lookup gradient is scattered into at the step's
+  start: where :func:`_scatter_beside_batch` scatters into every vocabulary row ("reduced", and
+  "gathered, whole vocabulary"), the broadcast of those zeros has no operand and XLA:CPU's
+  schedule puts it before the forward (compiled under jaxlib 0.10.2: a 2048 x 256 table's
+  lookup step on 16 and 32 CPU devices, `wrapped_broadcast` f32[2048,128] the 20th of 76
+  instructions, before the forward's products; tests/test_step_planner_memory.py's 512 x 64 on
+  8; the mixture of experts' 64-device row, XLA's heap log: from tick 0 to 434 of 438, live at
+  the temp's peak at the loss, tick 181), at one offset with the scatter written into it in
+  place. The table's gradient value then lives from the step's start
+  (:func:`solver._zeros_at_the_start`). The zeros of the shard ("gathered", W / (f t)) are
+  made at the start too; not priced so (the model sizes this table's gradient W / t)."""
+  if backend != "cpu" or primary.index in graph.weights:
+    return False
+  lookup = graph.lookups.get(primary.index)
+  routed = [a for a in ROUTED_AXES if a in used and m.size[a] > 1]
+  zero = [a for a in BATCH_AXES if a in used and m.size[a] > 1 and a not in routed]
+  read = read_leaf(graph, primary)
+  form = _scatter_beside_batch(lookup, _vocab_axes(lookup, used, m, zero), zero, m, read,
+                               batch_div)
+  return form in ("reduced", "gathered, whole vocabulary")
+
+
 def regathered(use) -> bool:
   """Whether an FSDP weight is gathered again for the backward: a layer of a scanned stack
   (gathered inside the loop body, in the forward's loop and again in the backward's), or a

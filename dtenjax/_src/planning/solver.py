@@ -916,8 +916,8 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
   backward's input gradient reads after that product, too; the model holds it: the hoisted
   zeros of an untied table's scatter gradient, which XLA:CPU keeps from the step's start and the
   model does not price but for a vocab-parallel table beside other batch axes
-  (pricing.scatter_zeros_from_the_start), are as large as the unembedding's copy on bench's small Llama under
-  FSDP, 2 MiB of 18.3, and freeing the copy there put that row at -7.6 %.)
+  (pricing.scatter_zeros_from_the_start), are as large as the unembedding's copy on bench's
+  small Llama under FSDP, 2 MiB of 18.3, and freeing the copy there put that row at -7.6 %.)
 
   Where the update sums values it computes from the gradients (``StepGraph.update_reduces``: a
   global norm's partial sums), XLA's combiner cannot join the gradients' all-reduces into one:

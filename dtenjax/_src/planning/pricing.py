@@ -706,10 +706,10 @@ def _lookup_parts(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, scatter: 
 
 
 def _table_scatter(lookup, vocab_axes: list[str], zero: list[str], m: CandidateMesh,
-                   primary: stepgraph.Leaf, backend: str, batch_div: int
-                   ) -> list[tuple[str, float, list[str]]]:
-  """The collectives (kind, bytes per device, axes) of XLA:CPU's backward of a lookup into a
-  table vocab-parallel over ``vocab_axes`` and sharded over the batch axes ``zero`` on its
+                   primary: stepgraph.Leaf, backend: str, batch_div: int,
+                   rest: Sequence[str] = ()) -> list[tuple]:
+  """The collectives (kind, bytes per device, axes[, dtype]) of XLA:CPU's backward of a lookup
+  into a table vocab-parallel over ``vocab_axes`` and sharded over the batch axes ``zero`` on its
   features (none otherwise): it all-to-alls the tokens' cotangents over ``zero`` (each device's
   rows, from split by token to split by feature), scatters them into every vocabulary row of
   its feature shard and all-reduces that over ``vocab_axes``; the table's gradient is never
@@ -718,10 +718,25 @@ def _table_scatter(lookup, vocab_axes: list[str], zero: list[str], m: CandidateM
   all-reduce; the mixture of experts' `fsdp` 16 x `tensor` 4 on 64). XLA:CPU 0.11, vocab-parallel
   over 'tensor' with no other batch axis, scatters in pieces where the table is the smaller
   (:func:`_scattered_in_pieces`), else all-gathers the rows (``gathered`` bytes) where 0.10
-  all-to-alls them (:func:`_lookup_pieces_over_tensor`). Not seen compiled for the GPU."""
+  all-to-alls them (:func:`_lookup_pieces_over_tensor`). Where other batch axes (``rest``, the
+  mixture of experts' `expert`, a `data` axis) split the tokens too, XLA:CPU 0.10 makes one of
+  :func:`_scatter_beside_batch`'s forms instead. Not seen compiled for the GPU."""
   if backend != "cpu" or not (vocab_axes and zero):
     return []
   f = math.prod(m.size[a] for a in zero)
+  form = _scatter_beside_batch(lookup, vocab_axes, zero, m, primary, batch_div)
+  if form is not None:
+    t = math.prod(m.size[a] for a in vocab_axes)
+    if form == "reduced":
+      return [("all_reduce", primary.nbytes / t, zero + list(rest)),
+              ("ppermute", primary.nbytes / (f * t), zero + vocab_axes)]
+    row = primary.nbytes / max(1, math.prod(primary.shape[k] for k in lookup[0]))
+    ids = lookup[1] / row * 4 / batch_div        # each device's int32 token ids
+    reduced = ([("all_reduce", primary.nbytes / f, list(rest) + vocab_axes)]
+               if form == "gathered, whole vocabulary" else
+               [("all_reduce", primary.nbytes / (f * t), list(rest))])
+    return [("all_gather", lookup[1], zero + list(rest)),
+            ("ppermute", ids, zero + vocab_axes, "int32")] + reduced
   gathered = lookup[1] / batch_div * f
   if vocab_axes == ["tensor"] and batch_div == f:     # no other batch axis
     if _scattered_in_pieces(primary, gathered, m, zero):
@@ -731,6 +746,67 @@ def _table_scatter(lookup, vocab_axes: list[str], zero: list[str], m: CandidateM
       return [("all_gather", gathered, zero), ("all_reduce", primary.nbytes / f, vocab_axes)]
   return [("all_to_all", lookup[1] / batch_div, zero),
           ("all_reduce", primary.nbytes / f, vocab_axes)]
+
+
+def _scatter_beside_batch(lookup, vocab_axes: list[str], zero: list[str], m: CandidateMesh,
+                          primary: stepgraph.Leaf, batch_div: int) -> str | None:
+  """How XLA:CPU 0.10's partitioner makes the gradient of a lookup into a table vocab-parallel
+  over ``vocab_axes`` and sharded on its features over the batch axes ``zero``, where other batch
+  axes split the tokens too (``batch_div`` above the size of ``zero``); None elsewhere. It picks
+  by the estimated memory of each method (gather_scatter_handler.cc), here by the bytes of every
+  token's cotangent rows (``lookup[1]``, R) against the table's (W):
+
+  * R > W, "reduced" (index passthrough): each device scatters its own tokens into every
+    vocabulary row of the table's features split over ``vocab_axes`` (W / t), all-reduces that
+    over all the batch axes (the combined gradient all-reduce), slices its shard and
+    collective-permutes it onto the parameter's devices (W / (f t));
+  * R <= W: the rows of every token all-gathered over all the batch axes (R bytes per device),
+    the int32 ids collective-permuted, and the rows scattered into the device's features of
+    the table: where R < W into its shard, all-reduced over the other batch axes, "gathered"
+    (W / (f t)); where R = W, the two methods' estimates tie (the shard plus the rows on every
+    vocab-parallel device, against every vocabulary row plus the rows split among them:
+    W/(f t) + R/f against W/f + R/(f t)) and XLA took every vocabulary row, all-reduced over the
+    other batch axes and ``vocab_axes``, "gathered, whole vocabulary" (W / f).
+
+  Compiled under jaxlib 0.10.2 on 8 to 32 CPU devices, a 2048 x 256 table P('tensor', 'fsdp'),
+  `fsdp` x `expert` x `tensor` and `fsdp` x `data` x `tensor` with the tokens split over both
+  batch axes: R of 0.5 and 1 MiB ("gathered") on 2x2x2, 2x4x2, 4x2x2 (data too); R = 2 MiB,
+  "gathered, whole vocabulary" on 2x2x2, 2x4x2, 4x2x2, 4x4x2 (the mixture of experts' 16-device
+  row, 2 MiB of all-gather where 0.25 MiB of all-to-all was priced) and "gathered" on 2x2x4
+  (the tie broken the other way; with 'tensor' 2 as priced); R of 3 and 4 MiB, "reduced", on
+  2x4x2, 4x2x2 (data), 4x4x2, 2x8x2 and 8x2x2 (the 32- and 64-device rows' 0.25 MiB permute).
+  XLA:CPU 0.11.2 all-to-alls the rows of a 256 KiB table on `data` 2 x `fsdp` 4 x `tensor` 2
+  (:func:`_scattered_in_pieces`): not priced so there."""
+  if (XLA_VERSION >= (0, 11) or lookup is None or not (vocab_axes and zero)
+      or batch_div <= math.prod(m.size[a] for a in zero)):
+    return None
+  if lookup[1] > primary.nbytes:
+    return "reduced"
+  return "gathered, whole vocabulary" if lookup[1] == primary.nbytes else "gathered"
+
+
+def scatter_zeros_from_the_start(graph: stepgraph.StepGraph, primary: stepgraph.Leaf, used,
+                                 m: CandidateMesh, backend: str, batch_div: int) -> bool:
+  """Whether XLA:CPU makes the zeros a table's lookup gradient is scattered into at the step's
+  start: where :func:`_scatter_beside_batch` scatters into every vocabulary row ("reduced", and
+  "gathered, whole vocabulary"), the broadcast of those zeros has no operand and XLA:CPU's
+  schedule puts it before the forward (compiled under jaxlib 0.10.2: a 2048 x 256 table's
+  lookup step on 16 and 32 CPU devices, `wrapped_broadcast` f32[2048,128] the 20th of 76
+  instructions, before the forward's products; tests/test_step_planner_memory.py's 512 x 64 on
+  8; the mixture of experts' 64-device row, XLA's heap log: from tick 0 to 434 of 438, live at
+  the temp's peak at the loss, tick 181), at one offset with the scatter written into it in
+  place. The table's gradient value then lives from the step's start
+  (:func:`solver._zeros_at_the_start`). The zeros of the shard ("gathered", W / (f t)) are
+  made at the start too; not priced so (the model sizes this table's gradient W / t)."""
+  if backend != "cpu" or primary.index in graph.weights:
+    return False
+  lookup = graph.lookups.get(primary.index)
+  routed = [a for a in ROUTED_AXES if a in used and m.size[a] > 1]
+  zero = [a for a in BATCH_AXES if a in used and m.size[a] > 1 and a not in routed]
+  read = read_leaf(graph, primary)
+  form = _scatter_beside_batch(lookup, _vocab_axes(lookup, used, m, zero), zero, m, read,
+                               batch_div)
+  return form in ("reduced", "gathered, whole vocabulary")
 
 
 def regathered(use) -> bool:
@@ -837,7 +913,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
   # scattered into (gradient_dtype; priced on the leaf as read, read_leaf)
   rdtype, rgrad, read = (gradient_dtype(graph, primary), gradient_bytes(graph, primary, grad),
                          read_leaf(graph, primary))
-  table_sync = _table_scatter(lookup, vocab_axes, zero, m, read, pricer.backend, batch_div)
+  table_sync = _table_scatter(lookup, vocab_axes, zero, m, read, pricer.backend, batch_div,
+                              [a for a in batch if a not in zero])
   spread, moved, moved_ids = _spread_reduction(graph, read, use, used, m, zero, pricer.backend,
                                                rgrad, batch_div)
   # the permuted pieces' bytes as they move: the table's rows of its dtype, the ids int32
@@ -859,8 +936,8 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       ctx.add(kind, pricer.wire(nb - ids, rdtype) + pricer.wire(ids, "int32"), axes,
               blocking=False, dtype=WIRE)
   # gradient synchronisation
-  for kind, nb, axes in table_sync:
-    ctx.add(kind, nb, axes, blocking=False, dtype=rdtype)
+  for kind, nb, axes, *ids in table_sync:
+    ctx.add(kind, nb, axes, blocking=False, dtype=ids[0] if ids else rdtype)
   # a PRNG key has no gradient, nor has an integer array (StepGraph.integer_gradient_free: one
   # read dequantized is reduced as its product's float gradient, rgrad; a step counter is priced
   # the share of its few bytes that the recorded plans' costs hold)
@@ -902,7 +979,10 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
         if moved:
           ctx.add("ppermute", wmoved, zero + ["tensor"], blocking=False, times=uses, dtype=WIRE)
       rest = [a for a in batch if a not in zero]
-      if rest:
+      # (a vocab-parallel table's scatter beside other batch axes reduces over them itself:
+      # _scatter_beside_batch)
+      if rest and not (table_sync and _scatter_beside_batch(lookup, vocab_axes, zero, m, read,
+                                                             batch_div)):
         g2 = rgrad / math.prod(m.size[a] for a in zero)
         k2 = axis_key(rest)
         # a gradient made on its shard part by part has each part's shard reduced over the

@@ -36,6 +36,7 @@ from dtenjax._src.planning.pricing import lookup_gradient
 from dtenjax._src.planning.pricing import price_layout
 from dtenjax._src.planning.pricing import read_leaf
 from dtenjax._src.planning.pricing import reduced_in_loop
+from dtenjax._src.planning.pricing import scatter_zeros_from_the_start
 from dtenjax._src.planning.pricing import XLA_VERSION
 from dtenjax._src.planning.pricing import stacked_parts
 from dtenjax._src.planning.pricing import start_wait
@@ -299,6 +300,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
   per_leaf_gathered: dict[int, float] = {}   # their gathered bytes per device (Price)
   sharded_shapes: set[tuple[int, ...]] = set()   # their shapes (and reversed)
   whole_tables: set[tuple[int, ...]] = set()   # XLA:GPU scatters their gradients into zeros
+  # XLA:CPU makes the zeros their lookups' gradients are scattered into at the step's start
+  zeros_first: set[tuple[int, ...]] = set()
   converted = 0.0     # the float conversions of integer weights a trained scale's gradient reads
   held_to_reduction: set[tuple[int, ...]] = set()   # their gradients' shapes (and reversed)
   # a scanned stack's shape -> what XLA:CPU holds while the backward loop over it runs that the
@@ -340,6 +343,8 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     in_shard = scatter is not None and not scatter.whole
     if not cpu and scatter is not None and scatter.whole_lookups:
       whole_tables.add(primary.shape)
+    if use is None and scatter_zeros_from_the_start(graph, primary, used, m, backend, bdiv):
+      zeros_first.add(primary.shape)
     parts_on_shard = gradient_on_shard(graph, g, used, m) if zero else None
     on_shard = parts_on_shard is not None
     # the step of the lax.cond whose branch makes the gradient, if one does
@@ -464,7 +469,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
       reduced.append((nb, 1))
     whole, single = [], []
   loop_held.update(_loop_held(graph, stacked, backend, bdiv > 1))
-  hoisted = _zeros_before_the_loop(graph, whole_tables)
+  hoisted = _zeros_before_the_loop(graph, whole_tables) | _zeros_at_the_start(graph, zeros_first)
   values = []
   bodies: dict[int, tuple[float, stepgraph.Live]] = {}
   slots: list[tuple[float, stepgraph.Live]] = []
@@ -478,7 +483,7 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     if ((v.copy or v.cheap_on_gpu or v.call_result) and not cpu or v.folded and cpu
         or not v.made_on_cpu(bdiv, gathered_per_use)):
       continue
-    if id(v) in hoisted:                  # XLA:GPU's zeros of a whole table's scatter
+    if id(v) in hoisted:                  # the zeros of a table's scatter, made before
       v = dataclasses.replace(v, start=hoisted[id(v)])
     if v.gpu_end is not None and not cpu:   # read by a fusion that recomputes a dropped value
       v = dataclasses.replace(v, end=v.gpu_end)
@@ -856,6 +861,19 @@ def _zeros_before_the_loop(graph: stepgraph.StepGraph, tables: set[tuple[int, ..
   return hoisted
 
 
+def _zeros_at_the_start(graph: stepgraph.StepGraph, tables: set[tuple[int, ...]]
+                        ) -> dict[int, int]:
+  """The gradient values of ``tables`` (their shapes) whose scatter's zeros XLA:CPU makes at the
+  step's start (:func:`pricing.scatter_zeros_from_the_start`): id of the timeline value (the last
+  of its shape, the lookup's gradient) -> 0, its start."""
+  hoisted: dict[int, int] = {}
+  for shape in sorted(tables):
+    grads = [v for v in graph.timeline if v.grad == shape and not v.body]
+    if grads:
+      hoisted[id(max(grads, key=lambda v: v.start))] = 0
+  return hoisted
+
+
 def split_k(batch: int, rows: int, cols: int, contraction: int) -> int:
   """How many parts XLA:GPU splits a product's contraction into (1: none), per device: it
   computes each part's product into one buffer of ``parts`` times the result's elements, in
@@ -919,8 +937,9 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
   gathered for the step (``gathered``) lives until the reduction. (XLA frees a copy the
   backward's input gradient reads after that product, too; the model holds it: the hoisted
   zeros of an untied table's scatter gradient, which XLA:CPU keeps from the step's start and the
-  model does not price, are as large as the unembedding's copy on bench's small Llama under
-  FSDP, 2 MiB of 18.3, and freeing the copy there put that row at -7.6 %.)
+  model does not price but for a vocab-parallel table beside other batch axes
+  (pricing.scatter_zeros_from_the_start), are as large as the unembedding's copy on bench's
+  small Llama under FSDP, 2 MiB of 18.3, and freeing the copy there put that row at -7.6 %.)
 
   Where the update sums values it computes from the gradients (``StepGraph.update_reduces``: a
   global norm's partial sums), XLA's combiner cannot join the gradients' all-reduces into one:

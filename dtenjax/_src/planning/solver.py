@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtenjax._src.pricing import calls
 from dtenjax._src.planning import heapslot
 from dtenjax._src.planning import jaxpr_reader
 from dtenjax._src.planning import roles
@@ -245,10 +246,16 @@ def _gathered_at_start(wide: Sequence[tuple[float, float]]) -> float:
   copy 0) is gathered there too and dies at its lookup: its gathered copy is live beside them
   (pricing.price_layout; a bfloat16 [1024, 128] table beside a bfloat16 MLP's two gathered
   weights on `fsdp` 8, jax 0.10: f32[1024,128], f32[128,512] and f32[512,128] in XLA:CPU's
-  temp, the peak where the weights' gradients are made on their shards)."""
+  temp, the peak where the weights' gradients are made on their shards). A float16 weight's
+  is the other way round: gathered in float16 (``w``), its kept copy float32 (``k``); at the
+  last conversion every float32 copy and that float16 copy are live (a float16 MLP on `fsdp`
+  8: f32[128,512], f32[512,128] and f16[512,128], XLA:CPU's buffer assignment under jax 0.10
+  and 0.11). The conversion of the i-th copy holds the kept copies before it and the gathered
+  ones from it on; the larger of the first's and the last's, the order not known."""
   if not wide:
     return 0.0
-  return (sum(w for w, _ in wide) + max(k for _, k in wide) - sum(k for _, k in wide))
+  gathered, kept = sum(w for w, _ in wide), sum(k for _, k in wide)
+  return max(gathered + max(k for _, k in wide), kept + max(w for w, _ in wide)) - kept
 
 
 def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
@@ -371,9 +378,15 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # Not a weight read in a loop (a scanned stack's layer, a fori_loop's weight): its parts are
     # added into the loop's carried gradient of its own dtype (a bfloat16 [4, 256, 256] stack
     # scanned on `data` 8 was priced +21.5 % so, -26.1 % without)
+    # A float16 gradient is not: XLA:CPU converts the float32 product's result to float16 and
+    # all-reduces it in float16 (its collectives stay float16, calls.wire_bytes), a gradient
+    # of its own bytes reduced as a float32 one is (a float16 MLP on `fsdp` 8: f16[128,512]
+    # and f16[512,128] and their reductions, 512 KiB of XLA:CPU's temp after the backward;
+    # sized as float32 the price was +45.3 %, docs/benchmarks.md bf16_27)
     looped = use is not None and (use.layers > 1 or bool(use.loop_uses))
     wide = (cpu and bdiv > 1 and not dequantized and use is not None and use.layers <= 1
-            and not use.loop_uses and primary.dtype in ("bfloat16", "float16"))
+            and not use.loop_uses and primary.dtype in ("bfloat16", "float16")
+            and calls.wire_bytes(primary.dtype, backend) > 1)
     if wide:
       per_device *= 4 / primary.itemsize
     # (not a stack under jax.checkpoint, whose backward body recomputes the forward's: a scan

@@ -1259,6 +1259,20 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     pr.memory["grads"] = primary.nbytes / shards if donate else 0.0
   else:
     pr.memory["grads"] = grad if gathered_weight else primary.nbytes / shards
+    if (pricer.backend == "cpu" and batch and use is not None and use.layers <= 1 and
+        not use.loop_uses and not graph.read_dequantized(primary.index) and
+        stepgraph.is_float(dtype) and calls.wire_bytes(dtype, pricer.backend) > 1):
+      # a bfloat16 gradient the batch axes reduce: XLA:CPU makes it by a float32 product and
+      # all-reduces it in float32 into a new buffer, two float32 buffers of it (on the shard
+      # where it is made there, whole otherwise), as solver.simulate_memory places them (its
+      # ``wide``). The program's memory row is this sum: sized at bfloat16, a bfloat16 MLP
+      # replicated on `data` 2 x `fsdp` 4 (the reductions' four f32 buffers of 256 KiB) looked
+      # leaner than its FSDP layout (two float32 gathered copies), which simulate_memory
+      # prices 1.76 against 1.14 MiB, and the lean search never found it (docs/benchmarks.md
+      # bf16_27)
+      if zero and gradient_on_shard(graph, group, used, m) is not None:
+        pr.memory["grads"] = primary.nbytes / shards
+      pr.memory["grads"] *= 2 * calls.wire_bytes(dtype, pricer.backend)
   pr.memory["opt_state"] = sum(lf.nbytes for lf in leaves[1:]
                                if lf.index not in graph.unread) / shards
   # the new state's copy, of the leaves the step returns (not of an argument it only reads)

@@ -1022,6 +1022,13 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
         pr.gathered_wide = gbytes * wide
       else:
         pr.memory["gathered"] = gbytes * wide
+        if wide > 1:
+          # jax 0.10's XLA:CPU converts a bfloat16 weight's shard to float32 and all-gathers
+          # that: the last converted shard is live at the step's start beside the gathered
+          # copies (a bfloat16 MLP on `data` 2 x `fsdp` 4: f32[128,128] beside f32[128,512] and
+          # f32[512,128] at the second all-gather, the peak of XLA:CPU's temp;
+          # solver._gathered_at_start)
+          pr.gathered_wide = gbytes * wide / math.prod(m.size[a] for a in zero)
     # (a table only read by lookups is not kept: the lookup's backward scatters into zeros and
     # never reads it, so its gathered copy dies with the forward's lookup)
     if (use is None and primary.index in graph.lookups and stepgraph.is_float(dtype)
@@ -1262,17 +1269,18 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     if (pricer.backend == "cpu" and batch and use is not None and use.layers <= 1 and
         not use.loop_uses and not graph.read_dequantized(primary.index) and
         stepgraph.is_float(dtype) and calls.wire_bytes(dtype, pricer.backend) > 1):
-      # a bfloat16 gradient the batch axes reduce: XLA:CPU makes it by a float32 product and
-      # all-reduces it in float32 into a new buffer, two float32 buffers of it (on the shard
-      # where it is made there, whole otherwise), as solver.simulate_memory places them (its
-      # ``wide``). The program's memory row is this sum: sized at bfloat16, a bfloat16 MLP
-      # replicated on `data` 2 x `fsdp` 4 (the reductions' four f32 buffers of 256 KiB) looked
-      # leaner than its FSDP layout (two float32 gathered copies), which simulate_memory
-      # prices 1.76 against 1.14 MiB, and the lean search never found it (docs/benchmarks.md
-      # bf16_27)
+      # a bfloat16 gradient the batch axes reduce whole: XLA:CPU makes it by a float32 product
+      # and all-reduces it in float32 into a new buffer, two float32 buffers of it, as
+      # solver.simulate_memory places them (its ``wide``); one made on the weight's shard
+      # (gather.shard_gradients) is the shard's. The program's memory row is this sum: sized
+      # at bfloat16, a bfloat16 MLP replicated on `data` 2 x `fsdp` 4 (the reductions' four
+      # f32 buffers of 256 KiB) looked leaner than its FSDP layout (two float32 gathered
+      # copies), which simulate_memory prices 1.76 against 1.14 MiB, and the lean search never
+      # found it (docs/benchmarks.md bf16_27)
       if zero and gradient_on_shard(graph, group, used, m) is not None:
         pr.memory["grads"] = primary.nbytes / shards
-      pr.memory["grads"] *= 2 * calls.wire_bytes(dtype, pricer.backend)
+      else:
+        pr.memory["grads"] *= 2 * calls.wire_bytes(dtype, pricer.backend)
   pr.memory["opt_state"] = sum(lf.nbytes for lf in leaves[1:]
                                if lf.index not in graph.unread) / shards
   # the new state's copy, of the leaves the step returns (not of an argument it only reads)

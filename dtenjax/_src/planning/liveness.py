@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
+import jaxlib
 import numpy as np
 
 from dtenjax._src import jaxapi
@@ -667,7 +668,8 @@ def _peak(jaxpr, batch_vars: set, excluded_shapes: set,
             call_results.update(v for v, _ in sub_set if v in outs)
       # the transposed copies of a product's operands, each sharded as the value it copies
       copies = (_conv_copies(eqn, tainted) if eqn.primitive.name == "conv_general_dilated" else
-                _dot_copies(eqn, tainted) if eqn.primitive.name == "dot_general" else [])
+                _widened_dot(eqn, tainted, _dot_copies(eqn, tainted))
+                if eqn.primitive.name == "dot_general" else [])
       if (eqn.primitive.name == "conv_general_dilated" and timeline is not None and
           turned_results is not None and _of_state_shape(eqn.outvars[0], excluded_shapes)):
         # a kernel's gradient (its result holds no batch) made in another layout: its
@@ -1406,6 +1408,30 @@ def _dot_copies(eqn, tainted: set) -> list[tuple[Any, int]]:
   the leading dimensions of its left operand."""
   return [(_Copy(v), nbytes(v.aval)) for k, v in enumerate(eqn.invars[:2])
           if is_var(v) and v in tainted and not _in_kernel_order(eqn, k)]
+
+
+_JAXLIB = tuple(int(p) for p in jaxlib.__version__.split(".")[:2])
+
+
+def _widened_dot(eqn, tainted: set, copies: list[tuple[Any, int]]) -> list[tuple[Any, int]]:
+  """``copies`` (:func:`_dot_copies`) with what XLA:CPU makes for a product of 16-bit floats it
+  computes in float32 (float16; bfloat16 under jaxlib 0.10): each batch-derived operand
+  converted to a float32 copy (in the kernel's order: it replaces the operand's transposed
+  copy) and the float32 result, converted to the product's dtype after (one more result's bytes
+  beside the 16-bit one). A bfloat16 MLP at batch 1024 on `fsdp` 8, jax 0.10: `f32[128,512]`
+  twice and `f32[128,128]` twice at the peak of XLA:CPU's temp beside the bfloat16 residuals
+  (the model sized them at bfloat16: -22.1 %). Not jaxlib 0.11's bfloat16 products, which its
+  XLA:CPU computes in bfloat16, except a weight's gradient (a result of a state leaf's shape,
+  contracting the tokens), whose operands it converts the same way (the same step under 0.11:
+  -24.9 %, -19.6 % with those copies and no more; not made). XLA:CPU only (``Live.copy``)."""
+  out = eqn.outvars[0]
+  dtype = str(out.aval.dtype)
+  if not (dtype == "float16" or dtype == "bfloat16" and _JAXLIB < (0, 11)):
+    return copies
+  widened = [(_Copy(v), 4 * nbytes(v.aval) // 2) for v in dict.fromkeys(eqn.invars[:2])
+             if is_var(v) and v in tainted and str(v.aval.dtype) == dtype]
+  kept = [(c, nb) for c, nb in copies if not any(w.of is c.of for w, _ in widened)]
+  return kept + widened + [(_Copy(out), nbytes(out.aval))]
 
 
 def _in_kernel_order(eqn, k: int) -> bool:

@@ -402,9 +402,22 @@ def _gathered_widening(backend: str, dtype) -> float:
   f32[128,512] and f32[512,128] gathered at the step's start, the peak of its temp (XLA:CPU's
   buffer assignment; priced in bfloat16, the step's memory was -46.6 %). jax 0.11's computes the
   product in bfloat16 and converts the gathered copy back, a bfloat16 copy kept and the float32
-  one transient (``Price.gathered_wide``). Every other dtype (float16's all-gather stays
-  float16), and a GPU's copy: its own."""
-  return 2.0 if backend == "cpu" and str(dtype) == "bfloat16" else 1.0
+  one transient (``Price.gathered_wide``). A float16 weight is gathered in float16 (its
+  collectives stay float16) and the gathered copy converted to float32, the copy XLA:CPU's
+  products read under jax 0.10 and 0.11 alike (a float16 MLP on `fsdp` 8: f32[128,512] and
+  f32[512,128] kept, the float16 all-gather's result dying at its conversion; XLA:CPU's buffer
+  assignment under both). Every other dtype, and a GPU's copy: its own."""
+  return 2.0 if backend == "cpu" and str(dtype) in ("bfloat16", "float16") else 1.0
+
+
+def _converted_for_products(backend: str, dtype) -> bool:
+  """Whether XLA:CPU computes a product of a weight of ``dtype`` in float32, on a float32
+  copy of the weight: float16 under jax 0.10 and 0.11, bfloat16 under 0.10 only (0.11's
+  XLA:CPU computes bfloat16 products in bfloat16: no copy in its buffer assignment of a
+  bfloat16 MLP on `data` 8, where 0.10's holds f32[128,512] and f32[512,128]). A GPU's
+  products read the weight as it is."""
+  return backend == "cpu" and (str(dtype) == "float16" or
+                               str(dtype) == "bfloat16" and XLA_VERSION < (0, 11))
 
 
 def gradient_on_shard(graph: stepgraph.StepGraph, group: Sequence[int], used: dict[str, int],
@@ -1105,7 +1118,12 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       pr.gathered_peak = grad / max(1, use.layers)
     elif use is not None:         # (a lax.cond's branch: freed after it, solver._combined_reduction)
       wide = _gathered_widening(pricer.backend, dtype)
-      if wide > 1 and XLA_VERSION >= (0, 11):
+      if wide > 1 and str(dtype) == "float16":
+        # the float16 all-gather's result is live at the step's start until its conversion,
+        # beside the float32 copies converted before it (solver._gathered_at_start)
+        pr.memory["gathered"] = gbytes * wide
+        pr.gathered_wide = gbytes
+      elif wide > 1 and XLA_VERSION >= (0, 11):
         # jax 0.11's XLA:CPU computes the product in bfloat16: each float32 gathered copy is
         # converted back into a bfloat16 one, kept for the step, and dies there; the float32
         # copies all live at the step's start (XLA:CPU issues the all-gathers first), beside
@@ -1114,6 +1132,13 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
         pr.gathered_wide = gbytes * wide
       else:
         pr.memory["gathered"] = gbytes * wide
+        if wide > 1:
+          # jax 0.10's XLA:CPU converts a bfloat16 weight's shard to float32 and all-gathers
+          # that: the last converted shard is live at the step's start beside the gathered
+          # copies (a bfloat16 MLP on `data` 2 x `fsdp` 4: f32[128,128] beside f32[128,512] and
+          # f32[512,128] at the second all-gather, the peak of XLA:CPU's temp;
+          # solver._gathered_at_start)
+          pr.gathered_wide = gbytes * wide / math.prod(m.size[a] for a in zero)
     # (a table only read by lookups is not kept: the lookup's backward scatters into zeros and
     # never reads it, so its gathered copy dies with the forward's lookup)
     if (use is None and primary.index in graph.lookups and stepgraph.is_float(dtype)
@@ -1150,6 +1175,15 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     wide = (4 / jaxpr_reader.itemsize(rdtype) if pricer.backend == "cpu" and XLA_VERSION < (0, 11)
             else 1.0)
     pr.memory["gathered"] = rgrad * max(1.0, wide)
+  elif (not zero and use is not None and _converted_for_products(pricer.backend, dtype) and
+        use.read_dtype in ("", str(dtype)) and use.layers <= 1 and not use.loop_uses):
+    # a 16-bit float weight no batch axis shards, read by products in its own dtype: XLA:CPU
+    # converts it to float32 for them at the step's start (its schedule issues the conversions
+    # first) and each copy dies at its last product, before the gradients are reduced (a
+    # float16 MLP on `data` 8: f32[128,512] and f32[512,128], 512 KiB, the peak of XLA:CPU's
+    # temp; a bfloat16 one's under jax 0.10, below its reduction's 1 MiB). A value at the
+    # step's start only (solver._gathered_at_start), nothing kept
+    pr.gathered_wide = grad * 4 / jaxpr_reader.itemsize(dtype)
   elif zero and vocab_axes and pricer.backend == "cpu":
     # a vocab-parallel table sharded over a batch axis on another dimension: the lookup reads
     # whole rows of the tokens that axis splits, so XLA:CPU gathers the table's 'tensor' shard
@@ -1343,6 +1377,21 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     pr.memory["grads"] = primary.nbytes / shards if donate else 0.0
   else:
     pr.memory["grads"] = grad if gathered_weight else primary.nbytes / shards
+    if (pricer.backend == "cpu" and batch and use is not None and use.layers <= 1 and
+        not use.loop_uses and not graph.read_dequantized(primary.index) and
+        stepgraph.is_float(dtype) and calls.wire_bytes(dtype, pricer.backend) > 1):
+      # a bfloat16 gradient the batch axes reduce whole: XLA:CPU makes it by a float32 product
+      # and all-reduces it in float32 into a new buffer, two float32 buffers of it, as
+      # solver.simulate_memory places them (its ``wide``); one made on the weight's shard
+      # (gather.shard_gradients) is the shard's. The program's memory row is this sum: sized
+      # at bfloat16, a bfloat16 MLP replicated on `data` 2 x `fsdp` 4 (the reductions' four
+      # f32 buffers of 256 KiB) looked leaner than its FSDP layout (two float32 gathered
+      # copies), which simulate_memory prices 1.76 against 1.14 MiB, and the lean search never
+      # found it (docs/benchmarks.md bf16_27)
+      if zero and gradient_on_shard(graph, group, used, m) is not None:
+        pr.memory["grads"] = primary.nbytes / shards
+      else:
+        pr.memory["grads"] *= 2 * calls.wire_bytes(dtype, pricer.backend)
   pr.memory["opt_state"] = sum(lf.nbytes for lf in leaves[1:]
                                if lf.index not in graph.unread) / shards
   # the new state's copy, of the leaves the step returns (not of an argument it only reads)

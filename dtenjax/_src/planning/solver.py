@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dtenjax._src.pricing import calls
 from dtenjax._src.planning import heapslot
 from dtenjax._src.planning import jaxpr_reader
 from dtenjax._src.planning import roles
@@ -156,7 +157,8 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
   compute = prob.compute_s
   update, starts = 0.0, []
   kept: list[tuple[tuple[int, ...], float]] = []    # each group's gathered copy kept for the step
-  wide: list[tuple[float, float]] = []    # (float32 copy, bfloat16 copy): Price.gathered_wide
+  # (first read, bytes live until the conversion, kept copy): Price.gathered_wide
+  wide: list[tuple[int, float, float]] = []
   for gi, (g, c) in enumerate(zip(prob.groups, choice)):
     pr = prob.prices[gi][c]
     if g[0] in sliced:
@@ -164,7 +166,8 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
     if pr.memory.get("gathered"):
       kept.append((g, pr.memory["gathered"]))
     if pr.gathered_wide:
-      wide.append((pr.gathered_wide, pr.memory.get("gathered", 0.0)))
+      first = min((r for k in g for r, _ in graph.weight_reads.get(k, ())), default=0)
+      wide.append((first, pr.gathered_wide, pr.memory.get("gathered", 0.0)))
     compute += pr.compute
     update += pr.update
     if pr.start_gather is not None:
@@ -235,21 +238,36 @@ def evaluate(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
   return StepCost(compute, comm, exposed, memory, nbytes, fits)
 
 
-def _gathered_at_start(wide: Sequence[tuple[float, float]]) -> float:
-  """Bytes beyond the kept gathered copies live at the step's start where jax 0.11's XLA:CPU
-  gathers bfloat16 weights (``wide``: each one's (float32 copy, kept bfloat16 copy),
-  ``Price.gathered_wide``): it issues every all-gather first, in float32, and converts each
-  gathered copy to bfloat16 after, the float32 one dying at its conversion; at the first
-  conversion every float32 copy and that bfloat16 copy are live (a bfloat16 MLP on `fsdp` 8 at
-  batch 64: f32[128,512], f32[512,128] and bf16[128,512], XLA:CPU's buffer assignment, the peak
-  of its temp), the later kept copies not yet made. A float table only looked up (kept
-  copy 0) is gathered there too and dies at its lookup: its gathered copy is live beside them
-  (pricing.price_layout; a bfloat16 [1024, 128] table beside a bfloat16 MLP's two gathered
-  weights on `fsdp` 8, jax 0.10: f32[1024,128], f32[128,512] and f32[512,128] in XLA:CPU's
-  temp, the peak where the weights' gradients are made on their shards)."""
-  if not wide:
-    return 0.0
-  return (sum(w for w, _ in wide) + max(k for _, k in wide) - sum(k for _, k in wide))
+def _gathered_at_start(wide: Sequence[tuple[int, float, float]]) -> float:
+  """Bytes beyond the kept gathered copies live at the step's start where XLA:CPU gathers
+  weights through a conversion (``wide``: each one's (first read, the value live until its
+  conversion, the kept copy), ``Price.gathered_wide``), one weight after the other in the
+  order the step reads them: at the i-th conversion the kept copies of the weights before it
+  and its own, and the values of it and of the weights after it not yet converted, are live.
+  jax 0.11's XLA:CPU gathers a bfloat16 weight in float32 and converts each gathered copy to
+  bfloat16 after, the float32 one dying at its conversion: at the first conversion every
+  float32 copy and that bfloat16 copy are live (a bfloat16 MLP on `fsdp` 8 at batch 64:
+  f32[128,512], f32[512,128] and bf16[128,512], XLA:CPU's buffer assignment, the peak of its
+  temp), the later kept copies not yet made. A float16 weight is gathered in float16 and its
+  kept copy is float32: at the last conversion every float32 copy and that float16 copy (a
+  float16 MLP on `fsdp` 8: f32[128,512], f32[512,128] and f16[512,128], under jax 0.10 and
+  0.11). jax 0.10's bfloat16 weight's shard is converted to float32 before its all-gather: at
+  the last all-gather the float32 copies and that shard (a bfloat16 MLP on `data` 2 x `fsdp`
+  4: f32[128,512], f32[512,128] and f32[128,128]). A value at the step's start alone, no copy
+  kept (a float table only looked up, gathered there and dying at its lookup; a 16-bit weight
+  no batch axis shards, converted to float32 for its products), is live beside all of them (a
+  bfloat16 [1024, 128] table beside a bfloat16 MLP's two gathered weights on `fsdp` 8, jax
+  0.10: f32[1024,128], f32[128,512] and f32[512,128] in XLA:CPU's temp, the peak where the
+  weights' gradients are made on their shards)."""
+  beside = sum(w for _, w, k in wide if not k)
+  seq = sorted((first, w, k) for first, w, k in wide if k)
+  if not seq:
+    return beside
+  kept = sum(k for _, _, k in seq)
+  ks = [k for _, _, k in seq]
+  ws = [w for _, w, _ in seq]
+  peak = max(sum(ks[:i + 1]) + sum(ws[i:]) for i in range(len(seq)))
+  return beside + max(0.0, peak - kept)
 
 
 def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepGraph,
@@ -379,9 +397,20 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
     # Not a weight read in a loop (a scanned stack's layer, a fori_loop's weight): its parts are
     # added into the loop's carried gradient of its own dtype (a bfloat16 [4, 256, 256] stack
     # scanned on `data` 8 was priced +21.5 % so, -26.1 % without)
+    # A float16 gradient is not: XLA:CPU converts the float32 product's result to float16 and
+    # all-reduces it in float16 (its collectives stay float16, calls.wire_bytes), a gradient
+    # of its own bytes reduced as a float32 one is (a float16 MLP on `fsdp` 8: f16[128,512]
+    # and f16[512,128] and their reductions, 512 KiB of XLA:CPU's temp after the backward;
+    # sized as float32 the price was +45.3 %, docs/benchmarks.md bf16_27). Nor is one made on
+    # the weight's shard (gather.shard_gradients): no batch axis of the weight's reduces it,
+    # the float32 products' parts are summed into the bfloat16 shard (two_views, a bfloat16 MLP
+    # applied twice on `fsdp` 8: f32[512,16] parts, no all-reduce; priced as a whole gradient
+    # reduced into a new buffer, 128 KiB beside the gathered copies, +12.6 %)
     looped = use is not None and (use.layers > 1 or bool(use.loop_uses))
     wide = (cpu and bdiv > 1 and not dequantized and use is not None and use.layers <= 1
-            and not use.loop_uses and primary.dtype in ("bfloat16", "float16"))
+            and not use.loop_uses and primary.dtype in ("bfloat16", "float16")
+            and calls.wire_bytes(primary.dtype, backend) > 1
+            and not (on_shard and spanned <= set(used)))
     if wide:
       per_device *= 4 / primary.itemsize
     # (not a stack under jax.checkpoint, whose backward body recomputes the forward's: a scan
@@ -977,6 +1006,14 @@ def _combined_reduction(graph: stepgraph.StepGraph, events: dict,
       events.setdefault(made + 1, []).append((0.0, 0.0, -nb))
       gathered -= nb
     elif branched or (sum(product for _, product in reads) == 1 and reads[-1][1]):
+      events.setdefault(reads[-1][0] + 1, []).append((0.0, 0.0, -nb))
+      gathered -= nb
+    elif (use is not None and not use.input_grad and not use.remat and reads and
+          all(product for _, product in reads)):
+      # a first layer's weight read by several forward products (an MLP applied to two views
+      # of the batch): none of its gradient's products reads it, freed after the last (XLA:CPU's
+      # buffer assignment of two_views on `data` 2 x `fsdp` 4: the cotangents' gathers and
+      # the gradient parts take the gathered copies' offsets after the forward)
       events.setdefault(reads[-1][0] + 1, []).append((0.0, 0.0, -nb))
       gathered -= nb
     elif (use is not None and use.remat and not use.input_grad and reads

@@ -1725,8 +1725,9 @@ def _stopped_loops_in(jaxpr, src: dict[Any, tuple[int, bool]], out: dict[int, se
 
 def stopped_scan_slices(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
   """The state leaves a ``lax.scan`` of ``jaxpr``'s top level slices (a stack it scans over)
-  through ``lax.stop_gradient`` taken before the loop and reads in products in its body -> how
-  many such scans. XLA gathers one layer of such an FSDP stack in each iteration, inside the
+  and reads in products in its body through ``lax.stop_gradient``, taken before the loop or on
+  the slice in the body (``tanh(h @ stop_gradient(w))``: the same gathers, review27), and
+  nowhere without it -> how many such scans. XLA gathers one layer of such an FSDP stack in each iteration, inside the
   body, as it gathers a trained stack's layers in the forward's loop (compiled on `fsdp` 8: a
   [4, 128, 128] stack scanned once under stop_gradient and once trained, 4 all-gathers of
   f32[1,128,128] more than the trained scan's 8). The walk does not see these reads
@@ -1744,7 +1745,7 @@ def stopped_scan_slices(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
       body = eqn.params["jaxpr"].jaxpr
       start = n_consts + n_carry
       marked = {i: src[o] for o, i in zip(eqn.invars[start:], body.invars[start:])
-                if is_var(o) and o in src and src[o][1]}
+                if is_var(o) and o in src}
       for leaf in (_product_reads(body, marked) if marked else ()):
         out[leaf] = out.get(leaf, 0) + 1
     elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:

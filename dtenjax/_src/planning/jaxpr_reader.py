@@ -1748,9 +1748,29 @@ def stopped_scan_slices(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
                 if is_var(o) and o in src}
       for leaf in (_product_reads(body, marked) if marked else ()):
         out[leaf] = out.get(leaf, 0) + 1
+      # the slices a body stops in it and stacks out as residuals (the carry's gradient needs
+      # them: ``tanh(h @ stop_gradient(w))`` where h has one) are the stack's again, sliced by
+      # the backward's scan, whose body XLA gathers them in too (review27)
+      inner = _marked_through(body, marked) if marked else {}
+      for o, v in zip(eqn.outvars[n_carry:], body.outvars[n_carry:]):
+        if is_var(v) and inner.get(v, (0, False))[1]:
+          src[o] = inner[v]
     elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:
       src[eqn.outvars[0]] = (ins[0][0], ins[0][1] or name == "stop_gradient")
   return out
+
+
+def _marked_through(jaxpr, marked: dict[Any, tuple[int, bool]]) -> dict[Any, tuple[int, bool]]:
+  """``marked`` (a variable of ``jaxpr`` -> its leaf, and whether it passed stop_gradient) and
+  the variables of ``jaxpr``'s top level :data:`_TO_PRODUCT` and stop_gradient make of them."""
+  marked = dict(marked)
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    first = eqn.invars[0] if eqn.invars else None
+    if ((name in _TO_PRODUCT or name == "stop_gradient") and first is not None and is_var(first)
+        and first in marked):
+      marked[eqn.outvars[0]] = (marked[first][0], marked[first][1] or name == "stop_gradient")
+  return marked
 
 
 def _product_reads(jaxpr, marked: dict[Any, tuple[int, bool]]) -> set[int]:

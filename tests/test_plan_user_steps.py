@@ -1729,7 +1729,8 @@ def test_a_weight_masked_in_a_scanned_layer_is_gathered_there():
     (256, jnp.float32, 1, 1, 1, {"fsdp": 4, "tensor": 2}, {"layers": 2}),
     (256, jnp.float32, 1, 1, 2, {"fsdp": 4, "tensor": 2}, {"pin": P(None, None, "tensor")}),
     (128, jnp.bfloat16, 1, 1, 2, None, {"sgd": True}),
-    (128, jnp.float32, 1, 3, 1, None, {}), (128, jnp.float32, 1, 1, 1, None, {"stopped": True}),
+    (128, jnp.float32, 1, 3, 1, None, {}),
+    (128, jnp.float32, 1, 1, 1, None, {"stopped": True}),
     (128, jnp.float32, 1, 1, 1, None, {"stopped": "in the body"}),
     (128, jnp.float32, 1, 1, 1, None, {"stopped": "after"})])
 def test_a_scanned_stack_is_priced_as_compiled(d, dtype, reads, unroll, stacks, mesh, more):

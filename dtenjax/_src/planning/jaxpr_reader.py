@@ -1727,11 +1727,11 @@ def stopped_scan_slices(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
   """The state leaves a ``lax.scan`` of ``jaxpr``'s top level slices (a stack it scans over)
   and reads in products in its body through ``lax.stop_gradient``, taken before the loop or on
   the slice in the body (``tanh(h @ stop_gradient(w))``: the same gathers, review27), and
-  nowhere without it -> how many such scans. XLA gathers one layer of such an FSDP stack in each iteration, inside the
-  body, as it gathers a trained stack's layers in the forward's loop (compiled on `fsdp` 8: a
-  [4, 128, 128] stack scanned once under stop_gradient and once trained, 4 all-gathers of
-  f32[1,128,128] more than the trained scan's 8). The walk does not see these reads
-  (:func:`stopped_reads`)."""
+  nowhere without it -> how many such scans. XLA gathers one layer of such an FSDP stack in
+  each iteration, inside the body, as it gathers a trained stack's layers in the forward's loop
+  (compiled on `fsdp` 8: a [4, 128, 128] stack scanned once under stop_gradient and once
+  trained, 4 all-gathers of f32[1,128,128] more than the trained scan's 8). The walk does not
+  see these reads (:func:`stopped_reads`)."""
   src: dict[Any, tuple[int, bool]] = {}
   for leaf, v in zip(leaves, jaxpr.invars):
     if not leaf.is_batch:

@@ -1671,21 +1671,32 @@ def stopped_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
 
 def stopped_loop_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[int, ...]]:
   """The loops of ``jaxpr``'s top level (a ``lax.scan``, a ``fori_loop``, a ``while_loop``;
-  their index in ``jaxpr.eqns``) whose bodies read state leaves, loop constants, in products
-  through ``lax.stop_gradient`` taken before the loop -> those leaves. A forward-only perturbation
-  (``fori_loop(0, n, lambda i, x: x + 0.01 * tanh(mlp(stop_gradient(params), x)))`` before
-  the step's gradient) reads the weights so: the walk's weights do not see these reads
-  (:func:`stopped_reads`: no gradient flows from them), but XLA:CPU gathers each sharded
+  their index in ``jaxpr.eqns``, or the index of the call, a nested ``jax.jit``, that runs them)
+  whose bodies read state leaves, loop constants, in products through ``lax.stop_gradient``,
+  taken before the loop or in its body, and nowhere without it -> those leaves. A forward-only
+  perturbation (``fori_loop(0, n, lambda i, x: x + 0.01 * tanh(mlp(stop_gradient(params),
+  x)))`` before the step's gradient) reads the weights so: the walk's weights do not see these
+  reads (:func:`stopped_reads`: no gradient flows from them), but XLA:CPU gathers each sharded
   weight before the while, a loop invariant it hoists out of the body and passes in as an
   operand, held to the loop's end and not shared with the step's own gathers of it (compiled
   on `fsdp` 8: ``all-gather.6`` and ``.2`` of w1 f32[128,512], ``.7`` and ``.3`` of w2, the
-  four live together at the loop)."""
+  four live together at the loop; the same with the stop_gradient in the body or the loop in
+  a nested ``jax.jit``, review27)."""
   src: dict[Any, tuple[int, bool]] = {}
   for leaf, v in zip(leaves, jaxpr.invars):
     if not leaf.is_batch:
       src[v] = (leaf.index, False)
-  out: dict[int, tuple[int, ...]] = {}
+  out: dict[int, set[int]] = {}
+  _stopped_loops_in(jaxpr, src, out, None)
+  return {k: tuple(sorted(v)) for k, v in sorted(out.items())}
+
+
+def _stopped_loops_in(jaxpr, src: dict[Any, tuple[int, bool]], out: dict[int, set[int]],
+                      at: int | None) -> None:
+  """:func:`stopped_loop_reads` over ``jaxpr``'s equations, ``src`` its variables' leaves (and
+  whether through stop_gradient); ``at`` the top-level call's index where ``jaxpr`` is its body."""
   for k, eqn in enumerate(jaxpr.eqns):
+    where = k if at is None else at
     name = eqn.primitive.name
     ins = [src.get(v) if is_var(v) else None for v in eqn.invars]
     if name in ("scan", "while"):
@@ -1697,24 +1708,30 @@ def stopped_loop_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[int, ...
       else:
         outer = list(eqn.invars)[:jaxapi.scan_counts(eqn)[0]]
       body = (eqn.params["body_jaxpr"] if name == "while" else eqn.params["jaxpr"]).jaxpr
-      marked = {i: src[o][0] for o, i in zip(outer, body.invars)
-                if is_var(o) and o in src and src[o][1]}
+      marked = {i: src[o] for o, i in zip(outer, body.invars) if is_var(o) and o in src}
       read = _product_reads(body, marked) if marked else set()
       if read:
-        out[k] = tuple(sorted(read))
+        out.setdefault(where, set()).update(read)
     elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:
       src[eqn.outvars[0]] = (ins[0][0], ins[0][1] or name == "stop_gradient")
-  return out
+    elif name != "cond" and any(x is not None for x in ins):
+      # a call (a nested jax.jit, a custom_jvp function) runs its body once, its operands its
+      # body's variables in order
+      for sub, _ in sub_jaxprs(eqn):
+        if len(sub.invars) == len(eqn.invars):
+          inner = {i: src[o] for o, i in zip(eqn.invars, sub.invars) if is_var(o) and o in src}
+          _stopped_loops_in(sub, inner, out, where)
 
 
 def stopped_scan_slices(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
   """The state leaves a ``lax.scan`` of ``jaxpr``'s top level slices (a stack it scans over)
-  through ``lax.stop_gradient`` taken before the loop and reads in products in its body -> how
-  many such scans. XLA gathers one layer of such an FSDP stack in each iteration, inside the
-  body, as it gathers a trained stack's layers in the forward's loop (compiled on `fsdp` 8: a
-  [4, 128, 128] stack scanned once under stop_gradient and once trained, 4 all-gathers of
-  f32[1,128,128] more than the trained scan's 8). The walk does not see these reads
-  (:func:`stopped_reads`)."""
+  and reads in products in its body through ``lax.stop_gradient``, taken before the loop or on
+  the slice in the body (``tanh(h @ stop_gradient(w))``: the same gathers, review27), and
+  nowhere without it -> how many such scans. XLA gathers one layer of such an FSDP stack in
+  each iteration, inside the body, as it gathers a trained stack's layers in the forward's loop
+  (compiled on `fsdp` 8: a [4, 128, 128] stack scanned once under stop_gradient and once
+  trained, 4 all-gathers of f32[1,128,128] more than the trained scan's 8). The walk does not
+  see these reads (:func:`stopped_reads`)."""
   src: dict[Any, tuple[int, bool]] = {}
   for leaf, v in zip(leaves, jaxpr.invars):
     if not leaf.is_batch:
@@ -1727,28 +1744,60 @@ def stopped_scan_slices(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
       n_consts, n_carry = jaxapi.scan_counts(eqn)
       body = eqn.params["jaxpr"].jaxpr
       start = n_consts + n_carry
-      marked = {i: src[o][0] for o, i in zip(eqn.invars[start:], body.invars[start:])
-                if is_var(o) and o in src and src[o][1]}
+      marked = {i: src[o] for o, i in zip(eqn.invars[start:], body.invars[start:])
+                if is_var(o) and o in src}
       for leaf in (_product_reads(body, marked) if marked else ()):
         out[leaf] = out.get(leaf, 0) + 1
+      # the slices a body stops in it and stacks out as residuals (the carry's gradient needs
+      # them: ``tanh(h @ stop_gradient(w))`` where h has one) are the stack's again, sliced by
+      # the backward's scan, whose body XLA gathers them in too (review27)
+      inner = _marked_through(body, marked) if marked else {}
+      for o, v in zip(eqn.outvars[n_carry:], body.outvars[n_carry:]):
+        if is_var(v) and inner.get(v, (0, False))[1]:
+          src[o] = inner[v]
     elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:
       src[eqn.outvars[0]] = (ins[0][0], ins[0][1] or name == "stop_gradient")
   return out
 
 
-def _product_reads(jaxpr, marked: dict[Any, int]) -> set[int]:
-  """The values of ``marked`` (a variable of ``jaxpr`` -> a leaf) a product reads, through
-  :data:`_TO_PRODUCT` and into the calls, loops and branches ``jaxpr`` runs (their operands
-  matched to their bodies' variables in order)."""
+def _marked_through(jaxpr, marked: dict[Any, tuple[int, bool]]) -> dict[Any, tuple[int, bool]]:
+  """``marked`` (a variable of ``jaxpr`` -> its leaf, and whether it passed stop_gradient) and
+  the variables of ``jaxpr``'s top level :data:`_TO_PRODUCT` and stop_gradient make of them."""
   marked = dict(marked)
-  read: set[int] = set()
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    first = eqn.invars[0] if eqn.invars else None
+    if ((name in _TO_PRODUCT or name == "stop_gradient") and first is not None and is_var(first)
+        and first in marked):
+      marked[eqn.outvars[0]] = (marked[first][0], marked[first][1] or name == "stop_gradient")
+  return marked
+
+
+def _product_reads(jaxpr, marked: dict[Any, tuple[int, bool]]) -> set[int]:
+  """The leaves of ``marked`` (a variable of ``jaxpr`` -> its leaf, and whether it passed
+  ``lax.stop_gradient``) that a product reads through stop_gradient (taken before ``jaxpr`` or
+  in it) and no product reads without it, through :data:`_TO_PRODUCT` and into the calls, loops
+  and branches ``jaxpr`` runs (their operands matched to their bodies' variables in order). A
+  leaf also read without stop_gradient is the walk's read (its gather there is priced)."""
+  stopped, plain = _product_reads_both(jaxpr, marked)
+  return stopped - plain
+
+
+def _product_reads_both(jaxpr, marked: dict[Any, tuple[int, bool]]) -> tuple[set[int], set[int]]:
+  """:func:`_product_reads`' two sets: the leaves products read through stop_gradient, and
+  those they read without it."""
+  marked = dict(marked)
+  stopped: set[int] = set()
+  plain: set[int] = set()
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     ins = [marked.get(v) if is_var(v) else None for v in eqn.invars]
     if name in ("dot_general", "conv_general_dilated"):
-      read.update(x for x in ins if x is not None)
-    elif name in _TO_PRODUCT and ins and ins[0] is not None:
-      marked[eqn.outvars[0]] = ins[0]
+      for x in ins:
+        if x is not None:
+          (stopped if x[1] else plain).add(x[0])
+    elif (name in _TO_PRODUCT or name == "stop_gradient") and ins and ins[0] is not None:
+      marked[eqn.outvars[0]] = (ins[0][0], ins[0][1] or name == "stop_gradient")
     elif any(x is not None for x in ins):
       outer = list(eqn.invars)
       if name == "while":
@@ -1760,8 +1809,10 @@ def _product_reads(jaxpr, marked: dict[Any, int]) -> set[int]:
       for sub in bodies:
         inner = {i: marked[o] for o, i in zip(outer, sub.invars) if is_var(o) and o in marked}
         if inner:
-          read |= _product_reads(sub, inner)
-  return read
+          s, p = _product_reads_both(sub, inner)
+          stopped |= s
+          plain |= p
+  return stopped, plain
 
 
 def _batch_out(eqn, ins: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], bool]:

@@ -531,6 +531,7 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
   for v in reader.partner.values():
     readers[v] = readers.get(v, 0) + 1
   products = _top_products(jaxpr)
+  loop_product_sizes = _loop_product_sizes(jaxpr, False)
   bodies: dict[int, dict[Any, list[tuple[Any, bool]]]] = {}   # a loop body's _top_products
   for leaf, use in reader.weights.items():
     shape = leaves[leaf].shape
@@ -543,6 +544,11 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
       parts = max(1, parts - _dropped_parts(reader, leaf, products))
     loop_uses, loop_parts = _loop_parts(use, reader.loop_reads.get(leaf, (0, 0)),
                                         leaf in reader.remat_read)
+    if loop_uses and math.prod(shape) not in loop_product_sizes:
+      # no loop's body makes a product of the weight's size: its loops read it in the forward
+      # alone (a perturbation's loop outside the step's gradient), and none makes a part of
+      # its gradient
+      loop_uses = loop_parts = 0
     if leaf not in reader.remat_read and loop_uses:
       dropped, trips = _dropped_loop_parts(reader, leaf, bodies)
       if dropped:
@@ -792,6 +798,24 @@ def _grad_parts(use: WeightUse, reads: int, remat: bool, free: int = 0) -> int:
     return max(1, free + (reads - free) // 2)
   per_use = 1 + int(use.input_grad) + int(remat)
   return max(1, reads // per_use)
+
+
+def _loop_product_sizes(jaxpr, in_loop: bool) -> set[int]:
+  """The sizes (elements) of the products' results (dot_general, conv_general_dilated) inside
+  loops' bodies anywhere in ``jaxpr`` (``in_loop``: ``jaxpr`` is one). A weight's gradient part
+  made in a loop (a trained ``fori_loop``'s backward, a micro-batch accumulation's) is such a
+  product of its size; a loop whose bodies make none of it makes no part of its gradient."""
+  out: set[int] = set()
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if in_loop and name in ("dot_general", "conv_general_dilated"):
+      out.add(math.prod(eqn.outvars[0].aval.shape))
+    for sub, _ in jaxpr_reader.sub_jaxprs(eqn):
+      out |= _loop_product_sizes(sub, in_loop or name in ("scan", "while"))
+    if name == "cond":
+      for b in eqn.params["branches"]:
+        out |= _loop_product_sizes(b.jaxpr, in_loop)
+  return out
 
 
 def _top_products(jaxpr) -> dict[Any, list[tuple[Any, bool]]]:

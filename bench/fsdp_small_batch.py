@@ -25,7 +25,10 @@ inside its own (issue 39's checkpoint rows, docs/benchmarks.md review20a and fsd
 MLP of w1, MLP of head)`` (tests/test_plan_user_steps.py's ``gated_head``: each branch's
 gradients made in the backward's conditional, docs/benchmarks.md cond21b); ``remat_block``, the
 whole MLP under one ``jax.checkpoint`` (flax ``nn.remat``'s form), applied twice (its output
-is its input's width; docs/benchmarks.md remat22).
+is its input's width; docs/benchmarks.md remat22); ``remat_twice``, the MLP under
+``nothing_saveable`` applied twice inside one ``dots_saveable`` checkpoint (one checkpointed
+function called twice on the same weights, each under its own policy: docs/benchmarks.md
+remat27).
 
 ``--dtype bfloat16`` makes the parameters bfloat16 (the batch cast to it for the products, the
 loss in float32: docs/benchmarks.md bf16_22's rows).
@@ -61,7 +64,7 @@ CASES = ((128, 512, 16), (128, 512, 64), (128, 512, 136), (128, 512, 256), (128,
 
 # the MLP's variants (--models): the issue's rows fsdp19 left (docs/benchmarks.md, fsdp19b)
 MODELS = ("mlp", "two_views", "remat_first", "remat_dots", "remat_second", "remat_both",
-          "gated_head", "remat_block")
+          "gated_head", "remat_block", "remat_twice")
 
 
 def _first(p, x):
@@ -88,6 +91,12 @@ def make(d: int, hidden: int, batch: int, model: str = "mlp", dtype: str = "floa
     if model == "remat_block":
       block = jax.checkpoint(lambda p, x: _second(p, _first(p, x)))
       return jnp.mean((block(p, block(p, x.astype(dtype))).astype(jnp.float32) - y) ** 2)
+    if model == "remat_twice":
+      once = jax.checkpoint(lambda p, x: _second(p, _first(p, x)),
+                            policy=jax.checkpoint_policies.nothing_saveable)
+      twice = jax.checkpoint(lambda p, x: once(p, once(p, x)),
+                             policy=jax.checkpoint_policies.dots_saveable)
+      return jnp.mean((twice(p, x.astype(dtype)).astype(jnp.float32) - y) ** 2)
     if dtype != "float32":
       return jnp.mean((second(p, first(p, x.astype(dtype))).astype(jnp.float32) - y) ** 2)
     return jnp.mean((second(p, first(p, x)) - y) ** 2)

@@ -148,6 +148,11 @@ class WeightUse:
   # the convolution's ``feature_group_count`` (1: a dense product, an ungrouped convolution):
   # XLA partitions a grouped kernel over 'tensor' only where 'tensor' divides it (roles/tensor.py)
   groups: int = 1
+  # read in a loop's body that a jax.checkpoint call holds (a checkpoint around the loop, not
+  # inside its body): the backward's call recomputes the forward's loop, a loop of its own,
+  # before the backward's loop, and each of the three gathers a scanned stack's layer
+  # (Reader.remat_loop_read, pricing.gathers_a_pass)
+  recomputed_loop: bool = False
 
 
 def grouped_by_features(eqn) -> bool:
@@ -651,6 +656,14 @@ def _reaches_carry(frames, v) -> bool:
   return bool(reached & carries)
 
 
+def _loop_in_remat(frames) -> bool:
+  """Whether ``frames`` (outermost first) enter a loop (``scan``, ``while``) inside a
+  jax.checkpoint call: the call holds the loop, whose forward the backward's call runs again."""
+  names = [e.primitive.name for e, _ in frames]
+  first = next((k for k, n in enumerate(names) if n in _REMAT), None)
+  return first is not None and any(n in ("scan", "while") for n in names[first + 1:])
+
+
 def _scan_unroll(frames) -> int:
   """The ``unroll`` of the innermost ``lax.scan`` of ``frames`` (1 outside any, or where the
   scan is written out whole, :func:`_unrolled`)."""
@@ -895,6 +908,8 @@ class Reader:
     self.eqn_flops: dict[int, float] = {}     # id(product equation) -> flops per step
     self.remat_depth = 0                      # > 0 inside a jax.checkpoint body
     self.remat_read: set[int] = set()         # leaves a product reads inside a checkpoint body
+    # leaves a product reads in a loop's body inside a checkpoint body (_loop_in_remat)
+    self.remat_loop_read: set[int] = set()
     # the scans walked, in order: (equation, body, the origin of each scanned operand)
     self.scans: list[tuple[Any, Any, tuple]] = []
     # the calls the walk is inside, outermost first: (equation, body). JAX shares one body
@@ -1282,6 +1297,8 @@ class Reader:
                                               if e.primitive.name in ("scan", "while")), None))
         if self.remat_depth:
           self.remat_read.add(leaf)
+          if _loop_in_remat(self.frames):
+            self.remat_loop_read.add(leaf)
       if self.leaves[leaf].is_batch:
         continue
       if name == "dot_general":

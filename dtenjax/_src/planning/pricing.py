@@ -859,6 +859,20 @@ def dead_first_gather(use) -> bool:
           and 1 < use.unroll < use.layers and use.layers % use.unroll != 0)
 
 
+def gathers_a_pass(use) -> int:
+  """How many times a step gathers an FSDP weight (a scanned stack's layer, once a trip): twice
+  where :func:`regathered` (the forward's read and the backward's), else once; three times for a
+  scanned stack's layer read in a loop that a jax.checkpoint call holds (the checkpoint around
+  the ``lax.scan``, ``WeightUse.recomputed_loop``): JAX's backward call runs the forward's loop
+  again before the backward's loop, and each of the three loops gathers every layer (a
+  [3, 64, 64] stack split ``P(None, 'fsdp')``, ``tanh(h @ w + b)``, on `data` 2 x `fsdp` 4, sgd,
+  batch 64: 144 KiB of all-gather on jax 0.10.2 and 0.11.2, three 16 KiB layers three times;
+  96 KiB were priced)."""
+  if use is not None and use.layers > 1 and use.recomputed_loop:
+    return 3
+  return 2 if regathered(use) else 1
+
+
 def gathered_in_call(use) -> bool:
   """Whether a weight read in a jax.checkpoint call outside any loop is gathered a second time,
   in the backward's call behind its optimization barrier: under jaxlib 0.11, where plan.jit
@@ -1072,7 +1086,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
     # kept in between: only the slice being used is live. Otherwise XLA keeps the gathered
     # weight for the backward.
     regather = regathered(use)
-    times = 2 if regather else 1
+    times = gathers_a_pass(use)
     # a scanned stack is gathered one layer per loop iteration: one collective per layer
     per = use.layers if use is not None and use.layers > 1 else 1
     # an integer weight read dequantized (``wq.astype(f32) * scale``): XLA converts the shard
@@ -1325,7 +1339,7 @@ def price_layout(graph: stepgraph.StepGraph, group: tuple[int, ...], lay: Layout
       # its share of the products no weight reads), a pass's or one layer's; of a weight read
       # at several depths (shared across layers), gathered once, its first depth's: the next
       # weight's gather follows it, and the later depths' products have no gather between them
-      gathers = ((2 if regathered(use) else 1) * max(1, use.layers) -
+      gathers = (gathers_a_pass(use) * max(1, use.layers) -
                  int(regathered(use) and dead_first_gather(use)))
       own = (use.flops / split / batch_div + fixed) / m.peak_flops * pr.compute_scale
       between = own * pricer.weightless / gathers / max(1, use.grad_parts)

@@ -413,10 +413,14 @@ def simulate_memory(prob: Problem, choice: Sequence[int], graph: stepgraph.StepG
             and not (on_shard and spanned <= set(used)))
     if wide:
       per_device *= 4 / primary.itemsize
-    # (not a stack under jax.checkpoint, whose backward body recomputes the forward's: a scan
-    # of 8 checkpointed residual MLP layers on `fsdp` 8, tests/test_step_planner_memory.py, went
-    # from within 10 % of the user's per-layer FSDP program to +11.3 % with it; not read)
-    if cpu and use is not None and use.layers > 1 and not use.remat and g[0] in sliced:
+    # (not a stack under jax.checkpoint in the loop's body, whose backward body recomputes the
+    # forward's: a scan of 8 checkpointed residual MLP layers on `fsdp` 8,
+    # tests/test_step_planner_memory.py, went from within 10 % of the user's per-layer FSDP
+    # program to +11.3 % with it; not read. A checkpoint around the loop, WeightUse.
+    # recomputed_loop, leaves the backward's loop as it is without one: the backward's call runs
+    # the forward's loop again first, its own loop)
+    if (cpu and use is not None and use.layers > 1 and (not use.remat or use.recomputed_loop)
+        and g[0] in sliced):
       # (a stack split over 'tensor' too holds its layer's part, none of the whole layer:
       # _scanned_stack_bytes' ``split``)
       stacked.append(_Stack(g[0], primary, use, shards, zero and t_shard == 1,

@@ -568,6 +568,7 @@ def _read_step(fn, args: Sequence[Any], batch_argnums: Sequence[int]) -> StepGra
     weights[leaf] = dataclasses.replace(use, flops=reads * (1.5 if has_grad else 1.0),
                                         input_grad=use.input_grad and not once,
                                         remat=leaf in reader.remat_read,
+                                        recomputed_loop=leaf in reader.remat_loop_read,
                                         forward_reads=pairs_mod.forward_reads(reader, leaf),
                                         siblings=readers.get(reader.partner.get(leaf), 1),
                                         grad_parts=parts, loop_uses=loop_uses,

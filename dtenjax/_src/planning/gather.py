@@ -480,7 +480,8 @@ def _follow_gradients(jaxpr, index: Mapping[Any, int], forward_in: Mapping[Any, 
   against the plain FSDP jit's 0.96: every part of both weights' gradients reduced whole)."""
   # residual -> (weight, w dim, x dim, the branches of the conds it was made in: _follow_branches)
   forward: dict[Any, list[tuple[int, int, int, tuple]]] = {}
-  keys = _value_keys(jaxpr, keys_in or {}) if keyed is not None else {}
+  keys = (_value_keys(jaxpr, keys_in or {}, keyed.setdefault(_INTERNED, {}))
+          if keyed is not None else {})
 
   def add(v, entry) -> None:
     if entry not in forward.setdefault(v, []):
@@ -588,7 +589,11 @@ def _key(keys: Mapping[Any, Any], v):
   return keys.get(v, ("var", id(v)))
 
 
-def _value_keys(jaxpr, keys_in: Mapping[Any, Any]) -> dict:
+# ``keyed``'s slot for :func:`_value_keys`' table of keys (never a value's key)
+_INTERNED = object()
+
+
+def _value_keys(jaxpr, keys_in: Mapping[Any, Any], interned: dict) -> dict:
   """A key for each value ``jaxpr`` makes, equal where two values are the same: made by the same
   primitive, with the same parameters, of operands of the same keys (``keys_in`` its invars').
   JAX's backward call of jax.checkpoint recomputes the forward from the call's operands, so a
@@ -596,13 +601,17 @@ def _value_keys(jaxpr, keys_in: Mapping[Any, Any]) -> dict:
   keyed as its body makes them of the call's operands (the forward's call of a checkpointed
   function under another checkpoint's policy saves ``z = x @ w`` and hands out ``tanh(z +
   b)``, which the backward's outer call recomputes from the saved ``z``); other equations that
-  call jaxprs (loops, conds, other calls) make values keyed by themselves."""
+  call jaxprs (loops, conds, other calls) make values keyed by themselves. A key is a number:
+  ``interned`` (one table per walk) numbers each (primitive, parameters, operands' keys) once,
+  so a key stays small however deep the chain of values behind it (nested tuples cost time
+  exponential in the depth to hash: a weight shared across many layers)."""
   keys = dict(keys_in)
   for eqn in jaxpr.eqns:
     sub = _sub_jaxpr(eqn)
     if eqn.primitive.name in _REMATS and sub is not None and len(sub[0].invars) == len(
         eqn.invars):
-      inside = _value_keys(sub[0], {i: _key(keys, o) for o, i in zip(eqn.invars, sub[0].invars)})
+      inside = _value_keys(sub[0], {i: _key(keys, o) for o, i in zip(eqn.invars, sub[0].invars)},
+                           interned)
       for o, i in zip(eqn.outvars, sub[0].outvars):
         if not isinstance(o, jcore.DropVar):
           keys[o] = _key(inside, i)
@@ -617,7 +626,7 @@ def _value_keys(jaxpr, keys_in: Mapping[Any, Any]) -> dict:
     ops = tuple(_key(keys, v) for v in eqn.invars)
     for j, o in enumerate(eqn.outvars):
       if not isinstance(o, jcore.DropVar):
-        keys[o] = (eqn.primitive.name, params, ops, j)
+        keys[o] = interned.setdefault((eqn.primitive.name, params, ops, j), len(interned))
   return keys
 
 

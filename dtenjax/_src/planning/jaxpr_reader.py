@@ -1662,16 +1662,19 @@ def batch_outputs(jaxpr, leaves: Sequence[Any]) -> frozenset[int]:
 _TO_PRODUCT = ALIASES | frozenset(("transpose", "reshape"))
 
 
+def _state_sources(jaxpr, leaves: Sequence[Any]) -> dict[Any, tuple[int, bool]]:
+  """``jaxpr``'s invars that are a state leaf (not the batch) -> (the leaf's index, read through
+  ``lax.stop_gradient`` yet): where the stop_gradient walks below start."""
+  return {v: (leaf.index, False) for leaf, v in zip(leaves, jaxpr.invars) if not leaf.is_batch}
+
+
 def stopped_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
   """The state leaves a product of ``jaxpr``'s top level reads through ``lax.stop_gradient`` (a
   tied embedding's output projection under stop_gradient) -> the bytes of the smallest other
   operand of such a product (the forward's activations, not the backward's logits' cotangent).
   The walk's weights do not see these reads (stop_gradient ends a leaf's identity: no gradient of
   the leaf flows from them), but XLA reads the leaf there all the same."""
-  src: dict[Any, tuple[int, bool]] = {}
-  for leaf, v in zip(leaves, jaxpr.invars):
-    if not leaf.is_batch:
-      src[v] = (leaf.index, False)
+  src = _state_sources(jaxpr, leaves)
   out: dict[int, int] = {}
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
@@ -1699,10 +1702,7 @@ def stopped_loop_reads(jaxpr, leaves: Sequence[Any]) -> dict[int, tuple[int, ...
   on `fsdp` 8: ``all-gather.6`` and ``.2`` of w1 f32[128,512], ``.7`` and ``.3`` of w2, the
   four live together at the loop; the same with the stop_gradient in the body or the loop in
   a nested ``jax.jit``, review27)."""
-  src: dict[Any, tuple[int, bool]] = {}
-  for leaf, v in zip(leaves, jaxpr.invars):
-    if not leaf.is_batch:
-      src[v] = (leaf.index, False)
+  src = _state_sources(jaxpr, leaves)
   out: dict[int, set[int]] = {}
   _stopped_loops_in(jaxpr, src, out, None)
   return {k: tuple(sorted(v)) for k, v in sorted(out.items())}
@@ -1749,10 +1749,7 @@ def stopped_scan_slices(jaxpr, leaves: Sequence[Any]) -> dict[int, int]:
   (compiled on `fsdp` 8: a [4, 128, 128] stack scanned once under stop_gradient and once
   trained, 4 all-gathers of f32[1,128,128] more than the trained scan's 8). The walk does not
   see these reads (:func:`stopped_reads`)."""
-  src: dict[Any, tuple[int, bool]] = {}
-  for leaf, v in zip(leaves, jaxpr.invars):
-    if not leaf.is_batch:
-      src[v] = (leaf.index, False)
+  src = _state_sources(jaxpr, leaves)
   out: dict[int, int] = {}
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
